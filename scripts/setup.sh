@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One-step set-up on a fresh machine: Rust release build, .venv with pinned Python packages,
+# the `tracegate` native module (maturin), and the contract/oracle packages on the venv's path.
+# Idempotent: re-running skips what is already up to date.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (rustup) first" >&2; exit 1; }
+PYTHON="${PYTHON:-python3}"
+command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found" >&2; exit 1; }
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing pinned Python packages (requirements.txt)"
+  .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
+  .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+
+log "building Rust binaries (release)"
+cargo build --release --quiet --bins
+
+log "building the tracegate Python module (maturin)"
+# maturin develop installs into the active venv; VIRTUAL_ENV points it at ours.
+VIRTUAL_ENV="$root/.venv" PATH="$root/.venv/bin:$PATH" \
+  .venv/bin/maturin develop --release --quiet -m trace/python/Cargo.toml >/dev/null
+
+site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+printf '%s\n%s\n' "$root/contract" "$root/oracle" > "$site/tracegate_local.pth"
+log "ready: .venv/bin/python, target/release/{engine,trace-diff,gate}"

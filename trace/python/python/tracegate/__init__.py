@@ -1,0 +1,177 @@
+"""Read and write tracegate `.trace` files from Python.
+
+    with tracegate.TraceWriter("run.trace", {"producer": "mine"}) as w:
+        w.tensor("logits", logits, path="prefill", mask="causal", positions=[0, 1, 2])
+        w.decision("logits.argmax", ids, margins=gaps)
+    # on leaving the `with` block the trace is finished; an exception inside leaves no file
+
+    t = tracegate.Trace("run.trace")
+    t.verify()
+    t["logits"]            # read-only numpy view into the mapped file (no copy)
+
+bf16 has no numpy dtype: pass the raw bits as a uint16 array with ``dtype="bf16"`` (or an
+``ml_dtypes.bfloat16`` array); bf16 tensors are read back as uint16 arrays holding the bits.
+The format is specified in docs/trace-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ._native import FORMAT_VERSION, NativeTrace, NativeWriter, TraceError, weights_digest
+
+__all__ = ["Trace", "TraceWriter", "TraceError", "weights_digest", "FORMAT_VERSION"]
+
+# numpy dtype -> trace dtype; bf16 is given explicitly (uint16 bits) or via ml_dtypes.
+_TO_TRACE = {
+    np.dtype("<f8"): "f64",
+    np.dtype("<f4"): "f32",
+    np.dtype("<f2"): "f16",
+    np.dtype("<i8"): "i64",
+    np.dtype("<i4"): "i32",
+    np.dtype("<i2"): "i16",
+    np.dtype("i1"): "i8",
+    np.dtype("u1"): "u8",
+    np.dtype("bool"): "bool",
+}
+_TO_NUMPY = {v: k for k, v in _TO_TRACE.items()}
+_TO_NUMPY["bf16"] = np.dtype("<u2")
+
+
+def _trace_dtype(array: np.ndarray, dtype: str | None) -> tuple[str, np.ndarray]:
+    if dtype == "bf16" or array.dtype.name == "bfloat16":
+        if array.dtype.itemsize != 2:
+            raise TraceError(f"dtype='bf16' needs 2-byte elements (uint16 bits), got {array.dtype}")
+        return "bf16", array.view(np.uint16)
+    native = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    name = _TO_TRACE.get(native)
+    if name is None:
+        raise TraceError(f"numpy dtype {array.dtype} has no trace dtype (supported: {sorted(_TO_TRACE.values())} and bf16)")
+    if dtype is not None and dtype != name:
+        raise TraceError(f"dtype={dtype!r} does not match the array's dtype {array.dtype} ({name})")
+    return name, array.astype(native, copy=False)
+
+
+class TraceWriter:
+    """Streams a trace to a temporary file beside `path`; `finish()` renames it into place."""
+
+    def __init__(self, path, provenance: dict):
+        if not isinstance(provenance, dict):
+            raise TraceError("provenance must be a dict")
+        try:
+            text = json.dumps(provenance, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TraceError(f"provenance is not JSON-serialisable: {e}") from None
+        self._native = NativeWriter(str(path), text)
+        self.path = path
+        self.digest: str | None = None
+
+    def tensor(self, name: str, array, dtype: str | None = None, path: str | None = None,
+               mask: str | None = None, positions=None, step: int | None = None, **extra: str) -> None:
+        array = np.asarray(array)
+        trace_dtype, array = _trace_dtype(array, dtype)
+        data = np.ascontiguousarray(array)
+        if positions is not None:
+            positions = [int(p) for p in positions]
+        for key, value in extra.items():
+            if not isinstance(value, str):
+                raise TraceError(f"tensor {name!r}: extra attribute {key!r} must be a string, got {type(value).__name__}")
+        self._native.tensor(name, trace_dtype, list(data.shape), data.reshape(-1).view(np.uint8).data,
+                            path, mask, positions, None if step is None else int(step), extra or None)
+
+    def decision(self, name: str, values, margins=None) -> None:
+        values = np.asarray(values)
+        if values.dtype.kind not in "iu":
+            raise TraceError(f"decision {name!r}: values must be integers, got {values.dtype}")
+        flat = [int(v) for v in values.reshape(-1)]
+        m = None
+        if margins is not None:
+            m = [float(x) for x in np.asarray(margins, dtype=np.float32).reshape(-1)]
+        self._native.decision(name, list(values.shape), flat, m)
+
+    def finish(self) -> str:
+        self.digest = self._native.finish()
+        return self.digest
+
+    def abort(self) -> None:
+        self._native.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            if self.digest is None:
+                self.finish()
+        else:
+            self.abort()
+        return False
+
+
+class Trace:
+    """A finished trace, memory-mapped; opening validates its structure, `verify()` its bytes."""
+
+    def __init__(self, path):
+        self.path = path
+        self._native = NativeTrace(str(path))
+        self._meta = {name: (dtype, tuple(shape)) for name, dtype, shape in self._native.tensors()}
+        self.names = list(self._meta)
+        self._decisions = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        dtype, shape = self._meta[name]
+        buf = memoryview(self._native.payload(name))
+        array = np.frombuffer(buf, dtype=_TO_NUMPY[dtype]) if len(buf) else np.zeros(0, _TO_NUMPY[dtype])
+        return array.reshape(shape)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._meta
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def dtype(self, name: str) -> str:
+        return self._meta[name][0]
+
+    def attributes(self, name: str) -> dict:
+        return json.loads(self._native.attributes_json(name))
+
+    def tensor_digest(self, name: str) -> str:
+        return self._native.tensor_digest(name)
+
+    def _load_decisions(self):
+        if self._decisions is None:
+            values, margins = {}, {}
+            for name, shape, vbytes, mbytes in self._native.decisions():
+                values[name] = np.frombuffer(vbytes, dtype="<i8").reshape(shape)
+                margins[name] = None if mbytes is None else np.frombuffer(mbytes, dtype="<f4")
+            self._decisions = (values, margins)
+        return self._decisions
+
+    @property
+    def decisions(self) -> dict:
+        return self._load_decisions()[0]
+
+    @property
+    def margins(self) -> dict:
+        return self._load_decisions()[1]
+
+    @property
+    def provenance(self) -> dict:
+        return json.loads(self._native.provenance_json())
+
+    @property
+    def digest(self) -> str:
+        return self._native.digest()
+
+    @property
+    def version(self) -> tuple:
+        return self._native.version()
+
+    def verify(self) -> None:
+        self._native.verify()
+
+    def __repr__(self) -> str:
+        return f"Trace({str(self.path)!r}, digest={self.digest[:16]})"

@@ -1,0 +1,155 @@
+use std::io::Read;
+use std::path::Path;
+
+use sha2::{Digest as _, Sha256};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::attrs::{AttrValue, Attributes};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// The whole-trace content digest: sha256 over the canonical encoding.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    pub fn hex(&self) -> String {
+        hex::encode(self.0)
+    }
+    /// The first 16 hex digits, for tables.
+    pub fn short(&self) -> String {
+        self.hex()[..16].to_string()
+    }
+    pub fn from_hex(s: &str) -> Option<Digest> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).ok()?;
+        Some(Digest(out))
+    }
+}
+
+impl std::fmt::Debug for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Digest({})", self.hex())
+    }
+}
+impl std::fmt::Display for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.hex())
+    }
+}
+
+/// xxh3-128 as 32 hex digits, big-endian (xxHash's canonical representation).
+pub fn xxh3_hex(h: u128) -> String {
+    hex::encode(h.to_be_bytes())
+}
+
+pub(crate) fn parse_xxh3_hex(s: &str) -> Option<u128> {
+    let mut out = [0u8; 16];
+    hex::decode_to_slice(s, &mut out).ok()?;
+    Some(u128::from_be_bytes(out))
+}
+
+/// Canonical content encoding, fed straight into sha256 (see docs/trace-format.md).
+pub(crate) struct Canonical(Sha256);
+
+impl Canonical {
+    pub fn new(n_tensors: usize) -> Self {
+        let mut c = Canonical(Sha256::new());
+        c.str("tracegate-content-v1");
+        c.u64(n_tensors as u64);
+        c
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.update(v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        self.u64(s.len() as u64);
+        self.0.update(s.as_bytes());
+    }
+    fn shape(&mut self, shape: &[u64]) {
+        self.u64(shape.len() as u64);
+        for &d in shape {
+            self.u64(d);
+        }
+    }
+    pub fn tensor(&mut self, name: &str, dtype: DType, shape: &[u64], attrs: &Attributes, xxh3: u128) {
+        self.str(name);
+        self.str(dtype.name());
+        self.shape(shape);
+        let sorted = attrs.sorted();
+        self.u64(sorted.len() as u64);
+        for (key, value) in sorted {
+            self.str(key);
+            match value {
+                AttrValue::Str(s) => {
+                    self.0.update([1u8]);
+                    self.str(s);
+                }
+                AttrValue::Int(i) => {
+                    self.0.update([2u8]);
+                    self.0.update(i.to_le_bytes());
+                }
+                AttrValue::Ints(list) => {
+                    self.0.update([3u8]);
+                    self.u64(list.len() as u64);
+                    for i in list {
+                        self.0.update(i.to_le_bytes());
+                    }
+                }
+            }
+        }
+        self.0.update(xxh3.to_be_bytes());
+    }
+    pub fn begin_decisions(&mut self, n: usize) {
+        self.u64(n as u64);
+    }
+    /// `values` and `margins` are the little-endian payload bytes as stored.
+    pub fn decision(&mut self, name: &str, shape: &[u64], values: &[u8], margins: Option<&[u8]>) {
+        self.str(name);
+        self.shape(shape);
+        self.u64((values.len() / 8) as u64);
+        self.0.update(values);
+        match margins {
+            None => self.0.update([0u8]),
+            Some(m) => {
+                self.0.update([1u8]);
+                self.u64((m.len() / 4) as u64);
+                self.0.update(m);
+            }
+        }
+    }
+    pub fn finish(self) -> Digest {
+        Digest(self.0.finalize().into())
+    }
+}
+
+/// xxh3-128 over the bytes of every `*.safetensors` file in `dir`, in sorted file-name order,
+/// streamed. Recorded in provenance so two producers that read different weights are refused.
+pub fn weights_digest(dir: &Path) -> Result<String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name();
+        if name.to_string_lossy().ends_with(".safetensors") {
+            files.push(entry.path());
+        }
+    }
+    if files.is_empty() {
+        return Err(Error::NotFound(format!("{}: no *.safetensors files", dir.display())));
+    }
+    files.sort();
+    let mut hasher = Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for path in &files {
+        let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        loop {
+            let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+        }
+    }
+    Ok(xxh3_hex(hasher.digest128()))
+}

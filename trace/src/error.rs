@@ -1,0 +1,27 @@
+use std::path::PathBuf;
+
+/// Every failure of the container: the message names the file, the tensor and the numbers.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    /// The file is not a finished, well-formed trace.
+    #[error("{path}: malformed trace: {reason}")]
+    Malformed { path: PathBuf, reason: String },
+    /// The file is well formed but its content does not match its recorded digests.
+    #[error("{path}: edited after capture: {reason}")]
+    Tampered { path: PathBuf, reason: String },
+    /// A writer was asked to record something the format cannot hold.
+    #[error("invalid trace content: {0}")]
+    Invalid(String),
+    #[error("{0}")]
+    NotFound(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+}

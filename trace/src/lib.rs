@@ -1,0 +1,23 @@
+//! The tracegate `.trace` container: a single file holding the tensors a producer captured,
+//! the discrete decisions it made, and where it came from. The byte layout is specified in
+//! `docs/trace-format.md`; this crate is its reference implementation.
+//!
+//! Writing streams each tensor to a temporary file in the destination directory and renames it
+//! into place on [`TraceWriter::finish`], so a crashed producer never leaves a file at the final
+//! path. Reading maps the file and validates the whole index before handing out any view.
+
+mod attrs;
+mod digest;
+mod dtype;
+mod error;
+mod layout;
+mod reader;
+mod writer;
+
+pub use attrs::Attributes;
+pub use digest::{weights_digest, xxh3_hex, Digest};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use layout::{FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN, ALIGN};
+pub use reader::{DecisionInfo, TensorInfo, Trace};
+pub use writer::TraceWriter;

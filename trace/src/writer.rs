@@ -1,0 +1,296 @@
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde_json::Value;
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+
+use crate::attrs::Attributes;
+use crate::digest::{xxh3_hex, Canonical, Digest};
+use crate::dtype::{element_count, DType};
+use crate::error::{Error, Result};
+use crate::layout::*;
+
+struct PendingTensor {
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    offset: u64,
+    nbytes: u64,
+    xxh3: u128,
+    attributes: Attributes,
+}
+
+struct PendingDecision {
+    name: String,
+    shape: Vec<u64>,
+    values: Vec<u8>,
+    margins: Option<Vec<u8>>,
+    values_offset: u64,
+    margins_offset: Option<u64>,
+    xxh3: u128,
+}
+
+/// Streams a trace to `<dir>/.<name>.<pid>.<n>.tracegate-tmp`; `finish` fsyncs and renames it
+/// to the final path. Dropping an unfinished writer removes the temporary file.
+pub struct TraceWriter {
+    out: Option<BufWriter<File>>,
+    tmp_path: PathBuf,
+    final_path: PathBuf,
+    pos: u64,
+    tensors: Vec<PendingTensor>,
+    decisions: Vec<PendingDecision>,
+    tensor_names: HashSet<String>,
+    decision_names: HashSet<String>,
+    provenance: Value,
+    renamed: bool,
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn check_name(kind: &str, name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::Invalid(format!("{kind} with an empty name")));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(Error::Invalid(format!("{kind} name is {} bytes long (limit {MAX_NAME_LEN})", name.len())));
+    }
+    if name.chars().any(|c| c.is_control()) {
+        return Err(Error::Invalid(format!("{kind} name {name:?} contains a control character")));
+    }
+    Ok(())
+}
+
+fn check_shape(kind: &str, name: &str, shape: &[u64]) -> Result<u64> {
+    if shape.len() > MAX_RANK {
+        return Err(Error::Invalid(format!("{kind} {name:?}: rank {} exceeds the limit {MAX_RANK}", shape.len())));
+    }
+    element_count(shape).ok_or_else(|| Error::Invalid(format!("{kind} {name:?}: shape {shape:?} overflows u64 elements")))
+}
+
+impl TraceWriter {
+    /// Starts a trace that will appear at `path` when finished. `provenance` must be a JSON object.
+    pub fn create(path: impl AsRef<Path>, provenance: Value) -> Result<TraceWriter> {
+        let final_path = path.as_ref().to_path_buf();
+        if !provenance.is_object() {
+            return Err(Error::Invalid("provenance must be a JSON object".into()));
+        }
+        let file_name = final_path
+            .file_name()
+            .ok_or_else(|| Error::Invalid(format!("{}: not a file path", final_path.display())))?
+            .to_string_lossy()
+            .into_owned();
+        let dir = match final_path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp_path = dir.join(format!(".{file_name}.{}.{n}.tracegate-tmp", std::process::id()));
+        let file = File::create(&tmp_path).map_err(|e| Error::io(&tmp_path, e))?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(&header_bytes()).map_err(|e| Error::io(&tmp_path, e))?;
+        Ok(TraceWriter {
+            out: Some(out),
+            tmp_path,
+            final_path,
+            pos: HEADER_LEN,
+            tensors: Vec::new(),
+            decisions: Vec::new(),
+            tensor_names: HashSet::new(),
+            decision_names: HashSet::new(),
+            provenance,
+            renamed: false,
+        })
+    }
+
+    /// Writes `bytes` at the next 64-byte boundary and returns its offset.
+    fn write_aligned(&mut self, bytes: &[u8]) -> Result<u64> {
+        let offset = align_up(self.pos).ok_or_else(|| Error::Invalid("trace larger than u64".into()))?;
+        let out = self.out.as_mut().ok_or_else(|| Error::Invalid("writer already finished".into()))?;
+        let pad = (offset - self.pos) as usize;
+        let zeros = [0u8; ALIGN as usize];
+        out.write_all(&zeros[..pad]).map_err(|e| Error::io(&self.tmp_path, e))?;
+        out.write_all(bytes).map_err(|e| Error::io(&self.tmp_path, e))?;
+        self.pos = offset + bytes.len() as u64;
+        Ok(offset)
+    }
+
+    /// Records a tensor: `bytes` are its elements in row-major order, little-endian.
+    pub fn tensor(&mut self, name: &str, dtype: DType, shape: &[u64], bytes: &[u8], attributes: &Attributes) -> Result<()> {
+        check_name("tensor", name)?;
+        let count = check_shape("tensor", name, shape)?;
+        let expected = count.checked_mul(dtype.size() as u64);
+        if expected != Some(bytes.len() as u64) {
+            return Err(Error::Invalid(format!(
+                "tensor {name:?}: payload is {} bytes but shape {shape:?} of {dtype} needs {} elements x {} bytes = {}",
+                bytes.len(),
+                count,
+                dtype.size(),
+                expected.map(|e| e.to_string()).unwrap_or_else(|| "overflow".into())
+            )));
+        }
+        if dtype == DType::Bool {
+            if let Some(i) = bytes.iter().position(|&b| b > 1) {
+                return Err(Error::Invalid(format!("tensor {name:?}: bool element {i} is {} (must be 0 or 1)", bytes[i])));
+            }
+        }
+        attributes.validate().map_err(|e| Error::Invalid(format!("tensor {name:?}: {e}")))?;
+        if self.tensor_names.contains(name) {
+            return Err(Error::Invalid(format!("duplicate tensor name {name:?}")));
+        }
+        let xxh3 = xxh3_128(bytes);
+        let offset = self.write_aligned(bytes)?;
+        self.tensor_names.insert(name.to_string());
+        self.tensors.push(PendingTensor {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            offset,
+            nbytes: bytes.len() as u64,
+            xxh3,
+            attributes: attributes.clone(),
+        });
+        Ok(())
+    }
+
+    pub fn tensor_f32(&mut self, name: &str, shape: &[u64], data: &[f32], attributes: &Attributes) -> Result<()> {
+        let mut bytes = Vec::with_capacity(data.len() * 4);
+        for v in data {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        self.tensor(name, DType::F32, shape, &bytes, attributes)
+    }
+
+    /// Records a discrete decision: `values` in row-major order over `shape`, and optionally
+    /// one margin per row (row = index along the first axis; a rank-0 decision has one row).
+    pub fn decision(&mut self, name: &str, shape: &[u64], values: &[i64], margins: Option<&[f32]>) -> Result<()> {
+        check_name("decision", name)?;
+        let count = check_shape("decision", name, shape)?;
+        if count != values.len() as u64 {
+            return Err(Error::Invalid(format!(
+                "decision {name:?}: {} values given but shape {shape:?} holds {count}",
+                values.len()
+            )));
+        }
+        let rows = shape.first().copied().unwrap_or(1);
+        if let Some(m) = margins {
+            if m.len() as u64 != rows {
+                return Err(Error::Invalid(format!(
+                    "decision {name:?}: {} margins given but it has {rows} rows",
+                    m.len()
+                )));
+            }
+        }
+        if self.decision_names.contains(name) {
+            return Err(Error::Invalid(format!("duplicate decision name {name:?}")));
+        }
+        let values: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let margins: Option<Vec<u8>> = margins.map(|m| m.iter().flat_map(|v| v.to_le_bytes()).collect());
+        let mut h = Xxh3::new();
+        h.update(&values);
+        if let Some(m) = &margins {
+            h.update(m);
+        }
+        let values_offset = self.write_aligned(&values)?;
+        let margins_offset = match &margins {
+            Some(m) => Some(self.write_aligned(m)?),
+            None => None,
+        };
+        self.decision_names.insert(name.to_string());
+        self.decisions.push(PendingDecision {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            values,
+            margins,
+            values_offset,
+            margins_offset,
+            xxh3: h.digest128(),
+        });
+        Ok(())
+    }
+
+    /// The content digest of everything recorded so far.
+    fn content_digest(&self) -> Digest {
+        let mut c = Canonical::new(self.tensors.len());
+        for t in &self.tensors {
+            c.tensor(&t.name, t.dtype, &t.shape, &t.attributes, t.xxh3);
+        }
+        c.begin_decisions(self.decisions.len());
+        for d in &self.decisions {
+            c.decision(&d.name, &d.shape, &d.values, d.margins.as_deref());
+        }
+        c.finish()
+    }
+
+    /// Writes the index and footer, fsyncs, and renames the file into place.
+    pub fn finish(mut self) -> Result<Digest> {
+        let digest = self.content_digest();
+        let index = IndexJson {
+            format: FORMAT_NAME.to_string(),
+            version: [FORMAT_MAJOR, FORMAT_MINOR],
+            digest: digest.hex(),
+            tensors: self
+                .tensors
+                .iter()
+                .map(|t| TensorJson {
+                    name: t.name.clone(),
+                    dtype: t.dtype.name().to_string(),
+                    shape: t.shape.clone(),
+                    offset: t.offset,
+                    nbytes: t.nbytes,
+                    xxh3: xxh3_hex(t.xxh3),
+                    attributes: t.attributes.to_json(),
+                })
+                .collect(),
+            decisions: self
+                .decisions
+                .iter()
+                .map(|d| DecisionJson {
+                    name: d.name.clone(),
+                    shape: d.shape.clone(),
+                    values_offset: d.values_offset,
+                    margins_offset: d.margins_offset,
+                    xxh3: xxh3_hex(d.xxh3),
+                })
+                .collect(),
+            provenance: std::mem::take(&mut self.provenance),
+        };
+        let index_bytes = serde_json::to_vec(&index).map_err(|e| Error::Invalid(format!("index: {e}")))?;
+        let index_offset = self.write_aligned(&index_bytes)?;
+        let footer = footer_bytes(index_offset, index_bytes.len() as u64, xxh3_128(&index_bytes));
+        let out = self.out.take().ok_or_else(|| Error::Invalid("writer already finished".into()))?;
+        let tmp = self.tmp_path.clone();
+        let mut out = out;
+        out.write_all(&footer).map_err(|e| Error::io(&tmp, e))?;
+        let file = out.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| Error::io(&tmp, e))?;
+        drop(file);
+        std::fs::rename(&tmp, &self.final_path).map_err(|e| Error::io(&self.final_path, e))?;
+        self.renamed = true;
+        // Make the rename itself durable.
+        if let Some(dir) = self.final_path.parent() {
+            let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(digest)
+    }
+
+    /// Where the unfinished trace is being written.
+    pub fn temporary_path(&self) -> &Path {
+        &self.tmp_path
+    }
+}
+
+impl Drop for TraceWriter {
+    fn drop(&mut self) {
+        // An unfinished (or failed) writer leaves nothing behind.
+        if !self.renamed {
+            drop(self.out.take());
+            let _ = std::fs::remove_file(&self.tmp_path);
+        }
+    }
+}

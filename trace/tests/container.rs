@@ -1,0 +1,268 @@
+//! Round trips, digest semantics, tamper refusal and crash safety of the container.
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use proptest::prelude::*;
+use serde_json::json;
+use tracegate_trace::{Attributes, DType, Error, Trace, TraceWriter};
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+#[test]
+fn round_trip_reads_back_everything() {
+    let dir = tmp();
+    let p = dir.path().join("a.trace");
+    let digest = write_sample(&p, sample_provenance());
+    let t = Trace::open(&p).unwrap();
+    t.verify().unwrap();
+    assert_eq!(t.digest(), digest);
+    let names: Vec<&str> = t.tensors().iter().map(|x| x.name.as_str()).collect();
+    assert_eq!(names, ["embed.out", "ids", "flags"]);
+    assert_eq!(t.f32_slice("embed.out").unwrap()[5], 0.5);
+    let info = t.tensor_info("embed.out").unwrap();
+    assert_eq!(info.shape, vec![3, 4]);
+    assert_eq!(info.offset % 64, 0);
+    assert_eq!(info.attributes, attrs());
+    let d = t.decision_info("logits.argmax").unwrap();
+    assert_eq!(t.decision_values(d), vec![5, 7, 5]);
+    assert_eq!(t.decision_margins(d), Some(vec![0.25, 1.5, 0.125]));
+    let r = t.decision_info("layer.00.router.topk").unwrap();
+    assert_eq!(t.decision_margins(r), None);
+    assert_eq!(t.provenance(), &sample_provenance());
+    assert_eq!(digest.hex().len(), 64);
+    assert_eq!(digest.short(), digest.hex()[..16]);
+}
+
+#[test]
+fn digest_is_stable_across_writes_and_independent_of_provenance() {
+    let dir = tmp();
+    let a = write_sample(&dir.path().join("a.trace"), sample_provenance());
+    let b = write_sample(&dir.path().join("b.trace"), sample_provenance());
+    let c = write_sample(&dir.path().join("c.trace"), json!({"producer": "other", "cmd": ["x", "y"], "seed": 7}));
+    assert_eq!(a, b);
+    assert_eq!(a, c);
+    // The files differ (provenance is recorded verbatim) while the content digest does not.
+    let fa = std::fs::read(dir.path().join("a.trace")).unwrap();
+    let fc = std::fs::read(dir.path().join("c.trace")).unwrap();
+    assert_ne!(fa, fc);
+    assert_eq!(Trace::open(dir.path().join("c.trace")).unwrap().provenance()["seed"], 7);
+}
+
+/// Each closure changes one content field of a one-tensor, one-decision trace.
+#[test]
+fn every_content_field_changes_the_digest() {
+    type Edit = fn(&mut Case);
+    #[derive(Clone)]
+    struct Case {
+        name: String,
+        dtype: DType,
+        shape: Vec<u64>,
+        bytes: Vec<u8>,
+        attrs: Attributes,
+        dname: String,
+        dshape: Vec<u64>,
+        values: Vec<i64>,
+        margins: Option<Vec<f32>>,
+    }
+    fn digest(c: &Case, dir: &Path, file: &str) -> tracegate_trace::Digest {
+        let mut w = TraceWriter::create(dir.join(file), json!({})).unwrap();
+        w.tensor(&c.name, c.dtype, &c.shape, &c.bytes, &c.attrs).unwrap();
+        w.decision(&c.dname, &c.dshape, &c.values, c.margins.as_deref()).unwrap();
+        w.finish().unwrap()
+    }
+    let base = Case {
+        name: "t".into(),
+        dtype: DType::I32,
+        shape: vec![2, 2],
+        bytes: vec![1; 16],
+        attrs: attrs(),
+        dname: "d".into(),
+        dshape: vec![2],
+        values: vec![3, 4],
+        margins: Some(vec![0.5, 0.25]),
+    };
+    let edits: Vec<(&str, Edit)> = vec![
+        ("tensor name", |c| c.name = "u".into()),
+        ("dtype", |c| c.dtype = DType::F32),
+        ("shape", |c| c.shape = vec![4, 1]),
+        ("one byte", |c| c.bytes[7] = 2),
+        ("path", |c| c.attrs.path = Some("decode".into())),
+        ("mask", |c| c.attrs.mask = Some("bidirectional".into())),
+        ("positions", |c| c.attrs.positions = Some(vec![0, 1, 3])),
+        ("step", |c| c.attrs.step = Some(0)),
+        ("extra attribute", |c| {
+            c.attrs.extra.insert("note".into(), "x".into());
+        }),
+        ("decision name", |c| c.dname = "e".into()),
+        ("decision shape", |c| c.dshape = vec![2, 1]),
+        ("decision value", |c| c.values = vec![4, 3]),
+        ("margin", |c| c.margins = Some(vec![0.5, 0.125])),
+        ("margins absent", |c| c.margins = None),
+        ("signed zero margin", |c| c.margins = Some(vec![0.5, -0.0])),
+    ];
+    let dir = tmp();
+    let reference = digest(&base, dir.path(), "base.trace");
+    for (what, edit) in edits {
+        let mut c = base.clone();
+        edit(&mut c);
+        assert_ne!(digest(&c, dir.path(), "edit.trace"), reference, "changing the {what} did not change the digest");
+    }
+}
+
+#[test]
+fn payload_length_is_checked_at_write_time() {
+    let dir = tmp();
+    let mut w = TraceWriter::create(dir.path().join("a.trace"), json!({})).unwrap();
+    let e = w.tensor("x", DType::F32, &[2, 3], &[0u8; 20], &Attributes::default()).unwrap_err().to_string();
+    assert!(e.contains("20 bytes") && e.contains("6 elements") && e.contains("= 24"), "{e}");
+    let e = w.decision("d", &[2], &[1, 2, 3], None).unwrap_err().to_string();
+    assert!(e.contains("3 values") && e.contains("holds 2"), "{e}");
+    let e = w.decision("d", &[2, 1], &[1, 2], Some(&[0.5])).unwrap_err().to_string();
+    assert!(e.contains("1 margins") && e.contains("2 rows"), "{e}");
+    let e = w.tensor("b", DType::Bool, &[1], &[2], &Attributes::default()).unwrap_err().to_string();
+    assert!(e.contains("bool"), "{e}");
+}
+
+#[test]
+fn duplicate_names_are_refused() {
+    let dir = tmp();
+    let mut w = TraceWriter::create(dir.path().join("a.trace"), json!({})).unwrap();
+    w.tensor_f32("x", &[1], &[1.0], &Attributes::default()).unwrap();
+    let e = w.tensor_f32("x", &[1], &[1.0], &Attributes::default()).unwrap_err().to_string();
+    assert!(e.contains("duplicate tensor name \"x\""), "{e}");
+    w.decision("d", &[1], &[1], None).unwrap();
+    assert!(w.decision("d", &[1], &[1], None).unwrap_err().to_string().contains("duplicate decision"));
+}
+
+#[test]
+fn unfinished_writer_leaves_nothing() {
+    let dir = tmp();
+    let p = dir.path().join("a.trace");
+    {
+        let mut w = TraceWriter::create(&p, json!({})).unwrap();
+        w.tensor_f32("x", &[2], &[1.0, 2.0], &Attributes::default()).unwrap();
+        assert!(w.temporary_path().exists());
+    }
+    assert!(!p.exists());
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "temporary file left behind");
+}
+
+/// Child half of `killed_writer_leaves_nothing_at_final_path`: writes, then dies mid-trace.
+#[test]
+fn crash_child() {
+    let Ok(path) = std::env::var("TRACEGATE_CRASH_CHILD") else { return };
+    let mut w = TraceWriter::create(&path, json!({})).unwrap();
+    w.tensor_f32("x", &[1024], &vec![1.0; 1024], &Attributes::default()).unwrap();
+    std::process::abort();
+}
+
+#[test]
+fn killed_writer_leaves_nothing_at_final_path() {
+    let dir = tmp();
+    let p = dir.path().join("killed.trace");
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+        .env("TRACEGATE_CRASH_CHILD", &p)
+        .status()
+        .unwrap();
+    assert!(!status.success(), "the child was supposed to abort");
+    assert!(!p.exists(), "a killed writer left a file at the final path");
+    // The partial temporary file is recognisable as such and is refused if opened.
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(leftovers.len(), 1);
+    assert!(leftovers[0].to_string_lossy().ends_with(".tracegate-tmp"));
+    assert!(matches!(Trace::open(&leftovers[0]), Err(Error::Malformed { .. })));
+}
+
+fn flip(path: &Path, at: usize) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_flipped_data_byte_is_named_by_verify() {
+    let dir = tmp();
+    let p = dir.path().join("a.trace");
+    write_sample(&p, sample_provenance());
+    let off = Trace::open(&p).unwrap().tensor_info("ids").unwrap().offset as usize;
+    flip(&p, off + 4);
+    let t = Trace::open(&p).unwrap(); // structure is intact
+    let e = t.verify().unwrap_err();
+    assert!(matches!(e, Error::Tampered { .. }));
+    assert!(e.to_string().contains("tensor \"ids\""), "{e}");
+}
+
+#[test]
+fn a_flipped_decision_byte_is_named_by_verify() {
+    let dir = tmp();
+    let p = dir.path().join("a.trace");
+    write_sample(&p, sample_provenance());
+    let off = Trace::open(&p).unwrap().decision_info("logits.argmax").unwrap().values_offset as usize;
+    flip(&p, off);
+    let e = Trace::open(&p).unwrap().verify().unwrap_err().to_string();
+    assert!(e.contains("decision \"logits.argmax\""), "{e}");
+}
+
+#[test]
+fn a_flipped_index_byte_is_refused_at_open() {
+    let dir = tmp();
+    let p = dir.path().join("a.trace");
+    write_sample(&p, sample_provenance());
+    let len = std::fs::metadata(&p).unwrap().len() as usize;
+    flip(&p, len - 41); // last byte of the index
+    let e = Trace::open(&p).unwrap_err();
+    assert!(matches!(e, Error::Tampered { .. }), "{e}");
+}
+
+#[test]
+fn unknown_major_version_is_refused() {
+    let dir = tmp();
+    let p = dir.path().join("a.trace");
+    write_sample(&p, sample_provenance());
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[8] = 2;
+    std::fs::write(&p, bytes).unwrap();
+    let e = Trace::open(&p).unwrap_err().to_string();
+    assert!(e.contains("format version 2.0 is not supported"), "{e}");
+}
+
+fn arb_dtype() -> impl Strategy<Value = DType> {
+    proptest::sample::select(DType::ALL.to_vec())
+}
+
+fn arb_shape() -> impl Strategy<Value = Vec<u64>> {
+    // Rank 0..=5 with small dims, zero allowed: covers 0-size, scalars and rank 5.
+    proptest::collection::vec(0u64..4, 0..=5)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    #[test]
+    fn any_tensor_round_trips(dtype in arb_dtype(), shape in arb_shape(), seed in any::<u64>()) {
+        let n: u64 = shape.iter().product();
+        let nbytes = (n as usize) * dtype.size();
+        let mut state = seed | 1;
+        let bytes: Vec<u8> = (0..nbytes).map(|_| {
+            state ^= state << 13; state ^= state >> 7; state ^= state << 17;
+            if dtype == DType::Bool { (state & 1) as u8 } else { state as u8 }
+        }).collect();
+        let dir = tmp();
+        let p = dir.path().join("p.trace");
+        let mut w = TraceWriter::create(&p, json!({})).unwrap();
+        w.tensor("t", dtype, &shape, &bytes, &attrs()).unwrap();
+        let d = w.finish().unwrap();
+        let t = Trace::open(&p).unwrap();
+        t.verify().unwrap();
+        prop_assert_eq!(t.digest(), d);
+        let info = t.tensor_info("t").unwrap();
+        prop_assert_eq!(info.dtype, dtype);
+        prop_assert_eq!(&info.shape, &shape);
+        prop_assert_eq!(t.data(info), &bytes[..]);
+    }
+}
