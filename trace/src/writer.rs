@@ -140,8 +140,13 @@ impl TraceWriter {
         if self.tensor_names.contains(name) {
             return Err(Error::Invalid(format!("duplicate tensor name {name:?}")));
         }
-        let xxh3 = xxh3_128(bytes);
-        let offset = self.write_aligned(bytes)?;
+        // Hash on another core while the bytes go to the file: writing stays the only cost.
+        let (xxh3, offset) = if bytes.len() >= 1 << 20 {
+            rayon::join(|| xxh3_128(bytes), || self.write_aligned(bytes))
+        } else {
+            (xxh3_128(bytes), self.write_aligned(bytes))
+        };
+        let offset = offset?;
         self.tensor_names.insert(name.to_string());
         self.tensors.push(PendingTensor {
             name: name.to_string(),

@@ -72,7 +72,8 @@ class TraceWriter:
                mask: str | None = None, positions=None, step: int | None = None, **extra: str) -> None:
         array = np.asarray(array)
         trace_dtype, array = _trace_dtype(array, dtype)
-        data = np.ascontiguousarray(array)
+        # np.ascontiguousarray would turn a rank-0 array into rank 1; keep the shape exactly.
+        data = array if array.flags.c_contiguous else np.array(array, order="C")
         if positions is not None:
             positions = [int(p) for p in positions]
         for key, value in extra.items():
@@ -124,6 +125,7 @@ class Trace:
         dtype, shape = self._meta[name]
         buf = memoryview(self._native.payload(name))
         array = np.frombuffer(buf, dtype=_TO_NUMPY[dtype]) if len(buf) else np.zeros(0, _TO_NUMPY[dtype])
+        array.flags.writeable = False  # traces are evidence: views never write back
         return array.reshape(shape)
 
     def __contains__(self, name: str) -> bool:

@@ -1,0 +1,167 @@
+"""The Python binding: every dtype round-trips, errors are TraceError, crashes leave nothing."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tracegate
+import spec_writer
+
+ROOT = Path(__file__).resolve().parents[3]
+VECTORS = ROOT / "fixtures" / "format"
+
+DTYPES = [np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8, np.uint8, np.bool_]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 0, 4), (1, 2, 1, 3, 2)])
+def test_every_dtype_and_shape_round_trips(tmp_path, dtype, shape):
+    rng = np.random.default_rng(7)
+    array = (rng.standard_normal(shape) * 100).astype(dtype)
+    path = tmp_path / "a.trace"
+    with tracegate.TraceWriter(path, {"producer": "test"}) as w:
+        w.tensor("x", array, path="prefill", positions=list(range(shape[0])) if shape else None)
+    t = tracegate.Trace(path)
+    t.verify()
+    back = t["x"]
+    assert back.dtype == np.dtype(dtype) and back.shape == shape
+    assert back.tobytes() == array.tobytes()
+    assert not back.flags.writeable  # a view into the read-only map
+
+
+def test_non_contiguous_and_big_endian_inputs_are_stored_as_values(tmp_path):
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    with tracegate.TraceWriter(tmp_path / "a.trace", {}) as w:
+        w.tensor("t", base.T)
+        w.tensor("s", base[:, ::2])
+        w.tensor("be", base.astype(">f4"))
+    t = tracegate.Trace(tmp_path / "a.trace")
+    np.testing.assert_array_equal(t["t"], base.T)
+    np.testing.assert_array_equal(t["s"], base[:, ::2])
+    np.testing.assert_array_equal(t["be"], base)
+    assert t.tensor_digest("be") == tracegate.Trace(tmp_path / "a.trace").tensor_digest("be")
+
+
+def test_bf16_as_uint16_bits(tmp_path):
+    bits = np.array([0x3F80, 0xBF80, 0x7FC0], dtype=np.uint16)
+    with tracegate.TraceWriter(tmp_path / "a.trace", {}) as w:
+        w.tensor("b", bits, dtype="bf16")
+        with pytest.raises(tracegate.TraceError, match="2-byte"):
+            w.tensor("c", np.zeros(2, np.float32), dtype="bf16")
+        with pytest.raises(tracegate.TraceError, match="does not match"):
+            w.tensor("d", np.zeros(2, np.float32), dtype="f64")
+    t = tracegate.Trace(tmp_path / "a.trace")
+    assert t.dtype("b") == "bf16"
+    np.testing.assert_array_equal(t["b"], bits)
+
+
+def test_decisions_margins_attributes_provenance(tmp_path):
+    prov = {"producer": "py", "versions": {"numpy": np.__version__}, "prompt_tokens": [3, 17, 5]}
+    with tracegate.TraceWriter(tmp_path / "a.trace", prov) as w:
+        w.tensor("logits", np.ones((3, 4), np.float32), path="prefill", mask="causal", positions=[0, 1, 2], step=0, note="x")
+        w.decision("layer.00.router.topk", np.array([[1, 2], [2, 1], [0, 3]]), margins=[0.5, 0.0, -0.0])
+        w.decision("logits.argmax", [3, 3, 3])
+    t = tracegate.Trace(tmp_path / "a.trace")
+    assert t.attributes("logits") == {"mask": "causal", "note": "x", "path": "prefill", "positions": [0, 1, 2], "step": 0}
+    np.testing.assert_array_equal(t.decisions["layer.00.router.topk"], [[1, 2], [2, 1], [0, 3]])
+    assert np.signbit(t.margins["layer.00.router.topk"][2])
+    assert t.margins["logits.argmax"] is None
+    assert t.provenance == prov
+    assert len(t.digest) == 64 and w.digest == t.digest
+
+
+def test_writer_errors_are_trace_errors_with_numbers(tmp_path):
+    with tracegate.TraceWriter(tmp_path / "a.trace", {}) as w:
+        w.tensor("x", np.zeros(2, np.float32))
+        with pytest.raises(tracegate.TraceError, match='duplicate tensor name "x"'):
+            w.tensor("x", np.zeros(2, np.float32))
+        with pytest.raises(tracegate.TraceError, match="3 margins given but it has 2 rows"):
+            w.decision("d", [1, 2], margins=[0.1, 0.2, 0.3])
+        with pytest.raises(tracegate.TraceError, match="has no trace dtype"):
+            w.tensor("c", np.zeros(2, np.complex64))
+        with pytest.raises(tracegate.TraceError, match="must be integers"):
+            w.decision("f", [0.5])
+    with pytest.raises(tracegate.TraceError, match="not JSON-serialisable"):
+        tracegate.TraceWriter(tmp_path / "b.trace", {"x": object()})
+    with pytest.raises(tracegate.TraceError, match="already finished"):
+        w.tensor("late", np.zeros(1, np.float32))
+
+
+def test_exception_inside_with_leaves_no_file(tmp_path):
+    with pytest.raises(RuntimeError):
+        with tracegate.TraceWriter(tmp_path / "a.trace", {}) as w:
+            w.tensor("x", np.zeros(1000, np.float32))
+            raise RuntimeError("producer failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_writer_leaves_nothing_at_final_path(tmp_path):
+    final = tmp_path / "killed.trace"
+    code = f"""
+import numpy as np, os, signal, tracegate
+w = tracegate.TraceWriter({str(final)!r}, {{}})
+w.tensor("x", np.zeros(1 << 16, np.float32))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", code])
+    assert proc.returncode == -signal.SIGKILL
+    assert not final.exists()
+    leftovers = list(tmp_path.iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.endswith(".tracegate-tmp")
+    with pytest.raises(tracegate.TraceError, match="malformed trace"):
+        tracegate.Trace(leftovers[0])
+
+
+def test_tampered_and_malformed_files_raise(tmp_path):
+    path = tmp_path / "a.trace"
+    with tracegate.TraceWriter(path, {}) as w:
+        w.tensor("x", np.arange(16, dtype=np.float32))
+    data = bytearray(path.read_bytes())
+    data[64] ^= 1
+    path.write_bytes(bytes(data))
+    t = tracegate.Trace(path)
+    with pytest.raises(tracegate.TraceError, match='edited after capture: tensor "x"'):
+        t.verify()
+    path.write_bytes(bytes(data[:100]))
+    with pytest.raises(tracegate.TraceError, match="shorter than header"):
+        tracegate.Trace(path)
+    with pytest.raises(tracegate.TraceError):
+        tracegate.Trace(tmp_path / "missing.trace")
+
+
+def test_binding_writes_the_conformance_vectors_byte_for_byte(tmp_path):
+    for v in spec_writer.load_vectors(VECTORS):
+        tensors, decisions = spec_writer.decode(v)
+        out = tmp_path / v["file"]
+        with tracegate.TraceWriter(out, v["provenance"]) as w:
+            for t in tensors:
+                np_dtype = {"bf16": np.uint16}.get(t["dtype"], tracegate._TO_NUMPY.get(t["dtype"]))
+                array = np.frombuffer(t["data"], dtype=np_dtype).reshape(t["shape"])
+                w.tensor(t["name"], array, dtype=t["dtype"], **t["attributes"])
+            for d in decisions:
+                margins = None if d["margins"] is None else np.frombuffer(b"".join(d["margins"]), "<f4")
+                w.decision(d["name"], np.array(d["values"], dtype=np.int64).reshape(d["shape"]), margins=margins)
+        assert w.digest == v["digest"], v["file"]
+        assert out.read_bytes() == (VECTORS / v["file"]).read_bytes(), v["file"]
+
+
+def test_spec_writer_regenerates_the_committed_vectors(tmp_path):
+    spec_writer.regenerate(tmp_path)
+    for v in spec_writer.load_vectors(VECTORS):
+        assert (tmp_path / v["file"]).read_bytes() == (VECTORS / v["file"]).read_bytes(), v["file"]
+    assert (tmp_path / "vectors.json").read_text() == (VECTORS / "vectors.json").read_text()
+
+
+def test_weights_digest_is_streamed_xxh3_of_sorted_files(tmp_path):
+    import xxhash
+    (tmp_path / "b.safetensors").write_bytes(b"second")
+    (tmp_path / "a.safetensors").write_bytes(b"first")
+    (tmp_path / "config.json").write_text("{}")
+    assert tracegate.weights_digest(tmp_path) == xxhash.xxh3_128_hexdigest(b"firstsecond")
+    with pytest.raises(tracegate.TraceError, match="nowhere"):
+        tracegate.weights_digest(tmp_path / "nowhere")
