@@ -1,1 +1,629 @@
+//! How two traces compare. [`compare`] runs the checks in a fixed order — readable and
+//! verified, comparable, structure, values, decisions — and returns a [`Report`] that the CLI
+//! prints (human or JSON) and the gate and bisect read directly. Semantics are specified in
+//! `docs/diff.md`; the JSON form in `docs/diff-report.schema.json`.
 
+mod comparable;
+mod decisions;
+pub mod numeric;
+pub mod policy;
+mod render;
+
+use std::path::Path;
+
+use serde::{Serialize, Serializer};
+use tracegate_trace::{DType, TensorInfo, Trace};
+
+pub use numeric::Special;
+pub use policy::{glob_match, Policy, Rule};
+pub use render::{render_human, render_show};
+
+/// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Identical,
+    Different,
+    WithinPolicy,
+    Incomparable,
+    Unreadable,
+}
+
+impl Verdict {
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Verdict::Identical | Verdict::WithinPolicy => 0,
+            Verdict::Different => 1,
+            Verdict::Unreadable => 2,
+            Verdict::Incomparable => 3,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Recompute every digest of both traces first. Without it the per-tensor digests are not
+    /// trusted either, so every common tensor is compared element by element.
+    pub verify: bool,
+    /// Downgrade the oracle stack rule (versions, dtype, device, attention) to a finding.
+    pub allow_stack_mismatch: bool,
+    /// Keep scanning values after the first differing tensor.
+    pub all: bool,
+    /// Judge numeric differences by this policy (implies scanning every tensor).
+    pub policy: Option<Policy>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { verify: true, allow_stack_mismatch: false, all: false, policy: None }
+    }
+}
+
+/// An f64 that serialises non-finite values as the strings "inf", "-inf", "nan" (JSON has no
+/// such numbers, and null would read as "not measured").
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Real(pub f64);
+
+impl Serialize for Real {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let v = self.0;
+        if v.is_finite() {
+            s.serialize_f64(v)
+        } else if v.is_nan() {
+            s.serialize_str("nan")
+        } else if v > 0.0 {
+            s.serialize_str("inf")
+        } else {
+            s.serialize_str("-inf")
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Side {
+    pub path: Option<String>,
+    /// Whole-trace content digest (hex), null when the file could not be read.
+    pub digest: Option<String>,
+    pub producer: Option<String>,
+    /// True when every digest was recomputed and matched.
+    pub verified: bool,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TensorSummary {
+    pub reference_count: usize,
+    pub candidate_count: usize,
+    /// Tensors whose elements were compared one by one.
+    pub compared_elementwise: Vec<String>,
+    /// Tensors judged identical because their verified xxh3-128 digests are equal.
+    pub matched_by_digest: Vec<String>,
+    /// Common tensors not compared element by element (scanning stopped at the first
+    /// difference); `known_different` says which of them differ by digest.
+    pub not_scanned: Vec<String>,
+    pub known_different: Vec<String>,
+    pub missing: Vec<String>,
+    pub extra: Vec<String>,
+}
+
+/// One row of the layer curve: how one common tensor compared.
+#[derive(Clone, Debug, Serialize)]
+pub struct TensorRow {
+    pub tensor: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    /// "digest", "elementwise" or "not_scanned".
+    pub method: &'static str,
+    /// "identical", "different", "within_policy", "outside_policy", "no_rule",
+    /// "differs_by_digest" (not scanned) or "unknown" (not scanned, digests not trusted).
+    pub status: &'static str,
+    pub total_elements: u64,
+    /// Null when the elements were not compared one by one.
+    pub differing_elements: Option<u64>,
+    pub max_ulp: Option<u64>,
+    /// Computed for the first differing tensor only (null elsewhere).
+    pub median_ulp: Option<u64>,
+    pub max_abs: Option<Real>,
+    pub max_rel: Option<Real>,
+    pub cosine: Option<Real>,
+    pub rel_l2: Option<Real>,
+    pub signed_zero: u64,
+    pub nan_mismatch: u64,
+    pub nan_payload: u64,
+    pub infinity: u64,
+    /// The policy rule that judged this tensor (index into the policy's rules and its pattern).
+    pub rule: Option<RuleRef>,
+    pub violations: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RuleRef {
+    pub index: usize,
+    pub pattern: String,
+}
+
+/// The first differing element of the first differing tensor (reference capture order).
+#[derive(Clone, Debug, Serialize)]
+pub struct Divergence {
+    pub tensor: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub flat_index: u64,
+    pub coords: Vec<u64>,
+    pub reference_value: String,
+    pub candidate_value: String,
+    pub reference_bits: String,
+    pub candidate_bits: String,
+    /// Distance of this element in the stored dtype's ULPs (integers: absolute difference);
+    /// null for a NaN pair.
+    pub ulp: Option<u64>,
+    /// Set when the element differs as a signed zero, NaN or infinity.
+    pub special: Option<Special>,
+    pub differing_elements: u64,
+    pub total_elements: u64,
+    pub max_ulp: Option<u64>,
+    pub median_ulp: Option<u64>,
+    pub max_abs: Real,
+    pub max_rel: Real,
+    pub cosine: Option<Real>,
+    pub rel_l2: Option<Real>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DecisionSummary {
+    pub reference_count: usize,
+    pub candidate_count: usize,
+    /// Decisions present in both with the same shape, compared value by value.
+    pub compared: usize,
+    /// How many of those differ in at least one row.
+    pub differing: usize,
+    pub missing: Vec<String>,
+    pub extra: Vec<String>,
+    pub results: Vec<DecisionResult>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DecisionResult {
+    pub name: String,
+    pub shape: Vec<u64>,
+    /// "identical", "different" or "shape_mismatch".
+    pub status: &'static str,
+    pub rows: u64,
+    pub differing_rows: u64,
+    /// Differing rows holding the same values in another order (a reordered top-k).
+    pub reordered_rows: u64,
+    /// The tensor whose numbers this decision was taken from, when both traces have it.
+    pub source: Option<String>,
+    pub flips: Vec<Flip>,
+}
+
+/// One differing decision row, with what is needed to tell a near-tie from a defect.
+#[derive(Clone, Debug, Serialize)]
+pub struct Flip {
+    pub row: u64,
+    pub reference: Vec<i64>,
+    pub candidate: Vec<i64>,
+    pub same_values_different_order: bool,
+    pub reference_margin: Option<Real>,
+    pub candidate_margin: Option<Real>,
+    /// Max |reference − candidate| over the source tensor's matching row (or whole tensor).
+    pub source_divergence: Option<Real>,
+    /// "near-tie", "defect" or "unclear" (see docs/diff.md).
+    pub label: &'static str,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DecisionDivergence {
+    pub name: String,
+    pub row: u64,
+    pub reference: Vec<i64>,
+    pub candidate: Vec<i64>,
+    pub same_values_different_order: bool,
+    pub reference_margin: Option<Real>,
+    pub candidate_margin: Option<Real>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Finding {
+    pub kind: &'static str,
+    pub tensor: Option<String>,
+    pub detail: String,
+}
+
+impl Finding {
+    pub fn new(kind: &'static str, tensor: Option<&str>, detail: impl Into<String>) -> Finding {
+        Finding { kind, tensor: tensor.map(str::to_string), detail: detail.into() }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyRef {
+    pub name: String,
+    pub rules: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub verdict: Verdict,
+    pub reference: Side,
+    pub candidate: Side,
+    pub policy: Option<PolicyRef>,
+    /// "first" (stop at the first differing tensor) or "all".
+    pub scan: &'static str,
+    pub tensors: TensorSummary,
+    pub decisions: DecisionSummary,
+    pub first_divergence: Option<Divergence>,
+    pub first_decision_divergence: Option<DecisionDivergence>,
+    /// One row per common tensor (same name, dtype and shape), in reference order.
+    pub per_tensor: Vec<TensorRow>,
+    pub findings: Vec<Finding>,
+}
+
+impl Report {
+    fn empty(reference: Side, candidate: Side, opts: &Options) -> Report {
+        Report {
+            verdict: Verdict::Identical,
+            reference,
+            candidate,
+            policy: opts.policy.as_ref().map(|p| PolicyRef { name: p.name.clone(), rules: p.rules.len() }),
+            scan: if opts.all || opts.policy.is_some() { "all" } else { "first" },
+            tensors: TensorSummary::default(),
+            decisions: DecisionSummary::default(),
+            first_divergence: None,
+            first_decision_divergence: None,
+            per_tensor: Vec::new(),
+            findings: Vec::new(),
+        }
+    }
+
+    pub fn exit_code(&self) -> i32 {
+        self.verdict.exit_code()
+    }
+
+    /// The total differing elements among tensors compared element by element.
+    pub fn differing_elements(&self) -> u64 {
+        self.per_tensor.iter().filter_map(|r| r.differing_elements).sum()
+    }
+}
+
+fn side(t: Option<&Trace>, path: Option<&Path>, verified: bool) -> Side {
+    Side {
+        path: path.map(|p| p.display().to_string()),
+        digest: t.map(|t| t.digest().hex()),
+        producer: t.and_then(|t| t.provenance().get("producer")).and_then(|v| v.as_str()).map(str::to_string),
+        verified,
+    }
+}
+
+/// Opens both files and compares them; an unopenable file gives an `unreadable` report.
+pub fn compare_files(reference: &Path, candidate: &Path, opts: &Options) -> Report {
+    let (r, c) = rayon::join(|| Trace::open(reference), || Trace::open(candidate));
+    match (r, c) {
+        (Ok(r), Ok(c)) => compare(&r, &c, opts),
+        (r, c) => {
+            let mut rep = Report::empty(
+                side(r.as_ref().ok(), Some(reference), false),
+                side(c.as_ref().ok(), Some(candidate), false),
+                opts,
+            );
+            rep.verdict = Verdict::Unreadable;
+            for (label, res) in [("reference", &r), ("candidate", &c)] {
+                if let Err(e) = res {
+                    rep.findings.push(Finding::new("unreadable", None, format!("{label}: {e}")));
+                }
+            }
+            rep
+        }
+    }
+}
+
+/// Compares two opened traces: verify, comparability, structure, values, decisions.
+pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
+    // 1. Readable and verified. Both files are hashed at once (each verify is itself parallel
+    // across tensors, but one large tensor hashes on one core).
+    let (vr, vc) = if opts.verify {
+        rayon::join(|| reference.verify(), || candidate.verify())
+    } else {
+        (Ok(()), Ok(()))
+    };
+    let mut rep = Report::empty(
+        side(Some(reference), Some(reference.path()), opts.verify && vr.is_ok()),
+        side(Some(candidate), Some(candidate.path()), opts.verify && vc.is_ok()),
+        opts,
+    );
+    if vr.is_err() || vc.is_err() {
+        rep.verdict = Verdict::Unreadable;
+        for (label, res) in [("reference", &vr), ("candidate", &vc)] {
+            if let Err(e) = res {
+                rep.findings.push(Finding::new("unreadable", None, format!("{label}: {e}")));
+            }
+        }
+        return rep;
+    }
+
+    // 2. Comparable: runs before any digest is looked at.
+    let (refusals, allowed) = comparable::check(reference, candidate, opts.allow_stack_mismatch);
+    rep.findings.extend(allowed);
+    if !refusals.is_empty() {
+        rep.findings.extend(refusals);
+        rep.verdict = Verdict::Incomparable;
+        return rep;
+    }
+
+    // 3. Structure.
+    let mut different = structure(reference, candidate, &mut rep);
+
+    // 4. Values.
+    different |= values(reference, candidate, opts, &mut rep);
+
+    // 5. Decisions (always all of them).
+    different |= decisions::compare(reference, candidate, &mut rep);
+
+    let any_value_difference = rep.per_tensor.iter().any(|r| r.status != "identical");
+    rep.verdict = if different {
+        Verdict::Different
+    } else if opts.policy.is_some() && any_value_difference {
+        Verdict::WithinPolicy
+    } else {
+        Verdict::Identical
+    };
+    rep
+}
+
+/// Missing, extra, dtype, shape and order findings; true if there is any.
+fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
+    let t = &mut rep.tensors;
+    t.reference_count = r.tensors().len();
+    t.candidate_count = c.tensors().len();
+    let before = rep.findings.len();
+    for info in r.tensors() {
+        match c.tensor_info(&info.name) {
+            None => {
+                t.missing.push(info.name.clone());
+                rep.findings.push(Finding::new("missing_tensor", Some(&info.name), "in the reference, not in the candidate"));
+            }
+            Some(ci) if ci.dtype != info.dtype => {
+                rep.findings.push(Finding::new(
+                    "dtype_mismatch",
+                    Some(&info.name),
+                    format!("reference {} vs candidate {}", info.dtype, ci.dtype),
+                ));
+            }
+            Some(ci) if ci.shape != info.shape => {
+                let same_count = ci.element_count() == info.element_count();
+                let note = if same_count { " (same element count: transposed or reshaped)" } else { "" };
+                rep.findings.push(Finding::new(
+                    "shape_mismatch",
+                    Some(&info.name),
+                    format!("reference {:?} vs candidate {:?}{note}", info.shape, ci.shape),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    for info in c.tensors() {
+        if r.tensor_info(&info.name).is_none() {
+            t.extra.push(info.name.clone());
+            rep.findings.push(Finding::new("extra_tensor", Some(&info.name), "in the candidate, not in the reference"));
+        }
+    }
+    let rn: Vec<&str> = r.tensors().iter().map(|i| i.name.as_str()).collect();
+    let cn: Vec<&str> = c.tensors().iter().map(|i| i.name.as_str()).collect();
+    if let Some(f) = order_finding("order_mismatch", &rn, &cn) {
+        rep.findings.push(f);
+    }
+    rep.findings.len() > before
+}
+
+/// Compares the relative order of the names both lists share; names the first out of place.
+pub(crate) fn order_finding(kind: &'static str, r: &[&str], c: &[&str]) -> Option<Finding> {
+    let rs: std::collections::HashSet<&str> = r.iter().copied().collect();
+    let cs: std::collections::HashSet<&str> = c.iter().copied().collect();
+    let r_common: Vec<&str> = r.iter().copied().filter(|n| cs.contains(n)).collect();
+    let c_common: Vec<&str> = c.iter().copied().filter(|n| rs.contains(n)).collect();
+    let i = r_common.iter().zip(&c_common).position(|(a, b)| a != b)?;
+    Some(Finding::new(
+        kind,
+        Some(r_common[i]),
+        format!(
+            "capture order differs at common position {i}: reference has {:?}, candidate has {:?}",
+            r_common[i], c_common[i]
+        ),
+    ))
+}
+
+fn row_for(info: &TensorInfo, method: &'static str, status: &'static str) -> TensorRow {
+    TensorRow {
+        tensor: info.name.clone(),
+        dtype: info.dtype.name().to_string(),
+        shape: info.shape.clone(),
+        method,
+        status,
+        total_elements: info.element_count(),
+        differing_elements: None,
+        max_ulp: None,
+        median_ulp: None,
+        max_abs: None,
+        max_rel: None,
+        cosine: None,
+        rel_l2: None,
+        signed_zero: 0,
+        nan_mismatch: 0,
+        nan_payload: 0,
+        infinity: 0,
+        rule: None,
+        violations: Vec::new(),
+    }
+}
+
+/// Scans common tensors in reference order; true if any is different (or fails the policy).
+fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
+    let scan_all = opts.all || opts.policy.is_some();
+    // Without verification a recorded digest proves nothing about the bytes.
+    let trust_digests = opts.verify;
+    let mut different = false;
+    let mut stopped = false;
+    for ri in r.tensors() {
+        let Some(ci) = c.tensor_info(&ri.name) else { continue };
+        if ci.dtype != ri.dtype || ci.shape != ri.shape {
+            continue;
+        }
+        let rule = opts.policy.as_ref().map(|p| p.rule_for(&ri.name));
+        let digest_equal = trust_digests && ri.digest == ci.digest;
+        let mut row;
+        if digest_equal {
+            // Verified equal bytes: every statistic is known without reading them.
+            row = row_for(ri, "digest", "identical");
+            row.differing_elements = Some(0);
+            row.max_ulp = Some(0);
+            (row.max_abs, row.max_rel, row.cosine, row.rel_l2) = (Some(Real(0.0)), Some(Real(0.0)), Some(Real(1.0)), Some(Real(0.0)));
+            rep.tensors.matched_by_digest.push(ri.name.clone());
+        } else if stopped {
+            let status = if trust_digests { "differs_by_digest" } else { "unknown" };
+            row = row_for(ri, "not_scanned", status);
+            rep.tensors.not_scanned.push(ri.name.clone());
+            if trust_digests {
+                rep.tensors.known_different.push(ri.name.clone());
+                different = true;
+            }
+        } else {
+            let (rd, cd) = (r.data(ri), c.data(ci));
+            let s = numeric::scan(ri.dtype, rd, cd);
+            rep.tensors.compared_elementwise.push(ri.name.clone());
+            row = row_for(ri, "elementwise", if s.differing == 0 { "identical" } else { "different" });
+            row.differing_elements = Some(s.differing);
+            row.max_abs = Some(Real(s.max_abs));
+            row.max_rel = Some(Real(s.max_rel));
+            row.cosine = s.cosine().map(Real);
+            row.rel_l2 = s.rel_l2().map(Real);
+            (row.signed_zero, row.nan_mismatch, row.nan_payload, row.infinity) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
+            if s.differing > 0 {
+                row.max_ulp = (s.with_distance() > 0).then_some(s.max_ulp);
+                if rep.first_divergence.is_none() {
+                    // The median costs one or two more passes: only the first divergence has it.
+                    row.median_ulp = numeric::median_ulp(ri.dtype, rd, cd, &s);
+                    rep.first_divergence = Some(divergence(ri, rd, cd, &s, &row));
+                    specials_findings(ri, &s, rep);
+                }
+                if !scan_all {
+                    stopped = true;
+                }
+            } else {
+                row.max_ulp = Some(0);
+            }
+        }
+        if let Some(rule) = rule {
+            match rule {
+                None => {
+                    rep.findings.push(Finding::new("no_policy_rule", Some(&ri.name), "no rule in the policy matches this tensor"));
+                    row.status = "no_rule";
+                    different = true;
+                }
+                Some((idx, rule)) => {
+                    row.rule = Some(RuleRef { index: idx, pattern: rule.pattern.clone() });
+                    if row.status == "different" {
+                        let m = policy::Measured {
+                            max_ulp: row.max_ulp,
+                            max_abs: row.max_abs.map_or(0.0, |x| x.0),
+                            max_rel: row.max_rel.map_or(0.0, |x| x.0),
+                            rel_l2: row.rel_l2.map(|x| x.0),
+                            cosine: row.cosine.map(|x| x.0),
+                            nonfinite_differences: row.nan_mismatch + row.nan_payload + row.infinity,
+                        };
+                        row.violations = rule.violations(&m);
+                        if row.violations.is_empty() {
+                            row.status = "within_policy";
+                        } else {
+                            row.status = "outside_policy";
+                            different = true;
+                            rep.findings.push(Finding::new(
+                                "outside_policy",
+                                Some(&ri.name),
+                                format!("rule {idx} ({}): {}", rule.pattern, row.violations.join("; ")),
+                            ));
+                        }
+                    }
+                }
+            }
+        } else if row.status == "different" {
+            different = true;
+            rep.findings.push(Finding::new(
+                "values_differ",
+                Some(&ri.name),
+                format!("{} of {} elements differ", row.differing_elements.unwrap_or(0), row.total_elements),
+            ));
+        }
+        rep.per_tensor.push(row);
+    }
+    different
+}
+
+/// Names signed-zero / NaN / infinity differences of the first differing tensor as findings.
+fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
+    for (count, kind, what) in [
+        (s.signed_zero, "signed_zero", Special::SignedZero),
+        (s.nan_mismatch, "nan_mismatch", Special::NanMismatch),
+        (s.nan_payload, "nan_payload", Special::NanPayload),
+        (s.infinity, "infinity", Special::Infinity),
+    ] {
+        if count > 0 {
+            rep.findings.push(Finding::new(kind, Some(&info.name), format!("{count} element(s): {}", what.describe())));
+        }
+    }
+}
+
+fn divergence(info: &TensorInfo, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: &TensorRow) -> Divergence {
+    let idx = s.first.expect("a differing tensor has a first difference");
+    let (a, b) = (numeric::element_bits(info.dtype, rd, idx), numeric::element_bits(info.dtype, cd, idx));
+    let (special, ulp) = numeric::element_distance(info.dtype, a, b);
+    Divergence {
+        tensor: info.name.clone(),
+        dtype: info.dtype.name().to_string(),
+        shape: info.shape.clone(),
+        flat_index: idx,
+        coords: numeric::unravel(idx, &info.shape),
+        reference_value: numeric::format_value(info.dtype, a),
+        candidate_value: numeric::format_value(info.dtype, b),
+        reference_bits: numeric::hex_bits(info.dtype, a),
+        candidate_bits: numeric::hex_bits(info.dtype, b),
+        ulp,
+        special,
+        differing_elements: s.differing,
+        total_elements: s.total,
+        max_ulp: row.max_ulp,
+        median_ulp: row.median_ulp,
+        max_abs: Real(s.max_abs),
+        max_rel: Real(s.max_rel),
+        cosine: row.cosine,
+        rel_l2: row.rel_l2,
+    }
+}
+
+/// Max |reference − candidate| over elements `[start, end)` of a tensor present in both with
+/// the same dtype and shape; infinite when a NaN or infinity differs there.
+pub(crate) fn range_divergence(r: &Trace, c: &Trace, name: &str, rows: Option<(u64, u64)>) -> Option<f64> {
+    let (ri, ci) = (r.tensor_info(name)?, c.tensor_info(name)?);
+    if ri.dtype != ci.dtype || ri.shape != ci.shape {
+        return None;
+    }
+    let size = ri.dtype.size();
+    let n = ri.element_count();
+    let (start, end) = match rows {
+        // Row `row` of `count` rows, when the tensor's first axis has that many rows.
+        Some((row, count)) if ri.shape.first() == Some(&count) && count > 0 => {
+            let width = n / count;
+            (row * width, (row + 1) * width)
+        }
+        _ => (0, n),
+    };
+    let (a, b) = (&r.data(ri)[start as usize * size..end as usize * size], &c.data(ci)[start as usize * size..end as usize * size]);
+    let s = numeric::scan(ri.dtype, a, b);
+    if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
+        return Some(f64::INFINITY);
+    }
+    Some(s.max_abs)
+}
+
+/// Exposed for tests and tools: the dtype's printed value for raw bits.
+pub fn describe_bits(dtype: DType, bits: u64) -> (String, String) {
+    (numeric::format_value(dtype, bits), numeric::hex_bits(dtype, bits))
+}

@@ -1,0 +1,159 @@
+"""Shared helpers: a tiny random checkpoint written from scratch (so the loader and model tests
+do not depend on the committed fixtures), and the paths of the committed fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "contract"))
+
+FIXTURES = {"dense": os.path.join(ROOT, "fixtures", "tiny-qwen3"), "moe": os.path.join(ROOT, "fixtures", "tiny-qwen3-moe")}
+
+
+def write_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]], header_extra: dict | None = None) -> None:
+    """tensors: name -> (safetensors dtype, array of the storage type: f32, f16, or uint16 bf16 bits)."""
+    header, blobs, off = {}, [], 0
+    for name, (dt, a) in tensors.items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    if header_extra:
+        header.update(header_extra)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Round f32 to bf16 (nearest-even) and return the uint16 bit patterns."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def tiny_config(family: str = "dense", **over) -> dict:
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 37,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 6,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": True,
+        "attention_bias": True,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+    }
+    if family == "moe":
+        cfg.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            num_experts=5,
+            num_experts_per_tok=2,
+            moe_intermediate_size=10,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+    cfg.update(over)
+    return cfg
+
+
+def tiny_tensors(cfg: dict, seed: int = 0, dtype: str = "F32") -> dict[str, tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    H, V, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def w(*shape, scale=0.3):
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if dtype == "BF16":
+            return ("BF16", to_bf16_bits(a))
+        return ("F32", a)
+
+    def norm(n):
+        a = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        return ("BF16", to_bf16_bits(a)) if dtype == "BF16" else ("F32", a)
+
+    t = {"model.embed_tokens.weight": w(V, H, scale=1.0), "model.norm.weight": norm(H)}
+    moe = cfg["model_type"] == "qwen3_moe"
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = norm(H)
+        t[f"{p}.post_attention_layernorm.weight"] = norm(H)
+        for n, o in (("q", nh * d), ("k", nkv * d), ("v", nkv * d)):
+            t[f"{p}.self_attn.{n}_proj.weight"] = w(o, H)
+            if cfg.get("attention_bias"):
+                t[f"{p}.self_attn.{n}_proj.bias"] = w(o, scale=0.1)
+        t[f"{p}.self_attn.o_proj.weight"] = w(H, nh * d)
+        if cfg.get("attention_bias"):
+            t[f"{p}.self_attn.o_proj.bias"] = w(H, scale=0.1)
+        t[f"{p}.self_attn.q_norm.weight"] = norm(d)
+        t[f"{p}.self_attn.k_norm.weight"] = norm(d)
+        sparse = moe and i not in cfg.get("mlp_only_layers", []) and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+        if sparse:
+            E, I = cfg["num_experts"], cfg["moe_intermediate_size"]
+            t[f"{p}.mlp.gate.weight"] = w(E, H)
+            for e in range(E):
+                t[f"{p}.mlp.experts.{e}.gate_proj.weight"] = w(I, H)
+                t[f"{p}.mlp.experts.{e}.up_proj.weight"] = w(I, H)
+                t[f"{p}.mlp.experts.{e}.down_proj.weight"] = w(H, I)
+        else:
+            I = cfg["intermediate_size"]
+            t[f"{p}.mlp.gate_proj.weight"] = w(I, H)
+            t[f"{p}.mlp.up_proj.weight"] = w(I, H)
+            t[f"{p}.mlp.down_proj.weight"] = w(H, I)
+    if not cfg.get("tie_word_embeddings"):
+        t["lm_head.weight"] = w(V, H)
+    return t
+
+
+def make_model_dir(path, family="dense", dtype="F32", seed=0, tensors_hook=None, **over) -> str:
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = tiny_config(family, **over)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    t = tiny_tensors(cfg, seed, dtype)
+    if tensors_hook:
+        tensors_hook(t)
+    write_safetensors(os.path.join(path, "model.safetensors"), t)
+    return path
+
+
+@pytest.fixture
+def dense_dir(tmp_path):
+    return make_model_dir(tmp_path / "dense", "dense")
+
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    return make_model_dir(tmp_path / "moe", "moe", dtype="BF16")
+
+
+def have_tracegate() -> bool:
+    try:
+        import tracegate  # noqa: F401
+
+        return True
+    except ImportError:
+        return False

@@ -1,0 +1,74 @@
+"""Config handling of docs/numerics.md §13: honoured fields, and refusals that name the field."""
+
+from decimal import Decimal
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from tracegate_contract import ContractError, parse_config
+
+
+def cfg(family="dense", drop=(), **over):
+    c = tiny_config(family, **over)
+    for k in drop:
+        c.pop(k)
+    return c
+
+
+def test_honoured_fields():
+    c = parse_config(cfg())
+    assert (c.hidden_size, c.head_dim, c.num_key_value_heads, c.rope_theta) == (16, 6, 2, 10000.0)
+    assert c.rms_norm_eps == np.float32(1e-6) and c.tie_word_embeddings and c.attention_bias
+    m = parse_config(cfg("moe"))
+    assert [m.is_moe_layer(i) for i in range(3)] == [True, False, True]  # mlp_only_layers [1]
+    m = parse_config(cfg("moe", decoder_sparse_step=2, mlp_only_layers=[]))
+    assert [m.is_moe_layer(i) for i in range(3)] == [False, True, False]  # (l+1) % step == 0
+
+
+def test_legacy_rope_theta_and_head_dim_default():
+    c = parse_config(cfg(drop=("rope_parameters", "head_dim"), rope_theta=500000.0, rope_scaling=None))
+    assert c.rope_theta == 500000.0 and c.head_dim == 128  # Qwen3Config's own default
+    assert parse_config(cfg("moe", drop=("head_dim",))).head_dim == 16 // 4  # MoE: hidden / heads
+    assert parse_config(cfg(drop=("rope_parameters",))).rope_theta == 10000.0  # transformers' default
+    c = parse_config(cfg(rope_parameters={"rope_type": "default", "rope_theta": Decimal("1000000.0")}))
+    assert c.rope_theta == 1e6
+
+
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}}, "partial_rotary_factor"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"head_dim": 7}, "head_dim"),
+        ({"model_type": "llama"}, "model_type"),
+        ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ],
+)
+def test_dense_refusals_name_the_field(over, field):
+    with pytest.raises(ContractError, match=field):
+        parse_config(cfg(**over))
+
+
+@pytest.mark.parametrize("k,e", [(8, 8), (9, 8), (0, 8)])
+def test_moe_topk_refusals(k, e):
+    with pytest.raises(ContractError, match="num_experts_per_tok"):
+        parse_config(cfg("moe", num_experts=e, num_experts_per_tok=k))
+
+
+def test_zero_experts_means_all_dense():
+    c = parse_config(cfg("moe", num_experts=0))
+    assert not any(c.is_moe_layer(i) for i in range(3))
+
+
+def test_ignored_fields_do_not_matter():
+    a = parse_config(cfg())
+    b = parse_config(cfg(max_position_embeddings=7, initializer_range=0.5, attention_dropout=0.1, dtype="bfloat16", bos_token_id=3))
+    assert a == b

@@ -1,0 +1,273 @@
+"""The ordered fp32 kernels of docs/numerics.md, in numpy.
+
+How the arithmetic is kept in the document's order:
+
+* Every reduction is an explicit Python loop over the reduced index, ascending, whose body is
+  one numpy ufunc call vectorised across the *other* axes (outputs, rows, heads). That is the
+  "vectorise across outputs only" rule of §2: each output still sees exactly
+  `acc = acc ⊕ (x[k] ⊗ w[k])`, k = 0, 1, ..., from +0.0.
+* numpy's reducing routines (`sum`, `dot`, `matmul`/`@`, `einsum`, `mean`, `add.reduce`, ...)
+  choose their own order (pairwise summation, BLAS blocking, FMA) and are never called;
+  tests/test_no_reductions.py fails if the package uses one.
+* A `*`, `+`, `-` or `/` between float32 arrays is a separate ufunc call, hence one IEEE-rounded
+  f32 operation: numpy never fuses two ufunc calls into an FMA.
+* Transcendentals (§4) go through Python's `math` module — the platform libm in binary64, the
+  same routines the engine reaches through Rust's f64 methods — one element at a time, and are
+  rounded to f32 once. numpy's own `np.exp/np.sin/np.cos` (own SIMD code) are not used.
+* `np.max` is allowed: a maximum is exact whatever the order (§8.6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import ContractError
+
+F32 = np.float32
+F64 = np.float64
+
+
+# --------------------------------------------------------------------------------------------
+# Storage (§1)
+
+
+def widen_bf16(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> f32, exactly: a bf16 is the top half of an f32."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(F32)
+
+
+def f32_of_config_number(value) -> np.float32:
+    """A config number as §6 reads it: the JSON decimal parsed to binary64 (as every JSON
+    reader and transformers do), then rounded to f32 once."""
+    if isinstance(value, bool):
+        raise TypeError("boolean is not a number")
+    return F32(float(value))
+
+
+# --------------------------------------------------------------------------------------------
+# Transcendentals (§4): libm binary64, rounded to f32 once
+
+
+def exp_to_f32(a: np.ndarray) -> np.ndarray:
+    """f32(E(binary64(a))) element-wise, through libm's exp (math.exp)."""
+    flat = a.astype(F64).ravel().tolist()
+    out = np.fromiter(map(math.exp, flat), dtype=F64, count=len(flat))
+    return out.astype(F32).reshape(a.shape)
+
+
+def _sigmoid64(g: float) -> float:
+    # §9: the branch on the sign keeps exp's argument ≤ 0 (no overflow); NaN fails `g >= 0`,
+    # takes the second branch and propagates.
+    if g >= 0.0:
+        return 1.0 / (1.0 + math.exp(-g))
+    e = math.exp(g)
+    return e / (1.0 + e)
+
+
+def silu(g: np.ndarray) -> np.ndarray:
+    """silu(g) = g ⊗ f32(sigmoid(g)), sigmoid in binary64 (§9)."""
+    flat = g.astype(F64).ravel().tolist()
+    sig = np.fromiter(map(_sigmoid64, flat), dtype=F64, count=len(flat)).astype(F32)
+    return g * sig.reshape(g.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Ordered reductions (§2, §3)
+
+
+def ordered_sum(a: np.ndarray, axis: int = -1) -> np.ndarray:
+    """sum over `axis` ascending from +0.0, one rounded f32 add per step (§3)."""
+    a = np.moveaxis(np.asarray(a, dtype=F32), axis, -1)
+    acc = np.zeros(a.shape[:-1], dtype=F32)
+    for i in range(a.shape[-1]):
+        acc = acc + a[..., i]
+    return acc
+
+
+def transpose_weight(w: np.ndarray) -> np.ndarray:
+    """A stored [out, in] weight as a contiguous f32 [in, out] array, the layout `linear` walks
+    (row k of the result holds every output's k-th weight, so one loop step is one ufunc)."""
+    return np.ascontiguousarray(np.asarray(w, dtype=F32).T)
+
+
+def linear(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x·Wᵀ (+ b) (§2). `x` is [rows, K]; `wt` is Wᵀ, [K, out] (see `transpose_weight`).
+
+    For every (row, output): acc = +0.0; for k ascending: acc = acc ⊕ (x[r,k] ⊗ W[o,k]); the
+    bias is added once after the loop."""
+    x = np.asarray(x, dtype=F32)
+    rows, k_dim = x.shape
+    if wt.shape[0] != k_dim:
+        raise ValueError(f"linear: input width {k_dim} != weight in-features {wt.shape[0]}")
+    acc = np.zeros((rows, wt.shape[1]), dtype=F32)
+    prod = np.empty_like(acc)
+    for k in range(k_dim):
+        np.multiply(x[:, k : k + 1], wt[k], out=prod)  # one rounded product per output
+        np.add(acc, prod, out=acc)  # one rounded add per output
+    if bias is not None:
+        np.add(acc, bias, out=acc)
+    return acc
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm (§6)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
+    """Over the last axis: ss ordered, mean = ss ⊘ n, t = mean ⊕ eps, s = sqrt_f32(t),
+    inv = 1 ⊘ s, y = w ⊗ (x ⊗ inv). np.sqrt on f32 is the correctly rounded IEEE sqrt."""
+    x = np.asarray(x, dtype=F32)
+    n = x.shape[-1]
+    ss = np.zeros(x.shape[:-1], dtype=F32)
+    for i in range(n):
+        xi = x[..., i]
+        ss = ss + xi * xi
+    mean = ss / F32(n)
+    t = mean + F32(eps)
+    s = np.sqrt(t)
+    inv = F32(1.0) / s
+    return w * (x * inv[..., None])
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE (§7)
+
+
+def rope_inv_freq(base: float, d: int) -> np.ndarray:
+    """inv_freq[i] = f32(1.0 / pow(base, (2i)/d)), all binary64 (libm pow) until the final round."""
+    return np.array([1.0 / math.pow(float(base), (2 * i) / d) for i in range(d // 2)], dtype=F64).astype(F32)
+
+
+class RopeTable:
+    """cos/sin rows per absolute position, computed on first use and kept (a position's row is
+    a pure function of the position, so caching cannot change a bit)."""
+
+    def __init__(self, base: float, d: int):
+        self.inv_freq = rope_inv_freq(base, d)
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def row(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+        r = self._rows.get(p)
+        if r is None:
+            angle = F32(p) * self.inv_freq  # f32 product; positions < 2^24 are exact in f32
+            a64 = angle.astype(F64).tolist()
+            cos = np.array([math.cos(v) for v in a64], dtype=F64).astype(F32)
+            sin = np.array([math.sin(v) for v in a64], dtype=F64).astype(F32)
+            r = self._rows[p] = (cos, sin)
+        return r
+
+    def tables(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        rows = [self.row(int(p)) for p in positions]
+        return np.stack([c for c, _ in rows]), np.stack([s for _, s in rows])
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, heads, d] rotated at each row's position ("rotate half": i pairs with i+h).
+    cos/sin are [T, h]."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = np.empty_like(x)
+    out[..., :h] = (x1 * c) - (x2 * s)
+    out[..., h:] = (x2 * c) + (x1 * s)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Softmax (§8.6, §10.2)
+
+
+def softmax(scores: np.ndarray, visible: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over the last axis. `visible` (broadcastable bool) marks the unmasked entries;
+    masked ones are −∞ before the max and come out +0.0.
+
+    Masked entries contribute e = +0.0 to the ordered sum; since the sum starts at +0.0 and
+    every e ≥ 0, adding +0.0 never changes a bit, so the loop may run over all entries."""
+    s = np.asarray(scores, dtype=F32)
+    if visible is not None:
+        visible = np.broadcast_to(visible, s.shape)
+        s = np.where(visible, s, F32(-np.inf))
+    m = np.max(s, axis=-1, keepdims=True)  # exact whatever the order
+    diff = s - m  # an f32 op, before exp (§8.6)
+    if visible is None:
+        e = exp_to_f32(diff)
+    else:
+        e = np.zeros_like(diff)
+        e[visible] = exp_to_f32(diff[visible])
+    z = ordered_sum(e, axis=-1)
+    p = e / z[..., None]
+    if visible is not None:
+        p = np.where(visible, p, F32(0.0))
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Attention (§8.3 – §8.7)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos, k_pos, scale: np.float32):
+    """Causal GQA attention of query rows q [T, nh, d] over key rows k, v [S, nkv, d].
+
+    Key c is visible to query r iff k_pos[c] ≤ q_pos[r]. Returns (o [T, nh, d], probs
+    [nh, T, S]). Query head hq reads kv head hq // (nh / nkv)."""
+    t, nh, d = q.shape
+    s_len, nkv, _ = k.shape
+    kv_of = np.arange(nh) // (nh // nkv)
+    qh = np.ascontiguousarray(q.transpose(1, 0, 2))  # [nh, T, d]
+    kh = np.ascontiguousarray(k.transpose(1, 0, 2)[kv_of])  # [nh, S, d]
+    vh = np.ascontiguousarray(v.transpose(1, 0, 2)[kv_of])  # [nh, S, d]
+    visible = np.asarray(k_pos)[None, :] <= np.asarray(q_pos)[:, None]  # [T, S]
+
+    # s[r,c] = dot(q[r], k[c]) ⊗ scale: the dot over j ascending, vectorised over (head, r, c).
+    acc = np.zeros((nh, t, s_len), dtype=F32)
+    for j in range(d):
+        acc = acc + qh[:, :, j, None] * kh[:, None, :, j]
+    scores = acc * F32(scale)
+
+    probs = softmax(scores, visible[None, :, :])
+
+    # o[r,j] = Σ_c visible, ascending, of p[r,c] ⊗ v[c,j]. Rows that cannot see key c keep acc
+    # untouched (not even a +0.0 product, which a non-finite v would turn into NaN).
+    out = np.zeros((nh, t, d), dtype=F32)
+    with np.errstate(invalid="ignore", over="ignore"):  # IEEE results are the point; no warnings
+        for c in range(s_len):
+            upd = out + probs[:, :, c, None] * vh[:, None, c, :]
+            out = np.where(visible[None, :, c, None], upd, out)
+    return np.ascontiguousarray(out.transpose(1, 0, 2)), probs
+
+
+# --------------------------------------------------------------------------------------------
+# Decisions (§10.3, §12)
+
+
+def rank_order(scores: np.ndarray) -> np.ndarray:
+    """Indices of each row ordered by (descending score, ascending index): a stable sort of the
+    negated scores keeps equal scores in index order (ties go to the lowest index). `+ 0.0`
+    turns −0.0 into +0.0 first, so the two zeros tie as IEEE `>` says. Callers reject NaN."""
+    return np.argsort(-(scores + F32(0.0)), axis=-1, kind="stable")
+
+
+def topk(p: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Router top-k (§10.3): chosen [T, k] in rank order, margin [T] = p[k-th] ⊖ p[(k+1)-th]."""
+    order = rank_order(p)
+    rows = np.arange(p.shape[0])
+    margin = p[rows, order[:, k - 1]] - p[rows, order[:, k]]
+    return order[:, :k].astype(np.int64), margin.astype(F32)
+
+
+def argmax_with_margin(logits: np.ndarray, what: str = "logits") -> tuple[np.ndarray, np.ndarray]:
+    """Per row: index of the largest value (IEEE `>`, ties to the lowest index) and margin
+    top1 ⊖ top2, top2 the largest among the other indices (§12). NaN is an error naming the row.
+
+    top2 is taken as the value at rank 2 of the (−value, index) order, so when the runner-up is
+    a tie between +0.0 and −0.0 the lower index's value (and its sign) is the one subtracted."""
+    logits = np.asarray(logits, dtype=F32)
+    nan_rows = np.nonzero(np.isnan(logits).any(axis=-1))[0]
+    if nan_rows.size:
+        raise ContractError(f"{what}: NaN in row {int(nan_rows[0])}")
+    order = rank_order(logits)
+    rows = np.arange(logits.shape[0])
+    margin = logits[rows, order[:, 0]] - logits[rows, order[:, 1]]
+    return order[:, 0].astype(np.int64), margin.astype(F32)

@@ -1,0 +1,455 @@
+"""Qwen3 (dense) and Qwen3-MoE, read top to bottom: config, weights, layer, model, generation.
+
+The two families differ only in the MLP of some layers (§10), so one file covers both. All
+arithmetic goes through ops.py; this file only says which op runs on what, in the order of
+docs/numerics.md §5–§12.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+import numpy as np
+
+from . import ops
+from .errors import ContractError
+from .ops import F32
+from .weights import Checkpoint
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+# --------------------------------------------------------------------------------------------
+# Config (§13)
+
+
+@dataclass
+class Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: np.float32  # the config's number as binary64, then rounded to f32 (§6)
+    rope_theta: float  # binary64, as pow receives it (§7)
+    tie_word_embeddings: bool
+    attention_bias: bool
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.model_type == "qwen3_moe"
+            and self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def _refuse(field_name: str, why: str):
+    raise ContractError(f"config.json: {field_name}: {why}")
+
+
+def _int(raw: dict, key: str, minimum: int = 1, default=None) -> int:
+    v = raw.get(key, default)
+    if v is None:
+        _refuse(key, "missing")
+    if type(v) is not int or v < minimum:
+        _refuse(key, f"must be an integer ≥ {minimum}, got {v!r}")
+    return v
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    v = raw.get(key, default)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        _refuse(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def _number(v, key: str) -> Decimal:
+    # Decimal from load_config's parse; a float only when a caller hands a dict in directly.
+    if isinstance(v, bool) or not isinstance(v, (int, float, Decimal)):
+        _refuse(key, f"must be a number, got {v!r}")
+    return Decimal(v)
+
+
+def parse_config(raw: dict) -> Config:
+    """Honour the fields of §13, refuse (naming the field) what this contract cannot compute."""
+    mt = raw.get("model_type")
+    if mt not in ARCHITECTURES:
+        _refuse("model_type", f"unsupported model type {mt!r} (supported: qwen3, qwen3_moe)")
+    archs = raw.get("architectures")
+    if archs is not None:
+        if not isinstance(archs, list) or any(a != ARCHITECTURES[mt] for a in archs):
+            _refuse("architectures", f"unsupported architecture {archs!r} for {mt} (expected {ARCHITECTURES[mt]})")
+
+    if raw.get("use_sliding_window", False) is not False:
+        _refuse("use_sliding_window", "sliding-window attention is not supported")
+    lt = raw.get("layer_types")
+    if lt is not None and (not isinstance(lt, list) or any(t != "full_attention" for t in lt)):
+        _refuse("layer_types", f"only full_attention layers are supported, got {lt!r}")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        _refuse("hidden_act", f"only silu is supported, got {act!r}")
+
+    # RoPE: transformers 5 writes `rope_parameters`; older configs `rope_theta`/`rope_scaling`.
+    rp = raw.get("rope_parameters")
+    if rp is not None and not isinstance(rp, dict):
+        _refuse("rope_parameters", f"must be an object, got {rp!r}")
+    rp = rp or {}
+    rs = raw.get("rope_scaling")
+    if rs is not None:
+        if not isinstance(rs, dict):
+            _refuse("rope_scaling", f"must be an object or null, got {rs!r}")
+        rtype = rs.get("rope_type", rs.get("type", "default"))
+        if rtype != "default":
+            _refuse("rope_scaling", f"rope type {rtype!r} is not supported (only default)")
+    rtype = rp.get("rope_type", rp.get("type", "default"))
+    if rtype not in (None, "default"):
+        _refuse("rope_parameters.rope_type", f"rope type {rtype!r} is not supported (only default)")
+    for where, d in (("rope_parameters.partial_rotary_factor", rp), ("partial_rotary_factor", raw)):
+        prf = d.get("partial_rotary_factor")
+        if prf is not None and _number(prf, where) != 1:
+            _refuse(where, f"must be 1, got {prf}")
+    if rp.get("rope_theta") is not None:
+        theta = _number(rp["rope_theta"], "rope_parameters.rope_theta")
+    elif raw.get("rope_theta") is not None:
+        theta = _number(raw["rope_theta"], "rope_theta")
+    else:
+        theta = Decimal(10000)  # transformers' default when neither key is present (§13)
+    if not theta > 0:
+        _refuse("rope_theta", f"must be positive, got {theta}")
+
+    hidden = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    kv = _int(raw, "num_key_value_heads")
+    if heads % kv != 0:
+        _refuse("num_key_value_heads", f"num_attention_heads {heads} is not a multiple of {kv}")
+    if raw.get("head_dim") is None:
+        # §13: Qwen3Config declares head_dim = 128; Qwen3MoeConfig has no such field, and the
+        # attention falls back to hidden_size / num_attention_heads.
+        if mt == "qwen3":
+            head_dim = 128
+        elif hidden % heads != 0:
+            _refuse("head_dim", f"absent and hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        else:
+            head_dim = hidden // heads
+    else:
+        head_dim = _int(raw, "head_dim")
+    if head_dim % 2 != 0:
+        _refuse("head_dim", f"must be even for RoPE, got {head_dim}")
+    eps = raw.get("rms_norm_eps")
+    if eps is None:
+        _refuse("rms_norm_eps", "missing")
+    eps32 = ops.f32_of_config_number(_number(eps, "rms_norm_eps"))
+
+    cfg = Config(
+        model_type=mt,
+        vocab_size=_int(raw, "vocab_size", minimum=2),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size"),
+        num_hidden_layers=_int(raw, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=eps32,
+        rope_theta=float(theta),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+        attention_bias=_bool(raw, "attention_bias", False),
+    )
+    if mt == "qwen3_moe":
+        cfg.num_experts = _int(raw, "num_experts", minimum=0)
+        cfg.num_experts_per_tok = _int(raw, "num_experts_per_tok", minimum=0)
+        cfg.moe_intermediate_size = _int(raw, "moe_intermediate_size")
+        cfg.norm_topk_prob = _bool(raw, "norm_topk_prob", False)
+        cfg.decoder_sparse_step = _int(raw, "decoder_sparse_step", default=1)
+        mol = raw.get("mlp_only_layers") or []
+        if not isinstance(mol, list) or any(type(i) is not int for i in mol):
+            _refuse("mlp_only_layers", f"must be a list of layer indices, got {mol!r}")
+        cfg.mlp_only_layers = list(mol)
+        k, e = cfg.num_experts_per_tok, cfg.num_experts
+        if e > 0 and not (1 <= k < e):  # num_experts = 0: every layer dense (§10)
+            _refuse("num_experts_per_tok", f"must satisfy 1 ≤ k < num_experts ({e}), got {k}")
+    return cfg
+
+
+def load_config(model_dir: str) -> Config:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            # Decimals keep the written text; numbers reach the model through binary64 (§6, §13).
+            raw = json.load(f, parse_float=Decimal)
+    except FileNotFoundError:
+        raise ContractError(f"{model_dir}: no config.json") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ContractError(f"{path}: unreadable: {e}") from None
+    if not isinstance(raw, dict):
+        raise ContractError(f"{path}: not a JSON object")
+    return parse_config(raw)
+
+
+# --------------------------------------------------------------------------------------------
+# Capture: what a run records, in the order it happens
+
+
+class Capture:
+    """Collects tensors (with the rows' absolute positions) and decisions in recording order.
+    `internals` adds q/k/v/attn_probs/router logits/expert outputs (§ capture convention)."""
+
+    def __init__(self, internals: bool = False):
+        self.internals = internals
+        self.tensors: list[tuple[str, np.ndarray, list[int]]] = []
+        self.decisions: list[tuple[str, np.ndarray, np.ndarray]] = []
+
+    def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
+        if internal and not self.internals:
+            return
+        self.tensors.append((name, np.ascontiguousarray(array, dtype=F32), [int(p) for p in positions]))
+
+    def decision(self, name: str, values: np.ndarray, margins: np.ndarray) -> None:
+        self.decisions.append((name, np.asarray(values, dtype=np.int64), np.asarray(margins, dtype=F32)))
+
+
+class _NoCapture(Capture):
+    def tensor(self, *a, **k):
+        pass
+
+    def decision(self, *a, **k):
+        pass
+
+
+NO_CAPTURE = _NoCapture()
+
+
+class KVCache:
+    """Per layer, the k (normed and rotated) and v rows seen so far, with their positions."""
+
+    def __init__(self, n_layers: int):
+        self.k: list[np.ndarray | None] = [None] * n_layers
+        self.v: list[np.ndarray | None] = [None] * n_layers
+        self.pos: list[list[int]] = [[] for _ in range(n_layers)]
+
+    def extend(self, layer: int, k: np.ndarray, v: np.ndarray, positions):
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = k, v
+        else:
+            self.k[layer] = np.concatenate([self.k[layer], k])
+            self.v[layer] = np.concatenate([self.v[layer], v])
+        self.pos[layer].extend(int(p) for p in positions)
+        return self.k[layer], self.v[layer], self.pos[layer]
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+
+
+def _ieee():
+    """Overflow, underflow and NaN are IEEE results the contract keeps (§1), not warnings."""
+    return np.errstate(all="ignore")
+
+
+class _Mlp:
+    """Gated SiLU MLP (§9). gate and up share one ordered linear: their outputs are computed
+    independently column by column, so concatenating them changes no bit."""
+
+    def __init__(self, ck: Checkpoint, prefix: str, hidden: int, inter: int):
+        g = ck.take(f"{prefix}.gate_proj.weight", (inter, hidden))
+        u = ck.take(f"{prefix}.up_proj.weight", (inter, hidden))
+        self.inter = inter
+        self.wgu_t = ops.transpose_weight(np.concatenate([g, u]))
+        self.wd_t = ops.transpose_weight(ck.take(f"{prefix}.down_proj.weight", (hidden, inter)))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        gu = ops.linear(x, self.wgu_t)
+        h = ops.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        return ops.linear(h, self.wd_t)
+
+
+class _Layer:
+    def __init__(self, cfg: Config, ck: Checkpoint, i: int):
+        p = f"model.layers.{i}"
+        H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a = f"{p}.self_attn"
+        wq = ck.take(f"{a}.q_proj.weight", (nh * d, H))
+        wk = ck.take(f"{a}.k_proj.weight", (nkv * d, H))
+        wv = ck.take(f"{a}.v_proj.weight", (nkv * d, H))
+        self.wqkv_t = ops.transpose_weight(np.concatenate([wq, wk, wv]))  # one linear, see _Mlp
+        self.wo_t = ops.transpose_weight(ck.take(f"{a}.o_proj.weight", (H, nh * d)))
+        if cfg.attention_bias:
+            self.bqkv = np.concatenate(
+                [
+                    ck.take(f"{a}.q_proj.bias", (nh * d,)),
+                    ck.take(f"{a}.k_proj.bias", (nkv * d,)),
+                    ck.take(f"{a}.v_proj.bias", (nkv * d,)),
+                ]
+            ).astype(F32)
+            self.bo = np.array(ck.take(f"{a}.o_proj.bias", (H,)), dtype=F32)
+        else:
+            self.bqkv = self.bo = None
+        self.q_norm = np.array(ck.take(f"{a}.q_norm.weight", (d,)), dtype=F32)
+        self.k_norm = np.array(ck.take(f"{a}.k_norm.weight", (d,)), dtype=F32)
+        self.ln1 = np.array(ck.take(f"{p}.input_layernorm.weight", (H,)), dtype=F32)
+        self.ln2 = np.array(ck.take(f"{p}.post_attention_layernorm.weight", (H,)), dtype=F32)
+        self.moe = cfg.is_moe_layer(i)
+        if self.moe:
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            self.router_t = ops.transpose_weight(ck.take(f"{p}.mlp.gate.weight", (E, H)))
+            self.experts = [_Mlp(ck, f"{p}.mlp.experts.{e}", H, I) for e in range(E)]
+        else:
+            self.mlp = _Mlp(ck, f"{p}.mlp", H, cfg.intermediate_size)
+
+
+class Model:
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        cfg = self.cfg = load_config(model_dir)
+        ck = Checkpoint(model_dir)
+        V, H = cfg.vocab_size, cfg.hidden_size
+        self._embed, self._embed_dtype = ck.take_stored("model.embed_tokens.weight", (V, H))
+        self.layers = [_Layer(cfg, ck, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = np.array(ck.take("model.norm.weight", (H,)), dtype=F32)
+        if cfg.tie_word_embeddings:
+            self.head_t = ops.transpose_weight(ck.take("model.embed_tokens.weight", (V, H)))
+        else:
+            self.head_t = ops.transpose_weight(ck.take("lm_head.weight", (V, H)))
+        ck.finish()
+        self.rope = ops.RopeTable(cfg.rope_theta, cfg.head_dim)
+        # §8.4: binary64 sqrt and division, rounded once.
+        self.scale = F32(1.0 / math.sqrt(float(cfg.head_dim)))
+
+    # §5
+    def embed(self, tokens) -> np.ndarray:
+        V = self.cfg.vocab_size
+        for t in tokens:
+            if not (0 <= int(t) < V):
+                raise ContractError(f"token id {int(t)} is outside the vocabulary [0, {V})")
+        rows = self._embed[np.asarray(tokens, dtype=np.int64)]
+        if self._embed_dtype == "BF16":
+            return ops.widen_bf16(rows)
+        return rows.astype(F32)
+
+    # §8, §9, §10, §11
+    def layer(self, i: int, x: np.ndarray, positions, cap: Capture = NO_CAPTURE, cache: KVCache | None = None):
+        L = self.layers[i]
+        pfx = f"layer.{i:02d}"
+        pos = [int(p) for p in positions]
+        cap.tensor(f"{pfx}.hidden_in", x, pos)
+        with _ieee():
+            return self._layer(i, L, x, pos, pfx, cap, cache)
+
+    def _layer(self, i, L, x, pos, pfx, cap, cache):
+        cfg = self.cfg
+        nh, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        t = x.shape[0]
+
+        xn = ops.rmsnorm(x, L.ln1, eps)
+        qkv = ops.linear(xn, L.wqkv_t, L.bqkv)
+        q = qkv[:, : nh * d].reshape(t, nh, d)
+        k = qkv[:, nh * d : (nh + nkv) * d].reshape(t, nkv, d)
+        v = np.ascontiguousarray(qkv[:, (nh + nkv) * d :].reshape(t, nkv, d))
+        cos, sin = self.rope.tables(pos)
+        q = ops.apply_rope(ops.rmsnorm(q, L.q_norm, eps), cos, sin)
+        k = ops.apply_rope(ops.rmsnorm(k, L.k_norm, eps), cos, sin)
+        cap.tensor(f"{pfx}.q", q, pos, internal=True)
+        cap.tensor(f"{pfx}.k", k, pos, internal=True)
+        cap.tensor(f"{pfx}.v", v, pos, internal=True)
+        if cache is not None:
+            keys, vals, kpos = cache.extend(i, k, v, pos)
+        else:
+            keys, vals, kpos = k, v, pos
+        o, probs = ops.attention(q, keys, vals, pos, kpos, self.scale)
+        cap.tensor(f"{pfx}.attn_probs", probs, pos, internal=True)
+        a = ops.linear(o.reshape(t, nh * d), L.wo_t, L.bo)
+        cap.tensor(f"{pfx}.attn_out", a, pos)
+
+        h1 = x + a
+        hn = ops.rmsnorm(h1, L.ln2, eps)
+        m = self._moe(L, hn, pos, pfx, cap) if L.moe else L.mlp(hn)
+        cap.tensor(f"{pfx}.mlp_out", m, pos)
+        out = h1 + m
+        cap.tensor(f"{pfx}.hidden_out", out, pos)
+        return out
+
+    def _moe(self, L: _Layer, x: np.ndarray, pos: list[int], pfx: str, cap: Capture) -> np.ndarray:
+        """§10: router softmax, top-k (ties to the lowest id), optional renormalisation in rank
+        order, experts accumulated in ascending id with each weight ⊗ out rounded first."""
+        cfg = self.cfg
+        g = ops.linear(x, L.router_t)
+        cap.tensor(f"{pfx}.router.logits", g, pos, internal=True)
+        p = ops.softmax(g)
+        bad = np.nonzero(np.isnan(p).any(axis=-1))[0]
+        if bad.size:
+            raise ContractError(f"{pfx}.router: NaN router probability in row {int(bad[0])}")
+        chosen, margin = ops.topk(p, cfg.num_experts_per_tok)
+        cap.decision(f"{pfx}.router.topk", chosen, margin)
+        rows = np.arange(x.shape[0])[:, None]
+        w = p[rows, chosen]  # [T, k] in rank order
+        if cfg.norm_topk_prob:
+            w = w / ops.ordered_sum(w, axis=-1)[:, None]
+        out = np.zeros_like(x)
+        for e in range(cfg.num_experts):
+            r, j = np.nonzero(chosen == e)  # r ascending; a row picks an expert at most once
+            if r.size == 0:
+                continue
+            y = L.experts[e](x[r])
+            cap.tensor(f"{pfx}.expert.{e:03d}.out", y, [pos[i] for i in r], internal=True)
+            out[r] = out[r] + w[r, j][:, None] * y
+        return out
+
+    # §11 head
+    def head(self, h: np.ndarray, pos, cap: Capture = NO_CAPTURE) -> np.ndarray:
+        with _ieee():
+            f = ops.rmsnorm(h, self.norm, self.cfg.rms_norm_eps)
+            logits = ops.linear(f, self.head_t)
+        cap.tensor("final_norm.out", f, pos)
+        cap.tensor("logits", logits, pos)
+        return logits
+
+    def forward(self, tokens, positions, cap: Capture = NO_CAPTURE, cache: KVCache | None = None) -> np.ndarray:
+        pos = [int(p) for p in positions]
+        h = self.embed(tokens)
+        cap.tensor("embed.out", h, pos)
+        for i in range(self.cfg.num_hidden_layers):
+            h = self.layer(i, h, pos, cap, cache)
+        return self.head(h, pos, cap)
+
+    # §12
+    def run(self, tokens, cap: Capture, generate: int = 0, cached: bool = True) -> list[int]:
+        """Prefill of the prompt with capture, `logits.argmax`, then `generate` greedy steps,
+        recorded as decisions only. Returns the generated tokens."""
+        n = len(tokens)
+        if n == 0:
+            raise ContractError("the prompt is empty")
+        cache = KVCache(self.cfg.num_hidden_layers) if (generate > 0 and cached) else None
+        logits = self.forward(tokens, range(n), cap, cache)
+        top, margin = ops.argmax_with_margin(logits)
+        cap.decision("logits.argmax", top, margin)
+        out: list[int] = []
+        if generate <= 0:
+            return out
+        tok, mar = int(top[-1]), margin[-1]
+        for s in range(generate):
+            if s > 0:
+                if cached:
+                    lg = self.forward([out[-1]], [n + s - 1], cache=cache)
+                else:
+                    seq = list(tokens) + out
+                    lg = self.forward(seq, range(len(seq)))
+                t1, m1 = ops.argmax_with_margin(lg[-1:], what=f"decode.{s:04d} logits")
+                tok, mar = int(t1[0]), m1[0]
+            out.append(tok)
+            cap.decision(f"decode.{s:04d}.argmax", np.array([tok], dtype=np.int64), np.array([mar], dtype=F32))
+        return out

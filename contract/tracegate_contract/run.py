@@ -1,0 +1,118 @@
+"""The two verbs: build the model, run it, write the trace through the `tracegate` binding."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+
+from .errors import ContractError
+from .qwen3 import Capture, Model
+
+
+def _tracegate():
+    import tracegate
+
+    return tracegate
+
+
+def provenance(model_dir: str, command: list[str], verb: str, **run) -> dict:
+    tg = _tracegate()
+    try:
+        from importlib.metadata import version
+
+        tg_version = version("tracegate")
+    except Exception:
+        tg_version = getattr(tg, "__version__", "unknown")
+    return {
+        "producer": "contract",
+        "versions": {"numpy": np.__version__, "python": platform.python_version(), "tracegate": tg_version},
+        "dtype": "f32",
+        "device": "cpu",
+        "threads": 1,
+        "seed": None,
+        "model_dir": model_dir,
+        "weights_digest": tg.weights_digest(model_dir),
+        "verb": verb,
+        **run,
+        "command_line": list(command),
+    }
+
+
+def write_trace(out: str, prov: dict, cap: Capture, path: str) -> str:
+    """Tensors in capture order, then decisions in decision order; returns the digest."""
+    tg = _tracegate()
+    with tg.TraceWriter(out, prov) as w:
+        for name, array, positions in cap.tensors:
+            w.tensor(name, array, path=path, mask="causal", positions=positions)
+        for name, values, margins in cap.decisions:
+            w.decision(name, values, margins=margins)
+        return w.finish()
+
+
+def _model(model_dir: str) -> Model:
+    if not os.path.isdir(model_dir):
+        raise ContractError(f"--model: {model_dir} is not a directory")
+    return Model(model_dir)
+
+
+def trace(model_dir, tokens, out, internals, generate, cached, command) -> str:
+    model = _model(model_dir)
+    cap = Capture(internals)
+    model.run(tokens, cap, generate=generate, cached=cached)
+    prov = provenance(
+        model_dir,
+        command,
+        "trace",
+        prompt_tokens=list(tokens),
+        capture="internals" if internals else "default",
+        cache="on" if cached else "off",
+        generate=generate,
+    )
+    return write_trace(out, prov, cap, "prefill")
+
+
+def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
+    pos = attrs.get("positions")
+    if isinstance(pos, str):  # tolerate a JSON-encoded list
+        import json
+
+        pos = json.loads(pos)
+    if pos is None:
+        raise ContractError(f"{name}: the input tensor has no positions attribute")
+    pos = [int(p) for p in pos]
+    if len(pos) != rows:
+        raise ContractError(f"{name}: {len(pos)} positions for {rows} rows")
+    return pos
+
+
+def layer(model_dir, index, input_path, input_name, out, internals, command) -> str:
+    """Layer `index` alone on a tensor from another trace (gate bisect's probe): its positions
+    come from the tensor's attribute, the mask is causal by those positions."""
+    tg = _tracegate()
+    model = _model(model_dir)
+    n = model.cfg.num_hidden_layers
+    if not (0 <= index < n):
+        raise ContractError(f"--layer: {index} is outside 0..{n - 1}")
+    src = tg.Trace(input_path)
+    if input_name not in src.names:
+        raise ContractError(f"--input-name: {input_name} is not a tensor of {input_path}")
+    x = np.ascontiguousarray(src[input_name], dtype=np.float32)
+    H = model.cfg.hidden_size
+    if x.ndim != 2 or x.shape[1] != H:
+        raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}]")
+    pos = _positions_of(src.attributes(input_name), input_name, x.shape[0])
+    cap = Capture(internals)
+    model.layer(index, x, pos, cap)
+    prov = provenance(
+        model_dir,
+        command,
+        "layer",
+        layer=index,
+        input=os.path.abspath(input_path),
+        input_name=input_name,
+        input_digest=src.digest,
+        capture="internals" if internals else "default",
+    )
+    return write_trace(out, prov, cap, "layer")

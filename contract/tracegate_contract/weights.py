@@ -1,0 +1,183 @@
+"""safetensors checkpoints, memory-mapped, with every tensor accounted for.
+
+The header is parsed here (8-byte little-endian length, JSON, then the data region) and each
+tensor is a numpy view into one `np.memmap` of its file, so nothing is read until used.
+Hostile or broken headers are refused before anything is mapped. A model takes its tensors by
+name through `Checkpoint.take`; a tensor it asks for and cannot find is refused by name, and
+`Checkpoint.finish` refuses any tensor nobody took (design trap 14: a declared weight must
+reach the computation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+
+from .errors import ContractError
+from .ops import F32, widen_bf16
+
+# safetensors dtype -> (numpy storage dtype, bytes per element). Only the float types a
+# checkpoint of these families carries; anything else is refused by name.
+_DTYPES = {"F32": (np.dtype("<f4"), 4), "BF16": (np.dtype("<u2"), 2), "F16": (np.dtype("<f2"), 2)}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsFile:
+    def __init__(self, path: str):
+        self.path = path
+        name = os.path.basename(path)
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ContractError(f"{name}: too short to be a safetensors file ({size} bytes)")
+                (n,) = struct.unpack("<Q", head)
+                if n > _MAX_HEADER or n > size - 8:
+                    raise ContractError(f"{name}: header length {n} exceeds the file ({size} bytes)")
+                raw = f.read(n)
+        except OSError as e:
+            raise ContractError(f"{name}: cannot read: {e.strerror}") from None
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ContractError(f"{name}: header is not valid JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise ContractError(f"{name}: header is not a JSON object")
+        header.pop("__metadata__", None)
+        data_len = size - 8 - n
+        self._data_start = 8 + n
+        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int, str]] = {}
+        spans = []
+        for tname, info in header.items():
+            if not isinstance(info, dict):
+                raise ContractError(f"{name}: tensor {tname}: entry is not an object")
+            dt = info.get("dtype")
+            if dt not in _DTYPES:
+                raise ContractError(f"{name}: tensor {tname}: unsupported dtype {dt!r} (F32, BF16, F16)")
+            shape = info.get("shape")
+            offs = info.get("data_offsets")
+            if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+                raise ContractError(f"{name}: tensor {tname}: bad shape {shape!r}")
+            if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
+                raise ContractError(f"{name}: tensor {tname}: bad data_offsets {offs!r}")
+            b, e = offs
+            np_dtype, itemsize = _DTYPES[dt]
+            want = itemsize
+            for s in shape:  # Python ints: no overflow whatever the header claims
+                want *= s
+            if not (0 <= b <= e <= data_len) or e - b != want:
+                raise ContractError(
+                    f"{name}: tensor {tname}: data_offsets {offs} do not hold {dt}{shape} "
+                    f"within a {data_len}-byte data region"
+                )
+            spans.append((b, e, tname))
+            self.entries[tname] = (np_dtype, tuple(shape), b, e, dt)
+        spans.sort()
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise ContractError(f"{name}: tensors {n0} and {n1} overlap")
+        self._map = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
+
+    def stored(self, tname: str) -> np.ndarray:
+        """The tensor as stored (a view into the map, no copy)."""
+        np_dtype, shape, b, e, _ = self.entries[tname]
+        if b == e:
+            return np.zeros(shape, dtype=np_dtype)
+        buf = self._map[self._data_start + b : self._data_start + e]
+        return buf.view(np_dtype).reshape(shape)
+
+    def as_f32(self, tname: str) -> np.ndarray:
+        """Widened to f32 exactly (§1): bf16 by bit shift, f16 by numpy's exact cast, f32 as is."""
+        dt = self.entries[tname][4]
+        a = self.stored(tname)
+        if dt == "BF16":
+            return widen_bf16(a)
+        if dt == "F16":
+            return a.astype(F32)
+        return a.astype(F32, copy=False)
+
+
+class Checkpoint:
+    """All tensors of a model directory: `model.safetensors`, or the shards named by
+    `model.safetensors.index.json`."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        single = os.path.join(model_dir, "model.safetensors")
+        self._where: dict[str, SafetensorsFile] = {}
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (OSError, json.JSONDecodeError, AttributeError) as e:
+                raise ContractError(f"model.safetensors.index.json: unreadable: {e}") from None
+            if not isinstance(weight_map, dict):
+                raise ContractError("model.safetensors.index.json: no weight_map object")
+            files = {}
+            for fname in sorted(set(weight_map.values())):
+                if not isinstance(fname, str) or os.path.basename(fname) != fname:
+                    raise ContractError(f"model.safetensors.index.json: bad shard name {fname!r}")
+                p = os.path.join(model_dir, fname)
+                if not os.path.exists(p):
+                    raise ContractError(f"model.safetensors.index.json: shard {fname} is missing")
+                files[fname] = SafetensorsFile(p)
+            for tname, fname in weight_map.items():
+                if tname not in files[fname].entries:
+                    raise ContractError(f"missing tensor {tname} (index names {fname}, which lacks it)")
+            for fname, sf in files.items():
+                for tname in sf.entries:
+                    if weight_map.get(tname) != fname:
+                        raise ContractError(f"tensor {tname} in {fname} is not listed there by the index")
+                    self._where[tname] = sf
+            stray = sorted(
+                f for f in os.listdir(model_dir) if f.endswith(".safetensors") and f not in files
+            )
+            if stray:
+                raise ContractError(f"{stray[0]}: a safetensors file the index does not name")
+        elif os.path.exists(single):
+            sf = SafetensorsFile(single)
+            for tname in sf.entries:
+                self._where[tname] = sf
+        else:
+            raise ContractError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        self._claimed: set[str] = set()
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Claim a tensor, check its shape, return it widened to f32."""
+        sf = self._where.get(name)
+        if sf is None:
+            raise ContractError(f"missing tensor {name} (expected shape {list(shape)})")
+        got = sf.entries[name][1]
+        if tuple(got) != tuple(shape):
+            raise ContractError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+        self._claimed.add(name)
+        return sf.as_f32(name)
+
+    def take_stored(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, str]:
+        """Claim a tensor without widening it (the embedding table is widened row by row)."""
+        sf = self._where.get(name)
+        if sf is None:
+            raise ContractError(f"missing tensor {name} (expected shape {list(shape)})")
+        got = sf.entries[name][1]
+        if tuple(got) != tuple(shape):
+            raise ContractError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+        self._claimed.add(name)
+        return sf.stored(name), sf.entries[name][4]
+
+    def finish(self) -> None:
+        """Refuse the checkpoint if any tensor was not claimed by the model."""
+        left = sorted(set(self._where) - self._claimed)
+        if left:
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            raise ContractError(f"unclaimed tensor {left[0]}{more}: no module of this model uses it")

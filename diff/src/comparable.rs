@@ -1,0 +1,108 @@
+//! Whether two traces may be compared at all. Numbers computed on different code paths,
+//! masks or positions, from different weights or prompts, or by two oracle runs on different
+//! stacks are not "close" or "far": comparing them is meaningless, so the differ refuses
+//! with the reason (traps 1–3, 13). These rules run before any digest is consulted.
+
+use serde_json::Value;
+use tracegate_trace::Trace;
+
+use crate::Finding;
+
+/// Provenance keys (dotted paths) that define an oracle's stack.
+pub const STACK_KEYS: [&str; 6] = ["versions.torch", "versions.transformers", "versions.numpy", "dtype", "device", "attn_implementation"];
+
+/// Provenance keys that must agree whenever both traces record them, whatever the producers.
+pub const CONTENT_KEYS: [(&str, &str); 3] =
+    [("weights_digest", "weights_mismatch"), ("prompt_tokens", "prompt_mismatch"), ("seed", "seed_mismatch")];
+
+fn lookup<'a>(v: &'a Value, dotted: &str) -> Option<&'a Value> {
+    let mut cur = v;
+    for part in dotted.split('.') {
+        cur = cur.get(part)?;
+    }
+    (!cur.is_null()).then_some(cur)
+}
+
+/// A trace is an oracle trace when its producer says so or its stack records a torch version.
+pub fn is_oracle(provenance: &Value) -> bool {
+    provenance.get("producer").and_then(Value::as_str) == Some("oracle") || lookup(provenance, "versions.torch").is_some()
+}
+
+fn show(v: Option<&Value>) -> String {
+    match v {
+        None => "absent".into(),
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => {
+            let s = other.to_string();
+            if s.len() > 80 {
+                format!("{}…", &s[..80])
+            } else {
+                s
+            }
+        }
+    }
+}
+
+/// Returns (refusals, downgraded stack findings).
+pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>, Vec<Finding>) {
+    let (rp, cp) = (r.provenance(), c.provenance());
+    let mut refuse = Vec::new();
+    let mut allowed = Vec::new();
+
+    // Two oracle runs are only comparable on one stack. An engine or contract trace against
+    // an oracle trace differs in stack by construction — that is what policies are for.
+    if is_oracle(rp) && is_oracle(cp) {
+        for key in STACK_KEYS {
+            let (a, b) = (lookup(rp, key), lookup(cp, key));
+            if a != b {
+                let detail = format!("oracle stack differs: {key} is {} in the reference, {} in the candidate", show(a), show(b));
+                if allow_stack_mismatch {
+                    allowed.push(Finding::new("stack_mismatch_allowed", None, format!("{detail} (allowed by --allow-stack-mismatch)")));
+                } else {
+                    refuse.push(Finding::new("stack_mismatch", None, detail));
+                }
+            }
+        }
+    }
+
+    for (key, kind) in CONTENT_KEYS {
+        if let (Some(a), Some(b)) = (lookup(rp, key), lookup(cp, key)) {
+            if a != b {
+                refuse.push(Finding::new(kind, None, format!("{key} differs: {} in the reference, {} in the candidate", show(Some(a)), show(Some(b)))));
+            }
+        }
+    }
+
+    // Tensor attributes are content: a tensor present in both must describe the same
+    // computation. Absent on one side and present on the other is a difference too.
+    for ri in r.tensors() {
+        let Some(ci) = c.tensor_info(&ri.name) else { continue };
+        let (ra, ca) = (&ri.attributes, &ci.attributes);
+        if ra.path != ca.path {
+            refuse.push(Finding::new("path_mismatch", Some(&ri.name), format!("code path {} vs {}", opt(&ra.path), opt(&ca.path))));
+        }
+        if ra.mask != ca.mask {
+            refuse.push(Finding::new("mask_mismatch", Some(&ri.name), format!("mask {} vs {}", opt(&ra.mask), opt(&ca.mask))));
+        }
+        if ra.positions != ca.positions {
+            refuse.push(Finding::new(
+                "positions_mismatch",
+                Some(&ri.name),
+                format!("positions {} vs {}", positions(&ra.positions), positions(&ca.positions)),
+            ));
+        }
+    }
+    (refuse, allowed)
+}
+
+fn opt(s: &Option<String>) -> String {
+    s.clone().unwrap_or_else(|| "absent".into())
+}
+
+fn positions(p: &Option<Vec<i64>>) -> String {
+    match p {
+        None => "absent".into(),
+        Some(v) if v.len() <= 8 => format!("{v:?}"),
+        Some(v) => format!("[{}, {}, … {} positions, …, {}]", v[0], v[1], v.len(), v[v.len() - 1]),
+    }
+}

@@ -1,0 +1,168 @@
+//! Tolerance policies: which numeric difference is acceptable for which tensor, written as
+//! data. Rules are tried in file order and the first whose pattern matches a tensor's name
+//! judges it; a tensor no rule matches is a finding, never a silent pass. Decisions are not
+//! covered by policies: they are always compared exactly.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+pub const POLICY_FORMAT: &str = "tracegate-policy/1";
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    /// Must be `tracegate-policy/1`.
+    pub format: String,
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// Where the bounds came from (runs, versions, observed maxima).
+    #[serde(default)]
+    pub measurements: serde_json::Value,
+    pub rules: Vec<Rule>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    /// Glob over the tensor name: `*` = any run of characters without `.`, `**` = any run,
+    /// `?` = one character.
+    pub pattern: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_ulp: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_abs: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rel: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rel_l2: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_cosine: Option<f64>,
+    /// Why this bound (free text, shown in `--json`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub why: String,
+}
+
+/// The measured quantities a rule can bound (None = undefined, e.g. cosine of zero vectors).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Measured {
+    pub max_ulp: Option<u64>,
+    pub max_abs: f64,
+    pub max_rel: f64,
+    pub rel_l2: Option<f64>,
+    pub cosine: Option<f64>,
+    /// Elements whose bits differ but have no numeric distance (NaN on either side), or an
+    /// infinity against something else: no tolerance covers these.
+    pub nonfinite_differences: u64,
+}
+
+impl Policy {
+    pub fn load(path: &Path) -> Result<Policy, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Policy, String> {
+        let p: Policy = serde_json::from_str(text).map_err(|e| format!("not a policy: {e}"))?;
+        if p.format != POLICY_FORMAT {
+            return Err(format!("format is {:?}, expected {POLICY_FORMAT:?}", p.format));
+        }
+        for (i, r) in p.rules.iter().enumerate() {
+            if r.max_ulp.is_none() && r.max_abs.is_none() && r.max_rel.is_none() && r.max_rel_l2.is_none() && r.min_cosine.is_none() {
+                return Err(format!("rule {i} ({:?}) sets no bound", r.pattern));
+            }
+        }
+        Ok(p)
+    }
+
+    /// The first rule matching `name`, with its index.
+    pub fn rule_for(&self, name: &str) -> Option<(usize, &Rule)> {
+        self.rules.iter().enumerate().find(|(_, r)| glob_match(&r.pattern, name))
+    }
+}
+
+impl Rule {
+    /// Every bound this rule sets that `m` violates, as readable sentences (empty = pass).
+    pub fn violations(&self, m: &Measured) -> Vec<String> {
+        let mut out = Vec::new();
+        if m.nonfinite_differences > 0 {
+            out.push(format!("{} element(s) differ by NaN or infinity", m.nonfinite_differences));
+        }
+        if let Some(b) = self.max_ulp {
+            match m.max_ulp {
+                Some(u) if u > b => out.push(format!("max ULP {u} > {b}")),
+                _ => {}
+            }
+        }
+        if let Some(b) = self.max_abs {
+            if m.max_abs > b || m.max_abs.is_nan() {
+                out.push(format!("max abs {} > {b}", m.max_abs));
+            }
+        }
+        if let Some(b) = self.max_rel {
+            if m.max_rel > b || m.max_rel.is_nan() {
+                out.push(format!("max rel {} > {b}", m.max_rel));
+            }
+        }
+        if let Some(b) = self.max_rel_l2 {
+            match m.rel_l2 {
+                Some(v) if v <= b => {}
+                Some(v) => out.push(format!("relative L2 {v} > {b}")),
+                None => out.push("relative L2 undefined (reference is all zero)".into()),
+            }
+        }
+        if let Some(b) = self.min_cosine {
+            match m.cosine {
+                Some(v) if v >= b => {}
+                Some(v) => out.push(format!("cosine {v} < {b}")),
+                None => out.push("cosine undefined (a side is all zero)".into()),
+            }
+        }
+        out
+    }
+}
+
+/// Matches `name` against a glob where `*` stops at `.`, `**` crosses it, `?` is one char.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    fn go(p: &[char], n: &[char]) -> bool {
+        match p.first() {
+            None => n.is_empty(),
+            Some('*') if p.get(1) == Some(&'*') => (0..=n.len()).any(|k| go(&p[2..], &n[k..])),
+            Some('*') => {
+                let limit = n.iter().position(|&c| c == '.').unwrap_or(n.len());
+                (0..=limit).any(|k| go(&p[1..], &n[k..]))
+            }
+            Some('?') => !n.is_empty() && go(&p[1..], &n[1..]),
+            Some(&c) => n.first() == Some(&c) && go(&p[1..], &n[1..]),
+        }
+    }
+    let p: Vec<char> = pattern.chars().collect();
+    let n: Vec<char> = name.chars().collect();
+    go(&p, &n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("layer.*.attn_out", "layer.02.attn_out"));
+        assert!(!glob_match("layer.*.attn_out", "layer.02.x.attn_out"));
+        assert!(glob_match("layer.**.out", "layer.02.expert.003.out"));
+        assert!(glob_match("logits", "logits"));
+        assert!(!glob_match("logits", "logits.argmax"));
+        assert!(glob_match("layer.0?.q", "layer.07.q"));
+        assert!(glob_match("**", "anything.at.all"));
+    }
+
+    #[test]
+    fn shipped_default_policy_parses() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json");
+        let p = Policy::load(&path).unwrap();
+        for name in ["embed.out", "layer.00.hidden_in", "layer.11.attn_out", "layer.03.mlp_out", "layer.03.hidden_out", "final_norm.out", "logits"] {
+            assert!(p.rule_for(name).is_some(), "{name} has no rule in the default policy");
+        }
+    }
+}

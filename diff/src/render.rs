@@ -1,0 +1,383 @@
+//! Human-readable output: one summary line first, then the details a person needs to act on.
+
+use std::fmt::Write;
+
+use tracegate_trace::{Attributes, Trace};
+
+use crate::{Real, Report, TensorRow, Verdict};
+
+/// 18676984 → "18,676,984".
+pub(crate) fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+fn real(x: Option<Real>) -> String {
+    match x {
+        None => "-".into(),
+        Some(Real(v)) if v.is_nan() => "nan".into(),
+        Some(Real(v)) if v.is_infinite() => if v > 0.0 { "inf".into() } else { "-inf".into() },
+        Some(Real(v)) if v == 0.0 => "0".into(),
+        Some(Real(v)) if (1e-3..1e6).contains(&v.abs()) => format!("{v:.6}").trim_end_matches('0').trim_end_matches('.').to_string(),
+        Some(Real(v)) => format!("{v:.3e}"),
+    }
+}
+
+/// Cosine near 1 is printed as its distance from 1, so 1 − 1e-15 never reads as exactly 1.
+fn cosine(x: Option<Real>) -> String {
+    match x {
+        Some(Real(v)) if v == 1.0 => "1".into(),
+        Some(Real(v)) if v.is_finite() && v > 0.999 => format!("1-{:.2e}", 1.0 - v),
+        Some(Real(v)) if v.is_finite() => format!("{v:.6}"),
+        other => real(other),
+    }
+}
+
+fn coords(c: &[u64]) -> String {
+    c.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+}
+
+fn opt_u(x: Option<u64>) -> String {
+    x.map(thousands).unwrap_or_else(|| "-".into())
+}
+
+fn decisions_clause(rep: &Report) -> String {
+    let d = &rep.decisions;
+    let n = d.reference_count;
+    if d.differing == 0 && d.missing.is_empty() && d.extra.is_empty() && d.compared == n {
+        format!("{n} decisions")
+    } else {
+        let mut s = format!("{} of {} decisions differ", d.differing, n);
+        if !d.missing.is_empty() || !d.extra.is_empty() {
+            s += &format!(" ({} missing, {} extra)", d.missing.len(), d.extra.len());
+        }
+        s
+    }
+}
+
+fn summary(rep: &Report) -> String {
+    let t = &rep.tensors;
+    let common = rep.per_tensor.len();
+    match rep.verdict {
+        Verdict::Unreadable | Verdict::Incomparable => {
+            let word = if rep.verdict == Verdict::Unreadable { "UNREADABLE" } else { "INCOMPARABLE" };
+            let refusals: Vec<_> = rep.findings.iter().filter(|f| !f.kind.ends_with("_allowed")).collect();
+            let first = refusals.first().map(|f| match &f.tensor {
+                Some(t) => format!("{} ({t}): {}", f.kind, f.detail),
+                None => format!("{}: {}", f.kind, f.detail),
+            });
+            let more = if refusals.len() > 1 { format!(" (+{} more)", refusals.len() - 1) } else { String::new() };
+            format!("{word} — {}{more}", first.unwrap_or_default())
+        }
+        Verdict::Identical => format!(
+            "IDENTICAL — {common} tensors ({} by digest, {} element-wise), 0 differing elements, {}",
+            t.matched_by_digest.len(),
+            t.compared_elementwise.len(),
+            decisions_clause(rep)
+        ),
+        Verdict::WithinPolicy => {
+            let within = rep.per_tensor.iter().filter(|r| r.status == "within_policy").count();
+            format!(
+                "WITHIN POLICY — {common} tensors judged by policy {:?} ({} bit-identical, {within} within bounds), {}",
+                rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
+                common - within,
+                decisions_clause(rep)
+            )
+        }
+        Verdict::Different => {
+            let mut parts = Vec::new();
+            if rep.policy.is_some() {
+                let bad: Vec<&TensorRow> = rep.per_tensor.iter().filter(|r| r.status == "outside_policy" || r.status == "no_rule").collect();
+                if !bad.is_empty() {
+                    parts.push(format!("{} of {common} tensors fail the policy (first: {} {})", bad.len(), bad[0].tensor, bad[0].status.replace('_', " ")));
+                }
+            }
+            if let Some(d) = &rep.first_divergence {
+                let dist = match (d.special, d.ulp) {
+                    (Some(s), _) if d.ulp.is_none() || d.ulp == Some(0) => s.describe().to_string(),
+                    (_, Some(u)) if d.dtype.starts_with('f') || d.dtype == "bf16" => format!("{} ULP", thousands(u)),
+                    (_, Some(u)) => format!("|diff| {}", thousands(u)),
+                    _ => String::new(),
+                };
+                parts.push(format!(
+                    "first at {}[{}]: {} ({}) vs {} ({}), {} ({}/{} elements differ)",
+                    d.tensor,
+                    coords(&d.coords),
+                    d.reference_value,
+                    d.reference_bits,
+                    d.candidate_value,
+                    d.candidate_bits,
+                    dist,
+                    thousands(d.differing_elements),
+                    thousands(d.total_elements)
+                ));
+            } else if common > 0 {
+                parts.push(format!("values identical in all {common} common tensors"));
+            }
+            let structural = rep
+                .findings
+                .iter()
+                .filter(|f| {
+                    matches!(
+                        f.kind,
+                        "missing_tensor" | "extra_tensor" | "dtype_mismatch" | "shape_mismatch" | "order_mismatch" | "decision_order_mismatch" | "decision_shape_mismatch"
+                    )
+                })
+                .count();
+            if structural > 0 {
+                parts.push(format!("{structural} structure finding{}", if structural == 1 { "" } else { "s" }));
+            }
+            parts.push(decisions_clause(rep));
+            format!("DIFFERENT — {}", parts.join("; "))
+        }
+    }
+}
+
+/// The full human report.
+pub fn render_human(rep: &Report) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "{}", summary(rep));
+    for (label, s) in [("reference", &rep.reference), ("candidate", &rep.candidate)] {
+        let digest = s.digest.as_deref().map(|d| &d[..16.min(d.len())]).unwrap_or("-");
+        let verified = if s.verified { "verified" } else { "not verified" };
+        let _ = writeln!(
+            o,
+            "  {label}  {}  digest {digest}  {verified}{}",
+            s.path.as_deref().unwrap_or("-"),
+            s.producer.as_deref().map(|p| format!("  producer {p}")).unwrap_or_default()
+        );
+    }
+    if matches!(rep.verdict, Verdict::Unreadable | Verdict::Incomparable) {
+        findings(&mut o, rep);
+        return o;
+    }
+    let t = &rep.tensors;
+    let _ = writeln!(
+        o,
+        "  tensors    {} in reference, {} in candidate; {} matched by digest, {} compared element-wise, {} not scanned; {} missing, {} extra",
+        t.reference_count,
+        t.candidate_count,
+        t.matched_by_digest.len(),
+        t.compared_elementwise.len(),
+        t.not_scanned.len(),
+        t.missing.len(),
+        t.extra.len()
+    );
+    if !t.compared_elementwise.is_empty() && t.compared_elementwise.len() <= 8 {
+        let _ = writeln!(o, "  element-wise: {}", t.compared_elementwise.join(", "));
+    }
+    if let Some(d) = &rep.first_divergence {
+        let _ = writeln!(o, "first divergence");
+        let _ = writeln!(o, "  tensor     {}  {} {:?}", d.tensor, d.dtype, d.shape);
+        let _ = writeln!(o, "  element    [{}]  (flat index {})", coords(&d.coords), thousands(d.flat_index));
+        let _ = writeln!(o, "  reference  {}  ({})", d.reference_value, d.reference_bits);
+        let _ = writeln!(o, "  candidate  {}  ({})", d.candidate_value, d.candidate_bits);
+        let unit = if matches!(d.dtype.as_str(), "f64" | "f32" | "f16" | "bf16") { format!("ULP ({})", d.dtype) } else { "absolute".into() };
+        let dist = match d.ulp {
+            Some(u) => format!("{} {unit}", thousands(u)),
+            None => "none (NaN)".into(),
+        };
+        let special = d.special.map(|s| format!("  — {}", s.describe())).unwrap_or_default();
+        let _ = writeln!(o, "  distance   {dist}{special}");
+        let _ = writeln!(o, "  elements   {} of {} differ", thousands(d.differing_elements), thousands(d.total_elements));
+        let _ = writeln!(o, "  ULP        max {}, median {}", opt_u(d.max_ulp), opt_u(d.median_ulp));
+        let _ = writeln!(o, "  abs / rel  max abs {}, max rel {}", real(Some(d.max_abs)), real(Some(d.max_rel)));
+        let _ = writeln!(o, "  cosine     {}, relative L2 {}", cosine(d.cosine), real(d.rel_l2));
+    }
+    if rep.scan == "first" && !t.not_scanned.is_empty() {
+        let _ = writeln!(
+            o,
+            "not scanned after the first difference (use --all): {} tensor{}, {} of them differ by digest{}",
+            t.not_scanned.len(),
+            if t.not_scanned.len() == 1 { "" } else { "s" },
+            t.known_different.len(),
+            if t.known_different.is_empty() { String::new() } else { format!(": {}", t.known_different.join(", ")) }
+        );
+    }
+    if rep.scan == "all" && !rep.per_tensor.is_empty() {
+        curve(&mut o, rep);
+    }
+    decisions(&mut o, rep);
+    findings(&mut o, rep);
+    o
+}
+
+fn curve(o: &mut String, rep: &Report) {
+    let w = rep.per_tensor.iter().map(|r| r.tensor.len()).max().unwrap_or(6).max(6);
+    let _ = writeln!(o, "per tensor (reference order)");
+    let with_rule = rep.policy.is_some();
+    let _ = writeln!(
+        o,
+        "  {:w$}  {:14}  {:>21}  {:>12}  {:>10}  {:>11}  {}",
+        "tensor",
+        "status",
+        "differing/total",
+        "max ULP",
+        "max rel",
+        "cosine",
+        if with_rule { "rule" } else { "method" }
+    );
+    for r in &rep.per_tensor {
+        let diff = match r.differing_elements {
+            Some(d) => format!("{}/{}", thousands(d), thousands(r.total_elements)),
+            None => format!("?/{}", thousands(r.total_elements)),
+        };
+        let last = if with_rule {
+            r.rule.as_ref().map(|x| format!("#{} {}", x.index, x.pattern)).unwrap_or_else(|| "NO RULE".into())
+        } else {
+            r.method.to_string()
+        };
+        let _ = writeln!(
+            o,
+            "  {:w$}  {:14}  {:>21}  {:>12}  {:>10}  {:>11}  {}",
+            r.tensor,
+            r.status,
+            diff,
+            opt_u(r.max_ulp),
+            real(r.max_rel),
+            cosine(r.cosine),
+            last
+        );
+        for v in &r.violations {
+            let _ = writeln!(o, "  {:w$}    ! {v}", "");
+        }
+    }
+}
+
+fn decisions(o: &mut String, rep: &Report) {
+    let d = &rep.decisions;
+    if d.results.is_empty() && d.missing.is_empty() && d.extra.is_empty() {
+        return;
+    }
+    let _ = writeln!(o, "decisions  {} compared, {} differ", d.compared, d.differing);
+    for r in &d.results {
+        let state = match r.status {
+            "identical" => format!("identical ({} rows)", r.rows),
+            "shape_mismatch" => "shape mismatch".into(),
+            _ => {
+                let reord = if r.reordered_rows > 0 { format!(", {} same values in a different order", r.reordered_rows) } else { String::new() };
+                format!("{} of {} rows differ{reord}", r.differing_rows, r.rows)
+            }
+        };
+        let _ = writeln!(o, "  {} {:?}  {state}", r.name, r.shape);
+        for f in r.flips.iter().take(10) {
+            let what = if f.same_values_different_order { "  same values, different order" } else { "" };
+            let _ = writeln!(
+                o,
+                "    row {}: {:?} vs {:?}{what}; margin ref {} cand {}; {} divergence {} → {}",
+                f.row,
+                f.reference,
+                f.candidate,
+                real(f.reference_margin),
+                real(f.candidate_margin),
+                r.source.as_deref().unwrap_or("(no source tensor)"),
+                real(f.source_divergence),
+                f.label
+            );
+        }
+        if r.flips.len() > 10 {
+            let _ = writeln!(o, "    … {} more differing rows (see --json)", r.flips.len() - 10);
+        }
+    }
+}
+
+fn findings(o: &mut String, rep: &Report) {
+    if rep.findings.is_empty() {
+        return;
+    }
+    let _ = writeln!(o, "findings   {}", rep.findings.len());
+    for f in &rep.findings {
+        match &f.tensor {
+            Some(t) => {
+                let _ = writeln!(o, "  {}  {t}: {}", f.kind, f.detail);
+            }
+            None => {
+                let _ = writeln!(o, "  {}  {}", f.kind, f.detail);
+            }
+        }
+    }
+}
+
+fn attrs(a: &Attributes) -> String {
+    let mut parts = Vec::new();
+    if let Some(p) = &a.path {
+        parts.push(format!("path={p}"));
+    }
+    if let Some(m) = &a.mask {
+        parts.push(format!("mask={m}"));
+    }
+    if let Some(p) = &a.positions {
+        let s = match p.len() {
+            0 => "[]".to_string(),
+            1..=4 => format!("{p:?}"),
+            n => format!("[{}..{}]({n})", p[0], p[n - 1]),
+        };
+        parts.push(format!("positions={s}"));
+    }
+    if let Some(s) = a.step {
+        parts.push(format!("step={s}"));
+    }
+    for (k, v) in &a.extra {
+        parts.push(format!("{k}={v}"));
+    }
+    parts.join(" ")
+}
+
+/// `trace-diff --show FILE`: what a trace holds, for a person.
+pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "{}", t.path().display());
+    let _ = writeln!(o, "  digest   {}", t.digest().hex());
+    let _ = writeln!(o, "  format   {}.{}", t.version().0, t.version().1);
+    let _ = writeln!(
+        o,
+        "  verify   {}",
+        match verify {
+            None => "skipped (--no-verify)".to_string(),
+            Some(Ok(())) => "ok (every digest recomputed)".to_string(),
+            Some(Err(e)) => format!("FAILED: {e}"),
+        }
+    );
+    let _ = writeln!(o, "provenance");
+    let pretty = serde_json::to_string_pretty(t.provenance()).unwrap_or_default();
+    for line in pretty.lines() {
+        let _ = writeln!(o, "  {line}");
+    }
+    let _ = writeln!(o, "tensors ({})", t.tensors().len());
+    let w = t.tensors().iter().map(|x| x.name.len()).max().unwrap_or(4).max(4);
+    let _ = writeln!(o, "  {:w$}  {:5}  {:18}  {:16}  attributes", "name", "dtype", "shape", "xxh3-128");
+    for x in t.tensors() {
+        let digest = format!("{:032x}", x.digest);
+        let _ = writeln!(o, "  {:w$}  {:5}  {:18}  {:16}  {}", x.name, x.dtype.name(), format!("{:?}", x.shape), &digest[..16], attrs(&x.attributes));
+    }
+    let _ = writeln!(o, "decisions ({})", t.decisions().len());
+    let w = t.decisions().iter().map(|x| x.name.len()).max().unwrap_or(4).max(4);
+    let _ = writeln!(o, "  {:w$}  {:10}  {:24}  min margin", "name", "shape", "first values");
+    for d in t.decisions() {
+        let values = t.decision_values(d);
+        let mut first: Vec<String> = values.iter().take(8).map(|v| v.to_string()).collect();
+        if values.len() > 8 {
+            first.push("…".into());
+        }
+        let min_margin = match t.decision_margins(d) {
+            None => "-".to_string(),
+            Some(m) => {
+                let (row, v) = m.iter().enumerate().fold((0usize, f32::INFINITY), |acc, (i, &x)| if x < acc.1 { (i, x) } else { acc });
+                if m.is_empty() {
+                    "-".into()
+                } else {
+                    format!("{} (row {row})", real(Some(Real(v as f64))))
+                }
+            }
+        };
+        let _ = writeln!(o, "  {:w$}  {:10}  {:24}  {min_margin}", d.name, format!("{:?}", d.shape), first.join(" "));
+    }
+    o
+}

@@ -1,0 +1,123 @@
+//! Builders for the seeded-failure suite: a small model-shaped trace written with the real
+//! TraceWriter, which each test copies and plants one defect in.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use tracegate_trace::{Attributes, DType, TraceWriter};
+
+#[derive(Clone)]
+pub struct T {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub bytes: Vec<u8>,
+    pub attrs: Attributes,
+}
+
+#[derive(Clone)]
+pub struct D {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub values: Vec<i64>,
+    pub margins: Option<Vec<f32>>,
+}
+
+#[derive(Clone)]
+pub struct Spec {
+    pub provenance: Value,
+    pub tensors: Vec<T>,
+    pub decisions: Vec<D>,
+}
+
+/// Deterministic, varied, non-zero-mean values.
+pub fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32).map(|i| ((i.wrapping_mul(7919).wrapping_add(seed * 104729)) % 1000) as f32 / 250.0 - 1.7).collect()
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn t_f32(name: &str, shape: &[u64], v: &[f32]) -> T {
+    T { name: name.into(), dtype: DType::F32, shape: shape.to_vec(), bytes: f32_bytes(v), attrs: prefill() }
+}
+
+pub fn t_raw(name: &str, dtype: DType, shape: &[u64], bytes: Vec<u8>) -> T {
+    T { name: name.into(), dtype, shape: shape.to_vec(), bytes, attrs: prefill() }
+}
+
+pub fn prefill() -> Attributes {
+    Attributes::default().with_path("prefill").with_mask("causal").with_positions(vec![0, 1, 2, 3])
+}
+
+pub fn engine_provenance() -> Value {
+    json!({"producer": "engine", "versions": {"tracegate": "0.1.0"}, "dtype": "f32", "device": "cpu",
+           "weights_digest": "w-1234", "prompt_tokens": [1, 15, 27, 9]})
+}
+
+pub fn oracle_provenance() -> Value {
+    json!({"producer": "oracle", "versions": {"torch": "2.5.1", "transformers": "4.47.0", "numpy": "2.1.3"},
+           "dtype": "float32", "device": "cpu", "attn_implementation": "eager",
+           "weights_digest": "w-1234", "prompt_tokens": [1, 15, 27, 9]})
+}
+
+/// 4 tokens, hidden 8, vocab 16, two layers, a router with 4 experts and top-2.
+pub fn model() -> Spec {
+    let mut tensors = vec![t_f32("embed.out", &[4, 8], &values(32, 1))];
+    for l in 0..2 {
+        let s = 10 * (l + 1);
+        tensors.push(t_f32(&format!("layer.{l:02}.hidden_in"), &[4, 8], &values(32, s)));
+        tensors.push(t_f32(&format!("layer.{l:02}.attn_out"), &[4, 8], &values(32, s + 1)));
+        tensors.push(t_f32(&format!("layer.{l:02}.router.logits"), &[4, 4], &values(16, s + 2)));
+        tensors.push(t_f32(&format!("layer.{l:02}.mlp_out"), &[4, 8], &values(32, s + 3)));
+        tensors.push(t_f32(&format!("layer.{l:02}.hidden_out"), &[4, 8], &values(32, s + 4)));
+    }
+    tensors.push(t_f32("final_norm.out", &[4, 8], &values(32, 90)));
+    tensors.push(t_f32("logits", &[4, 16], &values(64, 91)));
+    let decisions = vec![
+        D { name: "layer.00.router.topk".into(), shape: vec![4, 2], values: vec![0, 3, 1, 2, 3, 0, 2, 1], margins: Some(vec![0.5, 0.25, 0.75, 1e-6]) },
+        D { name: "layer.01.router.topk".into(), shape: vec![4, 2], values: vec![1, 0, 2, 3, 0, 1, 3, 2], margins: Some(vec![0.5, 0.5, 0.5, 0.5]) },
+        D { name: "logits.argmax".into(), shape: vec![4], values: vec![5, 9, 2, 14], margins: Some(vec![1.5, 2.0, 1e-7, 0.75]) },
+    ];
+    Spec { provenance: engine_provenance(), tensors, decisions }
+}
+
+impl Spec {
+    pub fn tensor_mut(&mut self, name: &str) -> &mut T {
+        self.tensors.iter_mut().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))
+    }
+    pub fn decision_mut(&mut self, name: &str) -> &mut D {
+        self.decisions.iter_mut().find(|t| t.name == name).unwrap_or_else(|| panic!("no decision {name}"))
+    }
+    /// Reads element `i` of an f32 tensor as bits, applies `f`, writes it back.
+    pub fn poke_f32_bits(&mut self, name: &str, i: usize, f: impl Fn(u32) -> u32) {
+        let t = self.tensor_mut(name);
+        let b = &mut t.bytes[i * 4..i * 4 + 4];
+        let v = f(u32::from_le_bytes(b.try_into().unwrap()));
+        b.copy_from_slice(&v.to_le_bytes());
+    }
+    pub fn set_f32(&mut self, name: &str, i: usize, v: f32) {
+        self.poke_f32_bits(name, i, |_| v.to_bits());
+    }
+    pub fn write(&self, path: &Path) -> PathBuf {
+        let mut w = TraceWriter::create(path, self.provenance.clone()).unwrap();
+        for t in &self.tensors {
+            w.tensor(&t.name, t.dtype, &t.shape, &t.bytes, &t.attrs).unwrap();
+        }
+        for d in &self.decisions {
+            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref()).unwrap();
+        }
+        w.finish().unwrap();
+        path.to_path_buf()
+    }
+}
+
+/// Writes `reference` and `candidate` into a fresh temp dir as ref.trace / cand.trace.
+pub fn pair(reference: &Spec, candidate: &Spec) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference.write(&dir.path().join("ref.trace"));
+    let c = candidate.write(&dir.path().join("cand.trace"));
+    (dir, r, c)
+}

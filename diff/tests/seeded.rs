@@ -1,0 +1,441 @@
+//! The seeded-failure suite: each test plants one defect in a model-shaped trace and checks
+//! that the differ names exactly that defect (and would fail without the feature).
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use tracegate_diff::{compare_files, Options, Policy, Special, Verdict};
+use tracegate_trace::DType;
+
+fn diff(r: &Spec, c: &Spec, opts: &Options) -> tracegate_diff::Report {
+    let (_dir, rp, cp) = pair(r, c);
+    compare_files(&rp, &cp, opts)
+}
+
+fn kinds(rep: &tracegate_diff::Report) -> Vec<&'static str> {
+    rep.findings.iter().map(|f| f.kind).collect()
+}
+
+#[test]
+fn identical_traces_match_by_digest() {
+    let m = model();
+    let rep = diff(&m, &m, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Identical);
+    assert_eq!(rep.tensors.matched_by_digest.len(), 13);
+    assert!(rep.tensors.compared_elementwise.is_empty());
+    assert_eq!(rep.decisions.compared, 3);
+    assert!(rep.findings.is_empty(), "{:?}", rep.findings);
+}
+
+#[test]
+fn no_verify_trusts_no_digest() {
+    let m = model();
+    let opts = Options { verify: false, ..Options::default() };
+    let rep = diff(&m, &m, &opts);
+    assert_eq!(rep.verdict, Verdict::Identical);
+    assert!(rep.tensors.matched_by_digest.is_empty());
+    assert_eq!(rep.tensors.compared_elementwise.len(), 13);
+}
+
+#[test]
+fn one_ulp_change_is_located_to_the_element() {
+    let r = model();
+    let mut c = model();
+    // layer.01.attn_out is [4, 8]: flat 21 = [2, 5].
+    c.poke_f32_bits("layer.01.attn_out", 21, |b| b + 1);
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Different);
+    let d = rep.first_divergence.as_ref().unwrap();
+    assert_eq!(d.tensor, "layer.01.attn_out");
+    assert_eq!((d.flat_index, d.coords.clone()), (21, vec![2, 5]));
+    assert_eq!(d.ulp, Some(1));
+    assert_eq!((d.differing_elements, d.total_elements), (1, 32));
+    assert_eq!((d.max_ulp, d.median_ulp), (Some(1), Some(1)));
+    let rv: f32 = d.reference_value.parse().unwrap();
+    let cv: f32 = d.candidate_value.parse().unwrap();
+    assert_eq!(cv.to_bits(), rv.to_bits() + 1, "printed values must round-trip exactly");
+    assert_eq!(d.reference_bits, format!("0x{:08x}", rv.to_bits()));
+    assert!(d.special.is_none());
+    // Everything before it was matched by digest, it alone element by element.
+    assert_eq!(rep.tensors.compared_elementwise, vec!["layer.01.attn_out".to_string()]);
+    assert_eq!(rep.tensors.matched_by_digest.len(), 12);
+}
+
+#[test]
+fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
+    let r = model();
+    let mut c = model();
+    c.poke_f32_bits("layer.00.mlp_out", 3, |b| b + 2);
+    for i in 0..32 {
+        c.poke_f32_bits("layer.01.mlp_out", i, |b| b + 5);
+    }
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
+    let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
+    assert_eq!((later.method, later.status, later.differing_elements), ("not_scanned", "differs_by_digest", None));
+    assert!(rep.tensors.known_different.contains(&"layer.01.mlp_out".to_string()));
+
+    let rep = diff(&r, &c, &Options { all: true, ..Options::default() });
+    assert_eq!(rep.scan, "all");
+    assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
+    let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
+    assert_eq!((later.method, later.status, later.differing_elements), ("elementwise", "different", Some(32)));
+    assert_eq!((later.max_ulp, later.median_ulp), (Some(5), None), "the median is computed for the first divergence only");
+    assert!(rep.tensors.not_scanned.is_empty());
+}
+
+#[test]
+fn a_transposed_tensor_is_a_shape_finding() {
+    let r = model();
+    let mut c = model();
+    let t = c.tensor_mut("layer.00.attn_out");
+    let v: Vec<f32> = t.bytes.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    let transposed: Vec<f32> = (0..32).map(|i| v[(i % 4) * 8 + i / 4]).collect();
+    *t = t_f32("layer.00.attn_out", &[8, 4], &transposed);
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(kinds(&rep), vec!["shape_mismatch"]);
+    assert!(rep.findings[0].detail.contains("[4, 8] vs candidate [8, 4]"));
+    assert!(rep.first_divergence.is_none(), "a shape finding is not a byte difference");
+}
+
+#[test]
+fn a_flipped_topk_with_identical_floats_is_reported() {
+    let r = model();
+    let mut c = model();
+    // Row 2 of layer.00 picks expert 0 instead of 3; every tensor stays bit-identical.
+    c.decision_mut("layer.00.router.topk").values[4] = 0;
+    c.decision_mut("layer.00.router.topk").values[5] = 1;
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(rep.tensors.matched_by_digest.len(), 13);
+    assert!(rep.first_divergence.is_none());
+    let d = rep.first_decision_divergence.as_ref().unwrap();
+    assert_eq!((d.name.as_str(), d.row), ("layer.00.router.topk", 2));
+    assert_eq!((d.reference.clone(), d.candidate.clone()), (vec![3, 0], vec![0, 1]));
+    assert!(!d.same_values_different_order);
+    assert_eq!(d.reference_margin.unwrap().0, 0.75);
+    assert_eq!((rep.decisions.compared, rep.decisions.differing), (3, 1));
+    // The source tensor is bit-identical, so a flip cannot be a near-tie: the rule differs.
+    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    assert_eq!(res.source.as_deref(), Some("layer.00.router.logits"));
+    assert_eq!(res.flips[0].label, "defect");
+}
+
+#[test]
+fn a_reordered_topk_is_same_values_different_order() {
+    let r = model();
+    let mut c = model();
+    c.decision_mut("layer.01.router.topk").values.swap(2, 3);
+    let rep = diff(&r, &c, &Options::default());
+    let d = rep.first_decision_divergence.as_ref().unwrap();
+    assert_eq!((d.name.as_str(), d.row), ("layer.01.router.topk", 1));
+    assert_eq!((d.reference.clone(), d.candidate.clone()), (vec![2, 3], vec![3, 2]));
+    assert!(d.same_values_different_order);
+    let res = rep.decisions.results.iter().find(|x| x.name == "layer.01.router.topk").unwrap();
+    assert_eq!((res.differing_rows, res.reordered_rows, res.rows), (1, 1, 4));
+}
+
+#[test]
+fn near_tie_and_defect_flips_are_told_apart() {
+    let r = model();
+    let mut c = model();
+    // logits row 2 has margin 1e-7 in the reference; the candidate's logits row 2 moved by
+    // ~1e-6, and its argmax flipped: a near-tie. Row 0 (margin 1.5) flipped too: a defect.
+    for i in 32..48 {
+        c.poke_f32_bits("logits", i, |b| b + 4);
+    }
+    c.poke_f32_bits("logits", 0, |b| b + 1);
+    c.decision_mut("logits.argmax").values[2] = 3;
+    c.decision_mut("logits.argmax").values[0] = 6;
+    let rep = diff(&r, &c, &Options::default());
+    let res = rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap();
+    assert_eq!(res.source.as_deref(), Some("logits"));
+    let by_row = |row: u64| res.flips.iter().find(|f| f.row == row).unwrap();
+    assert_eq!(by_row(2).label, "near-tie");
+    assert!(by_row(2).source_divergence.unwrap().0 > 1e-7);
+    assert_eq!(by_row(0).label, "defect");
+    assert_eq!(by_row(0).reference_margin.unwrap().0, 1.5);
+}
+
+#[test]
+fn missing_and_extra_tensors_and_decisions() {
+    let r = model();
+    let mut c = model();
+    c.tensors.retain(|t| t.name != "layer.01.hidden_in");
+    c.tensors.push(t_f32("layer.01.q", &[4, 8], &values(32, 5)));
+    c.decisions.retain(|d| d.name != "logits.argmax");
+    c.decisions.push(D { name: "decode.0000.argmax".into(), shape: vec![1], values: vec![3], margins: None });
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(rep.tensors.missing, vec!["layer.01.hidden_in".to_string()]);
+    assert_eq!(rep.tensors.extra, vec!["layer.01.q".to_string()]);
+    assert_eq!(rep.decisions.missing, vec!["logits.argmax".to_string()]);
+    assert_eq!(rep.decisions.extra, vec!["decode.0000.argmax".to_string()]);
+    let k = kinds(&rep);
+    for want in ["missing_tensor", "extra_tensor", "missing_decision", "extra_decision"] {
+        assert!(k.contains(&want), "{want} not in {k:?}");
+    }
+    assert!(rep.first_divergence.is_none());
+}
+
+#[test]
+fn order_differences_are_structure_findings() {
+    let r = model();
+    let mut c = model();
+    c.tensors.swap(2, 3);
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(kinds(&rep), vec!["order_mismatch"]);
+    assert_eq!(rep.findings[0].tensor.as_deref(), Some("layer.00.attn_out"));
+}
+
+#[test]
+fn signed_zero_is_named_not_counted_as_distance() {
+    let mut r = model();
+    let mut c = model();
+    r.set_f32("layer.00.hidden_out", 7, 0.0);
+    c.set_f32("layer.00.hidden_out", 7, -0.0);
+    let rep = diff(&r, &c, &Options::default());
+    let d = rep.first_divergence.as_ref().unwrap();
+    assert_eq!((d.special, d.ulp, d.max_ulp), (Some(Special::SignedZero), Some(0), Some(0)));
+    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("0", "-0"));
+    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str()), ("0x00000000", "0x80000000"));
+    assert_eq!(d.differing_elements, 1);
+    assert!(kinds(&rep).contains(&"signed_zero"));
+}
+
+#[test]
+fn nan_payload_and_nan_mismatch_are_named() {
+    let mut r = model();
+    let mut c = model();
+    r.poke_f32_bits("final_norm.out", 1, |_| 0x7fc0_0000);
+    c.poke_f32_bits("final_norm.out", 1, |_| 0x7fc0_0001);
+    c.poke_f32_bits("final_norm.out", 9, |_| 0x7fc0_0000);
+    let rep = diff(&r, &c, &Options::default());
+    let d = rep.first_divergence.as_ref().unwrap();
+    assert_eq!((d.special, d.ulp), (Some(Special::NanPayload), None));
+    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("NaN", "NaN"));
+    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str()), ("0x7fc00000", "0x7fc00001"));
+    assert_eq!(d.differing_elements, 2);
+    assert_eq!(d.max_ulp, None, "NaN pairs have no distance, so no huge number appears");
+    let k = kinds(&rep);
+    assert!(k.contains(&"nan_payload") && k.contains(&"nan_mismatch"), "{k:?}");
+}
+
+#[test]
+fn infinities_are_handled() {
+    let mut r = model();
+    let mut c = model();
+    r.set_f32("logits", 4, f32::MAX);
+    c.set_f32("logits", 4, f32::INFINITY);
+    let rep = diff(&r, &c, &Options::default());
+    let d = rep.first_divergence.as_ref().unwrap();
+    assert_eq!((d.special, d.ulp), (Some(Special::Infinity), Some(1)));
+    assert_eq!(d.candidate_value, "inf");
+}
+
+fn half_pair(dtype: DType, a: u16, b: u16) -> (Spec, Spec) {
+    let mut r = model();
+    let bytes: Vec<u8> = (0..8u16).flat_map(|i| (0x3c00u16 + i).to_le_bytes()).collect();
+    r.tensors.push(t_raw("extra.half", dtype, &[8], bytes));
+    let mut c = r.clone();
+    r.tensor_mut("extra.half").bytes[6..8].copy_from_slice(&a.to_le_bytes());
+    c.tensor_mut("extra.half").bytes[6..8].copy_from_slice(&b.to_le_bytes());
+    (r, c)
+}
+
+#[test]
+fn bf16_ulps_are_bf16_steps() {
+    let one = half::bf16::from_f32(1.0).to_bits();
+    let (r, c) = half_pair(DType::BF16, one, one + 3);
+    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    assert_eq!((d.tensor.as_str(), d.flat_index, d.ulp), ("extra.half", 3, Some(3)));
+    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("1", "1.02"));
+    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str()), ("0x3f80", "0x3f83"));
+}
+
+#[test]
+fn f16_ulps_are_f16_steps_and_cross_zero() {
+    // Smallest positive subnormal against the smallest negative one: 2 steps.
+    let (r, c) = half_pair(DType::F16, 0x0001, 0x8001);
+    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    assert_eq!(d.ulp, Some(2));
+    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("6e-8", "-6e-8"));
+}
+
+#[test]
+fn f64_ulps_are_f64_steps() {
+    let mut r = model();
+    let vals: Vec<u8> = [1.0f64, 2.0, 3.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+    r.tensors.push(t_raw("extra.f64", DType::F64, &[3], vals));
+    let mut c = r.clone();
+    let bits = 2.0f64.to_bits() - 1000;
+    c.tensor_mut("extra.f64").bytes[8..16].copy_from_slice(&bits.to_le_bytes());
+    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    assert_eq!((d.flat_index, d.ulp), (1, Some(1000)));
+    assert_eq!(d.reference_value, "2");
+    assert_eq!(d.candidate_value, format!("{}", f64::from_bits(bits)));
+}
+
+#[test]
+fn integer_tensors_report_absolute_difference() {
+    let mut r = model();
+    let ids: Vec<u8> = [5i32, -7, 9].iter().flat_map(|x| x.to_le_bytes()).collect();
+    r.tensors.push(t_raw("extra.ids", DType::I32, &[3], ids));
+    let mut c = r.clone();
+    c.tensor_mut("extra.ids").bytes[4..8].copy_from_slice(&12i32.to_le_bytes());
+    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    assert_eq!((d.ulp, d.reference_value.as_str(), d.candidate_value.as_str()), (Some(19), "-7", "12"));
+}
+
+#[test]
+fn path_mask_and_positions_mismatches_are_refused() {
+    for (field, kind) in [("path", "path_mismatch"), ("mask", "mask_mismatch"), ("positions", "positions_mismatch")] {
+        let r = model();
+        let mut c = model();
+        let a = &mut c.tensor_mut("layer.00.attn_out").attrs;
+        match field {
+            "path" => a.path = Some("decode".into()),
+            "mask" => a.mask = Some("bidirectional".into()),
+            _ => a.positions = Some(vec![1, 2, 3, 4]),
+        }
+        // Even with a value difference elsewhere, refusal comes first.
+        c.poke_f32_bits("embed.out", 0, |b| b + 1);
+        let rep = diff(&r, &c, &Options::default());
+        assert_eq!(rep.verdict, Verdict::Incomparable, "{field}");
+        assert_eq!(rep.exit_code(), 3);
+        assert_eq!(kinds(&rep), vec![kind]);
+        assert_eq!(rep.findings[0].tensor.as_deref(), Some("layer.00.attn_out"));
+        assert!(rep.first_divergence.is_none());
+    }
+}
+
+#[test]
+fn attribute_mismatch_is_refused_even_with_equal_bytes() {
+    // Same bytes, same digest per tensor — but a different mask: not comparable.
+    let r = model();
+    let mut c = model();
+    c.tensor_mut("logits").attrs.mask = Some("bidirectional".into());
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Incomparable);
+}
+
+#[test]
+fn weights_and_prompt_mismatches_are_refused() {
+    let r = model();
+    let mut c = model();
+    c.provenance["weights_digest"] = json!("w-9999");
+    c.provenance["prompt_tokens"] = json!([1, 15, 27, 10]);
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Incomparable);
+    assert_eq!(kinds(&rep), vec!["weights_mismatch", "prompt_mismatch"]);
+}
+
+#[test]
+fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
+    let mut r = model();
+    r.provenance = oracle_provenance();
+    let mut c = r.clone();
+    c.provenance["versions"]["transformers"] = json!("4.48.0");
+    c.provenance["device"] = json!("cuda");
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Incomparable);
+    assert_eq!(kinds(&rep), vec!["stack_mismatch", "stack_mismatch"]);
+    assert!(rep.findings[0].detail.contains("versions.transformers is 4.47.0 in the reference, 4.48.0"));
+
+    let rep = diff(&r, &c, &Options { allow_stack_mismatch: true, ..Options::default() });
+    assert_eq!(rep.verdict, Verdict::Identical);
+    assert_eq!(kinds(&rep), vec!["stack_mismatch_allowed", "stack_mismatch_allowed"]);
+
+    // The flag downgrades only the stack rule.
+    c.provenance["weights_digest"] = json!("w-other");
+    let rep = diff(&r, &c, &Options { allow_stack_mismatch: true, ..Options::default() });
+    assert_eq!(rep.verdict, Verdict::Incomparable);
+}
+
+#[test]
+fn engine_against_oracle_is_not_a_stack_mismatch() {
+    let r = model();
+    let mut c = model();
+    c.provenance = oracle_provenance();
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Identical);
+}
+
+#[test]
+fn tampered_trace_is_unreadable() {
+    let m = model();
+    let (_dir, rp, cp) = pair(&m, &m);
+    let off = tracegate_trace::Trace::open(&cp).unwrap().tensor_info("layer.01.mlp_out").unwrap().offset;
+    let mut bytes = std::fs::read(&cp).unwrap();
+    bytes[off as usize + 5] ^= 0x10;
+    std::fs::write(&cp, bytes).unwrap();
+    let rep = compare_files(&rp, &cp, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Unreadable);
+    assert_eq!(rep.exit_code(), 2);
+    assert!(rep.findings[0].detail.contains("layer.01.mlp_out"), "{}", rep.findings[0].detail);
+    // With --no-verify the edit is compared as a value difference instead.
+    let rep = compare_files(&rp, &cp, &Options { verify: false, ..Options::default() });
+    assert_eq!(rep.first_divergence.unwrap().tensor, "layer.01.mlp_out");
+}
+
+fn oracle_like_pair() -> (Spec, Spec) {
+    let r = model();
+    let mut c = model();
+    c.provenance = oracle_provenance();
+    // Small, spread differences everywhere after the embedding, as a different summation
+    // order produces.
+    let names: Vec<String> = c.tensors.iter().map(|t| t.name.clone()).filter(|n| n != "embed.out").collect();
+    for n in names {
+        let count = c.tensor_mut(&n).bytes.len() / 4;
+        for i in (0..count).step_by(3) {
+            c.poke_f32_bits(&n, i, |b| b ^ 1);
+        }
+    }
+    (r, c)
+}
+
+#[test]
+fn policy_pass() {
+    let (r, c) = oracle_like_pair();
+    let policy = Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap();
+    let rep = diff(&r, &c, &Options { policy: Some(policy), ..Options::default() });
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
+    assert_eq!(rep.exit_code(), 0);
+    // Every tensor compared (not stop-at-first) and judged by a named rule.
+    assert_eq!(rep.per_tensor.len(), 13);
+    let embed = &rep.per_tensor[0];
+    assert_eq!((embed.status, embed.rule.as_ref().unwrap().pattern.as_str()), ("identical", "embed.out"));
+    let attn = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.attn_out").unwrap();
+    assert_eq!((attn.status, attn.rule.as_ref().unwrap().pattern.as_str()), ("within_policy", "layer.*.attn_out"));
+}
+
+#[test]
+fn policy_fail_and_unmatched_tensor() {
+    let (r, mut c) = oracle_like_pair();
+    c.set_f32("layer.00.mlp_out", 5, 100.0);
+    c.decision_mut("logits.argmax").values[1] = 0;
+    let mut with_extra = r.clone();
+    with_extra.tensors.push(t_f32("custom.probe", &[2], &[1.0, 2.0]));
+    c.tensors.push(t_f32("custom.probe", &[2], &[1.0, 2.0]));
+    let policy = Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap();
+    let rep = diff(&with_extra, &c, &Options { policy: Some(policy), ..Options::default() });
+    assert_eq!(rep.verdict, Verdict::Different);
+    let mlp = rep.per_tensor.iter().find(|t| t.tensor == "layer.00.mlp_out").unwrap();
+    assert_eq!(mlp.status, "outside_policy");
+    assert!(mlp.violations.iter().any(|v| v.starts_with("relative L2")), "{:?}", mlp.violations);
+    let probe = rep.per_tensor.iter().find(|t| t.tensor == "custom.probe").unwrap();
+    assert_eq!((probe.status, probe.rule.is_none()), ("no_rule", true));
+    let k = kinds(&rep);
+    assert!(k.contains(&"outside_policy") && k.contains(&"no_policy_rule") && k.contains(&"decision_differs"), "{k:?}");
+    // Decisions stay exact under a policy.
+    assert_eq!(rep.decisions.differing, 1);
+}
+
+#[test]
+fn policy_rejects_a_bad_file() {
+    assert!(Policy::parse(r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a"}]}"#).is_err());
+    assert!(Policy::parse(r#"{"format":"other","name":"x","rules":[]}"#).is_err());
+    assert!(Policy::parse(r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a","max_ulps":1}]}"#).is_err());
+}

@@ -1,0 +1,84 @@
+//! What a forward pass records: tensors at the named capture points (default set, plus the
+//! internals when asked) and decisions, in the order they were produced. A disabled capture
+//! records nothing (generation steps and uncached re-runs).
+
+use tracegate_trace::{Attributes, TraceWriter};
+
+use crate::Result;
+
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub data: Vec<f32>,
+    pub positions: Vec<i64>,
+}
+
+pub struct Decision {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub values: Vec<i64>,
+    pub margins: Option<Vec<f32>>,
+}
+
+pub struct Capture {
+    on: bool,
+    internals: bool,
+    /// The `path` attribute: "prefill" for whole forwards, "layer" for the layer verb.
+    path: &'static str,
+    pub tensors: Vec<Tensor>,
+    pub decisions: Vec<Decision>,
+}
+
+impl Capture {
+    pub fn new(path: &'static str, internals: bool) -> Capture {
+        Capture { on: true, internals, path, tensors: vec![], decisions: vec![] }
+    }
+    pub fn off() -> Capture {
+        Capture { on: false, internals: false, path: "", tensors: vec![], decisions: vec![] }
+    }
+    pub fn internals(&self) -> bool {
+        self.on && self.internals
+    }
+
+    /// A default-set capture point.
+    pub fn tensor(&mut self, name: &str, shape: &[usize], data: &[f32], positions: &[i64]) {
+        if self.on {
+            self.tensors.push(Tensor {
+                name: name.to_string(),
+                shape: shape.iter().map(|&d| d as u64).collect(),
+                data: data.to_vec(),
+                positions: positions.to_vec(),
+            });
+        }
+    }
+
+    /// An internals-only capture point.
+    pub fn internal(&mut self, name: &str, shape: &[usize], data: &[f32], positions: &[i64]) {
+        if self.internals() {
+            self.tensor(name, shape, data, positions);
+        }
+    }
+
+    pub fn decision(&mut self, name: &str, shape: &[usize], values: Vec<i64>, margins: Option<Vec<f32>>) {
+        if self.on {
+            let shape = shape.iter().map(|&d| d as u64).collect();
+            self.decisions.push(Decision { name: name.to_string(), shape, values, margins });
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Write everything, in order, with `path`, `mask = causal` and `positions` attributes.
+    pub fn write(&self, w: &mut TraceWriter) -> Result<()> {
+        for t in &self.tensors {
+            let attrs = Attributes::default().with_path(self.path).with_mask("causal").with_positions(t.positions.clone());
+            w.tensor_f32(&t.name, &t.shape, &t.data, &attrs)?;
+        }
+        for d in &self.decisions {
+            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref())?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,598 @@
+//! Ordered fp32 kernels, each the written definition of docs/numerics.md (section numbers in the
+//! comments). Rust never contracts `a * b + c` into an FMA, so every `+`/`*` below is one rounded
+//! IEEE operation. The only fast path is the matmul; it is tested bit-for-bit against `dot`.
+
+use rayon::prelude::*;
+
+use crate::weights::Mat;
+
+/// §2: `acc = +0.0; acc = acc ⊕ (x[k] ⊗ w[k])` for k ascending.
+#[inline]
+pub fn dot(x: &[f32], w: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for k in 0..x.len() {
+        acc += x[k] * w[k];
+    }
+    acc
+}
+
+/// §3: ordered sum from +0.0.
+pub fn sum(v: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for &x in v {
+        acc += x;
+    }
+    acc
+}
+
+/// §2, the plain definition: `y[r,o] = dot(x[r,:], W[o,:]) (⊕ b[o])`. The reference for tests.
+pub fn matmul_ref(x: &[f32], rows: usize, w: Mat, bias: Option<&[f32]>) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    let mut wr = vec![0.0f32; k];
+    let mut y = vec![0.0f32; rows * n];
+    for o in 0..n {
+        w.widen_row(o, 0, &mut wr);
+        for r in 0..rows {
+            let mut v = dot(&x[r * k..(r + 1) * k], &wr);
+            if let Some(b) = bias {
+                v += b[o];
+            }
+            y[r * n + o] = v;
+        }
+    }
+    y
+}
+
+/// Outputs per tile: one 512-bit vector of accumulators per row.
+const NR: usize = 16;
+/// k per widened block: `KB × NR` f32 (16 KiB) stays in L1 while every row block streams it.
+const KB: usize = 256;
+/// Rows per micro-kernel call (independent accumulators per (row, output)).
+const MR: usize = 8;
+
+/// §2, fast: `y = x·Wᵀ (+ b)`, `x` is `[rows, K]`, result `[rows, N]`. Tiles of NR outputs are
+/// spread over the rayon pool; within a tile every (row, output) has its own accumulator that
+/// starts at +0.0 and adds `x[r,k] ⊗ w[o,k]` for k ascending, across k-blocks, exactly as `dot`
+/// does. Only the grouping across outputs and rows changes, so bits equal `matmul_ref`.
+pub fn matmul(x: &[f32], rows: usize, w: Mat, bias: Option<&[f32]>) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    debug_assert_eq!(x.len(), rows * k);
+    let tiles = n.div_ceil(NR);
+    // Tile-major scratch: tile t holds [rows][NR] accumulators, contiguous per task.
+    let mut acc = vec![0.0f32; tiles * rows * NR];
+    let use_avx512 = avx512_available();
+    acc.par_chunks_mut(rows * NR).enumerate().for_each(|(t, tile_acc)| {
+        let o0 = t * NR;
+        let valid = NR.min(n - o0);
+        let mut wt = [0.0f32; KB * NR];
+        let mut k0 = 0;
+        while k0 < k {
+            let kb = KB.min(k - k0);
+            widen_transposed(w, o0, valid, k0, kb, &mut wt);
+            if use_avx512 {
+                // SAFETY: the CPU supports avx512f (checked at runtime above).
+                unsafe { tile_avx512(x, k, rows, k0, kb, &wt, tile_acc) }
+            } else {
+                tile_portable(x, k, rows, k0, kb, &wt, tile_acc)
+            }
+            k0 += kb;
+        }
+    });
+    let mut y = vec![0.0f32; rows * n];
+    for t in 0..tiles {
+        let o0 = t * NR;
+        let valid = NR.min(n - o0);
+        for r in 0..rows {
+            let src = &acc[(t * rows + r) * NR..(t * rows + r) * NR + valid];
+            let dst = &mut y[r * n + o0..r * n + o0 + valid];
+            match bias {
+                // The bias is added once, after the whole accumulation.
+                Some(b) => dst.iter_mut().zip(src).zip(&b[o0..o0 + valid]).for_each(|((d, &s), &bb)| *d = s + bb),
+                None => dst.copy_from_slice(src),
+            }
+        }
+    }
+    y
+}
+
+/// Widen `W[o0..o0+valid, k0..k0+kb]` into `wt[k*NR + j]` (lanes past `valid` are zero and their
+/// results discarded). Pure data movement: every path stores the same exact values.
+fn widen_transposed(w: Mat, o0: usize, valid: usize, k0: usize, kb: usize, wt: &mut [f32; KB * NR]) {
+    #[cfg(target_arch = "x86_64")]
+    if valid == NR && kb >= 16 && avx512_available() {
+        // SAFETY: avx512f checked; the block's rows/columns are in bounds of `w` (valid == NR).
+        let done = unsafe { widen_transposed_avx512(w, o0, k0, kb, wt) };
+        if done < kb {
+            widen_transposed_scalar(w, o0, valid, k0 + done, kb - done, &mut wt[done * NR..]);
+        }
+        return;
+    }
+    widen_transposed_scalar(w, o0, valid, k0, kb, &mut wt[..]);
+}
+
+fn widen_transposed_scalar(w: Mat, o0: usize, valid: usize, k0: usize, kb: usize, wt: &mut [f32]) {
+    let mut row = [0.0f32; KB];
+    for j in 0..NR {
+        if j < valid {
+            w.widen_row(o0 + j, k0, &mut row[..kb]);
+            for kk in 0..kb {
+                wt[kk * NR + j] = row[kk];
+            }
+        } else {
+            for kk in 0..kb {
+                wt[kk * NR + j] = 0.0;
+            }
+        }
+    }
+}
+
+/// Full 16-output tiles, 16 columns at a time: load 16 rows × 16 values, widen in registers,
+/// transpose 16×16 with shuffles, store 16 lanes per k. Returns the columns done (a multiple
+/// of 16).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_transposed_avx512(w: Mat, o0: usize, k0: usize, kb: usize, wt: &mut [f32; KB * NR]) -> usize {
+    use crate::weights::WDType;
+    use std::arch::x86_64::*;
+    let es = w.dtype.size();
+    let base = w.bytes.as_ptr();
+    // In bounds: rows o0..o0+16 ≤ rows (valid == NR) and columns k0+kc+16 ≤ k0+kb ≤ cols.
+    let row_ptr = |j: usize, kc: usize| base.add(((o0 + j) * w.cols + k0 + kc) * es);
+    let out = wt.as_mut_ptr();
+    let mut kc = 0;
+    while kc + 16 <= kb {
+        let mut r: [__m512; 16] = [_mm512_setzero_ps(); 16];
+        for (j, rj) in r.iter_mut().enumerate() {
+            let p = row_ptr(j, kc);
+            *rj = match w.dtype {
+                WDType::F32 => _mm512_loadu_ps(p as *const f32),
+                WDType::BF16 => {
+                    let h = _mm256_loadu_si256(p as *const __m256i);
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                }
+                WDType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            };
+        }
+        transpose16(&mut r);
+        for (kk, rk) in r.iter().enumerate() {
+            _mm512_storeu_ps(out.add((kc + kk) * NR), *rk);
+        }
+        kc += 16;
+    }
+    kc
+}
+
+/// In-register 16×16 f32 transpose: rows `r[j]` (16 columns each) become columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16(r: &mut [std::arch::x86_64::__m512; 16]) {
+    use std::arch::x86_64::*;
+    let mut t = [_mm512_setzero_ps(); 16];
+    // Within each 128-bit lane: pairs of rows interleaved, then 4×4 blocks transposed.
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for i in 0..4 {
+        let (a, b, c, d) = (_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 2]), _mm512_castps_pd(t[4 * i + 3]));
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    // Now lane L of r[4i+m] holds column 4L+m of rows 4i..4i+3; gather the lanes across groups.
+    let mut out = [_mm512_setzero_ps(); 16];
+    for m in 0..4 {
+        let u = _mm512_shuffle_f32x4::<0x88>(r[m], r[4 + m]);
+        let v = _mm512_shuffle_f32x4::<0xDD>(r[m], r[4 + m]);
+        let u2 = _mm512_shuffle_f32x4::<0x88>(r[8 + m], r[12 + m]);
+        let v2 = _mm512_shuffle_f32x4::<0xDD>(r[8 + m], r[12 + m]);
+        out[m] = _mm512_shuffle_f32x4::<0x88>(u, u2);
+        out[8 + m] = _mm512_shuffle_f32x4::<0xDD>(u, u2);
+        out[4 + m] = _mm512_shuffle_f32x4::<0x88>(v, v2);
+        out[12 + m] = _mm512_shuffle_f32x4::<0xDD>(v, v2);
+    }
+    *r = out;
+}
+
+/// avx512f present and not disabled: `TRACEGATE_ENGINE_PORTABLE` (any value) forces the portable
+/// kernels, so tests can check that both paths give the same digest.
+fn avx512_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FORCE_PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *FORCE_PORTABLE.get_or_init(|| std::env::var_os("TRACEGATE_ENGINE_PORTABLE").is_some());
+        !off && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// One k-block of a tile for all rows, in blocks of MR rows then single rows.
+#[inline(always)]
+fn tile_generic(x: &[f32], k: usize, rows: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+    let mut r = 0;
+    while r + MR <= rows {
+        micro::<MR>(x, k, r, k0, kb, wt, acc);
+        r += MR;
+    }
+    while r < rows {
+        micro::<1>(x, k, r, k0, kb, wt, acc);
+        r += 1;
+    }
+}
+
+/// `M` rows × NR outputs: `acc[m][j] = acc[m][j] ⊕ (x[r+m, k0+kk] ⊗ wt[kk][j])`, kk ascending.
+#[inline(always)]
+fn micro<const M: usize>(x: &[f32], k: usize, r0: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+    let mut a = [[0.0f32; NR]; M];
+    for m in 0..M {
+        a[m].copy_from_slice(&acc[(r0 + m) * NR..(r0 + m + 1) * NR]);
+    }
+    let xs: [&[f32]; M] = std::array::from_fn(|m| &x[(r0 + m) * k + k0..(r0 + m) * k + k0 + kb]);
+    for kk in 0..kb {
+        let wv: &[f32; NR] = wt[kk * NR..(kk + 1) * NR].try_into().expect("NR lanes");
+        for m in 0..M {
+            let xv = xs[m][kk];
+            for j in 0..NR {
+                a[m][j] += xv * wv[j];
+            }
+        }
+    }
+    for m in 0..M {
+        acc[(r0 + m) * NR..(r0 + m + 1) * NR].copy_from_slice(&a[m]);
+    }
+}
+
+fn tile_portable(x: &[f32], k: usize, rows: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+    tile_generic(x, k, rows, k0, kb, wt, acc)
+}
+
+/// The same code compiled with 512-bit vectors (mul and add stay separate instructions).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(x: &[f32], k: usize, rows: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+    tile_generic(x, k, rows, k0, kb, wt, acc)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn tile_avx512(x: &[f32], k: usize, rows: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+    tile_generic(x, k, rows, k0, kb, wt, acc)
+}
+
+/// §6 RMSNorm of one vector.
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let mut ss = 0.0f32;
+    for &v in x {
+        ss += v * v;
+    }
+    let mean = ss / x.len() as f32;
+    let inv = 1.0f32 / (mean + eps).sqrt();
+    for i in 0..x.len() {
+        out[i] = w[i] * (x[i] * inv);
+    }
+}
+
+/// §6 RMSNorm of every `n`-wide row of `x`.
+pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let n = w.len();
+    let mut out = vec![0.0f32; x.len()];
+    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        rmsnorm(xr, w, eps, or);
+    }
+    out
+}
+
+/// §8.6 / §10.2 softmax over the entries with `visible[c]`; masked entries get +0.0.
+/// `m` is the max of the visible scores; `e = f32(exp_f64(s ⊖ m))`; ordered sum; divide.
+pub fn softmax_masked(s: &[f32], visible: impl Fn(usize) -> bool, out: &mut [f32]) {
+    let mut m = f32::NEG_INFINITY;
+    for (c, &v) in s.iter().enumerate() {
+        if visible(c) && v > m {
+            m = v;
+        }
+    }
+    let mut z = 0.0f32;
+    for (c, &v) in s.iter().enumerate() {
+        if visible(c) {
+            let e = ((v - m) as f64).exp() as f32;
+            out[c] = e;
+            z += e;
+        } else {
+            out[c] = 0.0;
+        }
+    }
+    for (c, o) in out.iter_mut().enumerate() {
+        if visible(c) {
+            *o /= z;
+        }
+    }
+}
+
+/// §7 RoPE tables for a list of absolute positions: `cos[p][i]`, `sin[p][i]`, i < d/2.
+pub struct Rope {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+/// §7 `inv_freq[i] = f32(1 / pow(base, (2i)/d))`, all in binary64.
+pub fn inv_freq(base: f64, d: usize) -> Vec<f32> {
+    (0..d / 2).map(|i| (1.0f64 / base.powf((2 * i) as f64 / d as f64)) as f32).collect()
+}
+
+impl Rope {
+    pub fn new(base: f64, d: usize, positions: &[i64]) -> Rope {
+        let half = d / 2;
+        let inv = inv_freq(base, d);
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &inv {
+                let angle = (p as f32) * f;
+                cos.push((angle as f64).cos() as f32);
+                sin.push((angle as f64).sin() as f32);
+            }
+        }
+        Rope { half, cos, sin }
+    }
+
+    /// Rotate one head vector in place with the tables of row `row` ("rotate half" pairing).
+    pub fn apply(&self, row: usize, x: &mut [f32]) {
+        let h = self.half;
+        let (c, s) = (&self.cos[row * h..(row + 1) * h], &self.sin[row * h..(row + 1) * h]);
+        for i in 0..h {
+            let (a, b) = (x[i], x[i + h]);
+            x[i] = a * c[i] - b * s[i];
+            x[i + h] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+/// §9 sigmoid with the stated branch, binary64 throughout, rounded once. NaN takes `g < 0`.
+pub fn sigmoid(g: f32) -> f32 {
+    let g64 = g as f64;
+    if g >= 0.0 {
+        (1.0 / (1.0 + (-g64).exp())) as f32
+    } else {
+        let e = g64.exp();
+        (e / (1.0 + e)) as f32
+    }
+}
+
+/// §9 `silu(g) = g ⊗ sigmoid(g)`.
+pub fn silu(g: f32) -> f32 {
+    g * sigmoid(g)
+}
+
+/// §10.3 the k largest entries ordered by (descending value, ascending index), plus the
+/// (k+1)-th in that order when it exists. IEEE `>`; callers refuse NaN first.
+pub fn topk(p: &[f32], k: usize) -> (Vec<usize>, Option<usize>) {
+    let mut idx: Vec<usize> = (0..p.len()).collect();
+    // Stable sort by descending value keeps ascending index among equals.
+    idx.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap_or(std::cmp::Ordering::Equal));
+    let next = idx.get(k).copied();
+    idx.truncate(k);
+    (idx, next)
+}
+
+/// §12 argmax (ties to the lowest index, IEEE `>`) and margin `top1 ⊖ top2`. Requires no NaN
+/// and length ≥ 2 (checked by the caller).
+pub fn argmax_margin(v: &[f32]) -> (usize, f32) {
+    let mut best = 0;
+    for i in 1..v.len() {
+        if v[i] > v[best] {
+            best = i;
+        }
+    }
+    let mut second = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if i != best && x > second {
+            second = x;
+        }
+    }
+    (best, v[best] - second)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::WDType;
+
+    fn bytes_of(dtype: WDType, v: &[f32]) -> Vec<u8> {
+        match dtype {
+            WDType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            WDType::BF16 => v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+            WDType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+        }
+    }
+
+    /// Deterministic pseudo-random values with a wide exponent range, signed zeros included.
+    fn vals(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|i| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let u = ((s >> 33) as f32) / (1u64 << 31) as f32 - 0.5;
+                match i % 37 {
+                    0 => -0.0,
+                    1 => 0.0,
+                    _ => u * (1 << (s % 7)) as f32,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matmul_fast_equals_definition_bits() {
+        // Shapes hitting every tail: N not a multiple of NR, K = 1 and not a multiple of KB,
+        // one row, rows not a multiple of MR; each storage dtype; with and without bias.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for dtype in [WDType::F32, WDType::BF16, WDType::F16] {
+            for &(rows, n, k) in &[(1, 1, 1), (1, 17, 5), (3, 33, 1), (9, 15, 257), (17, 40, 300), (8, 16, 256), (1, 5, 600), (1, 48, 16), (2, 32, 47), (1, 16, 1000), (3, 16, 560)] {
+                let x = vals(rows * k, 1 + rows as u64);
+                let wb = bytes_of(dtype, &vals(n * k, 7 + n as u64));
+                let w = Mat { dtype, rows: n, cols: k, bytes: &wb };
+                let b = vals(n, 99);
+                for bias in [None, Some(&b[..])] {
+                    let want = matmul_ref(&x, rows, w, bias);
+                    let got = pool.install(|| matmul(&x, rows, w, bias));
+                    let wb: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+                    let gb: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(wb, gb, "dtype {dtype:?} rows {rows} n {n} k {k} bias {}", bias.is_some());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_widening_is_exact_for_every_16_bit_pattern() {
+        // Every bf16 and f16 bit pattern (subnormals, infinities, NaN payloads) through the
+        // vectorised transpose-widen equals the scalar widening.
+        let bytes: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
+        for dtype in [WDType::BF16, WDType::F16] {
+            let w = Mat { dtype, rows: 16, cols: 4096, bytes: &bytes };
+            let mut wt = [0.0f32; KB * NR];
+            let mut row = vec![0.0f32; 4096];
+            for k0 in (0..4096).step_by(KB) {
+                widen_transposed(w, 0, 16, k0, KB, &mut wt);
+                for j in 0..16 {
+                    w.widen_row(j, 0, &mut row);
+                    for kk in 0..KB {
+                        assert_eq!(wt[kk * NR + j].to_bits(), row[k0 + kk].to_bits(), "{dtype:?} row {j} col {}", k0 + kk);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_portable_path_equals_definition_bits() {
+        // Exercise the non-avx512 micro-kernels directly on a shape with all tails.
+        let (rows, n, k) = (11, 19, 261);
+        let x = vals(rows * k, 3);
+        let wb = bytes_of(WDType::BF16, &vals(n * k, 4));
+        let w = Mat { dtype: WDType::BF16, rows: n, cols: k, bytes: &wb };
+        let want = matmul_ref(&x, rows, w, None);
+        let mut acc = vec![0.0f32; rows * NR];
+        let mut wt = [0.0f32; KB * NR];
+        let mut got = vec![0.0f32; rows * n];
+        for t in 0..n.div_ceil(NR) {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            let valid = NR.min(n - t * NR);
+            let mut k0 = 0;
+            while k0 < k {
+                let kb = KB.min(k - k0);
+                widen_transposed(w, t * NR, valid, k0, kb, &mut wt);
+                tile_portable(&x, k, rows, k0, kb, &wt, &mut acc);
+                k0 += kb;
+            }
+            for r in 0..rows {
+                got[r * n + t * NR..r * n + t * NR + valid].copy_from_slice(&acc[r * NR..r * NR + valid]);
+            }
+        }
+        assert_eq!(
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn dot_starts_from_positive_zero() {
+        // -0 ⊗ 1 = -0, and +0 ⊕ -0 = +0: the accumulator's +0 start is visible.
+        assert_eq!(dot(&[-0.0], &[1.0]).to_bits(), 0.0f32.to_bits());
+        // Order matters: (1e8 + 1) - 1e8 = 0 in f32, left to right.
+        assert_eq!(dot(&[1e8, 1.0, -1e8], &[1.0, 1.0, 1.0]), 0.0);
+        assert_eq!(sum(&[1.0, 1e8, -1e8]), 0.0);
+        assert_eq!(sum(&[1e8, -1e8, 1.0]), 1.0);
+    }
+
+    #[test]
+    fn rmsnorm_hand_case() {
+        // x = [3, 4]: ss = 25, mean = 12.5, t = 12.5 + eps, inv = 1/sqrt(t).
+        let eps = 1e-6f32;
+        let mut out = [0.0f32; 2];
+        rmsnorm(&[3.0, 4.0], &[1.0, 2.0], eps, &mut out);
+        let inv = 1.0f32 / (12.5f32 + eps).sqrt();
+        assert_eq!(out, [1.0 * (3.0 * inv), 2.0 * (4.0 * inv)]);
+        // Zero vector: inv = 1/sqrt(eps), output zeros keep their sign.
+        rmsnorm(&[0.0, -0.0], &[1.0, 1.0], eps, &mut out);
+        assert_eq!(out[0].to_bits(), 0.0f32.to_bits());
+        assert_eq!(out[1].to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn softmax_with_masked_and_neg_inf() {
+        let s = [1.0f32, f32::NEG_INFINITY, 3.0, 100.0];
+        let mut p = [9.0f32; 4];
+        softmax_masked(&s, |c| c < 3, &mut p);
+        // m = 3; e = [exp(-2), exp(-inf)=0, 1]; masked entry 3 → +0.
+        let e0 = ((-2.0f64).exp()) as f32;
+        let z = (e0 + 0.0) + 1.0;
+        assert_eq!(p, [e0 / z, 0.0, 1.0 / z, 0.0]);
+        assert_eq!(p[3].to_bits(), 0);
+    }
+
+    #[test]
+    fn rope_table_entries_match_f64_formula() {
+        let (base, d) = (10000.0f64, 12usize);
+        let inv = inv_freq(base, d);
+        for i in 0..d / 2 {
+            let want = (1.0 / base.powf(2.0 * i as f64 / 12.0)) as f32;
+            assert_eq!(inv[i].to_bits(), want.to_bits());
+        }
+        assert_eq!(inv[0], 1.0);
+        let rope = Rope::new(base, d, &[0, 5, 1000]);
+        for (row, p) in [0i64, 5, 1000].iter().enumerate() {
+            for i in 0..6 {
+                let angle = (*p as f32) * inv[i];
+                assert_eq!(rope.cos[row * 6 + i].to_bits(), ((angle as f64).cos() as f32).to_bits());
+                assert_eq!(rope.sin[row * 6 + i].to_bits(), ((angle as f64).sin() as f32).to_bits());
+            }
+        }
+        // Position 0 is the identity.
+        let mut x: Vec<f32> = (0..12).map(|i| i as f32 - 5.5).collect();
+        let x0 = x.clone();
+        rope.apply(0, &mut x);
+        assert_eq!(x, x0);
+        // Hand case: d = 2, angle = π/2-ish: out = (a·c − b·s, b·c + a·s).
+        let r = Rope { half: 1, cos: vec![0.5], sin: vec![0.25] };
+        let mut v = [2.0f32, 4.0];
+        r.apply(0, &mut v);
+        assert_eq!(v, [2.0 * 0.5 - 4.0 * 0.25, 4.0 * 0.5 + 2.0 * 0.25]);
+    }
+
+    #[test]
+    fn silu_both_branches() {
+        let g = 1.5f32;
+        assert_eq!(sigmoid(g), (1.0 / (1.0 + (-1.5f64).exp())) as f32);
+        let g = -1.5f32;
+        let e = (-1.5f64).exp();
+        assert_eq!(sigmoid(g), (e / (1.0 + e)) as f32);
+        assert_eq!(sigmoid(0.0), 0.5);
+        assert_eq!(sigmoid(-0.0), 0.5);
+        assert_eq!(sigmoid(-200.0), ((-200.0f64).exp() / (1.0 + (-200.0f64).exp())) as f32);
+        assert_eq!(silu(2.0), 2.0 * sigmoid(2.0));
+        assert!(silu(f32::NAN).is_nan());
+        assert!(silu(f32::NEG_INFINITY).is_nan()); // -inf ⊗ 0: IEEE NaN, left as is
+    }
+
+    #[test]
+    fn topk_ties_go_to_lowest_index() {
+        let p = [0.1f32, 0.3, 0.3, 0.2, 0.3];
+        let (c, next) = topk(&p, 2);
+        assert_eq!(c, vec![1, 2]);
+        assert_eq!(next, Some(4));
+        let (c, next) = topk(&p, 5);
+        assert_eq!(c, vec![1, 2, 4, 3, 0]);
+        assert_eq!(next, None);
+    }
+
+    #[test]
+    fn argmax_margin_ties_and_values() {
+        assert_eq!(argmax_margin(&[1.0, 3.0, 3.0, 2.0]), (1, 0.0));
+        assert_eq!(argmax_margin(&[5.0, 3.0, -1.0]), (0, 2.0));
+        assert_eq!(argmax_margin(&[-1.0, f32::NEG_INFINITY]), (0, f32::INFINITY));
+    }
+}

@@ -1,0 +1,234 @@
+//! The engine's verbs as a library API (the gate calls these in-process; `main.rs` is a thin CLI):
+//! `run_trace` (prefill + optional greedy generation), `run_layer` (one decoder layer on a
+//! tensor from any trace, for bisect) and `info`.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use tracegate_trace::{Digest, Trace, TraceWriter};
+
+use crate::capture::Capture;
+use crate::ops::{self, Rope};
+use crate::qwen3::{Config, Model};
+use crate::weights::Store;
+use crate::{err, Result};
+
+pub struct TraceOptions {
+    pub model_dir: PathBuf,
+    pub tokens: Vec<i64>,
+    pub out: PathBuf,
+    /// Add the internal capture points (q, k, v, attn_probs, router logits, expert outputs).
+    pub internals: bool,
+    /// Greedy decode steps after the prompt (decisions only).
+    pub generate: usize,
+    /// Decode with the KV cache (`true`) or by re-running the whole sequence (`false`).
+    pub cache: bool,
+    pub threads: usize,
+    /// Recorded in provenance.
+    pub command_line: Vec<String>,
+}
+
+pub struct LayerOptions {
+    pub model_dir: PathBuf,
+    pub layer: usize,
+    pub input: PathBuf,
+    pub input_name: String,
+    pub out: PathBuf,
+    pub internals: bool,
+    pub threads: usize,
+    pub command_line: Vec<String>,
+}
+
+/// Read and validate `config.json`; returns the parsed config and the raw JSON.
+pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
+    let p = dir.join("config.json");
+    let text = std::fs::read_to_string(&p).map_err(|e| err!("{}: {e}", p.display()))?;
+    let raw: Value = serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
+    Ok((Config::from_json(&raw)?, raw))
+}
+
+fn pool(threads: usize) -> Result<rayon::ThreadPool> {
+    if threads == 0 {
+        return Err(err!("--threads must be at least 1"));
+    }
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| err!("thread pool: {e}"))
+}
+
+fn provenance(dir: &Path, raw_cfg: &Value, weights_digest: &str, threads: usize, internals: bool, cmd: &[String]) -> Value {
+    json!({
+        "producer": "engine",
+        "versions": {
+            "tracegate": env!("CARGO_PKG_VERSION"),
+            "tracegate-engine": env!("CARGO_PKG_VERSION"),
+            "rustc": env!("ENGINE_RUSTC_VERSION"),
+        },
+        "build": format!("tracegate-engine {} {} {}", env!("CARGO_PKG_VERSION"), env!("ENGINE_TARGET"), env!("ENGINE_PROFILE")),
+        "device": "cpu",
+        "dtype": "f32",
+        "threads": threads,
+        "seed": null,
+        "determinism": "docs/numerics.md ordered fp32; threads across outputs only",
+        "model_dir": dir.display().to_string(),
+        "weights_digest": weights_digest,
+        "config": raw_cfg,
+        "capture": if internals { "internals" } else { "default" },
+        "command_line": cmd,
+    })
+}
+
+/// One greedy step: the chosen token, its margin and the logits row it came from.
+pub struct Step {
+    pub token: i64,
+    pub margin: f32,
+    pub logits: Vec<f32>,
+}
+
+/// §12 argmax of one logits row; NaN is an error naming the row.
+fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
+    if row.iter().any(|x| x.is_nan()) {
+        return Err(err!("NaN logit in {what}"));
+    }
+    let (i, m) = ops::argmax_margin(row);
+    Ok((i as i64, m))
+}
+
+/// Greedy generation of `n` tokens after `prompt`, given the prompt's logits and (for the cached
+/// path) the cache filled by the prompt's forward. Step 0 is the argmax of the prompt's last row;
+/// step s ≥ 1 feeds token s−1 at position `prompt.len() + s − 1`.
+pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, cache: Option<&mut [crate::qwen3::LayerKv]>) -> Result<Vec<Step>> {
+    let v = model.cfg.vocab_size;
+    let t = prompt.len();
+    let mut steps: Vec<Step> = Vec::with_capacity(n);
+    let mut row = prompt_logits[(t - 1) * v..t * v].to_vec();
+    let mut seq = prompt.to_vec();
+    let mut cache = cache;
+    for s in 0..n {
+        if s > 0 {
+            let last = steps[s - 1].token;
+            seq.push(last);
+            row = match cache.as_deref_mut() {
+                Some(kv) => model.forward(&[last], (t + s - 1) as i64, kv, &mut Capture::off())?,
+                None => {
+                    let mut fresh = model.new_cache();
+                    let all = model.forward(&seq, 0, &mut fresh, &mut Capture::off())?;
+                    all[(seq.len() - 1) * v..].to_vec()
+                }
+            };
+        }
+        let (token, margin) = decide(&row, &format!("decode step {s}"))?;
+        steps.push(Step { token, margin, logits: std::mem::take(&mut row) });
+    }
+    Ok(steps)
+}
+
+/// `engine trace`: prefill the prompt (positions 0..n−1, causal), capture, optionally generate,
+/// write the trace. Returns its content digest.
+pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
+    if o.tokens.is_empty() {
+        return Err(err!("--tokens: the prompt is empty"));
+    }
+    let (cfg, raw) = load_config(&o.model_dir)?;
+    let store = Store::open(&o.model_dir)?;
+    let model = Model::load(cfg, &store)?;
+    let wd = crate::weights_digest(&o.model_dir)?;
+    let pool = pool(o.threads)?;
+    let cap = pool.install(|| -> Result<Capture> {
+        let mut cap = Capture::new("prefill", o.internals);
+        let mut kv = model.new_cache();
+        let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
+        let v = model.cfg.vocab_size;
+        let (mut ids, mut margins) = (vec![], vec![]);
+        for r in 0..o.tokens.len() {
+            let (i, m) = decide(&logits[r * v..(r + 1) * v], &format!("logits row {r}"))?;
+            ids.push(i);
+            margins.push(m);
+        }
+        cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
+        if o.generate > 0 {
+            let steps = generate(&model, &o.tokens, &logits, o.generate, if o.cache { Some(&mut kv) } else { None })?;
+            for (s, st) in steps.iter().enumerate() {
+                cap.decision(&format!("decode.{s:04}.argmax"), &[1], vec![st.token], Some(vec![st.margin]));
+            }
+        }
+        Ok(cap)
+    })?;
+    let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals, &o.command_line);
+    prov["verb"] = json!("trace");
+    prov["prompt_tokens"] = json!(o.tokens);
+    prov["cache"] = json!(if o.cache { "on" } else { "off" });
+    prov["generate"] = json!(o.generate);
+    let mut w = TraceWriter::create(&o.out, prov)?;
+    cap.write(&mut w)?;
+    Ok(w.finish()?)
+}
+
+/// `engine layer`: decoder layer L alone on tensor `input_name` of another trace, rows at that
+/// tensor's `positions` attribute (causal by position), captured with `path = layer`.
+pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
+    let (cfg, raw) = load_config(&o.model_dir)?;
+    if o.layer >= cfg.num_hidden_layers {
+        return Err(err!("--layer {} out of range (model has {} layers)", o.layer, cfg.num_hidden_layers));
+    }
+    let store = Store::open(&o.model_dir)?;
+    let model = Model::load(cfg, &store)?;
+    let wd = crate::weights_digest(&o.model_dir)?;
+    let input = Trace::open(&o.input)?;
+    let info = input
+        .tensor_info(&o.input_name)
+        .ok_or_else(|| err!("{}: no tensor {}", o.input.display(), o.input_name))?;
+    let h = model.cfg.hidden_size;
+    let rows = match info.shape.as_slice() {
+        [t, hh] if *hh as usize == h && *t >= 1 => *t as usize,
+        s => return Err(err!("{}: tensor {} has shape {s:?}, expected [rows, {h}]", o.input.display(), o.input_name)),
+    };
+    let pos = info
+        .attributes
+        .positions
+        .clone()
+        .ok_or_else(|| err!("{}: tensor {} has no positions attribute", o.input.display(), o.input_name))?;
+    if pos.len() != rows {
+        return Err(err!("{}: tensor {}: {} positions for {rows} rows", o.input.display(), o.input_name, pos.len()));
+    }
+    if let Some(p) = pos.iter().find(|&&p| !(0..1 << 24).contains(&p)) {
+        return Err(err!("{}: tensor {}: position {p} outside [0, 2^24)", o.input.display(), o.input_name));
+    }
+    let x = input.f32_vec(&o.input_name)?;
+    let pool = pool(o.threads)?;
+    let cap = pool.install(|| -> Result<Capture> {
+        let mut cap = Capture::new("layer", o.internals);
+        let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos);
+        let mut kv = Default::default();
+        model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
+        Ok(cap)
+    })?;
+    let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals, &o.command_line);
+    prov["verb"] = json!("layer");
+    prov["layer"] = json!(o.layer);
+    prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
+    let mut w = TraceWriter::create(&o.out, prov)?;
+    cap.write(&mut w)?;
+    Ok(w.finish()?)
+}
+
+/// `engine info`: config summary, weights digest, inventory check (loading binds every tensor).
+pub fn info(dir: &Path) -> Result<String> {
+    let (cfg, _) = load_config(dir)?;
+    let store = Store::open(dir)?;
+    let n = store.tensor_count();
+    let model = Model::load(cfg, &store)?;
+    let c = &model.cfg;
+    let mut s = format!(
+        "family {:?}\nlayers {}  hidden {}  heads {}/{}  head_dim {}  vocab {}\nintermediate {:?}  rms_norm_eps {}  rope_theta {}  tied {}  attention_bias {}\n",
+        c.family, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        c.vocab_size, c.intermediate_size, c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings, c.attention_bias
+    );
+    if let Some(m) = &c.moe {
+        let sparse: Vec<usize> = (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)).collect();
+        s += &format!(
+            "experts {} top-{}  moe_intermediate {}  norm_topk_prob {}  sparse layers {:?}\n",
+            m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob, sparse
+        );
+    }
+    s += &format!("tensors {n}: all present, all claimed\nweights_digest {}\n", crate::weights_digest(dir)?);
+    Ok(s)
+}

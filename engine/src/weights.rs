@@ -1,0 +1,368 @@
+//! Checkpoint access: a careful safetensors header parser, memory-mapped tensor views that widen
+//! bf16/f16 to f32 at use (never a full f32 copy), the inventory check and the weights digest.
+//!
+//! safetensors layout: `u64 LE header length N`, `N bytes of JSON`, then the data buffer. The
+//! JSON maps tensor names to `{dtype, shape, data_offsets: [begin, end]}` (offsets relative to
+//! the data buffer) plus an optional `__metadata__` string map. Every size is checked before use.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::{err, Result};
+
+/// Largest header accepted; real headers are kilobytes, this bounds a hostile length field.
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// Storage dtypes the engine can widen exactly to f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WDType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl WDType {
+    pub fn size(self) -> usize {
+        match self {
+            WDType::F32 => 4,
+            WDType::F16 | WDType::BF16 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            WDType::F32 => "F32",
+            WDType::F16 => "F16",
+            WDType::BF16 => "BF16",
+        }
+    }
+}
+
+/// Element size of every safetensors dtype, so offsets of tensors we do not use are still checked.
+fn st_dtype_size(s: &str) -> Option<usize> {
+    Some(match s {
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+        "I16" | "U16" | "F16" | "BF16" => 2,
+        "I32" | "U32" | "F32" => 4,
+        "I64" | "U64" | "F64" => 8,
+        _ => return None,
+    })
+}
+
+/// One tensor entry of a parsed header.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    /// Absolute byte range in the file.
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Parse and validate a safetensors header against the file length. Refuses: short files,
+/// oversized/overrunning header lengths, non-UTF-8 or non-object JSON, duplicate names, unknown
+/// dtypes, shapes whose byte size overflows or disagrees with the offsets, out-of-bounds or
+/// overlapping ranges, and bytes of the data buffer no tensor covers.
+pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>> {
+    if bytes.len() < 8 {
+        return Err(err!("{file}: not a safetensors file ({} bytes, need at least 8)", bytes.len()));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    let avail = bytes.len() as u64 - 8;
+    if n > MAX_HEADER_BYTES || n > avail {
+        return Err(err!("{file}: safetensors header length {n} exceeds the file ({avail} bytes after the length) or the {MAX_HEADER_BYTES}-byte limit"));
+    }
+    let n = n as usize;
+    let text = std::str::from_utf8(&bytes[8..8 + n])
+        .map_err(|e| err!("{file}: safetensors header is not UTF-8: {e}"))?;
+    if !text.starts_with('{') {
+        return Err(err!("{file}: safetensors header does not start with '{{'"));
+    }
+    let raw: UniqueMap = serde_json::from_str(text)
+        .map_err(|e| err!("{file}: safetensors header is not valid JSON: {e}"))?;
+    let data_start = 8 + n;
+    let data_len = bytes.len() - data_start;
+    let mut out = BTreeMap::new();
+    for (name, v) in raw.0 {
+        if name == "__metadata__" {
+            let ok = v.as_object().is_some_and(|m| m.values().all(|x| x.is_string()));
+            if !ok {
+                return Err(err!("{file}: __metadata__ must be an object of strings"));
+            }
+            continue;
+        }
+        let obj = v.as_object().ok_or_else(|| err!("{file}: tensor {name}: entry is not an object"))?;
+        let dtype = obj
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| err!("{file}: tensor {name}: missing string dtype"))?;
+        let esize = st_dtype_size(dtype).ok_or_else(|| err!("{file}: tensor {name}: unknown dtype {dtype:?}"))?;
+        let shape: Vec<u64> = obj
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| err!("{file}: tensor {name}: shape must be an array of non-negative integers"))?;
+        let offs: Vec<u64> = obj
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<_>>>())
+            .filter(|a| a.len() == 2)
+            .ok_or_else(|| err!("{file}: tensor {name}: data_offsets must be [begin, end]"))?;
+        let (b, e) = (offs[0], offs[1]);
+        if b > e || e > data_len as u64 {
+            return Err(err!("{file}: tensor {name}: data_offsets [{b}, {e}] outside the {data_len}-byte data buffer"));
+        }
+        let nbytes = shape
+            .iter()
+            .try_fold(esize as u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| err!("{file}: tensor {name}: shape {shape:?} overflows"))?;
+        if nbytes != e - b {
+            return Err(err!("{file}: tensor {name}: shape {shape:?} of {dtype} needs {nbytes} bytes, data_offsets give {}", e - b));
+        }
+        let entry = Entry { dtype: dtype.to_string(), shape, start: data_start + b as usize, end: data_start + e as usize };
+        out.insert(name, entry);
+    }
+    // The data buffer must be tiled exactly: no overlaps, no gaps (as the format requires).
+    let mut ranges: Vec<(usize, usize, &str)> = out.iter().map(|(k, e)| (e.start, e.end, k.as_str())).collect();
+    ranges.sort();
+    let mut pos = data_start;
+    for (s, e, name) in ranges {
+        if s != pos {
+            let what = if s < pos { "overlaps the previous tensor" } else { "leaves a gap before it" };
+            return Err(err!("{file}: tensor {name}: data range {what}"));
+        }
+        pos = e;
+    }
+    if pos != bytes.len() {
+        return Err(err!("{file}: {} trailing bytes of the data buffer belong to no tensor", bytes.len() - pos));
+    }
+    Ok(out)
+}
+
+/// A JSON object that refuses duplicate keys (serde_json's map silently keeps the last one).
+struct UniqueMap(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for UniqueMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = UniqueMap;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> std::result::Result<UniqueMap, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                let mut out = Vec::new();
+                while let Some((k, v)) = m.next_entry::<String, serde_json::Value>()? {
+                    if !seen.insert(k.clone()) {
+                        return Err(serde::de::Error::custom(format!("duplicate tensor name {k:?}")));
+                    }
+                    out.push((k, v));
+                }
+                Ok(UniqueMap(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// A 2-D weight matrix `[rows, cols]` (row-major) viewed in place in the mapped file.
+#[derive(Clone, Copy)]
+pub struct Mat<'a> {
+    pub dtype: WDType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: &'a [u8],
+}
+
+impl<'a> Mat<'a> {
+    /// Rows `r0 .. r0+n` as their own matrix (used to split fused expert tensors).
+    pub fn row_block(&self, r0: usize, n: usize) -> Mat<'a> {
+        let rb = self.cols * self.dtype.size();
+        Mat { dtype: self.dtype, rows: n, cols: self.cols, bytes: &self.bytes[r0 * rb..(r0 + n) * rb] }
+    }
+
+    /// Widen `out.len()` elements of row `r` starting at column `c0` (exact).
+    #[inline]
+    pub fn widen_row(&self, r: usize, c0: usize, out: &mut [f32]) {
+        let s = self.dtype.size();
+        let off = (r * self.cols + c0) * s;
+        let b = &self.bytes[off..off + out.len() * s];
+        widen(self.dtype, b, out);
+    }
+
+    /// Whole matrix widened (only for small tensors: norms, biases).
+    pub fn to_vec(&self) -> Vec<f32> {
+        let mut v = vec![0.0; self.rows * self.cols];
+        widen(self.dtype, self.bytes, &mut v);
+        v
+    }
+}
+
+/// Exact widening of little-endian storage to f32.
+#[inline]
+pub fn widen(dtype: WDType, b: &[u8], out: &mut [f32]) {
+    match dtype {
+        WDType::F32 => {
+            for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        WDType::BF16 => {
+            for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        WDType::F16 => {
+            for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+    }
+}
+
+/// The safetensors files of a model directory, sorted by file name (byte order). With a
+/// `model.safetensors.index.json` they must be exactly the shards it names; without one, exactly
+/// `model.safetensors`. This one list feeds both the loader and the weights digest.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let rd = std::fs::read_dir(dir).map_err(|e| err!("{}: cannot read model directory: {e}", dir.display()))?;
+    let mut names = Vec::new();
+    for ent in rd {
+        let ent = ent.map_err(|e| err!("{}: {e}", dir.display()))?;
+        let name = ent.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".safetensors") {
+            names.push(name);
+        }
+    }
+    names.sort();
+    let index = dir.join("model.safetensors.index.json");
+    let expected: Vec<String> = if index.exists() {
+        let map = read_index(&index)?;
+        let mut shards: Vec<String> = map.into_values().collect();
+        shards.sort();
+        shards.dedup();
+        shards
+    } else {
+        vec!["model.safetensors".to_string()]
+    };
+    for n in &names {
+        if !expected.contains(n) {
+            return Err(err!("{}: safetensors file {n} is not part of the checkpoint (expected {expected:?})", dir.display()));
+        }
+    }
+    for n in &expected {
+        if !names.contains(n) {
+            return Err(err!("{}: missing safetensors file {n}", dir.display()));
+        }
+    }
+    Ok(names.iter().map(|n| dir.join(n)).collect())
+}
+
+/// `weight_map` of a sharded checkpoint index: tensor name → shard file name.
+fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| err!("{}: {e}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", path.display()))?;
+    let wm = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| err!("{}: missing object weight_map", path.display()))?;
+    let mut out = BTreeMap::new();
+    for (k, f) in wm {
+        let f = f.as_str().ok_or_else(|| err!("{}: weight_map[{k}] is not a string", path.display()))?;
+        if f.contains('/') || f.contains('\\') || !f.ends_with(".safetensors") {
+            return Err(err!("{}: weight_map[{k}] names {f:?}, not a safetensors file in the directory", path.display()));
+        }
+        out.insert(k.clone(), f.to_string());
+    }
+    Ok(out)
+}
+
+/// All tensors of a checkpoint, mapped read-only. `take` hands out views and records which
+/// names were claimed, so `finish_claims` can refuse tensors no module uses.
+pub struct Store {
+    maps: Vec<Mmap>,
+    /// name → (map index, entry)
+    tensors: BTreeMap<String, (usize, Entry)>,
+    claimed: std::cell::RefCell<std::collections::BTreeSet<String>>,
+}
+
+impl Store {
+    pub fn open(dir: &Path) -> Result<Store> {
+        let files = safetensors_files(dir)?;
+        let index = dir.join("model.safetensors.index.json");
+        let weight_map = if index.exists() { Some(read_index(&index)?) } else { None };
+        let mut maps = Vec::new();
+        let mut tensors = BTreeMap::new();
+        for p in &files {
+            let f = File::open(p).map_err(|e| err!("{}: {e}", p.display()))?;
+            // SAFETY: mapped read-only; the checkpoint must not be modified while the engine runs
+            // (the same contract every mmap-based loader has).
+            let m = unsafe { Mmap::map(&f) }.map_err(|e| err!("{}: cannot map: {e}", p.display()))?;
+            let fname = p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let entries = parse_header(&m, &fname)?;
+            for (name, e) in entries {
+                if let Some(wm) = &weight_map {
+                    if wm.get(&name) != Some(&fname) {
+                        return Err(err!("tensor {name} is in {fname} but the index names {:?}", wm.get(&name)));
+                    }
+                }
+                if tensors.insert(name.clone(), (maps.len(), e)).is_some() {
+                    return Err(err!("tensor {name} appears in more than one safetensors file"));
+                }
+            }
+            maps.push(m);
+        }
+        if let Some(wm) = &weight_map {
+            for (name, f) in wm {
+                if !tensors.contains_key(name) {
+                    return Err(err!("tensor {name}: listed in the index for {f} but not in that file"));
+                }
+            }
+        }
+        Ok(Store { maps, tensors, claimed: Default::default() })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Claim tensor `name` and check its shape; returns it as a matrix (`[n]` is `1 × n`).
+    pub fn take(&self, name: &str, shape: &[usize]) -> Result<Mat<'_>> {
+        let (mi, e) = self.tensors.get(name).ok_or_else(|| err!("missing tensor {name} (expected shape {shape:?})"))?;
+        let got: Vec<usize> = e.shape.iter().map(|&d| d as usize).collect();
+        if got != shape {
+            return Err(err!("tensor {name}: shape {got:?}, expected {shape:?}"));
+        }
+        let dtype = match e.dtype.as_str() {
+            "F32" => WDType::F32,
+            "F16" => WDType::F16,
+            "BF16" => WDType::BF16,
+            d => return Err(err!("tensor {name}: dtype {d} not supported (BF16, F16, F32)")),
+        };
+        self.claimed.borrow_mut().insert(name.to_string());
+        let (rows, cols) = match shape {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            [a, r, c] => (a * r, *c),
+            _ => return Err(err!("tensor {name}: unsupported rank {}", shape.len())),
+        };
+        Ok(Mat { dtype, rows, cols, bytes: &self.maps[*mi][e.start..e.end] })
+    }
+
+    /// Refuse the checkpoint if any tensor was not claimed by the model.
+    pub fn finish_claims(&self) -> Result<()> {
+        let claimed = self.claimed.borrow();
+        for name in self.tensors.keys() {
+            if !claimed.contains(name) {
+                return Err(err!("unclaimed tensor {name}: no module of this config uses it"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn tensor_count(&self) -> usize {
+        self.tensors.len()
+    }
+}

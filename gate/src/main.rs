@@ -1,0 +1,187 @@
+//! `gate`: run milestones on frozen prompts, re-derive every milestone, bisect a divergence.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use tracegate_gate::run::{run_milestone, GateOptions, MilestoneReport};
+use tracegate_gate::{find_root, milestones::MilestoneFile, report};
+
+#[derive(Parser)]
+#[command(
+    name = "gate",
+    version,
+    about = "tracegate gates: claims about producers, checked exactly every time",
+    after_help = "Exit codes: 0 every check passed; 1 a check failed (or none ran); 2 refused (bad arguments, \
+unknown prompt id, prompt file changed without --bless, unreadable files); 4 nothing failed but some check \
+was NOT CHECKED (its reason is printed)."
+)]
+struct Cli {
+    /// Project root (default: the nearest ancestor of the current directory with milestones.json).
+    #[arg(long, global = true)]
+    root: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Clone)]
+struct RunArgs {
+    /// Prompt set: a name under fixtures/prompts/ (e.g. frozen) or a path to a prompt file.
+    #[arg(long, default_value = "frozen")]
+    prompts: String,
+    /// Only these prompt ids (comma separated); an unknown id is refused.
+    #[arg(long, value_delimiter = ',')]
+    only: Option<Vec<String>>,
+    /// Write the full JSON report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Accept this run as the new expectation: rewrite milestones.json and baselines.json and print what changed.
+    #[arg(long)]
+    bless: bool,
+    /// Greedy tokens per prompt (default: the milestone's).
+    #[arg(long)]
+    generate: Option<usize>,
+    /// Run the milestone's checks on this checkpoint instead (same family).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Engine threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Also assert observed seconds and peak RSS within this relative tolerance (e.g. 0.5 = ±50%).
+    #[arg(long)]
+    assert_observed: Option<f64>,
+    /// Contract producer command template ({verb} and {args} are filled in).
+    #[arg(long)]
+    contract_cmd: Option<String>,
+    /// Oracle producer command template ({verb} and {args} are filled in).
+    #[arg(long)]
+    oracle_cmd: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Milestone m0: tiny-qwen3 (dense) — engine ≡ contract, engine ≈ oracle, generation.
+    M0(RunArgs),
+    /// Milestone m1: tiny-qwen3-moe — the same checks plus every router decision.
+    M1(RunArgs),
+    /// Run any milestone of milestones.json by id.
+    Run {
+        id: String,
+        #[command(flatten)]
+        args: RunArgs,
+    },
+    /// Re-derive every milestone: per milestone, stable / matches / agrees.
+    Check {
+        #[command(flatten)]
+        args: RunArgs,
+    },
+}
+
+fn options(root: &std::path::Path, id: &str, a: &RunArgs) -> GateOptions {
+    GateOptions {
+        root: root.to_path_buf(),
+        milestone: id.to_string(),
+        prompts: a.prompts.clone(),
+        only: a.only.clone(),
+        bless: a.bless,
+        generate: a.generate,
+        model: a.model.clone(),
+        threads: a.threads,
+        assert_observed: a.assert_observed,
+        contract_cmd: a.contract_cmd.clone(),
+        oracle_cmd: a.oracle_cmd.clone(),
+        gate_invocation: std::env::args().collect(),
+    }
+}
+
+fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result<(), String> {
+    if let Some(p) = path {
+        tracegate_gate::write_json_atomic(p, value).map_err(|e| e.to_string())?;
+        eprintln!("report written to {}", p.display());
+    }
+    Ok(())
+}
+
+fn run_one(root: &std::path::Path, id: &str, a: &RunArgs) -> Result<MilestoneReport, String> {
+    let (rep, bless_log) = run_milestone(&options(root, id, a)).map_err(|e| e.to_string())?;
+    print!("{}", report::render(&rep));
+    if let Some(log) = bless_log {
+        println!("\nblessed (milestones.json, baselines.json):\n{log}");
+    }
+    Ok(rep)
+}
+
+/// The three answers `gate check` gives per milestone.
+fn answer(rep: &MilestoneReport, checks: &[&str]) -> (&'static str, String) {
+    use tracegate_gate::run::Status;
+    let relevant: Vec<_> = rep.prompts.iter().flat_map(|p| p.checks.iter().map(move |c| (p, c))).filter(|(_, c)| checks.contains(&c.check.as_str())).collect();
+    if let Some((p, c)) = relevant.iter().find(|(_, c)| c.status == Status::Fail) {
+        return ("FAIL", format!("{}/{}: {}", p.id, c.check, c.detail));
+    }
+    if let Some((p, c)) = relevant.iter().find(|(_, c)| c.status == Status::NotChecked) {
+        return ("NOT CHECKED", format!("{}/{}: {}", p.id, c.check, c.detail));
+    }
+    if relevant.is_empty() {
+        return ("NOT CHECKED", "no check ran".into());
+    }
+    ("PASS", format!("{} prompts", rep.prompts.len()))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let root = match cli.root.clone().map(Ok).unwrap_or_else(|| std::env::current_dir().map_err(|e| tracegate_gate::Error(e.to_string())).and_then(|d| find_root(&d))) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("gate: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // Producers get paths relative to the root, so traces record the same paths (and bytes)
+    // wherever the checkout lives.
+    if let Err(e) = std::env::set_current_dir(&root) {
+        eprintln!("gate: {}: {e}", root.display());
+        return ExitCode::from(2);
+    }
+    let root = PathBuf::from(".");
+    let result = match &cli.cmd {
+        Cmd::M0(a) => run_one(&root, "m0", a).and_then(|r| write_report(&a.report, &r).map(|_| r.exit_code())),
+        Cmd::M1(a) => run_one(&root, "m1", a).and_then(|r| write_report(&a.report, &r).map(|_| r.exit_code())),
+        Cmd::Run { id, args } => run_one(&root, id, args).and_then(|r| write_report(&args.report, &r).map(|_| r.exit_code())),
+        Cmd::Check { args } => (|| {
+            let file = MilestoneFile::load(&root.join("milestones.json")).map_err(|e| e.to_string())?;
+            let mut reports = Vec::new();
+            let mut table = Vec::new();
+            let mut worst = 0;
+            for m in &file.milestones {
+                let rep = run_one(&root, &m.id, args)?;
+                let stable = answer(&rep, &["stable"]);
+                let matches = answer(&rep, &["matches", "generation"]);
+                let agrees = answer(&rep, &["agrees", "generation_oracle"]);
+                table.push(format!(
+                    "{:<4} stable: {:<11} matches: {:<11} agrees: {:<11}\n     stable  — {}\n     matches — {}\n     agrees  — {}",
+                    m.id, stable.0, matches.0, agrees.0, stable.1, matches.1, agrees.1
+                ));
+                worst = worst.max(match rep.exit_code() {
+                    0 => 0,
+                    4 => 1,
+                    _ => 2,
+                });
+                reports.push(rep);
+            }
+            println!("\n== gate check: {} milestones\n{}", reports.len(), table.join("\n"));
+            write_report(&args.report, &reports)?;
+            Ok(match worst {
+                0 => 0,
+                1 => 4,
+                _ => 1,
+            })
+        })(),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code as u8),
+        Err(e) => {
+            eprintln!("gate: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! milestones.json: each milestone states one falsifiable claim, the model and prompts it is
+//! about, what the engine is expected to produce, and exactly which divergences are declared.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{gerr, Result};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MilestoneFile {
+    pub schema: u32,
+    pub milestones: Vec<Milestone>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Milestone {
+    pub id: String,
+    /// One falsifiable sentence.
+    pub claim: String,
+    /// Model directory, relative to the project root.
+    pub model: String,
+    /// `qwen3` or `qwen3_moe`: a `--model` override must be of the same family.
+    pub family: String,
+    pub prompts: PromptRecord,
+    /// Greedy tokens generated per prompt unless `--generate` says otherwise.
+    pub generate: usize,
+    /// The policy that judges engine ≈ oracle, relative to the project root.
+    pub policy: String,
+    /// Per prompt id: what the engine is expected to produce.
+    #[serde(default)]
+    pub expect: BTreeMap<String, Expectation>,
+    /// Differences that are known and accepted, each naming exactly what it excuses.
+    #[serde(default)]
+    pub declared_divergences: Vec<DeclaredDivergence>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromptRecord {
+    /// The set name (`fixtures/prompts/<set>.json`).
+    pub set: String,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expectation {
+    /// The engine trace's content digest (prefill + generation decisions).
+    pub engine_digest: String,
+    pub tensors: usize,
+    pub decisions: usize,
+    /// Engine vs contract: always 0 for a bit-exact claim; recorded so a change is a finding.
+    pub differing_elements: u64,
+    /// Greedy tokens the engine generated.
+    pub generated: Vec<i64>,
+    /// Engine vs oracle: decisions that differ (0 unless declared).
+    pub oracle_decisions_differing: usize,
+}
+
+/// Excuses exactly one finding: same prompt, check, kind, name and count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclaredDivergence {
+    pub prompt: String,
+    /// `matches`, `agrees` or `generation`.
+    pub check: String,
+    /// The finding kind, e.g. `decision_differs`, `outside_policy`, `tokens_differ`.
+    pub kind: String,
+    /// The tensor or decision it is about.
+    pub name: String,
+    /// The count the finding reports (differing rows, elements, tokens).
+    pub count: u64,
+    pub reason: String,
+}
+
+impl MilestoneFile {
+    pub fn load(path: &Path) -> Result<MilestoneFile> {
+        let file: MilestoneFile = crate::read_json(path)?;
+        if file.schema != 1 {
+            return Err(gerr!("{}: schema {} is not supported (this gate reads schema 1)", path.display(), file.schema));
+        }
+        for m in &file.milestones {
+            for d in &m.declared_divergences {
+                if !["matches", "agrees", "generation"].contains(&d.check.as_str()) {
+                    return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation", path.display(), m.id, d.check));
+                }
+                if d.reason.trim().is_empty() {
+                    return Err(gerr!("{}: milestone {}: a declared divergence needs a reason", path.display(), m.id));
+                }
+            }
+        }
+        Ok(file)
+    }
+
+    pub fn get(&self, id: &str) -> Result<&Milestone> {
+        self.milestones.iter().find(|m| m.id == id).ok_or_else(|| {
+            let known: Vec<&str> = self.milestones.iter().map(|m| m.id.as_str()).collect();
+            gerr!("no milestone {id:?} in milestones.json (known: {})", known.join(", "))
+        })
+    }
+
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut Milestone> {
+        self.milestones.iter_mut().find(|m| m.id == id)
+    }
+}

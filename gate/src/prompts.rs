@@ -1,0 +1,102 @@
+//! Frozen prompt sets: named token sequences, schema-versioned, identified by their sha256.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::{gerr, Result};
+
+#[derive(Clone, Debug)]
+pub struct Prompt {
+    pub id: String,
+    pub tokens: Vec<i64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct PromptSet {
+    pub path: PathBuf,
+    pub sha256: String,
+    pub prompts: Vec<Prompt>,
+}
+
+#[derive(Deserialize)]
+struct PromptFile {
+    schema: u32,
+    prompts: Vec<PromptEntry>,
+}
+
+#[derive(Deserialize)]
+struct PromptEntry {
+    id: String,
+    tokens: Vec<i64>,
+}
+
+/// `--prompts NAME` names `fixtures/prompts/NAME.json`; anything with a `/` or `.json` is a path.
+pub fn resolve(root: &Path, spec: &str) -> PathBuf {
+    if spec.contains('/') || spec.ends_with(".json") {
+        PathBuf::from(spec)
+    } else {
+        root.join("fixtures/prompts").join(format!("{spec}.json"))
+    }
+}
+
+pub fn load(path: &Path) -> Result<PromptSet> {
+    let file: PromptFile = crate::read_json(path)?;
+    if file.schema != 1 {
+        return Err(gerr!("{}: prompt schema {} is not supported (this gate reads schema 1)", path.display(), file.schema));
+    }
+    let mut seen = HashSet::new();
+    for p in &file.prompts {
+        if p.id.is_empty() || !p.id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            return Err(gerr!("{}: prompt id {:?} must be non-empty [A-Za-z0-9_-]", path.display(), p.id));
+        }
+        if !seen.insert(p.id.clone()) {
+            return Err(gerr!("{}: prompt id {:?} appears twice", path.display(), p.id));
+        }
+        if p.tokens.is_empty() {
+            return Err(gerr!("{}: prompt {:?} has no tokens", path.display(), p.id));
+        }
+        if let Some(t) = p.tokens.iter().find(|&&t| t < 0) {
+            return Err(gerr!("{}: prompt {:?} has a negative token id {t}", path.display(), p.id));
+        }
+    }
+    if file.prompts.is_empty() {
+        return Err(gerr!("{}: no prompts", path.display()));
+    }
+    Ok(PromptSet {
+        path: path.to_path_buf(),
+        sha256: crate::sha256_file(path)?,
+        prompts: file.prompts.into_iter().map(|p| Prompt { id: p.id, tokens: p.tokens }).collect(),
+    })
+}
+
+impl PromptSet {
+    /// The prompts named by `--only` (in the file's order); an unknown id is refused.
+    pub fn select(&self, only: Option<&[String]>) -> Result<Vec<Prompt>> {
+        let Some(only) = only else { return Ok(self.prompts.clone()) };
+        for id in only {
+            if !self.prompts.iter().any(|p| &p.id == id) {
+                let known: Vec<&str> = self.prompts.iter().map(|p| p.id.as_str()).collect();
+                return Err(gerr!("--only: unknown prompt id {id:?} in {} (known: {})", self.path.display(), known.join(", ")));
+            }
+        }
+        Ok(self.prompts.iter().filter(|p| only.contains(&p.id)).cloned().collect())
+    }
+
+    pub fn get(&self, id: &str) -> Result<&Prompt> {
+        self.prompts.iter().find(|p| p.id == id).ok_or_else(|| {
+            let known: Vec<&str> = self.prompts.iter().map(|p| p.id.as_str()).collect();
+            gerr!("unknown prompt id {id:?} in {} (known: {})", self.path.display(), known.join(", "))
+        })
+    }
+}
+
+pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
+    let tokens: std::result::Result<Vec<i64>, _> = s.split(',').map(|t| t.trim().parse::<i64>()).collect();
+    let tokens = tokens.map_err(|e| gerr!("--tokens {s:?}: {e} (expected comma-separated token ids, e.g. 3,17,5)"))?;
+    if tokens.is_empty() || tokens.iter().any(|&t| t < 0) {
+        return Err(gerr!("--tokens {s:?}: need at least one non-negative token id"));
+    }
+    Ok(tokens)
+}

@@ -1,0 +1,785 @@
+//! Running a milestone: every selected prompt through the engine, the contract and the oracle,
+//! then the checks — stable, matches, generation, agrees, generation_oracle — and the baselines.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use serde_json::{json, Value};
+use tracegate_diff::{Options, Policy, Verdict};
+use tracegate_trace::Trace;
+
+use crate::baselines::{Baseline, BaselineFile, Conditions};
+use crate::milestones::{Expectation, Milestone, MilestoneFile};
+use crate::producer::{Producer, RunRecord, Verb};
+use crate::prompts::{self, Prompt, PromptSet};
+use crate::{gerr, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Status {
+    #[serde(rename = "PASS")]
+    Pass,
+    #[serde(rename = "FAIL")]
+    Fail,
+    #[serde(rename = "NOT CHECKED")]
+    NotChecked,
+}
+
+impl Status {
+    pub fn label(self) -> &'static str {
+        match self {
+            Status::Pass => "PASS",
+            Status::Fail => "FAIL",
+            Status::NotChecked => "NOT CHECKED",
+        }
+    }
+}
+
+/// One thing a check found; excused only by a declared divergence naming all of it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    pub kind: String,
+    pub name: String,
+    pub count: u64,
+    pub detail: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CheckResult {
+    pub check: String,
+    pub status: Status,
+    /// For PASS/FAIL what was measured; for NOT CHECKED the reason.
+    pub detail: String,
+    pub findings: Vec<Finding>,
+    /// Findings that a declared divergence excuses (reported, not failed).
+    pub excused: Vec<Finding>,
+}
+
+impl CheckResult {
+    fn new(check: &str, status: Status, detail: impl Into<String>) -> CheckResult {
+        CheckResult { check: check.into(), status, detail: detail.into(), findings: vec![], excused: vec![] }
+    }
+    fn not_checked(check: &str, why: impl Into<String>) -> CheckResult {
+        CheckResult::new(check, Status::NotChecked, why)
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Generated {
+    pub engine_cached: Option<Vec<i64>>,
+    pub engine_uncached: Option<Vec<i64>>,
+    pub contract: Option<Vec<i64>>,
+    pub oracle: Option<Vec<i64>>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct OracleSummary {
+    pub smallest_margin: Option<f64>,
+    pub smallest_margin_at: Option<String>,
+    pub worst_max_rel: Option<f64>,
+    pub worst_max_rel_tensor: Option<String>,
+    pub worst_rel_l2: Option<f64>,
+    pub worst_rel_l2_tensor: Option<String>,
+    pub near_ties: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PromptResult {
+    pub id: String,
+    pub tokens: usize,
+    pub runs: Vec<RunRecord>,
+    pub digests: BTreeMap<String, String>,
+    pub checks: Vec<CheckResult>,
+    pub counts: Value,
+    pub generated: Generated,
+    pub oracle: Option<OracleSummary>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct MilestoneReport {
+    pub milestone: String,
+    pub claim: String,
+    pub model: String,
+    pub family: String,
+    pub prompt_file: String,
+    pub prompt_sha256: String,
+    pub generate: usize,
+    pub threads: usize,
+    pub policy: String,
+    pub gate_invocation: Vec<String>,
+    pub stack: Value,
+    pub prompts: Vec<PromptResult>,
+    pub baselines: Vec<CheckResult>,
+    pub totals: BTreeMap<&'static str, usize>,
+    /// PASS, FAIL, or INCOMPLETE (nothing failed but something was NOT CHECKED).
+    pub verdict: &'static str,
+}
+
+impl MilestoneReport {
+    pub fn all_checks(&self) -> impl Iterator<Item = &CheckResult> {
+        self.prompts.iter().flat_map(|p| p.checks.iter()).chain(self.baselines.iter())
+    }
+    /// 0 all passed; 1 something failed (or nothing ran); 4 nothing failed but not all checked.
+    pub fn exit_code(&self) -> i32 {
+        match self.verdict {
+            "PASS" => 0,
+            "INCOMPLETE" => 4,
+            _ => 1,
+        }
+    }
+}
+
+pub struct GateOptions {
+    pub root: PathBuf,
+    pub milestone: String,
+    pub prompts: String,
+    pub only: Option<Vec<String>>,
+    pub bless: bool,
+    pub generate: Option<usize>,
+    pub model: Option<PathBuf>,
+    pub threads: usize,
+    pub assert_observed: Option<f64>,
+    pub contract_cmd: Option<String>,
+    pub oracle_cmd: Option<String>,
+    pub gate_invocation: Vec<String>,
+}
+
+fn python(root: &Path, specific: &str) -> String {
+    std::env::var(specific)
+        .or_else(|_| std::env::var("TRACEGATE_PYTHON"))
+        .unwrap_or_else(|_| root.join(".venv/bin/python").display().to_string())
+}
+
+pub fn default_contract_cmd(root: &Path) -> String {
+    format!("'{}' -m tracegate_contract {{verb}} {{args}}", python(root, "TRACEGATE_CONTRACT_PYTHON"))
+}
+
+pub fn default_oracle_cmd(root: &Path) -> String {
+    format!("'{}' -m tracegate_oracle {{verb}} {{args}} --threads 1", python(root, "TRACEGATE_ORACLE_PYTHON"))
+}
+
+/// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
+fn probe_oracle(root: &Path) -> std::result::Result<Value, String> {
+    let py = python(root, "TRACEGATE_ORACLE_PYTHON");
+    let out = std::process::Command::new(&py)
+        .args(["-c", "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))"])
+        .current_dir(root)
+        .output()
+        .map_err(|e| format!("cannot run {py}: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().last().unwrap_or("import failed").to_string();
+        return Err(format!("torch/transformers unavailable to {py}: {last}"));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| format!("version probe printed no JSON: {e}"))
+}
+
+fn decode_tokens(t: &Trace) -> Vec<i64> {
+    let mut steps: Vec<(&str, i64)> = t
+        .decisions()
+        .iter()
+        .filter(|d| d.name.starts_with("decode.") && d.name.ends_with(".argmax"))
+        .filter_map(|d| t.decision_values(d).first().map(|&v| (d.name.as_str(), v)))
+        .collect();
+    steps.sort_by(|a, b| a.0.cmp(b.0));
+    steps.into_iter().map(|(_, v)| v).collect()
+}
+
+/// Deterministic counts of an engine trace, asserted by baselines.
+fn counts(t: &Trace, path: &Path) -> Value {
+    let mut router = serde_json::Map::new();
+    for d in t.decisions() {
+        if let Some(layer) = d.name.strip_suffix(".router.topk") {
+            let mut hist: BTreeMap<i64, u64> = BTreeMap::new();
+            for v in t.decision_values(d) {
+                *hist.entry(v).or_default() += 1;
+            }
+            let hist: serde_json::Map<String, Value> = hist.into_iter().map(|(k, v)| (format!("{k:03}"), json!(v))).collect();
+            router.insert(layer.to_string(), Value::Object(hist));
+        }
+    }
+    json!({
+        "trace_bytes": std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
+        "tensors": t.tensors().len(),
+        "decisions": t.decisions().len(),
+        "router_selections": router,
+        "tokens_generated": decode_tokens(t).len(),
+    })
+}
+
+fn open(root: &Path, rec: &RunRecord) -> std::result::Result<Trace, String> {
+    if !rec.ok {
+        return Err(format!("{} {} failed: {}", rec.producer, rec.verb, rec.stderr_tail.trim()));
+    }
+    Trace::open(root.join(&rec.out)).map_err(|e| format!("{} trace unreadable: {e}", rec.producer))
+}
+
+/// Splits findings into failing and excused by the milestone's declared divergences.
+fn judge(m: &Milestone, prompt: &str, mut c: CheckResult, found: Vec<Finding>) -> CheckResult {
+    for f in found {
+        let declared = m.declared_divergences.iter().any(|d| {
+            d.prompt == prompt && d.check == c.check && d.kind == f.kind && d.name == f.name && d.count == f.count
+        });
+        if declared {
+            c.excused.push(f);
+        } else {
+            c.findings.push(f);
+        }
+    }
+    if c.status == Status::Pass && !c.findings.is_empty() {
+        c.status = Status::Fail;
+    }
+    c
+}
+
+fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: Option<&Expectation>) -> CheckResult {
+    let rep = tracegate_diff::compare(eng, con, &Options::default());
+    let mut found = Vec::new();
+    for f in &rep.findings {
+        found.push(Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() });
+    }
+    if let Some(d) = &rep.first_divergence {
+        found.push(Finding {
+            kind: "tensor_differs".into(),
+            name: d.tensor.clone(),
+            count: d.differing_elements,
+            detail: format!(
+                "first at {}{:?}: {} vs {} ({} ULP; {}/{} elements differ)",
+                d.tensor,
+                d.coords,
+                d.reference_value,
+                d.candidate_value,
+                d.ulp.map(|u| u.to_string()).unwrap_or("NaN".into()),
+                d.differing_elements,
+                d.total_elements
+            ),
+        });
+    }
+    for r in rep.decisions.results.iter().filter(|r| r.differing_rows > 0) {
+        found.push(Finding { kind: "decision_differs".into(), name: r.name.clone(), count: r.differing_rows, detail: format!("{}/{} rows differ", r.differing_rows, r.rows) });
+    }
+    let differing = rep.differing_elements();
+    let mut detail = format!(
+        "{} — {} tensors ({} by digest, {} element-wise), {} differing elements, {} decisions",
+        match rep.verdict {
+            Verdict::Identical => "IDENTICAL",
+            _ => "DIFFERENT",
+        },
+        rep.tensors.reference_count,
+        rep.tensors.matched_by_digest.len(),
+        rep.tensors.compared_elementwise.len(),
+        differing,
+        rep.decisions.compared
+    );
+    if rep.verdict != Verdict::Identical && found.is_empty() {
+        found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
+    }
+    match expect {
+        Some(e) => {
+            for (what, want, have) in [
+                ("tensors", e.tensors as u64, eng.tensors().len() as u64),
+                ("decisions", e.decisions as u64, eng.decisions().len() as u64),
+                ("differing_elements", e.differing_elements, differing),
+            ] {
+                if want != have {
+                    found.push(Finding { kind: "count_changed".into(), name: what.into(), count: have, detail: format!("{what}: recorded {want}, now {have}") });
+                }
+            }
+            detail.push_str("; counts as recorded");
+        }
+        None => detail.push_str("; counts NOT CHECKED (no expectation recorded for this prompt: run with --bless)"),
+    }
+    judge(m, &p.id, CheckResult::new("matches", Status::Pass, detail), found)
+}
+
+fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Policy) -> (CheckResult, OracleSummary) {
+    let rep = tracegate_diff::compare(eng, ora, &Options { policy: Some(policy.clone()), ..Options::default() });
+    let mut found = Vec::new();
+    for f in &rep.findings {
+        found.push(Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() });
+    }
+    for row in &rep.per_tensor {
+        if row.status == "outside_policy" || row.status == "no_rule" {
+            // Already reported as a diff finding when the differ emits one; keep one entry per tensor.
+            if !found.iter().any(|f| f.name == row.tensor) {
+                found.push(Finding { kind: row.status.into(), name: row.tensor.clone(), count: 1, detail: row.violations.join("; ") });
+            }
+        }
+    }
+    let mut near_ties = Vec::new();
+    for r in rep.decisions.results.iter().filter(|r| r.differing_rows > 0) {
+        let labels: Vec<String> = r.flips.iter().map(|f| format!("row {} {:?}→{:?} {}", f.row, f.reference, f.candidate, f.label)).collect();
+        near_ties.extend(r.flips.iter().filter(|f| f.label == "near-tie").map(|f| format!("{}[{}]", r.name, f.row)));
+        found.push(Finding { kind: "decision_differs".into(), name: r.name.clone(), count: r.differing_rows, detail: labels.join("; ") });
+    }
+    // Smallest margin among the engine's decisions; worst numeric divergences.
+    let mut smallest: Option<(f64, String)> = None;
+    for d in eng.decisions() {
+        if let Some(ms) = eng.decision_margins(d) {
+            for (row, m) in ms.iter().enumerate() {
+                let m = *m as f64;
+                if smallest.as_ref().map_or(true, |(s, _)| m < *s) {
+                    smallest = Some((m, format!("{}[{row}]", d.name)));
+                }
+            }
+        }
+    }
+    let worst = |f: fn(&tracegate_diff::TensorRow) -> Option<f64>| {
+        rep.per_tensor.iter().filter_map(|r| f(r).map(|v| (v, r.tensor.clone()))).fold(None, |acc: Option<(f64, String)>, x| match acc {
+            Some(a) if a.0 >= x.0 => Some(a),
+            _ => Some(x),
+        })
+    };
+    let max_rel = worst(|r| r.max_rel.map(|x| x.0));
+    let rel_l2 = worst(|r| r.rel_l2.map(|x| x.0));
+    let summary = OracleSummary {
+        smallest_margin: smallest.as_ref().map(|s| s.0),
+        smallest_margin_at: smallest.map(|s| s.1),
+        worst_max_rel: max_rel.as_ref().map(|x| x.0),
+        worst_max_rel_tensor: max_rel.map(|x| x.1),
+        worst_rel_l2: rel_l2.as_ref().map(|x| x.0),
+        worst_rel_l2_tensor: rel_l2.map(|x| x.1),
+        near_ties,
+    };
+    let detail = format!(
+        "{} under policy {}: {} tensors judged, {}/{} decisions differ; smallest margin {} at {}; worst rel L2 {} ({})",
+        match rep.verdict {
+            Verdict::Identical => "IDENTICAL",
+            Verdict::WithinPolicy => "WITHIN POLICY",
+            Verdict::Incomparable => "INCOMPARABLE",
+            _ => "DIFFERENT",
+        },
+        policy.name,
+        rep.per_tensor.len(),
+        rep.decisions.differing,
+        rep.decisions.compared,
+        summary.smallest_margin.map(|v| format!("{v:.3e}")).unwrap_or("n/a".into()),
+        summary.smallest_margin_at.clone().unwrap_or_default(),
+        summary.worst_rel_l2.map(|v| format!("{v:.2e}")).unwrap_or("n/a".into()),
+        summary.worst_rel_l2_tensor.clone().unwrap_or_default(),
+    );
+    if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
+        found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
+    }
+    (judge(m, &p.id, CheckResult::new("agrees", Status::Pass, detail), found), summary)
+}
+
+fn tokens_finding(name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
+    if a == b {
+        return None;
+    }
+    let differ = a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+    Some(Finding { kind: "tokens_differ".into(), name: name.into(), count: differ as u64, detail: format!("engine {a:?} vs {name} {b:?}") })
+}
+
+fn stack_versions(oracle: &std::result::Result<Value, String>) -> Value {
+    json!({
+        "tracegate": env!("CARGO_PKG_VERSION"),
+        "oracle_stack": match oracle { Ok(v) => v.clone(), Err(e) => json!({"unavailable": e}) },
+    })
+}
+
+pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>)> {
+    let ms_path = o.root.join("milestones.json");
+    let mut file = MilestoneFile::load(&ms_path)?;
+    let m = file.get(&o.milestone)?.clone();
+    let prompt_path = prompts::resolve(&o.root, &o.prompts);
+    let set: PromptSet = prompts::load(&prompt_path)?;
+    if set.sha256 != m.prompts.sha256 && !o.bless {
+        return Err(gerr!(
+            "{}: sha256 {} differs from milestone {}'s record {} — changing prompts changes the gate; rerun with --bless to accept it",
+            prompt_path.display(),
+            set.sha256,
+            m.id,
+            m.prompts.sha256
+        ));
+    }
+    let selected = set.select(o.only.as_deref())?;
+    let model = match &o.model {
+        Some(dir) => {
+            let (cfg, _) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {}: {e}", dir.display()))?;
+            let _ = cfg;
+            let raw: Value = crate::read_json(&dir.join("config.json"))?;
+            let family = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
+            if family != m.family {
+                return Err(gerr!("--model {}: model_type {family:?} is not milestone {}'s family {:?}", dir.display(), m.id, m.family));
+            }
+            std::fs::canonicalize(dir).map_err(|e| gerr!("{}: {e}", dir.display()))?.display().to_string()
+        }
+        None => m.model.clone(),
+    };
+    let generate = o.generate.unwrap_or(m.generate);
+    let policy = Policy::load(&o.root.join(&m.policy)).map_err(|e| gerr!("{}: {e}", m.policy))?;
+    let oracle_probe = probe_oracle(&o.root);
+    let engine = Producer::Engine { threads: o.threads };
+    let contract = Producer::Command { name: "contract".into(), template: o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root)) };
+    let oracle = Producer::Command { name: "oracle".into(), template: o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root)) };
+    let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
+
+    let steps = selected.len() as u64 * if oracle_runs { 4 } else { 3 };
+    let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+    bar.set_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed})").expect("static template").progress_chars("=> "));
+    bar.set_prefix(format!("gate {}", m.id));
+    let tty = std::io::stderr().is_terminal();
+
+    let mut results = Vec::new();
+    for p in &selected {
+        let dir_rel = format!("target/gate/{}/{}", m.id, p.id);
+        let dir = o.root.join(&dir_rel);
+        // Never compare a stale trace: a producer that fails must leave nothing to read.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| gerr!("{}: {e}", dir.display()))?;
+        let trace_verb = |out: &str, cache: bool| Verb::Trace {
+            model: model.clone(),
+            tokens: p.tokens.clone(),
+            out: format!("{dir_rel}/{out}"),
+            internals: false,
+            generate,
+            cache,
+        };
+        let mut runs = Vec::new();
+        bar.set_message(format!("{}: engine", p.id));
+        runs.push(engine.run(&o.root, &trace_verb("engine.trace", true)));
+        bar.inc(1);
+        bar.set_message(format!("{}: engine (uncached)", p.id));
+        runs.push(engine.run(&o.root, &trace_verb("engine-uncached.trace", false)));
+        bar.inc(1);
+        bar.set_message(format!("{}: contract", p.id));
+        runs.push(contract.run(&o.root, &trace_verb("contract.trace", true)));
+        bar.inc(1);
+        if oracle_runs {
+            bar.set_message(format!("{}: oracle", p.id));
+            runs.push(oracle.run(&o.root, &trace_verb("oracle.trace", true)));
+            bar.inc(1);
+        }
+        let result = judge_prompt(o, &m, p, runs, &policy, &oracle_probe, oracle_runs);
+        let line = format!(
+            "{}: {}",
+            p.id,
+            result.checks.iter().map(|c| format!("{} {}", c.check, c.status.label())).collect::<Vec<_>>().join(", ")
+        );
+        if tty {
+            bar.println(line);
+        } else {
+            eprintln!("[gate {}] {line}", m.id);
+        }
+        results.push(result);
+    }
+    bar.finish_and_clear();
+
+    let bl_path = o.root.join("baselines.json");
+    let mut bl_file = BaselineFile::load(&bl_path)?;
+    let conditions_of = |r: &PromptResult| -> Conditions {
+        let mut c = Conditions::new();
+        c.insert("prompt".into(), json!(r.id));
+        c.insert("threads".into(), json!(o.threads));
+        c.insert("generate".into(), json!(generate));
+        c.insert("model".into(), json!(model));
+        c
+    };
+    let baselines = check_baselines(&m, &bl_file.baselines, &results, &conditions_of, o.assert_observed, &selected);
+
+    let mut totals: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut report = MilestoneReport {
+        milestone: m.id.clone(),
+        claim: m.claim.clone(),
+        model: model.clone(),
+        family: m.family.clone(),
+        prompt_file: prompt_path.display().to_string(),
+        prompt_sha256: set.sha256.clone(),
+        generate,
+        threads: o.threads,
+        policy: m.policy.clone(),
+        gate_invocation: o.gate_invocation.clone(),
+        stack: stack_versions(&oracle_probe),
+        prompts: results,
+        baselines,
+        totals: BTreeMap::new(),
+        verdict: "FAIL",
+    };
+    for c in report.all_checks() {
+        *totals.entry(c.status.label()).or_default() += 1;
+    }
+    let passed = totals.get("PASS").copied().unwrap_or(0);
+    let failed = totals.get("FAIL").copied().unwrap_or(0);
+    let unchecked = totals.get("NOT CHECKED").copied().unwrap_or(0);
+    report.verdict = if failed > 0 || passed == 0 {
+        "FAIL"
+    } else if unchecked > 0 {
+        "INCOMPLETE"
+    } else {
+        "PASS"
+    };
+    report.totals = totals;
+
+    let bless_log = if o.bless {
+        Some(bless(o, &mut file, &ms_path, &m, &set, &report, &mut bl_file, &bl_path, &conditions_of)?)
+    } else {
+        None
+    };
+    Ok((report, bless_log))
+}
+
+fn judge_prompt(
+    o: &GateOptions,
+    m: &Milestone,
+    p: &Prompt,
+    runs: Vec<RunRecord>,
+    policy: &Policy,
+    oracle_probe: &std::result::Result<Value, String>,
+    oracle_ran: bool,
+) -> PromptResult {
+    let root = &o.root;
+    let eng = open(root, &runs[0]);
+    let unc = open(root, &runs[1]);
+    let con = open(root, &runs[2]);
+    let ora: std::result::Result<Trace, String> = if oracle_ran {
+        open(root, &runs[3])
+    } else {
+        Err(oracle_probe.as_ref().err().cloned().unwrap_or_default())
+    };
+    let oracle_failed_to_run = oracle_ran && ora.is_err();
+    let expect = m.expect.get(&p.id);
+    let mut digests = BTreeMap::new();
+    for (name, t) in [("engine", &eng), ("engine_uncached", &unc), ("contract", &con), ("oracle", &ora)] {
+        if let Ok(t) = t {
+            digests.insert(name.to_string(), t.digest().hex());
+        }
+    }
+    let mut checks = Vec::new();
+
+    // stable: the engine reproduces its recorded digest.
+    checks.push(match (&eng, expect) {
+        (Err(e), _) => CheckResult::new("stable", Status::Fail, e.clone()),
+        (Ok(_), None) => CheckResult::not_checked("stable", format!("no recorded engine digest for prompt {:?}: run with --bless", p.id)),
+        (Ok(t), Some(e)) if t.digest().hex() == e.engine_digest => CheckResult::new("stable", Status::Pass, format!("engine digest {} as recorded", t.digest().short())),
+        (Ok(t), Some(e)) => {
+            let mut c = CheckResult::new("stable", Status::Fail, format!("engine digest {} but recorded {}", t.digest().short(), &e.engine_digest[..16.min(e.engine_digest.len())]));
+            c.findings.push(Finding { kind: "digest_changed".into(), name: "engine".into(), count: 1, detail: c.detail.clone() });
+            c
+        }
+    });
+
+    // matches: engine ≡ contract, bit for bit, with the recorded counts.
+    checks.push(match (&eng, &con) {
+        (Ok(e), Ok(c)) => check_matches(m, p, e, c, expect),
+        (Err(e), _) | (_, Err(e)) => CheckResult::new("matches", Status::Fail, e.clone()),
+    });
+
+    // generation: cached, uncached and contract tokens identical.
+    let mut generated = Generated::default();
+    generated.engine_cached = eng.as_ref().ok().map(decode_tokens);
+    generated.engine_uncached = unc.as_ref().ok().map(decode_tokens);
+    generated.contract = con.as_ref().ok().map(decode_tokens);
+    generated.oracle = ora.as_ref().ok().map(decode_tokens);
+    checks.push(match (&generated.engine_cached, &generated.engine_uncached, &generated.contract) {
+        (Some(a), Some(b), Some(c)) => {
+            let found: Vec<Finding> = [tokens_finding("engine-uncached", a, b), tokens_finding("contract", a, c)].into_iter().flatten().collect();
+            let mut detail = format!("{} tokens: engine cached = uncached = contract: {a:?}", a.len());
+            if let Some(e) = expect {
+                if &e.generated != a {
+                    detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
+                }
+            }
+            let mut found = found;
+            if let Some(e) = expect {
+                if &e.generated != a {
+                    found.push(Finding { kind: "tokens_changed".into(), name: "engine".into(), count: a.len() as u64, detail: detail.clone() });
+                }
+            }
+            if a.is_empty() {
+                CheckResult::not_checked("generation", "no tokens generated (--generate 0)")
+            } else {
+                judge(m, &p.id, CheckResult::new("generation", Status::Pass, detail), found)
+            }
+        }
+        _ => {
+            let why: Vec<String> = [&eng, &unc, &con].iter().filter_map(|t| t.as_ref().err().cloned()).collect();
+            CheckResult::new("generation", Status::Fail, why.join("; "))
+        }
+    });
+
+    // agrees + generation_oracle: engine ≈ oracle under the policy, decisions exact.
+    let mut oracle_summary = None;
+    match (&eng, &ora) {
+        (Ok(e), Ok(r)) => {
+            let (c, s) = check_agrees(m, p, e, r, policy);
+            checks.push(c);
+            oracle_summary = Some(s);
+            let (a, b) = (decode_tokens(e), decode_tokens(r));
+            let found: Vec<Finding> = tokens_finding("oracle", &a, &b).into_iter().collect();
+            checks.push(if a.is_empty() {
+                CheckResult::not_checked("generation_oracle", "no tokens generated (--generate 0)")
+            } else {
+                judge(m, &p.id, CheckResult::new("generation_oracle", Status::Pass, format!("{} greedy tokens equal to the oracle's (its own KV cache)", a.len())), found)
+            });
+        }
+        (Err(e), _) => {
+            checks.push(CheckResult::new("agrees", Status::Fail, e.clone()));
+            checks.push(CheckResult::new("generation_oracle", Status::Fail, e.clone()));
+        }
+        (Ok(_), Err(why)) if oracle_failed_to_run => {
+            checks.push(CheckResult::new("agrees", Status::Fail, why.clone()));
+            checks.push(CheckResult::new("generation_oracle", Status::Fail, why.clone()));
+        }
+        (Ok(_), Err(why)) => {
+            checks.push(CheckResult::not_checked("agrees", why.clone()));
+            checks.push(CheckResult::not_checked("generation_oracle", why.clone()));
+        }
+    }
+
+    let counts = match &eng {
+        Ok(t) => counts(t, &root.join(&runs[0].out)),
+        Err(_) => Value::Null,
+    };
+    PromptResult { id: p.id.clone(), tokens: p.tokens.len(), runs, digests, checks, counts, generated, oracle: oracle_summary }
+}
+
+fn observed_of(r: &PromptResult) -> BTreeMap<String, f64> {
+    let mut obs = BTreeMap::new();
+    for run in &r.runs {
+        let key = match (run.producer.as_str(), run.out.ends_with("uncached.trace")) {
+            ("engine", true) => "engine_uncached".to_string(),
+            (p, _) => p.to_string(),
+        };
+        obs.insert(format!("{key}_seconds"), (run.seconds * 1000.0).round() / 1000.0);
+        if let Some(kib) = run.peak_rss_kib {
+            obs.insert(format!("{key}_peak_rss_kib"), kib as f64);
+        }
+    }
+    obs
+}
+
+fn check_baselines(
+    m: &Milestone,
+    baselines: &[Baseline],
+    results: &[PromptResult],
+    conditions_of: &dyn Fn(&PromptResult) -> Conditions,
+    assert_observed: Option<f64>,
+    selected: &[Prompt],
+) -> Vec<CheckResult> {
+    let mut out = Vec::new();
+    for b in baselines.iter().filter(|b| b.milestone == m.id) {
+        let name = format!("baseline {}", b.id);
+        let mut applied = None;
+        let mut reasons = Vec::new();
+        for r in results {
+            match b.unmet(&conditions_of(r)) {
+                None => {
+                    applied = Some(r);
+                    break;
+                }
+                Some(why) => reasons.push(why),
+            }
+        }
+        let Some(r) = applied else {
+            let want_prompt = b.requires.get("prompt").and_then(Value::as_str);
+            let why = match want_prompt {
+                Some(p) if !selected.iter().any(|s| s.id == p) => format!("prompt {p:?} was not run (--only)"),
+                _ => reasons.into_iter().find(|r| !r.starts_with("requires prompt=")).unwrap_or_else(|| "no run matched".into()),
+            };
+            out.push(CheckResult::not_checked(&name, why));
+            continue;
+        };
+        if r.counts.is_null() {
+            out.push(CheckResult::new(&name, Status::Fail, "engine trace missing: counts unavailable"));
+            continue;
+        }
+        let mut c = CheckResult::new(&name, Status::Pass, String::new());
+        for (key, want) in &b.counts {
+            let have = r.counts.get(key).cloned().unwrap_or(Value::Null);
+            if &have != want {
+                c.findings.push(Finding { kind: "count_changed".into(), name: key.clone(), count: 1, detail: format!("{key}: baseline {want}, now {have}") });
+            }
+        }
+        let obs = observed_of(r);
+        let mut notes = Vec::new();
+        for (key, old) in &b.observed {
+            if let Some(new) = obs.get(key) {
+                let delta = if *old != 0.0 { (new - old) / old } else { 0.0 };
+                notes.push(format!("{key} {new} ({:+.0}%)", delta * 100.0));
+                if let Some(tol) = assert_observed {
+                    if delta.abs() > tol {
+                        c.findings.push(Finding { kind: "observed_out_of_tolerance".into(), name: key.clone(), count: 1, detail: format!("{key}: baseline {old}, now {new} ({:+.0}% > ±{:.0}%)", delta * 100.0, tol * 100.0) });
+                    }
+                }
+            }
+        }
+        c.detail = format!("{} counts exact; observed: {}", b.counts.len(), if notes.is_empty() { "none recorded".into() } else { notes.join(", ") });
+        if !c.findings.is_empty() {
+            c.status = Status::Fail;
+        }
+        out.push(c);
+    }
+    if !out.iter().any(|c| c.status != Status::NotChecked) {
+        out.push(CheckResult::new("baselines", Status::Fail, format!("no baseline of milestone {} applied to this run: zero checked baselines is a failure (record one with --bless)", m.id)));
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bless(
+    o: &GateOptions,
+    file: &mut MilestoneFile,
+    ms_path: &Path,
+    m: &Milestone,
+    set: &PromptSet,
+    report: &MilestoneReport,
+    bl_file: &mut BaselineFile,
+    bl_path: &Path,
+    conditions_of: &dyn Fn(&PromptResult) -> Conditions,
+) -> Result<String> {
+    let mut log = Vec::new();
+    let entry = file.get_mut(&m.id).ok_or_else(|| gerr!("milestone {} vanished", m.id))?;
+    if entry.prompts.sha256 != set.sha256 {
+        log.push(format!("{}: prompts sha256 {} -> {}", m.id, entry.prompts.sha256, set.sha256));
+        entry.prompts.sha256 = set.sha256.clone();
+    }
+    for r in &report.prompts {
+        let Some(digest) = r.digests.get("engine") else {
+            log.push(format!("{}/{}: engine failed; expectation left as it was", m.id, r.id));
+            continue;
+        };
+        let differing = r.checks.iter().find(|c| c.check == "matches").map(|c| c.findings.iter().filter(|f| f.kind == "tensor_differs").map(|f| f.count).sum()).unwrap_or(0);
+        let oracle_differing = r.checks.iter().find(|c| c.check == "agrees" && c.status != Status::NotChecked).map(|c| c.findings.iter().chain(&c.excused).filter(|f| f.kind == "decision_differs").count());
+        let new = Expectation {
+            engine_digest: digest.clone(),
+            tensors: r.counts["tensors"].as_u64().unwrap_or(0) as usize,
+            decisions: r.counts["decisions"].as_u64().unwrap_or(0) as usize,
+            differing_elements: differing,
+            generated: r.generated.engine_cached.clone().unwrap_or_default(),
+            oracle_decisions_differing: oracle_differing.unwrap_or_else(|| entry.expect.get(&r.id).map(|e| e.oracle_decisions_differing).unwrap_or(0)),
+        };
+        match entry.expect.get(&r.id) {
+            Some(old) if *old == new => {}
+            Some(old) => log.push(format!("{}/{}: expectation {} -> {}", m.id, r.id, serde_json::to_string(old).unwrap_or_default(), serde_json::to_string(&new).unwrap_or_default())),
+            None => log.push(format!("{}/{}: new expectation {}", m.id, r.id, serde_json::to_string(&new).unwrap_or_default())),
+        }
+        entry.expect.insert(r.id.clone(), new);
+
+        let conditions = conditions_of(r);
+        let id = format!("{}.{}.t{}.g{}", m.id, r.id, o.threads, report.generate);
+        let counts: BTreeMap<String, Value> = r.counts.as_object().map(|o| o.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default();
+        let baseline = Baseline { id: id.clone(), milestone: m.id.clone(), requires: conditions, counts, observed: observed_of(r) };
+        match bl_file.baselines.iter_mut().find(|b| b.id == id) {
+            Some(old) => {
+                if old.counts != baseline.counts || old.requires != baseline.requires {
+                    log.push(format!("baseline {id}: counts {} -> {}", serde_json::to_string(&old.counts).unwrap_or_default(), serde_json::to_string(&baseline.counts).unwrap_or_default()));
+                }
+                *old = baseline;
+            }
+            None => {
+                log.push(format!("baseline {id}: new"));
+                bl_file.baselines.push(baseline);
+            }
+        }
+    }
+    crate::write_json_atomic(ms_path, file)?;
+    crate::write_json_atomic(bl_path, bl_file)?;
+    if log.is_empty() {
+        log.push("nothing changed".into());
+    }
+    Ok(log.join("\n"))
+}

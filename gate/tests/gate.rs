@@ -1,0 +1,256 @@
+//! The gate is code and is tested: it passes as bundled, and each planted defect fails it with
+//! the right finding. Runs the real `gate` binary on the tiny fixtures.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap()
+}
+
+fn python() -> PathBuf {
+    let py = repo().join(".venv/bin/python");
+    assert!(py.exists(), "{} missing: run scripts/setup.sh", py.display());
+    py
+}
+
+/// A copy of the project's gate inputs (milestones, baselines, fixtures) that a test may edit.
+fn scratch_root() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["milestones.json", "baselines.json"] {
+        std::fs::copy(repo().join(f), dir.path().join(f)).unwrap();
+    }
+    copy_dir(&repo().join("fixtures"), &dir.path().join("fixtures"));
+    dir
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
+
+/// An interpreter for which `import torch` fails: the oracle is then unavailable.
+fn torchless_python(dir: &Path) -> PathBuf {
+    let block = dir.join("block");
+    std::fs::create_dir_all(&block).unwrap();
+    std::fs::write(block.join("torch.py"), "raise ImportError('torch is blocked for this test')\n").unwrap();
+    let script = dir.join("torchless-python");
+    std::fs::write(&script, format!("#!/bin/sh\nPYTHONPATH='{}' exec '{}' \"$@\"\n", block.display(), python().display())).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+    report: Option<Value>,
+}
+
+fn gate(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
+    let report_dir = tempfile::tempdir().unwrap();
+    let report = report_dir.path().join("report.json");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gate"));
+    cmd.arg("--root").arg(root).args(args).arg("--report").arg(&report);
+    cmd.env("TRACEGATE_PYTHON", python());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let Output { status, stdout, stderr } = cmd.output().unwrap();
+    let report = std::fs::read_to_string(&report).ok().map(|s| serde_json::from_str(&s).unwrap());
+    Run { code: status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&stdout).into(), stderr: String::from_utf8_lossy(&stderr).into(), report }
+}
+
+fn check<'a>(report: &'a Value, prompt: &str, name: &str) -> &'a Value {
+    report["prompts"].as_array().unwrap().iter().find(|p| p["id"] == prompt).unwrap()["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no check {name} for {prompt}"))
+}
+
+#[test]
+fn passes_as_bundled_and_records_invocations() {
+    let root = repo();
+    let r = gate(&root, &["check"], &[]);
+    assert_eq!(r.code, 0, "gate check failed:\n{}\n{}", r.stdout, r.stderr);
+    for m in ["m0", "m1"] {
+        let line = r.stdout.lines().find(|l| l.starts_with(m) && l.contains("stable:")).unwrap();
+        assert!(line.contains("stable: PASS") && line.contains("matches: PASS") && line.contains("agrees: PASS"), "{line}");
+    }
+    let reports = r.report.unwrap();
+    let m1 = reports.as_array().unwrap().iter().find(|m| m["milestone"] == "m1").unwrap();
+    assert_eq!(m1["verdict"], "PASS");
+    assert_eq!(m1["prompts"].as_array().unwrap().len(), 5);
+    let runs = m1["prompts"][0]["runs"].as_array().unwrap();
+    let invocations: Vec<&str> = runs.iter().map(|r| r["invocation"].as_str().unwrap()).collect();
+    assert!(invocations[0].starts_with("engine trace --model fixtures/tiny-qwen3-moe --tokens "), "{invocations:?}");
+    assert!(invocations.iter().any(|i| i.contains("-m tracegate_contract trace")), "{invocations:?}");
+    assert!(invocations.iter().any(|i| i.contains("-m tracegate_oracle trace")), "{invocations:?}");
+    assert_eq!(m1["prompt_sha256"].as_str().unwrap().len(), 64);
+    assert!(m1["stack"]["oracle_stack"]["torch"].is_string());
+    assert!(runs.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0 && r["peak_rss_kib"].as_u64().unwrap() > 0));
+}
+
+#[test]
+fn a_perturbed_fixture_weight_fails_stable() {
+    let root = scratch_root();
+    let weights = root.path().join("fixtures/tiny-qwen3-moe/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = header["model.layers.1.self_attn.o_proj.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + header_len + start + 1] ^= 0x20; // a high exponent bit of a bf16 weight
+    std::fs::write(&weights, bytes).unwrap();
+    let torchless = torchless_python(root.path());
+    let r = gate(root.path(), &["m1", "--only", "mid"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let stable = check(&rep, "mid", "stable");
+    assert_eq!(stable["status"], "FAIL");
+    assert_eq!(stable["findings"][0]["kind"], "digest_changed");
+    // Engine and contract read the same (perturbed) weights, so they still match each other.
+    assert_eq!(check(&rep, "mid", "matches")["status"], "PASS");
+}
+
+#[test]
+fn a_contract_one_ulp_off_fails_matches_at_that_tensor() {
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let wrapper = repo().join("gate/tests/producers/ulp_nudge.py");
+    let template = format!("'{}' '{}' layer.01.mlp_out {{verb}} {{args}}", python().display(), wrapper.display());
+    let r = gate(&repo(), &["m1", "--only", "short", "--contract-cmd", &template], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let matches = check(&rep, "short", "matches");
+    assert_eq!(matches["status"], "FAIL");
+    let f = matches["findings"].as_array().unwrap().iter().find(|f| f["kind"] == "tensor_differs").expect("a tensor_differs finding");
+    assert_eq!(f["name"], "layer.01.mlp_out");
+    assert_eq!(f["count"], 1);
+    assert!(f["detail"].as_str().unwrap().contains("1 ULP"), "{f}");
+    assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
+    assert!(rep["prompts"][0]["runs"][2]["invocation"].as_str().unwrap().contains("ulp_nudge.py layer.01.mlp_out trace --model"));
+}
+
+#[test]
+fn a_crashing_producer_is_a_failed_row_with_its_stderr() {
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let template = format!("'{}' -c \"import sys; sys.stderr.write('contract exploded\\n'); sys.exit(3)\"", python().display());
+    let r = gate(&repo(), &["m1", "--only", "short,repeat", "--contract-cmd", &template], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    assert_eq!(rep["prompts"].as_array().unwrap().len(), 2, "a crashed producer must not drop the row");
+    for p in ["short", "repeat"] {
+        let m = check(&rep, p, "matches");
+        assert_eq!(m["status"], "FAIL");
+        let detail = m["detail"].as_str().unwrap();
+        assert!(detail.contains("contract exploded") && detail.contains("exit status 3"), "{detail}");
+    }
+    assert!(r.stdout.contains("contract crashed"), "{}", r.stdout);
+}
+
+#[test]
+fn an_edited_prompt_file_is_refused_unless_blessed() {
+    let root = scratch_root();
+    let prompts = root.path().join("fixtures/prompts/frozen.json");
+    let text = std::fs::read_to_string(&prompts).unwrap().replacen("[7, 7, 7,", "[7, 7, 8,", 1);
+    std::fs::write(&prompts, text).unwrap();
+    let r = gate(root.path(), &["m1", "--only", "short"], &[]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("differs from milestone m1's record") && r.stderr.contains("--bless"), "{}", r.stderr);
+    assert!(r.report.is_none(), "a refused run writes no report");
+    // --prompts PATH is held to the same record.
+    let r = gate(&repo(), &["m1", "--only", "short", "--prompts", prompts.to_str().unwrap()], &[]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+}
+
+#[test]
+fn an_unknown_only_id_is_refused() {
+    let r = gate(&repo(), &["m1", "--only", "short,nosuch"], &[]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("unknown prompt id \"nosuch\"") && r.stderr.contains("known: short, repeat"), "{}", r.stderr);
+}
+
+#[test]
+fn an_unavailable_oracle_is_not_checked_not_passed() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let r = gate(&repo(), &["m0", "--only", "short"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 4, "nothing failed but the oracle was not checked:\n{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    assert_eq!(rep["verdict"], "INCOMPLETE");
+    for name in ["agrees", "generation_oracle"] {
+        let c = check(&rep, "short", name);
+        assert_eq!(c["status"], "NOT CHECKED");
+        assert!(c["detail"].as_str().unwrap().contains("torch is blocked for this test"), "{c}");
+    }
+    assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
+}
+
+#[test]
+fn bless_records_expectations_and_baselines_that_then_pass() {
+    let root = scratch_root();
+    let torchless = torchless_python(root.path());
+    // Forget m0's expectations and all baselines.
+    let ms_path = root.path().join("milestones.json");
+    let mut ms: Value = serde_json::from_str(&std::fs::read_to_string(&ms_path).unwrap()).unwrap();
+    ms["milestones"][0]["expect"] = serde_json::json!({});
+    std::fs::write(&ms_path, serde_json::to_string(&ms).unwrap()).unwrap();
+    std::fs::write(root.path().join("baselines.json"), r#"{"schema": 1, "baselines": []}"#).unwrap();
+    let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
+
+    let r = gate(root.path(), &["m0", "--only", "short"], &env);
+    assert_eq!(r.code, 1, "zero checked baselines must fail:\n{}", r.stdout);
+    let rep = r.report.unwrap();
+    assert_eq!(check(&rep, "short", "stable")["status"], "NOT CHECKED");
+    assert!(rep["baselines"].as_array().unwrap().iter().any(|b| b["status"] == "FAIL" && b["detail"].as_str().unwrap().contains("zero checked baselines")));
+
+    let r = gate(root.path(), &["m0", "--only", "short", "--bless"], &env);
+    assert!(r.stdout.contains("m0/short: new expectation") && r.stdout.contains("baseline m0.short.t1.g8: new"), "{}", r.stdout);
+
+    let r = gate(root.path(), &["m0", "--only", "short"], &env);
+    assert_eq!(r.code, 4, "only the oracle is unchecked now:\n{}", r.stdout);
+    let rep = r.report.unwrap();
+    assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
+    assert_eq!(rep["baselines"][0]["status"], "PASS");
+
+    // A baseline whose conditions do not hold is NOT CHECKED with its reason.
+    let r = gate(root.path(), &["m0", "--only", "short", "--threads", "2"], &env);
+    let rep = r.report.unwrap();
+    let b = &rep["baselines"][0];
+    assert_eq!(b["status"], "NOT CHECKED");
+    assert!(b["detail"].as_str().unwrap().contains("requires threads=1, this run has threads=2"), "{b}");
+    // The stable digest does not depend on the thread count.
+    assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
+}
+
+#[test]
+fn a_changed_count_fails_the_baseline() {
+    let root = scratch_root();
+    let torchless = torchless_python(root.path());
+    let bl_path = root.path().join("baselines.json");
+    let mut bl: Value = serde_json::from_str(&std::fs::read_to_string(&bl_path).unwrap()).unwrap();
+    let b = bl["baselines"].as_array_mut().unwrap().iter_mut().find(|b| b["id"] == "m1.short.t1.g8").unwrap();
+    let old = b["counts"]["tokens_generated"].as_u64().unwrap();
+    b["counts"]["tokens_generated"] = serde_json::json!(old + 1);
+    std::fs::write(&bl_path, serde_json::to_string(&bl).unwrap()).unwrap();
+    let r = gate(root.path(), &["m1", "--only", "short"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1);
+    let rep = r.report.unwrap();
+    let b = rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g8").unwrap();
+    assert_eq!(b["status"], "FAIL");
+    assert_eq!(b["findings"][0]["name"], "tokens_generated");
+}

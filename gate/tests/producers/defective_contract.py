@@ -1,0 +1,88 @@
+"""A test-only producer: the numpy contract with exactly one planted defect, answering the same
+two verbs (docs/producers.md). `gate bisect`'s negative controls run it as the candidate and
+must name the layer and stage the defect lives in.
+
+  defective_contract.py --defect NAME {verb} {args}
+
+Defects (each touches one layer only, so every later layer is a correct body that inherits):
+  mlp-add      layer 2: the MLP block returns its input plus its output (add where it should overwrite)
+  bidir-mask   layer 1: attention sees every key (bidirectional instead of causal)
+  gqa-mod      layer 3: query head h reads kv head h % n_kv instead of h // n_rep
+  no-renorm    layer 1 (MoE): the chosen experts' weights are not renormalised
+  no-layer     no defect, but the `layer` verb is not implemented (exits 3, writes nothing)
+  none         the contract unchanged
+"""
+
+import sys
+
+import numpy as np
+
+from tracegate_contract import __main__ as cli
+from tracegate_contract import ops, qwen3
+
+_current = [None]  # the layer Model.layer is running, for defects scoped to one layer
+_orig_layer = qwen3.Model.layer
+
+
+def _tracking_layer(self, i, *a, **k):
+    _current[0] = i
+    try:
+        return _orig_layer(self, i, *a, **k)
+    finally:
+        _current[0] = None
+
+
+def plant(defect: str) -> None:
+    qwen3.Model.layer = _tracking_layer
+    if defect == "mlp-add":
+        orig = qwen3._Mlp.__call__
+
+        def mlp(self, x):
+            y = orig(self, x)
+            return x + y if _current[0] == 2 else y
+
+        qwen3._Mlp.__call__ = mlp
+    elif defect in ("bidir-mask", "gqa-mod"):
+        orig = ops.attention
+
+        def attention(q, k, v, q_pos, k_pos, scale):
+            if defect == "bidir-mask" and _current[0] == 1:
+                q_pos = [max(k_pos)] * len(q_pos)  # every query row sees every key
+            if defect == "gqa-mod" and _current[0] == 3:
+                nh, nkv = q.shape[1], k.shape[1]
+                wrong = np.arange(nh) % nkv  # interleaved instead of grouped
+                k, v = np.ascontiguousarray(k[:, wrong]), np.ascontiguousarray(v[:, wrong])
+            return orig(q, k, v, q_pos, k_pos, scale)
+
+        ops.attention = attention  # qwen3 calls ops.attention through the module
+    elif defect == "no-renorm":
+        orig = qwen3.Model._moe
+
+        def moe(self, L, x, pos, pfx, cap):
+            if _current[0] != 1:
+                return orig(self, L, x, pos, pfx, cap)
+            saved, self.cfg.norm_topk_prob = self.cfg.norm_topk_prob, False
+            try:
+                return orig(self, L, x, pos, pfx, cap)
+            finally:
+                self.cfg.norm_topk_prob = saved
+
+        qwen3.Model._moe = moe
+    elif defect not in ("none", "no-layer"):
+        raise SystemExit(f"unknown defect {defect!r}")
+
+
+def main(argv):
+    if len(argv) < 2 or argv[0] != "--defect":
+        print("usage: defective_contract.py --defect NAME {verb} {args}", file=sys.stderr)
+        return 2
+    defect, rest = argv[1], argv[2:]
+    if defect == "no-layer" and rest[:1] == ["layer"]:
+        print("error: this producer does not implement the layer verb", file=sys.stderr)
+        return 3
+    plant(defect)
+    return cli.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

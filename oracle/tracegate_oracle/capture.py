@@ -1,0 +1,658 @@
+"""Run transformers' own model classes and record what they computed.
+
+Everything numeric here is done by transformers/torch; this module only
+  * loads the checkpoint strictly (a missing, unexpected or mismatched tensor is an error),
+  * pins the run (threads, seed, deterministic algorithms, no autocast, no TF32),
+  * observes the shared capture points with hooks that are always removed afterwards,
+  * turns the model's own router logits and output logits into decisions with the shared
+    tie rule (descending value, lowest index first) and margins.
+
+A capture is built in memory (`Capture`) and written with `write_trace`, so tests can inspect
+numbers without the trace binding and the binding stays the only writer of the format.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import random
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+class OracleError(Exception):
+    """A user error (bad argument, path, checkpoint or input trace): exit 2, no traceback."""
+
+
+class CheckpointError(OracleError):
+    """The checkpoint and the model class disagree about which tensors exist."""
+
+
+@dataclass
+class RunConfig:
+    device: str = "cpu"
+    dtype: str = "f32"  # f32 | bf16 | f16
+    threads: int = 1
+    seed: int = 0
+    capture: str = "default"  # default | internals
+    cache: str = "on"  # generation with the model's KV cache (on) or full recompute (off)
+    generate: int = 0
+
+
+@dataclass
+class Record:
+    name: str
+    array: np.ndarray  # bf16 as uint16 bit patterns, with dtype="bf16"
+    dtype: str | None
+    attrs: dict
+
+
+@dataclass
+class Decision:
+    name: str
+    values: np.ndarray  # int64
+    margins: np.ndarray | None  # float32, one per row
+
+
+@dataclass
+class Capture:
+    tensors: list[Record] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.tensors]
+
+    def __getitem__(self, name: str) -> Record:
+        for r in self.tensors:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def decision(self, name: str) -> Decision:
+        for d in self.decisions:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# run set-up and loading
+
+
+def setup_torch(rc: RunConfig) -> dict:
+    """Pin the run; returns the determinism record for provenance."""
+    if rc.device == "cuda":
+        # cuBLAS is only deterministic with a fixed workspace, and it must be set before init.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    if rc.device == "cuda":
+        if not torch.cuda.is_available():
+            raise OracleError("--device cuda: CUDA is not available in this torch build / machine")
+        # TF32 would silently round fp32 matmul inputs to 10 mantissa bits.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    elif rc.device != "cpu":
+        raise OracleError(f"--device {rc.device!r}: expected cpu or cuda")
+    if rc.dtype not in TORCH_DTYPES:
+        raise OracleError(f"--dtype {rc.dtype!r}: expected one of {', '.join(TORCH_DTYPES)}")
+    if rc.threads < 1:
+        raise OracleError(f"--threads {rc.threads}: must be >= 1")
+    torch.set_float32_matmul_precision("highest")
+    torch.set_num_threads(rc.threads)
+    with contextlib.suppress(RuntimeError):  # can only be set once per process
+        torch.set_num_interop_threads(1)
+    torch.manual_seed(rc.seed)
+    random.seed(rc.seed)
+    np.random.seed(rc.seed % 2**32)
+    det = {"use_deterministic_algorithms": True, "warn_only": False, "refusals": []}
+    try:
+        torch.use_deterministic_algorithms(True)
+    except Exception as e:  # record, do not hide: the trace says it was not deterministic
+        det["use_deterministic_algorithms"] = False
+        det["refusals"].append(f"use_deterministic_algorithms(True): {e}")
+    det["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
+    det["cudnn_benchmark"] = bool(torch.backends.cudnn.benchmark)
+    det["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    det["autocast"] = False
+    if rc.device == "cuda":
+        det["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    return det
+
+
+def _deterministic(fn, det: dict):
+    """Run fn under strict determinism; if an op refuses, record it and re-run with warn_only."""
+    import torch
+
+    try:
+        return fn()
+    except RuntimeError as e:
+        if "deterministic" not in str(e):
+            raise
+        det["refusals"].append(str(e).splitlines()[0])
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det["warn_only"] = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    det["refusals"] += sorted({str(w.message).splitlines()[0] for w in caught if "deterministic" in str(w.message)})
+    return out
+
+
+def load_model(model_dir: str | os.PathLike, rc: RunConfig):
+    """Load with transformers' own classes; refuse anything but a clean one-to-one load."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise OracleError(f"--model {d}: not a directory")
+    if not (d / "config.json").is_file():
+        raise OracleError(f"--model {d}: no config.json")
+    if not sorted(d.glob("*.safetensors")):
+        raise OracleError(f"--model {d}: no *.safetensors file")
+    try:
+        AutoConfig.from_pretrained(d)
+    except Exception as e:
+        raise OracleError(f"--model {d}: config.json not understood by transformers: {e}") from None
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            d,
+            dtype=getattr(torch, TORCH_DTYPES[rc.dtype]),
+            attn_implementation="eager",
+            # transformers 5 defaults MoE experts to grouped_mm; eager is the plain per-expert loop.
+            experts_implementation="eager",
+            output_loading_info=True,
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"--model {d}: transformers could not load it: {e}") from None
+    problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
+    if problems:
+        # Random init of a missing tensor, or a silently dropped extra one, would make a trace of
+        # a model nobody has: refuse instead (DESIGN trap 14).
+        detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
+        raise CheckpointError(f"--model {d}: checkpoint does not match {type(model).__name__}: {detail}")
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
+        raise OracleError(f"--model {d}: {type(model).__name__} is not a decoder-only model.layers/lm_head model")
+    _check_tied_head(model, d)
+    return model.to(rc.device).eval()
+
+
+def _check_tied_head(model, d: Path) -> None:
+    """A checkpoint with tie_word_embeddings=true and its own, different lm_head.weight is not
+    reported by transformers as unexpected: 5.23 silently un-ties and uses it (warning only), so
+    the model no longer is what config.json declares. Refuse; an equal redundant copy (some real
+    checkpoints ship one) is fine."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, emb = model.lm_head.weight, model.get_input_embeddings().weight
+    if head is emb or (head.shape == emb.shape and bool((head == emb).all())):
+        return
+    raise CheckpointError(
+        f"--model {d}: config says tie_word_embeddings=true but the checkpoint's lm_head.weight differs from "
+        "model.embed_tokens.weight (transformers would silently use the untied head)"
+    )
+
+
+def _weights_digest(model_dir: Path) -> str | None:
+    try:
+        import tracegate
+
+        return tracegate.weights_digest(str(model_dir))
+    except (ImportError, AttributeError):
+        pass
+    try:  # same definition as the binding: xxh3-128 over the files' bytes, sorted by name
+        import xxhash
+    except ImportError:
+        return None
+    h = xxhash.xxh3_128()
+    for f in sorted(model_dir.glob("*.safetensors"), key=lambda p: p.name):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _build_id() -> str:
+    """Digest of this package's sources: a trace from edited oracle code is distinguishable."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return "oracle-src-" + h.hexdigest()[:16]
+
+
+def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) -> dict:
+    import torch
+    import transformers
+
+    try:
+        import tracegate
+
+        tg_version = getattr(tracegate, "__version__", "unknown")
+    except ImportError:
+        tg_version = None
+    dev = {"type": rc.device}
+    if rc.device == "cuda":
+        dev.update(
+            name=torch.cuda.get_device_name(),
+            capability=".".join(map(str, torch.cuda.get_device_capability())),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+            tf32_cudnn=torch.backends.cudnn.allow_tf32,
+        )
+    else:
+        dev.update(name=platform.processor() or platform.machine(), mkldnn=torch.backends.mkldnn.is_available())
+    cfg = model.config
+    is_moe = any(n.endswith("mlp.experts") for n, _ in model.named_modules())
+    return {
+        "producer": "oracle",
+        "verb": verb,
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "tracegate": tg_version,
+        },
+        "device": dev,
+        "dtype": rc.dtype,
+        "threads": rc.threads,
+        "seed": rc.seed,
+        "deterministic": det,
+        "attn_implementation": cfg._attn_implementation,
+        "experts_implementation": cfg._experts_implementation if is_moe else None,
+        "model_class": type(model).__name__,
+        "model": str(model_dir),
+        "model_abspath": str(Path(model_dir).resolve()),
+        "weights_digest": _weights_digest(Path(model_dir)),
+        "prompt_tokens": [int(t) for t in tokens] if tokens is not None else None,
+        "capture": rc.capture,
+        "cache": rc.cache,
+        "generate": rc.generate,
+        "command": list(sys.argv),
+        "build_id": _build_id(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# decisions (tie rule: descending value, lowest index first)
+
+
+def ranked(x: np.ndarray) -> np.ndarray:
+    """Indices of each row by descending value, ties to the lowest index (stable sort)."""
+    return np.argsort(-x, axis=-1, kind="stable")
+
+
+def argmax_decision(name: str, logits: np.ndarray) -> Decision:
+    x = np.asarray(logits, dtype=np.float32).reshape(-1, logits.shape[-1])
+    order = ranked(x)
+    rows = np.arange(x.shape[0])
+    margins = (x[rows, order[:, 0]] - x[rows, order[:, 1]]).astype(np.float32)
+    return Decision(name, order[:, 0].astype(np.int64), margins)
+
+
+def topk_decision(name: str, probs: np.ndarray, k: int) -> Decision:
+    p = np.asarray(probs, dtype=np.float32)
+    order = ranked(p)
+    rows = np.arange(p.shape[0])
+    margins = (p[rows, order[:, k - 1]] - p[rows, order[:, k]]).astype(np.float32)
+    return Decision(name, order[:, :k].astype(np.int64), margins)
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks
+
+
+def to_numpy(t) -> tuple[np.ndarray, str | None]:
+    """A torch tensor as stored: f32/f16/f64 natively, bf16 as its uint16 bit patterns."""
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16).copy(), "bf16"
+    return t.numpy().copy(), None
+
+
+def _expert_tap_class():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    linear = torch.nn.functional.linear
+
+    def slice_index(w, p):
+        """Which p[e] the tensor w is (a view of the stacked expert parameter), or None."""
+        if w.dim() != p.dim() - 1 or tuple(w.shape) != tuple(p.shape[1:]):
+            return None
+        if w.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
+            return None
+        return (w.storage_offset() - p.storage_offset()) // p.stride(0)
+
+    class ExpertTap(TorchFunctionMode):
+        """Observes transformers' eager experts loop: for each expert, the rows it received
+        (from its `torch.where`) and the output of its down projection, before the routing
+        weight is applied. It computes nothing itself."""
+
+        def __init__(self, experts):
+            super().__init__()
+            self.down = experts.down_proj
+            self.token_idx = None
+            self.outs: dict[int, tuple] = {}
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if func is torch.where and len(args) == 1 and not kwargs:
+                self.token_idx = out[1]
+            elif func is linear:
+                e = slice_index(args[1] if len(args) > 1 else kwargs["weight"], self.down)
+                if e is not None:
+                    self.outs[int(e)] = (self.token_idx, out)
+            return out
+
+    return ExpertTap
+
+
+class Tap:
+    """Hooks at the capture points of `layers` (and, for a whole run, embed/final norm/logits).
+
+    Records in execution order, which is the shared capture order. All hooks and patches are
+    removed on exit, also when the forward raised.
+    """
+
+    def __init__(self, model, *, path: str, positions: list[int], layers, internals: bool, whole: bool):
+        self.model, self.path, self.positions = model, path, list(positions)
+        self.layers, self.internals, self.whole = list(layers), internals, whole
+        self.records: list[Record] = []
+        self.decisions: list[Decision] = []
+        self.notes: list[str] = []
+        self._handles = []
+        self._undo = []
+
+    # -- recording
+    def _mask(self, layer_idx: int | None) -> str:
+        if layer_idx is None:
+            return "causal"
+        w = getattr(self.model.model.layers[layer_idx].self_attn, "sliding_window", None)
+        return "causal" if w is None else f"sliding_window:{w}"
+
+    def add(self, name: str, t, positions=None, layer_idx=None):
+        arr, dt = to_numpy(t)
+        attrs = {"path": self.path, "mask": self._mask(layer_idx), "positions": list(positions or self.positions)}
+        self.records.append(Record(name, arr, dt, attrs))
+
+    # -- hook installation
+    def __enter__(self):
+        import torch
+
+        m = self.model
+        try:
+            if self.whole:
+                self._hook(m.model.embed_tokens, lambda mod, a, out: self.add("embed.out", out[0]))
+            for L in self.layers:
+                self._hook_layer(L, m.model.layers[L])
+            if self.whole:
+                self._hook(m.model.norm, lambda mod, a, out: self.add("final_norm.out", out[0]))
+                self._hook(m.lm_head, self._on_logits)
+            if self.internals:
+                self._patch_attention()
+        except BaseException:
+            self.close()
+            raise
+        self._grad = torch.no_grad()
+        self._grad.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._grad.__exit__(*exc)
+        self.close()
+        return False
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def _hook(self, module, fn, pre=False):
+        h = module.register_forward_pre_hook(fn, with_kwargs=True) if pre else module.register_forward_hook(fn)
+        self._handles.append(h)
+
+    def _hook_layer(self, L: int, layer):
+        nn_ = f"layer.{L:02d}"
+
+        def hidden_in(mod, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self.add(f"{nn_}.hidden_in", x[0], layer_idx=L)
+
+        self._hook(layer, hidden_in, pre=True)
+        self._hook(layer.self_attn, lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L))
+        mlp = layer.mlp
+        gate = getattr(mlp, "gate", None)
+        if gate is not None and hasattr(mlp, "experts"):
+            self._hook(gate, lambda mod, a, out: self._on_router(L, out[0]))
+            if self.internals:
+                self._tap_experts(L, mlp.experts)
+        self._hook(mlp, lambda mod, a, out: self.add(f"{nn_}.mlp_out", out[0], layer_idx=L))
+
+        def hidden_out(mod, args, out):
+            self.add(f"{nn_}.hidden_out", (out[0] if isinstance(out, tuple) else out)[0], layer_idx=L)
+
+        self._hook(layer, hidden_out)
+
+    def _on_router(self, L: int, logits):
+        import torch
+
+        if self.internals:
+            self.add(f"layer.{L:02d}.router.logits", logits, layer_idx=L)
+        k = self.model.model.layers[L].mlp.gate.top_k
+        # The model's own probabilities: fp32 softmax of its router logits, as its router does.
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        self.decisions.append(topk_decision(f"layer.{L:02d}.router.topk", probs.cpu().numpy(), k))
+
+    def _tap_experts(self, L: int, experts):
+        ExpertTap = _expert_tap_class()
+        orig = experts.forward  # the bound, dispatching forward (eager selected at load)
+
+        def forward(*args, **kwargs):
+            tap = ExpertTap(experts)
+            with tap:
+                out = orig(*args, **kwargs)
+            self._on_experts(L, tap)
+            return out
+
+        experts.forward = forward  # instance attribute shadows the class method
+        self._undo.append(lambda: experts.__dict__.pop("forward", None))
+
+    def _on_experts(self, L: int, tap):
+        if not tap.outs:
+            raise RuntimeError(f"layer {L}: the experts tap saw no expert computation (transformers internals changed?)")
+        expected = {}
+        topk = self.decisions[-1].values if self.decisions else None
+        if topk is not None:
+            for e in np.unique(topk):
+                expected[int(e)] = np.nonzero((topk == e).any(-1))[0].tolist()
+        for e in sorted(tap.outs):
+            tok, out = tap.outs[e]
+            tok = tok.cpu().numpy()
+            order = np.argsort(tok, kind="stable")  # ascending token order
+            rows = tok[order]
+            if expected.get(e) != rows.tolist():
+                self.notes.append(f"layer {L} expert {e}: model routed rows {rows.tolist()}, tie rule gives {expected.get(e)}")
+            self.add(f"layer.{L:02d}.expert.{e:03d}.out", out[order], positions=[self.positions[i] for i in rows], layer_idx=L)
+
+    def _patch_attention(self):
+        """Wrap the modeling module's eager attention function (looked up at call time) to see
+        q and k after norm and RoPE, v, and the attention probabilities."""
+        mods = {sys.modules[type(self.model.model.layers[L].self_attn).__module__] for L in self.layers}
+        for mod in mods:
+            orig = getattr(mod, "eager_attention_forward", None)
+            if orig is None:
+                raise RuntimeError(f"{mod.__name__} has no eager_attention_forward: cannot capture internals")
+            tapped = set(self.layers)
+
+            def wrapped(module, query, key, value, attention_mask, *a, _orig=orig, **kw):
+                out, weights = _orig(module, query, key, value, attention_mask, *a, **kw)
+                L = getattr(module, "layer_idx", None)
+                if L in tapped:
+                    p = f"layer.{L:02d}"
+                    self.add(f"{p}.q", query[0].transpose(0, 1), layer_idx=L)
+                    self.add(f"{p}.k", key[0].transpose(0, 1), layer_idx=L)
+                    self.add(f"{p}.v", value[0].transpose(0, 1), layer_idx=L)
+                    self.add(f"{p}.attn_probs", weights[0], layer_idx=L)
+                return out, weights
+
+            mod.eager_attention_forward = wrapped
+            self._undo.append(lambda mod=mod, orig=orig: setattr(mod, "eager_attention_forward", orig))
+
+    def _on_logits(self, mod, args, out):
+        self.add("logits", out[0])
+        self._logits = out[0].float().cpu().numpy()
+
+    def finish(self) -> None:
+        if self.whole:
+            self.decisions.append(argmax_decision("logits.argmax", self._logits))
+
+
+# ---------------------------------------------------------------------------------------------
+# verbs
+
+
+def _check_tokens(model, tokens, extra: int = 0):
+    V = model.config.vocab_size
+    if not tokens:
+        raise OracleError("--tokens: empty prompt")
+    bad = [t for t in tokens if not 0 <= t < V]
+    if bad:
+        raise OracleError(f"--tokens: ids {bad[:5]} outside the vocabulary [0, {V})")
+    P = getattr(model.config, "max_position_embeddings", None)
+    if P is not None and len(tokens) + extra > P:
+        raise OracleError(f"--tokens/--generate: {len(tokens) + extra} positions exceed max_position_embeddings {P}")
+
+
+def _generate(model, tokens, n: int, cache: bool, device: str) -> list[Decision]:
+    """Greedy decode with the model's own KV cache, or by recomputing the whole sequence."""
+    import torch
+
+    out = []
+    seq = list(tokens)
+    with torch.no_grad():
+        if cache:
+            r = model(torch.tensor([seq], device=device), use_cache=True)
+            past, last = r.past_key_values, r.logits[0, -1]
+        for s in range(n):
+            if not cache:
+                last = model(torch.tensor([seq], device=device), use_cache=False).logits[0, -1]
+            d = argmax_decision(f"decode.{s:04d}.argmax", last.float().cpu().numpy()[None])
+            out.append(d)
+            seq.append(int(d.values[0]))
+            if cache and s + 1 < n:
+                r = model(torch.tensor([[seq[-1]]], device=device), past_key_values=past, use_cache=True)
+                past, last = r.past_key_values, r.logits[0, -1]
+    return out
+
+
+def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict | None = None) -> Capture:
+    """The `trace` verb: the whole forward over `tokens` (path=prefill), then optional greedy decode."""
+    import torch
+
+    det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
+    _check_tokens(model, tokens, rc.generate)
+    n_layers = len(model.model.layers)
+
+    def run():
+        with Tap(model, path="prefill", positions=range(len(tokens)), layers=range(n_layers),
+                 internals=rc.capture == "internals", whole=True) as tap:
+            with torch.autocast(device_type=rc.device, enabled=False):
+                model(torch.tensor([tokens], device=rc.device), use_cache=False)
+            tap.finish()
+        gen = _generate(model, tokens, rc.generate, rc.cache == "on", rc.device) if rc.generate else []
+        return tap, gen
+
+    tap, gen = _deterministic(run, det)
+    prov = provenance(model, model_dir, rc, det, tokens, "trace")
+    if tap.notes:
+        prov["notes"] = tap.notes
+    return Capture(tap.records, tap.decisions + gen, prov)
+
+
+def _layer_mask(model, L: int, x, position_ids):
+    """The model's own mask for a cache-less forward over these rows (causal in row order)."""
+    from transformers import masking_utils as mu
+
+    window = getattr(model.model.layers[L].self_attn, "sliding_window", None)
+    fn = mu.create_causal_mask if window is None else mu.create_sliding_window_causal_mask
+    return fn(config=model.config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids)
+
+
+def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[int], rc: RunConfig,
+                  det: dict | None = None, input_dtype: str | None = None, source: dict | None = None) -> Capture:
+    """The `layer` verb: the model's own decoder layer L on `hidden` [T, H] at `positions`."""
+    import torch
+
+    det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
+    layers = model.model.layers
+    if not 0 <= L < len(layers):
+        raise OracleError(f"--layer {L}: the model has layers 0..{len(layers) - 1}")
+    H = model.config.hidden_size
+    if hidden.ndim != 2 or hidden.shape[1] != H:
+        raise OracleError(f"--input-name: tensor shape {list(hidden.shape)} is not [T, {H}]")
+    if len(positions) != hidden.shape[0]:
+        raise OracleError(f"--input-name: {len(positions)} positions for {hidden.shape[0]} rows")
+    if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[0] < 0):
+        raise OracleError("--input-name: positions must be non-negative and strictly increasing")
+    dt = next(model.parameters()).dtype
+    if input_dtype == "bf16":
+        x = torch.from_numpy(np.array(hidden, copy=True).view(np.int16)).view(torch.bfloat16)
+    else:
+        x = torch.from_numpy(np.array(hidden, copy=True))  # the trace view is read-only
+    x = x.to(rc.device, dt)[None]
+    pos = torch.tensor([positions], device=rc.device)
+
+    def run():
+        with Tap(model, path="layer", positions=positions, layers=[L],
+                 internals=rc.capture == "internals", whole=False) as tap:
+            with torch.autocast(device_type=rc.device, enabled=False):
+                mask = _layer_mask(model, L, x, pos)
+                pe = model.model.rotary_emb(x, pos)
+                layers[L](x, attention_mask=mask, position_ids=pos, position_embeddings=pe,
+                          past_key_values=None, use_cache=False)
+        return tap
+
+    tap = _deterministic(run, det)
+    prov = provenance(model, model_dir, rc, det, None, "layer")
+    prov.update(layer=L, positions=list(positions), **(source or {}))
+    if tap.notes:
+        prov["notes"] = tap.notes
+    return Capture(tap.records, tap.decisions, prov)
+
+
+def write_trace(cap: Capture, out: str | os.PathLike) -> str:
+    """Write through the tracegate binding (the only writer of the format); returns the digest."""
+    try:
+        import tracegate
+    except ImportError:
+        raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
+    with tracegate.TraceWriter(str(out), cap.provenance) as w:
+        for r in cap.tensors:
+            a = r.attrs
+            w.tensor(r.name, r.array, dtype=r.dtype, path=a["path"], mask=a["mask"], positions=a["positions"])
+        for d in cap.decisions:
+            w.decision(d.name, d.values, margins=d.margins)
+        return w.finish()

@@ -1,0 +1,136 @@
+"""Command line: `trace` (a whole forward, optionally greedy decode) and `layer` (one decoder layer).
+
+User errors (arguments, paths, checkpoints, input traces) exit 2 with one line naming the
+problem; anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .capture import OracleError, RunConfig
+
+PROG = "python -m tracegate_oracle"
+
+
+def _tokens(s: str) -> list[int]:
+    try:
+        toks = [int(x) for x in s.split(",") if x.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {s!r}") from None
+    if not toks:
+        raise argparse.ArgumentTypeError("empty token list")
+    return toks
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {v}")
+    return v
+
+
+def _nonneg(s: str) -> int:
+    v = _positive(s) if s != "0" else 0
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="verb", required=True)
+
+    def common(p):
+        p.add_argument("--model", required=True, help="HF-layout model dir (config.json + *.safetensors)")
+        p.add_argument("--out", required=True, help="trace file to write (written to a temp file, then renamed)")
+        p.add_argument("--capture", choices=["default", "internals"], default="default")
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+        p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32", help="compute dtype (default f32)")
+        p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
+        p.add_argument("--seed", type=int, default=0)
+
+    t = sub.add_parser("trace", help="whole forward over a prompt (+ greedy decode)")
+    common(t)
+    t.add_argument("--tokens", required=True, type=_tokens, help="prompt token ids, e.g. 3,17,5")
+    t.add_argument("--generate", type=_nonneg, default=0, metavar="N", help="greedy decode N tokens (decisions only)")
+    t.add_argument("--cache", choices=["on", "off"], default="on", help="decode with the model's KV cache or recompute")
+
+    l = sub.add_parser("layer", help="run decoder layer L on a tensor taken from a trace")
+    common(l)
+    l.add_argument("--layer", required=True, type=int)
+    l.add_argument("--input", required=True, help="trace holding the layer input")
+    l.add_argument("--input-name", required=True, help="tensor name in --input, e.g. layer.02.hidden_in")
+    return ap
+
+
+def _check_out(out: str) -> Path:
+    p = Path(out)
+    if p.is_dir():
+        raise OracleError(f"--out {p}: is a directory")
+    if not p.parent.is_dir():
+        raise OracleError(f"--out {p}: directory {p.parent} does not exist")
+    return p
+
+
+def _positions(v) -> list[int]:
+    if isinstance(v, str):
+        import json
+
+        v = json.loads(v) if v.strip().startswith("[") else [x for x in v.split(",") if x.strip()]
+    return [int(x) for x in v]
+
+
+def _read_input(path: str, name: str):
+    """(array, positions, dtype name or None, source provenance) of tensor `name` in trace `path`."""
+    try:
+        import tracegate
+    except ImportError:
+        raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
+    if not Path(path).is_file():
+        raise OracleError(f"--input {path}: no such file")
+    try:
+        tr = tracegate.Trace(path)
+        tr.verify()
+    except tracegate.TraceError as e:
+        raise OracleError(f"--input {path}: not a valid trace: {e}") from None
+    if name not in tr.names:
+        near = [n for n in tr.names if n.endswith(name.split(".")[-1])][:5]
+        raise OracleError(f"--input-name {name}: not in {path}" + (f" (e.g. {', '.join(near)})" if near else ""))
+    attrs = tr.attributes(name)
+    if "positions" not in attrs:
+        raise OracleError(f"--input-name {name}: tensor has no positions attribute")
+    arr = tr[name]
+    dt = attrs.get("dtype")
+    if dt is None and hasattr(tr, "dtype"):
+        dt = tr.dtype(name)
+    dt = "bf16" if str(dt).lower() in ("bf16", "bfloat16") else None
+    src = {"input_trace": str(path), "input_name": name, "input_digest": tr.digest, "input_path": attrs.get("path")}
+    return arr, _positions(attrs["positions"]), dt, src
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
+    rc = RunConfig(device=a.device, dtype=a.dtype, threads=a.threads, seed=a.seed, capture=a.capture,
+                   cache=getattr(a, "cache", "on"), generate=getattr(a, "generate", 0))
+    from . import capture as cp
+
+    try:
+        out = _check_out(a.out)
+        det = cp.setup_torch(rc)
+        if a.verb == "layer":
+            arr, positions, dt, src = _read_input(a.input, a.input_name)
+            model = cp.load_model(a.model, rc)
+            cap = cp.capture_layer(model, a.model, a.layer, arr, positions, rc, det, input_dtype=dt, source=src)
+        else:
+            model = cp.load_model(a.model, rc)
+            cap = cp.capture_prompt(model, a.model, a.tokens, rc, det)
+        digest = cp.write_trace(cap, out)
+    except OracleError as e:
+        print(f"{PROG} {a.verb}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out} {digest}")
+    return 0

@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Write tiny, seeded Hugging Face-layout checkpoints (config.json + model.safetensors).
+
+Presets
+  tiny-qwen3      -> fixtures/tiny-qwen3/      Qwen3ForCausalLM, f32, tied head, attention bias,
+                                               head_dim != hidden/heads, odd widths.
+  tiny-qwen3-moe  -> fixtures/tiny-qwen3-moe/  Qwen3MoeForCausalLM, bf16, untied head,
+                                               8 experts top-2, norm_topk_prob, layer 2 dense.
+  bench-qwen3     -> --out DIR (required; not committed)  ~160M-parameter bf16 Qwen3 for benchmarks.
+
+Every parameter comes from numpy's PCG64 seeded per tensor from (preset seed, crc32(name)),
+so a tensor's values do not depend on which other tensors exist or their order, and re-running
+writes byte-identical files (the README of each fixture records the sha256).  Scales are chosen
+so that activations neither vanish nor explode with depth, and so that logit-argmax and router
+top-k margins stay far above fp32 noise on the seeded prompt set (see scripts/fixture_margins.py).
+Norm weights are 1 + noise (never exactly 1) so a forgotten norm weight shows in every tensor.
+
+bf16 weights are rounded from the f32 draw with round-to-nearest-even; safetensors' numpy API
+has no bf16, so the bits are saved as U16 and the header dtype is rewritten to BF16.
+
+Usage
+  python scripts/make_fixtures.py                       # both committed fixtures, default dirs
+  python scripts/make_fixtures.py tiny-qwen3 --out DIR
+  python scripts/make_fixtures.py bench-qwen3 --out /tmp/bench-qwen3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Scale knobs (see module docstring).  `embed_tail` is the sigma of a log-normal per-token gain on
+# the embedding rows: heavy-tailed token norms spread the top of the logit distribution, which
+# makes near-ties between the two best tokens rare (Gaussian logits bunch at the top).
+PRESETS: dict[str, dict] = {
+    "tiny-qwen3": dict(
+        seed=20240631,  # best of seeds 20240611..20240640 by `fixture_margins.py --search` (see README)
+        dtype="f32",
+        out="fixtures/tiny-qwen3",
+        config=dict(
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            vocab_size=499,
+            hidden_size=52,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            intermediate_size=86,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attention_bias=True,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=5,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            use_cache=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            dtype="float32",
+        ),
+        scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.1, norm_noise=0.1, router=0.0),
+    ),
+    "tiny-qwen3-moe": dict(
+        seed=20240719,  # best of seeds 20240612..20240731 by `fixture_margins.py --search` (see README)
+        dtype="bf16",
+        out="fixtures/tiny-qwen3-moe",
+        config=dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            vocab_size=503,
+            hidden_size=44,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=70,
+            moe_intermediate_size=30,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[2],
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            attention_bias=False,
+            tie_word_embeddings=False,
+            max_position_embeddings=256,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=4,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+            use_cache=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            dtype="bfloat16",
+        ),
+        scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.0, norm_noise=0.1, router=2.0, router_tail=0.5),
+    ),
+    "bench-qwen3": dict(
+        seed=20240613,
+        dtype="bf16",
+        out=None,  # must be given: not committed
+        config=dict(
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            vocab_size=32000,
+            hidden_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=2816,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            attention_bias=False,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=8,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            use_cache=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            dtype="bfloat16",
+        ),
+        scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.0, norm_noise=0.1, router=0.0),
+    ),
+}
+
+
+def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
+    """(name, shape, kind, fan_in) for every checkpoint tensor, in HF checkpoint naming."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    bias = cfg["attention_bias"]
+    moe = cfg["model_type"] == "qwen3_moe"
+    specs = [("model.embed_tokens.weight", (V, H), "embed", H)]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (H,), "norm", 0),
+            (p + "self_attn.q_proj.weight", (nh * hd, H), "in", H),
+            (p + "self_attn.k_proj.weight", (nkv * hd, H), "in", H),
+            (p + "self_attn.v_proj.weight", (nkv * hd, H), "in", H),
+            (p + "self_attn.o_proj.weight", (H, nh * hd), "out", nh * hd),
+            (p + "self_attn.q_norm.weight", (hd,), "norm", 0),
+            (p + "self_attn.k_norm.weight", (hd,), "norm", 0),
+            (p + "post_attention_layernorm.weight", (H,), "norm", 0),
+        ]
+        if bias:  # Qwen3 puts attention_bias on q, k, v AND o_proj
+            specs += [
+                (p + "self_attn.q_proj.bias", (nh * hd,), "bias", 0),
+                (p + "self_attn.k_proj.bias", (nkv * hd,), "bias", 0),
+                (p + "self_attn.v_proj.bias", (nkv * hd,), "bias", 0),
+                (p + "self_attn.o_proj.bias", (H,), "bias", 0),
+            ]
+        sparse = (
+            moe
+            and i not in cfg["mlp_only_layers"]
+            and cfg["num_experts"] > 0
+            and (i + 1) % cfg["decoder_sparse_step"] == 0
+        )
+        if sparse:
+            I = cfg["moe_intermediate_size"]
+            specs.append((p + "mlp.gate.weight", (cfg["num_experts"], H), "router", H))
+            for e in range(cfg["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                specs += [
+                    (q + "gate_proj.weight", (I, H), "in", H),
+                    (q + "up_proj.weight", (I, H), "in", H),
+                    (q + "down_proj.weight", (H, I), "mlp_down", I),
+                ]
+        else:
+            I = cfg["intermediate_size"]
+            specs += [
+                (p + "mlp.gate_proj.weight", (I, H), "in", H),
+                (p + "mlp.up_proj.weight", (I, H), "in", H),
+                (p + "mlp.down_proj.weight", (H, I), "mlp_down", I),
+            ]
+    specs.append(("model.norm.weight", (H,), "norm", 0))
+    if not cfg["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (V, H), "head", H))
+    return specs
+
+
+def draw(seed: int, name: str, shape, kind: str, fan_in: int, sc: dict) -> np.ndarray:
+    # Per-tensor stream: independent of every other tensor's existence and order.
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode())])))
+    z = rng.standard_normal(shape, dtype=np.float64)
+    if kind == "norm":
+        w = 1.0 + sc["norm_noise"] * z
+    elif kind == "bias":
+        w = sc["bias"] * z
+    elif kind in ("embed", "head"):
+        # log-normal per-row gain (see PRESETS comment); the head reuses the same trick.
+        gain = np.exp(sc["embed_tail"] * rng.standard_normal((shape[0], 1)))
+        w = sc["embed"] * gain * z / (np.sqrt(fan_in) if kind == "head" else 1.0)
+    elif kind == "in":
+        w = z / np.sqrt(fan_in)
+    elif kind == "out":
+        w = sc["block_out"] * z / np.sqrt(fan_in)
+    elif kind == "mlp_down":
+        # silu(g)*u has rms ~0.5 for unit-rms g, u: x2 brings the block output to ~block_out.
+        w = 2.0 * sc["block_out"] * z / np.sqrt(fan_in)
+    elif kind == "router":
+        # Router logits with std ~`router`; a log-normal per-expert gain (`router_tail`) spreads
+        # the ranked logits apart, so k-th vs (k+1)-th near-ties are rarer than with equal gains.
+        gain = np.exp(sc.get("router_tail", 0.0) * rng.standard_normal((shape[0], 1)))
+        w = sc["router"] * gain * z / np.sqrt(fan_in)
+    else:
+        raise AssertionError(kind)
+    w = w.astype(np.float32)
+    assert np.isfinite(w).all(), name
+    return w
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even f32 -> bf16, returned as the uint16 bit pattern (finite input)."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return b.astype(np.uint16)
+
+
+def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict, bf16: bool) -> None:
+    """safetensors.numpy.save_file, then re-serialise the header with sorted keys.
+
+    The Rust writer emits `__metadata__` from a hash map (order varies run to run), so the header
+    is rewritten canonically to make the file byte-reproducible. For bf16 the bits are saved as
+    U16 (numpy has no bf16) and the header dtype is rewritten to BF16; data bytes are untouched
+    and offsets are relative to the data section, so only the header length changes.
+    """
+    tmp = path.with_suffix(".tmp")
+    save_file({k: f32_to_bf16_bits(v) if bf16 else v for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    raw = tmp.read_bytes()
+    tmp.unlink()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    for k, v in header.items():
+        if k != "__metadata__" and bf16:
+            assert v["dtype"] == "U16", (k, v)
+            v["dtype"] = "BF16"
+    hb = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    hb += b" " * (-len(hb) % 8)  # data section stays 8-byte aligned
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n :])
+
+
+def make(preset: str, out: Path, seed: int | None = None) -> Path:
+    p = PRESETS[preset]
+    cfg, sc = p["config"], p["scales"]
+    seed = p["seed"] if seed is None else seed
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: draw(seed, name, shape, kind, fan_in, sc) for name, shape, kind, fan_in in tensor_specs(cfg)}
+    meta = {"format": "pt", "generator": f"scripts/make_fixtures.py {preset} seed={seed}"}
+    st = out / "model.safetensors"
+    assert p["dtype"] in ("f32", "bf16"), p["dtype"]
+    save(tensors, st, meta, bf16=p["dtype"] == "bf16")
+    full = dict(cfg, transformers_version="5.23.0")
+    (out / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("presets", nargs="*", metavar="PRESET", help=f"one of {', '.join(PRESETS)}; default: the committed fixtures")
+    ap.add_argument("--out", type=Path, help="output dir (only with exactly one preset)")
+    ap.add_argument("--seed", type=int, help="override the preset's seed (exploration only; committed fixtures use the preset's)")
+    a = ap.parse_args(argv)
+    presets = a.presets or ["tiny-qwen3", "tiny-qwen3-moe"]
+    for name in presets:
+        if name not in PRESETS:
+            ap.error(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    if a.out and len(presets) != 1:
+        ap.error("--out needs exactly one preset")
+    for name in presets:
+        out = a.out or (PRESETS[name]["out"] and ROOT / PRESETS[name]["out"])
+        if not out:
+            ap.error(f"{name} is not committed: give --out DIR")
+        d = make(name, Path(out), a.seed)
+        size = (d / "model.safetensors").stat().st_size
+        print(f"{name}: {d} ({size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set-up plus every test, Rust and Python. This is what CI runs (.ci/run).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+scripts/setup.sh
+echo "== cargo test (release profile, shares the set-up build)"
+cargo test --release --quiet
+echo "== pytest"
+.venv/bin/python -m pytest
