@@ -128,7 +128,7 @@ fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo) -> De
     let (rv, cv) = (r.decision_values(rd), c.decision_values(cd));
     let (rm, cm) = (r.decision_margins(rd), c.decision_margins(cd));
     let rows = rd.rows();
-    let width = if rows == 0 { 0 } else { (rd.count() / rows) as usize };
+    let width = rd.count().checked_div(rows).unwrap_or(0) as usize;
     let source = source_tensor(&rd.name, r, c);
     let mut out = DecisionResult {
         name: rd.name.clone(),

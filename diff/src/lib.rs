@@ -483,6 +483,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             rep.tensors.not_scanned.push(ri.name.clone());
             if trust_digests {
                 rep.tensors.known_different.push(ri.name.clone());
+                rep.findings.push(Finding::new("values_differ", Some(&ri.name), "digest differs (not scanned: stopped at the first difference)"));
                 different = true;
             }
         } else {

@@ -740,7 +740,7 @@ mod tests {
         let mut r = Vec::new();
         let mut c = Vec::new();
         for i in 0..n {
-            let x = ((i * 2654435761usize >> 5) % 20001) as f32 / 100.0 - 100.0;
+            let x = (((i * 2654435761usize) >> 5) % 20001) as f32 / 100.0 - 100.0;
             let mut a = x.to_bits();
             let mut b = match i % 7 {
                 0 | 1 => a,

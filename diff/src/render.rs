@@ -11,7 +11,7 @@ pub(crate) fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(ch);
@@ -24,7 +24,7 @@ fn real(x: Option<Real>) -> String {
         None => "-".into(),
         Some(Real(v)) if v.is_nan() => "nan".into(),
         Some(Real(v)) if v.is_infinite() => if v > 0.0 { "inf".into() } else { "-inf".into() },
-        Some(Real(v)) if v == 0.0 => "0".into(),
+        Some(Real(0.0)) => "0".into(),
         Some(Real(v)) if (1e-3..1e6).contains(&v.abs()) => format!("{v:.6}").trim_end_matches('0').trim_end_matches('.').to_string(),
         Some(Real(v)) => format!("{v:.3e}"),
     }
@@ -33,7 +33,7 @@ fn real(x: Option<Real>) -> String {
 /// Cosine near 1 is printed as its distance from 1, so 1 − 1e-15 never reads as exactly 1.
 fn cosine(x: Option<Real>) -> String {
     match x {
-        Some(Real(v)) if v == 1.0 => "1".into(),
+        Some(Real(1.0)) => "1".into(),
         Some(Real(v)) if v.is_finite() && v > 0.999 => format!("1-{:.2e}", 1.0 - v),
         Some(Real(v)) if v.is_finite() => format!("{v:.6}"),
         other => real(other),

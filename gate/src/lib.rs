@@ -4,6 +4,7 @@
 //! body is wrong.
 
 pub mod baselines;
+pub mod bisect;
 pub mod milestones;
 pub mod producer;
 pub mod prompts;

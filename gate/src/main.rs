@@ -58,6 +58,58 @@ struct RunArgs {
     oracle_cmd: Option<String>,
 }
 
+#[derive(Args, Clone)]
+struct BisectArgs {
+    /// Model directory (HF layout), relative to the root.
+    #[arg(long)]
+    model: String,
+    /// Prompt token ids, comma separated (or --prompt).
+    #[arg(long, conflicts_with = "prompt")]
+    tokens: Option<String>,
+    /// A prompt id from --prompts (e.g. short, mid).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Prompt set for --prompt: a name under fixtures/prompts/ or a path.
+    #[arg(long, default_value = "frozen")]
+    prompts: String,
+    /// Reference producer: engine, contract, oracle or cmd (then --reference-cmd).
+    #[arg(long)]
+    reference: String,
+    /// Candidate producer: engine, contract, oracle or cmd (then --candidate-cmd).
+    #[arg(long)]
+    candidate: String,
+    /// Reference command template ({verb} and {args} are filled in; docs/producers.md).
+    #[arg(long)]
+    reference_cmd: Option<String>,
+    /// Candidate command template, e.g. 'my-engine {verb} {args}'.
+    #[arg(long)]
+    candidate_cmd: Option<String>,
+    /// Judge by this policy (default: by bits, or fixtures/policy/oracle-default.json when the oracle is a side).
+    #[arg(long)]
+    policy: Option<String>,
+    /// Write the JSON report here (schema: docs/bisect.md).
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Isolate every layer, not only those up to the first diverging one.
+    #[arg(long)]
+    all_layers: bool,
+    /// default or internals (q/k/v, attn_probs, router logits, expert outputs: names sub-stages).
+    #[arg(long, default_value = "default", value_parser = ["default", "internals"])]
+    capture: String,
+    /// Chain the reference's layer verb over a 1-ULP perturbation of its input, to scale the difference.
+    #[arg(long)]
+    calibrate: bool,
+    /// Seed of the calibration perturbation.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Engine threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Directory for the traces (relative to the root; default target/bisect/<time>-<pid>); kept.
+    #[arg(long)]
+    work: Option<String>,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Milestone m0: tiny-qwen3 (dense) — engine ≡ contract, engine ≈ oracle, generation.
@@ -75,6 +127,40 @@ enum Cmd {
         #[command(flatten)]
         args: RunArgs,
     },
+    /// Name the first layer whose body is wrong: whole traces, then the candidate's layer verb on
+    /// the reference's input to each layer (docs/bisect.md). Exit 0 nothing wrong, 1 wrong layer
+    /// or divergence, 2 refused, 4 isolation NOT CHECKED.
+    Bisect(BisectArgs),
+}
+
+fn bisect(root: &std::path::Path, a: &BisectArgs) -> Result<i32, String> {
+    use tracegate_gate::{bisect, prompts};
+    let e = |e: tracegate_gate::Error| e.to_string();
+    let tokens = match (&a.tokens, &a.prompt) {
+        (Some(t), None) => prompts::parse_tokens(t).map_err(e)?,
+        (None, Some(id)) => prompts::load(&prompts::resolve(root, &a.prompts)).and_then(|s| s.get(id).map(|p| p.tokens.clone())).map_err(e)?,
+        _ => return Err("bisect needs --tokens IDS or --prompt ID".into()),
+    };
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+    let o = bisect::BisectOptions {
+        root: root.to_path_buf(),
+        model: a.model.clone(),
+        tokens,
+        prompt: a.prompt.clone(),
+        reference: bisect::producer(root, &a.reference, a.reference_cmd.as_deref(), "reference", a.threads).map_err(e)?,
+        candidate: bisect::producer(root, &a.candidate, a.candidate_cmd.as_deref(), "candidate", a.threads).map_err(e)?,
+        policy: a.policy.clone(),
+        all_layers: a.all_layers,
+        internals: a.capture == "internals",
+        calibrate: a.calibrate,
+        seed: a.seed,
+        work: a.work.clone().unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
+        gate_invocation: std::env::args().collect(),
+    };
+    let rep = bisect::run(&o).map_err(e)?;
+    print!("{}", bisect::render(&rep));
+    write_report(&a.report, &rep)?;
+    Ok(rep.exit_code)
 }
 
 fn options(root: &std::path::Path, id: &str, a: &RunArgs) -> GateOptions {
@@ -147,6 +233,7 @@ fn main() -> ExitCode {
         Cmd::M0(a) => run_one(&root, "m0", a).and_then(|r| write_report(&a.report, &r).map(|_| r.exit_code())),
         Cmd::M1(a) => run_one(&root, "m1", a).and_then(|r| write_report(&a.report, &r).map(|_| r.exit_code())),
         Cmd::Run { id, args } => run_one(&root, id, args).and_then(|r| write_report(&args.report, &r).map(|_| r.exit_code())),
+        Cmd::Bisect(a) => bisect(&root, a),
         Cmd::Check { args } => (|| {
             let file = MilestoneFile::load(&root.join("milestones.json")).map_err(|e| e.to_string())?;
             let mut reports = Vec::new();

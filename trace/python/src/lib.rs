@@ -225,6 +225,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeTrace>()?;
     m.add_class::<Payload>()?;
     m.add_function(wrap_pyfunction!(weights_digest, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", (tracegate_trace::FORMAT_MAJOR, tracegate_trace::FORMAT_MINOR))?;
     Ok(())
 }

@@ -20,9 +20,9 @@ import json
 
 import numpy as np
 
-from ._native import FORMAT_VERSION, NativeTrace, NativeWriter, TraceError, weights_digest
+from ._native import FORMAT_VERSION, NativeTrace, NativeWriter, TraceError, __version__, weights_digest
 
-__all__ = ["Trace", "TraceWriter", "TraceError", "weights_digest", "FORMAT_VERSION"]
+__all__ = ["__version__", "Trace", "TraceWriter", "TraceError", "weights_digest", "FORMAT_VERSION"]
 
 # numpy dtype -> trace dtype; bf16 is given explicitly (uint16 bits) or via ml_dtypes.
 _TO_TRACE = {

@@ -1,0 +1,931 @@
+//! `gate bisect`: find the first layer whose *body* is wrong, not just the first layer whose
+//! output differs. Both producers write whole traces; then the candidate's `layer` verb runs
+//! each layer alone on the **reference's** input to that layer, so a layer that matches in
+//! isolation but differs in the whole run has inherited its difference from upstream. Within the
+//! first wrong layer the capture points name the first wrong sub-stage. `--calibrate` chains the
+//! reference's own layer verb over a 1-ULP perturbation of its input, to say how large the
+//! candidate's difference is next to rounding noise. Report schema: docs/bisect.md.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::{json, Value};
+use tracegate_diff::{compare, Options, Policy, Report, Verdict};
+use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
+
+use crate::producer::{Producer, RunRecord, Verb};
+use crate::{gerr, Result};
+
+pub const DEFAULT_POLICY: &str = "fixtures/policy/oracle-default.json";
+
+#[derive(Clone, Debug)]
+pub struct BisectOptions {
+    pub root: PathBuf,
+    pub model: String,
+    pub tokens: Vec<i64>,
+    pub prompt: Option<String>,
+    pub reference: Producer,
+    pub candidate: Producer,
+    /// Judge by this policy; None: by bits unless either side is the oracle (then DEFAULT_POLICY).
+    pub policy: Option<String>,
+    pub all_layers: bool,
+    pub internals: bool,
+    pub calibrate: bool,
+    pub seed: u64,
+    /// Where the traces go, relative to root; kept for inspection.
+    pub work: String,
+    pub gate_invocation: Vec<String>,
+}
+
+/// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.
+pub fn producer(root: &Path, kind: &str, template: Option<&str>, side: &str, threads: usize) -> Result<Producer> {
+    let cmd = |name: &str, default: String| Producer::Command { name: name.into(), template: template.map(str::to_string).unwrap_or(default) };
+    match (kind, template) {
+        ("engine", None) => Ok(Producer::Engine { threads }),
+        ("engine", Some(_)) => Err(gerr!("--{side}-cmd: the engine runs in process; use --{side} cmd to run a command")),
+        ("contract", _) => Ok(cmd("contract", crate::run::default_contract_cmd(root))),
+        ("oracle", _) => Ok(cmd("oracle", crate::run::default_oracle_cmd(root))),
+        ("cmd", Some(_)) => Ok(cmd(&format!("{side}-cmd"), String::new())),
+        ("cmd", None) => Err(gerr!("--{side} cmd needs --{side}-cmd 'TEMPLATE' (e.g. 'my-engine {{verb}} {{args}}')")),
+        (other, _) => Err(gerr!("--{side} {other:?}: expected engine, contract, oracle or cmd")),
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Report
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TensorCmp {
+    pub tensor: String,
+    /// The differ's status: identical, different, within_policy, outside_policy, no_rule, ...
+    pub status: String,
+    pub differing_elements: Option<u64>,
+    pub total_elements: u64,
+    pub max_ulp: Option<u64>,
+    pub rel_l2: Option<f64>,
+    pub cosine: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DecisionCmp {
+    pub name: String,
+    pub rows: u64,
+    pub differing_rows: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FirstDivergence {
+    pub tensor: String,
+    pub coords: Vec<u64>,
+    pub reference_value: String,
+    pub candidate_value: String,
+    pub ulp: Option<u64>,
+    pub differing_elements: u64,
+    pub total_elements: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct WholeRun {
+    /// The differ's verdict on the two whole traces.
+    pub verdict: String,
+    /// The first place that differs (or is outside policy): "embed.out", "layer.NN.*", or the head.
+    pub first_diverging: Option<String>,
+    pub first_diverging_layer: Option<usize>,
+    /// The first differing element (by bits, whatever the policy says).
+    pub first_divergence: Option<FirstDivergence>,
+    pub differing_decisions: Vec<DecisionCmp>,
+    pub findings: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerRow {
+    pub layer: usize,
+    /// "match" or "differs": this layer's tensors in the whole runs.
+    pub whole_run: &'static str,
+    /// layer.NN.hidden_out in the whole runs.
+    pub whole_max_ulp: Option<u64>,
+    pub whole_rel_l2: Option<f64>,
+    /// "match", "wrong", "not_checked", or "not_run" (not needed: see status).
+    pub isolation: &'static str,
+    /// layer.NN.hidden_out, candidate's layer verb on the reference's input vs the reference.
+    pub isolated_max_ulp: Option<u64>,
+    pub isolated_rel_l2: Option<f64>,
+    pub isolated: Vec<TensorCmp>,
+    pub isolated_decisions: Vec<DecisionCmp>,
+    /// "ok", "wrong", "inherits", "downstream" (differs in the whole run, not isolated), "not_checked".
+    pub status: &'static str,
+    pub reason: Option<String>,
+    /// rel L2 of hidden_out after a 1-ULP perturbation of the calibration layer's input.
+    pub calibration_rel_l2: Option<f64>,
+    /// whole_rel_l2 / calibration_rel_l2.
+    pub whole_vs_calibration: Option<f64>,
+    /// isolated_rel_l2 / calibration_rel_l2 (at the calibration layer only: same input perturbed).
+    pub isolated_vs_calibration: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Stage {
+    pub layer: usize,
+    /// "input", "attention", "mlp", "moe_router", "moe_expert", "moe_combine", "moe", "residual".
+    pub block: &'static str,
+    pub tensor: String,
+    pub detail: String,
+    /// The capture points before it in this layer that match in isolation.
+    pub matching: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CalibrationRow {
+    pub layer: usize,
+    pub rel_l2: Option<f64>,
+    pub max_ulp: u64,
+    pub differing_elements: u64,
+    pub total_elements: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Calibration {
+    pub from_layer: usize,
+    pub seed: u64,
+    pub perturbation: String,
+    pub input_rel_l2: Option<f64>,
+    pub rows: Vec<CalibrationRow>,
+    pub not_checked: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BisectReport {
+    pub schema: &'static str,
+    pub summary: String,
+    /// "nothing_wrong", "wrong_layer", "accumulates", "outside_layers", "not_checked".
+    pub verdict: &'static str,
+    pub exit_code: i32,
+    pub model: String,
+    pub prompt: Option<String>,
+    pub tokens: Vec<i64>,
+    pub reference: String,
+    pub candidate: String,
+    /// "bits" or "policy NAME (PATH)".
+    pub judged_by: String,
+    pub capture: &'static str,
+    pub layers_total: usize,
+    pub whole_run: WholeRun,
+    pub first_wrong_layer: Option<usize>,
+    pub stage: Option<Stage>,
+    pub layers: Vec<LayerRow>,
+    /// Geometric mean growth of the whole-run hidden_out rel L2 per layer, over differing layers.
+    pub amplification_per_layer: Option<f64>,
+    pub calibration: Option<Calibration>,
+    pub work_dir: String,
+    pub runs: Vec<RunRecord>,
+    pub gate_invocation: Vec<String>,
+}
+
+// ------------------------------------------------------------------------------------------
+// Helpers
+
+fn is_bad(status: &str) -> bool {
+    !matches!(status, "identical" | "within_policy")
+}
+
+fn is_oracle(t: &Trace) -> bool {
+    let p = t.provenance();
+    p.get("producer").and_then(Value::as_str) == Some("oracle") || p.pointer("/versions/torch").is_some_and(|v| !v.is_null())
+}
+
+/// Where a capture point sits: -1 embed, NN a layer, i64::MAX the head (final norm, logits, decode).
+fn location(name: &str) -> i64 {
+    if name.starts_with("embed.") {
+        return -1;
+    }
+    name.strip_prefix("layer.").and_then(|r| r.get(..2)).and_then(|n| n.parse().ok()).unwrap_or(i64::MAX)
+}
+
+fn rows(rep: &Report) -> Vec<TensorCmp> {
+    rep.per_tensor
+        .iter()
+        .map(|r| TensorCmp {
+            tensor: r.tensor.clone(),
+            status: r.status.to_string(),
+            differing_elements: r.differing_elements,
+            total_elements: r.total_elements,
+            max_ulp: r.max_ulp,
+            rel_l2: r.rel_l2.map(|x| x.0),
+            cosine: r.cosine.map(|x| x.0),
+        })
+        // A common tensor of another dtype or shape gets no value row; it differs all the same.
+        .chain(rep.findings.iter().filter(|f| matches!(f.kind, "dtype_mismatch" | "shape_mismatch")).map(|f| TensorCmp {
+            tensor: f.tensor.clone().unwrap_or_default(),
+            status: f.kind.to_string(),
+            differing_elements: None,
+            total_elements: 0,
+            max_ulp: None,
+            rel_l2: None,
+            cosine: None,
+        }))
+        .collect()
+}
+
+fn decisions(rep: &Report) -> Vec<DecisionCmp> {
+    rep.decisions.results.iter().map(|d| DecisionCmp { name: d.name.clone(), rows: d.rows, differing_rows: d.differing_rows }).collect()
+}
+
+fn open(root: &Path, rel: &str) -> Result<Trace> {
+    Trace::open(root.join(rel)).map_err(|e| gerr!("{rel}: {e}"))
+}
+
+/// Thousands separators, for element and ULP counts.
+pub fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+fn sci(x: Option<f64>) -> String {
+    match x {
+        None => "-".into(),
+        Some(v) if v == 0.0 => "0".into(),
+        Some(v) => format!("{v:.2e}"),
+    }
+}
+
+fn ulps(x: Option<u64>) -> String {
+    x.map(thousands).unwrap_or_else(|| "-".into())
+}
+
+fn ratio(x: Option<f64>) -> String {
+    match x {
+        None => "-".into(),
+        Some(v) if v >= 10.0 => format!("{}×", thousands(v.round() as u64)),
+        Some(v) => format!("{v:.2}×"),
+    }
+}
+
+/// "00-01", "03", or "00, 02" for a set of layers (sorted).
+fn span(layers: &[usize]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j { format!("{:02}", layers[i]) } else { format!("{:02}-{:02}", layers[i], layers[j]) });
+        i = j + 1;
+    }
+    parts.join(", ")
+}
+
+/// "layer 03 inherits" / "layers 03-04 inherit".
+fn say(layers: &[usize], one: &str, many: &str) -> String {
+    if layers.len() == 1 { format!("layer {} {one}", span(layers)) } else { format!("layers {} {many}", span(layers)) }
+}
+
+/// f32 rel L2 (vs `reference`), max ULP and differing count, by bits.
+fn f32_stats(reference: &[f32], candidate: &[f32]) -> CalibrationRow {
+    let ord = |b: u32| -> i64 { if b & 0x8000_0000 != 0 { -((b & 0x7fff_ffff) as i64) } else { b as i64 } };
+    let (mut dd, mut rr, mut max_ulp, mut differing) = (0f64, 0f64, 0u64, 0u64);
+    for (&r, &c) in reference.iter().zip(candidate) {
+        if r.to_bits() != c.to_bits() {
+            differing += 1;
+            max_ulp = max_ulp.max(ord(r.to_bits()).abs_diff(ord(c.to_bits())));
+        }
+        let d = c as f64 - r as f64;
+        dd += d * d;
+        rr += r as f64 * r as f64;
+    }
+    let rel_l2 = (rr > 0.0).then(|| (dd / rr).sqrt());
+    CalibrationRow { layer: 0, rel_l2, max_ulp, differing_elements: differing, total_elements: reference.len() as u64 }
+}
+
+/// Moves every finite element one ULP up or down in magnitude, the direction from a seeded
+/// splitmix64 stream, so the calibration is reproducible bit for bit.
+fn perturb(data: &[f32], seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    data.iter()
+        .map(|&x| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let up = (z ^ (z >> 31)) & 1 == 1;
+            let b = x.to_bits();
+            let mag = b & 0x7fff_ffff;
+            if !x.is_finite() {
+                x
+            } else if mag == 0 {
+                f32::from_bits(b | 1) // ±0 → ±smallest subnormal
+            } else if up && mag < 0x7f7f_ffff {
+                f32::from_bits(b + 1)
+            } else {
+                f32::from_bits(b - 1)
+            }
+        })
+        .collect()
+}
+
+/// Expert tensors refused only because they hold other rows; empty if anything else was refused.
+fn rerouted_experts(rep: &Report) -> Vec<String> {
+    if rep.verdict != Verdict::Incomparable {
+        return Vec::new();
+    }
+    let refusals: Vec<_> = rep.findings.iter().filter(|f| f.kind != "stack_mismatch_allowed").collect();
+    let experts: Vec<String> = refusals
+        .iter()
+        .filter(|f| f.kind == "positions_mismatch")
+        .filter_map(|f| f.tensor.clone())
+        .filter(|t| t.contains(".expert."))
+        .collect();
+    if experts.len() == refusals.len() { experts } else { Vec::new() }
+}
+
+fn copy_without(t: &Trace, skip: &[String], out: &Path) -> Result<()> {
+    let err = |e: tracegate_trace::Error| gerr!("{}: {e}", out.display());
+    let mut w = TraceWriter::create(out, t.provenance().clone()).map_err(err)?;
+    for info in t.tensors().iter().filter(|i| !skip.contains(&i.name)) {
+        w.tensor(&info.name, info.dtype, &info.shape, t.data(info), &info.attributes).map_err(err)?;
+    }
+    for d in t.decisions() {
+        w.decision(&d.name, &d.shape, &t.decision_values(d), t.decision_margins(d).as_deref()).map_err(err)?;
+    }
+    w.finish().map_err(err)?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+// Isolation
+
+struct Isolation {
+    tensors: Vec<TensorCmp>,
+    decisions: Vec<DecisionCmp>,
+    wrong: bool,
+}
+
+/// The reference's whole-run `layer.LL.*` tensors (those the candidate's layer trace also has)
+/// rewritten with path=layer, so the differ compares them with the candidate's layer verb
+/// under its usual rules (positions and masks must still agree).
+fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Result<()> {
+    let pfx = format!("layer.{layer:02}.");
+    let mut prov = reference.provenance().clone();
+    if let Some(o) = prov.as_object_mut() {
+        o.insert("bisect_slice".into(), json!({ "layer": layer, "from": reference.path().display().to_string() }));
+    }
+    let mut w = TraceWriter::create(out, prov).map_err(|e| gerr!("{}: {e}", out.display()))?;
+    let same_rows = |name: &str, a: &Attributes| cand.tensor_info(name).is_some_and(|c| !name.contains(".expert.") || c.attributes.positions == a.positions);
+    for info in reference.tensors().iter().filter(|t| t.name.starts_with(&pfx) && same_rows(&t.name, &t.attributes)) {
+        let attrs = Attributes { path: Some("layer".into()), ..info.attributes.clone() };
+        w.tensor(&info.name, info.dtype, &info.shape, reference.data(info), &attrs).map_err(|e| gerr!("{}: {e}", out.display()))?;
+    }
+    for d in reference.decisions().iter().filter(|d| d.name.starts_with(&pfx) && cand.decision_info(&d.name).is_some()) {
+        let margins = reference.decision_margins(d);
+        w.decision(&d.name, &d.shape, &reference.decision_values(d), margins.as_deref()).map_err(|e| gerr!("{}: {e}", out.display()))?;
+    }
+    w.finish().map_err(|e| gerr!("{}: {e}", out.display()))?;
+    Ok(())
+}
+
+fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, policy: &Option<Policy>, runs: &mut Vec<RunRecord>) -> std::result::Result<Isolation, String> {
+    let out = format!("{}/candidate.layer.{layer:02}.trace", o.work);
+    let verb = Verb::Layer {
+        model: o.model.clone(),
+        layer,
+        input: ref_rel.into(),
+        input_name: format!("layer.{layer:02}.hidden_in"),
+        out: out.clone(),
+        internals: o.internals,
+    };
+    let rec = o.candidate.run(&o.root, &verb);
+    runs.push(rec.clone());
+    if !rec.ok {
+        return Err(format!("the candidate's layer verb failed: {} ($ {})", rec.stderr_tail.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" | "), rec.invocation));
+    }
+    let cand = open(&o.root, &out).map_err(|e| e.to_string())?;
+    for need in ["attn_out", "mlp_out", "hidden_out"] {
+        let name = format!("layer.{layer:02}.{need}");
+        if cand.tensor_info(&name).is_none() {
+            return Err(format!("the candidate's layer trace has no {name}"));
+        }
+    }
+    let slice_rel = format!("{}/reference.layer.{layer:02}.trace", o.work);
+    write_slice(reference, &cand, layer, &o.root.join(&slice_rel)).map_err(|e| e.to_string())?;
+    let slice = open(&o.root, &slice_rel).map_err(|e| e.to_string())?;
+    let rep = compare(&slice, &cand, &Options { all: true, policy: policy.clone(), ..Options::default() });
+    if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
+        let why: Vec<String> = rep.findings.iter().map(|f| format!("{}: {}", f.kind, f.detail)).collect();
+        return Err(format!("the candidate's layer trace is not comparable with the reference's: {}", why.join("; ")));
+    }
+    let tensors = rows(&rep);
+    let decisions = decisions(&rep);
+    let wrong = tensors.iter().any(|t| is_bad(&t.status)) || decisions.iter().any(|d| d.differing_rows > 0);
+    Ok(Isolation { tensors, decisions, wrong })
+}
+
+/// The first wrong capture point of a layer in isolation, in computation order.
+fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
+    let pfx = format!("layer.{layer:02}.");
+    let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
+    let mut order: Vec<(String, &'static str)> = ["hidden_in", "q", "k", "v", "attn_probs", "attn_out", "router.logits"]
+        .iter()
+        .map(|s| (format!("{pfx}{s}"), if *s == "hidden_in" { "input" } else if s.starts_with("router") { "moe_router" } else { "attention" }))
+        .collect();
+    order.push((format!("{pfx}router.topk"), "moe_router"));
+    let mut experts: Vec<String> = row.isolated.iter().map(|t| t.tensor.clone()).filter(|n| n.starts_with(&format!("{pfx}expert."))).collect();
+    experts.sort();
+    order.extend(experts.into_iter().map(|n| (n, "moe_expert")));
+    let has_router = row.isolated.iter().any(|t| t.tensor.starts_with(&format!("{pfx}router.")) || t.tensor.starts_with(&format!("{pfx}expert.")));
+    let mlp_block = if !moe { "mlp" } else if has_router { "moe_combine" } else { "moe" };
+    order.push((format!("{pfx}mlp_out"), mlp_block));
+    order.push((format!("{pfx}hidden_out"), "residual"));
+
+    let mut matching = Vec::new();
+    for (name, block) in order {
+        if let Some(d) = row.isolated_decisions.iter().find(|d| d.name == name) {
+            if d.differing_rows > 0 {
+                let detail = format!("{} differs in isolation ({}/{} rows choose other experts)", short(&name), d.differing_rows, d.rows);
+                return Stage { layer, block, tensor: name, detail, matching };
+            }
+            matching.push(short(&name));
+        } else if let Some(t) = row.isolated.iter().find(|t| t.tensor == name) {
+            if is_bad(&t.status) {
+                let how = if t.status == "different" { String::new() } else { format!(", {}", t.status.replace('_', " ")) };
+                let detail = format!(
+                    "{} differs in isolation ({}/{} elements, max {} ULP, rel L2 {}{how})",
+                    short(&name),
+                    thousands(t.differing_elements.unwrap_or(0)),
+                    thousands(t.total_elements),
+                    ulps(t.max_ulp),
+                    sci(t.rel_l2)
+                );
+                return Stage { layer, block, tensor: name, detail, matching };
+            }
+            matching.push(short(&name));
+        }
+    }
+    // Only something outside the ordered capture points differs (an extra tensor, a structure finding).
+    let other = row.isolated.iter().find(|t| is_bad(&t.status)).map(|t| t.tensor.clone()).unwrap_or_default();
+    Stage { layer, block: "other", detail: format!("{} differs in isolation", short(&other)), tensor: other, matching }
+}
+
+fn block_words(block: &str) -> &'static str {
+    match block {
+        "input" => "the layer verb did not take its input as given",
+        "attention" => "attention block",
+        "mlp" => "MLP block",
+        "moe_router" => "MoE router",
+        "moe_expert" => "MoE expert",
+        "moe_combine" => "MoE combine (routing weights × expert outputs; router and experts match)",
+        "moe" => "MoE block",
+        "residual" => "residual add (both blocks match; their sum with the input differs)",
+        _ => "other",
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Calibration
+
+fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: &mut Vec<RunRecord>) -> Calibration {
+    let mut cal = Calibration {
+        from_layer: from,
+        seed: o.seed,
+        perturbation: format!("every finite element of layer.{from:02}.hidden_in moved one f32 ULP up or down in magnitude (splitmix64, seed {})", o.seed),
+        input_rel_l2: None,
+        rows: Vec::new(),
+        not_checked: None,
+    };
+    let name = format!("layer.{from:02}.hidden_in");
+    let input_rel = format!("{}/calibration.input.trace", o.work);
+    let written = (|| -> Result<Option<f64>> {
+        let info = reference.tensor_info(&name).ok_or_else(|| gerr!("the reference has no {name}"))?;
+        if info.dtype != DType::F32 {
+            return Err(gerr!("{name} is {}, calibration perturbs f32", info.dtype));
+        }
+        let x = reference.f32_slice(&name).map_err(|e| gerr!("{e}"))?;
+        let y = perturb(x, o.seed);
+        let mut prov = reference.provenance().clone();
+        if let Some(p) = prov.as_object_mut() {
+            p.insert("bisect_calibration".into(), json!({ "layer": from, "seed": o.seed }));
+        }
+        let path = o.root.join(&input_rel);
+        let mut w = TraceWriter::create(&path, prov).map_err(|e| gerr!("{input_rel}: {e}"))?;
+        w.tensor_f32(&name, &info.shape, &y, &info.attributes).map_err(|e| gerr!("{input_rel}: {e}"))?;
+        w.finish().map_err(|e| gerr!("{input_rel}: {e}"))?;
+        Ok(f32_stats(x, &y).rel_l2)
+    })();
+    match written {
+        Ok(r) => cal.input_rel_l2 = r,
+        Err(e) => {
+            cal.not_checked = Some(e.0);
+            return cal;
+        }
+    }
+    // The reference's own layer verb, chained: each layer's hidden_out is the next one's input.
+    let (mut input, mut input_name) = (input_rel, name);
+    for layer in from..n {
+        let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
+        let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false };
+        let rec = o.reference.run(&o.root, &verb);
+        runs.push(rec.clone());
+        let hidden = format!("layer.{layer:02}.hidden_out");
+        let got = if rec.ok { open(&o.root, &out).map_err(|e| e.0) } else { Err(format!("the reference's layer verb failed: {}", rec.stderr_tail.trim())) };
+        let stats = got.and_then(|t| {
+            let c = t.f32_slice(&hidden).map_err(|e| e.to_string())?;
+            let r = reference.f32_slice(&hidden).map_err(|e| e.to_string())?;
+            if c.len() != r.len() {
+                return Err(format!("{hidden}: {} elements vs {} in the reference", c.len(), r.len()));
+            }
+            Ok(f32_stats(r, c))
+        });
+        match stats {
+            Ok(row) => cal.rows.push(CalibrationRow { layer, ..row }),
+            Err(e) => {
+                cal.not_checked = Some(format!("layer {layer:02}: {e}"));
+                return cal;
+            }
+        }
+        (input, input_name) = (out, hidden);
+    }
+    cal
+}
+
+// ------------------------------------------------------------------------------------------
+// The bisection
+
+pub fn run(o: &BisectOptions) -> Result<BisectReport> {
+    std::fs::create_dir_all(o.root.join(&o.work)).map_err(|e| gerr!("{}: {e}", o.work))?;
+    let ref_rel = format!("{}/reference.trace", o.work);
+    let cand_rel = format!("{}/candidate.trace", o.work);
+    let trace = |p: &Producer, out: &str| {
+        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: 0, cache: true })
+    };
+    // Both whole runs at once: one is usually a subprocess.
+    let (rr, cr) = std::thread::scope(|s| {
+        let h = s.spawn(|| trace(&o.candidate, &cand_rel));
+        (trace(&o.reference, &ref_rel), h.join().expect("candidate thread"))
+    });
+    let mut runs = vec![rr.clone(), cr.clone()];
+    for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
+        if !rec.ok {
+            return Err(gerr!("{side} ({}) trace failed: {}\n    $ {}", rec.producer, rec.stderr_tail.trim(), rec.invocation));
+        }
+    }
+    let reference = open(&o.root, &ref_rel)?;
+    let candidate = open(&o.root, &cand_rel)?;
+
+    // Exact unless the oracle is involved or a policy was asked for.
+    let oracle_pair = o.reference.name() == "oracle" || o.candidate.name() == "oracle" || is_oracle(&reference) || is_oracle(&candidate);
+    let policy_path = o.policy.clone().or_else(|| oracle_pair.then(|| DEFAULT_POLICY.to_string()));
+    let policy = match &policy_path {
+        Some(p) => Some(Policy::load(&o.root.join(p)).map_err(|e| gerr!("--policy {p}: {e}"))?),
+        None => None,
+    };
+    let judged_by = match (&policy, &policy_path) {
+        (Some(p), Some(path)) => format!("policy {} ({path})", p.name),
+        _ => "bits".to_string(),
+    };
+
+    let opts = Options { all: true, policy: policy.clone(), ..Options::default() };
+    let mut whole = compare(&reference, &candidate, &opts);
+    // Expert outputs hold the rows routed to each expert; once routing differs their positions
+    // differ, which the differ rightly refuses to compare. The router.topk decision already
+    // reports that, so compare everything else (copies without those tensors).
+    let rerouted = rerouted_experts(&whole);
+    if !rerouted.is_empty() {
+        let (r2, c2) = (format!("{}/reference.comparable.trace", o.work), format!("{}/candidate.comparable.trace", o.work));
+        copy_without(&reference, &rerouted, &o.root.join(&r2))?;
+        copy_without(&candidate, &rerouted, &o.root.join(&c2))?;
+        whole = compare(&open(&o.root, &r2)?, &open(&o.root, &c2)?, &opts);
+        whole.findings.push(tracegate_diff::Finding::new(
+            "expert_rows_differ",
+            None,
+            format!("not compared, routing sends them other rows: {}", rerouted.join(", ")),
+        ));
+    }
+    if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
+        let why: Vec<String> = whole.findings.iter().map(|f| format!("{}: {}", f.kind, f.detail)).collect();
+        return Err(gerr!("the whole traces cannot be compared ({:?}): {}", whole.verdict, why.join("; ")));
+    }
+    let whole_rows = rows(&whole);
+    let whole_decisions = decisions(&whole);
+    let n = reference.tensors().iter().filter(|t| t.name.ends_with(".hidden_out")).map(|t| location(&t.name) + 1).max().unwrap_or(0).max(0) as usize;
+
+    // The first diverging place, in computation order (tensors in reference order, then decisions by location).
+    let mut diverging: Vec<(i64, String)> = whole_rows.iter().filter(|t| is_bad(&t.status)).map(|t| (location(&t.tensor), t.tensor.clone())).collect();
+    diverging.extend(whole_decisions.iter().filter(|d| d.differing_rows > 0).map(|d| (location(&d.name), d.name.clone())));
+    let first = diverging.iter().min_by_key(|(loc, _)| *loc).cloned();
+    let first_layer = first.as_ref().and_then(|(loc, _)| (0..n as i64).contains(loc).then_some(*loc as usize));
+    let whole_run = WholeRun {
+        verdict: serde_json::to_value(whole.verdict).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+        first_diverging: first.as_ref().map(|(_, n)| n.clone()),
+        first_diverging_layer: first_layer,
+        first_divergence: whole.first_divergence.as_ref().map(|d| FirstDivergence {
+            tensor: d.tensor.clone(),
+            coords: d.coords.clone(),
+            reference_value: d.reference_value.clone(),
+            candidate_value: d.candidate_value.clone(),
+            ulp: d.ulp,
+            differing_elements: d.differing_elements,
+            total_elements: d.total_elements,
+        }),
+        differing_decisions: whole_decisions.iter().filter(|d| d.differing_rows > 0).cloned().collect(),
+        findings: whole.findings.iter().filter(|f| !matches!(f.kind, "values_differ" | "outside_policy" | "decision_differs")).map(|f| format!("{}: {}", f.kind, f.detail)).collect(),
+    };
+
+    // Isolation: layers up to and including the first diverging one, or all of them.
+    let isolate_upto = if o.all_layers { n } else { first_layer.map_or(0, |l| l + 1) };
+    let mut layers: Vec<LayerRow> = (0..n)
+        .map(|l| {
+            let pfx = format!("layer.{l:02}.");
+            let differs = diverging.iter().any(|(_, name)| name.starts_with(&pfx));
+            let h = whole_rows.iter().find(|t| t.tensor == format!("{pfx}hidden_out"));
+            LayerRow {
+                layer: l,
+                whole_run: if differs { "differs" } else { "match" },
+                whole_max_ulp: h.and_then(|t| t.max_ulp),
+                whole_rel_l2: h.and_then(|t| t.rel_l2),
+                isolation: "not_run",
+                isolated_max_ulp: None,
+                isolated_rel_l2: None,
+                isolated: Vec::new(),
+                isolated_decisions: Vec::new(),
+                status: "ok",
+                reason: None,
+                calibration_rel_l2: None,
+                whole_vs_calibration: None,
+                isolated_vs_calibration: None,
+            }
+        })
+        .collect();
+    let mut failed: Option<(usize, String)> = None;
+    for l in 0..isolate_upto {
+        let row = &mut layers[l];
+        if let Some((at, _)) = &failed {
+            row.isolation = "not_checked";
+            row.reason = Some(format!("not attempted: the candidate's layer verb failed on layer {at:02}"));
+            continue;
+        }
+        match isolate(o, &reference, &ref_rel, l, &policy, &mut runs) {
+            Ok(iso) => {
+                let h = iso.tensors.iter().find(|t| t.tensor == format!("layer.{l:02}.hidden_out"));
+                row.isolated_max_ulp = h.and_then(|t| t.max_ulp);
+                row.isolated_rel_l2 = h.and_then(|t| t.rel_l2);
+                row.isolation = if iso.wrong { "wrong" } else { "match" };
+                row.isolated = iso.tensors;
+                row.isolated_decisions = iso.decisions;
+            }
+            Err(why) => {
+                row.isolation = "not_checked";
+                row.reason = Some(why.clone());
+                failed = Some((l, why));
+            }
+        }
+    }
+    let first_wrong = layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer);
+    for row in &mut layers {
+        row.status = match (row.isolation, row.whole_run) {
+            ("wrong", _) => "wrong",
+            ("not_checked", _) => "not_checked",
+            ("match", "differs") => "inherits",
+            (_, "differs") => "downstream",
+            _ => "ok",
+        };
+    }
+    let stage = first_wrong.map(|l| stage(l, &layers[l], reference.decision_info(&format!("layer.{l:02}.router.topk")).is_some()));
+
+    // Calibration: from the first wrong layer, else the first diverging one, else layer 0.
+    let calibration = (o.calibrate && n > 0).then(|| calibrate(o, &reference, first_wrong.or(first_layer).unwrap_or(0), n, &mut runs));
+    if let Some(cal) = &calibration {
+        for c in &cal.rows {
+            let row = &mut layers[c.layer];
+            row.calibration_rel_l2 = c.rel_l2;
+            let over = |x: Option<f64>| match (x, c.rel_l2) {
+                (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+                _ => None,
+            };
+            row.whole_vs_calibration = over(row.whole_rel_l2);
+            if c.layer == cal.from_layer {
+                row.isolated_vs_calibration = over(row.isolated_rel_l2);
+            }
+        }
+    }
+
+    // Amplification: geometric-mean growth of the whole-run error over consecutive differing layers.
+    let errs: Vec<f64> = layers.iter().filter_map(|r| r.whole_rel_l2).filter(|&e| e > 0.0).collect();
+    let amplification = (errs.len() >= 2).then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64));
+
+    let (verdict, exit_code, summary) = verdict(&layers, first_wrong, &stage, &first, n, &whole_run, amplification, &failed);
+    Ok(BisectReport {
+        schema: "tracegate-bisect/1",
+        summary,
+        verdict,
+        exit_code,
+        model: o.model.clone(),
+        prompt: o.prompt.clone(),
+        tokens: o.tokens.clone(),
+        reference: o.reference.name(),
+        candidate: o.candidate.name(),
+        judged_by,
+        capture: if o.internals { "internals" } else { "default" },
+        layers_total: n,
+        whole_run,
+        first_wrong_layer: first_wrong,
+        stage,
+        layers,
+        amplification_per_layer: amplification,
+        calibration,
+        work_dir: o.work.clone(),
+        runs,
+        gate_invocation: o.gate_invocation.clone(),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn verdict(
+    layers: &[LayerRow],
+    first_wrong: Option<usize>,
+    stage: &Option<Stage>,
+    first: &Option<(i64, String)>,
+    n: usize,
+    whole: &WholeRun,
+    amplification: Option<f64>,
+    failed: &Option<(usize, String)>,
+) -> (&'static str, i32, String) {
+    let with = |status: &str| -> Vec<usize> { layers.iter().filter(|r| r.status == status).map(|r| r.layer).collect() };
+    let (matched, inherits, downstream, wrong) = (
+        layers.iter().filter(|r| r.isolation == "match" && r.whole_run == "match").map(|r| r.layer).collect::<Vec<_>>(),
+        with("inherits"),
+        with("downstream"),
+        with("wrong"),
+    );
+    let mut tail = Vec::new();
+    if !matched.is_empty() {
+        tail.push(say(&matched, "matches in isolation", "match in isolation"));
+    }
+    if let (Some(l), Some(s)) = (first_wrong, stage) {
+        let also: Vec<usize> = wrong.iter().copied().filter(|&w| w != l).collect();
+        if !also.is_empty() {
+            tail.push(say(&also, "is also wrong in isolation", "are also wrong in isolation"));
+        }
+        if !inherits.is_empty() {
+            tail.push(say(&inherits, "inherits", "inherit"));
+        }
+        if !downstream.is_empty() {
+            tail.push(say(&downstream, "differs downstream", "differ downstream") + " (not isolated; --all-layers checks whether they inherit)");
+        }
+        return ("wrong_layer", 1, format!("layer {l:02} body is wrong: {} [{}]; {}", s.detail, block_words(s.block), tail.join("; ")));
+    }
+    if let Some((at, why)) = failed {
+        let div = first.as_ref().map(|(_, name)| format!("the whole runs first diverge at {name}")).unwrap_or_else(|| "the whole runs match".into());
+        return ("not_checked", 4, format!("isolation NOT CHECKED from layer {at:02}: {why}; {div}"));
+    }
+    match first {
+        None => {
+            let how = if whole.verdict == "within_policy" { "within policy" } else { "identical" };
+            let iso = if matched.is_empty() { String::new() } else { format!("; {}", tail.join("; ")) };
+            ("nothing_wrong", 0, format!("nothing wrong: the whole runs are {how}{iso}"))
+        }
+        Some((loc, name)) if *loc < 0 => ("outside_layers", 1, format!("{name} differs before layer 00: the embedding is wrong (the layer verb does not isolate it)")),
+        Some((loc, name)) if *loc as usize >= n => (
+            "outside_layers",
+            1,
+            format!("no layer differs in the whole run; the divergence starts at {name}, after the last layer (the head, which the layer verb does not isolate)"),
+        ),
+        Some(_) => {
+            let iso_ulp = layers.iter().filter(|r| r.isolation == "match").filter_map(|r| r.isolated_max_ulp).max().unwrap_or(0);
+            let iso_rel = layers.iter().filter_map(|r| r.isolated_rel_l2).fold(0.0f64, f64::max);
+            let amp = amplification.map(|a| format!(", amplification ×{a:.2} per layer")).unwrap_or_default();
+            (
+                "accumulates",
+                1,
+                format!(
+                    "no layer body is wrong in isolation; the divergence accumulates: per-layer isolated error <= {} ULP (rel L2 <= {}){amp}; {}",
+                    thousands(iso_ulp),
+                    sci(Some(iso_rel)),
+                    tail.join("; ")
+                ),
+            )
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Human output: the summary line first, then the per-layer table.
+
+pub fn render(r: &BisectReport) -> String {
+    let mut o = String::new();
+    o.push_str(&r.summary);
+    o.push('\n');
+    o.push_str(&format!(
+        "  reference {} · candidate {} · judged by {} · model {} · {} tokens{} · capture {}\n",
+        r.reference,
+        r.candidate,
+        r.judged_by,
+        r.model,
+        r.tokens.len(),
+        r.prompt.as_ref().map(|p| format!(" (prompt {p})")).unwrap_or_default(),
+        r.capture
+    ));
+    match (&r.whole_run.first_diverging, &r.whole_run.first_divergence) {
+        (None, _) => o.push_str(&format!("  whole run: {}\n", r.whole_run.verdict)),
+        (Some(name), d) => {
+            o.push_str(&format!("  whole run: {}; first diverging {name}", r.whole_run.verdict));
+            if let Some(d) = d {
+                o.push_str(&format!(
+                    "; first differing element {}{:?}: {} vs {} ({} ULP; {}/{} elements differ)",
+                    d.tensor,
+                    d.coords,
+                    d.reference_value,
+                    d.candidate_value,
+                    ulps(d.ulp),
+                    thousands(d.differing_elements),
+                    thousands(d.total_elements)
+                ));
+            }
+            o.push('\n');
+        }
+    }
+    for d in &r.whole_run.differing_decisions {
+        o.push_str(&format!("  whole run: decision {} differs in {}/{} rows\n", d.name, d.rows.min(d.differing_rows), d.rows));
+    }
+    for f in &r.whole_run.findings {
+        o.push_str(&format!("  whole run finding: {f}\n"));
+    }
+    let cal = r.calibration.is_some();
+    o.push_str(&format!(
+        "\n  {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}{}\n",
+        "layer",
+        "status",
+        "whole run",
+        "isol max ULP",
+        "isol rel L2",
+        "whole max ULP",
+        "whole rel L2",
+        if cal { format!(" {:>11} {:>11}", "1-ULP rel L2", "whole/1-ULP") } else { String::new() }
+    ));
+    for row in &r.layers {
+        o.push_str(&format!(
+            "  {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}{}\n",
+            format!("{:02}", row.layer),
+            row.status,
+            row.whole_run,
+            if row.isolation == "not_run" { "-".into() } else { ulps(row.isolated_max_ulp) },
+            sci(row.isolated_rel_l2),
+            ulps(row.whole_max_ulp),
+            sci(row.whole_rel_l2),
+            if cal { format!(" {:>11} {:>11}", sci(row.calibration_rel_l2), ratio(row.whole_vs_calibration)) } else { String::new() }
+        ));
+    }
+    if let Some(s) = &r.stage {
+        o.push_str(&format!("\n  first wrong stage in layer {:02}: {} — {}\n", s.layer, block_words(s.block), s.detail));
+        if !s.matching.is_empty() {
+            o.push_str(&format!("    before it, matching in isolation: {}\n", s.matching.join(", ")));
+        }
+        let row = &r.layers[s.layer];
+        for t in row.isolated.iter().filter(|t| is_bad(&t.status)) {
+            o.push_str(&format!(
+                "    {:<28} {:<14} {:>9}/{:<9} max {} ULP, rel L2 {}\n",
+                t.tensor,
+                t.status,
+                thousands(t.differing_elements.unwrap_or(0)),
+                thousands(t.total_elements),
+                ulps(t.max_ulp),
+                sci(t.rel_l2)
+            ));
+        }
+    }
+    for row in r.layers.iter().filter(|r| r.reason.is_some()).take(1) {
+        o.push_str(&format!("\n  layer {:02} NOT CHECKED: {}\n", row.layer, row.reason.as_deref().unwrap_or("")));
+    }
+    if let Some(c) = &r.calibration {
+        o.push_str(&format!("\n  calibration: {} (input rel L2 {})\n", c.perturbation, sci(c.input_rel_l2)));
+        if let Some(row) = r.layers.get(c.from_layer) {
+            if let Some(x) = row.isolated_vs_calibration {
+                o.push_str(&format!(
+                    "    in isolation, the candidate's layer {:02} hidden_out difference (rel L2 {}) is {} what a 1-ULP perturbation of its input produces ({})\n",
+                    row.layer,
+                    sci(row.isolated_rel_l2),
+                    ratio(Some(x)),
+                    sci(row.calibration_rel_l2)
+                ));
+            }
+        }
+        if let Some(row) = r.layers.iter().filter(|row| row.whole_vs_calibration.is_some()).last() {
+            o.push_str(&format!(
+                "    in the whole run, the candidate's difference at layer {:02} is {} what a 1-ULP perturbation at layer {:02} grows to\n",
+                row.layer,
+                ratio(row.whole_vs_calibration),
+                c.from_layer
+            ));
+        }
+        if let Some(why) = &c.not_checked {
+            o.push_str(&format!("    calibration NOT CHECKED: {why}\n"));
+        }
+    }
+    o.push_str(&format!("\n  traces in {}\n", r.work_dir));
+    o
+}

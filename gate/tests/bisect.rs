@@ -1,0 +1,177 @@
+//! `gate bisect` negative controls: a candidate with exactly one planted defect (the contract
+//! monkeypatched by tests/producers/defective_contract.py) must be named at the right layer and
+//! stage, with every later layer called inherited; the clean pair must report nothing wrong; a
+//! candidate without the layer verb must be NOT CHECKED, never a pass.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+struct Outcome {
+    code: i32,
+    stdout: String,
+    report: Value,
+}
+
+/// Runs `gate bisect` on a fixture with the given extra arguments; traces and report in a temp dir.
+fn bisect(model: &str, args: &[&str]) -> Outcome {
+    let root = repo();
+    let work = tempfile::tempdir_in(root.join("target")).unwrap();
+    let work_rel = work.path().strip_prefix(&root).unwrap().display().to_string();
+    let report = work.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
+        .args(["--root", root.to_str().unwrap(), "bisect", "--model", &format!("fixtures/{model}"), "--prompt", "short", "--work", &work_rel])
+        .args(["--report", report.to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let code = out.status.code().unwrap_or(-1);
+    assert!(code != 2, "gate bisect refused:\n{stdout}\n{stderr}");
+    let report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    Outcome { code, stdout, report }
+}
+
+fn defective(defect: &str) -> String {
+    let root = repo();
+    format!(
+        "'{}' '{}' --defect {defect} {{verb}} {{args}}",
+        root.join(".venv/bin/python").display(),
+        root.join("gate/tests/producers/defective_contract.py").display()
+    )
+}
+
+/// Engine reference against a defective contract, every layer isolated, internals captured.
+fn against_defect(model: &str, defect: &str) -> Outcome {
+    let cmd = defective(defect);
+    bisect(model, &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--capture", "internals", "--all-layers"])
+}
+
+fn statuses(r: &Value) -> Vec<String> {
+    r["layers"].as_array().unwrap().iter().map(|l| l["status"].as_str().unwrap().to_string()).collect()
+}
+
+fn assert_found(o: &Outcome, layer: u64, block: &str, tensor: &str, expect: &[&str], summary_has: &[&str]) {
+    let r = &o.report;
+    assert_eq!(o.code, 1, "{}", o.stdout);
+    assert_eq!(r["verdict"], "wrong_layer", "{}", o.stdout);
+    assert_eq!(r["first_wrong_layer"], layer, "{}", o.stdout);
+    assert_eq!(r["stage"]["block"], block, "{}", o.stdout);
+    assert_eq!(r["stage"]["tensor"], format!("layer.{layer:02}.{tensor}"), "{}", o.stdout);
+    assert_eq!(statuses(r), expect, "{}", o.stdout);
+    let first = o.stdout.lines().next().unwrap();
+    for s in summary_has {
+        assert!(first.contains(s), "summary lacks {s:?}: {first}");
+    }
+}
+
+#[test]
+fn mlp_added_instead_of_overwritten_is_named_in_layer_02() {
+    let o = against_defect("tiny-qwen3", "mlp-add");
+    assert_found(&o, 2, "mlp", "mlp_out", &["ok", "ok", "wrong", "inherits", "inherits"], &[
+        "layer 02 body is wrong: mlp_out differs in isolation",
+        "layers 00-01 match in isolation",
+        "layers 03-04 inherit",
+    ]);
+    // The attention block before it matches in isolation, internals included.
+    let matching: Vec<&str> = o.report["stage"]["matching"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(matching, ["hidden_in", "q", "k", "v", "attn_probs", "attn_out"]);
+}
+
+#[test]
+fn bidirectional_mask_is_named_in_layer_01_attention() {
+    let o = against_defect("tiny-qwen3", "bidir-mask");
+    assert_found(&o, 1, "attention", "attn_probs", &["ok", "wrong", "inherits", "inherits", "inherits"], &[
+        "layer 01 body is wrong: attn_probs differs",
+        "layer 00 matches in isolation",
+        "layers 02-04 inherit",
+    ]);
+}
+
+#[test]
+fn interleaved_gqa_repeat_is_named_in_layer_03_attention() {
+    let o = against_defect("tiny-qwen3", "gqa-mod");
+    assert_found(&o, 3, "attention", "attn_probs", &["ok", "ok", "ok", "wrong", "inherits"], &[
+        "layer 03 body is wrong: attn_probs differs",
+        "layers 00-02 match in isolation",
+        "layer 04 inherits",
+    ]);
+    // q, k and v are captured before the kv heads are repeated: they must match.
+    let matching = o.report["stage"]["matching"].to_string();
+    assert!(matching.contains("\"k\"") && matching.contains("\"v\""), "{matching}");
+}
+
+#[test]
+fn skipped_router_renormalisation_is_named_in_moe_layer_01() {
+    let o = against_defect("tiny-qwen3-moe", "no-renorm");
+    assert_found(&o, 1, "moe_combine", "mlp_out", &["ok", "wrong", "inherits", "inherits"], &[
+        "layer 01 body is wrong: mlp_out differs",
+        "layer 00 matches in isolation",
+        "layers 02-03 inherit",
+    ]);
+    // Router logits and the top-k choice match: only the weights given to the experts differ.
+    let matching = o.report["stage"]["matching"].to_string();
+    assert!(matching.contains("router.logits") && matching.contains("router.topk"), "{matching}");
+}
+
+#[test]
+fn clean_pair_reports_nothing_wrong() {
+    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "contract", "--all-layers", "--capture", "internals"]);
+    assert_eq!(o.code, 0, "{}", o.stdout);
+    assert_eq!(o.report["verdict"], "nothing_wrong");
+    assert!(o.report["first_wrong_layer"].is_null());
+    assert_eq!(statuses(&o.report), ["ok"; 4]);
+    assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["isolation"] == "match"), "{}", o.stdout);
+    assert!(o.stdout.starts_with("nothing wrong: the whole runs are identical; layers 00-03 match in isolation"), "{}", o.stdout);
+}
+
+#[test]
+fn candidate_without_layer_verb_is_not_checked() {
+    // A real divergence and no way to isolate it: NOT CHECKED (exit 4), never a pass.
+    let cmd = defective("no-layer");
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers"]);
+    assert_eq!(o.code, 4, "{}", o.stdout);
+    assert_eq!(o.report["verdict"], "not_checked");
+    assert_eq!(statuses(&o.report), ["not_checked"; 5]);
+    assert!(o.stdout.starts_with("isolation NOT CHECKED from layer 00"), "{}", o.stdout);
+}
+
+#[test]
+fn calibration_puts_the_defect_beside_a_one_ulp_perturbation() {
+    let cmd = defective("mlp-add");
+    let o = bisect("tiny-qwen3", &["--reference", "contract", "--candidate", "cmd", "--candidate-cmd", &cmd, "--calibrate"]);
+    assert_eq!(o.code, 1, "{}", o.stdout);
+    // Default mode isolates layers 00-02 only; 03-04 differ downstream, unchecked.
+    assert_eq!(statuses(&o.report), ["ok", "ok", "wrong", "downstream", "downstream"]);
+    let cal = &o.report["calibration"];
+    assert_eq!(cal["from_layer"], 2);
+    assert_eq!(cal["rows"].as_array().unwrap().len(), 3, "{cal}");
+    let l2 = &o.report["layers"][2];
+    let noise = l2["calibration_rel_l2"].as_f64().unwrap();
+    assert!(noise > 0.0 && noise < 1e-5, "a 1-ULP input perturbation should stay near rounding: {noise}");
+    assert!(l2["isolated_vs_calibration"].as_f64().unwrap() > 1e3, "{l2}");
+}
+
+#[test]
+fn oracle_against_engine_reports_nothing_wrong() {
+    let py = repo().join(".venv/bin/python");
+    let probe = Command::new(&py).args(["-c", "import torch, transformers"]).output();
+    if !probe.map(|o| o.status.success()).unwrap_or(false) {
+        eprintln!("NOT CHECKED: torch/transformers unavailable to {}", py.display());
+        return;
+    }
+    // The candidate's layer verb is the in-process engine, so isolating every layer is cheap.
+    let o = bisect("tiny-qwen3", &["--reference", "oracle", "--candidate", "engine", "--all-layers"]);
+    assert_eq!(o.code, 0, "{}", o.stdout);
+    assert_eq!(o.report["verdict"], "nothing_wrong");
+    assert_eq!(o.report["whole_run"]["verdict"], "within_policy", "{}", o.stdout);
+    assert_eq!(statuses(&o.report), ["ok"; 5]);
+    assert!(o.stdout.starts_with("nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"), "{}", o.stdout);
+    assert!(o.report["judged_by"].as_str().unwrap().starts_with("policy oracle-default"), "{}", o.report["judged_by"]);
+}
