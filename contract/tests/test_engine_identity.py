@@ -14,6 +14,7 @@ unplanted contract, which needs no engine.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -143,6 +144,28 @@ def test_prefill_identical(tmp_path, fixture, model, capture):
         d = differences(e, c)
         if d:
             failures.append(f"[{fixture} T={n} {capture}] first: {d[0]}" + (f" (+{len(d) - 1} more)" if len(d) > 1 else ""))
+        else:
+            assert tracegate.Trace(e).digest == tracegate.Trace(c).digest
+    assert not failures, "engine ≠ contract:\n" + "\n".join(failures)
+
+
+def frozen_prompts() -> dict[str, list[int]]:
+    with open(os.path.join(ROOT, "fixtures", "prompts", "frozen.json")) as f:
+        return {p["id"]: p["tokens"] for p in json.load(f)["prompts"]}
+
+
+@needs_engine
+@pytest.mark.parametrize("fixture,model", FIX)
+def test_frozen_prompts_identical_with_internals_and_generation(tmp_path, fixture, model):
+    """Every frozen prompt (the gate's set), internal capture points, 4 greedy tokens; the
+    engine's cached path against the contract's uncached one."""
+    failures = []
+    for pid, toks in frozen_prompts().items():
+        e = engine_trace(model, toks, str(tmp_path / f"e-{pid}.trace"), "internals", generate=4, cache="on")
+        c = contract_trace(model, toks, str(tmp_path / f"c-{pid}.trace"), "internals", generate=4, cache="off")
+        d = differences(e, c)
+        if d:
+            failures.append(f"[{fixture} {pid}] first: {d[0]}")
         else:
             assert tracegate.Trace(e).digest == tracegate.Trace(c).digest
     assert not failures, "engine ≠ contract:\n" + "\n".join(failures)

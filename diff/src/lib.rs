@@ -3,7 +3,7 @@
 //! prints (human or JSON) and the gate and bisect read directly. Semantics are specified in
 //! `docs/diff.md`; the JSON form in `docs/diff-report.schema.json`.
 
-mod comparable;
+pub mod comparable;
 mod decisions;
 pub mod numeric;
 pub mod policy;
@@ -16,7 +16,7 @@ use tracegate_trace::{DType, TensorInfo, Trace};
 
 pub use numeric::Special;
 pub use policy::{glob_match, Policy, Rule};
-pub use render::{render_human, render_show};
+pub use render::{render_human, render_show, thousands};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

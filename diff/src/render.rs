@@ -7,7 +7,7 @@ use tracegate_trace::{Attributes, Trace};
 use crate::{Real, Report, TensorRow, Verdict};
 
 /// 18676984 → "18,676,984".
-pub(crate) fn thousands(n: u64) -> String {
+pub fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {

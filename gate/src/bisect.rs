@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::json;
 use tracegate_diff::{compare, Options, Policy, Report, Verdict};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
@@ -189,8 +189,7 @@ fn is_bad(status: &str) -> bool {
 }
 
 fn is_oracle(t: &Trace) -> bool {
-    let p = t.provenance();
-    p.get("producer").and_then(Value::as_str) == Some("oracle") || p.pointer("/versions/torch").is_some_and(|v| !v.is_null())
+    tracegate_diff::comparable::is_oracle(t.provenance())
 }
 
 /// Where a capture point sits: -1 embed, NN a layer, i64::MAX the head (final norm, logits, decode).
@@ -234,18 +233,7 @@ fn open(root: &Path, rel: &str) -> Result<Trace> {
     Trace::open(root.join(rel)).map_err(|e| gerr!("{rel}: {e}"))
 }
 
-/// Thousands separators, for element and ULP counts.
-pub fn thousands(n: u64) -> String {
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
-}
+pub use tracegate_diff::thousands;
 
 fn sci(x: Option<f64>) -> String {
     match x {
