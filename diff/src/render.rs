@@ -106,8 +106,10 @@ fn summary(rep: &Report) -> String {
                     (_, Some(u)) => format!("|diff| {}", thousands(u)),
                     _ => String::new(),
                 };
+                // Under a policy the first bit difference may be within bounds: say which it is.
+                let lead = if rep.policy.is_some() { "first bit difference at" } else { "first at" };
                 parts.push(format!(
-                    "first at {}[{}]: {} ({}) vs {} ({}), {} ({}/{} elements differ)",
+                    "{lead} {}[{}]: {} ({}) vs {} ({}), {} ({}/{} elements differ)",
                     d.tensor,
                     coords(&d.coords),
                     d.reference_value,
