@@ -238,7 +238,7 @@ pub use tracegate_diff::thousands;
 fn sci(x: Option<f64>) -> String {
     match x {
         None => "-".into(),
-        Some(v) if v == 0.0 => "0".into(),
+        Some(0.0) => "0".into(),
         Some(v) => format!("{v:.2e}"),
     }
 }
@@ -650,8 +650,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         })
         .collect();
     let mut failed: Option<(usize, String)> = None;
-    for l in 0..isolate_upto {
-        let row = &mut layers[l];
+    for (l, row) in layers.iter_mut().enumerate().take(isolate_upto) {
         if let Some((at, _)) = &failed {
             row.isolation = "not_checked";
             row.reason = Some(format!("not attempted: the candidate's layer verb failed on layer {at:02}"));
@@ -902,7 +901,7 @@ pub fn render(r: &BisectReport) -> String {
                 ));
             }
         }
-        if let Some(row) = r.layers.iter().filter(|row| row.whole_vs_calibration.is_some()).last() {
+        if let Some(row) = r.layers.iter().rfind(|row| row.whole_vs_calibration.is_some()) {
             o.push_str(&format!(
                 "    in the whole run, the candidate's difference at layer {:02} is {} what a 1-ULP perturbation at layer {:02} grows to\n",
                 row.layer,

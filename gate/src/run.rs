@@ -320,7 +320,7 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         if let Some(ms) = eng.decision_margins(d) {
             for (row, m) in ms.iter().enumerate() {
                 let m = *m as f64;
-                if smallest.as_ref().map_or(true, |(s, _)| m < *s) {
+                if smallest.as_ref().is_none_or(|(s, _)| m < *s) {
                     smallest = Some((m, format!("{}[{row}]", d.name)));
                 }
             }
@@ -569,31 +569,22 @@ fn judge_prompt(
     });
 
     // generation: cached, uncached and contract tokens identical.
-    let mut generated = Generated::default();
-    generated.engine_cached = eng.as_ref().ok().map(decode_tokens);
-    generated.engine_uncached = unc.as_ref().ok().map(decode_tokens);
-    generated.contract = con.as_ref().ok().map(decode_tokens);
-    generated.oracle = ora.as_ref().ok().map(decode_tokens);
+    let generated = Generated {
+        engine_cached: eng.as_ref().ok().map(decode_tokens),
+        engine_uncached: unc.as_ref().ok().map(decode_tokens),
+        contract: con.as_ref().ok().map(decode_tokens),
+        oracle: ora.as_ref().ok().map(decode_tokens),
+    };
     checks.push(match (&generated.engine_cached, &generated.engine_uncached, &generated.contract) {
+        (Some(a), _, _) if a.is_empty() => CheckResult::not_checked("generation", "no tokens generated (--generate 0)"),
         (Some(a), Some(b), Some(c)) => {
-            let found: Vec<Finding> = [tokens_finding("engine-uncached", a, b), tokens_finding("contract", a, c)].into_iter().flatten().collect();
+            let mut found: Vec<Finding> = [tokens_finding("engine-uncached", a, b), tokens_finding("contract", a, c)].into_iter().flatten().collect();
             let mut detail = format!("{} tokens: engine cached = uncached = contract: {a:?}", a.len());
-            if let Some(e) = expect {
-                if &e.generated != a {
-                    detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
-                }
+            if let Some(e) = expect.filter(|e| &e.generated != a) {
+                detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
+                found.push(Finding { kind: "tokens_changed".into(), name: "engine".into(), count: a.len() as u64, detail: detail.clone() });
             }
-            let mut found = found;
-            if let Some(e) = expect {
-                if &e.generated != a {
-                    found.push(Finding { kind: "tokens_changed".into(), name: "engine".into(), count: a.len() as u64, detail: detail.clone() });
-                }
-            }
-            if a.is_empty() {
-                CheckResult::not_checked("generation", "no tokens generated (--generate 0)")
-            } else {
-                judge(m, &p.id, CheckResult::new("generation", Status::Pass, detail), found)
-            }
+            judge(m, &p.id, CheckResult::new("generation", Status::Pass, detail), found)
         }
         _ => {
             let why: Vec<String> = [&eng, &unc, &con].iter().filter_map(|t| t.as_ref().err().cloned()).collect();

@@ -132,7 +132,7 @@ impl Trace {
         let mut ranges: Vec<(u64, u64, String)> = Vec::new();
         let mut check_range = |what: &str, offset: u64, nbytes: u64| -> Result<()> {
             let end = offset.checked_add(nbytes).ok_or_else(|| bad(format!("{what}: offset {offset} + {nbytes} bytes overflows")))?;
-            if offset % ALIGN != 0 {
+            if !offset.is_multiple_of(ALIGN) {
                 return Err(bad(format!("{what}: offset {offset} is not {ALIGN}-byte aligned")));
             }
             if offset < HEADER_LEN || end > index_offset {

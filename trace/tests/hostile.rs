@@ -14,7 +14,7 @@ fn craft(index: &[u8], data_len: usize) -> Vec<u8> {
     let mut f = vec![0u8; 64];
     f[..8].copy_from_slice(b"TGTRACE\0");
     f[8] = 1;
-    f.extend(std::iter::repeat(0u8).take(data_len));
+    f.extend(std::iter::repeat_n(0u8, data_len));
     let index_offset = f.len() as u64;
     f.extend_from_slice(index);
     f.extend_from_slice(&index_offset.to_le_bytes());
