@@ -285,6 +285,9 @@ pub struct Model<'a> {
     layers: Vec<Layer<'a>>,
 }
 
+/// Attention scores computed together (one `dot` per lane of an array).
+const SC: usize = 16;
+
 /// Per-layer KV cache: k (normed, rotated) and v rows `[n, kv, d]` with their positions.
 #[derive(Clone, Default)]
 pub struct LayerKv {
@@ -458,11 +461,26 @@ impl<'a> Model<'a> {
                 let mut probs = if want_probs { vec![0.0f32; t * tk] } else { vec![] };
                 let mut s = vec![0.0f32; tk];
                 let mut p = vec![0.0f32; tk];
+                // This head's keys transposed to `kt[j][c]` (columns padded with zeros to a
+                // multiple of SC), so SC scores advance together, each its own ordered `dot`.
+                let tkp = tk.div_ceil(SC) * SC;
+                let mut kt = vec![0.0f32; d * tkp];
+                let mut dots = vec![0.0f32; tkp];
+                for c in 0..tk {
+                    let kr = &kv.k[(c * nkv + hk) * d..(c * nkv + hk + 1) * d];
+                    for j in 0..d {
+                        kt[j * tkp + c] = kr[j];
+                    }
+                }
                 for r in 0..t {
                     let qv = &q[(r * nq + hq) * d..(r * nq + hq + 1) * d];
                     let visible = |c: usize| kv.pos[c] <= pos[r];
+                    // Columns past the last visible one are not needed (they become -inf).
+                    let cend = (0..tk).rev().find(|&c| visible(c)).map_or(0, |c| c + 1);
+                    let cpad = cend.div_ceil(SC) * SC;
+                    ops::dots_transposed(qv, &kt, tkp, &mut dots[..cpad]);
                     for c in 0..tk {
-                        s[c] = if visible(c) { ops::dot(qv, &kv.k[(c * nkv + hk) * d..(c * nkv + hk + 1) * d]) * scale } else { f32::NEG_INFINITY };
+                        s[c] = if visible(c) { dots[c] * scale } else { f32::NEG_INFINITY };
                     }
                     ops::softmax_masked(&s, visible, &mut p);
                     let orow = &mut o[r * d..(r + 1) * d];
@@ -546,6 +564,12 @@ impl<'a> Model<'a> {
 fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
     let g = ops::matmul(x, rows, m.gate, None);
     let u = ops::matmul(x, rows, m.up, None);
-    let hmid: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::silu(g) * u).collect();
+    // Elementwise (one libm exp each), so spread over the pool in chunks; bits are per element.
+    let mut hmid = vec![0.0f32; g.len()];
+    hmid.par_chunks_mut(4096).zip(g.par_chunks(4096).zip(u.par_chunks(4096))).for_each(|(hc, (gc, uc))| {
+        for ((h, &g), &u) in hc.iter_mut().zip(gc).zip(uc) {
+            *h = ops::silu(g) * u;
+        }
+    });
     ops::matmul(&hmid, rows, m.down, None)
 }
