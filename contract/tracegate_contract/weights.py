@@ -153,8 +153,8 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """Claim a tensor, check its shape, return it widened to f32."""
+    def _claim(self, name: str, shape: tuple[int, ...]):
+        """Mark a tensor as used by the model after checking it exists with this shape."""
         sf = self._where.get(name)
         if sf is None:
             raise ContractError(f"missing tensor {name} (expected shape {list(shape)})")
@@ -162,17 +162,15 @@ class Checkpoint:
         if tuple(got) != tuple(shape):
             raise ContractError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
         self._claimed.add(name)
-        return sf.as_f32(name)
+        return sf
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Claim a tensor, check its shape, return it widened to f32."""
+        return self._claim(name, shape).as_f32(name)
 
     def take_stored(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, str]:
         """Claim a tensor without widening it (the embedding table is widened row by row)."""
-        sf = self._where.get(name)
-        if sf is None:
-            raise ContractError(f"missing tensor {name} (expected shape {list(shape)})")
-        got = sf.entries[name][1]
-        if tuple(got) != tuple(shape):
-            raise ContractError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
-        self._claimed.add(name)
+        sf = self._claim(name, shape)
         return sf.stored(name), sf.entries[name][4]
 
     def finish(self) -> None:

@@ -234,12 +234,14 @@ fn judge(m: &Milestone, prompt: &str, mut c: CheckResult, found: Vec<Finding>) -
     c
 }
 
+/// The differ's own findings (structure, comparability), one gate finding each.
+fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
+    rep.findings.iter().map(|f| Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() }).collect()
+}
+
 fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: Option<&Expectation>) -> CheckResult {
     let rep = tracegate_diff::compare(eng, con, &Options::default());
-    let mut found = Vec::new();
-    for f in &rep.findings {
-        found.push(Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() });
-    }
+    let mut found = diff_findings(&rep);
     if let Some(d) = &rep.first_divergence {
         found.push(Finding {
             kind: "tensor_differs".into(),
@@ -296,10 +298,7 @@ fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: Op
 
 fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Policy) -> (CheckResult, OracleSummary) {
     let rep = tracegate_diff::compare(eng, ora, &Options { policy: Some(policy.clone()), ..Options::default() });
-    let mut found = Vec::new();
-    for f in &rep.findings {
-        found.push(Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() });
-    }
+    let mut found = diff_findings(&rep);
     for row in &rep.per_tensor {
         if row.status == "outside_policy" || row.status == "no_rule" {
             // Already reported as a diff finding when the differ emits one; keep one entry per tensor.
@@ -399,9 +398,8 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let selected = set.select(o.only.as_deref())?;
     let model = match &o.model {
         Some(dir) => {
-            let (cfg, _) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {}: {e}", dir.display()))?;
-            let _ = cfg;
-            let raw: Value = crate::read_json(&dir.join("config.json"))?;
+            // Validated as the engine would (unsupported fields are refused here, not mid-run).
+            let (_, raw) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {}: {e}", dir.display()))?;
             let family = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
             if family != m.family {
                 return Err(gerr!("--model {}: model_type {family:?} is not milestone {}'s family {:?}", dir.display(), m.id, m.family));
