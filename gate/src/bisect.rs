@@ -545,7 +545,7 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: 
 // The bisection
 
 pub fn run(o: &BisectOptions) -> Result<BisectReport> {
-    std::fs::create_dir_all(o.root.join(&o.work)).map_err(|e| gerr!("{}: {e}", o.work))?;
+    let _lock = crate::WorkLock::acquire(&o.root.join(&o.work))?;
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
     let trace = |p: &Producer, out: &str| {

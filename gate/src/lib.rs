@@ -61,3 +61,41 @@ pub fn write_json_atomic(path: &Path, value: &impl serde::Serialize) -> Result<(
     std::fs::write(&tmp, text).map_err(|e| gerr!("{}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| gerr!("{}: {e}", path.display()))
 }
+
+/// Exclusive use of a trace directory for the life of one gate run. Two runs writing the same
+/// `target/gate/<milestone>/<prompt>/` would read each other's traces and judge the wrong bytes,
+/// so the second is refused. flock(2) is released by the kernel when the process ends, so a
+/// crashed run never leaves a stale lock behind.
+pub struct WorkLock {
+    _file: std::fs::File,
+}
+
+impl WorkLock {
+    pub fn acquire(dir: &Path) -> Result<WorkLock> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        std::fs::create_dir_all(dir).map_err(|e| gerr!("{}: {e}", dir.display()))?;
+        let path = dir.join(".lock");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| gerr!("{}: {e}", path.display()))?;
+        // SAFETY: flock on a descriptor this function owns; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(gerr!("{}: cannot lock: {err}", path.display()));
+            }
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let who = if holder.is_empty() { "another gate run".to_string() } else { format!("another gate run (pid {holder})") };
+            return Err(gerr!("{} is in use by {who}; wait for it to finish, or give this run its own directory with --work DIR", dir.display()));
+        }
+        let _ = file.set_len(0).and_then(|_| file.rewind()).and_then(|_| writeln!(file, "{}", std::process::id()));
+        Ok(WorkLock { _file: file })
+    }
+}

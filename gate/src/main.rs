@@ -56,6 +56,10 @@ struct RunArgs {
     /// Oracle producer command template ({verb} and {args} are filled in).
     #[arg(long)]
     oracle_cmd: Option<String>,
+    /// Trace directory (relative to the root): traces go to DIR/<milestone>/<prompt>/, emptied
+    /// first. Locked for the run; a second run on the same directory is refused.
+    #[arg(long, default_value = "target/gate")]
+    work: String,
 }
 
 #[derive(Args, Clone)]
@@ -105,7 +109,7 @@ struct BisectArgs {
     /// Engine threads.
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// Directory for the traces (relative to the root; default target/bisect/<time>-<pid>); kept.
+    /// Directory for the traces (relative to the root; default target/bisect/<time>-<pid>); kept, and locked while the bisection runs.
     #[arg(long)]
     work: Option<String>,
 }
@@ -176,6 +180,7 @@ fn options(root: &std::path::Path, id: &str, a: &RunArgs) -> GateOptions {
         assert_observed: a.assert_observed,
         contract_cmd: a.contract_cmd.clone(),
         oracle_cmd: a.oracle_cmd.clone(),
+        work: a.work.clone(),
         gate_invocation: std::env::args().collect(),
     }
 }

@@ -143,6 +143,8 @@ pub struct GateOptions {
     pub assert_observed: Option<f64>,
     pub contract_cmd: Option<String>,
     pub oracle_cmd: Option<String>,
+    /// Trace directory, relative to the root (or absolute); traces go to `<work>/<milestone>/<prompt>/`.
+    pub work: String,
     pub gate_invocation: Vec<String>,
 }
 
@@ -188,7 +190,7 @@ fn decode_tokens(t: &Trace) -> Vec<i64> {
 }
 
 /// Deterministic counts of an engine trace, asserted by baselines.
-fn counts(t: &Trace, path: &Path) -> Value {
+fn counts(t: &Trace) -> Value {
     let mut router = serde_json::Map::new();
     for d in t.decisions() {
         if let Some(layer) = d.name.strip_suffix(".router.topk") {
@@ -201,7 +203,9 @@ fn counts(t: &Trace, path: &Path) -> Value {
         }
     }
     json!({
-        "trace_bytes": std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
+        // Tensor payload, not the file size: the file also holds provenance (the command line,
+        // with its --out path), which says where a run wrote, not what it computed.
+        "tensor_bytes": t.tensors().iter().map(|i| i.nbytes).sum::<u64>(),
         "tensors": t.tensors().len(),
         "decisions": t.decisions().len(),
         "router_selections": router,
@@ -410,6 +414,8 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     };
     let generate = o.generate.unwrap_or(m.generate);
     let policy = Policy::load(&o.root.join(&m.policy)).map_err(|e| gerr!("{}: {e}", m.policy))?;
+    let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
+    let _lock = crate::WorkLock::acquire(&o.root.join(&work_rel))?;
     let oracle_probe = probe_oracle(&o.root);
     let engine = Producer::Engine { threads: o.threads };
     let contract = Producer::Command { name: "contract".into(), template: o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root)) };
@@ -424,7 +430,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
 
     let mut results = Vec::new();
     for p in &selected {
-        let dir_rel = format!("target/gate/{}/{}", m.id, p.id);
+        let dir_rel = format!("{work_rel}/{}", p.id);
         let dir = o.root.join(&dir_rel);
         // Never compare a stale trace: a producer that fails must leave nothing to read.
         let _ = std::fs::remove_dir_all(&dir);
@@ -620,7 +626,7 @@ fn judge_prompt(
     }
 
     let counts = match &eng {
-        Ok(t) => counts(t, &root.join(&runs[0].out)),
+        Ok(t) => counts(t),
         Err(_) => Value::Null,
     };
     PromptResult { id: p.id.clone(), tokens: p.tokens.len(), runs, digests, checks, counts, generated, oracle: oracle_summary }
@@ -696,7 +702,12 @@ fn check_baselines(
                 }
             }
         }
-        c.detail = format!("{} counts exact; observed: {}", b.counts.len(), if notes.is_empty() { "none recorded".into() } else { notes.join(", ") });
+        let changed = c.findings.iter().filter(|f| f.kind == "count_changed").count();
+        c.detail = format!("{} of {} counts exact; observed: {}", b.counts.len() - changed, b.counts.len(), if notes.is_empty() { "none recorded".into() } else { notes.join(", ") });
+        let unrecorded: Vec<&str> = r.counts.as_object().into_iter().flat_map(|o| o.keys()).filter(|k| !b.counts.contains_key(*k)).map(String::as_str).collect();
+        if !unrecorded.is_empty() {
+            c.detail.push_str(&format!("; NOT CHECKED (not in this baseline; --bless records them): {}", unrecorded.join(", ")));
+        }
         if !c.findings.is_empty() {
             c.status = Status::Fail;
         }

@@ -58,11 +58,16 @@ struct Run {
     report: Option<Value>,
 }
 
+/// Runs the gate binary. Tests run in parallel on the same checkout, so each run gets its own
+/// trace directory unless the test names one.
 fn gate(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
     let report_dir = tempfile::tempdir().unwrap();
     let report = report_dir.path().join("report.json");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_gate"));
     cmd.arg("--root").arg(root).args(args).arg("--report").arg(&report);
+    if !args.contains(&"--work") {
+        cmd.arg("--work").arg(report_dir.path().join("work"));
+    }
     cmd.env("TRACEGATE_PYTHON", python());
     for (k, v) in env {
         cmd.env(k, v);
@@ -253,4 +258,27 @@ fn a_changed_count_fails_the_baseline() {
     let b = rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g8").unwrap();
     assert_eq!(b["status"], "FAIL");
     assert_eq!(b["findings"][0]["name"], "tokens_generated");
+}
+
+#[test]
+fn a_second_run_on_a_locked_trace_directory_is_refused() {
+    use std::os::fd::AsRawFd;
+    let work = tempfile::tempdir().unwrap();
+    let work_arg = work.path().to_str().unwrap();
+    std::fs::create_dir_all(work.path().join("m1")).unwrap();
+    let held = std::fs::File::create(work.path().join("m1/.lock")).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
+    let r = gate(&repo(), &["m1", "--only", "short", "--work", work_arg], &env);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("is in use by another gate run") && r.stderr.contains("--work DIR"), "{}", r.stderr);
+    assert!(!work.path().join("m1/short").exists(), "a refused run must not touch the traces");
+    drop(held);
+    // Released (as the kernel does when the holder exits): the same directory runs.
+    let r = gate(&repo(), &["m1", "--only", "short", "--work", work_arg], &env);
+    assert_eq!(r.code, 4, "{}\n{}", r.stdout, r.stderr);
+    assert!(work.path().join("m1/short/engine.trace").is_file());
 }
