@@ -6,7 +6,7 @@
 With no MODEL_DIR: the two tiny fixtures, plus fixtures/bench-* if present. For each model
 it prints the contract's load time and prefill time (in-process, best of R), the contract's
 whole CLI run (`python -m tracegate_contract trace`, a fresh process, default capture), and,
-when target/release/engine exists, the engine's CLI run (--threads 1) on the same prompt, the
+when target/release/engine exists, the engine's CLI run (--engine-threads, default 1) on the same prompt, the
 ratio contract / engine of the two CLI runs, and whether the two traces have the same digest.
 The bench model is made by `scripts/make_fixtures.py bench-qwen3 --out DIR`.
 """
@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("models", nargs="*")
     ap.add_argument("--tokens", type=int, default=65)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--engine-threads", type=int, default=1,
+                    help="engine threads (1: like the contract, whose numpy loops run on one core; the engine's bits do not depend on it)")
     args = ap.parse_args()
     models = args.models or (
         [os.path.join(ROOT, "fixtures", f) for f in ("tiny-qwen3", "tiny-qwen3-moe")]
@@ -67,8 +69,7 @@ def main() -> None:
                                     "--out", os.path.join(tmp, "c.trace")], env)
             e_cli = e_digest = None
             if os.access(ENGINE, os.X_OK):
-                # one thread, like the contract (the engine's bits do not depend on it)
-                runs = [_cli([ENGINE, "trace", "--model", m, "--tokens", tok_arg, "--threads", "1",
+                runs = [_cli([ENGINE, "trace", "--model", m, "--tokens", tok_arg, "--threads", str(args.engine_threads),
                               "--out", os.path.join(tmp, "e.trace")]) for _ in range(args.repeat)]
                 e_cli, e_digest = min(runs)
         e_txt = f"{e_cli:13.3f}" if e_cli is not None else f"{'(no engine)':>13}"

@@ -130,9 +130,8 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     let (cfg, raw) = load_config(&o.model_dir)?;
     let store = Store::open(&o.model_dir)?;
     let model = Model::load(cfg, &store)?;
-    let wd = crate::weights_digest(&o.model_dir)?;
     let pool = pool(o.threads)?;
-    let cap = pool.install(|| -> Result<Capture> {
+    let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
         let mut cap = Capture::new("prefill", o.internals);
         let mut kv = model.new_cache();
         let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
@@ -151,7 +150,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
             }
         }
         Ok(cap)
-    })?;
+    }))?;
     let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals, &o.command_line);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
@@ -160,6 +159,18 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     let mut w = TraceWriter::create(&o.out, prov)?;
     cap.write(&mut w)?;
     Ok(w.finish()?)
+}
+
+/// Runs `work` while another thread hashes the checkpoint for provenance: the digest reads every
+/// weight byte once and does not depend on the forward, so on a large model it would otherwise
+/// add its whole time to every run.
+fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Result<(String, T)> {
+    std::thread::scope(|s| {
+        let digest = s.spawn(|| crate::weights_digest(dir));
+        let out = work();
+        let wd = digest.join().map_err(|_| err!("{}: the weights digest thread panicked", dir.display()))??;
+        Ok((wd, out?))
+    })
 }
 
 /// `engine layer`: decoder layer L alone on tensor `input_name` of another trace, rows at that
@@ -171,7 +182,6 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     }
     let store = Store::open(&o.model_dir)?;
     let model = Model::load(cfg, &store)?;
-    let wd = crate::weights_digest(&o.model_dir)?;
     let input = Trace::open(&o.input)?;
     let info = input
         .tensor_info(&o.input_name)
@@ -194,13 +204,13 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     }
     let x = input.f32_vec(&o.input_name)?;
     let pool = pool(o.threads)?;
-    let cap = pool.install(|| -> Result<Capture> {
+    let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
         let mut cap = Capture::new("layer", o.internals);
         let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos);
         let mut kv = Default::default();
         model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
         Ok(cap)
-    })?;
+    }))?;
     let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals, &o.command_line);
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
