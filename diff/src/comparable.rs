@@ -33,11 +33,11 @@ fn show(v: Option<&Value>) -> String {
         None => "absent".into(),
         Some(Value::String(s)) => s.clone(),
         Some(other) => {
+            // Cut at a character, never at a byte: provenance may hold any Unicode.
             let s = other.to_string();
-            if s.len() > 80 {
-                format!("{}…", &s[..80])
-            } else {
-                s
+            match s.char_indices().nth(80) {
+                Some((cut, _)) => format!("{}…", &s[..cut]),
+                None => s,
             }
         }
     }

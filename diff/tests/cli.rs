@@ -251,6 +251,16 @@ fn incomparable_exits_3_naming_the_reason() {
     let out = run(&["--allow-stack-mismatch", p(&rp), p(&cp)]);
     assert_eq!(out.code, 0, "{}", out.stdout);
     assert!(out.stdout.contains("stack_mismatch_allowed"));
+
+    // A long non-ASCII provenance value is shortened at a character boundary, not a byte.
+    let mut ru = model();
+    ru.provenance["prompt_tokens"] = json!([format!("{}{}", "a".repeat(9), "é".repeat(60))]);
+    let mut cu = ru.clone();
+    cu.provenance["prompt_tokens"] = json!([format!("{}{}", "b".repeat(9), "é".repeat(60))]);
+    let (_d, rp, cp) = pair(&ru, &cu);
+    let out = run(&[p(&rp), p(&cp)]);
+    assert_eq!(out.code, 3, "{}{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("aaaaaaaaa") && out.stdout.contains("…"), "{}", out.stdout);
 }
 
 #[test]

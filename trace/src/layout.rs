@@ -40,7 +40,6 @@ pub fn align_up(x: u64) -> Option<u64> {
 }
 
 #[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct IndexJson {
     pub format: String,
     pub version: [u16; 2],
@@ -51,7 +50,6 @@ pub struct IndexJson {
 }
 
 #[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct TensorJson {
     pub name: String,
     pub dtype: String,
@@ -63,7 +61,6 @@ pub struct TensorJson {
 }
 
 #[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DecisionJson {
     pub name: String,
     pub shape: Vec<u64>,

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use rayon::prelude::*;
+use serde::Deserialize;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
@@ -116,7 +117,15 @@ impl Trace {
         if xxh3_128(index_bytes) != index_hash {
             return Err(Error::Tampered { path: path.clone(), reason: "the index does not match the footer's xxh3-128".into() });
         }
-        let index: IndexJson = serde_json::from_slice(index_bytes).map_err(|e| bad(format!("index is not valid: {e}")))?;
+        let raw: Value = serde_json::from_slice(index_bytes).map_err(|e| bad(format!("index is not valid: {e}")))?;
+        let index: IndexJson = IndexJson::deserialize(&raw).map_err(|e| bad(format!("index is not valid: {e}")))?;
+        // A later minor version only adds optional fields, which this reader may ignore; in a
+        // version it knows completely, a field it does not know is damage, not news.
+        if minor <= FORMAT_MINOR {
+            if let Some(field) = unknown_field(&raw, &index) {
+                return Err(bad(format!("index is not valid: unknown field {field} (format {major}.{minor} has no such field)")));
+            }
+        }
         if index.format != FORMAT_NAME {
             return Err(bad(format!("index format {:?} is not {FORMAT_NAME:?}", index.format)));
         }
@@ -336,4 +345,23 @@ impl Trace {
         }
         Ok(())
     }
+}
+
+/// The first key of the raw index (top level, a tensor or a decision entry) that `IndexJson`
+/// does not have, as `where.key`.
+fn unknown_field(raw: &Value, index: &IndexJson) -> Option<String> {
+    let known = serde_json::to_value(index).ok()?;
+    let extra = |r: &Value, k: &Value| -> Option<String> { r.as_object()?.keys().find(|key| k.get(key.as_str()).is_none()).cloned() };
+    if let Some(key) = extra(raw, &known) {
+        return Some(format!("{key:?}"));
+    }
+    for list in ["tensors", "decisions"] {
+        let (r, k) = (raw[list].as_array()?, known[list].as_array()?);
+        for (i, (re, ke)) in r.iter().zip(k).enumerate() {
+            if let Some(key) = extra(re, ke) {
+                return Some(format!("{key:?} in {list}[{i}]"));
+            }
+        }
+    }
+    None
 }

@@ -62,6 +62,26 @@ fn crafted_index_is_accepted_when_consistent() {
     assert!(t.verify().unwrap_err().to_string().contains("tensor \"a\""));
 }
 
+/// The same index with one field a 1.0 reader does not know, in a file claiming minor `minor`.
+fn with_unknown_field(minor: u8) -> Vec<u8> {
+    let mut index: serde_json::Value = serde_json::from_slice(&index_with(json!([tensor("a", json!([2]), 64, 8)]))).unwrap();
+    index["version"] = json!([1, minor]);
+    index["tensors"][0]["added_in_a_later_minor"] = json!("optional");
+    let mut f = craft(&serde_json::to_vec(&index).unwrap(), 64);
+    f[10] = minor;
+    f
+}
+
+#[test]
+fn an_unknown_field_is_refused_in_a_known_minor_and_ignored_in_a_later_one() {
+    refused(&with_unknown_field(0), "unknown field \"added_in_a_later_minor\" in tensors[0]");
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("later.trace");
+    std::fs::write(&p, with_unknown_field(1)).unwrap();
+    let t = Trace::open(&p).expect("a later minor version only adds what may be ignored");
+    assert_eq!((t.version(), t.tensors().len()), ((1, 1), 1));
+}
+
 #[test]
 fn bad_magic() {
     let mut f = craft(&index_with(json!([])), 0);

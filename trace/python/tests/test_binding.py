@@ -40,24 +40,31 @@ def test_non_contiguous_and_big_endian_inputs_are_stored_as_values(tmp_path):
         w.tensor("t", base.T)
         w.tensor("s", base[:, ::2])
         w.tensor("be", base.astype(">f4"))
+        w.tensor("le", base)
     t = tracegate.Trace(tmp_path / "a.trace")
     np.testing.assert_array_equal(t["t"], base.T)
     np.testing.assert_array_equal(t["s"], base[:, ::2])
     np.testing.assert_array_equal(t["be"], base)
-    assert t.tensor_digest("be") == tracegate.Trace(tmp_path / "a.trace").tensor_digest("be")
+    # Stored as little-endian values: the same bytes, so the same digest, as the native array.
+    assert t.tensor_digest("be") == t.tensor_digest("le")
 
 
 def test_bf16_as_uint16_bits(tmp_path):
     bits = np.array([0x3F80, 0xBF80, 0x7FC0], dtype=np.uint16)
     with tracegate.TraceWriter(tmp_path / "a.trace", {}) as w:
         w.tensor("b", bits, dtype="bf16")
-        with pytest.raises(tracegate.TraceError, match="2-byte"):
+        w.tensor("b_be", bits.astype(">u2"), dtype="bf16")
+        with pytest.raises(tracegate.TraceError, match="takes the bits as a uint16 array"):
             w.tensor("c", np.zeros(2, np.float32), dtype="bf16")
+        # Right size, wrong numbers: f16 bits are not bf16 bits.
+        with pytest.raises(tracegate.TraceError, match="got float16"):
+            w.tensor("e", np.ones(2, np.float16), dtype="bf16")
         with pytest.raises(tracegate.TraceError, match="does not match"):
             w.tensor("d", np.zeros(2, np.float32), dtype="f64")
     t = tracegate.Trace(tmp_path / "a.trace")
     assert t.dtype("b") == "bf16"
     np.testing.assert_array_equal(t["b"], bits)
+    np.testing.assert_array_equal(t["b_be"], bits)
 
 
 def test_decisions_margins_attributes_provenance(tmp_path):
@@ -86,8 +93,20 @@ def test_writer_errors_are_trace_errors_with_numbers(tmp_path):
             w.tensor("c", np.zeros(2, np.complex64))
         with pytest.raises(tracegate.TraceError, match="must be integers"):
             w.decision("f", [0.5])
+        # Out-of-range integers are TraceErrors naming the field, never a bare OverflowError.
+        with pytest.raises(tracegate.TraceError, match="decision 'g': value 9223372036854775808 is outside the i64 range"):
+            w.decision("g", np.array([2**63], np.uint64))
+        with pytest.raises(tracegate.TraceError, match="tensor 'y': step .* outside the i64 range"):
+            w.tensor("y", np.zeros(1, np.float32), step=2**70)
+        with pytest.raises(tracegate.TraceError, match="tensor 'z': positions must be an integer"):
+            w.tensor("z", np.zeros(1, np.float32), positions=["x"])
     with pytest.raises(tracegate.TraceError, match="not JSON-serialisable"):
         tracegate.TraceWriter(tmp_path / "b.trace", {"x": object()})
+    with pytest.raises(tracegate.TraceError, match="must be a JSON object"):
+        tracegate.TraceWriter(tmp_path / "b.trace", [1])
+    # Recorded verbatim or refused: a 70-bit integer would come back as a rounded float.
+    with pytest.raises(tracegate.TraceError, match=r"provenance.big\[0\] = 1180591620717411303425 does not fit 64 bits"):
+        tracegate.TraceWriter(tmp_path / "b.trace", {"big": [2**70 + 1]})
     with pytest.raises(tracegate.TraceError, match="already finished"):
         w.tensor("late", np.zeros(1, np.float32))
 

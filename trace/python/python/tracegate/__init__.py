@@ -41,10 +41,13 @@ _TO_NUMPY["bf16"] = np.dtype("<u2")
 
 
 def _trace_dtype(array: np.ndarray, dtype: str | None) -> tuple[str, np.ndarray]:
-    if dtype == "bf16" or array.dtype.name == "bfloat16":
-        if array.dtype.itemsize != 2:
-            raise TraceError(f"dtype='bf16' needs 2-byte elements (uint16 bits), got {array.dtype}")
+    if array.dtype.name == "bfloat16":
         return "bf16", array.view(np.uint16)
+    if dtype == "bf16":
+        # Only bits are accepted: an f16 or i16 array has the right size but other numbers.
+        if array.dtype.kind != "u" or array.dtype.itemsize != 2:
+            raise TraceError(f"dtype='bf16' takes the bits as a uint16 array (or an ml_dtypes.bfloat16 array), got {array.dtype}")
+        return "bf16", array.astype("<u2", copy=False)
     native = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
     name = _TO_TRACE.get(native)
     if name is None:
@@ -54,16 +57,46 @@ def _trace_dtype(array: np.ndarray, dtype: str | None) -> tuple[str, np.ndarray]
     return name, array.astype(native, copy=False)
 
 
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _int64(value, what: str) -> int:
+    """An integer the trace stores as i64, or a TraceError naming `what`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TraceError(f"{what} must be an integer, got {value!r}")
+    v = int(value)
+    if not _I64[0] <= v <= _I64[1]:
+        raise TraceError(f"{what} {v} is outside the i64 range a trace stores")
+    return v
+
+
+def _check_provenance_ints(value, where: str) -> None:
+    """JSON integers beyond 64 bits would come back as approximate floats: refuse them, so the
+    provenance is recorded verbatim or not at all."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 64):
+            raise TraceError(f"{where} = {value} does not fit 64 bits and would not be recorded exactly; store it as a string")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_provenance_ints(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_provenance_ints(v, f"{where}[{i}]")
+
+
 class TraceWriter:
     """Streams a trace to a temporary file beside `path`; `finish()` renames it into place."""
 
     def __init__(self, path, provenance: dict):
         if not isinstance(provenance, dict):
-            raise TraceError("provenance must be a dict")
+            raise TraceError(f"provenance must be a JSON object (a dict), got {type(provenance).__name__}")
         try:
             text = json.dumps(provenance, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise TraceError(f"provenance is not JSON-serialisable: {e}") from None
+        _check_provenance_ints(provenance, "provenance")
         self._native = NativeWriter(str(path), text)
         self.path = path
         self.digest: str | None = None
@@ -75,18 +108,20 @@ class TraceWriter:
         # np.ascontiguousarray would turn a rank-0 array into rank 1; keep the shape exactly.
         data = array if array.flags.c_contiguous else np.array(array, order="C")
         if positions is not None:
-            positions = [int(p) for p in positions]
+            positions = [_int64(p, f"tensor {name!r}: positions") for p in positions]
+        if step is not None:
+            step = _int64(step, f"tensor {name!r}: step")
         for key, value in extra.items():
             if not isinstance(value, str):
                 raise TraceError(f"tensor {name!r}: extra attribute {key!r} must be a string, got {type(value).__name__}")
         self._native.tensor(name, trace_dtype, list(data.shape), data.reshape(-1).view(np.uint8).data,
-                            path, mask, positions, None if step is None else int(step), extra or None)
+                            path, mask, positions, step, extra or None)
 
     def decision(self, name: str, values, margins=None) -> None:
         values = np.asarray(values)
         if values.dtype.kind not in "iu":
             raise TraceError(f"decision {name!r}: values must be integers, got {values.dtype}")
-        flat = [int(v) for v in values.reshape(-1)]
+        flat = [_int64(v, f"decision {name!r}: value") for v in values.reshape(-1)]
         m = None
         if margins is not None:
             m = [float(x) for x in np.asarray(margins, dtype=np.float32).reshape(-1)]
