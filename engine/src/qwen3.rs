@@ -81,6 +81,7 @@ fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
 fn rope_theta(v: &Value) -> Result<f64> {
     let (dict, dict_name) = match field(v, "rope_scaling") {
         Some(x) if x.as_object().is_some_and(|m| !m.is_empty()) => (Some(x), "rope_scaling"),
+        Some(x) if !x.is_object() => return Err(err!("config.json: rope_scaling = {x} is not an object or null")),
         _ => (field(v, "rope_parameters"), "rope_parameters"),
     };
     let top_theta = opt_f64(v, "rope_theta", 10000.0)?;
@@ -89,7 +90,7 @@ fn rope_theta(v: &Value) -> Result<f64> {
             return Err(err!("config.json: partial_rotary_factor = {f} not supported (only 1)"));
         }
     }
-    let Some(d) = dict else { return Ok(top_theta) };
+    let Some(d) = dict else { return positive_theta(top_theta) };
     let obj = d.as_object().ok_or_else(|| err!("config.json: {dict_name} is not an object"))?;
     for key in ["rope_type", "type"] {
         if let Some(t) = obj.get(key).filter(|x| !x.is_null()) {
@@ -107,7 +108,17 @@ fn rope_theta(v: &Value) -> Result<f64> {
     if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
         return Err(err!("config.json: {dict_name}.{k} not supported with the default rope type"));
     }
-    opt_f64(d, "rope_theta", top_theta)
+    positive_theta(opt_f64(d, "rope_theta", top_theta)?)
+}
+
+/// A theta ≤ 0 makes every inverse frequency NaN or infinite: refuse it here rather than
+/// produce NaN logits later.
+fn positive_theta(theta: f64) -> Result<f64> {
+    if theta > 0.0 {
+        Ok(theta)
+    } else {
+        Err(err!("config.json: rope_theta = {theta} is not positive"))
+    }
 }
 
 impl Config {
