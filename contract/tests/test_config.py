@@ -35,6 +35,18 @@ def test_legacy_rope_theta_and_head_dim_default():
     assert c.rope_theta == 1e6
 
 
+def test_rope_scaling_replaces_rope_parameters_and_absent_fields_default():
+    # §13: a non-empty legacy rope_scaling takes rope_parameters' place; its rope_theta wins.
+    c = parse_config(cfg(drop=("rope_parameters",), rope_theta=10000, rope_scaling={"rope_type": "default", "rope_theta": 5000}))
+    assert c.rope_theta == 5000.0
+    c = parse_config(cfg(rope_theta=2e4, rope_scaling={"rope_type": "default"}, rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+    assert c.rope_theta == 2e4
+    assert parse_config(cfg(drop=("rms_norm_eps",))).rms_norm_eps == np.float32(1e-6)
+    assert parse_config(cfg("moe", drop=("intermediate_size",), mlp_only_layers=[])).intermediate_size is None
+    a = parse_config(cfg(use_sliding_window=None, sliding_window=4096, max_window_layers=0, hidden_act=None))
+    assert a == parse_config(cfg())
+
+
 @pytest.mark.parametrize(
     "over,field",
     [
@@ -50,6 +62,9 @@ def test_legacy_rope_theta_and_head_dim_default():
         ({"model_type": "llama"}, "model_type"),
         ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        ({"rope_scaling": {"rope_type": "default", "factor": 2.0}}, "rope_scaling.factor"),
+        ({"rope_scaling": {}, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters.rope_type"),
+        ({"intermediate_size": None}, "intermediate_size"),
     ],
 )
 def test_dense_refusals_name_the_field(over, field):

@@ -32,7 +32,7 @@ class Config:
     model_type: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int | None  # None: every layer is sparse and the config omits it
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -61,17 +61,22 @@ def _refuse(field_name: str, why: str):
     raise ContractError(f"config.json: {field_name}: {why}")
 
 
+# As in the engine and transformers, a field set to null counts as absent everywhere below.
+
+
 def _int(raw: dict, key: str, minimum: int = 1, default=None) -> int:
-    v = raw.get(key, default)
+    v = raw.get(key)
     if v is None:
-        _refuse(key, "missing")
+        if default is None:
+            _refuse(key, "missing")
+        return default
     if type(v) is not int or v < minimum:
         _refuse(key, f"must be an integer ≥ {minimum}, got {v!r}")
     return v
 
 
 def _bool(raw: dict, key: str, default: bool) -> bool:
-    v = raw.get(key, default)
+    v = raw.get(key)
     if v is None:
         return default
     if type(v) is not bool:
@@ -83,7 +88,46 @@ def _number(v, key: str) -> Decimal:
     # Decimal from load_config's parse; a float only when a caller hands a dict in directly.
     if isinstance(v, bool) or not isinstance(v, (int, float, Decimal)):
         _refuse(key, f"must be a number, got {v!r}")
+    if not np.isfinite(float(v)):  # the engine reads numbers as finite binary64 only
+        _refuse(key, f"must be a finite number, got {v}")
     return Decimal(v)
+
+
+def _float(d: dict, key: str, default: float, where: str | None = None) -> float:
+    v = d.get(key)
+    return default if v is None else float(_number(v, where or key))
+
+
+def _rope_theta(raw: dict) -> float:
+    """§7/§13 resolved as transformers does (`rope_scaling or rope_parameters`): a non-empty
+    legacy `rope_scaling` replaces `rope_parameters` entirely; theta comes from that dict, else
+    the top-level `rope_theta`, else 10000."""
+    rs = raw.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        _refuse("rope_scaling", f"must be an object or null, got {rs!r}")
+    name, d = ("rope_scaling", rs) if rs else ("rope_parameters", raw.get("rope_parameters"))
+    top = _float(raw, "rope_theta", 10000.0)  # checked even where the dict's theta wins, as the engine does
+    if _float(raw, "partial_rotary_factor", 1.0) != 1.0:
+        _refuse("partial_rotary_factor", f"must be 1, got {raw['partial_rotary_factor']}")
+    if d is None:
+        theta = top
+    else:
+        if not isinstance(d, dict):
+            _refuse(name, f"must be an object, got {d!r}")
+        for key in ("rope_type", "type"):
+            t = d.get(key)
+            if t is not None and t != "default":
+                _refuse(f"{name}.{key}", f"rope type {t!r} is not supported (only default)")
+        if _float(d, "partial_rotary_factor", 1.0, f"{name}.partial_rotary_factor") != 1.0:
+            _refuse(f"{name}.partial_rotary_factor", f"must be 1, got {d['partial_rotary_factor']}")
+        # Any other key (factor, ...) belongs to a scaled rope: refused, as the engine does.
+        extra = sorted(set(d) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        if extra:
+            _refuse(f"{name}.{extra[0]}", "not supported with the default rope type")
+        theta = _float(d, "rope_theta", top, f"{name}.rope_theta")
+    if not theta > 0:  # pow of a base ≤ 0 gives no usable table (the engine's logits turn NaN)
+        _refuse("rope_theta", f"must be positive, got {theta}")
+    return theta
 
 
 def parse_config(raw: dict) -> Config:
@@ -92,97 +136,70 @@ def parse_config(raw: dict) -> Config:
     if mt not in ARCHITECTURES:
         _refuse("model_type", f"unsupported model type {mt!r} (supported: qwen3, qwen3_moe)")
     archs = raw.get("architectures")
-    if archs is not None:
-        if not isinstance(archs, list) or any(a != ARCHITECTURES[mt] for a in archs):
-            _refuse("architectures", f"unsupported architecture {archs!r} for {mt} (expected {ARCHITECTURES[mt]})")
+    if archs is not None and archs != [ARCHITECTURES[mt]]:
+        _refuse("architectures", f"unsupported architecture {archs!r} for {mt} (expected [{ARCHITECTURES[mt]!r}])")
 
-    if raw.get("use_sliding_window", False) is not False:
+    # Sliding windows: only `use_sliding_window` and `layer_types` can ask for one (transformers
+    # drops `sliding_window`/`max_window_layers` unless use_sliding_window is true).
+    if _bool(raw, "use_sliding_window", False):
         _refuse("use_sliding_window", "sliding-window attention is not supported")
     lt = raw.get("layer_types")
     if lt is not None and (not isinstance(lt, list) or any(t != "full_attention" for t in lt)):
         _refuse("layer_types", f"only full_attention layers are supported, got {lt!r}")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    act = raw.get("hidden_act")
+    if act is not None and act != "silu":
         _refuse("hidden_act", f"only silu is supported, got {act!r}")
-
-    # RoPE: transformers 5 writes `rope_parameters`; older configs `rope_theta`/`rope_scaling`.
-    rp = raw.get("rope_parameters")
-    if rp is not None and not isinstance(rp, dict):
-        _refuse("rope_parameters", f"must be an object, got {rp!r}")
-    rp = rp or {}
-    rs = raw.get("rope_scaling")
-    if rs is not None:
-        if not isinstance(rs, dict):
-            _refuse("rope_scaling", f"must be an object or null, got {rs!r}")
-        rtype = rs.get("rope_type", rs.get("type", "default"))
-        if rtype != "default":
-            _refuse("rope_scaling", f"rope type {rtype!r} is not supported (only default)")
-    rtype = rp.get("rope_type", rp.get("type", "default"))
-    if rtype not in (None, "default"):
-        _refuse("rope_parameters.rope_type", f"rope type {rtype!r} is not supported (only default)")
-    for where, d in (("rope_parameters.partial_rotary_factor", rp), ("partial_rotary_factor", raw)):
-        prf = d.get("partial_rotary_factor")
-        if prf is not None and _number(prf, where) != 1:
-            _refuse(where, f"must be 1, got {prf}")
-    if rp.get("rope_theta") is not None:
-        theta = _number(rp["rope_theta"], "rope_parameters.rope_theta")
-    elif raw.get("rope_theta") is not None:
-        theta = _number(raw["rope_theta"], "rope_theta")
-    else:
-        theta = Decimal(10000)  # transformers' default when neither key is present (§13)
-    if not theta > 0:
-        _refuse("rope_theta", f"must be positive, got {theta}")
+    theta = _rope_theta(raw)
 
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
     kv = _int(raw, "num_key_value_heads")
     if heads % kv != 0:
         _refuse("num_key_value_heads", f"num_attention_heads {heads} is not a multiple of {kv}")
-    if raw.get("head_dim") is None:
-        # §13: Qwen3Config declares head_dim = 128; Qwen3MoeConfig has no such field, and the
-        # attention falls back to hidden_size / num_attention_heads.
-        if mt == "qwen3":
-            head_dim = 128
-        elif hidden % heads != 0:
-            _refuse("head_dim", f"absent and hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-        else:
-            head_dim = hidden // heads
-    else:
-        head_dim = _int(raw, "head_dim")
-    if head_dim % 2 != 0:
-        _refuse("head_dim", f"must be even for RoPE, got {head_dim}")
+    # §13: Qwen3Config declares head_dim = 128; Qwen3MoeConfig has no such field, and the
+    # attention falls back to hidden_size // num_attention_heads (floor, as transformers).
+    head_dim = _int(raw, "head_dim", default=128 if mt == "qwen3" else hidden // heads)
+    if head_dim % 2 != 0 or head_dim == 0:
+        _refuse("head_dim", f"must be even and positive for RoPE, got {head_dim}")
     eps = raw.get("rms_norm_eps")
-    if eps is None:
-        _refuse("rms_norm_eps", "missing")
-    eps32 = ops.f32_of_config_number(_number(eps, "rms_norm_eps"))
+    eps = Decimal("1e-6") if eps is None else _number(eps, "rms_norm_eps")  # transformers' default
 
     cfg = Config(
         model_type=mt,
         vocab_size=_int(raw, "vocab_size", minimum=2),
         hidden_size=hidden,
-        intermediate_size=_int(raw, "intermediate_size"),
+        intermediate_size=_int(raw, "intermediate_size", default=0) or None,  # checked below
         num_hidden_layers=_int(raw, "num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        rms_norm_eps=eps32,
-        rope_theta=float(theta),
+        rms_norm_eps=ops.f32_of_config_number(eps),
+        rope_theta=theta,
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         attention_bias=_bool(raw, "attention_bias", False),
     )
     if mt == "qwen3_moe":
-        cfg.num_experts = _int(raw, "num_experts", minimum=0)
+        # transformers maps num_local_experts onto num_experts; both given must agree.
+        ne_given, nle_given = raw.get("num_experts") is not None, raw.get("num_local_experts") is not None
+        if ne_given and nle_given and _int(raw, "num_experts") != _int(raw, "num_local_experts"):
+            _refuse("num_experts", "num_experts and num_local_experts disagree")
+        cfg.num_experts = _int(raw, "num_local_experts" if nle_given and not ne_given else "num_experts", minimum=0)
         cfg.num_experts_per_tok = _int(raw, "num_experts_per_tok", minimum=0)
-        cfg.moe_intermediate_size = _int(raw, "moe_intermediate_size")
         cfg.norm_topk_prob = _bool(raw, "norm_topk_prob", False)
         cfg.decoder_sparse_step = _int(raw, "decoder_sparse_step", default=1)
-        mol = raw.get("mlp_only_layers") or []
-        if not isinstance(mol, list) or any(type(i) is not int for i in mol):
+        mol = raw.get("mlp_only_layers")
+        mol = [] if mol is None else mol
+        if not isinstance(mol, list) or any(type(i) is not int or i < 0 for i in mol):
             _refuse("mlp_only_layers", f"must be a list of layer indices, got {mol!r}")
         cfg.mlp_only_layers = list(mol)
         k, e = cfg.num_experts_per_tok, cfg.num_experts
-        if e > 0 and not (1 <= k < e):  # num_experts = 0: every layer dense (§10)
-            _refuse("num_experts_per_tok", f"must satisfy 1 ≤ k < num_experts ({e}), got {k}")
+        if e > 0:  # num_experts = 0: every layer dense (§10), no expert fields needed
+            if not 1 <= k < e:
+                _refuse("num_experts_per_tok", f"must satisfy 1 ≤ k < num_experts ({e}), got {k}")
+            cfg.moe_intermediate_size = _int(raw, "moe_intermediate_size")
+    # §13: intermediate_size is required only where a dense MLP layer exists.
+    if cfg.intermediate_size is None and not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        _refuse("intermediate_size", "missing (a layer uses the dense MLP)")
     return cfg
 
 
@@ -265,12 +282,17 @@ class _Mlp:
     """Gated SiLU MLP (§9). gate and up share one ordered linear: their outputs are computed
     independently column by column, so concatenating them changes no bit."""
 
-    def __init__(self, ck: Checkpoint, prefix: str, hidden: int, inter: int):
+    def __init__(self, gate_up: np.ndarray, down: np.ndarray):
+        """gate_up: [2I, H], the gate rows then the up rows; down: [H, I]."""
+        self.inter = down.shape[1]
+        self.wgu_t = ops.transpose_weight(gate_up)
+        self.wd_t = ops.transpose_weight(down)
+
+    @classmethod
+    def load(cls, ck: Checkpoint, prefix: str, hidden: int, inter: int) -> _Mlp:
         g = ck.take(f"{prefix}.gate_proj.weight", (inter, hidden))
         u = ck.take(f"{prefix}.up_proj.weight", (inter, hidden))
-        self.inter = inter
-        self.wgu_t = ops.transpose_weight(np.concatenate([g, u]))
-        self.wd_t = ops.transpose_weight(ck.take(f"{prefix}.down_proj.weight", (hidden, inter)))
+        return cls(np.concatenate([g, u]), ck.take(f"{prefix}.down_proj.weight", (hidden, inter)))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gu = ops.linear(x, self.wgu_t)
@@ -307,9 +329,18 @@ class _Layer:
         if self.moe:
             E, I = cfg.num_experts, cfg.moe_intermediate_size
             self.router_t = ops.transpose_weight(ck.take(f"{p}.mlp.gate.weight", (E, H)))
-            self.experts = [_Mlp(ck, f"{p}.mlp.experts.{e}", H, I) for e in range(E)]
+            # Experts on disk: per-expert modules (what save_pretrained writes), or transformers 5's
+            # fused `gate_up_proj` [E, 2I, H] (expert e: gate rows, then up rows) and `down_proj`
+            # [E, H, I] — the two layouts the engine accepts; the fused pair wins when present.
+            fused = f"{p}.mlp.experts.gate_up_proj"
+            if ck.has(fused):
+                gu = ck.take(fused, (E, 2 * I, H))
+                dn = ck.take(f"{p}.mlp.experts.down_proj", (E, H, I))
+                self.experts = [_Mlp(gu[e], dn[e]) for e in range(E)]
+            else:
+                self.experts = [_Mlp.load(ck, f"{p}.mlp.experts.{e}", H, I) for e in range(E)]
         else:
-            self.mlp = _Mlp(ck, f"{p}.mlp", H, cfg.intermediate_size)
+            self.mlp = _Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size)
 
 
 class Model:

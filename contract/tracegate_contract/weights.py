@@ -120,7 +120,7 @@ class Checkpoint:
                 raise ContractError("model.safetensors.index.json: no weight_map object")
             files = {}
             for fname in sorted(set(weight_map.values())):
-                if not isinstance(fname, str) or os.path.basename(fname) != fname:
+                if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
                     raise ContractError(f"model.safetensors.index.json: bad shard name {fname!r}")
                 p = os.path.join(model_dir, fname)
                 if not os.path.exists(p):
@@ -134,17 +134,16 @@ class Checkpoint:
                     if weight_map.get(tname) != fname:
                         raise ContractError(f"tensor {tname} in {fname} is not listed there by the index")
                     self._where[tname] = sf
-            stray = sorted(
-                f for f in os.listdir(model_dir) if f.endswith(".safetensors") and f not in files
-            )
-            if stray:
-                raise ContractError(f"{stray[0]}: a safetensors file the index does not name")
         elif os.path.exists(single):
-            sf = SafetensorsFile(single)
-            for tname in sf.entries:
-                self._where[tname] = sf
+            files = {"model.safetensors": SafetensorsFile(single)}
+            for tname in files["model.safetensors"].entries:
+                self._where[tname] = files["model.safetensors"]
         else:
             raise ContractError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        # As the engine: a safetensors file the checkpoint does not name is refused, not ignored.
+        stray = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors") and f not in files)
+        if stray:
+            raise ContractError(f"{stray[0]}: a safetensors file the checkpoint does not name")
         self._claimed: set[str] = set()
 
     def names(self) -> list[str]:

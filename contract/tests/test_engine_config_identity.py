@@ -1,0 +1,151 @@
+"""Engine ≡ contract on config and checkpoint variants of the committed fixtures (numerics.md
+§13): what the engine computes, the contract computes to the same digest; what the engine
+refuses, the contract refuses too, naming the field.
+
+Each case is a copy of fixtures/tiny-qwen3 or fixtures/tiny-qwen3-moe with config.json edited
+and, where needed, model.safetensors rewritten with the `safetensors` package.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+from conftest import FIXTURES
+from test_engine_identity import ENGINE, contract_trace, differences, engine_trace, needs_engine, prompts
+
+from tracegate_contract import ContractError
+from tracegate_contract.qwen3 import Model, load_config
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+tracegate = pytest.importorskip("tracegate")
+
+DROP = object()  # config edit: remove the key
+
+
+def fuse_experts(keep_per_expert=False, transpose_down=False):
+    """transformers 5's fused layout, as the engine splits it: `gate_up_proj` [E, 2I, H] with
+    expert e's gate rows then its up rows, `down_proj` [E, H, I]."""
+
+    def edit(t, cfg):
+        for layer in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{layer}.mlp.experts"
+            if f"{p}.0.gate_proj.weight" not in t:
+                continue  # a dense layer
+            get = (lambda k: t[k]) if keep_per_expert else t.pop
+            ex = [{n: get(f"{p}.{e}.{n}_proj.weight") for n in ("gate", "up", "down")} for e in range(cfg["num_experts"])]
+            t[f"{p}.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in ex])
+            down = torch.stack([x["down"] for x in ex])
+            t[f"{p}.down_proj"] = down.transpose(1, 2).contiguous() if transpose_down else down
+
+    return edit
+
+
+def keep_layers(n):
+    def edit(t, cfg):
+        for k in [k for k in t if k.startswith("model.layers.") and int(k.split(".")[2]) >= n]:
+            del t[k]
+
+    return edit
+
+
+def variant(tmp_path, fixture, edits, tensors=None) -> str:
+    d = tmp_path / "model"
+    shutil.copytree(FIXTURES[fixture], d)
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in edits.items():
+        cfg.pop(k) if v is DROP else cfg.__setitem__(k, v)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tensors:
+        t = st_torch.load_file(str(d / "model.safetensors"))
+        tensors(t, cfg)
+        st_torch.save_file(t, str(d / "model.safetensors"))
+    return str(d)
+
+
+# id: (fixture, config edits, tensor rewrite, expected parsed fields)
+COMPUTED = {
+    # §13: a non-empty legacy rope_scaling replaces rope_parameters and its rope_theta wins.
+    "legacy-rope-scaling-theta-wins": (
+        "dense", {"rope_parameters": DROP, "rope_theta": 10000, "rope_scaling": {"rope_type": "default", "rope_theta": 5000}},
+        None, {"rope_theta": 5000.0}),
+    # `rope_scaling or rope_parameters`: the yarn parameters are never read; theta is the top-level one.
+    "rope-scaling-default-replaces-yarn-parameters": (
+        "dense", {"rope_theta": 20000.0, "rope_scaling": {"rope_type": "default"},
+                  "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+        None, {"rope_theta": 20000.0}),
+    "rms-norm-eps-defaults-to-1e-6": ("moe", {"rms_norm_eps": DROP}, None, {}),  # the fixture's own is 1e-5
+    "all-sparse-without-intermediate-size": (
+        "moe", {"intermediate_size": DROP, "num_hidden_layers": 2}, keep_layers(2), {"intermediate_size": None}),
+    "use-sliding-window-null": (
+        "dense", {"use_sliding_window": None, "sliding_window": 64, "max_window_layers": 0,
+                  "layer_types": ["full_attention"] * 5}, None, {}),
+    "nulls-as-absent-and-num-local-experts": (
+        "moe", {"hidden_act": None, "decoder_sparse_step": None, "rope_scaling": None, "num_experts": DROP,
+                "num_local_experts": 8}, None, {"num_experts": 8}),
+    "fused-experts": ("moe", {}, fuse_experts(), {}),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("case", list(COMPUTED))
+def test_variant_computed_identically(tmp_path, case):
+    fixture, edits, tensors, expect = COMPUTED[case]
+    model = variant(tmp_path, fixture, edits, tensors)
+    cfg = load_config(model)
+    assert {k: getattr(cfg, k) for k in expect} == expect
+    toks = prompts(cfg.vocab_size)[17]
+    e = engine_trace(model, toks, str(tmp_path / "e.trace"), "internals", 3, "on")
+    c = contract_trace(model, toks, str(tmp_path / "c.trace"), "internals", 3, "off")
+    d = differences(e, c)
+    assert not d, f"[{case}] " + "\n".join(d[:3])
+    assert tracegate.Trace(e).digest == tracegate.Trace(c).digest
+
+
+# id: (fixture, config edits, tensor rewrite, text the contract's refusal must contain)
+REFUSED = {
+    "rope-scaling-extra-key": ("dense", {"rope_scaling": {"rope_type": "default", "factor": 2.0}}, None, "rope_scaling.factor"),
+    "rope-scaling-type-linear": ("dense", {"rope_scaling": {"type": "linear", "factor": 2.0}}, None, "rope_scaling.type"),
+    "empty-rope-scaling-leaves-yarn-parameters": (
+        "dense", {"rope_scaling": {}, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+        None, "rope_parameters.rope_type"),
+    "top-level-rope-theta-not-a-number": ("dense", {"rope_theta": "big"}, None, "rope_theta"),
+    # The engine computes a NaN table and then refuses the NaN logits; the contract refuses up front.
+    "rope-theta-zero": ("dense", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, None, "rope_theta"),
+    "dense-without-intermediate-size": ("dense", {"intermediate_size": DROP}, None, "intermediate_size"),
+    "moe-dense-layer-without-intermediate-size": ("moe", {"intermediate_size": DROP}, None, "intermediate_size"),
+    "use-sliding-window-true": ("dense", {"use_sliding_window": True}, None, "use_sliding_window"),
+    "use-sliding-window-not-a-bool": ("dense", {"use_sliding_window": "no"}, None, "use_sliding_window"),
+    "sliding-layer-type": ("dense", {"layer_types": ["full_attention"] * 4 + ["sliding_attention"]}, None, "layer_types"),
+    "architectures-empty": ("dense", {"architectures": []}, None, "architectures"),
+    "mlp-only-layers-negative": ("moe", {"mlp_only_layers": [-1]}, None, "mlp_only_layers"),
+    "expert-counts-disagree": ("moe", {"num_local_experts": 4}, None, "num_experts"),
+    "fused-down-proj-transposed": ("moe", {}, fuse_experts(transpose_down=True), "experts.down_proj"),
+    "fused-beside-per-expert-tensors": ("moe", {}, fuse_experts(keep_per_expert=True), "unclaimed tensor model.layers.0.mlp.experts.0."),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_variant_refused_by_both(tmp_path, case):
+    fixture, edits, tensors, named = REFUSED[case]
+    both_refuse(tmp_path, variant(tmp_path, fixture, edits, tensors), named)
+
+
+@needs_engine
+def test_stray_safetensors_file_refused_by_both(tmp_path):
+    model = variant(tmp_path, "dense", {})
+    shutil.copy(f"{model}/model.safetensors", f"{model}/extra.safetensors")
+    both_refuse(tmp_path, model, "extra.safetensors")
+
+
+def both_refuse(tmp_path, model, named):
+    r = subprocess.run([ENGINE, "trace", "--model", model, "--tokens", "1,2,3", "--out", str(tmp_path / "e.trace")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, "the engine accepted it"
+    with pytest.raises(ContractError, match=re.escape(named)):
+        Model(model)
