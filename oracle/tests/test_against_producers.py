@@ -3,8 +3,9 @@
 
 1. engine and contract agree with the oracle's decisions (policy on numbers) on both fixtures;
 2. the differ refuses two oracle traces from different stacks;
-3. negative control: one expert's router row loaded wrong flips a top-k row at layer 1, and the
-   differ names that decision first and labels the flip a defect, not a near-tie.
+3. negative control: one expert's own weights (layer 0, expert 2's down_proj) loaded wrong leave
+   layer 0's routing alone and flip a top-k row at the next MoE layer; the differ names that
+   decision first and labels the flip a defect, not a near-tie.
 
 The oracle runs in-process (the CLI is the same code, checked in test_oracle.py), once per
 fixture and prompt; every trace is reused across tests through the module-scoped `runs`.
@@ -37,10 +38,15 @@ POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
 PROMPTS = {p["id"]: p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]}
 ENGINE = ROOT / "target" / "release" / "engine"
 
-# Negative control (test 3): expert 5's router row at layer 1, scaled by 2. Scaling a bf16 by 2
-# only bumps the exponent, so the edit is exact; on the `short` prompt it flips exactly one top-k
-# row of layer 1 and nothing at layer 0 (checked from the traces below, not assumed).
-FLIP_TENSOR, FLIP_EXPERT, FLIP_SCALE, FLIP_PROMPT = "model.layers.1.mlp.gate.weight", 5, 2.0, "short"
+# Negative control (test 3): expert 2 of layer 0, its down_proj scaled by 8. Scaling a bf16 by a
+# power of two only bumps the exponent, so the edit is exact. On the `short` prompt the clean
+# engine routes layer 0 row 0 (only) to expert 2 (test checks), so the edit changes layer 0's MLP
+# output in row 0 and nothing upstream of it: layer 0's router input, hence its decisions, are
+# untouched, and the first router that can see the edit is the next MoE layer's (derived from
+# config.json below, not assumed). Rows 1..4 of that layer's input (`hidden_in`) stay within
+# rounding of the oracle; the edit reaches them only through that layer's attention over row 0.
+NC_LAYER, NC_EXPERT, NC_PROJ, NC_SCALE, NC_PROMPT = 0, 2, "down_proj", 8.0, "short"
+NC_TENSOR = f"model.layers.{NC_LAYER}.mlp.experts.{NC_EXPERT}.{NC_PROJ}.weight"
 
 
 def _trace_diff() -> Path:
@@ -181,11 +187,20 @@ def test_stack_mismatch_refused_and_downgradable(runs, tmp_path):
     assert "stack_mismatch" not in {f["kind"] for f in r["findings"]}
 
 
-# --------------------------------------------- 3. negative control: a router flip at layer 1
+# ------------------------------------ 3. negative control: one expert's weights loaded wrong
+
+
+def _moe_layers(config: dict) -> list[int]:
+    """Layers with a sparse MoE block, by transformers' own rule for Qwen3-MoE (Qwen3MoeDecoderLayer):
+    not in mlp_only_layers, num_experts > 0, and (index + 1) divisible by decoder_sparse_step."""
+    return [i for i in range(config["num_hidden_layers"])
+            if i not in config["mlp_only_layers"] and config["num_experts"] > 0
+            and (i + 1) % config["decoder_sparse_step"] == 0]
 
 
 def _perturbed_fixture(dst: Path) -> Path:
-    """Copy tiny-qwen3-moe with one expert's router row scaled (safetensors edited in place)."""
+    """Copy tiny-qwen3-moe with one expert's weight tensor scaled (safetensors edited in place, bf16
+    kept; every other byte unchanged)."""
     src = FIXTURES["moe"]
     dst.mkdir()
     for f in src.iterdir():
@@ -193,26 +208,44 @@ def _perturbed_fixture(dst: Path) -> Path:
             shutil.copy(f, dst / f.name)
     raw = bytearray((src / "model.safetensors").read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
-    info = json.loads(raw[8:8 + n])[FLIP_TENSOR]
-    assert info["dtype"] == "BF16" and info["shape"][0] == 8, info
+    info = json.loads(raw[8:8 + n])[NC_TENSOR]
+    assert info["dtype"] == "BF16", info
     lo, hi = (8 + n + o for o in info["data_offsets"])  # offsets are relative to the data start
-    w = np.frombuffer(bytes(raw[lo:hi]), "<u2").reshape(info["shape"]).copy()
-    f32 = (w[FLIP_EXPERT].astype(np.uint32) << 16).view(np.float32)
-    new = ((f32 * np.float32(FLIP_SCALE)).view(np.uint32) >> 16).astype("<u2")
-    # Exact: the new bf16 bits widen back to exactly twice the old values (no rounding, no overflow).
-    assert np.array_equal((new.astype(np.uint32) << 16).view(np.float32), f32 * np.float32(FLIP_SCALE))
+    w = np.frombuffer(bytes(raw[lo:hi]), "<u2")
+    f32 = (w.astype(np.uint32) << 16).view(np.float32)
+    new = ((f32 * np.float32(NC_SCALE)).view(np.uint32) >> 16).astype("<u2")
+    # Exact: the new bf16 bits widen back to exactly NC_SCALE x the old values (no rounding, no overflow).
+    assert np.array_equal((new.astype(np.uint32) << 16).view(np.float32), f32 * np.float32(NC_SCALE))
     assert np.isfinite(f32).all() and (f32 != 0).any()
-    w[FLIP_EXPERT] = new
-    raw[lo:hi] = w.tobytes()
+    raw[lo:hi] = new.tobytes()
     (dst / "model.safetensors").write_bytes(bytes(raw))
     return dst
 
 
-def test_router_flip_at_layer_1_is_first_and_labelled_defect(runs, tmp_path):
-    ref = runs.get("moe", FLIP_PROMPT, "oracle")
-    clean = runs.get("moe", FLIP_PROMPT, "engine")
-    bad_dir = _perturbed_fixture(tmp_path / "tiny-qwen3-moe-bad-router")
-    raw = runs.get("moe", FLIP_PROMPT, "engine", model_dir=bad_dir, tag="-bad-router")
+def test_expert_weights_flip_next_moe_router_first_labelled_defect(runs, tmp_path):
+    config = json.loads((FIXTURES["moe"] / "config.json").read_text())
+    moe = _moe_layers(config)
+    assert NC_LAYER in moe, (NC_LAYER, moe)
+    nxt = min(i for i in moe if i > NC_LAYER)  # the first router downstream of the edited experts
+    router = lambda i: f"layer.{i:02d}.router.topk"  # noqa: E731
+
+    ref = runs.get("moe", NC_PROMPT, "oracle")
+    clean = runs.get("moe", NC_PROMPT, "engine")
+    R, E = tg.Trace(str(ref)), tg.Trace(str(clean))
+    # The traces route exactly where the config says there are experts.
+    assert {n for n in R.decisions if n.endswith(".router.topk")} == {router(i) for i in moe}
+
+    # Control: the unperturbed engine takes every decision the oracle takes.
+    code, r, text = diff(ref, clean, "--json")
+    assert code == 0 and r["verdict"] in ("within_policy", "identical"), text
+    assert r["decisions"]["differing"] == 0 and r["first_decision_divergence"] is None, r["decisions"]
+
+    # The chosen expert is one this prompt actually uses at NC_LAYER (else the edit is invisible).
+    routed = np.flatnonzero((E.decisions[router(NC_LAYER)] == NC_EXPERT).any(1))
+    assert routed.size >= 1, f"prompt {NC_PROMPT!r} routes no row to expert {NC_EXPERT} at layer {NC_LAYER}"
+
+    bad_dir = _perturbed_fixture(tmp_path / "tiny-qwen3-moe-bad-expert")
+    raw = runs.get("moe", NC_PROMPT, "engine", model_dir=bad_dir, tag="-bad-expert")
 
     # The engine records the digest of what it loaded, so the differ refuses outright: different
     # weights are not a numerical question.
@@ -220,41 +253,56 @@ def test_router_flip_at_layer_1_is_first_and_labelled_defect(runs, tmp_path):
     assert code == 3 and r["verdict"] == "incomparable", text
     assert "weights_mismatch" in {f["kind"] for f in r["findings"]}, r["findings"]
 
-    # A user's port that loaded one router row wrong would not record our digest: drop it.
+    # A user's port that loaded one expert wrong would not record our digest: drop it.
     def drop(prov):
         del prov["weights_digest"]
         return prov
 
-    cand = copy_trace(raw, tmp_path / "bad-router-no-digest.trace", drop)
+    cand = copy_trace(raw, tmp_path / "bad-expert-no-digest.trace", drop)
 
-    # Ground truth from the traces themselves, independent of the differ: layer 0 untouched,
-    # layer 1's input bit-identical to the unperturbed engine run, some layer-1 top-k row changed.
-    R, C, E = tg.Trace(str(ref)), tg.Trace(str(cand)), tg.Trace(str(clean))
-    assert C.tensor_digest("layer.01.hidden_in") == E.tensor_digest("layer.01.hidden_in")
-    assert np.array_equal(C.decisions["layer.00.router.topk"], R.decisions["layer.00.router.topk"])
-    flipped = np.flatnonzero((C.decisions["layer.01.router.topk"] != R.decisions["layer.01.router.topk"]).any(1))
-    assert flipped.size >= 1, "the perturbation no longer flips a layer-1 top-k row on this prompt"
+    # Ground truth from the traces themselves, independent of the differ: everything before the
+    # edited MLP bit-identical to the clean engine run, so NC_LAYER's routing is unchanged; the MLP
+    # output changes in the routed rows only; some row of the next router flips.
+    C = tg.Trace(str(cand))
+    L = f"layer.{NC_LAYER:02d}"
+    for t in ("embed.out", f"{L}.hidden_in", f"{L}.attn_out"):
+        assert C.tensor_digest(t) == E.tensor_digest(t), t
+    for i in moe:
+        if i <= NC_LAYER:
+            assert np.array_equal(C.decisions[router(i)], R.decisions[router(i)]), router(i)
+    changed = np.flatnonzero((np.asarray(C[f"{L}.mlp_out"]) != np.asarray(E[f"{L}.mlp_out"])).any(1))
+    assert changed.tolist() == routed.tolist(), (changed, routed)
+    flipped = np.flatnonzero((C.decisions[router(nxt)] != R.decisions[router(nxt)]).any(1))
+    assert flipped.size >= 1, f"the edit no longer flips a top-k row of layer {nxt} on this prompt"
 
     code, r, text = diff(ref, cand, "--json")
     assert code == 1 and r["verdict"] == "different", text
     first = r["first_decision_divergence"]
-    assert first["name"] == "layer.01.router.topk" and first["row"] == int(flipped[0]), first
+    assert first["name"] == router(nxt) and first["row"] == int(flipped[0]), first
     res = {x["name"]: x for x in r["decisions"]["results"]}
-    assert res["layer.00.router.topk"]["status"] == "identical"
-    l1 = res["layer.01.router.topk"]
-    assert l1["status"] == "different" and l1["differing_rows"] == flipped.size
-    assert [f["row"] for f in l1["flips"]] == flipped.tolist()
-    # Default capture has no router.logits, so the differ falls back to the layer's input, whose
-    # only divergence is the oracle-vs-engine rounding (~1e-6): the flip is a defect, not a tie.
-    assert l1["source"] == "layer.01.hidden_in", l1
-    for f in l1["flips"]:
-        assert f["label"] == "defect", f
-        assert f["reference_margin"] > 10 * f["source_divergence"], f
-    # Numbers: everything up to layer 1's attention within policy; layer 1's MLP is where it breaks.
+    for i in moe:
+        if i <= NC_LAYER:
+            assert res[router(i)]["status"] == "identical", res[router(i)]
+    dn = res[router(nxt)]
+    assert dn["status"] == "different" and dn["differing_rows"] == flipped.size
+    assert [f["row"] for f in dn["flips"]] == flipped.tolist()
+    # Default capture has no router.logits, so the differ falls back to the layer's input. A row
+    # that did not use the edited expert keeps that input within the oracle-vs-engine rounding
+    # (~1e-6), far below its margin: its flip is a defect, not a tie. (A flip in a routed row would
+    # read near-tie, truthfully: its own input moved by more than the margin.) The first flip here
+    # is such an unrouted row.
+    assert dn["source"] == f"layer.{nxt:02d}.hidden_in", dn
+    assert int(flipped[0]) not in routed, (flipped, routed)
+    for f in dn["flips"]:
+        if f["row"] not in routed:
+            assert f["label"] == "defect" and f["reference_margin"] > 10 * f["source_divergence"], f
+    assert dn["flips"][0]["label"] == "defect", dn["flips"][0]
+    # Numbers: everything up to the edited layer's attention within policy; its MLP is where it breaks.
     status = {p["tensor"]: p["status"] for p in r["per_tensor"]}
-    upstream = ["embed.out"] + [n for n in status if n.startswith("layer.00.")] + ["layer.01.hidden_in", "layer.01.attn_out"]
-    assert len(upstream) == 7 and all(status[n] in ("identical", "within_policy") for n in upstream), status
-    assert next(n for n, s in status.items() if s not in ("identical", "within_policy")) == "layer.01.mlp_out"
-    f = l1["flips"][0]
-    print(f"\n[router flip] row {f['row']}: {f['reference']} vs {f['candidate']}, margin "
-          f"{f['reference_margin']:.6g}, source {l1['source']} divergence {f['source_divergence']:.3g} -> {f['label']}")
+    upstream = ["embed.out", f"{L}.hidden_in", f"{L}.attn_out"]
+    assert all(status[n] in ("identical", "within_policy") for n in upstream), status
+    assert next(n for n, s in status.items() if s not in ("identical", "within_policy")) == f"{L}.mlp_out"
+    f = dn["flips"][0]
+    print(f"\n[expert {NC_EXPERT} of layer {NC_LAYER} x{NC_SCALE:g}] {first['name']} row {f['row']}: "
+          f"{f['reference']} vs {f['candidate']}, margin {f['reference_margin']:.6g}, source {dn['source']} "
+          f"divergence {f['source_divergence']:.3g} -> {f['label']}")
