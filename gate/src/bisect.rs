@@ -39,13 +39,13 @@ pub struct BisectOptions {
 
 /// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.
 pub fn producer(root: &Path, kind: &str, template: Option<&str>, side: &str, threads: usize) -> Result<Producer> {
-    let cmd = |name: &str, default: String| Producer::Command { name: name.into(), template: template.map(str::to_string).unwrap_or(default) };
+    let cmd = |name: &str, default: String| Producer::command(name, template.unwrap_or(&default));
     match (kind, template) {
         ("engine", None) => Ok(Producer::Engine { threads }),
         ("engine", Some(_)) => Err(gerr!("--{side}-cmd: the engine runs in process; use --{side} cmd to run a command")),
-        ("contract", _) => Ok(cmd("contract", crate::run::default_contract_cmd(root))),
-        ("oracle", _) => Ok(cmd("oracle", crate::run::default_oracle_cmd(root))),
-        ("cmd", Some(_)) => Ok(cmd(&format!("{side}-cmd"), String::new())),
+        ("contract", _) => cmd("contract", crate::run::default_contract_cmd(root)),
+        ("oracle", _) => cmd("oracle", crate::run::default_oracle_cmd(root)),
+        ("cmd", Some(_)) => cmd(&format!("{side}-cmd"), String::new()),
         ("cmd", None) => Err(gerr!("--{side} cmd needs --{side}-cmd 'TEMPLATE' (e.g. 'my-engine {{verb}} {{args}}')")),
         (other, _) => Err(gerr!("--{side} {other:?}: expected engine, contract, oracle or cmd")),
     }

@@ -26,9 +26,10 @@ struct Cli {
 
 #[derive(Args, Clone)]
 struct RunArgs {
-    /// Prompt set: a name under fixtures/prompts/ (e.g. frozen) or a path to a prompt file.
-    #[arg(long, default_value = "frozen")]
-    prompts: String,
+    /// Prompt set: a name under fixtures/prompts/ (e.g. frozen) or a path to a prompt file
+    /// (default: the milestone's own set, milestones.json prompts.set).
+    #[arg(long)]
+    prompts: Option<String>,
     /// Only these prompt ids (comma separated); an unknown id is refused.
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
@@ -44,8 +45,8 @@ struct RunArgs {
     /// Run the milestone's checks on this checkpoint instead (same family).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Engine threads.
-    #[arg(long, default_value_t = 1)]
+    /// Engine threads (at least 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     threads: usize,
     /// Also assert observed seconds and peak RSS within this relative tolerance (e.g. 0.5 = ±50%).
     #[arg(long)]
@@ -106,12 +107,19 @@ struct BisectArgs {
     /// Seed of the calibration perturbation.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Engine threads.
-    #[arg(long, default_value_t = 1)]
+    /// Engine threads (at least 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     threads: usize,
     /// Directory for the traces (relative to the root; default target/bisect/<time>-<pid>); kept, and locked while the bisection runs.
     #[arg(long)]
     work: Option<String>,
+}
+
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
 }
 
 #[derive(Subcommand)]

@@ -85,7 +85,7 @@ pub struct RunRecord {
     pub out: String,
 }
 
-pub fn split_words(s: &str) -> Vec<String> {
+pub fn split_words(s: &str) -> std::result::Result<Vec<String>, String> {
     let mut words = Vec::new();
     let mut cur = String::new();
     let mut quote: Option<char> = None;
@@ -107,10 +107,13 @@ pub fn split_words(s: &str) -> Vec<String> {
             None => cur.push(ch),
         }
     }
+    if let Some(q) = quote {
+        return Err(format!("unterminated {q} quote"));
+    }
     if any || !cur.is_empty() {
         words.push(cur);
     }
-    words
+    Ok(words)
 }
 
 fn quote(word: &str) -> String {
@@ -131,6 +134,22 @@ fn tail(text: &str, lines: usize) -> String {
 }
 
 impl Producer {
+    /// A subprocess producer, its template checked now rather than failing every run later.
+    pub fn command(name: &str, template: &str) -> crate::Result<Producer> {
+        let bad = |why: &str| crate::gerr!("{name} command template {template:?}: {why} (example: 'my-engine {{verb}} {{args}}'; docs/producers.md)");
+        let words = split_words(template).map_err(|e| bad(&e))?;
+        if words.is_empty() {
+            return Err(bad("empty"));
+        }
+        if !words.iter().any(|w| w.contains("{verb}")) {
+            return Err(bad("no {verb}: the producer would not be told which verb to run"));
+        }
+        if words.iter().any(|w| w.contains("{args}") && w != "{args}") {
+            return Err(bad("{args} must be a word of its own"));
+        }
+        Ok(Producer::Command { name: name.into(), template: template.into() })
+    }
+
     pub fn name(&self) -> String {
         match self {
             Producer::Engine { .. } => "engine".into(),
@@ -149,7 +168,8 @@ impl Producer {
             Producer::Command { template, .. } => {
                 let mut out = Vec::new();
                 let mut placed = false;
-                for w in split_words(template) {
+                // Checked by Producer::command; a template that no longer splits yields no words.
+                for w in split_words(template).unwrap_or_default() {
                     if w == "{args}" {
                         out.extend(verb.args());
                         placed = true;

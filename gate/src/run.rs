@@ -134,7 +134,8 @@ impl MilestoneReport {
 pub struct GateOptions {
     pub root: PathBuf,
     pub milestone: String,
-    pub prompts: String,
+    /// A set name or path; None: the milestone's own set.
+    pub prompts: Option<String>,
     pub only: Option<Vec<String>>,
     pub bless: bool,
     pub generate: Option<usize>,
@@ -238,30 +239,36 @@ fn judge(m: &Milestone, prompt: &str, mut c: CheckResult, found: Vec<Finding>) -
     c
 }
 
-/// The differ's own findings (structure, comparability), one gate finding each.
+/// The differ's own findings (structure, comparability), one gate finding each. Differing
+/// values, decisions and policy breaks are left out: the gate states each of those itself with
+/// its exact count, so a declared divergence must name the count and cannot excuse more.
 fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
-    rep.findings.iter().map(|f| Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() }).collect()
+    rep.findings
+        .iter()
+        .filter(|f| !matches!(f.kind, "values_differ" | "decision_differs" | "outside_policy"))
+        .map(|f| Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() })
+        .collect()
 }
 
-fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: Option<&Expectation>) -> CheckResult {
-    let rep = tracegate_diff::compare(eng, con, &Options::default());
+fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: std::result::Result<&Expectation, &str>) -> CheckResult {
+    // Every tensor scanned, so each differing one is a finding with its exact count.
+    let rep = tracegate_diff::compare(eng, con, &Options { all: true, ..Options::default() });
     let mut found = diff_findings(&rep);
-    if let Some(d) = &rep.first_divergence {
-        found.push(Finding {
-            kind: "tensor_differs".into(),
-            name: d.tensor.clone(),
-            count: d.differing_elements,
-            detail: format!(
-                "first at {}{:?}: {} vs {} ({} ULP; {}/{} elements differ)",
+    for row in rep.per_tensor.iter().filter(|r| r.status == "different") {
+        let count = row.differing_elements.unwrap_or(0);
+        let detail = match &rep.first_divergence {
+            Some(d) if d.tensor == row.tensor => format!(
+                "first at {}{:?}: {} vs {} ({} ULP; {count}/{} elements differ)",
                 d.tensor,
                 d.coords,
                 d.reference_value,
                 d.candidate_value,
                 d.ulp.map(|u| u.to_string()).unwrap_or("NaN".into()),
-                d.differing_elements,
-                d.total_elements
+                row.total_elements
             ),
-        });
+            _ => format!("{count}/{} elements differ, max {} ULP", row.total_elements, row.max_ulp.map(|u| u.to_string()).unwrap_or("NaN".into())),
+        };
+        found.push(Finding { kind: "tensor_differs".into(), name: row.tensor.clone(), count, detail });
     }
     for r in rep.decisions.results.iter().filter(|r| r.differing_rows > 0) {
         found.push(Finding { kind: "decision_differs".into(), name: r.name.clone(), count: r.differing_rows, detail: format!("{}/{} rows differ", r.differing_rows, r.rows) });
@@ -283,7 +290,7 @@ fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: Op
         found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
     }
     match expect {
-        Some(e) => {
+        Ok(e) => {
             for (what, want, have) in [
                 ("tensors", e.tensors as u64, eng.tensors().len() as u64),
                 ("decisions", e.decisions as u64, eng.decisions().len() as u64),
@@ -295,12 +302,12 @@ fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: Op
             }
             detail.push_str("; counts as recorded");
         }
-        None => detail.push_str("; counts NOT CHECKED (no expectation recorded for this prompt: run with --bless)"),
+        Err(why) => detail.push_str(&format!("; counts NOT CHECKED ({why})")),
     }
     judge(m, &p.id, CheckResult::new("matches", Status::Pass, detail), found)
 }
 
-fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Policy) -> (CheckResult, OracleSummary) {
+fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Policy, expect: std::result::Result<&Expectation, &str>) -> (CheckResult, OracleSummary) {
     let rep = tracegate_diff::compare(eng, ora, &Options { policy: Some(policy.clone()), ..Options::default() });
     let mut found = diff_findings(&rep);
     for row in &rep.per_tensor {
@@ -366,6 +373,14 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
     if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
         found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
     }
+    // Declared oracle divergences are recorded by count: a different number of differing
+    // decisions is a change even when each one is declared.
+    if let Ok(e) = expect {
+        let have = found.iter().filter(|f| f.kind == "decision_differs").count();
+        if have != e.oracle_decisions_differing {
+            found.push(Finding { kind: "count_changed".into(), name: "oracle_decisions_differing".into(), count: have as u64, detail: format!("oracle_decisions_differing: recorded {}, now {have}", e.oracle_decisions_differing) });
+        }
+    }
     (judge(m, &p.id, CheckResult::new("agrees", Status::Pass, detail), found), summary)
 }
 
@@ -388,7 +403,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let ms_path = o.root.join("milestones.json");
     let mut file = MilestoneFile::load(&ms_path)?;
     let m = file.get(&o.milestone)?.clone();
-    let prompt_path = prompts::resolve(&o.root, &o.prompts);
+    let prompt_path = prompts::resolve(&o.root, o.prompts.as_deref().unwrap_or(&m.prompts.set));
     let set: PromptSet = prompts::load(&prompt_path)?;
     if set.sha256 != m.prompts.sha256 && !o.bless {
         return Err(gerr!(
@@ -408,7 +423,14 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
             if family != m.family {
                 return Err(gerr!("--model {}: model_type {family:?} is not milestone {}'s family {:?}", dir.display(), m.id, m.family));
             }
-            std::fs::canonicalize(dir).map_err(|e| gerr!("{}: {e}", dir.display()))?.display().to_string()
+            let canon = std::fs::canonicalize(dir).map_err(|e| gerr!("{}: {e}", dir.display()))?;
+            // The milestone's own checkpoint, however spelled, keeps the milestone's name, so its
+            // recorded baselines still apply.
+            if std::fs::canonicalize(o.root.join(&m.model)).is_ok_and(|own| own == canon) {
+                m.model.clone()
+            } else {
+                canon.display().to_string()
+            }
         }
         None => m.model.clone(),
     };
@@ -418,8 +440,8 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let _lock = crate::WorkLock::acquire(&o.root.join(&work_rel))?;
     let oracle_probe = probe_oracle(&o.root);
     let engine = Producer::Engine { threads: o.threads };
-    let contract = Producer::Command { name: "contract".into(), template: o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root)) };
-    let oracle = Producer::Command { name: "oracle".into(), template: o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root)) };
+    let contract = Producer::command("contract", &o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root))).map_err(|e| gerr!("--contract-cmd: {e}"))?;
+    let oracle = Producer::command("oracle", &o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root))).map_err(|e| gerr!("--oracle-cmd: {e}"))?;
     let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
 
     let steps = selected.len() as u64 * if oracle_runs { 4 } else { 3 };
@@ -545,7 +567,15 @@ fn judge_prompt(
         Err(oracle_probe.as_ref().err().cloned().unwrap_or_default())
     };
     let oracle_failed_to_run = oracle_ran && ora.is_err();
-    let expect = m.expect.get(&p.id);
+    // Expectations hold for the milestone's own --generate: another N changes the digest, the
+    // decision count and the tokens, so those comparisons are NOT CHECKED, not failed.
+    let generate = o.generate.unwrap_or(m.generate);
+    let expect: std::result::Result<&Expectation, String> = if generate != m.generate {
+        Err(format!("expectations are recorded for --generate {}, this run generates {generate}", m.generate))
+    } else {
+        m.expect.get(&p.id).ok_or_else(|| format!("no expectation recorded for prompt {:?}: run with --bless", p.id))
+    };
+    let expect = expect.as_ref().copied().map_err(String::as_str);
     let mut digests = BTreeMap::new();
     for (name, t) in [("engine", &eng), ("engine_uncached", &unc), ("contract", &con), ("oracle", &ora)] {
         if let Ok(t) = t {
@@ -557,9 +587,9 @@ fn judge_prompt(
     // stable: the engine reproduces its recorded digest.
     checks.push(match (&eng, expect) {
         (Err(e), _) => CheckResult::new("stable", Status::Fail, e.clone()),
-        (Ok(_), None) => CheckResult::not_checked("stable", format!("no recorded engine digest for prompt {:?}: run with --bless", p.id)),
-        (Ok(t), Some(e)) if t.digest().hex() == e.engine_digest => CheckResult::new("stable", Status::Pass, format!("engine digest {} as recorded", t.digest().short())),
-        (Ok(t), Some(e)) => {
+        (Ok(_), Err(why)) => CheckResult::not_checked("stable", why),
+        (Ok(t), Ok(e)) if t.digest().hex() == e.engine_digest => CheckResult::new("stable", Status::Pass, format!("engine digest {} as recorded", t.digest().short())),
+        (Ok(t), Ok(e)) => {
             let mut c = CheckResult::new("stable", Status::Fail, format!("engine digest {} but recorded {}", t.digest().short(), &e.engine_digest[..16.min(e.engine_digest.len())]));
             c.findings.push(Finding { kind: "digest_changed".into(), name: "engine".into(), count: 1, detail: c.detail.clone() });
             c
@@ -584,7 +614,7 @@ fn judge_prompt(
         (Some(a), Some(b), Some(c)) => {
             let mut found: Vec<Finding> = [tokens_finding("engine-uncached", a, b), tokens_finding("contract", a, c)].into_iter().flatten().collect();
             let mut detail = format!("{} tokens: engine cached = uncached = contract: {a:?}", a.len());
-            if let Some(e) = expect.filter(|e| &e.generated != a) {
+            if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
                 detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
                 found.push(Finding { kind: "tokens_changed".into(), name: "engine".into(), count: a.len() as u64, detail: detail.clone() });
             }
@@ -600,7 +630,7 @@ fn judge_prompt(
     let mut oracle_summary = None;
     match (&eng, &ora) {
         (Ok(e), Ok(r)) => {
-            let (c, s) = check_agrees(m, p, e, r, policy);
+            let (c, s) = check_agrees(m, p, e, r, policy, expect);
             checks.push(c);
             oracle_summary = Some(s);
             let (a, b) = (decode_tokens(e), decode_tokens(r));
@@ -737,27 +767,34 @@ fn bless(
         log.push(format!("{}: prompts sha256 {} -> {}", m.id, entry.prompts.sha256, set.sha256));
         entry.prompts.sha256 = set.sha256.clone();
     }
+    // Expectations belong to the milestone's own --generate; another N gets only its baselines.
+    let own_generate = report.generate == m.generate;
+    if !own_generate {
+        log.push(format!("{}: expectations left as recorded for --generate {} (this run: --generate {}); baselines recorded", m.id, m.generate, report.generate));
+    }
     for r in &report.prompts {
         let Some(digest) = r.digests.get("engine") else {
             log.push(format!("{}/{}: engine failed; expectation left as it was", m.id, r.id));
             continue;
         };
-        let differing = r.checks.iter().find(|c| c.check == "matches").map(|c| c.findings.iter().filter(|f| f.kind == "tensor_differs").map(|f| f.count).sum()).unwrap_or(0);
-        let oracle_differing = r.checks.iter().find(|c| c.check == "agrees" && c.status != Status::NotChecked).map(|c| c.findings.iter().chain(&c.excused).filter(|f| f.kind == "decision_differs").count());
-        let new = Expectation {
-            engine_digest: digest.clone(),
-            tensors: r.counts["tensors"].as_u64().unwrap_or(0) as usize,
-            decisions: r.counts["decisions"].as_u64().unwrap_or(0) as usize,
-            differing_elements: differing,
-            generated: r.generated.engine_cached.clone().unwrap_or_default(),
-            oracle_decisions_differing: oracle_differing.unwrap_or_else(|| entry.expect.get(&r.id).map(|e| e.oracle_decisions_differing).unwrap_or(0)),
-        };
-        match entry.expect.get(&r.id) {
-            Some(old) if *old == new => {}
-            Some(old) => log.push(format!("{}/{}: expectation {} -> {}", m.id, r.id, serde_json::to_string(old).unwrap_or_default(), serde_json::to_string(&new).unwrap_or_default())),
-            None => log.push(format!("{}/{}: new expectation {}", m.id, r.id, serde_json::to_string(&new).unwrap_or_default())),
+        if own_generate {
+            let differing = r.checks.iter().find(|c| c.check == "matches").map(|c| c.findings.iter().chain(&c.excused).filter(|f| f.kind == "tensor_differs").map(|f| f.count).sum()).unwrap_or(0);
+            let oracle_differing = r.checks.iter().find(|c| c.check == "agrees" && c.status != Status::NotChecked).map(|c| c.findings.iter().chain(&c.excused).filter(|f| f.kind == "decision_differs").count());
+            let new = Expectation {
+                engine_digest: digest.clone(),
+                tensors: r.counts["tensors"].as_u64().unwrap_or(0) as usize,
+                decisions: r.counts["decisions"].as_u64().unwrap_or(0) as usize,
+                differing_elements: differing,
+                generated: r.generated.engine_cached.clone().unwrap_or_default(),
+                oracle_decisions_differing: oracle_differing.unwrap_or_else(|| entry.expect.get(&r.id).map(|e| e.oracle_decisions_differing).unwrap_or(0)),
+            };
+            match entry.expect.get(&r.id) {
+                Some(old) if *old == new => {}
+                Some(old) => log.push(format!("{}/{}: expectation {} -> {}", m.id, r.id, serde_json::to_string(old).unwrap_or_default(), serde_json::to_string(&new).unwrap_or_default())),
+                None => log.push(format!("{}/{}: new expectation {}", m.id, r.id, serde_json::to_string(&new).unwrap_or_default())),
+            }
+            entry.expect.insert(r.id.clone(), new);
         }
-        entry.expect.insert(r.id.clone(), new);
 
         let conditions = conditions_of(r);
         let id = format!("{}.{}.t{}.g{}", m.id, r.id, o.threads, report.generate);

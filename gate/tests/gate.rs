@@ -153,7 +153,7 @@ fn a_contract_one_ulp_off_fails_matches_at_that_tensor() {
 fn a_crashing_producer_is_a_failed_row_with_its_stderr() {
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
-    let template = format!("'{}' -c \"import sys; sys.stderr.write('contract exploded\\n'); sys.exit(3)\"", python().display());
+    let template = format!("'{}' -c \"import sys; sys.stderr.write('contract exploded\\n'); sys.exit(3)\" {{verb}} {{args}}", python().display());
     let r = gate(&repo(), &["m1", "--only", "short,repeat", "--contract-cmd", &template], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
@@ -281,4 +281,94 @@ fn a_second_run_on_a_locked_trace_directory_is_refused() {
     let r = gate(&repo(), &["m1", "--only", "short", "--work", work_arg], &env);
     assert_eq!(r.code, 4, "{}\n{}", r.stdout, r.stderr);
     assert!(work.path().join("m1/short/engine.trace").is_file());
+}
+
+#[test]
+fn a_declared_divergence_excuses_exactly_the_count_it_names() {
+    let root = scratch_root();
+    let torchless = torchless_python(root.path());
+    let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
+    let wrapper = repo().join("gate/tests/producers/ulp_nudge.py");
+    let template = format!("'{}' '{}' layer.01.mlp_out {{verb}} {{args}}", python().display(), wrapper.display());
+    let ms_path = root.path().join("milestones.json");
+    let declare = |count: u64| {
+        let mut ms: Value = serde_json::from_str(&std::fs::read_to_string(&ms_path).unwrap()).unwrap();
+        ms["milestones"][1]["declared_divergences"] = serde_json::json!([{
+            "prompt": "short", "check": "matches", "kind": "tensor_differs", "name": "layer.01.mlp_out",
+            "count": count, "reason": "test: a one-element nudge"
+        }]);
+        ms["milestones"][1]["expect"]["short"]["differing_elements"] = serde_json::json!(1);
+        std::fs::write(&ms_path, serde_json::to_string(&ms).unwrap()).unwrap();
+    };
+    let run = || gate(root.path(), &["m1", "--only", "short", "--contract-cmd", &template], &env).report.unwrap();
+
+    declare(1);
+    let rep = run();
+    let m = check(&rep, "short", "matches");
+    assert_eq!(m["status"], "PASS", "{m}");
+    assert_eq!(m["excused"].as_array().unwrap().len(), 1, "{m}");
+    assert_eq!(m["excused"][0]["count"], 1);
+
+    // The same tensor with another count is a different divergence: not excused.
+    declare(2);
+    let rep = run();
+    let m = check(&rep, "short", "matches");
+    assert_eq!(m["status"], "FAIL", "{m}");
+    assert_eq!(m["findings"][0]["kind"], "tensor_differs");
+    assert!(m["excused"].as_array().unwrap().is_empty(), "{m}");
+}
+
+#[test]
+fn another_generate_count_is_not_checked_against_expectations_and_gets_its_own_baseline() {
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
+    let r = gate(&repo(), &["m1", "--only", "short", "--generate", "3"], &env);
+    let rep = r.report.unwrap();
+    let stable = check(&rep, "short", "stable");
+    assert_eq!(stable["status"], "NOT CHECKED");
+    assert!(stable["detail"].as_str().unwrap().contains("recorded for --generate 8, this run generates 3"), "{stable}");
+    // Bit-identity and path independence are still checked at any N.
+    assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
+    let g = check(&rep, "short", "generation");
+    assert_eq!(g["status"], "PASS");
+    assert!(g["detail"].as_str().unwrap().starts_with("3 tokens"), "{g}");
+
+    // No baseline exists for N=3, and zero checked baselines is a failure; --bless records one
+    // and leaves the N=8 expectations alone.
+    assert_eq!(rep["verdict"], "FAIL");
+    let root = scratch_root();
+    let before = std::fs::read_to_string(root.path().join("milestones.json")).unwrap();
+    let r = gate(root.path(), &["m1", "--only", "short", "--generate", "3", "--bless"], &env);
+    assert!(r.stdout.contains("expectations left as recorded for --generate 8") && r.stdout.contains("baseline m1.short.t1.g3: new"), "{}", r.stdout);
+    assert_eq!(std::fs::read_to_string(root.path().join("milestones.json")).unwrap(), before);
+    let r = gate(root.path(), &["m1", "--only", "short", "--generate", "3"], &env);
+    let rep = r.report.unwrap();
+    let b = rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g3").unwrap();
+    assert_eq!(b["status"], "PASS", "{b}");
+}
+
+#[test]
+fn the_milestones_own_checkpoint_named_by_model_keeps_its_baselines() {
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let model = repo().join("fixtures/tiny-qwen3-moe");
+    let r = gate(&repo(), &["m1", "--only", "short", "--model", model.to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 4, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    assert_eq!(rep["model"], "fixtures/tiny-qwen3-moe");
+    let b = rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g8").unwrap();
+    assert_eq!(b["status"], "PASS", "{b}");
+}
+
+#[test]
+fn bad_command_templates_and_thread_counts_are_refused_before_any_run() {
+    for (template, why) in [("'unterminated {verb} {args}", "unterminated ' quote"), ("python x.py", "no {verb}"), ("", "empty"), ("x {verb} --a={args}", "{args} must be a word of its own")] {
+        let r = gate(&repo(), &["m1", "--only", "short", "--contract-cmd", template], &[]);
+        assert_eq!(r.code, 2, "{template}: {}", r.stderr);
+        assert!(r.stderr.contains(why) && r.report.is_none(), "{template}: {}", r.stderr);
+    }
+    let r = gate(&repo(), &["m1", "--only", "short", "--threads", "0"], &[]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("at least 1"), "{}", r.stderr);
 }
