@@ -41,7 +41,8 @@ struct Cli {
     /// Print the machine-readable report (docs/diff-report.schema.json).
     #[arg(long)]
     json: bool,
-    /// Skip recomputing digests (then no digest is trusted: every tensor is compared element-wise).
+    /// Skip recomputing digests (then no digest is trusted: no tensor is matched by digest; tensors
+    /// are compared element-wise up to the first difference, or all of them with --all).
     #[arg(long)]
     no_verify: bool,
     /// Report an oracle stack mismatch (versions, dtype, device, attention) as a finding

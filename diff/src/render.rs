@@ -52,11 +52,19 @@ fn decisions_clause(rep: &Report) -> String {
     let d = &rep.decisions;
     let n = d.reference_count;
     if d.differing == 0 && d.missing.is_empty() && d.extra.is_empty() && d.compared == n {
-        format!("{n} decisions")
+        format!("{n} decision{}", if n == 1 { "" } else { "s" })
     } else {
         let mut s = format!("{} of {} decisions differ", d.differing, n);
+        let mut notes = Vec::new();
+        let uncompared = n.saturating_sub(d.compared + d.missing.len());
+        if uncompared > 0 {
+            notes.push(format!("{uncompared} not compared: shape differs"));
+        }
         if !d.missing.is_empty() || !d.extra.is_empty() {
-            s += &format!(" ({} missing, {} extra)", d.missing.len(), d.extra.len());
+            notes.push(format!("{} missing, {} extra", d.missing.len(), d.extra.len()));
+        }
+        if !notes.is_empty() {
+            s += &format!(" ({})", notes.join("; "));
         }
         s
     }
@@ -172,8 +180,14 @@ pub fn render_human(rep: &Report) -> String {
         t.missing.len(),
         t.extra.len()
     );
-    if !t.compared_elementwise.is_empty() && t.compared_elementwise.len() <= 8 {
-        let _ = writeln!(o, "  element-wise: {}", t.compared_elementwise.join(", "));
+    if !t.compared_elementwise.is_empty() {
+        let shown = t.compared_elementwise.len().min(8);
+        let more = t.compared_elementwise.len() - shown;
+        let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+        let _ = writeln!(o, "  element-wise: {}{more}", t.compared_elementwise[..shown].join(", "));
+    }
+    if rep.scan != "all" && (!t.matched_by_digest.is_empty() || t.compared_elementwise.len() > 8) {
+        let _ = writeln!(o, "  (--all prints every tensor with how it was compared; --json lists both sets)");
     }
     if let Some(d) = &rep.first_divergence {
         let _ = writeln!(o, "first divergence");

@@ -254,9 +254,9 @@ fn incomparable_exits_3_naming_the_reason() {
 
     // A long non-ASCII provenance value is shortened at a character boundary, not a byte.
     let mut ru = model();
-    ru.provenance["prompt_tokens"] = json!([format!("{}{}", "a".repeat(9), "é".repeat(60))]);
+    ru.provenance["prompt_tokens"] = json!([format!("{}{}", "a".repeat(9), "é".repeat(100))]);
     let mut cu = ru.clone();
-    cu.provenance["prompt_tokens"] = json!([format!("{}{}", "b".repeat(9), "é".repeat(60))]);
+    cu.provenance["prompt_tokens"] = json!([format!("{}{}", "b".repeat(9), "é".repeat(100))]);
     let (_d, rp, cp) = pair(&ru, &cu);
     let out = run(&[p(&rp), p(&cp)]);
     assert_eq!(out.code, 3, "{}{}", out.stdout, out.stderr);

@@ -773,7 +773,8 @@ fn verdict(
     match first {
         None => {
             let how = if whole.verdict == "within_policy" { "within policy" } else { "identical" };
-            let iso = if matched.is_empty() { String::new() } else { format!("; {}", tail.join("; ")) };
+            // Say so when no layer verb ran: nothing needed isolating, but nothing was isolated.
+            let iso = if matched.is_empty() { "; no layer isolated (nothing diverged; --all-layers runs every layer's verb)".to_string() } else { format!("; {}", tail.join("; ")) };
             ("nothing_wrong", 0, format!("nothing wrong: the whole runs are {how}{iso}"))
         }
         Some((loc, name)) if *loc < 0 => ("outside_layers", 1, format!("{name} differs before layer 00: the embedding is wrong (the layer verb does not isolate it)")),

@@ -129,6 +129,10 @@ fn clean_pair_reports_nothing_wrong() {
     assert_eq!(statuses(&o.report), ["ok"; 4]);
     assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["isolation"] == "match"), "{}", o.stdout);
     assert!(o.stdout.starts_with("nothing wrong: the whole runs are identical; layers 00-03 match in isolation"), "{}", o.stdout);
+    // Without --all-layers nothing diverges, so no layer verb runs, and the summary says so.
+    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "contract"]);
+    assert_eq!(o.code, 0, "{}", o.stdout);
+    assert!(o.stdout.starts_with("nothing wrong: the whole runs are identical; no layer isolated"), "{}", o.stdout);
 }
 
 #[test]

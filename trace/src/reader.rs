@@ -80,8 +80,12 @@ impl Trace {
     pub fn open(path: impl AsRef<Path>) -> Result<Trace> {
         let path = path.as_ref().to_path_buf();
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-        let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+        let meta = file.metadata().map_err(|e| Error::io(&path, e))?;
         let bad = |reason: String| Error::Malformed { path: path.clone(), reason };
+        if !meta.is_file() {
+            return Err(bad("not a regular file (a trace is one file; is this a directory?)".into()));
+        }
+        let len = meta.len();
         if len < HEADER_LEN + FOOTER_LEN {
             return Err(bad(format!("file is {len} bytes, shorter than header + footer ({})", HEADER_LEN + FOOTER_LEN)));
         }
@@ -340,7 +344,13 @@ impl Trace {
         if recomputed != self.digest {
             return Err(Error::Tampered {
                 path: self.path.clone(),
-                reason: format!("content digest is {} but the index records {}", recomputed.hex(), self.digest.hex()),
+                // Every payload matched its own digest above, so what changed is index content
+                // (a name, dtype, shape or attribute), which has no second copy to name it by.
+                reason: format!(
+                    "content digest is {} but the index records {}: every payload matches its digest, so the index itself (a name, dtype, shape or attribute) was edited",
+                    recomputed.hex(),
+                    self.digest.hex()
+                ),
             });
         }
         Ok(())

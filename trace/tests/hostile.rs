@@ -93,6 +93,9 @@ fn bad_magic() {
 fn empty_and_tiny_files() {
     refused(&[], "shorter than header + footer");
     refused(&[0u8; 103], "shorter than header + footer");
+    let dir = tempfile::tempdir().unwrap();
+    let e = Trace::open(dir.path()).expect_err("a directory is not a trace").to_string();
+    assert!(e.contains("not a regular file"), "{e}");
 }
 
 #[test]
