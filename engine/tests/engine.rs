@@ -572,6 +572,10 @@ fn provenance_records_the_run() {
     assert_eq!(p["generate"], 1);
     assert_eq!(p["weights_digest"], tracegate_engine::weights_digest(&f.moe).unwrap());
     assert_eq!(p["config"]["model_type"], "qwen3_moe");
+    // The build id names the sources it was built from (16 hex digits after "src").
+    let build = p["build"].as_str().unwrap();
+    let src = build.split(" src ").nth(1).unwrap_or_default();
+    assert!(src.len() == 16 && src.chars().all(|c| c.is_ascii_hexdigit()), "{build}");
 }
 
 #[test]
