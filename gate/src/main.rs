@@ -169,7 +169,18 @@ fn bisect(root: &std::path::Path, a: &BisectArgs) -> Result<i32, String> {
         work: a.work.clone().unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
         gate_invocation: std::env::args().collect(),
     };
-    let rep = bisect::run(&o).map_err(e)?;
+    let rep = match bisect::run(&o) {
+        Ok(rep) => rep,
+        Err(err) => {
+            // A CI job that asked for a report gets one saying why there is no bisection.
+            let refused = serde_json::json!({
+                "schema": "tracegate-bisect/1", "verdict": "refused", "exit_code": 2, "summary": err.to_string(),
+                "work_dir": o.work, "gate_invocation": o.gate_invocation,
+            });
+            write_report(&a.report, &refused)?;
+            return Err(err.to_string());
+        }
+    };
     print!("{}", bisect::render(&rep));
     write_report(&a.report, &rep)?;
     Ok(rep.exit_code)

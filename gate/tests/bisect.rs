@@ -137,7 +137,8 @@ fn clean_pair_reports_nothing_wrong() {
 
 #[test]
 fn candidate_without_layer_verb_is_not_checked() {
-    // A real divergence and no way to isolate it: NOT CHECKED (exit 4), never a pass.
+    // Isolation asked for (--all-layers) and impossible: NOT CHECKED (exit 4), never a pass,
+    // even though this candidate's whole run matches.
     let cmd = defective("no-layer");
     let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers"]);
     assert_eq!(o.code, 4, "{}", o.stdout);
@@ -178,4 +179,24 @@ fn oracle_against_engine_reports_nothing_wrong() {
     assert_eq!(statuses(&o.report), ["ok"; 5]);
     assert!(o.stdout.starts_with("nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"), "{}", o.stdout);
     assert!(o.report["judged_by"].as_str().unwrap().starts_with("policy oracle-default"), "{}", o.report["judged_by"]);
+}
+
+#[test]
+fn a_crashing_candidate_is_refused_with_its_stderr_and_still_writes_a_report() {
+    let root = repo();
+    let work = tempfile::tempdir_in(root.join("target")).unwrap();
+    let work_rel = work.path().strip_prefix(&root).unwrap().display().to_string();
+    let report = work.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
+        .args(["--root", root.to_str().unwrap(), "bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short", "--work", &work_rel])
+        .args(["--report", report.to_str().unwrap(), "--reference", "engine", "--candidate", "cmd"])
+        .args(["--candidate-cmd", "sh -c 'echo kaboom >&2; exit 7' {verb} {args}"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("candidate (candidate-cmd) trace failed: kaboom"), "{stderr}");
+    let rep: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!((rep["verdict"].as_str(), rep["exit_code"].as_i64()), (Some("refused"), Some(2)));
+    assert!(rep["summary"].as_str().unwrap().contains("kaboom"), "{rep}");
 }
