@@ -266,6 +266,9 @@ def test_cli_fresh_process_matches_in_process_and_layer_verb(dense, tmp_path):
     p = t.provenance
     assert p["producer"] == "oracle" and p["prompt_tokens"] == toks and p["attn_implementation"] == "eager"
     assert p["weights_digest"] and p["deterministic"]["use_deterministic_algorithms"] is True
+    # The command as it can be re-run, and the safetensors version that read the weights.
+    assert p["command"][:3] == [sys.executable, "-m", "tracegate_oracle"] and p["command"][3] == "trace"
+    assert p["versions"]["safetensors"]
     assert list(t.decisions)[-2:] == ["decode.0000.argmax", "decode.0001.argmax"]
     # Same tensors as the in-process capture (which had no --generate): per-tensor digests agree.
     ref = tg.Trace(str(tmp_path / "in.trace"))

@@ -227,6 +227,14 @@ def _weights_digest(model_dir: Path) -> str | None:
     return h.hexdigest()
 
 
+def _version_of(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def _build_id() -> str:
     """Digest of this package's sources: a trace from edited oracle code is distinguishable."""
     h = hashlib.sha256()
@@ -268,6 +276,7 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
             "numpy": np.__version__,
             "python": platform.python_version(),
             "tracegate": tg_version,
+            "safetensors": _version_of("safetensors"),
         },
         "device": dev,
         "dtype": rc.dtype,
@@ -284,7 +293,9 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         "capture": rc.capture,
         "cache": rc.cache,
         "generate": rc.generate,
-        "command": list(sys.argv),
+        # As it can be re-run: under -m, sys.argv[0] is __main__.py's path, not the module.
+        "command": ([sys.executable, "-m", "tracegate_oracle", *sys.argv[1:]]
+                    if sys.argv and sys.argv[0].endswith("__main__.py") else list(sys.argv)),
         "build_id": _build_id(),
     }
 
