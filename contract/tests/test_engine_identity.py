@@ -77,6 +77,20 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(ordered(a) - ordered(b))
 
 
+TRACE_DIFF = os.path.join(ROOT, "target", "release", "trace-diff")
+
+
+def trace_diff(path_a: str, path_b: str) -> dict:
+    """The project's own `trace-diff --json` report (the issue's criterion: IDENTICAL under it)."""
+    r = subprocess.run([TRACE_DIFF, "--json", path_a, path_b], capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1), f"trace-diff refused ({r.returncode}): {r.stdout[:500]} {r.stderr.strip()}"
+    return json.loads(r.stdout)
+
+
+def trace_diff_verdict(path_a: str, path_b: str) -> str:
+    return trace_diff(path_a, path_b)["verdict"]
+
+
 def differences(path_a: str, path_b: str, label_a="engine", label_b="contract") -> list[str]:
     """Every way two traces differ, first divergence first. Empty list means identical."""
     a, b = tracegate.Trace(path_a), tracegate.Trace(path_b)
@@ -168,6 +182,7 @@ def test_frozen_prompts_identical_with_internals_and_generation(tmp_path, fixtur
             failures.append(f"[{fixture} {pid}] first: {d[0]}")
         else:
             assert tracegate.Trace(e).digest == tracegate.Trace(c).digest
+            assert trace_diff_verdict(e, c) == "identical"
     assert not failures, "engine ≠ contract:\n" + "\n".join(failures)
 
 
@@ -189,6 +204,7 @@ def test_generation_identical_on_both_paths(tmp_path, fixture, model):
         problems += [f"[{fixture} {who} on vs off] {x}" for x in d[:3]]
     assert not problems, "\n".join(problems)
     assert len(set(digests.values())) == 1, digests
+    assert trace_diff_verdict(paths["engine", "on"], paths["contract", "off"]) == "identical"
     t = tracegate.Trace(paths["contract", "on"])
     assert [n for n in t.decisions if n.startswith("decode.")] == [f"decode.{s:04d}.argmax" for s in range(12)]
 
@@ -239,6 +255,9 @@ def test_negative_control_is_caught_at_the_expected_tensor(tmp_path, reference, 
     assert d, "planted defect was not detected"
     assert d[0].startswith(expected + ":"), f"expected first divergence at {expected}, got: {d[0]}"
     assert tracegate.Trace(e).digest != tracegate.Trace(bad).digest
+    if reference == "engine":
+        rep = trace_diff(e, bad)
+        assert rep["verdict"] == "different" and rep["first_divergence"]["tensor"] == expected, rep["first_divergence"]
 
 
 def engine_layer(model, layer, inp, name, out, capture):
