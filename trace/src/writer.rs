@@ -23,13 +23,15 @@ struct PendingTensor {
     attributes: Attributes,
 }
 
+/// A decision's index entry; its bytes are in the file and read back for the content digest,
+/// so the writer holds only the index in memory.
 struct PendingDecision {
     name: String,
     shape: Vec<u64>,
-    values: Vec<u8>,
-    margins: Option<Vec<u8>>,
     values_offset: u64,
+    values_len: usize,
     margins_offset: Option<u64>,
+    margins_len: usize,
     xxh3: u128,
 }
 
@@ -88,7 +90,17 @@ impl TraceWriter {
         };
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let tmp_path = dir.join(format!(".{file_name}.{}.{n}.tracegate-tmp", std::process::id()));
-        let file = File::create(&tmp_path).map_err(|e| Error::io(&tmp_path, e))?;
+        if final_path.is_dir() {
+            return Err(Error::Invalid(format!("{}: is a directory, not a trace file path", final_path.display())));
+        }
+        // Readable too: decision payloads are read back for the content digest at finish.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp_path)
+            .map_err(|e| Error::io(&tmp_path, e))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(&header_bytes()).map_err(|e| Error::io(&tmp_path, e))?;
         Ok(TraceWriter {
@@ -207,31 +219,42 @@ impl TraceWriter {
         self.decisions.push(PendingDecision {
             name: name.to_string(),
             shape: shape.to_vec(),
-            values,
-            margins,
             values_offset,
+            values_len: values.len(),
             margins_offset,
+            margins_len: margins.as_ref().map_or(0, Vec::len),
             xxh3: h.digest128(),
         });
         Ok(())
     }
 
-    /// The content digest of everything recorded so far.
-    fn content_digest(&self) -> Digest {
+    /// The content digest of everything recorded so far (flushes the buffered bytes first).
+    fn content_digest(&mut self) -> Result<Digest> {
+        use std::os::unix::fs::FileExt;
+        let out = self.out.as_mut().ok_or_else(|| Error::Invalid("writer already finished".into()))?;
+        out.flush().map_err(|e| Error::io(&self.tmp_path, e))?;
+        let file = out.get_ref();
+        let read = |offset: u64, len: usize| -> Result<Vec<u8>> {
+            let mut buf = vec![0u8; len];
+            file.read_exact_at(&mut buf, offset).map_err(|e| Error::io(&self.tmp_path, e))?;
+            Ok(buf)
+        };
         let mut c = Canonical::new(self.tensors.len());
         for t in &self.tensors {
             c.tensor(&t.name, t.dtype, &t.shape, &t.attributes, t.xxh3);
         }
         c.begin_decisions(self.decisions.len());
         for d in &self.decisions {
-            c.decision(&d.name, &d.shape, &d.values, d.margins.as_deref());
+            let values = read(d.values_offset, d.values_len)?;
+            let margins = d.margins_offset.map(|o| read(o, d.margins_len)).transpose()?;
+            c.decision(&d.name, &d.shape, &values, margins.as_deref());
         }
-        c.finish()
+        Ok(c.finish())
     }
 
     /// Writes the index and footer, fsyncs, and renames the file into place.
     pub fn finish(mut self) -> Result<Digest> {
-        let digest = self.content_digest();
+        let digest = self.content_digest()?;
         let index = IndexJson {
             format: FORMAT_NAME.to_string(),
             version: [FORMAT_MAJOR, FORMAT_MINOR],

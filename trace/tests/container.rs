@@ -139,6 +139,14 @@ fn duplicate_names_are_refused() {
 }
 
 #[test]
+fn a_directory_is_refused_as_the_output_path() {
+    let dir = tmp();
+    let e = TraceWriter::create(dir.path(), json!({})).err().expect("a directory is not a trace path").to_string();
+    assert!(e.contains("is a directory"), "{e}");
+    assert_eq!(std::fs::read_dir(dir.path().parent().unwrap()).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().ends_with(".tracegate-tmp")).count(), 0);
+}
+
+#[test]
 fn unfinished_writer_leaves_nothing() {
     let dir = tmp();
     let p = dir.path().join("a.trace");
