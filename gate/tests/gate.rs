@@ -372,3 +372,44 @@ fn bad_command_templates_and_thread_counts_are_refused_before_any_run() {
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("at least 1"), "{}", r.stderr);
 }
+
+#[test]
+fn assert_observed_fails_a_baseline_outside_its_tolerance() {
+    let root = scratch_root();
+    let torchless = torchless_python(root.path());
+    let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
+    let bl_path = root.path().join("baselines.json");
+    let mut bl: Value = serde_json::from_str(&std::fs::read_to_string(&bl_path).unwrap()).unwrap();
+    let b = bl["baselines"].as_array_mut().unwrap().iter_mut().find(|b| b["id"] == "m1.short.t1.g8").unwrap();
+    // A recorded engine time of one nanosecond: any real run is millions of percent slower.
+    b["observed"]["engine_seconds"] = serde_json::json!(1e-9);
+    std::fs::write(&bl_path, serde_json::to_string(&bl).unwrap()).unwrap();
+    let baseline = |args: &[&str]| {
+        let rep = gate(root.path(), args, &env).report.unwrap();
+        rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g8").unwrap().clone()
+    };
+    // Observed figures are reported, not asserted, unless asked.
+    assert_eq!(baseline(&["m1", "--only", "short"])["status"], "PASS");
+    let b = baseline(&["m1", "--only", "short", "--assert-observed", "0.5"]);
+    assert_eq!(b["status"], "FAIL", "{b}");
+    assert_eq!((b["findings"][0]["kind"].as_str(), b["findings"][0]["name"].as_str()), (Some("observed_out_of_tolerance"), Some("engine_seconds")));
+}
+
+#[test]
+fn gate_check_exits_1_when_a_milestone_fails() {
+    let root = scratch_root();
+    let torchless = torchless_python(root.path());
+    let weights = root.path().join("fixtures/tiny-qwen3/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = header["model.layers.0.mlp.down_proj.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + header_len + start + 3] ^= 0x10;
+    std::fs::write(&weights, bytes).unwrap();
+    let r = gate(root.path(), &["check", "--only", "short"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let m0 = r.stdout.lines().find(|l| l.starts_with("m0") && l.contains("stable:")).unwrap();
+    assert!(m0.contains("stable: FAIL") && m0.contains("matches: PASS"), "{m0}");
+    let m1 = r.stdout.lines().find(|l| l.starts_with("m1") && l.contains("stable:")).unwrap();
+    assert!(m1.contains("stable: PASS"), "{m1}");
+}
