@@ -4,7 +4,6 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use rayon::prelude::*;
-use serde::Deserialize;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
@@ -121,14 +120,17 @@ impl Trace {
         if xxh3_128(index_bytes) != index_hash {
             return Err(Error::Tampered { path: path.clone(), reason: "the index does not match the footer's xxh3-128".into() });
         }
-        let raw: Value = serde_json::from_slice(index_bytes).map_err(|e| bad(format!("index is not valid: {e}")))?;
-        let index: IndexJson = IndexJson::deserialize(&raw).map_err(|e| bad(format!("index is not valid: {e}")))?;
-        // A later minor version only adds optional fields, which this reader may ignore; in a
-        // version it knows completely, a field it does not know is damage, not news.
-        if minor <= FORMAT_MINOR {
-            if let Some(field) = unknown_field(&raw, &index) {
-                return Err(bad(format!("index is not valid: unknown field {field} (format {major}.{minor} has no such field)")));
-            }
+        // One pass that notes the first field the schema does not have. A later minor version
+        // only adds optional fields, which this reader may ignore; in a version it knows
+        // completely, such a field is damage, not news.
+        let mut unknown: Option<String> = None;
+        let index: IndexJson = serde_ignored::deserialize(&mut serde_json::Deserializer::from_slice(index_bytes), |path| {
+            unknown.get_or_insert_with(|| unknown_field(&path));
+        })
+        .map_err(|e| bad(format!("index is not valid: {e}")))?;
+        let later_minor = minor > FORMAT_MINOR;
+        if let Some(field) = unknown.filter(|_| !later_minor) {
+            return Err(bad(format!("index is not valid: unknown field {field} (format {major}.{minor} has no such field)")));
         }
         if index.format != FORMAT_NAME {
             return Err(bad(format!("index format {:?} is not {FORMAT_NAME:?}", index.format)));
@@ -357,21 +359,32 @@ impl Trace {
     }
 }
 
-/// The first key of the raw index (top level, a tensor or a decision entry) that `IndexJson`
-/// does not have, as `where.key`.
-fn unknown_field(raw: &Value, index: &IndexJson) -> Option<String> {
-    let known = serde_json::to_value(index).ok()?;
-    let extra = |r: &Value, k: &Value| -> Option<String> { r.as_object()?.keys().find(|key| k.get(key.as_str()).is_none()).cloned() };
-    if let Some(key) = extra(raw, &known) {
-        return Some(format!("{key:?}"));
-    }
-    for list in ["tensors", "decisions"] {
-        let (r, k) = (raw[list].as_array()?, known[list].as_array()?);
-        for (i, (re, ke)) in r.iter().zip(k).enumerate() {
-            if let Some(key) = extra(re, ke) {
-                return Some(format!("{key:?} in {list}[{i}]"));
+/// An ignored field's path as `"key"` (top level) or `"key" in tensors[0]`.
+fn unknown_field(path: &serde_ignored::Path) -> String {
+    fn place(p: &serde_ignored::Path, out: &mut String) {
+        use serde_ignored::Path::*;
+        match p {
+            Root => {}
+            Seq { parent, index } => {
+                place(parent, out);
+                out.push_str(&format!("[{index}]"));
             }
+            Map { parent, key } => {
+                place(parent, out);
+                if !out.is_empty() {
+                    out.push('.');
+                }
+                out.push_str(key);
+            }
+            Some { parent } | NewtypeStruct { parent } | NewtypeVariant { parent } => place(parent, out),
         }
     }
-    None
+    match path {
+        serde_ignored::Path::Map { parent, key } => {
+            let mut at = String::new();
+            place(parent, &mut at);
+            if at.is_empty() { format!("{key:?}") } else { format!("{key:?} in {at}") }
+        }
+        other => other.to_string(),
+    }
 }
