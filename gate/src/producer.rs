@@ -65,9 +65,10 @@ impl Verb {
 pub enum Producer {
     /// The reference engine, in this process.
     Engine { threads: usize },
-    /// A command template: `{verb}` is replaced by the verb, `{args}` by its arguments
-    /// (appended when absent). Words are split on whitespace; single or double quotes group.
-    Command { name: String, template: String },
+    /// A command template, split into words once (`Producer::command` checks it): `{verb}` is
+    /// replaced by the verb, `{args}` by its arguments (appended when absent). Words are split
+    /// on whitespace; single or double quotes group.
+    Command { name: String, words: Vec<String> },
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -147,7 +148,7 @@ impl Producer {
         if words.iter().any(|w| w.contains("{args}") && w != "{args}") {
             return Err(bad("{args} must be a word of its own"));
         }
-        Ok(Producer::Command { name: name.into(), template: template.into() })
+        Ok(Producer::Command { name: name.into(), words })
     }
 
     pub fn name(&self) -> String {
@@ -165,11 +166,10 @@ impl Producer {
                 a.extend(["--threads".into(), threads.to_string()]);
                 a
             }
-            Producer::Command { template, .. } => {
+            Producer::Command { words, .. } => {
                 let mut out = Vec::new();
                 let mut placed = false;
-                // Checked by Producer::command; a template that no longer splits yields no words.
-                for w in split_words(template).unwrap_or_default() {
+                for w in words {
                     if w == "{args}" {
                         out.extend(verb.args());
                         placed = true;

@@ -18,8 +18,9 @@ struct Outcome {
     report: Value,
 }
 
-/// Runs `gate bisect` on a fixture with the given extra arguments; traces and report in a temp dir.
-fn bisect(model: &str, args: &[&str]) -> Outcome {
+/// Runs `gate bisect` on a fixture with the given extra arguments; traces and report in a temp
+/// dir. Returns the exit code, stdout, stderr and the report.
+fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
     let root = repo();
     let work = tempfile::tempdir_in(root.join("target")).unwrap();
     let work_rel = work.path().strip_prefix(&root).unwrap().display().to_string();
@@ -31,10 +32,15 @@ fn bisect(model: &str, args: &[&str]) -> Outcome {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let code = out.status.code().unwrap_or(-1);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let report = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
+    (out.status.code().unwrap_or(-1), stdout, stderr, serde_json::from_str(&report).unwrap())
+}
+
+/// `run_bisect` for a bisection that must not be refused.
+fn bisect(model: &str, args: &[&str]) -> Outcome {
+    let (code, stdout, stderr, report) = run_bisect(model, args);
     assert!(code != 2, "gate bisect refused:\n{stdout}\n{stderr}");
-    let report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     Outcome { code, stdout, report }
 }
 
@@ -183,20 +189,10 @@ fn oracle_against_engine_reports_nothing_wrong() {
 
 #[test]
 fn a_crashing_candidate_is_refused_with_its_stderr_and_still_writes_a_report() {
-    let root = repo();
-    let work = tempfile::tempdir_in(root.join("target")).unwrap();
-    let work_rel = work.path().strip_prefix(&root).unwrap().display().to_string();
-    let report = work.path().join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
-        .args(["--root", root.to_str().unwrap(), "bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short", "--work", &work_rel])
-        .args(["--report", report.to_str().unwrap(), "--reference", "engine", "--candidate", "cmd"])
-        .args(["--candidate-cmd", "sh -c 'echo kaboom >&2; exit 7' {verb} {args}"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, _, stderr, rep) =
+        run_bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", "sh -c 'echo kaboom >&2; exit 7' {verb} {args}"]);
+    assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("candidate (candidate-cmd) trace failed: kaboom"), "{stderr}");
-    let rep: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!((rep["verdict"].as_str(), rep["exit_code"].as_i64()), (Some("refused"), Some(2)));
     assert!(rep["summary"].as_str().unwrap().contains("kaboom"), "{rep}");
 }

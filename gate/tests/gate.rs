@@ -51,6 +51,16 @@ fn torchless_python(dir: &Path) -> PathBuf {
     script
 }
 
+/// XORs `mask` into byte `byte` of tensor `tensor`'s data in a safetensors file.
+fn flip_weight_bits(weights: &Path, tensor: &str, byte: usize, mask: u8) {
+    let mut bytes = std::fs::read(weights).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + header_len + start + byte] ^= mask;
+    std::fs::write(weights, bytes).unwrap();
+}
+
 struct Run {
     code: i32,
     stdout: String,
@@ -112,13 +122,8 @@ fn passes_as_bundled_and_records_invocations() {
 #[test]
 fn a_perturbed_fixture_weight_fails_stable() {
     let root = scratch_root();
-    let weights = root.path().join("fixtures/tiny-qwen3-moe/model.safetensors");
-    let mut bytes = std::fs::read(&weights).unwrap();
-    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
-    let start = header["model.layers.1.self_attn.o_proj.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
-    bytes[8 + header_len + start + 1] ^= 0x20; // a high exponent bit of a bf16 weight
-    std::fs::write(&weights, bytes).unwrap();
+    // A high exponent bit of the first bf16 weight.
+    flip_weight_bits(&root.path().join("fixtures/tiny-qwen3-moe/model.safetensors"), "model.layers.1.self_attn.o_proj.weight", 1, 0x20);
     let torchless = torchless_python(root.path());
     let r = gate(root.path(), &["m1", "--only", "mid"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
@@ -401,13 +406,8 @@ fn assert_observed_fails_a_baseline_outside_its_tolerance() {
 fn gate_check_exits_1_when_a_milestone_fails() {
     let root = scratch_root();
     let torchless = torchless_python(root.path());
-    let weights = root.path().join("fixtures/tiny-qwen3/model.safetensors");
-    let mut bytes = std::fs::read(&weights).unwrap();
-    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
-    let start = header["model.layers.0.mlp.down_proj.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
-    bytes[8 + header_len + start + 3] ^= 0x10;
-    std::fs::write(&weights, bytes).unwrap();
+    // An exponent bit of the first f32 weight.
+    flip_weight_bits(&root.path().join("fixtures/tiny-qwen3/model.safetensors"), "model.layers.0.mlp.down_proj.weight", 3, 0x10);
     let r = gate(root.path(), &["check", "--only", "short"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let m0 = r.stdout.lines().find(|l| l.starts_with("m0") && l.contains("stable:")).unwrap();
