@@ -488,7 +488,8 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             }
         } else {
             let (rd, cd) = (r.data(ri), c.data(ci));
-            let s = numeric::scan(ri.dtype, rd, cd);
+            // Only the first divergence reports a median: only its scan counts distances.
+            let (s, ulps) = numeric::scan(ri.dtype, rd, cd, rep.first_divergence.is_none());
             rep.tensors.compared_elementwise.push(ri.name.clone());
             row = row_for(ri, "elementwise", if s.differing == 0 { "identical" } else { "different" });
             row.differing_elements = Some(s.differing);
@@ -500,8 +501,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             if s.differing > 0 {
                 row.max_ulp = (s.with_distance() > 0).then_some(s.max_ulp);
                 if rep.first_divergence.is_none() {
-                    // The median costs one or two more passes: only the first divergence has it.
-                    row.median_ulp = numeric::median_ulp(ri.dtype, rd, cd, &s);
+                    row.median_ulp = ulps.as_ref().and_then(|u| numeric::median_ulp(ri.dtype, rd, cd, &s, u));
                     rep.first_divergence = Some(divergence(ri, rd, cd, &s, &row));
                     specials_findings(ri, &s, rep);
                 }
@@ -617,7 +617,7 @@ pub(crate) fn range_divergence(r: &Trace, c: &Trace, name: &str, rows: Option<(u
         _ => (0, n),
     };
     let (a, b) = (&r.data(ri)[start as usize * size..end as usize * size], &c.data(ci)[start as usize * size..end as usize * size]);
-    let s = numeric::scan(ri.dtype, a, b);
+    let (s, _) = numeric::scan(ri.dtype, a, b, false);
     if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
         return Some(f64::INFINITY);
     }
