@@ -208,14 +208,8 @@ pub fn render_human(rep: &Report) -> String {
         let _ = writeln!(o, "  cosine     {}, relative L2 {}", cosine(d.cosine), real(d.rel_l2));
     }
     if rep.scan == "first" && !t.not_scanned.is_empty() {
-        let _ = writeln!(
-            o,
-            "not scanned after the first difference (use --all): {} tensor{}, {} of them differ by digest{}",
-            t.not_scanned.len(),
-            if t.not_scanned.len() == 1 { "" } else { "s" },
-            t.known_different.len(),
-            if t.known_different.is_empty() { String::new() } else { format!(": {}", t.known_different.join(", ")) }
-        );
+        let n = t.not_scanned.len();
+        let _ = writeln!(o, "not scanned after the first difference: {n} later tensor{} (what follows a divergence is noise; --all scans them)", if n == 1 { "" } else { "s" });
     }
     if rep.scan == "all" && !rep.per_tensor.is_empty() {
         curve(&mut o, rep);

@@ -75,6 +75,11 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
     assert_eq!((later.method, later.status, later.differing_elements), ("not_scanned", "differs_by_digest", None));
     assert!(rep.tensors.known_different.contains(&"layer.01.mlp_out".to_string()));
+    // Not reported: no finding names it, and the human report only counts what was not scanned.
+    assert_eq!(rep.findings.iter().map(|f| (f.kind, f.tensor.as_deref())).collect::<Vec<_>>(), vec![("values_differ", Some("layer.00.mlp_out"))]);
+    let human = tracegate_diff::render_human(&rep);
+    assert!(!human.contains("layer.01.mlp_out"), "{human}");
+    assert!(human.contains("not scanned after the first difference: "), "{human}");
 
     let rep = diff(&r, &c, &Options { all: true, ..Options::default() });
     assert_eq!(rep.scan, "all");
