@@ -300,6 +300,14 @@ impl UlpCounts {
         UlpCounts { window, below: 0, buckets }
     }
 
+    /// Counts one pair in bucket `k`, in copy `j % COPIES`.
+    #[inline(always)]
+    fn bump(&mut self, k: usize, j: usize) {
+        // The mask keeps the index in range without a bounds check in the hot loop (bucket
+        // numbers are below BUCKETS by construction).
+        self.buckets[(k * COPIES + j % COPIES) & (BUCKETS * COPIES - 1)] += 1;
+    }
+
     /// Counts one distance (the careful path's way).
     #[inline(always)]
     fn add(&mut self, u: u64) {
@@ -307,7 +315,7 @@ impl UlpCounts {
         if u < w.lo {
             self.below += 1;
         } else if u - w.lo <= w.last() {
-            self.buckets[((u - w.lo) >> w.shift) as usize * COPIES] += 1;
+            self.bump(((u - w.lo) >> w.shift) as usize, 0);
         }
     }
 
@@ -315,9 +323,7 @@ impl UlpCounts {
     #[inline(always)]
     fn add_buckets(&mut self, buckets: &[u32]) {
         for (j, &k) in buckets.iter().enumerate() {
-            // The mask keeps the index in range without a bounds check in the hot loop
-            // (bucket numbers are below BUCKETS by construction).
-            self.buckets[(k as usize * COPIES + j % COPIES) & (BUCKETS * COPIES - 1)] += 1;
+            self.bump(k as usize, j);
         }
     }
 
@@ -552,6 +558,8 @@ fn scan_chunk_f32(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts
     let mut lanes = LaneSums::new();
     let (mut max_ulp, mut differing, mut signed_zero) = ([0u32; LANES], [0u32; LANES], [0u32; LANES]);
     let mut nonfinite = [0u64; CHUNK / LANES / 64];
+    let window = ulps.as_ref().map_or(Window::SMALL, |u| u.window);
+    let (lo, last) = window.as_u32();
     let mut rb = r.chunks_exact(4 * LANES);
     let mut cb = c.chunks_exact(4 * LANES);
     for (blk, (ra, ca)) in (&mut rb).zip(&mut cb).enumerate() {
@@ -592,12 +600,11 @@ fn scan_chunk_f32(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts
             lanes.rel_den[i] = if bigger { x.abs() } else { lanes.rel_den[i] };
         }
         if let Some(u) = ulps.as_deref_mut() {
-            let (lo, last) = u.window.as_u32();
             for i in 0..LANES {
                 u.below += (diff[i] & (dist[i] < lo)) as u64;
                 let offset = dist[i].wrapping_sub(lo);
                 if diff[i] & (offset <= last) {
-                    u.buckets[(offset >> u.window.shift) as usize * COPIES + i % COPIES] += 1;
+                    u.bump((offset >> window.shift) as usize, i);
                 }
             }
         }
@@ -679,7 +686,7 @@ mod avx512 {
         let mut nonfinite = [0u64; CHUNK / LANES / 64];
         let exp = _mm512_set1_epi32(0x7f80_0000);
         let mag = _mm512_set1_epi32(0x7fff_ffff);
-        // The window as u32 (f32 distances fit): its start, last offset, and bucket shift.
+        // The window as u32 (f32 distances fit): its start, last offset and bucket shift.
         let window = ulps.as_ref().map_or(Window::SMALL, |u| u.window);
         let (lo, last) = window.as_u32();
         let (lo, last) = (_mm512_set1_epi32(lo as i32), _mm512_set1_epi32(last as i32));
