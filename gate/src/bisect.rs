@@ -34,6 +34,8 @@ pub struct BisectOptions {
     pub seed: u64,
     /// Where the traces go, relative to root; kept for inspection.
     pub work: String,
+    /// Each producer run is killed after this long, and the bisection refused.
+    pub timeout: std::time::Duration,
     pub gate_invocation: Vec<String>,
 }
 
@@ -42,7 +44,7 @@ pub fn producer(root: &Path, kind: &str, template: Option<&str>, side: &str, thr
     let cmd = |name: &str, default: String| Producer::command(name, template.unwrap_or(&default));
     match (kind, template) {
         ("engine", None) => Ok(Producer::Engine { threads }),
-        ("engine", Some(_)) => Err(gerr!("--{side}-cmd: the engine runs in process; use --{side} cmd to run a command")),
+        ("engine", Some(_)) => Err(gerr!("--{side}-cmd: the engine is built into the gate and takes no command; use --{side} cmd to run a command")),
         ("contract", _) => cmd("contract", crate::run::default_contract_cmd(root)),
         ("oracle", _) => cmd("oracle", crate::run::default_oracle_cmd(root)),
         ("cmd", Some(_)) => cmd(&format!("{side}-cmd"), String::new()),
@@ -88,12 +90,17 @@ pub struct FirstDivergence {
 pub struct WholeRun {
     /// The differ's verdict on the two whole traces.
     pub verdict: String,
-    /// The first place that differs (or is outside policy): "embed.out", "layer.NN.*", or the head.
+    /// The first place that differs (or is outside policy, or is missing from one side):
+    /// "embed.out", "layer.NN.*", or the head.
     pub first_diverging: Option<String>,
+    /// How it diverges: "differs", or the differ's finding kind (e.g. "missing_tensor").
+    pub first_diverging_how: Option<String>,
     pub first_diverging_layer: Option<usize>,
     /// The first differing element (by bits, whatever the policy says).
     pub first_divergence: Option<FirstDivergence>,
     pub differing_decisions: Vec<DecisionCmp>,
+    /// The differ's other findings, each "kind name: detail" (structure: a tensor or decision
+    /// on one side only, order; and notes such as expert rows set aside).
     pub findings: Vec<String>,
 }
 
@@ -170,6 +177,8 @@ pub struct BisectReport {
     pub capture: &'static str,
     pub layers_total: usize,
     pub whole_run: WholeRun,
+    /// `--timeout`: seconds each producer run may take.
+    pub timeout_s: u64,
     pub first_wrong_layer: Option<usize>,
     pub stage: Option<Stage>,
     pub layers: Vec<LayerRow>,
@@ -388,10 +397,10 @@ fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, po
         out: out.clone(),
         internals: o.internals,
     };
-    let rec = o.candidate.run(&o.root, &verb);
+    let rec = o.candidate.run(&o.root, &verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {
-        return Err(format!("the candidate's layer verb failed: {} ($ {})", rec.stderr_tail.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" | "), rec.invocation));
+        return Err(format!("the candidate's layer verb failed: {} ($ {})", rec.why().lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" | "), rec.invocation));
     }
     let cand = open(&o.root, &out).map_err(|e| e.to_string())?;
     for need in ["attn_out", "mlp_out", "hidden_out"] {
@@ -405,7 +414,7 @@ fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, po
     let slice = open(&o.root, &slice_rel).map_err(|e| e.to_string())?;
     let rep = compare(&slice, &cand, &Options { all: true, policy: policy.clone(), ..Options::default() });
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
-        let why: Vec<String> = rep.findings.iter().map(|f| format!("{}: {}", f.kind, f.detail)).collect();
+        let why: Vec<String> = rep.findings.iter().map(describe).collect();
         return Err(format!("the candidate's layer trace is not comparable with the reference's: {}", why.join("; ")));
     }
     let tensors = rows(&rep);
@@ -517,10 +526,10 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: 
     for layer in from..n {
         let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
         let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false };
-        let rec = o.reference.run(&o.root, &verb);
+        let rec = o.reference.run(&o.root, &verb, o.timeout);
         runs.push(rec.clone());
         let hidden = format!("layer.{layer:02}.hidden_out");
-        let got = if rec.ok { open(&o.root, &out).map_err(|e| e.0) } else { Err(format!("the reference's layer verb failed: {}", rec.stderr_tail.trim())) };
+        let got = if rec.ok { open(&o.root, &out).map_err(|e| e.0) } else { Err(format!("the reference's layer verb failed: {}", rec.why())) };
         let stats = got.and_then(|t| {
             let c = t.f32_slice(&hidden).map_err(|e| e.to_string())?;
             let r = reference.f32_slice(&hidden).map_err(|e| e.to_string())?;
@@ -545,11 +554,12 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: 
 // The bisection
 
 pub fn run(o: &BisectOptions) -> Result<BisectReport> {
+    crate::prompts::check_fits(&o.root, &o.model, o.prompt.as_deref(), o.tokens.len(), 0)?;
     let _lock = crate::WorkLock::acquire(&o.root.join(&o.work))?;
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
     let trace = |p: &Producer, out: &str| {
-        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: 0, cache: true })
+        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: 0, cache: true }, o.timeout)
     };
     // Both whole runs at once: one is usually a subprocess.
     let (rr, cr) = std::thread::scope(|s| {
@@ -559,7 +569,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let mut runs = vec![rr.clone(), cr.clone()];
     for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
         if !rec.ok {
-            return Err(gerr!("{side} ({}) trace failed: {}\n    $ {}", rec.producer, rec.stderr_tail.trim(), rec.invocation));
+            return Err(gerr!("{side} ({}) trace failed: {}\n    $ {}", rec.producer, rec.why(), rec.invocation));
         }
     }
     let reference = open(&o.root, &ref_rel)?;
@@ -595,7 +605,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         ));
     }
     if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
-        let why: Vec<String> = whole.findings.iter().map(|f| format!("{}: {}", f.kind, f.detail)).collect();
+        let why: Vec<String> = whole.findings.iter().map(describe).collect();
         return Err(gerr!("the whole traces cannot be compared ({:?}): {}", whole.verdict, why.join("; ")));
     }
     let whole_rows = rows(&whole);
@@ -603,13 +613,23 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let n = reference.tensors().iter().filter(|t| t.name.ends_with(".hidden_out")).map(|t| location(&t.name) + 1).max().unwrap_or(0).max(0) as usize;
 
     // The first diverging place, in computation order (tensors in reference order, then decisions by location).
-    let mut diverging: Vec<(i64, String)> = whole_rows.iter().filter(|t| is_bad(&t.status)).map(|t| (location(&t.tensor), t.tensor.clone())).collect();
-    diverging.extend(whole_decisions.iter().filter(|d| d.differing_rows > 0).map(|d| (location(&d.name), d.name.clone())));
-    let first = diverging.iter().min_by_key(|(loc, _)| *loc).cloned();
-    let first_layer = first.as_ref().and_then(|(loc, _)| (0..n as i64).contains(loc).then_some(*loc as usize));
+    let mut diverging: Vec<(i64, String, &'static str)> = whole_rows.iter().filter(|t| is_bad(&t.status)).map(|t| (location(&t.tensor), t.tensor.clone(), "differs")).collect();
+    diverging.extend(whole_decisions.iter().filter(|d| d.differing_rows > 0).map(|d| (location(&d.name), d.name.clone(), "differs")));
+    // What the differ states as a finding rather than as values (a tensor or decision on one
+    // side only, another order): divergence too, so the headline never calls runs matching while
+    // the body lists their differences.
+    let structure: Vec<&tracegate_diff::Finding> = whole.findings.iter().filter(|f| is_structure(f.kind)).collect();
+    for f in &structure {
+        if let Some(t) = f.tensor.as_ref().filter(|t| !diverging.iter().any(|(_, name, _)| name == *t)) {
+            diverging.push((location(t), t.clone(), f.kind));
+        }
+    }
+    let first = diverging.iter().min_by_key(|(loc, _, _)| *loc).cloned();
+    let first_layer = first.as_ref().and_then(|(loc, _, _)| (0..n as i64).contains(loc).then_some(*loc as usize));
     let whole_run = WholeRun {
         verdict: serde_json::to_value(whole.verdict).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
-        first_diverging: first.as_ref().map(|(_, n)| n.clone()),
+        first_diverging: first.as_ref().map(|(_, n, _)| n.clone()),
+        first_diverging_how: first.as_ref().map(|(_, _, how)| how.to_string()),
         first_diverging_layer: first_layer,
         first_divergence: whole.first_divergence.as_ref().map(|d| FirstDivergence {
             tensor: d.tensor.clone(),
@@ -621,15 +641,16 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             total_elements: d.total_elements,
         }),
         differing_decisions: whole_decisions.iter().filter(|d| d.differing_rows > 0).cloned().collect(),
-        findings: whole.findings.iter().filter(|f| !matches!(f.kind, "values_differ" | "outside_policy" | "decision_differs")).map(|f| format!("{}: {}", f.kind, f.detail)).collect(),
+        findings: whole.findings.iter().filter(|f| !matches!(f.kind, "values_differ" | "outside_policy" | "decision_differs")).map(describe).collect(),
     };
+    let structure = summarise(&structure);
 
     // Isolation: layers up to and including the first diverging one, or all of them.
     let isolate_upto = if o.all_layers { n } else { first_layer.map_or(0, |l| l + 1) };
     let mut layers: Vec<LayerRow> = (0..n)
         .map(|l| {
             let pfx = format!("layer.{l:02}.");
-            let differs = diverging.iter().any(|(_, name)| name.starts_with(&pfx));
+            let differs = diverging.iter().any(|(_, name, _)| name.starts_with(&pfx));
             let h = whole_rows.iter().find(|t| t.tensor == format!("{pfx}hidden_out"));
             LayerRow {
                 layer: l,
@@ -672,6 +693,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             }
         }
     }
+    refuse_timeout(&runs, o)?;
     let first_wrong = layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer);
     for row in &mut layers {
         row.status = match (row.isolation, row.whole_run) {
@@ -701,11 +723,13 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         }
     }
 
+    refuse_timeout(&runs, o)?;
+
     // Amplification: geometric-mean growth of the whole-run error over consecutive differing layers.
     let errs: Vec<f64> = layers.iter().filter_map(|r| r.whole_rel_l2).filter(|&e| e > 0.0).collect();
     let amplification = (errs.len() >= 2).then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64));
 
-    let (verdict, exit_code, summary) = verdict(&layers, first_wrong, &stage, &first, n, &whole_run, amplification, &failed);
+    let (verdict, exit_code, summary) = verdict(&layers, first_wrong, &stage, &first, n, &whole_run, &structure, amplification, &failed);
     Ok(BisectReport {
         schema: "tracegate-bisect/1",
         summary,
@@ -720,6 +744,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         capture: if o.internals { "internals" } else { "default" },
         layers_total: n,
         whole_run,
+        timeout_s: o.timeout.as_secs(),
         first_wrong_layer: first_wrong,
         stage,
         layers,
@@ -736,9 +761,10 @@ fn verdict(
     layers: &[LayerRow],
     first_wrong: Option<usize>,
     stage: &Option<Stage>,
-    first: &Option<(i64, String)>,
+    first: &Option<(i64, String, &'static str)>,
     n: usize,
     whole: &WholeRun,
+    structure: &Option<String>,
     amplification: Option<f64>,
     failed: &Option<(usize, String)>,
 ) -> (&'static str, i32, String) {
@@ -749,6 +775,7 @@ fn verdict(
         with("downstream"),
         with("wrong"),
     );
+    let also_structure = structure.as_ref().map(|s| format!("; the whole runs also differ in structure: {s}")).unwrap_or_default();
     let mut tail = Vec::new();
     if !matched.is_empty() {
         tail.push(say(&matched, "matches in isolation", "match in isolation"));
@@ -764,11 +791,23 @@ fn verdict(
         if !downstream.is_empty() {
             tail.push(say(&downstream, "differs downstream", "differ downstream") + " (not isolated; --all-layers checks whether they inherit)");
         }
-        return ("wrong_layer", 1, format!("layer {l:02} body is wrong: {} [{}]; {}", s.detail, block_words(s.block), tail.join("; ")));
+        return ("wrong_layer", 1, format!("layer {l:02} body is wrong: {} [{}]; {}{also_structure}", s.detail, block_words(s.block), tail.join("; ")));
     }
+    let whole_same = matches!(whole.verdict.as_str(), "identical" | "within_policy") && structure.is_none();
     if let Some((at, why)) = failed {
-        let div = first.as_ref().map(|(_, name)| format!("the whole runs first diverge at {name}")).unwrap_or_else(|| "the whole runs match".into());
+        let div = match (first, structure) {
+            (Some((_, name, how)), _) => format!("the whole runs first diverge at {name} ({})", how_words(how)),
+            (None, Some(s)) => format!("the whole runs differ in structure: {s}"),
+            (None, None) if whole_same => format!("the whole runs are {}", whole.verdict.replace('_', " ")),
+            (None, None) => format!("the whole runs differ ({})", whole.verdict),
+        };
         return ("not_checked", 4, format!("isolation NOT CHECKED from layer {at:02}: {why}; {div}"));
+    }
+    // The first divergence is structural, or only the structure differs: no value to bisect.
+    if first.as_ref().is_some_and(|(_, _, how)| *how != "differs") || (first.is_none() && !whole_same) {
+        let what = structure.clone().unwrap_or_else(|| format!("verdict {}", whole.verdict));
+        let iso = if tail.is_empty() { String::new() } else { format!("; {}", tail.join("; ")) };
+        return ("structure_differs", 1, format!("the whole runs differ in structure, not only in values: {what}{iso}"));
     }
     match first {
         None => {
@@ -777,8 +816,8 @@ fn verdict(
             let iso = if matched.is_empty() { "; no layer isolated (nothing diverged; --all-layers runs every layer's verb)".to_string() } else { format!("; {}", tail.join("; ")) };
             ("nothing_wrong", 0, format!("nothing wrong: the whole runs are {how}{iso}"))
         }
-        Some((loc, name)) if *loc < 0 => ("outside_layers", 1, format!("{name} differs before layer 00: the embedding is wrong (the layer verb does not isolate it)")),
-        Some((loc, name)) if *loc as usize >= n => (
+        Some((loc, name, _)) if *loc < 0 => ("outside_layers", 1, format!("{name} differs before layer 00: the embedding is wrong (the layer verb does not isolate it)")),
+        Some((loc, name, _)) if *loc as usize >= n => (
             "outside_layers",
             1,
             format!("no layer differs in the whole run; the divergence starts at {name}, after the last layer (the head, which the layer verb does not isolate)"),
@@ -791,7 +830,7 @@ fn verdict(
                 "accumulates",
                 1,
                 format!(
-                    "no layer body is wrong in isolation; the divergence accumulates: per-layer isolated error <= {} ULP (rel L2 <= {}){amp}; {}",
+                    "no layer body is wrong in isolation; the divergence accumulates: per-layer isolated error <= {} ULP (rel L2 <= {}){amp}; {}{also_structure}",
                     thousands(iso_ulp),
                     sci(Some(iso_rel)),
                     tail.join("; ")
@@ -799,6 +838,65 @@ fn verdict(
             )
         }
     }
+}
+
+/// A hang says nothing about the layers: the bisection cannot be judged, so it is refused.
+fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
+    match runs.iter().find(|r| r.timed_out) {
+        Some(r) => Err(gerr!("{} {} timed out after {} s (--timeout) and was killed: $ {}", r.producer, r.verb, o.timeout.as_secs(), r.invocation)),
+        None => Ok(()),
+    }
+}
+
+/// A differ finding that states a difference of structure, not of values.
+fn is_structure(kind: &str) -> bool {
+    // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
+    // (`rows`); the rest are notes, not differences.
+    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "dtype_mismatch" | "shape_mismatch" | "stack_mismatch_allowed" | "expert_rows_differ")
+}
+
+fn how_words(how: &str) -> String {
+    match how {
+        "differs" => "values differ".into(),
+        "missing_tensor" | "missing_decision" => "missing from the candidate".into(),
+        "extra_tensor" | "extra_decision" => "only in the candidate".into(),
+        other => other.replace('_', " "),
+    }
+}
+
+/// "kind name: detail", the name left out when the finding has none.
+fn describe(f: &tracegate_diff::Finding) -> String {
+    match &f.tensor {
+        Some(t) => format!("{} {t}: {}", f.kind, f.detail),
+        None => format!("{}: {}", f.kind, f.detail),
+    }
+}
+
+/// Structure findings by kind, each with its count and first names: "42 missing_tensor
+/// (layer.00.q, layer.00.k, layer.00.v, …)".
+fn summarise(findings: &[&tracegate_diff::Finding]) -> Option<String> {
+    let mut kinds: Vec<(&str, Vec<&tracegate_diff::Finding>)> = Vec::new();
+    for f in findings {
+        match kinds.iter_mut().find(|(k, _)| *k == f.kind) {
+            Some((_, v)) => v.push(f),
+            None => kinds.push((f.kind, vec![f])),
+        }
+    }
+    let parts: Vec<String> = kinds
+        .iter()
+        .map(|(kind, fs)| {
+            let names: Vec<&str> = fs.iter().filter_map(|f| f.tensor.as_deref()).collect();
+            let shown: Vec<&str> = names.iter().copied().take(3).collect();
+            let more = if names.len() > shown.len() { ", …" } else { "" };
+            match (fs.len(), shown.is_empty()) {
+                (1, true) => format!("{kind}: {}", fs[0].detail),
+                (1, false) => format!("{kind} {}", shown[0]),
+                (count, true) => format!("{count} {kind}"),
+                (count, false) => format!("{count} {kind} ({}{more})", shown.join(", ")),
+            }
+        })
+        .collect();
+    (!parts.is_empty()).then(|| parts.join("; "))
 }
 
 // ------------------------------------------------------------------------------------------
@@ -822,6 +920,9 @@ pub fn render(r: &BisectReport) -> String {
         (None, _) => o.push_str(&format!("  whole run: {}\n", r.whole_run.verdict)),
         (Some(name), d) => {
             o.push_str(&format!("  whole run: {}; first diverging {name}", r.whole_run.verdict));
+            if let Some(how) = r.whole_run.first_diverging_how.as_deref().filter(|h| *h != "differs") {
+                o.push_str(&format!(" ({})", how_words(how)));
+            }
             if let Some(d) = d {
                 o.push_str(&format!(
                     "; first differing element {}{:?}: {} vs {} ({} ULP; {}/{} elements differ)",

@@ -1,11 +1,12 @@
-//! The gate: claims about producers, checked every time. `gate m0|m1` runs the engine (in
-//! process), the contract and the oracle (subprocesses) on frozen prompts and asserts counts
-//! exactly; `gate check` re-derives every milestone; `gate bisect` names the first layer whose
+//! The gate: claims about producers, checked every time. `gate m0|m1` runs the engine, the
+//! contract and the oracle (each a subprocess with a timeout) on frozen prompts and asserts
+//! counts exactly; `gate check` re-derives every milestone; `gate bisect` names the first layer whose
 //! body is wrong.
 
 pub mod baselines;
 pub mod bisect;
 pub mod milestones;
+pub mod paths;
 pub mod producer;
 pub mod prompts;
 pub mod report;

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use tracegate_gate::paths::UserPaths;
+use tracegate_gate::producer::DEFAULT_TIMEOUT_S;
 use tracegate_gate::run::{run_milestone, GateOptions, MilestoneReport};
 use tracegate_gate::{find_root, milestones::MilestoneFile, report};
 
@@ -33,7 +35,7 @@ struct RunArgs {
     /// Only these prompt ids (comma separated); an unknown id is refused.
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
-    /// Write the full JSON report here.
+    /// Write the full JSON report here (relative to the current directory).
     #[arg(long)]
     report: Option<PathBuf>,
     /// Accept this run as the new expectation: rewrite milestones.json and baselines.json and print what changed.
@@ -42,7 +44,7 @@ struct RunArgs {
     /// Greedy tokens per prompt (default: the milestone's).
     #[arg(long)]
     generate: Option<usize>,
-    /// Run the milestone's checks on this checkpoint instead (same family).
+    /// Run the milestone's checks on this checkpoint instead (same family; relative to the current directory).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Engine threads (at least 1).
@@ -57,24 +59,28 @@ struct RunArgs {
     /// Oracle producer command template ({verb} and {args} are filled in).
     #[arg(long)]
     oracle_cmd: Option<String>,
-    /// Trace directory (relative to the root): traces go to DIR/<milestone>/<prompt>/, emptied
-    /// first. Locked for the run; a second run on the same directory is refused.
-    #[arg(long, default_value = "target/gate")]
-    work: String,
+    /// Trace directory (default: target/gate under the root; a DIR given is relative to the
+    /// current directory): traces go to DIR/<milestone>/<prompt>/, emptied first. Locked for
+    /// the run; a second run on the same directory is refused.
+    #[arg(long)]
+    work: Option<PathBuf>,
+    /// Seconds each producer run may take before it is killed and the run refused.
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_S, value_parser = at_least_one_u64)]
+    timeout: u64,
 }
 
 #[derive(Args, Clone)]
 struct BisectArgs {
-    /// Model directory (HF layout), relative to the root.
+    /// Model directory (HF layout), relative to the current directory.
     #[arg(long)]
-    model: String,
+    model: PathBuf,
     /// Prompt token ids, comma separated (or --prompt).
     #[arg(long, conflicts_with = "prompt")]
     tokens: Option<String>,
     /// A prompt id from --prompts (e.g. short, mid).
     #[arg(long)]
     prompt: Option<String>,
-    /// Prompt set for --prompt: a name under fixtures/prompts/ or a path.
+    /// Prompt set for --prompt: a name under fixtures/prompts/ or a path (relative to the current directory).
     #[arg(long, default_value = "frozen")]
     prompts: String,
     /// Reference producer: engine, contract, oracle or cmd (then --reference-cmd).
@@ -89,10 +95,11 @@ struct BisectArgs {
     /// Candidate command template, e.g. 'my-engine {verb} {args}'.
     #[arg(long)]
     candidate_cmd: Option<String>,
-    /// Judge by this policy (default: by bits, or fixtures/policy/oracle-default.json when the oracle is a side).
+    /// Judge by this policy file (relative to the current directory; default: by bits, or
+    /// fixtures/policy/oracle-default.json under the root when the oracle is a side).
     #[arg(long)]
-    policy: Option<String>,
-    /// Write the JSON report here (schema: docs/bisect.md).
+    policy: Option<PathBuf>,
+    /// Write the JSON report here (schema: docs/bisect.md; relative to the current directory).
     #[arg(long)]
     report: Option<PathBuf>,
     /// Isolate every layer, not only those up to the first diverging one.
@@ -110,9 +117,13 @@ struct BisectArgs {
     /// Engine threads (at least 1).
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     threads: usize,
-    /// Directory for the traces (relative to the root; default target/bisect/<time>-<pid>); kept, and locked while the bisection runs.
+    /// Directory for the traces (relative to the current directory; default
+    /// target/bisect/<time>-<pid> under the root); kept, and locked while the bisection runs.
     #[arg(long)]
-    work: Option<String>,
+    work: Option<PathBuf>,
+    /// Seconds each producer run may take before it is killed and the bisection refused.
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_S, value_parser = at_least_one_u64)]
+    timeout: u64,
 }
 
 fn at_least_one(s: &str) -> Result<usize, String> {
@@ -120,6 +131,10 @@ fn at_least_one(s: &str) -> Result<usize, String> {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("{s:?} is not a whole number of at least 1")),
     }
+}
+
+fn at_least_one_u64(s: &str) -> Result<u64, String> {
+    at_least_one(s).map(|n| n as u64)
 }
 
 #[derive(Subcommand)]
@@ -145,28 +160,39 @@ enum Cmd {
     Bisect(BisectArgs),
 }
 
-fn bisect(root: &std::path::Path, a: &BisectArgs) -> Result<i32, String> {
+/// A `--prompts` value: a set name stays a name; a path is taken from where the gate started.
+fn prompts_arg(up: &UserPaths, spec: &str) -> String {
+    if tracegate_gate::prompts::is_path(spec) {
+        up.resolve(std::path::Path::new(spec)).display().to_string()
+    } else {
+        spec.to_string()
+    }
+}
+
+fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32, String> {
     use tracegate_gate::{bisect, prompts};
     let e = |e: tracegate_gate::Error| e.to_string();
+    let report = a.report.as_ref().map(|p| up.absolute(p));
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), None) => prompts::parse_tokens(t).map_err(e)?,
-        (None, Some(id)) => prompts::load(&prompts::resolve(root, &a.prompts)).and_then(|s| s.get(id).map(|p| p.tokens.clone())).map_err(e)?,
+        (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts))).and_then(|s| s.get(id).map(|p| p.tokens.clone())).map_err(e)?,
         _ => return Err("bisect needs --tokens IDS or --prompt ID".into()),
     };
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
     let o = bisect::BisectOptions {
         root: root.to_path_buf(),
-        model: a.model.clone(),
+        model: up.resolve(&a.model).display().to_string(),
         tokens,
         prompt: a.prompt.clone(),
         reference: bisect::producer(root, &a.reference, a.reference_cmd.as_deref(), "reference", a.threads).map_err(e)?,
         candidate: bisect::producer(root, &a.candidate, a.candidate_cmd.as_deref(), "candidate", a.threads).map_err(e)?,
-        policy: a.policy.clone(),
+        policy: a.policy.as_ref().map(|p| up.resolve(p).display().to_string()),
         all_layers: a.all_layers,
         internals: a.capture == "internals",
         calibrate: a.calibrate,
         seed: a.seed,
-        work: a.work.clone().unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
+        work: a.work.as_ref().map(|w| up.resolve(w).display().to_string()).unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
+        timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
     };
     let rep = match bisect::run(&o) {
@@ -175,31 +201,32 @@ fn bisect(root: &std::path::Path, a: &BisectArgs) -> Result<i32, String> {
             // A CI job that asked for a report gets one saying why there is no bisection.
             let refused = serde_json::json!({
                 "schema": "tracegate-bisect/1", "verdict": "refused", "exit_code": 2, "summary": err.to_string(),
-                "work_dir": o.work, "gate_invocation": o.gate_invocation,
+                "work_dir": o.work, "timeout_s": a.timeout, "gate_invocation": o.gate_invocation,
             });
-            write_report(&a.report, &refused)?;
+            write_report(&report, &refused)?;
             return Err(err.to_string());
         }
     };
     print!("{}", bisect::render(&rep));
-    write_report(&a.report, &rep)?;
+    write_report(&report, &rep)?;
     Ok(rep.exit_code)
 }
 
-fn options(root: &std::path::Path, id: &str, a: &RunArgs) -> GateOptions {
+fn options(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> GateOptions {
     GateOptions {
         root: root.to_path_buf(),
         milestone: id.to_string(),
-        prompts: a.prompts.clone(),
+        prompts: a.prompts.as_ref().map(|p| prompts_arg(up, p)),
         only: a.only.clone(),
         bless: a.bless,
         generate: a.generate,
-        model: a.model.clone(),
+        model: a.model.as_ref().map(|m| up.resolve(m)),
         threads: a.threads,
         assert_observed: a.assert_observed,
         contract_cmd: a.contract_cmd.clone(),
         oracle_cmd: a.oracle_cmd.clone(),
-        work: a.work.clone(),
+        work: a.work.as_ref().map(|w| up.resolve(w).display().to_string()).unwrap_or_else(|| "target/gate".into()),
+        timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
     }
 }
@@ -212,8 +239,8 @@ fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result
     Ok(())
 }
 
-fn run_one(root: &std::path::Path, id: &str, a: &RunArgs) -> Result<MilestoneReport, String> {
-    let (rep, bless_log) = run_milestone(&options(root, id, a)).map_err(|e| e.to_string())?;
+fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Result<MilestoneReport, String> {
+    let (rep, bless_log) = run_milestone(&options(root, up, id, a)).map_err(|e| e.to_string())?;
     print!("{}", report::render(&rep));
     if let Some(log) = bless_log {
         println!("\nblessed (milestones.json, baselines.json):\n{log}");
@@ -238,11 +265,22 @@ fn answer(rep: &MilestoneReport, checks: &[&str]) -> (&'static str, String) {
 }
 
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).is_some_and(|a| a == tracegate_gate::producer::ENGINE_CHILD) {
+        return engine_child();
+    }
     let cli = Cli::parse();
     let root = match cli.root.clone().map(Ok).unwrap_or_else(|| std::env::current_dir().map_err(|e| tracegate_gate::Error(e.to_string())).and_then(|d| find_root(&d))) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("gate: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // Paths the user typed are taken from here, before the gate moves to the root.
+    let up = match std::env::current_dir() {
+        Ok(cwd) => UserPaths::new(&cwd, &root),
+        Err(e) => {
+            eprintln!("gate: the current directory: {e}");
             return ExitCode::from(2);
         }
     };
@@ -254,17 +292,17 @@ fn main() -> ExitCode {
     }
     let root = PathBuf::from(".");
     let result = match &cli.cmd {
-        Cmd::M0(a) => run_one(&root, "m0", a).and_then(|r| write_report(&a.report, &r).map(|_| r.exit_code())),
-        Cmd::M1(a) => run_one(&root, "m1", a).and_then(|r| write_report(&a.report, &r).map(|_| r.exit_code())),
-        Cmd::Run { id, args } => run_one(&root, id, args).and_then(|r| write_report(&args.report, &r).map(|_| r.exit_code())),
-        Cmd::Bisect(a) => bisect(&root, a),
+        Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
+        Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
+        Cmd::Run { id, args } => run_one(&root, &up, id, args).and_then(|r| write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
+        Cmd::Bisect(a) => bisect(&root, &up, a),
         Cmd::Check { args } => (|| {
             let file = MilestoneFile::load(&root.join("milestones.json")).map_err(|e| e.to_string())?;
             let mut reports = Vec::new();
             let mut table = Vec::new();
             let mut worst = 0;
             for m in &file.milestones {
-                let rep = run_one(&root, &m.id, args)?;
+                let rep = run_one(&root, &up, &m.id, args)?;
                 let stable = answer(&rep, &["stable"]);
                 let matches = answer(&rep, &["matches", "generation"]);
                 let agrees = answer(&rep, &["agrees", "generation_oracle"]);
@@ -280,7 +318,7 @@ fn main() -> ExitCode {
                 reports.push(rep);
             }
             println!("\n== gate check: {} milestones\n{}", reports.len(), table.join("\n"));
-            write_report(&args.report, &reports)?;
+            write_report(&args.report.as_ref().map(|p| up.absolute(p)), &reports)?;
             Ok(match worst {
                 0 => 0,
                 1 => 4,
@@ -292,6 +330,23 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
             eprintln!("gate: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The hidden ENGINE_CHILD verb: the gate's engine producer, in a process of its own. Errors
+/// print one line and exit 2, as the `engine` binary's do.
+fn engine_child() -> ExitCode {
+    let argv: Result<Vec<String>, _> = std::env::args_os().skip(2).map(|a| a.into_string()).collect();
+    let result = match argv {
+        Ok(argv) => tracegate_gate::producer::engine_child(&argv),
+        Err(bad) => Err(format!("argument {bad:?} is not UTF-8")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("engine: {e}");
             ExitCode::from(2)
         }
     }

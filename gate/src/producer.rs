@@ -1,12 +1,13 @@
-//! Running producers. The engine runs in process; the contract, the oracle and a user's engine
-//! run as subprocesses through a command template that answers the two protocol verbs
-//! (`docs/producers.md`). Every run records its exact invocation, seconds and peak RSS, and a
-//! crash is a result with its stderr tail, never a dropped row.
+//! Running producers. Every producer is a subprocess with a timeout: the contract, the oracle and
+//! a user's engine through a command template that answers the two protocol verbs
+//! (`docs/producers.md`), the engine as a child of the gate's own executable. Every run records
+//! its exact invocation, seconds and peak RSS, and a crash or a hang is a result with the head
+//! and tail of its stderr, never a dropped row or a dead gate.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -59,11 +60,60 @@ impl Verb {
             ],
         }
     }
+
+    /// The inverse of `Producer::argv` for the engine: `engine VERB ARGS --threads N`.
+    pub fn parse(argv: &[String]) -> std::result::Result<(Verb, usize), String> {
+        let (verb, rest) = match argv {
+            [engine, verb, rest @ ..] if engine == "engine" => (verb.as_str(), rest),
+            _ => return Err(format!("expected `engine trace|layer ARGS`, got {}", display(argv))),
+        };
+        if rest.len() % 2 != 0 {
+            return Err(format!("arguments are not --name value pairs: {}", display(rest)));
+        }
+        let mut args: std::collections::BTreeMap<&str, &str> = rest.chunks(2).map(|p| (p[0].as_str(), p[1].as_str())).collect();
+        let mut take = |name: &str| args.remove(name).ok_or_else(|| format!("{verb}: missing {name}"));
+        let number = |name: &str, v: &str| v.parse::<usize>().map_err(|e| format!("{name} {v:?}: {e}"));
+        let internals = match take("--capture")? {
+            "default" => false,
+            "internals" => true,
+            other => return Err(format!("--capture {other:?}: expected default or internals")),
+        };
+        let threads = number("--threads", take("--threads")?)?;
+        let model = take("--model")?.to_string();
+        let out = take("--out")?.to_string();
+        let parsed = match verb {
+            "trace" => {
+                let tokens = take("--tokens")?;
+                let tokens = crate::prompts::parse_tokens(tokens).map_err(|e| e.to_string())?;
+                let generate = match args.remove("--generate") {
+                    Some(g) => number("--generate", g)?,
+                    None => 0,
+                };
+                let cache = match args.remove("--cache") {
+                    None | Some("on") => true,
+                    Some("off") => false,
+                    Some(other) => return Err(format!("--cache {other:?}: expected on or off")),
+                };
+                Verb::Trace { model, tokens, out, internals, generate, cache }
+            }
+            "layer" => {
+                let layer = number("--layer", take("--layer")?)?;
+                let input = take("--input")?.to_string();
+                let input_name = take("--input-name")?.to_string();
+                Verb::Layer { model, layer, input, input_name, out, internals }
+            }
+            other => return Err(format!("unknown verb {other:?}: expected trace or layer")),
+        };
+        match args.keys().next() {
+            Some(extra) => Err(format!("{verb}: unexpected argument {extra}")),
+            None => Ok((parsed, threads)),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
 pub enum Producer {
-    /// The reference engine, in this process.
+    /// The reference engine (linked into the gate; run as a child process, see `Producer::run`).
     Engine { threads: usize },
     /// A command template, split into words once (`Producer::command` checks it): `{verb}` is
     /// replaced by the verb, `{args}` by its arguments (appended when absent). Words are split
@@ -75,15 +125,102 @@ pub enum Producer {
 pub struct RunRecord {
     pub producer: String,
     pub verb: &'static str,
-    /// The exact command line (for the engine: the equivalent `engine` CLI invocation, run in process).
+    /// The exact command line (for the engine: the equivalent `engine` CLI invocation, which the
+    /// gate runs as a child of its own executable).
     pub invocation: String,
     pub ok: bool,
     pub exit_code: Option<i32>,
+    /// Killed after `--timeout` seconds.
+    pub timed_out: bool,
     pub seconds: f64,
     pub peak_rss_kib: Option<u64>,
-    /// The last lines of stderr (or the error), for a failed run.
-    pub stderr_tail: String,
+    /// stderr (stdout when stderr is empty and the run failed), bounded: its first and last
+    /// CAPTURE_HEAD / CAPTURE_TAIL bytes, with how many bytes between them were not kept; then,
+    /// for a failed run, how it ended (`[exit status 3]`, `[killed by signal 6 (SIGABRT)]`).
+    pub stderr: String,
+    /// Bytes the producer wrote to stderr, all of them (`stderr` keeps at most head + tail).
+    pub stderr_bytes: u64,
     pub out: String,
+}
+
+impl RunRecord {
+    /// One bounded message for a failed run: the head and tail of what it said.
+    pub fn why(&self) -> String {
+        let text = self.stderr.trim();
+        if text.len() <= 2 * WHY_BYTES {
+            return text.to_string();
+        }
+        let head = &text[..floor_char(text, WHY_BYTES)];
+        let tail = &text[ceil_char(text, text.len() - WHY_BYTES)..];
+        format!("{head} […] {tail}")
+    }
+}
+
+fn floor_char(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+fn ceil_char(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    i
+}
+
+/// What a producer's output may cost the gate, per stream, in memory and in the report.
+pub const CAPTURE_HEAD: usize = 8 * 1024;
+pub const CAPTURE_TAIL: usize = 8 * 1024;
+/// A failure message (check detail, refusal) keeps this much of each end of the capture.
+const WHY_BYTES: usize = 1024;
+/// How long output is still read after the producer exited (from a child that left its
+/// process group and kept the pipe open) before the gate stops listening.
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
+/// Default `--timeout`: the slowest fixture run (the oracle, about 7 s) with a wide margin.
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+
+/// The first CAPTURE_HEAD and last CAPTURE_TAIL bytes of a stream, and its total length.
+#[derive(Default)]
+pub struct Capture {
+    head: Vec<u8>,
+    tail: std::collections::VecDeque<u8>,
+    total: u64,
+}
+
+impl Capture {
+    pub fn push(&mut self, mut bytes: &[u8]) {
+        self.total += bytes.len() as u64;
+        let room = CAPTURE_HEAD - self.head.len();
+        let n = room.min(bytes.len());
+        self.head.extend_from_slice(&bytes[..n]);
+        bytes = &bytes[n..];
+        if bytes.len() >= CAPTURE_TAIL {
+            self.tail.clear();
+            bytes = &bytes[bytes.len() - CAPTURE_TAIL..];
+        }
+        let over = (self.tail.len() + bytes.len()).saturating_sub(CAPTURE_TAIL);
+        self.tail.drain(..over);
+        self.tail.extend(bytes);
+    }
+
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Kept bytes, at most CAPTURE_HEAD + CAPTURE_TAIL (plus the note of what was left out).
+    pub fn text(&self) -> String {
+        let head = String::from_utf8_lossy(&self.head);
+        let tail: Vec<u8> = self.tail.iter().copied().collect();
+        let tail = String::from_utf8_lossy(&tail);
+        let left_out = self.total - (self.head.len() + self.tail.len()) as u64;
+        if left_out == 0 {
+            format!("{head}{tail}")
+        } else {
+            format!("{head}\n[… {left_out} of {} bytes not kept …]\n{tail}", self.total)
+        }
+    }
 }
 
 pub fn split_words(s: &str) -> std::result::Result<Vec<String>, String> {
@@ -127,11 +264,6 @@ fn quote(word: &str) -> String {
 
 pub fn display(argv: &[String]) -> String {
     argv.iter().map(|w| quote(w)).collect::<Vec<_>>().join(" ")
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 impl Producer {
@@ -185,145 +317,294 @@ impl Producer {
         }
     }
 
-    /// Runs `verb` with `root` as the working directory (paths in the verb are relative to it).
-    pub fn run(&self, root: &Path, verb: &Verb) -> RunRecord {
+    /// Runs `verb` with `root` as the working directory (paths in the verb are relative to it),
+    /// killed after `timeout`. The engine runs as a child of the gate's own executable (the
+    /// hidden verb ENGINE_CHILD), so an engine that aborts or hangs ends a run, not the gate.
+    pub fn run(&self, root: &Path, verb: &Verb, timeout: Duration) -> RunRecord {
         let argv = self.argv(verb);
         let invocation = display(&argv);
         let start = Instant::now();
-        let (ok, exit_code, peak, stderr) = match self {
-            Producer::Engine { .. } => run_engine_in_process(root, verb, &argv),
-            Producer::Command { .. } => run_command(root, &argv),
+        let spawned = match self {
+            Producer::Engine { .. } => match std::env::current_exe() {
+                Ok(exe) => {
+                    let mut a = vec![exe.display().to_string(), ENGINE_CHILD.to_string()];
+                    a.extend(argv.iter().cloned());
+                    run_command(root, &a, timeout)
+                }
+                Err(e) => Ended::failed(format!("cannot find the gate's own executable to run the engine: {e}")),
+            },
+            Producer::Command { .. } => run_command(root, &argv, timeout),
         };
+        let wrote = root.join(verb.out()).is_file();
+        let ok = spawned.ok && wrote;
+        let mut stderr = spawned.text;
+        if spawned.ok && !wrote {
+            stderr = format!("exited 0 but wrote no trace at {}", verb.out());
+        }
+        if spawned.timed_out {
+            stderr = format!("{}\n[timed out after {} s (--timeout); killed: $ {invocation}]", stderr.trim_end(), timeout.as_secs_f64());
+        }
         RunRecord {
             producer: self.name(),
             verb: verb.name(),
             invocation,
-            ok: ok && root.join(verb.out()).is_file(),
-            exit_code,
+            ok,
+            exit_code: spawned.exit_code,
+            timed_out: spawned.timed_out,
             seconds: start.elapsed().as_secs_f64(),
-            peak_rss_kib: peak,
-            stderr_tail: if ok && !root.join(verb.out()).is_file() {
-                format!("exited 0 but wrote no trace at {}", verb.out())
-            } else {
-                tail(&stderr, 15)
-            },
+            peak_rss_kib: spawned.peak_rss_kib,
+            stderr,
+            stderr_bytes: spawned.stderr_bytes,
             out: verb.out().to_string(),
         }
     }
 }
 
-/// Peak RSS of this process since the last reset (Linux: VmHWM; reset via clear_refs 5).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
+/// The hidden first argument with which the gate runs itself as the engine producer.
+pub const ENGINE_CHILD: &str = "__engine-producer";
 
-fn peak_rss_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
-fn run_engine_in_process(root: &Path, verb: &Verb, argv: &[String]) -> (bool, Option<i32>, Option<u64>, String) {
-    // `root` is the working directory the gate set; joining "." keeps recorded paths relative.
-    let abs = |p: &str| -> PathBuf { if root == Path::new(".") { PathBuf::from(p) } else { root.join(p) } };
-    reset_peak_rss();
-    let result = std::panic::catch_unwind(|| match verb {
+/// The engine side of ENGINE_CHILD: `argv` is the equivalent engine command line
+/// (`engine trace|layer ARGS --threads N`, as `Producer::argv` writes it).
+pub fn engine_child(argv: &[String]) -> Result<(), String> {
+    let (verb, threads) = Verb::parse(argv)?;
+    let e = |e: tracegate_engine::Error| e.to_string();
+    match verb {
         Verb::Trace { model, tokens, out, internals, generate, cache } => tracegate_engine::run_trace(&tracegate_engine::TraceOptions {
-            model_dir: abs(model),
-            tokens: tokens.clone(),
-            out: abs(out),
-            internals: *internals,
-            generate: *generate,
-            cache: *cache,
-            threads: engine_threads(argv),
+            model_dir: PathBuf::from(model),
+            tokens,
+            out: PathBuf::from(out),
+            internals,
+            generate,
+            cache,
+            threads,
             command_line: argv.to_vec(),
         })
-        .map(|_| ()),
+        .map(|_| ())
+        .map_err(e),
         Verb::Layer { model, layer, input, input_name, out, internals } => tracegate_engine::run_layer(&tracegate_engine::LayerOptions {
-            model_dir: abs(model),
-            layer: *layer,
-            input: abs(input),
-            input_name: input_name.clone(),
-            out: abs(out),
-            internals: *internals,
-            threads: engine_threads(argv),
+            model_dir: PathBuf::from(model),
+            layer,
+            input: PathBuf::from(input),
+            input_name,
+            out: PathBuf::from(out),
+            internals,
+            threads,
             command_line: argv.to_vec(),
         })
-        .map(|_| ()),
-    });
-    let peak = peak_rss_kib();
-    match result {
-        Ok(Ok(())) => (true, Some(0), peak, String::new()),
-        Ok(Err(e)) => (false, Some(2), peak, format!("engine: {e}")),
-        Err(panic) => {
-            let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
-            (false, None, peak, format!("engine panicked: {}", msg.unwrap_or_default()))
-        }
+        .map(|_| ())
+        .map_err(e),
     }
 }
 
-fn engine_threads(argv: &[String]) -> usize {
-    argv.iter().position(|a| a == "--threads").and_then(|i| argv.get(i + 1)).and_then(|t| t.parse().ok()).unwrap_or(1)
+/// How a subprocess ended.
+struct Ended {
+    ok: bool,
+    exit_code: Option<i32>,
+    timed_out: bool,
+    peak_rss_kib: Option<u64>,
+    /// stderr (or stdout, see RunRecord::stderr), with how it ended when it failed.
+    text: String,
+    stderr_bytes: u64,
+    stdout: String,
 }
 
-/// Spawns the command, drains its output, and reaps it with wait4 for the child's peak RSS.
-fn run_command(root: &Path, argv: &[String]) -> (bool, Option<i32>, Option<u64>, String) {
+impl Ended {
+    fn failed(why: String) -> Ended {
+        Ended { ok: false, exit_code: None, timed_out: false, peak_rss_kib: None, text: why, stderr_bytes: 0, stdout: String::new() }
+    }
+}
+
+/// Runs a helper command (not a producer: e.g. the oracle's version probe) under the same
+/// timeout and bounds; its stdout when it succeeds, else why not.
+pub fn run_helper(root: &Path, argv: &[String], timeout: Duration) -> std::result::Result<String, String> {
+    let e = run_command(root, argv, timeout);
+    match (e.ok, e.timed_out) {
+        (true, _) => Ok(e.stdout),
+        (false, true) => Err(format!("timed out after {} s (--timeout) and was killed: $ {}", timeout.as_secs_f64(), display(argv))),
+        (false, false) => Err(e.text),
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGILL => "SIGILL",
+        _ => "",
+    }
+}
+
+/// Spawns the command in a process group of its own, reads its output into bounded captures
+/// while it runs, and reaps it with wait4 for its peak RSS. At `timeout` the whole group is
+/// killed. When it exits, what it left running in its group is killed too, and a pipe still
+/// held open (by a child that left the group) is read for DRAIN_GRACE at most: a producer's
+/// leftovers never block the gate.
+fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
     let Some((prog, rest)) = argv.split_first() else {
-        return (false, None, None, "empty command template".into());
+        return Ended::failed("empty command template".into());
     };
-    let child = Command::new(prog)
-        .args(rest)
-        .current_dir(root)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) => return (false, None, None, format!("could not start {prog:?}: {e}")),
-    };
-    let mut stdout = child.stdout.take().expect("piped");
-    let mut stderr = child.stderr.take().expect("piped");
-    let out_thread = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err_thread = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let pid = child.id() as libc::pid_t;
-    let mut status: libc::c_int = 0;
-    // SAFETY: plain wait4 on our own child; rusage is a zeroed out-parameter.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let rc = loop {
-        let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-        if rc == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
-        }
-        break rc;
-    };
-    let out = out_thread.join().unwrap_or_default();
-    let err = err_thread.join().unwrap_or_default();
-    if rc == -1 {
-        return (false, None, None, format!("wait4 failed: {}", std::io::Error::last_os_error()));
+    let mut cmd = Command::new(prog);
+    cmd.args(rest).current_dir(root).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+    // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill the child if the gate
+    // dies first (Ctrl-C), since a child in its own group does not get the terminal's SIGINT.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
     }
-    let (ok, code, how) = if libc::WIFEXITED(status) {
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return Ended::failed(format!("could not start {prog:?}: {e}")),
+    };
+    let pid = child.id() as libc::pid_t;
+    let as_file = |fd: Option<std::os::fd::OwnedFd>| fd.map(std::fs::File::from);
+    // [stdout, stderr]; None once closed or abandoned.
+    let mut pipes = [as_file(child.stdout.take().map(Into::into)), as_file(child.stderr.take().map(Into::into))];
+    for f in pipes.iter().flatten() {
+        // SAFETY: fcntl on descriptors this function owns.
+        unsafe {
+            let flags = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+            libc::fcntl(f.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+        }
+    }
+    let mut caps = [Capture::default(), Capture::default()];
+    let start = Instant::now();
+    let mut status: libc::c_int = 0;
+    // SAFETY: rusage is a plain out-parameter.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let mut ended: Option<Instant> = None;
+    let mut timed_out = false;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let open: Vec<usize> = (0..2).filter(|&i| pipes[i].is_some()).collect();
+        if open.is_empty() && ended.is_some() {
+            break;
+        }
+        if open.is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+        } else {
+            let mut pfds: Vec<libc::pollfd> = open.iter().map(|&i| libc::pollfd { fd: pipes[i].as_ref().map_or(-1, |f| f.as_raw_fd()), events: libc::POLLIN, revents: 0 }).collect();
+            // SAFETY: pfds is a live array of pollfd of the given length.
+            unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 20) };
+            for (&i, p) in open.iter().zip(&pfds) {
+                if p.revents == 0 {
+                    continue;
+                }
+                loop {
+                    let Some(f) = pipes[i].as_mut() else { break };
+                    match f.read(&mut buf) {
+                        Ok(0) => pipes[i] = None,
+                        Ok(n) => {
+                            caps[i].push(&buf[..n]);
+                            continue;
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(_) => pipes[i] = None,
+                    }
+                    break;
+                }
+            }
+        }
+        match ended {
+            Some(at) if at.elapsed() >= DRAIN_GRACE => break,
+            Some(_) => {}
+            None => {
+                // SAFETY: wait4 on our own child; status and usage are out-parameters.
+                let rc = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+                if rc == pid || (rc == -1 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted) {
+                    if rc == -1 {
+                        return Ended::failed(format!("wait4 failed: {}", std::io::Error::last_os_error()));
+                    }
+                    ended = Some(Instant::now());
+                    // SAFETY: signals the group this child led; it cannot be reused while members live.
+                    unsafe { libc::kill(-pid, libc::SIGKILL) };
+                } else if start.elapsed() >= timeout {
+                    // SAFETY: as above; then a blocking reap of the killed leader.
+                    unsafe { libc::kill(-pid, libc::SIGKILL) };
+                    while unsafe { libc::wait4(pid, &mut status, 0, &mut usage) } == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {}
+                    timed_out = true;
+                    ended = Some(Instant::now());
+                }
+            }
+        }
+    }
+    // `child` was reaped above; dropping it neither waits nor kills.
+    drop(child);
+    let [out, err] = caps;
+    let (ok, code, how) = if timed_out {
+        (false, None, String::new())
+    } else if libc::WIFEXITED(status) {
         let code = libc::WEXITSTATUS(status);
         (code == 0, Some(code), format!("exit status {code}"))
     } else if libc::WIFSIGNALED(status) {
-        (false, None, format!("killed by signal {}", libc::WTERMSIG(status)))
+        let sig = libc::WTERMSIG(status);
+        let name = signal_name(sig);
+        (false, None, if name.is_empty() { format!("killed by signal {sig}") } else { format!("killed by signal {sig} ({name})") })
     } else {
         (false, None, "ended abnormally".to_string())
     };
-    let mut text = err;
+    let stdout = out.text();
+    let mut text = err.text();
     if !ok {
         if text.trim().is_empty() {
-            text = out;
+            text = stdout.clone();
         }
-        text.push_str(&format!("\n[{how}]"));
+        if !how.is_empty() {
+            text.truncate(text.trim_end().len());
+            text.push_str(&format!("\n[{how}]"));
+        }
     }
-    (ok, code, Some(usage.ru_maxrss as u64), text)
+    Ended { ok, exit_code: code, timed_out, peak_rss_kib: Some(usage.ru_maxrss as u64), text, stderr_bytes: err.total(), stdout }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_capture_keeps_its_head_and_tail_whatever_is_pushed() {
+        let mut c = Capture::default();
+        c.push(b"FIRST\n");
+        for _ in 0..5_000 {
+            c.push(&[b'x'; 10_000]);
+        }
+        c.push(b"\nLAST\n");
+        assert_eq!(c.total(), 6 + 50_000_000 + 6);
+        assert_eq!(c.head.len() + c.tail.len(), CAPTURE_HEAD + CAPTURE_TAIL);
+        let text = c.text();
+        assert!(text.starts_with("FIRST\n") && text.ends_with("\nLAST\n"), "{}", &text[..64]);
+        assert!(text.contains(&format!("[… {} of 50000012 bytes not kept …]", 50_000_012 - CAPTURE_HEAD - CAPTURE_TAIL)));
+        // Under the bound, everything is kept, in order.
+        let mut small = Capture::default();
+        small.push(b"one ");
+        small.push(&[b'y'; CAPTURE_HEAD]);
+        small.push(b" two");
+        assert_eq!(small.text(), format!("one {} two", "y".repeat(CAPTURE_HEAD)));
+    }
+
+    #[test]
+    fn the_engine_child_reads_back_exactly_the_arguments_the_gate_wrote() {
+        let verbs = [
+            Verb::Trace { model: "fixtures/m".into(), tokens: vec![3, 17, 5], out: "w/a b.trace".into(), internals: true, generate: 4, cache: false },
+            Verb::Trace { model: "/abs/m".into(), tokens: vec![0], out: "o.trace".into(), internals: false, generate: 0, cache: true },
+            Verb::Layer { model: "m".into(), layer: 3, input: "r.trace".into(), input_name: "layer.03.hidden_in".into(), out: "c.trace".into(), internals: false },
+        ];
+        for verb in verbs {
+            let argv = Producer::Engine { threads: 2 }.argv(&verb);
+            let (back, threads) = Verb::parse(&argv).unwrap();
+            assert_eq!((Producer::Engine { threads }.argv(&back), threads), (argv, 2));
+        }
+        let err = Verb::parse(&["engine".into(), "trace".into(), "--model".into(), "m".into()]).unwrap_err();
+        assert!(err.contains("missing --capture"), "{err}");
+    }
 }

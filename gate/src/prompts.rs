@@ -32,9 +32,14 @@ struct PromptEntry {
     tokens: Vec<i64>,
 }
 
+/// Whether a `--prompts` value is a path (it has a `/` or ends in `.json`) rather than a set name.
+pub fn is_path(spec: &str) -> bool {
+    spec.contains('/') || spec.ends_with(".json")
+}
+
 /// `--prompts NAME` names `fixtures/prompts/NAME.json`; anything with a `/` or `.json` is a path.
 pub fn resolve(root: &Path, spec: &str) -> PathBuf {
-    if spec.contains('/') || spec.ends_with(".json") {
+    if is_path(spec) {
         PathBuf::from(spec)
     } else {
         root.join("fixtures/prompts").join(format!("{spec}.json"))
@@ -99,4 +104,24 @@ pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
         return Err(gerr!("--tokens {s:?}: need at least one non-negative token id"));
     }
     Ok(tokens)
+}
+
+/// Refuses, before any producer runs, a prompt whose positions (its tokens, then `generate`
+/// greedy tokens, as the oracle counts them) exceed the model's `max_position_embeddings`.
+/// `model` is the model directory as the producers get it (relative to `root`).
+pub fn check_fits(root: &Path, model: &str, id: Option<&str>, tokens: usize, generate: usize) -> Result<()> {
+    let path = root.join(model).join("config.json");
+    let config: serde_json::Value = crate::read_json(&path).map_err(|e| gerr!("--model: {e}"))?;
+    let Some(limit) = config.get("max_position_embeddings") else { return Ok(()) };
+    let limit = limit.as_u64().filter(|&n| n > 0).ok_or_else(|| gerr!("{}: max_position_embeddings {limit} is not a positive integer", crate::paths::shown(&path)))?;
+    let positions = tokens as u64 + generate as u64;
+    if positions > limit {
+        let what = id.map(|id| format!("prompt {id:?}")).unwrap_or_else(|| "--tokens".into());
+        let gen = if generate > 0 { format!(" + {generate} generated") } else { String::new() };
+        return Err(gerr!(
+            "{what}: {tokens} tokens{gen} = {positions} positions exceed max_position_embeddings {limit} of {}",
+            crate::paths::shown(&path)
+        ));
+    }
+    Ok(())
 }

@@ -54,7 +54,7 @@ pub fn render(r: &MilestoneReport) -> String {
             }
         }
         for run in p.runs.iter().filter(|run| !run.ok) {
-            out.push_str(&format!("{}: {} crashed after {:.2}s: {}\n    $ {}\n", p.id, run.producer, run.seconds, run.stderr_tail.trim().replace('\n', "\n    "), run.invocation));
+            out.push_str(&format!("{}: {} crashed after {:.2}s: {}\n    $ {}\n", p.id, run.producer, run.seconds, run.why().replace('\n', "\n    "), run.invocation));
         }
         if let Some(o) = &p.oracle {
             out.push_str(&format!(
@@ -75,6 +75,9 @@ pub fn render(r: &MilestoneReport) -> String {
         for f in &b.findings {
             out.push_str(&format!("    finding {} {}: {}\n", f.kind, f.name, f.detail));
         }
+    }
+    if !r.baselines_not_selected.is_empty() {
+        out.push_str(&format!("not selected (--only): baselines {}\n", r.baselines_not_selected.join(", ")));
     }
     let n = |k: &str| r.totals.get(k).copied().unwrap_or(0);
     out.push_str(&format!(

@@ -107,11 +107,16 @@ pub struct MilestoneReport {
     pub prompt_sha256: String,
     pub generate: usize,
     pub threads: usize,
+    /// `--timeout`: seconds each producer run may take.
+    pub timeout_s: u64,
     pub policy: String,
     pub gate_invocation: Vec<String>,
     pub stack: Value,
     pub prompts: Vec<PromptResult>,
     pub baselines: Vec<CheckResult>,
+    /// Baselines of prompts this run did not select (`--only`): not checks, so neither passed
+    /// nor NOT CHECKED.
+    pub baselines_not_selected: Vec<String>,
     pub totals: BTreeMap<&'static str, usize>,
     /// PASS, FAIL, or INCOMPLETE (nothing failed but something was NOT CHECKED).
     pub verdict: &'static str,
@@ -146,6 +151,8 @@ pub struct GateOptions {
     pub oracle_cmd: Option<String>,
     /// Trace directory, relative to the root (or absolute); traces go to `<work>/<milestone>/<prompt>/`.
     pub work: String,
+    /// Each producer run is killed after this long, and the run refused.
+    pub timeout: std::time::Duration,
     pub gate_invocation: Vec<String>,
 }
 
@@ -164,19 +171,14 @@ pub fn default_oracle_cmd(root: &Path) -> String {
 }
 
 /// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
-fn probe_oracle(root: &Path) -> std::result::Result<Value, String> {
+fn probe_oracle(root: &Path, timeout: std::time::Duration) -> std::result::Result<Value, String> {
     let py = python(root, "TRACEGATE_ORACLE_PYTHON");
-    let out = std::process::Command::new(&py)
-        .args(["-c", "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))"])
-        .current_dir(root)
-        .output()
-        .map_err(|e| format!("cannot run {py}: {e}"))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().last().unwrap_or("import failed").to_string();
-        return Err(format!("torch/transformers unavailable to {py}: {last}"));
-    }
-    serde_json::from_slice(&out.stdout).map_err(|e| format!("version probe printed no JSON: {e}"))
+    let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
+    let out = crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout).map_err(|err| {
+        let last = err.lines().rev().find(|l| !l.trim().is_empty() && !l.starts_with('[')).unwrap_or("import failed").to_string();
+        format!("torch/transformers unavailable to {py}: {last}")
+    })?;
+    serde_json::from_str(&out).map_err(|e| format!("version probe printed no JSON: {e}"))
 }
 
 fn decode_tokens(t: &Trace) -> Vec<i64> {
@@ -216,7 +218,7 @@ fn counts(t: &Trace) -> Value {
 
 fn open(root: &Path, rec: &RunRecord) -> std::result::Result<Trace, String> {
     if !rec.ok {
-        return Err(format!("{} {} failed: {}", rec.producer, rec.verb, rec.stderr_tail.trim()));
+        return Err(format!("{} {} failed: {}", rec.producer, rec.verb, rec.why()));
     }
     Trace::open(root.join(&rec.out)).map_err(|e| format!("{} trace unreadable: {e}", rec.producer))
 }
@@ -418,12 +420,13 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let model = match &o.model {
         Some(dir) => {
             // Validated as the engine would (unsupported fields are refused here, not mid-run).
-            let (_, raw) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {}: {e}", dir.display()))?;
+            let shown = crate::paths::shown(dir);
+            let (_, raw) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
             let family = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
             if family != m.family {
-                return Err(gerr!("--model {}: model_type {family:?} is not milestone {}'s family {:?}", dir.display(), m.id, m.family));
+                return Err(gerr!("--model {shown}: model_type {family:?} is not milestone {}'s family {:?}", m.id, m.family));
             }
-            let canon = std::fs::canonicalize(dir).map_err(|e| gerr!("{}: {e}", dir.display()))?;
+            let canon = std::fs::canonicalize(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
             // The milestone's own checkpoint, however spelled, keeps the milestone's name, so its
             // recorded baselines still apply.
             if std::fs::canonicalize(o.root.join(&m.model)).is_ok_and(|own| own == canon) {
@@ -435,13 +438,16 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         None => m.model.clone(),
     };
     let generate = o.generate.unwrap_or(m.generate);
+    for p in &selected {
+        prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
+    }
     let policy = Policy::load(&o.root.join(&m.policy)).map_err(|e| gerr!("{}: {e}", m.policy))?;
     let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
     let _lock = crate::WorkLock::acquire(&o.root.join(&work_rel))?;
-    let oracle_probe = probe_oracle(&o.root);
     let engine = Producer::Engine { threads: o.threads };
     let contract = Producer::command("contract", &o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root))).map_err(|e| gerr!("--contract-cmd: {e}"))?;
     let oracle = Producer::command("oracle", &o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root))).map_err(|e| gerr!("--oracle-cmd: {e}"))?;
+    let oracle_probe = probe_oracle(&o.root, o.timeout);
     let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
 
     let steps = selected.len() as u64 * if oracle_runs { 4 } else { 3 };
@@ -466,19 +472,20 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
             cache,
         };
         let mut runs = Vec::new();
-        bar.set_message(format!("{}: engine", p.id));
-        runs.push(engine.run(&o.root, &trace_verb("engine.trace", true)));
-        bar.inc(1);
-        bar.set_message(format!("{}: engine (uncached)", p.id));
-        runs.push(engine.run(&o.root, &trace_verb("engine-uncached.trace", false)));
-        bar.inc(1);
-        bar.set_message(format!("{}: contract", p.id));
-        runs.push(contract.run(&o.root, &trace_verb("contract.trace", true)));
-        bar.inc(1);
+        let mut producers = vec![(&engine, "engine", "engine.trace", true), (&engine, "engine (uncached)", "engine-uncached.trace", false), (&contract, "contract", "contract.trace", true)];
         if oracle_runs {
-            bar.set_message(format!("{}: oracle", p.id));
-            runs.push(oracle.run(&o.root, &trace_verb("oracle.trace", true)));
+            producers.push((&oracle, "oracle", "oracle.trace", true));
+        }
+        for (producer, label, out, cache) in producers {
+            bar.set_message(format!("{}: {label}", p.id));
+            let rec = producer.run(&o.root, &trace_verb(out, cache), o.timeout);
             bar.inc(1);
+            // A hang says nothing about the model; the gate cannot judge this run at all.
+            if rec.timed_out {
+                bar.finish_and_clear();
+                return Err(gerr!("{}: {label} {} timed out after {} s (--timeout) and was killed: $ {}", p.id, rec.verb, o.timeout.as_secs(), rec.invocation));
+            }
+            runs.push(rec);
         }
         let result = judge_prompt(o, &m, p, runs, &policy, &oracle_probe, oracle_runs);
         let line = format!(
@@ -505,7 +512,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         c.insert("model".into(), json!(model));
         c
     };
-    let baselines = check_baselines(&m, &bl_file.baselines, &results, &conditions_of, o.assert_observed, &selected);
+    let (baselines, baselines_not_selected) = check_baselines(&m, &bl_file.baselines, &results, &conditions_of, o.assert_observed, &set, &selected);
 
     let mut totals: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut report = MilestoneReport {
@@ -517,11 +524,13 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         prompt_sha256: set.sha256.clone(),
         generate,
         threads: o.threads,
+        timeout_s: o.timeout.as_secs(),
         policy: m.policy.clone(),
         gate_invocation: o.gate_invocation.clone(),
         stack: stack_versions(&oracle_probe),
         prompts: results,
         baselines,
+        baselines_not_selected,
         totals: BTreeMap::new(),
         verdict: "FAIL",
     };
@@ -683,11 +692,19 @@ fn check_baselines(
     results: &[PromptResult],
     conditions_of: &dyn Fn(&PromptResult) -> Conditions,
     assert_observed: Option<f64>,
+    set: &PromptSet,
     selected: &[Prompt],
-) -> Vec<CheckResult> {
+) -> (Vec<CheckResult>, Vec<String>) {
     let mut out = Vec::new();
+    let mut not_selected = Vec::new();
     for b in baselines.iter().filter(|b| b.milestone == m.id) {
         let name = format!("baseline {}", b.id);
+        // A prompt of the set left out by --only: its baselines are not this run's business.
+        let want_prompt = b.requires.get("prompt").and_then(Value::as_str);
+        if want_prompt.is_some_and(|p| !selected.iter().any(|s| s.id == p) && set.prompts.iter().any(|s| s.id == p)) {
+            not_selected.push(b.id.clone());
+            continue;
+        }
         let mut applied = None;
         let mut reasons = Vec::new();
         for r in results {
@@ -700,9 +717,8 @@ fn check_baselines(
             }
         }
         let Some(r) = applied else {
-            let want_prompt = b.requires.get("prompt").and_then(Value::as_str);
             let why = match want_prompt {
-                Some(p) if !selected.iter().any(|s| s.id == p) => format!("prompt {p:?} was not run (--only)"),
+                Some(p) if !selected.iter().any(|s| s.id == p) => format!("prompt {p:?} is not in {}", set.path.display()),
                 _ => reasons.into_iter().find(|r| !r.starts_with("requires prompt=")).unwrap_or_else(|| "no run matched".into()),
             };
             out.push(CheckResult::not_checked(&name, why));
@@ -746,7 +762,7 @@ fn check_baselines(
     if !out.iter().any(|c| c.status != Status::NotChecked) {
         out.push(CheckResult::new("baselines", Status::Fail, format!("no baseline of milestone {} applied to this run: zero checked baselines is a failure (record one with --bless)", m.id)));
     }
-    out
+    (out, not_selected)
 }
 
 #[allow(clippy::too_many_arguments)]

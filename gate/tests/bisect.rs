@@ -18,15 +18,20 @@ struct Outcome {
     report: Value,
 }
 
-/// Runs `gate bisect` on a fixture with the given extra arguments; traces and report in a temp
-/// dir. Returns the exit code, stdout, stderr and the report.
+/// Runs `gate bisect` on a fixture (a directory under fixtures/, or an absolute path) with the
+/// given extra arguments, from the root; traces and report in a temp dir. Returns the exit code,
+/// stdout, stderr and the report.
 fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
     let root = repo();
     let work = tempfile::tempdir_in(root.join("target")).unwrap();
     let work_rel = work.path().strip_prefix(&root).unwrap().display().to_string();
     let report = work.path().join("report.json");
+    let model = if model.starts_with('/') { model.to_string() } else { format!("fixtures/{model}") };
+    let prompt: &[&str] = if args.contains(&"--tokens") { &[] } else { &["--prompt", "short"] };
     let out = Command::new(env!("CARGO_BIN_EXE_gate"))
-        .args(["--root", root.to_str().unwrap(), "bisect", "--model", &format!("fixtures/{model}"), "--prompt", "short", "--work", &work_rel])
+        .current_dir(&root)
+        .args(["--root", root.to_str().unwrap(), "bisect", "--model", &model, "--work", &work_rel])
+        .args(prompt)
         .args(["--report", report.to_str().unwrap()])
         .args(args)
         .output()
@@ -174,10 +179,12 @@ fn oracle_against_engine_reports_nothing_wrong() {
     let py = repo().join(".venv/bin/python");
     let probe = Command::new(&py).args(["-c", "import torch, transformers"]).output();
     if !probe.map(|o| o.status.success()).unwrap_or(false) {
+        // Set-up always installs torch: in CI its absence is a broken set-up, not a skip.
+        assert!(std::env::var_os("CI").is_none(), "CI is set but torch/transformers are unavailable to {}: run scripts/setup.sh", py.display());
         eprintln!("NOT CHECKED: torch/transformers unavailable to {}", py.display());
         return;
     }
-    // The candidate's layer verb is the in-process engine, so isolating every layer is cheap.
+    // The candidate's layer verb is the engine (fast), so isolating every layer is cheap.
     let o = bisect("tiny-qwen3", &["--reference", "oracle", "--candidate", "engine", "--all-layers"]);
     assert_eq!(o.code, 0, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "nothing_wrong");
@@ -195,4 +202,72 @@ fn a_crashing_candidate_is_refused_with_its_stderr_and_still_writes_a_report() {
     assert!(stderr.contains("candidate (candidate-cmd) trace failed: kaboom"), "{stderr}");
     assert_eq!((rep["verdict"].as_str(), rep["exit_code"].as_i64()), (Some("refused"), Some(2)));
     assert!(rep["summary"].as_str().unwrap().contains("kaboom"), "{rep}");
+}
+
+/// A copy of a fixture (config.json edited by `edit`, weights linked) in a temp dir.
+fn edited_fixture(model: &str, edit: impl FnOnce(&mut Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = repo().join("fixtures").join(model);
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(dir.path().join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    std::os::unix::fs::symlink(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    dir
+}
+
+#[test]
+fn an_engine_reference_on_an_absurd_config_is_refused_not_crashed() {
+    // 2^40 layers: an engine that allocates for them aborts (SIGABRT), one that checks the
+    // config refuses (exit 2); either way the bisection is refused, naming the producer and
+    // quoting what it said.
+    let model = edited_fixture("tiny-qwen3", |c| c["num_hidden_layers"] = serde_json::json!(1u64 << 40));
+    let model = model.path().to_str().unwrap().to_string();
+    let (code, stdout, stderr, rep) = run_bisect(&model, &["--reference", "engine", "--candidate", "engine"]);
+    assert_eq!(code, 2, "{stdout}\n{stderr}");
+    assert_eq!((rep["verdict"].as_str(), rep["exit_code"].as_i64()), (Some("refused"), Some(2)));
+    // What the engine itself says about this model, run alone as the gate runs it.
+    let work = tempfile::tempdir().unwrap();
+    let alone = Command::new(env!("CARGO_BIN_EXE_gate"))
+        .current_dir(repo())
+        .args(["__engine-producer", "engine", "trace", "--model", &model, "--tokens", "232,434,13,99,7", "--out"])
+        .arg(work.path().join("t.trace"))
+        .args(["--capture", "default", "--threads", "1"])
+        .output()
+        .unwrap();
+    assert!(!alone.status.success());
+    let said = String::from_utf8_lossy(&alone.stderr);
+    let first = said.lines().find(|l| !l.trim().is_empty()).expect("the engine says why it failed");
+    assert!(stderr.contains("reference (engine) trace failed: ") && stderr.contains(first.trim()), "{first}\n---\n{stderr}");
+    assert!(rep["summary"].as_str().unwrap().contains(first.trim()), "{rep}");
+}
+
+#[test]
+fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
+    let cmd = format!(
+        "'{}' '{}' --base contract --drop layer.02.attn_out --drop layer.03.attn_out {{verb}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo().join("gate/tests/producers/planted_trace.py").display()
+    );
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd]);
+    assert_eq!(o.code, 1, "{}", o.stdout);
+    assert_eq!(o.report["verdict"], "structure_differs", "{}", o.stdout);
+    assert_eq!(o.report["whole_run"]["verdict"], "different");
+    assert_eq!(o.report["whole_run"]["first_diverging"], "layer.02.attn_out");
+    assert_eq!(o.report["whole_run"]["first_diverging_how"], "missing_tensor");
+    let findings: Vec<&str> = o.report["whole_run"]["findings"].as_array().unwrap().iter().map(|f| f.as_str().unwrap()).collect();
+    assert!(findings.iter().any(|f| f.starts_with("missing_tensor layer.03.attn_out: ")), "{findings:?}");
+    let headline = o.stdout.lines().next().unwrap();
+    assert!(headline.starts_with("the whole runs differ in structure, not only in values: 2 missing_tensor (layer.02.attn_out, layer.03.attn_out)"), "{headline}");
+    assert!(!headline.contains("match") || headline.contains("match in isolation"), "{headline}");
+}
+
+#[test]
+fn a_prompt_longer_than_max_position_embeddings_is_refused_before_any_producer_runs() {
+    let tokens: Vec<String> = (0..257).map(|i| (i % 100).to_string()).collect();
+    let tokens = tokens.join(",");
+    let (code, stdout, stderr, rep) = run_bisect("tiny-qwen3", &["--tokens", &tokens, "--reference", "engine", "--candidate", "contract"]);
+    assert_eq!(code, 2, "{stdout}\n{stderr}");
+    assert!(stderr.contains("--tokens: 257 tokens = 257 positions exceed max_position_embeddings 256 of ") && stderr.contains("fixtures/tiny-qwen3/config.json"), "{stderr}");
+    assert_eq!(rep["verdict"], "refused");
+    assert!(!Path::new(rep["work_dir"].as_str().unwrap()).join("reference.trace").exists());
 }

@@ -68,23 +68,56 @@ struct Run {
     report: Option<Value>,
 }
 
-/// Runs the gate binary. Tests run in parallel on the same checkout, so each run gets its own
-/// trace directory unless the test names one.
-fn gate(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
-    let report_dir = tempfile::tempdir().unwrap();
-    let report = report_dir.path().join("report.json");
+/// The gate binary with the common arguments. Tests run in parallel on the same checkout, so
+/// each run gets its own trace directory unless the test names one.
+fn gate_command(root: &Path, args: &[&str], env: &[(&str, &Path)], report: &Path, work: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_gate"));
-    cmd.arg("--root").arg(root).args(args).arg("--report").arg(&report);
+    cmd.arg("--root").arg(root).args(args).arg("--report").arg(report);
     if !args.contains(&"--work") {
-        cmd.arg("--work").arg(report_dir.path().join("work"));
+        cmd.arg("--work").arg(work);
     }
     cmd.env("TRACEGATE_PYTHON", python());
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let Output { status, stdout, stderr } = cmd.output().unwrap();
-    let report = std::fs::read_to_string(&report).ok().map(|s| serde_json::from_str(&s).unwrap());
+    cmd
+}
+
+fn finished(out: Output, report: &Path) -> Run {
+    let Output { status, stdout, stderr } = out;
+    let report = std::fs::read_to_string(report).ok().map(|s| serde_json::from_str(&s).unwrap());
     Run { code: status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&stdout).into(), stderr: String::from_utf8_lossy(&stderr).into(), report }
+}
+
+fn gate(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
+    let report_dir = tempfile::tempdir().unwrap();
+    let report = report_dir.path().join("report.json");
+    let out = gate_command(root, args, env, &report, &report_dir.path().join("work")).output().unwrap();
+    finished(out, &report)
+}
+
+/// `gate` for tests whose failure mode is the gate blocking: a gate still running after
+/// `WATCHDOG` (far beyond what these runs need) is killed and the test fails, instead of hanging.
+fn gate_watched(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
+    const WATCHDOG: std::time::Duration = std::time::Duration::from_secs(180);
+    let report_dir = tempfile::tempdir().unwrap();
+    let report = report_dir.path().join("report.json");
+    let child = gate_command(root, args, env, &report, &report_dir.path().join("work"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    match rx.recv_timeout(WATCHDOG) {
+        Ok(out) => finished(out.unwrap(), &report),
+        Err(_) => {
+            // SAFETY: kill on the pid of a child this test spawned and has not reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the gate was still running after {WATCHDOG:?}: it blocked");
+        }
+    }
 }
 
 fn check<'a>(report: &'a Value, prompt: &str, name: &str) -> &'a Value {
@@ -414,4 +447,170 @@ fn gate_check_exits_1_when_a_milestone_fails() {
     assert!(m0.contains("stable: FAIL") && m0.contains("matches: PASS"), "{m0}");
     let m1 = r.stdout.lines().find(|l| l.starts_with("m1") && l.contains("stable:")).unwrap();
     assert!(m1.contains("stable: PASS"), "{m1}");
+}
+
+/// A producer template that runs tests/producers/NAME with these leading arguments.
+fn test_producer(name: &str, args: &str) -> String {
+    format!("'{}' '{}' {args} {{verb}} {{args}}", python().display(), repo().join("gate/tests/producers").join(name).display())
+}
+
+fn findings(check: &Value) -> Vec<(String, String, u64)> {
+    check["findings"].as_array().unwrap().iter().map(|f| (f["kind"].as_str().unwrap().to_string(), f["name"].as_str().unwrap().to_string(), f["count"].as_u64().unwrap())).collect()
+}
+
+// Negative controls of the oracle's checks. The oracle's place is taken by the contract (bit-equal
+// to the engine, and fast) with one planted defect: the checks judge whatever trace the oracle
+// command wrote, so each planted defect must be the one finding.
+
+#[test]
+fn an_oracle_tensor_outside_the_policy_fails_agrees() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let oracle = test_producer("planted_trace.py", "--base contract --push layer.01.mlp_out");
+    let r = gate(&repo(), &["m0", "--only", "short", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let agrees = check(&rep, "short", "agrees");
+    assert_eq!(agrees["status"], "FAIL", "{agrees}");
+    assert_eq!(findings(agrees), [("outside_policy".to_string(), "layer.01.mlp_out".to_string(), 1)], "{agrees}");
+    for other in ["stable", "matches", "generation", "generation_oracle"] {
+        assert_eq!(check(&rep, "short", other)["status"], "PASS", "{other}");
+    }
+}
+
+#[test]
+fn an_oracle_decode_token_flip_fails_generation_oracle() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let oracle = test_producer("planted_trace.py", "--base contract --flip decode.0003.argmax");
+    let r = gate(&repo(), &["m0", "--only", "short", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let g = check(&rep, "short", "generation_oracle");
+    assert_eq!(g["status"], "FAIL", "{g}");
+    assert_eq!(findings(g), [("tokens_differ".to_string(), "oracle".to_string(), 1)], "{g}");
+    // The flipped decision is also a decision that differs under `agrees`.
+    let agrees = findings(check(&rep, "short", "agrees"));
+    assert!(agrees.contains(&("decision_differs".to_string(), "decode.0003.argmax".to_string(), 1)), "{agrees:?}");
+    assert_eq!(check(&rep, "short", "generation")["status"], "PASS");
+}
+
+#[test]
+fn a_contract_decode_token_flip_fails_generation() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let contract = test_producer("planted_trace.py", "--base contract --flip decode.0005.argmax");
+    let r = gate(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let g = check(&rep, "short", "generation");
+    assert_eq!(g["status"], "FAIL", "{g}");
+    assert_eq!(findings(g), [("tokens_differ".to_string(), "contract".to_string(), 1)], "{g}");
+    let matches = findings(check(&rep, "short", "matches"));
+    assert_eq!(matches, [("decision_differs".to_string(), "decode.0005.argmax".to_string(), 1)]);
+    assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
+}
+
+#[test]
+fn a_hanging_producer_is_killed_at_the_timeout_and_the_run_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let contract = test_producer("misbehaving.py", "hang");
+    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract, "--timeout", "2"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("short: contract trace timed out after 2 s (--timeout) and was killed: $ ") && r.stderr.contains("misbehaving.py hang trace --model"), "{}", r.stderr);
+}
+
+#[test]
+fn a_producer_leaving_a_child_that_holds_its_output_does_not_block_the_gate() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let work = tempfile::tempdir().unwrap();
+    let contract = test_producer("misbehaving.py", "background");
+    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract, "--work", work.path().to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 4, "only the oracle is unchecked:\n{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
+    // The leftover sleeper shared the producer's process group, which the gate ends with it.
+    let pid = std::fs::read_to_string(work.path().join("m0/short/contract.trace.sleeper-pid")).unwrap();
+    let stat = format!("/proc/{}/stat", pid.trim());
+    let gone = || std::fs::read_to_string(&stat).map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+    let mut tries = 0;
+    while !gone() && tries < 100 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        tries += 1;
+    }
+    assert!(gone(), "the producer's background sleep (pid {pid}) outlived the run");
+}
+
+#[test]
+fn a_producer_flooding_stderr_is_kept_to_its_head_and_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let contract = test_producer("misbehaving.py", "flood");
+    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    let rep = r.report.unwrap();
+    let run = &rep["prompts"][0]["runs"][2];
+    assert_eq!(run["producer"], "contract");
+    // What misbehaving.py writes: FIRST-LINE\n, 50,000,000 x, \nLAST-LINE\n.
+    assert_eq!(run["stderr_bytes"], 11 + 50_000_000 + 11);
+    let kept = run["stderr"].as_str().unwrap();
+    assert!(kept.starts_with("FIRST-LINE\n") && kept.contains("LAST-LINE\n[exit status 1]"), "{}…", &kept[..200]);
+    assert!(kept.len() < 20_000, "{} bytes of stderr kept in the report", kept.len());
+    let detail = check(&rep, "short", "matches")["detail"].as_str().unwrap();
+    assert!(detail.contains("FIRST-LINE") && detail.contains("LAST-LINE") && detail.len() < 3_000, "{} bytes", detail.len());
+}
+
+#[test]
+fn relative_report_model_and_work_are_taken_from_the_current_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    // Started in a directory two levels below the root, without --root.
+    let here = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
+        .current_dir(here.path())
+        .args(["m0", "--only", "short", "--model", "../../fixtures/tiny-qwen3", "--work", "w", "--report", "r.json"])
+        .env("TRACEGATE_PYTHON", python())
+        .env("TRACEGATE_ORACLE_PYTHON", &torchless)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    let report = std::fs::canonicalize(here.path()).unwrap().join("r.json");
+    assert!(stderr.contains(&format!("report written to {}", report.display())), "{stderr}");
+    let rep: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(rep["model"], "fixtures/tiny-qwen3", "the milestone's own checkpoint, spelled from elsewhere");
+    assert!(here.path().join("w/m0/short/engine.trace").is_file());
+    assert!(!repo().join("r.json").exists() && !repo().join("w").exists());
+}
+
+#[test]
+fn a_prompt_longer_than_the_models_positions_is_refused_before_any_producer_runs() {
+    let work = tempfile::tempdir().unwrap();
+    let r = gate(&repo(), &["m0", "--only", "short", "--generate", "252", "--work", work.path().to_str().unwrap()], &[]);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("prompt \"short\": 5 tokens + 252 generated = 257 positions exceed max_position_embeddings 256 of ")
+            && r.stderr.contains("fixtures/tiny-qwen3/config.json"),
+        "{}",
+        r.stderr
+    );
+    assert!(!work.path().join("m0").exists(), "no producer may run");
+}
+
+#[test]
+fn only_short_exits_0_when_every_check_it_ran_passed() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    // The contract unchanged in the oracle's place, so every check of `short` can pass.
+    let oracle = test_producer("planted_trace.py", "--base contract");
+    let r = gate(&repo(), &["m0", "--only", "short", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    assert_eq!(rep["verdict"], "PASS");
+    assert!(rep["totals"].get("NOT CHECKED").is_none(), "{}", rep["totals"]);
+    let not_selected: Vec<&str> = rep["baselines_not_selected"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(not_selected.contains(&"m0.mid.t1.g8") && !not_selected.contains(&"m0.short.t1.g8"), "{not_selected:?}");
+    assert!(r.stdout.contains("not selected (--only): baselines "), "{}", r.stdout);
 }

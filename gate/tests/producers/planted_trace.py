@@ -1,0 +1,83 @@
+"""Test-only producer: a real producer (the contract or the oracle) whose finished trace is then
+rewritten with one planted defect, so the gate's tests can show that each check catches it.
+
+    python gate/tests/producers/planted_trace.py --base contract|oracle EDIT... {verb} {args}
+
+Edits, of the `trace` verb's output only (the `layer` verb is the base's, unchanged); each may
+repeat, and the trace must hold what it names:
+  --push TENSOR     the first element of TENSOR moved far outside any policy (x -> 1000 * (|x| + 1))
+  --flip DECISION   the first value of DECISION changed (v -> v ^ 1): another token or expert
+  --drop TENSOR     TENSOR left out of the trace
+
+Not for real use.
+"""
+
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+import tracegate
+
+
+def base_main(base: str):
+    if base == "contract":
+        from tracegate_contract.__main__ import main
+    elif base == "oracle":
+        from tracegate_oracle.cli import main
+    else:
+        raise SystemExit(f"--base {base!r}: expected contract or oracle")
+    return main
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if argv[:1] != ["--base"] or len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    run = base_main(argv[1])
+    argv = argv[2:]
+    edits = {"--push": [], "--flip": [], "--drop": []}
+    while argv and argv[0] in edits:
+        edits[argv[0]].append(argv[1])
+        argv = argv[2:]
+    if argv[0] != "trace":
+        return run(argv)
+    out = argv[argv.index("--out") + 1]
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = os.path.join(tmp, "clean.trace")
+        argv[argv.index("--out") + 1] = clean
+        rc = run(argv)
+        if rc:
+            return rc
+        t = tracegate.Trace(clean)
+        # The trace must hold what is to be edited: a test that edits nothing proves nothing.
+        for name in edits["--push"] + edits["--drop"]:
+            if name not in t.names:
+                print(f"planted_trace: no tensor {name} to edit", file=sys.stderr)
+                return 3
+        for name in edits["--flip"]:
+            if name not in t.decisions:
+                print(f"planted_trace: no decision {name} to flip", file=sys.stderr)
+                return 3
+        with tracegate.TraceWriter(out, t.provenance) as w:
+            for name in t.names:
+                if name in edits["--drop"]:
+                    continue
+                array = np.array(t[name])
+                if name in edits["--push"]:
+                    flat = array.reshape(-1)
+                    flat[0] = 1000 * (abs(flat[0]) + 1)
+                w.tensor(name, array, **t.attributes(name))
+            for name, values in t.decisions.items():
+                values = np.array(values)
+                if name in edits["--flip"]:
+                    flat = values.reshape(-1)
+                    flat[0] ^= 1
+                w.decision(name, values, margins=t.margins[name])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
