@@ -271,3 +271,16 @@ fn a_prompt_longer_than_max_position_embeddings_is_refused_before_any_producer_r
     assert_eq!(rep["verdict"], "refused");
     assert!(!Path::new(rep["work_dir"].as_str().unwrap()).join("reference.trace").exists());
 }
+
+#[test]
+fn a_layer_verb_that_hangs_is_killed_and_the_bisection_refused() {
+    let cmd = format!(
+        "'{}' '{}' hang-layer {{verb}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo().join("gate/tests/producers/misbehaving.py").display()
+    );
+    let (code, stdout, stderr, rep) = run_bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers", "--timeout", "8"]);
+    assert_eq!(code, 2, "{stdout}\n{stderr}");
+    assert!(stderr.contains("candidate-cmd layer timed out after 8 s (--timeout) and was killed: $ ") && stderr.contains("misbehaving.py hang-layer layer --model"), "{stderr}");
+    assert_eq!((rep["verdict"].as_str(), rep["timeout_s"].as_u64()), (Some("refused"), Some(8)));
+}

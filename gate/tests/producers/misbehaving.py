@@ -7,7 +7,10 @@ Modes:
   background    starts `sleep 600` holding stdout and stderr open (its pid written to
                 `<--out>.sleeper-pid`), then runs the contract and exits: the gate must not wait
                 for the sleeper
+  escaped       as background, but the sleeper starts a session of its own (it leaves the
+                producer's process group, so only the gate's read deadline can end the wait)
   flood         writes FIRST-LINE, 50,000,000 bytes of 'x' and LAST-LINE to stderr, then exits 1
+  hang-layer    the contract for `trace`; sleeps on `layer`
 
 Not for real use.
 """
@@ -23,9 +26,17 @@ def main() -> int:
     if mode == "hang":
         time.sleep(600)
         return 0
-    if mode == "background":
+    if mode == "hang-layer" and argv[0] == "layer":
+        time.sleep(600)
+        return 0
+    if mode == "hang-layer":
+        from tracegate_contract.__main__ import main as contract_main
+
+        return contract_main(argv)
+    if mode in ("background", "escaped"):
         out = argv[argv.index("--out") + 1]
-        sleeper = subprocess.Popen(["sleep", "600"])  # inherits our stdout and stderr
+        # Inherits our stdout and stderr.
+        sleeper = subprocess.Popen(["sleep", "600"], start_new_session=mode == "escaped")
         with open(out + ".sleeper-pid", "w") as f:
             f.write(str(sleeper.pid))
         from tracegate_contract.__main__ import main as contract_main
