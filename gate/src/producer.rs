@@ -499,19 +499,13 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
                 if p.revents == 0 {
                     continue;
                 }
-                loop {
-                    let Some(f) = pipes[i].as_mut() else { break };
-                    match f.read(&mut buf) {
-                        Ok(0) => pipes[i] = None,
-                        Ok(n) => {
-                            caps[i].push(&buf[..n]);
-                            continue;
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(_) => pipes[i] = None,
-                    }
-                    break;
+                // One read per round, so an endless writer cannot keep the loop from the clock.
+                let Some(f) = pipes[i].as_mut() else { continue };
+                match f.read(&mut buf) {
+                    Ok(0) => pipes[i] = None,
+                    Ok(n) => caps[i].push(&buf[..n]),
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock) => {}
+                    Err(_) => pipes[i] = None,
                 }
             }
         }
@@ -519,20 +513,22 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
             Some(at) if at.elapsed() >= DRAIN_GRACE => break,
             Some(_) => {}
             None => {
-                // SAFETY: wait4 on our own child; status and usage are out-parameters.
-                let rc = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
-                if rc == pid || (rc == -1 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted) {
-                    if rc == -1 {
-                        return Ended::failed(format!("wait4 failed: {}", std::io::Error::last_os_error()));
-                    }
-                    ended = Some(Instant::now());
-                    // SAFETY: signals the group this child led; it cannot be reused while members live.
-                    unsafe { libc::kill(-pid, libc::SIGKILL) };
-                } else if start.elapsed() >= timeout {
-                    // SAFETY: as above; then a blocking reap of the killed leader.
+                // Exited, not yet reaped: while the leader is a zombie its pid (the group's id)
+                // cannot be reused, so killing the group cannot hit a stranger.
+                // SAFETY: waitid on our own child; info is an out-parameter.
+                let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+                let rc = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) };
+                let exited = rc == 0 && unsafe { info.si_pid() } == pid;
+                if rc == -1 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                    return Ended::failed(format!("waitid failed: {}", std::io::Error::last_os_error()));
+                }
+                let over = !exited && start.elapsed() >= timeout;
+                if exited || over {
+                    // SAFETY: signals the group this child leads (kept alive as a zombie, see
+                    // above); then reaps it with wait4 for its status and peak RSS.
                     unsafe { libc::kill(-pid, libc::SIGKILL) };
                     while unsafe { libc::wait4(pid, &mut status, 0, &mut usage) } == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {}
-                    timed_out = true;
+                    timed_out = over;
                     ended = Some(Instant::now());
                 }
             }

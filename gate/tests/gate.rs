@@ -522,6 +522,16 @@ fn a_hanging_producer_is_killed_at_the_timeout_and_the_run_refused() {
 }
 
 #[test]
+fn an_endless_writer_is_killed_at_the_timeout_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let contract = test_producer("misbehaving.py", "endless");
+    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract, "--timeout", "2"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("short: contract trace timed out after 2 s (--timeout)"), "{}", r.stderr);
+}
+
+#[test]
 fn a_producer_leaving_a_child_that_holds_its_output_does_not_block_the_gate() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());

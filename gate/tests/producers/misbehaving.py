@@ -11,6 +11,7 @@ Modes:
                 producer's process group, so only the gate's read deadline can end the wait)
   flood         writes FIRST-LINE, 50,000,000 bytes of 'x' and LAST-LINE to stderr, then exits 1
   hang-layer    the contract for `trace`; sleeps on `layer`
+  endless       writes to stderr as fast as it can, forever
 
 Not for real use.
 """
@@ -43,6 +44,10 @@ def main() -> int:
 
         rc = contract_main(argv)
         os._exit(rc)  # without waiting for the sleeper
+    if mode == "endless":
+        chunk = b"y" * 65536
+        while True:
+            sys.stderr.buffer.write(chunk)
     if mode == "flood":
         err = sys.stderr.buffer
         err.write(b"FIRST-LINE\n")
