@@ -365,4 +365,18 @@ impl Store {
     pub fn tensor_count(&self) -> usize {
         self.tensors.len()
     }
+
+    /// The stored shape of `name`, without claiming it (for checking a config before loading).
+    pub fn shape(&self, name: &str) -> Option<&[u64]> {
+        self.tensors.get(name).map(|(_, e)| e.shape.as_slice())
+    }
+
+    /// One past the highest `N` of the checkpoint's `model.layers.N.*` tensors (0: none).
+    pub fn layer_count(&self) -> usize {
+        self.tensors
+            .keys()
+            .filter_map(|k| k.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |n| n.saturating_add(1))
+    }
 }
