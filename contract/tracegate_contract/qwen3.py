@@ -368,9 +368,9 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
         if s is not None and len(s) > axis and s[axis] != want:
             _refuse(field, f"{what} does not match the checkpoint: {name} has shape {list(s)}")
 
-    def product(a: str, x: int, b: str, y: int) -> int:
-        if x * y >= _USIZE:
-            _refuse(a, f"{a} {x} × {b} {y} overflows")
+    def product(field: str, x: int, by: str, y: int) -> int:
+        if x * y >= _USIZE:  # where the engine's 64-bit product overflows
+            _refuse(field, f"{x} overflows when multiplied by {by} ({y})")
         return x * y
 
     H, V, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
@@ -380,10 +380,10 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
     if cfg.num_hidden_layers > have:
         _refuse("num_hidden_layers", f"{cfg.num_hidden_layers} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})")
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    q_rows = product("num_attention_heads", nh, "head_dim", d)
-    kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
     a = "model.layers.0.self_attn"
     dim(f"{a}.q_norm.weight", 0, d, "head_dim", f"{d}")
+    q_rows = product("num_attention_heads", nh, "head_dim", d)
+    kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
     dim(f"{a}.q_proj.weight", 0, q_rows, "num_attention_heads", f"{nh} (× head_dim {d} = {q_rows} rows)")
     dim(f"{a}.k_proj.weight", 0, kv_rows, "num_key_value_heads", f"{nkv} (× head_dim {d} = {kv_rows} rows)")
     layers = range(cfg.num_hidden_layers)  # bounded by the checkpoint now
@@ -396,7 +396,7 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
         E, I = cfg.num_experts, cfg.moe_intermediate_size
         p = f"model.layers.{sparse}.mlp"
         dim(f"{p}.gate.weight", 0, E, "num_experts", f"{E}")
-        gu_rows = product("moe_intermediate_size", I, "2", 2)
+        gu_rows = product("moe_intermediate_size", I, "2 (gate and up rows)", 2)
         dim(f"{p}.experts.gate_up_proj", 0, E, "num_experts", f"{E}")
         dim(f"{p}.experts.gate_up_proj", 1, gu_rows, "moe_intermediate_size", f"{I} (× 2 = {gu_rows} rows)")
         dim(f"{p}.experts.0.gate_proj.weight", 0, I, "moe_intermediate_size", f"{I}")

@@ -341,10 +341,8 @@ pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
             _ => Ok(()),
         }
     };
-    let product = |a: (&str, usize), b: (&str, usize)| -> Result<u64> {
-        a.1.checked_mul(b.1)
-            .map(|p| p as u64)
-            .ok_or_else(|| err!("config.json: {} = {} × {} = {} overflows", a.0, a.1, b.0, b.1))
+    let product = |field: &str, x: usize, by: &str, y: usize| -> Result<u64> {
+        x.checked_mul(y).map(|p| p as u64).ok_or_else(|| err!("config.json: {field} = {x} overflows when multiplied by {by} ({y})"))
     };
     let (h, v, d) = (c.hidden_size, c.vocab_size, c.head_dim);
     let emb = "model.embed_tokens.weight";
@@ -358,10 +356,10 @@ pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
         ));
     }
     let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-    let q_rows = product(("num_attention_heads", nq), ("head_dim", d))?;
-    let kv_rows = product(("num_key_value_heads", nkv), ("head_dim", d))?;
     let a = "model.layers.0.self_attn";
     dim(&format!("{a}.q_norm.weight"), 0, d as u64, &|| format!("head_dim = {d}"))?;
+    let q_rows = product("num_attention_heads", nq, "head_dim", d)?;
+    let kv_rows = product("num_key_value_heads", nkv, "head_dim", d)?;
     dim(&format!("{a}.q_proj.weight"), 0, q_rows, &|| format!("num_attention_heads = {nq} (× head_dim {d} = {q_rows} rows)"))?;
     dim(&format!("{a}.k_proj.weight"), 0, kv_rows, &|| format!("num_key_value_heads = {nkv} (× head_dim {d} = {kv_rows} rows)"))?;
     let layers = 0..c.num_hidden_layers; // bounded by the checkpoint now
@@ -372,7 +370,7 @@ pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
         let (ne, mi) = (m.num_experts, m.moe_intermediate_size);
         let p = format!("model.layers.{l}.mlp");
         dim(&format!("{p}.gate.weight"), 0, ne as u64, &|| format!("num_experts = {ne}"))?;
-        let gu_rows = product(("2", 2), ("moe_intermediate_size", mi))?;
+        let gu_rows = product("moe_intermediate_size", mi, "2 (gate and up rows)", 2)?;
         dim(&format!("{p}.experts.gate_up_proj"), 0, ne as u64, &|| format!("num_experts = {ne}"))?;
         dim(&format!("{p}.experts.gate_up_proj"), 1, gu_rows, &|| format!("moe_intermediate_size = {mi} (× 2 = {gu_rows} rows)"))?;
         dim(&format!("{p}.experts.0.gate_proj.weight"), 0, mi as u64, &|| format!("moe_intermediate_size = {mi}"))?;
