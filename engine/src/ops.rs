@@ -583,9 +583,12 @@ mod tests {
     }
 
     /// The avx512 kernels cannot be compared on a CPU without them: say so instead of passing.
+    /// Written to the stderr handle itself, which the test harness does not capture (eprintln!
+    /// of a passing test is swallowed).
     fn note_if_avx512_not_checked(what: &str) {
         if !avx512_available() {
-            eprintln!("NOT CHECKED: {what}: the avx512 kernel did not run (avx512f absent on this CPU, or TRACEGATE_ENGINE_PORTABLE set); only the portable kernel was compared");
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "NOT CHECKED: {what}: the avx512 kernel did not run (avx512f absent on this CPU, or TRACEGATE_ENGINE_PORTABLE set); only the portable kernel was compared");
         }
     }
 
