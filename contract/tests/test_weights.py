@@ -209,3 +209,15 @@ def test_deeply_nested_index_is_refused_naming_it(tmp_path):
         f.write('{"weight_map": ' + "[" * 50000 + "]" * 50000 + "}")
     with pytest.raises(ContractError, match="model.safetensors.index.json is not valid JSON: nested deeper"):
         Checkpoint(d)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json"])
+def test_a_fifo_in_the_model_directory_is_refused_not_waited_on(tmp_path, name):
+    """Opening a FIFO for reading blocks until a writer comes; it is refused before it is opened."""
+    d = make_model_dir(tmp_path / "m")
+    p = os.path.join(d, name)
+    if os.path.exists(p):
+        os.remove(p)
+    os.mkfifo(p)
+    with pytest.raises(ContractError, match=f"{name}: not a regular file"):
+        Model(d)

@@ -17,7 +17,7 @@ import numpy as np
 from . import jsonfile, ops
 from .errors import ContractError
 from .ops import F32
-from .weights import Checkpoint
+from .weights import Checkpoint, regular_file
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
@@ -219,6 +219,7 @@ def parse_config(raw: dict) -> Config:
 
 def load_config(model_dir: str) -> Config:
     path = os.path.join(model_dir, "config.json")
+    regular_file(path, path)
     try:
         with open(path, "rb") as f:
             text = f.read()

@@ -25,10 +25,18 @@ _DTYPES = {"F32": (np.dtype("<f4"), 4), "BF16": (np.dtype("<u2"), 2), "F16": (np
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def regular_file(path: str, shown: str) -> None:
+    """Refuse a path that is not a regular file before opening it: opening a FIFO for reading
+    blocks until a writer comes, which may be never (as the engine refuses it)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ContractError(f"{shown}: not a regular file")
+
+
 class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         name = os.path.basename(path)
+        regular_file(path, name)
         try:
             size = os.path.getsize(path)
             with open(path, "rb") as f:
@@ -124,6 +132,7 @@ class Checkpoint:
         single = os.path.join(model_dir, "model.safetensors")
         self._where: dict[str, SafetensorsFile] = {}
         if os.path.exists(index):
+            regular_file(index, "model.safetensors.index.json")
             try:
                 with open(index, "rb") as f:
                     text = f.read()

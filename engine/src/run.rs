@@ -42,6 +42,7 @@ pub struct LayerOptions {
 /// Read and validate `config.json`; returns the parsed config and the raw JSON.
 pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
     let p = dir.join("config.json");
+    crate::weights::regular_file(&p)?;
     let text = std::fs::read_to_string(&p).map_err(|e| err!("{}: {e}", p.display()))?;
     let raw: Value = serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
     Ok((Config::from_json(&raw)?, raw))

@@ -697,3 +697,20 @@ fn usage_errors_print_claps_whole_message() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--thread'") && err.contains("--threads"), "{err}");
 }
+
+#[test]
+fn a_fifo_in_the_model_directory_is_refused_not_waited_on() {
+    // Opening a FIFO for reading blocks until a writer comes: config.json, an index or a shard
+    // that is one is refused before it is opened.
+    for name in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+        let tmp = tempfile::tempdir().unwrap();
+        make_model(tmp.path(), &dense_config(), "F32", 1);
+        let p = tmp.path().join(name);
+        let _ = std::fs::remove_file(&p);
+        let ok = std::process::Command::new("mkfifo").arg(&p).status().unwrap();
+        assert!(ok.success());
+        let (code, err) = engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
+        assert_eq!(code, Some(2), "{name}: {err}");
+        assert!(err.contains(name) && err.contains("not a regular file"), "{err}");
+    }
+}
