@@ -3,9 +3,11 @@ do not depend on the committed fixtures), and the paths of the committed fixture
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -15,6 +17,38 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "contract"))
 
 FIXTURES = {"dense": os.path.join(ROOT, "fixtures", "tiny-qwen3"), "moe": os.path.join(ROOT, "fixtures", "tiny-qwen3-moe")}
+
+
+@functools.lru_cache(maxsize=None)
+def _target_dir_here() -> tuple[str, str]:
+    return cargo_target_dir(os.environ)
+
+
+def cargo_target_dir(env=None) -> tuple[str, str]:
+    """Where cargo puts this workspace's builds, and how that was learnt: cargo's own answer
+    (it honours CARGO_TARGET_DIR and .cargo/config), else CARGO_TARGET_DIR, else ./target."""
+    if env is None:
+        return _target_dir_here()
+    try:
+        r = subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps", "--offline"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode == 0:
+            return json.loads(r.stdout)["target_directory"], "cargo metadata"
+        why = f"cargo metadata failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+        why = f"cargo metadata unavailable ({e})"
+    if env.get("CARGO_TARGET_DIR"):
+        return os.path.join(ROOT, env["CARGO_TARGET_DIR"]), f"CARGO_TARGET_DIR ({why})"
+    return os.path.join(ROOT, "target"), f"the default ./target ({why})"
+
+
+def release_binary(name: str, env=None) -> tuple[str, str | None]:
+    """(path of the release binary `name`, None) when it is built, else (path, the reason to skip)."""
+    target, how = cargo_target_dir(env)
+    path = os.path.join(target, "release", name)
+    if os.access(path, os.X_OK):
+        return path, None
+    return path, f"{name} binary not built: {path} is absent (target directory from {how}); build it with scripts/setup.sh or cargo build --release --bins"
 
 
 def write_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]], header_extra: dict | None = None) -> None:

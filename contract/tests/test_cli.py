@@ -89,6 +89,7 @@ def run_module(*args):
         (["layer", "--model", "{dense}", "--layer", "5", "--input", "{tmp}/x.trace", "--input-name", "a", "--out", "{tmp}/y.trace"], "--layer"),
         (["layer", "--model", "{dense}", "--layer", "0", "--input", "{tmp}/none.trace", "--input-name", "a", "--out", "{tmp}/y.trace"], "none.trace"),
         (["frobnicate"], "invalid choice"),
+        (["trace", "--model", "{dense}", "--tokens", "1", "--out", "{tmp}/x.trace", "--generate", "16777216"], "2^24"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(dense_dir, tmp_path, args, msg):

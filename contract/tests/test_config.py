@@ -87,3 +87,29 @@ def test_ignored_fields_do_not_matter():
     a = parse_config(cfg())
     b = parse_config(cfg(max_position_embeddings=7, initializer_range=0.5, attention_dropout=0.1, dtype="bfloat16", bos_token_id=3))
     assert a == b
+
+
+def test_deeply_nested_config_is_one_line_naming_the_file(tmp_path):
+    from conftest import make_model_dir
+
+    from tracegate_contract import load_config
+
+    d = make_model_dir(tmp_path / "m")
+    with open(f"{d}/config.json", "w") as f:
+        f.write('{"model_type": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(ContractError, match=r"config\.json is not valid JSON: nested deeper than 127") as e:
+        load_config(d)
+    assert "\n" not in str(e.value)
+
+
+def test_absurd_layer_count_of_an_all_sparse_config_parses_at_once():
+    """'Is any layer dense?' is decided without visiting 2^62 layers (the count is checked
+    against the checkpoint later, by Model)."""
+    c = parse_config(cfg("moe", drop=("intermediate_size",), mlp_only_layers=[], num_hidden_layers=1 << 62))
+    assert c.intermediate_size is None and c.num_hidden_layers == 1 << 62
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "hidden_size", "decoder_sparse_step", "max_position_embeddings"])
+def test_sizes_beyond_64_bits_are_refused_as_the_engine_does(field):
+    with pytest.raises(ContractError, match=field):
+        parse_config(cfg("moe", **{field: 1 << 64}))

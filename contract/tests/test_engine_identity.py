@@ -7,9 +7,10 @@ The negative controls plant a defect in a *copy* of the contract (softmax summed
 the MoE output added to the residual twice) and show that the same comparison reports it, at
 the tensor where the defect first shows.
 
-The identity tests need the engine binary at target/release/engine (scripts/setup.sh builds
-it); without it they skip with that reason. The negative controls also run against the
-unplanted contract, which needs no engine.
+The identity tests need the engine and trace-diff release binaries where cargo puts them
+(`cargo metadata`'s target directory, so CARGO_TARGET_DIR is honoured; scripts/setup.sh builds
+them); without them they skip saying which path was looked at and why. The negative controls
+also run against the unplanted contract, which needs no engine.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, ROOT, release_binary
 
 tracegate = pytest.importorskip("tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)")
 
-ENGINE = os.path.join(ROOT, "target", "release", "engine")
+ENGINE, _NO_ENGINE = release_binary("engine")
+TRACE_DIFF, _NO_TRACE_DIFF = release_binary("trace-diff")
 CONTRACT_SRC = os.path.join(ROOT, "contract", "tracegate_contract")
 
 needs_engine = pytest.mark.skipif(
-    not os.access(ENGINE, os.X_OK), reason=f"engine binary absent: {ENGINE} (build it with scripts/setup.sh)"
+    bool(_NO_ENGINE or _NO_TRACE_DIFF), reason=" and ".join(r for r in (_NO_ENGINE, _NO_TRACE_DIFF) if r) or "built"
 )
 
 
@@ -76,8 +78,6 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     return np.abs(ordered(a) - ordered(b))
 
-
-TRACE_DIFF = os.path.join(ROOT, "target", "release", "trace-diff")
 
 
 def trace_diff(path_a: str, path_b: str) -> dict:
@@ -405,3 +405,20 @@ def test_eps_near_an_f32_midpoint_is_read_the_same_way(tmp_path):
     c = contract_layer(str(model), 0, inp, "h", str(tmp_path / "c.trace"), "default")
     d = differences(e, c)
     assert not d, d[0]
+
+
+# ---- where the binaries are looked for ------------------------------------------------------
+
+
+def test_binaries_are_looked_for_where_cargo_puts_them(tmp_path):
+    """CARGO_TARGET_DIR moves cargo's output: the tests must follow it (they once looked only at
+    ./target and skipped silently), and say where they looked when nothing is there."""
+    env = dict(os.environ, CARGO_TARGET_DIR=str(tmp_path / "t"))
+    path, why = release_binary("engine", env)
+    assert path == str(tmp_path / "t" / "release" / "engine")
+    assert why and path in why and "not built" in why
+    os.makedirs(tmp_path / "t" / "release")
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n")
+    os.chmod(path, 0o755)
+    assert release_binary("engine", env) == (path, None)

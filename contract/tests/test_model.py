@@ -93,10 +93,32 @@ def test_cached_equals_uncached_generation(dirs, n):
         ga = m.run(toks, a, generate=6, cached=True)
         gb = m.run(toks, b, generate=6, cached=False)
         assert ga == gb, d
-        for (na, va, ma), (nb, vb, mb) in zip(a.decisions, b.decisions):
-            assert na == nb and np.array_equal(va, vb) and bitwise_equal(ma, mb), (d, na)
-        for (na, xa, pa), (nb, xb, pb) in zip(a.tensors, b.tensors):
-            assert na == nb and pa == pb and bitwise_equal(xa, xb), (d, na)
+        assert_same_captures(a, b, d)
+
+
+def assert_same_captures(a: Capture, b: Capture, where) -> None:
+    """Names (hence lengths) first: zip alone stops at the shorter list and hides what is missing."""
+    assert [n for n, _, _ in a.decisions] == [n for n, _, _ in b.decisions], where
+    assert [n for n, _, _ in a.tensors] == [n for n, _, _ in b.tensors], where
+    for (na, va, ma), (_, vb, mb) in zip(a.decisions, b.decisions):
+        assert np.array_equal(va, vb) and bitwise_equal(ma, mb), (where, na)
+    for (na, xa, pa), (_, xb, pb) in zip(a.tensors, b.tensors):
+        assert pa == pb and bitwise_equal(xa, xb), (where, na)
+
+
+def test_capture_comparison_sees_a_missing_tail():
+    """The comparison above must fail when one run recorded less (it once zipped and passed)."""
+    a, b = Capture(), Capture()
+    for c in (a, b):
+        c.tensor("x", np.zeros(2, np.float32), [0, 1])
+    a.decision("d", np.array([1]), np.array([0.5], np.float32))
+    with pytest.raises(AssertionError):
+        assert_same_captures(a, b, "planted")
+    b.decision("d", np.array([1]), np.array([0.5], np.float32))
+    assert_same_captures(a, b, "equal")
+    a.tensor("y", np.zeros(2, np.float32), [0, 1])
+    with pytest.raises(AssertionError):
+        assert_same_captures(a, b, "planted")
 
 
 def test_cached_decode_row_equals_uncached_row(dense_dir):

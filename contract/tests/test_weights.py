@@ -2,6 +2,7 @@
 present, hostile headers refused, bf16 widened exactly."""
 
 import json
+import mmap
 import os
 import struct
 
@@ -19,11 +20,35 @@ def run_logits(d, toks=(1, 5, 5, 9)):
     return dict((n, a) for n, a, _ in cap.tensors)["logits"]
 
 
+def _mapping_under(a):
+    """Walk `.base` down to the object that owns the memory; the mapping if it is one, else None."""
+    b = a
+    while isinstance(b, np.ndarray) and b.base is not None and not isinstance(b, np.memmap):
+        b = b.base
+    if isinstance(b, np.memmap):
+        b = b._mmap
+    return b if isinstance(b, mmap.mmap) else None
+
+
 def test_tensors_are_memory_mapped(dense_dir):
-    sf = SafetensorsFile(os.path.join(dense_dir, "model.safetensors"))
+    """A view of a file mapping, not of bytes read into memory: the chain of `.base` ends at an
+    `mmap.mmap` of the checkpoint (a view of a `bytes` read from the file passes `.base is not
+    None` too, so that is not evidence)."""
+    path = os.path.join(dense_dir, "model.safetensors")
+    sf = SafetensorsFile(path)
     a = sf.stored("model.norm.weight")
-    assert isinstance(a.base, np.memmap) or isinstance(a, np.memmap) or a.base is not None
+    m = _mapping_under(a)
+    assert m is not None, f"model.norm.weight is not a view of a file mapping: base chain ends at {type(a.base)}"
+    assert len(m) == os.path.getsize(path)
     assert not a.flags.owndata and not a.flags.writeable
+
+
+def test_mapping_check_refuses_a_read_file(dense_dir):
+    """The check above bites: the same view over the file's bytes read into memory is refused."""
+    with open(os.path.join(dense_dir, "model.safetensors"), "rb") as f:
+        read = np.frombuffer(f.read(), dtype=np.uint8)[8:24].view("<f4")
+    assert read.base is not None and not read.flags.owndata and not read.flags.writeable
+    assert _mapping_under(read) is None
 
 
 def test_missing_tensor_is_refused_by_name(tmp_path):
@@ -147,3 +172,52 @@ def test_bf16_checkpoint_widens_exactly(tmp_path):
     assert w.dtype == np.float32
     assert np.array_equal(w.view(np.uint32), raw.astype(np.uint32) << 16)
     assert np.array_equal(to_bf16_bits(w), raw)  # widening then rounding back is the identity
+
+
+def _blob(header_text: str, data: bytes) -> bytes:
+    h = header_text.encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+X = '"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+
+
+@pytest.mark.parametrize(
+    "blob,msg",
+    [
+        # json keeps the last of two equal keys silently; the engine refuses, so does the contract
+        (_blob("{" + X + ", " + X + "}", b"\0" * 4), "duplicate tensor name 'x'"),
+        (_blob("{" + X + "}", b"\0" * 12), "8 trailing bytes"),
+        (_blob('{"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', b"\0" * 8), "gap of 4 bytes"),
+        (_blob('{"__metadata__": {"a": 1}}', b""), "__metadata__"),
+        (_blob('{"a": ' + "[" * 100000 + "]" * 100000 + "}", b""), "nested deeper than 127"),
+        (_blob('{"a": ' + "[" * 127 + "]" * 127 + "}", b""), "nested deeper than 127"),
+    ],
+    ids=["duplicate", "trailing", "gap", "metadata", "nested-100000", "nested-128"],
+)
+def test_headers_the_engine_refuses_are_refused(tmp_path, blob, msg):
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(blob)
+    with pytest.raises(ContractError, match=msg) as e:
+        SafetensorsFile(str(p))
+    assert str(e.value).startswith("model.safetensors") and "\n" not in str(e.value)
+
+
+def test_deeply_nested_index_is_refused_naming_it(tmp_path):
+    d = make_model_dir(tmp_path / "m")
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        f.write('{"weight_map": ' + "[" * 50000 + "]" * 50000 + "}")
+    with pytest.raises(ContractError, match="model.safetensors.index.json is not valid JSON: nested deeper"):
+        Checkpoint(d)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json"])
+def test_a_fifo_in_the_model_directory_is_refused_not_waited_on(tmp_path, name):
+    """Opening a FIFO for reading blocks until a writer comes; it is refused before it is opened."""
+    d = make_model_dir(tmp_path / "m")
+    p = os.path.join(d, name)
+    if os.path.exists(p):
+        os.remove(p)
+    os.mkfifo(p)
+    with pytest.raises(ContractError, match=f"{name}: not a regular file"):
+        Model(d)

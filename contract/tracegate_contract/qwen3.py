@@ -7,7 +7,6 @@ docs/numerics.md §5–§12.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,12 +14,14 @@ from decimal import Decimal
 
 import numpy as np
 
-from . import ops
+from . import jsonfile, ops
 from .errors import ContractError
 from .ops import F32
-from .weights import Checkpoint
+from .weights import Checkpoint, regular_file
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
+_USIZE = 1 << 64  # the engine's sizes are 64-bit: a product at or above this is refused there
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,6 +49,14 @@ class Config:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 
+    def has_dense_layer(self) -> bool:
+        """Some layer uses the dense MLP, decided without visiting every layer (the count is not
+        checked against the checkpoint yet and may be 2^62). Layer 0 is dense when step > 1."""
+        n = self.num_hidden_layers
+        if self.model_type != "qwen3_moe" or self.num_experts == 0 or self.decoder_sparse_step > 1:
+            return n > 0
+        return any(i < n for i in self.mlp_only_layers)
+
     def is_moe_layer(self, layer: int) -> bool:
         return (
             self.model_type == "qwen3_moe"
@@ -70,8 +79,8 @@ def _int(raw: dict, key: str, minimum: int = 1, default=None) -> int:
         if default is None:
             _refuse(key, "missing")
         return default
-    if type(v) is not int or v < minimum:
-        _refuse(key, f"must be an integer ≥ {minimum}, got {v!r}")
+    if type(v) is not int or not minimum <= v < _USIZE:  # the engine reads sizes as u64
+        _refuse(key, f"must be an integer ≥ {minimum} and < 2^64, got {v!r}")
     return v
 
 
@@ -160,7 +169,12 @@ def parse_config(raw: dict) -> Config:
     # attention falls back to hidden_size // num_attention_heads (floor, as transformers).
     head_dim = _int(raw, "head_dim", default=128 if mt == "qwen3" else hidden // heads)
     if head_dim % 2 != 0 or head_dim == 0:
-        _refuse("head_dim", f"must be even and positive for RoPE, got {head_dim}")
+        src = "" if raw.get("head_dim") is not None else f" (hidden_size {hidden} // num_attention_heads {heads})"
+        _refuse("head_dim", f"must be even and positive for RoPE, got {head_dim}{src}")
+    # Not read by the forward, but a size all the same (as the engine checks it).
+    mpe = _int(raw, "max_position_embeddings", default=0)
+    if mpe > MAX_POSITIONS:
+        _refuse("max_position_embeddings", f"{mpe} exceeds the position limit 2^24 = {MAX_POSITIONS}")
     eps = raw.get("rms_norm_eps")
     eps = Decimal("1e-6") if eps is None else _number(eps, "rms_norm_eps")  # transformers' default
 
@@ -189,7 +203,7 @@ def parse_config(raw: dict) -> Config:
         cfg.decoder_sparse_step = _int(raw, "decoder_sparse_step", default=1)
         mol = raw.get("mlp_only_layers")
         mol = [] if mol is None else mol
-        if not isinstance(mol, list) or any(type(i) is not int or i < 0 for i in mol):
+        if not isinstance(mol, list) or any(type(i) is not int or not 0 <= i < _USIZE for i in mol):
             _refuse("mlp_only_layers", f"must be a list of layer indices, got {mol!r}")
         cfg.mlp_only_layers = list(mol)
         k, e = cfg.num_experts_per_tok, cfg.num_experts
@@ -198,21 +212,23 @@ def parse_config(raw: dict) -> Config:
                 _refuse("num_experts_per_tok", f"must satisfy 1 ≤ k < num_experts ({e}), got {k}")
             cfg.moe_intermediate_size = _int(raw, "moe_intermediate_size")
     # §13: intermediate_size is required only where a dense MLP layer exists.
-    if cfg.intermediate_size is None and not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+    if cfg.intermediate_size is None and cfg.has_dense_layer():
         _refuse("intermediate_size", "missing (a layer uses the dense MLP)")
     return cfg
 
 
 def load_config(model_dir: str) -> Config:
     path = os.path.join(model_dir, "config.json")
+    regular_file(path, path)
     try:
-        with open(path) as f:
-            # Decimals keep the written text; numbers reach the model through binary64 (§6, §13).
-            raw = json.load(f, parse_float=Decimal)
+        with open(path, "rb") as f:
+            text = f.read()
     except FileNotFoundError:
         raise ContractError(f"{model_dir}: no config.json") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except OSError as e:
         raise ContractError(f"{path}: unreadable: {e}") from None
+    # Decimals keep the written text; numbers reach the model through binary64 (§6, §13).
+    raw, _ = jsonfile.loads(text, path, parse_float=Decimal)
     if not isinstance(raw, dict):
         raise ContractError(f"{path}: not a JSON object")
     return parse_config(raw)
@@ -343,11 +359,56 @@ class _Layer:
             self.mlp = _Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size)
 
 
+def check_sizes(cfg: Config, ck: Checkpoint) -> None:
+    """§13: every size against the checkpoint's own tensors, naming the field, before anything is
+    built or looped over by it. A representative tensor that is absent is left to `take`, which
+    refuses it by name."""
+
+    def dim(name: str, axis: int, want: int, field: str, what: str):
+        s = ck.shape(name)
+        if s is not None and len(s) > axis and s[axis] != want:
+            _refuse(field, f"{what} does not match the checkpoint: {name} has shape {list(s)}")
+
+    def product(field: str, x: int, by: str, y: int) -> int:
+        if x * y >= _USIZE:  # where the engine's 64-bit product overflows
+            _refuse(field, f"{x} overflows when multiplied by {by} ({y})")
+        return x * y
+
+    H, V, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    dim("model.embed_tokens.weight", 0, V, "vocab_size", f"{V}")
+    dim("model.embed_tokens.weight", 1, H, "hidden_size", f"{H}")
+    have = ck.layer_count()
+    if cfg.num_hidden_layers > have:
+        _refuse("num_hidden_layers", f"{cfg.num_hidden_layers} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})")
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    a = "model.layers.0.self_attn"
+    dim(f"{a}.q_norm.weight", 0, d, "head_dim", f"{d}")
+    q_rows = product("num_attention_heads", nh, "head_dim", d)
+    kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
+    dim(f"{a}.q_proj.weight", 0, q_rows, "num_attention_heads", f"{nh} (× head_dim {d} = {q_rows} rows)")
+    dim(f"{a}.k_proj.weight", 0, kv_rows, "num_key_value_heads", f"{nkv} (× head_dim {d} = {kv_rows} rows)")
+    layers = range(cfg.num_hidden_layers)  # bounded by the checkpoint now
+    dense = next((i for i in layers if not cfg.is_moe_layer(i)), None)
+    if cfg.intermediate_size is not None and dense is not None:
+        I = cfg.intermediate_size
+        dim(f"model.layers.{dense}.mlp.gate_proj.weight", 0, I, "intermediate_size", f"{I}")
+    sparse = next((i for i in layers if cfg.is_moe_layer(i)), None)
+    if sparse is not None:
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        p = f"model.layers.{sparse}.mlp"
+        dim(f"{p}.gate.weight", 0, E, "num_experts", f"{E}")
+        gu_rows = product("moe_intermediate_size", I, "2 (gate and up rows)", 2)
+        dim(f"{p}.experts.gate_up_proj", 0, E, "num_experts", f"{E}")
+        dim(f"{p}.experts.gate_up_proj", 1, gu_rows, "moe_intermediate_size", f"{I} (× 2 = {gu_rows} rows)")
+        dim(f"{p}.experts.0.gate_proj.weight", 0, I, "moe_intermediate_size", f"{I}")
+
+
 class Model:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         cfg = self.cfg = load_config(model_dir)
         ck = Checkpoint(model_dir)
+        check_sizes(cfg, ck)
         V, H = cfg.vocab_size, cfg.hidden_size
         self._embed, self._embed_dtype = ck.take_stored("model.embed_tokens.weight", (V, H))
         self.layers = [_Layer(cfg, ck, i) for i in range(cfg.num_hidden_layers)]

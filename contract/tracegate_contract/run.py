@@ -8,7 +8,7 @@ import platform
 import numpy as np
 
 from .errors import ContractError
-from .qwen3 import Capture, Model
+from .qwen3 import MAX_POSITIONS, Capture, Model
 
 
 def _tracegate():
@@ -58,6 +58,10 @@ def _model(model_dir: str) -> Model:
 
 
 def trace(model_dir, tokens, out, internals, generate, cached, command) -> str:
+    if len(tokens) + generate > MAX_POSITIONS:
+        raise ContractError(
+            f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
+        )
     model = _model(model_dir)
     cap = Capture(internals)
     model.run(tokens, cap, generate=generate, cached=cached)
@@ -84,6 +88,9 @@ def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
     pos = [int(p) for p in pos]
     if len(pos) != rows:
         raise ContractError(f"{name}: {len(pos)} positions for {rows} rows")
+    bad = next((p for p in pos if not 0 <= p < MAX_POSITIONS), None)
+    if bad is not None:
+        raise ContractError(f"{name}: position {bad} outside [0, 2^24)")
     return pos
 
 
@@ -98,10 +105,13 @@ def layer(model_dir, index, input_path, input_name, out, internals, command) -> 
     src = tg.Trace(input_path)
     if input_name not in src.names:
         raise ContractError(f"--input-name: {input_name} is not a tensor of {input_path}")
-    x = np.ascontiguousarray(src[input_name], dtype=np.float32)
+    # As the engine: the rows are taken as they are, never converted from another dtype.
+    if src.dtype(input_name) != "f32":
+        raise ContractError(f"{input_path}: tensor {input_name} is {src.dtype(input_name)}, not f32")
+    x = np.ascontiguousarray(src[input_name])
     H = model.cfg.hidden_size
-    if x.ndim != 2 or x.shape[1] != H:
-        raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}]")
+    if x.ndim != 2 or x.shape[1] != H or x.shape[0] < 1:
+        raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}] with rows ≥ 1")
     pos = _positions_of(src.attributes(input_name), input_name, x.shape[0])
     cap = Capture(internals)
     model.layer(index, x, pos, cap)

@@ -10,12 +10,12 @@ reach the computation).
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 
 import numpy as np
 
+from . import jsonfile
 from .errors import ContractError
 from .ops import F32, widen_bf16
 
@@ -25,10 +25,18 @@ _DTYPES = {"F32": (np.dtype("<f4"), 4), "BF16": (np.dtype("<u2"), 2), "F16": (np
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def regular_file(path: str, shown: str) -> None:
+    """Refuse a path that is not a regular file before opening it: opening a FIFO for reading
+    blocks until a writer comes, which may be never (as the engine refuses it)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ContractError(f"{shown}: not a regular file")
+
+
 class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         name = os.path.basename(path)
+        regular_file(path, name)
         try:
             size = os.path.getsize(path)
             with open(path, "rb") as f:
@@ -42,12 +50,17 @@ class SafetensorsFile:
         except OSError as e:
             raise ContractError(f"{name}: cannot read: {e.strerror}") from None
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ContractError(f"{name}: header is not valid JSON: {e}") from None
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ContractError(f"{name}: header is not UTF-8: {e}") from None
+        header, repeated = jsonfile.loads(text, f"{name}: header")
         if not isinstance(header, dict):
             raise ContractError(f"{name}: header is not a JSON object")
-        header.pop("__metadata__", None)
+        if repeated is not None:  # json keeps the last silently; which one is meant is unknowable
+            raise ContractError(f"{name}: duplicate tensor name {repeated!r} in the header")
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not (isinstance(meta, dict) and all(isinstance(x, str) for x in meta.values())):
+            raise ContractError(f"{name}: __metadata__ must be an object of strings")
         data_len = size - 8 - n
         self._data_start = 8 + n
         self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int, str]] = {}
@@ -76,10 +89,18 @@ class SafetensorsFile:
                 )
             spans.append((b, e, tname))
             self.entries[tname] = (np_dtype, tuple(shape), b, e, dt)
+        # The data region must be tiled exactly, as the format requires: no overlap, no gap, and
+        # no trailing bytes that no tensor covers.
         spans.sort()
-        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-            if b1 < e0:
-                raise ContractError(f"{name}: tensors {n0} and {n1} overlap")
+        at, prev = 0, None
+        for b, e, tname in spans:
+            if b < at:
+                raise ContractError(f"{name}: tensors {prev} and {tname} overlap")
+            if b > at:
+                raise ContractError(f"{name}: tensor {tname}: a gap of {b - at} bytes before its data")
+            at, prev = e, tname
+        if at != data_len:
+            raise ContractError(f"{name}: {data_len - at} trailing bytes of the data region belong to no tensor")
         self._map = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
 
     def stored(self, tname: str) -> np.ndarray:
@@ -111,11 +132,14 @@ class Checkpoint:
         single = os.path.join(model_dir, "model.safetensors")
         self._where: dict[str, SafetensorsFile] = {}
         if os.path.exists(index):
+            regular_file(index, "model.safetensors.index.json")
             try:
-                with open(index) as f:
-                    weight_map = json.load(f).get("weight_map")
-            except (OSError, json.JSONDecodeError, AttributeError) as e:
+                with open(index, "rb") as f:
+                    text = f.read()
+            except OSError as e:
                 raise ContractError(f"model.safetensors.index.json: unreadable: {e}") from None
+            idx, _ = jsonfile.loads(text, "model.safetensors.index.json")
+            weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
             if not isinstance(weight_map, dict):
                 raise ContractError("model.safetensors.index.json: no weight_map object")
             files = {}
@@ -148,6 +172,16 @@ class Checkpoint:
 
     def names(self) -> list[str]:
         return sorted(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The stored shape, without claiming the tensor (to check a config before loading)."""
+        sf = self._where.get(name)
+        return None if sf is None else sf.entries[name][1]
+
+    def layer_count(self) -> int:
+        """One past the highest N of the `model.layers.N.*` tensors (0: none)."""
+        ns = [p[2] for p in (n.split(".") for n in self._where) if len(p) >= 3 and p[:2] == ["model", "layers"] and p[2].isascii() and p[2].isdigit()]
+        return max(map(int, ns)) + 1 if ns else 0
 
     def has(self, name: str) -> bool:
         return name in self._where

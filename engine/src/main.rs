@@ -1,4 +1,5 @@
-//! `engine` CLI: thin wrapper over the library verbs. Errors print one line and exit 2.
+//! `engine` CLI: thin wrapper over the library verbs. Errors exit 2: a refusal prints one line,
+//! a usage error prints clap's whole message (the argument it is about, and any suggestion).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,7 +16,9 @@ struct Cli {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum CaptureSet {
+    /// The capture points every producer writes.
     Default,
+    /// Add q, k, v, attn_probs, router logits and expert outputs (changes the digest).
     Internals,
 }
 
@@ -33,42 +36,55 @@ fn default_threads() -> usize {
 enum Cmd {
     /// Prefill a prompt (and optionally generate greedily) and write a trace.
     Trace {
+        /// Model directory: config.json and model.safetensors (or the shards of an index).
         #[arg(long)]
         model: PathBuf,
         /// Prompt token ids, comma separated (e.g. 3,17,5).
         #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
         tokens: Vec<i64>,
+        /// Trace file to write (replaced only once complete).
         #[arg(long)]
         out: PathBuf,
+        /// Which capture points to record.
         #[arg(long, value_enum, default_value = "default")]
         capture: CaptureSet,
         /// Greedy decode steps after the prompt (recorded as decisions only).
         #[arg(long, default_value_t = 0)]
         generate: usize,
+        /// Decode with the KV cache (on) or by re-running the whole sequence (off); same bits.
         #[arg(long, value_enum, default_value = "on")]
         cache: OnOff,
+        /// Worker threads (bits do not depend on it).
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
     },
     /// Run decoder layer L alone on a tensor of another trace (rows at its positions).
     Layer {
+        /// Model directory: config.json and model.safetensors (or the shards of an index).
         #[arg(long)]
         model: PathBuf,
+        /// Decoder layer index (0-based).
         #[arg(long)]
         layer: usize,
+        /// Trace holding the input tensor.
         #[arg(long)]
         input: PathBuf,
+        /// Name of the input tensor in that trace: f32 [rows, hidden] with a positions attribute.
         #[arg(long)]
         input_name: String,
+        /// Trace file to write (replaced only once complete).
         #[arg(long)]
         out: PathBuf,
+        /// Which capture points to record.
         #[arg(long, value_enum, default_value = "default")]
         capture: CaptureSet,
+        /// Worker threads (bits do not depend on it).
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
     },
     /// Config summary, weights digest and inventory check.
     Info {
+        /// Model directory: config.json and model.safetensors (or the shards of an index).
         #[arg(long)]
         model: PathBuf,
     },
@@ -77,10 +93,10 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        // Usage errors: one line, exit 2 (help and version print normally).
+        // Usage errors: clap's whole message (which argument, "did you mean", usage), exit 2;
+        // help and version print normally.
         Err(e) if e.use_stderr() => {
-            let msg = e.to_string();
-            eprintln!("engine: {}", msg.lines().next().unwrap_or("invalid arguments").trim_start_matches("error: "));
+            eprint!("engine: {}", e.render());
             return ExitCode::from(2);
         }
         Err(e) => e.exit(),
@@ -120,5 +136,27 @@ fn main() -> ExitCode {
             eprintln!("engine: error: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_option_and_verb_has_help_text() {
+        let cmd = super::Cli::command();
+        let mut missing = vec![];
+        for sub in cmd.get_subcommands() {
+            if sub.get_about().is_none() {
+                missing.push(sub.get_name().to_string());
+            }
+            for a in sub.get_arguments().filter(|a| !matches!(a.get_id().as_str(), "help" | "version")) {
+                if a.get_help().is_none() {
+                    missing.push(format!("{} --{}", sub.get_name(), a.get_id()));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "no help text: {missing:?}");
     }
 }

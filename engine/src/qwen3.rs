@@ -14,6 +14,9 @@ use crate::{err, Result};
 // ---------------------------------------------------------------------------------------------
 // Config
 
+/// Positions are absolute token indices below 2^24 (f32 holds every integer up to it, §7).
+pub const MAX_POSITIONS: usize = 1 << 24;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
     Qwen3,
@@ -171,7 +174,14 @@ impl Config {
             (None, Family::Qwen3Moe) => hidden_size / num_attention_heads,
         };
         if head_dim % 2 != 0 || head_dim == 0 {
-            return Err(err!("config.json: head_dim = {head_dim} must be even and positive"));
+            let from = if field(v, "head_dim").is_some() { String::new() } else { format!(" (hidden_size {hidden_size} / num_attention_heads {num_attention_heads})") };
+            return Err(err!("config.json: head_dim = {head_dim}{from} must be even and positive"));
+        }
+        // Not used by the forward, but a size all the same: positions must stay below 2^24 (§7).
+        if let Some(m) = opt_usize(v, "max_position_embeddings")? {
+            if m > MAX_POSITIONS {
+                return Err(err!("config.json: max_position_embeddings = {m} exceeds the position limit 2^24 = {MAX_POSITIONS}"));
+            }
         }
         let moe = match family {
             Family::Qwen3 => None,
@@ -228,7 +238,7 @@ impl Config {
         if cfg.vocab_size < 2 {
             return Err(err!("config.json: vocab_size = {} (argmax margins need at least 2)", cfg.vocab_size));
         }
-        if cfg.intermediate_size.is_none() && (0..num_hidden_layers).any(|l| !cfg.is_sparse(l)) {
+        if cfg.intermediate_size.is_none() && cfg.has_dense_layer() {
             return Err(err!("config.json: missing field intermediate_size"));
         }
         Ok(cfg)
@@ -239,6 +249,17 @@ impl Config {
         match &self.moe {
             None => false,
             Some(m) => m.num_experts > 0 && !m.mlp_only_layers.contains(&l) && (l + 1).is_multiple_of(m.decoder_sparse_step),
+        }
+    }
+
+    /// Some layer uses the dense MLP. Decided without visiting every layer: the count is not yet
+    /// checked against the checkpoint here, and may be 2^62.
+    fn has_dense_layer(&self) -> bool {
+        let n = self.num_hidden_layers;
+        match &self.moe {
+            None => n > 0,
+            // Layer 0 is dense when the step is above 1 ((0 + 1) % step ≠ 0).
+            Some(m) => n > 0 && (m.num_experts == 0 || m.decoder_sparse_step > 1 || m.mlp_only_layers.iter().any(|&l| l < n)),
         }
     }
 
@@ -307,10 +328,61 @@ pub struct LayerKv {
     pos: Vec<i64>,
 }
 
+/// Every size the config declares, checked against the checkpoint's own tensors before the model
+/// allocates or loops by it: 2^40 layers or 2^62 heads are refused naming the field, never turned
+/// into an allocation, a long loop or an overflowing product. A representative tensor that is
+/// absent is left to `Store::take`, which refuses it by name.
+pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
+    let dim = |name: &str, axis: usize, want: u64, field: &dyn Fn() -> String| -> Result<()> {
+        match st.shape(name) {
+            Some(s) if s.get(axis).is_some_and(|&g| g != want) => {
+                Err(err!("config.json: {} does not match the checkpoint: {name} has shape {s:?}", field()))
+            }
+            _ => Ok(()),
+        }
+    };
+    let product = |field: &str, x: usize, by: &str, y: usize| -> Result<u64> {
+        x.checked_mul(y).map(|p| p as u64).ok_or_else(|| err!("config.json: {field} = {x} overflows when multiplied by {by} ({y})"))
+    };
+    let (h, v, d) = (c.hidden_size, c.vocab_size, c.head_dim);
+    let emb = "model.embed_tokens.weight";
+    dim(emb, 0, v as u64, &|| format!("vocab_size = {v}"))?;
+    dim(emb, 1, h as u64, &|| format!("hidden_size = {h}"))?;
+    let have = st.layer_count();
+    if c.num_hidden_layers > have {
+        return Err(err!(
+            "config.json: num_hidden_layers = {} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})",
+            c.num_hidden_layers
+        ));
+    }
+    let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+    let a = "model.layers.0.self_attn";
+    dim(&format!("{a}.q_norm.weight"), 0, d as u64, &|| format!("head_dim = {d}"))?;
+    let q_rows = product("num_attention_heads", nq, "head_dim", d)?;
+    let kv_rows = product("num_key_value_heads", nkv, "head_dim", d)?;
+    dim(&format!("{a}.q_proj.weight"), 0, q_rows, &|| format!("num_attention_heads = {nq} (× head_dim {d} = {q_rows} rows)"))?;
+    dim(&format!("{a}.k_proj.weight"), 0, kv_rows, &|| format!("num_key_value_heads = {nkv} (× head_dim {d} = {kv_rows} rows)"))?;
+    let layers = 0..c.num_hidden_layers; // bounded by the checkpoint now
+    if let (Some(i), Some(l)) = (c.intermediate_size, layers.clone().find(|&l| !c.is_sparse(l))) {
+        dim(&format!("model.layers.{l}.mlp.gate_proj.weight"), 0, i as u64, &|| format!("intermediate_size = {i}"))?;
+    }
+    if let (Some(m), Some(l)) = (&c.moe, layers.clone().find(|&l| c.is_sparse(l))) {
+        let (ne, mi) = (m.num_experts, m.moe_intermediate_size);
+        let p = format!("model.layers.{l}.mlp");
+        dim(&format!("{p}.gate.weight"), 0, ne as u64, &|| format!("num_experts = {ne}"))?;
+        let gu_rows = product("moe_intermediate_size", mi, "2 (gate and up rows)", 2)?;
+        dim(&format!("{p}.experts.gate_up_proj"), 0, ne as u64, &|| format!("num_experts = {ne}"))?;
+        dim(&format!("{p}.experts.gate_up_proj"), 1, gu_rows, &|| format!("moe_intermediate_size = {mi} (× 2 = {gu_rows} rows)"))?;
+        dim(&format!("{p}.experts.0.gate_proj.weight"), 0, mi as u64, &|| format!("moe_intermediate_size = {mi}"))?;
+    }
+    Ok(())
+}
+
 impl<'a> Model<'a> {
     /// Bind every tensor the config requires (shapes checked) and refuse any the checkpoint
     /// holds that no module claims.
     pub fn load(cfg: Config, st: &'a Store) -> Result<Model<'a>> {
+        check_sizes(&cfg, st)?;
         let (h, v, d) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim);
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let vec = |name: &str, n: usize| st.take(name, &[n]).map(|m| m.to_vec());

@@ -9,7 +9,7 @@ use tracegate_trace::{Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
 use crate::ops::{self, Rope};
-use crate::qwen3::{Config, Model};
+use crate::qwen3::{Config, Model, MAX_POSITIONS};
 use crate::weights::Store;
 use crate::{err, Result};
 
@@ -42,6 +42,7 @@ pub struct LayerOptions {
 /// Read and validate `config.json`; returns the parsed config and the raw JSON.
 pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
     let p = dir.join("config.json");
+    crate::weights::regular_file(&p)?;
     let text = std::fs::read_to_string(&p).map_err(|e| err!("{}: {e}", p.display()))?;
     let raw: Value = serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
     Ok((Config::from_json(&raw)?, raw))
@@ -98,7 +99,8 @@ fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
 pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, cache: Option<&mut [crate::qwen3::LayerKv]>) -> Result<Vec<Step>> {
     let v = model.cfg.vocab_size;
     let t = prompt.len();
-    let mut steps: Vec<Step> = Vec::with_capacity(n);
+    // Not reserved up front: `n` is the caller's number and may be absurd.
+    let mut steps: Vec<Step> = Vec::new();
     let mut row = prompt_logits[(t - 1) * v..t * v].to_vec();
     let mut seq = prompt.to_vec();
     let mut cache = cache;
@@ -126,6 +128,13 @@ pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, 
 pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     if o.tokens.is_empty() {
         return Err(err!("--tokens: the prompt is empty"));
+    }
+    if o.tokens.len().saturating_add(o.generate) > MAX_POSITIONS {
+        return Err(err!(
+            "--generate {}: {} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}",
+            o.generate,
+            o.tokens.len()
+        ));
     }
     let (cfg, raw) = load_config(&o.model_dir)?;
     let store = Store::open(&o.model_dir)?;
@@ -199,7 +208,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     if pos.len() != rows {
         return Err(err!("{}: tensor {}: {} positions for {rows} rows", o.input.display(), o.input_name, pos.len()));
     }
-    if let Some(p) = pos.iter().find(|&&p| !(0..1 << 24).contains(&p)) {
+    if let Some(p) = pos.iter().find(|&&p| !(0..MAX_POSITIONS as i64).contains(&p)) {
         return Err(err!("{}: tensor {}: position {p} outside [0, 2^24)", o.input.display(), o.input_name));
     }
     let x = input.f32_vec(&o.input_name)?;

@@ -223,6 +223,18 @@ pub fn widen(dtype: WDType, b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Refuse a path that is not a regular file before opening it: opening a FIFO for reading blocks
+/// until a writer comes, which may be never. (A file swapped between this check and the open is
+/// not caught; the checkpoint must not change while the engine runs, as for the mapping.)
+pub fn regular_file(p: &Path) -> Result<()> {
+    let m = std::fs::metadata(p).map_err(|e| err!("{}: {e}", p.display()))?;
+    if m.is_file() {
+        Ok(())
+    } else {
+        Err(err!("{}: not a regular file", p.display()))
+    }
+}
+
 /// The safetensors files of a model directory, sorted by file name (byte order). With a
 /// `model.safetensors.index.json` they must be exactly the shards it names; without one, exactly
 /// `model.safetensors`. This one list feeds both the loader and the weights digest.
@@ -262,6 +274,7 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// `weight_map` of a sharded checkpoint index: tensor name → shard file name.
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
+    regular_file(path)?;
     let text = std::fs::read_to_string(path).map_err(|e| err!("{}: {e}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", path.display()))?;
     let wm = v
@@ -296,6 +309,7 @@ impl Store {
         let mut maps = Vec::new();
         let mut tensors = BTreeMap::new();
         for p in &files {
+            regular_file(p)?;
             let f = File::open(p).map_err(|e| err!("{}: {e}", p.display()))?;
             // SAFETY: mapped read-only; the checkpoint must not be modified while the engine runs
             // (the same contract every mmap-based loader has).
@@ -364,5 +378,19 @@ impl Store {
 
     pub fn tensor_count(&self) -> usize {
         self.tensors.len()
+    }
+
+    /// The stored shape of `name`, without claiming it (for checking a config before loading).
+    pub fn shape(&self, name: &str) -> Option<&[u64]> {
+        self.tensors.get(name).map(|(_, e)| e.shape.as_slice())
+    }
+
+    /// One past the highest `N` of the checkpoint's `model.layers.N.*` tensors (0: none).
+    pub fn layer_count(&self) -> usize {
+        self.tensors
+            .keys()
+            .filter_map(|k| k.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |n| n.saturating_add(1))
     }
 }

@@ -168,6 +168,11 @@ fn digest_identical_across_fresh_processes_and_kernel_paths() {
     let exe = env!("CARGO_BIN_EXE_engine");
     let mut outs = vec![];
     // The third run forces the portable (non-avx512) kernels: same bits, same digest.
+    if !tracegate_engine::ops::avx512_available() {
+        // To the stderr handle itself: the harness swallows eprintln! of a passing test.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "NOT CHECKED: avx512 kernels against portable ones by digest: avx512f absent on this CPU (or TRACEGATE_ENGINE_PORTABLE set), so every run takes the portable kernels");
+    }
     for (i, threads) in ["1", "3", "1"].iter().enumerate() {
         let out = f.dir.join(format!("p{i}.trace"));
         let mut cmd = std::process::Command::new(exe);
@@ -579,7 +584,7 @@ fn provenance_records_the_run() {
 }
 
 #[test]
-fn cli_errors_exit_2_with_one_line() {
+fn refusals_exit_2_with_one_line() {
     let f = fixture();
     let exe = env!("CARGO_BIN_EXE_engine");
     let o = std::process::Command::new(exe)
@@ -599,4 +604,113 @@ fn cli_errors_exit_2_with_one_line() {
     assert!(o.status.success());
     let s = String::from_utf8(o.stdout).unwrap();
     assert!(s.contains("weights_digest") && s.contains("all claimed"), "{s}");
+}
+
+/// Runs the engine binary; a child still running after a generous deadline is killed and
+/// reported as hung (a refusal takes milliseconds; before the size checks some configs looped
+/// for hours).
+fn engine_cli(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_engine"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("engine {args:?} still running after 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+#[test]
+fn absurd_config_sizes_are_refused_naming_the_field() {
+    // Each size field at 2^40 (once an abort on a 518 TB allocation), 2^62 (a capacity-overflow
+    // panic), 0 and -1: exit 2, one line naming the field, never a crash.
+    let tmp = tempfile::tempdir().unwrap();
+    let (dense, moe) = (tmp.path().join("dense"), tmp.path().join("moe"));
+    make_model(&dense, &dense_config(), "F32", 1);
+    make_model(&moe, &moe_config(), "BF16", 2);
+    let dense_fields = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"];
+    // num_experts = 0 is a valid config (every layer dense, §10): the tensors refuse it, below.
+    let moe_fields = ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_hidden_layers", "hidden_size", "num_attention_heads"];
+    let mut problems = vec![];
+    for (dir, base, fields) in [(&dense, dense_config(), &dense_fields[..]), (&moe, moe_config(), &moe_fields[..])] {
+        for field in fields {
+            for value in [json!(1u64 << 40), json!(1u64 << 62), json!(0), json!(-1)] {
+                if *field == "num_experts" && value == json!(0) {
+                    continue;
+                }
+                let mut cfg = base.clone();
+                cfg[*field] = value.clone();
+                std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+                let out = tmp.path().join("x.trace");
+                let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), dir.as_os_str(), "--tokens".as_ref(), "1,2".as_ref(), "--out".as_ref(), out.as_os_str()]);
+                if code != Some(2) || err.lines().count() != 1 || !err.contains(field) || err.contains("panicked") {
+                    problems.push(format!("{field} = {value}: exit {code:?}: {}", err.trim()));
+                }
+            }
+        }
+        std::fs::write(dir.join("config.json"), base.to_string()).unwrap();
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn all_sparse_config_with_absurd_layer_count_is_refused_at_once() {
+    // No intermediate_size and every layer sparse: deciding that no layer is dense must not
+    // visit 2^62 layers (it looped for hours), and the count is then refused by the checkpoint.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = moe_config();
+    cfg["mlp_only_layers"] = json!([]);
+    make_model(tmp.path(), &cfg, "BF16", 2);
+    cfg.as_object_mut().unwrap().remove("intermediate_size");
+    cfg["num_hidden_layers"] = json!(1u64 << 62);
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+    let (code, err) = engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("num_hidden_layers = 4611686018427387904") && err.contains("3 layers"), "{err}");
+}
+
+#[test]
+fn absurd_generate_count_is_refused_not_a_panic() {
+    let f = fixture();
+    let out = f.dir.join("g.trace");
+    let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), f.dense.as_os_str(), "--tokens".as_ref(), "1".as_ref(), "--generate".as_ref(), "4611686018427387904".as_ref(), "--out".as_ref(), out.as_os_str()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--generate") && err.contains("2^24"), "{err}");
+}
+
+#[test]
+fn usage_errors_print_claps_whole_message() {
+    // The missing arguments are named, and a misspelt option gets clap's suggestion.
+    let f = fixture();
+    let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), f.dense.as_os_str()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--tokens") && err.contains("--out"), "{err}");
+    let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), f.dense.as_os_str(), "--tokens".as_ref(), "1".as_ref(), "--out".as_ref(), "x".as_ref(), "--thread".as_ref(), "2".as_ref()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--thread'") && err.contains("--threads"), "{err}");
+}
+
+#[test]
+fn a_fifo_in_the_model_directory_is_refused_not_waited_on() {
+    // Opening a FIFO for reading blocks until a writer comes: config.json, an index or a shard
+    // that is one is refused before it is opened.
+    for name in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+        let tmp = tempfile::tempdir().unwrap();
+        make_model(tmp.path(), &dense_config(), "F32", 1);
+        let p = tmp.path().join(name);
+        let _ = std::fs::remove_file(&p);
+        let ok = std::process::Command::new("mkfifo").arg(&p).status().unwrap();
+        assert!(ok.success());
+        let (code, err) = engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
+        assert_eq!(code, Some(2), "{name}: {err}");
+        assert!(err.contains(name) && err.contains("not a regular file"), "{err}");
+    }
 }

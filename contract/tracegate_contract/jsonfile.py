@@ -1,0 +1,44 @@
+"""JSON as the engine's parser (serde_json) accepts it: nesting deeper than its limit is refused
+with one line naming the file, never a `RecursionError`, and a caller can learn whether the
+top-level object repeats a key."""
+
+from __future__ import annotations
+
+import json
+
+from .errors import ContractError
+
+# serde_json's recursion limit: 127 nested arrays/objects parse, 128 do not.
+MAX_DEPTH = 127
+
+
+def _too_deep(v) -> bool:
+    stack = [(v, 1)]
+    while stack:  # iterative: the value may be as deep as Python's own parser allowed
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list)):
+            if depth > MAX_DEPTH:
+                return True
+            stack.extend((c, depth + 1) for c in (x.values() if isinstance(x, dict) else x))
+    return False
+
+
+def loads(text, where: str, parse_float=None):
+    """Parse `text`; returns (value, first key the top-level object repeats or None)."""
+    repeats: list = []
+
+    def pairs(kv):
+        seen: set = set()
+        repeats.append(next((k for k, _ in kv if k in seen or seen.add(k)), None))
+        return dict(kv)
+
+    try:
+        v = json.loads(text, parse_float=parse_float, object_pairs_hook=pairs)
+    except RecursionError:
+        raise ContractError(f"{where} is not valid JSON: nested deeper than {MAX_DEPTH} levels") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ContractError(f"{where} is not valid JSON: {e}") from None
+    if _too_deep(v):
+        raise ContractError(f"{where} is not valid JSON: nested deeper than {MAX_DEPTH} levels")
+    # Objects complete innermost first, so the top-level one is the last seen.
+    return v, (repeats[-1] if isinstance(v, dict) else None)
