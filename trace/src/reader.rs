@@ -131,8 +131,8 @@ fn tensor_entry(t: TensorJson, index_offset: u64) -> std::result::Result<TensorI
     check_range(&what, t.offset, t.nbytes, index_offset)?;
     let digest = parse_xxh3_hex(&t.xxh3).ok_or_else(|| format!("{}: xxh3 {:?} is not 32 lowercase hex digits", what(), t.xxh3))?;
     let attributes = Attributes::from_json(&t.attributes).map_err(|e| format!("{}: {e}", what()))?;
-    let mut shape = t.shape;
-    shape.shrink_to_fit();
+    // A fresh exact allocation: shrinking serde's grown one in place keeps its larger chunk.
+    let shape = t.shape.to_vec();
     Ok(TensorInfo { name: t.name, dtype, shape, offset: t.offset, nbytes: t.nbytes, digest, attributes })
 }
 
@@ -150,8 +150,7 @@ fn decision_entry(d: DecisionJson, index_offset: u64) -> std::result::Result<Dec
         check_range(&|| format!("{} margins", what()), m, len, index_offset)?;
     }
     let digest = parse_xxh3_hex(&d.xxh3).ok_or_else(|| format!("{}: xxh3 {:?} is not 32 lowercase hex digits", what(), d.xxh3))?;
-    let mut shape = d.shape;
-    shape.shrink_to_fit();
+    let shape = d.shape.to_vec();
     Ok(DecisionInfo { name: d.name, shape, values_offset: d.values_offset, margins_offset: d.margins_offset, digest })
 }
 

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 create_exception!(_native, TraceError, PyException, "A trace could not be written, read or verified.");
@@ -160,8 +160,8 @@ impl NativeTrace {
 
     /// Tensor names in capture order: the one per-tensor list the Python side holds (dtype and
     /// shape are asked for by name), so a large index costs one string a tensor in Python.
-    fn names(&self) -> Vec<&str> {
-        self.inner.tensors().iter().map(|t| t.name.as_str()).collect()
+    fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.inner.tensors().iter().map(|t| t.name.as_str()))
     }
 
     fn count(&self) -> usize {
