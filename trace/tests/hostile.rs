@@ -83,6 +83,42 @@ fn an_unknown_field_is_refused_in_a_known_minor_and_ignored_in_a_later_one() {
 }
 
 #[test]
+fn unknown_and_duplicate_top_level_keys() {
+    let f = sample_bytes();
+    refused(&edit_index(&f, |i| i["added_later"] = json!(1)), "unknown field \"added_later\" (format 1.0 has no such field)");
+    refused(&edit_index(&f, |i| i["decisions"][0]["extra"] = json!(1)), "unknown field \"extra\" in decisions[0]");
+    // A later minor version may add a top-level key; this reader ignores it.
+    let mut later = edit_index(&f, |i| {
+        i["added_later"] = json!({"x": [1, 2]});
+        i["version"] = json!([1, 1]);
+    });
+    later[10] = 1;
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("later.trace");
+    std::fs::write(&p, &later).unwrap();
+    Trace::open(&p).expect("a later minor's optional key is ignored").verify().unwrap();
+    // A key given twice would let a second list of entries replace or join the first.
+    let (data, index) = split_index(&f);
+    let text = serde_json::to_string(&index).unwrap();
+    let twice = text.replacen("\"decisions\":", "\"decisions\":[],\"decisions\":", 1);
+    let mut g = data.clone();
+    g.extend_from_slice(twice.as_bytes());
+    g.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    g.extend_from_slice(&(twice.len() as u64).to_le_bytes());
+    g.extend_from_slice(&xxh3_128(twice.as_bytes()).to_be_bytes());
+    g.extend_from_slice(b"TGTREND\0");
+    refused(&g, "duplicate field `decisions`");
+}
+
+#[test]
+fn an_index_not_aligned_to_64_is_refused() {
+    let f = sample_bytes();
+    let (mut data, index) = split_index(&f);
+    data.push(0);
+    refused(&with_index(&data, &index), "which is not 64-byte aligned");
+}
+
+#[test]
 fn bad_magic() {
     let mut f = craft(&index_with(json!([])), 0);
     f[0] = b'X';

@@ -57,6 +57,14 @@ class Judge:
         self.path.write_bytes(mutant)
         try:
             t = tracegate.Trace(self.path)
+        except tracegate.TraceError:
+            self.refused += 1
+            return False
+        try:
+            content(t)  # reading before verify() may be refused, never fail otherwise
+        except tracegate.TraceError:
+            pass
+        try:
             t.verify()
             got = content(t)
         except tracegate.TraceError:
