@@ -96,6 +96,9 @@ impl Attributes {
         let map = value.as_object().ok_or("attributes is not an object")?;
         let mut attrs = Attributes::default();
         for (k, v) in map {
+            if k.is_empty() {
+                return Err("an attribute has an empty name".into());
+            }
             match k.as_str() {
                 "path" => attrs.path = Some(v.as_str().ok_or("attribute path is not a string")?.to_string()),
                 "mask" => attrs.mask = Some(v.as_str().ok_or("attribute mask is not a string")?.to_string()),

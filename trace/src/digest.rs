@@ -43,7 +43,11 @@ pub fn xxh3_hex(h: u128) -> String {
     hex::encode(h.to_be_bytes())
 }
 
+/// Only the canonical (lowercase) form: one value, one spelling.
 pub(crate) fn parse_xxh3_hex(s: &str) -> Option<u128> {
+    if !crate::layout::is_lower_hex(s) {
+        return None;
+    }
     let mut out = [0u8; 16];
     hex::decode_to_slice(s, &mut out).ok()?;
     Some(u128::from_be_bytes(out))

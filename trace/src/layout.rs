@@ -70,3 +70,27 @@ pub struct DecisionJson {
 }
 
 pub const FORMAT_NAME: &str = "tracegate.trace";
+
+/// The suffix of a writer's temporary file; readers refuse such a path (an unfinished trace).
+pub const TMP_SUFFIX: &str = ".tracegate-tmp";
+
+/// The spec's rule for tensor and decision names, shared by the writer and the reader; `Err`
+/// is the reason without the file name. A long name is shown by its length only.
+pub fn check_name(kind: &str, name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err(format!("{kind} with an empty name"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        let head: String = name.chars().take(32).flat_map(char::escape_debug).collect();
+        return Err(format!("{kind} name \"{head}...\" is {} bytes long (limit {MAX_NAME_LEN})", name.len()));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(format!("{kind} name {name:?} contains a control character"));
+    }
+    Ok(())
+}
+
+/// Canonical hex as the spec writes it: lowercase digits only.
+pub fn is_lower_hex(s: &str) -> bool {
+    s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}

@@ -10,6 +10,7 @@ mod attrs;
 mod digest;
 mod dtype;
 mod error;
+mod index;
 mod layout;
 mod reader;
 mod writer;

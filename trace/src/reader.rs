@@ -1,5 +1,5 @@
-use std::collections::HashMap;
 use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -11,6 +11,7 @@ use crate::attrs::Attributes;
 use crate::digest::{parse_xxh3_hex, Canonical, Digest};
 use crate::dtype::{element_count, DType};
 use crate::error::{Error, Result};
+use crate::index::{parse as parse_index, Sink};
 use crate::layout::*;
 
 /// One tensor's index entry.
@@ -59,14 +60,19 @@ impl DecisionInfo {
 /// [`Trace::verify`] additionally re-hashes every payload.
 pub struct Trace {
     path: PathBuf,
+    /// Kept open so the file's size can be re-checked before pages are touched.
+    file: File,
     map: Mmap,
     tensors: Vec<TensorInfo>,
     decisions: Vec<DecisionInfo>,
-    by_name: HashMap<String, usize>,
-    decision_by_name: HashMap<String, usize>,
+    /// Indices into `tensors` / `decisions` sorted by name: 4 bytes an entry, not a second
+    /// copy of every name.
+    by_name: Vec<u32>,
+    decision_by_name: Vec<u32>,
     provenance: Value,
     digest: Digest,
     version: (u16, u16),
+    index_offset: u64,
 }
 
 impl std::fmt::Debug for Trace {
@@ -75,23 +81,155 @@ impl std::fmt::Debug for Trace {
     }
 }
 
+/// What a path is, for a refusal of anything but a regular file.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// `Err` is the reason: alignment, inside the data region `64..index_offset`, no overflow.
+fn check_range(what: &dyn Fn() -> String, offset: u64, nbytes: u64, index_offset: u64) -> std::result::Result<(), String> {
+    let end = offset.checked_add(nbytes).ok_or_else(|| format!("{}: offset {offset} + {nbytes} bytes overflows", what()))?;
+    if !offset.is_multiple_of(ALIGN) {
+        return Err(format!("{}: offset {offset} is not {ALIGN}-byte aligned", what()));
+    }
+    if offset < HEADER_LEN || end > index_offset {
+        return Err(format!("{}: bytes {offset}..{end} lie outside the data region {HEADER_LEN}..{index_offset}", what()));
+    }
+    Ok(())
+}
+
+fn check_rank(what: &dyn Fn() -> String, shape: &[u64]) -> std::result::Result<(), String> {
+    if shape.len() > MAX_RANK {
+        return Err(format!("{}: rank {} exceeds {MAX_RANK}", what(), shape.len()));
+    }
+    Ok(())
+}
+
+fn tensor_entry(t: TensorJson, index_offset: u64) -> std::result::Result<TensorInfo, String> {
+    check_name("tensor", &t.name)?;
+    let what = || format!("tensor {:?}", t.name);
+    let dtype = DType::parse(&t.dtype).map_err(|e| format!("{}: {e}", what()))?;
+    check_rank(&what, &t.shape)?;
+    let expected = element_count(&t.shape)
+        .and_then(|n| n.checked_mul(dtype.size() as u64))
+        .ok_or_else(|| format!("{}: shape {:?} x {} bytes overflows", what(), t.shape, dtype.size()))?;
+    if expected != t.nbytes {
+        return Err(format!("{}: nbytes {} but shape {:?} of {dtype} needs {expected}", what(), t.nbytes, t.shape));
+    }
+    check_range(&what, t.offset, t.nbytes, index_offset)?;
+    let digest = parse_xxh3_hex(&t.xxh3).ok_or_else(|| format!("{}: xxh3 {:?} is not 32 lowercase hex digits", what(), t.xxh3))?;
+    let attributes = Attributes::from_json(&t.attributes).map_err(|e| format!("{}: {e}", what()))?;
+    // A fresh exact allocation: shrinking serde's grown one in place keeps its larger chunk.
+    let shape = t.shape.to_vec();
+    Ok(TensorInfo { name: t.name, dtype, shape, offset: t.offset, nbytes: t.nbytes, digest, attributes })
+}
+
+fn decision_entry(d: DecisionJson, index_offset: u64) -> std::result::Result<DecisionInfo, String> {
+    check_name("decision", &d.name)?;
+    let what = || format!("decision {:?}", d.name);
+    check_rank(&what, &d.shape)?;
+    let nbytes = element_count(&d.shape)
+        .and_then(|n| n.checked_mul(8))
+        .ok_or_else(|| format!("{}: shape {:?} overflows", what(), d.shape))?;
+    check_range(&|| format!("{} values", what()), d.values_offset, nbytes, index_offset)?;
+    if let Some(m) = d.margins_offset {
+        let rows = d.shape.first().copied().unwrap_or(1);
+        let len = rows.checked_mul(4).ok_or_else(|| format!("{}: rows overflow", what()))?;
+        check_range(&|| format!("{} margins", what()), m, len, index_offset)?;
+    }
+    let digest = parse_xxh3_hex(&d.xxh3).ok_or_else(|| format!("{}: xxh3 {:?} is not 32 lowercase hex digits", what(), d.xxh3))?;
+    let shape = d.shape.to_vec();
+    Ok(DecisionInfo { name: d.name, shape, values_offset: d.values_offset, margins_offset: d.margins_offset, digest })
+}
+
+/// Entry indices sorted by name; `Err` names the first duplicate.
+fn sorted_by_name<T>(entries: &[T], name: impl Fn(&T) -> &str, kind: &str) -> std::result::Result<Vec<u32>, String> {
+    let mut order: Vec<u32> = (0..entries.len() as u32).collect();
+    order.sort_unstable_by(|&a, &b| name(&entries[a as usize]).cmp(name(&entries[b as usize])));
+    for pair in order.windows(2) {
+        let n = name(&entries[pair[0] as usize]);
+        if n == name(&entries[pair[1] as usize]) {
+            return Err(format!("duplicate {kind} name {n:?}"));
+        }
+    }
+    Ok(order)
+}
+
+fn lookup<'t, T>(entries: &'t [T], order: &[u32], name: impl Fn(&T) -> &str, key: &str) -> Option<&'t T> {
+    order.binary_search_by(|&i| name(&entries[i as usize]).cmp(key)).ok().map(|at| &entries[order[at] as usize])
+}
+
+/// Every non-empty payload as (start, end, what), sorted by start.
+fn payload_ranges(tensors: &[TensorInfo], decisions: &[DecisionInfo]) -> Vec<(u64, u64, Owner)> {
+    let mut ranges = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        if t.nbytes > 0 {
+            ranges.push((t.offset, t.offset + t.nbytes, Owner::Tensor(i as u32)));
+        }
+    }
+    for (i, d) in decisions.iter().enumerate() {
+        if d.count() > 0 {
+            ranges.push((d.values_offset, d.values_offset + d.count() * 8, Owner::Values(i as u32)));
+        }
+        if let Some(m) = d.margins_offset.filter(|_| d.rows() > 0) {
+            ranges.push((m, m + d.rows() * 4, Owner::Margins(i as u32)));
+        }
+    }
+    ranges.sort_unstable();
+    ranges
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Owner {
+    Tensor(u32),
+    Values(u32),
+    Margins(u32),
+}
+
 impl Trace {
     pub fn open(path: impl AsRef<Path>) -> Result<Trace> {
         let path = path.as_ref().to_path_buf();
+        let bad = |reason: String| Error::Malformed { path: path.clone(), reason };
+        if path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(TMP_SUFFIX)) {
+            return Err(bad(format!(
+                "a writer's temporary file (*{TMP_SUFFIX}): the trace was never finished, or its writer is still running"
+            )));
+        }
+        // Look before opening: opening a FIFO for reading blocks until something writes to it.
+        let meta = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?;
+        if !meta.is_file() {
+            return Err(bad(format!("{}, not a regular file: a trace is one regular file", file_kind(&meta))));
+        }
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         let meta = file.metadata().map_err(|e| Error::io(&path, e))?;
-        let bad = |reason: String| Error::Malformed { path: path.clone(), reason };
         if !meta.is_file() {
-            return Err(bad("not a regular file (a trace is one file; is this a directory?)".into()));
+            return Err(bad(format!("{}, not a regular file: a trace is one regular file", file_kind(&meta))));
         }
         let len = meta.len();
         if len < HEADER_LEN + FOOTER_LEN {
             return Err(bad(format!("file is {len} bytes, shorter than header + footer ({})", HEADER_LEN + FOOTER_LEN)));
         }
         // SAFETY: the map is read-only; a trace is never modified in place after it is renamed
-        // into position, and every read below is bounds-checked against the map's length.
+        // into position, and every read below is bounds-checked against the map's length. A
+        // file truncated by someone else while mapped is caught by `check_size` before payloads
+        // are read (see docs/trace-format.md for the window that remains).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let bytes: &[u8] = &map;
+        if bytes.len() as u64 != len {
+            return Err(bad(format!("file is {len} bytes but {} were mapped: it changed while being opened", bytes.len())));
+        }
         if &bytes[..8] != MAGIC {
             return Err(bad(format!("bad magic {:02x?} (expected \"TGTRACE\\0\"): not a tracegate trace", &bytes[..8])));
         }
@@ -99,6 +237,9 @@ impl Trace {
         let minor = u16::from_le_bytes([bytes[10], bytes[11]]);
         if major != FORMAT_MAJOR {
             return Err(bad(format!("format version {major}.{minor} is not supported (this reader reads {FORMAT_MAJOR}.x)")));
+        }
+        if let Some(i) = bytes[12..HEADER_LEN as usize].iter().position(|&b| b != 0) {
+            return Err(bad(format!("header byte {} is {:#04x}: header bytes 12..64 must be zero", 12 + i, bytes[12 + i])));
         }
         let footer = &bytes[(len - FOOTER_LEN) as usize..];
         if &footer[32..40] != FOOTER_MAGIC {
@@ -116,118 +257,123 @@ impl Trace {
                 "footer places the index at {index_offset}..+{index_len}, but it must end at the footer ({data_end}) and start after the header"
             )));
         }
-        let index_bytes = &bytes[index_offset as usize..data_end as usize];
-        if xxh3_128(index_bytes) != index_hash {
+        if !index_offset.is_multiple_of(ALIGN) {
+            return Err(bad(format!("footer places the index at {index_offset}, which is not {ALIGN}-byte aligned")));
+        }
+        // The index is hashed and parsed from reads of the file, not through the map: parsed
+        // entries are what the reader keeps, and the index's own pages need not stay resident.
+        let index_reader = || {
+            let mut f = &file;
+            f.seek(SeekFrom::Start(index_offset)).map(|_| BufReader::with_capacity(1 << 16, f.take(index_len)))
+        };
+        let mut hasher = Xxh3::new();
+        let hashed = index_reader().and_then(|mut r| {
+            let mut n = 0u64;
+            loop {
+                let chunk = r.fill_buf()?;
+                if chunk.is_empty() {
+                    return Ok(n);
+                }
+                hasher.update(chunk);
+                let k = chunk.len();
+                n += k as u64;
+                r.consume(k);
+            }
+        });
+        match hashed.map_err(|e| Error::io(&path, e))? {
+            n if n != index_len => return Err(bad(format!("index is {n} bytes on reading, {index_len} in the footer: the file changed while being opened"))),
+            _ => {}
+        }
+        if hasher.digest128() != index_hash {
             return Err(Error::Tampered { path: path.clone(), reason: "the index does not match the footer's xxh3-128".into() });
         }
         // One pass that notes the first field the schema does not have. A later minor version
         // only adds optional fields, which this reader may ignore; in a version it knows
         // completely, such a field is damage, not news.
         let mut unknown: Option<String> = None;
-        let index: IndexJson = serde_ignored::deserialize(&mut serde_json::Deserializer::from_slice(index_bytes), |path| {
-            unknown.get_or_insert_with(|| unknown_field(&path));
-        })
-        .map_err(|e| bad(format!("index is not valid: {e}")))?;
+        let mut tensors = Vec::new();
+        let mut decisions = Vec::new();
+        let mut on_tensor = |t: TensorJson| tensor_entry(t, index_offset).map(|info| tensors.push(info));
+        let mut on_decision = |d: DecisionJson| decision_entry(d, index_offset).map(|info| decisions.push(info));
+        let mut sink = Sink { tensor: &mut on_tensor, decision: &mut on_decision, refusal: None };
+        let mut json = serde_json::Deserializer::from_reader(index_reader().map_err(|e| Error::io(&path, e))?);
+        let parsed = parse_index(
+            serde_ignored::Deserializer::new(&mut json, &mut |p: serde_ignored::Path| {
+                unknown.get_or_insert_with(|| unknown_field(&p));
+            }),
+            &mut sink,
+        )
+        .and_then(|head| json.end().map(|_| head));
+        let refusal = sink.refusal.take();
+        let head = match (parsed, refusal) {
+            (_, Some(reason)) => return Err(bad(reason)),
+            (Err(e), None) => return Err(bad(format!("index is not valid: {e}"))),
+            (Ok(head), None) => head,
+        };
         let later_minor = minor > FORMAT_MINOR;
         if let Some(field) = unknown.filter(|_| !later_minor) {
             return Err(bad(format!("index is not valid: unknown field {field} (format {major}.{minor} has no such field)")));
         }
-        if index.format != FORMAT_NAME {
-            return Err(bad(format!("index format {:?} is not {FORMAT_NAME:?}", index.format)));
+        if head.format != FORMAT_NAME {
+            return Err(bad(format!("index format {:?} is not {FORMAT_NAME:?}", head.format)));
         }
-        if index.version[0] != major {
-            return Err(bad(format!("index version {}.{} disagrees with header {major}.{minor}", index.version[0], index.version[1])));
+        if head.version != [major, minor] {
+            return Err(bad(format!("index version {}.{} disagrees with header {major}.{minor}", head.version[0], head.version[1])));
         }
-        let digest = Digest::from_hex(&index.digest).ok_or_else(|| bad(format!("digest {:?} is not 64 hex digits", index.digest)))?;
-        if !index.provenance.is_object() {
+        let digest = Some(&head.digest)
+            .filter(|d| is_lower_hex(d))
+            .and_then(|d| Digest::from_hex(d))
+            .ok_or_else(|| bad(format!("digest {:?} is not 64 lowercase hex digits", head.digest)))?;
+        if !head.provenance.is_object() {
             return Err(bad("provenance is not a JSON object".into()));
         }
+        tensors.shrink_to_fit();
+        decisions.shrink_to_fit();
+        let by_name = sorted_by_name(&tensors, |t| &t.name, "tensor").map_err(&bad)?;
+        let decision_by_name = sorted_by_name(&decisions, |d| &d.name, "decision").map_err(&bad)?;
 
-        // Every payload range must lie in the data region and no two may overlap.
-        let mut ranges: Vec<(u64, u64, String)> = Vec::new();
-        let mut check_range = |what: &str, offset: u64, nbytes: u64| -> Result<()> {
-            let end = offset.checked_add(nbytes).ok_or_else(|| bad(format!("{what}: offset {offset} + {nbytes} bytes overflows")))?;
-            if !offset.is_multiple_of(ALIGN) {
-                return Err(bad(format!("{what}: offset {offset} is not {ALIGN}-byte aligned")));
-            }
-            if offset < HEADER_LEN || end > index_offset {
-                return Err(bad(format!("{what}: bytes {offset}..{end} lie outside the data region {HEADER_LEN}..{index_offset}")));
-            }
-            if nbytes > 0 {
-                ranges.push((offset, end, what.to_string()));
-            }
-            Ok(())
+        let ranges = payload_ranges(&tensors, &decisions);
+        let what = |o: Owner| match o {
+            Owner::Tensor(i) => format!("tensor {:?}", tensors[i as usize].name),
+            Owner::Values(i) => format!("decision {:?} values", decisions[i as usize].name),
+            Owner::Margins(i) => format!("decision {:?} margins", decisions[i as usize].name),
         };
-
-        let mut tensors = Vec::with_capacity(index.tensors.len());
-        let mut by_name = HashMap::with_capacity(index.tensors.len());
-        for t in index.tensors {
-            let what = format!("tensor {:?}", t.name);
-            if t.name.is_empty() {
-                return Err(bad("a tensor has an empty name".into()));
-            }
-            let dtype = DType::parse(&t.dtype).map_err(|e| bad(format!("{what}: {e}")))?;
-            if t.shape.len() > MAX_RANK {
-                return Err(bad(format!("{what}: rank {} exceeds {MAX_RANK}", t.shape.len())));
-            }
-            let expected = element_count(&t.shape)
-                .and_then(|n| n.checked_mul(dtype.size() as u64))
-                .ok_or_else(|| bad(format!("{what}: shape {:?} x {} bytes overflows", t.shape, dtype.size())))?;
-            if expected != t.nbytes {
-                return Err(bad(format!("{what}: nbytes {} but shape {:?} of {dtype} needs {expected}", t.nbytes, t.shape)));
-            }
-            check_range(&what, t.offset, t.nbytes)?;
-            let digest = parse_xxh3_hex(&t.xxh3).ok_or_else(|| bad(format!("{what}: xxh3 {:?} is not 32 hex digits", t.xxh3)))?;
-            let attributes = Attributes::from_json(&t.attributes).map_err(|e| bad(format!("{what}: {e}")))?;
-            if by_name.insert(t.name.clone(), tensors.len()).is_some() {
-                return Err(bad(format!("duplicate tensor name {:?}", t.name)));
-            }
-            tensors.push(TensorInfo { name: t.name, dtype, shape: t.shape, offset: t.offset, nbytes: t.nbytes, digest, attributes });
-        }
-
-        let mut decisions = Vec::with_capacity(index.decisions.len());
-        let mut decision_by_name = HashMap::with_capacity(index.decisions.len());
-        for d in index.decisions {
-            let what = format!("decision {:?}", d.name);
-            if d.name.is_empty() {
-                return Err(bad("a decision has an empty name".into()));
-            }
-            if d.shape.len() > MAX_RANK {
-                return Err(bad(format!("{what}: rank {} exceeds {MAX_RANK}", d.shape.len())));
-            }
-            let nbytes = element_count(&d.shape)
-                .and_then(|n| n.checked_mul(8))
-                .ok_or_else(|| bad(format!("{what}: shape {:?} overflows", d.shape)))?;
-            check_range(&format!("{what} values"), d.values_offset, nbytes)?;
-            if let Some(m) = d.margins_offset {
-                let rows = d.shape.first().copied().unwrap_or(1);
-                check_range(&format!("{what} margins"), m, rows.checked_mul(4).ok_or_else(|| bad(format!("{what}: rows overflow")))?)?;
-            }
-            let digest = parse_xxh3_hex(&d.xxh3).ok_or_else(|| bad(format!("{what}: xxh3 {:?} is not 32 hex digits", d.xxh3)))?;
-            if decision_by_name.insert(d.name.clone(), decisions.len()).is_some() {
-                return Err(bad(format!("duplicate decision name {:?}", d.name)));
-            }
-            decisions.push(DecisionInfo { name: d.name, shape: d.shape, values_offset: d.values_offset, margins_offset: d.margins_offset, digest });
-        }
-
-        ranges.sort();
         for pair in ranges.windows(2) {
-            if pair[1].0 < pair[0].1 {
-                return Err(bad(format!("{} (bytes {}..{}) overlaps {} (bytes {}..{})", pair[1].2, pair[1].0, pair[1].1, pair[0].2, pair[0].0, pair[0].1)));
+            let ((s0, e0, o0), (s1, e1, o1)) = (pair[0], pair[1]);
+            if s1 < e0 {
+                return Err(bad(format!("{} (bytes {s1}..{e1}) overlaps {} (bytes {s0}..{e0})", what(o1), what(o0))));
             }
         }
+        drop(ranges);
 
         Ok(Trace {
             path,
+            file,
             map,
             tensors,
             decisions,
             by_name,
             decision_by_name,
-            provenance: index.provenance,
+            provenance: head.provenance,
             digest,
             version: (major, minor),
+            index_offset,
         })
+    }
+
+    /// Refuses a file whose size changed since it was opened: reading a mapped page past a new
+    /// end of file would kill the process with SIGBUS. Call before touching payloads that were
+    /// not read since the last check; a truncation after the check is not covered.
+    pub fn check_size(&self) -> Result<()> {
+        let now = self.file.metadata().map_err(|e| Error::io(&self.path, e))?.len();
+        let mapped = self.map.len() as u64;
+        if now != mapped {
+            return Err(Error::Malformed {
+                path: self.path.clone(),
+                reason: format!("the file is now {now} bytes but was {mapped} when opened: it was truncated or rewritten while in use"),
+            });
+        }
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
@@ -252,7 +398,7 @@ impl Trace {
         &self.tensors
     }
     pub fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
-        self.by_name.get(name).map(|&i| &self.tensors[i])
+        lookup(&self.tensors, &self.by_name, |t| &t.name, name)
     }
     /// The payload bytes, zero-copy (offsets were bounds-checked at open).
     pub fn data(&self, info: &TensorInfo) -> &[u8] {
@@ -287,7 +433,7 @@ impl Trace {
         &self.decisions
     }
     pub fn decision_info(&self, name: &str) -> Option<&DecisionInfo> {
-        self.decision_by_name.get(name).map(|&i| &self.decisions[i])
+        lookup(&self.decisions, &self.decision_by_name, |d| &d.name, name)
     }
     fn values_bytes(&self, d: &DecisionInfo) -> &[u8] {
         let start = d.values_offset as usize;
@@ -309,6 +455,7 @@ impl Trace {
     /// Recomputes every payload digest (in parallel) and the whole-trace digest; the first
     /// mismatch in capture order is named.
     pub fn verify(&self) -> Result<()> {
+        self.check_size()?;
         let bad_tensor = self
             .tensors
             .par_iter()
@@ -320,6 +467,14 @@ impl Trace {
                 path: self.path.clone(),
                 reason: format!("tensor {:?} (bytes {}..{}) no longer matches its xxh3-128", t.name, t.offset, t.offset + t.nbytes),
             });
+        }
+        for t in self.tensors.iter().filter(|t| t.dtype == DType::Bool) {
+            if let Some(i) = self.data(t).iter().position(|&b| b > 1) {
+                return Err(Error::Malformed {
+                    path: self.path.clone(),
+                    reason: format!("tensor {:?}: bool element {i} is {} (must be 0 or 1)", t.name, self.data(t)[i]),
+                });
+            }
         }
         let mut c = Canonical::new(self.tensors.len());
         for t in &self.tensors {
@@ -354,6 +509,28 @@ impl Trace {
                     self.digest.hex()
                 ),
             });
+        }
+        self.check_padding()
+    }
+
+    /// Every byte of the data region outside a payload must be zero: such bytes are covered by
+    /// no digest, so anything else there is data smuggled past `verify`.
+    fn check_padding(&self) -> Result<()> {
+        let mut at = HEADER_LEN;
+        let mut gaps = Vec::new();
+        for (start, end, _) in payload_ranges(&self.tensors, &self.decisions) {
+            gaps.push((at, start.max(at)));
+            at = at.max(end);
+        }
+        gaps.push((at, self.index_offset));
+        for (start, end) in gaps {
+            if let Some(i) = self.map[start as usize..end as usize].iter().position(|&b| b != 0) {
+                let byte = start + i as u64;
+                return Err(Error::Tampered {
+                    path: self.path.clone(),
+                    reason: format!("padding byte {byte} (in the gap {start}..{end} between payloads) is {:#04x}, not zero", self.map[byte as usize]),
+                });
+            }
         }
         Ok(())
     }

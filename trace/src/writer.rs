@@ -11,7 +11,7 @@ use crate::attrs::Attributes;
 use crate::digest::{xxh3_hex, Canonical, Digest};
 use crate::dtype::{element_count, DType};
 use crate::error::{Error, Result};
-use crate::layout::*;
+use crate::layout::{self, *};
 
 struct PendingTensor {
     name: String,
@@ -53,16 +53,7 @@ pub struct TraceWriter {
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 fn check_name(kind: &str, name: &str) -> Result<()> {
-    if name.is_empty() {
-        return Err(Error::Invalid(format!("{kind} with an empty name")));
-    }
-    if name.len() > MAX_NAME_LEN {
-        return Err(Error::Invalid(format!("{kind} name is {} bytes long (limit {MAX_NAME_LEN})", name.len())));
-    }
-    if name.chars().any(|c| c.is_control()) {
-        return Err(Error::Invalid(format!("{kind} name {name:?} contains a control character")));
-    }
-    Ok(())
+    layout::check_name(kind, name).map_err(Error::Invalid)
 }
 
 fn check_shape(kind: &str, name: &str, shape: &[u64]) -> Result<u64> {
@@ -70,6 +61,31 @@ fn check_shape(kind: &str, name: &str, shape: &[u64]) -> Result<u64> {
         return Err(Error::Invalid(format!("{kind} {name:?}: rank {} exceeds the limit {MAX_RANK}", shape.len())));
     }
     element_count(shape).ok_or_else(|| Error::Invalid(format!("{kind} {name:?}: shape {shape:?} overflows u64 elements")))
+}
+
+/// Removes `.<file_name>.<pid>.<n>.tracegate-tmp` files in `dir` whose writer process is gone
+/// (killed before it could clean up). A live writer's temporary is kept: its pid still has a
+/// `/proc` entry (a reused pid errs on the side of keeping). Without `/proc` nothing is removed.
+fn remove_stale_temporaries(dir: &Path, file_name: &str) {
+    let proc = Path::new("/proc");
+    if !proc.join("self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let prefix = format!(".{file_name}.");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)).and_then(|r| r.strip_suffix(TMP_SUFFIX)) else {
+            continue;
+        };
+        // rest is "<pid>.<n>", both decimal, or the name belongs to something else.
+        let Some((pid, n)) = rest.split_once('.') else { continue };
+        let decimal = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if !decimal(pid) || !decimal(n) || proc.join(pid).exists() {
+            continue;
+        }
+        let _ = std::fs::remove_file(entry.path());
+    }
 }
 
 impl TraceWriter {
@@ -88,11 +104,21 @@ impl TraceWriter {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp_path = dir.join(format!(".{file_name}.{}.{n}.tracegate-tmp", std::process::id()));
         if final_path.is_dir() {
             return Err(Error::Invalid(format!("{}: is a directory, not a trace file path", final_path.display())));
         }
+        // Said here, with the path the caller gave: the temporary's name is an internal detail.
+        match std::fs::metadata(&dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(Error::Invalid(format!("{}: {} is not a directory", final_path.display(), dir.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::NotFound(format!("{}: the directory {} does not exist", final_path.display(), dir.display())))
+            }
+            Err(e) => return Err(Error::io(&dir, e)),
+        }
+        remove_stale_temporaries(&dir, &file_name);
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp_path = dir.join(format!(".{file_name}.{}.{n}{TMP_SUFFIX}", std::process::id()));
         // Readable too: decision payloads are read back for the content digest at finish.
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -100,7 +126,7 @@ impl TraceWriter {
             .create(true)
             .truncate(true)
             .open(&tmp_path)
-            .map_err(|e| Error::io(&tmp_path, e))?;
+            .map_err(|e| Error::Io { path: final_path.clone(), source: std::io::Error::new(e.kind(), format!("cannot create its temporary file in {}: {e}", dir.display())) })?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(&header_bytes()).map_err(|e| Error::io(&tmp_path, e))?;
         Ok(TraceWriter {

@@ -140,10 +140,23 @@ fn duplicate_names_are_refused() {
 
 #[test]
 fn a_directory_is_refused_as_the_output_path() {
+    // A private parent, so the count below sees only what this test's writer could leave.
     let dir = tmp();
-    let e = TraceWriter::create(dir.path(), json!({})).err().expect("a directory is not a trace path").to_string();
+    let target = dir.path().join("out");
+    std::fs::create_dir(&target).unwrap();
+    let e = TraceWriter::create(&target, json!({})).err().expect("a directory is not a trace path").to_string();
     assert!(e.contains("is a directory"), "{e}");
-    assert_eq!(std::fs::read_dir(dir.path().parent().unwrap()).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().ends_with(".tracegate-tmp")).count(), 0);
+    let names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["out"], "the refused writer left something beside its target");
+}
+
+#[test]
+fn an_output_path_in_a_missing_directory_says_so_without_the_temporary_name() {
+    let dir = tmp();
+    let p = dir.path().join("no-such-dir").join("a.trace");
+    let e = TraceWriter::create(&p, json!({})).err().expect("the directory does not exist").to_string();
+    assert!(e.contains(&format!("{}: the directory", p.display())) && e.contains("does not exist"), "{e}");
+    assert!(!e.contains("tracegate-tmp"), "the message shows the internal temporary name: {e}");
 }
 
 #[test]
@@ -184,6 +197,79 @@ fn killed_writer_leaves_nothing_at_final_path() {
     assert_eq!(leftovers.len(), 1);
     assert!(leftovers[0].to_string_lossy().ends_with(".tracegate-tmp"));
     assert!(matches!(Trace::open(&leftovers[0]), Err(Error::Malformed { .. })));
+}
+
+/// Child half of the two tests below: records a trace, copies `TRACEGATE_COMPLETE_FROM` (a
+/// finished trace) over its own temporary when given (the state between writing the footer and
+/// the rename), and dies without unwinding.
+#[test]
+fn crash_child_with_complete_temporary() {
+    let Ok(path) = std::env::var("TRACEGATE_CRASH_CHILD_COMPLETE") else { return };
+    let mut w = TraceWriter::create(&path, json!({})).unwrap();
+    w.tensor_f32("x", &[4], &[1.0; 4], &Attributes::default()).unwrap();
+    if let Ok(from) = std::env::var("TRACEGATE_COMPLETE_FROM") {
+        std::fs::copy(from, w.temporary_path()).unwrap();
+    }
+    std::process::abort();
+}
+
+fn run_crash_child(target: &Path, complete_from: Option<&Path>) {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "crash_child_with_complete_temporary", "--nocapture", "--test-threads=1"]);
+    cmd.env("TRACEGATE_CRASH_CHILD_COMPLETE", target);
+    if let Some(from) = complete_from {
+        cmd.env("TRACEGATE_COMPLETE_FROM", from);
+    }
+    let status = cmd.status().unwrap();
+    assert!(!status.success(), "the child was supposed to abort");
+}
+
+fn temporaries(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.to_string_lossy().ends_with(".tracegate-tmp")).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_writer_killed_after_its_footer_leaves_nothing_a_reader_accepts() {
+    let dir = tmp();
+    let finished = dir.path().join("finished.trace");
+    write_sample(&finished, sample_provenance());
+    let target = dir.path().join("killed.trace");
+    run_crash_child(&target, Some(&finished));
+    assert!(!target.exists());
+    let left = temporaries(dir.path());
+    assert_eq!(left.len(), 1, "{left:?}");
+    // Byte for byte a finished trace, yet refused: its name says no writer finished it.
+    assert_eq!(std::fs::read(&left[0]).unwrap(), std::fs::read(&finished).unwrap());
+    let e = Trace::open(&left[0]).expect_err("a killed writer's temporary was accepted").to_string();
+    assert!(e.contains("temporary file") && e.contains(&left[0].display().to_string()), "{e}");
+}
+
+#[test]
+fn the_next_writer_removes_a_dead_writers_temporaries_and_keeps_a_live_ones() {
+    let dir = tmp();
+    let target = dir.path().join("t.trace");
+    run_crash_child(&target, None);
+    let mut dead = temporaries(dir.path());
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    // A second dead writer's (no process has a pid this large: pid_max is at most 2^22).
+    dead.push(dir.path().join(".t.trace.999999999.3.tracegate-tmp"));
+    std::fs::write(&dead[1], b"x").unwrap();
+    // A live writer of the same target (this process) and another target's dead temporary.
+    let live = TraceWriter::create(&target, json!({})).unwrap();
+    let other = dir.path().join(".u.trace.999999999.0.tracegate-tmp");
+    std::fs::write(&other, b"x").unwrap();
+    let mut second = TraceWriter::create(&target, json!({})).unwrap();
+    for d in &dead {
+        assert!(!d.exists(), "a dead writer's temporary {} was kept", d.display());
+    }
+    assert!(live.temporary_path().exists(), "a live writer's temporary was removed");
+    assert!(other.exists(), "another target's temporary was removed");
+    second.tensor_f32("x", &[1], &[1.0], &Attributes::default()).unwrap();
+    second.finish().unwrap();
+    drop(live);
+    Trace::open(&target).unwrap().verify().unwrap();
 }
 
 fn flip(path: &Path, at: usize) {

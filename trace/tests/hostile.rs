@@ -83,6 +83,42 @@ fn an_unknown_field_is_refused_in_a_known_minor_and_ignored_in_a_later_one() {
 }
 
 #[test]
+fn unknown_and_duplicate_top_level_keys() {
+    let f = sample_bytes();
+    refused(&edit_index(&f, |i| i["added_later"] = json!(1)), "unknown field \"added_later\" (format 1.0 has no such field)");
+    refused(&edit_index(&f, |i| i["decisions"][0]["extra"] = json!(1)), "unknown field \"extra\" in decisions[0]");
+    // A later minor version may add a top-level key; this reader ignores it.
+    let mut later = edit_index(&f, |i| {
+        i["added_later"] = json!({"x": [1, 2]});
+        i["version"] = json!([1, 1]);
+    });
+    later[10] = 1;
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("later.trace");
+    std::fs::write(&p, &later).unwrap();
+    Trace::open(&p).expect("a later minor's optional key is ignored").verify().unwrap();
+    // A key given twice would let a second list of entries replace or join the first.
+    let (data, index) = split_index(&f);
+    let text = serde_json::to_string(&index).unwrap();
+    let twice = text.replacen("\"decisions\":", "\"decisions\":[],\"decisions\":", 1);
+    let mut g = data.clone();
+    g.extend_from_slice(twice.as_bytes());
+    g.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    g.extend_from_slice(&(twice.len() as u64).to_le_bytes());
+    g.extend_from_slice(&xxh3_128(twice.as_bytes()).to_be_bytes());
+    g.extend_from_slice(b"TGTREND\0");
+    refused(&g, "duplicate field `decisions`");
+}
+
+#[test]
+fn an_index_not_aligned_to_64_is_refused() {
+    let f = sample_bytes();
+    let (mut data, index) = split_index(&f);
+    data.push(0);
+    refused(&with_index(&data, &index), "which is not 64-byte aligned");
+}
+
+#[test]
 fn bad_magic() {
     let mut f = craft(&index_with(json!([])), 0);
     f[0] = b'X';
@@ -191,27 +227,131 @@ fn duplicate_names_in_index() {
     refused(&craft(&index_with(t), 128), "duplicate tensor name");
 }
 
+fn sample_bytes() -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("s.trace");
+    write_sample(&p, sample_provenance());
+    std::fs::read(&p).unwrap()
+}
+
+#[test]
+fn header_bytes_12_to_64_must_be_zero() {
+    let mut f = sample_bytes();
+    f[40] = 1;
+    refused(&f, "header byte 40 is 0x01: header bytes 12..64 must be zero");
+}
+
+#[test]
+fn header_minor_version_must_equal_the_index_version() {
+    let mut f = sample_bytes();
+    f[10] = 1;
+    refused(&f, "index version 1.0 disagrees with header 1.1");
+    let g = edit_index(&sample_bytes(), |i| i["version"] = json!([1, 1]));
+    refused(&g, "index version 1.1 disagrees with header 1.0");
+}
+
+#[test]
+fn padding_between_payloads_must_be_zero() {
+    // embed.out is 48 bytes at 64, so 112..128 is padding before the next payload.
+    let mut f = sample_bytes();
+    f[115] = 0x5a;
+    refused(&f, "padding byte 115 (in the gap 112..128 between payloads) is 0x5a, not zero");
+    // The gap between the last payload and the index is padding too.
+    let mut g = sample_bytes();
+    let (data, _) = split_index(&g);
+    let last = data.len() - 1;
+    g[last] = 1;
+    refused(&g, &format!("padding byte {last}"));
+}
+
+#[test]
+fn digests_must_be_canonical_lower_case_hex() {
+    let f = sample_bytes();
+    let upper = edit_index(&f, |i| i["digest"] = json!(i["digest"].as_str().unwrap().to_uppercase()));
+    refused(&upper, "is not 64 lowercase hex digits");
+    let upper = edit_index(&f, |i| i["tensors"][1]["xxh3"] = json!(i["tensors"][1]["xxh3"].as_str().unwrap().to_uppercase()));
+    refused(&upper, "tensor \"ids\": xxh3");
+    let upper = edit_index(&f, |i| i["decisions"][0]["xxh3"] = json!(i["decisions"][0]["xxh3"].as_str().unwrap().to_uppercase()));
+    refused(&upper, "decision \"logits.argmax\": xxh3");
+}
+
+#[test]
+fn the_reader_enforces_the_name_and_attribute_limits() {
+    let f = sample_bytes();
+    refused(&edit_index(&f, |i| i["tensors"][0]["name"] = json!("a".repeat(4097))), "is 4097 bytes long (limit 4096)");
+    refused(&edit_index(&f, |i| i["tensors"][0]["name"] = json!("a\u{7}b")), "contains a control character");
+    refused(&edit_index(&f, |i| i["decisions"][0]["name"] = json!("d\nx")), "decision name \"d\\nx\" contains a control character");
+    refused(&edit_index(&f, |i| i["decisions"][1]["name"] = json!("b".repeat(5000))), "decision name");
+    refused(&edit_index(&f, |i| i["tensors"][0]["attributes"][""] = json!("x")), "tensor \"embed.out\": an attribute has an empty name");
+    // The limit itself is allowed (verify then fails only on the content digest).
+    let at_limit = edit_index(&f, |i| i["tensors"][0]["name"] = json!("a".repeat(4096)));
+    refused(&at_limit, "content digest is");
+}
+
+#[test]
+fn bool_bytes_other_than_0_or_1_are_refused_even_with_matching_digests() {
+    let f = sample_bytes();
+    let (mut data, mut index) = split_index(&f);
+    let offset = index["tensors"][2]["offset"].as_u64().unwrap() as usize;
+    assert_eq!(index["tensors"][2]["dtype"], "bool");
+    data[offset + 1] = 2;
+    index["tensors"][2]["xxh3"] = json!(tracegate_trace::xxh3_hex(xxh3_128(&data[offset..offset + 2])));
+    refused(&with_index(&data, &index), "tensor \"flags\": bool element 1 is 2 (must be 0 or 1)");
+}
+
+/// Opens `path` on another thread; `None` if it did not answer within 10 s.
+fn open_within_timeout(path: &std::path::Path) -> Option<Result<Trace, Error>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(Trace::open(&p));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
+}
+
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("pipe.trace");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    assert!(made.success());
+    let answer = open_within_timeout(&fifo).expect("opening a FIFO blocked (a reader must look before it opens)");
+    let e = answer.expect_err("a FIFO was accepted").to_string();
+    assert!(e.contains("a FIFO, not a regular file") && e.contains("pipe.trace"), "{e}");
+}
+
+#[test]
+fn a_device_is_refused() {
+    let e = Trace::open("/dev/null").expect_err("a device was accepted").to_string();
+    assert!(e.contains("/dev/null") && e.contains("a device, not a regular file"), "{e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
 
-    /// Arbitrary byte corruption anywhere: the reader answers (usually with an error), never panics.
+    /// Arbitrary byte corruption anywhere: never a panic, and either open or verify refuses the
+    /// file or what it reads is the original content (an edit that wrote a byte's own value).
     #[test]
-    fn random_corruption_never_panics(edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)) {
+    fn random_corruption_is_refused_or_harmless(edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)) {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("s.trace");
         write_sample(&p, sample_provenance());
+        let original = Trace::open(&p).unwrap();
         let mut bytes = std::fs::read(&p).unwrap();
         for (at, value) in edits {
             let i = at.index(bytes.len());
             bytes[i] = value;
         }
-        let _ = open_bytes(&bytes);
+        if let Ok(t) = open_bytes(&bytes) {
+            prop_assert!(same_content(&t, &original), "a corrupted file verified with different content");
+        }
     }
 
-    /// Arbitrary JSON-ish indexes with a correct footer hash never panic the reader.
+    /// Arbitrary offsets, sizes and shapes with a correct footer hash: never a panic, and never
+    /// accepted (the per-tensor digest is a placeholder no payload matches).
     #[test]
-    fn random_indexes_never_panic(offset in any::<u64>(), nbytes in any::<u64>(), dims in proptest::collection::vec(any::<u64>(), 0..4)) {
+    fn random_indexes_are_refused(offset in any::<u64>(), nbytes in any::<u64>(), dims in proptest::collection::vec(any::<u64>(), 0..4)) {
         let f = craft(&index_with(json!([tensor("a", json!(dims), offset, nbytes)])), 128);
-        let _ = open_bytes(&f);
+        prop_assert!(open_bytes(&f).is_err());
     }
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 create_exception!(_native, TraceError, PyException, "A trace could not be written, read or verified.");
@@ -158,13 +158,30 @@ impl NativeTrace {
         Ok(NativeTrace { inner: Arc::new(t) })
     }
 
-    /// (name, dtype, shape) for every tensor, in capture order.
-    fn tensors(&self) -> Vec<(String, String, Vec<u64>)> {
-        self.inner.tensors().iter().map(|t| (t.name.clone(), t.dtype.name().to_string(), t.shape.clone())).collect()
+    /// Tensor names in capture order: the one per-tensor list the Python side holds (dtype and
+    /// shape are asked for by name), so a large index costs one string a tensor in Python.
+    fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.inner.tensors().iter().map(|t| t.name.as_str()))
+    }
+
+    fn count(&self) -> usize {
+        self.inner.tensors().len()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.tensor_info(name).is_some()
+    }
+
+    /// (dtype, shape) of one tensor.
+    fn meta(&self, name: &str) -> PyResult<(&'static str, Vec<u64>)> {
+        let t = self.inner.tensor_info(name).ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))?;
+        Ok((t.dtype.name(), t.shape.clone()))
     }
 
     fn payload(&self, name: &str) -> PyResult<Payload> {
         let t = self.inner.tensor_info(name).ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))?;
+        // A page past a new end of file would raise SIGBUS when numpy reads it.
+        self.inner.check_size().map_err(err)?;
         Ok(Payload { trace: self.inner.clone(), offset: t.offset as usize, len: t.nbytes as usize })
     }
 
@@ -180,8 +197,9 @@ impl NativeTrace {
 
     /// (name, shape, values as little-endian i64 bytes, margins as little-endian f32 bytes or None).
     #[allow(clippy::type_complexity)]
-    fn decisions<'py>(&self, py: Python<'py>) -> Vec<(String, Vec<u64>, Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>)> {
-        self.inner
+    fn decisions<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Vec<u64>, Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>)>> {
+        self.inner.check_size().map_err(err)?;
+        Ok(self.inner
             .decisions()
             .iter()
             .map(|d| {
@@ -192,7 +210,7 @@ impl NativeTrace {
                     .map(|m| PyBytes::new(py, &m.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()));
                 (d.name.clone(), d.shape.clone(), PyBytes::new(py, &values), margins)
             })
-            .collect()
+            .collect())
     }
 
     fn provenance_json(&self) -> String {

@@ -184,3 +184,74 @@ def test_weights_digest_is_streamed_xxh3_of_sorted_files(tmp_path):
     assert tracegate.weights_digest(tmp_path) == xxhash.xxh3_128_hexdigest(b"firstsecond")
     with pytest.raises(tracegate.TraceError, match="nowhere"):
         tracegate.weights_digest(tmp_path / "nowhere")
+
+
+def _run(code: str, *args, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter, so a signal or a hang is seen, not suffered."""
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_valid_trace_numpy_cannot_hold_raises_trace_error(tmp_path):
+    from tracegate._native import NativeWriter
+
+    path = tmp_path / "wide.trace"
+    w = NativeWriter(str(path), "{}")
+    w.tensor("empty", "f32", [0, 1 << 62], b"")  # zero elements: a valid tensor
+    w.decision("d", [0, 1 << 62], [])
+    w.finish()
+    t = tracegate.Trace(path)
+    t.verify()
+    with pytest.raises(tracegate.TraceError, match=r"tensor 'empty' of shape \[0, 4611686018427387904\] cannot be a numpy array"):
+        t["empty"]
+    with pytest.raises(tracegate.TraceError, match=r"decision 'd' of shape \[0, 4611686018427387904\]"):
+        t.decisions
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.trace"
+    os.mkfifo(fifo)
+    code = "import sys, tracegate\ntry:\n    tracegate.Trace(sys.argv[1])\nexcept tracegate.TraceError as e:\n    print(e)\n"
+    try:
+        proc = _run(code, fifo, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("Trace() on a FIFO blocked: a reader must look before it opens")
+    assert proc.returncode == 0, proc.stderr
+    assert "a FIFO, not a regular file" in proc.stdout and str(fifo) in proc.stdout
+
+
+TRUNCATE_WHILE_MAPPED = """
+import os, sys, numpy as np, tracegate
+path = sys.argv[1]
+with tracegate.TraceWriter(path, {}) as w:
+    w.tensor("a", np.arange(1 << 18, dtype=np.float32))
+    w.tensor("b", np.arange(1 << 18, dtype=np.float32))
+    w.decision("d", np.arange(4))
+t = tracegate.Trace(path)
+os.truncate(path, 4096)  # the pages of "b" and the index are gone from under the map
+for what, touch in [("verify", t.verify), ("read", lambda: t["b"]), ("decisions", lambda: t.decisions)]:
+    try:
+        touch()
+    except tracegate.TraceError as e:
+        assert "truncated or rewritten while in use" in str(e), e
+        print(what, "refused")
+    else:
+        print(what, "ACCEPTED")
+"""
+
+
+def test_a_trace_truncated_while_mapped_is_refused_not_a_sigbus(tmp_path):
+    proc = _run(TRUNCATE_WHILE_MAPPED, tmp_path / "t.trace")
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by signal {-proc.returncode})\n{proc.stderr}"
+    assert proc.stdout.split("\n")[:3] == ["verify refused", "read refused", "decisions refused"], proc.stdout
+
+
+def test_names_and_lookups_come_from_the_native_index(tmp_path):
+    path = tmp_path / "a.trace"
+    with tracegate.TraceWriter(path, {}) as w:
+        for name in ["z", "a", "m"]:
+            w.tensor(name, np.zeros(2, np.int8))
+    t = tracegate.Trace(path)
+    assert (len(t), "a" in t, "q" in t, t.dtype("m")) == (3, True, False, "i8")
+    assert t.names == ["z", "a", "m"]  # capture order
+    with pytest.raises(KeyError):
+        t["q"]

@@ -152,25 +152,37 @@ class Trace:
     def __init__(self, path):
         self.path = path
         self._native = NativeTrace(str(path))
-        self._meta = {name: (dtype, tuple(shape)) for name, dtype, shape in self._native.tensors()}
-        self.names = list(self._meta)
+        self._names = None
         self._decisions = None
 
+    @property
+    def names(self) -> list:
+        """Tensor names in capture order. Built on first use: it is the one Python object per
+        tensor (dtype and shape are asked of the native index by name)."""
+        if self._names is None:
+            self._names = self._native.names()
+        return self._names
+
     def __getitem__(self, name: str) -> np.ndarray:
-        dtype, shape = self._meta[name]
+        dtype, shape = self._native.meta(name)
         buf = memoryview(self._native.payload(name))
-        array = np.frombuffer(buf, dtype=_TO_NUMPY[dtype]) if len(buf) else np.zeros(0, _TO_NUMPY[dtype])
+        try:
+            array = np.frombuffer(buf, dtype=_TO_NUMPY[dtype]) if len(buf) else np.zeros(0, _TO_NUMPY[dtype])
+            array = array.reshape(shape)
+        except (ValueError, OverflowError, MemoryError) as e:
+            # A valid trace may hold a shape numpy cannot represent (an empty [0, 2**62]).
+            raise TraceError(f"{self.path}: tensor {name!r} of shape {list(shape)} cannot be a numpy array: {e}") from None
         array.flags.writeable = False  # traces are evidence: views never write back
-        return array.reshape(shape)
+        return array
 
     def __contains__(self, name: str) -> bool:
-        return name in self._meta
+        return self._native.contains(name)
 
     def __len__(self) -> int:
-        return len(self.names)
+        return self._native.count()
 
     def dtype(self, name: str) -> str:
-        return self._meta[name][0]
+        return self._native.meta(name)[0]
 
     def attributes(self, name: str) -> dict:
         return json.loads(self._native.attributes_json(name))
@@ -182,7 +194,10 @@ class Trace:
         if self._decisions is None:
             values, margins = {}, {}
             for name, shape, vbytes, mbytes in self._native.decisions():
-                values[name] = np.frombuffer(vbytes, dtype="<i8").reshape(shape)
+                try:
+                    values[name] = np.frombuffer(vbytes, dtype="<i8").reshape(shape)
+                except (ValueError, OverflowError, MemoryError) as e:
+                    raise TraceError(f"{self.path}: decision {name!r} of shape {list(shape)} cannot be a numpy array: {e}") from None
                 margins[name] = None if mbytes is None else np.frombuffer(mbytes, dtype="<f4")
             self._decisions = (values, margins)
         return self._decisions
