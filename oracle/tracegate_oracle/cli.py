@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .capture import OracleError, RunConfig
+from .checkpoint import preflight
 
 PROG = "python -m tracegate_oracle"
 
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
 
     try:
         out = _check_out(a.out)
+        # Refusals that need no torch come before the seconds its import takes (load_model
+        # repeats them for callers of the API).
+        preflight(a.model)
         det = cp.setup_torch(rc)
         if a.verb == "layer":
             arr, positions, dt, src = _read_input(a.input, a.input_name)
