@@ -4,8 +4,8 @@ stderr naming the file and the field, no traceback and no trace written. Before 
 same inputs hung (2^40 layers), ended in tracebacks (ZeroDivisionError, SafetensorError,
 `selected index k out of range`), wrote NaN traces with exit 0, or loaded pytorch_model.bin.
 
-Most refusals come before torch is imported (about a second each); the two marked `torch` need
-transformers' class built on the meta device.
+Most refusals come before torch is imported (about a second each); those marked `torch` need
+transformers' classes.
 """
 from __future__ import annotations
 
@@ -85,9 +85,12 @@ CASES = {
     "st-truncated": (DENSE, None, lambda raw: raw[: len(raw) // 2], None, ["model.safetensors", "data_offsets"]),
     "st-header-length": (DENSE, None, lambda raw: struct.pack("<Q", 2**60) + raw[8:], None, ["model.safetensors", "header length 1152921504606846976"]),
     "st-trailing-bytes": (DENSE, None, lambda raw: raw + b"\0" * 8, None, ["model.safetensors", "8 trailing bytes"]),
+    "st-integer-weights": (DENSE, None, lambda raw: raw.replace(b'"F32"', b'"I32"', 1), None, ["model.safetensors", "dtype I32"]),
     "pytorch-model-bin": (DENSE, None, None, _torch_bin, ["pytorch_model.bin", "safetensors only"]),
     "stray-safetensors": (DENSE, None, None, lambda d: shutil.copy(d / "model.safetensors", d / "decoy.safetensors"), ["decoy.safetensors"]),
-    # These two reach transformers' class (on the meta device) and its loader.
+    # These reach transformers (its config class, its model class on the meta device, its loader).
+    "torch:architectures-other": (DENSE, _cfg("architectures", ["LlamaForCausalLM"]), None, None, ["architectures", "Qwen3ForCausalLM"]),
+    "torch:rope-type-unknown": (DENSE, _cfg("rope_parameters", {"rope_type": "weird", "rope_theta": 10000.0}), None, None, ["config.json", "weird"]),
     "torch:hidden-2pow40": (DENSE, _cfg("hidden_size", 2**40), None, None, ["model.embed_tokens.weight", "[499, 52]", "1099511627776"]),
     "torch:moe-intermediate-2pow40": (MOE, _cfg("moe_intermediate_size", 2**40), None, None, ["mlp.experts", "size mismatch"]),
 }

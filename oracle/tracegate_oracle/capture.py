@@ -203,6 +203,10 @@ def _check_shapes_on_meta(d: Path, cfg, inv, AutoModelForCausalLM) -> None:
     except Exception as e:  # any failure here comes from config.json's values
         raise OracleError(f"{d / 'config.json'}: transformers cannot build {cfg.architectures or cfg.model_type} "
                           f"from it: {type(e).__name__}: {_one_line(e)}") from None
+    archs = getattr(cfg, "architectures", None)
+    if archs and type(skel).__name__ not in archs:
+        raise OracleError(f"{d / 'config.json'}: architectures = {archs}, but model_type {cfg.model_type!r} "
+                          f"makes transformers build {type(skel).__name__}")
     for name, t in skel.state_dict().items():
         e = inv.get(name)
         if e is not None and tuple(t.shape) != e.shape:
@@ -218,14 +222,15 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
 
     d = Path(model_dir)
     inv = preflight(d)
-    try:
-        cfg = AutoConfig.from_pretrained(d)
-    except Exception as e:
-        raise OracleError(f"--model {d}: config.json not understood by transformers: {_one_line(e)}") from None
     transformers.utils.logging.disable_progress_bar()
-    _check_shapes_on_meta(d, cfg, inv, AutoModelForCausalLM)
+    with _transformers_log() as log:
+        try:
+            cfg = AutoConfig.from_pretrained(d)
+        except Exception as e:
+            raise OracleError(f"--model {d}: config.json not understood by transformers: {_one_line(e)}") from None
+        _check_shapes_on_meta(d, cfg, inv, AutoModelForCausalLM)
     try:
-        with _transformers_log() as log:
+        with _transformers_log() as load_log:
             model, info = AutoModelForCausalLM.from_pretrained(
                 d,
                 dtype=getattr(torch, TORCH_DTYPES[rc.dtype]),
@@ -237,7 +242,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
                 output_loading_info=True,
             )
     except (OSError, ValueError, RuntimeError) as e:
-        rows = _report_rows(log)
+        rows = _report_rows(load_log)
         detail = "; ".join(rows[:3]) + (f" (+{len(rows) - 3} more)" if len(rows) > 3 else "") if rows else _one_line(e)
         raise CheckpointError(f"--model {d}: transformers could not load it: {detail}") from None
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
@@ -250,7 +255,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         raise OracleError(f"--model {d}: {type(model).__name__} is not a decoder-only model.layers/lm_head model")
     _check_tied_head(model, d)
-    _replay(log)
+    _replay(log + load_log)
     return model.to(rc.device).eval()
 
 

@@ -41,6 +41,10 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
                "decoder_sparse_step")
 
+# Weights the oracle loads: floats. transformers would convert an integer or bool tensor into a
+# float parameter by value, and F8 needs a quantisation config this oracle does not run.
+WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
+
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
 
@@ -165,6 +169,8 @@ def read_header(path: Path) -> dict[str, Entry]:
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in DTYPE_SIZE:
             raise CheckpointError(f"{where}: unknown dtype {dt!r}")
+        if dt not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{where}: dtype {dt} is not a float weight ({', '.join(WEIGHT_DTYPES)})")
         if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
             raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
