@@ -320,12 +320,14 @@ def test_cli_fresh_process_matches_in_process_and_layer_verb(dense, tmp_path):
         (["trace", "--model", DENSE, "--tokens", "1,x", "--out", "{tmp}/x.trace"], "comma-separated"),
         (["trace", "--model", DENSE, "--tokens", "1", "--out", "/nonexistent/x.trace"], "does not exist"),
         (["layer", "--model", DENSE, "--layer", "1", "--input", "{tmp}/none.trace", "--input-name", "a", "--out", "{tmp}/x.trace"], "no such file"),
+        (["layer", "--model", DENSE, "--layer", "1", "--input", "{tmp}/fifo", "--input-name", "a", "--out", "{tmp}/x.trace"], "fifo: not a regular file"),
     ],
-    ids=["model-dir", "token-range", "token-syntax", "out-dir", "input-trace"],
+    ids=["model-dir", "token-range", "token-syntax", "out-dir", "input-trace", "input-fifo"],
 )
 def test_cli_user_errors_exit_2_without_traceback(tmp_path, args, msg):
     if args[0] == "layer":
         _tracegate()
+    os.mkfifo(tmp_path / "fifo")
     r = _cli(*[str(a).replace("{tmp}", str(tmp_path)) for a in args])
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert msg in r.stderr and "Traceback" not in r.stderr

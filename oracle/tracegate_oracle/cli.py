@@ -90,8 +90,10 @@ def _read_input(path: str, name: str):
         import tracegate
     except ImportError:
         raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise OracleError(f"--input {path}: no such file")
+    if not Path(path).is_file():  # a FIFO would block the reader
+        raise OracleError(f"--input {path}: not a regular file")
     try:
         tr = tracegate.Trace(path)
         tr.verify()
