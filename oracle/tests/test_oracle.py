@@ -234,7 +234,8 @@ def test_layer_verb_reproduces_whole_run(which, dense, moe):
         one = cp.capture_layer(model, d, L, h.array, h.attrs["positions"], RC)
         assert one.names and all(n.startswith(f"layer.{L:02d}.") for n in one.names)
         assert all(r.attrs["path"] == "layer" for r in one.tensors)
-        # Measured: bit-identical to the whole run (same ops on the same shapes).
+        # Promised, not measured: the layer verb runs the same module on the same input, shapes and
+        # threads in the same process (trap 1), so deterministic algorithms give the same bits.
         for r in one.tensors:
             assert np.array_equal(r.array, whole[r.name].array), (L, r.name)
         for dcs in one.decisions:
