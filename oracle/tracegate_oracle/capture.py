@@ -25,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
-
-
 from .checkpoint import preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
+
+TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
 @dataclass
