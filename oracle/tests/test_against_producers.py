@@ -2,6 +2,8 @@
     .venv/bin/python -m pytest oracle/tests/test_against_producers.py -q -s
 
 1. engine and contract agree with the oracle's decisions (policy on numbers) on both fixtures;
+   1b. the oracle itself at 1 and 4 threads: within the policy, every decision equal (torch
+   promises no bits across thread counts, so none are asserted);
 2. the differ refuses two oracle traces from different stacks;
 3. negative control: one expert's own weights (layer 0, expert 2's down_proj) loaded wrong leave
    layer 0's routing alone and flip a top-k row at the next MoE layer; the differ names that
@@ -95,6 +97,15 @@ class Runs:
         self.rc = cp.RunConfig()  # f32, 1 thread, capture=default: what the gate compares
         self.det = None
 
+    def model(self, fx: str, model_dir: Path | None = None):
+        """transformers' model of `model_dir` (default: fixture `fx`), loaded once per module."""
+        model_dir = model_dir or FIXTURES[fx]
+        if self.det is None:
+            self.det = cp.setup_torch(self.rc)
+        if model_dir not in self.models:
+            self.models[model_dir] = cp.load_model(model_dir, self.rc)
+        return self.models[model_dir]
+
     def get(self, fx: str, prompt: str, producer: str, model_dir: Path | None = None, tag: str = "") -> Path:
         key = (fx, prompt, producer, tag)
         if key in self.paths:
@@ -103,11 +114,7 @@ class Runs:
         out = self.tmp / f"{fx}-{prompt}-{producer}{tag}.trace"
         toks = PROMPTS[prompt]
         if producer == "oracle":
-            if self.det is None:
-                self.det = cp.setup_torch(self.rc)
-            if model_dir not in self.models:
-                self.models[model_dir] = cp.load_model(model_dir, self.rc)
-            cp.write_trace(cp.capture_prompt(self.models[model_dir], model_dir, toks, self.rc, self.det), out)
+            cp.write_trace(cp.capture_prompt(self.model(fx, model_dir), model_dir, toks, self.rc, self.det), out)
         else:
             args = ["trace", "--model", str(model_dir), "--tokens", ",".join(map(str, toks)), "--out", str(out)]
             if producer == "engine":
@@ -155,6 +162,34 @@ def test_producer_decisions_agree_with_oracle(runs, fx, prompt, producer):
     print(f"\n[{fx}/{prompt} oracle vs {producer}] {r['verdict']}, {n_dec} decisions; smallest margin "
           f"{m_val:.6g} ({m_name} row {m_row}); worst rel_l2 {worst['rel_l2']:.3g} ({worst['tensor']}), "
           f"min cosine 1-{1 - min(p['cosine'] for p in r['per_tensor']):.3g}")
+
+
+# ------------------------------------- 1b. the oracle at 1 and 4 threads: within policy, same decisions
+
+
+@pytest.mark.parametrize("fx", ["dense", "moe"])
+def test_oracle_threads_1_vs_4_within_policy_decisions_equal(runs, tmp_path, fx):
+    # torch promises no bits across thread counts (another split of a reduction is another
+    # rounding); the project promises that such runs stay inside the oracle policy and take
+    # every decision alike, judged by the differ as any oracle comparison is.
+    import torch
+
+    one = runs.get(fx, "long", "oracle")
+    rc4 = cp.RunConfig(threads=4)
+    torch.set_num_threads(4)
+    four = tmp_path / "four.trace"
+    try:
+        cp.write_trace(cp.capture_prompt(runs.model(fx), FIXTURES[fx], PROMPTS["long"], rc4, runs.det), four)
+    finally:
+        torch.set_num_threads(runs.rc.threads)
+    assert tg.Trace(str(four)).provenance["threads"] == 4 and tg.Trace(str(one)).provenance["threads"] == 1
+    code, r, text = diff(one, four, "--json")
+    assert code == 0 and r["verdict"] in ("identical", "within_policy"), text
+    n_tensors, n_dec = len(tg.Trace(str(one)).names), len(tg.Trace(str(one)).decisions)
+    assert len(r["per_tensor"]) == n_tensors and all(p["status"] in ("identical", "within_policy") for p in r["per_tensor"]), r["findings"]
+    d = r["decisions"]
+    assert n_dec > 0 and d["reference_count"] == d["compared"] == n_dec and d["differing"] == 0, d
+    assert not d["missing"] and not d["extra"], d
 
 
 # ----------------------------------------------------------- 2. an oracle stack mismatch is refused

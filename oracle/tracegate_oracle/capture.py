@@ -17,6 +17,7 @@ import hashlib
 import os
 import platform
 import random
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -24,15 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoint import preflight
+from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
+
 TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
-
-
-class OracleError(Exception):
-    """A user error (bad argument, path, checkpoint or input trace): exit 2, no traceback."""
-
-
-class CheckpointError(OracleError):
-    """The checkpoint and the model class disagree about which tensors exist."""
 
 
 @dataclass
@@ -150,6 +146,73 @@ def _deterministic(fn, det: dict):
     return out
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+@contextlib.contextmanager
+def _transformers_log():
+    """Hold transformers' log records during a load: its load report is a multi-line table, and a
+    refusal must be one line. A load that is accepted replays them (`_replay`)."""
+    import logging
+
+    root = logging.getLogger("transformers")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    saved = root.handlers[:], root.propagate
+    root.handlers, root.propagate = [Keep(logging.WARNING)], False
+    try:
+        yield records
+    finally:
+        root.handlers, root.propagate = saved
+
+
+def _replay(records) -> None:
+    import logging
+
+    for r in records:
+        logging.getLogger("transformers").handle(r)
+
+
+def _report_rows(records) -> list[str]:
+    """`key: details` of the MISMATCH / CONVERSION rows of transformers' load report."""
+    rows = []
+    for r in records:
+        for line in re.sub(r"\x1b\[[0-9;]*m", "", r.getMessage()).splitlines():
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) >= 3 and cells[1] in ("MISMATCH", "CONVERSION"):
+                rows.append(f"{cells[0]}: {' '.join(' '.join(cells[2:]).split())}")
+    return rows
+
+
+def _check_shapes_on_meta(d: Path, cfg, inv, AutoModelForCausalLM) -> None:
+    """Build transformers' own class on the meta device (shapes, no storage; the layer and expert
+    counts are already bounded by the checkpoint) and compare every parameter the checkpoint
+    names alike. A size from config.json that disagrees is refused here, before anything is
+    allocated; names transformers converts on load (fused experts) are left to its loader."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            skel = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    except Exception as e:  # any failure here comes from config.json's values
+        raise OracleError(f"{d / 'config.json'}: transformers cannot build {cfg.architectures or cfg.model_type} "
+                          f"from it: {type(e).__name__}: {_one_line(e)}") from None
+    archs = getattr(cfg, "architectures", None)
+    if archs and type(skel).__name__ not in archs:
+        raise OracleError(f"{d / 'config.json'}: architectures = {archs}, but model_type {cfg.model_type!r} "
+                          f"makes transformers build {type(skel).__name__}")
+    for name, t in skel.state_dict().items():
+        e = inv.get(name)
+        if e is not None and tuple(t.shape) != e.shape:
+            raise CheckpointError(f"{d / e.file}: tensor {name} has shape {list(e.shape)}, but config.json gives "
+                                  f"{type(skel).__name__} {list(t.shape)}")
+
+
 def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     """Load with transformers' own classes; refuse anything but a clean one-to-one load."""
     import torch
@@ -157,28 +220,30 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = Path(model_dir)
-    if not d.is_dir():
-        raise OracleError(f"--model {d}: not a directory")
-    if not (d / "config.json").is_file():
-        raise OracleError(f"--model {d}: no config.json")
-    if not sorted(d.glob("*.safetensors")):
-        raise OracleError(f"--model {d}: no *.safetensors file")
-    try:
-        AutoConfig.from_pretrained(d)
-    except Exception as e:
-        raise OracleError(f"--model {d}: config.json not understood by transformers: {e}") from None
+    inv = preflight(d)
     transformers.utils.logging.disable_progress_bar()
+    with _transformers_log() as log:
+        try:
+            cfg = AutoConfig.from_pretrained(d)
+        except Exception as e:
+            raise OracleError(f"--model {d}: config.json not understood by transformers: {_one_line(e)}") from None
+        _check_shapes_on_meta(d, cfg, inv, AutoModelForCausalLM)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            d,
-            dtype=getattr(torch, TORCH_DTYPES[rc.dtype]),
-            attn_implementation="eager",
-            # transformers 5 defaults MoE experts to grouped_mm; eager is the plain per-expert loop.
-            experts_implementation="eager",
-            output_loading_info=True,
-        )
+        with _transformers_log() as load_log:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                d,
+                dtype=getattr(torch, TORCH_DTYPES[rc.dtype]),
+                attn_implementation="eager",
+                # transformers 5 defaults MoE experts to grouped_mm; eager is the plain per-expert loop.
+                experts_implementation="eager",
+                # Never torch.load: the weights digest covers the safetensors files only.
+                use_safetensors=True,
+                output_loading_info=True,
+            )
     except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"--model {d}: transformers could not load it: {e}") from None
+        rows = _report_rows(load_log)
+        detail = "; ".join(rows[:3]) + (f" (+{len(rows) - 3} more)" if len(rows) > 3 else "") if rows else _one_line(e)
+        raise CheckpointError(f"--model {d}: transformers could not load it: {detail}") from None
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
     if problems:
         # Random init of a missing tensor, or a silently dropped extra one, would make a trace of
@@ -189,6 +254,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         raise OracleError(f"--model {d}: {type(model).__name__} is not a decoder-only model.layers/lm_head model")
     _check_tied_head(model, d)
+    _replay(log + load_log)
     return model.to(rc.device).eval()
 
 

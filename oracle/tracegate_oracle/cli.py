@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .capture import OracleError, RunConfig
+from .checkpoint import preflight
 
 PROG = "python -m tracegate_oracle"
 
@@ -89,8 +90,10 @@ def _read_input(path: str, name: str):
         import tracegate
     except ImportError:
         raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise OracleError(f"--input {path}: no such file")
+    if not Path(path).is_file():  # a FIFO would block the reader
+        raise OracleError(f"--input {path}: not a regular file")
     try:
         tr = tracegate.Trace(path)
         tr.verify()
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
 
     try:
         out = _check_out(a.out)
+        # Refusals that need no torch come before the seconds its import takes (load_model
+        # repeats them for callers of the API).
+        preflight(a.model)
         det = cp.setup_torch(rc)
         if a.verb == "layer":
             arr, positions, dt, src = _read_input(a.input, a.input_name)
