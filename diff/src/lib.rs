@@ -14,6 +14,7 @@ use std::path::Path;
 use serde::{Serialize, Serializer};
 use tracegate_trace::{DType, TensorInfo, Trace};
 
+pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use numeric::Special;
 pub use policy::{glob_match, Policy, Rule};
 pub use render::{render_human, render_show, thousands};
@@ -194,6 +195,29 @@ pub struct DecisionResult {
     /// The tensor whose numbers this decision was taken from, when both traces have it.
     pub source: Option<String>,
     pub flips: Vec<Flip>,
+    /// Margins of the rows whose values are equal: "identical" (bit for bit), "within_tolerance"
+    /// (policy only), "different", "absent" (neither side has margins), "reference_only",
+    /// "candidate_only", or "not_compared" (shapes differ).
+    pub margins: &'static str,
+    /// Rows with equal values whose margins differ in bits.
+    pub margin_differing_rows: u64,
+    /// Of those, rows outside the policy's margin tolerance (all of them without a policy).
+    pub margin_outside_rows: u64,
+    /// The first row outside the tolerance, else the first whose margin bits differ.
+    pub first_margin_difference: Option<MarginDifference>,
+}
+
+/// A margin that differs on a row whose decision values are equal.
+#[derive(Clone, Debug, Serialize)]
+pub struct MarginDifference {
+    pub row: u64,
+    pub reference: Real,
+    pub candidate: Real,
+    pub reference_bits: String,
+    pub candidate_bits: String,
+    /// The accepted |difference| under a policy (`decisions::margin_tolerance`); null when exact.
+    pub tolerance: Option<Real>,
+    pub outside: bool,
 }
 
 /// One differing decision row, with what is needed to tell a near-tie from a defect.
@@ -356,9 +380,10 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     different |= values(reference, candidate, opts, &mut rep);
 
     // 5. Decisions (always all of them).
-    different |= decisions::compare(reference, candidate, &mut rep);
+    different |= decisions::compare(reference, candidate, opts.policy.is_some(), &mut rep);
 
-    let any_value_difference = rep.per_tensor.iter().any(|r| r.status != "identical");
+    let any_value_difference =
+        rep.per_tensor.iter().any(|r| r.status != "identical") || rep.decisions.results.iter().any(|d| d.margin_differing_rows > 0);
     rep.verdict = if different {
         Verdict::Different
     } else if opts.policy.is_some() && any_value_difference {
@@ -366,19 +391,32 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     } else {
         Verdict::Identical
     };
+    // IDENTICAL claims equal content, and two verified digests decide that on their own: a
+    // disagreement means a check above misses some content, which must not pass as identical.
+    if rep.verdict == Verdict::Identical && rep.reference.verified && rep.candidate.verified && reference.digest() != candidate.digest() {
+        rep.verdict = Verdict::Different;
+        rep.findings.push(Finding::new(
+            "content_digest_differs",
+            None,
+            format!(
+                "no difference was found, but the verified content digests differ ({} vs {}): a content field this differ does not compare",
+                reference.digest().hex(),
+                candidate.digest().hex()
+            ),
+        ));
+    }
     rep
 }
 
 /// Missing, extra, dtype, shape and order findings; true if there is any.
 fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
-    let t = &mut rep.tensors;
-    t.reference_count = r.tensors().len();
-    t.candidate_count = c.tensors().len();
+    rep.tensors.reference_count = r.tensors().len();
+    rep.tensors.candidate_count = c.tensors().len();
     let before = rep.findings.len();
     for info in r.tensors() {
         match c.tensor_info(&info.name) {
             None => {
-                t.missing.push(info.name.clone());
+                rep.tensors.missing.push(info.name.clone());
                 rep.findings.push(Finding::new("missing_tensor", Some(&info.name), "in the reference, not in the candidate"));
             }
             Some(ci) if ci.dtype != info.dtype => {
@@ -397,12 +435,12 @@ fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
                     format!("reference {:?} vs candidate {:?}{note}", info.shape, ci.shape),
                 ));
             }
-            Some(_) => {}
+            Some(ci) => attribute_findings(info, ci, rep),
         }
     }
     for info in c.tensors() {
         if r.tensor_info(&info.name).is_none() {
-            t.extra.push(info.name.clone());
+            rep.tensors.extra.push(info.name.clone());
             rep.findings.push(Finding::new("extra_tensor", Some(&info.name), "in the candidate, not in the reference"));
         }
     }
@@ -412,6 +450,26 @@ fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
         rep.findings.push(f);
     }
     rep.findings.len() > before
+}
+
+/// `step` and extra attributes are content compared exactly (path, mask and positions decide
+/// comparability instead, `comparable::check`); absent and empty are different.
+fn attribute_findings(r: &TensorInfo, c: &TensorInfo, rep: &mut Report) {
+    let (ra, ca) = (&r.attributes, &c.attributes);
+    let show = |v: Option<String>| v.unwrap_or_else(|| "absent".into());
+    if ra.step != ca.step {
+        let detail = format!("attribute step: {} in the reference, {} in the candidate", show(ra.step.map(|s| s.to_string())), show(ca.step.map(|s| s.to_string())));
+        rep.findings.push(Finding::new("attribute_differs", Some(&r.name), detail));
+    }
+    let keys: std::collections::BTreeSet<&String> = ra.extra.keys().chain(ca.extra.keys()).collect();
+    for key in keys {
+        let (a, b) = (ra.extra.get(key), ca.extra.get(key));
+        if a != b {
+            let q = |v: Option<&String>| show(v.map(|s| format!("{s:?}")));
+            let detail = format!("attribute {key:?}: {} in the reference, {} in the candidate", q(a), q(b));
+            rep.findings.push(Finding::new("attribute_differs", Some(&r.name), detail));
+        }
+    }
 }
 
 /// Compares the relative order of the names both lists share; names the first out of place.

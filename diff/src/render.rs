@@ -144,6 +144,16 @@ fn summary(rep: &Report) -> String {
             if structural > 0 {
                 parts.push(format!("{structural} structure finding{}", if structural == 1 { "" } else { "s" }));
             }
+            // Content beyond values and decision rows: otherwise this line could read as equal.
+            let content: Vec<&str> = rep
+                .findings
+                .iter()
+                .filter(|f| matches!(f.kind, "attribute_differs" | "margin_differs" | "margin_presence_mismatch" | "content_digest_differs"))
+                .map(|f| f.kind)
+                .collect();
+            if let Some(first) = content.first() {
+                parts.push(format!("{} content finding{} (first: {})", content.len(), if content.len() == 1 { "" } else { "s" }, first.replace('_', " ")));
+            }
             parts.push(decisions_clause(rep));
             format!("DIFFERENT — {}", parts.join("; "))
         }
@@ -277,6 +287,23 @@ fn decisions(o: &mut String, rep: &Report) {
             }
         };
         let _ = writeln!(o, "  {} {:?}  {state}", r.name, r.shape);
+        if let Some(m) = &r.first_margin_difference {
+            let n = if r.margins == "within_tolerance" { r.margin_differing_rows } else { r.margin_outside_rows };
+            let bound = m.tolerance.map(|t| format!(", tolerance {}", real(Some(t)))).unwrap_or_default();
+            let _ = writeln!(
+                o,
+                "    margins {}: {n} row{} (first row {}: {} ({}) vs {} ({}){bound})",
+                r.margins.replace('_', " "),
+                if n == 1 { "" } else { "s" },
+                m.row,
+                real(Some(m.reference)),
+                m.reference_bits,
+                real(Some(m.candidate)),
+                m.candidate_bits
+            );
+        } else if matches!(r.margins, "reference_only" | "candidate_only") {
+            let _ = writeln!(o, "    margins in the {} only", r.margins.trim_end_matches("_only"));
+        }
         for f in r.flips.iter().take(10) {
             let what = if f.same_values_different_order { "  same values, different order" } else { "" };
             let _ = writeln!(
