@@ -17,7 +17,7 @@ use tracegate_trace::{DType, TensorInfo, Trace};
 pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use numeric::Special;
 pub use policy::{glob_match, Policy, Rule};
-pub use render::{render_human, render_show, thousands};
+pub use render::{json_terminal_safe, render_human, render_show, terminal_safe, thousands, write_show};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracegate_diff::{compare_files, render_human, render_show, Options, Policy};
+use tracegate_diff::{compare_files, json_terminal_safe, render_human, terminal_safe, write_show, Options, Policy};
 use tracegate_trace::Trace;
 
 const AFTER_HELP: &str = "\
@@ -61,7 +61,7 @@ fn main() -> ExitCode {
         Some(p) => match Policy::load(p) {
             Ok(p) => Some(p),
             Err(e) => {
-                eprintln!("trace-diff: bad policy: {e}");
+                eprintln!("trace-diff: bad policy: {}", terminal_safe(&e.to_string()));
                 return ExitCode::from(2);
             }
         },
@@ -70,7 +70,7 @@ fn main() -> ExitCode {
     let (r, c) = (cli.reference.expect("required by clap"), cli.candidate.expect("required by clap"));
     let report = compare_files(&r, &c, &opts);
     if cli.json {
-        println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
+        println!("{}", json_terminal_safe(&serde_json::to_string_pretty(&report).expect("report serialises")));
     } else {
         print!("{}", render_human(&report));
     }
@@ -81,12 +81,19 @@ fn show(path: &PathBuf, verify: bool) -> ExitCode {
     let t = match Trace::open(path) {
         Ok(t) => t,
         Err(e) => {
-            println!("UNREADABLE — {e}");
+            println!("UNREADABLE — {}", terminal_safe(&e.to_string()));
             return ExitCode::from(2);
         }
     };
     let v = verify.then(|| t.verify().map_err(|e| e.to_string()));
-    print!("{}", render_show(&t, v.as_ref()));
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    if let Err(e) = write_show(&t, v.as_ref(), &mut out).and_then(|()| std::io::Write::flush(&mut out)) {
+        // A closed pipe (`| head`) is the reader's choice, not a failure of the trace.
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("trace-diff: cannot write to stdout: {e}");
+            return ExitCode::from(2);
+        }
+    }
     match v {
         Some(Err(_)) => ExitCode::from(2),
         _ => ExitCode::SUCCESS,

@@ -1,10 +1,52 @@
 //! Human-readable output: one summary line first, then the details a person needs to act on.
 
+use std::borrow::Cow;
 use std::fmt::Write;
 
 use tracegate_trace::{Attributes, Trace};
 
 use crate::{Real, Report, TensorRow, Verdict};
+
+/// Names wider than this overflow their column instead of widening it: a format width is at
+/// most 65,535 (wider panics), and one long name must not pad every other row.
+const MAX_COLUMN: usize = 80;
+
+/// Control characters (but the newline) and bidirectional-formatting characters: names,
+/// attributes and provenance come from files, and raw they could move the cursor, recolour or
+/// rewrite a terminal, or reorder what it shows.
+fn needs_escape(c: char) -> bool {
+    (c.is_control() && c != '\n') || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+fn escape_with(s: &str, escape: fn(&mut String, char)) -> Cow<'_, str> {
+    if !s.chars().any(needs_escape) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if needs_escape(c) {
+            escape(&mut out, c);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Text for a terminal: each character [`needs_escape`] names is written as `\u{1b}`.
+pub fn terminal_safe(s: &str) -> Cow<'_, str> {
+    escape_with(s, |o, c| {
+        let _ = write!(o, "\\u{{{:x}}}", c as u32);
+    })
+}
+
+/// Printed JSON: serde_json escapes U+0000..U+001F; DEL, the C1 controls and the
+/// bidirectional characters become `\u007f`-style escapes here too (all in the BMP).
+pub fn json_terminal_safe(json: &str) -> Cow<'_, str> {
+    escape_with(json, |o, c| {
+        let _ = write!(o, "\\u{:04x}", c as u32);
+    })
+}
 
 /// 18676984 → "18,676,984".
 pub fn thousands(n: u64) -> String {
@@ -176,7 +218,7 @@ pub fn render_human(rep: &Report) -> String {
     }
     if matches!(rep.verdict, Verdict::Unreadable | Verdict::Incomparable) {
         findings(&mut o, rep);
-        return o;
+        return terminal_safe(&o).into_owned();
     }
     let t = &rep.tensors;
     let _ = writeln!(
@@ -226,11 +268,11 @@ pub fn render_human(rep: &Report) -> String {
     }
     decisions(&mut o, rep);
     findings(&mut o, rep);
-    o
+    terminal_safe(&o).into_owned()
 }
 
 fn curve(o: &mut String, rep: &Report) {
-    let w = rep.per_tensor.iter().map(|r| r.tensor.len()).max().unwrap_or(6).max(6);
+    let w = rep.per_tensor.iter().map(|r| r.tensor.len()).max().unwrap_or(6).clamp(6, MAX_COLUMN);
     let _ = writeln!(o, "per tensor (reference order)");
     let with_rule = rep.policy.is_some();
     let _ = writeln!(
@@ -367,14 +409,33 @@ fn attrs(a: &Attributes) -> String {
     parts.join(" ")
 }
 
-/// `trace-diff --show FILE`: what a trace holds, for a person.
+/// `trace-diff --show FILE`: what a trace holds, for a person (see [`write_show`]).
 pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
-    let mut o = String::new();
-    let _ = writeln!(o, "{}", t.path().display());
-    let _ = writeln!(o, "  digest   {}", t.digest().hex());
-    let _ = writeln!(o, "  format   {}.{}", t.version().0, t.version().1);
-    let _ = writeln!(
-        o,
+    let mut out = Vec::new();
+    write_show(t, verify, &mut out).expect("writing to a Vec cannot fail");
+    String::from_utf8(out).expect("every line is a String")
+}
+
+/// Writes `--show` line by line, each made [`terminal_safe`]: memory stays one line, not the
+/// whole listing, however many tensors the trace holds.
+pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, out: &mut impl std::io::Write) -> std::io::Result<()> {
+    let mut line = String::new();
+    let emit = |line: &mut String, out: &mut dyn std::io::Write| -> std::io::Result<()> {
+        line.push('\n');
+        out.write_all(terminal_safe(line).as_bytes())?;
+        line.clear();
+        Ok(())
+    };
+    macro_rules! say {
+        ($($arg:tt)*) => {{
+            let _ = write!(line, $($arg)*);
+            emit(&mut line, out)?;
+        }};
+    }
+    say!("{}", t.path().display());
+    say!("  digest   {}", t.digest().hex());
+    say!("  format   {}.{}", t.version().0, t.version().1);
+    say!(
         "  verify   {}",
         match verify {
             None => "skipped (--no-verify)".to_string(),
@@ -382,21 +443,21 @@ pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
             Some(Err(e)) => format!("FAILED: {e}"),
         }
     );
-    let _ = writeln!(o, "provenance");
+    say!("provenance");
     let pretty = serde_json::to_string_pretty(t.provenance()).unwrap_or_default();
-    for line in pretty.lines() {
-        let _ = writeln!(o, "  {line}");
+    for l in pretty.lines() {
+        say!("  {l}");
     }
-    let _ = writeln!(o, "tensors ({})", t.tensors().len());
-    let w = t.tensors().iter().map(|x| x.name.len()).max().unwrap_or(4).max(4);
-    let _ = writeln!(o, "  {:w$}  {:5}  {:18}  {:16}  attributes", "name", "dtype", "shape", "xxh3-128");
+    say!("tensors ({})", t.tensors().len());
+    let w = t.tensors().iter().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
+    say!("  {:w$}  {:5}  {:18}  {:16}  attributes", "name", "dtype", "shape", "xxh3-128");
     for x in t.tensors() {
         let digest = format!("{:032x}", x.digest);
-        let _ = writeln!(o, "  {:w$}  {:5}  {:18}  {:16}  {}", x.name, x.dtype.name(), format!("{:?}", x.shape), &digest[..16], attrs(&x.attributes));
+        say!("  {:w$}  {:5}  {:18}  {:16}  {}", x.name, x.dtype.name(), format!("{:?}", x.shape), &digest[..16], attrs(&x.attributes));
     }
-    let _ = writeln!(o, "decisions ({})", t.decisions().len());
-    let w = t.decisions().iter().map(|x| x.name.len()).max().unwrap_or(4).max(4);
-    let _ = writeln!(o, "  {:w$}  {:10}  {:24}  min margin", "name", "shape", "first values");
+    say!("decisions ({})", t.decisions().len());
+    let w = t.decisions().iter().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
+    say!("  {:w$}  {:10}  {:24}  min margin", "name", "shape", "first values");
     for d in t.decisions() {
         let values = t.decision_values(d);
         let mut first: Vec<String> = values.iter().take(8).map(|v| v.to_string()).collect();
@@ -414,7 +475,7 @@ pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
                 }
             }
         };
-        let _ = writeln!(o, "  {:w$}  {:10}  {:24}  {min_margin}", d.name, format!("{:?}", d.shape), first.join(" "));
+        say!("  {:w$}  {:10}  {:24}  {min_margin}", d.name, format!("{:?}", d.shape), first.join(" "));
     }
-    o
+    Ok(())
 }
