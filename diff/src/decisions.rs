@@ -155,9 +155,9 @@ pub fn compare(r: &Trace, c: &Trace, policy: bool, rep: &mut Report) -> bool {
             rep.findings.push(Finding::new("extra_decision", Some(&cd.name), "in the candidate, not in the reference"));
         }
     }
-    let rn: Vec<&str> = r.decisions().iter().map(|i| i.name.as_str()).collect();
-    let cn: Vec<&str> = c.decisions().iter().map(|i| i.name.as_str()).collect();
-    if let Some(f) = order_finding("decision_order_mismatch", &rn, &cn) {
+    let rn = r.decisions().iter().map(|i| i.name.as_str()).filter(|n| c.decision_info(n).is_some());
+    let cn = c.decisions().iter().map(|i| i.name.as_str()).filter(|n| r.decision_info(n).is_some());
+    if let Some(f) = order_finding("decision_order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
     rep.findings.len() > before

@@ -17,7 +17,7 @@ use tracegate_trace::{DType, TensorInfo, Trace};
 pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use numeric::Special;
 pub use policy::{glob_match, Policy, Rule};
-pub use render::{json_terminal_safe, render_human, render_show, terminal_safe, thousands, write_show};
+pub use render::{render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -90,27 +90,94 @@ pub struct Side {
     pub verified: bool,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+/// How the common tensors were compared. The four per-method sets are counts: their names
+/// are the `per_tensor` rows with that method (and status), which the JSON lists
+/// ([`Report::names`]); a second copy of every name would double the memory per tensor.
+#[derive(Clone, Debug, Default)]
 pub struct TensorSummary {
     pub reference_count: usize,
     pub candidate_count: usize,
-    /// Tensors whose elements were compared one by one.
-    pub compared_elementwise: Vec<String>,
-    /// Tensors judged identical because their verified xxh3-128 digests are equal.
-    pub matched_by_digest: Vec<String>,
+    /// Tensors whose elements were compared one by one (method "elementwise").
+    pub compared_elementwise: Count,
+    /// Tensors judged identical because their verified xxh3-128 digests are equal ("digest").
+    pub matched_by_digest: Count,
     /// Common tensors not compared element by element (scanning stopped at the first
-    /// difference); `known_different` says which of them differ by digest.
-    pub not_scanned: Vec<String>,
-    pub known_different: Vec<String>,
+    /// difference, "not_scanned"); `known_different` counts those that differ by digest.
+    pub not_scanned: Count,
+    pub known_different: Count,
     pub missing: Vec<String>,
     pub extra: Vec<String>,
+}
+
+/// A number of `per_tensor` rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Count(usize);
+
+impl Count {
+    pub fn len(self) -> usize {
+        self.0
+    }
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    fn add(&mut self) {
+        self.0 += 1;
+    }
+}
+
+/// Which `per_tensor` rows a [`TensorSummary`] set holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowSet {
+    CompareElementwise,
+    MatchedByDigest,
+    NotScanned,
+    KnownDifferent,
+}
+
+impl RowSet {
+    fn holds(self, r: &TensorRow) -> bool {
+        match self {
+            RowSet::CompareElementwise => r.method == "elementwise",
+            RowSet::MatchedByDigest => r.method == "digest",
+            RowSet::NotScanned => r.method == "not_scanned",
+            RowSet::KnownDifferent => r.method == "not_scanned" && r.status == "differs_by_digest",
+        }
+    }
+}
+
+/// Serialises a [`RowSet`] as the list of its names, straight from the rows.
+struct NamesJson<'a>(&'a [TensorRow], RowSet);
+
+impl Serialize for NamesJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().filter(|r| self.1.holds(r)).map(|r| &r.tensor))
+    }
+}
+
+struct TensorsJson<'a>(&'a Report);
+
+impl Serialize for TensorsJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let (t, rows) = (&self.0.tensors, &self.0.per_tensor[..]);
+        let mut st = s.serialize_struct("TensorSummary", 8)?;
+        st.serialize_field("reference_count", &t.reference_count)?;
+        st.serialize_field("candidate_count", &t.candidate_count)?;
+        st.serialize_field("compared_elementwise", &NamesJson(rows, RowSet::CompareElementwise))?;
+        st.serialize_field("matched_by_digest", &NamesJson(rows, RowSet::MatchedByDigest))?;
+        st.serialize_field("not_scanned", &NamesJson(rows, RowSet::NotScanned))?;
+        st.serialize_field("known_different", &NamesJson(rows, RowSet::KnownDifferent))?;
+        st.serialize_field("missing", &t.missing)?;
+        st.serialize_field("extra", &t.extra)?;
+        st.end()
+    }
 }
 
 /// One row of the layer curve: how one common tensor compared.
 #[derive(Clone, Debug, Serialize)]
 pub struct TensorRow {
     pub tensor: String,
-    pub dtype: String,
+    pub dtype: &'static str,
     pub shape: Vec<u64>,
     /// "digest", "elementwise" or "not_scanned".
     pub method: &'static str,
@@ -265,7 +332,7 @@ pub struct PolicyRef {
     pub rules: usize,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Report {
     pub verdict: Verdict,
     pub reference: Side,
@@ -282,7 +349,31 @@ pub struct Report {
     pub findings: Vec<Finding>,
 }
 
+impl Serialize for Report {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Report", 11)?;
+        st.serialize_field("verdict", &self.verdict)?;
+        st.serialize_field("reference", &self.reference)?;
+        st.serialize_field("candidate", &self.candidate)?;
+        st.serialize_field("policy", &self.policy)?;
+        st.serialize_field("scan", &self.scan)?;
+        st.serialize_field("tensors", &TensorsJson(self))?;
+        st.serialize_field("decisions", &self.decisions)?;
+        st.serialize_field("first_divergence", &self.first_divergence)?;
+        st.serialize_field("first_decision_divergence", &self.first_decision_divergence)?;
+        st.serialize_field("per_tensor", &self.per_tensor)?;
+        st.serialize_field("findings", &self.findings)?;
+        st.end()
+    }
+}
+
 impl Report {
+    /// The names of one of [`TensorSummary`]'s sets, in reference order.
+    pub fn names(&self, set: RowSet) -> impl Iterator<Item = &str> {
+        self.per_tensor.iter().filter(move |r| set.holds(r)).map(|r| r.tensor.as_str())
+    }
+
     fn empty(reference: Side, candidate: Side, opts: &Options) -> Report {
         Report {
             verdict: Verdict::Identical,
@@ -444,9 +535,9 @@ fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
             rep.findings.push(Finding::new("extra_tensor", Some(&info.name), "in the candidate, not in the reference"));
         }
     }
-    let rn: Vec<&str> = r.tensors().iter().map(|i| i.name.as_str()).collect();
-    let cn: Vec<&str> = c.tensors().iter().map(|i| i.name.as_str()).collect();
-    if let Some(f) = order_finding("order_mismatch", &rn, &cn) {
+    let rn = r.tensors().iter().map(|i| i.name.as_str()).filter(|n| c.tensor_info(n).is_some());
+    let cn = c.tensors().iter().map(|i| i.name.as_str()).filter(|n| r.tensor_info(n).is_some());
+    if let Some(f) = order_finding("order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
     rep.findings.len() > before
@@ -472,27 +563,17 @@ fn attribute_findings(r: &TensorInfo, c: &TensorInfo, rep: &mut Report) {
     }
 }
 
-/// Compares the relative order of the names both lists share; names the first out of place.
-pub(crate) fn order_finding(kind: &'static str, r: &[&str], c: &[&str]) -> Option<Finding> {
-    let rs: std::collections::HashSet<&str> = r.iter().copied().collect();
-    let cs: std::collections::HashSet<&str> = c.iter().copied().collect();
-    let r_common: Vec<&str> = r.iter().copied().filter(|n| cs.contains(n)).collect();
-    let c_common: Vec<&str> = c.iter().copied().filter(|n| rs.contains(n)).collect();
-    let i = r_common.iter().zip(&c_common).position(|(a, b)| a != b)?;
-    Some(Finding::new(
-        kind,
-        Some(r_common[i]),
-        format!(
-            "capture order differs at common position {i}: reference has {:?}, candidate has {:?}",
-            r_common[i], c_common[i]
-        ),
-    ))
+/// Compares the relative order of the names both sides share (each iterator already keeps
+/// only those); names the first out of place. Allocates nothing: traces hold a million names.
+pub(crate) fn order_finding<'a>(kind: &'static str, r_common: impl Iterator<Item = &'a str>, c_common: impl Iterator<Item = &'a str>) -> Option<Finding> {
+    let (i, (a, b)) = r_common.zip(c_common).enumerate().find(|(_, (a, b))| a != b)?;
+    Some(Finding::new(kind, Some(a), format!("capture order differs at common position {i}: reference has {a:?}, candidate has {b:?}")))
 }
 
 fn row_for(info: &TensorInfo, method: &'static str, status: &'static str) -> TensorRow {
     TensorRow {
         tensor: info.name.clone(),
-        dtype: info.dtype.name().to_string(),
+        dtype: info.dtype.name(),
         shape: info.shape.clone(),
         method,
         status,
@@ -520,6 +601,8 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     let trust_digests = opts.verify;
     let mut different = false;
     let mut stopped = false;
+    // One row per common tensor, allocated once: doubling a million-row Vec holds both copies.
+    rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| c.tensor_info(&ri.name).is_some()).count());
     for ri in r.tensors() {
         let Some(ci) = c.tensor_info(&ri.name) else { continue };
         if ci.dtype != ri.dtype || ci.shape != ri.shape {
@@ -534,21 +617,21 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             row.differing_elements = Some(0);
             row.max_ulp = Some(0);
             (row.max_abs, row.max_rel, row.cosine, row.rel_l2) = (Some(Real(0.0)), Some(Real(0.0)), Some(Real(1.0)), Some(Real(0.0)));
-            rep.tensors.matched_by_digest.push(ri.name.clone());
+            rep.tensors.matched_by_digest.add();
         } else if stopped {
             let status = if trust_digests { "differs_by_digest" } else { "unknown" };
             row = row_for(ri, "not_scanned", status);
-            rep.tensors.not_scanned.push(ri.name.clone());
+            rep.tensors.not_scanned.add();
             // What follows a divergence is noise: a later change is not a finding by default
             // (--all scans and reports it); the JSON still lists which digests differ.
             if trust_digests {
-                rep.tensors.known_different.push(ri.name.clone());
+                rep.tensors.known_different.add();
             }
         } else {
             let (rd, cd) = (r.data(ri), c.data(ci));
             // Only the first divergence reports a median: only its scan counts distances.
             let (s, ulps) = numeric::scan(ri.dtype, rd, cd, rep.first_divergence.is_none());
-            rep.tensors.compared_elementwise.push(ri.name.clone());
+            rep.tensors.compared_elementwise.add();
             row = row_for(ri, "elementwise", if s.differing == 0 { "identical" } else { "different" });
             row.differing_elements = Some(s.differing);
             row.max_abs = Some(Real(s.max_abs));

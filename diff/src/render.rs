@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use tracegate_trace::{Attributes, Trace};
 
-use crate::{Real, Report, TensorRow, Verdict};
+use crate::{Real, Report, RowSet, TensorRow, Verdict};
 
 /// Names wider than this overflow their column instead of widening it: a format width is at
 /// most 65,535 (wider panics), and one long name must not pad every other row.
@@ -40,12 +40,46 @@ pub fn terminal_safe(s: &str) -> Cow<'_, str> {
     })
 }
 
-/// Printed JSON: serde_json escapes U+0000..U+001F; DEL, the C1 controls and the
-/// bidirectional characters become `\u007f`-style escapes here too (all in the BMP).
-pub fn json_terminal_safe(json: &str) -> Cow<'_, str> {
-    escape_with(json, |o, c| {
-        let _ = write!(o, "\\u{:04x}", c as u32);
-    })
+/// serde_json's pretty layout, with every string fragment passed through [`needs_escape`]:
+/// serde_json escapes U+0000..U+001F itself; DEL, the C1 controls and the bidirectional
+/// characters become `\u007f`-style escapes here (all in the BMP), the same string once parsed.
+struct SafeJson<'a>(serde_json::ser::PrettyFormatter<'a>);
+
+macro_rules! delegate {
+    ($($name:ident($($arg:ident: $ty:ty),*)),* $(,)?) => {$(
+        fn $name<W: ?Sized + std::io::Write>(&mut self, w: &mut W $(, $arg: $ty)*) -> std::io::Result<()> {
+            self.0.$name(w $(, $arg)*)
+        }
+    )*};
+}
+
+impl serde_json::ser::Formatter for SafeJson<'_> {
+    delegate!(
+        begin_array(),
+        end_array(),
+        begin_array_value(first: bool),
+        end_array_value(),
+        begin_object(),
+        end_object(),
+        begin_object_key(first: bool),
+        end_object_key(),
+        begin_object_value(),
+        end_object_value(),
+    );
+    fn write_string_fragment<W: ?Sized + std::io::Write>(&mut self, w: &mut W, fragment: &str) -> std::io::Result<()> {
+        let safe = escape_with(fragment, |o, c| {
+            let _ = write!(o, "\\u{:04x}", c as u32);
+        });
+        w.write_all(safe.as_bytes())
+    }
+}
+
+/// Writes the JSON report streamed (no whole-report string), pretty, newline-terminated.
+pub fn write_json(rep: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    let mut ser = serde_json::Serializer::with_formatter(&mut *out, SafeJson(serde_json::ser::PrettyFormatter::new()));
+    serde::Serialize::serialize(rep, &mut ser).map_err(std::io::Error::other)?;
+    out.write_all(b"\n")?;
+    out.flush()
 }
 
 /// 18676984 → "18,676,984".
@@ -202,9 +236,60 @@ fn summary(rep: &Report) -> String {
     }
 }
 
+/// Text on its way to a writer, made [`terminal_safe`] and flushed every 64 KiB at a line end,
+/// so a report of a million rows never sits in memory whole. The first write error is kept.
+struct Sink<'a> {
+    buf: String,
+    out: &'a mut dyn std::io::Write,
+    error: Option<std::io::Error>,
+}
+
+impl<'a> Sink<'a> {
+    fn new(out: &'a mut dyn std::io::Write) -> Self {
+        Sink { buf: String::new(), out, error: None }
+    }
+    fn flush(&mut self) {
+        if self.error.is_none() {
+            if let Err(e) = self.out.write_all(terminal_safe(&self.buf).as_bytes()) {
+                self.error = Some(e);
+            }
+        }
+        self.buf.clear();
+    }
+    fn finish(mut self) -> std::io::Result<()> {
+        self.flush();
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => self.out.flush(),
+        }
+    }
+}
+
+impl Write for Sink<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.buf.push_str(s);
+        if self.buf.len() >= 1 << 16 && self.buf.ends_with('\n') {
+            self.flush();
+        }
+        Ok(())
+    }
+}
+
 /// The full human report.
 pub fn render_human(rep: &Report) -> String {
-    let mut o = String::new();
+    let mut out = Vec::new();
+    write_human(rep, &mut out).expect("writing to a Vec cannot fail");
+    String::from_utf8(out).expect("the report is text")
+}
+
+/// Writes the human report, streamed (see [`Sink`]).
+pub fn write_human(rep: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    let mut sink = Sink::new(out);
+    human(&mut sink, rep);
+    sink.finish()
+}
+
+fn human(o: &mut Sink<'_>, rep: &Report) {
     let _ = writeln!(o, "{}", summary(rep));
     for (label, s) in [("reference", &rep.reference), ("candidate", &rep.candidate)] {
         let digest = s.digest.as_deref().map(|d| &d[..16.min(d.len())]).unwrap_or("-");
@@ -217,8 +302,8 @@ pub fn render_human(rep: &Report) -> String {
         );
     }
     if matches!(rep.verdict, Verdict::Unreadable | Verdict::Incomparable) {
-        findings(&mut o, rep);
-        return terminal_safe(&o).into_owned();
+        findings(o, rep);
+        return;
     }
     let t = &rep.tensors;
     let _ = writeln!(
@@ -236,7 +321,8 @@ pub fn render_human(rep: &Report) -> String {
         let shown = t.compared_elementwise.len().min(8);
         let more = t.compared_elementwise.len() - shown;
         let more = if more > 0 { format!(" and {more} more") } else { String::new() };
-        let _ = writeln!(o, "  element-wise: {}{more}", t.compared_elementwise[..shown].join(", "));
+        let names: Vec<&str> = rep.names(RowSet::CompareElementwise).take(shown).collect();
+        let _ = writeln!(o, "  element-wise: {}{more}", names.join(", "));
     }
     if rep.scan != "all" && (!t.matched_by_digest.is_empty() || t.compared_elementwise.len() > 8) {
         let _ = writeln!(o, "  (--all prints every tensor with how it was compared; --json lists both sets)");
@@ -264,14 +350,13 @@ pub fn render_human(rep: &Report) -> String {
         let _ = writeln!(o, "not scanned after the first difference: {n} later tensor{} (what follows a divergence is noise; --all scans them)", if n == 1 { "" } else { "s" });
     }
     if rep.scan == "all" && !rep.per_tensor.is_empty() {
-        curve(&mut o, rep);
+        curve(o, rep);
     }
-    decisions(&mut o, rep);
-    findings(&mut o, rep);
-    terminal_safe(&o).into_owned()
+    decisions(o, rep);
+    findings(o, rep);
 }
 
-fn curve(o: &mut String, rep: &Report) {
+fn curve(o: &mut Sink<'_>, rep: &Report) {
     let w = rep.per_tensor.iter().map(|r| r.tensor.len()).max().unwrap_or(6).clamp(6, MAX_COLUMN);
     let _ = writeln!(o, "per tensor (reference order)");
     let with_rule = rep.policy.is_some();
@@ -313,7 +398,7 @@ fn curve(o: &mut String, rep: &Report) {
     }
 }
 
-fn decisions(o: &mut String, rep: &Report) {
+fn decisions(o: &mut Sink<'_>, rep: &Report) {
     let d = &rep.decisions;
     if d.results.is_empty() && d.missing.is_empty() && d.extra.is_empty() {
         return;
@@ -367,7 +452,7 @@ fn decisions(o: &mut String, rep: &Report) {
     }
 }
 
-fn findings(o: &mut String, rep: &Report) {
+fn findings(o: &mut Sink<'_>, rep: &Report) {
     if rep.findings.is_empty() {
         return;
     }

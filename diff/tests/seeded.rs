@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use serde_json::json;
-use tracegate_diff::{compare_files, Options, Policy, Special, Verdict};
+use tracegate_diff::{compare_files, Options, Policy, RowSet, Special, Verdict};
 use tracegate_trace::DType;
 
 fn diff(r: &Spec, c: &Spec, opts: &Options) -> tracegate_diff::Report {
@@ -58,7 +58,7 @@ fn one_ulp_change_is_located_to_the_element() {
     assert_eq!(d.reference_bits, format!("0x{:08x}", rv.to_bits()));
     assert!(d.special.is_none());
     // Everything before it was matched by digest, it alone element by element.
-    assert_eq!(rep.tensors.compared_elementwise, vec!["layer.01.attn_out".to_string()]);
+    assert_eq!(rep.names(RowSet::CompareElementwise).collect::<Vec<_>>(), vec!["layer.01.attn_out"]);
     assert_eq!(rep.tensors.matched_by_digest.len(), 12);
 }
 
@@ -74,7 +74,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
     let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
     assert_eq!((later.method, later.status, later.differing_elements), ("not_scanned", "differs_by_digest", None));
-    assert!(rep.tensors.known_different.contains(&"layer.01.mlp_out".to_string()));
+    assert!(rep.names(RowSet::KnownDifferent).any(|n| n == "layer.01.mlp_out"));
     // Not reported: no finding names it, and the human report only counts what was not scanned.
     assert_eq!(rep.findings.iter().map(|f| (f.kind, f.tensor.as_deref())).collect::<Vec<_>>(), vec![("values_differ", Some("layer.00.mlp_out"))]);
     let human = tracegate_diff::render_human(&rep);
