@@ -16,10 +16,20 @@ use common::*;
 use serde_json::{json, Value};
 use tracegate_trace::{Trace, TraceWriter};
 
+/// Cases per input are multiplied by `TRACEGATE_FUZZ_SCALE` (default 1, a few seconds): the
+/// long run is `TRACEGATE_FUZZ_SCALE=1000 cargo test --release -p tracegate-diff --test fuzz`.
+fn scale() -> usize {
+    std::env::var("TRACEGATE_FUZZ_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+}
+
 /// xorshift64*: fixed seeds, no dependency.
 struct Rng(u64);
 
 impl Rng {
+    /// One fixed stream per (test, input), so a larger scale replays the default cases first.
+    fn seeded(test: u64, input: usize) -> Rng {
+        Rng(0x5eed_0000 ^ (test << 32) ^ (input as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    }
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
@@ -138,11 +148,11 @@ fn check_pair(original: &Path, mutated: &Path, case: &str) -> Case {
 #[test]
 fn bit_flips_anywhere() {
     let dir = tempfile::tempdir().unwrap();
-    let mut rng = Rng(0x5eed_0001);
     let mut tally = Tally::default();
-    for original in originals(dir.path()) {
+    for (i, original) in originals(dir.path()).into_iter().enumerate() {
+        let mut rng = Rng::seeded(1, i);
         let bytes = std::fs::read(&original).unwrap();
-        for k in 0..12 {
+        for k in 0..12 * scale() {
             let mut m = bytes.clone();
             let at = rng.below(m.len());
             m[at] ^= 1 << rng.below(8);
@@ -226,10 +236,10 @@ fn edit_index(ix: &mut Value, rng: &mut Rng) -> String {
 #[test]
 fn index_edits_with_a_redigested_footer() {
     let dir = tempfile::tempdir().unwrap();
-    let mut rng = Rng(0x5eed_0002);
     let mut tally = Tally::default();
-    for original in originals(dir.path()) {
-        for k in 0..16 {
+    for (i, original) in originals(dir.path()).into_iter().enumerate() {
+        let mut rng = Rng::seeded(2, i);
+        for k in 0..16 * scale() {
             let path = dir.path().join("edit.trace");
             std::fs::copy(&original, &path).unwrap();
             let mut what = String::new();
@@ -325,11 +335,11 @@ fn edit_content(s: &mut Spec, rng: &mut Rng) -> String {
 #[test]
 fn content_edits_through_the_writer_are_never_identical() {
     let dir = tempfile::tempdir().unwrap();
-    let mut rng = Rng(0x5eed_0003);
     let mut tally = Tally::default();
-    for original in originals(dir.path()) {
+    for (i, original) in originals(dir.path()).into_iter().enumerate() {
+        let mut rng = Rng::seeded(3, i);
         let base = spec_of(&original);
-        for k in 0..20 {
+        for k in 0..20 * scale() {
             let mut s = base.clone();
             let what = edit_content(&mut s, &mut rng);
             let path = dir.path().join("content.trace");
