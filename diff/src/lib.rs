@@ -199,7 +199,8 @@ pub struct TensorRow {
     pub nan_payload: u64,
     pub infinity: u64,
     /// The policy rule that judged this tensor (index into the policy's rules and its pattern).
-    pub rule: Option<RuleRef>,
+    /// Boxed: set only under a policy, and 24 bytes a row otherwise (a trace may hold a million).
+    pub rule: Option<Box<RuleRef>>,
     pub violations: Vec<String>,
 }
 
@@ -661,7 +662,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                     different = true;
                 }
                 Some((idx, rule)) => {
-                    row.rule = Some(RuleRef { index: idx, pattern: rule.pattern.clone() });
+                    row.rule = Some(Box::new(RuleRef { index: idx, pattern: rule.pattern.clone() }));
                     if row.status == "different" {
                         let m = policy::Measured {
                             max_ulp: row.max_ulp,
