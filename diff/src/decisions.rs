@@ -1,14 +1,29 @@
 //! Decisions are compared exactly, as ordered sequences, under every mode and policy: all
 //! floats can agree to 1e-6 and the model still picks another expert (trap 12). Each flipped
 //! row is set beside the reference's margin and the numeric divergence of the tensor the
-//! decision was taken from, so a near-tie reads differently from a defect.
+//! decision was taken from, so a near-tie reads differently from a defect. Margins are content
+//! too: compared by bits, or under a policy within [`margin_tolerance`].
 
 use tracegate_trace::{DecisionInfo, Trace};
 
-use crate::{order_finding, range_divergence, DecisionDivergence, DecisionResult, Finding, Flip, Real, Report};
+use crate::{order_finding, range_divergence, DecisionDivergence, DecisionResult, Finding, Flip, MarginDifference, Real, Report};
 
 /// A flip whose reference margin exceeds this many times the source divergence is a defect.
 pub const DEFECT_FACTOR: f64 = 10.0;
+
+/// Under a policy, the slack a margin gets beyond what its source row explains, relative to
+/// max(1, |margin|): covers rounding of the subtraction and of the softmax (≈1e-7), and router
+/// margins whose traces hold no `router.logits` (the fallback source is not the scores).
+pub const MARGIN_SLACK: f64 = 1e-5;
+
+/// Under a policy, the largest |reference − candidate| margin difference accepted for a row:
+/// `2·d + MARGIN_SLACK·max(1, |a|, |b|)`, `d` the source row's divergence (0 without a source).
+/// Why 2·d: the top-1 and top-2 (k-th, (k+1)-th) values of a row are order statistics, each
+/// moving by at most the row's max |difference|, and a softmax moves no probability by more.
+pub fn margin_tolerance(a: f32, b: f32, divergence: Option<f64>) -> f64 {
+    let scale = 1f64.max((a as f64).abs()).max((b as f64).abs());
+    2.0 * divergence.unwrap_or(0.0) + MARGIN_SLACK * scale
+}
 
 /// The tensor a decision was taken from, if the traces hold it: `logits` for `logits.argmax`;
 /// `decode.SSSS.logits`, else `logits`, for `decode.SSSS.argmax`; `layer.NN.router.logits`,
@@ -48,8 +63,9 @@ pub fn label(margin: Option<f32>, divergence: Option<f64>) -> &'static str {
     }
 }
 
-/// Compares every decision; true if any finding or difference.
-pub fn compare(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
+/// Compares every decision; true if any finding or difference. `policy`: margins are judged by
+/// [`margin_tolerance`] instead of by bits.
+pub fn compare(r: &Trace, c: &Trace, policy: bool, rep: &mut Report) -> bool {
     let before = rep.findings.len();
     let d = &mut rep.decisions;
     d.reference_count = r.decisions().len();
@@ -75,11 +91,34 @@ pub fn compare(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
                 reordered_rows: 0,
                 source: None,
                 flips: Vec::new(),
+                margins: "not_compared",
+                margin_differing_rows: 0,
+                margin_outside_rows: 0,
+                first_margin_difference: None,
             });
             continue;
         }
         d.compared += 1;
-        let result = compare_one(r, c, rd, cd);
+        let result = compare_one(r, c, rd, cd, policy);
+        match (result.margins, &result.first_margin_difference) {
+            ("reference_only" | "candidate_only", _) => {
+                let (has, lacks) = if result.margins == "reference_only" { ("reference", "candidate") } else { ("candidate", "reference") };
+                rep.findings.push(Finding::new("margin_presence_mismatch", Some(&rd.name), format!("margins recorded in the {has}, none in the {lacks}")));
+            }
+            ("different", Some(m)) => {
+                let bound = m.tolerance.map(|t| format!(" (outside the tolerance {:e})", t.0)).unwrap_or_default();
+                let counted = if policy { result.margin_outside_rows } else { result.margin_differing_rows };
+                rep.findings.push(Finding::new(
+                    "margin_differs",
+                    Some(&rd.name),
+                    format!(
+                        "margins differ in {counted} of {} rows whose values are equal; first at row {}: {:e} ({}) vs {:e} ({}){bound}",
+                        result.rows, m.row, m.reference.0, m.reference_bits, m.candidate.0, m.candidate_bits
+                    ),
+                ));
+            }
+            _ => {}
+        }
         if result.differing_rows > 0 {
             d.differing += 1;
             let f = &result.flips[0];
@@ -116,15 +155,15 @@ pub fn compare(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
             rep.findings.push(Finding::new("extra_decision", Some(&cd.name), "in the candidate, not in the reference"));
         }
     }
-    let rn: Vec<&str> = r.decisions().iter().map(|i| i.name.as_str()).collect();
-    let cn: Vec<&str> = c.decisions().iter().map(|i| i.name.as_str()).collect();
-    if let Some(f) = order_finding("decision_order_mismatch", &rn, &cn) {
+    let rn = r.decisions().iter().map(|i| i.name.as_str()).filter(|n| c.decision_info(n).is_some());
+    let cn = c.decisions().iter().map(|i| i.name.as_str()).filter(|n| r.decision_info(n).is_some());
+    if let Some(f) = order_finding("decision_order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
     rep.findings.len() > before
 }
 
-fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo) -> DecisionResult {
+fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo, policy: bool) -> DecisionResult {
     let (rv, cv) = (r.decision_values(rd), c.decision_values(cd));
     let (rm, cm) = (r.decision_margins(rd), c.decision_margins(cd));
     let rows = rd.rows();
@@ -139,12 +178,51 @@ fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo) -> De
         reordered_rows: 0,
         source: source.clone(),
         flips: Vec::new(),
+        margins: match (&rm, &cm) {
+            (None, None) => "absent",
+            (Some(_), None) => "reference_only",
+            (None, Some(_)) => "candidate_only",
+            (Some(_), Some(_)) => "identical",
+        },
+        margin_differing_rows: 0,
+        margin_outside_rows: 0,
+        first_margin_difference: None,
     };
     if width == 0 {
         return out;
     }
     for (row, (a, b)) in rv.chunks(width).zip(cv.chunks(width)).enumerate() {
         if a == b {
+            // Equal choices: the margins must be equal too (a flipped row shows both instead).
+            if let (Some(rm), Some(cm)) = (&rm, &cm) {
+                let (ma, mb) = (rm[row], cm[row]);
+                if ma.to_bits() != mb.to_bits() {
+                    out.margin_differing_rows += 1;
+                    let tolerance = policy.then(|| {
+                        let d = source.as_deref().and_then(|s| range_divergence(r, c, s, Some((row as u64, rows))));
+                        margin_tolerance(ma, mb, d)
+                    });
+                    // NaN never lies within a tolerance; only equal bits match it.
+                    let outside = tolerance.is_none_or(|t| !(((ma as f64) - (mb as f64)).abs() <= t));
+                    out.margin_outside_rows += outside as u64;
+                    // Keep the first row outside the tolerance, else the first that differs at all.
+                    let keep = match &out.first_margin_difference {
+                        None => true,
+                        Some(m) => outside && !m.outside,
+                    };
+                    if keep {
+                        out.first_margin_difference = Some(MarginDifference {
+                            row: row as u64,
+                            reference: Real(ma as f64),
+                            candidate: Real(mb as f64),
+                            reference_bits: format!("{:#010x}", ma.to_bits()),
+                            candidate_bits: format!("{:#010x}", mb.to_bits()),
+                            tolerance: tolerance.map(Real),
+                            outside,
+                        });
+                    }
+                }
+            }
             continue;
         }
         let mut sa = a.to_vec();
@@ -170,6 +248,11 @@ fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo) -> De
     }
     if out.differing_rows > 0 {
         out.status = "different";
+    }
+    if out.margin_outside_rows > 0 {
+        out.margins = "different";
+    } else if out.margin_differing_rows > 0 {
+        out.margins = "within_tolerance";
     }
     out
 }

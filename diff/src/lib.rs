@@ -14,9 +14,10 @@ use std::path::Path;
 use serde::{Serialize, Serializer};
 use tracegate_trace::{DType, TensorInfo, Trace};
 
+pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use numeric::Special;
 pub use policy::{glob_match, Policy, Rule};
-pub use render::{render_human, render_show, thousands};
+pub use render::{render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -89,27 +90,94 @@ pub struct Side {
     pub verified: bool,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+/// How the common tensors were compared. The four per-method sets are counts: their names
+/// are the `per_tensor` rows with that method (and status), which the JSON lists
+/// ([`Report::names`]); a second copy of every name would double the memory per tensor.
+#[derive(Clone, Debug, Default)]
 pub struct TensorSummary {
     pub reference_count: usize,
     pub candidate_count: usize,
-    /// Tensors whose elements were compared one by one.
-    pub compared_elementwise: Vec<String>,
-    /// Tensors judged identical because their verified xxh3-128 digests are equal.
-    pub matched_by_digest: Vec<String>,
+    /// Tensors whose elements were compared one by one (method "elementwise").
+    pub compared_elementwise: Count,
+    /// Tensors judged identical because their verified xxh3-128 digests are equal ("digest").
+    pub matched_by_digest: Count,
     /// Common tensors not compared element by element (scanning stopped at the first
-    /// difference); `known_different` says which of them differ by digest.
-    pub not_scanned: Vec<String>,
-    pub known_different: Vec<String>,
+    /// difference, "not_scanned"); `known_different` counts those that differ by digest.
+    pub not_scanned: Count,
+    pub known_different: Count,
     pub missing: Vec<String>,
     pub extra: Vec<String>,
+}
+
+/// A number of `per_tensor` rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Count(usize);
+
+impl Count {
+    pub fn len(self) -> usize {
+        self.0
+    }
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    fn add(&mut self) {
+        self.0 += 1;
+    }
+}
+
+/// Which `per_tensor` rows a [`TensorSummary`] set holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowSet {
+    CompareElementwise,
+    MatchedByDigest,
+    NotScanned,
+    KnownDifferent,
+}
+
+impl RowSet {
+    fn holds(self, r: &TensorRow) -> bool {
+        match self {
+            RowSet::CompareElementwise => r.method == "elementwise",
+            RowSet::MatchedByDigest => r.method == "digest",
+            RowSet::NotScanned => r.method == "not_scanned",
+            RowSet::KnownDifferent => r.method == "not_scanned" && r.status == "differs_by_digest",
+        }
+    }
+}
+
+/// Serialises a [`RowSet`] as the list of its names, straight from the rows.
+struct NamesJson<'a>(&'a [TensorRow], RowSet);
+
+impl Serialize for NamesJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().filter(|r| self.1.holds(r)).map(|r| &r.tensor))
+    }
+}
+
+struct TensorsJson<'a>(&'a Report);
+
+impl Serialize for TensorsJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let (t, rows) = (&self.0.tensors, &self.0.per_tensor[..]);
+        let mut st = s.serialize_struct("TensorSummary", 8)?;
+        st.serialize_field("reference_count", &t.reference_count)?;
+        st.serialize_field("candidate_count", &t.candidate_count)?;
+        st.serialize_field("compared_elementwise", &NamesJson(rows, RowSet::CompareElementwise))?;
+        st.serialize_field("matched_by_digest", &NamesJson(rows, RowSet::MatchedByDigest))?;
+        st.serialize_field("not_scanned", &NamesJson(rows, RowSet::NotScanned))?;
+        st.serialize_field("known_different", &NamesJson(rows, RowSet::KnownDifferent))?;
+        st.serialize_field("missing", &t.missing)?;
+        st.serialize_field("extra", &t.extra)?;
+        st.end()
+    }
 }
 
 /// One row of the layer curve: how one common tensor compared.
 #[derive(Clone, Debug, Serialize)]
 pub struct TensorRow {
     pub tensor: String,
-    pub dtype: String,
+    pub dtype: &'static str,
     pub shape: Vec<u64>,
     /// "digest", "elementwise" or "not_scanned".
     pub method: &'static str,
@@ -131,7 +199,8 @@ pub struct TensorRow {
     pub nan_payload: u64,
     pub infinity: u64,
     /// The policy rule that judged this tensor (index into the policy's rules and its pattern).
-    pub rule: Option<RuleRef>,
+    /// Boxed: set only under a policy, and 24 bytes a row otherwise (a trace may hold a million).
+    pub rule: Option<Box<RuleRef>>,
     pub violations: Vec<String>,
 }
 
@@ -194,6 +263,29 @@ pub struct DecisionResult {
     /// The tensor whose numbers this decision was taken from, when both traces have it.
     pub source: Option<String>,
     pub flips: Vec<Flip>,
+    /// Margins of the rows whose values are equal: "identical" (bit for bit), "within_tolerance"
+    /// (policy only), "different", "absent" (neither side has margins), "reference_only",
+    /// "candidate_only", or "not_compared" (shapes differ).
+    pub margins: &'static str,
+    /// Rows with equal values whose margins differ in bits.
+    pub margin_differing_rows: u64,
+    /// Of those, rows outside the policy's margin tolerance (all of them without a policy).
+    pub margin_outside_rows: u64,
+    /// The first row outside the tolerance, else the first whose margin bits differ.
+    pub first_margin_difference: Option<MarginDifference>,
+}
+
+/// A margin that differs on a row whose decision values are equal.
+#[derive(Clone, Debug, Serialize)]
+pub struct MarginDifference {
+    pub row: u64,
+    pub reference: Real,
+    pub candidate: Real,
+    pub reference_bits: String,
+    pub candidate_bits: String,
+    /// The accepted |difference| under a policy (`decisions::margin_tolerance`); null when exact.
+    pub tolerance: Option<Real>,
+    pub outside: bool,
 }
 
 /// One differing decision row, with what is needed to tell a near-tie from a defect.
@@ -241,7 +333,7 @@ pub struct PolicyRef {
     pub rules: usize,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Report {
     pub verdict: Verdict,
     pub reference: Side,
@@ -258,7 +350,31 @@ pub struct Report {
     pub findings: Vec<Finding>,
 }
 
+impl Serialize for Report {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Report", 11)?;
+        st.serialize_field("verdict", &self.verdict)?;
+        st.serialize_field("reference", &self.reference)?;
+        st.serialize_field("candidate", &self.candidate)?;
+        st.serialize_field("policy", &self.policy)?;
+        st.serialize_field("scan", &self.scan)?;
+        st.serialize_field("tensors", &TensorsJson(self))?;
+        st.serialize_field("decisions", &self.decisions)?;
+        st.serialize_field("first_divergence", &self.first_divergence)?;
+        st.serialize_field("first_decision_divergence", &self.first_decision_divergence)?;
+        st.serialize_field("per_tensor", &self.per_tensor)?;
+        st.serialize_field("findings", &self.findings)?;
+        st.end()
+    }
+}
+
 impl Report {
+    /// The names of one of [`TensorSummary`]'s sets, in reference order.
+    pub fn names(&self, set: RowSet) -> impl Iterator<Item = &str> {
+        self.per_tensor.iter().filter(move |r| set.holds(r)).map(|r| r.tensor.as_str())
+    }
+
     fn empty(reference: Side, candidate: Side, opts: &Options) -> Report {
         Report {
             verdict: Verdict::Identical,
@@ -356,9 +472,10 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     different |= values(reference, candidate, opts, &mut rep);
 
     // 5. Decisions (always all of them).
-    different |= decisions::compare(reference, candidate, &mut rep);
+    different |= decisions::compare(reference, candidate, opts.policy.is_some(), &mut rep);
 
-    let any_value_difference = rep.per_tensor.iter().any(|r| r.status != "identical");
+    let any_value_difference =
+        rep.per_tensor.iter().any(|r| r.status != "identical") || rep.decisions.results.iter().any(|d| d.margin_differing_rows > 0);
     rep.verdict = if different {
         Verdict::Different
     } else if opts.policy.is_some() && any_value_difference {
@@ -366,19 +483,32 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     } else {
         Verdict::Identical
     };
+    // IDENTICAL claims equal content, and two verified digests decide that on their own: a
+    // disagreement means a check above misses some content, which must not pass as identical.
+    if rep.verdict == Verdict::Identical && rep.reference.verified && rep.candidate.verified && reference.digest() != candidate.digest() {
+        rep.verdict = Verdict::Different;
+        rep.findings.push(Finding::new(
+            "content_digest_differs",
+            None,
+            format!(
+                "no difference was found, but the verified content digests differ ({} vs {}): a content field this differ does not compare",
+                reference.digest().hex(),
+                candidate.digest().hex()
+            ),
+        ));
+    }
     rep
 }
 
 /// Missing, extra, dtype, shape and order findings; true if there is any.
 fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
-    let t = &mut rep.tensors;
-    t.reference_count = r.tensors().len();
-    t.candidate_count = c.tensors().len();
+    rep.tensors.reference_count = r.tensors().len();
+    rep.tensors.candidate_count = c.tensors().len();
     let before = rep.findings.len();
     for info in r.tensors() {
         match c.tensor_info(&info.name) {
             None => {
-                t.missing.push(info.name.clone());
+                rep.tensors.missing.push(info.name.clone());
                 rep.findings.push(Finding::new("missing_tensor", Some(&info.name), "in the reference, not in the candidate"));
             }
             Some(ci) if ci.dtype != info.dtype => {
@@ -397,44 +527,54 @@ fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
                     format!("reference {:?} vs candidate {:?}{note}", info.shape, ci.shape),
                 ));
             }
-            Some(_) => {}
+            Some(ci) => attribute_findings(info, ci, rep),
         }
     }
     for info in c.tensors() {
         if r.tensor_info(&info.name).is_none() {
-            t.extra.push(info.name.clone());
+            rep.tensors.extra.push(info.name.clone());
             rep.findings.push(Finding::new("extra_tensor", Some(&info.name), "in the candidate, not in the reference"));
         }
     }
-    let rn: Vec<&str> = r.tensors().iter().map(|i| i.name.as_str()).collect();
-    let cn: Vec<&str> = c.tensors().iter().map(|i| i.name.as_str()).collect();
-    if let Some(f) = order_finding("order_mismatch", &rn, &cn) {
+    let rn = r.tensors().iter().map(|i| i.name.as_str()).filter(|n| c.tensor_info(n).is_some());
+    let cn = c.tensors().iter().map(|i| i.name.as_str()).filter(|n| r.tensor_info(n).is_some());
+    if let Some(f) = order_finding("order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
     rep.findings.len() > before
 }
 
-/// Compares the relative order of the names both lists share; names the first out of place.
-pub(crate) fn order_finding(kind: &'static str, r: &[&str], c: &[&str]) -> Option<Finding> {
-    let rs: std::collections::HashSet<&str> = r.iter().copied().collect();
-    let cs: std::collections::HashSet<&str> = c.iter().copied().collect();
-    let r_common: Vec<&str> = r.iter().copied().filter(|n| cs.contains(n)).collect();
-    let c_common: Vec<&str> = c.iter().copied().filter(|n| rs.contains(n)).collect();
-    let i = r_common.iter().zip(&c_common).position(|(a, b)| a != b)?;
-    Some(Finding::new(
-        kind,
-        Some(r_common[i]),
-        format!(
-            "capture order differs at common position {i}: reference has {:?}, candidate has {:?}",
-            r_common[i], c_common[i]
-        ),
-    ))
+/// `step` and extra attributes are content compared exactly (path, mask and positions decide
+/// comparability instead, `comparable::check`); absent and empty are different.
+fn attribute_findings(r: &TensorInfo, c: &TensorInfo, rep: &mut Report) {
+    let (ra, ca) = (&r.attributes, &c.attributes);
+    let show = |v: Option<String>| v.unwrap_or_else(|| "absent".into());
+    if ra.step != ca.step {
+        let detail = format!("attribute step: {} in the reference, {} in the candidate", show(ra.step.map(|s| s.to_string())), show(ca.step.map(|s| s.to_string())));
+        rep.findings.push(Finding::new("attribute_differs", Some(&r.name), detail));
+    }
+    let keys: std::collections::BTreeSet<&String> = ra.extra.keys().chain(ca.extra.keys()).collect();
+    for key in keys {
+        let (a, b) = (ra.extra.get(key), ca.extra.get(key));
+        if a != b {
+            let q = |v: Option<&String>| show(v.map(|s| format!("{s:?}")));
+            let detail = format!("attribute {key:?}: {} in the reference, {} in the candidate", q(a), q(b));
+            rep.findings.push(Finding::new("attribute_differs", Some(&r.name), detail));
+        }
+    }
+}
+
+/// Compares the relative order of the names both sides share (each iterator already keeps
+/// only those); names the first out of place. Allocates nothing: traces hold a million names.
+pub(crate) fn order_finding<'a>(kind: &'static str, r_common: impl Iterator<Item = &'a str>, c_common: impl Iterator<Item = &'a str>) -> Option<Finding> {
+    let (i, (a, b)) = r_common.zip(c_common).enumerate().find(|(_, (a, b))| a != b)?;
+    Some(Finding::new(kind, Some(a), format!("capture order differs at common position {i}: reference has {a:?}, candidate has {b:?}")))
 }
 
 fn row_for(info: &TensorInfo, method: &'static str, status: &'static str) -> TensorRow {
     TensorRow {
         tensor: info.name.clone(),
-        dtype: info.dtype.name().to_string(),
+        dtype: info.dtype.name(),
         shape: info.shape.clone(),
         method,
         status,
@@ -462,6 +602,8 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     let trust_digests = opts.verify;
     let mut different = false;
     let mut stopped = false;
+    // One row per common tensor, allocated once: doubling a million-row Vec holds both copies.
+    rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| c.tensor_info(&ri.name).is_some()).count());
     for ri in r.tensors() {
         let Some(ci) = c.tensor_info(&ri.name) else { continue };
         if ci.dtype != ri.dtype || ci.shape != ri.shape {
@@ -476,21 +618,21 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             row.differing_elements = Some(0);
             row.max_ulp = Some(0);
             (row.max_abs, row.max_rel, row.cosine, row.rel_l2) = (Some(Real(0.0)), Some(Real(0.0)), Some(Real(1.0)), Some(Real(0.0)));
-            rep.tensors.matched_by_digest.push(ri.name.clone());
+            rep.tensors.matched_by_digest.add();
         } else if stopped {
             let status = if trust_digests { "differs_by_digest" } else { "unknown" };
             row = row_for(ri, "not_scanned", status);
-            rep.tensors.not_scanned.push(ri.name.clone());
+            rep.tensors.not_scanned.add();
             // What follows a divergence is noise: a later change is not a finding by default
             // (--all scans and reports it); the JSON still lists which digests differ.
             if trust_digests {
-                rep.tensors.known_different.push(ri.name.clone());
+                rep.tensors.known_different.add();
             }
         } else {
             let (rd, cd) = (r.data(ri), c.data(ci));
             // Only the first divergence reports a median: only its scan counts distances.
             let (s, ulps) = numeric::scan(ri.dtype, rd, cd, rep.first_divergence.is_none());
-            rep.tensors.compared_elementwise.push(ri.name.clone());
+            rep.tensors.compared_elementwise.add();
             row = row_for(ri, "elementwise", if s.differing == 0 { "identical" } else { "different" });
             row.differing_elements = Some(s.differing);
             row.max_abs = Some(Real(s.max_abs));
@@ -520,7 +662,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                     different = true;
                 }
                 Some((idx, rule)) => {
-                    row.rule = Some(RuleRef { index: idx, pattern: rule.pattern.clone() });
+                    row.rule = Some(Box::new(RuleRef { index: idx, pattern: rule.pattern.clone() }));
                     if row.status == "different" {
                         let m = policy::Measured {
                             max_ulp: row.max_ulp,

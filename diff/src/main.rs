@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracegate_diff::{compare_files, render_human, render_show, Options, Policy};
+use tracegate_diff::{compare_files, terminal_safe, write_human, write_json, write_show, Options, Policy};
 use tracegate_trace::Trace;
 
 const AFTER_HELP: &str = "\
@@ -61,7 +61,7 @@ fn main() -> ExitCode {
         Some(p) => match Policy::load(p) {
             Ok(p) => Some(p),
             Err(e) => {
-                eprintln!("trace-diff: bad policy: {e}");
+                eprintln!("trace-diff: bad policy: {}", terminal_safe(&e.to_string()));
                 return ExitCode::from(2);
             }
         },
@@ -69,10 +69,12 @@ fn main() -> ExitCode {
     let opts = Options { verify: !cli.no_verify, allow_stack_mismatch: cli.allow_stack_mismatch, all: cli.all, policy };
     let (r, c) = (cli.reference.expect("required by clap"), cli.candidate.expect("required by clap"));
     let report = compare_files(&r, &c, &opts);
-    if cli.json {
-        println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
-    } else {
-        print!("{}", render_human(&report));
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let written = if cli.json { write_json(&report, &mut out) } else { write_human(&report, &mut out) };
+    if let Err(e) = written {
+        if let Some(code) = write_failed(e) {
+            return code;
+        }
     }
     ExitCode::from(report.exit_code() as u8)
 }
@@ -81,14 +83,29 @@ fn show(path: &PathBuf, verify: bool) -> ExitCode {
     let t = match Trace::open(path) {
         Ok(t) => t,
         Err(e) => {
-            println!("UNREADABLE — {e}");
+            println!("UNREADABLE — {}", terminal_safe(&e.to_string()));
             return ExitCode::from(2);
         }
     };
     let v = verify.then(|| t.verify().map_err(|e| e.to_string()));
-    print!("{}", render_show(&t, v.as_ref()));
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    if let Err(e) = write_show(&t, v.as_ref(), &mut out).and_then(|()| std::io::Write::flush(&mut out)) {
+        if let Some(code) = write_failed(e) {
+            return code;
+        }
+    }
     match v {
         Some(Err(_)) => ExitCode::from(2),
         _ => ExitCode::SUCCESS,
     }
+}
+
+/// A closed pipe (`| head`) is the reader's choice, not a failure: the verdict's exit status
+/// stands. Any other write error is exit 2.
+fn write_failed(e: std::io::Error) -> Option<ExitCode> {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        return None;
+    }
+    eprintln!("trace-diff: cannot write to stdout: {e}");
+    Some(ExitCode::from(2))
 }

@@ -1,10 +1,86 @@
 //! Human-readable output: one summary line first, then the details a person needs to act on.
 
+use std::borrow::Cow;
 use std::fmt::Write;
 
 use tracegate_trace::{Attributes, Trace};
 
-use crate::{Real, Report, TensorRow, Verdict};
+use crate::{Real, Report, RowSet, TensorRow, Verdict};
+
+/// Names wider than this overflow their column instead of widening it: a format width is at
+/// most 65,535 (wider panics), and one long name must not pad every other row.
+const MAX_COLUMN: usize = 80;
+
+/// Control characters (but the newline) and bidirectional-formatting characters: names,
+/// attributes and provenance come from files, and raw they could move the cursor, recolour or
+/// rewrite a terminal, or reorder what it shows.
+fn needs_escape(c: char) -> bool {
+    (c.is_control() && c != '\n') || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+fn escape_with(s: &str, escape: fn(&mut String, char)) -> Cow<'_, str> {
+    if !s.chars().any(needs_escape) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if needs_escape(c) {
+            escape(&mut out, c);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Text for a terminal: each character [`needs_escape`] names is written as `\u{1b}`.
+pub fn terminal_safe(s: &str) -> Cow<'_, str> {
+    escape_with(s, |o, c| {
+        let _ = write!(o, "\\u{{{:x}}}", c as u32);
+    })
+}
+
+/// serde_json's pretty layout, with every string fragment passed through [`needs_escape`]:
+/// serde_json escapes U+0000..U+001F itself; DEL, the C1 controls and the bidirectional
+/// characters become `\u007f`-style escapes here (all in the BMP), the same string once parsed.
+struct SafeJson<'a>(serde_json::ser::PrettyFormatter<'a>);
+
+macro_rules! delegate {
+    ($($name:ident($($arg:ident: $ty:ty),*)),* $(,)?) => {$(
+        fn $name<W: ?Sized + std::io::Write>(&mut self, w: &mut W $(, $arg: $ty)*) -> std::io::Result<()> {
+            self.0.$name(w $(, $arg)*)
+        }
+    )*};
+}
+
+impl serde_json::ser::Formatter for SafeJson<'_> {
+    delegate!(
+        begin_array(),
+        end_array(),
+        begin_array_value(first: bool),
+        end_array_value(),
+        begin_object(),
+        end_object(),
+        begin_object_key(first: bool),
+        end_object_key(),
+        begin_object_value(),
+        end_object_value(),
+    );
+    fn write_string_fragment<W: ?Sized + std::io::Write>(&mut self, w: &mut W, fragment: &str) -> std::io::Result<()> {
+        let safe = escape_with(fragment, |o, c| {
+            let _ = write!(o, "\\u{:04x}", c as u32);
+        });
+        w.write_all(safe.as_bytes())
+    }
+}
+
+/// Writes the JSON report streamed (no whole-report string), pretty, newline-terminated.
+pub fn write_json(rep: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    let mut ser = serde_json::Serializer::with_formatter(&mut *out, SafeJson(serde_json::ser::PrettyFormatter::new()));
+    serde::Serialize::serialize(rep, &mut ser).map_err(std::io::Error::other)?;
+    out.write_all(b"\n")?;
+    out.flush()
+}
 
 /// 18676984 → "18,676,984".
 pub fn thousands(n: u64) -> String {
@@ -144,15 +220,76 @@ fn summary(rep: &Report) -> String {
             if structural > 0 {
                 parts.push(format!("{structural} structure finding{}", if structural == 1 { "" } else { "s" }));
             }
+            // Content beyond values and decision rows: otherwise this line could read as equal.
+            let content: Vec<&str> = rep
+                .findings
+                .iter()
+                .filter(|f| matches!(f.kind, "attribute_differs" | "margin_differs" | "margin_presence_mismatch" | "content_digest_differs"))
+                .map(|f| f.kind)
+                .collect();
+            if let Some(first) = content.first() {
+                parts.push(format!("{} content finding{} (first: {})", content.len(), if content.len() == 1 { "" } else { "s" }, first.replace('_', " ")));
+            }
             parts.push(decisions_clause(rep));
             format!("DIFFERENT — {}", parts.join("; "))
         }
     }
 }
 
+/// Text on its way to a writer, made [`terminal_safe`] and flushed every 64 KiB at a line end,
+/// so a report of a million rows never sits in memory whole. The first write error is kept.
+struct Sink<'a> {
+    buf: String,
+    out: &'a mut dyn std::io::Write,
+    error: Option<std::io::Error>,
+}
+
+impl<'a> Sink<'a> {
+    fn new(out: &'a mut dyn std::io::Write) -> Self {
+        Sink { buf: String::new(), out, error: None }
+    }
+    fn flush(&mut self) {
+        if self.error.is_none() {
+            if let Err(e) = self.out.write_all(terminal_safe(&self.buf).as_bytes()) {
+                self.error = Some(e);
+            }
+        }
+        self.buf.clear();
+    }
+    fn finish(mut self) -> std::io::Result<()> {
+        self.flush();
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => self.out.flush(),
+        }
+    }
+}
+
+impl Write for Sink<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.buf.push_str(s);
+        if self.buf.len() >= 1 << 16 && self.buf.ends_with('\n') {
+            self.flush();
+        }
+        Ok(())
+    }
+}
+
 /// The full human report.
 pub fn render_human(rep: &Report) -> String {
-    let mut o = String::new();
+    let mut out = Vec::new();
+    write_human(rep, &mut out).expect("writing to a Vec cannot fail");
+    String::from_utf8(out).expect("the report is text")
+}
+
+/// Writes the human report, streamed (see [`Sink`]).
+pub fn write_human(rep: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    let mut sink = Sink::new(out);
+    human(&mut sink, rep);
+    sink.finish()
+}
+
+fn human(o: &mut Sink<'_>, rep: &Report) {
     let _ = writeln!(o, "{}", summary(rep));
     for (label, s) in [("reference", &rep.reference), ("candidate", &rep.candidate)] {
         let digest = s.digest.as_deref().map(|d| &d[..16.min(d.len())]).unwrap_or("-");
@@ -165,8 +302,8 @@ pub fn render_human(rep: &Report) -> String {
         );
     }
     if matches!(rep.verdict, Verdict::Unreadable | Verdict::Incomparable) {
-        findings(&mut o, rep);
-        return o;
+        findings(o, rep);
+        return;
     }
     let t = &rep.tensors;
     let _ = writeln!(
@@ -184,7 +321,8 @@ pub fn render_human(rep: &Report) -> String {
         let shown = t.compared_elementwise.len().min(8);
         let more = t.compared_elementwise.len() - shown;
         let more = if more > 0 { format!(" and {more} more") } else { String::new() };
-        let _ = writeln!(o, "  element-wise: {}{more}", t.compared_elementwise[..shown].join(", "));
+        let names: Vec<&str> = rep.names(RowSet::CompareElementwise).take(shown).collect();
+        let _ = writeln!(o, "  element-wise: {}{more}", names.join(", "));
     }
     if rep.scan != "all" && (!t.matched_by_digest.is_empty() || t.compared_elementwise.len() > 8) {
         let _ = writeln!(o, "  (--all prints every tensor with how it was compared; --json lists both sets)");
@@ -212,15 +350,14 @@ pub fn render_human(rep: &Report) -> String {
         let _ = writeln!(o, "not scanned after the first difference: {n} later tensor{} (what follows a divergence is noise; --all scans them)", if n == 1 { "" } else { "s" });
     }
     if rep.scan == "all" && !rep.per_tensor.is_empty() {
-        curve(&mut o, rep);
+        curve(o, rep);
     }
-    decisions(&mut o, rep);
-    findings(&mut o, rep);
-    o
+    decisions(o, rep);
+    findings(o, rep);
 }
 
-fn curve(o: &mut String, rep: &Report) {
-    let w = rep.per_tensor.iter().map(|r| r.tensor.len()).max().unwrap_or(6).max(6);
+fn curve(o: &mut Sink<'_>, rep: &Report) {
+    let w = rep.per_tensor.iter().map(|r| r.tensor.len()).max().unwrap_or(6).clamp(6, MAX_COLUMN);
     let _ = writeln!(o, "per tensor (reference order)");
     let with_rule = rep.policy.is_some();
     let _ = writeln!(
@@ -261,7 +398,7 @@ fn curve(o: &mut String, rep: &Report) {
     }
 }
 
-fn decisions(o: &mut String, rep: &Report) {
+fn decisions(o: &mut Sink<'_>, rep: &Report) {
     let d = &rep.decisions;
     if d.results.is_empty() && d.missing.is_empty() && d.extra.is_empty() {
         return;
@@ -277,6 +414,23 @@ fn decisions(o: &mut String, rep: &Report) {
             }
         };
         let _ = writeln!(o, "  {} {:?}  {state}", r.name, r.shape);
+        if let Some(m) = &r.first_margin_difference {
+            let n = if r.margins == "within_tolerance" { r.margin_differing_rows } else { r.margin_outside_rows };
+            let bound = m.tolerance.map(|t| format!(", tolerance {}", real(Some(t)))).unwrap_or_default();
+            let _ = writeln!(
+                o,
+                "    margins {}: {n} row{} (first row {}: {} ({}) vs {} ({}){bound})",
+                r.margins.replace('_', " "),
+                if n == 1 { "" } else { "s" },
+                m.row,
+                real(Some(m.reference)),
+                m.reference_bits,
+                real(Some(m.candidate)),
+                m.candidate_bits
+            );
+        } else if matches!(r.margins, "reference_only" | "candidate_only") {
+            let _ = writeln!(o, "    margins in the {} only", r.margins.trim_end_matches("_only"));
+        }
         for f in r.flips.iter().take(10) {
             let what = if f.same_values_different_order { "  same values, different order" } else { "" };
             let _ = writeln!(
@@ -298,7 +452,7 @@ fn decisions(o: &mut String, rep: &Report) {
     }
 }
 
-fn findings(o: &mut String, rep: &Report) {
+fn findings(o: &mut Sink<'_>, rep: &Report) {
     if rep.findings.is_empty() {
         return;
     }
@@ -340,14 +494,33 @@ fn attrs(a: &Attributes) -> String {
     parts.join(" ")
 }
 
-/// `trace-diff --show FILE`: what a trace holds, for a person.
+/// `trace-diff --show FILE`: what a trace holds, for a person (see [`write_show`]).
 pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
-    let mut o = String::new();
-    let _ = writeln!(o, "{}", t.path().display());
-    let _ = writeln!(o, "  digest   {}", t.digest().hex());
-    let _ = writeln!(o, "  format   {}.{}", t.version().0, t.version().1);
-    let _ = writeln!(
-        o,
+    let mut out = Vec::new();
+    write_show(t, verify, &mut out).expect("writing to a Vec cannot fail");
+    String::from_utf8(out).expect("every line is a String")
+}
+
+/// Writes `--show` line by line, each made [`terminal_safe`]: memory stays one line, not the
+/// whole listing, however many tensors the trace holds.
+pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, out: &mut impl std::io::Write) -> std::io::Result<()> {
+    let mut line = String::new();
+    let emit = |line: &mut String, out: &mut dyn std::io::Write| -> std::io::Result<()> {
+        line.push('\n');
+        out.write_all(terminal_safe(line).as_bytes())?;
+        line.clear();
+        Ok(())
+    };
+    macro_rules! say {
+        ($($arg:tt)*) => {{
+            let _ = write!(line, $($arg)*);
+            emit(&mut line, out)?;
+        }};
+    }
+    say!("{}", t.path().display());
+    say!("  digest   {}", t.digest().hex());
+    say!("  format   {}.{}", t.version().0, t.version().1);
+    say!(
         "  verify   {}",
         match verify {
             None => "skipped (--no-verify)".to_string(),
@@ -355,21 +528,21 @@ pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
             Some(Err(e)) => format!("FAILED: {e}"),
         }
     );
-    let _ = writeln!(o, "provenance");
+    say!("provenance");
     let pretty = serde_json::to_string_pretty(t.provenance()).unwrap_or_default();
-    for line in pretty.lines() {
-        let _ = writeln!(o, "  {line}");
+    for l in pretty.lines() {
+        say!("  {l}");
     }
-    let _ = writeln!(o, "tensors ({})", t.tensors().len());
-    let w = t.tensors().iter().map(|x| x.name.len()).max().unwrap_or(4).max(4);
-    let _ = writeln!(o, "  {:w$}  {:5}  {:18}  {:16}  attributes", "name", "dtype", "shape", "xxh3-128");
+    say!("tensors ({})", t.tensors().len());
+    let w = t.tensors().iter().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
+    say!("  {:w$}  {:5}  {:18}  {:16}  attributes", "name", "dtype", "shape", "xxh3-128");
     for x in t.tensors() {
         let digest = format!("{:032x}", x.digest);
-        let _ = writeln!(o, "  {:w$}  {:5}  {:18}  {:16}  {}", x.name, x.dtype.name(), format!("{:?}", x.shape), &digest[..16], attrs(&x.attributes));
+        say!("  {:w$}  {:5}  {:18}  {:16}  {}", x.name, x.dtype.name(), format!("{:?}", x.shape), &digest[..16], attrs(&x.attributes));
     }
-    let _ = writeln!(o, "decisions ({})", t.decisions().len());
-    let w = t.decisions().iter().map(|x| x.name.len()).max().unwrap_or(4).max(4);
-    let _ = writeln!(o, "  {:w$}  {:10}  {:24}  min margin", "name", "shape", "first values");
+    say!("decisions ({})", t.decisions().len());
+    let w = t.decisions().iter().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
+    say!("  {:w$}  {:10}  {:24}  min margin", "name", "shape", "first values");
     for d in t.decisions() {
         let values = t.decision_values(d);
         let mut first: Vec<String> = values.iter().take(8).map(|v| v.to_string()).collect();
@@ -387,7 +560,7 @@ pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
                 }
             }
         };
-        let _ = writeln!(o, "  {:w$}  {:10}  {:24}  {min_margin}", d.name, format!("{:?}", d.shape), first.join(" "));
+        say!("  {:w$}  {:10}  {:24}  {min_margin}", d.name, format!("{:?}", d.shape), first.join(" "));
     }
-    o
+    Ok(())
 }

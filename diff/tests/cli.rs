@@ -32,12 +32,15 @@ fn policy_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")
 }
 
-/// Temp paths and content digests vary (or belong to the trace crate), so snapshots hide them.
+/// Temp paths vary and whole-trace content digests belong to the trace crate's encoding, so
+/// snapshots hide them, found by their key only: every number (statistics, margins, the
+/// per-tensor xxh3 of fixed bytes) stays pinned.
 macro_rules! snap {
     ($name:expr, $value:expr) => {
         insta::with_settings!({filters => vec![
             (r#"/[^\s"]*/((ref|cand|one)\.trace)"#, "[TMP]/$1"),
-            (r"\b[0-9a-f]{16,64}\b", "[DIGEST]"),
+            (r#"("digest": ")[0-9a-f]{64}""#, r#"${1}[DIGEST]""#),
+            (r"(digest +)[0-9a-f]{16}(?:[0-9a-f]{48})?\b", "${1}[DIGEST]"),
         ]}, {
             insta::assert_snapshot!($name, $value);
         })
@@ -305,4 +308,78 @@ fn show_inspects_one_trace() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(out.stdout.contains("verify   ok"));
     snap!("show", out.stdout);
+}
+
+// --- hostile names, attributes and provenance on a terminal (issue 12, item 7) -------------
+
+/// What must never reach a terminal raw: controls but the newline, and bidirectional overrides.
+fn raw_control(s: &str) -> Option<char> {
+    s.chars().find(|&c| (c.is_control() && c != '\n') || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'))
+}
+
+fn hostile_trace(dir: &Path, name: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let path = model().write(&dir.join(name));
+    rewrite_index(&path, edit);
+    path
+}
+
+#[test]
+fn a_name_over_65535_bytes_does_not_panic_show_or_diff() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = format!("layer.{}", "x".repeat(70_000));
+    let path = hostile_trace(dir.path(), "one.trace", |ix| ix["tensors"][1]["name"] = json!(long));
+    let out = run(&["--no-verify", "--show", p(&path)]);
+    // An older reader lists it; a reader that enforces the 4,096-byte limit refuses the file.
+    assert!(out.code == 0 || (out.code == 2 && out.stdout.starts_with("UNREADABLE")), "exit {}: {}", out.code, out.stderr);
+    if out.code == 0 {
+        assert!(out.stdout.contains(&long));
+    }
+    let out = run(&["--all", "--no-verify", p(&path), p(&path)]);
+    assert!(out.code == 0 || out.code == 2, "exit {}: {}", out.code, out.stderr);
+    if out.code == 0 {
+        assert!(out.stdout.starts_with("IDENTICAL") && out.stdout.contains(&long), "{}", &out.stdout[..200]);
+    }
+}
+
+#[test]
+fn control_characters_are_escaped_in_every_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = hostile_trace(dir.path(), "one.trace", |ix| {
+        ix["provenance"]["producer"] = json!("engine\u{9b}2J\u{7f}");
+        ix["provenance"]["note"] = json!("\u{1b}]0;pwned\u{7}\u{202e}txt.exe");
+        ix["tensors"][2]["attributes"]["note"] = json!("\u{1b}[31mred\r");
+    });
+    // A reader that refuses control characters in names refuses this one: then the refusal
+    // itself must not print the name raw.
+    let named = hostile_trace(dir.path(), "ref.trace", |ix| ix["tensors"][3]["name"] = json!("layer.00.\u{1b}[2Kattn_out"));
+    let other = hostile_trace(dir.path(), "cand.trace", |ix| {
+        ix["provenance"]["producer"] = json!("oracle\u{85}");
+        ix["tensors"][2]["attributes"]["note"] = json!("\u{1b}[32mgreen");
+    });
+    for args in [
+        vec!["--no-verify", "--show", p(&path)],
+        vec!["--show", p(&path)],
+        vec!["--no-verify", "--all", p(&path), p(&other)],
+        vec!["--no-verify", "--all", p(&other), p(&path)],
+        vec!["--all", p(&path), p(&other)],
+        vec!["--json", "--no-verify", p(&path), p(&other)],
+        vec!["--no-verify", "--show", p(&named)],
+        vec!["--no-verify", "--all", p(&named), p(&other)],
+        vec!["--json", p(&named), p(&other)],
+    ] {
+        let out = run(&args);
+        assert_ne!(out.code, 101, "{args:?} panicked: {}", out.stderr);
+        for (stream, text) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
+            assert_eq!(raw_control(text), None, "{args:?} printed a raw control character on {stream}:\n{text}");
+        }
+        if args.contains(&p(&named)) {
+            continue;
+        }
+        if args[0] == "--json" {
+            let v: Value = serde_json::from_str(&out.stdout).unwrap();
+            assert_eq!(v["candidate"]["producer"], "oracle\u{85}", "the JSON escapes, it does not alter");
+        } else if args.contains(&"--no-verify") {
+            assert!(out.stdout.contains("\\u{1b}"), "{args:?}: {}", out.stdout);
+        }
+    }
 }

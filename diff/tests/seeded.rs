@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use serde_json::json;
-use tracegate_diff::{compare_files, Options, Policy, Special, Verdict};
+use tracegate_diff::{compare_files, Options, Policy, RowSet, Special, Verdict};
 use tracegate_trace::DType;
 
 fn diff(r: &Spec, c: &Spec, opts: &Options) -> tracegate_diff::Report {
@@ -58,7 +58,7 @@ fn one_ulp_change_is_located_to_the_element() {
     assert_eq!(d.reference_bits, format!("0x{:08x}", rv.to_bits()));
     assert!(d.special.is_none());
     // Everything before it was matched by digest, it alone element by element.
-    assert_eq!(rep.tensors.compared_elementwise, vec!["layer.01.attn_out".to_string()]);
+    assert_eq!(rep.names(RowSet::CompareElementwise).collect::<Vec<_>>(), vec!["layer.01.attn_out"]);
     assert_eq!(rep.tensors.matched_by_digest.len(), 12);
 }
 
@@ -74,7 +74,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
     let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
     assert_eq!((later.method, later.status, later.differing_elements), ("not_scanned", "differs_by_digest", None));
-    assert!(rep.tensors.known_different.contains(&"layer.01.mlp_out".to_string()));
+    assert!(rep.names(RowSet::KnownDifferent).any(|n| n == "layer.01.mlp_out"));
     // Not reported: no finding names it, and the human report only counts what was not scanned.
     assert_eq!(rep.findings.iter().map(|f| (f.kind, f.tensor.as_deref())).collect::<Vec<_>>(), vec![("values_differ", Some("layer.00.mlp_out"))]);
     let human = tracegate_diff::render_human(&rep);
@@ -443,4 +443,121 @@ fn policy_rejects_a_bad_file() {
     assert!(Policy::parse(r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a"}]}"#).is_err());
     assert!(Policy::parse(r#"{"format":"other","name":"x","rules":[]}"#).is_err());
     assert!(Policy::parse(r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a","max_ulps":1}]}"#).is_err());
+}
+
+// --- content the digest covers beyond tensor bytes: margins and every attribute (issue 12) ---
+
+fn oracle_policy() -> Policy {
+    Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap()
+}
+
+/// The one finding of `kind`, which must name `name`.
+fn only_finding<'a>(rep: &'a tracegate_diff::Report, kind: &str, name: &str) -> &'a tracegate_diff::Finding {
+    let found: Vec<_> = rep.findings.iter().filter(|f| f.kind == kind).collect();
+    assert_eq!(found.len(), 1, "{:?}", rep.findings);
+    assert_eq!(found[0].tensor.as_deref(), Some(name), "{:?}", found[0]);
+    found[0]
+}
+
+#[test]
+fn a_changed_margin_is_different_with_and_without_verify() {
+    let r = model();
+    let mut c = model();
+    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e6;
+    for verify in [true, false] {
+        let rep = diff(&r, &c, &Options { verify, ..Options::default() });
+        assert_eq!(rep.verdict, Verdict::Different, "verify {verify}: {:?}", rep.findings);
+        let f = only_finding(&rep, "margin_differs", "logits.argmax");
+        assert!(f.detail.contains("1 of 4 rows") && f.detail.contains("row 3") && f.detail.contains("1e6"), "{}", f.detail);
+        let res = rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap();
+        assert_eq!((res.margins, res.margin_differing_rows, res.status), ("different", 1, "identical"));
+        assert_eq!(kinds(&rep), vec!["margin_differs"], "values are equal, so nothing else is reported");
+    }
+}
+
+#[test]
+fn a_negative_zero_margin_differs_from_a_positive_zero() {
+    let mut r = model();
+    r.decision_mut("logits.argmax").margins.as_mut().unwrap()[1] = 0.0;
+    let mut c = r.clone();
+    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[1] = -0.0;
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Different);
+    let f = only_finding(&rep, "margin_differs", "logits.argmax");
+    assert!(f.detail.contains("0x00000000") && f.detail.contains("0x80000000"), "{}", f.detail);
+}
+
+#[test]
+fn removed_margins_are_a_finding() {
+    let r = model();
+    let mut c = model();
+    c.decision_mut("layer.01.router.topk").margins = None;
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Different);
+    let f = only_finding(&rep, "margin_presence_mismatch", "layer.01.router.topk");
+    assert!(f.detail.contains("in the reference, none in the candidate"), "{}", f.detail);
+    // And the other way round.
+    let rep = diff(&c, &r, &Options::default());
+    assert!(only_finding(&rep, "margin_presence_mismatch", "layer.01.router.topk").detail.contains("in the candidate, none in the reference"));
+}
+
+#[test]
+fn an_added_empty_or_changed_attribute_is_different() {
+    let r = model();
+    for (what, edit) in [
+        ("added", Box::new(|a: &mut tracegate_trace::Attributes| { a.extra.insert("rounding".into(), "rne".into()); }) as Box<dyn Fn(&mut tracegate_trace::Attributes)>),
+        ("empty", Box::new(|a: &mut tracegate_trace::Attributes| { a.extra.insert("note".into(), String::new()); })),
+        ("step", Box::new(|a: &mut tracegate_trace::Attributes| a.step = Some(3))),
+    ] {
+        let mut c = model();
+        edit(&mut c.tensor_mut("logits").attrs);
+        for verify in [true, false] {
+            let rep = diff(&r, &c, &Options { verify, ..Options::default() });
+            assert_eq!(rep.verdict, Verdict::Different, "{what}: {:?}", rep.findings);
+            let f = only_finding(&rep, "attribute_differs", "logits");
+            assert!(f.detail.contains("absent in the reference"), "{what}: {}", f.detail);
+        }
+    }
+    // A changed value names both.
+    let mut a = model();
+    a.tensor_mut("logits").attrs.extra.insert("rounding".into(), "rne".into());
+    let mut b = model();
+    b.tensor_mut("logits").attrs.extra.insert("rounding".into(), "truncate".into());
+    let rep = diff(&a, &b, &Options::default());
+    let f = only_finding(&rep, "attribute_differs", "logits");
+    assert!(f.detail.contains("\"rne\" in the reference, \"truncate\" in the candidate"), "{}", f.detail);
+}
+
+#[test]
+fn under_a_policy_margins_get_the_documented_tolerance() {
+    let (r, mut c) = oracle_like_pair();
+    // logits row 0 moved by 1 ULP at most (~2.4e-7 at |x| < 2); its margin 1.5 may move by
+    // 2·d + 1e-5·1.5 — 1e-5 is inside, 1e-3 is not.
+    let d = {
+        let rep = diff(&r, &c, &Options { policy: Some(oracle_policy()), ..Options::default() });
+        assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
+        rep.per_tensor.iter().find(|t| t.tensor == "logits").unwrap().max_abs.unwrap().0
+    };
+    assert!(d < 1e-6, "{d}");
+    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1.5 + 1e-5;
+    let rep = diff(&r, &c, &Options { policy: Some(oracle_policy()), ..Options::default() });
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
+    let res = rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap();
+    assert_eq!((res.margins, res.margin_differing_rows, res.margin_outside_rows), ("within_tolerance", 1, 0));
+    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1.5 + 1e-3;
+    let rep = diff(&r, &c, &Options { policy: Some(oracle_policy()), ..Options::default() });
+    assert_eq!(rep.verdict, Verdict::Different);
+    let f = only_finding(&rep, "margin_differs", "logits.argmax");
+    assert!(f.detail.contains("row 0") && f.detail.contains("outside the tolerance"), "{}", f.detail);
+    // The tolerance is exactly 2·d + 1e-5·max(1, |a|, |b|), d being the row's divergence.
+    let m = res_first(&rep);
+    assert!(m.outside && m.tolerance.unwrap().0 <= 2.0 * d + 1e-5 * 1.501 + 1e-12, "{m:?}");
+    // Without a policy the same tiny change is different.
+    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1.5 + 1e-5;
+    let exact = diff(&r, &c, &Options::default());
+    assert!(exact.findings.iter().any(|f| f.kind == "margin_differs"));
+}
+
+fn res_first(rep: &tracegate_diff::Report) -> tracegate_diff::MarginDifference {
+    rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap().first_margin_difference.clone().unwrap()
 }

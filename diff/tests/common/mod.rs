@@ -121,3 +121,21 @@ pub fn pair(reference: &Spec, candidate: &Spec) -> (tempfile::TempDir, PathBuf, 
     let c = candidate.write(&dir.path().join("cand.trace"));
     (dir, r, c)
 }
+
+/// Rewrites a trace's index JSON through `edit` and re-digests the footer, as a hostile or
+/// older writer could: the file opens, and only `verify` (the content digest) can object.
+pub fn rewrite_index(path: &Path, edit: impl FnOnce(&mut Value)) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let footer = bytes.len() - 40;
+    let offset = u64::from_le_bytes(bytes[footer..footer + 8].try_into().unwrap()) as usize;
+    let mut index: Value = serde_json::from_slice(&bytes[offset..footer]).unwrap();
+    edit(&mut index);
+    let new_index = serde_json::to_vec(&index).unwrap();
+    bytes.truncate(offset);
+    bytes.extend_from_slice(&new_index);
+    bytes.extend_from_slice(&(offset as u64).to_le_bytes());
+    bytes.extend_from_slice(&(new_index.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(&new_index).to_be_bytes());
+    bytes.extend_from_slice(b"TGTREND\0");
+    std::fs::write(path, bytes).unwrap();
+}
