@@ -1,5 +1,3 @@
-use std::collections::BTreeMap;
-
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
@@ -14,7 +12,65 @@ pub struct Attributes {
     pub positions: Option<Vec<i64>>,
     pub step: Option<i64>,
     /// Any other attribute, string-valued. Keys may not reuse the four names above.
-    pub extra: BTreeMap<String, String>,
+    pub extra: ExtraAttrs,
+}
+
+/// String attributes by key, kept sorted by key bytes with each key once: a map in a vector, so
+/// a tensor with one extra attribute costs one small allocation, not a B-tree node (~540 bytes),
+/// which is what keeps a reader's memory within 3x its index (docs/trace-format.md, "Memory").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExtraAttrs(Vec<(String, String)>);
+
+impl ExtraAttrs {
+    /// Sets `key` to `value`, replacing an earlier value; returns the replaced one.
+    pub fn insert(&mut self, key: String, value: String) -> Option<String> {
+        match self.0.binary_search_by(|(k, _)| k.as_bytes().cmp(key.as_bytes())) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, value)),
+            Err(i) => {
+                self.0.insert(i, (key, value));
+                None
+            }
+        }
+    }
+    pub fn get(&self, key: &str) -> Option<&String> {
+        self.0.binary_search_by(|(k, _)| k.as_bytes().cmp(key.as_bytes())).ok().map(|i| &self.0[i].1)
+    }
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.0.iter().map(|(k, _)| k)
+    }
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &String)> {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl<'a> IntoIterator for &'a ExtraAttrs {
+    type Item = (&'a String, &'a String);
+    type IntoIter = std::iter::Map<std::slice::Iter<'a, (String, String)>, fn(&'a (String, String)) -> (&'a String, &'a String)>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+}
+
+impl FromIterator<(String, String)> for ExtraAttrs {
+    /// Sorts once (an index may hold many keys, in any order); a repeated key keeps its last value.
+    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
+        let mut all: Vec<(String, String)> = iter.into_iter().collect();
+        all.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        let mut out: Vec<(String, String)> = Vec::with_capacity(all.len());
+        for (k, v) in all {
+            match out.last_mut() {
+                Some(last) if last.0 == k => last.1 = v,
+                _ => out.push((k, v)),
+            }
+        }
+        ExtraAttrs(out)
+    }
 }
 
 /// One attribute value in canonical form; the tag byte is part of the content encoding.
@@ -95,6 +151,7 @@ impl Attributes {
     pub(crate) fn from_json(value: &Value) -> std::result::Result<Attributes, String> {
         let map = value.as_object().ok_or("attributes is not an object")?;
         let mut attrs = Attributes::default();
+        let mut extra = Vec::new();
         for (k, v) in map {
             if k.is_empty() {
                 return Err("an attribute has an empty name".into());
@@ -110,10 +167,28 @@ impl Attributes {
                 }
                 other => {
                     let s = v.as_str().ok_or_else(|| format!("attribute {other:?} is not a string"))?;
-                    attrs.extra.insert(other.to_string(), s.to_string());
+                    extra.push((other.to_string(), s.to_string()));
                 }
             }
         }
+        attrs.extra = extra.into_iter().collect();
         Ok(attrs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ExtraAttrs;
+
+    #[test]
+    fn extra_attributes_are_a_sorted_map_with_each_key_once() {
+        let mut e: ExtraAttrs = [("b", "1"), ("a", "2"), ("b", "3")].into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        assert_eq!(e.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>(), [("a", "2"), ("b", "3")]);
+        assert_eq!(e.insert("0".into(), "x".into()), None);
+        assert_eq!(e.insert("a".into(), "y".into()), Some("2".into()));
+        assert_eq!(e.keys().map(String::as_str).collect::<Vec<_>>(), ["0", "a", "b"]);
+        assert_eq!(e.get("a").map(String::as_str), Some("y"));
+        assert_eq!(e.get("c"), None);
+        assert_eq!(e.len(), 3);
     }
 }

@@ -15,7 +15,7 @@ mod layout;
 mod reader;
 mod writer;
 
-pub use attrs::Attributes;
+pub use attrs::{Attributes, ExtraAttrs};
 pub use digest::{weights_digest, xxh3_hex, Digest};
 pub use dtype::DType;
 pub use error::{Error, Result};

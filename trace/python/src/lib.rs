@@ -56,7 +56,7 @@ impl NativeWriter {
         extra: Option<BTreeMap<String, String>>,
     ) -> PyResult<()> {
         let dtype = DType::parse(dtype).map_err(err)?;
-        let attrs = Attributes { path, mask, positions, step, extra: extra.unwrap_or_default() };
+        let attrs = Attributes { path, mask, positions, step, extra: extra.map(|m| m.into_iter().collect()).unwrap_or_default() };
         if !data.is_c_contiguous() {
             return Err(TraceError::new_err(format!("tensor {name:?}: payload buffer is not contiguous")));
         }
