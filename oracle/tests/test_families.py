@@ -329,3 +329,34 @@ def test_cli_layer_on_gemma3(ckpts, runs, tmp_path):
     a, b = tracegate.Trace(str(whole)), tracegate.Trace(str(one))
     assert b.attributes("layer.01.hidden_out")["mask"] == f"sliding:{W}"
     np.testing.assert_array_equal(np.asarray(a["layer.01.hidden_out"]), np.asarray(b["layer.01.hidden_out"]))
+
+
+def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
+    """The bit-exact producers' refusal says "the oracle supports it" for exactly the families of
+    the table (their copies of the list kept equal to it), and not for one outside it."""
+    import importlib.util
+    import json
+
+    from tracegate_contract.errors import ContractError
+    from tracegate_contract.qwen3 import ORACLE_FAMILIES, parse_config
+
+    assert sorted(ORACLE_FAMILIES) == FAMS
+    spec = importlib.util.spec_from_file_location("contract_tests_conftest", ROOT / "contract/tests/conftest.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    engine, why = conf.release_binary("engine")
+    if why:
+        pytest.skip(f"NOT CHECKED (engine refusal): {why}")
+    base = json.loads((ROOT / "fixtures/tiny-qwen3/config.json").read_text())
+    for mt in [f for f in FAMS if f not in ("qwen3", "qwen3_moe")] + ["gpt2"]:
+        d = tmp_path / mt
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, "model_type": mt}))
+        r = subprocess.run([engine, "trace", "--model", str(d), "--tokens", "1,2", "--out", str(d / "x.trace"),
+                            "--capture", "default"], capture_output=True, text=True)
+        with pytest.raises(ContractError) as e:
+            parse_config({**base, "model_type": mt})
+        for msg in (r.stderr.strip(), str(e.value)):
+            assert f"{mt!r}" in msg.replace('"', "'") and "\n" not in msg, msg
+            assert ("the oracle supports it" in msg) is (mt in FAMILIES), msg
+        assert r.returncode == 2
