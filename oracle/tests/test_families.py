@@ -290,6 +290,18 @@ def test_family_not_in_table_refused_one_line(runs):
     assert "model_type 'gpt_neox'" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_load_refuses_a_family_not_in_the_table(tmp_path):
+    """Through load_model (what both verbs call): a real GPT-2 checkpoint loads in transformers
+    but is not in the table, so it is refused in one line naming its model_type."""
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=H, n_layer=2, n_head=4, n_positions=64)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(OracleError) as e:
+        cp.load_model(tmp_path, RC)
+    msg = str(e.value)
+    assert "model_type 'gpt2' (GPT2LMHeadModel) is not in the oracle's family table" in msg and "\n" not in msg
+
+
 def test_structure_mismatch_refused_naming_the_module(runs):
     model = runs["olmo2"][0]
     layer = model.model.layers[2]
