@@ -159,6 +159,17 @@ def test_internals_capture_every_family(ckpts, runs, fam):
         np.testing.assert_array_equal(full[r.name].array, r.array)
 
 
+@pytest.mark.parametrize("fam", FAMS)
+def test_residual_sum_holds_except_where_documented(runs, fam):
+    """docs/capture-points.md: hidden_out = (hidden_in + attn_out) + mlp_out (IEEE f32 adds, as the
+    layer does them), except in gemma3 and olmo2, whose post-norms come after attn_out/mlp_out."""
+    cap = runs[fam][1]
+    for L in range(3):
+        p = f"layer.{L:02d}"
+        s = (cap[f"{p}.hidden_in"].array + cap[f"{p}.attn_out"].array) + cap[f"{p}.mlp_out"].array
+        assert np.array_equal(s, cap[f"{p}.hidden_out"].array) is (fam not in ("gemma3_text", "olmo2")), (fam, L)
+
+
 def test_family_differences_are_in_provenance(runs):
     g = runs["gemma3_text"][1].provenance["family"]
     assert g["final_logit_softcapping"] == 3.0 and g["attn_logit_softcapping"] == 5.0
