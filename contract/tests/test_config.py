@@ -113,3 +113,12 @@ def test_absurd_layer_count_of_an_all_sparse_config_parses_at_once():
 def test_sizes_beyond_64_bits_are_refused_as_the_engine_does(field):
     with pytest.raises(ContractError, match=field):
         parse_config(cfg("moe", **{field: 1 << 64}))
+
+
+@pytest.mark.parametrize("mt,oracle", [("llama", True), ("gemma3_text", True), ("mixtral", True), ("gpt2", False)])
+def test_other_family_refusal_says_whether_the_oracle_supports_it(mt, oracle):
+    with pytest.raises(ContractError) as e:
+        parse_config(cfg(model_type=mt))
+    msg = str(e.value)
+    assert f"model_type: {mt!r}" in msg and "\n" not in msg and "docs/capture-points.md" in msg
+    assert ("the oracle supports it" in msg) is oracle and ("bisect --reference oracle" in msg) is oracle

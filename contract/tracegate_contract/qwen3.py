@@ -20,6 +20,17 @@ from .ops import F32
 from .weights import Checkpoint, regular_file
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model_types of the oracle's family table (oracle/tracegate_oracle/families.py; equality checked by
+# oracle/tests/test_families.py): the refusal tells their users where to go.
+ORACLE_FAMILIES = ("gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen3", "qwen3_moe")
+
+
+def unsupported_family(mt) -> str:
+    """Why a model_type is refused; same text as the engine's (engine/src/qwen3.rs)."""
+    if mt in ORACLE_FAMILIES:
+        return ("not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: "
+                "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)")
+    return "not supported (engine, contract: qwen3, qwen3_moe; oracle: the families of docs/capture-points.md)"
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
 _USIZE = 1 << 64  # the engine's sizes are 64-bit: a product at or above this is refused there
 
@@ -143,7 +154,7 @@ def parse_config(raw: dict) -> Config:
     """Honour the fields of §13, refuse (naming the field) what this contract cannot compute."""
     mt = raw.get("model_type")
     if mt not in ARCHITECTURES:
-        _refuse("model_type", f"unsupported model type {mt!r} (supported: qwen3, qwen3_moe)")
+        _refuse("model_type", f"{mt!r} {unsupported_family(mt)}")
     archs = raw.get("architectures")
     if archs is not None and archs != [ARCHITECTURES[mt]]:
         _refuse("architectures", f"unsupported architecture {archs!r} for {mt} (expected [{ARCHITECTURES[mt]!r}])")

@@ -17,6 +17,22 @@ use crate::{err, Result};
 /// Positions are absolute token indices below 2^24 (f32 holds every integer up to it, §7).
 pub const MAX_POSITIONS: usize = 1 << 24;
 
+/// `model_type`s of the oracle's family table (oracle/tracegate_oracle/families.py; equality
+/// checked by oracle/tests/test_families.py): the refusal tells their users where to go.
+pub const ORACLE_FAMILIES: [&str; 10] =
+    ["gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen3", "qwen3_moe"];
+
+/// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/qwen3.py).
+pub fn unsupported_family(model_type: &str) -> String {
+    if ORACLE_FAMILIES.contains(&model_type) {
+        "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: \
+         python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
+            .to_string()
+    } else {
+        "not supported (engine, contract: qwen3, qwen3_moe; oracle: the families of docs/capture-points.md)".to_string()
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
     Qwen3,
@@ -133,7 +149,7 @@ impl Config {
         let family = match model_type {
             "qwen3" => Family::Qwen3,
             "qwen3_moe" => Family::Qwen3Moe,
-            other => return Err(err!("config.json: model_type {other:?} not supported (qwen3, qwen3_moe)")),
+            other => return Err(err!("config.json: model_type {other:?} {}", unsupported_family(other))),
         };
         let want_arch = match family {
             Family::Qwen3 => "Qwen3ForCausalLM",

@@ -373,6 +373,21 @@ fn refuses_wrong_shape_and_dtype() {
 }
 
 #[test]
+fn refusal_of_another_family_says_whether_the_oracle_supports_it() {
+    for (mt, oracle) in [("llama", true), ("gemma3_text", true), ("olmoe", true), ("gpt2", false)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cfg = dense_config();
+        cfg["model_type"] = json!(mt);
+        make_model(tmp.path(), &dense_config(), "F32", 1);
+        std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+        let e = load_err(tmp.path());
+        assert!(e.contains(&format!("model_type \"{mt}\"")) && !e.contains('\n'), "{e}");
+        assert_eq!(e.contains("the oracle supports it"), oracle, "{e}");
+        assert!(e.contains("bisect --reference oracle") == oracle && e.contains("docs/capture-points.md"), "{e}");
+    }
+}
+
+#[test]
 fn refuses_unsupported_config_values() {
     let cases: Vec<(&str, Value, &str)> = vec![
         ("use_sliding_window", json!(true), "use_sliding_window"),

@@ -27,6 +27,7 @@ import numpy as np
 
 from .checkpoint import preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
+from .families import resolve
 
 TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -250,9 +251,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
         # a model nobody has: refuse instead (DESIGN trap 14).
         detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
         raise CheckpointError(f"--model {d}: checkpoint does not match {type(model).__name__}: {detail}")
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
-        raise OracleError(f"--model {d}: {type(model).__name__} is not a decoder-only model.layers/lm_head model")
+    resolve(model, f"--model {d}")  # the family table: refused here unless every capture point is found
     _check_tied_head(model, d)
     _replay(log + load_log)
     return model.to(rc.device).eval()
@@ -332,7 +331,8 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
     else:
         dev.update(name=platform.processor() or platform.machine(), mkldnn=torch.backends.mkldnn.is_available())
     cfg = model.config
-    is_moe = any(n.endswith("mlp.experts") for n, _ in model.named_modules())
+    lay = resolve(model)
+    is_moe = bool(lay.moe_layers)
     return {
         "producer": "oracle",
         "verb": verb,
@@ -352,6 +352,8 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         "attn_implementation": cfg._attn_implementation,
         "experts_implementation": cfg._experts_implementation if is_moe else None,
         "model_class": type(model).__name__,
+        # What this family computes differently (masks per layer, softcaps, embedding scale, tied head).
+        "family": lay.provenance(),
         "model": str(model_dir),
         "model_abspath": str(Path(model_dir).resolve()),
         "weights_digest": _weights_digest(Path(model_dir)),
@@ -453,6 +455,7 @@ class Tap:
 
     def __init__(self, model, *, path: str, positions: list[int], layers, internals: bool, whole: bool):
         self.model, self.path, self.positions = model, path, list(positions)
+        self.lay = resolve(model)
         self.layers, self.internals, self.whole = list(layers), internals, whole
         self.records: list[Record] = []
         self.decisions: list[Decision] = []
@@ -461,30 +464,25 @@ class Tap:
         self._undo = []
 
     # -- recording
-    def _mask(self, layer_idx: int | None) -> str:
-        if layer_idx is None:
-            return "causal"
-        w = getattr(self.model.model.layers[layer_idx].self_attn, "sliding_window", None)
-        return "causal" if w is None else f"sliding_window:{w}"
-
     def add(self, name: str, t, positions=None, layer_idx=None):
         arr, dt = to_numpy(t)
-        attrs = {"path": self.path, "mask": self._mask(layer_idx), "positions": list(positions or self.positions)}
+        attrs = {"path": self.path, "mask": self.lay.mask(layer_idx), "positions": list(positions or self.positions)}
         self.records.append(Record(name, arr, dt, attrs))
 
     # -- hook installation
     def __enter__(self):
         import torch
 
-        m = self.model
+        lay = self.lay
         try:
             if self.whole:
-                self._hook(m.model.embed_tokens, lambda mod, a, out: self.add("embed.out", out[0]))
+                self._hook(lay.embed, lambda mod, a, out: self.add("embed.out", out[0]))
             for L in self.layers:
-                self._hook_layer(L, m.model.layers[L])
+                self._hook_layer(L, lay.layers[L])
             if self.whole:
-                self._hook(m.model.norm, lambda mod, a, out: self.add("final_norm.out", out[0]))
-                self._hook(m.lm_head, self._on_logits)
+                self._hook(lay.final_norm, lambda mod, a, out: self.add("final_norm.out", out[0]))
+                # The model's output logits, not the head's: a final softcap (Gemma) comes after it.
+                self._hook(self.model, self._on_logits)
             if self.internals:
                 self._patch_attention()
         except BaseException:
@@ -519,13 +517,13 @@ class Tap:
             self.add(f"{nn_}.hidden_in", x[0], layer_idx=L)
 
         self._hook(layer, hidden_in, pre=True)
-        self._hook(layer.self_attn, lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L))
-        mlp = layer.mlp
-        gate = getattr(mlp, "gate", None)
-        if gate is not None and hasattr(mlp, "experts"):
-            self._hook(gate, lambda mod, a, out: self._on_router(L, out[0]))
+        lay = self.lay
+        self._hook(lay.attn(L), lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L))
+        mlp = lay.mlp(L)
+        if L in lay.moe_layers:
+            self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
             if self.internals:
-                self._tap_experts(L, mlp.experts)
+                self._tap_experts(L, lay.experts(L))
         self._hook(mlp, lambda mod, a, out: self.add(f"{nn_}.mlp_out", out[0], layer_idx=L))
 
         def hidden_out(mod, args, out):
@@ -538,7 +536,7 @@ class Tap:
 
         if self.internals:
             self.add(f"layer.{L:02d}.router.logits", logits, layer_idx=L)
-        k = self.model.model.layers[L].mlp.gate.top_k
+        k = self.lay.router(L).top_k
         # The model's own probabilities: fp32 softmax of its router logits, as its router does.
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         self.decisions.append(topk_decision(f"layer.{L:02d}.router.topk", probs.cpu().numpy(), k))
@@ -577,7 +575,7 @@ class Tap:
     def _patch_attention(self):
         """Wrap the modeling module's eager attention function (looked up at call time) to see
         q and k after norm and RoPE, v, and the attention probabilities."""
-        mods = {sys.modules[type(self.model.model.layers[L].self_attn).__module__] for L in self.layers}
+        mods = {sys.modules[type(self.lay.attn(L)).__module__] for L in self.layers}
         for mod in mods:
             orig = getattr(mod, "eager_attention_forward", None)
             if orig is None:
@@ -599,8 +597,9 @@ class Tap:
             self._undo.append(lambda mod=mod, orig=orig: setattr(mod, "eager_attention_forward", orig))
 
     def _on_logits(self, mod, args, out):
-        self.add("logits", out[0])
-        self._logits = out[0].float().cpu().numpy()
+        logits = out.logits[0]
+        self.add("logits", logits)
+        self._logits = logits.float().cpu().numpy()
 
     def finish(self) -> None:
         if self.whole:
@@ -651,7 +650,7 @@ def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
     _check_tokens(model, tokens, rc.generate)
-    n_layers = len(model.model.layers)
+    n_layers = len(resolve(model).layers)
 
     def run():
         with Tap(model, path="prefill", positions=range(len(tokens)), layers=range(n_layers),
@@ -670,11 +669,11 @@ def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict
 
 
 def _layer_mask(model, L: int, x, position_ids):
-    """The model's own mask for a cache-less forward over these rows (causal in row order)."""
+    """The model's own mask for a cache-less forward over these rows (causal in row order), of
+    the kind its forward gives layer L (the family table's mask rule)."""
     from transformers import masking_utils as mu
 
-    window = getattr(model.model.layers[L].self_attn, "sliding_window", None)
-    fn = mu.create_causal_mask if window is None else mu.create_sliding_window_causal_mask
+    fn = mu.create_causal_mask if resolve(model).window(L) is None else mu.create_sliding_window_causal_mask
     return fn(config=model.config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids)
 
 
@@ -684,7 +683,8 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
-    layers = model.model.layers
+    lay = resolve(model)
+    layers = lay.layers
     if not 0 <= L < len(layers):
         raise OracleError(f"--layer {L}: the model has layers 0..{len(layers) - 1}")
     H = model.config.hidden_size
@@ -707,7 +707,7 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
                  internals=rc.capture == "internals", whole=False) as tap:
             with torch.autocast(device_type=rc.device, enabled=False):
                 mask = _layer_mask(model, L, x, pos)
-                pe = model.model.rotary_emb(x, pos)
+                pe = lay.rope(x, pos, L)
                 layers[L](x, attention_mask=mask, position_ids=pos, position_embeddings=pe,
                           past_key_values=None, use_cache=False)
         return tap

@@ -1,0 +1,189 @@
+"""Which transformers families the oracle captures, and where their capture points are.
+
+One declarative table (`FAMILIES`): every family shares the common decoder structure (`COMMON`:
+embedding, a list of decoder layers each with self-attention and an MLP or MoE block, a final
+norm, a head); a family's entry lists only what it does differently, as data. `resolve` checks a
+loaded model against its entry and refuses, in one line, a family the table does not cover or a
+model whose modules are not where the entry says. No family has its own code path: capture.py
+reads the resolved `Layout`. docs/capture-points.md is the prose of this table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .errors import OracleError
+
+# Mask rules, read from transformers' modeling files (how each model's forward picks the mask):
+#   causal       every layer causal (create_causal_mask only)
+#   config       every layer sliding when config.sliding_window is set, else causal
+#   layer_types  layer i sliding iff config.layer_types[i] == "sliding_attention"
+MASK_RULES = ("causal", "config", "layer_types")
+
+
+@dataclass(frozen=True)
+class Family:
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    head: str = "lm_head"
+    rotary: str = "model.rotary_emb"
+    attn: str = "self_attn"  # within a layer
+    mlp: str = "mlp"  # within a layer; the MoE block in MoE families
+    # Norms each layer must have (checked, documented: their place differs per family).
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    # MoE: router and experts within `mlp`; "all" = every layer, "some" = dense layers allowed.
+    moe: str | None = None
+    router: str = "gate"
+    experts: str = "experts"
+    mask: str = "causal"
+    # The rotary module takes the layer's type as a third argument (one table per layer type).
+    rope_by_layer_type: bool = False
+    # Config fields recorded in provenance when set (what the family computes differently).
+    provenance_fields: tuple[str, ...] = ()
+    # Config values the oracle does not capture faithfully: (field, refused value, why).
+    refuse: tuple[tuple[str, object, str], ...] = ()
+
+
+COMMON = Family()
+
+FAMILIES: dict[str, Family] = {
+    "llama": COMMON,
+    "mistral": replace(COMMON, mask="config", provenance_fields=("sliding_window",)),
+    "qwen2": replace(COMMON, mask="layer_types", provenance_fields=("sliding_window", "layer_types")),
+    "qwen3": replace(COMMON, mask="layer_types", provenance_fields=("sliding_window", "layer_types")),
+    "qwen3_moe": replace(COMMON, moe="some", mask="config", provenance_fields=("sliding_window",)),
+    "gemma3_text": replace(
+        COMMON,
+        norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+        mask="layer_types",
+        rope_by_layer_type=True,
+        provenance_fields=("sliding_window", "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+                           "query_pre_attn_scalar"),
+        refuse=(("use_bidirectional_attention", True, "bidirectional attention is not a causal decoder"),),
+    ),
+    "olmo2": replace(COMMON, norms=("post_attention_layernorm", "post_feedforward_layernorm")),
+    "phi3": replace(COMMON, mask="config", provenance_fields=("sliding_window",)),
+    "mixtral": replace(COMMON, moe="all", mask="config", provenance_fields=("sliding_window",)),
+    "olmoe": replace(COMMON, moe="all"),
+}
+
+
+def _get(root, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+@dataclass
+class Layout:
+    """A loaded model's capture points, found by its family's entry."""
+
+    family: str
+    spec: Family
+    model: object
+    embed: object
+    layers: list
+    final_norm: object
+    head: object
+    rotary: object
+    moe_layers: list[int] = field(default_factory=list)
+
+    def attn(self, L: int):
+        return _get(self.layers[L], self.spec.attn)
+
+    def mlp(self, L: int):
+        return _get(self.layers[L], self.spec.mlp)
+
+    def router(self, L: int):
+        return _get(self.mlp(L), self.spec.router) if L in self.moe_layers else None
+
+    def experts(self, L: int):
+        return _get(self.mlp(L), self.spec.experts) if L in self.moe_layers else None
+
+    def window(self, L: int) -> int | None:
+        """The attention window of layer L as the model's forward chooses it (None: causal)."""
+        cfg, rule = self.model.config, self.spec.mask
+        if rule == "causal":
+            return None
+        if rule == "layer_types" and cfg.layer_types[L] != "sliding_attention":
+            return None
+        return getattr(cfg, "sliding_window", None)
+
+    def mask(self, L: int | None) -> str:
+        w = None if L is None else self.window(L)
+        return "causal" if w is None else f"sliding:{w}"
+
+    def rope(self, x, pos, L: int):
+        if self.spec.rope_by_layer_type:
+            return self.rotary(x, pos, self.model.config.layer_types[L])
+        return self.rotary(x, pos)
+
+    def provenance(self) -> dict:
+        cfg = self.model.config
+        out = {"family": self.family, "mask_rule": self.spec.mask,
+               "masks": [self.mask(L) for L in range(len(self.layers))],
+               "tied_head": self.head.weight is self.embed.weight}
+        for f in self.spec.provenance_fields:
+            v = getattr(cfg, f, None)
+            if v is not None:
+                out[f] = list(v) if isinstance(v, (list, tuple)) else v
+        scale = getattr(self.embed, "scalar_embed_scale", None)  # Gemma's scaled embedding
+        if scale is not None:
+            out["embed_scale"] = float(scale)
+        if self.moe_layers:
+            out["moe_layers"] = list(self.moe_layers)
+        return out
+
+
+def supported() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def resolve(model, where: str = "--model") -> Layout:
+    """The model's Layout, or one line naming what its family's entry did not find."""
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    spec = FAMILIES.get(mt)
+    cls = type(model).__name__
+    if spec is None:
+        raise OracleError(f"{where}: model_type {mt!r} ({cls}) is not in the oracle's family table ({supported()})")
+    for fld, bad, why in spec.refuse:
+        if getattr(cfg, fld, None) == bad:
+            raise OracleError(f"{where}: config {fld} = {bad!r} not supported for {mt}: {why}")
+
+    def need(root, path: str, what: str):
+        m = _get(root, path)
+        if m is None:
+            raise OracleError(f"{where}: {cls} ({mt}) has no {what} module `{path}` (oracle family table)")
+        return m
+
+    embed = need(model, spec.embed, "embedding")
+    layers = need(model, spec.layers, "decoder layer list")
+    try:
+        layers = list(layers)
+    except TypeError:
+        raise OracleError(f"{where}: {cls} ({mt}): `{spec.layers}` is not a list of layers (oracle family table)") from None
+    if not layers:
+        raise OracleError(f"{where}: {cls} ({mt}) has no decoder layers in `{spec.layers}`")
+    lay = Layout(mt, spec, model, embed, layers, need(model, spec.final_norm, "final norm"),
+                 need(model, spec.head, "head"), need(model, spec.rotary, "rotary embedding"))
+    if spec.mask == "layer_types" and len(getattr(cfg, "layer_types", None) or []) < len(layers):
+        raise OracleError(f"{where}: {cls} ({mt}): config layer_types does not name every layer's attention type")
+    for L, layer in enumerate(layers):
+        at = f"{spec.layers}.{L}"
+        need(layer, spec.attn, f"attention ({at})")
+        mlp = need(layer, spec.mlp, f"MLP ({at})")
+        for n in spec.norms:
+            need(layer, n, f"norm ({at})")
+        has_router = _get(mlp, spec.router) is not None and _get(mlp, spec.experts) is not None
+        if spec.moe == "all" and not has_router:
+            raise OracleError(f"{where}: {cls} ({mt}) has no router `{at}.{spec.mlp}.{spec.router}` with "
+                              f"`{spec.experts}` (oracle family table: every layer is MoE)")
+        if spec.moe and has_router:
+            if not isinstance(getattr(_get(mlp, spec.router), "top_k", None), int):
+                raise OracleError(f"{where}: {cls} ({mt}): router `{at}.{spec.mlp}.{spec.router}` has no top_k")
+            lay.moe_layers.append(L)
+    return lay
