@@ -172,8 +172,7 @@ fn a_perturbed_fixture_weight_fails_stable() {
 fn a_contract_one_ulp_off_fails_matches_at_that_tensor() {
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
-    let wrapper = repo().join("gate/tests/producers/ulp_nudge.py");
-    let template = format!("'{}' '{}' layer.01.mlp_out {{verb}} {{args}}", python().display(), wrapper.display());
+    let template = test_producer("planted_trace.py", "--base contract --nudge layer.01.mlp_out");
     let r = gate(&repo(), &["m1", "--only", "short", "--contract-cmd", &template], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
@@ -184,7 +183,7 @@ fn a_contract_one_ulp_off_fails_matches_at_that_tensor() {
     assert_eq!(f["count"], 1);
     assert!(f["detail"].as_str().unwrap().contains("1 ULP"), "{f}");
     assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
-    assert!(rep["prompts"][0]["runs"][2]["invocation"].as_str().unwrap().contains("ulp_nudge.py layer.01.mlp_out trace --model"));
+    assert!(rep["prompts"][0]["runs"][2]["invocation"].as_str().unwrap().contains("planted_trace.py --base contract --nudge layer.01.mlp_out trace --model"));
 }
 
 #[test]
@@ -326,8 +325,7 @@ fn a_declared_divergence_excuses_exactly_the_count_it_names() {
     let root = scratch_root();
     let torchless = torchless_python(root.path());
     let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
-    let wrapper = repo().join("gate/tests/producers/ulp_nudge.py");
-    let template = format!("'{}' '{}' layer.01.mlp_out {{verb}} {{args}}", python().display(), wrapper.display());
+    let template = test_producer("planted_trace.py", "--base contract --nudge layer.01.mlp_out");
     let ms_path = root.path().join("milestones.json");
     let declare = |count: u64| {
         let mut ms: Value = serde_json::from_str(&std::fs::read_to_string(&ms_path).unwrap()).unwrap();
@@ -639,4 +637,45 @@ fn only_short_exits_0_when_every_check_it_ran_passed() {
     let not_selected: Vec<&str> = rep["baselines_not_selected"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert!(not_selected.contains(&"m0.mid.t1.g8") && !not_selected.contains(&"m0.short.t1.g8"), "{not_selected:?}");
     assert!(r.stdout.contains("not selected (--only): baselines "), "{}", r.stdout);
+}
+
+// `matches` (engine ≡ contract) compares the whole content: a contract trace whose margins or
+// attributes alone were edited fails it with a finding naming what changed (both passed before).
+
+fn matches_with_contract_edit(edit: &str) -> (Run, Value) {
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let contract = test_producer("planted_trace.py", &format!("--base contract {edit}"));
+    let r = gate(&repo(), &["m1", "--only", "short", "--contract-cmd", &contract], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let matches = check(r.report.as_ref().unwrap_or_else(|| panic!("no report:\n{}\n{}", r.stdout, r.stderr)), "short", "matches").clone();
+    (r, matches)
+}
+
+fn findings_of<'a>(check: &'a Value, kind: &str) -> Vec<&'a Value> {
+    check["findings"].as_array().unwrap().iter().filter(|f| f["kind"] == kind).collect()
+}
+
+#[test]
+fn margins_set_to_1e6_fail_matches() {
+    let (r, matches) = matches_with_contract_edit("--margins 1e6");
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    assert_eq!(matches["status"], "FAIL", "{matches}");
+    let found = findings_of(&matches, "margin_differs");
+    // The MoE fixture's every decision has margins; each one is named.
+    assert!(found.iter().any(|f| f["name"] == "logits.argmax"), "{matches}");
+    assert!(found.iter().any(|f| f["name"] == "layer.00.router.topk"), "{matches}");
+    assert!(found.iter().all(|f| f["detail"].as_str().unwrap().contains("1e6")), "{matches}");
+    // Nothing but margins changed: no tensor differs.
+    assert!(findings_of(&matches, "tensor_differs").is_empty(), "{matches}");
+}
+
+#[test]
+fn an_extra_attribute_on_logits_fails_matches() {
+    let (r, matches) = matches_with_contract_edit("--attr logits");
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    assert_eq!(matches["status"], "FAIL", "{matches}");
+    let found = findings_of(&matches, "attribute_differs");
+    assert_eq!(found.len(), 1, "{matches}");
+    assert_eq!(found[0]["name"], "logits");
+    assert!(found[0]["detail"].as_str().unwrap().contains("\"note\""), "{matches}");
 }

@@ -6,8 +6,11 @@ rewritten with one planted defect, so the gate's tests can show that each check 
 Edits, of the `trace` verb's output only (the `layer` verb is the base's, unchanged); each may
 repeat, and the trace must hold what it names:
   --push TENSOR     the first element of TENSOR moved far outside any policy (x -> 1000 * (|x| + 1))
+  --nudge TENSOR    the first element of TENSOR moved by one f32 ULP (towards +inf)
   --flip DECISION   the first value of DECISION changed (v -> v ^ 1): another token or expert
   --drop TENSOR     TENSOR left out of the trace
+  --attr TENSOR     an extra attribute `note=""` added on TENSOR (its bytes unchanged)
+  --margins VALUE   every margin of every decision set to VALUE (decision values unchanged)
 
 Not for real use.
 """
@@ -38,7 +41,7 @@ def main() -> int:
         return 2
     run = base_main(argv[1])
     argv = argv[2:]
-    edits = {"--push": [], "--flip": [], "--drop": []}
+    edits = {"--push": [], "--nudge": [], "--flip": [], "--drop": [], "--attr": [], "--margins": []}
     while argv and argv[0] in edits:
         edits[argv[0]].append(argv[1])
         argv = argv[2:]
@@ -53,7 +56,7 @@ def main() -> int:
             return rc
         t = tracegate.Trace(clean)
         # The trace must hold what is to be edited: a test that edits nothing proves nothing.
-        for name in edits["--push"] + edits["--drop"]:
+        for name in edits["--push"] + edits["--nudge"] + edits["--drop"] + edits["--attr"]:
             if name not in t.names:
                 print(f"planted_trace: no tensor {name} to edit", file=sys.stderr)
                 return 3
@@ -66,16 +69,24 @@ def main() -> int:
                 if name in edits["--drop"]:
                     continue
                 array = np.array(t[name])
+                flat = array.reshape(-1)
                 if name in edits["--push"]:
-                    flat = array.reshape(-1)
                     flat[0] = 1000 * (abs(flat[0]) + 1)
-                w.tensor(name, array, **t.attributes(name))
+                if name in edits["--nudge"]:
+                    flat[0] = np.nextafter(flat[0], np.float32(np.inf))
+                attrs = dict(t.attributes(name))
+                if name in edits["--attr"]:
+                    attrs["note"] = ""
+                w.tensor(name, array, **attrs)
             for name, values in t.decisions.items():
                 values = np.array(values)
                 if name in edits["--flip"]:
                     flat = values.reshape(-1)
                     flat[0] ^= 1
-                w.decision(name, values, margins=t.margins[name])
+                margins = t.margins[name]
+                if edits["--margins"] and margins is not None:
+                    margins = np.full_like(np.asarray(margins), float(edits["--margins"][-1]), dtype=np.float32)
+                w.decision(name, values, margins=margins)
     return 0
 
 
