@@ -34,23 +34,14 @@ if str(ROOT / "oracle") not in sys.path:  # same as test_oracle.py: works before
     sys.path.insert(0, str(ROOT / "oracle"))
 
 from tracegate_oracle import capture as cp  # noqa: E402
+from binaries import release_binary  # noqa: E402
 
 FIXTURES = {"dense": ROOT / "fixtures" / "tiny-qwen3", "moe": ROOT / "fixtures" / "tiny-qwen3-moe"}
 POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
 PROMPTS = {p["id"]: p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]}
 
 
-def _release_binary(name: str) -> tuple[str, str | None]:
-    # The contract tests' locator (cargo metadata, honouring CARGO_TARGET_DIR), loaded by path:
-    # both test trees import their own `conftest` by that name.
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("contract_tests_conftest", ROOT / "contract/tests/conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.release_binary(name)
-
-
-ENGINE, _NO_ENGINE = _release_binary("engine")
+ENGINE, _NO_ENGINE = release_binary("engine")
 
 # Negative control (test 3): expert 2 of layer 0, its down_proj scaled by 8. Scaling a bf16 by a
 # power of two only bumps the exponent, so the edit is exact. On the `short` prompt the clean
@@ -67,7 +58,7 @@ def _trace_diff() -> Path:
     # TRACE_DIFF overrides; otherwise the release build where cargo puts it.
     if os.environ.get("TRACE_DIFF"):
         return Path(os.environ["TRACE_DIFF"])
-    path, why = _release_binary("trace-diff")
+    path, why = release_binary("trace-diff")
     if why:
         pytest.skip(why)
     return Path(path)

@@ -7,7 +7,6 @@ the planted bisection, 2 for the control).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
+from binaries import release_binary  # noqa: E402
 from test_families import TOKENS, make_checkpoint  # noqa: E402
 
 CANDIDATE = """\
@@ -46,10 +46,7 @@ sys.exit(main(sys.argv[3:]))
 
 
 def _gate() -> str:
-    spec = importlib.util.spec_from_file_location("contract_tests_conftest", ROOT / "contract/tests/conftest.py")
-    conf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conf)
-    path, why = conf.release_binary("gate")
+    path, why = release_binary("gate")
     if why:
         pytest.skip(f"NOT CHECKED (gate bisect): {why}")
     return path

@@ -357,17 +357,14 @@ def test_cli_layer_on_gemma3(ckpts, runs, tmp_path):
 def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
     """The bit-exact producers' refusal says "the oracle supports it" for exactly the families of
     the table (their copies of the list kept equal to it), and not for one outside it."""
-    import importlib.util
     import json
 
+    from binaries import release_binary
     from tracegate_contract.errors import ContractError
     from tracegate_contract.qwen3 import ORACLE_FAMILIES, parse_config
 
     assert sorted(ORACLE_FAMILIES) == FAMS
-    spec = importlib.util.spec_from_file_location("contract_tests_conftest", ROOT / "contract/tests/conftest.py")
-    conf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conf)
-    engine, why = conf.release_binary("engine")
+    engine, why = release_binary("engine")
     if why:
         pytest.skip(f"NOT CHECKED (engine refusal): {why}")
     base = json.loads((ROOT / "fixtures/tiny-qwen3/config.json").read_text())
