@@ -619,7 +619,9 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     // side only, another order): divergence too, so the headline never calls runs matching while
     // the body lists their differences.
     let structure: Vec<&tracegate_diff::Finding> = whole.findings.iter().filter(|f| is_structure(f.kind)).collect();
-    for f in &structure {
+    // A decision whose values agree but whose margins do not diverges in value, not structure.
+    let margins = whole.findings.iter().filter(|f| f.kind == "margin_differs");
+    for f in structure.iter().copied().chain(margins) {
         if let Some(t) = f.tensor.as_ref().filter(|t| !diverging.iter().any(|(_, name, _)| name == *t)) {
             diverging.push((location(t), t.clone(), f.kind));
         }
@@ -852,7 +854,7 @@ fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
 fn is_structure(kind: &str) -> bool {
     // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
     // (`rows`); the rest are notes, not differences.
-    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "dtype_mismatch" | "shape_mismatch" | "stack_mismatch_allowed" | "expert_rows_differ")
+    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "margin_differs" | "dtype_mismatch" | "shape_mismatch" | "stack_mismatch_allowed" | "expert_rows_differ")
 }
 
 fn how_words(how: &str) -> String {
