@@ -67,6 +67,7 @@ CASES = {
     "kv-heads-not-divisor": (DENSE, _cfg("num_key_value_heads", 3), None, None, ["num_key_value_heads 3"]),
     "head-dim-0": (DENSE, _cfg("head_dim", 0), None, None, ["head_dim = 0"]),
     "hidden-0": (DENSE, _cfg("hidden_size", 0), None, None, ["hidden_size = 0"]),
+    "positions-2pow40": (DENSE, _cfg("max_position_embeddings", 2**40), None, None, ["max_position_embeddings = 1099511627776", "2^24"]),
     "vocab-1": (DENSE, _cfg("vocab_size", 1), None, None, ["vocab_size = 1"]),
     "eps-nan": (DENSE, _cfg("rms_norm_eps", float("nan")), None, None, ["rms_norm_eps = nan"]),
     "eps-not-number": (DENSE, _cfg("rms_norm_eps", "1e-6"), None, None, ["rms_norm_eps"]),

@@ -262,6 +262,10 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
         v = raw.get(key)
         if v is not None and not (_is_int(v) and v >= 1):
             refuse(f"{key} = {v!r} is not a positive integer")
+    # The engine and contract hold positions in [0, 2^24) (f32 represents each exactly).
+    v = raw.get("max_position_embeddings")
+    if v is not None and v > 1 << 24:
+        refuse(f"max_position_embeddings = {v} exceeds the position limit 2^24 = {1 << 24}")
     v = raw.get("vocab_size")
     if v is not None and v < 2:
         refuse(f"vocab_size = {v} (argmax margins need at least 2)")
