@@ -88,9 +88,9 @@ def _is_int(v) -> bool:
 # ------------------------------------------------------------------------------------ files
 
 
-def safetensors_files(d: Path) -> list[Path]:
-    """The checkpoint's files, by the engine's rule: exactly the shards model.safetensors.index.json
-    names, else exactly model.safetensors; any other weights file in the directory is refused."""
+def safetensors_files(d: Path, wm: dict[str, str] | None) -> list[Path]:
+    """The checkpoint's files, by the engine's rule: exactly the shards the index's weight map
+    `wm` names, else (no index) exactly model.safetensors; any other weights file is refused."""
     try:
         names = sorted(p.name for p in d.iterdir())
     except OSError as e:
@@ -99,12 +99,7 @@ def safetensors_files(d: Path) -> list[Path]:
     if other:
         raise CheckpointError(f"{d / other[0]}: weights the oracle does not load (safetensors only); "
                               "remove it so the weights digest covers every weight in the directory")
-    index = d / "model.safetensors.index.json"
-    if index.exists():
-        wm = _index(index)
-        expected = sorted(set(wm.values()))
-    else:
-        expected = ["model.safetensors"]
+    expected = sorted(set(wm.values())) if wm is not None else ["model.safetensors"]
     present = [n for n in names if n.endswith(".safetensors")]
     for n in present:
         if n not in expected:
@@ -115,14 +110,20 @@ def safetensors_files(d: Path) -> list[Path]:
     return [d / n for n in expected]
 
 
-def _index(path: Path) -> dict[str, str]:
+def _read_json_file(path: Path, absent: str):
+    """The parsed JSON of a regular file (a FIFO would block the read); `absent` is the message
+    when it is missing or not a regular file."""
     if not path.is_file():
-        raise CheckpointError(f"{path}: not a regular file")
+        raise CheckpointError(absent)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable: {e}") from None
-    v = _load_json(text, str(path), "key")
+    return _load_json(text, str(path), "key")
+
+
+def _index(path: Path) -> dict[str, str]:
+    v = _read_json_file(path, f"{path}: not a regular file")
     wm = v.get("weight_map") if isinstance(v, dict) else None
     if not isinstance(wm, dict):
         raise CheckpointError(f"{path}: no weight_map object")
@@ -199,7 +200,7 @@ def inventory(d: Path) -> dict[str, Entry]:
     index = d / "model.safetensors.index.json"
     wm = _index(index) if index.exists() else None
     out: dict[str, Entry] = {}
-    for f in safetensors_files(d):
+    for f in safetensors_files(d, wm):
         for name, entry in read_header(f).items():
             if name in out:
                 raise CheckpointError(f"{d}: tensor {name} in both {out[name].file} and {f.name}")
@@ -217,13 +218,7 @@ def inventory(d: Path) -> dict[str, Entry]:
 
 def read_config(d: Path) -> dict:
     path = d / "config.json"
-    if not path.is_file():
-        raise OracleError(f"--model {d}: no config.json (or not a regular file)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise OracleError(f"{path}: unreadable: {e}") from None
-    raw = _load_json(text, str(path), "key")
+    raw = _read_json_file(path, f"--model {d}: no config.json (or not a regular file)")
     if not isinstance(raw, dict):
         raise OracleError(f"{path}: not a JSON object")
     return raw
