@@ -6,7 +6,7 @@
 
 use tracegate_trace::{DecisionInfo, Trace};
 
-use crate::{order_finding, range_divergence, DecisionDivergence, DecisionResult, Finding, Flip, MarginDifference, Real, Report};
+use crate::{order_finding, range_divergence, DecisionDivergence, DecisionResult, Finding, Flip, MarginDifference, Options, Real, Report};
 
 /// A flip whose reference margin exceeds this many times the source divergence is a defect.
 pub const DEFECT_FACTOR: f64 = 10.0;
@@ -63,14 +63,15 @@ pub fn label(margin: Option<f32>, divergence: Option<f64>) -> &'static str {
     }
 }
 
-/// Compares every decision; true if any finding or difference. `policy`: margins are judged by
-/// [`margin_tolerance`] instead of by bits.
-pub fn compare(r: &Trace, c: &Trace, policy: bool, rep: &mut Report) -> bool {
+/// Compares every decision `opts` selects; true if any finding or difference. Under a policy,
+/// margins are judged by [`margin_tolerance`] instead of by bits.
+pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
+    let policy = opts.policy.is_some();
     let before = rep.findings.len();
     let d = &mut rep.decisions;
-    d.reference_count = r.decisions().len();
-    d.candidate_count = c.decisions().len();
-    for rd in r.decisions() {
+    d.reference_count = r.decisions().iter().filter(|i| opts.selects(&i.name)).count();
+    d.candidate_count = c.decisions().iter().filter(|i| opts.selects(&i.name)).count();
+    for rd in r.decisions().iter().filter(|i| opts.selects(&i.name)) {
         let Some(cd) = c.decision_info(&rd.name) else {
             d.missing.push(rd.name.clone());
             rep.findings.push(Finding::new("missing_decision", Some(&rd.name), "in the reference, not in the candidate"));
@@ -149,14 +150,14 @@ pub fn compare(r: &Trace, c: &Trace, policy: bool, rep: &mut Report) -> bool {
         }
         d.results.push(result);
     }
-    for cd in c.decisions() {
+    for cd in c.decisions().iter().filter(|i| opts.selects(&i.name)) {
         if r.decision_info(&cd.name).is_none() {
             d.extra.push(cd.name.clone());
             rep.findings.push(Finding::new("extra_decision", Some(&cd.name), "in the candidate, not in the reference"));
         }
     }
-    let rn = r.decisions().iter().map(|i| i.name.as_str()).filter(|n| c.decision_info(n).is_some());
-    let cn = c.decisions().iter().map(|i| i.name.as_str()).filter(|n| r.decision_info(n).is_some());
+    let rn = r.decisions().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && c.decision_info(n).is_some());
+    let cn = c.decisions().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && r.decision_info(n).is_some());
     if let Some(f) = order_finding("decision_order_mismatch", rn, cn) {
         rep.findings.push(f);
     }

@@ -5,9 +5,11 @@
 
 pub mod comparable;
 mod decisions;
+pub mod filter;
 pub mod numeric;
 pub mod policy;
 mod render;
+pub mod stats;
 
 use std::path::Path;
 
@@ -15,9 +17,10 @@ use serde::{Serialize, Serializer};
 use tracegate_trace::{DType, TensorInfo, Trace};
 
 pub use decisions::{margin_tolerance, MARGIN_SLACK};
+pub use filter::{Filter, FilterSummary};
 pub use numeric::Special;
 pub use policy::{glob_match, Policy, Rule};
-pub use render::{render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show};
+pub use render::{render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show, write_show_json};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -52,11 +55,20 @@ pub struct Options {
     pub all: bool,
     /// Judge numeric differences by this policy (implies scanning every tensor).
     pub policy: Option<Policy>,
+    /// `--only` / `--skip`: the tensors and decisions compared; the rest are left out.
+    pub filter: Filter,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { verify: true, allow_stack_mismatch: false, all: false, policy: None }
+        Options { verify: true, allow_stack_mismatch: false, all: false, policy: None, filter: Filter::default() }
+    }
+}
+
+impl Options {
+    /// Whether the tensor or decision `name` is compared (see [`Filter`]).
+    pub fn selects(&self, name: &str) -> bool {
+        self.filter.selects(name)
     }
 }
 
@@ -341,6 +353,8 @@ pub struct Report {
     pub policy: Option<PolicyRef>,
     /// "first" (stop at the first differing tensor) or "all".
     pub scan: &'static str,
+    /// What `--only` / `--skip` left out; None without a filter.
+    pub filter: Option<FilterSummary>,
     pub tensors: TensorSummary,
     pub decisions: DecisionSummary,
     pub first_divergence: Option<Divergence>,
@@ -353,12 +367,13 @@ pub struct Report {
 impl Serialize for Report {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Report", 11)?;
+        let mut st = s.serialize_struct("Report", 12)?;
         st.serialize_field("verdict", &self.verdict)?;
         st.serialize_field("reference", &self.reference)?;
         st.serialize_field("candidate", &self.candidate)?;
         st.serialize_field("policy", &self.policy)?;
         st.serialize_field("scan", &self.scan)?;
+        st.serialize_field("filter", &self.filter)?;
         st.serialize_field("tensors", &TensorsJson(self))?;
         st.serialize_field("decisions", &self.decisions)?;
         st.serialize_field("first_divergence", &self.first_divergence)?;
@@ -382,6 +397,7 @@ impl Report {
             candidate,
             policy: opts.policy.as_ref().map(|p| PolicyRef { name: p.name.clone(), rules: p.rules.len() }),
             scan: if opts.all || opts.policy.is_some() { "all" } else { "first" },
+            filter: None,
             tensors: TensorSummary::default(),
             decisions: DecisionSummary::default(),
             first_divergence: None,
@@ -434,6 +450,14 @@ pub fn compare_files(reference: &Path, candidate: &Path, opts: &Options) -> Repo
 
 /// Compares two opened traces: verify, comparability, structure, values, decisions.
 pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
+    // A filter that selects nothing is bad usage, known from the indexes alone: no hashing first.
+    let filter = opts.filter.summary(&[reference, candidate]);
+    if let Some(why) = filter.as_ref().and_then(FilterSummary::nothing_selected) {
+        let mut rep = Report::empty(side(Some(reference), Some(reference.path()), false), side(Some(candidate), Some(candidate.path()), false), opts);
+        (rep.verdict, rep.filter) = (Verdict::Unreadable, filter);
+        rep.findings.push(Finding::new("nothing_selected", None, why));
+        return rep;
+    }
     // 1. Readable and verified. Both files are hashed at once (each verify is itself parallel
     // across tensors, but one large tensor hashes on one core).
     let (vr, vc) = if opts.verify {
@@ -446,6 +470,7 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         side(Some(candidate), Some(candidate.path()), opts.verify && vc.is_ok()),
         opts,
     );
+    rep.filter = filter;
     if vr.is_err() || vc.is_err() {
         rep.verdict = Verdict::Unreadable;
         for (label, res) in [("reference", &vr), ("candidate", &vc)] {
@@ -466,13 +491,13 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     }
 
     // 3. Structure.
-    let mut different = structure(reference, candidate, &mut rep);
+    let mut different = structure(reference, candidate, opts, &mut rep);
 
     // 4. Values.
     different |= values(reference, candidate, opts, &mut rep);
 
-    // 5. Decisions (always all of them).
-    different |= decisions::compare(reference, candidate, opts.policy.is_some(), &mut rep);
+    // 5. Decisions (always all of them the filter selects).
+    different |= decisions::compare(reference, candidate, opts, &mut rep);
 
     let any_value_difference =
         rep.per_tensor.iter().any(|r| r.status != "identical") || rep.decisions.results.iter().any(|d| d.margin_differing_rows > 0);
@@ -485,7 +510,9 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     };
     // IDENTICAL claims equal content, and two verified digests decide that on their own: a
     // disagreement means a check above misses some content, which must not pass as identical.
-    if rep.verdict == Verdict::Identical && rep.reference.verified && rep.candidate.verified && reference.digest() != candidate.digest() {
+    // Under a filter that left something out, IDENTICAL covers what was compared only.
+    let whole = rep.filter.as_ref().is_none_or(|f| !f.left_out_any());
+    if rep.verdict == Verdict::Identical && whole && rep.reference.verified && rep.candidate.verified && reference.digest() != candidate.digest() {
         rep.verdict = Verdict::Different;
         rep.findings.push(Finding::new(
             "content_digest_differs",
@@ -501,11 +528,11 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
 }
 
 /// Missing, extra, dtype, shape and order findings; true if there is any.
-fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
-    rep.tensors.reference_count = r.tensors().len();
-    rep.tensors.candidate_count = c.tensors().len();
+fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
+    rep.tensors.reference_count = r.tensors().iter().filter(|i| opts.selects(&i.name)).count();
+    rep.tensors.candidate_count = c.tensors().iter().filter(|i| opts.selects(&i.name)).count();
     let before = rep.findings.len();
-    for info in r.tensors() {
+    for info in r.tensors().iter().filter(|i| opts.selects(&i.name)) {
         match c.tensor_info(&info.name) {
             None => {
                 rep.tensors.missing.push(info.name.clone());
@@ -530,14 +557,14 @@ fn structure(r: &Trace, c: &Trace, rep: &mut Report) -> bool {
             Some(ci) => attribute_findings(info, ci, rep),
         }
     }
-    for info in c.tensors() {
+    for info in c.tensors().iter().filter(|i| opts.selects(&i.name)) {
         if r.tensor_info(&info.name).is_none() {
             rep.tensors.extra.push(info.name.clone());
             rep.findings.push(Finding::new("extra_tensor", Some(&info.name), "in the candidate, not in the reference"));
         }
     }
-    let rn = r.tensors().iter().map(|i| i.name.as_str()).filter(|n| c.tensor_info(n).is_some());
-    let cn = c.tensors().iter().map(|i| i.name.as_str()).filter(|n| r.tensor_info(n).is_some());
+    let rn = r.tensors().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && c.tensor_info(n).is_some());
+    let cn = c.tensors().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && r.tensor_info(n).is_some());
     if let Some(f) = order_finding("order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
@@ -603,8 +630,8 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     let mut different = false;
     let mut stopped = false;
     // One row per common tensor, allocated once: doubling a million-row Vec holds both copies.
-    rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| c.tensor_info(&ri.name).is_some()).count());
-    for ri in r.tensors() {
+    rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| opts.selects(&ri.name) && c.tensor_info(&ri.name).is_some()).count());
+    for ri in r.tensors().iter().filter(|ri| opts.selects(&ri.name)) {
         let Some(ci) = c.tensor_info(&ri.name) else { continue };
         if ci.dtype != ri.dtype || ci.shape != ri.shape {
             continue;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracegate_diff::{compare_files, terminal_safe, write_human, write_json, write_show, Options, Policy};
+use tracegate_diff::{compare_files, terminal_safe, write_human, write_json, write_show, write_show_json, Filter, FilterSummary, Options, Policy};
 use tracegate_trace::Trace;
 
 const AFTER_HELP: &str = "\
@@ -12,6 +12,12 @@ Checks, in order: both files readable and verified; comparable (oracle stack, we
 seed, and each common tensor's path/mask/positions attributes); structure (missing, extra,
 dtype, shape, order); values (first differing element in reference capture order, with its
 ULP distance in the stored dtype); decisions (exact, ordered). See docs/diff.md.
+
+Filters: --only GLOB and --skip GLOB (each repeatable; `*` stops at `.`, `**` crosses it) keep
+the tensors and decisions whose names match some --only (any name without one) and no --skip.
+Left-out names are neither compared nor counted; the report says how many there were, and a
+verdict (IDENTICAL included) covers only what was compared. A filter that selects nothing
+is an error (exit 2). With --show they restrict the listing.
 
 Exit status:
   0  identical, or within the policy given with --policy
@@ -28,9 +34,16 @@ struct Cli {
     /// Candidate trace.
     #[arg(required_unless_present = "show")]
     candidate: Option<PathBuf>,
-    /// Inspect one trace instead: digest, verify status, provenance, tensors, decisions.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["reference", "candidate", "all", "policy", "json", "allow_stack_mismatch"])]
+    /// Inspect one trace instead: digest, verify status, provenance, tensors with statistics
+    /// (min, max, mean, max |x|, NaN and Inf counts), decisions.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["reference", "candidate", "all", "policy", "allow_stack_mismatch"])]
     show: Option<PathBuf>,
+    /// Compare (or list) only tensors and decisions whose name matches GLOB; repeatable.
+    #[arg(long, value_name = "GLOB")]
+    only: Vec<String>,
+    /// Leave out tensors and decisions whose name matches GLOB; repeatable.
+    #[arg(long, value_name = "GLOB")]
+    skip: Vec<String>,
     /// Keep scanning after the first differing tensor; print one row per tensor.
     #[arg(long)]
     all: bool,
@@ -38,7 +51,8 @@ struct Cli {
     /// Shipped default: fixtures/policy/oracle-default.json.
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
-    /// Print the machine-readable report (docs/diff-report.schema.json).
+    /// Print the machine-readable report (docs/diff-report.schema.json); with --show, the
+    /// trace's description as JSON (docs/diff.md).
     #[arg(long)]
     json: bool,
     /// Skip recomputing digests (then no digest is trusted: no tensor is matched by digest; tensors
@@ -53,8 +67,9 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let filter = Filter { only: cli.only.clone(), skip: cli.skip.clone() };
     if let Some(path) = &cli.show {
-        return show(path, !cli.no_verify);
+        return show(path, !cli.no_verify, cli.json, &filter);
     }
     let policy = match &cli.policy {
         None => None,
@@ -66,9 +81,12 @@ fn main() -> ExitCode {
             }
         },
     };
-    let opts = Options { verify: !cli.no_verify, allow_stack_mismatch: cli.allow_stack_mismatch, all: cli.all, policy };
+    let opts = Options { verify: !cli.no_verify, allow_stack_mismatch: cli.allow_stack_mismatch, all: cli.all, policy, filter };
     let (r, c) = (cli.reference.expect("required by clap"), cli.candidate.expect("required by clap"));
     let report = compare_files(&r, &c, &opts);
+    if let Some(code) = report.filter.as_ref().and_then(filter_usage) {
+        return code;
+    }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let written = if cli.json { write_json(&report, &mut out) } else { write_human(&report, &mut out) };
     if let Err(e) = written {
@@ -79,17 +97,39 @@ fn main() -> ExitCode {
     ExitCode::from(report.exit_code() as u8)
 }
 
-fn show(path: &PathBuf, verify: bool) -> ExitCode {
+/// Warns (stderr) about each glob that matches no name; a filter that selects nothing is bad
+/// usage, exit 2 with nothing on stdout: zero checks is never a pass.
+fn filter_usage(f: &FilterSummary) -> Option<ExitCode> {
+    for w in f.warnings() {
+        eprintln!("trace-diff: warning: {}", terminal_safe(&w));
+    }
+    let why = f.nothing_selected()?;
+    eprintln!("trace-diff: {}", terminal_safe(&why));
+    Some(ExitCode::from(2))
+}
+
+fn show(path: &PathBuf, verify: bool, json: bool, filter: &Filter) -> ExitCode {
     let t = match Trace::open(path) {
         Ok(t) => t,
         Err(e) => {
-            println!("UNREADABLE — {}", terminal_safe(&e.to_string()));
+            // With --json, stdout holds JSON or nothing.
+            let line = format!("UNREADABLE — {}", terminal_safe(&e.to_string()));
+            if json {
+                eprintln!("trace-diff: {line}");
+            } else {
+                println!("{line}");
+            }
             return ExitCode::from(2);
         }
     };
+    let filter = filter.summary(&[&t]);
+    if let Some(code) = filter.as_ref().and_then(filter_usage) {
+        return code;
+    }
     let v = verify.then(|| t.verify().map_err(|e| e.to_string()));
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    if let Err(e) = write_show(&t, v.as_ref(), &mut out).and_then(|()| std::io::Write::flush(&mut out)) {
+    let written = if json { write_show_json(&t, v.as_ref(), filter.as_ref(), &mut out) } else { write_show(&t, v.as_ref(), filter.as_ref(), &mut out) };
+    if let Err(e) = written.and_then(|()| std::io::Write::flush(&mut out)) {
         if let Some(code) = write_failed(e) {
             return code;
         }

@@ -799,6 +799,7 @@ macro_rules! dispatch {
         }
     };
 }
+pub(crate) use dispatch;
 
 /// Scans two equal-length payloads of one dtype; with `count`, also counts the ULP distances
 /// that [`median_ulp`] needs, in a window placed from a sample first.

@@ -3,9 +3,12 @@
 use std::borrow::Cow;
 use std::fmt::Write;
 
-use tracegate_trace::{Attributes, Trace};
+use serde::ser::{SerializeMap, SerializeSeq, SerializeStruct};
+use serde::{Serialize, Serializer};
+use tracegate_trace::{Attributes, DecisionInfo, TensorInfo, Trace};
 
-use crate::{Real, Report, RowSet, TensorRow, Verdict};
+use crate::stats::{each_with_stats, Scalar, TensorStats};
+use crate::{FilterSummary, Real, Report, RowSet, TensorRow, Verdict};
 
 /// Names wider than this overflow their column instead of widening it: a format width is at
 /// most 65,535 (wider panics), and one long name must not pad every other row.
@@ -76,8 +79,12 @@ impl serde_json::ser::Formatter for SafeJson<'_> {
 
 /// Writes the JSON report streamed (no whole-report string), pretty, newline-terminated.
 pub fn write_json(rep: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    pretty_json(rep, out)
+}
+
+fn pretty_json(value: &impl Serialize, out: &mut dyn std::io::Write) -> std::io::Result<()> {
     let mut ser = serde_json::Serializer::with_formatter(&mut *out, SafeJson(serde_json::ser::PrettyFormatter::new()));
-    serde::Serialize::serialize(rep, &mut ser).map_err(std::io::Error::other)?;
+    value.serialize(&mut ser).map_err(std::io::Error::other)?;
     out.write_all(b"\n")?;
     out.flush()
 }
@@ -301,6 +308,9 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
             s.producer.as_deref().map(|p| format!("  producer {p}")).unwrap_or_default()
         );
     }
+    if let Some(f) = &rep.filter {
+        let _ = writeln!(o, "  filter     {} (not compared, not counted); the verdict covers only what was compared", left_out(f));
+    }
     if matches!(rep.verdict, Verdict::Unreadable | Verdict::Incomparable) {
         findings(o, rep);
         return;
@@ -494,16 +504,37 @@ fn attrs(a: &Attributes) -> String {
     parts.join(" ")
 }
 
+/// "--only 'x' left out 120 tensors and 7 decisions".
+fn left_out(f: &FilterSummary) -> String {
+    let plural = |n: usize, what: &str| format!("{} {what}{}", thousands(n as u64), if n == 1 { "" } else { "s" });
+    format!("{} left out {} and {}", f.filter, plural(f.tensors_left_out, "tensor"), plural(f.decisions_left_out, "decision"))
+}
+
+/// The tensors and decisions `--show` lists: those the filter selects, in capture order.
+fn shown<'a>(t: &'a Trace, filter: Option<&'a FilterSummary>) -> (impl Iterator<Item = &'a TensorInfo> + Clone, impl Iterator<Item = &'a DecisionInfo> + Clone) {
+    let keep = move |name: &str| filter.is_none_or(|f| f.selects(name));
+    (t.tensors().iter().filter(move |x| keep(&x.name)), t.decisions().iter().filter(move |x| keep(&x.name)))
+}
+
+fn scalar(x: Option<Scalar>) -> String {
+    match x {
+        Some(Scalar::Int(v)) => v.to_string(),
+        Some(Scalar::Float(v)) => real(Some(Real(v))),
+        None => "-".into(),
+    }
+}
+
 /// `trace-diff --show FILE`: what a trace holds, for a person (see [`write_show`]).
-pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>) -> String {
+pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option<&FilterSummary>) -> String {
     let mut out = Vec::new();
-    write_show(t, verify, &mut out).expect("writing to a Vec cannot fail");
+    write_show(t, verify, filter, &mut out).expect("writing to a Vec cannot fail");
     String::from_utf8(out).expect("every line is a String")
 }
 
-/// Writes `--show` line by line, each made [`terminal_safe`]: memory stays one line, not the
-/// whole listing, however many tensors the trace holds.
-pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, out: &mut impl std::io::Write) -> std::io::Result<()> {
+/// Writes `--show` line by line, each made [`terminal_safe`]: memory stays one line (and one
+/// batch of statistics), not the whole listing, however many tensors the trace holds. With a
+/// filter, only the tensors and decisions it selects are listed.
+pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option<&FilterSummary>, out: &mut impl std::io::Write) -> std::io::Result<()> {
     let mut line = String::new();
     let emit = |line: &mut String, out: &mut dyn std::io::Write| -> std::io::Result<()> {
         line.push('\n');
@@ -528,22 +559,40 @@ pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, out: &mut impl
             Some(Err(e)) => format!("FAILED: {e}"),
         }
     );
+    if let Some(f) = filter {
+        say!("  filter   {}", left_out(f));
+    }
     say!("provenance");
     let pretty = serde_json::to_string_pretty(t.provenance()).unwrap_or_default();
     for l in pretty.lines() {
         say!("  {l}");
     }
-    say!("tensors ({})", t.tensors().len());
-    let w = t.tensors().iter().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
-    say!("  {:w$}  {:5}  {:18}  {:16}  attributes", "name", "dtype", "shape", "xxh3-128");
-    for x in t.tensors() {
+    let (tensors, decisions) = shown(t, filter);
+    say!("tensors ({})", tensors.clone().count());
+    let w = tensors.clone().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
+    say!("  {:w$}  {:5}  {:18}  {:>10}  {:>10}  {:>10}  {:>10}  {:>5}  {:>5}  {:16}  attributes", "name", "dtype", "shape", "min", "max", "mean", "max |x|", "NaN", "Inf", "xxh3-128");
+    each_with_stats(t, tensors, |x, st: TensorStats| {
         let digest = format!("{:032x}", x.digest);
-        say!("  {:w$}  {:5}  {:18}  {:16}  {}", x.name, x.dtype.name(), format!("{:?}", x.shape), &digest[..16], attrs(&x.attributes));
-    }
-    say!("decisions ({})", t.decisions().len());
-    let w = t.decisions().iter().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
+        say!(
+            "  {:w$}  {:5}  {:18}  {:>10}  {:>10}  {:>10}  {:>10}  {:>5}  {:>5}  {:16}  {}",
+            x.name,
+            x.dtype.name(),
+            format!("{:?}", x.shape),
+            scalar(st.min),
+            scalar(st.max),
+            real(st.mean),
+            real(st.max_abs),
+            st.nan,
+            st.inf,
+            &digest[..16],
+            attrs(&x.attributes)
+        );
+        Ok::<(), std::io::Error>(())
+    })?;
+    say!("decisions ({})", decisions.clone().count());
+    let w = decisions.clone().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
     say!("  {:w$}  {:10}  {:24}  min margin", "name", "shape", "first values");
-    for d in t.decisions() {
+    for d in decisions {
         let values = t.decision_values(d);
         let mut first: Vec<String> = values.iter().take(8).map(|v| v.to_string()).collect();
         if values.len() > 8 {
@@ -563,4 +612,105 @@ pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, out: &mut impl
         say!("  {:w$}  {:10}  {:24}  {min_margin}", d.name, format!("{:?}", d.shape), first.join(" "));
     }
     Ok(())
+}
+
+/// `trace-diff --show FILE --json`: the trace's description as JSON (fields in docs/diff.md,
+/// "--show"), streamed like [`write_json`], with the same escaping.
+pub fn write_show_json(t: &Trace, verify: Option<&Result<(), String>>, filter: Option<&FilterSummary>, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    pretty_json(&ShowJson { t, verify, filter }, out)
+}
+
+struct ShowJson<'a> {
+    t: &'a Trace,
+    verify: Option<&'a Result<(), String>>,
+    filter: Option<&'a FilterSummary>,
+}
+
+impl Serialize for ShowJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let t = self.t;
+        let mut st = s.serialize_struct("Show", 9)?;
+        st.serialize_field("path", &t.path().display().to_string())?;
+        st.serialize_field("digest", &t.digest().hex())?;
+        st.serialize_field("format", &format!("{}.{}", t.version().0, t.version().1))?;
+        // null: not verified (--no-verify); false: verification failed, with the reason.
+        st.serialize_field("verified", &self.verify.map(|v| v.is_ok()))?;
+        st.serialize_field("verify_error", &self.verify.and_then(|v| v.as_ref().err()))?;
+        st.serialize_field("provenance", t.provenance())?;
+        st.serialize_field("filter", &self.filter)?;
+        st.serialize_field("tensors", &TensorList(t, self.filter))?;
+        st.serialize_field("decisions", &DecisionList(t, self.filter))?;
+        st.end()
+    }
+}
+
+/// The listed tensors with their statistics, computed batch by batch while serialising.
+struct TensorList<'a>(&'a Trace, Option<&'a FilterSummary>);
+
+impl Serialize for TensorList<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(None)?;
+        each_with_stats(self.0, shown(self.0, self.1).0, |x, statistics| seq.serialize_element(&TensorJson { x, statistics }))?;
+        seq.end()
+    }
+}
+
+struct TensorJson<'a> {
+    x: &'a TensorInfo,
+    statistics: TensorStats,
+}
+
+impl Serialize for TensorJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let x = self.x;
+        let mut st = s.serialize_struct("Tensor", 6)?;
+        st.serialize_field("name", &x.name)?;
+        st.serialize_field("dtype", x.dtype.name())?;
+        st.serialize_field("shape", &x.shape)?;
+        st.serialize_field("attributes", &AttrsJson(&x.attributes))?;
+        st.serialize_field("digest", &format!("{:032x}", x.digest))?;
+        st.serialize_field("statistics", &self.statistics)?;
+        st.end()
+    }
+}
+
+/// Attributes as one object: `path`, `mask`, `positions`, `step` when present, then the
+/// extra string attributes (which never reuse those four keys).
+struct AttrsJson<'a>(&'a Attributes);
+
+impl Serialize for AttrsJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let a = self.0;
+        let mut m = s.serialize_map(None)?;
+        if let Some(v) = &a.path {
+            m.serialize_entry("path", v)?;
+        }
+        if let Some(v) = &a.mask {
+            m.serialize_entry("mask", v)?;
+        }
+        if let Some(v) = &a.positions {
+            m.serialize_entry("positions", v)?;
+        }
+        if let Some(v) = &a.step {
+            m.serialize_entry("step", v)?;
+        }
+        for (k, v) in &a.extra {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
+}
+
+struct DecisionList<'a>(&'a Trace, Option<&'a FilterSummary>);
+
+impl Serialize for DecisionList<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Decision<'a> {
+            name: &'a str,
+            shape: &'a [u64],
+            has_margins: bool,
+        }
+        s.collect_seq(shown(self.0, self.1).1.map(|d| Decision { name: &d.name, shape: &d.shape, has_margins: d.has_margins() }))
+    }
 }
