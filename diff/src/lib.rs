@@ -18,7 +18,7 @@ use tracegate_trace::{DType, TensorInfo, Trace};
 pub use decisions::{margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGIN_SLACK, NEAR_TIE};
 pub use numeric::Special;
 pub use policy::{glob_match, NearTie, Policy, Rule, DEFAULT_NEAR_TIE_FACTOR};
-pub use render::{render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show};
+pub use render::{label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

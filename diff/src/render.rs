@@ -167,8 +167,8 @@ fn near_ties_note(rep: &Report) -> Option<String> {
 }
 
 /// How a flip's label reads: with the upstream tensor, the near-tie it follows, or the gap
-/// against the noise bound.
-fn label_text(f: &Flip) -> String {
+/// against the noise bound (the gate prints flips the same way).
+pub fn label_text(f: &Flip) -> String {
     let vs = |op: &str| match (f.gap, f.noise_bound) {
         (Some(g), Some(b)) => format!(" (gap {} {op} bound {})", real(Some(g)), real(Some(b))),
         _ => String::new(),
