@@ -50,6 +50,18 @@ pub fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
     candidates.into_iter().find(|n| both(n))
 }
 
+/// Where a decision is taken in the reference's capture order: at its source; a router without
+/// `router.logits` at `layer.NN.attn_out` when later than its fallback `hidden_in` (the router
+/// reads `hidden_in + attn_out`); without a source, after every tensor.
+fn taken_at(name: &str, source: Option<&str>, r: &Trace) -> usize {
+    let Some(source) = source else { return usize::MAX };
+    let at = capture_index(r, source).unwrap_or(usize::MAX);
+    match name.strip_suffix(".router.topk") {
+        Some(layer) if source.ends_with(".hidden_in") => capture_index(r, &format!("{layer}.attn_out")).map_or(at, |a| a.max(at)),
+        _ => at,
+    }
+}
+
 /// The step of a `decode.SSSS.argmax` decision.
 fn decode_step(name: &str) -> Option<u64> {
     name.strip_prefix("decode.")?.strip_suffix(".argmax")?.parse().ok()
@@ -153,8 +165,7 @@ pub fn compare(r: &Trace, c: &Trace, policy: Option<&Policy>, rep: &mut Report) 
             Some(cd) if rd.shape != cd.shape => slots.push(Slot::Shape(rd, cd)),
             Some(cd) => {
                 let source = source_tensor(&rd.name, r, c);
-                // A decision comes after its source; without one, after every tensor.
-                let at = source.as_deref().and_then(|s| capture_index(r, s)).unwrap_or(usize::MAX);
+                let at = taken_at(&rd.name, source.as_deref(), r);
                 todo.push((at, slots.len(), rd, cd, source));
                 slots.push(Slot::Compared(None));
             }

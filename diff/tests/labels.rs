@@ -254,6 +254,34 @@ fn a_consequence_names_the_first_tensor_outside_the_policy_before_it() {
 }
 
 #[test]
+fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
+    // Without router.logits the source is layer.00.hidden_in, but the router reads
+    // hidden_in + attn_out: a bug in that attention makes the flip its consequence.
+    let mut r = model();
+    r.tensors.retain(|t| !t.name.ends_with("router.logits"));
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    push_token(&mut c, "layer.00.attn_out", 0, 1.0);
+    c.decision_mut("layer.00.router.topk").values[0] = 1;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    assert_eq!(res.source.as_deref(), Some("layer.00.hidden_in"));
+    assert_eq!(flip(&rep, "layer.00.router.topk", 0), ("consequence", Some("layer.00.attn_out".into()), None));
+    // Its scores are not in the trace: no noise bound, so on clean inputs a flip is a defect,
+    // even where hidden_in's row moved by 100 times the margin (within the policy).
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let v = get_f32(&r, "layer.00.hidden_in", 3 * 8);
+    c.set_f32("layer.00.hidden_in", 3 * 8, v + 1e-4);
+    c.decision_mut("layer.00.router.topk").values[6..8].copy_from_slice(&[1, 0]);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    let f = &rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap().flips[0];
+    assert!(rep.per_tensor.iter().all(|t| matches!(t.status, "identical" | "within_policy")));
+    assert!(f.source_divergence.unwrap().0 > 100.0 * 1e-6 * 0.99, "{f:?}");
+    assert_eq!((f.row, f.label, f.noise_bound), (3, "defect", None), "margin 1e-6, yet no bound from hidden_in: {f:?}");
+}
+
+#[test]
 fn a_large_margin_flip_with_clean_inputs_is_a_defect() {
     // Every tensor within the policy (a few ULP everywhere after the embedding); row 2 of
     // layer 0's router (margin 0.75) flips anyway.
