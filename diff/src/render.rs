@@ -489,7 +489,7 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
     }
     if let Some(n) = d.near_ties.as_ref().filter(|n| !n.excused.is_empty()) {
         let which: Vec<String> = n.excused.iter().map(|e| format!("{} row {} (position {})", e.decision, e.row, e.position)).collect();
-        let _ = writeln!(o, "near-ties  {} excused by the policy (margin ≤ {}·divergence): {}", n.excused.len(), real(Some(Real(n.margin_factor))), which.join(", "));
+        let _ = writeln!(o, "near-ties  {} excused by the policy (gap ≤ {}·divergence): {}", n.excused.len(), real(Some(Real(n.margin_factor))), which.join(", "));
         let mut after: Vec<String> = n.tensors.iter().map(|t| format!("{} {} row{}", t.tensor, t.rows, if t.rows == 1 { "" } else { "s" })).collect();
         if n.decision_rows > 0 {
             after.push(format!("{} decision row{}", n.decision_rows, if n.decision_rows == 1 { "" } else { "s" }));
