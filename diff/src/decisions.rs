@@ -1,15 +1,23 @@
 //! Decisions are compared exactly, as ordered sequences, under every mode and policy: all
-//! floats can agree to 1e-6 and the model still picks another expert (trap 12). Each flipped
-//! row is set beside the reference's margin and the numeric divergence of the tensor the
-//! decision was taken from, so a near-tie reads differently from a defect. Margins are content
-//! too: compared by bits, or under a policy within [`margin_tolerance`].
+//! floats can agree to 1e-6 and the model still picks another expert. Each flipped row is
+//! labelled (docs/diff.md, "Labels"): a `consequence` of the first tensor before it that is
+//! outside the policy, a `near-tie` when its clean source row moved by enough to explain it, a
+//! row `after-near-tie` when an earlier near-tie changed its token, a `defect` otherwise.
+//! Margins are content too: compared by bits, or under a policy within [`margin_tolerance`].
 
 use tracegate_trace::{DecisionInfo, Trace};
 
-use crate::{order_finding, range_divergence, DecisionDivergence, DecisionResult, Finding, Flip, MarginDifference, Options, Real, Report};
+use crate::excuse::{capture_index, Excusal};
+use crate::{numeric, order_finding, range_divergence, row_range, DecisionDivergence, DecisionResult, Finding, Flip, MarginDifference, NearTieRef, Options, Policy, Real, Report};
 
-/// A flip whose reference margin exceeds this many times the source divergence is a defect.
-pub const DEFECT_FACTOR: f64 = 10.0;
+/// A tensor captured up to the decision's source is outside the policy (differs, by bits).
+pub const CONSEQUENCE: &str = "consequence";
+/// Clean inputs, and a margin within the noise the source row's divergence explains.
+pub const NEAR_TIE: &str = "near-tie";
+/// The row's token took another path at an earlier near-tie; not judged.
+pub const AFTER_NEAR_TIE: &str = "after-near-tie";
+/// Clean inputs and a margin the measured noise cannot explain (or no noise bound).
+pub const DEFECT: &str = "defect";
 
 /// Under a policy, the slack a margin gets beyond what its source row explains, relative to
 /// max(1, |margin|): covers rounding of the subtraction and of the softmax (≈1e-7), and router
@@ -42,65 +50,176 @@ pub fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
     candidates.into_iter().find(|n| both(n))
 }
 
-/// Labels one flip: "near-tie" when the reference margin is no larger than the observed
-/// divergence, "defect" when it is more than DEFECT_FACTOR times larger (or the source is
-/// bit-identical, so the rule itself differs), "unclear" otherwise or without the numbers.
-pub fn label(margin: Option<f32>, divergence: Option<f64>) -> &'static str {
-    match (margin, divergence) {
-        (Some(m), Some(d)) if m.is_finite() && !d.is_nan() => {
-            let m = m.abs() as f64;
-            if d == 0.0 {
-                "defect"
-            } else if m <= d {
-                "near-tie"
-            } else if m > DEFECT_FACTOR * d {
-                "defect"
-            } else {
-                "unclear"
-            }
-        }
-        _ => "unclear",
+/// Where a decision is taken in the reference's capture order: at its source; a router without
+/// `router.logits` at `layer.NN.attn_out` when later than its fallback `hidden_in` (the router
+/// reads `hidden_in + attn_out`); without a source, after every tensor.
+fn taken_at(name: &str, source: Option<&str>, r: &Trace) -> usize {
+    let Some(source) = source else { return usize::MAX };
+    let at = capture_index(r, source).unwrap_or(usize::MAX);
+    match name.strip_suffix(".router.topk") {
+        Some(layer) if source.ends_with(".hidden_in") => capture_index(r, &format!("{layer}.attn_out")).map_or(at, |a| a.max(at)),
+        _ => at,
     }
 }
 
-/// Compares every decision `opts` selects; true if any finding or difference. Under a policy,
-/// margins are judged by [`margin_tolerance`] instead of by bits.
-pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
-    let policy = opts.policy.is_some();
-    let before = rep.findings.len();
-    let d = &mut rep.decisions;
-    d.reference_count = r.decisions().iter().filter(|i| opts.selects(&i.name)).count();
-    d.candidate_count = c.decisions().iter().filter(|i| opts.selects(&i.name)).count();
-    for rd in r.decisions().iter().filter(|i| opts.selects(&i.name)) {
-        let Some(cd) = c.decision_info(&rd.name) else {
-            d.missing.push(rd.name.clone());
-            rep.findings.push(Finding::new("missing_decision", Some(&rd.name), "in the reference, not in the candidate"));
-            continue;
-        };
-        if rd.shape != cd.shape {
-            rep.findings.push(Finding::new(
-                "decision_shape_mismatch",
-                Some(&rd.name),
-                format!("reference {:?} vs candidate {:?}", rd.shape, cd.shape),
-            ));
-            d.results.push(DecisionResult {
-                name: rd.name.clone(),
-                shape: rd.shape.clone(),
-                status: "shape_mismatch",
-                rows: rd.rows(),
-                differing_rows: 0,
-                reordered_rows: 0,
-                source: None,
-                flips: Vec::new(),
-                margins: "not_compared",
-                margin_differing_rows: 0,
-                margin_outside_rows: 0,
-                first_margin_difference: None,
-            });
-            continue;
+/// The step of a `decode.SSSS.argmax` decision.
+fn decode_step(name: &str) -> Option<u64> {
+    name.strip_prefix("decode.")?.strip_suffix(".argmax")?.parse().ok()
+}
+
+/// The source row a decision row was taken from, as `(row, rows)` for [`range_divergence`]:
+/// row `row` of `rows`; the first decode step without its own logits is the prompt's last
+/// `logits` row (step 0 is the argmax of that row).
+fn source_row(name: &str, source: &str, row: u64, rows: u64, r: &Trace) -> (u64, u64) {
+    if decode_step(name) == Some(0) && source == "logits" {
+        if let Some(&n) = r.tensor_info("logits").and_then(|i| i.shape.first()).filter(|&&n| n > 0) {
+            return (n - 1, n);
         }
+    }
+    (row, rows)
+}
+
+/// Whether `source` holds the decision's own scores, so that its divergence bounds how far a
+/// margin can move. Not for a router's fallback `hidden_in` (an activation, not the router's
+/// scores), nor for a decode step after the first without its own logits (the prompt's
+/// `logits` did not produce it).
+fn holds_scores(name: &str, source: &str) -> bool {
+    if let Some(step) = decode_step(name) {
+        step == 0 || source != "logits"
+    } else if name.ends_with(".router.topk") {
+        source.ends_with(".router.logits")
+    } else {
+        true
+    }
+}
+
+/// The token position of a decision row: the source's `positions` entry when it has one per
+/// decision row, else the row index; decode step s is the prompt's last position + s (step 0
+/// decides from that position's logits).
+fn row_position(name: &str, source: Option<&str>, row: u64, rows: u64, r: &Trace) -> Option<i64> {
+    if let Some(step) = decode_step(name) {
+        let logits = r.tensor_info("logits")?;
+        let last = match &logits.attributes.positions {
+            Some(p) => *p.last()?,
+            None => (*logits.shape.first()? as i64).checked_sub(1)?,
+        };
+        return last.checked_add(step as i64);
+    }
+    let positions = source.and_then(|s| r.tensor_info(s)).and_then(|i| i.attributes.positions.as_ref()).filter(|p| p.len() as u64 == rows);
+    Some(positions.map_or(row as i64, |p| p[row as usize]))
+}
+
+/// The reference gap a reordered row crossed: the largest score gap between two chosen values
+/// whose order the candidate inverted, read from the reference's source row (`range`).
+fn reorder_gap(r: &Trace, source: &str, range: (u64, u64), a: &[i64], b: &[i64]) -> Option<f64> {
+    let info = r.tensor_info(source)?;
+    let (start, end) = row_range(info, Some(range));
+    let data = r.data(info);
+    let score = |v: i64| u64::try_from(v).ok().filter(|&i| i < end - start).map(|i| numeric::element_value(info.dtype, data, start + i));
+    let rank = |v: i64| b.iter().position(|&x| x == v);
+    let mut gap: Option<f64> = None;
+    for (i, &hi) in a.iter().enumerate() {
+        for &lo in &a[i + 1..] {
+            if rank(hi) > rank(lo) {
+                let g = (score(hi)? - score(lo)?).abs();
+                gap = Some(gap.map_or(g, |x| x.max(g)));
+            }
+        }
+    }
+    gap
+}
+
+/// Labels a flip that does not come after a near-tie. `upstream`: some tensor up to the source
+/// is outside the policy (differs, by bits); `gap`: the reference gap the flip crossed;
+/// `bound`: `F·d` under a policy when the source holds the scores; `d`: the source row's
+/// divergence. With `d = 0` the scores are bit-identical, so the decision rule itself differs.
+pub fn label(upstream: bool, gap: Option<f64>, bound: Option<f64>, d: Option<f64>) -> &'static str {
+    if upstream {
+        return CONSEQUENCE;
+    }
+    match (gap, bound, d) {
+        (Some(g), Some(b), Some(d)) if d > 0.0 && g <= b => NEAR_TIE,
+        _ => DEFECT,
+    }
+}
+
+/// What `compare` found for one reference decision, in recorded order.
+enum Slot<'a> {
+    Missing,
+    Shape(&'a DecisionInfo, &'a DecisionInfo),
+    /// Boxed: the other slots are a few pointers.
+    Compared(Option<Box<DecisionResult>>),
+}
+
+/// Compares every decision; true if any finding or difference that fails the verdict. Under a
+/// `policy`, margins are judged by [`margin_tolerance`], near-ties are excused and the rows
+/// after them leave the judgement (`excuse`).
+pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
+    let policy = opts.policy.as_ref();
+    let selected = |name: &str| opts.selects(name);
+    rep.decisions.reference_count = r.decisions().iter().filter(|i| selected(&i.name)).count();
+    rep.decisions.candidate_count = c.decisions().iter().filter(|i| selected(&i.name)).count();
+    let mut slots: Vec<Slot> = Vec::with_capacity(rep.decisions.reference_count);
+    let mut todo = Vec::new();
+    for rd in r.decisions().iter().filter(|i| selected(&i.name)) {
+        match c.decision_info(&rd.name) {
+            None => slots.push(Slot::Missing),
+            Some(cd) if rd.shape != cd.shape => slots.push(Slot::Shape(rd, cd)),
+            Some(cd) => {
+                let source = source_tensor(&rd.name, r, c);
+                let at = taken_at(&rd.name, source.as_deref(), r);
+                todo.push((at, slots.len(), rd, cd, source));
+                slots.push(Slot::Compared(None));
+            }
+        }
+    }
+    // In capture order of the sources, so that every near-tie that can reach a decision's
+    // inputs is known before the decision is labelled (stable: decode steps stay in order).
+    todo.sort_by_key(|t| t.0);
+    let mut ex = Excusal::new(r, c, policy);
+    for (at, slot, rd, cd, source) in todo {
+        let result = compare_one(r, c, rd, cd, source, at, policy, &mut ex, rep);
+        slots[slot] = Slot::Compared(Some(Box::new(result)));
+    }
+    ex.finish(rep);
+
+    // Re-judging rows after a near-tie may have replaced value findings: count from here.
+    let before = rep.findings.len();
+    let mut failing = false;
+    let d = &mut rep.decisions;
+    for (rd, slot) in r.decisions().iter().filter(|i| selected(&i.name)).zip(slots) {
+        let result = match slot {
+            Slot::Missing => {
+                d.missing.push(rd.name.clone());
+                rep.findings.push(Finding::new("missing_decision", Some(&rd.name), "in the reference, not in the candidate"));
+                continue;
+            }
+            Slot::Shape(rd, cd) => {
+                rep.findings.push(Finding::new(
+                    "decision_shape_mismatch",
+                    Some(&rd.name),
+                    format!("reference {:?} vs candidate {:?}", rd.shape, cd.shape),
+                ));
+                d.results.push(DecisionResult {
+                    name: rd.name.clone(),
+                    shape: rd.shape.clone(),
+                    status: "shape_mismatch",
+                    rows: rd.rows(),
+                    differing_rows: 0,
+                    reordered_rows: 0,
+                    source: None,
+                    flips: Vec::new(),
+                    margins: "not_compared",
+                    margin_differing_rows: 0,
+                    margin_outside_rows: 0,
+                    first_margin_difference: None,
+                    rows_after_near_tie: 0,
+                });
+                continue;
+            }
+            Slot::Compared(result) => *result.expect("every compared decision has a result"),
+        };
         d.compared += 1;
-        let result = compare_one(r, c, rd, cd, policy);
         match (result.margins, &result.first_margin_difference) {
             ("reference_only" | "candidate_only", _) => {
                 let (has, lacks) = if result.margins == "reference_only" { ("reference", "candidate") } else { ("candidate", "reference") };
@@ -108,7 +227,7 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             }
             ("different", Some(m)) => {
                 let bound = m.tolerance.map(|t| format!(" (outside the tolerance {:e})", t.0)).unwrap_or_default();
-                let counted = if policy { result.margin_outside_rows } else { result.margin_differing_rows };
+                let counted = if policy.is_some() { result.margin_outside_rows } else { result.margin_differing_rows };
                 rep.findings.push(Finding::new(
                     "margin_differs",
                     Some(&rd.name),
@@ -123,19 +242,23 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         if result.differing_rows > 0 {
             d.differing += 1;
             let f = &result.flips[0];
-            rep.findings.push(Finding::new(
-                "decision_differs",
-                Some(&rd.name),
-                format!(
-                    "{} of {} rows differ{}; first at row {}: {:?} vs {:?}",
-                    result.differing_rows,
-                    result.rows,
-                    if result.reordered_rows > 0 { format!(" ({} same values, different order)", result.reordered_rows) } else { String::new() },
-                    f.row,
-                    f.reference,
-                    f.candidate
-                ),
-            ));
+            // Near-ties and the rows after them are reported (decisions, near_ties), not failed.
+            if result.flips.iter().any(|f| !f.excused()) {
+                failing = true;
+                rep.findings.push(Finding::new(
+                    "decision_differs",
+                    Some(&rd.name),
+                    format!(
+                        "{} of {} rows differ{}; first at row {}: {:?} vs {:?}",
+                        result.differing_rows,
+                        result.rows,
+                        if result.reordered_rows > 0 { format!(" ({} same values, different order)", result.reordered_rows) } else { String::new() },
+                        f.row,
+                        f.reference,
+                        f.candidate
+                    ),
+                ));
+            }
             if rep.first_decision_divergence.is_none() {
                 rep.first_decision_divergence = Some(DecisionDivergence {
                     name: rd.name.clone(),
@@ -150,26 +273,37 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         }
         d.results.push(result);
     }
-    for cd in c.decisions().iter().filter(|i| opts.selects(&i.name)) {
+    for cd in c.decisions().iter().filter(|i| selected(&i.name)) {
         if r.decision_info(&cd.name).is_none() {
             d.extra.push(cd.name.clone());
             rep.findings.push(Finding::new("extra_decision", Some(&cd.name), "in the candidate, not in the reference"));
         }
     }
-    let rn = r.decisions().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && c.decision_info(n).is_some());
-    let cn = c.decisions().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && r.decision_info(n).is_some());
+    let rn = r.decisions().iter().map(|i| i.name.as_str()).filter(|n| selected(n) && c.decision_info(n).is_some());
+    let cn = c.decisions().iter().map(|i| i.name.as_str()).filter(|n| selected(n) && r.decision_info(n).is_some());
     if let Some(f) = order_finding("decision_order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
-    rep.findings.len() > before
+    failing || rep.findings[before..].iter().any(|f| f.kind != "decision_differs")
 }
 
-fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo, policy: bool) -> DecisionResult {
+#[allow(clippy::too_many_arguments)]
+fn compare_one(
+    r: &Trace,
+    c: &Trace,
+    rd: &DecisionInfo,
+    cd: &DecisionInfo,
+    source: Option<String>,
+    at: usize,
+    policy: Option<&Policy>,
+    ex: &mut Excusal,
+    rep: &mut Report,
+) -> DecisionResult {
     let (rv, cv) = (r.decision_values(rd), c.decision_values(cd));
     let (rm, cm) = (r.decision_margins(rd), c.decision_margins(cd));
     let rows = rd.rows();
     let width = rd.count().checked_div(rows).unwrap_or(0) as usize;
-    let source = source_tensor(&rd.name, r, c);
+    let step = decode_step(&rd.name);
     let mut out = DecisionResult {
         name: rd.name.clone(),
         shape: rd.shape.clone(),
@@ -188,21 +322,26 @@ fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo, polic
         margin_differing_rows: 0,
         margin_outside_rows: 0,
         first_margin_difference: None,
+        rows_after_near_tie: 0,
     };
     if width == 0 {
         return out;
     }
+    let src_row = |row: u64| source.as_deref().map(|s| (s, source_row(&rd.name, s, row, rows, r)));
+    let divergence = |row: u64| src_row(row).and_then(|(s, range)| range_divergence(r, c, s, Some(range)));
     for (row, (a, b)) in rv.chunks(width).zip(cv.chunks(width)).enumerate() {
+        let row = row as u64;
+        let position = row_position(&rd.name, source.as_deref(), row, rows, r);
+        // A row after a near-tie is not judged: its token took another, honest path.
+        let after = ex.after(position, at, step).map(str::to_string);
+        out.rows_after_near_tie += after.is_some() as u64;
         if a == b {
             // Equal choices: the margins must be equal too (a flipped row shows both instead).
-            if let (Some(rm), Some(cm)) = (&rm, &cm) {
-                let (ma, mb) = (rm[row], cm[row]);
+            if let (Some(rm), Some(cm), None) = (&rm, &cm, &after) {
+                let (ma, mb) = (rm[row as usize], cm[row as usize]);
                 if ma.to_bits() != mb.to_bits() {
                     out.margin_differing_rows += 1;
-                    let tolerance = policy.then(|| {
-                        let d = source.as_deref().and_then(|s| range_divergence(r, c, s, Some((row as u64, rows))));
-                        margin_tolerance(ma, mb, d)
-                    });
+                    let tolerance = policy.map(|_| margin_tolerance(ma, mb, divergence(row)));
                     // NaN never lies within a tolerance; only equal bits match it.
                     let outside = tolerance.is_none_or(|t| !(((ma as f64) - (mb as f64)).abs() <= t));
                     out.margin_outside_rows += outside as u64;
@@ -213,7 +352,7 @@ fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo, polic
                     };
                     if keep {
                         out.first_margin_difference = Some(MarginDifference {
-                            row: row as u64,
+                            row,
                             reference: Real(ma as f64),
                             candidate: Real(mb as f64),
                             reference_bits: format!("{:#010x}", ma.to_bits()),
@@ -233,20 +372,59 @@ fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo, polic
         let reordered = sa == sb;
         out.differing_rows += 1;
         out.reordered_rows += reordered as u64;
-        let margin_of = |m: &Option<Vec<f32>>| m.as_ref().and_then(|m| m.get(row).copied());
+        let margin_of = |m: &Option<Vec<f32>>| m.as_ref().and_then(|m| m.get(row as usize).copied());
         let (ref_margin, cand_margin) = (margin_of(&rm), margin_of(&cm));
-        let divergence = source.as_deref().and_then(|s| range_divergence(r, c, s, Some((row as u64, rows))));
+        let d = divergence(row);
+        let scores = src_row(row).filter(|(s, _)| holds_scores(&rd.name, s));
+        // The margin is the gap between the k-th and (k+1)-th score: a reorder within the
+        // chosen crossed another gap, which only the scores tell.
+        let gap = match (reordered, scores) {
+            (true, Some((s, range))) => reorder_gap(r, s, range, a, b),
+            (true, None) => None,
+            (false, _) => ref_margin.map(|m| (m as f64).abs()),
+        };
+        let bound = match (policy, scores, d) {
+            (Some(p), Some(_), Some(d)) => Some(p.near_tie_factor() * d),
+            _ => None,
+        };
+        let (label, upstream) = match &after {
+            Some(_) => (AFTER_NEAR_TIE, None),
+            None => {
+                let upstream = ex.upstream(rep, at);
+                (label(upstream.is_some(), gap, bound, d), upstream)
+            }
+        };
+        let origin = after.clone().unwrap_or_else(|| format!("{} row {row}", rd.name));
+        if label == NEAR_TIE {
+            ex.near_tie(position, at, &origin, NearTieRef { decision: rd.name.clone(), row, position: position.unwrap_or(row as i64) });
+        }
+        // A different next token: every later decode step runs on another sequence.
+        if label == NEAR_TIE || label == AFTER_NEAR_TIE {
+            let next = match step {
+                Some(s) => Some(s + 1),
+                None if rd.name == "logits.argmax" && row + 1 == rows => Some(0),
+                None => None,
+            };
+            if let Some(next) = next {
+                ex.decode_from(next, &origin);
+            }
+        }
         out.flips.push(Flip {
-            row: row as u64,
+            row,
             reference: a.to_vec(),
             candidate: b.to_vec(),
             same_values_different_order: reordered,
             reference_margin: ref_margin.map(|m| Real(m as f64)),
             candidate_margin: cand_margin.map(|m| Real(m as f64)),
-            source_divergence: divergence.map(Real),
-            label: label(ref_margin, divergence),
+            source_divergence: d.map(Real),
+            gap: gap.map(Real),
+            noise_bound: bound.map(Real),
+            label,
+            upstream,
+            after,
         });
     }
+    ex.count_decision_rows(out.rows_after_near_tie);
     if out.differing_rows > 0 {
         out.status = "different";
     }
@@ -260,16 +438,33 @@ fn compare_one(r: &Trace, c: &Trace, rd: &DecisionInfo, cd: &DecisionInfo, polic
 
 #[cfg(test)]
 mod tests {
-    use super::label;
+    use super::*;
 
     #[test]
     fn labels() {
-        assert_eq!(label(Some(1e-7), Some(1e-5)), "near-tie");
-        assert_eq!(label(Some(1e-5), Some(1e-5)), "near-tie");
-        assert_eq!(label(Some(5e-5), Some(1e-5)), "unclear");
-        assert_eq!(label(Some(2.0), Some(1e-5)), "defect");
-        assert_eq!(label(Some(0.0), Some(0.0)), "defect");
-        assert_eq!(label(None, Some(1.0)), "unclear");
-        assert_eq!(label(Some(1.0), None), "unclear");
+        // Upstream outside the policy wins over everything.
+        assert_eq!(label(true, Some(1e-9), Some(1.0), Some(0.5)), CONSEQUENCE);
+        assert_eq!(label(false, Some(1e-7), Some(2e-5), Some(1e-5)), NEAR_TIE);
+        assert_eq!(label(false, Some(2e-5), Some(2e-5), Some(1e-5)), NEAR_TIE);
+        assert_eq!(label(false, Some(2.1e-5), Some(2e-5), Some(1e-5)), DEFECT);
+        // Bit-identical scores: the rule differs, even for a tie.
+        assert_eq!(label(false, Some(0.0), Some(0.0), Some(0.0)), DEFECT);
+        // No bound (no policy, or the source is not the scores), or no gap: no near-tie.
+        assert_eq!(label(false, Some(1e-9), None, Some(1.0)), DEFECT);
+        assert_eq!(label(false, None, Some(1.0), Some(1.0)), DEFECT);
+        assert_eq!(label(false, Some(f64::NAN), Some(1.0), Some(1.0)), DEFECT);
+    }
+
+    #[test]
+    fn decode_steps() {
+        assert_eq!(decode_step("decode.0000.argmax"), Some(0));
+        assert_eq!(decode_step("decode.0012.argmax"), Some(12));
+        assert_eq!(decode_step("logits.argmax"), None);
+        assert!(holds_scores("decode.0000.argmax", "logits"));
+        assert!(!holds_scores("decode.0001.argmax", "logits"));
+        assert!(holds_scores("decode.0001.argmax", "decode.0001.logits"));
+        assert!(holds_scores("layer.00.router.topk", "layer.00.router.logits"));
+        assert!(!holds_scores("layer.00.router.topk", "layer.00.hidden_in"));
+        assert!(holds_scores("logits.argmax", "logits"));
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod comparable;
 mod decisions;
+mod excuse;
 pub mod filter;
 pub mod numeric;
 pub mod policy;
@@ -16,11 +17,11 @@ use std::path::Path;
 use serde::{Serialize, Serializer};
 use tracegate_trace::{DType, TensorInfo, Trace};
 
-pub use decisions::{margin_tolerance, MARGIN_SLACK};
+pub use decisions::{margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGIN_SLACK, NEAR_TIE};
 pub use filter::{Filter, FilterSummary};
 pub use numeric::Special;
-pub use policy::{glob_match, Policy, Rule};
-pub use render::{render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show, write_show_json};
+pub use policy::{glob_match, NearTie, Policy, Rule, DEFAULT_NEAR_TIE_FACTOR};
+pub use render::{label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show, write_show_json};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -260,6 +261,44 @@ pub struct DecisionSummary {
     pub missing: Vec<String>,
     pub extra: Vec<String>,
     pub results: Vec<DecisionResult>,
+    /// Under a policy: the near-ties excused and the rows after them (null without a policy).
+    pub near_ties: Option<NearTieSummary>,
+}
+
+/// What near-ties excused under a policy (docs/diff.md, "Near-ties under a policy"): nothing
+/// is hidden, every excused flip and every row left out of the judgement is counted here.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct NearTieSummary {
+    /// The factor F of the near-tie bound `|margin| ≤ F·d`.
+    pub margin_factor: f64,
+    /// Flips labelled near-tie, in capture order of their sources: they do not fail the verdict.
+    pub excused: Vec<NearTieRef>,
+    /// Tensors with token rows after a near-tie, left out of the bound judgement, in reference order.
+    pub tensors: Vec<RowsAfter>,
+    /// Decision rows after a near-tie (not judged: neither their values nor their margins).
+    pub decision_rows: u64,
+}
+
+impl NearTieSummary {
+    /// Token rows after a near-tie, tensors and decisions together.
+    pub fn rows_after(&self) -> u64 {
+        self.tensors.iter().map(|t| t.rows).sum::<u64>() + self.decision_rows
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct NearTieRef {
+    pub decision: String,
+    pub row: u64,
+    /// The token position of the row (its source tensor's `positions`, else the row index).
+    pub position: i64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RowsAfter {
+    pub tensor: String,
+    /// Token rows (indices along the token axis) left out of the judgement.
+    pub rows: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -285,6 +324,8 @@ pub struct DecisionResult {
     pub margin_outside_rows: u64,
     /// The first row outside the tolerance, else the first whose margin bits differ.
     pub first_margin_difference: Option<MarginDifference>,
+    /// Rows after a near-tie (policy only): neither their values nor their margins are judged.
+    pub rows_after_near_tie: u64,
 }
 
 /// A margin that differs on a row whose decision values are equal.
@@ -300,7 +341,7 @@ pub struct MarginDifference {
     pub outside: bool,
 }
 
-/// One differing decision row, with what is needed to tell a near-tie from a defect.
+/// One differing decision row, labelled (docs/diff.md, "Labels").
 #[derive(Clone, Debug, Serialize)]
 pub struct Flip {
     pub row: u64,
@@ -311,8 +352,26 @@ pub struct Flip {
     pub candidate_margin: Option<Real>,
     /// Max |reference − candidate| over the source tensor's matching row (or whole tensor).
     pub source_divergence: Option<Real>,
-    /// "near-tie", "defect" or "unclear" (see docs/diff.md).
+    /// The reference gap the flip crossed: |reference margin|, or for a reordered row the
+    /// largest gap in the reference's scores between two chosen values whose order inverted;
+    /// null when unknown.
+    pub gap: Option<Real>,
+    /// Under a policy, `F·d` when the source row holds the decision's own scores; else null.
+    pub noise_bound: Option<Real>,
+    /// "consequence", "near-tie", "after-near-tie" or "defect".
     pub label: &'static str,
+    /// For a consequence: the first tensor up to the source outside the policy (differing by
+    /// bits without one).
+    pub upstream: Option<String>,
+    /// For a row after a near-tie: that near-tie, "DECISION row N".
+    pub after: Option<String>,
+}
+
+impl Flip {
+    /// A near-tie, or a row after one: under a policy it does not fail the verdict.
+    pub fn excused(&self) -> bool {
+        self.label == NEAR_TIE || self.label == AFTER_NEAR_TIE
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -494,13 +553,16 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     let mut different = structure(reference, candidate, opts, &mut rep);
 
     // 4. Values.
-    different |= values(reference, candidate, opts, &mut rep);
+    let values_different = values(reference, candidate, opts, &mut rep);
 
-    // 5. Decisions (always all of them the filter selects).
+    // 5. Decisions (every one the filter selects), each flip labelled; under a policy the rows
+    // after a near-tie leave the judgement and their tensors are judged again without them.
     different |= decisions::compare(reference, candidate, opts, &mut rep);
+    let rejudged = rep.decisions.near_ties.as_ref().is_some_and(|n| !n.tensors.is_empty());
+    different |= if rejudged { rep.per_tensor.iter().any(|r| matches!(r.status, "outside_policy" | "no_rule")) } else { values_different };
 
-    let any_value_difference =
-        rep.per_tensor.iter().any(|r| r.status != "identical") || rep.decisions.results.iter().any(|d| d.margin_differing_rows > 0);
+    let any_value_difference = rep.per_tensor.iter().any(|r| r.status != "identical")
+        || rep.decisions.results.iter().any(|d| d.margin_differing_rows > 0 || d.differing_rows > 0);
     rep.verdict = if different {
         Verdict::Different
     } else if opts.policy.is_some() && any_value_difference {
@@ -661,14 +723,8 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             let (s, ulps) = numeric::scan(ri.dtype, rd, cd, rep.first_divergence.is_none());
             rep.tensors.compared_elementwise.add();
             row = row_for(ri, "elementwise", if s.differing == 0 { "identical" } else { "different" });
-            row.differing_elements = Some(s.differing);
-            row.max_abs = Some(Real(s.max_abs));
-            row.max_rel = Some(Real(s.max_rel));
-            row.cosine = s.cosine().map(Real);
-            row.rel_l2 = s.rel_l2().map(Real);
-            (row.signed_zero, row.nan_mismatch, row.nan_payload, row.infinity) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
+            set_stats(&mut row, &s);
             if s.differing > 0 {
-                row.max_ulp = (s.with_distance() > 0).then_some(s.max_ulp);
                 if rep.first_divergence.is_none() {
                     row.median_ulp = ulps.as_ref().and_then(|u| numeric::median_ulp(ri.dtype, rd, cd, &s, u));
                     rep.first_divergence = Some(divergence(ri, rd, cd, &s, &row));
@@ -677,8 +733,6 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                 if !scan_all {
                     stopped = true;
                 }
-            } else {
-                row.max_ulp = Some(0);
             }
         }
         if let Some(rule) = rule {
@@ -691,25 +745,9 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                 Some((idx, rule)) => {
                     row.rule = Some(Box::new(RuleRef { index: idx, pattern: rule.pattern.clone() }));
                     if row.status == "different" {
-                        let m = policy::Measured {
-                            max_ulp: row.max_ulp,
-                            max_abs: row.max_abs.map_or(0.0, |x| x.0),
-                            max_rel: row.max_rel.map_or(0.0, |x| x.0),
-                            rel_l2: row.rel_l2.map(|x| x.0),
-                            cosine: row.cosine.map(|x| x.0),
-                            nonfinite_differences: row.nan_mismatch + row.nan_payload + row.infinity,
-                        };
-                        row.violations = rule.violations(&m);
-                        if row.violations.is_empty() {
-                            row.status = "within_policy";
-                        } else {
-                            row.status = "outside_policy";
+                        if let Some(f) = judge_row(&mut row, idx, rule) {
                             different = true;
-                            rep.findings.push(Finding::new(
-                                "outside_policy",
-                                Some(&ri.name),
-                                format!("rule {idx} ({}): {}", rule.pattern, row.violations.join("; ")),
-                            ));
+                            rep.findings.push(f);
                         }
                     }
                 }
@@ -725,6 +763,37 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         rep.per_tensor.push(row);
     }
     different
+}
+
+/// A row's statistics from a scan (the median is the caller's: only the first divergence has one).
+pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
+    row.differing_elements = Some(s.differing);
+    row.max_abs = Some(Real(s.max_abs));
+    row.max_rel = Some(Real(s.max_rel));
+    row.cosine = s.cosine().map(Real);
+    row.rel_l2 = s.rel_l2().map(Real);
+    (row.signed_zero, row.nan_mismatch, row.nan_payload, row.infinity) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
+    row.max_ulp = if s.differing > 0 { (s.with_distance() > 0).then_some(s.max_ulp) } else { Some(0) };
+}
+
+/// Judges a differing row by its rule from the row's statistics: sets `violations` and the
+/// status, and returns the `outside_policy` finding when a bound is broken.
+pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<Finding> {
+    let m = policy::Measured {
+        max_ulp: row.max_ulp,
+        max_abs: row.max_abs.map_or(0.0, |x| x.0),
+        max_rel: row.max_rel.map_or(0.0, |x| x.0),
+        rel_l2: row.rel_l2.map(|x| x.0),
+        cosine: row.cosine.map(|x| x.0),
+        nonfinite_differences: row.nan_mismatch + row.nan_payload + row.infinity,
+    };
+    row.violations = rule.violations(&m);
+    if row.violations.is_empty() {
+        row.status = "within_policy";
+        return None;
+    }
+    row.status = "outside_policy";
+    Some(Finding::new("outside_policy", Some(&row.tensor), format!("rule {idx} ({}): {}", rule.pattern, row.violations.join("; "))))
 }
 
 /// Names signed-zero / NaN / infinity differences of the first differing tensor as findings.
@@ -776,21 +845,26 @@ pub(crate) fn range_divergence(r: &Trace, c: &Trace, name: &str, rows: Option<(u
         return None;
     }
     let size = ri.dtype.size();
-    let n = ri.element_count();
-    let (start, end) = match rows {
-        // Row `row` of `count` rows, when the tensor's first axis has that many rows.
-        Some((row, count)) if ri.shape.first() == Some(&count) && count > 0 => {
-            let width = n / count;
-            (row * width, (row + 1) * width)
-        }
-        _ => (0, n),
-    };
+    let (start, end) = row_range(ri, rows);
     let (a, b) = (&r.data(ri)[start as usize * size..end as usize * size], &c.data(ci)[start as usize * size..end as usize * size]);
     let (s, _) = numeric::scan(ri.dtype, a, b, false);
     if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
         return Some(f64::INFINITY);
     }
     Some(s.max_abs)
+}
+
+/// The elements `[start, end)` of row `row` of `count` rows, when the tensor's first axis has
+/// that many rows; else of the whole tensor.
+pub(crate) fn row_range(info: &TensorInfo, rows: Option<(u64, u64)>) -> (u64, u64) {
+    let n = info.element_count();
+    match rows {
+        Some((row, count)) if info.shape.first() == Some(&count) && count > 0 => {
+            let width = n / count;
+            (row * width, (row + 1) * width)
+        }
+        _ => (0, n),
+    }
 }
 
 /// Exposed for tests and tools: the dtype's printed value for raw bits.

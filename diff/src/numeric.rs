@@ -179,7 +179,7 @@ impl Stats {
     }
 
     /// Appends a later range (indices are already absolute).
-    fn merge(mut self, o: Stats) -> Stats {
+    pub(crate) fn merge(mut self, o: Stats) -> Stats {
         self.total += o.total;
         self.differing += o.differing;
         self.first = self.first.or(o.first);
@@ -860,6 +860,16 @@ pub(crate) fn element_bits(dtype: DType, data: &[u8], index: u64) -> u64 {
 
 fn bits_of<K: Num>(e: &[u8]) -> u64 {
     K::bits(e)
+}
+
+/// Element `index` of a payload as a number (integers exactly up to 2^53).
+pub(crate) fn element_value(dtype: DType, data: &[u8], index: u64) -> f64 {
+    let bits = element_bits(dtype, data, index);
+    dispatch!(dtype, value_of, bits)
+}
+
+fn value_of<K: Num>(bits: u64) -> f64 {
+    K::to_f64(bits)
 }
 
 /// The ULP (or, for integers, absolute) distance between two elements, and their special kind.

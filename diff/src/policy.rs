@@ -21,7 +21,26 @@ pub struct Policy {
     #[serde(default)]
     pub measurements: serde_json::Value,
     pub rules: Vec<Rule>,
+    /// When a flipped decision counts as a near-tie (docs/diff.md, "Labels"); absent: the
+    /// default factor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub near_tie: Option<NearTie>,
 }
+
+/// The near-tie calibration: a flip whose reference margin is at most `margin_factor` times
+/// the divergence of the row it was taken from is a near-tie.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NearTie {
+    pub margin_factor: f64,
+    /// Why this factor (free text).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub why: String,
+}
+
+/// Without a `near_tie` entry: an order of two scores inverts only if they moved by at least
+/// their gap, and each moved by at most the row's divergence d, so a flip needs margin ≤ 2·d.
+pub const DEFAULT_NEAR_TIE_FACTOR: f64 = 2.0;
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -73,7 +92,17 @@ impl Policy {
                 return Err(format!("rule {i} ({:?}) sets no bound", r.pattern));
             }
         }
+        if let Some(n) = &p.near_tie {
+            if !(n.margin_factor.is_finite() && n.margin_factor >= 0.0) {
+                return Err(format!("near_tie.margin_factor is {}, expected a finite number >= 0", n.margin_factor));
+            }
+        }
         Ok(p)
+    }
+
+    /// The near-tie factor: the policy's `near_tie.margin_factor`, else [`DEFAULT_NEAR_TIE_FACTOR`].
+    pub fn near_tie_factor(&self) -> f64 {
+        self.near_tie.as_ref().map_or(DEFAULT_NEAR_TIE_FACTOR, |n| n.margin_factor)
     }
 
     /// The first rule matching `name`, with its index.

@@ -8,7 +8,7 @@ use serde::{Serialize, Serializer};
 use tracegate_trace::{Attributes, DecisionInfo, TensorInfo, Trace};
 
 use crate::stats::{each_with_stats, Scalar, TensorStats};
-use crate::{FilterSummary, Real, Report, RowSet, TensorRow, Verdict};
+use crate::{FilterSummary, Flip, Real, Report, RowSet, TensorRow, Verdict, AFTER_NEAR_TIE, CONSEQUENCE, NEAR_TIE};
 
 /// Names wider than this overflow their column instead of widening it: a format width is at
 /// most 65,535 (wider panics), and one long name must not pad every other row.
@@ -146,10 +146,45 @@ fn decisions_clause(rep: &Report) -> String {
         if !d.missing.is_empty() || !d.extra.is_empty() {
             notes.push(format!("{} missing, {} extra", d.missing.len(), d.extra.len()));
         }
+        notes.extend(near_ties_note(rep));
         if !notes.is_empty() {
             s += &format!(" ({})", notes.join("; "));
         }
         s
+    }
+}
+
+/// "2 near-ties excused: layer.00.router.topk row 5, …; 14 rows after a near-tie not judged",
+/// so a verdict never hides what it excused.
+fn near_ties_note(rep: &Report) -> Option<String> {
+    let n = rep.decisions.near_ties.as_ref().filter(|n| !n.excused.is_empty())?;
+    const SHOWN: usize = 3;
+    let mut which: Vec<String> = n.excused.iter().take(SHOWN).map(|e| format!("{} row {}", e.decision, e.row)).collect();
+    if n.excused.len() > SHOWN {
+        which.push(format!("{} more", n.excused.len() - SHOWN));
+    }
+    let k = n.excused.len();
+    let rows = n.rows_after();
+    Some(format!(
+        "{k} near-tie{} excused: {}; {rows} row{} after a near-tie not judged",
+        if k == 1 { "" } else { "s" },
+        which.join(", "),
+        if rows == 1 { "" } else { "s" }
+    ))
+}
+
+/// How a flip's label reads: with the upstream tensor, the near-tie it follows, or the gap
+/// against the noise bound (the gate prints flips the same way).
+pub fn label_text(f: &Flip) -> String {
+    let vs = |op: &str| match (f.gap, f.noise_bound) {
+        (Some(g), Some(b)) => format!(" (gap {} {op} bound {})", real(Some(g)), real(Some(b))),
+        _ => String::new(),
+    };
+    match f.label {
+        CONSEQUENCE => format!("consequence of {}", f.upstream.as_deref().unwrap_or("?")),
+        AFTER_NEAR_TIE => format!("after a near-tie ({})", f.after.as_deref().unwrap_or("?")),
+        NEAR_TIE => format!("near-tie{}", vs("≤")),
+        other => format!("{other}{}", vs(">")),
     }
 }
 
@@ -423,6 +458,8 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
                 format!("{} of {} rows differ{reord}", r.differing_rows, r.rows)
             }
         };
+        let after = if r.rows_after_near_tie > 0 { format!("; {} after a near-tie, not judged", r.rows_after_near_tie) } else { String::new() };
+        let state = state + &after;
         let _ = writeln!(o, "  {} {:?}  {state}", r.name, r.shape);
         if let Some(m) = &r.first_margin_difference {
             let n = if r.margins == "within_tolerance" { r.margin_differing_rows } else { r.margin_outside_rows };
@@ -453,11 +490,22 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
                 real(f.candidate_margin),
                 r.source.as_deref().unwrap_or("(no source tensor)"),
                 real(f.source_divergence),
-                f.label
+                label_text(f)
             );
         }
         if r.flips.len() > 10 {
             let _ = writeln!(o, "    … {} more differing rows (see --json)", r.flips.len() - 10);
+        }
+    }
+    if let Some(n) = d.near_ties.as_ref().filter(|n| !n.excused.is_empty()) {
+        let which: Vec<String> = n.excused.iter().map(|e| format!("{} row {} (position {})", e.decision, e.row, e.position)).collect();
+        let _ = writeln!(o, "near-ties  {} excused by the policy (gap ≤ {}·divergence): {}", n.excused.len(), real(Some(Real(n.margin_factor))), which.join(", "));
+        let mut after: Vec<String> = n.tensors.iter().map(|t| format!("{} {} row{}", t.tensor, t.rows, if t.rows == 1 { "" } else { "s" })).collect();
+        if n.decision_rows > 0 {
+            after.push(format!("{} decision row{}", n.decision_rows, if n.decision_rows == 1 { "" } else { "s" }));
+        }
+        if !after.is_empty() {
+            let _ = writeln!(o, "  after a near-tie, not judged: {}", after.join(", "));
         }
     }
 }

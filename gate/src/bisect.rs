@@ -73,6 +73,15 @@ pub struct DecisionCmp {
     pub name: String,
     pub rows: u64,
     pub differing_rows: u64,
+    /// Of those, rows a policy excused: near-ties and the rows after them (docs/diff.md, "Labels").
+    pub excused_rows: u64,
+}
+
+impl DecisionCmp {
+    /// Differing rows a near-tie does not excuse: only these make a decision diverge.
+    fn judged_rows(&self) -> u64 {
+        self.differing_rows - self.excused_rows
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -235,7 +244,11 @@ fn rows(rep: &Report) -> Vec<TensorCmp> {
 }
 
 fn decisions(rep: &Report) -> Vec<DecisionCmp> {
-    rep.decisions.results.iter().map(|d| DecisionCmp { name: d.name.clone(), rows: d.rows, differing_rows: d.differing_rows }).collect()
+    rep.decisions
+        .results
+        .iter()
+        .map(|d| DecisionCmp { name: d.name.clone(), rows: d.rows, differing_rows: d.differing_rows, excused_rows: d.flips.iter().filter(|f| f.excused()).count() as u64 })
+        .collect()
 }
 
 fn open(root: &Path, rel: &str) -> Result<Trace> {
@@ -419,7 +432,7 @@ fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, po
     }
     let tensors = rows(&rep);
     let decisions = decisions(&rep);
-    let wrong = tensors.iter().any(|t| is_bad(&t.status)) || decisions.iter().any(|d| d.differing_rows > 0);
+    let wrong = tensors.iter().any(|t| is_bad(&t.status)) || decisions.iter().any(|d| d.judged_rows() > 0);
     Ok(Isolation { tensors, decisions, wrong })
 }
 
@@ -443,7 +456,7 @@ fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
     let mut matching = Vec::new();
     for (name, block) in order {
         if let Some(d) = row.isolated_decisions.iter().find(|d| d.name == name) {
-            if d.differing_rows > 0 {
+            if d.judged_rows() > 0 {
                 let detail = format!("{} differs in isolation ({}/{} rows choose other experts)", short(&name), d.differing_rows, d.rows);
                 return Stage { layer, block, tensor: name, detail, matching };
             }
@@ -614,7 +627,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
 
     // The first diverging place, in computation order (tensors in reference order, then decisions by location).
     let mut diverging: Vec<(i64, String, &'static str)> = whole_rows.iter().filter(|t| is_bad(&t.status)).map(|t| (location(&t.tensor), t.tensor.clone(), "differs")).collect();
-    diverging.extend(whole_decisions.iter().filter(|d| d.differing_rows > 0).map(|d| (location(&d.name), d.name.clone(), "differs")));
+    diverging.extend(whole_decisions.iter().filter(|d| d.judged_rows() > 0).map(|d| (location(&d.name), d.name.clone(), "differs")));
     // What the differ states as a finding rather than as values (a tensor or decision on one
     // side only, another order): divergence too, so the headline never calls runs matching while
     // the body lists their differences.
@@ -941,7 +954,8 @@ pub fn render(r: &BisectReport) -> String {
         }
     }
     for d in &r.whole_run.differing_decisions {
-        o.push_str(&format!("  whole run: decision {} differs in {}/{} rows\n", d.name, d.rows.min(d.differing_rows), d.rows));
+        let excused = if d.excused_rows > 0 { format!(" ({} excused: near-ties and rows after them)", d.excused_rows) } else { String::new() };
+        o.push_str(&format!("  whole run: decision {} differs in {}/{} rows{excused}\n", d.name, d.rows.min(d.differing_rows), d.rows));
     }
     for f in &r.whole_run.findings {
         o.push_str(&format!("  whole run finding: {f}\n"));

@@ -58,7 +58,7 @@ pub fn render(r: &MilestoneReport) -> String {
         }
         if let Some(o) = &p.oracle {
             out.push_str(&format!(
-                "{}: oracle agreement — smallest margin {} ({}), worst max rel {} ({}), worst rel L2 {} ({}), near-ties: {}\n",
+                "{}: oracle agreement — smallest margin {} ({}), worst max rel {} ({}), worst rel L2 {} ({}), near-ties excused: {}\n",
                 p.id,
                 o.smallest_margin.map(|v| format!("{v:.3e}")).unwrap_or("n/a".into()),
                 o.smallest_margin_at.clone().unwrap_or_default(),
@@ -66,7 +66,7 @@ pub fn render(r: &MilestoneReport) -> String {
                 o.worst_max_rel_tensor.clone().unwrap_or_default(),
                 o.worst_rel_l2.map(|v| format!("{v:.2e}")).unwrap_or("n/a".into()),
                 o.worst_rel_l2_tensor.clone().unwrap_or_default(),
-                if o.near_ties.is_empty() { "none".into() } else { o.near_ties.join(", ") }
+                if o.near_ties.is_empty() { "none".into() } else { format!("{} ({} rows after them not judged)", o.near_ties.join(", "), o.rows_after_near_tie) }
             ));
         }
     }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::{json, Value};
-use tracegate_diff::{Options, Policy, Verdict};
+use tracegate_diff::{label_text, Options, Policy, Verdict, NEAR_TIE};
 use tracegate_trace::Trace;
 
 use crate::baselines::{Baseline, BaselineFile, Conditions};
@@ -82,7 +82,10 @@ pub struct OracleSummary {
     pub worst_max_rel_tensor: Option<String>,
     pub worst_rel_l2: Option<f64>,
     pub worst_rel_l2_tensor: Option<String>,
+    /// Near-ties the policy excused, "DECISION[row]" (docs/diff.md, "Labels").
     pub near_ties: Vec<String>,
+    /// Token rows after those near-ties, tensors and decisions, not judged.
+    pub rows_after_near_tie: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -320,12 +323,18 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
             }
         }
     }
+    // The differ's labels: a near-tie and the rows after it are reported, not failed; each
+    // decision with a consequence or defect is a finding counting those rows.
     let mut near_ties = Vec::new();
     for r in rep.decisions.results.iter().filter(|r| r.differing_rows > 0) {
-        let labels: Vec<String> = r.flips.iter().map(|f| format!("row {} {:?}→{:?} {}", f.row, f.reference, f.candidate, f.label)).collect();
-        near_ties.extend(r.flips.iter().filter(|f| f.label == "near-tie").map(|f| format!("{}[{}]", r.name, f.row)));
-        found.push(Finding { kind: "decision_differs".into(), name: r.name.clone(), count: r.differing_rows, detail: labels.join("; ") });
+        near_ties.extend(r.flips.iter().filter(|f| f.label == NEAR_TIE).map(|f| format!("{}[{}]", r.name, f.row)));
+        let failing = r.flips.iter().filter(|f| !f.excused()).count() as u64;
+        if failing > 0 {
+            let labels: Vec<String> = r.flips.iter().map(|f| format!("row {} {:?}→{:?} {}", f.row, f.reference, f.candidate, label_text(f))).collect();
+            found.push(Finding { kind: "decision_differs".into(), name: r.name.clone(), count: failing, detail: labels.join("; ") });
+        }
     }
+    let rows_after_near_tie = rep.decisions.near_ties.as_ref().map_or(0, |n| n.rows_after());
     // Smallest margin among the engine's decisions; worst numeric divergences.
     let mut smallest: Option<(f64, String)> = None;
     for d in eng.decisions() {
@@ -354,8 +363,9 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         worst_rel_l2: rel_l2.as_ref().map(|x| x.0),
         worst_rel_l2_tensor: rel_l2.map(|x| x.1),
         near_ties,
+        rows_after_near_tie,
     };
-    let detail = format!(
+    let mut detail = format!(
         "{} under policy {}: {} tensors judged, {}/{} decisions differ; smallest margin {} at {}; worst rel L2 {} ({})",
         match rep.verdict {
             Verdict::Identical => "IDENTICAL",
@@ -372,6 +382,14 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         summary.worst_rel_l2.map(|v| format!("{v:.2e}")).unwrap_or("n/a".into()),
         summary.worst_rel_l2_tensor.clone().unwrap_or_default(),
     );
+    if !summary.near_ties.is_empty() {
+        detail.push_str(&format!(
+            "; {} near-tie(s) excused ({}), {} row(s) after them not judged",
+            summary.near_ties.len(),
+            summary.near_ties.join(", "),
+            summary.rows_after_near_tie
+        ));
+    }
     if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
         found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
     }

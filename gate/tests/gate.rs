@@ -494,6 +494,37 @@ fn an_oracle_decode_token_flip_fails_generation_oracle() {
 }
 
 #[test]
+fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees() {
+    // edge64's smallest engine margin (logits row 10, ~8.7e-3, fixtures/policy/oracle-default.json)
+    // flipped by a logit moved by 1.5 times it, well within the policy: a near-tie. Row 0 flipped
+    // with its logits untouched: a defect, the one finding.
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let oracle = test_producer("planted_trace.py", "--base contract --near-tie 10 --flip logits.argmax");
+    let r = gate(&repo(), &["m0", "--only", "edge64", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let agrees = check(&rep, "edge64", "agrees");
+    // The defect row alone is counted (and so, as recorded, one decision now differs).
+    let want = [("decision_differs".to_string(), "logits.argmax".to_string(), 1), ("count_changed".to_string(), "oracle_decisions_differing".to_string(), 1)];
+    assert_eq!(findings(agrees), want, "{agrees}");
+    let detail = agrees["findings"][0]["detail"].as_str().unwrap();
+    assert!(detail.contains("row 0 ") && detail.contains("defect") && detail.contains("near-tie"), "{detail}");
+    assert!(agrees["detail"].as_str().unwrap().contains("1 near-tie(s) excused (logits.argmax[10])"), "{agrees}");
+    let oracle = &rep["prompts"].as_array().unwrap().iter().find(|p| p["id"] == "edge64").unwrap()["oracle"];
+    assert_eq!(oracle["near_ties"], serde_json::json!(["logits.argmax[10]"]), "{oracle}");
+    assert!(r.stdout.contains("near-ties excused: logits.argmax[10]"), "{}", r.stdout);
+
+    // The near-tie alone passes, and is still reported.
+    let oracle = test_producer("planted_trace.py", "--base contract --near-tie 10");
+    let r = gate(&repo(), &["m0", "--only", "edge64", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let rep = r.report.unwrap();
+    let agrees = check(&rep, "edge64", "agrees");
+    assert_eq!((agrees["status"].as_str(), findings(agrees).len()), (Some("PASS"), 0), "{agrees}");
+    assert!(agrees["detail"].as_str().unwrap().contains("WITHIN POLICY") && r.stdout.contains("near-ties excused: logits.argmax[10]"), "{}", r.stdout);
+}
+
+#[test]
 fn a_contract_decode_token_flip_fails_generation() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());

@@ -11,6 +11,8 @@ repeat, and the trace must hold what it names:
   --drop TENSOR     TENSOR left out of the trace
   --attr TENSOR     an extra attribute `note=""` added on TENSOR (its bytes unchanged)
   --margins VALUE   every margin of every decision set to VALUE (decision values unchanged)
+  --near-tie ROW    logits row ROW's runner-up raised above its top logit by half their gap, and
+                    logits.argmax row ROW set to it: a flip the moved logit explains (a near-tie)
 
 Not for real use.
 """
@@ -41,7 +43,7 @@ def main() -> int:
         return 2
     run = base_main(argv[1])
     argv = argv[2:]
-    edits = {"--push": [], "--nudge": [], "--flip": [], "--drop": [], "--attr": [], "--margins": []}
+    edits = {"--push": [], "--nudge": [], "--flip": [], "--drop": [], "--attr": [], "--margins": [], "--near-tie": []}
     while argv and argv[0] in edits:
         edits[argv[0]].append(argv[1])
         argv = argv[2:]
@@ -56,7 +58,7 @@ def main() -> int:
             return rc
         t = tracegate.Trace(clean)
         # The trace must hold what is to be edited: a test that edits nothing proves nothing.
-        for name in edits["--push"] + edits["--nudge"] + edits["--drop"] + edits["--attr"]:
+        for name in edits["--push"] + edits["--nudge"] + edits["--drop"] + edits["--attr"] + ["logits"] * bool(edits["--near-tie"]):
             if name not in t.names:
                 print(f"planted_trace: no tensor {name} to edit", file=sys.stderr)
                 return 3
@@ -64,6 +66,7 @@ def main() -> int:
             if name not in t.decisions:
                 print(f"planted_trace: no decision {name} to flip", file=sys.stderr)
                 return 3
+        near_ties = {}  # logits row -> its runner-up, the new argmax
         with tracegate.TraceWriter(out, t.provenance) as w:
             for name in t.names:
                 if name in edits["--drop"]:
@@ -74,6 +77,11 @@ def main() -> int:
                     flat[0] = 1000 * (abs(flat[0]) + 1)
                 if name in edits["--nudge"]:
                     flat[0] = np.nextafter(flat[0], np.float32(np.inf))
+                if name == "logits":
+                    for row in map(int, edits["--near-tie"]):
+                        top, second = np.argsort(-array[row], kind="stable")[:2]
+                        array[row, second] = array[row, top] + (array[row, top] - array[row, second]) / 2
+                        near_ties[row] = int(second)
                 attrs = dict(t.attributes(name))
                 if name in edits["--attr"]:
                     attrs["note"] = ""
@@ -83,6 +91,9 @@ def main() -> int:
                 if name in edits["--flip"]:
                     flat = values.reshape(-1)
                     flat[0] ^= 1
+                if name == "logits.argmax":
+                    for row, choice in near_ties.items():
+                        values[row] = choice
                 margins = t.margins[name]
                 if edits["--margins"] and margins is not None:
                     margins = np.full_like(np.asarray(margins), float(edits["--margins"][-1]), dtype=np.float32)

@@ -1,0 +1,183 @@
+//! Rows after a near-tie (docs/diff.md, "Near-ties under a policy"). A flip labelled near-tie
+//! sends its token down another path, as honest as the reference's, and everything that token
+//! computes afterwards differs for no defect. So under a policy the token's rows in every
+//! tensor captured after the decision's source, and its rows of later decisions, are left out
+//! of the judgement; every other row is still judged, and every row left out is counted.
+
+use std::collections::BTreeSet;
+
+use tracegate_trace::{TensorInfo, Trace};
+
+use crate::{judge_row, numeric, set_stats, NearTieRef, NearTieSummary, Policy, Report, RowsAfter, TensorRow};
+
+/// A tensor's capture index in `t`: the reader hands out references into its capture-ordered
+/// index, so the place is the reference's offset in that slice (no name map for a million
+/// tensors).
+pub(crate) fn capture_index(t: &Trace, name: &str) -> Option<usize> {
+    let info: *const TensorInfo = t.tensor_info(name)?;
+    let all = t.tensors().as_ptr_range();
+    all.contains(&info).then(|| (info as usize - all.start as usize) / std::mem::size_of::<TensorInfo>())
+}
+
+/// The axis of a tensor that holds tokens: `attn_probs` is `[heads, tokens, keys]`, every other
+/// capture point is token-major (docs/capture-points.md).
+fn token_axis(name: &str) -> usize {
+    if name.ends_with(".attn_probs") {
+        1
+    } else {
+        0
+    }
+}
+
+/// Scans the elements `[start, end)` of both payloads. The one place this module calls the
+/// element scan.
+fn scan_range(ri: &TensorInfo, rd: &[u8], ci: &TensorInfo, cd: &[u8], (start, end): (u64, u64)) -> numeric::Stats {
+    let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
+    let (a, b) = (&rd[start as usize * rs..end as usize * rs], &cd[start as usize * cs..end as usize * cs]);
+    numeric::scan(ri.dtype, a, b, false).0
+}
+
+/// The labelling state: which per-tensor rows are settled, the first of them outside the
+/// policy, and the tokens and decode steps that come after a near-tie.
+pub(crate) struct Excusal<'a> {
+    r: &'a Trace,
+    c: &'a Trace,
+    policy: Option<&'a Policy>,
+    /// `per_tensor` rows before this one are settled: their statuses are final.
+    settled: usize,
+    /// The first settled row outside the policy (differing, by bits, without one).
+    first_bad: Option<usize>,
+    /// Tokens after a near-tie: position, the capture index after which the token's rows are
+    /// excused, and the near-tie ("DECISION row N").
+    tokens: Vec<(i64, usize, String)>,
+    /// Decode steps from this one on run on another sequence (a near-tie chose the token).
+    decode_from: Option<(u64, String)>,
+    summary: NearTieSummary,
+}
+
+impl<'a> Excusal<'a> {
+    pub(crate) fn new(r: &'a Trace, c: &'a Trace, policy: Option<&'a Policy>) -> Self {
+        let summary = NearTieSummary { margin_factor: policy.map_or(0.0, Policy::near_tie_factor), ..NearTieSummary::default() };
+        Excusal { r, c, policy, settled: 0, first_bad: None, tokens: Vec::new(), decode_from: None, summary }
+    }
+
+    /// Settles every row captured at or before `until` and names the first of them outside the
+    /// policy (differing, by bits, without one). Called in nondecreasing `until`: a near-tie
+    /// excuses only rows captured after its own source, so a settled row never changes again.
+    pub(crate) fn upstream(&mut self, rep: &mut Report, until: usize) -> Option<String> {
+        while self.settled < rep.per_tensor.len() {
+            let at = capture_index(self.r, &rep.per_tensor[self.settled].tensor).unwrap_or(usize::MAX);
+            if at > until {
+                break;
+            }
+            self.settle(rep, self.settled, at);
+            let row = &rep.per_tensor[self.settled];
+            let bad = match self.policy {
+                // A tensor without a rule is unjudged: outside when its bits differ.
+                Some(_) => row.status == "outside_policy" || (row.status == "no_rule" && row.differing_elements != Some(0)),
+                None => row.status != "identical",
+            };
+            if bad && self.first_bad.is_none() {
+                self.first_bad = Some(self.settled);
+            }
+            self.settled += 1;
+        }
+        self.first_bad.map(|i| rep.per_tensor[i].tensor.clone())
+    }
+
+    /// The near-tie a decision row comes after: a decode step at or after `decode_from`, or a
+    /// row whose token was excused by a near-tie captured before the decision's source `at`.
+    pub(crate) fn after(&self, position: Option<i64>, at: usize, step: Option<u64>) -> Option<&str> {
+        if let (Some(s), Some((from, origin))) = (step, &self.decode_from) {
+            if s >= *from {
+                return Some(origin);
+            }
+        }
+        let p = position?;
+        self.tokens.iter().find(|(tp, after, _)| *tp == p && *after < at).map(|t| t.2.as_str())
+    }
+
+    /// Records a near-tie at `position` of a decision whose source is at capture index `at`.
+    pub(crate) fn near_tie(&mut self, position: Option<i64>, at: usize, origin: &str, excused: NearTieRef) {
+        if let Some(p) = position {
+            self.tokens.push((p, at, origin.to_string()));
+        }
+        self.summary.excused.push(excused);
+    }
+
+    /// Decode steps from `step` on come after the near-tie `origin`.
+    pub(crate) fn decode_from(&mut self, step: u64, origin: &str) {
+        if self.decode_from.as_ref().is_none_or(|(s, _)| step < *s) {
+            self.decode_from = Some((step, origin.to_string()));
+        }
+    }
+
+    pub(crate) fn count_decision_rows(&mut self, rows: u64) {
+        self.summary.decision_rows += rows;
+    }
+
+    /// Settles every remaining row and puts the summary in the report (under a policy).
+    pub(crate) fn finish(mut self, rep: &mut Report) {
+        self.upstream(rep, usize::MAX);
+        if self.policy.is_some() {
+            rep.decisions.near_ties = Some(self.summary);
+        }
+    }
+
+    /// Judges row `j` (capture index `at`) again without the rows of tokens after a near-tie.
+    fn settle(&mut self, rep: &mut Report, j: usize, at: usize) {
+        let Some(policy) = self.policy else { return };
+        let excused: BTreeSet<i64> = self.tokens.iter().filter(|(_, after, _)| *after < at).map(|t| t.0).collect();
+        let row = &rep.per_tensor[j];
+        // Identical stays identical without any rows; a tensor without a rule has nothing to re-judge.
+        if excused.is_empty() || !matches!(row.status, "within_policy" | "outside_policy") {
+            return;
+        }
+        let (Some(ri), Some(ci)) = (self.r.tensor_info(&row.tensor), self.c.tensor_info(&row.tensor)) else { return };
+        let Some(rule) = row.rule.as_ref().and_then(|x| policy.rules.get(x.index).map(|rule| (x.index, rule))) else { return };
+        let axis = token_axis(&ri.name);
+        let Some(&tokens) = ri.shape.get(axis) else { return };
+        let positions = ri.attributes.positions.as_ref().filter(|p| p.len() as u64 == tokens);
+        let out: Vec<bool> = (0..tokens).map(|i| excused.contains(&positions.map_or(i as i64, |p| p[i as usize]))).collect();
+        let left_out = out.iter().filter(|&&x| x).count() as u64;
+        if left_out == 0 {
+            return;
+        }
+        // Runs of kept token rows, for every index of the axes before the token axis.
+        let outer: u64 = ri.shape[..axis].iter().product();
+        let inner: u64 = ri.shape[axis + 1..].iter().product();
+        let (rd, cd) = (self.r.data(ri), self.c.data(ci));
+        let mut stats = numeric::Stats::default();
+        for o in 0..outer {
+            let mut i = 0;
+            while i < tokens {
+                if out[i as usize] {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < tokens && !out[i as usize] {
+                    i += 1;
+                }
+                let base = o * tokens;
+                stats = stats.merge(scan_range(ri, rd, ci, cd, ((base + start) * inner, (base + i) * inner)));
+            }
+        }
+        let row: &mut TensorRow = &mut rep.per_tensor[j];
+        set_stats(row, &stats);
+        // The median is measured once, over the whole first differing tensor.
+        row.median_ulp = None;
+        let finding = judge_row(row, rule.0, rule.1);
+        let name = row.tensor.clone();
+        let old = rep.findings.iter().position(|f| f.kind == "outside_policy" && f.tensor.as_deref() == Some(name.as_str()));
+        match (old, finding) {
+            (Some(i), Some(f)) => rep.findings[i] = f,
+            (Some(i), None) => {
+                rep.findings.remove(i);
+            }
+            (None, Some(f)) => rep.findings.push(f),
+            (None, None) => {}
+        }
+        self.summary.tensors.push(RowsAfter { tensor: name, rows: left_out });
+    }
+}

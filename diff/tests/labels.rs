@@ -1,0 +1,372 @@
+//! Labels of flipped decisions and the excusal of rows after a near-tie (docs/diff.md,
+//! "Labels" and "Near-ties under a policy"), on planted model-shaped traces: each label, the
+//! upstream tensor a consequence names, a near-tie that excuses exactly its token's later rows,
+//! and negative controls where the same flip or a difference elsewhere still fails.
+
+mod common;
+
+use common::*;
+use tracegate_diff::{compare_files, render_human, NearTie, Options, Policy, Report, Verdict};
+
+fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
+    let (_dir, rp, cp) = pair(r, c);
+    compare_files(&rp, &cp, &Options { policy, ..Options::default() })
+}
+
+fn oracle_policy() -> Policy {
+    Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap()
+}
+
+/// (label, upstream, after) of the flip at `row` of `decision`.
+fn flip(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>, Option<String>) {
+    let res = rep.decisions.results.iter().find(|d| d.name == decision).unwrap_or_else(|| panic!("no decision {decision}"));
+    let f = res.flips.iter().find(|f| f.row == row).unwrap_or_else(|| panic!("{decision} row {row} did not flip: {:?}", res.flips));
+    (f.label, f.upstream.clone(), f.after.clone())
+}
+
+fn status<'a>(rep: &'a Report, tensor: &str) -> &'a str {
+    rep.per_tensor.iter().find(|t| t.tensor == tensor).unwrap().status
+}
+
+fn get_f32(s: &Spec, name: &str, i: usize) -> f32 {
+    let t = s.tensors.iter().find(|t| t.name == name).unwrap();
+    f32::from_le_bytes(t.bytes[i * 4..i * 4 + 4].try_into().unwrap())
+}
+
+/// Adds `by` to every element of token `token`'s rows: the first axis, or for `attn_probs`
+/// (`[heads, tokens, keys]`) the second, in every head.
+fn push_token(s: &mut Spec, name: &str, token: usize, by: f32) {
+    let shape = s.tensors.iter().find(|t| t.name == name).unwrap().shape.clone();
+    let spans: Vec<(usize, usize)> = if name.ends_with(".attn_probs") {
+        let (heads, tokens, keys) = (shape[0] as usize, shape[1] as usize, shape[2] as usize);
+        (0..heads).map(|h| ((h * tokens + token) * keys, (h * tokens + token + 1) * keys)).collect()
+    } else {
+        let width = shape[1..].iter().product::<u64>() as usize;
+        vec![(token * width, (token + 1) * width)]
+    };
+    for (a, b) in spans {
+        for i in a..b {
+            let v = get_f32(s, name, i);
+            s.set_f32(name, i, v + by);
+        }
+    }
+}
+
+/// The common model with `layer.01.attn_probs` (`[2 heads, 4 tokens, 4 keys]`, before
+/// `layer.01.attn_out`, as the producers capture it) and two decode steps: step 0 is the
+/// argmax of the last logits row (14, margin 0.75, as `logits.argmax` row 3).
+fn model_ext() -> Spec {
+    let mut m = model();
+    let at = m.tensors.iter().position(|t| t.name == "layer.01.attn_out").unwrap();
+    let probs: Vec<f32> = values(32, 17).iter().map(|v| (v + 1.7) / 4.0).collect();
+    m.tensors.insert(at, t_f32("layer.01.attn_probs", &[2, 4, 4], &probs));
+    m.decisions.push(D { name: "decode.0000.argmax".into(), shape: vec![1], values: vec![14], margins: Some(vec![0.75]) });
+    m.decisions.push(D { name: "decode.0001.argmax".into(), shape: vec![1], values: vec![3], margins: Some(vec![2.0]) });
+    m
+}
+
+/// Every tensor captured after `layer.00.router.logits`.
+const AFTER_ROUTER_0: [&str; 10] = [
+    "layer.00.mlp_out",
+    "layer.00.hidden_out",
+    "layer.01.hidden_in",
+    "layer.01.attn_probs",
+    "layer.01.attn_out",
+    "layer.01.router.logits",
+    "layer.01.mlp_out",
+    "layer.01.hidden_out",
+    "final_norm.out",
+    "logits",
+];
+
+/// The reference and an oracle-like candidate where token 3's router row in layer 0 moved by
+/// `moved` (element 12, the row's first) and picked [2, 0] instead of [2, 1] (margin 1e-6).
+/// Token 3 then took another expert: its rows differ widely in every later tensor and its
+/// later decisions flip (layer 1's router, the last logits row, both decode steps).
+fn near_tie_pair(moved: f32) -> (Spec, Spec) {
+    let r = model_ext();
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let v = get_f32(&r, "layer.00.router.logits", 12);
+    c.set_f32("layer.00.router.logits", 12, v + moved);
+    c.decision_mut("layer.00.router.topk").values[7] = 0;
+    for name in AFTER_ROUTER_0 {
+        push_token(&mut c, name, 3, if name.ends_with("attn_probs") { 0.25 } else { 1.0 });
+    }
+    c.decision_mut("layer.01.router.topk").values[6..8].copy_from_slice(&[0, 1]);
+    c.decision_mut("logits.argmax").values[3] = 5;
+    c.decision_mut("decode.0000.argmax").values[0] = 5;
+    c.decision_mut("decode.0001.argmax").values[0] = 4;
+    (r, c)
+}
+
+/// The divergence element 12 of `layer.00.router.logits` gets in `near_tie_pair(moved)`:
+/// f32 rounding of the planted value, measured here in f64.
+fn moved_by(r: &Spec, moved: f32) -> f64 {
+    let v = get_f32(r, "layer.00.router.logits", 12);
+    ((v + moved) as f64 - v as f64).abs()
+}
+
+#[test]
+fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
+    let (r, c) = near_tie_pair(2e-6);
+    let d = moved_by(&r, 2e-6);
+    assert!(1e-6 <= 2.0 * d, "the plant must put the margin within 2·d: d = {d}");
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert!(rep.findings.is_empty(), "{:#?}", rep.findings);
+
+    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    let f = &res.flips[0];
+    assert_eq!((f.row, f.label), (3, "near-tie"));
+    assert_eq!(f.source_divergence.unwrap().0, d);
+    assert_eq!(f.noise_bound.unwrap().0, 2.0 * d, "default factor 2 (no near_tie in oracle-default)");
+    assert_eq!(f.gap.unwrap().0, 1e-6f32 as f64);
+
+    let origin = Some("layer.00.router.topk row 3".to_string());
+    for (decision, row) in [("layer.01.router.topk", 3), ("logits.argmax", 3), ("decode.0000.argmax", 0), ("decode.0001.argmax", 0)] {
+        assert_eq!(flip(&rep, decision, row), ("after-near-tie", None, origin.clone()), "{decision}");
+    }
+    // Nothing hidden: the near-tie, each tensor's rows left out, the decision rows.
+    let n = rep.decisions.near_ties.as_ref().unwrap();
+    assert_eq!(n.excused.iter().map(|e| (e.decision.as_str(), e.row, e.position)).collect::<Vec<_>>(), [("layer.00.router.topk", 3, 3)]);
+    assert_eq!(n.tensors.iter().map(|t| (t.tensor.as_str(), t.rows)).collect::<Vec<_>>(), AFTER_ROUTER_0.map(|t| (t, 1)));
+    assert_eq!(n.decision_rows, 4);
+    for t in AFTER_ROUTER_0 {
+        assert_eq!(status(&rep, t), "within_policy", "{t}");
+    }
+    let human = render_human(&rep);
+    let first = human.lines().next().unwrap();
+    assert!(first.starts_with("WITHIN POLICY"), "{first}");
+    assert!(first.contains("(1 near-tie excused: layer.00.router.topk row 3; 14 rows after a near-tie not judged)"), "{first}");
+    assert!(human.contains("after a near-tie (layer.00.router.topk row 3)"), "{human}");
+    let json = serde_json::to_value(&rep).unwrap();
+    assert_eq!(json["decisions"]["near_ties"]["excused"][0]["decision"], "layer.00.router.topk");
+    assert_eq!(json["decisions"]["near_ties"]["tensors"][3]["tensor"], "layer.01.attn_probs");
+}
+
+#[test]
+fn another_tokens_difference_after_a_near_tie_still_fails() {
+    // Token 1's row of layer.01.hidden_out, and separately token 1's query row of attn_probs
+    // (its second axis), moved: not after the near-tie, so still judged.
+    for (tensor, by) in [("layer.01.hidden_out", 1.0), ("layer.01.attn_probs", 0.25)] {
+        let (r, mut c) = near_tie_pair(2e-6);
+        push_token(&mut c, tensor, 1, by);
+        c.decision_mut("logits.argmax").values[1] = 0;
+        let rep = diff(&r, &c, Some(oracle_policy()));
+        assert_eq!(rep.verdict, Verdict::Different, "{tensor}");
+        assert_eq!(status(&rep, tensor), "outside_policy", "{tensor}");
+        assert_eq!(rep.findings.iter().filter(|f| f.kind == "outside_policy").map(|f| f.tensor.as_deref()).collect::<Vec<_>>(), [Some(tensor)]);
+        assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "near-tie", "{tensor}");
+        assert_eq!(flip(&rep, "logits.argmax", 1), ("consequence", Some(tensor.to_string()), None), "{tensor}");
+        assert_eq!(flip(&rep, "logits.argmax", 3).0, "after-near-tie", "{tensor}");
+        // Token 3's row was still left out of that tensor's judgement, and said so.
+        let n = rep.decisions.near_ties.as_ref().unwrap();
+        assert!(n.tensors.iter().any(|t| t.tensor == tensor && t.rows == 1), "{tensor}");
+        let first = render_human(&rep).lines().next().unwrap().to_string();
+        assert!(first.starts_with("DIFFERENT") && first.contains("1 near-tie excused"), "{first}");
+    }
+}
+
+#[test]
+fn a_margin_beyond_the_bound_is_a_defect_and_excuses_nothing() {
+    // The router row moved by a few ULP only: 2·d < 1e-6, the measured noise cannot explain it.
+    let (r, c) = near_tie_pair(2e-7);
+    assert!(2.0 * moved_by(&r, 2e-7) < 1e-6);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(flip(&rep, "layer.00.router.topk", 3), ("defect", None, None));
+    // Its token's later rows are judged, so the first of them is outside the policy and every
+    // later flip is its consequence.
+    assert_eq!(status(&rep, "layer.00.mlp_out"), "outside_policy");
+    let upstream = Some("layer.00.mlp_out".to_string());
+    for (decision, row) in [("layer.01.router.topk", 3), ("logits.argmax", 3), ("decode.0000.argmax", 0), ("decode.0001.argmax", 0)] {
+        assert_eq!(flip(&rep, decision, row), ("consequence", upstream.clone(), None), "{decision}");
+    }
+    let n = rep.decisions.near_ties.as_ref().unwrap();
+    assert!(n.excused.is_empty() && n.tensors.is_empty() && n.decision_rows == 0, "{n:?}");
+    assert!(!render_human(&rep).lines().next().unwrap().contains("near-tie"));
+}
+
+#[test]
+fn the_near_tie_factor_comes_from_the_policy() {
+    let (r, c) = near_tie_pair(2e-6);
+    let d = moved_by(&r, 2e-6);
+    // 0.4·d < 1e-6 ≤ 2·d: the same flip is a defect under a stricter calibration.
+    assert!(0.4 * d < 1e-6);
+    let mut strict = oracle_policy();
+    strict.near_tie = Some(NearTie { margin_factor: 0.4, why: "test".into() });
+    let rep = diff(&r, &c, Some(strict));
+    assert_eq!(rep.verdict, Verdict::Different);
+    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    assert_eq!((res.flips[0].label, res.flips[0].noise_bound.unwrap().0), ("defect", 0.4 * d));
+    assert_eq!(rep.decisions.near_ties.as_ref().unwrap().margin_factor, 0.4);
+    // The field is checked when the policy is read.
+    let base = r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"**","max_abs":1}]"#;
+    assert_eq!(Policy::parse(&format!(r#"{base},"near_tie":{{"margin_factor":3,"why":"w"}}}}"#)).unwrap().near_tie_factor(), 3.0);
+    assert_eq!(Policy::parse(&format!("{base}}}")).unwrap().near_tie_factor(), 2.0);
+    for bad in [r#""near_tie":{"margin_factor":-1}"#, r#""near_tie":{"factor":2}"#, r#""near_tie":{}"#] {
+        assert!(Policy::parse(&format!("{base},{bad}}}")).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn without_a_policy_there_is_no_near_tie() {
+    // The same flip judged by bits: its source differs, so it is a consequence of the first
+    // differing tensor, and nothing is excused.
+    let (r, c) = near_tie_pair(2e-6);
+    let rep = diff(&r, &c, None);
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(flip(&rep, "layer.00.router.topk", 3), ("consequence", Some("layer.00.router.logits".into()), None));
+    assert!(rep.decisions.near_ties.is_none());
+}
+
+#[test]
+fn a_consequence_names_the_first_tensor_outside_the_policy_before_it() {
+    // A planted bug in layer 1's attention (every query row changed, as a bidirectional mask
+    // does): attn_probs and everything after it are far outside the policy.
+    let r = model_ext();
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    for name in &AFTER_ROUTER_0[3..] {
+        for token in 0..4 {
+            push_token(&mut c, name, token, if name.ends_with("attn_probs") { 0.25 } else { 1.0 });
+        }
+    }
+    c.decision_mut("layer.01.router.topk").values[0] = 3;
+    c.decision_mut("logits.argmax").values[0] = 6;
+    // Layer 0's router comes before the bug, and its scores are bit-identical: a defect.
+    c.decision_mut("layer.00.router.topk").values[0] = 1;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    let upstream = Some("layer.01.attn_probs".to_string());
+    assert_eq!(flip(&rep, "layer.01.router.topk", 0), ("consequence", upstream.clone(), None));
+    assert_eq!(flip(&rep, "logits.argmax", 0), ("consequence", upstream, None));
+    assert_eq!(flip(&rep, "layer.00.router.topk", 0), ("defect", None, None));
+    assert!(render_human(&rep).contains("→ consequence of layer.01.attn_probs"));
+
+    // Judged by bits, the first tensor that differs at all is named: a 1-ULP change earlier.
+    let mut c2 = c.clone();
+    c2.poke_f32_bits("layer.00.hidden_out", 5, |b| b + 1);
+    let rep = diff(&r, &c2, None);
+    assert_eq!(flip(&rep, "logits.argmax", 0).1.as_deref(), Some("layer.00.hidden_out"));
+    assert_eq!(flip(&rep, "layer.00.router.topk", 0), ("defect", None, None));
+}
+
+#[test]
+fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
+    // Without router.logits the source is layer.00.hidden_in, but the router reads
+    // hidden_in + attn_out: a bug in that attention makes the flip its consequence.
+    let mut r = model();
+    r.tensors.retain(|t| !t.name.ends_with("router.logits"));
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    push_token(&mut c, "layer.00.attn_out", 0, 1.0);
+    c.decision_mut("layer.00.router.topk").values[0] = 1;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    assert_eq!(res.source.as_deref(), Some("layer.00.hidden_in"));
+    assert_eq!(flip(&rep, "layer.00.router.topk", 0), ("consequence", Some("layer.00.attn_out".into()), None));
+    // Its scores are not in the trace: no noise bound, so on clean inputs a flip is a defect,
+    // even where hidden_in's row moved by 100 times the margin (within the policy).
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let v = get_f32(&r, "layer.00.hidden_in", 3 * 8);
+    c.set_f32("layer.00.hidden_in", 3 * 8, v + 1e-4);
+    c.decision_mut("layer.00.router.topk").values[6..8].copy_from_slice(&[1, 0]);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    let f = &rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap().flips[0];
+    assert!(rep.per_tensor.iter().all(|t| matches!(t.status, "identical" | "within_policy")));
+    assert!(f.source_divergence.unwrap().0 > 100.0 * 1e-6 * 0.99, "{f:?}");
+    assert_eq!((f.row, f.label, f.noise_bound), (3, "defect", None), "margin 1e-6, yet no bound from hidden_in: {f:?}");
+}
+
+#[test]
+fn a_large_margin_flip_with_clean_inputs_is_a_defect() {
+    // Every tensor within the policy (a few ULP everywhere after the embedding); row 2 of
+    // layer 0's router (margin 0.75) flips anyway.
+    let r = model();
+    let mut c = model();
+    c.provenance = oracle_provenance();
+    let names: Vec<String> = c.tensors.iter().map(|t| t.name.clone()).filter(|n| n != "embed.out").collect();
+    for n in names {
+        let count = c.tensor_mut(&n).bytes.len() / 4;
+        for i in (0..count).step_by(3) {
+            c.poke_f32_bits(&n, i, |b| b ^ 1);
+        }
+    }
+    c.decision_mut("layer.00.router.topk").values[4..6].copy_from_slice(&[0, 1]);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert!(rep.per_tensor.iter().all(|t| matches!(t.status, "identical" | "within_policy")));
+    assert_eq!(rep.verdict, Verdict::Different);
+    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    let f = &res.flips[0];
+    assert_eq!((f.row, f.label, f.upstream.as_deref()), (2, "defect", None));
+    assert!(f.noise_bound.unwrap().0 < 0.75, "{f:?}");
+    assert!(rep.findings.iter().any(|x| x.kind == "decision_differs" && x.tensor.as_deref() == Some("layer.00.router.topk")));
+    assert!(rep.decisions.near_ties.as_ref().unwrap().excused.is_empty());
+}
+
+#[test]
+fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
+    // layer.01.router.topk row 1 chooses [2, 3]; the candidate orders them [3, 2]. Its recorded
+    // margin (k-th minus (k+1)-th) says nothing about the pair: their scores do.
+    let build = |z3: f32| {
+        let mut r = model();
+        r.set_f32("layer.01.router.logits", 4 + 2, 1.0);
+        r.set_f32("layer.01.router.logits", 4 + 3, z3);
+        r.decision_mut("layer.01.router.topk").margins.as_mut().unwrap()[1] = 1e-7;
+        let mut c = r.clone();
+        c.provenance = oracle_provenance();
+        c.set_f32("layer.01.router.logits", 4 + 3, z3 + 2e-6);
+        c.decision_mut("layer.01.router.topk").values.swap(2, 3);
+        (r, c)
+    };
+    // Gap 1e-6 (as f32) against a row that moved by ~2e-6: a near-tie.
+    let (r, c) = build(1.0 - 1e-6);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    let f = rep.decisions.results.iter().find(|x| x.name == "layer.01.router.topk").unwrap().flips[0].clone();
+    assert!(f.same_values_different_order);
+    assert_eq!(f.label, "near-tie", "{f:?}");
+    assert_eq!(f.gap.unwrap().0, 1.0 - (1.0f32 - 1e-6) as f64);
+    // Gap 0.5, the same tiny recorded margin: a defect.
+    let (r, c) = build(0.5);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    let f = rep.decisions.results.iter().find(|x| x.name == "layer.01.router.topk").unwrap().flips[0].clone();
+    assert_eq!((f.label, f.gap.unwrap().0), ("defect", 0.5), "{f:?}");
+}
+
+#[test]
+fn decode_steps_are_bounded_by_their_own_logits_only() {
+    // decode.0000 decides from the last logits row (3): that row moved by ~2e-6 and the step's
+    // margin is 1e-6, a near-tie, and the step after it runs on another sequence.
+    let mut r = model_ext();
+    r.decision_mut("decode.0000.argmax").margins = Some(vec![1e-6]);
+    r.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e-6;
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let v = get_f32(&r, "logits", 3 * 16 + 14);
+    c.set_f32("logits", 3 * 16 + 14, v - 2e-6);
+    c.decision_mut("logits.argmax").values[3] = 5;
+    c.decision_mut("decode.0000.argmax").values[0] = 5;
+    c.decision_mut("decode.0001.argmax").values[0] = 4;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
+    let origin = Some("logits.argmax row 3".to_string());
+    assert_eq!(flip(&rep, "decode.0000.argmax", 0), ("after-near-tie", None, origin.clone()));
+    assert_eq!(flip(&rep, "decode.0001.argmax", 0), ("after-near-tie", None, origin));
+
+    // A later step alone: its own logits are not in the trace, the prompt's do not bound it.
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    c.set_f32("logits", 3 * 16 + 14, v - 2e-6);
+    c.decision_mut("decode.0001.argmax").values[0] = 4;
+    c.decision_mut("decode.0001.argmax").margins = Some(vec![1e-9]);
+    let mut r2 = r.clone();
+    r2.decision_mut("decode.0001.argmax").margins = Some(vec![1e-9]);
+    let rep = diff(&r2, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    let res = rep.decisions.results.iter().find(|x| x.name == "decode.0001.argmax").unwrap();
+    assert_eq!((res.flips[0].label, res.flips[0].noise_bound), ("defect", None));
+}
