@@ -47,10 +47,10 @@ struct Cli {
     /// Keep scanning after the first differing tensor; print one row per tensor.
     #[arg(long)]
     all: bool,
-    /// Tolerance policy (JSON) for comparisons against the oracle; scans every tensor.
-    /// Shipped default: fixtures/policy/oracle-default.json.
-    #[arg(long, value_name = "FILE")]
-    policy: Option<PathBuf>,
+    /// Tolerance policy for comparisons against the oracle; scans every tensor. A bundled name,
+    /// f32 (fixtures/policy/oracle-default.json), bf16 or f16 (the candidate's dtype), or a file.
+    #[arg(long, value_name = "NAME|FILE")]
+    policy: Option<String>,
     /// Print the machine-readable report (docs/diff-report.schema.json); with --show, the
     /// trace's description as JSON (docs/diff.md).
     #[arg(long)]
@@ -73,7 +73,7 @@ fn main() -> ExitCode {
     }
     let policy = match &cli.policy {
         None => None,
-        Some(p) => match Policy::load(p) {
+        Some(p) => match Policy::resolve(p, std::path::Path::new("")) {
             Ok(p) => Some(p),
             Err(e) => {
                 eprintln!("trace-diff: bad policy: {}", terminal_safe(&e.to_string()));

@@ -195,3 +195,54 @@ mod tests {
         }
     }
 }
+
+/// The bundled policies, by the name `--policy` takes: compiled in, so every binary judges by
+/// the same bounds from any directory. Their files under fixtures/policy/ are the source, with
+/// the measurements behind each bound (fixtures/policy/MEASUREMENTS.md).
+pub const BUNDLED: [(&str, &str); 3] = [
+    ("f32", include_str!("../../fixtures/policy/oracle-default.json")),
+    ("bf16", include_str!("../../fixtures/policy/bf16.json")),
+    ("f16", include_str!("../../fixtures/policy/f16.json")),
+];
+
+impl Policy {
+    /// A `--policy` argument: a bundled name, else the path of a policy file (a relative path is
+    /// taken from `dir`). An argument with no `/` and no `.` is a name, so a mistyped name is
+    /// refused with the list instead of being looked for as a file (`./NAME` reads a file).
+    pub fn resolve(arg: &str, dir: &Path) -> Result<Policy, String> {
+        if let Some((_, text)) = BUNDLED.iter().find(|(n, _)| *n == arg) {
+            return Policy::parse(text).map_err(|e| format!("bundled policy {arg}: {e}"));
+        }
+        if Policy::is_name(arg) {
+            let names: Vec<&str> = BUNDLED.iter().map(|(n, _)| *n).collect();
+            return Err(format!("unknown policy name {arg:?}: the bundled policies are {} (a file is read by its path, e.g. ./{arg})", names.join(", ")));
+        }
+        Policy::load(&dir.join(arg))
+    }
+
+    /// Whether a `--policy` argument names a bundled policy (or a mistyped one) rather than a file.
+    pub fn is_name(arg: &str) -> bool {
+        !arg.is_empty() && !arg.contains(['/', '.', std::path::MAIN_SEPARATOR])
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    #[test]
+    fn names_paths_and_refusals() {
+        let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+        // f32 is the shipped default file, read by name and by path alike.
+        let by_name = Policy::resolve("f32", Path::new("/nonexistent")).unwrap();
+        assert_eq!(by_name, Policy::resolve("../fixtures/policy/oracle-default.json", here).unwrap());
+        assert_eq!(by_name.name, "oracle-default");
+        assert_eq!(Policy::resolve("bf16", here).unwrap().name, "oracle-bf16");
+        assert_eq!(Policy::resolve("f16", here).unwrap().name, "oracle-f16");
+        let e = Policy::resolve("fp8", here).unwrap_err();
+        assert!(e.contains("unknown policy name \"fp8\"") && e.contains("f32, bf16, f16"), "{e}");
+        // Anything with a dot or a slash is a path, even when it is missing.
+        assert!(Policy::resolve("bf16.json", here).unwrap_err().contains("bf16.json"));
+        assert!(Policy::resolve("./f32", here).unwrap_err().contains("f32"));
+    }
+}

@@ -592,7 +592,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let oracle_pair = o.reference.name() == "oracle" || o.candidate.name() == "oracle" || is_oracle(&reference) || is_oracle(&candidate);
     let policy_path = o.policy.clone().or_else(|| oracle_pair.then(|| DEFAULT_POLICY.to_string()));
     let policy = match &policy_path {
-        Some(p) => Some(Policy::load(&o.root.join(p)).map_err(|e| gerr!("--policy {p}: {e}"))?),
+        Some(p) => Some(Policy::resolve(p, &o.root).map_err(|e| gerr!("--policy {p}: {e}"))?),
         None => None,
     };
     let judged_by = match (&policy, &policy_path) {

@@ -95,8 +95,9 @@ struct BisectArgs {
     /// Candidate command template, e.g. 'my-engine {verb} {args}'.
     #[arg(long)]
     candidate_cmd: Option<String>,
-    /// Judge by this policy file (relative to the current directory; default: by bits, or
-    /// fixtures/policy/oracle-default.json under the root when the oracle is a side).
+    /// Judge by this policy: a bundled name (f32, bf16, f16) or a file (relative to the current
+    /// directory); default: by bits, or f32 (fixtures/policy/oracle-default.json) when the
+    /// oracle is a side.
     #[arg(long)]
     policy: Option<PathBuf>,
     /// Write the JSON report here (schema: docs/bisect.md; relative to the current directory).
@@ -186,7 +187,10 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
         prompt: a.prompt.clone(),
         reference: bisect::producer(root, &a.reference, a.reference_cmd.as_deref(), "reference", a.threads).map_err(e)?,
         candidate: bisect::producer(root, &a.candidate, a.candidate_cmd.as_deref(), "candidate", a.threads).map_err(e)?,
-        policy: a.policy.as_ref().map(|p| up.resolve(p).display().to_string()),
+        policy: a.policy.as_ref().map(|p| match p.to_str() {
+            Some(name) if tracegate_diff::Policy::is_name(name) => name.to_string(),
+            _ => up.resolve(p).display().to_string(),
+        }),
         all_layers: a.all_layers,
         internals: a.capture == "internals",
         calibrate: a.calibrate,

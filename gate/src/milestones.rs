@@ -28,7 +28,8 @@ pub struct Milestone {
     pub prompts: PromptRecord,
     /// Greedy tokens generated per prompt unless `--generate` says otherwise.
     pub generate: usize,
-    /// The policy that judges engine ≈ oracle, relative to the project root.
+    /// The policy that judges engine ≈ oracle: a bundled name (f32, bf16, f16) or a path
+    /// relative to the project root.
     pub policy: String,
     /// Per prompt id: what the engine is expected to produce.
     #[serde(default)]

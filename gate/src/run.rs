@@ -459,7 +459,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     for p in &selected {
         prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
     }
-    let policy = Policy::load(&o.root.join(&m.policy)).map_err(|e| gerr!("{}: {e}", m.policy))?;
+    let policy = Policy::resolve(&m.policy, &o.root).map_err(|e| gerr!("{}: {e}", m.policy))?;
     let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
     let _lock = crate::WorkLock::acquire(&o.root.join(&work_rel))?;
     let engine = Producer::Engine { threads: o.threads };

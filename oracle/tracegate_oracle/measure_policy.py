@@ -1,23 +1,63 @@
-"""Measure the oracle's fp32 error per capture-point pattern, against the same transformers model
-cast to float64 (a proxy for "exact"; later re-measured against the engine).
+"""Measure what a tolerance policy must allow, per capture-point pattern.
 
-For each pattern (layer / expert indices replaced by `*`) it reports, as maxima over all tensors
-of all prompts: max ULP (in f32 steps, against the f64 value rounded to f32), max abs diff, max
-element-wise relative diff (|a-b|/|b|, ref = f64), max relative L2 (||a-b||/||b||) and min
-cosine — the quantities trace-diff's policies bound (diff/src/numeric.rs).
+Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREMENTS.md):
 
-    python -m tracegate_oracle.measure_policy fixtures/tiny-qwen3 fixtures/tiny-qwen3-moe [--markdown]
+- default: the oracle's fp32 error against the same transformers model cast to float64 (a proxy
+  for "exact"), over 8 seeded prompts. Basis of the f32 policy.
+
+      python -m tracegate_oracle.measure_policy fixtures/tiny-qwen3 fixtures/tiny-qwen3-moe
+
+- `--precision`: the oracle in bf16 and in f16 against the oracle in f32 and the engine in f32
+  (`target/release/engine trace --capture internals`), over every frozen prompt, capture
+  internals, prefill. Basis of the bf16 and f16 policies; each candidate is also judged by the
+  bundled policy of its dtype (fixtures/policy/<dtype>.json). `--save DIR` writes the oracle's
+  captures (DIR/<model>.pkl.gz), `--load DIR` compares captures so written elsewhere (a GPU
+  machine without the engine) against this machine's engine. Pickles run code when loaded:
+  load only files this tool wrote.
+
+      python -m tracegate_oracle.measure_policy --precision fixtures/tiny-qwen3 fixtures/tiny-qwen3-moe
+      python -m tracegate_oracle.measure_policy --precision --device cuda --engine none --save DIR MODELS...
+      python -m tracegate_oracle.measure_policy --precision --load DIR MODELS...
+
+- `--planted SCALES`: one layer's MLP down projection scaled in a copy of an f32 checkpoint: how
+  far that moves the layer's mlp_out, next to each dtype's own rounding (scale 1), and the first
+  tensor outside the dtype's policy.
+
+      python -m tracegate_oracle.measure_policy --planted 1,1.01,1.02,1.05,1.1 fixtures/tiny-qwen3
+
+Quantities as trace-diff computes them, mixed precision included: the finer side rounded to the
+coarser dtype (round to nearest even) for the ULP distance, counted in the coarser dtype's
+steps; max |a-b|, max element-wise |a-b|/|b| (b = reference), relative L2 ||a-b||/||b|| and cosine
+from the real values widened to float64. Every decision row that differs is listed with the
+reference margin m and d = max |reference - candidate| over the row of the tensor the decision
+was taken from (`logits` for `logits.argmax`, `layer.NN.router.logits` for
+`layer.NN.router.topk`), and |m|/d, the quantity a near-tie factor bounds.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import gzip
+import json
+import pickle
 import re
+import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from . import capture as cp
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ROOT / "fixtures" / "policy"
+FROZEN = ROOT / "fixtures" / "prompts" / "frozen.json"
+
+# Significand bits: the dtype with fewer is the coarser one, whose steps count ULPs.
+BITS = {"f64": 53, "f32": 24, "f16": 11, "bf16": 8}
+_NUMPY_NAME = {np.dtype("float64"): "f64", np.dtype("float32"): "f32", np.dtype("float16"): "f16"}
 
 
 def prompts(vocab: int, n: int = 8, seed: int = 99) -> list[list[int]]:
@@ -32,18 +72,47 @@ def pattern(name: str) -> str:
     return re.sub(r"\.\d{3}\.", ".*.", re.sub(r"^layer\.\d{2}\.", "layer.*.", name))
 
 
-def _ord(x: np.ndarray) -> np.ndarray:
-    """f32 bits -> integers that order like the floats (so ULP distance crosses zero)."""
-    i = x.astype(np.float32).view(np.int32).astype(np.int64)
-    return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+# ---------------------------------------------------------------------------------------------
+# numbers
 
 
-def compare(a32: np.ndarray, a64: np.ndarray) -> dict:
-    a, b = a32.astype(np.float64).ravel(), a64.astype(np.float64).ravel()
+def real(a: np.ndarray, dtype: str) -> np.ndarray:
+    """The stored values as float64 (bf16 arrives as its uint16 bits)."""
+    if dtype == "bf16":
+        return (np.asarray(a).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return np.asarray(a).astype(np.float64)
+
+
+def round_to(a: np.ndarray, dtype: str, to: str) -> np.ndarray:
+    """`a` (stored as `dtype`) rounded to nearest even in the coarser `to`, as stored there."""
+    if dtype == to:
+        return np.asarray(a)
+    if to == "bf16":
+        if dtype != "f32":
+            raise ValueError(f"rounding {dtype} to bf16 is not needed here")
+        u = np.asarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(a), ((u >> 16) | 0x40).astype(np.uint16), r)  # NaN stays NaN
+    return real(a, dtype).astype({"f32": np.float32, "f16": np.float16}[to])  # numpy rounds RNE
+
+
+def _ordinal(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Bits as integers that order like the values, so ULP distance crosses zero."""
+    width = {"f64": np.int64, "f32": np.int32, "f16": np.int16, "bf16": np.int16}[dtype]
+    i = np.ascontiguousarray(a).view(width).astype(np.int64)
+    sign = np.int64(1) << (np.dtype(width).itemsize * 8 - 1)
+    return np.where(i < 0, -(i & (sign - 1)), i)
+
+
+def compare(ref: np.ndarray, ref_dt: str, cand: np.ndarray, cand_dt: str) -> dict:
+    """trace-diff's quantities for one tensor, reference `ref`, possibly of another precision."""
+    coarse = min(ref_dt, cand_dt, key=BITS.__getitem__)
+    a, b = real(cand, cand_dt).ravel(), real(ref, ref_dt).ravel()
     d = np.abs(a - b)
     nz = b != 0
+    ulp = np.abs(_ordinal(round_to(cand, cand_dt, coarse), coarse) - _ordinal(round_to(ref, ref_dt, coarse), coarse))
     return {
-        "max_ulp": int(np.abs(_ord(a32.ravel()) - _ord(a64.astype(np.float32).ravel())).max()),
+        "max_ulp": int(ulp.max()),
         "max_abs": float(d.max()),
         "max_rel": float((d[nz] / np.abs(b[nz])).max()) if nz.any() else 0.0,
         "rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)) if np.any(b) else 0.0,
@@ -51,47 +120,402 @@ def compare(a32: np.ndarray, a64: np.ndarray) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# runs: what one producer captured for one prompt, read from a capture or a trace
+
+
+@dataclass
+class Run:
+    tensors: dict  # name -> (array as stored, dtype, positions)
+    decisions: dict  # name -> (values, margins or None)
+    provenance: dict = field(default_factory=dict)
+
+
+def plain(c: cp.Capture) -> dict:
+    """A capture as plain data (what --save writes)."""
+    return {"tensors": [(r.name, r.array, r.dtype, r.attrs) for r in c.tensors],
+            "decisions": [(d.name, d.values, d.margins) for d in c.decisions], "provenance": c.provenance}
+
+
+def from_plain(p: dict) -> Run:
+    return Run({n: (a, dt or _NUMPY_NAME[a.dtype], at.get("positions")) for n, a, dt, at in p["tensors"]},
+               {n: (v, m) for n, v, m in p["decisions"]}, p["provenance"])
+
+
+def from_trace(path: str) -> Run:
+    import tracegate
+
+    t = tracegate.Trace(path)
+    t.verify()
+    return Run({n: (np.array(t[n]), t.dtype(n), t.attributes(n).get("positions")) for n in t.names},
+               {n: (np.array(v), t.margins.get(n)) for n, v in t.decisions.items()}, t.provenance)
+
+
+def oracle_runs(model_dir: str, dtype: str, device: str, tokens: dict[str, list[int]]) -> dict[str, dict]:
+    rc = cp.RunConfig(device=device, dtype=dtype, capture="internals")
+    det = cp.setup_torch(rc)
+    model = cp.load_model(model_dir, rc)
+    return {pid: plain(cp.capture_prompt(model, model_dir, t, rc, det)) for pid, t in tokens.items()}
+
+
+def engine_runs(model_dir: str, engine: str, tokens: dict[str, list[int]]) -> dict[str, Run]:
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for pid, t in tokens.items():
+            path = f"{d}/{pid}.trace"
+            subprocess.run([engine, "trace", "--model", model_dir, "--tokens", ",".join(map(str, t)), "--out", path,
+                            "--capture", "internals", "--threads", "1"], check=True, stdout=subprocess.DEVNULL)
+            out[pid] = from_trace(path)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# policies (the same first-match glob as diff/src/policy.rs)
+
+
+def policy_file(dtype: str) -> Path:
+    """The bundled policy for a candidate computing in `dtype` (trace-diff --policy DTYPE)."""
+    return POLICIES / ("oracle-default.json" if dtype == "f32" else f"{dtype}.json")
+
+
+def glob_match(pat: str, name: str) -> bool:
+    rx = "".join(".*" if t == "**" else "[^.]*" if t == "*" else "." if t == "?" else re.escape(t)
+                 for t in re.findall(r"\*\*|\*|\?|[^*?]+", pat))
+    return re.fullmatch(rx, name) is not None
+
+
+def rule_for(policy: dict, name: str) -> dict | None:
+    return next((r for r in policy["rules"] if glob_match(r["pattern"], name)), None)
+
+
+def violations(rule: dict, s: dict) -> list[str]:
+    checks = [("max_ulp", s["max_ulp"], ">"), ("max_abs", s["max_abs"], ">"), ("max_rel", s["max_rel"], ">"),
+              ("max_rel_l2", s["rel_l2"], ">"), ("min_cosine", s["cosine"], "<")]
+    return [f"{k} {v:.4g} {op} {rule[k]}" for k, v, op in checks
+            if k in rule and (v > rule[k] if op == ">" else v < rule[k])]
+
+
+# ---------------------------------------------------------------------------------------------
+# one reference against one candidate
+
+
+def source_of(decision: str) -> str | None:
+    if decision == "logits.argmax":
+        return "logits"
+    if decision.endswith(".router.topk"):
+        return decision[: -len("topk")] + "logits"
+    return None
+
+
+# The near-tie factor the labelling in trace-diff assumes when a policy sets none: these
+# measurements calibrate it (MEASUREMENTS.md), so rows are left out with this value.
+NEAR_TIE_FACTOR = 2.0
+
+
+@dataclass
+class Result:
+    per_tensor: list = field(default_factory=list)  # (prompt, name, pattern, stats, stats without near-tie rows)
+    rerouted: int = 0  # expert outputs holding other rows on the two sides: not comparable
+    decision_rows: int = 0
+    flips: list = field(default_factory=list)
+
+
+def _flip(ref: Run, cand: Run, prompt: str, name: str, row: int, rv: np.ndarray, cv: np.ndarray, rm, cm) -> dict:
+    """One differing decision row: the reference margin m, the divergence d of the source row,
+    and the gap trace-diff's labels compare with d (for a reorder inside the chosen set, the
+    largest reference score gap between two choices whose order inverted; else |m|)."""
+    f = {"prompt": prompt, "name": name, "row": row, "reference": rv.tolist(), "candidate": cv.tolist(),
+         "margin": float(rm[row]) if rm is not None else None, "d": None, "gap": None, "near_tie": False,
+         "reorder": sorted(rv.tolist()) == sorted(cv.tolist())}
+    src = source_of(name)
+    if src in ref.tensors and src in cand.tensors:
+        (sa, sdt, _), (ta, tdt, _) = ref.tensors[src], cand.tensors[src]
+        score = real(sa, sdt)[row]
+        f["d"] = float(np.abs(score - real(ta, tdt)[row]).max())
+        if f["reorder"]:
+            rank = {int(e): i for i, e in enumerate(cv)}
+            f["gap"] = max(abs(score[hi] - score[lo]) for i, hi in enumerate(rv) for lo in rv[i + 1:] if rank[hi] > rank[lo])
+        elif f["margin"] is not None:
+            f["gap"] = abs(f["margin"])
+        f["near_tie"] = f["gap"] is not None and f["d"] > 0 and f["gap"] <= NEAR_TIE_FACTOR * f["d"]
+        f["source"] = src
+    return f
+
+
+def _without_rows(name: str, a: np.ndarray, positions, drop: set[int]) -> np.ndarray:
+    """`a` without the rows of the token positions in `drop` (attn_probs: [heads, tokens, keys])."""
+    axis = 1 if name.endswith(".attn_probs") else 0
+    pos = positions if positions is not None and len(positions) == a.shape[axis] else range(a.shape[axis])
+    keep = [i for i, p in enumerate(pos) if p not in drop]
+    return np.take(a, keep, axis=axis)
+
+
+def measure_pair(ref: Run, cand: Run, prompt: str, pattern_of, out: Result) -> None:
+    """Adds one prompt's tensors and decision flips to `out`. Each tensor is measured whole and
+    again as trace-diff judges it under a policy once a flip is a near-tie: without that token's
+    rows in every tensor captured after the flip's source."""
+    order = {n: i for i, n in enumerate(ref.tensors)}
+    excused: list[tuple[int, int]] = []  # (token position, capture index of the flip's source)
+    for name, (rv, rm) in ref.decisions.items():
+        if name not in cand.decisions:
+            continue
+        cv, cm = cand.decisions[name]
+        rv2, cv2 = rv.reshape(rv.shape[0], -1), cv.reshape(cv.shape[0], -1)
+        out.decision_rows += rv2.shape[0]
+        for row in np.nonzero((rv2 != cv2).any(axis=1))[0]:
+            f = _flip(ref, cand, prompt, name, int(row), rv2[row], cv2[row], rm, cm)
+            out.flips.append(f)
+            if f["near_tie"]:
+                excused.append((int(row), order[f["source"]]))
+    for name, (ra, rdt, rpos) in ref.tensors.items():
+        if name not in cand.tensors:
+            continue
+        ca, cdt, cpos = cand.tensors[name]
+        if rpos != cpos:
+            out.rerouted += 1
+            continue
+        s = compare(ra, rdt, ca, cdt)
+        drop = {p for p, at in excused if at < order[name]}
+        kept = s
+        if drop:
+            ra2, ca2 = _without_rows(name, ra, rpos, drop), _without_rows(name, ca, cpos, drop)
+            kept = compare(ra2, rdt, ca2, cdt) if ra2.size else None
+        out.per_tensor.append((prompt, name, pattern_of(name), s, kept))
+
+
+def aggregate(per_tensor: list, kept: bool = False) -> dict[str, dict]:
+    """Worst values per pattern, of whole tensors or (kept) without the near-tie rows."""
+    agg: dict[str, dict] = {}
+    for prompt, name, pat, whole, without in per_tensor:
+        a = agg.setdefault(pat, {"n": 0, "max_ulp": 0, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "where": ""})
+        a["n"] += 1
+        s = without if kept else whole
+        if s is None:  # every row left out
+            continue
+        for k in ("max_ulp", "max_abs", "max_rel"):
+            a[k] = max(a[k], s[k])
+        if s["rel_l2"] >= a["rel_l2"]:
+            a["rel_l2"], a["where"] = s["rel_l2"], f"{name} ({prompt})"
+        a["cosine"] = min(a["cosine"], s["cosine"])
+    return agg
+
+
+# ---------------------------------------------------------------------------------------------
+# the two measurements
+
+
 def measure(model_dir: str) -> dict[str, dict]:
+    """Oracle fp32 against float64 (the f32 policy's basis)."""
     rc = cp.RunConfig(capture="internals")
     cp.setup_torch(rc)
     m32 = cp.load_model(model_dir, rc)
     m64 = copy.deepcopy(m32).double()
-    agg: dict[str, dict] = {}
-    for ids in prompts(m32.config.vocab_size):
-        c32 = cp.capture_prompt(m32, model_dir, ids, rc)
-        c64 = cp.capture_prompt(m64, model_dir, ids, rc)
-        names64 = set(c64.names)
-        for r in c32.tensors:
-            if r.name not in names64:  # an expert routed differently in f64: not comparable
-                continue
-            s = compare(r.array, c64[r.name].array)
-            a = agg.setdefault(pattern(r.name), {"n": 0, "max_ulp": 0, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0})
-            a["n"] += 1
-            for k in ("max_ulp", "max_abs", "max_rel", "rel_l2"):
-                a[k] = max(a[k], s[k])
-            a["cosine"] = min(a["cosine"], s["cosine"])
-        flips = sum(int(np.any(d.values != c64.decision(d.name).values)) for d in c32.decisions)
-        agg.setdefault("(decisions differing f32 vs f64)", {"n": 0, "flips": 0})
-        agg["(decisions differing f32 vs f64)"]["n"] += len(c32.decisions)
-        agg["(decisions differing f32 vs f64)"]["flips"] += flips
+    res = Result()
+    for i, ids in enumerate(prompts(m32.config.vocab_size)):
+        c32 = from_plain(plain(cp.capture_prompt(m32, model_dir, ids, rc)))
+        c64 = from_plain(plain(cp.capture_prompt(m64, model_dir, ids, rc)))
+        measure_pair(c64, c32, str(i), pattern, res)
+    agg = aggregate(res.per_tensor)
+    agg["(decisions differing f32 vs f64)"] = {"n": res.decision_rows, "flips": len(res.flips)}
     return agg
+
+
+def precision(model_dir: str, dtypes: list[str], device: str, engine: str | None, load: str | None,
+              save: str | None) -> dict:
+    """The oracle in each of `dtypes` against the oracle and the engine in f32."""
+    tokens = {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+    name = Path(model_dir).name
+    if load:
+        with gzip.open(Path(load) / f"{name}.pkl.gz", "rb") as f:
+            caps = pickle.load(f)
+    else:
+        caps = {d: oracle_runs(model_dir, d, device, tokens) for d in ["f32", *dtypes]}
+    if save:
+        Path(save).mkdir(parents=True, exist_ok=True)
+        with gzip.open(Path(save) / f"{name}.pkl.gz", "wb") as f:
+            pickle.dump(caps, f)
+    runs = {d: {pid: from_plain(p) for pid, p in caps[d].items()} for d in caps}
+    refs = {"oracle f32": runs["f32"]}
+    if engine:
+        refs["engine f32"] = engine_runs(model_dir, engine, tokens)
+    # Grouped by the f32 policy's rules, which the bf16 and f16 policies keep.
+    f32_policy = json.loads((POLICIES / "oracle-default.json").read_text())
+    pattern_of = lambda n: (rule_for(f32_policy, n) or {}).get("pattern", "(no rule)")  # noqa: E731
+    out = {"provenance": next(iter(runs["f32"].values())).provenance, "results": {}}
+    for d in dtypes:
+        for ref_name, ref_runs in refs.items():
+            res = Result()
+            for pid in tokens:
+                measure_pair(ref_runs[pid], runs[d][pid], pid, pattern_of, res)
+            out["results"][(d, ref_name)] = res
+    return out
+
+
+def planted(model_dir: str, dtypes: list[str], scales: list[float], engine: str, device: str) -> list[dict]:
+    """How far a scale error planted in one layer's MLP (its down projection times `scale`, in a
+    copy of the checkpoint) moves that layer's mlp_out, against the rounding of each dtype: per
+    dtype, scale and layer, the relative L2 and norm ratio of mlp_out against the engine's f32
+    trace of the clean checkpoint over every frozen prompt, and the first tensor outside the
+    bundled policy of the dtype. Scale 1 is the clean run."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    tokens = {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+    eng = engine_runs(model_dir, engine, tokens)
+    n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dt in dtypes:
+            policy = json.loads(policy_file(dt).read_text())
+            for scale in scales:
+                for layer in range(n_layers):
+                    d = Path(tmp) / f"{dt}-{scale}-{layer}"
+                    shutil.copytree(model_dir, d)
+                    w = load_file(d / "model.safetensors")
+                    k = f"model.layers.{layer}.mlp.down_proj.weight"
+                    w[k] = (w[k].astype(np.float64) * scale).astype(w[k].dtype)
+                    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+                    runs = oracle_runs(str(d), dt, device, tokens)
+                    row = {"dtype": dt, "scale": scale, "layer": layer, "rel_l2": [], "norm_ratio": [], "first_outside": set()}
+                    # The clean run (scale 1) has no planted layer: every layer's mlp_out.
+                    names = [f"layer.{x:02d}.mlp_out" for x in (range(n_layers) if scale == 1 else [layer])]
+                    for pid in tokens:
+                        c = from_plain(runs[pid])
+                        for name in names:
+                            a, b = real(*c.tensors[name][:2]), real(*eng[pid].tensors[name][:2])
+                            row["rel_l2"].append(compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["rel_l2"])
+                            row["norm_ratio"].append(float(np.linalg.norm(a) / np.linalg.norm(b)))
+                        first = next((n for n, (ra, rdt, _) in eng[pid].tensors.items()
+                                      if rule_for(policy, n) is None or violations(rule_for(policy, n), compare(ra, rdt, *c.tensors[n][:2]))), None)
+                        row["first_outside"].add(first)
+                    out.append(row)
+                    shutil.rmtree(d)
+                    if scale == 1:
+                        break
+    return out
+
+
+def print_planted(d: str, rows: list[dict]) -> None:
+    print(f"\n### {d}: a scale planted in one layer's MLP down projection\n")
+    print("| dtype | scale | layer | mlp_out rel L2 (min-max over prompts) | norm ratio - 1 (min to max) | first tensor outside the dtype's policy |")
+    print("| --- | ---: | ---: | --- | --- | --- |")
+    for r in rows:
+        nr = [x - 1 for x in r["norm_ratio"]]
+        first = ", ".join(sorted("none" if x is None else f"`{x}`" for x in r["first_outside"]))
+        print(f"| {r['dtype']} | {r['scale']:g} | {r['layer'] if r['scale'] != 1 else '-'} | {min(r['rel_l2']):.4f}-{max(r['rel_l2']):.4f} | "
+              f"{min(nr):+.4f} to {max(nr):+.4f} | {first} |")
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def print_fp64(d: str, agg: dict) -> None:
+    print(f"\n### {d}\n")
+    print("| pattern | tensors | max ULP | max abs | max rel (elementwise) | max rel L2 | min cosine |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for p, s in agg.items():
+        if "flips" in s:
+            continue
+        print(f"| `{p}` | {s['n']} | {s['max_ulp']} | {_g(s['max_abs'])} | {_g(s['max_rel'])} | {_g(s['rel_l2'])} | {_g(1 - s['cosine'])} below 1 |")
+    f = agg["(decisions differing f32 vs f64)"]
+    print(f"\ndecisions: {f['flips']} of {f['n']} rows differ between fp32 and float64")
+
+
+def _judge(policy: dict, per_tensor: list, kept: bool) -> tuple[int, list]:
+    """(tensors judged, [(prompt, name, violations)]) under `policy`, as trace-diff rules do."""
+    bad, n = [], 0
+    for prompt, name, _, whole, without in per_tensor:
+        s = without if kept else whole
+        if s is None:
+            continue
+        n += 1
+        rule = rule_for(policy, name)
+        v = ["no rule"] if rule is None else violations(rule, s)
+        if v:
+            bad.append((prompt, name, v))
+    return n, bad
+
+
+def print_precision(d: str, m: dict) -> None:
+    v = m["provenance"].get("versions", {})
+    dev = m["provenance"].get("device", {})
+    print(f"\n### {d} (oracle on {dev.get('type')} {dev.get('name')}; torch {v.get('torch')}, transformers {v.get('transformers')})")
+    res = m["results"]
+    for dt in dict.fromkeys(k[0] for k in res):
+        refs = [k[1] for k in res if k[0] == dt]
+        whole = {r: aggregate(res[(dt, r)].per_tensor) for r in refs}
+        kept = {r: aggregate(res[(dt, r)].per_tensor, kept=True) for r in refs}
+        print(f"\n#### oracle {dt} against " + " and ".join(refs) + f" (ULPs in {dt} steps)\n")
+        print("Worst over both references unless a column names one; \"no near-tie rows\": without the rows of tokens "
+              f"whose decision flipped as a near-tie (factor {NEAR_TIE_FACTOR:g}), as trace-diff judges under a policy.\n")
+        print("| pattern | tensors | max ULP | max abs | max rel (elementwise) | " + " | ".join(f"max rel L2 vs {r}" for r in refs)
+              + " | max rel L2, no near-tie rows | min cosine | min cosine, no near-tie rows | worst rel L2 (no near-tie rows) at |")
+        print("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in refs) + " | ---: | ---: | ---: | --- |")
+        for p in whole[refs[0]]:
+            w, k = [whole[r][p] for r in refs], [kept[r][p] for r in refs]
+            worst = max(k, key=lambda x: x["rel_l2"])
+            print(f"| `{p}` | {w[0]['n']} | {max(x['max_ulp'] for x in w)} | {_g(max(x['max_abs'] for x in w))} | "
+                  f"{_g(max(x['max_rel'] for x in w))} | " + " | ".join(_g(x["rel_l2"]) for x in w)
+                  + f" | {_g(worst['rel_l2'])} | {_g(1 - min(x['cosine'] for x in w))} below 1 | "
+                  f"{_g(1 - min(x['cosine'] for x in k))} below 1 | {worst['where']} |")
+        for r in refs:
+            x = res[(dt, r)]
+            print(f"\nvs {r}: {len(x.flips)} of {x.decision_rows} decision rows differ "
+                  f"({sum(f['near_tie'] for f in x.flips)} near-ties at factor {NEAR_TIE_FACTOR:g}); "
+                  f"{x.rerouted} expert outputs not comparable (rows routed differently)")
+        # One row per flip; the references that show it and the largest ratio over them.
+        flips: dict[tuple, list] = {}
+        for r in refs:
+            for f in res[(dt, r)].flips:
+                flips.setdefault((f["prompt"], f["name"], f["row"], str(f["reference"]), str(f["candidate"])), []).append((r, f))
+        if flips:
+            print("\n| prompt | decision | row | reference / candidate | against | margin m | d | \\|m\\|/d | label gap / d |")
+            print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+            for seen in flips.values():
+                f = seen[0][1]
+                fs = [x for _, x in seen if x["d"]]
+                ratio = _g(max(abs(x["margin"]) / x["d"] for x in fs)) if fs and f["margin"] is not None else "-"
+                gap = (_g(max(x["gap"] / x["d"] for x in fs)) + (" (reorder: score gap)" if f["reorder"] else "")) if fs and f["gap"] is not None else "-"
+                print(f"| {f['prompt']} | `{f['name']}` | {f['row']} | {f['reference']} / {f['candidate']} | {', '.join(r for r, _ in seen)} | "
+                      f"{_g(f['margin']) if f['margin'] is not None else '-'} | {_g(f['d']) if f['d'] is not None else '-'} | {ratio} | {gap} |")
+        pol = policy_file(dt)
+        if pol.exists():
+            policy = json.loads(pol.read_text())
+            for kept_rows, how in ((False, "whole tensors"), (True, "no near-tie rows")):
+                judged = [(r, *_judge(policy, res[(dt, r)].per_tensor, kept_rows)) for r in refs]
+                total, bad = sum(j[1] for j in judged), [(r, *b) for r, _, bs in judged for b in bs]
+                by_prompt = {pr: sum(b[1] == pr for b in bad) for pr in dict.fromkeys(b[1] for b in bad)}
+                print(f"\nunder {pol.relative_to(ROOT)} (\"{policy['name']}\"), {how}: {total - len(bad)} of {total} tensors within"
+                      + ("" if not bad else f"; {len(bad)} outside (by prompt: {by_prompt}), e.g. "
+                         + "; ".join(f"{n} ({pr}, vs {r}): {', '.join(v)}" for r, pr, n, v in bad[:4])))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
+    ap.add_argument("--precision", action="store_true", help="bf16/f16 oracle against f32 oracle and engine")
+    ap.add_argument("--dtypes", default="bf16,f16", help="candidate dtypes for --precision (default bf16,f16)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--engine", default=str(ROOT / "target" / "release" / "engine"),
+                    help="engine binary for the f32 engine reference; 'none' to skip it")
+    ap.add_argument("--save", metavar="DIR", help="write the oracle captures to DIR/<model>.pkl.gz")
+    ap.add_argument("--load", metavar="DIR", help="compare captures --save wrote instead of running the oracle")
+    ap.add_argument("--planted", metavar="SCALES", help="scale errors to plant in each layer's MLP, e.g. 1,1.01,1.05 (f32 checkpoints)")
     a = ap.parse_args(argv)
     for d in a.models:
-        agg = measure(d)
-        print(f"\n### {d}\n")
-        print("| pattern | tensors | max ULP | max abs | max rel (elementwise) | max rel L2 | min cosine |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for p, s in agg.items():
-            if "flips" in s:
-                continue
-            print(f"| `{p}` | {s['n']} | {s['max_ulp']} | {s['max_abs']:.3g} | {s['max_rel']:.3g} | {s['rel_l2']:.3g} | {1 - s['cosine']:.3g} below 1 |")
-        f = agg["(decisions differing f32 vs f64)"]
-        print(f"\ndecisions: {f['flips']} of {f['n']} differ between fp32 and float64")
+        if a.planted:
+            print_planted(d, planted(d, a.dtypes.split(","), [float(x) for x in a.planted.split(",")], a.engine, a.device))
+        elif a.precision:
+            engine = None if a.engine == "none" else a.engine
+            print_precision(d, precision(d, a.dtypes.split(","), a.device, engine, a.load, a.save))
+        else:
+            print_fp64(d, measure(d))
     return 0
 
 
