@@ -34,8 +34,9 @@ struct Cli {
     /// Keep scanning after the first differing tensor; print one row per tensor.
     #[arg(long)]
     all: bool,
-    /// Tolerance policy (JSON) for comparisons against the oracle; scans every tensor.
-    /// Shipped default: fixtures/policy/oracle-default.json.
+    /// Tolerance policy (JSON) for comparisons against the oracle; scans every tensor and names
+    /// the first tensor outside it (bound, value vs limit, worst element), not the first bit
+    /// difference. Shipped default: fixtures/policy/oracle-default.json.
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
     /// Print the machine-readable report (docs/diff-report.schema.json).

@@ -316,7 +316,8 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         if row.status == "outside_policy" || row.status == "no_rule" {
             // Already reported as a diff finding when the differ emits one; keep one entry per tensor.
             if !found.iter().any(|f| f.name == row.tensor) {
-                found.push(Finding { kind: row.status.into(), name: row.tensor.clone(), count: 1, detail: row.violations.join("; ") });
+                let detail = row.violation().map_or_else(|| "no rule in the policy matches this tensor".to_string(), |v| v.to_string());
+                found.push(Finding { kind: row.status.into(), name: row.tensor.clone(), count: 1, detail });
             }
         }
     }
