@@ -83,6 +83,8 @@ pub struct OracleSummary {
     pub worst_rel_l2: Option<f64>,
     pub worst_rel_l2_tensor: Option<String>,
     pub near_ties: Vec<String>,
+    /// The first tensor in capture order outside the policy (the differ's `first_violation`).
+    pub first_violation: Option<tracegate_diff::TensorViolation>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -355,8 +357,9 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         worst_rel_l2: rel_l2.as_ref().map(|x| x.0),
         worst_rel_l2_tensor: rel_l2.map(|x| x.1),
         near_ties,
+        first_violation: rep.first_violation(),
     };
-    let detail = format!(
+    let mut detail = format!(
         "{} under policy {}: {} tensors judged, {}/{} decisions differ; smallest margin {} at {}; worst rel L2 {} ({})",
         match rep.verdict {
             Verdict::Identical => "IDENTICAL",
@@ -373,6 +376,13 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         summary.worst_rel_l2.map(|v| format!("{v:.2e}")).unwrap_or("n/a".into()),
         summary.worst_rel_l2_tensor.clone().unwrap_or_default(),
     );
+    // The policy failure is named by its first violation: the first bit difference may be
+    // rounding noise within the policy.
+    if let Some(v) = &summary.first_violation {
+        let outside = rep.per_tensor.iter().filter(|r| r.status == "outside_policy").count();
+        let first = v.violations.first().map(|b| b.to_string()).unwrap_or_default();
+        detail.push_str(&format!("; {outside} tensor(s) outside the policy, first {}: {first}", v.tensor));
+    }
     if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
         found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
     }
