@@ -152,8 +152,9 @@ fn f32_values(s: &Spec, name: &str) -> Vec<f32> {
 }
 
 /// Rounding noise in layer.00.attn_out (a few 1-bit flips, well within the default policy)
-/// before a real defect in layer.01.mlp_out ([4, 8]): element 13 = [1,5] moved by +2, and a
-/// smaller move (+0.5) at element 30, so the worst element is the planted 13.
+/// before a real defect in layer.01.mlp_out ([4, 8]): element 13 = [1,5] moved by +2, after a
+/// smaller move (+0.5) at element 5 that crosses zero. So 13 is the worst element by
+/// |difference|, while 5 is both the tensor's first difference and its largest in ULPs.
 fn noise_then_defect() -> (Spec, Spec) {
     let r = model();
     let mut c = model();
@@ -163,7 +164,7 @@ fn noise_then_defect() -> (Spec, Spec) {
     }
     let mlp = f32_values(&r, "layer.01.mlp_out");
     c.set_f32("layer.01.mlp_out", 13, mlp[13] + 2.0);
-    c.set_f32("layer.01.mlp_out", 30, mlp[30] + 0.5);
+    c.set_f32("layer.01.mlp_out", 5, mlp[5] + 0.5);
     (r, c)
 }
 
@@ -179,7 +180,7 @@ fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
     }
     let (rel_l2, cosine) = ((dd / rr).sqrt(), rc / (rr * cc).sqrt());
     assert!(rel_l2 > 1e-4 && cosine < 0.9999, "the plant breaks both bounds of rule #3: {rel_l2} {cosine}");
-    assert!(a[13] > 0.0 && b[13] > 0.0);
+    assert!(a[13] > 0.0 && b[13] > 0.0 && a[5] < 0.0 && b[5] > 0.0, "the plant's signs, as the comment says");
     let ulp = (b[13].to_bits() - a[13].to_bits()) as u64;
 
     let (_d, r, c) = pair(&rs, &cs);
@@ -218,6 +219,7 @@ fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
     let row = |name: &str| rows.iter().find(|t| t["tensor"] == name).unwrap();
     let mlp = row("layer.01.mlp_out");
     assert_eq!((&mlp["status"], &mlp["violations"], &mlp["worst_element"]), (&json!("outside_policy"), &f["violations"], w));
+    assert!(mlp["max_ulp"].as_u64().unwrap() > ulp, "worst is by |difference|, not by ULPs: {mlp}");
     let attn = row("layer.00.attn_out");
     assert_eq!((&attn["status"], &attn["violations"], &attn["worst_element"]), (&json!("within_policy"), &json!([]), &Value::Null));
 }
@@ -227,18 +229,20 @@ fn the_validator_rejects_a_report_that_breaks_the_schema() {
     let (rs, cs) = noise_then_defect();
     let (_d, r, c) = pair(&rs, &cs);
     let (_, good) = json_run(&["--policy", p(&policy_path()), p(&r), p(&c)]);
-    let at = good["per_tensor"].as_array().unwrap().iter().position(|t| t["status"] == "outside_policy").unwrap();
     // Each a planted defect of one kind, each must be refused.
-    let plants: Vec<(&str, Box<dyn Fn(&mut Value)>)> = vec![
-        ("a wrong type", Box::new(|v: &mut Value| v["tensors"]["reference_count"] = json!("13"))),
-        ("a missing required field", Box::new(|v: &mut Value| drop(v.as_object_mut().unwrap().remove("first_violation")))),
-        ("a missing field of a violation", Box::new(|v: &mut Value| drop(v["first_violation"]["violations"][0].as_object_mut().unwrap().remove("limit")))),
-        ("an unknown field", Box::new(|v: &mut Value| v["first_violation"]["note"] = json!(1))),
-        ("the previous version", Box::new(|v: &mut Value| v["schema"] = json!("tracegate-diff-report/1"))),
-        ("a violation as prose", Box::new(move |v: &mut Value| v["per_tensor"][at]["violations"][0] = json!("relative L2 0.01 > 0.0001"))),
-        ("an unknown bound", Box::new(|v: &mut Value| v["first_violation"]["violations"][0]["bound"] = json!("max_l2"))),
-        ("a real that is an arbitrary string", Box::new(|v: &mut Value| v["first_violation"]["violations"][0]["value"] = json!("big"))),
-        ("bits that are not hex", Box::new(|v: &mut Value| v["first_violation"]["worst_element"]["candidate_bits"] = json!("3f800000"))),
+    let plants: [(&str, fn(&mut Value)); 9] = [
+        ("a wrong type", |v| v["tensors"]["reference_count"] = json!("13")),
+        ("a missing required field", |v| drop(v.as_object_mut().unwrap().remove("first_violation"))),
+        ("a missing field of a violation", |v| drop(v["first_violation"]["violations"][0].as_object_mut().unwrap().remove("limit"))),
+        ("an unknown field", |v| v["first_violation"]["note"] = json!(1)),
+        ("the previous version", |v| v["schema"] = json!("tracegate-diff-report/1")),
+        ("a violation as prose", |v| {
+            let at = v["per_tensor"].as_array().unwrap().iter().position(|t| t["status"] == "outside_policy").unwrap();
+            v["per_tensor"][at]["violations"][0] = json!("relative L2 0.01 > 0.0001");
+        }),
+        ("an unknown bound", |v| v["first_violation"]["violations"][0]["bound"] = json!("max_l2")),
+        ("a real that is an arbitrary string", |v| v["first_violation"]["violations"][0]["value"] = json!("big")),
+        ("bits that are not hex", |v| v["first_violation"]["worst_element"]["candidate_bits"] = json!("3f800000")),
     ];
     for (what, plant) in plants {
         let mut bad = good.clone();
