@@ -51,6 +51,24 @@ def release_binary(name: str, env=None) -> tuple[str, str | None]:
     return path, f"{name} binary not built: {path} is absent (target directory from {how}); build it with scripts/setup.sh or cargo build --release --bins"
 
 
+@functools.lru_cache(maxsize=None)
+def _diff_report_validator():
+    import jsonschema
+
+    with open(os.path.join(ROOT, "docs", "diff-report.schema.json")) as f:
+        schema = json.load(f)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def diff_report(text: str) -> dict:
+    """A `trace-diff --json` report, parsed and checked against docs/diff-report.schema.json
+    with the pinned jsonschema package (raises jsonschema.ValidationError naming the field)."""
+    report = json.loads(text)
+    _diff_report_validator().validate(report)
+    return report
+
+
 def write_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]], header_extra: dict | None = None) -> None:
     """tensors: name -> (safetensors dtype, array of the storage type: f32, f16, or uint16 bf16 bits)."""
     header, blobs, off = {}, [], 0

@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, ROOT, release_binary
+from conftest import FIXTURES, ROOT, diff_report, release_binary
 
 tracegate = pytest.importorskip("tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)")
 
@@ -84,11 +84,33 @@ def trace_diff(path_a: str, path_b: str) -> dict:
     """The project's own `trace-diff --json` report (the issue's criterion: IDENTICAL under it)."""
     r = subprocess.run([TRACE_DIFF, "--json", path_a, path_b], capture_output=True, text=True, timeout=120)
     assert r.returncode in (0, 1), f"trace-diff refused ({r.returncode}): {r.stdout[:500]} {r.stderr.strip()}"
-    return json.loads(r.stdout)
+    return diff_report(r.stdout)
 
 
 def trace_diff_verdict(path_a: str, path_b: str) -> str:
     return trace_diff(path_a, path_b)["verdict"]
+
+
+@needs_engine
+def test_diff_report_checker_rejects_a_report_that_breaks_the_schema(tmp_path):
+    """Negative control of `diff_report`: a real report passes, and a wrong type or a missing
+    required field in it is refused."""
+    import jsonschema
+
+    paths = []
+    for name, v in (("a", 1.0), ("b", 2.0)):
+        paths.append(str(tmp_path / f"{name}.trace"))
+        with tracegate.TraceWriter(paths[-1], {"producer": "test"}) as w:
+            w.tensor("x", np.array([v, 0.5], dtype=np.float32))
+    r = subprocess.run([TRACE_DIFF, "--json", *paths], capture_output=True, text=True, timeout=60)
+    good = diff_report(r.stdout)
+    assert good["first_bit_difference"]["tensor"] == "x" and good["first_violation"] is None
+    for plant in (lambda v: v.__setitem__("verdict", 1), lambda v: v.pop("first_violation"),
+                  lambda v: v["per_tensor"][0].__setitem__("violations", ["relative L2 1 > 0.0001"])):
+        bad = json.loads(r.stdout)
+        plant(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            diff_report(json.dumps(bad))
 
 
 def differences(path_a: str, path_b: str, label_a="engine", label_b="contract") -> list[str]:
@@ -257,7 +279,7 @@ def test_negative_control_is_caught_at_the_expected_tensor(tmp_path, reference, 
     assert tracegate.Trace(e).digest != tracegate.Trace(bad).digest
     if reference == "engine":
         rep = trace_diff(e, bad)
-        assert rep["verdict"] == "different" and rep["first_divergence"]["tensor"] == expected, rep["first_divergence"]
+        assert rep["verdict"] == "different" and rep["first_bit_difference"]["tensor"] == expected, rep["first_bit_difference"]
 
 
 def engine_layer(model, layer, inp, name, out, capture):

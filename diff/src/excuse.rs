@@ -148,6 +148,7 @@ impl<'a> Excusal<'a> {
         let inner: u64 = ri.shape[axis + 1..].iter().product();
         let (rd, cd) = (self.r.data(ri), self.c.data(ci));
         let mut stats = numeric::Stats::default();
+        let mut kept = Vec::new();
         for o in 0..outer {
             let mut i = 0;
             while i < tokens {
@@ -160,7 +161,9 @@ impl<'a> Excusal<'a> {
                     i += 1;
                 }
                 let base = o * tokens;
-                stats = stats.merge(scan_range(ri, rd, ci, cd, ((base + start) * inner, (base + i) * inner)));
+                let range = ((base + start) * inner, (base + i) * inner);
+                stats = stats.merge(scan_range(ri, rd, ci, cd, range));
+                kept.push(range);
             }
         }
         let row: &mut TensorRow = &mut rep.per_tensor[j];
@@ -168,6 +171,9 @@ impl<'a> Excusal<'a> {
         // The median is measured once, over the whole first differing tensor.
         row.median_ulp = None;
         let finding = judge_row(row, rule.0, rule.1);
+        if finding.is_some() {
+            row.worst_element = crate::worst::locate_in(ri.dtype, rd, cd, &kept).map(|i| Box::new(crate::element(ri, rd, cd, i)));
+        }
         let name = row.tensor.clone();
         let old = rep.findings.iter().position(|f| f.kind == "outside_policy" && f.tensor.as_deref() == Some(name.as_str()));
         match (old, finding) {

@@ -11,6 +11,7 @@ pub mod numeric;
 pub mod policy;
 mod render;
 pub mod stats;
+mod worst;
 
 use std::path::Path;
 
@@ -20,7 +21,7 @@ use tracegate_trace::{DType, TensorInfo, Trace};
 pub use decisions::{margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGIN_SLACK, NEAR_TIE};
 pub use filter::{Filter, FilterSummary};
 pub use numeric::Special;
-pub use policy::{glob_match, NearTie, Policy, Rule, DEFAULT_NEAR_TIE_FACTOR};
+pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
 pub use render::{label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show, write_show_json};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
@@ -72,6 +73,9 @@ impl Options {
         self.filter.selects(name)
     }
 }
+
+/// The JSON report's format, its top-level `schema` (docs/diff-report.schema.json describes it).
+pub const REPORT_SCHEMA: &str = "tracegate-diff-report/2";
 
 /// An f64 that serialises non-finite values as the strings "inf", "-inf", "nan" (JSON has no
 /// such numbers, and null would read as "not measured").
@@ -214,7 +218,28 @@ pub struct TensorRow {
     /// The policy rule that judged this tensor (index into the policy's rules and its pattern).
     /// Boxed: set only under a policy, and 24 bytes a row otherwise (a trace may hold a million).
     pub rule: Option<Box<RuleRef>>,
-    pub violations: Vec<String>,
+    /// Every bound of that rule this tensor breaks (status "outside_policy"). A boxed slice, not
+    /// a Vec: with `worst_element` it takes the 24 bytes `violations` took before it.
+    pub violations: Box<[Violation]>,
+    /// Where an "outside_policy" tensor differs most (see [`Element`]); boxed as `rule` is.
+    pub worst_element: Option<Box<Element>>,
+}
+
+/// One element of a tensor present in both traces, as both sides hold it. As a worst element
+/// (docs/diff.md, "Policies"): a NaN or infinity difference first, else the largest
+/// |reference − candidate|, the first in index order on ties.
+#[derive(Clone, Debug, Serialize)]
+pub struct Element {
+    pub flat_index: u64,
+    pub coords: Vec<u64>,
+    pub reference_value: String,
+    pub candidate_value: String,
+    pub reference_bits: String,
+    pub candidate_bits: String,
+    /// Distance in the stored dtype's ULPs (integers: absolute difference); null for a NaN pair.
+    pub ulp: Option<u64>,
+    /// Set when the element differs as a signed zero, NaN or infinity.
+    pub special: Option<Special>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -223,7 +248,9 @@ pub struct RuleRef {
     pub pattern: String,
 }
 
-/// The first differing element of the first differing tensor (reference capture order).
+/// The first differing element of the first differing tensor (reference capture order): the
+/// first *bit* difference, which under a policy may be within it (the JSON's
+/// `first_bit_difference`; [`Report::first_violation`] is the first tensor outside it).
 #[derive(Clone, Debug, Serialize)]
 pub struct Divergence {
     pub tensor: String,
@@ -416,6 +443,7 @@ pub struct Report {
     pub filter: Option<FilterSummary>,
     pub tensors: TensorSummary,
     pub decisions: DecisionSummary,
+    /// The first bit difference (JSON `first_bit_difference`), whatever a policy says of it.
     pub first_divergence: Option<Divergence>,
     pub first_decision_divergence: Option<DecisionDivergence>,
     /// One row per common tensor (same name, dtype and shape), in reference order.
@@ -426,7 +454,8 @@ pub struct Report {
 impl Serialize for Report {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Report", 12)?;
+        let mut st = s.serialize_struct("Report", 14)?;
+        st.serialize_field("schema", REPORT_SCHEMA)?;
         st.serialize_field("verdict", &self.verdict)?;
         st.serialize_field("reference", &self.reference)?;
         st.serialize_field("candidate", &self.candidate)?;
@@ -435,7 +464,8 @@ impl Serialize for Report {
         st.serialize_field("filter", &self.filter)?;
         st.serialize_field("tensors", &TensorsJson(self))?;
         st.serialize_field("decisions", &self.decisions)?;
-        st.serialize_field("first_divergence", &self.first_divergence)?;
+        st.serialize_field("first_violation", &self.first_violation())?;
+        st.serialize_field("first_bit_difference", &self.first_divergence)?;
         st.serialize_field("first_decision_divergence", &self.first_decision_divergence)?;
         st.serialize_field("per_tensor", &self.per_tensor)?;
         st.serialize_field("findings", &self.findings)?;
@@ -443,7 +473,56 @@ impl Serialize for Report {
     }
 }
 
+/// A tensor outside the policy, as every report states it: trace-diff's `first_violation`,
+/// the gate's `oracle.first_violation`, bisect's `whole_run.first_violation`. Its `Display`,
+/// the one line the gate and bisect print after the tensor's name, is "relative L2 0.23 >
+/// 0.0001 (rule #3 layer.*.mlp_out); worst at [0,0]: …".
+#[derive(Clone, Debug, Serialize)]
+pub struct TensorViolation {
+    pub tensor: String,
+    pub dtype: &'static str,
+    pub shape: Vec<u64>,
+    pub rule: Option<RuleRef>,
+    pub violations: Vec<Violation>,
+    pub worst_element: Option<Element>,
+}
+
+impl std::fmt::Display for TensorViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let broken: Vec<String> = self.violations.iter().map(|v| v.to_string()).collect();
+        write!(f, "{}", broken.join("; "))?;
+        if let Some(r) = &self.rule {
+            write!(f, " (rule #{} {})", r.index, r.pattern)?;
+        }
+        if let Some(e) = &self.worst_element {
+            write!(f, "; worst at {}", render::element_words(self.dtype, e))?;
+        }
+        Ok(())
+    }
+}
+
+impl TensorRow {
+    /// This tensor's violation, when it is outside the policy.
+    pub fn violation(&self) -> Option<TensorViolation> {
+        (self.status == "outside_policy").then(|| TensorViolation {
+            tensor: self.tensor.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            rule: self.rule.as_deref().cloned(),
+            violations: self.violations.to_vec(),
+            worst_element: self.worst_element.as_deref().cloned(),
+        })
+    }
+}
+
 impl Report {
+    /// The first tensor in reference capture order that is outside the policy: what a policy
+    /// failure is reported by (the first bit difference may be rounding noise within it). The
+    /// gate and bisect name it too.
+    pub fn first_violation(&self) -> Option<TensorViolation> {
+        self.per_tensor.iter().find_map(TensorRow::violation)
+    }
+
     /// The names of one of [`TensorSummary`]'s sets, in reference order.
     pub fn names(&self, set: RowSet) -> impl Iterator<Item = &str> {
         self.per_tensor.iter().filter(move |r| set.holds(r)).map(|r| r.tensor.as_str())
@@ -680,7 +759,8 @@ fn row_for(info: &TensorInfo, method: &'static str, status: &'static str) -> Ten
         nan_payload: 0,
         infinity: 0,
         rule: None,
-        violations: Vec::new(),
+        violations: Box::default(),
+        worst_element: None,
     }
 }
 
@@ -748,6 +828,9 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                         if let Some(f) = judge_row(&mut row, idx, rule) {
                             different = true;
                             rep.findings.push(f);
+                            // One more pass, over failing tensors only: where it fails most.
+                            let (rd, cd) = (r.data(ri), c.data(ci));
+                            row.worst_element = worst::locate(ri.dtype, rd, cd).map(|i| Box::new(element(ri, rd, cd, i)));
                         }
                     }
                 }
@@ -787,13 +870,15 @@ pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<
         cosine: row.cosine.map(|x| x.0),
         nonfinite_differences: row.nan_mismatch + row.nan_payload + row.infinity,
     };
-    row.violations = rule.violations(&m);
+    row.violations = rule.violations(&m).into_boxed_slice();
     if row.violations.is_empty() {
         row.status = "within_policy";
+        row.worst_element = None;
         return None;
     }
     row.status = "outside_policy";
-    Some(Finding::new("outside_policy", Some(&row.tensor), format!("rule {idx} ({}): {}", rule.pattern, row.violations.join("; "))))
+    let broken: Vec<String> = row.violations.iter().map(|v| v.to_string()).collect();
+    Some(Finding::new("outside_policy", Some(&row.tensor), format!("rule {idx} ({}): {}", rule.pattern, broken.join("; "))))
 }
 
 /// Names signed-zero / NaN / infinity differences of the first differing tensor as findings.
@@ -810,14 +895,11 @@ fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
     }
 }
 
-fn divergence(info: &TensorInfo, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: &TensorRow) -> Divergence {
-    let idx = s.first.expect("a differing tensor has a first difference");
+/// Element `idx` of a tensor both traces hold with the same dtype and shape.
+fn element(info: &TensorInfo, rd: &[u8], cd: &[u8], idx: u64) -> Element {
     let (a, b) = (numeric::element_bits(info.dtype, rd, idx), numeric::element_bits(info.dtype, cd, idx));
     let (special, ulp) = numeric::element_distance(info.dtype, a, b);
-    Divergence {
-        tensor: info.name.clone(),
-        dtype: info.dtype.name().to_string(),
-        shape: info.shape.clone(),
+    Element {
         flat_index: idx,
         coords: numeric::unravel(idx, &info.shape),
         reference_value: numeric::format_value(info.dtype, a),
@@ -826,6 +908,40 @@ fn divergence(info: &TensorInfo, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: 
         candidate_bits: numeric::hex_bits(info.dtype, b),
         ulp,
         special,
+    }
+}
+
+impl Divergence {
+    /// The element itself, without its tensor's statistics.
+    pub fn element(&self) -> Element {
+        Element {
+            flat_index: self.flat_index,
+            coords: self.coords.clone(),
+            reference_value: self.reference_value.clone(),
+            candidate_value: self.candidate_value.clone(),
+            reference_bits: self.reference_bits.clone(),
+            candidate_bits: self.candidate_bits.clone(),
+            ulp: self.ulp,
+            special: self.special,
+        }
+    }
+}
+
+fn divergence(info: &TensorInfo, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: &TensorRow) -> Divergence {
+    let idx = s.first.expect("a differing tensor has a first difference");
+    let e = element(info, rd, cd, idx);
+    Divergence {
+        tensor: info.name.clone(),
+        dtype: info.dtype.name().to_string(),
+        shape: info.shape.clone(),
+        flat_index: e.flat_index,
+        coords: e.coords,
+        reference_value: e.reference_value,
+        candidate_value: e.candidate_value,
+        reference_bits: e.reference_bits,
+        candidate_bits: e.candidate_bits,
+        ulp: e.ulp,
+        special: e.special,
         differing_elements: s.differing,
         total_elements: s.total,
         max_ulp: row.max_ulp,
@@ -870,4 +986,13 @@ pub(crate) fn row_range(info: &TensorInfo, rows: Option<(u64, u64)>) -> (u64, u6
 /// Exposed for tests and tools: the dtype's printed value for raw bits.
 pub fn describe_bits(dtype: DType, bits: u64) -> (String, String) {
     (numeric::format_value(dtype, bits), numeric::hex_bits(dtype, bits))
+}
+
+#[cfg(test)]
+mod tests {
+    /// docs/diff.md ("Memory") states what a row costs; a field must not grow it unnoticed.
+    #[test]
+    fn a_row_costs_what_the_docs_say() {
+        assert_eq!(std::mem::size_of::<super::TensorRow>(), 280);
+    }
 }

@@ -47,8 +47,10 @@ struct Cli {
     /// Keep scanning after the first differing tensor; print one row per tensor.
     #[arg(long)]
     all: bool,
-    /// Tolerance policy for comparisons against the oracle; scans every tensor. A bundled name,
-    /// f32 (fixtures/policy/oracle-default.json), bf16 or f16 (the candidate's dtype), or a file.
+    /// Tolerance policy for comparisons against the oracle; scans every tensor and names the
+    /// first tensor outside it (bound, value vs limit, worst element), not the first bit
+    /// difference. A bundled name, f32 (fixtures/policy/oracle-default.json), bf16 or f16 (the
+    /// candidate's dtype), or a file.
     #[arg(long, value_name = "NAME|FILE")]
     policy: Option<String>,
     /// Print the machine-readable report (docs/diff-report.schema.json); with --show, the

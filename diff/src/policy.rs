@@ -3,9 +3,12 @@
 //! judges it; a tensor no rule matches is a finding, never a silent pass. Decisions are not
 //! covered by policies: they are always compared exactly.
 
+use std::fmt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+use crate::Real;
 
 pub const POLICY_FORMAT: &str = "tracegate-policy/1";
 
@@ -112,43 +115,100 @@ impl Policy {
 }
 
 impl Rule {
-    /// Every bound this rule sets that `m` violates, as readable sentences (empty = pass).
-    pub fn violations(&self, m: &Measured) -> Vec<String> {
+    /// Every bound this rule sets that `m` violates, in the rule's key order after the NaN /
+    /// infinity check (empty = pass).
+    pub fn violations(&self, m: &Measured) -> Vec<Violation> {
         let mut out = Vec::new();
+        let mut broken = |bound, limit, value| out.push(Violation { bound, limit, value });
         if m.nonfinite_differences > 0 {
-            out.push(format!("{} element(s) differ by NaN or infinity", m.nonfinite_differences));
+            broken(NONFINITE, Amount::Count(0), Some(Amount::Count(m.nonfinite_differences)));
         }
         if let Some(b) = self.max_ulp {
             match m.max_ulp {
-                Some(u) if u > b => out.push(format!("max ULP {u} > {b}")),
+                Some(u) if u > b => broken("max_ulp", Amount::Count(b), Some(Amount::Count(u))),
                 _ => {}
             }
         }
         if let Some(b) = self.max_abs {
             if m.max_abs > b || m.max_abs.is_nan() {
-                out.push(format!("max abs {} > {b}", m.max_abs));
+                broken("max_abs", Amount::real(b), Some(Amount::real(m.max_abs)));
             }
         }
         if let Some(b) = self.max_rel {
             if m.max_rel > b || m.max_rel.is_nan() {
-                out.push(format!("max rel {} > {b}", m.max_rel));
+                broken("max_rel", Amount::real(b), Some(Amount::real(m.max_rel)));
             }
         }
         if let Some(b) = self.max_rel_l2 {
             match m.rel_l2 {
                 Some(v) if v <= b => {}
-                Some(v) => out.push(format!("relative L2 {v} > {b}")),
-                None => out.push("relative L2 undefined (reference is all zero)".into()),
+                v => broken("max_rel_l2", Amount::real(b), v.map(Amount::real)),
             }
         }
         if let Some(b) = self.min_cosine {
             match m.cosine {
                 Some(v) if v >= b => {}
-                Some(v) => out.push(format!("cosine {v} < {b}")),
-                None => out.push("cosine undefined (a side is all zero)".into()),
+                v => broken("min_cosine", Amount::real(b), v.map(Amount::real)),
             }
         }
         out
+    }
+}
+
+/// The bound every rule sets implicitly: no element may differ by NaN or infinity.
+pub const NONFINITE: &str = "nonfinite_differences";
+
+/// A measured or limiting quantity: counts (ULPs, elements) stay exact integers, the rest are
+/// reals (JSON: a number, or "inf" / "-inf" / "nan").
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Amount {
+    Count(u64),
+    Real(Real),
+}
+
+impl Amount {
+    fn real(v: f64) -> Amount {
+        Amount::Real(Real(v))
+    }
+}
+
+impl fmt::Display for Amount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Amount::Count(n) => write!(f, "{n}"),
+            Amount::Real(Real(v)) => write!(f, "{v}"),
+        }
+    }
+}
+
+/// One broken bound of the rule that judged a tensor.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Violation {
+    /// The rule's key (`max_ulp`, `max_abs`, `max_rel`, `max_rel_l2`, `min_cosine`), or
+    /// [`NONFINITE`].
+    pub bound: &'static str,
+    pub limit: Amount,
+    /// What was measured; None when it is undefined (relative L2 of an all-zero reference,
+    /// cosine with an all-zero side), which no bound accepts.
+    pub value: Option<Amount>,
+}
+
+/// The sentence the findings and the human report print.
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (limit, value) = (&self.limit, self.value.as_ref());
+        match (self.bound, value) {
+            (NONFINITE, Some(n)) => write!(f, "{n} element(s) differ by NaN or infinity"),
+            ("max_ulp", Some(v)) => write!(f, "max ULP {v} > {limit}"),
+            ("max_abs", Some(v)) => write!(f, "max abs {v} > {limit}"),
+            ("max_rel", Some(v)) => write!(f, "max rel {v} > {limit}"),
+            ("max_rel_l2", Some(v)) => write!(f, "relative L2 {v} > {limit}"),
+            ("max_rel_l2", None) => write!(f, "relative L2 undefined (reference is all zero)"),
+            ("min_cosine", Some(v)) => write!(f, "cosine {v} < {limit}"),
+            ("min_cosine", None) => write!(f, "cosine undefined (a side is all zero)"),
+            (bound, v) => write!(f, "{bound} {} vs limit {limit}", v.map_or("undefined".to_string(), |v| v.to_string())),
+        }
     }
 }
 
@@ -184,6 +244,31 @@ mod tests {
         assert!(!glob_match("logits", "logits.argmax"));
         assert!(glob_match("layer.0?.q", "layer.07.q"));
         assert!(glob_match("**", "anything.at.all"));
+    }
+
+    #[test]
+    fn violations_name_the_bound_its_limit_and_the_measured_value() {
+        let rule: Rule = serde_json::from_str(r#"{"pattern": "x", "max_ulp": 4, "max_rel_l2": 1e-4, "min_cosine": 0.9999}"#).unwrap();
+        // On the limits: inclusive, nothing broken.
+        let at = Measured { max_ulp: Some(4), rel_l2: Some(1e-4), cosine: Some(0.9999), ..Measured::default() };
+        assert_eq!(rule.violations(&at), []);
+        // Planted: one ULP over, twice the relative L2, cosine undefined, a NaN difference.
+        let over = Measured { max_ulp: Some(5), rel_l2: Some(2e-4), cosine: None, nonfinite_differences: 3, ..Measured::default() };
+        let v = rule.violations(&over);
+        let want = [
+            (NONFINITE, Amount::Count(0), Some(Amount::Count(3))),
+            ("max_ulp", Amount::Count(4), Some(Amount::Count(5))),
+            ("max_rel_l2", Amount::Real(Real(1e-4)), Some(Amount::Real(Real(2e-4)))),
+            ("min_cosine", Amount::Real(Real(0.9999)), None),
+        ];
+        assert_eq!(v.iter().map(|v| (v.bound, v.limit, v.value)).collect::<Vec<_>>(), want);
+        let prose: Vec<String> = v.iter().map(|v| v.to_string()).collect();
+        assert_eq!(prose, ["3 element(s) differ by NaN or infinity", "max ULP 5 > 4", "relative L2 0.0002 > 0.0001", "cosine undefined (a side is all zero)"]);
+        assert_eq!(
+            serde_json::to_value(&v[2]).unwrap(),
+            serde_json::json!({"bound": "max_rel_l2", "limit": 1e-4, "value": 2e-4}),
+            "counts stay integers, reals are numbers"
+        );
     }
 
     #[test]

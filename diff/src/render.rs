@@ -8,7 +8,7 @@ use serde::{Serialize, Serializer};
 use tracegate_trace::{Attributes, DecisionInfo, TensorInfo, Trace};
 
 use crate::stats::{each_with_stats, Scalar, TensorStats};
-use crate::{FilterSummary, Flip, Real, Report, RowSet, TensorRow, Verdict, AFTER_NEAR_TIE, CONSEQUENCE, NEAR_TIE};
+use crate::{Element, FilterSummary, Flip, Real, Report, RowSet, Special, TensorRow, Verdict, AFTER_NEAR_TIE, CONSEQUENCE, NEAR_TIE};
 
 /// Names wider than this overflow their column instead of widening it: a format width is at
 /// most 65,535 (wider panics), and one long name must not pad every other row.
@@ -220,22 +220,18 @@ fn summary(rep: &Report) -> String {
         Verdict::Different => {
             let mut parts = Vec::new();
             if rep.policy.is_some() {
-                let bad: Vec<&TensorRow> = rep.per_tensor.iter().filter(|r| r.status == "outside_policy" || r.status == "no_rule").collect();
-                if !bad.is_empty() {
-                    parts.push(format!("{} of {common} tensors fail the policy (first: {} {})", bad.len(), bad[0].tensor, bad[0].status.replace('_', " ")));
-                }
-            }
-            if let Some(d) = &rep.first_divergence {
+                // Under a policy bits are not the question (the first bit difference may be
+                // rounding noise within it): the headline names the first tensor outside it.
+                parts.extend(policy_clauses(rep));
+            } else if let Some(d) = &rep.first_divergence {
                 let dist = match (d.special, d.ulp) {
                     (Some(s), _) if d.ulp.is_none() || d.ulp == Some(0) => s.describe().to_string(),
                     (_, Some(u)) if d.dtype.starts_with('f') || d.dtype == "bf16" => format!("{} ULP", thousands(u)),
                     (_, Some(u)) => format!("|diff| {}", thousands(u)),
                     _ => String::new(),
                 };
-                // Under a policy the first bit difference may be within bounds: say which it is.
-                let lead = if rep.policy.is_some() { "first bit difference at" } else { "first at" };
                 parts.push(format!(
-                    "{lead} {}[{}]: {} ({}) vs {} ({}), {} ({}/{} elements differ)",
+                    "first at {}[{}]: {} ({}) vs {} ({}), {} ({}/{} elements differ)",
                     d.tensor,
                     coords(&d.coords),
                     d.reference_value,
@@ -276,6 +272,66 @@ fn summary(rep: &Report) -> String {
             format!("DIFFERENT — {}", parts.join("; "))
         }
     }
+}
+
+/// The headline's account of the tensors under a policy: how many fail, and the first
+/// violation with its first broken bound; else that every tensor is within it.
+fn policy_clauses(rep: &Report) -> Vec<String> {
+    let common = rep.per_tensor.len();
+    let mut parts = Vec::new();
+    let outside = rep.per_tensor.iter().filter(|r| r.status == "outside_policy").count();
+    if let Some(v) = rep.first_violation() {
+        let more = match v.violations.len() {
+            0 | 1 => String::new(),
+            n => format!(" (+{} more bound{})", n - 1, if n == 2 { "" } else { "s" }),
+        };
+        let bound = v.violations.first().map(|b| b.to_string()).unwrap_or_default();
+        let rule = v.rule.as_ref().map(|x| format!(" by rule #{} {}", x.index, x.pattern)).unwrap_or_default();
+        parts.push(format!("{outside} of {common} tensors outside the policy, first {}: {bound}{more}{rule}", v.tensor));
+    }
+    let unruled: Vec<&TensorRow> = rep.per_tensor.iter().filter(|r| r.status == "no_rule").collect();
+    if let Some(first) = unruled.first() {
+        let n = unruled.len();
+        parts.push(format!("{n} tensor{} without a policy rule (first: {})", if n == 1 { "" } else { "s" }, first.tensor));
+    }
+    if parts.is_empty() && common > 0 {
+        let within = rep.per_tensor.iter().filter(|r| r.status == "within_policy").count();
+        parts.push(format!("all {common} tensors within the policy ({} bit-identical, {within} within bounds)", common - within));
+    }
+    parts
+}
+
+/// An element's distance in words: its ULPs (integers: |difference|), or what kind of
+/// difference it is when it has no distance.
+fn distance(dtype: &str, ulp: Option<u64>, special: Option<Special>) -> String {
+    let unit = if matches!(dtype, "f64" | "f32" | "f16" | "bf16") { format!("ULP ({dtype})") } else { "absolute".into() };
+    let dist = match ulp {
+        Some(u) => format!("{} {unit}", thousands(u)),
+        None => "none (NaN)".into(),
+    };
+    let special = special.map(|s| format!("  — {}", s.describe())).unwrap_or_default();
+    format!("{dist}{special}")
+}
+
+/// An element in one line: "[2,5]: 0.5 (0x3f000000) vs 0.50000006 (0x3f000001), 1 ULP (f32)".
+pub(crate) fn element_words(dtype: &str, e: &Element) -> String {
+    format!(
+        "[{}]: {} ({}) vs {} ({}), {}",
+        coords(&e.coords),
+        e.reference_value,
+        e.reference_bits,
+        e.candidate_value,
+        e.candidate_bits,
+        distance(dtype, e.ulp, e.special)
+    )
+}
+
+/// The lines naming one element: where, both values with their bits, the distance.
+fn element_lines(o: &mut Sink<'_>, dtype: &str, label: &str, e: &Element) {
+    let _ = writeln!(o, "  {label:<9}  [{}]  (flat index {})", coords(&e.coords), thousands(e.flat_index));
+    let _ = writeln!(o, "  reference  {}  ({})", e.reference_value, e.reference_bits);
+    let _ = writeln!(o, "  candidate  {}  ({})", e.candidate_value, e.candidate_bits);
+    let _ = writeln!(o, "  distance   {}", distance(dtype, e.ulp, e.special));
 }
 
 /// Text on its way to a writer, made [`terminal_safe`] and flushed every 64 KiB at a line end,
@@ -372,19 +428,25 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
     if rep.scan != "all" && (!t.matched_by_digest.is_empty() || t.compared_elementwise.len() > 8) {
         let _ = writeln!(o, "  (--all prints every tensor with how it was compared; --json lists both sets)");
     }
+    if let Some(v) = &rep.first_violation() {
+        let _ = writeln!(o, "first violation (the first tensor outside the policy)");
+        let _ = writeln!(o, "  tensor     {}  {} {:?}", v.tensor, v.dtype, v.shape);
+        if let Some(r) = &v.rule {
+            let _ = writeln!(o, "  rule       #{} {}", r.index, r.pattern);
+        }
+        for b in &v.violations {
+            let _ = writeln!(o, "  broken     {}: {b}", b.bound);
+        }
+        if let Some(e) = &v.worst_element {
+            element_lines(o, v.dtype, "worst", e);
+        }
+    }
     if let Some(d) = &rep.first_divergence {
-        let _ = writeln!(o, "first divergence");
+        // Under a policy the first bit difference may be within it; it is still where the
+        // bits first part, so it stays, named for what it is.
+        let _ = writeln!(o, "{}", if rep.policy.is_some() { "first bit difference" } else { "first divergence" });
         let _ = writeln!(o, "  tensor     {}  {} {:?}", d.tensor, d.dtype, d.shape);
-        let _ = writeln!(o, "  element    [{}]  (flat index {})", coords(&d.coords), thousands(d.flat_index));
-        let _ = writeln!(o, "  reference  {}  ({})", d.reference_value, d.reference_bits);
-        let _ = writeln!(o, "  candidate  {}  ({})", d.candidate_value, d.candidate_bits);
-        let unit = if matches!(d.dtype.as_str(), "f64" | "f32" | "f16" | "bf16") { format!("ULP ({})", d.dtype) } else { "absolute".into() };
-        let dist = match d.ulp {
-            Some(u) => format!("{} {unit}", thousands(u)),
-            None => "none (NaN)".into(),
-        };
-        let special = d.special.map(|s| format!("  — {}", s.describe())).unwrap_or_default();
-        let _ = writeln!(o, "  distance   {dist}{special}");
+        element_lines(o, &d.dtype, "element", &d.element());
         let _ = writeln!(o, "  elements   {} of {} differ", thousands(d.differing_elements), thousands(d.total_elements));
         let _ = writeln!(o, "  ULP        max {}, median {}", opt_u(d.max_ulp), opt_u(d.median_ulp));
         let _ = writeln!(o, "  abs / rel  max abs {}, max rel {}", real(Some(d.max_abs)), real(Some(d.max_rel)));
@@ -407,12 +469,13 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
     let with_rule = rep.policy.is_some();
     let _ = writeln!(
         o,
-        "  {:w$}  {:14}  {:>21}  {:>12}  {:>10}  {:>11}  {}",
+        "  {:w$}  {:14}  {:>21}  {:>12}  {:>10}  {:>10}  {:>11}  {}",
         "tensor",
         "status",
         "differing/total",
         "max ULP",
         "max rel",
+        "rel L2",
         "cosine",
         if with_rule { "rule" } else { "method" }
     );
@@ -428,17 +491,21 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
         };
         let _ = writeln!(
             o,
-            "  {:w$}  {:14}  {:>21}  {:>12}  {:>10}  {:>11}  {}",
+            "  {:w$}  {:14}  {:>21}  {:>12}  {:>10}  {:>10}  {:>11}  {}",
             r.tensor,
             r.status,
             diff,
             opt_u(r.max_ulp),
             real(r.max_rel),
+            real(r.rel_l2),
             cosine(r.cosine),
             last
         );
         for v in &r.violations {
-            let _ = writeln!(o, "  {:w$}    ! {v}", "");
+            let _ = writeln!(o, "  {:w$}    ! {}: {v}", "", v.bound);
+        }
+        if let Some(e) = &r.worst_element {
+            let _ = writeln!(o, "  {:w$}    ! worst at {}", "", element_words(r.dtype, e));
         }
     }
 }

@@ -47,102 +47,17 @@ macro_rules! snap {
     };
 }
 
-// --- a minimal JSON Schema checker: the keywords docs/diff-report.schema.json uses ---------
+// --- every JSON report is checked against docs/diff-report.schema.json -----------------------
 
-fn schema() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/diff-report.schema.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn type_ok(t: &str, v: &Value) -> bool {
-    match t {
-        "object" => v.is_object(),
-        "array" => v.is_array(),
-        "string" => v.is_string(),
-        "integer" => v.is_u64() || v.is_i64(),
-        "number" => v.is_number(),
-        "boolean" => v.is_boolean(),
-        "null" => v.is_null(),
-        other => panic!("schema uses unknown type {other}"),
-    }
-}
-
-fn validate(root: &Value, s: &Value, v: &Value, at: &str, errors: &mut Vec<String>) {
-    let known = ["$schema", "$id", "title", "description", "type", "required", "additionalProperties", "properties", "$defs", "$ref", "items", "enum", "minimum"];
-    for k in s.as_object().unwrap().keys() {
-        assert!(known.contains(&k.as_str()), "checker does not implement schema keyword {k}");
-    }
-    if let Some(r) = s.get("$ref").and_then(Value::as_str) {
-        let name = r.strip_prefix("#/$defs/").expect("local $ref");
-        return validate(root, &root["$defs"][name], v, at, errors);
-    }
-    if let Some(t) = s.get("type") {
-        let ok = match t {
-            Value::String(t) => type_ok(t, v),
-            Value::Array(ts) => ts.iter().any(|t| type_ok(t.as_str().unwrap(), v)),
-            _ => panic!("bad type"),
-        };
-        if !ok {
-            errors.push(format!("{at}: {v} is not of type {t}"));
-            return;
-        }
-    }
-    if let Some(e) = s.get("enum").and_then(Value::as_array) {
-        if !e.contains(v) {
-            errors.push(format!("{at}: {v} not in {e:?}"));
-        }
-    }
-    if let (Some(m), Some(x)) = (s.get("minimum").and_then(Value::as_f64), v.as_f64()) {
-        if x < m {
-            errors.push(format!("{at}: {x} < minimum {m}"));
-        }
-    }
-    if let Some(obj) = v.as_object() {
-        let props = s.get("properties").and_then(Value::as_object);
-        for req in s.get("required").and_then(Value::as_array).into_iter().flatten() {
-            if !obj.contains_key(req.as_str().unwrap()) {
-                errors.push(format!("{at}: missing required {req}"));
-            }
-        }
-        for (k, val) in obj {
-            match props.and_then(|p| p.get(k)) {
-                Some(ps) => validate(root, ps, val, &format!("{at}.{k}"), errors),
-                None if s.get("additionalProperties") == Some(&Value::Bool(false)) => errors.push(format!("{at}: unexpected key {k}")),
-                None => {}
-            }
-        }
-    }
-    if let (Some(items), Some(arr)) = (s.get("items"), v.as_array()) {
-        for (i, x) in arr.iter().enumerate() {
-            validate(root, items, x, &format!("{at}[{i}]"), errors);
-        }
-    }
-}
-
-fn assert_valid(report: &Value) {
-    let root = schema();
-    let mut errors = Vec::new();
-    validate(&root, &root, report, "$", &mut errors);
-    assert!(errors.is_empty(), "report does not match docs/diff-report.schema.json:\n{}", errors.join("\n"));
-}
-
+/// `trace-diff --json ARGS`: the exit code and the report, which must match the schema
+/// (`common::assert_valid_report`, a real JSON Schema validator).
 fn json_run(args: &[&str]) -> (i32, Value) {
     let mut a = vec!["--json"];
     a.extend_from_slice(args);
     let r = run(&a);
     let v: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", r.stdout, r.stderr));
-    assert_valid(&v);
+    assert_valid_report(&v);
     (r.code, v)
-}
-
-#[test]
-fn the_checker_catches_a_bad_report() {
-    let root = schema();
-    let mut errors = Vec::new();
-    validate(&root, &root, &json!({"verdict": "fine", "extra_key": 1}), "$", &mut errors);
-    assert!(errors.iter().any(|e| e.contains("not in")));
-    assert!(errors.iter().any(|e| e.contains("missing required \"tensors\"")));
-    assert!(errors.iter().any(|e| e.contains("unexpected key extra_key")));
 }
 
 // --- the reports -----------------------------------------------------------------------------
@@ -157,7 +72,7 @@ fn identical_exits_0() {
     snap!("identical_human", out.stdout);
     let (code, v) = json_run(&[p(&r), p(&c)]);
     assert_eq!((code, v["verdict"].as_str()), (0, Some("identical")));
-    assert!(v["first_divergence"].is_null() && v["first_decision_divergence"].is_null());
+    assert!(v["first_bit_difference"].is_null() && v["first_violation"].is_null() && v["first_decision_divergence"].is_null());
 }
 
 fn one_ulp_and_flip() -> (Spec, Spec) {
@@ -186,7 +101,8 @@ fn different_exits_1_with_a_located_first_divergence() {
     let (code, v) = json_run(&[p(&r), p(&c)]);
     assert_eq!(code, 1);
     assert_eq!(v["verdict"], "different");
-    let d = &v["first_divergence"];
+    assert!(v["first_violation"].is_null(), "no policy, no violation");
+    let d = &v["first_bit_difference"];
     assert_eq!((d["tensor"].as_str(), d["flat_index"].as_u64(), d["ulp"].as_u64()), (Some("layer.01.attn_out"), Some(21), Some(1)));
     assert_eq!(d["coords"], json!([2, 5]));
     assert_eq!(v["first_decision_divergence"]["name"], "layer.01.router.topk");
@@ -229,6 +145,110 @@ fn policy_reports_the_rule_per_tensor() {
     assert_eq!((code, v["verdict"].as_str()), (1, Some("different")));
     let logits = v["per_tensor"].as_array().unwrap().iter().find(|t| t["tensor"] == "logits").unwrap();
     assert_eq!((logits["status"].as_str(), logits["rule"]["pattern"].as_str()), (Some("outside_policy"), Some("logits")));
+}
+
+fn f32_values(s: &Spec, name: &str) -> Vec<f32> {
+    s.tensors.iter().find(|t| t.name == name).unwrap().bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+/// Rounding noise in layer.00.attn_out (a few 1-bit flips, well within the default policy)
+/// before a real defect in layer.01.mlp_out ([4, 8]): element 13 = [1,5] moved by +2, after a
+/// smaller move (+0.5) at element 5 that crosses zero. So 13 is the worst element by
+/// |difference|, while 5 is both the tensor's first difference and its largest in ULPs.
+fn noise_then_defect() -> (Spec, Spec) {
+    let r = model();
+    let mut c = model();
+    c.provenance = oracle_provenance();
+    for i in [3, 9, 20] {
+        c.poke_f32_bits("layer.00.attn_out", i, |b| b ^ 1);
+    }
+    let mlp = f32_values(&r, "layer.01.mlp_out");
+    c.set_f32("layer.01.mlp_out", 13, mlp[13] + 2.0);
+    c.set_f32("layer.01.mlp_out", 5, mlp[5] + 0.5);
+    (r, c)
+}
+
+#[test]
+fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
+    let (rs, cs) = noise_then_defect();
+    // What the policy must find, from the planted values alone (f64, index order).
+    let (a, b) = (f32_values(&rs, "layer.01.mlp_out"), f32_values(&cs, "layer.01.mlp_out"));
+    let (mut rr, mut cc, mut rc, mut dd) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(&b) {
+        let (x, y) = (x as f64, y as f64);
+        (rr, cc, rc, dd) = (rr + x * x, cc + y * y, rc + x * y, dd + (x - y) * (x - y));
+    }
+    let (rel_l2, cosine) = ((dd / rr).sqrt(), rc / (rr * cc).sqrt());
+    assert!(rel_l2 > 1e-4 && cosine < 0.9999, "the plant breaks both bounds of rule #3: {rel_l2} {cosine}");
+    assert!(a[13] > 0.0 && b[13] > 0.0 && a[5] < 0.0 && b[5] > 0.0, "the plant's signs, as the comment says");
+    let ulp = (b[13].to_bits() - a[13].to_bits()) as u64;
+
+    let (_d, r, c) = pair(&rs, &cs);
+    let pol = policy_path();
+    let out = run(&["--policy", p(&pol), p(&r), p(&c)]);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    let head = out.stdout.lines().next().unwrap();
+    assert!(head.starts_with("DIFFERENT — 1 of 13 tensors outside the policy, first layer.01.mlp_out: relative L2 "), "{head}");
+    assert!(head.ends_with(" > 0.0001 (+1 more bound) by rule #3 layer.*.mlp_out; 3 decisions"), "{head}");
+    assert!(!head.contains("layer.00.attn_out"), "the noise is not the headline: {head}");
+    // The violation's block, with its worst element, comes before the first bit difference.
+    let (fv, fb) = (out.stdout.find("first violation").unwrap(), out.stdout.find("first bit difference").unwrap());
+    assert!(fv < fb, "{}", out.stdout);
+    assert!(out.stdout.contains("  worst      [1,5]  (flat index 13)\n"), "{}", out.stdout);
+    assert!(out.stdout.contains(&format!("  distance   {} ULP (f32)\n", tracegate_diff::thousands(ulp))), "{}", out.stdout);
+    snap!("policy_violation_human", out.stdout);
+
+    let (code, v) = json_run(&["--policy", p(&pol), p(&r), p(&c)]);
+    assert_eq!((code, v["verdict"].as_str(), v["schema"].as_str()), (1, Some("different"), Some("tracegate-diff-report/2")));
+    let f = &v["first_violation"];
+    assert_eq!((f["tensor"].as_str(), &f["rule"]), (Some("layer.01.mlp_out"), &json!({"index": 3, "pattern": "layer.*.mlp_out"})));
+    let bounds: Vec<&str> = f["violations"].as_array().unwrap().iter().map(|b| b["bound"].as_str().unwrap()).collect();
+    assert_eq!(bounds, ["max_rel_l2", "min_cosine"]);
+    let close = |got: &Value, want: f64| (got.as_f64().unwrap() - want).abs() <= 1e-12 * want.abs();
+    let (l2, cos) = (&f["violations"][0], &f["violations"][1]);
+    assert!(l2["limit"] == json!(1e-4) && close(&l2["value"], rel_l2), "{l2} vs {rel_l2}");
+    assert!(cos["limit"] == json!(0.9999) && close(&cos["value"], cosine), "{cos} vs {cosine}");
+    let w = &f["worst_element"];
+    assert_eq!((w["flat_index"].as_u64(), &w["coords"], w["ulp"].as_u64()), (Some(13), &json!([1, 5]), Some(ulp)));
+    assert_eq!((w["reference_bits"].as_str(), w["candidate_bits"].as_str()), (Some(&*format!("0x{:08x}", a[13].to_bits())), Some(&*format!("0x{:08x}", b[13].to_bits()))));
+    assert_eq!(w["candidate_value"].as_str().unwrap().parse::<f32>().unwrap().to_bits(), b[13].to_bits());
+    // The first bit difference keeps its place and its content, under its own name.
+    let d = &v["first_bit_difference"];
+    assert_eq!((d["tensor"].as_str(), d["flat_index"].as_u64(), &d["coords"]), (Some("layer.00.attn_out"), Some(3), &json!([0, 3])));
+    let rows = v["per_tensor"].as_array().unwrap();
+    let row = |name: &str| rows.iter().find(|t| t["tensor"] == name).unwrap();
+    let mlp = row("layer.01.mlp_out");
+    assert_eq!((&mlp["status"], &mlp["violations"], &mlp["worst_element"]), (&json!("outside_policy"), &f["violations"], w));
+    assert!(mlp["max_ulp"].as_u64().unwrap() > ulp, "worst is by |difference|, not by ULPs: {mlp}");
+    let attn = row("layer.00.attn_out");
+    assert_eq!((&attn["status"], &attn["violations"], &attn["worst_element"]), (&json!("within_policy"), &json!([]), &Value::Null));
+}
+
+#[test]
+fn the_validator_rejects_a_report_that_breaks_the_schema() {
+    let (rs, cs) = noise_then_defect();
+    let (_d, r, c) = pair(&rs, &cs);
+    let (_, good) = json_run(&["--policy", p(&policy_path()), p(&r), p(&c)]);
+    // Each a planted defect of one kind, each must be refused.
+    let plants: [(&str, fn(&mut Value)); 9] = [
+        ("a wrong type", |v| v["tensors"]["reference_count"] = json!("13")),
+        ("a missing required field", |v| drop(v.as_object_mut().unwrap().remove("first_violation"))),
+        ("a missing field of a violation", |v| drop(v["first_violation"]["violations"][0].as_object_mut().unwrap().remove("limit"))),
+        ("an unknown field", |v| v["first_violation"]["note"] = json!(1)),
+        ("the previous version", |v| v["schema"] = json!("tracegate-diff-report/1")),
+        ("a violation as prose", |v| {
+            let at = v["per_tensor"].as_array().unwrap().iter().position(|t| t["status"] == "outside_policy").unwrap();
+            v["per_tensor"][at]["violations"][0] = json!("relative L2 0.01 > 0.0001");
+        }),
+        ("an unknown bound", |v| v["first_violation"]["violations"][0]["bound"] = json!("max_l2")),
+        ("a real that is an arbitrary string", |v| v["first_violation"]["violations"][0]["value"] = json!("big")),
+        ("bits that are not hex", |v| v["first_violation"]["worst_element"]["candidate_bits"] = json!("3f800000")),
+    ];
+    for (what, plant) in plants {
+        let mut bad = good.clone();
+        plant(&mut bad);
+        assert!(!report_schema_errors(&bad).is_empty(), "the validator accepted {what}");
+    }
 }
 
 #[test]

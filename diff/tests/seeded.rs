@@ -10,7 +10,9 @@ use tracegate_trace::DType;
 
 fn diff(r: &Spec, c: &Spec, opts: &Options) -> tracegate_diff::Report {
     let (_dir, rp, cp) = pair(r, c);
-    compare_files(&rp, &cp, opts)
+    let rep = compare_files(&rp, &cp, opts);
+    report_json(&rep); // every report this suite makes matches the JSON schema
+    rep
 }
 
 fn kinds(rep: &tracegate_diff::Report) -> Vec<&'static str> {
@@ -431,7 +433,7 @@ fn policy_fail_and_unmatched_tensor() {
     assert_eq!(rep.verdict, Verdict::Different);
     let mlp = rep.per_tensor.iter().find(|t| t.tensor == "layer.00.mlp_out").unwrap();
     assert_eq!(mlp.status, "outside_policy");
-    assert!(mlp.violations.iter().any(|v| v.starts_with("relative L2")), "{:?}", mlp.violations);
+    assert!(mlp.violations.iter().any(|v| v.bound == "max_rel_l2"), "{:?}", mlp.violations);
     let probe = rep.per_tensor.iter().find(|t| t.tensor == "custom.probe").unwrap();
     assert_eq!((probe.status, probe.rule.is_none()), ("no_rule", true));
     let k = kinds(&rep);

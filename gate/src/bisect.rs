@@ -17,6 +17,8 @@ use crate::producer::{Producer, RunRecord, Verb};
 use crate::{gerr, Result};
 
 pub const DEFAULT_POLICY: &str = "fixtures/policy/oracle-default.json";
+/// The report's format (docs/bisect.md).
+pub const SCHEMA: &str = "tracegate-bisect/2";
 
 #[derive(Clone, Debug)]
 pub struct BisectOptions {
@@ -84,8 +86,9 @@ impl DecisionCmp {
     }
 }
 
+/// The first element whose bits differ (whatever a policy says of it).
 #[derive(Clone, Debug, Serialize)]
-pub struct FirstDivergence {
+pub struct FirstBitDifference {
     pub tensor: String,
     pub coords: Vec<u64>,
     pub reference_value: String,
@@ -105,8 +108,10 @@ pub struct WholeRun {
     /// How it diverges: "differs", or the differ's finding kind (e.g. "missing_tensor").
     pub first_diverging_how: Option<String>,
     pub first_diverging_layer: Option<usize>,
+    /// Under a policy: the first tensor outside it, with its broken bounds and worst element.
+    pub first_violation: Option<tracegate_diff::TensorViolation>,
     /// The first differing element (by bits, whatever the policy says).
-    pub first_divergence: Option<FirstDivergence>,
+    pub first_bit_difference: Option<FirstBitDifference>,
     pub differing_decisions: Vec<DecisionCmp>,
     /// The differ's other findings, each "kind name: detail" (structure: a tensor or decision
     /// on one side only, order; and notes such as expert rows set aside).
@@ -646,7 +651,8 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         first_diverging: first.as_ref().map(|(_, n, _)| n.clone()),
         first_diverging_how: first.as_ref().map(|(_, _, how)| how.to_string()),
         first_diverging_layer: first_layer,
-        first_divergence: whole.first_divergence.as_ref().map(|d| FirstDivergence {
+        first_violation: whole.first_violation(),
+        first_bit_difference: whole.first_divergence.as_ref().map(|d| FirstBitDifference {
             tensor: d.tensor.clone(),
             coords: d.coords.clone(),
             reference_value: d.reference_value.clone(),
@@ -746,7 +752,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
 
     let (verdict, exit_code, summary) = verdict(&layers, first_wrong, &stage, &first, n, &whole_run, &structure, amplification, &failed);
     Ok(BisectReport {
-        schema: "tracegate-bisect/1",
+        schema: SCHEMA,
         summary,
         verdict,
         exit_code,
@@ -831,11 +837,11 @@ fn verdict(
             let iso = if matched.is_empty() { "; no layer isolated (nothing diverged; --all-layers runs every layer's verb)".to_string() } else { format!("; {}", tail.join("; ")) };
             ("nothing_wrong", 0, format!("nothing wrong: the whole runs are {how}{iso}"))
         }
-        Some((loc, name, _)) if *loc < 0 => ("outside_layers", 1, format!("{name} differs before layer 00: the embedding is wrong (the layer verb does not isolate it)")),
+        Some((loc, name, _)) if *loc < 0 => ("outside_layers", 1, format!("{name} differs before layer 00{}: the embedding is wrong (the layer verb does not isolate it)", broken(whole, name))),
         Some((loc, name, _)) if *loc as usize >= n => (
             "outside_layers",
             1,
-            format!("no layer differs in the whole run; the divergence starts at {name}, after the last layer (the head, which the layer verb does not isolate)"),
+            format!("no layer differs in the whole run; the divergence starts at {name}{}, after the last layer (the head, which the layer verb does not isolate)", broken(whole, name)),
         ),
         Some(_) => {
             let iso_ulp = layers.iter().filter(|r| r.isolation == "match").filter_map(|r| r.isolated_max_ulp).max().unwrap_or(0);
@@ -853,6 +859,13 @@ fn verdict(
             )
         }
     }
+}
+
+/// " (relative L2 0.2 > 0.0001)" when `name` is the whole run's first violation: under a
+/// policy, the bound that puts it outside.
+fn broken(whole: &WholeRun, name: &str) -> String {
+    let v = whole.first_violation.as_ref().filter(|v| v.tensor == name);
+    v.and_then(|v| v.violations.first()).map(|b| format!(" ({b})")).unwrap_or_default()
 }
 
 /// A hang says nothing about the layers: the bisection cannot be judged, so it is refused.
@@ -931,16 +944,22 @@ pub fn render(r: &BisectReport) -> String {
         r.prompt.as_ref().map(|p| format!(" (prompt {p})")).unwrap_or_default(),
         r.capture
     ));
-    match (&r.whole_run.first_diverging, &r.whole_run.first_divergence) {
+    match (&r.whole_run.first_diverging, &r.whole_run.first_bit_difference) {
         (None, _) => o.push_str(&format!("  whole run: {}\n", r.whole_run.verdict)),
         (Some(name), d) => {
             o.push_str(&format!("  whole run: {}; first diverging {name}", r.whole_run.verdict));
             if let Some(how) = r.whole_run.first_diverging_how.as_deref().filter(|h| *h != "differs") {
                 o.push_str(&format!(" ({})", how_words(how)));
             }
+            // Under a policy the failure is its first violation; the first bit difference
+            // (possibly rounding noise within the policy) follows, named as such.
+            if let Some(v) = &r.whole_run.first_violation {
+                o.push_str(&format!("; first outside the policy {}: {v}", v.tensor));
+            }
             if let Some(d) = d {
+                let what = if r.whole_run.first_violation.is_some() { "first bit difference" } else { "first differing element" };
                 o.push_str(&format!(
-                    "; first differing element {}{:?}: {} vs {} ({} ULP; {}/{} elements differ)",
+                    "; {what} {}{:?}: {} vs {} ({} ULP; {}/{} elements differ)",
                     d.tensor,
                     d.coords,
                     d.reference_value,

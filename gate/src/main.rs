@@ -204,7 +204,7 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
         Err(err) => {
             // A CI job that asked for a report gets one saying why there is no bisection.
             let refused = serde_json::json!({
-                "schema": "tracegate-bisect/1", "verdict": "refused", "exit_code": 2, "summary": err.to_string(),
+                "schema": bisect::SCHEMA, "verdict": "refused", "exit_code": 2, "summary": err.to_string(),
                 "work_dir": o.work, "timeout_s": a.timeout, "gate_invocation": o.gate_invocation,
             });
             write_report(&report, &refused)?;

@@ -86,6 +86,8 @@ pub struct OracleSummary {
     pub near_ties: Vec<String>,
     /// Token rows after those near-ties, tensors and decisions, not judged.
     pub rows_after_near_tie: u64,
+    /// The first tensor in capture order outside the policy (the differ's `first_violation`).
+    pub first_violation: Option<tracegate_diff::TensorViolation>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -319,7 +321,8 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         if row.status == "outside_policy" || row.status == "no_rule" {
             // Already reported as a diff finding when the differ emits one; keep one entry per tensor.
             if !found.iter().any(|f| f.name == row.tensor) {
-                found.push(Finding { kind: row.status.into(), name: row.tensor.clone(), count: 1, detail: row.violations.join("; ") });
+                let detail = row.violation().map_or_else(|| "no rule in the policy matches this tensor".to_string(), |v| v.to_string());
+                found.push(Finding { kind: row.status.into(), name: row.tensor.clone(), count: 1, detail });
             }
         }
     }
@@ -364,6 +367,7 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         worst_rel_l2_tensor: rel_l2.map(|x| x.1),
         near_ties,
         rows_after_near_tie,
+        first_violation: rep.first_violation(),
     };
     let mut detail = format!(
         "{} under policy {}: {} tensors judged, {}/{} decisions differ; smallest margin {} at {}; worst rel L2 {} ({})",
@@ -389,6 +393,13 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
             summary.near_ties.join(", "),
             summary.rows_after_near_tie
         ));
+    }
+    // The policy failure is named by its first violation: the first bit difference may be
+    // rounding noise within the policy.
+    if let Some(v) = &summary.first_violation {
+        let outside = rep.per_tensor.iter().filter(|r| r.status == "outside_policy").count();
+        let first = v.violations.first().map(|b| b.to_string()).unwrap_or_default();
+        detail.push_str(&format!("; {outside} tensor(s) outside the policy, first {}: {first}", v.tensor));
     }
     if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
         found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });

@@ -286,3 +286,29 @@ fn a_layer_verb_that_hangs_is_killed_and_the_bisection_refused() {
     assert!(stderr.contains("candidate-cmd layer timed out after 8 s (--timeout) and was killed: $ ") && stderr.contains("misbehaving.py hang-layer layer --model"), "{stderr}");
     assert_eq!((rep["verdict"].as_str(), rep["timeout_s"].as_u64()), (Some("refused"), Some(8)));
 }
+
+#[test]
+fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_difference() {
+    // A 1-ULP nudge in layer 00 (noise within the policy) and a defect in the head: judged by
+    // the policy, the failure is the head's violation; the nudge is only the first bit difference.
+    let cmd = format!(
+        "'{}' '{}' --base contract --nudge layer.00.attn_out --push logits {{verb}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo().join("gate/tests/producers/planted_trace.py").display()
+    );
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--policy", "fixtures/policy/oracle-default.json"]);
+    assert_eq!(o.code, 1, "{}", o.stdout);
+    let (r, w) = (&o.report, &o.report["whole_run"]);
+    assert_eq!((r["schema"].as_str(), r["verdict"].as_str()), (Some("tracegate-bisect/2"), Some("outside_layers")), "{}", o.stdout);
+    assert_eq!(w["first_diverging"], "logits", "{}", o.stdout);
+    let v = &w["first_violation"];
+    assert_eq!((v["tensor"].as_str(), v["violations"][0]["bound"].as_str()), (Some("logits"), Some("max_rel_l2")), "{v}");
+    assert_eq!((v["worst_element"]["flat_index"].as_u64(), &v["worst_element"]["coords"]), (Some(0), &serde_json::json!([0, 0])), "{v}");
+    let b = &w["first_bit_difference"];
+    assert_eq!((b["tensor"].as_str(), b["ulp"].as_u64()), (Some("layer.00.attn_out"), Some(1)), "{b}");
+    let head = o.stdout.lines().next().unwrap();
+    assert!(head.contains("the divergence starts at logits (relative L2 ") && head.contains(" > 0.0001), after the last layer"), "{head}");
+    let line = o.stdout.lines().find(|l| l.trim_start().starts_with("whole run: different")).unwrap();
+    let (fv, fb) = (line.find("first outside the policy logits: relative L2 ").unwrap(), line.find("first bit difference layer.00.attn_out[0, 0]: ").unwrap());
+    assert!(fv < fb && line.contains("(rule #6 logits); worst at [0,0]: "), "{line}");
+}

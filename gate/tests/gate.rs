@@ -464,13 +464,30 @@ fn findings(check: &Value) -> Vec<(String, String, u64)> {
 fn an_oracle_tensor_outside_the_policy_fails_agrees() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
-    let oracle = test_producer("planted_trace.py", "--base contract --push layer.01.mlp_out");
+    // A 1-ULP nudge (noise within the policy) in an earlier tensor than the defect: the failure
+    // must be named by the first violation, not by the first bit difference.
+    let oracle = test_producer("planted_trace.py", "--base contract --nudge layer.00.attn_out --push layer.01.mlp_out");
     let r = gate(&repo(), &["m0", "--only", "short", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "short", "agrees");
     assert_eq!(agrees["status"], "FAIL", "{agrees}");
     assert_eq!(findings(agrees), [("outside_policy".to_string(), "layer.01.mlp_out".to_string(), 1)], "{agrees}");
+    let detail = agrees["detail"].as_str().unwrap();
+    assert!(detail.contains("; 1 tensor(s) outside the policy, first layer.01.mlp_out: relative L2 "), "{detail}");
+    assert!(!detail.contains("layer.00.attn_out"), "the noise is not the failure: {detail}");
+    // The planted element (flat 0 = [0,0]) is the worst, moved to 1000 * (|x| + 1) in f32.
+    let v = &rep["prompts"][0]["oracle"]["first_violation"];
+    assert_eq!((v["tensor"].as_str(), &v["rule"]["pattern"]), (Some("layer.01.mlp_out"), &serde_json::json!("layer.*.mlp_out")), "{v}");
+    assert_eq!(v["violations"][0]["bound"], "max_rel_l2", "{v}");
+    assert!(v["violations"][0]["value"].as_f64().unwrap() > v["violations"][0]["limit"].as_f64().unwrap(), "{v}");
+    let w = &v["worst_element"];
+    assert_eq!((w["flat_index"].as_u64(), &w["coords"]), (Some(0), &serde_json::json!([0, 0])), "{v}");
+    let bits = |k: &str| u32::from_str_radix(w[k].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    let pushed = 1000f32 * (f32::from_bits(bits("reference_bits")).abs() + 1f32);
+    assert_eq!(bits("candidate_bits"), pushed.to_bits(), "{w}");
+    let finding = &agrees["findings"][0]["detail"];
+    assert!(finding.as_str().unwrap().contains("(rule #3 layer.*.mlp_out); worst at [0,0]: "), "{finding}");
     for other in ["stable", "matches", "generation", "generation_oracle"] {
         assert_eq!(check(&rep, "short", other)["status"], "PASS", "{other}");
     }

@@ -1,17 +1,28 @@
 """Where cargo put the release binaries (engine, trace-diff, gate): the contract tests' locator
-(cargo metadata, honouring CARGO_TARGET_DIR), loaded by path because both test trees import
-their own `conftest` by that name."""
+(cargo metadata, honouring CARGO_TARGET_DIR), and their checked reader of `trace-diff --json`,
+loaded by path because both test trees import their own `conftest` by that name."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[2]
 
 
-def release_binary(name: str) -> tuple[str, str | None]:
-    """(path, None) when the release binary `name` is built, else (path, the reason it is not)."""
+@functools.lru_cache(maxsize=None)
+def _conftest():
     spec = importlib.util.spec_from_file_location("contract_tests_conftest", _ROOT / "contract/tests/conftest.py")
     conf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conf)
-    return conf.release_binary(name)
+    return conf
+
+
+def release_binary(name: str) -> tuple[str, str | None]:
+    """(path, None) when the release binary `name` is built, else (path, the reason it is not)."""
+    return _conftest().release_binary(name)
+
+
+def diff_report(text: str) -> dict:
+    """A `trace-diff --json` report, parsed and checked against docs/diff-report.schema.json."""
+    return _conftest().diff_report(text)

@@ -34,7 +34,7 @@ if str(ROOT / "oracle") not in sys.path:  # same as test_oracle.py: works before
     sys.path.insert(0, str(ROOT / "oracle"))
 
 from tracegate_oracle import capture as cp  # noqa: E402
-from binaries import release_binary  # noqa: E402
+from binaries import diff_report, release_binary  # noqa: E402
 
 FIXTURES = {"dense": ROOT / "fixtures" / "tiny-qwen3", "moe": ROOT / "fixtures" / "tiny-qwen3-moe"}
 POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
@@ -70,7 +70,7 @@ def diff(ref, cand, *args, policy=True):
     if policy:
         cmd += ["--policy", str(POLICY)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    report = json.loads(r.stdout) if "--json" in args and r.stdout.strip() else None
+    report = diff_report(r.stdout) if "--json" in args and r.stdout.strip() else None
     return r.returncode, report, r.stdout + r.stderr
 
 

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use serde_json::{json, Value};
 use tracegate_trace::{Attributes, DType, TraceWriter};
@@ -138,4 +139,39 @@ pub fn rewrite_index(path: &Path, edit: impl FnOnce(&mut Value)) {
     bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(&new_index).to_be_bytes());
     bytes.extend_from_slice(b"TGTREND\0");
     std::fs::write(path, bytes).unwrap();
+}
+
+// --- the JSON report's schema, checked by a real JSON Schema validator ----------------------
+
+/// docs/diff-report.schema.json, compiled once per test binary (draft 2020-12; building it
+/// also checks the schema itself against the draft's meta-schema).
+fn report_validator() -> &'static jsonschema::Validator {
+    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+    V.get_or_init(|| {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/diff-report.schema.json");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let schema: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        jsonschema::draft202012::new(&schema).unwrap_or_else(|e| panic!("{} is not a valid schema: {e}", path.display()))
+    })
+}
+
+/// Every way `report` departs from docs/diff-report.schema.json, each "at /json/pointer: why".
+pub fn report_schema_errors(report: &Value) -> Vec<String> {
+    report_validator().iter_errors(report).map(|e| format!("at {}: {e}", e.instance_path())).collect()
+}
+
+/// Panics unless `report` is valid under docs/diff-report.schema.json. Every test that makes a
+/// JSON report (the CLI's `--json`, or a library report through [`report_json`]) checks it here.
+pub fn assert_valid_report(report: &Value) {
+    let errors = report_schema_errors(report);
+    assert!(errors.is_empty(), "the report does not match docs/diff-report.schema.json:\n{}\n{report:#}", errors.join("\n"));
+}
+
+/// A library report as `trace-diff --json` writes it (the same writer), checked against the schema.
+pub fn report_json(rep: &tracegate_diff::Report) -> Value {
+    let mut out = Vec::new();
+    tracegate_diff::write_json(rep, &mut out).expect("writing to a Vec");
+    let v: Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic!("write_json wrote no JSON ({e})"));
+    assert_valid_report(&v);
+    v
 }
