@@ -378,6 +378,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
             cache,
             threads,
             command_line: argv.to_vec(),
+            force_decisions: None,
         })
         .map(|_| ())
         .map_err(e),
@@ -390,6 +391,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
             internals,
             threads,
             command_line: argv.to_vec(),
+            force_decisions: None,
         })
         .map(|_| ())
         .map_err(e),
