@@ -115,6 +115,27 @@ def test_without_forcing_the_flip_shows(runs):
     assert not np.array_equal(free["layer.01.mlp_out"], forced["layer.01.mlp_out"])
 
 
+def test_forced_by_its_own_trace_trace_diff_notes_it_and_finds_nothing(runs, tmp_path):
+    own = runs["own"]
+    forced = contract(tmp_path / "self.trace", "--force-decisions", own.path)
+    rc, rep = diff(own.path, forced.path)
+    assert rc == 0 and rep["verdict"] == "identical", rep["findings"]
+    [note] = rep["findings"]
+    assert note["kind"] == "decisions_forced" and own.digest in note["detail"] and "candidate's decisions" in note["detail"], note
+    # Negative control: the same attribute naming another trace is a difference.
+    with tracegate.TraceWriter(str(tmp_path / "renamed.trace"), forced.provenance) as w:
+        for n in forced.names:
+            a = dict(forced.attributes(n))
+            if "forced" in a:
+                a["forced"] = runs["alt"].digest
+            w.tensor(n, np.array(forced[n]), **a)
+        for n, v in forced.decisions.items():
+            w.decision(n, v, margins=forced.margins[n])
+    rc, rep = diff(own.path, str(tmp_path / "renamed.trace"))
+    kinds = {f["kind"] for f in rep["findings"]}
+    assert rc == 1 and kinds == {"attribute_differs"}, kinds
+
+
 @pytest.mark.parametrize("edit, says", [
     (["--generate", "4"], "decision decode.0003.argmax is missing (this run needs it)"),
     (["--tokens", "12,218,345,152,82"], "its prompt_tokens [12, 218, 345, 152, 81] are not this run's [12, 218, 345, 152, 82]"),
