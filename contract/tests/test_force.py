@@ -100,6 +100,22 @@ def test_engine_and_contract_forced_from_an_altered_trace_are_bit_identical(runs
     assert all(t.attributes(n).get("forced") == alt.digest for n in t.names[t.names.index("layer.00.mlp_out"):])
 
 
+def test_the_layer_verbs_forced_alike_are_bit_identical(runs, tmp_path):
+    """Layer 1 alone on the engine's own input, its router row 3 taken from the altered trace."""
+    own, alt = runs["own"], runs["alt"]
+    args = ["--model", MOE, "--layer", "1", "--input", own.path, "--input-name", "layer.01.hidden_in", "--force-decisions", alt.path]
+    e, c = tmp_path / "e.trace", tmp_path / "c.trace"
+    subprocess.run([ENGINE, "layer", *args, "--out", str(e), "--threads", "1"], check=True, capture_output=True)
+    assert contract_main(["layer", *args, "--out", str(c)]) == 0
+    e, c = tracegate.Trace(str(e)), tracegate.Trace(str(c))
+    assert e.digest == c.digest
+    np.testing.assert_array_equal(c.decisions["layer.01.router.topk"], alt.decisions["layer.01.router.topk"])
+    assert c.provenance["forced_decisions"]["overridden"] == {"layer.01.router.topk": 1}
+    # Only layer 1 and a decode step were altered, so the forced whole run reaches layer 1 with
+    # this same input: the forced layer verb reproduces its layer 1.
+    np.testing.assert_array_equal(c["layer.01.mlp_out"], runs["contract-on"]["layer.01.mlp_out"])
+
+
 def test_without_forcing_the_flip_shows(runs):
     """Negative control: the unforced contract keeps its own row 3 and token, so against the
     altered trace its decisions differ, and from the forced runs its numbers differ from the

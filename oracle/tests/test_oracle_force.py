@@ -103,6 +103,11 @@ def test_forced_from_the_engine_every_decision_is_the_engines(det, tmp_path):
         np.testing.assert_array_equal(idx.numpy(), eng.decisions[f"layer.{L:02d}.router.topk"])
     rec = cap.provenance["forced_decisions"]
     assert rec["trace_digest"] == eng.digest and rec["decisions"] == list(eng.decisions), rec
+    # The layer verb, forced alike on the whole run's own input, reproduces its layer (same process).
+    lay_in = cap["layer.01.hidden_in"]
+    one = cp.capture_layer(model, MOE, 1, lay_in.array, lay_in.attrs["positions"], cp.RunConfig(), det, forcing=Forcing(str(ref)))
+    np.testing.assert_array_equal(one.decision("layer.01.router.topk").values, eng.decisions["layer.01.router.topk"])
+    np.testing.assert_array_equal(one["layer.01.mlp_out"].array, cap["layer.01.mlp_out"].array)
     t = write(cap, tmp_path / "oracle.trace")
     first = t.names.index("layer.00.mlp_out")
     assert all("forced" not in t.attributes(n) for n in t.names[:first])
