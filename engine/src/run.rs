@@ -171,7 +171,6 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
         }
         model.forcing = Some(f);
     }
-    let model = model;
     let pool = pool(o.threads)?;
     let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
         let mut cap = Capture::new("prefill", o.internals);
@@ -241,7 +240,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         return Err(err!("--layer {} out of range (model has {} layers)", o.layer, cfg.num_hidden_layers));
     }
     let store = Store::open(&o.model_dir)?;
-    let model = Model::load(cfg, &store)?;
+    let mut model = Model::load(cfg, &store)?;
     let input = Trace::open(&o.input)?;
     let info = input
         .tensor_info(&o.input_name)
@@ -263,7 +262,6 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         return Err(err!("{}: tensor {}: position {p} outside [0, 2^24)", o.input.display(), o.input_name));
     }
     let x = input.f32_vec(&o.input_name)?;
-    let mut model = model;
     if let Some(path) = &o.force_decisions {
         let f = Forcing::open(path)?;
         let c = &model.cfg;
@@ -277,7 +275,6 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         }
         model.forcing = Some(f);
     }
-    let model = model;
     let pool = pool(o.threads)?;
     let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
         let mut cap = Capture::new("layer", o.internals);
