@@ -1,9 +1,9 @@
 """Command line: the two verbs every producer answers.
 
   python -m tracegate_contract trace --model DIR --tokens 3,17,5 --out PATH
-         [--capture default|internals] [--generate N] [--cache on|off]
+         [--capture default|internals] [--generate N] [--cache on|off] [--force-decisions TRACE]
   python -m tracegate_contract layer --model DIR --layer L --input TRACE --input-name NAME
-         --out PATH [--capture default|internals]
+         --out PATH [--capture default|internals] [--force-decisions TRACE]
 
 User errors (bad arguments, config or checkpoint refusals, bad input traces) exit 2 with one
 line on stderr and no traceback.
@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--capture", choices=["default", "internals"], default="default")
     t.add_argument("--generate", type=int, default=0)
     t.add_argument("--cache", choices=["on", "off"], default="on")
+    t.add_argument("--force-decisions", help="take router top-k and greedy tokens from this trace")
     l = sub.add_parser("layer", help="run one layer on a tensor taken from a trace")
     l.add_argument("--model", required=True)
     l.add_argument("--layer", type=int, required=True)
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     l.add_argument("--input-name", required=True)
     l.add_argument("--out", required=True)
     l.add_argument("--capture", choices=["default", "internals"], default="default")
+    l.add_argument("--force-decisions", help="take the layer's router top-k from this trace (row i: position i)")
     return p
 
 
@@ -69,11 +71,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.generate < 0:
                 raise ContractError("--generate: must be ≥ 0")
             digest = run.trace(
-                args.model, _tokens(args.tokens), args.out, args.capture == "internals", args.generate, args.cache == "on", command
+                args.model, _tokens(args.tokens), args.out, args.capture == "internals", args.generate, args.cache == "on", command,
+                args.force_decisions,
             )
         else:
             digest = run.layer(
-                args.model, args.layer, args.input, args.input_name, args.out, args.capture == "internals", command
+                args.model, args.layer, args.input, args.input_name, args.out, args.capture == "internals", command,
+                args.force_decisions,
             )
     except ContractError as e:
         print(f"error: {e}", file=sys.stderr)

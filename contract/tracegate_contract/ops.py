@@ -257,6 +257,18 @@ def topk(p: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return order[:, :k].astype(np.int64), margin.astype(F32)
 
 
+def margin_of(v: np.ndarray, chosen) -> F32:
+    """The margin of a given choice on one row (docs/producers.md, forced decisions): the value
+    of the chosen index that comes last in rank order ⊖ the value of the unchosen index that
+    comes first. For the row's own choice it is the margin of `topk` / `argmax_with_margin`;
+    for another choice, negative where the row ranks an unchosen index higher."""
+    order = [int(i) for i in rank_order(np.asarray(v, dtype=F32)[None])[0]]
+    chosen = [int(c) for c in chosen]
+    weakest = max(chosen, key=order.index)
+    strongest = next(i for i in order if i not in chosen)
+    return F32(v[weakest] - v[strongest])
+
+
 def argmax_with_margin(logits: np.ndarray, what: str = "logits") -> tuple[np.ndarray, np.ndarray]:
     """Per row: index of the largest value (IEEE `>`, ties to the lowest index) and margin
     top1 ⊖ top2, top2 the largest among the other indices (§12). NaN is an error naming the row.

@@ -257,6 +257,10 @@ class Capture:
         self.internals = internals
         self.tensors: list[tuple[str, np.ndarray, list[int]]] = []
         self.decisions: list[tuple[str, np.ndarray, np.ndarray]] = []
+        # --force-decisions: (name, rows overridden) per forced decision, and how many tensors
+        # were captured before the first (those after it carry the `forced` attribute).
+        self.forced: list[tuple[str, int]] = []
+        self.first_forced: int | None = None
 
     def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
         if internal and not self.internals:
@@ -266,12 +270,22 @@ class Capture:
     def decision(self, name: str, values: np.ndarray, margins: np.ndarray) -> None:
         self.decisions.append((name, np.asarray(values, dtype=np.int64), np.asarray(margins, dtype=F32)))
 
+    def mark_forced(self, name: str, overridden: int) -> None:
+        """The decision just recorded was forced; `overridden`: rows this producer would have
+        decided otherwise."""
+        if self.first_forced is None:
+            self.first_forced = len(self.tensors)
+        self.forced.append((name, int(overridden)))
+
 
 class _NoCapture(Capture):
     def tensor(self, *a, **k):
         pass
 
     def decision(self, *a, **k):
+        pass
+
+    def mark_forced(self, *a, **k):
         pass
 
 
@@ -429,6 +443,8 @@ class Model:
         else:
             self.head_t = ops.transpose_weight(ck.take("lm_head.weight", (V, H)))
         ck.finish()
+        # --force-decisions (force.Forcing): router rows at the positions it holds are taken from it.
+        self.forcing = None
         self.rope = ops.RopeTable(cfg.rope_theta, cfg.head_dim)
         # §8.4: binary64 sqrt and division, rounded once.
         self.scale = F32(1.0 / math.sqrt(float(cfg.head_dim)))
@@ -497,9 +513,21 @@ class Model:
         if bad.size:
             raise ContractError(f"{pfx}.router: NaN router probability in row {int(bad[0])}")
         chosen, margin = ops.topk(p, cfg.num_experts_per_tok)
-        cap.decision(f"{pfx}.router.topk", chosen, margin)
+        name = f"{pfx}.router.topk"
+        forced = self.forcing.values(name) if self.forcing is not None else None
+        if forced is not None:
+            # Row i of the forcing decision is position i's; later positions route themselves.
+            overridden = 0
+            for r, P in enumerate(pos):
+                if P < forced.shape[0]:
+                    overridden += not np.array_equal(forced[P], chosen[r])
+                    margin[r] = ops.margin_of(p[r], forced[P])
+                    chosen[r] = forced[P]
+        cap.decision(name, chosen, margin)
+        if forced is not None:
+            cap.mark_forced(name, overridden)
         rows = np.arange(x.shape[0])[:, None]
-        w = p[rows, chosen]  # [T, k] in rank order
+        w = p[rows, chosen]  # [T, k] in rank (or forced) order
         if cfg.norm_topk_prob:
             w = w / ops.ordered_sum(w, axis=-1)[:, None]
         out = np.zeros_like(x)
@@ -538,12 +566,9 @@ class Model:
             raise ContractError("the prompt is empty")
         cache = KVCache(self.cfg.num_hidden_layers) if (generate > 0 and cached) else None
         logits = self.forward(tokens, range(n), cap, cache)
-        top, margin = ops.argmax_with_margin(logits)
-        cap.decision("logits.argmax", top, margin)
+        self._decide(cap, "logits.argmax", logits)
         out: list[int] = []
-        if generate <= 0:
-            return out
-        tok, mar = int(top[-1]), margin[-1]
+        lg = logits
         for s in range(generate):
             if s > 0:
                 if cached:
@@ -551,8 +576,20 @@ class Model:
                 else:
                     seq = list(tokens) + out
                     lg = self.forward(seq, range(len(seq)))
-                t1, m1 = ops.argmax_with_margin(lg[-1:], what=f"decode.{s:04d} logits")
-                tok, mar = int(t1[0]), m1[0]
-            out.append(tok)
-            cap.decision(f"decode.{s:04d}.argmax", np.array([tok], dtype=np.int64), np.array([mar], dtype=F32))
+            top = self._decide(cap, f"decode.{s:04d}.argmax", lg[-1:], what=f"decode.{s:04d} logits")
+            out.append(int(top[0]))
         return out
+
+    def _decide(self, cap: Capture, name: str, logits: np.ndarray, what: str = "logits") -> np.ndarray:
+        """§12 argmax of each row, recorded as decision `name`; under --force-decisions the forced
+        values, each with this model's margin for it (ops.margin_of)."""
+        top, margin = ops.argmax_with_margin(logits, what=what)
+        forced = self.forcing.values(name) if self.forcing is not None else None
+        if forced is not None:
+            overridden = int((forced != top).sum())
+            margin = np.array([ops.margin_of(row, [tok]) for row, tok in zip(logits, forced)], dtype=F32)
+            top = forced
+        cap.decision(name, top, margin)
+        if forced is not None:
+            cap.mark_forced(name, overridden)
+        return top

@@ -8,6 +8,7 @@ import platform
 import numpy as np
 
 from .errors import ContractError
+from .force import Forcing
 from .qwen3 import MAX_POSITIONS, Capture, Model
 
 
@@ -40,12 +41,21 @@ def provenance(model_dir: str, command: list[str], verb: str, **run) -> dict:
     }
 
 
-def write_trace(out: str, prov: dict, cap: Capture, path: str) -> str:
-    """Tensors in capture order, then decisions in decision order; returns the digest."""
+def write_trace(out: str, prov: dict, cap: Capture, path: str, forcing: Forcing | None = None) -> str:
+    """Tensors in capture order, then decisions in decision order; returns the digest. Under
+    --force-decisions (its weights checked against this run's) with the provenance record and
+    `forced = <digest>` on every tensor captured after the first forced decision."""
     tg = _tracegate()
+    first_forced = len(cap.tensors)
+    if forcing is not None:
+        forcing.check_weights(prov["weights_digest"])
+        prov = {**prov, "forced_decisions": forcing.provenance(cap.forced)}
+        if cap.first_forced is not None:
+            first_forced = cap.first_forced
     with tg.TraceWriter(out, prov) as w:
-        for name, array, positions in cap.tensors:
-            w.tensor(name, array, path=path, mask="causal", positions=positions)
+        for i, (name, array, positions) in enumerate(cap.tensors):
+            extra = {"forced": forcing.digest} if i >= first_forced else {}
+            w.tensor(name, array, path=path, mask="causal", positions=positions, **extra)
         for name, values, margins in cap.decisions:
             w.decision(name, values, margins=margins)
         return w.finish()
@@ -57,12 +67,23 @@ def _model(model_dir: str) -> Model:
     return Model(model_dir)
 
 
-def trace(model_dir, tokens, out, internals, generate, cached, command) -> str:
+def trace(model_dir, tokens, out, internals, generate, cached, command, force_decisions=None) -> str:
     if len(tokens) + generate > MAX_POSITIONS:
         raise ContractError(
             f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
         )
     model = _model(model_dir)
+    if force_decisions is not None:
+        f = Forcing(force_decisions)
+        f.check_prompt(tokens)
+        c, t = model.cfg, len(tokens)
+        for i in range(c.num_hidden_layers):
+            if c.is_moe_layer(i):
+                f.require(f"layer.{i:02d}.router.topk", t, c.num_experts_per_tok, c.num_experts)
+        f.require("logits.argmax", t, None, c.vocab_size)
+        for s in range(generate):
+            f.require(f"decode.{s:04d}.argmax", 1, None, c.vocab_size)
+        model.forcing = f
     cap = Capture(internals)
     model.run(tokens, cap, generate=generate, cached=cached)
     prov = provenance(
@@ -74,7 +95,7 @@ def trace(model_dir, tokens, out, internals, generate, cached, command) -> str:
         cache="on" if cached else "off",
         generate=generate,
     )
-    return write_trace(out, prov, cap, "prefill")
+    return write_trace(out, prov, cap, "prefill", model.forcing)
 
 
 def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
@@ -94,7 +115,7 @@ def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
     return pos
 
 
-def layer(model_dir, index, input_path, input_name, out, internals, command) -> str:
+def layer(model_dir, index, input_path, input_name, out, internals, command, force_decisions=None) -> str:
     """Layer `index` alone on a tensor from another trace (gate bisect's probe): its positions
     come from the tensor's attribute, the mask is causal by those positions."""
     tg = _tracegate()
@@ -113,6 +134,17 @@ def layer(model_dir, index, input_path, input_name, out, internals, command) -> 
     if x.ndim != 2 or x.shape[1] != H or x.shape[0] < 1:
         raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}] with rows ≥ 1")
     pos = _positions_of(src.attributes(input_name), input_name, x.shape[0])
+    if force_decisions is not None:
+        f = Forcing(force_decisions)
+        c = model.cfg
+        if c.is_moe_layer(index):
+            name = f"layer.{index:02d}.router.topk"
+            rows = f.require(name, None, c.num_experts_per_tok, c.num_experts)
+            # Row i of the forcing decision is position i's: every input row needs one.
+            beyond = next((p for p in pos if p >= rows), None)
+            if beyond is not None:
+                raise ContractError(f"--force-decisions {force_decisions}: decision {name} has {rows} rows, the input holds position {beyond}")
+        model.forcing = f
     cap = Capture(internals)
     model.layer(index, x, pos, cap)
     prov = provenance(
@@ -125,4 +157,4 @@ def layer(model_dir, index, input_path, input_name, out, internals, command) -> 
         input_digest=src.digest,
         capture="internals" if internals else "default",
     )
-    return write_trace(out, prov, cap, "layer")
+    return write_trace(out, prov, cap, "layer", model.forcing)

@@ -630,6 +630,9 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
 
     // 3. Structure.
     let mut different = structure(reference, candidate, opts, &mut rep);
+    let forced = forced_note(reference, candidate);
+    let forced_from_other = forced.is_some();
+    rep.findings.extend(forced);
 
     // 4. Values.
     let values_different = values(reference, candidate, opts, &mut rep);
@@ -651,9 +654,11 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     };
     // IDENTICAL claims equal content, and two verified digests decide that on their own: a
     // disagreement means a check above misses some content, which must not pass as identical.
-    // Under a filter that left something out, IDENTICAL covers what was compared only.
+    // Under a filter that left something out, IDENTICAL covers what was compared only; a side
+    // forced from the other differs from it in that attribute, so its digest cannot match (the
+    // decisions_forced note says so instead).
     let whole = rep.filter.as_ref().is_none_or(|f| !f.left_out_any());
-    if rep.verdict == Verdict::Identical && whole && rep.reference.verified && rep.candidate.verified && reference.digest() != candidate.digest() {
+    if rep.verdict == Verdict::Identical && whole && rep.reference.verified && rep.candidate.verified && reference.digest() != candidate.digest() && !forced_from_other {
         rep.verdict = Verdict::Different;
         rep.findings.push(Finding::new(
             "content_digest_differs",
@@ -673,6 +678,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     rep.tensors.reference_count = r.tensors().iter().filter(|i| opts.selects(&i.name)).count();
     rep.tensors.candidate_count = c.tensors().iter().filter(|i| opts.selects(&i.name)).count();
     let before = rep.findings.len();
+    let digests = [r.digest().hex(), c.digest().hex()];
     for info in r.tensors().iter().filter(|i| opts.selects(&i.name)) {
         match c.tensor_info(&info.name) {
             None => {
@@ -695,7 +701,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                     format!("reference {:?} vs candidate {:?}{note}", info.shape, ci.shape),
                 ));
             }
-            Some(ci) => attribute_findings(info, ci, rep),
+            Some(ci) => attribute_findings(info, ci, &digests, rep),
         }
     }
     for info in c.tensors().iter().filter(|i| opts.selects(&i.name)) {
@@ -713,8 +719,9 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
 }
 
 /// `step` and extra attributes are content compared exactly (path, mask and positions decide
-/// comparability instead, `comparable::check`); absent and empty are different.
-fn attribute_findings(r: &TensorInfo, c: &TensorInfo, rep: &mut Report) {
+/// comparability instead, `comparable::check`); absent and empty are different — except a
+/// `forced` attribute naming the other side (`forced_from_other`), noted once by `forced_note`.
+fn attribute_findings(r: &TensorInfo, c: &TensorInfo, digests: &[String; 2], rep: &mut Report) {
     let (ra, ca) = (&r.attributes, &c.attributes);
     let show = |v: Option<String>| v.unwrap_or_else(|| "absent".into());
     if ra.step != ca.step {
@@ -724,12 +731,40 @@ fn attribute_findings(r: &TensorInfo, c: &TensorInfo, rep: &mut Report) {
     let keys: std::collections::BTreeSet<&String> = ra.extra.keys().chain(ca.extra.keys()).collect();
     for key in keys {
         let (a, b) = (ra.extra.get(key), ca.extra.get(key));
-        if a != b {
+        if a != b && !forced_from_other(key, a, b, digests) {
             let q = |v: Option<&String>| show(v.map(|s| format!("{s:?}")));
             let detail = format!("attribute {key:?}: {} in the reference, {} in the candidate", q(a), q(b));
             rep.findings.push(Finding::new("attribute_differs", Some(&r.name), detail));
         }
     }
+}
+
+/// `forced=D` on one side only, D the other side's content digest: that side took its decisions
+/// from this very trace (`--force-decisions`, docs/producers.md), which is not a difference.
+fn forced_from_other(key: &str, r: Option<&String>, c: Option<&String>, digests: &[String; 2]) -> bool {
+    key == "forced"
+        && match (r, c) {
+            (None, Some(d)) => *d == digests[0],
+            (Some(d), None) => *d == digests[1],
+            _ => false,
+        }
+}
+
+/// The one informational `decisions_forced` finding (not a difference): how many common tensors
+/// carry a `forced` attribute naming the other side.
+fn forced_note(r: &Trace, c: &Trace) -> Option<Finding> {
+    let digests = [r.digest().hex(), c.digest().hex()];
+    let mut sides = [0usize; 2];
+    for ri in r.tensors() {
+        if let Some(ci) = c.tensor_info(&ri.name) {
+            let (a, b) = (ri.attributes.extra.get("forced"), ci.attributes.extra.get("forced"));
+            if a != b && forced_from_other("forced", a, b, &digests) {
+                sides[usize::from(a.is_none())] += 1;
+            }
+        }
+    }
+    let (forced, from, n, digest) = if sides[1] > 0 { ("candidate", "reference", sides[1], &digests[0]) } else { ("reference", "candidate", sides[0], &digests[1]) };
+    (n > 0).then(|| Finding::new("decisions_forced", None, format!("the {forced}'s decisions were forced from the {from} (--force-decisions): {n} tensors carry forced={digest}")))
 }
 
 /// Compares the relative order of the names both sides share (each iterator already keeps

@@ -1,9 +1,11 @@
 //! What a forward pass records: tensors at the named capture points (default set, plus the
 //! internals when asked) and decisions, in the order they were produced. A disabled capture
-//! records nothing (generation steps and uncached re-runs).
+//! records nothing (generation steps and uncached re-runs). Under `--force-decisions` it also
+//! records which decisions were forced and marks every tensor captured after the first of them.
 
 use tracegate_trace::{Attributes, TraceWriter};
 
+use crate::force::Record;
 use crate::Result;
 
 pub struct Tensor {
@@ -27,14 +29,18 @@ pub struct Capture {
     path: &'static str,
     pub tensors: Vec<Tensor>,
     pub decisions: Vec<Decision>,
+    /// The decisions taken from the forcing trace, in the order they were recorded.
+    pub forced: Vec<Record>,
+    /// How many tensors were captured before the first forced decision.
+    first_forced: Option<usize>,
 }
 
 impl Capture {
     pub fn new(path: &'static str, internals: bool) -> Capture {
-        Capture { on: true, internals, path, tensors: vec![], decisions: vec![] }
+        Capture { on: true, internals, path, tensors: vec![], decisions: vec![], forced: vec![], first_forced: None }
     }
     pub fn off() -> Capture {
-        Capture { on: false, internals: false, path: "", tensors: vec![], decisions: vec![] }
+        Capture { on: false, internals: false, path: "", tensors: vec![], decisions: vec![], forced: vec![], first_forced: None }
     }
     pub fn internals(&self) -> bool {
         self.on && self.internals
@@ -66,14 +72,29 @@ impl Capture {
         }
     }
 
+    /// Marks the decision just recorded as forced; `overridden`: rows where this producer would
+    /// have chosen otherwise.
+    pub fn forced(&mut self, name: &str, overridden: u64) {
+        if self.on {
+            self.first_forced.get_or_insert(self.tensors.len());
+            self.forced.push(Record { name: name.to_string(), overridden });
+        }
+    }
+
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.tensors.iter().find(|t| t.name == name)
     }
 
-    /// Write everything, in order, with `path`, `mask = causal` and `positions` attributes.
-    pub fn write(&self, w: &mut TraceWriter) -> Result<()> {
-        for t in &self.tensors {
-            let attrs = Attributes::default().with_path(self.path).with_mask("causal").with_positions(t.positions.clone());
+    /// Write everything, in order, with `path`, `mask = causal` and `positions` attributes, and
+    /// `forced = <digest>` (the forcing trace's) on every tensor captured after a forced decision.
+    pub fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
+        for (i, t) in self.tensors.iter().enumerate() {
+            let mut attrs = Attributes::default().with_path(self.path).with_mask("causal").with_positions(t.positions.clone());
+            if let (Some(d), Some(first)) = (forcing_digest, self.first_forced) {
+                if i >= first {
+                    attrs.extra.insert("forced".into(), d.to_string());
+                }
+            }
             w.tensor_f32(&t.name, &t.shape, &t.data, &attrs)?;
         }
         for d in &self.decisions {

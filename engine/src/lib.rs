@@ -5,12 +5,14 @@
 //! - `ops`: the ordered kernels (one definition each; the fast matmul is tested against it)
 //! - `qwen3`: config, weights binding and forward for both families
 //! - `capture`: the capture points a forward records
+//! - `force`: `--force-decisions`, decisions taken from another trace
 //! - `run`: the verbs (`trace`, `layer`, `info`) as a library API; `main.rs` is the CLI over it
 
 // Index loops mirror the written definitions in docs/numerics.md (x[i], w[k], ...).
 #![allow(clippy::needless_range_loop)]
 
 pub mod capture;
+pub mod force;
 pub mod ops;
 pub mod qwen3;
 pub mod run;

@@ -57,6 +57,9 @@ enum Cmd {
         /// Worker threads (bits do not depend on it).
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
+        /// Take router top-k and greedy tokens from this trace instead of computing them.
+        #[arg(long)]
+        force_decisions: Option<PathBuf>,
     },
     /// Run decoder layer L alone on a tensor of another trace (rows at its positions).
     Layer {
@@ -81,6 +84,9 @@ enum Cmd {
         /// Worker threads (bits do not depend on it).
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
+        /// Take the layer's router top-k from this trace (row i: position i) instead of computing it.
+        #[arg(long)]
+        force_decisions: Option<PathBuf>,
     },
     /// Config summary, weights digest and inventory check.
     Info {
@@ -103,7 +109,7 @@ fn main() -> ExitCode {
     };
     let command_line: Vec<String> = std::env::args().collect();
     let result = match cli.cmd {
-        Cmd::Trace { model, tokens, out, capture, generate, cache, threads } => run_trace(&TraceOptions {
+        Cmd::Trace { model, tokens, out, capture, generate, cache, threads, force_decisions } => run_trace(&TraceOptions {
             model_dir: model,
             tokens,
             out: out.clone(),
@@ -112,9 +118,10 @@ fn main() -> ExitCode {
             cache: matches!(cache, OnOff::On),
             threads,
             command_line,
+            force_decisions,
         })
         .map(|d| format!("{} {}", d.hex(), out.display())),
-        Cmd::Layer { model, layer, input, input_name, out, capture, threads } => run_layer(&LayerOptions {
+        Cmd::Layer { model, layer, input, input_name, out, capture, threads, force_decisions } => run_layer(&LayerOptions {
             model_dir: model,
             layer,
             input,
@@ -123,6 +130,7 @@ fn main() -> ExitCode {
             internals: matches!(capture, CaptureSet::Internals),
             threads,
             command_line,
+            force_decisions,
         })
         .map(|d| format!("{} {}", d.hex(), out.display())),
         Cmd::Info { model } => info(&model).map(|s| s.trim_end().to_string()),

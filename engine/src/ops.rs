@@ -553,6 +553,30 @@ pub fn argmax_margin(v: &[f32]) -> (usize, f32) {
     (best, v[best] - second)
 }
 
+/// The margin of a given choice (docs/producers.md, forced decisions): the value of the chosen
+/// index that comes last in rank order (descending value, ascending index) ⊖ the value of the
+/// unchosen index that comes first. For the producer's own choice this is the margin above
+/// (`argmax_margin`, and `p[k-th] ⊖ p[(k+1)-th]` of `topk`); for another choice it is what this
+/// producer's numbers say about it, negative where they rank an unchosen index higher.
+/// Requires no NaN and at least one unchosen index.
+pub fn margin_of(v: &[f32], chosen: &[usize]) -> f32 {
+    // a before b in rank order (IEEE equality: ±0 tie and go by index).
+    let before = |a: usize, b: usize| v[a] > v[b] || (v[a] == v[b] && a < b);
+    let mut weakest = chosen[0];
+    for &c in &chosen[1..] {
+        if before(weakest, c) {
+            weakest = c;
+        }
+    }
+    let mut strongest: Option<usize> = None;
+    for i in 0..v.len() {
+        if !chosen.contains(&i) && strongest.is_none_or(|s| before(i, s)) {
+            strongest = Some(i);
+        }
+    }
+    v[weakest] - v[strongest.expect("an unchosen index exists")]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

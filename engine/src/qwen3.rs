@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use serde_json::Value;
 
 use crate::capture::Capture;
+use crate::force::Forcing;
 use crate::ops::{self, Rope};
 use crate::weights::{Mat, Store};
 use crate::{err, Result};
@@ -331,6 +332,8 @@ pub struct Model<'a> {
     head: Mat<'a>,
     norm: Vec<f32>,
     layers: Vec<Layer<'a>>,
+    /// `--force-decisions`: router rows at the positions it holds are taken from it.
+    pub forcing: Option<Forcing>,
 }
 
 /// Attention scores computed together (one `dot` per lane of an array).
@@ -459,7 +462,7 @@ impl<'a> Model<'a> {
         let norm = vec("model.norm.weight", h)?;
         let head = if cfg.tie_word_embeddings { embed } else { st.take("lm_head.weight", &[v, h])? };
         st.finish_claims()?;
-        Ok(Model { cfg, embed, head, norm, layers })
+        Ok(Model { cfg, embed, head, norm, layers, forcing: None })
     }
 
     pub fn new_cache(&self) -> Vec<LayerKv> {
@@ -622,21 +625,41 @@ impl<'a> Model<'a> {
         let mut chosen_all = Vec::with_capacity(t * k);
         let mut margins = Vec::with_capacity(t);
         let mut p = vec![0.0f32; ne];
+        let name = format!("{nn}.router.topk");
+        // Forced rows are keyed by position: row i of the forcing decision is position i's.
+        let forced = self.forcing.as_ref().and_then(|f| f.values(&name));
+        let mut overridden = 0u64;
         for r in 0..t {
             ops::softmax_masked(&logits[r * ne..(r + 1) * ne], |_| true, &mut p);
             if p.iter().any(|x| x.is_nan()) {
                 return Err(err!("{nn}.router: NaN probability at row {r} (position {})", pos[r]));
             }
-            let (chosen, next) = ops::topk(&p, k);
+            let (own, next) = ops::topk(&p, k);
             let next = next.expect("k < num_experts checked in config");
-            margins.push(p[chosen[k - 1]] - p[next]);
+            let at = pos[r] as usize * k;
+            let chosen: Vec<usize> = match forced.and_then(|f| f.get(at..at + k)) {
+                Some(row) => {
+                    let row: Vec<usize> = row.iter().map(|&e| e as usize).collect();
+                    overridden += u64::from(row != own);
+                    margins.push(ops::margin_of(&p, &row));
+                    row
+                }
+                None => {
+                    margins.push(p[own[k - 1]] - p[next]);
+                    own
+                }
+            };
+            // §10.4 in the chosen (rank or forced) order.
             let den = if m.norm_topk_prob { ops::sum(&chosen.iter().map(|&e| p[e]).collect::<Vec<_>>()) } else { 1.0 };
             for &e in &chosen {
                 weight[r][e] = Some(if m.norm_topk_prob { p[e] / den } else { p[e] });
                 chosen_all.push(e as i64);
             }
         }
-        cap.decision(&format!("{nn}.router.topk"), &[t, k], chosen_all, Some(margins));
+        cap.decision(&name, &[t, k], chosen_all, Some(margins));
+        if forced.is_some() {
+            cap.forced(&name, overridden);
+        }
         let mut out = vec![0.0f32; t * h];
         // Ascending expert id, so each row accumulates its experts in ascending id.
         for (e, mlp) in experts.iter().enumerate() {

@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use tracegate_trace::{Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
+use crate::force::Forcing;
 use crate::ops::{self, Rope};
 use crate::qwen3::{Config, Model, MAX_POSITIONS};
 use crate::weights::Store;
@@ -26,6 +27,8 @@ pub struct TraceOptions {
     pub threads: usize,
     /// Recorded in provenance.
     pub command_line: Vec<String>,
+    /// `--force-decisions`: take the router top-k and greedy tokens from this trace.
+    pub force_decisions: Option<PathBuf>,
 }
 
 pub struct LayerOptions {
@@ -37,6 +40,8 @@ pub struct LayerOptions {
     pub internals: bool,
     pub threads: usize,
     pub command_line: Vec<String>,
+    /// `--force-decisions`: take the layer's router top-k from this trace.
+    pub force_decisions: Option<PathBuf>,
 }
 
 /// Read and validate `config.json`; returns the parsed config and the raw JSON.
@@ -82,6 +87,8 @@ pub struct Step {
     pub token: i64,
     pub margin: f32,
     pub logits: Vec<f32>,
+    /// Forced (`--force-decisions`) and this producer's own argmax is another token.
+    pub overridden: bool,
 }
 
 /// §12 argmax of one logits row; NaN is an error naming the row.
@@ -93,9 +100,20 @@ fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
     Ok((i as i64, m))
 }
 
+/// §12 decision `name` on one logits row: this producer's argmax, or under `--force-decisions`
+/// the forced value with this producer's margin for it. Returns (token, margin, overridden).
+fn decide_or_force(model: &Model, name: &str, row: &[f32], forced_row: usize, what: &str) -> Result<(i64, f32, bool)> {
+    let (own, margin) = decide(row, what)?;
+    match model.forcing.as_ref().and_then(|f| f.values(name)).and_then(|v| v.get(forced_row)) {
+        Some(&tok) => Ok((tok, ops::margin_of(row, &[tok as usize]), tok != own)),
+        None => Ok((own, margin, false)),
+    }
+}
+
 /// Greedy generation of `n` tokens after `prompt`, given the prompt's logits and (for the cached
 /// path) the cache filled by the prompt's forward. Step 0 is the argmax of the prompt's last row;
-/// step s ≥ 1 feeds token s−1 at position `prompt.len() + s − 1`.
+/// step s ≥ 1 feeds token s−1 at position `prompt.len() + s − 1`. Under `--force-decisions`
+/// step s is the forcing trace's `decode.SSSS.argmax`.
 pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, cache: Option<&mut [crate::qwen3::LayerKv]>) -> Result<Vec<Step>> {
     let v = model.cfg.vocab_size;
     let t = prompt.len();
@@ -117,8 +135,8 @@ pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, 
                 }
             };
         }
-        let (token, margin) = decide(&row, &format!("decode step {s}"))?;
-        steps.push(Step { token, margin, logits: std::mem::take(&mut row) });
+        let (token, margin, overridden) = decide_or_force(model, &format!("decode.{s:04}.argmax"), &row, 0, &format!("decode step {s}"))?;
+        steps.push(Step { token, margin, logits: std::mem::take(&mut row), overridden });
     }
     Ok(steps)
 }
@@ -138,24 +156,46 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     }
     let (cfg, raw) = load_config(&o.model_dir)?;
     let store = Store::open(&o.model_dir)?;
-    let model = Model::load(cfg, &store)?;
+    let mut model = Model::load(cfg, &store)?;
+    if let Some(path) = &o.force_decisions {
+        let f = Forcing::open(path)?;
+        f.check_prompt(&o.tokens)?;
+        let (c, t) = (&model.cfg, o.tokens.len());
+        for l in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
+            let m = c.moe.as_ref().expect("sparse layer has a MoE config");
+            f.require(&format!("layer.{l:02}.router.topk"), Some(t), Some(m.num_experts_per_tok), m.num_experts)?;
+        }
+        f.require("logits.argmax", Some(t), None, c.vocab_size)?;
+        for s in 0..o.generate {
+            f.require(&format!("decode.{s:04}.argmax"), Some(1), None, c.vocab_size)?;
+        }
+        model.forcing = Some(f);
+    }
     let pool = pool(o.threads)?;
     let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
         let mut cap = Capture::new("prefill", o.internals);
         let mut kv = model.new_cache();
         let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
         let v = model.cfg.vocab_size;
-        let (mut ids, mut margins) = (vec![], vec![]);
+        let (mut ids, mut margins, mut overridden) = (vec![], vec![], 0);
         for r in 0..o.tokens.len() {
-            let (i, m) = decide(&logits[r * v..(r + 1) * v], &format!("logits row {r}"))?;
+            let (i, m, over) = decide_or_force(&model, "logits.argmax", &logits[r * v..(r + 1) * v], r, &format!("logits row {r}"))?;
             ids.push(i);
             margins.push(m);
+            overridden += u64::from(over);
         }
         cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
+        if model.forcing.is_some() {
+            cap.forced("logits.argmax", overridden);
+        }
         if o.generate > 0 {
             let steps = generate(&model, &o.tokens, &logits, o.generate, if o.cache { Some(&mut kv) } else { None })?;
             for (s, st) in steps.iter().enumerate() {
-                cap.decision(&format!("decode.{s:04}.argmax"), &[1], vec![st.token], Some(vec![st.margin]));
+                let name = format!("decode.{s:04}.argmax");
+                cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
+                if model.forcing.is_some() {
+                    cap.forced(&name, u64::from(st.overridden));
+                }
             }
         }
         Ok(cap)
@@ -165,8 +205,18 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     prov["prompt_tokens"] = json!(o.tokens);
     prov["cache"] = json!(if o.cache { "on" } else { "off" });
     prov["generate"] = json!(o.generate);
-    let mut w = TraceWriter::create(&o.out, prov)?;
-    cap.write(&mut w)?;
+    write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)
+}
+
+/// Writes the capture; under `--force-decisions` (its weights checked against this run's) with
+/// the provenance record and the `forced` attribute.
+fn write(out: &Path, mut prov: Value, cap: &Capture, forcing: Option<&Forcing>, weights_digest: &str) -> Result<Digest> {
+    if let Some(f) = forcing {
+        f.check_weights(weights_digest)?;
+        prov["forced_decisions"] = f.provenance(&cap.forced);
+    }
+    let mut w = TraceWriter::create(out, prov)?;
+    cap.write(&mut w, forcing.map(|f| f.digest.as_str()))?;
     Ok(w.finish()?)
 }
 
@@ -190,7 +240,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         return Err(err!("--layer {} out of range (model has {} layers)", o.layer, cfg.num_hidden_layers));
     }
     let store = Store::open(&o.model_dir)?;
-    let model = Model::load(cfg, &store)?;
+    let mut model = Model::load(cfg, &store)?;
     let input = Trace::open(&o.input)?;
     let info = input
         .tensor_info(&o.input_name)
@@ -212,6 +262,19 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         return Err(err!("{}: tensor {}: position {p} outside [0, 2^24)", o.input.display(), o.input_name));
     }
     let x = input.f32_vec(&o.input_name)?;
+    if let Some(path) = &o.force_decisions {
+        let f = Forcing::open(path)?;
+        let c = &model.cfg;
+        if let Some(m) = c.moe.as_ref().filter(|_| c.is_sparse(o.layer)) {
+            let name = format!("layer.{:02}.router.topk", o.layer);
+            let rows = f.require(&name, None, Some(m.num_experts_per_tok), m.num_experts)?;
+            // Row i of the forcing decision is position i's: every input row needs one.
+            if let Some(p) = pos.iter().find(|&&p| p as u64 >= rows as u64) {
+                return Err(err!("--force-decisions {}: decision {name} has {rows} rows, the input holds position {p}", path.display()));
+            }
+        }
+        model.forcing = Some(f);
+    }
     let pool = pool(o.threads)?;
     let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
         let mut cap = Capture::new("layer", o.internals);
@@ -224,9 +287,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
-    let mut w = TraceWriter::create(&o.out, prov)?;
-    cap.write(&mut w)?;
-    Ok(w.finish()?)
+    write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)
 }
 
 /// `engine info`: config summary, weights digest, inventory check (loading binds every tensor).

@@ -23,6 +23,7 @@ fn trace_opts(model: &Path, out: PathBuf, tokens: &[i64]) -> TraceOptions {
         cache: true,
         threads: 1,
         command_line: vec![],
+        force_decisions: None,
     }
 }
 
@@ -243,6 +244,7 @@ fn layer_verb_reproduces_whole_run_layer_bit_for_bit() {
                 internals: true,
                 threads: 2,
                 command_line: vec![],
+                force_decisions: None,
             })
             .unwrap();
             let lt = Trace::open(&out).unwrap();
@@ -296,6 +298,7 @@ fn layer_verb_honours_positions_attribute() {
             internals: false,
             threads: 1,
             command_line: vec![],
+            force_decisions: None,
         })
         .unwrap();
         Trace::open(&out).unwrap().f32_vec("layer.01.attn_out").unwrap()
@@ -317,6 +320,7 @@ fn layer_verb_honours_positions_attribute() {
         internals: false,
         threads: 1,
         command_line: vec![],
+        force_decisions: None,
     })
     .unwrap_err();
     assert!(e.0.contains("positions"), "{e}");

@@ -175,6 +175,37 @@ pub struct Calibration {
 }
 
 #[derive(Clone, Debug, Serialize)]
+pub struct UnforcedDecision {
+    pub name: String,
+    pub rows: u64,
+    pub differing_rows: u64,
+    /// How many of the differing rows trace-diff labels "consequence", "near-tie", "after-near-tie" or "defect".
+    pub labels: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// Present when the whole runs' decisions differ: the candidate re-ran with the reference's
+/// decisions (`--force-decisions`, docs/producers.md), so its numbers compare past the flips.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecisionsForced {
+    /// "forced": `whole_run`, the isolation and the verdict are about the forced run;
+    /// "not_forced": the candidate could not be forced (`reason`), everything is unforced.
+    pub status: &'static str,
+    pub reason: Option<String>,
+    /// The reference whole trace the decisions came from, and its content digest.
+    pub from: String,
+    pub from_digest: String,
+    /// The candidate's forced whole trace.
+    pub candidate_trace: Option<String>,
+    /// The unforced whole runs' differing decisions.
+    pub unforced: Vec<UnforcedDecision>,
+    /// From the forced trace's provenance: rows where the candidate would have decided otherwise
+    /// given the reference's decisions upstream (a flip, not its consequences), in all and per
+    /// decision.
+    pub rows_overridden: Option<u64>,
+    pub overridden: Option<serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Serialize)]
 pub struct BisectReport {
     pub schema: &'static str,
     pub summary: String,
@@ -190,6 +221,8 @@ pub struct BisectReport {
     pub judged_by: String,
     pub capture: &'static str,
     pub layers_total: usize,
+    /// Whether the candidate's decisions were forced from the reference's (null: they agreed).
+    pub decisions_forced: Option<DecisionsForced>,
     pub whole_run: WholeRun,
     /// `--timeout`: seconds each producer run may take.
     pub timeout_s: u64,
@@ -393,8 +426,14 @@ fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Res
     }
     let mut w = TraceWriter::create(out, prov).map_err(|e| gerr!("{}: {e}", out.display()))?;
     let same_rows = |name: &str, a: &Attributes| cand.tensor_info(name).is_some_and(|c| !name.contains(".expert.") || c.attributes.positions == a.positions);
+    // A candidate forced from the reference marks its tensors forced=<the reference's digest>;
+    // this slice stands for that reference, so it carries the same mark.
+    let digest = reference.digest().hex();
     for info in reference.tensors().iter().filter(|t| t.name.starts_with(&pfx) && same_rows(&t.name, &t.attributes)) {
-        let attrs = Attributes { path: Some("layer".into()), ..info.attributes.clone() };
+        let mut attrs = Attributes { path: Some("layer".into()), ..info.attributes.clone() };
+        if cand.tensor_info(&info.name).is_some_and(|c| c.attributes.extra.get("forced") == Some(&digest)) {
+            attrs.extra.insert("forced".into(), digest.clone());
+        }
         w.tensor(&info.name, info.dtype, &info.shape, reference.data(info), &attrs).map_err(|e| gerr!("{}: {e}", out.display()))?;
     }
     for d in reference.decisions().iter().filter(|d| d.name.starts_with(&pfx) && cand.decision_info(&d.name).is_some()) {
@@ -405,7 +444,8 @@ fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Res
     Ok(())
 }
 
-fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, policy: &Option<Policy>, runs: &mut Vec<RunRecord>) -> std::result::Result<Isolation, String> {
+/// `forced`: the candidate's layer verb takes the reference's router choices too.
+fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, policy: &Option<Policy>, forced: bool, runs: &mut Vec<RunRecord>) -> std::result::Result<Isolation, String> {
     let out = format!("{}/candidate.layer.{layer:02}.trace", o.work);
     let verb = Verb::Layer {
         model: o.model.clone(),
@@ -414,6 +454,7 @@ fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, po
         input_name: format!("layer.{layer:02}.hidden_in"),
         out: out.clone(),
         internals: o.internals,
+        force: forced.then(|| ref_rel.to_string()),
     };
     let rec = o.candidate.run(&o.root, &verb, o.timeout);
     runs.push(rec.clone());
@@ -543,7 +584,7 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: 
     let (mut input, mut input_name) = (input_rel, name);
     for layer in from..n {
         let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
-        let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false };
+        let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false, force: None };
         let rec = o.reference.run(&o.root, &verb, o.timeout);
         runs.push(rec.clone());
         let hidden = format!("layer.{layer:02}.hidden_out");
@@ -576,13 +617,13 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let _lock = crate::WorkLock::acquire(&o.root.join(&o.work))?;
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
-    let trace = |p: &Producer, out: &str| {
-        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: 0, cache: true }, o.timeout)
+    let trace = |p: &Producer, out: &str, force: Option<String>| {
+        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: 0, cache: true, force }, o.timeout)
     };
     // Both whole runs at once: one is usually a subprocess.
     let (rr, cr) = std::thread::scope(|s| {
-        let h = s.spawn(|| trace(&o.candidate, &cand_rel));
-        (trace(&o.reference, &ref_rel), h.join().expect("candidate thread"))
+        let h = s.spawn(|| trace(&o.candidate, &cand_rel, None));
+        (trace(&o.reference, &ref_rel, None), h.join().expect("candidate thread"))
     });
     let mut runs = vec![rr.clone(), cr.clone()];
     for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
@@ -606,26 +647,57 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     };
 
     let opts = Options { all: true, policy: policy.clone(), ..Options::default() };
-    let mut whole = compare(&reference, &candidate, &opts);
-    // Expert outputs hold the rows routed to each expert; once routing differs their positions
-    // differ, which the differ rightly refuses to compare. The router.topk decision already
-    // reports that, so compare everything else (copies without those tensors).
-    let rerouted = rerouted_experts(&whole);
-    if !rerouted.is_empty() {
-        let (r2, c2) = (format!("{}/reference.comparable.trace", o.work), format!("{}/candidate.comparable.trace", o.work));
-        copy_without(&reference, &rerouted, &o.root.join(&r2))?;
-        copy_without(&candidate, &rerouted, &o.root.join(&c2))?;
-        whole = compare(&open(&o.root, &r2)?, &open(&o.root, &c2)?, &opts);
-        whole.findings.push(tracegate_diff::Finding::new(
-            "expert_rows_differ",
-            None,
-            format!("not compared, routing sends them other rows: {}", rerouted.join(", ")),
-        ));
-    }
-    if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
-        let why: Vec<String> = whole.findings.iter().map(describe).collect();
-        return Err(gerr!("the whole traces cannot be compared ({:?}): {}", whole.verdict, why.join("; ")));
-    }
+    let mut whole = compare_whole(o, &reference, &candidate, "", &opts)?;
+    // A decision differs no later than the first differing tensor (by layer), so it may be what
+    // makes the numbers differ: compare them past the flips, on the candidate forced to take the
+    // reference's decisions (docs/producers.md). A flip after the numbers already diverged is
+    // their consequence and changes nothing upstream. A candidate that cannot be forced is said so.
+    let first_tensor = rows(&whole).iter().filter(|t| is_bad(&t.status)).map(|t| location(&t.tensor)).min();
+    let first_flip = whole.decisions.results.iter().filter(|d| d.differing_rows > 0).map(|d| location(&d.name)).min();
+    let decisions_forced = if first_flip.is_some_and(|f| first_tensor.is_none_or(|t| f <= t)) {
+        let unforced = whole
+            .decisions
+            .results
+            .iter()
+            .filter(|d| d.differing_rows > 0)
+            .map(|d| {
+                let mut labels = std::collections::BTreeMap::new();
+                for f in &d.flips {
+                    *labels.entry(f.label).or_insert(0) += 1;
+                }
+                UnforcedDecision { name: d.name.clone(), rows: d.rows, differing_rows: d.differing_rows, labels }
+            })
+            .collect();
+        let forced_rel = format!("{}/candidate.forced.trace", o.work);
+        let rec = trace(&o.candidate, &forced_rel, Some(ref_rel.clone()));
+        runs.push(rec.clone());
+        refuse_timeout(&runs, o)?;
+        let mut f = DecisionsForced {
+            status: "not_forced",
+            reason: None,
+            from: ref_rel.clone(),
+            from_digest: reference.digest().hex(),
+            candidate_trace: None,
+            unforced,
+            rows_overridden: None,
+            overridden: None,
+        };
+        match forced_run(o, &reference, &rec, &forced_rel, &opts) {
+            Ok((rep, t)) => {
+                let prov = &t.provenance()["forced_decisions"];
+                f.rows_overridden = prov["rows_overridden"].as_u64();
+                f.overridden = Some(prov["overridden"].clone());
+                f.status = "forced";
+                f.candidate_trace = Some(forced_rel);
+                whole = rep;
+            }
+            Err(why) => f.reason = Some(why),
+        }
+        Some(f)
+    } else {
+        None
+    };
+    let forced = decisions_forced.as_ref().is_some_and(|f| f.status == "forced");
     let whole_rows = rows(&whole);
     let whole_decisions = decisions(&whole);
     let n = reference.tensors().iter().filter(|t| t.name.ends_with(".hidden_out")).map(|t| location(&t.name) + 1).max().unwrap_or(0).max(0) as usize;
@@ -638,7 +710,9 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     // the body lists their differences.
     let structure: Vec<&tracegate_diff::Finding> = whole.findings.iter().filter(|f| is_structure(f.kind)).collect();
     // A decision whose values agree but whose margins do not diverges in value, not structure.
-    let margins = whole.findings.iter().filter(|f| f.kind == "margin_differs");
+    // Forced decisions agree by construction, and their margins say where the candidate would
+    // have decided otherwise: that is `decisions_forced`, not a place to bisect numbers from.
+    let margins = whole.findings.iter().filter(|f| f.kind == "margin_differs" && !forced);
     for f in structure.iter().copied().chain(margins) {
         if let Some(t) = f.tensor.as_ref().filter(|t| !diverging.iter().any(|(_, name, _)| name == *t)) {
             diverging.push((location(t), t.clone(), f.kind));
@@ -698,7 +772,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             row.reason = Some(format!("not attempted: the candidate's layer verb failed on layer {at:02}"));
             continue;
         }
-        match isolate(o, &reference, &ref_rel, l, &policy, &mut runs) {
+        match isolate(o, &reference, &ref_rel, l, &policy, forced, &mut runs) {
             Ok(iso) => {
                 let h = iso.tensors.iter().find(|t| t.tensor == format!("layer.{l:02}.hidden_out"));
                 row.isolated_max_ulp = h.and_then(|t| t.max_ulp);
@@ -751,6 +825,10 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let amplification = (errs.len() >= 2).then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64));
 
     let (verdict, exit_code, summary) = verdict(&layers, first_wrong, &stage, &first, n, &whole_run, &structure, amplification, &failed);
+    let (verdict, exit_code, summary) = match &decisions_forced {
+        Some(f) => with_forcing(f, (verdict, exit_code, summary)),
+        None => (verdict, exit_code, summary),
+    };
     Ok(BisectReport {
         schema: SCHEMA,
         summary,
@@ -764,6 +842,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         judged_by,
         capture: if o.internals { "internals" } else { "default" },
         layers_total: n,
+        decisions_forced,
         whole_run,
         timeout_s: o.timeout.as_secs(),
         first_wrong_layer: first_wrong,
@@ -775,6 +854,86 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         runs,
         gate_invocation: o.gate_invocation.clone(),
     })
+}
+
+/// The differ's report on two whole traces; MoE expert outputs whose rows differ because
+/// routing differs are set aside. `tag` names the copies ("" or ".forced").
+fn compare_whole(o: &BisectOptions, reference: &Trace, candidate: &Trace, tag: &str, opts: &Options) -> Result<Report> {
+    let mut whole = compare(reference, candidate, opts);
+    // Expert outputs hold the rows routed to each expert; once routing differs their positions
+    // differ, which the differ rightly refuses to compare. The router.topk decision already
+    // reports that, so compare everything else (copies without those tensors).
+    let rerouted = rerouted_experts(&whole);
+    if !rerouted.is_empty() {
+        let (r2, c2) = (format!("{}/reference{tag}.comparable.trace", o.work), format!("{}/candidate{tag}.comparable.trace", o.work));
+        copy_without(reference, &rerouted, &o.root.join(&r2))?;
+        copy_without(candidate, &rerouted, &o.root.join(&c2))?;
+        whole = compare(&open(&o.root, &r2)?, &open(&o.root, &c2)?, opts);
+        whole.findings.push(tracegate_diff::Finding::new(
+            "expert_rows_differ",
+            None,
+            format!("not compared, routing sends them other rows: {}", rerouted.join(", ")),
+        ));
+    }
+    if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
+        let why: Vec<String> = whole.findings.iter().map(describe).collect();
+        return Err(gerr!("the whole traces cannot be compared ({:?}): {}", whole.verdict, why.join("; ")));
+    }
+    Ok(whole)
+}
+
+/// The forced candidate run, checked: it must have run, recorded that it was forced from this
+/// reference, and taken every decision the reference took. Else why not, in a line.
+fn forced_run(o: &BisectOptions, reference: &Trace, rec: &RunRecord, rel: &str, opts: &Options) -> std::result::Result<(Report, Trace), String> {
+    if !rec.ok {
+        let why = rec.why();
+        let said: Vec<&str> = why.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+        return Err(format!("the candidate's trace verb failed with --force-decisions (a producer need not implement it): {}", said.join(" | ")));
+    }
+    let t = open(&o.root, rel).map_err(|e| e.0)?;
+    let digest = reference.digest().hex();
+    if t.provenance()["forced_decisions"]["trace_digest"].as_str() != Some(digest.as_str()) {
+        return Err("the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)".into());
+    }
+    let rep = compare_whole(o, reference, &t, ".forced", opts).map_err(|e| e.0)?;
+    let still: Vec<String> = rep.decisions.results.iter().filter(|d| d.differing_rows > 0).map(|d| format!("{} ({} rows)", d.name, d.differing_rows)).collect();
+    if !still.is_empty() {
+        return Err(format!("the candidate's forced trace still takes other decisions: {}", still.join(", ")));
+    }
+    Ok((rep, t))
+}
+
+/// The verdict on the forced runs, with the decisions said. The numbers agreeing once forced is
+/// `nothing_wrong` only when no unforced flip is one trace-diff labels a defect; otherwise
+/// `decisions_differ` (exit 1): the candidate decides otherwise on numbers that agree.
+fn with_forcing(f: &DecisionsForced, (verdict, code, summary): (&'static str, i32, String)) -> (&'static str, i32, String) {
+    let summary = summary.trim_end_matches([';', ' ']);
+    let rows = |n: u64| format!("{n} row{}", if n == 1 { "" } else { "s" });
+    let list: Vec<String> = f
+        .unforced
+        .iter()
+        .map(|d| {
+            let labels: Vec<String> = d.labels.iter().map(|(l, n)| format!("{n} {l}")).collect();
+            format!("{} {}/{} ({})", d.name, d.differing_rows, rows(d.rows), labels.join(", "))
+        })
+        .collect();
+    let unforced = format!("unforced, the runs take other decisions: {}", list.join("; "));
+    if f.status != "forced" {
+        return (verdict, code, format!("{summary}; {unforced}; decisions NOT forced: {}", f.reason.as_deref().unwrap_or("")));
+    }
+    // Where the candidate, given the reference's decisions upstream, would itself decide
+    // otherwise: the flips, without their consequences.
+    let own: Vec<String> = f
+        .overridden
+        .as_ref()
+        .and_then(|o| o.as_object())
+        .map(|o| o.iter().map(|(name, n)| format!("{name} ({})", rows(n.as_u64().unwrap_or(0)))).collect())
+        .unwrap_or_default();
+    let own = if own.is_empty() { String::new() } else { format!("; given the reference's decisions the candidate would decide otherwise in {}", own.join(", ")) };
+    if verdict == "nothing_wrong" && f.unforced.iter().any(|d| d.labels.contains_key("defect")) {
+        return ("decisions_differ", 1, format!("the numbers agree once decisions are forced, but the candidate decides otherwise where they do not explain it{own}; {unforced}"));
+    }
+    (verdict, code, format!("with decisions forced from the reference: {summary}{own}; {unforced}"))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -880,7 +1039,7 @@ fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
 fn is_structure(kind: &str) -> bool {
     // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
     // (`rows`); the rest are notes, not differences.
-    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "margin_differs" | "dtype_mismatch" | "shape_mismatch" | "stack_mismatch_allowed" | "expert_rows_differ")
+    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "margin_differs" | "dtype_mismatch" | "shape_mismatch" | "stack_mismatch_allowed" | "expert_rows_differ" | "decisions_forced")
 }
 
 fn how_words(how: &str) -> String {
@@ -944,6 +1103,19 @@ pub fn render(r: &BisectReport) -> String {
         r.prompt.as_ref().map(|p| format!(" (prompt {p})")).unwrap_or_default(),
         r.capture
     ));
+    if let Some(f) = &r.decisions_forced {
+        match &f.candidate_trace {
+            Some(t) => o.push_str(&format!(
+                "  decisions forced: the candidate re-ran with the reference's decisions ({t}); the whole run and the isolation below are that run ({} rows it would have decided otherwise)\n",
+                f.rows_overridden.unwrap_or(0)
+            )),
+            None => o.push_str(&format!("  decisions NOT forced: {}\n", f.reason.as_deref().unwrap_or(""))),
+        }
+        for d in &f.unforced {
+            let labels: Vec<String> = d.labels.iter().map(|(l, n)| format!("{n} {l}")).collect();
+            o.push_str(&format!("  unforced: decision {} differs in {}/{} rows ({})\n", d.name, d.differing_rows, d.rows, labels.join(", ")));
+        }
+    }
     match (&r.whole_run.first_diverging, &r.whole_run.first_bit_difference) {
         (None, _) => o.push_str(&format!("  whole run: {}\n", r.whole_run.verdict)),
         (Some(name), d) => {

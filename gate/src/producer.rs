@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-/// Arguments of one protocol verb; rendered identically for every producer.
+/// Arguments of one protocol verb; rendered identically for every producer. `force`: the
+/// optional `--force-decisions TRACE` (docs/producers.md), passed only when set.
 #[derive(Clone, Debug)]
 pub enum Verb {
-    Trace { model: String, tokens: Vec<i64>, out: String, internals: bool, generate: usize, cache: bool },
-    Layer { model: String, layer: usize, input: String, input_name: String, out: String, internals: bool },
+    Trace { model: String, tokens: Vec<i64>, out: String, internals: bool, generate: usize, cache: bool, force: Option<String> },
+    Layer { model: String, layer: usize, input: String, input_name: String, out: String, internals: bool, force: Option<String> },
 }
 
 impl Verb {
@@ -34,31 +35,38 @@ impl Verb {
 
     pub fn args(&self) -> Vec<String> {
         let capture = |internals: bool| if internals { "internals" } else { "default" }.to_string();
-        match self {
-            Verb::Trace { model, tokens, out, internals, generate, cache } => {
+        let (mut a, force) = match self {
+            Verb::Trace { model, tokens, out, internals, generate, cache, force } => {
                 let toks: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
                 let mut a = vec!["--model".into(), model.clone(), "--tokens".into(), toks.join(","), "--out".into(), out.clone()];
                 a.extend(["--capture".into(), capture(*internals)]);
                 if *generate > 0 {
                     a.extend(["--generate".into(), generate.to_string(), "--cache".into(), if *cache { "on" } else { "off" }.into()]);
                 }
-                a
+                (a, force)
             }
-            Verb::Layer { model, layer, input, input_name, out, internals } => vec![
-                "--model".into(),
-                model.clone(),
-                "--layer".into(),
-                layer.to_string(),
-                "--input".into(),
-                input.clone(),
-                "--input-name".into(),
-                input_name.clone(),
-                "--out".into(),
-                out.clone(),
-                "--capture".into(),
-                capture(*internals),
-            ],
+            Verb::Layer { model, layer, input, input_name, out, internals, force } => (
+                vec![
+                    "--model".into(),
+                    model.clone(),
+                    "--layer".into(),
+                    layer.to_string(),
+                    "--input".into(),
+                    input.clone(),
+                    "--input-name".into(),
+                    input_name.clone(),
+                    "--out".into(),
+                    out.clone(),
+                    "--capture".into(),
+                    capture(*internals),
+                ],
+                force,
+            ),
+        };
+        if let Some(f) = force {
+            a.extend(["--force-decisions".into(), f.clone()]);
         }
+        a
     }
 
     /// The inverse of `Producer::argv` for the engine: `engine VERB ARGS --threads N`.
@@ -81,6 +89,7 @@ impl Verb {
         let threads = number("--threads", take("--threads")?)?;
         let model = take("--model")?.to_string();
         let out = take("--out")?.to_string();
+        let force = take("--force-decisions").ok().map(str::to_string);
         let parsed = match verb {
             "trace" => {
                 let tokens = take("--tokens")?;
@@ -94,13 +103,13 @@ impl Verb {
                     Some("off") => false,
                     Some(other) => return Err(format!("--cache {other:?}: expected on or off")),
                 };
-                Verb::Trace { model, tokens, out, internals, generate, cache }
+                Verb::Trace { model, tokens, out, internals, generate, cache, force }
             }
             "layer" => {
                 let layer = number("--layer", take("--layer")?)?;
                 let input = take("--input")?.to_string();
                 let input_name = take("--input-name")?.to_string();
-                Verb::Layer { model, layer, input, input_name, out, internals }
+                Verb::Layer { model, layer, input, input_name, out, internals, force }
             }
             other => return Err(format!("unknown verb {other:?}: expected trace or layer")),
         };
@@ -369,7 +378,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
     let (verb, threads) = Verb::parse(argv)?;
     let e = |e: tracegate_engine::Error| e.to_string();
     match verb {
-        Verb::Trace { model, tokens, out, internals, generate, cache } => tracegate_engine::run_trace(&tracegate_engine::TraceOptions {
+        Verb::Trace { model, tokens, out, internals, generate, cache, force } => tracegate_engine::run_trace(&tracegate_engine::TraceOptions {
             model_dir: PathBuf::from(model),
             tokens,
             out: PathBuf::from(out),
@@ -378,10 +387,11 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
             cache,
             threads,
             command_line: argv.to_vec(),
+            force_decisions: force.map(PathBuf::from),
         })
         .map(|_| ())
         .map_err(e),
-        Verb::Layer { model, layer, input, input_name, out, internals } => tracegate_engine::run_layer(&tracegate_engine::LayerOptions {
+        Verb::Layer { model, layer, input, input_name, out, internals, force } => tracegate_engine::run_layer(&tracegate_engine::LayerOptions {
             model_dir: PathBuf::from(model),
             layer,
             input: PathBuf::from(input),
@@ -390,6 +400,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
             internals,
             threads,
             command_line: argv.to_vec(),
+            force_decisions: force.map(PathBuf::from),
         })
         .map(|_| ())
         .map_err(e),
@@ -591,9 +602,10 @@ mod tests {
     #[test]
     fn the_engine_child_reads_back_exactly_the_arguments_the_gate_wrote() {
         let verbs = [
-            Verb::Trace { model: "fixtures/m".into(), tokens: vec![3, 17, 5], out: "w/a b.trace".into(), internals: true, generate: 4, cache: false },
-            Verb::Trace { model: "/abs/m".into(), tokens: vec![0], out: "o.trace".into(), internals: false, generate: 0, cache: true },
-            Verb::Layer { model: "m".into(), layer: 3, input: "r.trace".into(), input_name: "layer.03.hidden_in".into(), out: "c.trace".into(), internals: false },
+            Verb::Trace { model: "fixtures/m".into(), tokens: vec![3, 17, 5], out: "w/a b.trace".into(), internals: true, generate: 4, cache: false, force: None },
+            Verb::Trace { model: "/abs/m".into(), tokens: vec![0], out: "o.trace".into(), internals: false, generate: 0, cache: true, force: Some("w/ref.trace".into()) },
+            Verb::Layer { model: "m".into(), layer: 3, input: "r.trace".into(), input_name: "layer.03.hidden_in".into(), out: "c.trace".into(), internals: false, force: None },
+            Verb::Layer { model: "m".into(), layer: 0, input: "r.trace".into(), input_name: "layer.00.hidden_in".into(), out: "c.trace".into(), internals: true, force: Some("r.trace".into()) },
         ];
         for verb in verbs {
             let argv = Producer::Engine { threads: 2 }.argv(&verb);

@@ -499,6 +499,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
             internals: false,
             generate,
             cache,
+            force: None,
         };
         let mut runs = Vec::new();
         let mut producers = vec![(&engine, "engine", "engine.trace", true), (&engine, "engine (uncached)", "engine-uncached.trace", false), (&contract, "contract", "contract.trace", true)];

@@ -312,3 +312,76 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
     let (fv, fb) = (line.find("first outside the policy logits: relative L2 ").unwrap(), line.find("first bit difference layer.00.attn_out[0, 0]: ").unwrap());
     assert!(fv < fb && line.contains("(rule #6 logits); worst at [0,0]: "), "{line}");
 }
+
+/// A candidate (written here: the contract, monkeypatched) whose layer-1 router takes, for row
+/// 0, the expert ranked k+1 instead of the one ranked k: a decision defect on numbers that agree.
+const ROUTER_FLIP: &str = r#"import sys
+from tracegate_contract import __main__ as cli, ops, qwen3
+
+orig_moe, orig_topk = qwen3.Model._moe, ops.topk
+
+
+def topk_wrong(p, k):
+    chosen, margin = orig_topk(p, k)
+    chosen = chosen.copy()
+    chosen[0, k - 1] = ops.rank_order(p)[0, k]
+    return chosen, margin
+
+
+def moe(self, L, x, pos, pfx, cap):
+    if pfx != "layer.01":
+        return orig_moe(self, L, x, pos, pfx, cap)
+    ops.topk = topk_wrong
+    try:
+        return orig_moe(self, L, x, pos, pfx, cap)
+    finally:
+        ops.topk = orig_topk
+
+
+qwen3.Model._moe = moe
+sys.exit(cli.main(sys.argv[1:]))
+"#;
+
+fn router_rule_defect(dir: &Path) -> String {
+    let script = dir.join("router_flip.py");
+    std::fs::write(&script, ROUTER_FLIP).unwrap();
+    format!("'{}' '{}' {{verb}} {{args}}", repo().join(".venv/bin/python").display(), script.display())
+}
+
+#[test]
+fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
+    // The router defect: unforced, layer 1's routing and every number after it differ; forced
+    // from the reference, the candidate's numbers are the reference's bit for bit, so what is
+    // wrong is the decision itself.
+    let tmp = tempfile::tempdir().unwrap();
+    let cmd = router_rule_defect(tmp.path());
+    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd]);
+    let r = &o.report;
+    assert_eq!((o.code, r["verdict"].as_str()), (1, Some("decisions_differ")), "{}", o.stdout);
+    let f = &r["decisions_forced"];
+    assert_eq!(f["status"], "forced", "{f}");
+    assert_eq!(f["unforced"][0]["name"], "layer.01.router.topk", "{f}");
+    assert_eq!(f["unforced"][0]["labels"]["defect"], 1, "{f}");
+    // Given the reference's decisions upstream, only the planted row is the candidate's own flip.
+    assert_eq!(f["overridden"], serde_json::json!({"layer.01.router.topk": 1}), "{f}");
+    assert_eq!(r["whole_run"]["verdict"], "identical", "{}", o.stdout);
+    assert!(r["whole_run"]["differing_decisions"].as_array().unwrap().is_empty());
+    let forced_run = r["runs"].as_array().unwrap().iter().find(|x| x["out"] == f["candidate_trace"]).expect("the forced run is recorded");
+    assert!(forced_run["invocation"].as_str().unwrap().ends_with(&format!("--force-decisions {}", f["from"].as_str().unwrap())), "{forced_run}");
+    let first = o.stdout.lines().next().unwrap();
+    assert!(first.starts_with("the numbers agree once decisions are forced") && first.contains("would decide otherwise in layer.01.router.topk (1 row)"), "{first}");
+
+    // Negative control: a candidate that does not honour --force-decisions (its output is
+    // edited after the run, forced or not) is said so, and the bisection stays unforced.
+    let planted = format!(
+        "'{}' '{}' --base contract --flip layer.00.router.topk {{verb}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo().join("gate/tests/producers/planted_trace.py").display()
+    );
+    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &planted]);
+    let f = &o.report["decisions_forced"];
+    assert_eq!(f["status"], "not_forced", "{f}");
+    assert!(f["reason"].as_str().unwrap().contains("still takes other decisions: layer.00.router.topk"), "{f}");
+    assert_eq!(o.report["whole_run"]["differing_decisions"][0]["name"], "layer.00.router.topk");
+    assert!(o.stdout.lines().next().unwrap().contains("decisions NOT forced: "), "{}", o.stdout);
+}

@@ -28,6 +28,7 @@ import numpy as np
 from .checkpoint import preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
 from .families import resolve
+from .force import Forcing, RouterForcing
 
 TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -393,6 +394,34 @@ def topk_decision(name: str, probs: np.ndarray, k: int) -> Decision:
     return Decision(name, order[:, :k].astype(np.int64), margins)
 
 
+def margin_of(row: np.ndarray, chosen) -> np.float32:
+    """The model's margin for a given choice (docs/producers.md, forced decisions): the value of
+    the chosen index last in the tie rule's order ⊖ that of the unchosen index first in it. For
+    the model's own choice it is the margin above; negative where it ranks an unchosen higher."""
+    order = [int(i) for i in ranked(np.asarray(row, dtype=np.float32)[None])[0]]
+    chosen = [int(c) for c in chosen]
+    weakest = max(chosen, key=order.index)
+    strongest = next(i for i in order if i not in chosen)
+    return np.float32(row[weakest] - row[strongest])
+
+
+def force_decision(d: Decision, scores: np.ndarray, forced: np.ndarray | None, rows: list[int]) -> tuple[Decision, int]:
+    """Decision `d` (the model's own, from `scores`) with row r replaced by forced row rows[r]
+    where the forcing trace holds it; margins the model's own for the forced choice. Returns the
+    decision written and how many rows the model would have decided otherwise."""
+    if forced is None:
+        return d, 0
+    values, margins, overridden = d.values.copy(), d.margins.copy(), 0
+    x = np.asarray(scores, dtype=np.float32).reshape(len(values), -1)
+    for r, i in enumerate(rows):
+        if i < len(forced):
+            f = forced[i].reshape(-1)
+            overridden += int(not np.array_equal(f, values[r].reshape(-1)))
+            margins[r] = margin_of(x[r], f)
+            values[r] = forced[i]
+    return Decision(d.name, values, margins), overridden
+
+
 # ---------------------------------------------------------------------------------------------
 # hooks
 
@@ -453,7 +482,7 @@ class Tap:
     removed on exit, also when the forward raised.
     """
 
-    def __init__(self, model, *, path: str, positions: list[int], layers, internals: bool, whole: bool):
+    def __init__(self, model, *, path: str, positions: list[int], layers, internals: bool, whole: bool, forcing=None):
         self.model, self.path, self.positions = model, path, list(positions)
         self.lay = resolve(model)
         self.layers, self.internals, self.whole = list(layers), internals, whole
@@ -462,12 +491,27 @@ class Tap:
         self.notes: list[str] = []
         self._handles = []
         self._undo = []
+        # --force-decisions: (name, rows overridden) per forced decision; tensors recorded after
+        # the first carry `forced = <the forcing trace's digest>`.
+        self.forcing = forcing
+        self.forced: list[tuple[str, int]] = []
 
     # -- recording
     def add(self, name: str, t, positions=None, layer_idx=None):
         arr, dt = to_numpy(t)
         attrs = {"path": self.path, "mask": self.lay.mask(layer_idx), "positions": list(positions or self.positions)}
+        if self.forced:
+            attrs["forced"] = self.forcing.digest
         self.records.append(Record(name, arr, dt, attrs))
+
+    def decide(self, d: Decision, scores: np.ndarray, rows: list[int]) -> None:
+        """Record decision `d`, forced when a forcing trace is given."""
+        if self.forcing is None:
+            self.decisions.append(d)
+            return
+        d, overridden = force_decision(d, scores, self.forcing.values(d.name), rows)
+        self.decisions.append(d)
+        self.forced.append((d.name, overridden))
 
     # -- hook installation
     def __enter__(self):
@@ -538,8 +582,8 @@ class Tap:
             self.add(f"layer.{L:02d}.router.logits", logits, layer_idx=L)
         k = self.lay.router(L).top_k
         # The model's own probabilities: fp32 softmax of its router logits, as its router does.
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        self.decisions.append(topk_decision(f"layer.{L:02d}.router.topk", probs.cpu().numpy(), k))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).cpu().numpy()
+        self.decide(topk_decision(f"layer.{L:02d}.router.topk", probs, k), probs, self.positions)
 
     def _tap_experts(self, L: int, experts):
         ExpertTap = _expert_tap_class()
@@ -603,7 +647,7 @@ class Tap:
 
     def finish(self) -> None:
         if self.whole:
-            self.decisions.append(argmax_decision("logits.argmax", self._logits))
+            self.decide(argmax_decision("logits.argmax", self._logits), self._logits, list(range(len(self._logits))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,47 +666,100 @@ def _check_tokens(model, tokens, extra: int = 0):
         raise OracleError(f"--tokens/--generate: {len(tokens) + extra} positions exceed max_position_embeddings {P}")
 
 
-def _generate(model, tokens, n: int, cache: bool, device: str) -> list[Decision]:
-    """Greedy decode with the model's own KV cache, or by recomputing the whole sequence."""
+def _generate(model, tokens, n: int, cache: bool, device: str, forcing=None) -> tuple[list[Decision], list[tuple[str, int]]]:
+    """Greedy decode with the model's own KV cache, or by recomputing the whole sequence. Under
+    --force-decisions step s feeds the forcing trace's decode.SSSS.argmax, and the prompt's rows
+    are routed as forced in every forward (as in the captured prefill). Returns the decisions and
+    the forced record (name, rows overridden)."""
     import torch
 
-    out = []
+    out, forced = [], []
     seq = list(tokens)
-    with torch.no_grad():
+    routing = RouterForcing(resolve(model), forcing) if forcing is not None else contextlib.nullcontext()
+
+    def run(ids, positions, **kw):
+        if forcing is not None:
+            routing.positions = list(positions)
+        return model(torch.tensor([ids], device=device), **kw)
+
+    with torch.no_grad(), routing:
         if cache:
-            r = model(torch.tensor([seq], device=device), use_cache=True)
+            r = run(seq, range(len(seq)), use_cache=True)
             past, last = r.past_key_values, r.logits[0, -1]
         for s in range(n):
             if not cache:
-                last = model(torch.tensor([seq], device=device), use_cache=False).logits[0, -1]
-            d = argmax_decision(f"decode.{s:04d}.argmax", last.float().cpu().numpy()[None])
+                last = run(seq, range(len(seq)), use_cache=False).logits[0, -1]
+            row = last.float().cpu().numpy()[None]
+            d = argmax_decision(f"decode.{s:04d}.argmax", row)
+            if forcing is not None:
+                d, over = force_decision(d, row, forcing.values(d.name), [0])
+                forced.append((d.name, over))
             out.append(d)
             seq.append(int(d.values[0]))
             if cache and s + 1 < n:
-                r = model(torch.tensor([[seq[-1]]], device=device), past_key_values=past, use_cache=True)
+                r = run([seq[-1]], [len(seq) - 1], past_key_values=past, use_cache=True)
                 past, last = r.past_key_values, r.logits[0, -1]
-    return out
+    return out, forced
 
 
-def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict | None = None) -> Capture:
-    """The `trace` verb: the whole forward over `tokens` (path=prefill), then optional greedy decode."""
+def _routing(model, forcing, positions):
+    """Forced routing for one forward at `positions`, or nothing."""
+    if forcing is None:
+        return contextlib.nullcontext()
+    r = RouterForcing(resolve(model), forcing)
+    r.positions = list(positions)
+    return r
+
+
+def _require_forced(model, forcing: Forcing, tokens: list[int] | None, generate: int, layer: int | None = None,
+                    positions: list[int] | None = None) -> None:
+    """What this run needs from the forcing trace, checked before anything runs."""
+    lay, cfg = resolve(model), model.config
+    if tokens is not None:
+        forcing.check_prompt(tokens)
+    for L in lay.moe_layers if layer is None else [L for L in lay.moe_layers if L == layer]:
+        name = f"layer.{L:02d}.router.topk"
+        router = lay.router(L)
+        rows = forcing.require(name, None if tokens is None else len(tokens), router.top_k, router.num_experts)
+        beyond = next((p for p in positions or [] if p >= rows), None)
+        if beyond is not None:
+            raise OracleError(f"--force-decisions {forcing.path}: decision {name} has {rows} rows, the input holds position {beyond}")
+    if tokens is not None:
+        forcing.require("logits.argmax", len(tokens), None, cfg.vocab_size)
+        for s in range(generate):
+            forcing.require(f"decode.{s:04d}.argmax", 1, None, cfg.vocab_size)
+
+
+def _forced_provenance(prov: dict, forcing: Forcing | None, records: list[tuple[str, int]]) -> None:
+    if forcing is not None:
+        forcing.check_weights(prov.get("weights_digest"))
+        prov["forced_decisions"] = forcing.provenance(records)
+
+
+def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict | None = None,
+                   forcing: Forcing | None = None) -> Capture:
+    """The `trace` verb: the whole forward over `tokens` (path=prefill), then optional greedy decode;
+    under --force-decisions with the forcing trace's decisions (force.py)."""
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
     _check_tokens(model, tokens, rc.generate)
+    if forcing is not None:
+        _require_forced(model, forcing, tokens, rc.generate)
     n_layers = len(resolve(model).layers)
 
     def run():
         with Tap(model, path="prefill", positions=range(len(tokens)), layers=range(n_layers),
-                 internals=rc.capture == "internals", whole=True) as tap:
-            with torch.autocast(device_type=rc.device, enabled=False):
+                 internals=rc.capture == "internals", whole=True, forcing=forcing) as tap:
+            with torch.autocast(device_type=rc.device, enabled=False), _routing(model, forcing, range(len(tokens))):
                 model(torch.tensor([tokens], device=rc.device), use_cache=False)
             tap.finish()
-        gen = _generate(model, tokens, rc.generate, rc.cache == "on", rc.device) if rc.generate else []
+        gen = _generate(model, tokens, rc.generate, rc.cache == "on", rc.device, forcing) if rc.generate else ([], [])
         return tap, gen
 
-    tap, gen = _deterministic(run, det)
+    tap, (gen, gen_forced) = _deterministic(run, det)
     prov = provenance(model, model_dir, rc, det, tokens, "trace")
+    _forced_provenance(prov, forcing, tap.forced + gen_forced)
     if tap.notes:
         prov["notes"] = tap.notes
     return Capture(tap.records, tap.decisions + gen, prov)
@@ -678,8 +775,10 @@ def _layer_mask(model, L: int, x, position_ids):
 
 
 def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[int], rc: RunConfig,
-                  det: dict | None = None, input_dtype: str | None = None, source: dict | None = None) -> Capture:
-    """The `layer` verb: the model's own decoder layer L on `hidden` [T, H] at `positions`."""
+                  det: dict | None = None, input_dtype: str | None = None, source: dict | None = None,
+                  forcing: Forcing | None = None) -> Capture:
+    """The `layer` verb: the model's own decoder layer L on `hidden` [T, H] at `positions`; under
+    --force-decisions its router takes the forcing trace's rows at those positions."""
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
@@ -694,6 +793,8 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
         raise OracleError(f"--input-name: {len(positions)} positions for {hidden.shape[0]} rows")
     if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[0] < 0):
         raise OracleError("--input-name: positions must be non-negative and strictly increasing")
+    if forcing is not None:
+        _require_forced(model, forcing, None, 0, layer=L, positions=positions)
     dt = next(model.parameters()).dtype
     if input_dtype == "bf16":
         x = torch.from_numpy(np.array(hidden, copy=True).view(np.int16)).view(torch.bfloat16)
@@ -704,8 +805,8 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
 
     def run():
         with Tap(model, path="layer", positions=positions, layers=[L],
-                 internals=rc.capture == "internals", whole=False) as tap:
-            with torch.autocast(device_type=rc.device, enabled=False):
+                 internals=rc.capture == "internals", whole=False, forcing=forcing) as tap:
+            with torch.autocast(device_type=rc.device, enabled=False), _routing(model, forcing, positions):
                 mask = _layer_mask(model, L, x, pos)
                 pe = lay.rope(x, pos, L)
                 layers[L](x, attention_mask=mask, position_ids=pos, position_embeddings=pe,
@@ -715,6 +816,7 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
     tap = _deterministic(run, det)
     prov = provenance(model, model_dir, rc, det, None, "layer")
     prov.update(layer=L, positions=list(positions), **(source or {}))
+    _forced_provenance(prov, forcing, tap.forced)
     if tap.notes:
         prov["notes"] = tap.notes
     return Capture(tap.records, tap.decisions, prov)
@@ -729,7 +831,8 @@ def write_trace(cap: Capture, out: str | os.PathLike) -> str:
     with tracegate.TraceWriter(str(out), cap.provenance) as w:
         for r in cap.tensors:
             a = r.attrs
-            w.tensor(r.name, r.array, dtype=r.dtype, path=a["path"], mask=a["mask"], positions=a["positions"])
+            extra = {"forced": a["forced"]} if "forced" in a else {}
+            w.tensor(r.name, r.array, dtype=r.dtype, path=a["path"], mask=a["mask"], positions=a["positions"], **extra)
         for d in cap.decisions:
             w.decision(d.name, d.values, margins=d.margins)
         return w.finish()

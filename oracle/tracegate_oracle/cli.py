@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .capture import OracleError, RunConfig
 from .checkpoint import preflight
+from .force import Forcing
 
 PROG = "python -m tracegate_oracle"
 
@@ -52,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32", help="compute dtype (default f32)")
         p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--force-decisions", metavar="TRACE",
+                       help="take router top-k (and, for trace, greedy tokens) from this trace instead of computing them")
 
     t = sub.add_parser("trace", help="whole forward over a prompt (+ greedy decode)")
     common(t)
@@ -126,14 +129,16 @@ def main(argv=None) -> int:
         # Refusals that need no torch come before the seconds its import takes (load_model
         # repeats them for callers of the API).
         preflight(a.model)
+        forcing = Forcing(a.force_decisions) if a.force_decisions is not None else None
         det = cp.setup_torch(rc)
         if a.verb == "layer":
             arr, positions, dt, src = _read_input(a.input, a.input_name)
             model = cp.load_model(a.model, rc)
-            cap = cp.capture_layer(model, a.model, a.layer, arr, positions, rc, det, input_dtype=dt, source=src)
+            cap = cp.capture_layer(model, a.model, a.layer, arr, positions, rc, det, input_dtype=dt, source=src,
+                                   forcing=forcing)
         else:
             model = cp.load_model(a.model, rc)
-            cap = cp.capture_prompt(model, a.model, a.tokens, rc, det)
+            cap = cp.capture_prompt(model, a.model, a.tokens, rc, det, forcing=forcing)
         digest = cp.write_trace(cap, out)
     except OracleError as e:
         print(f"{PROG} {a.verb}: error: {e}", file=sys.stderr)

@@ -1,0 +1,75 @@
+"""`--force-decisions TRACE`: router top-k and greedy tokens taken from another trace instead of
+computed, so a run's numbers can be compared past a decision that flipped legitimately
+(docs/producers.md, "Forced decisions"). Everything is checked before the forward runs; a trace
+that cannot serve this run is refused in one line naming the file and the decision."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ContractError
+
+
+class Forcing:
+    def __init__(self, path: str):
+        import tracegate
+
+        self.path = path
+        try:
+            t = tracegate.Trace(path)
+            # The digest recorded with the forced run must be that of the bytes the choices came from.
+            t.verify()
+        except (tracegate.TraceError, OSError) as e:
+            raise ContractError(f"--force-decisions {path}: {e}".splitlines()[0]) from None
+        self.digest = t.digest
+        self.decisions = {name: np.array(v, dtype=np.int64) for name, v in t.decisions.items()}
+        self._provenance = t.provenance
+
+    def _refuse(self, what: str) -> ContractError:
+        return ContractError(f"--force-decisions {self.path}: {what}")
+
+    def check_prompt(self, tokens) -> None:
+        """The forcing trace must be a run of this prompt (when it records one)."""
+        theirs = self._provenance.get("prompt_tokens")
+        if theirs is not None and list(theirs) != [int(t) for t in tokens]:
+            raise self._refuse(f"its prompt_tokens {theirs} are not this run's {[int(t) for t in tokens]}")
+
+    def check_weights(self, weights_digest: str) -> None:
+        """The forcing trace must be a run of these weights (when it records them)."""
+        theirs = self._provenance.get("weights_digest")
+        if isinstance(theirs, str) and theirs != weights_digest:
+            raise self._refuse(f"its weights_digest {theirs} is not this run's {weights_digest}")
+
+    def require(self, name: str, rows: int | None, width: int | None, value_range: int) -> int:
+        """Decision `name` exists, has `width` values per row (rank 1 when None) and, when `rows`
+        is given, that many rows; every value in [0, value_range) and none twice in one row.
+        Returns its row count."""
+        v = self.decisions.get(name)
+        if v is None:
+            raise self._refuse(f"decision {name} is missing (this run needs it)")
+        want = [str(rows) if rows is not None else "rows"] + ([str(width)] if width is not None else [])
+        ok = v.ndim == (1 if width is None else 2) and (rows is None or v.shape[0] == rows) and (width is None or v.shape[1] == width)
+        if not ok:
+            raise self._refuse(f"decision {name} has shape {list(v.shape)}, this run needs [{', '.join(want)}]")
+        for r, row in enumerate(v.reshape(v.shape[0], -1)):
+            bad = [int(x) for x in row if not 0 <= int(x) < value_range]
+            if bad:
+                raise self._refuse(f"decision {name} row {r}: value {bad[0]} outside [0, {value_range})")
+            for i, x in enumerate(row):
+                if x in row[:i]:
+                    raise self._refuse(f"decision {name} row {r}: value {int(x)} repeated (position {i})")
+        return int(v.shape[0])
+
+    def values(self, name: str) -> np.ndarray | None:
+        return self.decisions.get(name)
+
+    def provenance(self, records: list[tuple[str, int]]) -> dict:
+        """Which trace, which decisions, how many rows this producer would have decided otherwise
+        (in total and per decision that has any)."""
+        return {
+            "trace": self.path,
+            "trace_digest": self.digest,
+            "decisions": [n for n, _ in records],
+            "rows_overridden": sum(k for _, k in records),
+            "overridden": {n: k for n, k in records if k > 0},
+        }
