@@ -186,7 +186,9 @@ fn summary(rep: &Report) -> String {
             if let Some(d) = &rep.first_divergence {
                 let dist = match (d.special, d.ulp) {
                     (Some(s), _) if d.ulp.is_none() || d.ulp == Some(0) => s.describe().to_string(),
-                    (_, Some(u)) if d.dtype.starts_with('f') || d.dtype == "bf16" => format!("{} ULP", thousands(u)),
+                    // Across dtypes the unit is named: the coarser dtype's ULPs.
+                    (_, Some(u)) if d.candidate_dtype != d.dtype => format!("{} ULP ({})", thousands(u), d.ulp_dtype.as_deref().unwrap_or("-")),
+                    (_, Some(u)) if d.ulp_dtype.is_some() => format!("{} ULP", thousands(u)),
                     (_, Some(u)) => format!("|diff| {}", thousands(u)),
                     _ => String::new(),
                 };
@@ -205,7 +207,11 @@ fn summary(rep: &Report) -> String {
                     thousands(d.total_elements)
                 ));
             } else if common > 0 {
-                parts.push(format!("values identical in all {common} common tensors"));
+                // Equal values in two dtypes are not identical: say so, not "identical".
+                match rep.per_tensor.iter().filter(|r| r.candidate_dtype.name() != r.dtype).count() {
+                    0 => parts.push(format!("values identical in all {common} common tensors")),
+                    mixed => parts.push(format!("values equal in all {common} common tensors, {mixed} of them in two dtypes (never bit-identical)")),
+                }
             }
             let structural = rep
                 .findings
@@ -329,11 +335,12 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
     }
     if let Some(d) = &rep.first_divergence {
         let _ = writeln!(o, "first divergence");
-        let _ = writeln!(o, "  tensor     {}  {} {:?}", d.tensor, d.dtype, d.shape);
+        let dtypes = if d.candidate_dtype == d.dtype { d.dtype.clone() } else { format!("{} vs {}", d.dtype, d.candidate_dtype) };
+        let _ = writeln!(o, "  tensor     {}  {dtypes} {:?}", d.tensor, d.shape);
         let _ = writeln!(o, "  element    [{}]  (flat index {})", coords(&d.coords), thousands(d.flat_index));
         let _ = writeln!(o, "  reference  {}  ({})", d.reference_value, d.reference_bits);
         let _ = writeln!(o, "  candidate  {}  ({})", d.candidate_value, d.candidate_bits);
-        let unit = if matches!(d.dtype.as_str(), "f64" | "f32" | "f16" | "bf16") { format!("ULP ({})", d.dtype) } else { "absolute".into() };
+        let unit = d.ulp_dtype.as_ref().map_or_else(|| "absolute".into(), |u| format!("ULP ({u})"));
         let dist = match d.ulp {
             Some(u) => format!("{} {unit}", thousands(u)),
             None => "none (NaN)".into(),
@@ -387,7 +394,7 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
             r.tensor,
             r.status,
             diff,
-            opt_u(r.max_ulp),
+            max_ulp_cell(r),
             real(r.max_rel),
             cosine(r.cosine),
             last
@@ -395,6 +402,14 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
         for v in &r.violations {
             let _ = writeln!(o, "  {:w$}    ! {v}", "");
         }
+    }
+}
+
+/// A row's max ULP; across dtypes with the dtype whose ULPs it counts, e.g. `3 bf16`.
+fn max_ulp_cell(r: &TensorRow) -> String {
+    match r.ulp_dtype {
+        Some(u) if r.candidate_dtype.name() != r.dtype && r.max_ulp.is_some() => format!("{} {u}", opt_u(r.max_ulp)),
+        _ => opt_u(r.max_ulp),
     }
 }
 
