@@ -121,6 +121,26 @@ fn a_planted_element_3_bf16_ulps_off_is_located() {
 }
 
 #[test]
+fn a_planted_element_is_found_by_the_fast_kernel_too() {
+    // Large enough for the f32/bf16 kernel (64 Ki-element chunks, 16-element blocks): every
+    // value exact in bf16 (bits k << 16 for bf16 bits k in 0x3c00..0x4400, all finite), one
+    // planted 3 steps off in the second chunk, at flat 65536 + 21 = 65557 = [64, 21] of [100, 1024].
+    let n = 100 * 1024;
+    let exact: Vec<u16> = (0..n).map(|i| 0x3c00 + (i % 0x800) as u16).collect();
+    let r = spec(vec![t_raw("big", DType::F32, &[100, 1024], f32s(&exact.iter().map(|&h| (h as u32) << 16).collect::<Vec<_>>()))]);
+    let mut planted = exact.clone();
+    planted[65557] += 3;
+    let c = spec(vec![t_raw("big", DType::BF16, &[100, 1024], h16s(&planted))]);
+    for (rs, cs) in [(&r, &c), (&c, &r)] {
+        let rep = diff(rs, cs, &Options::default());
+        let d = rep.first_divergence.as_ref().unwrap();
+        assert_eq!((d.flat_index, d.coords.clone(), d.ulp, d.max_ulp, d.differing_elements), (65557, vec![64, 21], Some(3), Some(3), 1));
+    }
+    // Without the planted element: equal values, no first divergence (the negative control).
+    assert!(diff(&r, &spec(vec![t_raw("big", DType::BF16, &[100, 1024], h16s(&exact))]), &Options::default()).first_divergence.is_none());
+}
+
+#[test]
 fn the_reference_may_be_the_coarser_side() {
     // bf16 reference, f32 candidate: 0x3f808000 is a tie between 0x3f80 and 0x3f81 and goes
     // to the even 0x3f80 (0 ULP); 0x40418000 ties between 0x4041 and 0x4042, goes to 0x4042,
