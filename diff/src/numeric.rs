@@ -1796,6 +1796,7 @@ mod tests {
         assert_eq!(fb(0x3f80_0000, 0x3f80), None, "1.0 in both");
         assert_eq!(fb(0x3f80_8000, 0x3f80), Some((None, Some(0))), "a different value, the same after rounding");
         assert_eq!(fb(0x3f81_8000, 0x3f81), Some((None, Some(1))), "rounds to 0x3f82");
+        assert_eq!(fb(0x42f6_e979, 0x42f4), Some((None, Some(3))), "123.456 rounds to 0x42f7 (123.5), 3 steps from 122");
         assert_eq!(fb(0xbf80_0000, 0x3f80), Some((None, Some(2 * 0x3f80))), "-1 vs 1 crosses zero");
         assert_eq!(fb(0x0000_0000, 0x8000), Some((Some(Special::SignedZero), Some(0))));
         assert_eq!(fb(0x0000_0001, 0x8000), Some((None, Some(0))), "2^-149 rounds to +0: a value, not a signed zero");
