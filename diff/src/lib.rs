@@ -504,7 +504,11 @@ impl Serialize for Report {
 #[derive(Clone, Debug, Serialize)]
 pub struct TensorViolation {
     pub tensor: String,
+    /// The reference's dtype; `candidate_dtype` differs for a mixed-precision pair.
     pub dtype: &'static str,
+    pub candidate_dtype: &'static str,
+    /// The dtype whose steps the worst element's `ulp` counts; null for integers.
+    pub ulp_dtype: Option<&'static str>,
     pub shape: Vec<u64>,
     pub rule: Option<RuleRef>,
     pub violations: Vec<Violation>,
@@ -519,7 +523,7 @@ impl std::fmt::Display for TensorViolation {
             write!(f, " (rule #{} {})", r.index, r.pattern)?;
         }
         if let Some(e) = &self.worst_element {
-            write!(f, "; worst at {}", render::element_words(self.dtype, e))?;
+            write!(f, "; worst at {}", render::element_words(self.ulp_dtype.unwrap_or(self.dtype), e))?;
         }
         Ok(())
     }
@@ -531,6 +535,8 @@ impl TensorRow {
         (self.status == "outside_policy").then(|| TensorViolation {
             tensor: self.tensor.clone(),
             dtype: self.dtype,
+            candidate_dtype: self.candidate_dtype.name(),
+            ulp_dtype: self.ulp_dtype.map(DType::name),
             shape: self.shape.clone(),
             rule: self.rule.as_deref().cloned(),
             violations: self.violations.to_vec(),

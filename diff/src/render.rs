@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use serde::ser::{SerializeMap, SerializeSeq, SerializeStruct};
 use serde::{Serialize, Serializer};
-use tracegate_trace::{Attributes, DecisionInfo, TensorInfo, Trace};
+use tracegate_trace::{Attributes, DType, DecisionInfo, TensorInfo, Trace};
 
 use crate::stats::{each_with_stats, Scalar, TensorStats};
 use crate::{Element, FilterSummary, Flip, Real, Report, RowSet, Special, TensorRow, Verdict, AFTER_NEAR_TIE, CONSEQUENCE, NEAR_TIE};
@@ -436,7 +436,8 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
     }
     if let Some(v) = &rep.first_violation() {
         let _ = writeln!(o, "first violation (the first tensor outside the policy)");
-        let _ = writeln!(o, "  tensor     {}  {} {:?}", v.tensor, v.dtype, v.shape);
+        let dtypes = if v.candidate_dtype == v.dtype { v.dtype.to_string() } else { format!("{} vs {}", v.dtype, v.candidate_dtype) };
+        let _ = writeln!(o, "  tensor     {}  {dtypes} {:?}", v.tensor, v.shape);
         if let Some(r) = &v.rule {
             let _ = writeln!(o, "  rule       #{} {}", r.index, r.pattern);
         }
@@ -444,7 +445,7 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
             let _ = writeln!(o, "  broken     {}: {b}", b.bound);
         }
         if let Some(e) = &v.worst_element {
-            element_lines(o, v.dtype, "worst", e);
+            element_lines(o, v.ulp_dtype.unwrap_or(v.dtype), "worst", e);
         }
     }
     if let Some(d) = &rep.first_divergence {
@@ -512,7 +513,7 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
             let _ = writeln!(o, "  {:w$}    ! {}: {v}", "", v.bound);
         }
         if let Some(e) = &r.worst_element {
-            let _ = writeln!(o, "  {:w$}    ! worst at {}", "", element_words(r.dtype, e));
+            let _ = writeln!(o, "  {:w$}    ! worst at {}", "", element_words(r.ulp_dtype.map_or(r.dtype, DType::name), e));
         }
     }
 }
