@@ -146,6 +146,8 @@ fn the_same_reroute_after_a_defect_fails() {
     // The first rerouted expert is upstream of layer 1's router: its flip is a consequence.
     assert_eq!(label(&rep, "layer.01.router.topk", 3), ("consequence", Some("layer.00.expert.000.out".into())));
     assert!(rep.decisions.near_ties.as_ref().unwrap().tensors.is_empty());
+    let first = render_human(&rep).lines().next().unwrap().to_string();
+    assert!(first.starts_with("DIFFERENT") && first.contains("6 expert tensors rerouted (first: layer.00.expert.000.out)"), "{first}");
     assert_valid_report(&report_json(&rep));
 }
 
@@ -163,7 +165,11 @@ fn an_extra_token_no_near_tie_excuses_fails() {
     assert!(f[0].1.contains("[] only in the reference, [0] only in the candidate, not after a near-tie"), "{}", f[0].1);
     // The near-tie's own reroutes are still excused.
     assert_eq!(row(&rep, "layer.00.expert.000.out").status, "identical");
-    assert!(render_human(&rep).lines().next().unwrap().starts_with("DIFFERENT"));
+    // The only failure: the headline must not read "all tensors within the policy".
+    assert!(rep.first_violation().is_none());
+    let first = render_human(&rep).lines().next().unwrap().to_string();
+    assert!(first.starts_with("DIFFERENT — 1 expert tensor rerouted (first: layer.00.expert.002.out)"), "{first}");
+    assert!(!first.contains("within the policy"), "{first}");
 }
 
 #[test]
@@ -174,7 +180,8 @@ fn by_bits_a_rerouted_expert_is_a_difference_not_incomparable() {
     assert!(findings(&rep, "positions_mismatch").is_empty() && findings(&rep, "shape_mismatch").is_empty(), "{:#?}", rep.findings);
     assert_eq!(findings(&rep, "rerouted").iter().map(|x| x.0.as_str()).collect::<Vec<_>>(), REROUTED);
     assert_eq!(row(&rep, "layer.00.expert.002.out").status, "identical");
-    assert!(render_human(&rep).contains("rerouted"));
+    let first = render_human(&rep).lines().next().unwrap().to_string();
+    assert!(first.starts_with("DIFFERENT — first at layer.00.router.logits") && first.contains("; 6 expert tensors rerouted (first: layer.00.expert.000.out)"), "{first}");
 }
 
 #[test]
