@@ -135,7 +135,7 @@ impl<'a> Excusal<'a> {
             return;
         }
         let (Some(ri), Some(ci)) = (self.r.tensor_info(&row.tensor), self.c.tensor_info(&row.tensor)) else { return };
-        if reroute::rerouted(ri, ci) {
+        if reroute::rerouted(ri, ci) && ri.dtype == ci.dtype {
             let (row, findings, left_out) = reroute::judge(self.r, self.c, ri, ci, Some(policy), &excused);
             rep.findings.retain(|f| !(matches!(f.kind, "rerouted" | "outside_policy") && f.tensor.as_deref() == Some(row.tensor.as_str())));
             rep.findings.extend(findings);

@@ -812,7 +812,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| opts.selects(&ri.name) && c.tensor_info(&ri.name).is_some()).count());
     for ri in r.tensors().iter().filter(|ri| opts.selects(&ri.name)) {
         let Some(ci) = c.tensor_info(&ri.name) else { continue };
-        if reroute::rerouted(ri, ci) {
+        if reroute::rerouted(ri, ci) && ri.dtype == ci.dtype {
             // Other tokens routed to this expert: compared on the positions both sides hold.
             let (row, findings, _) = reroute::judge(r, c, ri, ci, opts.policy.as_ref(), &Default::default());
             different |= row.status != "identical" && row.status != "within_policy";
