@@ -586,7 +586,7 @@ class Model:
         top, margin = ops.argmax_with_margin(logits, what=what)
         forced = self.forcing.values(name) if self.forcing is not None else None
         if forced is not None:
-            overridden = int((forced != top).sum())
+            overridden = int(np.count_nonzero(forced != top))
             margin = np.array([ops.margin_of(row, [tok]) for row, tok in zip(logits, forced)], dtype=F32)
             top = forced
         cap.decision(name, top, margin)

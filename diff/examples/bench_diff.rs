@@ -8,7 +8,9 @@
 //! element comparison is the time beyond case 1's; (2b) the same with distances spread up to
 //! 10^6 ULP, where the median needs one more pass over that tensor; (3) every element of every
 //! tensor differs, --all --no-verify: the element-comparison rate alone (only the first
-//! tensor's scan counts distances for a median).
+//! tensor's scan counts distances for a median); (4) a bf16 candidate of the same tensors (each
+//! value rounded to bf16, then 0–2 bf16 ULP off) against the f32 reference, --all --no-verify:
+//! the mixed-precision rate (docs/diff.md, "Mixed precision").
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -18,20 +20,33 @@ use tracegate_trace::{Attributes, DType, TraceWriter};
 
 const TENSORS: usize = 8;
 
-fn write(path: &Path, mib: usize, perturb: impl Fn(usize, usize) -> u32) {
+/// Varied magnitudes and signs: element `i` of tensor `t`.
+fn value(t: usize, i: usize) -> f32 {
+    ((i.wrapping_mul(2654435761) >> 7) % 20001) as f32 / 1000.0 - 10.0 + t as f32
+}
+
+/// Writes the 8 tensors, `mib` MiB of them as f32, in `dtype` (f32, or bf16 rounded to
+/// nearest even), each value's bits then moved by `perturb(t, i)`.
+fn write_as(path: &Path, dtype: DType, mib: usize, perturb: impl Fn(usize, usize) -> u32) {
     let per = mib * (1 << 20) / 4 / TENSORS;
     let mut w = TraceWriter::create(path, serde_json::json!({"producer": "bench"})).unwrap();
-    let mut bytes = vec![0u8; per * 4];
+    let mut bytes = vec![0u8; per * dtype.size()];
     for t in 0..TENSORS {
-        for (i, b) in bytes.chunks_exact_mut(4).enumerate() {
-            // Varied magnitudes and signs, then a per-element bit perturbation.
-            let x = ((i.wrapping_mul(2654435761) >> 7) % 20001) as f32 / 1000.0 - 10.0 + t as f32;
-            b.copy_from_slice(&(x.to_bits().wrapping_add(perturb(t, i))).to_le_bytes());
+        for (i, b) in bytes.chunks_exact_mut(dtype.size()).enumerate() {
+            let x = value(t, i);
+            match dtype {
+                DType::F32 => b.copy_from_slice(&(x.to_bits().wrapping_add(perturb(t, i))).to_le_bytes()),
+                _ => b.copy_from_slice(&(half::bf16::from_f32(x).to_bits().wrapping_add(perturb(t, i) as u16)).to_le_bytes()),
+            }
         }
-        w.tensor(&format!("layer.{t:02}.hidden_out"), DType::F32, &[per as u64 / 1024, 1024], &bytes, &Attributes::default()).unwrap();
+        w.tensor(&format!("layer.{t:02}.hidden_out"), dtype, &[per as u64 / 1024, 1024], &bytes, &Attributes::default()).unwrap();
     }
     w.decision("logits.argmax", &[4], &[1, 2, 3, 4], Some(&[0.5; 4])).unwrap();
     w.finish().unwrap();
+}
+
+fn write(path: &Path, mib: usize, perturb: impl Fn(usize, usize) -> u32) {
+    write_as(path, DType::F32, mib, perturb)
 }
 
 /// Best times of two measurements taken in turn, so that drift on a shared machine hits both.
@@ -74,18 +89,20 @@ fn main() {
     let (r, r2) = (dir.path().join("ref.trace"), dir.path().join("same.trace"));
     let (c1, c2) = (dir.path().join("first.trace"), dir.path().join("all.trace"));
     let wide = dir.path().join("first-wide.trace");
-    eprintln!("writing 5 traces of {mib} MiB in {} ...", dir.path().display());
+    let bf16 = dir.path().join("bf16.trace");
+    eprintln!("writing 5 traces of {mib} MiB and one of {} MiB in {} ...", mib / 2, dir.path().display());
     write(&r, mib, |_, _| 0);
     write(&r2, mib, |_, _| 0);
     write(&c1, mib, |t, i| if t == 0 { 1 + (i % 97) as u32 } else { 0 });
     write(&wide, mib, |t, i| if t == 0 { 1 + (i.wrapping_mul(7919) % 1_000_003) as u32 } else { 0 });
     write(&c2, mib, |_, i| 1 + (i % 97) as u32);
+    write_as(&bf16, DType::BF16, mib, |_, i| (i % 3) as u32);
     let elements_per_tensor = (mib * (1 << 20) / 4 / TENSORS) as f64;
     let threads = rayon::current_num_threads();
     println!("trace-diff bench: 2 traces of {mib} MiB each, {TENSORS} f32 tensors, {threads} rayon threads");
 
     // Page cache warm-up, then the baseline: xxh3-128 over both whole files.
-    for p in [&r, &r2, &c1, &wide, &c2] {
+    for p in [&r, &r2, &c1, &wide, &c2, &bf16] {
         hash_file(p);
     }
     let (hash_seq, _) = best(3, || (hash_file(&r), hash_file(&r2)));
@@ -129,6 +146,22 @@ fn main() {
         every.as_secs_f64(),
         n / 1e6,
         n / every.as_secs_f64() / 1e9
+    );
+
+    // A bf16 port against the f32 reference: every pair mixed, most elements differ in value.
+    // Best of 7, as case 2: each run is short, and on a shared machine most runs share a core.
+    let (mixed, rep) = best(7, || compare_files(&r, &bf16, &raw));
+    assert_eq!(rep.verdict, Verdict::Different);
+    let t0 = &rep.per_tensor[0];
+    assert_eq!((t0.dtype, t0.candidate_dtype, t0.ulp_dtype), ("f32", DType::BF16, Some(DType::BF16)));
+    assert_eq!(rep.per_tensor.iter().map(|t| t.total_elements).sum::<u64>() as f64, n);
+    println!(
+        "bf16 candidate vs f32 reference, --all --no-verify: {:.3} s for {:.0} M elements ({} differ in value, max {} bf16 ULP) → {:.2} G elements/s (target ≥ 1)",
+        mixed.as_secs_f64(),
+        n / 1e6,
+        rep.differing_elements(),
+        rep.per_tensor.iter().filter_map(|t| t.max_ulp).max().unwrap_or(0),
+        n / mixed.as_secs_f64() / 1e9
     );
     // Mapped file pages are shared page cache; anonymous memory is what the differ allocated.
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();

@@ -32,10 +32,10 @@ fn token_axis(name: &str) -> usize {
 /// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the
 /// candidate's (the same range, except for a rerouted expert's rows). The one place the
 /// excusal calls the element scan.
-pub(crate) fn scan_range(ri: &TensorInfo, rd: &[u8], ci: &TensorInfo, cd: &[u8], (start, end): (u64, u64), (c_start, c_end): (u64, u64)) -> numeric::Stats {
-    let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
+pub(crate) fn scan_range(pair: numeric::Pair, rd: &[u8], cd: &[u8], (start, end): (u64, u64), (c_start, c_end): (u64, u64)) -> numeric::Stats {
+    let (rs, cs) = (pair.reference.size(), pair.candidate.size());
     let (a, b) = (&rd[start as usize * rs..end as usize * rs], &cd[c_start as usize * cs..c_end as usize * cs]);
-    numeric::scan(ri.dtype, a, b, false).0
+    numeric::scan(pair, a, b, false).0
 }
 
 /// The labelling state: which per-tensor rows are settled, the first of them outside the
@@ -135,8 +135,8 @@ impl<'a> Excusal<'a> {
             return;
         }
         let (Some(ri), Some(ci)) = (self.r.tensor_info(&row.tensor), self.c.tensor_info(&row.tensor)) else { return };
-        if reroute::rerouted(ri, ci) && ri.dtype == ci.dtype {
-            let (row, findings, left_out) = reroute::judge(self.r, self.c, ri, ci, Some(policy), &excused);
+        if let Some(pair) = numeric::Pair::new(ri.dtype, ci.dtype).filter(|_| reroute::rerouted(ri, ci)) {
+            let (row, findings, left_out) = reroute::judge(self.r, self.c, ri, ci, pair, Some(policy), &excused);
             rep.findings.retain(|f| !(matches!(f.kind, "rerouted" | "outside_policy") && f.tensor.as_deref() == Some(row.tensor.as_str())));
             rep.findings.extend(findings);
             if left_out > 0 {
@@ -158,6 +158,7 @@ impl<'a> Excusal<'a> {
         let outer: u64 = ri.shape[..axis].iter().product();
         let inner: u64 = ri.shape[axis + 1..].iter().product();
         let (rd, cd) = (self.r.data(ri), self.c.data(ci));
+        let Some(pair) = numeric::Pair::new(ri.dtype, ci.dtype) else { return };
         let mut stats = numeric::Stats::default();
         let mut kept = Vec::new();
         for o in 0..outer {
@@ -173,7 +174,7 @@ impl<'a> Excusal<'a> {
                 }
                 let base = o * tokens;
                 let range = ((base + start) * inner, (base + i) * inner);
-                stats = stats.merge(scan_range(ri, rd, ci, cd, range, range));
+                stats = stats.merge(scan_range(pair, rd, cd, range, range));
                 kept.push(range);
             }
         }
@@ -183,7 +184,7 @@ impl<'a> Excusal<'a> {
         row.median_ulp = None;
         let finding = judge_row(row, rule.0, rule.1);
         if finding.is_some() {
-            row.worst_element = crate::worst::locate_in(ri.dtype, rd, cd, &kept).map(|i| Box::new(crate::element(ri, rd, cd, i)));
+            row.worst_element = crate::worst::locate_in(pair, rd, cd, &kept).map(|i| Box::new(crate::element(pair, &ri.shape, rd, cd, i)));
         }
         let name = row.tensor.clone();
         let old = rep.findings.iter().position(|f| f.kind == "outside_policy" && f.tensor.as_deref() == Some(name.as_str()));

@@ -21,7 +21,7 @@ use tracegate_trace::{DType, TensorInfo, Trace};
 
 pub use decisions::{margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGIN_SLACK, NEAR_TIE};
 pub use filter::{Filter, FilterSummary};
-pub use numeric::Special;
+pub use numeric::{Pair, Special};
 pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
 pub use render::{label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show, write_show_json};
 
@@ -196,6 +196,14 @@ impl Serialize for TensorsJson<'_> {
 pub struct TensorRow {
     pub tensor: String,
     pub dtype: &'static str,
+    /// The candidate's dtype: another float dtype than `dtype` for a mixed-precision pair.
+    /// A DType (one byte), not a name: a trace may hold a million rows.
+    #[serde(serialize_with = "dtype_name")]
+    pub candidate_dtype: DType,
+    /// The dtype whose steps `max_ulp` and `median_ulp` count: the coarser of the two
+    /// ([`Pair::ulp_dtype`]); null for integers, whose distance is the absolute difference.
+    #[serde(serialize_with = "opt_dtype_name")]
+    pub ulp_dtype: Option<DType>,
     pub shape: Vec<u64>,
     /// "digest", "elementwise" or "not_scanned".
     pub method: &'static str,
@@ -244,6 +252,17 @@ pub struct Element {
     pub special: Option<Special>,
 }
 
+fn dtype_name<S: Serializer>(d: &DType, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
+}
+
+fn opt_dtype_name<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(d.name()),
+        None => s.serialize_none(),
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct RuleRef {
     pub index: usize,
@@ -256,7 +275,12 @@ pub struct RuleRef {
 #[derive(Clone, Debug, Serialize)]
 pub struct Divergence {
     pub tensor: String,
+    /// The reference's dtype; `candidate_dtype` differs for a mixed-precision pair, and each
+    /// value and its bits are printed in its own side's dtype.
     pub dtype: String,
+    pub candidate_dtype: String,
+    /// The dtype whose steps `ulp`, `max_ulp` and `median_ulp` count; null for integers.
+    pub ulp_dtype: Option<String>,
     pub shape: Vec<u64>,
     pub flat_index: u64,
     pub coords: Vec<u64>,
@@ -264,8 +288,8 @@ pub struct Divergence {
     pub candidate_value: String,
     pub reference_bits: String,
     pub candidate_bits: String,
-    /// Distance of this element in the stored dtype's ULPs (integers: absolute difference);
-    /// null for a NaN pair.
+    /// Distance of this element in `ulp_dtype`'s ULPs (integers: absolute difference); null
+    /// for a NaN pair.
     pub ulp: Option<u64>,
     /// Set when the element differs as a signed zero, NaN or infinity.
     pub special: Option<Special>,
@@ -687,7 +711,8 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                 rep.tensors.missing.push(info.name.clone());
                 rep.findings.push(Finding::new("missing_tensor", Some(&info.name), "in the reference, not in the candidate"));
             }
-            Some(ci) if ci.dtype != info.dtype => {
+            // Two float dtypes are compared by value (Values); anything else cannot be.
+            Some(ci) if Pair::new(info.dtype, ci.dtype).is_none() => {
                 rep.findings.push(Finding::new(
                     "dtype_mismatch",
                     Some(&info.name),
@@ -776,10 +801,12 @@ pub(crate) fn order_finding<'a>(kind: &'static str, r_common: impl Iterator<Item
     Some(Finding::new(kind, Some(a), format!("capture order differs at common position {i}: reference has {a:?}, candidate has {b:?}")))
 }
 
-fn row_for(info: &TensorInfo, method: &'static str, status: &'static str) -> TensorRow {
+fn row_for(info: &TensorInfo, pair: Pair, method: &'static str, status: &'static str) -> TensorRow {
     TensorRow {
         tensor: info.name.clone(),
         dtype: info.dtype.name(),
+        candidate_dtype: pair.candidate,
+        ulp_dtype: pair.ulp_dtype(),
         shape: info.shape.clone(),
         method,
         status,
@@ -812,31 +839,30 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| opts.selects(&ri.name) && c.tensor_info(&ri.name).is_some()).count());
     for ri in r.tensors().iter().filter(|ri| opts.selects(&ri.name)) {
         let Some(ci) = c.tensor_info(&ri.name) else { continue };
-        if reroute::rerouted(ri, ci) && ri.dtype == ci.dtype {
+        if reroute::rerouted(ri, ci) {
             // Other tokens routed to this expert: compared on the positions both sides hold.
-            let (row, findings, _) = reroute::judge(r, c, ri, ci, opts.policy.as_ref(), &Default::default());
+            let Some(pair) = Pair::new(ri.dtype, ci.dtype) else { continue };
+            let (row, findings, _) = reroute::judge(r, c, ri, ci, pair, opts.policy.as_ref(), &Default::default());
             different |= row.status != "identical" && row.status != "within_policy";
             rep.tensors.compared_elementwise.add();
             rep.findings.extend(findings);
             rep.per_tensor.push(row);
             continue;
         }
-        if ci.dtype != ri.dtype || ci.shape != ri.shape {
-            continue;
-        }
+        let Some(pair) = Pair::new(ri.dtype, ci.dtype).filter(|_| ci.shape == ri.shape) else { continue };
         let rule = opts.policy.as_ref().map(|p| p.rule_for(&ri.name));
-        let digest_equal = trust_digests && ri.digest == ci.digest;
+        let digest_equal = trust_digests && !pair.is_mixed() && ri.digest == ci.digest;
         let mut row;
         if digest_equal {
             // Verified equal bytes: every statistic is known without reading them.
-            row = row_for(ri, "digest", "identical");
+            row = row_for(ri, pair, "digest", "identical");
             row.differing_elements = Some(0);
             row.max_ulp = Some(0);
             (row.max_abs, row.max_rel, row.cosine, row.rel_l2) = (Some(Real(0.0)), Some(Real(0.0)), Some(Real(1.0)), Some(Real(0.0)));
             rep.tensors.matched_by_digest.add();
         } else if stopped {
             let status = if trust_digests { "differs_by_digest" } else { "unknown" };
-            row = row_for(ri, "not_scanned", status);
+            row = row_for(ri, pair, "not_scanned", status);
             rep.tensors.not_scanned.add();
             // What follows a divergence is noise: a later change is not a finding by default
             // (--all scans and reports it); the JSON still lists which digests differ.
@@ -846,14 +872,17 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         } else {
             let (rd, cd) = (r.data(ri), c.data(ci));
             // Only the first divergence reports a median: only its scan counts distances.
-            let (s, ulps) = numeric::scan(ri.dtype, rd, cd, rep.first_divergence.is_none());
+            let (s, ulps) = numeric::scan(pair, rd, cd, rep.first_divergence.is_none());
             rep.tensors.compared_elementwise.add();
-            row = row_for(ri, "elementwise", if s.differing == 0 { "identical" } else { "different" });
+            // Across dtypes nothing is bit-identical: equal values are still judged (policy) or
+            // different (by bits).
+            let identical = s.differing == 0 && !pair.is_mixed();
+            row = row_for(ri, pair, "elementwise", if identical { "identical" } else { "different" });
             set_stats(&mut row, &s);
             if s.differing > 0 {
                 if rep.first_divergence.is_none() {
-                    row.median_ulp = ulps.as_ref().and_then(|u| numeric::median_ulp(ri.dtype, rd, cd, &s, u));
-                    rep.first_divergence = Some(divergence(ri, rd, cd, &s, &row));
+                    row.median_ulp = ulps.as_ref().and_then(|u| numeric::median_ulp(pair, rd, cd, &s, u));
+                    rep.first_divergence = Some(divergence(ri, pair, rd, cd, &s, &row));
                     specials_findings(ri, &s, rep);
                 }
                 if !scan_all {
@@ -876,18 +905,22 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                             rep.findings.push(f);
                             // One more pass, over failing tensors only: where it fails most.
                             let (rd, cd) = (r.data(ri), c.data(ci));
-                            row.worst_element = worst::locate(ri.dtype, rd, cd).map(|i| Box::new(element(ri, rd, cd, i)));
+                            row.worst_element = worst::locate(pair, rd, cd).map(|i| Box::new(element(pair, &ri.shape, rd, cd, i)));
                         }
                     }
                 }
             }
         } else if row.status == "different" {
             different = true;
-            rep.findings.push(Finding::new(
-                "values_differ",
-                Some(&ri.name),
-                format!("{} of {} elements differ", row.differing_elements.unwrap_or(0), row.total_elements),
-            ));
+            let counts = format!("{} of {} elements differ", row.differing_elements.unwrap_or(0), row.total_elements);
+            let detail = match pair.ulp_dtype().filter(|_| pair.is_mixed()) {
+                Some(unit) => format!(
+                    "reference {} vs candidate {}, compared in {unit} ULPs: {counts} in value (bit-identical does not exist across dtypes)",
+                    pair.reference, pair.candidate
+                ),
+                None => counts,
+            };
+            rep.findings.push(Finding::new("values_differ", Some(&ri.name), detail));
         }
         rep.per_tensor.push(row);
     }
@@ -941,17 +974,19 @@ fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
     }
 }
 
-/// Element `idx` of a tensor both traces hold with the same dtype and shape.
-fn element(info: &TensorInfo, rd: &[u8], cd: &[u8], idx: u64) -> Element {
-    let (a, b) = (numeric::element_bits(info.dtype, rd, idx), numeric::element_bits(info.dtype, cd, idx));
-    let (special, ulp) = numeric::element_distance(info.dtype, a, b);
+/// Element `idx` of a tensor both traces hold with the same shape: each value and its bits in
+/// its own dtype, the distance in the pair's ULPs (the coarser dtype's for a mixed pair).
+fn element(pair: Pair, shape: &[u64], rd: &[u8], cd: &[u8], idx: u64) -> Element {
+    let (rt, ct) = (pair.reference, pair.candidate);
+    let (a, b) = (numeric::element_bits(rt, rd, idx), numeric::element_bits(ct, cd, idx));
+    let (special, ulp) = numeric::pair_element(pair, rd, cd, idx).unwrap_or((None, Some(0)));
     Element {
         flat_index: idx,
-        coords: numeric::unravel(idx, &info.shape),
-        reference_value: numeric::format_value(info.dtype, a),
-        candidate_value: numeric::format_value(info.dtype, b),
-        reference_bits: numeric::hex_bits(info.dtype, a),
-        candidate_bits: numeric::hex_bits(info.dtype, b),
+        coords: numeric::unravel(idx, shape),
+        reference_value: numeric::format_value(rt, a),
+        candidate_value: numeric::format_value(ct, b),
+        reference_bits: numeric::hex_bits(rt, a),
+        candidate_bits: numeric::hex_bits(ct, b),
         ulp,
         special,
     }
@@ -973,12 +1008,14 @@ impl Divergence {
     }
 }
 
-fn divergence(info: &TensorInfo, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: &TensorRow) -> Divergence {
+fn divergence(info: &TensorInfo, pair: Pair, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: &TensorRow) -> Divergence {
     let idx = s.first.expect("a differing tensor has a first difference");
-    let e = element(info, rd, cd, idx);
+    let e = element(pair, &info.shape, rd, cd, idx);
     Divergence {
         tensor: info.name.clone(),
-        dtype: info.dtype.name().to_string(),
+        dtype: pair.reference.name().to_string(),
+        candidate_dtype: pair.candidate.name().to_string(),
+        ulp_dtype: pair.ulp_dtype().map(|d| d.name().to_string()),
         shape: info.shape.clone(),
         flat_index: e.flat_index,
         coords: e.coords,
@@ -1000,16 +1037,15 @@ fn divergence(info: &TensorInfo, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: 
 }
 
 /// Max |reference − candidate| over elements `[start, end)` of a tensor present in both with
-/// the same dtype and shape; infinite when a NaN or infinity differs there.
+/// the same shape and comparable dtypes (the same, or two floats: real values, each in its
+/// own dtype); infinite when a NaN or infinity differs there.
 pub(crate) fn range_divergence(r: &Trace, c: &Trace, name: &str, rows: Option<(u64, u64)>) -> Option<f64> {
     let (ri, ci) = (r.tensor_info(name)?, c.tensor_info(name)?);
-    if ri.dtype != ci.dtype || ri.shape != ci.shape {
-        return None;
-    }
-    let size = ri.dtype.size();
+    let pair = Pair::new(ri.dtype, ci.dtype).filter(|_| ri.shape == ci.shape)?;
+    let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
     let (start, end) = row_range(ri, rows);
-    let (a, b) = (&r.data(ri)[start as usize * size..end as usize * size], &c.data(ci)[start as usize * size..end as usize * size]);
-    let (s, _) = numeric::scan(ri.dtype, a, b, false);
+    let (a, b) = (&r.data(ri)[start as usize * rs..end as usize * rs], &c.data(ci)[start as usize * cs..end as usize * cs]);
+    let (s, _) = numeric::scan(pair, a, b, false);
     if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
         return Some(f64::INFINITY);
     }
@@ -1039,6 +1075,6 @@ mod tests {
     /// docs/diff.md ("Memory") states what a row costs; a field must not grow it unnoticed.
     #[test]
     fn a_row_costs_what_the_docs_say() {
-        assert_eq!(std::mem::size_of::<super::TensorRow>(), 280);
+        assert_eq!(std::mem::size_of::<super::TensorRow>(), 288);
     }
 }

@@ -11,7 +11,9 @@ const AFTER_HELP: &str = "\
 Checks, in order: both files readable and verified; comparable (oracle stack, weights, prompt,
 seed, and each common tensor's path/mask/positions attributes); structure (missing, extra,
 dtype, shape, order); values (first differing element in reference capture order, with its
-ULP distance in the stored dtype); decisions (exact, ordered). See docs/diff.md.
+ULP distance in the stored dtype; two float dtypes, e.g. a bf16 candidate against an f32
+reference, in the coarser one's, the finer value rounded to nearest even: never identical by
+bits); decisions (exact, ordered). See docs/diff.md.
 
 Filters: --only GLOB and --skip GLOB (each repeatable; `*` stops at `.`, `**` crosses it) keep
 the tensors and decisions whose names match some --only (any name without one) and no --skip.

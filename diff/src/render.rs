@@ -226,7 +226,9 @@ fn summary(rep: &Report) -> String {
             } else if let Some(d) = &rep.first_divergence {
                 let dist = match (d.special, d.ulp) {
                     (Some(s), _) if d.ulp.is_none() || d.ulp == Some(0) => s.describe().to_string(),
-                    (_, Some(u)) if d.dtype.starts_with('f') || d.dtype == "bf16" => format!("{} ULP", thousands(u)),
+                    // Across dtypes the unit is named: the coarser dtype's ULPs.
+                    (_, Some(u)) if d.candidate_dtype != d.dtype => format!("{} ULP ({})", thousands(u), d.ulp_dtype.as_deref().unwrap_or("-")),
+                    (_, Some(u)) if d.ulp_dtype.is_some() => format!("{} ULP", thousands(u)),
                     (_, Some(u)) => format!("|diff| {}", thousands(u)),
                     _ => String::new(),
                 };
@@ -243,7 +245,11 @@ fn summary(rep: &Report) -> String {
                     thousands(d.total_elements)
                 ));
             } else if common > 0 && rerouted_clause(rep).is_none() {
-                parts.push(format!("values identical in all {common} common tensors"));
+                // Equal values in two dtypes are not identical: say so, not "identical".
+                match rep.per_tensor.iter().filter(|r| r.candidate_dtype.name() != r.dtype).count() {
+                    0 => parts.push(format!("values identical in all {common} common tensors")),
+                    mixed => parts.push(format!("values equal in all {common} common tensors, {mixed} of them in two dtypes (never bit-identical)")),
+                }
             }
             if rep.policy.is_none() {
                 parts.extend(rerouted_clause(rep));
@@ -457,8 +463,9 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
         // Under a policy the first bit difference may be within it; it is still where the
         // bits first part, so it stays, named for what it is.
         let _ = writeln!(o, "{}", if rep.policy.is_some() { "first bit difference" } else { "first divergence" });
-        let _ = writeln!(o, "  tensor     {}  {} {:?}", d.tensor, d.dtype, d.shape);
-        element_lines(o, &d.dtype, "element", &d.element());
+        let dtypes = if d.candidate_dtype == d.dtype { d.dtype.clone() } else { format!("{} vs {}", d.dtype, d.candidate_dtype) };
+        let _ = writeln!(o, "  tensor     {}  {dtypes} {:?}", d.tensor, d.shape);
+        element_lines(o, d.ulp_dtype.as_deref().unwrap_or(&d.dtype), "element", &d.element());
         let _ = writeln!(o, "  elements   {} of {} differ", thousands(d.differing_elements), thousands(d.total_elements));
         let _ = writeln!(o, "  ULP        max {}, median {}", opt_u(d.max_ulp), opt_u(d.median_ulp));
         let _ = writeln!(o, "  abs / rel  max abs {}, max rel {}", real(Some(d.max_abs)), real(Some(d.max_rel)));
@@ -507,7 +514,7 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
             r.tensor,
             r.status,
             diff,
-            opt_u(r.max_ulp),
+            max_ulp_cell(r),
             real(r.max_rel),
             real(r.rel_l2),
             cosine(r.cosine),
@@ -519,6 +526,14 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
         if let Some(e) = &r.worst_element {
             let _ = writeln!(o, "  {:w$}    ! worst at {}", "", element_words(r.dtype, e));
         }
+    }
+}
+
+/// A row's max ULP; across dtypes with the dtype whose ULPs it counts, e.g. `3 bf16`.
+fn max_ulp_cell(r: &TensorRow) -> String {
+    match r.ulp_dtype {
+        Some(u) if r.candidate_dtype.name() != r.dtype && r.max_ulp.is_some() => format!("{} {u}", opt_u(r.max_ulp)),
+        _ => opt_u(r.max_ulp),
     }
 }
 

@@ -20,7 +20,8 @@ pub(crate) fn is_expert(name: &str) -> bool {
 
 /// An expert tensor whose two sides hold different positions, each token-major with one row
 /// per listed position and rows of one shape: comparable on the positions both hold. Any other
-/// positions mismatch is still a refusal. The dtypes are Structure's question, not this one.
+/// positions mismatch is still a refusal. The dtypes are Structure's question (two float dtypes
+/// compare by value), not this one.
 pub(crate) fn rerouted(r: &TensorInfo, c: &TensorInfo) -> bool {
     let (Some(rp), Some(cp)) = (&r.attributes.positions, &c.attributes.positions) else { return false };
     rp != cp
@@ -32,7 +33,7 @@ pub(crate) fn rerouted(r: &TensorInfo, c: &TensorInfo) -> bool {
 
 /// A rerouted tensor's row and findings, its rows of tokens in `excused` left out of the
 /// judgement; and how many positions were left out that way.
-pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, policy: Option<&Policy>, excused: &BTreeSet<i64>) -> (TensorRow, Vec<Finding>, u64) {
+pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, pair: numeric::Pair, policy: Option<&Policy>, excused: &BTreeSet<i64>) -> (TensorRow, Vec<Finding>, u64) {
     let (rp, cp) = (ri.attributes.positions.as_deref().unwrap_or_default(), ci.attributes.positions.as_deref().unwrap_or_default());
     let width: u64 = ri.shape[1..].iter().product();
     let (rd, cd) = (r.data(ri), c.data(ci));
@@ -45,7 +46,7 @@ pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, poli
             _ if excused.contains(p) => left_out += 1,
             Some(&j) => {
                 let i = i as u64;
-                stats = stats.merge(excuse::scan_range(ri, rd, ci, cd, (i * width, (i + 1) * width), (j * width, (j + 1) * width)));
+                stats = stats.merge(excuse::scan_range(pair, rd, cd, (i * width, (i + 1) * width), (j * width, (j + 1) * width)));
             }
             None => only_r.push(*p),
         }
@@ -58,7 +59,7 @@ pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, poli
         }
     }
 
-    let mut row = row_for(ri, "elementwise", if stats.differing == 0 { "identical" } else { "different" });
+    let mut row = row_for(ri, pair, "elementwise", if stats.differing == 0 { "identical" } else { "different" });
     set_stats(&mut row, &stats);
     let mut findings = Vec::new();
     let rule = policy.map(|p| p.rule_for(&ri.name));

@@ -252,6 +252,23 @@ fn the_validator_rejects_a_report_that_breaks_the_schema() {
 }
 
 #[test]
+fn a_mixed_precision_report_matches_the_schema() {
+    // Every tensor of the candidate in bf16 (docs/diff.md, "Mixed precision"), with and
+    // without a policy; diff/tests/mixed.rs checks the values.
+    let r = model();
+    let mut c = model();
+    for t in &mut c.tensors {
+        t.bytes = t.bytes.chunks_exact(4).flat_map(|b| ((u32::from_le_bytes(b.try_into().unwrap()) >> 16) as u16).to_le_bytes()).collect();
+        t.dtype = tracegate_trace::DType::BF16;
+    }
+    let (_d, rp, cp) = pair(&r, &c);
+    let (code, v) = json_run(&["--all", p(&rp), p(&cp)]);
+    assert_eq!((code, v["per_tensor"][0]["ulp_dtype"].as_str()), (1, Some("bf16")));
+    let (_, v) = json_run(&["--policy", p(&policy_path()), p(&rp), p(&cp)]);
+    assert_eq!(v["first_bit_difference"]["candidate_dtype"], "bf16");
+}
+
+#[test]
 fn incomparable_exits_3_naming_the_reason() {
     let r = model();
     let mut c = model();

@@ -140,7 +140,7 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
     assert!(first.starts_with("WITHIN POLICY"), "{first}");
     assert!(first.contains("(1 near-tie excused: layer.00.router.topk row 3; 14 rows after a near-tie not judged)"), "{first}");
     assert!(human.contains("after a near-tie (layer.00.router.topk row 3)"), "{human}");
-    let json = serde_json::to_value(&rep).unwrap();
+    let json = report_json(&rep);
     assert_eq!(json["decisions"]["near_ties"]["excused"][0]["decision"], "layer.00.router.topk");
     assert_eq!(json["decisions"]["near_ties"]["tensors"][3]["tensor"], "layer.01.attn_probs");
 }

@@ -164,6 +164,9 @@ fn the_json_report_carries_the_filter() {
     let out = run(&["--json", "--only", "layer.00.**", "--skip", "no.such.*", p(&rp), p(&cp)]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    if v.get("verdict").is_some() {
+        assert_valid_report(&v); // a compare report (not --show's description)
+    }
     assert_eq!(
         v["filter"],
         json!({"only": ["layer.00.**"], "skip": ["no.such.*"], "tensors_left_out": 8, "decisions_left_out": 2, "unmatched": ["no.such.*"]})
@@ -174,6 +177,9 @@ fn the_json_report_carries_the_filter() {
     let out = run(&["--json", p(&rp), p(&cp)]);
     assert_eq!(out.code, 1);
     let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    if v.get("verdict").is_some() {
+        assert_valid_report(&v); // a compare report (not --show's description)
+    }
     assert_eq!(v["filter"], Value::Null);
     assert_eq!(out.stderr, "");
 }
@@ -271,6 +277,9 @@ fn show_json_describes_the_trace() {
     let out = run(&["--show", p(&path), "--json"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    if v.get("verdict").is_some() {
+        assert_valid_report(&v); // a compare report (not --show's description)
+    }
     assert_eq!((v["verified"].clone(), v["verify_error"].clone(), v["filter"].clone()), (json!(true), Value::Null, Value::Null));
     assert_eq!(v["digest"].as_str().unwrap().len(), 64);
     assert_eq!(v["provenance"]["producer"], "engine");
@@ -294,6 +303,9 @@ fn show_json_describes_the_trace() {
 
     // --no-verify: verified is null (not checked), not false.
     let v: Value = serde_json::from_str(&run(&["--show", p(&path), "--json", "--no-verify"]).stdout).unwrap();
+    if v.get("verdict").is_some() {
+        assert_valid_report(&v); // a compare report (not --show's description)
+    }
     assert_eq!(v["verified"], Value::Null);
 }
 
@@ -306,6 +318,9 @@ fn show_json_on_a_bad_file_is_exit_2() {
     let out = run(&["--show", p(&path), "--json"]);
     assert_eq!(out.code, 2);
     let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    if v.get("verdict").is_some() {
+        assert_valid_report(&v); // a compare report (not --show's description)
+    }
     assert_eq!(v["verified"], json!(false));
     assert!(v["verify_error"].as_str().unwrap().contains("layer.00.hidden_in"), "{}", v["verify_error"]);
     // Not a trace at all: nothing on stdout, the reason on stderr.
@@ -323,6 +338,9 @@ fn show_lists_only_the_selection() {
     let out = run(&["--show", p(&path), "--json", "--only", "layer.01.**", "--skip", "*.*.router.*"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    if v.get("verdict").is_some() {
+        assert_valid_report(&v); // a compare report (not --show's description)
+    }
     let names: Vec<&str> = v["tensors"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["layer.01.hidden_in", "layer.01.attn_out", "layer.01.mlp_out", "layer.01.hidden_out"]);
     assert_eq!(v["decisions"], json!([]));
@@ -346,6 +364,9 @@ fn show_json_escapes_control_characters() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(!out.stdout.chars().any(|c| (c.is_control() && c != '\n') || c == '\u{202e}'), "{}", out.stdout);
     let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    if v.get("verdict").is_some() {
+        assert_valid_report(&v); // a compare report (not --show's description)
+    }
     assert_eq!(v["provenance"]["note"], "\u{1b}]0;pwned\u{7}\u{202e}txt", "escaped, not altered");
     assert_eq!(v["tensors"][2]["attributes"]["note"], "\u{9b}2Jred");
 }
