@@ -84,6 +84,12 @@ def test_bf16_run_passes_with_its_near_ties_named(traces):
     near = rep["decisions"]["near_ties"]
     excused = sorted((e["decision"], e["row"]) for e in near["excused"])
     assert excused == sorted(k for k, label in FLIPS.items() if label == "near-tie")
+    # Token 54 chose experts [5, 2] instead of [5, 3] in layer 3: those two experts hold other
+    # positions, compared on the rest, and the rerouted row is counted after the near-tie.
+    after = {t["tensor"] for t in near["tensors"]}
+    assert {"layer.03.expert.002.out", "layer.03.expert.003.out"} <= after, sorted(after)
+    statuses = {r["tensor"]: r["status"] for r in rep["per_tensor"]}
+    assert statuses["layer.03.expert.002.out"] in ("identical", "within_policy")
     first = headline(engine, oracle, "bf16")
     assert first.startswith("WITHIN POLICY") and f"({len(excused)} near-ties excused: " in first, first
     assert "rows after a near-tie not judged)" in first, first
