@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::{judge_row, numeric, set_stats, NearTieRef, NearTieSummary, Policy, Report, RowsAfter, TensorRow};
+use crate::{judge_row, numeric, reroute, set_stats, NearTieRef, NearTieSummary, Policy, Report, RowsAfter, TensorRow};
 
 /// A tensor's capture index in `t`: the reader hands out references into its capture-ordered
 /// index, so the place is the reference's offset in that slice (no name map for a million
@@ -29,11 +29,12 @@ fn token_axis(name: &str) -> usize {
     }
 }
 
-/// Scans the elements `[start, end)` of both payloads. The one place this module calls the
-/// element scan.
-fn scan_range(pair: numeric::Pair, rd: &[u8], cd: &[u8], (start, end): (u64, u64)) -> numeric::Stats {
+/// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the
+/// candidate's (the same range, except for a rerouted expert's rows). The one place the
+/// excusal calls the element scan.
+pub(crate) fn scan_range(pair: numeric::Pair, rd: &[u8], cd: &[u8], (start, end): (u64, u64), (c_start, c_end): (u64, u64)) -> numeric::Stats {
     let (rs, cs) = (pair.reference.size(), pair.candidate.size());
-    let (a, b) = (&rd[start as usize * rs..end as usize * rs], &cd[start as usize * cs..end as usize * cs]);
+    let (a, b) = (&rd[start as usize * rs..end as usize * rs], &cd[c_start as usize * cs..c_end as usize * cs]);
     numeric::scan(pair, a, b, false).0
 }
 
@@ -74,7 +75,7 @@ impl<'a> Excusal<'a> {
             let row = &rep.per_tensor[self.settled];
             let bad = match self.policy {
                 // A tensor without a rule is unjudged: outside when its bits differ.
-                Some(_) => row.status == "outside_policy" || (row.status == "no_rule" && row.differing_elements != Some(0)),
+                Some(_) => matches!(row.status, "outside_policy" | "rerouted") || (row.status == "no_rule" && row.differing_elements != Some(0)),
                 None => row.status != "identical",
             };
             if bad && self.first_bad.is_none() {
@@ -130,10 +131,20 @@ impl<'a> Excusal<'a> {
         let excused: BTreeSet<i64> = self.tokens.iter().filter(|(_, after, _)| *after < at).map(|t| t.0).collect();
         let row = &rep.per_tensor[j];
         // Identical stays identical without any rows; a tensor without a rule has nothing to re-judge.
-        if excused.is_empty() || !matches!(row.status, "within_policy" | "outside_policy") {
+        if excused.is_empty() || !matches!(row.status, "within_policy" | "outside_policy" | "rerouted") {
             return;
         }
         let (Some(ri), Some(ci)) = (self.r.tensor_info(&row.tensor), self.c.tensor_info(&row.tensor)) else { return };
+        if let Some(pair) = numeric::Pair::new(ri.dtype, ci.dtype).filter(|_| reroute::rerouted(ri, ci)) {
+            let (row, findings, left_out) = reroute::judge(self.r, self.c, ri, ci, pair, Some(policy), &excused);
+            rep.findings.retain(|f| !(matches!(f.kind, "rerouted" | "outside_policy") && f.tensor.as_deref() == Some(row.tensor.as_str())));
+            rep.findings.extend(findings);
+            if left_out > 0 {
+                self.summary.tensors.push(RowsAfter { tensor: row.tensor.clone(), rows: left_out });
+            }
+            rep.per_tensor[j] = row;
+            return;
+        }
         let Some(rule) = row.rule.as_ref().and_then(|x| policy.rules.get(x.index).map(|rule| (x.index, rule))) else { return };
         let axis = token_axis(&ri.name);
         let Some(&tokens) = ri.shape.get(axis) else { return };
@@ -163,7 +174,7 @@ impl<'a> Excusal<'a> {
                 }
                 let base = o * tokens;
                 let range = ((base + start) * inner, (base + i) * inner);
-                stats = stats.merge(scan_range(pair, rd, cd, range));
+                stats = stats.merge(scan_range(pair, rd, cd, range, range));
                 kept.push(range);
             }
         }

@@ -10,6 +10,7 @@ pub mod filter;
 pub mod numeric;
 pub mod policy;
 mod render;
+mod reroute;
 pub mod stats;
 mod worst;
 
@@ -207,7 +208,8 @@ pub struct TensorRow {
     /// "digest", "elementwise" or "not_scanned".
     pub method: &'static str,
     /// "identical", "different", "within_policy", "outside_policy", "no_rule",
-    /// "differs_by_digest" (not scanned) or "unknown" (not scanned, digests not trusted).
+    /// "differs_by_digest" (not scanned), "unknown" (not scanned, digests not trusted) or
+    /// "rerouted" (an expert's tokens differ, not all after a near-tie: `reroute`).
     pub status: &'static str,
     pub total_elements: u64,
     /// Null when the elements were not compared one by one.
@@ -671,7 +673,7 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     // after a near-tie leave the judgement and their tensors are judged again without them.
     different |= decisions::compare(reference, candidate, opts, &mut rep);
     let rejudged = rep.decisions.near_ties.as_ref().is_some_and(|n| !n.tensors.is_empty());
-    different |= if rejudged { rep.per_tensor.iter().any(|r| matches!(r.status, "outside_policy" | "no_rule")) } else { values_different };
+    different |= if rejudged { rep.per_tensor.iter().any(|r| matches!(r.status, "outside_policy" | "no_rule" | "rerouted")) } else { values_different };
 
     let any_value_difference = rep.per_tensor.iter().any(|r| r.status != "identical")
         || rep.decisions.results.iter().any(|d| d.margin_differing_rows > 0 || d.differing_rows > 0);
@@ -723,7 +725,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                     format!("reference {} vs candidate {}", info.dtype, ci.dtype),
                 ));
             }
-            Some(ci) if ci.shape != info.shape => {
+            Some(ci) if ci.shape != info.shape && !reroute::rerouted(info, ci) => {
                 let same_count = ci.element_count() == info.element_count();
                 let note = if same_count { " (same element count: transposed or reshaped)" } else { "" };
                 rep.findings.push(Finding::new(
@@ -843,6 +845,16 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| opts.selects(&ri.name) && c.tensor_info(&ri.name).is_some()).count());
     for ri in r.tensors().iter().filter(|ri| opts.selects(&ri.name)) {
         let Some(ci) = c.tensor_info(&ri.name) else { continue };
+        if reroute::rerouted(ri, ci) {
+            // Other tokens routed to this expert: compared on the positions both sides hold.
+            let Some(pair) = Pair::new(ri.dtype, ci.dtype) else { continue };
+            let (row, findings, _) = reroute::judge(r, c, ri, ci, pair, opts.policy.as_ref(), &Default::default());
+            different |= row.status != "identical" && row.status != "within_policy";
+            rep.tensors.compared_elementwise.add();
+            rep.findings.extend(findings);
+            rep.per_tensor.push(row);
+            continue;
+        }
         let Some(pair) = Pair::new(ri.dtype, ci.dtype).filter(|_| ci.shape == ri.shape) else { continue };
         let rule = opts.policy.as_ref().map(|p| p.rule_for(&ri.name));
         let digest_equal = trust_digests && !pair.is_mixed() && ri.digest == ci.digest;

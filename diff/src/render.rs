@@ -244,12 +244,15 @@ fn summary(rep: &Report) -> String {
                     thousands(d.differing_elements),
                     thousands(d.total_elements)
                 ));
-            } else if common > 0 {
+            } else if common > 0 && rerouted_clause(rep).is_none() {
                 // Equal values in two dtypes are not identical: say so, not "identical".
                 match rep.per_tensor.iter().filter(|r| r.candidate_dtype.name() != r.dtype).count() {
                     0 => parts.push(format!("values identical in all {common} common tensors")),
                     mixed => parts.push(format!("values equal in all {common} common tensors, {mixed} of them in two dtypes (never bit-identical)")),
                 }
+            }
+            if rep.policy.is_none() {
+                parts.extend(rerouted_clause(rep));
             }
             let structural = rep
                 .findings
@@ -300,11 +303,20 @@ fn policy_clauses(rep: &Report) -> Vec<String> {
         let n = unruled.len();
         parts.push(format!("{n} tensor{} without a policy rule (first: {})", if n == 1 { "" } else { "s" }, first.tensor));
     }
+    parts.extend(rerouted_clause(rep));
     if parts.is_empty() && common > 0 {
         let within = rep.per_tensor.iter().filter(|r| r.status == "within_policy").count();
         parts.push(format!("all {common} tensors within the policy ({} bit-identical, {within} within bounds)", common - within));
     }
     parts
+}
+
+/// Expert tensors the routing sent other tokens (docs/diff.md, "Rerouted experts"): they fail
+/// even where every row both sides hold is equal, so the headline names them.
+fn rerouted_clause(rep: &Report) -> Option<String> {
+    let rerouted: Vec<&TensorRow> = rep.per_tensor.iter().filter(|r| r.status == "rerouted").collect();
+    let n = rerouted.len();
+    rerouted.first().map(|first| format!("{n} expert tensor{} rerouted (first: {})", if n == 1 { "" } else { "s" }, first.tensor))
 }
 
 /// An element's distance in words: its ULPs (integers: |difference|), or what kind of

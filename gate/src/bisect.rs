@@ -378,34 +378,6 @@ fn perturb(data: &[f32], seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Expert tensors refused only because they hold other rows; empty if anything else was refused.
-fn rerouted_experts(rep: &Report) -> Vec<String> {
-    if rep.verdict != Verdict::Incomparable {
-        return Vec::new();
-    }
-    let refusals: Vec<_> = rep.findings.iter().filter(|f| f.kind != "stack_mismatch_allowed").collect();
-    let experts: Vec<String> = refusals
-        .iter()
-        .filter(|f| f.kind == "positions_mismatch")
-        .filter_map(|f| f.tensor.clone())
-        .filter(|t| t.contains(".expert."))
-        .collect();
-    if experts.len() == refusals.len() { experts } else { Vec::new() }
-}
-
-fn copy_without(t: &Trace, skip: &[String], out: &Path) -> Result<()> {
-    let err = |e: tracegate_trace::Error| gerr!("{}: {e}", out.display());
-    let mut w = TraceWriter::create(out, t.provenance().clone()).map_err(err)?;
-    for info in t.tensors().iter().filter(|i| !skip.contains(&i.name)) {
-        w.tensor(&info.name, info.dtype, &info.shape, t.data(info), &info.attributes).map_err(err)?;
-    }
-    for d in t.decisions() {
-        w.decision(&d.name, &d.shape, &t.decision_values(d), t.decision_margins(d).as_deref()).map_err(err)?;
-    }
-    w.finish().map_err(err)?;
-    Ok(())
-}
-
 // ------------------------------------------------------------------------------------------
 // Isolation
 
@@ -647,7 +619,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     };
 
     let opts = Options { all: true, policy: policy.clone(), ..Options::default() };
-    let mut whole = compare_whole(o, &reference, &candidate, "", &opts)?;
+    let mut whole = compare_whole(&reference, &candidate, &opts)?;
     // A decision differs no later than the first differing tensor (by layer), so it may be what
     // makes the numbers differ: compare them past the flips, on the candidate forced to take the
     // reference's decisions (docs/producers.md). A flip after the numbers already diverged is
@@ -856,25 +828,10 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     })
 }
 
-/// The differ's report on two whole traces; MoE expert outputs whose rows differ because
-/// routing differs are set aside. `tag` names the copies ("" or ".forced").
-fn compare_whole(o: &BisectOptions, reference: &Trace, candidate: &Trace, tag: &str, opts: &Options) -> Result<Report> {
-    let mut whole = compare(reference, candidate, opts);
-    // Expert outputs hold the rows routed to each expert; once routing differs their positions
-    // differ, which the differ rightly refuses to compare. The router.topk decision already
-    // reports that, so compare everything else (copies without those tensors).
-    let rerouted = rerouted_experts(&whole);
-    if !rerouted.is_empty() {
-        let (r2, c2) = (format!("{}/reference{tag}.comparable.trace", o.work), format!("{}/candidate{tag}.comparable.trace", o.work));
-        copy_without(reference, &rerouted, &o.root.join(&r2))?;
-        copy_without(candidate, &rerouted, &o.root.join(&c2))?;
-        whole = compare(&open(&o.root, &r2)?, &open(&o.root, &c2)?, opts);
-        whole.findings.push(tracegate_diff::Finding::new(
-            "expert_rows_differ",
-            None,
-            format!("not compared, routing sends them other rows: {}", rerouted.join(", ")),
-        ));
-    }
+/// The differ's report on two whole traces, refused when they cannot be compared. An MoE
+/// expert that routing sent other tokens is compared by the differ itself (status `rerouted`).
+fn compare_whole(reference: &Trace, candidate: &Trace, opts: &Options) -> Result<Report> {
+    let whole = compare(reference, candidate, opts);
     if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = whole.findings.iter().map(describe).collect();
         return Err(gerr!("the whole traces cannot be compared ({:?}): {}", whole.verdict, why.join("; ")));
@@ -895,7 +852,7 @@ fn forced_run(o: &BisectOptions, reference: &Trace, rec: &RunRecord, rel: &str, 
     if t.provenance()["forced_decisions"]["trace_digest"].as_str() != Some(digest.as_str()) {
         return Err("the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)".into());
     }
-    let rep = compare_whole(o, reference, &t, ".forced", opts).map_err(|e| e.0)?;
+    let rep = compare_whole(reference, &t, opts).map_err(|e| e.0)?;
     let still: Vec<String> = rep.decisions.results.iter().filter(|d| d.differing_rows > 0).map(|d| format!("{} ({} rows)", d.name, d.differing_rows)).collect();
     if !still.is_empty() {
         return Err(format!("the candidate's forced trace still takes other decisions: {}", still.join(", ")));
@@ -1038,8 +995,9 @@ fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
 /// A differ finding that states a difference of structure, not of values.
 fn is_structure(kind: &str) -> bool {
     // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
-    // (`rows`); the rest are notes, not differences.
-    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "margin_differs" | "dtype_mismatch" | "shape_mismatch" | "stack_mismatch_allowed" | "expert_rows_differ" | "decisions_forced")
+    // (`rows`), and so is an expert the routing sent other tokens (status `rerouted`); the rest
+    // are notes, not differences.
+    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "margin_differs" | "dtype_mismatch" | "shape_mismatch" | "rerouted" | "stack_mismatch_allowed" | "decisions_forced")
 }
 
 fn how_words(how: &str) -> String {

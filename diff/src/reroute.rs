@@ -1,0 +1,100 @@
+//! Rerouted experts (docs/diff.md, "Rerouted experts"). An expert's tensor
+//! `layer.NN.expert.EEE.*` holds one row per token routed to it, listed in its `positions`. A
+//! router row that differs sends its token to other experts, so the two traces' lists differ:
+//! that follows from the decision, it is not another computation. Such a pair is compared on
+//! the positions both hold (row by row, matched by position); a position only one side holds
+//! is excused when its token comes after a near-tie, and is otherwise a `rerouted` finding.
+
+use std::collections::{BTreeSet, HashMap};
+
+use tracegate_trace::{TensorInfo, Trace};
+
+use crate::{comparable, excuse, judge_row, numeric, row_for, set_stats, Finding, Policy, RuleRef, TensorRow};
+
+/// `layer.NN.expert.EEE.<point>` (docs/capture-points.md).
+pub(crate) fn is_expert(name: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let p: Vec<&str> = name.splitn(5, '.').collect();
+    p.len() == 5 && p[0] == "layer" && digits(p[1]) && p[2] == "expert" && digits(p[3]) && !p[4].is_empty()
+}
+
+/// An expert tensor whose two sides hold different positions, each token-major with one row
+/// per listed position and rows of one shape: comparable on the positions both hold. Any other
+/// positions mismatch is still a refusal. The dtypes are Structure's question (two float dtypes
+/// compare by value), not this one.
+pub(crate) fn rerouted(r: &TensorInfo, c: &TensorInfo) -> bool {
+    let (Some(rp), Some(cp)) = (&r.attributes.positions, &c.attributes.positions) else { return false };
+    rp != cp
+        && is_expert(&r.name)
+        && r.shape.first() == Some(&(rp.len() as u64))
+        && c.shape.first() == Some(&(cp.len() as u64))
+        && r.shape[1..] == c.shape[1..]
+}
+
+/// A rerouted tensor's row and findings, its rows of tokens in `excused` left out of the
+/// judgement; and how many positions were left out that way.
+pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, pair: numeric::Pair, policy: Option<&Policy>, excused: &BTreeSet<i64>) -> (TensorRow, Vec<Finding>, u64) {
+    let (rp, cp) = (ri.attributes.positions.as_deref().unwrap_or_default(), ci.attributes.positions.as_deref().unwrap_or_default());
+    let width: u64 = ri.shape[1..].iter().product();
+    let (rd, cd) = (r.data(ri), c.data(ci));
+    let in_c: HashMap<i64, u64> = cp.iter().enumerate().map(|(j, &p)| (p, j as u64)).collect();
+    let in_r: BTreeSet<i64> = rp.iter().copied().collect();
+    let mut stats = numeric::Stats::default();
+    let (mut only_r, mut only_c, mut left_out) = (Vec::new(), Vec::new(), 0u64);
+    for (i, p) in rp.iter().enumerate() {
+        match in_c.get(p) {
+            _ if excused.contains(p) => left_out += 1,
+            Some(&j) => {
+                let i = i as u64;
+                stats = stats.merge(excuse::scan_range(pair, rd, cd, (i * width, (i + 1) * width), (j * width, (j + 1) * width)));
+            }
+            None => only_r.push(*p),
+        }
+    }
+    for p in cp.iter().filter(|p| !in_r.contains(p)) {
+        if excused.contains(p) {
+            left_out += 1;
+        } else {
+            only_c.push(*p);
+        }
+    }
+
+    let mut row = row_for(ri, pair, "elementwise", if stats.differing == 0 { "identical" } else { "different" });
+    set_stats(&mut row, &stats);
+    let mut findings = Vec::new();
+    let rule = policy.map(|p| p.rule_for(&ri.name));
+    if let Some(Some((idx, rule))) = &rule {
+        row.rule = Some(Box::new(RuleRef { index: *idx, pattern: rule.pattern.clone() }));
+    }
+    if !only_r.is_empty() || !only_c.is_empty() {
+        // Tokens routed differently and not after a near-tie: the router decision of this
+        // layer (or an earlier one) differs there, and these rows cannot be compared.
+        row.status = "rerouted";
+        let router = ri.name.splitn(3, '.').take(2).collect::<Vec<_>>().join(".") + ".router.topk";
+        let detail = format!(
+            "other tokens routed here ({router} or an earlier router differs): positions {} only in the reference, {} only in the candidate{}",
+            show(&only_r),
+            show(&only_c),
+            if policy.is_some() { ", not after a near-tie" } else { "" }
+        );
+        findings.push(Finding::new("rerouted", Some(&ri.name), detail));
+    } else if let Some(rule) = rule {
+        match rule {
+            None => {
+                row.status = "no_rule";
+                findings.push(Finding::new("no_policy_rule", Some(&ri.name), "no rule in the policy matches this tensor"));
+            }
+            Some((idx, rule)) if row.status == "different" => findings.extend(judge_row(&mut row, idx, rule)),
+            Some(_) => {}
+        }
+    } else if row.status == "different" {
+        findings.push(Finding::new("values_differ", Some(&ri.name), format!("{} elements differ in the rows of the positions both sides hold", stats.differing)));
+    }
+    // Rows matched by position on each side: no single element index names the worst.
+    row.worst_element = None;
+    (row, findings, left_out)
+}
+
+fn show(p: &[i64]) -> String {
+    comparable::positions(&Some(p.to_vec()))
+}
