@@ -13,7 +13,9 @@ seed, and each common tensor's path/mask/positions attributes); structure (missi
 dtype, shape, order); values (first differing element in reference capture order, with its
 ULP distance in the stored dtype; two float dtypes, e.g. a bf16 candidate against an f32
 reference, in the coarser one's, the finer value rounded to nearest even: never identical by
-bits); decisions (exact, ordered). See docs/diff.md.
+bits); decisions (exact, ordered; each flipped row labelled consequence, near-tie,
+after-near-tie or defect, and under a policy a near-tie and its token's later rows are excused
+and counted). See docs/diff.md.
 
 Filters: --only GLOB and --skip GLOB (each repeatable; `*` stops at `.`, `**` crosses it) keep
 the tensors and decisions whose names match some --only (any name without one) and no --skip.
