@@ -11,22 +11,27 @@ from .errors import ContractError
 
 
 class Forcing:
+    """The forcing trace's decisions, checked before anything runs. The oracle reads them through
+    this class too (its own error type and preflight): one reader, one set of refusals."""
+
+    error: type[Exception] = ContractError
+
     def __init__(self, path: str):
         import tracegate
 
-        self.path = path
+        self.path = str(path)
         try:
             t = tracegate.Trace(path)
             # The digest recorded with the forced run must be that of the bytes the choices came from.
             t.verify()
         except (tracegate.TraceError, OSError) as e:
-            raise ContractError(f"--force-decisions {path}: {e}".splitlines()[0]) from None
+            raise self.error(f"--force-decisions {path}: not a valid trace: {e}".splitlines()[0]) from None
         self.digest = t.digest
         self.decisions = {name: np.array(v, dtype=np.int64) for name, v in t.decisions.items()}
         self._provenance = t.provenance
 
-    def _refuse(self, what: str) -> ContractError:
-        return ContractError(f"--force-decisions {self.path}: {what}")
+    def _refuse(self, what: str) -> Exception:
+        return self.error(f"--force-decisions {self.path}: {what}")
 
     def check_prompt(self, tokens) -> None:
         """The forcing trace must be a run of this prompt (when it records one)."""
@@ -34,10 +39,10 @@ class Forcing:
         if theirs is not None and list(theirs) != [int(t) for t in tokens]:
             raise self._refuse(f"its prompt_tokens {theirs} are not this run's {[int(t) for t in tokens]}")
 
-    def check_weights(self, weights_digest: str) -> None:
-        """The forcing trace must be a run of these weights (when it records them)."""
+    def check_weights(self, weights_digest: str | None) -> None:
+        """The forcing trace must be a run of these weights (when both record them)."""
         theirs = self._provenance.get("weights_digest")
-        if isinstance(theirs, str) and theirs != weights_digest:
+        if isinstance(theirs, str) and weights_digest is not None and theirs != weights_digest:
             raise self._refuse(f"its weights_digest {theirs} is not this run's {weights_digest}")
 
     def require(self, name: str, rows: int | None, width: int | None, value_range: int) -> int:

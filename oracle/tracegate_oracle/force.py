@@ -15,74 +15,25 @@ from pathlib import Path
 
 import numpy as np
 
+from tracegate_contract.force import Forcing as _ContractForcing
+
 from .errors import OracleError
 
 
-class Forcing:
-    """The forcing trace's decisions, checked before anything runs; refusals name the file and
-    the decision."""
+class Forcing(_ContractForcing):
+    """The contract's reader of the forcing trace (the same checks and refusals), raising the
+    oracle's error, after a preflight that keeps a FIFO from blocking the reader."""
+
+    error = OracleError
 
     def __init__(self, path: str):
         try:
-            import tracegate
+            import tracegate  # noqa: F401
         except ImportError:
             raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
         if not Path(path).is_file():  # a FIFO would block the reader
             raise OracleError(f"--force-decisions {path}: not a regular file")
-        try:
-            t = tracegate.Trace(path)
-            # The digest recorded with the forced run must be that of the bytes the choices came from.
-            t.verify()
-        except tracegate.TraceError as e:
-            raise OracleError(f"--force-decisions {path}: not a valid trace: {e}".splitlines()[0]) from None
-        self.path = str(path)
-        self.digest = t.digest
-        self.decisions = {n: np.array(v, dtype=np.int64) for n, v in t.decisions.items()}
-        self._provenance = t.provenance
-
-    def _refuse(self, what: str) -> OracleError:
-        return OracleError(f"--force-decisions {self.path}: {what}")
-
-    def check_prompt(self, tokens) -> None:
-        theirs = self._provenance.get("prompt_tokens")
-        if theirs is not None and list(theirs) != [int(t) for t in tokens]:
-            raise self._refuse(f"its prompt_tokens {theirs} are not this run's {[int(t) for t in tokens]}")
-
-    def check_weights(self, weights_digest: str | None) -> None:
-        theirs = self._provenance.get("weights_digest")
-        if isinstance(theirs, str) and weights_digest is not None and theirs != weights_digest:
-            raise self._refuse(f"its weights_digest {theirs} is not this run's {weights_digest}")
-
-    def require(self, name: str, rows: int | None, width: int | None, value_range: int) -> int:
-        """Decision `name` exists, has `width` values per row (rank 1 when None) and, when `rows`
-        is given, that many rows; values in [0, value_range), none twice in a row. Returns rows."""
-        v = self.decisions.get(name)
-        if v is None:
-            raise self._refuse(f"decision {name} is missing (this run needs it)")
-        want = [str(rows) if rows is not None else "rows"] + ([str(width)] if width is not None else [])
-        ok = v.ndim == (1 if width is None else 2) and (rows is None or v.shape[0] == rows) and (width is None or v.shape[1] == width)
-        if not ok:
-            raise self._refuse(f"decision {name} has shape {list(v.shape)}, this run needs [{', '.join(want)}]")
-        for r, row in enumerate(v.reshape(v.shape[0], -1)):
-            bad = [int(x) for x in row if not 0 <= int(x) < value_range]
-            if bad:
-                raise self._refuse(f"decision {name} row {r}: value {bad[0]} outside [0, {value_range})")
-            for i, x in enumerate(row):
-                if x in row[:i]:
-                    raise self._refuse(f"decision {name} row {r}: value {int(x)} repeated (position {i})")
-        return int(v.shape[0])
-
-    def values(self, name: str) -> np.ndarray | None:
-        return self.decisions.get(name)
-
-    def provenance(self, records: list[tuple[str, int]]) -> dict:
-        return {
-            "trace": self.path,
-            "trace_digest": self.digest,
-            "decisions": [n for n, _ in records],
-            "rows_overridden": sum(k for _, k in records),
-            "overridden": {n: k for n, k in records if k > 0},
-        }
+        super().__init__(path)
 
 
 class RouterForcing:
