@@ -285,16 +285,7 @@ fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
 fn a_large_margin_flip_with_clean_inputs_is_a_defect() {
     // Every tensor within the policy (a few ULP everywhere after the embedding); row 2 of
     // layer 0's router (margin 0.75) flips anyway.
-    let r = model();
-    let mut c = model();
-    c.provenance = oracle_provenance();
-    let names: Vec<String> = c.tensors.iter().map(|t| t.name.clone()).filter(|n| n != "embed.out").collect();
-    for n in names {
-        let count = c.tensor_mut(&n).bytes.len() / 4;
-        for i in (0..count).step_by(3) {
-            c.poke_f32_bits(&n, i, |b| b ^ 1);
-        }
-    }
+    let (r, mut c) = oracle_like_pair();
     c.decision_mut("layer.00.router.topk").values[4..6].copy_from_slice(&[0, 1]);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert!(rep.per_tensor.iter().all(|t| matches!(t.status, "identical" | "within_policy")));

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
 
 use common::*;
 use serde_json::{json, Value};
@@ -284,12 +282,8 @@ fn a_flip_measures_its_mixed_source_row() {
 // --- the binary ------------------------------------------------------------------------
 
 fn trace_diff(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_trace-diff")).args(args).output().unwrap();
-    (out.status.code().unwrap(), String::from_utf8(out.stdout).unwrap())
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
+    let out = run(args);
+    (out.code, out.stdout)
 }
 
 #[test]

@@ -389,22 +389,6 @@ fn tampered_trace_is_unreadable() {
     assert_eq!(rep.first_divergence.unwrap().tensor, "layer.01.mlp_out");
 }
 
-fn oracle_like_pair() -> (Spec, Spec) {
-    let r = model();
-    let mut c = model();
-    c.provenance = oracle_provenance();
-    // Small, spread differences everywhere after the embedding, as a different summation
-    // order produces.
-    let names: Vec<String> = c.tensors.iter().map(|t| t.name.clone()).filter(|n| n != "embed.out").collect();
-    for n in names {
-        let count = c.tensor_mut(&n).bytes.len() / 4;
-        for i in (0..count).step_by(3) {
-            c.poke_f32_bits(&n, i, |b| b ^ 1);
-        }
-    }
-    (r, c)
-}
-
 #[test]
 fn policy_pass() {
     let (r, c) = oracle_like_pair();

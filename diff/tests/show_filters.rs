@@ -6,27 +6,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::*;
 use serde_json::{json, Value};
 use tracegate_diff::{compare_files, Filter, Options, Verdict};
 use tracegate_trace::DType;
-
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(args: &[&str]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_trace-diff")).args(args).output().unwrap();
-    Run { code: out.status.code().unwrap(), stdout: String::from_utf8(out.stdout).unwrap(), stderr: String::from_utf8(out.stderr).unwrap() }
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
 
 fn filter(only: &[&str], skip: &[&str]) -> Options {
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect();

@@ -175,3 +175,39 @@ pub fn report_json(rep: &tracegate_diff::Report) -> Value {
     assert_valid_report(&v);
     v
 }
+
+/// A `trace-diff` run: exit status and both streams.
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+pub fn run(args: &[&str]) -> Run {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trace-diff")).args(args).output().unwrap();
+    Run {
+        code: out.status.code().unwrap(),
+        stdout: String::from_utf8(out.stdout).unwrap(),
+        stderr: String::from_utf8(out.stderr).unwrap(),
+    }
+}
+
+pub fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// The model against an oracle-like candidate: small, spread differences everywhere after the
+/// embedding, as a different summation order produces.
+pub fn oracle_like_pair() -> (Spec, Spec) {
+    let r = model();
+    let mut c = model();
+    c.provenance = oracle_provenance();
+    let names: Vec<String> = c.tensors.iter().map(|t| t.name.clone()).filter(|n| n != "embed.out").collect();
+    for n in names {
+        let count = c.tensor_mut(&n).bytes.len() / 4;
+        for i in (0..count).step_by(3) {
+            c.poke_f32_bits(&n, i, |b| b ^ 1);
+        }
+    }
+    (r, c)
+}
