@@ -205,8 +205,7 @@ pub struct TensorRow {
     #[serde(serialize_with = "opt_dtype_name")]
     pub ulp_dtype: Option<DType>,
     pub shape: Vec<u64>,
-    /// "digest", "elementwise" or "not_scanned".
-    pub method: &'static str,
+    pub method: Method,
     /// "identical", "different", "within_policy", "outside_policy", "no_rule",
     /// "differs_by_digest" (not scanned), "unknown" (not scanned, digests not trusted) or
     /// "rerouted" (an expert's tokens differ, not all after a near-tie: `reroute`).
@@ -221,6 +220,8 @@ pub struct TensorRow {
     pub max_rel: Option<Real>,
     pub cosine: Option<Real>,
     pub rel_l2: Option<Real>,
+    /// ⟨c, r⟩ / ⟨r, r⟩ − 1 (signed; docs/diff.md, "Scale error").
+    pub scale_error: Option<Real>,
     pub signed_zero: u64,
     pub nan_mismatch: u64,
     pub nan_payload: u64,
@@ -807,7 +808,42 @@ pub(crate) fn order_finding<'a>(kind: &'static str, r_common: impl Iterator<Item
     Some(Finding::new(kind, Some(a), format!("capture order differs at common position {i}: reference has {a:?}, candidate has {b:?}")))
 }
 
-fn row_for(info: &TensorInfo, pair: Pair, method: &'static str, status: &'static str) -> TensorRow {
+/// How a row's tensor was compared. An enum, not a string: a row per tensor of a trace that may
+/// hold a million (docs/diff.md, "Memory").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Method {
+    /// Verified xxh3-128 digests equal: identical without reading the elements.
+    Digest,
+    /// Every element compared.
+    Elementwise,
+    /// Not read (after the first difference, without `--all`).
+    NotScanned,
+}
+
+impl Method {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Digest => "digest",
+            Method::Elementwise => "elementwise",
+            Method::NotScanned => "not_scanned",
+        }
+    }
+}
+
+impl PartialEq<&str> for Method {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl std::fmt::Display for Method {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+fn row_for(info: &TensorInfo, pair: Pair, method: Method, status: &'static str) -> TensorRow {
     TensorRow {
         tensor: info.name.clone(),
         dtype: info.dtype.name(),
@@ -824,6 +860,7 @@ fn row_for(info: &TensorInfo, pair: Pair, method: &'static str, status: &'static
         max_rel: None,
         cosine: None,
         rel_l2: None,
+        scale_error: None,
         signed_zero: 0,
         nan_mismatch: 0,
         nan_payload: 0,
@@ -856,19 +893,19 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             continue;
         }
         let Some(pair) = Pair::new(ri.dtype, ci.dtype).filter(|_| ci.shape == ri.shape) else { continue };
-        let rule = opts.policy.as_ref().map(|p| p.rule_for(&ri.name));
+        let rule = opts.policy.as_ref().map(|p| p.rule_for(&ri.name, ci.attributes.path.as_deref()));
         let digest_equal = trust_digests && !pair.is_mixed() && ri.digest == ci.digest;
         let mut row;
         if digest_equal {
             // Verified equal bytes: every statistic is known without reading them.
-            row = row_for(ri, pair, "digest", "identical");
+            row = row_for(ri, pair, Method::Digest, "identical");
             row.differing_elements = Some(0);
             row.max_ulp = Some(0);
-            (row.max_abs, row.max_rel, row.cosine, row.rel_l2) = (Some(Real(0.0)), Some(Real(0.0)), Some(Real(1.0)), Some(Real(0.0)));
+            (row.max_abs, row.max_rel, row.cosine, row.rel_l2, row.scale_error) = (Some(Real(0.0)), Some(Real(0.0)), Some(Real(1.0)), Some(Real(0.0)), Some(Real(0.0)));
             rep.tensors.matched_by_digest.add();
         } else if stopped {
             let status = if trust_digests { "differs_by_digest" } else { "unknown" };
-            row = row_for(ri, pair, "not_scanned", status);
+            row = row_for(ri, pair, Method::NotScanned, status);
             rep.tensors.not_scanned.add();
             // What follows a divergence is noise: a later change is not a finding by default
             // (--all scans and reports it); the JSON still lists which digests differ.
@@ -883,7 +920,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             // Across dtypes nothing is bit-identical: equal values are still judged (policy) or
             // different (by bits).
             let identical = s.differing == 0 && !pair.is_mixed();
-            row = row_for(ri, pair, "elementwise", if identical { "identical" } else { "different" });
+            row = row_for(ri, pair, Method::Elementwise, if identical { "identical" } else { "different" });
             set_stats(&mut row, &s);
             if s.differing > 0 {
                 if rep.first_divergence.is_none() {
@@ -940,6 +977,7 @@ pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
     row.max_rel = Some(Real(s.max_rel));
     row.cosine = s.cosine().map(Real);
     row.rel_l2 = s.rel_l2().map(Real);
+    row.scale_error = s.scale_error().map(Real);
     (row.signed_zero, row.nan_mismatch, row.nan_payload, row.infinity) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
     row.max_ulp = if s.differing > 0 { (s.with_distance() > 0).then_some(s.max_ulp) } else { Some(0) };
 }
@@ -953,6 +991,7 @@ pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<
         max_rel: row.max_rel.map_or(0.0, |x| x.0),
         rel_l2: row.rel_l2.map(|x| x.0),
         cosine: row.cosine.map(|x| x.0),
+        scale_error: row.scale_error.map(|x| x.0),
         nonfinite_differences: row.nan_mismatch + row.nan_payload + row.infinity,
     };
     row.violations = rule.violations(&m).into_boxed_slice();

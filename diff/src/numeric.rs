@@ -414,6 +414,15 @@ impl Stats {
         (den > 0.0 && den.is_finite()).then(|| self.rc / den)
     }
 
+    /// ⟨c, r⟩ / ⟨r, r⟩ − 1, the candidate's least-squares scale against the reference minus one
+    /// (signed; finite pairs only, as the other sums).
+    pub fn scale_error(&self) -> Option<f64> {
+        if self.differing == 0 {
+            return Some(0.0);
+        }
+        (self.rr > 0.0).then(|| self.rc / self.rr - 1.0)
+    }
+
     pub fn rel_l2(&self) -> Option<f64> {
         if self.differing == 0 {
             return Some(0.0);

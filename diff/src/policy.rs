@@ -61,6 +61,15 @@ pub struct Rule {
     pub max_rel_l2: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_cosine: Option<f64>,
+    /// Bound on |⟨c, r⟩ / ⟨r, r⟩ − 1|: how far the candidate's least-squares scale against the
+    /// reference is from 1. Rounding noise is unbiased and leaves it near 0; a scale error moves
+    /// all of it (docs/diff.md, "Scale error").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_scale_error: Option<f64>,
+    /// The rule judges only tensors whose candidate's `path` attribute is this (e.g. `layer`: a layer run
+    /// alone on the reference's input, where no upstream drift is mixed in); absent: any path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
     /// Why this bound (free text, shown in `--json`).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub why: String,
@@ -74,6 +83,7 @@ pub struct Measured {
     pub max_rel: f64,
     pub rel_l2: Option<f64>,
     pub cosine: Option<f64>,
+    pub scale_error: Option<f64>,
     /// Elements whose bits differ but have no numeric distance (NaN on either side), or an
     /// infinity against something else: no tolerance covers these.
     pub nonfinite_differences: u64,
@@ -91,7 +101,7 @@ impl Policy {
             return Err(format!("format is {:?}, expected {POLICY_FORMAT:?}", p.format));
         }
         for (i, r) in p.rules.iter().enumerate() {
-            if r.max_ulp.is_none() && r.max_abs.is_none() && r.max_rel.is_none() && r.max_rel_l2.is_none() && r.min_cosine.is_none() {
+            if r.max_ulp.is_none() && r.max_abs.is_none() && r.max_rel.is_none() && r.max_rel_l2.is_none() && r.min_cosine.is_none() && r.max_scale_error.is_none() {
                 return Err(format!("rule {i} ({:?}) sets no bound", r.pattern));
             }
         }
@@ -108,9 +118,10 @@ impl Policy {
         self.near_tie.as_ref().map_or(DEFAULT_NEAR_TIE_FACTOR, |n| n.margin_factor)
     }
 
-    /// The first rule matching `name`, with its index.
-    pub fn rule_for(&self, name: &str) -> Option<(usize, &Rule)> {
-        self.rules.iter().enumerate().find(|(_, r)| glob_match(&r.pattern, name))
+    /// The first rule matching `name` (and, for a rule that names one, `path`: the candidate
+    /// tensor's `path` attribute), with its index.
+    pub fn rule_for(&self, name: &str, path: Option<&str>) -> Option<(usize, &Rule)> {
+        self.rules.iter().enumerate().find(|(_, r)| glob_match(&r.pattern, name) && r.path.as_deref().is_none_or(|p| path == Some(p)))
     }
 }
 
@@ -151,6 +162,12 @@ impl Rule {
                 v => broken("min_cosine", Amount::real(b), v.map(Amount::real)),
             }
         }
+        if let Some(b) = self.max_scale_error {
+            match m.scale_error {
+                Some(v) if v.abs() <= b => {}
+                v => broken("max_scale_error", Amount::real(b), v.map(Amount::real)),
+            }
+        }
         out
     }
 }
@@ -185,7 +202,8 @@ impl fmt::Display for Amount {
 /// One broken bound of the rule that judged a tensor.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Violation {
-    /// The rule's key (`max_ulp`, `max_abs`, `max_rel`, `max_rel_l2`, `min_cosine`), or
+    /// The rule's key (`max_ulp`, `max_abs`, `max_rel`, `max_rel_l2`, `min_cosine`,
+    /// `max_scale_error`), or
     /// [`NONFINITE`].
     pub bound: &'static str,
     pub limit: Amount,
@@ -207,6 +225,8 @@ impl fmt::Display for Violation {
             ("max_rel_l2", None) => write!(f, "relative L2 undefined (reference is all zero)"),
             ("min_cosine", Some(v)) => write!(f, "cosine {v} < {limit}"),
             ("min_cosine", None) => write!(f, "cosine undefined (a side is all zero)"),
+            ("max_scale_error", Some(v)) => write!(f, "scale error {v} (|⟨c,r⟩/⟨r,r⟩ − 1|) > {limit}"),
+            ("max_scale_error", None) => write!(f, "scale error undefined (reference is all zero)"),
             (bound, v) => write!(f, "{bound} {} vs limit {limit}", v.map_or("undefined".to_string(), |v| v.to_string())),
         }
     }
@@ -281,11 +301,31 @@ mod tests {
     }
 
     #[test]
+    fn a_path_rule_judges_only_its_path_and_bounds_the_scale_error_magnitude() {
+        let p = Policy::parse(
+            r#"{"format": "tracegate-policy/1", "name": "t", "rules": [
+                {"pattern": "layer.*.mlp_out", "path": "layer", "max_scale_error": 0.005},
+                {"pattern": "layer.*.mlp_out", "max_rel_l2": 0.04}]}"#,
+        )
+        .unwrap();
+        assert_eq!(p.rule_for("layer.01.mlp_out", Some("layer")).map(|r| r.0), Some(0));
+        assert_eq!(p.rule_for("layer.01.mlp_out", Some("prefill")).map(|r| r.0), Some(1));
+        assert_eq!(p.rule_for("layer.01.mlp_out", None).map(|r| r.0), Some(1));
+        let rule = &p.rules[0];
+        let m = |v| Measured { scale_error: v, ..Measured::default() };
+        assert_eq!(rule.violations(&m(Some(0.004))), []);
+        assert_eq!(rule.violations(&m(Some(-0.004))), []);
+        let below = rule.violations(&m(Some(-0.006)));
+        assert_eq!((below.len(), below[0].bound, below[0].value), (1, "max_scale_error", Some(Amount::Real(Real(-0.006)))));
+        assert_eq!(rule.violations(&m(None))[0].to_string(), "scale error undefined (reference is all zero)");
+    }
+
+    #[test]
     fn shipped_default_policy_parses() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json");
         let p = Policy::load(&path).unwrap();
         for name in ["embed.out", "layer.00.hidden_in", "layer.11.attn_out", "layer.03.mlp_out", "layer.03.hidden_out", "final_norm.out", "logits"] {
-            assert!(p.rule_for(name).is_some(), "{name} has no rule in the default policy");
+            assert!(p.rule_for(name, None).is_some(), "{name} has no rule in the default policy");
         }
     }
 }

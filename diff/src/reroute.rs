@@ -59,10 +59,10 @@ pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, pair
         }
     }
 
-    let mut row = row_for(ri, pair, "elementwise", if stats.differing == 0 { "identical" } else { "different" });
+    let mut row = row_for(ri, pair, crate::Method::Elementwise, if stats.differing == 0 { "identical" } else { "different" });
     set_stats(&mut row, &stats);
     let mut findings = Vec::new();
-    let rule = policy.map(|p| p.rule_for(&ri.name));
+    let rule = policy.map(|p| p.rule_for(&ri.name, ci.attributes.path.as_deref()));
     if let Some(Some((idx, rule))) = &rule {
         row.rule = Some(Box::new(RuleRef { index: *idx, pattern: rule.pattern.clone() }));
     }

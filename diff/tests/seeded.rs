@@ -75,7 +75,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
     let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
-    assert_eq!((later.method, later.status, later.differing_elements), ("not_scanned", "differs_by_digest", None));
+    assert_eq!((later.method.as_str(), later.status, later.differing_elements), ("not_scanned", "differs_by_digest", None));
     assert!(rep.names(RowSet::KnownDifferent).any(|n| n == "layer.01.mlp_out"));
     // Not reported: no finding names it, and the human report only counts what was not scanned.
     assert_eq!(rep.findings.iter().map(|f| (f.kind, f.tensor.as_deref())).collect::<Vec<_>>(), vec![("values_differ", Some("layer.00.mlp_out"))]);
@@ -87,7 +87,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     assert_eq!(rep.scan, "all");
     assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
     let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
-    assert_eq!((later.method, later.status, later.differing_elements), ("elementwise", "different", Some(32)));
+    assert_eq!((later.method.as_str(), later.status, later.differing_elements), ("elementwise", "different", Some(32)));
     assert_eq!((later.max_ulp, later.median_ulp), (Some(5), None), "the median is computed for the first divergence only");
     assert!(rep.tensors.not_scanned.is_empty());
 }

@@ -20,8 +20,9 @@ Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREME
       python -m tracegate_oracle.measure_policy --precision --load DIR MODELS...
 
 - `--planted SCALES`: one layer's MLP down projection scaled in a copy of an f32 checkpoint: how
-  far that moves the layer's mlp_out, next to each dtype's own rounding (scale 1), and the first
-  tensor outside the dtype's policy.
+  far that moves the layer's mlp_out (relative L2, norm ratio, scale error), next to each dtype's
+  own rounding (scale 1), in the whole run and with the layer run alone on the engine's input to
+  it, and the first tensor outside the dtype's policy in each.
 
       python -m tracegate_oracle.measure_policy --planted 1,1.01,1.02,1.05,1.1 fixtures/tiny-qwen3
 
@@ -117,6 +118,7 @@ def compare(ref: np.ndarray, ref_dt: str, cand: np.ndarray, cand_dt: str) -> dic
         "max_rel": float((d[nz] / np.abs(b[nz])).max()) if nz.any() else 0.0,
         "rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)) if np.any(b) else 0.0,
         "cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) if np.any(a) and np.any(b) else 1.0,
+        "scale_error": float(a @ b / (b @ b) - 1) if np.any(b) else 0.0,
     }
 
 
@@ -151,11 +153,34 @@ def from_trace(path: str) -> Run:
                {n: (np.array(v), t.margins.get(n)) for n, v in t.decisions.items()}, t.provenance)
 
 
-def oracle_runs(model_dir: str, dtype: str, device: str, tokens: dict[str, list[int]]) -> dict[str, dict]:
+def oracle_runs(model_dir: str, dtype: str, device: str, tokens: dict[str, list[int]],
+                isolate_on: dict[str, Run] | None = None):
+    """The oracle's whole run of each prompt; with `isolate_on` (a reference run per prompt) also
+    every layer run alone (the `layer` verb) on the reference's `layer.NN.hidden_in`, as
+    {prompt: {name: (array, dtype, positions)}}."""
     rc = cp.RunConfig(device=device, dtype=dtype, capture="internals")
     det = cp.setup_torch(rc)
     model = cp.load_model(model_dir, rc)
-    return {pid: plain(cp.capture_prompt(model, model_dir, t, rc, det)) for pid, t in tokens.items()}
+    runs = {pid: plain(cp.capture_prompt(model, model_dir, t, rc, det)) for pid, t in tokens.items()}
+    if isolate_on is None:
+        return runs
+    iso = {}
+    for pid, ref in isolate_on.items():
+        iso[pid] = {}
+        for L in range(model.config.num_hidden_layers):
+            a, _, positions = ref.tensors[f"layer.{L:02d}.hidden_in"]
+            run = from_plain(plain(cp.capture_layer(model, model_dir, L, a, list(positions), rc, det)))
+            # A token routed differently in isolation (a near-tie flip in bf16) gets other experts:
+            # its mlp_out row is not comparable, as trace-diff excludes it; keep the rest.
+            topk = f"layer.{L:02d}.router.topk"
+            if topk in run.decisions:
+                same = np.all(run.decisions[topk][0] == ref.decisions[topk][0], axis=1)
+                name = f"layer.{L:02d}.mlp_out"
+                x, dt_, pos = run.tensors[name]
+                run.tensors[name] = (x[same], dt_, pos)
+                run.tensors[f"{name}.ref"] = ref.tensors[name][0][same]
+            iso[pid].update(run.tensors)
+    return runs, iso
 
 
 def engine_runs(model_dir: str, engine: str, tokens: dict[str, list[int]]) -> dict[str, Run]:
@@ -184,13 +209,14 @@ def glob_match(pat: str, name: str) -> bool:
     return re.fullmatch(rx, name) is not None
 
 
-def rule_for(policy: dict, name: str) -> dict | None:
-    return next((r for r in policy["rules"] if glob_match(r["pattern"], name)), None)
+def rule_for(policy: dict, name: str, path: str = "prefill") -> dict | None:
+    return next((r for r in policy["rules"] if glob_match(r["pattern"], name) and r.get("path", path) == path), None)
 
 
 def violations(rule: dict, s: dict) -> list[str]:
     checks = [("max_ulp", s["max_ulp"], ">"), ("max_abs", s["max_abs"], ">"), ("max_rel", s["max_rel"], ">"),
-              ("max_rel_l2", s["rel_l2"], ">"), ("min_cosine", s["cosine"], "<")]
+              ("max_rel_l2", s["rel_l2"], ">"), ("min_cosine", s["cosine"], "<"),
+              ("max_scale_error", abs(s["scale_error"]), ">")]
     return [f"{k} {v:.4g} {op} {rule[k]}" for k, v, op in checks
             if k in rule and (v > rule[k] if op == ">" else v < rule[k])]
 
@@ -354,9 +380,11 @@ def precision(model_dir: str, dtypes: list[str], device: str, engine: str | None
 def planted(model_dir: str, dtypes: list[str], scales: list[float], engine: str, device: str) -> list[dict]:
     """How far a scale error planted in one layer's MLP (its down projection times `scale`, in a
     copy of the checkpoint) moves that layer's mlp_out, against the rounding of each dtype: per
-    dtype, scale and layer, the relative L2 and norm ratio of mlp_out against the engine's f32
-    trace of the clean checkpoint over every frozen prompt, and the first tensor outside the
-    bundled policy of the dtype. Scale 1 is the clean run."""
+    dtype, scale and layer, the relative L2, norm ratio and scale error of mlp_out against the
+    engine's f32 trace of the clean checkpoint over every frozen prompt — in the whole run, and
+    with the layer run alone (the oracle's `layer` verb) on the engine's input to it, as
+    `gate bisect` isolates it — and the first tensor outside the bundled policy of the dtype in
+    each. Scale 1 is the clean run (every layer)."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -370,14 +398,17 @@ def planted(model_dir: str, dtypes: list[str], scales: list[float], engine: str,
             policy = json.loads(policy_file(dt).read_text())
             for scale in scales:
                 for layer in range(n_layers):
-                    d = Path(tmp) / f"{dt}-{scale}-{layer}"
-                    shutil.copytree(model_dir, d)
-                    w = load_file(d / "model.safetensors")
-                    k = f"model.layers.{layer}.mlp.down_proj.weight"
-                    w[k] = (w[k].astype(np.float64) * scale).astype(w[k].dtype)
-                    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
-                    runs = oracle_runs(str(d), dt, device, tokens)
-                    row = {"dtype": dt, "scale": scale, "layer": layer, "rel_l2": [], "norm_ratio": [], "first_outside": set()}
+                    # The clean run reads the checkpoint itself (a bf16 one cannot be rewritten here).
+                    d = Path(model_dir) if scale == 1 else Path(tmp) / f"{dt}-{scale}-{layer}"
+                    if scale != 1:
+                        shutil.copytree(model_dir, d)
+                        w = load_file(d / "model.safetensors")
+                        k = f"model.layers.{layer}.mlp.down_proj.weight"
+                        w[k] = (w[k].astype(np.float64) * scale).astype(w[k].dtype)
+                        save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+                    runs, iso = oracle_runs(str(d), dt, device, tokens, isolate_on=eng)
+                    row = {"dtype": dt, "scale": scale, "layer": layer, "rel_l2": [], "norm_ratio": [], "scale_error": [],
+                           "first_outside": set(), "iso_rel_l2": [], "iso_scale_error": [], "iso_first_outside": set()}
                     # The clean run (scale 1) has no planted layer: every layer's mlp_out.
                     names = [f"layer.{x:02d}.mlp_out" for x in (range(n_layers) if scale == 1 else [layer])]
                     for pid in tokens:
@@ -386,25 +417,48 @@ def planted(model_dir: str, dtypes: list[str], scales: list[float], engine: str,
                             a, b = real(*c.tensors[name][:2]), real(*eng[pid].tensors[name][:2])
                             row["rel_l2"].append(compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["rel_l2"])
                             row["norm_ratio"].append(float(np.linalg.norm(a) / np.linalg.norm(b)))
-                        first = next((n for n, (ra, rdt, _) in eng[pid].tensors.items()
-                                      if rule_for(policy, n) is None or violations(rule_for(policy, n), compare(ra, rdt, *c.tensors[n][:2]))), None)
-                        row["first_outside"].add(first)
+                            row["scale_error"].append(compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["scale_error"])
+                            ref_rows = iso[pid].get(f"{name}.ref", eng[pid].tensors[name][0])  # rows routed alike
+                            s = compare(ref_rows, eng[pid].tensors[name][1], *iso[pid][name][:2])
+                            row["iso_rel_l2"].append(s["rel_l2"])
+                            row["iso_scale_error"].append(s["scale_error"])
+                        row["first_outside"].add(first_outside(policy, eng[pid], c.tensors, "prefill"))
+                        row["iso_first_outside"].add(first_outside(policy, eng[pid], iso[pid], "layer"))
                     out.append(row)
-                    shutil.rmtree(d)
+                    if scale != 1:
+                        shutil.rmtree(d)
                     if scale == 1:
                         break
     return out
 
 
+def first_outside(policy: dict, ref: Run, cand: dict, path: str) -> str | None:
+    """The first tensor of `cand` (in the reference's order) outside `policy` for that `path`."""
+    for n, (ra, rdt, _) in ref.tensors.items():
+        if n in cand:
+            ra = cand.get(f"{n}.ref", ra)
+            if cand[n][0].shape != ra.shape:
+                return f"{n} (rows routed differently)"
+            rule = rule_for(policy, n, path)
+            if rule is None or violations(rule, compare(ra, rdt, *cand[n][:2])):
+                return n
+    return None
+
+
 def print_planted(d: str, rows: list[dict]) -> None:
     print(f"\n### {d}: a scale planted in one layer's MLP down projection\n")
-    print("| dtype | scale | layer | mlp_out rel L2 (min-max over prompts) | norm ratio - 1 (min to max) | first tensor outside the dtype's policy |")
-    print("| --- | ---: | ---: | --- | --- | --- |")
+    print("Whole run, then the layer alone on the engine's input to it (isolated). Ranges are min to max over prompts "
+          "(and, for scale 1, over layers).\n")
+    print("| dtype | scale | layer | mlp_out rel L2 | norm ratio - 1 | scale error | first outside the policy | "
+          "isolated rel L2 | isolated scale error | isolated: first outside the policy |")
+    print("| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |")
+    rng = lambda xs, f: f"{min(xs):{f}} to {max(xs):{f}}"  # noqa: E731
+    names = lambda xs: ", ".join(sorted("none" if x is None else f"`{x}`" for x in xs))  # noqa: E731
     for r in rows:
         nr = [x - 1 for x in r["norm_ratio"]]
-        first = ", ".join(sorted("none" if x is None else f"`{x}`" for x in r["first_outside"]))
-        print(f"| {r['dtype']} | {r['scale']:g} | {r['layer'] if r['scale'] != 1 else '-'} | {min(r['rel_l2']):.4f}-{max(r['rel_l2']):.4f} | "
-              f"{min(nr):+.4f} to {max(nr):+.4f} | {first} |")
+        print(f"| {r['dtype']} | {r['scale']:g} | {r['layer'] if r['scale'] != 1 else '-'} | {rng(r['rel_l2'], '.4f')} | "
+              f"{rng(nr, '+.4f')} | {rng(r['scale_error'], '+.4f')} | {names(r['first_outside'])} | "
+              f"{rng(r['iso_rel_l2'], '.4f')} | {rng(r['iso_scale_error'], '+.4f')} | {names(r['iso_first_outside'])} |")
 
 
 # ---------------------------------------------------------------------------------------------
