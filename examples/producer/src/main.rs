@@ -94,10 +94,7 @@ fn internals(a: &Args) -> Res<bool> {
 
 /// Test-only planted defects: a negative control for the tests that judge this producer.
 #[derive(Clone, Copy, Default)]
-struct Plant {
-    k_norm_layer: Option<usize>,
-    decode_pos: bool,
-}
+struct Plant { k_norm_layer: Option<usize>, decode_pos: bool }
 
 impl Plant {
     fn parse(spec: Option<&String>) -> Res<Plant> {
@@ -118,17 +115,9 @@ impl Plant {
 /// The config fields this example uses. A real port refuses every field it does not implement
 /// (docs/numerics.md §13 lists them); this one checks the family, sliding windows and RoPE.
 struct Config {
-    vocab: usize,
-    hidden: usize,
-    inter: usize,
-    layers: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    eps: f32,
-    theta: f64,
-    tied: bool,
-    bias: bool,
+    vocab: usize, hidden: usize, inter: usize, layers: usize,
+    heads: usize, kv_heads: usize, head_dim: usize,
+    eps: f32, theta: f64, tied: bool, bias: bool,
 }
 
 fn read_config(dir: &Path) -> Res<(Config, Value)> {
@@ -288,13 +277,8 @@ fn argmax(row: &[f32]) -> Res<(i64, f32)> {
 // ---------------------------------------------------------------------------------------------
 // Capture: what a forward records, then written in capture order
 
-struct Captured {
-    name: String,
-    path: &'static str,
-    shape: Vec<usize>,
-    data: Vec<f32>,
-    pos: Vec<i64>,
-}
+/// One tensor: `shape[0]` rows at positions `pos` (attn_probs: heads first), `path` its attribute.
+struct Captured { name: String, path: &'static str, shape: Vec<usize>, data: Vec<f32>, pos: Vec<i64> }
 
 /// `path` is the tensors' `path` attribute (prefill, decode, layer); `prefix` names a decode
 /// step's tensors (`decode.SSSS.`); `last_row` keeps only the last row (an uncached decode step
@@ -351,11 +335,7 @@ impl Cap {
 // ---------------------------------------------------------------------------------------------
 // The model
 
-struct Linear {
-    w: Vec<f32>,
-    b: Option<Vec<f32>>,
-    n_in: usize,
-}
+struct Linear { w: Vec<f32>, b: Option<Vec<f32>>, n_in: usize }
 
 impl Linear {
     /// `W·x (+ b)` for one row `x`, W stored `[out, in]`.
@@ -364,37 +344,19 @@ impl Linear {
     }
 }
 
+/// One decoder layer's weights, by their checkpoint names (`model.layers.N.…`).
 struct Layer {
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    input_norm: Vec<f32>, post_norm: Vec<f32>,
+    q: Linear, k: Linear, v: Linear, o: Linear, q_norm: Vec<f32>, k_norm: Vec<f32>,
+    gate: Linear, up: Linear, down: Linear,
 }
 
 /// One layer's KV cache: k rows (after k_norm and RoPE) and v rows, `[kv_heads · head_dim]` each,
 /// with their positions.
 #[derive(Default)]
-struct Kv {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    pos: Vec<i64>,
-}
+struct Kv { k: Vec<Vec<f32>>, v: Vec<Vec<f32>>, pos: Vec<i64> }
 
-struct Model {
-    c: Config,
-    embed: Vec<f32>,
-    layers: Vec<Layer>,
-    norm: Vec<f32>,
-    head: Linear,
-    plant: Plant,
-}
+struct Model { c: Config, embed: Vec<f32>, layers: Vec<Layer>, norm: Vec<f32>, head: Linear, plant: Plant }
 
 impl Model {
     fn load(dir: &Path, plant: Plant) -> Res<(Model, Value)> {
