@@ -186,15 +186,20 @@ impl Weights {
                 let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).map_err(|_| bad(format!("{name}: bad shape")))?;
                 let [b, e]: [usize; 2] = serde_json::from_value(t["data_offsets"].clone()).map_err(|_| bad(format!("{name}: bad data_offsets")))?;
                 let raw = data.get(b..e).ok_or_else(|| bad(format!("{name}: data_offsets outside the file")))?;
-                let values: Vec<f32> = match t["dtype"].as_str() {
-                    Some("F32") => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-                    Some("BF16") => raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-                    Some("F16") => raw.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-                    other => return Err(bad(format!("{name}: dtype {other:?} is not supported"))),
+                let dtype = t["dtype"].as_str().unwrap_or("");
+                let size: usize = match dtype {
+                    "F32" => 4,
+                    "BF16" | "F16" => 2,
+                    _ => return Err(bad(format!("{name}: dtype {dtype:?} is not supported"))),
                 };
-                if values.len() != shape.iter().product::<usize>() || raw.len() % values.len().max(1) != 0 {
-                    return Err(bad(format!("{name}: shape {shape:?} does not match its {} bytes", raw.len())));
+                if shape.iter().try_fold(size, |n, &d| n.checked_mul(d)) != Some(raw.len()) {
+                    return Err(bad(format!("{name}: shape {shape:?} of {dtype} does not match its {} bytes", raw.len())));
                 }
+                let values: Vec<f32> = match dtype {
+                    "F32" => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+                    "BF16" => raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+                    _ => raw.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+                };
                 all.insert(name.clone(), (shape, values));
             }
         }
