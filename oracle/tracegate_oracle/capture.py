@@ -652,7 +652,8 @@ class Tap:
     def _on_logits(self, mod, args, out):
         logits = out.logits[0]
         self.add("logits", logits)
-        self._logits = logits.float().cpu().numpy()
+        if not self.decode:  # a decode step's decision is taken by _generate
+            self._logits = logits.float().cpu().numpy()
 
     def finish(self) -> None:
         if self.whole:
