@@ -296,7 +296,8 @@ def test_cli_fresh_process_matches_in_process_and_layer_verb(dense, tmp_path):
     assert r.returncode == 0, r.stderr
     t = tg.Trace(str(out))
     t.verify()
-    assert t.names == cp.capture_prompt(dense, DENSE, toks, cp.RunConfig()).names
+    # The prefill's names, then each decode step's logits row (docs/producers.md, decode steps).
+    assert t.names == cp.capture_prompt(dense, DENSE, toks, cp.RunConfig()).names + ["decode.0000.logits", "decode.0001.logits"]
     p = t.provenance
     assert p["producer"] == "oracle" and p["prompt_tokens"] == toks and p["attn_implementation"] == "eager"
     assert p["weights_digest"] and p["deterministic"]["use_deterministic_algorithms"] is True

@@ -480,12 +480,19 @@ class Tap:
 
     Records in execution order, which is the shared capture order. All hooks and patches are
     removed on exit, also when the forward raised.
+
+    `decode=True` taps one decode step (docs/producers.md, decode steps): only the last row of
+    each point (the step's row, whether the forward ran one row on the cache or recomputed the
+    whole sequence), names prefixed by `prefix` (`decode.SSSS.`), no embedding, no internals and
+    no router decisions; `final_norm.out` only with layers; the logits always (when `whole`).
     """
 
-    def __init__(self, model, *, path: str, positions: list[int], layers, internals: bool, whole: bool, forcing=None):
+    def __init__(self, model, *, path: str, positions: list[int], layers, internals: bool, whole: bool, forcing=None,
+                 decode: bool = False, prefix: str = ""):
         self.model, self.path, self.positions = model, path, list(positions)
         self.lay = resolve(model)
-        self.layers, self.internals, self.whole = list(layers), internals, whole
+        self.layers, self.internals, self.whole = list(layers), internals and not decode, whole
+        self.decode, self.prefix = decode, prefix
         self.records: list[Record] = []
         self.decisions: list[Decision] = []
         self.notes: list[str] = []
@@ -498,11 +505,12 @@ class Tap:
 
     # -- recording
     def add(self, name: str, t, positions=None, layer_idx=None):
-        arr, dt = to_numpy(t)
+        arr, dt = to_numpy(t[-1:] if self.decode else t)
         attrs = {"path": self.path, "mask": self.lay.mask(layer_idx), "positions": list(positions or self.positions)}
-        if self.forced:
+        # A decode step of `trace` comes after its forced logits.argmax (the first forced decision).
+        if self.forced or (self.decode and self.forcing is not None and self.whole):
             attrs["forced"] = self.forcing.digest
-        self.records.append(Record(name, arr, dt, attrs))
+        self.records.append(Record(self.prefix + name, arr, dt, attrs))
 
     def decide(self, d: Decision, scores: np.ndarray, rows: list[int]) -> None:
         """Record decision `d`, forced when a forcing trace is given."""
@@ -519,12 +527,13 @@ class Tap:
 
         lay = self.lay
         try:
-            if self.whole:
+            if self.whole and not self.decode:
                 self._hook(lay.embed, lambda mod, a, out: self.add("embed.out", out[0]))
             for L in self.layers:
                 self._hook_layer(L, lay.layers[L])
-            if self.whole:
+            if self.whole and (self.layers or not self.decode):
                 self._hook(lay.final_norm, lambda mod, a, out: self.add("final_norm.out", out[0]))
+            if self.whole:
                 # The model's output logits, not the head's: a final softcap (Gemma) comes after it.
                 self._hook(self.model, self._on_logits)
             if self.internals:
@@ -564,7 +573,7 @@ class Tap:
         lay = self.lay
         self._hook(lay.attn(L), lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L))
         mlp = lay.mlp(L)
-        if L in lay.moe_layers:
+        if L in lay.moe_layers and not self.decode:
             self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
             if self.internals:
                 self._tap_experts(L, lay.experts(L))
@@ -643,7 +652,8 @@ class Tap:
     def _on_logits(self, mod, args, out):
         logits = out.logits[0]
         self.add("logits", logits)
-        self._logits = logits.float().cpu().numpy()
+        if not self.decode:  # a decode step's decision is taken by _generate
+            self._logits = logits.float().cpu().numpy()
 
     def finish(self) -> None:
         if self.whole:
@@ -666,40 +676,46 @@ def _check_tokens(model, tokens, extra: int = 0):
         raise OracleError(f"--tokens/--generate: {len(tokens) + extra} positions exceed max_position_embeddings {P}")
 
 
-def _generate(model, tokens, n: int, cache: bool, device: str, forcing=None) -> tuple[list[Decision], list[tuple[str, int]]]:
-    """Greedy decode with the model's own KV cache, or by recomputing the whole sequence. Under
-    --force-decisions step s feeds the forcing trace's decode.SSSS.argmax, and the prompt's rows
-    are routed as forced in every forward (as in the captured prefill). Returns the decisions and
-    the forced record (name, rows overridden)."""
+def _generate(model, tokens, n: int, rc: RunConfig, forcing=None) -> tuple[list[Record], list[Decision], list[tuple[str, int]]]:
+    """Greedy decode with the model's own KV cache (the DynamicCache its forward creates, sliding
+    layers included), or by recomputing the whole sequence. Step 0 decides from the prompt's last
+    logits row; step s >= 1 first runs token s-1 at position n+s-1 (cached: that one row on the
+    cache; uncached: the whole sequence, its last row kept). Each step's forward is tapped
+    (`Tap(decode=True)`): `decode.SSSS.logits` always, and for s >= 1 under --capture internals
+    the layers' points and `final_norm.out`. Under --force-decisions step s feeds the forcing
+    trace's decode.SSSS.argmax, and the prompt's rows are routed as forced in every forward (as
+    in the captured prefill). Returns the tensors, the decisions and the forced record (name,
+    rows overridden)."""
     import torch
 
-    out, forced = [], []
+    records, out, forced = [], [], []
     seq = list(tokens)
+    cache = rc.cache == "on"
+    layers = range(len(resolve(model).layers)) if rc.capture == "internals" else []
     routing = RouterForcing(resolve(model), forcing) if forcing is not None else contextlib.nullcontext()
+    past = None
 
-    def run(ids, positions, **kw):
-        if forcing is not None:
-            routing.positions = list(positions)
-        return model(torch.tensor([ids], device=device), **kw)
-
-    with torch.no_grad(), routing:
-        if cache:
-            r = run(seq, range(len(seq)), use_cache=True)
-            past, last = r.past_key_values, r.logits[0, -1]
+    with torch.no_grad(), routing, torch.autocast(device_type=rc.device, enabled=False):
         for s in range(n):
-            if not cache:
-                last = run(seq, range(len(seq)), use_cache=False).logits[0, -1]
-            row = last.float().cpu().numpy()[None]
+            p = len(seq) - 1
+            ids, positions, kw = seq, range(len(seq)), {"use_cache": cache}
+            if cache and s > 0:
+                ids, positions, kw = seq[-1:], [p], {"use_cache": True, "past_key_values": past}
+            if forcing is not None:
+                routing.positions = list(positions)
+            with Tap(model, path="decode", positions=[p], layers=layers if s > 0 else [], internals=False, whole=True,
+                     forcing=forcing, decode=True, prefix=f"decode.{s:04d}.") as tap:
+                r = model(torch.tensor([ids], device=rc.device), **kw)
+            records += tap.records
+            past = r.past_key_values
+            row = r.logits[0, -1].float().cpu().numpy()[None]
             d = argmax_decision(f"decode.{s:04d}.argmax", row)
             if forcing is not None:
                 d, over = force_decision(d, row, forcing.values(d.name), [0])
                 forced.append((d.name, over))
             out.append(d)
             seq.append(int(d.values[0]))
-            if cache and s + 1 < n:
-                r = run([seq[-1]], [len(seq) - 1], past_key_values=past, use_cache=True)
-                past, last = r.past_key_values, r.logits[0, -1]
-    return out, forced
+    return records, out, forced
 
 
 def _routing(model, forcing, positions):
@@ -754,31 +770,75 @@ def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict
             with torch.autocast(device_type=rc.device, enabled=False), _routing(model, forcing, range(len(tokens))):
                 model(torch.tensor([tokens], device=rc.device), use_cache=False)
             tap.finish()
-        gen = _generate(model, tokens, rc.generate, rc.cache == "on", rc.device, forcing) if rc.generate else ([], [])
-        return tap, gen
+        return tap, _generate(model, tokens, rc.generate, rc, forcing)
 
-    tap, (gen, gen_forced) = _deterministic(run, det)
+    tap, (gen_tensors, gen, gen_forced) = _deterministic(run, det)
     prov = provenance(model, model_dir, rc, det, tokens, "trace")
     _forced_provenance(prov, forcing, tap.forced + gen_forced)
     if tap.notes:
         prov["notes"] = tap.notes
-    return Capture(tap.records, tap.decisions + gen, prov)
+    return Capture(tap.records + gen_tensors, tap.decisions + gen, prov)
 
 
-def _layer_mask(model, L: int, x, position_ids):
-    """The model's own mask for a cache-less forward over these rows (causal in row order), of
-    the kind its forward gives layer L (the family table's mask rule)."""
+def _layer_mask(model, L: int, x, position_ids, cache=None):
+    """The model's own mask for a forward over these rows (causal in row order; with `cache`,
+    sized by layer L's cache as the model's forward sizes it), of the kind its forward gives
+    layer L (the family table's mask rule)."""
     from transformers import masking_utils as mu
 
     fn = mu.create_causal_mask if resolve(model).window(L) is None else mu.create_sliding_window_causal_mask
-    return fn(config=model.config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    return fn(config=model.config, inputs_embeds=x, attention_mask=None, past_key_values=cache, position_ids=position_ids,
+              layer_idx=L if cache is not None else None)
+
+
+def check_decode_from(P: int, positions: list[int], name: str) -> None:
+    """--decode-from needs rows at positions exactly 0..m-1, and 0 <= P < m."""
+    bad = next((i for i, p in enumerate(positions) if p != i), None)
+    if bad is not None:
+        raise OracleError(f"--input-name {name}: --decode-from needs rows at positions 0..{len(positions) - 1} in order; "
+                          f"row {bad} is at position {positions[bad]}")
+    if not 0 <= P < len(positions):
+        raise OracleError(f"--decode-from {P}: must be in 0..{len(positions) - 1} (--input-name {name} has "
+                          f"{len(positions)} rows)")
+
+
+def _decode_layer(model, L: int, x, positions: list[int], P: int, forcing) -> list[Record]:
+    """Layer L the way the model's cached generation runs it: rows < P in one prefill forward
+    filling the layer's cache (the DynamicCache the model's forward creates from its config, so
+    a sliding layer keeps its window), then each row >= P alone on that cache, tapped
+    (`Tap(decode=True)`). Returns one record per point, the decode rows stacked in order."""
+    import torch
+    from transformers import DynamicCache
+
+    lay = resolve(model)
+    cache = DynamicCache(config=model.config)
+
+    def forward(rows: slice):
+        xs, pos = x[:, rows], torch.tensor([positions[rows]], device=x.device)
+        with _routing(model, forcing, positions[rows]):
+            lay.layers[L](xs, attention_mask=_layer_mask(model, L, xs, pos, cache), position_ids=pos,
+                          position_embeddings=lay.rope(xs, pos, L), past_key_values=cache, use_cache=True)
+
+    if P > 0:
+        forward(slice(0, P))
+    rows: dict[str, list[Record]] = {}
+    for p in range(P, len(positions)):
+        with Tap(model, path="layer", positions=[p], layers=[L], internals=False, whole=False, forcing=forcing,
+                 decode=True) as tap:
+            forward(slice(p, p + 1))
+        for r in tap.records:
+            rows.setdefault(r.name, []).append(r)
+    return [Record(n, np.concatenate([r.array for r in rs]), rs[0].dtype,
+                   {**rs[0].attrs, "positions": positions[P:], "decode_from": str(P)}) for n, rs in rows.items()]
 
 
 def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[int], rc: RunConfig,
                   det: dict | None = None, input_dtype: str | None = None, source: dict | None = None,
-                  forcing: Forcing | None = None) -> Capture:
+                  forcing: Forcing | None = None, decode_from: int | None = None) -> Capture:
     """The `layer` verb: the model's own decoder layer L on `hidden` [T, H] at `positions`; under
-    --force-decisions its router takes the forcing trace's rows at those positions."""
+    --force-decisions its router takes the forcing trace's rows at those positions. With
+    `decode_from` P (docs/producers.md, `layer --decode-from`): rows < P fill the layer's KV
+    cache, each row >= P runs as a cached decode step, and only those rows are written."""
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
@@ -793,8 +853,14 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
         raise OracleError(f"--input-name: {len(positions)} positions for {hidden.shape[0]} rows")
     if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[0] < 0):
         raise OracleError("--input-name: positions must be non-negative and strictly increasing")
+    name = (source or {}).get("input_name", "")
+    if decode_from is not None:
+        check_decode_from(decode_from, positions, name)
     if forcing is not None:
-        _require_forced(model, forcing, None, 0, layer=L, positions=positions)
+        # Under --decode-from the rows the forcing trace holds are forced and later ones route
+        # themselves, as generated rows do in `trace`; the cache's prefix must be covered.
+        _require_forced(model, forcing, None, 0, layer=L,
+                        positions=positions if decode_from is None else positions[:decode_from])
     dt = next(model.parameters()).dtype
     if input_dtype == "bf16":
         x = torch.from_numpy(np.array(hidden, copy=True).view(np.int16)).view(torch.bfloat16)
@@ -804,6 +870,9 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
     pos = torch.tensor([positions], device=rc.device)
 
     def run():
+        if decode_from is not None:
+            with torch.no_grad(), torch.autocast(device_type=rc.device, enabled=False):
+                return _decode_layer(model, L, x, list(positions), decode_from, forcing), None
         with Tap(model, path="layer", positions=positions, layers=[L],
                  internals=rc.capture == "internals", whole=False, forcing=forcing) as tap:
             with torch.autocast(device_type=rc.device, enabled=False), _routing(model, forcing, positions):
@@ -811,15 +880,18 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
                 pe = lay.rope(x, pos, L)
                 layers[L](x, attention_mask=mask, position_ids=pos, position_embeddings=pe,
                           past_key_values=None, use_cache=False)
-        return tap
+        return tap.records, tap
 
-    tap = _deterministic(run, det)
+    records, tap = _deterministic(run, det)
     prov = provenance(model, model_dir, rc, det, None, "layer")
     prov.update(layer=L, positions=list(positions), **(source or {}))
-    _forced_provenance(prov, forcing, tap.forced)
-    if tap.notes:
+    if decode_from is not None:
+        prov["decode_from"] = decode_from
+    # Under --decode-from no decision is recorded (a decode row's routing is not one, as in `trace`).
+    _forced_provenance(prov, forcing, tap.forced if tap else [])
+    if tap and tap.notes:
         prov["notes"] = tap.notes
-    return Capture(tap.records, tap.decisions, prov)
+    return Capture(records, tap.decisions if tap else [], prov)
 
 
 def write_trace(cap: Capture, out: str | os.PathLike) -> str:
@@ -831,7 +903,7 @@ def write_trace(cap: Capture, out: str | os.PathLike) -> str:
     with tracegate.TraceWriter(str(out), cap.provenance) as w:
         for r in cap.tensors:
             a = r.attrs
-            extra = {"forced": a["forced"]} if "forced" in a else {}
+            extra = {k: a[k] for k in ("forced", "decode_from") if k in a}
             w.tensor(r.name, r.array, dtype=r.dtype, path=a["path"], mask=a["mask"], positions=a["positions"], **extra)
         for d in cap.decisions:
             w.decision(d.name, d.values, margins=d.margins)

@@ -1,4 +1,5 @@
-"""Command line: `trace` (a whole forward, optionally greedy decode) and `layer` (one decoder layer).
+"""Command line: `trace` (a whole forward, optionally greedy decode) and `layer` (one decoder layer,
+optionally as cached decode steps with --decode-from).
 
 User errors (arguments, paths, checkpoints, input traces) exit 2 with one line naming the
 problem; anything else is a bug and keeps its traceback.
@@ -59,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="whole forward over a prompt (+ greedy decode)")
     common(t)
     t.add_argument("--tokens", required=True, type=_tokens, help="prompt token ids, e.g. 3,17,5")
-    t.add_argument("--generate", type=_nonneg, default=0, metavar="N", help="greedy decode N tokens (decisions only)")
+    t.add_argument("--generate", type=_nonneg, default=0, metavar="N", help="greedy decode N tokens: decode.SSSS.argmax decisions, decode.SSSS.logits rows, and the "
+                        "steps' layer points under --capture internals")
     t.add_argument("--cache", choices=["on", "off"], default="on", help="decode with the model's KV cache or recompute")
 
     l = sub.add_parser("layer", help="run decoder layer L on a tensor taken from a trace")
@@ -67,6 +69,10 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument("--layer", required=True, type=int)
     l.add_argument("--input", required=True, help="trace holding the layer input")
     l.add_argument("--input-name", required=True, help="tensor name in --input, e.g. layer.02.hidden_in")
+    # Any integer: a value outside 0..rows-1 is refused in one line once the input's rows are known.
+    l.add_argument("--decode-from", type=int, metavar="P",
+                   help="rows at positions < P fill the layer's KV cache; each later row runs as a cached decode "
+                        "step; only those rows are written (input rows at positions 0..m-1)")
     return ap
 
 
@@ -130,12 +136,15 @@ def main(argv=None) -> int:
         # repeats them for callers of the API).
         preflight(a.model)
         forcing = Forcing(a.force_decisions) if a.force_decisions is not None else None
-        det = cp.setup_torch(rc)
         if a.verb == "layer":
             arr, positions, dt, src = _read_input(a.input, a.input_name)
+            if a.decode_from is not None:
+                cp.check_decode_from(a.decode_from, positions, a.input_name)
+        det = cp.setup_torch(rc)
+        if a.verb == "layer":
             model = cp.load_model(a.model, rc)
             cap = cp.capture_layer(model, a.model, a.layer, arr, positions, rc, det, input_dtype=dt, source=src,
-                                   forcing=forcing)
+                                   forcing=forcing, decode_from=a.decode_from)
         else:
             model = cp.load_model(a.model, rc)
             cap = cp.capture_prompt(model, a.model, a.tokens, rc, det, forcing=forcing)
