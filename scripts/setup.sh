@@ -34,4 +34,4 @@ VIRTUAL_ENV="$root/.venv" PATH="$root/.venv/bin:$PATH" \
 
 site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 printf '%s\n%s\n' "$root/contract" "$root/oracle" > "$site/tracegate_local.pth"
-log "ready: .venv/bin/python, target/release/{engine,trace-diff,gate}"
+log "ready: .venv/bin/python, target/release/{engine,trace-diff,gate,example-producer}"
