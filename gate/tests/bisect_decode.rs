@@ -1,6 +1,6 @@
 //! `gate bisect --generate N` (docs/bisect.md, "Decode"): a position off-by-one planted in the
 //! candidate's cached decode only is found at its step and named as the cached path, at its
-//! layer; a candidate whose decode steps are wrong on both paths but that has no
+//! layer (dense and MoE); a candidate whose decode steps are wrong on both paths but that has no
 //! `layer --decode-from` is NOT CHECKED, never a pass; clean engine-vs-contract runs (dense and
 //! MoE) say nothing wrong and name the steps compared.
 
@@ -39,7 +39,13 @@ fn defective(defect: &str) -> String {
 #[test]
 fn a_cached_decode_position_off_by_one_is_named_as_the_cached_path_at_its_step_and_layer() {
     let cmd = defective("cached-pos");
-    let (code, stdout, r) = bisect_generate("tiny-qwen3", &["--candidate", "cmd", "--candidate-cmd", &cmd]);
+    for model in ["tiny-qwen3", "tiny-qwen3-moe"] {
+        cached_pos_is_found(model, &cmd);
+    }
+}
+
+fn cached_pos_is_found(model: &str, cmd: &str) {
+    let (code, stdout, r) = bisect_generate(model, &["--candidate", "cmd", "--candidate-cmd", cmd]);
     let d = &r["decode"];
     assert_eq!((code, r["verdict"].as_str(), r["exit_code"].as_i64()), (6, Some("cached_decode_differs"), Some(6)), "{stdout}");
     assert!(stdout.lines().next().unwrap().starts_with("the cached decode path disagrees with the full recompute from step 1: first decode.0001.layer.01.attn_out"), "{stdout}");
