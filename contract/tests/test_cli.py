@@ -24,12 +24,23 @@ def test_trace_contents_and_provenance(moe_dir, tmp_path):
     assert cli("trace", "--model", moe_dir, "--tokens", "3,17,5,17", "--out", out, "--capture", "internals", "--generate", "3") == 0
     t = tracegate.Trace(str(out))
     t.verify()
-    assert t.names[0] == "embed.out" and t.names[-1] == "logits"
-    for name in t.names:
+    prefill = [n for n in t.names if not n.startswith("decode.")]
+    assert t.names[: len(prefill)] == prefill, "the prefill's tensors come first"
+    assert prefill[0] == "embed.out" and prefill[-1] == "logits"
+    for name in prefill:
         a = t.attributes(name)
         assert a["path"] == "prefill" and a["mask"] == "causal" and t.dtype(name) == "f32"
         if ".expert." not in name:
             assert a["positions"] == [0, 1, 2, 3]
+    # Decode steps (docs/producers.md): step 0 its logits only, steps 1-2 the layers' points too.
+    body = [f"layer.{l:02d}.{p}" for l in range(3) for p in ("hidden_in", "attn_out", "mlp_out", "hidden_out")]
+    assert t.names[len(prefill):] == ["decode.0000.logits"] + [
+        f"decode.{s:04d}.{n}" for s in (1, 2) for n in [*body, "final_norm.out", "logits"]
+    ]
+    for name in t.names[len(prefill):]:
+        a, s = t.attributes(name), int(name[7:11])
+        assert a["path"] == "decode" and a["mask"] == "causal" and a["positions"] == [3 + s] and t[name].shape[0] == 1
+    assert t["decode.0000.logits"].tobytes() == t["logits"][-1:].tobytes()
     assert list(t.decisions) == ["layer.00.router.topk", "layer.02.router.topk", "logits.argmax",
                                  "decode.0000.argmax", "decode.0001.argmax", "decode.0002.argmax"]
     assert t.decisions["layer.00.router.topk"].shape == (4, 2) and t.margins["layer.00.router.topk"].shape == (4,)

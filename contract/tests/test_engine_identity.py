@@ -205,6 +205,9 @@ def test_frozen_prompts_identical_with_internals_and_generation(tmp_path, fixtur
         else:
             assert tracegate.Trace(e).digest == tracegate.Trace(c).digest
             assert trace_diff_verdict(e, c) == "identical"
+            # The decode steps' tensors are in what was compared (docs/producers.md).
+            names = tracegate.Trace(e).names
+            assert {"decode.0000.logits", "decode.0003.layer.00.attn_out", "decode.0003.final_norm.out"} <= set(names)
     assert not failures, "engine ≠ contract:\n" + "\n".join(failures)
 
 
@@ -215,7 +218,7 @@ def test_generation_identical_on_both_paths(tmp_path, fixture, model):
     paths = {}
     for who, fn in (("engine", engine_trace), ("contract", contract_trace)):
         for cache in ("on", "off"):
-            paths[who, cache] = fn(model, toks, str(tmp_path / f"{who}-{cache}.trace"), "default", 12, cache)
+            paths[who, cache] = fn(model, toks, str(tmp_path / f"{who}-{cache}.trace"), "internals", 12, cache)
     digests = {k: tracegate.Trace(p).digest for k, p in paths.items()}
     problems = []
     for cache in ("on", "off"):
@@ -229,6 +232,11 @@ def test_generation_identical_on_both_paths(tmp_path, fixture, model):
     assert trace_diff_verdict(paths["engine", "on"], paths["contract", "off"]) == "identical"
     t = tracegate.Trace(paths["contract", "on"])
     assert [n for n in t.decisions if n.startswith("decode.")] == [f"decode.{s:04d}.argmax" for s in range(12)]
+    # Decode tensors are compared above, cached against uncached: every step has its logits and
+    # from step 1 its layer points, path=decode, one row at the step's position.
+    assert [n for n in t.names if n.endswith(".logits") and n.startswith("decode.")] == [f"decode.{s:04d}.logits" for s in range(12)]
+    a = t.attributes("decode.0011.layer.00.hidden_out")
+    assert (a["path"], list(a["positions"]), t["decode.0011.layer.00.hidden_out"].shape[0]) == ("decode", [len(toks) + 10], 1)
 
 
 # ---- negative controls ----------------------------------------------------------------------
@@ -282,17 +290,19 @@ def test_negative_control_is_caught_at_the_expected_tensor(tmp_path, reference, 
         assert rep["verdict"] == "different" and rep["first_bit_difference"]["tensor"] == expected, rep["first_bit_difference"]
 
 
-def engine_layer(model, layer, inp, name, out, capture):
+def engine_layer(model, layer, inp, name, out, capture, decode_from=None):
+    extra = [] if decode_from is None else ["--decode-from", str(decode_from)]
     r = subprocess.run([ENGINE, "layer", "--model", model, "--layer", str(layer), "--input", inp, "--input-name", name,
-                        "--out", out, "--capture", capture], capture_output=True, text=True, timeout=300)
+                        "--out", out, "--capture", capture, *extra], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"engine layer failed ({r.returncode}): {r.stderr.strip()}"
     return out
 
 
-def contract_layer(model, layer, inp, name, out, capture):
+def contract_layer(model, layer, inp, name, out, capture, decode_from=None):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "contract"))
+    extra = [] if decode_from is None else ["--decode-from", str(decode_from)]
     r = subprocess.run([sys.executable, "-m", "tracegate_contract", "layer", "--model", model, "--layer", str(layer),
-                        "--input", inp, "--input-name", name, "--out", out, "--capture", capture],
+                        "--input", inp, "--input-name", name, "--out", out, "--capture", capture, *extra],
                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, f"contract layer failed ({r.returncode}): {r.stderr.strip()}"
     return out
@@ -321,6 +331,47 @@ def test_layer_verb_identical(tmp_path, fixture, model):
             if d:
                 problems.append(f"[{fixture} layer {i} on {name}] {d[0]}")
     assert not problems, "\n".join(problems)
+
+
+@needs_engine
+@pytest.mark.parametrize("fixture,model", [p for p in FIX if p.id == "moe"])  # the MoE layer is the dense one plus routing
+def test_layer_decode_from_identical(tmp_path, capsys, fixture, model):
+    """`layer --decode-from P` (docs/producers.md): engine ≡ contract bit for bit; the contract's
+    rows equal its plain layer verb's same rows and the whole run's cached decode step; a bad P
+    and rows not at 0..m−1 are refused (exit 2) by name."""
+    import json
+
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    toks = prompts(cfg["vocab_size"])[17]
+    n, L = len(toks), cfg["num_hidden_layers"] - 1
+    whole = contract_trace(model, toks, str(tmp_path / "whole.trace"), "internals", generate=3, cache="on")
+    t = tracegate.Trace(whole)
+    x = np.concatenate([t[f"layer.{L:02d}.hidden_in"]] + [t[f"decode.{s:04d}.layer.{L:02d}.hidden_in"] for s in (1, 2)])
+    inp = str(tmp_path / "in.trace")
+    with tracegate.TraceWriter(inp, {"producer": "test"}) as w:
+        w.tensor("h", x, path="prefill", mask="causal", positions=list(range(n + 2)))
+        w.tensor("shuffled", x[::-1].copy(), path="prefill", mask="causal", positions=list(range(n + 2))[::-1])
+    P = n + 1
+    e = engine_layer(model, L, inp, "h", str(tmp_path / "e.trace"), "internals", P)
+    c = contract_layer(model, L, inp, "h", str(tmp_path / "c.trace"), "internals", P)
+    assert differences(e, c) == []
+    plain = tracegate.Trace(contract_layer(model, L, inp, "h", str(tmp_path / "p.trace"), "internals"))
+    ct = tracegate.Trace(c)
+    assert ct.names == [f"layer.{L:02d}.{s}" for s in ("hidden_in", "attn_out", "mlp_out", "hidden_out")]
+    for name in ct.names:
+        assert ct.attributes(name)["decode_from"] == str(P) and list(ct.attributes(name)["positions"]) == [P]
+        assert ct[name].view(np.uint32).tolist() == plain[name][P:].view(np.uint32).tolist(), name
+        step = t[f"decode.0002.{name}"]
+        assert ct[name].view(np.uint32).tolist() == step.view(np.uint32).tolist(), name
+    # Refusals (the engine's are tested in engine/tests/engine.rs), in-process: exit 2, one line.
+    from tracegate_contract.__main__ import main
+
+    for name, p, said in (("h", n + 2, f"--decode-from {n + 2} outside 0..{n + 1}"), ("shuffled", 0, f"row 0 is at position {n + 1}")):
+        args = ["layer", "--model", model, "--layer", "0", "--input", inp, "--input-name", name, "--out", str(tmp_path / "x.trace")]
+        assert main(args + ["--decode-from", str(p)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and f"tensor {name}" in err, err
 
 
 VARIANTS = {

@@ -3,7 +3,7 @@
   python -m tracegate_contract trace --model DIR --tokens 3,17,5 --out PATH
          [--capture default|internals] [--generate N] [--cache on|off] [--force-decisions TRACE]
   python -m tracegate_contract layer --model DIR --layer L --input TRACE --input-name NAME
-         --out PATH [--capture default|internals] [--force-decisions TRACE]
+         --out PATH [--capture default|internals] [--force-decisions TRACE] [--decode-from P]
 
 User errors (bad arguments, config or checkpoint refusals, bad input traces) exit 2 with one
 line on stderr and no traceback.
@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     l.add_argument("--out", required=True)
     l.add_argument("--capture", choices=["default", "internals"], default="default")
     l.add_argument("--force-decisions", help="take the layer's router top-k from this trace (row i: position i)")
+    l.add_argument(
+        "--decode-from", type=int, metavar="P",
+        help="rows at positions < P fill the layer's KV cache; each later row runs through the cached decode path; only those are written",
+    )
     return p
 
 
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             digest = run.layer(
                 args.model, args.layer, args.input, args.input_name, args.out, args.capture == "internals", command,
-                args.force_decisions,
+                args.force_decisions, args.decode_from,
             )
     except ContractError as e:
         print(f"error: {e}", file=sys.stderr)

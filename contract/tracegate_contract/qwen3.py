@@ -278,6 +278,50 @@ class Capture:
         self.forced.append((name, int(overridden)))
 
 
+    def join_rows(self) -> None:
+        """Rows recorded one at a time (`layer --decode-from`: one decode row per call), joined
+        into one tensor per name in first-seen order; decisions dropped. A joined tensor counts
+        as captured after the first forced decision when any of its rows was."""
+        joined: dict[str, tuple[list, list, bool]] = {}
+        for i, (name, array, positions) in enumerate(self.tensors):
+            forced = self.first_forced is not None and i >= self.first_forced
+            arrays, pos, was = joined.setdefault(name, ([], [], False))
+            arrays.append(array)
+            pos.extend(positions)
+            joined[name] = (arrays, pos, was or forced)
+        if self.first_forced is not None:
+            flags = [f for _, _, f in joined.values()]
+            self.first_forced = flags.index(True) if True in flags else len(flags)
+        self.tensors = [(name, np.concatenate(a), p) for name, (a, p, _) in joined.items()]
+        self.decisions = []
+
+
+class _StepCapture(Capture):
+    """Decode step `s`'s forward, cached (one row) or uncached (the whole sequence): records into
+    `parent` `decode.SSSS.logits` and, under internals, the layers' hidden_in, attn_out, mlp_out,
+    hidden_out and final_norm.out, each of the last row only — so a cached and an uncached step
+    record the same tensors (docs/producers.md). No internal points, no decisions."""
+
+    _BODY = (".hidden_in", ".attn_out", ".mlp_out", ".hidden_out")
+
+    def __init__(self, parent: Capture, step: int):
+        super().__init__(parent.internals)
+        self.parent, self.prefix = parent, f"decode.{step:04d}."
+
+    def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
+        keep = name == "logits" or (
+            self.internals and (name == "final_norm.out" or (name.startswith("layer.") and name.endswith(self._BODY)))
+        )
+        if keep and not internal:
+            self.parent.tensor(self.prefix + name, np.asarray(array)[-1:], [int(positions[-1])])
+
+    def decision(self, *a, **k):
+        pass
+
+    def mark_forced(self, *a, **k):
+        pass
+
+
 class _NoCapture(Capture):
     def tensor(self, *a, **k):
         pass
@@ -559,8 +603,8 @@ class Model:
 
     # §12
     def run(self, tokens, cap: Capture, generate: int = 0, cached: bool = True) -> list[int]:
-        """Prefill of the prompt with capture, `logits.argmax`, then `generate` greedy steps,
-        recorded as decisions only. Returns the generated tokens."""
+        """Prefill of the prompt with capture, `logits.argmax`, then `generate` greedy steps, each
+        recorded as its decision and its tensors (`_StepCapture`). Returns the generated tokens."""
         n = len(tokens)
         if n == 0:
             raise ContractError("the prompt is empty")
@@ -570,12 +614,15 @@ class Model:
         out: list[int] = []
         lg = logits
         for s in range(generate):
+            step = _StepCapture(cap, s)
             if s > 0:
                 if cached:
-                    lg = self.forward([out[-1]], [n + s - 1], cache=cache)
+                    lg = self.forward([out[-1]], [n + s - 1], step, cache)
                 else:
                     seq = list(tokens) + out
-                    lg = self.forward(seq, range(len(seq)))
+                    lg = self.forward(seq, range(len(seq)), step)
+            else:  # step 0 runs no forward: its logits are the prompt's last row
+                step.tensor("logits", lg, [n - 1])
             top = self._decide(cap, f"decode.{s:04d}.argmax", lg[-1:], what=f"decode.{s:04d} logits")
             out.append(int(top[0]))
         return out

@@ -9,7 +9,7 @@ import numpy as np
 
 from .errors import ContractError
 from .force import Forcing
-from .qwen3 import MAX_POSITIONS, Capture, Model
+from .qwen3 import MAX_POSITIONS, NO_CAPTURE, Capture, KVCache, Model
 
 
 def _tracegate():
@@ -41,8 +41,9 @@ def provenance(model_dir: str, command: list[str], verb: str, **run) -> dict:
     }
 
 
-def write_trace(out: str, prov: dict, cap: Capture, path: str, forcing: Forcing | None = None) -> str:
-    """Tensors in capture order, then decisions in decision order; returns the digest. Under
+def write_trace(out: str, prov: dict, cap: Capture, path: str, forcing: Forcing | None = None, attrs: dict | None = None) -> str:
+    """Tensors in capture order (a decode step's, `decode.*`, with path=decode), then decisions in
+    decision order; returns the digest. `attrs`: extra attributes on every tensor. Under
     --force-decisions (its weights checked against this run's) with the provenance record and
     `forced = <digest>` on every tensor captured after the first forced decision."""
     tg = _tracegate()
@@ -54,8 +55,9 @@ def write_trace(out: str, prov: dict, cap: Capture, path: str, forcing: Forcing 
             first_forced = cap.first_forced
     with tg.TraceWriter(out, prov) as w:
         for i, (name, array, positions) in enumerate(cap.tensors):
-            extra = {"forced": forcing.digest} if i >= first_forced else {}
-            w.tensor(name, array, path=path, mask="causal", positions=positions, **extra)
+            extra = {**(attrs or {}), **({"forced": forcing.digest} if i >= first_forced else {})}
+            where = "decode" if name.startswith("decode.") else path
+            w.tensor(name, array, path=where, mask="causal", positions=positions, **extra)
         for name, values, margins in cap.decisions:
             w.decision(name, values, margins=margins)
         return w.finish()
@@ -115,9 +117,22 @@ def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
     return pos
 
 
-def layer(model_dir, index, input_path, input_name, out, internals, command, force_decisions=None) -> str:
+def _check_decode_from(pos: list[int], p: int) -> None:
+    """--decode-from P: rows at positions exactly 0..m−1 in order, and 0 ≤ P < m."""
+    bad = next(((i, q) for i, q in enumerate(pos) if q != i), None)
+    if bad is not None:
+        raise ContractError(f"--decode-from needs rows at positions 0..{len(pos) - 1} in order; row {bad[0]} is at position {bad[1]}")
+    if not 0 <= p < len(pos):
+        raise ContractError(f"--decode-from {p} outside 0..{len(pos) - 1} (the input's {len(pos)} rows)")
+
+
+def layer(model_dir, index, input_path, input_name, out, internals, command, force_decisions=None, decode_from=None) -> str:
     """Layer `index` alone on a tensor from another trace (gate bisect's probe): its positions
-    come from the tensor's attribute, the mask is causal by those positions."""
+    come from the tensor's attribute, the mask is causal by those positions. With
+    `decode_from` P (docs/producers.md) the rows below P fill the layer's KV cache through the
+    prefill path, then each later row goes alone through the cached decode path — `Model.layer`
+    on one row and the filled cache, the call a cached --generate step makes for every layer —
+    and only those rows are written."""
     tg = _tracegate()
     model = _model(model_dir)
     n = model.cfg.num_hidden_layers
@@ -134,6 +149,11 @@ def layer(model_dir, index, input_path, input_name, out, internals, command, for
     if x.ndim != 2 or x.shape[1] != H or x.shape[0] < 1:
         raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}] with rows ≥ 1")
     pos = _positions_of(src.attributes(input_name), input_name, x.shape[0])
+    if decode_from is not None:
+        try:
+            _check_decode_from(pos, decode_from)
+        except ContractError as e:
+            raise ContractError(f"{input_path}: tensor {input_name}: {e}") from None
     if force_decisions is not None:
         f = Forcing(force_decisions)
         c = model.cfg
@@ -145,8 +165,19 @@ def layer(model_dir, index, input_path, input_name, out, internals, command, for
             if beyond is not None:
                 raise ContractError(f"--force-decisions {force_decisions}: decision {name} has {rows} rows, the input holds position {beyond}")
         model.forcing = f
-    cap = Capture(internals)
-    model.layer(index, x, pos, cap)
+    if decode_from is None:
+        cap = Capture(internals)
+        model.layer(index, x, pos, cap)
+        attrs, run = None, {}
+    else:
+        internals = False  # no internal points under --decode-from
+        cap, cache, P = Capture(False), KVCache(model.cfg.num_hidden_layers), decode_from
+        if P > 0:
+            model.layer(index, x[:P], pos[:P], NO_CAPTURE, cache)
+        for r in range(P, x.shape[0]):
+            model.layer(index, x[r : r + 1], pos[r : r + 1], cap, cache)
+        cap.join_rows()
+        attrs, run = {"decode_from": str(P)}, {"decode_from": P}
     prov = provenance(
         model_dir,
         command,
@@ -156,5 +187,6 @@ def layer(model_dir, index, input_path, input_name, out, internals, command, for
         input_name=input_name,
         input_digest=src.digest,
         capture="internals" if internals else "default",
+        **run,
     )
-    return write_trace(out, prov, cap, "layer", model.forcing)
+    return write_trace(out, prov, cap, "layer", model.forcing, attrs)

@@ -1,7 +1,9 @@
 //! What a forward pass records: tensors at the named capture points (default set, plus the
 //! internals when asked) and decisions, in the order they were produced. A disabled capture
-//! records nothing (generation steps and uncached re-runs). Under `--force-decisions` it also
-//! records which decisions were forced and marks every tensor captured after the first of them.
+//! records nothing. A decode step's capture (`Capture::step`) keeps the last row of the
+//! decode-step points only, renamed `decode.SSSS.*` (docs/producers.md). Under
+//! `--force-decisions` it also records which decisions were forced and marks every tensor
+//! captured after the first of them.
 
 use tracegate_trace::{Attributes, TraceWriter};
 
@@ -33,21 +35,51 @@ pub struct Capture {
     pub forced: Vec<Record>,
     /// How many tensors were captured before the first forced decision.
     first_forced: Option<usize>,
+    /// A decode step's capture: its name prefix `decode.SSSS.`.
+    step: Option<String>,
+    /// `layer --decode-from P`: written as the attribute `decode_from` on every tensor.
+    pub decode_from: Option<i64>,
 }
 
 impl Capture {
     pub fn new(path: &'static str, internals: bool) -> Capture {
-        Capture { on: true, internals, path, tensors: vec![], decisions: vec![], forced: vec![], first_forced: None }
+        Capture { on: true, internals, path, tensors: vec![], decisions: vec![], forced: vec![], first_forced: None, step: None, decode_from: None }
     }
     pub fn off() -> Capture {
-        Capture { on: false, internals: false, path: "", tensors: vec![], decisions: vec![], forced: vec![], first_forced: None }
+        Capture { on: false, internals: false, path: "", tensors: vec![], decisions: vec![], forced: vec![], first_forced: None, step: None, decode_from: None }
     }
+    /// Decode step `s`'s forward, cached (one row) or uncached (the whole sequence): records
+    /// `decode.SSSS.logits` and, under `internals`, the layers' `hidden_in`, `attn_out`,
+    /// `mlp_out`, `hidden_out` and `final_norm.out`, each of the last row only — so a cached and
+    /// an uncached step record the same tensors. No internal points, no decisions.
+    pub fn step(s: usize, internals: bool) -> Capture {
+        Capture { step: Some(format!("decode.{s:04}.")), ..Capture::new("decode", internals) }
+    }
+    /// True when internal points (q, k, v, attn_probs, router, experts) are recorded.
     pub fn internals(&self) -> bool {
-        self.on && self.internals
+        self.on && self.internals && self.step.is_none()
+    }
+
+    /// Whether a decode step records the point `name` (docs/producers.md).
+    fn step_keeps(&self, name: &str) -> bool {
+        const BODY: [&str; 4] = [".hidden_in", ".attn_out", ".mlp_out", ".hidden_out"];
+        name == "logits" || (self.internals && (name == "final_norm.out" || (name.starts_with("layer.") && BODY.iter().any(|b| name.ends_with(b)))))
     }
 
     /// A default-set capture point.
     pub fn tensor(&mut self, name: &str, shape: &[usize], data: &[f32], positions: &[i64]) {
+        if let Some(pfx) = &self.step {
+            if self.on && self.step_keeps(name) && !positions.is_empty() {
+                let (rows, cols) = (positions.len(), data.len() / positions.len());
+                self.tensors.push(Tensor {
+                    name: format!("{pfx}{name}"),
+                    shape: vec![1, cols as u64],
+                    data: data[(rows - 1) * cols..].to_vec(),
+                    positions: vec![positions[rows - 1]],
+                });
+            }
+            return;
+        }
         if self.on {
             self.tensors.push(Tensor {
                 name: name.to_string(),
@@ -66,7 +98,7 @@ impl Capture {
     }
 
     pub fn decision(&mut self, name: &str, shape: &[usize], values: Vec<i64>, margins: Option<Vec<f32>>) {
-        if self.on {
+        if self.on && self.step.is_none() {
             let shape = shape.iter().map(|&d| d as u64).collect();
             self.decisions.push(Decision { name: name.to_string(), shape, values, margins });
         }
@@ -75,21 +107,55 @@ impl Capture {
     /// Marks the decision just recorded as forced; `overridden`: rows where this producer would
     /// have chosen otherwise.
     pub fn forced(&mut self, name: &str, overridden: u64) {
-        if self.on {
+        if self.on && self.step.is_none() {
             self.first_forced.get_or_insert(self.tensors.len());
             self.forced.push(Record { name: name.to_string(), overridden });
         }
+    }
+
+    /// Rows recorded one at a time (`layer --decode-from`: one decode row per forward), joined
+    /// into one tensor per name in first-seen order; the decisions are dropped. A joined tensor
+    /// counts as captured after the first forced decision when any of its rows was.
+    pub fn join_rows(&mut self) {
+        let mut joined: Vec<(Tensor, bool)> = Vec::new();
+        for (i, t) in std::mem::take(&mut self.tensors).into_iter().enumerate() {
+            let forced = self.first_forced.is_some_and(|f| i >= f);
+            match joined.iter_mut().find(|(j, _)| j.name == t.name) {
+                Some((j, f)) => {
+                    j.shape[0] += t.shape[0];
+                    j.data.extend_from_slice(&t.data);
+                    j.positions.extend_from_slice(&t.positions);
+                    *f |= forced;
+                }
+                None => joined.push((t, forced)),
+            }
+        }
+        if self.first_forced.is_some() {
+            self.first_forced = Some(joined.iter().position(|(_, f)| *f).unwrap_or(joined.len()));
+        }
+        self.tensors = joined.into_iter().map(|(t, _)| t).collect();
+        self.decisions.clear();
     }
 
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.tensors.iter().find(|t| t.name == name)
     }
 
-    /// Write everything, in order, with `path`, `mask = causal` and `positions` attributes, and
+    /// A decode step's tensors, after everything recorded so far.
+    pub fn append(&mut self, step: Capture) {
+        self.tensors.extend(step.tensors);
+    }
+
+    /// Write everything, in order, with `path` (`decode` for a decode step's tensors), `mask =
+    /// causal` and `positions` attributes, and
     /// `forced = <digest>` (the forcing trace's) on every tensor captured after a forced decision.
     pub fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
         for (i, t) in self.tensors.iter().enumerate() {
-            let mut attrs = Attributes::default().with_path(self.path).with_mask("causal").with_positions(t.positions.clone());
+            let path = if t.name.starts_with("decode.") { "decode" } else { self.path };
+            let mut attrs = Attributes::default().with_path(path).with_mask("causal").with_positions(t.positions.clone());
+            if let Some(p) = self.decode_from {
+                attrs.extra.insert("decode_from".into(), p.to_string());
+            }
             if let (Some(d), Some(first)) = (forcing_digest, self.first_forced) {
                 if i >= first {
                     attrs.extra.insert("forced".into(), d.to_string());

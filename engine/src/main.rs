@@ -48,7 +48,7 @@ enum Cmd {
         /// Which capture points to record.
         #[arg(long, value_enum, default_value = "default")]
         capture: CaptureSet,
-        /// Greedy decode steps after the prompt (recorded as decisions only).
+        /// Greedy decode steps after the prompt (decisions and decode.SSSS.* tensors).
         #[arg(long, default_value_t = 0)]
         generate: usize,
         /// Decode with the KV cache (on) or by re-running the whole sequence (off); same bits.
@@ -87,6 +87,10 @@ enum Cmd {
         /// Take the layer's router top-k from this trace (row i: position i) instead of computing it.
         #[arg(long)]
         force_decisions: Option<PathBuf>,
+        /// Rows at positions < P fill the layer's KV cache; each later row runs through the cached
+        /// decode path; only those are written (input rows must be at positions 0..m−1).
+        #[arg(long, value_name = "P", allow_negative_numbers = true)]
+        decode_from: Option<i64>,
     },
     /// Config summary, weights digest and inventory check.
     Info {
@@ -121,7 +125,7 @@ fn main() -> ExitCode {
             force_decisions,
         })
         .map(|d| format!("{} {}", d.hex(), out.display())),
-        Cmd::Layer { model, layer, input, input_name, out, capture, threads, force_decisions } => run_layer(&LayerOptions {
+        Cmd::Layer { model, layer, input, input_name, out, capture, threads, force_decisions, decode_from } => run_layer(&LayerOptions {
             model_dir: model,
             layer,
             input,
@@ -131,6 +135,7 @@ fn main() -> ExitCode {
             threads,
             command_line,
             force_decisions,
+            decode_from,
         })
         .map(|d| format!("{} {}", d.hex(), out.display())),
         Cmd::Info { model } => info(&model).map(|s| s.trim_end().to_string()),

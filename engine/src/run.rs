@@ -20,7 +20,8 @@ pub struct TraceOptions {
     pub out: PathBuf,
     /// Add the internal capture points (q, k, v, attn_probs, router logits, expert outputs).
     pub internals: bool,
-    /// Greedy decode steps after the prompt (decisions only).
+    /// Greedy decode steps after the prompt (decisions, `decode.SSSS.logits`, and under
+    /// `internals` the steps' layer points).
     pub generate: usize,
     /// Decode with the KV cache (`true`) or by re-running the whole sequence (`false`).
     pub cache: bool,
@@ -42,6 +43,8 @@ pub struct LayerOptions {
     pub command_line: Vec<String>,
     /// `--force-decisions`: take the layer's router top-k from this trace.
     pub force_decisions: Option<PathBuf>,
+    /// `--decode-from P`: rows at positions ≥ P go one at a time through the cached decode path.
+    pub decode_from: Option<i64>,
 }
 
 /// Read and validate `config.json`; returns the parsed config and the raw JSON.
@@ -89,6 +92,9 @@ pub struct Step {
     pub logits: Vec<f32>,
     /// Forced (`--force-decisions`) and this producer's own argmax is another token.
     pub overridden: bool,
+    /// The step's tensors (`Capture::step`): `decode.SSSS.logits`, and the layer points under
+    /// internals.
+    pub capture: Capture,
 }
 
 /// §12 argmax of one logits row; NaN is an error naming the row.
@@ -113,8 +119,9 @@ fn decide_or_force(model: &Model, name: &str, row: &[f32], forced_row: usize, wh
 /// Greedy generation of `n` tokens after `prompt`, given the prompt's logits and (for the cached
 /// path) the cache filled by the prompt's forward. Step 0 is the argmax of the prompt's last row;
 /// step s ≥ 1 feeds token s−1 at position `prompt.len() + s − 1`. Under `--force-decisions`
-/// step s is the forcing trace's `decode.SSSS.argmax`.
-pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, cache: Option<&mut [crate::qwen3::LayerKv]>) -> Result<Vec<Step>> {
+/// step s is the forcing trace's `decode.SSSS.argmax`. Each step records its tensors (the
+/// last row of its forward, cached or not), the layer points under `internals`.
+pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, cache: Option<&mut [crate::qwen3::LayerKv]>, internals: bool) -> Result<Vec<Step>> {
     let v = model.cfg.vocab_size;
     let t = prompt.len();
     // Not reserved up front: `n` is the caller's number and may be absurd.
@@ -123,20 +130,24 @@ pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, 
     let mut seq = prompt.to_vec();
     let mut cache = cache;
     for s in 0..n {
+        let mut capture = Capture::step(s, internals);
         if s > 0 {
             let last = steps[s - 1].token;
             seq.push(last);
             row = match cache.as_deref_mut() {
-                Some(kv) => model.forward(&[last], (t + s - 1) as i64, kv, &mut Capture::off())?,
+                Some(kv) => model.forward(&[last], (t + s - 1) as i64, kv, &mut capture)?,
                 None => {
                     let mut fresh = model.new_cache();
-                    let all = model.forward(&seq, 0, &mut fresh, &mut Capture::off())?;
+                    let all = model.forward(&seq, 0, &mut fresh, &mut capture)?;
                     all[(seq.len() - 1) * v..].to_vec()
                 }
             };
+        } else {
+            // Step 0 runs no forward: its logits are the prompt's last row.
+            capture.tensor("logits", &[1, v], &row, &[t as i64 - 1]);
         }
         let (token, margin, overridden) = decide_or_force(model, &format!("decode.{s:04}.argmax"), &row, 0, &format!("decode step {s}"))?;
-        steps.push(Step { token, margin, logits: std::mem::take(&mut row), overridden });
+        steps.push(Step { token, margin, logits: std::mem::take(&mut row), overridden, capture });
     }
     Ok(steps)
 }
@@ -189,13 +200,14 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
             cap.forced("logits.argmax", overridden);
         }
         if o.generate > 0 {
-            let steps = generate(&model, &o.tokens, &logits, o.generate, if o.cache { Some(&mut kv) } else { None })?;
-            for (s, st) in steps.iter().enumerate() {
+            let steps = generate(&model, &o.tokens, &logits, o.generate, if o.cache { Some(&mut kv) } else { None }, o.internals)?;
+            for (s, st) in steps.into_iter().enumerate() {
                 let name = format!("decode.{s:04}.argmax");
                 cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
                 if model.forcing.is_some() {
                     cap.forced(&name, u64::from(st.overridden));
                 }
+                cap.append(st.capture);
             }
         }
         Ok(cap)
@@ -233,7 +245,11 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
 }
 
 /// `engine layer`: decoder layer L alone on tensor `input_name` of another trace, rows at that
-/// tensor's `positions` attribute (causal by position), captured with `path = layer`.
+/// tensor's `positions` attribute (causal by position), captured with `path = layer`. With
+/// `--decode-from P` (docs/producers.md) the rows must be at positions 0..m−1: those below P
+/// fill the layer's KV cache through the prefill path, then each later row goes through the
+/// cached decode path alone — `Model::layer` on one row and the filled cache, the call a cached
+/// `--generate` step makes for every layer — and only those rows are written.
 pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let (cfg, raw) = load_config(&o.model_dir)?;
     if o.layer >= cfg.num_hidden_layers {
@@ -261,6 +277,9 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     if let Some(p) = pos.iter().find(|&&p| !(0..MAX_POSITIONS as i64).contains(&p)) {
         return Err(err!("{}: tensor {}: position {p} outside [0, 2^24)", o.input.display(), o.input_name));
     }
+    if let Some(p) = o.decode_from {
+        check_decode_from(&pos, p).map_err(|e| err!("{}: tensor {}: {e}", o.input.display(), o.input_name))?;
+    }
     let x = input.f32_vec(&o.input_name)?;
     if let Some(path) = &o.force_decisions {
         let f = Forcing::open(path)?;
@@ -277,17 +296,46 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     }
     let pool = pool(o.threads)?;
     let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
-        let mut cap = Capture::new("layer", o.internals);
-        let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos);
         let mut kv = Default::default();
-        model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
+        let Some(p) = o.decode_from.map(|p| p as usize) else {
+            let mut cap = Capture::new("layer", o.internals);
+            let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos);
+            model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
+            return Ok(cap);
+        };
+        // No internal points under --decode-from (docs/producers.md).
+        let mut cap = Capture::new("layer", false);
+        if p > 0 {
+            let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos[..p]);
+            model.layer(o.layer, &x[..p * h], &pos[..p], &rope, &mut kv, &mut Capture::off())?;
+        }
+        for r in p..rows {
+            let at = &pos[r..r + 1];
+            model.layer(o.layer, &x[r * h..(r + 1) * h], at, &Rope::new(model.cfg.rope_theta, model.cfg.head_dim, at), &mut kv, &mut cap)?;
+        }
+        cap.join_rows();
+        cap.decode_from = Some(p as i64);
         Ok(cap)
     }))?;
-    let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals, &o.command_line);
+    let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals && o.decode_from.is_none(), &o.command_line);
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
+    if let Some(p) = o.decode_from {
+        prov["decode_from"] = json!(p);
+    }
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
     write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)
+}
+
+/// `--decode-from P`: the rows must be at positions exactly 0..m−1 in order, and 0 ≤ P < m.
+fn check_decode_from(pos: &[i64], p: i64) -> Result<()> {
+    if let Some((i, &bad)) = pos.iter().enumerate().find(|&(i, &q)| q != i as i64) {
+        return Err(err!("--decode-from needs rows at positions 0..{} in order; row {i} is at position {bad}", pos.len() - 1));
+    }
+    if !(0..pos.len() as i64).contains(&p) {
+        return Err(err!("--decode-from {p} outside 0..{} (the input's {} rows)", pos.len() - 1, pos.len()));
+    }
+    Ok(())
 }
 
 /// `engine info`: config summary, weights digest, inventory check (loading binds every tensor).

@@ -98,6 +98,15 @@ fn capture_names_order_and_attributes() {
         }
         want.push("final_norm.out".into());
         want.push("logits".into());
+        // Decode steps (docs/producers.md): logits always, the layer points from step 1 under internals.
+        want.push("decode.0000.logits".into());
+        if internals {
+            for l in 0..cfg.num_hidden_layers {
+                want.extend(["hidden_in", "attn_out", "mlp_out", "hidden_out"].map(|p| format!("decode.0001.layer.{l:02}.{p}")));
+            }
+            want.push("decode.0001.final_norm.out".into());
+        }
+        want.push("decode.0001.logits".into());
         want_dec.extend(["logits.argmax".to_string(), "decode.0000.argmax".into(), "decode.0001.argmax".into()]);
         let got: Vec<String> = t.tensors().iter().map(|i| i.name.clone()).collect();
         assert_eq!(got, want, "internals {internals}");
@@ -105,9 +114,17 @@ fn capture_names_order_and_attributes() {
         assert_eq!(got_dec, want_dec);
         let n = PROMPT.len() as u64;
         for i in t.tensors() {
-            assert_eq!(i.attributes.path.as_deref(), Some("prefill"), "{}", i.name);
             assert_eq!(i.attributes.mask.as_deref(), Some("causal"));
             let pos = i.attributes.positions.clone().unwrap();
+            if let Some(rest) = i.name.strip_prefix("decode.") {
+                let s: i64 = rest[..4].parse().unwrap();
+                assert_eq!(i.attributes.path.as_deref(), Some("decode"), "{}", i.name);
+                assert_eq!(pos, vec![n as i64 + s - 1], "{}", i.name);
+                let width = if i.name.ends_with("logits") { cfg.vocab_size } else { cfg.hidden_size } as u64;
+                assert_eq!(i.shape, vec![1, width], "{}", i.name);
+                continue;
+            }
+            assert_eq!(i.attributes.path.as_deref(), Some("prefill"), "{}", i.name);
             if i.name.contains(".expert.") {
                 assert_eq!(pos.len() as u64, i.shape[0]);
                 assert!(pos.windows(2).all(|w| w[0] < w[1]));
@@ -205,21 +222,32 @@ fn cached_decode_equals_uncached_bit_for_bit() {
         let model = Model::load(cfg, &store).unwrap();
         let mut kv = model.new_cache();
         let logits = model.forward(&PROMPT, 0, &mut kv, &mut Capture::off()).unwrap();
-        let cached = generate(&model, &PROMPT, &logits, 6, Some(&mut kv)).unwrap();
-        let uncached = generate(&model, &PROMPT, &logits, 6, None).unwrap();
+        let cached = generate(&model, &PROMPT, &logits, 6, Some(&mut kv), true).unwrap();
+        let uncached = generate(&model, &PROMPT, &logits, 6, None, true).unwrap();
         for (s, (a, b)) in cached.iter().zip(&uncached).enumerate() {
             assert_eq!(a.token, b.token, "step {s}");
             assert_eq!(bits(&a.logits), bits(&b.logits), "step {s}");
             assert_eq!(a.margin.to_bits(), b.margin.to_bits());
+            // The step's tensors too: 4 per layer and final_norm.out from step 1, logits always.
+            let want = if s == 0 { 1 } else { 4 * model.cfg.num_hidden_layers + 2 };
+            assert_eq!((a.capture.tensors.len(), b.capture.tensors.len()), (want, want), "step {s}");
+            for (x, y) in a.capture.tensors.iter().zip(&b.capture.tensors) {
+                assert_eq!((&x.name, &x.positions), (&y.name, &y.positions));
+                assert_eq!(bits(&x.data), bits(&y.data), "step {s} {}", x.name);
+            }
+            assert_eq!(bits(&a.capture.get(&format!("decode.{s:04}.logits")).unwrap().data), bits(&a.logits));
         }
-        // And through the verb: cache on/off traces are identical in digest.
+        // And through the verb: cache on/off traces are identical in digest, decode tensors included.
         let mut o = trace_opts(model_dir, f.dir.join("on.trace"), &PROMPT);
         o.generate = 6;
+        o.internals = true;
         let on = run_trace(&o).unwrap();
         o.cache = false;
         o.out = f.dir.join("off.trace");
         let off = run_trace(&o).unwrap();
         assert_eq!(on, off);
+        let t = Trace::open(&o.out).unwrap();
+        assert!(t.tensor_info("decode.0005.layer.00.attn_out").is_some() && t.tensor_info("decode.0005.logits").is_some());
     }
 }
 
@@ -245,6 +273,7 @@ fn layer_verb_reproduces_whole_run_layer_bit_for_bit() {
                 threads: 2,
                 command_line: vec![],
                 force_decisions: None,
+                decode_from: None,
             })
             .unwrap();
             let lt = Trace::open(&out).unwrap();
@@ -266,6 +295,97 @@ fn layer_verb_reproduces_whole_run_layer_bit_for_bit() {
             }
         }
     }
+}
+
+/// `layer --decode-from P`: the rows at positions ≥ P, each through the cached decode path,
+/// are bit-identical to the same rows of the plain layer verb, and to the whole run's cached
+/// decode steps (the same call); bad positions and P are refused by name.
+#[test]
+fn layer_decode_from_matches_the_plain_layer_verb_and_the_decode_steps() {
+    let f = fixture();
+    for model in [&f.dense, &f.moe] {
+        let (cfg, _) = load_config(model).unwrap();
+        let full = f.dir.join("gen.trace");
+        let mut o = trace_opts(model, full.clone(), &PROMPT);
+        (o.internals, o.generate) = (true, 3);
+        run_trace(&o).unwrap();
+        let ft = Trace::open(&full).unwrap();
+        let n = PROMPT.len();
+        let h = cfg.hidden_size;
+        for l in [0, cfg.num_hidden_layers - 1] {
+            // The layer's input rows at positions 0..n+1: the prompt's, then steps 1 and 2's.
+            let mut x = ft.f32_vec(&format!("layer.{l:02}.hidden_in")).unwrap();
+            for s in 1..3 {
+                x.extend(ft.f32_vec(&format!("decode.{s:04}.layer.{l:02}.hidden_in")).unwrap());
+            }
+            let input = f.dir.join("in.trace");
+            let mut w = tracegate_trace::TraceWriter::create(&input, json!({})).unwrap();
+            let attrs = tracegate_trace::Attributes::default().with_path("prefill").with_mask("causal").with_positions((0..n as i64 + 2).collect());
+            w.tensor_f32("x", &[n as u64 + 2, h as u64], &x, &attrs).unwrap();
+            w.finish().unwrap();
+            let layer = |decode_from: Option<i64>, out: &str| {
+                let out = f.dir.join(out);
+                let r = run_layer(&LayerOptions {
+                    model_dir: model.clone(),
+                    layer: l,
+                    input: input.clone(),
+                    input_name: "x".into(),
+                    out: out.clone(),
+                    internals: true,
+                    threads: 2,
+                    command_line: vec![],
+                    force_decisions: None,
+                    decode_from,
+                });
+                r.map(|_| Trace::open(&out).unwrap())
+            };
+            let plain = layer(None, "plain.trace").unwrap();
+            for p in [0, n as i64, n as i64 + 1] {
+                let dec = layer(Some(p), "dec.trace").unwrap();
+                let names: Vec<&str> = dec.tensors().iter().map(|i| i.name.as_str()).collect();
+                let want: Vec<String> = ["hidden_in", "attn_out", "mlp_out", "hidden_out"].iter().map(|s| format!("layer.{l:02}.{s}")).collect();
+                assert_eq!(names, want, "no internals under --decode-from");
+                assert!(dec.decisions().is_empty());
+                assert_eq!(dec.provenance()["decode_from"], json!(p));
+                let rows = n + 2 - p as usize;
+                for i in dec.tensors() {
+                    assert_eq!(i.shape, vec![rows as u64, h as u64]);
+                    assert_eq!(i.attributes.path.as_deref(), Some("layer"));
+                    assert_eq!(i.attributes.positions, Some((p..n as i64 + 2).collect()));
+                    assert_eq!(i.attributes.extra.get("decode_from"), Some(&p.to_string()));
+                    let all = plain.f32_vec(&i.name).unwrap();
+                    assert_eq!(bits(&dec.f32_vec(&i.name).unwrap()), bits(&all[p as usize * h..]), "layer {l} P {p} {}", i.name);
+                }
+                // The last row is decode step 2's layer l, which the whole run computed on its cache.
+                for s in ["attn_out", "mlp_out", "hidden_out"] {
+                    let got = dec.f32_vec(&format!("layer.{l:02}.{s}")).unwrap();
+                    let want = ft.f32_vec(&format!("decode.0002.layer.{l:02}.{s}")).unwrap();
+                    assert_eq!(bits(&got[(rows - 1) * h..]), bits(&want), "layer {l} {s}");
+                }
+            }
+            for p in [-1, n as i64 + 2] {
+                let e = layer(Some(p), "bad.trace").unwrap_err();
+                assert!(e.0.contains(&format!("--decode-from {p} outside 0..{}", n + 1)) && e.0.contains("tensor x"), "{e}");
+            }
+        }
+    }
+    // Rows not at 0..m−1 in order are refused, naming the tensor and the first bad position
+    // (gen.trace is the MoE model's, written last).
+    let full = f.dir.join("gen.trace");
+    let e = run_layer(&LayerOptions {
+        model_dir: f.moe.clone(),
+        layer: 0,
+        input: full.clone(),
+        input_name: "decode.0001.layer.00.hidden_in".into(),
+        out: f.dir.join("o.trace"),
+        internals: false,
+        threads: 1,
+        command_line: vec![],
+        force_decisions: None,
+        decode_from: Some(0),
+    })
+    .unwrap_err();
+    assert!(e.0.contains("tensor decode.0001.layer.00.hidden_in") && e.0.contains("row 0 is at position 7"), "{e}");
 }
 
 #[test]
@@ -299,6 +419,7 @@ fn layer_verb_honours_positions_attribute() {
             threads: 1,
             command_line: vec![],
             force_decisions: None,
+            decode_from: None,
         })
         .unwrap();
         Trace::open(&out).unwrap().f32_vec("layer.01.attn_out").unwrap()
@@ -321,6 +442,7 @@ fn layer_verb_honours_positions_attribute() {
         threads: 1,
         command_line: vec![],
         force_decisions: None,
+        decode_from: None,
     })
     .unwrap_err();
     assert!(e.0.contains("positions"), "{e}");

@@ -168,6 +168,7 @@ fn the_layer_verb_takes_the_layers_router_rows_by_position() {
             threads: 1,
             command_line: vec![],
             force_decisions: force.map(Path::to_path_buf),
+            decode_from: None,
         })
         .map(|_| Trace::open(out).unwrap())
     };

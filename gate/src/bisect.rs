@@ -34,6 +34,8 @@ pub struct BisectOptions {
     pub internals: bool,
     pub calibrate: bool,
     pub seed: u64,
+    /// `--generate N`: decode steps in the whole runs, bisected after the prefill (bisect_decode.rs).
+    pub generate: usize,
     /// Where the traces go, relative to root; kept for inspection.
     pub work: String,
     /// Each producer run is killed after this long, and the bisection refused.
@@ -81,7 +83,7 @@ pub struct DecisionCmp {
 
 impl DecisionCmp {
     /// Differing rows a near-tie does not excuse: only these make a decision diverge.
-    fn judged_rows(&self) -> u64 {
+    pub fn judged_rows(&self) -> u64 {
         self.differing_rows - self.excused_rows
     }
 }
@@ -232,6 +234,8 @@ pub struct BisectReport {
     /// Geometric mean growth of the whole-run hidden_out rel L2 per layer, over differing layers.
     pub amplification_per_layer: Option<f64>,
     pub calibration: Option<Calibration>,
+    /// `--generate N`: the decode steps (bisect_decode.rs); null without it.
+    pub decode: Option<crate::bisect_decode::DecodeReport>,
     pub work_dir: String,
     pub runs: Vec<RunRecord>,
     pub gate_invocation: Vec<String>,
@@ -240,7 +244,7 @@ pub struct BisectReport {
 // ------------------------------------------------------------------------------------------
 // Helpers
 
-fn is_bad(status: &str) -> bool {
+pub(crate) fn is_bad(status: &str) -> bool {
     !matches!(status, "identical" | "within_policy")
 }
 
@@ -256,7 +260,7 @@ fn location(name: &str) -> i64 {
     name.strip_prefix("layer.").and_then(|r| r.get(..2)).and_then(|n| n.parse().ok()).unwrap_or(i64::MAX)
 }
 
-fn rows(rep: &Report) -> Vec<TensorCmp> {
+pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
     rep.per_tensor
         .iter()
         .map(|r| TensorCmp {
@@ -281,7 +285,7 @@ fn rows(rep: &Report) -> Vec<TensorCmp> {
         .collect()
 }
 
-fn decisions(rep: &Report) -> Vec<DecisionCmp> {
+pub(crate) fn decisions(rep: &Report) -> Vec<DecisionCmp> {
     rep.decisions
         .results
         .iter()
@@ -289,13 +293,13 @@ fn decisions(rep: &Report) -> Vec<DecisionCmp> {
         .collect()
 }
 
-fn open(root: &Path, rel: &str) -> Result<Trace> {
+pub(crate) fn open(root: &Path, rel: &str) -> Result<Trace> {
     Trace::open(root.join(rel)).map_err(|e| gerr!("{rel}: {e}"))
 }
 
 pub use tracegate_diff::thousands;
 
-fn sci(x: Option<f64>) -> String {
+pub(crate) fn sci(x: Option<f64>) -> String {
     match x {
         None => "-".into(),
         Some(0.0) => "0".into(),
@@ -303,7 +307,7 @@ fn sci(x: Option<f64>) -> String {
     }
 }
 
-fn ulps(x: Option<u64>) -> String {
+pub(crate) fn ulps(x: Option<u64>) -> String {
     x.map(thousands).unwrap_or_else(|| "-".into())
 }
 
@@ -331,7 +335,7 @@ fn span(layers: &[usize]) -> String {
 }
 
 /// "layer 03 inherits" / "layers 03-04 inherit".
-fn say(layers: &[usize], one: &str, many: &str) -> String {
+pub(crate) fn say(layers: &[usize], one: &str, many: &str) -> String {
     if layers.len() == 1 { format!("layer {} {one}", span(layers)) } else { format!("layers {} {many}", span(layers)) }
 }
 
@@ -381,16 +385,16 @@ fn perturb(data: &[f32], seed: u64) -> Vec<f32> {
 // ------------------------------------------------------------------------------------------
 // Isolation
 
-struct Isolation {
-    tensors: Vec<TensorCmp>,
-    decisions: Vec<DecisionCmp>,
-    wrong: bool,
+pub(crate) struct Isolation {
+    pub tensors: Vec<TensorCmp>,
+    pub decisions: Vec<DecisionCmp>,
+    pub wrong: bool,
 }
 
 /// The reference's whole-run `layer.LL.*` tensors (those the candidate's layer trace also has)
 /// rewritten with path=layer, so the differ compares them with the candidate's layer verb
 /// under its usual rules (positions and masks must still agree).
-fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Result<()> {
+pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Result<()> {
     let pfx = format!("layer.{layer:02}.");
     let mut prov = reference.provenance().clone();
     if let Some(o) = prov.as_object_mut() {
@@ -418,31 +422,45 @@ fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Res
 
 /// `forced`: the candidate's layer verb takes the reference's router choices too.
 fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, policy: &Option<Policy>, forced: bool, runs: &mut Vec<RunRecord>) -> std::result::Result<Isolation, String> {
-    let out = format!("{}/candidate.layer.{layer:02}.trace", o.work);
     let verb = Verb::Layer {
         model: o.model.clone(),
         layer,
         input: ref_rel.into(),
         input_name: format!("layer.{layer:02}.hidden_in"),
-        out: out.clone(),
+        out: format!("{}/candidate.layer.{layer:02}.trace", o.work),
         internals: o.internals,
         force: forced.then(|| ref_rel.to_string()),
+        decode_from: None,
     };
-    let rec = o.candidate.run(&o.root, &verb, o.timeout);
+    let slice_rel = format!("{}/reference.layer.{layer:02}.trace", o.work);
+    isolate_with(o, &verb, layer, &slice_rel, policy, runs, |cand, out| write_slice(reference, cand, layer, out))
+}
+
+/// Runs the candidate's layer `verb` and compares its trace with the reference's rows of that
+/// layer, which `slice` writes (given the candidate's trace) to `slice_rel`.
+pub(crate) fn isolate_with(
+    o: &BisectOptions,
+    verb: &Verb,
+    layer: usize,
+    slice_rel: &str,
+    policy: &Option<Policy>,
+    runs: &mut Vec<RunRecord>,
+    slice: impl FnOnce(&Trace, &Path) -> Result<()>,
+) -> std::result::Result<Isolation, String> {
+    let rec = o.candidate.run(&o.root, verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {
         return Err(format!("the candidate's layer verb failed: {} ($ {})", rec.why().lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" | "), rec.invocation));
     }
-    let cand = open(&o.root, &out).map_err(|e| e.to_string())?;
+    let cand = open(&o.root, verb.out()).map_err(|e| e.to_string())?;
     for need in ["attn_out", "mlp_out", "hidden_out"] {
         let name = format!("layer.{layer:02}.{need}");
         if cand.tensor_info(&name).is_none() {
             return Err(format!("the candidate's layer trace has no {name}"));
         }
     }
-    let slice_rel = format!("{}/reference.layer.{layer:02}.trace", o.work);
-    write_slice(reference, &cand, layer, &o.root.join(&slice_rel)).map_err(|e| e.to_string())?;
-    let slice = open(&o.root, &slice_rel).map_err(|e| e.to_string())?;
+    slice(&cand, &o.root.join(slice_rel)).map_err(|e| e.to_string())?;
+    let slice = open(&o.root, slice_rel).map_err(|e| e.to_string())?;
     let rep = compare(&slice, &cand, &Options { all: true, policy: policy.clone(), ..Options::default() });
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = rep.findings.iter().map(describe).collect();
@@ -454,8 +472,48 @@ fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, po
     Ok(Isolation { tensors, decisions, wrong })
 }
 
+/// A layer's row before isolation: `differs` in the whole run, `h` its hidden_out there.
+pub(crate) fn layer_row(layer: usize, differs: bool, h: Option<&TensorCmp>) -> LayerRow {
+    LayerRow {
+        layer,
+        whole_run: if differs { "differs" } else { "match" },
+        whole_max_ulp: h.and_then(|t| t.max_ulp),
+        whole_rel_l2: h.and_then(|t| t.rel_l2),
+        isolation: "not_run",
+        isolated_max_ulp: None,
+        isolated_rel_l2: None,
+        isolated: Vec::new(),
+        isolated_decisions: Vec::new(),
+        status: "ok",
+        reason: None,
+        calibration_rel_l2: None,
+        whole_vs_calibration: None,
+        isolated_vs_calibration: None,
+    }
+}
+
+pub(crate) fn fill_isolated(row: &mut LayerRow, iso: Isolation) {
+    let h = iso.tensors.iter().find(|t| t.tensor == format!("layer.{:02}.hidden_out", row.layer));
+    row.isolated_max_ulp = h.and_then(|t| t.max_ulp);
+    row.isolated_rel_l2 = h.and_then(|t| t.rel_l2);
+    row.isolation = if iso.wrong { "wrong" } else { "match" };
+    row.isolated = iso.tensors;
+    row.isolated_decisions = iso.decisions;
+}
+
+/// A layer's status from its isolation and its whole-run comparison.
+pub(crate) fn layer_status(isolation: &str, whole_run: &str) -> &'static str {
+    match (isolation, whole_run) {
+        ("wrong", _) => "wrong",
+        ("not_checked", _) => "not_checked",
+        ("match", "differs") => "inherits",
+        (_, "differs") => "downstream",
+        _ => "ok",
+    }
+}
+
 /// The first wrong capture point of a layer in isolation, in computation order.
-fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
+pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
     let pfx = format!("layer.{layer:02}.");
     let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
     let mut order: Vec<(String, &'static str)> = ["hidden_in", "q", "k", "v", "attn_probs", "attn_out", "router.logits"]
@@ -500,7 +558,7 @@ fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
     Stage { layer, block: "other", detail: format!("{} differs in isolation", short(&other)), tensor: other, matching }
 }
 
-fn block_words(block: &str) -> &'static str {
+pub(crate) fn block_words(block: &str) -> &'static str {
     match block {
         "input" => "the layer verb did not take its input as given",
         "attention" => "attention block",
@@ -556,7 +614,7 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: 
     let (mut input, mut input_name) = (input_rel, name);
     for layer in from..n {
         let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
-        let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false, force: None };
+        let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false, force: None, decode_from: None };
         let rec = o.reference.run(&o.root, &verb, o.timeout);
         runs.push(rec.clone());
         let hidden = format!("layer.{layer:02}.hidden_out");
@@ -585,12 +643,12 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: 
 // The bisection
 
 pub fn run(o: &BisectOptions) -> Result<BisectReport> {
-    crate::prompts::check_fits(&o.root, &o.model, o.prompt.as_deref(), o.tokens.len(), 0)?;
+    crate::prompts::check_fits(&o.root, &o.model, o.prompt.as_deref(), o.tokens.len(), o.generate)?;
     let _lock = crate::WorkLock::acquire(&o.root.join(&o.work))?;
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
     let trace = |p: &Producer, out: &str, force: Option<String>| {
-        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: 0, cache: true, force }, o.timeout)
+        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: o.generate, cache: true, force }, o.timeout)
     };
     // Both whole runs at once: one is usually a subprocess.
     let (rr, cr) = std::thread::scope(|s| {
@@ -618,7 +676,8 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         _ => "bits".to_string(),
     };
 
-    let opts = Options { all: true, policy: policy.clone(), ..Options::default() };
+    // The decode steps are bisected after the prefill, step by step (bisect_decode.rs).
+    let opts = Options { all: true, policy: policy.clone(), filter: crate::bisect_decode::prefill_filter(o.generate), ..Options::default() };
     let mut whole = compare_whole(&reference, &candidate, &opts)?;
     // A decision differs no later than the first differing tensor (by layer), so it may be what
     // makes the numbers differ: compare them past the flips, on the candidate forced to take the
@@ -672,7 +731,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let forced = decisions_forced.as_ref().is_some_and(|f| f.status == "forced");
     let whole_rows = rows(&whole);
     let whole_decisions = decisions(&whole);
-    let n = reference.tensors().iter().filter(|t| t.name.ends_with(".hidden_out")).map(|t| location(&t.name) + 1).max().unwrap_or(0).max(0) as usize;
+    let n = reference.tensors().iter().filter(|t| t.name.starts_with("layer.") && t.name.ends_with(".hidden_out")).map(|t| location(&t.name) + 1).max().unwrap_or(0).max(0) as usize;
 
     // The first diverging place, in computation order (tensors in reference order, then decisions by location).
     let mut diverging: Vec<(i64, String, &'static str)> = whole_rows.iter().filter(|t| is_bad(&t.status)).map(|t| (location(&t.tensor), t.tensor.clone(), "differs")).collect();
@@ -719,22 +778,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             let pfx = format!("layer.{l:02}.");
             let differs = diverging.iter().any(|(_, name, _)| name.starts_with(&pfx));
             let h = whole_rows.iter().find(|t| t.tensor == format!("{pfx}hidden_out"));
-            LayerRow {
-                layer: l,
-                whole_run: if differs { "differs" } else { "match" },
-                whole_max_ulp: h.and_then(|t| t.max_ulp),
-                whole_rel_l2: h.and_then(|t| t.rel_l2),
-                isolation: "not_run",
-                isolated_max_ulp: None,
-                isolated_rel_l2: None,
-                isolated: Vec::new(),
-                isolated_decisions: Vec::new(),
-                status: "ok",
-                reason: None,
-                calibration_rel_l2: None,
-                whole_vs_calibration: None,
-                isolated_vs_calibration: None,
-            }
+            layer_row(l, differs, h)
         })
         .collect();
     let mut failed: Option<(usize, String)> = None;
@@ -745,14 +789,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             continue;
         }
         match isolate(o, &reference, &ref_rel, l, &policy, forced, &mut runs) {
-            Ok(iso) => {
-                let h = iso.tensors.iter().find(|t| t.tensor == format!("layer.{l:02}.hidden_out"));
-                row.isolated_max_ulp = h.and_then(|t| t.max_ulp);
-                row.isolated_rel_l2 = h.and_then(|t| t.rel_l2);
-                row.isolation = if iso.wrong { "wrong" } else { "match" };
-                row.isolated = iso.tensors;
-                row.isolated_decisions = iso.decisions;
-            }
+            Ok(iso) => fill_isolated(row, iso),
             Err(why) => {
                 row.isolation = "not_checked";
                 row.reason = Some(why.clone());
@@ -763,13 +800,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     refuse_timeout(&runs, o)?;
     let first_wrong = layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer);
     for row in &mut layers {
-        row.status = match (row.isolation, row.whole_run) {
-            ("wrong", _) => "wrong",
-            ("not_checked", _) => "not_checked",
-            ("match", "differs") => "inherits",
-            (_, "differs") => "downstream",
-            _ => "ok",
-        };
+        row.status = layer_status(row.isolation, row.whole_run);
     }
     let stage = first_wrong.map(|l| stage(l, &layers[l], reference.decision_info(&format!("layer.{l:02}.router.topk")).is_some()));
 
@@ -801,6 +832,14 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         Some(f) => with_forcing(f, (verdict, exit_code, summary)),
         None => (verdict, exit_code, summary),
     };
+    let (decode, (verdict, exit_code, summary)) = if o.generate > 0 {
+        let ctx = crate::bisect_decode::Context { reference: &reference, candidate: &candidate, policy: &policy, layers: n };
+        let (d, v) = crate::bisect_decode::run(o, &ctx, &mut runs, (verdict, exit_code, summary));
+        refuse_timeout(&runs, o)?;
+        (Some(d), v)
+    } else {
+        (None, (verdict, exit_code, summary))
+    };
     Ok(BisectReport {
         schema: SCHEMA,
         summary,
@@ -822,6 +861,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         layers,
         amplification_per_layer: amplification,
         calibration,
+        decode,
         work_dir: o.work.clone(),
         runs,
         gate_invocation: o.gate_invocation.clone(),
@@ -1010,7 +1050,7 @@ fn how_words(how: &str) -> String {
 }
 
 /// "kind name: detail", the name left out when the finding has none.
-fn describe(f: &tracegate_diff::Finding) -> String {
+pub(crate) fn describe(f: &tracegate_diff::Finding) -> String {
     match &f.tensor {
         Some(t) => format!("{} {t}: {}", f.kind, f.detail),
         None => format!("{}: {}", f.kind, f.detail),
@@ -1179,6 +1219,9 @@ pub fn render(r: &BisectReport) -> String {
         if let Some(why) = &c.not_checked {
             o.push_str(&format!("    calibration NOT CHECKED: {why}\n"));
         }
+    }
+    if let Some(d) = &r.decode {
+        o.push_str(&crate::bisect_decode::render(d));
     }
     o.push_str(&format!("\n  traces in {}\n", r.work_dir));
     o

@@ -112,6 +112,11 @@ struct BisectArgs {
     /// Chain the reference's layer verb over a 1-ULP perturbation of its input, to scale the difference.
     #[arg(long)]
     calibrate: bool,
+    /// Greedy decode steps: once the prefill agrees, name the first diverging step, check the
+    /// candidate's cached decode against its full recompute, and isolate layers at that step
+    /// (implies --capture internals; docs/bisect.md, "Decode").
+    #[arg(long, default_value_t = 0)]
+    generate: usize,
     /// Seed of the calibration perturbation.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -157,7 +162,8 @@ enum Cmd {
     },
     /// Name the first layer whose body is wrong: whole traces, then the candidate's layer verb on
     /// the reference's input to each layer (docs/bisect.md). Exit 0 nothing wrong, 1 wrong layer
-    /// or divergence, 2 refused, 4 isolation NOT CHECKED.
+    /// or divergence, 2 refused, 4 isolation NOT CHECKED, 6 the cached decode path disagrees
+    /// with the full recompute (--generate).
     Bisect(BisectArgs),
 }
 
@@ -192,8 +198,10 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
             _ => up.resolve(p).display().to_string(),
         }),
         all_layers: a.all_layers,
-        internals: a.capture == "internals",
+        // Decode steps capture their layer points only under internals (docs/producers.md).
+        internals: a.capture == "internals" || a.generate > 0,
         calibrate: a.calibrate,
+        generate: a.generate,
         seed: a.seed,
         work: a.work.as_ref().map(|w| up.resolve(w).display().to_string()).unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
         timeout: std::time::Duration::from_secs(a.timeout),

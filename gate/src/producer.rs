@@ -16,7 +16,8 @@ use serde::Serialize;
 #[derive(Clone, Debug)]
 pub enum Verb {
     Trace { model: String, tokens: Vec<i64>, out: String, internals: bool, generate: usize, cache: bool, force: Option<String> },
-    Layer { model: String, layer: usize, input: String, input_name: String, out: String, internals: bool, force: Option<String> },
+    /// `decode_from`: `layer --decode-from P` (docs/producers.md, the decode extension).
+    Layer { model: String, layer: usize, input: String, input_name: String, out: String, internals: bool, force: Option<String>, decode_from: Option<i64> },
 }
 
 impl Verb {
@@ -45,8 +46,9 @@ impl Verb {
                 }
                 (a, force)
             }
-            Verb::Layer { model, layer, input, input_name, out, internals, force } => (
-                vec![
+            Verb::Layer { model, layer, input, input_name, out, internals, force, decode_from } => (
+                [
+
                     "--model".into(),
                     model.clone(),
                     "--layer".into(),
@@ -59,7 +61,10 @@ impl Verb {
                     out.clone(),
                     "--capture".into(),
                     capture(*internals),
-                ],
+                ]
+                .into_iter()
+                .chain(decode_from.iter().flat_map(|p| ["--decode-from".to_string(), p.to_string()]))
+                .collect(),
                 force,
             ),
         };
@@ -109,7 +114,11 @@ impl Verb {
                 let layer = number("--layer", take("--layer")?)?;
                 let input = take("--input")?.to_string();
                 let input_name = take("--input-name")?.to_string();
-                Verb::Layer { model, layer, input, input_name, out, internals, force }
+                let decode_from = match args.remove("--decode-from") {
+                    Some(p) => Some(p.parse::<i64>().map_err(|e| format!("--decode-from {p:?}: {e}"))?),
+                    None => None,
+                };
+                Verb::Layer { model, layer, input, input_name, out, internals, force, decode_from }
             }
             other => return Err(format!("unknown verb {other:?}: expected trace or layer")),
         };
@@ -391,7 +400,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
         })
         .map(|_| ())
         .map_err(e),
-        Verb::Layer { model, layer, input, input_name, out, internals, force } => tracegate_engine::run_layer(&tracegate_engine::LayerOptions {
+        Verb::Layer { model, layer, input, input_name, out, internals, force, decode_from } => tracegate_engine::run_layer(&tracegate_engine::LayerOptions {
             model_dir: PathBuf::from(model),
             layer,
             input: PathBuf::from(input),
@@ -401,6 +410,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
             threads,
             command_line: argv.to_vec(),
             force_decisions: force.map(PathBuf::from),
+            decode_from,
         })
         .map(|_| ())
         .map_err(e),
@@ -604,8 +614,8 @@ mod tests {
         let verbs = [
             Verb::Trace { model: "fixtures/m".into(), tokens: vec![3, 17, 5], out: "w/a b.trace".into(), internals: true, generate: 4, cache: false, force: None },
             Verb::Trace { model: "/abs/m".into(), tokens: vec![0], out: "o.trace".into(), internals: false, generate: 0, cache: true, force: Some("w/ref.trace".into()) },
-            Verb::Layer { model: "m".into(), layer: 3, input: "r.trace".into(), input_name: "layer.03.hidden_in".into(), out: "c.trace".into(), internals: false, force: None },
-            Verb::Layer { model: "m".into(), layer: 0, input: "r.trace".into(), input_name: "layer.00.hidden_in".into(), out: "c.trace".into(), internals: true, force: Some("r.trace".into()) },
+            Verb::Layer { model: "m".into(), layer: 3, input: "r.trace".into(), input_name: "layer.03.hidden_in".into(), out: "c.trace".into(), internals: false, force: None, decode_from: None },
+            Verb::Layer { model: "m".into(), layer: 0, input: "r.trace".into(), input_name: "layer.00.hidden_in".into(), out: "c.trace".into(), internals: true, force: Some("r.trace".into()), decode_from: Some(7) },
         ];
         for verb in verbs {
             let argv = Producer::Engine { threads: 2 }.argv(&verb);

@@ -35,9 +35,10 @@ def diff(ref, cand, policy) -> tuple[int, dict | None, str]:
     return p.returncode, (json.loads(p.stdout) if p.stdout else None), p.stderr
 
 
-def engine_trace(out: Path, fixture: str, prompt: str, capture: str = "internals") -> Path:
+def engine_trace(out: Path, fixture: str, prompt: str, capture: str = "internals", generate: int = 0) -> Path:
+    gen = ["--generate", str(generate)] if generate else []
     subprocess.run([ENGINE, "trace", "--model", str(ROOT / "fixtures" / fixture), "--tokens", ",".join(map(str, PROMPTS[prompt])),
-                    "--out", str(out), "--capture", capture, "--threads", "1"], check=True, capture_output=True)
+                    "--out", str(out), "--capture", capture, "--threads", "1", *gen], check=True, capture_output=True)
     return out
 
 
@@ -99,7 +100,8 @@ def test_unknown_name_is_refused_with_the_list(tmp_path):
 
 @needs_binaries
 def test_every_bundled_policy_covers_every_capture_point(tmp_path):
-    traces = [engine_trace(tmp_path / f"{f}-{p}.trace", f, p) for f in FIXTURES for p in PROMPTS]
+    # With decode steps: their logits and layer points need rules too (docs/producers.md).
+    traces = [engine_trace(tmp_path / f"{f}-{p}.trace", f, p, generate=2) for f in FIXTURES for p in PROMPTS]
     for name in ("f32", "bf16", "f16"):
         for t in traces:
             rc, rep, err = diff(t, t, name)

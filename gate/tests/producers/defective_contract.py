@@ -9,6 +9,11 @@ Defects (each touches one layer only, so every later layer is a correct body tha
   bidir-mask   layer 1: attention sees every key (bidirectional instead of causal)
   gqa-mod      layer 3: query head h reads kv head h % n_kv instead of h // n_rep
   no-renorm    layer 1 (MoE): the chosen experts' weights are not renormalised
+  cached-pos   layer 1, cached decode only: a row on a filled KV cache is rotated at position p+1
+               (the uncached recompute and the prefill are correct; `layer --decode-from` takes
+               the same cached path, as it must)
+  late-pos     layer 1: every row at a position past the prompt is rotated at p+1, cached or not (the
+               prefill is correct, cache on ≡ cache off); a producer without `layer --decode-from`
   no-layer     no defect, but the `layer` verb is not implemented (exits 3, writes nothing)
   none         the contract unchanged
 """
@@ -68,6 +73,37 @@ def plant(defect: str) -> None:
                 self.cfg.norm_topk_prob = saved
 
         qwen3.Model._moe = moe
+    elif defect in ("cached-pos", "late-pos"):
+        orig, orig_run = qwen3.Model.layer, qwen3.Model.run  # layer: the tracking wrapper
+        prompt = [None]  # the prompt's length, known to the trace verb only
+
+        def run(self, tokens, *a, **k):
+            prompt[0] = len(tokens)
+            return orig_run(self, tokens, *a, **k)
+
+        class _Shifted:
+            def __init__(self, rope, first):
+                self.rope, self.first = rope, first
+
+            def tables(self, pos):
+                return self.rope.tables([p + 1 if p >= self.first else p for p in pos])
+
+        def layer(self, i, x, positions, cap=qwen3.NO_CAPTURE, cache=None):
+            if defect == "cached-pos" and cache is not None and cache.pos[i]:
+                first = 0  # a row on a filled cache: a cached decode step
+            elif defect == "late-pos" and prompt[0] is not None:
+                first = prompt[0]
+            else:
+                first = None
+            if i != 1 or first is None:
+                return orig(self, i, x, positions, cap, cache)
+            saved, self.rope = self.rope, _Shifted(self.rope, first)
+            try:
+                return orig(self, i, x, positions, cap, cache)
+            finally:
+                self.rope = saved
+
+        qwen3.Model.layer, qwen3.Model.run = layer, run
     elif defect not in ("none", "no-layer"):
         raise SystemExit(f"unknown defect {defect!r}")
 
@@ -80,6 +116,9 @@ def main(argv):
     if defect == "no-layer" and rest[:1] == ["layer"]:
         print("error: this producer does not implement the layer verb", file=sys.stderr)
         return 3
+    if defect == "late-pos" and "--decode-from" in rest:
+        print("error: unrecognized arguments: --decode-from", file=sys.stderr)  # as an argparse CLI without it
+        return 2
     plant(defect)
     return cli.main(rest)
 
