@@ -28,7 +28,7 @@ import numpy as np
 from .checkpoint import preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
 from .families import resolve
-from .force import Forcing, RouterForcing
+from .force import Forcing, RouterForcing, shadow_forward
 
 TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -42,6 +42,10 @@ class RunConfig:
     capture: str = "default"  # default | internals
     cache: str = "on"  # generation with the model's KV cache (on) or full recompute (off)
     generate: int = 0
+    # --device-map auto: transformers/accelerate place the modules over the visible GPUs (and, when
+    # --max-memory leaves too little GPU memory, keep some in CPU memory: accelerate's offload).
+    device_map: str | None = None
+    max_memory: dict | None = None  # accelerate's max_memory: {GPU index or "cpu": size}
 
 
 @dataclass
@@ -86,8 +90,21 @@ class Capture:
 # run set-up and loading
 
 
+def check_device_map(rc: RunConfig) -> None:
+    """--device-map / --max-memory combinations that mean nothing, refused before torch is imported."""
+    if rc.max_memory is not None and rc.device_map is None:
+        raise OracleError("--max-memory: only with --device-map auto")
+    if rc.device_map is not None and rc.device_map != "auto":
+        raise OracleError(f"--device-map {rc.device_map!r}: expected auto")
+    if rc.device_map is not None and rc.device != "cuda":
+        # On CPU there is nothing to spread: transformers would load it as plain --device cpu does.
+        raise OracleError(f"--device-map auto: needs --device cuda (it spreads the model over the visible GPUs), "
+                          f"not --device {rc.device}")
+
+
 def setup_torch(rc: RunConfig) -> dict:
     """Pin the run; returns the determinism record for provenance."""
+    check_device_map(rc)
     if rc.device == "cuda":
         # cuBLAS is only deterministic with a fixed workspace, and it must be set before init.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -95,7 +112,12 @@ def setup_torch(rc: RunConfig) -> dict:
 
     if rc.device == "cuda":
         if not torch.cuda.is_available():
-            raise OracleError("--device cuda: CUDA is not available in this torch build / machine")
+            raise OracleError("--device cuda: CUDA is not available in this torch build / machine"
+                              + (" (--device-map auto needs visible GPUs)" if rc.device_map else ""))
+        bad = [k for k in rc.max_memory or {} if k != "cpu" and not k < torch.cuda.device_count()]
+        if bad:
+            raise OracleError(f"--max-memory: GPU {bad[0]} is not visible ({torch.cuda.device_count()} visible: "
+                              f"0..{torch.cuda.device_count() - 1})")
         # TF32 would silently round fp32 matmul inputs to 10 mantissa bits.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -230,6 +252,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
         except Exception as e:
             raise OracleError(f"--model {d}: config.json not understood by transformers: {_one_line(e)}") from None
         _check_shapes_on_meta(d, cfg, inv, AutoModelForCausalLM)
+    placement = _placement(rc)
     try:
         with _transformers_log() as load_log:
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -241,6 +264,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
                 # Never torch.load: the weights digest covers the safetensors files only.
                 use_safetensors=True,
                 output_loading_info=True,
+                **placement,
             )
     except (OSError, ValueError, RuntimeError) as e:
         rows = _report_rows(load_log)
@@ -255,7 +279,63 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     resolve(model, f"--model {d}")  # the family table: refused here unless every capture point is found
     _check_tied_head(model, d)
     _replay(log + load_log)
-    return model.to(rc.device).eval()
+    # A dispatched model stays where accelerate put it (transformers refuses .to() on an offloaded one).
+    return (model if placement else model.to(rc.device)).eval()
+
+
+def _placement(rc: RunConfig) -> dict:
+    """from_pretrained's device_map / max_memory for --device-map auto (sizes read by accelerate)."""
+    if rc.device_map is None:
+        return {}
+    try:
+        from accelerate.utils import convert_file_size_to_int
+    except ImportError:
+        raise OracleError("--device-map auto: needs the `accelerate` package (requirements.txt)") from None
+    if rc.max_memory is None:
+        return {"device_map": rc.device_map}
+    sizes = {}
+    for k, v in rc.max_memory.items():
+        try:
+            sizes[k] = convert_file_size_to_int(int(v) if v.isdigit() else v)
+        except ValueError:
+            raise OracleError(f"--max-memory {k}={v}: not a size accelerate reads (bytes, or e.g. 70GiB, 500MB)") from None
+    return {"device_map": rc.device_map, "max_memory": sizes}
+
+
+def _device_map_provenance(model, rc: RunConfig) -> dict:
+    """Where transformers/accelerate put each module, and where each computes (accelerate's hook
+    moves a cpu-placed module's weights to its execution device for every forward)."""
+    import torch
+
+    placed = getattr(model, "hf_device_map", None)
+    if placed is not None:
+        modules, source = dict(placed), "model.hf_device_map"
+    else:
+        # A map of one device: transformers loads there and dispatches nothing (no hf_device_map).
+        devs = sorted({(p.device.index if p.device.type == "cuda" else p.device.type) for p in model.parameters()}, key=str)
+        modules, source = {"": devs[0] if len(devs) == 1 else [str(d) for d in devs]}, "parameter devices (one device: no dispatch)"
+    computed_on = {}
+    for name in modules:
+        hook = getattr(model.get_submodule(name), "_hf_hook", None)
+        for h in getattr(hook, "hooks", [hook]):  # accelerate's SequentialHook holds several
+            d = getattr(h, "execution_device", None)
+            if d is not None:
+                computed_on[name] = f"cuda:{d}" if isinstance(d, int) else str(d)
+    devices = {}
+    for d in sorted({v for v in modules.values() if not isinstance(v, list)}, key=str):
+        if isinstance(d, int):
+            devices[f"cuda:{d}"] = torch.cuda.get_device_name(d)
+        else:
+            devices[str(d)] = (platform.processor() or platform.machine()) if d == "cpu" else str(d)
+    return {
+        "requested": rc.device_map,
+        "max_memory": rc.max_memory and {str(k): v for k, v in rc.max_memory.items()},
+        "modules": modules,
+        "reported_by": source,
+        "computed_on": computed_on,
+        "devices": devices,
+        "visible_gpus": torch.cuda.device_count(),
+    }
 
 
 def _check_tied_head(model, d: Path) -> None:
@@ -346,6 +426,7 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
             "safetensors": _version_of("safetensors"),
         },
         "device": dev,
+        **({"device_map": _device_map_provenance(model, rc)} if rc.device_map is not None else {}),
         "dtype": rc.dtype,
         "threads": rc.threads,
         "seed": rc.seed,
@@ -457,7 +538,7 @@ def _expert_tap_class():
 
         def __init__(self, experts):
             super().__init__()
-            self.down = experts.down_proj
+            self.experts = experts
             self.token_idx = None
             self.outs: dict[int, tuple] = {}
 
@@ -467,7 +548,9 @@ def _expert_tap_class():
             if func is torch.where and len(args) == 1 and not kwargs:
                 self.token_idx = out[1]
             elif func is linear:
-                e = slice_index(args[1] if len(args) > 1 else kwargs["weight"], self.down)
+                # Looked up at each call: accelerate's offload hook (--device-map auto, a module kept
+                # in CPU memory) puts the parameter in place only once the experts' forward runs.
+                e = slice_index(args[1] if len(args) > 1 else kwargs["weight"], self.experts.down_proj)
                 if e is not None:
                     self.outs[int(e)] = (self.token_idx, out)
             return out
@@ -605,8 +688,7 @@ class Tap:
             self._on_experts(L, tap)
             return out
 
-        experts.forward = forward  # instance attribute shadows the class method
-        self._undo.append(lambda: experts.__dict__.pop("forward", None))
+        self._undo.append(shadow_forward(experts, forward))
 
     def _on_experts(self, L: int, tap):
         if not tap.outs:

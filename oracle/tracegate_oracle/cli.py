@@ -42,6 +42,21 @@ def _nonneg(s: str) -> int:
     return v
 
 
+def _max_memory(s: str) -> dict:
+    """`0=70GiB,cpu=200GiB` -> {0: "70GiB", "cpu": "200GiB"}: accelerate's own max_memory (its keys are
+    GPU indices or cpu; each size is read by accelerate's parser when the model loads)."""
+    out: dict = {}
+    for part in s.split(","):
+        key, eq, size = (x.strip() for x in part.partition("="))
+        if not eq or not size or not (key == "cpu" or key.isdigit()):
+            raise argparse.ArgumentTypeError(f"{part!r} is not DEVICE=SIZE (DEVICE a GPU index or cpu, e.g. 0=70GiB,cpu=200GiB)")
+        k = "cpu" if key == "cpu" else int(key)
+        if k in out:
+            raise argparse.ArgumentTypeError(f"device {key} given twice")
+        out[k] = size
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="verb", required=True)
@@ -52,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--capture", choices=["default", "internals"], default="default")
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
         p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32", help="compute dtype (default f32)")
+        p.add_argument("--device-map", choices=["auto"],
+                       help="with --device cuda: spread the model over the visible GPUs as transformers/accelerate "
+                            "place it (from_pretrained(device_map='auto')); the map is in provenance")
+        p.add_argument("--max-memory", type=_max_memory, metavar="DEV=SIZE,...",
+                       help="with --device-map auto: accelerate's max_memory per device, e.g. 0=70GiB,cpu=200GiB "
+                            "(modules placed on cpu are kept in CPU memory and computed on the first GPU)")
         p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--force-decisions", metavar="TRACE",
@@ -127,11 +148,13 @@ def main(argv=None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
     rc = RunConfig(device=a.device, dtype=a.dtype, threads=a.threads, seed=a.seed, capture=a.capture,
-                   cache=getattr(a, "cache", "on"), generate=getattr(a, "generate", 0))
+                   cache=getattr(a, "cache", "on"), generate=getattr(a, "generate", 0),
+                   device_map=a.device_map, max_memory=a.max_memory)
     from . import capture as cp
 
     try:
         out = _check_out(a.out)
+        cp.check_device_map(rc)
         # Refusals that need no torch come before the seconds its import takes (load_model
         # repeats them for callers of the API).
         preflight(a.model)

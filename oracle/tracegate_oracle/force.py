@@ -20,6 +20,15 @@ from tracegate_contract.force import Forcing as _ContractForcing
 from .errors import OracleError
 
 
+def shadow_forward(module, forward):
+    """Set `forward` as `module`'s instance attribute (it shadows the class method); returns the
+    undo, which restores what was there: accelerate's hook (--device-map auto) is such an
+    attribute too, and must survive the capture."""
+    prev = module.__dict__.get("forward")
+    module.forward = forward
+    return lambda: module.__dict__.pop("forward", None) if prev is None else setattr(module, "forward", prev)
+
+
 class Forcing(_ContractForcing):
     """The contract's reader of the forcing trace (the same checks and refusals), raising the
     oracle's error, after a preflight that keeps a FIFO from blocking the reader."""
@@ -98,5 +107,4 @@ class RouterForcing:
                                   f"({type(router).__name__}) called torch.topk {mode.calls} times, not once")
             return result
 
-        router.forward = forward  # instance attribute shadows the class method
-        self._undo.append(lambda: router.__dict__.pop("forward", None))
+        self._undo.append(shadow_forward(router, forward))
