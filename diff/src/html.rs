@@ -52,7 +52,7 @@ pub fn fmt_real(v: Option<f64>) -> String {
         None => "-".into(),
         Some(v) if v.is_nan() => "nan".into(),
         Some(v) if v.is_infinite() => if v > 0.0 { "inf".into() } else { "-inf".into() },
-        Some(v) if v == 0.0 => "0".into(),
+        Some(0.0) => "0".into(),
         // A short exact form (0.9999, 0.0001, 151) as it is: rounding it could make a limit
         // read like the value it bounds.
         Some(v) if format!("{v}").len() <= 7 => format!("{v}"),
