@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: Rust release build, .venv with pinned Python packages,
-# the `tracegate` native module (maturin), and the contract/oracle packages on the venv's path.
+# the `tracegate` native module (maturin), the contract/oracle packages on the venv's path, and
+# chromium for the HTML reports' browser test.
 # Idempotent: re-running skips what is already up to date.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +23,19 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
   .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt
   echo "$want" > "$stamp"
+fi
+
+# Headless Chromium renders the HTML reports in their browser test
+# (trace/python/tests/test_reports.py): Debian's package, installed as root where apt-get is.
+if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
+  :
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  log "installing Debian's chromium (the HTML reports' browser test; about a minute)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+    || log "WARNING: apt-get could not install chromium: the browser test skips without it, and fails under CI=true"
+else
+  log "WARNING: chromium is missing and cannot be installed here (needs root and apt-get): install Debian's chromium (or put chromium on PATH); until then the browser test skips, and fails under CI=true"
 fi
 
 log "building Rust binaries (release)"

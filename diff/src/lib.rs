@@ -7,6 +7,7 @@ pub mod comparable;
 mod decisions;
 mod excuse;
 pub mod filter;
+pub mod html;
 pub mod numeric;
 pub mod policy;
 mod render;
@@ -23,6 +24,7 @@ pub use decisions::{margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGI
 pub use filter::{Filter, FilterSummary};
 pub use numeric::{Pair, Special};
 pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
+pub use html::write_html;
 pub use render::{label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show, write_show_json};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
@@ -76,7 +78,7 @@ impl Options {
 }
 
 /// The JSON report's format, its top-level `schema` (docs/diff-report.schema.json describes it).
-pub const REPORT_SCHEMA: &str = "tracegate-diff-report/2";
+pub const REPORT_SCHEMA: &str = "tracegate-diff-report/3";
 
 /// An f64 that serialises non-finite values as the strings "inf", "-inf", "nan" (JSON has no
 /// such numbers, and null would read as "not measured").
@@ -456,6 +458,9 @@ impl Finding {
 pub struct PolicyRef {
     pub name: String,
     pub rules: usize,
+    /// The rules themselves, in file order (`per_tensor[].rule.index` indexes them): the bounds
+    /// the HTML report draws, from the report like every other number in it.
+    pub bounds: Vec<Rule>,
 }
 
 #[derive(Clone, Debug)]
@@ -566,7 +571,7 @@ impl Report {
             verdict: Verdict::Identical,
             reference,
             candidate,
-            policy: opts.policy.as_ref().map(|p| PolicyRef { name: p.name.clone(), rules: p.rules.len() }),
+            policy: opts.policy.as_ref().map(|p| PolicyRef { name: p.name.clone(), rules: p.rules.len(), bounds: p.rules.clone() }),
             scan: if opts.all || opts.policy.is_some() { "all" } else { "first" },
             filter: None,
             tensors: TensorSummary::default(),

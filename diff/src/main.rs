@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracegate_diff::{compare_files, terminal_safe, write_human, write_json, write_show, write_show_json, Filter, FilterSummary, Options, Policy};
+use tracegate_diff::{compare_files, terminal_safe, write_html, write_human, write_json, write_show, write_show_json, Filter, FilterSummary, Options, Policy};
 use tracegate_trace::Trace;
 
 const AFTER_HELP: &str = "\
@@ -61,6 +61,12 @@ struct Cli {
     /// trace's description as JSON (docs/diff.md).
     #[arg(long)]
     json: bool,
+    /// Also write the report as one self-contained HTML page (no script, no network): the
+    /// divergence per capture point on a log scale with the policy's bounds, the first bit
+    /// difference and first violation marked, the decisions with their margins, the per-tensor
+    /// table. Every number in it is the JSON report's (docs/diff.md, "HTML report").
+    #[arg(long, value_name = "OUT.html", conflicts_with = "show")]
+    html: Option<PathBuf>,
     /// Skip recomputing digests (then no digest is trusted: no tensor is matched by digest; tensors
     /// are compared element-wise up to the first difference, or all of them with --all).
     #[arg(long)]
@@ -92,6 +98,12 @@ fn main() -> ExitCode {
     let report = compare_files(&r, &c, &opts);
     if let Some(code) = report.filter.as_ref().and_then(filter_usage) {
         return code;
+    }
+    if let Some(path) = &cli.html {
+        if let Err(e) = write_html(&report, path) {
+            eprintln!("trace-diff: cannot write {}: {e}", terminal_safe(&path.display().to_string()));
+            return ExitCode::from(2);
+        }
     }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let written = if cli.json { write_json(&report, &mut out) } else { write_human(&report, &mut out) };

@@ -179,7 +179,7 @@ fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
     snap!("policy_violation_human", out.stdout);
 
     let (code, v) = json_run(&["--policy", p(&pol), p(&r), p(&c)]);
-    assert_eq!((code, v["verdict"].as_str(), v["schema"].as_str()), (1, Some("different"), Some("tracegate-diff-report/2")));
+    assert_eq!((code, v["verdict"].as_str(), v["schema"].as_str()), (1, Some("different"), Some("tracegate-diff-report/3")));
     let f = &v["first_violation"];
     assert_eq!((f["tensor"].as_str(), &f["rule"]), (Some("layer.01.mlp_out"), &json!({"index": 3, "pattern": "layer.*.mlp_out"})));
     let bounds: Vec<&str> = f["violations"].as_array().unwrap().iter().map(|b| b["bound"].as_str().unwrap()).collect();
@@ -215,7 +215,7 @@ fn the_validator_rejects_a_report_that_breaks_the_schema() {
         ("a missing required field", |v| drop(v.as_object_mut().unwrap().remove("first_violation"))),
         ("a missing field of a violation", |v| drop(v["first_violation"]["violations"][0].as_object_mut().unwrap().remove("limit"))),
         ("an unknown field", |v| v["first_violation"]["note"] = json!(1)),
-        ("the previous version", |v| v["schema"] = json!("tracegate-diff-report/1")),
+        ("the previous version", |v| v["schema"] = json!("tracegate-diff-report/2")),
         ("a violation as prose", |v| {
             let at = v["per_tensor"].as_array().unwrap().iter().position(|t| t["status"] == "outside_policy").unwrap();
             v["per_tensor"][at]["violations"][0] = json!("relative L2 0.01 > 0.0001");

@@ -38,6 +38,11 @@ struct RunArgs {
     /// Write the full JSON report here (relative to the current directory).
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Also write the report as one self-contained HTML page (relative to the current
+    /// directory): the milestone table per prompt and check linked to the findings, the oracle
+    /// agreement, the baselines with their deltas (docs/gate.md, "HTML report"). m0, m1, run only.
+    #[arg(long, value_name = "OUT.html")]
+    html: Option<PathBuf>,
     /// Accept this run as the new expectation: rewrite milestones.json and baselines.json and print what changed.
     #[arg(long)]
     bless: bool,
@@ -254,6 +259,11 @@ fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result
 fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Result<MilestoneReport, String> {
     let (rep, bless_log) = run_milestone(&options(root, up, id, a)).map_err(|e| e.to_string())?;
     print!("{}", report::render(&rep));
+    if let Some(p) = &a.html {
+        let p = up.absolute(p);
+        tracegate_diff::html::write_file(&p, &report::render_html(&rep)).map_err(|e| format!("{}: {e}", p.display()))?;
+        eprintln!("HTML report written to {}", p.display());
+    }
     if let Some(log) = bless_log {
         println!("\nblessed (milestones.json, baselines.json):\n{log}");
     }
@@ -308,6 +318,7 @@ fn main() -> ExitCode {
         Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
         Cmd::Run { id, args } => run_one(&root, &up, id, args).and_then(|r| write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
         Cmd::Bisect(a) => bisect(&root, &up, a),
+        Cmd::Check { args } if args.html.is_some() => Err("gate check writes no HTML report: run each milestone with gate m0|m1|run --html".into()),
         Cmd::Check { args } => (|| {
             let file = MilestoneFile::load(&root.join("milestones.json")).map_err(|e| e.to_string())?;
             let mut reports = Vec::new();

@@ -55,11 +55,24 @@ pub struct CheckResult {
     pub findings: Vec<Finding>,
     /// Findings that a declared divergence excuses (reported, not failed).
     pub excused: Vec<Finding>,
+    /// A baseline's observations (seconds, KiB) against their recorded values; empty for
+    /// every other check.
+    pub observed: Vec<Observed>,
+}
+
+/// One observation of a baseline: the recorded value, this run's, and the relative change
+/// (`(now - baseline) / baseline`, 0 when the baseline is 0), which `--assert-observed` bounds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Observed {
+    pub key: String,
+    pub baseline: f64,
+    pub now: f64,
+    pub delta: f64,
 }
 
 impl CheckResult {
     fn new(check: &str, status: Status, detail: impl Into<String>) -> CheckResult {
-        CheckResult { check: check.into(), status, detail: detail.into(), findings: vec![], excused: vec![] }
+        CheckResult { check: check.into(), status, detail: detail.into(), findings: vec![], excused: vec![], observed: vec![] }
     }
     fn not_checked(check: &str, why: impl Into<String>) -> CheckResult {
         CheckResult::new(check, Status::NotChecked, why)
@@ -102,8 +115,13 @@ pub struct PromptResult {
     pub oracle: Option<OracleSummary>,
 }
 
+/// The JSON report's format, its top-level `schema` (docs/gate-report.schema.json describes it).
+pub const REPORT_SCHEMA: &str = "tracegate-gate-report/1";
+
 #[derive(Clone, Debug, Serialize)]
 pub struct MilestoneReport {
+    /// Always [`REPORT_SCHEMA`].
+    pub schema: &'static str,
     pub milestone: String,
     pub claim: String,
     pub model: String,
@@ -546,6 +564,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
 
     let mut totals: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut report = MilestoneReport {
+        schema: REPORT_SCHEMA,
         milestone: m.id.clone(),
         claim: m.claim.clone(),
         model: model.clone(),
@@ -770,6 +789,7 @@ fn check_baselines(
         for (key, old) in &b.observed {
             if let Some(new) = obs.get(key) {
                 let delta = if *old != 0.0 { (new - old) / old } else { 0.0 };
+                c.observed.push(Observed { key: key.clone(), baseline: *old, now: *new, delta });
                 notes.push(format!("{key} {new} ({:+.0}%)", delta * 100.0));
                 if let Some(tol) = assert_observed {
                     if delta.abs() > tol {

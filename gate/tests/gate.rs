@@ -85,7 +85,12 @@ fn gate_command(root: &Path, args: &[&str], env: &[(&str, &Path)], report: &Path
 
 fn finished(out: Output, report: &Path) -> Run {
     let Output { status, stdout, stderr } = out;
-    let report = std::fs::read_to_string(report).ok().map(|s| serde_json::from_str(&s).unwrap());
+    let report: Option<Value> = std::fs::read_to_string(report).ok().map(|s| serde_json::from_str(&s).unwrap());
+    // `gate check` writes one report per milestone, in an array.
+    for r in report.iter().flat_map(|r| r.as_array().cloned().unwrap_or_else(|| vec![r.clone()])) {
+        let errors: Vec<String> = report_validator().iter_errors(&r).map(|e| format!("at {}: {e}", e.instance_path())).collect();
+        assert!(errors.is_empty(), "the report departs from docs/gate-report.schema.json:\n{}", errors.join("\n"));
+    }
     Run { code: status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&stdout).into(), stderr: String::from_utf8_lossy(&stderr).into(), report }
 }
 
@@ -118,6 +123,38 @@ fn gate_watched(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
             panic!("the gate was still running after {WATCHDOG:?}: it blocked");
         }
     }
+}
+
+/// docs/gate-report.schema.json, with the diff report's schema it refers to, compiled once.
+fn report_validator() -> &'static jsonschema::Validator {
+    static V: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        let load = |name: &str| -> Value { serde_json::from_str(&std::fs::read_to_string(repo().join("docs").join(name)).unwrap()).unwrap() };
+        let diff = load("diff-report.schema.json");
+        let id = diff["$id"].as_str().unwrap().to_string();
+        let registry = Box::leak(Box::new(jsonschema::Registry::new().add(id, diff).unwrap().prepare().unwrap()));
+        jsonschema::options().with_registry(registry).build(&load("gate-report.schema.json")).unwrap()
+    })
+}
+
+#[test]
+fn the_report_validator_refuses_what_the_schema_does_not_describe() {
+    // The negative control of the validation in `finished`: it is not accept-all, and it follows
+    // the reference into the diff report's schema.
+    assert!(!report_validator().is_valid(&serde_json::json!({})));
+    assert!(!report_validator().is_valid(&serde_json::json!({"schema": "tracegate-gate-report/1"})));
+    let v = &report_validator();
+    let bad_violation = serde_json::json!({"tensor": "x", "dtype": "f32", "candidate_dtype": "f32", "ulp_dtype": "f32", "shape": [1],
+        "rule": null, "violations": [{"bound": "max_l2", "limit": 1, "value": 2}], "worst_element": null});
+    let prompt = |fv: Value| serde_json::json!({"id": "p", "tokens": 1, "runs": [], "digests": {}, "checks": [], "counts": null,
+        "generated": {"engine_cached": null, "engine_uncached": null, "contract": null, "oracle": null},
+        "oracle": {"smallest_margin": null, "smallest_margin_at": null, "worst_max_rel": null, "worst_max_rel_tensor": null,
+                   "worst_rel_l2": null, "worst_rel_l2_tensor": null, "near_ties": [], "rows_after_near_tie": 0, "first_violation": fv}});
+    let report = |fv: Value| serde_json::json!({"schema": "tracegate-gate-report/1", "milestone": "m0", "claim": "", "model": "", "family": "",
+        "prompt_file": "", "prompt_sha256": "0".repeat(64), "generate": 1, "threads": 1, "timeout_s": 1, "policy": "", "gate_invocation": [],
+        "stack": {}, "prompts": [prompt(fv)], "baselines": [], "baselines_not_selected": [], "totals": {}, "verdict": "FAIL"});
+    assert!(v.is_valid(&report(Value::Null)), "{:?}", v.iter_errors(&report(Value::Null)).map(|e| e.to_string()).collect::<Vec<_>>());
+    assert!(!v.is_valid(&report(bad_violation)));
 }
 
 fn check<'a>(report: &'a Value, prompt: &str, name: &str) -> &'a Value {

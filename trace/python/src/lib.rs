@@ -13,6 +13,7 @@ use pyo3::types::{PyBytes, PyList};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 create_exception!(_native, TraceError, PyException, "A trace could not be written, read or verified.");
+create_exception!(_native, CompareError, PyException, "Two traces could not be compared as asked (a bad policy, a filter that selects nothing).");
 
 fn err(e: tracegate_trace::Error) -> PyErr {
     TraceError::new_err(e.to_string())
@@ -236,9 +237,63 @@ fn weights_digest(py: Python<'_>, model_dir: PathBuf) -> PyResult<String> {
     py.detach(|| tracegate_trace::weights_digest(&model_dir)).map_err(err)
 }
 
+/// The outcome of [`compare`]: the differ's own report, serialised on demand.
+#[pyclass(module = "tracegate._native", frozen)]
+struct NativeReport {
+    inner: tracegate_diff::Report,
+}
+
+#[pymethods]
+impl NativeReport {
+    /// The report as `trace-diff --json` prints it (docs/diff-report.schema.json).
+    fn to_json(&self) -> PyResult<String> {
+        let mut out = Vec::new();
+        tracegate_diff::write_json(&self.inner, &mut out).map_err(|e| CompareError::new_err(format!("cannot serialise the report: {e}")))?;
+        String::from_utf8(out).map_err(|e| CompareError::new_err(format!("report is not UTF-8: {e}")))
+    }
+
+    /// Writes the `trace-diff --html` page of this report to `path`.
+    fn write_html(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        py.detach(|| tracegate_diff::write_html(&self.inner, &path)).map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("{}: {e}", path.display())))
+    }
+
+    /// The human report, as `trace-diff` prints it.
+    fn to_text(&self) -> String {
+        tracegate_diff::render_human(&self.inner)
+    }
+
+    fn exit_code(&self) -> i32 {
+        self.inner.exit_code()
+    }
+}
+
+/// `trace-diff REFERENCE CANDIDATE [--policy P] [--all] [--only GLOB...] [--skip GLOB...]`,
+/// in-process. An unreadable or tampered trace raises TraceError, a bad policy or a filter
+/// that selects nothing CompareError; every other outcome (incomparable included) is a report.
+#[pyfunction]
+#[pyo3(signature = (reference, candidate, policy=None, all=false, only=None, skip=None))]
+fn compare(py: Python<'_>, reference: PathBuf, candidate: PathBuf, policy: Option<String>, all: bool, only: Option<Vec<String>>, skip: Option<Vec<String>>) -> PyResult<NativeReport> {
+    use tracegate_diff::{Filter, Options, Policy, Verdict};
+    let policy = match policy {
+        None => None,
+        Some(p) => Some(Policy::resolve(&p, std::path::Path::new("")).map_err(|e| CompareError::new_err(format!("bad policy: {e}")))?),
+    };
+    let opts = Options { all, policy, filter: Filter { only: only.unwrap_or_default(), skip: skip.unwrap_or_default() }, ..Options::default() };
+    let report = py.detach(|| tracegate_diff::compare_files(&reference, &candidate, &opts));
+    if report.verdict == Verdict::Unreadable {
+        let why: Vec<String> = report.findings.iter().map(|f| f.detail.clone()).collect();
+        let why = why.join("; ");
+        return Err(if report.findings.iter().any(|f| f.kind == "nothing_selected") { CompareError::new_err(why) } else { TraceError::new_err(why) });
+    }
+    Ok(NativeReport { inner: report })
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TraceError", m.py().get_type::<TraceError>())?;
+    m.add("CompareError", m.py().get_type::<CompareError>())?;
+    m.add_class::<NativeReport>()?;
+    m.add_function(wrap_pyfunction!(compare, m)?)?;
     m.add_class::<NativeWriter>()?;
     m.add_class::<NativeTrace>()?;
     m.add_class::<Payload>()?;

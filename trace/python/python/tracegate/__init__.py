@@ -9,6 +9,10 @@
     t.verify()
     t["logits"]            # read-only numpy view into the mapped file (no copy)
 
+    report = tracegate.compare("engine.trace", "oracle.trace", policy="f32")
+    report.verdict, report.first_violation, report.per_tensor    # the --json report's fields
+    report.to_html("report.html")
+
 bf16 has no numpy dtype: pass the raw bits as a uint16 array with ``dtype="bf16"`` (or an
 ``ml_dtypes.bfloat16`` array); bf16 tensors are read back as uint16 arrays holding the bits.
 The format is specified in docs/trace-format.md.
@@ -20,9 +24,13 @@ import json
 
 import numpy as np
 
-from ._native import FORMAT_VERSION, NativeTrace, NativeWriter, TraceError, __version__, weights_digest
+import os
 
-__all__ = ["__version__", "Trace", "TraceWriter", "TraceError", "weights_digest", "FORMAT_VERSION"]
+from ._native import FORMAT_VERSION, CompareError, NativeTrace, NativeWriter, TraceError, __version__, weights_digest
+from ._native import compare as _compare
+
+__all__ = ["__version__", "Trace", "TraceWriter", "TraceError", "weights_digest", "FORMAT_VERSION",
+           "compare", "Report", "CompareError"]
 
 # numpy dtype -> trace dtype; bf16 is given explicitly (uint16 bits) or via ml_dtypes.
 _TO_TRACE = {
@@ -227,3 +235,83 @@ class Trace:
 
     def __repr__(self) -> str:
         return f"Trace({str(self.path)!r}, digest={self.digest[:16]})"
+
+
+def _globs(value, what: str) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return [os.fspath(value)]
+    globs = list(value)
+    if not all(isinstance(g, str) for g in globs):
+        raise CompareError(f"{what} takes a glob or a list of globs, got {value!r}")
+    return globs
+
+
+def compare(reference, candidate, policy=None, all: bool = False, only=None, skip=None) -> "Report":
+    """Compare two traces as ``trace-diff`` does, in-process (the Rust comparison, no subprocess).
+
+    ``policy``: None (by bits), a bundled name (``"f32"``, ``"bf16"``, ``"f16"``) or a policy
+    file's path; ``all``: keep scanning past the first differing tensor (implied by a policy);
+    ``only`` / ``skip``: a glob or a list of globs, as ``--only`` / ``--skip``.
+    An unreadable or tampered trace raises TraceError naming its path; a bad policy or a filter
+    that selects nothing raises CompareError. Every other outcome is a :class:`Report`.
+    """
+    if policy is not None and not isinstance(policy, (str, os.PathLike)):
+        raise CompareError(f"policy takes a bundled name or a path, got {type(policy).__name__}")
+    native = _compare(os.fspath(reference), os.fspath(candidate),
+                      None if policy is None else os.fspath(policy), bool(all),
+                      _globs(only, "only"), _globs(skip, "skip"))
+    return Report(native)
+
+
+class Report:
+    """The outcome of :func:`compare`: the fields of ``trace-diff --json``'s report
+    (docs/diff-report.schema.json) as attributes, their values as ``json.loads`` gives them:
+    ``verdict``, ``first_bit_difference``, ``first_violation``, ``per_tensor``, ``decisions``,
+    ``findings``, ``tensors``, ``policy``, ... ``to_json()`` is that report's text,
+    ``to_html(path)`` writes the ``trace-diff --html`` page."""
+
+    def __init__(self, native):
+        self._native = native
+        self._fields = json.loads(native.to_json())
+
+    def __getattr__(self, name):
+        fields = self.__dict__.get("_fields", {})
+        if name in fields:
+            return fields[name]
+        raise AttributeError(f"Report has no field {name!r} (fields: {', '.join(fields)})")
+
+    def __dir__(self):
+        return [*super().__dir__(), *self._fields]
+
+    @property
+    def fields(self) -> dict:
+        """Every field, as a dict (the parsed JSON report)."""
+        return self._fields
+
+    @property
+    def ok(self) -> bool:
+        """Identical, or within the policy: what ``trace-diff`` exits 0 for."""
+        return self._native.exit_code() == 0
+
+    @property
+    def exit_code(self) -> int:
+        return self._native.exit_code()
+
+    @property
+    def flipped_decisions(self) -> list:
+        """Every flipped decision row: ``{"decision", "row", "reference", "candidate", "label", ...}``."""
+        return [{"decision": r["name"], **f} for r in self._fields["decisions"]["results"] for f in r["flips"]]
+
+    def to_json(self) -> str:
+        return self._native.to_json()
+
+    def to_html(self, path) -> None:
+        self._native.write_html(os.fspath(path))
+
+    def __str__(self) -> str:
+        return self._native.to_text()
+
+    def __repr__(self) -> str:
+        return f"Report(verdict={self.verdict!r}, reference={self.reference['path']!r}, candidate={self.candidate['path']!r})"

@@ -1,0 +1,311 @@
+"""Reports people look at, and tracegate inside a test suite.
+
+One real gate run (`gate m0 --only short`, the oracle's place taken by the contract with planted
+defects: a 1-ULP nudge in layer.00.attn_out within the policy, layer.01.mlp_out pushed far
+outside it, decode.0003.argmax flipped) gives a failing gate report, JSON and HTML, and a pair of
+real traces (engine vs planted oracle) for `trace-diff` and `tracegate.compare`. The pages are
+rendered in headless Chromium; each number the page shows is checked against the JSON of the
+same run; the JSON reports are validated against docs/*.schema.json."""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import referencing
+from referencing.jsonschema import DRAFT202012
+
+import tracegate
+from tracegate.testing import assert_traces_agree
+
+import browser
+
+ROOT = Path(__file__).resolve().parents[3]
+BIN = ROOT / "target" / "release"
+PLANTED = "--nudge layer.00.attn_out --push layer.01.mlp_out --flip decode.0003.argmax"
+
+
+def run(args, **kw):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=ROOT, **kw)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The gate run and the trace-diff run of its engine/oracle traces, each with --json and --html."""
+    d = tmp_path_factory.mktemp("reports")
+    oracle = f"'{sys.executable}' '{ROOT / 'gate/tests/producers/planted_trace.py'}' --base contract {PLANTED} {{verb}} {{args}}"
+    g = run([BIN / "gate", "--root", ROOT, "m0", "--only", "short", "--oracle-cmd", oracle, "--work", d / "work",
+             "--report", d / "gate.json", "--html", d / "gate.html"], env={**os.environ, "TRACEGATE_PYTHON": sys.executable})
+    assert g.returncode == 1, g.stdout + g.stderr
+    traces = d / "work" / "m0" / "short"
+    t = run([BIN / "trace-diff", "--policy", "f32", "--json", "--html", d / "diff.html", traces / "engine.trace", traces / "oracle.trace"])
+    assert t.returncode == 1, t.stderr
+    return {"dir": d, "traces": traces, "gate": json.loads((d / "gate.json").read_text()), "diff": json.loads(t.stdout)}
+
+
+def validator(name: str):
+    diff = json.loads((ROOT / "docs/diff-report.schema.json").read_text())
+    schema = json.loads((ROOT / "docs" / name).read_text())
+    registry = referencing.Registry().with_resources([(diff["$id"], DRAFT202012.create_resource(diff))])
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+# --- schemas ---------------------------------------------------------------------------------
+
+def test_the_gate_report_carries_its_schema_and_validates(planted):
+    rep = planted["gate"]
+    assert rep["schema"] == "tracegate-gate-report/1"
+    v = validator("gate-report.schema.json")
+    assert list(v.iter_errors(rep)) == []
+    # Negative controls: each planted defect is refused by the validator.
+    plants = [
+        lambda r: r.__setitem__("schema", "tracegate-gate-report/0"),
+        lambda r: r["prompts"][0]["checks"][0].__setitem__("status", "OK"),
+        lambda r: r["prompts"][0]["checks"][0].pop("findings"),
+        lambda r: r["baselines"][0]["observed"][0].__setitem__("delta", "12%"),
+        lambda r: r["prompts"][0]["oracle"]["first_violation"]["violations"][0].__setitem__("bound", "max_l2"),
+        lambda r: r.__setitem__("note", 1),
+    ]
+    for i, plant in enumerate(plants):
+        bad = json.loads(json.dumps(rep))
+        plant(bad)
+        assert list(v.iter_errors(bad)), f"plant {i} was accepted"
+
+
+def test_the_diff_report_validates(planted):
+    assert list(validator("diff-report.schema.json").iter_errors(planted["diff"])) == []
+
+
+# --- the Python API --------------------------------------------------------------------------
+
+def test_compare_is_the_cli_report_in_process(planted):
+    tr = planted["traces"]
+    rep = tracegate.compare(tr / "engine.trace", tr / "oracle.trace", policy="f32")
+    assert json.loads(rep.to_json()) == planted["diff"]
+    assert (rep.verdict, rep.ok, rep.exit_code) == ("different", False, 1)
+    assert rep.first_violation["tensor"] == "layer.01.mlp_out"
+    assert rep.first_bit_difference["tensor"] == "layer.00.attn_out"
+    assert [(f["decision"], f["row"], f["reference"], f["candidate"], f["label"]) for f in rep.flipped_decisions] == \
+        [("decode.0003.argmax", 0, [81], [80], "consequence")]
+    assert len(rep.per_tensor) == 23 and rep.decisions["differing"] == 1
+    # The engine and the contract are bit-identical: identical by bits, no policy needed.
+    same = tracegate.compare(tr / "engine.trace", tr / "contract.trace", only="layer.**")
+    assert (same.verdict, same.ok, same.filter["only"]) == ("identical", True, ["layer.**"])
+
+
+def test_compare_errors_are_exceptions_naming_the_path(planted, tmp_path):
+    tr = planted["traces"]
+    with pytest.raises(tracegate.CompareError, match='unknown policy name "nosuch"'):
+        tracegate.compare(tr / "engine.trace", tr / "oracle.trace", policy="nosuch")
+    missing = tmp_path / "no-policy.json"
+    with pytest.raises(tracegate.CompareError, match=re.escape(str(missing))):
+        tracegate.compare(tr / "engine.trace", tr / "oracle.trace", policy=missing)
+    with pytest.raises(tracegate.CompareError, match="selects no tensor or decision"):
+        tracegate.compare(tr / "engine.trace", tr / "oracle.trace", only="nothing.*")
+    tampered = tmp_path / "tampered.trace"
+    data = bytearray((tr / "engine.trace").read_bytes())
+    data[300] ^= 1  # inside embed.out's payload
+    tampered.write_bytes(data)
+    with pytest.raises(tracegate.TraceError, match=re.escape(f"reference: {tampered}: edited after capture")):
+        tracegate.compare(tampered, tr / "oracle.trace")
+    with pytest.raises(tracegate.TraceError, match=re.escape(str(tmp_path / "absent.trace"))):
+        tracegate.compare(tr / "engine.trace", tmp_path / "absent.trace")
+
+
+def test_assert_traces_agree_names_the_violation_and_the_flips(planted):
+    tr = planted["traces"]
+    with pytest.raises(AssertionError) as failed:
+        assert_traces_agree(tr / "engine.trace", tr / "oracle.trace", policy="f32")
+    msg = str(failed.value)
+    assert "first violation: layer.01.mlp_out (rule #3 layer.*.mlp_out)" in msg, msg
+    # Bound, value and limit, as the report has them.
+    v = planted["diff"]["first_violation"]["violations"][0]
+    assert f"max_rel_l2: value {v['value']} > limit {v['limit']}" in msg, msg
+    assert "decode.0003.argmax[0]: [81] -> [80] (consequence of layer.01.mlp_out)" in msg, msg
+    assert "first bit difference: layer.00.attn_out" in msg, msg
+    # Within the policy it passes (the engine against the planted oracle, before the defects).
+    assert assert_traces_agree(tr / "engine.trace", tr / "oracle.trace", policy="f32", only="layer.00.**").verdict == "within_policy"
+    assert assert_traces_agree(tr / "engine.trace", tr / "contract.trace").verdict == "identical"
+
+
+# --- the pages in a browser ------------------------------------------------------------------
+
+class Dom(html.parser.HTMLParser):
+    """Every element with its attributes and its text (for the elements that hold a value)."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.elements: list = []
+        self._open: list = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        e = {"tag": tag, **{k: (v or "") for k, v in attrs}, "text": ""}
+        self.elements.append(e)
+        if tag not in ("meta", "br", "line", "circle", "img", "input", "link"):
+            self._open.append(e)
+
+    def handle_startendtag(self, tag, attrs):
+        self.elements.append({"tag": tag, **{k: (v or "") for k, v in attrs}, "text": ""})
+
+    def handle_endtag(self, tag):
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i]["tag"] == tag:
+                del self._open[i:]
+                break
+
+    def handle_data(self, data):
+        for e in self._open:
+            e["text"] += data
+
+    def find(self, **want):
+        return [e for e in self.elements if all(e.get(k) == v for k, v in want.items())]
+
+    def by_id(self, id_: str):
+        found = self.find(id=id_)
+        assert len(found) == 1, f"{len(found)} elements with id {id_!r}"
+        return found[0]
+
+
+def pointer(doc, ptr: str):
+    for part in ptr.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    return doc
+
+
+def shown_matches(text: str, value) -> bool:
+    """The words a person reads agree with the value (3 significant digits at least)."""
+    text = text.strip().replace(",", "")
+    if isinstance(value, str) or value is None or isinstance(value, list):
+        return text in (str(value), "-", json.dumps(value)) or text == str(value)
+    if isinstance(value, bool):
+        return text == str(value).lower()
+    scale = 100.0 if text.endswith("%") else 1.0
+    shown = float(text.rstrip("%")) / scale
+    return abs(shown - value) <= 5e-3 * abs(value) + (5e-4 if scale != 1.0 else 0.0)
+
+
+def check_numbers(dom: Dom, report: dict) -> int:
+    """Every element tied to the JSON (`data-json`) holds that JSON value (`data-v`), and the
+    text it shows says the same; returns how many there were."""
+    tied = [e for e in dom.elements if "data-json" in e]
+    for e in tied:
+        want = pointer(report, e["data-json"])
+        assert json.loads(e["data-v"]) == want, (e["data-json"], e["data-v"], want)
+        if e["tag"] in ("td", "span", "code") and "num" in e.get("class", "").split():
+            assert shown_matches(e["text"], want), (e["data-json"], e["text"], want)
+        if e.get("class") == "text":
+            assert e["text"] == want, (e["data-json"], e["text"])
+    return len(tied)
+
+
+@pytest.fixture(scope="module")
+def rendered(planted):
+    exe = browser.chromium()
+    if exe is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium where it can)")
+    d = planted["dir"]
+    py_page = d / "python.html"
+    tracegate.compare(planted["traces"] / "engine.trace", planted["traces"] / "oracle.trace", policy="f32").to_html(py_page)
+    # The negative control: a page that loads a remote image and logs a console error.
+    bad = d / "bad.html"
+    bad.write_text('<!DOCTYPE html><html><body><img src="http://192.0.2.1/x.png">'
+                   '<script>console.error("planted error")</script></body></html>')
+    b = browser.Browser(exe)
+    try:
+        pages = {name: b.render(d / f"{name}.html") for name in ("diff", "gate", "python", "bad")}
+    finally:
+        b.close()
+    keep = os.environ.get("TRACEGATE_SCREENSHOTS")  # e.g. docs/img, to refresh README's pictures
+    for name, r in pages.items():
+        (d / f"{name}.png").write_bytes(r.png)
+        if keep and name in ("diff", "gate"):
+            (ROOT / keep / f"{'trace-diff' if name == 'diff' else 'gate'}-report.png").write_bytes(r.png)
+    return pages
+
+
+def test_the_browser_sees_console_errors_and_network_requests(rendered):
+    bad = rendered["bad"]
+    assert bad.console_errors == ["planted error"]
+    assert bad.foreign_requests() == ["http://192.0.2.1/x.png"]
+    assert any("ERR_PROXY_CONNECTION_FAILED" in e for e in bad.log_errors), bad.log_errors
+
+
+@pytest.mark.parametrize("name", ["diff", "gate", "python"])
+def test_pages_are_self_contained_and_clean(rendered, name):
+    r = rendered[name]
+    assert r.png[:8] == b"\x89PNG\r\n\x1a\n" and len(r.png) > 10_000
+    assert (r.console_errors, r.log_errors, r.foreign_requests()) == ([], [], [])
+    assert not re.search(r"(?:https?:|//)[^\s\"'<>]*\.", r.dom.replace("http-equiv", "")), "the page names a URL"
+    assert "<script" not in r.dom
+
+
+def test_the_diff_page_shows_the_json_report(rendered, planted):
+    for name in ("diff", "python"):  # trace-diff --html and Report.to_html: the same page
+        rep = planted["diff"]
+        dom = Dom(rendered[name].dom)
+        assert check_numbers(dom, rep) > 23 * 9
+        rows = rep["per_tensor"]
+        for chart, field in (("chart-rel-l2", "rel_l2"), ("chart-max-ulp", "max_ulp")):
+            svg = dom.by_id(chart)
+            assert svg["data-n"] == str(len(rows))
+            points = [e for e in dom.find(tag="circle") if e.get("data-json", "").endswith(f"/{field}") and e["data-json"].startswith("/per_tensor/")]
+            assert len(points) == sum(r[field] is not None for r in rows)
+            fv = dom.by_id(f"{chart}-first-violation")
+            assert fv["data-names"] == rep["first_violation"]["tensor"] == rows[int(fv["data-x"])]["tensor"]
+            fbd = dom.by_id(f"{chart}-first-bit-difference")
+            assert fbd["data-names"] == rep["first_bit_difference"]["tensor"] == rows[int(fbd["data-x"])]["tensor"]
+        # The policy's bounds are drawn for every row whose rule sets one.
+        bounds = [e for e in dom.find(tag="line") if "bound" in e.get("class", "").split() and e["data-json"].endswith("/max_rel_l2")]
+        assert len(bounds) == sum(1 for r in rows if r["rule"] and "max_rel_l2" in rep["policy"]["bounds"][r["rule"]["index"]])
+        assert dom.by_id("first-violation")["data-tensor"] == rep["first_violation"]["tensor"]
+        assert [e["data-tensor"] for e in dom.elements if "first-violation" in e.get("class", "").split() and e["tag"] == "tr"] == [rep["first_violation"]["tensor"]]
+        flips = [e["data-label"] for e in dom.find(tag="tr") if e.get("class") == "flip"]
+        assert flips == [f["label"] for r in rep["decisions"]["results"] for f in r["flips"]] == ["consequence"]
+        assert len([e for e in dom.find(tag="circle") if "margin" in e.get("class", "")]) == 1
+
+
+def test_the_gate_page_shows_the_json_report_and_links_failures_to_findings(rendered, planted):
+    rep = planted["gate"]
+    dom = Dom(rendered["gate"].dom)
+    assert check_numbers(dom, rep) > 20
+    cells = [e for e in dom.find(tag="td") if "check" in e.get("class", "").split() and e["data-json"].startswith("/prompts/")]
+    assert len(cells) == sum(len(p["checks"]) for p in rep["prompts"])
+    failing = [(pi, ci) for pi, p in enumerate(rep["prompts"]) for ci, c in enumerate(p["checks"]) if c["status"] == "FAIL"]
+    assert [rep["prompts"][0]["checks"][ci]["check"] for _, ci in failing] == ["agrees", "generation_oracle"]
+    links = {e["href"] for e in dom.find(tag="a")}
+    for pi, ci in failing:
+        assert f"#finding-{pi}-{ci}" in links
+        box = dom.by_id(f"finding-{pi}-{ci}")
+        names = [e["data-name"] for e in dom.elements if e.get("class") == "finding" and e["data-name"] and e in box_children(dom, box)]
+        assert names == [f["name"] for f in rep["prompts"][pi]["checks"][ci]["findings"]]
+    fv = dom.by_id("first-violation-0")
+    assert fv["data-tensor"] == rep["prompts"][0]["oracle"]["first_violation"]["tensor"] == "layer.01.mlp_out"
+    deltas = [e for e in dom.elements if e.get("data-json", "").startswith("/baselines/") and e["data-json"].endswith("/delta")]
+    assert len(deltas) == sum(len(b["observed"]) for b in rep["baselines"]) > 0
+
+
+def box_children(dom: Dom, box: dict) -> list:
+    """The elements inside `box` (those after it, up to the next finding box)."""
+    i = dom.elements.index(box)
+    out = []
+    for e in dom.elements[i + 1:]:
+        if "finding" in e.get("class", "").split() and "box" in e.get("class", "").split():
+            break
+        out.append(e)
+    return out
+
+
+def test_gate_check_refuses_html():
+    r = run([BIN / "gate", "--root", ROOT, "check", "--html", "x.html"])
+    assert r.returncode == 2 and "gate check writes no HTML report" in r.stderr, r.stderr
