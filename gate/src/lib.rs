@@ -5,6 +5,7 @@
 
 pub mod baselines;
 pub mod bisect;
+pub mod bisect_judge;
 pub mod milestones;
 pub mod paths;
 pub mod producer;
