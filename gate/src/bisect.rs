@@ -1469,7 +1469,8 @@ fn self_consistency_lines(sc: &SelfConsistency, layers: &[LayerRow]) -> String {
         _ => {}
     }
     if !consistent.is_empty() {
-        o.push_str(&format!("  self-consistency: the candidate's layer verb on its own input agrees with its own whole run in {}\n", format!("{} {}", if consistent.len() == 1 { "layer" } else { "layers" }, span(&consistent))));
+        let which = if consistent.len() == 1 { "layer" } else { "layers" };
+        o.push_str(&format!("  self-consistency: the candidate's layer verb on its own input agrees with its own whole run in {which} {}\n", span(&consistent)));
     }
     for why in &sc.not_checked {
         o.push_str(&format!("  self-consistency NOT CHECKED: {why}\n"));
