@@ -4,7 +4,10 @@
 //! isolation but differs in the whole run has inherited its difference from upstream. Within the
 //! first wrong layer the capture points name the first wrong sub-stage. `--calibrate` chains the
 //! reference's own layer verb over a 1-ULP perturbation of its input, to say how large the
-//! candidate's difference is next to rounding noise. Report schema: docs/bisect.md.
+//! candidate's difference is next to rounding noise. Before a layer body is blamed, the
+//! candidate's layer verb is checked against its own whole run (`inconsistent_producer`). How it
+//! judges, the rounding-level reading and the outlier flag: bisect_judge.rs. Report schema:
+//! docs/bisect.md, docs/bisect-report.schema.json.
 
 use std::path::{Path, PathBuf};
 
@@ -13,12 +16,12 @@ use serde_json::json;
 use tracegate_diff::{compare, Options, Policy, Report, Verdict};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
+use crate::bisect_judge::{self as judge, Ask, Judge, Outliers, RoundingLevel};
 use crate::producer::{Producer, RunRecord, Verb};
 use crate::{gerr, Result};
 
-pub const DEFAULT_POLICY: &str = "fixtures/policy/oracle-default.json";
-/// The report's format (docs/bisect.md).
-pub const SCHEMA: &str = "tracegate-bisect/2";
+/// The report's format (docs/bisect.md, docs/bisect-report.schema.json).
+pub const SCHEMA: &str = "tracegate-bisect/3";
 
 #[derive(Clone, Debug)]
 pub struct BisectOptions {
@@ -28,8 +31,11 @@ pub struct BisectOptions {
     pub prompt: Option<String>,
     pub reference: Producer,
     pub candidate: Producer,
-    /// Judge by this policy; None: by bits unless either side is the oracle (then DEFAULT_POLICY).
+    /// Judge by this policy (`--policy`); None: see `exact`.
     pub policy: Option<String>,
+    /// `--exact`: judge by bits. Neither: by bits for two ordered producers, else by the bundled
+    /// policy for the candidate's precision (bisect_judge.rs).
+    pub exact: bool,
     pub all_layers: bool,
     pub internals: bool,
     pub calibrate: bool,
@@ -54,6 +60,17 @@ pub fn producer(root: &Path, kind: &str, template: Option<&str>, side: &str, thr
         ("cmd", Some(_)) => cmd(&format!("{side}-cmd"), String::new()),
         ("cmd", None) => Err(gerr!("--{side} cmd needs --{side}-cmd 'TEMPLATE' (e.g. 'my-engine {{verb}} {{args}}')")),
         (other, _) => Err(gerr!("--{side} {other:?}: expected engine, contract, oracle or cmd")),
+    }
+}
+
+/// Whether a producer is one of the built-in ordered ones (docs/numerics.md): the engine, or the
+/// contract run by its own command. A replaced command is the user's producer.
+pub fn is_ordered(root: &Path, p: &Producer) -> bool {
+    match p {
+        Producer::Engine { .. } => true,
+        Producer::Command { name, words } => {
+            name == "contract" && matches!(Producer::command("contract", &crate::run::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
+        }
     }
 }
 
@@ -144,6 +161,39 @@ pub struct LayerRow {
     pub whole_vs_calibration: Option<f64>,
     /// isolated_rel_l2 / calibration_rel_l2 (at the calibration layer only: same input perturbed).
     pub isolated_vs_calibration: Option<f64>,
+    /// The candidate's layer verb on its own input vs its own whole run: "not_run",
+    /// "consistent", "inconsistent", "not_checked" (self_consistency says why).
+    pub self_check: &'static str,
+    /// The largest ratio of this layer's isolated error to the median of the other matching
+    /// isolated layers' (bisect_judge::OUTLIER_MEASURE; null: not checked, or zero medians);
+    /// `suspicious`: flagged by the outlier check.
+    pub peer_ratio: Option<f64>,
+    pub suspicious: bool,
+}
+
+impl LayerRow {
+    /// A layer nothing is known of yet: matching, not isolated, not checked.
+    fn new(layer: usize) -> LayerRow {
+        LayerRow {
+            layer,
+            whole_run: "match",
+            whole_max_ulp: None,
+            whole_rel_l2: None,
+            isolation: "not_run",
+            isolated_max_ulp: None,
+            isolated_rel_l2: None,
+            isolated: Vec::new(),
+            isolated_decisions: Vec::new(),
+            status: "ok",
+            reason: None,
+            calibration_rel_l2: None,
+            whole_vs_calibration: None,
+            isolated_vs_calibration: None,
+            self_check: "not_run",
+            peer_ratio: None,
+            suspicious: false,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -168,6 +218,9 @@ pub struct CalibrationRow {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Calibration {
+    /// Run without `--calibrate`: judged by bits, a layer about to be blamed, a pair that is not
+    /// two ordered producers; one layer only (the blamed one), to say whether it is rounding.
+    pub automatic: bool,
     pub from_layer: usize,
     pub seed: u64,
     pub perturbation: String,
@@ -207,11 +260,51 @@ pub struct DecisionsForced {
     pub overridden: Option<serde_json::Value>,
 }
 
+/// The first element of an inconsistency: by bits the first differing element, under a policy
+/// the worst element of the tensor outside it.
+#[derive(Clone, Debug, Serialize)]
+pub struct ElementDiff {
+    /// "first_differing" or "worst_outside_policy".
+    pub which: &'static str,
+    pub coords: Vec<u64>,
+    pub whole_run_value: String,
+    pub layer_verb_value: String,
+    pub ulp: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Inconsistency {
+    pub layer: usize,
+    /// The first capture point of the layer, in computation order, where the layer verb and the
+    /// whole run disagree, and how.
+    pub tensor: String,
+    pub detail: String,
+    pub element: Option<ElementDiff>,
+    /// The candidate's layer verb on its own input.
+    pub trace: String,
+}
+
+/// The candidate's `layer` verb on its own whole run's `layer.LL.hidden_in`, against that whole
+/// run's `layer.LL.*`, judged as the pair is: bisect's isolation runs the layer verb, so a layer
+/// verb that disagrees with its own whole run would be blamed for a body the engine does not run.
+#[derive(Clone, Debug, Serialize)]
+pub struct SelfConsistency {
+    /// "first_wrong_layer" (checked only for a layer about to be blamed) or "all_layers"
+    /// (`--all-layers`: every isolated layer).
+    pub scope: &'static str,
+    pub checked_layers: Vec<usize>,
+    /// The first layer whose layer verb disagrees with its own whole run.
+    pub inconsistent: Option<Inconsistency>,
+    /// Layers whose check could not run, each "layer NN: why".
+    pub not_checked: Vec<String>,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct BisectReport {
     pub schema: &'static str,
     pub summary: String,
-    /// "nothing_wrong", "wrong_layer", "accumulates", "outside_layers", "not_checked".
+    /// "nothing_wrong", "wrong_layer", "inconsistent_producer", "accumulates", "outside_layers",
+    /// "decisions_differ", "structure_differs", "not_checked".
     pub verdict: &'static str,
     pub exit_code: i32,
     pub model: String,
@@ -219,8 +312,8 @@ pub struct BisectReport {
     pub tokens: Vec<i64>,
     pub reference: String,
     pub candidate: String,
-    /// "bits" or "policy NAME (PATH)".
-    pub judged_by: String,
+    /// How it judged and why (the first line of the text verdict).
+    pub judge: Judge,
     pub capture: &'static str,
     pub layers_total: usize,
     /// Whether the candidate's decisions were forced from the reference's (null: they agreed).
@@ -236,6 +329,10 @@ pub struct BisectReport {
     pub calibration: Option<Calibration>,
     /// `--generate N`: the decode steps (bisect_decode.rs); null without it.
     pub decode: Option<crate::bisect_decode::DecodeReport>,
+    /// Judged by bits with a calibrated blamed layer: whether its difference is rounding level.
+    pub rounding_level: Option<RoundingLevel>,
+    pub self_consistency: SelfConsistency,
+    pub outliers: Outliers,
     pub work_dir: String,
     pub runs: Vec<RunRecord>,
     pub gate_invocation: Vec<String>,
@@ -389,6 +486,22 @@ pub(crate) struct Isolation {
     pub tensors: Vec<TensorCmp>,
     pub decisions: Vec<DecisionCmp>,
     pub wrong: bool,
+    pub report: Report,
+    /// The candidate's layer trace.
+    pub out: String,
+}
+
+/// Where one isolation reads and writes: the whole trace whose `layer.LL.hidden_in` is the
+/// input and whose `layer.LL.*` the output is compared with (the reference's, or for the
+/// self-consistency check the candidate's own), and the file names under the work dir.
+struct Source<'a> {
+    trace: &'a Trace,
+    rel: &'a str,
+    /// "the reference's" / "its own whole run's", for messages.
+    whose: &'a str,
+    /// The candidate's layer trace and the rewritten slice, `{stem}.LL.trace`.
+    out_stem: &'a str,
+    slice_stem: &'a str,
 }
 
 /// The reference's whole-run `layer.LL.*` tensors (those the candidate's layer trace also has)
@@ -420,29 +533,33 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
     Ok(())
 }
 
-/// `forced`: the candidate's layer verb takes the reference's router choices too.
-fn isolate(o: &BisectOptions, reference: &Trace, ref_rel: &str, layer: usize, policy: &Option<Policy>, forced: bool, runs: &mut Vec<RunRecord>) -> std::result::Result<Isolation, String> {
+/// The candidate's layer verb on `src`'s input to `layer`, compared with `src`'s own outputs.
+/// `forced`: the layer verb takes `src`'s router choices too.
+fn isolate(o: &BisectOptions, src: &Source, layer: usize, policy: &Option<Policy>, forced: bool, runs: &mut Vec<RunRecord>) -> std::result::Result<Isolation, String> {
+    let out = format!("{}/{}.{layer:02}.trace", o.work, src.out_stem);
     let verb = Verb::Layer {
         model: o.model.clone(),
         layer,
-        input: ref_rel.into(),
+        input: src.rel.into(),
         input_name: format!("layer.{layer:02}.hidden_in"),
-        out: format!("{}/candidate.layer.{layer:02}.trace", o.work),
+        out,
         internals: o.internals,
-        force: forced.then(|| ref_rel.to_string()),
+        force: forced.then(|| src.rel.to_string()),
         decode_from: None,
     };
-    let slice_rel = format!("{}/reference.layer.{layer:02}.trace", o.work);
-    isolate_with(o, &verb, layer, &slice_rel, policy, runs, |cand, out| write_slice(reference, cand, layer, out))
+    let slice_rel = format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem);
+    isolate_with(o, &verb, layer, &slice_rel, src.whose, policy, runs, |cand, out| write_slice(src.trace, cand, layer, out))
 }
 
 /// Runs the candidate's layer `verb` and compares its trace with the reference's rows of that
-/// layer, which `slice` writes (given the candidate's trace) to `slice_rel`.
+/// layer, which `slice` writes (given the candidate's trace) to `slice_rel`; `whose` names
+/// their source in messages ("the reference's").
 pub(crate) fn isolate_with(
     o: &BisectOptions,
     verb: &Verb,
     layer: usize,
     slice_rel: &str,
+    whose: &str,
     policy: &Option<Policy>,
     runs: &mut Vec<RunRecord>,
     slice: impl FnOnce(&Trace, &Path) -> Result<()>,
@@ -464,31 +581,21 @@ pub(crate) fn isolate_with(
     let rep = compare(&slice, &cand, &Options { all: true, policy: policy.clone(), ..Options::default() });
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = rep.findings.iter().map(describe).collect();
-        return Err(format!("the candidate's layer trace is not comparable with the reference's: {}", why.join("; ")));
+        return Err(format!("the candidate's layer trace is not comparable with {}: {}", whose, why.join("; ")));
     }
     let tensors = rows(&rep);
     let decisions = decisions(&rep);
     let wrong = tensors.iter().any(|t| is_bad(&t.status)) || decisions.iter().any(|d| d.judged_rows() > 0);
-    Ok(Isolation { tensors, decisions, wrong })
+    Ok(Isolation { tensors, decisions, wrong, report: rep, out: verb.out().to_string() })
 }
 
 /// A layer's row before isolation: `differs` in the whole run, `h` its hidden_out there.
 pub(crate) fn layer_row(layer: usize, differs: bool, h: Option<&TensorCmp>) -> LayerRow {
     LayerRow {
-        layer,
         whole_run: if differs { "differs" } else { "match" },
         whole_max_ulp: h.and_then(|t| t.max_ulp),
         whole_rel_l2: h.and_then(|t| t.rel_l2),
-        isolation: "not_run",
-        isolated_max_ulp: None,
-        isolated_rel_l2: None,
-        isolated: Vec::new(),
-        isolated_decisions: Vec::new(),
-        status: "ok",
-        reason: None,
-        calibration_rel_l2: None,
-        whole_vs_calibration: None,
-        isolated_vs_calibration: None,
+        ..LayerRow::new(layer)
     }
 }
 
@@ -512,8 +619,34 @@ pub(crate) fn layer_status(isolation: &str, whole_run: &str) -> &'static str {
     }
 }
 
-/// The first wrong capture point of a layer in isolation, in computation order.
-pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
+/// Where the layer verb and the whole run disagree first (`stage` names the capture point) and
+/// the element that shows it: by bits the first differing one, under a policy the worst.
+fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsistency {
+    let probe = LayerRow { isolated: iso.tensors.clone(), isolated_decisions: iso.decisions.clone(), ..LayerRow::new(layer) };
+    let s = stage(layer, &probe, moe, "differs from the whole run");
+    let rep = &iso.report;
+    let first = rep.first_divergence.as_ref().filter(|d| d.tensor == s.tensor && rep.policy.is_none()).map(|d| ElementDiff {
+        which: "first_differing",
+        coords: d.coords.clone(),
+        whole_run_value: d.reference_value.clone(),
+        layer_verb_value: d.candidate_value.clone(),
+        ulp: d.ulp,
+    });
+    let worst = || {
+        rep.per_tensor.iter().find(|r| r.tensor == s.tensor).and_then(|r| r.worst_element.as_ref()).map(|e| ElementDiff {
+            which: "worst_outside_policy",
+            coords: e.coords.clone(),
+            whole_run_value: e.reference_value.clone(),
+            layer_verb_value: e.candidate_value.clone(),
+            ulp: e.ulp,
+        })
+    };
+    Inconsistency { layer, element: first.or_else(worst), tensor: s.tensor, detail: s.detail, trace: iso.out.clone() }
+}
+
+/// The first wrong capture point of a layer in isolation, in computation order; `differs`:
+/// how a wrong one is said ("differs in isolation").
+pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> Stage {
     let pfx = format!("layer.{layer:02}.");
     let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
     let mut order: Vec<(String, &'static str)> = ["hidden_in", "q", "k", "v", "attn_probs", "attn_out", "router.logits"]
@@ -533,7 +666,7 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
     for (name, block) in order {
         if let Some(d) = row.isolated_decisions.iter().find(|d| d.name == name) {
             if d.judged_rows() > 0 {
-                let detail = format!("{} differs in isolation ({}/{} rows choose other experts)", short(&name), d.differing_rows, d.rows);
+                let detail = format!("{} {differs} ({}/{} rows choose other experts)", short(&name), d.differing_rows, d.rows);
                 return Stage { layer, block, tensor: name, detail, matching };
             }
             matching.push(short(&name));
@@ -541,7 +674,7 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
             if is_bad(&t.status) {
                 let how = if t.status == "different" { String::new() } else { format!(", {}", t.status.replace('_', " ")) };
                 let detail = format!(
-                    "{} differs in isolation ({}/{} elements, max {} ULP, rel L2 {}{how})",
+                    "{} {differs} ({}/{} elements, max {} ULP, rel L2 {}{how})",
                     short(&name),
                     thousands(t.differing_elements.unwrap_or(0)),
                     thousands(t.total_elements),
@@ -555,7 +688,82 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool) -> Stage {
     }
     // Only something outside the ordered capture points differs (an extra tensor, a structure finding).
     let other = row.isolated.iter().find(|t| is_bad(&t.status)).map(|t| t.tensor.clone()).unwrap_or_default();
-    Stage { layer, block: "other", detail: format!("{} differs in isolation", short(&other)), tensor: other, matching }
+    Stage { layer, block: "other", detail: format!("{} {differs}", short(&other)), tensor: other, matching }
+}
+
+fn is_moe(t: &Trace, layer: usize) -> bool {
+    t.decision_info(&format!("layer.{layer:02}.router.topk")).is_some()
+}
+
+/// The self-consistency check (`SelfConsistency`), lazily: only the first layer wrong in
+/// isolation, the one about to be blamed (a clean run costs nothing), or under `--all-layers`
+/// every isolated layer (one more layer-verb run each). Sets each checked row's `self_check`.
+fn self_check(o: &BisectOptions, own: &Trace, own_rel: &str, layers: &mut [LayerRow], policy: &Option<Policy>, forced: bool, runs: &mut Vec<RunRecord>) -> SelfConsistency {
+    let mut sc = SelfConsistency { scope: if o.all_layers { "all_layers" } else { "first_wrong_layer" }, checked_layers: Vec::new(), inconsistent: None, not_checked: Vec::new() };
+    let todo: Vec<usize> = if o.all_layers {
+        layers.iter().filter(|r| matches!(r.isolation, "match" | "wrong")).map(|r| r.layer).collect()
+    } else {
+        layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer).into_iter().collect()
+    };
+    let src = Source { trace: own, rel: own_rel, whose: "its own whole run's", out_stem: "candidate.self.layer", slice_stem: "candidate.slice.layer" };
+    for l in todo {
+        match isolate(o, &src, l, policy, forced, runs) {
+            Ok(iso) => {
+                sc.checked_layers.push(l);
+                layers[l].self_check = if iso.wrong { "inconsistent" } else { "consistent" };
+                if iso.wrong && sc.inconsistent.is_none() {
+                    sc.inconsistent = Some(inconsistency(l, &iso, is_moe(own, l)));
+                }
+            }
+            Err(why) => {
+                layers[l].self_check = "not_checked";
+                sc.not_checked.push(format!("layer {l:02}: {why}"));
+            }
+        }
+        if runs.last().is_some_and(|r| r.timed_out) {
+            break; // refused right after
+        }
+    }
+    sc
+}
+
+/// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
+/// the candidate's own whole run, so its isolation would judge the probe, not the engine.
+fn inconsistent_verdict(i: &Inconsistency, layers: &[LayerRow], whole: &WholeRun) -> (&'static str, i32, String) {
+    let element = i
+        .element
+        .as_ref()
+        .map(|e| {
+            let which = if e.which == "first_differing" { "first differing element" } else { "worst element outside the policy" };
+            format!("; {which} {:?}: whole run {} vs layer verb {} ({} ULP)", e.coords, e.whole_run_value, e.layer_verb_value, ulps(e.ulp))
+        })
+        .unwrap_or_default();
+    let others: Vec<usize> = layers.iter().filter(|r| r.status == "inconsistent" && r.layer != i.layer).map(|r| r.layer).collect();
+    let also = if others.is_empty() { String::new() } else { format!("; {}", say(&others, "disagrees too", "disagree too")) };
+    (
+        "inconsistent_producer",
+        1,
+        format!(
+            "the candidate's layer verb disagrees with its own whole run at layer {:02}: {}{element}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
+            i.layer,
+            i.detail,
+            whole.verdict.replace('_', " ")
+        ),
+    )
+}
+
+/// "layer 01 suspicious: isolated error 3.10× its peers' median (rel L2 of …; flagged above 2×; not a failure)".
+fn suspicious_words(layers: &[LayerRow], out: &Outliers) -> String {
+    let each: Vec<String> = out
+        .suspicious
+        .iter()
+        .map(|&l| {
+            let r = &layers[l];
+            let how = r.peer_ratio.map(|x| format!("{} its peers' median", ratio(Some(x)))).unwrap_or_else(|| "above zero, its peers' median (bit-exact)".into());
+            format!("layer {l:02} suspicious: isolated error {how}")
+        })
+        .collect();
+    format!("{} (rel L2 of {}; flagged above {}×; not a failure)", each.join("; "), out.measure, out.factor)
 }
 
 pub(crate) fn block_words(block: &str) -> &'static str {
@@ -575,8 +783,11 @@ pub(crate) fn block_words(block: &str) -> &'static str {
 // ------------------------------------------------------------------------------------------
 // Calibration
 
-fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: &mut Vec<RunRecord>) -> Calibration {
+/// The reference's layer verb chained over a 1-ULP perturbation of layer `from`'s input, up to
+/// (not including) layer `upto`.
+fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, upto: usize, runs: &mut Vec<RunRecord>) -> Calibration {
     let mut cal = Calibration {
+        automatic: !o.calibrate,
         from_layer: from,
         seed: o.seed,
         perturbation: format!("every finite element of layer.{from:02}.hidden_in moved one f32 ULP up or down in magnitude (splitmix64, seed {})", o.seed),
@@ -612,7 +823,7 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, n: usize, runs: 
     }
     // The reference's own layer verb, chained: each layer's hidden_out is the next one's input.
     let (mut input, mut input_name) = (input_rel, name);
-    for layer in from..n {
+    for layer in from..upto {
         let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
         let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false, force: None, decode_from: None };
         let rec = o.reference.run(&o.root, &verb, o.timeout);
@@ -664,17 +875,16 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let reference = open(&o.root, &ref_rel)?;
     let candidate = open(&o.root, &cand_rel)?;
 
-    // Exact unless the oracle is involved or a policy was asked for.
-    let oracle_pair = o.reference.name() == "oracle" || o.candidate.name() == "oracle" || is_oracle(&reference) || is_oracle(&candidate);
-    let policy_path = o.policy.clone().or_else(|| oracle_pair.then(|| DEFAULT_POLICY.to_string()));
-    let policy = match &policy_path {
-        Some(p) => Some(Policy::resolve(p, &o.root).map_err(|e| gerr!("--policy {p}: {e}"))?),
-        None => None,
+    // By bits for two ordered producers, else by the policy for the candidate's precision,
+    // unless --exact or --policy says otherwise. An oracle's provenance is never ordered.
+    let ask = match (o.exact, &o.policy) {
+        (true, Some(p)) => return Err(gerr!("--exact judges by bits and --policy {p} by a policy: give one")),
+        (true, None) => Ask::Exact,
+        (false, Some(p)) => Ask::Policy(p.clone()),
+        (false, None) => Ask::Default,
     };
-    let judged_by = match (&policy, &policy_path) {
-        (Some(p), Some(path)) => format!("policy {} ({path})", p.name),
-        _ => "bits".to_string(),
-    };
+    let ordered = (is_ordered(&o.root, &o.reference) && !is_oracle(&reference), is_ordered(&o.root, &o.candidate) && !is_oracle(&candidate));
+    let (judge, policy) = judge::choose(&ask, (&o.reference.name(), &o.candidate.name()), ordered, &candidate, &o.root)?;
 
     // The decode steps are bisected after the prefill, step by step (bisect_decode.rs).
     let opts = Options { all: true, policy: policy.clone(), filter: crate::bisect_decode::prefill_filter(o.generate), ..Options::default() };
@@ -788,7 +998,8 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             row.reason = Some(format!("not attempted: the candidate's layer verb failed on layer {at:02}"));
             continue;
         }
-        match isolate(o, &reference, &ref_rel, l, &policy, forced, &mut runs) {
+        let src = Source { trace: &reference, rel: &ref_rel, whose: "the reference's", out_stem: "candidate.layer", slice_stem: "reference.layer" };
+        match isolate(o, &src, l, &policy, forced, &mut runs) {
             Ok(iso) => fill_isolated(row, iso),
             Err(why) => {
                 row.isolation = "not_checked";
@@ -798,14 +1009,25 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         }
     }
     refuse_timeout(&runs, o)?;
-    let first_wrong = layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer);
+    // Before a layer body is blamed: does the candidate's layer verb agree with its own whole run?
+    let own_rel = decisions_forced.as_ref().and_then(|f| f.candidate_trace.clone()).unwrap_or_else(|| cand_rel.clone());
+    let own = open(&o.root, &own_rel)?;
+    let self_consistency = self_check(o, &own, &own_rel, &mut layers, &policy, forced, &mut runs);
+    refuse_timeout(&runs, o)?;
     for row in &mut layers {
-        row.status = layer_status(row.isolation, row.whole_run);
+        row.status = if row.self_check == "inconsistent" { "inconsistent" } else { layer_status(row.isolation, row.whole_run) };
     }
-    let stage = first_wrong.map(|l| stage(l, &layers[l], reference.decision_info(&format!("layer.{l:02}.router.topk")).is_some()));
+    let first_wrong = layers.iter().find(|r| r.status == "wrong").map(|r| r.layer);
+    let stage = first_wrong.map(|l| stage(l, &layers[l], is_moe(&reference, l), "differs in isolation"));
 
-    // Calibration: from the first wrong layer, else the first diverging one, else layer 0.
-    let calibration = (o.calibrate && n > 0).then(|| calibrate(o, &reference, first_wrong.or(first_layer).unwrap_or(0), n, &mut runs));
+    // Calibration: from the first wrong layer, else the first diverging one, else layer 0. Judged
+    // by bits, a layer about to be blamed in a pair that is not two ordered producers gets it
+    // without --calibrate, for that one layer: is its difference rounding?
+    let auto = judge.by == "bits" && !(ordered.0 && ordered.1) && !o.calibrate;
+    let calibration = match first_wrong {
+        Some(l) if auto => Some(calibrate(o, &reference, l, l + 1, &mut runs)),
+        _ => (o.calibrate && n > 0).then(|| calibrate(o, &reference, first_wrong.or(first_layer).unwrap_or(0), n, &mut runs)),
+    };
     if let Some(cal) = &calibration {
         for c in &cal.rows {
             let row = &mut layers[c.layer];
@@ -822,16 +1044,47 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     }
 
     refuse_timeout(&runs, o)?;
+    let rounding_level = match (first_wrong, judge.by) {
+        (Some(l), "bits") => RoundingLevel::new(l, layers[l].isolated_rel_l2, layers[l].calibration_rel_l2, &judge, o.exact),
+        _ => None,
+    };
+
+    // Outliers within the policy: the matching isolated layers' errors against their peers'.
+    let errors: Vec<judge::LayerErrors> = layers
+        .iter()
+        .filter(|r| r.isolation == "match" && r.status != "inconsistent")
+        .map(|r| {
+            let rel = |t: &str| r.isolated.iter().find(|x| x.tensor == format!("layer.{:02}.{t}", r.layer)).and_then(|x| x.rel_l2);
+            (r.layer, rel("attn_out"), if is_moe(&reference, r.layer) { None } else { rel("mlp_out") })
+        })
+        .collect();
+    let (outliers, per) = judge::outliers(&errors);
+    for (l, ratio, flagged) in per {
+        (layers[l].peer_ratio, layers[l].suspicious) = (ratio, flagged);
+    }
 
     // Amplification: geometric-mean growth of the whole-run error over consecutive differing layers.
     let errs: Vec<f64> = layers.iter().filter_map(|r| r.whole_rel_l2).filter(|&e| e > 0.0).collect();
     let amplification = (errs.len() >= 2).then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64));
 
-    let (verdict, exit_code, summary) = verdict(&layers, first_wrong, &stage, &first, n, &whole_run, &structure, amplification, &failed);
-    let (verdict, exit_code, summary) = match &decisions_forced {
+    let (verdict, exit_code, summary) = match &self_consistency.inconsistent {
+        // The first layer whose verbs disagree comes before any layer blamed: nothing is blamed.
+        Some(i) if first_wrong.is_none_or(|w| i.layer < w) => inconsistent_verdict(i, &layers, &whole_run),
+        _ => verdict(&layers, first_wrong, &stage, &first, n, &whole_run, &structure, amplification, &failed),
+    };
+    let (verdict, exit_code, mut summary) = match &decisions_forced {
         Some(f) => with_forcing(f, (verdict, exit_code, summary)),
         None => (verdict, exit_code, summary),
     };
+    if let Some(r) = &rounding_level {
+        summary.push_str(&format!("; {}", r.words()));
+    }
+    if first_wrong.is_some() && !self_consistency.not_checked.is_empty() {
+        summary.push_str(&format!("; the candidate's layer verb NOT CHECKED against its own whole run: {}", self_consistency.not_checked.join("; ")));
+    }
+    if !outliers.suspicious.is_empty() {
+        summary.push_str(&format!("; {}", suspicious_words(&layers, &outliers)));
+    }
     let (decode, (verdict, exit_code, summary)) = if o.generate > 0 {
         let ctx = crate::bisect_decode::Context { reference: &reference, candidate: &candidate, policy: &policy, layers: n };
         let (d, v) = crate::bisect_decode::run(o, &ctx, &mut runs, (verdict, exit_code, summary));
@@ -850,7 +1103,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         tokens: o.tokens.clone(),
         reference: o.reference.name(),
         candidate: o.candidate.name(),
-        judged_by,
+        judge,
         capture: if o.internals { "internals" } else { "default" },
         layers_total: n,
         decisions_forced,
@@ -862,6 +1115,9 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         amplification_per_layer: amplification,
         calibration,
         decode,
+        rounding_level,
+        self_consistency,
+        outliers,
         work_dir: o.work.clone(),
         runs,
         gate_invocation: o.gate_invocation.clone(),
@@ -956,6 +1212,10 @@ fn verdict(
     let mut tail = Vec::new();
     if !matched.is_empty() {
         tail.push(say(&matched, "matches in isolation", "match in isolation"));
+    }
+    let inconsistent = with("inconsistent");
+    if !inconsistent.is_empty() {
+        tail.push(say(&inconsistent, "has a layer verb that disagrees with its own whole run", "have layer verbs that disagree with their own whole runs"));
     }
     if let (Some(l), Some(s)) = (first_wrong, stage) {
         let also: Vec<usize> = wrong.iter().copied().filter(|&w| w != l).collect();
@@ -1089,13 +1349,14 @@ fn summarise(findings: &[&tracegate_diff::Finding]) -> Option<String> {
 
 pub fn render(r: &BisectReport) -> String {
     let mut o = String::new();
+    o.push_str(&r.judge.line());
+    o.push('\n');
     o.push_str(&r.summary);
     o.push('\n');
     o.push_str(&format!(
-        "  reference {} · candidate {} · judged by {} · model {} · {} tokens{} · capture {}\n",
+        "  reference {} · candidate {} · model {} · {} tokens{} · capture {}\n",
         r.reference,
         r.candidate,
-        r.judged_by,
         r.model,
         r.tokens.len(),
         r.prompt.as_ref().map(|p| format!(" (prompt {p})")).unwrap_or_default(),
@@ -1150,8 +1411,9 @@ pub fn render(r: &BisectReport) -> String {
         o.push_str(&format!("  whole run finding: {f}\n"));
     }
     let cal = r.calibration.is_some();
+    let peers = r.outliers.checked;
     o.push_str(&format!(
-        "\n  {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}{}\n",
+        "\n  {:<5} {:<12} {:<9} {:>12} {:>11} {:>12} {:>11}{}{}\n",
         "layer",
         "status",
         "whole run",
@@ -1159,11 +1421,17 @@ pub fn render(r: &BisectReport) -> String {
         "isol rel L2",
         "whole max ULP",
         "whole rel L2",
-        if cal { format!(" {:>11} {:>11}", "1-ULP rel L2", "whole/1-ULP") } else { String::new() }
+        if cal { format!(" {:>11} {:>11}", "1-ULP rel L2", "whole/1-ULP") } else { String::new() },
+        if peers { "  vs peers" } else { "" }
     ));
     for row in &r.layers {
+        let vs = match (peers, row.isolation) {
+            (false, _) => String::new(),
+            (true, "match") if row.status != "inconsistent" => format!("  {:>8}{}", ratio(row.peer_ratio), if row.suspicious { " suspicious" } else { "" }),
+            (true, _) => format!("  {:>8}", "-"),
+        };
         o.push_str(&format!(
-            "  {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}{}\n",
+            "  {:<5} {:<12} {:<9} {:>12} {:>11} {:>12} {:>11}{}{vs}\n",
             format!("{:02}", row.layer),
             row.status,
             row.whole_run,
@@ -1195,6 +1463,9 @@ pub fn render(r: &BisectReport) -> String {
     for row in r.layers.iter().filter(|r| r.reason.is_some()).take(1) {
         o.push_str(&format!("\n  layer {:02} NOT CHECKED: {}\n", row.layer, row.reason.as_deref().unwrap_or("")));
     }
+    o.push('\n');
+    o.push_str(&self_consistency_lines(&r.self_consistency, &r.layers));
+    o.push_str(&outlier_line(&r.outliers, &r.layers));
     if let Some(c) = &r.calibration {
         o.push_str(&format!("\n  calibration: {} (input rel L2 {})\n", c.perturbation, sci(c.input_rel_l2)));
         if let Some(row) = r.layers.get(c.from_layer) {
@@ -1225,4 +1496,43 @@ pub fn render(r: &BisectReport) -> String {
     }
     o.push_str(&format!("\n  traces in {}\n", r.work_dir));
     o
+}
+
+fn self_consistency_lines(sc: &SelfConsistency, layers: &[LayerRow]) -> String {
+    let mut o = String::new();
+    let consistent: Vec<usize> = layers.iter().filter(|r| r.self_check == "consistent").map(|r| r.layer).collect();
+    match (&sc.inconsistent, consistent.is_empty(), sc.scope) {
+        (Some(i), _, _) => {
+            o.push_str(&format!("  self-consistency: INCONSISTENT at layer {:02}: the candidate's layer verb on its own input: {} ({})\n", i.layer, i.detail, i.trace));
+            if let Some(e) = &i.element {
+                o.push_str(&format!("    {} {:?}: whole run {} vs layer verb {} ({} ULP)\n", e.which.replace('_', " "), e.coords, e.whole_run_value, e.layer_verb_value, ulps(e.ulp)));
+            }
+        }
+        (None, true, "first_wrong_layer") if sc.not_checked.is_empty() => {
+            o.push_str("  self-consistency: not run (checked only for a layer about to be blamed; --all-layers checks every isolated layer)\n")
+        }
+        _ => {}
+    }
+    if !consistent.is_empty() {
+        let which = if consistent.len() == 1 { "layer" } else { "layers" };
+        o.push_str(&format!("  self-consistency: the candidate's layer verb on its own input agrees with its own whole run in {which} {}\n", span(&consistent)));
+    }
+    for why in &sc.not_checked {
+        o.push_str(&format!("  self-consistency NOT CHECKED: {why}\n"));
+    }
+    o
+}
+
+fn outlier_line(out: &Outliers, layers: &[LayerRow]) -> String {
+    if let Some(why) = &out.not_checked {
+        return format!("  outliers NOT CHECKED: {why}\n");
+    }
+    if !out.suspicious.is_empty() {
+        return format!("  outliers: {}\n", suspicious_words(layers, out));
+    }
+    let largest = match (out.largest_layer, out.largest_ratio) {
+        (Some(l), Some(x)) => format!(" (largest: layer {l:02}, {})", ratio(Some(x))),
+        _ => String::new(),
+    };
+    format!("  outliers: no layer's isolated error ({}) is above {}× its peers' median, of {} matching isolated layers{largest}\n", out.measure, out.factor, out.isolated_layers)
 }

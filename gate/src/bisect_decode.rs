@@ -366,7 +366,7 @@ fn isolate_step(o: &BisectOptions, c: &Context, s: usize, p: i64, step_all: &[Te
             decode_from: Some(p),
         };
         let slice_rel = format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work);
-        match b::isolate_with(o, &verb, l, &slice_rel, c.policy, runs, |cand, out| b::write_slice(&view, cand, l, out)) {
+        match b::isolate_with(o, &verb, l, &slice_rel, "the reference's", c.policy, runs, |cand, out| b::write_slice(&view, cand, l, out)) {
             Ok(iso) => b::fill_isolated(&mut row, iso),
             Err(why) => {
                 row.isolation = "not_checked";
@@ -384,7 +384,7 @@ fn isolate_step(o: &BisectOptions, c: &Context, s: usize, p: i64, step_all: &[Te
         row.status = b::layer_status(row.isolation, row.whole_run);
     }
     d.first_wrong_layer = d.layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer);
-    d.stage = d.first_wrong_layer.map(|l| b::stage(l, &d.layers[l], c.reference.decision_info(&format!("layer.{l:02}.router.topk")).is_some()));
+    d.stage = d.first_wrong_layer.map(|l| b::stage(l, &d.layers[l], c.reference.decision_info(&format!("layer.{l:02}.router.topk")).is_some(), "differs in isolation"));
 }
 
 /// The decode part of the human output.

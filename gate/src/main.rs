@@ -101,10 +101,13 @@ struct BisectArgs {
     #[arg(long)]
     candidate_cmd: Option<String>,
     /// Judge by this policy: a bundled name (f32, bf16, f16) or a file (relative to the current
-    /// directory); default: by bits, or f32 (fixtures/policy/oracle-default.json) when the
-    /// oracle is a side.
+    /// directory). Default: by bits when both sides are ordered producers (engine, contract),
+    /// else by the bundled policy for the candidate's precision (docs/bisect.md, "Judging").
     #[arg(long)]
     policy: Option<PathBuf>,
+    /// Judge by bits whatever the pair (a port meant to be bit-exact); not with --policy.
+    #[arg(long, conflicts_with = "policy")]
+    exact: bool,
     /// Write the JSON report here (schema: docs/bisect.md; relative to the current directory).
     #[arg(long)]
     report: Option<PathBuf>,
@@ -166,9 +169,9 @@ enum Cmd {
         args: RunArgs,
     },
     /// Name the first layer whose body is wrong: whole traces, then the candidate's layer verb on
-    /// the reference's input to each layer (docs/bisect.md). Exit 0 nothing wrong, 1 wrong layer
-    /// or divergence, 2 refused, 4 isolation NOT CHECKED, 6 the cached decode path disagrees
-    /// with the full recompute (--generate).
+    /// the reference's input to each layer (docs/bisect.md). Exit 0 nothing wrong, 1 wrong layer,
+    /// inconsistent producer or divergence, 2 refused, 4 isolation NOT CHECKED, 6 the cached
+    /// decode path disagrees with the full recompute (--generate).
     Bisect(BisectArgs),
 }
 
@@ -202,6 +205,7 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
             Some(name) if tracegate_diff::Policy::is_name(name) => name.to_string(),
             _ => up.resolve(p).display().to_string(),
         }),
+        exact: a.exact,
         all_layers: a.all_layers,
         // Decode steps capture their layer points only under internals (docs/producers.md).
         internals: a.capture == "internals" || a.generate > 0,

@@ -1,9 +1,11 @@
 //! `gate bisect` negative controls: a candidate with exactly one planted defect (the contract
 //! monkeypatched by tests/producers/defective_contract.py) must be named at the right layer and
 //! stage, with every later layer called inherited; the clean pair must report nothing wrong; a
-//! candidate without the layer verb must be NOT CHECKED, never a pass.
+//! candidate without the layer verb must be NOT CHECKED, never a pass. Every report is checked
+//! against docs/bisect-report.schema.json by a JSON Schema validator.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::process::Command;
 
 use serde_json::Value;
@@ -16,6 +18,42 @@ struct Outcome {
     code: i32,
     stdout: String,
     report: Value,
+}
+
+impl Outcome {
+    /// The verdict line: the second line of the text output (the first says how it judged).
+    fn headline(&self) -> &str {
+        let mut lines = self.stdout.lines();
+        let judged = lines.next().unwrap_or("");
+        assert!(judged.starts_with("judged by "), "the first line does not say how it judged: {}", self.stdout);
+        lines.next().unwrap_or("")
+    }
+}
+
+/// docs/bisect-report.schema.json (draft 2020-12), with the diff report's schema it refers to
+/// for `whole_run.first_violation` registered under its $id; compiled once per test binary.
+fn report_validator() -> &'static jsonschema::Validator {
+    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+    V.get_or_init(|| {
+        let read = |name: &str| -> Value {
+            let path = repo().join("docs").join(name);
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        };
+        let diff = read("diff-report.schema.json");
+        let id = diff["$id"].as_str().unwrap().to_string();
+        let registry: &'static jsonschema::Registry = Box::leak(Box::new(jsonschema::Registry::new().add(id, diff).unwrap().prepare().unwrap()));
+        jsonschema::options()
+            .with_draft(jsonschema::Draft::Draft202012)
+            .with_registry(registry)
+            .build(&read("bisect-report.schema.json"))
+            .unwrap_or_else(|e| panic!("docs/bisect-report.schema.json is not a valid schema: {e}"))
+    })
+}
+
+/// Panics unless `report` is valid under docs/bisect-report.schema.json.
+fn assert_valid_report(report: &Value) {
+    let errors: Vec<String> = report_validator().iter_errors(report).map(|e| format!("at {}: {e}", e.instance_path())).collect();
+    assert!(errors.is_empty(), "the report does not match docs/bisect-report.schema.json:\n{}\n{report:#}", errors.join("\n"));
 }
 
 /// Runs `gate bisect` on a fixture (a directory under fixtures/, or an absolute path) with the
@@ -39,7 +77,9 @@ fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     let report = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
-    (out.status.code().unwrap_or(-1), stdout, stderr, serde_json::from_str(&report).unwrap())
+    let report: Value = serde_json::from_str(&report).unwrap();
+    assert_valid_report(&report);
+    (out.status.code().unwrap_or(-1), stdout, stderr, report)
 }
 
 /// `run_bisect` for a bisection that must not be refused.
@@ -76,7 +116,9 @@ fn assert_found(o: &Outcome, layer: u64, block: &str, tensor: &str, expect: &[&s
     assert_eq!(r["stage"]["block"], block, "{}", o.stdout);
     assert_eq!(r["stage"]["tensor"], format!("layer.{layer:02}.{tensor}"), "{}", o.stdout);
     assert_eq!(statuses(r), expect, "{}", o.stdout);
-    let first = o.stdout.lines().next().unwrap();
+    // Before the layer was blamed, its layer verb was checked against the candidate's own whole run.
+    assert_eq!(r["layers"][layer as usize]["self_check"], "consistent", "{}", o.stdout);
+    let first = o.headline();
     for s in summary_has {
         assert!(first.contains(s), "summary lacks {s:?}: {first}");
     }
@@ -141,11 +183,20 @@ fn clean_pair_reports_nothing_wrong() {
     assert!(o.report["first_wrong_layer"].is_null());
     assert_eq!(statuses(&o.report), ["ok"; 4]);
     assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["isolation"] == "match"), "{}", o.stdout);
-    assert!(o.stdout.starts_with("nothing wrong: the whole runs are identical; layers 00-03 match in isolation"), "{}", o.stdout);
+    assert!(o.stdout.starts_with("judged by bits (engine and contract are both ordered producers)\n"), "{}", o.stdout);
+    assert!(o.headline().starts_with("nothing wrong: the whole runs are identical; layers 00-03 match in isolation"), "{}", o.stdout);
+    assert_eq!(o.report["judge"]["by"], "bits");
+    // The contract's layer verb agrees with its own whole run in every layer (--all-layers checks all).
+    assert_eq!(o.report["self_consistency"]["checked_layers"], serde_json::json!([0, 1, 2, 3]), "{}", o.stdout);
+    assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["self_check"] == "consistent"), "{}", o.stdout);
+    // Bit-exact in every layer: no outlier.
+    assert_eq!((o.report["outliers"]["checked"].as_bool(), o.report["outliers"]["suspicious"].as_array().map(Vec::len)), (Some(true), Some(0)), "{}", o.stdout);
     // Without --all-layers nothing diverges, so no layer verb runs, and the summary says so.
     let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "contract"]);
     assert_eq!(o.code, 0, "{}", o.stdout);
-    assert!(o.stdout.starts_with("nothing wrong: the whole runs are identical; no layer isolated"), "{}", o.stdout);
+    assert!(o.headline().starts_with("nothing wrong: the whole runs are identical; no layer isolated"), "{}", o.stdout);
+    // Nor is the outlier check silently skipped.
+    assert!(o.stdout.contains("outliers NOT CHECKED: 0 layers isolated and matching; the outlier check needs at least 3"), "{}", o.stdout);
 }
 
 #[test]
@@ -157,18 +208,22 @@ fn candidate_without_layer_verb_is_not_checked() {
     assert_eq!(o.code, 4, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "not_checked");
     assert_eq!(statuses(&o.report), ["not_checked"; 5]);
-    assert!(o.stdout.starts_with("isolation NOT CHECKED from layer 00"), "{}", o.stdout);
+    assert!(o.headline().starts_with("isolation NOT CHECKED from layer 00"), "{}", o.stdout);
 }
 
 #[test]
 fn calibration_puts_the_defect_beside_a_one_ulp_perturbation() {
     let cmd = defective("mlp-add");
-    let o = bisect("tiny-qwen3", &["--reference", "contract", "--candidate", "cmd", "--candidate-cmd", &cmd, "--calibrate"]);
+    let o = bisect("tiny-qwen3", &["--reference", "contract", "--candidate", "cmd", "--candidate-cmd", &cmd, "--calibrate", "--exact"]);
     assert_eq!(o.code, 1, "{}", o.stdout);
+    // Judged by bits (--exact), a real defect is far above rounding level: no advice to judge by policy.
+    let rl = &o.report["rounding_level"];
+    assert_eq!((rl["layer"].as_u64(), rl["at_rounding_level"].as_bool(), &rl["flag"]), (Some(2), Some(false), &Value::Null), "{rl}");
+    assert!(o.headline().contains("above rounding level") && !o.headline().contains("drop --exact"), "{}", o.stdout);
     // Default mode isolates layers 00-02 only; 03-04 differ downstream, unchecked.
     assert_eq!(statuses(&o.report), ["ok", "ok", "wrong", "downstream", "downstream"]);
     let cal = &o.report["calibration"];
-    assert_eq!(cal["from_layer"], 2);
+    assert_eq!((cal["from_layer"].as_u64(), cal["automatic"].as_bool()), (Some(2), Some(false)));
     assert_eq!(cal["rows"].as_array().unwrap().len(), 3, "{cal}");
     let l2 = &o.report["layers"][2];
     let noise = l2["calibration_rel_l2"].as_f64().unwrap();
@@ -176,14 +231,21 @@ fn calibration_puts_the_defect_beside_a_one_ulp_perturbation() {
     assert!(l2["isolated_vs_calibration"].as_f64().unwrap() > 1e3, "{l2}");
 }
 
+/// Whether the oracle can run; when it cannot, says NOT CHECKED (and fails under CI: set-up
+/// always installs torch, so its absence there is a broken set-up, not a skip).
+fn oracle_available() -> bool {
+    let py = repo().join(".venv/bin/python");
+    if Command::new(&py).args(["-c", "import torch, transformers"]).output().map(|o| o.status.success()).unwrap_or(false) {
+        return true;
+    }
+    assert!(std::env::var_os("CI").is_none(), "CI is set but torch/transformers are unavailable to {}: run scripts/setup.sh", py.display());
+    eprintln!("NOT CHECKED: torch/transformers unavailable to {}", py.display());
+    false
+}
+
 #[test]
 fn oracle_against_engine_reports_nothing_wrong() {
-    let py = repo().join(".venv/bin/python");
-    let probe = Command::new(&py).args(["-c", "import torch, transformers"]).output();
-    if !probe.map(|o| o.status.success()).unwrap_or(false) {
-        // Set-up always installs torch: in CI its absence is a broken set-up, not a skip.
-        assert!(std::env::var_os("CI").is_none(), "CI is set but torch/transformers are unavailable to {}: run scripts/setup.sh", py.display());
-        eprintln!("NOT CHECKED: torch/transformers unavailable to {}", py.display());
+    if !oracle_available() {
         return;
     }
     // The candidate's layer verb is the engine (fast), so isolating every layer is cheap.
@@ -192,8 +254,15 @@ fn oracle_against_engine_reports_nothing_wrong() {
     assert_eq!(o.report["verdict"], "nothing_wrong");
     assert_eq!(o.report["whole_run"]["verdict"], "within_policy", "{}", o.stdout);
     assert_eq!(statuses(&o.report), ["ok"; 5]);
-    assert!(o.stdout.starts_with("nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"), "{}", o.stdout);
-    assert!(o.report["judged_by"].as_str().unwrap().starts_with("policy oracle-default"), "{}", o.report["judged_by"]);
+    assert!(o.headline().starts_with("nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"), "{}", o.stdout);
+    let j = &o.report["judge"];
+    assert_eq!((j["by"].as_str(), j["policy"].as_str(), j["policy_name"].as_str()), (Some("policy"), Some("f32"), Some("oracle-default")), "{j}");
+    assert!(o.stdout.starts_with("judged by policy f32 (the reference oracle is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"), "{}", o.stdout);
+    // The engine's layer verb agrees with its own whole run in every layer.
+    assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["self_check"] == "consistent"), "{}", o.stdout);
+    // A clean non-ordered pair: the isolated-error curve is a floor, no layer stands out.
+    assert_eq!(o.report["outliers"]["suspicious"], serde_json::json!([]), "{}", o.stdout);
+    assert!(o.report["outliers"]["checked"].as_bool().unwrap(), "{}", o.stdout);
 }
 
 #[test]
@@ -258,7 +327,7 @@ fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
     assert_eq!(o.report["whole_run"]["first_diverging_how"], "missing_tensor");
     let findings: Vec<&str> = o.report["whole_run"]["findings"].as_array().unwrap().iter().map(|f| f.as_str().unwrap()).collect();
     assert!(findings.iter().any(|f| f.starts_with("missing_tensor layer.03.attn_out: ")), "{findings:?}");
-    let headline = o.stdout.lines().next().unwrap();
+    let headline = o.headline();
     assert!(headline.starts_with("the whole runs differ in structure, not only in values: 2 missing_tensor (layer.02.attn_out, layer.03.attn_out)"), "{headline}");
     assert!(!headline.contains("match") || headline.contains("match in isolation"), "{headline}");
 }
@@ -299,14 +368,15 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
     let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--policy", "fixtures/policy/oracle-default.json"]);
     assert_eq!(o.code, 1, "{}", o.stdout);
     let (r, w) = (&o.report, &o.report["whole_run"]);
-    assert_eq!((r["schema"].as_str(), r["verdict"].as_str()), (Some("tracegate-bisect/2"), Some("outside_layers")), "{}", o.stdout);
+    assert_eq!((r["schema"].as_str(), r["verdict"].as_str()), (Some("tracegate-bisect/3"), Some("outside_layers")), "{}", o.stdout);
     assert_eq!(w["first_diverging"], "logits", "{}", o.stdout);
     let v = &w["first_violation"];
     assert_eq!((v["tensor"].as_str(), v["violations"][0]["bound"].as_str()), (Some("logits"), Some("max_rel_l2")), "{v}");
     assert_eq!((v["worst_element"]["flat_index"].as_u64(), &v["worst_element"]["coords"]), (Some(0), &serde_json::json!([0, 0])), "{v}");
     let b = &w["first_bit_difference"];
     assert_eq!((b["tensor"].as_str(), b["ulp"].as_u64()), (Some("layer.00.attn_out"), Some(1)), "{b}");
-    let head = o.stdout.lines().next().unwrap();
+    assert!(o.stdout.starts_with("judged by policy fixtures/policy/oracle-default.json (--policy)\n"), "{}", o.stdout);
+    let head = o.headline();
     assert!(head.contains("the divergence starts at logits (relative L2 ") && head.contains(" > 0.0001), after the last layer"), "{head}");
     let line = o.stdout.lines().find(|l| l.trim_start().starts_with("whole run: different")).unwrap();
     let (fv, fb) = (line.find("first outside the policy logits: relative L2 ").unwrap(), line.find("first bit difference layer.00.attn_out[0, 0]: ").unwrap());
@@ -368,7 +438,7 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
     assert!(r["whole_run"]["differing_decisions"].as_array().unwrap().is_empty());
     let forced_run = r["runs"].as_array().unwrap().iter().find(|x| x["out"] == f["candidate_trace"]).expect("the forced run is recorded");
     assert!(forced_run["invocation"].as_str().unwrap().ends_with(&format!("--force-decisions {}", f["from"].as_str().unwrap())), "{forced_run}");
-    let first = o.stdout.lines().next().unwrap();
+    let first = o.headline();
     assert!(first.starts_with("the numbers agree once decisions are forced") && first.contains("would decide otherwise in layer.01.router.topk (1 row)"), "{first}");
 
     // Negative control: a candidate that does not honour --force-decisions (its output is
@@ -383,5 +453,105 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
     assert_eq!(f["status"], "not_forced", "{f}");
     assert!(f["reason"].as_str().unwrap().contains("still takes other decisions: layer.00.router.topk"), "{f}");
     assert_eq!(o.report["whole_run"]["differing_decisions"][0]["name"], "layer.00.router.topk");
-    assert!(o.stdout.lines().next().unwrap().contains("decisions NOT forced: "), "{}", o.stdout);
+    assert!(o.headline().contains("decisions NOT forced: "), "{}", o.stdout);
+}
+
+// ------------------------------------------------------------------------------------------
+// How bisect judges, the producer's self-consistency, outliers within the policy.
+
+#[test]
+fn a_correct_candidate_that_is_not_bit_exact_is_judged_by_policy_unless_exact() {
+    // f64-sumsq: every RMSNorm sums its squares in f64, a correct producer whose bits differ.
+    let cmd = defective("f64-sumsq");
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd]);
+    assert_eq!((o.code, o.report["verdict"].as_str()), (0, Some("nothing_wrong")), "{}", o.stdout);
+    assert!(
+        o.stdout.starts_with("judged by policy f32 (the candidate candidate-cmd is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"),
+        "{}",
+        o.stdout
+    );
+    assert_eq!((o.report["judge"]["by"].as_str(), o.report["judge"]["precision"].as_str()), (Some("policy"), Some("f32")));
+    // Its bits do differ: judged by bits (--exact) layer 00 is blamed, and the automatic
+    // one-layer calibration says the difference is rounding level and how to judge by policy.
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--exact"]);
+    assert_eq!((o.code, o.report["verdict"].as_str()), (1, Some("wrong_layer")), "{}", o.stdout);
+    assert!(o.stdout.starts_with("judged by bits (--exact)\n"), "{}", o.stdout);
+    let cal = &o.report["calibration"];
+    assert_eq!((cal["automatic"].as_bool(), cal["rows"].as_array().map(Vec::len)), (Some(true), Some(1)), "{cal}");
+    let rl = &o.report["rounding_level"];
+    assert_eq!((rl["at_rounding_level"].as_bool(), rl["flag"].as_str()), (Some(true), Some("drop --exact")), "{rl}");
+    assert!(rl["layer"] == o.report["first_wrong_layer"] && rl["ratio"].as_f64().unwrap() <= 10.0, "{rl}");
+    assert!(o.headline().contains(": rounding level (<= 10×), as a correct producer that is not bit-exact gives; drop --exact to judge by policy f32"), "{}", o.stdout);
+}
+
+#[test]
+fn exact_and_policy_together_are_refused() {
+    // A usage error: refused before anything runs (no report).
+    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
+        .current_dir(repo())
+        .args(["bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short", "--reference", "engine", "--candidate", "contract", "--exact", "--policy", "f32"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--exact") && stderr.contains("--policy"), "{stderr}");
+}
+
+#[test]
+fn a_layer_verb_that_disagrees_with_its_own_whole_run_is_inconsistent_not_a_wrong_body() {
+    // layer-bidir: the layer verb forgets the causal mask in layer 2; the trace verb is right.
+    let cmd = defective("layer-bidir");
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers", "--capture", "internals"]);
+    let r = &o.report;
+    assert_eq!((o.code, r["verdict"].as_str()), (1, Some("inconsistent_producer")), "{}", o.stdout);
+    assert_eq!(r["whole_run"]["verdict"], "identical", "{}", o.stdout);
+    assert!(r["first_wrong_layer"].is_null() && r["stage"].is_null(), "{}", o.stdout);
+    assert_eq!(statuses(r), ["ok", "ok", "inconsistent", "ok", "ok"], "{}", o.stdout);
+    let i = &r["self_consistency"]["inconsistent"];
+    assert_eq!((i["layer"].as_u64(), i["tensor"].as_str()), (Some(2), Some("layer.02.attn_probs")), "{i}");
+    // Judged by policy (a cmd candidate), the element is the worst of the tensor outside it.
+    assert_eq!(i["element"]["which"], "worst_outside_policy", "{i}");
+    assert_ne!(i["element"]["whole_run_value"], i["element"]["layer_verb_value"], "{i}");
+    assert!(
+        o.headline().starts_with("the candidate's layer verb disagrees with its own whole run at layer 02: attn_probs differs from the whole run (")
+            && o.headline().contains("no layer body is blamed"),
+        "{}",
+        o.stdout
+    );
+}
+
+#[test]
+fn a_small_defect_within_the_policy_is_flagged_suspicious_at_its_layer() {
+    if !oracle_available() {
+        return;
+    }
+    // rms-eps: layer 1's RMSNorms add eps outside the square root. Against the oracle, judged by
+    // the f32 policy, the run passes; layer 1's isolated error stands out from its peers'.
+    let cmd = defective("rms-eps");
+    let o = bisect("tiny-qwen3", &["--reference", "oracle", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers"]);
+    let r = &o.report;
+    assert_eq!((o.code, r["verdict"].as_str()), (0, Some("nothing_wrong")), "{}", o.stdout);
+    assert_eq!(r["outliers"]["suspicious"], serde_json::json!([1]), "{}", o.stdout);
+    let flags: Vec<bool> = r["layers"].as_array().unwrap().iter().map(|l| l["suspicious"].as_bool().unwrap()).collect();
+    assert_eq!(flags, [false, true, false, false, false], "{}", o.stdout);
+    assert!(o.headline().contains("; layer 01 suspicious: isolated error ") && o.headline().contains("× its peers' median"), "{}", o.stdout);
+    assert!(o.stdout.lines().any(|l| l.starts_with("  01 ") && l.ends_with(" suspicious")), "{}", o.stdout);
+    // The planted contract's layer verb agrees with its own whole run (the defect is in both).
+    assert!(r["layers"].as_array().unwrap().iter().all(|l| l["self_check"] == "consistent"), "{}", o.stdout);
+}
+
+#[test]
+fn the_oracle_by_bits_is_self_consistent_and_at_rounding_level() {
+    if !oracle_available() {
+        return;
+    }
+    // --exact: the oracle's bits differ from the engine's in layer 00. Before blaming it, its layer
+    // verb is run on its own input and agrees with its own whole run; the automatic calibration
+    // then calls the difference rounding.
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "oracle", "--exact"]);
+    let r = &o.report;
+    assert_eq!((o.code, r["verdict"].as_str(), r["first_wrong_layer"].as_u64()), (1, Some("wrong_layer"), Some(0)), "{}", o.stdout);
+    assert_eq!((r["self_consistency"]["checked_layers"].clone(), r["layers"][0]["self_check"].as_str()), (serde_json::json!([0]), Some("consistent")), "{}", o.stdout);
+    assert_eq!((r["rounding_level"]["at_rounding_level"].as_bool(), r["rounding_level"]["flag"].as_str()), (Some(true), Some("drop --exact")), "{}", o.stdout);
+    assert!(o.headline().contains("drop --exact to judge by policy f32"), "{}", o.stdout);
 }

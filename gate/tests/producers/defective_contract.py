@@ -13,7 +13,13 @@ Defects (each touches one layer only, so every later layer is a correct body tha
                (the uncached recompute and the prefill are correct; `layer --decode-from` takes
                the same cached path, as it must)
   late-pos     layer 1: every row at a position past the prompt is rotated at p+1, cached or not (the
-               prefill is correct, cache on ≡ cache off); a producer without `layer --decode-from`
+               prefill is correct, cache on ≡ cache off), from a producer without `layer --decode-from`
+  rms-eps      layer 1: every RMSNorm adds eps outside the square root, x / (sqrt(mean(x²)) + eps)
+               instead of x / sqrt(mean(x²) + eps): a defect too small for the f32 policy
+  layer-bidir  layer 2, only in the `layer` verb: attention sees every key; the `trace` verb is
+               correct, so the producer's two verbs disagree (the whole run is the contract's)
+  f64-sumsq    not a defect: every RMSNorm sums its squares in f64 (then rounds the mean to f32),
+               a correct producer that is not bit-exact with the engine
   no-layer     no defect, but the `layer` verb is not implemented (exits 3, writes nothing)
   none         the contract unchanged
 """
@@ -47,11 +53,11 @@ def plant(defect: str) -> None:
             return x + y if _current[0] == 2 else y
 
         qwen3._Mlp.__call__ = mlp
-    elif defect in ("bidir-mask", "gqa-mod"):
+    elif defect in ("bidir-mask", "gqa-mod", "layer-bidir"):
         orig = ops.attention
 
         def attention(q, k, v, q_pos, k_pos, scale):
-            if defect == "bidir-mask" and _current[0] == 1:
+            if (defect, _current[0]) in (("bidir-mask", 1), ("layer-bidir", 2)):
                 q_pos = [max(k_pos)] * len(q_pos)  # every query row sees every key
             if defect == "gqa-mod" and _current[0] == 3:
                 nh, nkv = q.shape[1], k.shape[1]
@@ -60,6 +66,29 @@ def plant(defect: str) -> None:
             return orig(q, k, v, q_pos, k_pos, scale)
 
         ops.attention = attention  # qwen3 calls ops.attention through the module
+    elif defect in ("rms-eps", "f64-sumsq"):
+        orig = ops.rmsnorm
+
+        def rmsnorm(x, w, eps):
+            x = np.asarray(x, dtype=np.float32)
+            if defect == "rms-eps" and _current[0] == 1:
+                mean = orig_mean(x)
+                inv = np.float32(1.0) / (np.sqrt(mean) + np.float32(eps))
+                return w * (x * inv[..., None])
+            if defect == "f64-sumsq":
+                mean = (np.sum(x.astype(np.float64) ** 2, axis=-1) / x.shape[-1]).astype(np.float32)
+                inv = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+                return w * (x * inv[..., None])
+            return orig(x, w, eps)
+
+        def orig_mean(x):
+            # the contract's own ordered sum of squares (ops.rmsnorm), up to its mean
+            ss = np.zeros(x.shape[:-1], dtype=np.float32)
+            for i in range(x.shape[-1]):
+                ss = ss + x[..., i] * x[..., i]
+            return ss / np.float32(x.shape[-1])
+
+        ops.rmsnorm = rmsnorm  # qwen3 calls ops.rmsnorm through the module
     elif defect == "no-renorm":
         orig = qwen3.Model._moe
 
@@ -119,7 +148,8 @@ def main(argv):
     if defect == "late-pos" and "--decode-from" in rest:
         print("error: unrecognized arguments: --decode-from", file=sys.stderr)  # as an argparse CLI without it
         return 2
-    plant(defect)
+    if defect != "layer-bidir" or rest[:1] == ["layer"]:
+        plant(defect)
     return cli.main(rest)
 
 

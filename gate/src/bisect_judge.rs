@@ -1,0 +1,236 @@
+//! How `gate bisect` judges (docs/bisect.md, "Judging"): by bits for a pair of ordered
+//! producers, else by the bundled policy for the candidate's precision; what a bits verdict
+//! means when the calibration puts it at rounding level; and the outlier check that flags a
+//! layer whose isolated error is far above its peers' (`suspicious`) without failing the run.
+
+use serde::Serialize;
+use tracegate_diff::Policy;
+use tracegate_trace::{DType, Trace};
+
+use crate::{gerr, Result};
+
+/// An isolated difference at most this many times what a 1-ULP perturbation of the same
+/// layer's input produces is called rounding level (docs/bisect.md, "Judging").
+pub const ROUNDING_LEVEL: f64 = 10.0;
+/// A layer whose isolated error is more than this many times the median of the other matching
+/// isolated layers' is flagged `suspicious`: clean runs measured at most 1.37× on what the check
+/// reads, the planted RMSNorm-eps defect at least 2.83× (docs/bisect.md, "Outliers").
+pub const SUSPICIOUS_FACTOR: f64 = 2.0;
+/// The outlier check needs a layer and at least two peers.
+pub const OUTLIER_MIN_LAYERS: usize = 3;
+
+/// What the command line asked for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Ask {
+    /// Neither `--exact` nor `--policy`: by bits for two ordered producers, else by policy.
+    Default,
+    /// `--exact`: by bits.
+    Exact,
+    /// `--policy NAME|FILE`.
+    Policy(String),
+}
+
+/// How a bisection judges, and why (the first line of its verdict; `judge` in the report).
+#[derive(Clone, Debug, Serialize)]
+pub struct Judge {
+    /// "bits" or "policy".
+    pub by: &'static str,
+    /// The policy as given or chosen: a bundled name (f32, bf16, f16) or a file; null by bits.
+    pub policy: Option<String>,
+    /// The policy file's own name (e.g. oracle-default); null by bits.
+    pub policy_name: Option<String>,
+    /// The candidate's precision: the coarsest float dtype among its whole-run tensors.
+    pub precision: &'static str,
+    /// Why it judges so, in words.
+    pub reason: String,
+}
+
+impl Judge {
+    pub fn line(&self) -> String {
+        match &self.policy {
+            Some(p) => format!("judged by policy {p} ({})", self.reason),
+            None => format!("judged by bits ({})", self.reason),
+        }
+    }
+}
+
+/// The coarsest float dtype of a trace's tensors, as a bundled policy name: bf16 if any tensor
+/// is bf16 (8 significand bits), else f16 if any is f16, else f32.
+pub fn precision(t: &Trace) -> &'static str {
+    let has = |d: DType| t.tensors().iter().any(|i| i.dtype == d);
+    if has(DType::BF16) {
+        "bf16"
+    } else if has(DType::F16) {
+        "f16"
+    } else {
+        "f32"
+    }
+}
+
+/// The judge and its policy. `ordered`: whether each side (reference, candidate) is one of the
+/// built-in ordered producers (the engine, the contract with its own command).
+pub fn choose(ask: &Ask, names: (&str, &str), ordered: (bool, bool), candidate: &Trace, root: &std::path::Path) -> Result<(Judge, Option<Policy>)> {
+    let precision = precision(candidate);
+    let by_policy = |arg: &str, reason: String| -> Result<(Judge, Option<Policy>)> {
+        let p = Policy::resolve(arg, root).map_err(|e| gerr!("--policy {arg}: {e}"))?;
+        Ok((Judge { by: "policy", policy: Some(arg.to_string()), policy_name: Some(p.name.clone()), precision, reason }, Some(p)))
+    };
+    let bits = |reason: String| Ok((Judge { by: "bits", policy: None, policy_name: None, precision, reason }, None));
+    match ask {
+        Ask::Exact => bits("--exact".into()),
+        Ask::Policy(p) => by_policy(p, "--policy".into()),
+        Ask::Default if ordered.0 && ordered.1 => bits(if names.0 == names.1 {
+            format!("both sides are the {}, an ordered producer", names.0)
+        } else {
+            format!("{} and {} are both ordered producers", names.0, names.1)
+        }),
+        Ask::Default => {
+            let not: Vec<String> =
+                [("reference", names.0, ordered.0), ("candidate", names.1, ordered.1)].iter().filter(|s| !s.2).map(|(side, name, _)| format!("the {side} {name}")).collect();
+            let is = if not.len() == 1 { "is not an ordered producer" } else { "are not ordered producers" };
+            by_policy(precision, format!("{} {is}; candidate's precision: {precision}; --exact judges by bits", not.join(" and ")))
+        }
+    }
+}
+
+/// A bits verdict next to the calibration: the blamed layer's isolated difference against what
+/// a 1-ULP perturbation of its input produces.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoundingLevel {
+    pub layer: usize,
+    pub isolated_rel_l2: f64,
+    pub one_ulp_rel_l2: f64,
+    /// isolated_rel_l2 / one_ulp_rel_l2.
+    pub ratio: f64,
+    /// ROUNDING_LEVEL: at or below it the difference is rounding level.
+    pub factor: f64,
+    pub at_rounding_level: bool,
+    /// The flag that judges by policy instead, when at rounding level, and that policy.
+    pub flag: Option<String>,
+    pub precision: &'static str,
+}
+
+impl RoundingLevel {
+    /// None when either number is missing or the 1-ULP response is zero.
+    pub fn new(layer: usize, isolated: Option<f64>, one_ulp: Option<f64>, judge: &Judge, exact: bool) -> Option<RoundingLevel> {
+        let (iso, cal) = (isolated?, one_ulp?);
+        if cal <= 0.0 {
+            return None;
+        }
+        let ratio = iso / cal;
+        let at = ratio <= ROUNDING_LEVEL;
+        let flag = at.then(|| if exact { "drop --exact".to_string() } else { format!("--policy {}", judge.precision) });
+        Some(RoundingLevel { layer, isolated_rel_l2: iso, one_ulp_rel_l2: cal, ratio, factor: ROUNDING_LEVEL, at_rounding_level: at, flag, precision: judge.precision })
+    }
+
+    /// The words the verdict line gets.
+    pub fn words(&self) -> String {
+        let size = format!(
+            "layer {:02}'s isolated difference (rel L2 {:.2e}) is {:.2}× what a 1-ULP perturbation of its input produces ({:.2e})",
+            self.layer, self.isolated_rel_l2, self.ratio, self.one_ulp_rel_l2
+        );
+        match &self.flag {
+            Some(flag) => format!("{size}: rounding level (<= {}×), as a correct producer that is not bit-exact gives; {flag} to judge by policy {}", self.factor, self.precision),
+            None => format!("{size}: above rounding level (> {}×)", self.factor),
+        }
+    }
+}
+
+/// The outlier check over the isolated layers (docs/bisect.md, "Outliers").
+#[derive(Clone, Debug, Serialize)]
+pub struct Outliers {
+    /// The isolated errors compared (rel L2, layer verb on the reference's input vs the
+    /// reference), each against the same tensor of the peers: OUTLIER_MEASURE.
+    pub measure: &'static str,
+    pub factor: f64,
+    /// How many layers were isolated and match (within the policy, or bit for bit): the
+    /// population; a wrong layer is neither a peer nor flagged.
+    pub isolated_layers: usize,
+    /// False when fewer than OUTLIER_MIN_LAYERS layers were isolated (`not_checked` says so).
+    pub checked: bool,
+    pub not_checked: Option<String>,
+    /// The flagged layers.
+    pub suspicious: Vec<usize>,
+    /// The largest ratio to the peers' median (null: none defined), and its layer.
+    pub largest_ratio: Option<f64>,
+    pub largest_layer: Option<usize>,
+}
+
+/// What the outlier check reads. attn_out: its clean ratios stay at or below 1.37 in every
+/// measured pair; mlp_out only where the layer has no router: an MoE layer's mlp_out under a
+/// reduced precision moves with routing near-ties (clean ratios up to 9.8 measured), and
+/// hidden_out carries both (docs/bisect.md, "Outliers").
+pub const OUTLIER_MEASURE: &str = "attn_out; mlp_out of layers without a router";
+
+/// One matching isolated layer's errors: (layer, attn_out rel L2, mlp_out rel L2 when the layer
+/// has no router).
+pub type LayerErrors = (usize, Option<f64>, Option<f64>);
+
+/// Per layer: its largest ratio to the peers' median over the measured tensors (None where
+/// undefined: zero medians), and whether it is flagged; a zero median under a nonzero error
+/// flags too (every peer bit-exact, this one not).
+pub fn outliers(errors: &[LayerErrors]) -> (Outliers, Vec<(usize, Option<f64>, bool)>) {
+    let mut out = Outliers {
+        measure: OUTLIER_MEASURE,
+        factor: SUSPICIOUS_FACTOR,
+        isolated_layers: errors.len(),
+        checked: errors.len() >= OUTLIER_MIN_LAYERS,
+        not_checked: None,
+        suspicious: Vec::new(),
+        largest_ratio: None,
+        largest_layer: None,
+    };
+    if !out.checked {
+        out.not_checked =
+            Some(format!("{} layer{} isolated and matching; the outlier check needs at least {OUTLIER_MIN_LAYERS} (--all-layers isolates every layer)", errors.len(), if errors.len() == 1 { "" } else { "s" }));
+        return (out, Vec::new());
+    }
+    let mut per: Vec<(usize, Option<f64>, bool)> = errors.iter().map(|e| (e.0, None, false)).collect();
+    for pick in [|e: &LayerErrors| e.1, |e: &LayerErrors| e.2] {
+        let values: Vec<(usize, f64)> = errors.iter().enumerate().filter_map(|(i, e)| pick(e).map(|v| (i, v))).collect();
+        if values.len() < OUTLIER_MIN_LAYERS {
+            continue;
+        }
+        for &(i, e) in &values {
+            let mut peers: Vec<f64> = values.iter().filter(|(j, _)| *j != i).map(|p| p.1).collect();
+            peers.sort_by(f64::total_cmp);
+            let m = peers.len();
+            let median = if m % 2 == 1 { peers[m / 2] } else { (peers[m / 2 - 1] + peers[m / 2]) / 2.0 };
+            let ratio = (median > 0.0).then(|| e / median);
+            per[i].2 |= ratio.map_or(e > 0.0, |r| r > SUSPICIOUS_FACTOR);
+            per[i].1 = match (per[i].1, ratio) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+        }
+    }
+    for &(layer, ratio, flagged) in &per {
+        if let Some(r) = ratio.filter(|r| out.largest_ratio.is_none_or(|l| *r > l)) {
+            (out.largest_ratio, out.largest_layer) = (Some(r), Some(layer));
+        }
+        if flagged {
+            out.suspicious.push(layer);
+        }
+    }
+    (out, per)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_far_above_its_peers_is_flagged_and_a_flat_curve_is_not() {
+        let dense = |e: &[f64]| -> Vec<LayerErrors> { e.iter().enumerate().map(|(l, &x)| (l, Some(x), Some(x))).collect() };
+        assert!(outliers(&dense(&[2e-7, 1.6e-7, 1.4e-7, 1.7e-7, 1.1e-7])).0.suspicious.is_empty());
+        assert_eq!(outliers(&dense(&[2e-7, 5e-7, 1.4e-7, 1.7e-7, 1.1e-7])).0.suspicious, [1]);
+        // Bit-exact peers: any difference stands out; all bit-exact: nothing does.
+        assert_eq!(outliers(&dense(&[0.0, 1e-8, 0.0])).0.suspicious, [1]);
+        assert!(outliers(&dense(&[0.0, 0.0, 0.0])).0.suspicious.is_empty());
+        // An MoE layer's mlp_out is not read: only its attn_out.
+        let moe = [(0, Some(2e-7), None), (1, Some(1.5e-7), None), (2, Some(1.8e-7), None)];
+        assert!(outliers(&moe).0.suspicious.is_empty());
+        let two = outliers(&dense(&[1e-7, 1e-3])).0;
+        assert!(!two.checked && two.not_checked.unwrap().starts_with("2 layers isolated"));
+    }
+}
