@@ -86,7 +86,7 @@ pub fn choose(ask: &Ask, names: (&str, &str), ordered: (bool, bool), candidate: 
         }),
         Ask::Default => {
             let not: Vec<String> =
-                [("reference", names.0, ordered.0), ("candidate", names.1, ordered.1)].iter().filter(|s| !s.2).map(|(side, name, _)| format!("the {side} {name}")).collect();
+                [("reference", names.0, ordered.0), ("candidate", names.1, ordered.1)].iter().filter(|s| !s.2).map(|(side, name, _)| format!("the {side} ({name})")).collect();
             let is = if not.len() == 1 { "is not an ordered producer" } else { "are not ordered producers" };
             by_policy(precision, format!("{} {is}; candidate's precision: {precision}; --exact judges by bits", not.join(" and ")))
         }

@@ -257,7 +257,7 @@ fn oracle_against_engine_reports_nothing_wrong() {
     assert!(o.headline().starts_with("nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"), "{}", o.stdout);
     let j = &o.report["judge"];
     assert_eq!((j["by"].as_str(), j["policy"].as_str(), j["policy_name"].as_str()), (Some("policy"), Some("f32"), Some("oracle-default")), "{j}");
-    assert!(o.stdout.starts_with("judged by policy f32 (the reference oracle is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"), "{}", o.stdout);
+    assert!(o.stdout.starts_with("judged by policy f32 (the reference (oracle) is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"), "{}", o.stdout);
     // The engine's layer verb agrees with its own whole run in every layer.
     assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["self_check"] == "consistent"), "{}", o.stdout);
     // A clean non-ordered pair: the isolated-error curve is a floor, no layer stands out.
@@ -466,7 +466,7 @@ fn a_correct_candidate_that_is_not_bit_exact_is_judged_by_policy_unless_exact() 
     let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd]);
     assert_eq!((o.code, o.report["verdict"].as_str()), (0, Some("nothing_wrong")), "{}", o.stdout);
     assert!(
-        o.stdout.starts_with("judged by policy f32 (the candidate candidate-cmd is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"),
+        o.stdout.starts_with("judged by policy f32 (the candidate (candidate-cmd) is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"),
         "{}",
         o.stdout
     );
