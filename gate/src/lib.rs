@@ -11,6 +11,7 @@ pub mod producer;
 pub mod prompts;
 pub mod report;
 pub mod run;
+pub mod worker;
 
 use std::path::{Path, PathBuf};
 

@@ -123,6 +123,9 @@ pub struct MilestoneReport {
     /// nor NOT CHECKED.
     pub baselines_not_selected: Vec<String>,
     pub totals: BTreeMap<&'static str, usize>,
+    /// The gate's own wall seconds per phase (`setup`: checks, oracle probe, worker start-up;
+    /// `producers`: the prompts' runs; `judge`: the checks; `total`): observed, never asserted.
+    pub wall_s: BTreeMap<&'static str, f64>,
     /// PASS, FAIL, or INCOMPLETE (nothing failed but something was NOT CHECKED).
     pub verdict: &'static str,
 }
@@ -168,11 +171,12 @@ fn python(root: &Path, specific: &str) -> String {
 }
 
 pub fn default_contract_cmd(root: &Path) -> String {
-    format!("'{}' -m tracegate_contract {{verb}} {{args}}", python(root, "TRACEGATE_CONTRACT_PYTHON"))
+    // {verb|serve}: one worker answers every run of the gate (docs/producers.md, "Serving").
+    format!("'{}' -m tracegate_contract {{verb|serve}} {{args}}", python(root, "TRACEGATE_CONTRACT_PYTHON"))
 }
 
 pub fn default_oracle_cmd(root: &Path) -> String {
-    format!("'{}' -m tracegate_oracle {{verb}} {{args}} --threads 1", python(root, "TRACEGATE_ORACLE_PYTHON"))
+    format!("'{}' -m tracegate_oracle {{verb|serve}} {{args}} --threads 1", python(root, "TRACEGATE_ORACLE_PYTHON"))
 }
 
 /// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
@@ -431,6 +435,7 @@ fn stack_versions(oracle: &std::result::Result<Value, String>) -> Value {
 }
 
 pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>)> {
+    let started = std::time::Instant::now();
     let ms_path = o.root.join("milestones.json");
     let mut file = MilestoneFile::load(&ms_path)?;
     let m = file.get(&o.milestone)?.clone();
@@ -476,6 +481,10 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let engine = Producer::Engine { threads: o.threads };
     let contract = Producer::command("contract", &o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root))).map_err(|e| gerr!("--contract-cmd: {e}"))?;
     let oracle = Producer::command("oracle", &o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root))).map_err(|e| gerr!("--oracle-cmd: {e}"))?;
+    // The workers' start-up (Python, torch) overlaps the probe's.
+    contract.prestart(&o.root);
+    // Unused when the probe fails: the worker then leaves at the gate's exit (stdin closed).
+    oracle.prestart(&o.root);
     let oracle_probe = probe_oracle(&o.root, o.timeout);
     let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
 
@@ -486,7 +495,11 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let tty = std::io::stderr().is_terminal();
 
     let mut results = Vec::new();
+    let mut wall_s: BTreeMap<&'static str, f64> = BTreeMap::new();
+    wall_s.insert("setup", started.elapsed().as_secs_f64());
+    let (mut producing, mut judging) = (0.0, 0.0);
     for p in &selected {
+        let phase = std::time::Instant::now();
         let dir_rel = format!("{work_rel}/{}", p.id);
         let dir = o.root.join(&dir_rel);
         // Never compare a stale trace: a producer that fails must leave nothing to read.
@@ -506,9 +519,19 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         if oracle_runs {
             producers.push((&oracle, "oracle", "oracle.trace", true));
         }
-        for (producer, label, out, cache) in producers {
-            bar.set_message(format!("{}: {label}", p.id));
-            let rec = producer.run(&o.root, &trace_verb(out, cache), o.timeout);
+        bar.set_message(p.id.clone());
+        // Independent runs overlap (the Python producers are served by their own workers).
+        let recs: Vec<RunRecord> = std::thread::scope(|s| {
+            let handles: Vec<_> = producers
+                .iter()
+                .map(|&(producer, _, out, cache)| {
+                    let verb = trace_verb(out, cache);
+                    s.spawn(move || producer.run(&o.root, &verb, o.timeout))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a producer run panicked")).collect()
+        });
+        for ((_, label, _, _), rec) in producers.iter().zip(recs) {
             bar.inc(1);
             // A hang says nothing about the model; the gate cannot judge this run at all.
             if rec.timed_out {
@@ -517,7 +540,10 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
             }
             runs.push(rec);
         }
+        producing += phase.elapsed().as_secs_f64();
+        let phase = std::time::Instant::now();
         let result = judge_prompt(o, &m, p, runs, &policy, &oracle_probe, oracle_runs);
+        judging += phase.elapsed().as_secs_f64();
         let line = format!(
             "{}: {}",
             p.id,
@@ -531,6 +557,8 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         results.push(result);
     }
     bar.finish_and_clear();
+    wall_s.insert("producers", producing);
+    wall_s.insert("judge", judging);
 
     let bl_path = o.root.join("baselines.json");
     let mut bl_file = BaselineFile::load(&bl_path)?;
@@ -562,6 +590,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         baselines,
         baselines_not_selected,
         totals: BTreeMap::new(),
+        wall_s,
         verdict: "FAIL",
     };
     for c in report.all_checks() {
@@ -578,6 +607,12 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         "PASS"
     };
     report.totals = totals;
+    report.wall_s.insert("total", started.elapsed().as_secs_f64());
+    let w = &report.wall_s;
+    eprintln!(
+        "[gate {}] wall (observed): setup {:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s",
+        m.id, w["setup"], w["producers"], w["judge"], w["total"]
+    );
 
     let bless_log = if o.bless {
         Some(bless(o, &mut file, &ms_path, &m, &set, &report, &mut bl_file, &bl_path, &conditions_of)?)
