@@ -362,6 +362,18 @@ impl Producer {
         }
     }
 
+    /// A request outside the two verbs (the oracle's `versions`) to this producer's worker;
+    /// None when it does not serve. Err: why it failed, its stderr's last line last.
+    pub fn ask_worker(&self, root: &Path, request: &[String], timeout: Duration) -> Option<std::result::Result<(), String>> {
+        let (_, serve_argv) = self.serve_argv()?;
+        let (e, _) = crate::worker::request(root, &serve_argv, request, timeout);
+        Some(match (e.ok, e.timed_out) {
+            (true, _) => Ok(()),
+            (false, true) => Err(format!("timed out after {} s (--timeout) and was killed: $ {}", timeout.as_secs_f64(), display(&serve_argv))),
+            (false, false) => Err(e.text),
+        })
+    }
+
     /// Runs `verb` with `root` as the working directory (paths in the verb are relative to it),
     /// killed after `timeout`. The engine runs as a child of the gate's own executable (the
     /// hidden verb ENGINE_CHILD), so an engine that aborts or hangs ends a run, not the gate.

@@ -180,13 +180,23 @@ pub fn default_oracle_cmd(root: &Path) -> String {
 }
 
 /// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
-fn probe_oracle(root: &Path, timeout: std::time::Duration) -> std::result::Result<Value, String> {
+/// The default oracle's worker answers it (`versions`), so torch is imported once per gate run;
+/// `dir`: where it writes its answer.
+fn probe_oracle(root: &Path, timeout: std::time::Duration, oracle: Option<&Producer>, dir: &Path) -> std::result::Result<Value, String> {
     let py = python(root, "TRACEGATE_ORACLE_PYTHON");
-    let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
-    let out = crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout).map_err(|err| {
+    let unavailable = |err: String| {
         let last = err.lines().rev().find(|l| !l.trim().is_empty() && !l.starts_with('[')).unwrap_or("import failed").to_string();
         format!("torch/transformers unavailable to {py}: {last}")
-    })?;
+    };
+    let answer = dir.join("oracle-versions.json");
+    let served = oracle.and_then(|o| o.ask_worker(root, &["versions".into(), "--out".into(), answer.display().to_string()], timeout));
+    let out = match served {
+        Some(asked) => asked.map_err(unavailable).and_then(|()| std::fs::read_to_string(&answer).map_err(|e| format!("{}: {e}", answer.display())))?,
+        None => {
+            let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
+            crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout).map_err(unavailable)?
+        }
+    };
     serde_json::from_str(&out).map_err(|e| format!("version probe printed no JSON: {e}"))
 }
 
@@ -481,11 +491,9 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let engine = Producer::Engine { threads: o.threads };
     let contract = Producer::command("contract", &o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root))).map_err(|e| gerr!("--contract-cmd: {e}"))?;
     let oracle = Producer::command("oracle", &o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root))).map_err(|e| gerr!("--oracle-cmd: {e}"))?;
-    // The workers' start-up (Python, torch) overlaps the probe's.
+    // The contract worker's start-up overlaps the oracle's, which answers the probe.
     contract.prestart(&o.root);
-    // Unused when the probe fails: the worker then leaves at the gate's exit (stdin closed).
-    oracle.prestart(&o.root);
-    let oracle_probe = probe_oracle(&o.root, o.timeout);
+    let oracle_probe = probe_oracle(&o.root, o.timeout, o.oracle_cmd.is_none().then_some(&oracle), &o.root.join(&work_rel));
     let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
 
     let steps = selected.len() as u64 * if oracle_runs { 4 } else { 3 };

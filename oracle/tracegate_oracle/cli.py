@@ -154,10 +154,28 @@ def _serve(rest: list[str]) -> int:
     return serve(main, sys.argv[0])
 
 
+def _versions(rest: list[str]) -> int:
+    """`versions --out PATH`: the stack's versions as JSON, what the gate records (its probe of
+    the oracle's interpreter, asked of the serving worker so torch is imported once)."""
+    if len(rest) != 2 or rest[0] != "--out":
+        print(f"{PROG} versions: error: expected --out PATH, got {' '.join(rest)!r}", file=sys.stderr)
+        return 2
+    import json
+
+    import numpy
+    import torch
+    import transformers
+
+    Path(rest[1]).write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__}))
+    return 0
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["serve"]:
         return _serve(args[1:])
+    if args[:1] == ["versions"]:
+        return _versions(args[1:])
     ap = parser()
     a = ap.parse_args(argv)
     rc = RunConfig(device=a.device, dtype=a.dtype, threads=a.threads, seed=a.seed, capture=a.capture,
