@@ -4,6 +4,7 @@
          [--capture default|internals] [--generate N] [--cache on|off] [--force-decisions TRACE]
   python -m tracegate_contract layer --model DIR --layer L --input TRACE --input-name NAME
          --out PATH [--capture default|internals] [--force-decisions TRACE] [--decode-from P]
+  python -m tracegate_contract serve     (one request per stdin line; docs/producers.md, "Serving")
 
 User errors (bad arguments, config or checkpoint refusals, bad input traces) exit 2 with one
 line on stderr and no traceback.
@@ -60,6 +61,8 @@ def _tokens(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
     try:
         import tracegate  # noqa: F401  (the trace writer; refuse early and plainly if absent)
     except ImportError:
@@ -91,6 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(digest)
     return 0
+
+
+def _serve(rest: list[str]) -> int:
+    if rest:
+        print(f"error: serve takes no arguments, got {' '.join(rest)}", file=sys.stderr)
+        return 2
+    try:
+        from tracegate.serve import serve
+    except ImportError:
+        print("error: the tracegate Python module is not installed (run scripts/setup.sh)", file=sys.stderr)
+        return 2
+    return serve(main, sys.argv[0])
 
 
 if __name__ == "__main__":

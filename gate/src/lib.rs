@@ -13,6 +13,7 @@ pub mod producer;
 pub mod prompts;
 pub mod report;
 pub mod run;
+pub mod worker;
 
 use std::path::{Path, PathBuf};
 

@@ -135,8 +135,10 @@ pub enum Producer {
     Engine { threads: usize },
     /// A command template, split into words once (`Producer::command` checks it): `{verb}` is
     /// replaced by the verb, `{args}` by its arguments (appended when absent). Words are split
-    /// on whitespace; single or double quotes group.
-    Command { name: String, words: Vec<String> },
+    /// on whitespace; single or double quotes group. `serve`: the index of the word
+    /// `{verb|serve}` (the verb, and a declaration that `PREFIX serve` answers requests; see
+    /// crate::worker), when the template has it.
+    Command { name: String, words: Vec<String>, serve: Option<usize> },
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -159,6 +161,10 @@ pub struct RunRecord {
     /// Bytes the producer wrote to stderr, all of them (`stderr` keeps at most head + tail).
     pub stderr_bytes: u64,
     pub out: String,
+    /// The pid of the worker that answered this run (docs/producers.md, "Serving"); the
+    /// invocation above is then the equivalent per-call command line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_by: Option<u32>,
 }
 
 impl RunRecord {
@@ -195,7 +201,7 @@ pub const CAPTURE_TAIL: usize = 8 * 1024;
 const WHY_BYTES: usize = 1024;
 /// How long output is still read after the producer exited (from a child that left its
 /// process group and kept the pipe open) before the gate stops listening.
-const DRAIN_GRACE: Duration = Duration::from_secs(2);
+pub(crate) const DRAIN_GRACE: Duration = Duration::from_secs(2);
 /// Default `--timeout`: the slowest fixture run (the oracle, about 7 s) with a wide margin.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
@@ -292,13 +298,20 @@ impl Producer {
         if words.is_empty() {
             return Err(bad("empty"));
         }
-        if !words.iter().any(|w| w.contains("{verb}")) {
+        let serve = words.iter().position(|w| w == SERVE_VERB);
+        if words.iter().any(|w| w.contains(SERVE_VERB) && w != SERVE_VERB) || words.iter().filter(|w| *w == SERVE_VERB).count() > 1 {
+            return Err(bad("{verb|serve} must be a word of its own, once"));
+        }
+        if serve.is_some_and(|i| words[..i].iter().any(|w| w.contains("{verb}") || w.contains("{args}"))) {
+            return Err(bad("the words before {verb|serve} start the worker and may not hold {verb} or {args}"));
+        }
+        if serve.is_none() && !words.iter().any(|w| w.contains("{verb}")) {
             return Err(bad("no {verb}: the producer would not be told which verb to run"));
         }
         if words.iter().any(|w| w.contains("{args}") && w != "{args}") {
             return Err(bad("{args} must be a word of its own"));
         }
-        Ok(Producer::Command { name: name.into(), words })
+        Ok(Producer::Command { name: name.into(), words, serve })
     }
 
     pub fn name(&self) -> String {
@@ -323,6 +336,8 @@ impl Producer {
                     if w == "{args}" {
                         out.extend(verb.args());
                         placed = true;
+                    } else if w == SERVE_VERB {
+                        out.push(verb.name().to_string());
                     } else {
                         out.push(w.replace("{verb}", verb.name()));
                     }
@@ -335,6 +350,39 @@ impl Producer {
         }
     }
 
+    /// The worker command line (`PREFIX serve`) of a template that declares `{verb|serve}`,
+    /// unless TRACEGATE_SERVE=0 asks for per-call runs.
+    fn serve_argv(&self) -> Option<(usize, Vec<String>)> {
+        match self {
+            Producer::Command { words, serve: Some(i), .. } if std::env::var("TRACEGATE_SERVE").as_deref() != Ok("0") => {
+                let mut a = words[..*i].to_vec();
+                a.push("serve".into());
+                Some((*i, a))
+            }
+            _ => None,
+        }
+    }
+
+    /// Starts a serving producer's worker now (nothing for the others), so that its start-up
+    /// overlaps what the gate does before the first request.
+    pub fn prestart(&self, root: &Path) {
+        if let Some((_, serve_argv)) = self.serve_argv() {
+            crate::worker::prestart(root, &serve_argv);
+        }
+    }
+
+    /// A request outside the two verbs (the oracle's `versions`) to this producer's worker;
+    /// None when it does not serve. Err: why it failed, its stderr's last line last.
+    pub fn ask_worker(&self, root: &Path, request: &[String], timeout: Duration) -> Option<std::result::Result<(), String>> {
+        let (_, serve_argv) = self.serve_argv()?;
+        let (e, _) = crate::worker::request(root, &serve_argv, request, timeout);
+        Some(match (e.ok, e.timed_out) {
+            (true, _) => Ok(()),
+            (false, true) => Err(format!("timed out after {} s (--timeout) and was killed: $ {}", timeout.as_secs_f64(), display(&serve_argv))),
+            (false, false) => Err(e.text),
+        })
+    }
+
     /// Runs `verb` with `root` as the working directory (paths in the verb are relative to it),
     /// killed after `timeout`. The engine runs as a child of the gate's own executable (the
     /// hidden verb ENGINE_CHILD), so an engine that aborts or hangs ends a run, not the gate.
@@ -342,6 +390,7 @@ impl Producer {
         let argv = self.argv(verb);
         let invocation = display(&argv);
         let start = Instant::now();
+        let mut served_by = None;
         let spawned = match self {
             Producer::Engine { .. } => match std::env::current_exe() {
                 Ok(exe) => {
@@ -351,7 +400,14 @@ impl Producer {
                 }
                 Err(e) => Ended::failed(format!("cannot find the gate's own executable to run the engine: {e}")),
             },
-            Producer::Command { .. } => run_command(root, &argv, timeout),
+            Producer::Command { .. } => match self.serve_argv() {
+                Some((i, serve_argv)) => {
+                    let (ended, pid) = crate::worker::request(root, &serve_argv, &argv[i..], timeout);
+                    served_by = pid;
+                    ended
+                }
+                None => run_command(root, &argv, timeout),
+            },
         };
         let wrote = root.join(verb.out()).is_file();
         let ok = spawned.ok && wrote;
@@ -374,9 +430,13 @@ impl Producer {
             stderr,
             stderr_bytes: spawned.stderr_bytes,
             out: verb.out().to_string(),
+            served_by,
         }
     }
 }
+
+/// The template word that is the verb and declares that the command answers `serve`.
+pub const SERVE_VERB: &str = "{verb|serve}";
 
 /// The hidden first argument with which the gate runs itself as the engine producer.
 pub const ENGINE_CHILD: &str = "__engine-producer";
@@ -418,19 +478,19 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
 }
 
 /// How a subprocess ended.
-struct Ended {
-    ok: bool,
-    exit_code: Option<i32>,
-    timed_out: bool,
-    peak_rss_kib: Option<u64>,
+pub(crate) struct Ended {
+    pub(crate) ok: bool,
+    pub(crate) exit_code: Option<i32>,
+    pub(crate) timed_out: bool,
+    pub(crate) peak_rss_kib: Option<u64>,
     /// stderr (or stdout, see RunRecord::stderr), with how it ended when it failed.
-    text: String,
-    stderr_bytes: u64,
-    stdout: String,
+    pub(crate) text: String,
+    pub(crate) stderr_bytes: u64,
+    pub(crate) stdout: String,
 }
 
 impl Ended {
-    fn failed(why: String) -> Ended {
+    pub(crate) fn failed(why: String) -> Ended {
         Ended { ok: false, exit_code: None, timed_out: false, peak_rss_kib: None, text: why, stderr_bytes: 0, stdout: String::new() }
     }
 }
@@ -458,6 +518,20 @@ fn signal_name(sig: i32) -> &'static str {
         libc::SIGFPE => "SIGFPE",
         libc::SIGILL => "SIGILL",
         _ => "",
+    }
+}
+
+/// A wait status as (ok, exit code, how it ended).
+pub(crate) fn exit_text(status: libc::c_int) -> (bool, Option<i32>, String) {
+    if libc::WIFEXITED(status) {
+        let code = libc::WEXITSTATUS(status);
+        (code == 0, Some(code), format!("exit status {code}"))
+    } else if libc::WIFSIGNALED(status) {
+        let sig = libc::WTERMSIG(status);
+        let name = signal_name(sig);
+        (false, None, if name.is_empty() { format!("killed by signal {sig}") } else { format!("killed by signal {sig} ({name})") })
+    } else {
+        (false, None, "ended abnormally".to_string())
     }
 }
 
@@ -558,18 +632,7 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
     // `child` was reaped above; dropping it neither waits nor kills.
     drop(child);
     let [out, err] = caps;
-    let (ok, code, how) = if timed_out {
-        (false, None, String::new())
-    } else if libc::WIFEXITED(status) {
-        let code = libc::WEXITSTATUS(status);
-        (code == 0, Some(code), format!("exit status {code}"))
-    } else if libc::WIFSIGNALED(status) {
-        let sig = libc::WTERMSIG(status);
-        let name = signal_name(sig);
-        (false, None, if name.is_empty() { format!("killed by signal {sig}") } else { format!("killed by signal {sig} ({name})") })
-    } else {
-        (false, None, "ended abnormally".to_string())
-    };
+    let (ok, code, how) = if timed_out { (false, None, String::new()) } else { exit_text(status) };
     let stdout = out.text();
     let mut text = err.text();
     if !ok {
@@ -607,6 +670,18 @@ mod tests {
         small.push(&[b'y'; CAPTURE_HEAD]);
         small.push(b" two");
         assert_eq!(small.text(), format!("one {} two", "y".repeat(CAPTURE_HEAD)));
+    }
+
+    #[test]
+    fn a_serving_template_is_the_per_call_command_and_a_worker_command() {
+        let p = Producer::command("c", "py -m x {verb|serve} {args} --threads 1").unwrap();
+        let verb = Verb::Trace { model: "m".into(), tokens: vec![1], out: "o".into(), internals: false, generate: 0, cache: true, force: None };
+        assert_eq!(display(&p.argv(&verb)), "py -m x trace --model m --tokens 1 --out o --capture default --threads 1");
+        assert_eq!(p.serve_argv().map(|(i, a)| (i, display(&a))), Some((3, "py -m x serve".to_string())));
+        assert!(Producer::command("c", "py {verb} {args}").unwrap().serve_argv().is_none());
+        for bad in ["py x{verb|serve} {args}", "py {verb|serve} {verb|serve}", "py {args} {verb|serve}"] {
+            assert!(Producer::command("c", bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

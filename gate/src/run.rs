@@ -141,6 +141,9 @@ pub struct MilestoneReport {
     /// nor NOT CHECKED.
     pub baselines_not_selected: Vec<String>,
     pub totals: BTreeMap<&'static str, usize>,
+    /// The gate's own wall seconds per phase (`setup`: checks, oracle probe, worker start-up;
+    /// `producers`: the prompts' runs; `judge`: the checks; `total`): observed, never asserted.
+    pub wall_s: BTreeMap<&'static str, f64>,
     /// PASS, FAIL, or INCOMPLETE (nothing failed but something was NOT CHECKED).
     pub verdict: &'static str,
 }
@@ -186,21 +189,32 @@ fn python(root: &Path, specific: &str) -> String {
 }
 
 pub fn default_contract_cmd(root: &Path) -> String {
-    format!("'{}' -m tracegate_contract {{verb}} {{args}}", python(root, "TRACEGATE_CONTRACT_PYTHON"))
+    // {verb|serve}: one worker answers every run of the gate (docs/producers.md, "Serving").
+    format!("'{}' -m tracegate_contract {{verb|serve}} {{args}}", python(root, "TRACEGATE_CONTRACT_PYTHON"))
 }
 
 pub fn default_oracle_cmd(root: &Path) -> String {
-    format!("'{}' -m tracegate_oracle {{verb}} {{args}} --threads 1", python(root, "TRACEGATE_ORACLE_PYTHON"))
+    format!("'{}' -m tracegate_oracle {{verb|serve}} {{args}} --threads 1", python(root, "TRACEGATE_ORACLE_PYTHON"))
 }
 
 /// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
-fn probe_oracle(root: &Path, timeout: std::time::Duration) -> std::result::Result<Value, String> {
+/// The default oracle's worker answers it (`versions`), so torch is imported once per gate run;
+/// `dir`: where it writes its answer.
+fn probe_oracle(root: &Path, timeout: std::time::Duration, oracle: Option<&Producer>, dir: &Path) -> std::result::Result<Value, String> {
     let py = python(root, "TRACEGATE_ORACLE_PYTHON");
-    let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
-    let out = crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout).map_err(|err| {
+    let unavailable = |err: String| {
         let last = err.lines().rev().find(|l| !l.trim().is_empty() && !l.starts_with('[')).unwrap_or("import failed").to_string();
         format!("torch/transformers unavailable to {py}: {last}")
-    })?;
+    };
+    let answer = dir.join("oracle-versions.json");
+    let served = oracle.and_then(|o| o.ask_worker(root, &["versions".into(), "--out".into(), answer.display().to_string()], timeout));
+    let out = match served {
+        Some(asked) => asked.map_err(unavailable).and_then(|()| std::fs::read_to_string(&answer).map_err(|e| format!("{}: {e}", answer.display())))?,
+        None => {
+            let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
+            crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout).map_err(unavailable)?
+        }
+    };
     serde_json::from_str(&out).map_err(|e| format!("version probe printed no JSON: {e}"))
 }
 
@@ -449,6 +463,7 @@ fn stack_versions(oracle: &std::result::Result<Value, String>) -> Value {
 }
 
 pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>)> {
+    let started = std::time::Instant::now();
     let ms_path = o.root.join("milestones.json");
     let mut file = MilestoneFile::load(&ms_path)?;
     let m = file.get(&o.milestone)?.clone();
@@ -494,7 +509,9 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let engine = Producer::Engine { threads: o.threads };
     let contract = Producer::command("contract", &o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root))).map_err(|e| gerr!("--contract-cmd: {e}"))?;
     let oracle = Producer::command("oracle", &o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root))).map_err(|e| gerr!("--oracle-cmd: {e}"))?;
-    let oracle_probe = probe_oracle(&o.root, o.timeout);
+    // The contract worker's start-up overlaps the oracle's, which answers the probe.
+    contract.prestart(&o.root);
+    let oracle_probe = probe_oracle(&o.root, o.timeout, o.oracle_cmd.is_none().then_some(&oracle), &o.root.join(&work_rel));
     let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
 
     let steps = selected.len() as u64 * if oracle_runs { 4 } else { 3 };
@@ -504,7 +521,11 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let tty = std::io::stderr().is_terminal();
 
     let mut results = Vec::new();
+    let mut wall_s: BTreeMap<&'static str, f64> = BTreeMap::new();
+    wall_s.insert("setup", started.elapsed().as_secs_f64());
+    let (mut producing, mut judging) = (0.0, 0.0);
     for p in &selected {
+        let phase = std::time::Instant::now();
         let dir_rel = format!("{work_rel}/{}", p.id);
         let dir = o.root.join(&dir_rel);
         // Never compare a stale trace: a producer that fails must leave nothing to read.
@@ -524,9 +545,19 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         if oracle_runs {
             producers.push((&oracle, "oracle", "oracle.trace", true));
         }
-        for (producer, label, out, cache) in producers {
-            bar.set_message(format!("{}: {label}", p.id));
-            let rec = producer.run(&o.root, &trace_verb(out, cache), o.timeout);
+        bar.set_message(p.id.clone());
+        // Independent runs overlap (the Python producers are served by their own workers).
+        let recs: Vec<RunRecord> = std::thread::scope(|s| {
+            let handles: Vec<_> = producers
+                .iter()
+                .map(|&(producer, _, out, cache)| {
+                    let verb = trace_verb(out, cache);
+                    s.spawn(move || producer.run(&o.root, &verb, o.timeout))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a producer run panicked")).collect()
+        });
+        for ((_, label, _, _), rec) in producers.iter().zip(recs) {
             bar.inc(1);
             // A hang says nothing about the model; the gate cannot judge this run at all.
             if rec.timed_out {
@@ -535,7 +566,10 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
             }
             runs.push(rec);
         }
+        producing += phase.elapsed().as_secs_f64();
+        let phase = std::time::Instant::now();
         let result = judge_prompt(o, &m, p, runs, &policy, &oracle_probe, oracle_runs);
+        judging += phase.elapsed().as_secs_f64();
         let line = format!(
             "{}: {}",
             p.id,
@@ -549,6 +583,8 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         results.push(result);
     }
     bar.finish_and_clear();
+    wall_s.insert("producers", producing);
+    wall_s.insert("judge", judging);
 
     let bl_path = o.root.join("baselines.json");
     let mut bl_file = BaselineFile::load(&bl_path)?;
@@ -581,6 +617,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         baselines,
         baselines_not_selected,
         totals: BTreeMap::new(),
+        wall_s,
         verdict: "FAIL",
     };
     for c in report.all_checks() {
@@ -597,6 +634,12 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         "PASS"
     };
     report.totals = totals;
+    report.wall_s.insert("total", started.elapsed().as_secs_f64());
+    let w = &report.wall_s;
+    eprintln!(
+        "[gate {}] wall (observed): setup {:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s",
+        m.id, w["setup"], w["producers"], w["judge"], w["total"]
+    );
 
     let bless_log = if o.bless {
         Some(bless(o, &mut file, &ms_path, &m, &set, &report, &mut bl_file, &bl_path, &conditions_of)?)

@@ -764,3 +764,85 @@ fn an_extra_attribute_on_logits_fails_matches() {
     assert_eq!(found[0]["name"], "logits");
     assert!(found[0]["detail"].as_str().unwrap().contains("\"note\""), "{matches}");
 }
+
+/// A template that runs tests/producers/NAME as a serving producer (`{verb|serve}`).
+fn served_test_producer(name: &str, args: &str) -> String {
+    format!("'{}' '{}' {args} {{verb|serve}} {{args}}", python().display(), repo().join("gate/tests/producers").join(name).display())
+}
+
+/// Whether process `pid` has ended (gone, or a zombie awaiting its reaper).
+fn ended(pid: &str) -> bool {
+    let stat = format!("/proc/{}/stat", pid.trim());
+    let gone = || std::fs::read_to_string(&stat).map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+    for _ in 0..100 {
+        if gone() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    false
+}
+
+#[test]
+fn served_and_per_call_runs_give_the_same_digests() {
+    // One trace directory for both (one after the other), so the invocations can be compared.
+    let work = tempfile::tempdir().unwrap();
+    let args = ["m1", "--only", "short", "--work", work.path().to_str().unwrap()];
+    let served = gate(&repo(), &args, &[]);
+    let per_call = gate(&repo(), &args, &[("TRACEGATE_SERVE", Path::new("0"))]);
+    let (s, p) = (served.report.unwrap(), per_call.report.unwrap());
+    let runs = |r: &Value| r["prompts"][0]["runs"].as_array().unwrap().clone();
+    // Negative control for the comparison below: the runs really were served, and then not.
+    for (i, producer) in [(2, "contract"), (3, "oracle")] {
+        assert_eq!(runs(&s)[i]["producer"], producer);
+        assert!(runs(&s)[i]["served_by"].as_u64().is_some(), "{producer} not served: {}", runs(&s)[i]);
+        assert!(runs(&p)[i].get("served_by").is_none(), "{producer} served under TRACEGATE_SERVE=0");
+        // The recorded invocation is the per-call command line either way.
+        assert_eq!(runs(&s)[i]["invocation"], runs(&p)[i]["invocation"]);
+    }
+    let digests = |r: &Value| r["prompts"][0]["digests"].clone();
+    assert_eq!(digests(&s).as_object().unwrap().len(), 4, "{}", digests(&s));
+    assert_eq!(digests(&s), digests(&p));
+    assert_eq!(check(&s, "short", "stable")["status"], "PASS");
+}
+
+#[test]
+fn a_worker_that_dies_mid_run_fails_that_row_with_its_stderr_and_the_next_request_gets_a_fresh_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let work = tempfile::tempdir().unwrap();
+    let contract = served_test_producer("serving.py", "crash-second");
+    let r = gate_watched(&repo(), &["m0", "--only", "short,repeat,mid", "--contract-cmd", &contract, "--work", work.path().to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let order: Vec<&str> = rep["prompts"].as_array().unwrap().iter().map(|p| p["id"].as_str().unwrap()).collect();
+    let (first, second, third) = (order[0], order[1], order[2]);
+    assert_eq!(check(&rep, first, "matches")["status"], "PASS");
+    let m = check(&rep, second, "matches");
+    assert_eq!(m["status"], "FAIL");
+    let detail = m["detail"].as_str().unwrap();
+    assert!(detail.contains("SECOND-REQUEST-CRASH") && detail.contains("ended without answering; exit status 7"), "{detail}");
+    // A fresh worker answers the third prompt.
+    assert_eq!(check(&rep, third, "matches")["status"], "PASS");
+    let pid = |p: &str| std::fs::read_to_string(work.path().join(format!("m0/{p}/contract.trace.worker-pid"))).unwrap();
+    assert_eq!(pid(first), pid(second));
+    assert_ne!(pid(second), pid(third));
+    let runs = |p: &str| rep["prompts"].as_array().unwrap().iter().find(|x| x["id"] == p).unwrap()["runs"][2].clone();
+    assert_eq!(runs(first)["served_by"].as_u64().unwrap().to_string(), pid(first));
+    assert_eq!(runs(third)["served_by"].as_u64().unwrap().to_string(), pid(third));
+    assert!(ended(&pid(third)), "the worker (pid {}) outlived the gate", pid(third));
+}
+
+#[test]
+fn a_worker_that_hangs_is_killed_at_the_timeout_of_that_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let work = tempfile::tempdir().unwrap();
+    let contract = served_test_producer("serving.py", "hang-second");
+    let r = gate_watched(&repo(), &["m0", "--only", "short,repeat", "--contract-cmd", &contract, "--timeout", "10", "--work", work.path().to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    // The prompt-file order decides which prompt is the worker's second request.
+    assert!(r.stderr.contains(": contract trace timed out after 10 s (--timeout) and was killed: $ ") && r.stderr.contains("serving.py hang-second trace --model"), "{}", r.stderr);
+    let pid = std::fs::read_to_string(work.path().join("m0/repeat/contract.trace.worker-pid")).or_else(|_| std::fs::read_to_string(work.path().join("m0/short/contract.trace.worker-pid"))).unwrap();
+    assert!(ended(&pid), "the hung worker (pid {pid}) outlived the gate");
+}

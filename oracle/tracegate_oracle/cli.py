@@ -1,5 +1,6 @@
 """Command line: `trace` (a whole forward, optionally greedy decode) and `layer` (one decoder layer,
-optionally as cached decode steps with --decode-from).
+optionally as cached decode steps with --decode-from); `serve` answers many of them from one process
+(docs/producers.md, "Serving").
 
 User errors (arguments, paths, checkpoints, input traces) exit 2 with one line naming the
 problem; anything else is a bug and keeps its traceback.
@@ -144,7 +145,58 @@ def _read_input(path: str, name: str):
     return arr, _positions(attrs["positions"]), dt, src
 
 
+_MODELS: dict = {}
+
+
+def _load(model_dir: str, rc: RunConfig):
+    """The model, loaded once per (checkpoint files, dtype, device) in a serving process: a run
+    only reads its weights (hooks are removed after each capture). One model is kept, so a
+    worker holds no more than a per-call process."""
+    from . import capture as cp
+
+    d = Path(model_dir).resolve()
+    stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in d.iterdir() if p.is_file()))
+    key = (str(d), rc.dtype, rc.device, stamp)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = cp.load_model(model_dir, rc)
+    return _MODELS[key]
+
+
+def _serve(rest: list[str]) -> int:
+    if rest:
+        print(f"{PROG} serve: error: takes no arguments, got {' '.join(rest)}", file=sys.stderr)
+        return 2
+    from tracegate.serve import serve
+
+    import torch  # noqa: F401  (the seconds of importing it go before the first request)
+    import transformers  # noqa: F401
+
+    return serve(main, sys.argv[0])
+
+
+def _versions(rest: list[str]) -> int:
+    """`versions --out PATH`: the stack's versions as JSON, what the gate records (its probe of
+    the oracle's interpreter, asked of the serving worker so torch is imported once)."""
+    if len(rest) != 2 or rest[0] != "--out":
+        print(f"{PROG} versions: error: expected --out PATH, got {' '.join(rest)!r}", file=sys.stderr)
+        return 2
+    import json
+
+    import numpy
+    import torch
+    import transformers
+
+    Path(rest[1]).write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__}))
+    return 0
+
+
 def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["serve"]:
+        return _serve(args[1:])
+    if args[:1] == ["versions"]:
+        return _versions(args[1:])
     ap = parser()
     a = ap.parse_args(argv)
     rc = RunConfig(device=a.device, dtype=a.dtype, threads=a.threads, seed=a.seed, capture=a.capture,
@@ -165,11 +217,11 @@ def main(argv=None) -> int:
                 cp.check_decode_from(a.decode_from, positions, a.input_name)
         det = cp.setup_torch(rc)
         if a.verb == "layer":
-            model = cp.load_model(a.model, rc)
+            model = _load(a.model, rc)
             cap = cp.capture_layer(model, a.model, a.layer, arr, positions, rc, det, input_dtype=dt, source=src,
                                    forcing=forcing, decode_from=a.decode_from)
         else:
-            model = cp.load_model(a.model, rc)
+            model = _load(a.model, rc)
             cap = cp.capture_prompt(model, a.model, a.tokens, rc, det, forcing=forcing)
         digest = cp.write_trace(cap, out)
     except OracleError as e:

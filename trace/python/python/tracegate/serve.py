@@ -1,0 +1,69 @@
+"""`PRODUCER serve`: one process answers many protocol requests (docs/producers.md, "Serving").
+
+Shared by the contract and the oracle (both need this package anyway) so the loop exists once.
+
+stdin: one request per line, ``{"argv": [VERB, ARG, ...]}``: exactly the words the per-call form
+takes after the program (``trace --model DIR ...``). stdout: one answer per request, in order,
+``{"exit": N}`` with N the exit status the per-call process would have had. Everything the
+producer itself prints (its digest line, a library's chatter, tracebacks) goes to stderr, so
+stdout carries answers only. EOF on stdin ends the worker (exit 0); so does the end of the
+process that started it (the gate), even while a request runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+
+def _exit_status(code) -> int:
+    # As the interpreter maps SystemExit's code to a process status.
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _watch_parent(ppid: int) -> None:
+    # A gate killed mid-request cannot close our stdin in time to matter; leave with it.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != ppid:
+            os._exit(1)
+
+
+def serve(main, argv0: str) -> int:
+    """Run ``main(argv) -> int`` once per request line. ``sys.argv`` is set per request to
+    ``[argv0, *argv]`` as the per-call process would see it (the oracle records it as its command)."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # fd 1 (and sys.stdout, which writes to it) now goes to stderr
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            argv = json.loads(line)["argv"]
+            if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+                raise ValueError("argv is not a list of strings")
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"error: serve: bad request line {line.strip()[:200]!r}: {e}", file=sys.stderr)
+            status = 2
+        else:
+            sys.argv = [argv0, *argv]
+            try:
+                status = _exit_status(main(argv))
+            except SystemExit as e:  # argparse refusals, as in the per-call form
+                status = _exit_status(e.code)
+            except Exception:  # a bug keeps its traceback, as an uncaught exception would
+                traceback.print_exc()
+                status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        answers.write(json.dumps({"exit": status}) + "\n")
+    return 0
