@@ -68,7 +68,7 @@ pub fn producer(root: &Path, kind: &str, template: Option<&str>, side: &str, thr
 pub fn is_ordered(root: &Path, p: &Producer) -> bool {
     match p {
         Producer::Engine { .. } => true,
-        Producer::Command { name, words } => {
+        Producer::Command { name, words, .. } => {
             name == "contract" && matches!(Producer::command("contract", &crate::run::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
         }
     }

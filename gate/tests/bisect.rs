@@ -4,15 +4,13 @@
 //! candidate without the layer verb must be NOT CHECKED, never a pass. Every report is checked
 //! against docs/bisect-report.schema.json by a JSON Schema validator.
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
+mod common;
+use common::{assert_valid_bisect_report as assert_valid_report, bisect_validator, repo};
 
 struct Outcome {
     code: i32,
@@ -28,32 +26,6 @@ impl Outcome {
         assert!(judged.starts_with("judged by "), "the first line does not say how it judged: {}", self.stdout);
         lines.next().unwrap_or("")
     }
-}
-
-/// docs/bisect-report.schema.json (draft 2020-12), with the diff report's schema it refers to
-/// for `whole_run.first_violation` registered under its $id; compiled once per test binary.
-fn report_validator() -> &'static jsonschema::Validator {
-    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
-    V.get_or_init(|| {
-        let read = |name: &str| -> Value {
-            let path = repo().join("docs").join(name);
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        };
-        let diff = read("diff-report.schema.json");
-        let id = diff["$id"].as_str().unwrap().to_string();
-        let registry: &'static jsonschema::Registry = Box::leak(Box::new(jsonschema::Registry::new().add(id, diff).unwrap().prepare().unwrap()));
-        jsonschema::options()
-            .with_draft(jsonschema::Draft::Draft202012)
-            .with_registry(registry)
-            .build(&read("bisect-report.schema.json"))
-            .unwrap_or_else(|e| panic!("docs/bisect-report.schema.json is not a valid schema: {e}"))
-    })
-}
-
-/// Panics unless `report` is valid under docs/bisect-report.schema.json.
-fn assert_valid_report(report: &Value) {
-    let errors: Vec<String> = report_validator().iter_errors(report).map(|e| format!("at {}: {e}", e.instance_path())).collect();
-    assert!(errors.is_empty(), "the report does not match docs/bisect-report.schema.json:\n{}\n{report:#}", errors.join("\n"));
 }
 
 /// Runs `gate bisect` on a fixture (a directory under fixtures/, or an absolute path) with the
@@ -554,4 +526,21 @@ fn the_oracle_by_bits_is_self_consistent_and_at_rounding_level() {
     assert_eq!((r["self_consistency"]["checked_layers"].clone(), r["layers"][0]["self_check"].as_str()), (serde_json::json!([0]), Some("consistent")), "{}", o.stdout);
     assert_eq!((r["rounding_level"]["at_rounding_level"].as_bool(), r["rounding_level"]["flag"].as_str()), (Some(true), Some("drop --exact")), "{}", o.stdout);
     assert!(o.headline().contains("drop --exact to judge by policy f32"), "{}", o.stdout);
+}
+
+#[test]
+fn the_report_validator_refuses_what_the_schema_does_not_describe() {
+    // The negative control of the validation every bisect test applies: not accept-all.
+    let refused = |code: i64, extra: Option<(&str, Value)>| {
+        let mut r = serde_json::json!({"schema": "tracegate-bisect/3", "verdict": "refused", "exit_code": code, "summary": "why",
+            "work_dir": "w", "timeout_s": 300, "gate_invocation": ["gate", "bisect"]});
+        if let Some((k, v)) = extra {
+            r[k] = v;
+        }
+        r
+    };
+    assert!(bisect_validator().is_valid(&refused(2, None)));
+    assert!(!bisect_validator().is_valid(&serde_json::json!({})));
+    assert!(!bisect_validator().is_valid(&refused(1, None)), "a refusal exits 2");
+    assert!(!bisect_validator().is_valid(&refused(2, Some(("surprise", Value::Bool(true))))), "unknown fields are refused");
 }

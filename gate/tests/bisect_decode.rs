@@ -4,13 +4,18 @@
 //! `layer --decode-from` is NOT CHECKED, never a pass; clean engine-vs-contract runs (dense and
 //! MoE) say nothing wrong and name the steps compared.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+mod common;
+use common::{assert_valid_bisect_report, repo};
+
+/// The verdict line: the first line says how bisect judged (docs/bisect.md, "Judging").
+fn headline(stdout: &str) -> &str {
+    let mut lines = stdout.lines();
+    assert!(lines.next().unwrap_or("").starts_with("judged by "), "the first line does not say how it judged: {stdout}");
+    lines.next().unwrap_or("")
 }
 
 /// `gate bisect --generate 3` on a fixture, prompt `short`: (exit code, stdout, report).
@@ -28,7 +33,9 @@ fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let text = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
-    (out.status.code().unwrap_or(-1), stdout, serde_json::from_str(&text).unwrap())
+    let report: Value = serde_json::from_str(&text).unwrap();
+    assert_valid_bisect_report(&report);
+    (out.status.code().unwrap_or(-1), stdout, report)
 }
 
 fn defective(defect: &str) -> String {
@@ -48,7 +55,7 @@ fn cached_pos_is_found(model: &str, cmd: &str) {
     let (code, stdout, r) = bisect_generate(model, &["--candidate", "cmd", "--candidate-cmd", cmd]);
     let d = &r["decode"];
     assert_eq!((code, r["verdict"].as_str(), r["exit_code"].as_i64()), (6, Some("cached_decode_differs"), Some(6)), "{stdout}");
-    assert!(stdout.lines().next().unwrap().starts_with("the cached decode path disagrees with the full recompute from step 1: first decode.0001.layer.01.attn_out"), "{stdout}");
+    assert!(headline(&stdout).starts_with("the cached decode path disagrees with the full recompute from step 1: first decode.0001.layer.01.attn_out"), "{stdout}");
     // The prefill is clean; the step is the first with a forward on the cache.
     assert_eq!(r["whole_run"]["verdict"], "identical");
     assert_eq!(r["capture"], "internals", "--generate implies --capture internals");
@@ -75,7 +82,7 @@ fn a_candidate_without_decode_from_is_not_checked_at_the_step_never_a_pass() {
     assert_eq!(d["cache_check"]["status"], "agrees", "the planted defect is on both paths");
     let why = d["isolation_not_checked"].as_str().unwrap();
     assert!(why.contains("unrecognized arguments: --decode-from") && why.contains("decode extension"), "{why}");
-    assert!(stdout.lines().next().unwrap().contains("isolation at step 1 NOT CHECKED"), "{stdout}");
+    assert!(headline(&stdout).contains("isolation at step 1 NOT CHECKED"), "{stdout}");
     assert_eq!(d["layers"][0]["status"], "not_checked");
 }
 
@@ -85,7 +92,7 @@ fn clean_engine_and_contract_say_nothing_wrong_naming_the_decode_steps() {
         let (code, stdout, r) = bisect_generate(model, &["--candidate", "contract"]);
         let d = &r["decode"];
         assert_eq!((code, r["verdict"].as_str()), (0, Some("nothing_wrong")), "{model}: {stdout}");
-        assert!(stdout.lines().next().unwrap().contains("decode steps 0-2 identical (3 of 3 steps compared)"), "{stdout}");
+        assert!(headline(&stdout).contains("decode steps 0-2 identical (3 of 3 steps compared)"), "{stdout}");
         assert_eq!((d["steps_compared"].as_u64(), d["generate"].as_u64()), (Some(3), Some(3)));
         assert!(d["first_diverging_step"].is_null() && d["cache_check"].is_null() && d["layers"].as_array().unwrap().is_empty());
     }

@@ -6,8 +6,10 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
+mod common;
+
 fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap()
+    common::repo().canonicalize().unwrap()
 }
 
 fn python() -> PathBuf {
@@ -88,8 +90,7 @@ fn finished(out: Output, report: &Path) -> Run {
     let report: Option<Value> = std::fs::read_to_string(report).ok().map(|s| serde_json::from_str(&s).unwrap());
     // `gate check` writes one report per milestone, in an array.
     for r in report.iter().flat_map(|r| r.as_array().cloned().unwrap_or_else(|| vec![r.clone()])) {
-        let errors: Vec<String> = report_validator().iter_errors(&r).map(|e| format!("at {}: {e}", e.instance_path())).collect();
-        assert!(errors.is_empty(), "the report departs from docs/gate-report.schema.json:\n{}", errors.join("\n"));
+        common::assert_valid(report_validator(), "gate-report.schema.json", &r);
     }
     Run { code: status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&stdout).into(), stderr: String::from_utf8_lossy(&stderr).into(), report }
 }
@@ -128,13 +129,7 @@ fn gate_watched(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
 /// docs/gate-report.schema.json, with the diff report's schema it refers to, compiled once.
 fn report_validator() -> &'static jsonschema::Validator {
     static V: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
-    V.get_or_init(|| {
-        let load = |name: &str| -> Value { serde_json::from_str(&std::fs::read_to_string(repo().join("docs").join(name)).unwrap()).unwrap() };
-        let diff = load("diff-report.schema.json");
-        let id = diff["$id"].as_str().unwrap().to_string();
-        let registry = Box::leak(Box::new(jsonschema::Registry::new().add(id, diff).unwrap().prepare().unwrap()));
-        jsonschema::options().with_registry(registry).build(&load("gate-report.schema.json")).unwrap()
-    })
+    V.get_or_init(|| common::validator("gate-report.schema.json"))
 }
 
 #[test]
