@@ -544,3 +544,36 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
     assert!(!bisect_validator().is_valid(&refused(1, None)), "a refusal exits 2");
     assert!(!bisect_validator().is_valid(&refused(2, Some(("surprise", Value::Bool(true))))), "unknown fields are refused");
 }
+
+/// A 1% scale error in one layer's MLP of a bf16 candidate: inside bf16 rounding in the whole run
+/// (so the run is within the bf16 policy), but not in isolation, where the bf16 policy's `path:
+/// layer` rule bounds the scale error (fixtures/policy/MEASUREMENTS.md, "Scale error"). Bisect
+/// judges the bf16 candidate by the bf16 policy without being told and names the layer and stage.
+#[test]
+fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
+    let root = repo();
+    let cmd = |scale: &str| {
+        format!(
+            "'{}' '{}' --scale-mlp 2:{scale} {{verb|serve}} {{args}} --dtype bf16",
+            root.join(".venv/bin/python").display(),
+            root.join("gate/tests/producers/planted_oracle.py").display()
+        )
+    };
+    // The control: the same bf16 candidate unscaled passes, every layer in isolation included.
+    let clean = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd("1"), "--all-layers"]);
+    assert_eq!((clean.code, clean.report["verdict"].as_str()), (0, Some("nothing_wrong")), "{}", clean.stdout);
+    assert!((0..5).all(|l| clean.report["layers"][l]["isolation"] == "match"), "{}", clean.stdout);
+
+    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd("1.01"), "--all-layers"]);
+    let r = &o.report;
+    assert!(o.stdout.starts_with("judged by policy bf16 ("), "{}", o.stdout);
+    assert_eq!(r["whole_run"]["verdict"], "within_policy", "the 1% hides in the whole run: {}", o.stdout);
+    assert_eq!((o.code, r["verdict"].as_str(), r["first_wrong_layer"].as_u64()), (1, Some("wrong_layer"), Some(2)), "{}", o.stdout);
+    assert_eq!(r["stage"]["tensor"], "layer.02.mlp_out", "{}", o.stdout);
+    let iso = r["layers"][2]["isolated"].as_array().unwrap();
+    let mlp = iso.iter().find(|t| t["tensor"] == "layer.02.mlp_out").unwrap();
+    assert_eq!(mlp["status"], "outside_policy", "{mlp}");
+    for l in [0, 1, 3, 4] {
+        assert_eq!(r["layers"][l]["isolation"], "match", "layer {l}: {}", o.stdout);
+    }
+}
