@@ -147,7 +147,8 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
                    "worst_rel_l2": null, "worst_rel_l2_tensor": null, "near_ties": [], "rows_after_near_tie": 0, "first_violation": fv}});
     let report = |fv: Value| serde_json::json!({"schema": "tracegate-gate-report/1", "milestone": "m0", "claim": "", "model": "", "family": "",
         "prompt_file": "", "prompt_sha256": "0".repeat(64), "generate": 1, "threads": 1, "timeout_s": 1, "policy": "", "gate_invocation": [],
-        "stack": {}, "prompts": [prompt(fv)], "baselines": [], "baselines_not_selected": [], "totals": {}, "verdict": "FAIL"});
+        "stack": {}, "prompts": [prompt(fv)], "baselines": [], "baselines_not_selected": [], "totals": {},
+        "wall_s": {"setup": 0.0, "producers": 0.0, "judge": 0.0, "total": 0.0}, "verdict": "FAIL"});
     assert!(v.is_valid(&report(Value::Null)), "{:?}", v.iter_errors(&report(Value::Null)).map(|e| e.to_string()).collect::<Vec<_>>());
     assert!(!v.is_valid(&report(bad_violation)));
 }
