@@ -6,6 +6,7 @@
 pub mod baselines;
 pub mod bisect;
 pub mod bisect_decode;
+pub mod bisect_html;
 pub mod bisect_judge;
 pub mod milestones;
 pub mod paths;

@@ -111,6 +111,10 @@ struct BisectArgs {
     /// Write the JSON report here (schema: docs/bisect.md; relative to the current directory).
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Also write the bisection as one self-contained page (docs/bisect.md, "HTML report";
+    /// relative to the current directory). Not written when the bisection is refused.
+    #[arg(long, value_name = "OUT.html")]
+    html: Option<PathBuf>,
     /// Isolate every layer, not only those up to the first diverging one.
     #[arg(long)]
     all_layers: bool,
@@ -188,6 +192,11 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     use tracegate_gate::{bisect, prompts};
     let e = |e: tracegate_gate::Error| e.to_string();
     let report = a.report.as_ref().map(|p| up.absolute(p));
+    let html = a.html.as_ref().map(|p| up.absolute(p));
+    // Refused before any producer runs: a page that cannot be written would lose the bisection.
+    if let Some(dir) = html.as_ref().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        return Err(format!("--html: {} is not a directory", dir.display()));
+    }
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), None) => prompts::parse_tokens(t).map_err(e)?,
         (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts))).and_then(|s| s.get(id).map(|p| p.tokens.clone())).map_err(e)?,
@@ -230,6 +239,10 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     };
     print!("{}", bisect::render(&rep));
     write_report(&report, &rep)?;
+    if let Some(p) = &html {
+        tracegate_diff::html::write_file(p, &tracegate_gate::bisect_html::render_html(&rep)).map_err(|e| format!("{}: {e}", p.display()))?;
+        eprintln!("HTML report written to {}", p.display());
+    }
     Ok(rep.exit_code)
 }
 

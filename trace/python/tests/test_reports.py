@@ -3,7 +3,9 @@
 One real gate run (`gate m0 --only short`, the oracle's place taken by the contract with planted
 defects: a 1-ULP nudge in layer.00.attn_out within the policy, layer.01.mlp_out pushed far
 outside it, decode.0003.argmax flipped) gives a failing gate report, JSON and HTML, and a pair of
-real traces (engine vs planted oracle) for `trace-diff` and `tracegate.compare`. The pages are
+real traces (engine vs planted oracle) for `trace-diff` and `tracegate.compare`. One real
+`gate bisect --calibrate` (the engine against the contract with layer 02's MLP planted wrong)
+gives a bisect report, JSON and HTML. The pages are
 rendered in headless Chromium; each number the page shows is checked against the JSON of the
 same run; the JSON reports are validated against docs/*.schema.json."""
 
@@ -51,6 +53,19 @@ def planted(tmp_path_factory):
     return {"dir": d, "traces": traces, "gate": json.loads((d / "gate.json").read_text()), "diff": json.loads(t.stdout)}
 
 
+@pytest.fixture(scope="module")
+def bisected(tmp_path_factory):
+    """One real bisection, --report and --html: the engine against the contract with the MLP of
+    layer 02 planted wrong (gate/tests/producers/defective_contract.py), calibrated."""
+    d = tmp_path_factory.mktemp("bisect")
+    cand = f"'{sys.executable}' '{ROOT / 'gate/tests/producers/defective_contract.py'}' --defect mlp-add {{verb}} {{args}}"
+    b = run([BIN / "gate", "--root", ROOT, "bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short", "--reference", "engine",
+             "--candidate", "cmd", "--candidate-cmd", cand, "--calibrate", "--work", d / "work", "--report", d / "bisect.json",
+             "--html", d / "bisect.html"])
+    assert b.returncode == 1, b.stdout + b.stderr
+    return {"dir": d, "report": json.loads((d / "bisect.json").read_text())}
+
+
 def validator(name: str):
     diff = json.loads((ROOT / "docs/diff-report.schema.json").read_text())
     schema = json.loads((ROOT / "docs" / name).read_text())
@@ -83,6 +98,10 @@ def test_the_gate_report_carries_its_schema_and_validates(planted):
 
 def test_the_diff_report_validates(planted):
     assert list(validator("diff-report.schema.json").iter_errors(planted["diff"])) == []
+
+
+def test_the_bisect_report_validates(bisected):
+    assert list(validator("bisect-report.schema.json").iter_errors(bisected["report"])) == []
 
 
 # --- the Python API --------------------------------------------------------------------------
@@ -210,7 +229,7 @@ def check_numbers(dom: Dom, report: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def rendered(planted):
+def rendered(planted, bisected):
     exe = browser.chromium()
     if exe is None:
         pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium where it can)")
@@ -224,13 +243,14 @@ def rendered(planted):
     b = browser.Browser(exe)
     try:
         pages = {name: b.render(d / f"{name}.html") for name in ("diff", "gate", "python", "bad")}
+        pages["bisect"] = b.render(bisected["dir"] / "bisect.html")
     finally:
         b.close()
     keep = os.environ.get("TRACEGATE_SCREENSHOTS")  # e.g. docs/img, to refresh README's pictures
     for name, r in pages.items():
         (d / f"{name}.png").write_bytes(r.png)
-        if keep and name in ("diff", "gate"):
-            (ROOT / keep / f"{'trace-diff' if name == 'diff' else 'gate'}-report.png").write_bytes(r.png)
+        if keep and name in ("diff", "gate", "bisect"):
+            (ROOT / keep / f"{'trace-diff' if name == 'diff' else name}-report.png").write_bytes(r.png)
     return pages
 
 
@@ -241,7 +261,7 @@ def test_the_browser_sees_console_errors_and_network_requests(rendered):
     assert any("ERR_PROXY_CONNECTION_FAILED" in e for e in bad.log_errors), bad.log_errors
 
 
-@pytest.mark.parametrize("name", ["diff", "gate", "python"])
+@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect"])
 def test_pages_are_self_contained_and_clean(rendered, name):
     r = rendered[name]
     assert r.png[:8] == b"\x89PNG\r\n\x1a\n" and len(r.png) > 10_000
@@ -293,6 +313,56 @@ def test_the_gate_page_shows_the_json_report_and_links_failures_to_findings(rend
     assert fv["data-tensor"] == rep["prompts"][0]["oracle"]["first_violation"]["tensor"] == "layer.01.mlp_out"
     deltas = [e for e in dom.elements if e.get("data-json", "").startswith("/baselines/") and e["data-json"].endswith("/delta")]
     assert len(deltas) == sum(len(b["observed"]) for b in rep["baselines"]) > 0
+
+
+def check_bisect_page(dom: Dom, rep: dict) -> None:
+    """The bisect page against its JSON: every tied number, one point per measured value and
+    series, the wrong layer marked on the chart and in the table, its stage, the suspicious layers."""
+    assert check_numbers(dom, rep) > 5 * 12
+    layers = rep["layers"]
+    assert dom.by_id("chart-layers")["data-n"] == str(len(layers))
+    for field in ("whole_rel_l2", "isolated_rel_l2", "calibration_rel_l2"):
+        points = [e for e in dom.find(tag="circle") if re.fullmatch(rf"/layers/\d+/{field}", e.get("data-json", ""))]
+        assert [int(p["data-x"]) for p in points] == [i for i, l in enumerate(layers) if l[field] is not None], field
+    w = rep["first_wrong_layer"]
+    assert int(dom.by_id("chart-layers-wrong-layer")["data-x"]) == w
+    assert [int(e["data-layer"]) for e in dom.find(tag="tr") if "wrong-layer" in e.get("class", "").split()] == [w]
+    assert dom.by_id("wrong-layer")["data-layer"] == str(w)
+    assert (dom.by_id("stage")["data-tensor"], dom.by_id("stage")["data-layer"]) == (rep["stage"]["tensor"], str(rep["stage"]["layer"]))
+    suspicious = [e["data-x"] for e in dom.elements if e.get("id", "").startswith("chart-layers-suspicious-")]
+    assert suspicious == [str(i) for i, l in enumerate(layers) if l["suspicious"]]
+    assert dom.by_id("verdict")["text"] == rep["verdict"].upper().replace("_", " ")
+
+
+def test_the_bisect_page_shows_the_json_report(rendered, bisected):
+    rep = bisected["report"]
+    # The run this page is drawn from: the planted MLP of layer 02, calibrated.
+    assert (rep["verdict"], rep["first_wrong_layer"], rep["stage"]["tensor"]) == ("wrong_layer", 2, "layer.02.mlp_out")
+    assert sum(l["calibration_rel_l2"] is not None for l in rep["layers"]) == 3
+    dom = Dom(rendered["bisect"].dom)
+    check_bisect_page(dom, rep)
+    # Negative controls: the same page against a JSON that says otherwise is refused.
+    plants = [
+        lambda r: r.__setitem__("first_wrong_layer", 1),
+        lambda r: r["layers"][3].__setitem__("whole_rel_l2", r["layers"][3]["whole_rel_l2"] * 1.01),
+        lambda r: r["layers"][0].__setitem__("suspicious", True),
+        lambda r: r["layers"][4].__setitem__("calibration_rel_l2", None),
+        lambda r: r["stage"].__setitem__("tensor", "layer.02.attn_out"),
+    ]
+    for i, plant in enumerate(plants):
+        bad = json.loads(json.dumps(rep))
+        plant(bad)
+        with pytest.raises(AssertionError):
+            check_bisect_page(dom, bad)
+            pytest.fail(f"plant {i} was accepted")
+
+
+def test_bisect_html_into_a_missing_directory_is_refused_before_any_run(tmp_path):
+    out = tmp_path / "absent" / "b.html"
+    r = run([BIN / "gate", "--root", ROOT, "bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short",
+             "--reference", "engine", "--candidate", "engine", "--work", tmp_path / "work", "--html", out])
+    assert r.returncode == 2 and f"--html: {out.parent} is not a directory" in r.stderr, r.stderr
+    assert not (tmp_path / "work").exists()
 
 
 def box_children(dom: Dom, box: dict) -> list:
