@@ -23,26 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from binaries import release_binary  # noqa: E402
 from test_families import TOKENS, make_checkpoint  # noqa: E402
 
-CANDIDATE = """\
-import sys
-import torch
-from tracegate_oracle import capture as cp
-from tracegate_oracle.cli import main
-
-LAYER, SCALE = int(sys.argv[1]), float(sys.argv[2])
-load = cp.load_model
-
-
-def planted(d, rc):
-    m = load(d, rc)
-    with torch.no_grad():
-        m.model.layers[LAYER].mlp.down_proj.weight.mul_(SCALE)
-    return m
-
-
-cp.load_model = planted
-sys.exit(main(sys.argv[3:]))
-"""
+# The oracle with layer L's MLP down projection scaled after loading (a test producer shared with
+# gate/tests/bisect.rs), served: one process answers every run of a bisection.
+CANDIDATE = ROOT / "gate/tests/producers/planted_oracle.py"
 
 
 def _gate() -> str:
@@ -53,10 +36,8 @@ def _gate() -> str:
 
 
 def _bisect(tmp: Path, model: Path, layer: int, scale: float, *extra: str) -> dict:
-    cand = tmp / "candidate.py"
-    cand.write_text(CANDIDATE)
     report = tmp / f"report-{layer}-{scale}.json"
-    cmd = f"'{sys.executable}' '{cand}' {layer} {scale} {{verb}} {{args}}"
+    cmd = f"'{sys.executable}' '{CANDIDATE}' --scale-mlp {layer}:{scale} {{verb|serve}} {{args}}"
     r = subprocess.run([_gate(), "bisect", "--model", str(model), "--tokens", ",".join(map(str, TOKENS)),
                         "--reference", "oracle", "--candidate", "cmd", "--candidate-cmd", cmd,
                         "--work", str(tmp / f"work-{layer}-{scale}"), "--report", str(report), *extra],
