@@ -51,7 +51,7 @@ fn main() {
         let logits = model.forward(&prompt, 0, &mut kv, &mut Capture::off()).expect("forward");
         let t0 = Instant::now();
         // Step 0 reuses the prompt's logits; steps 1..=DECODE each run one cached row.
-        let out = generate(&model, &prompt, &logits, steps + 1, Some(&mut kv)).expect("generate");
+        let out = generate(&model, &prompt, &logits, steps + 1, Some(&mut kv), false).expect("generate");
         let decode = t0.elapsed().as_secs_f64() / steps as f64;
         let tokens: Vec<i64> = out.iter().map(|s| s.token).collect();
         let c = &model.cfg;
