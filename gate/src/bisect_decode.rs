@@ -101,8 +101,15 @@ pub fn prefill_filter(generate: usize) -> Filter {
     Filter { only: vec![], skip: if generate > 0 { vec!["decode.**".into()] } else { vec![] } }
 }
 
+/// Options comparing only the decode steps, judged by `policy` (the whole runs' judge).
+fn decode_only(policy: &Option<Policy>) -> Options {
+    Options { all: true, policy: policy.clone(), filter: Filter { only: vec!["decode.**".into()], skip: vec![] }, ..Options::default() }
+}
+
+/// The step of a `decode.SSSS.…` name: every digit up to the next dot (a step past 9999 is
+/// written with more than four).
 fn step_of(name: &str) -> Option<usize> {
-    name.strip_prefix("decode.").and_then(|r| r.get(..4)).and_then(|s| s.parse().ok())
+    name.strip_prefix("decode.").and_then(|r| r.split('.').next()).and_then(|s| s.parse().ok())
 }
 
 fn step_name(s: usize, point: &str) -> String {
@@ -119,7 +126,7 @@ pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (
         return (d, prefill);
     }
     let n = o.tokens.len() as i64;
-    let opts = Options { all: true, policy: c.policy.clone(), filter: Filter { only: vec!["decode.**".into()], skip: vec![] }, ..Options::default() };
+    let opts = decode_only(c.policy);
     let rep = compare(c.reference, c.candidate, &opts);
     let tensors = b::rows(&rep);
     let decisions = b::decisions(&rep);
@@ -263,7 +270,7 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
     };
     check.trace = Some(rel);
     // The full recompute is the reference side: the cached path is what is being checked.
-    let opts = Options { all: true, policy: c.policy.clone(), filter: Filter { only: vec!["decode.**".into()], skip: vec![] }, ..Options::default() };
+    let opts = decode_only(c.policy);
     let rep = compare(&uncached, c.candidate, &opts);
     let tensors = b::rows(&rep);
     let bad_t = tensors.iter().filter(|t| b::is_bad(&t.status)).filter_map(|t| step_of(&t.tensor).map(|s| (s, t))).min_by_key(|(s, _)| *s);
@@ -440,4 +447,15 @@ pub fn render(d: &DecodeReport) -> String {
         o.push_str(&format!("  decode isolation NOT CHECKED: {why}\n"));
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_step_is_every_digit_up_to_the_dot() {
+        assert_eq!(super::step_of("decode.0003.logits"), Some(3));
+        assert_eq!(super::step_of("decode.10000.layer.01.attn_out"), Some(10000));
+        assert_eq!(super::step_of("decode.x.logits"), None);
+        assert_eq!(super::step_of("layer.01.attn_out"), None);
+    }
 }
