@@ -7,6 +7,7 @@ services set CI=true) nothing may pass by not running: a test, fixture or whole 
 
 Kept free of importable names: contract/tests imports its own `conftest` by name.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ def _reason(longrepr) -> str:
 
 def _fail_skip(rep, what: str) -> None:
     rep.outcome = "failed"
-    rep.longrepr = f"{what} skipped, and CI={os.environ['CI']} forbids skips: {_reason(rep.longrepr)}"
+    rep.longrepr = (
+        f"{what} skipped, and CI={os.environ['CI']} forbids skips: {_reason(rep.longrepr)}"
+    )
 
 
 def pytest_configure(config):

@@ -41,8 +41,12 @@ def main() -> None:
     ap.add_argument("models", nargs="*")
     ap.add_argument("--tokens", type=int, default=65)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--engine-threads", type=int, default=1,
-                    help="engine threads (1: like the contract, whose numpy loops run on one core; the engine's bits do not depend on it)")
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        default=1,
+        help="engine threads (1: like the contract, whose numpy loops run on one core; the engine's bits do not depend on it)",
+    )
     args = ap.parse_args()
     models = args.models or (
         [os.path.join(ROOT, "fixtures", f) for f in ("tiny-qwen3", "tiny-qwen3-moe")]
@@ -50,8 +54,15 @@ def main() -> None:
     )
     from tracegate_contract import Capture, Model
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "contract"), os.environ.get("PYTHONPATH", "")]))
-    print(f"{'model':<20} {'load s':>7} {'prefill s':>10} {'contract CLI s':>15} {'engine CLI s':>13} {'ratio':>7}  same digest")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [os.path.join(ROOT, "contract"), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    print(
+        f"{'model':<20} {'load s':>7} {'prefill s':>10} {'contract CLI s':>15} {'engine CLI s':>13} {'ratio':>7}  same digest"
+    )
     for m in models:
         t0 = time.perf_counter()
         model = Model(m)
@@ -65,17 +76,51 @@ def main() -> None:
             best = min(best, time.perf_counter() - t0)
         tok_arg = ",".join(map(str, toks))
         with tempfile.TemporaryDirectory() as tmp:
-            c_cli, c_digest = _cli([sys.executable, "-m", "tracegate_contract", "trace", "--model", m, "--tokens", tok_arg,
-                                    "--out", os.path.join(tmp, "c.trace")], env)
+            c_cli, c_digest = _cli(
+                [
+                    sys.executable,
+                    "-m",
+                    "tracegate_contract",
+                    "trace",
+                    "--model",
+                    m,
+                    "--tokens",
+                    tok_arg,
+                    "--out",
+                    os.path.join(tmp, "c.trace"),
+                ],
+                env,
+            )
             e_cli = e_digest = None
             if os.access(ENGINE, os.X_OK):
-                runs = [_cli([ENGINE, "trace", "--model", m, "--tokens", tok_arg, "--threads", str(args.engine_threads),
-                              "--out", os.path.join(tmp, "e.trace")]) for _ in range(args.repeat)]
+                runs = [
+                    _cli(
+                        [
+                            ENGINE,
+                            "trace",
+                            "--model",
+                            m,
+                            "--tokens",
+                            tok_arg,
+                            "--threads",
+                            str(args.engine_threads),
+                            "--out",
+                            os.path.join(tmp, "e.trace"),
+                        ]
+                    )
+                    for _ in range(args.repeat)
+                ]
                 e_cli, e_digest = min(runs)
         e_txt = f"{e_cli:13.3f}" if e_cli is not None else f"{'(no engine)':>13}"
         ratio = f"{c_cli / e_cli:7.1f}" if e_cli else f"{'-':>7}"
-        same = "-" if e_digest is None else ("yes" if e_digest == c_digest else f"NO ({e_digest[:12]} vs {c_digest[:12]})")
-        print(f"{os.path.basename(m.rstrip('/')):<20} {load:7.3f} {best:10.3f} {c_cli:15.3f} {e_txt} {ratio}  {same}")
+        same = (
+            "-"
+            if e_digest is None
+            else ("yes" if e_digest == c_digest else f"NO ({e_digest[:12]} vs {c_digest[:12]})")
+        )
+        print(
+            f"{os.path.basename(m.rstrip('/')):<20} {load:7.3f} {best:10.3f} {c_cli:15.3f} {e_txt} {ratio}  {same}"
+        )
 
 
 if __name__ == "__main__":

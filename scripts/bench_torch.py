@@ -6,6 +6,7 @@
 Same prompt and step counts as engine/examples/bench.rs: prefill best of 3, then greedy cached
 decode with transformers' Qwen3ForCausalLM (eager attention). Prints one JSON line.
 """
+
 import json
 import sys
 import time
@@ -17,7 +18,9 @@ from transformers import AutoModelForCausalLM
 def main() -> None:
     model_dir, threads, n, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(threads)
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    m = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     v = m.config.vocab_size
     ids = torch.tensor([[(i * 7919 + 13) % v for i in range(n)]])
     with torch.inference_mode():

@@ -42,7 +42,21 @@ def rel_l2(ref, cand):
 
 
 def layer_args(model, ref, L, out):
-    return ["layer", "--model", model, "--layer", str(L), "--input", str(ref), "--input-name", f"layer.{L:02d}.hidden_in", "--out", str(out), "--capture", "default"]
+    return [
+        "layer",
+        "--model",
+        model,
+        "--layer",
+        str(L),
+        "--input",
+        str(ref),
+        "--input-name",
+        f"layer.{L:02d}.hidden_in",
+        "--out",
+        str(out),
+        "--capture",
+        "default",
+    ]
 
 
 def ratios(errors):
@@ -62,17 +76,27 @@ def main():
     from tracegate_contract import __main__ as contract
     from tracegate_oracle import cli as oracle
 
-    spec = importlib.util.spec_from_file_location("defective", ROOT / "gate/tests/producers/defective_contract.py")
+    spec = importlib.util.spec_from_file_location(
+        "defective", ROOT / "gate/tests/producers/defective_contract.py"
+    )
     defective = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(defective)
-    prompts = {p["id"]: p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]}
+    prompts = {
+        p["id"]: p["tokens"]
+        for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]
+    }
     gate = str(ROOT / "target/release/gate")
 
     def engine(*args):
-        subprocess.run([gate, "__engine-producer", "engine", *args, "--threads", "1"], check=True, capture_output=True)
+        subprocess.run(
+            [gate, "__engine-producer", "engine", *args, "--threads", "1"],
+            check=True,
+            capture_output=True,
+        )
 
     def quiet(f, argv):
-        import contextlib, io
+        import contextlib
+        import io
 
         with contextlib.redirect_stdout(io.StringIO()):
             assert f(argv) == 0, argv
@@ -86,17 +110,81 @@ def main():
             work.mkdir(parents=True, exist_ok=True)
             toks = ",".join(map(str, prompts[p]))
             o_ref, e_ref = work / "oracle.trace", work / "engine.trace"
-            quiet(oracle.main, ["trace", "--model", model, "--tokens", toks, "--out", str(o_ref), "--threads", "1"])
-            engine("trace", "--model", model, "--tokens", toks, "--out", str(e_ref), "--capture", "default")
+            quiet(
+                oracle.main,
+                [
+                    "trace",
+                    "--model",
+                    model,
+                    "--tokens",
+                    toks,
+                    "--out",
+                    str(o_ref),
+                    "--threads",
+                    "1",
+                ],
+            )
+            engine(
+                "trace",
+                "--model",
+                model,
+                "--tokens",
+                toks,
+                "--out",
+                str(e_ref),
+                "--capture",
+                "default",
+            )
 
             runs += [
-                (fx, p, "engine vs oracle", work, n, o_ref, lambda ref, L, out, m=model: engine(*layer_args(m, ref, L, out))),
-                (fx, p, "contract vs oracle", work, n, o_ref, lambda ref, L, out, m=model: quiet(contract.main, layer_args(m, ref, L, out))),
-                (fx, p, "oracle vs engine", work, n, e_ref, lambda ref, L, out, m=model: quiet(oracle.main, layer_args(m, ref, L, out) + ["--threads", "1"])),
-                (fx, p, "oracle-bf16 vs engine", work, n, e_ref, lambda ref, L, out, m=model: quiet(oracle.main, layer_args(m, ref, L, out) + ["--threads", "1", "--dtype", "bf16"])),
+                (
+                    fx,
+                    p,
+                    "engine vs oracle",
+                    work,
+                    n,
+                    o_ref,
+                    lambda ref, L, out, m=model: engine(*layer_args(m, ref, L, out)),
+                ),
+                (
+                    fx,
+                    p,
+                    "contract vs oracle",
+                    work,
+                    n,
+                    o_ref,
+                    lambda ref, L, out, m=model: quiet(contract.main, layer_args(m, ref, L, out)),
+                ),
+                (
+                    fx,
+                    p,
+                    "oracle vs engine",
+                    work,
+                    n,
+                    e_ref,
+                    lambda ref, L, out, m=model: quiet(
+                        oracle.main, layer_args(m, ref, L, out) + ["--threads", "1"]
+                    ),
+                ),
+                (
+                    fx,
+                    p,
+                    "oracle-bf16 vs engine",
+                    work,
+                    n,
+                    e_ref,
+                    lambda ref, L, out, m=model: quiet(
+                        oracle.main,
+                        layer_args(m, ref, L, out) + ["--threads", "1", "--dtype", "bf16"],
+                    ),
+                ),
             ]
     # The plant last: defective.plant patches the contract for the rest of this process.
-    planted = [(fx, p, "rms-eps vs oracle", w, n, ref, run) for fx, p, pair, w, n, ref, run in runs if pair == "contract vs oracle"]
+    planted = [
+        (fx, p, "rms-eps vs oracle", w, n, ref, run)
+        for fx, p, pair, w, n, ref, run in runs
+        if pair == "contract vs oracle"
+    ]
 
     worst = {}
     for i, (fx, p, pair, work, n, ref, run) in enumerate(runs + planted):
@@ -112,11 +200,18 @@ def main():
         for m in MEASURES:
             r = ratios(errs[m])
             top = max(range(n), key=lambda L: -1 if r[L] is None else r[L])
-            line.append(f"{m} max {r[top]:.3f} (layer {top})" if r[top] is not None else f"{m} max -")
+            line.append(
+                f"{m} max {r[top]:.3f} (layer {top})" if r[top] is not None else f"{m} max -"
+            )
             key = (pair if pair.startswith("rms") else "clean", m)
             if r[top] is not None and (key not in worst or r[top] > worst[key][0]):
                 worst[key] = (r[top], fx, p, pair, top)
-        print(" | ".join(line) + " | hidden_out rel L2 " + " ".join(f"{e:.2e}" for e in errs["hidden_out"]), flush=True)
+        print(
+            " | ".join(line)
+            + " | hidden_out rel L2 "
+            + " ".join(f"{e:.2e}" for e in errs["hidden_out"]),
+            flush=True,
+        )
     for (what, m), (r, fx, p, pair, L) in sorted(worst.items()):
         print(f"largest {what} ratio of {m}: {r:.3f} ({pair}, {fx}, {p}, layer {L})")
 

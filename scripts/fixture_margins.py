@@ -13,6 +13,7 @@ Exit status 1 if a check fails (--min-rel, default 1e-3).
 
   python scripts/fixture_margins.py fixtures/tiny-qwen3 [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,11 @@ def load(model_dir: str):
         experts_implementation="eager",
         output_loading_info=True,
     )
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
+    bad = {
+        k: v
+        for k, v in info.items()
+        if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+    }
     if bad:
         raise SystemExit(f"{model_dir}: loading info not clean: {bad}")
     return model.eval()
@@ -58,14 +63,21 @@ def _run(model, ids, gates):
     import torch
 
     got = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: got.__setitem__(n, out[0].detach())) for n, m in gates.items()]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out, n=n: got.__setitem__(n, out[0].detach()))
+        for n, m in gates.items()
+    ]
     try:
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    return out.logits[0].double().numpy(), {n: v.double().numpy() for n, v in got.items()}, out.hidden_states
+    return (
+        out.logits[0].double().numpy(),
+        {n: v.double().numpy() for n, v in got.items()},
+        out.hidden_states,
+    )
 
 
 def _gaps(x: np.ndarray, k: int):
@@ -85,7 +97,10 @@ def measure(model_dir: str, with_f64: bool = True) -> dict:
     m64 = copy.deepcopy(model).double() if with_f64 else None
     cfg = model.config
     k = getattr(cfg, "num_experts_per_tok", 0)
-    gates = lambda m: {n: g for n, g in m.named_modules() if n.endswith("mlp.gate")}
+
+    def gates(m):
+        return {n: g for n, g in m.named_modules() if n.endswith("mlp.gate")}
+
     g32 = gates(model)
     arg_abs, arg_rel, arg_safe, argmaxes = [], [], [], set()
     r_abs, r_rel, r_lrel, r_safe = ({n: [] for n in g32} for _ in range(4))
@@ -143,7 +158,9 @@ def search(preset: str, n: int) -> None:
     import tempfile
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("make_fixtures", Path(__file__).with_name("make_fixtures.py"))
+    spec = importlib.util.spec_from_file_location(
+        "make_fixtures", Path(__file__).with_name("make_fixtures.py")
+    )
     mf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mf)
     base = mf.PRESETS[preset]["seed"]
@@ -151,15 +168,25 @@ def search(preset: str, n: int) -> None:
         with tempfile.TemporaryDirectory() as d:
             mf.make(preset, Path(d), seed)
             r = measure(d, with_f64=False)
-        rr = min([min(v["min_rel"], v["min_logit_rel"]) for v in r["router"].values()], default=float("inf"))
-        print(f"seed {seed}: argmax min rel {r['argmax_min_rel']:.3g} router min rel {rr:.3g} "
-              f"score {min(r['argmax_min_rel'], rr):.3g} distinct {r['distinct_argmax']}", flush=True)
+        rr = min(
+            [min(v["min_rel"], v["min_logit_rel"]) for v in r["router"].values()],
+            default=float("inf"),
+        )
+        print(
+            f"seed {seed}: argmax min rel {r['argmax_min_rel']:.3g} router min rel {rr:.3g} "
+            f"score {min(r['argmax_min_rel'], rr):.3g} distinct {r['distinct_argmax']}",
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("model_dirs", nargs="*")
-    ap.add_argument("--search", nargs=2, metavar=("PRESET", "N"), help="try N seeds of a make_fixtures preset")
+    ap.add_argument(
+        "--search", nargs=2, metavar=("PRESET", "N"), help="try N seeds of a make_fixtures preset"
+    )
     ap.add_argument("--min-rel", type=float, default=1e-3)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -187,13 +214,17 @@ def main(argv=None) -> int:
         if a.json:
             print(json.dumps(r, indent=1))
         else:
-            print(f"{d}: rows={r['rows']} argmax min margin {r['argmax_min_abs']:.4g} abs, {r['argmax_min_rel']:.4g} rel"
-                  f" (median rel {r['argmax_median_rel']:.3g}), min safety vs f64 {r['argmax_min_safety_vs_f64']:.3g}x,"
-                  f" distinct argmax {r['distinct_argmax']}")
+            print(
+                f"{d}: rows={r['rows']} argmax min margin {r['argmax_min_abs']:.4g} abs, {r['argmax_min_rel']:.4g} rel"
+                f" (median rel {r['argmax_median_rel']:.3g}), min safety vs f64 {r['argmax_min_safety_vs_f64']:.3g}x,"
+                f" distinct argmax {r['distinct_argmax']}"
+            )
             print("  rms by depth: " + " ".join(f"{x:.3g}" for x in d_rms))
             for n, v in r["router"].items():
-                print(f"  {n}: router min margin {v['min_abs']:.4g} abs, {v['min_rel']:.4g} rel to p_k,"
-                      f" logit gap {v['min_logit_rel']:.4g} rel to max|logit|, min safety vs f64 {v['min_safety_vs_f64']:.3g}x")
+                print(
+                    f"  {n}: router min margin {v['min_abs']:.4g} abs, {v['min_rel']:.4g} rel to p_k,"
+                    f" logit gap {v['min_logit_rel']:.4g} rel to max|logit|, min safety vs f64 {v['min_safety_vs_f64']:.3g}x"
+                )
             print("  " + ("OK" if not fails else "FAIL: " + ", ".join(fails)))
     return 0 if ok else 1
 

@@ -23,6 +23,7 @@ Usage
   python scripts/make_fixtures.py tiny-qwen3 --out DIR
   python scripts/make_fixtures.py bench-qwen3 --out /tmp/bench-qwen3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,7 +112,15 @@ PRESETS: dict[str, dict] = {
             eos_token_id=2,
             dtype="bfloat16",
         ),
-        scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.0, norm_noise=0.1, router=2.0, router_tail=0.5),
+        scales=dict(
+            embed=1.0,
+            embed_tail=0.5,
+            block_out=0.7,
+            bias=0.0,
+            norm_noise=0.1,
+            router=2.0,
+            router_tail=0.5,
+        ),
     ),
     "bench-qwen3": dict(
         seed=20240613,
@@ -205,7 +214,9 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
 
 def draw(seed: int, name: str, shape, kind: str, fan_in: int, sc: dict) -> np.ndarray:
     # Per-tensor stream: independent of every other tensor's existence and order.
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode())])))
+    rng = np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode())]))
+    )
     z = rng.standard_normal(shape, dtype=np.float64)
     if kind == "norm":
         w = 1.0 + sc["norm_noise"] * z
@@ -250,7 +261,11 @@ def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict, bf16: bool)
     and offsets are relative to the data section, so only the header length changes.
     """
     tmp = path.with_suffix(".tmp")
-    save_file({k: f32_to_bf16_bits(v) if bf16 else v for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_file(
+        {k: f32_to_bf16_bits(v) if bf16 else v for k, v in tensors.items()},
+        str(tmp),
+        metadata=metadata,
+    )
     raw = tmp.read_bytes()
     tmp.unlink()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -269,7 +284,10 @@ def make(preset: str, out: Path, seed: int | None = None) -> Path:
     cfg, sc = p["config"], p["scales"]
     seed = p["seed"] if seed is None else seed
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: draw(seed, name, shape, kind, fan_in, sc) for name, shape, kind, fan_in in tensor_specs(cfg)}
+    tensors = {
+        name: draw(seed, name, shape, kind, fan_in, sc)
+        for name, shape, kind, fan_in in tensor_specs(cfg)
+    }
     meta = {"format": "pt", "generator": f"scripts/make_fixtures.py {preset} seed={seed}"}
     st = out / "model.safetensors"
     assert p["dtype"] in ("f32", "bf16"), p["dtype"]
@@ -280,10 +298,21 @@ def make(preset: str, out: Path, seed: int | None = None) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("presets", nargs="*", metavar="PRESET", help=f"one of {', '.join(PRESETS)}; default: the committed fixtures")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "presets",
+        nargs="*",
+        metavar="PRESET",
+        help=f"one of {', '.join(PRESETS)}; default: the committed fixtures",
+    )
     ap.add_argument("--out", type=Path, help="output dir (only with exactly one preset)")
-    ap.add_argument("--seed", type=int, help="override the preset's seed (exploration only; committed fixtures use the preset's)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        help="override the preset's seed (exploration only; committed fixtures use the preset's)",
+    )
     a = ap.parse_args(argv)
     presets = a.presets or ["tiny-qwen3", "tiny-qwen3-moe"]
     for name in presets:

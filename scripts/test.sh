@@ -4,6 +4,12 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 scripts/setup.sh
+# Style first: it fails in seconds, the tests take minutes (rustfmt.toml, ruff.toml).
+echo "== style: cargo fmt --check, cargo clippy -D warnings, ruff check, ruff format --check"
+cargo fmt --all --check
+cargo clippy --release --quiet --workspace --all-targets -- -D warnings
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
 echo "== cargo test (release profile, shares the set-up build)"
 cargo test --release --quiet
 # With CI set (CI=true), the root conftest.py turns every pytest skip into a failure.

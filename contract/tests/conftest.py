@@ -16,10 +16,13 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "contract"))
 
-FIXTURES = {"dense": os.path.join(ROOT, "fixtures", "tiny-qwen3"), "moe": os.path.join(ROOT, "fixtures", "tiny-qwen3-moe")}
+FIXTURES = {
+    "dense": os.path.join(ROOT, "fixtures", "tiny-qwen3"),
+    "moe": os.path.join(ROOT, "fixtures", "tiny-qwen3-moe"),
+}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target_dir_here() -> tuple[str, str]:
     return cargo_target_dir(os.environ)
 
@@ -30,8 +33,14 @@ def cargo_target_dir(env=None) -> tuple[str, str]:
     if env is None:
         return _target_dir_here()
     try:
-        r = subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps", "--offline"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            ["cargo", "metadata", "--format-version", "1", "--no-deps", "--offline"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if r.returncode == 0:
             return json.loads(r.stdout)["target_directory"], "cargo metadata"
         why = f"cargo metadata failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
@@ -48,10 +57,13 @@ def release_binary(name: str, env=None) -> tuple[str, str | None]:
     path = os.path.join(target, "release", name)
     if os.access(path, os.X_OK):
         return path, None
-    return path, f"{name} binary not built: {path} is absent (target directory from {how}); build it with scripts/setup.sh or cargo build --release --bins"
+    return (
+        path,
+        f"{name} binary not built: {path} is absent (target directory from {how}); build it with scripts/setup.sh or cargo build --release --bins",
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _diff_report_validator():
     import jsonschema
 
@@ -69,7 +81,9 @@ def diff_report(text: str) -> dict:
     return report
 
 
-def write_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]], header_extra: dict | None = None) -> None:
+def write_safetensors(
+    path: str, tensors: dict[str, tuple[str, np.ndarray]], header_extra: dict | None = None
+) -> None:
     """tensors: name -> (safetensors dtype, array of the storage type: f32, f16, or uint16 bf16 bits)."""
     header, blobs, off = {}, [], 0
     for name, (dt, a) in tensors.items():
@@ -161,7 +175,11 @@ def tiny_tensors(cfg: dict, seed: int = 0, dtype: str = "F32") -> dict[str, tupl
             t[f"{p}.self_attn.o_proj.bias"] = w(H, scale=0.1)
         t[f"{p}.self_attn.q_norm.weight"] = norm(d)
         t[f"{p}.self_attn.k_norm.weight"] = norm(d)
-        sparse = moe and i not in cfg.get("mlp_only_layers", []) and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+        sparse = (
+            moe
+            and i not in cfg.get("mlp_only_layers", [])
+            and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+        )
         if sparse:
             E, I = cfg["num_experts"], cfg["moe_intermediate_size"]
             t[f"{p}.mlp.gate.weight"] = w(E, H)

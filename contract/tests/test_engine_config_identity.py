@@ -13,17 +13,21 @@ import re
 import shutil
 
 import pytest
-from conftest import FIXTURES
 from test_engine_identity import contract_trace, differences, engine_trace, needs_engine, prompts
 from test_engine_refusals import engine_refusal
-
 from tracegate_contract import ContractError
 from tracegate_contract.qwen3 import Model, load_config
 
+from conftest import FIXTURES
+
 _NEEDS = "these cases rewrite checkpoints with safetensors.torch (pip install -r requirements.txt)"
 torch = pytest.importorskip("torch", reason=f"torch is not installed: {_NEEDS}")
-st_torch = pytest.importorskip("safetensors.torch", reason=f"safetensors is not installed: {_NEEDS}")
-tracegate = pytest.importorskip("tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)")
+st_torch = pytest.importorskip(
+    "safetensors.torch", reason=f"safetensors is not installed: {_NEEDS}"
+)
+tracegate = pytest.importorskip(
+    "tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)"
+)
 
 DROP = object()  # config edit: remove the key
 
@@ -38,7 +42,10 @@ def fuse_experts(keep_per_expert=False, transpose_down=False):
             if f"{p}.0.gate_proj.weight" not in t:
                 continue  # a dense layer
             get = (lambda k: t[k]) if keep_per_expert else t.pop
-            ex = [{n: get(f"{p}.{e}.{n}_proj.weight") for n in ("gate", "up", "down")} for e in range(cfg["num_experts"])]
+            ex = [
+                {n: get(f"{p}.{e}.{n}_proj.weight") for n in ("gate", "up", "down")}
+                for e in range(cfg["num_experts"])
+            ]
             t[f"{p}.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in ex])
             down = torch.stack([x["down"] for x in ex])
             t[f"{p}.down_proj"] = down.transpose(1, 2).contiguous() if transpose_down else down
@@ -72,22 +79,61 @@ def variant(tmp_path, fixture, edits, tensors=None) -> str:
 COMPUTED = {
     # §13: a non-empty legacy rope_scaling replaces rope_parameters and its rope_theta wins.
     "legacy-rope-scaling-theta-wins": (
-        "dense", {"rope_parameters": DROP, "rope_theta": 10000, "rope_scaling": {"rope_type": "default", "rope_theta": 5000}},
-        None, {"rope_theta": 5000.0}),
+        "dense",
+        {
+            "rope_parameters": DROP,
+            "rope_theta": 10000,
+            "rope_scaling": {"rope_type": "default", "rope_theta": 5000},
+        },
+        None,
+        {"rope_theta": 5000.0},
+    ),
     # `rope_scaling or rope_parameters`: the yarn parameters are never read; theta is the top-level one.
     "rope-scaling-default-replaces-yarn-parameters": (
-        "dense", {"rope_theta": 20000.0, "rope_scaling": {"rope_type": "default"},
-                  "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-        None, {"rope_theta": 20000.0}),
-    "rms-norm-eps-defaults-to-1e-6": ("moe", {"rms_norm_eps": DROP}, None, {}),  # the fixture's own is 1e-5
+        "dense",
+        {
+            "rope_theta": 20000.0,
+            "rope_scaling": {"rope_type": "default"},
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0},
+        },
+        None,
+        {"rope_theta": 20000.0},
+    ),
+    "rms-norm-eps-defaults-to-1e-6": (
+        "moe",
+        {"rms_norm_eps": DROP},
+        None,
+        {},
+    ),  # the fixture's own is 1e-5
     "all-sparse-without-intermediate-size": (
-        "moe", {"intermediate_size": DROP, "num_hidden_layers": 2}, keep_layers(2), {"intermediate_size": None}),
+        "moe",
+        {"intermediate_size": DROP, "num_hidden_layers": 2},
+        keep_layers(2),
+        {"intermediate_size": None},
+    ),
     "use-sliding-window-null": (
-        "dense", {"use_sliding_window": None, "sliding_window": 64, "max_window_layers": 0,
-                  "layer_types": ["full_attention"] * 5}, None, {}),
+        "dense",
+        {
+            "use_sliding_window": None,
+            "sliding_window": 64,
+            "max_window_layers": 0,
+            "layer_types": ["full_attention"] * 5,
+        },
+        None,
+        {},
+    ),
     "nulls-as-absent-and-num-local-experts": (
-        "moe", {"hidden_act": None, "decoder_sparse_step": None, "rope_scaling": None, "num_experts": DROP,
-                "num_local_experts": 8}, None, {"num_experts": 8}),
+        "moe",
+        {
+            "hidden_act": None,
+            "decoder_sparse_step": None,
+            "rope_scaling": None,
+            "num_experts": DROP,
+            "num_local_experts": 8,
+        },
+        None,
+        {"num_experts": 8},
+    ),
     "fused-experts": ("moe", {}, fuse_experts(), {}),
 }
 
@@ -109,24 +155,75 @@ def test_variant_computed_identically(tmp_path, case):
 
 # id: (fixture, config edits, tensor rewrite, text the contract's refusal must contain)
 REFUSED = {
-    "rope-scaling-extra-key": ("dense", {"rope_scaling": {"rope_type": "default", "factor": 2.0}}, None, "rope_scaling.factor"),
-    "rope-scaling-type-linear": ("dense", {"rope_scaling": {"type": "linear", "factor": 2.0}}, None, "rope_scaling.type"),
+    "rope-scaling-extra-key": (
+        "dense",
+        {"rope_scaling": {"rope_type": "default", "factor": 2.0}},
+        None,
+        "rope_scaling.factor",
+    ),
+    "rope-scaling-type-linear": (
+        "dense",
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+        None,
+        "rope_scaling.type",
+    ),
     "empty-rope-scaling-leaves-yarn-parameters": (
-        "dense", {"rope_scaling": {}, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-        None, "rope_parameters.rope_type"),
+        "dense",
+        {
+            "rope_scaling": {},
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+        },
+        None,
+        "rope_parameters.rope_type",
+    ),
     "top-level-rope-theta-not-a-number": ("dense", {"rope_theta": "big"}, None, "rope_theta"),
     # The engine computes a NaN table and then refuses the NaN logits; the contract refuses up front.
-    "rope-theta-zero": ("dense", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, None, "rope_theta"),
-    "dense-without-intermediate-size": ("dense", {"intermediate_size": DROP}, None, "intermediate_size"),
-    "moe-dense-layer-without-intermediate-size": ("moe", {"intermediate_size": DROP}, None, "intermediate_size"),
+    "rope-theta-zero": (
+        "dense",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+        None,
+        "rope_theta",
+    ),
+    "dense-without-intermediate-size": (
+        "dense",
+        {"intermediate_size": DROP},
+        None,
+        "intermediate_size",
+    ),
+    "moe-dense-layer-without-intermediate-size": (
+        "moe",
+        {"intermediate_size": DROP},
+        None,
+        "intermediate_size",
+    ),
     "use-sliding-window-true": ("dense", {"use_sliding_window": True}, None, "use_sliding_window"),
-    "use-sliding-window-not-a-bool": ("dense", {"use_sliding_window": "no"}, None, "use_sliding_window"),
-    "sliding-layer-type": ("dense", {"layer_types": ["full_attention"] * 4 + ["sliding_attention"]}, None, "layer_types"),
+    "use-sliding-window-not-a-bool": (
+        "dense",
+        {"use_sliding_window": "no"},
+        None,
+        "use_sliding_window",
+    ),
+    "sliding-layer-type": (
+        "dense",
+        {"layer_types": ["full_attention"] * 4 + ["sliding_attention"]},
+        None,
+        "layer_types",
+    ),
     "architectures-empty": ("dense", {"architectures": []}, None, "architectures"),
     "mlp-only-layers-negative": ("moe", {"mlp_only_layers": [-1]}, None, "mlp_only_layers"),
     "expert-counts-disagree": ("moe", {"num_local_experts": 4}, None, "num_experts"),
-    "fused-down-proj-transposed": ("moe", {}, fuse_experts(transpose_down=True), "experts.down_proj"),
-    "fused-beside-per-expert-tensors": ("moe", {}, fuse_experts(keep_per_expert=True), "unclaimed tensor model.layers.0.mlp.experts.0."),
+    "fused-down-proj-transposed": (
+        "moe",
+        {},
+        fuse_experts(transpose_down=True),
+        "experts.down_proj",
+    ),
+    "fused-beside-per-expert-tensors": (
+        "moe",
+        {},
+        fuse_experts(keep_per_expert=True),
+        "unclaimed tensor model.layers.0.mlp.experts.0.",
+    ),
 }
 
 
@@ -146,6 +243,8 @@ def test_stray_safetensors_file_refused_by_both(tmp_path):
 
 def both_refuse(tmp_path, model, named):
     # A clean refusal (exit 2, one line), not merely a non-zero exit: an abort is non-zero too.
-    engine_refusal("trace", "--model", model, "--tokens", "1,2,3", "--out", str(tmp_path / "e.trace"))
+    engine_refusal(
+        "trace", "--model", model, "--tokens", "1,2,3", "--out", str(tmp_path / "e.trace")
+    )
     with pytest.raises(ContractError, match=re.escape(named)):
         Model(model)

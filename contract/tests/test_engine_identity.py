@@ -23,16 +23,20 @@ import sys
 
 import numpy as np
 import pytest
+
 from conftest import FIXTURES, ROOT, diff_report, release_binary
 
-tracegate = pytest.importorskip("tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)")
+tracegate = pytest.importorskip(
+    "tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)"
+)
 
 ENGINE, _NO_ENGINE = release_binary("engine")
 TRACE_DIFF, _NO_TRACE_DIFF = release_binary("trace-diff")
 CONTRACT_SRC = os.path.join(ROOT, "contract", "tracegate_contract")
 
 needs_engine = pytest.mark.skipif(
-    bool(_NO_ENGINE or _NO_TRACE_DIFF), reason=" and ".join(r for r in (_NO_ENGINE, _NO_TRACE_DIFF) if r) or "built"
+    bool(_NO_ENGINE or _NO_TRACE_DIFF),
+    reason=" and ".join(r for r in (_NO_ENGINE, _NO_TRACE_DIFF) if r) or "built",
 )
 
 
@@ -48,8 +52,18 @@ def prompts(vocab: int) -> dict[int, list[int]]:
 
 
 def engine_trace(model, tokens, out, capture="default", generate=0, cache="on"):
-    cmd = [ENGINE, "trace", "--model", model, "--tokens", ",".join(map(str, tokens)), "--out", out,
-           "--capture", capture]
+    cmd = [
+        ENGINE,
+        "trace",
+        "--model",
+        model,
+        "--tokens",
+        ",".join(map(str, tokens)),
+        "--out",
+        out,
+        "--capture",
+        capture,
+    ]
     if generate:
         cmd += ["--generate", str(generate), "--cache", cache]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -60,9 +74,23 @@ def engine_trace(model, tokens, out, capture="default", generate=0, cache="on"):
 def contract_trace(model, tokens, out, capture="default", generate=0, cache="on", src_root=None):
     """Run the contract's CLI (in a subprocess, so a planted copy can be run the same way)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([src_root or os.path.join(ROOT, "contract"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "tracegate_contract", "trace", "--model", model, "--tokens",
-           ",".join(map(str, tokens)), "--out", out, "--capture", capture]
+    env["PYTHONPATH"] = os.pathsep.join(
+        [src_root or os.path.join(ROOT, "contract"), env.get("PYTHONPATH", "")]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tracegate_contract",
+        "trace",
+        "--model",
+        model,
+        "--tokens",
+        ",".join(map(str, tokens)),
+        "--out",
+        out,
+        "--capture",
+        capture,
+    ]
     if generate:
         cmd += ["--generate", str(generate), "--cache", cache]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -72,6 +100,7 @@ def contract_trace(model, tokens, out, capture="default", generate=0, cache="on"
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Distance in f32 steps (crossing zero counts the steps on both sides)."""
+
     def ordered(x):
         i = x.view(np.int32).astype(np.int64)
         return np.where(i < 0, -(i & 0x7FFFFFFF), i)
@@ -79,11 +108,14 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(ordered(a) - ordered(b))
 
 
-
 def trace_diff(path_a: str, path_b: str) -> dict:
     """The project's own `trace-diff --json` report (the issue's criterion: IDENTICAL under it)."""
-    r = subprocess.run([TRACE_DIFF, "--json", path_a, path_b], capture_output=True, text=True, timeout=120)
-    assert r.returncode in (0, 1), f"trace-diff refused ({r.returncode}): {r.stdout[:500]} {r.stderr.strip()}"
+    r = subprocess.run(
+        [TRACE_DIFF, "--json", path_a, path_b], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode in (0, 1), (
+        f"trace-diff refused ({r.returncode}): {r.stdout[:500]} {r.stderr.strip()}"
+    )
     return diff_report(r.stdout)
 
 
@@ -105,8 +137,11 @@ def test_diff_report_checker_rejects_a_report_that_breaks_the_schema(tmp_path):
     r = subprocess.run([TRACE_DIFF, "--json", *paths], capture_output=True, text=True, timeout=60)
     good = diff_report(r.stdout)
     assert good["first_bit_difference"]["tensor"] == "x" and good["first_violation"] is None
-    for plant in (lambda v: v.__setitem__("verdict", 1), lambda v: v.pop("first_violation"),
-                  lambda v: v["per_tensor"][0].__setitem__("violations", ["relative L2 1 > 0.0001"])):
+    for plant in (
+        lambda v: v.__setitem__("verdict", 1),
+        lambda v: v.pop("first_violation"),
+        lambda v: v["per_tensor"][0].__setitem__("violations", ["relative L2 1 > 0.0001"]),
+    ):
         bad = json.loads(r.stdout)
         plant(bad)
         with pytest.raises(jsonschema.ValidationError):
@@ -120,7 +155,7 @@ def differences(path_a: str, path_b: str, label_a="engine", label_b="contract") 
     b.verify()
     out = []
     if a.names != b.names:
-        for i, (x, y) in enumerate(zip(a.names + [None], b.names + [None])):
+        for i, (x, y) in enumerate(zip(a.names + [None], b.names + [None], strict=False)):
             if x != y:
                 out.append(f"tensor list differs at #{i}: {label_a} {x!r} vs {label_b} {y!r}")
                 break
@@ -150,12 +185,18 @@ def differences(path_a: str, path_b: str, label_a="engine", label_b="contract") 
         if da[name].shape != db[name].shape or not np.array_equal(da[name], db[name]):
             rows = np.argwhere((da[name] != db[name]).reshape(da[name].shape[0], -1).any(axis=1))
             r = int(rows[0][0]) if len(rows) else 0
-            out.append(f"decision {name}: row {r}: {label_a} {da[name][r].tolist()} vs {label_b} {db[name][r].tolist()}")
+            out.append(
+                f"decision {name}: row {r}: {label_a} {da[name][r].tolist()} vs {label_b} {db[name][r].tolist()}"
+            )
         ma, mb = a.margins[name], b.margins[name]
-        if (ma is None) != (mb is None) or (ma is not None and not np.array_equal(ma.view(np.uint32), mb.view(np.uint32))):
+        if (ma is None) != (mb is None) or (
+            ma is not None and not np.array_equal(ma.view(np.uint32), mb.view(np.uint32))
+        ):
             out.append(f"decision {name}: margins differ")
     if not out and a.digest != b.digest:
-        out.append(f"digests differ ({a.digest} vs {b.digest}) though every tensor and decision is equal")
+        out.append(
+            f"digests differ ({a.digest} vs {b.digest}) though every tensor and decision is equal"
+        )
     return out
 
 
@@ -179,7 +220,10 @@ def test_prefill_identical(tmp_path, fixture, model, capture):
         c = contract_trace(model, toks, str(tmp_path / f"c{n}.trace"), capture)
         d = differences(e, c)
         if d:
-            failures.append(f"[{fixture} T={n} {capture}] first: {d[0]}" + (f" (+{len(d) - 1} more)" if len(d) > 1 else ""))
+            failures.append(
+                f"[{fixture} T={n} {capture}] first: {d[0]}"
+                + (f" (+{len(d) - 1} more)" if len(d) > 1 else "")
+            )
         else:
             assert tracegate.Trace(e).digest == tracegate.Trace(c).digest
     assert not failures, "engine ≠ contract:\n" + "\n".join(failures)
@@ -197,8 +241,12 @@ def test_frozen_prompts_identical_with_internals_and_generation(tmp_path, fixtur
     engine's cached path against the contract's uncached one."""
     failures = []
     for pid, toks in frozen_prompts().items():
-        e = engine_trace(model, toks, str(tmp_path / f"e-{pid}.trace"), "internals", generate=4, cache="on")
-        c = contract_trace(model, toks, str(tmp_path / f"c-{pid}.trace"), "internals", generate=4, cache="off")
+        e = engine_trace(
+            model, toks, str(tmp_path / f"e-{pid}.trace"), "internals", generate=4, cache="on"
+        )
+        c = contract_trace(
+            model, toks, str(tmp_path / f"c-{pid}.trace"), "internals", generate=4, cache="off"
+        )
         d = differences(e, c)
         if d:
             failures.append(f"[{fixture} {pid}] first: {d[0]}")
@@ -207,7 +255,11 @@ def test_frozen_prompts_identical_with_internals_and_generation(tmp_path, fixtur
             assert trace_diff_verdict(e, c) == "identical"
             # The decode steps' tensors are in what was compared (docs/producers.md).
             names = tracegate.Trace(e).names
-            assert {"decode.0000.logits", "decode.0003.layer.00.attn_out", "decode.0003.final_norm.out"} <= set(names)
+            assert {
+                "decode.0000.logits",
+                "decode.0003.layer.00.attn_out",
+                "decode.0003.final_norm.out",
+            } <= set(names)
     assert not failures, "engine ≠ contract:\n" + "\n".join(failures)
 
 
@@ -218,7 +270,9 @@ def test_generation_identical_on_both_paths(tmp_path, fixture, model):
     paths = {}
     for who, fn in (("engine", engine_trace), ("contract", contract_trace)):
         for cache in ("on", "off"):
-            paths[who, cache] = fn(model, toks, str(tmp_path / f"{who}-{cache}.trace"), "internals", 12, cache)
+            paths[who, cache] = fn(
+                model, toks, str(tmp_path / f"{who}-{cache}.trace"), "internals", 12, cache
+            )
     digests = {k: tracegate.Trace(p).digest for k, p in paths.items()}
     problems = []
     for cache in ("on", "off"):
@@ -231,12 +285,20 @@ def test_generation_identical_on_both_paths(tmp_path, fixture, model):
     assert len(set(digests.values())) == 1, digests
     assert trace_diff_verdict(paths["engine", "on"], paths["contract", "off"]) == "identical"
     t = tracegate.Trace(paths["contract", "on"])
-    assert [n for n in t.decisions if n.startswith("decode.")] == [f"decode.{s:04d}.argmax" for s in range(12)]
+    assert [n for n in t.decisions if n.startswith("decode.")] == [
+        f"decode.{s:04d}.argmax" for s in range(12)
+    ]
     # Decode tensors are compared above, cached against uncached: every step has its logits and
     # from step 1 its layer points, path=decode, one row at the step's position.
-    assert [n for n in t.names if n.endswith(".logits") and n.startswith("decode.")] == [f"decode.{s:04d}.logits" for s in range(12)]
+    assert [n for n in t.names if n.endswith(".logits") and n.startswith("decode.")] == [
+        f"decode.{s:04d}.logits" for s in range(12)
+    ]
     a = t.attributes("decode.0011.layer.00.hidden_out")
-    assert (a["path"], list(a["positions"]), t["decode.0011.layer.00.hidden_out"].shape[0]) == ("decode", [len(toks) + 10], 1)
+    assert (a["path"], list(a["positions"]), t["decode.0011.layer.00.hidden_out"].shape[0]) == (
+        "decode",
+        [len(toks) + 10],
+        1,
+    )
 
 
 # ---- negative controls ----------------------------------------------------------------------
@@ -245,7 +307,9 @@ def test_generation_identical_on_both_paths(tmp_path, fixture, model):
 def planted_copy(tmp_path, file: str, old: str, new: str) -> str:
     """A copy of the contract package with one op changed; returns the sys.path root to use."""
     root = tmp_path / "planted"
-    shutil.copytree(CONTRACT_SRC, root / "tracegate_contract", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        CONTRACT_SRC, root / "tracegate_contract", ignore=shutil.ignore_patterns("__pycache__")
+    )
     p = root / "tracegate_contract" / file
     src = p.read_text()
     assert src.count(old) == 1, f"planting site not found exactly once in {file}: {old!r}"
@@ -258,18 +322,38 @@ def planted_copy(tmp_path, file: str, old: str, new: str) -> str:
     "fixture,file,old,new,capture,expected",
     [
         # softmax denominator summed right to left: attention probabilities change first.
-        ("dense", "ops.py", "z = ordered_sum(e, axis=-1)", "z = ordered_sum(e[..., ::-1], axis=-1)",
-         "internals", "layer.00.attn_probs"),
+        (
+            "dense",
+            "ops.py",
+            "z = ordered_sum(e, axis=-1)",
+            "z = ordered_sum(e[..., ::-1], axis=-1)",
+            "internals",
+            "layer.00.attn_probs",
+        ),
         # the same defect seen with the default capture points: attention output is where it shows.
-        ("dense", "ops.py", "z = ordered_sum(e, axis=-1)", "z = ordered_sum(e[..., ::-1], axis=-1)",
-         "default", "layer.00.attn_out"),
+        (
+            "dense",
+            "ops.py",
+            "z = ordered_sum(e, axis=-1)",
+            "z = ordered_sum(e[..., ::-1], axis=-1)",
+            "default",
+            "layer.00.attn_out",
+        ),
         # MoE block output added to the residual twice: mlp_out is still right, hidden_out is not.
-        ("moe", "qwen3.py", "out = h1 + m\n", "out = (h1 + m) + m if L.moe else h1 + m\n",
-         "default", "layer.00.hidden_out"),
+        (
+            "moe",
+            "qwen3.py",
+            "out = h1 + m\n",
+            "out = (h1 + m) + m if L.moe else h1 + m\n",
+            "default",
+            "layer.00.hidden_out",
+        ),
     ],
     ids=["softmax-reversed-internals", "softmax-reversed-default", "moe-residual-twice"],
 )
-def test_negative_control_is_caught_at_the_expected_tensor(tmp_path, reference, fixture, file, old, new, capture, expected):
+def test_negative_control_is_caught_at_the_expected_tensor(
+    tmp_path, reference, fixture, file, old, new, capture, expected
+):
     """Against the engine when it is built; against the unplanted contract always (so the
     comparison's ability to localise a defect is checked even where no engine exists)."""
     model = FIXTURES[fixture]
@@ -277,23 +361,53 @@ def test_negative_control_is_caught_at_the_expected_tensor(tmp_path, reference, 
     c = contract_trace(model, toks, str(tmp_path / "c.trace"), capture)
     if reference == "engine":
         e = engine_trace(model, toks, str(tmp_path / "e.trace"), capture)
-        assert differences(e, c) == [], "the unplanted contract must match before the control means anything"
+        assert differences(e, c) == [], (
+            "the unplanted contract must match before the control means anything"
+        )
     else:
         e = c
-    bad = contract_trace(model, toks, str(tmp_path / "bad.trace"), capture, src_root=planted_copy(tmp_path, file, old, new))
+    bad = contract_trace(
+        model,
+        toks,
+        str(tmp_path / "bad.trace"),
+        capture,
+        src_root=planted_copy(tmp_path, file, old, new),
+    )
     d = differences(e, bad, reference, "planted contract")
     assert d, "planted defect was not detected"
     assert d[0].startswith(expected + ":"), f"expected first divergence at {expected}, got: {d[0]}"
     assert tracegate.Trace(e).digest != tracegate.Trace(bad).digest
     if reference == "engine":
         rep = trace_diff(e, bad)
-        assert rep["verdict"] == "different" and rep["first_bit_difference"]["tensor"] == expected, rep["first_bit_difference"]
+        assert (
+            rep["verdict"] == "different" and rep["first_bit_difference"]["tensor"] == expected
+        ), rep["first_bit_difference"]
 
 
 def engine_layer(model, layer, inp, name, out, capture, decode_from=None):
     extra = [] if decode_from is None else ["--decode-from", str(decode_from)]
-    r = subprocess.run([ENGINE, "layer", "--model", model, "--layer", str(layer), "--input", inp, "--input-name", name,
-                        "--out", out, "--capture", capture, *extra], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            ENGINE,
+            "layer",
+            "--model",
+            model,
+            "--layer",
+            str(layer),
+            "--input",
+            inp,
+            "--input-name",
+            name,
+            "--out",
+            out,
+            "--capture",
+            capture,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, f"engine layer failed ({r.returncode}): {r.stderr.strip()}"
     return out
 
@@ -301,9 +415,32 @@ def engine_layer(model, layer, inp, name, out, capture, decode_from=None):
 def contract_layer(model, layer, inp, name, out, capture, decode_from=None):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "contract"))
     extra = [] if decode_from is None else ["--decode-from", str(decode_from)]
-    r = subprocess.run([sys.executable, "-m", "tracegate_contract", "layer", "--model", model, "--layer", str(layer),
-                        "--input", inp, "--input-name", name, "--out", out, "--capture", capture, *extra],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tracegate_contract",
+            "layer",
+            "--model",
+            model,
+            "--layer",
+            str(layer),
+            "--input",
+            inp,
+            "--input-name",
+            name,
+            "--out",
+            out,
+            "--capture",
+            capture,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, f"contract layer failed ({r.returncode}): {r.stderr.strip()}"
     return out
 
@@ -317,7 +454,9 @@ def test_layer_verb_identical(tmp_path, fixture, model):
 
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
-    whole = engine_trace(model, prompts(cfg["vocab_size"])[17], str(tmp_path / "whole.trace"), "internals")
+    whole = engine_trace(
+        model, prompts(cfg["vocab_size"])[17], str(tmp_path / "whole.trace"), "internals"
+    )
     scattered = str(tmp_path / "scattered.trace")
     x = np.random.default_rng(9).standard_normal((5, cfg["hidden_size"])).astype(np.float32)
     with tracegate.TraceWriter(scattered, {"producer": "test"}) as w:
@@ -334,7 +473,9 @@ def test_layer_verb_identical(tmp_path, fixture, model):
 
 
 @needs_engine
-@pytest.mark.parametrize("fixture,model", [p for p in FIX if p.id == "moe"])  # the MoE layer is the dense one plus routing
+@pytest.mark.parametrize(
+    "fixture,model", [p for p in FIX if p.id == "moe"]
+)  # the MoE layer is the dense one plus routing
 def test_layer_decode_from_identical(tmp_path, capsys, fixture, model):
     """`layer --decode-from P` (docs/producers.md): engine ≡ contract bit for bit; the contract's
     rows equal its plain layer verb's same rows and the whole run's cached decode step; a bad P
@@ -345,43 +486,89 @@ def test_layer_decode_from_identical(tmp_path, capsys, fixture, model):
         cfg = json.load(f)
     toks = prompts(cfg["vocab_size"])[17]
     n, L = len(toks), cfg["num_hidden_layers"] - 1
-    whole = contract_trace(model, toks, str(tmp_path / "whole.trace"), "internals", generate=3, cache="on")
+    whole = contract_trace(
+        model, toks, str(tmp_path / "whole.trace"), "internals", generate=3, cache="on"
+    )
     t = tracegate.Trace(whole)
-    x = np.concatenate([t[f"layer.{L:02d}.hidden_in"]] + [t[f"decode.{s:04d}.layer.{L:02d}.hidden_in"] for s in (1, 2)])
+    x = np.concatenate(
+        [t[f"layer.{L:02d}.hidden_in"]]
+        + [t[f"decode.{s:04d}.layer.{L:02d}.hidden_in"] for s in (1, 2)]
+    )
     inp = str(tmp_path / "in.trace")
     with tracegate.TraceWriter(inp, {"producer": "test"}) as w:
         w.tensor("h", x, path="prefill", mask="causal", positions=list(range(n + 2)))
-        w.tensor("shuffled", x[::-1].copy(), path="prefill", mask="causal", positions=list(range(n + 2))[::-1])
+        w.tensor(
+            "shuffled",
+            x[::-1].copy(),
+            path="prefill",
+            mask="causal",
+            positions=list(range(n + 2))[::-1],
+        )
     P = n + 1
     e = engine_layer(model, L, inp, "h", str(tmp_path / "e.trace"), "internals", P)
     c = contract_layer(model, L, inp, "h", str(tmp_path / "c.trace"), "internals", P)
     assert differences(e, c) == []
-    plain = tracegate.Trace(contract_layer(model, L, inp, "h", str(tmp_path / "p.trace"), "internals"))
+    plain = tracegate.Trace(
+        contract_layer(model, L, inp, "h", str(tmp_path / "p.trace"), "internals")
+    )
     ct = tracegate.Trace(c)
-    assert ct.names == [f"layer.{L:02d}.{s}" for s in ("hidden_in", "attn_out", "mlp_out", "hidden_out")]
+    assert ct.names == [
+        f"layer.{L:02d}.{s}" for s in ("hidden_in", "attn_out", "mlp_out", "hidden_out")
+    ]
     for name in ct.names:
-        assert ct.attributes(name)["decode_from"] == str(P) and list(ct.attributes(name)["positions"]) == [P]
+        assert ct.attributes(name)["decode_from"] == str(P) and list(
+            ct.attributes(name)["positions"]
+        ) == [P]
         assert ct[name].view(np.uint32).tolist() == plain[name][P:].view(np.uint32).tolist(), name
         step = t[f"decode.0002.{name}"]
         assert ct[name].view(np.uint32).tolist() == step.view(np.uint32).tolist(), name
     # Refusals (the engine's are tested in engine/tests/engine.rs), in-process: exit 2, one line.
     from tracegate_contract.__main__ import main
 
-    for name, p, said in (("h", n + 2, f"--decode-from {n + 2} outside 0..{n + 1}"), ("shuffled", 0, f"row 0 is at position {n + 1}")):
-        args = ["layer", "--model", model, "--layer", "0", "--input", inp, "--input-name", name, "--out", str(tmp_path / "x.trace")]
+    for name, p, said in (
+        ("h", n + 2, f"--decode-from {n + 2} outside 0..{n + 1}"),
+        ("shuffled", 0, f"row 0 is at position {n + 1}"),
+    ):
+        args = [
+            "layer",
+            "--model",
+            model,
+            "--layer",
+            "0",
+            "--input",
+            inp,
+            "--input-name",
+            name,
+            "--out",
+            str(tmp_path / "x.trace"),
+        ]
         assert main(args + ["--decode-from", str(p)]) == 2
         err = capsys.readouterr().err
         assert said in err and f"tensor {name}" in err, err
 
 
 VARIANTS = {
-    "dense-f16-legacy-rope": dict(family="dense", dtype="F16", rope_theta=500000.0, drop=("rope_parameters",)),
-    "dense-bf16-untied-nobias-default-head-dim": dict(family="dense", dtype="BF16", tie_word_embeddings=False,
-                                                      attention_bias=False, drop=("head_dim",)),
-    "moe-f32-sparse-step-2-no-renorm": dict(family="moe", dtype="F32", decoder_sparse_step=2, mlp_only_layers=[],
-                                            norm_topk_prob=False, num_hidden_layers=4),
-    "moe-bf16-sharded-eps-1e-5-default-head-dim": dict(family="moe", dtype="BF16", rms_norm_eps=1e-5, shard=True,
-                                                       drop=("head_dim",)),
+    "dense-f16-legacy-rope": dict(
+        family="dense", dtype="F16", rope_theta=500000.0, drop=("rope_parameters",)
+    ),
+    "dense-bf16-untied-nobias-default-head-dim": dict(
+        family="dense",
+        dtype="BF16",
+        tie_word_embeddings=False,
+        attention_bias=False,
+        drop=("head_dim",),
+    ),
+    "moe-f32-sparse-step-2-no-renorm": dict(
+        family="moe",
+        dtype="F32",
+        decoder_sparse_step=2,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+        num_hidden_layers=4,
+    ),
+    "moe-bf16-sharded-eps-1e-5-default-head-dim": dict(
+        family="moe", dtype="BF16", rms_norm_eps=1e-5, shard=True, drop=("head_dim",)
+    ),
     "moe-f32-no-rope-theta": dict(family="moe", dtype="F32", drop=("rope_parameters",)),
 }
 
@@ -392,10 +579,17 @@ def _variant_dir(tmp_path, spec):
     from conftest import tiny_config, tiny_tensors, write_safetensors
 
     spec = dict(spec)
-    family, dtype, drop, shard = spec.pop("family"), spec.pop("dtype"), spec.pop("drop", ()), spec.pop("shard", False)
+    family, dtype, drop, shard = (
+        spec.pop("family"),
+        spec.pop("dtype"),
+        spec.pop("drop", ()),
+        spec.pop("shard", False),
+    )
     cfg = tiny_config(family, **spec)
     if "head_dim" in drop:  # §13's default: 128 for qwen3, hidden / heads for qwen3_moe
-        cfg["head_dim"] = 128 if family == "dense" else cfg["hidden_size"] // cfg["num_attention_heads"]
+        cfg["head_dim"] = (
+            128 if family == "dense" else cfg["hidden_size"] // cfg["num_attention_heads"]
+        )
     tensors = tiny_tensors(cfg, seed=11, dtype=dtype)
     if dtype == "F16":
         tensors = {k: ("F16", v.astype(np.float16)) for k, (_, v) in tensors.items()}
@@ -460,15 +654,22 @@ def test_eps_near_an_f32_midpoint_is_read_the_same_way(tmp_path):
 
     eps = _eps_just_above_an_f32_midpoint()
     from fractions import Fraction
-    once = np.float32(min((np.nextafter(np.float32(float(eps)), np.float32(s)) for s in (-1, 1)),
-                          key=lambda c: abs(Fraction(float(c)) - Fraction(Decimal(eps)))))
+
+    once = np.float32(
+        min(
+            (np.nextafter(np.float32(float(eps)), np.float32(s)) for s in (-1, 1)),
+            key=lambda c: abs(Fraction(float(c)) - Fraction(Decimal(eps))),
+        )
+    )
     assert once != np.float32(float(eps))  # the case is a real one: direct rounding would differ
     assert ops.f32_of_config_number(Decimal(eps)) == np.float32(float(eps))
     model = tmp_path / "m"
     shutil.copytree(FIXTURES["dense"], model)
     cfg = (model / "config.json").read_text()
     assert '"rms_norm_eps": 1e-06' in cfg
-    (model / "config.json").write_text(cfg.replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {eps}'))
+    (model / "config.json").write_text(
+        cfg.replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {eps}')
+    )
     # Rows of ~1e-6: the mean square is far below eps, so eps's last bit reaches the output.
     x = (np.random.default_rng(0).standard_normal((4, 52)) * 1e-6).astype(np.float32)
     inp = str(tmp_path / "in.trace")

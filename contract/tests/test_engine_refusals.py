@@ -14,12 +14,14 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import make_model_dir, tiny_config, tiny_tensors, write_safetensors
 
-tracegate = pytest.importorskip("tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)")
+from conftest import make_model_dir, tiny_config
+
+tracegate = pytest.importorskip(
+    "tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)"
+)
 
 from test_engine_identity import ENGINE, needs_engine  # noqa: E402
-
 from tracegate_contract.__main__ import main  # noqa: E402
 
 
@@ -49,21 +51,37 @@ def both_refuse_trace(capsys, tmp_path, model, named):
 
 # ---- item 13: sizes -------------------------------------------------------------------------
 
-DENSE_SIZES = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "intermediate_size", "max_position_embeddings"]
+DENSE_SIZES = [
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+]
 # num_experts = 0 is a valid config (every layer dense, §10), refused only by the tensors it leaves.
-MOE_SIZES = ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_hidden_layers", "hidden_size"]
+MOE_SIZES = [
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "hidden_size",
+]
 ABSURD = {"2^40": 1 << 40, "2^62": 1 << 62, "0": 0, "-1": -1}
 
 
 @needs_engine
-@pytest.mark.parametrize("family,field", [("dense", f) for f in DENSE_SIZES] + [("moe", f) for f in MOE_SIZES])
+@pytest.mark.parametrize(
+    "family,field", [("dense", f) for f in DENSE_SIZES] + [("moe", f) for f in MOE_SIZES]
+)
 def test_absurd_sizes_refused_by_both_naming_the_field(capsys, tmp_path, family, field):
     """2^40 layers once aborted the engine on a 518 TB allocation, 2^62 panicked; each size is
     now checked against the checkpoint before anything is allocated, on both sides."""
     model = make_model_dir(tmp_path / "m", family, dtype="BF16" if family == "moe" else "F32")
     good = json.loads(open(os.path.join(model, "config.json")).read())
-    for label, value in ABSURD.items():
+    for _label, value in ABSURD.items():
         if field == "num_experts" and value == 0:
             continue
         with open(os.path.join(model, "config.json"), "w") as f:
@@ -91,7 +109,7 @@ def _rewrite_safetensors(model, edit):
     p = os.path.join(model, "model.safetensors")
     raw = open(p, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
-    header, data = edit(json.loads(raw[8:8 + n]), raw[8 + n:])
+    header, data = edit(json.loads(raw[8 : 8 + n]), raw[8 + n :])
     h = header.encode() if isinstance(header, str) else json.dumps(header).encode()
     with open(p, "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h + data)
@@ -107,6 +125,7 @@ def _nested_metadata(depth):
     def edit(header, data):
         text = json.dumps(header)
         return text[:-1] + ', "__junk__": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}", data
+
     return edit
 
 
@@ -133,7 +152,13 @@ def test_config_nesting_limit_is_the_engines(capsys, tmp_path, producer, depth, 
     """serde_json (the engine's parser) takes 127 nested levels and refuses 128; the contract
     draws the line at the same place, and a very deep file is one line, not a RecursionError."""
     model = make_model_dir(tmp_path / "m")
-    text = json.dumps(tiny_config())[:-1] + ', "__junk__": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+    text = (
+        json.dumps(tiny_config())[:-1]
+        + ', "__junk__": '
+        + "[" * (depth - 1)
+        + "]" * (depth - 1)
+        + "}"
+    )
     with open(os.path.join(model, "config.json"), "w") as f:
         f.write(text)
     args = ("trace", "--model", model, "--tokens", "1,2", "--out", tmp_path / "x.trace")
@@ -173,7 +198,19 @@ def test_bad_layer_inputs_refused_by_both(capsys, tmp_path, case):
     model = make_model_dir(tmp_path / "m")
     inp = _input(tmp_path, make(), positions)
     out = tmp_path / "y.trace"
-    args = ("layer", "--model", model, "--layer", 0, "--input", inp, "--input-name", "h", "--out", out)
+    args = (
+        "layer",
+        "--model",
+        model,
+        "--layer",
+        0,
+        "--input",
+        inp,
+        "--input-name",
+        "h",
+        "--out",
+        out,
+    )
     e = engine_refusal(*args)
     c = contract_refusal(capsys, *args)
     assert named in e and named in c, f"engine: {e}\ncontract: {c}"

@@ -15,12 +15,14 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import FIXTURES, ROOT, release_binary
 
 ENGINE, _NO_ENGINE = release_binary("engine")
 TRACE_DIFF, _NO_TRACE_DIFF = release_binary("trace-diff")
 pytestmark = pytest.mark.skipif(
-    bool(_NO_ENGINE or _NO_TRACE_DIFF), reason=" and ".join(r for r in (_NO_ENGINE, _NO_TRACE_DIFF) if r) or "built"
+    bool(_NO_ENGINE or _NO_TRACE_DIFF),
+    reason=" and ".join(r for r in (_NO_ENGINE, _NO_TRACE_DIFF) if r) or "built",
 )
 
 WRAPPER = os.path.join(ROOT, "gate", "tests", "producers", "defective_contract.py")
@@ -66,7 +68,10 @@ def test_flips_after_a_bidirectional_layer_are_its_consequences(tmp_path):
     flips = [(d["name"], f) for d in rep["decisions"]["results"] for f in d["flips"]]
     assert flips, "the planted defect must flip a decision on this prompt"
     for name, f in flips:
-        assert (f["label"], f["upstream"]) == ("consequence", f"{PLANTED_LAYER}.attn_probs"), (name, f)
+        assert (f["label"], f["upstream"]) == ("consequence", f"{PLANTED_LAYER}.attn_probs"), (
+            name,
+            f,
+        )
     assert rep["decisions"]["near_ties"]["excused"] == []
     assert f"→ consequence of {PLANTED_LAYER}.attn_probs" in human
     assert "near-tie" not in human.splitlines()[0]

@@ -15,15 +15,21 @@ import subprocess
 
 import numpy as np
 import pytest
+
 from conftest import FIXTURES, release_binary
 
-tracegate = pytest.importorskip("tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)")
+tracegate = pytest.importorskip(
+    "tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)"
+)
 
 from tracegate_contract.__main__ import main as contract_main  # noqa: E402
 
 ENGINE, _NO_ENGINE = release_binary("engine")
 TRACE_DIFF, _NO_TRACE_DIFF = release_binary("trace-diff")
-pytestmark = pytest.mark.skipif(bool(_NO_ENGINE or _NO_TRACE_DIFF), reason=" and ".join(r for r in (_NO_ENGINE, _NO_TRACE_DIFF) if r) or "built")
+pytestmark = pytest.mark.skipif(
+    bool(_NO_ENGINE or _NO_TRACE_DIFF),
+    reason=" and ".join(r for r in (_NO_ENGINE, _NO_TRACE_DIFF) if r) or "built",
+)
 
 MOE = FIXTURES["moe"]  # 8 experts, top-2, layers 0, 1, 3 sparse, vocab 503
 TOKENS = [12, 218, 345, 152, 81]
@@ -31,20 +37,55 @@ TOK = ",".join(map(str, TOKENS))
 
 
 def engine(out, *extra):
-    subprocess.run([ENGINE, "trace", "--model", MOE, "--tokens", TOK, "--out", str(out), "--capture", "internals",
-                    "--generate", "3", "--threads", "1", *extra], check=True, capture_output=True)
+    subprocess.run(
+        [
+            ENGINE,
+            "trace",
+            "--model",
+            MOE,
+            "--tokens",
+            TOK,
+            "--out",
+            str(out),
+            "--capture",
+            "internals",
+            "--generate",
+            "3",
+            "--threads",
+            "1",
+            *extra,
+        ],
+        check=True,
+        capture_output=True,
+    )
     return tracegate.Trace(str(out))
 
 
 def contract(out, *extra):
-    rc = contract_main(["trace", "--model", MOE, "--tokens", TOK, "--out", str(out), "--capture", "internals",
-                        "--generate", "3", *extra])
+    rc = contract_main(
+        [
+            "trace",
+            "--model",
+            MOE,
+            "--tokens",
+            TOK,
+            "--out",
+            str(out),
+            "--capture",
+            "internals",
+            "--generate",
+            "3",
+            *extra,
+        ]
+    )
     assert rc == 0
     return tracegate.Trace(str(out))
 
 
 def diff(a, b, *extra):
-    r = subprocess.run([TRACE_DIFF, "--json", *extra, str(a), str(b)], capture_output=True, text=True)
+    r = subprocess.run(
+        [TRACE_DIFF, "--json", *extra, str(a), str(b)], capture_output=True, text=True
+    )
     return r.returncode, json.loads(r.stdout)
 
 
@@ -75,18 +116,26 @@ def runs(tmp_path_factory):
         v[0] = (v[0] + 1) % 503
         return v
 
-    alt = altered(own, d / "alt.trace", {"layer.01.router.topk": reroute, "decode.0001.argmax": next_token})
+    alt = altered(
+        own, d / "alt.trace", {"layer.01.router.topk": reroute, "decode.0001.argmax": next_token}
+    )
     out = {"own": own, "alt": tracegate.Trace(alt), "layer1": layer1, "dir": d}
     for cache in ("on", "off"):
-        out[f"engine-{cache}"] = engine(d / f"engine-{cache}.trace", "--cache", cache, "--force-decisions", alt)
-        out[f"contract-{cache}"] = contract(d / f"contract-{cache}.trace", "--cache", cache, "--force-decisions", alt)
+        out[f"engine-{cache}"] = engine(
+            d / f"engine-{cache}.trace", "--cache", cache, "--force-decisions", alt
+        )
+        out[f"contract-{cache}"] = contract(
+            d / f"contract-{cache}.trace", "--cache", cache, "--force-decisions", alt
+        )
     out["contract-unforced"] = contract(d / "contract-unforced.trace")
     return out
 
 
 def test_engine_and_contract_forced_from_an_altered_trace_are_bit_identical(runs):
     alt = runs["alt"]
-    digests = {k: runs[k].digest for k in ("engine-on", "engine-off", "contract-on", "contract-off")}
+    digests = {
+        k: runs[k].digest for k in ("engine-on", "engine-off", "contract-on", "contract-off")
+    }
     assert len(set(digests.values())) == 1, digests
     rc, rep = diff(runs["engine-on"].path, runs["contract-off"].path)
     assert rc == 0 and rep["verdict"] == "identical", rep["findings"]
@@ -95,21 +144,42 @@ def test_engine_and_contract_forced_from_an_altered_trace_are_bit_identical(runs
         np.testing.assert_array_equal(t.decisions[name], v, err_msg=name)
     forced = t.provenance["forced_decisions"]
     assert forced["trace_digest"] == alt.digest
-    assert forced["overridden"]["layer.01.router.topk"] == 1 and forced["overridden"]["decode.0001.argmax"] == 1, forced
+    assert (
+        forced["overridden"]["layer.01.router.topk"] == 1
+        and forced["overridden"]["decode.0001.argmax"] == 1
+    ), forced
     assert t.margins["layer.01.router.topk"][3] < 0  # it would have chosen otherwise
-    assert all(t.attributes(n).get("forced") == alt.digest for n in t.names[t.names.index("layer.00.mlp_out"):])
+    assert all(
+        t.attributes(n).get("forced") == alt.digest
+        for n in t.names[t.names.index("layer.00.mlp_out") :]
+    )
 
 
 def test_the_layer_verbs_forced_alike_are_bit_identical(runs, tmp_path):
     """Layer 1 alone on the engine's own input, its router row 3 taken from the altered trace."""
     own, alt = runs["own"], runs["alt"]
-    args = ["--model", MOE, "--layer", "1", "--input", own.path, "--input-name", "layer.01.hidden_in", "--force-decisions", alt.path]
+    args = [
+        "--model",
+        MOE,
+        "--layer",
+        "1",
+        "--input",
+        own.path,
+        "--input-name",
+        "layer.01.hidden_in",
+        "--force-decisions",
+        alt.path,
+    ]
     e, c = tmp_path / "e.trace", tmp_path / "c.trace"
-    subprocess.run([ENGINE, "layer", *args, "--out", str(e), "--threads", "1"], check=True, capture_output=True)
+    subprocess.run(
+        [ENGINE, "layer", *args, "--out", str(e), "--threads", "1"], check=True, capture_output=True
+    )
     assert contract_main(["layer", *args, "--out", str(c)]) == 0
     e, c = tracegate.Trace(str(e)), tracegate.Trace(str(c))
     assert e.digest == c.digest
-    np.testing.assert_array_equal(c.decisions["layer.01.router.topk"], alt.decisions["layer.01.router.topk"])
+    np.testing.assert_array_equal(
+        c.decisions["layer.01.router.topk"], alt.decisions["layer.01.router.topk"]
+    )
     assert c.provenance["forced_decisions"]["overridden"] == {"layer.01.router.topk": 1}
     # Only layer 1 and a decode step were altered, so the forced whole run reaches layer 1 with
     # this same input: the forced layer verb reproduces its layer 1.
@@ -124,8 +194,12 @@ def test_without_forcing_the_flip_shows(runs):
     assert free.digest == own.digest  # the unforced run is the engine's, bit for bit
     np.testing.assert_array_equal(free.decisions["layer.01.router.topk"], runs["layer1"])
     rc, rep = diff(alt.path, free.path)
-    differ = {d["name"]: d["differing_rows"] for d in rep["decisions"]["results"] if d["differing_rows"]}
-    assert rc == 1 and differ["layer.01.router.topk"] == 1 and differ["decode.0001.argmax"] == 1, differ
+    differ = {
+        d["name"]: d["differing_rows"] for d in rep["decisions"]["results"] if d["differing_rows"]
+    }
+    assert rc == 1 and differ["layer.01.router.topk"] == 1 and differ["decode.0001.argmax"] == 1, (
+        differ
+    )
     forced = runs["contract-on"]
     np.testing.assert_array_equal(free["layer.01.attn_out"], forced["layer.01.attn_out"])
     assert not np.array_equal(free["layer.01.mlp_out"], forced["layer.01.mlp_out"])
@@ -137,7 +211,11 @@ def test_forced_by_its_own_trace_trace_diff_notes_it_and_finds_nothing(runs, tmp
     rc, rep = diff(own.path, forced.path)
     assert rc == 0 and rep["verdict"] == "identical", rep["findings"]
     [note] = rep["findings"]
-    assert note["kind"] == "decisions_forced" and own.digest in note["detail"] and "candidate's decisions" in note["detail"], note
+    assert (
+        note["kind"] == "decisions_forced"
+        and own.digest in note["detail"]
+        and "candidate's decisions" in note["detail"]
+    ), note
     # Negative control: the same attribute naming another trace is a difference.
     with tracegate.TraceWriter(str(tmp_path / "renamed.trace"), forced.provenance) as w:
         for n in forced.names:
@@ -152,22 +230,44 @@ def test_forced_by_its_own_trace_trace_diff_notes_it_and_finds_nothing(runs, tmp
     assert rc == 1 and kinds == {"attribute_differs"}, kinds
 
 
-@pytest.mark.parametrize("edit, says", [
-    (["--generate", "4"], "decision decode.0003.argmax is missing (this run needs it)"),
-    (["--tokens", "12,218,345,152,82"], "its prompt_tokens [12, 218, 345, 152, 81] are not this run's [12, 218, 345, 152, 82]"),
-    ("expert", "decision layer.03.router.topk row 4: value 8 outside [0, 8)"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (["--generate", "4"], "decision decode.0003.argmax is missing (this run needs it)"),
+        (
+            ["--tokens", "12,218,345,152,82"],
+            "its prompt_tokens [12, 218, 345, 152, 81] are not this run's [12, 218, 345, 152, 82]",
+        ),
+        ("expert", "decision layer.03.router.topk row 4: value 8 outside [0, 8)"),
+    ],
+)
 def test_refusals_exit_2_in_one_line(runs, tmp_path, capsys, edit, says):
     own = runs["own"]
     src = own.path
-    args = ["trace", "--model", MOE, "--tokens", TOK, "--out", str(tmp_path / "x.trace"), "--generate", "3"]
+    args = [
+        "trace",
+        "--model",
+        MOE,
+        "--tokens",
+        TOK,
+        "--out",
+        str(tmp_path / "x.trace"),
+        "--generate",
+        "3",
+    ]
     if edit == "expert":
-        src = altered(own, tmp_path / "bad.trace", {"layer.03.router.topk": lambda v: (v.__setitem__((4, 1), 8), v)[1]})
+        src = altered(
+            own,
+            tmp_path / "bad.trace",
+            {"layer.03.router.topk": lambda v: (v.__setitem__((4, 1), 8), v)[1]},
+        )
     else:
         i = args.index(edit[0])
         args[i + 1] = edit[1]
     capsys.readouterr()
     assert contract_main([*args, "--force-decisions", src]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: --force-decisions {src}: ") and says in err, err
+    assert (
+        err.count("\n") == 1 and err.startswith(f"error: --force-decisions {src}: ") and says in err
+    ), err
     assert not os.path.exists(tmp_path / "x.trace")

@@ -7,9 +7,9 @@ import os
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
-
 from tracegate_contract import Capture, ContractError, Model
+
+from conftest import FIXTURES
 
 
 def model_dirs(dense_dir, moe_dir):
@@ -43,11 +43,27 @@ def test_capture_order_and_names(moe_dir):
     assert names[0] == "embed.out" and names[-2:] == ["final_norm.out", "logits"]
     l0 = [n for n in names if n.startswith("layer.00.")]
     experts = [n for n in l0 if ".expert." in n]
-    assert l0 == ["layer.00.hidden_in", "layer.00.q", "layer.00.k", "layer.00.v", "layer.00.attn_probs",
-                  "layer.00.attn_out", "layer.00.router.logits", *experts, "layer.00.mlp_out", "layer.00.hidden_out"]
+    assert l0 == [
+        "layer.00.hidden_in",
+        "layer.00.q",
+        "layer.00.k",
+        "layer.00.v",
+        "layer.00.attn_probs",
+        "layer.00.attn_out",
+        "layer.00.router.logits",
+        *experts,
+        "layer.00.mlp_out",
+        "layer.00.hidden_out",
+    ]
     assert experts == sorted(experts) and experts
-    assert not any(".router" in n for n in names if n.startswith("layer.01."))  # mlp_only_layers [1]
-    assert [d for d, _, _ in cap.decisions] == ["layer.00.router.topk", "layer.02.router.topk", "logits.argmax"]
+    assert not any(
+        ".router" in n for n in names if n.startswith("layer.01.")
+    )  # mlp_only_layers [1]
+    assert [d for d, _, _ in cap.decisions] == [
+        "layer.00.router.topk",
+        "layer.02.router.topk",
+        "logits.argmax",
+    ]
     shapes = {n: a.shape for n, a, _ in cap.tensors}
     assert shapes["layer.00.q"] == (6, 4, 6) and shapes["layer.00.k"] == (6, 2, 6)
     assert shapes["layer.00.attn_probs"] == (4, 6, 6) and shapes["layer.00.router.logits"] == (6, 5)
@@ -100,9 +116,9 @@ def assert_same_captures(a: Capture, b: Capture, where) -> None:
     """Names (hence lengths) first: zip alone stops at the shorter list and hides what is missing."""
     assert [n for n, _, _ in a.decisions] == [n for n, _, _ in b.decisions], where
     assert [n for n, _, _ in a.tensors] == [n for n, _, _ in b.tensors], where
-    for (na, va, ma), (_, vb, mb) in zip(a.decisions, b.decisions):
+    for (na, va, ma), (_, vb, mb) in zip(a.decisions, b.decisions, strict=False):
         assert np.array_equal(va, vb) and bitwise_equal(ma, mb), (where, na)
-    for (na, xa, pa), (_, xb, pb) in zip(a.tensors, b.tensors):
+    for (na, xa, pa), (_, xb, pb) in zip(a.tensors, b.tensors, strict=False):
         assert pa == pb and bitwise_equal(xa, xb), (where, na)
 
 

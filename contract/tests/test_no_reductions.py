@@ -12,15 +12,60 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "tracegate_contract"
 
 # Attribute or function names that reduce (or contract) in an order we do not control.
 REDUCING = {
-    "sum", "nansum", "prod", "nanprod", "mean", "nanmean", "average", "std", "var", "dot", "vdot",
-    "inner", "outer", "matmul", "einsum", "tensordot", "kron", "cumsum", "cumprod", "nancumsum",
-    "reduce", "accumulate", "reduceat", "trace", "linalg", "norm", "multi_dot", "convolve",
-    "correlate", "fsum", "logsumexp",
+    "sum",
+    "nansum",
+    "prod",
+    "nanprod",
+    "mean",
+    "nanmean",
+    "average",
+    "std",
+    "var",
+    "dot",
+    "vdot",
+    "inner",
+    "outer",
+    "matmul",
+    "einsum",
+    "tensordot",
+    "kron",
+    "cumsum",
+    "cumprod",
+    "nancumsum",
+    "reduce",
+    "accumulate",
+    "reduceat",
+    "trace",
+    "linalg",
+    "norm",
+    "multi_dot",
+    "convolve",
+    "correlate",
+    "fsum",
+    "logsumexp",
 }
 # Transcendentals that must go through `math` (libm), never numpy's own kernels.
 NUMPY_TRANSCENDENTAL = {
-    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh", "sinh",
-    "cosh", "arctan", "power", "float_power", "erf", "logaddexp", "logaddexp2", "sigmoid",
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log2",
+    "log10",
+    "log1p",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "sinh",
+    "cosh",
+    "arctan",
+    "power",
+    "float_power",
+    "erf",
+    "logaddexp",
+    "logaddexp2",
+    "sigmoid",
 }
 NUMPY_NAMES = {"np", "numpy"}
 # ndarray / ufunc methods that reduce, caught on any object (`x.sum()`, `np.add.reduce`).
@@ -50,8 +95,14 @@ def _violations(tree: ast.AST, fname: str):
             if base_name in NUMPY_NAMES and node.attr in NUMPY_TRANSCENDENTAL:
                 out.append(f"{fname}:{node.lineno}: numpy transcendental `np.{node.attr}`")
             if base_name == "math" and node.attr not in ALLOWED_MATH:
-                out.append(f"{fname}:{node.lineno}: `math.{node.attr}` is not one of the §4 routines")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REDUCING:
+                out.append(
+                    f"{fname}:{node.lineno}: `math.{node.attr}` is not one of the §4 routines"
+                )
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in REDUCING
+        ):
             out.append(f"{fname}:{node.lineno}: builtin `{node.func.id}(...)`")
         if isinstance(node, ast.ImportFrom) and node.module in ("numpy", "math"):
             for a in node.names:
@@ -71,10 +122,24 @@ def test_package_uses_no_reducing_or_transcendental_numpy_routines():
 
 @pytest.mark.parametrize(
     "src",
-    ["y = x @ w", "y = np.sum(x)", "y = x.sum(axis=0)", "y = np.einsum('ij->i', x)", "y = np.add.reduce(x)",
-     "y = sum(v)", "y = np.exp(x)", "y = numpy.cos(x)", "from numpy import dot", "y = np.cumsum(x)",
-     "y = np.linalg.norm(x)", "y = math.fsum(v)", "y = np.mean(x)", "y = np.trace(x)", "y = x.dot(w)",
-     "y = math.log(v)"],
+    [
+        "y = x @ w",
+        "y = np.sum(x)",
+        "y = x.sum(axis=0)",
+        "y = np.einsum('ij->i', x)",
+        "y = np.add.reduce(x)",
+        "y = sum(v)",
+        "y = np.exp(x)",
+        "y = numpy.cos(x)",
+        "from numpy import dot",
+        "y = np.cumsum(x)",
+        "y = np.linalg.norm(x)",
+        "y = math.fsum(v)",
+        "y = np.mean(x)",
+        "y = np.trace(x)",
+        "y = x.dot(w)",
+        "y = math.log(v)",
+    ],
 )
 def test_checker_catches(src):
     assert _violations(ast.parse(src), "t.py")

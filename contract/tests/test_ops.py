@@ -7,7 +7,6 @@ from decimal import Decimal
 
 import numpy as np
 import pytest
-
 from tracegate_contract import ops
 from tracegate_contract.errors import ContractError
 
@@ -27,7 +26,9 @@ def same_bits(a, b):
 
 
 def test_bf16_widening_is_exact_including_signed_zero_subnormal_inf_nan():
-    raw = np.array([0x3F80, 0xBF80, 0x8000, 0x0000, 0x7F80, 0xFF80, 0x0001, 0x7FC1, 0x4049], dtype=np.uint16)
+    raw = np.array(
+        [0x3F80, 0xBF80, 0x8000, 0x0000, 0x7F80, 0xFF80, 0x0001, 0x7FC1, 0x4049], dtype=np.uint16
+    )
     w = ops.widen_bf16(raw)
     assert w.dtype == np.float32
     assert list(bits(w)) == [int(r) << 16 for r in raw]  # bit-for-bit: NaN payload kept
@@ -54,7 +55,10 @@ def linear_by_definition(x, W, b=None):
     return out
 
 
-@pytest.mark.parametrize("rows,K,O,bias", [(1, 1, 1, False), (1, 7, 3, True), (3, 1, 5, True), (4, 13, 9, False), (5, 33, 17, True)])
+@pytest.mark.parametrize(
+    "rows,K,O,bias",
+    [(1, 1, 1, False), (1, 7, 3, True), (3, 1, 5, True), (4, 13, 9, False), (5, 33, 17, True)],
+)
 def test_linear_matches_definition_on_tail_shapes(rows, K, O, bias):
     rng = np.random.default_rng(rows * 100 + K)
     x = rng.standard_normal((rows, K)).astype(np.float32) * f32(10)
@@ -70,7 +74,9 @@ def test_linear_accumulates_left_to_right_not_pairwise():
     W = np.ones((1, 3), dtype=np.float32)
     assert ops.linear(x, ops.transpose_weight(W))[0, 0] == f32(2.0**24)
     # the bias is added once, after the loop
-    assert ops.linear(x, ops.transpose_weight(W), np.array([2.0], np.float32))[0, 0] == f32(2.0**24 + 2)
+    assert ops.linear(x, ops.transpose_weight(W), np.array([2.0], np.float32))[0, 0] == f32(
+        2.0**24 + 2
+    )
 
 
 def test_ordered_sum_is_left_to_right():
@@ -136,7 +142,9 @@ def softmax_by_definition(s, visible):
     for c in range(len(s)):
         if visible[c]:
             z = f32(z + e[c])
-    return np.array([f32(e[c] / z) if visible[c] else f32(0.0) for c in range(len(s))], dtype=np.float32)
+    return np.array(
+        [f32(e[c] / z) if visible[c] else f32(0.0) for c in range(len(s))], dtype=np.float32
+    )
 
 
 def test_softmax_with_masked_entries_hand_case():
@@ -161,7 +169,9 @@ def test_softmax_random_matches_definition():
 
 
 def test_exp_uses_libm_binary64_rounded_once():
-    v = np.array([-0.0, -1e-8, -0.5, -3.75, -20.0, -87.3, -104.0, -200.0, -np.inf], dtype=np.float32)
+    v = np.array(
+        [-0.0, -1e-8, -0.5, -3.75, -20.0, -87.3, -104.0, -200.0, -np.inf], dtype=np.float32
+    )
     want = np.array([f32(math.exp(float(x))) for x in v], dtype=np.float32)
     assert same_bits(ops.exp_to_f32(v), want)
 
@@ -194,8 +204,12 @@ def test_apply_rope_matches_definition_and_is_identity_at_zero():
     for r in range(3):
         for h in range(2):
             for i in range(4):
-                assert y[r, h, i] == f32(f32(x[r, h, i] * cos[r, i]) - f32(x[r, h, i + 4] * sin[r, i]))
-                assert y[r, h, i + 4] == f32(f32(x[r, h, i + 4] * cos[r, i]) + f32(x[r, h, i] * sin[r, i]))
+                assert y[r, h, i] == f32(
+                    f32(x[r, h, i] * cos[r, i]) - f32(x[r, h, i + 4] * sin[r, i])
+                )
+                assert y[r, h, i + 4] == f32(
+                    f32(x[r, h, i + 4] * cos[r, i]) + f32(x[r, h, i] * sin[r, i])
+                )
 
 
 # ---- §9 SiLU --------------------------------------------------------------------------------------------
@@ -210,7 +224,9 @@ def test_silu_both_branches_and_edges():
     e = math.exp(-2.0)
     assert y[3] == f32(-2.0) * f32(e / (1.0 + e))  # g < 0 branch
     e = math.exp(-30.0)
-    assert y[5] == f32(-30.0) * f32(e / (1.0 + e))  # the stable branch keeps a tiny, exact-ish value
+    assert y[5] == f32(-30.0) * f32(
+        e / (1.0 + e)
+    )  # the stable branch keeps a tiny, exact-ish value
     assert y[4] == f32(30.0) * f32(1.0 / (1.0 + math.exp(-30.0)))
     assert y[6] == 0.0 and np.signbit(y[6])  # exp underflows to 0: -1000 ⊗ 0 = -0
     assert np.isnan(y[7])
@@ -220,7 +236,9 @@ def test_silu_both_branches_and_edges():
 
 
 def test_topk_ties_go_to_lowest_index_and_margin():
-    p = np.array([[0.25, 0.25, 0.25, 0.25], [0.1, 0.4, 0.4, 0.1], [0.05, 0.15, 0.5, 0.3]], dtype=np.float32)
+    p = np.array(
+        [[0.25, 0.25, 0.25, 0.25], [0.1, 0.4, 0.4, 0.1], [0.05, 0.15, 0.5, 0.3]], dtype=np.float32
+    )
     chosen, margin = ops.topk(p, 2)
     assert chosen.tolist() == [[0, 1], [1, 2], [2, 3]]
     assert chosen.dtype == np.int64
@@ -235,7 +253,9 @@ def test_topk_treats_signed_zeros_as_equal():
 
 
 def test_argmax_margin_ties_and_nan():
-    lg = np.array([[1.0, 3.0, 3.0, 2.0], [5.0, 1.0, 2.0, -7.0], [-1.0, -1.0, -2.0, -3.0]], dtype=np.float32)
+    lg = np.array(
+        [[1.0, 3.0, 3.0, 2.0], [5.0, 1.0, 2.0, -7.0], [-1.0, -1.0, -2.0, -3.0]], dtype=np.float32
+    )
     idx, margin = ops.argmax_with_margin(lg)
     assert idx.tolist() == [1, 0, 0]
     assert same_bits(margin, [0.0, 3.0, 0.0])

@@ -8,10 +8,10 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import make_model_dir, tiny_config, tiny_tensors, to_bf16_bits, write_safetensors
-
 from tracegate_contract import Capture, ContractError, Model
 from tracegate_contract.weights import Checkpoint, SafetensorsFile
+
+from conftest import make_model_dir, tiny_config, tiny_tensors, to_bf16_bits, write_safetensors
 
 
 def run_logits(d, toks=(1, 5, 5, 9)):
@@ -38,7 +38,9 @@ def test_tensors_are_memory_mapped(dense_dir):
     sf = SafetensorsFile(path)
     a = sf.stored("model.norm.weight")
     m = _mapping_under(a)
-    assert m is not None, f"model.norm.weight is not a view of a file mapping: base chain ends at {type(a.base)}"
+    assert m is not None, (
+        f"model.norm.weight is not a view of a file mapping: base chain ends at {type(a.base)}"
+    )
     assert len(m) == os.path.getsize(path)
     assert not a.flags.owndata and not a.flags.writeable
 
@@ -52,8 +54,12 @@ def test_mapping_check_refuses_a_read_file(dense_dir):
 
 
 def test_missing_tensor_is_refused_by_name(tmp_path):
-    d = make_model_dir(tmp_path / "m", tensors_hook=lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
-    with pytest.raises(ContractError, match=r"missing tensor model\.layers\.1\.self_attn\.k_norm\.weight"):
+    d = make_model_dir(
+        tmp_path / "m", tensors_hook=lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")
+    )
+    with pytest.raises(
+        ContractError, match=r"missing tensor model\.layers\.1\.self_attn\.k_norm\.weight"
+    ):
         Model(d)
 
 
@@ -62,33 +68,56 @@ def test_unclaimed_tensor_is_refused_by_name(tmp_path):
         t["model.layers.0.self_attn.rotary_emb.inv_freq"] = ("F32", np.ones(3, np.float32))
 
     d = make_model_dir(tmp_path / "m", tensors_hook=add)
-    with pytest.raises(ContractError, match=r"unclaimed tensor model\.layers\.0\.self_attn\.rotary_emb\.inv_freq"):
+    with pytest.raises(
+        ContractError, match=r"unclaimed tensor model\.layers\.0\.self_attn\.rotary_emb\.inv_freq"
+    ):
         Model(d)
 
 
 def test_tied_head_with_a_stored_lm_head_is_refused(tmp_path):
     # tie_word_embeddings: true means lm_head.weight is not read, so it must not be present.
-    d = make_model_dir(tmp_path / "m", tensors_hook=lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"]))
+    d = make_model_dir(
+        tmp_path / "m",
+        tensors_hook=lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"]),
+    )
     with pytest.raises(ContractError, match=r"unclaimed tensor lm_head\.weight"):
         Model(d)
 
 
 def test_bias_tensors_are_required_iff_attention_bias(tmp_path):
-    d = make_model_dir(tmp_path / "m", attention_bias=False, tensors_hook=lambda t: t.update(
-        {"model.layers.0.self_attn.q_proj.bias": ("F32", np.zeros(24, np.float32))}))
-    with pytest.raises(ContractError, match="unclaimed tensor model.layers.0.self_attn.q_proj.bias"):
+    d = make_model_dir(
+        tmp_path / "m",
+        attention_bias=False,
+        tensors_hook=lambda t: t.update(
+            {"model.layers.0.self_attn.q_proj.bias": ("F32", np.zeros(24, np.float32))}
+        ),
+    )
+    with pytest.raises(
+        ContractError, match="unclaimed tensor model.layers.0.self_attn.q_proj.bias"
+    ):
         Model(d)
 
 
 def test_wrong_shape_is_refused(tmp_path):
-    d = make_model_dir(tmp_path / "m", tensors_hook=lambda t: t.__setitem__("model.norm.weight", ("F32", np.ones(15, np.float32))))
-    with pytest.raises(ContractError, match=r"model\.norm\.weight has shape \[15\], expected \[16\]"):
+    d = make_model_dir(
+        tmp_path / "m",
+        tensors_hook=lambda t: t.__setitem__("model.norm.weight", ("F32", np.ones(15, np.float32))),
+    )
+    with pytest.raises(
+        ContractError, match=r"model\.norm\.weight has shape \[15\], expected \[16\]"
+    ):
         Model(d)
 
 
 def test_moe_expert_missing(tmp_path):
-    d = make_model_dir(tmp_path / "m", "moe", tensors_hook=lambda t: t.pop("model.layers.2.mlp.experts.4.down_proj.weight"))
-    with pytest.raises(ContractError, match=r"missing tensor model\.layers\.2\.mlp\.experts\.4\.down_proj\.weight"):
+    d = make_model_dir(
+        tmp_path / "m",
+        "moe",
+        tensors_hook=lambda t: t.pop("model.layers.2.mlp.experts.4.down_proj.weight"),
+    )
+    with pytest.raises(
+        ContractError, match=r"missing tensor model\.layers\.2\.mlp\.experts\.4\.down_proj\.weight"
+    ):
         Model(d)
 
 
@@ -110,13 +139,21 @@ def test_hostile_headers_are_refused(tmp_path, blob, msg):
 
 def test_offsets_outside_data_and_bad_dtype_are_refused(tmp_path):
     p = str(tmp_path / "a.safetensors")
-    write_safetensors(p, {"x": ("F32", np.ones(4, np.float32))}, {"y": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})
+    write_safetensors(
+        p,
+        {"x": ("F32", np.ones(4, np.float32))},
+        {"y": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}},
+    )
     with pytest.raises(ContractError, match="tensor y"):
         SafetensorsFile(p)
     write_safetensors(p, {"x": ("I64", np.ones(4, np.int64))})
     with pytest.raises(ContractError, match="unsupported dtype 'I64'"):
         SafetensorsFile(p)
-    write_safetensors(p, {"x": ("F32", np.ones(4, np.float32))}, {"y": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+    write_safetensors(
+        p,
+        {"x": ("F32", np.ones(4, np.float32))},
+        {"y": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+    )
     with pytest.raises(ContractError, match="overlap"):
         SafetensorsFile(p)
 
@@ -188,7 +225,10 @@ X = '"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
         # json keeps the last of two equal keys silently; the engine refuses, so does the contract
         (_blob("{" + X + ", " + X + "}", b"\0" * 4), "duplicate tensor name 'x'"),
         (_blob("{" + X + "}", b"\0" * 12), "8 trailing bytes"),
-        (_blob('{"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', b"\0" * 8), "gap of 4 bytes"),
+        (
+            _blob('{"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', b"\0" * 8),
+            "gap of 4 bytes",
+        ),
         (_blob('{"__metadata__": {"a": 1}}', b""), "__metadata__"),
         (_blob('{"a": ' + "[" * 100000 + "]" * 100000 + "}", b""), "nested deeper than 127"),
         (_blob('{"a": ' + "[" * 127 + "]" * 127 + "}", b""), "nested deeper than 127"),
@@ -207,11 +247,15 @@ def test_deeply_nested_index_is_refused_naming_it(tmp_path):
     d = make_model_dir(tmp_path / "m")
     with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
         f.write('{"weight_map": ' + "[" * 50000 + "]" * 50000 + "}")
-    with pytest.raises(ContractError, match="model.safetensors.index.json is not valid JSON: nested deeper"):
+    with pytest.raises(
+        ContractError, match="model.safetensors.index.json is not valid JSON: nested deeper"
+    ):
         Checkpoint(d)
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json"])
+@pytest.mark.parametrize(
+    "name", ["config.json", "model.safetensors", "model.safetensors.index.json"]
+)
 def test_a_fifo_in_the_model_directory_is_refused_not_waited_on(tmp_path, name):
     """Opening a FIFO for reading blocks until a writer comes; it is refused before it is opened."""
     d = make_model_dir(tmp_path / "m")

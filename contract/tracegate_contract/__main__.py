@@ -41,9 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     l.add_argument("--input-name", required=True)
     l.add_argument("--out", required=True)
     l.add_argument("--capture", choices=["default", "internals"], default="default")
-    l.add_argument("--force-decisions", help="take the layer's router top-k from this trace (row i: position i)")
     l.add_argument(
-        "--decode-from", type=int, metavar="P",
+        "--force-decisions",
+        help="take the layer's router top-k from this trace (row i: position i)",
+    )
+    l.add_argument(
+        "--decode-from",
+        type=int,
+        metavar="P",
         help="rows at positions < P fill the layer's KV cache; each later row runs through the cached decode path; only those are written",
     )
     return p
@@ -66,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import tracegate  # noqa: F401  (the trace writer; refuse early and plainly if absent)
     except ImportError:
-        print("error: the tracegate Python module is not installed (run scripts/setup.sh)", file=sys.stderr)
+        print(
+            "error: the tracegate Python module is not installed (run scripts/setup.sh)",
+            file=sys.stderr,
+        )
         return 2
     from . import run
 
@@ -78,13 +86,26 @@ def main(argv: list[str] | None = None) -> int:
             if args.generate < 0:
                 raise ContractError("--generate: must be ≥ 0")
             digest = run.trace(
-                args.model, _tokens(args.tokens), args.out, args.capture == "internals", args.generate, args.cache == "on", command,
+                args.model,
+                _tokens(args.tokens),
+                args.out,
+                args.capture == "internals",
+                args.generate,
+                args.cache == "on",
+                command,
                 args.force_decisions,
             )
         else:
             digest = run.layer(
-                args.model, args.layer, args.input, args.input_name, args.out, args.capture == "internals", command,
-                args.force_decisions, args.decode_from,
+                args.model,
+                args.layer,
+                args.input,
+                args.input_name,
+                args.out,
+                args.capture == "internals",
+                command,
+                args.force_decisions,
+                args.decode_from,
             )
     except ContractError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -103,7 +124,10 @@ def _serve(rest: list[str]) -> int:
     try:
         from tracegate.serve import serve
     except ImportError:
-        print("error: the tracegate Python module is not installed (run scripts/setup.sh)", file=sys.stderr)
+        print(
+            "error: the tracegate Python module is not installed (run scripts/setup.sh)",
+            file=sys.stderr,
+        )
         return 2
     return serve(main, sys.argv[0])
 

@@ -25,7 +25,9 @@ class Forcing:
             # The digest recorded with the forced run must be that of the bytes the choices came from.
             t.verify()
         except (tracegate.TraceError, OSError) as e:
-            raise self.error(f"--force-decisions {path}: not a valid trace: {e}".splitlines()[0]) from None
+            raise self.error(
+                f"--force-decisions {path}: not a valid trace: {e}".splitlines()[0]
+            ) from None
         self.digest = t.digest
         self.decisions = {name: np.array(v, dtype=np.int64) for name, v in t.decisions.items()}
         self._provenance = t.provenance
@@ -37,7 +39,9 @@ class Forcing:
         """The forcing trace must be a run of this prompt (when it records one)."""
         theirs = self._provenance.get("prompt_tokens")
         if theirs is not None and list(theirs) != [int(t) for t in tokens]:
-            raise self._refuse(f"its prompt_tokens {theirs} are not this run's {[int(t) for t in tokens]}")
+            raise self._refuse(
+                f"its prompt_tokens {theirs} are not this run's {[int(t) for t in tokens]}"
+            )
 
     def check_weights(self, weights_digest: str | None) -> None:
         """The forcing trace must be a run of these weights (when both record them)."""
@@ -52,17 +56,29 @@ class Forcing:
         v = self.decisions.get(name)
         if v is None:
             raise self._refuse(f"decision {name} is missing (this run needs it)")
-        want = [str(rows) if rows is not None else "rows"] + ([str(width)] if width is not None else [])
-        ok = v.ndim == (1 if width is None else 2) and (rows is None or v.shape[0] == rows) and (width is None or v.shape[1] == width)
+        want = [str(rows) if rows is not None else "rows"] + (
+            [str(width)] if width is not None else []
+        )
+        ok = (
+            v.ndim == (1 if width is None else 2)
+            and (rows is None or v.shape[0] == rows)
+            and (width is None or v.shape[1] == width)
+        )
         if not ok:
-            raise self._refuse(f"decision {name} has shape {list(v.shape)}, this run needs [{', '.join(want)}]")
+            raise self._refuse(
+                f"decision {name} has shape {list(v.shape)}, this run needs [{', '.join(want)}]"
+            )
         for r, row in enumerate(v.reshape(v.shape[0], -1)):
             bad = [int(x) for x in row if not 0 <= int(x) < value_range]
             if bad:
-                raise self._refuse(f"decision {name} row {r}: value {bad[0]} outside [0, {value_range})")
+                raise self._refuse(
+                    f"decision {name} row {r}: value {bad[0]} outside [0, {value_range})"
+                )
             for i, x in enumerate(row):
                 if x in row[:i]:
-                    raise self._refuse(f"decision {name} row {r}: value {int(x)} repeated (position {i})")
+                    raise self._refuse(
+                        f"decision {name} row {r}: value {int(x)} repeated (position {i})"
+                    )
         return int(v.shape[0])
 
     def values(self, name: str) -> np.ndarray | None:

@@ -35,7 +35,9 @@ def loads(text, where: str, parse_float=None):
     try:
         v = json.loads(text, parse_float=parse_float, object_pairs_hook=pairs)
     except RecursionError:
-        raise ContractError(f"{where} is not valid JSON: nested deeper than {MAX_DEPTH} levels") from None
+        raise ContractError(
+            f"{where} is not valid JSON: nested deeper than {MAX_DEPTH} levels"
+        ) from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise ContractError(f"{where} is not valid JSON: {e}") from None
     if _too_deep(v):

@@ -137,7 +137,9 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
 
 def rope_inv_freq(base: float, d: int) -> np.ndarray:
     """inv_freq[i] = f32(1.0 / pow(base, (2i)/d)), all binary64 (libm pow) until the final round."""
-    return np.array([1.0 / math.pow(float(base), (2 * i) / d) for i in range(d // 2)], dtype=F64).astype(F32)
+    return np.array(
+        [1.0 / math.pow(float(base), (2 * i) / d) for i in range(d // 2)], dtype=F64
+    ).astype(F32)
 
 
 class RopeTable:

@@ -22,15 +22,30 @@ from .weights import Checkpoint, regular_file
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # model_types of the oracle's family table (oracle/tracegate_oracle/families.py; equality checked by
 # oracle/tests/test_families.py): the refusal tells their users where to go.
-ORACLE_FAMILIES = ("gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen3", "qwen3_moe")
+ORACLE_FAMILIES = (
+    "gemma3_text",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "olmoe",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+)
 
 
 def unsupported_family(mt) -> str:
     """Why a model_type is refused; same text as the engine's (engine/src/qwen3.rs)."""
     if mt in ORACLE_FAMILIES:
-        return ("not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: "
-                "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)")
+        return (
+            "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: "
+            "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
+        )
     return "not supported (engine, contract: qwen3, qwen3_moe; oracle: the families of docs/capture-points.md)"
+
+
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
 _USIZE = 1 << 64  # the engine's sizes are 64-bit: a product at or above this is refused there
 
@@ -126,7 +141,9 @@ def _rope_theta(raw: dict) -> float:
     if rs is not None and not isinstance(rs, dict):
         _refuse("rope_scaling", f"must be an object or null, got {rs!r}")
     name, d = ("rope_scaling", rs) if rs else ("rope_parameters", raw.get("rope_parameters"))
-    top = _float(raw, "rope_theta", 10000.0)  # checked even where the dict's theta wins, as the engine does
+    top = _float(
+        raw, "rope_theta", 10000.0
+    )  # checked even where the dict's theta wins, as the engine does
     if _float(raw, "partial_rotary_factor", 1.0) != 1.0:
         _refuse("partial_rotary_factor", f"must be 1, got {raw['partial_rotary_factor']}")
     if d is None:
@@ -157,7 +174,10 @@ def parse_config(raw: dict) -> Config:
         _refuse("model_type", f"{mt!r} {unsupported_family(mt)}")
     archs = raw.get("architectures")
     if archs is not None and archs != [ARCHITECTURES[mt]]:
-        _refuse("architectures", f"unsupported architecture {archs!r} for {mt} (expected [{ARCHITECTURES[mt]!r}])")
+        _refuse(
+            "architectures",
+            f"unsupported architecture {archs!r} for {mt} (expected [{ARCHITECTURES[mt]!r}])",
+        )
 
     # Sliding windows: only `use_sliding_window` and `layer_types` can ask for one (transformers
     # drops `sliding_window`/`max_window_layers` unless use_sliding_window is true).
@@ -180,12 +200,18 @@ def parse_config(raw: dict) -> Config:
     # attention falls back to hidden_size // num_attention_heads (floor, as transformers).
     head_dim = _int(raw, "head_dim", default=128 if mt == "qwen3" else hidden // heads)
     if head_dim % 2 != 0 or head_dim == 0:
-        src = "" if raw.get("head_dim") is not None else f" (hidden_size {hidden} // num_attention_heads {heads})"
+        src = (
+            ""
+            if raw.get("head_dim") is not None
+            else f" (hidden_size {hidden} // num_attention_heads {heads})"
+        )
         _refuse("head_dim", f"must be even and positive for RoPE, got {head_dim}{src}")
     # Not read by the forward, but a size all the same (as the engine checks it).
     mpe = _int(raw, "max_position_embeddings", default=0)
     if mpe > MAX_POSITIONS:
-        _refuse("max_position_embeddings", f"{mpe} exceeds the position limit 2^24 = {MAX_POSITIONS}")
+        _refuse(
+            "max_position_embeddings", f"{mpe} exceeds the position limit 2^24 = {MAX_POSITIONS}"
+        )
     eps = raw.get("rms_norm_eps")
     eps = Decimal("1e-6") if eps is None else _number(eps, "rms_norm_eps")  # transformers' default
 
@@ -205,10 +231,15 @@ def parse_config(raw: dict) -> Config:
     )
     if mt == "qwen3_moe":
         # transformers maps num_local_experts onto num_experts; both given must agree.
-        ne_given, nle_given = raw.get("num_experts") is not None, raw.get("num_local_experts") is not None
+        ne_given, nle_given = (
+            raw.get("num_experts") is not None,
+            raw.get("num_local_experts") is not None,
+        )
         if ne_given and nle_given and _int(raw, "num_experts") != _int(raw, "num_local_experts"):
             _refuse("num_experts", "num_experts and num_local_experts disagree")
-        cfg.num_experts = _int(raw, "num_local_experts" if nle_given and not ne_given else "num_experts", minimum=0)
+        cfg.num_experts = _int(
+            raw, "num_local_experts" if nle_given and not ne_given else "num_experts", minimum=0
+        )
         cfg.num_experts_per_tok = _int(raw, "num_experts_per_tok", minimum=0)
         cfg.norm_topk_prob = _bool(raw, "norm_topk_prob", False)
         cfg.decoder_sparse_step = _int(raw, "decoder_sparse_step", default=1)
@@ -265,10 +296,14 @@ class Capture:
     def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
         if internal and not self.internals:
             return
-        self.tensors.append((name, np.ascontiguousarray(array, dtype=F32), [int(p) for p in positions]))
+        self.tensors.append(
+            (name, np.ascontiguousarray(array, dtype=F32), [int(p) for p in positions])
+        )
 
     def decision(self, name: str, values: np.ndarray, margins: np.ndarray) -> None:
-        self.decisions.append((name, np.asarray(values, dtype=np.int64), np.asarray(margins, dtype=F32)))
+        self.decisions.append(
+            (name, np.asarray(values, dtype=np.int64), np.asarray(margins, dtype=F32))
+        )
 
     def mark_forced(self, name: str, overridden: int) -> None:
         """The decision just recorded was forced; `overridden`: rows this producer would have
@@ -276,7 +311,6 @@ class Capture:
         if self.first_forced is None:
             self.first_forced = len(self.tensors)
         self.forced.append((name, int(overridden)))
-
 
     def join_rows(self) -> None:
         """Rows recorded one at a time (`layer --decode-from`: one decode row per call), joined
@@ -310,7 +344,11 @@ class _StepCapture(Capture):
 
     def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
         keep = name == "logits" or (
-            self.internals and (name == "final_norm.out" or (name.startswith("layer.") and name.endswith(self._BODY)))
+            self.internals
+            and (
+                name == "final_norm.out"
+                or (name.startswith("layer.") and name.endswith(self._BODY))
+            )
         )
         if keep and not internal:
             self.parent.tensor(self.prefix + name, np.asarray(array)[-1:], [int(positions[-1])])
@@ -388,7 +426,12 @@ class _Mlp:
 class _Layer:
     def __init__(self, cfg: Config, ck: Checkpoint, i: int):
         p = f"model.layers.{i}"
-        H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, nh, nkv, d = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         a = f"{p}.self_attn"
         wq = ck.take(f"{a}.q_proj.weight", (nh * d, H))
         wk = ck.take(f"{a}.k_proj.weight", (nkv * d, H))
@@ -448,14 +491,29 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
     dim("model.embed_tokens.weight", 1, H, "hidden_size", f"{H}")
     have = ck.layer_count()
     if cfg.num_hidden_layers > have:
-        _refuse("num_hidden_layers", f"{cfg.num_hidden_layers} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})")
+        _refuse(
+            "num_hidden_layers",
+            f"{cfg.num_hidden_layers} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})",
+        )
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     a = "model.layers.0.self_attn"
     dim(f"{a}.q_norm.weight", 0, d, "head_dim", f"{d}")
     q_rows = product("num_attention_heads", nh, "head_dim", d)
     kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
-    dim(f"{a}.q_proj.weight", 0, q_rows, "num_attention_heads", f"{nh} (× head_dim {d} = {q_rows} rows)")
-    dim(f"{a}.k_proj.weight", 0, kv_rows, "num_key_value_heads", f"{nkv} (× head_dim {d} = {kv_rows} rows)")
+    dim(
+        f"{a}.q_proj.weight",
+        0,
+        q_rows,
+        "num_attention_heads",
+        f"{nh} (× head_dim {d} = {q_rows} rows)",
+    )
+    dim(
+        f"{a}.k_proj.weight",
+        0,
+        kv_rows,
+        "num_key_value_heads",
+        f"{nkv} (× head_dim {d} = {kv_rows} rows)",
+    )
     layers = range(cfg.num_hidden_layers)  # bounded by the checkpoint now
     dense = next((i for i in layers if not cfg.is_moe_layer(i)), None)
     if cfg.intermediate_size is not None and dense is not None:
@@ -468,7 +526,13 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
         dim(f"{p}.gate.weight", 0, E, "num_experts", f"{E}")
         gu_rows = product("moe_intermediate_size", I, "2 (gate and up rows)", 2)
         dim(f"{p}.experts.gate_up_proj", 0, E, "num_experts", f"{E}")
-        dim(f"{p}.experts.gate_up_proj", 1, gu_rows, "moe_intermediate_size", f"{I} (× 2 = {gu_rows} rows)")
+        dim(
+            f"{p}.experts.gate_up_proj",
+            1,
+            gu_rows,
+            "moe_intermediate_size",
+            f"{I} (× 2 = {gu_rows} rows)",
+        )
         dim(f"{p}.experts.0.gate_proj.weight", 0, I, "moe_intermediate_size", f"{I}")
 
 
@@ -505,7 +569,14 @@ class Model:
         return rows.astype(F32)
 
     # §8, §9, §10, §11
-    def layer(self, i: int, x: np.ndarray, positions, cap: Capture = NO_CAPTURE, cache: KVCache | None = None):
+    def layer(
+        self,
+        i: int,
+        x: np.ndarray,
+        positions,
+        cap: Capture = NO_CAPTURE,
+        cache: KVCache | None = None,
+    ):
         L = self.layers[i]
         pfx = f"layer.{i:02d}"
         pos = [int(p) for p in positions]
@@ -515,7 +586,12 @@ class Model:
 
     def _layer(self, i, L, x, pos, pfx, cap, cache):
         cfg = self.cfg
-        nh, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        nh, nkv, d, eps = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+        )
         t = x.shape[0]
 
         xn = ops.rmsnorm(x, L.ln1, eps)
@@ -593,7 +669,9 @@ class Model:
         cap.tensor("logits", logits, pos)
         return logits
 
-    def forward(self, tokens, positions, cap: Capture = NO_CAPTURE, cache: KVCache | None = None) -> np.ndarray:
+    def forward(
+        self, tokens, positions, cap: Capture = NO_CAPTURE, cache: KVCache | None = None
+    ) -> np.ndarray:
         pos = [int(p) for p in positions]
         h = self.embed(tokens)
         cap.tensor("embed.out", h, pos)
@@ -623,18 +701,25 @@ class Model:
                     lg = self.forward(seq, range(len(seq)), step)
             else:  # step 0 runs no forward: its logits are the prompt's last row
                 step.tensor("logits", lg, [n - 1])
-            top = self._decide(cap, f"decode.{s:04d}.argmax", lg[-1:], what=f"decode.{s:04d} logits")
+            top = self._decide(
+                cap, f"decode.{s:04d}.argmax", lg[-1:], what=f"decode.{s:04d} logits"
+            )
             out.append(int(top[0]))
         return out
 
-    def _decide(self, cap: Capture, name: str, logits: np.ndarray, what: str = "logits") -> np.ndarray:
+    def _decide(
+        self, cap: Capture, name: str, logits: np.ndarray, what: str = "logits"
+    ) -> np.ndarray:
         """§12 argmax of each row, recorded as decision `name`; under --force-decisions the forced
         values, each with this model's margin for it (ops.margin_of)."""
         top, margin = ops.argmax_with_margin(logits, what=what)
         forced = self.forcing.values(name) if self.forcing is not None else None
         if forced is not None:
             overridden = int(np.count_nonzero(forced != top))
-            margin = np.array([ops.margin_of(row, [tok]) for row, tok in zip(logits, forced)], dtype=F32)
+            margin = np.array(
+                [ops.margin_of(row, [tok]) for row, tok in zip(logits, forced, strict=False)],
+                dtype=F32,
+            )
             top = forced
         cap.decision(name, top, margin)
         if forced is not None:

@@ -28,7 +28,11 @@ def provenance(model_dir: str, command: list[str], verb: str, **run) -> dict:
         tg_version = getattr(tg, "__version__", "unknown")
     return {
         "producer": "contract",
-        "versions": {"numpy": np.__version__, "python": platform.python_version(), "tracegate": tg_version},
+        "versions": {
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "tracegate": tg_version,
+        },
         "dtype": "f32",
         "device": "cpu",
         "threads": 1,
@@ -41,7 +45,14 @@ def provenance(model_dir: str, command: list[str], verb: str, **run) -> dict:
     }
 
 
-def write_trace(out: str, prov: dict, cap: Capture, path: str, forcing: Forcing | None = None, attrs: dict | None = None) -> str:
+def write_trace(
+    out: str,
+    prov: dict,
+    cap: Capture,
+    path: str,
+    forcing: Forcing | None = None,
+    attrs: dict | None = None,
+) -> str:
     """Tensors in capture order (a decode step's, `decode.*`, with path=decode), then decisions in
     decision order; returns the digest. `attrs`: extra attributes on every tensor. Under
     --force-decisions (its weights checked against this run's) with the provenance record and
@@ -69,7 +80,9 @@ def _model(model_dir: str) -> Model:
     return Model(model_dir)
 
 
-def trace(model_dir, tokens, out, internals, generate, cached, command, force_decisions=None) -> str:
+def trace(
+    model_dir, tokens, out, internals, generate, cached, command, force_decisions=None
+) -> str:
     if len(tokens) + generate > MAX_POSITIONS:
         raise ContractError(
             f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
@@ -121,12 +134,26 @@ def _check_decode_from(pos: list[int], p: int) -> None:
     """--decode-from P: rows at positions exactly 0..m−1 in order, and 0 ≤ P < m."""
     bad = next(((i, q) for i, q in enumerate(pos) if q != i), None)
     if bad is not None:
-        raise ContractError(f"--decode-from needs rows at positions 0..{len(pos) - 1} in order; row {bad[0]} is at position {bad[1]}")
+        raise ContractError(
+            f"--decode-from needs rows at positions 0..{len(pos) - 1} in order; row {bad[0]} is at position {bad[1]}"
+        )
     if not 0 <= p < len(pos):
-        raise ContractError(f"--decode-from {p} outside 0..{len(pos) - 1} (the input's {len(pos)} rows)")
+        raise ContractError(
+            f"--decode-from {p} outside 0..{len(pos) - 1} (the input's {len(pos)} rows)"
+        )
 
 
-def layer(model_dir, index, input_path, input_name, out, internals, command, force_decisions=None, decode_from=None) -> str:
+def layer(
+    model_dir,
+    index,
+    input_path,
+    input_name,
+    out,
+    internals,
+    command,
+    force_decisions=None,
+    decode_from=None,
+) -> str:
     """Layer `index` alone on a tensor from another trace (gate bisect's probe): its positions
     come from the tensor's attribute, the mask is causal by those positions. With
     `decode_from` P (docs/producers.md) the rows below P fill the layer's KV cache through the
@@ -143,7 +170,9 @@ def layer(model_dir, index, input_path, input_name, out, internals, command, for
         raise ContractError(f"--input-name: {input_name} is not a tensor of {input_path}")
     # As the engine: the rows are taken as they are, never converted from another dtype.
     if src.dtype(input_name) != "f32":
-        raise ContractError(f"{input_path}: tensor {input_name} is {src.dtype(input_name)}, not f32")
+        raise ContractError(
+            f"{input_path}: tensor {input_name} is {src.dtype(input_name)}, not f32"
+        )
     x = np.ascontiguousarray(src[input_name])
     H = model.cfg.hidden_size
     if x.ndim != 2 or x.shape[1] != H or x.shape[0] < 1:
@@ -163,7 +192,9 @@ def layer(model_dir, index, input_path, input_name, out, internals, command, for
             # Row i of the forcing decision is position i's: every input row needs one.
             beyond = next((p for p in pos if p >= rows), None)
             if beyond is not None:
-                raise ContractError(f"--force-decisions {force_decisions}: decision {name} has {rows} rows, the input holds position {beyond}")
+                raise ContractError(
+                    f"--force-decisions {force_decisions}: decision {name} has {rows} rows, the input holds position {beyond}"
+                )
         model.forcing = f
     if decode_from is None:
         cap = Capture(internals)

@@ -42,10 +42,14 @@ class SafetensorsFile:
             with open(path, "rb") as f:
                 head = f.read(8)
                 if len(head) < 8:
-                    raise ContractError(f"{name}: too short to be a safetensors file ({size} bytes)")
+                    raise ContractError(
+                        f"{name}: too short to be a safetensors file ({size} bytes)"
+                    )
                 (n,) = struct.unpack("<Q", head)
                 if n > _MAX_HEADER or n > size - 8:
-                    raise ContractError(f"{name}: header length {n} exceeds the file ({size} bytes)")
+                    raise ContractError(
+                        f"{name}: header length {n} exceeds the file ({size} bytes)"
+                    )
                 raw = f.read(n)
         except OSError as e:
             raise ContractError(f"{name}: cannot read: {e.strerror}") from None
@@ -59,7 +63,9 @@ class SafetensorsFile:
         if repeated is not None:  # json keeps the last silently; which one is meant is unknowable
             raise ContractError(f"{name}: duplicate tensor name {repeated!r} in the header")
         meta = header.pop("__metadata__", None)
-        if meta is not None and not (isinstance(meta, dict) and all(isinstance(x, str) for x in meta.values())):
+        if meta is not None and not (
+            isinstance(meta, dict) and all(isinstance(x, str) for x in meta.values())
+        ):
             raise ContractError(f"{name}: __metadata__ must be an object of strings")
         data_len = size - 8 - n
         self._data_start = 8 + n
@@ -70,12 +76,16 @@ class SafetensorsFile:
                 raise ContractError(f"{name}: tensor {tname}: entry is not an object")
             dt = info.get("dtype")
             if dt not in _DTYPES:
-                raise ContractError(f"{name}: tensor {tname}: unsupported dtype {dt!r} (F32, BF16, F16)")
+                raise ContractError(
+                    f"{name}: tensor {tname}: unsupported dtype {dt!r} (F32, BF16, F16)"
+                )
             shape = info.get("shape")
             offs = info.get("data_offsets")
             if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
                 raise ContractError(f"{name}: tensor {tname}: bad shape {shape!r}")
-            if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
+            if not (
+                isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+            ):
                 raise ContractError(f"{name}: tensor {tname}: bad data_offsets {offs!r}")
             b, e = offs
             np_dtype, itemsize = _DTYPES[dt]
@@ -97,10 +107,14 @@ class SafetensorsFile:
             if b < at:
                 raise ContractError(f"{name}: tensors {prev} and {tname} overlap")
             if b > at:
-                raise ContractError(f"{name}: tensor {tname}: a gap of {b - at} bytes before its data")
+                raise ContractError(
+                    f"{name}: tensor {tname}: a gap of {b - at} bytes before its data"
+                )
             at, prev = e, tname
         if at != data_len:
-            raise ContractError(f"{name}: {data_len - at} trailing bytes of the data region belong to no tensor")
+            raise ContractError(
+                f"{name}: {data_len - at} trailing bytes of the data region belong to no tensor"
+            )
         self._map = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
 
     def stored(self, tname: str) -> np.ndarray:
@@ -144,7 +158,11 @@ class Checkpoint:
                 raise ContractError("model.safetensors.index.json: no weight_map object")
             files = {}
             for fname in sorted(set(weight_map.values())):
-                if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
+                if (
+                    not isinstance(fname, str)
+                    or os.path.basename(fname) != fname
+                    or not fname.endswith(".safetensors")
+                ):
                     raise ContractError(f"model.safetensors.index.json: bad shard name {fname!r}")
                 p = os.path.join(model_dir, fname)
                 if not os.path.exists(p):
@@ -152,20 +170,28 @@ class Checkpoint:
                 files[fname] = SafetensorsFile(p)
             for tname, fname in weight_map.items():
                 if tname not in files[fname].entries:
-                    raise ContractError(f"missing tensor {tname} (index names {fname}, which lacks it)")
+                    raise ContractError(
+                        f"missing tensor {tname} (index names {fname}, which lacks it)"
+                    )
             for fname, sf in files.items():
                 for tname in sf.entries:
                     if weight_map.get(tname) != fname:
-                        raise ContractError(f"tensor {tname} in {fname} is not listed there by the index")
+                        raise ContractError(
+                            f"tensor {tname} in {fname} is not listed there by the index"
+                        )
                     self._where[tname] = sf
         elif os.path.exists(single):
             files = {"model.safetensors": SafetensorsFile(single)}
             for tname in files["model.safetensors"].entries:
                 self._where[tname] = files["model.safetensors"]
         else:
-            raise ContractError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+            raise ContractError(
+                f"{model_dir}: no model.safetensors or model.safetensors.index.json"
+            )
         # As the engine: a safetensors file the checkpoint does not name is refused, not ignored.
-        stray = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors") and f not in files)
+        stray = sorted(
+            f for f in os.listdir(model_dir) if f.endswith(".safetensors") and f not in files
+        )
         if stray:
             raise ContractError(f"{stray[0]}: a safetensors file the checkpoint does not name")
         self._claimed: set[str] = set()
@@ -180,7 +206,11 @@ class Checkpoint:
 
     def layer_count(self) -> int:
         """One past the highest N of the `model.layers.N.*` tensors (0: none)."""
-        ns = [p[2] for p in (n.split(".") for n in self._where) if len(p) >= 3 and p[:2] == ["model", "layers"] and p[2].isascii() and p[2].isdigit()]
+        ns = [
+            p[2]
+            for p in (n.split(".") for n in self._where)
+            if len(p) >= 3 and p[:2] == ["model", "layers"] and p[2].isascii() and p[2].isdigit()
+        ]
         return max(map(int, ns)) + 1 if ns else 0
 
     def has(self, name: str) -> bool:
@@ -211,4 +241,6 @@ class Checkpoint:
         left = sorted(set(self._where) - self._claimed)
         if left:
             more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-            raise ContractError(f"unclaimed tensor {left[0]}{more}: no module of this model uses it")
+            raise ContractError(
+                f"unclaimed tensor {left[0]}{more}: no module of this model uses it"
+            )

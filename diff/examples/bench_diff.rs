@@ -35,13 +35,28 @@ fn write_as(path: &Path, dtype: DType, mib: usize, perturb: impl Fn(usize, usize
         for (i, b) in bytes.chunks_exact_mut(dtype.size()).enumerate() {
             let x = value(t, i);
             match dtype {
-                DType::F32 => b.copy_from_slice(&(x.to_bits().wrapping_add(perturb(t, i))).to_le_bytes()),
-                _ => b.copy_from_slice(&(half::bf16::from_f32(x).to_bits().wrapping_add(perturb(t, i) as u16)).to_le_bytes()),
+                DType::F32 => {
+                    b.copy_from_slice(&(x.to_bits().wrapping_add(perturb(t, i))).to_le_bytes())
+                }
+                _ => b.copy_from_slice(
+                    &(half::bf16::from_f32(x)
+                        .to_bits()
+                        .wrapping_add(perturb(t, i) as u16))
+                    .to_le_bytes(),
+                ),
             }
         }
-        w.tensor(&format!("layer.{t:02}.hidden_out"), dtype, &[per as u64 / 1024, 1024], &bytes, &Attributes::default()).unwrap();
+        w.tensor(
+            &format!("layer.{t:02}.hidden_out"),
+            dtype,
+            &[per as u64 / 1024, 1024],
+            &bytes,
+            &Attributes::default(),
+        )
+        .unwrap();
     }
-    w.decision("logits.argmax", &[4], &[1, 2, 3, 4], Some(&[0.5; 4])).unwrap();
+    w.decision("logits.argmax", &[4], &[1, 2, 3, 4], Some(&[0.5; 4]))
+        .unwrap();
     w.finish().unwrap();
 }
 
@@ -50,7 +65,11 @@ fn write(path: &Path, mib: usize, perturb: impl Fn(usize, usize) -> u32) {
 }
 
 /// Best times of two measurements taken in turn, so that drift on a shared machine hits both.
-fn best_of_pair<A, B>(runs: usize, mut f: impl FnMut() -> A, mut g: impl FnMut() -> B) -> (Duration, Duration, A, B) {
+fn best_of_pair<A, B>(
+    runs: usize,
+    mut f: impl FnMut() -> A,
+    mut g: impl FnMut() -> B,
+) -> (Duration, Duration, A, B) {
     let (mut tf, mut tg) = (Duration::MAX, Duration::MAX);
     let (mut a, mut b) = (None, None);
     for _ in 0..runs {
@@ -84,17 +103,34 @@ fn hash_file(p: &Path) -> u128 {
 }
 
 fn main() {
-    let mib: usize = std::env::args().nth(1).map(|s| s.parse().unwrap()).unwrap_or(1024);
+    let mib: usize = std::env::args()
+        .nth(1)
+        .map(|s| s.parse().unwrap())
+        .unwrap_or(1024);
     let dir = tempfile::tempdir().unwrap();
     let (r, r2) = (dir.path().join("ref.trace"), dir.path().join("same.trace"));
     let (c1, c2) = (dir.path().join("first.trace"), dir.path().join("all.trace"));
     let wide = dir.path().join("first-wide.trace");
     let bf16 = dir.path().join("bf16.trace");
-    eprintln!("writing 5 traces of {mib} MiB and one of {} MiB in {} ...", mib / 2, dir.path().display());
+    eprintln!(
+        "writing 5 traces of {mib} MiB and one of {} MiB in {} ...",
+        mib / 2,
+        dir.path().display()
+    );
     write(&r, mib, |_, _| 0);
     write(&r2, mib, |_, _| 0);
-    write(&c1, mib, |t, i| if t == 0 { 1 + (i % 97) as u32 } else { 0 });
-    write(&wide, mib, |t, i| if t == 0 { 1 + (i.wrapping_mul(7919) % 1_000_003) as u32 } else { 0 });
+    write(
+        &c1,
+        mib,
+        |t, i| if t == 0 { 1 + (i % 97) as u32 } else { 0 },
+    );
+    write(&wide, mib, |t, i| {
+        if t == 0 {
+            1 + (i.wrapping_mul(7919) % 1_000_003) as u32
+        } else {
+            0
+        }
+    });
     write(&c2, mib, |_, i| 1 + (i % 97) as u32);
     write_as(&bf16, DType::BF16, mib, |_, i| (i % 3) as u32);
     let elements_per_tensor = (mib * (1 << 20) / 4 / TENSORS) as f64;
@@ -120,9 +156,16 @@ fn main() {
         ident.as_secs_f64() / hash_par.as_secs_f64()
     );
 
-    let all = Options { all: true, ..Options::default() };
+    let all = Options {
+        all: true,
+        ..Options::default()
+    };
     for (name, cand) in [("by 1-97 ULP", &c1), ("by up to 10^6 ULP", &wide)] {
-        let (ident, first, _, rep) = best_of_pair(7, || compare_files(&r, &r2, &opts), || compare_files(&r, cand, &all));
+        let (ident, first, _, rep) = best_of_pair(
+            7,
+            || compare_files(&r, &r2, &opts),
+            || compare_files(&r, cand, &all),
+        );
         let fd = rep.first_divergence.as_ref().unwrap();
         assert_eq!(fd.differing_elements as f64, elements_per_tensor);
         let scan_only = first.as_secs_f64() - ident.as_secs_f64();
@@ -137,10 +180,20 @@ fn main() {
         );
     }
 
-    let raw = Options { all: true, verify: false, ..Options::default() };
+    let raw = Options {
+        all: true,
+        verify: false,
+        ..Options::default()
+    };
     let (every, rep) = best(3, || compare_files(&r, &c2, &raw));
     let n = elements_per_tensor * TENSORS as f64;
-    assert_eq!(rep.per_tensor.iter().filter_map(|t| t.differing_elements).sum::<u64>() as f64, n);
+    assert_eq!(
+        rep.per_tensor
+            .iter()
+            .filter_map(|t| t.differing_elements)
+            .sum::<u64>() as f64,
+        n
+    );
     println!(
         "every element differs, --all --no-verify: {:.3} s for {:.0} M elements → {:.2} G elements/s",
         every.as_secs_f64(),
@@ -153,8 +206,14 @@ fn main() {
     let (mixed, rep) = best(7, || compare_files(&r, &bf16, &raw));
     assert_eq!(rep.verdict, Verdict::Different);
     let t0 = &rep.per_tensor[0];
-    assert_eq!((t0.dtype, t0.candidate_dtype, t0.ulp_dtype), ("f32", DType::BF16, Some(DType::BF16)));
-    assert_eq!(rep.per_tensor.iter().map(|t| t.total_elements).sum::<u64>() as f64, n);
+    assert_eq!(
+        (t0.dtype, t0.candidate_dtype, t0.ulp_dtype),
+        ("f32", DType::BF16, Some(DType::BF16))
+    );
+    assert_eq!(
+        rep.per_tensor.iter().map(|t| t.total_elements).sum::<u64>() as f64,
+        n
+    );
     println!(
         "bf16 candidate vs f32 reference, --all --no-verify: {:.3} s for {:.0} M elements ({} differ in value, max {} bf16 ULP) → {:.2} G elements/s (target ≥ 1)",
         mixed.as_secs_f64(),
@@ -165,7 +224,13 @@ fn main() {
     );
     // Mapped file pages are shared page cache; anonymous memory is what the differ allocated.
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |k: &str| status.lines().find(|l| l.starts_with(k)).map(|l| l[k.len()..].trim().to_string()).unwrap_or_default();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .map(|l| l[k.len()..].trim().to_string())
+            .unwrap_or_default()
+    };
     println!(
         "memory: RssAnon {} (heap, after all cases), RssFile {} (mapped trace pages, shared with the page cache)",
         field("RssAnon:"),

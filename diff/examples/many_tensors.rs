@@ -9,11 +9,23 @@ use tracegate_trace::{Attributes, DType, TraceWriter};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let out = args.next().ok_or("usage: many_tensors OUT.trace [N]")?;
-    let n: u64 = args.next().map(|s| s.parse()).transpose()?.unwrap_or(1_000_000);
-    let attrs = Attributes::default().with_path("prefill").with_mask("causal");
+    let n: u64 = args
+        .next()
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(1_000_000);
+    let attrs = Attributes::default()
+        .with_path("prefill")
+        .with_mask("causal");
     let mut w = TraceWriter::create(&out, json!({"producer": "many_tensors", "count": n}))?;
     for i in 0..n {
-        w.tensor(&format!("probe.{i:07}.out"), DType::F32, &[0, 4], &[], &attrs)?;
+        w.tensor(
+            &format!("probe.{i:07}.out"),
+            DType::F32,
+            &[0, 4],
+            &[],
+            &attrs,
+        )?;
     }
     w.finish()?;
     Ok(())

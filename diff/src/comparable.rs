@@ -9,11 +9,21 @@ use tracegate_trace::Trace;
 use crate::Finding;
 
 /// Provenance keys (dotted paths) that define an oracle's stack.
-pub const STACK_KEYS: [&str; 6] = ["versions.torch", "versions.transformers", "versions.numpy", "dtype", "device", "attn_implementation"];
+pub const STACK_KEYS: [&str; 6] = [
+    "versions.torch",
+    "versions.transformers",
+    "versions.numpy",
+    "dtype",
+    "device",
+    "attn_implementation",
+];
 
 /// Provenance keys that must agree whenever both traces record them, whatever the producers.
-pub const CONTENT_KEYS: [(&str, &str); 3] =
-    [("weights_digest", "weights_mismatch"), ("prompt_tokens", "prompt_mismatch"), ("seed", "seed_mismatch")];
+pub const CONTENT_KEYS: [(&str, &str); 3] = [
+    ("weights_digest", "weights_mismatch"),
+    ("prompt_tokens", "prompt_mismatch"),
+    ("seed", "seed_mismatch"),
+];
 
 fn lookup<'a>(v: &'a Value, dotted: &str) -> Option<&'a Value> {
     let mut cur = v;
@@ -25,7 +35,8 @@ fn lookup<'a>(v: &'a Value, dotted: &str) -> Option<&'a Value> {
 
 /// A trace is an oracle trace when its producer says so or its stack records a torch version.
 pub fn is_oracle(provenance: &Value) -> bool {
-    provenance.get("producer").and_then(Value::as_str) == Some("oracle") || lookup(provenance, "versions.torch").is_some()
+    provenance.get("producer").and_then(Value::as_str) == Some("oracle")
+        || lookup(provenance, "versions.torch").is_some()
 }
 
 fn show(v: Option<&Value>) -> String {
@@ -55,9 +66,17 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
         for key in STACK_KEYS {
             let (a, b) = (lookup(rp, key), lookup(cp, key));
             if a != b {
-                let detail = format!("oracle stack differs: {key} is {} in the reference, {} in the candidate", show(a), show(b));
+                let detail = format!(
+                    "oracle stack differs: {key} is {} in the reference, {} in the candidate",
+                    show(a),
+                    show(b)
+                );
                 if allow_stack_mismatch {
-                    allowed.push(Finding::new("stack_mismatch_allowed", None, format!("{detail} (allowed by --allow-stack-mismatch)")));
+                    allowed.push(Finding::new(
+                        "stack_mismatch_allowed",
+                        None,
+                        format!("{detail} (allowed by --allow-stack-mismatch)"),
+                    ));
                 } else {
                     refuse.push(Finding::new("stack_mismatch", None, detail));
                 }
@@ -68,7 +87,15 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
     for (key, kind) in CONTENT_KEYS {
         if let (Some(a), Some(b)) = (lookup(rp, key), lookup(cp, key)) {
             if a != b {
-                refuse.push(Finding::new(kind, None, format!("{key} differs: {} in the reference, {} in the candidate", show(Some(a)), show(Some(b)))));
+                refuse.push(Finding::new(
+                    kind,
+                    None,
+                    format!(
+                        "{key} differs: {} in the reference, {} in the candidate",
+                        show(Some(a)),
+                        show(Some(b))
+                    ),
+                ));
             }
         }
     }
@@ -76,20 +103,34 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
     // Tensor attributes are content: a tensor present in both must describe the same
     // computation. Absent on one side and present on the other is a difference too.
     for ri in r.tensors() {
-        let Some(ci) = c.tensor_info(&ri.name) else { continue };
+        let Some(ci) = c.tensor_info(&ri.name) else {
+            continue;
+        };
         let (ra, ca) = (&ri.attributes, &ci.attributes);
         if ra.path != ca.path {
-            refuse.push(Finding::new("path_mismatch", Some(&ri.name), format!("code path {} vs {}", opt(&ra.path), opt(&ca.path))));
+            refuse.push(Finding::new(
+                "path_mismatch",
+                Some(&ri.name),
+                format!("code path {} vs {}", opt(&ra.path), opt(&ca.path)),
+            ));
         }
         if ra.mask != ca.mask {
-            refuse.push(Finding::new("mask_mismatch", Some(&ri.name), format!("mask {} vs {}", opt(&ra.mask), opt(&ca.mask))));
+            refuse.push(Finding::new(
+                "mask_mismatch",
+                Some(&ri.name),
+                format!("mask {} vs {}", opt(&ra.mask), opt(&ca.mask)),
+            ));
         }
         // An expert that other tokens were routed to is compared by position (`reroute`).
         if ra.positions != ca.positions && !crate::reroute::rerouted(ri, ci) {
             refuse.push(Finding::new(
                 "positions_mismatch",
                 Some(&ri.name),
-                format!("positions {} vs {}", positions(&ra.positions), positions(&ca.positions)),
+                format!(
+                    "positions {} vs {}",
+                    positions(&ra.positions),
+                    positions(&ca.positions)
+                ),
             ));
         }
     }
@@ -104,6 +145,12 @@ pub(crate) fn positions(p: &Option<Vec<i64>>) -> String {
     match p {
         None => "absent".into(),
         Some(v) if v.len() <= 8 => format!("{v:?}"),
-        Some(v) => format!("[{}, {}, … {} positions, …, {}]", v[0], v[1], v.len(), v[v.len() - 1]),
+        Some(v) => format!(
+            "[{}, {}, … {} positions, …, {}]",
+            v[0],
+            v[1],
+            v.len(),
+            v[v.len() - 1]
+        ),
     }
 }

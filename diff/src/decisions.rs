@@ -8,7 +8,10 @@
 use tracegate_trace::{DecisionInfo, Trace};
 
 use crate::excuse::{capture_index, Excusal};
-use crate::{numeric, order_finding, range_divergence, row_range, DecisionDivergence, DecisionResult, Finding, Flip, MarginDifference, NearTieRef, Options, Policy, Real, Report};
+use crate::{
+    numeric, order_finding, range_divergence, row_range, DecisionDivergence, DecisionResult,
+    Finding, Flip, MarginDifference, NearTieRef, Options, Policy, Real, Report,
+};
 
 /// A tensor captured up to the decision's source is outside the policy (differs, by bits).
 pub const CONSEQUENCE: &str = "consequence";
@@ -38,10 +41,16 @@ pub fn margin_tolerance(a: f32, b: f32, divergence: Option<f64>) -> f64 {
 /// else `layer.NN.hidden_in`, for `layer.NN.router.topk`; `X` for any other `X.argmax`.
 pub fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
     let both = |n: &str| r.tensor_info(n).is_some() && c.tensor_info(n).is_some();
-    let candidates: Vec<String> = if let Some(step) = name.strip_prefix("decode.").and_then(|s| s.strip_suffix(".argmax")) {
+    let candidates: Vec<String> = if let Some(step) = name
+        .strip_prefix("decode.")
+        .and_then(|s| s.strip_suffix(".argmax"))
+    {
         vec![format!("decode.{step}.logits"), "logits".into()]
     } else if let Some(layer) = name.strip_suffix(".router.topk") {
-        vec![format!("{layer}.router.logits"), format!("{layer}.hidden_in")]
+        vec![
+            format!("{layer}.router.logits"),
+            format!("{layer}.hidden_in"),
+        ]
     } else if let Some(base) = name.strip_suffix(".argmax") {
         vec![base.to_string()]
     } else {
@@ -54,17 +63,24 @@ pub fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
 /// `router.logits` at `layer.NN.attn_out` when later than its fallback `hidden_in` (the router
 /// reads `hidden_in + attn_out`); without a source, after every tensor.
 fn taken_at(name: &str, source: Option<&str>, r: &Trace) -> usize {
-    let Some(source) = source else { return usize::MAX };
+    let Some(source) = source else {
+        return usize::MAX;
+    };
     let at = capture_index(r, source).unwrap_or(usize::MAX);
     match name.strip_suffix(".router.topk") {
-        Some(layer) if source.ends_with(".hidden_in") => capture_index(r, &format!("{layer}.attn_out")).map_or(at, |a| a.max(at)),
+        Some(layer) if source.ends_with(".hidden_in") => {
+            capture_index(r, &format!("{layer}.attn_out")).map_or(at, |a| a.max(at))
+        }
         _ => at,
     }
 }
 
 /// The step of a `decode.SSSS.argmax` decision.
 fn decode_step(name: &str) -> Option<u64> {
-    name.strip_prefix("decode.")?.strip_suffix(".argmax")?.parse().ok()
+    name.strip_prefix("decode.")?
+        .strip_suffix(".argmax")?
+        .parse()
+        .ok()
 }
 
 /// The source row a decision row was taken from, as `(row, rows)` for [`range_divergence`]:
@@ -72,7 +88,11 @@ fn decode_step(name: &str) -> Option<u64> {
 /// `logits` row (step 0 is the argmax of that row).
 fn source_row(name: &str, source: &str, row: u64, rows: u64, r: &Trace) -> (u64, u64) {
     if decode_step(name) == Some(0) && source == "logits" {
-        if let Some(&n) = r.tensor_info("logits").and_then(|i| i.shape.first()).filter(|&&n| n > 0) {
+        if let Some(&n) = r
+            .tensor_info("logits")
+            .and_then(|i| i.shape.first())
+            .filter(|&&n| n > 0)
+        {
             return (n - 1, n);
         }
     }
@@ -105,7 +125,10 @@ fn row_position(name: &str, source: Option<&str>, row: u64, rows: u64, r: &Trace
         };
         return last.checked_add(step as i64);
     }
-    let positions = source.and_then(|s| r.tensor_info(s)).and_then(|i| i.attributes.positions.as_ref()).filter(|p| p.len() as u64 == rows);
+    let positions = source
+        .and_then(|s| r.tensor_info(s))
+        .and_then(|i| i.attributes.positions.as_ref())
+        .filter(|p| p.len() as u64 == rows);
     Some(positions.map_or(row as i64, |p| p[row as usize]))
 }
 
@@ -115,7 +138,12 @@ fn reorder_gap(r: &Trace, source: &str, range: (u64, u64), a: &[i64], b: &[i64])
     let info = r.tensor_info(source)?;
     let (start, end) = row_range(info, Some(range));
     let data = r.data(info);
-    let score = |v: i64| u64::try_from(v).ok().filter(|&i| i < end - start).map(|i| numeric::element_value(info.dtype, data, start + i));
+    let score = |v: i64| {
+        u64::try_from(v)
+            .ok()
+            .filter(|&i| i < end - start)
+            .map(|i| numeric::element_value(info.dtype, data, start + i))
+    };
     let rank = |v: i64| b.iter().position(|&x| x == v);
     let mut gap: Option<f64> = None;
     for (i, &hi) in a.iter().enumerate() {
@@ -187,11 +215,20 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     let before = rep.findings.len();
     let mut failing = false;
     let d = &mut rep.decisions;
-    for (rd, slot) in r.decisions().iter().filter(|i| selected(&i.name)).zip(slots) {
+    for (rd, slot) in r
+        .decisions()
+        .iter()
+        .filter(|i| selected(&i.name))
+        .zip(slots)
+    {
         let result = match slot {
             Slot::Missing => {
                 d.missing.push(rd.name.clone());
-                rep.findings.push(Finding::new("missing_decision", Some(&rd.name), "in the reference, not in the candidate"));
+                rep.findings.push(Finding::new(
+                    "missing_decision",
+                    Some(&rd.name),
+                    "in the reference, not in the candidate",
+                ));
                 continue;
             }
             Slot::Shape(rd, cd) => {
@@ -222,12 +259,27 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         d.compared += 1;
         match (result.margins, &result.first_margin_difference) {
             ("reference_only" | "candidate_only", _) => {
-                let (has, lacks) = if result.margins == "reference_only" { ("reference", "candidate") } else { ("candidate", "reference") };
-                rep.findings.push(Finding::new("margin_presence_mismatch", Some(&rd.name), format!("margins recorded in the {has}, none in the {lacks}")));
+                let (has, lacks) = if result.margins == "reference_only" {
+                    ("reference", "candidate")
+                } else {
+                    ("candidate", "reference")
+                };
+                rep.findings.push(Finding::new(
+                    "margin_presence_mismatch",
+                    Some(&rd.name),
+                    format!("margins recorded in the {has}, none in the {lacks}"),
+                ));
             }
             ("different", Some(m)) => {
-                let bound = m.tolerance.map(|t| format!(" (outside the tolerance {:e})", t.0)).unwrap_or_default();
-                let counted = if policy.is_some() { result.margin_outside_rows } else { result.margin_differing_rows };
+                let bound = m
+                    .tolerance
+                    .map(|t| format!(" (outside the tolerance {:e})", t.0))
+                    .unwrap_or_default();
+                let counted = if policy.is_some() {
+                    result.margin_outside_rows
+                } else {
+                    result.margin_differing_rows
+                };
                 rep.findings.push(Finding::new(
                     "margin_differs",
                     Some(&rd.name),
@@ -252,7 +304,11 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                         "{} of {} rows differ{}; first at row {}: {:?} vs {:?}",
                         result.differing_rows,
                         result.rows,
-                        if result.reordered_rows > 0 { format!(" ({} same values, different order)", result.reordered_rows) } else { String::new() },
+                        if result.reordered_rows > 0 {
+                            format!(" ({} same values, different order)", result.reordered_rows)
+                        } else {
+                            String::new()
+                        },
                         f.row,
                         f.reference,
                         f.candidate
@@ -276,15 +332,30 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     for cd in c.decisions().iter().filter(|i| selected(&i.name)) {
         if r.decision_info(&cd.name).is_none() {
             d.extra.push(cd.name.clone());
-            rep.findings.push(Finding::new("extra_decision", Some(&cd.name), "in the candidate, not in the reference"));
+            rep.findings.push(Finding::new(
+                "extra_decision",
+                Some(&cd.name),
+                "in the candidate, not in the reference",
+            ));
         }
     }
-    let rn = r.decisions().iter().map(|i| i.name.as_str()).filter(|n| selected(n) && c.decision_info(n).is_some());
-    let cn = c.decisions().iter().map(|i| i.name.as_str()).filter(|n| selected(n) && r.decision_info(n).is_some());
+    let rn = r
+        .decisions()
+        .iter()
+        .map(|i| i.name.as_str())
+        .filter(|n| selected(n) && c.decision_info(n).is_some());
+    let cn = c
+        .decisions()
+        .iter()
+        .map(|i| i.name.as_str())
+        .filter(|n| selected(n) && r.decision_info(n).is_some());
     if let Some(f) = order_finding("decision_order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
-    failing || rep.findings[before..].iter().any(|f| f.kind != "decision_differs")
+    failing
+        || rep.findings[before..]
+            .iter()
+            .any(|f| f.kind != "decision_differs")
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -327,8 +398,13 @@ fn compare_one(
     if width == 0 {
         return out;
     }
-    let src_row = |row: u64| source.as_deref().map(|s| (s, source_row(&rd.name, s, row, rows, r)));
-    let divergence = |row: u64| src_row(row).and_then(|(s, range)| range_divergence(r, c, s, Some(range)));
+    let src_row = |row: u64| {
+        source
+            .as_deref()
+            .map(|s| (s, source_row(&rd.name, s, row, rows, r)))
+    };
+    let divergence =
+        |row: u64| src_row(row).and_then(|(s, range)| range_divergence(r, c, s, Some(range)));
     for (row, (a, b)) in rv.chunks(width).zip(cv.chunks(width)).enumerate() {
         let row = row as u64;
         let position = row_position(&rd.name, source.as_deref(), row, rows, r);
@@ -343,7 +419,12 @@ fn compare_one(
                     out.margin_differing_rows += 1;
                     let tolerance = policy.map(|_| margin_tolerance(ma, mb, divergence(row)));
                     // NaN never lies within a tolerance; only equal bits match it.
-                    let outside = tolerance.is_none_or(|t| !(((ma as f64) - (mb as f64)).abs() <= t));
+                    let outside = tolerance.is_none_or(|t| {
+                        !matches!(
+                            ((ma as f64) - (mb as f64)).abs().partial_cmp(&t),
+                            Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+                        )
+                    });
                     out.margin_outside_rows += outside as u64;
                     // Keep the first row outside the tolerance, else the first that differs at all.
                     let keep = match &out.first_margin_difference {
@@ -372,7 +453,8 @@ fn compare_one(
         let reordered = sa == sb;
         out.differing_rows += 1;
         out.reordered_rows += reordered as u64;
-        let margin_of = |m: &Option<Vec<f32>>| m.as_ref().and_then(|m| m.get(row as usize).copied());
+        let margin_of =
+            |m: &Option<Vec<f32>>| m.as_ref().and_then(|m| m.get(row as usize).copied());
         let (ref_margin, cand_margin) = (margin_of(&rm), margin_of(&cm));
         let d = divergence(row);
         let scores = src_row(row).filter(|(s, _)| holds_scores(&rd.name, s));
@@ -394,9 +476,20 @@ fn compare_one(
                 (label(upstream.is_some(), gap, bound, d), upstream)
             }
         };
-        let origin = after.clone().unwrap_or_else(|| format!("{} row {row}", rd.name));
+        let origin = after
+            .clone()
+            .unwrap_or_else(|| format!("{} row {row}", rd.name));
         if label == NEAR_TIE {
-            ex.near_tie(position, at, &origin, NearTieRef { decision: rd.name.clone(), row, position: position.unwrap_or(row as i64) });
+            ex.near_tie(
+                position,
+                at,
+                &origin,
+                NearTieRef {
+                    decision: rd.name.clone(),
+                    row,
+                    position: position.unwrap_or(row as i64),
+                },
+            );
         }
         // A different next token: every later decode step runs on another sequence.
         if label == NEAR_TIE || label == AFTER_NEAR_TIE {
@@ -463,7 +556,10 @@ mod tests {
         assert!(holds_scores("decode.0000.argmax", "logits"));
         assert!(!holds_scores("decode.0001.argmax", "logits"));
         assert!(holds_scores("decode.0001.argmax", "decode.0001.logits"));
-        assert!(holds_scores("layer.00.router.topk", "layer.00.router.logits"));
+        assert!(holds_scores(
+            "layer.00.router.topk",
+            "layer.00.router.logits"
+        ));
         assert!(!holds_scores("layer.00.router.topk", "layer.00.hidden_in"));
         assert!(holds_scores("logits.argmax", "logits"));
     }

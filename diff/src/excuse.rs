@@ -8,7 +8,10 @@ use std::collections::BTreeSet;
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::{judge_row, numeric, reroute, set_stats, NearTieRef, NearTieSummary, Policy, Report, RowsAfter, TensorRow};
+use crate::{
+    judge_row, numeric, reroute, set_stats, NearTieRef, NearTieSummary, Policy, Report, RowsAfter,
+    TensorRow,
+};
 
 /// A tensor's capture index in `t`: the reader hands out references into its capture-ordered
 /// index, so the place is the reference's offset in that slice (no name map for a million
@@ -16,7 +19,8 @@ use crate::{judge_row, numeric, reroute, set_stats, NearTieRef, NearTieSummary, 
 pub(crate) fn capture_index(t: &Trace, name: &str) -> Option<usize> {
     let info: *const TensorInfo = t.tensor_info(name)?;
     let all = t.tensors().as_ptr_range();
-    all.contains(&info).then(|| (info as usize - all.start as usize) / std::mem::size_of::<TensorInfo>())
+    all.contains(&info)
+        .then(|| (info as usize - all.start as usize) / std::mem::size_of::<TensorInfo>())
 }
 
 /// The axis of a tensor that holds tokens: `attn_probs` is `[heads, tokens, keys]`, every other
@@ -32,9 +36,18 @@ fn token_axis(name: &str) -> usize {
 /// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the
 /// candidate's (the same range, except for a rerouted expert's rows). The one place the
 /// excusal calls the element scan.
-pub(crate) fn scan_range(pair: numeric::Pair, rd: &[u8], cd: &[u8], (start, end): (u64, u64), (c_start, c_end): (u64, u64)) -> numeric::Stats {
+pub(crate) fn scan_range(
+    pair: numeric::Pair,
+    rd: &[u8],
+    cd: &[u8],
+    (start, end): (u64, u64),
+    (c_start, c_end): (u64, u64),
+) -> numeric::Stats {
     let (rs, cs) = (pair.reference.size(), pair.candidate.size());
-    let (a, b) = (&rd[start as usize * rs..end as usize * rs], &cd[c_start as usize * cs..c_end as usize * cs]);
+    let (a, b) = (
+        &rd[start as usize * rs..end as usize * rs],
+        &cd[c_start as usize * cs..c_end as usize * cs],
+    );
     numeric::scan(pair, a, b, false).0
 }
 
@@ -58,8 +71,20 @@ pub(crate) struct Excusal<'a> {
 
 impl<'a> Excusal<'a> {
     pub(crate) fn new(r: &'a Trace, c: &'a Trace, policy: Option<&'a Policy>) -> Self {
-        let summary = NearTieSummary { margin_factor: policy.map_or(0.0, Policy::near_tie_factor), ..NearTieSummary::default() };
-        Excusal { r, c, policy, settled: 0, first_bad: None, tokens: Vec::new(), decode_from: None, summary }
+        let summary = NearTieSummary {
+            margin_factor: policy.map_or(0.0, Policy::near_tie_factor),
+            ..NearTieSummary::default()
+        };
+        Excusal {
+            r,
+            c,
+            policy,
+            settled: 0,
+            first_bad: None,
+            tokens: Vec::new(),
+            decode_from: None,
+            summary,
+        }
     }
 
     /// Settles every row captured at or before `until` and names the first of them outside the
@@ -67,7 +92,8 @@ impl<'a> Excusal<'a> {
     /// excuses only rows captured after its own source, so a settled row never changes again.
     pub(crate) fn upstream(&mut self, rep: &mut Report, until: usize) -> Option<String> {
         while self.settled < rep.per_tensor.len() {
-            let at = capture_index(self.r, &rep.per_tensor[self.settled].tensor).unwrap_or(usize::MAX);
+            let at =
+                capture_index(self.r, &rep.per_tensor[self.settled].tensor).unwrap_or(usize::MAX);
             if at > until {
                 break;
             }
@@ -75,7 +101,10 @@ impl<'a> Excusal<'a> {
             let row = &rep.per_tensor[self.settled];
             let bad = match self.policy {
                 // A tensor without a rule is unjudged: outside when its bits differ.
-                Some(_) => matches!(row.status, "outside_policy" | "rerouted") || (row.status == "no_rule" && row.differing_elements != Some(0)),
+                Some(_) => {
+                    matches!(row.status, "outside_policy" | "rerouted")
+                        || (row.status == "no_rule" && row.differing_elements != Some(0))
+                }
                 None => row.status != "identical",
             };
             if bad && self.first_bad.is_none() {
@@ -88,18 +117,32 @@ impl<'a> Excusal<'a> {
 
     /// The near-tie a decision row comes after: a decode step at or after `decode_from`, or a
     /// row whose token was excused by a near-tie captured before the decision's source `at`.
-    pub(crate) fn after(&self, position: Option<i64>, at: usize, step: Option<u64>) -> Option<&str> {
+    pub(crate) fn after(
+        &self,
+        position: Option<i64>,
+        at: usize,
+        step: Option<u64>,
+    ) -> Option<&str> {
         if let (Some(s), Some((from, origin))) = (step, &self.decode_from) {
             if s >= *from {
                 return Some(origin);
             }
         }
         let p = position?;
-        self.tokens.iter().find(|(tp, after, _)| *tp == p && *after < at).map(|t| t.2.as_str())
+        self.tokens
+            .iter()
+            .find(|(tp, after, _)| *tp == p && *after < at)
+            .map(|t| t.2.as_str())
     }
 
     /// Records a near-tie at `position` of a decision whose source is at capture index `at`.
-    pub(crate) fn near_tie(&mut self, position: Option<i64>, at: usize, origin: &str, excused: NearTieRef) {
+    pub(crate) fn near_tie(
+        &mut self,
+        position: Option<i64>,
+        at: usize,
+        origin: &str,
+        excused: NearTieRef,
+    ) {
         if let Some(p) = position {
             self.tokens.push((p, at, origin.to_string()));
         }
@@ -128,28 +171,63 @@ impl<'a> Excusal<'a> {
     /// Judges row `j` (capture index `at`) again without the rows of tokens after a near-tie.
     fn settle(&mut self, rep: &mut Report, j: usize, at: usize) {
         let Some(policy) = self.policy else { return };
-        let excused: BTreeSet<i64> = self.tokens.iter().filter(|(_, after, _)| *after < at).map(|t| t.0).collect();
+        let excused: BTreeSet<i64> = self
+            .tokens
+            .iter()
+            .filter(|(_, after, _)| *after < at)
+            .map(|t| t.0)
+            .collect();
         let row = &rep.per_tensor[j];
         // Identical stays identical without any rows; a tensor without a rule has nothing to re-judge.
-        if excused.is_empty() || !matches!(row.status, "within_policy" | "outside_policy" | "rerouted") {
+        if excused.is_empty()
+            || !matches!(row.status, "within_policy" | "outside_policy" | "rerouted")
+        {
             return;
         }
-        let (Some(ri), Some(ci)) = (self.r.tensor_info(&row.tensor), self.c.tensor_info(&row.tensor)) else { return };
-        if let Some(pair) = numeric::Pair::new(ri.dtype, ci.dtype).filter(|_| reroute::rerouted(ri, ci)) {
-            let (row, findings, left_out) = reroute::judge(self.r, self.c, ri, ci, pair, Some(policy), &excused);
-            rep.findings.retain(|f| !(matches!(f.kind, "rerouted" | "outside_policy") && f.tensor.as_deref() == Some(row.tensor.as_str())));
+        let (Some(ri), Some(ci)) = (
+            self.r.tensor_info(&row.tensor),
+            self.c.tensor_info(&row.tensor),
+        ) else {
+            return;
+        };
+        if let Some(pair) =
+            numeric::Pair::new(ri.dtype, ci.dtype).filter(|_| reroute::rerouted(ri, ci))
+        {
+            let (row, findings, left_out) =
+                reroute::judge(self.r, self.c, ri, ci, pair, Some(policy), &excused);
+            rep.findings.retain(|f| {
+                !(matches!(f.kind, "rerouted" | "outside_policy")
+                    && f.tensor.as_deref() == Some(row.tensor.as_str()))
+            });
             rep.findings.extend(findings);
             if left_out > 0 {
-                self.summary.tensors.push(RowsAfter { tensor: row.tensor.clone(), rows: left_out });
+                self.summary.tensors.push(RowsAfter {
+                    tensor: row.tensor.clone(),
+                    rows: left_out,
+                });
             }
             rep.per_tensor[j] = row;
             return;
         }
-        let Some(rule) = row.rule.as_ref().and_then(|x| policy.rules.get(x.index).map(|rule| (x.index, rule))) else { return };
+        let Some(rule) = row
+            .rule
+            .as_ref()
+            .and_then(|x| policy.rules.get(x.index).map(|rule| (x.index, rule)))
+        else {
+            return;
+        };
         let axis = token_axis(&ri.name);
-        let Some(&tokens) = ri.shape.get(axis) else { return };
-        let positions = ri.attributes.positions.as_ref().filter(|p| p.len() as u64 == tokens);
-        let out: Vec<bool> = (0..tokens).map(|i| excused.contains(&positions.map_or(i as i64, |p| p[i as usize]))).collect();
+        let Some(&tokens) = ri.shape.get(axis) else {
+            return;
+        };
+        let positions = ri
+            .attributes
+            .positions
+            .as_ref()
+            .filter(|p| p.len() as u64 == tokens);
+        let out: Vec<bool> = (0..tokens)
+            .map(|i| excused.contains(&positions.map_or(i as i64, |p| p[i as usize])))
+            .collect();
         let left_out = out.iter().filter(|&&x| x).count() as u64;
         if left_out == 0 {
             return;
@@ -158,7 +236,9 @@ impl<'a> Excusal<'a> {
         let outer: u64 = ri.shape[..axis].iter().product();
         let inner: u64 = ri.shape[axis + 1..].iter().product();
         let (rd, cd) = (self.r.data(ri), self.c.data(ci));
-        let Some(pair) = numeric::Pair::new(ri.dtype, ci.dtype) else { return };
+        let Some(pair) = numeric::Pair::new(ri.dtype, ci.dtype) else {
+            return;
+        };
         let mut stats = numeric::Stats::default();
         let mut kept = Vec::new();
         for o in 0..outer {
@@ -184,10 +264,14 @@ impl<'a> Excusal<'a> {
         row.median_ulp = None;
         let finding = judge_row(row, rule.0, rule.1);
         if finding.is_some() {
-            row.worst_element = crate::worst::locate_in(pair, rd, cd, &kept).map(|i| Box::new(crate::element(pair, &ri.shape, rd, cd, i)));
+            row.worst_element = crate::worst::locate_in(pair, rd, cd, &kept)
+                .map(|i| Box::new(crate::element(pair, &ri.shape, rd, cd, i)));
         }
         let name = row.tensor.clone();
-        let old = rep.findings.iter().position(|f| f.kind == "outside_policy" && f.tensor.as_deref() == Some(name.as_str()));
+        let old = rep
+            .findings
+            .iter()
+            .position(|f| f.kind == "outside_policy" && f.tensor.as_deref() == Some(name.as_str()));
         match (old, finding) {
             (Some(i), Some(f)) => rep.findings[i] = f,
             (Some(i), None) => {
@@ -196,6 +280,9 @@ impl<'a> Excusal<'a> {
             (None, Some(f)) => rep.findings.push(f),
             (None, None) => {}
         }
-        self.summary.tensors.push(RowsAfter { tensor: name, rows: left_out });
+        self.summary.tensors.push(RowsAfter {
+            tensor: name,
+            rows: left_out,
+        });
     }
 }

@@ -22,7 +22,8 @@ impl Filter {
     }
 
     pub fn selects(&self, name: &str) -> bool {
-        (self.only.is_empty() || self.only.iter().any(|g| glob_match(g, name))) && !self.skip.iter().any(|g| glob_match(g, name))
+        (self.only.is_empty() || self.only.iter().any(|g| glob_match(g, name)))
+            && !self.skip.iter().any(|g| glob_match(g, name))
     }
 
     /// What this filter leaves out of `traces` (one for `--show`, two for a comparison), over
@@ -31,7 +32,10 @@ impl Filter {
         if self.is_empty() {
             return None;
         }
-        let mut s = FilterSummary { filter: self.clone(), ..FilterSummary::default() };
+        let mut s = FilterSummary {
+            filter: self.clone(),
+            ..FilterSummary::default()
+        };
         let globs: Vec<&String> = self.only.iter().chain(&self.skip).collect();
         let mut matched = vec![false; globs.len()];
         let mut tally = |name: &str, selected: &mut usize, left_out: &mut usize| {
@@ -47,14 +51,31 @@ impl Filter {
         for (i, t) in traces.iter().enumerate() {
             // A name in an earlier trace was counted there.
             let earlier = &traces[..i];
-            for x in t.tensors().iter().filter(|x| !earlier.iter().any(|e| e.tensor_info(&x.name).is_some())) {
+            for x in t
+                .tensors()
+                .iter()
+                .filter(|x| !earlier.iter().any(|e| e.tensor_info(&x.name).is_some()))
+            {
                 tally(&x.name, &mut s.tensors_selected, &mut s.tensors_left_out);
             }
-            for x in t.decisions().iter().filter(|x| !earlier.iter().any(|e| e.decision_info(&x.name).is_some())) {
-                tally(&x.name, &mut s.decisions_selected, &mut s.decisions_left_out);
+            for x in t
+                .decisions()
+                .iter()
+                .filter(|x| !earlier.iter().any(|e| e.decision_info(&x.name).is_some()))
+            {
+                tally(
+                    &x.name,
+                    &mut s.decisions_selected,
+                    &mut s.decisions_left_out,
+                );
             }
         }
-        s.unmatched = globs.into_iter().zip(matched).filter(|(_, m)| !m).map(|(g, _)| g.clone()).collect();
+        s.unmatched = globs
+            .into_iter()
+            .zip(matched)
+            .filter(|(_, m)| !m)
+            .map(|(g, _)| g.clone())
+            .collect();
         Some(s)
     }
 }
@@ -62,8 +83,12 @@ impl Filter {
 /// The flags as a person typed them: `--only 'layer.03.**' --skip '*.attn_out'`.
 impl std::fmt::Display for Filter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let flags: Vec<String> =
-            self.only.iter().map(|g| format!("--only '{g}'")).chain(self.skip.iter().map(|g| format!("--skip '{g}'"))).collect();
+        let flags: Vec<String> = self
+            .only
+            .iter()
+            .map(|g| format!("--only '{g}'"))
+            .chain(self.skip.iter().map(|g| format!("--skip '{g}'")))
+            .collect();
         f.write_str(&flags.join(" "))
     }
 }
@@ -96,13 +121,22 @@ impl FilterSummary {
 
     /// The error when nothing is selected: zero checks must never read as a pass.
     pub fn nothing_selected(&self) -> Option<String> {
-        (self.tensors_selected + self.decisions_selected == 0).then(|| format!("{} selects no tensor or decision name: nothing to compare or list", self.filter))
+        (self.tensors_selected + self.decisions_selected == 0).then(|| {
+            format!(
+                "{} selects no tensor or decision name: nothing to compare or list",
+                self.filter
+            )
+        })
     }
 
     /// One warning per glob that matches no name.
     pub fn warnings(&self) -> impl Iterator<Item = String> + '_ {
         self.unmatched.iter().map(|g| {
-            let flag = if self.filter.only.contains(g) { "--only" } else { "--skip" };
+            let flag = if self.filter.only.contains(g) {
+                "--only"
+            } else {
+                "--skip"
+            };
             format!("{flag} '{g}' matches no tensor or decision name")
         })
     }

@@ -37,8 +37,20 @@ pub fn json_text<T: Serialize + ?Sized>(v: &T) -> String {
 
 /// `<TAG class=.. data-json=POINTER data-v=JSON>SHOWN</TAG>`: a value of the report, shown
 /// as `shown`, tied to where the JSON holds it.
-pub fn val<T: Serialize + ?Sized>(tag: &str, class: &str, pointer: &str, v: &T, shown: &str) -> String {
-    format!("<{tag} class=\"{class}\" data-json=\"{}\" data-v=\"{}\">{}</{tag}>", esc(pointer), esc(&json_text(v)), esc(shown), tag = tag)
+pub fn val<T: Serialize + ?Sized>(
+    tag: &str,
+    class: &str,
+    pointer: &str,
+    v: &T,
+    shown: &str,
+) -> String {
+    format!(
+        "<{tag} class=\"{class}\" data-json=\"{}\" data-v=\"{}\">{}</{tag}>",
+        esc(pointer),
+        esc(&json_text(v)),
+        esc(shown),
+        tag = tag
+    )
 }
 
 /// A number of the report in a table cell (`td.num`).
@@ -51,7 +63,13 @@ pub fn fmt_real(v: Option<f64>) -> String {
     match v {
         None => "-".into(),
         Some(v) if v.is_nan() => "nan".into(),
-        Some(v) if v.is_infinite() => if v > 0.0 { "inf".into() } else { "-inf".into() },
+        Some(v) if v.is_infinite() => {
+            if v > 0.0 {
+                "inf".into()
+            } else {
+                "-inf".into()
+            }
+        }
         Some(0.0) => "0".into(),
         // A short exact form (0.9999, 0.0001, 151) as it is: rounding it could make a limit
         // read like the value it bounds.
@@ -183,7 +201,11 @@ fn decades(values: impl Iterator<Item = f64>) -> (i32, i32) {
 impl LogChart {
     pub fn render(&self) -> String {
         let mut s = String::new();
-        let all = self.series.iter().flat_map(|s| s.points.iter().filter_map(|p| p.y)).chain(self.bounds.iter().map(|b| b.y));
+        let all = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().filter_map(|p| p.y))
+            .chain(self.bounds.iter().map(|b| b.y));
         let (lo, hi) = decades(all);
         let (pw, ph) = (W - L - R, H - T - B);
         let n = self.n.max(1) as f64;
@@ -196,7 +218,12 @@ impl LogChart {
             let yy = y(10f64.powi(d));
             let _ = write!(s, "<line class=\"grid\" x1=\"{L}\" x2=\"{}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\"/><text class=\"tick\" x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">1e{d}</text>", W - R, L - 4.0, yy + 4.0);
         }
-        let _ = write!(s, "<text class=\"tick\" x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">0</text>", L - 4.0, zero_y + 4.0);
+        let _ = write!(
+            s,
+            "<text class=\"tick\" x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">0</text>",
+            L - 4.0,
+            zero_y + 4.0
+        );
         for (g, text) in &self.groups {
             let xx = L + *g as f64 * pw / n;
             let _ = write!(s, "<line class=\"grid\" x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{T}\" y2=\"{}\"/><text x=\"{:.1}\" y=\"{}\">{}</text>", T + ph, xx + 2.0, H - 8.0, esc(text));
@@ -257,7 +284,9 @@ impl LogChart {
 
 /// The layer number of a capture point's name (`layer.07.attn_out` → "07"), for x groups.
 fn layer_of(name: &str) -> Option<&str> {
-    let rest = name.strip_prefix("layer.").or_else(|| name.split_once(".layer.").map(|(_, r)| r))?;
+    let rest = name
+        .strip_prefix("layer.")
+        .or_else(|| name.split_once(".layer.").map(|(_, r)| r))?;
     rest.split('.').next()
 }
 
@@ -265,7 +294,11 @@ fn layer_of(name: &str) -> Option<&str> {
 fn groups(rows: &[TensorRow]) -> Vec<(usize, String)> {
     let mut out: Vec<(usize, String)> = Vec::new();
     for (i, r) in rows.iter().enumerate() {
-        let key = match r.tensor.strip_prefix("decode.").and_then(|s| s.split('.').next()) {
+        let key = match r
+            .tensor
+            .strip_prefix("decode.")
+            .and_then(|s| s.split('.').next())
+        {
             Some(step) => Some(format!("d{step}")),
             None => layer_of(&r.tensor).map(|l| format!("L{l}")),
         };
@@ -294,7 +327,15 @@ fn bound_of(rep: &Report, row: &TensorRow, key: &str) -> Option<(usize, f64)> {
     Some((r.index, v))
 }
 
-fn curve(rep: &Report, rows: &[TensorRow], id: &str, field: &str, bound: &str, y_label: &str, legend: &str) -> String {
+fn curve(
+    rep: &Report,
+    rows: &[TensorRow],
+    id: &str,
+    field: &str,
+    bound: &str,
+    y_label: &str,
+    legend: &str,
+) -> String {
     let value = |r: &TensorRow| -> (Option<f64>, String) {
         match field {
             "rel_l2" => (r.rel_l2.map(|v| v.0), json_text(&r.rel_l2)),
@@ -306,7 +347,13 @@ fn curve(rep: &Report, rows: &[TensorRow], id: &str, field: &str, bound: &str, y
         .enumerate()
         .map(|(i, r)| {
             let (y, json) = value(r);
-            Point { x: i, y, pointer: format!("/per_tensor/{i}/{field}"), title: format!("#{i} {}: {} {}", r.tensor, field, fmt_real(y)), json }
+            Point {
+                x: i,
+                y,
+                pointer: format!("/per_tensor/{i}/{field}"),
+                title: format!("#{i} {}: {} {}", r.tensor, field, fmt_real(y)),
+                json,
+            }
         })
         .collect();
     let mut bounds = Vec::new();
@@ -316,23 +363,57 @@ fn curve(rep: &Report, rows: &[TensorRow], id: &str, field: &str, bound: &str, y
                 "max_ulp" => json_text(&(v as u64)),
                 _ => json_text(&v),
             };
-            bounds.push(BoundBar { x: i, y: v, pointer: format!("/policy/bounds/{k}/{bound}"), json });
+            bounds.push(BoundBar {
+                x: i,
+                y: v,
+                pointer: format!("/policy/bounds/{k}/{bound}"),
+                json,
+            });
         }
     }
     let mut marks = Vec::new();
     let at = |name: &str| rows.iter().position(|r| r.tensor == name);
     if let Some(d) = &rep.first_divergence {
         if let Some(x) = at(&d.tensor) {
-            marks.push(Mark { x, id: format!("{id}-first-bit-difference"), class: "mark-fbd".into(), label: "first bit difference".into(), names: d.tensor.clone() });
+            marks.push(Mark {
+                x,
+                id: format!("{id}-first-bit-difference"),
+                class: "mark-fbd".into(),
+                label: "first bit difference".into(),
+                names: d.tensor.clone(),
+            });
         }
     }
     if let Some(v) = rep.first_violation() {
         if let Some(x) = at(&v.tensor) {
-            marks.push(Mark { x, id: format!("{id}-first-violation"), class: "mark-fv".into(), label: "first violation".into(), names: v.tensor.clone() });
+            marks.push(Mark {
+                x,
+                id: format!("{id}-first-violation"),
+                class: "mark-fv".into(),
+                label: "first violation".into(),
+                names: v.tensor.clone(),
+            });
         }
     }
-    let legend = if rep.policy.is_some() { format!("{legend} · orange bars: the policy's {bound} for the tensor's rule · hollow: 0 (identical)") } else { format!("{legend} · hollow: 0 (identical) · no policy: no bounds") };
-    LogChart { id: id.into(), y_label: y_label.into(), n: rows.len(), groups: groups(rows), series: vec![Series { key: field.into(), legend, points }], bounds, marks }.render()
+    let legend = if rep.policy.is_some() {
+        format!("{legend} · orange bars: the policy's {bound} for the tensor's rule · hollow: 0 (identical)")
+    } else {
+        format!("{legend} · hollow: 0 (identical) · no policy: no bounds")
+    };
+    LogChart {
+        id: id.into(),
+        y_label: y_label.into(),
+        n: rows.len(),
+        groups: groups(rows),
+        series: vec![Series {
+            key: field.into(),
+            legend,
+            points,
+        }],
+        bounds,
+        marks,
+    }
+    .render()
 }
 
 fn first_boxes(rep: &Report, h: &mut String) {
@@ -359,7 +440,11 @@ fn first_boxes(rep: &Report, h: &mut String) {
     }
     h.push_str("</div>");
     let fv = rep.first_violation();
-    let _ = write!(h, "<div class=\"box\" id=\"first-violation\" data-tensor=\"{}\"><b>First violation</b>: ", esc(fv.as_ref().map_or("", |v| v.tensor.as_str())));
+    let _ = write!(
+        h,
+        "<div class=\"box\" id=\"first-violation\" data-tensor=\"{}\"><b>First violation</b>: ",
+        esc(fv.as_ref().map_or("", |v| v.tensor.as_str()))
+    );
     match (&fv, &rep.policy) {
         (_, None) => h.push_str("no policy (every difference counts)"),
         (None, Some(_)) => h.push_str("none: every tensor is within the policy"),
@@ -367,7 +452,18 @@ fn first_boxes(rep: &Report, h: &mut String) {
             let p = "/first_violation";
             let _ = write!(h, "<code>{}</code>", esc(&v.tensor));
             if let Some(r) = &v.rule {
-                let _ = write!(h, " (rule #{} <code>{}</code>)", val("span", "num", &format!("{p}/rule/index"), &r.index, &r.index.to_string()), esc(&r.pattern));
+                let _ = write!(
+                    h,
+                    " (rule #{} <code>{}</code>)",
+                    val(
+                        "span",
+                        "num",
+                        &format!("{p}/rule/index"),
+                        &r.index,
+                        &r.index.to_string()
+                    ),
+                    esc(&r.pattern)
+                );
             }
             h.push_str("<ul>");
             for (i, b) in v.violations.iter().enumerate() {
@@ -377,9 +473,25 @@ fn first_boxes(rep: &Report, h: &mut String) {
                     "<li class=\"violation\" data-bound=\"{}\">{}: value {} {} limit {}</li>",
                     esc(b.bound),
                     esc(b.bound),
-                    val("span", "num", &format!("{q}/value"), &b.value, &b.value.map_or("undefined".into(), |a| amount(&a))),
-                    if b.bound == "min_cosine" { "&lt;" } else { "&gt;" },
-                    val("span", "num", &format!("{q}/limit"), &b.limit, &amount(&b.limit)),
+                    val(
+                        "span",
+                        "num",
+                        &format!("{q}/value"),
+                        &b.value,
+                        &b.value.map_or("undefined".into(), |a| amount(&a))
+                    ),
+                    if b.bound == "min_cosine" {
+                        "&lt;"
+                    } else {
+                        "&gt;"
+                    },
+                    val(
+                        "span",
+                        "num",
+                        &format!("{q}/limit"),
+                        &b.limit,
+                        &amount(&b.limit)
+                    ),
                 );
             }
             h.push_str("</ul>");
@@ -388,8 +500,20 @@ fn first_boxes(rep: &Report, h: &mut String) {
                     h,
                     "worst element at {}: reference {} vs candidate {}",
                     esc(&format!("{:?}", e.coords)),
-                    val("code", "num", &format!("{p}/worst_element/reference_value"), &e.reference_value, &e.reference_value),
-                    val("code", "num", &format!("{p}/worst_element/candidate_value"), &e.candidate_value, &e.candidate_value),
+                    val(
+                        "code",
+                        "num",
+                        &format!("{p}/worst_element/reference_value"),
+                        &e.reference_value,
+                        &e.reference_value
+                    ),
+                    val(
+                        "code",
+                        "num",
+                        &format!("{p}/worst_element/candidate_value"),
+                        &e.candidate_value,
+                        &e.candidate_value
+                    ),
                 );
             }
         }
@@ -410,7 +534,11 @@ fn tensor_table(rep: &Report, rows: &[TensorRow], h: &mut String) {
     for (i, r) in rows.iter().enumerate() {
         let p = |f: &str| format!("/per_tensor/{i}/{f}");
         let first = fv.as_deref() == Some(r.tensor.as_str());
-        let dtype = if r.candidate_dtype.name() == r.dtype { r.dtype.to_string() } else { format!("{} vs {}", r.dtype, r.candidate_dtype.name()) };
+        let dtype = if r.candidate_dtype.name() == r.dtype {
+            r.dtype.to_string()
+        } else {
+            format!("{} vs {}", r.dtype, r.candidate_dtype.name())
+        };
         let broken: Vec<String> = r.violations.iter().map(|v| v.bound.to_string()).collect();
         let _ = write!(
             h,
@@ -442,12 +570,44 @@ fn decisions(rep: &Report, h: &mut String) {
     let _ = write!(
         h,
         "<p>{} compared, {} differing (reference {}, candidate {}); missing: {}; extra: {}.</p>",
-        val("span", "num", "/decisions/compared", &d.compared, &d.compared.to_string()),
-        val("span", "num", "/decisions/differing", &d.differing, &d.differing.to_string()),
-        val("span", "num", "/decisions/reference_count", &d.reference_count, &d.reference_count.to_string()),
-        val("span", "num", "/decisions/candidate_count", &d.candidate_count, &d.candidate_count.to_string()),
-        if d.missing.is_empty() { "none".into() } else { esc(&d.missing.join(", ")) },
-        if d.extra.is_empty() { "none".into() } else { esc(&d.extra.join(", ")) },
+        val(
+            "span",
+            "num",
+            "/decisions/compared",
+            &d.compared,
+            &d.compared.to_string()
+        ),
+        val(
+            "span",
+            "num",
+            "/decisions/differing",
+            &d.differing,
+            &d.differing.to_string()
+        ),
+        val(
+            "span",
+            "num",
+            "/decisions/reference_count",
+            &d.reference_count,
+            &d.reference_count.to_string()
+        ),
+        val(
+            "span",
+            "num",
+            "/decisions/candidate_count",
+            &d.candidate_count,
+            &d.candidate_count.to_string()
+        ),
+        if d.missing.is_empty() {
+            "none".into()
+        } else {
+            esc(&d.missing.join(", "))
+        },
+        if d.extra.is_empty() {
+            "none".into()
+        } else {
+            esc(&d.extra.join(", "))
+        },
     );
     if let Some(n) = &d.near_ties {
         let _ = write!(
@@ -485,7 +645,12 @@ fn decisions(rep: &Report, h: &mut String) {
     }
     h.push_str("</table>");
     margin_chart(rep, h);
-    for (i, r) in d.results.iter().enumerate().filter(|(_, r)| !r.flips.is_empty()) {
+    for (i, r) in d
+        .results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r.flips.is_empty())
+    {
         let _ = write!(h, "<h3 class=\"mono\">{}</h3><table id=\"flips-{i}\" class=\"flips\" data-decision=\"{}\"><tr><th>row</th><th>reference</th><th>candidate</th><th>reference margin</th><th>candidate margin</th><th>source divergence</th><th>gap</th><th>noise bound</th><th>label</th><th>upstream / after</th></tr>", esc(&r.name), esc(&r.name));
         for (j, f) in r.flips.iter().enumerate().take(MAX_FLIPS) {
             let p = |k: &str| format!("/decisions/results/{i}/flips/{j}/{k}");
@@ -516,12 +681,27 @@ fn decisions(rep: &Report, h: &mut String) {
 /// The flipped rows' reference margins, one lane per decision family, on a log axis, coloured
 /// by label; a black tick is the row's noise bound (a near-tie has margin ≤ bound).
 fn margin_chart(rep: &Report, h: &mut String) {
-    let lanes: Vec<(usize, &crate::DecisionResult)> = rep.decisions.results.iter().enumerate().filter(|(_, r)| !r.flips.is_empty()).collect();
+    let lanes: Vec<(usize, &crate::DecisionResult)> = rep
+        .decisions
+        .results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r.flips.is_empty())
+        .collect();
     if lanes.is_empty() {
         h.push_str("<p class=\"note\">No flipped row: no margin distribution.</p>");
         return;
     }
-    let values = lanes.iter().flat_map(|(_, r)| r.flips.iter().take(MAX_FLIPS).flat_map(|f| [f.reference_margin, f.noise_bound])).flatten().map(|r| r.0);
+    let values = lanes
+        .iter()
+        .flat_map(|(_, r)| {
+            r.flips
+                .iter()
+                .take(MAX_FLIPS)
+                .flat_map(|f| [f.reference_margin, f.noise_bound])
+        })
+        .flatten()
+        .map(|r| r.0);
     let (lo, hi) = decades(values);
     let lane_h = 26.0;
     let left = 220.0;
@@ -602,8 +782,24 @@ pub fn render_html(rep: &Report) -> String {
         if rows.len() < rep.per_tensor.len() {
             let _ = write!(h, "<p class=\"note\">first {} of {} tensors drawn and listed (all are in the JSON report)</p>", rows.len(), rep.per_tensor.len());
         }
-        h.push_str(&curve(rep, rows, "chart-rel-l2", "rel_l2", "max_rel_l2", "relative L2 (log)", "relative L2 per capture point, in capture order"));
-        h.push_str(&curve(rep, rows, "chart-max-ulp", "max_ulp", "max_ulp", "max ULP (log)", "max ULP per capture point, in capture order"));
+        h.push_str(&curve(
+            rep,
+            rows,
+            "chart-rel-l2",
+            "rel_l2",
+            "max_rel_l2",
+            "relative L2 (log)",
+            "relative L2 per capture point, in capture order",
+        ));
+        h.push_str(&curve(
+            rep,
+            rows,
+            "chart-max-ulp",
+            "max_ulp",
+            "max_ulp",
+            "max ULP (log)",
+            "max ULP per capture point, in capture order",
+        ));
     }
     h.push_str("<h2>Decisions</h2>");
     decisions(rep, &mut h);
@@ -611,7 +807,15 @@ pub fn render_html(rep: &Report) -> String {
     tensor_table(rep, rows, &mut h);
     h.push_str("<h2>Findings</h2><ul id=\"findings\">");
     for f in &rep.findings {
-        let _ = write!(h, "<li><b>{}</b>{}: {}</li>", esc(f.kind), f.tensor.as_ref().map_or(String::new(), |t| format!(" <code>{}</code>", esc(t))), esc(&f.detail));
+        let _ = write!(
+            h,
+            "<li><b>{}</b>{}: {}</li>",
+            esc(f.kind),
+            f.tensor
+                .as_ref()
+                .map_or(String::new(), |t| format!(" <code>{}</code>", esc(t))),
+            esc(&f.detail)
+        );
     }
     if rep.findings.is_empty() {
         h.push_str("<li>none</li>");
@@ -631,14 +835,33 @@ mod tests {
 
     #[test]
     fn text_from_traces_is_escaped() {
-        let v = val("td", "num", "/per_tensor/0/tensor", "<script>alert(1)</script>", "a\"b<c>");
+        let v = val(
+            "td",
+            "num",
+            "/per_tensor/0/tensor",
+            "<script>alert(1)</script>",
+            "a\"b<c>",
+        );
         assert!(!v.contains("<script>") && !v.contains("a\"b"), "{v}");
-        assert!(v.contains("&lt;script&gt;") && v.contains("a&quot;b&lt;c&gt;"), "{v}");
+        assert!(
+            v.contains("&lt;script&gt;") && v.contains("a&quot;b&lt;c&gt;"),
+            "{v}"
+        );
     }
 
     #[test]
     fn reals_are_shown_to_three_significant_digits() {
-        let cases = [(Some(0.0001234567), "1.23e-4"), (Some(1.0), "1"), (Some(12.345), "12.345"), (Some(12.3456789), "12.3"), (Some(0.9999), "0.9999"), (Some(0.123456), "0.123"), (Some(f64::INFINITY), "inf"), (None, "-"), (Some(0.0), "0")];
+        let cases = [
+            (Some(0.0001234567), "1.23e-4"),
+            (Some(1.0), "1"),
+            (Some(12.345), "12.345"),
+            (Some(12.3456789), "12.3"),
+            (Some(0.9999), "0.9999"),
+            (Some(0.123456), "0.123"),
+            (Some(f64::INFINITY), "inf"),
+            (None, "-"),
+            (Some(0.0), "0"),
+        ];
         for (v, want) in cases {
             assert_eq!(fmt_real(v), want, "{v:?}");
         }

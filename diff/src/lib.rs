@@ -20,12 +20,17 @@ use std::path::Path;
 use serde::{Serialize, Serializer};
 use tracegate_trace::{DType, TensorInfo, Trace};
 
-pub use decisions::{margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGIN_SLACK, NEAR_TIE};
+pub use decisions::{
+    margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGIN_SLACK, NEAR_TIE,
+};
 pub use filter::{Filter, FilterSummary};
+pub use html::write_html;
 pub use numeric::{Pair, Special};
 pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
-pub use html::write_html;
-pub use render::{label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json, write_show, write_show_json};
+pub use render::{
+    label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json,
+    write_show, write_show_json,
+};
 
 /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -66,7 +71,13 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { verify: true, allow_stack_mismatch: false, all: false, policy: None, filter: Filter::default() }
+        Options {
+            verify: true,
+            allow_stack_mismatch: false,
+            all: false,
+            policy: None,
+            filter: Filter::default(),
+        }
     }
 }
 
@@ -183,8 +194,14 @@ impl Serialize for TensorsJson<'_> {
         let mut st = s.serialize_struct("TensorSummary", 8)?;
         st.serialize_field("reference_count", &t.reference_count)?;
         st.serialize_field("candidate_count", &t.candidate_count)?;
-        st.serialize_field("compared_elementwise", &NamesJson(rows, RowSet::CompareElementwise))?;
-        st.serialize_field("matched_by_digest", &NamesJson(rows, RowSet::MatchedByDigest))?;
+        st.serialize_field(
+            "compared_elementwise",
+            &NamesJson(rows, RowSet::CompareElementwise),
+        )?;
+        st.serialize_field(
+            "matched_by_digest",
+            &NamesJson(rows, RowSet::MatchedByDigest),
+        )?;
         st.serialize_field("not_scanned", &NamesJson(rows, RowSet::NotScanned))?;
         st.serialize_field("known_different", &NamesJson(rows, RowSet::KnownDifferent))?;
         st.serialize_field("missing", &t.missing)?;
@@ -450,7 +467,11 @@ pub struct Finding {
 
 impl Finding {
     pub fn new(kind: &'static str, tensor: Option<&str>, detail: impl Into<String>) -> Finding {
-        Finding { kind, tensor: tensor.map(str::to_string), detail: detail.into() }
+        Finding {
+            kind,
+            tensor: tensor.map(str::to_string),
+            detail: detail.into(),
+        }
     }
 }
 
@@ -531,7 +552,11 @@ impl std::fmt::Display for TensorViolation {
             write!(f, " (rule #{} {})", r.index, r.pattern)?;
         }
         if let Some(e) = &self.worst_element {
-            write!(f, "; worst at {}", render::element_words(self.ulp_dtype.unwrap_or(self.dtype), e))?;
+            write!(
+                f,
+                "; worst at {}",
+                render::element_words(self.ulp_dtype.unwrap_or(self.dtype), e)
+            )?;
         }
         Ok(())
     }
@@ -563,7 +588,10 @@ impl Report {
 
     /// The names of one of [`TensorSummary`]'s sets, in reference order.
     pub fn names(&self, set: RowSet) -> impl Iterator<Item = &str> {
-        self.per_tensor.iter().filter(move |r| set.holds(r)).map(|r| r.tensor.as_str())
+        self.per_tensor
+            .iter()
+            .filter(move |r| set.holds(r))
+            .map(|r| r.tensor.as_str())
     }
 
     fn empty(reference: Side, candidate: Side, opts: &Options) -> Report {
@@ -571,8 +599,16 @@ impl Report {
             verdict: Verdict::Identical,
             reference,
             candidate,
-            policy: opts.policy.as_ref().map(|p| PolicyRef { name: p.name.clone(), rules: p.rules.len(), bounds: p.rules.clone() }),
-            scan: if opts.all || opts.policy.is_some() { "all" } else { "first" },
+            policy: opts.policy.as_ref().map(|p| PolicyRef {
+                name: p.name.clone(),
+                rules: p.rules.len(),
+                bounds: p.rules.clone(),
+            }),
+            scan: if opts.all || opts.policy.is_some() {
+                "all"
+            } else {
+                "first"
+            },
             filter: None,
             tensors: TensorSummary::default(),
             decisions: DecisionSummary::default(),
@@ -589,7 +625,10 @@ impl Report {
 
     /// The total differing elements among tensors compared element by element.
     pub fn differing_elements(&self) -> u64 {
-        self.per_tensor.iter().filter_map(|r| r.differing_elements).sum()
+        self.per_tensor
+            .iter()
+            .filter_map(|r| r.differing_elements)
+            .sum()
     }
 }
 
@@ -597,7 +636,10 @@ fn side(t: Option<&Trace>, path: Option<&Path>, verified: bool) -> Side {
     Side {
         path: path.map(|p| p.display().to_string()),
         digest: t.map(|t| t.digest().hex()),
-        producer: t.and_then(|t| t.provenance().get("producer")).and_then(|v| v.as_str()).map(str::to_string),
+        producer: t
+            .and_then(|t| t.provenance().get("producer"))
+            .and_then(|v| v.as_str())
+            .map(str::to_string),
         verified,
     }
 }
@@ -616,7 +658,8 @@ pub fn compare_files(reference: &Path, candidate: &Path, opts: &Options) -> Repo
             rep.verdict = Verdict::Unreadable;
             for (label, res) in [("reference", &r), ("candidate", &c)] {
                 if let Err(e) = res {
-                    rep.findings.push(Finding::new("unreadable", None, format!("{label}: {e}")));
+                    rep.findings
+                        .push(Finding::new("unreadable", None, format!("{label}: {e}")));
                 }
             }
             rep
@@ -629,9 +672,14 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     // A filter that selects nothing is bad usage, known from the indexes alone: no hashing first.
     let filter = opts.filter.summary(&[reference, candidate]);
     if let Some(why) = filter.as_ref().and_then(FilterSummary::nothing_selected) {
-        let mut rep = Report::empty(side(Some(reference), Some(reference.path()), false), side(Some(candidate), Some(candidate.path()), false), opts);
+        let mut rep = Report::empty(
+            side(Some(reference), Some(reference.path()), false),
+            side(Some(candidate), Some(candidate.path()), false),
+            opts,
+        );
         (rep.verdict, rep.filter) = (Verdict::Unreadable, filter);
-        rep.findings.push(Finding::new("nothing_selected", None, why));
+        rep.findings
+            .push(Finding::new("nothing_selected", None, why));
         return rep;
     }
     // 1. Readable and verified. Both files are hashed at once (each verify is itself parallel
@@ -642,8 +690,16 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         (Ok(()), Ok(()))
     };
     let mut rep = Report::empty(
-        side(Some(reference), Some(reference.path()), opts.verify && vr.is_ok()),
-        side(Some(candidate), Some(candidate.path()), opts.verify && vc.is_ok()),
+        side(
+            Some(reference),
+            Some(reference.path()),
+            opts.verify && vr.is_ok(),
+        ),
+        side(
+            Some(candidate),
+            Some(candidate.path()),
+            opts.verify && vc.is_ok(),
+        ),
         opts,
     );
     rep.filter = filter;
@@ -651,7 +707,8 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         rep.verdict = Verdict::Unreadable;
         for (label, res) in [("reference", &vr), ("candidate", &vc)] {
             if let Err(e) = res {
-                rep.findings.push(Finding::new("unreadable", None, format!("{label}: {e}")));
+                rep.findings
+                    .push(Finding::new("unreadable", None, format!("{label}: {e}")));
             }
         }
         return rep;
@@ -678,11 +735,25 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     // 5. Decisions (every one the filter selects), each flip labelled; under a policy the rows
     // after a near-tie leave the judgement and their tensors are judged again without them.
     different |= decisions::compare(reference, candidate, opts, &mut rep);
-    let rejudged = rep.decisions.near_ties.as_ref().is_some_and(|n| !n.tensors.is_empty());
-    different |= if rejudged { rep.per_tensor.iter().any(|r| matches!(r.status, "outside_policy" | "no_rule" | "rerouted")) } else { values_different };
+    let rejudged = rep
+        .decisions
+        .near_ties
+        .as_ref()
+        .is_some_and(|n| !n.tensors.is_empty());
+    different |= if rejudged {
+        rep.per_tensor
+            .iter()
+            .any(|r| matches!(r.status, "outside_policy" | "no_rule" | "rerouted"))
+    } else {
+        values_different
+    };
 
     let any_value_difference = rep.per_tensor.iter().any(|r| r.status != "identical")
-        || rep.decisions.results.iter().any(|d| d.margin_differing_rows > 0 || d.differing_rows > 0);
+        || rep
+            .decisions
+            .results
+            .iter()
+            .any(|d| d.margin_differing_rows > 0 || d.differing_rows > 0);
     rep.verdict = if different {
         Verdict::Different
     } else if opts.policy.is_some() && any_value_difference {
@@ -696,7 +767,13 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     // forced from the other differs from it in that attribute, so its digest cannot match (the
     // decisions_forced note says so instead).
     let whole = rep.filter.as_ref().is_none_or(|f| !f.left_out_any());
-    if rep.verdict == Verdict::Identical && whole && rep.reference.verified && rep.candidate.verified && reference.digest() != candidate.digest() && !forced_from_other {
+    if rep.verdict == Verdict::Identical
+        && whole
+        && rep.reference.verified
+        && rep.candidate.verified
+        && reference.digest() != candidate.digest()
+        && !forced_from_other
+    {
         rep.verdict = Verdict::Different;
         rep.findings.push(Finding::new(
             "content_digest_differs",
@@ -721,7 +798,11 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         match c.tensor_info(&info.name) {
             None => {
                 rep.tensors.missing.push(info.name.clone());
-                rep.findings.push(Finding::new("missing_tensor", Some(&info.name), "in the reference, not in the candidate"));
+                rep.findings.push(Finding::new(
+                    "missing_tensor",
+                    Some(&info.name),
+                    "in the reference, not in the candidate",
+                ));
             }
             // Two float dtypes are compared by value (Values); anything else cannot be.
             Some(ci) if Pair::new(info.dtype, ci.dtype).is_none() => {
@@ -733,11 +814,18 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             }
             Some(ci) if ci.shape != info.shape && !reroute::rerouted(info, ci) => {
                 let same_count = ci.element_count() == info.element_count();
-                let note = if same_count { " (same element count: transposed or reshaped)" } else { "" };
+                let note = if same_count {
+                    " (same element count: transposed or reshaped)"
+                } else {
+                    ""
+                };
                 rep.findings.push(Finding::new(
                     "shape_mismatch",
                     Some(&info.name),
-                    format!("reference {:?} vs candidate {:?}{note}", info.shape, ci.shape),
+                    format!(
+                        "reference {:?} vs candidate {:?}{note}",
+                        info.shape, ci.shape
+                    ),
                 ));
             }
             Some(ci) => attribute_findings(info, ci, &digests, rep),
@@ -746,11 +834,23 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     for info in c.tensors().iter().filter(|i| opts.selects(&i.name)) {
         if r.tensor_info(&info.name).is_none() {
             rep.tensors.extra.push(info.name.clone());
-            rep.findings.push(Finding::new("extra_tensor", Some(&info.name), "in the candidate, not in the reference"));
+            rep.findings.push(Finding::new(
+                "extra_tensor",
+                Some(&info.name),
+                "in the candidate, not in the reference",
+            ));
         }
     }
-    let rn = r.tensors().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && c.tensor_info(n).is_some());
-    let cn = c.tensors().iter().map(|i| i.name.as_str()).filter(|n| opts.selects(n) && r.tensor_info(n).is_some());
+    let rn = r
+        .tensors()
+        .iter()
+        .map(|i| i.name.as_str())
+        .filter(|n| opts.selects(n) && c.tensor_info(n).is_some());
+    let cn = c
+        .tensors()
+        .iter()
+        .map(|i| i.name.as_str())
+        .filter(|n| opts.selects(n) && r.tensor_info(n).is_some());
     if let Some(f) = order_finding("order_mismatch", rn, cn) {
         rep.findings.push(f);
     }
@@ -764,23 +864,39 @@ fn attribute_findings(r: &TensorInfo, c: &TensorInfo, digests: &[String; 2], rep
     let (ra, ca) = (&r.attributes, &c.attributes);
     let show = |v: Option<String>| v.unwrap_or_else(|| "absent".into());
     if ra.step != ca.step {
-        let detail = format!("attribute step: {} in the reference, {} in the candidate", show(ra.step.map(|s| s.to_string())), show(ca.step.map(|s| s.to_string())));
-        rep.findings.push(Finding::new("attribute_differs", Some(&r.name), detail));
+        let detail = format!(
+            "attribute step: {} in the reference, {} in the candidate",
+            show(ra.step.map(|s| s.to_string())),
+            show(ca.step.map(|s| s.to_string()))
+        );
+        rep.findings
+            .push(Finding::new("attribute_differs", Some(&r.name), detail));
     }
-    let keys: std::collections::BTreeSet<&String> = ra.extra.keys().chain(ca.extra.keys()).collect();
+    let keys: std::collections::BTreeSet<&String> =
+        ra.extra.keys().chain(ca.extra.keys()).collect();
     for key in keys {
         let (a, b) = (ra.extra.get(key), ca.extra.get(key));
         if a != b && !forced_from_other(key, a, b, digests) {
             let q = |v: Option<&String>| show(v.map(|s| format!("{s:?}")));
-            let detail = format!("attribute {key:?}: {} in the reference, {} in the candidate", q(a), q(b));
-            rep.findings.push(Finding::new("attribute_differs", Some(&r.name), detail));
+            let detail = format!(
+                "attribute {key:?}: {} in the reference, {} in the candidate",
+                q(a),
+                q(b)
+            );
+            rep.findings
+                .push(Finding::new("attribute_differs", Some(&r.name), detail));
         }
     }
 }
 
 /// `forced=D` on one side only, D the other side's content digest: that side took its decisions
 /// from this very trace (`--force-decisions`, docs/producers.md), which is not a difference.
-fn forced_from_other(key: &str, r: Option<&String>, c: Option<&String>, digests: &[String; 2]) -> bool {
+fn forced_from_other(
+    key: &str,
+    r: Option<&String>,
+    c: Option<&String>,
+    digests: &[String; 2],
+) -> bool {
     key == "forced"
         && match (r, c) {
             (None, Some(d)) => *d == digests[0],
@@ -796,20 +912,34 @@ fn forced_note(r: &Trace, c: &Trace) -> Option<Finding> {
     let mut sides = [0usize; 2];
     for ri in r.tensors() {
         if let Some(ci) = c.tensor_info(&ri.name) {
-            let (a, b) = (ri.attributes.extra.get("forced"), ci.attributes.extra.get("forced"));
+            let (a, b) = (
+                ri.attributes.extra.get("forced"),
+                ci.attributes.extra.get("forced"),
+            );
             if a != b && forced_from_other("forced", a, b, &digests) {
                 sides[usize::from(a.is_none())] += 1;
             }
         }
     }
-    let (forced, from, n, digest) = if sides[1] > 0 { ("candidate", "reference", sides[1], &digests[0]) } else { ("reference", "candidate", sides[0], &digests[1]) };
+    let (forced, from, n, digest) = if sides[1] > 0 {
+        ("candidate", "reference", sides[1], &digests[0])
+    } else {
+        ("reference", "candidate", sides[0], &digests[1])
+    };
     (n > 0).then(|| Finding::new("decisions_forced", None, format!("the {forced}'s decisions were forced from the {from} (--force-decisions): {n} tensors carry forced={digest}")))
 }
 
 /// Compares the relative order of the names both sides share (each iterator already keeps
 /// only those); names the first out of place. Allocates nothing: traces hold a million names.
-pub(crate) fn order_finding<'a>(kind: &'static str, r_common: impl Iterator<Item = &'a str>, c_common: impl Iterator<Item = &'a str>) -> Option<Finding> {
-    let (i, (a, b)) = r_common.zip(c_common).enumerate().find(|(_, (a, b))| a != b)?;
+pub(crate) fn order_finding<'a>(
+    kind: &'static str,
+    r_common: impl Iterator<Item = &'a str>,
+    c_common: impl Iterator<Item = &'a str>,
+) -> Option<Finding> {
+    let (i, (a, b)) = r_common
+        .zip(c_common)
+        .enumerate()
+        .find(|(_, (a, b))| a != b)?;
     Some(Finding::new(kind, Some(a), format!("capture order differs at common position {i}: reference has {a:?}, candidate has {b:?}")))
 }
 
@@ -884,21 +1014,43 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     let mut different = false;
     let mut stopped = false;
     // One row per common tensor, allocated once: doubling a million-row Vec holds both copies.
-    rep.per_tensor.reserve_exact(r.tensors().iter().filter(|ri| opts.selects(&ri.name) && c.tensor_info(&ri.name).is_some()).count());
+    rep.per_tensor.reserve_exact(
+        r.tensors()
+            .iter()
+            .filter(|ri| opts.selects(&ri.name) && c.tensor_info(&ri.name).is_some())
+            .count(),
+    );
     for ri in r.tensors().iter().filter(|ri| opts.selects(&ri.name)) {
-        let Some(ci) = c.tensor_info(&ri.name) else { continue };
+        let Some(ci) = c.tensor_info(&ri.name) else {
+            continue;
+        };
         if reroute::rerouted(ri, ci) {
             // Other tokens routed to this expert: compared on the positions both sides hold.
-            let Some(pair) = Pair::new(ri.dtype, ci.dtype) else { continue };
-            let (row, findings, _) = reroute::judge(r, c, ri, ci, pair, opts.policy.as_ref(), &Default::default());
+            let Some(pair) = Pair::new(ri.dtype, ci.dtype) else {
+                continue;
+            };
+            let (row, findings, _) = reroute::judge(
+                r,
+                c,
+                ri,
+                ci,
+                pair,
+                opts.policy.as_ref(),
+                &Default::default(),
+            );
             different |= row.status != "identical" && row.status != "within_policy";
             rep.tensors.compared_elementwise.add();
             rep.findings.extend(findings);
             rep.per_tensor.push(row);
             continue;
         }
-        let Some(pair) = Pair::new(ri.dtype, ci.dtype).filter(|_| ci.shape == ri.shape) else { continue };
-        let rule = opts.policy.as_ref().map(|p| p.rule_for(&ri.name, ci.attributes.path.as_deref()));
+        let Some(pair) = Pair::new(ri.dtype, ci.dtype).filter(|_| ci.shape == ri.shape) else {
+            continue;
+        };
+        let rule = opts
+            .policy
+            .as_ref()
+            .map(|p| p.rule_for(&ri.name, ci.attributes.path.as_deref()));
         let digest_equal = trust_digests && !pair.is_mixed() && ri.digest == ci.digest;
         let mut row;
         if digest_equal {
@@ -906,10 +1058,26 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             row = row_for(ri, pair, Method::Digest, "identical");
             row.differing_elements = Some(0);
             row.max_ulp = Some(0);
-            (row.max_abs, row.max_rel, row.cosine, row.rel_l2, row.scale_error) = (Some(Real(0.0)), Some(Real(0.0)), Some(Real(1.0)), Some(Real(0.0)), Some(Real(0.0)));
+            (
+                row.max_abs,
+                row.max_rel,
+                row.cosine,
+                row.rel_l2,
+                row.scale_error,
+            ) = (
+                Some(Real(0.0)),
+                Some(Real(0.0)),
+                Some(Real(1.0)),
+                Some(Real(0.0)),
+                Some(Real(0.0)),
+            );
             rep.tensors.matched_by_digest.add();
         } else if stopped {
-            let status = if trust_digests { "differs_by_digest" } else { "unknown" };
+            let status = if trust_digests {
+                "differs_by_digest"
+            } else {
+                "unknown"
+            };
             row = row_for(ri, pair, Method::NotScanned, status);
             rep.tensors.not_scanned.add();
             // What follows a divergence is noise: a later change is not a finding by default
@@ -925,11 +1093,18 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             // Across dtypes nothing is bit-identical: equal values are still judged (policy) or
             // different (by bits).
             let identical = s.differing == 0 && !pair.is_mixed();
-            row = row_for(ri, pair, Method::Elementwise, if identical { "identical" } else { "different" });
+            row = row_for(
+                ri,
+                pair,
+                Method::Elementwise,
+                if identical { "identical" } else { "different" },
+            );
             set_stats(&mut row, &s);
             if s.differing > 0 {
                 if rep.first_divergence.is_none() {
-                    row.median_ulp = ulps.as_ref().and_then(|u| numeric::median_ulp(pair, rd, cd, &s, u));
+                    row.median_ulp = ulps
+                        .as_ref()
+                        .and_then(|u| numeric::median_ulp(pair, rd, cd, &s, u));
                     rep.first_divergence = Some(divergence(ri, pair, rd, cd, &s, &row));
                     specials_findings(ri, &s, rep);
                 }
@@ -941,26 +1116,38 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         if let Some(rule) = rule {
             match rule {
                 None => {
-                    rep.findings.push(Finding::new("no_policy_rule", Some(&ri.name), "no rule in the policy matches this tensor"));
+                    rep.findings.push(Finding::new(
+                        "no_policy_rule",
+                        Some(&ri.name),
+                        "no rule in the policy matches this tensor",
+                    ));
                     row.status = "no_rule";
                     different = true;
                 }
                 Some((idx, rule)) => {
-                    row.rule = Some(Box::new(RuleRef { index: idx, pattern: rule.pattern.clone() }));
+                    row.rule = Some(Box::new(RuleRef {
+                        index: idx,
+                        pattern: rule.pattern.clone(),
+                    }));
                     if row.status == "different" {
                         if let Some(f) = judge_row(&mut row, idx, rule) {
                             different = true;
                             rep.findings.push(f);
                             // One more pass, over failing tensors only: where it fails most.
                             let (rd, cd) = (r.data(ri), c.data(ci));
-                            row.worst_element = worst::locate(pair, rd, cd).map(|i| Box::new(element(pair, &ri.shape, rd, cd, i)));
+                            row.worst_element = worst::locate(pair, rd, cd)
+                                .map(|i| Box::new(element(pair, &ri.shape, rd, cd, i)));
                         }
                     }
                 }
             }
         } else if row.status == "different" {
             different = true;
-            let counts = format!("{} of {} elements differ", row.differing_elements.unwrap_or(0), row.total_elements);
+            let counts = format!(
+                "{} of {} elements differ",
+                row.differing_elements.unwrap_or(0),
+                row.total_elements
+            );
             let detail = match pair.ulp_dtype().filter(|_| pair.is_mixed()) {
                 Some(unit) => format!(
                     "reference {} vs candidate {}, compared in {unit} ULPs: {counts} in value (bit-identical does not exist across dtypes)",
@@ -968,7 +1155,8 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                 ),
                 None => counts,
             };
-            rep.findings.push(Finding::new("values_differ", Some(&ri.name), detail));
+            rep.findings
+                .push(Finding::new("values_differ", Some(&ri.name), detail));
         }
         rep.per_tensor.push(row);
     }
@@ -983,8 +1171,17 @@ pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
     row.cosine = s.cosine().map(Real);
     row.rel_l2 = s.rel_l2().map(Real);
     row.scale_error = s.scale_error().map(Real);
-    (row.signed_zero, row.nan_mismatch, row.nan_payload, row.infinity) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
-    row.max_ulp = if s.differing > 0 { (s.with_distance() > 0).then_some(s.max_ulp) } else { Some(0) };
+    (
+        row.signed_zero,
+        row.nan_mismatch,
+        row.nan_payload,
+        row.infinity,
+    ) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
+    row.max_ulp = if s.differing > 0 {
+        (s.with_distance() > 0).then_some(s.max_ulp)
+    } else {
+        Some(0)
+    };
 }
 
 /// Judges a differing row by its rule from the row's statistics: sets `violations` and the
@@ -1007,7 +1204,11 @@ pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<
     }
     row.status = "outside_policy";
     let broken: Vec<String> = row.violations.iter().map(|v| v.to_string()).collect();
-    Some(Finding::new("outside_policy", Some(&row.tensor), format!("rule {idx} ({}): {}", rule.pattern, broken.join("; "))))
+    Some(Finding::new(
+        "outside_policy",
+        Some(&row.tensor),
+        format!("rule {idx} ({}): {}", rule.pattern, broken.join("; ")),
+    ))
 }
 
 /// Names signed-zero / NaN / infinity differences of the first differing tensor as findings.
@@ -1019,7 +1220,11 @@ fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
         (s.infinity, "infinity", Special::Infinity),
     ] {
         if count > 0 {
-            rep.findings.push(Finding::new(kind, Some(&info.name), format!("{count} element(s): {}", what.describe())));
+            rep.findings.push(Finding::new(
+                kind,
+                Some(&info.name),
+                format!("{count} element(s): {}", what.describe()),
+            ));
         }
     }
 }
@@ -1028,7 +1233,10 @@ fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
 /// its own dtype, the distance in the pair's ULPs (the coarser dtype's for a mixed pair).
 fn element(pair: Pair, shape: &[u64], rd: &[u8], cd: &[u8], idx: u64) -> Element {
     let (rt, ct) = (pair.reference, pair.candidate);
-    let (a, b) = (numeric::element_bits(rt, rd, idx), numeric::element_bits(ct, cd, idx));
+    let (a, b) = (
+        numeric::element_bits(rt, rd, idx),
+        numeric::element_bits(ct, cd, idx),
+    );
     let (special, ulp) = numeric::pair_element(pair, rd, cd, idx).unwrap_or((None, Some(0)));
     Element {
         flat_index: idx,
@@ -1058,7 +1266,14 @@ impl Divergence {
     }
 }
 
-fn divergence(info: &TensorInfo, pair: Pair, rd: &[u8], cd: &[u8], s: &numeric::Stats, row: &TensorRow) -> Divergence {
+fn divergence(
+    info: &TensorInfo,
+    pair: Pair,
+    rd: &[u8],
+    cd: &[u8],
+    s: &numeric::Stats,
+    row: &TensorRow,
+) -> Divergence {
     let idx = s.first.expect("a differing tensor has a first difference");
     let e = element(pair, &info.shape, rd, cd, idx);
     Divergence {
@@ -1089,12 +1304,20 @@ fn divergence(info: &TensorInfo, pair: Pair, rd: &[u8], cd: &[u8], s: &numeric::
 /// Max |reference − candidate| over elements `[start, end)` of a tensor present in both with
 /// the same shape and comparable dtypes (the same, or two floats: real values, each in its
 /// own dtype); infinite when a NaN or infinity differs there.
-pub(crate) fn range_divergence(r: &Trace, c: &Trace, name: &str, rows: Option<(u64, u64)>) -> Option<f64> {
+pub(crate) fn range_divergence(
+    r: &Trace,
+    c: &Trace,
+    name: &str,
+    rows: Option<(u64, u64)>,
+) -> Option<f64> {
     let (ri, ci) = (r.tensor_info(name)?, c.tensor_info(name)?);
     let pair = Pair::new(ri.dtype, ci.dtype).filter(|_| ri.shape == ci.shape)?;
     let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
     let (start, end) = row_range(ri, rows);
-    let (a, b) = (&r.data(ri)[start as usize * rs..end as usize * rs], &c.data(ci)[start as usize * cs..end as usize * cs]);
+    let (a, b) = (
+        &r.data(ri)[start as usize * rs..end as usize * rs],
+        &c.data(ci)[start as usize * cs..end as usize * cs],
+    );
     let (s, _) = numeric::scan(pair, a, b, false);
     if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
         return Some(f64::INFINITY);
@@ -1117,7 +1340,10 @@ pub(crate) fn row_range(info: &TensorInfo, rows: Option<(u64, u64)>) -> (u64, u6
 
 /// Exposed for tests and tools: the dtype's printed value for raw bits.
 pub fn describe_bits(dtype: DType, bits: u64) -> (String, String) {
-    (numeric::format_value(dtype, bits), numeric::hex_bits(dtype, bits))
+    (
+        numeric::format_value(dtype, bits),
+        numeric::hex_bits(dtype, bits),
+    )
 }
 
 #[cfg(test)]

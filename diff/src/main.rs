@@ -4,7 +4,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracegate_diff::{compare_files, terminal_safe, write_html, write_human, write_json, write_show, write_show_json, Filter, FilterSummary, Options, Policy};
+use tracegate_diff::{
+    compare_files, terminal_safe, write_html, write_human, write_json, write_show, write_show_json,
+    Filter, FilterSummary, Options, Policy,
+};
 use tracegate_trace::Trace;
 
 const AFTER_HELP: &str = "\
@@ -79,7 +82,10 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = Filter { only: cli.only.clone(), skip: cli.skip.clone() };
+    let filter = Filter {
+        only: cli.only.clone(),
+        skip: cli.skip.clone(),
+    };
     if let Some(path) = &cli.show {
         return show(path, !cli.no_verify, cli.json, &filter);
     }
@@ -93,20 +99,36 @@ fn main() -> ExitCode {
             }
         },
     };
-    let opts = Options { verify: !cli.no_verify, allow_stack_mismatch: cli.allow_stack_mismatch, all: cli.all, policy, filter };
-    let (r, c) = (cli.reference.expect("required by clap"), cli.candidate.expect("required by clap"));
+    let opts = Options {
+        verify: !cli.no_verify,
+        allow_stack_mismatch: cli.allow_stack_mismatch,
+        all: cli.all,
+        policy,
+        filter,
+    };
+    let (r, c) = (
+        cli.reference.expect("required by clap"),
+        cli.candidate.expect("required by clap"),
+    );
     let report = compare_files(&r, &c, &opts);
     if let Some(code) = report.filter.as_ref().and_then(filter_usage) {
         return code;
     }
     if let Some(path) = &cli.html {
         if let Err(e) = write_html(&report, path) {
-            eprintln!("trace-diff: cannot write {}: {e}", terminal_safe(&path.display().to_string()));
+            eprintln!(
+                "trace-diff: cannot write {}: {e}",
+                terminal_safe(&path.display().to_string())
+            );
             return ExitCode::from(2);
         }
     }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let written = if cli.json { write_json(&report, &mut out) } else { write_human(&report, &mut out) };
+    let written = if cli.json {
+        write_json(&report, &mut out)
+    } else {
+        write_human(&report, &mut out)
+    };
     if let Err(e) = written {
         if let Some(code) = write_failed(e) {
             return code;
@@ -146,7 +168,11 @@ fn show(path: &PathBuf, verify: bool, json: bool, filter: &Filter) -> ExitCode {
     }
     let v = verify.then(|| t.verify().map_err(|e| e.to_string()));
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let written = if json { write_show_json(&t, v.as_ref(), filter.as_ref(), &mut out) } else { write_show(&t, v.as_ref(), filter.as_ref(), &mut out) };
+    let written = if json {
+        write_show_json(&t, v.as_ref(), filter.as_ref(), &mut out)
+    } else {
+        write_show(&t, v.as_ref(), filter.as_ref(), &mut out)
+    };
     if let Err(e) = written.and_then(|()| std::io::Write::flush(&mut out)) {
         if let Some(code) = write_failed(e) {
             return code;

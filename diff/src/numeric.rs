@@ -62,15 +62,46 @@ macro_rules! float_kind {
             }
         }
         impl Float for $name {
-            const FORMAT: Format = Format { exp: ($exp_mask as u64).count_ones(), frac: ($man_mask as u64).count_ones() };
+            const FORMAT: Format = Format {
+                exp: ($exp_mask as u64).count_ones(),
+                frac: ($man_mask as u64).count_ones(),
+            };
         }
     };
 }
 
-float_kind!(F64K, 8, u64, |b| f64::from_bits(b), 0x7ff0_0000_0000_0000, 0x000f_ffff_ffff_ffff);
-float_kind!(F32K, 4, u32, |b| f32::from_bits(b) as f64, 0x7f80_0000, 0x007f_ffff);
-float_kind!(F16K, 2, u16, |b| half::f16::from_bits(b).to_f64(), 0x7c00, 0x03ff);
-float_kind!(BF16K, 2, u16, |b| half::bf16::from_bits(b).to_f64(), 0x7f80, 0x007f);
+float_kind!(
+    F64K,
+    8,
+    u64,
+    |b| f64::from_bits(b),
+    0x7ff0_0000_0000_0000,
+    0x000f_ffff_ffff_ffff
+);
+float_kind!(
+    F32K,
+    4,
+    u32,
+    |b| f32::from_bits(b) as f64,
+    0x7f80_0000,
+    0x007f_ffff
+);
+float_kind!(
+    F16K,
+    2,
+    u16,
+    |b| half::f16::from_bits(b).to_f64(),
+    0x7c00,
+    0x03ff
+);
+float_kind!(
+    BF16K,
+    2,
+    u16,
+    |b| half::bf16::from_bits(b).to_f64(),
+    0x7f80,
+    0x007f
+);
 
 /// An IEEE binary float format: exponent bits and fraction bits (the significand has one more).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,11 +135,17 @@ pub struct Pair {
 
 impl Pair {
     pub fn new(reference: DType, candidate: DType) -> Option<Pair> {
-        (reference == candidate || (reference.is_float() && candidate.is_float())).then_some(Pair { reference, candidate })
+        (reference == candidate || (reference.is_float() && candidate.is_float())).then_some(Pair {
+            reference,
+            candidate,
+        })
     }
 
     pub const fn same(dtype: DType) -> Pair {
-        Pair { reference: dtype, candidate: dtype }
+        Pair {
+            reference: dtype,
+            candidate: dtype,
+        }
     }
 
     pub fn is_mixed(self) -> bool {
@@ -120,7 +157,11 @@ impl Pair {
     /// integers, whose distance is the absolute difference.
     pub fn ulp_dtype(self) -> Option<DType> {
         let (r, c) = (format_of(self.reference)?, format_of(self.candidate)?);
-        Some(if c.frac < r.frac { self.candidate } else { self.reference })
+        Some(if c.frac < r.frac {
+            self.candidate
+        } else {
+            self.reference
+        })
     }
 }
 
@@ -157,7 +198,11 @@ fn narrow(to: Format, x: u64) -> u64 {
     }
     // value = sig · 2^e2, its leading bit 2^p.
     let biased = (mag >> 52) as i64;
-    let (sig, e2) = if biased == 0 { (mag, -1074) } else { ((mag & ((1 << 52) - 1)) | (1 << 52), biased - 1075) };
+    let (sig, e2) = if biased == 0 {
+        (mag, -1074)
+    } else {
+        ((mag & ((1 << 52) - 1)) | (1 << 52), biased - 1075)
+    };
     let p = 63 - sig.leading_zeros() as i64 + e2;
     // The step of `to` at this magnitude: 2^(p − m) for a normal, the subnormal step below.
     let bias = (1i64 << (e - 1)) - 1;
@@ -224,7 +269,11 @@ fn mixed_pair<A: Float, B: Float>(a: u64, b: u64) -> Option<(Option<Special>, Op
     let (fx, fy) = (f64::from_bits(x), f64::from_bits(y));
     let (na, nb) = (fx.is_nan(), fy.is_nan());
     if na || nb {
-        let special = if na && nb { Special::NanPayload } else { Special::NanMismatch };
+        let special = if na && nb {
+            Special::NanPayload
+        } else {
+            Special::NanMismatch
+        };
         return Some((Some(special), None));
     }
     let to = coarser(A::FORMAT, B::FORMAT);
@@ -370,14 +419,23 @@ impl Stats {
     /// Adds one element pair (index `idx`, values `x` and `y`): its values to the sums when both
     /// are finite, and, when it differs, its kind and distance (`differs`).
     #[inline(always)]
-    fn add(&mut self, idx: u64, x: f64, y: f64, differs: Option<(Option<Special>, Option<u64>)>, ulps: Option<&mut UlpCounts>) {
+    fn add(
+        &mut self,
+        idx: u64,
+        x: f64,
+        y: f64,
+        differs: Option<(Option<Special>, Option<u64>)>,
+        ulps: Option<&mut UlpCounts>,
+    ) {
         let both_finite = x.is_finite() && y.is_finite();
         if both_finite {
             self.rr += x * x;
             self.cc += y * y;
             self.rc += x * y;
         }
-        let Some((special, ulp)) = differs else { return };
+        let Some((special, ulp)) = differs else {
+            return;
+        };
         self.differing += 1;
         if self.first.is_none() {
             self.first = Some(idx);
@@ -458,7 +516,11 @@ pub(crate) struct Window {
 
 impl Window {
     /// Counts [0, BUCKETS) one ULP per bucket: the window when a sample says nothing.
-    const SMALL: Window = Window { lo: 0, shift: 0, buckets: BUCKETS as u32 };
+    const SMALL: Window = Window {
+        lo: 0,
+        shift: 0,
+        buckets: BUCKETS as u32,
+    };
 
     /// The largest offset from `lo` inside the window (clamped: `lo + last` fits a u64).
     fn last(&self) -> u64 {
@@ -495,8 +557,15 @@ impl Window {
         let at = |q: f64| sample[((q * (m - 1) as f64).round() as usize).min(m - 1)];
         let (from, to) = (at((0.5 - margin).max(0.0)), at((0.5 + margin).min(1.0)));
         let span = (to - from) as u128 + 1;
-        let shift = span.div_ceil(BUCKETS as u128).next_power_of_two().trailing_zeros();
-        Window { lo: from, shift, buckets: span.div_ceil(1 << shift) as u32 }
+        let shift = span
+            .div_ceil(BUCKETS as u128)
+            .next_power_of_two()
+            .trailing_zeros();
+        Window {
+            lo: from,
+            shift,
+            buckets: span.div_ceil(1 << shift) as u32,
+        }
     }
 }
 
@@ -510,8 +579,15 @@ pub(crate) struct UlpCounts {
 
 impl UlpCounts {
     fn new(window: Window) -> UlpCounts {
-        let buckets = vec![0; BUCKETS * COPIES].into_boxed_slice().try_into().expect("BUCKETS * COPIES elements");
-        UlpCounts { window, below: 0, buckets }
+        let buckets = vec![0; BUCKETS * COPIES]
+            .into_boxed_slice()
+            .try_into()
+            .expect("BUCKETS * COPIES elements");
+        UlpCounts {
+            window,
+            below: 0,
+            buckets,
+        }
     }
 
     /// Counts one pair in bucket `k`, in copy `j % COPIES`.
@@ -609,22 +685,47 @@ fn scan_chunk<K: Num>(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCo
             return s;
         }
     }
-    for (i, (e, f)) in r.chunks_exact(K::SIZE).zip(c.chunks_exact(K::SIZE)).enumerate() {
+    for (i, (e, f)) in r
+        .chunks_exact(K::SIZE)
+        .zip(c.chunks_exact(K::SIZE))
+        .enumerate()
+    {
         let (a, b) = (K::bits(e), K::bits(f));
         let differs = (a != b).then(|| classify::<K>(a, b));
-        s.add(base + i as u64, K::to_f64(a), K::to_f64(b), differs, ulps.as_deref_mut());
+        s.add(
+            base + i as u64,
+            K::to_f64(a),
+            K::to_f64(b),
+            differs,
+            ulps.as_deref_mut(),
+        );
     }
     s
 }
 
 /// [`scan_chunk`] for two float dtypes, element by element ([`mixed_pair`]): the careful path
 /// of every mixed pair, and the whole scan of all but f32 against bf16.
-fn scan_chunk_mixed<A: Float, B: Float>(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts>) -> Stats {
+fn scan_chunk_mixed<A: Float, B: Float>(
+    r: &[u8],
+    c: &[u8],
+    base: u64,
+    mut ulps: Option<&mut UlpCounts>,
+) -> Stats {
     let mut s = Stats::new();
     s.total = (r.len() / A::SIZE) as u64;
-    for (i, (e, f)) in r.chunks_exact(A::SIZE).zip(c.chunks_exact(B::SIZE)).enumerate() {
+    for (i, (e, f)) in r
+        .chunks_exact(A::SIZE)
+        .zip(c.chunks_exact(B::SIZE))
+        .enumerate()
+    {
         let (a, b) = (A::bits(e), B::bits(f));
-        s.add(base + i as u64, A::to_f64(a), B::to_f64(b), mixed_pair::<A, B>(a, b), ulps.as_deref_mut());
+        s.add(
+            base + i as u64,
+            A::to_f64(a),
+            B::to_f64(b),
+            mixed_pair::<A, B>(a, b),
+            ulps.as_deref_mut(),
+        );
     }
     s
 }
@@ -663,7 +764,13 @@ fn scan_chunks(
             },
         );
     parts.sort_unstable_by_key(|p| p.0);
-    (parts.into_iter().map(|p| p.1).fold(Stats::new(), Stats::merge), ulps)
+    (
+        parts
+            .into_iter()
+            .map(|p| p.1)
+            .fold(Stats::new(), Stats::merge),
+        ulps,
+    )
 }
 
 fn scan_k<K: Num>(r: &[u8], c: &[u8], window: Option<Window>) -> (Stats, Option<UlpCounts>) {
@@ -703,7 +810,12 @@ fn scan_f32(r: &[u8], c: &[u8], window: Option<Window>) -> (Stats, Option<UlpCou
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn scan_chunk_f32_avx2(r: &[u8], c: &[u8], base: u64, ulps: Option<&mut UlpCounts>) -> Stats {
+unsafe fn scan_chunk_f32_avx2(
+    r: &[u8],
+    c: &[u8],
+    base: u64,
+    ulps: Option<&mut UlpCounts>,
+) -> Stats {
     scan_chunk_f32(r, c, base, ulps)
 }
 
@@ -728,7 +840,15 @@ struct LaneSums<const N: usize> {
 impl<const N: usize> LaneSums<N> {
     fn new() -> LaneSums<N> {
         let z = [0f64; N];
-        LaneSums { rr: z, cc: z, rc: z, dd: z, max_abs: z, rel_num: z, rel_den: [1f64; N] }
+        LaneSums {
+            rr: z,
+            cc: z,
+            rc: z,
+            dd: z,
+            max_abs: z,
+            rel_num: z,
+            rel_den: [1f64; N],
+        }
     }
 
     /// Adds one finite pair (reference `x`, candidate `y`) to lane `i`.
@@ -769,7 +889,8 @@ fn scan_chunk_f32(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts
     let n = r.len() / 4;
     assert!(n <= CHUNK, "one chunk at a time");
     let mut lanes = LaneSums::<LANES>::new();
-    let (mut max_ulp, mut differing, mut signed_zero) = ([0u32; LANES], [0u32; LANES], [0u32; LANES]);
+    let (mut max_ulp, mut differing, mut signed_zero) =
+        ([0u32; LANES], [0u32; LANES], [0u32; LANES]);
     let mut nonfinite = [0u64; CHUNK / LANES / 64];
     let window = ulps.as_ref().map_or(Window::SMALL, |u| u.window);
     let (lo, last) = window.as_u32();
@@ -784,7 +905,8 @@ fn scan_chunk_f32(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts
         }
         let mut nonfinite_block = false;
         for i in 0..LANES {
-            nonfinite_block |= (a[i] & 0x7f80_0000 == 0x7f80_0000) | (b[i] & 0x7f80_0000 == 0x7f80_0000);
+            nonfinite_block |=
+                (a[i] & 0x7f80_0000 == 0x7f80_0000) | (b[i] & 0x7f80_0000 == 0x7f80_0000);
         }
         if nonfinite_block {
             nonfinite[blk / 64] |= 1 << (blk % 64);
@@ -794,7 +916,11 @@ fn scan_chunk_f32(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts
         let mut diff = [false; LANES];
         for i in 0..LANES {
             let (oa, ob) = (ord32(a[i]), ord32(b[i]));
-            let u = if oa >= ob { oa.wrapping_sub(ob) as u32 } else { ob.wrapping_sub(oa) as u32 };
+            let u = if oa >= ob {
+                oa.wrapping_sub(ob) as u32
+            } else {
+                ob.wrapping_sub(oa) as u32
+            };
             (dist[i], diff[i]) = (u, a[i] != b[i]);
             max_ulp[i] = max_ulp[i].max(u);
             differing[i] += diff[i] as u32;
@@ -818,8 +944,20 @@ fn scan_chunk_f32(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts
         s.signed_zero += signed_zero[i] as u64;
     }
     let done = n - n % LANES;
-    s.first = r[..4 * done].chunks_exact(4).zip(c[..4 * done].chunks_exact(4)).position(|(x, y)| x != y).map(|i| base + i as u64);
-    finish_chunk(s, &nonfinite, (r, c), (4, 4), base, ulps, scan_chunk::<F32K>)
+    s.first = r[..4 * done]
+        .chunks_exact(4)
+        .zip(c[..4 * done].chunks_exact(4))
+        .position(|(x, y)| x != y)
+        .map(|i| base + i as u64);
+    finish_chunk(
+        s,
+        &nonfinite,
+        (r, c),
+        (4, 4),
+        base,
+        ulps,
+        scan_chunk::<F32K>,
+    )
 }
 
 /// f32 against bf16 (either side), the pair of a bf16 port: AVX2 intrinsics where the CPU
@@ -827,10 +965,16 @@ fn scan_chunk_f32(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts
 /// the bit; a test checks it). The compiler vectorised the portable one only in part, keeping
 /// its accumulators in memory, hence the intrinsics. Blocks holding a NaN or an infinity take
 /// the careful path, [`scan_chunk_mixed`].
-fn scan_f32_bf16<const REF_F32: bool>(r: &[u8], c: &[u8], window: Option<Window>) -> (Stats, Option<UlpCounts>) {
+fn scan_f32_bf16<const REF_F32: bool>(
+    r: &[u8],
+    c: &[u8],
+    window: Option<Window>,
+) -> (Stats, Option<UlpCounts>) {
     let sizes = if REF_F32 { (4, 2) } else { (2, 4) };
     #[cfg(target_arch = "x86_64")]
-    let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("popcnt");
+    let avx2 = std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("popcnt");
     scan_chunks(r, c, sizes, window, |a, b, base, ulps| {
         #[cfg(target_arch = "x86_64")]
         if avx2 {
@@ -851,17 +995,33 @@ fn scan_f32_bf16<const REF_F32: bool>(r: &[u8], c: &[u8], window: Option<Window>
 /// element differs when those differ from the f32's, and its distance is between the f32
 /// rounded to bf16 ([`f32_to_bf16`]) and the bf16, as ordered 16-bit integers.
 #[inline(always)]
-fn scan_chunk_f32_bf16<const REF_F32: bool>(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts>) -> Stats {
+fn scan_chunk_f32_bf16<const REF_F32: bool>(
+    r: &[u8],
+    c: &[u8],
+    base: u64,
+    mut ulps: Option<&mut UlpCounts>,
+) -> Stats {
     let (wide, short) = if REF_F32 { (r, c) } else { (c, r) };
     let n = short.len() / 2;
-    assert!(n <= CHUNK && wide.len() == 4 * n, "one chunk of equal element counts at a time");
+    assert!(
+        n <= CHUNK && wide.len() == 4 * n,
+        "one chunk of equal element counts at a time"
+    );
     let mut lanes = LaneSums::<MIXED_LANES>::new();
-    let (mut max_ulp, mut differing, mut signed_zero) = ([0u32; MIXED_LANES], [0u32; MIXED_LANES], [0u32; MIXED_LANES]);
+    let (mut max_ulp, mut differing, mut signed_zero) = (
+        [0u32; MIXED_LANES],
+        [0u32; MIXED_LANES],
+        [0u32; MIXED_LANES],
+    );
     let mut nonfinite = [0u64; CHUNK / LANES / 64];
     let mut first = None;
     let window = ulps.as_ref().map_or(Window::SMALL, |u| u.window);
     let (lo, last) = window.as_u32();
-    for (blk, (wa, sa)) in wide.chunks_exact(4 * LANES).zip(short.chunks_exact(2 * LANES)).enumerate() {
+    for (blk, (wa, sa)) in wide
+        .chunks_exact(4 * LANES)
+        .zip(short.chunks_exact(2 * LANES))
+        .enumerate()
+    {
         let mut a = [0u32; LANES];
         let mut h = [0u32; LANES];
         for i in 0..LANES {
@@ -898,7 +1058,10 @@ fn scan_chunk_f32_bf16<const REF_F32: bool>(r: &[u8], c: &[u8], base: u64, mut u
             }
         }
         if first.is_none() {
-            first = diff.iter().position(|&d| d).map(|i| base + (LANES * blk + i) as u64);
+            first = diff
+                .iter()
+                .position(|&d| d)
+                .map(|i| base + (LANES * blk + i) as u64);
         }
         if let Some(u) = ulps.as_deref_mut() {
             for i in 0..LANES {
@@ -922,11 +1085,34 @@ fn scan_chunk_f32_bf16<const REF_F32: bool>(r: &[u8], c: &[u8], base: u64, mut u
 }
 
 /// [`finish_chunk`] for f32 against bf16, in either order.
-fn finish_f32_bf16_chunk<const REF_F32: bool>(s: Stats, nonfinite: &[u64; CHUNK / LANES / 64], r: &[u8], c: &[u8], base: u64, ulps: Option<&mut UlpCounts>) -> Stats {
+fn finish_f32_bf16_chunk<const REF_F32: bool>(
+    s: Stats,
+    nonfinite: &[u64; CHUNK / LANES / 64],
+    r: &[u8],
+    c: &[u8],
+    base: u64,
+    ulps: Option<&mut UlpCounts>,
+) -> Stats {
     if REF_F32 {
-        finish_chunk(s, nonfinite, (r, c), (4, 2), base, ulps, scan_chunk_mixed::<F32K, BF16K>)
+        finish_chunk(
+            s,
+            nonfinite,
+            (r, c),
+            (4, 2),
+            base,
+            ulps,
+            scan_chunk_mixed::<F32K, BF16K>,
+        )
     } else {
-        finish_chunk(s, nonfinite, (r, c), (2, 4), base, ulps, scan_chunk_mixed::<BF16K, F32K>)
+        finish_chunk(
+            s,
+            nonfinite,
+            (r, c),
+            (2, 4),
+            base,
+            ulps,
+            scan_chunk_mixed::<BF16K, F32K>,
+        )
     }
 }
 
@@ -945,7 +1131,10 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     fn lt_u32(a: __m256i, b: __m256i) -> u32 {
         let flip = _mm256_set1_epi32(i32::MIN);
-        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(b, flip), _mm256_xor_si256(a, flip)))) as u32
+        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_xor_si256(b, flip),
+            _mm256_xor_si256(a, flip),
+        ))) as u32
     }
 
     /// Lanes whose f32 exponent bits are all set: an infinity or a NaN.
@@ -957,10 +1146,18 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,popcnt")]
-    pub(super) fn scan_chunk_f32_bf16<const REF_F32: bool, const COUNT: bool>(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts>) -> Stats {
+    pub(super) fn scan_chunk_f32_bf16<const REF_F32: bool, const COUNT: bool>(
+        r: &[u8],
+        c: &[u8],
+        base: u64,
+        mut ulps: Option<&mut UlpCounts>,
+    ) -> Stats {
         let (wide, short) = if REF_F32 { (r, c) } else { (c, r) };
         let n = short.len() / 2;
-        assert!(n <= CHUNK && wide.len() == 4 * n, "one chunk of equal element counts at a time");
+        assert!(
+            n <= CHUNK && wide.len() == 4 * n,
+            "one chunk of equal element counts at a time"
+        );
         // Counting distances cannot be undone, so that scan checks every block first.
         let mut flagged = [0u64; CHUNK / LANES / 64];
         let window = ulps.as_ref().map_or(Window::SMALL, |u| u.window);
@@ -969,7 +1166,8 @@ mod avx2 {
         let shift = _mm_cvtsi32_si128(window.shift as i32);
         let abs = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fff_ffff_ffff_ffff));
         let (zero, one) = (_mm256_setzero_pd(), _mm256_set1_pd(1.0));
-        let (mut rr, mut cc, mut rc, mut dd, mut max_abs, mut rel_num, mut rel_den) = (zero, zero, zero, zero, zero, zero, one);
+        let (mut rr, mut cc, mut rc, mut dd, mut max_abs, mut rel_num, mut rel_den) =
+            (zero, zero, zero, zero, zero, zero, one);
         let mut max_ulp = _mm256_setzero_si256();
         let (mut differing, mut signed_zero) = (0u64, 0u64);
         let (mut first_step, mut first_mask) = (usize::MAX, 0u32);
@@ -978,7 +1176,12 @@ mod avx2 {
         let load = |k: usize| {
             // SAFETY: callers pass k < n / 8, so 32 bytes of the f32 side and 16 of the bf16
             // side lie inside the slices; unaligned loads accept any address.
-            unsafe { (_mm256_loadu_si256(wide.as_ptr().add(32 * k).cast()), _mm256_cvtepu16_epi32(_mm_loadu_si128(short.as_ptr().add(16 * k).cast()))) }
+            unsafe {
+                (
+                    _mm256_loadu_si256(wide.as_ptr().add(32 * k).cast()),
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(short.as_ptr().add(16 * k).cast())),
+                )
+            }
         };
         // One half-block (8 elements) a step, loaded where it is used: with both halves of a
         // block in one step, the compiler moved accumulators out of their registers.
@@ -987,7 +1190,10 @@ mod avx2 {
             if COUNT && k % 2 == 0 {
                 let ((a0, h0), (a1, h1)) = (load(k), load(k + 1));
                 let (w0, w1) = (_mm256_slli_epi32(h0, 16), _mm256_slli_epi32(h1, 16));
-                let any = _mm256_or_si256(_mm256_or_si256(nonfinite(a0), nonfinite(a1)), _mm256_or_si256(nonfinite(w0), nonfinite(w1)));
+                let any = _mm256_or_si256(
+                    _mm256_or_si256(nonfinite(a0), nonfinite(a1)),
+                    _mm256_or_si256(nonfinite(w0), nonfinite(w1)),
+                );
                 if _mm256_testz_si256(any, any) == 0 {
                     let blk = k / 2;
                     flagged[blk / 64] |= 1 << (blk % 64);
@@ -1003,7 +1209,13 @@ mod avx2 {
             // |mq − mh| when the signs agree, mq + mh when they differ (fewer operations
             // than two ordered integers).
             let ma = _mm256_and_si256(a, _mm256_set1_epi32(0x7fff_ffff));
-            let mq = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(ma, _mm256_set1_epi32(0x7fff)), _mm256_and_si256(_mm256_srli_epi32(ma, 16), _mm256_set1_epi32(1))), 16);
+            let mq = _mm256_srli_epi32(
+                _mm256_add_epi32(
+                    _mm256_add_epi32(ma, _mm256_set1_epi32(0x7fff)),
+                    _mm256_and_si256(_mm256_srli_epi32(ma, 16), _mm256_set1_epi32(1)),
+                ),
+                16,
+            );
             let mh = _mm256_and_si256(h, _mm256_set1_epi32(0x7fff));
             let signs_differ = _mm256_srai_epi32(_mm256_xor_si256(a, w), 31);
             let signed_mh = _mm256_sub_epi32(_mm256_xor_si256(mh, signs_differ), signs_differ);
@@ -1011,7 +1223,10 @@ mod avx2 {
             max_ulp = _mm256_max_epu32(max_ulp, u);
             let eq = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, w))) as u32;
             // Both zero, whatever their signs: no bit set but the sign bits.
-            let z = _mm256_cmpeq_epi32(_mm256_slli_epi32(_mm256_or_si256(a, w), 1), _mm256_setzero_si256());
+            let z = _mm256_cmpeq_epi32(
+                _mm256_slli_epi32(_mm256_or_si256(a, w), 1),
+                _mm256_setzero_si256(),
+            );
             let zeros = _mm256_movemask_ps(_mm256_castsi256_ps(z)) as u32;
             if COUNT {
                 if let Some(counts) = ulps.as_deref_mut() {
@@ -1021,7 +1236,12 @@ mod avx2 {
                     // offset ≤ last ⇔ not (last < offset)
                     let inside = diff & !lt_u32(last, offset);
                     // SAFETY: 8 u32 fit in `buckets`.
-                    unsafe { _mm256_storeu_si256(buckets.as_mut_ptr().cast(), _mm256_srl_epi32(offset, shift)) };
+                    unsafe {
+                        _mm256_storeu_si256(
+                            buckets.as_mut_ptr().cast(),
+                            _mm256_srl_epi32(offset, shift),
+                        )
+                    };
                     // Every lane adds 0 or 1: no branch per element (an index out of the
                     // window is masked into range and adds 0).
                     for (j, &b) in buckets.iter().enumerate() {
@@ -1035,9 +1255,15 @@ mod avx2 {
             let (fa, fw) = (_mm256_castsi256_ps(a), _mm256_castsi256_ps(w));
             for part in 0..2 {
                 let (xa, xw) = if part == 0 {
-                    (_mm256_cvtps_pd(_mm256_castps256_ps128(fa)), _mm256_cvtps_pd(_mm256_castps256_ps128(fw)))
+                    (
+                        _mm256_cvtps_pd(_mm256_castps256_ps128(fa)),
+                        _mm256_cvtps_pd(_mm256_castps256_ps128(fw)),
+                    )
                 } else {
-                    (_mm256_cvtps_pd(_mm256_extractf128_ps(fa, 1)), _mm256_cvtps_pd(_mm256_extractf128_ps(fw, 1)))
+                    (
+                        _mm256_cvtps_pd(_mm256_extractf128_ps(fa, 1)),
+                        _mm256_cvtps_pd(_mm256_extractf128_ps(fw, 1)),
+                    )
                 };
                 let (x, y) = if REF_F32 { (xa, xw) } else { (xw, xa) };
                 rr = _mm256_fmadd_pd(x, x, rr);
@@ -1047,7 +1273,10 @@ mod avx2 {
                 dd = _mm256_add_pd(dd, _mm256_mul_pd(d, d));
                 max_abs = _mm256_max_pd(max_abs, d);
                 let ax = _mm256_and_pd(x, abs);
-                let bigger = _mm256_cmp_pd::<_CMP_GT_OQ>(_mm256_mul_pd(d, rel_den), _mm256_mul_pd(rel_num, ax));
+                let bigger = _mm256_cmp_pd::<_CMP_GT_OQ>(
+                    _mm256_mul_pd(d, rel_den),
+                    _mm256_mul_pd(rel_num, ax),
+                );
                 rel_num = _mm256_blendv_pd(rel_num, d, bigger);
                 rel_den = _mm256_blendv_pd(rel_den, ax, bigger);
             }
@@ -1060,8 +1289,19 @@ mod avx2 {
             k += 1;
         }
         let mut lanes = LaneSums::<MIXED_LANES>::new();
-        let outs = [&mut lanes.rr, &mut lanes.cc, &mut lanes.rc, &mut lanes.dd, &mut lanes.max_abs, &mut lanes.rel_num, &mut lanes.rel_den];
-        for (v, out) in [rr, cc, rc, dd, max_abs, rel_num, rel_den].into_iter().zip(outs) {
+        let outs = [
+            &mut lanes.rr,
+            &mut lanes.cc,
+            &mut lanes.rc,
+            &mut lanes.dd,
+            &mut lanes.max_abs,
+            &mut lanes.rel_num,
+            &mut lanes.rel_den,
+        ];
+        for (v, out) in [rr, cc, rc, dd, max_abs, rel_num, rel_den]
+            .into_iter()
+            .zip(outs)
+        {
             // SAFETY: each store writes 4 f64 into the 4 lanes of `out`.
             unsafe { _mm256_storeu_pd(out.as_mut_ptr(), v) };
         }
@@ -1076,7 +1316,8 @@ mod avx2 {
         lanes.fold_into(&mut s);
         s.max_ulp = m.into_iter().max().unwrap_or(0) as u64;
         (s.differing, s.signed_zero) = (differing, signed_zero);
-        s.first = (first_step != usize::MAX).then(|| base + (8 * first_step) as u64 + first_mask.trailing_zeros() as u64);
+        s.first = (first_step != usize::MAX)
+            .then(|| base + (8 * first_step) as u64 + first_mask.trailing_zeros() as u64);
         finish_f32_bf16_chunk::<REF_F32>(s, &flagged, r, c, base, ulps)
     }
 }
@@ -1119,7 +1360,10 @@ fn finish_chunk(
         let mut bits = word;
         while bits != 0 {
             let at = LANES * (64 * w + bits.trailing_zeros() as usize);
-            let (ra, ca) = (&r[sr * at..sr * (at + LANES)], &c[sc * at..sc * (at + LANES)]);
+            let (ra, ca) = (
+                &r[sr * at..sr * (at + LANES)],
+                &c[sc * at..sc * (at + LANES)],
+            );
             special = special.merge(careful(ra, ca, base + at as u64, ulps.as_deref_mut()));
             bits &= bits - 1;
         }
@@ -1127,7 +1371,10 @@ fn finish_chunk(
     let n = r.len() / sr;
     let done = n - n % LANES;
     let tail = careful(&r[sr * done..], &c[sc * done..], base + done as u64, ulps);
-    let first = [blocks.first, special.first, tail.first].into_iter().flatten().min();
+    let first = [blocks.first, special.first, tail.first]
+        .into_iter()
+        .flatten()
+        .min();
     let mut s = blocks.merge(special).merge(tail);
     s.total = n as u64;
     s.first = first;
@@ -1160,14 +1407,22 @@ mod avx512 {
             $dd = _mm512_add_pd($dd, _mm512_mul_pd(d, d));
             $max_abs = _mm512_max_pd($max_abs, d);
             let ax = _mm512_and_pd(x, $abs);
-            let bigger = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(_mm512_mul_pd(d, $rel_den), _mm512_mul_pd($rel_num, ax));
+            let bigger = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(
+                _mm512_mul_pd(d, $rel_den),
+                _mm512_mul_pd($rel_num, ax),
+            );
             $rel_num = _mm512_mask_mov_pd($rel_num, bigger, d);
             $rel_den = _mm512_mask_mov_pd($rel_den, bigger, ax);
         }};
     }
 
     #[target_feature(enable = "avx512f,avx512dq,popcnt")]
-    pub(super) fn scan_chunk_f32<const COUNT: bool>(r: &[u8], c: &[u8], base: u64, mut ulps: Option<&mut UlpCounts>) -> Stats {
+    pub(super) fn scan_chunk_f32<const COUNT: bool>(
+        r: &[u8],
+        c: &[u8],
+        base: u64,
+        mut ulps: Option<&mut UlpCounts>,
+    ) -> Stats {
         let n = r.len() / 4;
         let blocks = n / LANES;
         assert!(n <= CHUNK, "one chunk at a time");
@@ -1183,8 +1438,10 @@ mod avx512 {
         let shift = _mm_cvtsi32_si128(window.shift as i32);
         let abs = _mm512_castsi512_pd(_mm512_set1_epi64(0x7fff_ffff_ffff_ffff));
         let (zero, one) = (_mm512_setzero_pd(), _mm512_set1_pd(1.0));
-        let (mut rr0, mut cc0, mut rc0, mut dd0, mut max_abs0, mut rel_num0, mut rel_den0) = (zero, zero, zero, zero, zero, zero, one);
-        let (mut rr1, mut cc1, mut rc1, mut dd1, mut max_abs1, mut rel_num1, mut rel_den1) = (zero, zero, zero, zero, zero, zero, one);
+        let (mut rr0, mut cc0, mut rc0, mut dd0, mut max_abs0, mut rel_num0, mut rel_den0) =
+            (zero, zero, zero, zero, zero, zero, one);
+        let (mut rr1, mut cc1, mut rc1, mut dd1, mut max_abs1, mut rel_num1, mut rel_den1) =
+            (zero, zero, zero, zero, zero, zero, one);
         let mut max_ulp = _mm512_setzero_si512();
         let (mut differing, mut signed_zero, mut below) = (0u64, 0u64, 0u64);
         let mut first = None;
@@ -1194,7 +1451,12 @@ mod avx512 {
             let at = 4 * LANES * blk;
             let (ra, ca) = (&r[at..at + 4 * LANES], &c[at..at + 4 * LANES]);
             // SAFETY: both slices hold exactly 64 bytes; unaligned loads accept any address.
-            let (a, b) = unsafe { (_mm512_loadu_si512(ra.as_ptr().cast()), _mm512_loadu_si512(ca.as_ptr().cast())) };
+            let (a, b) = unsafe {
+                (
+                    _mm512_loadu_si512(ra.as_ptr().cast()),
+                    _mm512_loadu_si512(ca.as_ptr().cast()),
+                )
+            };
             let differs = _mm512_cmpneq_epi32_mask(a, b);
             if first.is_none() && differs != 0 {
                 first = Some(base + (LANES * blk) as u64 + differs.trailing_zeros() as u64);
@@ -1209,12 +1471,26 @@ mod avx512 {
             accumulate!(
                 _mm512_cvtps_pd(_mm512_castps512_ps256(af)),
                 _mm512_cvtps_pd(_mm512_castps512_ps256(bf)),
-                abs, rr0, cc0, rc0, dd0, max_abs0, rel_num0, rel_den0
+                abs,
+                rr0,
+                cc0,
+                rc0,
+                dd0,
+                max_abs0,
+                rel_num0,
+                rel_den0
             );
             accumulate!(
                 _mm512_cvtps_pd(_mm512_extractf32x8_ps(af, 1)),
                 _mm512_cvtps_pd(_mm512_extractf32x8_ps(bf, 1)),
-                abs, rr1, cc1, rc1, dd1, max_abs1, rel_num1, rel_den1
+                abs,
+                rr1,
+                cc1,
+                rc1,
+                dd1,
+                max_abs1,
+                rel_num1,
+                rel_den1
             );
             // Ordered integers, and their distance as a u32 (max − min wraps correctly).
             let (sa, sb) = (_mm512_srai_epi32(a, 31), _mm512_srai_epi32(b, 31));
@@ -1223,14 +1499,20 @@ mod avx512 {
             let u = _mm512_sub_epi32(_mm512_max_epi32(oa, ob), _mm512_min_epi32(oa, ob));
             max_ulp = _mm512_max_epu32(max_ulp, u);
             differing += differs.count_ones() as u64;
-            signed_zero += _mm512_mask_cmpeq_epi32_mask(differs, u, _mm512_setzero_si512()).count_ones() as u64;
+            signed_zero += _mm512_mask_cmpeq_epi32_mask(differs, u, _mm512_setzero_si512())
+                .count_ones() as u64;
             if COUNT {
                 below += _mm512_mask_cmplt_epu32_mask(differs, u, lo).count_ones() as u64;
                 let offset = _mm512_sub_epi32(u, lo);
                 let inside = _mm512_mask_cmple_epu32_mask(differs, offset, last);
                 let bucket = _mm512_srl_epi32(offset, shift);
                 // SAFETY: `queued ≤ PENDING`, so 16 u32 fit from there.
-                unsafe { _mm512_storeu_si512(pending.as_mut_ptr().add(queued).cast(), _mm512_maskz_compress_epi32(inside, bucket)) };
+                unsafe {
+                    _mm512_storeu_si512(
+                        pending.as_mut_ptr().add(queued).cast(),
+                        _mm512_maskz_compress_epi32(inside, bucket),
+                    )
+                };
                 queued += inside.count_ones() as usize;
                 if queued >= PENDING {
                     if let Some(u) = ulps.as_deref_mut() {
@@ -1247,8 +1529,24 @@ mod avx512 {
         // Every vector value leaves its register before the careful path's calls: one live
         // across a call keeps the compiler from holding any of them in registers in the loop.
         let mut lanes = LaneSums::<LANES>::new();
-        let pairs = [(rr0, rr1), (cc0, cc1), (rc0, rc1), (dd0, dd1), (max_abs0, max_abs1), (rel_num0, rel_num1), (rel_den0, rel_den1)];
-        let outs = [&mut lanes.rr, &mut lanes.cc, &mut lanes.rc, &mut lanes.dd, &mut lanes.max_abs, &mut lanes.rel_num, &mut lanes.rel_den];
+        let pairs = [
+            (rr0, rr1),
+            (cc0, cc1),
+            (rc0, rc1),
+            (dd0, dd1),
+            (max_abs0, max_abs1),
+            (rel_num0, rel_num1),
+            (rel_den0, rel_den1),
+        ];
+        let outs = [
+            &mut lanes.rr,
+            &mut lanes.cc,
+            &mut lanes.rc,
+            &mut lanes.dd,
+            &mut lanes.max_abs,
+            &mut lanes.rel_num,
+            &mut lanes.rel_den,
+        ];
         for ((low, high), out) in pairs.into_iter().zip(outs) {
             // SAFETY: each store writes 8 f64 into 8 of the 16 lanes of `out`.
             unsafe {
@@ -1261,7 +1559,15 @@ mod avx512 {
         lanes.fold_into(&mut s);
         s.max_ulp = max_ulp;
         (s.differing, s.signed_zero, s.first) = (differing, signed_zero, first);
-        finish_chunk(s, &nonfinite, (r, c), (4, 4), base, ulps, scan_chunk::<F32K>)
+        finish_chunk(
+            s,
+            &nonfinite,
+            (r, c),
+            (4, 4),
+            base,
+            ulps,
+            scan_chunk::<F32K>,
+        )
     }
 }
 
@@ -1323,8 +1629,16 @@ pub(crate) fn scan(pair: Pair, r: &[u8], c: &[u8], count: bool) -> (Stats, Optio
     scan_window(pair, r, c, count.then(|| Window::place(pair, r, c)))
 }
 
-fn scan_window(pair: Pair, r: &[u8], c: &[u8], window: Option<Window>) -> (Stats, Option<UlpCounts>) {
-    debug_assert_eq!(r.len() / pair.reference.size(), c.len() / pair.candidate.size());
+fn scan_window(
+    pair: Pair,
+    r: &[u8],
+    c: &[u8],
+    window: Option<Window>,
+) -> (Stats, Option<UlpCounts>) {
+    debug_assert_eq!(
+        r.len() / pair.reference.size(),
+        c.len() / pair.candidate.size()
+    );
     match (pair.reference, pair.candidate) {
         (DType::F32, DType::F32) => scan_f32(r, c, window),
         (DType::F32, DType::BF16) => scan_f32_bf16::<true>(r, c, window),
@@ -1342,12 +1656,24 @@ fn scan_window(pair: Pair, r: &[u8], c: &[u8], window: Option<Window>) -> (Stats
 /// length of the maximum. Each further pass scans again with that range as the window, split
 /// into up to BUCKETS buckets, and keeps the one holding the rank: a bucket up to 4096 ULP
 /// wide takes one pass. No per-element memory is kept.
-pub(crate) fn median_ulp(pair: Pair, r: &[u8], c: &[u8], stats: &Stats, ulps: &UlpCounts) -> Option<u64> {
+pub(crate) fn median_ulp(
+    pair: Pair,
+    r: &[u8],
+    c: &[u8],
+    stats: &Stats,
+    ulps: &UlpCounts,
+) -> Option<u64> {
     median_search(pair, r, c, stats, ulps).0
 }
 
 /// [`median_ulp`], and how many passes over the data it took beyond the scan.
-fn median_search(pair: Pair, r: &[u8], c: &[u8], stats: &Stats, ulps: &UlpCounts) -> (Option<u64>, u32) {
+fn median_search(
+    pair: Pair,
+    r: &[u8],
+    c: &[u8],
+    stats: &Stats,
+    ulps: &UlpCounts,
+) -> (Option<u64>, u32) {
     let n = stats.with_distance();
     if n == 0 {
         return (None, 0);
@@ -1357,14 +1683,23 @@ fn median_search(pair: Pair, r: &[u8], c: &[u8], stats: &Stats, ulps: &UlpCounts
     // every distance there is.
     let (mut lo, mut bits) = (0u64, 64 - stats.max_ulp.leading_zeros());
     if let Some(k) = ulps.bucket_of(rank) {
-        (lo, bits) = (ulps.window.lo + ((k as u64) << ulps.window.shift), ulps.window.shift);
+        (lo, bits) = (
+            ulps.window.lo + ((k as u64) << ulps.window.shift),
+            ulps.window.shift,
+        );
     }
     let mut passes = 0;
     while bits > 0 {
         let shift = bits.saturating_sub(BUCKETS.trailing_zeros());
-        let window = Window { lo, shift, buckets: 1 << (bits - shift) };
+        let window = Window {
+            lo,
+            shift,
+            buckets: 1 << (bits - shift),
+        };
         let (_, counts) = scan_window(pair, r, c, Some(window));
-        let k = counts.and_then(|u| u.bucket_of(rank)).expect("the range holds the rank");
+        let k = counts
+            .and_then(|u| u.bucket_of(rank))
+            .expect("the range holds the rank");
         lo += (k as u64) << shift;
         bits = shift;
         passes += 1;
@@ -1403,8 +1738,16 @@ pub(crate) fn element_distance(dtype: DType, a: u64, b: u64) -> (Option<Special>
 
 /// Element `index` of both payloads: its special kind and distance (in [`Pair::ulp_dtype`]'s
 /// steps) when it differs, None when it does not.
-pub(crate) fn pair_element(pair: Pair, r: &[u8], c: &[u8], index: u64) -> Option<(Option<Special>, Option<u64>)> {
-    let (a, b) = (element_bits(pair.reference, r, index), element_bits(pair.candidate, c, index));
+pub(crate) fn pair_element(
+    pair: Pair,
+    r: &[u8],
+    c: &[u8],
+    index: u64,
+) -> Option<(Option<Special>, Option<u64>)> {
+    let (a, b) = (
+        element_bits(pair.reference, r, index),
+        element_bits(pair.candidate, c, index),
+    );
     if !pair.is_mixed() {
         return (a != b).then(|| element_distance(pair.reference, a, b));
     }
@@ -1414,7 +1757,11 @@ pub(crate) fn pair_element(pair: Pair, r: &[u8], c: &[u8], index: u64) -> Option
 /// Hex of the raw bits at the dtype's width, e.g. `0x3f800000` for f32 1.0.
 pub fn hex_bits(dtype: DType, bits: u64) -> String {
     let width = dtype.size() * 2;
-    let mask = if dtype.size() == 8 { u64::MAX } else { (1u64 << (dtype.size() * 8)) - 1 };
+    let mask = if dtype.size() == 8 {
+        u64::MAX
+    } else {
+        (1u64 << (dtype.size() * 8)) - 1
+    };
     format!("0x{:0width$x}", bits & mask)
 }
 
@@ -1431,9 +1778,23 @@ pub fn format_value(dtype: DType, bits: u64) -> String {
                 fmt_special(v as f64).unwrap_or_else(|| format!("{v}"))
             }
         }
-        DType::F16 => shortest16(bits as u16, |b| half::f16::from_bits(b).to_f64(), |x| half::f16::from_f64(x).to_bits()),
-        DType::BF16 => shortest16(bits as u16, |b| half::bf16::from_bits(b).to_f64(), |x| half::bf16::from_f64(x).to_bits()),
-        DType::Bool => if bits & 0xff != 0 { "true".into() } else { "false".into() },
+        DType::F16 => shortest16(
+            bits as u16,
+            |b| half::f16::from_bits(b).to_f64(),
+            |x| half::f16::from_f64(x).to_bits(),
+        ),
+        DType::BF16 => shortest16(
+            bits as u16,
+            |b| half::bf16::from_bits(b).to_f64(),
+            |x| half::bf16::from_f64(x).to_bits(),
+        ),
+        DType::Bool => {
+            if bits & 0xff != 0 {
+                "true".into()
+            } else {
+                "false".into()
+            }
+        }
         DType::U8 => format!("{}", bits as u8),
         _ => format!("{}", bits as i64),
     }
@@ -1469,7 +1830,11 @@ fn shortest16(bits: u16, widen: impl Fn(u16) -> f64, narrow: impl Fn(f64) -> u16
         return s;
     }
     if v == 0.0 {
-        return if bits & 0x8000 != 0 { "-0".into() } else { "0".into() };
+        return if bits & 0x8000 != 0 {
+            "-0".into()
+        } else {
+            "0".into()
+        };
     }
     for digits in 1..=17 {
         let s = format!("{:.*e}", digits - 1, v);
@@ -1508,7 +1873,10 @@ mod tests {
         let tiny = f32::from_bits(1);
         assert_eq!(f32_dist(tiny, -tiny), (None, Some(2)));
         assert_eq!(f32_dist(0.0, -tiny), (None, Some(1)));
-        assert_eq!(f32_dist(1.0, f32::from_bits(1.0f32.to_bits() + 1)), (None, Some(1)));
+        assert_eq!(
+            f32_dist(1.0, f32::from_bits(1.0f32.to_bits() + 1)),
+            (None, Some(1))
+        );
     }
 
     #[test]
@@ -1526,7 +1894,10 @@ mod tests {
 
     #[test]
     fn infinity_is_one_step_past_max() {
-        assert_eq!(f32_dist(f32::MAX, f32::INFINITY), (Some(Special::Infinity), Some(1)));
+        assert_eq!(
+            f32_dist(f32::MAX, f32::INFINITY),
+            (Some(Special::Infinity), Some(1))
+        );
         let (k, d) = f32_dist(f32::INFINITY, f32::NEG_INFINITY);
         assert_eq!((k, d), (Some(Special::Infinity), Some(2 * 0x7f80_0000)));
     }
@@ -1540,21 +1911,36 @@ mod tests {
         assert_eq!(element_distance(DType::F16, one, one + 3), (None, Some(3)));
         let one = 1.0f64.to_bits();
         assert_eq!(element_distance(DType::F64, one, one - 5), (None, Some(5)));
-        assert_eq!(element_distance(DType::F64, 0, (-0.0f64).to_bits()), (Some(Special::SignedZero), Some(0)));
+        assert_eq!(
+            element_distance(DType::F64, 0, (-0.0f64).to_bits()),
+            (Some(Special::SignedZero), Some(0))
+        );
     }
 
     #[test]
     fn integers_report_absolute_difference() {
         let a = (-3i32) as u32 as u64;
         let b = 4u64;
-        assert_eq!(element_distance(DType::I32, I32K::bits(&(a as u32).to_le_bytes()), b), (None, Some(7)));
-        assert_eq!(element_distance(DType::I64, i64::MIN as u64, i64::MAX as u64), (None, Some(u64::MAX)));
+        assert_eq!(
+            element_distance(DType::I32, I32K::bits(&(a as u32).to_le_bytes()), b),
+            (None, Some(7))
+        );
+        assert_eq!(
+            element_distance(DType::I64, i64::MIN as u64, i64::MAX as u64),
+            (None, Some(u64::MAX))
+        );
     }
 
     #[test]
     fn shortest_printing() {
-        assert_eq!(format_value(DType::BF16, half::bf16::from_f32(0.1).to_bits() as u64), "0.1");
-        assert_eq!(format_value(DType::F16, half::f16::from_f32(0.1).to_bits() as u64), "0.1");
+        assert_eq!(
+            format_value(DType::BF16, half::bf16::from_f32(0.1).to_bits() as u64),
+            "0.1"
+        );
+        assert_eq!(
+            format_value(DType::F16, half::f16::from_f32(0.1).to_bits() as u64),
+            "0.1"
+        );
         assert_eq!(format_value(DType::F32, 0.1f32.to_bits() as u64), "0.1");
         assert_eq!(format_value(DType::F32, (-0.0f32).to_bits() as u64), "-0");
         assert_eq!(format_value(DType::F32, 1e-30f32.to_bits() as u64), "1e-30");
@@ -1565,7 +1951,9 @@ mod tests {
 
     /// The lower median by sorting every distance: what `median_ulp` must match.
     fn sorted_median(pair: Pair, r: &[u8], c: &[u8]) -> Option<u64> {
-        let mut d: Vec<u64> = (0..(r.len() / pair.reference.size()) as u64).filter_map(|i| pair_element(pair, r, c, i)?.1).collect();
+        let mut d: Vec<u64> = (0..(r.len() / pair.reference.size()) as u64)
+            .filter_map(|i| pair_element(pair, r, c, i)?.1)
+            .collect();
         d.sort_unstable();
         (!d.is_empty()).then(|| d[(d.len() - 1) / 2])
     }
@@ -1597,12 +1985,38 @@ mod tests {
         let cases: Vec<(&str, Distances, u32)> = vec![
             ("1..97 ULP", Box::new(|i| 1 + (i % 97) as u32), 0),
             ("1 ULP everywhere", Box::new(|_| 1), 0),
-            ("half equal", Box::new(|i| (i % 2) as u32 * (i % 300) as u32), 0),
+            (
+                "half equal",
+                Box::new(|i| (i % 2) as u32 * (i % 300) as u32),
+                0,
+            ),
             ("4000..6000 ULP", Box::new(|i| 4000 + (i % 2001) as u32), 0),
-            ("wide: up to 10^6 ULP", Box::new(|i| ((i * 7919) % 1_000_003) as u32), 1),
-            ("huge spread", Box::new(|i| ((i as u32).wrapping_mul(2654435761)) >> 6), 1),
-            ("sparse, small", Box::new(|i| if i % 9973 == 0 { 1 + (i % 50) as u32 } else { 0 }), 0),
-            ("sparse, large", Box::new(|i| if i % 9973 == 0 { 100_000 + i as u32 } else { 0 }), 2),
+            (
+                "wide: up to 10^6 ULP",
+                Box::new(|i| ((i * 7919) % 1_000_003) as u32),
+                1,
+            ),
+            (
+                "huge spread",
+                Box::new(|i| ((i as u32).wrapping_mul(2654435761)) >> 6),
+                1,
+            ),
+            (
+                "sparse, small",
+                Box::new(|i| {
+                    if i % 9973 == 0 {
+                        1 + (i % 50) as u32
+                    } else {
+                        0
+                    }
+                }),
+                0,
+            ),
+            (
+                "sparse, large",
+                Box::new(|i| if i % 9973 == 0 { 100_000 + i as u32 } else { 0 }),
+                2,
+            ),
         ];
         for (name, step, passes) in cases {
             let (r, c) = f32_pairs(n, step);
@@ -1626,7 +2040,10 @@ mod tests {
         let (r, c) = f32_pairs(n, |i| if sampled[i] { 1 } else { 5000 });
         let (m, passes, window) = median(F32, &r, &c);
         assert_eq!((m, passes), (Some(5000), 2));
-        assert!(5000 - window.lo > window.last(), "the window {window:?} was meant to miss the median");
+        assert!(
+            5000 - window.lo > window.last(),
+            "the window {window:?} was meant to miss the median"
+        );
     }
 
     #[test]
@@ -1642,7 +2059,13 @@ mod tests {
             c[4 * i..4 * i + 4].copy_from_slice(&0x8000_0000u32.to_le_bytes());
         }
         assert_eq!(median(F32, &r, &c).0, sorted_median(F32, &r, &c));
-        for (dtype, size) in [(DType::F64, 8), (DType::F16, 2), (DType::BF16, 2), (DType::I32, 4), (DType::I8, 1)] {
+        for (dtype, size) in [
+            (DType::F64, 8),
+            (DType::F16, 2),
+            (DType::BF16, 2),
+            (DType::I32, 4),
+            (DType::I8, 1),
+        ] {
             let (mut r, mut c) = (Vec::new(), Vec::new());
             for i in 0..n as u64 {
                 let x = (i.wrapping_mul(2654435761) >> 3) & 0x3fff;
@@ -1650,10 +2073,17 @@ mod tests {
                 r.extend_from_slice(&x.to_le_bytes()[..size]);
                 c.extend_from_slice(&y.to_le_bytes()[..size]);
             }
-            assert_eq!(median(Pair::same(dtype), &r, &c).0, sorted_median(Pair::same(dtype), &r, &c), "{dtype:?}");
+            assert_eq!(
+                median(Pair::same(dtype), &r, &c).0,
+                sorted_median(Pair::same(dtype), &r, &c),
+                "{dtype:?}"
+            );
         }
         // The widest distance there is: i64::MIN against i64::MAX, 2^64 − 1.
-        let (r, c): (Vec<u8>, Vec<u8>) = (i64::MIN.to_le_bytes().repeat(3).into_iter().collect(), i64::MAX.to_le_bytes().repeat(3).into_iter().collect());
+        let (r, c): (Vec<u8>, Vec<u8>) = (
+            i64::MIN.to_le_bytes().repeat(3).into_iter().collect(),
+            i64::MAX.to_le_bytes().repeat(3).into_iter().collect(),
+        );
         assert_eq!(median(Pair::same(DType::I64), &r, &c).0, Some(u64::MAX));
     }
 
@@ -1662,7 +2092,10 @@ mod tests {
     #[allow(dead_code)]
     fn not_checked(why: &str) {
         use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "NOT CHECKED: AVX-512 kernel ≡ portable kernel (diff/src/numeric.rs): {why}");
+        let _ = writeln!(
+            std::io::stderr(),
+            "NOT CHECKED: AVX-512 kernel ≡ portable kernel (diff/src/numeric.rs): {why}"
+        );
     }
 
     #[test]
@@ -1693,38 +2126,94 @@ mod tests {
             r.extend_from_slice(&a.to_le_bytes());
             c.extend_from_slice(&b.to_le_bytes());
         }
-        let counts = |u: &UlpCounts| (u.below, (0..BUCKETS).map(|k| u.bucket(k)).collect::<Vec<_>>());
-        for window in [Window::place(F32, &r, &c), Window::SMALL, Window { lo: 100, shift: 3, buckets: 77 }, Window { lo: 1 << 20, shift: 9, buckets: BUCKETS as u32 }] {
+        let counts = |u: &UlpCounts| {
+            (
+                u.below,
+                (0..BUCKETS).map(|k| u.bucket(k)).collect::<Vec<_>>(),
+            )
+        };
+        for window in [
+            Window::place(F32, &r, &c),
+            Window::SMALL,
+            Window {
+                lo: 100,
+                shift: 3,
+                buckets: 77,
+            },
+            Window {
+                lo: 1 << 20,
+                shift: 9,
+                buckets: BUCKETS as u32,
+            },
+        ] {
             let (fast, fast_ulps) = scan_f32(&r, &c, Some(window));
             let (careful, careful_ulps) = scan_k::<F32K>(&r, &c, Some(window));
             assert_eq!(
-                (fast.total, fast.differing, fast.first, fast.max_ulp, fast.signed_zero, fast.nan_mismatch, fast.nan_payload, fast.infinity),
-                (careful.total, careful.differing, careful.first, careful.max_ulp, careful.signed_zero, careful.nan_mismatch, careful.nan_payload, careful.infinity)
+                (
+                    fast.total,
+                    fast.differing,
+                    fast.first,
+                    fast.max_ulp,
+                    fast.signed_zero,
+                    fast.nan_mismatch,
+                    fast.nan_payload,
+                    fast.infinity
+                ),
+                (
+                    careful.total,
+                    careful.differing,
+                    careful.first,
+                    careful.max_ulp,
+                    careful.signed_zero,
+                    careful.nan_mismatch,
+                    careful.nan_payload,
+                    careful.infinity
+                )
             );
-            assert_eq!((fast.max_abs, fast.max_rel), (careful.max_abs, careful.max_rel));
-            for (x, y) in [(fast.rr, careful.rr), (fast.cc, careful.cc), (fast.rc, careful.rc), (fast.dd, careful.dd)] {
+            assert_eq!(
+                (fast.max_abs, fast.max_rel),
+                (careful.max_abs, careful.max_rel)
+            );
+            for (x, y) in [
+                (fast.rr, careful.rr),
+                (fast.cc, careful.cc),
+                (fast.rc, careful.rc),
+                (fast.dd, careful.dd),
+            ] {
                 assert!((x - y).abs() <= 1e-12 * y.abs(), "{x} vs {y}");
             }
             let (fast_ulps, careful_ulps) = (fast_ulps.unwrap(), careful_ulps.unwrap());
             assert_eq!(counts(&fast_ulps), counts(&careful_ulps), "{window:?}");
-            assert_eq!(median_ulp(F32, &r, &c, &fast, &fast_ulps), sorted_median(F32, &r, &c));
+            assert_eq!(
+                median_ulp(F32, &r, &c, &fast, &fast_ulps),
+                sorted_median(F32, &r, &c)
+            );
         }
         // The AVX-512 kernel and the portable one: the same statistics to the bit, chunk by chunk.
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq") && std::is_x86_feature_detected!("popcnt") {
+        if std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512dq")
+            && std::is_x86_feature_detected!("popcnt")
+        {
             let window = Window::place(F32, &r, &c);
             for (k, (a, b)) in r.chunks(4 * CHUNK).zip(c.chunks(4 * CHUNK)).enumerate() {
                 let (mut u, mut v) = (UlpCounts::new(window), UlpCounts::new(window));
                 // SAFETY: the CPU has the features (checked above).
                 let x = unsafe { avx512::scan_chunk_f32::<true>(a, b, 0, Some(&mut u)) };
                 let y = scan_chunk_f32(a, b, 0, Some(&mut v));
-                let bits = |s: &Stats| [s.rr, s.cc, s.rc, s.dd, s.max_abs, s.max_rel].map(f64::to_bits);
+                let bits =
+                    |s: &Stats| [s.rr, s.cc, s.rc, s.dd, s.max_abs, s.max_rel].map(f64::to_bits);
                 assert_eq!(bits(&x), bits(&y), "chunk {k}");
-                assert_eq!((x.differing, x.first, x.max_ulp, x.signed_zero, x.infinity), (y.differing, y.first, y.max_ulp, y.signed_zero, y.infinity));
+                assert_eq!(
+                    (x.differing, x.first, x.max_ulp, x.signed_zero, x.infinity),
+                    (y.differing, y.first, y.max_ulp, y.signed_zero, y.infinity)
+                );
                 assert_eq!(counts(&u), counts(&v), "chunk {k}");
             }
         } else {
-            not_checked("this CPU lacks avx512f/avx512dq/popcnt, so the AVX-512 kernel cannot run here");
+            not_checked(
+                "this CPU lacks avx512f/avx512dq/popcnt, so the AVX-512 kernel cannot run here",
+            );
         }
         #[cfg(not(target_arch = "x86_64"))]
         not_checked("not an x86_64 build, so there is no AVX-512 kernel");
@@ -1738,44 +2227,140 @@ mod tests {
     #[test]
     fn rounding_is_to_nearest_even_worked_by_hand() {
         // f32 → bf16: the low 16 bits are dropped; 0x8000 is exactly half a bf16 step.
-        assert_eq!(rnd::<F32K, BF16K>(0x3f80_8000), 0x3f80, "tie, 0x3f80 even: down");
-        assert_eq!(rnd::<F32K, BF16K>(0x3f81_8000), 0x3f82, "tie, 0x3f81 odd: up");
+        assert_eq!(
+            rnd::<F32K, BF16K>(0x3f80_8000),
+            0x3f80,
+            "tie, 0x3f80 even: down"
+        );
+        assert_eq!(
+            rnd::<F32K, BF16K>(0x3f81_8000),
+            0x3f82,
+            "tie, 0x3f81 odd: up"
+        );
         assert_eq!(rnd::<F32K, BF16K>(0x3f80_8001), 0x3f81, "above half: up");
         assert_eq!(rnd::<F32K, BF16K>(0x3f80_7fff), 0x3f80, "below half: down");
-        assert_eq!(rnd::<F32K, BF16K>(0xbf81_8000), 0xbf82, "the sign does not change the rule");
-        assert_eq!(rnd::<F32K, BF16K>(0x0000_8000), 0x0000, "subnormal tie to even zero");
+        assert_eq!(
+            rnd::<F32K, BF16K>(0xbf81_8000),
+            0xbf82,
+            "the sign does not change the rule"
+        );
+        assert_eq!(
+            rnd::<F32K, BF16K>(0x0000_8000),
+            0x0000,
+            "subnormal tie to even zero"
+        );
         assert_eq!(rnd::<F32K, BF16K>(0x0001_8000), 0x0002, "subnormal tie up");
         assert_eq!(rnd::<F32K, BF16K>(0x8000_0000), 0x8000, "-0 stays -0");
-        assert_eq!(rnd::<F32K, BF16K>(0x7f7f_7fff), 0x7f7f, "below half past bf16 MAX: MAX");
-        assert_eq!(rnd::<F32K, BF16K>(0x7f7f_8000), 0x7f80, "tie at the top: even, which is infinity");
-        assert_eq!(rnd::<F32K, BF16K>(0x7f7f_ffff), 0x7f80, "f32 MAX overflows to +inf");
+        assert_eq!(
+            rnd::<F32K, BF16K>(0x7f7f_7fff),
+            0x7f7f,
+            "below half past bf16 MAX: MAX"
+        );
+        assert_eq!(
+            rnd::<F32K, BF16K>(0x7f7f_8000),
+            0x7f80,
+            "tie at the top: even, which is infinity"
+        );
+        assert_eq!(
+            rnd::<F32K, BF16K>(0x7f7f_ffff),
+            0x7f80,
+            "f32 MAX overflows to +inf"
+        );
         assert_eq!(rnd::<F32K, BF16K>(0xff80_0000), 0xff80, "-inf stays -inf");
         // f32 → f16: 13 bits dropped (0x1000 is half a step), 5-bit exponent.
-        assert_eq!(rnd::<F32K, F16K>(0x3f80_1000), 0x3c00, "1 + 2^-11: tie, down to even");
-        assert_eq!(rnd::<F32K, F16K>(0x3f80_3000), 0x3c02, "1 + 3·2^-11: tie, up to even");
-        assert_eq!(rnd::<F32K, F16K>(0x477f_f000), 0x7c00, "65520: tie between 65504 and 65536, even is infinity");
+        assert_eq!(
+            rnd::<F32K, F16K>(0x3f80_1000),
+            0x3c00,
+            "1 + 2^-11: tie, down to even"
+        );
+        assert_eq!(
+            rnd::<F32K, F16K>(0x3f80_3000),
+            0x3c02,
+            "1 + 3·2^-11: tie, up to even"
+        );
+        assert_eq!(
+            rnd::<F32K, F16K>(0x477f_f000),
+            0x7c00,
+            "65520: tie between 65504 and 65536, even is infinity"
+        );
         assert_eq!(rnd::<F32K, F16K>(0x477f_ef00), 0x7bff, "65519: 65504");
-        assert_eq!(rnd::<F32K, F16K>(0x3380_0000), 0x0001, "2^-24: the smallest subnormal");
-        assert_eq!(rnd::<F32K, F16K>(0x3300_0000), 0x0000, "2^-25: tie between 0 and 2^-24, even 0");
-        assert_eq!(rnd::<F32K, F16K>(0x33c0_0000), 0x0002, "3·2^-25: tie between 1 and 2 steps, even 2");
-        assert_eq!(rnd::<F32K, F16K>(0x3880_0000), 0x0400, "2^-14: the smallest normal");
+        assert_eq!(
+            rnd::<F32K, F16K>(0x3380_0000),
+            0x0001,
+            "2^-24: the smallest subnormal"
+        );
+        assert_eq!(
+            rnd::<F32K, F16K>(0x3300_0000),
+            0x0000,
+            "2^-25: tie between 0 and 2^-24, even 0"
+        );
+        assert_eq!(
+            rnd::<F32K, F16K>(0x33c0_0000),
+            0x0002,
+            "3·2^-25: tie between 1 and 2 steps, even 2"
+        );
+        assert_eq!(
+            rnd::<F32K, F16K>(0x3880_0000),
+            0x0400,
+            "2^-14: the smallest normal"
+        );
         // f64 → f32 and f64 → the 16-bit formats, one rounding from the exact value.
-        assert_eq!(rnd::<F64K, F32K>(0x3ff0_0000_1000_0000), 0x3f80_0000, "1 + 2^-24: tie, down");
-        assert_eq!(rnd::<F64K, F32K>(0x3ff0_0000_1000_0010), 0x3f80_0001, "1 + 2^-24 + 2^-48: up");
-        assert_eq!(rnd::<F64K, F32K>(0x36a0_0000_0000_0000), 0x0000_0001, "2^-149");
-        assert_eq!(rnd::<F64K, F32K>(0x3690_0000_0000_0000), 0x0000_0000, "2^-150: tie, even 0");
-        assert_eq!(rnd::<F64K, F32K>(0x47ef_ffff_f000_0000), 0x7f80_0000, "halfway past f32 MAX: infinity");
+        assert_eq!(
+            rnd::<F64K, F32K>(0x3ff0_0000_1000_0000),
+            0x3f80_0000,
+            "1 + 2^-24: tie, down"
+        );
+        assert_eq!(
+            rnd::<F64K, F32K>(0x3ff0_0000_1000_0010),
+            0x3f80_0001,
+            "1 + 2^-24 + 2^-48: up"
+        );
+        assert_eq!(
+            rnd::<F64K, F32K>(0x36a0_0000_0000_0000),
+            0x0000_0001,
+            "2^-149"
+        );
+        assert_eq!(
+            rnd::<F64K, F32K>(0x3690_0000_0000_0000),
+            0x0000_0000,
+            "2^-150: tie, even 0"
+        );
+        assert_eq!(
+            rnd::<F64K, F32K>(0x47ef_ffff_f000_0000),
+            0x7f80_0000,
+            "halfway past f32 MAX: infinity"
+        );
         // 1 + 2^-8 + 2^-40: through f32 it would tie at bf16 and go down to 1.0.
         assert_eq!(rnd::<F64K, BF16K>(0x3ff0_1000_0000_1000), 0x3f81);
-        assert_eq!(rnd::<F64K, F16K>(0x3ff0_0200_0000_1000), 0x3c01, "1 + 2^-11 + 2^-40: up");
-        assert_eq!(rnd::<F64K, F16K>(0xc0f0_0000_0000_0000), 0xfc00, "-65536: -inf");
+        assert_eq!(
+            rnd::<F64K, F16K>(0x3ff0_0200_0000_1000),
+            0x3c01,
+            "1 + 2^-11 + 2^-40: up"
+        );
+        assert_eq!(
+            rnd::<F64K, F16K>(0xc0f0_0000_0000_0000),
+            0xfc00,
+            "-65536: -inf"
+        );
         // f16 → bf16: 3 bits dropped, and f16's whole range fits bf16's.
         assert_eq!(rnd::<F16K, BF16K>(0x3c04), 0x3f80, "1 + 2^-8: tie, down");
         assert_eq!(rnd::<F16K, BF16K>(0x3c0c), 0x3f82, "1 + 3·2^-8: tie, up");
-        assert_eq!(rnd::<F16K, BF16K>(0x7bff), 0x4780, "f16 MAX 65504 rounds to 65536, finite in bf16");
-        assert_eq!(rnd::<F16K, BF16K>(0x0001), 0x3380, "2^-24, a subnormal in f16, is normal in bf16");
+        assert_eq!(
+            rnd::<F16K, BF16K>(0x7bff),
+            0x4780,
+            "f16 MAX 65504 rounds to 65536, finite in bf16"
+        );
+        assert_eq!(
+            rnd::<F16K, BF16K>(0x0001),
+            0x3380,
+            "2^-24, a subnormal in f16, is normal in bf16"
+        );
         assert_eq!(rnd::<F16K, BF16K>(0xfc00), 0xff80, "-inf");
-        assert_eq!(rnd::<F32K, F32K>(0x3f80_0001), 0x3f80_0001, "its own format: unchanged");
+        assert_eq!(
+            rnd::<F32K, F32K>(0x3f80_0001),
+            0x3f80_0001,
+            "its own format: unchanged"
+        );
     }
 
     #[test]
@@ -1784,7 +2369,11 @@ mod tests {
         let mut checked = 0;
         let mut check = |a: u32| {
             if a & 0x7f80_0000 != 0x7f80_0000 {
-                assert_eq!(f32_to_bf16(a) as u64, rnd::<F32K, BF16K>(a as u64), "{a:#010x}");
+                assert_eq!(
+                    f32_to_bf16(a) as u64,
+                    rnd::<F32K, BF16K>(a as u64),
+                    "{a:#010x}"
+                );
                 checked += 1;
             }
         };
@@ -1803,25 +2392,85 @@ mod tests {
     fn mixed_pairs_worked_by_hand() {
         let fb = |a: u32, b: u16| mixed_pair::<F32K, BF16K>(a as u64, b as u64);
         assert_eq!(fb(0x3f80_0000, 0x3f80), None, "1.0 in both");
-        assert_eq!(fb(0x3f80_8000, 0x3f80), Some((None, Some(0))), "a different value, the same after rounding");
-        assert_eq!(fb(0x3f81_8000, 0x3f81), Some((None, Some(1))), "rounds to 0x3f82");
-        assert_eq!(fb(0x42f6_e979, 0x42f4), Some((None, Some(3))), "123.456 rounds to 0x42f7 (123.5), 3 steps from 122");
-        assert_eq!(fb(0xbf80_0000, 0x3f80), Some((None, Some(2 * 0x3f80))), "-1 vs 1 crosses zero");
-        assert_eq!(fb(0x0000_0000, 0x8000), Some((Some(Special::SignedZero), Some(0))));
-        assert_eq!(fb(0x0000_0001, 0x8000), Some((None, Some(0))), "2^-149 rounds to +0: a value, not a signed zero");
+        assert_eq!(
+            fb(0x3f80_8000, 0x3f80),
+            Some((None, Some(0))),
+            "a different value, the same after rounding"
+        );
+        assert_eq!(
+            fb(0x3f81_8000, 0x3f81),
+            Some((None, Some(1))),
+            "rounds to 0x3f82"
+        );
+        assert_eq!(
+            fb(0x42f6_e979, 0x42f4),
+            Some((None, Some(3))),
+            "123.456 rounds to 0x42f7 (123.5), 3 steps from 122"
+        );
+        assert_eq!(
+            fb(0xbf80_0000, 0x3f80),
+            Some((None, Some(2 * 0x3f80))),
+            "-1 vs 1 crosses zero"
+        );
+        assert_eq!(
+            fb(0x0000_0000, 0x8000),
+            Some((Some(Special::SignedZero), Some(0)))
+        );
+        assert_eq!(
+            fb(0x0000_0001, 0x8000),
+            Some((None, Some(0))),
+            "2^-149 rounds to +0: a value, not a signed zero"
+        );
         assert_eq!(fb(0x7fc0_0000, 0x7fc0), None, "the same quiet NaN");
-        assert_eq!(fb(0xffc0_0000, 0x7fc0), Some((Some(Special::NanPayload), None)), "NaNs of other signs");
-        assert_eq!(fb(0x7fc0_0001, 0x7fc0), Some((Some(Special::NanPayload), None)), "payload below bf16's, left-aligned");
-        assert_eq!(fb(0x7fc0_0000, 0x3f80), Some((Some(Special::NanMismatch), None)));
+        assert_eq!(
+            fb(0xffc0_0000, 0x7fc0),
+            Some((Some(Special::NanPayload), None)),
+            "NaNs of other signs"
+        );
+        assert_eq!(
+            fb(0x7fc0_0001, 0x7fc0),
+            Some((Some(Special::NanPayload), None)),
+            "payload below bf16's, left-aligned"
+        );
+        assert_eq!(
+            fb(0x7fc0_0000, 0x3f80),
+            Some((Some(Special::NanMismatch), None))
+        );
         assert_eq!(fb(0x7f80_0000, 0x7f80), None, "+inf in both");
-        assert_eq!(fb(0x7f7f_ffff, 0x7f80), Some((Some(Special::Infinity), Some(0))), "f32 MAX rounds to the bf16 +inf");
-        assert_eq!(fb(0x7f7f_ffff, 0x7f7f), Some((None, Some(1))), "f32 MAX is a step past bf16 MAX, at infinity");
+        assert_eq!(
+            fb(0x7f7f_ffff, 0x7f80),
+            Some((Some(Special::Infinity), Some(0))),
+            "f32 MAX rounds to the bf16 +inf"
+        );
+        assert_eq!(
+            fb(0x7f7f_ffff, 0x7f7f),
+            Some((None, Some(1))),
+            "f32 MAX is a step past bf16 MAX, at infinity"
+        );
         // The other way round, and the other pairs.
-        assert_eq!(mixed_pair::<BF16K, F32K>(0x3f81, 0x3f81_8000), Some((None, Some(1))));
-        assert_eq!(mixed_pair::<F16K, F32K>(0x3c00, 0x3f80_3000), Some((None, Some(2))), "1 vs 1 + 3·2^-11 (f16 0x3c02)");
-        assert_eq!(mixed_pair::<F64K, F32K>(1f64.to_bits(), 0x3f80_0001), Some((None, Some(1))));
-        assert_eq!(mixed_pair::<BF16K, F16K>(0x3f82, 0x3c0c), Some((None, Some(0))), "f16 1 + 3·2^-8 rounds to bf16 0x3f82");
-        assert_eq!(mixed_pair::<F16K, F32K>(0x7c00, 0x477f_f000), Some((Some(Special::Infinity), Some(0))), "65520 overflows f16");
+        assert_eq!(
+            mixed_pair::<BF16K, F32K>(0x3f81, 0x3f81_8000),
+            Some((None, Some(1)))
+        );
+        assert_eq!(
+            mixed_pair::<F16K, F32K>(0x3c00, 0x3f80_3000),
+            Some((None, Some(2))),
+            "1 vs 1 + 3·2^-11 (f16 0x3c02)"
+        );
+        assert_eq!(
+            mixed_pair::<F64K, F32K>(1f64.to_bits(), 0x3f80_0001),
+            Some((None, Some(1)))
+        );
+        assert_eq!(
+            mixed_pair::<BF16K, F16K>(0x3f82, 0x3c0c),
+            Some((None, Some(0))),
+            "f16 1 + 3·2^-8 rounds to bf16 0x3f82"
+        );
+        assert_eq!(
+            mixed_pair::<F16K, F32K>(0x7c00, 0x477f_f000),
+            Some((Some(Special::Infinity), Some(0))),
+            "65520 overflows f16"
+        );
     }
 
     #[test]
@@ -1832,7 +2481,11 @@ mod tests {
         assert_eq!(u(DType::F64, DType::F16), Some(DType::F16));
         assert_eq!(u(DType::F16, DType::BF16), Some(DType::BF16));
         assert_eq!(u(DType::F32, DType::F32), Some(DType::F32));
-        assert_eq!(Pair::new(DType::I32, DType::I32).map(Pair::ulp_dtype), Some(None), "integers: absolute difference");
+        assert_eq!(
+            Pair::new(DType::I32, DType::I32).map(Pair::ulp_dtype),
+            Some(None),
+            "integers: absolute difference"
+        );
         assert_eq!(Pair::new(DType::I32, DType::F32), None);
         assert_eq!(Pair::new(DType::I32, DType::I64), None);
     }
@@ -1873,45 +2526,146 @@ mod tests {
     fn f32_bf16_kernel_agrees_with_the_careful_path() {
         let n = 3 * CHUNK + 37;
         let (w, h) = f32_bf16_pairs(n);
-        let counts = |u: &UlpCounts| (u.below, (0..BUCKETS).map(|k| u.bucket(k)).collect::<Vec<_>>());
-        for (pair, r, c) in [(Pair { reference: DType::F32, candidate: DType::BF16 }, &w, &h), (Pair { reference: DType::BF16, candidate: DType::F32 }, &h, &w)] {
-            for window in [Window::place(pair, r, c), Window::SMALL, Window { lo: 100, shift: 3, buckets: 77 }] {
+        let counts = |u: &UlpCounts| {
+            (
+                u.below,
+                (0..BUCKETS).map(|k| u.bucket(k)).collect::<Vec<_>>(),
+            )
+        };
+        for (pair, r, c) in [
+            (
+                Pair {
+                    reference: DType::F32,
+                    candidate: DType::BF16,
+                },
+                &w,
+                &h,
+            ),
+            (
+                Pair {
+                    reference: DType::BF16,
+                    candidate: DType::F32,
+                },
+                &h,
+                &w,
+            ),
+        ] {
+            for window in [
+                Window::place(pair, r, c),
+                Window::SMALL,
+                Window {
+                    lo: 100,
+                    shift: 3,
+                    buckets: 77,
+                },
+            ] {
                 let (fast, fast_ulps) = scan_window(pair, r, c, Some(window));
                 let (careful, careful_ulps) = if pair.reference == DType::F32 {
                     scan_chunks(r, c, (4, 2), Some(window), scan_chunk_mixed::<F32K, BF16K>)
                 } else {
                     scan_chunks(r, c, (2, 4), Some(window), scan_chunk_mixed::<BF16K, F32K>)
                 };
-                let ints = |s: &Stats| (s.total, s.differing, s.first, s.max_ulp, s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
+                let ints = |s: &Stats| {
+                    (
+                        s.total,
+                        s.differing,
+                        s.first,
+                        s.max_ulp,
+                        s.signed_zero,
+                        s.nan_mismatch,
+                        s.nan_payload,
+                        s.infinity,
+                    )
+                };
                 assert_eq!(ints(&fast), ints(&careful), "{pair:?}");
-                assert!(fast.differing > 0 && fast.signed_zero > 0 && fast.nan_payload > 0 && fast.infinity > 0);
-                assert_eq!((fast.max_abs, fast.max_rel), (careful.max_abs, careful.max_rel));
-                for (x, y) in [(fast.rr, careful.rr), (fast.cc, careful.cc), (fast.rc, careful.rc), (fast.dd, careful.dd)] {
+                assert!(
+                    fast.differing > 0
+                        && fast.signed_zero > 0
+                        && fast.nan_payload > 0
+                        && fast.infinity > 0
+                );
+                assert_eq!(
+                    (fast.max_abs, fast.max_rel),
+                    (careful.max_abs, careful.max_rel)
+                );
+                for (x, y) in [
+                    (fast.rr, careful.rr),
+                    (fast.cc, careful.cc),
+                    (fast.rc, careful.rc),
+                    (fast.dd, careful.dd),
+                ] {
                     assert!((x - y).abs() <= 1e-12 * y.abs(), "{x} vs {y}");
                 }
-                assert_eq!(counts(&fast_ulps.unwrap()), counts(&careful_ulps.unwrap()), "{pair:?} {window:?}");
+                assert_eq!(
+                    counts(&fast_ulps.unwrap()),
+                    counts(&careful_ulps.unwrap()),
+                    "{pair:?} {window:?}"
+                );
             }
         }
         // The AVX2 kernel and the portable one: the same statistics to the bit, chunk by chunk,
         // counting or not (without counting, a chunk holding a NaN is scanned again).
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("popcnt") {
-            let window = Window::place(Pair { reference: DType::F32, candidate: DType::BF16 }, &w, &h);
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("popcnt")
+        {
+            let window = Window::place(
+                Pair {
+                    reference: DType::F32,
+                    candidate: DType::BF16,
+                },
+                &w,
+                &h,
+            );
             // One chunk with no NaN or infinity at all, beside the mixed ones.
-            let (wc, hc) = (0x3f80_0001u32.to_le_bytes().repeat(CHUNK), 0x3f80u16.to_le_bytes().repeat(CHUNK));
-            let chunks: Vec<(&[u8], &[u8])> = w.chunks(4 * CHUNK).zip(h.chunks(2 * CHUNK)).chain([(&wc[..], &hc[..])]).collect();
-            let bits = |s: &Stats| ([s.rr, s.cc, s.rc, s.dd, s.max_abs, s.max_rel].map(f64::to_bits), (s.total, s.differing, s.first, s.max_ulp, s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity));
+            let (wc, hc) = (
+                0x3f80_0001u32.to_le_bytes().repeat(CHUNK),
+                0x3f80u16.to_le_bytes().repeat(CHUNK),
+            );
+            let chunks: Vec<(&[u8], &[u8])> = w
+                .chunks(4 * CHUNK)
+                .zip(h.chunks(2 * CHUNK))
+                .chain([(&wc[..], &hc[..])])
+                .collect();
+            let bits = |s: &Stats| {
+                (
+                    [s.rr, s.cc, s.rc, s.dd, s.max_abs, s.max_rel].map(f64::to_bits),
+                    (
+                        s.total,
+                        s.differing,
+                        s.first,
+                        s.max_ulp,
+                        s.signed_zero,
+                        s.nan_mismatch,
+                        s.nan_payload,
+                        s.infinity,
+                    ),
+                )
+            };
             for (k, (a, b)) in chunks.into_iter().enumerate() {
                 let (mut u, mut v) = (UlpCounts::new(window), UlpCounts::new(window));
                 // SAFETY: the CPU has the features (checked above).
                 let (x, x_uncounted, x_rev) = unsafe {
-                    (avx2::scan_chunk_f32_bf16::<true, true>(a, b, 0, Some(&mut u)), avx2::scan_chunk_f32_bf16::<true, false>(a, b, 7, None), avx2::scan_chunk_f32_bf16::<false, false>(b, a, 7, None))
+                    (
+                        avx2::scan_chunk_f32_bf16::<true, true>(a, b, 0, Some(&mut u)),
+                        avx2::scan_chunk_f32_bf16::<true, false>(a, b, 7, None),
+                        avx2::scan_chunk_f32_bf16::<false, false>(b, a, 7, None),
+                    )
                 };
                 let y = scan_chunk_f32_bf16::<true>(a, b, 0, Some(&mut v));
                 assert_eq!(bits(&x), bits(&y), "chunk {k}");
                 assert_eq!(counts(&u), counts(&v), "chunk {k}");
-                assert_eq!(bits(&x_uncounted), bits(&scan_chunk_f32_bf16::<true>(a, b, 7, None)), "chunk {k}, not counting");
-                assert_eq!(bits(&x_rev), bits(&scan_chunk_f32_bf16::<false>(b, a, 7, None)), "chunk {k}, bf16 reference");
+                assert_eq!(
+                    bits(&x_uncounted),
+                    bits(&scan_chunk_f32_bf16::<true>(a, b, 7, None)),
+                    "chunk {k}, not counting"
+                );
+                assert_eq!(
+                    bits(&x_rev),
+                    bits(&scan_chunk_f32_bf16::<false>(b, a, 7, None)),
+                    "chunk {k}, bf16 reference"
+                );
             }
         } else {
             use std::io::Write;
@@ -1923,13 +2677,35 @@ mod tests {
     fn median_of_mixed_pairs_matches_a_sort() {
         let n = CHUNK + 5;
         let (w, h) = f32_bf16_pairs(n);
-        for (pair, r, c) in [(Pair { reference: DType::F32, candidate: DType::BF16 }, &w, &h), (Pair { reference: DType::BF16, candidate: DType::F32 }, &h, &w)] {
+        for (pair, r, c) in [
+            (
+                Pair {
+                    reference: DType::F32,
+                    candidate: DType::BF16,
+                },
+                &w,
+                &h,
+            ),
+            (
+                Pair {
+                    reference: DType::BF16,
+                    candidate: DType::F32,
+                },
+                &h,
+                &w,
+            ),
+        ] {
             let (m, _, _) = median(pair, r, c);
             assert!(m.is_some());
             assert_eq!(m, sorted_median(pair, r, c), "{pair:?}");
         }
         // The careful path's pairs: each side's values from one sequence, in its own width.
-        for (rt, ct) in [(DType::F16, DType::F32), (DType::F64, DType::F32), (DType::BF16, DType::F16), (DType::F32, DType::F64)] {
+        for (rt, ct) in [
+            (DType::F16, DType::F32),
+            (DType::F64, DType::F32),
+            (DType::BF16, DType::F16),
+            (DType::F32, DType::F64),
+        ] {
             let pair = Pair::new(rt, ct).unwrap();
             let enc = |d: DType, x: f64, out: &mut Vec<u8>| match d {
                 DType::F64 => out.extend_from_slice(&x.to_le_bytes()),

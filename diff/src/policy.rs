@@ -98,16 +98,28 @@ impl Policy {
     pub fn parse(text: &str) -> Result<Policy, String> {
         let p: Policy = serde_json::from_str(text).map_err(|e| format!("not a policy: {e}"))?;
         if p.format != POLICY_FORMAT {
-            return Err(format!("format is {:?}, expected {POLICY_FORMAT:?}", p.format));
+            return Err(format!(
+                "format is {:?}, expected {POLICY_FORMAT:?}",
+                p.format
+            ));
         }
         for (i, r) in p.rules.iter().enumerate() {
-            if r.max_ulp.is_none() && r.max_abs.is_none() && r.max_rel.is_none() && r.max_rel_l2.is_none() && r.min_cosine.is_none() && r.max_scale_error.is_none() {
+            if r.max_ulp.is_none()
+                && r.max_abs.is_none()
+                && r.max_rel.is_none()
+                && r.max_rel_l2.is_none()
+                && r.min_cosine.is_none()
+                && r.max_scale_error.is_none()
+            {
                 return Err(format!("rule {i} ({:?}) sets no bound", r.pattern));
             }
         }
         if let Some(n) = &p.near_tie {
             if !(n.margin_factor.is_finite() && n.margin_factor >= 0.0) {
-                return Err(format!("near_tie.margin_factor is {}, expected a finite number >= 0", n.margin_factor));
+                return Err(format!(
+                    "near_tie.margin_factor is {}, expected a finite number >= 0",
+                    n.margin_factor
+                ));
             }
         }
         Ok(p)
@@ -115,13 +127,17 @@ impl Policy {
 
     /// The near-tie factor: the policy's `near_tie.margin_factor`, else [`DEFAULT_NEAR_TIE_FACTOR`].
     pub fn near_tie_factor(&self) -> f64 {
-        self.near_tie.as_ref().map_or(DEFAULT_NEAR_TIE_FACTOR, |n| n.margin_factor)
+        self.near_tie
+            .as_ref()
+            .map_or(DEFAULT_NEAR_TIE_FACTOR, |n| n.margin_factor)
     }
 
     /// The first rule matching `name` (and, for a rule that names one, `path`: the candidate
     /// tensor's `path` attribute), with its index.
     pub fn rule_for(&self, name: &str, path: Option<&str>) -> Option<(usize, &Rule)> {
-        self.rules.iter().enumerate().find(|(_, r)| glob_match(&r.pattern, name) && r.path.as_deref().is_none_or(|p| path == Some(p)))
+        self.rules.iter().enumerate().find(|(_, r)| {
+            glob_match(&r.pattern, name) && r.path.as_deref().is_none_or(|p| path == Some(p))
+        })
     }
 }
 
@@ -130,9 +146,19 @@ impl Rule {
     /// infinity check (empty = pass).
     pub fn violations(&self, m: &Measured) -> Vec<Violation> {
         let mut out = Vec::new();
-        let mut broken = |bound, limit, value| out.push(Violation { bound, limit, value });
+        let mut broken = |bound, limit, value| {
+            out.push(Violation {
+                bound,
+                limit,
+                value,
+            })
+        };
         if m.nonfinite_differences > 0 {
-            broken(NONFINITE, Amount::Count(0), Some(Amount::Count(m.nonfinite_differences)));
+            broken(
+                NONFINITE,
+                Amount::Count(0),
+                Some(Amount::Count(m.nonfinite_differences)),
+            );
         }
         if let Some(b) = self.max_ulp {
             match m.max_ulp {
@@ -225,9 +251,15 @@ impl fmt::Display for Violation {
             ("max_rel_l2", None) => write!(f, "relative L2 undefined (reference is all zero)"),
             ("min_cosine", Some(v)) => write!(f, "cosine {v} < {limit}"),
             ("min_cosine", None) => write!(f, "cosine undefined (a side is all zero)"),
-            ("max_scale_error", Some(v)) => write!(f, "scale error {v} (|⟨c,r⟩/⟨r,r⟩ − 1|) > {limit}"),
+            ("max_scale_error", Some(v)) => {
+                write!(f, "scale error {v} (|⟨c,r⟩/⟨r,r⟩ − 1|) > {limit}")
+            }
             ("max_scale_error", None) => write!(f, "scale error undefined (reference is all zero)"),
-            (bound, v) => write!(f, "{bound} {} vs limit {limit}", v.map_or("undefined".to_string(), |v| v.to_string())),
+            (bound, v) => write!(
+                f,
+                "{bound} {} vs limit {limit}",
+                v.map_or("undefined".to_string(), |v| v.to_string())
+            ),
         }
     }
 }
@@ -237,7 +269,9 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     fn go<T: Copy + PartialEq>(p: &[T], n: &[T], star: T, any: T, dot: T) -> bool {
         match p.first() {
             None => n.is_empty(),
-            Some(&s) if s == star && p.get(1) == Some(&star) => (0..=n.len()).any(|k| go(&p[2..], &n[k..], star, any, dot)),
+            Some(&s) if s == star && p.get(1) == Some(&star) => {
+                (0..=n.len()).any(|k| go(&p[2..], &n[k..], star, any, dot))
+            }
             Some(&s) if s == star => {
                 let limit = n.iter().position(|&c| c == dot).unwrap_or(n.len());
                 (0..=limit).any(|k| go(&p[1..], &n[k..], star, any, dot))
@@ -277,22 +311,53 @@ mod tests {
 
     #[test]
     fn violations_name_the_bound_its_limit_and_the_measured_value() {
-        let rule: Rule = serde_json::from_str(r#"{"pattern": "x", "max_ulp": 4, "max_rel_l2": 1e-4, "min_cosine": 0.9999}"#).unwrap();
+        let rule: Rule = serde_json::from_str(
+            r#"{"pattern": "x", "max_ulp": 4, "max_rel_l2": 1e-4, "min_cosine": 0.9999}"#,
+        )
+        .unwrap();
         // On the limits: inclusive, nothing broken.
-        let at = Measured { max_ulp: Some(4), rel_l2: Some(1e-4), cosine: Some(0.9999), ..Measured::default() };
+        let at = Measured {
+            max_ulp: Some(4),
+            rel_l2: Some(1e-4),
+            cosine: Some(0.9999),
+            ..Measured::default()
+        };
         assert_eq!(rule.violations(&at), []);
         // Planted: one ULP over, twice the relative L2, cosine undefined, a NaN difference.
-        let over = Measured { max_ulp: Some(5), rel_l2: Some(2e-4), cosine: None, nonfinite_differences: 3, ..Measured::default() };
+        let over = Measured {
+            max_ulp: Some(5),
+            rel_l2: Some(2e-4),
+            cosine: None,
+            nonfinite_differences: 3,
+            ..Measured::default()
+        };
         let v = rule.violations(&over);
         let want = [
             (NONFINITE, Amount::Count(0), Some(Amount::Count(3))),
             ("max_ulp", Amount::Count(4), Some(Amount::Count(5))),
-            ("max_rel_l2", Amount::Real(Real(1e-4)), Some(Amount::Real(Real(2e-4)))),
+            (
+                "max_rel_l2",
+                Amount::Real(Real(1e-4)),
+                Some(Amount::Real(Real(2e-4))),
+            ),
             ("min_cosine", Amount::Real(Real(0.9999)), None),
         ];
-        assert_eq!(v.iter().map(|v| (v.bound, v.limit, v.value)).collect::<Vec<_>>(), want);
+        assert_eq!(
+            v.iter()
+                .map(|v| (v.bound, v.limit, v.value))
+                .collect::<Vec<_>>(),
+            want
+        );
         let prose: Vec<String> = v.iter().map(|v| v.to_string()).collect();
-        assert_eq!(prose, ["3 element(s) differ by NaN or infinity", "max ULP 5 > 4", "relative L2 0.0002 > 0.0001", "cosine undefined (a side is all zero)"]);
+        assert_eq!(
+            prose,
+            [
+                "3 element(s) differ by NaN or infinity",
+                "max ULP 5 > 4",
+                "relative L2 0.0002 > 0.0001",
+                "cosine undefined (a side is all zero)"
+            ]
+        );
         assert_eq!(
             serde_json::to_value(&v[2]).unwrap(),
             serde_json::json!({"bound": "max_rel_l2", "limit": 1e-4, "value": 2e-4}),
@@ -308,24 +373,51 @@ mod tests {
                 {"pattern": "layer.*.mlp_out", "max_rel_l2": 0.04}]}"#,
         )
         .unwrap();
-        assert_eq!(p.rule_for("layer.01.mlp_out", Some("layer")).map(|r| r.0), Some(0));
-        assert_eq!(p.rule_for("layer.01.mlp_out", Some("prefill")).map(|r| r.0), Some(1));
+        assert_eq!(
+            p.rule_for("layer.01.mlp_out", Some("layer")).map(|r| r.0),
+            Some(0)
+        );
+        assert_eq!(
+            p.rule_for("layer.01.mlp_out", Some("prefill")).map(|r| r.0),
+            Some(1)
+        );
         assert_eq!(p.rule_for("layer.01.mlp_out", None).map(|r| r.0), Some(1));
         let rule = &p.rules[0];
-        let m = |v| Measured { scale_error: v, ..Measured::default() };
+        let m = |v| Measured {
+            scale_error: v,
+            ..Measured::default()
+        };
         assert_eq!(rule.violations(&m(Some(0.004))), []);
         assert_eq!(rule.violations(&m(Some(-0.004))), []);
         let below = rule.violations(&m(Some(-0.006)));
-        assert_eq!((below.len(), below[0].bound, below[0].value), (1, "max_scale_error", Some(Amount::Real(Real(-0.006)))));
-        assert_eq!(rule.violations(&m(None))[0].to_string(), "scale error undefined (reference is all zero)");
+        assert_eq!(
+            (below.len(), below[0].bound, below[0].value),
+            (1, "max_scale_error", Some(Amount::Real(Real(-0.006))))
+        );
+        assert_eq!(
+            rule.violations(&m(None))[0].to_string(),
+            "scale error undefined (reference is all zero)"
+        );
     }
 
     #[test]
     fn shipped_default_policy_parses() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json");
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json");
         let p = Policy::load(&path).unwrap();
-        for name in ["embed.out", "layer.00.hidden_in", "layer.11.attn_out", "layer.03.mlp_out", "layer.03.hidden_out", "final_norm.out", "logits"] {
-            assert!(p.rule_for(name, None).is_some(), "{name} has no rule in the default policy");
+        for name in [
+            "embed.out",
+            "layer.00.hidden_in",
+            "layer.11.attn_out",
+            "layer.03.mlp_out",
+            "layer.03.hidden_out",
+            "final_norm.out",
+            "logits",
+        ] {
+            assert!(
+                p.rule_for(name, None).is_some(),
+                "{name} has no rule in the default policy"
+            );
         }
     }
 }
@@ -334,7 +426,10 @@ mod tests {
 /// the same bounds from any directory. Their files under fixtures/policy/ are the source, with
 /// the measurements behind each bound (fixtures/policy/MEASUREMENTS.md).
 pub const BUNDLED: [(&str, &str); 3] = [
-    ("f32", include_str!("../../fixtures/policy/oracle-default.json")),
+    (
+        "f32",
+        include_str!("../../fixtures/policy/oracle-default.json"),
+    ),
     ("bf16", include_str!("../../fixtures/policy/bf16.json")),
     ("f16", include_str!("../../fixtures/policy/f16.json")),
 ];
@@ -369,14 +464,22 @@ mod resolve_tests {
         let here = Path::new(env!("CARGO_MANIFEST_DIR"));
         // f32 is the shipped default file, read by name and by path alike.
         let by_name = Policy::resolve("f32", Path::new("/nonexistent")).unwrap();
-        assert_eq!(by_name, Policy::resolve("../fixtures/policy/oracle-default.json", here).unwrap());
+        assert_eq!(
+            by_name,
+            Policy::resolve("../fixtures/policy/oracle-default.json", here).unwrap()
+        );
         assert_eq!(by_name.name, "oracle-default");
         assert_eq!(Policy::resolve("bf16", here).unwrap().name, "oracle-bf16");
         assert_eq!(Policy::resolve("f16", here).unwrap().name, "oracle-f16");
         let e = Policy::resolve("fp8", here).unwrap_err();
-        assert!(e.contains("unknown policy name \"fp8\"") && e.contains("f32, bf16, f16"), "{e}");
+        assert!(
+            e.contains("unknown policy name \"fp8\"") && e.contains("f32, bf16, f16"),
+            "{e}"
+        );
         // Anything with a dot or a slash is a path, even when it is missing.
-        assert!(Policy::resolve("bf16.json", here).unwrap_err().contains("bf16.json"));
+        assert!(Policy::resolve("bf16.json", here)
+            .unwrap_err()
+            .contains("bf16.json"));
         assert!(Policy::resolve("./f32", here).unwrap_err().contains("f32"));
     }
 }

@@ -8,7 +8,10 @@ use serde::{Serialize, Serializer};
 use tracegate_trace::{Attributes, DType, DecisionInfo, TensorInfo, Trace};
 
 use crate::stats::{each_with_stats, Scalar, TensorStats};
-use crate::{Element, FilterSummary, Flip, Real, Report, RowSet, Special, TensorRow, Verdict, AFTER_NEAR_TIE, CONSEQUENCE, NEAR_TIE};
+use crate::{
+    Element, FilterSummary, Flip, Real, Report, RowSet, Special, TensorRow, Verdict,
+    AFTER_NEAR_TIE, CONSEQUENCE, NEAR_TIE,
+};
 
 /// Names wider than this overflow their column instead of widening it: a format width is at
 /// most 65,535 (wider panics), and one long name must not pad every other row.
@@ -18,7 +21,8 @@ const MAX_COLUMN: usize = 80;
 /// attributes and provenance come from files, and raw they could move the cursor, recolour or
 /// rewrite a terminal, or reorder what it shows.
 fn needs_escape(c: char) -> bool {
-    (c.is_control() && c != '\n') || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    (c.is_control() && c != '\n')
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 fn escape_with(s: &str, escape: fn(&mut String, char)) -> Cow<'_, str> {
@@ -69,7 +73,11 @@ impl serde_json::ser::Formatter for SafeJson<'_> {
         begin_object_value(),
         end_object_value(),
     );
-    fn write_string_fragment<W: ?Sized + std::io::Write>(&mut self, w: &mut W, fragment: &str) -> std::io::Result<()> {
+    fn write_string_fragment<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        fragment: &str,
+    ) -> std::io::Result<()> {
         let safe = escape_with(fragment, |o, c| {
             let _ = write!(o, "\\u{:04x}", c as u32);
         });
@@ -83,7 +91,10 @@ pub fn write_json(rep: &Report, out: &mut dyn std::io::Write) -> std::io::Result
 }
 
 fn pretty_json(value: &impl Serialize, out: &mut dyn std::io::Write) -> std::io::Result<()> {
-    let mut ser = serde_json::Serializer::with_formatter(&mut *out, SafeJson(serde_json::ser::PrettyFormatter::new()));
+    let mut ser = serde_json::Serializer::with_formatter(
+        &mut *out,
+        SafeJson(serde_json::ser::PrettyFormatter::new()),
+    );
     value.serialize(&mut ser).map_err(std::io::Error::other)?;
     out.write_all(b"\n")?;
     out.flush()
@@ -106,9 +117,18 @@ fn real(x: Option<Real>) -> String {
     match x {
         None => "-".into(),
         Some(Real(v)) if v.is_nan() => "nan".into(),
-        Some(Real(v)) if v.is_infinite() => if v > 0.0 { "inf".into() } else { "-inf".into() },
+        Some(Real(v)) if v.is_infinite() => {
+            if v > 0.0 {
+                "inf".into()
+            } else {
+                "-inf".into()
+            }
+        }
         Some(Real(0.0)) => "0".into(),
-        Some(Real(v)) if (1e-3..1e6).contains(&v.abs()) => format!("{v:.6}").trim_end_matches('0').trim_end_matches('.').to_string(),
+        Some(Real(v)) if (1e-3..1e6).contains(&v.abs()) => format!("{v:.6}")
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string(),
         Some(Real(v)) => format!("{v:.3e}"),
     }
 }
@@ -124,7 +144,10 @@ fn cosine(x: Option<Real>) -> String {
 }
 
 fn coords(c: &[u64]) -> String {
-    c.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+    c.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn opt_u(x: Option<u64>) -> String {
@@ -144,7 +167,11 @@ fn decisions_clause(rep: &Report) -> String {
             notes.push(format!("{uncompared} not compared: shape differs"));
         }
         if !d.missing.is_empty() || !d.extra.is_empty() {
-            notes.push(format!("{} missing, {} extra", d.missing.len(), d.extra.len()));
+            notes.push(format!(
+                "{} missing, {} extra",
+                d.missing.len(),
+                d.extra.len()
+            ));
         }
         notes.extend(near_ties_note(rep));
         if !notes.is_empty() {
@@ -157,9 +184,18 @@ fn decisions_clause(rep: &Report) -> String {
 /// "2 near-ties excused: layer.00.router.topk row 5, …; 14 rows after a near-tie not judged",
 /// so a verdict never hides what it excused.
 fn near_ties_note(rep: &Report) -> Option<String> {
-    let n = rep.decisions.near_ties.as_ref().filter(|n| !n.excused.is_empty())?;
+    let n = rep
+        .decisions
+        .near_ties
+        .as_ref()
+        .filter(|n| !n.excused.is_empty())?;
     const SHOWN: usize = 3;
-    let mut which: Vec<String> = n.excused.iter().take(SHOWN).map(|e| format!("{} row {}", e.decision, e.row)).collect();
+    let mut which: Vec<String> = n
+        .excused
+        .iter()
+        .take(SHOWN)
+        .map(|e| format!("{} row {}", e.decision, e.row))
+        .collect();
     if n.excused.len() > SHOWN {
         which.push(format!("{} more", n.excused.len() - SHOWN));
     }
@@ -288,25 +324,55 @@ fn summary(rep: &Report) -> String {
 fn policy_clauses(rep: &Report) -> Vec<String> {
     let common = rep.per_tensor.len();
     let mut parts = Vec::new();
-    let outside = rep.per_tensor.iter().filter(|r| r.status == "outside_policy").count();
+    let outside = rep
+        .per_tensor
+        .iter()
+        .filter(|r| r.status == "outside_policy")
+        .count();
     if let Some(v) = rep.first_violation() {
         let more = match v.violations.len() {
             0 | 1 => String::new(),
             n => format!(" (+{} more bound{})", n - 1, if n == 2 { "" } else { "s" }),
         };
-        let bound = v.violations.first().map(|b| b.to_string()).unwrap_or_default();
-        let rule = v.rule.as_ref().map(|x| format!(" by rule #{} {}", x.index, x.pattern)).unwrap_or_default();
-        parts.push(format!("{outside} of {common} tensors outside the policy, first {}: {bound}{more}{rule}", v.tensor));
+        let bound = v
+            .violations
+            .first()
+            .map(|b| b.to_string())
+            .unwrap_or_default();
+        let rule = v
+            .rule
+            .as_ref()
+            .map(|x| format!(" by rule #{} {}", x.index, x.pattern))
+            .unwrap_or_default();
+        parts.push(format!(
+            "{outside} of {common} tensors outside the policy, first {}: {bound}{more}{rule}",
+            v.tensor
+        ));
     }
-    let unruled: Vec<&TensorRow> = rep.per_tensor.iter().filter(|r| r.status == "no_rule").collect();
+    let unruled: Vec<&TensorRow> = rep
+        .per_tensor
+        .iter()
+        .filter(|r| r.status == "no_rule")
+        .collect();
     if let Some(first) = unruled.first() {
         let n = unruled.len();
-        parts.push(format!("{n} tensor{} without a policy rule (first: {})", if n == 1 { "" } else { "s" }, first.tensor));
+        parts.push(format!(
+            "{n} tensor{} without a policy rule (first: {})",
+            if n == 1 { "" } else { "s" },
+            first.tensor
+        ));
     }
     parts.extend(rerouted_clause(rep));
     if parts.is_empty() && common > 0 {
-        let within = rep.per_tensor.iter().filter(|r| r.status == "within_policy").count();
-        parts.push(format!("all {common} tensors within the policy ({} bit-identical, {within} within bounds)", common - within));
+        let within = rep
+            .per_tensor
+            .iter()
+            .filter(|r| r.status == "within_policy")
+            .count();
+        parts.push(format!(
+            "all {common} tensors within the policy ({} bit-identical, {within} within bounds)",
+            common - within
+        ));
     }
     parts
 }
@@ -314,20 +380,36 @@ fn policy_clauses(rep: &Report) -> Vec<String> {
 /// Expert tensors the routing sent other tokens (docs/diff.md, "Rerouted experts"): they fail
 /// even where every row both sides hold is equal, so the headline names them.
 fn rerouted_clause(rep: &Report) -> Option<String> {
-    let rerouted: Vec<&TensorRow> = rep.per_tensor.iter().filter(|r| r.status == "rerouted").collect();
+    let rerouted: Vec<&TensorRow> = rep
+        .per_tensor
+        .iter()
+        .filter(|r| r.status == "rerouted")
+        .collect();
     let n = rerouted.len();
-    rerouted.first().map(|first| format!("{n} expert tensor{} rerouted (first: {})", if n == 1 { "" } else { "s" }, first.tensor))
+    rerouted.first().map(|first| {
+        format!(
+            "{n} expert tensor{} rerouted (first: {})",
+            if n == 1 { "" } else { "s" },
+            first.tensor
+        )
+    })
 }
 
 /// An element's distance in words: its ULPs (integers: |difference|), or what kind of
 /// difference it is when it has no distance.
 fn distance(dtype: &str, ulp: Option<u64>, special: Option<Special>) -> String {
-    let unit = if matches!(dtype, "f64" | "f32" | "f16" | "bf16") { format!("ULP ({dtype})") } else { "absolute".into() };
+    let unit = if matches!(dtype, "f64" | "f32" | "f16" | "bf16") {
+        format!("ULP ({dtype})")
+    } else {
+        "absolute".into()
+    };
     let dist = match ulp {
         Some(u) => format!("{} {unit}", thousands(u)),
         None => "none (NaN)".into(),
     };
-    let special = special.map(|s| format!("  — {}", s.describe())).unwrap_or_default();
+    let special = special
+        .map(|s| format!("  — {}", s.describe()))
+        .unwrap_or_default();
     format!("{dist}{special}")
 }
 
@@ -346,9 +428,22 @@ pub(crate) fn element_words(dtype: &str, e: &Element) -> String {
 
 /// The lines naming one element: where, both values with their bits, the distance.
 fn element_lines(o: &mut Sink<'_>, dtype: &str, label: &str, e: &Element) {
-    let _ = writeln!(o, "  {label:<9}  [{}]  (flat index {})", coords(&e.coords), thousands(e.flat_index));
-    let _ = writeln!(o, "  reference  {}  ({})", e.reference_value, e.reference_bits);
-    let _ = writeln!(o, "  candidate  {}  ({})", e.candidate_value, e.candidate_bits);
+    let _ = writeln!(
+        o,
+        "  {label:<9}  [{}]  (flat index {})",
+        coords(&e.coords),
+        thousands(e.flat_index)
+    );
+    let _ = writeln!(
+        o,
+        "  reference  {}  ({})",
+        e.reference_value, e.reference_bits
+    );
+    let _ = writeln!(
+        o,
+        "  candidate  {}  ({})",
+        e.candidate_value, e.candidate_bits
+    );
     let _ = writeln!(o, "  distance   {}", distance(dtype, e.ulp, e.special));
 }
 
@@ -362,7 +457,11 @@ struct Sink<'a> {
 
 impl<'a> Sink<'a> {
     fn new(out: &'a mut dyn std::io::Write) -> Self {
-        Sink { buf: String::new(), out, error: None }
+        Sink {
+            buf: String::new(),
+            out,
+            error: None,
+        }
     }
     fn flush(&mut self) {
         if self.error.is_none() {
@@ -408,13 +507,24 @@ pub fn write_human(rep: &Report, out: &mut dyn std::io::Write) -> std::io::Resul
 fn human(o: &mut Sink<'_>, rep: &Report) {
     let _ = writeln!(o, "{}", summary(rep));
     for (label, s) in [("reference", &rep.reference), ("candidate", &rep.candidate)] {
-        let digest = s.digest.as_deref().map(|d| &d[..16.min(d.len())]).unwrap_or("-");
-        let verified = if s.verified { "verified" } else { "not verified" };
+        let digest = s
+            .digest
+            .as_deref()
+            .map(|d| &d[..16.min(d.len())])
+            .unwrap_or("-");
+        let verified = if s.verified {
+            "verified"
+        } else {
+            "not verified"
+        };
         let _ = writeln!(
             o,
             "  {label}  {}  digest {digest}  {verified}{}",
             s.path.as_deref().unwrap_or("-"),
-            s.producer.as_deref().map(|p| format!("  producer {p}")).unwrap_or_default()
+            s.producer
+                .as_deref()
+                .map(|p| format!("  producer {p}"))
+                .unwrap_or_default()
         );
     }
     if let Some(f) = &rep.filter {
@@ -439,16 +549,27 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
     if !t.compared_elementwise.is_empty() {
         let shown = t.compared_elementwise.len().min(8);
         let more = t.compared_elementwise.len() - shown;
-        let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
         let names: Vec<&str> = rep.names(RowSet::CompareElementwise).take(shown).collect();
         let _ = writeln!(o, "  element-wise: {}{more}", names.join(", "));
     }
     if rep.scan != "all" && (!t.matched_by_digest.is_empty() || t.compared_elementwise.len() > 8) {
-        let _ = writeln!(o, "  (--all prints every tensor with how it was compared; --json lists both sets)");
+        let _ = writeln!(
+            o,
+            "  (--all prints every tensor with how it was compared; --json lists both sets)"
+        );
     }
     if let Some(v) = &rep.first_violation() {
         let _ = writeln!(o, "first violation (the first tensor outside the policy)");
-        let dtypes = if v.candidate_dtype == v.dtype { v.dtype.to_string() } else { format!("{} vs {}", v.dtype, v.candidate_dtype) };
+        let dtypes = if v.candidate_dtype == v.dtype {
+            v.dtype.to_string()
+        } else {
+            format!("{} vs {}", v.dtype, v.candidate_dtype)
+        };
         let _ = writeln!(o, "  tensor     {}  {dtypes} {:?}", v.tensor, v.shape);
         if let Some(r) = &v.rule {
             let _ = writeln!(o, "  rule       #{} {}", r.index, r.pattern);
@@ -463,14 +584,51 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
     if let Some(d) = &rep.first_divergence {
         // Under a policy the first bit difference may be within it; it is still where the
         // bits first part, so it stays, named for what it is.
-        let _ = writeln!(o, "{}", if rep.policy.is_some() { "first bit difference" } else { "first divergence" });
-        let dtypes = if d.candidate_dtype == d.dtype { d.dtype.clone() } else { format!("{} vs {}", d.dtype, d.candidate_dtype) };
+        let _ = writeln!(
+            o,
+            "{}",
+            if rep.policy.is_some() {
+                "first bit difference"
+            } else {
+                "first divergence"
+            }
+        );
+        let dtypes = if d.candidate_dtype == d.dtype {
+            d.dtype.clone()
+        } else {
+            format!("{} vs {}", d.dtype, d.candidate_dtype)
+        };
         let _ = writeln!(o, "  tensor     {}  {dtypes} {:?}", d.tensor, d.shape);
-        element_lines(o, d.ulp_dtype.as_deref().unwrap_or(&d.dtype), "element", &d.element());
-        let _ = writeln!(o, "  elements   {} of {} differ", thousands(d.differing_elements), thousands(d.total_elements));
-        let _ = writeln!(o, "  ULP        max {}, median {}", opt_u(d.max_ulp), opt_u(d.median_ulp));
-        let _ = writeln!(o, "  abs / rel  max abs {}, max rel {}", real(Some(d.max_abs)), real(Some(d.max_rel)));
-        let _ = writeln!(o, "  cosine     {}, relative L2 {}", cosine(d.cosine), real(d.rel_l2));
+        element_lines(
+            o,
+            d.ulp_dtype.as_deref().unwrap_or(&d.dtype),
+            "element",
+            &d.element(),
+        );
+        let _ = writeln!(
+            o,
+            "  elements   {} of {} differ",
+            thousands(d.differing_elements),
+            thousands(d.total_elements)
+        );
+        let _ = writeln!(
+            o,
+            "  ULP        max {}, median {}",
+            opt_u(d.max_ulp),
+            opt_u(d.median_ulp)
+        );
+        let _ = writeln!(
+            o,
+            "  abs / rel  max abs {}, max rel {}",
+            real(Some(d.max_abs)),
+            real(Some(d.max_rel))
+        );
+        let _ = writeln!(
+            o,
+            "  cosine     {}, relative L2 {}",
+            cosine(d.cosine),
+            real(d.rel_l2)
+        );
     }
     if rep.scan == "first" && !t.not_scanned.is_empty() {
         let n = t.not_scanned.len();
@@ -484,7 +642,13 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
 }
 
 fn curve(o: &mut Sink<'_>, rep: &Report) {
-    let w = rep.per_tensor.iter().map(|r| r.tensor.len()).max().unwrap_or(6).clamp(6, MAX_COLUMN);
+    let w = rep
+        .per_tensor
+        .iter()
+        .map(|r| r.tensor.len())
+        .max()
+        .unwrap_or(6)
+        .clamp(6, MAX_COLUMN);
     let _ = writeln!(o, "per tensor (reference order)");
     let with_rule = rep.policy.is_some();
     let _ = writeln!(
@@ -505,7 +669,10 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
             None => format!("?/{}", thousands(r.total_elements)),
         };
         let last = if with_rule {
-            r.rule.as_ref().map(|x| format!("#{} {}", x.index, x.pattern)).unwrap_or_else(|| "NO RULE".into())
+            r.rule
+                .as_ref()
+                .map(|x| format!("#{} {}", x.index, x.pattern))
+                .unwrap_or_else(|| "NO RULE".into())
         } else {
             r.method.to_string()
         };
@@ -525,7 +692,12 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
             let _ = writeln!(o, "  {:w$}    ! {}: {v}", "", v.bound);
         }
         if let Some(e) = &r.worst_element {
-            let _ = writeln!(o, "  {:w$}    ! worst at {}", "", element_words(r.ulp_dtype.map_or(r.dtype, DType::name), e));
+            let _ = writeln!(
+                o,
+                "  {:w$}    ! worst at {}",
+                "",
+                element_words(r.ulp_dtype.map_or(r.dtype, DType::name), e)
+            );
         }
     }
 }
@@ -533,7 +705,9 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
 /// A row's max ULP; across dtypes with the dtype whose ULPs it counts, e.g. `3 bf16`.
 fn max_ulp_cell(r: &TensorRow) -> String {
     match r.ulp_dtype {
-        Some(u) if r.candidate_dtype.name() != r.dtype && r.max_ulp.is_some() => format!("{} {u}", opt_u(r.max_ulp)),
+        Some(u) if r.candidate_dtype.name() != r.dtype && r.max_ulp.is_some() => {
+            format!("{} {u}", opt_u(r.max_ulp))
+        }
         _ => opt_u(r.max_ulp),
     }
 }
@@ -543,22 +717,41 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
     if d.results.is_empty() && d.missing.is_empty() && d.extra.is_empty() {
         return;
     }
-    let _ = writeln!(o, "decisions  {} compared, {} differ", d.compared, d.differing);
+    let _ = writeln!(
+        o,
+        "decisions  {} compared, {} differ",
+        d.compared, d.differing
+    );
     for r in &d.results {
         let state = match r.status {
             "identical" => format!("identical ({} rows)", r.rows),
             "shape_mismatch" => "shape mismatch".into(),
             _ => {
-                let reord = if r.reordered_rows > 0 { format!(", {} same values in a different order", r.reordered_rows) } else { String::new() };
+                let reord = if r.reordered_rows > 0 {
+                    format!(", {} same values in a different order", r.reordered_rows)
+                } else {
+                    String::new()
+                };
                 format!("{} of {} rows differ{reord}", r.differing_rows, r.rows)
             }
         };
-        let after = if r.rows_after_near_tie > 0 { format!("; {} after a near-tie, not judged", r.rows_after_near_tie) } else { String::new() };
+        let after = if r.rows_after_near_tie > 0 {
+            format!("; {} after a near-tie, not judged", r.rows_after_near_tie)
+        } else {
+            String::new()
+        };
         let state = state + &after;
         let _ = writeln!(o, "  {} {:?}  {state}", r.name, r.shape);
         if let Some(m) = &r.first_margin_difference {
-            let n = if r.margins == "within_tolerance" { r.margin_differing_rows } else { r.margin_outside_rows };
-            let bound = m.tolerance.map(|t| format!(", tolerance {}", real(Some(t)))).unwrap_or_default();
+            let n = if r.margins == "within_tolerance" {
+                r.margin_differing_rows
+            } else {
+                r.margin_outside_rows
+            };
+            let bound = m
+                .tolerance
+                .map(|t| format!(", tolerance {}", real(Some(t))))
+                .unwrap_or_default();
             let _ = writeln!(
                 o,
                 "    margins {}: {n} row{} (first row {}: {} ({}) vs {} ({}){bound})",
@@ -571,10 +764,18 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
                 m.candidate_bits
             );
         } else if matches!(r.margins, "reference_only" | "candidate_only") {
-            let _ = writeln!(o, "    margins in the {} only", r.margins.trim_end_matches("_only"));
+            let _ = writeln!(
+                o,
+                "    margins in the {} only",
+                r.margins.trim_end_matches("_only")
+            );
         }
         for f in r.flips.iter().take(10) {
-            let what = if f.same_values_different_order { "  same values, different order" } else { "" };
+            let what = if f.same_values_different_order {
+                "  same values, different order"
+            } else {
+                ""
+            };
             let _ = writeln!(
                 o,
                 "    row {}: {:?} vs {:?}{what}; margin ref {} cand {}; {} divergence {} → {}",
@@ -589,15 +790,44 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
             );
         }
         if r.flips.len() > 10 {
-            let _ = writeln!(o, "    … {} more differing rows (see --json)", r.flips.len() - 10);
+            let _ = writeln!(
+                o,
+                "    … {} more differing rows (see --json)",
+                r.flips.len() - 10
+            );
         }
     }
     if let Some(n) = d.near_ties.as_ref().filter(|n| !n.excused.is_empty()) {
-        let which: Vec<String> = n.excused.iter().map(|e| format!("{} row {} (position {})", e.decision, e.row, e.position)).collect();
-        let _ = writeln!(o, "near-ties  {} excused by the policy (gap ≤ {}·divergence): {}", n.excused.len(), real(Some(Real(n.margin_factor))), which.join(", "));
-        let mut after: Vec<String> = n.tensors.iter().map(|t| format!("{} {} row{}", t.tensor, t.rows, if t.rows == 1 { "" } else { "s" })).collect();
+        let which: Vec<String> = n
+            .excused
+            .iter()
+            .map(|e| format!("{} row {} (position {})", e.decision, e.row, e.position))
+            .collect();
+        let _ = writeln!(
+            o,
+            "near-ties  {} excused by the policy (gap ≤ {}·divergence): {}",
+            n.excused.len(),
+            real(Some(Real(n.margin_factor))),
+            which.join(", ")
+        );
+        let mut after: Vec<String> = n
+            .tensors
+            .iter()
+            .map(|t| {
+                format!(
+                    "{} {} row{}",
+                    t.tensor,
+                    t.rows,
+                    if t.rows == 1 { "" } else { "s" }
+                )
+            })
+            .collect();
         if n.decision_rows > 0 {
-            after.push(format!("{} decision row{}", n.decision_rows, if n.decision_rows == 1 { "" } else { "s" }));
+            after.push(format!(
+                "{} decision row{}",
+                n.decision_rows,
+                if n.decision_rows == 1 { "" } else { "s" }
+            ));
         }
         if !after.is_empty() {
             let _ = writeln!(o, "  after a near-tie, not judged: {}", after.join(", "));
@@ -649,14 +879,34 @@ fn attrs(a: &Attributes) -> String {
 
 /// "--only 'x' left out 120 tensors and 7 decisions".
 fn left_out(f: &FilterSummary) -> String {
-    let plural = |n: usize, what: &str| format!("{} {what}{}", thousands(n as u64), if n == 1 { "" } else { "s" });
-    format!("{} left out {} and {}", f.filter, plural(f.tensors_left_out, "tensor"), plural(f.decisions_left_out, "decision"))
+    let plural = |n: usize, what: &str| {
+        format!(
+            "{} {what}{}",
+            thousands(n as u64),
+            if n == 1 { "" } else { "s" }
+        )
+    };
+    format!(
+        "{} left out {} and {}",
+        f.filter,
+        plural(f.tensors_left_out, "tensor"),
+        plural(f.decisions_left_out, "decision")
+    )
 }
 
 /// The tensors and decisions `--show` lists: those the filter selects, in capture order.
-fn shown<'a>(t: &'a Trace, filter: Option<&'a FilterSummary>) -> (impl Iterator<Item = &'a TensorInfo> + Clone, impl Iterator<Item = &'a DecisionInfo> + Clone) {
+fn shown<'a>(
+    t: &'a Trace,
+    filter: Option<&'a FilterSummary>,
+) -> (
+    impl Iterator<Item = &'a TensorInfo> + Clone,
+    impl Iterator<Item = &'a DecisionInfo> + Clone,
+) {
     let keep = move |name: &str| filter.is_none_or(|f| f.selects(name));
-    (t.tensors().iter().filter(move |x| keep(&x.name)), t.decisions().iter().filter(move |x| keep(&x.name)))
+    (
+        t.tensors().iter().filter(move |x| keep(&x.name)),
+        t.decisions().iter().filter(move |x| keep(&x.name)),
+    )
 }
 
 fn scalar(x: Option<Scalar>) -> String {
@@ -668,7 +918,11 @@ fn scalar(x: Option<Scalar>) -> String {
 }
 
 /// `trace-diff --show FILE`: what a trace holds, for a person (see [`write_show`]).
-pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option<&FilterSummary>) -> String {
+pub fn render_show(
+    t: &Trace,
+    verify: Option<&Result<(), String>>,
+    filter: Option<&FilterSummary>,
+) -> String {
     let mut out = Vec::new();
     write_show(t, verify, filter, &mut out).expect("writing to a Vec cannot fail");
     String::from_utf8(out).expect("every line is a String")
@@ -677,7 +931,12 @@ pub fn render_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Optio
 /// Writes `--show` line by line, each made [`terminal_safe`]: memory stays one line (and one
 /// batch of statistics), not the whole listing, however many tensors the trace holds. With a
 /// filter, only the tensors and decisions it selects are listed.
-pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option<&FilterSummary>, out: &mut impl std::io::Write) -> std::io::Result<()> {
+pub fn write_show(
+    t: &Trace,
+    verify: Option<&Result<(), String>>,
+    filter: Option<&FilterSummary>,
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
     let mut line = String::new();
     let emit = |line: &mut String, out: &mut dyn std::io::Write| -> std::io::Result<()> {
         line.push('\n');
@@ -712,8 +971,25 @@ pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option
     }
     let (tensors, decisions) = shown(t, filter);
     say!("tensors ({})", tensors.clone().count());
-    let w = tensors.clone().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
-    say!("  {:w$}  {:5}  {:18}  {:>10}  {:>10}  {:>10}  {:>10}  {:>5}  {:>5}  {:16}  attributes", "name", "dtype", "shape", "min", "max", "mean", "max |x|", "NaN", "Inf", "xxh3-128");
+    let w = tensors
+        .clone()
+        .map(|x| x.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, MAX_COLUMN);
+    say!(
+        "  {:w$}  {:5}  {:18}  {:>10}  {:>10}  {:>10}  {:>10}  {:>5}  {:>5}  {:16}  attributes",
+        "name",
+        "dtype",
+        "shape",
+        "min",
+        "max",
+        "mean",
+        "max |x|",
+        "NaN",
+        "Inf",
+        "xxh3-128"
+    );
     each_with_stats(t, tensors, |x, st: TensorStats| {
         let digest = format!("{:032x}", x.digest);
         say!(
@@ -733,8 +1009,18 @@ pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option
         Ok::<(), std::io::Error>(())
     })?;
     say!("decisions ({})", decisions.clone().count());
-    let w = decisions.clone().map(|x| x.name.len()).max().unwrap_or(4).clamp(4, MAX_COLUMN);
-    say!("  {:w$}  {:10}  {:24}  min margin", "name", "shape", "first values");
+    let w = decisions
+        .clone()
+        .map(|x| x.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, MAX_COLUMN);
+    say!(
+        "  {:w$}  {:10}  {:24}  min margin",
+        "name",
+        "shape",
+        "first values"
+    );
     for d in decisions {
         let values = t.decision_values(d);
         let mut first: Vec<String> = values.iter().take(8).map(|v| v.to_string()).collect();
@@ -744,7 +1030,16 @@ pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option
         let min_margin = match t.decision_margins(d) {
             None => "-".to_string(),
             Some(m) => {
-                let (row, v) = m.iter().enumerate().fold((0usize, f32::INFINITY), |acc, (i, &x)| if x < acc.1 { (i, x) } else { acc });
+                let (row, v) =
+                    m.iter()
+                        .enumerate()
+                        .fold((0usize, f32::INFINITY), |acc, (i, &x)| {
+                            if x < acc.1 {
+                                (i, x)
+                            } else {
+                                acc
+                            }
+                        });
                 if m.is_empty() {
                     "-".into()
                 } else {
@@ -752,14 +1047,24 @@ pub fn write_show(t: &Trace, verify: Option<&Result<(), String>>, filter: Option
                 }
             }
         };
-        say!("  {:w$}  {:10}  {:24}  {min_margin}", d.name, format!("{:?}", d.shape), first.join(" "));
+        say!(
+            "  {:w$}  {:10}  {:24}  {min_margin}",
+            d.name,
+            format!("{:?}", d.shape),
+            first.join(" ")
+        );
     }
     Ok(())
 }
 
 /// `trace-diff --show FILE --json`: the trace's description as JSON (fields in docs/diff.md,
 /// "--show"), streamed like [`write_json`], with the same escaping.
-pub fn write_show_json(t: &Trace, verify: Option<&Result<(), String>>, filter: Option<&FilterSummary>, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+pub fn write_show_json(
+    t: &Trace,
+    verify: Option<&Result<(), String>>,
+    filter: Option<&FilterSummary>,
+    out: &mut dyn std::io::Write,
+) -> std::io::Result<()> {
     pretty_json(&ShowJson { t, verify, filter }, out)
 }
 
@@ -793,7 +1098,9 @@ struct TensorList<'a>(&'a Trace, Option<&'a FilterSummary>);
 impl Serialize for TensorList<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut seq = s.serialize_seq(None)?;
-        each_with_stats(self.0, shown(self.0, self.1).0, |x, statistics| seq.serialize_element(&TensorJson { x, statistics }))?;
+        each_with_stats(self.0, shown(self.0, self.1).0, |x, statistics| {
+            seq.serialize_element(&TensorJson { x, statistics })
+        })?;
         seq.end()
     }
 }
@@ -854,6 +1161,10 @@ impl Serialize for DecisionList<'_> {
             shape: &'a [u64],
             has_margins: bool,
         }
-        s.collect_seq(shown(self.0, self.1).1.map(|d| Decision { name: &d.name, shape: &d.shape, has_margins: d.has_margins() }))
+        s.collect_seq(shown(self.0, self.1).1.map(|d| Decision {
+            name: &d.name,
+            shape: &d.shape,
+            has_margins: d.has_margins(),
+        }))
     }
 }

@@ -9,13 +9,20 @@ use std::collections::{BTreeSet, HashMap};
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::{comparable, excuse, judge_row, numeric, row_for, set_stats, Finding, Policy, RuleRef, TensorRow};
+use crate::{
+    comparable, excuse, judge_row, numeric, row_for, set_stats, Finding, Policy, RuleRef, TensorRow,
+};
 
 /// `layer.NN.expert.EEE.<point>` (docs/capture-points.md).
 pub(crate) fn is_expert(name: &str) -> bool {
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     let p: Vec<&str> = name.splitn(5, '.').collect();
-    p.len() == 5 && p[0] == "layer" && digits(p[1]) && p[2] == "expert" && digits(p[3]) && !p[4].is_empty()
+    p.len() == 5
+        && p[0] == "layer"
+        && digits(p[1])
+        && p[2] == "expert"
+        && digits(p[3])
+        && !p[4].is_empty()
 }
 
 /// An expert tensor whose two sides hold different positions, each token-major with one row
@@ -23,7 +30,9 @@ pub(crate) fn is_expert(name: &str) -> bool {
 /// positions mismatch is still a refusal. The dtypes are Structure's question (two float dtypes
 /// compare by value), not this one.
 pub(crate) fn rerouted(r: &TensorInfo, c: &TensorInfo) -> bool {
-    let (Some(rp), Some(cp)) = (&r.attributes.positions, &c.attributes.positions) else { return false };
+    let (Some(rp), Some(cp)) = (&r.attributes.positions, &c.attributes.positions) else {
+        return false;
+    };
     rp != cp
         && is_expert(&r.name)
         && r.shape.first() == Some(&(rp.len() as u64))
@@ -33,8 +42,19 @@ pub(crate) fn rerouted(r: &TensorInfo, c: &TensorInfo) -> bool {
 
 /// A rerouted tensor's row and findings, its rows of tokens in `excused` left out of the
 /// judgement; and how many positions were left out that way.
-pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, pair: numeric::Pair, policy: Option<&Policy>, excused: &BTreeSet<i64>) -> (TensorRow, Vec<Finding>, u64) {
-    let (rp, cp) = (ri.attributes.positions.as_deref().unwrap_or_default(), ci.attributes.positions.as_deref().unwrap_or_default());
+pub(crate) fn judge(
+    r: &Trace,
+    c: &Trace,
+    ri: &TensorInfo,
+    ci: &TensorInfo,
+    pair: numeric::Pair,
+    policy: Option<&Policy>,
+    excused: &BTreeSet<i64>,
+) -> (TensorRow, Vec<Finding>, u64) {
+    let (rp, cp) = (
+        ri.attributes.positions.as_deref().unwrap_or_default(),
+        ci.attributes.positions.as_deref().unwrap_or_default(),
+    );
     let width: u64 = ri.shape[1..].iter().product();
     let (rd, cd) = (r.data(ri), c.data(ci));
     let in_c: HashMap<i64, u64> = cp.iter().enumerate().map(|(j, &p)| (p, j as u64)).collect();
@@ -46,7 +66,13 @@ pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, pair
             _ if excused.contains(p) => left_out += 1,
             Some(&j) => {
                 let i = i as u64;
-                stats = stats.merge(excuse::scan_range(pair, rd, cd, (i * width, (i + 1) * width), (j * width, (j + 1) * width)));
+                stats = stats.merge(excuse::scan_range(
+                    pair,
+                    rd,
+                    cd,
+                    (i * width, (i + 1) * width),
+                    (j * width, (j + 1) * width),
+                ));
             }
             None => only_r.push(*p),
         }
@@ -59,12 +85,24 @@ pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, pair
         }
     }
 
-    let mut row = row_for(ri, pair, crate::Method::Elementwise, if stats.differing == 0 { "identical" } else { "different" });
+    let mut row = row_for(
+        ri,
+        pair,
+        crate::Method::Elementwise,
+        if stats.differing == 0 {
+            "identical"
+        } else {
+            "different"
+        },
+    );
     set_stats(&mut row, &stats);
     let mut findings = Vec::new();
     let rule = policy.map(|p| p.rule_for(&ri.name, ci.attributes.path.as_deref()));
     if let Some(Some((idx, rule))) = &rule {
-        row.rule = Some(Box::new(RuleRef { index: *idx, pattern: rule.pattern.clone() }));
+        row.rule = Some(Box::new(RuleRef {
+            index: *idx,
+            pattern: rule.pattern.clone(),
+        }));
     }
     if !only_r.is_empty() || !only_c.is_empty() {
         // Tokens routed differently and not after a near-tie: the router decision of this
@@ -82,13 +120,26 @@ pub(crate) fn judge(r: &Trace, c: &Trace, ri: &TensorInfo, ci: &TensorInfo, pair
         match rule {
             None => {
                 row.status = "no_rule";
-                findings.push(Finding::new("no_policy_rule", Some(&ri.name), "no rule in the policy matches this tensor"));
+                findings.push(Finding::new(
+                    "no_policy_rule",
+                    Some(&ri.name),
+                    "no rule in the policy matches this tensor",
+                ));
             }
-            Some((idx, rule)) if row.status == "different" => findings.extend(judge_row(&mut row, idx, rule)),
+            Some((idx, rule)) if row.status == "different" => {
+                findings.extend(judge_row(&mut row, idx, rule))
+            }
             Some(_) => {}
         }
     } else if row.status == "different" {
-        findings.push(Finding::new("values_differ", Some(&ri.name), format!("{} elements differ in the rows of the positions both sides hold", stats.differing)));
+        findings.push(Finding::new(
+            "values_differ",
+            Some(&ri.name),
+            format!(
+                "{} elements differ in the rows of the positions both sides hold",
+                stats.differing
+            ),
+        ));
     }
     // Rows matched by position on each side: no single element index names the worst.
     row.worst_element = None;

@@ -157,13 +157,20 @@ pub fn tensor_stats(dtype: DType, data: &[u8]) -> TensorStats {
 
 /// Calls `f` on each tensor of `infos` with its statistics, in order, computing [`BATCH`]
 /// tensors at a time in parallel.
-pub(crate) fn each_with_stats<'a, E>(t: &'a Trace, infos: impl Iterator<Item = &'a TensorInfo>, mut f: impl FnMut(&'a TensorInfo, TensorStats) -> Result<(), E>) -> Result<(), E> {
+pub(crate) fn each_with_stats<'a, E>(
+    t: &'a Trace,
+    infos: impl Iterator<Item = &'a TensorInfo>,
+    mut f: impl FnMut(&'a TensorInfo, TensorStats) -> Result<(), E>,
+) -> Result<(), E> {
     let mut infos = infos.peekable();
     let mut batch: Vec<&TensorInfo> = Vec::with_capacity(BATCH);
     while infos.peek().is_some() {
         batch.clear();
         batch.extend(infos.by_ref().take(BATCH));
-        let stats: Vec<TensorStats> = batch.par_iter().map(|i| tensor_stats(i.dtype, t.data(i))).collect();
+        let stats: Vec<TensorStats> = batch
+            .par_iter()
+            .map(|i| tensor_stats(i.dtype, t.data(i)))
+            .collect();
         for (i, s) in batch.iter().zip(stats) {
             f(i, s)?;
         }

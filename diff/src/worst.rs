@@ -9,7 +9,9 @@
 use rayon::prelude::*;
 use tracegate_trace::DType;
 
-use crate::numeric::{element_value, Num, Pair, BF16K, F16K, F32K, F64K, I16K, I32K, I64K, I8K, U8K};
+use crate::numeric::{
+    element_value, Num, Pair, BF16K, F16K, F32K, F64K, I16K, I32K, I64K, I8K, U8K,
+};
 
 /// Elements per parallel work unit (as the scan's chunks: ties are settled by index, so the
 /// answer does not depend on how the work is split).
@@ -43,13 +45,20 @@ fn locate_mixed(pair: Pair, r: &[u8], c: &[u8]) -> Option<u64> {
         .filter_map(|&base| {
             let mut best: Option<Candidate> = None;
             for index in base..(base + CHUNK as u64).min(n) {
-                let (x, y) = (element_value(pair.reference, r, index), element_value(pair.candidate, c, index));
+                let (x, y) = (
+                    element_value(pair.reference, r, index),
+                    element_value(pair.candidate, c, index),
+                );
                 let nan_pair = x.is_nan() && y.is_nan();
                 if x == y && x.is_sign_negative() == y.is_sign_negative() || nan_pair {
                     continue;
                 }
                 let nonfinite = !(x.is_finite() && y.is_finite());
-                let here = Candidate { index, nonfinite, abs: if nonfinite { 0.0 } else { (x - y).abs() } };
+                let here = Candidate {
+                    index,
+                    nonfinite,
+                    abs: if nonfinite { 0.0 } else { (x - y).abs() },
+                };
                 best = Some(best.map_or(here, |b| worse(b, here)));
             }
             best
@@ -71,7 +80,11 @@ struct Candidate {
 fn worse(a: Candidate, b: Candidate) -> Candidate {
     use std::cmp::Ordering::*;
     // |difference| of finite pairs is never NaN (it may be inf when an f64 subtraction overflows).
-    let by_size = if a.nonfinite { Equal } else { a.abs.partial_cmp(&b.abs).unwrap_or(Equal) };
+    let by_size = if a.nonfinite {
+        Equal
+    } else {
+        a.abs.partial_cmp(&b.abs).unwrap_or(Equal)
+    };
     match a.nonfinite.cmp(&b.nonfinite).then(by_size) {
         Greater => a,
         Less => b,
@@ -89,14 +102,22 @@ fn locate_k<K: Num>(r: &[u8], c: &[u8]) -> Option<u64> {
         .filter_map(|(k, (a, b))| {
             let base = (k * CHUNK) as u64;
             let mut best: Option<Candidate> = None;
-            for (i, (e, f)) in a.chunks_exact(K::SIZE).zip(b.chunks_exact(K::SIZE)).enumerate() {
+            for (i, (e, f)) in a
+                .chunks_exact(K::SIZE)
+                .zip(b.chunks_exact(K::SIZE))
+                .enumerate()
+            {
                 let (x, y) = (K::bits(e), K::bits(f));
                 if x == y {
                     continue;
                 }
                 let (xv, yv) = (K::to_f64(x), K::to_f64(y));
                 let nonfinite = !(xv.is_finite() && yv.is_finite());
-                let here = Candidate { index: base + i as u64, nonfinite, abs: if nonfinite { 0.0 } else { (xv - yv).abs() } };
+                let here = Candidate {
+                    index: base + i as u64,
+                    nonfinite,
+                    abs: if nonfinite { 0.0 } else { (xv - yv).abs() },
+                };
                 best = Some(best.map_or(here, |b| worse(b, here)));
             }
             best
@@ -112,11 +133,21 @@ pub(crate) fn locate_in(pair: Pair, r: &[u8], c: &[u8], ranges: &[(u64, u64)]) -
     ranges
         .iter()
         .filter_map(|&(start, end)| {
-            let (a, b) = (&r[start as usize * rs..end as usize * rs], &c[start as usize * cs..end as usize * cs]);
+            let (a, b) = (
+                &r[start as usize * rs..end as usize * rs],
+                &c[start as usize * cs..end as usize * cs],
+            );
             let index = start + locate(pair, a, b)?;
-            let (x, y) = (element_value(pair.reference, r, index), element_value(pair.candidate, c, index));
+            let (x, y) = (
+                element_value(pair.reference, r, index),
+                element_value(pair.candidate, c, index),
+            );
             let nonfinite = !(x.is_finite() && y.is_finite());
-            Some(Candidate { index, nonfinite, abs: if nonfinite { 0.0 } else { (x - y).abs() } })
+            Some(Candidate {
+                index,
+                nonfinite,
+                abs: if nonfinite { 0.0 } else { (x - y).abs() },
+            })
         })
         .reduce(worse)
         .map(|w| w.index)
@@ -136,7 +167,11 @@ mod tests {
         // |diff|: 0.5 at 1, 2 at 2, 0 at 0 and 4, 2 at 3 (a tie with 2: the lower index wins).
         let c = f32s(&[1.0, 2.5, 5.0, 2.0, 5.0]);
         assert_eq!(locate(Pair::same(DType::F32), &r, &c), Some(2));
-        assert_eq!(locate(Pair::same(DType::F32), &r, &r), None, "no differing bits, no worst element");
+        assert_eq!(
+            locate(Pair::same(DType::F32), &r, &r),
+            None,
+            "no differing bits, no worst element"
+        );
     }
 
     #[test]
@@ -154,11 +189,18 @@ mod tests {
         // bf16 candidate against f32: 1.0 vs 1.0 equal; 2.001 vs 2.0 differs by 0.001; 3.0 vs
         // 3.0078125 (one bf16 step above 3) by 0.0078125, the worst.
         let r = f32s(&[1.0, 2.001, 3.0]);
-        let c: Vec<u8> = [0x3f80u16, 0x4000, 0x4041].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let c: Vec<u8> = [0x3f80u16, 0x4000, 0x4041]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         let pair = Pair::new(DType::F32, DType::BF16).unwrap();
         assert_eq!(locate(pair, &r, &c), Some(2));
         assert_eq!(locate_in(pair, &r, &c, &[(0, 2)]), Some(1));
-        assert_eq!(locate_in(pair, &r, &c, &[(0, 1)]), None, "equal values: nothing differs");
+        assert_eq!(
+            locate_in(pair, &r, &c, &[(0, 1)]),
+            None,
+            "equal values: nothing differs"
+        );
     }
 
     #[test]
@@ -171,10 +213,24 @@ mod tests {
         c[2 * CHUNK + 1] = -9;
         c[5] = 4;
         let bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        assert_eq!(locate(Pair::same(DType::I32), &bytes(&r), &bytes(&c)), Some(CHUNK as u64 + 3));
+        assert_eq!(
+            locate(Pair::same(DType::I32), &bytes(&r), &bytes(&c)),
+            Some(CHUNK as u64 + 3)
+        );
         // Left out of the judgement, the worst row no longer counts; the later 9 is the worst.
         let (rb, cb) = (bytes(&r), bytes(&c));
-        assert_eq!(locate_in(Pair::same(DType::I32), &rb, &cb, &[(0, CHUNK as u64), (2 * CHUNK as u64, n as u64)]), Some(2 * CHUNK as u64 + 1));
-        assert_eq!(locate_in(Pair::same(DType::I32), &rb, &cb, &[(6, CHUNK as u64)]), None);
+        assert_eq!(
+            locate_in(
+                Pair::same(DType::I32),
+                &rb,
+                &cb,
+                &[(0, CHUNK as u64), (2 * CHUNK as u64, n as u64)]
+            ),
+            Some(2 * CHUNK as u64 + 1)
+        );
+        assert_eq!(
+            locate_in(Pair::same(DType::I32), &rb, &cb, &[(6, CHUNK as u64)]),
+            None
+        );
     }
 }

@@ -35,7 +35,8 @@ fn json_run(args: &[&str]) -> (i32, Value) {
     let mut a = vec!["--json"];
     a.extend_from_slice(args);
     let r = run(&a);
-    let v: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", r.stdout, r.stderr));
+    let v: Value = serde_json::from_str(&r.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", r.stdout, r.stderr));
     assert_valid_report(&v);
     (r.code, v)
 }
@@ -52,7 +53,11 @@ fn identical_exits_0() {
     snap!("identical_human", out.stdout);
     let (code, v) = json_run(&[p(&r), p(&c)]);
     assert_eq!((code, v["verdict"].as_str()), (0, Some("identical")));
-    assert!(v["first_bit_difference"].is_null() && v["first_violation"].is_null() && v["first_decision_divergence"].is_null());
+    assert!(
+        v["first_bit_difference"].is_null()
+            && v["first_violation"].is_null()
+            && v["first_decision_divergence"].is_null()
+    );
 }
 
 fn one_ulp_and_flip() -> (Spec, Spec) {
@@ -60,7 +65,9 @@ fn one_ulp_and_flip() -> (Spec, Spec) {
     let mut c = model();
     c.poke_f32_bits("layer.01.attn_out", 21, |b| b + 1);
     for i in 0..32 {
-        c.poke_f32_bits("layer.01.mlp_out", i, |b| b.wrapping_add(1000 * (i as u32 + 1)));
+        c.poke_f32_bits("layer.01.mlp_out", i, |b| {
+            b.wrapping_add(1000 * (i as u32 + 1))
+        });
     }
     c.decision_mut("layer.01.router.topk").values.swap(2, 3);
     c.decision_mut("logits.argmax").values[2] = 3;
@@ -74,8 +81,14 @@ fn different_exits_1_with_a_located_first_divergence() {
     let out = run(&[p(&r), p(&c)]);
     assert_eq!(out.code, 1);
     let first = out.stdout.lines().next().unwrap();
-    assert!(first.starts_with("DIFFERENT — first at layer.01.attn_out[2,5]: "), "{first}");
-    assert!(first.ends_with(", 1 ULP (1/32 elements differ); 2 of 3 decisions differ"), "{first}");
+    assert!(
+        first.starts_with("DIFFERENT — first at layer.01.attn_out[2,5]: "),
+        "{first}"
+    );
+    assert!(
+        first.ends_with(", 1 ULP (1/32 elements differ); 2 of 3 decisions differ"),
+        "{first}"
+    );
     snap!("different_human", out.stdout);
 
     let (code, v) = json_run(&[p(&r), p(&c)]);
@@ -83,12 +96,33 @@ fn different_exits_1_with_a_located_first_divergence() {
     assert_eq!(v["verdict"], "different");
     assert!(v["first_violation"].is_null(), "no policy, no violation");
     let d = &v["first_bit_difference"];
-    assert_eq!((d["tensor"].as_str(), d["flat_index"].as_u64(), d["ulp"].as_u64()), (Some("layer.01.attn_out"), Some(21), Some(1)));
+    assert_eq!(
+        (
+            d["tensor"].as_str(),
+            d["flat_index"].as_u64(),
+            d["ulp"].as_u64()
+        ),
+        (Some("layer.01.attn_out"), Some(21), Some(1))
+    );
     assert_eq!(d["coords"], json!([2, 5]));
-    assert_eq!(v["first_decision_divergence"]["name"], "layer.01.router.topk");
+    assert_eq!(
+        v["first_decision_divergence"]["name"],
+        "layer.01.router.topk"
+    );
     // The later tensor is not counted as "0 differing": it was not scanned.
-    let later = v["per_tensor"].as_array().unwrap().iter().find(|t| t["tensor"] == "layer.01.mlp_out").unwrap();
-    assert_eq!((later["method"].as_str(), later["differing_elements"].is_null()), (Some("not_scanned"), true));
+    let later = v["per_tensor"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tensor"] == "layer.01.mlp_out")
+        .unwrap();
+    assert_eq!(
+        (
+            later["method"].as_str(),
+            later["differing_elements"].is_null()
+        ),
+        (Some("not_scanned"), true)
+    );
     snap!("different_json", serde_json::to_string_pretty(&v).unwrap());
 }
 
@@ -99,7 +133,11 @@ fn all_prints_the_layer_curve() {
     let out = run(&["--all", p(&r), p(&c)]);
     assert_eq!(out.code, 1);
     assert!(out.stdout.contains("per tensor (reference order)"));
-    let row = out.stdout.lines().find(|l| l.trim_start().starts_with("layer.01.mlp_out")).unwrap();
+    let row = out
+        .stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("layer.01.mlp_out"))
+        .unwrap();
     assert!(row.contains("32/32"), "{row}");
     snap!("all_human", out.stdout);
 }
@@ -123,12 +161,30 @@ fn policy_reports_the_rule_per_tensor() {
     let (_d, rp, cp) = pair(&r, &c);
     let (code, v) = json_run(&["--policy", p(&pol), p(&rp), p(&cp)]);
     assert_eq!((code, v["verdict"].as_str()), (1, Some("different")));
-    let logits = v["per_tensor"].as_array().unwrap().iter().find(|t| t["tensor"] == "logits").unwrap();
-    assert_eq!((logits["status"].as_str(), logits["rule"]["pattern"].as_str()), (Some("outside_policy"), Some("logits")));
+    let logits = v["per_tensor"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tensor"] == "logits")
+        .unwrap();
+    assert_eq!(
+        (
+            logits["status"].as_str(),
+            logits["rule"]["pattern"].as_str()
+        ),
+        (Some("outside_policy"), Some("logits"))
+    );
 }
 
 fn f32_values(s: &Spec, name: &str) -> Vec<f32> {
-    s.tensors.iter().find(|t| t.name == name).unwrap().bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+    s.tensors
+        .iter()
+        .find(|t| t.name == name)
+        .unwrap()
+        .bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
 }
 
 /// Rounding noise in layer.00.attn_out (a few 1-bit flips, well within the default policy)
@@ -152,15 +208,24 @@ fn noise_then_defect() -> (Spec, Spec) {
 fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
     let (rs, cs) = noise_then_defect();
     // What the policy must find, from the planted values alone (f64, index order).
-    let (a, b) = (f32_values(&rs, "layer.01.mlp_out"), f32_values(&cs, "layer.01.mlp_out"));
+    let (a, b) = (
+        f32_values(&rs, "layer.01.mlp_out"),
+        f32_values(&cs, "layer.01.mlp_out"),
+    );
     let (mut rr, mut cc, mut rc, mut dd) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     for (&x, &y) in a.iter().zip(&b) {
         let (x, y) = (x as f64, y as f64);
         (rr, cc, rc, dd) = (rr + x * x, cc + y * y, rc + x * y, dd + (x - y) * (x - y));
     }
     let (rel_l2, cosine) = ((dd / rr).sqrt(), rc / (rr * cc).sqrt());
-    assert!(rel_l2 > 1e-4 && cosine < 0.9999, "the plant breaks both bounds of rule #3: {rel_l2} {cosine}");
-    assert!(a[13] > 0.0 && b[13] > 0.0 && a[5] < 0.0 && b[5] > 0.0, "the plant's signs, as the comment says");
+    assert!(
+        rel_l2 > 1e-4 && cosine < 0.9999,
+        "the plant breaks both bounds of rule #3: {rel_l2} {cosine}"
+    );
+    assert!(
+        a[13] > 0.0 && b[13] > 0.0 && a[5] < 0.0 && b[5] > 0.0,
+        "the plant's signs, as the comment says"
+    );
     let ulp = (b[13].to_bits() - a[13].to_bits()) as u64;
 
     let (_d, r, c) = pair(&rs, &cs);
@@ -168,40 +233,114 @@ fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
     let out = run(&["--policy", p(&pol), p(&r), p(&c)]);
     assert_eq!(out.code, 1, "{}", out.stdout);
     let head = out.stdout.lines().next().unwrap();
-    assert!(head.starts_with("DIFFERENT — 1 of 13 tensors outside the policy, first layer.01.mlp_out: relative L2 "), "{head}");
-    assert!(head.ends_with(" > 0.0001 (+1 more bound) by rule #3 layer.*.mlp_out; 3 decisions"), "{head}");
-    assert!(!head.contains("layer.00.attn_out"), "the noise is not the headline: {head}");
+    assert!(
+        head.starts_with(
+            "DIFFERENT — 1 of 13 tensors outside the policy, first layer.01.mlp_out: relative L2 "
+        ),
+        "{head}"
+    );
+    assert!(
+        head.ends_with(" > 0.0001 (+1 more bound) by rule #3 layer.*.mlp_out; 3 decisions"),
+        "{head}"
+    );
+    assert!(
+        !head.contains("layer.00.attn_out"),
+        "the noise is not the headline: {head}"
+    );
     // The violation's block, with its worst element, comes before the first bit difference.
-    let (fv, fb) = (out.stdout.find("first violation").unwrap(), out.stdout.find("first bit difference").unwrap());
+    let (fv, fb) = (
+        out.stdout.find("first violation").unwrap(),
+        out.stdout.find("first bit difference").unwrap(),
+    );
     assert!(fv < fb, "{}", out.stdout);
-    assert!(out.stdout.contains("  worst      [1,5]  (flat index 13)\n"), "{}", out.stdout);
-    assert!(out.stdout.contains(&format!("  distance   {} ULP (f32)\n", tracegate_diff::thousands(ulp))), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("  worst      [1,5]  (flat index 13)\n"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains(&format!(
+            "  distance   {} ULP (f32)\n",
+            tracegate_diff::thousands(ulp)
+        )),
+        "{}",
+        out.stdout
+    );
     snap!("policy_violation_human", out.stdout);
 
     let (code, v) = json_run(&["--policy", p(&pol), p(&r), p(&c)]);
-    assert_eq!((code, v["verdict"].as_str(), v["schema"].as_str()), (1, Some("different"), Some("tracegate-diff-report/3")));
+    assert_eq!(
+        (code, v["verdict"].as_str(), v["schema"].as_str()),
+        (1, Some("different"), Some("tracegate-diff-report/3"))
+    );
     let f = &v["first_violation"];
-    assert_eq!((f["tensor"].as_str(), &f["rule"]), (Some("layer.01.mlp_out"), &json!({"index": 3, "pattern": "layer.*.mlp_out"})));
-    let bounds: Vec<&str> = f["violations"].as_array().unwrap().iter().map(|b| b["bound"].as_str().unwrap()).collect();
+    assert_eq!(
+        (f["tensor"].as_str(), &f["rule"]),
+        (
+            Some("layer.01.mlp_out"),
+            &json!({"index": 3, "pattern": "layer.*.mlp_out"})
+        )
+    );
+    let bounds: Vec<&str> = f["violations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["bound"].as_str().unwrap())
+        .collect();
     assert_eq!(bounds, ["max_rel_l2", "min_cosine"]);
     let close = |got: &Value, want: f64| (got.as_f64().unwrap() - want).abs() <= 1e-12 * want.abs();
     let (l2, cos) = (&f["violations"][0], &f["violations"][1]);
-    assert!(l2["limit"] == json!(1e-4) && close(&l2["value"], rel_l2), "{l2} vs {rel_l2}");
-    assert!(cos["limit"] == json!(0.9999) && close(&cos["value"], cosine), "{cos} vs {cosine}");
+    assert!(
+        l2["limit"] == json!(1e-4) && close(&l2["value"], rel_l2),
+        "{l2} vs {rel_l2}"
+    );
+    assert!(
+        cos["limit"] == json!(0.9999) && close(&cos["value"], cosine),
+        "{cos} vs {cosine}"
+    );
     let w = &f["worst_element"];
-    assert_eq!((w["flat_index"].as_u64(), &w["coords"], w["ulp"].as_u64()), (Some(13), &json!([1, 5]), Some(ulp)));
-    assert_eq!((w["reference_bits"].as_str(), w["candidate_bits"].as_str()), (Some(&*format!("0x{:08x}", a[13].to_bits())), Some(&*format!("0x{:08x}", b[13].to_bits()))));
-    assert_eq!(w["candidate_value"].as_str().unwrap().parse::<f32>().unwrap().to_bits(), b[13].to_bits());
+    assert_eq!(
+        (w["flat_index"].as_u64(), &w["coords"], w["ulp"].as_u64()),
+        (Some(13), &json!([1, 5]), Some(ulp))
+    );
+    assert_eq!(
+        (w["reference_bits"].as_str(), w["candidate_bits"].as_str()),
+        (
+            Some(&*format!("0x{:08x}", a[13].to_bits())),
+            Some(&*format!("0x{:08x}", b[13].to_bits()))
+        )
+    );
+    assert_eq!(
+        w["candidate_value"]
+            .as_str()
+            .unwrap()
+            .parse::<f32>()
+            .unwrap()
+            .to_bits(),
+        b[13].to_bits()
+    );
     // The first bit difference keeps its place and its content, under its own name.
     let d = &v["first_bit_difference"];
-    assert_eq!((d["tensor"].as_str(), d["flat_index"].as_u64(), &d["coords"]), (Some("layer.00.attn_out"), Some(3), &json!([0, 3])));
+    assert_eq!(
+        (d["tensor"].as_str(), d["flat_index"].as_u64(), &d["coords"]),
+        (Some("layer.00.attn_out"), Some(3), &json!([0, 3]))
+    );
     let rows = v["per_tensor"].as_array().unwrap();
     let row = |name: &str| rows.iter().find(|t| t["tensor"] == name).unwrap();
     let mlp = row("layer.01.mlp_out");
-    assert_eq!((&mlp["status"], &mlp["violations"], &mlp["worst_element"]), (&json!("outside_policy"), &f["violations"], w));
-    assert!(mlp["max_ulp"].as_u64().unwrap() > ulp, "worst is by |difference|, not by ULPs: {mlp}");
+    assert_eq!(
+        (&mlp["status"], &mlp["violations"], &mlp["worst_element"]),
+        (&json!("outside_policy"), &f["violations"], w)
+    );
+    assert!(
+        mlp["max_ulp"].as_u64().unwrap() > ulp,
+        "worst is by |difference|, not by ULPs: {mlp}"
+    );
     let attn = row("layer.00.attn_out");
-    assert_eq!((&attn["status"], &attn["violations"], &attn["worst_element"]), (&json!("within_policy"), &json!([]), &Value::Null));
+    assert_eq!(
+        (&attn["status"], &attn["violations"], &attn["worst_element"]),
+        (&json!("within_policy"), &json!([]), &Value::Null)
+    );
 }
 
 #[test]
@@ -210,24 +349,54 @@ fn the_validator_rejects_a_report_that_breaks_the_schema() {
     let (_d, r, c) = pair(&rs, &cs);
     let (_, good) = json_run(&["--policy", p(&policy_path()), p(&r), p(&c)]);
     // Each a planted defect of one kind, each must be refused.
-    let plants: [(&str, fn(&mut Value)); 9] = [
-        ("a wrong type", |v| v["tensors"]["reference_count"] = json!("13")),
-        ("a missing required field", |v| drop(v.as_object_mut().unwrap().remove("first_violation"))),
-        ("a missing field of a violation", |v| drop(v["first_violation"]["violations"][0].as_object_mut().unwrap().remove("limit"))),
-        ("an unknown field", |v| v["first_violation"]["note"] = json!(1)),
-        ("the previous version", |v| v["schema"] = json!("tracegate-diff-report/2")),
+    type Plant = (&'static str, fn(&mut Value));
+    let plants: [Plant; 9] = [
+        ("a wrong type", |v| {
+            v["tensors"]["reference_count"] = json!("13")
+        }),
+        ("a missing required field", |v| {
+            drop(v.as_object_mut().unwrap().remove("first_violation"))
+        }),
+        ("a missing field of a violation", |v| {
+            drop(
+                v["first_violation"]["violations"][0]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("limit"),
+            )
+        }),
+        ("an unknown field", |v| {
+            v["first_violation"]["note"] = json!(1)
+        }),
+        ("the previous version", |v| {
+            v["schema"] = json!("tracegate-diff-report/2")
+        }),
         ("a violation as prose", |v| {
-            let at = v["per_tensor"].as_array().unwrap().iter().position(|t| t["status"] == "outside_policy").unwrap();
+            let at = v["per_tensor"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .position(|t| t["status"] == "outside_policy")
+                .unwrap();
             v["per_tensor"][at]["violations"][0] = json!("relative L2 0.01 > 0.0001");
         }),
-        ("an unknown bound", |v| v["first_violation"]["violations"][0]["bound"] = json!("max_l2")),
-        ("a real that is an arbitrary string", |v| v["first_violation"]["violations"][0]["value"] = json!("big")),
-        ("bits that are not hex", |v| v["first_violation"]["worst_element"]["candidate_bits"] = json!("3f800000")),
+        ("an unknown bound", |v| {
+            v["first_violation"]["violations"][0]["bound"] = json!("max_l2")
+        }),
+        ("a real that is an arbitrary string", |v| {
+            v["first_violation"]["violations"][0]["value"] = json!("big")
+        }),
+        ("bits that are not hex", |v| {
+            v["first_violation"]["worst_element"]["candidate_bits"] = json!("3f800000")
+        }),
     ];
     for (what, plant) in plants {
         let mut bad = good.clone();
         plant(&mut bad);
-        assert!(!report_schema_errors(&bad).is_empty(), "the validator accepted {what}");
+        assert!(
+            !report_schema_errors(&bad).is_empty(),
+            "the validator accepted {what}"
+        );
     }
 }
 
@@ -238,12 +407,19 @@ fn a_mixed_precision_report_matches_the_schema() {
     let r = model();
     let mut c = model();
     for t in &mut c.tensors {
-        t.bytes = t.bytes.chunks_exact(4).flat_map(|b| ((u32::from_le_bytes(b.try_into().unwrap()) >> 16) as u16).to_le_bytes()).collect();
+        t.bytes = t
+            .bytes
+            .chunks_exact(4)
+            .flat_map(|b| ((u32::from_le_bytes(b.try_into().unwrap()) >> 16) as u16).to_le_bytes())
+            .collect();
         t.dtype = tracegate_trace::DType::BF16;
     }
     let (_d, rp, cp) = pair(&r, &c);
     let (code, v) = json_run(&["--all", p(&rp), p(&cp)]);
-    assert_eq!((code, v["per_tensor"][0]["ulp_dtype"].as_str()), (1, Some("bf16")));
+    assert_eq!(
+        (code, v["per_tensor"][0]["ulp_dtype"].as_str()),
+        (1, Some("bf16"))
+    );
     let (_, v) = json_run(&["--policy", p(&policy_path()), p(&rp), p(&cp)]);
     assert_eq!(v["first_bit_difference"]["candidate_dtype"], "bf16");
 }
@@ -280,7 +456,11 @@ fn incomparable_exits_3_naming_the_reason() {
     let (_d, rp, cp) = pair(&ru, &cu);
     let out = run(&[p(&rp), p(&cp)]);
     assert_eq!(out.code, 3, "{}{}", out.stdout, out.stderr);
-    assert!(out.stdout.contains("aaaaaaaaa") && out.stdout.contains("…"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("aaaaaaaaa") && out.stdout.contains("…"),
+        "{}",
+        out.stdout
+    );
 }
 
 #[test]
@@ -292,7 +472,12 @@ fn unreadable_and_bad_usage_exit_2() {
     std::fs::write(&junk, b"not a trace at all").unwrap();
     let out = run(&[p(&good), p(&junk)]);
     assert_eq!(out.code, 2);
-    assert!(out.stdout.starts_with("UNREADABLE — unreadable: candidate: "), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .starts_with("UNREADABLE — unreadable: candidate: "),
+        "{}",
+        out.stdout
+    );
     let (code, v) = json_run(&[p(&good), p(&junk)]);
     assert_eq!((code, v["verdict"].as_str()), (2, Some("unreadable")));
     assert!(v["candidate"]["digest"].is_null());
@@ -310,7 +495,12 @@ fn unreadable_and_bad_usage_exit_2() {
 fn help_documents_exit_codes() {
     let out = run(&["--help"]);
     assert_eq!(out.code, 0);
-    for line in ["0  identical", "1  different", "2  unreadable", "3  incomparable"] {
+    for line in [
+        "0  identical",
+        "1  different",
+        "2  unreadable",
+        "3  incomparable",
+    ] {
         assert!(out.stdout.contains(line), "--help lacks {line:?}");
     }
 }
@@ -331,7 +521,10 @@ fn show_inspects_one_trace() {
 
 /// What must never reach a terminal raw: controls but the newline, and bidirectional overrides.
 fn raw_control(s: &str) -> Option<char> {
-    s.chars().find(|&c| (c.is_control() && c != '\n') || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'))
+    s.chars().find(|&c| {
+        (c.is_control() && c != '\n')
+            || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    })
 }
 
 fn hostile_trace(dir: &Path, name: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
@@ -344,17 +537,33 @@ fn hostile_trace(dir: &Path, name: &str, edit: impl FnOnce(&mut Value)) -> PathB
 fn a_name_over_65535_bytes_does_not_panic_show_or_diff() {
     let dir = tempfile::tempdir().unwrap();
     let long = format!("layer.{}", "x".repeat(70_000));
-    let path = hostile_trace(dir.path(), "one.trace", |ix| ix["tensors"][1]["name"] = json!(long));
+    let path = hostile_trace(dir.path(), "one.trace", |ix| {
+        ix["tensors"][1]["name"] = json!(long)
+    });
     let out = run(&["--no-verify", "--show", p(&path)]);
     // An older reader lists it; a reader that enforces the 4,096-byte limit refuses the file.
-    assert!(out.code == 0 || (out.code == 2 && out.stdout.starts_with("UNREADABLE")), "exit {}: {}", out.code, out.stderr);
+    assert!(
+        out.code == 0 || (out.code == 2 && out.stdout.starts_with("UNREADABLE")),
+        "exit {}: {}",
+        out.code,
+        out.stderr
+    );
     if out.code == 0 {
         assert!(out.stdout.contains(&long));
     }
     let out = run(&["--all", "--no-verify", p(&path), p(&path)]);
-    assert!(out.code == 0 || out.code == 2, "exit {}: {}", out.code, out.stderr);
+    assert!(
+        out.code == 0 || out.code == 2,
+        "exit {}: {}",
+        out.code,
+        out.stderr
+    );
     if out.code == 0 {
-        assert!(out.stdout.starts_with("IDENTICAL") && out.stdout.contains(&long), "{}", &out.stdout[..200]);
+        assert!(
+            out.stdout.starts_with("IDENTICAL") && out.stdout.contains(&long),
+            "{}",
+            &out.stdout[..200]
+        );
     }
 }
 
@@ -368,7 +577,9 @@ fn control_characters_are_escaped_in_every_output() {
     });
     // A reader that refuses control characters in names refuses this one: then the refusal
     // itself must not print the name raw.
-    let named = hostile_trace(dir.path(), "ref.trace", |ix| ix["tensors"][3]["name"] = json!("layer.00.\u{1b}[2Kattn_out"));
+    let named = hostile_trace(dir.path(), "ref.trace", |ix| {
+        ix["tensors"][3]["name"] = json!("layer.00.\u{1b}[2Kattn_out")
+    });
     let other = hostile_trace(dir.path(), "cand.trace", |ix| {
         ix["provenance"]["producer"] = json!("oracle\u{85}");
         ix["tensors"][2]["attributes"]["note"] = json!("\u{1b}[32mgreen");
@@ -387,14 +598,21 @@ fn control_characters_are_escaped_in_every_output() {
         let out = run(&args);
         assert_ne!(out.code, 101, "{args:?} panicked: {}", out.stderr);
         for (stream, text) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
-            assert_eq!(raw_control(text), None, "{args:?} printed a raw control character on {stream}:\n{text}");
+            assert_eq!(
+                raw_control(text),
+                None,
+                "{args:?} printed a raw control character on {stream}:\n{text}"
+            );
         }
         if args.contains(&p(&named)) {
             continue;
         }
         if args[0] == "--json" {
             let v: Value = serde_json::from_str(&out.stdout).unwrap();
-            assert_eq!(v["candidate"]["producer"], "oracle\u{85}", "the JSON escapes, it does not alter");
+            assert_eq!(
+                v["candidate"]["producer"], "oracle\u{85}",
+                "the JSON escapes, it does not alter"
+            );
         } else if args.contains(&"--no-verify") {
             assert!(out.stdout.contains("\\u{1b}"), "{args:?}: {}", out.stdout);
         }

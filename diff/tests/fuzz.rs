@@ -19,7 +19,11 @@ use tracegate_trace::{Trace, TraceWriter};
 /// Cases per input are multiplied by `TRACEGATE_FUZZ_SCALE` (default 1, a few seconds): the
 /// long run is `TRACEGATE_FUZZ_SCALE=1000 cargo test --release -p tracegate-diff --test fuzz`.
 fn scale() -> usize {
-    std::env::var("TRACEGATE_FUZZ_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+    std::env::var("TRACEGATE_FUZZ_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// xorshift64*: fixed seeds, no dependency.
@@ -43,7 +47,10 @@ impl Rng {
 
 fn vectors() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/format");
-    ["empty.trace", "dtypes.trace", "decisions.trace"].iter().map(|n| dir.join(n)).collect()
+    ["empty.trace", "dtypes.trace", "decisions.trace"]
+        .iter()
+        .map(|n| dir.join(n))
+        .collect()
 }
 
 /// The originals: the three conformance vectors and a model-shaped trace (13 tensors with
@@ -68,12 +75,27 @@ struct Outcome {
 }
 
 fn trace_diff(args: &[&Path], flags: &[&str], case: &str) -> Outcome {
-    let out = Command::new(env!("CARGO_BIN_EXE_trace-diff")).args(flags).args(args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_trace-diff"))
+        .args(flags)
+        .args(args)
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let code = out.status.code().unwrap_or_else(|| panic!("{case}: trace-diff {flags:?} was killed by a signal ({:?})\n{stderr}", out.status));
-    assert_ne!(code, 101, "{case}: trace-diff {flags:?} panicked:\n{stderr}");
+    let code = out.status.code().unwrap_or_else(|| {
+        panic!(
+            "{case}: trace-diff {flags:?} was killed by a signal ({:?})\n{stderr}",
+            out.status
+        )
+    });
+    assert_ne!(
+        code, 101,
+        "{case}: trace-diff {flags:?} panicked:\n{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{case}: {stderr}");
-    Outcome { code, stdout: String::from_utf8_lossy(&out.stdout).into_owned() }
+    Outcome {
+        code,
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+    }
 }
 
 /// How the cases fell, printed (uncaptured) so a run shows what it covered.
@@ -120,24 +142,57 @@ fn check_pair(original: &Path, mutated: &Path, case: &str) -> Case {
     let verdict = judge(mutated);
     let out = trace_diff(&[original, mutated], &[], case);
     match &verdict {
-        Err(why) => assert_eq!(out.code, 2, "{case}: the reader refuses it ({why}) but trace-diff exits {}:\n{}", out.code, out.stdout),
+        Err(why) => assert_eq!(
+            out.code, 2,
+            "{case}: the reader refuses it ({why}) but trace-diff exits {}:\n{}",
+            out.code, out.stdout
+        ),
         Ok(d) if *d == expected => {
-            assert!(out.code == 0 || out.code == 3, "{case}: equal content, exit {}:\n{}", out.code, out.stdout);
+            assert!(
+                out.code == 0 || out.code == 3,
+                "{case}: equal content, exit {}:\n{}",
+                out.code,
+                out.stdout
+            );
             if out.code == 0 {
-                assert!(out.stdout.starts_with("IDENTICAL"), "{case}: {}", out.stdout);
+                assert!(
+                    out.stdout.starts_with("IDENTICAL"),
+                    "{case}: {}",
+                    out.stdout
+                );
             }
         }
-        Ok(_) => assert!(out.code == 1 || out.code == 3, "{case}: content differs, exit {}:\n{}", out.code, out.stdout),
+        Ok(_) => assert!(
+            out.code == 1 || out.code == 3,
+            "{case}: content differs, exit {}:\n{}",
+            out.code,
+            out.stdout
+        ),
     }
     // Unverified, a verified file's content still decides; other files only must not crash.
     let loose = trace_diff(&[original, mutated], &["--no-verify", "--all"], case);
     match &verdict {
-        Ok(d) if *d == expected => assert!(loose.code == 0 || loose.code == 3, "{case}: --no-verify on equal content, exit {}:\n{}", loose.code, loose.stdout),
-        Ok(_) => assert!(loose.code == 1 || loose.code == 3, "{case}: --no-verify on different content, exit {}:\n{}", loose.code, loose.stdout),
+        Ok(d) if *d == expected => assert!(
+            loose.code == 0 || loose.code == 3,
+            "{case}: --no-verify on equal content, exit {}:\n{}",
+            loose.code,
+            loose.stdout
+        ),
+        Ok(_) => assert!(
+            loose.code == 1 || loose.code == 3,
+            "{case}: --no-verify on different content, exit {}:\n{}",
+            loose.code,
+            loose.stdout
+        ),
         Err(_) => assert!((0..=3).contains(&loose.code), "{case}: exit {}", loose.code),
     }
     let show = trace_diff(&[], &["--show", mutated.to_str().unwrap()], case);
-    assert_eq!(show.code == 0, verdict.is_ok(), "{case}: --show exits {} but the reader says {verdict:?}", show.code);
+    assert_eq!(
+        show.code == 0,
+        verdict.is_ok(),
+        "{case}: --show exits {} but the reader says {verdict:?}",
+        show.code
+    );
     match verdict {
         Err(_) => Case::Refused,
         Ok(d) if d == expected => Case::Equal,
@@ -158,7 +213,11 @@ fn bit_flips_anywhere() {
             m[at] ^= 1 << rng.below(8);
             let path = dir.path().join("flip.trace");
             std::fs::write(&path, &m).unwrap();
-            tally.add(check_pair(&original, &path, &format!("{} flip #{k} at byte {at}", original.display())));
+            tally.add(check_pair(
+                &original,
+                &path,
+                &format!("{} flip #{k} at byte {at}", original.display()),
+            ));
         }
     }
     tally.print("bit flips");
@@ -173,7 +232,10 @@ fn truncation_at_every_offset_of_a_small_trace() {
         let path = dir.path().join("cut.trace");
         std::fs::write(&path, &bytes[..len]).unwrap();
         let case = format!("{} cut to {len} bytes", original.display());
-        assert!(Trace::open(&path).is_err(), "{case}: a truncated trace opened");
+        assert!(
+            Trace::open(&path).is_err(),
+            "{case}: a truncated trace opened"
+        );
         // The binary on every 4th length (the reader, in-process, on every one).
         if len % 4 == 0 {
             check_pair(&original, &path, &case);
@@ -181,16 +243,35 @@ fn truncation_at_every_offset_of_a_small_trace() {
     }
 }
 
-
 /// One edit of the index JSON; the footer is re-digested by `rewrite_index`, so the file
 /// opens unless the edit breaks the index itself.
 fn edit_index(ix: &mut Value, rng: &mut Rng) -> String {
     let n_t = ix["tensors"].as_array().map_or(0, Vec::len);
     let n_d = ix["decisions"].as_array().map_or(0, Vec::len);
     let (t, d) = (rng.below(n_t), rng.below(n_d));
-    let values = [json!(0), json!(-1), json!(1u64 << 62), json!(u64::MAX), json!(""), json!(null), json!([]), json!({}), json!("\u{1b}[2J"), json!(64), json!(1.5)];
+    let values = [
+        json!(0),
+        json!(-1),
+        json!(1u64 << 62),
+        json!(u64::MAX),
+        json!(""),
+        json!(null),
+        json!([]),
+        json!({}),
+        json!("\u{1b}[2J"),
+        json!(64),
+        json!(1.5),
+    ];
     let v = values[rng.below(values.len())].clone();
-    let tensor_fields = ["name", "dtype", "shape", "offset", "nbytes", "xxh3", "attributes"];
+    let tensor_fields = [
+        "name",
+        "dtype",
+        "shape",
+        "offset",
+        "nbytes",
+        "xxh3",
+        "attributes",
+    ];
     let decision_fields = ["name", "shape", "values_offset", "margins_offset", "xxh3"];
     match rng.below(7) {
         0 if n_t > 0 => {
@@ -217,7 +298,14 @@ fn edit_index(ix: &mut Value, rng: &mut Rng) -> String {
             format!("tensors[0] <-> tensors[{t}]")
         }
         5 => {
-            let f = ["digest", "format", "version", "tensors", "decisions", "provenance"][rng.below(6)];
+            let f = [
+                "digest",
+                "format",
+                "version",
+                "tensors",
+                "decisions",
+                "provenance",
+            ][rng.below(6)];
             ix[f] = v.clone();
             format!("{f} = {v}")
         }
@@ -244,7 +332,11 @@ fn index_edits_with_a_redigested_footer() {
             std::fs::copy(&original, &path).unwrap();
             let mut what = String::new();
             rewrite_index(&path, |ix| what = edit_index(ix, &mut rng));
-            tally.add(check_pair(&original, &path, &format!("{} edit #{k}: {what}", original.display())));
+            tally.add(check_pair(
+                &original,
+                &path,
+                &format!("{} edit #{k}: {what}", original.display()),
+            ));
         }
     }
     tally.print("index edits");
@@ -267,8 +359,27 @@ fn spec_of(path: &Path) -> Spec {
     let t = Trace::open(path).unwrap();
     Spec {
         provenance: t.provenance().clone(),
-        tensors: t.tensors().iter().map(|i| T { name: i.name.clone(), dtype: i.dtype, shape: i.shape.clone(), bytes: t.data(i).to_vec(), attrs: i.attributes.clone() }).collect(),
-        decisions: t.decisions().iter().map(|d| D { name: d.name.clone(), shape: d.shape.clone(), values: t.decision_values(d), margins: t.decision_margins(d) }).collect(),
+        tensors: t
+            .tensors()
+            .iter()
+            .map(|i| T {
+                name: i.name.clone(),
+                dtype: i.dtype,
+                shape: i.shape.clone(),
+                bytes: t.data(i).to_vec(),
+                attrs: i.attributes.clone(),
+            })
+            .collect(),
+        decisions: t
+            .decisions()
+            .iter()
+            .map(|d| D {
+                name: d.name.clone(),
+                shape: d.shape.clone(),
+                values: t.decision_values(d),
+                margins: t.decision_margins(d),
+            })
+            .collect(),
     }
 }
 
@@ -282,7 +393,12 @@ fn edit_content(s: &mut Spec, rng: &mut Rng) -> String {
             s.tensors[t].bytes[b] ^= 1 << rng.below(8);
             format!("tensor {} byte {b} flipped", s.tensors[t].name)
         }
-        1 if nd > 0 && s.decisions[d].margins.as_ref().is_some_and(|m| !m.is_empty()) => {
+        1 if nd > 0
+            && s.decisions[d]
+                .margins
+                .as_ref()
+                .is_some_and(|m| !m.is_empty()) =>
+        {
             let m = s.decisions[d].margins.as_mut().unwrap();
             let r = rng.below(m.len());
             m[r] = f32::from_bits(m[r].to_bits() ^ (1 << rng.below(32)));
@@ -290,13 +406,21 @@ fn edit_content(s: &mut Spec, rng: &mut Rng) -> String {
         }
         2 if nd > 0 && s.decisions[d].margins.is_some() => {
             let m = s.decisions[d].margins.as_mut().unwrap();
-            m.iter_mut().for_each(|x| *x = if *x == 0.0 { -*x } else { 1e6 });
-            format!("decision {} margins set to 1e6 (zeros negated)", s.decisions[d].name)
+            m.iter_mut()
+                .for_each(|x| *x = if *x == 0.0 { -*x } else { 1e6 });
+            format!(
+                "decision {} margins set to 1e6 (zeros negated)",
+                s.decisions[d].name
+            )
         }
         3 if nd > 0 => {
             let rows = s.decisions[d].shape.first().copied().unwrap_or(1) as usize;
             let m = &mut s.decisions[d].margins;
-            *m = if m.is_some() { None } else { Some(vec![0.5; rows]) };
+            *m = if m.is_some() {
+                None
+            } else {
+                Some(vec![0.5; rows])
+            };
             format!("decision {} margins toggled", s.decisions[d].name)
         }
         4 if nd > 0 && !s.decisions[d].values.is_empty() => {
@@ -306,7 +430,14 @@ fn edit_content(s: &mut Spec, rng: &mut Rng) -> String {
         }
         5 if nt > 0 => {
             let key = ["note", "rounding"][rng.below(2)];
-            s.tensors[t].attrs.extra.insert(key.into(), if rng.below(2) == 0 { String::new() } else { "x".into() });
+            s.tensors[t].attrs.extra.insert(
+                key.into(),
+                if rng.below(2) == 0 {
+                    String::new()
+                } else {
+                    "x".into()
+                },
+            );
             format!("tensor {} extra attribute {key}", s.tensors[t].name)
         }
         6 if nt > 0 => {
@@ -347,7 +478,10 @@ fn content_edits_through_the_writer_are_never_identical() {
             // The writer may refuse an edit (a duplicate name): then there is nothing to compare.
             if try_write(&s, &path).is_ok() {
                 let case = format!("{} content edit #{k}: {what}", original.display());
-                assert!(judge(&path).is_ok(), "{case}: the writer's output does not verify");
+                assert!(
+                    judge(&path).is_ok(),
+                    "{case}: the writer's output does not verify"
+                );
                 tally.add(check_pair(&original, &path, &case));
             } else {
                 tally.refused_by_writer += 1;

@@ -10,22 +10,46 @@ use tracegate_diff::{compare_files, render_human, NearTie, Options, Policy, Repo
 
 fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
     let (_dir, rp, cp) = pair(r, c);
-    compare_files(&rp, &cp, &Options { policy, ..Options::default() })
+    compare_files(
+        &rp,
+        &cp,
+        &Options {
+            policy,
+            ..Options::default()
+        },
+    )
 }
 
 fn oracle_policy() -> Policy {
-    Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap()
+    Policy::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/policy/oracle-default.json"),
+    )
+    .unwrap()
 }
 
 /// (label, upstream, after) of the flip at `row` of `decision`.
 fn flip(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>, Option<String>) {
-    let res = rep.decisions.results.iter().find(|d| d.name == decision).unwrap_or_else(|| panic!("no decision {decision}"));
-    let f = res.flips.iter().find(|f| f.row == row).unwrap_or_else(|| panic!("{decision} row {row} did not flip: {:?}", res.flips));
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|d| d.name == decision)
+        .unwrap_or_else(|| panic!("no decision {decision}"));
+    let f = res
+        .flips
+        .iter()
+        .find(|f| f.row == row)
+        .unwrap_or_else(|| panic!("{decision} row {row} did not flip: {:?}", res.flips));
     (f.label, f.upstream.clone(), f.after.clone())
 }
 
 fn status<'a>(rep: &'a Report, tensor: &str) -> &'a str {
-    rep.per_tensor.iter().find(|t| t.tensor == tensor).unwrap().status
+    rep.per_tensor
+        .iter()
+        .find(|t| t.tensor == tensor)
+        .unwrap()
+        .status
 }
 
 fn get_f32(s: &Spec, name: &str, i: usize) -> f32 {
@@ -36,10 +60,18 @@ fn get_f32(s: &Spec, name: &str, i: usize) -> f32 {
 /// Adds `by` to every element of token `token`'s rows: the first axis, or for `attn_probs`
 /// (`[heads, tokens, keys]`) the second, in every head.
 fn push_token(s: &mut Spec, name: &str, token: usize, by: f32) {
-    let shape = s.tensors.iter().find(|t| t.name == name).unwrap().shape.clone();
+    let shape = s
+        .tensors
+        .iter()
+        .find(|t| t.name == name)
+        .unwrap()
+        .shape
+        .clone();
     let spans: Vec<(usize, usize)> = if name.ends_with(".attn_probs") {
         let (heads, tokens, keys) = (shape[0] as usize, shape[1] as usize, shape[2] as usize);
-        (0..heads).map(|h| ((h * tokens + token) * keys, (h * tokens + token + 1) * keys)).collect()
+        (0..heads)
+            .map(|h| ((h * tokens + token) * keys, (h * tokens + token + 1) * keys))
+            .collect()
     } else {
         let width = shape[1..].iter().product::<u64>() as usize;
         vec![(token * width, (token + 1) * width)]
@@ -57,11 +89,26 @@ fn push_token(s: &mut Spec, name: &str, token: usize, by: f32) {
 /// argmax of the last logits row (14, margin 0.75, as `logits.argmax` row 3).
 fn model_ext() -> Spec {
     let mut m = model();
-    let at = m.tensors.iter().position(|t| t.name == "layer.01.attn_out").unwrap();
+    let at = m
+        .tensors
+        .iter()
+        .position(|t| t.name == "layer.01.attn_out")
+        .unwrap();
     let probs: Vec<f32> = values(32, 17).iter().map(|v| (v + 1.7) / 4.0).collect();
-    m.tensors.insert(at, t_f32("layer.01.attn_probs", &[2, 4, 4], &probs));
-    m.decisions.push(D { name: "decode.0000.argmax".into(), shape: vec![1], values: vec![14], margins: Some(vec![0.75]) });
-    m.decisions.push(D { name: "decode.0001.argmax".into(), shape: vec![1], values: vec![3], margins: Some(vec![2.0]) });
+    m.tensors
+        .insert(at, t_f32("layer.01.attn_probs", &[2, 4, 4], &probs));
+    m.decisions.push(D {
+        name: "decode.0000.argmax".into(),
+        shape: vec![1],
+        values: vec![14],
+        margins: Some(vec![0.75]),
+    });
+    m.decisions.push(D {
+        name: "decode.0001.argmax".into(),
+        shape: vec![1],
+        values: vec![3],
+        margins: Some(vec![2.0]),
+    });
     m
 }
 
@@ -91,7 +138,16 @@ fn near_tie_pair(moved: f32) -> (Spec, Spec) {
     c.set_f32("layer.00.router.logits", 12, v + moved);
     c.decision_mut("layer.00.router.topk").values[7] = 0;
     for name in AFTER_ROUTER_0 {
-        push_token(&mut c, name, 3, if name.ends_with("attn_probs") { 0.25 } else { 1.0 });
+        push_token(
+            &mut c,
+            name,
+            3,
+            if name.ends_with("attn_probs") {
+                0.25
+            } else {
+                1.0
+            },
+        );
     }
     c.decision_mut("layer.01.router.topk").values[6..8].copy_from_slice(&[0, 1]);
     c.decision_mut("logits.argmax").values[3] = 5;
@@ -111,26 +167,59 @@ fn moved_by(r: &Spec, moved: f32) -> f64 {
 fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
     let (r, c) = near_tie_pair(2e-6);
     let d = moved_by(&r, 2e-6);
-    assert!(1e-6 <= 2.0 * d, "the plant must put the margin within 2·d: d = {d}");
+    assert!(
+        1e-6 <= 2.0 * d,
+        "the plant must put the margin within 2·d: d = {d}"
+    );
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
     assert!(rep.findings.is_empty(), "{:#?}", rep.findings);
 
-    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.00.router.topk")
+        .unwrap();
     let f = &res.flips[0];
     assert_eq!((f.row, f.label), (3, "near-tie"));
     assert_eq!(f.source_divergence.unwrap().0, d);
-    assert_eq!(f.noise_bound.unwrap().0, 2.0 * d, "default factor 2 (no near_tie in oracle-default)");
+    assert_eq!(
+        f.noise_bound.unwrap().0,
+        2.0 * d,
+        "default factor 2 (no near_tie in oracle-default)"
+    );
     assert_eq!(f.gap.unwrap().0, 1e-6f32 as f64);
 
     let origin = Some("layer.00.router.topk row 3".to_string());
-    for (decision, row) in [("layer.01.router.topk", 3), ("logits.argmax", 3), ("decode.0000.argmax", 0), ("decode.0001.argmax", 0)] {
-        assert_eq!(flip(&rep, decision, row), ("after-near-tie", None, origin.clone()), "{decision}");
+    for (decision, row) in [
+        ("layer.01.router.topk", 3),
+        ("logits.argmax", 3),
+        ("decode.0000.argmax", 0),
+        ("decode.0001.argmax", 0),
+    ] {
+        assert_eq!(
+            flip(&rep, decision, row),
+            ("after-near-tie", None, origin.clone()),
+            "{decision}"
+        );
     }
     // Nothing hidden: the near-tie, each tensor's rows left out, the decision rows.
     let n = rep.decisions.near_ties.as_ref().unwrap();
-    assert_eq!(n.excused.iter().map(|e| (e.decision.as_str(), e.row, e.position)).collect::<Vec<_>>(), [("layer.00.router.topk", 3, 3)]);
-    assert_eq!(n.tensors.iter().map(|t| (t.tensor.as_str(), t.rows)).collect::<Vec<_>>(), AFTER_ROUTER_0.map(|t| (t, 1)));
+    assert_eq!(
+        n.excused
+            .iter()
+            .map(|e| (e.decision.as_str(), e.row, e.position))
+            .collect::<Vec<_>>(),
+        [("layer.00.router.topk", 3, 3)]
+    );
+    assert_eq!(
+        n.tensors
+            .iter()
+            .map(|t| (t.tensor.as_str(), t.rows))
+            .collect::<Vec<_>>(),
+        AFTER_ROUTER_0.map(|t| (t, 1))
+    );
     assert_eq!(n.decision_rows, 4);
     for t in AFTER_ROUTER_0 {
         assert_eq!(status(&rep, t), "within_policy", "{t}");
@@ -138,11 +227,25 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
     let human = render_human(&rep);
     let first = human.lines().next().unwrap();
     assert!(first.starts_with("WITHIN POLICY"), "{first}");
-    assert!(first.contains("(1 near-tie excused: layer.00.router.topk row 3; 14 rows after a near-tie not judged)"), "{first}");
-    assert!(human.contains("after a near-tie (layer.00.router.topk row 3)"), "{human}");
+    assert!(
+        first.contains(
+            "(1 near-tie excused: layer.00.router.topk row 3; 14 rows after a near-tie not judged)"
+        ),
+        "{first}"
+    );
+    assert!(
+        human.contains("after a near-tie (layer.00.router.topk row 3)"),
+        "{human}"
+    );
     let json = report_json(&rep);
-    assert_eq!(json["decisions"]["near_ties"]["excused"][0]["decision"], "layer.00.router.topk");
-    assert_eq!(json["decisions"]["near_ties"]["tensors"][3]["tensor"], "layer.01.attn_probs");
+    assert_eq!(
+        json["decisions"]["near_ties"]["excused"][0]["decision"],
+        "layer.00.router.topk"
+    );
+    assert_eq!(
+        json["decisions"]["near_ties"]["tensors"][3]["tensor"],
+        "layer.01.attn_probs"
+    );
 }
 
 #[test]
@@ -156,15 +259,40 @@ fn another_tokens_difference_after_a_near_tie_still_fails() {
         let rep = diff(&r, &c, Some(oracle_policy()));
         assert_eq!(rep.verdict, Verdict::Different, "{tensor}");
         assert_eq!(status(&rep, tensor), "outside_policy", "{tensor}");
-        assert_eq!(rep.findings.iter().filter(|f| f.kind == "outside_policy").map(|f| f.tensor.as_deref()).collect::<Vec<_>>(), [Some(tensor)]);
-        assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "near-tie", "{tensor}");
-        assert_eq!(flip(&rep, "logits.argmax", 1), ("consequence", Some(tensor.to_string()), None), "{tensor}");
-        assert_eq!(flip(&rep, "logits.argmax", 3).0, "after-near-tie", "{tensor}");
+        assert_eq!(
+            rep.findings
+                .iter()
+                .filter(|f| f.kind == "outside_policy")
+                .map(|f| f.tensor.as_deref())
+                .collect::<Vec<_>>(),
+            [Some(tensor)]
+        );
+        assert_eq!(
+            flip(&rep, "layer.00.router.topk", 3).0,
+            "near-tie",
+            "{tensor}"
+        );
+        assert_eq!(
+            flip(&rep, "logits.argmax", 1),
+            ("consequence", Some(tensor.to_string()), None),
+            "{tensor}"
+        );
+        assert_eq!(
+            flip(&rep, "logits.argmax", 3).0,
+            "after-near-tie",
+            "{tensor}"
+        );
         // Token 3's row was still left out of that tensor's judgement, and said so.
         let n = rep.decisions.near_ties.as_ref().unwrap();
-        assert!(n.tensors.iter().any(|t| t.tensor == tensor && t.rows == 1), "{tensor}");
+        assert!(
+            n.tensors.iter().any(|t| t.tensor == tensor && t.rows == 1),
+            "{tensor}"
+        );
         let first = render_human(&rep).lines().next().unwrap().to_string();
-        assert!(first.starts_with("DIFFERENT") && first.contains("1 near-tie excused"), "{first}");
+        assert!(
+            first.starts_with("DIFFERENT") && first.contains("1 near-tie excused"),
+            "{first}"
+        );
     }
 }
 
@@ -175,17 +303,36 @@ fn a_margin_beyond_the_bound_is_a_defect_and_excuses_nothing() {
     assert!(2.0 * moved_by(&r, 2e-7) < 1e-6);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
-    assert_eq!(flip(&rep, "layer.00.router.topk", 3), ("defect", None, None));
+    assert_eq!(
+        flip(&rep, "layer.00.router.topk", 3),
+        ("defect", None, None)
+    );
     // Its token's later rows are judged, so the first of them is outside the policy and every
     // later flip is its consequence.
     assert_eq!(status(&rep, "layer.00.mlp_out"), "outside_policy");
     let upstream = Some("layer.00.mlp_out".to_string());
-    for (decision, row) in [("layer.01.router.topk", 3), ("logits.argmax", 3), ("decode.0000.argmax", 0), ("decode.0001.argmax", 0)] {
-        assert_eq!(flip(&rep, decision, row), ("consequence", upstream.clone(), None), "{decision}");
+    for (decision, row) in [
+        ("layer.01.router.topk", 3),
+        ("logits.argmax", 3),
+        ("decode.0000.argmax", 0),
+        ("decode.0001.argmax", 0),
+    ] {
+        assert_eq!(
+            flip(&rep, decision, row),
+            ("consequence", upstream.clone(), None),
+            "{decision}"
+        );
     }
     let n = rep.decisions.near_ties.as_ref().unwrap();
-    assert!(n.excused.is_empty() && n.tensors.is_empty() && n.decision_rows == 0, "{n:?}");
-    assert!(!render_human(&rep).lines().next().unwrap().contains("near-tie"));
+    assert!(
+        n.excused.is_empty() && n.tensors.is_empty() && n.decision_rows == 0,
+        "{n:?}"
+    );
+    assert!(!render_human(&rep)
+        .lines()
+        .next()
+        .unwrap()
+        .contains("near-tie"));
 }
 
 #[test]
@@ -195,17 +342,45 @@ fn the_near_tie_factor_comes_from_the_policy() {
     // 0.4·d < 1e-6 ≤ 2·d: the same flip is a defect under a stricter calibration.
     assert!(0.4 * d < 1e-6);
     let mut strict = oracle_policy();
-    strict.near_tie = Some(NearTie { margin_factor: 0.4, why: "test".into() });
+    strict.near_tie = Some(NearTie {
+        margin_factor: 0.4,
+        why: "test".into(),
+    });
     let rep = diff(&r, &c, Some(strict));
     assert_eq!(rep.verdict, Verdict::Different);
-    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
-    assert_eq!((res.flips[0].label, res.flips[0].noise_bound.unwrap().0), ("defect", 0.4 * d));
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.00.router.topk")
+        .unwrap();
+    assert_eq!(
+        (res.flips[0].label, res.flips[0].noise_bound.unwrap().0),
+        ("defect", 0.4 * d)
+    );
     assert_eq!(rep.decisions.near_ties.as_ref().unwrap().margin_factor, 0.4);
     // The field is checked when the policy is read.
-    let base = r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"**","max_abs":1}]"#;
-    assert_eq!(Policy::parse(&format!(r#"{base},"near_tie":{{"margin_factor":3,"why":"w"}}}}"#)).unwrap().near_tie_factor(), 3.0);
-    assert_eq!(Policy::parse(&format!("{base}}}")).unwrap().near_tie_factor(), 2.0);
-    for bad in [r#""near_tie":{"margin_factor":-1}"#, r#""near_tie":{"factor":2}"#, r#""near_tie":{}"#] {
+    let base =
+        r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"**","max_abs":1}]"#;
+    assert_eq!(
+        Policy::parse(&format!(
+            r#"{base},"near_tie":{{"margin_factor":3,"why":"w"}}}}"#
+        ))
+        .unwrap()
+        .near_tie_factor(),
+        3.0
+    );
+    assert_eq!(
+        Policy::parse(&format!("{base}}}"))
+            .unwrap()
+            .near_tie_factor(),
+        2.0
+    );
+    for bad in [
+        r#""near_tie":{"margin_factor":-1}"#,
+        r#""near_tie":{"factor":2}"#,
+        r#""near_tie":{}"#,
+    ] {
         assert!(Policy::parse(&format!("{base},{bad}}}")).is_err(), "{bad}");
     }
 }
@@ -217,7 +392,10 @@ fn without_a_policy_there_is_no_near_tie() {
     let (r, c) = near_tie_pair(2e-6);
     let rep = diff(&r, &c, None);
     assert_eq!(rep.verdict, Verdict::Different);
-    assert_eq!(flip(&rep, "layer.00.router.topk", 3), ("consequence", Some("layer.00.router.logits".into()), None));
+    assert_eq!(
+        flip(&rep, "layer.00.router.topk", 3),
+        ("consequence", Some("layer.00.router.logits".into()), None)
+    );
     assert!(rep.decisions.near_ties.is_none());
 }
 
@@ -230,7 +408,16 @@ fn a_consequence_names_the_first_tensor_outside_the_policy_before_it() {
     c.provenance = oracle_provenance();
     for name in &AFTER_ROUTER_0[3..] {
         for token in 0..4 {
-            push_token(&mut c, name, token, if name.ends_with("attn_probs") { 0.25 } else { 1.0 });
+            push_token(
+                &mut c,
+                name,
+                token,
+                if name.ends_with("attn_probs") {
+                    0.25
+                } else {
+                    1.0
+                },
+            );
         }
     }
     c.decision_mut("layer.01.router.topk").values[0] = 3;
@@ -240,17 +427,32 @@ fn a_consequence_names_the_first_tensor_outside_the_policy_before_it() {
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     let upstream = Some("layer.01.attn_probs".to_string());
-    assert_eq!(flip(&rep, "layer.01.router.topk", 0), ("consequence", upstream.clone(), None));
-    assert_eq!(flip(&rep, "logits.argmax", 0), ("consequence", upstream, None));
-    assert_eq!(flip(&rep, "layer.00.router.topk", 0), ("defect", None, None));
+    assert_eq!(
+        flip(&rep, "layer.01.router.topk", 0),
+        ("consequence", upstream.clone(), None)
+    );
+    assert_eq!(
+        flip(&rep, "logits.argmax", 0),
+        ("consequence", upstream, None)
+    );
+    assert_eq!(
+        flip(&rep, "layer.00.router.topk", 0),
+        ("defect", None, None)
+    );
     assert!(render_human(&rep).contains("→ consequence of layer.01.attn_probs"));
 
     // Judged by bits, the first tensor that differs at all is named: a 1-ULP change earlier.
     let mut c2 = c.clone();
     c2.poke_f32_bits("layer.00.hidden_out", 5, |b| b + 1);
     let rep = diff(&r, &c2, None);
-    assert_eq!(flip(&rep, "logits.argmax", 0).1.as_deref(), Some("layer.00.hidden_out"));
-    assert_eq!(flip(&rep, "layer.00.router.topk", 0), ("defect", None, None));
+    assert_eq!(
+        flip(&rep, "logits.argmax", 0).1.as_deref(),
+        Some("layer.00.hidden_out")
+    );
+    assert_eq!(
+        flip(&rep, "layer.00.router.topk", 0),
+        ("defect", None, None)
+    );
 }
 
 #[test]
@@ -264,9 +466,17 @@ fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
     push_token(&mut c, "layer.00.attn_out", 0, 1.0);
     c.decision_mut("layer.00.router.topk").values[0] = 1;
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.00.router.topk")
+        .unwrap();
     assert_eq!(res.source.as_deref(), Some("layer.00.hidden_in"));
-    assert_eq!(flip(&rep, "layer.00.router.topk", 0), ("consequence", Some("layer.00.attn_out".into()), None));
+    assert_eq!(
+        flip(&rep, "layer.00.router.topk", 0),
+        ("consequence", Some("layer.00.attn_out".into()), None)
+    );
     // Its scores are not in the trace: no noise bound, so on clean inputs a flip is a defect,
     // even where hidden_in's row moved by 100 times the margin (within the policy).
     let mut c = r.clone();
@@ -275,10 +485,26 @@ fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
     c.set_f32("layer.00.hidden_in", 3 * 8, v + 1e-4);
     c.decision_mut("layer.00.router.topk").values[6..8].copy_from_slice(&[1, 0]);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let f = &rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap().flips[0];
-    assert!(rep.per_tensor.iter().all(|t| matches!(t.status, "identical" | "within_policy")));
-    assert!(f.source_divergence.unwrap().0 > 100.0 * 1e-6 * 0.99, "{f:?}");
-    assert_eq!((f.row, f.label, f.noise_bound), (3, "defect", None), "margin 1e-6, yet no bound from hidden_in: {f:?}");
+    let f = &rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.00.router.topk")
+        .unwrap()
+        .flips[0];
+    assert!(rep
+        .per_tensor
+        .iter()
+        .all(|t| matches!(t.status, "identical" | "within_policy")));
+    assert!(
+        f.source_divergence.unwrap().0 > 100.0 * 1e-6 * 0.99,
+        "{f:?}"
+    );
+    assert_eq!(
+        (f.row, f.label, f.noise_bound),
+        (3, "defect", None),
+        "margin 1e-6, yet no bound from hidden_in: {f:?}"
+    );
 }
 
 #[test]
@@ -288,13 +514,23 @@ fn a_large_margin_flip_with_clean_inputs_is_a_defect() {
     let (r, mut c) = oracle_like_pair();
     c.decision_mut("layer.00.router.topk").values[4..6].copy_from_slice(&[0, 1]);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    assert!(rep.per_tensor.iter().all(|t| matches!(t.status, "identical" | "within_policy")));
+    assert!(rep
+        .per_tensor
+        .iter()
+        .all(|t| matches!(t.status, "identical" | "within_policy")));
     assert_eq!(rep.verdict, Verdict::Different);
-    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.00.router.topk")
+        .unwrap();
     let f = &res.flips[0];
     assert_eq!((f.row, f.label, f.upstream.as_deref()), (2, "defect", None));
     assert!(f.noise_bound.unwrap().0 < 0.75, "{f:?}");
-    assert!(rep.findings.iter().any(|x| x.kind == "decision_differs" && x.tensor.as_deref() == Some("layer.00.router.topk")));
+    assert!(rep.findings.iter().any(
+        |x| x.kind == "decision_differs" && x.tensor.as_deref() == Some("layer.00.router.topk")
+    ));
     assert!(rep.decisions.near_ties.as_ref().unwrap().excused.is_empty());
 }
 
@@ -306,7 +542,10 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
         let mut r = model();
         r.set_f32("layer.01.router.logits", 4 + 2, 1.0);
         r.set_f32("layer.01.router.logits", 4 + 3, z3);
-        r.decision_mut("layer.01.router.topk").margins.as_mut().unwrap()[1] = 1e-7;
+        r.decision_mut("layer.01.router.topk")
+            .margins
+            .as_mut()
+            .unwrap()[1] = 1e-7;
         let mut c = r.clone();
         c.provenance = oracle_provenance();
         c.set_f32("layer.01.router.logits", 4 + 3, z3 + 2e-6);
@@ -316,14 +555,28 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
     // Gap 1e-6 (as f32) against a row that moved by ~2e-6: a near-tie.
     let (r, c) = build(1.0 - 1e-6);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let f = rep.decisions.results.iter().find(|x| x.name == "layer.01.router.topk").unwrap().flips[0].clone();
+    let f = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.01.router.topk")
+        .unwrap()
+        .flips[0]
+        .clone();
     assert!(f.same_values_different_order);
     assert_eq!(f.label, "near-tie", "{f:?}");
     assert_eq!(f.gap.unwrap().0, 1.0 - (1.0f32 - 1e-6) as f64);
     // Gap 0.5, the same tiny recorded margin: a defect.
     let (r, c) = build(0.5);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let f = rep.decisions.results.iter().find(|x| x.name == "layer.01.router.topk").unwrap().flips[0].clone();
+    let f = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.01.router.topk")
+        .unwrap()
+        .flips[0]
+        .clone();
     assert_eq!((f.label, f.gap.unwrap().0), ("defect", 0.5), "{f:?}");
 }
 
@@ -345,8 +598,14 @@ fn decode_steps_are_bounded_by_their_own_logits_only() {
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
     assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
     let origin = Some("logits.argmax row 3".to_string());
-    assert_eq!(flip(&rep, "decode.0000.argmax", 0), ("after-near-tie", None, origin.clone()));
-    assert_eq!(flip(&rep, "decode.0001.argmax", 0), ("after-near-tie", None, origin));
+    assert_eq!(
+        flip(&rep, "decode.0000.argmax", 0),
+        ("after-near-tie", None, origin.clone())
+    );
+    assert_eq!(
+        flip(&rep, "decode.0001.argmax", 0),
+        ("after-near-tie", None, origin)
+    );
 
     // A later step alone: its own logits are not in the trace, the prompt's do not bound it.
     let mut c = r.clone();
@@ -358,6 +617,14 @@ fn decode_steps_are_bounded_by_their_own_logits_only() {
     r2.decision_mut("decode.0001.argmax").margins = Some(vec![1e-9]);
     let rep = diff(&r2, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
-    let res = rep.decisions.results.iter().find(|x| x.name == "decode.0001.argmax").unwrap();
-    assert_eq!((res.flips[0].label, res.flips[0].noise_bound), ("defect", None));
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "decode.0001.argmax")
+        .unwrap();
+    assert_eq!(
+        (res.flips[0].label, res.flips[0].noise_bound),
+        ("defect", None)
+    );
 }

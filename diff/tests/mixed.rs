@@ -4,7 +4,6 @@
 
 mod common;
 
-
 use common::*;
 use serde_json::{json, Value};
 use tracegate_diff::{compare_files, Options, Policy, Report, Special, Verdict};
@@ -23,7 +22,11 @@ fn f64s(bits: &[u64]) -> Vec<u8> {
 }
 
 fn spec(tensors: Vec<T>) -> Spec {
-    Spec { provenance: engine_provenance(), tensors, decisions: Vec::new() }
+    Spec {
+        provenance: engine_provenance(),
+        tensors,
+        decisions: Vec::new(),
+    }
 }
 
 fn diff(r: &Spec, c: &Spec, opts: &Options) -> Report {
@@ -32,20 +35,32 @@ fn diff(r: &Spec, c: &Spec, opts: &Options) -> Report {
 }
 
 fn policy(rule: Value) -> Policy {
-    Policy::parse(&json!({"format": "tracegate-policy/1", "name": "test", "rules": [rule]}).to_string()).unwrap()
+    Policy::parse(
+        &json!({"format": "tracegate-policy/1", "name": "test", "rules": [rule]}).to_string(),
+    )
+    .unwrap()
 }
 
 fn with_policy(rule: Value) -> Options {
-    Options { policy: Some(policy(rule)), ..Options::default() }
+    Options {
+        policy: Some(policy(rule)),
+        ..Options::default()
+    }
 }
 
 fn all() -> Options {
-    Options { all: true, ..Options::default() }
+    Options {
+        all: true,
+        ..Options::default()
+    }
 }
 
 /// (max ULP, differing elements) of each row, in order.
 fn rows(rep: &Report) -> Vec<(&str, Option<u64>, Option<u64>)> {
-    rep.per_tensor.iter().map(|r| (r.tensor.as_str(), r.max_ulp, r.differing_elements)).collect()
+    rep.per_tensor
+        .iter()
+        .map(|r| (r.tensor.as_str(), r.max_ulp, r.differing_elements))
+        .collect()
 }
 
 /// f32 values whose low 16 bits are not zero, and their bf16 roundings, by hand (the low half
@@ -59,7 +74,10 @@ const F32: [u32; 4] = [0x3f80_1234, 0xc049_0fdb, 0x3dcc_cccd, 0x42f6_e979];
 const BF16: [u16; 4] = [0x3f80, 0xc049, 0x3dcd, 0x42f7];
 
 fn rounded_pair() -> (Spec, Spec) {
-    (spec(vec![t_raw("x", DType::F32, &[2, 2], f32s(&F32))]), spec(vec![t_raw("x", DType::BF16, &[2, 2], h16s(&BF16))]))
+    (
+        spec(vec![t_raw("x", DType::F32, &[2, 2], f32s(&F32))]),
+        spec(vec![t_raw("x", DType::BF16, &[2, 2], h16s(&BF16))]),
+    )
 }
 
 #[test]
@@ -73,13 +91,33 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
     assert_eq!((f.kind, f.tensor.as_deref()), ("values_differ", Some("x")));
     assert!(f.detail.contains("reference f32 vs candidate bf16, compared in bf16 ULPs: 4 of 4 elements differ in value"), "{}", f.detail);
     let row = &rep.per_tensor[0];
-    assert_eq!((row.dtype, row.candidate_dtype, row.ulp_dtype), ("f32", DType::BF16, Some(DType::BF16)));
-    assert_eq!((row.status, row.differing_elements, row.max_ulp), ("different", Some(4), Some(0)));
+    assert_eq!(
+        (row.dtype, row.candidate_dtype, row.ulp_dtype),
+        ("f32", DType::BF16, Some(DType::BF16))
+    );
+    assert_eq!(
+        (row.status, row.differing_elements, row.max_ulp),
+        ("different", Some(4), Some(0))
+    );
     // Its real statistics, from the values themselves, not from the rounded ones.
     let d = rep.first_divergence.as_ref().unwrap();
-    assert_eq!((d.dtype.as_str(), d.candidate_dtype.as_str(), d.ulp_dtype.as_deref()), ("f32", "bf16", Some("bf16")));
+    assert_eq!(
+        (
+            d.dtype.as_str(),
+            d.candidate_dtype.as_str(),
+            d.ulp_dtype.as_deref()
+        ),
+        ("f32", "bf16", Some("bf16"))
+    );
     assert_eq!((d.flat_index, d.ulp, d.special), (0, Some(0), None));
-    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str(), d.candidate_value.as_str()), ("0x3f801234", "0x3f80", "1"));
+    assert_eq!(
+        (
+            d.reference_bits.as_str(),
+            d.candidate_bits.as_str(),
+            d.candidate_value.as_str()
+        ),
+        ("0x3f801234", "0x3f80", "1")
+    );
     assert_eq!((d.max_ulp, d.median_ulp), (Some(0), Some(0)));
     assert_eq!(d.max_abs.0, 5767.0 / 131072.0);
     assert!(d.rel_l2.unwrap().0 > 0.0 && d.cosine.unwrap().0 < 1.0);
@@ -89,7 +127,11 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
     assert_eq!(rep.per_tensor[0].status, "within_policy");
     // … and the negative control: the real max |difference|, 0.044, breaks max_abs 1e-3.
-    let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_abs": 1e-3})));
+    let rep = diff(
+        &r,
+        &c,
+        &with_policy(json!({"pattern": "**", "max_abs": 1e-3})),
+    );
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(rep.per_tensor[0].status, "outside_policy");
 }
@@ -98,25 +140,55 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
 fn a_planted_element_3_bf16_ulps_off_is_located() {
     // f32 values exact in bf16 (low halves zero), so only the planted element differs:
     // flat 5 of [2, 4] is [1, 1]; 0x4040 (3.0) + 3 steps = 0x4043 = (1 + 67/128)·2 = 3.046875.
-    let exact: [u16; 8] = [0x3f80, 0x4000, 0xbf80, 0x3f00, 0x4080, 0x4040, 0xc0a0, 0x3e80];
-    let r = spec(vec![t_raw("layer.00.mlp_out", DType::F32, &[2, 4], f32s(&exact.map(|h| (h as u32) << 16)))]);
+    let exact: [u16; 8] = [
+        0x3f80, 0x4000, 0xbf80, 0x3f00, 0x4080, 0x4040, 0xc0a0, 0x3e80,
+    ];
+    let r = spec(vec![t_raw(
+        "layer.00.mlp_out",
+        DType::F32,
+        &[2, 4],
+        f32s(&exact.map(|h| (h as u32) << 16)),
+    )]);
     let mut planted = exact;
     planted[5] += 3;
-    let c = spec(vec![t_raw("layer.00.mlp_out", DType::BF16, &[2, 4], h16s(&planted))]);
+    let c = spec(vec![t_raw(
+        "layer.00.mlp_out",
+        DType::BF16,
+        &[2, 4],
+        h16s(&planted),
+    )]);
     let rep = diff(&r, &c, &Options::default());
     let d = rep.first_divergence.as_ref().unwrap();
-    assert_eq!((d.tensor.as_str(), d.flat_index, d.coords.clone()), ("layer.00.mlp_out", 5, vec![1, 1]));
-    assert_eq!((d.ulp, d.max_ulp, d.median_ulp, d.differing_elements), (Some(3), Some(3), Some(3), 1));
-    assert_eq!((d.reference_value.as_str(), d.reference_bits.as_str()), ("3", "0x40400000"));
+    assert_eq!(
+        (d.tensor.as_str(), d.flat_index, d.coords.clone()),
+        ("layer.00.mlp_out", 5, vec![1, 1])
+    );
+    assert_eq!(
+        (d.ulp, d.max_ulp, d.median_ulp, d.differing_elements),
+        (Some(3), Some(3), Some(3), 1)
+    );
+    assert_eq!(
+        (d.reference_value.as_str(), d.reference_bits.as_str()),
+        ("3", "0x40400000")
+    );
     // The shortest decimal that reads back to 0x4043 in bf16 (neighbours 3.03125, 3.0625).
-    assert_eq!((d.candidate_value.as_str(), d.candidate_bits.as_str()), ("3.05", "0x4043"));
+    assert_eq!(
+        (d.candidate_value.as_str(), d.candidate_bits.as_str()),
+        ("3.05", "0x4043")
+    );
     assert_eq!(d.max_abs.0, 0.046875);
     // max_ulp bounds count bf16 steps: 3 passes max_ulp 3 and breaks max_ulp 2.
-    assert_eq!(diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 3}))).verdict, Verdict::WithinPolicy);
+    assert_eq!(
+        diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 3}))).verdict,
+        Verdict::WithinPolicy
+    );
     let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 2})));
     assert_eq!(rep.verdict, Verdict::Different);
     let v = &rep.per_tensor[0].violations;
-    assert_eq!((v.len(), v[0].bound, v[0].to_string().as_str()), (1, "max_ulp", "max ULP 3 > 2"));
+    assert_eq!(
+        (v.len(), v[0].bound, v[0].to_string().as_str()),
+        (1, "max_ulp", "max ULP 3 > 2")
+    );
 }
 
 #[test]
@@ -126,17 +198,42 @@ fn a_planted_element_is_found_by_the_fast_kernel_too() {
     // planted 3 steps off in the second chunk, at flat 65536 + 21 = 65557 = [64, 21] of [100, 1024].
     let n = 100 * 1024;
     let exact: Vec<u16> = (0..n).map(|i| 0x3c00 + (i % 0x800) as u16).collect();
-    let r = spec(vec![t_raw("big", DType::F32, &[100, 1024], f32s(&exact.iter().map(|&h| (h as u32) << 16).collect::<Vec<_>>()))]);
+    let r = spec(vec![t_raw(
+        "big",
+        DType::F32,
+        &[100, 1024],
+        f32s(&exact.iter().map(|&h| (h as u32) << 16).collect::<Vec<_>>()),
+    )]);
     let mut planted = exact.clone();
     planted[65557] += 3;
-    let c = spec(vec![t_raw("big", DType::BF16, &[100, 1024], h16s(&planted))]);
+    let c = spec(vec![t_raw(
+        "big",
+        DType::BF16,
+        &[100, 1024],
+        h16s(&planted),
+    )]);
     for (rs, cs) in [(&r, &c), (&c, &r)] {
         let rep = diff(rs, cs, &Options::default());
         let d = rep.first_divergence.as_ref().unwrap();
-        assert_eq!((d.flat_index, d.coords.clone(), d.ulp, d.max_ulp, d.differing_elements), (65557, vec![64, 21], Some(3), Some(3), 1));
+        assert_eq!(
+            (
+                d.flat_index,
+                d.coords.clone(),
+                d.ulp,
+                d.max_ulp,
+                d.differing_elements
+            ),
+            (65557, vec![64, 21], Some(3), Some(3), 1)
+        );
     }
     // Without the planted element: equal values, no first divergence (the negative control).
-    assert!(diff(&r, &spec(vec![t_raw("big", DType::BF16, &[100, 1024], h16s(&exact))]), &Options::default()).first_divergence.is_none());
+    assert!(diff(
+        &r,
+        &spec(vec![t_raw("big", DType::BF16, &[100, 1024], h16s(&exact))]),
+        &Options::default()
+    )
+    .first_divergence
+    .is_none());
 }
 
 #[test]
@@ -145,13 +242,24 @@ fn the_reference_may_be_the_coarser_side() {
     // to the even 0x3f80 (0 ULP); 0x40418000 ties between 0x4041 and 0x4042, goes to 0x4042,
     // 2 steps from 0x4040. Relative to the reference: |3.0234375 − 3| / 3 = 2^-7.
     let r = spec(vec![t_raw("x", DType::BF16, &[2], h16s(&[0x3f80, 0x4040]))]);
-    let c = spec(vec![t_raw("x", DType::F32, &[2], f32s(&[0x3f80_8000, 0x4041_8000]))]);
+    let c = spec(vec![t_raw(
+        "x",
+        DType::F32,
+        &[2],
+        f32s(&[0x3f80_8000, 0x4041_8000]),
+    )]);
     let rep = diff(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
-    assert_eq!((row.dtype, row.candidate_dtype, row.ulp_dtype), ("bf16", DType::F32, Some(DType::BF16)));
+    assert_eq!(
+        (row.dtype, row.candidate_dtype, row.ulp_dtype),
+        ("bf16", DType::F32, Some(DType::BF16))
+    );
     assert_eq!((row.max_ulp, row.differing_elements), (Some(2), Some(2)));
     let d = rep.first_divergence.as_ref().unwrap();
-    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str(), d.ulp), ("0x3f80", "0x3f808000", Some(0)));
+    assert_eq!(
+        (d.reference_bits.as_str(), d.candidate_bits.as_str(), d.ulp),
+        ("0x3f80", "0x3f808000", Some(0))
+    );
     assert_eq!(d.max_rel.0, 1.0 / 128.0);
 }
 
@@ -159,10 +267,19 @@ fn the_reference_may_be_the_coarser_side() {
 fn ties_round_to_even_not_up_nor_down() {
     // Round-half-up would give 1 and 1; truncation 0 and 0; to nearest even gives 0 and 1:
     // 0x3f808000 → 0x3f80 (even, 0 from 0x3f80), 0x3f818000 → 0x3f82 (even, 1 from 0x3f81).
-    let r = spec(vec![t_raw("tie.down", DType::F32, &[1], f32s(&[0x3f80_8000])), t_raw("tie.up", DType::F32, &[1], f32s(&[0x3f81_8000]))]);
-    let c = spec(vec![t_raw("tie.down", DType::BF16, &[1], h16s(&[0x3f80])), t_raw("tie.up", DType::BF16, &[1], h16s(&[0x3f81]))]);
+    let r = spec(vec![
+        t_raw("tie.down", DType::F32, &[1], f32s(&[0x3f80_8000])),
+        t_raw("tie.up", DType::F32, &[1], f32s(&[0x3f81_8000])),
+    ]);
+    let c = spec(vec![
+        t_raw("tie.down", DType::BF16, &[1], h16s(&[0x3f80])),
+        t_raw("tie.up", DType::BF16, &[1], h16s(&[0x3f81])),
+    ]);
     let rep = diff(&r, &c, &all());
-    assert_eq!(rows(&rep), vec![("tie.down", Some(0), Some(1)), ("tie.up", Some(1), Some(1))]);
+    assert_eq!(
+        rows(&rep),
+        vec![("tie.down", Some(0), Some(1)), ("tie.up", Some(1), Some(1))]
+    );
 }
 
 #[test]
@@ -170,11 +287,24 @@ fn f16_against_f32_rounds_to_f16_and_overflows_to_infinity() {
     // 1 + 3·2^-11 (0x3f803000) ties between f16 0x3c01 and 0x3c02: 0x3c02, 2 steps from 0x3c00.
     // 65520 (0x477ff000) ties between 65504 (0x7bff) and 65536, which f16 cannot hold: the even
     // side is infinity (0x7c00), one step past 0x7bff; both values are finite, so no special.
-    let r = spec(vec![t_raw("x", DType::F32, &[2], f32s(&[0x3f80_3000, 0x477f_f000]))]);
+    let r = spec(vec![t_raw(
+        "x",
+        DType::F32,
+        &[2],
+        f32s(&[0x3f80_3000, 0x477f_f000]),
+    )]);
     let c = spec(vec![t_raw("x", DType::F16, &[2], h16s(&[0x3c00, 0x7bff]))]);
     let rep = diff(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
-    assert_eq!((row.candidate_dtype, row.ulp_dtype, row.max_ulp, row.infinity), (DType::F16, Some(DType::F16), Some(2), 0));
+    assert_eq!(
+        (
+            row.candidate_dtype,
+            row.ulp_dtype,
+            row.max_ulp,
+            row.infinity
+        ),
+        (DType::F16, Some(DType::F16), Some(2), 0)
+    );
     let d = rep.first_divergence.as_ref().unwrap();
     assert_eq!((d.ulp, d.median_ulp, d.max_abs.0), (Some(2), Some(1), 16.0));
 }
@@ -183,13 +313,34 @@ fn f16_against_f32_rounds_to_f16_and_overflows_to_infinity() {
 fn f64_against_f32_rounds_once_to_f32() {
     // 1 + 2^-24 + 2^-52 (0x3ff0000010000001) is just above the tie between f32 1 and its
     // successor: it rounds up to 0x3f800001, 1 step from 1 and 0 from 0x3f800001 itself.
-    let r = spec(vec![t_raw("x", DType::F64, &[2], f64s(&[0x3ff0_0000_1000_0001, 0x3ff0_0000_1000_0001]))]);
-    let c = spec(vec![t_raw("x", DType::F32, &[2], f32s(&[0x3f80_0000, 0x3f80_0001]))]);
+    let r = spec(vec![t_raw(
+        "x",
+        DType::F64,
+        &[2],
+        f64s(&[0x3ff0_0000_1000_0001, 0x3ff0_0000_1000_0001]),
+    )]);
+    let c = spec(vec![t_raw(
+        "x",
+        DType::F32,
+        &[2],
+        f32s(&[0x3f80_0000, 0x3f80_0001]),
+    )]);
     let rep = diff(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
-    assert_eq!((row.dtype, row.ulp_dtype, row.max_ulp, row.differing_elements), ("f64", Some(DType::F32), Some(1), Some(2)));
+    assert_eq!(
+        (
+            row.dtype,
+            row.ulp_dtype,
+            row.max_ulp,
+            row.differing_elements
+        ),
+        ("f64", Some(DType::F32), Some(1), Some(2))
+    );
     let d = rep.first_divergence.as_ref().unwrap();
-    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str(), d.ulp), ("0x3ff0000010000001", "0x3f800000", Some(1)));
+    assert_eq!(
+        (d.reference_bits.as_str(), d.candidate_bits.as_str(), d.ulp),
+        ("0x3ff0000010000001", "0x3f800000", Some(1))
+    );
 }
 
 #[test]
@@ -201,7 +352,16 @@ fn bf16_against_f16_compares_in_bf16() {
     let c = spec(vec![t_raw("x", DType::F16, &[2], h16s(&[0x3c0c, 0x7bff]))]);
     let rep = diff(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
-    assert_eq!((row.candidate_dtype, row.ulp_dtype, row.max_ulp, row.differing_elements, row.infinity), (DType::F16, Some(DType::BF16), Some(0), Some(2), 0));
+    assert_eq!(
+        (
+            row.candidate_dtype,
+            row.ulp_dtype,
+            row.max_ulp,
+            row.differing_elements,
+            row.infinity
+        ),
+        (DType::F16, Some(DType::BF16), Some(0), Some(2), 0)
+    );
     assert_eq!(rep.first_divergence.as_ref().unwrap().max_abs.0, 32.0);
 }
 
@@ -214,33 +374,88 @@ fn nan_infinity_and_signed_zero_across_dtypes() {
     //   1.0 vs NaN                        NaN mismatch
     //   NaN 0xffc00000 vs NaN 0x7fc0      NaN payload (sign) difference
     //   f32 MAX vs +inf                   infinity (MAX rounds to bf16 +inf: 0 ULP)
-    let r = spec(vec![t_raw("x", DType::F32, &[6], f32s(&[0, 0x7fc0_0000, 0x7f80_0000, 0x3f80_0000, 0xffc0_0000, 0x7f7f_ffff]))]);
-    let c = spec(vec![t_raw("x", DType::BF16, &[6], h16s(&[0x8000, 0x7fc0, 0x7f80, 0x7fc0, 0x7fc0, 0x7f80]))]);
+    let r = spec(vec![t_raw(
+        "x",
+        DType::F32,
+        &[6],
+        f32s(&[
+            0,
+            0x7fc0_0000,
+            0x7f80_0000,
+            0x3f80_0000,
+            0xffc0_0000,
+            0x7f7f_ffff,
+        ]),
+    )]);
+    let c = spec(vec![t_raw(
+        "x",
+        DType::BF16,
+        &[6],
+        h16s(&[0x8000, 0x7fc0, 0x7f80, 0x7fc0, 0x7fc0, 0x7f80]),
+    )]);
     let rep = diff(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
-    assert_eq!((row.differing_elements, row.signed_zero, row.nan_mismatch, row.nan_payload, row.infinity), (Some(4), 1, 1, 1, 1));
+    assert_eq!(
+        (
+            row.differing_elements,
+            row.signed_zero,
+            row.nan_mismatch,
+            row.nan_payload,
+            row.infinity
+        ),
+        (Some(4), 1, 1, 1, 1)
+    );
     assert_eq!(row.max_ulp, Some(0));
     let d = rep.first_divergence.as_ref().unwrap();
-    assert_eq!((d.flat_index, d.special, d.ulp), (0, Some(Special::SignedZero), Some(0)));
-    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("0", "-0"));
+    assert_eq!(
+        (d.flat_index, d.special, d.ulp),
+        (0, Some(Special::SignedZero), Some(0))
+    );
+    assert_eq!(
+        (d.reference_value.as_str(), d.candidate_value.as_str()),
+        ("0", "-0")
+    );
     let kinds: Vec<&str> = rep.findings.iter().map(|f| f.kind).collect();
     for k in ["signed_zero", "nan_mismatch", "nan_payload", "infinity"] {
         assert!(kinds.contains(&k), "{k} in {kinds:?}");
     }
     // A NaN or infinity difference fails every rule, across dtypes too.
-    let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_abs": 1e300})));
+    let rep = diff(
+        &r,
+        &c,
+        &with_policy(json!({"pattern": "**", "max_abs": 1e300})),
+    );
     assert_eq!(rep.per_tensor[0].status, "outside_policy");
 }
 
 #[test]
 fn integer_and_float_or_two_integer_widths_stay_dtype_mismatches() {
-    let r = spec(vec![t_raw("ids", DType::I32, &[2], f32s(&[1, 2])), t_raw("pos", DType::I32, &[2], f32s(&[1, 2]))]);
-    let c = spec(vec![t_raw("ids", DType::F32, &[2], f32s(&[0x3f80_0000, 0x4000_0000])), t_raw("pos", DType::I64, &[2], f64s(&[1, 2]))]);
+    let r = spec(vec![
+        t_raw("ids", DType::I32, &[2], f32s(&[1, 2])),
+        t_raw("pos", DType::I32, &[2], f32s(&[1, 2])),
+    ]);
+    let c = spec(vec![
+        t_raw("ids", DType::F32, &[2], f32s(&[0x3f80_0000, 0x4000_0000])),
+        t_raw("pos", DType::I64, &[2], f64s(&[1, 2])),
+    ]);
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
-    let found: Vec<(&str, Option<&str>)> = rep.findings.iter().map(|f| (f.kind, f.tensor.as_deref())).collect();
-    assert_eq!(found, vec![("dtype_mismatch", Some("ids")), ("dtype_mismatch", Some("pos"))]);
-    assert!(rep.per_tensor.is_empty(), "no value comparison for a structure finding");
+    let found: Vec<(&str, Option<&str>)> = rep
+        .findings
+        .iter()
+        .map(|f| (f.kind, f.tensor.as_deref()))
+        .collect();
+    assert_eq!(
+        found,
+        vec![
+            ("dtype_mismatch", Some("ids")),
+            ("dtype_mismatch", Some("pos"))
+        ]
+    );
+    assert!(
+        rep.per_tensor.is_empty(),
+        "no value comparison for a structure finding"
+    );
 }
 
 #[test]
@@ -248,16 +463,30 @@ fn equal_values_in_two_dtypes_are_never_identical() {
     // Every f32 value is exact in bf16 and the candidate holds it: no element differs, yet
     // the pair is not IDENTICAL by bits, and a policy judges it (within any bound).
     let exact: [u16; 3] = [0x3f80, 0xc040, 0x0000];
-    let r = spec(vec![t_raw("x", DType::F32, &[3], f32s(&exact.map(|h| (h as u32) << 16)))]);
+    let r = spec(vec![t_raw(
+        "x",
+        DType::F32,
+        &[3],
+        f32s(&exact.map(|h| (h as u32) << 16)),
+    )]);
     let c = spec(vec![t_raw("x", DType::BF16, &[3], h16s(&exact))]);
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     assert!(rep.first_divergence.is_none());
-    assert_eq!((rep.per_tensor[0].status, rep.per_tensor[0].differing_elements), ("different", Some(0)));
+    assert_eq!(
+        (
+            rep.per_tensor[0].status,
+            rep.per_tensor[0].differing_elements
+        ),
+        ("different", Some(0))
+    );
     let human = tracegate_diff::render_human(&rep);
     assert!(human.starts_with("DIFFERENT — values equal in all 1 common tensors, 1 of them in two dtypes (never bit-identical)"), "{human}");
     let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 0})));
-    assert_eq!((rep.verdict, rep.per_tensor[0].status), (Verdict::WithinPolicy, "within_policy"));
+    assert_eq!(
+        (rep.verdict, rep.per_tensor[0].status),
+        (Verdict::WithinPolicy, "within_policy")
+    );
 }
 
 #[test]
@@ -266,17 +495,34 @@ fn a_flip_measures_its_mixed_source_row() {
     // (0x4010), so row 1's argmax flips from 1 to 2 and its divergence is 0.75; row 0 equal.
     let row0: [u16; 4] = [0x3f80, 0x4000, 0x3f00, 0x3e80];
     let row1: [u16; 4] = [0x3f80, 0x4000, 0x3fc0, 0x3f00];
-    let ref_bits: Vec<u32> = row0.iter().chain(&row1).map(|&h| (h as u32) << 16).collect();
+    let ref_bits: Vec<u32> = row0
+        .iter()
+        .chain(&row1)
+        .map(|&h| (h as u32) << 16)
+        .collect();
     let mut cand: Vec<u16> = row0.iter().chain(&row1).copied().collect();
     cand[6] = 0x4010;
     let mut r = spec(vec![t_raw("logits", DType::F32, &[2, 4], f32s(&ref_bits))]);
     let mut c = spec(vec![t_raw("logits", DType::BF16, &[2, 4], h16s(&cand))]);
-    r.decisions.push(D { name: "logits.argmax".into(), shape: vec![2], values: vec![1, 1], margins: Some(vec![1.0, 0.5]) });
-    c.decisions.push(D { name: "logits.argmax".into(), shape: vec![2], values: vec![1, 2], margins: Some(vec![1.0, 0.25]) });
+    r.decisions.push(D {
+        name: "logits.argmax".into(),
+        shape: vec![2],
+        values: vec![1, 1],
+        margins: Some(vec![1.0, 0.5]),
+    });
+    c.decisions.push(D {
+        name: "logits.argmax".into(),
+        shape: vec![2],
+        values: vec![1, 2],
+        margins: Some(vec![1.0, 0.25]),
+    });
     let rep = diff(&r, &c, &Options::default());
     let d = &rep.decisions.results[0];
     assert_eq!((d.source.as_deref(), d.differing_rows), (Some("logits"), 1));
-    assert_eq!((d.flips[0].row, d.flips[0].source_divergence.map(|x| x.0)), (1, Some(0.75)));
+    assert_eq!(
+        (d.flips[0].row, d.flips[0].source_divergence.map(|x| x.0)),
+        (1, Some(0.75))
+    );
 }
 
 // --- the binary ------------------------------------------------------------------------
@@ -298,15 +544,36 @@ fn the_cli_names_both_dtypes_and_the_ulp_unit() {
     }
     assert_eq!(v["verdict"], "different");
     let fd = &v["first_bit_difference"];
-    assert_eq!((&fd["dtype"], &fd["candidate_dtype"], &fd["ulp_dtype"]), (&json!("f32"), &json!("bf16"), &json!("bf16")));
-    assert_eq!((&fd["reference_bits"], &fd["candidate_bits"]), (&json!("0x3f801234"), &json!("0x3f80")));
+    assert_eq!(
+        (&fd["dtype"], &fd["candidate_dtype"], &fd["ulp_dtype"]),
+        (&json!("f32"), &json!("bf16"), &json!("bf16"))
+    );
+    assert_eq!(
+        (&fd["reference_bits"], &fd["candidate_bits"]),
+        (&json!("0x3f801234"), &json!("0x3f80"))
+    );
     let row = &v["per_tensor"][0];
-    assert_eq!((&row["dtype"], &row["candidate_dtype"], &row["ulp_dtype"], &row["max_ulp"]), (&json!("f32"), &json!("bf16"), &json!("bf16"), &json!(0)));
-    assert!(v["findings"].as_array().unwrap().iter().all(|f| f["kind"] != "dtype_mismatch"));
+    assert_eq!(
+        (
+            &row["dtype"],
+            &row["candidate_dtype"],
+            &row["ulp_dtype"],
+            &row["max_ulp"]
+        ),
+        (&json!("f32"), &json!("bf16"), &json!("bf16"), &json!(0))
+    );
+    assert!(v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|f| f["kind"] != "dtype_mismatch"));
 
     let (_, human) = trace_diff(&[p(&rp), p(&cp)]);
     assert!(human.starts_with("DIFFERENT — first at x[0,0]: 1.0005555 (0x3f801234) vs 1 (0x3f80), 0 ULP (bf16) (4/4 elements differ)"), "{human}");
-    assert!(human.contains("  tensor     x  f32 vs bf16 [2, 2]\n"), "{human}");
+    assert!(
+        human.contains("  tensor     x  f32 vs bf16 [2, 2]\n"),
+        "{human}"
+    );
     assert!(human.contains("  distance   0 ULP (bf16)\n"), "{human}");
 
     let policy_file = dir.path().join("policy.json");
@@ -318,5 +585,8 @@ fn the_cli_names_both_dtypes_and_the_ulp_unit() {
     }
     assert_eq!((code, &v["verdict"]), (0, &json!("within_policy")));
     let (_, human) = trace_diff(&["--policy", p(&policy_file), p(&rp), p(&cp)]);
-    assert!(human.contains("0 bf16"), "the curve's max ULP names its unit: {human}");
+    assert!(
+        human.contains("0 bf16"),
+        "the curve's max ULP names its unit: {human}"
+    );
 }

@@ -10,47 +10,98 @@ use tracegate_diff::{compare_files, render_human, Options, Policy, Report, Verdi
 
 fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
     let (_dir, rp, cp) = pair(r, c);
-    compare_files(&rp, &cp, &Options { policy, ..Options::default() })
+    compare_files(
+        &rp,
+        &cp,
+        &Options {
+            policy,
+            ..Options::default()
+        },
+    )
 }
 
 fn oracle_policy() -> Policy {
-    Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap()
+    Policy::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/policy/oracle-default.json"),
+    )
+    .unwrap()
 }
 
 fn label(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>) {
-    let res = rep.decisions.results.iter().find(|d| d.name == decision).unwrap();
-    let f = res.flips.iter().find(|f| f.row == row).unwrap_or_else(|| panic!("{decision} row {row} did not flip"));
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|d| d.name == decision)
+        .unwrap();
+    let f = res
+        .flips
+        .iter()
+        .find(|f| f.row == row)
+        .unwrap_or_else(|| panic!("{decision} row {row} did not flip"));
     (f.label, f.upstream.clone())
 }
 
 fn row<'a>(rep: &'a Report, tensor: &str) -> &'a tracegate_diff::TensorRow {
-    rep.per_tensor.iter().find(|t| t.tensor == tensor).unwrap_or_else(|| panic!("no row {tensor}"))
+    rep.per_tensor
+        .iter()
+        .find(|t| t.tensor == tensor)
+        .unwrap_or_else(|| panic!("no row {tensor}"))
 }
 
 fn findings(rep: &Report, kind: &str) -> Vec<(String, String)> {
-    rep.findings.iter().filter(|f| f.kind == kind).map(|f| (f.tensor.clone().unwrap_or_default(), f.detail.clone())).collect()
+    rep.findings
+        .iter()
+        .filter(|f| f.kind == kind)
+        .map(|f| (f.tensor.clone().unwrap_or_default(), f.detail.clone()))
+        .collect()
 }
 
 /// `layer.LL.expert.EEE.out` holding `positions`, one row of 8 per position; a position's row
 /// is the same on both sides (its values depend on layer, expert and position only).
 fn expert(l: usize, e: usize, positions: &[i64]) -> T {
-    let v: Vec<f32> = positions.iter().flat_map(|&p| values(8, (100 * l + 10 * e) as u32 + p as u32 + 1)).collect();
-    let mut t = t_f32(&format!("layer.{l:02}.expert.{e:03}.out"), &[positions.len() as u64, 8], &v);
+    let v: Vec<f32> = positions
+        .iter()
+        .flat_map(|&p| values(8, (100 * l + 10 * e) as u32 + p as u32 + 1))
+        .collect();
+    let mut t = t_f32(
+        &format!("layer.{l:02}.expert.{e:03}.out"),
+        &[positions.len() as u64, 8],
+        &v,
+    );
     t.attrs = prefill().with_positions(positions.to_vec());
     t
 }
 
 /// The experts' tokens under a router decision (`[4 tokens, top-2]`, 4 experts).
 fn routed(topk: &[i64]) -> Vec<Vec<i64>> {
-    (0..4).map(|e| (0..4).filter(|&t| topk[2 * t as usize..2 * t as usize + 2].contains(&e)).collect()).collect()
+    (0..4)
+        .map(|e| {
+            (0..4)
+                .filter(|&t| topk[2 * t as usize..2 * t as usize + 2].contains(&e))
+                .collect()
+        })
+        .collect()
 }
 
 /// Puts each layer's expert outputs after its router logits (as the engine captures them),
 /// routed by the spec's own router decisions.
 fn with_experts(mut s: Spec) -> Spec {
     for l in 0..2 {
-        let topk = s.decisions.iter().find(|d| d.name == format!("layer.{l:02}.router.topk")).unwrap().values.clone();
-        let at = s.tensors.iter().position(|t| t.name == format!("layer.{l:02}.router.logits")).unwrap() + 1;
+        let topk = s
+            .decisions
+            .iter()
+            .find(|d| d.name == format!("layer.{l:02}.router.topk"))
+            .unwrap()
+            .values
+            .clone();
+        let at = s
+            .tensors
+            .iter()
+            .position(|t| t.name == format!("layer.{l:02}.router.logits"))
+            .unwrap()
+            + 1;
         for (e, positions) in routed(&topk).iter().enumerate().rev() {
             s.tensors.insert(at, expert(l, e, positions));
         }
@@ -65,10 +116,24 @@ fn reroute_pair(moved: f32) -> (Spec, Spec) {
     let r = model();
     let mut c = r.clone();
     c.provenance = oracle_provenance();
-    let v = f32::from_le_bytes(c.tensor_mut("layer.00.router.logits").bytes[48..52].try_into().unwrap());
+    let v = f32::from_le_bytes(
+        c.tensor_mut("layer.00.router.logits").bytes[48..52]
+            .try_into()
+            .unwrap(),
+    );
     c.set_f32("layer.00.router.logits", 12, v + moved);
     c.decision_mut("layer.00.router.topk").values[7] = 0;
-    for name in ["layer.00.mlp_out", "layer.00.hidden_out", "layer.01.hidden_in", "layer.01.attn_out", "layer.01.router.logits", "layer.01.mlp_out", "layer.01.hidden_out", "final_norm.out", "logits"] {
+    for name in [
+        "layer.00.mlp_out",
+        "layer.00.hidden_out",
+        "layer.01.hidden_in",
+        "layer.01.attn_out",
+        "layer.01.router.logits",
+        "layer.01.mlp_out",
+        "layer.01.hidden_out",
+        "final_norm.out",
+        "logits",
+    ] {
         let width = c.tensor_mut(name).shape[1] as usize;
         for i in 3 * width..4 * width {
             c.poke_f32_bits(name, i, |b| (f32::from_bits(b) + 1.0).to_bits());
@@ -79,18 +144,57 @@ fn reroute_pair(moved: f32) -> (Spec, Spec) {
     (with_experts(r), with_experts(c))
 }
 
-const REROUTED: [&str; 6] =
-    ["layer.00.expert.000.out", "layer.00.expert.001.out", "layer.01.expert.000.out", "layer.01.expert.001.out", "layer.01.expert.002.out", "layer.01.expert.003.out"];
+const REROUTED: [&str; 6] = [
+    "layer.00.expert.000.out",
+    "layer.00.expert.001.out",
+    "layer.01.expert.000.out",
+    "layer.01.expert.001.out",
+    "layer.01.expert.002.out",
+    "layer.01.expert.003.out",
+];
 
 #[test]
 fn the_plant_reroutes_as_described() {
     // Guards the fixture, not the differ: the lists the tests below rely on.
     let (r, c) = reroute_pair(2e-6);
-    let pos = |s: &Spec, n: &str| s.tensors.iter().find(|t| t.name == n).unwrap().attrs.positions.clone().unwrap();
-    assert_eq!((pos(&r, "layer.00.expert.000.out"), pos(&c, "layer.00.expert.000.out")), (vec![0, 2], vec![0, 2, 3]));
-    assert_eq!((pos(&r, "layer.00.expert.001.out"), pos(&c, "layer.00.expert.001.out")), (vec![1, 3], vec![1]));
-    assert_eq!((pos(&r, "layer.00.expert.002.out"), pos(&c, "layer.00.expert.002.out")), (vec![1, 3], vec![1, 3]));
-    assert_eq!((pos(&r, "layer.01.expert.003.out"), pos(&c, "layer.01.expert.003.out")), (vec![1, 3], vec![1]));
+    let pos = |s: &Spec, n: &str| {
+        s.tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .attrs
+            .positions
+            .clone()
+            .unwrap()
+    };
+    assert_eq!(
+        (
+            pos(&r, "layer.00.expert.000.out"),
+            pos(&c, "layer.00.expert.000.out")
+        ),
+        (vec![0, 2], vec![0, 2, 3])
+    );
+    assert_eq!(
+        (
+            pos(&r, "layer.00.expert.001.out"),
+            pos(&c, "layer.00.expert.001.out")
+        ),
+        (vec![1, 3], vec![1])
+    );
+    assert_eq!(
+        (
+            pos(&r, "layer.00.expert.002.out"),
+            pos(&c, "layer.00.expert.002.out")
+        ),
+        (vec![1, 3], vec![1, 3])
+    );
+    assert_eq!(
+        (
+            pos(&r, "layer.01.expert.003.out"),
+            pos(&c, "layer.01.expert.003.out")
+        ),
+        (vec![1, 3], vec![1])
+    );
 }
 
 #[test]
@@ -103,13 +207,24 @@ fn a_near_tie_reroute_is_within_policy_and_counted() {
     assert_eq!(label(&rep, "layer.01.router.topk", 3).0, "after-near-tie");
     let n = rep.decisions.near_ties.as_ref().unwrap();
     for t in REROUTED {
-        assert!(n.tensors.iter().any(|x| x.tensor == t && x.rows == 1), "{t}: {:?}", n.tensors);
+        assert!(
+            n.tensors.iter().any(|x| x.tensor == t && x.rows == 1),
+            "{t}: {:?}",
+            n.tensors
+        );
         // The rows both sides hold are equal here: judged, and nothing differs.
-        assert_eq!((row(&rep, t).status, row(&rep, t).differing_elements), ("identical", Some(0)), "{t}");
+        assert_eq!(
+            (row(&rep, t).status, row(&rep, t).differing_elements),
+            ("identical", Some(0)),
+            "{t}"
+        );
     }
     // 9 non-expert tensors with token 3's row + 6 rerouted experts + 2 decision rows.
     let first = render_human(&rep).lines().next().unwrap().to_string();
-    assert!(first.starts_with("WITHIN POLICY") && first.contains("17 rows after a near-tie not judged"), "{first}");
+    assert!(
+        first.starts_with("WITHIN POLICY") && first.contains("17 rows after a near-tie not judged"),
+        "{first}"
+    );
     assert_valid_report(&report_json(&rep));
 }
 
@@ -119,13 +234,27 @@ fn a_common_rows_difference_in_a_rerouted_expert_is_still_judged() {
     // after the near-tie, so the expert is outside the policy.
     let (r, mut c) = reroute_pair(2e-6);
     for i in 0..8 {
-        c.poke_f32_bits("layer.00.expert.000.out", i, |b| (f32::from_bits(b) + 1.0).to_bits());
+        c.poke_f32_bits("layer.00.expert.000.out", i, |b| {
+            (f32::from_bits(b) + 1.0).to_bits()
+        });
     }
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
-    assert_eq!(row(&rep, "layer.00.expert.000.out").status, "outside_policy");
-    assert_eq!(row(&rep, "layer.00.expert.000.out").differing_elements, Some(8));
-    assert_eq!(findings(&rep, "outside_policy").iter().map(|f| f.0.as_str()).collect::<Vec<_>>(), ["layer.00.expert.000.out"]);
+    assert_eq!(
+        row(&rep, "layer.00.expert.000.out").status,
+        "outside_policy"
+    );
+    assert_eq!(
+        row(&rep, "layer.00.expert.000.out").differing_elements,
+        Some(8)
+    );
+    assert_eq!(
+        findings(&rep, "outside_policy")
+            .iter()
+            .map(|f| f.0.as_str())
+            .collect::<Vec<_>>(),
+        ["layer.00.expert.000.out"]
+    );
     assert!(findings(&rep, "rerouted").is_empty());
 }
 
@@ -142,12 +271,26 @@ fn the_same_reroute_after_a_defect_fails() {
     let f = findings(&rep, "rerouted");
     assert_eq!(f.len(), 6, "{f:?}");
     assert_eq!(f[0].0, "layer.00.expert.000.out");
-    assert!(f[0].1.contains("layer.00.router.topk") && f[0].1.contains("[] only in the reference, [3] only in the candidate"), "{}", f[0].1);
+    assert!(
+        f[0].1.contains("layer.00.router.topk")
+            && f[0]
+                .1
+                .contains("[] only in the reference, [3] only in the candidate"),
+        "{}",
+        f[0].1
+    );
     // The first rerouted expert is upstream of layer 1's router: its flip is a consequence.
-    assert_eq!(label(&rep, "layer.01.router.topk", 3), ("consequence", Some("layer.00.expert.000.out".into())));
+    assert_eq!(
+        label(&rep, "layer.01.router.topk", 3),
+        ("consequence", Some("layer.00.expert.000.out".into()))
+    );
     assert!(rep.decisions.near_ties.as_ref().unwrap().tensors.is_empty());
     let first = render_human(&rep).lines().next().unwrap().to_string();
-    assert!(first.starts_with("DIFFERENT") && first.contains("6 expert tensors rerouted (first: layer.00.expert.000.out)"), "{first}");
+    assert!(
+        first.starts_with("DIFFERENT")
+            && first.contains("6 expert tensors rerouted (first: layer.00.expert.000.out)"),
+        "{first}"
+    );
     assert_valid_report(&report_json(&rep));
 }
 
@@ -155,20 +298,35 @@ fn the_same_reroute_after_a_defect_fails() {
 fn an_extra_token_no_near_tie_excuses_fails() {
     // Token 0 also in the candidate's layer-0 expert 2: not after any near-tie.
     let (r, mut c) = reroute_pair(2e-6);
-    let at = c.tensors.iter().position(|t| t.name == "layer.00.expert.002.out").unwrap();
+    let at = c
+        .tensors
+        .iter()
+        .position(|t| t.name == "layer.00.expert.002.out")
+        .unwrap();
     c.tensors[at] = expert(0, 2, &[0, 1, 3]);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(row(&rep, "layer.00.expert.002.out").status, "rerouted");
     let f = findings(&rep, "rerouted");
-    assert_eq!(f.iter().map(|x| x.0.as_str()).collect::<Vec<_>>(), ["layer.00.expert.002.out"]);
-    assert!(f[0].1.contains("[] only in the reference, [0] only in the candidate, not after a near-tie"), "{}", f[0].1);
+    assert_eq!(
+        f.iter().map(|x| x.0.as_str()).collect::<Vec<_>>(),
+        ["layer.00.expert.002.out"]
+    );
+    assert!(
+        f[0].1
+            .contains("[] only in the reference, [0] only in the candidate, not after a near-tie"),
+        "{}",
+        f[0].1
+    );
     // The near-tie's own reroutes are still excused.
     assert_eq!(row(&rep, "layer.00.expert.000.out").status, "identical");
     // The only failure: the headline must not read "all tensors within the policy".
     assert!(rep.first_violation().is_none());
     let first = render_human(&rep).lines().next().unwrap().to_string();
-    assert!(first.starts_with("DIFFERENT — 1 expert tensor rerouted (first: layer.00.expert.002.out)"), "{first}");
+    assert!(
+        first.starts_with("DIFFERENT — 1 expert tensor rerouted (first: layer.00.expert.002.out)"),
+        "{first}"
+    );
     assert!(!first.contains("within the policy"), "{first}");
 }
 
@@ -177,21 +335,45 @@ fn by_bits_a_rerouted_expert_is_a_difference_not_incomparable() {
     let (r, c) = reroute_pair(2e-6);
     let rep = diff(&r, &c, None);
     assert_eq!(rep.verdict, Verdict::Different);
-    assert!(findings(&rep, "positions_mismatch").is_empty() && findings(&rep, "shape_mismatch").is_empty(), "{:#?}", rep.findings);
-    assert_eq!(findings(&rep, "rerouted").iter().map(|x| x.0.as_str()).collect::<Vec<_>>(), REROUTED);
+    assert!(
+        findings(&rep, "positions_mismatch").is_empty()
+            && findings(&rep, "shape_mismatch").is_empty(),
+        "{:#?}",
+        rep.findings
+    );
+    assert_eq!(
+        findings(&rep, "rerouted")
+            .iter()
+            .map(|x| x.0.as_str())
+            .collect::<Vec<_>>(),
+        REROUTED
+    );
     assert_eq!(row(&rep, "layer.00.expert.002.out").status, "identical");
     let first = render_human(&rep).lines().next().unwrap().to_string();
-    assert!(first.starts_with("DIFFERENT — first at layer.00.router.logits") && first.contains("; 6 expert tensors rerouted (first: layer.00.expert.000.out)"), "{first}");
+    assert!(
+        first.starts_with("DIFFERENT — first at layer.00.router.logits")
+            && first.contains("; 6 expert tensors rerouted (first: layer.00.expert.000.out)"),
+        "{first}"
+    );
 }
 
 #[test]
 fn a_positions_mismatch_elsewhere_is_still_refused() {
     // A non-expert tensor, and an expert whose rows do not match its positions list.
-    for (tensor, positions) in [("layer.00.mlp_out", vec![0, 1, 2, 4]), ("layer.00.expert.002.out", vec![1, 2, 3])] {
+    for (tensor, positions) in [
+        ("layer.00.mlp_out", vec![0, 1, 2, 4]),
+        ("layer.00.expert.002.out", vec![1, 2, 3]),
+    ] {
         let (r, mut c) = reroute_pair(2e-6);
         c.tensor_mut(tensor).attrs.positions = Some(positions);
         let rep = diff(&r, &c, Some(oracle_policy()));
         assert_eq!(rep.verdict, Verdict::Incomparable, "{tensor}");
-        assert_eq!(findings(&rep, "positions_mismatch").iter().map(|x| x.0.as_str()).collect::<Vec<_>>(), [tensor]);
+        assert_eq!(
+            findings(&rep, "positions_mismatch")
+                .iter()
+                .map(|x| x.0.as_str())
+                .collect::<Vec<_>>(),
+            [tensor]
+        );
     }
 }

@@ -33,7 +33,10 @@ fn identical_traces_match_by_digest() {
 #[test]
 fn no_verify_trusts_no_digest() {
     let m = model();
-    let opts = Options { verify: false, ..Options::default() };
+    let opts = Options {
+        verify: false,
+        ..Options::default()
+    };
     let rep = diff(&m, &m, &opts);
     assert_eq!(rep.verdict, Verdict::Identical);
     assert!(rep.tensors.matched_by_digest.is_empty());
@@ -56,11 +59,18 @@ fn one_ulp_change_is_located_to_the_element() {
     assert_eq!((d.max_ulp, d.median_ulp), (Some(1), Some(1)));
     let rv: f32 = d.reference_value.parse().unwrap();
     let cv: f32 = d.candidate_value.parse().unwrap();
-    assert_eq!(cv.to_bits(), rv.to_bits() + 1, "printed values must round-trip exactly");
+    assert_eq!(
+        cv.to_bits(),
+        rv.to_bits() + 1,
+        "printed values must round-trip exactly"
+    );
     assert_eq!(d.reference_bits, format!("0x{:08x}", rv.to_bits()));
     assert!(d.special.is_none());
     // Everything before it was matched by digest, it alone element by element.
-    assert_eq!(rep.names(RowSet::CompareElementwise).collect::<Vec<_>>(), vec!["layer.01.attn_out"]);
+    assert_eq!(
+        rep.names(RowSet::CompareElementwise).collect::<Vec<_>>(),
+        vec!["layer.01.attn_out"]
+    );
     assert_eq!(rep.tensors.matched_by_digest.len(), 12);
 }
 
@@ -73,22 +83,72 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
         c.poke_f32_bits("layer.01.mlp_out", i, |b| b + 5);
     }
     let rep = diff(&r, &c, &Options::default());
-    assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
-    let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
-    assert_eq!((later.method.as_str(), later.status, later.differing_elements), ("not_scanned", "differs_by_digest", None));
-    assert!(rep.names(RowSet::KnownDifferent).any(|n| n == "layer.01.mlp_out"));
+    assert_eq!(
+        rep.first_divergence.as_ref().unwrap().tensor,
+        "layer.00.mlp_out"
+    );
+    let later = rep
+        .per_tensor
+        .iter()
+        .find(|t| t.tensor == "layer.01.mlp_out")
+        .unwrap();
+    assert_eq!(
+        (
+            later.method.as_str(),
+            later.status,
+            later.differing_elements
+        ),
+        ("not_scanned", "differs_by_digest", None)
+    );
+    assert!(rep
+        .names(RowSet::KnownDifferent)
+        .any(|n| n == "layer.01.mlp_out"));
     // Not reported: no finding names it, and the human report only counts what was not scanned.
-    assert_eq!(rep.findings.iter().map(|f| (f.kind, f.tensor.as_deref())).collect::<Vec<_>>(), vec![("values_differ", Some("layer.00.mlp_out"))]);
+    assert_eq!(
+        rep.findings
+            .iter()
+            .map(|f| (f.kind, f.tensor.as_deref()))
+            .collect::<Vec<_>>(),
+        vec![("values_differ", Some("layer.00.mlp_out"))]
+    );
     let human = tracegate_diff::render_human(&rep);
     assert!(!human.contains("layer.01.mlp_out"), "{human}");
-    assert!(human.contains("not scanned after the first difference: "), "{human}");
+    assert!(
+        human.contains("not scanned after the first difference: "),
+        "{human}"
+    );
 
-    let rep = diff(&r, &c, &Options { all: true, ..Options::default() });
+    let rep = diff(
+        &r,
+        &c,
+        &Options {
+            all: true,
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.scan, "all");
-    assert_eq!(rep.first_divergence.as_ref().unwrap().tensor, "layer.00.mlp_out");
-    let later = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.mlp_out").unwrap();
-    assert_eq!((later.method.as_str(), later.status, later.differing_elements), ("elementwise", "different", Some(32)));
-    assert_eq!((later.max_ulp, later.median_ulp), (Some(5), None), "the median is computed for the first divergence only");
+    assert_eq!(
+        rep.first_divergence.as_ref().unwrap().tensor,
+        "layer.00.mlp_out"
+    );
+    let later = rep
+        .per_tensor
+        .iter()
+        .find(|t| t.tensor == "layer.01.mlp_out")
+        .unwrap();
+    assert_eq!(
+        (
+            later.method.as_str(),
+            later.status,
+            later.differing_elements
+        ),
+        ("elementwise", "different", Some(32))
+    );
+    assert_eq!(
+        (later.max_ulp, later.median_ulp),
+        (Some(5), None),
+        "the median is computed for the first divergence only"
+    );
     assert!(rep.tensors.not_scanned.is_empty());
 }
 
@@ -97,14 +157,23 @@ fn a_transposed_tensor_is_a_shape_finding() {
     let r = model();
     let mut c = model();
     let t = c.tensor_mut("layer.00.attn_out");
-    let v: Vec<f32> = t.bytes.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    let v: Vec<f32> = t
+        .bytes
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
     let transposed: Vec<f32> = (0..32).map(|i| v[(i % 4) * 8 + i / 4]).collect();
     *t = t_f32("layer.00.attn_out", &[8, 4], &transposed);
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(kinds(&rep), vec!["shape_mismatch"]);
-    assert!(rep.findings[0].detail.contains("[4, 8] vs candidate [8, 4]"));
-    assert!(rep.first_divergence.is_none(), "a shape finding is not a byte difference");
+    assert!(rep.findings[0]
+        .detail
+        .contains("[4, 8] vs candidate [8, 4]"));
+    assert!(
+        rep.first_divergence.is_none(),
+        "a shape finding is not a byte difference"
+    );
 }
 
 #[test]
@@ -120,12 +189,20 @@ fn a_flipped_topk_with_identical_floats_is_reported() {
     assert!(rep.first_divergence.is_none());
     let d = rep.first_decision_divergence.as_ref().unwrap();
     assert_eq!((d.name.as_str(), d.row), ("layer.00.router.topk", 2));
-    assert_eq!((d.reference.clone(), d.candidate.clone()), (vec![3, 0], vec![0, 1]));
+    assert_eq!(
+        (d.reference.clone(), d.candidate.clone()),
+        (vec![3, 0], vec![0, 1])
+    );
     assert!(!d.same_values_different_order);
     assert_eq!(d.reference_margin.unwrap().0, 0.75);
     assert_eq!((rep.decisions.compared, rep.decisions.differing), (3, 1));
     // The source tensor is bit-identical, so a flip cannot be a near-tie: the rule differs.
-    let res = rep.decisions.results.iter().find(|x| x.name == "layer.00.router.topk").unwrap();
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.00.router.topk")
+        .unwrap();
     assert_eq!(res.source.as_deref(), Some("layer.00.router.logits"));
     assert_eq!(res.flips[0].label, "defect");
 }
@@ -138,10 +215,21 @@ fn a_reordered_topk_is_same_values_different_order() {
     let rep = diff(&r, &c, &Options::default());
     let d = rep.first_decision_divergence.as_ref().unwrap();
     assert_eq!((d.name.as_str(), d.row), ("layer.01.router.topk", 1));
-    assert_eq!((d.reference.clone(), d.candidate.clone()), (vec![2, 3], vec![3, 2]));
+    assert_eq!(
+        (d.reference.clone(), d.candidate.clone()),
+        (vec![2, 3], vec![3, 2])
+    );
     assert!(d.same_values_different_order);
-    let res = rep.decisions.results.iter().find(|x| x.name == "layer.01.router.topk").unwrap();
-    assert_eq!((res.differing_rows, res.reordered_rows, res.rows), (1, 1, 4));
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "layer.01.router.topk")
+        .unwrap();
+    assert_eq!(
+        (res.differing_rows, res.reordered_rows, res.rows),
+        (1, 1, 4)
+    );
 }
 
 #[test]
@@ -158,11 +246,19 @@ fn without_a_policy_flips_after_a_bit_difference_are_consequences() {
     c.decision_mut("logits.argmax").values[2] = 3;
     c.decision_mut("logits.argmax").values[0] = 6;
     let rep = diff(&r, &c, &Options::default());
-    let res = rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap();
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "logits.argmax")
+        .unwrap();
     assert_eq!(res.source.as_deref(), Some("logits"));
     let by_row = |row: u64| res.flips.iter().find(|f| f.row == row).unwrap();
     for row in [2, 0] {
-        assert_eq!((by_row(row).label, by_row(row).upstream.as_deref()), ("consequence", Some("logits")));
+        assert_eq!(
+            (by_row(row).label, by_row(row).upstream.as_deref()),
+            ("consequence", Some("logits"))
+        );
     }
     assert!(by_row(2).source_divergence.unwrap().0 > 1e-7);
     assert_eq!(by_row(0).reference_margin.unwrap().0, 1.5);
@@ -175,7 +271,12 @@ fn missing_and_extra_tensors_and_decisions() {
     c.tensors.retain(|t| t.name != "layer.01.hidden_in");
     c.tensors.push(t_f32("layer.01.q", &[4, 8], &values(32, 5)));
     c.decisions.retain(|d| d.name != "logits.argmax");
-    c.decisions.push(D { name: "decode.0000.argmax".into(), shape: vec![1], values: vec![3], margins: None });
+    c.decisions.push(D {
+        name: "decode.0000.argmax".into(),
+        shape: vec![1],
+        values: vec![3],
+        margins: None,
+    });
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(rep.tensors.missing, vec!["layer.01.hidden_in".to_string()]);
@@ -183,7 +284,12 @@ fn missing_and_extra_tensors_and_decisions() {
     assert_eq!(rep.decisions.missing, vec!["logits.argmax".to_string()]);
     assert_eq!(rep.decisions.extra, vec!["decode.0000.argmax".to_string()]);
     let k = kinds(&rep);
-    for want in ["missing_tensor", "extra_tensor", "missing_decision", "extra_decision"] {
+    for want in [
+        "missing_tensor",
+        "extra_tensor",
+        "missing_decision",
+        "extra_decision",
+    ] {
         assert!(k.contains(&want), "{want} not in {k:?}");
     }
     assert!(rep.first_divergence.is_none());
@@ -207,9 +313,18 @@ fn signed_zero_is_named_not_counted_as_distance() {
     c.set_f32("layer.00.hidden_out", 7, -0.0);
     let rep = diff(&r, &c, &Options::default());
     let d = rep.first_divergence.as_ref().unwrap();
-    assert_eq!((d.special, d.ulp, d.max_ulp), (Some(Special::SignedZero), Some(0), Some(0)));
-    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("0", "-0"));
-    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str()), ("0x00000000", "0x80000000"));
+    assert_eq!(
+        (d.special, d.ulp, d.max_ulp),
+        (Some(Special::SignedZero), Some(0), Some(0))
+    );
+    assert_eq!(
+        (d.reference_value.as_str(), d.candidate_value.as_str()),
+        ("0", "-0")
+    );
+    assert_eq!(
+        (d.reference_bits.as_str(), d.candidate_bits.as_str()),
+        ("0x00000000", "0x80000000")
+    );
     assert_eq!(d.differing_elements, 1);
     assert!(kinds(&rep).contains(&"signed_zero"));
 }
@@ -224,12 +339,24 @@ fn nan_payload_and_nan_mismatch_are_named() {
     let rep = diff(&r, &c, &Options::default());
     let d = rep.first_divergence.as_ref().unwrap();
     assert_eq!((d.special, d.ulp), (Some(Special::NanPayload), None));
-    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("NaN", "NaN"));
-    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str()), ("0x7fc00000", "0x7fc00001"));
+    assert_eq!(
+        (d.reference_value.as_str(), d.candidate_value.as_str()),
+        ("NaN", "NaN")
+    );
+    assert_eq!(
+        (d.reference_bits.as_str(), d.candidate_bits.as_str()),
+        ("0x7fc00000", "0x7fc00001")
+    );
     assert_eq!(d.differing_elements, 2);
-    assert_eq!(d.max_ulp, None, "NaN pairs have no distance, so no huge number appears");
+    assert_eq!(
+        d.max_ulp, None,
+        "NaN pairs have no distance, so no huge number appears"
+    );
     let k = kinds(&rep);
-    assert!(k.contains(&"nan_payload") && k.contains(&"nan_mismatch"), "{k:?}");
+    assert!(
+        k.contains(&"nan_payload") && k.contains(&"nan_mismatch"),
+        "{k:?}"
+    );
 }
 
 #[test]
@@ -246,7 +373,9 @@ fn infinities_are_handled() {
 
 fn half_pair(dtype: DType, a: u16, b: u16) -> (Spec, Spec) {
     let mut r = model();
-    let bytes: Vec<u8> = (0..8u16).flat_map(|i| (0x3c00u16 + i).to_le_bytes()).collect();
+    let bytes: Vec<u8> = (0..8u16)
+        .flat_map(|i| (0x3c00u16 + i).to_le_bytes())
+        .collect();
     r.tensors.push(t_raw("extra.half", dtype, &[8], bytes));
     let mut c = r.clone();
     r.tensor_mut("extra.half").bytes[6..8].copy_from_slice(&a.to_le_bytes());
@@ -259,9 +388,18 @@ fn bf16_ulps_are_bf16_steps() {
     let one = half::bf16::from_f32(1.0).to_bits();
     let (r, c) = half_pair(DType::BF16, one, one + 3);
     let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
-    assert_eq!((d.tensor.as_str(), d.flat_index, d.ulp), ("extra.half", 3, Some(3)));
-    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("1", "1.02"));
-    assert_eq!((d.reference_bits.as_str(), d.candidate_bits.as_str()), ("0x3f80", "0x3f83"));
+    assert_eq!(
+        (d.tensor.as_str(), d.flat_index, d.ulp),
+        ("extra.half", 3, Some(3))
+    );
+    assert_eq!(
+        (d.reference_value.as_str(), d.candidate_value.as_str()),
+        ("1", "1.02")
+    );
+    assert_eq!(
+        (d.reference_bits.as_str(), d.candidate_bits.as_str()),
+        ("0x3f80", "0x3f83")
+    );
 }
 
 #[test]
@@ -270,13 +408,19 @@ fn f16_ulps_are_f16_steps_and_cross_zero() {
     let (r, c) = half_pair(DType::F16, 0x0001, 0x8001);
     let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
     assert_eq!(d.ulp, Some(2));
-    assert_eq!((d.reference_value.as_str(), d.candidate_value.as_str()), ("6e-8", "-6e-8"));
+    assert_eq!(
+        (d.reference_value.as_str(), d.candidate_value.as_str()),
+        ("6e-8", "-6e-8")
+    );
 }
 
 #[test]
 fn f64_ulps_are_f64_steps() {
     let mut r = model();
-    let vals: Vec<u8> = [1.0f64, 2.0, 3.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let vals: Vec<u8> = [1.0f64, 2.0, 3.0]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
     r.tensors.push(t_raw("extra.f64", DType::F64, &[3], vals));
     let mut c = r.clone();
     let bits = 2.0f64.to_bits() - 1000;
@@ -295,12 +439,23 @@ fn integer_tensors_report_absolute_difference() {
     let mut c = r.clone();
     c.tensor_mut("extra.ids").bytes[4..8].copy_from_slice(&12i32.to_le_bytes());
     let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
-    assert_eq!((d.ulp, d.reference_value.as_str(), d.candidate_value.as_str()), (Some(19), "-7", "12"));
+    assert_eq!(
+        (
+            d.ulp,
+            d.reference_value.as_str(),
+            d.candidate_value.as_str()
+        ),
+        (Some(19), "-7", "12")
+    );
 }
 
 #[test]
 fn path_mask_and_positions_mismatches_are_refused() {
-    for (field, kind) in [("path", "path_mismatch"), ("mask", "mask_mismatch"), ("positions", "positions_mismatch")] {
+    for (field, kind) in [
+        ("path", "path_mismatch"),
+        ("mask", "mask_mismatch"),
+        ("positions", "positions_mismatch"),
+    ] {
         let r = model();
         let mut c = model();
         let a = &mut c.tensor_mut("layer.00.attn_out").attrs;
@@ -351,15 +506,34 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Incomparable);
     assert_eq!(kinds(&rep), vec!["stack_mismatch", "stack_mismatch"]);
-    assert!(rep.findings[0].detail.contains("versions.transformers is 4.47.0 in the reference, 4.48.0"));
+    assert!(rep.findings[0]
+        .detail
+        .contains("versions.transformers is 4.47.0 in the reference, 4.48.0"));
 
-    let rep = diff(&r, &c, &Options { allow_stack_mismatch: true, ..Options::default() });
+    let rep = diff(
+        &r,
+        &c,
+        &Options {
+            allow_stack_mismatch: true,
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.verdict, Verdict::Identical);
-    assert_eq!(kinds(&rep), vec!["stack_mismatch_allowed", "stack_mismatch_allowed"]);
+    assert_eq!(
+        kinds(&rep),
+        vec!["stack_mismatch_allowed", "stack_mismatch_allowed"]
+    );
 
     // The flag downgrades only the stack rule.
     c.provenance["weights_digest"] = json!("w-other");
-    let rep = diff(&r, &c, &Options { allow_stack_mismatch: true, ..Options::default() });
+    let rep = diff(
+        &r,
+        &c,
+        &Options {
+            allow_stack_mismatch: true,
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.verdict, Verdict::Incomparable);
 }
 
@@ -376,32 +550,68 @@ fn engine_against_oracle_is_not_a_stack_mismatch() {
 fn tampered_trace_is_unreadable() {
     let m = model();
     let (_dir, rp, cp) = pair(&m, &m);
-    let off = tracegate_trace::Trace::open(&cp).unwrap().tensor_info("layer.01.mlp_out").unwrap().offset;
+    let off = tracegate_trace::Trace::open(&cp)
+        .unwrap()
+        .tensor_info("layer.01.mlp_out")
+        .unwrap()
+        .offset;
     let mut bytes = std::fs::read(&cp).unwrap();
     bytes[off as usize + 5] ^= 0x10;
     std::fs::write(&cp, bytes).unwrap();
     let rep = compare_files(&rp, &cp, &Options::default());
     assert_eq!(rep.verdict, Verdict::Unreadable);
     assert_eq!(rep.exit_code(), 2);
-    assert!(rep.findings[0].detail.contains("layer.01.mlp_out"), "{}", rep.findings[0].detail);
+    assert!(
+        rep.findings[0].detail.contains("layer.01.mlp_out"),
+        "{}",
+        rep.findings[0].detail
+    );
     // With --no-verify the edit is compared as a value difference instead.
-    let rep = compare_files(&rp, &cp, &Options { verify: false, ..Options::default() });
+    let rep = compare_files(
+        &rp,
+        &cp,
+        &Options {
+            verify: false,
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.first_divergence.unwrap().tensor, "layer.01.mlp_out");
 }
 
 #[test]
 fn policy_pass() {
     let (r, c) = oracle_like_pair();
-    let policy = Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap();
-    let rep = diff(&r, &c, &Options { policy: Some(policy), ..Options::default() });
+    let policy = Policy::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/policy/oracle-default.json"),
+    )
+    .unwrap();
+    let rep = diff(
+        &r,
+        &c,
+        &Options {
+            policy: Some(policy),
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
     assert_eq!(rep.exit_code(), 0);
     // Every tensor compared (not stop-at-first) and judged by a named rule.
     assert_eq!(rep.per_tensor.len(), 13);
     let embed = &rep.per_tensor[0];
-    assert_eq!((embed.status, embed.rule.as_ref().unwrap().pattern.as_str()), ("identical", "embed.out"));
-    let attn = rep.per_tensor.iter().find(|t| t.tensor == "layer.01.attn_out").unwrap();
-    assert_eq!((attn.status, attn.rule.as_ref().unwrap().pattern.as_str()), ("within_policy", "layer.*.attn_out"));
+    assert_eq!(
+        (embed.status, embed.rule.as_ref().unwrap().pattern.as_str()),
+        ("identical", "embed.out")
+    );
+    let attn = rep
+        .per_tensor
+        .iter()
+        .find(|t| t.tensor == "layer.01.attn_out")
+        .unwrap();
+    assert_eq!(
+        (attn.status, attn.rule.as_ref().unwrap().pattern.as_str()),
+        ("within_policy", "layer.*.attn_out")
+    );
 }
 
 #[test]
@@ -410,37 +620,81 @@ fn policy_fail_and_unmatched_tensor() {
     c.set_f32("layer.00.mlp_out", 5, 100.0);
     c.decision_mut("logits.argmax").values[1] = 0;
     let mut with_extra = r.clone();
-    with_extra.tensors.push(t_f32("custom.probe", &[2], &[1.0, 2.0]));
+    with_extra
+        .tensors
+        .push(t_f32("custom.probe", &[2], &[1.0, 2.0]));
     c.tensors.push(t_f32("custom.probe", &[2], &[1.0, 2.0]));
-    let policy = Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap();
-    let rep = diff(&with_extra, &c, &Options { policy: Some(policy), ..Options::default() });
+    let policy = Policy::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/policy/oracle-default.json"),
+    )
+    .unwrap();
+    let rep = diff(
+        &with_extra,
+        &c,
+        &Options {
+            policy: Some(policy),
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.verdict, Verdict::Different);
-    let mlp = rep.per_tensor.iter().find(|t| t.tensor == "layer.00.mlp_out").unwrap();
+    let mlp = rep
+        .per_tensor
+        .iter()
+        .find(|t| t.tensor == "layer.00.mlp_out")
+        .unwrap();
     assert_eq!(mlp.status, "outside_policy");
-    assert!(mlp.violations.iter().any(|v| v.bound == "max_rel_l2"), "{:?}", mlp.violations);
-    let probe = rep.per_tensor.iter().find(|t| t.tensor == "custom.probe").unwrap();
+    assert!(
+        mlp.violations.iter().any(|v| v.bound == "max_rel_l2"),
+        "{:?}",
+        mlp.violations
+    );
+    let probe = rep
+        .per_tensor
+        .iter()
+        .find(|t| t.tensor == "custom.probe")
+        .unwrap();
     assert_eq!((probe.status, probe.rule.is_none()), ("no_rule", true));
     let k = kinds(&rep);
-    assert!(k.contains(&"outside_policy") && k.contains(&"no_policy_rule") && k.contains(&"decision_differs"), "{k:?}");
+    assert!(
+        k.contains(&"outside_policy")
+            && k.contains(&"no_policy_rule")
+            && k.contains(&"decision_differs"),
+        "{k:?}"
+    );
     // Decisions stay exact under a policy.
     assert_eq!(rep.decisions.differing, 1);
 }
 
 #[test]
 fn policy_rejects_a_bad_file() {
-    assert!(Policy::parse(r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a"}]}"#).is_err());
+    assert!(Policy::parse(
+        r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a"}]}"#
+    )
+    .is_err());
     assert!(Policy::parse(r#"{"format":"other","name":"x","rules":[]}"#).is_err());
-    assert!(Policy::parse(r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a","max_ulps":1}]}"#).is_err());
+    assert!(Policy::parse(
+        r#"{"format":"tracegate-policy/1","name":"x","rules":[{"pattern":"a","max_ulps":1}]}"#
+    )
+    .is_err());
 }
 
 // --- content the digest covers beyond tensor bytes: margins and every attribute (issue 12) ---
 
 fn oracle_policy() -> Policy {
-    Policy::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json")).unwrap()
+    Policy::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/policy/oracle-default.json"),
+    )
+    .unwrap()
 }
 
 /// The one finding of `kind`, which must name `name`.
-fn only_finding<'a>(rep: &'a tracegate_diff::Report, kind: &str, name: &str) -> &'a tracegate_diff::Finding {
+fn only_finding<'a>(
+    rep: &'a tracegate_diff::Report,
+    kind: &str,
+    name: &str,
+) -> &'a tracegate_diff::Finding {
     let found: Vec<_> = rep.findings.iter().filter(|f| f.kind == kind).collect();
     assert_eq!(found.len(), 1, "{:?}", rep.findings);
     assert_eq!(found[0].tensor.as_deref(), Some(name), "{:?}", found[0]);
@@ -453,13 +707,43 @@ fn a_changed_margin_is_different_with_and_without_verify() {
     let mut c = model();
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e6;
     for verify in [true, false] {
-        let rep = diff(&r, &c, &Options { verify, ..Options::default() });
-        assert_eq!(rep.verdict, Verdict::Different, "verify {verify}: {:?}", rep.findings);
+        let rep = diff(
+            &r,
+            &c,
+            &Options {
+                verify,
+                ..Options::default()
+            },
+        );
+        assert_eq!(
+            rep.verdict,
+            Verdict::Different,
+            "verify {verify}: {:?}",
+            rep.findings
+        );
         let f = only_finding(&rep, "margin_differs", "logits.argmax");
-        assert!(f.detail.contains("1 of 4 rows") && f.detail.contains("row 3") && f.detail.contains("1e6"), "{}", f.detail);
-        let res = rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap();
-        assert_eq!((res.margins, res.margin_differing_rows, res.status), ("different", 1, "identical"));
-        assert_eq!(kinds(&rep), vec!["margin_differs"], "values are equal, so nothing else is reported");
+        assert!(
+            f.detail.contains("1 of 4 rows")
+                && f.detail.contains("row 3")
+                && f.detail.contains("1e6"),
+            "{}",
+            f.detail
+        );
+        let res = rep
+            .decisions
+            .results
+            .iter()
+            .find(|x| x.name == "logits.argmax")
+            .unwrap();
+        assert_eq!(
+            (res.margins, res.margin_differing_rows, res.status),
+            ("different", 1, "identical")
+        );
+        assert_eq!(
+            kinds(&rep),
+            vec!["margin_differs"],
+            "values are equal, so nothing else is reported"
+        );
     }
 }
 
@@ -472,7 +756,11 @@ fn a_negative_zero_margin_differs_from_a_positive_zero() {
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     let f = only_finding(&rep, "margin_differs", "logits.argmax");
-    assert!(f.detail.contains("0x00000000") && f.detail.contains("0x80000000"), "{}", f.detail);
+    assert!(
+        f.detail.contains("0x00000000") && f.detail.contains("0x80000000"),
+        "{}",
+        f.detail
+    );
 }
 
 #[test]
@@ -483,37 +771,85 @@ fn removed_margins_are_a_finding() {
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     let f = only_finding(&rep, "margin_presence_mismatch", "layer.01.router.topk");
-    assert!(f.detail.contains("in the reference, none in the candidate"), "{}", f.detail);
+    assert!(
+        f.detail.contains("in the reference, none in the candidate"),
+        "{}",
+        f.detail
+    );
     // And the other way round.
     let rep = diff(&c, &r, &Options::default());
-    assert!(only_finding(&rep, "margin_presence_mismatch", "layer.01.router.topk").detail.contains("in the candidate, none in the reference"));
+    assert!(
+        only_finding(&rep, "margin_presence_mismatch", "layer.01.router.topk")
+            .detail
+            .contains("in the candidate, none in the reference")
+    );
 }
 
 #[test]
 fn an_added_empty_or_changed_attribute_is_different() {
     let r = model();
     for (what, edit) in [
-        ("added", Box::new(|a: &mut tracegate_trace::Attributes| { a.extra.insert("rounding".into(), "rne".into()); }) as Box<dyn Fn(&mut tracegate_trace::Attributes)>),
-        ("empty", Box::new(|a: &mut tracegate_trace::Attributes| { a.extra.insert("note".into(), String::new()); })),
-        ("step", Box::new(|a: &mut tracegate_trace::Attributes| a.step = Some(3))),
+        (
+            "added",
+            Box::new(|a: &mut tracegate_trace::Attributes| {
+                a.extra.insert("rounding".into(), "rne".into());
+            }) as Box<dyn Fn(&mut tracegate_trace::Attributes)>,
+        ),
+        (
+            "empty",
+            Box::new(|a: &mut tracegate_trace::Attributes| {
+                a.extra.insert("note".into(), String::new());
+            }),
+        ),
+        (
+            "step",
+            Box::new(|a: &mut tracegate_trace::Attributes| a.step = Some(3)),
+        ),
     ] {
         let mut c = model();
         edit(&mut c.tensor_mut("logits").attrs);
         for verify in [true, false] {
-            let rep = diff(&r, &c, &Options { verify, ..Options::default() });
-            assert_eq!(rep.verdict, Verdict::Different, "{what}: {:?}", rep.findings);
+            let rep = diff(
+                &r,
+                &c,
+                &Options {
+                    verify,
+                    ..Options::default()
+                },
+            );
+            assert_eq!(
+                rep.verdict,
+                Verdict::Different,
+                "{what}: {:?}",
+                rep.findings
+            );
             let f = only_finding(&rep, "attribute_differs", "logits");
-            assert!(f.detail.contains("absent in the reference"), "{what}: {}", f.detail);
+            assert!(
+                f.detail.contains("absent in the reference"),
+                "{what}: {}",
+                f.detail
+            );
         }
     }
     // A changed value names both.
     let mut a = model();
-    a.tensor_mut("logits").attrs.extra.insert("rounding".into(), "rne".into());
+    a.tensor_mut("logits")
+        .attrs
+        .extra
+        .insert("rounding".into(), "rne".into());
     let mut b = model();
-    b.tensor_mut("logits").attrs.extra.insert("rounding".into(), "truncate".into());
+    b.tensor_mut("logits")
+        .attrs
+        .extra
+        .insert("rounding".into(), "truncate".into());
     let rep = diff(&a, &b, &Options::default());
     let f = only_finding(&rep, "attribute_differs", "logits");
-    assert!(f.detail.contains("\"rne\" in the reference, \"truncate\" in the candidate"), "{}", f.detail);
+    assert!(
+        f.detail
+            .contains("\"rne\" in the reference, \"truncate\" in the candidate"),
+        "{}",
+        f.detail
+    );
 }
 
 #[test]
@@ -522,24 +858,70 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
     // logits row 0 moved by 1 ULP at most (~2.4e-7 at |x| < 2); its margin 1.5 may move by
     // 2·d + 1e-5·1.5 — 1e-5 is inside, 1e-3 is not.
     let d = {
-        let rep = diff(&r, &c, &Options { policy: Some(oracle_policy()), ..Options::default() });
+        let rep = diff(
+            &r,
+            &c,
+            &Options {
+                policy: Some(oracle_policy()),
+                ..Options::default()
+            },
+        );
         assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
-        rep.per_tensor.iter().find(|t| t.tensor == "logits").unwrap().max_abs.unwrap().0
+        rep.per_tensor
+            .iter()
+            .find(|t| t.tensor == "logits")
+            .unwrap()
+            .max_abs
+            .unwrap()
+            .0
     };
     assert!(d < 1e-6, "{d}");
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1.5 + 1e-5;
-    let rep = diff(&r, &c, &Options { policy: Some(oracle_policy()), ..Options::default() });
+    let rep = diff(
+        &r,
+        &c,
+        &Options {
+            policy: Some(oracle_policy()),
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
-    let res = rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap();
-    assert_eq!((res.margins, res.margin_differing_rows, res.margin_outside_rows), ("within_tolerance", 1, 0));
+    let res = rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "logits.argmax")
+        .unwrap();
+    assert_eq!(
+        (
+            res.margins,
+            res.margin_differing_rows,
+            res.margin_outside_rows
+        ),
+        ("within_tolerance", 1, 0)
+    );
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1.5 + 1e-3;
-    let rep = diff(&r, &c, &Options { policy: Some(oracle_policy()), ..Options::default() });
+    let rep = diff(
+        &r,
+        &c,
+        &Options {
+            policy: Some(oracle_policy()),
+            ..Options::default()
+        },
+    );
     assert_eq!(rep.verdict, Verdict::Different);
     let f = only_finding(&rep, "margin_differs", "logits.argmax");
-    assert!(f.detail.contains("row 0") && f.detail.contains("outside the tolerance"), "{}", f.detail);
+    assert!(
+        f.detail.contains("row 0") && f.detail.contains("outside the tolerance"),
+        "{}",
+        f.detail
+    );
     // The tolerance is exactly 2·d + 1e-5·max(1, |a|, |b|), d being the row's divergence.
     let m = res_first(&rep);
-    assert!(m.outside && m.tolerance.unwrap().0 <= 2.0 * d + 1e-5 * 1.501 + 1e-12, "{m:?}");
+    assert!(
+        m.outside && m.tolerance.unwrap().0 <= 2.0 * d + 1e-5 * 1.501 + 1e-12,
+        "{m:?}"
+    );
     // Without a policy the same tiny change is different.
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1.5 + 1e-5;
     let exact = diff(&r, &c, &Options::default());
@@ -547,5 +929,12 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
 }
 
 fn res_first(rep: &tracegate_diff::Report) -> tracegate_diff::MarginDifference {
-    rep.decisions.results.iter().find(|x| x.name == "logits.argmax").unwrap().first_margin_difference.clone().unwrap()
+    rep.decisions
+        .results
+        .iter()
+        .find(|x| x.name == "logits.argmax")
+        .unwrap()
+        .first_margin_difference
+        .clone()
+        .unwrap()
 }

@@ -38,7 +38,10 @@ fn main() {
     let v = model.cfg.vocab_size as i64;
     // The same prompt the torch side uses.
     let prompt: Vec<i64> = (0..n as i64).map(|i| (i * 7919 + 13) % v).collect();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool");
     pool.install(|| {
         let mut best = f64::INFINITY;
         for _ in 0..3 {

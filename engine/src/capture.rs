@@ -43,17 +43,40 @@ pub struct Capture {
 
 impl Capture {
     pub fn new(path: &'static str, internals: bool) -> Capture {
-        Capture { on: true, internals, path, tensors: vec![], decisions: vec![], forced: vec![], first_forced: None, step: None, decode_from: None }
+        Capture {
+            on: true,
+            internals,
+            path,
+            tensors: vec![],
+            decisions: vec![],
+            forced: vec![],
+            first_forced: None,
+            step: None,
+            decode_from: None,
+        }
     }
     pub fn off() -> Capture {
-        Capture { on: false, internals: false, path: "", tensors: vec![], decisions: vec![], forced: vec![], first_forced: None, step: None, decode_from: None }
+        Capture {
+            on: false,
+            internals: false,
+            path: "",
+            tensors: vec![],
+            decisions: vec![],
+            forced: vec![],
+            first_forced: None,
+            step: None,
+            decode_from: None,
+        }
     }
     /// Decode step `s`'s forward, cached (one row) or uncached (the whole sequence): records
     /// `decode.SSSS.logits` and, under `internals`, the layers' `hidden_in`, `attn_out`,
     /// `mlp_out`, `hidden_out` and `final_norm.out`, each of the last row only — so a cached and
     /// an uncached step record the same tensors. No internal points, no decisions.
     pub fn step(s: usize, internals: bool) -> Capture {
-        Capture { step: Some(format!("decode.{s:04}.")), ..Capture::new("decode", internals) }
+        Capture {
+            step: Some(format!("decode.{s:04}.")),
+            ..Capture::new("decode", internals)
+        }
     }
     /// True when internal points (q, k, v, attn_probs, router, experts) are recorded.
     pub fn internals(&self) -> bool {
@@ -63,7 +86,10 @@ impl Capture {
     /// Whether a decode step records the point `name` (docs/producers.md).
     fn step_keeps(&self, name: &str) -> bool {
         const BODY: [&str; 4] = [".hidden_in", ".attn_out", ".mlp_out", ".hidden_out"];
-        name == "logits" || (self.internals && (name == "final_norm.out" || (name.starts_with("layer.") && BODY.iter().any(|b| name.ends_with(b)))))
+        name == "logits"
+            || (self.internals
+                && (name == "final_norm.out"
+                    || (name.starts_with("layer.") && BODY.iter().any(|b| name.ends_with(b)))))
     }
 
     /// A default-set capture point.
@@ -97,10 +123,21 @@ impl Capture {
         }
     }
 
-    pub fn decision(&mut self, name: &str, shape: &[usize], values: Vec<i64>, margins: Option<Vec<f32>>) {
+    pub fn decision(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        values: Vec<i64>,
+        margins: Option<Vec<f32>>,
+    ) {
         if self.on && self.step.is_none() {
             let shape = shape.iter().map(|&d| d as u64).collect();
-            self.decisions.push(Decision { name: name.to_string(), shape, values, margins });
+            self.decisions.push(Decision {
+                name: name.to_string(),
+                shape,
+                values,
+                margins,
+            });
         }
     }
 
@@ -109,7 +146,10 @@ impl Capture {
     pub fn forced(&mut self, name: &str, overridden: u64) {
         if self.on && self.step.is_none() {
             self.first_forced.get_or_insert(self.tensors.len());
-            self.forced.push(Record { name: name.to_string(), overridden });
+            self.forced.push(Record {
+                name: name.to_string(),
+                overridden,
+            });
         }
     }
 
@@ -151,8 +191,15 @@ impl Capture {
     /// `forced = <digest>` (the forcing trace's) on every tensor captured after a forced decision.
     pub fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
         for (i, t) in self.tensors.iter().enumerate() {
-            let path = if t.name.starts_with("decode.") { "decode" } else { self.path };
-            let mut attrs = Attributes::default().with_path(path).with_mask("causal").with_positions(t.positions.clone());
+            let path = if t.name.starts_with("decode.") {
+                "decode"
+            } else {
+                self.path
+            };
+            let mut attrs = Attributes::default()
+                .with_path(path)
+                .with_mask("causal")
+                .with_positions(t.positions.clone());
             if let Some(p) = self.decode_from {
                 attrs.extra.insert("decode_from".into(), p.to_string());
             }

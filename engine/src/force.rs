@@ -35,8 +35,17 @@ impl Forcing {
         let t = Trace::open(path).map_err(refuse)?;
         // The digest recorded with the forced run must be that of the bytes the choices came from.
         t.verify().map_err(refuse)?;
-        let decisions = t.decisions().iter().map(|d| (d.name.clone(), (d.shape.clone(), t.decision_values(d)))).collect();
-        Ok(Forcing { path: path.to_path_buf(), digest: t.digest().hex(), decisions, provenance: t.provenance().clone() })
+        let decisions = t
+            .decisions()
+            .iter()
+            .map(|d| (d.name.clone(), (d.shape.clone(), t.decision_values(d))))
+            .collect();
+        Ok(Forcing {
+            path: path.to_path_buf(),
+            digest: t.digest().hex(),
+            decisions,
+            provenance: t.provenance().clone(),
+        })
     }
 
     fn refuse(&self, what: impl std::fmt::Display) -> Error {
@@ -45,16 +54,29 @@ impl Forcing {
 
     /// The forcing trace must be a run of this prompt (when it records one).
     pub fn check_prompt(&self, tokens: &[i64]) -> Result<()> {
-        match self.provenance.get("prompt_tokens").filter(|v| !v.is_null()) {
-            Some(v) if *v != json!(tokens) => Err(self.refuse(format!("its prompt_tokens {v} are not this run's {}", json!(tokens)))),
+        match self
+            .provenance
+            .get("prompt_tokens")
+            .filter(|v| !v.is_null())
+        {
+            Some(v) if *v != json!(tokens) => Err(self.refuse(format!(
+                "its prompt_tokens {v} are not this run's {}",
+                json!(tokens)
+            ))),
             _ => Ok(()),
         }
     }
 
     /// The forcing trace must be a run of these weights (when it records them).
     pub fn check_weights(&self, weights_digest: &str) -> Result<()> {
-        match self.provenance.get("weights_digest").and_then(|v| v.as_str()) {
-            Some(w) if w != weights_digest => Err(self.refuse(format!("its weights_digest {w} is not this run's {weights_digest}"))),
+        match self
+            .provenance
+            .get("weights_digest")
+            .and_then(|v| v.as_str())
+        {
+            Some(w) if w != weights_digest => Err(self.refuse(format!(
+                "its weights_digest {w} is not this run's {weights_digest}"
+            ))),
             _ => Ok(()),
         }
     }
@@ -62,24 +84,42 @@ impl Forcing {
     /// Checks that decision `name` exists, has `width` values per row (rank 1 when `width` is
     /// None) and, when `rows` is given, exactly that many rows; every value in `[0, range)`, and
     /// no value twice in one row (a router row names distinct experts). Returns its row count.
-    pub fn require(&self, name: &str, rows: Option<usize>, width: Option<usize>, range: usize) -> Result<usize> {
-        let (shape, values) = self.decisions.get(name).ok_or_else(|| self.refuse(format!("decision {name} is missing (this run needs it)")))?;
-        let want: Vec<String> = [rows.map_or("rows".to_string(), |r| r.to_string())].into_iter().chain(width.map(|w| w.to_string())).collect();
+    pub fn require(
+        &self,
+        name: &str,
+        rows: Option<usize>,
+        width: Option<usize>,
+        range: usize,
+    ) -> Result<usize> {
+        let (shape, values) = self.decisions.get(name).ok_or_else(|| {
+            self.refuse(format!("decision {name} is missing (this run needs it)"))
+        })?;
+        let want: Vec<String> = [rows.map_or("rows".to_string(), |r| r.to_string())]
+            .into_iter()
+            .chain(width.map(|w| w.to_string()))
+            .collect();
         let ok = match (shape.as_slice(), width) {
             ([n], None) => rows.is_none_or(|r| *n == r as u64),
             ([n, w], Some(k)) => rows.is_none_or(|r| *n == r as u64) && *w == k as u64,
             _ => false,
         };
         if !ok {
-            return Err(self.refuse(format!("decision {name} has shape {shape:?}, this run needs [{}]", want.join(", "))));
+            return Err(self.refuse(format!(
+                "decision {name} has shape {shape:?}, this run needs [{}]",
+                want.join(", ")
+            )));
         }
         let per_row = width.unwrap_or(1);
         for (r, row) in values.chunks(per_row).enumerate() {
             if let Some(v) = row.iter().find(|&&v| v < 0 || v as u64 >= range as u64) {
-                return Err(self.refuse(format!("decision {name} row {r}: value {v} outside [0, {range})")));
+                return Err(self.refuse(format!(
+                    "decision {name} row {r}: value {v} outside [0, {range})"
+                )));
             }
             if let Some((i, v)) = row.iter().enumerate().find(|(i, v)| row[..*i].contains(v)) {
-                return Err(self.refuse(format!("decision {name} row {r}: value {v} repeated (position {i})")));
+                return Err(self.refuse(format!(
+                    "decision {name} row {r}: value {v} repeated (position {i})"
+                )));
             }
         }
         Ok(shape[0] as usize)
@@ -93,7 +133,11 @@ impl Forcing {
     /// The provenance record: which trace, which decisions, how many rows this producer would
     /// have decided otherwise (in total and per decision that has any).
     pub fn provenance(&self, records: &[Record]) -> Value {
-        let overridden: serde_json::Map<String, Value> = records.iter().filter(|r| r.overridden > 0).map(|r| (r.name.clone(), json!(r.overridden))).collect();
+        let overridden: serde_json::Map<String, Value> = records
+            .iter()
+            .filter(|r| r.overridden > 0)
+            .map(|r| (r.name.clone(), json!(r.overridden)))
+            .collect();
         json!({
             "trace": self.path.display().to_string(),
             "trace_digest": self.digest,

@@ -18,7 +18,9 @@ pub mod qwen3;
 pub mod run;
 pub mod weights;
 
-pub use run::{generate, info, load_config, run_layer, run_trace, LayerOptions, Step, TraceOptions};
+pub use run::{
+    generate, info, load_config, run_layer, run_trace, LayerOptions, Step, TraceOptions,
+};
 pub use tracegate_trace::Digest;
 
 /// An engine failure: one line naming the offending field, tensor, file or value.

@@ -8,7 +8,11 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tracegate_engine::{info, run_layer, run_trace, LayerOptions, TraceOptions};
 
 #[derive(Parser)]
-#[command(name = "engine", version, about = "tracegate reference engine (ordered fp32 Qwen3 / Qwen3-MoE)")]
+#[command(
+    name = "engine",
+    version,
+    about = "tracegate reference engine (ordered fp32 Qwen3 / Qwen3-MoE)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -29,7 +33,9 @@ enum OnOff {
 }
 
 fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 #[derive(Subcommand)]
@@ -40,7 +46,12 @@ enum Cmd {
         #[arg(long)]
         model: PathBuf,
         /// Prompt token ids, comma separated (e.g. 3,17,5).
-        #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            allow_negative_numbers = true,
+            required = true
+        )]
         tokens: Vec<i64>,
         /// Trace file to write (replaced only once complete).
         #[arg(long)]
@@ -113,7 +124,16 @@ fn main() -> ExitCode {
     };
     let command_line: Vec<String> = std::env::args().collect();
     let result = match cli.cmd {
-        Cmd::Trace { model, tokens, out, capture, generate, cache, threads, force_decisions } => run_trace(&TraceOptions {
+        Cmd::Trace {
+            model,
+            tokens,
+            out,
+            capture,
+            generate,
+            cache,
+            threads,
+            force_decisions,
+        } => run_trace(&TraceOptions {
             model_dir: model,
             tokens,
             out: out.clone(),
@@ -125,7 +145,17 @@ fn main() -> ExitCode {
             force_decisions,
         })
         .map(|d| format!("{} {}", d.hex(), out.display())),
-        Cmd::Layer { model, layer, input, input_name, out, capture, threads, force_decisions, decode_from } => run_layer(&LayerOptions {
+        Cmd::Layer {
+            model,
+            layer,
+            input,
+            input_name,
+            out,
+            capture,
+            threads,
+            force_decisions,
+            decode_from,
+        } => run_layer(&LayerOptions {
             model_dir: model,
             layer,
             input,
@@ -164,7 +194,10 @@ mod tests {
             if sub.get_about().is_none() {
                 missing.push(sub.get_name().to_string());
             }
-            for a in sub.get_arguments().filter(|a| !matches!(a.get_id().as_str(), "help" | "version")) {
+            for a in sub
+                .get_arguments()
+                .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+            {
                 if a.get_help().is_none() {
                     missing.push(format!("{} --{}", sub.get_name(), a.get_id()));
                 }

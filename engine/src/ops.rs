@@ -57,7 +57,9 @@ fn dots_transposed_generic(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]
 fn dots_block<const N: usize>(x: &[f32], kt: &[f32], stride: usize, c0: usize, out: &mut [f32]) {
     let mut acc = [0.0f32; N];
     for (j, &xj) in x.iter().enumerate() {
-        let col: &[f32; N] = kt[j * stride + c0..j * stride + c0 + N].try_into().expect("N lanes");
+        let col: &[f32; N] = kt[j * stride + c0..j * stride + c0 + N]
+            .try_into()
+            .expect("N lanes");
         for i in 0..N {
             acc[i] += xj * col[i];
         }
@@ -112,7 +114,11 @@ pub fn matmul(x: &[f32], rows: usize, w: Mat, bias: Option<&[f32]>) -> Vec<f32> 
     let mut y = vec![0.0f32; rows * n];
     let use_avx512 = avx512_available();
     // The avx512 path reads x from k-major panels of MRP rows (pure data movement).
-    let xp = if use_avx512 { pack_rows(x, rows, k) } else { Vec::new() };
+    let xp = if use_avx512 {
+        pack_rows(x, rows, k)
+    } else {
+        Vec::new()
+    };
     let yp = SyncPtr(y.as_mut_ptr());
     // Each task keeps its tile's [rows][NR] accumulators in a scratch buffer of its own and
     // writes the finished tile straight into its columns of y.
@@ -139,10 +145,15 @@ pub fn matmul(x: &[f32], rows: usize, w: Mat, bias: Option<&[f32]>) -> Vec<f32> 
                 let src = &tile_acc[r * NR..r * NR + valid];
                 // SAFETY: in bounds of y (r < rows, o0 + valid ≤ n); tile t is the only writer of
                 // columns o0..o0+valid, and y outlives the parallel loop.
-                let dst = unsafe { std::slice::from_raw_parts_mut(yp.get().add(r * n + o0), valid) };
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(yp.get().add(r * n + o0), valid) };
                 match bias {
                     // The bias is added once, after the whole accumulation.
-                    Some(b) => dst.iter_mut().zip(src).zip(&b[o0..o0 + valid]).for_each(|((d, &s), &bb)| *d = s + bb),
+                    Some(b) => dst
+                        .iter_mut()
+                        .zip(src)
+                        .zip(&b[o0..o0 + valid])
+                        .for_each(|((d, &s), &bb)| *d = s + bb),
                     None => dst.copy_from_slice(src),
                 }
             }
@@ -267,7 +278,14 @@ unsafe fn micro_packed<const M: usize>(xp: *const f32, kb: usize, wt: *const f32
 
 /// Widen `W[o0..o0+valid, k0..k0+kb]` into `wt[k*NR + j]` (lanes past `valid` are zero and their
 /// results discarded). Pure data movement: every path stores the same exact values.
-fn widen_transposed(w: Mat, o0: usize, valid: usize, k0: usize, kb: usize, wt: &mut [f32; KB * NR]) {
+fn widen_transposed(
+    w: Mat,
+    o0: usize,
+    valid: usize,
+    k0: usize,
+    kb: usize,
+    wt: &mut [f32; KB * NR],
+) {
     #[cfg(target_arch = "x86_64")]
     if valid == NR && kb >= 16 && avx512_available() {
         // SAFETY: avx512f checked; the block's rows/columns are in bounds of `w` (valid == NR).
@@ -301,7 +319,13 @@ fn widen_transposed_scalar(w: Mat, o0: usize, valid: usize, k0: usize, kb: usize
 /// of 16).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn widen_transposed_avx512(w: Mat, o0: usize, k0: usize, kb: usize, wt: &mut [f32; KB * NR]) -> usize {
+unsafe fn widen_transposed_avx512(
+    w: Mat,
+    o0: usize,
+    k0: usize,
+    kb: usize,
+    wt: &mut [f32; KB * NR],
+) -> usize {
     use crate::weights::WDType;
     use std::arch::x86_64::*;
     let es = w.dtype.size();
@@ -344,7 +368,12 @@ unsafe fn transpose16(r: &mut [std::arch::x86_64::__m512; 16]) {
         t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
     }
     for i in 0..4 {
-        let (a, b, c, d) = (_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 2]), _mm512_castps_pd(t[4 * i + 3]));
+        let (a, b, c, d) = (
+            _mm512_castps_pd(t[4 * i]),
+            _mm512_castps_pd(t[4 * i + 1]),
+            _mm512_castps_pd(t[4 * i + 2]),
+            _mm512_castps_pd(t[4 * i + 3]),
+        );
         r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
         r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
         r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
@@ -371,7 +400,8 @@ pub fn avx512_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static FORCE_PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *FORCE_PORTABLE.get_or_init(|| std::env::var_os("TRACEGATE_ENGINE_PORTABLE").is_some());
+        let off =
+            *FORCE_PORTABLE.get_or_init(|| std::env::var_os("TRACEGATE_ENGINE_PORTABLE").is_some());
         !off && std::arch::is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -382,7 +412,15 @@ pub fn avx512_available() -> bool {
 
 /// One k-block of a tile for all rows, in blocks of MR rows then single rows.
 #[inline(always)]
-fn tile_generic(x: &[f32], k: usize, rows: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+fn tile_generic(
+    x: &[f32],
+    k: usize,
+    rows: usize,
+    k0: usize,
+    kb: usize,
+    wt: &[f32; KB * NR],
+    acc: &mut [f32],
+) {
     let mut r = 0;
     while r + MR <= rows {
         micro::<MR>(x, k, r, k0, kb, wt, acc);
@@ -396,7 +434,15 @@ fn tile_generic(x: &[f32], k: usize, rows: usize, k0: usize, kb: usize, wt: &[f3
 
 /// `M` rows × NR outputs: `acc[m][j] = acc[m][j] ⊕ (x[r+m, k0+kk] ⊗ wt[kk][j])`, kk ascending.
 #[inline(always)]
-fn micro<const M: usize>(x: &[f32], k: usize, r0: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+fn micro<const M: usize>(
+    x: &[f32],
+    k: usize,
+    r0: usize,
+    k0: usize,
+    kb: usize,
+    wt: &[f32; KB * NR],
+    acc: &mut [f32],
+) {
     let mut a = [[0.0f32; NR]; M];
     for m in 0..M {
         a[m].copy_from_slice(&acc[(r0 + m) * NR..(r0 + m + 1) * NR]);
@@ -416,7 +462,15 @@ fn micro<const M: usize>(x: &[f32], k: usize, r0: usize, k0: usize, kb: usize, w
     }
 }
 
-fn tile_portable(x: &[f32], k: usize, rows: usize, k0: usize, kb: usize, wt: &[f32; KB * NR], acc: &mut [f32]) {
+fn tile_portable(
+    x: &[f32],
+    k: usize,
+    rows: usize,
+    k0: usize,
+    kb: usize,
+    wt: &[f32; KB * NR],
+    acc: &mut [f32],
+) {
     tile_generic(x, k, rows, k0, kb, wt, acc)
 }
 
@@ -438,7 +492,9 @@ pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let n = w.len();
     let mut out = vec![0.0f32; x.len()];
     // Rows are independent; each row's arithmetic is the same whichever thread runs it.
-    out.par_chunks_exact_mut(n).zip(x.par_chunks_exact(n)).for_each(|(or, xr)| rmsnorm(xr, w, eps, or));
+    out.par_chunks_exact_mut(n)
+        .zip(x.par_chunks_exact(n))
+        .for_each(|(or, xr)| rmsnorm(xr, w, eps, or));
     out
 }
 
@@ -477,7 +533,9 @@ pub struct Rope {
 
 /// §7 `inv_freq[i] = f32(1 / pow(base, (2i)/d))`, all in binary64.
 pub fn inv_freq(base: f64, d: usize) -> Vec<f32> {
-    (0..d / 2).map(|i| (1.0f64 / base.powf((2 * i) as f64 / d as f64)) as f32).collect()
+    (0..d / 2)
+        .map(|i| (1.0f64 / base.powf((2 * i) as f64 / d as f64)) as f32)
+        .collect()
 }
 
 impl Rope {
@@ -499,7 +557,10 @@ impl Rope {
     /// Rotate one head vector in place with the tables of row `row` ("rotate half" pairing).
     pub fn apply(&self, row: usize, x: &mut [f32]) {
         let h = self.half;
-        let (c, s) = (&self.cos[row * h..(row + 1) * h], &self.sin[row * h..(row + 1) * h]);
+        let (c, s) = (
+            &self.cos[row * h..(row + 1) * h],
+            &self.sin[row * h..(row + 1) * h],
+        );
         for i in 0..h {
             let (a, b) = (x[i], x[i + h]);
             x[i] = a * c[i] - b * s[i];
@@ -585,17 +646,27 @@ mod tests {
     fn bytes_of(dtype: WDType, v: &[f32]) -> Vec<u8> {
         match dtype {
             WDType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            WDType::BF16 => v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect(),
-            WDType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+            WDType::BF16 => v
+                .iter()
+                .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                .collect(),
+            WDType::F16 => v
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
         }
     }
 
     /// Deterministic pseudo-random values with a wide exponent range, signed zeros included.
     fn vals(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|i| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let u = ((s >> 33) as f32) / (1u64 << 31) as f32 - 0.5;
                 match i % 37 {
                     0 => -0.0,
@@ -621,19 +692,47 @@ mod tests {
         note_if_avx512_not_checked("matmul_fast_equals_definition_bits");
         // Shapes hitting every tail: N not a multiple of NR, K = 1 and not a multiple of KB,
         // one row, rows not a multiple of MR; each storage dtype; with and without bias.
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         for dtype in [WDType::F32, WDType::BF16, WDType::F16] {
-            for &(rows, n, k) in &[(1, 1, 1), (1, 17, 5), (3, 33, 1), (9, 15, 257), (17, 40, 300), (8, 16, 256), (1, 5, 600), (1, 48, 16), (2, 32, 47), (1, 16, 1000), (3, 16, 560), (64, 33, 300), (33, 17, 257), (31, 48, 1)] {
+            for &(rows, n, k) in &[
+                (1, 1, 1),
+                (1, 17, 5),
+                (3, 33, 1),
+                (9, 15, 257),
+                (17, 40, 300),
+                (8, 16, 256),
+                (1, 5, 600),
+                (1, 48, 16),
+                (2, 32, 47),
+                (1, 16, 1000),
+                (3, 16, 560),
+                (64, 33, 300),
+                (33, 17, 257),
+                (31, 48, 1),
+            ] {
                 let x = vals(rows * k, 1 + rows as u64);
                 let wb = bytes_of(dtype, &vals(n * k, 7 + n as u64));
-                let w = Mat { dtype, rows: n, cols: k, bytes: &wb };
+                let w = Mat {
+                    dtype,
+                    rows: n,
+                    cols: k,
+                    bytes: &wb,
+                };
                 let b = vals(n, 99);
                 for bias in [None, Some(&b[..])] {
                     let want = matmul_ref(&x, rows, w, bias);
                     let got = pool.install(|| matmul(&x, rows, w, bias));
                     let wb: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
                     let gb: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(wb, gb, "dtype {dtype:?} rows {rows} n {n} k {k} bias {}", bias.is_some());
+                    assert_eq!(
+                        wb,
+                        gb,
+                        "dtype {dtype:?} rows {rows} n {n} k {k} bias {}",
+                        bias.is_some()
+                    );
                 }
             }
         }
@@ -646,7 +745,12 @@ mod tests {
         // vectorised transpose-widen equals the scalar widening.
         let bytes: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
         for dtype in [WDType::BF16, WDType::F16] {
-            let w = Mat { dtype, rows: 16, cols: 4096, bytes: &bytes };
+            let w = Mat {
+                dtype,
+                rows: 16,
+                cols: 4096,
+                bytes: &bytes,
+            };
             let mut wt = [0.0f32; KB * NR];
             let mut row = vec![0.0f32; 4096];
             for k0 in (0..4096).step_by(KB) {
@@ -654,7 +758,12 @@ mod tests {
                 for j in 0..16 {
                     w.widen_row(j, 0, &mut row);
                     for kk in 0..KB {
-                        assert_eq!(wt[kk * NR + j].to_bits(), row[k0 + kk].to_bits(), "{dtype:?} row {j} col {}", k0 + kk);
+                        assert_eq!(
+                            wt[kk * NR + j].to_bits(),
+                            row[k0 + kk].to_bits(),
+                            "{dtype:?} row {j} col {}",
+                            k0 + kk
+                        );
                     }
                 }
             }
@@ -667,7 +776,12 @@ mod tests {
         let (rows, n, k) = (11, 19, 261);
         let x = vals(rows * k, 3);
         let wb = bytes_of(WDType::BF16, &vals(n * k, 4));
-        let w = Mat { dtype: WDType::BF16, rows: n, cols: k, bytes: &wb };
+        let w = Mat {
+            dtype: WDType::BF16,
+            rows: n,
+            cols: k,
+            bytes: &wb,
+        };
         let want = matmul_ref(&x, rows, w, None);
         let mut acc = vec![0.0f32; rows * NR];
         let mut wt = [0.0f32; KB * NR];
@@ -683,7 +797,8 @@ mod tests {
                 k0 += kb;
             }
             for r in 0..rows {
-                got[r * n + t * NR..r * n + t * NR + valid].copy_from_slice(&acc[r * NR..r * NR + valid]);
+                got[r * n + t * NR..r * n + t * NR + valid]
+                    .copy_from_slice(&acc[r * NR..r * NR + valid]);
             }
         }
         assert_eq!(
@@ -761,8 +876,14 @@ mod tests {
         for (row, p) in [0i64, 5, 1000].iter().enumerate() {
             for i in 0..6 {
                 let angle = (*p as f32) * inv[i];
-                assert_eq!(rope.cos[row * 6 + i].to_bits(), ((angle as f64).cos() as f32).to_bits());
-                assert_eq!(rope.sin[row * 6 + i].to_bits(), ((angle as f64).sin() as f32).to_bits());
+                assert_eq!(
+                    rope.cos[row * 6 + i].to_bits(),
+                    ((angle as f64).cos() as f32).to_bits()
+                );
+                assert_eq!(
+                    rope.sin[row * 6 + i].to_bits(),
+                    ((angle as f64).sin() as f32).to_bits()
+                );
             }
         }
         // Position 0 is the identity.
@@ -771,7 +892,11 @@ mod tests {
         rope.apply(0, &mut x);
         assert_eq!(x, x0);
         // Hand case: d = 2, angle = π/2-ish: out = (a·c − b·s, b·c + a·s).
-        let r = Rope { half: 1, cos: vec![0.5], sin: vec![0.25] };
+        let r = Rope {
+            half: 1,
+            cos: vec![0.5],
+            sin: vec![0.25],
+        };
         let mut v = [2.0f32, 4.0];
         r.apply(0, &mut v);
         assert_eq!(v, [2.0 * 0.5 - 4.0 * 0.25, 4.0 * 0.5 + 2.0 * 0.25]);
@@ -786,7 +911,10 @@ mod tests {
         assert_eq!(sigmoid(g), (e / (1.0 + e)) as f32);
         assert_eq!(sigmoid(0.0), 0.5);
         assert_eq!(sigmoid(-0.0), 0.5);
-        assert_eq!(sigmoid(-200.0), ((-200.0f64).exp() / (1.0 + (-200.0f64).exp())) as f32);
+        assert_eq!(
+            sigmoid(-200.0),
+            ((-200.0f64).exp() / (1.0 + (-200.0f64).exp())) as f32
+        );
         assert_eq!(silu(2.0), 2.0 * sigmoid(2.0));
         assert!(silu(f32::NAN).is_nan());
         assert!(silu(f32::NEG_INFINITY).is_nan()); // -inf ⊗ 0: IEEE NaN, left as is
@@ -807,6 +935,9 @@ mod tests {
     fn argmax_margin_ties_and_values() {
         assert_eq!(argmax_margin(&[1.0, 3.0, 3.0, 2.0]), (1, 0.0));
         assert_eq!(argmax_margin(&[5.0, 3.0, -1.0]), (0, 2.0));
-        assert_eq!(argmax_margin(&[-1.0, f32::NEG_INFINITY]), (0, f32::INFINITY));
+        assert_eq!(
+            argmax_margin(&[-1.0, f32::NEG_INFINITY]),
+            (0, f32::INFINITY)
+        );
     }
 }

@@ -20,8 +20,18 @@ pub const MAX_POSITIONS: usize = 1 << 24;
 
 /// `model_type`s of the oracle's family table (oracle/tracegate_oracle/families.py; equality
 /// checked by oracle/tests/test_families.py): the refusal tells their users where to go.
-pub const ORACLE_FAMILIES: [&str; 10] =
-    ["gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen3", "qwen3_moe"];
+pub const ORACLE_FAMILIES: [&str; 10] = [
+    "gemma3_text",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "olmoe",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+];
 
 /// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/qwen3.py).
 pub fn unsupported_family(model_type: &str) -> String {
@@ -74,7 +84,10 @@ fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
 }
 fn req_usize(v: &Value, key: &str) -> Result<usize> {
     let x = field(v, key).ok_or_else(|| err!("config.json: missing field {key}"))?;
-    x.as_u64().filter(|&n| n >= 1).map(|n| n as usize).ok_or_else(|| err!("config.json: {key} = {x} is not a positive integer"))
+    x.as_u64()
+        .filter(|&n| n >= 1)
+        .map(|n| n as usize)
+        .ok_or_else(|| err!("config.json: {key} = {x} is not a positive integer"))
 }
 fn opt_usize(v: &Value, key: &str) -> Result<Option<usize>> {
     match field(v, key) {
@@ -85,13 +98,18 @@ fn opt_usize(v: &Value, key: &str) -> Result<Option<usize>> {
 fn opt_bool(v: &Value, key: &str, default: bool) -> Result<bool> {
     match field(v, key) {
         None => Ok(default),
-        Some(x) => x.as_bool().ok_or_else(|| err!("config.json: {key} = {x} is not a boolean")),
+        Some(x) => x
+            .as_bool()
+            .ok_or_else(|| err!("config.json: {key} = {x} is not a boolean")),
     }
 }
 fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
     match field(v, key) {
         None => Ok(default),
-        Some(x) => x.as_f64().filter(|f| f.is_finite()).ok_or_else(|| err!("config.json: {key} = {x} is not a finite number")),
+        Some(x) => x
+            .as_f64()
+            .filter(|f| f.is_finite())
+            .ok_or_else(|| err!("config.json: {key} = {x} is not a finite number")),
     }
 }
 
@@ -101,32 +119,48 @@ fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
 fn rope_theta(v: &Value) -> Result<f64> {
     let (dict, dict_name) = match field(v, "rope_scaling") {
         Some(x) if x.as_object().is_some_and(|m| !m.is_empty()) => (Some(x), "rope_scaling"),
-        Some(x) if !x.is_object() => return Err(err!("config.json: rope_scaling = {x} is not an object or null")),
+        Some(x) if !x.is_object() => {
+            return Err(err!(
+                "config.json: rope_scaling = {x} is not an object or null"
+            ))
+        }
         _ => (field(v, "rope_parameters"), "rope_parameters"),
     };
     let top_theta = opt_f64(v, "rope_theta", 10000.0)?;
     if let Some(f) = field(v, "partial_rotary_factor") {
         if f.as_f64() != Some(1.0) {
-            return Err(err!("config.json: partial_rotary_factor = {f} not supported (only 1)"));
+            return Err(err!(
+                "config.json: partial_rotary_factor = {f} not supported (only 1)"
+            ));
         }
     }
-    let Some(d) = dict else { return positive_theta(top_theta) };
-    let obj = d.as_object().ok_or_else(|| err!("config.json: {dict_name} is not an object"))?;
+    let Some(d) = dict else {
+        return positive_theta(top_theta);
+    };
+    let obj = d
+        .as_object()
+        .ok_or_else(|| err!("config.json: {dict_name} is not an object"))?;
     for key in ["rope_type", "type"] {
         if let Some(t) = obj.get(key).filter(|x| !x.is_null()) {
             if t.as_str() != Some("default") {
-                return Err(err!("config.json: {dict_name}.{key} = {t} not supported (only \"default\")"));
+                return Err(err!(
+                    "config.json: {dict_name}.{key} = {t} not supported (only \"default\")"
+                ));
             }
         }
     }
     if let Some(f) = obj.get("partial_rotary_factor").filter(|x| !x.is_null()) {
         if f.as_f64() != Some(1.0) {
-            return Err(err!("config.json: {dict_name}.partial_rotary_factor = {f} not supported (only 1)"));
+            return Err(err!(
+                "config.json: {dict_name}.partial_rotary_factor = {f} not supported (only 1)"
+            ));
         }
     }
     let known = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
     if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(err!("config.json: {dict_name}.{k} not supported with the default rope type"));
+        return Err(err!(
+            "config.json: {dict_name}.{k} not supported with the default rope type"
+        ));
     }
     positive_theta(opt_f64(d, "rope_theta", top_theta)?)
 }
@@ -146,25 +180,36 @@ impl Config {
         if !v.is_object() {
             return Err(err!("config.json: not a JSON object"));
         }
-        let model_type = field(v, "model_type").and_then(|m| m.as_str()).unwrap_or("");
+        let model_type = field(v, "model_type")
+            .and_then(|m| m.as_str())
+            .unwrap_or("");
         let family = match model_type {
             "qwen3" => Family::Qwen3,
             "qwen3_moe" => Family::Qwen3Moe,
-            other => return Err(err!("config.json: model_type {other:?} {}", unsupported_family(other))),
+            other => {
+                return Err(err!(
+                    "config.json: model_type {other:?} {}",
+                    unsupported_family(other)
+                ))
+            }
         };
         let want_arch = match family {
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         };
         if let Some(a) = field(v, "architectures") {
-            let ok = a.as_array().is_some_and(|l| l.len() == 1 && l[0].as_str() == Some(want_arch));
+            let ok = a
+                .as_array()
+                .is_some_and(|l| l.len() == 1 && l[0].as_str() == Some(want_arch));
             if !ok {
                 return Err(err!("config.json: architectures = {a} not supported for model_type {model_type} (expected [\"{want_arch}\"])"));
             }
         }
         if let Some(act) = field(v, "hidden_act") {
             if act.as_str() != Some("silu") {
-                return Err(err!("config.json: hidden_act = {act} not supported (only \"silu\")"));
+                return Err(err!(
+                    "config.json: hidden_act = {act} not supported (only \"silu\")"
+                ));
             }
         }
         if opt_bool(v, "use_sliding_window", false)? {
@@ -172,9 +217,13 @@ impl Config {
         }
         let num_hidden_layers = req_usize(v, "num_hidden_layers")?;
         if let Some(lt) = field(v, "layer_types") {
-            let ok = lt.as_array().is_some_and(|l| l.iter().all(|t| t.as_str() == Some("full_attention")));
+            let ok = lt
+                .as_array()
+                .is_some_and(|l| l.iter().all(|t| t.as_str() == Some("full_attention")));
             if !ok {
-                return Err(err!("config.json: layer_types = {lt} not supported (only \"full_attention\")"));
+                return Err(err!(
+                    "config.json: layer_types = {lt} not supported (only \"full_attention\")"
+                ));
             }
         }
         let hidden_size = req_usize(v, "hidden_size")?;
@@ -191,8 +240,14 @@ impl Config {
             (None, Family::Qwen3Moe) => hidden_size / num_attention_heads,
         };
         if head_dim % 2 != 0 || head_dim == 0 {
-            let from = if field(v, "head_dim").is_some() { String::new() } else { format!(" (hidden_size {hidden_size} / num_attention_heads {num_attention_heads})") };
-            return Err(err!("config.json: head_dim = {head_dim}{from} must be even and positive"));
+            let from = if field(v, "head_dim").is_some() {
+                String::new()
+            } else {
+                format!(" (hidden_size {hidden_size} / num_attention_heads {num_attention_heads})")
+            };
+            return Err(err!(
+                "config.json: head_dim = {head_dim}{from} must be even and positive"
+            ));
         }
         // Not used by the forward, but a size all the same: positions must stay below 2^24 (§7).
         if let Some(m) = opt_usize(v, "max_position_embeddings")? {
@@ -204,19 +259,23 @@ impl Config {
             Family::Qwen3 => None,
             Family::Qwen3Moe => {
                 let ne = match (field(v, "num_experts"), field(v, "num_local_experts")) {
-                    (Some(_), Some(_)) if opt_usize(v, "num_experts")? != opt_usize(v, "num_local_experts")? => {
-                        return Err(err!("config.json: num_experts and num_local_experts disagree"));
+                    (Some(_), Some(_))
+                        if opt_usize(v, "num_experts")? != opt_usize(v, "num_local_experts")? =>
+                    {
+                        return Err(err!(
+                            "config.json: num_experts and num_local_experts disagree"
+                        ));
                     }
-                    (Some(x), _) | (None, Some(x)) => x
-                        .as_u64()
-                        .ok_or_else(|| err!("config.json: num_experts = {x} is not a non-negative integer"))?
-                        as usize,
+                    (Some(x), _) | (None, Some(x)) => x.as_u64().ok_or_else(|| {
+                        err!("config.json: num_experts = {x} is not a non-negative integer")
+                    })? as usize,
                     (None, None) => return Err(err!("config.json: missing field num_experts")),
                 };
                 let k = field(v, "num_experts_per_tok")
                     .ok_or_else(|| err!("config.json: missing field num_experts_per_tok"))?
                     .as_u64()
-                    .ok_or_else(|| err!("config.json: num_experts_per_tok is not an integer"))? as usize;
+                    .ok_or_else(|| err!("config.json: num_experts_per_tok is not an integer"))?
+                    as usize;
                 if ne > 0 && (k < 1 || k >= ne) {
                     return Err(err!("config.json: num_experts_per_tok = {k} not supported with num_experts = {ne} (need 1 ≤ k < num_experts)"));
                 }
@@ -224,13 +283,25 @@ impl Config {
                     None => vec![],
                     Some(x) => x
                         .as_array()
-                        .and_then(|l| l.iter().map(|i| i.as_u64().map(|i| i as usize)).collect::<Option<Vec<_>>>())
-                        .ok_or_else(|| err!("config.json: mlp_only_layers = {x} is not a list of layer indices"))?,
+                        .and_then(|l| {
+                            l.iter()
+                                .map(|i| i.as_u64().map(|i| i as usize))
+                                .collect::<Option<Vec<_>>>()
+                        })
+                        .ok_or_else(|| {
+                            err!(
+                                "config.json: mlp_only_layers = {x} is not a list of layer indices"
+                            )
+                        })?,
                 };
                 Some(MoeConfig {
                     num_experts: ne,
                     num_experts_per_tok: k,
-                    moe_intermediate_size: if ne > 0 { req_usize(v, "moe_intermediate_size")? } else { 0 },
+                    moe_intermediate_size: if ne > 0 {
+                        req_usize(v, "moe_intermediate_size")?
+                    } else {
+                        0
+                    },
                     norm_topk_prob: opt_bool(v, "norm_topk_prob", false)?,
                     decoder_sparse_step: opt_usize(v, "decoder_sparse_step")?.unwrap_or(1),
                     mlp_only_layers,
@@ -253,7 +324,10 @@ impl Config {
             moe,
         };
         if cfg.vocab_size < 2 {
-            return Err(err!("config.json: vocab_size = {} (argmax margins need at least 2)", cfg.vocab_size));
+            return Err(err!(
+                "config.json: vocab_size = {} (argmax margins need at least 2)",
+                cfg.vocab_size
+            ));
         }
         if cfg.intermediate_size.is_none() && cfg.has_dense_layer() {
             return Err(err!("config.json: missing field intermediate_size"));
@@ -265,7 +339,11 @@ impl Config {
     pub fn is_sparse(&self, l: usize) -> bool {
         match &self.moe {
             None => false,
-            Some(m) => m.num_experts > 0 && !m.mlp_only_layers.contains(&l) && (l + 1).is_multiple_of(m.decoder_sparse_step),
+            Some(m) => {
+                m.num_experts > 0
+                    && !m.mlp_only_layers.contains(&l)
+                    && (l + 1).is_multiple_of(m.decoder_sparse_step)
+            }
         }
     }
 
@@ -276,7 +354,12 @@ impl Config {
         match &self.moe {
             None => n > 0,
             // Layer 0 is dense when the step is above 1 ((0 + 1) % step ≠ 0).
-            Some(m) => n > 0 && (m.num_experts == 0 || m.decoder_sparse_step > 1 || m.mlp_only_layers.iter().any(|&l| l < n)),
+            Some(m) => {
+                n > 0
+                    && (m.num_experts == 0
+                        || m.decoder_sparse_step > 1
+                        || m.mlp_only_layers.iter().any(|&l| l < n))
+            }
         }
     }
 
@@ -298,7 +381,10 @@ struct Mlp<'a> {
 enum Ffn<'a> {
     Dense(Mlp<'a>),
     /// Router `[E, H]` and the experts in id order.
-    Moe { router: Mat<'a>, experts: Vec<Mlp<'a>> },
+    Moe {
+        router: Mat<'a>,
+        experts: Vec<Mlp<'a>>,
+    },
 }
 
 struct Linear<'a> {
@@ -354,14 +440,17 @@ pub struct LayerKv {
 pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
     let dim = |name: &str, axis: usize, want: u64, field: &dyn Fn() -> String| -> Result<()> {
         match st.shape(name) {
-            Some(s) if s.get(axis).is_some_and(|&g| g != want) => {
-                Err(err!("config.json: {} does not match the checkpoint: {name} has shape {s:?}", field()))
-            }
+            Some(s) if s.get(axis).is_some_and(|&g| g != want) => Err(err!(
+                "config.json: {} does not match the checkpoint: {name} has shape {s:?}",
+                field()
+            )),
             _ => Ok(()),
         }
     };
     let product = |field: &str, x: usize, by: &str, y: usize| -> Result<u64> {
-        x.checked_mul(y).map(|p| p as u64).ok_or_else(|| err!("config.json: {field} = {x} overflows when multiplied by {by} ({y})"))
+        x.checked_mul(y).map(|p| p as u64).ok_or_else(|| {
+            err!("config.json: {field} = {x} overflows when multiplied by {by} ({y})")
+        })
     };
     let (h, v, d) = (c.hidden_size, c.vocab_size, c.head_dim);
     let emb = "model.embed_tokens.weight";
@@ -376,23 +465,48 @@ pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
     }
     let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
     let a = "model.layers.0.self_attn";
-    dim(&format!("{a}.q_norm.weight"), 0, d as u64, &|| format!("head_dim = {d}"))?;
+    dim(&format!("{a}.q_norm.weight"), 0, d as u64, &|| {
+        format!("head_dim = {d}")
+    })?;
     let q_rows = product("num_attention_heads", nq, "head_dim", d)?;
     let kv_rows = product("num_key_value_heads", nkv, "head_dim", d)?;
-    dim(&format!("{a}.q_proj.weight"), 0, q_rows, &|| format!("num_attention_heads = {nq} (× head_dim {d} = {q_rows} rows)"))?;
-    dim(&format!("{a}.k_proj.weight"), 0, kv_rows, &|| format!("num_key_value_heads = {nkv} (× head_dim {d} = {kv_rows} rows)"))?;
+    dim(&format!("{a}.q_proj.weight"), 0, q_rows, &|| {
+        format!("num_attention_heads = {nq} (× head_dim {d} = {q_rows} rows)")
+    })?;
+    dim(&format!("{a}.k_proj.weight"), 0, kv_rows, &|| {
+        format!("num_key_value_heads = {nkv} (× head_dim {d} = {kv_rows} rows)")
+    })?;
     let layers = 0..c.num_hidden_layers; // bounded by the checkpoint now
-    if let (Some(i), Some(l)) = (c.intermediate_size, layers.clone().find(|&l| !c.is_sparse(l))) {
-        dim(&format!("model.layers.{l}.mlp.gate_proj.weight"), 0, i as u64, &|| format!("intermediate_size = {i}"))?;
+    if let (Some(i), Some(l)) = (
+        c.intermediate_size,
+        layers.clone().find(|&l| !c.is_sparse(l)),
+    ) {
+        dim(
+            &format!("model.layers.{l}.mlp.gate_proj.weight"),
+            0,
+            i as u64,
+            &|| format!("intermediate_size = {i}"),
+        )?;
     }
     if let (Some(m), Some(l)) = (&c.moe, layers.clone().find(|&l| c.is_sparse(l))) {
         let (ne, mi) = (m.num_experts, m.moe_intermediate_size);
         let p = format!("model.layers.{l}.mlp");
-        dim(&format!("{p}.gate.weight"), 0, ne as u64, &|| format!("num_experts = {ne}"))?;
+        dim(&format!("{p}.gate.weight"), 0, ne as u64, &|| {
+            format!("num_experts = {ne}")
+        })?;
         let gu_rows = product("moe_intermediate_size", mi, "2 (gate and up rows)", 2)?;
-        dim(&format!("{p}.experts.gate_up_proj"), 0, ne as u64, &|| format!("num_experts = {ne}"))?;
-        dim(&format!("{p}.experts.gate_up_proj"), 1, gu_rows, &|| format!("moe_intermediate_size = {mi} (× 2 = {gu_rows} rows)"))?;
-        dim(&format!("{p}.experts.0.gate_proj.weight"), 0, mi as u64, &|| format!("moe_intermediate_size = {mi}"))?;
+        dim(&format!("{p}.experts.gate_up_proj"), 0, ne as u64, &|| {
+            format!("num_experts = {ne}")
+        })?;
+        dim(&format!("{p}.experts.gate_up_proj"), 1, gu_rows, &|| {
+            format!("moe_intermediate_size = {mi} (× 2 = {gu_rows} rows)")
+        })?;
+        dim(
+            &format!("{p}.experts.0.gate_proj.weight"),
+            0,
+            mi as u64,
+            &|| format!("moe_intermediate_size = {mi}"),
+        )?;
     }
     Ok(())
 }
@@ -407,7 +521,11 @@ impl<'a> Model<'a> {
         let vec = |name: &str, n: usize| st.take(name, &[n]).map(|m| m.to_vec());
         let lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<'a>> {
             let w = st.take(&format!("{name}.weight"), &[out, inp])?;
-            let b = if bias { Some(vec(&format!("{name}.bias"), out)?) } else { None };
+            let b = if bias {
+                Some(vec(&format!("{name}.bias"), out)?)
+            } else {
+                None
+            };
             Ok(Linear { w, b })
         };
         let mlp = |p: &str, inter: usize| -> Result<Mlp<'a>> {
@@ -440,7 +558,9 @@ impl<'a> Model<'a> {
                         })
                         .collect()
                 } else {
-                    (0..ne).map(|e| mlp(&format!("{p}.mlp.experts.{e}"), mi)).collect::<Result<Vec<_>>>()?
+                    (0..ne)
+                        .map(|e| mlp(&format!("{p}.mlp.experts.{e}"), mi))
+                        .collect::<Result<Vec<_>>>()?
                 };
                 Ffn::Moe { router, experts }
             } else {
@@ -460,9 +580,20 @@ impl<'a> Model<'a> {
             });
         }
         let norm = vec("model.norm.weight", h)?;
-        let head = if cfg.tie_word_embeddings { embed } else { st.take("lm_head.weight", &[v, h])? };
+        let head = if cfg.tie_word_embeddings {
+            embed
+        } else {
+            st.take("lm_head.weight", &[v, h])?
+        };
         st.finish_claims()?;
-        Ok(Model { cfg, embed, head, norm, layers, forcing: None })
+        Ok(Model {
+            cfg,
+            embed,
+            head,
+            norm,
+            layers,
+            forcing: None,
+        })
     }
 
     pub fn new_cache(&self) -> Vec<LayerKv> {
@@ -475,16 +606,26 @@ impl<'a> Model<'a> {
         let mut x = vec![0.0f32; tokens.len() * h];
         for (r, &t) in tokens.iter().enumerate() {
             if t < 0 || t as u64 >= self.cfg.vocab_size as u64 {
-                return Err(err!("token id {t} outside the vocabulary [0, {})", self.cfg.vocab_size));
+                return Err(err!(
+                    "token id {t} outside the vocabulary [0, {})",
+                    self.cfg.vocab_size
+                ));
             }
-            self.embed.widen_row(t as usize, 0, &mut x[r * h..(r + 1) * h]);
+            self.embed
+                .widen_row(t as usize, 0, &mut x[r * h..(r + 1) * h]);
         }
         Ok(x)
     }
 
     /// Tokens at positions `pos0..`, appending to `cache` (empty for an uncached forward).
     /// Captures embed.out … logits into `cap`; returns logits `[T, V]`.
-    pub fn forward(&self, tokens: &[i64], pos0: i64, cache: &mut [LayerKv], cap: &mut Capture) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        tokens: &[i64],
+        pos0: i64,
+        cache: &mut [LayerKv],
+        cap: &mut Capture,
+    ) -> Result<Vec<f32>> {
         let t = tokens.len();
         let (h, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let pos: Vec<i64> = (0..t as i64).map(|i| pos0 + i).collect();
@@ -503,12 +644,31 @@ impl<'a> Model<'a> {
 
     /// §11 decoder layer `l` on rows `x` `[T, H]` at absolute positions `pos` (causal by
     /// position), attending to `kv` plus these rows (which are appended to `kv`).
-    pub fn layer(&self, l: usize, x: &[f32], pos: &[i64], rope: &Rope, kv: &mut LayerKv, cap: &mut Capture) -> Result<Vec<f32>> {
-        let lw = self.layers.get(l).ok_or_else(|| err!("layer {l} out of range (model has {})", self.layers.len()))?;
+    pub fn layer(
+        &self,
+        l: usize,
+        x: &[f32],
+        pos: &[i64],
+        rope: &Rope,
+        kv: &mut LayerKv,
+        cap: &mut Capture,
+    ) -> Result<Vec<f32>> {
+        let lw = self
+            .layers
+            .get(l)
+            .ok_or_else(|| err!("layer {l} out of range (model has {})", self.layers.len()))?;
         let (t, h, eps) = (pos.len(), self.cfg.hidden_size, self.cfg.eps_f32());
         let nn = format!("layer.{l:02}");
         cap.tensor(&format!("{nn}.hidden_in"), &[t, h], x, pos);
-        let a = self.attention(lw, &nn, &ops::rmsnorm_rows(x, &lw.input_norm, eps), pos, rope, kv, cap);
+        let a = self.attention(
+            lw,
+            &nn,
+            &ops::rmsnorm_rows(x, &lw.input_norm, eps),
+            pos,
+            rope,
+            kv,
+            cap,
+        );
         cap.tensor(&format!("{nn}.attn_out"), &[t, h], &a, pos);
         let h1: Vec<f32> = x.iter().zip(&a).map(|(p, q)| p + q).collect();
         let xn = ops::rmsnorm_rows(&h1, &lw.post_norm, eps);
@@ -524,7 +684,16 @@ impl<'a> Model<'a> {
 
     /// §8 attention of the new rows over `kv` ++ new rows; returns attn_out (after o_proj).
     #[allow(clippy::too_many_arguments)]
-    fn attention(&self, lw: &Layer, nn: &str, xn: &[f32], pos: &[i64], rope: &Rope, kv: &mut LayerKv, cap: &mut Capture) -> Vec<f32> {
+    fn attention(
+        &self,
+        lw: &Layer,
+        nn: &str,
+        xn: &[f32],
+        pos: &[i64],
+        rope: &Rope,
+        kv: &mut LayerKv,
+        cap: &mut Capture,
+    ) -> Vec<f32> {
         let (t, d) = (pos.len(), self.cfg.head_dim);
         let (nq, nkv) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads);
         let eps = self.cfg.eps_f32();
@@ -560,7 +729,11 @@ impl<'a> Model<'a> {
             .map(|hq| {
                 let hk = hq / group;
                 let mut o = vec![0.0f32; t * d];
-                let mut probs = if want_probs { vec![0.0f32; t * tk] } else { vec![] };
+                let mut probs = if want_probs {
+                    vec![0.0f32; t * tk]
+                } else {
+                    vec![]
+                };
                 let mut s = vec![0.0f32; tk];
                 let mut p = vec![0.0f32; tk];
                 // This head's keys transposed to `kt[j][c]` (columns padded with zeros to a
@@ -582,7 +755,11 @@ impl<'a> Model<'a> {
                     let cpad = cend.div_ceil(SC) * SC;
                     ops::dots_transposed(qv, &kt, tkp, &mut dots[..cpad]);
                     for c in 0..tk {
-                        s[c] = if visible(c) { dots[c] * scale } else { f32::NEG_INFINITY };
+                        s[c] = if visible(c) {
+                            dots[c] * scale
+                        } else {
+                            f32::NEG_INFINITY
+                        };
                     }
                     ops::softmax_masked(&s, visible, &mut p);
                     let orow = &mut o[r * d..(r + 1) * d];
@@ -604,20 +781,37 @@ impl<'a> Model<'a> {
         let mut o = vec![0.0f32; t * nq * d];
         for (hq, (oh, _)) in per_head.iter().enumerate() {
             for r in 0..t {
-                o[(r * nq + hq) * d..(r * nq + hq + 1) * d].copy_from_slice(&oh[r * d..(r + 1) * d]);
+                o[(r * nq + hq) * d..(r * nq + hq + 1) * d]
+                    .copy_from_slice(&oh[r * d..(r + 1) * d]);
             }
         }
         if want_probs {
-            let probs: Vec<f32> = per_head.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+            let probs: Vec<f32> = per_head
+                .iter()
+                .flat_map(|(_, p)| p.iter().copied())
+                .collect();
             cap.internal(&format!("{nn}.attn_probs"), &[nq, t, tk], &probs, pos);
         }
         lw.o.apply(&o, t)
     }
 
     /// §10 sparse MoE block.
-    fn moe(&self, router: &Mat, experts: &[Mlp], nn: &str, xn: &[f32], pos: &[i64], cap: &mut Capture) -> Result<Vec<f32>> {
+    fn moe(
+        &self,
+        router: &Mat,
+        experts: &[Mlp],
+        nn: &str,
+        xn: &[f32],
+        pos: &[i64],
+        cap: &mut Capture,
+    ) -> Result<Vec<f32>> {
         let m = self.cfg.moe.as_ref().expect("MoE layer has a MoE config");
-        let (t, h, ne, k) = (pos.len(), self.cfg.hidden_size, m.num_experts, m.num_experts_per_tok);
+        let (t, h, ne, k) = (
+            pos.len(),
+            self.cfg.hidden_size,
+            m.num_experts,
+            m.num_experts_per_tok,
+        );
         let logits = ops::matmul(xn, t, *router, None);
         cap.internal(&format!("{nn}.router.logits"), &[t, ne], &logits, pos);
         // weight[r][e] for the chosen experts of row r (None: not chosen).
@@ -632,7 +826,10 @@ impl<'a> Model<'a> {
         for r in 0..t {
             ops::softmax_masked(&logits[r * ne..(r + 1) * ne], |_| true, &mut p);
             if p.iter().any(|x| x.is_nan()) {
-                return Err(err!("{nn}.router: NaN probability at row {r} (position {})", pos[r]));
+                return Err(err!(
+                    "{nn}.router: NaN probability at row {r} (position {})",
+                    pos[r]
+                ));
             }
             let (own, next) = ops::topk(&p, k);
             let next = next.expect("k < num_experts checked in config");
@@ -650,7 +847,11 @@ impl<'a> Model<'a> {
                 }
             };
             // §10.4 in the chosen (rank or forced) order.
-            let den = if m.norm_topk_prob { ops::sum(&chosen.iter().map(|&e| p[e]).collect::<Vec<_>>()) } else { 1.0 };
+            let den = if m.norm_topk_prob {
+                ops::sum(&chosen.iter().map(|&e| p[e]).collect::<Vec<_>>())
+            } else {
+                1.0
+            };
             for &e in &chosen {
                 weight[r][e] = Some(if m.norm_topk_prob { p[e] / den } else { p[e] });
                 chosen_all.push(e as i64);
@@ -667,10 +868,18 @@ impl<'a> Model<'a> {
             if rows.is_empty() {
                 continue;
             }
-            let xe: Vec<f32> = rows.iter().flat_map(|&r| xn[r * h..(r + 1) * h].iter().copied()).collect();
+            let xe: Vec<f32> = rows
+                .iter()
+                .flat_map(|&r| xn[r * h..(r + 1) * h].iter().copied())
+                .collect();
             let ye = gated_mlp(mlp, &xe, rows.len());
             let epos: Vec<i64> = rows.iter().map(|&r| pos[r]).collect();
-            cap.internal(&format!("{nn}.expert.{e:03}.out"), &[rows.len(), h], &ye, &epos);
+            cap.internal(
+                &format!("{nn}.expert.{e:03}.out"),
+                &[rows.len(), h],
+                &ye,
+                &epos,
+            );
             for (i, &r) in rows.iter().enumerate() {
                 let w = weight[r][e].expect("row routed to e");
                 for j in 0..h {
@@ -688,10 +897,12 @@ fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
     let u = ops::matmul(x, rows, m.up, None);
     // Elementwise (one libm exp each), so spread over the pool in chunks; bits are per element.
     let mut hmid = vec![0.0f32; g.len()];
-    hmid.par_chunks_mut(4096).zip(g.par_chunks(4096).zip(u.par_chunks(4096))).for_each(|(hc, (gc, uc))| {
-        for ((h, &g), &u) in hc.iter_mut().zip(gc).zip(uc) {
-            *h = ops::silu(g) * u;
-        }
-    });
+    hmid.par_chunks_mut(4096)
+        .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
+        .for_each(|(hc, (gc, uc))| {
+            for ((h, &g), &u) in hc.iter_mut().zip(gc).zip(uc) {
+                *h = ops::silu(g) * u;
+            }
+        });
     ops::matmul(&hmid, rows, m.down, None)
 }

@@ -52,7 +52,8 @@ pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
     let p = dir.join("config.json");
     crate::weights::regular_file(&p)?;
     let text = std::fs::read_to_string(&p).map_err(|e| err!("{}: {e}", p.display()))?;
-    let raw: Value = serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
+    let raw: Value =
+        serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
     Ok((Config::from_json(&raw)?, raw))
 }
 
@@ -60,10 +61,20 @@ fn pool(threads: usize) -> Result<rayon::ThreadPool> {
     if threads == 0 {
         return Err(err!("--threads must be at least 1"));
     }
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| err!("thread pool: {e}"))
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| err!("thread pool: {e}"))
 }
 
-fn provenance(dir: &Path, raw_cfg: &Value, weights_digest: &str, threads: usize, internals: bool, cmd: &[String]) -> Value {
+fn provenance(
+    dir: &Path,
+    raw_cfg: &Value,
+    weights_digest: &str,
+    threads: usize,
+    internals: bool,
+    cmd: &[String],
+) -> Value {
     json!({
         "producer": "engine",
         "versions": {
@@ -108,9 +119,20 @@ fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
 
 /// §12 decision `name` on one logits row: this producer's argmax, or under `--force-decisions`
 /// the forced value with this producer's margin for it. Returns (token, margin, overridden).
-fn decide_or_force(model: &Model, name: &str, row: &[f32], forced_row: usize, what: &str) -> Result<(i64, f32, bool)> {
+fn decide_or_force(
+    model: &Model,
+    name: &str,
+    row: &[f32],
+    forced_row: usize,
+    what: &str,
+) -> Result<(i64, f32, bool)> {
     let (own, margin) = decide(row, what)?;
-    match model.forcing.as_ref().and_then(|f| f.values(name)).and_then(|v| v.get(forced_row)) {
+    match model
+        .forcing
+        .as_ref()
+        .and_then(|f| f.values(name))
+        .and_then(|v| v.get(forced_row))
+    {
         Some(&tok) => Ok((tok, ops::margin_of(row, &[tok as usize]), tok != own)),
         None => Ok((own, margin, false)),
     }
@@ -121,7 +143,14 @@ fn decide_or_force(model: &Model, name: &str, row: &[f32], forced_row: usize, wh
 /// step s ≥ 1 feeds token s−1 at position `prompt.len() + s − 1`. Under `--force-decisions`
 /// step s is the forcing trace's `decode.SSSS.argmax`. Each step records its tensors (the
 /// last row of its forward, cached or not), the layer points under `internals`.
-pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, cache: Option<&mut [crate::qwen3::LayerKv]>, internals: bool) -> Result<Vec<Step>> {
+pub fn generate(
+    model: &Model,
+    prompt: &[i64],
+    prompt_logits: &[f32],
+    n: usize,
+    cache: Option<&mut [crate::qwen3::LayerKv]>,
+    internals: bool,
+) -> Result<Vec<Step>> {
     let v = model.cfg.vocab_size;
     let t = prompt.len();
     // Not reserved up front: `n` is the caller's number and may be absurd.
@@ -146,8 +175,20 @@ pub fn generate(model: &Model, prompt: &[i64], prompt_logits: &[f32], n: usize, 
             // Step 0 runs no forward: its logits are the prompt's last row.
             capture.tensor("logits", &[1, v], &row, &[t as i64 - 1]);
         }
-        let (token, margin, overridden) = decide_or_force(model, &format!("decode.{s:04}.argmax"), &row, 0, &format!("decode step {s}"))?;
-        steps.push(Step { token, margin, logits: std::mem::take(&mut row), overridden, capture });
+        let (token, margin, overridden) = decide_or_force(
+            model,
+            &format!("decode.{s:04}.argmax"),
+            &row,
+            0,
+            &format!("decode step {s}"),
+        )?;
+        steps.push(Step {
+            token,
+            margin,
+            logits: std::mem::take(&mut row),
+            overridden,
+            capture,
+        });
     }
     Ok(steps)
 }
@@ -174,45 +215,77 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
         let (c, t) = (&model.cfg, o.tokens.len());
         for l in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
             let m = c.moe.as_ref().expect("sparse layer has a MoE config");
-            f.require(&format!("layer.{l:02}.router.topk"), Some(t), Some(m.num_experts_per_tok), m.num_experts)?;
+            f.require(
+                &format!("layer.{l:02}.router.topk"),
+                Some(t),
+                Some(m.num_experts_per_tok),
+                m.num_experts,
+            )?;
         }
         f.require("logits.argmax", Some(t), None, c.vocab_size)?;
         for s in 0..o.generate {
-            f.require(&format!("decode.{s:04}.argmax"), Some(1), None, c.vocab_size)?;
+            f.require(
+                &format!("decode.{s:04}.argmax"),
+                Some(1),
+                None,
+                c.vocab_size,
+            )?;
         }
         model.forcing = Some(f);
     }
     let pool = pool(o.threads)?;
-    let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
-        let mut cap = Capture::new("prefill", o.internals);
-        let mut kv = model.new_cache();
-        let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
-        let v = model.cfg.vocab_size;
-        let (mut ids, mut margins, mut overridden) = (vec![], vec![], 0);
-        for r in 0..o.tokens.len() {
-            let (i, m, over) = decide_or_force(&model, "logits.argmax", &logits[r * v..(r + 1) * v], r, &format!("logits row {r}"))?;
-            ids.push(i);
-            margins.push(m);
-            overridden += u64::from(over);
-        }
-        cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
-        if model.forcing.is_some() {
-            cap.forced("logits.argmax", overridden);
-        }
-        if o.generate > 0 {
-            let steps = generate(&model, &o.tokens, &logits, o.generate, if o.cache { Some(&mut kv) } else { None }, o.internals)?;
-            for (s, st) in steps.into_iter().enumerate() {
-                let name = format!("decode.{s:04}.argmax");
-                cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
-                if model.forcing.is_some() {
-                    cap.forced(&name, u64::from(st.overridden));
-                }
-                cap.append(st.capture);
+    let (wd, cap) = beside_weights_digest(&o.model_dir, || {
+        pool.install(|| -> Result<Capture> {
+            let mut cap = Capture::new("prefill", o.internals);
+            let mut kv = model.new_cache();
+            let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
+            let v = model.cfg.vocab_size;
+            let (mut ids, mut margins, mut overridden) = (vec![], vec![], 0);
+            for r in 0..o.tokens.len() {
+                let (i, m, over) = decide_or_force(
+                    &model,
+                    "logits.argmax",
+                    &logits[r * v..(r + 1) * v],
+                    r,
+                    &format!("logits row {r}"),
+                )?;
+                ids.push(i);
+                margins.push(m);
+                overridden += u64::from(over);
             }
-        }
-        Ok(cap)
-    }))?;
-    let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals, &o.command_line);
+            cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
+            if model.forcing.is_some() {
+                cap.forced("logits.argmax", overridden);
+            }
+            if o.generate > 0 {
+                let steps = generate(
+                    &model,
+                    &o.tokens,
+                    &logits,
+                    o.generate,
+                    if o.cache { Some(&mut kv) } else { None },
+                    o.internals,
+                )?;
+                for (s, st) in steps.into_iter().enumerate() {
+                    let name = format!("decode.{s:04}.argmax");
+                    cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
+                    if model.forcing.is_some() {
+                        cap.forced(&name, u64::from(st.overridden));
+                    }
+                    cap.append(st.capture);
+                }
+            }
+            Ok(cap)
+        })
+    })?;
+    let mut prov = provenance(
+        &o.model_dir,
+        &raw,
+        &wd,
+        o.threads,
+        o.internals,
+        &o.command_line,
+    );
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
     prov["cache"] = json!(if o.cache { "on" } else { "off" });
@@ -222,7 +295,13 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
 
 /// Writes the capture; under `--force-decisions` (its weights checked against this run's) with
 /// the provenance record and the `forced` attribute.
-fn write(out: &Path, mut prov: Value, cap: &Capture, forcing: Option<&Forcing>, weights_digest: &str) -> Result<Digest> {
+fn write(
+    out: &Path,
+    mut prov: Value,
+    cap: &Capture,
+    forcing: Option<&Forcing>,
+    weights_digest: &str,
+) -> Result<Digest> {
     if let Some(f) = forcing {
         f.check_weights(weights_digest)?;
         prov["forced_decisions"] = f.provenance(&cap.forced);
@@ -239,7 +318,9 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
     std::thread::scope(|s| {
         let digest = s.spawn(|| crate::weights_digest(dir));
         let out = work();
-        let wd = digest.join().map_err(|_| err!("{}: the weights digest thread panicked", dir.display()))??;
+        let wd = digest
+            .join()
+            .map_err(|_| err!("{}: the weights digest thread panicked", dir.display()))??;
         Ok((wd, out?))
     })
 }
@@ -253,7 +334,11 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
 pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let (cfg, raw) = load_config(&o.model_dir)?;
     if o.layer >= cfg.num_hidden_layers {
-        return Err(err!("--layer {} out of range (model has {} layers)", o.layer, cfg.num_hidden_layers));
+        return Err(err!(
+            "--layer {} out of range (model has {} layers)",
+            o.layer,
+            cfg.num_hidden_layers
+        ));
     }
     let store = Store::open(&o.model_dir)?;
     let mut model = Model::load(cfg, &store)?;
@@ -264,21 +349,42 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let h = model.cfg.hidden_size;
     let rows = match info.shape.as_slice() {
         [t, hh] if *hh as usize == h && *t >= 1 => *t as usize,
-        s => return Err(err!("{}: tensor {} has shape {s:?}, expected [rows, {h}]", o.input.display(), o.input_name)),
+        s => {
+            return Err(err!(
+                "{}: tensor {} has shape {s:?}, expected [rows, {h}]",
+                o.input.display(),
+                o.input_name
+            ))
+        }
     };
-    let pos = info
-        .attributes
-        .positions
-        .clone()
-        .ok_or_else(|| err!("{}: tensor {} has no positions attribute", o.input.display(), o.input_name))?;
+    let pos = info.attributes.positions.clone().ok_or_else(|| {
+        err!(
+            "{}: tensor {} has no positions attribute",
+            o.input.display(),
+            o.input_name
+        )
+    })?;
     if pos.len() != rows {
-        return Err(err!("{}: tensor {}: {} positions for {rows} rows", o.input.display(), o.input_name, pos.len()));
+        return Err(err!(
+            "{}: tensor {}: {} positions for {rows} rows",
+            o.input.display(),
+            o.input_name,
+            pos.len()
+        ));
     }
-    if let Some(p) = pos.iter().find(|&&p| !(0..MAX_POSITIONS as i64).contains(&p)) {
-        return Err(err!("{}: tensor {}: position {p} outside [0, 2^24)", o.input.display(), o.input_name));
+    if let Some(p) = pos
+        .iter()
+        .find(|&&p| !(0..MAX_POSITIONS as i64).contains(&p))
+    {
+        return Err(err!(
+            "{}: tensor {}: position {p} outside [0, 2^24)",
+            o.input.display(),
+            o.input_name
+        ));
     }
     if let Some(p) = o.decode_from {
-        check_decode_from(&pos, p).map_err(|e| err!("{}: tensor {}: {e}", o.input.display(), o.input_name))?;
+        check_decode_from(&pos, p)
+            .map_err(|e| err!("{}: tensor {}: {e}", o.input.display(), o.input_name))?;
     }
     let x = input.f32_vec(&o.input_name)?;
     if let Some(path) = &o.force_decisions {
@@ -295,29 +401,52 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         model.forcing = Some(f);
     }
     let pool = pool(o.threads)?;
-    let (wd, cap) = beside_weights_digest(&o.model_dir, || pool.install(|| -> Result<Capture> {
-        let mut kv = Default::default();
-        let Some(p) = o.decode_from.map(|p| p as usize) else {
-            let mut cap = Capture::new("layer", o.internals);
-            let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos);
-            model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
-            return Ok(cap);
-        };
-        // No internal points under --decode-from (docs/producers.md).
-        let mut cap = Capture::new("layer", false);
-        if p > 0 {
-            let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos[..p]);
-            model.layer(o.layer, &x[..p * h], &pos[..p], &rope, &mut kv, &mut Capture::off())?;
-        }
-        for r in p..rows {
-            let at = &pos[r..r + 1];
-            model.layer(o.layer, &x[r * h..(r + 1) * h], at, &Rope::new(model.cfg.rope_theta, model.cfg.head_dim, at), &mut kv, &mut cap)?;
-        }
-        cap.join_rows();
-        cap.decode_from = Some(p as i64);
-        Ok(cap)
-    }))?;
-    let mut prov = provenance(&o.model_dir, &raw, &wd, o.threads, o.internals && o.decode_from.is_none(), &o.command_line);
+    let (wd, cap) = beside_weights_digest(&o.model_dir, || {
+        pool.install(|| -> Result<Capture> {
+            let mut kv = Default::default();
+            let Some(p) = o.decode_from.map(|p| p as usize) else {
+                let mut cap = Capture::new("layer", o.internals);
+                let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos);
+                model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
+                return Ok(cap);
+            };
+            // No internal points under --decode-from (docs/producers.md).
+            let mut cap = Capture::new("layer", false);
+            if p > 0 {
+                let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos[..p]);
+                model.layer(
+                    o.layer,
+                    &x[..p * h],
+                    &pos[..p],
+                    &rope,
+                    &mut kv,
+                    &mut Capture::off(),
+                )?;
+            }
+            for r in p..rows {
+                let at = &pos[r..r + 1];
+                model.layer(
+                    o.layer,
+                    &x[r * h..(r + 1) * h],
+                    at,
+                    &Rope::new(model.cfg.rope_theta, model.cfg.head_dim, at),
+                    &mut kv,
+                    &mut cap,
+                )?;
+            }
+            cap.join_rows();
+            cap.decode_from = Some(p as i64);
+            Ok(cap)
+        })
+    })?;
+    let mut prov = provenance(
+        &o.model_dir,
+        &raw,
+        &wd,
+        o.threads,
+        o.internals && o.decode_from.is_none(),
+        &o.command_line,
+    );
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     if let Some(p) = o.decode_from {
@@ -330,10 +459,17 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
 /// `--decode-from P`: the rows must be at positions exactly 0..m−1 in order, and 0 ≤ P < m.
 fn check_decode_from(pos: &[i64], p: i64) -> Result<()> {
     if let Some((i, &bad)) = pos.iter().enumerate().find(|&(i, &q)| q != i as i64) {
-        return Err(err!("--decode-from needs rows at positions 0..{} in order; row {i} is at position {bad}", pos.len() - 1));
+        return Err(err!(
+            "--decode-from needs rows at positions 0..{} in order; row {i} is at position {bad}",
+            pos.len() - 1
+        ));
     }
     if !(0..pos.len() as i64).contains(&p) {
-        return Err(err!("--decode-from {p} outside 0..{} (the input's {} rows)", pos.len() - 1, pos.len()));
+        return Err(err!(
+            "--decode-from {p} outside 0..{} (the input's {} rows)",
+            pos.len() - 1,
+            pos.len()
+        ));
     }
     Ok(())
 }
@@ -351,12 +487,17 @@ pub fn info(dir: &Path) -> Result<String> {
         c.vocab_size, c.intermediate_size, c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings, c.attention_bias
     );
     if let Some(m) = &c.moe {
-        let sparse: Vec<usize> = (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)).collect();
+        let sparse: Vec<usize> = (0..c.num_hidden_layers)
+            .filter(|&l| c.is_sparse(l))
+            .collect();
         s += &format!(
             "experts {} top-{}  moe_intermediate {}  norm_topk_prob {}  sparse layers {:?}\n",
             m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob, sparse
         );
     }
-    s += &format!("tensors {n}: all present, all claimed\nweights_digest {}\n", crate::weights_digest(dir)?);
+    s += &format!(
+        "tensors {n}: all present, all claimed\nweights_digest {}\n",
+        crate::weights_digest(dir)?
+    );
     Ok(s)
 }

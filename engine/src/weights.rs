@@ -67,7 +67,10 @@ pub struct Entry {
 /// overlapping ranges, and bytes of the data buffer no tensor covers.
 pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>> {
     if bytes.len() < 8 {
-        return Err(err!("{file}: not a safetensors file ({} bytes, need at least 8)", bytes.len()));
+        return Err(err!(
+            "{file}: not a safetensors file ({} bytes, need at least 8)",
+            bytes.len()
+        ));
     }
     let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
     let avail = bytes.len() as u64 - 8;
@@ -87,23 +90,30 @@ pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>>
     let mut out = BTreeMap::new();
     for (name, v) in raw.0 {
         if name == "__metadata__" {
-            let ok = v.as_object().is_some_and(|m| m.values().all(|x| x.is_string()));
+            let ok = v
+                .as_object()
+                .is_some_and(|m| m.values().all(|x| x.is_string()));
             if !ok {
                 return Err(err!("{file}: __metadata__ must be an object of strings"));
             }
             continue;
         }
-        let obj = v.as_object().ok_or_else(|| err!("{file}: tensor {name}: entry is not an object"))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| err!("{file}: tensor {name}: entry is not an object"))?;
         let dtype = obj
             .get("dtype")
             .and_then(|d| d.as_str())
             .ok_or_else(|| err!("{file}: tensor {name}: missing string dtype"))?;
-        let esize = st_dtype_size(dtype).ok_or_else(|| err!("{file}: tensor {name}: unknown dtype {dtype:?}"))?;
+        let esize = st_dtype_size(dtype)
+            .ok_or_else(|| err!("{file}: tensor {name}: unknown dtype {dtype:?}"))?;
         let shape: Vec<u64> = obj
             .get("shape")
             .and_then(|s| s.as_array())
             .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| err!("{file}: tensor {name}: shape must be an array of non-negative integers"))?;
+            .ok_or_else(|| {
+                err!("{file}: tensor {name}: shape must be an array of non-negative integers")
+            })?;
         let offs: Vec<u64> = obj
             .get("data_offsets")
             .and_then(|s| s.as_array())
@@ -121,22 +131,37 @@ pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>>
         if nbytes != e - b {
             return Err(err!("{file}: tensor {name}: shape {shape:?} of {dtype} needs {nbytes} bytes, data_offsets give {}", e - b));
         }
-        let entry = Entry { dtype: dtype.to_string(), shape, start: data_start + b as usize, end: data_start + e as usize };
+        let entry = Entry {
+            dtype: dtype.to_string(),
+            shape,
+            start: data_start + b as usize,
+            end: data_start + e as usize,
+        };
         out.insert(name, entry);
     }
     // The data buffer must be tiled exactly: no overlaps, no gaps (as the format requires).
-    let mut ranges: Vec<(usize, usize, &str)> = out.iter().map(|(k, e)| (e.start, e.end, k.as_str())).collect();
+    let mut ranges: Vec<(usize, usize, &str)> = out
+        .iter()
+        .map(|(k, e)| (e.start, e.end, k.as_str()))
+        .collect();
     ranges.sort();
     let mut pos = data_start;
     for (s, e, name) in ranges {
         if s != pos {
-            let what = if s < pos { "overlaps the previous tensor" } else { "leaves a gap before it" };
+            let what = if s < pos {
+                "overlaps the previous tensor"
+            } else {
+                "leaves a gap before it"
+            };
             return Err(err!("{file}: tensor {name}: data range {what}"));
         }
         pos = e;
     }
     if pos != bytes.len() {
-        return Err(err!("{file}: {} trailing bytes of the data buffer belong to no tensor", bytes.len() - pos));
+        return Err(err!(
+            "{file}: {} trailing bytes of the data buffer belong to no tensor",
+            bytes.len() - pos
+        ));
     }
     Ok(out)
 }
@@ -152,12 +177,17 @@ impl<'de> serde::Deserialize<'de> for UniqueMap {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> std::result::Result<UniqueMap, A::Error> {
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<UniqueMap, A::Error> {
                 let mut seen = std::collections::HashSet::new();
                 let mut out = Vec::new();
                 while let Some((k, v)) = m.next_entry::<String, serde_json::Value>()? {
                     if !seen.insert(k.clone()) {
-                        return Err(serde::de::Error::custom(format!("duplicate tensor name {k:?}")));
+                        return Err(serde::de::Error::custom(format!(
+                            "duplicate tensor name {k:?}"
+                        )));
                     }
                     out.push((k, v));
                 }
@@ -181,7 +211,12 @@ impl<'a> Mat<'a> {
     /// Rows `r0 .. r0+n` as their own matrix (used to split fused expert tensors).
     pub fn row_block(&self, r0: usize, n: usize) -> Mat<'a> {
         let rb = self.cols * self.dtype.size();
-        Mat { dtype: self.dtype, rows: n, cols: self.cols, bytes: &self.bytes[r0 * rb..(r0 + n) * rb] }
+        Mat {
+            dtype: self.dtype,
+            rows: n,
+            cols: self.cols,
+            bytes: &self.bytes[r0 * rb..(r0 + n) * rb],
+        }
     }
 
     /// Widen `out.len()` elements of row `r` starting at column `c0` (exact).
@@ -239,7 +274,8 @@ pub fn regular_file(p: &Path) -> Result<()> {
 /// `model.safetensors.index.json` they must be exactly the shards it names; without one, exactly
 /// `model.safetensors`. This one list feeds both the loader and the weights digest.
 pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let rd = std::fs::read_dir(dir).map_err(|e| err!("{}: cannot read model directory: {e}", dir.display()))?;
+    let rd = std::fs::read_dir(dir)
+        .map_err(|e| err!("{}: cannot read model directory: {e}", dir.display()))?;
     let mut names = Vec::new();
     for ent in rd {
         let ent = ent.map_err(|e| err!("{}: {e}", dir.display()))?;
@@ -261,7 +297,10 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     };
     for n in &names {
         if !expected.contains(n) {
-            return Err(err!("{}: safetensors file {n} is not part of the checkpoint (expected {expected:?})", dir.display()));
+            return Err(err!(
+                "{}: safetensors file {n} is not part of the checkpoint (expected {expected:?})",
+                dir.display()
+            ));
         }
     }
     for n in &expected {
@@ -276,16 +315,22 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     regular_file(path)?;
     let text = std::fs::read_to_string(path).map_err(|e| err!("{}: {e}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", path.display()))?;
     let wm = v
         .get("weight_map")
         .and_then(|m| m.as_object())
         .ok_or_else(|| err!("{}: missing object weight_map", path.display()))?;
     let mut out = BTreeMap::new();
     for (k, f) in wm {
-        let f = f.as_str().ok_or_else(|| err!("{}: weight_map[{k}] is not a string", path.display()))?;
+        let f = f
+            .as_str()
+            .ok_or_else(|| err!("{}: weight_map[{k}] is not a string", path.display()))?;
         if f.contains('/') || f.contains('\\') || !f.ends_with(".safetensors") {
-            return Err(err!("{}: weight_map[{k}] names {f:?}, not a safetensors file in the directory", path.display()));
+            return Err(err!(
+                "{}: weight_map[{k}] names {f:?}, not a safetensors file in the directory",
+                path.display()
+            ));
         }
         out.insert(k.clone(), f.to_string());
     }
@@ -305,7 +350,11 @@ impl Store {
     pub fn open(dir: &Path) -> Result<Store> {
         let files = safetensors_files(dir)?;
         let index = dir.join("model.safetensors.index.json");
-        let weight_map = if index.exists() { Some(read_index(&index)?) } else { None };
+        let weight_map = if index.exists() {
+            Some(read_index(&index)?)
+        } else {
+            None
+        };
         let mut maps = Vec::new();
         let mut tensors = BTreeMap::new();
         for p in &files {
@@ -313,17 +362,26 @@ impl Store {
             let f = File::open(p).map_err(|e| err!("{}: {e}", p.display()))?;
             // SAFETY: mapped read-only; the checkpoint must not be modified while the engine runs
             // (the same contract every mmap-based loader has).
-            let m = unsafe { Mmap::map(&f) }.map_err(|e| err!("{}: cannot map: {e}", p.display()))?;
-            let fname = p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let m =
+                unsafe { Mmap::map(&f) }.map_err(|e| err!("{}: cannot map: {e}", p.display()))?;
+            let fname = p
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
             let entries = parse_header(&m, &fname)?;
             for (name, e) in entries {
                 if let Some(wm) = &weight_map {
                     if wm.get(&name) != Some(&fname) {
-                        return Err(err!("tensor {name} is in {fname} but the index names {:?}", wm.get(&name)));
+                        return Err(err!(
+                            "tensor {name} is in {fname} but the index names {:?}",
+                            wm.get(&name)
+                        ));
                     }
                 }
                 if tensors.insert(name.clone(), (maps.len(), e)).is_some() {
-                    return Err(err!("tensor {name} appears in more than one safetensors file"));
+                    return Err(err!(
+                        "tensor {name} appears in more than one safetensors file"
+                    ));
                 }
             }
             maps.push(m);
@@ -331,11 +389,17 @@ impl Store {
         if let Some(wm) = &weight_map {
             for (name, f) in wm {
                 if !tensors.contains_key(name) {
-                    return Err(err!("tensor {name}: listed in the index for {f} but not in that file"));
+                    return Err(err!(
+                        "tensor {name}: listed in the index for {f} but not in that file"
+                    ));
                 }
             }
         }
-        Ok(Store { maps, tensors, claimed: Default::default() })
+        Ok(Store {
+            maps,
+            tensors,
+            claimed: Default::default(),
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -344,7 +408,10 @@ impl Store {
 
     /// Claim tensor `name` and check its shape; returns it as a matrix (`[n]` is `1 × n`).
     pub fn take(&self, name: &str, shape: &[usize]) -> Result<Mat<'_>> {
-        let (mi, e) = self.tensors.get(name).ok_or_else(|| err!("missing tensor {name} (expected shape {shape:?})"))?;
+        let (mi, e) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| err!("missing tensor {name} (expected shape {shape:?})"))?;
         let got: Vec<usize> = e.shape.iter().map(|&d| d as usize).collect();
         if got != shape {
             return Err(err!("tensor {name}: shape {got:?}, expected {shape:?}"));
@@ -353,7 +420,11 @@ impl Store {
             "F32" => WDType::F32,
             "F16" => WDType::F16,
             "BF16" => WDType::BF16,
-            d => return Err(err!("tensor {name}: dtype {d} not supported (BF16, F16, F32)")),
+            d => {
+                return Err(err!(
+                    "tensor {name}: dtype {d} not supported (BF16, F16, F32)"
+                ))
+            }
         };
         self.claimed.borrow_mut().insert(name.to_string());
         let (rows, cols) = match shape {
@@ -362,7 +433,12 @@ impl Store {
             [a, r, c] => (a * r, *c),
             _ => return Err(err!("tensor {name}: unsupported rank {}", shape.len())),
         };
-        Ok(Mat { dtype, rows, cols, bytes: &self.maps[*mi][e.start..e.end] })
+        Ok(Mat {
+            dtype,
+            rows,
+            cols,
+            bytes: &self.maps[*mi][e.start..e.end],
+        })
     }
 
     /// Refuse the checkpoint if any tensor was not claimed by the model.
@@ -370,7 +446,9 @@ impl Store {
         let claimed = self.claimed.borrow();
         for name in self.tensors.keys() {
             if !claimed.contains(name) {
-                return Err(err!("unclaimed tensor {name}: no module of this config uses it"));
+                return Err(err!(
+                    "unclaimed tensor {name}: no module of this config uses it"
+                ));
             }
         }
         Ok(())
@@ -389,7 +467,13 @@ impl Store {
     pub fn layer_count(&self) -> usize {
         self.tensors
             .keys()
-            .filter_map(|k| k.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok())
+            .filter_map(|k| {
+                k.strip_prefix("model.layers.")?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
             .max()
             .map_or(0, |n| n.saturating_add(1))
     }

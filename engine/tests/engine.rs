@@ -45,7 +45,12 @@ fn fixture() -> Fixture {
     make_model(&dense, &dense_config(), "F32", 1);
     make_model(&moe, &moe_config(), "BF16", 2);
     let dir = tmp.path().to_path_buf();
-    Fixture { _tmp: tmp, dense, moe, dir }
+    Fixture {
+        _tmp: tmp,
+        dense,
+        moe,
+        dir,
+    }
 }
 
 const PROMPT: [i64; 7] = [3, 17, 5, 0, 42, 17, 9];
@@ -53,7 +58,12 @@ const PROMPT: [i64; 7] = [3, 17, 5, 0, 42, 17, 9];
 #[test]
 fn capture_names_order_and_attributes() {
     let f = fixture();
-    for (model, internals) in [(&f.dense, false), (&f.dense, true), (&f.moe, false), (&f.moe, true)] {
+    for (model, internals) in [
+        (&f.dense, false),
+        (&f.dense, true),
+        (&f.moe, false),
+        (&f.moe, true),
+    ] {
         let out = f.dir.join("names.trace");
         let mut o = trace_opts(model, out.clone(), &PROMPT);
         o.internals = internals;
@@ -102,12 +112,19 @@ fn capture_names_order_and_attributes() {
         want.push("decode.0000.logits".into());
         if internals {
             for l in 0..cfg.num_hidden_layers {
-                want.extend(["hidden_in", "attn_out", "mlp_out", "hidden_out"].map(|p| format!("decode.0001.layer.{l:02}.{p}")));
+                want.extend(
+                    ["hidden_in", "attn_out", "mlp_out", "hidden_out"]
+                        .map(|p| format!("decode.0001.layer.{l:02}.{p}")),
+                );
             }
             want.push("decode.0001.final_norm.out".into());
         }
         want.push("decode.0001.logits".into());
-        want_dec.extend(["logits.argmax".to_string(), "decode.0000.argmax".into(), "decode.0001.argmax".into()]);
+        want_dec.extend([
+            "logits.argmax".to_string(),
+            "decode.0000.argmax".into(),
+            "decode.0001.argmax".into(),
+        ]);
         let got: Vec<String> = t.tensors().iter().map(|i| i.name.clone()).collect();
         assert_eq!(got, want, "internals {internals}");
         let got_dec: Vec<String> = t.decisions().iter().map(|d| d.name.clone()).collect();
@@ -120,7 +137,11 @@ fn capture_names_order_and_attributes() {
                 let s: i64 = rest[..4].parse().unwrap();
                 assert_eq!(i.attributes.path.as_deref(), Some("decode"), "{}", i.name);
                 assert_eq!(pos, vec![n as i64 + s - 1], "{}", i.name);
-                let width = if i.name.ends_with("logits") { cfg.vocab_size } else { cfg.hidden_size } as u64;
+                let width = if i.name.ends_with("logits") {
+                    cfg.vocab_size
+                } else {
+                    cfg.hidden_size
+                } as u64;
                 assert_eq!(i.shape, vec![1, width], "{}", i.name);
                 continue;
             }
@@ -156,7 +177,12 @@ fn embed_out_is_the_widened_embedding_row() {
     let e = t.f32_vec("embed.out").unwrap();
     let tensors = model_tensors(&dense_config(), "F32", 1);
     let emb = &tensors[0].bytes;
-    let row = |tok: usize| -> Vec<f32> { emb[tok * 24 * 4..(tok + 1) * 24 * 4].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect() };
+    let row = |tok: usize| -> Vec<f32> {
+        emb[tok * 24 * 4..(tok + 1) * 24 * 4]
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
     assert_eq!(bits(&e[..24]), bits(&row(60)));
     assert_eq!(bits(&e[24..]), bits(&row(0)));
     // Token outside the vocabulary is refused, naming it.
@@ -200,7 +226,17 @@ fn digest_identical_across_fresh_processes_and_kernel_paths() {
         let o = cmd
             .args(["trace", "--model"])
             .arg(&f.moe)
-            .args(["--tokens", "3,17,5,9", "--generate", "2", "--capture", "internals", "--threads", threads, "--out"])
+            .args([
+                "--tokens",
+                "3,17,5,9",
+                "--generate",
+                "2",
+                "--capture",
+                "internals",
+                "--threads",
+                threads,
+                "--out",
+            ])
             .arg(&out)
             .output()
             .unwrap();
@@ -221,7 +257,9 @@ fn cached_decode_equals_uncached_bit_for_bit() {
         let store = Store::open(model_dir).unwrap();
         let model = Model::load(cfg, &store).unwrap();
         let mut kv = model.new_cache();
-        let logits = model.forward(&PROMPT, 0, &mut kv, &mut Capture::off()).unwrap();
+        let logits = model
+            .forward(&PROMPT, 0, &mut kv, &mut Capture::off())
+            .unwrap();
         let cached = generate(&model, &PROMPT, &logits, 6, Some(&mut kv), true).unwrap();
         let uncached = generate(&model, &PROMPT, &logits, 6, None, true).unwrap();
         for (s, (a, b)) in cached.iter().zip(&uncached).enumerate() {
@@ -229,13 +267,29 @@ fn cached_decode_equals_uncached_bit_for_bit() {
             assert_eq!(bits(&a.logits), bits(&b.logits), "step {s}");
             assert_eq!(a.margin.to_bits(), b.margin.to_bits());
             // The step's tensors too: 4 per layer and final_norm.out from step 1, logits always.
-            let want = if s == 0 { 1 } else { 4 * model.cfg.num_hidden_layers + 2 };
-            assert_eq!((a.capture.tensors.len(), b.capture.tensors.len()), (want, want), "step {s}");
+            let want = if s == 0 {
+                1
+            } else {
+                4 * model.cfg.num_hidden_layers + 2
+            };
+            assert_eq!(
+                (a.capture.tensors.len(), b.capture.tensors.len()),
+                (want, want),
+                "step {s}"
+            );
             for (x, y) in a.capture.tensors.iter().zip(&b.capture.tensors) {
                 assert_eq!((&x.name, &x.positions), (&y.name, &y.positions));
                 assert_eq!(bits(&x.data), bits(&y.data), "step {s} {}", x.name);
             }
-            assert_eq!(bits(&a.capture.get(&format!("decode.{s:04}.logits")).unwrap().data), bits(&a.logits));
+            assert_eq!(
+                bits(
+                    &a.capture
+                        .get(&format!("decode.{s:04}.logits"))
+                        .unwrap()
+                        .data
+                ),
+                bits(&a.logits)
+            );
         }
         // And through the verb: cache on/off traces are identical in digest, decode tensors included.
         let mut o = trace_opts(model_dir, f.dir.join("on.trace"), &PROMPT);
@@ -247,7 +301,10 @@ fn cached_decode_equals_uncached_bit_for_bit() {
         let off = run_trace(&o).unwrap();
         assert_eq!(on, off);
         let t = Trace::open(&o.out).unwrap();
-        assert!(t.tensor_info("decode.0005.layer.00.attn_out").is_some() && t.tensor_info("decode.0005.logits").is_some());
+        assert!(
+            t.tensor_info("decode.0005.layer.00.attn_out").is_some()
+                && t.tensor_info("decode.0005.logits").is_some()
+        );
     }
 }
 
@@ -278,17 +335,33 @@ fn layer_verb_reproduces_whole_run_layer_bit_for_bit() {
             .unwrap();
             let lt = Trace::open(&out).unwrap();
             let prefix = format!("layer.{l:02}.");
-            let want: Vec<&str> = ft.tensors().iter().filter(|i| i.name.starts_with(&prefix)).map(|i| i.name.as_str()).collect();
+            let want: Vec<&str> = ft
+                .tensors()
+                .iter()
+                .filter(|i| i.name.starts_with(&prefix))
+                .map(|i| i.name.as_str())
+                .collect();
             let got: Vec<&str> = lt.tensors().iter().map(|i| i.name.as_str()).collect();
             assert_eq!(got, want);
             for i in lt.tensors() {
                 assert_eq!(i.attributes.path.as_deref(), Some("layer"));
-                assert_eq!(i.attributes.positions, ft.tensor_info(&i.name).unwrap().attributes.positions);
-                assert_eq!(bits(&lt.f32_vec(&i.name).unwrap()), bits(&ft.f32_vec(&i.name).unwrap()), "layer {l} {}", i.name);
+                assert_eq!(
+                    i.attributes.positions,
+                    ft.tensor_info(&i.name).unwrap().attributes.positions
+                );
+                assert_eq!(
+                    bits(&lt.f32_vec(&i.name).unwrap()),
+                    bits(&ft.f32_vec(&i.name).unwrap()),
+                    "layer {l} {}",
+                    i.name
+                );
             }
             if cfg.is_sparse(l) {
                 let name = format!("layer.{l:02}.router.topk");
-                let (a, b) = (lt.decision_info(&name).unwrap(), ft.decision_info(&name).unwrap());
+                let (a, b) = (
+                    lt.decision_info(&name).unwrap(),
+                    ft.decision_info(&name).unwrap(),
+                );
                 assert_eq!(lt.decision_values(a), ft.decision_values(b));
             } else {
                 assert!(lt.decisions().is_empty());
@@ -316,12 +389,19 @@ fn layer_decode_from_matches_the_plain_layer_verb_and_the_decode_steps() {
             // The layer's input rows at positions 0..n+1: the prompt's, then steps 1 and 2's.
             let mut x = ft.f32_vec(&format!("layer.{l:02}.hidden_in")).unwrap();
             for s in 1..3 {
-                x.extend(ft.f32_vec(&format!("decode.{s:04}.layer.{l:02}.hidden_in")).unwrap());
+                x.extend(
+                    ft.f32_vec(&format!("decode.{s:04}.layer.{l:02}.hidden_in"))
+                        .unwrap(),
+                );
             }
             let input = f.dir.join("in.trace");
             let mut w = tracegate_trace::TraceWriter::create(&input, json!({})).unwrap();
-            let attrs = tracegate_trace::Attributes::default().with_path("prefill").with_mask("causal").with_positions((0..n as i64 + 2).collect());
-            w.tensor_f32("x", &[n as u64 + 2, h as u64], &x, &attrs).unwrap();
+            let attrs = tracegate_trace::Attributes::default()
+                .with_path("prefill")
+                .with_mask("causal")
+                .with_positions((0..n as i64 + 2).collect());
+            w.tensor_f32("x", &[n as u64 + 2, h as u64], &x, &attrs)
+                .unwrap();
             w.finish().unwrap();
             let layer = |decode_from: Option<i64>, out: &str| {
                 let out = f.dir.join(out);
@@ -343,7 +423,10 @@ fn layer_decode_from_matches_the_plain_layer_verb_and_the_decode_steps() {
             for p in [0, n as i64, n as i64 + 1] {
                 let dec = layer(Some(p), "dec.trace").unwrap();
                 let names: Vec<&str> = dec.tensors().iter().map(|i| i.name.as_str()).collect();
-                let want: Vec<String> = ["hidden_in", "attn_out", "mlp_out", "hidden_out"].iter().map(|s| format!("layer.{l:02}.{s}")).collect();
+                let want: Vec<String> = ["hidden_in", "attn_out", "mlp_out", "hidden_out"]
+                    .iter()
+                    .map(|s| format!("layer.{l:02}.{s}"))
+                    .collect();
                 assert_eq!(names, want, "no internals under --decode-from");
                 assert!(dec.decisions().is_empty());
                 assert_eq!(dec.provenance()["decode_from"], json!(p));
@@ -354,18 +437,29 @@ fn layer_decode_from_matches_the_plain_layer_verb_and_the_decode_steps() {
                     assert_eq!(i.attributes.positions, Some((p..n as i64 + 2).collect()));
                     assert_eq!(i.attributes.extra.get("decode_from"), Some(&p.to_string()));
                     let all = plain.f32_vec(&i.name).unwrap();
-                    assert_eq!(bits(&dec.f32_vec(&i.name).unwrap()), bits(&all[p as usize * h..]), "layer {l} P {p} {}", i.name);
+                    assert_eq!(
+                        bits(&dec.f32_vec(&i.name).unwrap()),
+                        bits(&all[p as usize * h..]),
+                        "layer {l} P {p} {}",
+                        i.name
+                    );
                 }
                 // The last row is decode step 2's layer l, which the whole run computed on its cache.
                 for s in ["attn_out", "mlp_out", "hidden_out"] {
                     let got = dec.f32_vec(&format!("layer.{l:02}.{s}")).unwrap();
-                    let want = ft.f32_vec(&format!("decode.0002.layer.{l:02}.{s}")).unwrap();
+                    let want = ft
+                        .f32_vec(&format!("decode.0002.layer.{l:02}.{s}"))
+                        .unwrap();
                     assert_eq!(bits(&got[(rows - 1) * h..]), bits(&want), "layer {l} {s}");
                 }
             }
             for p in [-1, n as i64 + 2] {
                 let e = layer(Some(p), "bad.trace").unwrap_err();
-                assert!(e.0.contains(&format!("--decode-from {p} outside 0..{}", n + 1)) && e.0.contains("tensor x"), "{e}");
+                assert!(
+                    e.0.contains(&format!("--decode-from {p} outside 0..{}", n + 1))
+                        && e.0.contains("tensor x"),
+                    "{e}"
+                );
             }
         }
     }
@@ -385,7 +479,11 @@ fn layer_decode_from_matches_the_plain_layer_verb_and_the_decode_steps() {
         decode_from: Some(0),
     })
     .unwrap_err();
-    assert!(e.0.contains("tensor decode.0001.layer.00.hidden_in") && e.0.contains("row 0 is at position 7"), "{e}");
+    assert!(
+        e.0.contains("tensor decode.0001.layer.00.hidden_in")
+            && e.0.contains("row 0 is at position 7"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -402,8 +500,12 @@ fn layer_verb_honours_positions_attribute() {
     let mk = |positions: Vec<i64>, name: &str| {
         let p = f.dir.join(name);
         let mut w = tracegate_trace::TraceWriter::create(&p, json!({})).unwrap();
-        let attrs = tracegate_trace::Attributes::default().with_path("prefill").with_mask("causal").with_positions(positions);
-        w.tensor_f32("x", &[3, h as u64], &x[3 * h..6 * h], &attrs).unwrap();
+        let attrs = tracegate_trace::Attributes::default()
+            .with_path("prefill")
+            .with_mask("causal")
+            .with_positions(positions);
+        w.tensor_f32("x", &[3, h as u64], &x[3 * h..6 * h], &attrs)
+            .unwrap();
         w.finish().unwrap();
         p
     };
@@ -422,7 +524,10 @@ fn layer_verb_honours_positions_attribute() {
             decode_from: None,
         })
         .unwrap();
-        Trace::open(&out).unwrap().f32_vec("layer.01.attn_out").unwrap()
+        Trace::open(&out)
+            .unwrap()
+            .f32_vec("layer.01.attn_out")
+            .unwrap()
     };
     let a = run(mk(vec![3, 4, 5], "a.trace"), "la.trace");
     let b = run(mk(vec![0, 1, 2], "b.trace"), "lb.trace");
@@ -430,7 +535,8 @@ fn layer_verb_honours_positions_attribute() {
     // Missing positions attribute is refused.
     let p = f.dir.join("nopos.trace");
     let mut w = tracegate_trace::TraceWriter::create(&p, json!({})).unwrap();
-    w.tensor_f32("x", &[1, h as u64], &x[..h], &Default::default()).unwrap();
+    w.tensor_f32("x", &[1, h as u64], &x[..h], &Default::default())
+        .unwrap();
     w.finish().unwrap();
     let e = run_layer(&LayerOptions {
         model_dir: f.dense.clone(),
@@ -468,7 +574,10 @@ fn refuses_missing_tensor() {
     ts.retain(|t| t.name != "model.layers.1.self_attn.k_norm.weight");
     write_model(tmp.path(), &cfg, &ts);
     let e = load_err(tmp.path());
-    assert!(e.contains("missing tensor model.layers.1.self_attn.k_norm.weight"), "{e}");
+    assert!(
+        e.contains("missing tensor model.layers.1.self_attn.k_norm.weight"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -476,7 +585,14 @@ fn refuses_unclaimed_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = dense_config(); // tied head: an lm_head.weight would be unclaimed
     let mut ts = model_tensors(&cfg, "F32", 1);
-    ts.push(tensor(&mut Rng::new(5), "lm_head.weight", "F32", &[61, 24], 1.0, 0.0));
+    ts.push(tensor(
+        &mut Rng::new(5),
+        "lm_head.weight",
+        "F32",
+        &[61, 24],
+        1.0,
+        0.0,
+    ));
     write_model(tmp.path(), &cfg, &ts);
     let e = load_err(tmp.path());
     assert!(e.contains("unclaimed tensor lm_head.weight"), "{e}");
@@ -487,12 +603,27 @@ fn refuses_wrong_shape_and_dtype() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = dense_config();
     let mut ts = model_tensors(&cfg, "F32", 1);
-    let i = ts.iter().position(|t| t.name == "model.norm.weight").unwrap();
-    ts[i] = tensor(&mut Rng::new(1), "model.norm.weight", "F32", &[23], 1.0, 0.0);
+    let i = ts
+        .iter()
+        .position(|t| t.name == "model.norm.weight")
+        .unwrap();
+    ts[i] = tensor(
+        &mut Rng::new(1),
+        "model.norm.weight",
+        "F32",
+        &[23],
+        1.0,
+        0.0,
+    );
     write_model(tmp.path(), &cfg, &ts);
     let e = load_err(tmp.path());
     assert!(e.contains("model.norm.weight") && e.contains("[23]"), "{e}");
-    ts[i] = T { name: "model.norm.weight".into(), dtype: "I32", shape: vec![24], bytes: vec![0; 96] };
+    ts[i] = T {
+        name: "model.norm.weight".into(),
+        dtype: "I32",
+        shape: vec![24],
+        bytes: vec![0; 96],
+    };
     write_model(tmp.path(), &cfg, &ts);
     let e = load_err(tmp.path());
     assert!(e.contains("model.norm.weight") && e.contains("I32"), "{e}");
@@ -500,16 +631,28 @@ fn refuses_wrong_shape_and_dtype() {
 
 #[test]
 fn refusal_of_another_family_says_whether_the_oracle_supports_it() {
-    for (mt, oracle) in [("llama", true), ("gemma3_text", true), ("olmoe", true), ("gpt2", false)] {
+    for (mt, oracle) in [
+        ("llama", true),
+        ("gemma3_text", true),
+        ("olmoe", true),
+        ("gpt2", false),
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let mut cfg = dense_config();
         cfg["model_type"] = json!(mt);
         make_model(tmp.path(), &dense_config(), "F32", 1);
         std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
         let e = load_err(tmp.path());
-        assert!(e.contains(&format!("model_type \"{mt}\"")) && !e.contains('\n'), "{e}");
+        assert!(
+            e.contains(&format!("model_type \"{mt}\"")) && !e.contains('\n'),
+            "{e}"
+        );
         assert_eq!(e.contains("the oracle supports it"), oracle, "{e}");
-        assert!(e.contains("bisect --reference oracle") == oracle && e.contains("docs/capture-points.md"), "{e}");
+        assert!(
+            e.contains("bisect --reference oracle") == oracle
+                && e.contains("docs/capture-points.md"),
+            "{e}"
+        );
     }
 }
 
@@ -517,17 +660,41 @@ fn refusal_of_another_family_says_whether_the_oracle_supports_it() {
 fn refuses_unsupported_config_values() {
     let cases: Vec<(&str, Value, &str)> = vec![
         ("use_sliding_window", json!(true), "use_sliding_window"),
-        ("rope_parameters", json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}), "rope_parameters.rope_type"),
-        ("rope_scaling", json!({"type": "linear", "factor": 2.0}), "rope_scaling.type"),
-        ("rope_scaling", json!("linear"), "rope_scaling = \"linear\" is not an object"),
+        (
+            "rope_parameters",
+            json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+            "rope_parameters.rope_type",
+        ),
+        (
+            "rope_scaling",
+            json!({"type": "linear", "factor": 2.0}),
+            "rope_scaling.type",
+        ),
+        (
+            "rope_scaling",
+            json!("linear"),
+            "rope_scaling = \"linear\" is not an object",
+        ),
         ("partial_rotary_factor", json!(0.5), "partial_rotary_factor"),
-        ("rope_parameters", json!({"rope_type": "default", "rope_theta": 0.0}), "rope_theta = 0 is not positive"),
+        (
+            "rope_parameters",
+            json!({"rope_type": "default", "rope_theta": 0.0}),
+            "rope_theta = 0 is not positive",
+        ),
         ("hidden_act", json!("gelu"), "hidden_act"),
         ("num_key_value_heads", json!(3), "num_key_value_heads"),
         ("head_dim", json!(9), "head_dim"),
         ("model_type", json!("llama"), "model_type"),
-        ("architectures", json!(["Qwen3ForSequenceClassification"]), "architectures"),
-        ("layer_types", json!(["full_attention", "sliding_attention", "full_attention"]), "layer_types"),
+        (
+            "architectures",
+            json!(["Qwen3ForSequenceClassification"]),
+            "architectures",
+        ),
+        (
+            "layer_types",
+            json!(["full_attention", "sliding_attention", "full_attention"]),
+            "layer_types",
+        ),
         ("vocab_size", Value::Null, "vocab_size"),
     ];
     for (key, value, named) in cases {
@@ -539,7 +706,10 @@ fn refuses_unsupported_config_values() {
         let e = load_err(tmp.path());
         assert!(e.contains(named), "{key}: {e}");
     }
-    for (key, value, named) in [("num_experts_per_tok", json!(6), "num_experts_per_tok"), ("num_experts_per_tok", json!(0), "num_experts_per_tok")] {
+    for (key, value, named) in [
+        ("num_experts_per_tok", json!(6), "num_experts_per_tok"),
+        ("num_experts_per_tok", json!(0), "num_experts_per_tok"),
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let mut cfg = moe_config();
         cfg[key] = value;
@@ -554,20 +724,48 @@ fn refuses_unsupported_config_values() {
 fn config_defaults_follow_transformers() {
     use tracegate_engine::qwen3::Config;
     let mut c = dense_config();
-    for k in ["head_dim", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "attention_bias"] {
+    for k in [
+        "head_dim",
+        "rms_norm_eps",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "attention_bias",
+    ] {
         c.as_object_mut().unwrap().remove(k);
     }
     let cfg = Config::from_json(&c).unwrap();
-    assert_eq!((cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, cfg.tie_word_embeddings, cfg.attention_bias), (128, 1e-6, 10000.0, false, false));
+    assert_eq!(
+        (
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.rope_theta,
+            cfg.tie_word_embeddings,
+            cfg.attention_bias
+        ),
+        (128, 1e-6, 10000.0, false, false)
+    );
     let mut m = moe_config();
-    for k in ["head_dim", "rope_theta", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"] {
+    for k in [
+        "head_dim",
+        "rope_theta",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    ] {
         m.as_object_mut().unwrap().remove(k);
     }
     let cfg = Config::from_json(&m).unwrap();
     assert_eq!(cfg.head_dim, 16 / 4);
     assert_eq!(cfg.rope_theta, 10000.0);
     let moe = cfg.moe.unwrap();
-    assert_eq!((moe.norm_topk_prob, moe.decoder_sparse_step, moe.mlp_only_layers.len()), (false, 1, 0));
+    assert_eq!(
+        (
+            moe.norm_topk_prob,
+            moe.decoder_sparse_step,
+            moe.mlp_only_layers.len()
+        ),
+        (false, 1, 0)
+    );
     // Legacy rope_theta with rope_parameters lacking it; rope_parameters wins when it has one.
     let mut c = dense_config();
     c["rope_parameters"] = json!({"rope_type": "default"});
@@ -583,7 +781,23 @@ fn refuses_bad_safetensors_headers() {
     let good = {
         let tmp = tempfile::tempdir().unwrap();
         let p = tmp.path().join("a.safetensors");
-        write_safetensors(&p, &[T { name: "a".into(), dtype: "F32", shape: vec![2], bytes: vec![0; 8] }, T { name: "b".into(), dtype: "BF16", shape: vec![1, 2], bytes: vec![0; 4] }]);
+        write_safetensors(
+            &p,
+            &[
+                T {
+                    name: "a".into(),
+                    dtype: "F32",
+                    shape: vec![2],
+                    bytes: vec![0; 8],
+                },
+                T {
+                    name: "b".into(),
+                    dtype: "BF16",
+                    shape: vec![1, 2],
+                    bytes: vec![0; 4],
+                },
+            ],
+        );
         std::fs::read(p).unwrap()
     };
     assert!(parse_header(&good, "f").is_ok());
@@ -596,29 +810,98 @@ fn refuses_bad_safetensors_headers() {
     let cases: Vec<(Vec<u8>, &str)> = vec![
         (vec![1, 2, 3], "at least 8"),
         (u64::MAX.to_le_bytes().to_vec(), "exceeds"),
-        ({
-            let mut v = good.clone();
-            v[..8].copy_from_slice(&(good.len() as u64).to_le_bytes());
-            v
-        }, "exceeds"),
+        (
+            {
+                let mut v = good.clone();
+                v[..8].copy_from_slice(&(good.len() as u64).to_le_bytes());
+                v
+            },
+            "exceeds",
+        ),
         (with_header("[1,2]", 0), "start with"),
         (with_header("{\"a\":", 0), "not valid JSON"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 8), "duplicate"),
-        (with_header(r#"{"a":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}}"#, 8), "unknown dtype"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, 8), "needs 12 bytes"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}}"#, 8), "overflows"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 4), "outside"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#, 8), "outside"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, 8), "overlaps"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, 8), "gap"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 8), "trailing"),
-        (with_header(r#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#, 4), "shape"),
-        (with_header(r#"{"__metadata__":{"x":1}}"#, 0), "__metadata__"),
-        ({
-            let mut v = with_header("{}", 0);
-            v[8] = 0xff;
-            v
-        }, "UTF-8"),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "duplicate",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "unknown dtype",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "needs 12 bytes",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "overflows",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+                4,
+            ),
+            "outside",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#,
+                8,
+            ),
+            "outside",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+            ),
+            "overlaps",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+            ),
+            "gap",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                8,
+            ),
+            "trailing",
+        ),
+        (
+            with_header(
+                r#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#,
+                4,
+            ),
+            "shape",
+        ),
+        (
+            with_header(r#"{"__metadata__":{"x":1}}"#, 0),
+            "__metadata__",
+        ),
+        (
+            {
+                let mut v = with_header("{}", 0);
+                v[8] = 0xff;
+                v
+            },
+            "UTF-8",
+        ),
     ];
     for (bytes, want) in cases {
         let e = parse_header(&bytes, "f").expect_err(want);
@@ -643,7 +926,11 @@ fn sharded_checkpoint_loads_and_checks_index() {
     for t in b {
         wm.insert(t.name.clone(), json!("model-00002-of-00002.safetensors"));
     }
-    std::fs::write(dir.join("model.safetensors.index.json"), json!({"metadata": {}, "weight_map": wm.clone()}).to_string()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        json!({"metadata": {}, "weight_map": wm.clone()}).to_string(),
+    )
+    .unwrap();
     // Same tensors as one file → same trace digest (weights digest differs: other bytes).
     let single = dir.join("single");
     make_model(&single, &cfg, "BF16", 2);
@@ -653,7 +940,11 @@ fn sharded_checkpoint_loads_and_checks_index() {
     // Index naming the wrong shard for a tensor is refused.
     let first = a[0].name.clone();
     wm.insert(first.clone(), json!("model-00002-of-00002.safetensors"));
-    std::fs::write(dir.join("model.safetensors.index.json"), json!({"weight_map": wm}).to_string()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        json!({"weight_map": wm}).to_string(),
+    )
+    .unwrap();
     let e = load_err(dir);
     assert!(e.contains(&first), "{e}");
     // A stray safetensors file is refused, naming it.
@@ -672,11 +963,22 @@ fn fused_expert_layout_matches_per_expert_layout() {
     let mut fused: Vec<T> = vec![];
     for t in &ts {
         if !t.name.contains(".mlp.experts.") {
-            fused.push(T { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), bytes: t.bytes.clone() });
+            fused.push(T {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                bytes: t.bytes.clone(),
+            });
         }
     }
     for l in [0usize, 2] {
-        let get = |e: usize, w: &str| ts.iter().find(|t| t.name == format!("model.layers.{l}.mlp.experts.{e}.{w}.weight")).unwrap().bytes.clone();
+        let get = |e: usize, w: &str| {
+            ts.iter()
+                .find(|t| t.name == format!("model.layers.{l}.mlp.experts.{e}.{w}.weight"))
+                .unwrap()
+                .bytes
+                .clone()
+        };
         let mut gu = vec![];
         let mut dn = vec![];
         for e in 0..ne {
@@ -684,8 +986,18 @@ fn fused_expert_layout_matches_per_expert_layout() {
             gu.extend(get(e, "up_proj"));
             dn.extend(get(e, "down_proj"));
         }
-        fused.push(T { name: format!("model.layers.{l}.mlp.experts.gate_up_proj"), dtype: "BF16", shape: vec![ne, 2 * mi, 16], bytes: gu });
-        fused.push(T { name: format!("model.layers.{l}.mlp.experts.down_proj"), dtype: "BF16", shape: vec![ne, 16, mi], bytes: dn });
+        fused.push(T {
+            name: format!("model.layers.{l}.mlp.experts.gate_up_proj"),
+            dtype: "BF16",
+            shape: vec![ne, 2 * mi, 16],
+            bytes: gu,
+        });
+        fused.push(T {
+            name: format!("model.layers.{l}.mlp.experts.down_proj"),
+            dtype: "BF16",
+            shape: vec![ne, 16, mi],
+            bytes: dn,
+        });
     }
     let a = tmp.path().join("a");
     let b = tmp.path().join("b");
@@ -716,12 +1028,18 @@ fn provenance_records_the_run() {
     assert_eq!(p["prompt_tokens"], json!([1, 2]));
     assert_eq!(p["cache"], "off");
     assert_eq!(p["generate"], 1);
-    assert_eq!(p["weights_digest"], tracegate_engine::weights_digest(&f.moe).unwrap());
+    assert_eq!(
+        p["weights_digest"],
+        tracegate_engine::weights_digest(&f.moe).unwrap()
+    );
     assert_eq!(p["config"]["model_type"], "qwen3_moe");
     // The build id names the sources it was built from (16 hex digits after "src").
     let build = p["build"].as_str().unwrap();
     let src = build.split(" src ").nth(1).unwrap_or_default();
-    assert!(src.len() == 16 && src.chars().all(|c| c.is_ascii_hexdigit()), "{build}");
+    assert!(
+        src.len() == 16 && src.chars().all(|c| c.is_ascii_hexdigit()),
+        "{build}"
+    );
 }
 
 #[test]
@@ -739,12 +1057,22 @@ fn refusals_exit_2_with_one_line() {
     let err = String::from_utf8(o.stderr).unwrap();
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("99999"), "{err}");
-    let o = std::process::Command::new(exe).args(["info", "--model", "/nonexistent"]).output().unwrap();
+    let o = std::process::Command::new(exe)
+        .args(["info", "--model", "/nonexistent"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2));
-    let o = std::process::Command::new(exe).args(["info", "--model"]).arg(&f.moe).output().unwrap();
+    let o = std::process::Command::new(exe)
+        .args(["info", "--model"])
+        .arg(&f.moe)
+        .output()
+        .unwrap();
     assert!(o.status.success());
     let s = String::from_utf8(o.stdout).unwrap();
-    assert!(s.contains("weights_digest") && s.contains("all claimed"), "{s}");
+    assert!(
+        s.contains("weights_digest") && s.contains("all claimed"),
+        "{s}"
+    );
 }
 
 /// Runs the engine binary; a child still running after a generous deadline is killed and
@@ -766,7 +1094,10 @@ fn engine_cli(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let o = child.wait_with_output().unwrap();
-    (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -777,11 +1108,30 @@ fn absurd_config_sizes_are_refused_naming_the_field() {
     let (dense, moe) = (tmp.path().join("dense"), tmp.path().join("moe"));
     make_model(&dense, &dense_config(), "F32", 1);
     make_model(&moe, &moe_config(), "BF16", 2);
-    let dense_fields = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"];
+    let dense_fields = [
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "max_position_embeddings",
+    ];
     // num_experts = 0 is a valid config (every layer dense, §10): the tensors refuse it, below.
-    let moe_fields = ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_hidden_layers", "hidden_size", "num_attention_heads"];
+    let moe_fields = [
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+    ];
     let mut problems = vec![];
-    for (dir, base, fields) in [(&dense, dense_config(), &dense_fields[..]), (&moe, moe_config(), &moe_fields[..])] {
+    for (dir, base, fields) in [
+        (&dense, dense_config(), &dense_fields[..]),
+        (&moe, moe_config(), &moe_fields[..]),
+    ] {
         for field in fields {
             for value in [json!(1u64 << 40), json!(1u64 << 62), json!(0), json!(-1)] {
                 if *field == "num_experts" && value == json!(0) {
@@ -791,8 +1141,20 @@ fn absurd_config_sizes_are_refused_naming_the_field() {
                 cfg[*field] = value.clone();
                 std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
                 let out = tmp.path().join("x.trace");
-                let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), dir.as_os_str(), "--tokens".as_ref(), "1,2".as_ref(), "--out".as_ref(), out.as_os_str()]);
-                if code != Some(2) || err.lines().count() != 1 || !err.contains(field) || err.contains("panicked") {
+                let (code, err) = engine_cli(&[
+                    "trace".as_ref(),
+                    "--model".as_ref(),
+                    dir.as_os_str(),
+                    "--tokens".as_ref(),
+                    "1,2".as_ref(),
+                    "--out".as_ref(),
+                    out.as_os_str(),
+                ]);
+                if code != Some(2)
+                    || err.lines().count() != 1
+                    || !err.contains(field)
+                    || err.contains("panicked")
+                {
                     problems.push(format!("{field} = {value}: exit {code:?}: {}", err.trim()));
                 }
             }
@@ -815,14 +1177,27 @@ fn all_sparse_config_with_absurd_layer_count_is_refused_at_once() {
     std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
     let (code, err) = engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("num_hidden_layers = 4611686018427387904") && err.contains("3 layers"), "{err}");
+    assert!(
+        err.contains("num_hidden_layers = 4611686018427387904") && err.contains("3 layers"),
+        "{err}"
+    );
 }
 
 #[test]
 fn absurd_generate_count_is_refused_not_a_panic() {
     let f = fixture();
     let out = f.dir.join("g.trace");
-    let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), f.dense.as_os_str(), "--tokens".as_ref(), "1".as_ref(), "--generate".as_ref(), "4611686018427387904".as_ref(), "--out".as_ref(), out.as_os_str()]);
+    let (code, err) = engine_cli(&[
+        "trace".as_ref(),
+        "--model".as_ref(),
+        f.dense.as_os_str(),
+        "--tokens".as_ref(),
+        "1".as_ref(),
+        "--generate".as_ref(),
+        "4611686018427387904".as_ref(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--generate") && err.contains("2^24"), "{err}");
 }
@@ -834,24 +1209,48 @@ fn usage_errors_print_claps_whole_message() {
     let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), f.dense.as_os_str()]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--tokens") && err.contains("--out"), "{err}");
-    let (code, err) = engine_cli(&["trace".as_ref(), "--model".as_ref(), f.dense.as_os_str(), "--tokens".as_ref(), "1".as_ref(), "--out".as_ref(), "x".as_ref(), "--thread".as_ref(), "2".as_ref()]);
+    let (code, err) = engine_cli(&[
+        "trace".as_ref(),
+        "--model".as_ref(),
+        f.dense.as_os_str(),
+        "--tokens".as_ref(),
+        "1".as_ref(),
+        "--out".as_ref(),
+        "x".as_ref(),
+        "--thread".as_ref(),
+        "2".as_ref(),
+    ]);
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--thread'") && err.contains("--threads"), "{err}");
+    assert!(
+        err.contains("--thread'") && err.contains("--threads"),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_fifo_in_the_model_directory_is_refused_not_waited_on() {
     // Opening a FIFO for reading blocks until a writer comes: config.json, an index or a shard
     // that is one is refused before it is opened.
-    for name in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         make_model(tmp.path(), &dense_config(), "F32", 1);
         let p = tmp.path().join(name);
         let _ = std::fs::remove_file(&p);
-        let ok = std::process::Command::new("mkfifo").arg(&p).status().unwrap();
+        let ok = std::process::Command::new("mkfifo")
+            .arg(&p)
+            .status()
+            .unwrap();
         assert!(ok.success());
-        let (code, err) = engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
+        let (code, err) =
+            engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
         assert_eq!(code, Some(2), "{name}: {err}");
-        assert!(err.contains(name) && err.contains("not a regular file"), "{err}");
+        assert!(
+            err.contains(name) && err.contains("not a regular file"),
+            "{err}"
+        );
     }
 }

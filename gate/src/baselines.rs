@@ -36,11 +36,18 @@ pub type Conditions = BTreeMap<String, Value>;
 impl BaselineFile {
     pub fn load(path: &Path) -> Result<BaselineFile> {
         if !path.exists() {
-            return Ok(BaselineFile { schema: 1, baselines: Vec::new() });
+            return Ok(BaselineFile {
+                schema: 1,
+                baselines: Vec::new(),
+            });
         }
         let f: BaselineFile = crate::read_json(path)?;
         if f.schema != 1 {
-            return Err(gerr!("{}: schema {} is not supported", path.display(), f.schema));
+            return Err(gerr!(
+                "{}: schema {} is not supported",
+                path.display(),
+                f.schema
+            ));
         }
         Ok(f)
     }
@@ -52,8 +59,14 @@ impl Baseline {
         for (key, want) in &self.requires {
             match conditions.get(key) {
                 Some(have) if have == want => {}
-                Some(have) => return Some(format!("requires {key}={want}, this run has {key}={have}")),
-                None => return Some(format!("requires {key}={want}, which this run does not record")),
+                Some(have) => {
+                    return Some(format!("requires {key}={want}, this run has {key}={have}"))
+                }
+                None => {
+                    return Some(format!(
+                        "requires {key}={want}, which this run does not record"
+                    ))
+                }
             }
         }
         None

@@ -50,7 +50,13 @@ pub struct BisectOptions {
 }
 
 /// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.
-pub fn producer(root: &Path, kind: &str, template: Option<&str>, side: &str, threads: usize) -> Result<Producer> {
+pub fn producer(
+    root: &Path,
+    kind: &str,
+    template: Option<&str>,
+    side: &str,
+    threads: usize,
+) -> Result<Producer> {
     let cmd = |name: &str, default: String| Producer::command(name, template.unwrap_or(&default));
     match (kind, template) {
         ("engine", None) => Ok(Producer::Engine { threads }),
@@ -69,7 +75,8 @@ pub fn is_ordered(root: &Path, p: &Producer) -> bool {
     match p {
         Producer::Engine { .. } => true,
         Producer::Command { name, words, .. } => {
-            name == "contract" && matches!(Producer::command("contract", &crate::run::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
+            name == "contract"
+                && matches!(Producer::command("contract", &crate::run::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
         }
     }
 }
@@ -354,7 +361,10 @@ fn location(name: &str) -> i64 {
     if name.starts_with("embed.") {
         return -1;
     }
-    name.strip_prefix("layer.").and_then(|r| r.get(..2)).and_then(|n| n.parse().ok()).unwrap_or(i64::MAX)
+    name.strip_prefix("layer.")
+        .and_then(|r| r.get(..2))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(i64::MAX)
 }
 
 pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
@@ -370,15 +380,20 @@ pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
             cosine: r.cosine.map(|x| x.0),
         })
         // A common tensor of another dtype or shape gets no value row; it differs all the same.
-        .chain(rep.findings.iter().filter(|f| matches!(f.kind, "dtype_mismatch" | "shape_mismatch")).map(|f| TensorCmp {
-            tensor: f.tensor.clone().unwrap_or_default(),
-            status: f.kind.to_string(),
-            differing_elements: None,
-            total_elements: 0,
-            max_ulp: None,
-            rel_l2: None,
-            cosine: None,
-        }))
+        .chain(
+            rep.findings
+                .iter()
+                .filter(|f| matches!(f.kind, "dtype_mismatch" | "shape_mismatch"))
+                .map(|f| TensorCmp {
+                    tensor: f.tensor.clone().unwrap_or_default(),
+                    status: f.kind.to_string(),
+                    differing_elements: None,
+                    total_elements: 0,
+                    max_ulp: None,
+                    rel_l2: None,
+                    cosine: None,
+                }),
+        )
         .collect()
 }
 
@@ -386,7 +401,12 @@ pub(crate) fn decisions(rep: &Report) -> Vec<DecisionCmp> {
     rep.decisions
         .results
         .iter()
-        .map(|d| DecisionCmp { name: d.name.clone(), rows: d.rows, differing_rows: d.differing_rows, excused_rows: d.flips.iter().filter(|f| f.excused()).count() as u64 })
+        .map(|d| DecisionCmp {
+            name: d.name.clone(),
+            rows: d.rows,
+            differing_rows: d.differing_rows,
+            excused_rows: d.flips.iter().filter(|f| f.excused()).count() as u64,
+        })
         .collect()
 }
 
@@ -425,7 +445,11 @@ fn span(layers: &[usize]) -> String {
         while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
             j += 1;
         }
-        parts.push(if i == j { format!("{:02}", layers[i]) } else { format!("{:02}-{:02}", layers[i], layers[j]) });
+        parts.push(if i == j {
+            format!("{:02}", layers[i])
+        } else {
+            format!("{:02}-{:02}", layers[i], layers[j])
+        });
         i = j + 1;
     }
     parts.join(", ")
@@ -433,12 +457,22 @@ fn span(layers: &[usize]) -> String {
 
 /// "layer 03 inherits" / "layers 03-04 inherit".
 pub(crate) fn say(layers: &[usize], one: &str, many: &str) -> String {
-    if layers.len() == 1 { format!("layer {} {one}", span(layers)) } else { format!("layers {} {many}", span(layers)) }
+    if layers.len() == 1 {
+        format!("layer {} {one}", span(layers))
+    } else {
+        format!("layers {} {many}", span(layers))
+    }
 }
 
 /// f32 rel L2 (vs `reference`), max ULP and differing count, by bits.
 fn f32_stats(reference: &[f32], candidate: &[f32]) -> CalibrationRow {
-    let ord = |b: u32| -> i64 { if b & 0x8000_0000 != 0 { -((b & 0x7fff_ffff) as i64) } else { b as i64 } };
+    let ord = |b: u32| -> i64 {
+        if b & 0x8000_0000 != 0 {
+            -((b & 0x7fff_ffff) as i64)
+        } else {
+            b as i64
+        }
+    };
     let (mut dd, mut rr, mut max_ulp, mut differing) = (0f64, 0f64, 0u64, 0u64);
     for (&r, &c) in reference.iter().zip(candidate) {
         if r.to_bits() != c.to_bits() {
@@ -450,7 +484,13 @@ fn f32_stats(reference: &[f32], candidate: &[f32]) -> CalibrationRow {
         rr += r as f64 * r as f64;
     }
     let rel_l2 = (rr > 0.0).then(|| (dd / rr).sqrt());
-    CalibrationRow { layer: 0, rel_l2, max_ulp, differing_elements: differing, total_elements: reference.len() as u64 }
+    CalibrationRow {
+        layer: 0,
+        rel_l2,
+        max_ulp,
+        differing_elements: differing,
+        total_elements: reference.len() as u64,
+    }
 }
 
 /// Moves every finite element one ULP up or down in magnitude, the direction from a seeded
@@ -511,23 +551,56 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
     let pfx = format!("layer.{layer:02}.");
     let mut prov = reference.provenance().clone();
     if let Some(o) = prov.as_object_mut() {
-        o.insert("bisect_slice".into(), json!({ "layer": layer, "from": reference.path().display().to_string() }));
+        o.insert(
+            "bisect_slice".into(),
+            json!({ "layer": layer, "from": reference.path().display().to_string() }),
+        );
     }
     let mut w = TraceWriter::create(out, prov).map_err(|e| gerr!("{}: {e}", out.display()))?;
-    let same_rows = |name: &str, a: &Attributes| cand.tensor_info(name).is_some_and(|c| !name.contains(".expert.") || c.attributes.positions == a.positions);
+    let same_rows = |name: &str, a: &Attributes| {
+        cand.tensor_info(name)
+            .is_some_and(|c| !name.contains(".expert.") || c.attributes.positions == a.positions)
+    };
     // A candidate forced from the reference marks its tensors forced=<the reference's digest>;
     // this slice stands for that reference, so it carries the same mark.
     let digest = reference.digest().hex();
-    for info in reference.tensors().iter().filter(|t| t.name.starts_with(&pfx) && same_rows(&t.name, &t.attributes)) {
-        let mut attrs = Attributes { path: Some("layer".into()), ..info.attributes.clone() };
-        if cand.tensor_info(&info.name).is_some_and(|c| c.attributes.extra.get("forced") == Some(&digest)) {
+    for info in reference
+        .tensors()
+        .iter()
+        .filter(|t| t.name.starts_with(&pfx) && same_rows(&t.name, &t.attributes))
+    {
+        let mut attrs = Attributes {
+            path: Some("layer".into()),
+            ..info.attributes.clone()
+        };
+        if cand
+            .tensor_info(&info.name)
+            .is_some_and(|c| c.attributes.extra.get("forced") == Some(&digest))
+        {
             attrs.extra.insert("forced".into(), digest.clone());
         }
-        w.tensor(&info.name, info.dtype, &info.shape, reference.data(info), &attrs).map_err(|e| gerr!("{}: {e}", out.display()))?;
+        w.tensor(
+            &info.name,
+            info.dtype,
+            &info.shape,
+            reference.data(info),
+            &attrs,
+        )
+        .map_err(|e| gerr!("{}: {e}", out.display()))?;
     }
-    for d in reference.decisions().iter().filter(|d| d.name.starts_with(&pfx) && cand.decision_info(&d.name).is_some()) {
+    for d in reference
+        .decisions()
+        .iter()
+        .filter(|d| d.name.starts_with(&pfx) && cand.decision_info(&d.name).is_some())
+    {
         let margins = reference.decision_margins(d);
-        w.decision(&d.name, &d.shape, &reference.decision_values(d), margins.as_deref()).map_err(|e| gerr!("{}: {e}", out.display()))?;
+        w.decision(
+            &d.name,
+            &d.shape,
+            &reference.decision_values(d),
+            margins.as_deref(),
+        )
+        .map_err(|e| gerr!("{}: {e}", out.display()))?;
     }
     w.finish().map_err(|e| gerr!("{}: {e}", out.display()))?;
     Ok(())
@@ -535,7 +608,14 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
 
 /// The candidate's layer verb on `src`'s input to `layer`, compared with `src`'s own outputs.
 /// `forced`: the layer verb takes `src`'s router choices too.
-fn isolate(o: &BisectOptions, src: &Source, layer: usize, policy: &Option<Policy>, forced: bool, runs: &mut Vec<RunRecord>) -> std::result::Result<Isolation, String> {
+fn isolate(
+    o: &BisectOptions,
+    src: &Source,
+    layer: usize,
+    policy: &Option<Policy>,
+    forced: bool,
+    runs: &mut Vec<RunRecord>,
+) -> std::result::Result<Isolation, String> {
     let out = format!("{}/{}.{layer:02}.trace", o.work, src.out_stem);
     let verb = Verb::Layer {
         model: o.model.clone(),
@@ -548,12 +628,22 @@ fn isolate(o: &BisectOptions, src: &Source, layer: usize, policy: &Option<Policy
         decode_from: None,
     };
     let slice_rel = format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem);
-    isolate_with(o, &verb, layer, &slice_rel, src.whose, policy, runs, |cand, out| write_slice(src.trace, cand, layer, out))
+    isolate_with(
+        o,
+        &verb,
+        layer,
+        &slice_rel,
+        src.whose,
+        policy,
+        runs,
+        |cand, out| write_slice(src.trace, cand, layer, out),
+    )
 }
 
 /// Runs the candidate's layer `verb` and compares its trace with the reference's rows of that
 /// layer, which `slice` writes (given the candidate's trace) to `slice_rel`; `whose` names
 /// their source in messages ("the reference's").
+#[allow(clippy::too_many_arguments)] // one call site per verb kind; a struct would only rename them
 pub(crate) fn isolate_with(
     o: &BisectOptions,
     verb: &Verb,
@@ -567,7 +657,16 @@ pub(crate) fn isolate_with(
     let rec = o.candidate.run(&o.root, verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {
-        return Err(format!("the candidate's layer verb failed: {} ($ {})", rec.why().lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" | "), rec.invocation));
+        return Err(format!(
+            "the candidate's layer verb failed: {} ($ {})",
+            rec.why()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(" | "),
+            rec.invocation
+        ));
     }
     let cand = open(&o.root, verb.out()).map_err(|e| e.to_string())?;
     for need in ["attn_out", "mlp_out", "hidden_out"] {
@@ -578,15 +677,34 @@ pub(crate) fn isolate_with(
     }
     slice(&cand, &o.root.join(slice_rel)).map_err(|e| e.to_string())?;
     let slice = open(&o.root, slice_rel).map_err(|e| e.to_string())?;
-    let rep = compare(&slice, &cand, &Options { all: true, policy: policy.clone(), ..Options::default() });
+    let rep = compare(
+        &slice,
+        &cand,
+        &Options {
+            all: true,
+            policy: policy.clone(),
+            ..Options::default()
+        },
+    );
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = rep.findings.iter().map(describe).collect();
-        return Err(format!("the candidate's layer trace is not comparable with {}: {}", whose, why.join("; ")));
+        return Err(format!(
+            "the candidate's layer trace is not comparable with {}: {}",
+            whose,
+            why.join("; ")
+        ));
     }
     let tensors = rows(&rep);
     let decisions = decisions(&rep);
-    let wrong = tensors.iter().any(|t| is_bad(&t.status)) || decisions.iter().any(|d| d.judged_rows() > 0);
-    Ok(Isolation { tensors, decisions, wrong, report: rep, out: verb.out().to_string() })
+    let wrong =
+        tensors.iter().any(|t| is_bad(&t.status)) || decisions.iter().any(|d| d.judged_rows() > 0);
+    Ok(Isolation {
+        tensors,
+        decisions,
+        wrong,
+        report: rep,
+        out: verb.out().to_string(),
+    })
 }
 
 /// A layer's row before isolation: `differs` in the whole run, `h` its hidden_out there.
@@ -600,7 +718,10 @@ pub(crate) fn layer_row(layer: usize, differs: bool, h: Option<&TensorCmp>) -> L
 }
 
 pub(crate) fn fill_isolated(row: &mut LayerRow, iso: Isolation) {
-    let h = iso.tensors.iter().find(|t| t.tensor == format!("layer.{:02}.hidden_out", row.layer));
+    let h = iso
+        .tensors
+        .iter()
+        .find(|t| t.tensor == format!("layer.{:02}.hidden_out", row.layer));
     row.isolated_max_ulp = h.and_then(|t| t.max_ulp);
     row.isolated_rel_l2 = h.and_then(|t| t.rel_l2);
     row.isolation = if iso.wrong { "wrong" } else { "match" };
@@ -622,26 +743,44 @@ pub(crate) fn layer_status(isolation: &str, whole_run: &str) -> &'static str {
 /// Where the layer verb and the whole run disagree first (`stage` names the capture point) and
 /// the element that shows it: by bits the first differing one, under a policy the worst.
 fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsistency {
-    let probe = LayerRow { isolated: iso.tensors.clone(), isolated_decisions: iso.decisions.clone(), ..LayerRow::new(layer) };
+    let probe = LayerRow {
+        isolated: iso.tensors.clone(),
+        isolated_decisions: iso.decisions.clone(),
+        ..LayerRow::new(layer)
+    };
     let s = stage(layer, &probe, moe, "differs from the whole run");
     let rep = &iso.report;
-    let first = rep.first_divergence.as_ref().filter(|d| d.tensor == s.tensor && rep.policy.is_none()).map(|d| ElementDiff {
-        which: "first_differing",
-        coords: d.coords.clone(),
-        whole_run_value: d.reference_value.clone(),
-        layer_verb_value: d.candidate_value.clone(),
-        ulp: d.ulp,
-    });
+    let first = rep
+        .first_divergence
+        .as_ref()
+        .filter(|d| d.tensor == s.tensor && rep.policy.is_none())
+        .map(|d| ElementDiff {
+            which: "first_differing",
+            coords: d.coords.clone(),
+            whole_run_value: d.reference_value.clone(),
+            layer_verb_value: d.candidate_value.clone(),
+            ulp: d.ulp,
+        });
     let worst = || {
-        rep.per_tensor.iter().find(|r| r.tensor == s.tensor).and_then(|r| r.worst_element.as_ref()).map(|e| ElementDiff {
-            which: "worst_outside_policy",
-            coords: e.coords.clone(),
-            whole_run_value: e.reference_value.clone(),
-            layer_verb_value: e.candidate_value.clone(),
-            ulp: e.ulp,
-        })
+        rep.per_tensor
+            .iter()
+            .find(|r| r.tensor == s.tensor)
+            .and_then(|r| r.worst_element.as_ref())
+            .map(|e| ElementDiff {
+                which: "worst_outside_policy",
+                coords: e.coords.clone(),
+                whole_run_value: e.reference_value.clone(),
+                layer_verb_value: e.candidate_value.clone(),
+                ulp: e.ulp,
+            })
     };
-    Inconsistency { layer, element: first.or_else(worst), tensor: s.tensor, detail: s.detail, trace: iso.out.clone() }
+    Inconsistency {
+        layer,
+        element: first.or_else(worst),
+        tensor: s.tensor,
+        detail: s.detail,
+        trace: iso.out.clone(),
+    }
 }
 
 /// The first wrong capture point of a layer in isolation, in computation order; `differs`:
@@ -649,16 +788,49 @@ fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsistency {
 pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> Stage {
     let pfx = format!("layer.{layer:02}.");
     let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
-    let mut order: Vec<(String, &'static str)> = ["hidden_in", "q", "k", "v", "attn_probs", "attn_out", "router.logits"]
-        .iter()
-        .map(|s| (format!("{pfx}{s}"), if *s == "hidden_in" { "input" } else if s.starts_with("router") { "moe_router" } else { "attention" }))
-        .collect();
+    let mut order: Vec<(String, &'static str)> = [
+        "hidden_in",
+        "q",
+        "k",
+        "v",
+        "attn_probs",
+        "attn_out",
+        "router.logits",
+    ]
+    .iter()
+    .map(|s| {
+        (
+            format!("{pfx}{s}"),
+            if *s == "hidden_in" {
+                "input"
+            } else if s.starts_with("router") {
+                "moe_router"
+            } else {
+                "attention"
+            },
+        )
+    })
+    .collect();
     order.push((format!("{pfx}router.topk"), "moe_router"));
-    let mut experts: Vec<String> = row.isolated.iter().map(|t| t.tensor.clone()).filter(|n| n.starts_with(&format!("{pfx}expert."))).collect();
+    let mut experts: Vec<String> = row
+        .isolated
+        .iter()
+        .map(|t| t.tensor.clone())
+        .filter(|n| n.starts_with(&format!("{pfx}expert.")))
+        .collect();
     experts.sort();
     order.extend(experts.into_iter().map(|n| (n, "moe_expert")));
-    let has_router = row.isolated.iter().any(|t| t.tensor.starts_with(&format!("{pfx}router.")) || t.tensor.starts_with(&format!("{pfx}expert.")));
-    let mlp_block = if !moe { "mlp" } else if has_router { "moe_combine" } else { "moe" };
+    let has_router = row.isolated.iter().any(|t| {
+        t.tensor.starts_with(&format!("{pfx}router."))
+            || t.tensor.starts_with(&format!("{pfx}expert."))
+    });
+    let mlp_block = if !moe {
+        "mlp"
+    } else if has_router {
+        "moe_combine"
+    } else {
+        "moe"
+    };
     order.push((format!("{pfx}mlp_out"), mlp_block));
     order.push((format!("{pfx}hidden_out"), "residual"));
 
@@ -666,13 +838,28 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
     for (name, block) in order {
         if let Some(d) = row.isolated_decisions.iter().find(|d| d.name == name) {
             if d.judged_rows() > 0 {
-                let detail = format!("{} {differs} ({}/{} rows choose other experts)", short(&name), d.differing_rows, d.rows);
-                return Stage { layer, block, tensor: name, detail, matching };
+                let detail = format!(
+                    "{} {differs} ({}/{} rows choose other experts)",
+                    short(&name),
+                    d.differing_rows,
+                    d.rows
+                );
+                return Stage {
+                    layer,
+                    block,
+                    tensor: name,
+                    detail,
+                    matching,
+                };
             }
             matching.push(short(&name));
         } else if let Some(t) = row.isolated.iter().find(|t| t.tensor == name) {
             if is_bad(&t.status) {
-                let how = if t.status == "different" { String::new() } else { format!(", {}", t.status.replace('_', " ")) };
+                let how = if t.status == "different" {
+                    String::new()
+                } else {
+                    format!(", {}", t.status.replace('_', " "))
+                };
                 let detail = format!(
                     "{} {differs} ({}/{} elements, max {} ULP, rel L2 {}{how})",
                     short(&name),
@@ -681,36 +868,90 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
                     ulps(t.max_ulp),
                     sci(t.rel_l2)
                 );
-                return Stage { layer, block, tensor: name, detail, matching };
+                return Stage {
+                    layer,
+                    block,
+                    tensor: name,
+                    detail,
+                    matching,
+                };
             }
             matching.push(short(&name));
         }
     }
     // Only something outside the ordered capture points differs (an extra tensor, a structure finding).
-    let other = row.isolated.iter().find(|t| is_bad(&t.status)).map(|t| t.tensor.clone()).unwrap_or_default();
-    Stage { layer, block: "other", detail: format!("{} {differs}", short(&other)), tensor: other, matching }
+    let other = row
+        .isolated
+        .iter()
+        .find(|t| is_bad(&t.status))
+        .map(|t| t.tensor.clone())
+        .unwrap_or_default();
+    Stage {
+        layer,
+        block: "other",
+        detail: format!("{} {differs}", short(&other)),
+        tensor: other,
+        matching,
+    }
 }
 
 fn is_moe(t: &Trace, layer: usize) -> bool {
-    t.decision_info(&format!("layer.{layer:02}.router.topk")).is_some()
+    t.decision_info(&format!("layer.{layer:02}.router.topk"))
+        .is_some()
 }
 
 /// The self-consistency check (`SelfConsistency`), lazily: only the first layer wrong in
 /// isolation, the one about to be blamed (a clean run costs nothing), or under `--all-layers`
 /// every isolated layer (one more layer-verb run each). Sets each checked row's `self_check`.
-fn self_check(o: &BisectOptions, own: &Trace, own_rel: &str, layers: &mut [LayerRow], policy: &Option<Policy>, forced: bool, runs: &mut Vec<RunRecord>) -> SelfConsistency {
-    let mut sc = SelfConsistency { scope: if o.all_layers { "all_layers" } else { "first_wrong_layer" }, checked_layers: Vec::new(), inconsistent: None, not_checked: Vec::new() };
-    let todo: Vec<usize> = if o.all_layers {
-        layers.iter().filter(|r| matches!(r.isolation, "match" | "wrong")).map(|r| r.layer).collect()
-    } else {
-        layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer).into_iter().collect()
+fn self_check(
+    o: &BisectOptions,
+    own: &Trace,
+    own_rel: &str,
+    layers: &mut [LayerRow],
+    policy: &Option<Policy>,
+    forced: bool,
+    runs: &mut Vec<RunRecord>,
+) -> SelfConsistency {
+    let mut sc = SelfConsistency {
+        scope: if o.all_layers {
+            "all_layers"
+        } else {
+            "first_wrong_layer"
+        },
+        checked_layers: Vec::new(),
+        inconsistent: None,
+        not_checked: Vec::new(),
     };
-    let src = Source { trace: own, rel: own_rel, whose: "its own whole run's", out_stem: "candidate.self.layer", slice_stem: "candidate.slice.layer" };
+    let todo: Vec<usize> = if o.all_layers {
+        layers
+            .iter()
+            .filter(|r| matches!(r.isolation, "match" | "wrong"))
+            .map(|r| r.layer)
+            .collect()
+    } else {
+        layers
+            .iter()
+            .find(|r| r.isolation == "wrong")
+            .map(|r| r.layer)
+            .into_iter()
+            .collect()
+    };
+    let src = Source {
+        trace: own,
+        rel: own_rel,
+        whose: "its own whole run's",
+        out_stem: "candidate.self.layer",
+        slice_stem: "candidate.slice.layer",
+    };
     for l in todo {
         match isolate(o, &src, l, policy, forced, runs) {
             Ok(iso) => {
                 sc.checked_layers.push(l);
-                layers[l].self_check = if iso.wrong { "inconsistent" } else { "consistent" };
+                layers[l].self_check = if iso.wrong {
+                    "inconsistent"
+                } else {
+                    "consistent"
+                };
                 if iso.wrong && sc.inconsistent.is_none() {
                     sc.inconsistent = Some(inconsistency(l, &iso, is_moe(own, l)));
                 }
@@ -729,17 +970,39 @@ fn self_check(o: &BisectOptions, own: &Trace, own_rel: &str, layers: &mut [Layer
 
 /// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
 /// the candidate's own whole run, so its isolation would judge the probe, not the engine.
-fn inconsistent_verdict(i: &Inconsistency, layers: &[LayerRow], whole: &WholeRun) -> (&'static str, i32, String) {
+fn inconsistent_verdict(
+    i: &Inconsistency,
+    layers: &[LayerRow],
+    whole: &WholeRun,
+) -> (&'static str, i32, String) {
     let element = i
         .element
         .as_ref()
         .map(|e| {
-            let which = if e.which == "first_differing" { "first differing element" } else { "worst element outside the policy" };
-            format!("; {which} {:?}: whole run {} vs layer verb {} ({} ULP)", e.coords, e.whole_run_value, e.layer_verb_value, ulps(e.ulp))
+            let which = if e.which == "first_differing" {
+                "first differing element"
+            } else {
+                "worst element outside the policy"
+            };
+            format!(
+                "; {which} {:?}: whole run {} vs layer verb {} ({} ULP)",
+                e.coords,
+                e.whole_run_value,
+                e.layer_verb_value,
+                ulps(e.ulp)
+            )
         })
         .unwrap_or_default();
-    let others: Vec<usize> = layers.iter().filter(|r| r.status == "inconsistent" && r.layer != i.layer).map(|r| r.layer).collect();
-    let also = if others.is_empty() { String::new() } else { format!("; {}", say(&others, "disagrees too", "disagree too")) };
+    let others: Vec<usize> = layers
+        .iter()
+        .filter(|r| r.status == "inconsistent" && r.layer != i.layer)
+        .map(|r| r.layer)
+        .collect();
+    let also = if others.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", say(&others, "disagrees too", "disagree too"))
+    };
     (
         "inconsistent_producer",
         1,
@@ -759,11 +1022,19 @@ fn suspicious_words(layers: &[LayerRow], out: &Outliers) -> String {
         .iter()
         .map(|&l| {
             let r = &layers[l];
-            let how = r.peer_ratio.map(|x| format!("{} its peers' median", ratio(Some(x)))).unwrap_or_else(|| "above zero, its peers' median (bit-exact)".into());
+            let how = r
+                .peer_ratio
+                .map(|x| format!("{} its peers' median", ratio(Some(x))))
+                .unwrap_or_else(|| "above zero, its peers' median (bit-exact)".into());
             format!("layer {l:02} suspicious: isolated error {how}")
         })
         .collect();
-    format!("{} (rel L2 of {}; flagged above {}×; not a failure)", each.join("; "), out.measure, out.factor)
+    format!(
+        "{} (rel L2 of {}; flagged above {}×; not a failure)",
+        each.join("; "),
+        out.measure,
+        out.factor
+    )
 }
 
 pub(crate) fn block_words(block: &str) -> &'static str {
@@ -785,7 +1056,13 @@ pub(crate) fn block_words(block: &str) -> &'static str {
 
 /// The reference's layer verb chained over a 1-ULP perturbation of layer `from`'s input, up to
 /// (not including) layer `upto`.
-fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, upto: usize, runs: &mut Vec<RunRecord>) -> Calibration {
+fn calibrate(
+    o: &BisectOptions,
+    reference: &Trace,
+    from: usize,
+    upto: usize,
+    runs: &mut Vec<RunRecord>,
+) -> Calibration {
     let mut cal = Calibration {
         automatic: !o.calibrate,
         from_layer: from,
@@ -798,7 +1075,9 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, upto: usize, run
     let name = format!("layer.{from:02}.hidden_in");
     let input_rel = format!("{}/calibration.input.trace", o.work);
     let written = (|| -> Result<Option<f64>> {
-        let info = reference.tensor_info(&name).ok_or_else(|| gerr!("the reference has no {name}"))?;
+        let info = reference
+            .tensor_info(&name)
+            .ok_or_else(|| gerr!("the reference has no {name}"))?;
         if info.dtype != DType::F32 {
             return Err(gerr!("{name} is {}, calibration perturbs f32", info.dtype));
         }
@@ -806,11 +1085,15 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, upto: usize, run
         let y = perturb(x, o.seed);
         let mut prov = reference.provenance().clone();
         if let Some(p) = prov.as_object_mut() {
-            p.insert("bisect_calibration".into(), json!({ "layer": from, "seed": o.seed }));
+            p.insert(
+                "bisect_calibration".into(),
+                json!({ "layer": from, "seed": o.seed }),
+            );
         }
         let path = o.root.join(&input_rel);
         let mut w = TraceWriter::create(&path, prov).map_err(|e| gerr!("{input_rel}: {e}"))?;
-        w.tensor_f32(&name, &info.shape, &y, &info.attributes).map_err(|e| gerr!("{input_rel}: {e}"))?;
+        w.tensor_f32(&name, &info.shape, &y, &info.attributes)
+            .map_err(|e| gerr!("{input_rel}: {e}"))?;
         w.finish().map_err(|e| gerr!("{input_rel}: {e}"))?;
         Ok(f32_stats(x, &y).rel_l2)
     })();
@@ -825,16 +1108,33 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, upto: usize, run
     let (mut input, mut input_name) = (input_rel, name);
     for layer in from..upto {
         let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
-        let verb = Verb::Layer { model: o.model.clone(), layer, input, input_name, out: out.clone(), internals: false, force: None, decode_from: None };
+        let verb = Verb::Layer {
+            model: o.model.clone(),
+            layer,
+            input,
+            input_name,
+            out: out.clone(),
+            internals: false,
+            force: None,
+            decode_from: None,
+        };
         let rec = o.reference.run(&o.root, &verb, o.timeout);
         runs.push(rec.clone());
         let hidden = format!("layer.{layer:02}.hidden_out");
-        let got = if rec.ok { open(&o.root, &out).map_err(|e| e.0) } else { Err(format!("the reference's layer verb failed: {}", rec.why())) };
+        let got = if rec.ok {
+            open(&o.root, &out).map_err(|e| e.0)
+        } else {
+            Err(format!("the reference's layer verb failed: {}", rec.why()))
+        };
         let stats = got.and_then(|t| {
             let c = t.f32_slice(&hidden).map_err(|e| e.to_string())?;
             let r = reference.f32_slice(&hidden).map_err(|e| e.to_string())?;
             if c.len() != r.len() {
-                return Err(format!("{hidden}: {} elements vs {} in the reference", c.len(), r.len()));
+                return Err(format!(
+                    "{hidden}: {} elements vs {} in the reference",
+                    c.len(),
+                    r.len()
+                ));
             }
             Ok(f32_stats(r, c))
         });
@@ -854,22 +1154,48 @@ fn calibrate(o: &BisectOptions, reference: &Trace, from: usize, upto: usize, run
 // The bisection
 
 pub fn run(o: &BisectOptions) -> Result<BisectReport> {
-    crate::prompts::check_fits(&o.root, &o.model, o.prompt.as_deref(), o.tokens.len(), o.generate)?;
+    crate::prompts::check_fits(
+        &o.root,
+        &o.model,
+        o.prompt.as_deref(),
+        o.tokens.len(),
+        o.generate,
+    )?;
     let _lock = crate::WorkLock::acquire(&o.root.join(&o.work))?;
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
     let trace = |p: &Producer, out: &str, force: Option<String>| {
-        p.run(&o.root, &Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: out.into(), internals: o.internals, generate: o.generate, cache: true, force }, o.timeout)
+        p.run(
+            &o.root,
+            &Verb::Trace {
+                model: o.model.clone(),
+                tokens: o.tokens.clone(),
+                out: out.into(),
+                internals: o.internals,
+                generate: o.generate,
+                cache: true,
+                force,
+            },
+            o.timeout,
+        )
     };
     // Both whole runs at once: one is usually a subprocess.
     let (rr, cr) = std::thread::scope(|s| {
         let h = s.spawn(|| trace(&o.candidate, &cand_rel, None));
-        (trace(&o.reference, &ref_rel, None), h.join().expect("candidate thread"))
+        (
+            trace(&o.reference, &ref_rel, None),
+            h.join().expect("candidate thread"),
+        )
     });
     let mut runs = vec![rr.clone(), cr.clone()];
     for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
         if !rec.ok {
-            return Err(gerr!("{side} ({}) trace failed: {}\n    $ {}", rec.producer, rec.why(), rec.invocation));
+            return Err(gerr!(
+                "{side} ({}) trace failed: {}\n    $ {}",
+                rec.producer,
+                rec.why(),
+                rec.invocation
+            ));
         }
     }
     let reference = open(&o.root, &ref_rel)?;
@@ -878,23 +1204,51 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     // By bits for two ordered producers, else by the policy for the candidate's precision,
     // unless --exact or --policy says otherwise. An oracle's provenance is never ordered.
     let ask = match (o.exact, &o.policy) {
-        (true, Some(p)) => return Err(gerr!("--exact judges by bits and --policy {p} by a policy: give one")),
+        (true, Some(p)) => {
+            return Err(gerr!(
+                "--exact judges by bits and --policy {p} by a policy: give one"
+            ))
+        }
         (true, None) => Ask::Exact,
         (false, Some(p)) => Ask::Policy(p.clone()),
         (false, None) => Ask::Default,
     };
-    let ordered = (is_ordered(&o.root, &o.reference) && !is_oracle(&reference), is_ordered(&o.root, &o.candidate) && !is_oracle(&candidate));
-    let (judge, policy) = judge::choose(&ask, (&o.reference.name(), &o.candidate.name()), ordered, &candidate, &o.root)?;
+    let ordered = (
+        is_ordered(&o.root, &o.reference) && !is_oracle(&reference),
+        is_ordered(&o.root, &o.candidate) && !is_oracle(&candidate),
+    );
+    let (judge, policy) = judge::choose(
+        &ask,
+        (&o.reference.name(), &o.candidate.name()),
+        ordered,
+        &candidate,
+        &o.root,
+    )?;
 
     // The decode steps are bisected after the prefill, step by step (bisect_decode.rs).
-    let opts = Options { all: true, policy: policy.clone(), filter: crate::bisect_decode::prefill_filter(o.generate), ..Options::default() };
+    let opts = Options {
+        all: true,
+        policy: policy.clone(),
+        filter: crate::bisect_decode::prefill_filter(o.generate),
+        ..Options::default()
+    };
     let mut whole = compare_whole(&reference, &candidate, &opts)?;
     // A decision differs no later than the first differing tensor (by layer), so it may be what
     // makes the numbers differ: compare them past the flips, on the candidate forced to take the
     // reference's decisions (docs/producers.md). A flip after the numbers already diverged is
     // their consequence and changes nothing upstream. A candidate that cannot be forced is said so.
-    let first_tensor = rows(&whole).iter().filter(|t| is_bad(&t.status)).map(|t| location(&t.tensor)).min();
-    let first_flip = whole.decisions.results.iter().filter(|d| d.differing_rows > 0).map(|d| location(&d.name)).min();
+    let first_tensor = rows(&whole)
+        .iter()
+        .filter(|t| is_bad(&t.status))
+        .map(|t| location(&t.tensor))
+        .min();
+    let first_flip = whole
+        .decisions
+        .results
+        .iter()
+        .filter(|d| d.differing_rows > 0)
+        .map(|d| location(&d.name))
+        .min();
     let decisions_forced = if first_flip.is_some_and(|f| first_tensor.is_none_or(|t| f <= t)) {
         let unforced = whole
             .decisions
@@ -906,7 +1260,12 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
                 for f in &d.flips {
                     *labels.entry(f.label).or_insert(0) += 1;
                 }
-                UnforcedDecision { name: d.name.clone(), rows: d.rows, differing_rows: d.differing_rows, labels }
+                UnforcedDecision {
+                    name: d.name.clone(),
+                    rows: d.rows,
+                    differing_rows: d.differing_rows,
+                    labels,
+                }
             })
             .collect();
         let forced_rel = format!("{}/candidate.forced.trace", o.work);
@@ -938,31 +1297,65 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     } else {
         None
     };
-    let forced = decisions_forced.as_ref().is_some_and(|f| f.status == "forced");
+    let forced = decisions_forced
+        .as_ref()
+        .is_some_and(|f| f.status == "forced");
     let whole_rows = rows(&whole);
     let whole_decisions = decisions(&whole);
-    let n = reference.tensors().iter().filter(|t| t.name.starts_with("layer.") && t.name.ends_with(".hidden_out")).map(|t| location(&t.name) + 1).max().unwrap_or(0).max(0) as usize;
+    let n = reference
+        .tensors()
+        .iter()
+        .filter(|t| t.name.starts_with("layer.") && t.name.ends_with(".hidden_out"))
+        .map(|t| location(&t.name) + 1)
+        .max()
+        .unwrap_or(0)
+        .max(0) as usize;
 
     // The first diverging place, in computation order (tensors in reference order, then decisions by location).
-    let mut diverging: Vec<(i64, String, &'static str)> = whole_rows.iter().filter(|t| is_bad(&t.status)).map(|t| (location(&t.tensor), t.tensor.clone(), "differs")).collect();
-    diverging.extend(whole_decisions.iter().filter(|d| d.judged_rows() > 0).map(|d| (location(&d.name), d.name.clone(), "differs")));
+    let mut diverging: Vec<(i64, String, &'static str)> = whole_rows
+        .iter()
+        .filter(|t| is_bad(&t.status))
+        .map(|t| (location(&t.tensor), t.tensor.clone(), "differs"))
+        .collect();
+    diverging.extend(
+        whole_decisions
+            .iter()
+            .filter(|d| d.judged_rows() > 0)
+            .map(|d| (location(&d.name), d.name.clone(), "differs")),
+    );
     // What the differ states as a finding rather than as values (a tensor or decision on one
     // side only, another order): divergence too, so the headline never calls runs matching while
     // the body lists their differences.
-    let structure: Vec<&tracegate_diff::Finding> = whole.findings.iter().filter(|f| is_structure(f.kind)).collect();
+    let structure: Vec<&tracegate_diff::Finding> = whole
+        .findings
+        .iter()
+        .filter(|f| is_structure(f.kind))
+        .collect();
     // A decision whose values agree but whose margins do not diverges in value, not structure.
     // Forced decisions agree by construction, and their margins say where the candidate would
     // have decided otherwise: that is `decisions_forced`, not a place to bisect numbers from.
-    let margins = whole.findings.iter().filter(|f| f.kind == "margin_differs" && !forced);
+    let margins = whole
+        .findings
+        .iter()
+        .filter(|f| f.kind == "margin_differs" && !forced);
     for f in structure.iter().copied().chain(margins) {
-        if let Some(t) = f.tensor.as_ref().filter(|t| !diverging.iter().any(|(_, name, _)| name == *t)) {
+        if let Some(t) = f
+            .tensor
+            .as_ref()
+            .filter(|t| !diverging.iter().any(|(_, name, _)| name == *t))
+        {
             diverging.push((location(t), t.clone(), f.kind));
         }
     }
     let first = diverging.iter().min_by_key(|(loc, _, _)| *loc).cloned();
-    let first_layer = first.as_ref().and_then(|(loc, _, _)| (0..n as i64).contains(loc).then_some(*loc as usize));
+    let first_layer = first
+        .as_ref()
+        .and_then(|(loc, _, _)| (0..n as i64).contains(loc).then_some(*loc as usize));
     let whole_run = WholeRun {
-        verdict: serde_json::to_value(whole.verdict).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+        verdict: serde_json::to_value(whole.verdict)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
         first_diverging: first.as_ref().map(|(_, n, _)| n.clone()),
         first_diverging_how: first.as_ref().map(|(_, _, how)| how.to_string()),
         first_diverging_layer: first_layer,
@@ -976,18 +1369,38 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             differing_elements: d.differing_elements,
             total_elements: d.total_elements,
         }),
-        differing_decisions: whole_decisions.iter().filter(|d| d.differing_rows > 0).cloned().collect(),
-        findings: whole.findings.iter().filter(|f| !matches!(f.kind, "values_differ" | "outside_policy" | "decision_differs")).map(describe).collect(),
+        differing_decisions: whole_decisions
+            .iter()
+            .filter(|d| d.differing_rows > 0)
+            .cloned()
+            .collect(),
+        findings: whole
+            .findings
+            .iter()
+            .filter(|f| {
+                !matches!(
+                    f.kind,
+                    "values_differ" | "outside_policy" | "decision_differs"
+                )
+            })
+            .map(describe)
+            .collect(),
     };
     let structure = summarise(&structure);
 
     // Isolation: layers up to and including the first diverging one, or all of them.
-    let isolate_upto = if o.all_layers { n } else { first_layer.map_or(0, |l| l + 1) };
+    let isolate_upto = if o.all_layers {
+        n
+    } else {
+        first_layer.map_or(0, |l| l + 1)
+    };
     let mut layers: Vec<LayerRow> = (0..n)
         .map(|l| {
             let pfx = format!("layer.{l:02}.");
             let differs = diverging.iter().any(|(_, name, _)| name.starts_with(&pfx));
-            let h = whole_rows.iter().find(|t| t.tensor == format!("{pfx}hidden_out"));
+            let h = whole_rows
+                .iter()
+                .find(|t| t.tensor == format!("{pfx}hidden_out"));
             layer_row(l, differs, h)
         })
         .collect();
@@ -995,10 +1408,18 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     for (l, row) in layers.iter_mut().enumerate().take(isolate_upto) {
         if let Some((at, _)) = &failed {
             row.isolation = "not_checked";
-            row.reason = Some(format!("not attempted: the candidate's layer verb failed on layer {at:02}"));
+            row.reason = Some(format!(
+                "not attempted: the candidate's layer verb failed on layer {at:02}"
+            ));
             continue;
         }
-        let src = Source { trace: &reference, rel: &ref_rel, whose: "the reference's", out_stem: "candidate.layer", slice_stem: "reference.layer" };
+        let src = Source {
+            trace: &reference,
+            rel: &ref_rel,
+            whose: "the reference's",
+            out_stem: "candidate.layer",
+            slice_stem: "reference.layer",
+        };
         match isolate(o, &src, l, &policy, forced, &mut runs) {
             Ok(iso) => fill_isolated(row, iso),
             Err(why) => {
@@ -1010,15 +1431,23 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     }
     refuse_timeout(&runs, o)?;
     // Before a layer body is blamed: does the candidate's layer verb agree with its own whole run?
-    let own_rel = decisions_forced.as_ref().and_then(|f| f.candidate_trace.clone()).unwrap_or_else(|| cand_rel.clone());
+    let own_rel = decisions_forced
+        .as_ref()
+        .and_then(|f| f.candidate_trace.clone())
+        .unwrap_or_else(|| cand_rel.clone());
     let own = open(&o.root, &own_rel)?;
     let self_consistency = self_check(o, &own, &own_rel, &mut layers, &policy, forced, &mut runs);
     refuse_timeout(&runs, o)?;
     for row in &mut layers {
-        row.status = if row.self_check == "inconsistent" { "inconsistent" } else { layer_status(row.isolation, row.whole_run) };
+        row.status = if row.self_check == "inconsistent" {
+            "inconsistent"
+        } else {
+            layer_status(row.isolation, row.whole_run)
+        };
     }
     let first_wrong = layers.iter().find(|r| r.status == "wrong").map(|r| r.layer);
-    let stage = first_wrong.map(|l| stage(l, &layers[l], is_moe(&reference, l), "differs in isolation"));
+    let stage =
+        first_wrong.map(|l| stage(l, &layers[l], is_moe(&reference, l), "differs in isolation"));
 
     // Calibration: from the first wrong layer, else the first diverging one, else layer 0. Judged
     // by bits, a layer about to be blamed in a pair that is not two ordered producers gets it
@@ -1026,7 +1455,15 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let auto = judge.by == "bits" && !(ordered.0 && ordered.1) && !o.calibrate;
     let calibration = match first_wrong {
         Some(l) if auto => Some(calibrate(o, &reference, l, l + 1, &mut runs)),
-        _ => (o.calibrate && n > 0).then(|| calibrate(o, &reference, first_wrong.or(first_layer).unwrap_or(0), n, &mut runs)),
+        _ => (o.calibrate && n > 0).then(|| {
+            calibrate(
+                o,
+                &reference,
+                first_wrong.or(first_layer).unwrap_or(0),
+                n,
+                &mut runs,
+            )
+        }),
     };
     if let Some(cal) = &calibration {
         for c in &cal.rows {
@@ -1045,7 +1482,13 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
 
     refuse_timeout(&runs, o)?;
     let rounding_level = match (first_wrong, judge.by) {
-        (Some(l), "bits") => RoundingLevel::new(l, layers[l].isolated_rel_l2, layers[l].calibration_rel_l2, &judge, o.exact),
+        (Some(l), "bits") => RoundingLevel::new(
+            l,
+            layers[l].isolated_rel_l2,
+            layers[l].calibration_rel_l2,
+            &judge,
+            o.exact,
+        ),
         _ => None,
     };
 
@@ -1054,8 +1497,21 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         .iter()
         .filter(|r| r.isolation == "match" && r.status != "inconsistent")
         .map(|r| {
-            let rel = |t: &str| r.isolated.iter().find(|x| x.tensor == format!("layer.{:02}.{t}", r.layer)).and_then(|x| x.rel_l2);
-            (r.layer, rel("attn_out"), if is_moe(&reference, r.layer) { None } else { rel("mlp_out") })
+            let rel = |t: &str| {
+                r.isolated
+                    .iter()
+                    .find(|x| x.tensor == format!("layer.{:02}.{t}", r.layer))
+                    .and_then(|x| x.rel_l2)
+            };
+            (
+                r.layer,
+                rel("attn_out"),
+                if is_moe(&reference, r.layer) {
+                    None
+                } else {
+                    rel("mlp_out")
+                },
+            )
         })
         .collect();
     let (outliers, per) = judge::outliers(&errors);
@@ -1064,13 +1520,30 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     }
 
     // Amplification: geometric-mean growth of the whole-run error over consecutive differing layers.
-    let errs: Vec<f64> = layers.iter().filter_map(|r| r.whole_rel_l2).filter(|&e| e > 0.0).collect();
-    let amplification = (errs.len() >= 2).then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64));
+    let errs: Vec<f64> = layers
+        .iter()
+        .filter_map(|r| r.whole_rel_l2)
+        .filter(|&e| e > 0.0)
+        .collect();
+    let amplification = (errs.len() >= 2)
+        .then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64));
 
     let (verdict, exit_code, summary) = match &self_consistency.inconsistent {
         // The first layer whose verbs disagree comes before any layer blamed: nothing is blamed.
-        Some(i) if first_wrong.is_none_or(|w| i.layer < w) => inconsistent_verdict(i, &layers, &whole_run),
-        _ => verdict(&layers, first_wrong, &stage, &first, n, &whole_run, &structure, amplification, &failed),
+        Some(i) if first_wrong.is_none_or(|w| i.layer < w) => {
+            inconsistent_verdict(i, &layers, &whole_run)
+        }
+        _ => verdict(
+            &layers,
+            first_wrong,
+            &stage,
+            &first,
+            n,
+            &whole_run,
+            &structure,
+            amplification,
+            &failed,
+        ),
     };
     let (verdict, exit_code, mut summary) = match &decisions_forced {
         Some(f) => with_forcing(f, (verdict, exit_code, summary)),
@@ -1080,13 +1553,21 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         summary.push_str(&format!("; {}", r.words()));
     }
     if first_wrong.is_some() && !self_consistency.not_checked.is_empty() {
-        summary.push_str(&format!("; the candidate's layer verb NOT CHECKED against its own whole run: {}", self_consistency.not_checked.join("; ")));
+        summary.push_str(&format!(
+            "; the candidate's layer verb NOT CHECKED against its own whole run: {}",
+            self_consistency.not_checked.join("; ")
+        ));
     }
     if !outliers.suspicious.is_empty() {
         summary.push_str(&format!("; {}", suspicious_words(&layers, &outliers)));
     }
     let (decode, (verdict, exit_code, summary)) = if o.generate > 0 {
-        let ctx = crate::bisect_decode::Context { reference: &reference, candidate: &candidate, policy: &policy, layers: n };
+        let ctx = crate::bisect_decode::Context {
+            reference: &reference,
+            candidate: &candidate,
+            policy: &policy,
+            layers: n,
+        };
         let (d, v) = crate::bisect_decode::run(o, &ctx, &mut runs, (verdict, exit_code, summary));
         refuse_timeout(&runs, o)?;
         (Some(d), v)
@@ -1130,17 +1611,31 @@ fn compare_whole(reference: &Trace, candidate: &Trace, opts: &Options) -> Result
     let whole = compare(reference, candidate, opts);
     if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = whole.findings.iter().map(describe).collect();
-        return Err(gerr!("the whole traces cannot be compared ({:?}): {}", whole.verdict, why.join("; ")));
+        return Err(gerr!(
+            "the whole traces cannot be compared ({:?}): {}",
+            whole.verdict,
+            why.join("; ")
+        ));
     }
     Ok(whole)
 }
 
 /// The forced candidate run, checked: it must have run, recorded that it was forced from this
 /// reference, and taken every decision the reference took. Else why not, in a line.
-fn forced_run(o: &BisectOptions, reference: &Trace, rec: &RunRecord, rel: &str, opts: &Options) -> std::result::Result<(Report, Trace), String> {
+fn forced_run(
+    o: &BisectOptions,
+    reference: &Trace,
+    rec: &RunRecord,
+    rel: &str,
+    opts: &Options,
+) -> std::result::Result<(Report, Trace), String> {
     if !rec.ok {
         let why = rec.why();
-        let said: Vec<&str> = why.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+        let said: Vec<&str> = why
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
         return Err(format!("the candidate's trace verb failed with --force-decisions (a producer need not implement it): {}", said.join(" | ")));
     }
     let t = open(&o.root, rel).map_err(|e| e.0)?;
@@ -1149,9 +1644,18 @@ fn forced_run(o: &BisectOptions, reference: &Trace, rec: &RunRecord, rel: &str, 
         return Err("the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)".into());
     }
     let rep = compare_whole(reference, &t, opts).map_err(|e| e.0)?;
-    let still: Vec<String> = rep.decisions.results.iter().filter(|d| d.differing_rows > 0).map(|d| format!("{} ({} rows)", d.name, d.differing_rows)).collect();
+    let still: Vec<String> = rep
+        .decisions
+        .results
+        .iter()
+        .filter(|d| d.differing_rows > 0)
+        .map(|d| format!("{} ({} rows)", d.name, d.differing_rows))
+        .collect();
     if !still.is_empty() {
-        return Err(format!("the candidate's forced trace still takes other decisions: {}", still.join(", ")));
+        return Err(format!(
+            "the candidate's forced trace still takes other decisions: {}",
+            still.join(", ")
+        ));
     }
     Ok((rep, t))
 }
@@ -1159,7 +1663,10 @@ fn forced_run(o: &BisectOptions, reference: &Trace, rec: &RunRecord, rel: &str, 
 /// The verdict on the forced runs, with the decisions said. The numbers agreeing once forced is
 /// `nothing_wrong` only when no unforced flip is one trace-diff labels a defect; otherwise
 /// `decisions_differ` (exit 1): the candidate decides otherwise on numbers that agree.
-fn with_forcing(f: &DecisionsForced, (verdict, code, summary): (&'static str, i32, String)) -> (&'static str, i32, String) {
+fn with_forcing(
+    f: &DecisionsForced,
+    (verdict, code, summary): (&'static str, i32, String),
+) -> (&'static str, i32, String) {
     let summary = summary.trim_end_matches([';', ' ']);
     let rows = |n: u64| format!("{n} row{}", if n == 1 { "" } else { "s" });
     let list: Vec<String> = f
@@ -1167,12 +1674,28 @@ fn with_forcing(f: &DecisionsForced, (verdict, code, summary): (&'static str, i3
         .iter()
         .map(|d| {
             let labels: Vec<String> = d.labels.iter().map(|(l, n)| format!("{n} {l}")).collect();
-            format!("{} {}/{} ({})", d.name, d.differing_rows, rows(d.rows), labels.join(", "))
+            format!(
+                "{} {}/{} ({})",
+                d.name,
+                d.differing_rows,
+                rows(d.rows),
+                labels.join(", ")
+            )
         })
         .collect();
-    let unforced = format!("unforced, the runs take other decisions: {}", list.join("; "));
+    let unforced = format!(
+        "unforced, the runs take other decisions: {}",
+        list.join("; ")
+    );
     if f.status != "forced" {
-        return (verdict, code, format!("{summary}; {unforced}; decisions NOT forced: {}", f.reason.as_deref().unwrap_or("")));
+        return (
+            verdict,
+            code,
+            format!(
+                "{summary}; {unforced}; decisions NOT forced: {}",
+                f.reason.as_deref().unwrap_or("")
+            ),
+        );
     }
     // Where the candidate, given the reference's decisions upstream, would itself decide
     // otherwise: the flips, without their consequences.
@@ -1180,13 +1703,28 @@ fn with_forcing(f: &DecisionsForced, (verdict, code, summary): (&'static str, i3
         .overridden
         .as_ref()
         .and_then(|o| o.as_object())
-        .map(|o| o.iter().map(|(name, n)| format!("{name} ({})", rows(n.as_u64().unwrap_or(0)))).collect())
+        .map(|o| {
+            o.iter()
+                .map(|(name, n)| format!("{name} ({})", rows(n.as_u64().unwrap_or(0))))
+                .collect()
+        })
         .unwrap_or_default();
-    let own = if own.is_empty() { String::new() } else { format!("; given the reference's decisions the candidate would decide otherwise in {}", own.join(", ")) };
+    let own = if own.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; given the reference's decisions the candidate would decide otherwise in {}",
+            own.join(", ")
+        )
+    };
     if verdict == "nothing_wrong" && f.unforced.iter().any(|d| d.labels.contains_key("defect")) {
         return ("decisions_differ", 1, format!("the numbers agree once decisions are forced, but the candidate decides otherwise where they do not explain it{own}; {unforced}"));
     }
-    (verdict, code, format!("with decisions forced from the reference: {summary}{own}; {unforced}"))
+    (
+        verdict,
+        code,
+        format!("with decisions forced from the reference: {summary}{own}; {unforced}"),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1201,50 +1739,105 @@ fn verdict(
     amplification: Option<f64>,
     failed: &Option<(usize, String)>,
 ) -> (&'static str, i32, String) {
-    let with = |status: &str| -> Vec<usize> { layers.iter().filter(|r| r.status == status).map(|r| r.layer).collect() };
+    let with = |status: &str| -> Vec<usize> {
+        layers
+            .iter()
+            .filter(|r| r.status == status)
+            .map(|r| r.layer)
+            .collect()
+    };
     let (matched, inherits, downstream, wrong) = (
-        layers.iter().filter(|r| r.isolation == "match" && r.whole_run == "match").map(|r| r.layer).collect::<Vec<_>>(),
+        layers
+            .iter()
+            .filter(|r| r.isolation == "match" && r.whole_run == "match")
+            .map(|r| r.layer)
+            .collect::<Vec<_>>(),
         with("inherits"),
         with("downstream"),
         with("wrong"),
     );
-    let also_structure = structure.as_ref().map(|s| format!("; the whole runs also differ in structure: {s}")).unwrap_or_default();
+    let also_structure = structure
+        .as_ref()
+        .map(|s| format!("; the whole runs also differ in structure: {s}"))
+        .unwrap_or_default();
     let mut tail = Vec::new();
     if !matched.is_empty() {
         tail.push(say(&matched, "matches in isolation", "match in isolation"));
     }
     let inconsistent = with("inconsistent");
     if !inconsistent.is_empty() {
-        tail.push(say(&inconsistent, "has a layer verb that disagrees with its own whole run", "have layer verbs that disagree with their own whole runs"));
+        tail.push(say(
+            &inconsistent,
+            "has a layer verb that disagrees with its own whole run",
+            "have layer verbs that disagree with their own whole runs",
+        ));
     }
     if let (Some(l), Some(s)) = (first_wrong, stage) {
         let also: Vec<usize> = wrong.iter().copied().filter(|&w| w != l).collect();
         if !also.is_empty() {
-            tail.push(say(&also, "is also wrong in isolation", "are also wrong in isolation"));
+            tail.push(say(
+                &also,
+                "is also wrong in isolation",
+                "are also wrong in isolation",
+            ));
         }
         if !inherits.is_empty() {
             tail.push(say(&inherits, "inherits", "inherit"));
         }
         if !downstream.is_empty() {
-            tail.push(say(&downstream, "differs downstream", "differ downstream") + " (not isolated; --all-layers checks whether they inherit)");
+            tail.push(
+                say(&downstream, "differs downstream", "differ downstream")
+                    + " (not isolated; --all-layers checks whether they inherit)",
+            );
         }
-        return ("wrong_layer", 1, format!("layer {l:02} body is wrong: {} [{}]; {}{also_structure}", s.detail, block_words(s.block), tail.join("; ")));
+        return (
+            "wrong_layer",
+            1,
+            format!(
+                "layer {l:02} body is wrong: {} [{}]; {}{also_structure}",
+                s.detail,
+                block_words(s.block),
+                tail.join("; ")
+            ),
+        );
     }
-    let whole_same = matches!(whole.verdict.as_str(), "identical" | "within_policy") && structure.is_none();
+    let whole_same =
+        matches!(whole.verdict.as_str(), "identical" | "within_policy") && structure.is_none();
     if let Some((at, why)) = failed {
         let div = match (first, structure) {
-            (Some((_, name, how)), _) => format!("the whole runs first diverge at {name} ({})", how_words(how)),
+            (Some((_, name, how)), _) => format!(
+                "the whole runs first diverge at {name} ({})",
+                how_words(how)
+            ),
             (None, Some(s)) => format!("the whole runs differ in structure: {s}"),
-            (None, None) if whole_same => format!("the whole runs are {}", whole.verdict.replace('_', " ")),
+            (None, None) if whole_same => {
+                format!("the whole runs are {}", whole.verdict.replace('_', " "))
+            }
             (None, None) => format!("the whole runs differ ({})", whole.verdict),
         };
-        return ("not_checked", 4, format!("isolation NOT CHECKED from layer {at:02}: {why}; {div}"));
+        return (
+            "not_checked",
+            4,
+            format!("isolation NOT CHECKED from layer {at:02}: {why}; {div}"),
+        );
     }
     // The first divergence is structural, or only the structure differs: no value to bisect.
-    if first.as_ref().is_some_and(|(_, _, how)| *how != "differs") || (first.is_none() && !whole_same) {
-        let what = structure.clone().unwrap_or_else(|| format!("verdict {}", whole.verdict));
-        let iso = if tail.is_empty() { String::new() } else { format!("; {}", tail.join("; ")) };
-        return ("structure_differs", 1, format!("the whole runs differ in structure, not only in values: {what}{iso}"));
+    if first.as_ref().is_some_and(|(_, _, how)| *how != "differs")
+        || (first.is_none() && !whole_same)
+    {
+        let what = structure
+            .clone()
+            .unwrap_or_else(|| format!("verdict {}", whole.verdict));
+        let iso = if tail.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", tail.join("; "))
+        };
+        return (
+            "structure_differs",
+            1,
+            format!("the whole runs differ in structure, not only in values: {what}{iso}"),
+        );
     }
     match first {
         None => {
@@ -1281,13 +1874,21 @@ fn verdict(
 /// policy, the bound that puts it outside.
 fn broken(whole: &WholeRun, name: &str) -> String {
     let v = whole.first_violation.as_ref().filter(|v| v.tensor == name);
-    v.and_then(|v| v.violations.first()).map(|b| format!(" ({b})")).unwrap_or_default()
+    v.and_then(|v| v.violations.first())
+        .map(|b| format!(" ({b})"))
+        .unwrap_or_default()
 }
 
 /// A hang says nothing about the layers: the bisection cannot be judged, so it is refused.
 fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
     match runs.iter().find(|r| r.timed_out) {
-        Some(r) => Err(gerr!("{} {} timed out after {} s (--timeout) and was killed: $ {}", r.producer, r.verb, o.timeout.as_secs(), r.invocation)),
+        Some(r) => Err(gerr!(
+            "{} {} timed out after {} s (--timeout) and was killed: $ {}",
+            r.producer,
+            r.verb,
+            o.timeout.as_secs(),
+            r.invocation
+        )),
         None => Ok(()),
     }
 }
@@ -1297,7 +1898,18 @@ fn is_structure(kind: &str) -> bool {
     // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
     // (`rows`), and so is an expert the routing sent other tokens (status `rerouted`); the rest
     // are notes, not differences.
-    !matches!(kind, "values_differ" | "outside_policy" | "decision_differs" | "margin_differs" | "dtype_mismatch" | "shape_mismatch" | "rerouted" | "stack_mismatch_allowed" | "decisions_forced")
+    !matches!(
+        kind,
+        "values_differ"
+            | "outside_policy"
+            | "decision_differs"
+            | "margin_differs"
+            | "dtype_mismatch"
+            | "shape_mismatch"
+            | "rerouted"
+            | "stack_mismatch_allowed"
+            | "decisions_forced"
+    )
 }
 
 fn how_words(how: &str) -> String {
@@ -1332,7 +1944,11 @@ fn summarise(findings: &[&tracegate_diff::Finding]) -> Option<String> {
         .map(|(kind, fs)| {
             let names: Vec<&str> = fs.iter().filter_map(|f| f.tensor.as_deref()).collect();
             let shown: Vec<&str> = names.iter().copied().take(3).collect();
-            let more = if names.len() > shown.len() { ", …" } else { "" };
+            let more = if names.len() > shown.len() {
+                ", …"
+            } else {
+                ""
+            };
             match (fs.len(), shown.is_empty()) {
                 (1, true) => format!("{kind}: {}", fs[0].detail),
                 (1, false) => format!("{kind} {}", shown[0]),
@@ -1359,7 +1975,10 @@ pub fn render(r: &BisectReport) -> String {
         r.candidate,
         r.model,
         r.tokens.len(),
-        r.prompt.as_ref().map(|p| format!(" (prompt {p})")).unwrap_or_default(),
+        r.prompt
+            .as_ref()
+            .map(|p| format!(" (prompt {p})"))
+            .unwrap_or_default(),
         r.capture
     ));
     if let Some(f) = &r.decisions_forced {
@@ -1372,14 +1991,31 @@ pub fn render(r: &BisectReport) -> String {
         }
         for d in &f.unforced {
             let labels: Vec<String> = d.labels.iter().map(|(l, n)| format!("{n} {l}")).collect();
-            o.push_str(&format!("  unforced: decision {} differs in {}/{} rows ({})\n", d.name, d.differing_rows, d.rows, labels.join(", ")));
+            o.push_str(&format!(
+                "  unforced: decision {} differs in {}/{} rows ({})\n",
+                d.name,
+                d.differing_rows,
+                d.rows,
+                labels.join(", ")
+            ));
         }
     }
-    match (&r.whole_run.first_diverging, &r.whole_run.first_bit_difference) {
+    match (
+        &r.whole_run.first_diverging,
+        &r.whole_run.first_bit_difference,
+    ) {
         (None, _) => o.push_str(&format!("  whole run: {}\n", r.whole_run.verdict)),
         (Some(name), d) => {
-            o.push_str(&format!("  whole run: {}; first diverging {name}", r.whole_run.verdict));
-            if let Some(how) = r.whole_run.first_diverging_how.as_deref().filter(|h| *h != "differs") {
+            o.push_str(&format!(
+                "  whole run: {}; first diverging {name}",
+                r.whole_run.verdict
+            ));
+            if let Some(how) = r
+                .whole_run
+                .first_diverging_how
+                .as_deref()
+                .filter(|h| *h != "differs")
+            {
                 o.push_str(&format!(" ({})", how_words(how)));
             }
             // Under a policy the failure is its first violation; the first bit difference
@@ -1388,7 +2024,11 @@ pub fn render(r: &BisectReport) -> String {
                 o.push_str(&format!("; first outside the policy {}: {v}", v.tensor));
             }
             if let Some(d) = d {
-                let what = if r.whole_run.first_violation.is_some() { "first bit difference" } else { "first differing element" };
+                let what = if r.whole_run.first_violation.is_some() {
+                    "first bit difference"
+                } else {
+                    "first differing element"
+                };
                 o.push_str(&format!(
                     "; {what} {}{:?}: {} vs {} ({} ULP; {}/{} elements differ)",
                     d.tensor,
@@ -1404,8 +2044,20 @@ pub fn render(r: &BisectReport) -> String {
         }
     }
     for d in &r.whole_run.differing_decisions {
-        let excused = if d.excused_rows > 0 { format!(" ({} excused: near-ties and rows after them)", d.excused_rows) } else { String::new() };
-        o.push_str(&format!("  whole run: decision {} differs in {}/{} rows{excused}\n", d.name, d.rows.min(d.differing_rows), d.rows));
+        let excused = if d.excused_rows > 0 {
+            format!(
+                " ({} excused: near-ties and rows after them)",
+                d.excused_rows
+            )
+        } else {
+            String::new()
+        };
+        o.push_str(&format!(
+            "  whole run: decision {} differs in {}/{} rows{excused}\n",
+            d.name,
+            d.rows.min(d.differing_rows),
+            d.rows
+        ));
     }
     for f in &r.whole_run.findings {
         o.push_str(&format!("  whole run finding: {f}\n"));
@@ -1421,13 +2073,21 @@ pub fn render(r: &BisectReport) -> String {
         "isol rel L2",
         "whole max ULP",
         "whole rel L2",
-        if cal { format!(" {:>11} {:>11}", "1-ULP rel L2", "whole/1-ULP") } else { String::new() },
+        if cal {
+            format!(" {:>11} {:>11}", "1-ULP rel L2", "whole/1-ULP")
+        } else {
+            String::new()
+        },
         if peers { "  vs peers" } else { "" }
     ));
     for row in &r.layers {
         let vs = match (peers, row.isolation) {
             (false, _) => String::new(),
-            (true, "match") if row.status != "inconsistent" => format!("  {:>8}{}", ratio(row.peer_ratio), if row.suspicious { " suspicious" } else { "" }),
+            (true, "match") if row.status != "inconsistent" => format!(
+                "  {:>8}{}",
+                ratio(row.peer_ratio),
+                if row.suspicious { " suspicious" } else { "" }
+            ),
             (true, _) => format!("  {:>8}", "-"),
         };
         o.push_str(&format!(
@@ -1435,17 +2095,37 @@ pub fn render(r: &BisectReport) -> String {
             format!("{:02}", row.layer),
             row.status,
             row.whole_run,
-            if row.isolation == "not_run" { "-".into() } else { ulps(row.isolated_max_ulp) },
+            if row.isolation == "not_run" {
+                "-".into()
+            } else {
+                ulps(row.isolated_max_ulp)
+            },
             sci(row.isolated_rel_l2),
             ulps(row.whole_max_ulp),
             sci(row.whole_rel_l2),
-            if cal { format!(" {:>11} {:>11}", sci(row.calibration_rel_l2), ratio(row.whole_vs_calibration)) } else { String::new() }
+            if cal {
+                format!(
+                    " {:>11} {:>11}",
+                    sci(row.calibration_rel_l2),
+                    ratio(row.whole_vs_calibration)
+                )
+            } else {
+                String::new()
+            }
         ));
     }
     if let Some(s) = &r.stage {
-        o.push_str(&format!("\n  first wrong stage in layer {:02}: {} — {}\n", s.layer, block_words(s.block), s.detail));
+        o.push_str(&format!(
+            "\n  first wrong stage in layer {:02}: {} — {}\n",
+            s.layer,
+            block_words(s.block),
+            s.detail
+        ));
         if !s.matching.is_empty() {
-            o.push_str(&format!("    before it, matching in isolation: {}\n", s.matching.join(", ")));
+            o.push_str(&format!(
+                "    before it, matching in isolation: {}\n",
+                s.matching.join(", ")
+            ));
         }
         let row = &r.layers[s.layer];
         for t in row.isolated.iter().filter(|t| is_bad(&t.status)) {
@@ -1461,13 +2141,21 @@ pub fn render(r: &BisectReport) -> String {
         }
     }
     for row in r.layers.iter().filter(|r| r.reason.is_some()).take(1) {
-        o.push_str(&format!("\n  layer {:02} NOT CHECKED: {}\n", row.layer, row.reason.as_deref().unwrap_or("")));
+        o.push_str(&format!(
+            "\n  layer {:02} NOT CHECKED: {}\n",
+            row.layer,
+            row.reason.as_deref().unwrap_or("")
+        ));
     }
     o.push('\n');
     o.push_str(&self_consistency_lines(&r.self_consistency, &r.layers));
     o.push_str(&outlier_line(&r.outliers, &r.layers));
     if let Some(c) = &r.calibration {
-        o.push_str(&format!("\n  calibration: {} (input rel L2 {})\n", c.perturbation, sci(c.input_rel_l2)));
+        o.push_str(&format!(
+            "\n  calibration: {} (input rel L2 {})\n",
+            c.perturbation,
+            sci(c.input_rel_l2)
+        ));
         if let Some(row) = r.layers.get(c.from_layer) {
             if let Some(x) = row.isolated_vs_calibration {
                 o.push_str(&format!(
@@ -1479,7 +2167,11 @@ pub fn render(r: &BisectReport) -> String {
                 ));
             }
         }
-        if let Some(row) = r.layers.iter().rfind(|row| row.whole_vs_calibration.is_some()) {
+        if let Some(row) = r
+            .layers
+            .iter()
+            .rfind(|row| row.whole_vs_calibration.is_some())
+        {
             o.push_str(&format!(
                 "    in the whole run, the candidate's difference at layer {:02} is {} what a 1-ULP perturbation at layer {:02} grows to\n",
                 row.layer,
@@ -1500,7 +2192,11 @@ pub fn render(r: &BisectReport) -> String {
 
 fn self_consistency_lines(sc: &SelfConsistency, layers: &[LayerRow]) -> String {
     let mut o = String::new();
-    let consistent: Vec<usize> = layers.iter().filter(|r| r.self_check == "consistent").map(|r| r.layer).collect();
+    let consistent: Vec<usize> = layers
+        .iter()
+        .filter(|r| r.self_check == "consistent")
+        .map(|r| r.layer)
+        .collect();
     match (&sc.inconsistent, consistent.is_empty(), sc.scope) {
         (Some(i), _, _) => {
             o.push_str(&format!("  self-consistency: INCONSISTENT at layer {:02}: the candidate's layer verb on its own input: {} ({})\n", i.layer, i.detail, i.trace));
@@ -1514,7 +2210,11 @@ fn self_consistency_lines(sc: &SelfConsistency, layers: &[LayerRow]) -> String {
         _ => {}
     }
     if !consistent.is_empty() {
-        let which = if consistent.len() == 1 { "layer" } else { "layers" };
+        let which = if consistent.len() == 1 {
+            "layer"
+        } else {
+            "layers"
+        };
         o.push_str(&format!("  self-consistency: the candidate's layer verb on its own input agrees with its own whole run in {which} {}\n", span(&consistent)));
     }
     for why in &sc.not_checked {

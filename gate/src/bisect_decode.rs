@@ -98,18 +98,35 @@ pub struct Context<'a> {
 
 /// The whole runs' comparison leaves the decode steps to this module.
 pub fn prefill_filter(generate: usize) -> Filter {
-    Filter { only: vec![], skip: if generate > 0 { vec!["decode.**".into()] } else { vec![] } }
+    Filter {
+        only: vec![],
+        skip: if generate > 0 {
+            vec!["decode.**".into()]
+        } else {
+            vec![]
+        },
+    }
 }
 
 /// Options comparing only the decode steps, judged by `policy` (the whole runs' judge).
 fn decode_only(policy: &Option<Policy>) -> Options {
-    Options { all: true, policy: policy.clone(), filter: Filter { only: vec!["decode.**".into()], skip: vec![] }, ..Options::default() }
+    Options {
+        all: true,
+        policy: policy.clone(),
+        filter: Filter {
+            only: vec!["decode.**".into()],
+            skip: vec![],
+        },
+        ..Options::default()
+    }
 }
 
 /// The step of a `decode.SSSS.…` name: every digit up to the next dot (a step past 9999 is
 /// written with more than four).
 fn step_of(name: &str) -> Option<usize> {
-    name.strip_prefix("decode.").and_then(|r| r.split('.').next()).and_then(|s| s.parse().ok())
+    name.strip_prefix("decode.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|s| s.parse().ok())
 }
 
 fn step_name(s: usize, point: &str) -> String {
@@ -118,11 +135,19 @@ fn step_name(s: usize, point: &str) -> String {
 
 /// The decode bisection, after the prefill's verdict: returns the decode report and the verdict
 /// (the prefill's when it is not `nothing_wrong`: a prefill verdict wins).
-pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (&'static str, i32, String)) -> (DecodeReport, (&'static str, i32, String)) {
+pub fn run(
+    o: &BisectOptions,
+    c: &Context,
+    runs: &mut Vec<RunRecord>,
+    prefill: (&'static str, i32, String),
+) -> (DecodeReport, (&'static str, i32, String)) {
     let mut d = DecodeReport::new(o.generate);
     if prefill.0 != "nothing_wrong" {
         d.status = "not_compared";
-        d.reason = Some(format!("the prefill verdict ({}) wins; decode steps are compared only when the prefill agrees", prefill.0));
+        d.reason = Some(format!(
+            "the prefill verdict ({}) wins; decode steps are compared only when the prefill agrees",
+            prefill.0
+        ));
         return (d, prefill);
     }
     let n = o.tokens.len() as i64;
@@ -137,7 +162,17 @@ pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (
             let why = format!("the {side}'s trace has no {} (its trace verb does not capture decode steps, docs/producers.md)", step_name(0, "logits"));
             d.status = "not_compared";
             d.reason = Some(why.clone());
-            return (d, ("not_checked", 4, format!("decode steps NOT CHECKED: {why}; the prefill: {}", prefill.2)));
+            return (
+                d,
+                (
+                    "not_checked",
+                    4,
+                    format!(
+                        "decode steps NOT CHECKED: {why}; the prefill: {}",
+                        prefill.2
+                    ),
+                ),
+            );
         }
     }
     // Per step, in computation order: its tensors in the reference's order, then its decision;
@@ -145,7 +180,12 @@ pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (
     let structure: Vec<(String, &'static str)> = rep
         .findings
         .iter()
-        .filter(|f| matches!(f.kind, "missing_tensor" | "extra_tensor" | "missing_decision" | "extra_decision"))
+        .filter(|f| {
+            matches!(
+                f.kind,
+                "missing_tensor" | "extra_tensor" | "missing_decision" | "extra_decision"
+            )
+        })
         .filter_map(|f| f.tensor.clone().map(|t| (t, f.kind)))
         .collect();
     let mut first: Option<(usize, String, String)> = None;
@@ -154,14 +194,34 @@ pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (
     for s in 0..o.generate {
         d.steps_compared = s + 1;
         let mine = |name: &str| step_of(name) == Some(s);
-        let bad_tensor = tensors.iter().find(|t| mine(&t.tensor) && b::is_bad(&t.status)).map(|t| (t.tensor.clone(), "differs".to_string()));
-        let bad_structure = structure.iter().find(|(t, _)| mine(t)).map(|(t, k)| (t.clone(), k.to_string()));
+        let bad_tensor = tensors
+            .iter()
+            .find(|t| mine(&t.tensor) && b::is_bad(&t.status))
+            .map(|t| (t.tensor.clone(), "differs".to_string()));
+        let bad_structure = structure
+            .iter()
+            .find(|(t, _)| mine(t))
+            .map(|(t, k)| (t.clone(), k.to_string()));
         let dec = decisions.iter().find(|x| mine(&x.name));
-        let bad_decision = dec.filter(|x| x.judged_rows() > 0).map(|x| (x.name.clone(), "differs".to_string()));
+        let bad_decision = dec
+            .filter(|x| x.judged_rows() > 0)
+            .map(|x| (x.name.clone(), "differs".to_string()));
         if let Some((name, how)) = bad_tensor.or(bad_structure).or(bad_decision) {
-            step_all = tensors.iter().filter(|t| mine(&t.tensor)).cloned().collect();
-            d.step_tensors = step_all.iter().filter(|t| b::is_bad(&t.status)).cloned().collect();
-            d.step_decisions = decisions.iter().filter(|x| mine(&x.name) && x.differing_rows > 0).cloned().collect();
+            step_all = tensors
+                .iter()
+                .filter(|t| mine(&t.tensor))
+                .cloned()
+                .collect();
+            d.step_tensors = step_all
+                .iter()
+                .filter(|t| b::is_bad(&t.status))
+                .cloned()
+                .collect();
+            d.step_decisions = decisions
+                .iter()
+                .filter(|x| mine(&x.name) && x.differing_rows > 0)
+                .cloned()
+                .collect();
             first = Some((s, name, how));
             break;
         }
@@ -173,13 +233,24 @@ pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (
         }
     }
     let Some((s, name, how)) = first else {
-        let steps = if d.steps_compared == 1 { "step 0".to_string() } else { format!("steps 0-{}", d.steps_compared - 1) };
-        let how = if rep.verdict == tracegate_diff::Verdict::WithinPolicy { "within policy" } else { "identical" };
+        let steps = if d.steps_compared == 1 {
+            "step 0".to_string()
+        } else {
+            format!("steps 0-{}", d.steps_compared - 1)
+        };
+        let how = if rep.verdict == tracegate_diff::Verdict::WithinPolicy {
+            "within policy"
+        } else {
+            "identical"
+        };
         let tail = match &stop_after {
             Some((at, dec)) => format!("; {dec} is a near-tie the policy excuses, so the steps after {at} (other tokens) are not compared"),
             None => String::new(),
         };
-        let summary = format!("{}; decode {steps} {how} ({} of {} steps compared){tail}", prefill.2, d.steps_compared, o.generate);
+        let summary = format!(
+            "{}; decode {steps} {how} ({} of {} steps compared){tail}",
+            prefill.2, d.steps_compared, o.generate
+        );
         return (d, ("nothing_wrong", 0, summary));
     };
     let p = n + s as i64 - 1;
@@ -197,13 +268,23 @@ pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (
         _ => None,
     };
     let cache_note = match cache.status {
-        "agrees" => "the candidate's cached decode agrees with its full recompute through this step".to_string(),
-        "not_checked" => format!("cache self-check NOT CHECKED: {}", cache.reason.as_deref().unwrap_or("")),
+        "agrees" => {
+            "the candidate's cached decode agrees with its full recompute through this step"
+                .to_string()
+        }
+        "not_checked" => format!(
+            "cache self-check NOT CHECKED: {}",
+            cache.reason.as_deref().unwrap_or("")
+        ),
         _ => String::new(),
     };
     d.cache_check = Some(cache);
 
-    let how_said = if how == "differs" { String::new() } else { format!(" ({})", how.replace('_', " ")) };
+    let how_said = if how == "differs" {
+        String::new()
+    } else {
+        format!(" ({})", how.replace('_', " "))
+    };
     let head = format!("decode step {s} (position {p}) first diverges at {name}{how_said}");
     let before = match s {
         0 => "the prefill matches".to_string(),
@@ -230,22 +311,41 @@ pub fn run(o: &BisectOptions, c: &Context, runs: &mut Vec<RunRecord>, prefill: (
         }
         (None, None, None) => ("accumulates", 1, format!("{head}; no layer's decode body is wrong in isolation; {iso}; {cache_note}")),
     };
-    (d, (verdict, code, format!("{}; {before}", what.trim_end_matches("; "))))
+    (
+        d,
+        (
+            verdict,
+            code,
+            format!("{}; {before}", what.trim_end_matches("; ")),
+        ),
+    )
 }
 
 /// The isolation's outcome at step `s`, in words.
 fn iso_words(d: &DecodeReport, s: usize) -> String {
     if let (Some(l), Some(st)) = (d.first_wrong_layer, &d.stage) {
-        return format!("in isolation at step {s} layer {l:02}'s decode body is wrong: {} [{}]", st.detail, b::block_words(st.block));
+        return format!(
+            "in isolation at step {s} layer {l:02}'s decode body is wrong: {} [{}]",
+            st.detail,
+            b::block_words(st.block)
+        );
     }
     if let Some(why) = &d.isolation_not_checked {
         return format!("isolation at step {s} NOT CHECKED: {why}");
     }
-    let matched: Vec<usize> = d.layers.iter().filter(|r| r.isolation == "match").map(|r| r.layer).collect();
+    let matched: Vec<usize> = d
+        .layers
+        .iter()
+        .filter(|r| r.isolation == "match")
+        .map(|r| r.layer)
+        .collect();
     if matched.is_empty() {
         format!("no layer isolated at step {s}")
     } else {
-        format!("at step {s} {}", b::say(&matched, "matches in isolation", "match in isolation"))
+        format!(
+            "at step {s} {}",
+            b::say(&matched, "matches in isolation", "match in isolation")
+        )
     }
 }
 
@@ -253,12 +353,35 @@ fn iso_words(d: &DecodeReport, s: usize) -> String {
 /// the whole runs are.
 fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecord>) -> CacheCheck {
     let rel = format!("{}/candidate.uncached.trace", o.work);
-    let mut check = CacheCheck { status: "not_checked", trace: None, first_step: None, first_tensor: None, detail: None, reason: None };
-    let verb = Verb::Trace { model: o.model.clone(), tokens: o.tokens.clone(), out: rel.clone(), internals: o.internals, generate: o.generate, cache: false, force: None };
+    let mut check = CacheCheck {
+        status: "not_checked",
+        trace: None,
+        first_step: None,
+        first_tensor: None,
+        detail: None,
+        reason: None,
+    };
+    let verb = Verb::Trace {
+        model: o.model.clone(),
+        tokens: o.tokens.clone(),
+        out: rel.clone(),
+        internals: o.internals,
+        generate: o.generate,
+        cache: false,
+        force: None,
+    };
     let rec = o.candidate.run(&o.root, &verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {
-        check.reason = Some(format!("the candidate's trace verb failed with --cache off: {}", rec.why().lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" | ")));
+        check.reason = Some(format!(
+            "the candidate's trace verb failed with --cache off: {}",
+            rec.why()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ));
         return check;
     }
     let uncached = match b::open(&o.root, &rel) {
@@ -273,8 +396,16 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
     let opts = decode_only(c.policy);
     let rep = compare(&uncached, c.candidate, &opts);
     let tensors = b::rows(&rep);
-    let bad_t = tensors.iter().filter(|t| b::is_bad(&t.status)).filter_map(|t| step_of(&t.tensor).map(|s| (s, t))).min_by_key(|(s, _)| *s);
-    let bad_d = b::decisions(&rep).into_iter().filter(|x| x.judged_rows() > 0).filter_map(|x| step_of(&x.name).map(|s| (s, x.name))).min_by_key(|(s, _)| *s);
+    let bad_t = tensors
+        .iter()
+        .filter(|t| b::is_bad(&t.status))
+        .filter_map(|t| step_of(&t.tensor).map(|s| (s, t)))
+        .min_by_key(|(s, _)| *s);
+    let bad_d = b::decisions(&rep)
+        .into_iter()
+        .filter(|x| x.judged_rows() > 0)
+        .filter_map(|x| step_of(&x.name).map(|s| (s, x.name)))
+        .min_by_key(|(s, _)| *s);
     let first = match (bad_t, bad_d) {
         (Some((st, t)), Some((sd, _))) if st <= sd => Some((st, t.tensor.clone(), Some(t))),
         (_, Some((sd, name))) => Some((sd, name, None)),
@@ -287,7 +418,13 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
             check.first_step = Some(at);
             check.first_tensor = Some(name);
             check.detail = t.map(|t| {
-                format!("{}/{} elements, max {} ULP, rel L2 {}", b::thousands(t.differing_elements.unwrap_or(0)), b::thousands(t.total_elements), b::ulps(t.max_ulp), b::sci(t.rel_l2))
+                format!(
+                    "{}/{} elements, max {} ULP, rel L2 {}",
+                    b::thousands(t.differing_elements.unwrap_or(0)),
+                    b::thousands(t.total_elements),
+                    b::ulps(t.max_ulp),
+                    b::sci(t.rel_l2)
+                )
             });
         }
         other => {
@@ -306,32 +443,62 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
 /// layer `layer.LL.hidden_in` at positions 0..=P (the prefill's rows, then steps 1..=s), and
 /// `decode.SSSS.reference.trace`, per layer the step's `layer.LL.*` row as the candidate's
 /// `layer --decode-from P` writes it (one row at P, attribute `decode_from`).
-fn write_step_inputs(o: &BisectOptions, c: &Context, s: usize, p: i64, input_rel: &str, view_rel: &str) -> Result<()> {
+fn write_step_inputs(
+    o: &BisectOptions,
+    c: &Context,
+    s: usize,
+    p: i64,
+    input_rel: &str,
+    view_rel: &str,
+) -> Result<()> {
     let r = c.reference;
     let mut prov = r.provenance().clone();
     if let Some(x) = prov.as_object_mut() {
-        x.insert("bisect_decode_step".into(), json!({ "step": s, "position": p, "from": r.path().display().to_string() }));
+        x.insert(
+            "bisect_decode_step".into(),
+            json!({ "step": s, "position": p, "from": r.path().display().to_string() }),
+        );
     }
-    let create = |rel: &str| TraceWriter::create(o.root.join(rel), prov.clone()).map_err(|e| gerr!("{rel}: {e}"));
+    let create = |rel: &str| {
+        TraceWriter::create(o.root.join(rel), prov.clone()).map_err(|e| gerr!("{rel}: {e}"))
+    };
     let (mut input, mut view) = (create(input_rel)?, create(view_rel)?);
     for l in 0..c.layers {
         let pre = format!("layer.{l:02}.hidden_in");
-        let mut x = r.f32_slice(&pre).map_err(|e| gerr!("the reference's {pre}: {e}"))?.to_vec();
-        let info = r.tensor_info(&pre).ok_or_else(|| gerr!("the reference has no {pre}"))?;
+        let mut x = r
+            .f32_slice(&pre)
+            .map_err(|e| gerr!("the reference's {pre}: {e}"))?
+            .to_vec();
+        let info = r
+            .tensor_info(&pre)
+            .ok_or_else(|| gerr!("the reference has no {pre}"))?;
         let h = *info.shape.last().unwrap_or(&0);
         for t in 1..=s {
             let name = step_name(t, &pre);
-            x.extend_from_slice(r.f32_slice(&name).map_err(|e| gerr!("the reference's {name}: {e}"))?);
+            x.extend_from_slice(
+                r.f32_slice(&name)
+                    .map_err(|e| gerr!("the reference's {name}: {e}"))?,
+            );
         }
-        let attrs = Attributes { positions: Some((0..=p).collect()), ..info.attributes.clone() };
-        input.tensor_f32(&pre, &[p as u64 + 1, h], &x, &attrs).map_err(|e| gerr!("{input_rel}: {e}"))?;
+        let attrs = Attributes {
+            positions: Some((0..=p).collect()),
+            ..info.attributes.clone()
+        };
+        input
+            .tensor_f32(&pre, &[p as u64 + 1, h], &x, &attrs)
+            .map_err(|e| gerr!("{input_rel}: {e}"))?;
         for point in BODY {
             let name = step_name(s, &format!("layer.{l:02}.{point}"));
-            let info = r.tensor_info(&name).ok_or_else(|| gerr!("the reference has no {name}"))?;
+            let info = r
+                .tensor_info(&name)
+                .ok_or_else(|| gerr!("the reference has no {name}"))?;
             let mut attrs = info.attributes.clone();
             attrs.extra.insert("decode_from".into(), p.to_string());
-            let data = r.f32_slice(&name).map_err(|e| gerr!("the reference's {name}: {e}"))?;
-            view.tensor_f32(&format!("layer.{l:02}.{point}"), &info.shape, data, &attrs).map_err(|e| gerr!("{view_rel}: {e}"))?;
+            let data = r
+                .f32_slice(&name)
+                .map_err(|e| gerr!("the reference's {name}: {e}"))?;
+            view.tensor_f32(&format!("layer.{l:02}.{point}"), &info.shape, data, &attrs)
+                .map_err(|e| gerr!("{view_rel}: {e}"))?;
         }
     }
     input.finish().map_err(|e| gerr!("{input_rel}: {e}"))?;
@@ -341,7 +508,15 @@ fn write_step_inputs(o: &BisectOptions, c: &Context, s: usize, p: i64, input_rel
 
 /// Isolates layers at step `s` (up to the first diverging one, or all with `--all-layers`).
 /// `step_all`: the whole runs' comparison of every tensor of step `s`.
-fn isolate_step(o: &BisectOptions, c: &Context, s: usize, p: i64, step_all: &[TensorCmp], d: &mut DecodeReport, runs: &mut Vec<RunRecord>) {
+fn isolate_step(
+    o: &BisectOptions,
+    c: &Context,
+    s: usize,
+    p: i64,
+    step_all: &[TensorCmp],
+    d: &mut DecodeReport,
+    runs: &mut Vec<RunRecord>,
+) {
     let input_rel = format!("{}/decode.{s:04}.input.trace", o.work);
     let view_rel = format!("{}/decode.{s:04}.reference.trace", o.work);
     if let Err(e) = write_step_inputs(o, c, s, p, &input_rel, &view_rel) {
@@ -355,10 +530,24 @@ fn isolate_step(o: &BisectOptions, c: &Context, s: usize, p: i64, step_all: &[Te
             return;
         }
     };
-    let whole = |l: usize| step_all.iter().find(|t| t.tensor == step_name(s, &format!("layer.{l:02}.hidden_out"))).cloned();
-    let differs = |l: usize| d.step_tensors.iter().any(|t| t.tensor.starts_with(&step_name(s, &format!("layer.{l:02}."))));
+    let whole = |l: usize| {
+        step_all
+            .iter()
+            .find(|t| t.tensor == step_name(s, &format!("layer.{l:02}.hidden_out")))
+            .cloned()
+    };
+    let differs = |l: usize| {
+        d.step_tensors.iter().any(|t| {
+            t.tensor
+                .starts_with(&step_name(s, &format!("layer.{l:02}.")))
+        })
+    };
     let first_layer = (0..c.layers).find(|&l| differs(l));
-    let upto = if o.all_layers { c.layers } else { first_layer.map_or(0, |l| l + 1) };
+    let upto = if o.all_layers {
+        c.layers
+    } else {
+        first_layer.map_or(0, |l| l + 1)
+    };
     for l in 0..upto {
         let h = whole(l);
         let mut row = b::layer_row(l, differs(l), h.as_ref());
@@ -373,7 +562,16 @@ fn isolate_step(o: &BisectOptions, c: &Context, s: usize, p: i64, step_all: &[Te
             decode_from: Some(p),
         };
         let slice_rel = format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work);
-        match b::isolate_with(o, &verb, l, &slice_rel, "the reference's", c.policy, runs, |cand, out| b::write_slice(&view, cand, l, out)) {
+        match b::isolate_with(
+            o,
+            &verb,
+            l,
+            &slice_rel,
+            "the reference's",
+            c.policy,
+            runs,
+            |cand, out| b::write_slice(&view, cand, l, out),
+        ) {
             Ok(iso) => b::fill_isolated(&mut row, iso),
             Err(why) => {
                 row.isolation = "not_checked";
@@ -390,43 +588,94 @@ fn isolate_step(o: &BisectOptions, c: &Context, s: usize, p: i64, step_all: &[Te
     for row in &mut d.layers {
         row.status = b::layer_status(row.isolation, row.whole_run);
     }
-    d.first_wrong_layer = d.layers.iter().find(|r| r.isolation == "wrong").map(|r| r.layer);
-    d.stage = d.first_wrong_layer.map(|l| b::stage(l, &d.layers[l], c.reference.decision_info(&format!("layer.{l:02}.router.topk")).is_some(), "differs in isolation"));
+    d.first_wrong_layer = d
+        .layers
+        .iter()
+        .find(|r| r.isolation == "wrong")
+        .map(|r| r.layer);
+    d.stage = d.first_wrong_layer.map(|l| {
+        b::stage(
+            l,
+            &d.layers[l],
+            c.reference
+                .decision_info(&format!("layer.{l:02}.router.topk"))
+                .is_some(),
+            "differs in isolation",
+        )
+    });
 }
 
 /// The decode part of the human output.
 pub fn render(d: &DecodeReport) -> String {
     let mut o = String::new();
     if d.status != "compared" {
-        o.push_str(&format!("\n  decode ({} steps): not compared: {}\n", d.generate, d.reason.as_deref().unwrap_or("")));
+        o.push_str(&format!(
+            "\n  decode ({} steps): not compared: {}\n",
+            d.generate,
+            d.reason.as_deref().unwrap_or("")
+        ));
         return o;
     }
     let first = match (d.first_diverging_step, &d.first_diverging) {
-        (Some(s), Some(name)) => format!("; first diverging step {s} (position {}) at {name}", d.position.unwrap_or(0)),
+        (Some(s), Some(name)) => format!(
+            "; first diverging step {s} (position {}) at {name}",
+            d.position.unwrap_or(0)
+        ),
         _ => "; no step diverges".into(),
     };
-    o.push_str(&format!("\n  decode ({} steps, cached): {} steps compared{first}\n", d.generate, d.steps_compared));
+    o.push_str(&format!(
+        "\n  decode ({} steps, cached): {} steps compared{first}\n",
+        d.generate, d.steps_compared
+    ));
     const SHOWN: usize = 6;
     if d.step_tensors.len() > SHOWN {
-        o.push_str(&format!("    ({} of the step's tensors differ; the first {SHOWN}:)\n", d.step_tensors.len()));
+        o.push_str(&format!(
+            "    ({} of the step's tensors differ; the first {SHOWN}:)\n",
+            d.step_tensors.len()
+        ));
     }
     for t in d.step_tensors.iter().take(SHOWN) {
-        o.push_str(&format!("    {:<36} {:<14} {:>9}/{:<9} max {} ULP, rel L2 {}\n", t.tensor, t.status, b::thousands(t.differing_elements.unwrap_or(0)), b::thousands(t.total_elements), b::ulps(t.max_ulp), b::sci(t.rel_l2)));
+        o.push_str(&format!(
+            "    {:<36} {:<14} {:>9}/{:<9} max {} ULP, rel L2 {}\n",
+            t.tensor,
+            t.status,
+            b::thousands(t.differing_elements.unwrap_or(0)),
+            b::thousands(t.total_elements),
+            b::ulps(t.max_ulp),
+            b::sci(t.rel_l2)
+        ));
     }
     for x in &d.step_decisions {
-        o.push_str(&format!("    decision {} differs in {}/{} rows\n", x.name, x.differing_rows, x.rows));
+        o.push_str(&format!(
+            "    decision {} differs in {}/{} rows\n",
+            x.name, x.differing_rows, x.rows
+        ));
     }
     if let Some(c) = &d.cache_check {
         let what = match c.status {
-            "disagrees" => format!("DISAGREES from step {} at {} ({})", c.first_step.unwrap_or(0), c.first_tensor.as_deref().unwrap_or(""), c.detail.as_deref().unwrap_or("")),
+            "disagrees" => format!(
+                "DISAGREES from step {} at {} ({})",
+                c.first_step.unwrap_or(0),
+                c.first_tensor.as_deref().unwrap_or(""),
+                c.detail.as_deref().unwrap_or("")
+            ),
             "agrees" => "agrees through the diverging step".to_string(),
             _ => format!("NOT CHECKED: {}", c.reason.as_deref().unwrap_or("")),
         };
-        o.push_str(&format!("  cache self-check (the candidate's --cache on vs --cache off): {what}\n"));
+        o.push_str(&format!(
+            "  cache self-check (the candidate's --cache on vs --cache off): {what}\n"
+        ));
     }
     if !d.layers.is_empty() {
-        o.push_str(&format!("  isolated at step {} (layer --decode-from {}):\n", d.first_diverging_step.unwrap_or(0), d.position.unwrap_or(0)));
-        o.push_str(&format!("    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n", "layer", "status", "step", "isol max ULP", "isol rel L2", "step max ULP", "step rel L2"));
+        o.push_str(&format!(
+            "  isolated at step {} (layer --decode-from {}):\n",
+            d.first_diverging_step.unwrap_or(0),
+            d.position.unwrap_or(0)
+        ));
+        o.push_str(&format!(
+            "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
+            "layer", "status", "step", "isol max ULP", "isol rel L2", "step max ULP", "step rel L2"
+        ));
         for r in &d.layers {
             o.push_str(&format!(
                 "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
@@ -441,7 +690,12 @@ pub fn render(d: &DecodeReport) -> String {
         }
     }
     if let Some(st) = &d.stage {
-        o.push_str(&format!("  first wrong stage in layer {:02} at the decode step: {} — {}\n", st.layer, b::block_words(st.block), st.detail));
+        o.push_str(&format!(
+            "  first wrong stage in layer {:02} at the decode step: {} — {}\n",
+            st.layer,
+            b::block_words(st.block),
+            st.detail
+        ));
     }
     if let Some(why) = &d.isolation_not_checked {
         o.push_str(&format!("  decode isolation NOT CHECKED: {why}\n"));
@@ -454,7 +708,10 @@ mod tests {
     #[test]
     fn a_step_is_every_digit_up_to_the_dot() {
         assert_eq!(super::step_of("decode.0003.logits"), Some(3));
-        assert_eq!(super::step_of("decode.10000.layer.01.attn_out"), Some(10000));
+        assert_eq!(
+            super::step_of("decode.10000.layer.01.attn_out"),
+            Some(10000)
+        );
         assert_eq!(super::step_of("decode.x.logits"), None);
         assert_eq!(super::step_of("layer.01.attn_out"), None);
     }

@@ -6,7 +6,9 @@
 
 use std::fmt::Write as _;
 
-use tracegate_diff::html::{esc, fmt_real, json_text, num_td, page, val, LogChart, Mark, Point, Series};
+use tracegate_diff::html::{
+    esc, fmt_real, json_text, num_td, page, val, LogChart, Mark, Point, Series,
+};
 use tracegate_diff::thousands;
 
 use crate::bisect::{block_words, BisectReport, LayerRow};
@@ -22,37 +24,92 @@ fn ulp_text(v: Option<u64>) -> String {
 }
 
 /// One series over the layers: `field` of each row, tied to `/layers/N/<field>`.
-fn series(layers: &[LayerRow], key: &str, legend: &str, field: &str, get: impl Fn(&LayerRow) -> Option<f64>) -> Series {
+fn series(
+    layers: &[LayerRow],
+    key: &str,
+    legend: &str,
+    field: &str,
+    get: impl Fn(&LayerRow) -> Option<f64>,
+) -> Series {
     let points = layers
         .iter()
         .enumerate()
         .map(|(i, row)| {
             let y = get(row);
-            Point { x: i, y, pointer: format!("/layers/{i}/{field}"), json: json_text(&y), title: format!("layer {:02} {field}: {}", row.layer, fmt_real(y)) }
+            Point {
+                x: i,
+                y,
+                pointer: format!("/layers/{i}/{field}"),
+                json: json_text(&y),
+                title: format!("layer {:02} {field}: {}", row.layer, fmt_real(y)),
+            }
         })
         .collect();
-    Series { key: key.into(), legend: legend.into(), points }
+    Series {
+        key: key.into(),
+        legend: legend.into(),
+        points,
+    }
 }
 
 fn chart(r: &BisectReport) -> String {
     let layers = &r.layers;
     let mut all = vec![
-        series(layers, "whole", "blue ring: whole run, layer.NN.hidden_out rel L2 (reference vs candidate)", "whole_rel_l2", |l| l.whole_rel_l2),
-        series(layers, "isolated", "red: isolated, the candidate's layer verb on the reference's input", "isolated_rel_l2", |l| l.isolated_rel_l2),
+        series(
+            layers,
+            "whole",
+            "blue ring: whole run, layer.NN.hidden_out rel L2 (reference vs candidate)",
+            "whole_rel_l2",
+            |l| l.whole_rel_l2,
+        ),
+        series(
+            layers,
+            "isolated",
+            "red: isolated, the candidate's layer verb on the reference's input",
+            "isolated_rel_l2",
+            |l| l.isolated_rel_l2,
+        ),
     ];
     if layers.iter().any(|l| l.calibration_rel_l2.is_some()) {
         all.push(series(layers, "calibration", "amber: calibration, what a 1-ULP perturbation of the calibration layer's input grows to", "calibration_rel_l2", |l| l.calibration_rel_l2));
     }
     let mut marks = Vec::new();
     if let Some(w) = r.first_wrong_layer {
-        let names = r.stage.as_ref().map_or(format!("layer {w:02}"), |s| format!("{} ({})", s.tensor, block_words(s.block)));
-        marks.push(Mark { x: w, id: "chart-layers-wrong-layer".into(), class: "mark-fv".into(), label: "wrong layer".into(), names });
+        let names = r.stage.as_ref().map_or(format!("layer {w:02}"), |s| {
+            format!("{} ({})", s.tensor, block_words(s.block))
+        });
+        marks.push(Mark {
+            x: w,
+            id: "chart-layers-wrong-layer".into(),
+            class: "mark-fv".into(),
+            label: "wrong layer".into(),
+            names,
+        });
     }
     for l in layers.iter().filter(|l| l.suspicious) {
-        marks.push(Mark { x: l.layer, id: format!("chart-layers-suspicious-{:02}", l.layer), class: "mark-suspicious".into(), label: "suspicious".into(), names: format!("layer {:02}", l.layer) });
+        marks.push(Mark {
+            x: l.layer,
+            id: format!("chart-layers-suspicious-{:02}", l.layer),
+            class: "mark-suspicious".into(),
+            label: "suspicious".into(),
+            names: format!("layer {:02}", l.layer),
+        });
     }
-    let groups = layers.iter().enumerate().map(|(i, l)| (i, format!("L{:02}", l.layer))).collect();
-    let mut s = LogChart { id: "chart-layers".into(), y_label: "relative L2 of layer.NN.hidden_out (log)".into(), n: layers.len(), groups, series: all, bounds: Vec::new(), marks }.render();
+    let groups = layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i, format!("L{:02}", l.layer)))
+        .collect();
+    let mut s = LogChart {
+        id: "chart-layers".into(),
+        y_label: "relative L2 of layer.NN.hidden_out (log)".into(),
+        n: layers.len(),
+        groups,
+        series: all,
+        bounds: Vec::new(),
+        marks,
+    }
+    .render();
     s.push_str("<div class=\"note\">on the 0 line: identical · missing: not measured (a layer not isolated has no red point)</div>");
     s
 }
@@ -108,11 +165,22 @@ fn stage(r: &BisectReport, h: &mut String) {
         val("span", "text", "/stage/detail", &s.detail, &s.detail),
     );
     if !s.matching.is_empty() {
-        let _ = write!(h, "<br>before it, matching in isolation: {}", esc(&s.matching.join(", ")));
+        let _ = write!(
+            h,
+            "<br>before it, matching in isolation: {}",
+            esc(&s.matching.join(", "))
+        );
     }
     h.push_str("</div>");
     // The wrong layer's isolated capture points (the candidate's layer verb vs the reference).
-    let Some((li, row)) = r.layers.iter().enumerate().find(|(_, l)| l.layer == s.layer) else { return };
+    let Some((li, row)) = r
+        .layers
+        .iter()
+        .enumerate()
+        .find(|(_, l)| l.layer == s.layer)
+    else {
+        return;
+    };
     h.push_str("<table id=\"stage-tensors\"><tr><th>tensor</th><th>status</th><th>differing</th><th>of</th><th>max ULP</th><th>rel L2</th><th>cosine</th></tr>");
     for (j, t) in row.isolated.iter().enumerate() {
         let p = |f: &str| format!("/layers/{li}/isolated/{j}/{f}");
@@ -123,8 +191,16 @@ fn stage(r: &BisectReport, h: &mut String) {
             esc(&t.tensor),
             esc(&t.tensor),
             val("td", "text", &p("status"), &t.status, &t.status),
-            num_td(&p("differing_elements"), &t.differing_elements, &ulp_text(t.differing_elements)),
-            num_td(&p("total_elements"), &t.total_elements, &thousands(t.total_elements)),
+            num_td(
+                &p("differing_elements"),
+                &t.differing_elements,
+                &ulp_text(t.differing_elements)
+            ),
+            num_td(
+                &p("total_elements"),
+                &t.total_elements,
+                &thousands(t.total_elements)
+            ),
             num_td(&p("max_ulp"), &t.max_ulp, &ulp_text(t.max_ulp)),
             num_td(&p("rel_l2"), &t.rel_l2, &fmt_real(t.rel_l2)),
             num_td(&p("cosine"), &t.cosine, &fmt_real(t.cosine)),
@@ -135,12 +211,30 @@ fn stage(r: &BisectReport, h: &mut String) {
 
 fn whole_run(r: &BisectReport, h: &mut String) {
     let w = &r.whole_run;
-    let _ = write!(h, "<div class=\"box\" id=\"whole-run\">Whole run: {}", val("b", "text", "/whole_run/verdict", &w.verdict, &w.verdict));
+    let _ = write!(
+        h,
+        "<div class=\"box\" id=\"whole-run\">Whole run: {}",
+        val("b", "text", "/whole_run/verdict", &w.verdict, &w.verdict)
+    );
     if let Some(f) = &w.first_diverging {
-        let _ = write!(h, "; first diverging {}", val("code", "text", "/whole_run/first_diverging", f, f));
+        let _ = write!(
+            h,
+            "; first diverging {}",
+            val("code", "text", "/whole_run/first_diverging", f, f)
+        );
     }
     if let Some(v) = &w.first_violation {
-        let _ = write!(h, "; first outside the policy {}", val("code", "text", "/whole_run/first_violation/tensor", &v.tensor, &v.tensor));
+        let _ = write!(
+            h,
+            "; first outside the policy {}",
+            val(
+                "code",
+                "text",
+                "/whole_run/first_violation/tensor",
+                &v.tensor,
+                &v.tensor
+            )
+        );
     }
     if let Some(d) = &w.first_bit_difference {
         let _ = write!(
@@ -148,9 +242,27 @@ fn whole_run(r: &BisectReport, h: &mut String) {
             "; first bit difference <code>{}{:?}</code>: {} vs {} ({} ULP)",
             esc(&d.tensor),
             d.coords,
-            val("code", "text", "/whole_run/first_bit_difference/reference_value", &d.reference_value, &d.reference_value),
-            val("code", "text", "/whole_run/first_bit_difference/candidate_value", &d.candidate_value, &d.candidate_value),
-            val("span", "num", "/whole_run/first_bit_difference/ulp", &d.ulp, &ulp_text(d.ulp)),
+            val(
+                "code",
+                "text",
+                "/whole_run/first_bit_difference/reference_value",
+                &d.reference_value,
+                &d.reference_value
+            ),
+            val(
+                "code",
+                "text",
+                "/whole_run/first_bit_difference/candidate_value",
+                &d.candidate_value,
+                &d.candidate_value
+            ),
+            val(
+                "span",
+                "num",
+                "/whole_run/first_bit_difference/ulp",
+                &d.ulp,
+                &ulp_text(d.ulp)
+            ),
         );
     }
     h.push_str(".<ul>");
@@ -160,48 +272,138 @@ fn whole_run(r: &BisectReport, h: &mut String) {
             h,
             "<li>decision <code>{}</code> differs in {} of {} rows ({} excused)</li>",
             esc(&d.name),
-            val("span", "num", &p("differing_rows"), &d.differing_rows, &thousands(d.differing_rows)),
+            val(
+                "span",
+                "num",
+                &p("differing_rows"),
+                &d.differing_rows,
+                &thousands(d.differing_rows)
+            ),
             val("span", "num", &p("rows"), &d.rows, &thousands(d.rows)),
-            val("span", "num", &p("excused_rows"), &d.excused_rows, &thousands(d.excused_rows)),
+            val(
+                "span",
+                "num",
+                &p("excused_rows"),
+                &d.excused_rows,
+                &thousands(d.excused_rows)
+            ),
         );
     }
     for (i, f) in w.findings.iter().enumerate() {
-        let _ = write!(h, "<li>finding: {}</li>", val("span", "text", &format!("/whole_run/findings/{i}"), f, f));
+        let _ = write!(
+            h,
+            "<li>finding: {}</li>",
+            val("span", "text", &format!("/whole_run/findings/{i}"), f, f)
+        );
     }
     h.push_str("</ul></div>");
 }
 
 fn checks(r: &BisectReport, h: &mut String) {
     let o = &r.outliers;
-    let _ = write!(h, "<div class=\"box\" id=\"outliers\"><b>Outliers</b> ({}, factor {}): ", esc(o.measure), val("span", "num", "/outliers/factor", &o.factor, &fmt_real(Some(o.factor))));
+    let _ = write!(
+        h,
+        "<div class=\"box\" id=\"outliers\"><b>Outliers</b> ({}, factor {}): ",
+        esc(o.measure),
+        val(
+            "span",
+            "num",
+            "/outliers/factor",
+            &o.factor,
+            &fmt_real(Some(o.factor))
+        )
+    );
     match &o.not_checked {
         Some(why) => {
-            let _ = write!(h, "NOT CHECKED: {}", val("span", "text", "/outliers/not_checked", why, why));
+            let _ = write!(
+                h,
+                "NOT CHECKED: {}",
+                val("span", "text", "/outliers/not_checked", why, why)
+            );
         }
         None => {
             let _ = write!(
                 h,
                 "{} matching isolated layers; suspicious: {}",
-                val("span", "num", "/outliers/isolated_layers", &o.isolated_layers, &o.isolated_layers.to_string()),
-                if o.suspicious.is_empty() { "none".to_string() } else { esc(&o.suspicious.iter().map(|l| format!("{l:02}")).collect::<Vec<_>>().join(", ")) }
+                val(
+                    "span",
+                    "num",
+                    "/outliers/isolated_layers",
+                    &o.isolated_layers,
+                    &o.isolated_layers.to_string()
+                ),
+                if o.suspicious.is_empty() {
+                    "none".to_string()
+                } else {
+                    esc(&o
+                        .suspicious
+                        .iter()
+                        .map(|l| format!("{l:02}"))
+                        .collect::<Vec<_>>()
+                        .join(", "))
+                }
             );
         }
     }
     h.push_str("</div>");
     let sc = &r.self_consistency;
-    let _ = write!(h, "<div class=\"box\" id=\"self-consistency\"><b>Self-consistency</b> (scope {}): ", esc(sc.scope));
+    let _ = write!(
+        h,
+        "<div class=\"box\" id=\"self-consistency\"><b>Self-consistency</b> (scope {}): ",
+        esc(sc.scope)
+    );
     match &sc.inconsistent {
         Some(i) => {
-            let _ = write!(h, "INCONSISTENT at layer {}: {}", val("span", "num", "/self_consistency/inconsistent/layer", &i.layer, &format!("{:02}", i.layer)), val("span", "text", "/self_consistency/inconsistent/detail", &i.detail, &i.detail));
+            let _ = write!(
+                h,
+                "INCONSISTENT at layer {}: {}",
+                val(
+                    "span",
+                    "num",
+                    "/self_consistency/inconsistent/layer",
+                    &i.layer,
+                    &format!("{:02}", i.layer)
+                ),
+                val(
+                    "span",
+                    "text",
+                    "/self_consistency/inconsistent/detail",
+                    &i.detail,
+                    &i.detail
+                )
+            );
         }
         None if sc.checked_layers.is_empty() => h.push_str("not run"),
         None => {
-            let which = if sc.checked_layers.len() == 1 { "layer" } else { "layers" };
-            let _ = write!(h, "the candidate's layer verb agrees with its own whole run in {which} {}", esc(&sc.checked_layers.iter().map(|l| format!("{l:02}")).collect::<Vec<_>>().join(", ")));
+            let which = if sc.checked_layers.len() == 1 {
+                "layer"
+            } else {
+                "layers"
+            };
+            let _ = write!(
+                h,
+                "the candidate's layer verb agrees with its own whole run in {which} {}",
+                esc(&sc
+                    .checked_layers
+                    .iter()
+                    .map(|l| format!("{l:02}"))
+                    .collect::<Vec<_>>()
+                    .join(", "))
+            );
         }
     }
     for (i, why) in sc.not_checked.iter().enumerate() {
-        let _ = write!(h, "<br>NOT CHECKED: {}", val("span", "text", &format!("/self_consistency/not_checked/{i}"), why, why));
+        let _ = write!(
+            h,
+            "<br>NOT CHECKED: {}",
+            val(
+                "span",
+                "text",
+                &format!("/self_consistency/not_checked/{i}"),
+                why,
+                why
+            )
+        );
     }
     h.push_str("</div>");
     if let Some(c) = &r.calibration {
@@ -214,7 +416,11 @@ fn checks(r: &BisectReport, h: &mut String) {
             val("span", "num", "/calibration/input_rel_l2", &c.input_rel_l2, &fmt_real(c.input_rel_l2)),
         );
         if let Some(why) = &c.not_checked {
-            let _ = write!(h, "<br>NOT CHECKED: {}", val("span", "text", "/calibration/not_checked", why, why));
+            let _ = write!(
+                h,
+                "<br>NOT CHECKED: {}",
+                val("span", "text", "/calibration/not_checked", why, why)
+            );
         }
         h.push_str("</div>");
     }
@@ -248,10 +454,17 @@ pub fn render_html(r: &BisectReport) -> String {
         h,
         "<p id=\"judge\">judged by {}{} ({})</p>",
         val("b", "text", "/judge/by", j.by, j.by),
-        j.policy.as_ref().map_or(String::new(), |p| format!(" {}", val("code", "text", "/judge/policy", p, p))),
+        j.policy.as_ref().map_or(String::new(), |p| format!(
+            " {}",
+            val("code", "text", "/judge/policy", p, p)
+        )),
         val("span", "text", "/judge/reason", &j.reason, &j.reason),
     );
-    let _ = write!(h, "<p id=\"summary\">{}</p>", val("span", "text", "/summary", &r.summary, &r.summary));
+    let _ = write!(
+        h,
+        "<p id=\"summary\">{}</p>",
+        val("span", "text", "/summary", &r.summary, &r.summary)
+    );
     let _ = write!(
         h,
         "<p>reference <code>{}</code> · candidate <code>{}</code> · model <code>{}</code> · {} tokens{} · capture {} · {} layers · traces in <code>{}</code></p>",
@@ -265,7 +478,15 @@ pub fn render_html(r: &BisectReport) -> String {
         esc(&r.work_dir),
     );
     if let Some(f) = &r.decisions_forced {
-        let _ = write!(h, "<p id=\"decisions-forced\">decisions: {}{}</p>", val("b", "text", "/decisions_forced/status", f.status, f.status), f.reason.as_ref().map_or(String::new(), |why| format!(" — {}", val("span", "text", "/decisions_forced/reason", why, why))));
+        let _ = write!(
+            h,
+            "<p id=\"decisions-forced\">decisions: {}{}</p>",
+            val("b", "text", "/decisions_forced/status", f.status, f.status),
+            f.reason.as_ref().map_or(String::new(), |why| format!(
+                " — {}",
+                val("span", "text", "/decisions_forced/reason", why, why)
+            ))
+        );
     }
     whole_run(r, &mut h);
     h.push_str("<h2>Error per layer: whole run, isolated, calibration</h2>");
@@ -277,9 +498,15 @@ pub fn render_html(r: &BisectReport) -> String {
     h.push_str("<h2>Wrong layer and stage</h2>");
     match r.first_wrong_layer {
         Some(w) => {
-            let _ = write!(h, "<p id=\"wrong-layer\" data-layer=\"{w}\">first wrong layer: {}</p>", val("b", "num", "/first_wrong_layer", &w, &format!("{w:02}")));
+            let _ = write!(
+                h,
+                "<p id=\"wrong-layer\" data-layer=\"{w}\">first wrong layer: {}</p>",
+                val("b", "num", "/first_wrong_layer", &w, &format!("{w:02}"))
+            );
         }
-        None => h.push_str("<p id=\"wrong-layer\" data-layer=\"\">No layer is wrong in isolation.</p>"),
+        None => {
+            h.push_str("<p id=\"wrong-layer\" data-layer=\"\">No layer is wrong in isolation.</p>")
+        }
     }
     stage(r, &mut h);
     h.push_str("<h2>Layers</h2>");

@@ -69,13 +69,39 @@ pub fn precision(t: &Trace) -> &'static str {
 
 /// The judge and its policy. `ordered`: whether each side (reference, candidate) is one of the
 /// built-in ordered producers (the engine, the contract with its own command).
-pub fn choose(ask: &Ask, names: (&str, &str), ordered: (bool, bool), candidate: &Trace, root: &std::path::Path) -> Result<(Judge, Option<Policy>)> {
+pub fn choose(
+    ask: &Ask,
+    names: (&str, &str),
+    ordered: (bool, bool),
+    candidate: &Trace,
+    root: &std::path::Path,
+) -> Result<(Judge, Option<Policy>)> {
     let precision = precision(candidate);
     let by_policy = |arg: &str, reason: String| -> Result<(Judge, Option<Policy>)> {
         let p = Policy::resolve(arg, root).map_err(|e| gerr!("--policy {arg}: {e}"))?;
-        Ok((Judge { by: "policy", policy: Some(arg.to_string()), policy_name: Some(p.name.clone()), precision, reason }, Some(p)))
+        Ok((
+            Judge {
+                by: "policy",
+                policy: Some(arg.to_string()),
+                policy_name: Some(p.name.clone()),
+                precision,
+                reason,
+            },
+            Some(p),
+        ))
     };
-    let bits = |reason: String| Ok((Judge { by: "bits", policy: None, policy_name: None, precision, reason }, None));
+    let bits = |reason: String| {
+        Ok((
+            Judge {
+                by: "bits",
+                policy: None,
+                policy_name: None,
+                precision,
+                reason,
+            },
+            None,
+        ))
+    };
     match ask {
         Ask::Exact => bits("--exact".into()),
         Ask::Policy(p) => by_policy(p, "--policy".into()),
@@ -85,10 +111,26 @@ pub fn choose(ask: &Ask, names: (&str, &str), ordered: (bool, bool), candidate: 
             format!("{} and {} are both ordered producers", names.0, names.1)
         }),
         Ask::Default => {
-            let not: Vec<String> =
-                [("reference", names.0, ordered.0), ("candidate", names.1, ordered.1)].iter().filter(|s| !s.2).map(|(side, name, _)| format!("the {side} ({name})")).collect();
-            let is = if not.len() == 1 { "is not an ordered producer" } else { "are not ordered producers" };
-            by_policy(precision, format!("{} {is}; candidate's precision: {precision}; --exact judges by bits", not.join(" and ")))
+            let not: Vec<String> = [
+                ("reference", names.0, ordered.0),
+                ("candidate", names.1, ordered.1),
+            ]
+            .iter()
+            .filter(|s| !s.2)
+            .map(|(side, name, _)| format!("the {side} ({name})"))
+            .collect();
+            let is = if not.len() == 1 {
+                "is not an ordered producer"
+            } else {
+                "are not ordered producers"
+            };
+            by_policy(
+                precision,
+                format!(
+                    "{} {is}; candidate's precision: {precision}; --exact judges by bits",
+                    not.join(" and ")
+                ),
+            )
         }
     }
 }
@@ -112,15 +154,36 @@ pub struct RoundingLevel {
 
 impl RoundingLevel {
     /// None when either number is missing or the 1-ULP response is zero.
-    pub fn new(layer: usize, isolated: Option<f64>, one_ulp: Option<f64>, judge: &Judge, exact: bool) -> Option<RoundingLevel> {
+    pub fn new(
+        layer: usize,
+        isolated: Option<f64>,
+        one_ulp: Option<f64>,
+        judge: &Judge,
+        exact: bool,
+    ) -> Option<RoundingLevel> {
         let (iso, cal) = (isolated?, one_ulp?);
         if cal <= 0.0 {
             return None;
         }
         let ratio = iso / cal;
         let at = ratio <= ROUNDING_LEVEL;
-        let flag = at.then(|| if exact { "drop --exact".to_string() } else { format!("--policy {}", judge.precision) });
-        Some(RoundingLevel { layer, isolated_rel_l2: iso, one_ulp_rel_l2: cal, ratio, factor: ROUNDING_LEVEL, at_rounding_level: at, flag, precision: judge.precision })
+        let flag = at.then(|| {
+            if exact {
+                "drop --exact".to_string()
+            } else {
+                format!("--policy {}", judge.precision)
+            }
+        });
+        Some(RoundingLevel {
+            layer,
+            isolated_rel_l2: iso,
+            one_ulp_rel_l2: cal,
+            ratio,
+            factor: ROUNDING_LEVEL,
+            at_rounding_level: at,
+            flag,
+            precision: judge.precision,
+        })
     }
 
     /// The words the verdict line gets.
@@ -185,17 +248,30 @@ pub fn outliers(errors: &[LayerErrors]) -> (Outliers, Vec<(usize, Option<f64>, b
             Some(format!("{} layer{} isolated and matching; the outlier check needs at least {OUTLIER_MIN_LAYERS} (--all-layers isolates every layer)", errors.len(), if errors.len() == 1 { "" } else { "s" }));
         return (out, Vec::new());
     }
-    let mut per: Vec<(usize, Option<f64>, bool)> = errors.iter().map(|e| (e.0, None, false)).collect();
+    let mut per: Vec<(usize, Option<f64>, bool)> =
+        errors.iter().map(|e| (e.0, None, false)).collect();
     for pick in [|e: &LayerErrors| e.1, |e: &LayerErrors| e.2] {
-        let values: Vec<(usize, f64)> = errors.iter().enumerate().filter_map(|(i, e)| pick(e).map(|v| (i, v))).collect();
+        let values: Vec<(usize, f64)> = errors
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| pick(e).map(|v| (i, v)))
+            .collect();
         if values.len() < OUTLIER_MIN_LAYERS {
             continue;
         }
         for &(i, e) in &values {
-            let mut peers: Vec<f64> = values.iter().filter(|(j, _)| *j != i).map(|p| p.1).collect();
+            let mut peers: Vec<f64> = values
+                .iter()
+                .filter(|(j, _)| *j != i)
+                .map(|p| p.1)
+                .collect();
             peers.sort_by(f64::total_cmp);
             let m = peers.len();
-            let median = if m % 2 == 1 { peers[m / 2] } else { (peers[m / 2 - 1] + peers[m / 2]) / 2.0 };
+            let median = if m % 2 == 1 {
+                peers[m / 2]
+            } else {
+                (peers[m / 2 - 1] + peers[m / 2]) / 2.0
+            };
             let ratio = (median > 0.0).then(|| e / median);
             per[i].2 |= ratio.map_or(e > 0.0, |r| r > SUSPICIOUS_FACTOR);
             per[i].1 = match (per[i].1, ratio) {
@@ -221,14 +297,31 @@ mod tests {
 
     #[test]
     fn a_layer_far_above_its_peers_is_flagged_and_a_flat_curve_is_not() {
-        let dense = |e: &[f64]| -> Vec<LayerErrors> { e.iter().enumerate().map(|(l, &x)| (l, Some(x), Some(x))).collect() };
-        assert!(outliers(&dense(&[2e-7, 1.6e-7, 1.4e-7, 1.7e-7, 1.1e-7])).0.suspicious.is_empty());
-        assert_eq!(outliers(&dense(&[2e-7, 5e-7, 1.4e-7, 1.7e-7, 1.1e-7])).0.suspicious, [1]);
+        let dense = |e: &[f64]| -> Vec<LayerErrors> {
+            e.iter()
+                .enumerate()
+                .map(|(l, &x)| (l, Some(x), Some(x)))
+                .collect()
+        };
+        assert!(outliers(&dense(&[2e-7, 1.6e-7, 1.4e-7, 1.7e-7, 1.1e-7]))
+            .0
+            .suspicious
+            .is_empty());
+        assert_eq!(
+            outliers(&dense(&[2e-7, 5e-7, 1.4e-7, 1.7e-7, 1.1e-7]))
+                .0
+                .suspicious,
+            [1]
+        );
         // Bit-exact peers: any difference stands out; all bit-exact: nothing does.
         assert_eq!(outliers(&dense(&[0.0, 1e-8, 0.0])).0.suspicious, [1]);
         assert!(outliers(&dense(&[0.0, 0.0, 0.0])).0.suspicious.is_empty());
         // An MoE layer's mlp_out is not read: only its attn_out.
-        let moe = [(0, Some(2e-7), None), (1, Some(1.5e-7), None), (2, Some(1.8e-7), None)];
+        let moe = [
+            (0, Some(2e-7), None),
+            (1, Some(1.5e-7), None),
+            (2, Some(1.8e-7), None),
+        ];
         assert!(outliers(&moe).0.suspicious.is_empty());
         let two = outliers(&dense(&[1e-7, 1e-3])).0;
         assert!(!two.checked && two.not_checked.unwrap().starts_with("2 layers isolated"));

@@ -61,7 +61,8 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
 
 /// Writes JSON through a temporary file and a rename, so a crash never leaves half a file.
 pub fn write_json_atomic(path: &Path, value: &impl serde::Serialize) -> Result<()> {
-    let text = serde_json::to_string_pretty(value).map_err(|e| gerr!("{}: {e}", path.display()))? + "\n";
+    let text =
+        serde_json::to_string_pretty(value).map_err(|e| gerr!("{}: {e}", path.display()))? + "\n";
     let tmp = path.with_extension("json.tmp");
     std::fs::write(&tmp, text).map_err(|e| gerr!("{}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| gerr!("{}: {e}", path.display()))
@@ -97,10 +98,17 @@ impl WorkLock {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
             let holder = holder.trim();
-            let who = if holder.is_empty() { "another gate run".to_string() } else { format!("another gate run (pid {holder})") };
+            let who = if holder.is_empty() {
+                "another gate run".to_string()
+            } else {
+                format!("another gate run (pid {holder})")
+            };
             return Err(gerr!("{} is in use by {who}; wait for it to finish, or give this run its own directory with --work DIR", dir.display()));
         }
-        let _ = file.set_len(0).and_then(|_| file.rewind()).and_then(|_| writeln!(file, "{}", std::process::id()));
+        let _ = file
+            .set_len(0)
+            .and_then(|_| file.rewind())
+            .and_then(|_| writeln!(file, "{}", std::process::id()));
         Ok(WorkLock { _file: file })
     }
 }

@@ -194,22 +194,45 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     let report = a.report.as_ref().map(|p| up.absolute(p));
     let html = a.html.as_ref().map(|p| up.absolute(p));
     // Refused before any producer runs: a page that cannot be written would lose the bisection.
-    if let Some(dir) = html.as_ref().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+    if let Some(dir) = html
+        .as_ref()
+        .and_then(|p| p.parent())
+        .filter(|d| !d.as_os_str().is_empty() && !d.is_dir())
+    {
         return Err(format!("--html: {} is not a directory", dir.display()));
     }
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), None) => prompts::parse_tokens(t).map_err(e)?,
-        (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts))).and_then(|s| s.get(id).map(|p| p.tokens.clone())).map_err(e)?,
+        (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
+            .and_then(|s| s.get(id).map(|p| p.tokens.clone()))
+            .map_err(e)?,
         _ => return Err("bisect needs --tokens IDS or --prompt ID".into()),
     };
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
     let o = bisect::BisectOptions {
         root: root.to_path_buf(),
         model: up.resolve(&a.model).display().to_string(),
         tokens,
         prompt: a.prompt.clone(),
-        reference: bisect::producer(root, &a.reference, a.reference_cmd.as_deref(), "reference", a.threads).map_err(e)?,
-        candidate: bisect::producer(root, &a.candidate, a.candidate_cmd.as_deref(), "candidate", a.threads).map_err(e)?,
+        reference: bisect::producer(
+            root,
+            &a.reference,
+            a.reference_cmd.as_deref(),
+            "reference",
+            a.threads,
+        )
+        .map_err(e)?,
+        candidate: bisect::producer(
+            root,
+            &a.candidate,
+            a.candidate_cmd.as_deref(),
+            "candidate",
+            a.threads,
+        )
+        .map_err(e)?,
         policy: a.policy.as_ref().map(|p| match p.to_str() {
             Some(name) if tracegate_diff::Policy::is_name(name) => name.to_string(),
             _ => up.resolve(p).display().to_string(),
@@ -221,7 +244,11 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
         calibrate: a.calibrate,
         generate: a.generate,
         seed: a.seed,
-        work: a.work.as_ref().map(|w| up.resolve(w).display().to_string()).unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
+        work: a
+            .work
+            .as_ref()
+            .map(|w| up.resolve(w).display().to_string())
+            .unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
     };
@@ -240,7 +267,8 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     print!("{}", bisect::render(&rep));
     write_report(&report, &rep)?;
     if let Some(p) = &html {
-        tracegate_diff::html::write_file(p, &tracegate_gate::bisect_html::render_html(&rep)).map_err(|e| format!("{}: {e}", p.display()))?;
+        tracegate_diff::html::write_file(p, &tracegate_gate::bisect_html::render_html(&rep))
+            .map_err(|e| format!("{}: {e}", p.display()))?;
         eprintln!("HTML report written to {}", p.display());
     }
     Ok(rep.exit_code)
@@ -259,7 +287,11 @@ fn options(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Gat
         assert_observed: a.assert_observed,
         contract_cmd: a.contract_cmd.clone(),
         oracle_cmd: a.oracle_cmd.clone(),
-        work: a.work.as_ref().map(|w| up.resolve(w).display().to_string()).unwrap_or_else(|| "target/gate".into()),
+        work: a
+            .work
+            .as_ref()
+            .map(|w| up.resolve(w).display().to_string())
+            .unwrap_or_else(|| "target/gate".into()),
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
     }
@@ -273,12 +305,18 @@ fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result
     Ok(())
 }
 
-fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Result<MilestoneReport, String> {
+fn run_one(
+    root: &std::path::Path,
+    up: &UserPaths,
+    id: &str,
+    a: &RunArgs,
+) -> Result<MilestoneReport, String> {
     let (rep, bless_log) = run_milestone(&options(root, up, id, a)).map_err(|e| e.to_string())?;
     print!("{}", report::render(&rep));
     if let Some(p) = &a.html {
         let p = up.absolute(p);
-        tracegate_diff::html::write_file(&p, &report::render_html(&rep)).map_err(|e| format!("{}: {e}", p.display()))?;
+        tracegate_diff::html::write_file(&p, &report::render_html(&rep))
+            .map_err(|e| format!("{}: {e}", p.display()))?;
         eprintln!("HTML report written to {}", p.display());
     }
     if let Some(log) = bless_log {
@@ -290,11 +328,19 @@ fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Res
 /// The three answers `gate check` gives per milestone.
 fn answer(rep: &MilestoneReport, checks: &[&str]) -> (&'static str, String) {
     use tracegate_gate::run::Status;
-    let relevant: Vec<_> = rep.prompts.iter().flat_map(|p| p.checks.iter().map(move |c| (p, c))).filter(|(_, c)| checks.contains(&c.check.as_str())).collect();
+    let relevant: Vec<_> = rep
+        .prompts
+        .iter()
+        .flat_map(|p| p.checks.iter().map(move |c| (p, c)))
+        .filter(|(_, c)| checks.contains(&c.check.as_str()))
+        .collect();
     if let Some((p, c)) = relevant.iter().find(|(_, c)| c.status == Status::Fail) {
         return ("FAIL", format!("{}/{}: {}", p.id, c.check, c.detail));
     }
-    if let Some((p, c)) = relevant.iter().find(|(_, c)| c.status == Status::NotChecked) {
+    if let Some((p, c)) = relevant
+        .iter()
+        .find(|(_, c)| c.status == Status::NotChecked)
+    {
         return ("NOT CHECKED", format!("{}/{}: {}", p.id, c.check, c.detail));
     }
     if relevant.is_empty() {
@@ -304,11 +350,18 @@ fn answer(rep: &MilestoneReport, checks: &[&str]) -> (&'static str, String) {
 }
 
 fn main() -> ExitCode {
-    if std::env::args_os().nth(1).is_some_and(|a| a == tracegate_gate::producer::ENGINE_CHILD) {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == tracegate_gate::producer::ENGINE_CHILD)
+    {
         return engine_child();
     }
     let cli = Cli::parse();
-    let root = match cli.root.clone().map(Ok).unwrap_or_else(|| std::env::current_dir().map_err(|e| tracegate_gate::Error(e.to_string())).and_then(|d| find_root(&d))) {
+    let root = match cli.root.clone().map(Ok).unwrap_or_else(|| {
+        std::env::current_dir()
+            .map_err(|e| tracegate_gate::Error(e.to_string()))
+            .and_then(|d| find_root(&d))
+    }) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("gate: {e}");
@@ -331,13 +384,23 @@ fn main() -> ExitCode {
     }
     let root = PathBuf::from(".");
     let result = match &cli.cmd {
-        Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
-        Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
-        Cmd::Run { id, args } => run_one(&root, &up, id, args).and_then(|r| write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())),
+        Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| {
+            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())
+        }),
+        Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| {
+            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())
+        }),
+        Cmd::Run { id, args } => run_one(&root, &up, id, args).and_then(|r| {
+            write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())
+        }),
         Cmd::Bisect(a) => bisect(&root, &up, a),
-        Cmd::Check { args } if args.html.is_some() => Err("gate check writes no HTML report: run each milestone with gate m0|m1|run --html".into()),
+        Cmd::Check { args } if args.html.is_some() => Err(
+            "gate check writes no HTML report: run each milestone with gate m0|m1|run --html"
+                .into(),
+        ),
         Cmd::Check { args } => (|| {
-            let file = MilestoneFile::load(&root.join("milestones.json")).map_err(|e| e.to_string())?;
+            let file =
+                MilestoneFile::load(&root.join("milestones.json")).map_err(|e| e.to_string())?;
             let mut reports = Vec::new();
             let mut table = Vec::new();
             let mut worst = 0;
@@ -357,7 +420,11 @@ fn main() -> ExitCode {
                 });
                 reports.push(rep);
             }
-            println!("\n== gate check: {} milestones\n{}", reports.len(), table.join("\n"));
+            println!(
+                "\n== gate check: {} milestones\n{}",
+                reports.len(),
+                table.join("\n")
+            );
             write_report(&args.report.as_ref().map(|p| up.absolute(p)), &reports)?;
             Ok(match worst {
                 0 => 0,
@@ -378,7 +445,10 @@ fn main() -> ExitCode {
 /// The hidden ENGINE_CHILD verb: the gate's engine producer, in a process of its own. Errors
 /// print one line and exit 2, as the `engine` binary's do.
 fn engine_child() -> ExitCode {
-    let argv: Result<Vec<String>, _> = std::env::args_os().skip(2).map(|a| a.into_string()).collect();
+    let argv: Result<Vec<String>, _> = std::env::args_os()
+        .skip(2)
+        .map(|a| a.into_string())
+        .collect();
     let result = match argv {
         Ok(argv) => tracegate_gate::producer::engine_child(&argv),
         Err(bad) => Err(format!("argument {bad:?} is not UTF-8")),

@@ -82,7 +82,11 @@ impl MilestoneFile {
     pub fn load(path: &Path) -> Result<MilestoneFile> {
         let file: MilestoneFile = crate::read_json(path)?;
         if file.schema != 1 {
-            return Err(gerr!("{}: schema {} is not supported (this gate reads schema 1)", path.display(), file.schema));
+            return Err(gerr!(
+                "{}: schema {} is not supported (this gate reads schema 1)",
+                path.display(),
+                file.schema
+            ));
         }
         for m in &file.milestones {
             for d in &m.declared_divergences {
@@ -90,7 +94,11 @@ impl MilestoneFile {
                     return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation", path.display(), m.id, d.check));
                 }
                 if d.reason.trim().is_empty() {
-                    return Err(gerr!("{}: milestone {}: a declared divergence needs a reason", path.display(), m.id));
+                    return Err(gerr!(
+                        "{}: milestone {}: a declared divergence needs a reason",
+                        path.display(),
+                        m.id
+                    ));
                 }
             }
         }
@@ -100,7 +108,10 @@ impl MilestoneFile {
     pub fn get(&self, id: &str) -> Result<&Milestone> {
         self.milestones.iter().find(|m| m.id == id).ok_or_else(|| {
             let known: Vec<&str> = self.milestones.iter().map(|m| m.id.as_str()).collect();
-            gerr!("no milestone {id:?} in milestones.json (known: {})", known.join(", "))
+            gerr!(
+                "no milestone {id:?} in milestones.json (known: {})",
+                known.join(", ")
+            )
         })
     }
 

@@ -14,7 +14,10 @@ pub struct UserPaths {
 impl UserPaths {
     pub fn new(cwd: &Path, root: &Path) -> UserPaths {
         let root = std::fs::canonicalize(cwd.join(root)).unwrap_or_else(|_| cwd.join(root));
-        UserPaths { cwd: cwd.to_path_buf(), root }
+        UserPaths {
+            cwd: cwd.to_path_buf(),
+            root,
+        }
     }
 
     /// `p` (relative to where the gate was started) as an absolute path, symlinks resolved as
@@ -49,7 +52,10 @@ pub fn shown(p: &Path) -> String {
         return p.display().to_string();
     }
     match std::env::current_dir() {
-        Ok(d) => d.join(p.strip_prefix(".").unwrap_or(p)).display().to_string(),
+        Ok(d) => d
+            .join(p.strip_prefix(".").unwrap_or(p))
+            .display()
+            .to_string(),
         Err(_) => p.display().to_string(),
     }
 }
@@ -65,14 +71,29 @@ mod tests {
         std::fs::create_dir_all(root_path.join("sub/fixtures")).unwrap();
         let up = UserPaths::new(&root_path.join("sub"), &root_path);
         // Inside the root: root-relative, spelled from the starting directory.
-        assert_eq!(up.resolve(Path::new("fixtures")), PathBuf::from("sub/fixtures"));
-        assert_eq!(up.resolve(Path::new("../sub/fixtures")), PathBuf::from("sub/fixtures"));
-        assert_eq!(up.resolve(Path::new("new.json")), PathBuf::from("sub/new.json"));
+        assert_eq!(
+            up.resolve(Path::new("fixtures")),
+            PathBuf::from("sub/fixtures")
+        );
+        assert_eq!(
+            up.resolve(Path::new("../sub/fixtures")),
+            PathBuf::from("sub/fixtures")
+        );
+        assert_eq!(
+            up.resolve(Path::new("new.json")),
+            PathBuf::from("sub/new.json")
+        );
         assert_eq!(up.resolve(Path::new("..")), PathBuf::from("."));
         // Outside the root: absolute.
         let elsewhere = tempfile::tempdir().unwrap();
         let elsewhere = std::fs::canonicalize(elsewhere.path()).unwrap();
-        assert_eq!(up.resolve(&elsewhere.join("r.json")), elsewhere.join("r.json"));
-        assert_eq!(up.absolute(Path::new("r.json")), root_path.join("sub/r.json"));
+        assert_eq!(
+            up.resolve(&elsewhere.join("r.json")),
+            elsewhere.join("r.json")
+        );
+        assert_eq!(
+            up.absolute(Path::new("r.json")),
+            root_path.join("sub/r.json")
+        );
     }
 }

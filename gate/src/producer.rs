@@ -15,9 +15,26 @@ use serde::Serialize;
 /// optional `--force-decisions TRACE` (docs/producers.md), passed only when set.
 #[derive(Clone, Debug)]
 pub enum Verb {
-    Trace { model: String, tokens: Vec<i64>, out: String, internals: bool, generate: usize, cache: bool, force: Option<String> },
+    Trace {
+        model: String,
+        tokens: Vec<i64>,
+        out: String,
+        internals: bool,
+        generate: usize,
+        cache: bool,
+        force: Option<String>,
+    },
     /// `decode_from`: `layer --decode-from P` (docs/producers.md, the decode extension).
-    Layer { model: String, layer: usize, input: String, input_name: String, out: String, internals: bool, force: Option<String>, decode_from: Option<i64> },
+    Layer {
+        model: String,
+        layer: usize,
+        input: String,
+        input_name: String,
+        out: String,
+        internals: bool,
+        force: Option<String>,
+        decode_from: Option<i64>,
+    },
 }
 
 impl Verb {
@@ -37,18 +54,46 @@ impl Verb {
     pub fn args(&self) -> Vec<String> {
         let capture = |internals: bool| if internals { "internals" } else { "default" }.to_string();
         let (mut a, force) = match self {
-            Verb::Trace { model, tokens, out, internals, generate, cache, force } => {
+            Verb::Trace {
+                model,
+                tokens,
+                out,
+                internals,
+                generate,
+                cache,
+                force,
+            } => {
                 let toks: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
-                let mut a = vec!["--model".into(), model.clone(), "--tokens".into(), toks.join(","), "--out".into(), out.clone()];
+                let mut a = vec![
+                    "--model".into(),
+                    model.clone(),
+                    "--tokens".into(),
+                    toks.join(","),
+                    "--out".into(),
+                    out.clone(),
+                ];
                 a.extend(["--capture".into(), capture(*internals)]);
                 if *generate > 0 {
-                    a.extend(["--generate".into(), generate.to_string(), "--cache".into(), if *cache { "on" } else { "off" }.into()]);
+                    a.extend([
+                        "--generate".into(),
+                        generate.to_string(),
+                        "--cache".into(),
+                        if *cache { "on" } else { "off" }.into(),
+                    ]);
                 }
                 (a, force)
             }
-            Verb::Layer { model, layer, input, input_name, out, internals, force, decode_from } => (
+            Verb::Layer {
+                model,
+                layer,
+                input,
+                input_name,
+                out,
+                internals,
+                force,
+                decode_from,
+            } => (
                 [
-
                     "--model".into(),
                     model.clone(),
                     "--layer".into(),
@@ -63,7 +108,11 @@ impl Verb {
                     capture(*internals),
                 ]
                 .into_iter()
-                .chain(decode_from.iter().flat_map(|p| ["--decode-from".to_string(), p.to_string()]))
+                .chain(
+                    decode_from
+                        .iter()
+                        .flat_map(|p| ["--decode-from".to_string(), p.to_string()]),
+                )
                 .collect(),
                 force,
             ),
@@ -78,18 +127,37 @@ impl Verb {
     pub fn parse(argv: &[String]) -> std::result::Result<(Verb, usize), String> {
         let (verb, rest) = match argv {
             [engine, verb, rest @ ..] if engine == "engine" => (verb.as_str(), rest),
-            _ => return Err(format!("expected `engine trace|layer ARGS`, got {}", display(argv))),
+            _ => {
+                return Err(format!(
+                    "expected `engine trace|layer ARGS`, got {}",
+                    display(argv)
+                ))
+            }
         };
         if rest.len() % 2 != 0 {
-            return Err(format!("arguments are not --name value pairs: {}", display(rest)));
+            return Err(format!(
+                "arguments are not --name value pairs: {}",
+                display(rest)
+            ));
         }
-        let mut args: std::collections::BTreeMap<&str, &str> = rest.chunks(2).map(|p| (p[0].as_str(), p[1].as_str())).collect();
-        let mut take = |name: &str| args.remove(name).ok_or_else(|| format!("{verb}: missing {name}"));
-        let number = |name: &str, v: &str| v.parse::<usize>().map_err(|e| format!("{name} {v:?}: {e}"));
+        let mut args: std::collections::BTreeMap<&str, &str> = rest
+            .chunks(2)
+            .map(|p| (p[0].as_str(), p[1].as_str()))
+            .collect();
+        let mut take = |name: &str| {
+            args.remove(name)
+                .ok_or_else(|| format!("{verb}: missing {name}"))
+        };
+        let number =
+            |name: &str, v: &str| v.parse::<usize>().map_err(|e| format!("{name} {v:?}: {e}"));
         let internals = match take("--capture")? {
             "default" => false,
             "internals" => true,
-            other => return Err(format!("--capture {other:?}: expected default or internals")),
+            other => {
+                return Err(format!(
+                    "--capture {other:?}: expected default or internals"
+                ))
+            }
         };
         let threads = number("--threads", take("--threads")?)?;
         let model = take("--model")?.to_string();
@@ -108,17 +176,37 @@ impl Verb {
                     Some("off") => false,
                     Some(other) => return Err(format!("--cache {other:?}: expected on or off")),
                 };
-                Verb::Trace { model, tokens, out, internals, generate, cache, force }
+                Verb::Trace {
+                    model,
+                    tokens,
+                    out,
+                    internals,
+                    generate,
+                    cache,
+                    force,
+                }
             }
             "layer" => {
                 let layer = number("--layer", take("--layer")?)?;
                 let input = take("--input")?.to_string();
                 let input_name = take("--input-name")?.to_string();
                 let decode_from = match args.remove("--decode-from") {
-                    Some(p) => Some(p.parse::<i64>().map_err(|e| format!("--decode-from {p:?}: {e}"))?),
+                    Some(p) => Some(
+                        p.parse::<i64>()
+                            .map_err(|e| format!("--decode-from {p:?}: {e}"))?,
+                    ),
                     None => None,
                 };
-                Verb::Layer { model, layer, input, input_name, out, internals, force, decode_from }
+                Verb::Layer {
+                    model,
+                    layer,
+                    input,
+                    input_name,
+                    out,
+                    internals,
+                    force,
+                    decode_from,
+                }
             }
             other => return Err(format!("unknown verb {other:?}: expected trace or layer")),
         };
@@ -138,7 +226,11 @@ pub enum Producer {
     /// on whitespace; single or double quotes group. `serve`: the index of the word
     /// `{verb|serve}` (the verb, and a declaration that `PREFIX serve` answers requests; see
     /// crate::worker), when the template has it.
-    Command { name: String, words: Vec<String>, serve: Option<usize> },
+    Command {
+        name: String,
+        words: Vec<String>,
+        serve: Option<usize>,
+    },
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -242,7 +334,10 @@ impl Capture {
         if left_out == 0 {
             format!("{head}{tail}")
         } else {
-            format!("{head}\n[… {left_out} of {} bytes not kept …]\n{tail}", self.total)
+            format!(
+                "{head}\n[… {left_out} of {} bytes not kept …]\n{tail}",
+                self.total
+            )
         }
     }
 }
@@ -279,7 +374,11 @@ pub fn split_words(s: &str) -> std::result::Result<Vec<String>, String> {
 }
 
 fn quote(word: &str) -> String {
-    if !word.is_empty() && word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./,=:+@".contains(c)) {
+    if !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./,=:+@".contains(c))
+    {
         word.to_string()
     } else {
         format!("'{}'", word.replace('\'', "'\\''"))
@@ -293,25 +392,43 @@ pub fn display(argv: &[String]) -> String {
 impl Producer {
     /// A subprocess producer, its template checked now rather than failing every run later.
     pub fn command(name: &str, template: &str) -> crate::Result<Producer> {
-        let bad = |why: &str| crate::gerr!("{name} command template {template:?}: {why} (example: 'my-engine {{verb}} {{args}}'; docs/producers.md)");
+        let bad = |why: &str| {
+            crate::gerr!("{name} command template {template:?}: {why} (example: 'my-engine {{verb}} {{args}}'; docs/producers.md)")
+        };
         let words = split_words(template).map_err(|e| bad(&e))?;
         if words.is_empty() {
             return Err(bad("empty"));
         }
         let serve = words.iter().position(|w| w == SERVE_VERB);
-        if words.iter().any(|w| w.contains(SERVE_VERB) && w != SERVE_VERB) || words.iter().filter(|w| *w == SERVE_VERB).count() > 1 {
+        if words
+            .iter()
+            .any(|w| w.contains(SERVE_VERB) && w != SERVE_VERB)
+            || words.iter().filter(|w| *w == SERVE_VERB).count() > 1
+        {
             return Err(bad("{verb|serve} must be a word of its own, once"));
         }
-        if serve.is_some_and(|i| words[..i].iter().any(|w| w.contains("{verb}") || w.contains("{args}"))) {
-            return Err(bad("the words before {verb|serve} start the worker and may not hold {verb} or {args}"));
+        if serve.is_some_and(|i| {
+            words[..i]
+                .iter()
+                .any(|w| w.contains("{verb}") || w.contains("{args}"))
+        }) {
+            return Err(bad(
+                "the words before {verb|serve} start the worker and may not hold {verb} or {args}",
+            ));
         }
         if serve.is_none() && !words.iter().any(|w| w.contains("{verb}")) {
-            return Err(bad("no {verb}: the producer would not be told which verb to run"));
+            return Err(bad(
+                "no {verb}: the producer would not be told which verb to run",
+            ));
         }
         if words.iter().any(|w| w.contains("{args}") && w != "{args}") {
             return Err(bad("{args} must be a word of its own"));
         }
-        Ok(Producer::Command { name: name.into(), words, serve })
+        Ok(Producer::Command {
+            name: name.into(),
+            words,
+            serve,
+        })
     }
 
     pub fn name(&self) -> String {
@@ -354,7 +471,11 @@ impl Producer {
     /// unless TRACEGATE_SERVE=0 asks for per-call runs.
     fn serve_argv(&self) -> Option<(usize, Vec<String>)> {
         match self {
-            Producer::Command { words, serve: Some(i), .. } if std::env::var("TRACEGATE_SERVE").as_deref() != Ok("0") => {
+            Producer::Command {
+                words,
+                serve: Some(i),
+                ..
+            } if std::env::var("TRACEGATE_SERVE").as_deref() != Ok("0") => {
                 let mut a = words[..*i].to_vec();
                 a.push("serve".into());
                 Some((*i, a))
@@ -373,12 +494,21 @@ impl Producer {
 
     /// A request outside the two verbs (the oracle's `versions`) to this producer's worker;
     /// None when it does not serve. Err: why it failed, its stderr's last line last.
-    pub fn ask_worker(&self, root: &Path, request: &[String], timeout: Duration) -> Option<std::result::Result<(), String>> {
+    pub fn ask_worker(
+        &self,
+        root: &Path,
+        request: &[String],
+        timeout: Duration,
+    ) -> Option<std::result::Result<(), String>> {
         let (_, serve_argv) = self.serve_argv()?;
         let (e, _) = crate::worker::request(root, &serve_argv, request, timeout);
         Some(match (e.ok, e.timed_out) {
             (true, _) => Ok(()),
-            (false, true) => Err(format!("timed out after {} s (--timeout) and was killed: $ {}", timeout.as_secs_f64(), display(&serve_argv))),
+            (false, true) => Err(format!(
+                "timed out after {} s (--timeout) and was killed: $ {}",
+                timeout.as_secs_f64(),
+                display(&serve_argv)
+            )),
             (false, false) => Err(e.text),
         })
     }
@@ -398,11 +528,14 @@ impl Producer {
                     a.extend(argv.iter().cloned());
                     run_command(root, &a, timeout)
                 }
-                Err(e) => Ended::failed(format!("cannot find the gate's own executable to run the engine: {e}")),
+                Err(e) => Ended::failed(format!(
+                    "cannot find the gate's own executable to run the engine: {e}"
+                )),
             },
             Producer::Command { .. } => match self.serve_argv() {
                 Some((i, serve_argv)) => {
-                    let (ended, pid) = crate::worker::request(root, &serve_argv, &argv[i..], timeout);
+                    let (ended, pid) =
+                        crate::worker::request(root, &serve_argv, &argv[i..], timeout);
                     served_by = pid;
                     ended
                 }
@@ -416,7 +549,11 @@ impl Producer {
             stderr = format!("exited 0 but wrote no trace at {}", verb.out());
         }
         if spawned.timed_out {
-            stderr = format!("{}\n[timed out after {} s (--timeout); killed: $ {invocation}]", stderr.trim_end(), timeout.as_secs_f64());
+            stderr = format!(
+                "{}\n[timed out after {} s (--timeout); killed: $ {invocation}]",
+                stderr.trim_end(),
+                timeout.as_secs_f64()
+            );
         }
         RunRecord {
             producer: self.name(),
@@ -447,7 +584,15 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
     let (verb, threads) = Verb::parse(argv)?;
     let e = |e: tracegate_engine::Error| e.to_string();
     match verb {
-        Verb::Trace { model, tokens, out, internals, generate, cache, force } => tracegate_engine::run_trace(&tracegate_engine::TraceOptions {
+        Verb::Trace {
+            model,
+            tokens,
+            out,
+            internals,
+            generate,
+            cache,
+            force,
+        } => tracegate_engine::run_trace(&tracegate_engine::TraceOptions {
             model_dir: PathBuf::from(model),
             tokens,
             out: PathBuf::from(out),
@@ -460,7 +605,16 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
         })
         .map(|_| ())
         .map_err(e),
-        Verb::Layer { model, layer, input, input_name, out, internals, force, decode_from } => tracegate_engine::run_layer(&tracegate_engine::LayerOptions {
+        Verb::Layer {
+            model,
+            layer,
+            input,
+            input_name,
+            out,
+            internals,
+            force,
+            decode_from,
+        } => tracegate_engine::run_layer(&tracegate_engine::LayerOptions {
             model_dir: PathBuf::from(model),
             layer,
             input: PathBuf::from(input),
@@ -491,17 +645,33 @@ pub(crate) struct Ended {
 
 impl Ended {
     pub(crate) fn failed(why: String) -> Ended {
-        Ended { ok: false, exit_code: None, timed_out: false, peak_rss_kib: None, text: why, stderr_bytes: 0, stdout: String::new() }
+        Ended {
+            ok: false,
+            exit_code: None,
+            timed_out: false,
+            peak_rss_kib: None,
+            text: why,
+            stderr_bytes: 0,
+            stdout: String::new(),
+        }
     }
 }
 
 /// Runs a helper command (not a producer: e.g. the oracle's version probe) under the same
 /// timeout and bounds; its stdout when it succeeds, else why not.
-pub fn run_helper(root: &Path, argv: &[String], timeout: Duration) -> std::result::Result<String, String> {
+pub fn run_helper(
+    root: &Path,
+    argv: &[String],
+    timeout: Duration,
+) -> std::result::Result<String, String> {
     let e = run_command(root, argv, timeout);
     match (e.ok, e.timed_out) {
         (true, _) => Ok(e.stdout),
-        (false, true) => Err(format!("timed out after {} s (--timeout) and was killed: $ {}", timeout.as_secs_f64(), display(argv))),
+        (false, true) => Err(format!(
+            "timed out after {} s (--timeout) and was killed: $ {}",
+            timeout.as_secs_f64(),
+            display(argv)
+        )),
         (false, false) => Err(e.text),
     }
 }
@@ -529,7 +699,15 @@ pub(crate) fn exit_text(status: libc::c_int) -> (bool, Option<i32>, String) {
     } else if libc::WIFSIGNALED(status) {
         let sig = libc::WTERMSIG(status);
         let name = signal_name(sig);
-        (false, None, if name.is_empty() { format!("killed by signal {sig}") } else { format!("killed by signal {sig} ({name})") })
+        (
+            false,
+            None,
+            if name.is_empty() {
+                format!("killed by signal {sig}")
+            } else {
+                format!("killed by signal {sig} ({name})")
+            },
+        )
     } else {
         (false, None, "ended abnormally".to_string())
     }
@@ -547,7 +725,12 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
         return Ended::failed("empty command template".into());
     };
     let mut cmd = Command::new(prog);
-    cmd.args(rest).current_dir(root).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+    cmd.args(rest)
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
     // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill the child if the gate
     // dies first (Ctrl-C), since a child in its own group does not get the terminal's SIGINT.
     unsafe {
@@ -563,7 +746,10 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
     let pid = child.id() as libc::pid_t;
     let as_file = |fd: Option<std::os::fd::OwnedFd>| fd.map(std::fs::File::from);
     // [stdout, stderr]; None once closed or abandoned.
-    let mut pipes = [as_file(child.stdout.take().map(Into::into)), as_file(child.stderr.take().map(Into::into))];
+    let mut pipes = [
+        as_file(child.stdout.take().map(Into::into)),
+        as_file(child.stderr.take().map(Into::into)),
+    ];
     for f in pipes.iter().flatten() {
         // SAFETY: fcntl on descriptors this function owns.
         unsafe {
@@ -587,7 +773,14 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
         if open.is_empty() {
             std::thread::sleep(Duration::from_millis(5));
         } else {
-            let mut pfds: Vec<libc::pollfd> = open.iter().map(|&i| libc::pollfd { fd: pipes[i].as_ref().map_or(-1, |f| f.as_raw_fd()), events: libc::POLLIN, revents: 0 }).collect();
+            let mut pfds: Vec<libc::pollfd> = open
+                .iter()
+                .map(|&i| libc::pollfd {
+                    fd: pipes[i].as_ref().map_or(-1, |f| f.as_raw_fd()),
+                    events: libc::POLLIN,
+                    revents: 0,
+                })
+                .collect();
             // SAFETY: pfds is a live array of pollfd of the given length.
             unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 20) };
             for (&i, p) in open.iter().zip(&pfds) {
@@ -599,7 +792,11 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
                 match f.read(&mut buf) {
                     Ok(0) => pipes[i] = None,
                     Ok(n) => caps[i].push(&buf[..n]),
-                    Err(e) if matches!(e.kind(), std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock) => {}
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                        ) => {}
                     Err(_) => pipes[i] = None,
                 }
             }
@@ -612,17 +809,32 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
                 // cannot be reused, so killing the group cannot hit a stranger.
                 // SAFETY: waitid on our own child; info is an out-parameter.
                 let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-                let rc = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) };
+                let rc = unsafe {
+                    libc::waitid(
+                        libc::P_PID,
+                        pid as libc::id_t,
+                        &mut info,
+                        libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                    )
+                };
                 let exited = rc == 0 && unsafe { info.si_pid() } == pid;
-                if rc == -1 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-                    return Ended::failed(format!("waitid failed: {}", std::io::Error::last_os_error()));
+                if rc == -1
+                    && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+                {
+                    return Ended::failed(format!(
+                        "waitid failed: {}",
+                        std::io::Error::last_os_error()
+                    ));
                 }
                 let over = !exited && start.elapsed() >= timeout;
                 if exited || over {
                     // SAFETY: signals the group this child leads (kept alive as a zombie, see
                     // above); then reaps it with wait4 for its status and peak RSS.
                     unsafe { libc::kill(-pid, libc::SIGKILL) };
-                    while unsafe { libc::wait4(pid, &mut status, 0, &mut usage) } == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {}
+                    while unsafe { libc::wait4(pid, &mut status, 0, &mut usage) } == -1
+                        && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+                    {
+                    }
                     timed_out = over;
                     ended = Some(Instant::now());
                 }
@@ -632,7 +844,11 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
     // `child` was reaped above; dropping it neither waits nor kills.
     drop(child);
     let [out, err] = caps;
-    let (ok, code, how) = if timed_out { (false, None, String::new()) } else { exit_text(status) };
+    let (ok, code, how) = if timed_out {
+        (false, None, String::new())
+    } else {
+        exit_text(status)
+    };
     let stdout = out.text();
     let mut text = err.text();
     if !ok {
@@ -644,7 +860,15 @@ fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
             text.push_str(&format!("\n[{how}]"));
         }
     }
-    Ended { ok, exit_code: code, timed_out, peak_rss_kib: Some(usage.ru_maxrss as u64), text, stderr_bytes: err.total(), stdout }
+    Ended {
+        ok,
+        exit_code: code,
+        timed_out,
+        peak_rss_kib: Some(usage.ru_maxrss as u64),
+        text,
+        stderr_bytes: err.total(),
+        stdout,
+    }
 }
 
 #[cfg(test)]
@@ -662,24 +886,55 @@ mod tests {
         assert_eq!(c.total(), 6 + 50_000_000 + 6);
         assert_eq!(c.head.len() + c.tail.len(), CAPTURE_HEAD + CAPTURE_TAIL);
         let text = c.text();
-        assert!(text.starts_with("FIRST\n") && text.ends_with("\nLAST\n"), "{}", &text[..64]);
-        assert!(text.contains(&format!("[… {} of 50000012 bytes not kept …]", 50_000_012 - CAPTURE_HEAD - CAPTURE_TAIL)));
+        assert!(
+            text.starts_with("FIRST\n") && text.ends_with("\nLAST\n"),
+            "{}",
+            &text[..64]
+        );
+        assert!(text.contains(&format!(
+            "[… {} of 50000012 bytes not kept …]",
+            50_000_012 - CAPTURE_HEAD - CAPTURE_TAIL
+        )));
         // Under the bound, everything is kept, in order.
         let mut small = Capture::default();
         small.push(b"one ");
         small.push(&[b'y'; CAPTURE_HEAD]);
         small.push(b" two");
-        assert_eq!(small.text(), format!("one {} two", "y".repeat(CAPTURE_HEAD)));
+        assert_eq!(
+            small.text(),
+            format!("one {} two", "y".repeat(CAPTURE_HEAD))
+        );
     }
 
     #[test]
     fn a_serving_template_is_the_per_call_command_and_a_worker_command() {
         let p = Producer::command("c", "py -m x {verb|serve} {args} --threads 1").unwrap();
-        let verb = Verb::Trace { model: "m".into(), tokens: vec![1], out: "o".into(), internals: false, generate: 0, cache: true, force: None };
-        assert_eq!(display(&p.argv(&verb)), "py -m x trace --model m --tokens 1 --out o --capture default --threads 1");
-        assert_eq!(p.serve_argv().map(|(i, a)| (i, display(&a))), Some((3, "py -m x serve".to_string())));
-        assert!(Producer::command("c", "py {verb} {args}").unwrap().serve_argv().is_none());
-        for bad in ["py x{verb|serve} {args}", "py {verb|serve} {verb|serve}", "py {args} {verb|serve}"] {
+        let verb = Verb::Trace {
+            model: "m".into(),
+            tokens: vec![1],
+            out: "o".into(),
+            internals: false,
+            generate: 0,
+            cache: true,
+            force: None,
+        };
+        assert_eq!(
+            display(&p.argv(&verb)),
+            "py -m x trace --model m --tokens 1 --out o --capture default --threads 1"
+        );
+        assert_eq!(
+            p.serve_argv().map(|(i, a)| (i, display(&a))),
+            Some((3, "py -m x serve".to_string()))
+        );
+        assert!(Producer::command("c", "py {verb} {args}")
+            .unwrap()
+            .serve_argv()
+            .is_none());
+        for bad in [
+            "py x{verb|serve} {args}",
+            "py {verb|serve} {verb|serve}",
+            "py {args} {verb|serve}",
+        ] {
             assert!(Producer::command("c", bad).is_err(), "{bad}");
         }
     }
@@ -687,17 +942,60 @@ mod tests {
     #[test]
     fn the_engine_child_reads_back_exactly_the_arguments_the_gate_wrote() {
         let verbs = [
-            Verb::Trace { model: "fixtures/m".into(), tokens: vec![3, 17, 5], out: "w/a b.trace".into(), internals: true, generate: 4, cache: false, force: None },
-            Verb::Trace { model: "/abs/m".into(), tokens: vec![0], out: "o.trace".into(), internals: false, generate: 0, cache: true, force: Some("w/ref.trace".into()) },
-            Verb::Layer { model: "m".into(), layer: 3, input: "r.trace".into(), input_name: "layer.03.hidden_in".into(), out: "c.trace".into(), internals: false, force: None, decode_from: None },
-            Verb::Layer { model: "m".into(), layer: 0, input: "r.trace".into(), input_name: "layer.00.hidden_in".into(), out: "c.trace".into(), internals: true, force: Some("r.trace".into()), decode_from: Some(7) },
+            Verb::Trace {
+                model: "fixtures/m".into(),
+                tokens: vec![3, 17, 5],
+                out: "w/a b.trace".into(),
+                internals: true,
+                generate: 4,
+                cache: false,
+                force: None,
+            },
+            Verb::Trace {
+                model: "/abs/m".into(),
+                tokens: vec![0],
+                out: "o.trace".into(),
+                internals: false,
+                generate: 0,
+                cache: true,
+                force: Some("w/ref.trace".into()),
+            },
+            Verb::Layer {
+                model: "m".into(),
+                layer: 3,
+                input: "r.trace".into(),
+                input_name: "layer.03.hidden_in".into(),
+                out: "c.trace".into(),
+                internals: false,
+                force: None,
+                decode_from: None,
+            },
+            Verb::Layer {
+                model: "m".into(),
+                layer: 0,
+                input: "r.trace".into(),
+                input_name: "layer.00.hidden_in".into(),
+                out: "c.trace".into(),
+                internals: true,
+                force: Some("r.trace".into()),
+                decode_from: Some(7),
+            },
         ];
         for verb in verbs {
             let argv = Producer::Engine { threads: 2 }.argv(&verb);
             let (back, threads) = Verb::parse(&argv).unwrap();
-            assert_eq!((Producer::Engine { threads }.argv(&back), threads), (argv, 2));
+            assert_eq!(
+                (Producer::Engine { threads }.argv(&back), threads),
+                (argv, 2)
+            );
         }
-        let err = Verb::parse(&["engine".into(), "trace".into(), "--model".into(), "m".into()]).unwrap_err();
+        let err = Verb::parse(&[
+            "engine".into(),
+            "trace".into(),
+            "--model".into(),
+            "m".into(),
+        ])
+        .unwrap_err();
         assert!(err.contains("missing --capture"), "{err}");
     }
 }

@@ -49,21 +49,42 @@ pub fn resolve(root: &Path, spec: &str) -> PathBuf {
 pub fn load(path: &Path) -> Result<PromptSet> {
     let file: PromptFile = crate::read_json(path)?;
     if file.schema != 1 {
-        return Err(gerr!("{}: prompt schema {} is not supported (this gate reads schema 1)", path.display(), file.schema));
+        return Err(gerr!(
+            "{}: prompt schema {} is not supported (this gate reads schema 1)",
+            path.display(),
+            file.schema
+        ));
     }
     let mut seen = HashSet::new();
     for p in &file.prompts {
-        if p.id.is_empty() || !p.id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
-            return Err(gerr!("{}: prompt id {:?} must be non-empty [A-Za-z0-9_-]", path.display(), p.id));
+        if p.id.is_empty()
+            || !p
+                .id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            return Err(gerr!(
+                "{}: prompt id {:?} must be non-empty [A-Za-z0-9_-]",
+                path.display(),
+                p.id
+            ));
         }
         if !seen.insert(p.id.clone()) {
-            return Err(gerr!("{}: prompt id {:?} appears twice", path.display(), p.id));
+            return Err(gerr!(
+                "{}: prompt id {:?} appears twice",
+                path.display(),
+                p.id
+            ));
         }
         if p.tokens.is_empty() {
             return Err(gerr!("{}: prompt {:?} has no tokens", path.display(), p.id));
         }
         if let Some(t) = p.tokens.iter().find(|&&t| t < 0) {
-            return Err(gerr!("{}: prompt {:?} has a negative token id {t}", path.display(), p.id));
+            return Err(gerr!(
+                "{}: prompt {:?} has a negative token id {t}",
+                path.display(),
+                p.id
+            ));
         }
     }
     if file.prompts.is_empty() {
@@ -72,36 +93,63 @@ pub fn load(path: &Path) -> Result<PromptSet> {
     Ok(PromptSet {
         path: path.to_path_buf(),
         sha256: crate::sha256_file(path)?,
-        prompts: file.prompts.into_iter().map(|p| Prompt { id: p.id, tokens: p.tokens }).collect(),
+        prompts: file
+            .prompts
+            .into_iter()
+            .map(|p| Prompt {
+                id: p.id,
+                tokens: p.tokens,
+            })
+            .collect(),
     })
 }
 
 impl PromptSet {
     /// The prompts named by `--only` (in the file's order); an unknown id is refused.
     pub fn select(&self, only: Option<&[String]>) -> Result<Vec<Prompt>> {
-        let Some(only) = only else { return Ok(self.prompts.clone()) };
+        let Some(only) = only else {
+            return Ok(self.prompts.clone());
+        };
         for id in only {
             if !self.prompts.iter().any(|p| &p.id == id) {
                 let known: Vec<&str> = self.prompts.iter().map(|p| p.id.as_str()).collect();
-                return Err(gerr!("--only: unknown prompt id {id:?} in {} (known: {})", self.path.display(), known.join(", ")));
+                return Err(gerr!(
+                    "--only: unknown prompt id {id:?} in {} (known: {})",
+                    self.path.display(),
+                    known.join(", ")
+                ));
             }
         }
-        Ok(self.prompts.iter().filter(|p| only.contains(&p.id)).cloned().collect())
+        Ok(self
+            .prompts
+            .iter()
+            .filter(|p| only.contains(&p.id))
+            .cloned()
+            .collect())
     }
 
     pub fn get(&self, id: &str) -> Result<&Prompt> {
         self.prompts.iter().find(|p| p.id == id).ok_or_else(|| {
             let known: Vec<&str> = self.prompts.iter().map(|p| p.id.as_str()).collect();
-            gerr!("unknown prompt id {id:?} in {} (known: {})", self.path.display(), known.join(", "))
+            gerr!(
+                "unknown prompt id {id:?} in {} (known: {})",
+                self.path.display(),
+                known.join(", ")
+            )
         })
     }
 }
 
 pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
-    let tokens: std::result::Result<Vec<i64>, _> = s.split(',').map(|t| t.trim().parse::<i64>()).collect();
-    let tokens = tokens.map_err(|e| gerr!("--tokens {s:?}: {e} (expected comma-separated token ids, e.g. 3,17,5)"))?;
+    let tokens: std::result::Result<Vec<i64>, _> =
+        s.split(',').map(|t| t.trim().parse::<i64>()).collect();
+    let tokens = tokens.map_err(|e| {
+        gerr!("--tokens {s:?}: {e} (expected comma-separated token ids, e.g. 3,17,5)")
+    })?;
     if tokens.is_empty() || tokens.iter().any(|&t| t < 0) {
-        return Err(gerr!("--tokens {s:?}: need at least one non-negative token id"));
+        return Err(gerr!(
+            "--tokens {s:?}: need at least one non-negative token id"
+        ));
     }
     Ok(tokens)
 }
@@ -109,15 +157,34 @@ pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
 /// Refuses, before any producer runs, a prompt whose positions (its tokens, then `generate`
 /// greedy tokens, as the oracle counts them) exceed the model's `max_position_embeddings`.
 /// `model` is the model directory as the producers get it (relative to `root`).
-pub fn check_fits(root: &Path, model: &str, id: Option<&str>, tokens: usize, generate: usize) -> Result<()> {
+pub fn check_fits(
+    root: &Path,
+    model: &str,
+    id: Option<&str>,
+    tokens: usize,
+    generate: usize,
+) -> Result<()> {
     let path = root.join(model).join("config.json");
     let config: serde_json::Value = crate::read_json(&path).map_err(|e| gerr!("--model: {e}"))?;
-    let Some(limit) = config.get("max_position_embeddings") else { return Ok(()) };
-    let limit = limit.as_u64().filter(|&n| n > 0).ok_or_else(|| gerr!("{}: max_position_embeddings {limit} is not a positive integer", crate::paths::shown(&path)))?;
+    let Some(limit) = config.get("max_position_embeddings") else {
+        return Ok(());
+    };
+    let limit = limit.as_u64().filter(|&n| n > 0).ok_or_else(|| {
+        gerr!(
+            "{}: max_position_embeddings {limit} is not a positive integer",
+            crate::paths::shown(&path)
+        )
+    })?;
     let positions = tokens as u64 + generate as u64;
     if positions > limit {
-        let what = id.map(|id| format!("prompt {id:?}")).unwrap_or_else(|| "--tokens".into());
-        let gen = if generate > 0 { format!(" + {generate} generated") } else { String::new() };
+        let what = id
+            .map(|id| format!("prompt {id:?}"))
+            .unwrap_or_else(|| "--tokens".into());
+        let gen = if generate > 0 {
+            format!(" + {generate} generated")
+        } else {
+            String::new()
+        };
         return Err(gerr!(
             "{what}: {tokens} tokens{gen} = {positions} positions exceed max_position_embeddings {limit} of {}",
             crate::paths::shown(&path)

@@ -20,7 +20,11 @@ pub fn render(r: &MilestoneReport) -> String {
         r.threads,
         r.policy
     ));
-    let checks: Vec<String> = r.prompts.first().map(|p| p.checks.iter().map(|c| c.check.clone()).collect()).unwrap_or_default();
+    let checks: Vec<String> = r
+        .prompts
+        .first()
+        .map(|p| p.checks.iter().map(|c| c.check.clone()).collect())
+        .unwrap_or_default();
     let mut header = format!("{:<10} {:>6}", "prompt", "tokens");
     for c in &checks {
         header.push_str(&format!(" {:<17}", c));
@@ -33,7 +37,10 @@ pub fn render(r: &MilestoneReport) -> String {
         for c in &p.checks {
             line.push_str(&format!(" {:<17}", cell(c.status)));
         }
-        line.push_str(&format!(" {}", p.digests.get("engine").map(|d| &d[..16]).unwrap_or("-")));
+        line.push_str(&format!(
+            " {}",
+            p.digests.get("engine").map(|d| &d[..16]).unwrap_or("-")
+        ));
         out.push_str(&line);
         out.push('\n');
     }
@@ -43,18 +50,37 @@ pub fn render(r: &MilestoneReport) -> String {
             match c.status {
                 Status::Pass if c.excused.is_empty() => {}
                 _ => {
-                    out.push_str(&format!("{}/{} {}: {}\n", p.id, c.check, c.status.label(), c.detail));
+                    out.push_str(&format!(
+                        "{}/{} {}: {}\n",
+                        p.id,
+                        c.check,
+                        c.status.label(),
+                        c.detail
+                    ));
                     for f in &c.findings {
-                        out.push_str(&format!("    finding {} {} (count {}): {}\n", f.kind, f.name, f.count, f.detail));
+                        out.push_str(&format!(
+                            "    finding {} {} (count {}): {}\n",
+                            f.kind, f.name, f.count, f.detail
+                        ));
                     }
                     for f in &c.excused {
-                        out.push_str(&format!("    declared {} {} (count {}): {}\n", f.kind, f.name, f.count, f.detail));
+                        out.push_str(&format!(
+                            "    declared {} {} (count {}): {}\n",
+                            f.kind, f.name, f.count, f.detail
+                        ));
                     }
                 }
             }
         }
         for run in p.runs.iter().filter(|run| !run.ok) {
-            out.push_str(&format!("{}: {} crashed after {:.2}s: {}\n    $ {}\n", p.id, run.producer, run.seconds, run.why().replace('\n', "\n    "), run.invocation));
+            out.push_str(&format!(
+                "{}: {} crashed after {:.2}s: {}\n    $ {}\n",
+                p.id,
+                run.producer,
+                run.seconds,
+                run.why().replace('\n', "\n    "),
+                run.invocation
+            ));
         }
         if let Some(o) = &p.oracle {
             out.push_str(&format!(
@@ -73,11 +99,17 @@ pub fn render(r: &MilestoneReport) -> String {
     for b in &r.baselines {
         out.push_str(&format!("{} {}: {}\n", b.check, b.status.label(), b.detail));
         for f in &b.findings {
-            out.push_str(&format!("    finding {} {}: {}\n", f.kind, f.name, f.detail));
+            out.push_str(&format!(
+                "    finding {} {}: {}\n",
+                f.kind, f.name, f.detail
+            ));
         }
     }
     if !r.baselines_not_selected.is_empty() {
-        out.push_str(&format!("not selected (--only): baselines {}\n", r.baselines_not_selected.join(", ")));
+        out.push_str(&format!(
+            "not selected (--only): baselines {}\n",
+            r.baselines_not_selected.join(", ")
+        ));
     }
     let n = |k: &str| r.totals.get(k).copied().unwrap_or(0);
     out.push_str(&format!(
@@ -118,7 +150,17 @@ pub fn render_html(r: &MilestoneReport) -> String {
         val("span", "num", "/timeout_s", &r.timeout_s, &r.timeout_s.to_string()),
         esc(&r.policy)
     );
-    let totals: Vec<String> = r.totals.iter().map(|(k, n)| format!("{} {}", val("span", "num", &format!("/totals/{}", k), n, &n.to_string()), esc(k))).collect();
+    let totals: Vec<String> = r
+        .totals
+        .iter()
+        .map(|(k, n)| {
+            format!(
+                "{} {}",
+                val("span", "num", &format!("/totals/{}", k), n, &n.to_string()),
+                esc(k)
+            )
+        })
+        .collect();
     let _ = write!(h, "<p id=\"totals\">{}</p>", totals.join(", "));
 
     // The milestone table: one row per prompt, one column per check (the first prompt's order).
@@ -136,7 +178,17 @@ pub fn render_html(r: &MilestoneReport) -> String {
     }
     h.push_str("<th>engine digest</th></tr>");
     for (pi, p) in r.prompts.iter().enumerate() {
-        let _ = write!(h, "<tr data-prompt=\"{}\"><th>{}</th>{}", esc(&p.id), esc(&p.id), num_td(&format!("/prompts/{pi}/tokens"), &p.tokens, &p.tokens.to_string()));
+        let _ = write!(
+            h,
+            "<tr data-prompt=\"{}\"><th>{}</th>{}",
+            esc(&p.id),
+            esc(&p.id),
+            num_td(
+                &format!("/prompts/{pi}/tokens"),
+                &p.tokens,
+                &p.tokens.to_string()
+            )
+        );
         for name in &checks {
             let Some((ci, c)) = p.checks.iter().enumerate().find(|(_, c)| c.check == *name) else {
                 h.push_str("<td>-</td>");
@@ -145,7 +197,10 @@ pub fn render_html(r: &MilestoneReport) -> String {
             let shown = if c.status == Status::Pass && c.excused.is_empty() {
                 esc(c.status.label())
             } else {
-                format!("<a href=\"#finding-{pi}-{ci}\">{}</a>", esc(c.status.label()))
+                format!(
+                    "<a href=\"#finding-{pi}-{ci}\">{}</a>",
+                    esc(c.status.label())
+                )
             };
             let _ = write!(
                 h,
@@ -155,7 +210,15 @@ pub fn render_html(r: &MilestoneReport) -> String {
                 esc(c.status.label())
             );
         }
-        let _ = write!(h, "<td class=\"mono\">{}</td></tr>", esc(p.digests.get("engine").map(|d| &d[..16.min(d.len())]).unwrap_or("-")));
+        let _ = write!(
+            h,
+            "<td class=\"mono\">{}</td></tr>",
+            esc(p
+                .digests
+                .get("engine")
+                .map(|d| &d[..16.min(d.len())])
+                .unwrap_or("-"))
+        );
     }
     h.push_str("</table>");
 
@@ -165,16 +228,34 @@ pub fn render_html(r: &MilestoneReport) -> String {
         let _ = write!(h, "<div class=\"box finding\" id=\"{id}\" data-check=\"{}\"><b>{title}</b> <span class=\"s-{}\">{}</span>: {}<ul>", esc(&c.check), status_class(c.status), esc(c.status.label()), val("span", "text", &format!("{base}/detail"), &c.detail, &c.detail));
         for (kind, list) in [("finding", &c.findings), ("excused", &c.excused)] {
             for (i, f) in list.iter().enumerate() {
-                let ptr = format!("{base}/{}/{i}/count", if kind == "finding" { "findings" } else { "excused" });
+                let ptr = format!(
+                    "{base}/{}/{i}/count",
+                    if kind == "finding" {
+                        "findings"
+                    } else {
+                        "excused"
+                    }
+                );
                 let _ = write!(h, "<li class=\"{kind}\" data-kind=\"{}\" data-name=\"{}\">{kind} <b>{}</b> <code>{}</code> (count {}): {}</li>", esc(&f.kind), esc(&f.name), esc(&f.kind), esc(&f.name), val("span", "num", &ptr, &f.count, &f.count.to_string()), val("span", "text", &ptr.replace("/count", "/detail"), &f.detail, &f.detail));
             }
         }
         h.push_str("</ul></div>");
     };
     for (pi, p) in r.prompts.iter().enumerate() {
-        for (ci, c) in p.checks.iter().enumerate().filter(|(_, c)| c.status != Status::Pass || !c.excused.is_empty()) {
+        for (ci, c) in p
+            .checks
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.status != Status::Pass || !c.excused.is_empty())
+        {
             any = true;
-            findings_block(&mut h, &format!("finding-{pi}-{ci}"), &format!("{}/{}", esc(&p.id), esc(&c.check)), &format!("/prompts/{pi}/checks/{ci}"), c);
+            findings_block(
+                &mut h,
+                &format!("finding-{pi}-{ci}"),
+                &format!("{}/{}", esc(&p.id), esc(&c.check)),
+                &format!("/prompts/{pi}/checks/{ci}"),
+                c,
+            );
         }
         for (ri, run) in p.runs.iter().enumerate().filter(|(_, run)| !run.ok) {
             any = true;
@@ -226,8 +307,20 @@ pub fn render_html(r: &MilestoneReport) -> String {
                     "<li data-bound=\"{}\">{}: value {} vs limit {}</li>",
                     esc(x.bound),
                     esc(x.bound),
-                    val("span", "num", &format!("{q}/value"), &x.value, &x.value.as_ref().map_or("undefined".into(), show)),
-                    val("span", "num", &format!("{q}/limit"), &x.limit, &show(&x.limit))
+                    val(
+                        "span",
+                        "num",
+                        &format!("{q}/value"),
+                        &x.value,
+                        &x.value.as_ref().map_or("undefined".into(), show)
+                    ),
+                    val(
+                        "span",
+                        "num",
+                        &format!("{q}/limit"),
+                        &x.limit,
+                        &show(&x.limit)
+                    )
                 );
             }
             h.push_str("</ul></div>");
@@ -237,7 +330,11 @@ pub fn render_html(r: &MilestoneReport) -> String {
 
     h.push_str("<h2>Baselines</h2><table id=\"baselines\"><tr><th>baseline</th><th>status</th><th>observation</th><th>recorded</th><th>now</th><th>delta</th><th>detail</th></tr>");
     for (bi, c) in r.baselines.iter().enumerate() {
-        let status = if c.status == Status::Pass { esc(c.status.label()) } else { format!("<a href=\"#baseline-{bi}\">{}</a>", esc(c.status.label())) };
+        let status = if c.status == Status::Pass {
+            esc(c.status.label())
+        } else {
+            format!("<a href=\"#baseline-{bi}\">{}</a>", esc(c.status.label()))
+        };
         let span = c.observed.len().max(1);
         let _ = write!(
             h,
@@ -248,7 +345,17 @@ pub fn render_html(r: &MilestoneReport) -> String {
             esc(c.status.label())
         );
         if c.observed.is_empty() {
-            let _ = write!(h, "<td colspan=\"4\">none recorded</td><td rowspan=\"{span}\">{}</td></tr>", val("span", "text", &format!("/baselines/{bi}/detail"), &c.detail, &c.detail));
+            let _ = write!(
+                h,
+                "<td colspan=\"4\">none recorded</td><td rowspan=\"{span}\">{}</td></tr>",
+                val(
+                    "span",
+                    "text",
+                    &format!("/baselines/{bi}/detail"),
+                    &c.detail,
+                    &c.detail
+                )
+            );
         }
         for (oi, o) in c.observed.iter().enumerate() {
             let p = |f: &str| format!("/baselines/{bi}/observed/{oi}/{f}");
@@ -264,17 +371,42 @@ pub fn render_html(r: &MilestoneReport) -> String {
                 num_td(&p("delta"), &o.delta, &format!("{:+.1}%", o.delta * 100.0)),
             );
             if oi == 0 {
-                let _ = write!(h, "<td rowspan=\"{span}\">{}</td>", val("span", "text", &format!("/baselines/{bi}/detail"), &c.detail, &c.detail));
+                let _ = write!(
+                    h,
+                    "<td rowspan=\"{span}\">{}</td>",
+                    val(
+                        "span",
+                        "text",
+                        &format!("/baselines/{bi}/detail"),
+                        &c.detail,
+                        &c.detail
+                    )
+                );
             }
             h.push_str("</tr>");
         }
     }
     h.push_str("</table>");
-    for (bi, c) in r.baselines.iter().enumerate().filter(|(_, c)| c.status != Status::Pass) {
-        findings_block(&mut h, &format!("baseline-{bi}"), &esc(&c.check), &format!("/baselines/{bi}"), c);
+    for (bi, c) in r
+        .baselines
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.status != Status::Pass)
+    {
+        findings_block(
+            &mut h,
+            &format!("baseline-{bi}"),
+            &esc(&c.check),
+            &format!("/baselines/{bi}"),
+            c,
+        );
     }
     if !r.baselines_not_selected.is_empty() {
-        let _ = write!(h, "<p class=\"note\">not selected (--only): baselines {}</p>", esc(&r.baselines_not_selected.join(", ")));
+        let _ = write!(
+            h,
+            "<p class=\"note\">not selected (--only): baselines {}</p>",
+            esc(&r.baselines_not_selected.join(", "))
+        );
     }
     page(&format!("gate {} {}", r.milestone, r.verdict), &h)
 }

@@ -72,7 +72,14 @@ pub struct Observed {
 
 impl CheckResult {
     fn new(check: &str, status: Status, detail: impl Into<String>) -> CheckResult {
-        CheckResult { check: check.into(), status, detail: detail.into(), findings: vec![], excused: vec![], observed: vec![] }
+        CheckResult {
+            check: check.into(),
+            status,
+            detail: detail.into(),
+            findings: vec![],
+            excused: vec![],
+            observed: vec![],
+        }
     }
     fn not_checked(check: &str, why: impl Into<String>) -> CheckResult {
         CheckResult::new(check, Status::NotChecked, why)
@@ -150,7 +157,10 @@ pub struct MilestoneReport {
 
 impl MilestoneReport {
     pub fn all_checks(&self) -> impl Iterator<Item = &CheckResult> {
-        self.prompts.iter().flat_map(|p| p.checks.iter()).chain(self.baselines.iter())
+        self.prompts
+            .iter()
+            .flat_map(|p| p.checks.iter())
+            .chain(self.baselines.iter())
     }
     /// 0 all passed; 1 something failed (or nothing ran); 4 nothing failed but not all checked.
     pub fn exit_code(&self) -> i32 {
@@ -190,29 +200,58 @@ fn python(root: &Path, specific: &str) -> String {
 
 pub fn default_contract_cmd(root: &Path) -> String {
     // {verb|serve}: one worker answers every run of the gate (docs/producers.md, "Serving").
-    format!("'{}' -m tracegate_contract {{verb|serve}} {{args}}", python(root, "TRACEGATE_CONTRACT_PYTHON"))
+    format!(
+        "'{}' -m tracegate_contract {{verb|serve}} {{args}}",
+        python(root, "TRACEGATE_CONTRACT_PYTHON")
+    )
 }
 
 pub fn default_oracle_cmd(root: &Path) -> String {
-    format!("'{}' -m tracegate_oracle {{verb|serve}} {{args}} --threads 1", python(root, "TRACEGATE_ORACLE_PYTHON"))
+    format!(
+        "'{}' -m tracegate_oracle {{verb|serve}} {{args}} --threads 1",
+        python(root, "TRACEGATE_ORACLE_PYTHON")
+    )
 }
 
 /// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
 /// The default oracle's worker answers it (`versions`), so torch is imported once per gate run;
 /// `dir`: where it writes its answer.
-fn probe_oracle(root: &Path, timeout: std::time::Duration, oracle: Option<&Producer>, dir: &Path) -> std::result::Result<Value, String> {
+fn probe_oracle(
+    root: &Path,
+    timeout: std::time::Duration,
+    oracle: Option<&Producer>,
+    dir: &Path,
+) -> std::result::Result<Value, String> {
     let py = python(root, "TRACEGATE_ORACLE_PYTHON");
     let unavailable = |err: String| {
-        let last = err.lines().rev().find(|l| !l.trim().is_empty() && !l.starts_with('[')).unwrap_or("import failed").to_string();
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty() && !l.starts_with('['))
+            .unwrap_or("import failed")
+            .to_string();
         format!("torch/transformers unavailable to {py}: {last}")
     };
     let answer = dir.join("oracle-versions.json");
-    let served = oracle.and_then(|o| o.ask_worker(root, &["versions".into(), "--out".into(), answer.display().to_string()], timeout));
+    let served = oracle.and_then(|o| {
+        o.ask_worker(
+            root,
+            &[
+                "versions".into(),
+                "--out".into(),
+                answer.display().to_string(),
+            ],
+            timeout,
+        )
+    });
     let out = match served {
-        Some(asked) => asked.map_err(unavailable).and_then(|()| std::fs::read_to_string(&answer).map_err(|e| format!("{}: {e}", answer.display())))?,
+        Some(asked) => asked.map_err(unavailable).and_then(|()| {
+            std::fs::read_to_string(&answer).map_err(|e| format!("{}: {e}", answer.display()))
+        })?,
         None => {
             let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
-            crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout).map_err(unavailable)?
+            crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout)
+                .map_err(unavailable)?
         }
     };
     serde_json::from_str(&out).map_err(|e| format!("version probe printed no JSON: {e}"))
@@ -238,7 +277,10 @@ fn counts(t: &Trace) -> Value {
             for v in t.decision_values(d) {
                 *hist.entry(v).or_default() += 1;
             }
-            let hist: serde_json::Map<String, Value> = hist.into_iter().map(|(k, v)| (format!("{k:03}"), json!(v))).collect();
+            let hist: serde_json::Map<String, Value> = hist
+                .into_iter()
+                .map(|(k, v)| (format!("{k:03}"), json!(v)))
+                .collect();
             router.insert(layer.to_string(), Value::Object(hist));
         }
     }
@@ -255,7 +297,12 @@ fn counts(t: &Trace) -> Value {
 
 fn open(root: &Path, rec: &RunRecord) -> std::result::Result<Trace, String> {
     if !rec.ok {
-        return Err(format!("{} {} failed: {}", rec.producer, rec.verb, rec.why()));
+        return Err(format!(
+            "{} {} failed: {}",
+            rec.producer,
+            rec.verb,
+            rec.why()
+        ));
     }
     Trace::open(root.join(&rec.out)).map_err(|e| format!("{} trace unreadable: {e}", rec.producer))
 }
@@ -264,7 +311,11 @@ fn open(root: &Path, rec: &RunRecord) -> std::result::Result<Trace, String> {
 fn judge(m: &Milestone, prompt: &str, mut c: CheckResult, found: Vec<Finding>) -> CheckResult {
     for f in found {
         let declared = m.declared_divergences.iter().any(|d| {
-            d.prompt == prompt && d.check == c.check && d.kind == f.kind && d.name == f.name && d.count == f.count
+            d.prompt == prompt
+                && d.check == c.check
+                && d.kind == f.kind
+                && d.name == f.name
+                && d.count == f.count
         });
         if declared {
             c.excused.push(f);
@@ -284,14 +335,37 @@ fn judge(m: &Milestone, prompt: &str, mut c: CheckResult, found: Vec<Finding>) -
 fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
     rep.findings
         .iter()
-        .filter(|f| !matches!(f.kind, "values_differ" | "decision_differs" | "outside_policy"))
-        .map(|f| Finding { kind: f.kind.to_string(), name: f.tensor.clone().unwrap_or_default(), count: 1, detail: f.detail.clone() })
+        .filter(|f| {
+            !matches!(
+                f.kind,
+                "values_differ" | "decision_differs" | "outside_policy"
+            )
+        })
+        .map(|f| Finding {
+            kind: f.kind.to_string(),
+            name: f.tensor.clone().unwrap_or_default(),
+            count: 1,
+            detail: f.detail.clone(),
+        })
         .collect()
 }
 
-fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: std::result::Result<&Expectation, &str>) -> CheckResult {
+fn check_matches(
+    m: &Milestone,
+    p: &Prompt,
+    eng: &Trace,
+    con: &Trace,
+    expect: std::result::Result<&Expectation, &str>,
+) -> CheckResult {
     // Every tensor scanned, so each differing one is a finding with its exact count.
-    let rep = tracegate_diff::compare(eng, con, &Options { all: true, ..Options::default() });
+    let rep = tracegate_diff::compare(
+        eng,
+        con,
+        &Options {
+            all: true,
+            ..Options::default()
+        },
+    );
     let mut found = diff_findings(&rep);
     for row in rep.per_tensor.iter().filter(|r| r.status == "different") {
         let count = row.differing_elements.unwrap_or(0);
@@ -305,12 +379,31 @@ fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: st
                 d.ulp.map(|u| u.to_string()).unwrap_or("NaN".into()),
                 row.total_elements
             ),
-            _ => format!("{count}/{} elements differ, max {} ULP", row.total_elements, row.max_ulp.map(|u| u.to_string()).unwrap_or("NaN".into())),
+            _ => format!(
+                "{count}/{} elements differ, max {} ULP",
+                row.total_elements,
+                row.max_ulp.map(|u| u.to_string()).unwrap_or("NaN".into())
+            ),
         };
-        found.push(Finding { kind: "tensor_differs".into(), name: row.tensor.clone(), count, detail });
+        found.push(Finding {
+            kind: "tensor_differs".into(),
+            name: row.tensor.clone(),
+            count,
+            detail,
+        });
     }
-    for r in rep.decisions.results.iter().filter(|r| r.differing_rows > 0) {
-        found.push(Finding { kind: "decision_differs".into(), name: r.name.clone(), count: r.differing_rows, detail: format!("{}/{} rows differ", r.differing_rows, r.rows) });
+    for r in rep
+        .decisions
+        .results
+        .iter()
+        .filter(|r| r.differing_rows > 0)
+    {
+        found.push(Finding {
+            kind: "decision_differs".into(),
+            name: r.name.clone(),
+            count: r.differing_rows,
+            detail: format!("{}/{} rows differ", r.differing_rows, r.rows),
+        });
     }
     let differing = rep.differing_elements();
     let mut detail = format!(
@@ -326,50 +419,122 @@ fn check_matches(m: &Milestone, p: &Prompt, eng: &Trace, con: &Trace, expect: st
         rep.decisions.compared
     );
     if rep.verdict != Verdict::Identical && found.is_empty() {
-        found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
+        found.push(Finding {
+            kind: "different".into(),
+            name: String::new(),
+            count: 1,
+            detail: format!("verdict {:?}", rep.verdict),
+        });
     }
     match expect {
         Ok(e) => {
             for (what, want, have) in [
                 ("tensors", e.tensors as u64, eng.tensors().len() as u64),
-                ("decisions", e.decisions as u64, eng.decisions().len() as u64),
+                (
+                    "decisions",
+                    e.decisions as u64,
+                    eng.decisions().len() as u64,
+                ),
                 ("differing_elements", e.differing_elements, differing),
             ] {
                 if want != have {
-                    found.push(Finding { kind: "count_changed".into(), name: what.into(), count: have, detail: format!("{what}: recorded {want}, now {have}") });
+                    found.push(Finding {
+                        kind: "count_changed".into(),
+                        name: what.into(),
+                        count: have,
+                        detail: format!("{what}: recorded {want}, now {have}"),
+                    });
                 }
             }
             detail.push_str("; counts as recorded");
         }
         Err(why) => detail.push_str(&format!("; counts NOT CHECKED ({why})")),
     }
-    judge(m, &p.id, CheckResult::new("matches", Status::Pass, detail), found)
+    judge(
+        m,
+        &p.id,
+        CheckResult::new("matches", Status::Pass, detail),
+        found,
+    )
 }
 
-fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Policy, expect: std::result::Result<&Expectation, &str>) -> (CheckResult, OracleSummary) {
-    let rep = tracegate_diff::compare(eng, ora, &Options { policy: Some(policy.clone()), ..Options::default() });
+fn check_agrees(
+    m: &Milestone,
+    p: &Prompt,
+    eng: &Trace,
+    ora: &Trace,
+    policy: &Policy,
+    expect: std::result::Result<&Expectation, &str>,
+) -> (CheckResult, OracleSummary) {
+    let rep = tracegate_diff::compare(
+        eng,
+        ora,
+        &Options {
+            policy: Some(policy.clone()),
+            ..Options::default()
+        },
+    );
     let mut found = diff_findings(&rep);
     for row in &rep.per_tensor {
         if row.status == "outside_policy" || row.status == "no_rule" {
             // Already reported as a diff finding when the differ emits one; keep one entry per tensor.
             if !found.iter().any(|f| f.name == row.tensor) {
-                let detail = row.violation().map_or_else(|| "no rule in the policy matches this tensor".to_string(), |v| v.to_string());
-                found.push(Finding { kind: row.status.into(), name: row.tensor.clone(), count: 1, detail });
+                let detail = row.violation().map_or_else(
+                    || "no rule in the policy matches this tensor".to_string(),
+                    |v| v.to_string(),
+                );
+                found.push(Finding {
+                    kind: row.status.into(),
+                    name: row.tensor.clone(),
+                    count: 1,
+                    detail,
+                });
             }
         }
     }
     // The differ's labels: a near-tie and the rows after it are reported, not failed; each
     // decision with a consequence or defect is a finding counting those rows.
     let mut near_ties = Vec::new();
-    for r in rep.decisions.results.iter().filter(|r| r.differing_rows > 0) {
-        near_ties.extend(r.flips.iter().filter(|f| f.label == NEAR_TIE).map(|f| format!("{}[{}]", r.name, f.row)));
+    for r in rep
+        .decisions
+        .results
+        .iter()
+        .filter(|r| r.differing_rows > 0)
+    {
+        near_ties.extend(
+            r.flips
+                .iter()
+                .filter(|f| f.label == NEAR_TIE)
+                .map(|f| format!("{}[{}]", r.name, f.row)),
+        );
         let failing = r.flips.iter().filter(|f| !f.excused()).count() as u64;
         if failing > 0 {
-            let labels: Vec<String> = r.flips.iter().map(|f| format!("row {} {:?}→{:?} {}", f.row, f.reference, f.candidate, label_text(f))).collect();
-            found.push(Finding { kind: "decision_differs".into(), name: r.name.clone(), count: failing, detail: labels.join("; ") });
+            let labels: Vec<String> = r
+                .flips
+                .iter()
+                .map(|f| {
+                    format!(
+                        "row {} {:?}→{:?} {}",
+                        f.row,
+                        f.reference,
+                        f.candidate,
+                        label_text(f)
+                    )
+                })
+                .collect();
+            found.push(Finding {
+                kind: "decision_differs".into(),
+                name: r.name.clone(),
+                count: failing,
+                detail: labels.join("; "),
+            });
         }
     }
-    let rows_after_near_tie = rep.decisions.near_ties.as_ref().map_or(0, |n| n.rows_after());
+    let rows_after_near_tie = rep
+        .decisions
+        .near_ties
+        .as_ref()
+        .map_or(0, |n| n.rows_after());
     // Smallest margin among the engine's decisions; worst numeric divergences.
     let mut smallest: Option<(f64, String)> = None;
     for d in eng.decisions() {
@@ -383,10 +548,13 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
         }
     }
     let worst = |f: fn(&tracegate_diff::TensorRow) -> Option<f64>| {
-        rep.per_tensor.iter().filter_map(|r| f(r).map(|v| (v, r.tensor.clone()))).fold(None, |acc: Option<(f64, String)>, x| match acc {
-            Some(a) if a.0 >= x.0 => Some(a),
-            _ => Some(x),
-        })
+        rep.per_tensor
+            .iter()
+            .filter_map(|r| f(r).map(|v| (v, r.tensor.clone())))
+            .fold(None, |acc: Option<(f64, String)>, x| match acc {
+                Some(a) if a.0 >= x.0 => Some(a),
+                _ => Some(x),
+            })
     };
     let max_rel = worst(|r| r.max_rel.map(|x| x.0));
     let rel_l2 = worst(|r| r.rel_l2.map(|x| x.0));
@@ -429,22 +597,57 @@ fn check_agrees(m: &Milestone, p: &Prompt, eng: &Trace, ora: &Trace, policy: &Po
     // The policy failure is named by its first violation: the first bit difference may be
     // rounding noise within the policy.
     if let Some(v) = &summary.first_violation {
-        let outside = rep.per_tensor.iter().filter(|r| r.status == "outside_policy").count();
-        let first = v.violations.first().map(|b| b.to_string()).unwrap_or_default();
-        detail.push_str(&format!("; {outside} tensor(s) outside the policy, first {}: {first}", v.tensor));
+        let outside = rep
+            .per_tensor
+            .iter()
+            .filter(|r| r.status == "outside_policy")
+            .count();
+        let first = v
+            .violations
+            .first()
+            .map(|b| b.to_string())
+            .unwrap_or_default();
+        detail.push_str(&format!(
+            "; {outside} tensor(s) outside the policy, first {}: {first}",
+            v.tensor
+        ));
     }
     if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
-        found.push(Finding { kind: "different".into(), name: String::new(), count: 1, detail: format!("verdict {:?}", rep.verdict) });
+        found.push(Finding {
+            kind: "different".into(),
+            name: String::new(),
+            count: 1,
+            detail: format!("verdict {:?}", rep.verdict),
+        });
     }
     // Declared oracle divergences are recorded by count: a different number of differing
     // decisions is a change even when each one is declared.
     if let Ok(e) = expect {
-        let have = found.iter().filter(|f| f.kind == "decision_differs").count();
+        let have = found
+            .iter()
+            .filter(|f| f.kind == "decision_differs")
+            .count();
         if have != e.oracle_decisions_differing {
-            found.push(Finding { kind: "count_changed".into(), name: "oracle_decisions_differing".into(), count: have as u64, detail: format!("oracle_decisions_differing: recorded {}, now {have}", e.oracle_decisions_differing) });
+            found.push(Finding {
+                kind: "count_changed".into(),
+                name: "oracle_decisions_differing".into(),
+                count: have as u64,
+                detail: format!(
+                    "oracle_decisions_differing: recorded {}, now {have}",
+                    e.oracle_decisions_differing
+                ),
+            });
         }
     }
-    (judge(m, &p.id, CheckResult::new("agrees", Status::Pass, detail), found), summary)
+    (
+        judge(
+            m,
+            &p.id,
+            CheckResult::new("agrees", Status::Pass, detail),
+            found,
+        ),
+        summary,
+    )
 }
 
 fn tokens_finding(name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
@@ -452,7 +655,12 @@ fn tokens_finding(name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
         return None;
     }
     let differ = a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
-    Some(Finding { kind: "tokens_differ".into(), name: name.into(), count: differ as u64, detail: format!("engine {a:?} vs {name} {b:?}") })
+    Some(Finding {
+        kind: "tokens_differ".into(),
+        name: name.into(),
+        count: differ as u64,
+        detail: format!("engine {a:?} vs {name} {b:?}"),
+    })
 }
 
 fn stack_versions(oracle: &std::result::Result<Value, String>) -> Value {
@@ -483,10 +691,15 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         Some(dir) => {
             // Validated as the engine would (unsupported fields are refused here, not mid-run).
             let shown = crate::paths::shown(dir);
-            let (_, raw) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
+            let (_, raw) =
+                tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
             let family = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
             if family != m.family {
-                return Err(gerr!("--model {shown}: model_type {family:?} is not milestone {}'s family {:?}", m.id, m.family));
+                return Err(gerr!(
+                    "--model {shown}: model_type {family:?} is not milestone {}'s family {:?}",
+                    m.id,
+                    m.family
+                ));
             }
             let canon = std::fs::canonicalize(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
             // The milestone's own checkpoint, however spelled, keeps the milestone's name, so its
@@ -507,16 +720,37 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
     let _lock = crate::WorkLock::acquire(&o.root.join(&work_rel))?;
     let engine = Producer::Engine { threads: o.threads };
-    let contract = Producer::command("contract", &o.contract_cmd.clone().unwrap_or_else(|| default_contract_cmd(&o.root))).map_err(|e| gerr!("--contract-cmd: {e}"))?;
-    let oracle = Producer::command("oracle", &o.oracle_cmd.clone().unwrap_or_else(|| default_oracle_cmd(&o.root))).map_err(|e| gerr!("--oracle-cmd: {e}"))?;
+    let contract = Producer::command(
+        "contract",
+        &o.contract_cmd
+            .clone()
+            .unwrap_or_else(|| default_contract_cmd(&o.root)),
+    )
+    .map_err(|e| gerr!("--contract-cmd: {e}"))?;
+    let oracle = Producer::command(
+        "oracle",
+        &o.oracle_cmd
+            .clone()
+            .unwrap_or_else(|| default_oracle_cmd(&o.root)),
+    )
+    .map_err(|e| gerr!("--oracle-cmd: {e}"))?;
     // The contract worker's start-up overlaps the oracle's, which answers the probe.
     contract.prestart(&o.root);
-    let oracle_probe = probe_oracle(&o.root, o.timeout, o.oracle_cmd.is_none().then_some(&oracle), &o.root.join(&work_rel));
+    let oracle_probe = probe_oracle(
+        &o.root,
+        o.timeout,
+        o.oracle_cmd.is_none().then_some(&oracle),
+        &o.root.join(&work_rel),
+    );
     let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
 
     let steps = selected.len() as u64 * if oracle_runs { 4 } else { 3 };
     let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
-    bar.set_style(ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed})").expect("static template").progress_chars("=> "));
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
     bar.set_prefix(format!("gate {}", m.id));
     let tty = std::io::stderr().is_terminal();
 
@@ -541,7 +775,11 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
             force: None,
         };
         let mut runs = Vec::new();
-        let mut producers = vec![(&engine, "engine", "engine.trace", true), (&engine, "engine (uncached)", "engine-uncached.trace", false), (&contract, "contract", "contract.trace", true)];
+        let mut producers = vec![
+            (&engine, "engine", "engine.trace", true),
+            (&engine, "engine (uncached)", "engine-uncached.trace", false),
+            (&contract, "contract", "contract.trace", true),
+        ];
         if oracle_runs {
             producers.push((&oracle, "oracle", "oracle.trace", true));
         }
@@ -555,14 +793,23 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
                     s.spawn(move || producer.run(&o.root, &verb, o.timeout))
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("a producer run panicked")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a producer run panicked"))
+                .collect()
         });
         for ((_, label, _, _), rec) in producers.iter().zip(recs) {
             bar.inc(1);
             // A hang says nothing about the model; the gate cannot judge this run at all.
             if rec.timed_out {
                 bar.finish_and_clear();
-                return Err(gerr!("{}: {label} {} timed out after {} s (--timeout) and was killed: $ {}", p.id, rec.verb, o.timeout.as_secs(), rec.invocation));
+                return Err(gerr!(
+                    "{}: {label} {} timed out after {} s (--timeout) and was killed: $ {}",
+                    p.id,
+                    rec.verb,
+                    o.timeout.as_secs(),
+                    rec.invocation
+                ));
             }
             runs.push(rec);
         }
@@ -573,7 +820,12 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         let line = format!(
             "{}: {}",
             p.id,
-            result.checks.iter().map(|c| format!("{} {}", c.check, c.status.label())).collect::<Vec<_>>().join(", ")
+            result
+                .checks
+                .iter()
+                .map(|c| format!("{} {}", c.check, c.status.label()))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         if tty {
             bar.println(line);
@@ -596,7 +848,15 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         c.insert("model".into(), json!(model));
         c
     };
-    let (baselines, baselines_not_selected) = check_baselines(&m, &bl_file.baselines, &results, &conditions_of, o.assert_observed, &set, &selected);
+    let (baselines, baselines_not_selected) = check_baselines(
+        &m,
+        &bl_file.baselines,
+        &results,
+        &conditions_of,
+        o.assert_observed,
+        &set,
+        &selected,
+    );
 
     let mut totals: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut report = MilestoneReport {
@@ -634,7 +894,9 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         "PASS"
     };
     report.totals = totals;
-    report.wall_s.insert("total", started.elapsed().as_secs_f64());
+    report
+        .wall_s
+        .insert("total", started.elapsed().as_secs_f64());
     let w = &report.wall_s;
     eprintln!(
         "[gate {}] wall (observed): setup {:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s",
@@ -642,7 +904,17 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     );
 
     let bless_log = if o.bless {
-        Some(bless(o, &mut file, &ms_path, &m, &set, &report, &mut bl_file, &bl_path, &conditions_of)?)
+        Some(bless(
+            o,
+            &mut file,
+            &ms_path,
+            &m,
+            &set,
+            &report,
+            &mut bl_file,
+            &bl_path,
+            &conditions_of,
+        )?)
     } else {
         None
     };
@@ -672,13 +944,26 @@ fn judge_prompt(
     // decision count and the tokens, so those comparisons are NOT CHECKED, not failed.
     let generate = o.generate.unwrap_or(m.generate);
     let expect: std::result::Result<&Expectation, String> = if generate != m.generate {
-        Err(format!("expectations are recorded for --generate {}, this run generates {generate}", m.generate))
+        Err(format!(
+            "expectations are recorded for --generate {}, this run generates {generate}",
+            m.generate
+        ))
     } else {
-        m.expect.get(&p.id).ok_or_else(|| format!("no expectation recorded for prompt {:?}: run with --bless", p.id))
+        m.expect.get(&p.id).ok_or_else(|| {
+            format!(
+                "no expectation recorded for prompt {:?}: run with --bless",
+                p.id
+            )
+        })
     };
     let expect = expect.as_ref().copied().map_err(String::as_str);
     let mut digests = BTreeMap::new();
-    for (name, t) in [("engine", &eng), ("engine_uncached", &unc), ("contract", &con), ("oracle", &ora)] {
+    for (name, t) in [
+        ("engine", &eng),
+        ("engine_uncached", &unc),
+        ("contract", &con),
+        ("oracle", &ora),
+    ] {
         if let Ok(t) = t {
             digests.insert(name.to_string(), t.digest().hex());
         }
@@ -689,10 +974,27 @@ fn judge_prompt(
     checks.push(match (&eng, expect) {
         (Err(e), _) => CheckResult::new("stable", Status::Fail, e.clone()),
         (Ok(_), Err(why)) => CheckResult::not_checked("stable", why),
-        (Ok(t), Ok(e)) if t.digest().hex() == e.engine_digest => CheckResult::new("stable", Status::Pass, format!("engine digest {} as recorded", t.digest().short())),
+        (Ok(t), Ok(e)) if t.digest().hex() == e.engine_digest => CheckResult::new(
+            "stable",
+            Status::Pass,
+            format!("engine digest {} as recorded", t.digest().short()),
+        ),
         (Ok(t), Ok(e)) => {
-            let mut c = CheckResult::new("stable", Status::Fail, format!("engine digest {} but recorded {}", t.digest().short(), &e.engine_digest[..16.min(e.engine_digest.len())]));
-            c.findings.push(Finding { kind: "digest_changed".into(), name: "engine".into(), count: 1, detail: c.detail.clone() });
+            let mut c = CheckResult::new(
+                "stable",
+                Status::Fail,
+                format!(
+                    "engine digest {} but recorded {}",
+                    t.digest().short(),
+                    &e.engine_digest[..16.min(e.engine_digest.len())]
+                ),
+            );
+            c.findings.push(Finding {
+                kind: "digest_changed".into(),
+                name: "engine".into(),
+                count: 1,
+                detail: c.detail.clone(),
+            });
             c
         }
     });
@@ -710,22 +1012,52 @@ fn judge_prompt(
         contract: con.as_ref().ok().map(decode_tokens),
         oracle: ora.as_ref().ok().map(decode_tokens),
     };
-    checks.push(match (&generated.engine_cached, &generated.engine_uncached, &generated.contract) {
-        (Some(a), _, _) if a.is_empty() => CheckResult::not_checked("generation", "no tokens generated (--generate 0)"),
-        (Some(a), Some(b), Some(c)) => {
-            let mut found: Vec<Finding> = [tokens_finding("engine-uncached", a, b), tokens_finding("contract", a, c)].into_iter().flatten().collect();
-            let mut detail = format!("{} tokens: engine cached = uncached = contract: {a:?}", a.len());
-            if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
-                detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
-                found.push(Finding { kind: "tokens_changed".into(), name: "engine".into(), count: a.len() as u64, detail: detail.clone() });
+    checks.push(
+        match (
+            &generated.engine_cached,
+            &generated.engine_uncached,
+            &generated.contract,
+        ) {
+            (Some(a), _, _) if a.is_empty() => {
+                CheckResult::not_checked("generation", "no tokens generated (--generate 0)")
             }
-            judge(m, &p.id, CheckResult::new("generation", Status::Pass, detail), found)
-        }
-        _ => {
-            let why: Vec<String> = [&eng, &unc, &con].iter().filter_map(|t| t.as_ref().err().cloned()).collect();
-            CheckResult::new("generation", Status::Fail, why.join("; "))
-        }
-    });
+            (Some(a), Some(b), Some(c)) => {
+                let mut found: Vec<Finding> = [
+                    tokens_finding("engine-uncached", a, b),
+                    tokens_finding("contract", a, c),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                let mut detail = format!(
+                    "{} tokens: engine cached = uncached = contract: {a:?}",
+                    a.len()
+                );
+                if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
+                    detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
+                    found.push(Finding {
+                        kind: "tokens_changed".into(),
+                        name: "engine".into(),
+                        count: a.len() as u64,
+                        detail: detail.clone(),
+                    });
+                }
+                judge(
+                    m,
+                    &p.id,
+                    CheckResult::new("generation", Status::Pass, detail),
+                    found,
+                )
+            }
+            _ => {
+                let why: Vec<String> = [&eng, &unc, &con]
+                    .iter()
+                    .filter_map(|t| t.as_ref().err().cloned())
+                    .collect();
+                CheckResult::new("generation", Status::Fail, why.join("; "))
+            }
+        },
+    );
 
     // agrees + generation_oracle: engine ≈ oracle under the policy, decisions exact.
     let mut oracle_summary = None;
@@ -739,16 +1071,36 @@ fn judge_prompt(
             checks.push(if a.is_empty() {
                 CheckResult::not_checked("generation_oracle", "no tokens generated (--generate 0)")
             } else {
-                judge(m, &p.id, CheckResult::new("generation_oracle", Status::Pass, format!("{} greedy tokens equal to the oracle's (its own KV cache)", a.len())), found)
+                judge(
+                    m,
+                    &p.id,
+                    CheckResult::new(
+                        "generation_oracle",
+                        Status::Pass,
+                        format!(
+                            "{} greedy tokens equal to the oracle's (its own KV cache)",
+                            a.len()
+                        ),
+                    ),
+                    found,
+                )
             });
         }
         (Err(e), _) => {
             checks.push(CheckResult::new("agrees", Status::Fail, e.clone()));
-            checks.push(CheckResult::new("generation_oracle", Status::Fail, e.clone()));
+            checks.push(CheckResult::new(
+                "generation_oracle",
+                Status::Fail,
+                e.clone(),
+            ));
         }
         (Ok(_), Err(why)) if oracle_failed_to_run => {
             checks.push(CheckResult::new("agrees", Status::Fail, why.clone()));
-            checks.push(CheckResult::new("generation_oracle", Status::Fail, why.clone()));
+            checks.push(CheckResult::new(
+                "generation_oracle",
+                Status::Fail,
+                why.clone(),
+            ));
         }
         (Ok(_), Err(why)) => {
             checks.push(CheckResult::not_checked("agrees", why.clone()));
@@ -760,7 +1112,16 @@ fn judge_prompt(
         Ok(t) => counts(t),
         Err(_) => Value::Null,
     };
-    PromptResult { id: p.id.clone(), tokens: p.tokens.len(), runs, digests, checks, counts, generated, oracle: oracle_summary }
+    PromptResult {
+        id: p.id.clone(),
+        tokens: p.tokens.len(),
+        runs,
+        digests,
+        checks,
+        counts,
+        generated,
+        oracle: oracle_summary,
+    }
 }
 
 fn observed_of(r: &PromptResult) -> BTreeMap<String, f64> {
@@ -770,7 +1131,10 @@ fn observed_of(r: &PromptResult) -> BTreeMap<String, f64> {
             ("engine", true) => "engine_uncached".to_string(),
             (p, _) => p.to_string(),
         };
-        obs.insert(format!("{key}_seconds"), (run.seconds * 1000.0).round() / 1000.0);
+        obs.insert(
+            format!("{key}_seconds"),
+            (run.seconds * 1000.0).round() / 1000.0,
+        );
         if let Some(kib) = run.peak_rss_kib {
             obs.insert(format!("{key}_peak_rss_kib"), kib as f64);
         }
@@ -793,7 +1157,9 @@ fn check_baselines(
         let name = format!("baseline {}", b.id);
         // A prompt of the set left out by --only: its baselines are not this run's business.
         let want_prompt = b.requires.get("prompt").and_then(Value::as_str);
-        if want_prompt.is_some_and(|p| !selected.iter().any(|s| s.id == p) && set.prompts.iter().any(|s| s.id == p)) {
+        if want_prompt.is_some_and(|p| {
+            !selected.iter().any(|s| s.id == p) && set.prompts.iter().any(|s| s.id == p)
+        }) {
             not_selected.push(b.id.clone());
             continue;
         }
@@ -810,21 +1176,35 @@ fn check_baselines(
         }
         let Some(r) = applied else {
             let why = match want_prompt {
-                Some(p) if !selected.iter().any(|s| s.id == p) => format!("prompt {p:?} is not in {}", set.path.display()),
-                _ => reasons.into_iter().find(|r| !r.starts_with("requires prompt=")).unwrap_or_else(|| "no run matched".into()),
+                Some(p) if !selected.iter().any(|s| s.id == p) => {
+                    format!("prompt {p:?} is not in {}", set.path.display())
+                }
+                _ => reasons
+                    .into_iter()
+                    .find(|r| !r.starts_with("requires prompt="))
+                    .unwrap_or_else(|| "no run matched".into()),
             };
             out.push(CheckResult::not_checked(&name, why));
             continue;
         };
         if r.counts.is_null() {
-            out.push(CheckResult::new(&name, Status::Fail, "engine trace missing: counts unavailable"));
+            out.push(CheckResult::new(
+                &name,
+                Status::Fail,
+                "engine trace missing: counts unavailable",
+            ));
             continue;
         }
         let mut c = CheckResult::new(&name, Status::Pass, String::new());
         for (key, want) in &b.counts {
             let have = r.counts.get(key).cloned().unwrap_or(Value::Null);
             if &have != want {
-                c.findings.push(Finding { kind: "count_changed".into(), name: key.clone(), count: 1, detail: format!("{key}: baseline {want}, now {have}") });
+                c.findings.push(Finding {
+                    kind: "count_changed".into(),
+                    name: key.clone(),
+                    count: 1,
+                    detail: format!("{key}: baseline {want}, now {have}"),
+                });
             }
         }
         let obs = observed_of(r);
@@ -832,20 +1212,57 @@ fn check_baselines(
         for (key, old) in &b.observed {
             if let Some(new) = obs.get(key) {
                 let delta = if *old != 0.0 { (new - old) / old } else { 0.0 };
-                c.observed.push(Observed { key: key.clone(), baseline: *old, now: *new, delta });
+                c.observed.push(Observed {
+                    key: key.clone(),
+                    baseline: *old,
+                    now: *new,
+                    delta,
+                });
                 notes.push(format!("{key} {new} ({:+.0}%)", delta * 100.0));
                 if let Some(tol) = assert_observed {
                     if delta.abs() > tol {
-                        c.findings.push(Finding { kind: "observed_out_of_tolerance".into(), name: key.clone(), count: 1, detail: format!("{key}: baseline {old}, now {new} ({:+.0}% > ±{:.0}%)", delta * 100.0, tol * 100.0) });
+                        c.findings.push(Finding {
+                            kind: "observed_out_of_tolerance".into(),
+                            name: key.clone(),
+                            count: 1,
+                            detail: format!(
+                                "{key}: baseline {old}, now {new} ({:+.0}% > ±{:.0}%)",
+                                delta * 100.0,
+                                tol * 100.0
+                            ),
+                        });
                     }
                 }
             }
         }
-        let changed = c.findings.iter().filter(|f| f.kind == "count_changed").count();
-        c.detail = format!("{} of {} counts exact; observed: {}", b.counts.len() - changed, b.counts.len(), if notes.is_empty() { "none recorded".into() } else { notes.join(", ") });
-        let unrecorded: Vec<&str> = r.counts.as_object().into_iter().flat_map(|o| o.keys()).filter(|k| !b.counts.contains_key(*k)).map(String::as_str).collect();
+        let changed = c
+            .findings
+            .iter()
+            .filter(|f| f.kind == "count_changed")
+            .count();
+        c.detail = format!(
+            "{} of {} counts exact; observed: {}",
+            b.counts.len() - changed,
+            b.counts.len(),
+            if notes.is_empty() {
+                "none recorded".into()
+            } else {
+                notes.join(", ")
+            }
+        );
+        let unrecorded: Vec<&str> = r
+            .counts
+            .as_object()
+            .into_iter()
+            .flat_map(|o| o.keys())
+            .filter(|k| !b.counts.contains_key(*k))
+            .map(String::as_str)
+            .collect();
         if !unrecorded.is_empty() {
-            c.detail.push_str(&format!("; NOT CHECKED (not in this baseline; --bless records them): {}", unrecorded.join(", ")));
+            c.detail.push_str(&format!(
+                "; NOT CHECKED (not in this baseline; --bless records them): {}",
+                unrecorded.join(", ")
+            ));
         }
         if !c.findings.is_empty() {
             c.status = Status::Fail;
@@ -871,9 +1288,14 @@ fn bless(
     conditions_of: &dyn Fn(&PromptResult) -> Conditions,
 ) -> Result<String> {
     let mut log = Vec::new();
-    let entry = file.get_mut(&m.id).ok_or_else(|| gerr!("milestone {} vanished", m.id))?;
+    let entry = file
+        .get_mut(&m.id)
+        .ok_or_else(|| gerr!("milestone {} vanished", m.id))?;
     if entry.prompts.sha256 != set.sha256 {
-        log.push(format!("{}: prompts sha256 {} -> {}", m.id, entry.prompts.sha256, set.sha256));
+        log.push(format!(
+            "{}: prompts sha256 {} -> {}",
+            m.id, entry.prompts.sha256, set.sha256
+        ));
         entry.prompts.sha256 = set.sha256.clone();
     }
     // Expectations belong to the milestone's own --generate; another N gets only its baselines.
@@ -883,36 +1305,92 @@ fn bless(
     }
     for r in &report.prompts {
         let Some(digest) = r.digests.get("engine") else {
-            log.push(format!("{}/{}: engine failed; expectation left as it was", m.id, r.id));
+            log.push(format!(
+                "{}/{}: engine failed; expectation left as it was",
+                m.id, r.id
+            ));
             continue;
         };
         if own_generate {
-            let differing = r.checks.iter().find(|c| c.check == "matches").map(|c| c.findings.iter().chain(&c.excused).filter(|f| f.kind == "tensor_differs").map(|f| f.count).sum()).unwrap_or(0);
-            let oracle_differing = r.checks.iter().find(|c| c.check == "agrees" && c.status != Status::NotChecked).map(|c| c.findings.iter().chain(&c.excused).filter(|f| f.kind == "decision_differs").count());
+            let differing = r
+                .checks
+                .iter()
+                .find(|c| c.check == "matches")
+                .map(|c| {
+                    c.findings
+                        .iter()
+                        .chain(&c.excused)
+                        .filter(|f| f.kind == "tensor_differs")
+                        .map(|f| f.count)
+                        .sum()
+                })
+                .unwrap_or(0);
+            let oracle_differing = r
+                .checks
+                .iter()
+                .find(|c| c.check == "agrees" && c.status != Status::NotChecked)
+                .map(|c| {
+                    c.findings
+                        .iter()
+                        .chain(&c.excused)
+                        .filter(|f| f.kind == "decision_differs")
+                        .count()
+                });
             let new = Expectation {
                 engine_digest: digest.clone(),
                 tensors: r.counts["tensors"].as_u64().unwrap_or(0) as usize,
                 decisions: r.counts["decisions"].as_u64().unwrap_or(0) as usize,
                 differing_elements: differing,
                 generated: r.generated.engine_cached.clone().unwrap_or_default(),
-                oracle_decisions_differing: oracle_differing.unwrap_or_else(|| entry.expect.get(&r.id).map(|e| e.oracle_decisions_differing).unwrap_or(0)),
+                oracle_decisions_differing: oracle_differing.unwrap_or_else(|| {
+                    entry
+                        .expect
+                        .get(&r.id)
+                        .map(|e| e.oracle_decisions_differing)
+                        .unwrap_or(0)
+                }),
             };
             match entry.expect.get(&r.id) {
                 Some(old) if *old == new => {}
-                Some(old) => log.push(format!("{}/{}: expectation {} -> {}", m.id, r.id, serde_json::to_string(old).unwrap_or_default(), serde_json::to_string(&new).unwrap_or_default())),
-                None => log.push(format!("{}/{}: new expectation {}", m.id, r.id, serde_json::to_string(&new).unwrap_or_default())),
+                Some(old) => log.push(format!(
+                    "{}/{}: expectation {} -> {}",
+                    m.id,
+                    r.id,
+                    serde_json::to_string(old).unwrap_or_default(),
+                    serde_json::to_string(&new).unwrap_or_default()
+                )),
+                None => log.push(format!(
+                    "{}/{}: new expectation {}",
+                    m.id,
+                    r.id,
+                    serde_json::to_string(&new).unwrap_or_default()
+                )),
             }
             entry.expect.insert(r.id.clone(), new);
         }
 
         let conditions = conditions_of(r);
         let id = format!("{}.{}.t{}.g{}", m.id, r.id, o.threads, report.generate);
-        let counts: BTreeMap<String, Value> = r.counts.as_object().map(|o| o.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default();
-        let baseline = Baseline { id: id.clone(), milestone: m.id.clone(), requires: conditions, counts, observed: observed_of(r) };
+        let counts: BTreeMap<String, Value> = r
+            .counts
+            .as_object()
+            .map(|o| o.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        let baseline = Baseline {
+            id: id.clone(),
+            milestone: m.id.clone(),
+            requires: conditions,
+            counts,
+            observed: observed_of(r),
+        };
         match bl_file.baselines.iter_mut().find(|b| b.id == id) {
             Some(old) => {
                 if old.counts != baseline.counts || old.requires != baseline.requires {
-                    log.push(format!("baseline {id}: counts {} -> {}", serde_json::to_string(&old.counts).unwrap_or_default(), serde_json::to_string(&baseline.counts).unwrap_or_default()));
+                    log.push(format!(
+                        "baseline {id}: counts {} -> {}",
+                        serde_json::to_string(&old.counts).unwrap_or_default(),
+                        serde_json::to_string(&baseline.counts).unwrap_or_default()
+                    ));
                 }
                 *old = baseline;
             }

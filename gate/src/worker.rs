@@ -40,7 +40,9 @@ struct Worker {
 
 fn slot(root: &Path, serve_argv: &[String]) -> Slot {
     let mut map = WORKERS.lock().unwrap_or_else(|p| p.into_inner());
-    map.entry((root.to_path_buf(), serve_argv.to_vec())).or_default().clone()
+    map.entry((root.to_path_buf(), serve_argv.to_vec()))
+        .or_default()
+        .clone()
 }
 
 fn nonblocking(f: &std::fs::File) {
@@ -69,17 +71,36 @@ impl Worker {
         let err = as_file(child.stderr.take().map(Into::into));
         out.iter().chain(err.iter()).for_each(nonblocking);
         let stdin = child.stdin.take().ok_or("worker has no stdin")?;
-        Ok(Worker { pid: child.id() as libc::pid_t, child, stdin, out, err, line: Vec::new(), err_cap: Capture::default() })
+        Ok(Worker {
+            pid: child.id() as libc::pid_t,
+            child,
+            stdin,
+            out,
+            err,
+            line: Vec::new(),
+            err_cap: Capture::default(),
+        })
     }
 
     /// Reads what is there (waiting at most 20 ms); Some(answer line) once one is complete.
     fn pump(&mut self, buf: &mut [u8]) -> Option<String> {
-        let open: Vec<(usize, i32)> = [&self.out, &self.err].iter().enumerate().filter_map(|(i, f)| f.as_ref().map(|f| (i, f.as_raw_fd()))).collect();
+        let open: Vec<(usize, i32)> = [&self.out, &self.err]
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| f.as_ref().map(|f| (i, f.as_raw_fd())))
+            .collect();
         if open.is_empty() {
             std::thread::sleep(Duration::from_millis(20));
             return None;
         }
-        let mut pfds: Vec<libc::pollfd> = open.iter().map(|&(_, fd)| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+        let mut pfds: Vec<libc::pollfd> = open
+            .iter()
+            .map(|&(_, fd)| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
         // SAFETY: pfds is a live array of pollfd of the given length.
         unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 20) };
         for (&(i, _), p) in open.iter().zip(&pfds) {
@@ -92,7 +113,11 @@ impl Worker {
                 Ok(0) => *f = None,
                 Ok(n) if i == 0 => self.line.extend_from_slice(&buf[..n]),
                 Ok(n) => self.err_cap.push(&buf[..n]),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                    ) => {}
                 Err(_) => *f = None,
             }
         }
@@ -115,7 +140,9 @@ impl Worker {
         let mut status: libc::c_int = 0;
         // SAFETY: rusage is a plain out-parameter; wait4 on our own child.
         let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        while unsafe { libc::wait4(self.pid, &mut status, 0, &mut usage) } == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {}
+        while unsafe { libc::wait4(self.pid, &mut status, 0, &mut usage) } == -1
+            && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+        {}
         let (_, code, how) = exit_text(status);
         drop(self.child); // reaped above: dropping neither waits nor kills
         (how, code, Some(usage.ru_maxrss as u64), self.err_cap)
@@ -141,7 +168,12 @@ pub(crate) fn prestart(root: &Path, serve_argv: &[String]) {
 
 /// One request: `request` is the per-call command line from the verb on. Returns how it ended
 /// (as a per-call run would) and the worker's pid.
-pub(crate) fn request(root: &Path, serve_argv: &[String], request: &[String], timeout: Duration) -> (Ended, Option<u32>) {
+pub(crate) fn request(
+    root: &Path,
+    serve_argv: &[String],
+    request: &[String],
+    timeout: Duration,
+) -> (Ended, Option<u32>) {
     let slot = slot(root, serve_argv);
     let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
     if guard.is_none() {
@@ -150,17 +182,25 @@ pub(crate) fn request(root: &Path, serve_argv: &[String], request: &[String], ti
             Err(e) => return (Ended::failed(e), None),
         }
     }
-    let Some(w) = guard.as_mut() else { return (Ended::failed("no worker".into()), None) };
+    let Some(w) = guard.as_mut() else {
+        return (Ended::failed("no worker".into()), None);
+    };
     let pid = w.pid as u32;
     let start = Instant::now();
     let line = serde_json::json!({ "argv": request }).to_string() + "\n";
     let mut buf = vec![0u8; 64 * 1024];
     // Ok(exit status) from the answer; Err(why the worker is unusable, timed out).
-    let answer: Result<i32, (String, bool)> = match w.stdin.write_all(line.as_bytes()).and_then(|_| w.stdin.flush()) {
+    let answer: Result<i32, (String, bool)> = match w
+        .stdin
+        .write_all(line.as_bytes())
+        .and_then(|_| w.stdin.flush())
+    {
         Err(e) => Err((format!("worker {pid} did not take the request: {e}"), false)),
         Ok(()) => loop {
             if let Some(a) = w.pump(&mut buf) {
-                let code = serde_json::from_str::<serde_json::Value>(&a).ok().and_then(|v| v.get("exit")?.as_i64());
+                let code = serde_json::from_str::<serde_json::Value>(&a)
+                    .ok()
+                    .and_then(|v| v.get("exit")?.as_i64());
                 break match code {
                     Some(c) => Ok(c as i32),
                     None => Err((format!("worker {pid} answered {a:?}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")"), false)),
@@ -182,18 +222,39 @@ pub(crate) fn request(root: &Path, serve_argv: &[String], request: &[String], ti
                 text.truncate(text.trim_end().len());
                 text.push_str(&format!("\n[exit status {code}]"));
             }
-            let ended = Ended { ok: code == 0, exit_code: Some(code), timed_out: false, peak_rss_kib: peak_rss_kib(w.pid), text, stderr_bytes: cap.total(), stdout: String::new() };
+            let ended = Ended {
+                ok: code == 0,
+                exit_code: Some(code),
+                timed_out: false,
+                peak_rss_kib: peak_rss_kib(w.pid),
+                text,
+                stderr_bytes: cap.total(),
+                stdout: String::new(),
+            };
             (ended, Some(pid))
         }
         Err((why, timed_out)) => {
-            let Some(w) = guard.take() else { return (Ended::failed(why), Some(pid)) };
+            let Some(w) = guard.take() else {
+                return (Ended::failed(why), Some(pid));
+            };
             let (how, code, rss, cap) = w.end();
             let mut text = cap.text();
             text.truncate(text.trim_end().len());
             if !timed_out {
                 text.push_str(&format!("\n[{why}; {how}; $ {}]", display(serve_argv)));
             }
-            (Ended { ok: false, exit_code: if timed_out { None } else { code }, timed_out, peak_rss_kib: rss, text, stderr_bytes: cap.total(), stdout: String::new() }, Some(pid))
+            (
+                Ended {
+                    ok: false,
+                    exit_code: if timed_out { None } else { code },
+                    timed_out,
+                    peak_rss_kib: rss,
+                    text,
+                    stderr_bytes: cap.total(),
+                    stdout: String::new(),
+                },
+                Some(pid),
+            )
         }
     }
 }

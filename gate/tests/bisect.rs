@@ -23,7 +23,11 @@ impl Outcome {
     fn headline(&self) -> &str {
         let mut lines = self.stdout.lines();
         let judged = lines.next().unwrap_or("");
-        assert!(judged.starts_with("judged by "), "the first line does not say how it judged: {}", self.stdout);
+        assert!(
+            judged.starts_with("judged by "),
+            "the first line does not say how it judged: {}",
+            self.stdout
+        );
         lines.next().unwrap_or("")
     }
 }
@@ -34,13 +38,34 @@ impl Outcome {
 fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
     let root = repo();
     let work = tempfile::tempdir_in(root.join("target")).unwrap();
-    let work_rel = work.path().strip_prefix(&root).unwrap().display().to_string();
+    let work_rel = work
+        .path()
+        .strip_prefix(&root)
+        .unwrap()
+        .display()
+        .to_string();
     let report = work.path().join("report.json");
-    let model = if model.starts_with('/') { model.to_string() } else { format!("fixtures/{model}") };
-    let prompt: &[&str] = if args.contains(&"--tokens") { &[] } else { &["--prompt", "short"] };
+    let model = if model.starts_with('/') {
+        model.to_string()
+    } else {
+        format!("fixtures/{model}")
+    };
+    let prompt: &[&str] = if args.contains(&"--tokens") {
+        &[]
+    } else {
+        &["--prompt", "short"]
+    };
     let out = Command::new(env!("CARGO_BIN_EXE_gate"))
         .current_dir(&root)
-        .args(["--root", root.to_str().unwrap(), "bisect", "--model", &model, "--work", &work_rel])
+        .args([
+            "--root",
+            root.to_str().unwrap(),
+            "bisect",
+            "--model",
+            &model,
+            "--work",
+            &work_rel,
+        ])
         .args(prompt)
         .args(["--report", report.to_str().unwrap()])
         .args(args)
@@ -48,7 +73,8 @@ fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    let report = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
+    let report = std::fs::read_to_string(&report)
+        .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
     let report: Value = serde_json::from_str(&report).unwrap();
     assert_valid_report(&report);
     (out.status.code().unwrap_or(-1), stdout, stderr, report)
@@ -58,7 +84,11 @@ fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
 fn bisect(model: &str, args: &[&str]) -> Outcome {
     let (code, stdout, stderr, report) = run_bisect(model, args);
     assert!(code != 2, "gate bisect refused:\n{stdout}\n{stderr}");
-    Outcome { code, stdout, report }
+    Outcome {
+        code,
+        stdout,
+        report,
+    }
 }
 
 fn defective(defect: &str) -> String {
@@ -66,107 +96,246 @@ fn defective(defect: &str) -> String {
     format!(
         "'{}' '{}' --defect {defect} {{verb}} {{args}}",
         root.join(".venv/bin/python").display(),
-        root.join("gate/tests/producers/defective_contract.py").display()
+        root.join("gate/tests/producers/defective_contract.py")
+            .display()
     )
 }
 
 /// Engine reference against a defective contract, every layer isolated, internals captured.
 fn against_defect(model: &str, defect: &str) -> Outcome {
     let cmd = defective(defect);
-    bisect(model, &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--capture", "internals", "--all-layers"])
+    bisect(
+        model,
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--capture",
+            "internals",
+            "--all-layers",
+        ],
+    )
 }
 
 fn statuses(r: &Value) -> Vec<String> {
-    r["layers"].as_array().unwrap().iter().map(|l| l["status"].as_str().unwrap().to_string()).collect()
+    r["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["status"].as_str().unwrap().to_string())
+        .collect()
 }
 
-fn assert_found(o: &Outcome, layer: u64, block: &str, tensor: &str, expect: &[&str], summary_has: &[&str]) {
+fn assert_found(
+    o: &Outcome,
+    layer: u64,
+    block: &str,
+    tensor: &str,
+    expect: &[&str],
+    summary_has: &[&str],
+) {
     let r = &o.report;
     assert_eq!(o.code, 1, "{}", o.stdout);
     assert_eq!(r["verdict"], "wrong_layer", "{}", o.stdout);
     assert_eq!(r["first_wrong_layer"], layer, "{}", o.stdout);
     assert_eq!(r["stage"]["block"], block, "{}", o.stdout);
-    assert_eq!(r["stage"]["tensor"], format!("layer.{layer:02}.{tensor}"), "{}", o.stdout);
+    assert_eq!(
+        r["stage"]["tensor"],
+        format!("layer.{layer:02}.{tensor}"),
+        "{}",
+        o.stdout
+    );
     assert_eq!(statuses(r), expect, "{}", o.stdout);
     // Before the layer was blamed, its layer verb was checked against the candidate's own whole run.
-    assert_eq!(r["layers"][layer as usize]["self_check"], "consistent", "{}", o.stdout);
+    assert_eq!(
+        r["layers"][layer as usize]["self_check"], "consistent",
+        "{}",
+        o.stdout
+    );
     let first = o.headline();
     for s in summary_has {
         assert!(first.contains(s), "summary lacks {s:?}: {first}");
     }
     // A value defect moves margins too; that is a value difference, never one of structure.
-    assert!(!first.contains("structure"), "a value defect headlined as structure: {first}");
+    assert!(
+        !first.contains("structure"),
+        "a value defect headlined as structure: {first}"
+    );
 }
 
 #[test]
 fn mlp_added_instead_of_overwritten_is_named_in_layer_02() {
     let o = against_defect("tiny-qwen3", "mlp-add");
-    assert_found(&o, 2, "mlp", "mlp_out", &["ok", "ok", "wrong", "inherits", "inherits"], &[
-        "layer 02 body is wrong: mlp_out differs in isolation",
-        "layers 00-01 match in isolation",
-        "layers 03-04 inherit",
-    ]);
+    assert_found(
+        &o,
+        2,
+        "mlp",
+        "mlp_out",
+        &["ok", "ok", "wrong", "inherits", "inherits"],
+        &[
+            "layer 02 body is wrong: mlp_out differs in isolation",
+            "layers 00-01 match in isolation",
+            "layers 03-04 inherit",
+        ],
+    );
     // The attention block before it matches in isolation, internals included.
-    let matching: Vec<&str> = o.report["stage"]["matching"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    assert_eq!(matching, ["hidden_in", "q", "k", "v", "attn_probs", "attn_out"]);
+    let matching: Vec<&str> = o.report["stage"]["matching"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        matching,
+        ["hidden_in", "q", "k", "v", "attn_probs", "attn_out"]
+    );
 }
 
 #[test]
 fn bidirectional_mask_is_named_in_layer_01_attention() {
     let o = against_defect("tiny-qwen3", "bidir-mask");
-    assert_found(&o, 1, "attention", "attn_probs", &["ok", "wrong", "inherits", "inherits", "inherits"], &[
-        "layer 01 body is wrong: attn_probs differs",
-        "layer 00 matches in isolation",
-        "layers 02-04 inherit",
-    ]);
+    assert_found(
+        &o,
+        1,
+        "attention",
+        "attn_probs",
+        &["ok", "wrong", "inherits", "inherits", "inherits"],
+        &[
+            "layer 01 body is wrong: attn_probs differs",
+            "layer 00 matches in isolation",
+            "layers 02-04 inherit",
+        ],
+    );
 }
 
 #[test]
 fn interleaved_gqa_repeat_is_named_in_layer_03_attention() {
     let o = against_defect("tiny-qwen3", "gqa-mod");
-    assert_found(&o, 3, "attention", "attn_probs", &["ok", "ok", "ok", "wrong", "inherits"], &[
-        "layer 03 body is wrong: attn_probs differs",
-        "layers 00-02 match in isolation",
-        "layer 04 inherits",
-    ]);
+    assert_found(
+        &o,
+        3,
+        "attention",
+        "attn_probs",
+        &["ok", "ok", "ok", "wrong", "inherits"],
+        &[
+            "layer 03 body is wrong: attn_probs differs",
+            "layers 00-02 match in isolation",
+            "layer 04 inherits",
+        ],
+    );
     // q, k and v are captured before the kv heads are repeated: they must match.
     let matching = o.report["stage"]["matching"].to_string();
-    assert!(matching.contains("\"k\"") && matching.contains("\"v\""), "{matching}");
+    assert!(
+        matching.contains("\"k\"") && matching.contains("\"v\""),
+        "{matching}"
+    );
 }
 
 #[test]
 fn skipped_router_renormalisation_is_named_in_moe_layer_01() {
     let o = against_defect("tiny-qwen3-moe", "no-renorm");
-    assert_found(&o, 1, "moe_combine", "mlp_out", &["ok", "wrong", "inherits", "inherits"], &[
-        "layer 01 body is wrong: mlp_out differs",
-        "layer 00 matches in isolation",
-        "layers 02-03 inherit",
-    ]);
+    assert_found(
+        &o,
+        1,
+        "moe_combine",
+        "mlp_out",
+        &["ok", "wrong", "inherits", "inherits"],
+        &[
+            "layer 01 body is wrong: mlp_out differs",
+            "layer 00 matches in isolation",
+            "layers 02-03 inherit",
+        ],
+    );
     // Router logits and the top-k choice match: only the weights given to the experts differ.
     let matching = o.report["stage"]["matching"].to_string();
-    assert!(matching.contains("router.logits") && matching.contains("router.topk"), "{matching}");
+    assert!(
+        matching.contains("router.logits") && matching.contains("router.topk"),
+        "{matching}"
+    );
 }
 
 #[test]
 fn clean_pair_reports_nothing_wrong() {
-    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "contract", "--all-layers", "--capture", "internals"]);
+    let o = bisect(
+        "tiny-qwen3-moe",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--all-layers",
+            "--capture",
+            "internals",
+        ],
+    );
     assert_eq!(o.code, 0, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "nothing_wrong");
     assert!(o.report["first_wrong_layer"].is_null());
     assert_eq!(statuses(&o.report), ["ok"; 4]);
-    assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["isolation"] == "match"), "{}", o.stdout);
-    assert!(o.stdout.starts_with("judged by bits (engine and contract are both ordered producers)\n"), "{}", o.stdout);
-    assert!(o.headline().starts_with("nothing wrong: the whole runs are identical; layers 00-03 match in isolation"), "{}", o.stdout);
+    assert!(
+        o.report["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| l["isolation"] == "match"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout
+            .starts_with("judged by bits (engine and contract are both ordered producers)\n"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.headline().starts_with(
+            "nothing wrong: the whole runs are identical; layers 00-03 match in isolation"
+        ),
+        "{}",
+        o.stdout
+    );
     assert_eq!(o.report["judge"]["by"], "bits");
     // The contract's layer verb agrees with its own whole run in every layer (--all-layers checks all).
-    assert_eq!(o.report["self_consistency"]["checked_layers"], serde_json::json!([0, 1, 2, 3]), "{}", o.stdout);
-    assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["self_check"] == "consistent"), "{}", o.stdout);
+    assert_eq!(
+        o.report["self_consistency"]["checked_layers"],
+        serde_json::json!([0, 1, 2, 3]),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.report["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| l["self_check"] == "consistent"),
+        "{}",
+        o.stdout
+    );
     // Bit-exact in every layer: no outlier.
-    assert_eq!((o.report["outliers"]["checked"].as_bool(), o.report["outliers"]["suspicious"].as_array().map(Vec::len)), (Some(true), Some(0)), "{}", o.stdout);
+    assert_eq!(
+        (
+            o.report["outliers"]["checked"].as_bool(),
+            o.report["outliers"]["suspicious"].as_array().map(Vec::len)
+        ),
+        (Some(true), Some(0)),
+        "{}",
+        o.stdout
+    );
     // Without --all-layers nothing diverges, so no layer verb runs, and the summary says so.
-    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "contract"]);
+    let o = bisect(
+        "tiny-qwen3-moe",
+        &["--reference", "engine", "--candidate", "contract"],
+    );
     assert_eq!(o.code, 0, "{}", o.stdout);
-    assert!(o.headline().starts_with("nothing wrong: the whole runs are identical; no layer isolated"), "{}", o.stdout);
+    assert!(
+        o.headline()
+            .starts_with("nothing wrong: the whole runs are identical; no layer isolated"),
+        "{}",
+        o.stdout
+    );
     // Nor is the outlier check silently skipped.
     assert!(o.stdout.contains("outliers NOT CHECKED: 0 layers isolated and matching; the outlier check needs at least 3"), "{}", o.stdout);
 }
@@ -176,42 +345,106 @@ fn candidate_without_layer_verb_is_not_checked() {
     // Isolation asked for (--all-layers) and impossible: NOT CHECKED (exit 4), never a pass,
     // even though this candidate's whole run matches.
     let cmd = defective("no-layer");
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--all-layers",
+        ],
+    );
     assert_eq!(o.code, 4, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "not_checked");
     assert_eq!(statuses(&o.report), ["not_checked"; 5]);
-    assert!(o.headline().starts_with("isolation NOT CHECKED from layer 00"), "{}", o.stdout);
+    assert!(
+        o.headline()
+            .starts_with("isolation NOT CHECKED from layer 00"),
+        "{}",
+        o.stdout
+    );
 }
 
 #[test]
 fn calibration_puts_the_defect_beside_a_one_ulp_perturbation() {
     let cmd = defective("mlp-add");
-    let o = bisect("tiny-qwen3", &["--reference", "contract", "--candidate", "cmd", "--candidate-cmd", &cmd, "--calibrate", "--exact"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "contract",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--calibrate",
+            "--exact",
+        ],
+    );
     assert_eq!(o.code, 1, "{}", o.stdout);
     // Judged by bits (--exact), a real defect is far above rounding level: no advice to judge by policy.
     let rl = &o.report["rounding_level"];
-    assert_eq!((rl["layer"].as_u64(), rl["at_rounding_level"].as_bool(), &rl["flag"]), (Some(2), Some(false), &Value::Null), "{rl}");
-    assert!(o.headline().contains("above rounding level") && !o.headline().contains("drop --exact"), "{}", o.stdout);
+    assert_eq!(
+        (
+            rl["layer"].as_u64(),
+            rl["at_rounding_level"].as_bool(),
+            &rl["flag"]
+        ),
+        (Some(2), Some(false), &Value::Null),
+        "{rl}"
+    );
+    assert!(
+        o.headline().contains("above rounding level") && !o.headline().contains("drop --exact"),
+        "{}",
+        o.stdout
+    );
     // Default mode isolates layers 00-02 only; 03-04 differ downstream, unchecked.
-    assert_eq!(statuses(&o.report), ["ok", "ok", "wrong", "downstream", "downstream"]);
+    assert_eq!(
+        statuses(&o.report),
+        ["ok", "ok", "wrong", "downstream", "downstream"]
+    );
     let cal = &o.report["calibration"];
-    assert_eq!((cal["from_layer"].as_u64(), cal["automatic"].as_bool()), (Some(2), Some(false)));
+    assert_eq!(
+        (cal["from_layer"].as_u64(), cal["automatic"].as_bool()),
+        (Some(2), Some(false))
+    );
     assert_eq!(cal["rows"].as_array().unwrap().len(), 3, "{cal}");
     let l2 = &o.report["layers"][2];
     let noise = l2["calibration_rel_l2"].as_f64().unwrap();
-    assert!(noise > 0.0 && noise < 1e-5, "a 1-ULP input perturbation should stay near rounding: {noise}");
-    assert!(l2["isolated_vs_calibration"].as_f64().unwrap() > 1e3, "{l2}");
+    assert!(
+        noise > 0.0 && noise < 1e-5,
+        "a 1-ULP input perturbation should stay near rounding: {noise}"
+    );
+    assert!(
+        l2["isolated_vs_calibration"].as_f64().unwrap() > 1e3,
+        "{l2}"
+    );
 }
 
 /// Whether the oracle can run; when it cannot, says NOT CHECKED (and fails under CI: set-up
 /// always installs torch, so its absence there is a broken set-up, not a skip).
 fn oracle_available() -> bool {
     let py = repo().join(".venv/bin/python");
-    if Command::new(&py).args(["-c", "import torch, transformers"]).output().map(|o| o.status.success()).unwrap_or(false) {
+    if Command::new(&py)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+    {
         return true;
     }
-    assert!(std::env::var_os("CI").is_none(), "CI is set but torch/transformers are unavailable to {}: run scripts/setup.sh", py.display());
-    eprintln!("NOT CHECKED: torch/transformers unavailable to {}", py.display());
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI is set but torch/transformers are unavailable to {}: run scripts/setup.sh",
+        py.display()
+    );
+    eprintln!(
+        "NOT CHECKED: torch/transformers unavailable to {}",
+        py.display()
+    );
     false
 }
 
@@ -221,29 +454,88 @@ fn oracle_against_engine_reports_nothing_wrong() {
         return;
     }
     // The candidate's layer verb is the engine (fast), so isolating every layer is cheap.
-    let o = bisect("tiny-qwen3", &["--reference", "oracle", "--candidate", "engine", "--all-layers"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "oracle",
+            "--candidate",
+            "engine",
+            "--all-layers",
+        ],
+    );
     assert_eq!(o.code, 0, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "nothing_wrong");
-    assert_eq!(o.report["whole_run"]["verdict"], "within_policy", "{}", o.stdout);
+    assert_eq!(
+        o.report["whole_run"]["verdict"], "within_policy",
+        "{}",
+        o.stdout
+    );
     assert_eq!(statuses(&o.report), ["ok"; 5]);
-    assert!(o.headline().starts_with("nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"), "{}", o.stdout);
+    assert!(
+        o.headline().starts_with(
+            "nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"
+        ),
+        "{}",
+        o.stdout
+    );
     let j = &o.report["judge"];
-    assert_eq!((j["by"].as_str(), j["policy"].as_str(), j["policy_name"].as_str()), (Some("policy"), Some("f32"), Some("oracle-default")), "{j}");
+    assert_eq!(
+        (
+            j["by"].as_str(),
+            j["policy"].as_str(),
+            j["policy_name"].as_str()
+        ),
+        (Some("policy"), Some("f32"), Some("oracle-default")),
+        "{j}"
+    );
     assert!(o.stdout.starts_with("judged by policy f32 (the reference (oracle) is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"), "{}", o.stdout);
     // The engine's layer verb agrees with its own whole run in every layer.
-    assert!(o.report["layers"].as_array().unwrap().iter().all(|l| l["self_check"] == "consistent"), "{}", o.stdout);
+    assert!(
+        o.report["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| l["self_check"] == "consistent"),
+        "{}",
+        o.stdout
+    );
     // A clean non-ordered pair: the isolated-error curve is a floor, no layer stands out.
-    assert_eq!(o.report["outliers"]["suspicious"], serde_json::json!([]), "{}", o.stdout);
-    assert!(o.report["outliers"]["checked"].as_bool().unwrap(), "{}", o.stdout);
+    assert_eq!(
+        o.report["outliers"]["suspicious"],
+        serde_json::json!([]),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.report["outliers"]["checked"].as_bool().unwrap(),
+        "{}",
+        o.stdout
+    );
 }
 
 #[test]
 fn a_crashing_candidate_is_refused_with_its_stderr_and_still_writes_a_report() {
-    let (code, _, stderr, rep) =
-        run_bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", "sh -c 'echo kaboom >&2; exit 7' {verb} {args}"]);
+    let (code, _, stderr, rep) = run_bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            "sh -c 'echo kaboom >&2; exit 7' {verb} {args}",
+        ],
+    );
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("candidate (candidate-cmd) trace failed: kaboom"), "{stderr}");
-    assert_eq!((rep["verdict"].as_str(), rep["exit_code"].as_i64()), (Some("refused"), Some(2)));
+    assert!(
+        stderr.contains("candidate (candidate-cmd) trace failed: kaboom"),
+        "{stderr}"
+    );
+    assert_eq!(
+        (rep["verdict"].as_str(), rep["exit_code"].as_i64()),
+        (Some("refused"), Some(2))
+    );
     assert!(rep["summary"].as_str().unwrap().contains("kaboom"), "{rep}");
 }
 
@@ -251,10 +543,19 @@ fn a_crashing_candidate_is_refused_with_its_stderr_and_still_writes_a_report() {
 fn edited_fixture(model: &str, edit: impl FnOnce(&mut Value)) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let src = repo().join("fixtures").join(model);
-    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     edit(&mut config);
-    std::fs::write(dir.path().join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
-    std::os::unix::fs::symlink(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        serde_json::to_string_pretty(&config).unwrap(),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(
+        src.join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
     dir
 }
 
@@ -263,25 +564,49 @@ fn an_engine_reference_on_an_absurd_config_is_refused_not_crashed() {
     // 2^40 layers: an engine that allocates for them aborts (SIGABRT), one that checks the
     // config refuses (exit 2); either way the bisection is refused, naming the producer and
     // quoting what it said.
-    let model = edited_fixture("tiny-qwen3", |c| c["num_hidden_layers"] = serde_json::json!(1u64 << 40));
+    let model = edited_fixture("tiny-qwen3", |c| {
+        c["num_hidden_layers"] = serde_json::json!(1u64 << 40)
+    });
     let model = model.path().to_str().unwrap().to_string();
-    let (code, stdout, stderr, rep) = run_bisect(&model, &["--reference", "engine", "--candidate", "engine"]);
+    let (code, stdout, stderr, rep) =
+        run_bisect(&model, &["--reference", "engine", "--candidate", "engine"]);
     assert_eq!(code, 2, "{stdout}\n{stderr}");
-    assert_eq!((rep["verdict"].as_str(), rep["exit_code"].as_i64()), (Some("refused"), Some(2)));
+    assert_eq!(
+        (rep["verdict"].as_str(), rep["exit_code"].as_i64()),
+        (Some("refused"), Some(2))
+    );
     // What the engine itself says about this model, run alone as the gate runs it.
     let work = tempfile::tempdir().unwrap();
     let alone = Command::new(env!("CARGO_BIN_EXE_gate"))
         .current_dir(repo())
-        .args(["__engine-producer", "engine", "trace", "--model", &model, "--tokens", "232,434,13,99,7", "--out"])
+        .args([
+            "__engine-producer",
+            "engine",
+            "trace",
+            "--model",
+            &model,
+            "--tokens",
+            "232,434,13,99,7",
+            "--out",
+        ])
         .arg(work.path().join("t.trace"))
         .args(["--capture", "default", "--threads", "1"])
         .output()
         .unwrap();
     assert!(!alone.status.success());
     let said = String::from_utf8_lossy(&alone.stderr);
-    let first = said.lines().find(|l| !l.trim().is_empty()).expect("the engine says why it failed");
-    assert!(stderr.contains("reference (engine) trace failed: ") && stderr.contains(first.trim()), "{first}\n---\n{stderr}");
-    assert!(rep["summary"].as_str().unwrap().contains(first.trim()), "{rep}");
+    let first = said
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .expect("the engine says why it failed");
+    assert!(
+        stderr.contains("reference (engine) trace failed: ") && stderr.contains(first.trim()),
+        "{first}\n---\n{stderr}"
+    );
+    assert!(
+        rep["summary"].as_str().unwrap().contains(first.trim()),
+        "{rep}"
+    );
 }
 
 #[test]
@@ -291,28 +616,74 @@ fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
         repo().join(".venv/bin/python").display(),
         repo().join("gate/tests/producers/planted_trace.py").display()
     );
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+        ],
+    );
     assert_eq!(o.code, 1, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "structure_differs", "{}", o.stdout);
     assert_eq!(o.report["whole_run"]["verdict"], "different");
-    assert_eq!(o.report["whole_run"]["first_diverging"], "layer.02.attn_out");
-    assert_eq!(o.report["whole_run"]["first_diverging_how"], "missing_tensor");
-    let findings: Vec<&str> = o.report["whole_run"]["findings"].as_array().unwrap().iter().map(|f| f.as_str().unwrap()).collect();
-    assert!(findings.iter().any(|f| f.starts_with("missing_tensor layer.03.attn_out: ")), "{findings:?}");
+    assert_eq!(
+        o.report["whole_run"]["first_diverging"],
+        "layer.02.attn_out"
+    );
+    assert_eq!(
+        o.report["whole_run"]["first_diverging_how"],
+        "missing_tensor"
+    );
+    let findings: Vec<&str> = o.report["whole_run"]["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.starts_with("missing_tensor layer.03.attn_out: ")),
+        "{findings:?}"
+    );
     let headline = o.headline();
     assert!(headline.starts_with("the whole runs differ in structure, not only in values: 2 missing_tensor (layer.02.attn_out, layer.03.attn_out)"), "{headline}");
-    assert!(!headline.contains("match") || headline.contains("match in isolation"), "{headline}");
+    assert!(
+        !headline.contains("match") || headline.contains("match in isolation"),
+        "{headline}"
+    );
 }
 
 #[test]
 fn a_prompt_longer_than_max_position_embeddings_is_refused_before_any_producer_runs() {
     let tokens: Vec<String> = (0..257).map(|i| (i % 100).to_string()).collect();
     let tokens = tokens.join(",");
-    let (code, stdout, stderr, rep) = run_bisect("tiny-qwen3", &["--tokens", &tokens, "--reference", "engine", "--candidate", "contract"]);
+    let (code, stdout, stderr, rep) = run_bisect(
+        "tiny-qwen3",
+        &[
+            "--tokens",
+            &tokens,
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+        ],
+    );
     assert_eq!(code, 2, "{stdout}\n{stderr}");
-    assert!(stderr.contains("--tokens: 257 tokens = 257 positions exceed max_position_embeddings 256 of ") && stderr.contains("fixtures/tiny-qwen3/config.json"), "{stderr}");
+    assert!(
+        stderr.contains(
+            "--tokens: 257 tokens = 257 positions exceed max_position_embeddings 256 of "
+        ) && stderr.contains("fixtures/tiny-qwen3/config.json"),
+        "{stderr}"
+    );
     assert_eq!(rep["verdict"], "refused");
-    assert!(!Path::new(rep["work_dir"].as_str().unwrap()).join("reference.trace").exists());
+    assert!(!Path::new(rep["work_dir"].as_str().unwrap())
+        .join("reference.trace")
+        .exists());
 }
 
 #[test]
@@ -322,10 +693,30 @@ fn a_layer_verb_that_hangs_is_killed_and_the_bisection_refused() {
         repo().join(".venv/bin/python").display(),
         repo().join("gate/tests/producers/misbehaving.py").display()
     );
-    let (code, stdout, stderr, rep) = run_bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers", "--timeout", "8"]);
+    let (code, stdout, stderr, rep) = run_bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--all-layers",
+            "--timeout",
+            "8",
+        ],
+    );
     assert_eq!(code, 2, "{stdout}\n{stderr}");
-    assert!(stderr.contains("candidate-cmd layer timed out after 8 s (--timeout) and was killed: $ ") && stderr.contains("misbehaving.py hang-layer layer --model"), "{stderr}");
-    assert_eq!((rep["verdict"].as_str(), rep["timeout_s"].as_u64()), (Some("refused"), Some(8)));
+    assert!(
+        stderr.contains("candidate-cmd layer timed out after 8 s (--timeout) and was killed: $ ")
+            && stderr.contains("misbehaving.py hang-layer layer --model"),
+        "{stderr}"
+    );
+    assert_eq!(
+        (rep["verdict"].as_str(), rep["timeout_s"].as_u64()),
+        (Some("refused"), Some(8))
+    );
 }
 
 #[test]
@@ -335,24 +726,79 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
     let cmd = format!(
         "'{}' '{}' --base contract --nudge layer.00.attn_out --push logits {{verb}} {{args}}",
         repo().join(".venv/bin/python").display(),
-        repo().join("gate/tests/producers/planted_trace.py").display()
+        repo()
+            .join("gate/tests/producers/planted_trace.py")
+            .display()
     );
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--policy", "fixtures/policy/oracle-default.json"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--policy",
+            "fixtures/policy/oracle-default.json",
+        ],
+    );
     assert_eq!(o.code, 1, "{}", o.stdout);
     let (r, w) = (&o.report, &o.report["whole_run"]);
-    assert_eq!((r["schema"].as_str(), r["verdict"].as_str()), (Some("tracegate-bisect/3"), Some("outside_layers")), "{}", o.stdout);
+    assert_eq!(
+        (r["schema"].as_str(), r["verdict"].as_str()),
+        (Some("tracegate-bisect/3"), Some("outside_layers")),
+        "{}",
+        o.stdout
+    );
     assert_eq!(w["first_diverging"], "logits", "{}", o.stdout);
     let v = &w["first_violation"];
-    assert_eq!((v["tensor"].as_str(), v["violations"][0]["bound"].as_str()), (Some("logits"), Some("max_rel_l2")), "{v}");
-    assert_eq!((v["worst_element"]["flat_index"].as_u64(), &v["worst_element"]["coords"]), (Some(0), &serde_json::json!([0, 0])), "{v}");
+    assert_eq!(
+        (v["tensor"].as_str(), v["violations"][0]["bound"].as_str()),
+        (Some("logits"), Some("max_rel_l2")),
+        "{v}"
+    );
+    assert_eq!(
+        (
+            v["worst_element"]["flat_index"].as_u64(),
+            &v["worst_element"]["coords"]
+        ),
+        (Some(0), &serde_json::json!([0, 0])),
+        "{v}"
+    );
     let b = &w["first_bit_difference"];
-    assert_eq!((b["tensor"].as_str(), b["ulp"].as_u64()), (Some("layer.00.attn_out"), Some(1)), "{b}");
-    assert!(o.stdout.starts_with("judged by policy fixtures/policy/oracle-default.json (--policy)\n"), "{}", o.stdout);
+    assert_eq!(
+        (b["tensor"].as_str(), b["ulp"].as_u64()),
+        (Some("layer.00.attn_out"), Some(1)),
+        "{b}"
+    );
+    assert!(
+        o.stdout
+            .starts_with("judged by policy fixtures/policy/oracle-default.json (--policy)\n"),
+        "{}",
+        o.stdout
+    );
     let head = o.headline();
-    assert!(head.contains("the divergence starts at logits (relative L2 ") && head.contains(" > 0.0001), after the last layer"), "{head}");
-    let line = o.stdout.lines().find(|l| l.trim_start().starts_with("whole run: different")).unwrap();
-    let (fv, fb) = (line.find("first outside the policy logits: relative L2 ").unwrap(), line.find("first bit difference layer.00.attn_out[0, 0]: ").unwrap());
-    assert!(fv < fb && line.contains("(rule #6 logits); worst at [0,0]: "), "{line}");
+    assert!(
+        head.contains("the divergence starts at logits (relative L2 ")
+            && head.contains(" > 0.0001), after the last layer"),
+        "{head}"
+    );
+    let line = o
+        .stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("whole run: different"))
+        .unwrap();
+    let (fv, fb) = (
+        line.find("first outside the policy logits: relative L2 ")
+            .unwrap(),
+        line.find("first bit difference layer.00.attn_out[0, 0]: ")
+            .unwrap(),
+    );
+    assert!(
+        fv < fb && line.contains("(rule #6 logits); worst at [0,0]: "),
+        "{line}"
+    );
 }
 
 /// A candidate (written here: the contract, monkeypatched) whose layer-1 router takes, for row
@@ -387,7 +833,11 @@ sys.exit(cli.main(sys.argv[1:]))
 fn router_rule_defect(dir: &Path) -> String {
     let script = dir.join("router_flip.py");
     std::fs::write(&script, ROUTER_FLIP).unwrap();
-    format!("'{}' '{}' {{verb}} {{args}}", repo().join(".venv/bin/python").display(), script.display())
+    format!(
+        "'{}' '{}' {{verb}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        script.display()
+    )
 }
 
 #[test]
@@ -397,35 +847,100 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
     // wrong is the decision itself.
     let tmp = tempfile::tempdir().unwrap();
     let cmd = router_rule_defect(tmp.path());
-    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd]);
+    let o = bisect(
+        "tiny-qwen3-moe",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+        ],
+    );
     let r = &o.report;
-    assert_eq!((o.code, r["verdict"].as_str()), (1, Some("decisions_differ")), "{}", o.stdout);
+    assert_eq!(
+        (o.code, r["verdict"].as_str()),
+        (1, Some("decisions_differ")),
+        "{}",
+        o.stdout
+    );
     let f = &r["decisions_forced"];
     assert_eq!(f["status"], "forced", "{f}");
     assert_eq!(f["unforced"][0]["name"], "layer.01.router.topk", "{f}");
     assert_eq!(f["unforced"][0]["labels"]["defect"], 1, "{f}");
     // Given the reference's decisions upstream, only the planted row is the candidate's own flip.
-    assert_eq!(f["overridden"], serde_json::json!({"layer.01.router.topk": 1}), "{f}");
+    assert_eq!(
+        f["overridden"],
+        serde_json::json!({"layer.01.router.topk": 1}),
+        "{f}"
+    );
     assert_eq!(r["whole_run"]["verdict"], "identical", "{}", o.stdout);
-    assert!(r["whole_run"]["differing_decisions"].as_array().unwrap().is_empty());
-    let forced_run = r["runs"].as_array().unwrap().iter().find(|x| x["out"] == f["candidate_trace"]).expect("the forced run is recorded");
-    assert!(forced_run["invocation"].as_str().unwrap().ends_with(&format!("--force-decisions {}", f["from"].as_str().unwrap())), "{forced_run}");
+    assert!(r["whole_run"]["differing_decisions"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    let forced_run = r["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["out"] == f["candidate_trace"])
+        .expect("the forced run is recorded");
+    assert!(
+        forced_run["invocation"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!(
+                "--force-decisions {}",
+                f["from"].as_str().unwrap()
+            )),
+        "{forced_run}"
+    );
     let first = o.headline();
-    assert!(first.starts_with("the numbers agree once decisions are forced") && first.contains("would decide otherwise in layer.01.router.topk (1 row)"), "{first}");
+    assert!(
+        first.starts_with("the numbers agree once decisions are forced")
+            && first.contains("would decide otherwise in layer.01.router.topk (1 row)"),
+        "{first}"
+    );
 
     // Negative control: a candidate that does not honour --force-decisions (its output is
     // edited after the run, forced or not) is said so, and the bisection stays unforced.
     let planted = format!(
         "'{}' '{}' --base contract --flip layer.00.router.topk {{verb}} {{args}}",
         repo().join(".venv/bin/python").display(),
-        repo().join("gate/tests/producers/planted_trace.py").display()
+        repo()
+            .join("gate/tests/producers/planted_trace.py")
+            .display()
     );
-    let o = bisect("tiny-qwen3-moe", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &planted]);
+    let o = bisect(
+        "tiny-qwen3-moe",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &planted,
+        ],
+    );
     let f = &o.report["decisions_forced"];
     assert_eq!(f["status"], "not_forced", "{f}");
-    assert!(f["reason"].as_str().unwrap().contains("still takes other decisions: layer.00.router.topk"), "{f}");
-    assert_eq!(o.report["whole_run"]["differing_decisions"][0]["name"], "layer.00.router.topk");
-    assert!(o.headline().contains("decisions NOT forced: "), "{}", o.stdout);
+    assert!(
+        f["reason"]
+            .as_str()
+            .unwrap()
+            .contains("still takes other decisions: layer.00.router.topk"),
+        "{f}"
+    );
+    assert_eq!(
+        o.report["whole_run"]["differing_decisions"][0]["name"],
+        "layer.00.router.topk"
+    );
+    assert!(
+        o.headline().contains("decisions NOT forced: "),
+        "{}",
+        o.stdout
+    );
 }
 
 // ------------------------------------------------------------------------------------------
@@ -435,24 +950,79 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
 fn a_correct_candidate_that_is_not_bit_exact_is_judged_by_policy_unless_exact() {
     // f64-sumsq: every RMSNorm sums its squares in f64, a correct producer whose bits differ.
     let cmd = defective("f64-sumsq");
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd]);
-    assert_eq!((o.code, o.report["verdict"].as_str()), (0, Some("nothing_wrong")), "{}", o.stdout);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+        ],
+    );
+    assert_eq!(
+        (o.code, o.report["verdict"].as_str()),
+        (0, Some("nothing_wrong")),
+        "{}",
+        o.stdout
+    );
     assert!(
         o.stdout.starts_with("judged by policy f32 (the candidate (candidate-cmd) is not an ordered producer; candidate's precision: f32; --exact judges by bits)\n"),
         "{}",
         o.stdout
     );
-    assert_eq!((o.report["judge"]["by"].as_str(), o.report["judge"]["precision"].as_str()), (Some("policy"), Some("f32")));
+    assert_eq!(
+        (
+            o.report["judge"]["by"].as_str(),
+            o.report["judge"]["precision"].as_str()
+        ),
+        (Some("policy"), Some("f32"))
+    );
     // Its bits do differ: judged by bits (--exact) layer 00 is blamed, and the automatic
     // one-layer calibration says the difference is rounding level and how to judge by policy.
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--exact"]);
-    assert_eq!((o.code, o.report["verdict"].as_str()), (1, Some("wrong_layer")), "{}", o.stdout);
-    assert!(o.stdout.starts_with("judged by bits (--exact)\n"), "{}", o.stdout);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--exact",
+        ],
+    );
+    assert_eq!(
+        (o.code, o.report["verdict"].as_str()),
+        (1, Some("wrong_layer")),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout.starts_with("judged by bits (--exact)\n"),
+        "{}",
+        o.stdout
+    );
     let cal = &o.report["calibration"];
-    assert_eq!((cal["automatic"].as_bool(), cal["rows"].as_array().map(Vec::len)), (Some(true), Some(1)), "{cal}");
+    assert_eq!(
+        (
+            cal["automatic"].as_bool(),
+            cal["rows"].as_array().map(Vec::len)
+        ),
+        (Some(true), Some(1)),
+        "{cal}"
+    );
     let rl = &o.report["rounding_level"];
-    assert_eq!((rl["at_rounding_level"].as_bool(), rl["flag"].as_str()), (Some(true), Some("drop --exact")), "{rl}");
-    assert!(rl["layer"] == o.report["first_wrong_layer"] && rl["ratio"].as_f64().unwrap() <= 10.0, "{rl}");
+    assert_eq!(
+        (rl["at_rounding_level"].as_bool(), rl["flag"].as_str()),
+        (Some(true), Some("drop --exact")),
+        "{rl}"
+    );
+    assert!(
+        rl["layer"] == o.report["first_wrong_layer"] && rl["ratio"].as_f64().unwrap() <= 10.0,
+        "{rl}"
+    );
     assert!(o.headline().contains(": rounding level (<= 10×), as a correct producer that is not bit-exact gives; drop --exact to judge by policy f32"), "{}", o.stdout);
 }
 
@@ -461,29 +1031,79 @@ fn exact_and_policy_together_are_refused() {
     // A usage error: refused before anything runs (no report).
     let out = Command::new(env!("CARGO_BIN_EXE_gate"))
         .current_dir(repo())
-        .args(["bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short", "--reference", "engine", "--candidate", "contract", "--exact", "--policy", "f32"])
+        .args([
+            "bisect",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--exact",
+            "--policy",
+            "f32",
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("--exact") && stderr.contains("--policy"), "{stderr}");
+    assert!(
+        stderr.contains("--exact") && stderr.contains("--policy"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn a_layer_verb_that_disagrees_with_its_own_whole_run_is_inconsistent_not_a_wrong_body() {
     // layer-bidir: the layer verb forgets the causal mask in layer 2; the trace verb is right.
     let cmd = defective("layer-bidir");
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers", "--capture", "internals"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--all-layers",
+            "--capture",
+            "internals",
+        ],
+    );
     let r = &o.report;
-    assert_eq!((o.code, r["verdict"].as_str()), (1, Some("inconsistent_producer")), "{}", o.stdout);
+    assert_eq!(
+        (o.code, r["verdict"].as_str()),
+        (1, Some("inconsistent_producer")),
+        "{}",
+        o.stdout
+    );
     assert_eq!(r["whole_run"]["verdict"], "identical", "{}", o.stdout);
-    assert!(r["first_wrong_layer"].is_null() && r["stage"].is_null(), "{}", o.stdout);
-    assert_eq!(statuses(r), ["ok", "ok", "inconsistent", "ok", "ok"], "{}", o.stdout);
+    assert!(
+        r["first_wrong_layer"].is_null() && r["stage"].is_null(),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(
+        statuses(r),
+        ["ok", "ok", "inconsistent", "ok", "ok"],
+        "{}",
+        o.stdout
+    );
     let i = &r["self_consistency"]["inconsistent"];
-    assert_eq!((i["layer"].as_u64(), i["tensor"].as_str()), (Some(2), Some("layer.02.attn_probs")), "{i}");
+    assert_eq!(
+        (i["layer"].as_u64(), i["tensor"].as_str()),
+        (Some(2), Some("layer.02.attn_probs")),
+        "{i}"
+    );
     // Judged by policy (a cmd candidate), the element is the worst of the tensor outside it.
     assert_eq!(i["element"]["which"], "worst_outside_policy", "{i}");
-    assert_ne!(i["element"]["whole_run_value"], i["element"]["layer_verb_value"], "{i}");
+    assert_ne!(
+        i["element"]["whole_run_value"], i["element"]["layer_verb_value"],
+        "{i}"
+    );
     assert!(
         o.headline().starts_with("the candidate's layer verb disagrees with its own whole run at layer 02: attn_probs differs from the whole run (")
             && o.headline().contains("no layer body is blamed"),
@@ -500,16 +1120,62 @@ fn a_small_defect_within_the_policy_is_flagged_suspicious_at_its_layer() {
     // rms-eps: layer 1's RMSNorms add eps outside the square root. Against the oracle, judged by
     // the f32 policy, the run passes; layer 1's isolated error stands out from its peers'.
     let cmd = defective("rms-eps");
-    let o = bisect("tiny-qwen3", &["--reference", "oracle", "--candidate", "cmd", "--candidate-cmd", &cmd, "--all-layers"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "oracle",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--all-layers",
+        ],
+    );
     let r = &o.report;
-    assert_eq!((o.code, r["verdict"].as_str()), (0, Some("nothing_wrong")), "{}", o.stdout);
-    assert_eq!(r["outliers"]["suspicious"], serde_json::json!([1]), "{}", o.stdout);
-    let flags: Vec<bool> = r["layers"].as_array().unwrap().iter().map(|l| l["suspicious"].as_bool().unwrap()).collect();
+    assert_eq!(
+        (o.code, r["verdict"].as_str()),
+        (0, Some("nothing_wrong")),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(
+        r["outliers"]["suspicious"],
+        serde_json::json!([1]),
+        "{}",
+        o.stdout
+    );
+    let flags: Vec<bool> = r["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["suspicious"].as_bool().unwrap())
+        .collect();
     assert_eq!(flags, [false, true, false, false, false], "{}", o.stdout);
-    assert!(o.headline().contains("; layer 01 suspicious: isolated error ") && o.headline().contains("× its peers' median"), "{}", o.stdout);
-    assert!(o.stdout.lines().any(|l| l.starts_with("  01 ") && l.ends_with(" suspicious")), "{}", o.stdout);
+    assert!(
+        o.headline()
+            .contains("; layer 01 suspicious: isolated error ")
+            && o.headline().contains("× its peers' median"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout
+            .lines()
+            .any(|l| l.starts_with("  01 ") && l.ends_with(" suspicious")),
+        "{}",
+        o.stdout
+    );
     // The planted contract's layer verb agrees with its own whole run (the defect is in both).
-    assert!(r["layers"].as_array().unwrap().iter().all(|l| l["self_check"] == "consistent"), "{}", o.stdout);
+    assert!(
+        r["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| l["self_check"] == "consistent"),
+        "{}",
+        o.stdout
+    );
 }
 
 #[test]
@@ -520,12 +1186,44 @@ fn the_oracle_by_bits_is_self_consistent_and_at_rounding_level() {
     // --exact: the oracle's bits differ from the engine's in layer 00. Before blaming it, its layer
     // verb is run on its own input and agrees with its own whole run; the automatic calibration
     // then calls the difference rounding.
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "oracle", "--exact"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &["--reference", "engine", "--candidate", "oracle", "--exact"],
+    );
     let r = &o.report;
-    assert_eq!((o.code, r["verdict"].as_str(), r["first_wrong_layer"].as_u64()), (1, Some("wrong_layer"), Some(0)), "{}", o.stdout);
-    assert_eq!((r["self_consistency"]["checked_layers"].clone(), r["layers"][0]["self_check"].as_str()), (serde_json::json!([0]), Some("consistent")), "{}", o.stdout);
-    assert_eq!((r["rounding_level"]["at_rounding_level"].as_bool(), r["rounding_level"]["flag"].as_str()), (Some(true), Some("drop --exact")), "{}", o.stdout);
-    assert!(o.headline().contains("drop --exact to judge by policy f32"), "{}", o.stdout);
+    assert_eq!(
+        (
+            o.code,
+            r["verdict"].as_str(),
+            r["first_wrong_layer"].as_u64()
+        ),
+        (1, Some("wrong_layer"), Some(0)),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(
+        (
+            r["self_consistency"]["checked_layers"].clone(),
+            r["layers"][0]["self_check"].as_str()
+        ),
+        (serde_json::json!([0]), Some("consistent")),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(
+        (
+            r["rounding_level"]["at_rounding_level"].as_bool(),
+            r["rounding_level"]["flag"].as_str()
+        ),
+        (Some(true), Some("drop --exact")),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.headline().contains("drop --exact to judge by policy f32"),
+        "{}",
+        o.stdout
+    );
 }
 
 #[test]
@@ -541,8 +1239,14 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
     };
     assert!(bisect_validator().is_valid(&refused(2, None)));
     assert!(!bisect_validator().is_valid(&serde_json::json!({})));
-    assert!(!bisect_validator().is_valid(&refused(1, None)), "a refusal exits 2");
-    assert!(!bisect_validator().is_valid(&refused(2, Some(("surprise", Value::Bool(true))))), "unknown fields are refused");
+    assert!(
+        !bisect_validator().is_valid(&refused(1, None)),
+        "a refusal exits 2"
+    );
+    assert!(
+        !bisect_validator().is_valid(&refused(2, Some(("surprise", Value::Bool(true))))),
+        "unknown fields are refused"
+    );
 }
 
 /// A 1% scale error in one layer's MLP of a bf16 candidate: inside bf16 rounding in the whole run
@@ -556,24 +1260,80 @@ fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
         format!(
             "'{}' '{}' --scale-mlp 2:{scale} {{verb|serve}} {{args}} --dtype bf16",
             root.join(".venv/bin/python").display(),
-            root.join("gate/tests/producers/planted_oracle.py").display()
+            root.join("gate/tests/producers/planted_oracle.py")
+                .display()
         )
     };
     // The control: the same bf16 candidate unscaled passes, every layer in isolation included.
-    let clean = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd("1"), "--all-layers"]);
-    assert_eq!((clean.code, clean.report["verdict"].as_str()), (0, Some("nothing_wrong")), "{}", clean.stdout);
-    assert!((0..5).all(|l| clean.report["layers"][l]["isolation"] == "match"), "{}", clean.stdout);
+    let clean = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd("1"),
+            "--all-layers",
+        ],
+    );
+    assert_eq!(
+        (clean.code, clean.report["verdict"].as_str()),
+        (0, Some("nothing_wrong")),
+        "{}",
+        clean.stdout
+    );
+    assert!(
+        (0..5).all(|l| clean.report["layers"][l]["isolation"] == "match"),
+        "{}",
+        clean.stdout
+    );
 
-    let o = bisect("tiny-qwen3", &["--reference", "engine", "--candidate", "cmd", "--candidate-cmd", &cmd("1.01"), "--all-layers"]);
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd("1.01"),
+            "--all-layers",
+        ],
+    );
     let r = &o.report;
-    assert!(o.stdout.starts_with("judged by policy bf16 ("), "{}", o.stdout);
-    assert_eq!(r["whole_run"]["verdict"], "within_policy", "the 1% hides in the whole run: {}", o.stdout);
-    assert_eq!((o.code, r["verdict"].as_str(), r["first_wrong_layer"].as_u64()), (1, Some("wrong_layer"), Some(2)), "{}", o.stdout);
+    assert!(
+        o.stdout.starts_with("judged by policy bf16 ("),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(
+        r["whole_run"]["verdict"], "within_policy",
+        "the 1% hides in the whole run: {}",
+        o.stdout
+    );
+    assert_eq!(
+        (
+            o.code,
+            r["verdict"].as_str(),
+            r["first_wrong_layer"].as_u64()
+        ),
+        (1, Some("wrong_layer"), Some(2)),
+        "{}",
+        o.stdout
+    );
     assert_eq!(r["stage"]["tensor"], "layer.02.mlp_out", "{}", o.stdout);
     let iso = r["layers"][2]["isolated"].as_array().unwrap();
-    let mlp = iso.iter().find(|t| t["tensor"] == "layer.02.mlp_out").unwrap();
+    let mlp = iso
+        .iter()
+        .find(|t| t["tensor"] == "layer.02.mlp_out")
+        .unwrap();
     assert_eq!(mlp["status"], "outside_policy", "{mlp}");
     for l in [0, 1, 3, 4] {
-        assert_eq!(r["layers"][l]["isolation"], "match", "layer {l}: {}", o.stdout);
+        assert_eq!(
+            r["layers"][l]["isolation"], "match",
+            "layer {l}: {}",
+            o.stdout
+        );
     }
 }

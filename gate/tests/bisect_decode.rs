@@ -14,7 +14,10 @@ use common::{assert_valid_bisect_report, repo};
 /// The verdict line: the first line says how bisect judged (docs/bisect.md, "Judging").
 fn headline(stdout: &str) -> &str {
     let mut lines = stdout.lines();
-    assert!(lines.next().unwrap_or("").starts_with("judged by "), "the first line does not say how it judged: {stdout}");
+    assert!(
+        lines.next().unwrap_or("").starts_with("judged by "),
+        "the first line does not say how it judged: {stdout}"
+    );
     lines.next().unwrap_or("")
 }
 
@@ -25,14 +28,32 @@ fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
     let report = work.path().join("report.json");
     let out = Command::new(env!("CARGO_BIN_EXE_gate"))
         .current_dir(&root)
-        .args(["--root", root.to_str().unwrap(), "bisect", "--model", &format!("fixtures/{model}"), "--prompt", "short"])
-        .args(["--work", work.path().strip_prefix(&root).unwrap().to_str().unwrap(), "--report", report.to_str().unwrap()])
+        .args([
+            "--root",
+            root.to_str().unwrap(),
+            "bisect",
+            "--model",
+            &format!("fixtures/{model}"),
+            "--prompt",
+            "short",
+        ])
+        .args([
+            "--work",
+            work.path().strip_prefix(&root).unwrap().to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+        ])
         .args(["--reference", "engine", "--generate", "3"])
         .args(candidate)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| {
+        panic!(
+            "no report ({e}):\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
     let report: Value = serde_json::from_str(&text).unwrap();
     assert_valid_bisect_report(&report);
     (out.status.code().unwrap_or(-1), stdout, report)
@@ -40,7 +61,12 @@ fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
 
 fn defective(defect: &str) -> String {
     let root = repo();
-    format!("'{}' '{}' --defect {defect} {{verb}} {{args}}", root.join(".venv/bin/python").display(), root.join("gate/tests/producers/defective_contract.py").display())
+    format!(
+        "'{}' '{}' --defect {defect} {{verb}} {{args}}",
+        root.join(".venv/bin/python").display(),
+        root.join("gate/tests/producers/defective_contract.py")
+            .display()
+    )
 }
 
 #[test]
@@ -54,20 +80,59 @@ fn a_cached_decode_position_off_by_one_is_named_as_the_cached_path_at_its_step_a
 fn cached_pos_is_found(model: &str, cmd: &str) {
     let (code, stdout, r) = bisect_generate(model, &["--candidate", "cmd", "--candidate-cmd", cmd]);
     let d = &r["decode"];
-    assert_eq!((code, r["verdict"].as_str(), r["exit_code"].as_i64()), (6, Some("cached_decode_differs"), Some(6)), "{stdout}");
+    assert_eq!(
+        (code, r["verdict"].as_str(), r["exit_code"].as_i64()),
+        (6, Some("cached_decode_differs"), Some(6)),
+        "{stdout}"
+    );
     assert!(headline(&stdout).starts_with("the cached decode path disagrees with the full recompute from step 1: first decode.0001.layer.01.attn_out"), "{stdout}");
     // The prefill is clean; the step is the first with a forward on the cache.
     assert_eq!(r["whole_run"]["verdict"], "identical");
-    assert_eq!(r["capture"], "internals", "--generate implies --capture internals");
-    assert_eq!((d["status"].as_str(), d["generate"].as_u64(), d["steps_compared"].as_u64()), (Some("compared"), Some(3), Some(2)));
-    assert_eq!((d["first_diverging_step"].as_u64(), d["position"].as_i64()), (Some(1), Some(5)));
+    assert_eq!(
+        r["capture"], "internals",
+        "--generate implies --capture internals"
+    );
+    assert_eq!(
+        (
+            d["status"].as_str(),
+            d["generate"].as_u64(),
+            d["steps_compared"].as_u64()
+        ),
+        (Some("compared"), Some(3), Some(2))
+    );
+    assert_eq!(
+        (d["first_diverging_step"].as_u64(), d["position"].as_i64()),
+        (Some(1), Some(5))
+    );
     assert_eq!(d["first_diverging"], "decode.0001.layer.01.attn_out");
     let c = &d["cache_check"];
-    assert_eq!((c["status"].as_str(), c["first_step"].as_u64(), c["first_tensor"].as_str()), (Some("disagrees"), Some(1), Some("decode.0001.layer.01.attn_out")));
+    assert_eq!(
+        (
+            c["status"].as_str(),
+            c["first_step"].as_u64(),
+            c["first_tensor"].as_str()
+        ),
+        (
+            Some("disagrees"),
+            Some(1),
+            Some("decode.0001.layer.01.attn_out")
+        )
+    );
     // Isolated at the step through the candidate's own cached path: layer 00 matches, 01 is wrong.
-    let statuses: Vec<&str> = d["layers"].as_array().unwrap().iter().map(|l| l["status"].as_str().unwrap()).collect();
+    let statuses: Vec<&str> = d["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["status"].as_str().unwrap())
+        .collect();
     assert_eq!(statuses, ["ok", "wrong"], "{stdout}");
-    assert_eq!((d["first_wrong_layer"].as_u64(), d["stage"]["block"].as_str()), (Some(1), Some("attention")));
+    assert_eq!(
+        (
+            d["first_wrong_layer"].as_u64(),
+            d["stage"]["block"].as_str()
+        ),
+        (Some(1), Some("attention"))
+    );
     assert_eq!(d["stage"]["tensor"], "layer.01.attn_out");
     assert!(d["isolation_not_checked"].is_null());
 }
@@ -75,14 +140,30 @@ fn cached_pos_is_found(model: &str, cmd: &str) {
 #[test]
 fn a_candidate_without_decode_from_is_not_checked_at_the_step_never_a_pass() {
     let cmd = defective("late-pos");
-    let (code, stdout, r) = bisect_generate("tiny-qwen3", &["--candidate", "cmd", "--candidate-cmd", &cmd]);
+    let (code, stdout, r) = bisect_generate(
+        "tiny-qwen3",
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
     let d = &r["decode"];
-    assert_eq!((code, r["verdict"].as_str()), (4, Some("not_checked")), "{stdout}");
+    assert_eq!(
+        (code, r["verdict"].as_str()),
+        (4, Some("not_checked")),
+        "{stdout}"
+    );
     assert_eq!(d["first_diverging_step"], 1);
-    assert_eq!(d["cache_check"]["status"], "agrees", "the planted defect is on both paths");
+    assert_eq!(
+        d["cache_check"]["status"], "agrees",
+        "the planted defect is on both paths"
+    );
     let why = d["isolation_not_checked"].as_str().unwrap();
-    assert!(why.contains("unrecognized arguments: --decode-from") && why.contains("decode extension"), "{why}");
-    assert!(headline(&stdout).contains("isolation at step 1 NOT CHECKED"), "{stdout}");
+    assert!(
+        why.contains("unrecognized arguments: --decode-from") && why.contains("decode extension"),
+        "{why}"
+    );
+    assert!(
+        headline(&stdout).contains("isolation at step 1 NOT CHECKED"),
+        "{stdout}"
+    );
     assert_eq!(d["layers"][0]["status"], "not_checked");
 }
 
@@ -91,9 +172,23 @@ fn clean_engine_and_contract_say_nothing_wrong_naming_the_decode_steps() {
     for model in ["tiny-qwen3", "tiny-qwen3-moe"] {
         let (code, stdout, r) = bisect_generate(model, &["--candidate", "contract"]);
         let d = &r["decode"];
-        assert_eq!((code, r["verdict"].as_str()), (0, Some("nothing_wrong")), "{model}: {stdout}");
-        assert!(headline(&stdout).contains("decode steps 0-2 identical (3 of 3 steps compared)"), "{stdout}");
-        assert_eq!((d["steps_compared"].as_u64(), d["generate"].as_u64()), (Some(3), Some(3)));
-        assert!(d["first_diverging_step"].is_null() && d["cache_check"].is_null() && d["layers"].as_array().unwrap().is_empty());
+        assert_eq!(
+            (code, r["verdict"].as_str()),
+            (0, Some("nothing_wrong")),
+            "{model}: {stdout}"
+        );
+        assert!(
+            headline(&stdout).contains("decode steps 0-2 identical (3 of 3 steps compared)"),
+            "{stdout}"
+        );
+        assert_eq!(
+            (d["steps_compared"].as_u64(), d["generate"].as_u64()),
+            (Some(3), Some(3))
+        );
+        assert!(
+            d["first_diverging_step"].is_null()
+                && d["cache_check"].is_null()
+                && d["layers"].as_array().unwrap().is_empty()
+        );
     }
 }

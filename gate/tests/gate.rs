@@ -14,7 +14,11 @@ fn repo() -> PathBuf {
 
 fn python() -> PathBuf {
     let py = repo().join(".venv/bin/python");
-    assert!(py.exists(), "{} missing: run scripts/setup.sh", py.display());
+    assert!(
+        py.exists(),
+        "{} missing: run scripts/setup.sh",
+        py.display()
+    );
     py
 }
 
@@ -45,9 +49,21 @@ fn copy_dir(from: &Path, to: &Path) {
 fn torchless_python(dir: &Path) -> PathBuf {
     let block = dir.join("block");
     std::fs::create_dir_all(&block).unwrap();
-    std::fs::write(block.join("torch.py"), "raise ImportError('torch is blocked for this test')\n").unwrap();
+    std::fs::write(
+        block.join("torch.py"),
+        "raise ImportError('torch is blocked for this test')\n",
+    )
+    .unwrap();
     let script = dir.join("torchless-python");
-    std::fs::write(&script, format!("#!/bin/sh\nPYTHONPATH='{}' exec '{}' \"$@\"\n", block.display(), python().display())).unwrap();
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nPYTHONPATH='{}' exec '{}' \"$@\"\n",
+            block.display(),
+            python().display()
+        ),
+    )
+    .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     script
@@ -72,9 +88,19 @@ struct Run {
 
 /// The gate binary with the common arguments. Tests run in parallel on the same checkout, so
 /// each run gets its own trace directory unless the test names one.
-fn gate_command(root: &Path, args: &[&str], env: &[(&str, &Path)], report: &Path, work: &Path) -> Command {
+fn gate_command(
+    root: &Path,
+    args: &[&str],
+    env: &[(&str, &Path)],
+    report: &Path,
+    work: &Path,
+) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_gate"));
-    cmd.arg("--root").arg(root).args(args).arg("--report").arg(report);
+    cmd.arg("--root")
+        .arg(root)
+        .args(args)
+        .arg("--report")
+        .arg(report);
     if !args.contains(&"--work") {
         cmd.arg("--work").arg(work);
     }
@@ -86,19 +112,35 @@ fn gate_command(root: &Path, args: &[&str], env: &[(&str, &Path)], report: &Path
 }
 
 fn finished(out: Output, report: &Path) -> Run {
-    let Output { status, stdout, stderr } = out;
-    let report: Option<Value> = std::fs::read_to_string(report).ok().map(|s| serde_json::from_str(&s).unwrap());
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = out;
+    let report: Option<Value> = std::fs::read_to_string(report)
+        .ok()
+        .map(|s| serde_json::from_str(&s).unwrap());
     // `gate check` writes one report per milestone, in an array.
-    for r in report.iter().flat_map(|r| r.as_array().cloned().unwrap_or_else(|| vec![r.clone()])) {
+    for r in report
+        .iter()
+        .flat_map(|r| r.as_array().cloned().unwrap_or_else(|| vec![r.clone()]))
+    {
         common::assert_valid(report_validator(), "gate-report.schema.json", &r);
     }
-    Run { code: status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&stdout).into(), stderr: String::from_utf8_lossy(&stderr).into(), report }
+    Run {
+        code: status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&stdout).into(),
+        stderr: String::from_utf8_lossy(&stderr).into(),
+        report,
+    }
 }
 
 fn gate(root: &Path, args: &[&str], env: &[(&str, &Path)]) -> Run {
     let report_dir = tempfile::tempdir().unwrap();
     let report = report_dir.path().join("report.json");
-    let out = gate_command(root, args, env, &report, &report_dir.path().join("work")).output().unwrap();
+    let out = gate_command(root, args, env, &report, &report_dir.path().join("work"))
+        .output()
+        .unwrap();
     finished(out, &report)
 }
 
@@ -141,20 +183,35 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
     let v = &report_validator();
     let bad_violation = serde_json::json!({"tensor": "x", "dtype": "f32", "candidate_dtype": "f32", "ulp_dtype": "f32", "shape": [1],
         "rule": null, "violations": [{"bound": "max_l2", "limit": 1, "value": 2}], "worst_element": null});
-    let prompt = |fv: Value| serde_json::json!({"id": "p", "tokens": 1, "runs": [], "digests": {}, "checks": [], "counts": null,
+    let prompt = |fv: Value| {
+        serde_json::json!({"id": "p", "tokens": 1, "runs": [], "digests": {}, "checks": [], "counts": null,
         "generated": {"engine_cached": null, "engine_uncached": null, "contract": null, "oracle": null},
         "oracle": {"smallest_margin": null, "smallest_margin_at": null, "worst_max_rel": null, "worst_max_rel_tensor": null,
-                   "worst_rel_l2": null, "worst_rel_l2_tensor": null, "near_ties": [], "rows_after_near_tie": 0, "first_violation": fv}});
-    let report = |fv: Value| serde_json::json!({"schema": "tracegate-gate-report/1", "milestone": "m0", "claim": "", "model": "", "family": "",
+                   "worst_rel_l2": null, "worst_rel_l2_tensor": null, "near_ties": [], "rows_after_near_tie": 0, "first_violation": fv}})
+    };
+    let report = |fv: Value| {
+        serde_json::json!({"schema": "tracegate-gate-report/1", "milestone": "m0", "claim": "", "model": "", "family": "",
         "prompt_file": "", "prompt_sha256": "0".repeat(64), "generate": 1, "threads": 1, "timeout_s": 1, "policy": "", "gate_invocation": [],
         "stack": {}, "prompts": [prompt(fv)], "baselines": [], "baselines_not_selected": [], "totals": {},
-        "wall_s": {"setup": 0.0, "producers": 0.0, "judge": 0.0, "total": 0.0}, "verdict": "FAIL"});
-    assert!(v.is_valid(&report(Value::Null)), "{:?}", v.iter_errors(&report(Value::Null)).map(|e| e.to_string()).collect::<Vec<_>>());
+        "wall_s": {"setup": 0.0, "producers": 0.0, "judge": 0.0, "total": 0.0}, "verdict": "FAIL"})
+    };
+    assert!(
+        v.is_valid(&report(Value::Null)),
+        "{:?}",
+        v.iter_errors(&report(Value::Null))
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+    );
     assert!(!v.is_valid(&report(bad_violation)));
 }
 
 fn check<'a>(report: &'a Value, prompt: &str, name: &str) -> &'a Value {
-    report["prompts"].as_array().unwrap().iter().find(|p| p["id"] == prompt).unwrap()["checks"]
+    report["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == prompt)
+        .unwrap()["checks"]
         .as_array()
         .unwrap()
         .iter()
@@ -168,30 +225,73 @@ fn passes_as_bundled_and_records_invocations() {
     let r = gate(&root, &["check"], &[]);
     assert_eq!(r.code, 0, "gate check failed:\n{}\n{}", r.stdout, r.stderr);
     for m in ["m0", "m1"] {
-        let line = r.stdout.lines().find(|l| l.starts_with(m) && l.contains("stable:")).unwrap();
-        assert!(line.contains("stable: PASS") && line.contains("matches: PASS") && line.contains("agrees: PASS"), "{line}");
+        let line = r
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(m) && l.contains("stable:"))
+            .unwrap();
+        assert!(
+            line.contains("stable: PASS")
+                && line.contains("matches: PASS")
+                && line.contains("agrees: PASS"),
+            "{line}"
+        );
     }
     let reports = r.report.unwrap();
-    let m1 = reports.as_array().unwrap().iter().find(|m| m["milestone"] == "m1").unwrap();
+    let m1 = reports
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["milestone"] == "m1")
+        .unwrap();
     assert_eq!(m1["verdict"], "PASS");
     assert_eq!(m1["prompts"].as_array().unwrap().len(), 5);
     let runs = m1["prompts"][0]["runs"].as_array().unwrap();
-    let invocations: Vec<&str> = runs.iter().map(|r| r["invocation"].as_str().unwrap()).collect();
-    assert!(invocations[0].starts_with("engine trace --model fixtures/tiny-qwen3-moe --tokens "), "{invocations:?}");
-    assert!(invocations.iter().any(|i| i.contains("-m tracegate_contract trace")), "{invocations:?}");
-    assert!(invocations.iter().any(|i| i.contains("-m tracegate_oracle trace")), "{invocations:?}");
+    let invocations: Vec<&str> = runs
+        .iter()
+        .map(|r| r["invocation"].as_str().unwrap())
+        .collect();
+    assert!(
+        invocations[0].starts_with("engine trace --model fixtures/tiny-qwen3-moe --tokens "),
+        "{invocations:?}"
+    );
+    assert!(
+        invocations
+            .iter()
+            .any(|i| i.contains("-m tracegate_contract trace")),
+        "{invocations:?}"
+    );
+    assert!(
+        invocations
+            .iter()
+            .any(|i| i.contains("-m tracegate_oracle trace")),
+        "{invocations:?}"
+    );
     assert_eq!(m1["prompt_sha256"].as_str().unwrap().len(), 64);
     assert!(m1["stack"]["oracle_stack"]["torch"].is_string());
-    assert!(runs.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0 && r["peak_rss_kib"].as_u64().unwrap() > 0));
+    assert!(runs
+        .iter()
+        .all(|r| r["seconds"].as_f64().unwrap() > 0.0 && r["peak_rss_kib"].as_u64().unwrap() > 0));
 }
 
 #[test]
 fn a_perturbed_fixture_weight_fails_stable() {
     let root = scratch_root();
     // A high exponent bit of the first bf16 weight.
-    flip_weight_bits(&root.path().join("fixtures/tiny-qwen3-moe/model.safetensors"), "model.layers.1.self_attn.o_proj.weight", 1, 0x20);
+    flip_weight_bits(
+        &root
+            .path()
+            .join("fixtures/tiny-qwen3-moe/model.safetensors"),
+        "model.layers.1.self_attn.o_proj.weight",
+        1,
+        0x20,
+    );
     let torchless = torchless_python(root.path());
-    let r = gate(root.path(), &["m1", "--only", "mid"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate(
+        root.path(),
+        &["m1", "--only", "mid"],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let stable = check(&rep, "mid", "stable");
@@ -205,18 +305,33 @@ fn a_perturbed_fixture_weight_fails_stable() {
 fn a_contract_one_ulp_off_fails_matches_at_that_tensor() {
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
-    let template = test_producer("planted_trace.py", "--base contract --nudge layer.01.mlp_out");
-    let r = gate(&repo(), &["m1", "--only", "short", "--contract-cmd", &template], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let template = test_producer(
+        "planted_trace.py",
+        "--base contract --nudge layer.01.mlp_out",
+    );
+    let r = gate(
+        &repo(),
+        &["m1", "--only", "short", "--contract-cmd", &template],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let matches = check(&rep, "short", "matches");
     assert_eq!(matches["status"], "FAIL");
-    let f = matches["findings"].as_array().unwrap().iter().find(|f| f["kind"] == "tensor_differs").expect("a tensor_differs finding");
+    let f = matches["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "tensor_differs")
+        .expect("a tensor_differs finding");
     assert_eq!(f["name"], "layer.01.mlp_out");
     assert_eq!(f["count"], 1);
     assert!(f["detail"].as_str().unwrap().contains("1 ULP"), "{f}");
     assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
-    assert!(rep["prompts"][0]["runs"][2]["invocation"].as_str().unwrap().contains("planted_trace.py --base contract --nudge layer.01.mlp_out trace --model"));
+    assert!(rep["prompts"][0]["runs"][2]["invocation"]
+        .as_str()
+        .unwrap()
+        .contains("planted_trace.py --base contract --nudge layer.01.mlp_out trace --model"));
 }
 
 #[test]
@@ -224,15 +339,26 @@ fn a_crashing_producer_is_a_failed_row_with_its_stderr() {
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
     let template = format!("'{}' -c \"import sys; sys.stderr.write('contract exploded\\n'); sys.exit(3)\" {{verb}} {{args}}", python().display());
-    let r = gate(&repo(), &["m1", "--only", "short,repeat", "--contract-cmd", &template], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate(
+        &repo(),
+        &["m1", "--only", "short,repeat", "--contract-cmd", &template],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
-    assert_eq!(rep["prompts"].as_array().unwrap().len(), 2, "a crashed producer must not drop the row");
+    assert_eq!(
+        rep["prompts"].as_array().unwrap().len(),
+        2,
+        "a crashed producer must not drop the row"
+    );
     for p in ["short", "repeat"] {
         let m = check(&rep, p, "matches");
         assert_eq!(m["status"], "FAIL");
         let detail = m["detail"].as_str().unwrap();
-        assert!(detail.contains("contract exploded") && detail.contains("exit status 3"), "{detail}");
+        assert!(
+            detail.contains("contract exploded") && detail.contains("exit status 3"),
+            "{detail}"
+        );
     }
     assert!(r.stdout.contains("contract crashed"), "{}", r.stdout);
 }
@@ -241,14 +367,30 @@ fn a_crashing_producer_is_a_failed_row_with_its_stderr() {
 fn an_edited_prompt_file_is_refused_unless_blessed() {
     let root = scratch_root();
     let prompts = root.path().join("fixtures/prompts/frozen.json");
-    let text = std::fs::read_to_string(&prompts).unwrap().replacen("[7, 7, 7,", "[7, 7, 8,", 1);
+    let text = std::fs::read_to_string(&prompts)
+        .unwrap()
+        .replacen("[7, 7, 7,", "[7, 7, 8,", 1);
     std::fs::write(&prompts, text).unwrap();
     let r = gate(root.path(), &["m1", "--only", "short"], &[]);
     assert_eq!(r.code, 2);
-    assert!(r.stderr.contains("differs from milestone m1's record") && r.stderr.contains("--bless"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("differs from milestone m1's record") && r.stderr.contains("--bless"),
+        "{}",
+        r.stderr
+    );
     assert!(r.report.is_none(), "a refused run writes no report");
     // --prompts PATH is held to the same record.
-    let r = gate(&repo(), &["m1", "--only", "short", "--prompts", prompts.to_str().unwrap()], &[]);
+    let r = gate(
+        &repo(),
+        &[
+            "m1",
+            "--only",
+            "short",
+            "--prompts",
+            prompts.to_str().unwrap(),
+        ],
+        &[],
+    );
     assert_eq!(r.code, 2, "{}", r.stderr);
 }
 
@@ -256,21 +398,40 @@ fn an_edited_prompt_file_is_refused_unless_blessed() {
 fn an_unknown_only_id_is_refused() {
     let r = gate(&repo(), &["m1", "--only", "short,nosuch"], &[]);
     assert_eq!(r.code, 2);
-    assert!(r.stderr.contains("unknown prompt id \"nosuch\"") && r.stderr.contains("known: short, repeat"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("unknown prompt id \"nosuch\"")
+            && r.stderr.contains("known: short, repeat"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
 fn an_unavailable_oracle_is_not_checked_not_passed() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
-    let r = gate(&repo(), &["m0", "--only", "short"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
-    assert_eq!(r.code, 4, "nothing failed but the oracle was not checked:\n{}\n{}", r.stdout, r.stderr);
+    let r = gate(
+        &repo(),
+        &["m0", "--only", "short"],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(
+        r.code, 4,
+        "nothing failed but the oracle was not checked:\n{}\n{}",
+        r.stdout, r.stderr
+    );
     let rep = r.report.unwrap();
     assert_eq!(rep["verdict"], "INCOMPLETE");
     for name in ["agrees", "generation_oracle"] {
         let c = check(&rep, "short", name);
         assert_eq!(c["status"], "NOT CHECKED");
-        assert!(c["detail"].as_str().unwrap().contains("torch is blocked for this test"), "{c}");
+        assert!(
+            c["detail"]
+                .as_str()
+                .unwrap()
+                .contains("torch is blocked for this test"),
+            "{c}"
+        );
     }
     assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
 }
@@ -284,17 +445,34 @@ fn bless_records_expectations_and_baselines_that_then_pass() {
     let mut ms: Value = serde_json::from_str(&std::fs::read_to_string(&ms_path).unwrap()).unwrap();
     ms["milestones"][0]["expect"] = serde_json::json!({});
     std::fs::write(&ms_path, serde_json::to_string(&ms).unwrap()).unwrap();
-    std::fs::write(root.path().join("baselines.json"), r#"{"schema": 1, "baselines": []}"#).unwrap();
+    std::fs::write(
+        root.path().join("baselines.json"),
+        r#"{"schema": 1, "baselines": []}"#,
+    )
+    .unwrap();
     let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
 
     let r = gate(root.path(), &["m0", "--only", "short"], &env);
     assert_eq!(r.code, 1, "zero checked baselines must fail:\n{}", r.stdout);
     let rep = r.report.unwrap();
     assert_eq!(check(&rep, "short", "stable")["status"], "NOT CHECKED");
-    assert!(rep["baselines"].as_array().unwrap().iter().any(|b| b["status"] == "FAIL" && b["detail"].as_str().unwrap().contains("zero checked baselines")));
+    assert!(rep["baselines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|b| b["status"] == "FAIL"
+            && b["detail"]
+                .as_str()
+                .unwrap()
+                .contains("zero checked baselines")));
 
     let r = gate(root.path(), &["m0", "--only", "short", "--bless"], &env);
-    assert!(r.stdout.contains("m0/short: new expectation") && r.stdout.contains("baseline m0.short.t1.g8: new"), "{}", r.stdout);
+    assert!(
+        r.stdout.contains("m0/short: new expectation")
+            && r.stdout.contains("baseline m0.short.t1.g8: new"),
+        "{}",
+        r.stdout
+    );
 
     let r = gate(root.path(), &["m0", "--only", "short"], &env);
     assert_eq!(r.code, 4, "only the oracle is unchecked now:\n{}", r.stdout);
@@ -303,11 +481,21 @@ fn bless_records_expectations_and_baselines_that_then_pass() {
     assert_eq!(rep["baselines"][0]["status"], "PASS");
 
     // A baseline whose conditions do not hold is NOT CHECKED with its reason.
-    let r = gate(root.path(), &["m0", "--only", "short", "--threads", "2"], &env);
+    let r = gate(
+        root.path(),
+        &["m0", "--only", "short", "--threads", "2"],
+        &env,
+    );
     let rep = r.report.unwrap();
     let b = &rep["baselines"][0];
     assert_eq!(b["status"], "NOT CHECKED");
-    assert!(b["detail"].as_str().unwrap().contains("requires threads=1, this run has threads=2"), "{b}");
+    assert!(
+        b["detail"]
+            .as_str()
+            .unwrap()
+            .contains("requires threads=1, this run has threads=2"),
+        "{b}"
+    );
     // The stable digest does not depend on the thread count.
     assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
 }
@@ -318,14 +506,28 @@ fn a_changed_count_fails_the_baseline() {
     let torchless = torchless_python(root.path());
     let bl_path = root.path().join("baselines.json");
     let mut bl: Value = serde_json::from_str(&std::fs::read_to_string(&bl_path).unwrap()).unwrap();
-    let b = bl["baselines"].as_array_mut().unwrap().iter_mut().find(|b| b["id"] == "m1.short.t1.g8").unwrap();
+    let b = bl["baselines"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|b| b["id"] == "m1.short.t1.g8")
+        .unwrap();
     let old = b["counts"]["tokens_generated"].as_u64().unwrap();
     b["counts"]["tokens_generated"] = serde_json::json!(old + 1);
     std::fs::write(&bl_path, serde_json::to_string(&bl).unwrap()).unwrap();
-    let r = gate(root.path(), &["m1", "--only", "short"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate(
+        root.path(),
+        &["m1", "--only", "short"],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1);
     let rep = r.report.unwrap();
-    let b = rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g8").unwrap();
+    let b = rep["baselines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["check"] == "baseline m1.short.t1.g8")
+        .unwrap();
     assert_eq!(b["status"], "FAIL");
     assert_eq!(b["findings"][0]["name"], "tokens_generated");
 }
@@ -338,17 +540,35 @@ fn a_second_run_on_a_locked_trace_directory_is_refused() {
     std::fs::create_dir_all(work.path().join("m1")).unwrap();
     let held = std::fs::File::create(work.path().join("m1/.lock")).unwrap();
     // SAFETY: flock on a descriptor this test owns.
-    assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    assert_eq!(
+        unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
     let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
-    let r = gate(&repo(), &["m1", "--only", "short", "--work", work_arg], &env);
+    let r = gate(
+        &repo(),
+        &["m1", "--only", "short", "--work", work_arg],
+        &env,
+    );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
-    assert!(r.stderr.contains("is in use by another gate run") && r.stderr.contains("--work DIR"), "{}", r.stderr);
-    assert!(!work.path().join("m1/short").exists(), "a refused run must not touch the traces");
+    assert!(
+        r.stderr.contains("is in use by another gate run") && r.stderr.contains("--work DIR"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        !work.path().join("m1/short").exists(),
+        "a refused run must not touch the traces"
+    );
     drop(held);
     // Released (as the kernel does when the holder exits): the same directory runs.
-    let r = gate(&repo(), &["m1", "--only", "short", "--work", work_arg], &env);
+    let r = gate(
+        &repo(),
+        &["m1", "--only", "short", "--work", work_arg],
+        &env,
+    );
     assert_eq!(r.code, 4, "{}\n{}", r.stdout, r.stderr);
     assert!(work.path().join("m1/short/engine.trace").is_file());
 }
@@ -358,10 +578,14 @@ fn a_declared_divergence_excuses_exactly_the_count_it_names() {
     let root = scratch_root();
     let torchless = torchless_python(root.path());
     let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
-    let template = test_producer("planted_trace.py", "--base contract --nudge layer.01.mlp_out");
+    let template = test_producer(
+        "planted_trace.py",
+        "--base contract --nudge layer.01.mlp_out",
+    );
     let ms_path = root.path().join("milestones.json");
     let declare = |count: u64| {
-        let mut ms: Value = serde_json::from_str(&std::fs::read_to_string(&ms_path).unwrap()).unwrap();
+        let mut ms: Value =
+            serde_json::from_str(&std::fs::read_to_string(&ms_path).unwrap()).unwrap();
         ms["milestones"][1]["declared_divergences"] = serde_json::json!([{
             "prompt": "short", "check": "matches", "kind": "tensor_differs", "name": "layer.01.mlp_out",
             "count": count, "reason": "test: a one-element nudge"
@@ -369,7 +593,15 @@ fn a_declared_divergence_excuses_exactly_the_count_it_names() {
         ms["milestones"][1]["expect"]["short"]["differing_elements"] = serde_json::json!(1);
         std::fs::write(&ms_path, serde_json::to_string(&ms).unwrap()).unwrap();
     };
-    let run = || gate(root.path(), &["m1", "--only", "short", "--contract-cmd", &template], &env).report.unwrap();
+    let run = || {
+        gate(
+            root.path(),
+            &["m1", "--only", "short", "--contract-cmd", &template],
+            &env,
+        )
+        .report
+        .unwrap()
+    };
 
     declare(1);
     let rep = run();
@@ -396,7 +628,13 @@ fn another_generate_count_is_not_checked_against_expectations_and_gets_its_own_b
     let rep = r.report.unwrap();
     let stable = check(&rep, "short", "stable");
     assert_eq!(stable["status"], "NOT CHECKED");
-    assert!(stable["detail"].as_str().unwrap().contains("recorded for --generate 8, this run generates 3"), "{stable}");
+    assert!(
+        stable["detail"]
+            .as_str()
+            .unwrap()
+            .contains("recorded for --generate 8, this run generates 3"),
+        "{stable}"
+    );
     // Bit-identity and path independence are still checked at any N.
     assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
     let g = check(&rep, "short", "generation");
@@ -408,12 +646,34 @@ fn another_generate_count_is_not_checked_against_expectations_and_gets_its_own_b
     assert_eq!(rep["verdict"], "FAIL");
     let root = scratch_root();
     let before = std::fs::read_to_string(root.path().join("milestones.json")).unwrap();
-    let r = gate(root.path(), &["m1", "--only", "short", "--generate", "3", "--bless"], &env);
-    assert!(r.stdout.contains("expectations left as recorded for --generate 8") && r.stdout.contains("baseline m1.short.t1.g3: new"), "{}", r.stdout);
-    assert_eq!(std::fs::read_to_string(root.path().join("milestones.json")).unwrap(), before);
-    let r = gate(root.path(), &["m1", "--only", "short", "--generate", "3"], &env);
+    let r = gate(
+        root.path(),
+        &["m1", "--only", "short", "--generate", "3", "--bless"],
+        &env,
+    );
+    assert!(
+        r.stdout
+            .contains("expectations left as recorded for --generate 8")
+            && r.stdout.contains("baseline m1.short.t1.g3: new"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("milestones.json")).unwrap(),
+        before
+    );
+    let r = gate(
+        root.path(),
+        &["m1", "--only", "short", "--generate", "3"],
+        &env,
+    );
     let rep = r.report.unwrap();
-    let b = rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g3").unwrap();
+    let b = rep["baselines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["check"] == "baseline m1.short.t1.g3")
+        .unwrap();
     assert_eq!(b["status"], "PASS", "{b}");
 }
 
@@ -422,20 +682,42 @@ fn the_milestones_own_checkpoint_named_by_model_keeps_its_baselines() {
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
     let model = repo().join("fixtures/tiny-qwen3-moe");
-    let r = gate(&repo(), &["m1", "--only", "short", "--model", model.to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate(
+        &repo(),
+        &["m1", "--only", "short", "--model", model.to_str().unwrap()],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 4, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     assert_eq!(rep["model"], "fixtures/tiny-qwen3-moe");
-    let b = rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g8").unwrap();
+    let b = rep["baselines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["check"] == "baseline m1.short.t1.g8")
+        .unwrap();
     assert_eq!(b["status"], "PASS", "{b}");
 }
 
 #[test]
 fn bad_command_templates_and_thread_counts_are_refused_before_any_run() {
-    for (template, why) in [("'unterminated {verb} {args}", "unterminated ' quote"), ("python x.py", "no {verb}"), ("", "empty"), ("x {verb} --a={args}", "{args} must be a word of its own")] {
-        let r = gate(&repo(), &["m1", "--only", "short", "--contract-cmd", template], &[]);
+    for (template, why) in [
+        ("'unterminated {verb} {args}", "unterminated ' quote"),
+        ("python x.py", "no {verb}"),
+        ("", "empty"),
+        ("x {verb} --a={args}", "{args} must be a word of its own"),
+    ] {
+        let r = gate(
+            &repo(),
+            &["m1", "--only", "short", "--contract-cmd", template],
+            &[],
+        );
         assert_eq!(r.code, 2, "{template}: {}", r.stderr);
-        assert!(r.stderr.contains(why) && r.report.is_none(), "{template}: {}", r.stderr);
+        assert!(
+            r.stderr.contains(why) && r.report.is_none(),
+            "{template}: {}",
+            r.stderr
+        );
     }
     let r = gate(&repo(), &["m1", "--only", "short", "--threads", "0"], &[]);
     assert_eq!(r.code, 2, "{}", r.stderr);
@@ -449,21 +731,38 @@ fn assert_observed_fails_a_baseline_outside_its_tolerance() {
     let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
     let bl_path = root.path().join("baselines.json");
     let mut bl: Value = serde_json::from_str(&std::fs::read_to_string(&bl_path).unwrap()).unwrap();
-    let b = bl["baselines"].as_array_mut().unwrap().iter_mut().find(|b| b["id"] == "m1.short.t1.g8").unwrap();
+    let b = bl["baselines"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|b| b["id"] == "m1.short.t1.g8")
+        .unwrap();
     // Only one observation, a recorded engine time of one nanosecond: any real run is millions
     // of percent slower, so the outcome does not depend on how loaded the machine is.
     b["observed"] = serde_json::json!({"engine_seconds": 1e-9});
     std::fs::write(&bl_path, serde_json::to_string(&bl).unwrap()).unwrap();
     let baseline = |args: &[&str]| {
         let rep = gate(root.path(), args, &env).report.unwrap();
-        rep["baselines"].as_array().unwrap().iter().find(|b| b["check"] == "baseline m1.short.t1.g8").unwrap().clone()
+        rep["baselines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["check"] == "baseline m1.short.t1.g8")
+            .unwrap()
+            .clone()
     };
     // Observed figures are reported, not asserted, unless asked.
     assert_eq!(baseline(&["m1", "--only", "short"])["status"], "PASS");
     let b = baseline(&["m1", "--only", "short", "--assert-observed", "0.5"]);
     assert_eq!(b["status"], "FAIL", "{b}");
     assert_eq!(b["findings"].as_array().unwrap().len(), 1, "{b}");
-    assert_eq!((b["findings"][0]["kind"].as_str(), b["findings"][0]["name"].as_str()), (Some("observed_out_of_tolerance"), Some("engine_seconds")));
+    assert_eq!(
+        (
+            b["findings"][0]["kind"].as_str(),
+            b["findings"][0]["name"].as_str()
+        ),
+        (Some("observed_out_of_tolerance"), Some("engine_seconds"))
+    );
 }
 
 #[test]
@@ -471,22 +770,57 @@ fn gate_check_exits_1_when_a_milestone_fails() {
     let root = scratch_root();
     let torchless = torchless_python(root.path());
     // An exponent bit of the first f32 weight.
-    flip_weight_bits(&root.path().join("fixtures/tiny-qwen3/model.safetensors"), "model.layers.0.mlp.down_proj.weight", 3, 0x10);
-    let r = gate(root.path(), &["check", "--only", "short"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    flip_weight_bits(
+        &root.path().join("fixtures/tiny-qwen3/model.safetensors"),
+        "model.layers.0.mlp.down_proj.weight",
+        3,
+        0x10,
+    );
+    let r = gate(
+        root.path(),
+        &["check", "--only", "short"],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
-    let m0 = r.stdout.lines().find(|l| l.starts_with("m0") && l.contains("stable:")).unwrap();
-    assert!(m0.contains("stable: FAIL") && m0.contains("matches: PASS"), "{m0}");
-    let m1 = r.stdout.lines().find(|l| l.starts_with("m1") && l.contains("stable:")).unwrap();
+    let m0 = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("m0") && l.contains("stable:"))
+        .unwrap();
+    assert!(
+        m0.contains("stable: FAIL") && m0.contains("matches: PASS"),
+        "{m0}"
+    );
+    let m1 = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("m1") && l.contains("stable:"))
+        .unwrap();
     assert!(m1.contains("stable: PASS"), "{m1}");
 }
 
 /// A producer template that runs tests/producers/NAME with these leading arguments.
 fn test_producer(name: &str, args: &str) -> String {
-    format!("'{}' '{}' {args} {{verb}} {{args}}", python().display(), repo().join("gate/tests/producers").join(name).display())
+    format!(
+        "'{}' '{}' {args} {{verb}} {{args}}",
+        python().display(),
+        repo().join("gate/tests/producers").join(name).display()
+    )
 }
 
 fn findings(check: &Value) -> Vec<(String, String, u64)> {
-    check["findings"].as_array().unwrap().iter().map(|f| (f["kind"].as_str().unwrap().to_string(), f["name"].as_str().unwrap().to_string(), f["count"].as_u64().unwrap())).collect()
+    check["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["kind"].as_str().unwrap().to_string(),
+                f["name"].as_str().unwrap().to_string(),
+                f["count"].as_u64().unwrap(),
+            )
+        })
+        .collect()
 }
 
 // Negative controls of the oracle's checks. The oracle's place is taken by the contract (bit-equal
@@ -499,28 +833,71 @@ fn an_oracle_tensor_outside_the_policy_fails_agrees() {
     let torchless = torchless_python(dir.path());
     // A 1-ULP nudge (noise within the policy) in an earlier tensor than the defect: the failure
     // must be named by the first violation, not by the first bit difference.
-    let oracle = test_producer("planted_trace.py", "--base contract --nudge layer.00.attn_out --push layer.01.mlp_out");
-    let r = gate(&repo(), &["m0", "--only", "short", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let oracle = test_producer(
+        "planted_trace.py",
+        "--base contract --nudge layer.00.attn_out --push layer.01.mlp_out",
+    );
+    let r = gate(
+        &repo(),
+        &["m0", "--only", "short", "--oracle-cmd", &oracle],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "short", "agrees");
     assert_eq!(agrees["status"], "FAIL", "{agrees}");
-    assert_eq!(findings(agrees), [("outside_policy".to_string(), "layer.01.mlp_out".to_string(), 1)], "{agrees}");
+    assert_eq!(
+        findings(agrees),
+        [(
+            "outside_policy".to_string(),
+            "layer.01.mlp_out".to_string(),
+            1
+        )],
+        "{agrees}"
+    );
     let detail = agrees["detail"].as_str().unwrap();
-    assert!(detail.contains("; 1 tensor(s) outside the policy, first layer.01.mlp_out: relative L2 "), "{detail}");
-    assert!(!detail.contains("layer.00.attn_out"), "the noise is not the failure: {detail}");
+    assert!(
+        detail.contains("; 1 tensor(s) outside the policy, first layer.01.mlp_out: relative L2 "),
+        "{detail}"
+    );
+    assert!(
+        !detail.contains("layer.00.attn_out"),
+        "the noise is not the failure: {detail}"
+    );
     // The planted element (flat 0 = [0,0]) is the worst, moved to 1000 * (|x| + 1) in f32.
     let v = &rep["prompts"][0]["oracle"]["first_violation"];
-    assert_eq!((v["tensor"].as_str(), &v["rule"]["pattern"]), (Some("layer.01.mlp_out"), &serde_json::json!("layer.*.mlp_out")), "{v}");
+    assert_eq!(
+        (v["tensor"].as_str(), &v["rule"]["pattern"]),
+        (
+            Some("layer.01.mlp_out"),
+            &serde_json::json!("layer.*.mlp_out")
+        ),
+        "{v}"
+    );
     assert_eq!(v["violations"][0]["bound"], "max_rel_l2", "{v}");
-    assert!(v["violations"][0]["value"].as_f64().unwrap() > v["violations"][0]["limit"].as_f64().unwrap(), "{v}");
+    assert!(
+        v["violations"][0]["value"].as_f64().unwrap()
+            > v["violations"][0]["limit"].as_f64().unwrap(),
+        "{v}"
+    );
     let w = &v["worst_element"];
-    assert_eq!((w["flat_index"].as_u64(), &w["coords"]), (Some(0), &serde_json::json!([0, 0])), "{v}");
-    let bits = |k: &str| u32::from_str_radix(w[k].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    assert_eq!(
+        (w["flat_index"].as_u64(), &w["coords"]),
+        (Some(0), &serde_json::json!([0, 0])),
+        "{v}"
+    );
+    let bits =
+        |k: &str| u32::from_str_radix(w[k].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
     let pushed = 1000f32 * (f32::from_bits(bits("reference_bits")).abs() + 1f32);
     assert_eq!(bits("candidate_bits"), pushed.to_bits(), "{w}");
     let finding = &agrees["findings"][0]["detail"];
-    assert!(finding.as_str().unwrap().contains("(rule #3 layer.*.mlp_out); worst at [0,0]: "), "{finding}");
+    assert!(
+        finding
+            .as_str()
+            .unwrap()
+            .contains("(rule #3 layer.*.mlp_out); worst at [0,0]: "),
+        "{finding}"
+    );
     for other in ["stable", "matches", "generation", "generation_oracle"] {
         assert_eq!(check(&rep, "short", other)["status"], "PASS", "{other}");
     }
@@ -530,16 +907,34 @@ fn an_oracle_tensor_outside_the_policy_fails_agrees() {
 fn an_oracle_decode_token_flip_fails_generation_oracle() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
-    let oracle = test_producer("planted_trace.py", "--base contract --flip decode.0003.argmax");
-    let r = gate(&repo(), &["m0", "--only", "short", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let oracle = test_producer(
+        "planted_trace.py",
+        "--base contract --flip decode.0003.argmax",
+    );
+    let r = gate(
+        &repo(),
+        &["m0", "--only", "short", "--oracle-cmd", &oracle],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let g = check(&rep, "short", "generation_oracle");
     assert_eq!(g["status"], "FAIL", "{g}");
-    assert_eq!(findings(g), [("tokens_differ".to_string(), "oracle".to_string(), 1)], "{g}");
+    assert_eq!(
+        findings(g),
+        [("tokens_differ".to_string(), "oracle".to_string(), 1)],
+        "{g}"
+    );
     // The flipped decision is also a decision that differs under `agrees`.
     let agrees = findings(check(&rep, "short", "agrees"));
-    assert!(agrees.contains(&("decision_differs".to_string(), "decode.0003.argmax".to_string(), 1)), "{agrees:?}");
+    assert!(
+        agrees.contains(&(
+            "decision_differs".to_string(),
+            "decode.0003.argmax".to_string(),
+            1
+        )),
+        "{agrees:?}"
+    );
     assert_eq!(check(&rep, "short", "generation")["status"], "PASS");
 }
 
@@ -550,43 +945,114 @@ fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees
     // with its logits untouched: a defect, the one finding.
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
-    let oracle = test_producer("planted_trace.py", "--base contract --near-tie 10 --flip logits.argmax");
-    let r = gate(&repo(), &["m0", "--only", "edge64", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let oracle = test_producer(
+        "planted_trace.py",
+        "--base contract --near-tie 10 --flip logits.argmax",
+    );
+    let r = gate(
+        &repo(),
+        &["m0", "--only", "edge64", "--oracle-cmd", &oracle],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "edge64", "agrees");
     // The defect row alone is counted (and so, as recorded, one decision now differs).
-    let want = [("decision_differs".to_string(), "logits.argmax".to_string(), 1), ("count_changed".to_string(), "oracle_decisions_differing".to_string(), 1)];
+    let want = [
+        (
+            "decision_differs".to_string(),
+            "logits.argmax".to_string(),
+            1,
+        ),
+        (
+            "count_changed".to_string(),
+            "oracle_decisions_differing".to_string(),
+            1,
+        ),
+    ];
     assert_eq!(findings(agrees), want, "{agrees}");
     let detail = agrees["findings"][0]["detail"].as_str().unwrap();
-    assert!(detail.contains("row 0 ") && detail.contains("defect") && detail.contains("near-tie"), "{detail}");
-    assert!(agrees["detail"].as_str().unwrap().contains("1 near-tie(s) excused (logits.argmax[10])"), "{agrees}");
-    let oracle = &rep["prompts"].as_array().unwrap().iter().find(|p| p["id"] == "edge64").unwrap()["oracle"];
-    assert_eq!(oracle["near_ties"], serde_json::json!(["logits.argmax[10]"]), "{oracle}");
-    assert!(r.stdout.contains("near-ties excused: logits.argmax[10]"), "{}", r.stdout);
+    assert!(
+        detail.contains("row 0 ") && detail.contains("defect") && detail.contains("near-tie"),
+        "{detail}"
+    );
+    assert!(
+        agrees["detail"]
+            .as_str()
+            .unwrap()
+            .contains("1 near-tie(s) excused (logits.argmax[10])"),
+        "{agrees}"
+    );
+    let oracle = &rep["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == "edge64")
+        .unwrap()["oracle"];
+    assert_eq!(
+        oracle["near_ties"],
+        serde_json::json!(["logits.argmax[10]"]),
+        "{oracle}"
+    );
+    assert!(
+        r.stdout.contains("near-ties excused: logits.argmax[10]"),
+        "{}",
+        r.stdout
+    );
 
     // The near-tie alone passes, and is still reported.
     let oracle = test_producer("planted_trace.py", "--base contract --near-tie 10");
-    let r = gate(&repo(), &["m0", "--only", "edge64", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate(
+        &repo(),
+        &["m0", "--only", "edge64", "--oracle-cmd", &oracle],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     let rep = r.report.unwrap();
     let agrees = check(&rep, "edge64", "agrees");
-    assert_eq!((agrees["status"].as_str(), findings(agrees).len()), (Some("PASS"), 0), "{agrees}");
-    assert!(agrees["detail"].as_str().unwrap().contains("WITHIN POLICY") && r.stdout.contains("near-ties excused: logits.argmax[10]"), "{}", r.stdout);
+    assert_eq!(
+        (agrees["status"].as_str(), findings(agrees).len()),
+        (Some("PASS"), 0),
+        "{agrees}"
+    );
+    assert!(
+        agrees["detail"].as_str().unwrap().contains("WITHIN POLICY")
+            && r.stdout.contains("near-ties excused: logits.argmax[10]"),
+        "{}",
+        r.stdout
+    );
 }
 
 #[test]
 fn a_contract_decode_token_flip_fails_generation() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
-    let contract = test_producer("planted_trace.py", "--base contract --flip decode.0005.argmax");
-    let r = gate(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let contract = test_producer(
+        "planted_trace.py",
+        "--base contract --flip decode.0005.argmax",
+    );
+    let r = gate(
+        &repo(),
+        &["m0", "--only", "short", "--contract-cmd", &contract],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let g = check(&rep, "short", "generation");
     assert_eq!(g["status"], "FAIL", "{g}");
-    assert_eq!(findings(g), [("tokens_differ".to_string(), "contract".to_string(), 1)], "{g}");
+    assert_eq!(
+        findings(g),
+        [("tokens_differ".to_string(), "contract".to_string(), 1)],
+        "{g}"
+    );
     let matches = findings(check(&rep, "short", "matches"));
-    assert_eq!(matches, [("decision_differs".to_string(), "decode.0005.argmax".to_string(), 1)]);
+    assert_eq!(
+        matches,
+        [(
+            "decision_differs".to_string(),
+            "decode.0005.argmax".to_string(),
+            1
+        )]
+    );
     assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
 }
 
@@ -595,9 +1061,27 @@ fn a_hanging_producer_is_killed_at_the_timeout_and_the_run_refused() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
     let contract = test_producer("misbehaving.py", "hang");
-    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract, "--timeout", "2"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+            "--timeout",
+            "2",
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
-    assert!(r.stderr.contains("short: contract trace timed out after 2 s (--timeout) and was killed: $ ") && r.stderr.contains("misbehaving.py hang trace --model"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("short: contract trace timed out after 2 s (--timeout) and was killed: $ ")
+            && r.stderr.contains("misbehaving.py hang trace --model"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -605,9 +1089,26 @@ fn an_endless_writer_is_killed_at_the_timeout_too() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
     let contract = test_producer("misbehaving.py", "endless");
-    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract, "--timeout", "2"], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+            "--timeout",
+            "2",
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
-    assert!(r.stderr.contains("short: contract trace timed out after 2 s (--timeout)"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("short: contract trace timed out after 2 s (--timeout)"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -616,20 +1117,46 @@ fn a_producer_leaving_a_child_that_holds_its_output_does_not_block_the_gate() {
     let torchless = torchless_python(dir.path());
     let work = tempfile::tempdir().unwrap();
     let contract = test_producer("misbehaving.py", "background");
-    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract, "--work", work.path().to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
-    assert_eq!(r.code, 4, "only the oracle is unchecked:\n{}\n{}", r.stdout, r.stderr);
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+            "--work",
+            work.path().to_str().unwrap(),
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(
+        r.code, 4,
+        "only the oracle is unchecked:\n{}\n{}",
+        r.stdout, r.stderr
+    );
     let rep = r.report.unwrap();
     assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
     // The leftover sleeper shared the producer's process group, which the gate ends with it.
-    let pid = std::fs::read_to_string(work.path().join("m0/short/contract.trace.sleeper-pid")).unwrap();
+    let pid =
+        std::fs::read_to_string(work.path().join("m0/short/contract.trace.sleeper-pid")).unwrap();
     let stat = format!("/proc/{}/stat", pid.trim());
-    let gone = || std::fs::read_to_string(&stat).map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+    let gone = || {
+        std::fs::read_to_string(&stat).map_or(true, |s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        })
+    };
     let mut tries = 0;
     while !gone() && tries < 100 {
         std::thread::sleep(std::time::Duration::from_millis(100));
         tries += 1;
     }
-    assert!(gone(), "the producer's background sleep (pid {pid}) outlived the run");
+    assert!(
+        gone(),
+        "the producer's background sleep (pid {pid}) outlived the run"
+    );
 }
 
 #[test]
@@ -638,14 +1165,34 @@ fn a_child_that_left_the_producers_group_holding_its_output_does_not_block_the_g
     let torchless = torchless_python(dir.path());
     let work = tempfile::tempdir().unwrap();
     let contract = test_producer("misbehaving.py", "escaped");
-    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract, "--work", work.path().to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+            "--work",
+            work.path().to_str().unwrap(),
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     // The sleeper is out of the gate's reach: this test started it (through the gate), so it ends it.
-    let pid = std::fs::read_to_string(work.path().join("m0/short/contract.trace.sleeper-pid")).unwrap();
+    let pid =
+        std::fs::read_to_string(work.path().join("m0/short/contract.trace.sleeper-pid")).unwrap();
     let pid: libc::pid_t = pid.trim().parse().unwrap();
     // SAFETY: kill on the pid of the sleep this test's producer started.
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    assert_eq!(r.code, 4, "only the oracle is unchecked:\n{}\n{}", r.stdout, r.stderr);
-    assert_eq!(check(&r.report.unwrap(), "short", "matches")["status"], "PASS");
+    assert_eq!(
+        r.code, 4,
+        "only the oracle is unchecked:\n{}\n{}",
+        r.stdout, r.stderr
+    );
+    assert_eq!(
+        check(&r.report.unwrap(), "short", "matches")["status"],
+        "PASS"
+    );
 }
 
 #[test]
@@ -653,7 +1200,11 @@ fn a_producer_flooding_stderr_is_kept_to_its_head_and_tail() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
     let contract = test_producer("misbehaving.py", "flood");
-    let r = gate_watched(&repo(), &["m0", "--only", "short", "--contract-cmd", &contract], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate_watched(
+        &repo(),
+        &["m0", "--only", "short", "--contract-cmd", &contract],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}", r.stdout);
     let rep = r.report.unwrap();
     let run = &rep["prompts"][0]["runs"][2];
@@ -661,10 +1212,22 @@ fn a_producer_flooding_stderr_is_kept_to_its_head_and_tail() {
     // What misbehaving.py writes: FIRST-LINE\n, 50,000,000 x, \nLAST-LINE\n.
     assert_eq!(run["stderr_bytes"], 11 + 50_000_000 + 11);
     let kept = run["stderr"].as_str().unwrap();
-    assert!(kept.starts_with("FIRST-LINE\n") && kept.contains("LAST-LINE\n[exit status 1]"), "{}…", &kept[..200]);
-    assert!(kept.len() < 20_000, "{} bytes of stderr kept in the report", kept.len());
+    assert!(
+        kept.starts_with("FIRST-LINE\n") && kept.contains("LAST-LINE\n[exit status 1]"),
+        "{}…",
+        &kept[..200]
+    );
+    assert!(
+        kept.len() < 20_000,
+        "{} bytes of stderr kept in the report",
+        kept.len()
+    );
     let detail = check(&rep, "short", "matches")["detail"].as_str().unwrap();
-    assert!(detail.contains("FIRST-LINE") && detail.contains("LAST-LINE") && detail.len() < 3_000, "{} bytes", detail.len());
+    assert!(
+        detail.contains("FIRST-LINE") && detail.contains("LAST-LINE") && detail.len() < 3_000,
+        "{} bytes",
+        detail.len()
+    );
 }
 
 #[test]
@@ -675,7 +1238,17 @@ fn relative_report_model_and_work_are_taken_from_the_current_directory() {
     let here = tempfile::tempdir_in(repo().join("target")).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_gate"))
         .current_dir(here.path())
-        .args(["m0", "--only", "short", "--model", "../../fixtures/tiny-qwen3", "--work", "w", "--report", "r.json"])
+        .args([
+            "m0",
+            "--only",
+            "short",
+            "--model",
+            "../../fixtures/tiny-qwen3",
+            "--work",
+            "w",
+            "--report",
+            "r.json",
+        ])
         .env("TRACEGATE_PYTHON", python())
         .env("TRACEGATE_ORACLE_PYTHON", &torchless)
         .output()
@@ -683,9 +1256,15 @@ fn relative_report_model_and_work_are_taken_from_the_current_directory() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(4), "{stderr}");
     let report = std::fs::canonicalize(here.path()).unwrap().join("r.json");
-    assert!(stderr.contains(&format!("report written to {}", report.display())), "{stderr}");
+    assert!(
+        stderr.contains(&format!("report written to {}", report.display())),
+        "{stderr}"
+    );
     let rep: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    assert_eq!(rep["model"], "fixtures/tiny-qwen3", "the milestone's own checkpoint, spelled from elsewhere");
+    assert_eq!(
+        rep["model"], "fixtures/tiny-qwen3",
+        "the milestone's own checkpoint, spelled from elsewhere"
+    );
     assert!(here.path().join("w/m0/short/engine.trace").is_file());
     assert!(!repo().join("r.json").exists() && !repo().join("w").exists());
 }
@@ -693,7 +1272,19 @@ fn relative_report_model_and_work_are_taken_from_the_current_directory() {
 #[test]
 fn a_prompt_longer_than_the_models_positions_is_refused_before_any_producer_runs() {
     let work = tempfile::tempdir().unwrap();
-    let r = gate(&repo(), &["m0", "--only", "short", "--generate", "252", "--work", work.path().to_str().unwrap()], &[]);
+    let r = gate(
+        &repo(),
+        &[
+            "m0",
+            "--only",
+            "short",
+            "--generate",
+            "252",
+            "--work",
+            work.path().to_str().unwrap(),
+        ],
+        &[],
+    );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
     assert!(
         r.stderr.contains("prompt \"short\": 5 tokens + 252 generated = 257 positions exceed max_position_embeddings 256 of ")
@@ -710,14 +1301,34 @@ fn only_short_exits_0_when_every_check_it_ran_passed() {
     let torchless = torchless_python(dir.path());
     // The contract unchanged in the oracle's place, so every check of `short` can pass.
     let oracle = test_producer("planted_trace.py", "--base contract");
-    let r = gate(&repo(), &["m0", "--only", "short", "--oracle-cmd", &oracle], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate(
+        &repo(),
+        &["m0", "--only", "short", "--oracle-cmd", &oracle],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     assert_eq!(rep["verdict"], "PASS");
-    assert!(rep["totals"].get("NOT CHECKED").is_none(), "{}", rep["totals"]);
-    let not_selected: Vec<&str> = rep["baselines_not_selected"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    assert!(not_selected.contains(&"m0.mid.t1.g8") && !not_selected.contains(&"m0.short.t1.g8"), "{not_selected:?}");
-    assert!(r.stdout.contains("not selected (--only): baselines "), "{}", r.stdout);
+    assert!(
+        rep["totals"].get("NOT CHECKED").is_none(),
+        "{}",
+        rep["totals"]
+    );
+    let not_selected: Vec<&str> = rep["baselines_not_selected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        not_selected.contains(&"m0.mid.t1.g8") && !not_selected.contains(&"m0.short.t1.g8"),
+        "{not_selected:?}"
+    );
+    assert!(
+        r.stdout.contains("not selected (--only): baselines "),
+        "{}",
+        r.stdout
+    );
 }
 
 // `matches` (engine ≡ contract) compares the whole content: a contract trace whose margins or
@@ -727,13 +1338,29 @@ fn matches_with_contract_edit(edit: &str) -> (Run, Value) {
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
     let contract = test_producer("planted_trace.py", &format!("--base contract {edit}"));
-    let r = gate(&repo(), &["m1", "--only", "short", "--contract-cmd", &contract], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
-    let matches = check(r.report.as_ref().unwrap_or_else(|| panic!("no report:\n{}\n{}", r.stdout, r.stderr)), "short", "matches").clone();
+    let r = gate(
+        &repo(),
+        &["m1", "--only", "short", "--contract-cmd", &contract],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    let matches = check(
+        r.report
+            .as_ref()
+            .unwrap_or_else(|| panic!("no report:\n{}\n{}", r.stdout, r.stderr)),
+        "short",
+        "matches",
+    )
+    .clone();
     (r, matches)
 }
 
 fn findings_of<'a>(check: &'a Value, kind: &str) -> Vec<&'a Value> {
-    check["findings"].as_array().unwrap().iter().filter(|f| f["kind"] == kind).collect()
+    check["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == kind)
+        .collect()
 }
 
 #[test]
@@ -743,11 +1370,25 @@ fn margins_set_to_1e6_fail_matches() {
     assert_eq!(matches["status"], "FAIL", "{matches}");
     let found = findings_of(&matches, "margin_differs");
     // The MoE fixture's every decision has margins; each one is named.
-    assert!(found.iter().any(|f| f["name"] == "logits.argmax"), "{matches}");
-    assert!(found.iter().any(|f| f["name"] == "layer.00.router.topk"), "{matches}");
-    assert!(found.iter().all(|f| f["detail"].as_str().unwrap().contains("1e6")), "{matches}");
+    assert!(
+        found.iter().any(|f| f["name"] == "logits.argmax"),
+        "{matches}"
+    );
+    assert!(
+        found.iter().any(|f| f["name"] == "layer.00.router.topk"),
+        "{matches}"
+    );
+    assert!(
+        found
+            .iter()
+            .all(|f| f["detail"].as_str().unwrap().contains("1e6")),
+        "{matches}"
+    );
     // Nothing but margins changed: no tensor differs.
-    assert!(findings_of(&matches, "tensor_differs").is_empty(), "{matches}");
+    assert!(
+        findings_of(&matches, "tensor_differs").is_empty(),
+        "{matches}"
+    );
 }
 
 #[test]
@@ -758,18 +1399,31 @@ fn an_extra_attribute_on_logits_fails_matches() {
     let found = findings_of(&matches, "attribute_differs");
     assert_eq!(found.len(), 1, "{matches}");
     assert_eq!(found[0]["name"], "logits");
-    assert!(found[0]["detail"].as_str().unwrap().contains("\"note\""), "{matches}");
+    assert!(
+        found[0]["detail"].as_str().unwrap().contains("\"note\""),
+        "{matches}"
+    );
 }
 
 /// A template that runs tests/producers/NAME as a serving producer (`{verb|serve}`).
 fn served_test_producer(name: &str, args: &str) -> String {
-    format!("'{}' '{}' {args} {{verb|serve}} {{args}}", python().display(), repo().join("gate/tests/producers").join(name).display())
+    format!(
+        "'{}' '{}' {args} {{verb|serve}} {{args}}",
+        python().display(),
+        repo().join("gate/tests/producers").join(name).display()
+    )
 }
 
 /// Whether process `pid` has ended (gone, or a zombie awaiting its reaper).
 fn ended(pid: &str) -> bool {
     let stat = format!("/proc/{}/stat", pid.trim());
-    let gone = || std::fs::read_to_string(&stat).map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+    let gone = || {
+        std::fs::read_to_string(&stat).map_or(true, |s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        })
+    };
     for _ in 0..100 {
         if gone() {
             return true;
@@ -783,7 +1437,13 @@ fn ended(pid: &str) -> bool {
 fn served_and_per_call_runs_give_the_same_digests() {
     // One trace directory for both (one after the other), so the invocations can be compared.
     let work = tempfile::tempdir().unwrap();
-    let args = ["m1", "--only", "short", "--work", work.path().to_str().unwrap()];
+    let args = [
+        "m1",
+        "--only",
+        "short",
+        "--work",
+        work.path().to_str().unwrap(),
+    ];
     let served = gate(&repo(), &args, &[]);
     let per_call = gate(&repo(), &args, &[("TRACEGATE_SERVE", Path::new("0"))]);
     let (s, p) = (served.report.unwrap(), per_call.report.unwrap());
@@ -791,8 +1451,15 @@ fn served_and_per_call_runs_give_the_same_digests() {
     // Negative control for the comparison below: the runs really were served, and then not.
     for (i, producer) in [(2, "contract"), (3, "oracle")] {
         assert_eq!(runs(&s)[i]["producer"], producer);
-        assert!(runs(&s)[i]["served_by"].as_u64().is_some(), "{producer} not served: {}", runs(&s)[i]);
-        assert!(runs(&p)[i].get("served_by").is_none(), "{producer} served under TRACEGATE_SERVE=0");
+        assert!(
+            runs(&s)[i]["served_by"].as_u64().is_some(),
+            "{producer} not served: {}",
+            runs(&s)[i]
+        );
+        assert!(
+            runs(&p)[i].get("served_by").is_none(),
+            "{producer} served under TRACEGATE_SERVE=0"
+        );
         // The recorded invocation is the per-call command line either way.
         assert_eq!(runs(&s)[i]["invocation"], runs(&p)[i]["invocation"]);
     }
@@ -803,30 +1470,76 @@ fn served_and_per_call_runs_give_the_same_digests() {
 }
 
 #[test]
-fn a_worker_that_dies_mid_run_fails_that_row_with_its_stderr_and_the_next_request_gets_a_fresh_one() {
+fn a_worker_that_dies_mid_run_fails_that_row_with_its_stderr_and_the_next_request_gets_a_fresh_one()
+{
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
     let work = tempfile::tempdir().unwrap();
     let contract = served_test_producer("serving.py", "crash-second");
-    let r = gate_watched(&repo(), &["m0", "--only", "short,repeat,mid", "--contract-cmd", &contract, "--work", work.path().to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--only",
+            "short,repeat,mid",
+            "--contract-cmd",
+            &contract,
+            "--work",
+            work.path().to_str().unwrap(),
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
-    let order: Vec<&str> = rep["prompts"].as_array().unwrap().iter().map(|p| p["id"].as_str().unwrap()).collect();
+    let order: Vec<&str> = rep["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap())
+        .collect();
     let (first, second, third) = (order[0], order[1], order[2]);
     assert_eq!(check(&rep, first, "matches")["status"], "PASS");
     let m = check(&rep, second, "matches");
     assert_eq!(m["status"], "FAIL");
     let detail = m["detail"].as_str().unwrap();
-    assert!(detail.contains("SECOND-REQUEST-CRASH") && detail.contains("ended without answering; exit status 7"), "{detail}");
+    assert!(
+        detail.contains("SECOND-REQUEST-CRASH")
+            && detail.contains("ended without answering; exit status 7"),
+        "{detail}"
+    );
     // A fresh worker answers the third prompt.
     assert_eq!(check(&rep, third, "matches")["status"], "PASS");
-    let pid = |p: &str| std::fs::read_to_string(work.path().join(format!("m0/{p}/contract.trace.worker-pid"))).unwrap();
+    let pid = |p: &str| {
+        std::fs::read_to_string(
+            work.path()
+                .join(format!("m0/{p}/contract.trace.worker-pid")),
+        )
+        .unwrap()
+    };
     assert_eq!(pid(first), pid(second));
     assert_ne!(pid(second), pid(third));
-    let runs = |p: &str| rep["prompts"].as_array().unwrap().iter().find(|x| x["id"] == p).unwrap()["runs"][2].clone();
-    assert_eq!(runs(first)["served_by"].as_u64().unwrap().to_string(), pid(first));
-    assert_eq!(runs(third)["served_by"].as_u64().unwrap().to_string(), pid(third));
-    assert!(ended(&pid(third)), "the worker (pid {}) outlived the gate", pid(third));
+    let runs = |p: &str| {
+        rep["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["id"] == p)
+            .unwrap()["runs"][2]
+            .clone()
+    };
+    assert_eq!(
+        runs(first)["served_by"].as_u64().unwrap().to_string(),
+        pid(first)
+    );
+    assert_eq!(
+        runs(third)["served_by"].as_u64().unwrap().to_string(),
+        pid(third)
+    );
+    assert!(
+        ended(&pid(third)),
+        "the worker (pid {}) outlived the gate",
+        pid(third)
+    );
 }
 
 #[test]
@@ -835,10 +1548,34 @@ fn a_worker_that_hangs_is_killed_at_the_timeout_of_that_request() {
     let torchless = torchless_python(dir.path());
     let work = tempfile::tempdir().unwrap();
     let contract = served_test_producer("serving.py", "hang-second");
-    let r = gate_watched(&repo(), &["m0", "--only", "short,repeat", "--contract-cmd", &contract, "--timeout", "10", "--work", work.path().to_str().unwrap()], &[("TRACEGATE_ORACLE_PYTHON", &torchless)]);
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--only",
+            "short,repeat",
+            "--contract-cmd",
+            &contract,
+            "--timeout",
+            "10",
+            "--work",
+            work.path().to_str().unwrap(),
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
     // The prompt-file order decides which prompt is the worker's second request.
-    assert!(r.stderr.contains(": contract trace timed out after 10 s (--timeout) and was killed: $ ") && r.stderr.contains("serving.py hang-second trace --model"), "{}", r.stderr);
-    let pid = std::fs::read_to_string(work.path().join("m0/repeat/contract.trace.worker-pid")).or_else(|_| std::fs::read_to_string(work.path().join("m0/short/contract.trace.worker-pid"))).unwrap();
+    assert!(
+        r.stderr
+            .contains(": contract trace timed out after 10 s (--timeout) and was killed: $ ")
+            && r.stderr.contains("serving.py hang-second trace --model"),
+        "{}",
+        r.stderr
+    );
+    let pid = std::fs::read_to_string(work.path().join("m0/repeat/contract.trace.worker-pid"))
+        .or_else(|_| {
+            std::fs::read_to_string(work.path().join("m0/short/contract.trace.worker-pid"))
+        })
+        .unwrap();
     assert!(ended(&pid), "the hung worker (pid {pid}) outlived the gate");
 }

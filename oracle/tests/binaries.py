@@ -1,6 +1,7 @@
 """Where cargo put the release binaries (engine, trace-diff, gate): the contract tests' locator
 (cargo metadata, honouring CARGO_TARGET_DIR), and their checked reader of `trace-diff --json`,
 loaded by path because both test trees import their own `conftest` by that name."""
+
 from __future__ import annotations
 
 import functools
@@ -10,9 +11,11 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[2]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _conftest():
-    spec = importlib.util.spec_from_file_location("contract_tests_conftest", _ROOT / "contract/tests/conftest.py")
+    spec = importlib.util.spec_from_file_location(
+        "contract_tests_conftest", _ROOT / "contract/tests/conftest.py"
+    )
     conf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conf)
     return conf

@@ -12,6 +12,7 @@
 The oracle runs in-process (the CLI is the same code, checked in test_oracle.py), once per
 fixture and prompt; every trace is reused across tests through the module-scoped `runs`.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "oracle") not in sys.path:  # same as test_oracle.py: works before scripts/setup.sh
     sys.path.insert(0, str(ROOT / "oracle"))
 
-from tracegate_oracle import capture as cp  # noqa: E402
 from binaries import diff_report, release_binary  # noqa: E402
+from tracegate_oracle import capture as cp  # noqa: E402
 
 FIXTURES = {"dense": ROOT / "fixtures" / "tiny-qwen3", "moe": ROOT / "fixtures" / "tiny-qwen3-moe"}
 POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
-PROMPTS = {p["id"]: p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]}
+PROMPTS = {
+    p["id"]: p["tokens"]
+    for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]
+}
 
 
 ENGINE, _NO_ENGINE = release_binary("engine")
@@ -108,7 +112,9 @@ class Runs:
             self.models[model_dir] = cp.load_model(model_dir, self.rc)
         return self.models[model_dir]
 
-    def get(self, fx: str, prompt: str, producer: str, model_dir: Path | None = None, tag: str = "") -> Path:
+    def get(
+        self, fx: str, prompt: str, producer: str, model_dir: Path | None = None, tag: str = ""
+    ) -> Path:
         key = (fx, prompt, producer, tag)
         if key in self.paths:
             return self.paths[key]
@@ -116,9 +122,20 @@ class Runs:
         out = self.tmp / f"{fx}-{prompt}-{producer}{tag}.trace"
         toks = PROMPTS[prompt]
         if producer == "oracle":
-            cp.write_trace(cp.capture_prompt(self.model(fx, model_dir), model_dir, toks, self.rc, self.det), out)
+            cp.write_trace(
+                cp.capture_prompt(self.model(fx, model_dir), model_dir, toks, self.rc, self.det),
+                out,
+            )
         else:
-            args = ["trace", "--model", str(model_dir), "--tokens", ",".join(map(str, toks)), "--out", str(out)]
+            args = [
+                "trace",
+                "--model",
+                str(model_dir),
+                "--tokens",
+                ",".join(map(str, toks)),
+                "--out",
+                str(out),
+            ]
             if producer == "engine":
                 if _NO_ENGINE:
                     pytest.skip(_NO_ENGINE)
@@ -154,16 +171,27 @@ def test_producer_decisions_agree_with_oracle(runs, fx, prompt, producer):
     assert d["differing"] == 0 and not d["missing"] and not d["extra"], d
     assert all(x["status"] == "identical" for x in d["results"])
     # The policy judged every tensor (no tensor without a rule, none outside one).
-    assert all(p["status"] in ("identical", "within_policy") for p in r["per_tensor"]), r["findings"]
+    assert all(p["status"] in ("identical", "within_policy") for p in r["per_tensor"]), r[
+        "findings"
+    ]
 
     # Record how close this run came: the smallest oracle margin and the worst relative L2.
     t = tg.Trace(str(ref))
-    m_name, m_row, m_val = min(((n, int(i), float(v)) for n, m in t.margins.items() if m is not None
-                                for i, v in enumerate(m)), key=lambda x: x[2])
+    m_name, m_row, m_val = min(
+        (
+            (n, int(i), float(v))
+            for n, m in t.margins.items()
+            if m is not None
+            for i, v in enumerate(m)
+        ),
+        key=lambda x: x[2],
+    )
     worst = max(r["per_tensor"], key=lambda p: p["rel_l2"] or 0.0)
-    print(f"\n[{fx}/{prompt} oracle vs {producer}] {r['verdict']}, {n_dec} decisions; smallest margin "
-          f"{m_val:.6g} ({m_name} row {m_row}); worst rel_l2 {worst['rel_l2']:.3g} ({worst['tensor']}), "
-          f"min cosine 1-{1 - min(p['cosine'] for p in r['per_tensor']):.3g}")
+    print(
+        f"\n[{fx}/{prompt} oracle vs {producer}] {r['verdict']}, {n_dec} decisions; smallest margin "
+        f"{m_val:.6g} ({m_name} row {m_row}); worst rel_l2 {worst['rel_l2']:.3g} ({worst['tensor']}), "
+        f"min cosine 1-{1 - min(p['cosine'] for p in r['per_tensor']):.3g}"
+    )
 
 
 # ------------------------------------- 1b. the oracle at 1 and 4 threads: within policy, same decisions
@@ -181,14 +209,21 @@ def test_oracle_threads_1_vs_4_within_policy_decisions_equal(runs, tmp_path, fx)
     torch.set_num_threads(4)
     four = tmp_path / "four.trace"
     try:
-        cp.write_trace(cp.capture_prompt(runs.model(fx), FIXTURES[fx], PROMPTS["long"], rc4, runs.det), four)
+        cp.write_trace(
+            cp.capture_prompt(runs.model(fx), FIXTURES[fx], PROMPTS["long"], rc4, runs.det), four
+        )
     finally:
         torch.set_num_threads(runs.rc.threads)
-    assert tg.Trace(str(four)).provenance["threads"] == 4 and tg.Trace(str(one)).provenance["threads"] == 1
+    assert (
+        tg.Trace(str(four)).provenance["threads"] == 4
+        and tg.Trace(str(one)).provenance["threads"] == 1
+    )
     code, r, text = diff(one, four, "--json")
     assert code == 0 and r["verdict"] in ("identical", "within_policy"), text
     n_tensors, n_dec = len(tg.Trace(str(one)).names), len(tg.Trace(str(one)).decisions)
-    assert len(r["per_tensor"]) == n_tensors and all(p["status"] in ("identical", "within_policy") for p in r["per_tensor"]), r["findings"]
+    assert len(r["per_tensor"]) == n_tensors and all(
+        p["status"] in ("identical", "within_policy") for p in r["per_tensor"]
+    ), r["findings"]
     d = r["decisions"]
     assert n_dec > 0 and d["reference_count"] == d["compared"] == n_dec and d["differing"] == 0, d
     assert not d["missing"] and not d["extra"], d
@@ -214,7 +249,11 @@ def test_stack_mismatch_refused_and_downgradable(runs, tmp_path):
     assert code == 3 and r["verdict"] == "incomparable", text
     kinds = {f["kind"] for f in r["findings"]}
     assert "stack_mismatch" in kinds, r["findings"]
-    assert any("versions.transformers" in (f["detail"] or "") for f in r["findings"] if f["kind"] == "stack_mismatch")
+    assert any(
+        "versions.transformers" in (f["detail"] or "")
+        for f in r["findings"]
+        if f["kind"] == "stack_mismatch"
+    )
     code, _, text = diff(orig, edited, policy=False)  # the human output names the key too
     assert code == 3 and "versions.transformers" in text, text
 
@@ -230,9 +269,13 @@ def test_stack_mismatch_refused_and_downgradable(runs, tmp_path):
 def _moe_layers(config: dict) -> list[int]:
     """Layers with a sparse MoE block, by transformers' own rule for Qwen3-MoE (Qwen3MoeDecoderLayer):
     not in mlp_only_layers, num_experts > 0, and (index + 1) divisible by decoder_sparse_step."""
-    return [i for i in range(config["num_hidden_layers"])
-            if i not in config["mlp_only_layers"] and config["num_experts"] > 0
-            and (i + 1) % config["decoder_sparse_step"] == 0]
+    return [
+        i
+        for i in range(config["num_hidden_layers"])
+        if i not in config["mlp_only_layers"]
+        and config["num_experts"] > 0
+        and (i + 1) % config["decoder_sparse_step"] == 0
+    ]
 
 
 def _perturbed_fixture(dst: Path) -> Path:
@@ -245,14 +288,16 @@ def _perturbed_fixture(dst: Path) -> Path:
             shutil.copy(f, dst / f.name)
     raw = bytearray((src / "model.safetensors").read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
-    info = json.loads(raw[8:8 + n])[NC_TENSOR]
+    info = json.loads(raw[8 : 8 + n])[NC_TENSOR]
     assert info["dtype"] == "BF16", info
     lo, hi = (8 + n + o for o in info["data_offsets"])  # offsets are relative to the data start
     w = np.frombuffer(bytes(raw[lo:hi]), "<u2")
     f32 = (w.astype(np.uint32) << 16).view(np.float32)
     new = ((f32 * np.float32(NC_SCALE)).view(np.uint32) >> 16).astype("<u2")
     # Exact: the new bf16 bits widen back to exactly NC_SCALE x the old values (no rounding, no overflow).
-    assert np.array_equal((new.astype(np.uint32) << 16).view(np.float32), f32 * np.float32(NC_SCALE))
+    assert np.array_equal(
+        (new.astype(np.uint32) << 16).view(np.float32), f32 * np.float32(NC_SCALE)
+    )
     assert np.isfinite(f32).all() and (f32 != 0).any()
     raw[lo:hi] = new.tobytes()
     (dst / "model.safetensors").write_bytes(bytes(raw))
@@ -275,11 +320,15 @@ def test_expert_weights_flip_next_moe_router_labelled_consequence_of_that_mlp(ru
     # Control: the unperturbed engine takes every decision the oracle takes.
     code, r, text = diff(ref, clean, "--json")
     assert code == 0 and r["verdict"] in ("within_policy", "identical"), text
-    assert r["decisions"]["differing"] == 0 and r["first_decision_divergence"] is None, r["decisions"]
+    assert r["decisions"]["differing"] == 0 and r["first_decision_divergence"] is None, r[
+        "decisions"
+    ]
 
     # The chosen expert is one this prompt actually uses at NC_LAYER (else the edit is invisible).
     routed = np.flatnonzero((E.decisions[router(NC_LAYER)] == NC_EXPERT).any(1))
-    assert routed.size >= 1, f"prompt {NC_PROMPT!r} routes no row to expert {NC_EXPERT} at layer {NC_LAYER}"
+    assert routed.size >= 1, (
+        f"prompt {NC_PROMPT!r} routes no row to expert {NC_EXPERT} at layer {NC_LAYER}"
+    )
 
     bad_dir = _perturbed_fixture(tmp_path / "tiny-qwen3-moe-bad-expert")
     raw = runs.get("moe", NC_PROMPT, "engine", model_dir=bad_dir, tag="-bad-expert")
@@ -307,7 +356,9 @@ def test_expert_weights_flip_next_moe_router_labelled_consequence_of_that_mlp(ru
     for i in moe:
         if i <= NC_LAYER:
             assert np.array_equal(C.decisions[router(i)], R.decisions[router(i)]), router(i)
-    changed = np.flatnonzero((np.asarray(C[f"{L}.mlp_out"]) != np.asarray(E[f"{L}.mlp_out"])).any(1))
+    changed = np.flatnonzero(
+        (np.asarray(C[f"{L}.mlp_out"]) != np.asarray(E[f"{L}.mlp_out"])).any(1)
+    )
     assert changed.tolist() == routed.tolist(), (changed, routed)
     flipped = np.flatnonzero((C.decisions[router(nxt)] != R.decisions[router(nxt)]).any(1))
     assert flipped.size >= 1, f"the edit no longer flips a top-k row of layer {nxt} on this prompt"
@@ -335,8 +386,13 @@ def test_expert_weights_flip_next_moe_router_labelled_consequence_of_that_mlp(ru
     status = {p["tensor"]: p["status"] for p in r["per_tensor"]}
     upstream = ["embed.out", f"{L}.hidden_in", f"{L}.attn_out"]
     assert all(status[n] in ("identical", "within_policy") for n in upstream), status
-    assert next(n for n, s in status.items() if s not in ("identical", "within_policy")) == f"{L}.mlp_out"
+    assert (
+        next(n for n, s in status.items() if s not in ("identical", "within_policy"))
+        == f"{L}.mlp_out"
+    )
     f = dn["flips"][0]
-    print(f"\n[expert {NC_EXPERT} of layer {NC_LAYER} x{NC_SCALE:g}] {first['name']} row {f['row']}: "
-          f"{f['reference']} vs {f['candidate']}, margin {f['reference_margin']:.6g}, source {dn['source']} "
-          f"divergence {f['source_divergence']:.3g} -> {f['label']}")
+    print(
+        f"\n[expert {NC_EXPERT} of layer {NC_LAYER} x{NC_SCALE:g}] {first['name']} row {f['row']}: "
+        f"{f['reference']} vs {f['candidate']}, margin {f['reference_margin']:.6g}, source {dn['source']} "
+        f"divergence {f['source_divergence']:.3g} -> {f['label']}"
+    )

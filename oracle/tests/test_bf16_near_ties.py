@@ -4,6 +4,7 @@ policy" and "Rerouted experts"): the oracle's bf16 run of tiny-qwen3-moe with in
 and each named; forced to the engine's decisions, the same bf16 run takes every decision the
 engine took and every tensor is within the policy. Negative control: the f32 policy fails it.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from binaries import diff_report, release_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,10 +20,16 @@ if str(ROOT / "oracle") not in sys.path:
     sys.path.insert(0, str(ROOT / "oracle"))
 
 MODEL = ROOT / "fixtures/tiny-qwen3-moe"
-TOKENS = next(p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"] if p["id"] == "long")
+TOKENS = next(
+    p["tokens"]
+    for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]
+    if p["id"] == "long"
+)
 DIFF, _why_diff = release_binary("trace-diff")
 ENGINE, _why_engine = release_binary("engine")
-needs_binaries = pytest.mark.skipif(bool(_why_diff or _why_engine), reason=f"{_why_diff or _why_engine}")
+needs_binaries = pytest.mark.skipif(
+    bool(_why_diff or _why_engine), reason=f"{_why_diff or _why_engine}"
+)
 
 # The flips observed on this fixture and prompt (bf16 oracle on CPU against the f32 engine), with
 # the label each must get: rounding moved these scores by more than half their gap.
@@ -38,13 +44,17 @@ FLIPS = {
 
 
 def diff(ref: Path, cand: Path, policy: str) -> tuple[int, dict, str]:
-    p = subprocess.run([DIFF, str(ref), str(cand), "--policy", policy, "--json"], capture_output=True, text=True)
+    p = subprocess.run(
+        [DIFF, str(ref), str(cand), "--policy", policy, "--json"], capture_output=True, text=True
+    )
     assert p.stdout, p.stderr
     return p.returncode, diff_report(p.stdout), p.stderr
 
 
 def headline(ref: Path, cand: Path, policy: str) -> str:
-    p = subprocess.run([DIFF, str(ref), str(cand), "--policy", policy], capture_output=True, text=True)
+    p = subprocess.run(
+        [DIFF, str(ref), str(cand), "--policy", policy], capture_output=True, text=True
+    )
     return p.stdout.splitlines()[0]
 
 
@@ -60,8 +70,24 @@ def traces(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("bf16-near-ties")
     engine = d / "engine.trace"
-    subprocess.run([ENGINE, "trace", "--model", str(MODEL), "--tokens", ",".join(map(str, TOKENS)), "--out", str(engine),
-                    "--capture", "internals", "--threads", "1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            ENGINE,
+            "trace",
+            "--model",
+            str(MODEL),
+            "--tokens",
+            ",".join(map(str, TOKENS)),
+            "--out",
+            str(engine),
+            "--capture",
+            "internals",
+            "--threads",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     # The calls the oracle's `trace` verb makes (cli.main), in this process: one model load.
     rc = cp.RunConfig(dtype="bf16", capture="internals")
     det = cp.setup_torch(rc)
@@ -78,8 +104,12 @@ def traces(tmp_path_factory):
 def test_bf16_run_passes_with_its_near_ties_named(traces):
     engine, oracle, _ = traces
     rc, rep, err = diff(engine, oracle, "bf16")
-    assert (rc, rep["verdict"]) == (0, "within_policy"), [f"{f['kind']} {f['tensor']}: {f['detail']}" for f in rep["findings"]][:8]
-    flips = {(r["name"], f["row"]): f["label"] for r in rep["decisions"]["results"] for f in r["flips"]}
+    assert (rc, rep["verdict"]) == (0, "within_policy"), [
+        f"{f['kind']} {f['tensor']}: {f['detail']}" for f in rep["findings"]
+    ][:8]
+    flips = {
+        (r["name"], f["row"]): f["label"] for r in rep["decisions"]["results"] for f in r["flips"]
+    }
     assert flips == FLIPS
     near = rep["decisions"]["near_ties"]
     excused = sorted((e["decision"], e["row"]) for e in near["excused"])
@@ -91,7 +121,9 @@ def test_bf16_run_passes_with_its_near_ties_named(traces):
     statuses = {r["tensor"]: r["status"] for r in rep["per_tensor"]}
     assert statuses["layer.03.expert.002.out"] in ("identical", "within_policy")
     first = headline(engine, oracle, "bf16")
-    assert first.startswith("WITHIN POLICY") and f"({len(excused)} near-ties excused: " in first, first
+    assert first.startswith("WITHIN POLICY") and f"({len(excused)} near-ties excused: " in first, (
+        first
+    )
     assert "rows after a near-tie not judged)" in first, first
 
 
@@ -99,8 +131,12 @@ def test_bf16_run_passes_with_its_near_ties_named(traces):
 def test_forced_to_the_engines_decisions_every_decision_is_equal_and_every_tensor_within(traces):
     engine, _, forced = traces
     rc, rep, err = diff(engine, forced, "bf16")
-    assert (rc, rep["verdict"]) == (0, "within_policy"), [f"{f['kind']} {f['tensor']}" for f in rep["findings"]][:8]
-    assert [r["name"] for r in rep["decisions"]["results"] if r["differing_rows"] or r["reordered_rows"]] == []
+    assert (rc, rep["verdict"]) == (0, "within_policy"), [
+        f"{f['kind']} {f['tensor']}" for f in rep["findings"]
+    ][:8]
+    assert [
+        r["name"] for r in rep["decisions"]["results"] if r["differing_rows"] or r["reordered_rows"]
+    ] == []
     assert {r["status"] for r in rep["per_tensor"]} <= {"identical", "within_policy"}
     assert rep["decisions"]["near_ties"]["excused"] == []
 

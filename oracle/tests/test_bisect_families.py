@@ -5,6 +5,7 @@ one layer's MLP down projection is scaled by 1.1 (the weights file, hence its di
 a port that computes that layer wrong). Slow-ish: each producer run is a Python process (4 for
 the planted bisection, 2 for the control).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,31 @@ def _gate() -> str:
 def _bisect(tmp: Path, model: Path, layer: int, scale: float, *extra: str) -> dict:
     report = tmp / f"report-{layer}-{scale}.json"
     cmd = f"'{sys.executable}' '{CANDIDATE}' --scale-mlp {layer}:{scale} {{verb|serve}} {{args}}"
-    r = subprocess.run([_gate(), "bisect", "--model", str(model), "--tokens", ",".join(map(str, TOKENS)),
-                        "--reference", "oracle", "--candidate", "cmd", "--candidate-cmd", cmd,
-                        "--work", str(tmp / f"work-{layer}-{scale}"), "--report", str(report), *extra],
-                       capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT)
+    r = subprocess.run(
+        [
+            _gate(),
+            "bisect",
+            "--model",
+            str(model),
+            "--tokens",
+            ",".join(map(str, TOKENS)),
+            "--reference",
+            "oracle",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            cmd,
+            "--work",
+            str(tmp / f"work-{layer}-{scale}"),
+            "--report",
+            str(report),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=ROOT,
+    )
     assert report.exists(), r.stderr
     rep = json.loads(report.read_text())
     assert rep["exit_code"] == r.returncode, (rep["summary"], r.stderr)
@@ -56,7 +78,9 @@ def gemma(tmp_path_factory):
 def test_bisect_against_oracle_finds_planted_layer_in_gemma3(gemma, tmp_path):
     rep = _bisect(tmp_path, gemma, 1, 1.1)
     assert rep["verdict"] == "wrong_layer" and rep["exit_code"] == 1, rep["summary"]
-    assert rep["first_wrong_layer"] == 1 and rep["stage"]["tensor"] == "layer.01.mlp_out", rep["summary"]
+    assert rep["first_wrong_layer"] == 1 and rep["stage"]["tensor"] == "layer.01.mlp_out", rep[
+        "summary"
+    ]
     assert rep["stage"]["matching"] == ["hidden_in", "attn_out"]
 
 

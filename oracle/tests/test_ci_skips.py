@@ -1,5 +1,6 @@
 """The root conftest.py's CI rule, run on a throwaway test tree: outside CI a skip is a skip
 (listed with its reason), with CI=true every kind of skip fails the run and prints its reason."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 SKIPPING = {
-    "test_a.py": '''
+    "test_a.py": """
 import pytest
 
 def test_passes():
@@ -34,14 +35,14 @@ def test_fixture(fx):
 @pytest.mark.xfail(reason="reason-xfail", strict=True)
 def test_expected_failure():
     assert False
-''',
-    "test_b.py": '''
+""",
+    "test_b.py": """
 import pytest
 pytest.importorskip("tracegate_no_such_module", reason="reason-module")
 
 def test_never_collected():
     pass
-''',
+""",
 }
 REASONS = ["reason-body", "reason-marker", "reason-fixture", "reason-module"]
 
@@ -50,12 +51,20 @@ def _pytest(tmp: Path, ci: str | None):
     for name, text in SKIPPING.items():
         (tmp / name).write_text(text)
     shutil.copy(ROOT / "conftest.py", tmp / "conftest.py")
-    shutil.copy(ROOT / "pytest.ini", tmp / "pytest.ini")  # the repo's flags (-rfEs); its testpaths yield to the path given
+    shutil.copy(
+        ROOT / "pytest.ini", tmp / "pytest.ini"
+    )  # the repo's flags (-rfEs); its testpaths yield to the path given
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
-    return subprocess.run([sys.executable, "-m", "pytest", str(tmp)], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", str(tmp)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_outside_ci_skips_are_skips_with_reasons(tmp_path):

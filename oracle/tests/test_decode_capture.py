@@ -10,6 +10,7 @@ a full recompute, or that a prefix run as one block fills the cache with the bit
 row: those are judged by the oracle-default policy's bound for the point (relative L2), and the
 measured worst values are printed (-s) and listed in oracle/README.md.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -68,11 +69,18 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("decode")
     out = {}
     for s in SUBJECTS:
-        d, prompt = ({"tiny-qwen3": DENSE, "tiny-qwen3-moe": MOE}[s], PROMPT) if s.startswith("tiny") else \
-            (make_checkpoint(s, base / s), TOKENS)
+        d, prompt = (
+            ({"tiny-qwen3": DENSE, "tiny-qwen3-moe": MOE}[s], PROMPT)
+            if s.startswith("tiny")
+            else (make_checkpoint(s, base / s), TOKENS)
+        )
         model = cp.load_model(d, cp.RunConfig())
-        on, off = (cp.capture_prompt(model, d, prompt, cp.RunConfig(capture="internals", generate=N, cache=c))
-                   for c in ("on", "off"))
+        on, off = (
+            cp.capture_prompt(
+                model, d, prompt, cp.RunConfig(capture="internals", generate=N, cache=c)
+            )
+            for c in ("on", "off")
+        )
         out[s] = (d, model, prompt, on, off)
     return out
 
@@ -92,7 +100,12 @@ def expected_decode_names(layers: int) -> list[str]:
 @pytest.mark.parametrize("subject", SUBJECTS)
 def test_decode_tensors_names_order_attributes(runs, subject):
     d, model, prompt, on, off = runs[subject]
-    n, layers, H, V = len(prompt), model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size
+    n, layers, H, V = (
+        len(prompt),
+        model.config.num_hidden_layers,
+        model.config.hidden_size,
+        model.config.vocab_size,
+    )
     layer_masks = masks(subject, layers)
     for cap in (on, off):
         first = next(i for i, r in enumerate(cap.tensors) if r.name.startswith("decode."))
@@ -102,14 +115,19 @@ def test_decode_tensors_names_order_attributes(runs, subject):
             s = int(r.name[7:11])
             L = int(r.name[18:20]) if ".layer." in r.name else None
             assert r.array.shape == ((1, V) if r.name.endswith("logits") else (1, H)), r.name
-            assert r.attrs == {"path": "decode", "positions": [n + s - 1],
-                               "mask": "causal" if L is None else layer_masks[L]}, r.name
+            assert r.attrs == {
+                "path": "decode",
+                "positions": [n + s - 1],
+                "mask": "causal" if L is None else layer_masks[L],
+            }, r.name
             assert r.dtype is None and r.array.dtype == np.float32
         # Step 0 decides from the prompt's last logits row: the same forward, the same bits.
         np.testing.assert_array_equal(cap["decode.0000.logits"].array, cap["logits"].array[-1:])
         # Each step's decision is the argmax of its recorded row (lowest index on a tie, as np.argmax).
         for s in range(N):
-            assert cap.decision(f"decode.{s:04d}.argmax").values[0] == np.argmax(cap[f"decode.{s:04d}.logits"].array[0])
+            assert cap.decision(f"decode.{s:04d}.argmax").values[0] == np.argmax(
+                cap[f"decode.{s:04d}.logits"].array[0]
+            )
 
 
 @pytest.mark.parametrize("subject", SUBJECTS)
@@ -129,7 +147,9 @@ def test_cached_and_uncached_agree_within_policy(runs, subject):
         e = rel(r.array, b)
         assert e <= bound(r.name), (r.name, e)
         worst = max(worst, (e, r.name))
-    print(f"{subject}: cached vs uncached, {equal}/{len(dec)} decode tensors bit-equal, worst rel L2 {worst[0]:.2e} ({worst[1]})")
+    print(
+        f"{subject}: cached vs uncached, {equal}/{len(dec)} decode tensors bit-equal, worst rel L2 {worst[0]:.2e} ({worst[1]})"
+    )
 
 
 def _planted_position_plus_one(model):
@@ -151,11 +171,15 @@ def test_negative_control_position_off_by_one_in_the_cached_step_is_caught(runs)
     d, model, prompt, _, off = runs["tiny-qwen3"]
     undo = _planted_position_plus_one(model)
     try:
-        bad = cp.capture_prompt(model, d, prompt, cp.RunConfig(capture="internals", generate=2, cache="on"))
+        bad = cp.capture_prompt(
+            model, d, prompt, cp.RunConfig(capture="internals", generate=2, cache="on")
+        )
     finally:
         undo()
     name = "decode.0001.layer.00.attn_out"
-    np.testing.assert_array_equal(bad["decode.0000.logits"].array, off["decode.0000.logits"].array)  # prefill untouched
+    np.testing.assert_array_equal(
+        bad["decode.0000.logits"].array, off["decode.0000.logits"].array
+    )  # prefill untouched
     assert rel(bad[name].array, off[name].array) > bound(name)
     ref = _contract_rows(d, prompt + [int(bad.decision("decode.0000.argmax").values[0])])
     assert rel(bad[name].array, ref["layer.00.attn_out"][-1:]) > bound(name)
@@ -187,7 +211,7 @@ def test_decode_rows_agree_with_the_contract(runs, subject):
         for r in cap.tensors:
             if r.name.startswith("decode."):
                 s = int(r.name[7:11])
-                want = ref[r.name[12:]][n + s - 1:n + s]
+                want = ref[r.name[12:]][n + s - 1 : n + s]
                 e = rel(r.array, want)
                 assert e <= bound(r.name), (cap.provenance["cache"], r.name, e)
                 worst = max(worst, (e, r.name))
@@ -201,7 +225,9 @@ def _hidden_in(cap, L: int, steps: int) -> np.ndarray:
     """Layer L's input rows at positions 0..n+steps-1 of a whole run: the prefill rows, then
     decode steps 1..steps (what gate bisect --generate feeds)."""
     rows = [cap[f"layer.{L:02d}.hidden_in"].array]
-    return np.concatenate(rows + [cap[f"decode.{s:04d}.layer.{L:02d}.hidden_in"].array for s in range(1, steps + 1)])
+    return np.concatenate(
+        rows + [cap[f"decode.{s:04d}.layer.{L:02d}.hidden_in"].array for s in range(1, steps + 1)]
+    )
 
 
 @pytest.mark.parametrize("subject", SUBJECTS)
@@ -214,27 +240,48 @@ def test_decode_from_reproduces_the_cached_run(runs, subject):
     worst = (0.0, "")
     for L in range(layers):
         x = _hidden_in(on, L, N - 1)
-        c = cp.capture_layer(model, d, L, x, list(range(len(x))), cp.RunConfig(capture="internals"), decode_from=n,
-                             source={"input_name": "x"})
+        c = cp.capture_layer(
+            model,
+            d,
+            L,
+            x,
+            list(range(len(x))),
+            cp.RunConfig(capture="internals"),
+            decode_from=n,
+            source={"input_name": "x"},
+        )
         assert c.names == [f"layer.{L:02d}.{p}" for p in POINTS]  # no internals under --decode-from
         for r in c.tensors:
-            assert r.attrs == {"path": "layer", "positions": list(range(n, n + N - 1)), "decode_from": str(n),
-                               "mask": masks(subject, layers)[L]}, r.name
+            assert r.attrs == {
+                "path": "layer",
+                "positions": list(range(n, n + N - 1)),
+                "decode_from": str(n),
+                "mask": masks(subject, layers)[L],
+            }, r.name
             want = np.concatenate([on[f"decode.{s:04d}.{r.name}"].array for s in range(1, N)])
             np.testing.assert_array_equal(r.array, want, err_msg=r.name)
-        assert c.provenance["verb"] == "layer" and c.provenance["decode_from"] == n and not c.decisions
+        assert (
+            c.provenance["verb"] == "layer" and c.provenance["decode_from"] == n and not c.decisions
+        )
         for s in range(1, N):
             xs = _hidden_in(on, L, s)
-            one = cp.capture_layer(model, d, L, xs, list(range(len(xs))), cp.RunConfig(), decode_from=n + s - 1)
+            one = cp.capture_layer(
+                model, d, L, xs, list(range(len(xs))), cp.RunConfig(), decode_from=n + s - 1
+            )
             for p in POINTS:
-                got, want = one[f"layer.{L:02d}.{p}"].array, on[f"decode.{s:04d}.layer.{L:02d}.{p}"].array
+                got, want = (
+                    one[f"layer.{L:02d}.{p}"].array,
+                    on[f"decode.{s:04d}.layer.{L:02d}.{p}"].array,
+                )
                 assert got.shape == want.shape == (1, model.config.hidden_size)
                 if s == 1:
                     np.testing.assert_array_equal(got, want, err_msg=f"{L} {p}")
                 e = rel(got, want)
                 assert e <= bound(f"layer.{L:02d}.{p}"), (s, L, p, e)
                 worst = max(worst, (e, f"step {s} layer {L} {p}"))
-    print(f"{subject}: decode-from n+s-1 vs the cached run, worst rel L2 {worst[0]:.2e} ({worst[1]})")
+    print(
+        f"{subject}: decode-from n+s-1 vs the cached run, worst rel L2 {worst[0]:.2e} ({worst[1]})"
+    )
 
 
 @pytest.mark.parametrize("subject", ["tiny-qwen3", "gemma3_text", "mistral"])
@@ -248,8 +295,12 @@ def test_negative_control_shifted_prefix_is_caught(runs, subject):
     shifted[: n + s - 1] = np.roll(x[: n + s - 1], 1, axis=0)
     name = f"layer.{L:02d}.attn_out"
     want = on[f"decode.{s:04d}.{name}"].array
-    good = cp.capture_layer(model, d, L, x, list(range(len(x))), cp.RunConfig(), decode_from=n + s - 1)
-    bad = cp.capture_layer(model, d, L, shifted, list(range(len(x))), cp.RunConfig(), decode_from=n + s - 1)
+    good = cp.capture_layer(
+        model, d, L, x, list(range(len(x))), cp.RunConfig(), decode_from=n + s - 1
+    )
+    bad = cp.capture_layer(
+        model, d, L, shifted, list(range(len(x))), cp.RunConfig(), decode_from=n + s - 1
+    )
     assert rel(good[name].array, want) <= bound(name)
     assert rel(bad[name].array, want) > bound(name)
 
@@ -270,8 +321,24 @@ def test_cli_trace_and_layer_decode_from_write_what_they_captured(runs, tmp_path
     d, model, prompt, on, _ = runs["tiny-qwen3"]
     n = len(prompt)
     out = tmp_path / "t.trace"
-    assert main(["trace", "--model", str(d), "--tokens", ",".join(map(str, prompt)), "--out", str(out),
-                 "--capture", "internals", "--generate", str(N)]) == 0
+    assert (
+        main(
+            [
+                "trace",
+                "--model",
+                str(d),
+                "--tokens",
+                ",".join(map(str, prompt)),
+                "--out",
+                str(out),
+                "--capture",
+                "internals",
+                "--generate",
+                str(N),
+            ]
+        )
+        == 0
+    )
     t = tg.Trace(str(out))
     t.verify()
     assert t.names == on.names
@@ -280,8 +347,28 @@ def test_cli_trace_and_layer_decode_from_write_what_they_captured(runs, tmp_path
         np.testing.assert_array_equal(np.asarray(t[name]), on[name].array)
     inp = _write(tmp_path / "in.trace", "rows", _hidden_in(on, 2, N - 1), list(range(n + N - 1)))
     lo = tmp_path / "l.trace"
-    assert main(["layer", "--model", str(d), "--layer", "2", "--input", str(inp), "--input-name", "rows",
-                 "--out", str(lo), "--capture", "internals", "--decode-from", str(n)]) == 0
+    assert (
+        main(
+            [
+                "layer",
+                "--model",
+                str(d),
+                "--layer",
+                "2",
+                "--input",
+                str(inp),
+                "--input-name",
+                "rows",
+                "--out",
+                str(lo),
+                "--capture",
+                "internals",
+                "--decode-from",
+                str(n),
+            ]
+        )
+        == 0
+    )
     t = tg.Trace(str(lo))
     t.verify()
     assert t.names == [f"layer.02.{p}" for p in POINTS]
@@ -300,26 +387,73 @@ def test_decode_from_refusals(runs, tmp_path, capsys):
     m = len(x)
     ok_pos, gap_pos, late_pos = list(range(m)), [*range(m - 1), m], list(range(3, m + 3))
     ok = _write(tmp_path / "ok.trace", "rows", x, ok_pos)
-    cases = [(gap_pos, 3, f"--input-name rows: --decode-from needs rows at positions 0..{m - 1} in order; "
-                          f"row {m - 1} is at position {m}"),
-             (late_pos, 3, "--input-name rows: --decode-from needs rows at positions 0..15 in order; row 0 is at position 3"
-              .replace("15", str(m - 1))),  # a --decode-from output's positions
-             (ok_pos, m, f"--decode-from {m}: must be in 0..{m - 1} (--input-name rows has {m} rows)"),
-             (ok_pos, -1, f"--decode-from -1: must be in 0..{m - 1}")]
-    base = ["layer", "--model", str(d), "--layer", "0", "--input-name", "rows", "--out", str(tmp_path / "x.trace")]
+    cases = [
+        (
+            gap_pos,
+            3,
+            f"--input-name rows: --decode-from needs rows at positions 0..{m - 1} in order; "
+            f"row {m - 1} is at position {m}",
+        ),
+        (
+            late_pos,
+            3,
+            "--input-name rows: --decode-from needs rows at positions 0..15 in order; row 0 is at position 3".replace(
+                "15", str(m - 1)
+            ),
+        ),  # a --decode-from output's positions
+        (ok_pos, m, f"--decode-from {m}: must be in 0..{m - 1} (--input-name rows has {m} rows)"),
+        (ok_pos, -1, f"--decode-from -1: must be in 0..{m - 1}"),
+    ]
+    base = [
+        "layer",
+        "--model",
+        str(d),
+        "--layer",
+        "0",
+        "--input-name",
+        "rows",
+        "--out",
+        str(tmp_path / "x.trace"),
+    ]
     for i, (positions, P, msg) in enumerate(cases):
         path = _write(tmp_path / f"{i}.trace", "rows", x, positions)
         assert main([*base, "--input", str(path), "--decode-from", str(P)]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
         with pytest.raises(OracleError, match=re.escape(msg)):
-            cp.capture_layer(model, d, 0, x, positions, cp.RunConfig(), decode_from=P, source={"input_name": "rows"})
+            cp.capture_layer(
+                model,
+                d,
+                0,
+                x,
+                positions,
+                cp.RunConfig(),
+                decode_from=P,
+                source={"input_name": "rows"},
+            )
     assert not (tmp_path / "x.trace").exists()
     # The exit status of the process itself (refused before torch is imported: a fraction of a second).
-    r = subprocess.run([sys.executable, "-m", "tracegate_oracle", *base, "--input", str(ok), "--decode-from", str(m)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"--decode-from {m}: must be in" in r.stderr, r.stderr
-
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tracegate_oracle",
+            *base,
+            "--input",
+            str(ok),
+            "--decode-from",
+            str(m),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.count("\n") == 1
+        and f"--decode-from {m}: must be in" in r.stderr
+    ), r.stderr
 
 
 def test_decode_from_forced_by_the_runs_own_trace(runs, tmp_path):
@@ -334,9 +468,32 @@ def test_decode_from_forced_by_the_runs_own_trace(runs, tmp_path):
     ref = tmp_path / "own.trace"
     cp.write_trace(on, ref)
     x = _hidden_in(on, L, N - 1)
-    c = cp.capture_layer(model, d, L, x, list(range(len(x))), cp.RunConfig(), decode_from=n, forcing=Forcing(str(ref)))
+    c = cp.capture_layer(
+        model,
+        d,
+        L,
+        x,
+        list(range(len(x))),
+        cp.RunConfig(),
+        decode_from=n,
+        forcing=Forcing(str(ref)),
+    )
     assert c.provenance["forced_decisions"]["rows_overridden"] == 0
-    np.testing.assert_array_equal(c[f"layer.{L:02d}.mlp_out"].array,
-                                  np.concatenate([on[f"decode.{s:04d}.layer.{L:02d}.mlp_out"].array for s in range(1, N)]))
-    with pytest.raises(OracleError, match=f"decision layer.01.router.topk has {n} rows, the input holds position {n}"):
-        cp.capture_layer(model, d, L, x, list(range(len(x))), cp.RunConfig(), decode_from=n + 1, forcing=Forcing(str(ref)))
+    np.testing.assert_array_equal(
+        c[f"layer.{L:02d}.mlp_out"].array,
+        np.concatenate([on[f"decode.{s:04d}.layer.{L:02d}.mlp_out"].array for s in range(1, N)]),
+    )
+    with pytest.raises(
+        OracleError,
+        match=f"decision layer.01.router.topk has {n} rows, the input holds position {n}",
+    ):
+        cp.capture_layer(
+            model,
+            d,
+            L,
+            x,
+            list(range(len(x))),
+            cp.RunConfig(),
+            decode_from=n + 1,
+            forcing=Forcing(str(ref)),
+        )

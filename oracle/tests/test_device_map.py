@@ -12,6 +12,7 @@
    run's bit for bit, accelerate's hooks survive the capture, and the provenance's map is
    transformers' hf_device_map. The GPU run itself is recorded in oracle/README.md.
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,8 +49,12 @@ def refusal(capsys, args: list[str]) -> str:
 
 def test_refusals(capsys, tmp_path):
     out = ["--out", str(tmp_path / "x.trace")]
-    assert "--device-map auto: needs --device cuda" in refusal(capsys, [*out, "--device-map", "auto"])
-    assert "--max-memory: only with --device-map auto" in refusal(capsys, [*out, "--max-memory", "0=1GiB"])
+    assert "--device-map auto: needs --device cuda" in refusal(
+        capsys, [*out, "--device-map", "auto"]
+    )
+    assert "--max-memory: only with --device-map auto" in refusal(
+        capsys, [*out, "--max-memory", "0=1GiB"]
+    )
     # Accepted forms of the same options pass these checks (negative control).
     cp.check_device_map(cp.RunConfig(device="cuda", device_map="auto", max_memory={0: "1GiB"}))
     if torch.cuda.is_available():
@@ -80,8 +85,16 @@ def test_taps_under_accelerates_dispatch_equal_the_plain_run(tmp_path):
 
     lay = resolve(model)
     moe = lay.moe_layers[0]
-    dmap = {"model.embed_tokens": "cpu", "lm_head": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-            **{f"model.layers.{L}": "disk" if L in (moe, len(lay.layers) - 1) else "cpu" for L in range(len(lay.layers))}}
+    dmap = {
+        "model.embed_tokens": "cpu",
+        "lm_head": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        **{
+            f"model.layers.{L}": "disk" if L in (moe, len(lay.layers) - 1) else "cpu"
+            for L in range(len(lay.layers))
+        },
+    }
     accelerate.dispatch_model(model, device_map=dmap, offload_dir=str(tmp_path / "offload"))
     experts, router = lay.experts(moe), lay.router(moe)
     # The condition under test: weights not in place between forwards, accelerate's forward on the modules.
@@ -89,16 +102,20 @@ def test_taps_under_accelerates_dispatch_equal_the_plain_run(tmp_path):
     hooked = experts.__dict__["forward"], router.__dict__["forward"]
 
     off = cp.capture_prompt(model, MOE, PROMPT, rc, det)
-    forced = cp.capture_prompt(model, MOE, PROMPT, rc, det, forcing=Forcing(str(tmp_path / "plain.trace")))
+    forced = cp.capture_prompt(
+        model, MOE, PROMPT, rc, det, forcing=Forcing(str(tmp_path / "plain.trace"))
+    )
     assert (experts.__dict__["forward"], router.__dict__["forward"]) == hooked
     assert any(n.startswith(f"layer.{moe:02d}.expert.") for n in off.names)
     for cap in (off, forced):
         assert cap.names == plain.names
-        for a, b in zip(plain.tensors, cap.tensors):
+        for a, b in zip(plain.tensors, cap.tensors, strict=False):
             assert a.array.dtype == b.array.dtype and np.array_equal(a.array, b.array), a.name
         assert [d.name for d in cap.decisions] == [d.name for d in plain.decisions]
-        for a, b in zip(plain.decisions, cap.decisions):
-            assert np.array_equal(a.values, b.values) and np.array_equal(a.margins, b.margins), a.name
+        for a, b in zip(plain.decisions, cap.decisions, strict=False):
+            assert np.array_equal(a.values, b.values) and np.array_equal(a.margins, b.margins), (
+                a.name
+            )
 
     prov = cp._device_map_provenance(model, cp.RunConfig(device="cpu", device_map="auto"))
     assert prov["modules"] == dmap and prov["reported_by"] == "model.hf_device_map"

@@ -4,6 +4,7 @@ generated here from transformers' own config classes (no network, nothing commit
 Expected names, masks and shapes are written out below from the modeling files, not derived from
 the oracle's table; decisions are checked against what transformers' own modules returned.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,25 +29,60 @@ from tracegate_oracle.families import FAMILIES, resolve  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 H, V, T, W = 32, 128, 9, 4  # hidden, vocab, prompt length, sliding window (< T, so it matters)
-BASE = dict(vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, initializer_range=0.2)
+BASE = dict(
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+)
 MOE = dict(num_experts_per_tok=2)
 
 # family: (config class, extra config, expected mask per layer, MoE layers, tied head)
 CASES = {
     "llama": ("LlamaConfig", {}, ["causal"] * 3, [], False),
     "mistral": ("MistralConfig", {"sliding_window": W}, [f"sliding:{W}"] * 3, [], False),
-    "qwen2": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1},
-              ["causal", f"sliding:{W}", f"sliding:{W}"], [], False),
-    "qwen3": ("Qwen3Config", {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1},
-              ["causal", f"sliding:{W}", f"sliding:{W}"], [], False),
-    "qwen3_moe": ("Qwen3MoeConfig", {**MOE, "num_experts": 4, "moe_intermediate_size": 24, "mlp_only_layers": [0]},
-                  ["causal"] * 3, [1, 2], False),
-    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": W, "query_pre_attn_scalar": 8,
-                                         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-                                         "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0},
-                    [f"sliding:{W}", f"sliding:{W}", "causal"], [], True),
+    "qwen2": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1},
+        ["causal", f"sliding:{W}", f"sliding:{W}"],
+        [],
+        False,
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1},
+        ["causal", f"sliding:{W}", f"sliding:{W}"],
+        [],
+        False,
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {**MOE, "num_experts": 4, "moe_intermediate_size": 24, "mlp_only_layers": [0]},
+        ["causal"] * 3,
+        [1, 2],
+        False,
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "sliding_window": W,
+            "query_pre_attn_scalar": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "final_logit_softcapping": 3.0,
+            "attn_logit_softcapping": 5.0,
+        },
+        [f"sliding:{W}", f"sliding:{W}", "causal"],
+        [],
+        True,
+    ),
     "olmo2": ("Olmo2Config", {}, ["causal"] * 3, [], False),
     "phi3": ("Phi3Config", {}, ["causal"] * 3, [], False),
     "mixtral": ("MixtralConfig", {**MOE, "num_local_experts": 4}, ["causal"] * 3, [0, 1, 2], False),
@@ -82,7 +118,11 @@ def runs(ckpts):
         lay = resolve(model)
         seen, hs = {}, []
         for L in lay.moe_layers:
-            hs.append(lay.router(L).register_forward_hook(lambda mod, a, o, L=L: seen.__setitem__(L, o)))
+            hs.append(
+                lay.router(L).register_forward_hook(
+                    lambda mod, a, o, L=L, seen=seen: seen.__setitem__(L, o)
+                )
+            )
         try:
             cap = cp.capture_prompt(model, ckpts[f], TOKENS, RC)
         finally:
@@ -127,7 +167,9 @@ def test_decisions_are_the_models_own(runs, fam):
     np.testing.assert_allclose(d.margins, top2[:, 0] - top2[:, 1], rtol=0, atol=0)
     moe = CASES[fam][3]
     assert sorted(seen) == moe
-    assert sorted(n for n in (x.name for x in cap.decisions) if "router" in n) == [f"layer.{L:02d}.router.topk" for L in moe]
+    assert sorted(n for n in (x.name for x in cap.decisions) if "router" in n) == [
+        f"layer.{L:02d}.router.topk" for L in moe
+    ]
     for L in moe:
         rl, _, idx = seen[L]
         dec = cap.decision(f"layer.{L:02d}.router.topk")
@@ -167,13 +209,15 @@ def test_residual_sum_holds_except_where_documented(runs, fam):
     for L in range(3):
         p = f"layer.{L:02d}"
         s = (cap[f"{p}.hidden_in"].array + cap[f"{p}.attn_out"].array) + cap[f"{p}.mlp_out"].array
-        assert np.array_equal(s, cap[f"{p}.hidden_out"].array) is (fam not in ("gemma3_text", "olmo2")), (fam, L)
+        assert np.array_equal(s, cap[f"{p}.hidden_out"].array) is (
+            fam not in ("gemma3_text", "olmo2")
+        ), (fam, L)
 
 
 def test_family_differences_are_in_provenance(runs):
     g = runs["gemma3_text"][1].provenance["family"]
     assert g["final_logit_softcapping"] == 3.0 and g["attn_logit_softcapping"] == 5.0
-    assert g["embed_scale"] == pytest.approx(H ** 0.5) and g["tied_head"] is True
+    assert g["embed_scale"] == pytest.approx(H**0.5) and g["tied_head"] is True
     assert g["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
     for f in FAMS:
         fam = runs[f][1].provenance["family"]
@@ -188,9 +232,13 @@ def test_layer_reproduces_the_whole_run_bit_for_bit(ckpts, runs, fam):
     model, cap, _, _ = runs[fam]
     x = cap["layer.01.hidden_in"].array
     one = cp.capture_layer(model, ckpts[fam], 1, x, list(range(T)), RC)
-    assert one.names == [f"layer.01.{p}" for p in ("hidden_in", "attn_out", "mlp_out", "hidden_out")]
+    assert one.names == [
+        f"layer.01.{p}" for p in ("hidden_in", "attn_out", "mlp_out", "hidden_out")
+    ]
     assert one["layer.01.hidden_out"].attrs["mask"] == CASES[fam][2][1]
-    np.testing.assert_array_equal(one["layer.01.hidden_out"].array, cap["layer.01.hidden_out"].array)
+    np.testing.assert_array_equal(
+        one["layer.01.hidden_out"].array, cap["layer.01.hidden_out"].array
+    )
 
 
 @pytest.mark.parametrize("fam", ["gemma3_text", "qwen3", "mistral"])
@@ -204,10 +252,17 @@ def test_negative_control_wrong_mask_or_rope_changes_the_layer(runs, fam):
     x = torch.from_numpy(cap["layer.01.hidden_in"].array.copy())[None]
     pos = torch.arange(T)[None]
     good = cap["layer.01.hidden_out"].array
-    causal = mu.create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None,
-                                   past_key_values=None, position_ids=pos)
+    causal = mu.create_causal_mask(
+        config=model.config,
+        inputs_embeds=x,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=pos,
+    )
     with torch.no_grad():
-        out = lay.layers[1](x, attention_mask=causal, position_ids=pos, position_embeddings=lay.rope(x, pos, 1))
+        out = lay.layers[1](
+            x, attention_mask=causal, position_ids=pos, position_embeddings=lay.rope(x, pos, 1)
+        )
         assert not np.array_equal((out[0] if isinstance(out, tuple) else out)[0].numpy(), good)
         if fam == "gemma3_text":
             sliding = cp._layer_mask(model, 1, x, pos)
@@ -235,7 +290,11 @@ def _first_flip(c32, c16):
         if not len(rows):
             continue
         scale = 1.0 if "router" in d32.name else np.abs(c32["logits"].array[rows]).max(-1)
-        assert (d32.margins[rows] < BF16_MAX_REL_L2 * scale).all(), (d32.name, rows, d32.margins[rows])
+        assert (d32.margins[rows] < BF16_MAX_REL_L2 * scale).all(), (
+            d32.name,
+            rows,
+            d32.margins[rows],
+        )
         fed = d32.name.replace("router.topk", "mlp_out") if "router" in d32.name else "logits"
         first = first or fed
     return first
@@ -306,11 +365,16 @@ def test_load_refuses_a_family_not_in_the_table(tmp_path):
     but is not in the table, so it is refused in one line naming its model_type."""
     cfg = transformers.GPT2Config(vocab_size=V, n_embd=H, n_layer=2, n_head=4, n_positions=64)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(
+        tmp_path, safe_serialization=True
+    )
     with pytest.raises(OracleError) as e:
         cp.load_model(tmp_path, RC)
     msg = str(e.value)
-    assert "model_type 'gpt2' (GPT2LMHeadModel) is not in the oracle's family table" in msg and "\n" not in msg
+    assert (
+        "model_type 'gpt2' (GPT2LMHeadModel) is not in the oracle's family table" in msg
+        and "\n" not in msg
+    )
 
 
 def test_structure_mismatch_refused_naming_the_module(runs):
@@ -319,7 +383,9 @@ def test_structure_mismatch_refused_naming_the_module(runs):
     norm = layer.post_feedforward_layernorm
     del layer.post_feedforward_layernorm
     try:
-        with pytest.raises(OracleError, match=r"no norm \(model\.layers\.2\) module `post_feedforward_layernorm`"):
+        with pytest.raises(
+            OracleError, match=r"no norm \(model\.layers\.2\) module `post_feedforward_layernorm`"
+        ):
             resolve(model)
     finally:
         layer.post_feedforward_layernorm = norm
@@ -345,13 +411,33 @@ def test_cli_layer_on_gemma3(ckpts, runs, tmp_path):
     whole, one = tmp_path / "w.trace", tmp_path / "l.trace"
     cp.write_trace(runs["gemma3_text"][1], whole)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "oracle"), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "tracegate_oracle", "layer", "--model", str(d), "--out", str(one),
-                        "--layer", "1", "--input", str(whole), "--input-name", "layer.01.hidden_in"],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tracegate_oracle",
+            "layer",
+            "--model",
+            str(d),
+            "--out",
+            str(one),
+            "--layer",
+            "1",
+            "--input",
+            str(whole),
+            "--input-name",
+            "layer.01.hidden_in",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     a, b = tracegate.Trace(str(whole)), tracegate.Trace(str(one))
     assert b.attributes("layer.01.hidden_out")["mask"] == f"sliding:{W}"
-    np.testing.assert_array_equal(np.asarray(a["layer.01.hidden_out"]), np.asarray(b["layer.01.hidden_out"]))
+    np.testing.assert_array_equal(
+        np.asarray(a["layer.01.hidden_out"]), np.asarray(b["layer.01.hidden_out"])
+    )
 
 
 def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
@@ -372,8 +458,22 @@ def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
         d = tmp_path / mt
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**base, "model_type": mt}))
-        r = subprocess.run([engine, "trace", "--model", str(d), "--tokens", "1,2", "--out", str(d / "x.trace"),
-                            "--capture", "default"], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                engine,
+                "trace",
+                "--model",
+                str(d),
+                "--tokens",
+                "1,2",
+                "--out",
+                str(d / "x.trace"),
+                "--capture",
+                "default",
+            ],
+            capture_output=True,
+            text=True,
+        )
         with pytest.raises(ContractError) as e:
             parse_config({**base, "model_type": mt})
         for msg in (r.stderr.strip(), str(e.value)):

@@ -15,9 +15,21 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_regenerated_fixture_is_byte_identical(tmp_path, preset):
     out = tmp_path / preset
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_fixtures.py"), preset, "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "make_fixtures.py"),
+            preset,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     committed = os.path.join(ROOT, "fixtures", preset)
     for name in ("config.json", "model.safetensors"):
-        assert filecmp.cmp(out / name, os.path.join(committed, name), shallow=False), f"{preset}/{name} differs from a fresh regeneration"
+        assert filecmp.cmp(out / name, os.path.join(committed, name), shallow=False), (
+            f"{preset}/{name} differs from a fresh regeneration"
+        )

@@ -1,9 +1,9 @@
 """Oracle tests on the committed fixtures (CPU, fp32 unless said). Run from the repo root:
-    .venv/bin/python -m pytest oracle
+.venv/bin/python -m pytest oracle
 """
+
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -27,7 +27,14 @@ from tracegate_oracle import capture as cp  # noqa: E402
 DENSE = ROOT / "fixtures" / "tiny-qwen3"
 MOE = ROOT / "fixtures" / "tiny-qwen3-moe"
 RC = cp.RunConfig(capture="internals")
-TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, 499, 37)] + [5, 5, 5, 9, 5, 5]  # with repeats
+TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, 499, 37)] + [
+    5,
+    5,
+    5,
+    9,
+    5,
+    5,
+]  # with repeats
 
 
 def _tracegate():
@@ -85,10 +92,14 @@ def assert_same_bits(a: cp.Capture, b: cp.Capture) -> None:
     assert a.names == b.names
     assert [d.name for d in a.decisions] == [d.name for d in b.decisions]
     # Bits, not values: -0.0 == 0.0 and NaN != NaN under ==.
-    differ = [r.name for r, s in zip(a.tensors, b.tensors)
-              if (r.dtype, r.array.dtype, r.array.shape, r.array.tobytes()) != (s.dtype, s.array.dtype, s.array.shape, s.array.tobytes())]
+    differ = [
+        r.name
+        for r, s in zip(a.tensors, b.tensors, strict=False)
+        if (r.dtype, r.array.dtype, r.array.shape, r.array.tobytes())
+        != (s.dtype, s.array.dtype, s.array.shape, s.array.tobytes())
+    ]
     assert differ == []
-    for x, y in zip(a.decisions, b.decisions):
+    for x, y in zip(a.decisions, b.decisions, strict=False):
         assert x.values.tobytes() == y.values.tobytes() and x.values.shape == y.values.shape, x.name
         assert (x.margins is None) == (y.margins is None), x.name
         assert x.margins is None or x.margins.tobytes() == y.margins.tobytes(), x.name
@@ -97,14 +108,20 @@ def assert_same_bits(a: cp.Capture, b: cp.Capture) -> None:
 def test_assert_same_bits_sees_a_lost_capture_point(moe):
     c = cp.capture_prompt(moe, MOE, TOKENS[:5], RC)
     assert_same_bits(c, c)
-    for cut in (cp.Capture(c.tensors[:-1], c.decisions, c.provenance),
-                cp.Capture(c.tensors, c.decisions[:-1], c.provenance)):
+    for cut in (
+        cp.Capture(c.tensors[:-1], c.decisions, c.provenance),
+        cp.Capture(c.tensors, c.decisions[:-1], c.provenance),
+    ):
         with pytest.raises(AssertionError):
             assert_same_bits(c, cut)
         with pytest.raises(AssertionError):
             assert_same_bits(cut, c)
-    flipped = cp.Capture(c.tensors[:-1] + [cp.Record(c.tensors[-1].name, -c.tensors[-1].array, None, c.tensors[-1].attrs)],
-                         c.decisions, c.provenance)
+    flipped = cp.Capture(
+        c.tensors[:-1]
+        + [cp.Record(c.tensors[-1].name, -c.tensors[-1].array, None, c.tensors[-1].attrs)],
+        c.decisions,
+        c.provenance,
+    )
     with pytest.raises(AssertionError):
         assert_same_bits(c, flipped)
 
@@ -174,11 +191,20 @@ def test_internal_names_and_order(moe):
     i = names.index
     for L in range(4):
         p = f"layer.{L:02d}"
-        seq = [f"{p}.hidden_in", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.attn_probs", f"{p}.attn_out", f"{p}.mlp_out", f"{p}.hidden_out"]
+        seq = [
+            f"{p}.hidden_in",
+            f"{p}.q",
+            f"{p}.k",
+            f"{p}.v",
+            f"{p}.attn_probs",
+            f"{p}.attn_out",
+            f"{p}.mlp_out",
+            f"{p}.hidden_out",
+        ]
         assert [i(n) for n in seq] == sorted(i(n) for n in seq)
         assert (f"{p}.router.logits" in names) == (L != 2)
-    assert c[f"layer.00.q"].array.shape == (6, 4, 16)
-    assert c[f"layer.00.k"].array.shape == (6, 2, 16)
+    assert c["layer.00.q"].array.shape == (6, 4, 16)
+    assert c["layer.00.k"].array.shape == (6, 2, 16)
     p = c["layer.00.attn_probs"].array
     assert p.shape == (4, 6, 6) and np.all(np.triu(p, 1) == 0)
     assert all(r.attrs["path"] == "prefill" and r.attrs["mask"] == "causal" for r in c.tensors)
@@ -191,7 +217,12 @@ def test_router_topk_decisions_and_expert_outs(moe):
     c = cp.capture_prompt(moe, MOE, TOKENS, RC)
     T = len(TOKENS)
     names = [d.name for d in c.decisions]
-    assert names == ["layer.00.router.topk", "layer.01.router.topk", "layer.03.router.topk", "logits.argmax"]
+    assert names == [
+        "layer.00.router.topk",
+        "layer.01.router.topk",
+        "layer.03.router.topk",
+        "logits.argmax",
+    ]
     for L in (0, 1, 3):
         d = c.decision(f"layer.{L:02d}.router.topk")
         assert d.values.shape == (T, 2) and d.margins.shape == (T,) and np.all(d.margins >= 0)
@@ -206,7 +237,9 @@ def test_router_topk_decisions_and_expert_outs(moe):
             assert (name in c.names) == (len(rows) > 0)
             if len(rows):
                 assert c[name].attrs["positions"] == rows.tolist()
-                w = probs[rows, e] / probs[rows][np.arange(len(rows))[:, None], d.values[rows]].sum(-1)
+                w = probs[rows, e] / probs[rows][np.arange(len(rows))[:, None], d.values[rows]].sum(
+                    -1
+                )
                 acc[rows] += w[:, None] * c[name].array
         np.testing.assert_allclose(acc, c[f"layer.{L:02d}.mlp_out"].array, rtol=0, atol=1e-5)
     assert "notes" not in c.provenance
@@ -218,7 +251,7 @@ def test_generation_cache_on_off_same_decisions(moe):
     dec = [d.name for d in on.decisions if d.name.startswith("decode.")]
     assert dec == [f"decode.{s:04d}.argmax" for s in range(6)]
     assert [d.name for d in on.decisions] == [d.name for d in off.decisions]
-    for a, b in zip(on.decisions, off.decisions):
+    for a, b in zip(on.decisions, off.decisions, strict=False):
         assert np.array_equal(a.values, b.values), a.name
     assert on.decision("decode.0000.argmax").values[0] == on.decision("logits.argmax").values[-1]
     # Margins of steps >= 1 differ in the last bits (1-row cached matmuls vs full recompute), and the
@@ -263,14 +296,39 @@ def _edited_copy(src: Path, tmp: Path, edit) -> Path:
 @pytest.mark.parametrize(
     "src,edit,match",
     [
-        (DENSE, lambda t: t.pop("model.layers.1.self_attn.q_norm.weight"), "missing_keys: model.layers.1.self_attn.q_norm"),
-        (DENSE, lambda t: t.__setitem__("model.layers.1.mlp.extra", t["model.norm.weight"].clone()), "unexpected_keys"),
-        (DENSE, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"] * 2), "tie_word_embeddings"),
-        (MOE, lambda t: t.__setitem__("model.layers.2.mlp.gate.weight", t["model.layers.0.mlp.gate.weight"].clone()), "unexpected_keys"),
+        (
+            DENSE,
+            lambda t: t.pop("model.layers.1.self_attn.q_norm.weight"),
+            "missing_keys: model.layers.1.self_attn.q_norm",
+        ),
+        (
+            DENSE,
+            lambda t: t.__setitem__("model.layers.1.mlp.extra", t["model.norm.weight"].clone()),
+            "unexpected_keys",
+        ),
+        (
+            DENSE,
+            lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"] * 2),
+            "tie_word_embeddings",
+        ),
+        (
+            MOE,
+            lambda t: t.__setitem__(
+                "model.layers.2.mlp.gate.weight", t["model.layers.0.mlp.gate.weight"].clone()
+            ),
+            "unexpected_keys",
+        ),
         (MOE, lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"), "could not load"),
         (MOE, lambda t: t.pop("lm_head.weight"), "missing_keys: lm_head.weight"),
     ],
-    ids=["missing", "unexpected", "tied-head-differs", "dense-layer-router", "missing-expert", "missing-head"],
+    ids=[
+        "missing",
+        "unexpected",
+        "tied-head-differs",
+        "dense-layer-router",
+        "missing-expert",
+        "missing-head",
+    ],
 )
 def test_checkpoint_mismatch_refused(tmp_path, det, src, edit, match):
     d = _edited_copy(src, tmp_path, edit)
@@ -282,37 +340,84 @@ def test_checkpoint_mismatch_refused(tmp_path, det, src, edit, match):
 
 
 def _cli(*args, cwd=ROOT):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "oracle") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "tracegate_oracle", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT / "oracle") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "tracegate_oracle", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_fresh_process_matches_in_process_and_layer_verb(dense, tmp_path):
     tg = _tracegate()
     toks = TOKENS[:12]
-    want = cp.write_trace(cp.capture_prompt(dense, DENSE, toks, cp.RunConfig()), tmp_path / "in.trace")
+    want = cp.write_trace(
+        cp.capture_prompt(dense, DENSE, toks, cp.RunConfig()), tmp_path / "in.trace"
+    )
     out = tmp_path / "cli.trace"
-    r = _cli("trace", "--model", DENSE, "--tokens", ",".join(map(str, toks)), "--out", out, "--generate", "2")
+    r = _cli(
+        "trace",
+        "--model",
+        DENSE,
+        "--tokens",
+        ",".join(map(str, toks)),
+        "--out",
+        out,
+        "--generate",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     t = tg.Trace(str(out))
     t.verify()
     # The prefill's names, then each decode step's logits row (docs/producers.md, decode steps).
-    assert t.names == cp.capture_prompt(dense, DENSE, toks, cp.RunConfig()).names + ["decode.0000.logits", "decode.0001.logits"]
+    assert t.names == cp.capture_prompt(dense, DENSE, toks, cp.RunConfig()).names + [
+        "decode.0000.logits",
+        "decode.0001.logits",
+    ]
     p = t.provenance
-    assert p["producer"] == "oracle" and p["prompt_tokens"] == toks and p["attn_implementation"] == "eager"
+    assert (
+        p["producer"] == "oracle"
+        and p["prompt_tokens"] == toks
+        and p["attn_implementation"] == "eager"
+    )
     assert p["weights_digest"] and p["deterministic"]["use_deterministic_algorithms"] is True
     # The command as it can be re-run, and the safetensors version that read the weights.
-    assert p["command"][:3] == [sys.executable, "-m", "tracegate_oracle"] and p["command"][3] == "trace"
+    assert (
+        p["command"][:3] == [sys.executable, "-m", "tracegate_oracle"]
+        and p["command"][3] == "trace"
+    )
     assert p["versions"]["safetensors"]
     assert list(t.decisions)[-2:] == ["decode.0000.argmax", "decode.0001.argmax"]
     # Same tensors as the in-process capture (which had no --generate): per-tensor digests agree.
     ref = tg.Trace(str(tmp_path / "in.trace"))
     assert all(t.tensor_digest(n) == ref.tensor_digest(n) for n in ref.names) and want == ref.digest
     lo = tmp_path / "layer.trace"
-    r = _cli("layer", "--model", DENSE, "--layer", 3, "--input", out, "--input-name", "layer.03.hidden_in", "--out", lo)
+    r = _cli(
+        "layer",
+        "--model",
+        DENSE,
+        "--layer",
+        3,
+        "--input",
+        out,
+        "--input-name",
+        "layer.03.hidden_in",
+        "--out",
+        lo,
+    )
     assert r.returncode == 0, r.stderr
     lt = tg.Trace(str(lo))
-    assert lt.names == ["layer.03.hidden_in", "layer.03.attn_out", "layer.03.mlp_out", "layer.03.hidden_out"]
+    assert lt.names == [
+        "layer.03.hidden_in",
+        "layer.03.attn_out",
+        "layer.03.mlp_out",
+        "layer.03.hidden_out",
+    ]
     assert all(lt.tensor_digest(n) == t.tensor_digest(n) for n in lt.names)
     assert lt.attributes("layer.03.hidden_out")["path"] == "layer"
 
@@ -320,12 +425,54 @@ def test_cli_fresh_process_matches_in_process_and_layer_verb(dense, tmp_path):
 @pytest.mark.parametrize(
     "args,msg",
     [
-        (["trace", "--model", "/nonexistent", "--tokens", "1", "--out", "{tmp}/x.trace"], "not a directory"),
-        (["trace", "--model", DENSE, "--tokens", "1,99999", "--out", "{tmp}/x.trace"], "outside the vocabulary"),
-        (["trace", "--model", DENSE, "--tokens", "1,x", "--out", "{tmp}/x.trace"], "comma-separated"),
-        (["trace", "--model", DENSE, "--tokens", "1", "--out", "/nonexistent/x.trace"], "does not exist"),
-        (["layer", "--model", DENSE, "--layer", "1", "--input", "{tmp}/none.trace", "--input-name", "a", "--out", "{tmp}/x.trace"], "no such file"),
-        (["layer", "--model", DENSE, "--layer", "1", "--input", "{tmp}/fifo", "--input-name", "a", "--out", "{tmp}/x.trace"], "fifo: not a regular file"),
+        (
+            ["trace", "--model", "/nonexistent", "--tokens", "1", "--out", "{tmp}/x.trace"],
+            "not a directory",
+        ),
+        (
+            ["trace", "--model", DENSE, "--tokens", "1,99999", "--out", "{tmp}/x.trace"],
+            "outside the vocabulary",
+        ),
+        (
+            ["trace", "--model", DENSE, "--tokens", "1,x", "--out", "{tmp}/x.trace"],
+            "comma-separated",
+        ),
+        (
+            ["trace", "--model", DENSE, "--tokens", "1", "--out", "/nonexistent/x.trace"],
+            "does not exist",
+        ),
+        (
+            [
+                "layer",
+                "--model",
+                DENSE,
+                "--layer",
+                "1",
+                "--input",
+                "{tmp}/none.trace",
+                "--input-name",
+                "a",
+                "--out",
+                "{tmp}/x.trace",
+            ],
+            "no such file",
+        ),
+        (
+            [
+                "layer",
+                "--model",
+                DENSE,
+                "--layer",
+                "1",
+                "--input",
+                "{tmp}/fifo",
+                "--input-name",
+                "a",
+                "--out",
+                "{tmp}/x.trace",
+            ],
+            "fifo: not a regular file",
+        ),
     ],
     ids=["model-dir", "token-range", "token-syntax", "out-dir", "input-trace", "input-fifo"],
 )

@@ -8,6 +8,7 @@
    modules return and their experts receive, weights = their own probabilities at it;
 4. a trace that cannot serve the run is refused, exit 2, one line naming file and decision.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,14 +27,18 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "oracle") not in sys.path:
     sys.path.insert(0, str(ROOT / "oracle"))
 
+from binaries import release_binary  # noqa: E402
 from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle import cli  # noqa: E402
 from tracegate_oracle.families import resolve  # noqa: E402
 from tracegate_oracle.force import Forcing  # noqa: E402
-from binaries import release_binary  # noqa: E402
 
 MOE = ROOT / "fixtures" / "tiny-qwen3-moe"
-LONG = next(p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"] if p["id"] == "long")
+LONG = next(
+    p["tokens"]
+    for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]
+    if p["id"] == "long"
+)
 ENGINE, _NO_ENGINE = release_binary("engine")
 
 
@@ -47,7 +52,9 @@ def altered(src: tg.Trace, out: Path, name: str, edit) -> Forcing:
     with tg.TraceWriter(str(out), src.provenance) as w:
         for n in src.names:
             a = src.attributes(n)
-            w.tensor(n, np.array(src[n]), dtype=src.dtype(n) if src.dtype(n) == "bf16" else None, **a)
+            w.tensor(
+                n, np.array(src[n]), dtype=src.dtype(n) if src.dtype(n) == "bf16" else None, **a
+            )
         for n, v in src.decisions.items():
             v = np.array(v)
             if n == name:
@@ -88,8 +95,24 @@ def det():
 @pytest.mark.skipif(bool(_NO_ENGINE), reason=_NO_ENGINE or "built")
 def test_forced_from_the_engine_every_decision_is_the_engines(det, tmp_path):
     ref = tmp_path / "engine.trace"
-    subprocess.run([ENGINE, "trace", "--model", str(MOE), "--tokens", ",".join(map(str, LONG)), "--out", str(ref),
-                    "--generate", "3", "--threads", "1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            ENGINE,
+            "trace",
+            "--model",
+            str(MOE),
+            "--tokens",
+            ",".join(map(str, LONG)),
+            "--out",
+            str(ref),
+            "--generate",
+            "3",
+            "--threads",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     eng = tg.Trace(str(ref))
     rc = cp.RunConfig(generate=3)
     model = cp.load_model(MOE, rc)
@@ -105,8 +128,19 @@ def test_forced_from_the_engine_every_decision_is_the_engines(det, tmp_path):
     assert rec["trace_digest"] == eng.digest and rec["decisions"] == list(eng.decisions), rec
     # The layer verb, forced alike on the whole run's own input, reproduces its layer (same process).
     lay_in = cap["layer.01.hidden_in"]
-    one = cp.capture_layer(model, MOE, 1, lay_in.array, lay_in.attrs["positions"], cp.RunConfig(), det, forcing=Forcing(str(ref)))
-    np.testing.assert_array_equal(one.decision("layer.01.router.topk").values, eng.decisions["layer.01.router.topk"])
+    one = cp.capture_layer(
+        model,
+        MOE,
+        1,
+        lay_in.array,
+        lay_in.attrs["positions"],
+        cp.RunConfig(),
+        det,
+        forcing=Forcing(str(ref)),
+    )
+    np.testing.assert_array_equal(
+        one.decision("layer.01.router.topk").values, eng.decisions["layer.01.router.topk"]
+    )
     np.testing.assert_array_equal(one["layer.01.mlp_out"].array, cap["layer.01.mlp_out"].array)
     t = write(cap, tmp_path / "oracle.trace")
     first = t.names.index("layer.00.mlp_out")
@@ -122,7 +156,10 @@ def test_bf16_forced_from_f32_takes_its_decisions_past_the_flips(det, tmp_path):
     bf16 = cp.load_model(MOE, rc)
     free = cp.capture_prompt(bf16, MOE, LONG, rc, det)
     forced = cp.capture_prompt(bf16, MOE, LONG, rc, det, forcing=Forcing(ref.path))
-    flips = {d.name: int((d.values != ref.decisions[d.name]).reshape(len(d.values), -1).any(-1).sum()) for d in free.decisions}
+    flips = {
+        d.name: int((d.values != ref.decisions[d.name]).reshape(len(d.values), -1).any(-1).sum())
+        for d in free.decisions
+    }
     # Negative control: unforced, bf16 decides some rows otherwise (near-ties of this fixture).
     assert sum(flips.values()) > 0, flips
     for d in forced.decisions:
@@ -139,12 +176,27 @@ def test_bf16_forced_from_f32_takes_its_decisions_past_the_flips(det, tmp_path):
 
 
 def tiny(fam: str, d: Path) -> Path:
-    cls, extra = {"mixtral": ("MixtralConfig", {"num_local_experts": 4}), "olmoe": ("OlmoeConfig", {"num_experts": 4})}[fam]
-    cfg = getattr(transformers, cls)(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                                     num_experts_per_tok=2, initializer_range=0.2, **extra)
+    cls, extra = {
+        "mixtral": ("MixtralConfig", {"num_local_experts": 4}),
+        "olmoe": ("OlmoeConfig", {"num_experts": 4}),
+    }[fam]
+    cfg = getattr(transformers, cls)(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+        **extra,
+    )
     torch.manual_seed(7)
-    transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").save_pretrained(d, safe_serialization=True)
+    transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").save_pretrained(
+        d, safe_serialization=True
+    )
     return d
 
 
@@ -173,29 +225,54 @@ def test_other_moe_families_route_their_own_experts_to_the_forced_rows(det, tmp_
     np.testing.assert_allclose(scores.float().numpy()[2], want, rtol=1e-6)
     dec = cap.decision("layer.01.router.topk")
     np.testing.assert_array_equal(dec.values[2], swap)
-    assert dec.margins[2] < 0 and cap.provenance["forced_decisions"]["overridden"]["layer.01.router.topk"] == 1
+    assert (
+        dec.margins[2] < 0
+        and cap.provenance["forced_decisions"]["overridden"]["layer.01.router.topk"] == 1
+    )
     # Upstream of the forced row nothing moved; its row of the layer's output did.
-    free = {r.name: r.array for r in cp.capture_prompt(model, d, tokens, cp.RunConfig(), det).tensors}
+    free = {
+        r.name: r.array for r in cp.capture_prompt(model, d, tokens, cp.RunConfig(), det).tensors
+    }
     forced = {r.name: r.array for r in cap.tensors}
     np.testing.assert_array_equal(free["layer.01.attn_out"], forced["layer.01.attn_out"])
     assert not np.array_equal(free["layer.01.mlp_out"][2], forced["layer.01.mlp_out"][2])
     # Other rows only within rounding: an expert's batch of rows changed shape, and torch's
     # matmul promises no bits across shapes.
-    np.testing.assert_allclose(np.delete(free["layer.01.mlp_out"], 2, 0), np.delete(forced["layer.01.mlp_out"], 2, 0), atol=1e-6)
+    np.testing.assert_allclose(
+        np.delete(free["layer.01.mlp_out"], 2, 0),
+        np.delete(forced["layer.01.mlp_out"], 2, 0),
+        atol=1e-6,
+    )
 
 
 def test_refusals_exit_2_in_one_line(det, tmp_path, capsys):
     model = cp.load_model(MOE, cp.RunConfig())
     tokens = LONG[:6]
     ref = write(cp.capture_prompt(model, MOE, tokens, cp.RunConfig(), det), tmp_path / "ref.trace")
-    base = ["trace", "--model", str(MOE), "--out", str(tmp_path / "x.trace"), "--force-decisions", ref.path]
+    base = [
+        "trace",
+        "--model",
+        str(MOE),
+        "--out",
+        str(tmp_path / "x.trace"),
+        "--force-decisions",
+        ref.path,
+    ]
     cases = [
-        (["--tokens", ",".join(map(str, tokens)), "--generate", "1"], "decision decode.0000.argmax is missing (this run needs it)"),
-        (["--tokens", ",".join(map(str, LONG[:5]))], f"its prompt_tokens {tokens} are not this run's {LONG[:5]}"),
+        (
+            ["--tokens", ",".join(map(str, tokens)), "--generate", "1"],
+            "decision decode.0000.argmax is missing (this run needs it)",
+        ),
+        (
+            ["--tokens", ",".join(map(str, LONG[:5]))],
+            f"its prompt_tokens {tokens} are not this run's {LONG[:5]}",
+        ),
     ]
     for extra, says in cases:
         capsys.readouterr()
         assert cli.main([*base, *extra]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"--force-decisions {ref.path}: " in err and says in err, err
+        assert err.count("\n") == 1 and f"--force-decisions {ref.path}: " in err and says in err, (
+            err
+        )
     assert not (tmp_path / "x.trace").exists()

@@ -6,6 +6,7 @@ planted defect (fixtures/policy/MEASUREMENTS.md).
 The last group compares an oracle bf16/f16 trace with the engine's f32 trace, which needs
 trace-diff's mixed-precision comparison (without it the differ reports dtype_mismatch).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from binaries import release_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,21 +24,47 @@ if str(ROOT / "oracle") not in sys.path:
     sys.path.insert(0, str(ROOT / "oracle"))
 
 FIXTURES = ["tiny-qwen3", "tiny-qwen3-moe"]
-PROMPTS = {p["id"]: p["tokens"] for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]}
+PROMPTS = {
+    p["id"]: p["tokens"]
+    for p in json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]
+}
 DIFF, _why_diff = release_binary("trace-diff")
 ENGINE, _why_engine = release_binary("engine")
-needs_binaries = pytest.mark.skipif(bool(_why_diff or _why_engine), reason=f"{_why_diff or _why_engine}")
+needs_binaries = pytest.mark.skipif(
+    bool(_why_diff or _why_engine), reason=f"{_why_diff or _why_engine}"
+)
 
 
 def diff(ref, cand, policy) -> tuple[int, dict | None, str]:
-    p = subprocess.run([DIFF, str(ref), str(cand), "--policy", policy, "--json"], capture_output=True, text=True)
+    p = subprocess.run(
+        [DIFF, str(ref), str(cand), "--policy", policy, "--json"], capture_output=True, text=True
+    )
     return p.returncode, (json.loads(p.stdout) if p.stdout else None), p.stderr
 
 
-def engine_trace(out: Path, fixture: str, prompt: str, capture: str = "internals", generate: int = 0) -> Path:
+def engine_trace(
+    out: Path, fixture: str, prompt: str, capture: str = "internals", generate: int = 0
+) -> Path:
     gen = ["--generate", str(generate)] if generate else []
-    subprocess.run([ENGINE, "trace", "--model", str(ROOT / "fixtures" / fixture), "--tokens", ",".join(map(str, PROMPTS[prompt])),
-                    "--out", str(out), "--capture", capture, "--threads", "1", *gen], check=True, capture_output=True)
+    subprocess.run(
+        [
+            ENGINE,
+            "trace",
+            "--model",
+            str(ROOT / "fixtures" / fixture),
+            "--tokens",
+            ",".join(map(str, PROMPTS[prompt])),
+            "--out",
+            str(out),
+            "--capture",
+            capture,
+            "--threads",
+            "1",
+            *gen,
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -54,7 +80,11 @@ def scaled_copy(src: Path, out: Path, scale: float) -> Path:
             a = np.array(t[n])
             if n == "logits":
                 a = (a.astype(np.float64) * scale).astype(np.float32)
-            w.tensor(n, a, **{k: v for k, v in t.attributes(n).items() if k in ("path", "mask", "positions")})
+            w.tensor(
+                n,
+                a,
+                **{k: v for k, v in t.attributes(n).items() if k in ("path", "mask", "positions")},
+            )
         for n, v in decisions.items():
             w.decision(n, v, margins=margins.get(n))
     return out
@@ -65,13 +95,16 @@ def scaled_copy(src: Path, out: Path, scale: float) -> Path:
 
 
 @needs_binaries
-@pytest.mark.parametrize("scale, within", [
-    # Expected verdicts from the bounds in the files: max_rel_l2 f32 1e-4, f16 0.008, bf16 0.04.
-    (1 + 2e-5, {"f32": True, "f16": True, "bf16": True}),
-    (1 + 2e-3, {"f32": False, "f16": True, "bf16": True}),
-    (1 + 1e-2, {"f32": False, "f16": False, "bf16": True}),
-    (1 + 6e-2, {"f32": False, "f16": False, "bf16": False}),
-])
+@pytest.mark.parametrize(
+    "scale, within",
+    [
+        # Expected verdicts from the bounds in the files: max_rel_l2 f32 1e-4, f16 0.008, bf16 0.04.
+        (1 + 2e-5, {"f32": True, "f16": True, "bf16": True}),
+        (1 + 2e-3, {"f32": False, "f16": True, "bf16": True}),
+        (1 + 1e-2, {"f32": False, "f16": False, "bf16": True}),
+        (1 + 6e-2, {"f32": False, "f16": False, "bf16": False}),
+    ],
+)
 def test_each_name_judges_by_its_own_file(tmp_path, scale, within):
     ref = engine_trace(tmp_path / "e.trace", "tiny-qwen3", "short", "default")
     cand = scaled_copy(ref, tmp_path / "scaled.trace", scale)
@@ -101,7 +134,11 @@ def test_unknown_name_is_refused_with_the_list(tmp_path):
 @needs_binaries
 def test_every_bundled_policy_covers_every_capture_point(tmp_path):
     # With decode steps: their logits and layer points need rules too (docs/producers.md).
-    traces = [engine_trace(tmp_path / f"{f}-{p}.trace", f, p, generate=2) for f in FIXTURES for p in PROMPTS]
+    traces = [
+        engine_trace(tmp_path / f"{f}-{p}.trace", f, p, generate=2)
+        for f in FIXTURES
+        for p in PROMPTS
+    ]
     for name in ("f32", "bf16", "f16"):
         for t in traces:
             rc, rep, err = diff(t, t, name)
@@ -148,7 +185,9 @@ def oracle():
 
     models = {}
 
-    def trace(model: Path, dtype: str, prompt: str, out: Path, weights_digest: str | None = None) -> Path:
+    def trace(
+        model: Path, dtype: str, prompt: str, out: Path, weights_digest: str | None = None
+    ) -> Path:
         # The calls the oracle's `trace` verb makes (cli.main), in this process: no start-up cost.
         rc = cp.RunConfig(dtype=dtype, capture="internals")
         det = cp.setup_torch(rc)
@@ -173,14 +212,19 @@ def planted(tmp_path: Path, layer: int, scale: float) -> Path:
     shutil.copytree(ROOT / "fixtures/tiny-qwen3", d)
     w = load_file(d / "model.safetensors")
     k = f"model.layers.{layer}.mlp.down_proj.weight"
-    assert w[k].dtype == np.float32  # the dense fixture stores f32: the scale is exact before the run rounds
+    assert (
+        w[k].dtype == np.float32
+    )  # the dense fixture stores f32: the scale is exact before the run rounds
     w[k] = (w[k].astype(np.float64) * scale).astype(np.float32)
     save_file(w, d / "model.safetensors", metadata={"format": "pt"})
     return d
 
 
 def first_outside(rep: dict) -> str | None:
-    return next((r["tensor"] for r in rep["per_tensor"] if r["status"] in ("outside_policy", "no_rule")), None)
+    return next(
+        (r["tensor"] for r in rep["per_tensor"] if r["status"] in ("outside_policy", "no_rule")),
+        None,
+    )
 
 
 @needs_binaries
@@ -190,30 +234,45 @@ def test_oracle_reduced_precision_passes_against_the_engine(tmp_path, oracle, dt
     # near-tie, which only the near-tie labelling excuses.
     for prompt in ("short", "long"):
         ref = engine_trace(tmp_path / f"e-{prompt}.trace", "tiny-qwen3", prompt)
-        cand = oracle(ROOT / "fixtures/tiny-qwen3", dtype, prompt, tmp_path / f"o-{dtype}-{prompt}.trace")
+        cand = oracle(
+            ROOT / "fixtures/tiny-qwen3", dtype, prompt, tmp_path / f"o-{dtype}-{prompt}.trace"
+        )
         rc, rep, err = diff(ref, cand, dtype)
         assert rep is not None, err
-        assert (rc, rep["verdict"], first_outside(rep)) == (0, "within_policy", None), [f["kind"] for f in rep["findings"]][:5]
+        assert (rc, rep["verdict"], first_outside(rep)) == (0, "within_policy", None), [
+            f["kind"] for f in rep["findings"]
+        ][:5]
 
 
 @needs_binaries
-@pytest.mark.parametrize("dtype, scale", [
-    # The smallest planted scale each policy can tell from its dtype's own rounding on this
-    # fixture: bf16 rounding alone reaches 0.023 relative L2, a 1% error 0.012-0.021.
-    ("bf16", 1.05),
-    ("f16", 1.01),
-])
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [
+        # The smallest planted scale each policy can tell from its dtype's own rounding on this
+        # fixture: bf16 rounding alone reaches 0.023 relative L2, a 1% error 0.012-0.021.
+        ("bf16", 1.05),
+        ("f16", 1.01),
+    ],
+)
 def test_planted_mlp_scale_fails_at_its_layer(tmp_path, oracle, dtype, scale):
     import tracegate
 
     layer = 2
     ref = engine_trace(tmp_path / "e.trace", "tiny-qwen3", "short")
     digest = tracegate.weights_digest(str(ROOT / "fixtures/tiny-qwen3"))
-    cand = oracle(planted(tmp_path, layer, scale), dtype, "short", tmp_path / "planted.trace", weights_digest=digest)
+    cand = oracle(
+        planted(tmp_path, layer, scale),
+        dtype,
+        "short",
+        tmp_path / "planted.trace",
+        weights_digest=digest,
+    )
     rc, rep, err = diff(ref, cand, dtype)
     assert rep is not None, err
     assert rc == 1 and rep["verdict"] == "different"
-    assert first_outside(rep) == f"layer.{layer:02d}.mlp_out", [(r["tensor"], r["status"]) for r in rep["per_tensor"]][:14]
+    assert first_outside(rep) == f"layer.{layer:02d}.mlp_out", [
+        (r["tensor"], r["status"]) for r in rep["per_tensor"]
+    ][:14]
 
 
 @needs_binaries
@@ -229,8 +288,28 @@ def test_planted_1pct_mlp_scale_fails_bf16_when_the_layer_runs_alone(tmp_path, o
     whole = engine_trace(tmp_path / "e.trace", "tiny-qwen3", "short", capture="default")
     name = f"layer.{layer:02d}.hidden_in"
     ref = tmp_path / "e-layer.trace"
-    subprocess.run([ENGINE, "layer", "--model", str(ROOT / "fixtures/tiny-qwen3"), "--layer", str(layer), "--input", str(whole),
-                    "--input-name", name, "--out", str(ref), "--capture", "default", "--threads", "1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            ENGINE,
+            "layer",
+            "--model",
+            str(ROOT / "fixtures/tiny-qwen3"),
+            "--layer",
+            str(layer),
+            "--input",
+            str(whole),
+            "--input-name",
+            name,
+            "--out",
+            str(ref),
+            "--capture",
+            "default",
+            "--threads",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     t = tracegate.Trace(str(whole))
     hidden, positions = np.array(t[name]), t.attributes(name)["positions"]
     digest = tracegate.weights_digest(str(ROOT / "fixtures/tiny-qwen3"))
@@ -239,14 +318,34 @@ def test_planted_1pct_mlp_scale_fails_bf16_when_the_layer_runs_alone(tmp_path, o
     verdicts = {}
     for scale in (1.0, 1.01):
         model_dir = ROOT / "fixtures/tiny-qwen3" if scale == 1 else planted(tmp_path, layer, scale)
-        cap = cp.capture_layer(cp.load_model(str(model_dir), rc_), str(model_dir), layer, hidden, list(positions), rc_, det)
+        cap = cp.capture_layer(
+            cp.load_model(str(model_dir), rc_),
+            str(model_dir),
+            layer,
+            hidden,
+            list(positions),
+            rc_,
+            det,
+        )
         cap.provenance.update(weights_digest=digest, planted=str(model_dir))
         cand = tmp_path / f"o-{scale}.trace"
         cp.write_trace(cap, cand)
         rc, rep, err = diff(ref, cand, "bf16")
         assert rep is not None, err
         row = next(r for r in rep["per_tensor"] if r["tensor"] == f"layer.{layer:02d}.mlp_out")
-        verdicts[scale] = (rc, rep["verdict"], first_outside(rep), [v["bound"] for v in row["violations"]], row["rule"]["pattern"])
+        verdicts[scale] = (
+            rc,
+            rep["verdict"],
+            first_outside(rep),
+            [v["bound"] for v in row["violations"]],
+            row["rule"]["pattern"],
+        )
         assert row["rule"]["index"] == 3, row["rule"]  # the path rule, not the general mlp_out rule
     assert verdicts[1.0] == (0, "within_policy", None, [], "layer.*.mlp_out"), verdicts
-    assert verdicts[1.01] == (1, "different", f"layer.{layer:02d}.mlp_out", ["max_scale_error"], "layer.*.mlp_out"), verdicts
+    assert verdicts[1.01] == (
+        1,
+        "different",
+        f"layer.{layer:02d}.mlp_out",
+        ["max_scale_error"],
+        "layer.*.mlp_out",
+    ), verdicts

@@ -8,6 +8,7 @@ shared capture points (see docs in DESIGN.md), plus the decisions (router top-k,
     python -m tracegate_oracle layer --model DIR --layer 2 --input run.trace \
         --input-name layer.02.hidden_in --out layer2.trace
 """
+
 from .capture import (  # noqa: F401
     Capture,
     CheckpointError,

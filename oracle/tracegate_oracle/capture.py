@@ -10,6 +10,7 @@ Everything numeric here is done by transformers/torch; this module only
 A capture is built in memory (`Capture`) and written with `write_trace`, so tests can inspect
 numbers without the trace binding and the binding stays the only writer of the format.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -98,8 +99,10 @@ def check_device_map(rc: RunConfig) -> None:
         raise OracleError(f"--device-map {rc.device_map!r}: expected auto")
     if rc.device_map is not None and rc.device != "cuda":
         # On CPU there is nothing to spread: transformers would load it as plain --device cpu does.
-        raise OracleError(f"--device-map auto: needs --device cuda (it spreads the model over the visible GPUs), "
-                          f"not --device {rc.device}")
+        raise OracleError(
+            f"--device-map auto: needs --device cuda (it spreads the model over the visible GPUs), "
+            f"not --device {rc.device}"
+        )
 
 
 def setup_torch(rc: RunConfig) -> dict:
@@ -112,12 +115,16 @@ def setup_torch(rc: RunConfig) -> dict:
 
     if rc.device == "cuda":
         if not torch.cuda.is_available():
-            raise OracleError("--device cuda: CUDA is not available in this torch build / machine"
-                              + (" (--device-map auto needs visible GPUs)" if rc.device_map else ""))
+            raise OracleError(
+                "--device cuda: CUDA is not available in this torch build / machine"
+                + (" (--device-map auto needs visible GPUs)" if rc.device_map else "")
+            )
         bad = [k for k in rc.max_memory or {} if k != "cpu" and not k < torch.cuda.device_count()]
         if bad:
-            raise OracleError(f"--max-memory: GPU {bad[0]} is not visible ({torch.cuda.device_count()} visible: "
-                              f"0..{torch.cuda.device_count() - 1})")
+            raise OracleError(
+                f"--max-memory: GPU {bad[0]} is not visible ({torch.cuda.device_count()} visible: "
+                f"0..{torch.cuda.device_count() - 1})"
+            )
         # TF32 would silently round fp32 matmul inputs to 10 mantissa bits.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -166,7 +173,9 @@ def _deterministic(fn, det: dict):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = fn()
-    det["refusals"] += sorted({str(w.message).splitlines()[0] for w in caught if "deterministic" in str(w.message)})
+    det["refusals"] += sorted(
+        {str(w.message).splitlines()[0] for w in caught if "deterministic" in str(w.message)}
+    )
     return out
 
 
@@ -222,19 +231,27 @@ def _check_shapes_on_meta(d: Path, cfg, inv, AutoModelForCausalLM) -> None:
 
     try:
         with torch.device("meta"):
-            skel = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+            skel = AutoModelForCausalLM.from_config(
+                cfg, attn_implementation="eager", experts_implementation="eager"
+            )
     except Exception as e:  # any failure here comes from config.json's values
-        raise OracleError(f"{d / 'config.json'}: transformers cannot build {cfg.architectures or cfg.model_type} "
-                          f"from it: {type(e).__name__}: {_one_line(e)}") from None
+        raise OracleError(
+            f"{d / 'config.json'}: transformers cannot build {cfg.architectures or cfg.model_type} "
+            f"from it: {type(e).__name__}: {_one_line(e)}"
+        ) from None
     archs = getattr(cfg, "architectures", None)
     if archs and type(skel).__name__ not in archs:
-        raise OracleError(f"{d / 'config.json'}: architectures = {archs}, but model_type {cfg.model_type!r} "
-                          f"makes transformers build {type(skel).__name__}")
+        raise OracleError(
+            f"{d / 'config.json'}: architectures = {archs}, but model_type {cfg.model_type!r} "
+            f"makes transformers build {type(skel).__name__}"
+        )
     for name, t in skel.state_dict().items():
         e = inv.get(name)
         if e is not None and tuple(t.shape) != e.shape:
-            raise CheckpointError(f"{d / e.file}: tensor {name} has shape {list(e.shape)}, but config.json gives "
-                                  f"{type(skel).__name__} {list(t.shape)}")
+            raise CheckpointError(
+                f"{d / e.file}: tensor {name} has shape {list(e.shape)}, but config.json gives "
+                f"{type(skel).__name__} {list(t.shape)}"
+            )
 
 
 def load_model(model_dir: str | os.PathLike, rc: RunConfig):
@@ -250,7 +267,9 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
         try:
             cfg = AutoConfig.from_pretrained(d)
         except Exception as e:
-            raise OracleError(f"--model {d}: config.json not understood by transformers: {_one_line(e)}") from None
+            raise OracleError(
+                f"--model {d}: config.json not understood by transformers: {_one_line(e)}"
+            ) from None
         _check_shapes_on_meta(d, cfg, inv, AutoModelForCausalLM)
     placement = _placement(rc)
     try:
@@ -268,15 +287,25 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
             )
     except (OSError, ValueError, RuntimeError) as e:
         rows = _report_rows(load_log)
-        detail = "; ".join(rows[:3]) + (f" (+{len(rows) - 3} more)" if len(rows) > 3 else "") if rows else _one_line(e)
+        detail = (
+            "; ".join(rows[:3]) + (f" (+{len(rows) - 3} more)" if len(rows) > 3 else "")
+            if rows
+            else _one_line(e)
+        )
         raise CheckpointError(f"--model {d}: transformers could not load it: {detail}") from None
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
     if problems:
         # Random init of a missing tensor, or a silently dropped extra one, would make a trace of
         # a model nobody has: refuse instead (DESIGN trap 14).
-        detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
-        raise CheckpointError(f"--model {d}: checkpoint does not match {type(model).__name__}: {detail}")
-    resolve(model, f"--model {d}")  # the family table: refused here unless every capture point is found
+        detail = "; ".join(
+            f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items()
+        )
+        raise CheckpointError(
+            f"--model {d}: checkpoint does not match {type(model).__name__}: {detail}"
+        )
+    resolve(
+        model, f"--model {d}"
+    )  # the family table: refused here unless every capture point is found
     _check_tied_head(model, d)
     _replay(log + load_log)
     # A dispatched model stays where accelerate put it (transformers refuses .to() on an offloaded one).
@@ -290,7 +319,9 @@ def _placement(rc: RunConfig) -> dict:
     try:
         from accelerate.utils import convert_file_size_to_int
     except ImportError:
-        raise OracleError("--device-map auto: needs the `accelerate` package (requirements.txt)") from None
+        raise OracleError(
+            "--device-map auto: needs the `accelerate` package (requirements.txt)"
+        ) from None
     if rc.max_memory is None:
         return {"device_map": rc.device_map}
     sizes = {}
@@ -298,7 +329,9 @@ def _placement(rc: RunConfig) -> dict:
         try:
             sizes[k] = convert_file_size_to_int(int(v) if v.isdigit() else v)
         except ValueError:
-            raise OracleError(f"--max-memory {k}={v}: not a size accelerate reads (bytes, or e.g. 70GiB, 500MB)") from None
+            raise OracleError(
+                f"--max-memory {k}={v}: not a size accelerate reads (bytes, or e.g. 70GiB, 500MB)"
+            ) from None
     return {"device_map": rc.device_map, "max_memory": sizes}
 
 
@@ -312,8 +345,17 @@ def _device_map_provenance(model, rc: RunConfig) -> dict:
         modules, source = dict(placed), "model.hf_device_map"
     else:
         # A map of one device: transformers loads there and dispatches nothing (no hf_device_map).
-        devs = sorted({(p.device.index if p.device.type == "cuda" else p.device.type) for p in model.parameters()}, key=str)
-        modules, source = {"": devs[0] if len(devs) == 1 else [str(d) for d in devs]}, "parameter devices (one device: no dispatch)"
+        devs = sorted(
+            {
+                (p.device.index if p.device.type == "cuda" else p.device.type)
+                for p in model.parameters()
+            },
+            key=str,
+        )
+        modules, source = (
+            {"": devs[0] if len(devs) == 1 else [str(d) for d in devs]},
+            "parameter devices (one device: no dispatch)",
+        )
     computed_on = {}
     for name in modules:
         hook = getattr(model.get_submodule(name), "_hf_hook", None)
@@ -375,6 +417,7 @@ def _weights_digest(model_dir: Path) -> str | None:
 
 def _version_of(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(package)
     except PackageNotFoundError:
@@ -410,7 +453,10 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
             tf32_cudnn=torch.backends.cudnn.allow_tf32,
         )
     else:
-        dev.update(name=platform.processor() or platform.machine(), mkldnn=torch.backends.mkldnn.is_available())
+        dev.update(
+            name=platform.processor() or platform.machine(),
+            mkldnn=torch.backends.mkldnn.is_available(),
+        )
     cfg = model.config
     lay = resolve(model)
     is_moe = bool(lay.moe_layers)
@@ -444,8 +490,11 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         "cache": rc.cache,
         "generate": rc.generate,
         # As it can be re-run: under -m, sys.argv[0] is __main__.py's path, not the module.
-        "command": ([sys.executable, "-m", "tracegate_oracle", *sys.argv[1:]]
-                    if sys.argv and sys.argv[0].endswith("__main__.py") else list(sys.argv)),
+        "command": (
+            [sys.executable, "-m", "tracegate_oracle", *sys.argv[1:]]
+            if sys.argv and sys.argv[0].endswith("__main__.py")
+            else list(sys.argv)
+        ),
         "build_id": _build_id(),
     }
 
@@ -486,7 +535,9 @@ def margin_of(row: np.ndarray, chosen) -> np.float32:
     return np.float32(row[weakest] - row[strongest])
 
 
-def force_decision(d: Decision, scores: np.ndarray, forced: np.ndarray | None, rows: list[int]) -> tuple[Decision, int]:
+def force_decision(
+    d: Decision, scores: np.ndarray, forced: np.ndarray | None, rows: list[int]
+) -> tuple[Decision, int]:
     """Decision `d` (the model's own, from `scores`) with row r replaced by forced row rows[r]
     where the forcing trace holds it; margins the model's own for the forced choice. Returns the
     decision written and how many rows the model would have decided otherwise."""
@@ -550,7 +601,9 @@ def _expert_tap_class():
             elif func is linear:
                 # Looked up at each call: accelerate's offload hook (--device-map auto, a module kept
                 # in CPU memory) puts the parameter in place only once the experts' forward runs.
-                e = slice_index(args[1] if len(args) > 1 else kwargs["weight"], self.experts.down_proj)
+                e = slice_index(
+                    args[1] if len(args) > 1 else kwargs["weight"], self.experts.down_proj
+                )
                 if e is not None:
                     self.outs[int(e)] = (self.token_idx, out)
             return out
@@ -570,8 +623,19 @@ class Tap:
     no router decisions; `final_norm.out` only with layers; the logits always (when `whole`).
     """
 
-    def __init__(self, model, *, path: str, positions: list[int], layers, internals: bool, whole: bool, forcing=None,
-                 decode: bool = False, prefix: str = ""):
+    def __init__(
+        self,
+        model,
+        *,
+        path: str,
+        positions: list[int],
+        layers,
+        internals: bool,
+        whole: bool,
+        forcing=None,
+        decode: bool = False,
+        prefix: str = "",
+    ):
         self.model, self.path, self.positions = model, path, list(positions)
         self.lay = resolve(model)
         self.layers, self.internals, self.whole = list(layers), internals and not decode, whole
@@ -589,7 +653,11 @@ class Tap:
     # -- recording
     def add(self, name: str, t, positions=None, layer_idx=None):
         arr, dt = to_numpy(t[-1:] if self.decode else t)
-        attrs = {"path": self.path, "mask": self.lay.mask(layer_idx), "positions": list(positions or self.positions)}
+        attrs = {
+            "path": self.path,
+            "mask": self.lay.mask(layer_idx),
+            "positions": list(positions or self.positions),
+        }
         # A decode step of `trace` comes after its forced logits.argmax (the first forced decision).
         if self.forced or (self.decode and self.forcing is not None and self.whole):
             attrs["forced"] = self.forcing.digest
@@ -642,7 +710,11 @@ class Tap:
         self._undo.clear()
 
     def _hook(self, module, fn, pre=False):
-        h = module.register_forward_pre_hook(fn, with_kwargs=True) if pre else module.register_forward_hook(fn)
+        h = (
+            module.register_forward_pre_hook(fn, with_kwargs=True)
+            if pre
+            else module.register_forward_hook(fn)
+        )
         self._handles.append(h)
 
     def _hook_layer(self, L: int, layer):
@@ -654,7 +726,9 @@ class Tap:
 
         self._hook(layer, hidden_in, pre=True)
         lay = self.lay
-        self._hook(lay.attn(L), lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L))
+        self._hook(
+            lay.attn(L), lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L)
+        )
         mlp = lay.mlp(L)
         if L in lay.moe_layers and not self.decode:
             self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
@@ -663,7 +737,9 @@ class Tap:
         self._hook(mlp, lambda mod, a, out: self.add(f"{nn_}.mlp_out", out[0], layer_idx=L))
 
         def hidden_out(mod, args, out):
-            self.add(f"{nn_}.hidden_out", (out[0] if isinstance(out, tuple) else out)[0], layer_idx=L)
+            self.add(
+                f"{nn_}.hidden_out", (out[0] if isinstance(out, tuple) else out)[0], layer_idx=L
+            )
 
         self._hook(layer, hidden_out)
 
@@ -692,7 +768,9 @@ class Tap:
 
     def _on_experts(self, L: int, tap):
         if not tap.outs:
-            raise RuntimeError(f"layer {L}: the experts tap saw no expert computation (transformers internals changed?)")
+            raise RuntimeError(
+                f"layer {L}: the experts tap saw no expert computation (transformers internals changed?)"
+            )
         expected = {}
         topk = self.decisions[-1].values if self.decisions else None
         if topk is not None:
@@ -704,8 +782,15 @@ class Tap:
             order = np.argsort(tok, kind="stable")  # ascending token order
             rows = tok[order]
             if expected.get(e) != rows.tolist():
-                self.notes.append(f"layer {L} expert {e}: model routed rows {rows.tolist()}, tie rule gives {expected.get(e)}")
-            self.add(f"layer.{L:02d}.expert.{e:03d}.out", out[order], positions=[self.positions[i] for i in rows], layer_idx=L)
+                self.notes.append(
+                    f"layer {L} expert {e}: model routed rows {rows.tolist()}, tie rule gives {expected.get(e)}"
+                )
+            self.add(
+                f"layer.{L:02d}.expert.{e:03d}.out",
+                out[order],
+                positions=[self.positions[i] for i in rows],
+                layer_idx=L,
+            )
 
     def _patch_attention(self):
         """Wrap the modeling module's eager attention function (looked up at call time) to see
@@ -714,13 +799,17 @@ class Tap:
         for mod in mods:
             orig = getattr(mod, "eager_attention_forward", None)
             if orig is None:
-                raise RuntimeError(f"{mod.__name__} has no eager_attention_forward: cannot capture internals")
+                raise RuntimeError(
+                    f"{mod.__name__} has no eager_attention_forward: cannot capture internals"
+                )
             tapped = set(self.layers)
 
-            def wrapped(module, query, key, value, attention_mask, *a, _orig=orig, **kw):
+            def wrapped(
+                module, query, key, value, attention_mask, *a, _orig=orig, _tapped=tapped, **kw
+            ):
                 out, weights = _orig(module, query, key, value, attention_mask, *a, **kw)
                 L = getattr(module, "layer_idx", None)
-                if L in tapped:
+                if L in _tapped:
                     p = f"layer.{L:02d}"
                     self.add(f"{p}.q", query[0].transpose(0, 1), layer_idx=L)
                     self.add(f"{p}.k", key[0].transpose(0, 1), layer_idx=L)
@@ -729,7 +818,9 @@ class Tap:
                 return out, weights
 
             mod.eager_attention_forward = wrapped
-            self._undo.append(lambda mod=mod, orig=orig: setattr(mod, "eager_attention_forward", orig))
+            self._undo.append(
+                lambda mod=mod, orig=orig: setattr(mod, "eager_attention_forward", orig)
+            )
 
     def _on_logits(self, mod, args, out):
         logits = out.logits[0]
@@ -739,7 +830,11 @@ class Tap:
 
     def finish(self) -> None:
         if self.whole:
-            self.decide(argmax_decision("logits.argmax", self._logits), self._logits, list(range(len(self._logits))))
+            self.decide(
+                argmax_decision("logits.argmax", self._logits),
+                self._logits,
+                list(range(len(self._logits))),
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -755,10 +850,14 @@ def _check_tokens(model, tokens, extra: int = 0):
         raise OracleError(f"--tokens: ids {bad[:5]} outside the vocabulary [0, {V})")
     P = getattr(model.config, "max_position_embeddings", None)
     if P is not None and len(tokens) + extra > P:
-        raise OracleError(f"--tokens/--generate: {len(tokens) + extra} positions exceed max_position_embeddings {P}")
+        raise OracleError(
+            f"--tokens/--generate: {len(tokens) + extra} positions exceed max_position_embeddings {P}"
+        )
 
 
-def _generate(model, tokens, n: int, rc: RunConfig, forcing=None) -> tuple[list[Record], list[Decision], list[tuple[str, int]]]:
+def _generate(
+    model, tokens, n: int, rc: RunConfig, forcing=None
+) -> tuple[list[Record], list[Decision], list[tuple[str, int]]]:
     """Greedy decode with the model's own KV cache (the DynamicCache its forward creates, sliding
     layers included), or by recomputing the whole sequence. Step 0 decides from the prompt's last
     logits row; step s >= 1 first runs token s-1 at position n+s-1 (cached: that one row on the
@@ -774,7 +873,9 @@ def _generate(model, tokens, n: int, rc: RunConfig, forcing=None) -> tuple[list[
     seq = list(tokens)
     cache = rc.cache == "on"
     layers = range(len(resolve(model).layers)) if rc.capture == "internals" else []
-    routing = RouterForcing(resolve(model), forcing) if forcing is not None else contextlib.nullcontext()
+    routing = (
+        RouterForcing(resolve(model), forcing) if forcing is not None else contextlib.nullcontext()
+    )
     past = None
 
     with torch.no_grad(), routing, torch.autocast(device_type=rc.device, enabled=False):
@@ -785,8 +886,17 @@ def _generate(model, tokens, n: int, rc: RunConfig, forcing=None) -> tuple[list[
                 ids, positions, kw = seq[-1:], [p], {"use_cache": True, "past_key_values": past}
             if forcing is not None:
                 routing.positions = list(positions)
-            with Tap(model, path="decode", positions=[p], layers=layers if s > 0 else [], internals=False, whole=True,
-                     forcing=forcing, decode=True, prefix=f"decode.{s:04d}.") as tap:
+            with Tap(
+                model,
+                path="decode",
+                positions=[p],
+                layers=layers if s > 0 else [],
+                internals=False,
+                whole=True,
+                forcing=forcing,
+                decode=True,
+                prefix=f"decode.{s:04d}.",
+            ) as tap:
                 r = model(torch.tensor([ids], device=rc.device), **kw)
             records += tap.records
             past = r.past_key_values
@@ -809,8 +919,14 @@ def _routing(model, forcing, positions):
     return r
 
 
-def _require_forced(model, forcing: Forcing, tokens: list[int] | None, generate: int, layer: int | None = None,
-                    positions: list[int] | None = None) -> None:
+def _require_forced(
+    model,
+    forcing: Forcing,
+    tokens: list[int] | None,
+    generate: int,
+    layer: int | None = None,
+    positions: list[int] | None = None,
+) -> None:
     """What this run needs from the forcing trace, checked before anything runs."""
     lay, cfg = resolve(model), model.config
     if tokens is not None:
@@ -818,10 +934,14 @@ def _require_forced(model, forcing: Forcing, tokens: list[int] | None, generate:
     for L in lay.moe_layers if layer is None else [L for L in lay.moe_layers if L == layer]:
         name = f"layer.{L:02d}.router.topk"
         router = lay.router(L)
-        rows = forcing.require(name, None if tokens is None else len(tokens), router.top_k, router.num_experts)
+        rows = forcing.require(
+            name, None if tokens is None else len(tokens), router.top_k, router.num_experts
+        )
         beyond = next((p for p in positions or [] if p >= rows), None)
         if beyond is not None:
-            raise OracleError(f"--force-decisions {forcing.path}: decision {name} has {rows} rows, the input holds position {beyond}")
+            raise OracleError(
+                f"--force-decisions {forcing.path}: decision {name} has {rows} rows, the input holds position {beyond}"
+            )
     if tokens is not None:
         forcing.require("logits.argmax", len(tokens), None, cfg.vocab_size)
         for s in range(generate):
@@ -834,8 +954,14 @@ def _forced_provenance(prov: dict, forcing: Forcing | None, records: list[tuple[
         prov["forced_decisions"] = forcing.provenance(records)
 
 
-def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict | None = None,
-                   forcing: Forcing | None = None) -> Capture:
+def capture_prompt(
+    model,
+    model_dir,
+    tokens: list[int],
+    rc: RunConfig,
+    det: dict | None = None,
+    forcing: Forcing | None = None,
+) -> Capture:
     """The `trace` verb: the whole forward over `tokens` (path=prefill), then optional greedy decode;
     under --force-decisions with the forcing trace's decisions (force.py)."""
     import torch
@@ -847,9 +973,19 @@ def capture_prompt(model, model_dir, tokens: list[int], rc: RunConfig, det: dict
     n_layers = len(resolve(model).layers)
 
     def run():
-        with Tap(model, path="prefill", positions=range(len(tokens)), layers=range(n_layers),
-                 internals=rc.capture == "internals", whole=True, forcing=forcing) as tap:
-            with torch.autocast(device_type=rc.device, enabled=False), _routing(model, forcing, range(len(tokens))):
+        with Tap(
+            model,
+            path="prefill",
+            positions=range(len(tokens)),
+            layers=range(n_layers),
+            internals=rc.capture == "internals",
+            whole=True,
+            forcing=forcing,
+        ) as tap:
+            with (
+                torch.autocast(device_type=rc.device, enabled=False),
+                _routing(model, forcing, range(len(tokens))),
+            ):
                 model(torch.tensor([tokens], device=rc.device), use_cache=False)
             tap.finish()
         return tap, _generate(model, tokens, rc.generate, rc, forcing)
@@ -868,20 +1004,34 @@ def _layer_mask(model, L: int, x, position_ids, cache=None):
     layer L (the family table's mask rule)."""
     from transformers import masking_utils as mu
 
-    fn = mu.create_causal_mask if resolve(model).window(L) is None else mu.create_sliding_window_causal_mask
-    return fn(config=model.config, inputs_embeds=x, attention_mask=None, past_key_values=cache, position_ids=position_ids,
-              layer_idx=L if cache is not None else None)
+    fn = (
+        mu.create_causal_mask
+        if resolve(model).window(L) is None
+        else mu.create_sliding_window_causal_mask
+    )
+    return fn(
+        config=model.config,
+        inputs_embeds=x,
+        attention_mask=None,
+        past_key_values=cache,
+        position_ids=position_ids,
+        layer_idx=L if cache is not None else None,
+    )
 
 
 def check_decode_from(P: int, positions: list[int], name: str) -> None:
     """--decode-from needs rows at positions exactly 0..m-1, and 0 <= P < m."""
     bad = next((i for i, p in enumerate(positions) if p != i), None)
     if bad is not None:
-        raise OracleError(f"--input-name {name}: --decode-from needs rows at positions 0..{len(positions) - 1} in order; "
-                          f"row {bad} is at position {positions[bad]}")
+        raise OracleError(
+            f"--input-name {name}: --decode-from needs rows at positions 0..{len(positions) - 1} in order; "
+            f"row {bad} is at position {positions[bad]}"
+        )
     if not 0 <= P < len(positions):
-        raise OracleError(f"--decode-from {P}: must be in 0..{len(positions) - 1} (--input-name {name} has "
-                          f"{len(positions)} rows)")
+        raise OracleError(
+            f"--decode-from {P}: must be in 0..{len(positions) - 1} (--input-name {name} has "
+            f"{len(positions)} rows)"
+        )
 
 
 def _decode_layer(model, L: int, x, positions: list[int], P: int, forcing) -> list[Record]:
@@ -898,25 +1048,56 @@ def _decode_layer(model, L: int, x, positions: list[int], P: int, forcing) -> li
     def forward(rows: slice):
         xs, pos = x[:, rows], torch.tensor([positions[rows]], device=x.device)
         with _routing(model, forcing, positions[rows]):
-            lay.layers[L](xs, attention_mask=_layer_mask(model, L, xs, pos, cache), position_ids=pos,
-                          position_embeddings=lay.rope(xs, pos, L), past_key_values=cache, use_cache=True)
+            lay.layers[L](
+                xs,
+                attention_mask=_layer_mask(model, L, xs, pos, cache),
+                position_ids=pos,
+                position_embeddings=lay.rope(xs, pos, L),
+                past_key_values=cache,
+                use_cache=True,
+            )
 
     if P > 0:
         forward(slice(0, P))
     rows: dict[str, list[Record]] = {}
     for p in range(P, len(positions)):
-        with Tap(model, path="layer", positions=[p], layers=[L], internals=False, whole=False, forcing=forcing,
-                 decode=True) as tap:
+        with Tap(
+            model,
+            path="layer",
+            positions=[p],
+            layers=[L],
+            internals=False,
+            whole=False,
+            forcing=forcing,
+            decode=True,
+        ) as tap:
             forward(slice(p, p + 1))
         for r in tap.records:
             rows.setdefault(r.name, []).append(r)
-    return [Record(n, np.concatenate([r.array for r in rs]), rs[0].dtype,
-                   {**rs[0].attrs, "positions": positions[P:], "decode_from": str(P)}) for n, rs in rows.items()]
+    return [
+        Record(
+            n,
+            np.concatenate([r.array for r in rs]),
+            rs[0].dtype,
+            {**rs[0].attrs, "positions": positions[P:], "decode_from": str(P)},
+        )
+        for n, rs in rows.items()
+    ]
 
 
-def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[int], rc: RunConfig,
-                  det: dict | None = None, input_dtype: str | None = None, source: dict | None = None,
-                  forcing: Forcing | None = None, decode_from: int | None = None) -> Capture:
+def capture_layer(
+    model,
+    model_dir,
+    L: int,
+    hidden: np.ndarray,
+    positions: list[int],
+    rc: RunConfig,
+    det: dict | None = None,
+    input_dtype: str | None = None,
+    source: dict | None = None,
+    forcing: Forcing | None = None,
+    decode_from: int | None = None,
+) -> Capture:
     """The `layer` verb: the model's own decoder layer L on `hidden` [T, H] at `positions`; under
     --force-decisions its router takes the forcing trace's rows at those positions. With
     `decode_from` P (docs/producers.md, `layer --decode-from`): rows < P fill the layer's KV
@@ -933,7 +1114,9 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
         raise OracleError(f"--input-name: tensor shape {list(hidden.shape)} is not [T, {H}]")
     if len(positions) != hidden.shape[0]:
         raise OracleError(f"--input-name: {len(positions)} positions for {hidden.shape[0]} rows")
-    if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[0] < 0):
+    if any(b <= a for a, b in zip(positions, positions[1:], strict=False)) or (
+        positions and positions[0] < 0
+    ):
         raise OracleError("--input-name: positions must be non-negative and strictly increasing")
     name = (source or {}).get("input_name", "")
     if decode_from is not None:
@@ -941,8 +1124,14 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
     if forcing is not None:
         # Under --decode-from the rows the forcing trace holds are forced and later ones route
         # themselves, as generated rows do in `trace`; the cache's prefix must be covered.
-        _require_forced(model, forcing, None, 0, layer=L,
-                        positions=positions if decode_from is None else positions[:decode_from])
+        _require_forced(
+            model,
+            forcing,
+            None,
+            0,
+            layer=L,
+            positions=positions if decode_from is None else positions[:decode_from],
+        )
     dt = next(model.parameters()).dtype
     if input_dtype == "bf16":
         x = torch.from_numpy(np.array(hidden, copy=True).view(np.int16)).view(torch.bfloat16)
@@ -955,13 +1144,29 @@ def capture_layer(model, model_dir, L: int, hidden: np.ndarray, positions: list[
         if decode_from is not None:
             with torch.no_grad(), torch.autocast(device_type=rc.device, enabled=False):
                 return _decode_layer(model, L, x, list(positions), decode_from, forcing), None
-        with Tap(model, path="layer", positions=positions, layers=[L],
-                 internals=rc.capture == "internals", whole=False, forcing=forcing) as tap:
-            with torch.autocast(device_type=rc.device, enabled=False), _routing(model, forcing, positions):
+        with Tap(
+            model,
+            path="layer",
+            positions=positions,
+            layers=[L],
+            internals=rc.capture == "internals",
+            whole=False,
+            forcing=forcing,
+        ) as tap:
+            with (
+                torch.autocast(device_type=rc.device, enabled=False),
+                _routing(model, forcing, positions),
+            ):
                 mask = _layer_mask(model, L, x, pos)
                 pe = lay.rope(x, pos, L)
-                layers[L](x, attention_mask=mask, position_ids=pos, position_embeddings=pe,
-                          past_key_values=None, use_cache=False)
+                layers[L](
+                    x,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    position_embeddings=pe,
+                    past_key_values=None,
+                    use_cache=False,
+                )
         return tap.records, tap
 
     records, tap = _deterministic(run, det)
@@ -981,12 +1186,22 @@ def write_trace(cap: Capture, out: str | os.PathLike) -> str:
     try:
         import tracegate
     except ImportError:
-        raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
+        raise OracleError(
+            "the `tracegate` Python module is not installed (run scripts/setup.sh)"
+        ) from None
     with tracegate.TraceWriter(str(out), cap.provenance) as w:
         for r in cap.tensors:
             a = r.attrs
             extra = {k: a[k] for k in ("forced", "decode_from") if k in a}
-            w.tensor(r.name, r.array, dtype=r.dtype, path=a["path"], mask=a["mask"], positions=a["positions"], **extra)
+            w.tensor(
+                r.name,
+                r.array,
+                dtype=r.dtype,
+                path=a["path"],
+                mask=a["mask"],
+                positions=a["positions"],
+                **extra,
+            )
         for d in cap.decisions:
             w.decision(d.name, d.values, margins=d.margins)
         return w.finish()

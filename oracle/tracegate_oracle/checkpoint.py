@@ -7,6 +7,7 @@ trace from a NaN epsilon), so the oracle checks them first. Pure Python (json, s
 so the CLI refuses before the seconds that importing torch takes. Nothing here is model
 arithmetic; the model stays transformers' own class.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,23 +24,45 @@ MAX_HEADER_BYTES = 100 << 20
 
 # Bytes per element of every safetensors dtype, so entries of any dtype are bounds-checked.
 DTYPE_SIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 # Weight files transformers would load instead of (or beside) safetensors, with torch.load or
 # another framework. The weights digest covers *.safetensors only, so any of them makes "which
 # weights ran" unanswerable: refused.
-OTHER_WEIGHTS = re.compile(r"^(pytorch_model.*\.bin(\.index\.json)?|tf_model.*\.h5(\.index\.json)?"
-                           r"|flax_model.*\.msgpack(\.index\.json)?|model\.ckpt.*|.*\.(pt|pth))$")
+OTHER_WEIGHTS = re.compile(
+    r"^(pytorch_model.*\.bin(\.index\.json)?|tf_model.*\.h5(\.index\.json)?"
+    r"|flax_model.*\.msgpack(\.index\.json)?|model\.ckpt.*|.*\.(pt|pth))$"
+)
 
 # Config fields that size the model: when present (not null) each must be an integer >= 1
 # (engine: req_usize / opt_usize). num_experts may be 0 (every layer dense) and is checked apart.
-SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
-               "decoder_sparse_step")
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+)
 
 # Weights the oracle loads: floats. transformers would convert an integer or bool tensor into a
 # float parameter by value, and F8 needs a quantisation config this oracle does not run.
@@ -97,13 +120,17 @@ def safetensors_files(d: Path, wm: dict[str, str] | None) -> list[Path]:
         raise CheckpointError(f"{d}: cannot list the model directory: {e.strerror}") from None
     other = [n for n in names if OTHER_WEIGHTS.match(n)]
     if other:
-        raise CheckpointError(f"{d / other[0]}: weights the oracle does not load (safetensors only); "
-                              "remove it so the weights digest covers every weight in the directory")
+        raise CheckpointError(
+            f"{d / other[0]}: weights the oracle does not load (safetensors only); "
+            "remove it so the weights digest covers every weight in the directory"
+        )
     expected = sorted(set(wm.values())) if wm is not None else ["model.safetensors"]
     present = [n for n in names if n.endswith(".safetensors")]
     for n in present:
         if n not in expected:
-            raise CheckpointError(f"{d / n}: a safetensors file the checkpoint does not name (expected {expected})")
+            raise CheckpointError(
+                f"{d / n}: a safetensors file the checkpoint does not name (expected {expected})"
+            )
     for n in expected:
         if n not in present:
             raise CheckpointError(f"{d / n}: missing safetensors file")
@@ -129,7 +156,9 @@ def _index(path: Path) -> dict[str, str]:
         raise CheckpointError(f"{path}: no weight_map object")
     for k, f in wm.items():
         if not isinstance(f, str) or "/" in f or "\\" in f or not f.endswith(".safetensors"):
-            raise CheckpointError(f"{path}: weight_map[{k}] = {f!r} is not a safetensors file in the directory")
+            raise CheckpointError(
+                f"{path}: weight_map[{k}] = {f!r} is not a safetensors file in the directory"
+            )
     return wm
 
 
@@ -146,8 +175,10 @@ def read_header(path: Path) -> dict[str, Entry]:
                 raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or n > size - 8:
-                raise CheckpointError(f"{path}: header length {n} exceeds the file ({size} bytes) "
-                                      f"or the {MAX_HEADER_BYTES}-byte limit")
+                raise CheckpointError(
+                    f"{path}: header length {n} exceeds the file ({size} bytes) "
+                    f"or the {MAX_HEADER_BYTES}-byte limit"
+                )
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
@@ -159,7 +190,9 @@ def read_header(path: Path) -> dict[str, Entry]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     meta = header.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(x, str) for x in meta.values())):
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(x, str) for x in meta.values())
+    ):
         raise CheckpointError(f"{path}: __metadata__ must be an object of strings")
     data_len = size - 8 - n
     out, spans = {}, []
@@ -171,17 +204,25 @@ def read_header(path: Path) -> dict[str, Entry]:
         if dt not in DTYPE_SIZE:
             raise CheckpointError(f"{where}: unknown dtype {dt!r}")
         if dt not in WEIGHT_DTYPES:
-            raise CheckpointError(f"{where}: dtype {dt} is not a float weight ({', '.join(WEIGHT_DTYPES)})")
+            raise CheckpointError(
+                f"{where}: dtype {dt} is not a float weight ({', '.join(WEIGHT_DTYPES)})"
+            )
         if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
-            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            raise CheckpointError(
+                f"{where}: shape {shape!r} is not a list of non-negative integers"
+            )
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
             raise CheckpointError(f"{where}: data_offsets {offs!r} is not [begin, end]")
         b, e = offs
         if not 0 <= b <= e <= data_len:
-            raise CheckpointError(f"{where}: data_offsets [{b}, {e}] outside the {data_len}-byte data region")
+            raise CheckpointError(
+                f"{where}: data_offsets [{b}, {e}] outside the {data_len}-byte data region"
+            )
         need = DTYPE_SIZE[dt] * math.prod(shape)  # Python ints: no overflow
         if e - b != need:
-            raise CheckpointError(f"{where}: shape {shape} of {dt} needs {need} bytes, data_offsets give {e - b}")
+            raise CheckpointError(
+                f"{where}: shape {shape} of {dt} needs {need} bytes, data_offsets give {e - b}"
+            )
         out[name] = Entry(path.name, dt, tuple(shape))
         spans.append((b, e, name))
     pos = 0
@@ -191,7 +232,9 @@ def read_header(path: Path) -> dict[str, Entry]:
             raise CheckpointError(f"{path}: tensor {name}: data range [{b}, {e}] {why}")
         pos = e
     if pos != data_len:
-        raise CheckpointError(f"{path}: {data_len - pos} trailing bytes of the data region belong to no tensor")
+        raise CheckpointError(
+            f"{path}: {data_len - pos} trailing bytes of the data region belong to no tensor"
+        )
     return out
 
 
@@ -205,7 +248,9 @@ def inventory(d: Path) -> dict[str, Entry]:
             if name in out:
                 raise CheckpointError(f"{d}: tensor {name} in both {out[name].file} and {f.name}")
             if wm is not None and wm.get(name) != f.name:
-                raise CheckpointError(f"{f}: tensor {name}: the index names {wm.get(name)!r} for it")
+                raise CheckpointError(
+                    f"{f}: tensor {name}: the index names {wm.get(name)!r} for it"
+                )
             out[name] = entry
     for name, f in (wm or {}).items():
         if name not in out:
@@ -249,7 +294,9 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
             refuse(f"{at} = {v} is not a finite number")
         if at.split(".")[-1] == "rope_theta" and v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                refuse(f"{at} = {v!r} is not positive (every RoPE frequency would be NaN or infinite)")
+                refuse(
+                    f"{at} = {v!r} is not positive (every RoPE frequency would be NaN or infinite)"
+                )
     eps = raw.get("rms_norm_eps")
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))):
         refuse(f"rms_norm_eps = {eps!r} is not a number")
@@ -278,17 +325,29 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
             refuse(f"{key} = {ne!r} is not a non-negative integer")
         k = raw.get("num_experts_per_tok")
         if ne > 0 and not (_is_int(k) and 1 <= k < ne):
-            refuse(f"num_experts_per_tok = {k!r} not supported with {key} = {ne} (need 1 <= k < {key})")
+            refuse(
+                f"num_experts_per_tok = {k!r} not supported with {key} = {ne} (need 1 <= k < {key})"
+            )
 
     # Sizes against the checkpoint, before any module exists: transformers builds every layer and
     # expert the config declares before it looks at a weight.
     n = raw.get("num_hidden_layers")
     have = sorted({int(m.group(1)) for name in inv if (m := LAYER_NAME.match(name))})
-    if n is not None and (len(have) != n or have != list(range(len(have)))):  # never range(n): n may be 2^62
-        got = f"layers {have[0]}..{have[-1]} ({len(have)} distinct)" if have else "no model.layers.N tensors"
+    if n is not None and (
+        len(have) != n or have != list(range(len(have)))
+    ):  # never range(n): n may be 2^62
+        got = (
+            f"layers {have[0]}..{have[-1]} ({len(have)} distinct)"
+            if have
+            else "no model.layers.N tensors"
+        )
         refuse(f"num_hidden_layers = {n} but the checkpoint holds {got}")
     experts = {int(m.group(1)) for name in inv if (m := EXPERT_NAME.search(name))}
-    fused = [e.shape[0] for name, e in inv.items() if ".experts." in name and not EXPERT_NAME.search(name) and e.shape]
+    fused = [
+        e.shape[0]
+        for name, e in inv.items()
+        if ".experts." in name and not EXPERT_NAME.search(name) and e.shape
+    ]
     held = max(experts) + 1 if experts else max(fused, default=0)
     for key in ("num_experts", "num_local_experts"):
         ne = raw.get(key)

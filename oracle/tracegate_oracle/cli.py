@@ -5,6 +5,7 @@ optionally as cached decode steps with --decode-from); `serve` answers many of t
 User errors (arguments, paths, checkpoints, input traces) exit 2 with one line naming the
 problem; anything else is a bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,9 @@ def _max_memory(s: str) -> dict:
     for part in s.split(","):
         key, eq, size = (x.strip() for x in part.partition("="))
         if not eq or not size or not (key == "cpu" or key.isdigit()):
-            raise argparse.ArgumentTypeError(f"{part!r} is not DEVICE=SIZE (DEVICE a GPU index or cpu, e.g. 0=70GiB,cpu=200GiB)")
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not DEVICE=SIZE (DEVICE a GPU index or cpu, e.g. 0=70GiB,cpu=200GiB)"
+            )
         k = "cpu" if key == "cpu" else int(key)
         if k in out:
             raise argparse.ArgumentTypeError(f"device {key} given twice")
@@ -59,42 +62,84 @@ def _max_memory(s: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="verb", required=True)
 
     def common(p):
-        p.add_argument("--model", required=True, help="HF-layout model dir (config.json + *.safetensors)")
-        p.add_argument("--out", required=True, help="trace file to write (written to a temp file, then renamed)")
+        p.add_argument(
+            "--model", required=True, help="HF-layout model dir (config.json + *.safetensors)"
+        )
+        p.add_argument(
+            "--out",
+            required=True,
+            help="trace file to write (written to a temp file, then renamed)",
+        )
         p.add_argument("--capture", choices=["default", "internals"], default="default")
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-        p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32", help="compute dtype (default f32)")
-        p.add_argument("--device-map", choices=["auto"],
-                       help="with --device cuda: spread the model over the visible GPUs as transformers/accelerate "
-                            "place it (from_pretrained(device_map='auto')); the map is in provenance")
-        p.add_argument("--max-memory", type=_max_memory, metavar="DEV=SIZE,...",
-                       help="with --device-map auto: accelerate's max_memory per device, e.g. 0=70GiB,cpu=200GiB "
-                            "(modules placed on cpu are kept in CPU memory and computed on the first GPU)")
-        p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
+        p.add_argument(
+            "--dtype",
+            choices=["f32", "bf16", "f16"],
+            default="f32",
+            help="compute dtype (default f32)",
+        )
+        p.add_argument(
+            "--device-map",
+            choices=["auto"],
+            help="with --device cuda: spread the model over the visible GPUs as transformers/accelerate "
+            "place it (from_pretrained(device_map='auto')); the map is in provenance",
+        )
+        p.add_argument(
+            "--max-memory",
+            type=_max_memory,
+            metavar="DEV=SIZE,...",
+            help="with --device-map auto: accelerate's max_memory per device, e.g. 0=70GiB,cpu=200GiB "
+            "(modules placed on cpu are kept in CPU memory and computed on the first GPU)",
+        )
+        p.add_argument(
+            "--threads", type=_positive, default=1, help="torch intra-op threads (default 1)"
+        )
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--force-decisions", metavar="TRACE",
-                       help="take router top-k (and, for trace, greedy tokens) from this trace instead of computing them")
+        p.add_argument(
+            "--force-decisions",
+            metavar="TRACE",
+            help="take router top-k (and, for trace, greedy tokens) from this trace instead of computing them",
+        )
 
     t = sub.add_parser("trace", help="whole forward over a prompt (+ greedy decode)")
     common(t)
     t.add_argument("--tokens", required=True, type=_tokens, help="prompt token ids, e.g. 3,17,5")
-    t.add_argument("--generate", type=_nonneg, default=0, metavar="N", help="greedy decode N tokens: decode.SSSS.argmax decisions, decode.SSSS.logits rows, and the "
-                        "steps' layer points under --capture internals")
-    t.add_argument("--cache", choices=["on", "off"], default="on", help="decode with the model's KV cache or recompute")
+    t.add_argument(
+        "--generate",
+        type=_nonneg,
+        default=0,
+        metavar="N",
+        help="greedy decode N tokens: decode.SSSS.argmax decisions, decode.SSSS.logits rows, and the "
+        "steps' layer points under --capture internals",
+    )
+    t.add_argument(
+        "--cache",
+        choices=["on", "off"],
+        default="on",
+        help="decode with the model's KV cache or recompute",
+    )
 
     l = sub.add_parser("layer", help="run decoder layer L on a tensor taken from a trace")
     common(l)
     l.add_argument("--layer", required=True, type=int)
     l.add_argument("--input", required=True, help="trace holding the layer input")
-    l.add_argument("--input-name", required=True, help="tensor name in --input, e.g. layer.02.hidden_in")
+    l.add_argument(
+        "--input-name", required=True, help="tensor name in --input, e.g. layer.02.hidden_in"
+    )
     # Any integer: a value outside 0..rows-1 is refused in one line once the input's rows are known.
-    l.add_argument("--decode-from", type=int, metavar="P",
-                   help="rows at positions < P fill the layer's KV cache; each later row runs as a cached decode "
-                        "step; only those rows are written (input rows at positions 0..m-1)")
+    l.add_argument(
+        "--decode-from",
+        type=int,
+        metavar="P",
+        help="rows at positions < P fill the layer's KV cache; each later row runs as a cached decode "
+        "step; only those rows are written (input rows at positions 0..m-1)",
+    )
     return ap
 
 
@@ -120,7 +165,9 @@ def _read_input(path: str, name: str):
     try:
         import tracegate
     except ImportError:
-        raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
+        raise OracleError(
+            "the `tracegate` Python module is not installed (run scripts/setup.sh)"
+        ) from None
     if not Path(path).exists():
         raise OracleError(f"--input {path}: no such file")
     if not Path(path).is_file():  # a FIFO would block the reader
@@ -132,7 +179,9 @@ def _read_input(path: str, name: str):
         raise OracleError(f"--input {path}: not a valid trace: {e}") from None
     if name not in tr.names:
         near = [n for n in tr.names if n.endswith(name.split(".")[-1])][:5]
-        raise OracleError(f"--input-name {name}: not in {path}" + (f" (e.g. {', '.join(near)})" if near else ""))
+        raise OracleError(
+            f"--input-name {name}: not in {path}" + (f" (e.g. {', '.join(near)})" if near else "")
+        )
     attrs = tr.attributes(name)
     if "positions" not in attrs:
         raise OracleError(f"--input-name {name}: tensor has no positions attribute")
@@ -141,7 +190,12 @@ def _read_input(path: str, name: str):
     if dt is None and hasattr(tr, "dtype"):
         dt = tr.dtype(name)
     dt = "bf16" if str(dt).lower() in ("bf16", "bfloat16") else None
-    src = {"input_trace": str(path), "input_name": name, "input_digest": tr.digest, "input_path": attrs.get("path")}
+    src = {
+        "input_trace": str(path),
+        "input_name": name,
+        "input_digest": tr.digest,
+        "input_path": attrs.get("path"),
+    }
     return arr, _positions(attrs["positions"]), dt, src
 
 
@@ -155,7 +209,9 @@ def _load(model_dir: str, rc: RunConfig):
     from . import capture as cp
 
     d = Path(model_dir).resolve()
-    stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in d.iterdir() if p.is_file()))
+    stamp = tuple(
+        sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in d.iterdir() if p.is_file())
+    )
     key = (str(d), rc.dtype, rc.device, stamp)
     if key not in _MODELS:
         _MODELS.clear()
@@ -167,10 +223,9 @@ def _serve(rest: list[str]) -> int:
     if rest:
         print(f"{PROG} serve: error: takes no arguments, got {' '.join(rest)}", file=sys.stderr)
         return 2
-    from tracegate.serve import serve
-
     import torch  # noqa: F401  (the seconds of importing it go before the first request)
     import transformers  # noqa: F401
+    from tracegate.serve import serve
 
     return serve(main, sys.argv[0])
 
@@ -179,7 +234,9 @@ def _versions(rest: list[str]) -> int:
     """`versions --out PATH`: the stack's versions as JSON, what the gate records (its probe of
     the oracle's interpreter, asked of the serving worker so torch is imported once)."""
     if len(rest) != 2 or rest[0] != "--out":
-        print(f"{PROG} versions: error: expected --out PATH, got {' '.join(rest)!r}", file=sys.stderr)
+        print(
+            f"{PROG} versions: error: expected --out PATH, got {' '.join(rest)!r}", file=sys.stderr
+        )
         return 2
     import json
 
@@ -187,7 +244,15 @@ def _versions(rest: list[str]) -> int:
     import torch
     import transformers
 
-    Path(rest[1]).write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__}))
+    Path(rest[1]).write_text(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "numpy": numpy.__version__,
+            }
+        )
+    )
     return 0
 
 
@@ -199,9 +264,17 @@ def main(argv=None) -> int:
         return _versions(args[1:])
     ap = parser()
     a = ap.parse_args(argv)
-    rc = RunConfig(device=a.device, dtype=a.dtype, threads=a.threads, seed=a.seed, capture=a.capture,
-                   cache=getattr(a, "cache", "on"), generate=getattr(a, "generate", 0),
-                   device_map=a.device_map, max_memory=a.max_memory)
+    rc = RunConfig(
+        device=a.device,
+        dtype=a.dtype,
+        threads=a.threads,
+        seed=a.seed,
+        capture=a.capture,
+        cache=getattr(a, "cache", "on"),
+        generate=getattr(a, "generate", 0),
+        device_map=a.device_map,
+        max_memory=a.max_memory,
+    )
     from . import capture as cp
 
     try:
@@ -218,8 +291,19 @@ def main(argv=None) -> int:
         det = cp.setup_torch(rc)
         if a.verb == "layer":
             model = _load(a.model, rc)
-            cap = cp.capture_layer(model, a.model, a.layer, arr, positions, rc, det, input_dtype=dt, source=src,
-                                   forcing=forcing, decode_from=a.decode_from)
+            cap = cp.capture_layer(
+                model,
+                a.model,
+                a.layer,
+                arr,
+                positions,
+                rc,
+                det,
+                input_dtype=dt,
+                source=src,
+                forcing=forcing,
+                decode_from=a.decode_from,
+            )
         else:
             model = _load(a.model, rc)
             cap = cp.capture_prompt(model, a.model, a.tokens, rc, det, forcing=forcing)

@@ -7,6 +7,7 @@ loaded model against its entry and refuses, in one line, a family the table does
 model whose modules are not where the entry says. No family has its own code path: capture.py
 reads the resolved `Layout`. docs/capture-points.md is the prose of this table.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -49,17 +50,37 @@ COMMON = Family()
 FAMILIES: dict[str, Family] = {
     "llama": COMMON,
     "mistral": replace(COMMON, mask="config", provenance_fields=("sliding_window",)),
-    "qwen2": replace(COMMON, mask="layer_types", provenance_fields=("sliding_window", "layer_types")),
-    "qwen3": replace(COMMON, mask="layer_types", provenance_fields=("sliding_window", "layer_types")),
+    "qwen2": replace(
+        COMMON, mask="layer_types", provenance_fields=("sliding_window", "layer_types")
+    ),
+    "qwen3": replace(
+        COMMON, mask="layer_types", provenance_fields=("sliding_window", "layer_types")
+    ),
     "qwen3_moe": replace(COMMON, moe="some", mask="config", provenance_fields=("sliding_window",)),
     "gemma3_text": replace(
         COMMON,
-        norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+        norms=(
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ),
         mask="layer_types",
         rope_by_layer_type=True,
-        provenance_fields=("sliding_window", "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
-                           "query_pre_attn_scalar"),
-        refuse=(("use_bidirectional_attention", True, "bidirectional attention is not a causal decoder"),),
+        provenance_fields=(
+            "sliding_window",
+            "layer_types",
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+            "query_pre_attn_scalar",
+        ),
+        refuse=(
+            (
+                "use_bidirectional_attention",
+                True,
+                "bidirectional attention is not a causal decoder",
+            ),
+        ),
     ),
     "olmo2": replace(COMMON, norms=("post_attention_layernorm", "post_feedforward_layernorm")),
     "phi3": replace(COMMON, mask="config", provenance_fields=("sliding_window",)),
@@ -123,9 +144,12 @@ class Layout:
 
     def provenance(self) -> dict:
         cfg = self.model.config
-        out = {"family": self.family, "mask_rule": self.spec.mask,
-               "masks": [self.mask(L) for L in range(len(self.layers))],
-               "tied_head": self.head.weight is self.embed.weight}
+        out = {
+            "family": self.family,
+            "mask_rule": self.spec.mask,
+            "masks": [self.mask(L) for L in range(len(self.layers))],
+            "tied_head": self.head.weight is self.embed.weight,
+        }
         for f in self.spec.provenance_fields:
             v = getattr(cfg, f, None)
             if v is not None:
@@ -149,7 +173,9 @@ def resolve(model, where: str = "--model") -> Layout:
     spec = FAMILIES.get(mt)
     cls = type(model).__name__
     if spec is None:
-        raise OracleError(f"{where}: model_type {mt!r} ({cls}) is not in the oracle's family table ({supported()})")
+        raise OracleError(
+            f"{where}: model_type {mt!r} ({cls}) is not in the oracle's family table ({supported()})"
+        )
     for fld, bad, why in spec.refuse:
         if getattr(cfg, fld, None) == bad:
             raise OracleError(f"{where}: config {fld} = {bad!r} not supported for {mt}: {why}")
@@ -157,7 +183,9 @@ def resolve(model, where: str = "--model") -> Layout:
     def need(root, path: str, what: str):
         m = _get(root, path)
         if m is None:
-            raise OracleError(f"{where}: {cls} ({mt}) has no {what} module `{path}` (oracle family table)")
+            raise OracleError(
+                f"{where}: {cls} ({mt}) has no {what} module `{path}` (oracle family table)"
+            )
         return m
 
     embed = need(model, spec.embed, "embedding")
@@ -165,13 +193,25 @@ def resolve(model, where: str = "--model") -> Layout:
     try:
         layers = list(layers)
     except TypeError:
-        raise OracleError(f"{where}: {cls} ({mt}): `{spec.layers}` is not a list of layers (oracle family table)") from None
+        raise OracleError(
+            f"{where}: {cls} ({mt}): `{spec.layers}` is not a list of layers (oracle family table)"
+        ) from None
     if not layers:
         raise OracleError(f"{where}: {cls} ({mt}) has no decoder layers in `{spec.layers}`")
-    lay = Layout(mt, spec, model, embed, layers, need(model, spec.final_norm, "final norm"),
-                 need(model, spec.head, "head"), need(model, spec.rotary, "rotary embedding"))
+    lay = Layout(
+        mt,
+        spec,
+        model,
+        embed,
+        layers,
+        need(model, spec.final_norm, "final norm"),
+        need(model, spec.head, "head"),
+        need(model, spec.rotary, "rotary embedding"),
+    )
     if spec.mask == "layer_types" and len(getattr(cfg, "layer_types", None) or []) < len(layers):
-        raise OracleError(f"{where}: {cls} ({mt}): config layer_types does not name every layer's attention type")
+        raise OracleError(
+            f"{where}: {cls} ({mt}): config layer_types does not name every layer's attention type"
+        )
     for L, layer in enumerate(layers):
         at = f"{spec.layers}.{L}"
         need(layer, spec.attn, f"attention ({at})")
@@ -180,10 +220,14 @@ def resolve(model, where: str = "--model") -> Layout:
             need(layer, n, f"norm ({at})")
         has_router = _get(mlp, spec.router) is not None and _get(mlp, spec.experts) is not None
         if spec.moe == "all" and not has_router:
-            raise OracleError(f"{where}: {cls} ({mt}) has no router `{at}.{spec.mlp}.{spec.router}` with "
-                              f"`{spec.experts}` (oracle family table: every layer is MoE)")
+            raise OracleError(
+                f"{where}: {cls} ({mt}) has no router `{at}.{spec.mlp}.{spec.router}` with "
+                f"`{spec.experts}` (oracle family table: every layer is MoE)"
+            )
         if spec.moe and has_router:
             if not isinstance(getattr(_get(mlp, spec.router), "top_k", None), int):
-                raise OracleError(f"{where}: {cls} ({mt}): router `{at}.{spec.mlp}.{spec.router}` has no top_k")
+                raise OracleError(
+                    f"{where}: {cls} ({mt}): router `{at}.{spec.mlp}.{spec.router}` has no top_k"
+                )
             lay.moe_layers.append(L)
     return lay

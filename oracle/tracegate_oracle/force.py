@@ -9,12 +9,12 @@ the experts loop — is transformers' code. A router that does not call `torch.t
 on `[rows, num_experts]` is refused for forcing, naming the family and layer. Greedy tokens are
 forced by feeding the forced token to the next generation step.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-
 from tracegate_contract.force import Forcing as _ContractForcing
 
 from .errors import OracleError
@@ -26,7 +26,9 @@ def shadow_forward(module, forward):
     attribute too, and must survive the capture."""
     prev = module.__dict__.get("forward")
     module.forward = forward
-    return lambda: module.__dict__.pop("forward", None) if prev is None else setattr(module, "forward", prev)
+    return lambda: (
+        module.__dict__.pop("forward", None) if prev is None else setattr(module, "forward", prev)
+    )
 
 
 class Forcing(_ContractForcing):
@@ -39,7 +41,9 @@ class Forcing(_ContractForcing):
         try:
             import tracegate  # noqa: F401
         except ImportError:
-            raise OracleError("the `tracegate` Python module is not installed (run scripts/setup.sh)") from None
+            raise OracleError(
+                "the `tracegate` Python module is not installed (run scripts/setup.sh)"
+            ) from None
         if not Path(path).is_file():  # a FIFO would block the reader
             raise OracleError(f"--force-decisions {path}: not a regular file")
         super().__init__(path)
@@ -84,10 +88,16 @@ class RouterForcing:
                 if func in (torch.topk, torch.Tensor.topk):
                     self.calls += 1
                     probs = args[0]
-                    if probs.dim() != 2 or len(outer.positions) != probs.shape[0] or probs.shape[1] != router.num_experts:
-                        raise OracleError(f"--force-decisions: cannot force routing of {outer.lay.family} layer {L}: its "
-                                          f"router took top-k of a {list(probs.shape)} tensor, not [rows {len(outer.positions)}, "
-                                          f"num_experts {router.num_experts}]")
+                    if (
+                        probs.dim() != 2
+                        or len(outer.positions) != probs.shape[0]
+                        or probs.shape[1] != router.num_experts
+                    ):
+                        raise OracleError(
+                            f"--force-decisions: cannot force routing of {outer.lay.family} layer {L}: its "
+                            f"router took top-k of a {list(probs.shape)} tensor, not [rows {len(outer.positions)}, "
+                            f"num_experts {router.num_experts}]"
+                        )
                     vals, idx = out.values.clone(), out.indices.clone()
                     for r, p in enumerate(outer.positions):
                         if p < forced.shape[0]:
@@ -103,8 +113,10 @@ class RouterForcing:
                 result = orig(*args, **kwargs)
             if mode.calls != 1:
                 fam = self.lay.family
-                raise OracleError(f"--force-decisions: cannot force routing of {fam} layer {L}: its router "
-                                  f"({type(router).__name__}) called torch.topk {mode.calls} times, not once")
+                raise OracleError(
+                    f"--force-decisions: cannot force routing of {fam} layer {L}: its router "
+                    f"({type(router).__name__}) called torch.topk {mode.calls} times, not once"
+                )
             return result
 
         self._undo.append(shadow_forward(router, forward))

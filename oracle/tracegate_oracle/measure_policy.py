@@ -34,6 +34,7 @@ reference margin m and d = max |reference - candidate| over the row of the tenso
 was taken from (`logits` for `logits.argmax`, `layer.NN.router.logits` for
 `layer.NN.router.topk`), and |m|/d, the quantity a near-tie factor bounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,13 +112,18 @@ def compare(ref: np.ndarray, ref_dt: str, cand: np.ndarray, cand_dt: str) -> dic
     a, b = real(cand, cand_dt).ravel(), real(ref, ref_dt).ravel()
     d = np.abs(a - b)
     nz = b != 0
-    ulp = np.abs(_ordinal(round_to(cand, cand_dt, coarse), coarse) - _ordinal(round_to(ref, ref_dt, coarse), coarse))
+    ulp = np.abs(
+        _ordinal(round_to(cand, cand_dt, coarse), coarse)
+        - _ordinal(round_to(ref, ref_dt, coarse), coarse)
+    )
     return {
         "max_ulp": int(ulp.max()),
         "max_abs": float(d.max()),
         "max_rel": float((d[nz] / np.abs(b[nz])).max()) if nz.any() else 0.0,
         "rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)) if np.any(b) else 0.0,
-        "cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) if np.any(a) and np.any(b) else 1.0,
+        "cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+        if np.any(a) and np.any(b)
+        else 1.0,
         "scale_error": float(a @ b / (b @ b) - 1) if np.any(b) else 0.0,
     }
 
@@ -135,13 +141,19 @@ class Run:
 
 def plain(c: cp.Capture) -> dict:
     """A capture as plain data (what --save writes)."""
-    return {"tensors": [(r.name, r.array, r.dtype, r.attrs) for r in c.tensors],
-            "decisions": [(d.name, d.values, d.margins) for d in c.decisions], "provenance": c.provenance}
+    return {
+        "tensors": [(r.name, r.array, r.dtype, r.attrs) for r in c.tensors],
+        "decisions": [(d.name, d.values, d.margins) for d in c.decisions],
+        "provenance": c.provenance,
+    }
 
 
 def from_plain(p: dict) -> Run:
-    return Run({n: (a, dt or _NUMPY_NAME[a.dtype], at.get("positions")) for n, a, dt, at in p["tensors"]},
-               {n: (v, m) for n, v, m in p["decisions"]}, p["provenance"])
+    return Run(
+        {n: (a, dt or _NUMPY_NAME[a.dtype], at.get("positions")) for n, a, dt, at in p["tensors"]},
+        {n: (v, m) for n, v, m in p["decisions"]},
+        p["provenance"],
+    )
 
 
 def from_trace(path: str) -> Run:
@@ -149,19 +161,29 @@ def from_trace(path: str) -> Run:
 
     t = tracegate.Trace(path)
     t.verify()
-    return Run({n: (np.array(t[n]), t.dtype(n), t.attributes(n).get("positions")) for n in t.names},
-               {n: (np.array(v), t.margins.get(n)) for n, v in t.decisions.items()}, t.provenance)
+    return Run(
+        {n: (np.array(t[n]), t.dtype(n), t.attributes(n).get("positions")) for n in t.names},
+        {n: (np.array(v), t.margins.get(n)) for n, v in t.decisions.items()},
+        t.provenance,
+    )
 
 
-def oracle_runs(model_dir: str, dtype: str, device: str, tokens: dict[str, list[int]],
-                isolate_on: dict[str, Run] | None = None):
+def oracle_runs(
+    model_dir: str,
+    dtype: str,
+    device: str,
+    tokens: dict[str, list[int]],
+    isolate_on: dict[str, Run] | None = None,
+):
     """The oracle's whole run of each prompt; with `isolate_on` (a reference run per prompt) also
     every layer run alone (the `layer` verb) on the reference's `layer.NN.hidden_in`, as
     {prompt: {name: (array, dtype, positions)}}."""
     rc = cp.RunConfig(device=device, dtype=dtype, capture="internals")
     det = cp.setup_torch(rc)
     model = cp.load_model(model_dir, rc)
-    runs = {pid: plain(cp.capture_prompt(model, model_dir, t, rc, det)) for pid, t in tokens.items()}
+    runs = {
+        pid: plain(cp.capture_prompt(model, model_dir, t, rc, det)) for pid, t in tokens.items()
+    }
     if isolate_on is None:
         return runs
     iso = {}
@@ -169,7 +191,9 @@ def oracle_runs(model_dir: str, dtype: str, device: str, tokens: dict[str, list[
         iso[pid] = {}
         for L in range(model.config.num_hidden_layers):
             a, _, positions = ref.tensors[f"layer.{L:02d}.hidden_in"]
-            run = from_plain(plain(cp.capture_layer(model, model_dir, L, a, list(positions), rc, det)))
+            run = from_plain(
+                plain(cp.capture_layer(model, model_dir, L, a, list(positions), rc, det))
+            )
             # A token routed differently in isolation (a near-tie flip in bf16) gets other experts:
             # its mlp_out row is not comparable, as trace-diff excludes it; keep the rest.
             topk = f"layer.{L:02d}.router.topk"
@@ -188,8 +212,24 @@ def engine_runs(model_dir: str, engine: str, tokens: dict[str, list[int]]) -> di
     with tempfile.TemporaryDirectory() as d:
         for pid, t in tokens.items():
             path = f"{d}/{pid}.trace"
-            subprocess.run([engine, "trace", "--model", model_dir, "--tokens", ",".join(map(str, t)), "--out", path,
-                            "--capture", "internals", "--threads", "1"], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    engine,
+                    "trace",
+                    "--model",
+                    model_dir,
+                    "--tokens",
+                    ",".join(map(str, t)),
+                    "--out",
+                    path,
+                    "--capture",
+                    "internals",
+                    "--threads",
+                    "1",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             out[pid] = from_trace(path)
     return out
 
@@ -204,21 +244,38 @@ def policy_file(dtype: str) -> Path:
 
 
 def glob_match(pat: str, name: str) -> bool:
-    rx = "".join(".*" if t == "**" else "[^.]*" if t == "*" else "." if t == "?" else re.escape(t)
-                 for t in re.findall(r"\*\*|\*|\?|[^*?]+", pat))
+    rx = "".join(
+        ".*" if t == "**" else "[^.]*" if t == "*" else "." if t == "?" else re.escape(t)
+        for t in re.findall(r"\*\*|\*|\?|[^*?]+", pat)
+    )
     return re.fullmatch(rx, name) is not None
 
 
 def rule_for(policy: dict, name: str, path: str = "prefill") -> dict | None:
-    return next((r for r in policy["rules"] if glob_match(r["pattern"], name) and r.get("path", path) == path), None)
+    return next(
+        (
+            r
+            for r in policy["rules"]
+            if glob_match(r["pattern"], name) and r.get("path", path) == path
+        ),
+        None,
+    )
 
 
 def violations(rule: dict, s: dict) -> list[str]:
-    checks = [("max_ulp", s["max_ulp"], ">"), ("max_abs", s["max_abs"], ">"), ("max_rel", s["max_rel"], ">"),
-              ("max_rel_l2", s["rel_l2"], ">"), ("min_cosine", s["cosine"], "<"),
-              ("max_scale_error", abs(s["scale_error"]), ">")]
-    return [f"{k} {v:.4g} {op} {rule[k]}" for k, v, op in checks
-            if k in rule and (v > rule[k] if op == ">" else v < rule[k])]
+    checks = [
+        ("max_ulp", s["max_ulp"], ">"),
+        ("max_abs", s["max_abs"], ">"),
+        ("max_rel", s["max_rel"], ">"),
+        ("max_rel_l2", s["rel_l2"], ">"),
+        ("min_cosine", s["cosine"], "<"),
+        ("max_scale_error", abs(s["scale_error"]), ">"),
+    ]
+    return [
+        f"{k} {v:.4g} {op} {rule[k]}"
+        for k, v, op in checks
+        if k in rule and (v > rule[k] if op == ">" else v < rule[k])
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,19 +297,32 @@ NEAR_TIE_FACTOR = 2.0
 
 @dataclass
 class Result:
-    per_tensor: list = field(default_factory=list)  # (prompt, name, pattern, stats, stats without near-tie rows)
+    per_tensor: list = field(
+        default_factory=list
+    )  # (prompt, name, pattern, stats, stats without near-tie rows)
     rerouted: int = 0  # expert outputs holding other rows on the two sides: not comparable
     decision_rows: int = 0
     flips: list = field(default_factory=list)
 
 
-def _flip(ref: Run, cand: Run, prompt: str, name: str, row: int, rv: np.ndarray, cv: np.ndarray, rm, cm) -> dict:
+def _flip(
+    ref: Run, cand: Run, prompt: str, name: str, row: int, rv: np.ndarray, cv: np.ndarray, rm, cm
+) -> dict:
     """One differing decision row: the reference margin m, the divergence d of the source row,
     and the gap trace-diff's labels compare with d (for a reorder inside the chosen set, the
     largest reference score gap between two choices whose order inverted; else |m|)."""
-    f = {"prompt": prompt, "name": name, "row": row, "reference": rv.tolist(), "candidate": cv.tolist(),
-         "margin": float(rm[row]) if rm is not None else None, "d": None, "gap": None, "near_tie": False,
-         "reorder": sorted(rv.tolist()) == sorted(cv.tolist())}
+    f = {
+        "prompt": prompt,
+        "name": name,
+        "row": row,
+        "reference": rv.tolist(),
+        "candidate": cv.tolist(),
+        "margin": float(rm[row]) if rm is not None else None,
+        "d": None,
+        "gap": None,
+        "near_tie": False,
+        "reorder": sorted(rv.tolist()) == sorted(cv.tolist()),
+    }
     src = source_of(name)
     if src in ref.tensors and src in cand.tensors:
         (sa, sdt, _), (ta, tdt, _) = ref.tensors[src], cand.tensors[src]
@@ -260,7 +330,12 @@ def _flip(ref: Run, cand: Run, prompt: str, name: str, row: int, rv: np.ndarray,
         f["d"] = float(np.abs(score - real(ta, tdt)[row]).max())
         if f["reorder"]:
             rank = {int(e): i for i, e in enumerate(cv)}
-            f["gap"] = max(abs(score[hi] - score[lo]) for i, hi in enumerate(rv) for lo in rv[i + 1:] if rank[hi] > rank[lo])
+            f["gap"] = max(
+                abs(score[hi] - score[lo])
+                for i, hi in enumerate(rv)
+                for lo in rv[i + 1 :]
+                if rank[hi] > rank[lo]
+            )
         elif f["margin"] is not None:
             f["gap"] = abs(f["margin"])
         f["near_tie"] = f["gap"] is not None and f["d"] > 0 and f["gap"] <= NEAR_TIE_FACTOR * f["d"]
@@ -271,7 +346,11 @@ def _flip(ref: Run, cand: Run, prompt: str, name: str, row: int, rv: np.ndarray,
 def _without_rows(name: str, a: np.ndarray, positions, drop: set[int]) -> np.ndarray:
     """`a` without the rows of the token positions in `drop` (attn_probs: [heads, tokens, keys])."""
     axis = 1 if name.endswith(".attn_probs") else 0
-    pos = positions if positions is not None and len(positions) == a.shape[axis] else range(a.shape[axis])
+    pos = (
+        positions
+        if positions is not None and len(positions) == a.shape[axis]
+        else range(a.shape[axis])
+    )
     keep = [i for i, p in enumerate(pos) if p not in drop]
     return np.take(a, keep, axis=axis)
 
@@ -313,7 +392,18 @@ def aggregate(per_tensor: list, kept: bool = False) -> dict[str, dict]:
     """Worst values per pattern, of whole tensors or (kept) without the near-tie rows."""
     agg: dict[str, dict] = {}
     for prompt, name, pat, whole, without in per_tensor:
-        a = agg.setdefault(pat, {"n": 0, "max_ulp": 0, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "where": ""})
+        a = agg.setdefault(
+            pat,
+            {
+                "n": 0,
+                "max_ulp": 0,
+                "max_abs": 0.0,
+                "max_rel": 0.0,
+                "rel_l2": 0.0,
+                "cosine": 1.0,
+                "where": "",
+            },
+        )
         a["n"] += 1
         s = without if kept else whole
         if s is None:  # every row left out
@@ -346,8 +436,14 @@ def measure(model_dir: str) -> dict[str, dict]:
     return agg
 
 
-def precision(model_dir: str, dtypes: list[str], device: str, engine: str | None, load: str | None,
-              save: str | None) -> dict:
+def precision(
+    model_dir: str,
+    dtypes: list[str],
+    device: str,
+    engine: str | None,
+    load: str | None,
+    save: str | None,
+) -> dict:
     """The oracle in each of `dtypes` against the oracle and the engine in f32."""
     tokens = {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
     name = Path(model_dir).name
@@ -377,7 +473,9 @@ def precision(model_dir: str, dtypes: list[str], device: str, engine: str | None
     return out
 
 
-def planted(model_dir: str, dtypes: list[str], scales: list[float], engine: str, device: str) -> list[dict]:
+def planted(
+    model_dir: str, dtypes: list[str], scales: list[float], engine: str, device: str
+) -> list[dict]:
     """How far a scale error planted in one layer's MLP (its down projection times `scale`, in a
     copy of the checkpoint) moves that layer's mlp_out, against the rounding of each dtype: per
     dtype, scale and layer, the relative L2, norm ratio and scale error of mlp_out against the
@@ -407,23 +505,48 @@ def planted(model_dir: str, dtypes: list[str], scales: list[float], engine: str,
                         w[k] = (w[k].astype(np.float64) * scale).astype(w[k].dtype)
                         save_file(w, d / "model.safetensors", metadata={"format": "pt"})
                     runs, iso = oracle_runs(str(d), dt, device, tokens, isolate_on=eng)
-                    row = {"dtype": dt, "scale": scale, "layer": layer, "rel_l2": [], "norm_ratio": [], "scale_error": [],
-                           "first_outside": set(), "iso_rel_l2": [], "iso_scale_error": [], "iso_first_outside": set()}
+                    row = {
+                        "dtype": dt,
+                        "scale": scale,
+                        "layer": layer,
+                        "rel_l2": [],
+                        "norm_ratio": [],
+                        "scale_error": [],
+                        "first_outside": set(),
+                        "iso_rel_l2": [],
+                        "iso_scale_error": [],
+                        "iso_first_outside": set(),
+                    }
                     # The clean run (scale 1) has no planted layer: every layer's mlp_out.
-                    names = [f"layer.{x:02d}.mlp_out" for x in (range(n_layers) if scale == 1 else [layer])]
+                    names = [
+                        f"layer.{x:02d}.mlp_out"
+                        for x in (range(n_layers) if scale == 1 else [layer])
+                    ]
                     for pid in tokens:
                         c = from_plain(runs[pid])
                         for name in names:
                             a, b = real(*c.tensors[name][:2]), real(*eng[pid].tensors[name][:2])
-                            row["rel_l2"].append(compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["rel_l2"])
+                            row["rel_l2"].append(
+                                compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["rel_l2"]
+                            )
                             row["norm_ratio"].append(float(np.linalg.norm(a) / np.linalg.norm(b)))
-                            row["scale_error"].append(compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["scale_error"])
-                            ref_rows = iso[pid].get(f"{name}.ref", eng[pid].tensors[name][0])  # rows routed alike
+                            row["scale_error"].append(
+                                compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])[
+                                    "scale_error"
+                                ]
+                            )
+                            ref_rows = iso[pid].get(
+                                f"{name}.ref", eng[pid].tensors[name][0]
+                            )  # rows routed alike
                             s = compare(ref_rows, eng[pid].tensors[name][1], *iso[pid][name][:2])
                             row["iso_rel_l2"].append(s["rel_l2"])
                             row["iso_scale_error"].append(s["scale_error"])
-                        row["first_outside"].add(first_outside(policy, eng[pid], c.tensors, "prefill"))
-                        row["iso_first_outside"].add(first_outside(policy, eng[pid], iso[pid], "layer"))
+                        row["first_outside"].add(
+                            first_outside(policy, eng[pid], c.tensors, "prefill")
+                        )
+                        row["iso_first_outside"].add(
+                            first_outside(policy, eng[pid], iso[pid], "layer")
+                        )
                     out.append(row)
                     if scale != 1:
                         shutil.rmtree(d)
@@ -447,18 +570,24 @@ def first_outside(policy: dict, ref: Run, cand: dict, path: str) -> str | None:
 
 def print_planted(d: str, rows: list[dict]) -> None:
     print(f"\n### {d}: a scale planted in one layer's MLP down projection\n")
-    print("Whole run, then the layer alone on the engine's input to it (isolated). Ranges are min to max over prompts "
-          "(and, for scale 1, over layers).\n")
-    print("| dtype | scale | layer | mlp_out rel L2 | norm ratio - 1 | scale error | first outside the policy | "
-          "isolated rel L2 | isolated scale error | isolated: first outside the policy |")
+    print(
+        "Whole run, then the layer alone on the engine's input to it (isolated). Ranges are min to max over prompts "
+        "(and, for scale 1, over layers).\n"
+    )
+    print(
+        "| dtype | scale | layer | mlp_out rel L2 | norm ratio - 1 | scale error | first outside the policy | "
+        "isolated rel L2 | isolated scale error | isolated: first outside the policy |"
+    )
     print("| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |")
     rng = lambda xs, f: f"{min(xs):{f}} to {max(xs):{f}}"  # noqa: E731
     names = lambda xs: ", ".join(sorted("none" if x is None else f"`{x}`" for x in xs))  # noqa: E731
     for r in rows:
         nr = [x - 1 for x in r["norm_ratio"]]
-        print(f"| {r['dtype']} | {r['scale']:g} | {r['layer'] if r['scale'] != 1 else '-'} | {rng(r['rel_l2'], '.4f')} | "
-              f"{rng(nr, '+.4f')} | {rng(r['scale_error'], '+.4f')} | {names(r['first_outside'])} | "
-              f"{rng(r['iso_rel_l2'], '.4f')} | {rng(r['iso_scale_error'], '+.4f')} | {names(r['iso_first_outside'])} |")
+        print(
+            f"| {r['dtype']} | {r['scale']:g} | {r['layer'] if r['scale'] != 1 else '-'} | {rng(r['rel_l2'], '.4f')} | "
+            f"{rng(nr, '+.4f')} | {rng(r['scale_error'], '+.4f')} | {names(r['first_outside'])} | "
+            f"{rng(r['iso_rel_l2'], '.4f')} | {rng(r['iso_scale_error'], '+.4f')} | {names(r['iso_first_outside'])} |"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,12 +600,16 @@ def _g(x: float) -> str:
 
 def print_fp64(d: str, agg: dict) -> None:
     print(f"\n### {d}\n")
-    print("| pattern | tensors | max ULP | max abs | max rel (elementwise) | max rel L2 | min cosine |")
+    print(
+        "| pattern | tensors | max ULP | max abs | max rel (elementwise) | max rel L2 | min cosine |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for p, s in agg.items():
         if "flips" in s:
             continue
-        print(f"| `{p}` | {s['n']} | {s['max_ulp']} | {_g(s['max_abs'])} | {_g(s['max_rel'])} | {_g(s['rel_l2'])} | {_g(1 - s['cosine'])} below 1 |")
+        print(
+            f"| `{p}` | {s['n']} | {s['max_ulp']} | {_g(s['max_abs'])} | {_g(s['max_rel'])} | {_g(s['rel_l2'])} | {_g(1 - s['cosine'])} below 1 |"
+        )
     f = agg["(decisions differing f32 vs f64)"]
     print(f"\ndecisions: {f['flips']} of {f['n']} rows differ between fp32 and float64")
 
@@ -499,72 +632,139 @@ def _judge(policy: dict, per_tensor: list, kept: bool) -> tuple[int, list]:
 def print_precision(d: str, m: dict) -> None:
     v = m["provenance"].get("versions", {})
     dev = m["provenance"].get("device", {})
-    print(f"\n### {d} (oracle on {dev.get('type')} {dev.get('name')}; torch {v.get('torch')}, transformers {v.get('transformers')})")
+    print(
+        f"\n### {d} (oracle on {dev.get('type')} {dev.get('name')}; torch {v.get('torch')}, transformers {v.get('transformers')})"
+    )
     res = m["results"]
     for dt in dict.fromkeys(k[0] for k in res):
         refs = [k[1] for k in res if k[0] == dt]
         whole = {r: aggregate(res[(dt, r)].per_tensor) for r in refs}
         kept = {r: aggregate(res[(dt, r)].per_tensor, kept=True) for r in refs}
         print(f"\n#### oracle {dt} against " + " and ".join(refs) + f" (ULPs in {dt} steps)\n")
-        print("Worst over both references unless a column names one; \"no near-tie rows\": without the rows of tokens "
-              f"whose decision flipped as a near-tie (factor {NEAR_TIE_FACTOR:g}), as trace-diff judges under a policy.\n")
-        print("| pattern | tensors | max ULP | max abs | max rel (elementwise) | " + " | ".join(f"max rel L2 vs {r}" for r in refs)
-              + " | max rel L2, no near-tie rows | min cosine | min cosine, no near-tie rows | worst rel L2 (no near-tie rows) at |")
-        print("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in refs) + " | ---: | ---: | ---: | --- |")
+        print(
+            'Worst over both references unless a column names one; "no near-tie rows": without the rows of tokens '
+            f"whose decision flipped as a near-tie (factor {NEAR_TIE_FACTOR:g}), as trace-diff judges under a policy.\n"
+        )
+        print(
+            "| pattern | tensors | max ULP | max abs | max rel (elementwise) | "
+            + " | ".join(f"max rel L2 vs {r}" for r in refs)
+            + " | max rel L2, no near-tie rows | min cosine | min cosine, no near-tie rows | worst rel L2 (no near-tie rows) at |"
+        )
+        print(
+            "| --- | ---: | ---: | ---: | ---: | "
+            + " | ".join("---:" for _ in refs)
+            + " | ---: | ---: | ---: | --- |"
+        )
         for p in whole[refs[0]]:
             w, k = [whole[r][p] for r in refs], [kept[r][p] for r in refs]
             worst = max(k, key=lambda x: x["rel_l2"])
-            print(f"| `{p}` | {w[0]['n']} | {max(x['max_ulp'] for x in w)} | {_g(max(x['max_abs'] for x in w))} | "
-                  f"{_g(max(x['max_rel'] for x in w))} | " + " | ".join(_g(x["rel_l2"]) for x in w)
-                  + f" | {_g(worst['rel_l2'])} | {_g(1 - min(x['cosine'] for x in w))} below 1 | "
-                  f"{_g(1 - min(x['cosine'] for x in k))} below 1 | {worst['where']} |")
+            print(
+                f"| `{p}` | {w[0]['n']} | {max(x['max_ulp'] for x in w)} | {_g(max(x['max_abs'] for x in w))} | "
+                f"{_g(max(x['max_rel'] for x in w))} | "
+                + " | ".join(_g(x["rel_l2"]) for x in w)
+                + f" | {_g(worst['rel_l2'])} | {_g(1 - min(x['cosine'] for x in w))} below 1 | "
+                f"{_g(1 - min(x['cosine'] for x in k))} below 1 | {worst['where']} |"
+            )
         for r in refs:
             x = res[(dt, r)]
-            print(f"\nvs {r}: {len(x.flips)} of {x.decision_rows} decision rows differ "
-                  f"({sum(f['near_tie'] for f in x.flips)} near-ties at factor {NEAR_TIE_FACTOR:g}); "
-                  f"{x.rerouted} expert outputs not comparable (rows routed differently)")
+            print(
+                f"\nvs {r}: {len(x.flips)} of {x.decision_rows} decision rows differ "
+                f"({sum(f['near_tie'] for f in x.flips)} near-ties at factor {NEAR_TIE_FACTOR:g}); "
+                f"{x.rerouted} expert outputs not comparable (rows routed differently)"
+            )
         # One row per flip; the references that show it and the largest ratio over them.
         flips: dict[tuple, list] = {}
         for r in refs:
             for f in res[(dt, r)].flips:
-                flips.setdefault((f["prompt"], f["name"], f["row"], str(f["reference"]), str(f["candidate"])), []).append((r, f))
+                flips.setdefault(
+                    (f["prompt"], f["name"], f["row"], str(f["reference"]), str(f["candidate"])), []
+                ).append((r, f))
         if flips:
-            print("\n| prompt | decision | row | reference / candidate | against | margin m | d | \\|m\\|/d | label gap / d |")
+            print(
+                "\n| prompt | decision | row | reference / candidate | against | margin m | d | \\|m\\|/d | label gap / d |"
+            )
             print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
             for seen in flips.values():
                 f = seen[0][1]
                 fs = [x for _, x in seen if x["d"]]
-                ratio = _g(max(abs(x["margin"]) / x["d"] for x in fs)) if fs and f["margin"] is not None else "-"
-                gap = (_g(max(x["gap"] / x["d"] for x in fs)) + (" (reorder: score gap)" if f["reorder"] else "")) if fs and f["gap"] is not None else "-"
-                print(f"| {f['prompt']} | `{f['name']}` | {f['row']} | {f['reference']} / {f['candidate']} | {', '.join(r for r, _ in seen)} | "
-                      f"{_g(f['margin']) if f['margin'] is not None else '-'} | {_g(f['d']) if f['d'] is not None else '-'} | {ratio} | {gap} |")
+                ratio = (
+                    _g(max(abs(x["margin"]) / x["d"] for x in fs))
+                    if fs and f["margin"] is not None
+                    else "-"
+                )
+                gap = (
+                    (
+                        _g(max(x["gap"] / x["d"] for x in fs))
+                        + (" (reorder: score gap)" if f["reorder"] else "")
+                    )
+                    if fs and f["gap"] is not None
+                    else "-"
+                )
+                print(
+                    f"| {f['prompt']} | `{f['name']}` | {f['row']} | {f['reference']} / {f['candidate']} | {', '.join(r for r, _ in seen)} | "
+                    f"{_g(f['margin']) if f['margin'] is not None else '-'} | {_g(f['d']) if f['d'] is not None else '-'} | {ratio} | {gap} |"
+                )
         pol = policy_file(dt)
         if pol.exists():
             policy = json.loads(pol.read_text())
             for kept_rows, how in ((False, "whole tensors"), (True, "no near-tie rows")):
                 judged = [(r, *_judge(policy, res[(dt, r)].per_tensor, kept_rows)) for r in refs]
                 total, bad = sum(j[1] for j in judged), [(r, *b) for r, _, bs in judged for b in bs]
-                by_prompt = {pr: sum(b[1] == pr for b in bad) for pr in dict.fromkeys(b[1] for b in bad)}
-                print(f"\nunder {pol.relative_to(ROOT)} (\"{policy['name']}\"), {how}: {total - len(bad)} of {total} tensors within"
-                      + ("" if not bad else f"; {len(bad)} outside (by prompt: {by_prompt}), e.g. "
-                         + "; ".join(f"{n} ({pr}, vs {r}): {', '.join(v)}" for r, pr, n, v in bad[:4])))
+                by_prompt = {
+                    pr: sum(b[1] == pr for b in bad) for pr in dict.fromkeys(b[1] for b in bad)
+                }
+                print(
+                    f'\nunder {pol.relative_to(ROOT)} ("{policy["name"]}"), {how}: {total - len(bad)} of {total} tensors within'
+                    + (
+                        ""
+                        if not bad
+                        else f"; {len(bad)} outside (by prompt: {by_prompt}), e.g. "
+                        + "; ".join(
+                            f"{n} ({pr}, vs {r}): {', '.join(v)}" for r, pr, n, v in bad[:4]
+                        )
+                    )
+                )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("models", nargs="+")
-    ap.add_argument("--precision", action="store_true", help="bf16/f16 oracle against f32 oracle and engine")
-    ap.add_argument("--dtypes", default="bf16,f16", help="candidate dtypes for --precision (default bf16,f16)")
+    ap.add_argument(
+        "--precision", action="store_true", help="bf16/f16 oracle against f32 oracle and engine"
+    )
+    ap.add_argument(
+        "--dtypes", default="bf16,f16", help="candidate dtypes for --precision (default bf16,f16)"
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--engine", default=str(ROOT / "target" / "release" / "engine"),
-                    help="engine binary for the f32 engine reference; 'none' to skip it")
+    ap.add_argument(
+        "--engine",
+        default=str(ROOT / "target" / "release" / "engine"),
+        help="engine binary for the f32 engine reference; 'none' to skip it",
+    )
     ap.add_argument("--save", metavar="DIR", help="write the oracle captures to DIR/<model>.pkl.gz")
-    ap.add_argument("--load", metavar="DIR", help="compare captures --save wrote instead of running the oracle")
-    ap.add_argument("--planted", metavar="SCALES", help="scale errors to plant in each layer's MLP, e.g. 1,1.01,1.05 (f32 checkpoints)")
+    ap.add_argument(
+        "--load", metavar="DIR", help="compare captures --save wrote instead of running the oracle"
+    )
+    ap.add_argument(
+        "--planted",
+        metavar="SCALES",
+        help="scale errors to plant in each layer's MLP, e.g. 1,1.01,1.05 (f32 checkpoints)",
+    )
     a = ap.parse_args(argv)
     for d in a.models:
         if a.planted:
-            print_planted(d, planted(d, a.dtypes.split(","), [float(x) for x in a.planted.split(",")], a.engine, a.device))
+            print_planted(
+                d,
+                planted(
+                    d,
+                    a.dtypes.split(","),
+                    [float(x) for x in a.planted.split(",")],
+                    a.engine,
+                    a.device,
+                ),
+            )
         elif a.precision:
             engine = None if a.engine == "none" else a.engine
             print_precision(d, precision(d, a.dtypes.split(","), a.device, engine, a.load, a.save))

@@ -20,19 +20,29 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let gib: f64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1.0);
-    let dir = args.get(2).map(std::path::PathBuf::from).unwrap_or_else(|| std::path::PathBuf::from("target/bench"));
+    let dir = args
+        .get(2)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("target/bench"));
     std::fs::create_dir_all(&dir).expect("create bench dir");
     let tensors = 16usize;
     let per = ((gib * (1u64 << 30) as f64) as usize / tensors / 4).max(1);
     let data: Vec<f32> = (0..per).map(|i| (i as f32).sin()).collect();
     // SAFETY: f32 -> bytes view of an owned Vec.
-    let bytes: &[u8] = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 4) };
+    let bytes: &[u8] =
+        unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 4) };
     let total = (bytes.len() * tensors) as f64;
-    println!("payload: {tensors} tensors x {:.1} MiB = {:.2} GiB in {}", bytes.len() as f64 / 1048576.0, total / 1073741824.0, dir.display());
+    println!(
+        "payload: {tensors} tensors x {:.1} MiB = {:.2} GiB in {}",
+        bytes.len() as f64 / 1048576.0,
+        total / 1073741824.0,
+        dir.display()
+    );
 
     let plain_path = dir.join("plain.bin");
     let trace_path = dir.join("bench.trace");
-    let (mut plain, mut write, mut verify, mut hash, mut read) = (vec![], vec![], vec![], vec![], vec![]);
+    let (mut plain, mut write, mut verify, mut hash, mut read) =
+        (vec![], vec![], vec![], vec![], vec![]);
     let mut hash_par = vec![];
     for _ in 0..3 {
         let t = Instant::now();
@@ -50,7 +60,14 @@ fn main() {
         let mut w = TraceWriter::create(&trace_path, json!({"producer": "bench"})).unwrap();
         let attrs = Attributes::default().with_path("prefill");
         for i in 0..tensors {
-            w.tensor(&format!("t{i:02}"), tracegate_trace::DType::F32, &[per as u64], bytes, &attrs).unwrap();
+            w.tensor(
+                &format!("t{i:02}"),
+                tracegate_trace::DType::F32,
+                &[per as u64],
+                bytes,
+                &attrs,
+            )
+            .unwrap();
         }
         w.finish().unwrap();
         write.push(t.elapsed().as_secs_f64());
@@ -85,17 +102,53 @@ fn main() {
         std::hint::black_box(acc);
         read.push(t.elapsed().as_secs_f64());
     }
-    let (plain, write, verify, hash, read) = (median(plain), median(write), median(verify), median(hash), median(read));
+    let (plain, write, verify, hash, read) = (
+        median(plain),
+        median(write),
+        median(verify),
+        median(hash),
+        median(read),
+    );
     let hash_par = median(hash_par);
     let gbs = |s: f64| total / s / 1e9;
-    println!("plain write + fsync : {plain:.3} s ({:.2} GB/s)", gbs(plain));
-    println!("trace write + fsync : {write:.3} s ({:.2} GB/s)", gbs(write));
-    println!("raw xxh3-128 (1 thread): {hash:.3} s ({:.2} GB/s)", gbs(hash));
-    println!("raw xxh3-128 ({} threads): {hash_par:.3} s ({:.2} GB/s)", rayon::current_num_threads(), gbs(hash_par));
-    println!("open + verify       : {verify:.3} s ({:.2} GB/s, {} threads)", gbs(verify), rayon::current_num_threads());
-    println!("open zero-copy reads: {:.6} s (mapped views; no copy)", read);
-    println!("RATIO write / plain write = {:.2} (target <= 1.3)", write / plain);
-    println!("RATIO verify / raw hash   = {:.2} (target <= 1.2)", verify / hash);
-    println!("RATIO verify / raw hash on {} threads = {:.2}", rayon::current_num_threads(), verify / hash_par);
+    println!(
+        "plain write + fsync : {plain:.3} s ({:.2} GB/s)",
+        gbs(plain)
+    );
+    println!(
+        "trace write + fsync : {write:.3} s ({:.2} GB/s)",
+        gbs(write)
+    );
+    println!(
+        "raw xxh3-128 (1 thread): {hash:.3} s ({:.2} GB/s)",
+        gbs(hash)
+    );
+    println!(
+        "raw xxh3-128 ({} threads): {hash_par:.3} s ({:.2} GB/s)",
+        rayon::current_num_threads(),
+        gbs(hash_par)
+    );
+    println!(
+        "open + verify       : {verify:.3} s ({:.2} GB/s, {} threads)",
+        gbs(verify),
+        rayon::current_num_threads()
+    );
+    println!(
+        "open zero-copy reads: {:.6} s (mapped views; no copy)",
+        read
+    );
+    println!(
+        "RATIO write / plain write = {:.2} (target <= 1.3)",
+        write / plain
+    );
+    println!(
+        "RATIO verify / raw hash   = {:.2} (target <= 1.2)",
+        verify / hash
+    );
+    println!(
+        "RATIO verify / raw hash on {} threads = {:.2}",
+        rayon::current_num_threads(),
+        verify / hash_par
+    );
     std::fs::remove_file(&trace_path).ok();
 }

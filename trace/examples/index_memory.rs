@@ -23,10 +23,18 @@ fn main() {
     match (args.get(1).map(String::as_str), args.get(2), args.get(3)) {
         (Some("write"), Some(n), Some(file)) => {
             let n: usize = n.parse().expect("N is a count");
-            let mut w = TraceWriter::create(file, json!({"producer": "index_memory"})).expect("create");
+            let mut w =
+                TraceWriter::create(file, json!({"producer": "index_memory"})).expect("create");
             let attrs = Attributes::default();
             for i in 0..n {
-                w.tensor(&format!("layer.{:02}.tensor.{i:09}", i % 64), DType::F32, &[0], &[], &attrs).expect("tensor");
+                w.tensor(
+                    &format!("layer.{:02}.tensor.{i:09}", i % 64),
+                    DType::F32,
+                    &[0],
+                    &[],
+                    &attrs,
+                )
+                .expect("tensor");
             }
             w.finish().expect("finish");
         }

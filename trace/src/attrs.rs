@@ -24,7 +24,10 @@ pub struct ExtraAttrs(Vec<(String, String)>);
 impl ExtraAttrs {
     /// Sets `key` to `value`, replacing an earlier value; returns the replaced one.
     pub fn insert(&mut self, key: String, value: String) -> Option<String> {
-        match self.0.binary_search_by(|(k, _)| k.as_bytes().cmp(key.as_bytes())) {
+        match self
+            .0
+            .binary_search_by(|(k, _)| k.as_bytes().cmp(key.as_bytes()))
+        {
             Ok(i) => Some(std::mem::replace(&mut self.0[i].1, value)),
             Err(i) => {
                 self.0.insert(i, (key, value));
@@ -33,7 +36,10 @@ impl ExtraAttrs {
         }
     }
     pub fn get(&self, key: &str) -> Option<&String> {
-        self.0.binary_search_by(|(k, _)| k.as_bytes().cmp(key.as_bytes())).ok().map(|i| &self.0[i].1)
+        self.0
+            .binary_search_by(|(k, _)| k.as_bytes().cmp(key.as_bytes()))
+            .ok()
+            .map(|i| &self.0[i].1)
     }
     pub fn keys(&self) -> impl Iterator<Item = &String> {
         self.0.iter().map(|(k, _)| k)
@@ -51,7 +57,10 @@ impl ExtraAttrs {
 
 impl<'a> IntoIterator for &'a ExtraAttrs {
     type Item = (&'a String, &'a String);
-    type IntoIter = std::iter::Map<std::slice::Iter<'a, (String, String)>, fn(&'a (String, String)) -> (&'a String, &'a String)>;
+    type IntoIter = std::iter::Map<
+        std::slice::Iter<'a, (String, String)>,
+        fn(&'a (String, String)) -> (&'a String, &'a String),
+    >;
     fn into_iter(self) -> Self::IntoIter {
         self.0.iter().map(|(k, v)| (k, v))
     }
@@ -125,7 +134,9 @@ impl Attributes {
     pub(crate) fn validate(&self) -> Result<()> {
         for key in self.extra.keys() {
             if RESERVED.contains(&key.as_str()) {
-                return Err(Error::Invalid(format!("attribute {key:?} is typed; set the field, not an extra string")));
+                return Err(Error::Invalid(format!(
+                    "attribute {key:?} is typed; set the field, not an extra string"
+                )));
             }
             if key.is_empty() {
                 return Err(Error::Invalid("attribute with an empty name".into()));
@@ -157,8 +168,20 @@ impl Attributes {
                 return Err("an attribute has an empty name".into());
             }
             match k.as_str() {
-                "path" => attrs.path = Some(v.as_str().ok_or("attribute path is not a string")?.to_string()),
-                "mask" => attrs.mask = Some(v.as_str().ok_or("attribute mask is not a string")?.to_string()),
+                "path" => {
+                    attrs.path = Some(
+                        v.as_str()
+                            .ok_or("attribute path is not a string")?
+                            .to_string(),
+                    )
+                }
+                "mask" => {
+                    attrs.mask = Some(
+                        v.as_str()
+                            .ok_or("attribute mask is not a string")?
+                            .to_string(),
+                    )
+                }
                 "step" => attrs.step = Some(v.as_i64().ok_or("attribute step is not an integer")?),
                 "positions" => {
                     let list = v.as_array().ok_or("attribute positions is not a list")?;
@@ -166,7 +189,9 @@ impl Attributes {
                     attrs.positions = Some(ints.ok_or("attribute positions holds a non-integer")?);
                 }
                 other => {
-                    let s = v.as_str().ok_or_else(|| format!("attribute {other:?} is not a string"))?;
+                    let s = v
+                        .as_str()
+                        .ok_or_else(|| format!("attribute {other:?} is not a string"))?;
                     extra.push((other.to_string(), s.to_string()));
                 }
             }
@@ -182,11 +207,22 @@ mod tests {
 
     #[test]
     fn extra_attributes_are_a_sorted_map_with_each_key_once() {
-        let mut e: ExtraAttrs = [("b", "1"), ("a", "2"), ("b", "3")].into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        assert_eq!(e.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>(), [("a", "2"), ("b", "3")]);
+        let mut e: ExtraAttrs = [("b", "1"), ("a", "2"), ("b", "3")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(
+            e.iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect::<Vec<_>>(),
+            [("a", "2"), ("b", "3")]
+        );
         assert_eq!(e.insert("0".into(), "x".into()), None);
         assert_eq!(e.insert("a".into(), "y".into()), Some("2".into()));
-        assert_eq!(e.keys().map(String::as_str).collect::<Vec<_>>(), ["0", "a", "b"]);
+        assert_eq!(
+            e.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["0", "a", "b"]
+        );
         assert_eq!(e.get("a").map(String::as_str), Some("y"));
         assert_eq!(e.get("c"), None);
         assert_eq!(e.len(), 3);

@@ -76,7 +76,14 @@ impl Canonical {
             self.u64(d);
         }
     }
-    pub fn tensor(&mut self, name: &str, dtype: DType, shape: &[u64], attrs: &Attributes, xxh3: u128) {
+    pub fn tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        attrs: &Attributes,
+        xxh3: u128,
+    ) {
         self.str(name);
         self.str(dtype.name());
         self.shape(shape);
@@ -140,7 +147,10 @@ pub fn weights_digest(dir: &Path) -> Result<String> {
         }
     }
     if files.is_empty() {
-        return Err(Error::NotFound(format!("{}: no *.safetensors files", dir.display())));
+        return Err(Error::NotFound(format!(
+            "{}: no *.safetensors files",
+            dir.display()
+        )));
     }
     files.sort();
     let mut hasher = Xxh3::new();

@@ -63,7 +63,11 @@ impl DType {
         DType::ALL
             .into_iter()
             .find(|d| d.name() == name)
-            .ok_or_else(|| Error::Invalid(format!("unknown dtype {name:?} (known: f64 f32 f16 bf16 i64 i32 i16 i8 u8 bool)")))
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "unknown dtype {name:?} (known: f64 f32 f16 bf16 i64 i32 i16 i8 u8 bool)"
+                ))
+            })
     }
 }
 

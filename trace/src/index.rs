@@ -28,7 +28,10 @@ pub(crate) struct Sink<'a> {
     pub refusal: Option<String>,
 }
 
-pub(crate) fn parse<'de, D: Deserializer<'de>>(de: D, sink: &mut Sink<'_>) -> Result<Head, D::Error> {
+pub(crate) fn parse<'de, D: Deserializer<'de>>(
+    de: D,
+    sink: &mut Sink<'_>,
+) -> Result<Head, D::Error> {
     de.deserialize_map(IndexVisitor { sink })
 }
 
@@ -59,11 +62,17 @@ impl<'de> Visitor<'de> for IndexVisitor<'_, '_> {
                 "provenance" => once(&mut provenance, "provenance", map.next_value()?)?,
                 "tensors" => {
                     once(&mut tensors, "tensors", ())?;
-                    map.next_value_seed(Entries { each: &mut *self.sink.tensor, refusal: &mut self.sink.refusal })?;
+                    map.next_value_seed(Entries {
+                        each: &mut *self.sink.tensor,
+                        refusal: &mut self.sink.refusal,
+                    })?;
                 }
                 "decisions" => {
                     once(&mut decisions, "decisions", ())?;
-                    map.next_value_seed(Entries { each: &mut *self.sink.decision, refusal: &mut self.sink.refusal })?;
+                    map.next_value_seed(Entries {
+                        each: &mut *self.sink.decision,
+                        refusal: &mut self.sink.refusal,
+                    })?;
                 }
                 // Seen by serde_ignored's callback, which decides whether it is damage or news.
                 _ => {

@@ -26,7 +26,11 @@ pub fn header_bytes() -> [u8; HEADER_LEN as usize] {
     h
 }
 
-pub fn footer_bytes(index_offset: u64, index_len: u64, index_hash: u128) -> [u8; FOOTER_LEN as usize] {
+pub fn footer_bytes(
+    index_offset: u64,
+    index_len: u64,
+    index_hash: u128,
+) -> [u8; FOOTER_LEN as usize] {
     let mut f = [0u8; FOOTER_LEN as usize];
     f[0..8].copy_from_slice(&index_offset.to_le_bytes());
     f[8..16].copy_from_slice(&index_len.to_le_bytes());
@@ -82,7 +86,10 @@ pub fn check_name(kind: &str, name: &str) -> Result<(), String> {
     }
     if name.len() > MAX_NAME_LEN {
         let head: String = name.chars().take(32).flat_map(char::escape_debug).collect();
-        return Err(format!("{kind} name \"{head}...\" is {} bytes long (limit {MAX_NAME_LEN})", name.len()));
+        return Err(format!(
+            "{kind} name \"{head}...\" is {} bytes long (limit {MAX_NAME_LEN})",
+            name.len()
+        ));
     }
     if name.chars().any(char::is_control) {
         return Err(format!("{kind} name {name:?} contains a control character"));
@@ -92,5 +99,6 @@ pub fn check_name(kind: &str, name: &str) -> Result<(), String> {
 
 /// Canonical hex as the spec writes it: lowercase digits only.
 pub fn is_lower_hex(s: &str) -> bool {
-    s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    s.bytes()
+        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }

@@ -19,6 +19,6 @@ pub use attrs::{Attributes, ExtraAttrs};
 pub use digest::{weights_digest, xxh3_hex, Digest};
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use layout::{FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN, ALIGN};
+pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};
 pub use reader::{DecisionInfo, TensorInfo, Trace};
 pub use writer::TraceWriter;

@@ -99,20 +99,37 @@ fn file_kind(meta: &std::fs::Metadata) -> &'static str {
 }
 
 /// `Err` is the reason: alignment, inside the data region `64..index_offset`, no overflow.
-fn check_range(what: &dyn Fn() -> String, offset: u64, nbytes: u64, index_offset: u64) -> std::result::Result<(), String> {
-    let end = offset.checked_add(nbytes).ok_or_else(|| format!("{}: offset {offset} + {nbytes} bytes overflows", what()))?;
+fn check_range(
+    what: &dyn Fn() -> String,
+    offset: u64,
+    nbytes: u64,
+    index_offset: u64,
+) -> std::result::Result<(), String> {
+    let end = offset
+        .checked_add(nbytes)
+        .ok_or_else(|| format!("{}: offset {offset} + {nbytes} bytes overflows", what()))?;
     if !offset.is_multiple_of(ALIGN) {
-        return Err(format!("{}: offset {offset} is not {ALIGN}-byte aligned", what()));
+        return Err(format!(
+            "{}: offset {offset} is not {ALIGN}-byte aligned",
+            what()
+        ));
     }
     if offset < HEADER_LEN || end > index_offset {
-        return Err(format!("{}: bytes {offset}..{end} lie outside the data region {HEADER_LEN}..{index_offset}", what()));
+        return Err(format!(
+            "{}: bytes {offset}..{end} lie outside the data region {HEADER_LEN}..{index_offset}",
+            what()
+        ));
     }
     Ok(())
 }
 
 fn check_rank(what: &dyn Fn() -> String, shape: &[u64]) -> std::result::Result<(), String> {
     if shape.len() > MAX_RANK {
-        return Err(format!("{}: rank {} exceeds {MAX_RANK}", what(), shape.len()));
+        return Err(format!(
+            "{}: rank {} exceeds {MAX_RANK}",
+            what(),
+            shape.len()
+        ));
     }
     Ok(())
 }
@@ -124,16 +141,43 @@ fn tensor_entry(t: TensorJson, index_offset: u64) -> std::result::Result<TensorI
     check_rank(&what, &t.shape)?;
     let expected = element_count(&t.shape)
         .and_then(|n| n.checked_mul(dtype.size() as u64))
-        .ok_or_else(|| format!("{}: shape {:?} x {} bytes overflows", what(), t.shape, dtype.size()))?;
+        .ok_or_else(|| {
+            format!(
+                "{}: shape {:?} x {} bytes overflows",
+                what(),
+                t.shape,
+                dtype.size()
+            )
+        })?;
     if expected != t.nbytes {
-        return Err(format!("{}: nbytes {} but shape {:?} of {dtype} needs {expected}", what(), t.nbytes, t.shape));
+        return Err(format!(
+            "{}: nbytes {} but shape {:?} of {dtype} needs {expected}",
+            what(),
+            t.nbytes,
+            t.shape
+        ));
     }
     check_range(&what, t.offset, t.nbytes, index_offset)?;
-    let digest = parse_xxh3_hex(&t.xxh3).ok_or_else(|| format!("{}: xxh3 {:?} is not 32 lowercase hex digits", what(), t.xxh3))?;
-    let attributes = Attributes::from_json(&t.attributes).map_err(|e| format!("{}: {e}", what()))?;
+    let digest = parse_xxh3_hex(&t.xxh3).ok_or_else(|| {
+        format!(
+            "{}: xxh3 {:?} is not 32 lowercase hex digits",
+            what(),
+            t.xxh3
+        )
+    })?;
+    let attributes =
+        Attributes::from_json(&t.attributes).map_err(|e| format!("{}: {e}", what()))?;
     // A fresh exact allocation: shrinking serde's grown one in place keeps its larger chunk.
     let shape = t.shape.to_vec();
-    Ok(TensorInfo { name: t.name, dtype, shape, offset: t.offset, nbytes: t.nbytes, digest, attributes })
+    Ok(TensorInfo {
+        name: t.name,
+        dtype,
+        shape,
+        offset: t.offset,
+        nbytes: t.nbytes,
+        digest,
+        attributes,
+    })
 }
 
 fn decision_entry(d: DecisionJson, index_offset: u64) -> std::result::Result<DecisionInfo, String> {
@@ -143,19 +187,42 @@ fn decision_entry(d: DecisionJson, index_offset: u64) -> std::result::Result<Dec
     let nbytes = element_count(&d.shape)
         .and_then(|n| n.checked_mul(8))
         .ok_or_else(|| format!("{}: shape {:?} overflows", what(), d.shape))?;
-    check_range(&|| format!("{} values", what()), d.values_offset, nbytes, index_offset)?;
+    check_range(
+        &|| format!("{} values", what()),
+        d.values_offset,
+        nbytes,
+        index_offset,
+    )?;
     if let Some(m) = d.margins_offset {
         let rows = d.shape.first().copied().unwrap_or(1);
-        let len = rows.checked_mul(4).ok_or_else(|| format!("{}: rows overflow", what()))?;
+        let len = rows
+            .checked_mul(4)
+            .ok_or_else(|| format!("{}: rows overflow", what()))?;
         check_range(&|| format!("{} margins", what()), m, len, index_offset)?;
     }
-    let digest = parse_xxh3_hex(&d.xxh3).ok_or_else(|| format!("{}: xxh3 {:?} is not 32 lowercase hex digits", what(), d.xxh3))?;
+    let digest = parse_xxh3_hex(&d.xxh3).ok_or_else(|| {
+        format!(
+            "{}: xxh3 {:?} is not 32 lowercase hex digits",
+            what(),
+            d.xxh3
+        )
+    })?;
     let shape = d.shape.to_vec();
-    Ok(DecisionInfo { name: d.name, shape, values_offset: d.values_offset, margins_offset: d.margins_offset, digest })
+    Ok(DecisionInfo {
+        name: d.name,
+        shape,
+        values_offset: d.values_offset,
+        margins_offset: d.margins_offset,
+        digest,
+    })
 }
 
 /// Entry indices sorted by name; `Err` names the first duplicate.
-fn sorted_by_name<T>(entries: &[T], name: impl Fn(&T) -> &str, kind: &str) -> std::result::Result<Vec<u32>, String> {
+fn sorted_by_name<T>(
+    entries: &[T],
+    name: impl Fn(&T) -> &str,
+    kind: &str,
+) -> std::result::Result<Vec<u32>, String> {
     let mut order: Vec<u32> = (0..entries.len() as u32).collect();
     order.sort_unstable_by(|&a, &b| name(&entries[a as usize]).cmp(name(&entries[b as usize])));
     for pair in order.windows(2) {
@@ -167,8 +234,16 @@ fn sorted_by_name<T>(entries: &[T], name: impl Fn(&T) -> &str, kind: &str) -> st
     Ok(order)
 }
 
-fn lookup<'t, T>(entries: &'t [T], order: &[u32], name: impl Fn(&T) -> &str, key: &str) -> Option<&'t T> {
-    order.binary_search_by(|&i| name(&entries[i as usize]).cmp(key)).ok().map(|at| &entries[order[at] as usize])
+fn lookup<'t, T>(
+    entries: &'t [T],
+    order: &[u32],
+    name: impl Fn(&T) -> &str,
+    key: &str,
+) -> Option<&'t T> {
+    order
+        .binary_search_by(|&i| name(&entries[i as usize]).cmp(key))
+        .ok()
+        .map(|at| &entries[order[at] as usize])
 }
 
 /// Every non-empty payload as (start, end, what), sorted by start.
@@ -181,7 +256,11 @@ fn payload_ranges(tensors: &[TensorInfo], decisions: &[DecisionInfo]) -> Vec<(u6
     }
     for (i, d) in decisions.iter().enumerate() {
         if d.count() > 0 {
-            ranges.push((d.values_offset, d.values_offset + d.count() * 8, Owner::Values(i as u32)));
+            ranges.push((
+                d.values_offset,
+                d.values_offset + d.count() * 8,
+                Owner::Values(i as u32),
+            ));
         }
         if let Some(m) = d.margins_offset.filter(|_| d.rows() > 0) {
             ranges.push((m, m + d.rows() * 4, Owner::Margins(i as u32)));
@@ -201,8 +280,14 @@ enum Owner {
 impl Trace {
     pub fn open(path: impl AsRef<Path>) -> Result<Trace> {
         let path = path.as_ref().to_path_buf();
-        let bad = |reason: String| Error::Malformed { path: path.clone(), reason };
-        if path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(TMP_SUFFIX)) {
+        let bad = |reason: String| Error::Malformed {
+            path: path.clone(),
+            reason,
+        };
+        if path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().ends_with(TMP_SUFFIX))
+        {
             return Err(bad(format!(
                 "a writer's temporary file (*{TMP_SUFFIX}): the trace was never finished, or its writer is still running"
             )));
@@ -210,16 +295,25 @@ impl Trace {
         // Look before opening: opening a FIFO for reading blocks until something writes to it.
         let meta = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?;
         if !meta.is_file() {
-            return Err(bad(format!("{}, not a regular file: a trace is one regular file", file_kind(&meta))));
+            return Err(bad(format!(
+                "{}, not a regular file: a trace is one regular file",
+                file_kind(&meta)
+            )));
         }
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         let meta = file.metadata().map_err(|e| Error::io(&path, e))?;
         if !meta.is_file() {
-            return Err(bad(format!("{}, not a regular file: a trace is one regular file", file_kind(&meta))));
+            return Err(bad(format!(
+                "{}, not a regular file: a trace is one regular file",
+                file_kind(&meta)
+            )));
         }
         let len = meta.len();
         if len < HEADER_LEN + FOOTER_LEN {
-            return Err(bad(format!("file is {len} bytes, shorter than header + footer ({})", HEADER_LEN + FOOTER_LEN)));
+            return Err(bad(format!(
+                "file is {len} bytes, shorter than header + footer ({})",
+                HEADER_LEN + FOOTER_LEN
+            )));
         }
         // SAFETY: the map is read-only; a trace is never modified in place after it is renamed
         // into position, and every read below is bounds-checked against the map's length. A
@@ -228,10 +322,16 @@ impl Trace {
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let bytes: &[u8] = &map;
         if bytes.len() as u64 != len {
-            return Err(bad(format!("file is {len} bytes but {} were mapped: it changed while being opened", bytes.len())));
+            return Err(bad(format!(
+                "file is {len} bytes but {} were mapped: it changed while being opened",
+                bytes.len()
+            )));
         }
         if &bytes[..8] != MAGIC {
-            return Err(bad(format!("bad magic {:02x?} (expected \"TGTRACE\\0\"): not a tracegate trace", &bytes[..8])));
+            return Err(bad(format!(
+                "bad magic {:02x?} (expected \"TGTRACE\\0\"): not a tracegate trace",
+                &bytes[..8]
+            )));
         }
         let major = u16::from_le_bytes([bytes[8], bytes[9]]);
         let minor = u16::from_le_bytes([bytes[10], bytes[11]]);
@@ -239,18 +339,26 @@ impl Trace {
             return Err(bad(format!("format version {major}.{minor} is not supported (this reader reads {FORMAT_MAJOR}.x)")));
         }
         if let Some(i) = bytes[12..HEADER_LEN as usize].iter().position(|&b| b != 0) {
-            return Err(bad(format!("header byte {} is {:#04x}: header bytes 12..64 must be zero", 12 + i, bytes[12 + i])));
+            return Err(bad(format!(
+                "header byte {} is {:#04x}: header bytes 12..64 must be zero",
+                12 + i,
+                bytes[12 + i]
+            )));
         }
         let footer = &bytes[(len - FOOTER_LEN) as usize..];
         if &footer[32..40] != FOOTER_MAGIC {
-            return Err(bad("no footer: the file is truncated or was never finished".into()));
+            return Err(bad(
+                "no footer: the file is truncated or was never finished".into(),
+            ));
         }
         let index_offset = u64::from_le_bytes(footer[0..8].try_into().expect("8 bytes"));
         let index_len = u64::from_le_bytes(footer[8..16].try_into().expect("8 bytes"));
         let index_hash = u128::from_be_bytes(footer[16..32].try_into().expect("16 bytes"));
         let data_end = len - FOOTER_LEN;
         if index_len > MAX_INDEX_LEN {
-            return Err(bad(format!("index length {index_len} exceeds the limit {MAX_INDEX_LEN}")));
+            return Err(bad(format!(
+                "index length {index_len} exceeds the limit {MAX_INDEX_LEN}"
+            )));
         }
         if index_offset < HEADER_LEN || index_offset.checked_add(index_len) != Some(data_end) {
             return Err(bad(format!(
@@ -258,13 +366,16 @@ impl Trace {
             )));
         }
         if !index_offset.is_multiple_of(ALIGN) {
-            return Err(bad(format!("footer places the index at {index_offset}, which is not {ALIGN}-byte aligned")));
+            return Err(bad(format!(
+                "footer places the index at {index_offset}, which is not {ALIGN}-byte aligned"
+            )));
         }
         // The index is hashed and parsed from reads of the file, not through the map: parsed
         // entries are what the reader keeps, and the index's own pages need not stay resident.
         let index_reader = || {
             let mut f = &file;
-            f.seek(SeekFrom::Start(index_offset)).map(|_| BufReader::with_capacity(1 << 16, f.take(index_len)))
+            f.seek(SeekFrom::Start(index_offset))
+                .map(|_| BufReader::with_capacity(1 << 16, f.take(index_len)))
         };
         let mut hasher = Xxh3::new();
         let hashed = index_reader().and_then(|mut r| {
@@ -285,7 +396,10 @@ impl Trace {
             _ => {}
         }
         if hasher.digest128() != index_hash {
-            return Err(Error::Tampered { path: path.clone(), reason: "the index does not match the footer's xxh3-128".into() });
+            return Err(Error::Tampered {
+                path: path.clone(),
+                reason: "the index does not match the footer's xxh3-128".into(),
+            });
         }
         // One pass that notes the first field the schema does not have. A later minor version
         // only adds optional fields, which this reader may ignore; in a version it knows
@@ -293,10 +407,17 @@ impl Trace {
         let mut unknown: Option<String> = None;
         let mut tensors = Vec::new();
         let mut decisions = Vec::new();
-        let mut on_tensor = |t: TensorJson| tensor_entry(t, index_offset).map(|info| tensors.push(info));
-        let mut on_decision = |d: DecisionJson| decision_entry(d, index_offset).map(|info| decisions.push(info));
-        let mut sink = Sink { tensor: &mut on_tensor, decision: &mut on_decision, refusal: None };
-        let mut json = serde_json::Deserializer::from_reader(index_reader().map_err(|e| Error::io(&path, e))?);
+        let mut on_tensor =
+            |t: TensorJson| tensor_entry(t, index_offset).map(|info| tensors.push(info));
+        let mut on_decision =
+            |d: DecisionJson| decision_entry(d, index_offset).map(|info| decisions.push(info));
+        let mut sink = Sink {
+            tensor: &mut on_tensor,
+            decision: &mut on_decision,
+            refusal: None,
+        };
+        let mut json =
+            serde_json::Deserializer::from_reader(index_reader().map_err(|e| Error::io(&path, e))?);
         let parsed = parse_index(
             serde_ignored::Deserializer::new(&mut json, &mut |p: serde_ignored::Path| {
                 unknown.get_or_insert_with(|| unknown_field(&p));
@@ -315,15 +436,26 @@ impl Trace {
             return Err(bad(format!("index is not valid: unknown field {field} (format {major}.{minor} has no such field)")));
         }
         if head.format != FORMAT_NAME {
-            return Err(bad(format!("index format {:?} is not {FORMAT_NAME:?}", head.format)));
+            return Err(bad(format!(
+                "index format {:?} is not {FORMAT_NAME:?}",
+                head.format
+            )));
         }
         if head.version != [major, minor] {
-            return Err(bad(format!("index version {}.{} disagrees with header {major}.{minor}", head.version[0], head.version[1])));
+            return Err(bad(format!(
+                "index version {}.{} disagrees with header {major}.{minor}",
+                head.version[0], head.version[1]
+            )));
         }
         let digest = Some(&head.digest)
             .filter(|d| is_lower_hex(d))
             .and_then(|d| Digest::from_hex(d))
-            .ok_or_else(|| bad(format!("digest {:?} is not 64 lowercase hex digits", head.digest)))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "digest {:?} is not 64 lowercase hex digits",
+                    head.digest
+                ))
+            })?;
         if !head.provenance.is_object() {
             return Err(bad("provenance is not a JSON object".into()));
         }
@@ -341,7 +473,11 @@ impl Trace {
         for pair in ranges.windows(2) {
             let ((s0, e0, o0), (s1, e1, o1)) = (pair[0], pair[1]);
             if s1 < e0 {
-                return Err(bad(format!("{} (bytes {s1}..{e1}) overlaps {} (bytes {s0}..{e0})", what(o1), what(o0))));
+                return Err(bad(format!(
+                    "{} (bytes {s1}..{e1}) overlaps {} (bytes {s0}..{e0})",
+                    what(o1),
+                    what(o0)
+                )));
             }
         }
         drop(ranges);
@@ -365,7 +501,11 @@ impl Trace {
     /// end of file would kill the process with SIGBUS. Call before touching payloads that were
     /// not read since the last check; a truncation after the check is not covered.
     pub fn check_size(&self) -> Result<()> {
-        let now = self.file.metadata().map_err(|e| Error::io(&self.path, e))?.len();
+        let now = self
+            .file
+            .metadata()
+            .map_err(|e| Error::io(&self.path, e))?
+            .len();
         let mapped = self.map.len() as u64;
         if now != mapped {
             return Err(Error::Malformed {
@@ -405,24 +545,32 @@ impl Trace {
         &self.map[info.offset as usize..(info.offset + info.nbytes) as usize]
     }
     fn tensor_or_err(&self, name: &str) -> Result<&TensorInfo> {
-        self.tensor_info(name)
-            .ok_or_else(|| Error::NotFound(format!("{}: no tensor named {name:?}", self.path.display())))
+        self.tensor_info(name).ok_or_else(|| {
+            Error::NotFound(format!("{}: no tensor named {name:?}", self.path.display()))
+        })
     }
     /// A tensor's bytes as a zero-copy `&[f32]` (payloads are 64-byte aligned in the map).
     pub fn f32_slice(&self, name: &str) -> Result<&[f32]> {
         let info = self.tensor_or_err(name)?;
         if info.dtype != DType::F32 {
-            return Err(Error::Invalid(format!("tensor {name:?} is {}, not f32", info.dtype)));
+            return Err(Error::Invalid(format!(
+                "tensor {name:?} is {}, not f32",
+                info.dtype
+            )));
         }
         if cfg!(target_endian = "big") {
-            return Err(Error::Invalid("zero-copy f32 views need a little-endian host".into()));
+            return Err(Error::Invalid(
+                "zero-copy f32 views need a little-endian host".into(),
+            ));
         }
         let bytes = self.data(info);
         // SAFETY: the offset is a multiple of 64 from a page-aligned map, so the pointer is
         // aligned for f32; the length is a multiple of 4 (checked at open); f32 has no invalid bits.
         let (prefix, floats, suffix) = unsafe { bytes.align_to::<f32>() };
         if !prefix.is_empty() || !suffix.is_empty() {
-            return Err(Error::Invalid(format!("tensor {name:?} is not aligned for f32")));
+            return Err(Error::Invalid(format!(
+                "tensor {name:?} is not aligned for f32"
+            )));
         }
         Ok(floats)
     }
@@ -446,10 +594,17 @@ impl Trace {
         })
     }
     pub fn decision_values(&self, d: &DecisionInfo) -> Vec<i64> {
-        self.values_bytes(d).chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+        self.values_bytes(d)
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect()
     }
     pub fn decision_margins(&self, d: &DecisionInfo) -> Option<Vec<f32>> {
-        self.margins_bytes(d).map(|m| m.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+        self.margins_bytes(d).map(|m| {
+            m.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect()
+        })
     }
 
     /// Recomputes every payload digest (in parallel) and the whole-trace digest; the first
@@ -465,14 +620,23 @@ impl Trace {
             let t = &self.tensors[i];
             return Err(Error::Tampered {
                 path: self.path.clone(),
-                reason: format!("tensor {:?} (bytes {}..{}) no longer matches its xxh3-128", t.name, t.offset, t.offset + t.nbytes),
+                reason: format!(
+                    "tensor {:?} (bytes {}..{}) no longer matches its xxh3-128",
+                    t.name,
+                    t.offset,
+                    t.offset + t.nbytes
+                ),
             });
         }
         for t in self.tensors.iter().filter(|t| t.dtype == DType::Bool) {
             if let Some(i) = self.data(t).iter().position(|&b| b > 1) {
                 return Err(Error::Malformed {
                     path: self.path.clone(),
-                    reason: format!("tensor {:?}: bool element {i} is {} (must be 0 or 1)", t.name, self.data(t)[i]),
+                    reason: format!(
+                        "tensor {:?}: bool element {i} is {} (must be 0 or 1)",
+                        t.name,
+                        self.data(t)[i]
+                    ),
                 });
             }
         }
@@ -524,7 +688,10 @@ impl Trace {
         }
         gaps.push((at, self.index_offset));
         for (start, end) in gaps {
-            if let Some(i) = self.map[start as usize..end as usize].iter().position(|&b| b != 0) {
+            if let Some(i) = self.map[start as usize..end as usize]
+                .iter()
+                .position(|&b| b != 0)
+            {
                 let byte = start + i as u64;
                 return Err(Error::Tampered {
                     path: self.path.clone(),
@@ -553,14 +720,20 @@ fn unknown_field(path: &serde_ignored::Path) -> String {
                 }
                 out.push_str(key);
             }
-            Some { parent } | NewtypeStruct { parent } | NewtypeVariant { parent } => place(parent, out),
+            Some { parent } | NewtypeStruct { parent } | NewtypeVariant { parent } => {
+                place(parent, out)
+            }
         }
     }
     match path {
         serde_ignored::Path::Map { parent, key } => {
             let mut at = String::new();
             place(parent, &mut at);
-            if at.is_empty() { format!("{key:?}") } else { format!("{key:?} in {at}") }
+            if at.is_empty() {
+                format!("{key:?}")
+            } else {
+                format!("{key:?} in {at}")
+            }
         }
         other => other.to_string(),
     }

@@ -58,9 +58,16 @@ fn check_name(kind: &str, name: &str) -> Result<()> {
 
 fn check_shape(kind: &str, name: &str, shape: &[u64]) -> Result<u64> {
     if shape.len() > MAX_RANK {
-        return Err(Error::Invalid(format!("{kind} {name:?}: rank {} exceeds the limit {MAX_RANK}", shape.len())));
+        return Err(Error::Invalid(format!(
+            "{kind} {name:?}: rank {} exceeds the limit {MAX_RANK}",
+            shape.len()
+        )));
     }
-    element_count(shape).ok_or_else(|| Error::Invalid(format!("{kind} {name:?}: shape {shape:?} overflows u64 elements")))
+    element_count(shape).ok_or_else(|| {
+        Error::Invalid(format!(
+            "{kind} {name:?}: shape {shape:?} overflows u64 elements"
+        ))
+    })
 }
 
 /// Removes `.<file_name>.<pid>.<n>.tracegate-tmp` files in `dir` whose writer process is gone
@@ -71,15 +78,23 @@ fn remove_stale_temporaries(dir: &Path, file_name: &str) {
     if !proc.join("self").exists() {
         return;
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     let prefix = format!(".{file_name}.");
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)).and_then(|r| r.strip_suffix(TMP_SUFFIX)) else {
+        let Some(rest) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|r| r.strip_suffix(TMP_SUFFIX))
+        else {
             continue;
         };
         // rest is "<pid>.<n>", both decimal, or the name belongs to something else.
-        let Some((pid, n)) = rest.split_once('.') else { continue };
+        let Some((pid, n)) = rest.split_once('.') else {
+            continue;
+        };
         let decimal = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
         if !decimal(pid) || !decimal(n) || proc.join(pid).exists() {
             continue;
@@ -105,20 +120,36 @@ impl TraceWriter {
             _ => PathBuf::from("."),
         };
         if final_path.is_dir() {
-            return Err(Error::Invalid(format!("{}: is a directory, not a trace file path", final_path.display())));
+            return Err(Error::Invalid(format!(
+                "{}: is a directory, not a trace file path",
+                final_path.display()
+            )));
         }
         // Said here, with the path the caller gave: the temporary's name is an internal detail.
         match std::fs::metadata(&dir) {
             Ok(m) if m.is_dir() => {}
-            Ok(_) => return Err(Error::Invalid(format!("{}: {} is not a directory", final_path.display(), dir.display()))),
+            Ok(_) => {
+                return Err(Error::Invalid(format!(
+                    "{}: {} is not a directory",
+                    final_path.display(),
+                    dir.display()
+                )))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::NotFound(format!("{}: the directory {} does not exist", final_path.display(), dir.display())))
+                return Err(Error::NotFound(format!(
+                    "{}: the directory {} does not exist",
+                    final_path.display(),
+                    dir.display()
+                )))
             }
             Err(e) => return Err(Error::io(&dir, e)),
         }
         remove_stale_temporaries(&dir, &file_name);
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp_path = dir.join(format!(".{file_name}.{}.{n}{TMP_SUFFIX}", std::process::id()));
+        let tmp_path = dir.join(format!(
+            ".{file_name}.{}.{n}{TMP_SUFFIX}",
+            std::process::id()
+        ));
         // Readable too: decision payloads are read back for the content digest at finish.
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -126,9 +157,16 @@ impl TraceWriter {
             .create(true)
             .truncate(true)
             .open(&tmp_path)
-            .map_err(|e| Error::Io { path: final_path.clone(), source: std::io::Error::new(e.kind(), format!("cannot create its temporary file in {}: {e}", dir.display())) })?;
+            .map_err(|e| Error::Io {
+                path: final_path.clone(),
+                source: std::io::Error::new(
+                    e.kind(),
+                    format!("cannot create its temporary file in {}: {e}", dir.display()),
+                ),
+            })?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
-        out.write_all(&header_bytes()).map_err(|e| Error::io(&tmp_path, e))?;
+        out.write_all(&header_bytes())
+            .map_err(|e| Error::io(&tmp_path, e))?;
         Ok(TraceWriter {
             out: Some(out),
             tmp_path,
@@ -145,18 +183,31 @@ impl TraceWriter {
 
     /// Writes `bytes` at the next 64-byte boundary and returns its offset.
     fn write_aligned(&mut self, bytes: &[u8]) -> Result<u64> {
-        let offset = align_up(self.pos).ok_or_else(|| Error::Invalid("trace larger than u64".into()))?;
-        let out = self.out.as_mut().ok_or_else(|| Error::Invalid("writer already finished".into()))?;
+        let offset =
+            align_up(self.pos).ok_or_else(|| Error::Invalid("trace larger than u64".into()))?;
+        let out = self
+            .out
+            .as_mut()
+            .ok_or_else(|| Error::Invalid("writer already finished".into()))?;
         let pad = (offset - self.pos) as usize;
         let zeros = [0u8; ALIGN as usize];
-        out.write_all(&zeros[..pad]).map_err(|e| Error::io(&self.tmp_path, e))?;
-        out.write_all(bytes).map_err(|e| Error::io(&self.tmp_path, e))?;
+        out.write_all(&zeros[..pad])
+            .map_err(|e| Error::io(&self.tmp_path, e))?;
+        out.write_all(bytes)
+            .map_err(|e| Error::io(&self.tmp_path, e))?;
         self.pos = offset + bytes.len() as u64;
         Ok(offset)
     }
 
     /// Records a tensor: `bytes` are its elements in row-major order, little-endian.
-    pub fn tensor(&mut self, name: &str, dtype: DType, shape: &[u64], bytes: &[u8], attributes: &Attributes) -> Result<()> {
+    pub fn tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        bytes: &[u8],
+        attributes: &Attributes,
+    ) -> Result<()> {
         check_name("tensor", name)?;
         let count = check_shape("tensor", name, shape)?;
         let expected = count.checked_mul(dtype.size() as u64);
@@ -171,10 +222,15 @@ impl TraceWriter {
         }
         if dtype == DType::Bool {
             if let Some(i) = bytes.iter().position(|&b| b > 1) {
-                return Err(Error::Invalid(format!("tensor {name:?}: bool element {i} is {} (must be 0 or 1)", bytes[i])));
+                return Err(Error::Invalid(format!(
+                    "tensor {name:?}: bool element {i} is {} (must be 0 or 1)",
+                    bytes[i]
+                )));
             }
         }
-        attributes.validate().map_err(|e| Error::Invalid(format!("tensor {name:?}: {e}")))?;
+        attributes
+            .validate()
+            .map_err(|e| Error::Invalid(format!("tensor {name:?}: {e}")))?;
         if self.tensor_names.contains(name) {
             return Err(Error::Invalid(format!("duplicate tensor name {name:?}")));
         }
@@ -198,7 +254,13 @@ impl TraceWriter {
         Ok(())
     }
 
-    pub fn tensor_f32(&mut self, name: &str, shape: &[u64], data: &[f32], attributes: &Attributes) -> Result<()> {
+    pub fn tensor_f32(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        data: &[f32],
+        attributes: &Attributes,
+    ) -> Result<()> {
         let mut bytes = Vec::with_capacity(data.len() * 4);
         for v in data {
             bytes.extend_from_slice(&v.to_le_bytes());
@@ -208,7 +270,13 @@ impl TraceWriter {
 
     /// Records a discrete decision: `values` in row-major order over `shape`, and optionally
     /// one margin per row (row = index along the first axis; a rank-0 decision has one row).
-    pub fn decision(&mut self, name: &str, shape: &[u64], values: &[i64], margins: Option<&[f32]>) -> Result<()> {
+    pub fn decision(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        values: &[i64],
+        margins: Option<&[f32]>,
+    ) -> Result<()> {
         check_name("decision", name)?;
         let count = check_shape("decision", name, shape)?;
         if count != values.len() as u64 {
@@ -230,7 +298,8 @@ impl TraceWriter {
             return Err(Error::Invalid(format!("duplicate decision name {name:?}")));
         }
         let values: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let margins: Option<Vec<u8>> = margins.map(|m| m.iter().flat_map(|v| v.to_le_bytes()).collect());
+        let margins: Option<Vec<u8>> =
+            margins.map(|m| m.iter().flat_map(|v| v.to_le_bytes()).collect());
         let mut h = Xxh3::new();
         h.update(&values);
         if let Some(m) = &margins {
@@ -257,12 +326,16 @@ impl TraceWriter {
     /// The content digest of everything recorded so far (flushes the buffered bytes first).
     fn content_digest(&mut self) -> Result<Digest> {
         use std::os::unix::fs::FileExt;
-        let out = self.out.as_mut().ok_or_else(|| Error::Invalid("writer already finished".into()))?;
+        let out = self
+            .out
+            .as_mut()
+            .ok_or_else(|| Error::Invalid("writer already finished".into()))?;
         out.flush().map_err(|e| Error::io(&self.tmp_path, e))?;
         let file = out.get_ref();
         let read = |offset: u64, len: usize| -> Result<Vec<u8>> {
             let mut buf = vec![0u8; len];
-            file.read_exact_at(&mut buf, offset).map_err(|e| Error::io(&self.tmp_path, e))?;
+            file.read_exact_at(&mut buf, offset)
+                .map_err(|e| Error::io(&self.tmp_path, e))?;
             Ok(buf)
         };
         let mut c = Canonical::new(self.tensors.len());
@@ -272,7 +345,10 @@ impl TraceWriter {
         c.begin_decisions(self.decisions.len());
         for d in &self.decisions {
             let values = read(d.values_offset, d.values_len)?;
-            let margins = d.margins_offset.map(|o| read(o, d.margins_len)).transpose()?;
+            let margins = d
+                .margins_offset
+                .map(|o| read(o, d.margins_len))
+                .transpose()?;
             c.decision(&d.name, &d.shape, &values, margins.as_deref());
         }
         Ok(c.finish())
@@ -311,21 +387,35 @@ impl TraceWriter {
                 .collect(),
             provenance: std::mem::take(&mut self.provenance),
         };
-        let index_bytes = serde_json::to_vec(&index).map_err(|e| Error::Invalid(format!("index: {e}")))?;
+        let index_bytes =
+            serde_json::to_vec(&index).map_err(|e| Error::Invalid(format!("index: {e}")))?;
         let index_offset = self.write_aligned(&index_bytes)?;
-        let footer = footer_bytes(index_offset, index_bytes.len() as u64, xxh3_128(&index_bytes));
-        let out = self.out.take().ok_or_else(|| Error::Invalid("writer already finished".into()))?;
+        let footer = footer_bytes(
+            index_offset,
+            index_bytes.len() as u64,
+            xxh3_128(&index_bytes),
+        );
+        let out = self
+            .out
+            .take()
+            .ok_or_else(|| Error::Invalid("writer already finished".into()))?;
         let tmp = self.tmp_path.clone();
         let mut out = out;
         out.write_all(&footer).map_err(|e| Error::io(&tmp, e))?;
-        let file = out.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
+        let file = out
+            .into_inner()
+            .map_err(|e| Error::io(&tmp, e.into_error()))?;
         file.sync_all().map_err(|e| Error::io(&tmp, e))?;
         drop(file);
         std::fs::rename(&tmp, &self.final_path).map_err(|e| Error::io(&self.final_path, e))?;
         self.renamed = true;
         // Make the rename itself durable.
         if let Some(dir) = self.final_path.parent() {
-            let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+            let dir = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
             if let Ok(d) = File::open(dir) {
                 let _ = d.sync_all();
             }

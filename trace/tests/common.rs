@@ -3,7 +3,10 @@ use serde_json::json;
 use tracegate_trace::{Attributes, DType, Digest, TraceWriter};
 
 pub fn attrs() -> Attributes {
-    Attributes::default().with_path("prefill").with_mask("causal").with_positions(vec![0, 1, 2])
+    Attributes::default()
+        .with_path("prefill")
+        .with_mask("causal")
+        .with_positions(vec![0, 1, 2])
 }
 
 /// A small trace with tensors of several dtypes and two decisions.
@@ -11,10 +14,20 @@ pub fn write_sample(path: &std::path::Path, provenance: serde_json::Value) -> Di
     let mut w = TraceWriter::create(path, provenance).unwrap();
     let a: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect();
     w.tensor_f32("embed.out", &[3, 4], &a, &attrs()).unwrap();
-    w.tensor("ids", DType::I32, &[3], &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0], &attrs()).unwrap();
-    w.tensor("flags", DType::Bool, &[2], &[0, 1], &Attributes::default()).unwrap();
-    w.decision("logits.argmax", &[3], &[5, 7, 5], Some(&[0.25, 1.5, 0.125])).unwrap();
-    w.decision("layer.00.router.topk", &[3, 2], &[1, 4, 0, 2, 4, 1], None).unwrap();
+    w.tensor(
+        "ids",
+        DType::I32,
+        &[3],
+        &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0],
+        &attrs(),
+    )
+    .unwrap();
+    w.tensor("flags", DType::Bool, &[2], &[0, 1], &Attributes::default())
+        .unwrap();
+    w.decision("logits.argmax", &[3], &[5, 7, 5], Some(&[0.25, 1.5, 0.125]))
+        .unwrap();
+    w.decision("layer.00.router.topk", &[3, 2], &[1, 4, 0, 2, 4, 1], None)
+        .unwrap();
     w.finish().unwrap()
 }
 
@@ -26,7 +39,10 @@ pub fn sample_provenance() -> serde_json::Value {
 pub fn split_index(file: &[u8]) -> (Vec<u8>, serde_json::Value) {
     let n = file.len();
     let offset = u64::from_le_bytes(file[n - 40..n - 32].try_into().unwrap()) as usize;
-    (file[..offset].to_vec(), serde_json::from_slice(&file[offset..n - 40]).unwrap())
+    (
+        file[..offset].to_vec(),
+        serde_json::from_slice(&file[offset..n - 40]).unwrap(),
+    )
 }
 
 /// Reassembles a trace around `index` with a footer whose xxh3-128 matches it, so the footer
@@ -54,7 +70,8 @@ pub fn edit_index(file: &[u8], edit: impl FnOnce(&mut serde_json::Value)) -> Vec
 pub fn same_content(a: &tracegate_trace::Trace, b: &tracegate_trace::Trace) -> bool {
     let tensors = a.tensors().len() == b.tensors().len()
         && a.tensors().iter().zip(b.tensors()).all(|(x, y)| {
-            (&x.name, x.dtype, &x.shape, &x.attributes, x.digest) == (&y.name, y.dtype, &y.shape, &y.attributes, y.digest)
+            (&x.name, x.dtype, &x.shape, &x.attributes, x.digest)
+                == (&y.name, y.dtype, &y.shape, &y.attributes, y.digest)
                 && a.data(x) == b.data(y)
         });
     let bits = |m: Option<Vec<f32>>| m.map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>());

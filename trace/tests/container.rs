@@ -42,14 +42,22 @@ fn digest_is_stable_across_writes_and_independent_of_provenance() {
     let dir = tmp();
     let a = write_sample(&dir.path().join("a.trace"), sample_provenance());
     let b = write_sample(&dir.path().join("b.trace"), sample_provenance());
-    let c = write_sample(&dir.path().join("c.trace"), json!({"producer": "other", "cmd": ["x", "y"], "seed": 7}));
+    let c = write_sample(
+        &dir.path().join("c.trace"),
+        json!({"producer": "other", "cmd": ["x", "y"], "seed": 7}),
+    );
     assert_eq!(a, b);
     assert_eq!(a, c);
     // The files differ (provenance is recorded verbatim) while the content digest does not.
     let fa = std::fs::read(dir.path().join("a.trace")).unwrap();
     let fc = std::fs::read(dir.path().join("c.trace")).unwrap();
     assert_ne!(fa, fc);
-    assert_eq!(Trace::open(dir.path().join("c.trace")).unwrap().provenance()["seed"], 7);
+    assert_eq!(
+        Trace::open(dir.path().join("c.trace"))
+            .unwrap()
+            .provenance()["seed"],
+        7
+    );
 }
 
 /// Each closure changes one content field of a one-tensor, one-decision trace.
@@ -70,8 +78,10 @@ fn every_content_field_changes_the_digest() {
     }
     fn digest(c: &Case, dir: &Path, file: &str) -> tracegate_trace::Digest {
         let mut w = TraceWriter::create(dir.join(file), json!({})).unwrap();
-        w.tensor(&c.name, c.dtype, &c.shape, &c.bytes, &c.attrs).unwrap();
-        w.decision(&c.dname, &c.dshape, &c.values, c.margins.as_deref()).unwrap();
+        w.tensor(&c.name, c.dtype, &c.shape, &c.bytes, &c.attrs)
+            .unwrap();
+        w.decision(&c.dname, &c.dshape, &c.values, c.margins.as_deref())
+            .unwrap();
         w.finish().unwrap()
     }
     let base = Case {
@@ -109,7 +119,11 @@ fn every_content_field_changes_the_digest() {
     for (what, edit) in edits {
         let mut c = base.clone();
         edit(&mut c);
-        assert_ne!(digest(&c, dir.path(), "edit.trace"), reference, "changing the {what} did not change the digest");
+        assert_ne!(
+            digest(&c, dir.path(), "edit.trace"),
+            reference,
+            "changing the {what} did not change the digest"
+        );
     }
 }
 
@@ -117,13 +131,28 @@ fn every_content_field_changes_the_digest() {
 fn payload_length_is_checked_at_write_time() {
     let dir = tmp();
     let mut w = TraceWriter::create(dir.path().join("a.trace"), json!({})).unwrap();
-    let e = w.tensor("x", DType::F32, &[2, 3], &[0u8; 20], &Attributes::default()).unwrap_err().to_string();
-    assert!(e.contains("20 bytes") && e.contains("6 elements") && e.contains("= 24"), "{e}");
-    let e = w.decision("d", &[2], &[1, 2, 3], None).unwrap_err().to_string();
+    let e = w
+        .tensor("x", DType::F32, &[2, 3], &[0u8; 20], &Attributes::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("20 bytes") && e.contains("6 elements") && e.contains("= 24"),
+        "{e}"
+    );
+    let e = w
+        .decision("d", &[2], &[1, 2, 3], None)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("3 values") && e.contains("holds 2"), "{e}");
-    let e = w.decision("d", &[2, 1], &[1, 2], Some(&[0.5])).unwrap_err().to_string();
+    let e = w
+        .decision("d", &[2, 1], &[1, 2], Some(&[0.5]))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("1 margins") && e.contains("2 rows"), "{e}");
-    let e = w.tensor("b", DType::Bool, &[1], &[2], &Attributes::default()).unwrap_err().to_string();
+    let e = w
+        .tensor("b", DType::Bool, &[1], &[2], &Attributes::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("bool"), "{e}");
 }
 
@@ -131,11 +160,19 @@ fn payload_length_is_checked_at_write_time() {
 fn duplicate_names_are_refused() {
     let dir = tmp();
     let mut w = TraceWriter::create(dir.path().join("a.trace"), json!({})).unwrap();
-    w.tensor_f32("x", &[1], &[1.0], &Attributes::default()).unwrap();
-    let e = w.tensor_f32("x", &[1], &[1.0], &Attributes::default()).unwrap_err().to_string();
+    w.tensor_f32("x", &[1], &[1.0], &Attributes::default())
+        .unwrap();
+    let e = w
+        .tensor_f32("x", &[1], &[1.0], &Attributes::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("duplicate tensor name \"x\""), "{e}");
     w.decision("d", &[1], &[1], None).unwrap();
-    assert!(w.decision("d", &[1], &[1], None).unwrap_err().to_string().contains("duplicate decision"));
+    assert!(w
+        .decision("d", &[1], &[1], None)
+        .unwrap_err()
+        .to_string()
+        .contains("duplicate decision"));
 }
 
 #[test]
@@ -144,19 +181,38 @@ fn a_directory_is_refused_as_the_output_path() {
     let dir = tmp();
     let target = dir.path().join("out");
     std::fs::create_dir(&target).unwrap();
-    let e = TraceWriter::create(&target, json!({})).err().expect("a directory is not a trace path").to_string();
+    let e = TraceWriter::create(&target, json!({}))
+        .err()
+        .expect("a directory is not a trace path")
+        .to_string();
     assert!(e.contains("is a directory"), "{e}");
-    let names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    assert_eq!(names, ["out"], "the refused writer left something beside its target");
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        ["out"],
+        "the refused writer left something beside its target"
+    );
 }
 
 #[test]
 fn an_output_path_in_a_missing_directory_says_so_without_the_temporary_name() {
     let dir = tmp();
     let p = dir.path().join("no-such-dir").join("a.trace");
-    let e = TraceWriter::create(&p, json!({})).err().expect("the directory does not exist").to_string();
-    assert!(e.contains(&format!("{}: the directory", p.display())) && e.contains("does not exist"), "{e}");
-    assert!(!e.contains("tracegate-tmp"), "the message shows the internal temporary name: {e}");
+    let e = TraceWriter::create(&p, json!({}))
+        .err()
+        .expect("the directory does not exist")
+        .to_string();
+    assert!(
+        e.contains(&format!("{}: the directory", p.display())) && e.contains("does not exist"),
+        "{e}"
+    );
+    assert!(
+        !e.contains("tracegate-tmp"),
+        "the message shows the internal temporary name: {e}"
+    );
 }
 
 #[test]
@@ -165,19 +221,27 @@ fn unfinished_writer_leaves_nothing() {
     let p = dir.path().join("a.trace");
     {
         let mut w = TraceWriter::create(&p, json!({})).unwrap();
-        w.tensor_f32("x", &[2], &[1.0, 2.0], &Attributes::default()).unwrap();
+        w.tensor_f32("x", &[2], &[1.0, 2.0], &Attributes::default())
+            .unwrap();
         assert!(w.temporary_path().exists());
     }
     assert!(!p.exists());
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "temporary file left behind");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "temporary file left behind"
+    );
 }
 
 /// Child half of `killed_writer_leaves_nothing_at_final_path`: writes, then dies mid-trace.
 #[test]
 fn crash_child() {
-    let Ok(path) = std::env::var("TRACEGATE_CRASH_CHILD") else { return };
+    let Ok(path) = std::env::var("TRACEGATE_CRASH_CHILD") else {
+        return;
+    };
     let mut w = TraceWriter::create(&path, json!({})).unwrap();
-    w.tensor_f32("x", &[1024], &vec![1.0; 1024], &Attributes::default()).unwrap();
+    w.tensor_f32("x", &[1024], &vec![1.0; 1024], &Attributes::default())
+        .unwrap();
     std::process::abort();
 }
 
@@ -193,10 +257,16 @@ fn killed_writer_leaves_nothing_at_final_path() {
     assert!(!status.success(), "the child was supposed to abort");
     assert!(!p.exists(), "a killed writer left a file at the final path");
     // The partial temporary file is recognisable as such and is refused if opened.
-    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect();
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     assert_eq!(leftovers.len(), 1);
     assert!(leftovers[0].to_string_lossy().ends_with(".tracegate-tmp"));
-    assert!(matches!(Trace::open(&leftovers[0]), Err(Error::Malformed { .. })));
+    assert!(matches!(
+        Trace::open(&leftovers[0]),
+        Err(Error::Malformed { .. })
+    ));
 }
 
 /// Child half of the two tests below: records a trace, copies `TRACEGATE_COMPLETE_FROM` (a
@@ -204,9 +274,12 @@ fn killed_writer_leaves_nothing_at_final_path() {
 /// the rename), and dies without unwinding.
 #[test]
 fn crash_child_with_complete_temporary() {
-    let Ok(path) = std::env::var("TRACEGATE_CRASH_CHILD_COMPLETE") else { return };
+    let Ok(path) = std::env::var("TRACEGATE_CRASH_CHILD_COMPLETE") else {
+        return;
+    };
     let mut w = TraceWriter::create(&path, json!({})).unwrap();
-    w.tensor_f32("x", &[4], &[1.0; 4], &Attributes::default()).unwrap();
+    w.tensor_f32("x", &[4], &[1.0; 4], &Attributes::default())
+        .unwrap();
     if let Ok(from) = std::env::var("TRACEGATE_COMPLETE_FROM") {
         std::fs::copy(from, w.temporary_path()).unwrap();
     }
@@ -215,7 +288,12 @@ fn crash_child_with_complete_temporary() {
 
 fn run_crash_child(target: &Path, complete_from: Option<&Path>) {
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "crash_child_with_complete_temporary", "--nocapture", "--test-threads=1"]);
+    cmd.args([
+        "--exact",
+        "crash_child_with_complete_temporary",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
     cmd.env("TRACEGATE_CRASH_CHILD_COMPLETE", target);
     if let Some(from) = complete_from {
         cmd.env("TRACEGATE_COMPLETE_FROM", from);
@@ -225,7 +303,11 @@ fn run_crash_child(target: &Path, complete_from: Option<&Path>) {
 }
 
 fn temporaries(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut v: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.to_string_lossy().ends_with(".tracegate-tmp")).collect();
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".tracegate-tmp"))
+        .collect();
     v.sort();
     v
 }
@@ -241,9 +323,17 @@ fn a_writer_killed_after_its_footer_leaves_nothing_a_reader_accepts() {
     let left = temporaries(dir.path());
     assert_eq!(left.len(), 1, "{left:?}");
     // Byte for byte a finished trace, yet refused: its name says no writer finished it.
-    assert_eq!(std::fs::read(&left[0]).unwrap(), std::fs::read(&finished).unwrap());
-    let e = Trace::open(&left[0]).expect_err("a killed writer's temporary was accepted").to_string();
-    assert!(e.contains("temporary file") && e.contains(&left[0].display().to_string()), "{e}");
+    assert_eq!(
+        std::fs::read(&left[0]).unwrap(),
+        std::fs::read(&finished).unwrap()
+    );
+    let e = Trace::open(&left[0])
+        .expect_err("a killed writer's temporary was accepted")
+        .to_string();
+    assert!(
+        e.contains("temporary file") && e.contains(&left[0].display().to_string()),
+        "{e}"
+    );
 }
 
 #[test]
@@ -262,11 +352,20 @@ fn the_next_writer_removes_a_dead_writers_temporaries_and_keeps_a_live_ones() {
     std::fs::write(&other, b"x").unwrap();
     let mut second = TraceWriter::create(&target, json!({})).unwrap();
     for d in &dead {
-        assert!(!d.exists(), "a dead writer's temporary {} was kept", d.display());
+        assert!(
+            !d.exists(),
+            "a dead writer's temporary {} was kept",
+            d.display()
+        );
     }
-    assert!(live.temporary_path().exists(), "a live writer's temporary was removed");
+    assert!(
+        live.temporary_path().exists(),
+        "a live writer's temporary was removed"
+    );
     assert!(other.exists(), "another target's temporary was removed");
-    second.tensor_f32("x", &[1], &[1.0], &Attributes::default()).unwrap();
+    second
+        .tensor_f32("x", &[1], &[1.0], &Attributes::default())
+        .unwrap();
     second.finish().unwrap();
     drop(live);
     Trace::open(&target).unwrap().verify().unwrap();
@@ -296,7 +395,11 @@ fn a_flipped_decision_byte_is_named_by_verify() {
     let dir = tmp();
     let p = dir.path().join("a.trace");
     write_sample(&p, sample_provenance());
-    let off = Trace::open(&p).unwrap().decision_info("logits.argmax").unwrap().values_offset as usize;
+    let off = Trace::open(&p)
+        .unwrap()
+        .decision_info("logits.argmax")
+        .unwrap()
+        .values_offset as usize;
     flip(&p, off);
     let e = Trace::open(&p).unwrap().verify().unwrap_err().to_string();
     assert!(e.contains("decision \"logits.argmax\""), "{e}");

@@ -27,7 +27,10 @@ impl Rng {
 }
 
 fn iterations() -> usize {
-    std::env::var("TRACEGATE_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(300)
+    std::env::var("TRACEGATE_FUZZ_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(300)
 }
 
 /// (label, bytes) of every input: the committed vectors and a trace written by the writer.
@@ -62,7 +65,11 @@ impl Judge {
                 false
             }
             Ok(t) => {
-                assert!(same_content(&t, original), "{}: a mutant verified with different content", what());
+                assert!(
+                    same_content(&t, original),
+                    "{}: a mutant verified with different content",
+                    what()
+                );
                 self.equal += 1;
                 true
             }
@@ -81,7 +88,11 @@ fn open_original(dir: &Path, label: &str, bytes: &[u8]) -> Trace {
 #[test]
 fn bit_flips_are_refused_or_harmless() {
     let dir = tempfile::tempdir().unwrap();
-    let mut judge = Judge { path: dir.path().join("m.trace"), refused: 0, equal: 0 };
+    let mut judge = Judge {
+        path: dir.path().join("m.trace"),
+        refused: 0,
+        equal: 0,
+    };
     for (k, (label, bytes)) in inputs(dir.path()).into_iter().enumerate() {
         let original = open_original(dir.path(), &label, &bytes);
         let mut rng = Rng(0x5eed_0000 + k as u64);
@@ -96,7 +107,11 @@ fn bit_flips_are_refused_or_harmless() {
             // only flips that cancel out may be accepted.
             if judge.check(&original, &m, &what) {
                 let at = m.iter().zip(&bytes).position(|(a, b)| a != b);
-                assert!(at.is_none(), "{}: a file changed at byte {at:?} was accepted", what());
+                assert!(
+                    at.is_none(),
+                    "{}: a file changed at byte {at:?} was accepted",
+                    what()
+                );
             }
         }
     }
@@ -106,19 +121,38 @@ fn bit_flips_are_refused_or_harmless() {
 #[test]
 fn truncation_at_every_offset_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let mut judge = Judge { path: dir.path().join("m.trace"), refused: 0, equal: 0 };
+    let mut judge = Judge {
+        path: dir.path().join("m.trace"),
+        refused: 0,
+        equal: 0,
+    };
     // Every offset of each input: header, payloads, padding, index, footer.
     for (label, bytes) in inputs(dir.path()) {
         let original = open_original(dir.path(), &label, &bytes);
         for cut in 0..bytes.len() {
-            judge.check(&original, &bytes[..cut], &|| format!("{label}: truncated to {cut} bytes"));
+            judge.check(&original, &bytes[..cut], &|| {
+                format!("{label}: truncated to {cut} bytes")
+            });
         }
     }
     assert_eq!(judge.equal, 0, "a truncated trace was accepted");
 }
 
 /// Values that sit on the checks' edges.
-const EDGES: [u64; 12] = [0, 1, 4, 63, 64, 65, 128, 4096, 1 << 32, 1 << 62, u64::MAX - 63, u64::MAX];
+const EDGES: [u64; 12] = [
+    0,
+    1,
+    4,
+    63,
+    64,
+    65,
+    128,
+    4096,
+    1 << 32,
+    1 << 62,
+    u64::MAX - 63,
+    u64::MAX,
+];
 
 /// One random edit of the index: a number, a name, a dtype, a digest's spelling, an entry
 /// removed, duplicated or moved, an attribute added or emptied.
@@ -135,9 +169,21 @@ fn edit(index: &mut Value, rng: &mut Rng) {
     let edge = EDGES[rng.below(EDGES.len())];
     let e = &mut index[kind][i];
     match rng.below(14) {
-        0 => e[if kind == "tensors" { "offset" } else { "values_offset" }] = json!(edge),
+        0 => {
+            e[if kind == "tensors" {
+                "offset"
+            } else {
+                "values_offset"
+            }] = json!(edge)
+        }
         1 if kind == "tensors" => e["nbytes"] = json!(edge),
-        1 => e["margins_offset"] = if rng.below(2) == 0 { Value::Null } else { json!(edge) },
+        1 => {
+            e["margins_offset"] = if rng.below(2) == 0 {
+                Value::Null
+            } else {
+                json!(edge)
+            }
+        }
         2 => {
             if let Some(shape) = e["shape"].as_array_mut() {
                 if shape.is_empty() {
@@ -149,8 +195,22 @@ fn edit(index: &mut Value, rng: &mut Rng) {
             }
         }
         3 => e["shape"] = json!([]),
-        4 if kind == "tensors" => e["dtype"] = json!(["f64", "f32", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "bool", "f128"][rng.below(11)]),
-        5 => e["name"] = json!([String::new(), "a\u{1}".into(), "x".repeat(4097), "logits".into()][rng.below(4)]),
+        4 if kind == "tensors" => {
+            e["dtype"] = json!(
+                ["f64", "f32", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "bool", "f128"]
+                    [rng.below(11)]
+            )
+        }
+        5 => {
+            e["name"] = json!(
+                [
+                    String::new(),
+                    "a\u{1}".into(),
+                    "x".repeat(4097),
+                    "logits".into()
+                ][rng.below(4)]
+            )
+        }
         6 => {
             let name = index[kind][other]["name"].clone();
             index[kind][i]["name"] = name;
@@ -183,7 +243,11 @@ fn edit(index: &mut Value, rng: &mut Rng) {
 #[test]
 fn index_edits_with_a_valid_footer_are_refused_or_harmless() {
     let dir = tempfile::tempdir().unwrap();
-    let mut judge = Judge { path: dir.path().join("m.trace"), refused: 0, equal: 0 };
+    let mut judge = Judge {
+        path: dir.path().join("m.trace"),
+        refused: 0,
+        equal: 0,
+    };
     for (k, (label, bytes)) in inputs(dir.path()).into_iter().enumerate() {
         let original = open_original(dir.path(), &label, &bytes);
         let (data, index) = split_index(&bytes);
@@ -193,8 +257,15 @@ fn index_edits_with_a_valid_footer_are_refused_or_harmless() {
             for _ in 0..1 + rng.below(2) {
                 edit(&mut index, &mut rng);
             }
-            judge.check(&original, &with_index(&data, &index), &|| format!("{label}: index edit, iteration {i}: {index}"));
+            judge.check(&original, &with_index(&data, &index), &|| {
+                format!("{label}: index edit, iteration {i}: {index}")
+            });
         }
     }
-    assert!(judge.refused > 0 && judge.equal > 0, "refused {} equal {}", judge.refused, judge.equal);
+    assert!(
+        judge.refused > 0 && judge.equal > 0,
+        "refused {} equal {}",
+        judge.refused,
+        judge.equal
+    );
 }

@@ -45,7 +45,9 @@ fn open_bytes(bytes: &[u8]) -> Result<Trace, Error> {
 }
 
 fn refused(bytes: &[u8], needle: &str) {
-    let e = open_bytes(bytes).expect_err("hostile file was accepted").to_string();
+    let e = open_bytes(bytes)
+        .expect_err("hostile file was accepted")
+        .to_string();
     assert!(e.contains(needle), "expected {needle:?} in: {e}");
 }
 
@@ -64,7 +66,8 @@ fn crafted_index_is_accepted_when_consistent() {
 
 /// The same index with one field a 1.0 reader does not know, in a file claiming minor `minor`.
 fn with_unknown_field(minor: u8) -> Vec<u8> {
-    let mut index: serde_json::Value = serde_json::from_slice(&index_with(json!([tensor("a", json!([2]), 64, 8)]))).unwrap();
+    let mut index: serde_json::Value =
+        serde_json::from_slice(&index_with(json!([tensor("a", json!([2]), 64, 8)]))).unwrap();
     index["version"] = json!([1, minor]);
     index["tensors"][0]["added_in_a_later_minor"] = json!("optional");
     let mut f = craft(&serde_json::to_vec(&index).unwrap(), 64);
@@ -74,7 +77,10 @@ fn with_unknown_field(minor: u8) -> Vec<u8> {
 
 #[test]
 fn an_unknown_field_is_refused_in_a_known_minor_and_ignored_in_a_later_one() {
-    refused(&with_unknown_field(0), "unknown field \"added_in_a_later_minor\" in tensors[0]");
+    refused(
+        &with_unknown_field(0),
+        "unknown field \"added_in_a_later_minor\" in tensors[0]",
+    );
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("later.trace");
     std::fs::write(&p, with_unknown_field(1)).unwrap();
@@ -85,8 +91,14 @@ fn an_unknown_field_is_refused_in_a_known_minor_and_ignored_in_a_later_one() {
 #[test]
 fn unknown_and_duplicate_top_level_keys() {
     let f = sample_bytes();
-    refused(&edit_index(&f, |i| i["added_later"] = json!(1)), "unknown field \"added_later\" (format 1.0 has no such field)");
-    refused(&edit_index(&f, |i| i["decisions"][0]["extra"] = json!(1)), "unknown field \"extra\" in decisions[0]");
+    refused(
+        &edit_index(&f, |i| i["added_later"] = json!(1)),
+        "unknown field \"added_later\" (format 1.0 has no such field)",
+    );
+    refused(
+        &edit_index(&f, |i| i["decisions"][0]["extra"] = json!(1)),
+        "unknown field \"extra\" in decisions[0]",
+    );
     // A later minor version may add a top-level key; this reader ignores it.
     let mut later = edit_index(&f, |i| {
         i["added_later"] = json!({"x": [1, 2]});
@@ -96,7 +108,10 @@ fn unknown_and_duplicate_top_level_keys() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("later.trace");
     std::fs::write(&p, &later).unwrap();
-    Trace::open(&p).expect("a later minor's optional key is ignored").verify().unwrap();
+    Trace::open(&p)
+        .expect("a later minor's optional key is ignored")
+        .verify()
+        .unwrap();
     // A key given twice would let a second list of entries replace or join the first.
     let (data, index) = split_index(&f);
     let text = serde_json::to_string(&index).unwrap();
@@ -130,7 +145,9 @@ fn empty_and_tiny_files() {
     refused(&[], "shorter than header + footer");
     refused(&[0u8; 103], "shorter than header + footer");
     let dir = tempfile::tempdir().unwrap();
-    let e = Trace::open(dir.path()).expect_err("a directory is not a trace").to_string();
+    let e = Trace::open(dir.path())
+        .expect_err("a directory is not a trace")
+        .to_string();
     assert!(e.contains("not a regular file"), "{e}");
 }
 
@@ -141,49 +158,86 @@ fn truncation_at_every_byte_is_refused() {
     write_sample(&p, sample_provenance());
     let full = std::fs::read(&p).unwrap();
     for cut in 0..full.len() {
-        assert!(open_bytes(&full[..cut]).is_err(), "truncated at {cut} of {} bytes was accepted", full.len());
+        assert!(
+            open_bytes(&full[..cut]).is_err(),
+            "truncated at {cut} of {} bytes was accepted",
+            full.len()
+        );
     }
     assert!(open_bytes(&full).is_ok());
 }
 
 #[test]
 fn index_out_of_range() {
-    refused(&craft(&index_with(json!([tensor("a", json!([64]), 64, 256)])), 64), "outside the data region");
-    refused(&craft(&index_with(json!([tensor("a", json!([1]), 0, 4)])), 64), "outside the data region");
+    refused(
+        &craft(&index_with(json!([tensor("a", json!([64]), 64, 256)])), 64),
+        "outside the data region",
+    );
+    refused(
+        &craft(&index_with(json!([tensor("a", json!([1]), 0, 4)])), 64),
+        "outside the data region",
+    );
 }
 
 #[test]
 fn unaligned_offset() {
-    refused(&craft(&index_with(json!([tensor("a", json!([1]), 68, 4)])), 128), "not 64-byte aligned");
+    refused(
+        &craft(&index_with(json!([tensor("a", json!([1]), 68, 4)])), 128),
+        "not 64-byte aligned",
+    );
 }
 
 #[test]
 fn overlapping_ranges() {
-    let t = json!([tensor("a", json!([32]), 64, 128), tensor("b", json!([4]), 128, 16)]);
+    let t = json!([
+        tensor("a", json!([32]), 64, 128),
+        tensor("b", json!([4]), 128, 16)
+    ]);
     refused(&craft(&index_with(t), 192), "overlaps");
 }
 
 #[test]
 fn shape_times_size_overflow() {
     let huge = json!([u64::MAX / 2, 4]);
-    refused(&craft(&index_with(json!([tensor("a", huge, 64, 0)])), 0), "overflows");
-    refused(&craft(&index_with(json!([tensor("a", json!([u64::MAX / 2]), 64, 0)])), 0), "overflows");
+    refused(
+        &craft(&index_with(json!([tensor("a", huge, 64, 0)])), 0),
+        "overflows",
+    );
+    refused(
+        &craft(
+            &index_with(json!([tensor("a", json!([u64::MAX / 2]), 64, 0)])),
+            0,
+        ),
+        "overflows",
+    );
 }
 
 #[test]
 fn offset_plus_length_overflow() {
-    refused(&craft(&index_with(json!([tensor("a", json!([32]), u64::MAX - 63, 128)])), 0), "overflows");
+    refused(
+        &craft(
+            &index_with(json!([tensor("a", json!([32]), u64::MAX - 63, 128)])),
+            0,
+        ),
+        "overflows",
+    );
 }
 
 #[test]
 fn nbytes_disagreeing_with_shape() {
-    refused(&craft(&index_with(json!([tensor("a", json!([3]), 64, 16)])), 64), "needs 12");
+    refused(
+        &craft(&index_with(json!([tensor("a", json!([3]), 64, 16)])), 64),
+        "needs 12",
+    );
 }
 
 #[test]
 fn absurd_rank_and_counts() {
     let rank = json!(vec![1u64; 1000]);
-    refused(&craft(&index_with(json!([tensor("a", rank, 64, 4)])), 64), "rank 1000");
+    refused(
+        &craft(&index_with(json!([tensor("a", rank, 64, 4)])), 64),
+        "rank 1000",
+    );
     // A footer that declares a 2^62-byte index is refused before anything is read or allocated.
     let mut f = craft(&index_with(json!([])), 0);
     let n = f.len();
@@ -223,7 +277,10 @@ fn unknown_fields_and_dtypes() {
 
 #[test]
 fn duplicate_names_in_index() {
-    let t = json!([tensor("a", json!([1]), 64, 4), tensor("a", json!([1]), 128, 4)]);
+    let t = json!([
+        tensor("a", json!([1]), 64, 4),
+        tensor("a", json!([1]), 128, 4)
+    ]);
     refused(&craft(&index_with(t), 128), "duplicate tensor name");
 }
 
@@ -238,7 +295,10 @@ fn sample_bytes() -> Vec<u8> {
 fn header_bytes_12_to_64_must_be_zero() {
     let mut f = sample_bytes();
     f[40] = 1;
-    refused(&f, "header byte 40 is 0x01: header bytes 12..64 must be zero");
+    refused(
+        &f,
+        "header byte 40 is 0x01: header bytes 12..64 must be zero",
+    );
 }
 
 #[test]
@@ -255,7 +315,10 @@ fn padding_between_payloads_must_be_zero() {
     // embed.out is 48 bytes at 64, so 112..128 is padding before the next payload.
     let mut f = sample_bytes();
     f[115] = 0x5a;
-    refused(&f, "padding byte 115 (in the gap 112..128 between payloads) is 0x5a, not zero");
+    refused(
+        &f,
+        "padding byte 115 (in the gap 112..128 between payloads) is 0x5a, not zero",
+    );
     // The gap between the last payload and the index is padding too.
     let mut g = sample_bytes();
     let (data, _) = split_index(&g);
@@ -267,22 +330,44 @@ fn padding_between_payloads_must_be_zero() {
 #[test]
 fn digests_must_be_canonical_lower_case_hex() {
     let f = sample_bytes();
-    let upper = edit_index(&f, |i| i["digest"] = json!(i["digest"].as_str().unwrap().to_uppercase()));
+    let upper = edit_index(&f, |i| {
+        i["digest"] = json!(i["digest"].as_str().unwrap().to_uppercase())
+    });
     refused(&upper, "is not 64 lowercase hex digits");
-    let upper = edit_index(&f, |i| i["tensors"][1]["xxh3"] = json!(i["tensors"][1]["xxh3"].as_str().unwrap().to_uppercase()));
+    let upper = edit_index(&f, |i| {
+        i["tensors"][1]["xxh3"] = json!(i["tensors"][1]["xxh3"].as_str().unwrap().to_uppercase())
+    });
     refused(&upper, "tensor \"ids\": xxh3");
-    let upper = edit_index(&f, |i| i["decisions"][0]["xxh3"] = json!(i["decisions"][0]["xxh3"].as_str().unwrap().to_uppercase()));
+    let upper = edit_index(&f, |i| {
+        i["decisions"][0]["xxh3"] =
+            json!(i["decisions"][0]["xxh3"].as_str().unwrap().to_uppercase())
+    });
     refused(&upper, "decision \"logits.argmax\": xxh3");
 }
 
 #[test]
 fn the_reader_enforces_the_name_and_attribute_limits() {
     let f = sample_bytes();
-    refused(&edit_index(&f, |i| i["tensors"][0]["name"] = json!("a".repeat(4097))), "is 4097 bytes long (limit 4096)");
-    refused(&edit_index(&f, |i| i["tensors"][0]["name"] = json!("a\u{7}b")), "contains a control character");
-    refused(&edit_index(&f, |i| i["decisions"][0]["name"] = json!("d\nx")), "decision name \"d\\nx\" contains a control character");
-    refused(&edit_index(&f, |i| i["decisions"][1]["name"] = json!("b".repeat(5000))), "decision name");
-    refused(&edit_index(&f, |i| i["tensors"][0]["attributes"][""] = json!("x")), "tensor \"embed.out\": an attribute has an empty name");
+    refused(
+        &edit_index(&f, |i| i["tensors"][0]["name"] = json!("a".repeat(4097))),
+        "is 4097 bytes long (limit 4096)",
+    );
+    refused(
+        &edit_index(&f, |i| i["tensors"][0]["name"] = json!("a\u{7}b")),
+        "contains a control character",
+    );
+    refused(
+        &edit_index(&f, |i| i["decisions"][0]["name"] = json!("d\nx")),
+        "decision name \"d\\nx\" contains a control character",
+    );
+    refused(
+        &edit_index(&f, |i| i["decisions"][1]["name"] = json!("b".repeat(5000))),
+        "decision name",
+    );
+    refused(
+        &edit_index(&f, |i| i["tensors"][0]["attributes"][""] = json!("x")),
+        "tensor \"embed.out\": an attribute has an empty name",
+    );
     // The limit itself is allowed (verify then fails only on the content digest).
     let at_limit = edit_index(&f, |i| i["tensors"][0]["name"] = json!("a".repeat(4096)));
     refused(&at_limit, "content digest is");
@@ -295,8 +380,13 @@ fn bool_bytes_other_than_0_or_1_are_refused_even_with_matching_digests() {
     let offset = index["tensors"][2]["offset"].as_u64().unwrap() as usize;
     assert_eq!(index["tensors"][2]["dtype"], "bool");
     data[offset + 1] = 2;
-    index["tensors"][2]["xxh3"] = json!(tracegate_trace::xxh3_hex(xxh3_128(&data[offset..offset + 2])));
-    refused(&with_index(&data, &index), "tensor \"flags\": bool element 1 is 2 (must be 0 or 1)");
+    index["tensors"][2]["xxh3"] = json!(tracegate_trace::xxh3_hex(xxh3_128(
+        &data[offset..offset + 2]
+    )));
+    refused(
+        &with_index(&data, &index),
+        "tensor \"flags\": bool element 1 is 2 (must be 0 or 1)",
+    );
 }
 
 /// Opens `path` on another thread; `None` if it did not answer within 10 s.
@@ -313,17 +403,29 @@ fn open_within_timeout(path: &std::path::Path) -> Option<Result<Trace, Error>> {
 fn a_fifo_is_refused_without_blocking() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("pipe.trace");
-    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
     assert!(made.success());
-    let answer = open_within_timeout(&fifo).expect("opening a FIFO blocked (a reader must look before it opens)");
+    let answer = open_within_timeout(&fifo)
+        .expect("opening a FIFO blocked (a reader must look before it opens)");
     let e = answer.expect_err("a FIFO was accepted").to_string();
-    assert!(e.contains("a FIFO, not a regular file") && e.contains("pipe.trace"), "{e}");
+    assert!(
+        e.contains("a FIFO, not a regular file") && e.contains("pipe.trace"),
+        "{e}"
+    );
 }
 
 #[test]
 fn a_device_is_refused() {
-    let e = Trace::open("/dev/null").expect_err("a device was accepted").to_string();
-    assert!(e.contains("/dev/null") && e.contains("a device, not a regular file"), "{e}");
+    let e = Trace::open("/dev/null")
+        .expect_err("a device was accepted")
+        .to_string();
+    assert!(
+        e.contains("/dev/null") && e.contains("a device, not a regular file"),
+        "{e}"
+    );
 }
 
 proptest! {

@@ -10,13 +10,21 @@ use tracegate_trace::Trace;
 
 fn python() -> PathBuf {
     let py = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(py.exists(), "{} missing: run scripts/setup.sh (the interop test needs the tracegate module)", py.display());
+    assert!(
+        py.exists(),
+        "{} missing: run scripts/setup.sh (the interop test needs the tracegate module)",
+        py.display()
+    );
     py
 }
 
 fn run_python(code: &str) -> String {
     let out = Command::new(python()).args(["-c", code]).output().unwrap();
-    assert!(out.status.success(), "python failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "python failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
@@ -30,7 +38,10 @@ fn written_in_rust_read_in_python() {
          print(t.digest, t['embed.out'][1,1], t.decisions['logits.argmax'].tolist(), t.attributes('ids')['positions'])",
         p.to_str().unwrap()
     );
-    assert_eq!(run_python(&code), format!("{} 0.5 [5, 7, 5] [0, 1, 2]", digest.hex()));
+    assert_eq!(
+        run_python(&code),
+        format!("{} 0.5 [5, 7, 5] [0, 1, 2]", digest.hex())
+    );
 }
 
 #[test]
@@ -50,7 +61,10 @@ fn written_in_python_read_in_rust() {
     t.verify().unwrap();
     assert_eq!(t.digest().hex(), py_digest);
     assert_eq!(t.f32_slice("h").unwrap(), &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
-    assert_eq!(t.tensor_info("h").unwrap().attributes.positions, Some(vec![0, 1]));
+    assert_eq!(
+        t.tensor_info("h").unwrap().attributes.positions,
+        Some(vec![0, 1])
+    );
     let d = t.decision_info("logits.argmax").unwrap();
     assert_eq!(t.decision_values(d), vec![2, 0]);
     assert_eq!(t.provenance()["producer"], "python");

@@ -8,14 +8,23 @@ use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
     Some(kib * 1024)
 }
 
 /// Child half: prints the growth of peak RSS across open + verify of TRACEGATE_MEMORY_CHILD.
 #[test]
 fn memory_child() {
-    let Ok(path) = std::env::var("TRACEGATE_MEMORY_CHILD") else { return };
+    let Ok(path) = std::env::var("TRACEGATE_MEMORY_CHILD") else {
+        return;
+    };
     let before = peak_rss_bytes().expect("VmHWM");
     let t = Trace::open(&path).unwrap();
     t.verify().unwrap();
@@ -34,7 +43,14 @@ fn assert_open_costs_at_most_three_times_the_index(n: usize, attrs: &Attributes)
     let path = dir.path().join("wide.trace");
     let mut w = TraceWriter::create(&path, json!({})).unwrap();
     for i in 0..n {
-        w.tensor(&format!("layer.{:02}.tensor.{i:09}", i % 64), DType::F32, &[0], &[], attrs).unwrap();
+        w.tensor(
+            &format!("layer.{:02}.tensor.{i:09}", i % 64),
+            DType::F32,
+            &[0],
+            &[],
+            attrs,
+        )
+        .unwrap();
     }
     w.finish().unwrap();
     let index_len = {
@@ -47,8 +63,15 @@ fn assert_open_costs_at_most_three_times_the_index(n: usize, attrs: &Attributes)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let line = stdout.lines().find_map(|l| l.split_once("GROWTH ").map(|(_, r)| r)).unwrap_or_else(|| panic!("the child did not report its growth: {stdout}"));
+    assert!(
+        out.status.success(),
+        "child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once("GROWTH ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("the child did not report its growth: {stdout}"));
     let (growth, tensors) = line.split_once(" TENSORS ").unwrap();
     let growth: u64 = growth.parse().unwrap();
     assert_eq!(tensors, n.to_string());

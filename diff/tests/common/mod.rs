@@ -34,7 +34,9 @@ pub struct Spec {
 
 /// Deterministic, varied, non-zero-mean values.
 pub fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n as u32).map(|i| ((i.wrapping_mul(7919).wrapping_add(seed * 104729)) % 1000) as f32 / 250.0 - 1.7).collect()
+    (0..n as u32)
+        .map(|i| ((i.wrapping_mul(7919).wrapping_add(seed * 104729)) % 1000) as f32 / 250.0 - 1.7)
+        .collect()
 }
 
 pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -42,15 +44,30 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 pub fn t_f32(name: &str, shape: &[u64], v: &[f32]) -> T {
-    T { name: name.into(), dtype: DType::F32, shape: shape.to_vec(), bytes: f32_bytes(v), attrs: prefill() }
+    T {
+        name: name.into(),
+        dtype: DType::F32,
+        shape: shape.to_vec(),
+        bytes: f32_bytes(v),
+        attrs: prefill(),
+    }
 }
 
 pub fn t_raw(name: &str, dtype: DType, shape: &[u64], bytes: Vec<u8>) -> T {
-    T { name: name.into(), dtype, shape: shape.to_vec(), bytes, attrs: prefill() }
+    T {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        bytes,
+        attrs: prefill(),
+    }
 }
 
 pub fn prefill() -> Attributes {
-    Attributes::default().with_path("prefill").with_mask("causal").with_positions(vec![0, 1, 2, 3])
+    Attributes::default()
+        .with_path("prefill")
+        .with_mask("causal")
+        .with_positions(vec![0, 1, 2, 3])
 }
 
 pub fn engine_provenance() -> Value {
@@ -69,28 +86,73 @@ pub fn model() -> Spec {
     let mut tensors = vec![t_f32("embed.out", &[4, 8], &values(32, 1))];
     for l in 0..2 {
         let s = 10 * (l + 1);
-        tensors.push(t_f32(&format!("layer.{l:02}.hidden_in"), &[4, 8], &values(32, s)));
-        tensors.push(t_f32(&format!("layer.{l:02}.attn_out"), &[4, 8], &values(32, s + 1)));
-        tensors.push(t_f32(&format!("layer.{l:02}.router.logits"), &[4, 4], &values(16, s + 2)));
-        tensors.push(t_f32(&format!("layer.{l:02}.mlp_out"), &[4, 8], &values(32, s + 3)));
-        tensors.push(t_f32(&format!("layer.{l:02}.hidden_out"), &[4, 8], &values(32, s + 4)));
+        tensors.push(t_f32(
+            &format!("layer.{l:02}.hidden_in"),
+            &[4, 8],
+            &values(32, s),
+        ));
+        tensors.push(t_f32(
+            &format!("layer.{l:02}.attn_out"),
+            &[4, 8],
+            &values(32, s + 1),
+        ));
+        tensors.push(t_f32(
+            &format!("layer.{l:02}.router.logits"),
+            &[4, 4],
+            &values(16, s + 2),
+        ));
+        tensors.push(t_f32(
+            &format!("layer.{l:02}.mlp_out"),
+            &[4, 8],
+            &values(32, s + 3),
+        ));
+        tensors.push(t_f32(
+            &format!("layer.{l:02}.hidden_out"),
+            &[4, 8],
+            &values(32, s + 4),
+        ));
     }
     tensors.push(t_f32("final_norm.out", &[4, 8], &values(32, 90)));
     tensors.push(t_f32("logits", &[4, 16], &values(64, 91)));
     let decisions = vec![
-        D { name: "layer.00.router.topk".into(), shape: vec![4, 2], values: vec![0, 3, 1, 2, 3, 0, 2, 1], margins: Some(vec![0.5, 0.25, 0.75, 1e-6]) },
-        D { name: "layer.01.router.topk".into(), shape: vec![4, 2], values: vec![1, 0, 2, 3, 0, 1, 3, 2], margins: Some(vec![0.5, 0.5, 0.5, 0.5]) },
-        D { name: "logits.argmax".into(), shape: vec![4], values: vec![5, 9, 2, 14], margins: Some(vec![1.5, 2.0, 1e-7, 0.75]) },
+        D {
+            name: "layer.00.router.topk".into(),
+            shape: vec![4, 2],
+            values: vec![0, 3, 1, 2, 3, 0, 2, 1],
+            margins: Some(vec![0.5, 0.25, 0.75, 1e-6]),
+        },
+        D {
+            name: "layer.01.router.topk".into(),
+            shape: vec![4, 2],
+            values: vec![1, 0, 2, 3, 0, 1, 3, 2],
+            margins: Some(vec![0.5, 0.5, 0.5, 0.5]),
+        },
+        D {
+            name: "logits.argmax".into(),
+            shape: vec![4],
+            values: vec![5, 9, 2, 14],
+            margins: Some(vec![1.5, 2.0, 1e-7, 0.75]),
+        },
     ];
-    Spec { provenance: engine_provenance(), tensors, decisions }
+    Spec {
+        provenance: engine_provenance(),
+        tensors,
+        decisions,
+    }
 }
 
 impl Spec {
     pub fn tensor_mut(&mut self, name: &str) -> &mut T {
-        self.tensors.iter_mut().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))
+        self.tensors
+            .iter_mut()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no tensor {name}"))
     }
     pub fn decision_mut(&mut self, name: &str) -> &mut D {
-        self.decisions.iter_mut().find(|t| t.name == name).unwrap_or_else(|| panic!("no decision {name}"))
+        self.decisions
+            .iter_mut()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no decision {name}"))
     }
     /// Reads element `i` of an f32 tensor as bits, applies `f`, writes it back.
     pub fn poke_f32_bits(&mut self, name: &str, i: usize, f: impl Fn(u32) -> u32) {
@@ -105,10 +167,12 @@ impl Spec {
     pub fn write(&self, path: &Path) -> PathBuf {
         let mut w = TraceWriter::create(path, self.provenance.clone()).unwrap();
         for t in &self.tensors {
-            w.tensor(&t.name, t.dtype, &t.shape, &t.bytes, &t.attrs).unwrap();
+            w.tensor(&t.name, t.dtype, &t.shape, &t.bytes, &t.attrs)
+                .unwrap();
         }
         for d in &self.decisions {
-            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref()).unwrap();
+            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref())
+                .unwrap();
         }
         w.finish().unwrap();
         path.to_path_buf()
@@ -149,29 +213,40 @@ fn report_validator() -> &'static jsonschema::Validator {
     static V: OnceLock<jsonschema::Validator> = OnceLock::new();
     V.get_or_init(|| {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/diff-report.schema.json");
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let schema: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        jsonschema::draft202012::new(&schema).unwrap_or_else(|e| panic!("{} is not a valid schema: {e}", path.display()))
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let schema: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        jsonschema::draft202012::new(&schema)
+            .unwrap_or_else(|e| panic!("{} is not a valid schema: {e}", path.display()))
     })
 }
 
 /// Every way `report` departs from docs/diff-report.schema.json, each "at /json/pointer: why".
 pub fn report_schema_errors(report: &Value) -> Vec<String> {
-    report_validator().iter_errors(report).map(|e| format!("at {}: {e}", e.instance_path())).collect()
+    report_validator()
+        .iter_errors(report)
+        .map(|e| format!("at {}: {e}", e.instance_path()))
+        .collect()
 }
 
 /// Panics unless `report` is valid under docs/diff-report.schema.json. Every test that makes a
 /// JSON report (the CLI's `--json`, or a library report through [`report_json`]) checks it here.
 pub fn assert_valid_report(report: &Value) {
     let errors = report_schema_errors(report);
-    assert!(errors.is_empty(), "the report does not match docs/diff-report.schema.json:\n{}\n{report:#}", errors.join("\n"));
+    assert!(
+        errors.is_empty(),
+        "the report does not match docs/diff-report.schema.json:\n{}\n{report:#}",
+        errors.join("\n")
+    );
 }
 
 /// A library report as `trace-diff --json` writes it (the same writer), checked against the schema.
 pub fn report_json(rep: &tracegate_diff::Report) -> Value {
     let mut out = Vec::new();
     tracegate_diff::write_json(rep, &mut out).expect("writing to a Vec");
-    let v: Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic!("write_json wrote no JSON ({e})"));
+    let v: Value =
+        serde_json::from_slice(&out).unwrap_or_else(|e| panic!("write_json wrote no JSON ({e})"));
     assert_valid_report(&v);
     v
 }
@@ -184,7 +259,10 @@ pub struct Run {
 }
 
 pub fn run(args: &[&str]) -> Run {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trace-diff")).args(args).output().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trace-diff"))
+        .args(args)
+        .output()
+        .unwrap();
     Run {
         code: out.status.code().unwrap(),
         stdout: String::from_utf8(out.stdout).unwrap(),
@@ -202,7 +280,12 @@ pub fn oracle_like_pair() -> (Spec, Spec) {
     let r = model();
     let mut c = model();
     c.provenance = oracle_provenance();
-    let names: Vec<String> = c.tensors.iter().map(|t| t.name.clone()).filter(|n| n != "embed.out").collect();
+    let names: Vec<String> = c
+        .tensors
+        .iter()
+        .map(|t| t.name.clone())
+        .filter(|n| n != "embed.out")
+        .collect();
     for n in names {
         let count = c.tensor_mut(&n).bytes.len() / 4;
         for i in (0..count).step_by(3) {

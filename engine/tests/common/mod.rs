@@ -18,7 +18,10 @@ pub fn write_safetensors(path: &Path, tensors: &[T]) {
     let mut header = serde_json::Map::new();
     let mut off = 0usize;
     for t in tensors {
-        header.insert(t.name.clone(), json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [off, off + t.bytes.len()]}));
+        header.insert(
+            t.name.clone(),
+            json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [off, off + t.bytes.len()]}),
+        );
         off += t.bytes.len();
     }
     let mut h = serde_json::to_vec(&Value::Object(header)).unwrap();
@@ -47,16 +50,34 @@ impl Rng {
     }
 }
 
-pub fn tensor(rng: &mut Rng, name: &str, dtype: &'static str, shape: &[usize], scale: f32, offset: f32) -> T {
+pub fn tensor(
+    rng: &mut Rng,
+    name: &str,
+    dtype: &'static str,
+    shape: &[usize],
+    scale: f32,
+    offset: f32,
+) -> T {
     let n: usize = shape.iter().product();
     let vals: Vec<f32> = (0..n).map(|_| offset + rng.f(scale)).collect();
     let bytes = match dtype {
         "F32" => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        "BF16" => vals.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect(),
-        "F16" => vals.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+        "BF16" => vals
+            .iter()
+            .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+            .collect(),
+        "F16" => vals
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
         _ => unreachable!(),
     };
-    T { name: name.to_string(), dtype, shape: shape.to_vec(), bytes }
+    T {
+        name: name.to_string(),
+        dtype,
+        shape: shape.to_vec(),
+        bytes,
+    }
 }
 
 pub fn dense_config() -> Value {
@@ -86,34 +107,123 @@ pub fn moe_config() -> Value {
 pub fn model_tensors(cfg: &Value, dtype: &'static str, seed: u64) -> Vec<T> {
     let g = |k: &str| cfg[k].as_u64().unwrap() as usize;
     let (v, h, nl) = (g("vocab_size"), g("hidden_size"), g("num_hidden_layers"));
-    let (nq, nkv, d) = (g("num_attention_heads"), g("num_key_value_heads"), g("head_dim"));
+    let (nq, nkv, d) = (
+        g("num_attention_heads"),
+        g("num_key_value_heads"),
+        g("head_dim"),
+    );
     let bias = cfg["attention_bias"].as_bool().unwrap_or(false);
     let moe = cfg["model_type"] == "qwen3_moe";
-    let mlp_only: Vec<u64> = cfg["mlp_only_layers"].as_array().map(|a| a.iter().map(|x| x.as_u64().unwrap()).collect()).unwrap_or_default();
+    let mlp_only: Vec<u64> = cfg["mlp_only_layers"]
+        .as_array()
+        .map(|a| a.iter().map(|x| x.as_u64().unwrap()).collect())
+        .unwrap_or_default();
     let mut r = Rng::new(seed);
-    let mut ts = vec![tensor(&mut r, "model.embed_tokens.weight", dtype, &[v, h], 1.0, 0.0)];
+    let mut ts = vec![tensor(
+        &mut r,
+        "model.embed_tokens.weight",
+        dtype,
+        &[v, h],
+        1.0,
+        0.0,
+    )];
     for l in 0..nl {
         let p = format!("model.layers.{l}");
-        ts.push(tensor(&mut r, &format!("{p}.input_layernorm.weight"), dtype, &[h], 0.2, 1.0));
-        ts.push(tensor(&mut r, &format!("{p}.post_attention_layernorm.weight"), dtype, &[h], 0.2, 1.0));
-        for (n, o, i) in [("q_proj", nq * d, h), ("k_proj", nkv * d, h), ("v_proj", nkv * d, h), ("o_proj", h, nq * d)] {
-            ts.push(tensor(&mut r, &format!("{p}.self_attn.{n}.weight"), dtype, &[o, i], 0.4, 0.0));
+        ts.push(tensor(
+            &mut r,
+            &format!("{p}.input_layernorm.weight"),
+            dtype,
+            &[h],
+            0.2,
+            1.0,
+        ));
+        ts.push(tensor(
+            &mut r,
+            &format!("{p}.post_attention_layernorm.weight"),
+            dtype,
+            &[h],
+            0.2,
+            1.0,
+        ));
+        for (n, o, i) in [
+            ("q_proj", nq * d, h),
+            ("k_proj", nkv * d, h),
+            ("v_proj", nkv * d, h),
+            ("o_proj", h, nq * d),
+        ] {
+            ts.push(tensor(
+                &mut r,
+                &format!("{p}.self_attn.{n}.weight"),
+                dtype,
+                &[o, i],
+                0.4,
+                0.0,
+            ));
             if bias {
-                ts.push(tensor(&mut r, &format!("{p}.self_attn.{n}.bias"), dtype, &[o], 0.1, 0.0));
+                ts.push(tensor(
+                    &mut r,
+                    &format!("{p}.self_attn.{n}.bias"),
+                    dtype,
+                    &[o],
+                    0.1,
+                    0.0,
+                ));
             }
         }
-        ts.push(tensor(&mut r, &format!("{p}.self_attn.q_norm.weight"), dtype, &[d], 0.2, 1.0));
-        ts.push(tensor(&mut r, &format!("{p}.self_attn.k_norm.weight"), dtype, &[d], 0.2, 1.0));
+        ts.push(tensor(
+            &mut r,
+            &format!("{p}.self_attn.q_norm.weight"),
+            dtype,
+            &[d],
+            0.2,
+            1.0,
+        ));
+        ts.push(tensor(
+            &mut r,
+            &format!("{p}.self_attn.k_norm.weight"),
+            dtype,
+            &[d],
+            0.2,
+            1.0,
+        ));
         let sparse = moe && !mlp_only.contains(&(l as u64));
         let mut mlp = |prefix: &str, inter: usize, ts: &mut Vec<T>| {
-            ts.push(tensor(&mut r, &format!("{prefix}.gate_proj.weight"), dtype, &[inter, h], 0.4, 0.0));
-            ts.push(tensor(&mut r, &format!("{prefix}.up_proj.weight"), dtype, &[inter, h], 0.4, 0.0));
-            ts.push(tensor(&mut r, &format!("{prefix}.down_proj.weight"), dtype, &[h, inter], 0.4, 0.0));
+            ts.push(tensor(
+                &mut r,
+                &format!("{prefix}.gate_proj.weight"),
+                dtype,
+                &[inter, h],
+                0.4,
+                0.0,
+            ));
+            ts.push(tensor(
+                &mut r,
+                &format!("{prefix}.up_proj.weight"),
+                dtype,
+                &[inter, h],
+                0.4,
+                0.0,
+            ));
+            ts.push(tensor(
+                &mut r,
+                &format!("{prefix}.down_proj.weight"),
+                dtype,
+                &[h, inter],
+                0.4,
+                0.0,
+            ));
         };
         if sparse {
             let (ne, mi) = (g("num_experts"), g("moe_intermediate_size"));
             let mut router = Rng::new(seed + 1000 + l as u64);
-            ts.push(tensor(&mut router, &format!("{p}.mlp.gate.weight"), dtype, &[ne, h], 1.0, 0.0));
+            ts.push(tensor(
+                &mut router,
+                &format!("{p}.mlp.gate.weight"),
+                dtype,
+                &[ne, h],
+                1.0,
+                0.0,
+            ));
             for e in 0..ne {
                 mlp(&format!("{p}.mlp.experts.{e}"), mi, &mut ts);
             }
@@ -131,7 +241,11 @@ pub fn model_tensors(cfg: &Value, dtype: &'static str, seed: u64) -> Vec<T> {
 /// Write config.json + model.safetensors into `dir`.
 pub fn write_model(dir: &Path, cfg: &Value, tensors: &[T]) {
     std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(cfg).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(cfg).unwrap(),
+    )
+    .unwrap();
     write_safetensors(&dir.join("model.safetensors"), tensors);
 }
 

@@ -55,10 +55,30 @@ fn run(argv: &[String]) -> Res<()> {
 type Args = BTreeMap<String, String>;
 
 fn parse_args(argv: &[String]) -> Res<(String, Args)> {
-    let verb = argv.get(1).cloned().ok_or("usage: example-producer trace|layer --name value …")?;
+    let verb = argv
+        .get(1)
+        .cloned()
+        .ok_or("usage: example-producer trace|layer --name value …")?;
     let known: &[&str] = match verb.as_str() {
-        "trace" => &["--model", "--tokens", "--out", "--capture", "--generate", "--cache", "--plant"],
-        "layer" => &["--model", "--layer", "--input", "--input-name", "--out", "--capture", "--decode-from", "--plant"],
+        "trace" => &[
+            "--model",
+            "--tokens",
+            "--out",
+            "--capture",
+            "--generate",
+            "--cache",
+            "--plant",
+        ],
+        "layer" => &[
+            "--model",
+            "--layer",
+            "--input",
+            "--input-name",
+            "--out",
+            "--capture",
+            "--decode-from",
+            "--plant",
+        ],
         other => return Err(format!("unknown verb {other:?} (expected trace or layer)")),
     };
     let mut args = Args::new();
@@ -70,40 +90,62 @@ fn parse_args(argv: &[String]) -> Res<(String, Args)> {
         if !known.contains(&flag.as_str()) {
             return Err(format!("{verb}: unknown argument {flag}"));
         }
-        let value = rest.next().ok_or_else(|| format!("{flag}: missing value"))?;
+        let value = rest
+            .next()
+            .ok_or_else(|| format!("{flag}: missing value"))?;
         args.insert(flag.clone(), value.clone());
     }
     Ok((verb, args))
 }
 
 fn req<'a>(a: &'a Args, flag: &str) -> Res<&'a str> {
-    a.get(flag).map(String::as_str).ok_or_else(|| format!("missing {flag}"))
+    a.get(flag)
+        .map(String::as_str)
+        .ok_or_else(|| format!("missing {flag}"))
 }
 
 fn opt_num(a: &Args, flag: &str) -> Res<Option<usize>> {
-    a.get(flag).map(|v| v.parse().map_err(|_| format!("{flag} {v:?}: not a non-negative integer"))).transpose()
+    a.get(flag)
+        .map(|v| {
+            v.parse()
+                .map_err(|_| format!("{flag} {v:?}: not a non-negative integer"))
+        })
+        .transpose()
 }
 
 fn internals(a: &Args) -> Res<bool> {
     match req(a, "--capture")? {
         "default" => Ok(false),
         "internals" => Ok(true),
-        other => Err(format!("--capture {other:?}: expected default or internals")),
+        other => Err(format!(
+            "--capture {other:?}: expected default or internals"
+        )),
     }
 }
 
 /// Test-only planted defects: a negative control for the tests that judge this producer.
 #[derive(Clone, Copy, Default)]
-struct Plant { k_norm_layer: Option<usize>, decode_pos: bool }
+struct Plant {
+    k_norm_layer: Option<usize>,
+    decode_pos: bool,
+}
 
 impl Plant {
     fn parse(spec: Option<&String>) -> Res<Plant> {
         match spec.map(String::as_str) {
             None => Ok(Plant::default()),
-            Some("decode-pos") => Ok(Plant { decode_pos: true, ..Plant::default() }),
+            Some("decode-pos") => Ok(Plant {
+                decode_pos: true,
+                ..Plant::default()
+            }),
             Some(s) => match s.strip_prefix("k-norm:").and_then(|l| l.parse().ok()) {
-                Some(l) => Ok(Plant { k_norm_layer: Some(l), ..Plant::default() }),
-                None => Err(format!("--plant {s:?}: expected k-norm:LAYER or decode-pos")),
+                Some(l) => Ok(Plant {
+                    k_norm_layer: Some(l),
+                    ..Plant::default()
+                }),
+                None => Err(format!(
+                    "--plant {s:?}: expected k-norm:LAYER or decode-pos"
+                )),
             },
         }
     }
@@ -115,15 +157,25 @@ impl Plant {
 /// The config fields this example uses. A real port refuses every field it does not implement
 /// (docs/numerics.md §13 lists them); this one checks the family, sliding windows and RoPE.
 struct Config {
-    vocab: usize, hidden: usize, inter: usize, layers: usize,
-    heads: usize, kv_heads: usize, head_dim: usize,
-    eps: f32, theta: f64, tied: bool, bias: bool,
+    vocab: usize,
+    hidden: usize,
+    inter: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+    theta: f64,
+    tied: bool,
+    bias: bool,
 }
 
 fn read_config(dir: &Path) -> Res<(Config, Value)> {
     let p = dir.join("config.json");
-    let raw: Value = serde_json::from_str(&std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?)
-        .map_err(|e| format!("{}: {e}", p.display()))?;
+    let raw: Value = serde_json::from_str(
+        &std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?,
+    )
+    .map_err(|e| format!("{}: {e}", p.display()))?;
     let model_type = raw["model_type"].as_str().unwrap_or("");
     if model_type != "qwen3" {
         return Err(format!("{}: model_type {model_type:?} is not supported: this example implements dense qwen3 only", p.display()));
@@ -133,14 +185,24 @@ fn read_config(dir: &Path) -> Res<(Config, Value)> {
         || !raw["rope_scaling"].is_null()
         || rope["rope_type"].as_str().is_some_and(|t| t != "default")
     {
-        return Err(format!("{}: sliding windows and RoPE scaling are not supported by this example", p.display()));
+        return Err(format!(
+            "{}: sliding windows and RoPE scaling are not supported by this example",
+            p.display()
+        ));
     }
     let size = |k: &str| {
-        raw[k].as_u64().filter(|&v| v > 0).map(|v| v as usize).ok_or_else(|| format!("{}: {k} is missing or not a positive integer", p.display()))
+        raw[k]
+            .as_u64()
+            .filter(|&v| v > 0)
+            .map(|v| v as usize)
+            .ok_or_else(|| format!("{}: {k} is missing or not a positive integer", p.display()))
     };
     let (heads, kv_heads) = (size("num_attention_heads")?, size("num_key_value_heads")?);
     if heads % kv_heads != 0 {
-        return Err(format!("{}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}", p.display()));
+        return Err(format!(
+            "{}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
+            p.display()
+        ));
     }
     let c = Config {
         vocab: size("vocab_size")?,
@@ -149,9 +211,16 @@ fn read_config(dir: &Path) -> Res<(Config, Value)> {
         layers: size("num_hidden_layers")?,
         heads,
         kv_heads,
-        head_dim: if raw["head_dim"].is_null() { 128 } else { size("head_dim")? },
+        head_dim: if raw["head_dim"].is_null() {
+            128
+        } else {
+            size("head_dim")?
+        },
         eps: raw["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
-        theta: rope["rope_theta"].as_f64().or(raw["rope_theta"].as_f64()).unwrap_or(10000.0),
+        theta: rope["rope_theta"]
+            .as_f64()
+            .or(raw["rope_theta"].as_f64())
+            .unwrap_or(10000.0),
         tied: raw["tie_word_embeddings"].as_bool().unwrap_or(false),
         bias: raw["attention_bias"].as_bool().unwrap_or(false),
     };
@@ -173,19 +242,28 @@ impl Weights {
             }
             let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
             let bad = |why: String| format!("{}: {why}", path.display());
-            let n = bytes.get(..8).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
+            let n = bytes.get(..8).map_or(0, |b| {
+                u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize
+            });
             let header: Value = bytes
                 .get(8..8usize.saturating_add(n))
                 .and_then(|h| serde_json::from_slice(h).ok())
                 .ok_or_else(|| bad("no readable safetensors header".into()))?;
             let data = &bytes[8 + n..];
-            for (name, t) in header.as_object().ok_or_else(|| bad("header is not a JSON object".into()))? {
+            for (name, t) in header
+                .as_object()
+                .ok_or_else(|| bad("header is not a JSON object".into()))?
+            {
                 if name == "__metadata__" {
                     continue;
                 }
-                let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).map_err(|_| bad(format!("{name}: bad shape")))?;
-                let [b, e]: [usize; 2] = serde_json::from_value(t["data_offsets"].clone()).map_err(|_| bad(format!("{name}: bad data_offsets")))?;
-                let raw = data.get(b..e).ok_or_else(|| bad(format!("{name}: data_offsets outside the file")))?;
+                let shape: Vec<usize> = serde_json::from_value(t["shape"].clone())
+                    .map_err(|_| bad(format!("{name}: bad shape")))?;
+                let [b, e]: [usize; 2] = serde_json::from_value(t["data_offsets"].clone())
+                    .map_err(|_| bad(format!("{name}: bad data_offsets")))?;
+                let raw = data
+                    .get(b..e)
+                    .ok_or_else(|| bad(format!("{name}: data_offsets outside the file")))?;
                 let dtype = t["dtype"].as_str().unwrap_or("");
                 let size: usize = match dtype {
                     "F32" => 4,
@@ -193,12 +271,24 @@ impl Weights {
                     _ => return Err(bad(format!("{name}: dtype {dtype:?} is not supported"))),
                 };
                 if shape.iter().try_fold(size, |n, &d| n.checked_mul(d)) != Some(raw.len()) {
-                    return Err(bad(format!("{name}: shape {shape:?} of {dtype} does not match its {} bytes", raw.len())));
+                    return Err(bad(format!(
+                        "{name}: shape {shape:?} of {dtype} does not match its {} bytes",
+                        raw.len()
+                    )));
                 }
                 let values: Vec<f32> = match dtype {
-                    "F32" => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-                    "BF16" => raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-                    _ => raw.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+                    "F32" => raw
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                    "BF16" => raw
+                        .chunks_exact(2)
+                        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                        .collect(),
+                    _ => raw
+                        .chunks_exact(2)
+                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                        .collect(),
                 };
                 all.insert(name.clone(), (shape, values));
             }
@@ -208,16 +298,25 @@ impl Weights {
 
     /// Removes tensor `name`, which must have `shape` (what config.json implies).
     fn take(&mut self, name: &str, shape: &[usize]) -> Res<Vec<f32>> {
-        let (s, v) = self.0.remove(name).ok_or_else(|| format!("checkpoint has no tensor {name}"))?;
+        let (s, v) = self
+            .0
+            .remove(name)
+            .ok_or_else(|| format!("checkpoint has no tensor {name}"))?;
         if s != shape {
-            return Err(format!("tensor {name} has shape {s:?}, config.json implies {shape:?}"));
+            return Err(format!(
+                "tensor {name} has shape {s:?}, config.json implies {shape:?}"
+            ));
         }
         Ok(v)
     }
 
     fn linear(&mut self, name: &str, out: usize, inp: usize, bias: bool) -> Res<Linear> {
         let w = self.take(&format!("{name}.weight"), &[out, inp])?;
-        let b = if bias { Some(self.take(&format!("{name}.bias"), &[out])?) } else { None };
+        let b = if bias {
+            Some(self.take(&format!("{name}.bias"), &[out])?)
+        } else {
+            None
+        };
         Ok(Linear { w, b, n_in: inp })
     }
 }
@@ -272,18 +371,29 @@ fn argmax(row: &[f32]) -> Res<(i64, f32)> {
         return Err(format!("NaN logit at vocabulary index {i}"));
     }
     let best = (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });
-    let second = (0..row.len()).filter(|&i| i != best).fold(None, |s: Option<usize>, i| match s {
-        Some(j) if row[j] >= row[i] => Some(j),
-        _ => Some(i),
-    });
-    Ok((best as i64, row[best] - row[second.ok_or("a vocabulary of one token has no margin")?]))
+    let second = (0..row.len())
+        .filter(|&i| i != best)
+        .fold(None, |s: Option<usize>, i| match s {
+            Some(j) if row[j] >= row[i] => Some(j),
+            _ => Some(i),
+        });
+    Ok((
+        best as i64,
+        row[best] - row[second.ok_or("a vocabulary of one token has no margin")?],
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
 // Capture: what a forward records, then written in capture order
 
 /// One tensor: `shape[0]` rows at positions `pos` (attn_probs: heads first), `path` its attribute.
-struct Captured { name: String, path: &'static str, shape: Vec<usize>, data: Vec<f32>, pos: Vec<i64> }
+struct Captured {
+    name: String,
+    path: &'static str,
+    shape: Vec<usize>,
+    data: Vec<f32>,
+    pos: Vec<i64>,
+}
 
 /// `path` is the tensors' `path` attribute (prefill, decode, layer); `prefix` names a decode
 /// step's tensors (`decode.SSSS.`); `last_row` keeps only the last row (an uncached decode step
@@ -300,10 +410,21 @@ struct Cap {
 
 impl Cap {
     fn new(path: &'static str, internals: bool) -> Cap {
-        Cap { on: true, internals, path, prefix: String::new(), last_row: false, decode_from: None, tensors: vec![] }
+        Cap {
+            on: true,
+            internals,
+            path,
+            prefix: String::new(),
+            last_row: false,
+            decode_from: None,
+            tensors: vec![],
+        }
     }
     fn off() -> Cap {
-        Cap { on: false, ..Cap::new("", false) }
+        Cap {
+            on: false,
+            ..Cap::new("", false)
+        }
     }
 
     /// Records tensor `name` (rows at positions `pos`) if this capture wants it. `internal`: an
@@ -332,7 +453,13 @@ impl Cap {
                 t.data.extend_from_slice(data);
                 t.pos.extend_from_slice(pos);
             }
-            None => self.tensors.push(Captured { name, path: self.path, shape, data: data.to_vec(), pos: pos.to_vec() }),
+            None => self.tensors.push(Captured {
+                name,
+                path: self.path,
+                shape,
+                data: data.to_vec(),
+                pos: pos.to_vec(),
+            }),
         }
     }
 }
@@ -340,28 +467,55 @@ impl Cap {
 // ---------------------------------------------------------------------------------------------
 // The model
 
-struct Linear { w: Vec<f32>, b: Option<Vec<f32>>, n_in: usize }
+struct Linear {
+    w: Vec<f32>,
+    b: Option<Vec<f32>>,
+    n_in: usize,
+}
 
 impl Linear {
     /// `W·x (+ b)` for one row `x`, W stored `[out, in]`.
     fn apply(&self, x: &[f32]) -> Vec<f32> {
-        self.w.chunks_exact(self.n_in).enumerate().map(|(o, w)| dot(x, w) + self.b.as_ref().map_or(0.0, |b| b[o])).collect()
+        self.w
+            .chunks_exact(self.n_in)
+            .enumerate()
+            .map(|(o, w)| dot(x, w) + self.b.as_ref().map_or(0.0, |b| b[o]))
+            .collect()
     }
 }
 
 /// One decoder layer's weights, by their checkpoint names (`model.layers.N.…`).
 struct Layer {
-    input_norm: Vec<f32>, post_norm: Vec<f32>,
-    q: Linear, k: Linear, v: Linear, o: Linear, q_norm: Vec<f32>, k_norm: Vec<f32>,
-    gate: Linear, up: Linear, down: Linear,
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
 }
 
 /// One layer's KV cache: k rows (after k_norm and RoPE) and v rows, `[kv_heads · head_dim]` each,
 /// with their positions.
 #[derive(Default)]
-struct Kv { k: Vec<Vec<f32>>, v: Vec<Vec<f32>>, pos: Vec<i64> }
+struct Kv {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    pos: Vec<i64>,
+}
 
-struct Model { c: Config, embed: Vec<f32>, layers: Vec<Layer>, norm: Vec<f32>, head: Linear, plant: Plant }
+struct Model {
+    c: Config,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    head: Linear,
+    plant: Plant,
+}
 
 impl Model {
     fn load(dir: &Path, plant: Plant) -> Res<(Model, Value)> {
@@ -391,11 +545,31 @@ impl Model {
             });
         }
         let norm = w.take("model.norm.weight", &[h])?;
-        let head = if c.tied { Linear { w: embed.clone(), b: None, n_in: h } } else { w.linear("lm_head", c.vocab, h, false)? };
+        let head = if c.tied {
+            Linear {
+                w: embed.clone(),
+                b: None,
+                n_in: h,
+            }
+        } else {
+            w.linear("lm_head", c.vocab, h, false)?
+        };
         if let Some(name) = w.0.keys().next() {
-            return Err(format!("tensor {name} is not used by this example (a model it does not implement)"));
+            return Err(format!(
+                "tensor {name} is not used by this example (a model it does not implement)"
+            ));
         }
-        Ok((Model { c, embed, layers, norm, head, plant }, raw))
+        Ok((
+            Model {
+                c,
+                embed,
+                layers,
+                norm,
+                head,
+                plant,
+            },
+            raw,
+        ))
     }
 
     fn new_cache(&self) -> Vec<Kv> {
@@ -404,22 +578,37 @@ impl Model {
 
     /// Tokens at positions `pos0..`, attending to `kv` and appending to it (empty: a prefill or
     /// an uncached recompute). `decode`: this is one cached decode step. Returns logits `[T, V]`.
-    fn forward(&self, tokens: &[i64], pos0: i64, kv: &mut [Kv], cap: &mut Cap, decode: bool) -> Res<Vec<f32>> {
+    fn forward(
+        &self,
+        tokens: &[i64],
+        pos0: i64,
+        kv: &mut [Kv],
+        cap: &mut Cap,
+        decode: bool,
+    ) -> Res<Vec<f32>> {
         let (h, t) = (self.c.hidden, tokens.len());
         let pos: Vec<i64> = (pos0..pos0 + t as i64).collect();
         let mut x = Vec::with_capacity(t * h);
         for &id in tokens {
             let row = usize::try_from(id).ok().filter(|&r| r < self.c.vocab);
-            let row = row.ok_or_else(|| format!("token id {id} outside the vocabulary [0, {})", self.c.vocab))?;
+            let row = row.ok_or_else(|| {
+                format!("token id {id} outside the vocabulary [0, {})", self.c.vocab)
+            })?;
             x.extend_from_slice(&self.embed[row * h..(row + 1) * h]);
         }
         cap.put("embed.out", false, &[t, h], &x, &pos);
         for (l, kv) in kv.iter_mut().enumerate() {
             x = self.layer(l, &x, &pos, kv, cap, decode);
         }
-        let xn: Vec<f32> = x.chunks_exact(h).flat_map(|r| rmsnorm(r, &self.norm, self.c.eps)).collect();
+        let xn: Vec<f32> = x
+            .chunks_exact(h)
+            .flat_map(|r| rmsnorm(r, &self.norm, self.c.eps))
+            .collect();
         cap.put("final_norm.out", false, &[t, h], &xn, &pos);
-        let logits: Vec<f32> = xn.chunks_exact(h).flat_map(|r| self.head.apply(r)).collect();
+        let logits: Vec<f32> = xn
+            .chunks_exact(h)
+            .flat_map(|r| self.head.apply(r))
+            .collect();
         cap.put("logits", false, &[t, self.c.vocab], &logits, &pos);
         Ok(logits)
     }
@@ -428,7 +617,15 @@ impl Model {
     /// c with `pos[c] <= pos[r]`, and the new rows' k/v are appended to `kv`. The one function for
     /// a prefill, a cached decode step (one row) and the `layer` verb (with or without
     /// `--decode-from`), so the verbs agree with the whole run by construction.
-    fn layer(&self, l: usize, x: &[f32], pos: &[i64], kv: &mut Kv, cap: &mut Cap, decode: bool) -> Vec<f32> {
+    fn layer(
+        &self,
+        l: usize,
+        x: &[f32],
+        pos: &[i64],
+        kv: &mut Kv,
+        cap: &mut Cap,
+        decode: bool,
+    ) -> Vec<f32> {
         let (c, w) = (&self.c, &self.layers[l]);
         let (h, d, nq, nkv, t) = (c.hidden, c.head_dim, c.heads, c.kv_heads, pos.len());
         let nn = format!("layer.{l:02}");
@@ -436,7 +633,12 @@ impl Model {
         let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
         for (r, row) in x.chunks_exact(h).enumerate() {
             let xn = rmsnorm(row, &w.input_norm, c.eps);
-            let at = pos[r] as f64 + if decode && self.plant.decode_pos { 1.0 } else { 0.0 };
+            let at = pos[r] as f64
+                + if decode && self.plant.decode_pos {
+                    1.0
+                } else {
+                    0.0
+                };
             for (proj, norm, out) in [(&w.q, &w.q_norm, &mut q), (&w.k, &w.k_norm, &mut k)] {
                 let mut y = proj.apply(&xn);
                 for head in y.chunks_exact_mut(d) {
@@ -465,7 +667,10 @@ impl Model {
             for hq in 0..nq {
                 let hk = hq / (nq / nkv); // GQA: consecutive query heads share a kv head
                 let qv = &q[(r * nq + hq) * d..(r * nq + hq + 1) * d];
-                let mut s: Vec<f32> = visible.iter().map(|&j| dot(qv, &kv.k[j][hk * d..(hk + 1) * d]) * scale).collect();
+                let mut s: Vec<f32> = visible
+                    .iter()
+                    .map(|&j| dot(qv, &kv.k[j][hk * d..(hk + 1) * d]) * scale)
+                    .collect();
                 softmax(&mut s);
                 let out = &mut o[(r * nq + hq) * d..(r * nq + hq + 1) * d];
                 for (&j, &p) in visible.iter().zip(&s) {
@@ -477,14 +682,23 @@ impl Model {
             }
         }
         cap.put(&format!("{nn}.attn_probs"), true, &[nq, t, tk], &probs, pos);
-        let a: Vec<f32> = o.chunks_exact(nq * d).flat_map(|row| w.o.apply(row)).collect();
+        let a: Vec<f32> = o
+            .chunks_exact(nq * d)
+            .flat_map(|row| w.o.apply(row))
+            .collect();
         cap.put(&format!("{nn}.attn_out"), false, &[t, h], &a, pos);
         let h1: Vec<f32> = x.iter().zip(&a).map(|(x, a)| x + a).collect();
         let m: Vec<f32> = h1
             .chunks_exact(h)
             .flat_map(|row| {
                 let xn = rmsnorm(row, &w.post_norm, c.eps);
-                let hm: Vec<f32> = w.gate.apply(&xn).iter().zip(w.up.apply(&xn)).map(|(g, u)| silu(*g) * u).collect();
+                let hm: Vec<f32> = w
+                    .gate
+                    .apply(&xn)
+                    .iter()
+                    .zip(w.up.apply(&xn))
+                    .map(|(g, u)| silu(*g) * u)
+                    .collect();
                 w.down.apply(&hm)
             })
             .collect();
@@ -522,15 +736,20 @@ type Decision = (String, Vec<i64>, Vec<f32>);
 fn write(out: &str, provenance: Value, cap: &Cap, decisions: &[Decision]) -> Res<()> {
     let mut w = TraceWriter::create(out, provenance).map_err(text)?;
     for t in &cap.tensors {
-        let mut attrs = Attributes::default().with_path(t.path).with_mask("causal").with_positions(t.pos.clone());
+        let mut attrs = Attributes::default()
+            .with_path(t.path)
+            .with_mask("causal")
+            .with_positions(t.pos.clone());
         if let Some(p) = cap.decode_from {
             attrs.extra.insert("decode_from".into(), p.to_string());
         }
         let shape: Vec<u64> = t.shape.iter().map(|&n| n as u64).collect();
-        w.tensor_f32(&t.name, &shape, &t.data, &attrs).map_err(text)?;
+        w.tensor_f32(&t.name, &shape, &t.data, &attrs)
+            .map_err(text)?;
     }
     for (name, values, margins) in decisions {
-        w.decision(name, &[values.len() as u64], values, Some(margins)).map_err(text)?;
+        w.decision(name, &[values.len() as u64], values, Some(margins))
+            .map_err(text)?;
     }
     println!("{} {out}", w.finish().map_err(text)?.hex());
     Ok(())
@@ -543,7 +762,11 @@ fn trace_verb(a: &Args, plant: Plant) -> Res<()> {
     let dir = Path::new(req(a, "--model")?);
     let tokens = req(a, "--tokens")?
         .split(',')
-        .map(|t| t.trim().parse::<i64>().map_err(|_| format!("--tokens: {t:?} is not a token id")))
+        .map(|t| {
+            t.trim()
+                .parse::<i64>()
+                .map_err(|_| format!("--tokens: {t:?} is not a token id"))
+        })
         .collect::<Res<Vec<_>>>()?;
     let internals = internals(a)?;
     let generate = opt_num(a, "--generate")?.unwrap_or(0);
@@ -557,7 +780,12 @@ fn trace_verb(a: &Args, plant: Plant) -> Res<()> {
     let mut cap = Cap::new("prefill", internals);
     let mut kv = model.new_cache();
     let logits = model.forward(&tokens, 0, &mut kv, &mut cap, false)?;
-    let (ids, margins) = logits.chunks_exact(vocab).map(argmax).collect::<Res<Vec<_>>>()?.into_iter().unzip();
+    let (ids, margins) = logits
+        .chunks_exact(vocab)
+        .map(argmax)
+        .collect::<Res<Vec<_>>>()?
+        .into_iter()
+        .unzip();
     let mut decisions: Vec<Decision> = vec![("logits.argmax".into(), ids, margins)];
     let mut seq = tokens.clone();
     let mut row = logits[(n - 1) * vocab..].to_vec();
@@ -597,17 +825,32 @@ fn layer_verb(a: &Args, plant: Plant) -> Res<()> {
     let decode_from = opt_num(a, "--decode-from")?;
     let (model, raw) = Model::load(dir, plant)?;
     if l >= model.c.layers {
-        return Err(format!("--layer {l} out of range (the model has {} layers)", model.c.layers));
+        return Err(format!(
+            "--layer {l} out of range (the model has {} layers)",
+            model.c.layers
+        ));
     }
     let tr = Trace::open(input).map_err(text)?;
-    let info = tr.tensor_info(name).ok_or_else(|| format!("{input}: no tensor {name}"))?;
+    let info = tr
+        .tensor_info(name)
+        .ok_or_else(|| format!("{input}: no tensor {name}"))?;
     let h = model.c.hidden;
     let rows = match info.shape[..] {
         [r, c] if c as usize == h && r > 0 => r as usize,
-        ref s => return Err(format!("{input}: tensor {name} has shape {s:?}, expected [rows, {h}]")),
+        ref s => {
+            return Err(format!(
+                "{input}: tensor {name} has shape {s:?}, expected [rows, {h}]"
+            ))
+        }
     };
-    let pos = info.attributes.positions.clone().filter(|p| p.len() == rows);
-    let pos = pos.ok_or_else(|| format!("{input}: tensor {name} has no positions attribute with one position per row"))?;
+    let pos = info
+        .attributes
+        .positions
+        .clone()
+        .filter(|p| p.len() == rows);
+    let pos = pos.ok_or_else(|| {
+        format!("{input}: tensor {name} has no positions attribute with one position per row")
+    })?;
     let x = tr.f32_vec(name).map_err(text)?;
     let mut prov = provenance(dir, &raw, "layer", internals)?;
     prov["layer"] = json!(l);
@@ -624,13 +867,25 @@ fn layer_verb(a: &Args, plant: Plant) -> Res<()> {
                 return Err(format!("{input}: tensor {name}: --decode-from needs positions 0..{} in order; row {r} is at position {}", rows - 1, pos[r]));
             }
             if p >= rows {
-                return Err(format!("--decode-from {p}: tensor {name} has {rows} rows (need P < rows)"));
+                return Err(format!(
+                    "--decode-from {p}: tensor {name} has {rows} rows (need P < rows)"
+                ));
             }
             model.layer(l, &x[..p * h], &pos[..p], &mut kv, &mut Cap::off(), false);
             // No internals points under --decode-from (docs/producers.md).
-            let mut cap = Cap { decode_from: Some(p), ..Cap::new("layer", false) };
+            let mut cap = Cap {
+                decode_from: Some(p),
+                ..Cap::new("layer", false)
+            };
             for r in p..rows {
-                model.layer(l, &x[r * h..(r + 1) * h], &pos[r..r + 1], &mut kv, &mut cap, true);
+                model.layer(
+                    l,
+                    &x[r * h..(r + 1) * h],
+                    &pos[r..r + 1],
+                    &mut kv,
+                    &mut cap,
+                    true,
+                );
             }
             prov["decode_from"] = json!(p);
             cap

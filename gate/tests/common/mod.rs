@@ -13,14 +13,23 @@ pub fn repo() -> PathBuf {
 
 fn read_schema(name: &str) -> Value {
     let path = repo().join("docs").join(name);
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    serde_json::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The validator of docs/`name`, compiled against the diff report's schema.
 pub fn validator(name: &str) -> jsonschema::Validator {
     let diff = read_schema("diff-report.schema.json");
     let id = diff["$id"].as_str().unwrap().to_string();
-    let registry: &'static jsonschema::Registry = Box::leak(Box::new(jsonschema::Registry::new().add(id, diff).unwrap().prepare().unwrap()));
+    let registry: &'static jsonschema::Registry = Box::leak(Box::new(
+        jsonschema::Registry::new()
+            .add(id, diff)
+            .unwrap()
+            .prepare()
+            .unwrap(),
+    ));
     jsonschema::options()
         .with_draft(jsonschema::Draft::Draft202012)
         .with_registry(registry)
@@ -30,8 +39,15 @@ pub fn validator(name: &str) -> jsonschema::Validator {
 
 /// Panics unless `report` is valid under `v` (the validator of docs/`name`).
 pub fn assert_valid(v: &jsonschema::Validator, name: &str, report: &Value) {
-    let errors: Vec<String> = v.iter_errors(report).map(|e| format!("at {}: {e}", e.instance_path())).collect();
-    assert!(errors.is_empty(), "the report does not match docs/{name}:\n{}\n{report:#}", errors.join("\n"));
+    let errors: Vec<String> = v
+        .iter_errors(report)
+        .map(|e| format!("at {}: {e}", e.instance_path()))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "the report does not match docs/{name}:\n{}\n{report:#}",
+        errors.join("\n")
+    );
 }
 
 /// docs/bisect-report.schema.json's validator, compiled once per test binary.

@@ -27,7 +27,6 @@ Defects (each touches one layer only, so every later layer is a correct body tha
 import sys
 
 import numpy as np
-
 from tracegate_contract import __main__ as cli
 from tracegate_contract import ops, qwen3
 
@@ -146,7 +145,9 @@ def main(argv):
         print("error: this producer does not implement the layer verb", file=sys.stderr)
         return 3
     if defect == "late-pos" and "--decode-from" in rest:
-        print("error: unrecognized arguments: --decode-from", file=sys.stderr)  # as an argparse CLI without it
+        print(
+            "error: unrecognized arguments: --decode-from", file=sys.stderr
+        )  # as an argparse CLI without it
         return 2
     if defect != "layer-bidir" or rest[:1] == ["layer"]:
         plant(defect)

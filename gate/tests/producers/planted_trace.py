@@ -22,7 +22,6 @@ import sys
 import tempfile
 
 import numpy as np
-
 import tracegate
 
 
@@ -43,7 +42,15 @@ def main() -> int:
         return 2
     run = base_main(argv[1])
     argv = argv[2:]
-    edits = {"--push": [], "--nudge": [], "--flip": [], "--drop": [], "--attr": [], "--margins": [], "--near-tie": []}
+    edits = {
+        "--push": [],
+        "--nudge": [],
+        "--flip": [],
+        "--drop": [],
+        "--attr": [],
+        "--margins": [],
+        "--near-tie": [],
+    }
     while argv and argv[0] in edits:
         edits[argv[0]].append(argv[1])
         argv = argv[2:]
@@ -58,7 +65,13 @@ def main() -> int:
             return rc
         t = tracegate.Trace(clean)
         # The trace must hold what is to be edited: a test that edits nothing proves nothing.
-        for name in edits["--push"] + edits["--nudge"] + edits["--drop"] + edits["--attr"] + ["logits"] * bool(edits["--near-tie"]):
+        for name in (
+            edits["--push"]
+            + edits["--nudge"]
+            + edits["--drop"]
+            + edits["--attr"]
+            + ["logits"] * bool(edits["--near-tie"])
+        ):
             if name not in t.names:
                 print(f"planted_trace: no tensor {name} to edit", file=sys.stderr)
                 return 3
@@ -80,7 +93,9 @@ def main() -> int:
                 if name == "logits":
                     for row in map(int, edits["--near-tie"]):
                         top, second = np.argsort(-array[row], kind="stable")[:2]
-                        array[row, second] = array[row, top] + (array[row, top] - array[row, second]) / 2
+                        array[row, second] = (
+                            array[row, top] + (array[row, top] - array[row, second]) / 2
+                        )
                         near_ties[row] = int(second)
                 attrs = dict(t.attributes(name))
                 if name in edits["--attr"]:
@@ -96,7 +111,9 @@ def main() -> int:
                         values[row] = choice
                 margins = t.margins[name]
                 if edits["--margins"] and margins is not None:
-                    margins = np.full_like(np.asarray(margins), float(edits["--margins"][-1]), dtype=np.float32)
+                    margins = np.full_like(
+                        np.asarray(margins), float(edits["--margins"][-1]), dtype=np.float32
+                    )
                 w.decision(name, values, margins=margins)
     return 0
 

@@ -42,19 +42,41 @@ class Browser:
 
         def fds():
             # Above 9 first, so neither dup2 overwrites the other pipe when it sits at 3 or 4.
-            r, w = fcntl.fcntl(to_browser_r, fcntl.F_DUPFD, 10), fcntl.fcntl(from_browser_w, fcntl.F_DUPFD, 10)
+            r, w = (
+                fcntl.fcntl(to_browser_r, fcntl.F_DUPFD, 10),
+                fcntl.fcntl(from_browser_w, fcntl.F_DUPFD, 10),
+            )
             os.dup2(r, 3)
             os.dup2(w, 4)
 
         # No network: every http(s) request goes to a proxy that is not there (and is
         # recorded first by Network.requestWillBeSent).
-        args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-                "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>", "--no-first-run",
-                "--disable-extensions", "--disable-background-networking", "--disable-sync",
-                "--disable-component-update", "--disable-default-apps", "--hide-scrollbars",
-                "--window-size=1280,900", "about:blank"]
-        self.proc = subprocess.Popen(args, preexec_fn=fds, pass_fds=(3, 4), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        args = [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--remote-debugging-pipe",
+            "--proxy-server=127.0.0.1:9",
+            "--proxy-bypass-list=<-loopback>",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-background-networking",
+            "--disable-sync",
+            "--disable-component-update",
+            "--disable-default-apps",
+            "--hide-scrollbars",
+            "--window-size=1280,900",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            preexec_fn=fds,
+            pass_fds=(3, 4),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._buf = b""
@@ -62,7 +84,9 @@ class Browser:
         self.events: list = []
         targets = self.call("Target.getTargets")["targetInfos"]
         page = next(t for t in targets if t["type"] == "page")
-        self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+        self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)[
+            "sessionId"
+        ]
         for domain in ("Page", "Runtime", "Network", "Log"):
             self.call(f"{domain}.enable", session=True)
 
@@ -112,17 +136,31 @@ class Browser:
         self.call("Page.navigate", session=True, url=url)
         self._wait_event("Page.loadEventFired")
         # A round trip after the load: events the page raised while loading have arrived.
-        dom = self.call("Runtime.evaluate", session=True, expression="document.documentElement.outerHTML", returnByValue=True)
+        dom = self.call(
+            "Runtime.evaluate",
+            session=True,
+            expression="document.documentElement.outerHTML",
+            returnByValue=True,
+        )
         out.dom = dom["result"]["value"]
         size = self.call("Page.getLayoutMetrics", session=True)["cssContentSize"]
-        shot = self.call("Page.captureScreenshot", session=True, format="png", captureBeyondViewport=True,
-                         clip={"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1})
+        shot = self.call(
+            "Page.captureScreenshot",
+            session=True,
+            format="png",
+            captureBeyondViewport=True,
+            clip={"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1},
+        )
         out.png = base64.b64decode(shot["data"])
         for e in self.events:
             p = e.get("params", {})
             match e.get("method"):
                 case "Runtime.consoleAPICalled" if p.get("type") in ("error", "assert", "warning"):
-                    out.console_errors.append(" ".join(str(a.get("value", a.get("description"))) for a in p.get("args", [])))
+                    out.console_errors.append(
+                        " ".join(
+                            str(a.get("value", a.get("description"))) for a in p.get("args", [])
+                        )
+                    )
                 case "Runtime.exceptionThrown":
                     out.console_errors.append(p["exceptionDetails"].get("text", "exception"))
                 case "Log.entryAdded" if p["entry"]["level"] in ("error", "warning"):

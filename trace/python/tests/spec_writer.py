@@ -16,7 +16,18 @@ from pathlib import Path
 
 import xxhash
 
-SIZES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1}
+SIZES = {
+    "f64": 8,
+    "f32": 4,
+    "f16": 2,
+    "bf16": 2,
+    "i64": 8,
+    "i32": 4,
+    "i16": 2,
+    "i8": 1,
+    "u8": 1,
+    "bool": 1,
+}
 
 
 def _u64(v: int) -> bytes:
@@ -75,26 +86,45 @@ def write(path: Path, tensors: list[dict], decisions: list[dict], provenance: di
             n *= d
         assert len(t["data"]) == n * SIZES[t["dtype"]], t["name"]
         offset = place(t["data"])
-        index_tensors.append({
-            "name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "offset": offset,
-            "nbytes": len(t["data"]), "xxh3": xxhash.xxh3_128_hexdigest(t["data"]),
-            "attributes": dict(sorted(t["attributes"].items(), key=lambda kv: kv[0].encode())),
-        })
+        index_tensors.append(
+            {
+                "name": t["name"],
+                "dtype": t["dtype"],
+                "shape": t["shape"],
+                "offset": offset,
+                "nbytes": len(t["data"]),
+                "xxh3": xxhash.xxh3_128_hexdigest(t["data"]),
+                "attributes": dict(sorted(t["attributes"].items(), key=lambda kv: kv[0].encode())),
+            }
+        )
     index_decisions = []
     for d in decisions:
         values = b"".join(struct.pack("<q", v) for v in d["values"])
         margins = None if d["margins"] is None else b"".join(d["margins"])
         values_offset = place(values)
         margins_offset = None if margins is None else place(margins)
-        index_decisions.append({
-            "name": d["name"], "shape": d["shape"], "values_offset": values_offset,
-            "margins_offset": margins_offset, "xxh3": xxhash.xxh3_128_hexdigest(values + (margins or b"")),
-        })
+        index_decisions.append(
+            {
+                "name": d["name"],
+                "shape": d["shape"],
+                "values_offset": values_offset,
+                "margins_offset": margins_offset,
+                "xxh3": xxhash.xxh3_128_hexdigest(values + (margins or b"")),
+            }
+        )
     digest = content_digest(tensors, decisions)
-    index = json.dumps({
-        "format": "tracegate.trace", "version": [1, 0], "digest": digest,
-        "tensors": index_tensors, "decisions": index_decisions, "provenance": provenance,
-    }, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    index = json.dumps(
+        {
+            "format": "tracegate.trace",
+            "version": [1, 0],
+            "digest": digest,
+            "tensors": index_tensors,
+            "decisions": index_decisions,
+            "provenance": provenance,
+        },
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode("utf-8")
     index_offset = place(index)
     body += _u64(index_offset) + _u64(len(index)) + xxhash.xxh3_128_digest(index) + b"TGTREND\x00"
     Path(path).write_bytes(bytes(body))
@@ -108,8 +138,15 @@ def load_vectors(directory: Path) -> list[dict]:
 
 def decode(vector: dict) -> tuple[list[dict], list[dict]]:
     tensors = [dict(t, data=bytes.fromhex(t["data_hex"])) for t in vector["tensors"]]
-    decisions = [dict(d, margins=None if d["margins_hex"] is None else
-                      [bytes.fromhex(m) for m in d["margins_hex"]]) for d in vector["decisions"]]
+    decisions = [
+        dict(
+            d,
+            margins=None
+            if d["margins_hex"] is None
+            else [bytes.fromhex(m) for m in d["margins_hex"]],
+        )
+        for d in vector["decisions"]
+    ]
     return tensors, decisions
 
 
@@ -119,42 +156,109 @@ def _f32(x: float) -> str:
 
 # The inputs of the conformance vectors: edit here, then regenerate.
 VECTOR_INPUTS = [
-    {"file": "empty.trace", "provenance": {"producer": "conformance"}, "tensors": [], "decisions": []},
+    {
+        "file": "empty.trace",
+        "provenance": {"producer": "conformance"},
+        "tensors": [],
+        "decisions": [],
+    },
     {
         "file": "dtypes.trace",
-        "provenance": {"producer": "conformance", "note": "one tensor per dtype; rank 0, rank 5, empty"},
+        "provenance": {
+            "producer": "conformance",
+            "note": "one tensor per dtype; rank 0, rank 5, empty",
+        },
         "tensors": [
-            {"name": "f64", "dtype": "f64", "shape": [2], "attributes": {"path": "prefill"},
-             "data_hex": struct.pack("<dd", 1.5, -0.0).hex()},
-            {"name": "f32", "dtype": "f32", "shape": [2, 2],
-             "attributes": {"path": "prefill", "mask": "causal", "positions": [0, 1]},
-             "data_hex": struct.pack("<ffff", 1.0, -2.5, 3.25, float("inf")).hex()},
-            {"name": "f16", "dtype": "f16", "shape": [3], "attributes": {"step": 2}, "data_hex": "003c00c0ff7f"},
-            {"name": "bf16", "dtype": "bf16", "shape": [1, 1, 1, 1, 2], "attributes": {"note": "rank five"},
-             "data_hex": "803f80bf"},
-            {"name": "i64", "dtype": "i64", "shape": [], "attributes": {}, "data_hex": struct.pack("<q", -7).hex()},
-            {"name": "i32", "dtype": "i32", "shape": [2], "attributes": {}, "data_hex": struct.pack("<ii", 1, -1).hex()},
-            {"name": "i16", "dtype": "i16", "shape": [1], "attributes": {}, "data_hex": struct.pack("<h", -300).hex()},
+            {
+                "name": "f64",
+                "dtype": "f64",
+                "shape": [2],
+                "attributes": {"path": "prefill"},
+                "data_hex": struct.pack("<dd", 1.5, -0.0).hex(),
+            },
+            {
+                "name": "f32",
+                "dtype": "f32",
+                "shape": [2, 2],
+                "attributes": {"path": "prefill", "mask": "causal", "positions": [0, 1]},
+                "data_hex": struct.pack("<ffff", 1.0, -2.5, 3.25, float("inf")).hex(),
+            },
+            {
+                "name": "f16",
+                "dtype": "f16",
+                "shape": [3],
+                "attributes": {"step": 2},
+                "data_hex": "003c00c0ff7f",
+            },
+            {
+                "name": "bf16",
+                "dtype": "bf16",
+                "shape": [1, 1, 1, 1, 2],
+                "attributes": {"note": "rank five"},
+                "data_hex": "803f80bf",
+            },
+            {
+                "name": "i64",
+                "dtype": "i64",
+                "shape": [],
+                "attributes": {},
+                "data_hex": struct.pack("<q", -7).hex(),
+            },
+            {
+                "name": "i32",
+                "dtype": "i32",
+                "shape": [2],
+                "attributes": {},
+                "data_hex": struct.pack("<ii", 1, -1).hex(),
+            },
+            {
+                "name": "i16",
+                "dtype": "i16",
+                "shape": [1],
+                "attributes": {},
+                "data_hex": struct.pack("<h", -300).hex(),
+            },
             {"name": "i8", "dtype": "i8", "shape": [2], "attributes": {}, "data_hex": "7f80"},
             {"name": "u8", "dtype": "u8", "shape": [0, 3], "attributes": {}, "data_hex": ""},
-            {"name": "bool", "dtype": "bool", "shape": [3], "attributes": {"zeta": "last", "alpha": "first"},
-             "data_hex": "010001"},
+            {
+                "name": "bool",
+                "dtype": "bool",
+                "shape": [3],
+                "attributes": {"zeta": "last", "alpha": "first"},
+                "data_hex": "010001",
+            },
         ],
         "decisions": [],
     },
     {
         "file": "decisions.trace",
-        "provenance": {"producer": "conformance", "versions": {"tracegate": "0.1.0"}, "prompt_tokens": [3, 17, 5]},
+        "provenance": {
+            "producer": "conformance",
+            "versions": {"tracegate": "0.1.0"},
+            "prompt_tokens": [3, 17, 5],
+        },
         "tensors": [
-            {"name": "logits", "dtype": "f32", "shape": [3, 2],
-             "attributes": {"path": "prefill", "mask": "causal", "positions": [0, 1, 2]},
-             "data_hex": struct.pack("<6f", 0.5, 0.25, -1.0, 2.0, 3.0, 3.0).hex()},
+            {
+                "name": "logits",
+                "dtype": "f32",
+                "shape": [3, 2],
+                "attributes": {"path": "prefill", "mask": "causal", "positions": [0, 1, 2]},
+                "data_hex": struct.pack("<6f", 0.5, 0.25, -1.0, 2.0, 3.0, 3.0).hex(),
+            },
         ],
         "decisions": [
-            {"name": "logits.argmax", "shape": [3], "values": [0, 1, 0],
-             "margins_hex": [_f32(0.25), _f32(3.0), _f32(0.0)]},
-            {"name": "layer.00.router.topk", "shape": [3, 2], "values": [1, 4, 0, 2, 4, 1],
-             "margins_hex": [_f32(0.125), _f32(-0.0), _f32(1e-7)]},
+            {
+                "name": "logits.argmax",
+                "shape": [3],
+                "values": [0, 1, 0],
+                "margins_hex": [_f32(0.25), _f32(3.0), _f32(0.0)],
+            },
+            {
+                "name": "layer.00.router.topk",
+                "shape": [3, 2],
+                "values": [1, 4, 0, 2, 4, 1],
+                "margins_hex": [_f32(0.125), _f32(-0.0), _f32(1e-7)],
+            },
             {"name": "decode.0000.argmax", "shape": [1], "values": [42], "margins_hex": None},
             {"name": "scalar", "shape": [], "values": [-1], "margins_hex": None},
         ],
@@ -170,9 +274,16 @@ def regenerate(directory: Path) -> None:
         digest = write(directory / v["file"], tensors, decisions, v["provenance"])
         file_sha = hashlib.sha256((directory / v["file"]).read_bytes()).hexdigest()
         vectors.append(dict(v, digest=digest, file_sha256=file_sha))
-    (directory / "vectors.json").write_text(json.dumps({
-        "about": "Conformance vectors for docs/trace-format.md, written by trace/python/tests/spec_writer.py",
-        "vectors": vectors}, indent=1) + "\n")
+    (directory / "vectors.json").write_text(
+        json.dumps(
+            {
+                "about": "Conformance vectors for docs/trace-format.md, written by trace/python/tests/spec_writer.py",
+                "vectors": vectors,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -8,14 +8,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import tracegate
 import spec_writer
+import tracegate
 
 ROOT = Path(__file__).resolve().parents[3]
 VECTORS = ROOT / "fixtures" / "format"
 
-DTYPES = [np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8, np.uint8, np.bool_]
+DTYPES = [
+    np.float64,
+    np.float32,
+    np.float16,
+    np.int64,
+    np.int32,
+    np.int16,
+    np.int8,
+    np.uint8,
+    np.bool_,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -70,11 +79,27 @@ def test_bf16_as_uint16_bits(tmp_path):
 def test_decisions_margins_attributes_provenance(tmp_path):
     prov = {"producer": "py", "versions": {"numpy": np.__version__}, "prompt_tokens": [3, 17, 5]}
     with tracegate.TraceWriter(tmp_path / "a.trace", prov) as w:
-        w.tensor("logits", np.ones((3, 4), np.float32), path="prefill", mask="causal", positions=[0, 1, 2], step=0, note="x")
-        w.decision("layer.00.router.topk", np.array([[1, 2], [2, 1], [0, 3]]), margins=[0.5, 0.0, -0.0])
+        w.tensor(
+            "logits",
+            np.ones((3, 4), np.float32),
+            path="prefill",
+            mask="causal",
+            positions=[0, 1, 2],
+            step=0,
+            note="x",
+        )
+        w.decision(
+            "layer.00.router.topk", np.array([[1, 2], [2, 1], [0, 3]]), margins=[0.5, 0.0, -0.0]
+        )
         w.decision("logits.argmax", [3, 3, 3])
     t = tracegate.Trace(tmp_path / "a.trace")
-    assert t.attributes("logits") == {"mask": "causal", "note": "x", "path": "prefill", "positions": [0, 1, 2], "step": 0}
+    assert t.attributes("logits") == {
+        "mask": "causal",
+        "note": "x",
+        "path": "prefill",
+        "positions": [0, 1, 2],
+        "step": 0,
+    }
     np.testing.assert_array_equal(t.decisions["layer.00.router.topk"], [[1, 2], [2, 1], [0, 3]])
     assert np.signbit(t.margins["layer.00.router.topk"][2])
     assert t.margins["logits.argmax"] is None
@@ -94,7 +119,10 @@ def test_writer_errors_are_trace_errors_with_numbers(tmp_path):
         with pytest.raises(tracegate.TraceError, match="must be integers"):
             w.decision("f", [0.5])
         # Out-of-range integers are TraceErrors naming the field, never a bare OverflowError.
-        with pytest.raises(tracegate.TraceError, match="decision 'g': value 9223372036854775808 is outside the i64 range"):
+        with pytest.raises(
+            tracegate.TraceError,
+            match="decision 'g': value 9223372036854775808 is outside the i64 range",
+        ):
             w.decision("g", np.array([2**63], np.uint64))
         with pytest.raises(tracegate.TraceError, match="tensor 'y': step .* outside the i64 range"):
             w.tensor("y", np.zeros(1, np.float32), step=2**70)
@@ -105,7 +133,10 @@ def test_writer_errors_are_trace_errors_with_numbers(tmp_path):
     with pytest.raises(tracegate.TraceError, match="must be a JSON object"):
         tracegate.TraceWriter(tmp_path / "b.trace", [1])
     # Recorded verbatim or refused: a 70-bit integer would come back as a rounded float.
-    with pytest.raises(tracegate.TraceError, match=r"provenance.big\[0\] = 1180591620717411303425 does not fit 64 bits"):
+    with pytest.raises(
+        tracegate.TraceError,
+        match=r"provenance.big\[0\] = 1180591620717411303425 does not fit 64 bits",
+    ):
         tracegate.TraceWriter(tmp_path / "b.trace", {"big": [2**70 + 1]})
     with pytest.raises(tracegate.TraceError, match="already finished"):
         w.tensor("late", np.zeros(1, np.float32))
@@ -163,8 +194,14 @@ def test_binding_writes_the_conformance_vectors_byte_for_byte(tmp_path):
                 array = np.frombuffer(t["data"], dtype=np_dtype).reshape(t["shape"])
                 w.tensor(t["name"], array, dtype=t["dtype"], **t["attributes"])
             for d in decisions:
-                margins = None if d["margins"] is None else np.frombuffer(b"".join(d["margins"]), "<f4")
-                w.decision(d["name"], np.array(d["values"], dtype=np.int64).reshape(d["shape"]), margins=margins)
+                margins = (
+                    None if d["margins"] is None else np.frombuffer(b"".join(d["margins"]), "<f4")
+                )
+                w.decision(
+                    d["name"],
+                    np.array(d["values"], dtype=np.int64).reshape(d["shape"]),
+                    margins=margins,
+                )
         assert w.digest == v["digest"], v["file"]
         assert out.read_bytes() == (VECTORS / v["file"]).read_bytes(), v["file"]
 
@@ -178,6 +215,7 @@ def test_spec_writer_regenerates_the_committed_vectors(tmp_path):
 
 def test_weights_digest_is_streamed_xxh3_of_sorted_files(tmp_path):
     import xxhash
+
     (tmp_path / "b.safetensors").write_bytes(b"second")
     (tmp_path / "a.safetensors").write_bytes(b"first")
     (tmp_path / "config.json").write_text("{}")
@@ -188,7 +226,12 @@ def test_weights_digest_is_streamed_xxh3_of_sorted_files(tmp_path):
 
 def _run(code: str, *args, timeout: float = 60) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter, so a signal or a hang is seen, not suffered."""
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_valid_trace_numpy_cannot_hold_raises_trace_error(tmp_path):
@@ -201,10 +244,15 @@ def test_a_valid_trace_numpy_cannot_hold_raises_trace_error(tmp_path):
     w.finish()
     t = tracegate.Trace(path)
     t.verify()
-    with pytest.raises(tracegate.TraceError, match=r"tensor 'empty' of shape \[0, 4611686018427387904\] cannot be a numpy array"):
+    with pytest.raises(
+        tracegate.TraceError,
+        match=r"tensor 'empty' of shape \[0, 4611686018427387904\] cannot be a numpy array",
+    ):
         t["empty"]
-    with pytest.raises(tracegate.TraceError, match=r"decision 'd' of shape \[0, 4611686018427387904\]"):
-        t.decisions
+    with pytest.raises(
+        tracegate.TraceError, match=r"decision 'd' of shape \[0, 4611686018427387904\]"
+    ):
+        _ = t.decisions
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path):
@@ -241,8 +289,12 @@ for what, touch in [("verify", t.verify), ("read", lambda: t["b"]), ("decisions"
 
 def test_a_trace_truncated_while_mapped_is_refused_not_a_sigbus(tmp_path):
     proc = _run(TRUNCATE_WHILE_MAPPED, tmp_path / "t.trace")
-    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by signal {-proc.returncode})\n{proc.stderr}"
-    assert proc.stdout.split("\n")[:3] == ["verify refused", "read refused", "decisions refused"], proc.stdout
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode} (negative: killed by signal {-proc.returncode})\n{proc.stderr}"
+    )
+    assert proc.stdout.split("\n")[:3] == ["verify refused", "read refused", "decisions refused"], (
+        proc.stdout
+    )
 
 
 def test_names_and_lookups_come_from_the_native_index(tmp_path):

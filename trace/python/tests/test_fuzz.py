@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import xxhash
-
 import tracegate
+import xxhash
 
 VECTORS = Path(__file__).resolve().parents[3] / "fixtures" / "format"
 ITERS = int(os.environ.get("TRACEGATE_FUZZ_ITERS", "100"))
@@ -23,7 +22,13 @@ ITERS = int(os.environ.get("TRACEGATE_FUZZ_ITERS", "100"))
 def _written(tmp: Path) -> bytes:
     path = tmp / "written.trace"
     with tracegate.TraceWriter(path, {"producer": "fuzz"}) as w:
-        w.tensor("embed.out", np.arange(12, dtype=np.float32).reshape(3, 4) - 2, path="prefill", mask="causal", positions=[0, 1, 2])
+        w.tensor(
+            "embed.out",
+            np.arange(12, dtype=np.float32).reshape(3, 4) - 2,
+            path="prefill",
+            mask="causal",
+            positions=[0, 1, 2],
+        )
         w.tensor("ids", np.array([1, 2, 3], np.int32), note="x")
         w.tensor("flags", np.array([False, True]))
         w.decision("logits.argmax", np.array([5, 7, 5]), margins=[0.25, 1.5, 0.125])
@@ -34,7 +39,10 @@ def _written(tmp: Path) -> bytes:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inputs")
-    out = {name: (VECTORS / name).read_bytes() for name in ["empty.trace", "dtypes.trace", "decisions.trace"]}
+    out = {
+        name: (VECTORS / name).read_bytes()
+        for name in ["empty.trace", "dtypes.trace", "decisions.trace"]
+    }
     out["written"] = _written(tmp)
     return out
 
@@ -94,7 +102,9 @@ def test_bit_flips_are_refused_or_harmless(inputs, tmp_path):
                 m[rng.randrange(len(m))] ^= 1 << rng.randrange(8)
             # Every byte is covered by a digest, a structure check or a must-be-zero rule.
             if judge.check(original, bytes(m), f"{name}: bit flips, iteration {i}"):
-                assert bytes(m) == data, f"{name}: bit flips, iteration {i}: a changed file was accepted"
+                assert bytes(m) == data, (
+                    f"{name}: bit flips, iteration {i}: a changed file was accepted"
+                )
     assert judge.refused > 0
 
 
@@ -104,17 +114,25 @@ def test_truncation_at_every_offset_is_refused(inputs, tmp_path):
         data = inputs[name]
         original = _original(tmp_path, name, data)
         for cut in range(len(data)):
-            assert not judge.check(original, data[:cut], f"{name}: truncated to {cut} bytes"), f"{name} truncated to {cut} bytes was accepted"
+            assert not judge.check(original, data[:cut], f"{name}: truncated to {cut} bytes"), (
+                f"{name} truncated to {cut} bytes was accepted"
+            )
 
 
 def _split(data: bytes):
     offset, length = struct.unpack_from("<QQ", data, len(data) - 40)
-    return data[:offset], json.loads(data[offset:offset + length])
+    return data[:offset], json.loads(data[offset : offset + length])
 
 
 def _join(head: bytes, index) -> bytes:
     raw = json.dumps(index, separators=(",", ":")).encode()
-    return head + raw + struct.pack("<QQ", len(head), len(raw)) + xxhash.xxh3_128_digest(raw) + b"TGTREND\x00"
+    return (
+        head
+        + raw
+        + struct.pack("<QQ", len(head), len(raw))
+        + xxhash.xxh3_128_digest(raw)
+        + b"TGTREND\x00"
+    )
 
 
 EDGES = [0, 1, 4, 63, 64, 65, 128, 4096, 1 << 32, 1 << 62, (1 << 64) - 64, (1 << 64) - 1]
@@ -138,7 +156,9 @@ def _edit(index: dict, rng: random.Random) -> None:
     elif choice == 3:
         e["shape"] = [0, 1 << 62]
     elif choice == 4 and kind == "tensors":
-        e["dtype"] = rng.choice(["f64", "f32", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "bool", "f128"])
+        e["dtype"] = rng.choice(
+            ["f64", "f32", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "bool", "f128"]
+        )
     elif choice == 5:
         e["name"] = rng.choice(["", "a\x01", "x" * 4097, entries[other]["name"]])
     elif choice == 6:
@@ -150,7 +170,9 @@ def _edit(index: dict, rng: random.Random) -> None:
     elif choice == 9:
         entries[i], entries[other] = entries[other], entries[i]
     elif choice == 10 and kind == "tensors":
-        e["attributes"][rng.choice(["", "note", "path", "step", "positions"])] = rng.choice(["x", "decode"])
+        e["attributes"][rng.choice(["", "note", "path", "step", "positions"])] = rng.choice(
+            ["x", "decode"]
+        )
     else:
         index["digest"] = index["digest"].upper()
 
@@ -165,5 +187,9 @@ def test_index_edits_with_a_valid_footer_are_refused_or_harmless(inputs, tmp_pat
             edited = json.loads(json.dumps(index))
             for _ in range(rng.randint(1, 2)):
                 _edit(edited, rng)
-            judge.check(original, _join(head, edited), f"{name}: index edit, iteration {i}: {json.dumps(edited)[:300]}")
+            judge.check(
+                original,
+                _join(head, edited),
+                f"{name}: index edit, iteration {i}: {json.dumps(edited)[:300]}",
+            )
     assert judge.refused > 0 and judge.accepted > 0, (judge.refused, judge.accepted)

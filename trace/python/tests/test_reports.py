@@ -15,20 +15,17 @@ import html.parser
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import browser
 import jsonschema
 import pytest
 import referencing
-from referencing.jsonschema import DRAFT202012
-
 import tracegate
+from referencing.jsonschema import DRAFT202012
 from tracegate.testing import assert_traces_agree
-
-import browser
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = ROOT / "target" / "release"
@@ -44,13 +41,46 @@ def planted(tmp_path_factory):
     """The gate run and the trace-diff run of its engine/oracle traces, each with --json and --html."""
     d = tmp_path_factory.mktemp("reports")
     oracle = f"'{sys.executable}' '{ROOT / 'gate/tests/producers/planted_trace.py'}' --base contract {PLANTED} {{verb}} {{args}}"
-    g = run([BIN / "gate", "--root", ROOT, "m0", "--only", "short", "--oracle-cmd", oracle, "--work", d / "work",
-             "--report", d / "gate.json", "--html", d / "gate.html"], env={**os.environ, "TRACEGATE_PYTHON": sys.executable})
+    g = run(
+        [
+            BIN / "gate",
+            "--root",
+            ROOT,
+            "m0",
+            "--only",
+            "short",
+            "--oracle-cmd",
+            oracle,
+            "--work",
+            d / "work",
+            "--report",
+            d / "gate.json",
+            "--html",
+            d / "gate.html",
+        ],
+        env={**os.environ, "TRACEGATE_PYTHON": sys.executable},
+    )
     assert g.returncode == 1, g.stdout + g.stderr
     traces = d / "work" / "m0" / "short"
-    t = run([BIN / "trace-diff", "--policy", "f32", "--json", "--html", d / "diff.html", traces / "engine.trace", traces / "oracle.trace"])
+    t = run(
+        [
+            BIN / "trace-diff",
+            "--policy",
+            "f32",
+            "--json",
+            "--html",
+            d / "diff.html",
+            traces / "engine.trace",
+            traces / "oracle.trace",
+        ]
+    )
     assert t.returncode == 1, t.stderr
-    return {"dir": d, "traces": traces, "gate": json.loads((d / "gate.json").read_text()), "diff": json.loads(t.stdout)}
+    return {
+        "dir": d,
+        "traces": traces,
+        "gate": json.loads((d / "gate.json").read_text()),
+        "diff": json.loads(t.stdout),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +89,31 @@ def bisected(tmp_path_factory):
     layer 02 planted wrong (gate/tests/producers/defective_contract.py), calibrated."""
     d = tmp_path_factory.mktemp("bisect")
     cand = f"'{sys.executable}' '{ROOT / 'gate/tests/producers/defective_contract.py'}' --defect mlp-add {{verb}} {{args}}"
-    b = run([BIN / "gate", "--root", ROOT, "bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short", "--reference", "engine",
-             "--candidate", "cmd", "--candidate-cmd", cand, "--calibrate", "--work", d / "work", "--report", d / "bisect.json",
-             "--html", d / "bisect.html"])
+    b = run(
+        [
+            BIN / "gate",
+            "--root",
+            ROOT,
+            "bisect",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            cand,
+            "--calibrate",
+            "--work",
+            d / "work",
+            "--report",
+            d / "bisect.json",
+            "--html",
+            d / "bisect.html",
+        ]
+    )
     assert b.returncode == 1, b.stdout + b.stderr
     return {"dir": d, "report": json.loads((d / "bisect.json").read_text())}
 
@@ -69,12 +121,15 @@ def bisected(tmp_path_factory):
 def validator(name: str):
     diff = json.loads((ROOT / "docs/diff-report.schema.json").read_text())
     schema = json.loads((ROOT / "docs" / name).read_text())
-    registry = referencing.Registry().with_resources([(diff["$id"], DRAFT202012.create_resource(diff))])
+    registry = referencing.Registry().with_resources(
+        [(diff["$id"], DRAFT202012.create_resource(diff))]
+    )
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
 # --- schemas ---------------------------------------------------------------------------------
+
 
 def test_the_gate_report_carries_its_schema_and_validates(planted):
     rep = planted["gate"]
@@ -87,7 +142,9 @@ def test_the_gate_report_carries_its_schema_and_validates(planted):
         lambda r: r["prompts"][0]["checks"][0].__setitem__("status", "OK"),
         lambda r: r["prompts"][0]["checks"][0].pop("findings"),
         lambda r: r["baselines"][0]["observed"][0].__setitem__("delta", "12%"),
-        lambda r: r["prompts"][0]["oracle"]["first_violation"]["violations"][0].__setitem__("bound", "max_l2"),
+        lambda r: r["prompts"][0]["oracle"]["first_violation"]["violations"][0].__setitem__(
+            "bound", "max_l2"
+        ),
         lambda r: r.__setitem__("note", 1),
     ]
     for i, plant in enumerate(plants):
@@ -106,6 +163,7 @@ def test_the_bisect_report_validates(bisected):
 
 # --- the Python API --------------------------------------------------------------------------
 
+
 def test_compare_is_the_cli_report_in_process(planted):
     tr = planted["traces"]
     rep = tracegate.compare(tr / "engine.trace", tr / "oracle.trace", policy="f32")
@@ -113,11 +171,16 @@ def test_compare_is_the_cli_report_in_process(planted):
     assert (rep.verdict, rep.ok, rep.exit_code) == ("different", False, 1)
     assert rep.first_violation["tensor"] == "layer.01.mlp_out"
     assert rep.first_bit_difference["tensor"] == "layer.00.attn_out"
-    assert [(f["decision"], f["row"], f["reference"], f["candidate"], f["label"]) for f in rep.flipped_decisions] == \
-        [("decode.0003.argmax", 0, [81], [80], "consequence")]
+    assert [
+        (f["decision"], f["row"], f["reference"], f["candidate"], f["label"])
+        for f in rep.flipped_decisions
+    ] == [("decode.0003.argmax", 0, [81], [80], "consequence")]
     # One row per tensor the two traces share (both hold the same names: the oracle here is the
     # planted contract, docs/gate.md).
-    assert len(rep.per_tensor) == len(tracegate.Trace(str(tr / "engine.trace")).names) and rep.decisions["differing"] == 1
+    assert (
+        len(rep.per_tensor) == len(tracegate.Trace(str(tr / "engine.trace")).names)
+        and rep.decisions["differing"] == 1
+    )
     # The engine and the contract are bit-identical: identical by bits, no policy needed.
     same = tracegate.compare(tr / "engine.trace", tr / "contract.trace", only="layer.**")
     assert (same.verdict, same.ok, same.filter["only"]) == ("identical", True, ["layer.**"])
@@ -136,7 +199,9 @@ def test_compare_errors_are_exceptions_naming_the_path(planted, tmp_path):
     data = bytearray((tr / "engine.trace").read_bytes())
     data[300] ^= 1  # inside embed.out's payload
     tampered.write_bytes(data)
-    with pytest.raises(tracegate.TraceError, match=re.escape(f"reference: {tampered}: edited after capture")):
+    with pytest.raises(
+        tracegate.TraceError, match=re.escape(f"reference: {tampered}: edited after capture")
+    ):
         tracegate.compare(tampered, tr / "oracle.trace")
     with pytest.raises(tracegate.TraceError, match=re.escape(str(tmp_path / "absent.trace"))):
         tracegate.compare(tr / "engine.trace", tmp_path / "absent.trace")
@@ -154,11 +219,17 @@ def test_assert_traces_agree_names_the_violation_and_the_flips(planted):
     assert "decode.0003.argmax[0]: [81] -> [80] (consequence of layer.01.mlp_out)" in msg, msg
     assert "first bit difference: layer.00.attn_out" in msg, msg
     # Within the policy it passes (the engine against the planted oracle, before the defects).
-    assert assert_traces_agree(tr / "engine.trace", tr / "oracle.trace", policy="f32", only="layer.00.**").verdict == "within_policy"
+    assert (
+        assert_traces_agree(
+            tr / "engine.trace", tr / "oracle.trace", policy="f32", only="layer.00.**"
+        ).verdict
+        == "within_policy"
+    )
     assert assert_traces_agree(tr / "engine.trace", tr / "contract.trace").verdict == "identical"
 
 
 # --- the pages in a browser ------------------------------------------------------------------
+
 
 class Dom(html.parser.HTMLParser):
     """Every element with its attributes and its text (for the elements that hold a value)."""
@@ -234,14 +305,20 @@ def check_numbers(dom: Dom, report: dict) -> int:
 def rendered(planted, bisected):
     exe = browser.chromium()
     if exe is None:
-        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium where it can)")
+        pytest.skip(
+            "chromium is not installed (scripts/setup.sh installs Debian's chromium where it can)"
+        )
     d = planted["dir"]
     py_page = d / "python.html"
-    tracegate.compare(planted["traces"] / "engine.trace", planted["traces"] / "oracle.trace", policy="f32").to_html(py_page)
+    tracegate.compare(
+        planted["traces"] / "engine.trace", planted["traces"] / "oracle.trace", policy="f32"
+    ).to_html(py_page)
     # The negative control: a page that loads a remote image and logs a console error.
     bad = d / "bad.html"
-    bad.write_text('<!DOCTYPE html><html><body><img src="http://192.0.2.1/x.png">'
-                   '<script>console.error("planted error")</script></body></html>')
+    bad.write_text(
+        '<!DOCTYPE html><html><body><img src="http://192.0.2.1/x.png">'
+        '<script>console.error("planted error")</script></body></html>'
+    )
     b = browser.Browser(exe)
     try:
         pages = {name: b.render(d / f"{name}.html") for name in ("diff", "gate", "python", "bad")}
@@ -252,7 +329,9 @@ def rendered(planted, bisected):
     for name, r in pages.items():
         (d / f"{name}.png").write_bytes(r.png)
         if keep and name in ("diff", "gate", "bisect"):
-            (ROOT / keep / f"{'trace-diff' if name == 'diff' else name}-report.png").write_bytes(r.png)
+            (ROOT / keep / f"{'trace-diff' if name == 'diff' else name}-report.png").write_bytes(
+                r.png
+            )
     return pages
 
 
@@ -268,7 +347,9 @@ def test_pages_are_self_contained_and_clean(rendered, name):
     r = rendered[name]
     assert r.png[:8] == b"\x89PNG\r\n\x1a\n" and len(r.png) > 10_000
     assert (r.console_errors, r.log_errors, r.foreign_requests()) == ([], [], [])
-    assert not re.search(r"(?:https?:|//)[^\s\"'<>]*\.", r.dom.replace("http-equiv", "")), "the page names a URL"
+    assert not re.search(r"(?:https?:|//)[^\s\"'<>]*\.", r.dom.replace("http-equiv", "")), (
+        "the page names a URL"
+    )
     assert "<script" not in r.dom
 
 
@@ -281,19 +362,48 @@ def test_the_diff_page_shows_the_json_report(rendered, planted):
         for chart, field in (("chart-rel-l2", "rel_l2"), ("chart-max-ulp", "max_ulp")):
             svg = dom.by_id(chart)
             assert svg["data-n"] == str(len(rows))
-            points = [e for e in dom.find(tag="circle") if e.get("data-json", "").endswith(f"/{field}") and e["data-json"].startswith("/per_tensor/")]
+            points = [
+                e
+                for e in dom.find(tag="circle")
+                if e.get("data-json", "").endswith(f"/{field}")
+                and e["data-json"].startswith("/per_tensor/")
+            ]
             assert len(points) == sum(r[field] is not None for r in rows)
             fv = dom.by_id(f"{chart}-first-violation")
-            assert fv["data-names"] == rep["first_violation"]["tensor"] == rows[int(fv["data-x"])]["tensor"]
+            assert (
+                fv["data-names"]
+                == rep["first_violation"]["tensor"]
+                == rows[int(fv["data-x"])]["tensor"]
+            )
             fbd = dom.by_id(f"{chart}-first-bit-difference")
-            assert fbd["data-names"] == rep["first_bit_difference"]["tensor"] == rows[int(fbd["data-x"])]["tensor"]
+            assert (
+                fbd["data-names"]
+                == rep["first_bit_difference"]["tensor"]
+                == rows[int(fbd["data-x"])]["tensor"]
+            )
         # The policy's bounds are drawn for every row whose rule sets one.
-        bounds = [e for e in dom.find(tag="line") if "bound" in e.get("class", "").split() and e["data-json"].endswith("/max_rel_l2")]
-        assert len(bounds) == sum(1 for r in rows if r["rule"] and "max_rel_l2" in rep["policy"]["bounds"][r["rule"]["index"]])
+        bounds = [
+            e
+            for e in dom.find(tag="line")
+            if "bound" in e.get("class", "").split() and e["data-json"].endswith("/max_rel_l2")
+        ]
+        assert len(bounds) == sum(
+            1
+            for r in rows
+            if r["rule"] and "max_rel_l2" in rep["policy"]["bounds"][r["rule"]["index"]]
+        )
         assert dom.by_id("first-violation")["data-tensor"] == rep["first_violation"]["tensor"]
-        assert [e["data-tensor"] for e in dom.elements if "first-violation" in e.get("class", "").split() and e["tag"] == "tr"] == [rep["first_violation"]["tensor"]]
+        assert [
+            e["data-tensor"]
+            for e in dom.elements
+            if "first-violation" in e.get("class", "").split() and e["tag"] == "tr"
+        ] == [rep["first_violation"]["tensor"]]
         flips = [e["data-label"] for e in dom.find(tag="tr") if e.get("class") == "flip"]
-        assert flips == [f["label"] for r in rep["decisions"]["results"] for f in r["flips"]] == ["consequence"]
+        assert (
+            flips
+            == [f["label"] for r in rep["decisions"]["results"] for f in r["flips"]]
+            == ["consequence"]
+        )
         assert len([e for e in dom.find(tag="circle") if "margin" in e.get("class", "")]) == 1
 
 
@@ -301,19 +411,43 @@ def test_the_gate_page_shows_the_json_report_and_links_failures_to_findings(rend
     rep = planted["gate"]
     dom = Dom(rendered["gate"].dom)
     assert check_numbers(dom, rep) > 20
-    cells = [e for e in dom.find(tag="td") if "check" in e.get("class", "").split() and e["data-json"].startswith("/prompts/")]
+    cells = [
+        e
+        for e in dom.find(tag="td")
+        if "check" in e.get("class", "").split() and e["data-json"].startswith("/prompts/")
+    ]
     assert len(cells) == sum(len(p["checks"]) for p in rep["prompts"])
-    failing = [(pi, ci) for pi, p in enumerate(rep["prompts"]) for ci, c in enumerate(p["checks"]) if c["status"] == "FAIL"]
-    assert [rep["prompts"][0]["checks"][ci]["check"] for _, ci in failing] == ["agrees", "generation_oracle"]
+    failing = [
+        (pi, ci)
+        for pi, p in enumerate(rep["prompts"])
+        for ci, c in enumerate(p["checks"])
+        if c["status"] == "FAIL"
+    ]
+    assert [rep["prompts"][0]["checks"][ci]["check"] for _, ci in failing] == [
+        "agrees",
+        "generation_oracle",
+    ]
     links = {e["href"] for e in dom.find(tag="a")}
     for pi, ci in failing:
         assert f"#finding-{pi}-{ci}" in links
         box = dom.by_id(f"finding-{pi}-{ci}")
-        names = [e["data-name"] for e in dom.elements if e.get("class") == "finding" and e["data-name"] and e in box_children(dom, box)]
+        names = [
+            e["data-name"]
+            for e in dom.elements
+            if e.get("class") == "finding" and e["data-name"] and e in box_children(dom, box)
+        ]
         assert names == [f["name"] for f in rep["prompts"][pi]["checks"][ci]["findings"]]
     fv = dom.by_id("first-violation-0")
-    assert fv["data-tensor"] == rep["prompts"][0]["oracle"]["first_violation"]["tensor"] == "layer.01.mlp_out"
-    deltas = [e for e in dom.elements if e.get("data-json", "").startswith("/baselines/") and e["data-json"].endswith("/delta")]
+    assert (
+        fv["data-tensor"]
+        == rep["prompts"][0]["oracle"]["first_violation"]["tensor"]
+        == "layer.01.mlp_out"
+    )
+    deltas = [
+        e
+        for e in dom.elements
+        if e.get("data-json", "").startswith("/baselines/") and e["data-json"].endswith("/delta")
+    ]
     assert len(deltas) == sum(len(b["observed"]) for b in rep["baselines"]) > 0
 
 
@@ -324,14 +458,29 @@ def check_bisect_page(dom: Dom, rep: dict) -> None:
     layers = rep["layers"]
     assert dom.by_id("chart-layers")["data-n"] == str(len(layers))
     for field in ("whole_rel_l2", "isolated_rel_l2", "calibration_rel_l2"):
-        points = [e for e in dom.find(tag="circle") if re.fullmatch(rf"/layers/\d+/{field}", e.get("data-json", ""))]
-        assert [int(p["data-x"]) for p in points] == [i for i, l in enumerate(layers) if l[field] is not None], field
+        points = [
+            e
+            for e in dom.find(tag="circle")
+            if re.fullmatch(rf"/layers/\d+/{field}", e.get("data-json", ""))
+        ]
+        assert [int(p["data-x"]) for p in points] == [
+            i for i, l in enumerate(layers) if l[field] is not None
+        ], field
     w = rep["first_wrong_layer"]
     assert int(dom.by_id("chart-layers-wrong-layer")["data-x"]) == w
-    assert [int(e["data-layer"]) for e in dom.find(tag="tr") if "wrong-layer" in e.get("class", "").split()] == [w]
+    assert [
+        int(e["data-layer"])
+        for e in dom.find(tag="tr")
+        if "wrong-layer" in e.get("class", "").split()
+    ] == [w]
     assert dom.by_id("wrong-layer")["data-layer"] == str(w)
-    assert (dom.by_id("stage")["data-tensor"], dom.by_id("stage")["data-layer"]) == (rep["stage"]["tensor"], str(rep["stage"]["layer"]))
-    suspicious = [e["data-x"] for e in dom.elements if e.get("id", "").startswith("chart-layers-suspicious-")]
+    assert (dom.by_id("stage")["data-tensor"], dom.by_id("stage")["data-layer"]) == (
+        rep["stage"]["tensor"],
+        str(rep["stage"]["layer"]),
+    )
+    suspicious = [
+        e["data-x"] for e in dom.elements if e.get("id", "").startswith("chart-layers-suspicious-")
+    ]
     assert suspicious == [str(i) for i, l in enumerate(layers) if l["suspicious"]]
     assert dom.by_id("verdict")["text"] == rep["verdict"].upper().replace("_", " ")
 
@@ -339,7 +488,11 @@ def check_bisect_page(dom: Dom, rep: dict) -> None:
 def test_the_bisect_page_shows_the_json_report(rendered, bisected):
     rep = bisected["report"]
     # The run this page is drawn from: the planted MLP of layer 02, calibrated.
-    assert (rep["verdict"], rep["first_wrong_layer"], rep["stage"]["tensor"]) == ("wrong_layer", 2, "layer.02.mlp_out")
+    assert (rep["verdict"], rep["first_wrong_layer"], rep["stage"]["tensor"]) == (
+        "wrong_layer",
+        2,
+        "layer.02.mlp_out",
+    )
     assert sum(l["calibration_rel_l2"] is not None for l in rep["layers"]) == 3
     dom = Dom(rendered["bisect"].dom)
     check_bisect_page(dom, rep)
@@ -361,8 +514,26 @@ def test_the_bisect_page_shows_the_json_report(rendered, bisected):
 
 def test_bisect_html_into_a_missing_directory_is_refused_before_any_run(tmp_path):
     out = tmp_path / "absent" / "b.html"
-    r = run([BIN / "gate", "--root", ROOT, "bisect", "--model", "fixtures/tiny-qwen3", "--prompt", "short",
-             "--reference", "engine", "--candidate", "engine", "--work", tmp_path / "work", "--html", out])
+    r = run(
+        [
+            BIN / "gate",
+            "--root",
+            ROOT,
+            "bisect",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "engine",
+            "--work",
+            tmp_path / "work",
+            "--html",
+            out,
+        ]
+    )
     assert r.returncode == 2 and f"--html: {out.parent} is not a directory" in r.stderr, r.stderr
     assert not (tmp_path / "work").exists()
 
@@ -371,7 +542,7 @@ def box_children(dom: Dom, box: dict) -> list:
     """The elements inside `box` (those after it, up to the next finding box)."""
     i = dom.elements.index(box)
     out = []
-    for e in dom.elements[i + 1:]:
+    for e in dom.elements[i + 1 :]:
         if "finding" in e.get("class", "").split() and "box" in e.get("class", "").split():
             break
         out.append(e)

@@ -21,16 +21,32 @@ The format is specified in docs/trace-format.md.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 
-import os
-
-from ._native import FORMAT_VERSION, CompareError, NativeTrace, NativeWriter, TraceError, __version__, weights_digest
+from ._native import (
+    FORMAT_VERSION,
+    CompareError,
+    NativeTrace,
+    NativeWriter,
+    TraceError,
+    __version__,
+    weights_digest,
+)
 from ._native import compare as _compare
 
-__all__ = ["__version__", "Trace", "TraceWriter", "TraceError", "weights_digest", "FORMAT_VERSION",
-           "compare", "Report", "CompareError"]
+__all__ = [
+    "__version__",
+    "Trace",
+    "TraceWriter",
+    "TraceError",
+    "weights_digest",
+    "FORMAT_VERSION",
+    "compare",
+    "Report",
+    "CompareError",
+]
 
 # numpy dtype -> trace dtype; bf16 is given explicitly (uint16 bits) or via ml_dtypes.
 _TO_TRACE = {
@@ -54,12 +70,16 @@ def _trace_dtype(array: np.ndarray, dtype: str | None) -> tuple[str, np.ndarray]
     if dtype == "bf16":
         # Only bits are accepted: an f16 or i16 array has the right size but other numbers.
         if array.dtype.kind != "u" or array.dtype.itemsize != 2:
-            raise TraceError(f"dtype='bf16' takes the bits as a uint16 array (or an ml_dtypes.bfloat16 array), got {array.dtype}")
+            raise TraceError(
+                f"dtype='bf16' takes the bits as a uint16 array (or an ml_dtypes.bfloat16 array), got {array.dtype}"
+            )
         return "bf16", array.astype("<u2", copy=False)
     native = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
     name = _TO_TRACE.get(native)
     if name is None:
-        raise TraceError(f"numpy dtype {array.dtype} has no trace dtype (supported: {sorted(_TO_TRACE.values())} and bf16)")
+        raise TraceError(
+            f"numpy dtype {array.dtype} has no trace dtype (supported: {sorted(_TO_TRACE.values())} and bf16)"
+        )
     if dtype is not None and dtype != name:
         raise TraceError(f"dtype={dtype!r} does not match the array's dtype {array.dtype} ({name})")
     return name, array.astype(native, copy=False)
@@ -85,7 +105,9 @@ def _check_provenance_ints(value, where: str) -> None:
         return
     if isinstance(value, int):
         if not -(1 << 63) <= value < (1 << 64):
-            raise TraceError(f"{where} = {value} does not fit 64 bits and would not be recorded exactly; store it as a string")
+            raise TraceError(
+                f"{where} = {value} does not fit 64 bits and would not be recorded exactly; store it as a string"
+            )
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_provenance_ints(v, f"{where}.{k}")
@@ -99,7 +121,9 @@ class TraceWriter:
 
     def __init__(self, path, provenance: dict):
         if not isinstance(provenance, dict):
-            raise TraceError(f"provenance must be a JSON object (a dict), got {type(provenance).__name__}")
+            raise TraceError(
+                f"provenance must be a JSON object (a dict), got {type(provenance).__name__}"
+            )
         try:
             text = json.dumps(provenance, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -109,8 +133,17 @@ class TraceWriter:
         self.path = path
         self.digest: str | None = None
 
-    def tensor(self, name: str, array, dtype: str | None = None, path: str | None = None,
-               mask: str | None = None, positions=None, step: int | None = None, **extra: str) -> None:
+    def tensor(
+        self,
+        name: str,
+        array,
+        dtype: str | None = None,
+        path: str | None = None,
+        mask: str | None = None,
+        positions=None,
+        step: int | None = None,
+        **extra: str,
+    ) -> None:
         array = np.asarray(array)
         trace_dtype, array = _trace_dtype(array, dtype)
         # np.ascontiguousarray would turn a rank-0 array into rank 1; keep the shape exactly.
@@ -121,9 +154,20 @@ class TraceWriter:
             step = _int64(step, f"tensor {name!r}: step")
         for key, value in extra.items():
             if not isinstance(value, str):
-                raise TraceError(f"tensor {name!r}: extra attribute {key!r} must be a string, got {type(value).__name__}")
-        self._native.tensor(name, trace_dtype, list(data.shape), data.reshape(-1).view(np.uint8).data,
-                            path, mask, positions, step, extra or None)
+                raise TraceError(
+                    f"tensor {name!r}: extra attribute {key!r} must be a string, got {type(value).__name__}"
+                )
+        self._native.tensor(
+            name,
+            trace_dtype,
+            list(data.shape),
+            data.reshape(-1).view(np.uint8).data,
+            path,
+            mask,
+            positions,
+            step,
+            extra or None,
+        )
 
     def decision(self, name: str, values, margins=None) -> None:
         values = np.asarray(values)
@@ -175,11 +219,17 @@ class Trace:
         dtype, shape = self._native.meta(name)
         buf = memoryview(self._native.payload(name))
         try:
-            array = np.frombuffer(buf, dtype=_TO_NUMPY[dtype]) if len(buf) else np.zeros(0, _TO_NUMPY[dtype])
+            array = (
+                np.frombuffer(buf, dtype=_TO_NUMPY[dtype])
+                if len(buf)
+                else np.zeros(0, _TO_NUMPY[dtype])
+            )
             array = array.reshape(shape)
         except (ValueError, OverflowError, MemoryError) as e:
             # A valid trace may hold a shape numpy cannot represent (an empty [0, 2**62]).
-            raise TraceError(f"{self.path}: tensor {name!r} of shape {list(shape)} cannot be a numpy array: {e}") from None
+            raise TraceError(
+                f"{self.path}: tensor {name!r} of shape {list(shape)} cannot be a numpy array: {e}"
+            ) from None
         array.flags.writeable = False  # traces are evidence: views never write back
         return array
 
@@ -205,7 +255,9 @@ class Trace:
                 try:
                     values[name] = np.frombuffer(vbytes, dtype="<i8").reshape(shape)
                 except (ValueError, OverflowError, MemoryError) as e:
-                    raise TraceError(f"{self.path}: decision {name!r} of shape {list(shape)} cannot be a numpy array: {e}") from None
+                    raise TraceError(
+                        f"{self.path}: decision {name!r} of shape {list(shape)} cannot be a numpy array: {e}"
+                    ) from None
                 margins[name] = None if mbytes is None else np.frombuffer(mbytes, dtype="<f4")
             self._decisions = (values, margins)
         return self._decisions
@@ -248,7 +300,7 @@ def _globs(value, what: str) -> list | None:
     return globs
 
 
-def compare(reference, candidate, policy=None, all: bool = False, only=None, skip=None) -> "Report":
+def compare(reference, candidate, policy=None, all: bool = False, only=None, skip=None) -> Report:
     """Compare two traces as ``trace-diff`` does, in-process (the Rust comparison, no subprocess).
 
     ``policy``: None (by bits), a bundled name (``"f32"``, ``"bf16"``, ``"f16"``) or a policy
@@ -259,9 +311,14 @@ def compare(reference, candidate, policy=None, all: bool = False, only=None, ski
     """
     if policy is not None and not isinstance(policy, (str, os.PathLike)):
         raise CompareError(f"policy takes a bundled name or a path, got {type(policy).__name__}")
-    native = _compare(os.fspath(reference), os.fspath(candidate),
-                      None if policy is None else os.fspath(policy), bool(all),
-                      _globs(only, "only"), _globs(skip, "skip"))
+    native = _compare(
+        os.fspath(reference),
+        os.fspath(candidate),
+        None if policy is None else os.fspath(policy),
+        bool(all),
+        _globs(only, "only"),
+        _globs(skip, "skip"),
+    )
     return Report(native)
 
 
@@ -302,7 +359,11 @@ class Report:
     @property
     def flipped_decisions(self) -> list:
         """Every flipped decision row: ``{"decision", "row", "reference", "candidate", "label", ...}``."""
-        return [{"decision": r["name"], **f} for r in self._fields["decisions"]["results"] for f in r["flips"]]
+        return [
+            {"decision": r["name"], **f}
+            for r in self._fields["decisions"]["results"]
+            for f in r["flips"]
+        ]
 
     def to_json(self) -> str:
         return self._native.to_json()

@@ -1,10 +1,10 @@
 """Assertions for a test suite: ``assert_traces_agree`` fails with what ``trace-diff`` would name.
 
-    from tracegate.testing import assert_traces_agree
+from tracegate.testing import assert_traces_agree
 
-    def test_my_engine_matches_the_oracle(tmp_path):
-        run_my_engine(out=tmp_path / "mine.trace")
-        assert_traces_agree("oracle.trace", tmp_path / "mine.trace", policy="f32")
+def test_my_engine_matches_the_oracle(tmp_path):
+    run_my_engine(out=tmp_path / "mine.trace")
+    assert_traces_agree("oracle.trace", tmp_path / "mine.trace", policy="f32")
 """
 
 from __future__ import annotations
@@ -26,28 +26,45 @@ def disagreement(report) -> str:
     """The failure message for a report that is not ok: the verdict line, the first violation
     (tensor, rule, each broken bound with its value and limit, the worst element), the first bit
     difference, every flipped decision with its label, and the findings."""
-    lines = [f"traces disagree: {str(report).splitlines()[0]}",
-             f"  reference: {report.reference['path']}", f"  candidate: {report.candidate['path']}"]
+    lines = [
+        f"traces disagree: {str(report).splitlines()[0]}",
+        f"  reference: {report.reference['path']}",
+        f"  candidate: {report.candidate['path']}",
+    ]
     v = report.first_violation
     if v is not None:
         rule = f" (rule #{v['rule']['index']} {v['rule']['pattern']})" if v["rule"] else ""
         lines.append(f"  first violation: {v['tensor']}{rule}")
         for b in v["violations"]:
             op = "<" if b["bound"] == "min_cosine" else ">"
-            lines.append(f"    {b['bound']}: value {_amount(b['value'])} {op} limit {_amount(b['limit'])}")
+            lines.append(
+                f"    {b['bound']}: value {_amount(b['value'])} {op} limit {_amount(b['limit'])}"
+            )
         w = v["worst_element"]
         if w is not None:
-            lines.append(f"    worst element {w['coords']}: reference {w['reference_value']} vs candidate {w['candidate_value']}")
+            lines.append(
+                f"    worst element {w['coords']}: reference {w['reference_value']} vs candidate {w['candidate_value']}"
+            )
     d = report.first_bit_difference
     if d is not None:
-        lines.append(f"  first bit difference: {d['tensor']} {d['coords']}: reference {d['reference_value']} "
-                     f"vs candidate {d['candidate_value']} ({_amount(d['ulp'])} ULP)")
+        lines.append(
+            f"  first bit difference: {d['tensor']} {d['coords']}: reference {d['reference_value']} "
+            f"vs candidate {d['candidate_value']} ({_amount(d['ulp'])} ULP)"
+        )
     flips = report.flipped_decisions
     if flips:
         lines.append(f"  flipped decisions ({len(flips)}):")
         for f in flips:
-            why = f" of {f['upstream']}" if f["upstream"] else f" ({f['after']})" if f["after"] else ""
-            lines.append(f"    {f['decision']}[{f['row']}]: {_rows(f['reference'])} -> {_rows(f['candidate'])} ({f['label']}{why})")
+            why = (
+                f" of {f['upstream']}"
+                if f["upstream"]
+                else f" ({f['after']})"
+                if f["after"]
+                else ""
+            )
+            lines.append(
+                f"    {f['decision']}[{f['row']}]: {_rows(f['reference'])} -> {_rows(f['candidate'])} ({f['label']}{why})"
+            )
     for f in report.findings:
         lines.append(f"  {f['kind']}{' ' + f['tensor'] if f['tensor'] else ''}: {f['detail']}")
     return "\n".join(lines)
