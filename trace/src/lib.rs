@@ -12,6 +12,7 @@ mod dtype;
 mod error;
 mod index;
 mod layout;
+pub mod names;
 mod reader;
 mod writer;
 
