@@ -121,3 +121,23 @@ def test_taps_under_accelerates_dispatch_equal_the_plain_run(tmp_path):
     assert prov["modules"] == dmap and prov["reported_by"] == "model.hf_device_map"
     assert prov["computed_on"] == {k: "cpu" for k in dmap}
     assert set(prov["devices"]) == {"cpu", "disk"}
+
+
+def test_inputs_go_to_the_modules_execution_device():
+    """The oracle sends token ids to the embedding's execution device and a `layer` input to the
+    layer's, not to plain --device: a model accelerate puts wholly on GPU 1 gets no hook and
+    failed with ids on GPU 0 (oracle/README.md). Constructing a device needs no GPU."""
+    from types import SimpleNamespace
+
+    rc = cp.RunConfig(device="cuda", device_map="auto")
+    on_cpu = torch.nn.Linear(2, 2)
+    assert cp.execution_device(on_cpu, rc) == torch.device("cpu")  # its weights, not rc.device
+    hooked = torch.nn.Linear(2, 2)
+    hooked._hf_hook = SimpleNamespace(execution_device=1)  # accelerate's AlignDevicesHook
+    assert cp.execution_device(hooked, rc) == torch.device("cuda", 1)
+    hooked._hf_hook = SimpleNamespace(execution_device="cpu")
+    assert cp.execution_device(hooked, rc) == torch.device("cpu")
+    with torch.device("meta"):
+        offloaded = torch.nn.Linear(2, 2)  # weights put in place by a hook at forward time
+    assert cp.execution_device(offloaded, rc) == torch.device("cuda")
+    assert cp.execution_device(torch.nn.ReLU(), rc) == torch.device("cuda")

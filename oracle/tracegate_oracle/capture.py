@@ -380,6 +380,20 @@ def _device_map_provenance(model, rc: RunConfig) -> dict:
     }
 
 
+def execution_device(module, rc: RunConfig):
+    """Where `module` computes, so its inputs are sent there: accelerate's hook's execution device
+    under --device-map auto, else the device of its weights, else --device. Sending token ids to
+    plain `cuda` (GPU 0) fails when accelerate puts the whole model on GPU 1: a map of one device
+    dispatches nothing, so no hook moves them."""
+    import torch
+
+    d = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if d is not None:
+        return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    p = next(module.parameters(), None)
+    return p.device if p is not None and p.device.type != "meta" else torch.device(rc.device)
+
+
 def _check_tied_head(model, d: Path) -> None:
     """A checkpoint with tie_word_embeddings=true and its own, different lm_head.weight is not
     reported by transformers as unexpected: 5.23 silently un-ties and uses it (warning only), so
@@ -877,6 +891,7 @@ def _generate(
         RouterForcing(resolve(model), forcing) if forcing is not None else contextlib.nullcontext()
     )
     past = None
+    dev = execution_device(model.get_input_embeddings(), rc)
 
     with torch.no_grad(), routing, torch.autocast(device_type=rc.device, enabled=False):
         for s in range(n):
@@ -897,7 +912,7 @@ def _generate(
                 decode=True,
                 prefix=f"decode.{s:04d}.",
             ) as tap:
-                r = model(torch.tensor([ids], device=rc.device), **kw)
+                r = model(torch.tensor([ids], device=dev), **kw)
             records += tap.records
             past = r.past_key_values
             row = r.logits[0, -1].float().cpu().numpy()[None]
@@ -986,7 +1001,12 @@ def capture_prompt(
                 torch.autocast(device_type=rc.device, enabled=False),
                 _routing(model, forcing, range(len(tokens))),
             ):
-                model(torch.tensor([tokens], device=rc.device), use_cache=False)
+                model(
+                    torch.tensor(
+                        [tokens], device=execution_device(model.get_input_embeddings(), rc)
+                    ),
+                    use_cache=False,
+                )
             tap.finish()
         return tap, _generate(model, tokens, rc.generate, rc, forcing)
 
@@ -1137,8 +1157,9 @@ def capture_layer(
         x = torch.from_numpy(np.array(hidden, copy=True).view(np.int16)).view(torch.bfloat16)
     else:
         x = torch.from_numpy(np.array(hidden, copy=True))  # the trace view is read-only
-    x = x.to(rc.device, dt)[None]
-    pos = torch.tensor([positions], device=rc.device)
+    dev = execution_device(layers[L], rc)
+    x = x.to(dev, dt)[None]
+    pos = torch.tensor([positions], device=dev)
 
     def run():
         if decode_from is not None:
