@@ -1,5 +1,7 @@
 use std::path::PathBuf;
 
+use crate::dtype::DType;
+
 /// Every failure of the container: the message names the file, the tensor and the numbers.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -19,6 +21,23 @@ pub enum Error {
     Invalid(String),
     #[error("{0}")]
     NotFound(String),
+    /// A tensor was asked for as an element type other than the one it holds.
+    #[error("{path}: tensor {tensor:?} is {stored}, not {asked}")]
+    WrongDType {
+        path: PathBuf,
+        tensor: String,
+        asked: DType,
+        stored: DType,
+    },
+    /// A tensor's payload cannot be viewed in place as the type asked for (misaligned, a length
+    /// that is not its element count, a shape this host cannot index).
+    #[error("{path}: tensor {tensor:?} cannot be viewed as {asked} in place: {reason}")]
+    NotViewable {
+        path: PathBuf,
+        tensor: String,
+        asked: DType,
+        reason: String,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

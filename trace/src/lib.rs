@@ -4,7 +4,10 @@
 //!
 //! Writing streams each tensor to a temporary file in the destination directory and renames it
 //! into place on [`TraceWriter::finish`], so a crashed producer never leaves a file at the final
-//! path. Reading maps the file and validates the whole index before handing out any view.
+//! path. Reading maps the file and validates the whole index before handing out any view:
+//! [`Trace::slice`] (`&[T]`) and, with the default `ndarray` feature, [`Trace::view`]
+//! (`ndarray::ArrayViewD<T>` with the tensor's shape) read a tensor in place, typed by
+//! [`Element`] (`f64 f32 half::f16 half::bf16 i64 i32 i16 i8 u8 bool`).
 
 mod attrs;
 mod digest;
@@ -14,6 +17,7 @@ mod index;
 mod layout;
 pub mod names;
 mod reader;
+mod view;
 mod writer;
 
 pub use attrs::{Attributes, ExtraAttrs};
@@ -22,4 +26,9 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};
 pub use reader::{DecisionInfo, TensorInfo, Trace};
+pub use view::Element;
 pub use writer::TraceWriter;
+
+/// The `ndarray` this crate's views ([`Trace::view`]) are made of, for callers that name its types.
+#[cfg(feature = "ndarray")]
+pub use ndarray;

@@ -13,6 +13,7 @@ use crate::dtype::{element_count, DType};
 use crate::error::{Error, Result};
 use crate::index::{parse as parse_index, Sink};
 use crate::layout::*;
+use crate::view::{bad_bool_reason, first_bad_bool};
 
 /// One tensor's index entry.
 #[derive(Clone, Debug)]
@@ -519,10 +520,6 @@ impl Trace {
     pub fn path(&self) -> &Path {
         &self.path
     }
-    /// The whole mapped file (for bindings that hand out views into it).
-    pub fn raw_map(&self) -> &[u8] {
-        &self.map
-    }
     /// The recorded whole-trace content digest ([`Trace::verify`] proves it).
     pub fn digest(&self) -> Digest {
         self.digest
@@ -544,35 +541,14 @@ impl Trace {
     pub fn data(&self, info: &TensorInfo) -> &[u8] {
         &self.map[info.offset as usize..(info.offset + info.nbytes) as usize]
     }
-    fn tensor_or_err(&self, name: &str) -> Result<&TensorInfo> {
+    pub(crate) fn tensor_or_err(&self, name: &str) -> Result<&TensorInfo> {
         self.tensor_info(name).ok_or_else(|| {
             Error::NotFound(format!("{}: no tensor named {name:?}", self.path.display()))
         })
     }
-    /// A tensor's bytes as a zero-copy `&[f32]` (payloads are 64-byte aligned in the map).
+    /// A tensor's elements as a zero-copy `&[f32]` ([`Trace::slice`]).
     pub fn f32_slice(&self, name: &str) -> Result<&[f32]> {
-        let info = self.tensor_or_err(name)?;
-        if info.dtype != DType::F32 {
-            return Err(Error::Invalid(format!(
-                "tensor {name:?} is {}, not f32",
-                info.dtype
-            )));
-        }
-        if cfg!(target_endian = "big") {
-            return Err(Error::Invalid(
-                "zero-copy f32 views need a little-endian host".into(),
-            ));
-        }
-        let bytes = self.data(info);
-        // SAFETY: the offset is a multiple of 64 from a page-aligned map, so the pointer is
-        // aligned for f32; the length is a multiple of 4 (checked at open); f32 has no invalid bits.
-        let (prefix, floats, suffix) = unsafe { bytes.align_to::<f32>() };
-        if !prefix.is_empty() || !suffix.is_empty() {
-            return Err(Error::Invalid(format!(
-                "tensor {name:?} is not aligned for f32"
-            )));
-        }
-        Ok(floats)
+        self.slice::<f32>(name)
     }
     pub fn f32_vec(&self, name: &str) -> Result<Vec<f32>> {
         Ok(self.f32_slice(name)?.to_vec())
@@ -629,14 +605,10 @@ impl Trace {
             });
         }
         for t in self.tensors.iter().filter(|t| t.dtype == DType::Bool) {
-            if let Some(i) = self.data(t).iter().position(|&b| b > 1) {
+            if let Some((i, b)) = first_bad_bool(self.data(t)) {
                 return Err(Error::Malformed {
                     path: self.path.clone(),
-                    reason: format!(
-                        "tensor {:?}: bool element {i} is {} (must be 0 or 1)",
-                        t.name,
-                        self.data(t)[i]
-                    ),
+                    reason: bad_bool_reason(&t.name, i, b),
                 });
             }
         }

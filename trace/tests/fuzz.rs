@@ -1,7 +1,8 @@
 //! Bounded fuzz of the reader (docs/fuzzing.md): the conformance vectors and a written trace,
 //! mutated by bit flips, truncation at every offset, and index edits with a re-digested footer
 //! (so the footer check passes and the deeper checks must catch the edit). Each mutant must be
-//! refused by `open` or `verify`, or read back with the original content. Deterministic seeds;
+//! refused by `open` or `verify`, or read back with the original content; views of every tensor
+//! before `verify` are refused or handed out, never a panic. Deterministic seeds;
 //! TRACEGATE_FUZZ_ITERS raises the iteration count for a long run.
 mod common;
 
@@ -9,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use serde_json::{json, Value};
-use tracegate_trace::Trace;
+use tracegate_trace::{DType, Element, TensorInfo, Trace};
 
 struct Rng(u64);
 impl Rng {
@@ -59,7 +60,10 @@ impl Judge {
         // A new file each time: truncating one in place makes ext4 flush it (auto_da_alloc).
         let _ = std::fs::remove_file(&self.path);
         std::fs::write(&self.path, mutant).unwrap();
-        match Trace::open(&self.path).and_then(|t| t.verify().map(|_| t)) {
+        match Trace::open(&self.path).and_then(|t| {
+            view_all(&t);
+            t.verify().map(|_| t)
+        }) {
             Err(_) => {
                 self.refused += 1;
                 false
@@ -73,6 +77,31 @@ impl Judge {
                 self.equal += 1;
                 true
             }
+        }
+    }
+}
+
+/// Views every tensor as its own dtype before `verify`: each view is refused or handed out,
+/// never a panic (a bool view reads every byte).
+fn view_all(t: &Trace) {
+    use half::{bf16, f16};
+    fn touch<T: Element>(t: &Trace, i: &TensorInfo) {
+        let _ = t.slice_of::<T>(i);
+        #[cfg(feature = "ndarray")]
+        let _ = t.view_of::<T>(i);
+    }
+    for i in t.tensors() {
+        match i.dtype {
+            DType::F64 => touch::<f64>(t, i),
+            DType::F32 => touch::<f32>(t, i),
+            DType::F16 => touch::<f16>(t, i),
+            DType::BF16 => touch::<bf16>(t, i),
+            DType::I64 => touch::<i64>(t, i),
+            DType::I32 => touch::<i32>(t, i),
+            DType::I16 => touch::<i16>(t, i),
+            DType::I8 => touch::<i8>(t, i),
+            DType::U8 => touch::<u8>(t, i),
+            DType::Bool => touch::<bool>(t, i),
         }
     }
 }

@@ -21,6 +21,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use serde_json::{json, Value};
+use tracegate_trace::ndarray::Ix2;
 use tracegate_trace::{weights_digest, Attributes, Trace, TraceWriter};
 
 type Res<T> = Result<T, String>;
@@ -835,14 +836,21 @@ fn layer_verb(a: &Args, plant: Plant) -> Res<()> {
         .tensor_info(name)
         .ok_or_else(|| format!("{input}: no tensor {name}"))?;
     let h = model.c.hidden;
-    let rows = match info.shape[..] {
-        [r, c] if c as usize == h && r > 0 => r as usize,
-        ref s => {
+    // The input in place in the map, as a [rows, hidden] view of its recorded shape.
+    let x = match tr
+        .view_of::<f32>(info)
+        .map_err(text)?
+        .into_dimensionality::<Ix2>()
+    {
+        Ok(x) if x.ncols() == h && x.nrows() > 0 => x,
+        _ => {
             return Err(format!(
-                "{input}: tensor {name} has shape {s:?}, expected [rows, {h}]"
+                "{input}: tensor {name} has shape {:?}, expected [rows, {h}]",
+                info.shape
             ))
         }
     };
+    let rows = x.nrows();
     let pos = info
         .attributes
         .positions
@@ -851,7 +859,7 @@ fn layer_verb(a: &Args, plant: Plant) -> Res<()> {
     let pos = pos.ok_or_else(|| {
         format!("{input}: tensor {name} has no positions attribute with one position per row")
     })?;
-    let x = tr.f32_vec(name).map_err(text)?;
+    let x = x.as_slice().ok_or("a payload view is row-major")?;
     let mut prov = provenance(dir, &raw, "layer", internals)?;
     prov["layer"] = json!(l);
     prov["input"] = json!({ "path": input, "name": name, "trace_digest": tr.digest().hex() });
@@ -859,7 +867,7 @@ fn layer_verb(a: &Args, plant: Plant) -> Res<()> {
     let cap = match decode_from {
         None => {
             let mut cap = Cap::new("layer", internals);
-            model.layer(l, &x, &pos, &mut kv, &mut cap, false);
+            model.layer(l, x, &pos, &mut kv, &mut cap, false);
             cap
         }
         Some(p) => {

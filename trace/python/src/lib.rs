@@ -1,15 +1,19 @@
 //! `tracegate._native`: the Rust container exposed to Python. The numpy-facing API lives in
-//! `python/tracegate/__init__.py`; this layer moves bytes and never panics across the boundary.
+//! `python/tracegate/__init__.py`; this layer hands out tensors as read-only numpy arrays over
+//! the mapped file (through the `numpy` crate) and never panics across the boundary.
 
 use std::collections::BTreeMap;
-use std::os::raw::{c_int, c_void};
+use std::os::raw::c_void;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use half::{bf16, f16};
+use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArray};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
+use tracegate_trace::ndarray::ArrayViewD;
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 create_exception!(
@@ -131,56 +135,50 @@ struct NativeTrace {
     inner: Arc<Trace>,
 }
 
-/// A read-only buffer over one payload inside the map; keeps the map alive.
-#[pyclass(module = "tracegate._native", frozen)]
-struct Payload {
-    trace: Arc<Trace>,
-    offset: usize,
-    len: usize,
-}
-
-#[pymethods]
-impl Payload {
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut pyo3::ffi::Py_buffer,
-        flags: c_int,
-    ) -> PyResult<()> {
-        if view.is_null() {
-            return Err(pyo3::exceptions::PyBufferError::new_err("null view"));
+/// A read-only numpy array over `view`'s elements, whose `base` is `owner`: the `NativeTrace`
+/// that owns the mapping, so the map outlives every array handed out of it. numpy's own
+/// refusal (an empty shape whose byte size overflows, such as `[0, 2**62]` of f32) is a
+/// ValueError, which the Python layer words as a TraceError naming the tensor and its shape.
+fn readonly_array<'py, T: numpy::Element>(
+    view: ArrayViewD<'_, T>,
+    owner: &Bound<'py, NativeTrace>,
+) -> PyResult<Bound<'py, PyUntypedArray>> {
+    use numpy::npyffi::{get_type_object, npy_intp, NpyTypes, PY_ARRAY_API};
+    use numpy::PyArrayDescrMethods;
+    let py = owner.py();
+    // ndarray bounds each dimension and stride by isize::MAX, so these casts are exact.
+    let mut dims: Vec<npy_intp> = view.shape().iter().map(|&d| d as npy_intp).collect();
+    let item = std::mem::size_of::<T>() as npy_intp;
+    let mut strides: Vec<npy_intp> = view
+        .strides()
+        .iter()
+        .map(|&s| s as npy_intp * item)
+        .collect();
+    // SAFETY: `view` points into the map owned by `owner`'s Arc<Trace>, which is never
+    // replaced (the class is frozen) and lives as long as the array holds `owner` as its base;
+    // flags 0 makes the array read-only, so numpy never writes through the pointer. A null
+    // result is numpy's raised error, returned as is, before anything is done with it.
+    unsafe {
+        let raw = PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            get_type_object(py, NpyTypes::PyArray_Type),
+            T::get_dtype(py).into_dtype_ptr(),
+            dims.len() as std::os::raw::c_int,
+            dims.as_mut_ptr(),
+            strides.as_mut_ptr(),
+            view.as_ptr() as *mut c_void,
+            0,
+            std::ptr::null_mut(),
+        );
+        // (Not PyArray::borrow_from_array: it sets the base of a null array, numpy's refusal.)
+        let array = Bound::from_owned_ptr_or_err(py, raw)?.cast_into_unchecked::<PyArrayDyn<T>>();
+        // Steals the new reference to `owner`, also when it fails.
+        let base = owner.clone().into_any().into_ptr();
+        if PY_ARRAY_API.PyArray_SetBaseObject(py, raw.cast(), base) != 0 {
+            return Err(PyErr::fetch(py));
         }
-        if flags & pyo3::ffi::PyBUF_WRITABLE == pyo3::ffi::PyBUF_WRITABLE {
-            return Err(pyo3::exceptions::PyBufferError::new_err(
-                "trace payloads are read-only",
-            ));
-        }
-        let me = slf.get();
-        let base: &[u8] = me.trace.raw_map();
-        // Empty payloads still need a valid pointer.
-        let ptr = if me.len == 0 {
-            base.as_ptr()
-        } else {
-            base[me.offset..me.offset + me.len].as_ptr()
-        };
-        // SAFETY: the buffer points into the map owned by `me.trace`, which lives as long as
-        // `slf` (PyBuffer_FillInfo takes a reference to it); the buffer is marked read-only.
-        let rc = unsafe {
-            pyo3::ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                ptr as *mut c_void,
-                me.len as isize,
-                1,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        Ok(array.as_untyped().clone())
     }
-
-    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }
 
 fn attrs_json(a: &Attributes) -> String {
@@ -234,18 +232,42 @@ impl NativeTrace {
         Ok((t.dtype.name(), t.shape.clone()))
     }
 
-    fn payload(&self, name: &str) -> PyResult<Payload> {
-        let t = self
-            .inner
+    /// Tensor `name` as a read-only numpy array viewing the mapped file (no copy) with its
+    /// shape; the array's `base` is this object, which keeps the mapping alive. bf16 comes as
+    /// uint16 bits (numpy has no bf16). KeyError for an unknown name; TraceError for a file
+    /// truncated since it was opened (a page past its new end would raise SIGBUS when read).
+    fn array<'py>(slf: &Bound<'py, Self>, name: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
+        // A shape the view cannot index is numpy's refusal too: a ValueError, worded by the
+        // Python layer like numpy's own.
+        let err = |e: tracegate_trace::Error| match e {
+            tracegate_trace::Error::NotViewable { reason, .. } => {
+                pyo3::exceptions::PyValueError::new_err(reason)
+            }
+            e => err(e),
+        };
+        let t = &slf.get().inner;
+        let info = t
             .tensor_info(name)
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))?;
-        // A page past a new end of file would raise SIGBUS when numpy reads it.
-        self.inner.check_size().map_err(err)?;
-        Ok(Payload {
-            trace: self.inner.clone(),
-            offset: t.offset as usize,
-            len: t.nbytes as usize,
-        })
+        match info.dtype {
+            DType::F64 => readonly_array(t.view_of::<f64>(info).map_err(err)?, slf),
+            DType::F32 => readonly_array(t.view_of::<f32>(info).map_err(err)?, slf),
+            DType::F16 => readonly_array(t.view_of::<f16>(info).map_err(err)?, slf),
+            DType::BF16 => {
+                let v = t.view_of::<bf16>(info).map_err(err)?;
+                // SAFETY: bf16 is a transparent u16 (half's documented layout): same shape,
+                // strides and pointer, read as the bits.
+                let bits =
+                    unsafe { ArrayViewD::from_shape_ptr(v.raw_dim(), v.as_ptr().cast::<u16>()) };
+                readonly_array(bits, slf)
+            }
+            DType::I64 => readonly_array(t.view_of::<i64>(info).map_err(err)?, slf),
+            DType::I32 => readonly_array(t.view_of::<i32>(info).map_err(err)?, slf),
+            DType::I16 => readonly_array(t.view_of::<i16>(info).map_err(err)?, slf),
+            DType::I8 => readonly_array(t.view_of::<i8>(info).map_err(err)?, slf),
+            DType::U8 => readonly_array(t.view_of::<u8>(info).map_err(err)?, slf),
+            DType::Bool => readonly_array(t.view_of::<bool>(info).map_err(err)?, slf),
+        }
     }
 
     fn attributes_json(&self, name: &str) -> PyResult<String> {
@@ -416,7 +438,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compare, m)?)?;
     m.add_class::<NativeWriter>()?;
     m.add_class::<NativeTrace>()?;
-    m.add_class::<Payload>()?;
     m.add_function(wrap_pyfunction!(weights_digest, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(

@@ -1,5 +1,6 @@
 """The Python binding: every dtype round-trips, errors are TraceError, crashes leave nothing."""
 
+import gc
 import os
 import signal
 import subprocess
@@ -307,3 +308,68 @@ def test_names_and_lookups_come_from_the_native_index(tmp_path):
     assert t.names == ["z", "a", "m"]  # capture order
     with pytest.raises(KeyError):
         t["q"]
+
+
+def _mappings_of(path) -> list:
+    """(start, end) of every mapping of the file at `path` in this process (/proc/self/maps)."""
+    real = os.path.realpath(path)
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end))
+    return spans
+
+
+def _inside(array: np.ndarray, spans: list) -> bool:
+    at = array.__array_interface__["data"][0]
+    return any(start <= at and at + array.nbytes <= end for start, end in spans)
+
+
+def test_an_array_views_the_mapping_and_keeps_it_alive_after_the_trace_is_gone(tmp_path):
+    path = tmp_path / "a.trace"
+    values = np.arange(3000, dtype=np.float32).reshape(30, 100) - 7.5
+    with tracegate.TraceWriter(path, {}) as w:
+        w.tensor("x", values)
+    t = tracegate.Trace(path)
+    a = t["x"]
+    del t
+    gc.collect()
+    # No copy: the array's memory lies inside this file's mapping, which is still there.
+    spans = _mappings_of(path)
+    assert spans and _inside(a, spans)
+    assert not _inside(a.copy(), spans)  # the check tells a copy apart
+    np.testing.assert_array_equal(a, values)  # still readable: the base holds the mapping
+    assert not a.flags.writeable and not a.flags.owndata
+    with pytest.raises(ValueError):
+        a.flags.writeable = True  # nothing under it can be written: traces are evidence
+    row = a[3]  # a view of the view keeps it too
+    del a
+    gc.collect()
+    assert _mappings_of(path), "unmapped while a view of it was alive"
+    np.testing.assert_array_equal(row, values[3])
+    del row
+    gc.collect()
+    assert _mappings_of(path) == [], "the last array was gone but the file was still mapped"
+
+
+def test_a_shape_the_native_view_cannot_index_raises_the_same_trace_error(tmp_path):
+    """Past numpy's limit (above) is the view's own: an empty [0, 2**63] exceeds isize in the
+    Rust view before numpy sees it, and is worded the same way."""
+    from tracegate._native import NativeWriter
+
+    path = tmp_path / "huge.trace"
+    w = NativeWriter(str(path), "{}")
+    w.tensor("huge", "u8", [0, 1 << 63], b"")
+    w.tensor("fine", "u8", [0, 4], b"")
+    w.finish()
+    t = tracegate.Trace(path)
+    t.verify()
+    assert t["fine"].shape == (0, 4)
+    with pytest.raises(
+        tracegate.TraceError,
+        match=r"tensor 'huge' of shape \[0, 9223372036854775808\] cannot be a numpy array: shape",
+    ):
+        t["huge"]

@@ -7,7 +7,7 @@
 
     t = tracegate.Trace("run.trace")
     t.verify()
-    t["logits"]            # read-only numpy view into the mapped file (no copy)
+    t["logits"]            # read-only numpy view into the mapped file (no copy, stays valid)
 
     report = tracegate.compare("engine.trace", "oracle.trace", policy="f32")
     report.verdict, report.first_violation, report.per_tensor    # the --json report's fields
@@ -60,6 +60,7 @@ _TO_TRACE = {
     np.dtype("u1"): "u8",
     np.dtype("bool"): "bool",
 }
+# What each trace dtype reads back as (the native `array`: bf16 as its uint16 bits).
 _TO_NUMPY = {v: k for k, v in _TO_TRACE.items()}
 _TO_NUMPY["bf16"] = np.dtype("<u2")
 
@@ -216,22 +217,16 @@ class Trace:
         return self._names
 
     def __getitem__(self, name: str) -> np.ndarray:
-        dtype, shape = self._native.meta(name)
-        buf = memoryview(self._native.payload(name))
+        """A read-only numpy array over the mapped file (no copy); its ``base`` keeps the
+        mapping open, so the array stays valid after this Trace is gone."""
         try:
-            array = (
-                np.frombuffer(buf, dtype=_TO_NUMPY[dtype])
-                if len(buf)
-                else np.zeros(0, _TO_NUMPY[dtype])
-            )
-            array = array.reshape(shape)
+            return self._native.array(name)
         except (ValueError, OverflowError, MemoryError) as e:
             # A valid trace may hold a shape numpy cannot represent (an empty [0, 2**62]).
+            shape = self._native.meta(name)[1]
             raise TraceError(
                 f"{self.path}: tensor {name!r} of shape {list(shape)} cannot be a numpy array: {e}"
             ) from None
-        array.flags.writeable = False  # traces are evidence: views never write back
-        return array
 
     def __contains__(self, name: str) -> bool:
         return self._native.contains(name)
