@@ -2,8 +2,9 @@
 //! ordered fp32 (docs/numerics.md), capture of the named tensors and decisions into a `.trace`.
 //!
 //! - `weights`: safetensors parsing, mapped views, inventory, weights digest
+//! - `config`: `config.json` as the forward reads it (§13), refusals included
 //! - `ops`: the ordered kernels (one definition each; the fast matmul is tested against it)
-//! - `qwen3`: config, weights binding and forward for both families
+//! - `qwen3`: weights binding and forward for both families
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace
 //! - `run`: the verbs (`trace`, `layer`, `info`) as a library API; `main.rs` is the CLI over it
@@ -12,15 +13,15 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod capture;
+pub mod config;
 pub mod force;
 pub mod ops;
 pub mod qwen3;
 pub mod run;
 pub mod weights;
 
-pub use run::{
-    generate, info, load_config, run_layer, run_trace, LayerOptions, Step, TraceOptions,
-};
+pub use config::load_config;
+pub use run::{generate, info, run_layer, run_trace, LayerOptions, Step, TraceOptions};
 pub use tracegate_trace::Digest;
 
 /// An engine failure: one line naming the offending field, tensor, file or value.

@@ -5,12 +5,13 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
-use tracegate_trace::{Digest, Trace, TraceWriter};
+use tracegate_trace::{names, Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
+use crate::config::{load_config, ModelType, MAX_POSITIONS};
 use crate::force::Forcing;
 use crate::ops::{self, Rope};
-use crate::qwen3::{Config, Model, MAX_POSITIONS};
+use crate::qwen3::Model;
 use crate::weights::Store;
 use crate::{err, Result};
 
@@ -45,16 +46,6 @@ pub struct LayerOptions {
     pub force_decisions: Option<PathBuf>,
     /// `--decode-from P`: rows at positions ≥ P go one at a time through the cached decode path.
     pub decode_from: Option<i64>,
-}
-
-/// Read and validate `config.json`; returns the parsed config and the raw JSON.
-pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
-    let p = dir.join("config.json");
-    crate::weights::regular_file(&p)?;
-    let text = std::fs::read_to_string(&p).map_err(|e| err!("{}: {e}", p.display()))?;
-    let raw: Value =
-        serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
-    Ok((Config::from_json(&raw)?, raw))
 }
 
 fn pool(threads: usize) -> Result<rayon::ThreadPool> {
@@ -177,7 +168,7 @@ pub fn generate(
         }
         let (token, margin, overridden) = decide_or_force(
             model,
-            &format!("decode.{s:04}.argmax"),
+            &names::decode(s, "argmax"),
             &row,
             0,
             &format!("decode step {s}"),
@@ -214,22 +205,16 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
         f.check_prompt(&o.tokens)?;
         let (c, t) = (&model.cfg, o.tokens.len());
         for l in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
-            let m = c.moe.as_ref().expect("sparse layer has a MoE config");
             f.require(
-                &format!("layer.{l:02}.router.topk"),
+                &names::layer(l, "router.topk"),
                 Some(t),
-                Some(m.num_experts_per_tok),
-                m.num_experts,
+                Some(c.num_experts_per_tok),
+                c.num_experts,
             )?;
         }
         f.require("logits.argmax", Some(t), None, c.vocab_size)?;
         for s in 0..o.generate {
-            f.require(
-                &format!("decode.{s:04}.argmax"),
-                Some(1),
-                None,
-                c.vocab_size,
-            )?;
+            f.require(&names::decode(s, "argmax"), Some(1), None, c.vocab_size)?;
         }
         model.forcing = Some(f);
     }
@@ -267,7 +252,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
                     o.internals,
                 )?;
                 for (s, st) in steps.into_iter().enumerate() {
-                    let name = format!("decode.{s:04}.argmax");
+                    let name = names::decode(s, "argmax");
                     cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
                     if model.forcing.is_some() {
                         cap.forced(&name, u64::from(st.overridden));
@@ -390,9 +375,9 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     if let Some(path) = &o.force_decisions {
         let f = Forcing::open(path)?;
         let c = &model.cfg;
-        if let Some(m) = c.moe.as_ref().filter(|_| c.is_sparse(o.layer)) {
-            let name = format!("layer.{:02}.router.topk", o.layer);
-            let rows = f.require(&name, None, Some(m.num_experts_per_tok), m.num_experts)?;
+        if c.is_sparse(o.layer) {
+            let name = names::layer(o.layer, "router.topk");
+            let rows = f.require(&name, None, Some(c.num_experts_per_tok), c.num_experts)?;
             // Row i of the forcing decision is position i's: every input row needs one.
             if let Some(p) = pos.iter().find(|&&p| p as u64 >= rows as u64) {
                 return Err(err!("--force-decisions {}: decision {name} has {rows} rows, the input holds position {p}", path.display()));
@@ -483,16 +468,16 @@ pub fn info(dir: &Path) -> Result<String> {
     let c = &model.cfg;
     let mut s = format!(
         "family {:?}\nlayers {}  hidden {}  heads {}/{}  head_dim {}  vocab {}\nintermediate {:?}  rms_norm_eps {}  rope_theta {}  tied {}  attention_bias {}\n",
-        c.family, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
         c.vocab_size, c.intermediate_size, c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings, c.attention_bias
     );
-    if let Some(m) = &c.moe {
+    if c.model_type == ModelType::Qwen3Moe {
         let sparse: Vec<usize> = (0..c.num_hidden_layers)
             .filter(|&l| c.is_sparse(l))
             .collect();
         s += &format!(
             "experts {} top-{}  moe_intermediate {}  norm_topk_prob {}  sparse layers {:?}\n",
-            m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob, sparse
+            c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, sparse
         );
     }
     s += &format!(

@@ -722,7 +722,7 @@ fn refuses_unsupported_config_values() {
 
 #[test]
 fn config_defaults_follow_transformers() {
-    use tracegate_engine::qwen3::Config;
+    use tracegate_engine::config::Config;
     let mut c = dense_config();
     for k in [
         "head_dim",
@@ -757,12 +757,11 @@ fn config_defaults_follow_transformers() {
     let cfg = Config::from_json(&m).unwrap();
     assert_eq!(cfg.head_dim, 16 / 4);
     assert_eq!(cfg.rope_theta, 10000.0);
-    let moe = cfg.moe.unwrap();
     assert_eq!(
         (
-            moe.norm_topk_prob,
-            moe.decoder_sparse_step,
-            moe.mlp_only_layers.len()
+            cfg.norm_topk_prob,
+            cfg.decoder_sparse_step,
+            cfg.mlp_only_layers.len()
         ),
         (false, 1, 0)
     );
