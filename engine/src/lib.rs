@@ -3,7 +3,8 @@
 //!
 //! - `weights`: safetensors parsing, mapped views, inventory, weights digest
 //! - `config`: `config.json` as the forward reads it (§13), refusals included
-//! - `ops`: the ordered kernels (one definition each; the fast matmul is tested against it)
+//! - `ops`: the ordered kernels (one definition each; the fast matmul and attention are tested
+//!   against theirs)
 //! - `qwen3`: weights binding and forward for both families
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace

@@ -1,6 +1,9 @@
 //! Ordered fp32 kernels, each the written definition of docs/numerics.md (section numbers in the
 //! comments). Rust never contracts `a * b + c` into an FMA, so every `+`/`*` below is one rounded
-//! IEEE operation. The only fast path is the matmul; it is tested bit-for-bit against `dot`.
+//! IEEE operation. Two operations have a fast path beside their definition, each tested bit for
+//! bit against it: `matmul` (tiled, AVX-512) against `matmul_ref`, and `attention` (threaded
+//! over heads, scores through `dots_transposed`) against `attention_ref`. Names follow
+//! docs/numerics.md §14, the same as the contract's ops.py.
 
 use rayon::prelude::*;
 
