@@ -75,11 +75,11 @@ fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
     v.get(key).filter(|x| !x.is_null())
 }
 fn req_usize(v: &Value, key: &str) -> Result<usize> {
-    let x = field(v, key).ok_or_else(|| err!("config.json: missing field {key}"))?;
+    let x = field(v, key).ok_or_else(|| err!(Config: "config.json: missing field {key}"))?;
     x.as_u64()
         .filter(|&n| n >= 1)
         .map(|n| n as usize)
-        .ok_or_else(|| err!("config.json: {key} = {x} is not a positive integer"))
+        .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a positive integer"))
 }
 fn opt_usize(v: &Value, key: &str) -> Result<Option<usize>> {
     match field(v, key) {
@@ -92,7 +92,7 @@ fn opt_bool(v: &Value, key: &str, default: bool) -> Result<bool> {
         None => Ok(default),
         Some(x) => x
             .as_bool()
-            .ok_or_else(|| err!("config.json: {key} = {x} is not a boolean")),
+            .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a boolean")),
     }
 }
 fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
@@ -101,7 +101,7 @@ fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
         Some(x) => x
             .as_f64()
             .filter(|f| f.is_finite())
-            .ok_or_else(|| err!("config.json: {key} = {x} is not a finite number")),
+            .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a finite number")),
     }
 }
 
@@ -112,7 +112,7 @@ fn rope_theta(v: &Value) -> Result<f64> {
     let (dict, dict_name) = match field(v, "rope_scaling") {
         Some(x) if x.as_object().is_some_and(|m| !m.is_empty()) => (Some(x), "rope_scaling"),
         Some(x) if !x.is_object() => {
-            return Err(err!(
+            return Err(err!(Config:
                 "config.json: rope_scaling = {x} is not an object or null"
             ))
         }
@@ -121,7 +121,7 @@ fn rope_theta(v: &Value) -> Result<f64> {
     let top_theta = opt_f64(v, "rope_theta", 10000.0)?;
     if let Some(f) = field(v, "partial_rotary_factor") {
         if f.as_f64() != Some(1.0) {
-            return Err(err!(
+            return Err(err!(Config:
                 "config.json: partial_rotary_factor = {f} not supported (only 1)"
             ));
         }
@@ -131,11 +131,11 @@ fn rope_theta(v: &Value) -> Result<f64> {
     };
     let obj = d
         .as_object()
-        .ok_or_else(|| err!("config.json: {dict_name} is not an object"))?;
+        .ok_or_else(|| err!(Config: "config.json: {dict_name} is not an object"))?;
     for key in ["rope_type", "type"] {
         if let Some(t) = obj.get(key).filter(|x| !x.is_null()) {
             if t.as_str() != Some("default") {
-                return Err(err!(
+                return Err(err!(Config:
                     "config.json: {dict_name}.{key} = {t} not supported (only \"default\")"
                 ));
             }
@@ -143,14 +143,14 @@ fn rope_theta(v: &Value) -> Result<f64> {
     }
     if let Some(f) = obj.get("partial_rotary_factor").filter(|x| !x.is_null()) {
         if f.as_f64() != Some(1.0) {
-            return Err(err!(
+            return Err(err!(Config:
                 "config.json: {dict_name}.partial_rotary_factor = {f} not supported (only 1)"
             ));
         }
     }
     let known = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
     if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(err!(
+        return Err(err!(Config:
             "config.json: {dict_name}.{k} not supported with the default rope type"
         ));
     }
@@ -163,14 +163,14 @@ fn positive_theta(theta: f64) -> Result<f64> {
     if theta > 0.0 {
         Ok(theta)
     } else {
-        Err(err!("config.json: rope_theta = {theta} is not positive"))
+        Err(err!(Config: "config.json: rope_theta = {theta} is not positive"))
     }
 }
 
 impl Config {
     pub fn from_json(v: &Value) -> Result<Config> {
         if !v.is_object() {
-            return Err(err!("config.json: not a JSON object"));
+            return Err(err!(Config: "config.json: not a JSON object"));
         }
         let model_type = field(v, "model_type")
             .and_then(|m| m.as_str())
@@ -179,7 +179,7 @@ impl Config {
             "qwen3" => ModelType::Qwen3,
             "qwen3_moe" => ModelType::Qwen3Moe,
             other => {
-                return Err(err!(
+                return Err(err!(Config:
                     "config.json: model_type {other:?} {}",
                     unsupported_family(other)
                 ))
@@ -194,18 +194,20 @@ impl Config {
                 .as_array()
                 .is_some_and(|l| l.len() == 1 && l[0].as_str() == Some(want_arch));
             if !ok {
-                return Err(err!("config.json: architectures = {a} not supported for model_type {model_type} (expected [\"{want_arch}\"])"));
+                return Err(
+                    err!(Config: "config.json: architectures = {a} not supported for model_type {model_type} (expected [\"{want_arch}\"])"),
+                );
             }
         }
         if let Some(act) = field(v, "hidden_act") {
             if act.as_str() != Some("silu") {
-                return Err(err!(
+                return Err(err!(Config:
                     "config.json: hidden_act = {act} not supported (only \"silu\")"
                 ));
             }
         }
         if opt_bool(v, "use_sliding_window", false)? {
-            return Err(err!("config.json: use_sliding_window = true not supported"));
+            return Err(err!(Config: "config.json: use_sliding_window = true not supported"));
         }
         let num_hidden_layers = req_usize(v, "num_hidden_layers")?;
         if let Some(lt) = field(v, "layer_types") {
@@ -213,7 +215,7 @@ impl Config {
                 .as_array()
                 .is_some_and(|l| l.iter().all(|t| t.as_str() == Some("full_attention")));
             if !ok {
-                return Err(err!(
+                return Err(err!(Config:
                     "config.json: layer_types = {lt} not supported (only \"full_attention\")"
                 ));
             }
@@ -222,7 +224,9 @@ impl Config {
         let num_attention_heads = req_usize(v, "num_attention_heads")?;
         let num_key_value_heads = req_usize(v, "num_key_value_heads")?;
         if num_attention_heads % num_key_value_heads != 0 {
-            return Err(err!("config.json: num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"));
+            return Err(
+                err!(Config: "config.json: num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"),
+            );
         }
         // transformers: Qwen3Config declares head_dim = 128; Qwen3MoeConfig has no such field and
         // the model falls back to hidden_size / num_attention_heads.
@@ -237,14 +241,16 @@ impl Config {
             } else {
                 format!(" (hidden_size {hidden_size} / num_attention_heads {num_attention_heads})")
             };
-            return Err(err!(
+            return Err(err!(Config:
                 "config.json: head_dim = {head_dim}{from} must be even and positive"
             ));
         }
         // Not used by the forward, but a size all the same: positions must stay below 2^24 (§7).
         if let Some(m) = opt_usize(v, "max_position_embeddings")? {
             if m > MAX_POSITIONS {
-                return Err(err!("config.json: max_position_embeddings = {m} exceeds the position limit 2^24 = {MAX_POSITIONS}"));
+                return Err(
+                    err!(Config: "config.json: max_position_embeddings = {m} exceeds the position limit 2^24 = {MAX_POSITIONS}"),
+                );
             }
         }
         // (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
@@ -257,22 +263,25 @@ impl Config {
                     (Some(_), Some(_))
                         if opt_usize(v, "num_experts")? != opt_usize(v, "num_local_experts")? =>
                     {
-                        return Err(err!(
+                        return Err(err!(Config:
                             "config.json: num_experts and num_local_experts disagree"
                         ));
                     }
                     (Some(x), _) | (None, Some(x)) => x.as_u64().ok_or_else(|| {
-                        err!("config.json: num_experts = {x} is not a non-negative integer")
+                        err!(Config: "config.json: num_experts = {x} is not a non-negative integer")
                     })? as usize,
-                    (None, None) => return Err(err!("config.json: missing field num_experts")),
+                    (None, None) => return Err(err!(Config: "config.json: missing field num_experts")),
                 };
                 let k = field(v, "num_experts_per_tok")
-                    .ok_or_else(|| err!("config.json: missing field num_experts_per_tok"))?
+                    .ok_or_else(|| err!(Config: "config.json: missing field num_experts_per_tok"))?
                     .as_u64()
-                    .ok_or_else(|| err!("config.json: num_experts_per_tok is not an integer"))?
-                    as usize;
+                    .ok_or_else(
+                        || err!(Config: "config.json: num_experts_per_tok is not an integer"),
+                    )? as usize;
                 if ne > 0 && (k < 1 || k >= ne) {
-                    return Err(err!("config.json: num_experts_per_tok = {k} not supported with num_experts = {ne} (need 1 ≤ k < num_experts)"));
+                    return Err(
+                        err!(Config: "config.json: num_experts_per_tok = {k} not supported with num_experts = {ne} (need 1 ≤ k < num_experts)"),
+                    );
                 }
                 let mlp_only_layers = match field(v, "mlp_only_layers") {
                     None => vec![],
@@ -284,7 +293,7 @@ impl Config {
                                 .collect::<Option<Vec<_>>>()
                         })
                         .ok_or_else(|| {
-                            err!(
+                            err!(Config:
                                 "config.json: mlp_only_layers = {x} is not a list of layer indices"
                             )
                         })?,
@@ -333,13 +342,13 @@ impl Config {
             mlp_only_layers,
         };
         if cfg.vocab_size < 2 {
-            return Err(err!(
+            return Err(err!(Config:
                 "config.json: vocab_size = {} (argmax margins need at least 2)",
                 cfg.vocab_size
             ));
         }
         if cfg.intermediate_size.is_none() && cfg.has_dense_layer() {
-            return Err(err!("config.json: missing field intermediate_size"));
+            return Err(err!(Config: "config.json: missing field intermediate_size"));
         }
         Ok(cfg)
     }
@@ -374,9 +383,9 @@ impl Config {
 pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
     let p = dir.join("config.json");
     crate::weights::regular_file(&p)?;
-    let text = std::fs::read_to_string(&p).map_err(|e| err!("{}: {e}", p.display()))?;
-    let raw: Value =
-        serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
+    let text = std::fs::read_to_string(&p).map_err(|e| err!(Config: "{}: {e}", p.display()))?;
+    let raw: Value = serde_json::from_str(&text)
+        .map_err(|e| err!(Config: "{}: invalid JSON: {e}", p.display()))?;
     Ok((Config::from_json(&raw)?, raw))
 }
 
@@ -387,7 +396,7 @@ pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
 pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
     let dim = |name: &str, axis: usize, want: u64, field: &dyn Fn() -> String| -> Result<()> {
         match st.shape(name) {
-            Some(s) if s.get(axis).is_some_and(|&g| g != want) => Err(err!(
+            Some(s) if s.get(axis).is_some_and(|&g| g != want) => Err(err!(Config:
                 "config.json: {} does not match the checkpoint: {name} has shape {s:?}",
                 field()
             )),
@@ -395,9 +404,9 @@ pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
         }
     };
     let product = |field: &str, x: usize, by: &str, y: usize| -> Result<u64> {
-        x.checked_mul(y).map(|p| p as u64).ok_or_else(|| {
-            err!("config.json: {field} = {x} overflows when multiplied by {by} ({y})")
-        })
+        x.checked_mul(y).map(|p| p as u64).ok_or_else(
+            || err!(Config: "config.json: {field} = {x} overflows when multiplied by {by} ({y})"),
+        )
     };
     let (h, v, d) = (c.hidden_size, c.vocab_size, c.head_dim);
     let emb = "model.embed_tokens.weight";
@@ -405,7 +414,7 @@ pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
     dim(emb, 1, h as u64, &|| format!("hidden_size = {h}"))?;
     let have = st.layer_count();
     if c.num_hidden_layers > have {
-        return Err(err!(
+        return Err(err!(Config:
             "config.json: num_hidden_layers = {} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})",
             c.num_hidden_layers
         ));

@@ -168,7 +168,7 @@ impl<'a> Model<'a> {
         let mut x = vec![0.0f32; tokens.len() * h];
         for (r, &t) in tokens.iter().enumerate() {
             if t < 0 || t as u64 >= self.cfg.vocab_size as u64 {
-                return Err(err!(
+                return Err(err!(Input:
                     "token id {t} outside the vocabulary [0, {})",
                     self.cfg.vocab_size
                 ));
@@ -215,10 +215,9 @@ impl<'a> Model<'a> {
         kv: &mut LayerKv,
         cap: &mut Capture,
     ) -> Result<Vec<f32>> {
-        let lw = self
-            .layers
-            .get(l)
-            .ok_or_else(|| err!("layer {l} out of range (model has {})", self.layers.len()))?;
+        let lw = self.layers.get(l).ok_or_else(
+            || err!(Input: "layer {l} out of range (model has {})", self.layers.len()),
+        )?;
         let (t, h, eps) = (pos.len(), self.cfg.hidden_size, self.cfg.eps_f32());
         let name = |point: &str| names::layer(l, point);
         cap.tensor(&name("hidden_in"), &[t, h], x, pos);
@@ -320,7 +319,7 @@ impl<'a> Model<'a> {
         for r in 0..t {
             ops::softmax(&logits[r * ne..(r + 1) * ne], |_| true, &mut p);
             if p.iter().any(|x| x.is_nan()) {
-                return Err(err!(
+                return Err(err!(NaN:
                     "{}: NaN probability at row {r} (position {})",
                     names::layer(l, "router"),
                     pos[r]

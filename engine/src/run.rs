@@ -50,12 +50,12 @@ pub struct LayerOptions {
 
 fn pool(threads: usize) -> Result<rayon::ThreadPool> {
     if threads == 0 {
-        return Err(err!("--threads must be at least 1"));
+        return Err(err!(Input: "--threads must be at least 1"));
     }
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
-        .map_err(|e| err!("thread pool: {e}"))
+        .map_err(|e| err!(Internal: "thread pool: {e}"))
 }
 
 fn provenance(
@@ -102,7 +102,7 @@ pub struct Step {
 /// §12 argmax of one logits row; NaN is an error naming the row.
 fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
     if row.iter().any(|x| x.is_nan()) {
-        return Err(err!("NaN logit in {what}"));
+        return Err(err!(NaN: "NaN logit in {what}"));
     }
     let (i, m) = ops::argmax_margin(row);
     Ok((i as i64, m))
@@ -188,10 +188,10 @@ pub fn generate(
 /// write the trace. Returns its content digest.
 pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     if o.tokens.is_empty() {
-        return Err(err!("--tokens: the prompt is empty"));
+        return Err(err!(Input: "--tokens: the prompt is empty"));
     }
     if o.tokens.len().saturating_add(o.generate) > MAX_POSITIONS {
-        return Err(err!(
+        return Err(err!(Input:
             "--generate {}: {} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}",
             o.generate,
             o.tokens.len()
@@ -303,9 +303,9 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
     std::thread::scope(|s| {
         let digest = s.spawn(|| crate::weights_digest(dir));
         let out = work();
-        let wd = digest
-            .join()
-            .map_err(|_| err!("{}: the weights digest thread panicked", dir.display()))??;
+        let wd = digest.join().map_err(
+            |_| err!(Internal: "{}: the weights digest thread panicked", dir.display()),
+        )??;
         Ok((wd, out?))
     })
 }
@@ -319,7 +319,7 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
 pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let (cfg, raw) = load_config(&o.model_dir)?;
     if o.layer >= cfg.num_hidden_layers {
-        return Err(err!(
+        return Err(err!(Input:
             "--layer {} out of range (model has {} layers)",
             o.layer,
             cfg.num_hidden_layers
@@ -330,12 +330,12 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let input = Trace::open(&o.input)?;
     let info = input
         .tensor_info(&o.input_name)
-        .ok_or_else(|| err!("{}: no tensor {}", o.input.display(), o.input_name))?;
+        .ok_or_else(|| err!(Input: "{}: no tensor {}", o.input.display(), o.input_name))?;
     let h = model.cfg.hidden_size;
     let rows = match info.shape.as_slice() {
         [t, hh] if *hh as usize == h && *t >= 1 => *t as usize,
         s => {
-            return Err(err!(
+            return Err(err!(Input:
                 "{}: tensor {} has shape {s:?}, expected [rows, {h}]",
                 o.input.display(),
                 o.input_name
@@ -343,14 +343,14 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         }
     };
     let pos = info.attributes.positions.clone().ok_or_else(|| {
-        err!(
+        err!(Input:
             "{}: tensor {} has no positions attribute",
             o.input.display(),
             o.input_name
         )
     })?;
     if pos.len() != rows {
-        return Err(err!(
+        return Err(err!(Input:
             "{}: tensor {}: {} positions for {rows} rows",
             o.input.display(),
             o.input_name,
@@ -361,7 +361,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         .iter()
         .find(|&&p| !(0..MAX_POSITIONS as i64).contains(&p))
     {
-        return Err(err!(
+        return Err(err!(Input:
             "{}: tensor {}: position {p} outside [0, 2^24)",
             o.input.display(),
             o.input_name
@@ -369,7 +369,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     }
     if let Some(p) = o.decode_from {
         check_decode_from(&pos, p)
-            .map_err(|e| err!("{}: tensor {}: {e}", o.input.display(), o.input_name))?;
+            .map_err(|e| err!(Input: "{}: tensor {}: {e}", o.input.display(), o.input_name))?;
     }
     let x = input.f32_vec(&o.input_name)?;
     if let Some(path) = &o.force_decisions {
@@ -380,7 +380,9 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
             let rows = f.require(&name, None, Some(c.num_experts_per_tok), c.num_experts)?;
             // Row i of the forcing decision is position i's: every input row needs one.
             if let Some(p) = pos.iter().find(|&&p| p as u64 >= rows as u64) {
-                return Err(err!("--force-decisions {}: decision {name} has {rows} rows, the input holds position {p}", path.display()));
+                return Err(
+                    err!(Input: "--force-decisions {}: decision {name} has {rows} rows, the input holds position {p}", path.display()),
+                );
             }
         }
         model.forcing = Some(f);
@@ -444,13 +446,13 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
 /// `--decode-from P`: the rows must be at positions exactly 0..m−1 in order, and 0 ≤ P < m.
 fn check_decode_from(pos: &[i64], p: i64) -> Result<()> {
     if let Some((i, &bad)) = pos.iter().enumerate().find(|&(i, &q)| q != i as i64) {
-        return Err(err!(
+        return Err(err!(Input:
             "--decode-from needs rows at positions 0..{} in order; row {i} is at position {bad}",
             pos.len() - 1
         ));
     }
     if !(0..pos.len() as i64).contains(&p) {
-        return Err(err!(
+        return Err(err!(Input:
             "--decode-from {p} outside 0..{} (the input's {} rows)",
             pos.len() - 1,
             pos.len()
