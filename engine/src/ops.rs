@@ -19,57 +19,6 @@ pub fn dot(x: &[f32], w: &[f32]) -> f32 {
     acc
 }
 
-/// `out[c] = dot(x, column c of kt)` for `c < out.len()`, where `kt[j*stride + c]` holds `w_c[j]`
-/// and `out.len()` is a multiple of 16 no larger than `stride`. Each column is exactly `dot`
-/// (from +0.0, j ascending, separate multiply and add); columns are independent, so 16-wide
-/// vectors of them advance side by side (64 at a time to hide the add latency).
-pub fn dots_transposed(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    assert!(out.len().is_multiple_of(16) && out.len() <= stride && kt.len() >= x.len() * stride);
-    if avx512_available() {
-        // SAFETY: the CPU supports avx512f (checked at runtime).
-        unsafe { dots_transposed_avx512(x, kt, stride, out) }
-    } else {
-        dots_transposed_generic(x, kt, stride, out)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    dots_transposed_generic(x, kt, stride, out)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    dots_transposed_generic(x, kt, stride, out)
-}
-
-#[inline(always)]
-fn dots_transposed_generic(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    let mut c0 = 0;
-    while c0 + 64 <= out.len() {
-        dots_block::<64>(x, kt, stride, c0, &mut out[c0..c0 + 64]);
-        c0 += 64;
-    }
-    while c0 < out.len() {
-        dots_block::<16>(x, kt, stride, c0, &mut out[c0..c0 + 16]);
-        c0 += 16;
-    }
-}
-
-#[inline(always)]
-fn dots_block<const N: usize>(x: &[f32], kt: &[f32], stride: usize, c0: usize, out: &mut [f32]) {
-    let mut acc = [0.0f32; N];
-    for (j, &xj) in x.iter().enumerate() {
-        let col: &[f32; N] = kt[j * stride + c0..j * stride + c0 + N]
-            .try_into()
-            .expect("N lanes");
-        for i in 0..N {
-            acc[i] += xj * col[i];
-        }
-    }
-    out.copy_from_slice(&acc);
-}
-
 /// §3: ordered sum from +0.0.
 pub fn ordered_sum(v: &[f32]) -> f32 {
     let mut acc = 0.0f32;
@@ -635,6 +584,59 @@ pub fn attention_ref(
 
 /// Attention scores computed together (one `dot` per lane of an array).
 const SC: usize = 16;
+
+// The speed-ups of attention: scores SC at a time, each lane its own ordered `dot`.
+
+/// `out[c] = dot(x, column c of kt)` for `c < out.len()`, where `kt[j*stride + c]` holds `w_c[j]`
+/// and `out.len()` is a multiple of 16 no larger than `stride`. Each column is exactly `dot`
+/// (from +0.0, j ascending, separate multiply and add); columns are independent, so 16-wide
+/// vectors of them advance side by side (64 at a time to hide the add latency).
+pub fn dots_transposed(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    assert!(out.len().is_multiple_of(16) && out.len() <= stride && kt.len() >= x.len() * stride);
+    if avx512_available() {
+        // SAFETY: the CPU supports avx512f (checked at runtime).
+        unsafe { dots_transposed_avx512(x, kt, stride, out) }
+    } else {
+        dots_transposed_generic(x, kt, stride, out)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    dots_transposed_generic(x, kt, stride, out)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    dots_transposed_generic(x, kt, stride, out)
+}
+
+#[inline(always)]
+fn dots_transposed_generic(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    let mut c0 = 0;
+    while c0 + 64 <= out.len() {
+        dots_block::<64>(x, kt, stride, c0, &mut out[c0..c0 + 64]);
+        c0 += 64;
+    }
+    while c0 < out.len() {
+        dots_block::<16>(x, kt, stride, c0, &mut out[c0..c0 + 16]);
+        c0 += 16;
+    }
+}
+
+#[inline(always)]
+fn dots_block<const N: usize>(x: &[f32], kt: &[f32], stride: usize, c0: usize, out: &mut [f32]) {
+    let mut acc = [0.0f32; N];
+    for (j, &xj) in x.iter().enumerate() {
+        let col: &[f32; N] = kt[j * stride + c0..j * stride + c0 + N]
+            .try_into()
+            .expect("N lanes");
+        for i in 0..N {
+            acc[i] += xj * col[i];
+        }
+    }
+    out.copy_from_slice(&acc);
+}
 
 /// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and each head's
 /// scores computed SC at a time from its keys transposed (`dots_transposed`, each lane its own
