@@ -21,9 +21,9 @@ def test_honoured_fields():
     assert (c.hidden_size, c.head_dim, c.num_key_value_heads, c.rope_theta) == (16, 6, 2, 10000.0)
     assert c.rms_norm_eps == np.float32(1e-6) and c.tie_word_embeddings and c.attention_bias
     m = parse_config(cfg("moe"))
-    assert [m.is_moe_layer(i) for i in range(3)] == [True, False, True]  # mlp_only_layers [1]
+    assert [m.is_sparse(i) for i in range(3)] == [True, False, True]  # mlp_only_layers [1]
     m = parse_config(cfg("moe", decoder_sparse_step=2, mlp_only_layers=[]))
-    assert [m.is_moe_layer(i) for i in range(3)] == [False, True, False]  # (l+1) % step == 0
+    assert [m.is_sparse(i) for i in range(3)] == [False, True, False]  # (l+1) % step == 0
 
 
 def test_legacy_rope_theta_and_head_dim_default():
@@ -118,7 +118,7 @@ def test_moe_topk_refusals(k, e):
 
 def test_zero_experts_means_all_dense():
     c = parse_config(cfg("moe", num_experts=0))
-    assert not any(c.is_moe_layer(i) for i in range(3))
+    assert not any(c.is_sparse(i) for i in range(3))
 
 
 def test_ignored_fields_do_not_matter():

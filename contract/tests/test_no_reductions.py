@@ -72,8 +72,18 @@ NUMPY_NAMES = {"np", "numpy"}
 # (`trace` and `norm` are left to the numpy-rooted check: the package has its own `run.trace`
 # and `model.norm`.)
 METHODS = REDUCING - {"trace", "norm", "linalg"}
-# `ops.rope_inv_freq`'s "1.0 / math.pow" and friends are the *allowed* route (§4).
+# `ops.inv_freq`'s "1.0 / math.pow" and friends are the *allowed* route (§4).
 ALLOWED_MATH = {"exp", "cos", "sin", "pow", "sqrt"}
+# The package's own ordered kernels that share a name with a reducing routine (numerics.md §2
+# calls the linear layer `matmul` on both sides): allowed only as `ops.<name>`, the function
+# ops.py defines (`_own_kernels` checks that it is defined there).
+OWN_KERNELS = {"matmul"}
+
+
+def _own_kernels() -> set[str]:
+    tree = ast.parse((PKG / "ops.py").read_text())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    return OWN_KERNELS & defined
 
 
 def _violations(tree: ast.AST, fname: str):
@@ -90,7 +100,8 @@ def _violations(tree: ast.AST, fname: str):
             while isinstance(root, ast.Attribute):
                 root = root.value
             numpy_rooted = isinstance(root, ast.Name) and root.id in NUMPY_NAMES
-            if node.attr in METHODS or (numpy_rooted and node.attr in REDUCING):
+            own = base_name == "ops" and node.attr in _own_kernels()
+            if (node.attr in METHODS and not own) or (numpy_rooted and node.attr in REDUCING):
                 out.append(f"{fname}:{node.lineno}: `.{node.attr}`")
             if base_name in NUMPY_NAMES and node.attr in NUMPY_TRANSCENDENTAL:
                 out.append(f"{fname}:{node.lineno}: numpy transcendental `np.{node.attr}`")
@@ -139,7 +150,16 @@ def test_package_uses_no_reducing_or_transcendental_numpy_routines():
         "y = np.trace(x)",
         "y = x.dot(w)",
         "y = math.log(v)",
+        "y = np.matmul(x, w)",
+        "y = x.matmul(w)",
+        "y = numerics.matmul(x, w)",
     ],
 )
 def test_checker_catches(src):
     assert _violations(ast.parse(src), "t.py")
+
+
+def test_own_ordered_matmul_is_the_one_allowed_call():
+    """`ops.matmul` is the package's ordered kernel (defined in ops.py), not numpy's."""
+    assert _own_kernels() == {"matmul"}
+    assert not _violations(ast.parse("y = ops.matmul(x, wt)"), "t.py")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tracegate_contract import ops
 from tracegate_contract.errors import ContractError
+from tracegate_contract.weights import widen
 
 f32 = np.float32
 
@@ -29,7 +30,7 @@ def test_bf16_widening_is_exact_including_signed_zero_subnormal_inf_nan():
     raw = np.array(
         [0x3F80, 0xBF80, 0x8000, 0x0000, 0x7F80, 0xFF80, 0x0001, 0x7FC1, 0x4049], dtype=np.uint16
     )
-    w = ops.widen_bf16(raw)
+    w = widen("BF16", raw)
     assert w.dtype == np.float32
     assert list(bits(w)) == [int(r) << 16 for r in raw]  # bit-for-bit: NaN payload kept
     assert w[0] == 1.0 and w[1] == -1.0
@@ -38,10 +39,10 @@ def test_bf16_widening_is_exact_including_signed_zero_subnormal_inf_nan():
     assert w[8] == f32(3.140625)
 
 
-# ---- §2 ordered linear -----------------------------------------------------------------------
+# ---- §2 ordered matmul -----------------------------------------------------------------------
 
 
-def linear_by_definition(x, W, b=None):
+def matmul_by_definition(x, W, b=None):
     rows, K = x.shape
     out = np.zeros((rows, W.shape[0]), dtype=np.float32)
     for r in range(rows):
@@ -59,22 +60,22 @@ def linear_by_definition(x, W, b=None):
     "rows,K,O,bias",
     [(1, 1, 1, False), (1, 7, 3, True), (3, 1, 5, True), (4, 13, 9, False), (5, 33, 17, True)],
 )
-def test_linear_matches_definition_on_tail_shapes(rows, K, O, bias):
+def test_matmul_matches_definition_on_tail_shapes(rows, K, O, bias):
     rng = np.random.default_rng(rows * 100 + K)
     x = rng.standard_normal((rows, K)).astype(np.float32) * f32(10)
     W = rng.standard_normal((O, K)).astype(np.float32)
     b = rng.standard_normal(O).astype(np.float32) if bias else None
-    got = ops.linear(x, ops.transpose_weight(W), b)
-    assert same_bits(got, linear_by_definition(x, W, b))
+    got = ops.matmul(x, ops.transpose_weight(W), b)
+    assert same_bits(got, matmul_by_definition(x, W, b))
 
 
-def test_linear_accumulates_left_to_right_not_pairwise():
+def test_matmul_accumulates_left_to_right_not_pairwise():
     # 2^24 + 1 + 1: left to right each +1 is lost (ties to even); any other grouping gives 2^24+2.
     x = np.array([[2.0**24, 1.0, 1.0]], dtype=np.float32)
     W = np.ones((1, 3), dtype=np.float32)
-    assert ops.linear(x, ops.transpose_weight(W))[0, 0] == f32(2.0**24)
+    assert ops.matmul(x, ops.transpose_weight(W))[0, 0] == f32(2.0**24)
     # the bias is added once, after the loop
-    assert ops.linear(x, ops.transpose_weight(W), np.array([2.0], np.float32))[0, 0] == f32(
+    assert ops.matmul(x, ops.transpose_weight(W), np.array([2.0], np.float32))[0, 0] == f32(
         2.0**24 + 2
     )
 
@@ -181,7 +182,7 @@ def test_exp_uses_libm_binary64_rounded_once():
 
 def test_rope_table_matches_formula():
     base, d = 1000000.0, 16
-    t = ops.RopeTable(base, d)
+    t = ops.Rope(base, d)
     for i in range(d // 2):
         assert t.inv_freq[i] == f32(1.0 / math.pow(base, (2 * i) / d))
     for p in (0, 1, 2, 63, 64, 1000, 4095):
@@ -194,12 +195,12 @@ def test_rope_table_matches_formula():
     assert t.inv_freq[0] == 1.0  # pow(base, 0) = 1
 
 
-def test_apply_rope_matches_definition_and_is_identity_at_zero():
+def test_rope_apply_matches_definition_and_is_identity_at_zero():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, 2, 8)).astype(np.float32)
-    t = ops.RopeTable(10000.0, 8)
+    t = ops.Rope(10000.0, 8)
     cos, sin = t.tables([0, 5, 17])
-    y = ops.apply_rope(x, cos, sin)
+    y = ops.Rope.apply(x, cos, sin)
     assert same_bits(y[0], x[0])
     for r in range(3):
         for h in range(2):
@@ -256,11 +257,11 @@ def test_argmax_margin_ties_and_nan():
     lg = np.array(
         [[1.0, 3.0, 3.0, 2.0], [5.0, 1.0, 2.0, -7.0], [-1.0, -1.0, -2.0, -3.0]], dtype=np.float32
     )
-    idx, margin = ops.argmax_with_margin(lg)
+    idx, margin = ops.argmax_margin(lg)
     assert idx.tolist() == [1, 0, 0]
     assert same_bits(margin, [0.0, 3.0, 0.0])
     with pytest.raises(ContractError, match="row 1"):
-        ops.argmax_with_margin(np.array([[1.0, 2.0], [np.nan, 1.0]], dtype=np.float32))
+        ops.argmax_margin(np.array([[1.0, 2.0], [np.nan, 1.0]], dtype=np.float32))
 
 
 # ---- §8 attention -----------------------------------------------------------------------------------------

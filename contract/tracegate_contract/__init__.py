@@ -4,7 +4,9 @@ An independent implementation of the same written arithmetic as the Rust engine,
 engine ≡ contract bit for bit is evidence that both follow the document.
 """
 
+from .capture import Capture
+from .config import Config, load_config, parse_config
 from .errors import ContractError
-from .qwen3 import Capture, Config, KVCache, Model, load_config, parse_config
+from .qwen3 import KVCache, Model
 
 __all__ = ["ContractError", "Capture", "Config", "KVCache", "Model", "load_config", "parse_config"]

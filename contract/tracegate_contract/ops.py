@@ -30,12 +30,7 @@ F64 = np.float64
 
 
 # --------------------------------------------------------------------------------------------
-# Storage (§1)
-
-
-def widen_bf16(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) -> f32, exactly: a bf16 is the top half of an f32."""
-    return (bits.astype(np.uint32) << np.uint32(16)).view(F32)
+# Config numbers (§6; widening of stored weights, §1, is weights.widen)
 
 
 def f32_of_config_number(value) -> np.float32:
@@ -66,11 +61,18 @@ def _sigmoid64(g: float) -> float:
     return e / (1.0 + e)
 
 
-def silu(g: np.ndarray) -> np.ndarray:
-    """silu(g) = g ⊗ f32(sigmoid(g)), sigmoid in binary64 (§9)."""
+def sigmoid(g: np.ndarray) -> np.ndarray:
+    """f32(sigmoid(g)) element-wise, binary64 throughout and rounded once (§9)."""
+    g = np.asarray(g, dtype=F32)
     flat = g.astype(F64).ravel().tolist()
-    sig = np.fromiter(map(_sigmoid64, flat), dtype=F64, count=len(flat)).astype(F32)
-    return g * sig.reshape(g.shape)
+    return (
+        np.fromiter(map(_sigmoid64, flat), dtype=F64, count=len(flat)).astype(F32).reshape(g.shape)
+    )
+
+
+def silu(g: np.ndarray) -> np.ndarray:
+    """silu(g) = g ⊗ sigmoid(g) (§9)."""
+    return g * sigmoid(g)
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,12 +89,12 @@ def ordered_sum(a: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def transpose_weight(w: np.ndarray) -> np.ndarray:
-    """A stored [out, in] weight as a contiguous f32 [in, out] array, the layout `linear` walks
+    """A stored [out, in] weight as a contiguous f32 [in, out] array, the layout `matmul` walks
     (row k of the result holds every output's k-th weight, so one loop step is one ufunc)."""
     return np.ascontiguousarray(np.asarray(w, dtype=F32).T)
 
 
-def linear(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+def matmul(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x·Wᵀ (+ b) (§2). `x` is [rows, K]; `wt` is Wᵀ, [K, out] (see `transpose_weight`).
 
     For every (row, output): acc = +0.0; for k ascending: acc = acc ⊕ (x[r,k] ⊗ W[o,k]); the
@@ -100,7 +102,7 @@ def linear(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None = None) -> np.
     x = np.asarray(x, dtype=F32)
     rows, k_dim = x.shape
     if wt.shape[0] != k_dim:
-        raise ValueError(f"linear: input width {k_dim} != weight in-features {wt.shape[0]}")
+        raise ValueError(f"matmul: input width {k_dim} != weight in-features {wt.shape[0]}")
     acc = np.zeros((rows, wt.shape[1]), dtype=F32)
     prod = np.empty_like(acc)
     for k in range(k_dim):
@@ -135,19 +137,19 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
 # RoPE (§7)
 
 
-def rope_inv_freq(base: float, d: int) -> np.ndarray:
+def inv_freq(base: float, d: int) -> np.ndarray:
     """inv_freq[i] = f32(1.0 / pow(base, (2i)/d)), all binary64 (libm pow) until the final round."""
     return np.array(
         [1.0 / math.pow(float(base), (2 * i) / d) for i in range(d // 2)], dtype=F64
     ).astype(F32)
 
 
-class RopeTable:
+class Rope:
     """cos/sin rows per absolute position, computed on first use and kept (a position's row is
     a pure function of the position, so caching cannot change a bit)."""
 
     def __init__(self, base: float, d: int):
-        self.inv_freq = rope_inv_freq(base, d)
+        self.inv_freq = inv_freq(base, d)
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def row(self, p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -164,17 +166,17 @@ class RopeTable:
         rows = [self.row(int(p)) for p in positions]
         return np.stack([c for c, _ in rows]), np.stack([s for _, s in rows])
 
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [T, heads, d] rotated at each row's position ("rotate half": i pairs with i+h).
-    cos/sin are [T, h]."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = np.empty_like(x)
-    out[..., :h] = (x1 * c) - (x2 * s)
-    out[..., h:] = (x2 * c) + (x1 * s)
-    return out
+    @staticmethod
+    def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x [T, heads, d] rotated at each row's position ("rotate half": i pairs with i+h).
+        cos/sin are [T, h] (`tables`)."""
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h], x[..., h:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        out = np.empty_like(x)
+        out[..., :h] = (x1 * c) - (x2 * s)
+        out[..., h:] = (x2 * c) + (x1 * s)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +264,7 @@ def topk(p: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def margin_of(v: np.ndarray, chosen) -> F32:
     """The margin of a given choice on one row (docs/producers.md, forced decisions): the value
     of the chosen index that comes last in rank order ⊖ the value of the unchosen index that
-    comes first. For the row's own choice it is the margin of `topk` / `argmax_with_margin`;
+    comes first. For the row's own choice it is the margin of `topk` / `argmax_margin`;
     for another choice, negative where the row ranks an unchosen index higher."""
     order = [int(i) for i in rank_order(np.asarray(v, dtype=F32)[None])[0]]
     chosen = [int(c) for c in chosen]
@@ -271,7 +273,7 @@ def margin_of(v: np.ndarray, chosen) -> F32:
     return F32(v[weakest] - v[strongest])
 
 
-def argmax_with_margin(logits: np.ndarray, what: str = "logits") -> tuple[np.ndarray, np.ndarray]:
+def argmax_margin(logits: np.ndarray, what: str = "logits") -> tuple[np.ndarray, np.ndarray]:
     """Per row: index of the largest value (IEEE `>`, ties to the lowest index) and margin
     top1 ⊖ top2, top2 the largest among the other indices (§12). NaN is an error naming the row.
 

@@ -6,6 +6,7 @@ import os
 import platform
 
 import numpy as np
+from tracegate import names
 
 from .errors import ContractError
 from .force import Forcing
@@ -67,7 +68,7 @@ def write_trace(
     with tg.TraceWriter(out, prov) as w:
         for i, (name, array, positions) in enumerate(cap.tensors):
             extra = {**(attrs or {}), **({"forced": forcing.digest} if i >= first_forced else {})}
-            where = "decode" if name.startswith("decode.") else path
+            where = "decode" if names.parse(name).decode_step is not None else path
             w.tensor(name, array, path=where, mask="causal", positions=positions, **extra)
         for name, values, margins in cap.decisions:
             w.decision(name, values, margins=margins)
@@ -93,11 +94,11 @@ def trace(
         f.check_prompt(tokens)
         c, t = model.cfg, len(tokens)
         for i in range(c.num_hidden_layers):
-            if c.is_moe_layer(i):
-                f.require(f"layer.{i:02d}.router.topk", t, c.num_experts_per_tok, c.num_experts)
+            if c.is_sparse(i):
+                f.require(names.layer(i, "router.topk"), t, c.num_experts_per_tok, c.num_experts)
         f.require("logits.argmax", t, None, c.vocab_size)
         for s in range(generate):
-            f.require(f"decode.{s:04d}.argmax", 1, None, c.vocab_size)
+            f.require(names.decode(s, "argmax"), 1, None, c.vocab_size)
         model.forcing = f
     cap = Capture(internals)
     model.run(tokens, cap, generate=generate, cached=cached)
@@ -186,8 +187,8 @@ def layer(
     if force_decisions is not None:
         f = Forcing(force_decisions)
         c = model.cfg
-        if c.is_moe_layer(index):
-            name = f"layer.{index:02d}.router.topk"
+        if c.is_sparse(index):
+            name = names.layer(index, "router.topk")
             rows = f.require(name, None, c.num_experts_per_tok, c.num_experts)
             # Row i of the forcing decision is position i's: every input row needs one.
             beyond = next((p for p in pos if p >= rows), None)

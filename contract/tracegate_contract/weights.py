@@ -17,12 +17,22 @@ import numpy as np
 
 from . import jsonfile
 from .errors import ContractError
-from .ops import F32, widen_bf16
+from .ops import F32
 
 # safetensors dtype -> (numpy storage dtype, bytes per element). Only the float types a
 # checkpoint of these families carries; anything else is refused by name.
 _DTYPES = {"F32": (np.dtype("<f4"), 4), "BF16": (np.dtype("<u2"), 2), "F16": (np.dtype("<f2"), 2)}
 _MAX_HEADER = 100 * 1024 * 1024
+
+
+def widen(dtype: str, stored: np.ndarray) -> np.ndarray:
+    """§1: stored values (`dtype` as safetensors names it) -> f32, exactly: bf16 bit patterns
+    (uint16) are the top half of an f32, f16 by numpy's exact cast, f32 as is."""
+    if dtype == "BF16":
+        return (stored.astype(np.uint32) << np.uint32(16)).view(F32)
+    if dtype == "F16":
+        return stored.astype(F32)
+    return stored.astype(F32, copy=False)
 
 
 def regular_file(path: str, shown: str) -> None:
@@ -126,14 +136,8 @@ class SafetensorsFile:
         return buf.view(np_dtype).reshape(shape)
 
     def as_f32(self, tname: str) -> np.ndarray:
-        """Widened to f32 exactly (§1): bf16 by bit shift, f16 by numpy's exact cast, f32 as is."""
-        dt = self.entries[tname][4]
-        a = self.stored(tname)
-        if dt == "BF16":
-            return widen_bf16(a)
-        if dt == "F16":
-            return a.astype(F32)
-        return a.astype(F32, copy=False)
+        """Widened to f32 exactly (§1)."""
+        return widen(self.entries[tname][4], self.stored(tname))
 
 
 class Checkpoint:

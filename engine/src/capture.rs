@@ -5,6 +5,7 @@
 //! `--force-decisions` it also records which decisions were forced and marks every tensor
 //! captured after the first of them.
 
+use tracegate_trace::names::{self, Name};
 use tracegate_trace::{Attributes, TraceWriter};
 
 use crate::force::Record;
@@ -35,8 +36,8 @@ pub struct Capture {
     pub forced: Vec<Record>,
     /// How many tensors were captured before the first forced decision.
     first_forced: Option<usize>,
-    /// A decode step's capture: its name prefix `decode.SSSS.`.
-    step: Option<String>,
+    /// A decode step's capture: its step number (names `decode.SSSS.*`).
+    step: Option<usize>,
     /// `layer --decode-from P`: written as the attribute `decode_from` on every tensor.
     pub decode_from: Option<i64>,
 }
@@ -74,7 +75,7 @@ impl Capture {
     /// an uncached step record the same tensors. No internal points, no decisions.
     pub fn step(s: usize, internals: bool) -> Capture {
         Capture {
-            step: Some(format!("decode.{s:04}.")),
+            step: Some(s),
             ..Capture::new("decode", internals)
         }
     }
@@ -85,20 +86,20 @@ impl Capture {
 
     /// Whether a decode step records the point `name` (docs/producers.md).
     fn step_keeps(&self, name: &str) -> bool {
-        const BODY: [&str; 4] = [".hidden_in", ".attn_out", ".mlp_out", ".hidden_out"];
+        const BODY: [&str; 4] = ["hidden_in", "attn_out", "mlp_out", "hidden_out"];
+        let n = Name::parse(name);
         name == "logits"
             || (self.internals
-                && (name == "final_norm.out"
-                    || (name.starts_with("layer.") && BODY.iter().any(|b| name.ends_with(b)))))
+                && (name == "final_norm.out" || (n.layer.is_some() && BODY.contains(&n.point))))
     }
 
     /// A default-set capture point.
     pub fn tensor(&mut self, name: &str, shape: &[usize], data: &[f32], positions: &[i64]) {
-        if let Some(pfx) = &self.step {
+        if let Some(s) = self.step {
             if self.on && self.step_keeps(name) && !positions.is_empty() {
                 let (rows, cols) = (positions.len(), data.len() / positions.len());
                 self.tensors.push(Tensor {
-                    name: format!("{pfx}{name}"),
+                    name: names::decode(s, name),
                     shape: vec![1, cols as u64],
                     data: data[(rows - 1) * cols..].to_vec(),
                     positions: vec![positions[rows - 1]],
@@ -191,7 +192,7 @@ impl Capture {
     /// `forced = <digest>` (the forcing trace's) on every tensor captured after a forced decision.
     pub fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
         for (i, t) in self.tensors.iter().enumerate() {
-            let path = if t.name.starts_with("decode.") {
+            let path = if Name::parse(&t.name).decode_step.is_some() {
                 "decode"
             } else {
                 self.path

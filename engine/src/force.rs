@@ -31,7 +31,8 @@ pub struct Record {
 
 impl Forcing {
     pub fn open(path: &Path) -> Result<Forcing> {
-        let refuse = |e: tracegate_trace::Error| err!("--force-decisions {}: {e}", path.display());
+        let refuse =
+            |e: tracegate_trace::Error| err!(Input: "--force-decisions {}: {e}", path.display());
         let t = Trace::open(path).map_err(refuse)?;
         // The digest recorded with the forced run must be that of the bytes the choices came from.
         t.verify().map_err(refuse)?;
@@ -49,7 +50,7 @@ impl Forcing {
     }
 
     fn refuse(&self, what: impl std::fmt::Display) -> Error {
-        err!("--force-decisions {}: {what}", self.path.display())
+        err!(Input: "--force-decisions {}: {what}", self.path.display())
     }
 
     /// The forcing trace must be a run of this prompt (when it records one).

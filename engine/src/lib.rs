@@ -2,8 +2,10 @@
 //! ordered fp32 (docs/numerics.md), capture of the named tensors and decisions into a `.trace`.
 //!
 //! - `weights`: safetensors parsing, mapped views, inventory, weights digest
-//! - `ops`: the ordered kernels (one definition each; the fast matmul is tested against it)
-//! - `qwen3`: config, weights binding and forward for both families
+//! - `config`: `config.json` as the forward reads it (§13), refusals included
+//! - `ops`: the ordered kernels (one definition each; the fast matmul and attention are tested
+//!   against theirs)
+//! - `qwen3`: weights binding and forward for both families
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace
 //! - `run`: the verbs (`trace`, `layer`, `info`) as a library API; `main.rs` is the CLI over it
@@ -12,40 +14,73 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod capture;
+pub mod config;
 pub mod force;
 pub mod ops;
 pub mod qwen3;
 pub mod run;
 pub mod weights;
 
-pub use run::{
-    generate, info, load_config, run_layer, run_trace, LayerOptions, Step, TraceOptions,
-};
+pub use config::load_config;
+pub use run::{generate, info, run_layer, run_trace, LayerOptions, Step, TraceOptions};
 pub use tracegate_trace::Digest;
 
-/// An engine failure: one line naming the offending field, tensor, file or value.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Error(pub String);
+/// An engine failure, by kind, so callers (the gate, tests) branch on the kind rather than the
+/// text. Each displays as one line naming the offending field, tensor, file or value; the CLI
+/// prints it after `engine: error:` and exits 2 whatever the kind.
+#[derive(Debug)]
+pub enum Error {
+    /// `config.json`: unreadable, a field refused (§7, §13), or a size that disagrees with the
+    /// checkpoint.
+    Config(String),
+    /// The checkpoint: its safetensors files, headers, shard index, and tensors missing,
+    /// unclaimed, mis-shaped or of an unsupported dtype.
+    Checkpoint(String),
+    /// What the run was asked to do: tokens, positions, options, the input tensor of `layer`,
+    /// the `--force-decisions` trace.
+    Input(String),
+    /// The numbers leave no decision: a NaN logit or router probability (§10, §12).
+    NaN(String),
+    /// Reading or writing a trace (the trace crate's error, kept whole).
+    Trace(tracegate_trace::Error),
+    /// The run could not proceed for a reason outside its inputs (thread pool, a worker panicked).
+    Internal(String),
+}
 
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            Error::Config(s)
+            | Error::Checkpoint(s)
+            | Error::Input(s)
+            | Error::NaN(s)
+            | Error::Internal(s) => f.write_str(s),
+            Error::Trace(e) => e.fmt(f),
+        }
     }
 }
-impl std::error::Error for Error {}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Trace(e) => Some(e),
+            _ => None,
+        }
+    }
+}
 
 impl From<tracegate_trace::Error> for Error {
     fn from(e: tracegate_trace::Error) -> Self {
-        Error(e.to_string())
+        Error::Trace(e)
     }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// `err!("fmt", args)` builds an [`Error`].
+/// `err!(Kind: "fmt", args)` builds an [`Error`] of that kind, e.g. `err!(Config: "…{x}")`.
 #[macro_export]
 macro_rules! err {
-    ($($t:tt)*) => { $crate::Error(format!($($t)*)) };
+    ($kind:ident: $($t:tt)*) => { $crate::Error::$kind(format!($($t)*)) };
 }
 
 /// xxh3-128 over the model's safetensors files (sorted by name, index json excluded), hex.

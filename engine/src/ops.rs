@@ -1,6 +1,9 @@
 //! Ordered fp32 kernels, each the written definition of docs/numerics.md (section numbers in the
 //! comments). Rust never contracts `a * b + c` into an FMA, so every `+`/`*` below is one rounded
-//! IEEE operation. The only fast path is the matmul; it is tested bit-for-bit against `dot`.
+//! IEEE operation. Two operations have a fast path beside their definition, each tested bit for
+//! bit against it: `matmul` (tiled, AVX-512) against `matmul_ref`, and `attention` (threaded
+//! over heads, scores through `dots_transposed`) against `attention_ref`. Names follow
+//! docs/numerics.md §14, the same as the contract's ops.py.
 
 use rayon::prelude::*;
 
@@ -16,59 +19,8 @@ pub fn dot(x: &[f32], w: &[f32]) -> f32 {
     acc
 }
 
-/// `out[c] = dot(x, column c of kt)` for `c < out.len()`, where `kt[j*stride + c]` holds `w_c[j]`
-/// and `out.len()` is a multiple of 16 no larger than `stride`. Each column is exactly `dot`
-/// (from +0.0, j ascending, separate multiply and add); columns are independent, so 16-wide
-/// vectors of them advance side by side (64 at a time to hide the add latency).
-pub fn dots_transposed(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    assert!(out.len().is_multiple_of(16) && out.len() <= stride && kt.len() >= x.len() * stride);
-    if avx512_available() {
-        // SAFETY: the CPU supports avx512f (checked at runtime).
-        unsafe { dots_transposed_avx512(x, kt, stride, out) }
-    } else {
-        dots_transposed_generic(x, kt, stride, out)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    dots_transposed_generic(x, kt, stride, out)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    dots_transposed_generic(x, kt, stride, out)
-}
-
-#[inline(always)]
-fn dots_transposed_generic(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
-    let mut c0 = 0;
-    while c0 + 64 <= out.len() {
-        dots_block::<64>(x, kt, stride, c0, &mut out[c0..c0 + 64]);
-        c0 += 64;
-    }
-    while c0 < out.len() {
-        dots_block::<16>(x, kt, stride, c0, &mut out[c0..c0 + 16]);
-        c0 += 16;
-    }
-}
-
-#[inline(always)]
-fn dots_block<const N: usize>(x: &[f32], kt: &[f32], stride: usize, c0: usize, out: &mut [f32]) {
-    let mut acc = [0.0f32; N];
-    for (j, &xj) in x.iter().enumerate() {
-        let col: &[f32; N] = kt[j * stride + c0..j * stride + c0 + N]
-            .try_into()
-            .expect("N lanes");
-        for i in 0..N {
-            acc[i] += xj * col[i];
-        }
-    }
-    out.copy_from_slice(&acc);
-}
-
 /// §3: ordered sum from +0.0.
-pub fn sum(v: &[f32]) -> f32 {
+pub fn ordered_sum(v: &[f32]) -> f32 {
     let mut acc = 0.0f32;
     for &x in v {
         acc += x;
@@ -498,9 +450,14 @@ pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// §4 `f32(E(binary64(x)))`: libm's binary64 exp, rounded to f32 once.
+pub fn exp_to_f32(x: f32) -> f32 {
+    (x as f64).exp() as f32
+}
+
 /// §8.6 / §10.2 softmax over the entries with `visible[c]`; masked entries get +0.0.
 /// `m` is the max of the visible scores; `e = f32(exp_f64(s ⊖ m))`; ordered sum; divide.
-pub fn softmax_masked(s: &[f32], visible: impl Fn(usize) -> bool, out: &mut [f32]) {
+pub fn softmax(s: &[f32], visible: impl Fn(usize) -> bool, out: &mut [f32]) {
     let mut m = f32::NEG_INFINITY;
     for (c, &v) in s.iter().enumerate() {
         if visible(c) && v > m {
@@ -510,7 +467,7 @@ pub fn softmax_masked(s: &[f32], visible: impl Fn(usize) -> bool, out: &mut [f32
     let mut z = 0.0f32;
     for (c, &v) in s.iter().enumerate() {
         if visible(c) {
-            let e = ((v - m) as f64).exp() as f32;
+            let e = exp_to_f32(v - m);
             out[c] = e;
             z += e;
         } else {
@@ -567,6 +524,201 @@ impl Rope {
             x[i + h] = b * c[i] + a * s[i];
         }
     }
+}
+
+/// The key/value rows attention reads (`[S, nkv, d]` each) with their absolute positions.
+pub struct KeyRows<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub pos: &'a [i64],
+}
+
+/// Head counts and width of one attention: `nq` query heads, `nkv` kv heads, `d` per head.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    pub nq: usize,
+    pub nkv: usize,
+    pub d: usize,
+}
+
+/// §8.3–§8.7, the plain definition: causal GQA attention of query rows `q` `[T, nq, d]` at
+/// positions `q_pos` over `keys` (key c visible to row r iff `pos[c] ≤ q_pos[r]`). Returns
+/// `o` `[T, nq, d]` and the probabilities `[nq, T, S]`. The reference for `attention`.
+pub fn attention_ref(
+    q: &[f32],
+    q_pos: &[i64],
+    keys: &KeyRows,
+    hs: Heads,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let (t, s_len, d) = (q_pos.len(), keys.pos.len(), hs.d);
+    let mut o = vec![0.0f32; t * hs.nq * d];
+    let mut probs = vec![0.0f32; hs.nq * t * s_len];
+    let mut s = vec![0.0f32; s_len];
+    for hq in 0..hs.nq {
+        let hk = hq / (hs.nq / hs.nkv); // §8.3
+        for r in 0..t {
+            let visible = |c: usize| keys.pos[c] <= q_pos[r]; // §8.5
+            let qv = &q[(r * hs.nq + hq) * d..(r * hs.nq + hq + 1) * d];
+            for c in 0..s_len {
+                let kv = &keys.k[(c * hs.nkv + hk) * d..(c * hs.nkv + hk + 1) * d];
+                s[c] = if visible(c) {
+                    dot(qv, kv) * scale // §8.4
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            let p = &mut probs[(hq * t + r) * s_len..(hq * t + r + 1) * s_len];
+            softmax(&s, visible, p); // §8.6
+            let orow = &mut o[(r * hs.nq + hq) * d..(r * hs.nq + hq + 1) * d];
+            for c in (0..s_len).filter(|&c| visible(c)) {
+                let vv = &keys.v[(c * hs.nkv + hk) * d..(c * hs.nkv + hk + 1) * d];
+                for j in 0..d {
+                    orow[j] += p[c] * vv[j]; // §8.7
+                }
+            }
+        }
+    }
+    (o, probs)
+}
+
+/// Attention scores computed together (one `dot` per lane of an array).
+const SC: usize = 16;
+
+// The speed-ups of attention: scores SC at a time, each lane its own ordered `dot`.
+
+/// `out[c] = dot(x, column c of kt)` for `c < out.len()`, where `kt[j*stride + c]` holds `w_c[j]`
+/// and `out.len()` is a multiple of 16 no larger than `stride`. Each column is exactly `dot`
+/// (from +0.0, j ascending, separate multiply and add); columns are independent, so 16-wide
+/// vectors of them advance side by side (64 at a time to hide the add latency).
+pub fn dots_transposed(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    assert!(out.len().is_multiple_of(16) && out.len() <= stride && kt.len() >= x.len() * stride);
+    if avx512_available() {
+        // SAFETY: the CPU supports avx512f (checked at runtime).
+        unsafe { dots_transposed_avx512(x, kt, stride, out) }
+    } else {
+        dots_transposed_generic(x, kt, stride, out)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    dots_transposed_generic(x, kt, stride, out)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn dots_transposed_avx512(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    dots_transposed_generic(x, kt, stride, out)
+}
+
+#[inline(always)]
+fn dots_transposed_generic(x: &[f32], kt: &[f32], stride: usize, out: &mut [f32]) {
+    let mut c0 = 0;
+    while c0 + 64 <= out.len() {
+        dots_block::<64>(x, kt, stride, c0, &mut out[c0..c0 + 64]);
+        c0 += 64;
+    }
+    while c0 < out.len() {
+        dots_block::<16>(x, kt, stride, c0, &mut out[c0..c0 + 16]);
+        c0 += 16;
+    }
+}
+
+#[inline(always)]
+fn dots_block<const N: usize>(x: &[f32], kt: &[f32], stride: usize, c0: usize, out: &mut [f32]) {
+    let mut acc = [0.0f32; N];
+    for (j, &xj) in x.iter().enumerate() {
+        let col: &[f32; N] = kt[j * stride + c0..j * stride + c0 + N]
+            .try_into()
+            .expect("N lanes");
+        for i in 0..N {
+            acc[i] += xj * col[i];
+        }
+    }
+    out.copy_from_slice(&acc);
+}
+
+/// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and each head's
+/// scores computed SC at a time from its keys transposed (`dots_transposed`, each lane its own
+/// ordered `dot`). Every (head, row) does the same operations in the same order as the
+/// definition, so the bits are equal (tested). `probs` is empty unless `want_probs`.
+pub fn attention(
+    q: &[f32],
+    q_pos: &[i64],
+    keys: &KeyRows,
+    hs: Heads,
+    scale: f32,
+    want_probs: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let (t, tk, d, nq, nkv) = (q_pos.len(), keys.pos.len(), hs.d, hs.nq, hs.nkv);
+    let group = nq / nkv;
+    // Heads are independent; each head's arithmetic is the same whichever thread runs it.
+    let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..nq)
+        .into_par_iter()
+        .map(|hq| {
+            let hk = hq / group;
+            let mut o = vec![0.0f32; t * d];
+            let mut probs = if want_probs {
+                vec![0.0f32; t * tk]
+            } else {
+                vec![]
+            };
+            let mut s = vec![0.0f32; tk];
+            let mut p = vec![0.0f32; tk];
+            // This head's keys transposed to `kt[j][c]` (columns padded with zeros to a
+            // multiple of SC), so SC scores advance together, each its own ordered `dot`.
+            let tkp = tk.div_ceil(SC) * SC;
+            let mut kt = vec![0.0f32; d * tkp];
+            let mut dots = vec![0.0f32; tkp];
+            for c in 0..tk {
+                let kr = &keys.k[(c * nkv + hk) * d..(c * nkv + hk + 1) * d];
+                for j in 0..d {
+                    kt[j * tkp + c] = kr[j];
+                }
+            }
+            for r in 0..t {
+                let qv = &q[(r * nq + hq) * d..(r * nq + hq + 1) * d];
+                let visible = |c: usize| keys.pos[c] <= q_pos[r];
+                // Columns past the last visible one are not needed (they become -inf).
+                let cend = (0..tk).rev().find(|&c| visible(c)).map_or(0, |c| c + 1);
+                let cpad = cend.div_ceil(SC) * SC;
+                dots_transposed(qv, &kt, tkp, &mut dots[..cpad]);
+                for c in 0..tk {
+                    s[c] = if visible(c) {
+                        dots[c] * scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+                softmax(&s, visible, &mut p);
+                let orow = &mut o[r * d..(r + 1) * d];
+                for c in 0..tk {
+                    if visible(c) {
+                        let vv = &keys.v[(c * nkv + hk) * d..(c * nkv + hk + 1) * d];
+                        for j in 0..d {
+                            orow[j] += p[c] * vv[j];
+                        }
+                    }
+                }
+                if want_probs {
+                    probs[r * tk..(r + 1) * tk].copy_from_slice(&p);
+                }
+            }
+            (o, probs)
+        })
+        .collect();
+    let mut o = vec![0.0f32; t * nq * d];
+    for (hq, (oh, _)) in per_head.iter().enumerate() {
+        for r in 0..t {
+            o[(r * nq + hq) * d..(r * nq + hq + 1) * d].copy_from_slice(&oh[r * d..(r + 1) * d]);
+        }
+    }
+    let probs = if want_probs {
+        per_head.into_iter().flat_map(|(_, p)| p).collect()
+    } else {
+        vec![]
+    };
+    (o, probs)
 }
 
 /// §9 sigmoid with the stated branch, binary64 throughout, rounded once. NaN takes `g < 0`.
@@ -828,13 +980,52 @@ mod tests {
     }
 
     #[test]
+    fn attention_fast_equals_definition_bits() {
+        note_if_avx512_not_checked("attention_fast_equals_definition_bits");
+        // GQA groups of 1 and 3, key counts around the SC-wide blocks, cached rows (key
+        // positions before the query rows) and a query row that sees only some of the keys.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        for &(nq, nkv, d, s_len, t) in &[(2, 2, 4, 1, 1), (6, 2, 8, 17, 5), (3, 1, 6, 33, 33)] {
+            let k_pos: Vec<i64> = (0..s_len as i64).collect();
+            let q_pos: Vec<i64> = k_pos[s_len - t..].to_vec();
+            let q = vals(t * nq * d, 11);
+            let (k, v) = (vals(s_len * nkv * d, 12), vals(s_len * nkv * d, 13));
+            let keys = KeyRows {
+                k: &k,
+                v: &v,
+                pos: &k_pos,
+            };
+            let hs = Heads { nq, nkv, d };
+            let (want_o, want_p) = attention_ref(&q, &q_pos, &keys, hs, 0.375);
+            let (got_o, got_p) = pool.install(|| attention(&q, &q_pos, &keys, hs, 0.375, true));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&want_o),
+                bits(&got_o),
+                "o: nq {nq} nkv {nkv} s {s_len}"
+            );
+            assert_eq!(
+                bits(&want_p),
+                bits(&got_p),
+                "p: nq {nq} nkv {nkv} s {s_len}"
+            );
+            let (o2, p2) = attention(&q, &q_pos, &keys, hs, 0.375, false);
+            assert_eq!(bits(&o2), bits(&want_o));
+            assert!(p2.is_empty());
+        }
+    }
+
+    #[test]
     fn dot_starts_from_positive_zero() {
         // -0 ⊗ 1 = -0, and +0 ⊕ -0 = +0: the accumulator's +0 start is visible.
         assert_eq!(dot(&[-0.0], &[1.0]).to_bits(), 0.0f32.to_bits());
         // Order matters: (1e8 + 1) - 1e8 = 0 in f32, left to right.
         assert_eq!(dot(&[1e8, 1.0, -1e8], &[1.0, 1.0, 1.0]), 0.0);
-        assert_eq!(sum(&[1.0, 1e8, -1e8]), 0.0);
-        assert_eq!(sum(&[1e8, -1e8, 1.0]), 1.0);
+        assert_eq!(ordered_sum(&[1.0, 1e8, -1e8]), 0.0);
+        assert_eq!(ordered_sum(&[1e8, -1e8, 1.0]), 1.0);
     }
 
     #[test]
@@ -855,7 +1046,7 @@ mod tests {
     fn softmax_with_masked_and_neg_inf() {
         let s = [1.0f32, f32::NEG_INFINITY, 3.0, 100.0];
         let mut p = [9.0f32; 4];
-        softmax_masked(&s, |c| c < 3, &mut p);
+        softmax(&s, |c| c < 3, &mut p);
         // m = 3; e = [exp(-2), exp(-inf)=0, 1]; masked entry 3 → +0.
         let e0 = ((-2.0f64).exp()) as f32;
         let z = (e0 + 0.0) + 1.0;

@@ -5,12 +5,13 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
-use tracegate_trace::{Digest, Trace, TraceWriter};
+use tracegate_trace::{names, Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
+use crate::config::{load_config, ModelType, MAX_POSITIONS};
 use crate::force::Forcing;
 use crate::ops::{self, Rope};
-use crate::qwen3::{Config, Model, MAX_POSITIONS};
+use crate::qwen3::Model;
 use crate::weights::Store;
 use crate::{err, Result};
 
@@ -47,24 +48,14 @@ pub struct LayerOptions {
     pub decode_from: Option<i64>,
 }
 
-/// Read and validate `config.json`; returns the parsed config and the raw JSON.
-pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
-    let p = dir.join("config.json");
-    crate::weights::regular_file(&p)?;
-    let text = std::fs::read_to_string(&p).map_err(|e| err!("{}: {e}", p.display()))?;
-    let raw: Value =
-        serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", p.display()))?;
-    Ok((Config::from_json(&raw)?, raw))
-}
-
 fn pool(threads: usize) -> Result<rayon::ThreadPool> {
     if threads == 0 {
-        return Err(err!("--threads must be at least 1"));
+        return Err(err!(Input: "--threads must be at least 1"));
     }
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
-        .map_err(|e| err!("thread pool: {e}"))
+        .map_err(|e| err!(Internal: "thread pool: {e}"))
 }
 
 fn provenance(
@@ -111,7 +102,7 @@ pub struct Step {
 /// §12 argmax of one logits row; NaN is an error naming the row.
 fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
     if row.iter().any(|x| x.is_nan()) {
-        return Err(err!("NaN logit in {what}"));
+        return Err(err!(NaN: "NaN logit in {what}"));
     }
     let (i, m) = ops::argmax_margin(row);
     Ok((i as i64, m))
@@ -177,7 +168,7 @@ pub fn generate(
         }
         let (token, margin, overridden) = decide_or_force(
             model,
-            &format!("decode.{s:04}.argmax"),
+            &names::decode(s, "argmax"),
             &row,
             0,
             &format!("decode step {s}"),
@@ -197,10 +188,10 @@ pub fn generate(
 /// write the trace. Returns its content digest.
 pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     if o.tokens.is_empty() {
-        return Err(err!("--tokens: the prompt is empty"));
+        return Err(err!(Input: "--tokens: the prompt is empty"));
     }
     if o.tokens.len().saturating_add(o.generate) > MAX_POSITIONS {
-        return Err(err!(
+        return Err(err!(Input:
             "--generate {}: {} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}",
             o.generate,
             o.tokens.len()
@@ -214,22 +205,16 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
         f.check_prompt(&o.tokens)?;
         let (c, t) = (&model.cfg, o.tokens.len());
         for l in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
-            let m = c.moe.as_ref().expect("sparse layer has a MoE config");
             f.require(
-                &format!("layer.{l:02}.router.topk"),
+                &names::layer(l, "router.topk"),
                 Some(t),
-                Some(m.num_experts_per_tok),
-                m.num_experts,
+                Some(c.num_experts_per_tok),
+                c.num_experts,
             )?;
         }
         f.require("logits.argmax", Some(t), None, c.vocab_size)?;
         for s in 0..o.generate {
-            f.require(
-                &format!("decode.{s:04}.argmax"),
-                Some(1),
-                None,
-                c.vocab_size,
-            )?;
+            f.require(&names::decode(s, "argmax"), Some(1), None, c.vocab_size)?;
         }
         model.forcing = Some(f);
     }
@@ -267,7 +252,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
                     o.internals,
                 )?;
                 for (s, st) in steps.into_iter().enumerate() {
-                    let name = format!("decode.{s:04}.argmax");
+                    let name = names::decode(s, "argmax");
                     cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
                     if model.forcing.is_some() {
                         cap.forced(&name, u64::from(st.overridden));
@@ -318,9 +303,9 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
     std::thread::scope(|s| {
         let digest = s.spawn(|| crate::weights_digest(dir));
         let out = work();
-        let wd = digest
-            .join()
-            .map_err(|_| err!("{}: the weights digest thread panicked", dir.display()))??;
+        let wd = digest.join().map_err(
+            |_| err!(Internal: "{}: the weights digest thread panicked", dir.display()),
+        )??;
         Ok((wd, out?))
     })
 }
@@ -334,7 +319,7 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
 pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let (cfg, raw) = load_config(&o.model_dir)?;
     if o.layer >= cfg.num_hidden_layers {
-        return Err(err!(
+        return Err(err!(Input:
             "--layer {} out of range (model has {} layers)",
             o.layer,
             cfg.num_hidden_layers
@@ -345,12 +330,12 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let input = Trace::open(&o.input)?;
     let info = input
         .tensor_info(&o.input_name)
-        .ok_or_else(|| err!("{}: no tensor {}", o.input.display(), o.input_name))?;
+        .ok_or_else(|| err!(Input: "{}: no tensor {}", o.input.display(), o.input_name))?;
     let h = model.cfg.hidden_size;
     let rows = match info.shape.as_slice() {
         [t, hh] if *hh as usize == h && *t >= 1 => *t as usize,
         s => {
-            return Err(err!(
+            return Err(err!(Input:
                 "{}: tensor {} has shape {s:?}, expected [rows, {h}]",
                 o.input.display(),
                 o.input_name
@@ -358,14 +343,14 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         }
     };
     let pos = info.attributes.positions.clone().ok_or_else(|| {
-        err!(
+        err!(Input:
             "{}: tensor {} has no positions attribute",
             o.input.display(),
             o.input_name
         )
     })?;
     if pos.len() != rows {
-        return Err(err!(
+        return Err(err!(Input:
             "{}: tensor {}: {} positions for {rows} rows",
             o.input.display(),
             o.input_name,
@@ -376,7 +361,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         .iter()
         .find(|&&p| !(0..MAX_POSITIONS as i64).contains(&p))
     {
-        return Err(err!(
+        return Err(err!(Input:
             "{}: tensor {}: position {p} outside [0, 2^24)",
             o.input.display(),
             o.input_name
@@ -384,18 +369,20 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     }
     if let Some(p) = o.decode_from {
         check_decode_from(&pos, p)
-            .map_err(|e| err!("{}: tensor {}: {e}", o.input.display(), o.input_name))?;
+            .map_err(|e| err!(Input: "{}: tensor {}: {e}", o.input.display(), o.input_name))?;
     }
     let x = input.f32_vec(&o.input_name)?;
     if let Some(path) = &o.force_decisions {
         let f = Forcing::open(path)?;
         let c = &model.cfg;
-        if let Some(m) = c.moe.as_ref().filter(|_| c.is_sparse(o.layer)) {
-            let name = format!("layer.{:02}.router.topk", o.layer);
-            let rows = f.require(&name, None, Some(m.num_experts_per_tok), m.num_experts)?;
+        if c.is_sparse(o.layer) {
+            let name = names::layer(o.layer, "router.topk");
+            let rows = f.require(&name, None, Some(c.num_experts_per_tok), c.num_experts)?;
             // Row i of the forcing decision is position i's: every input row needs one.
             if let Some(p) = pos.iter().find(|&&p| p as u64 >= rows as u64) {
-                return Err(err!("--force-decisions {}: decision {name} has {rows} rows, the input holds position {p}", path.display()));
+                return Err(
+                    err!(Input: "--force-decisions {}: decision {name} has {rows} rows, the input holds position {p}", path.display()),
+                );
             }
         }
         model.forcing = Some(f);
@@ -459,13 +446,13 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
 /// `--decode-from P`: the rows must be at positions exactly 0..m−1 in order, and 0 ≤ P < m.
 fn check_decode_from(pos: &[i64], p: i64) -> Result<()> {
     if let Some((i, &bad)) = pos.iter().enumerate().find(|&(i, &q)| q != i as i64) {
-        return Err(err!(
+        return Err(err!(Input:
             "--decode-from needs rows at positions 0..{} in order; row {i} is at position {bad}",
             pos.len() - 1
         ));
     }
     if !(0..pos.len() as i64).contains(&p) {
-        return Err(err!(
+        return Err(err!(Input:
             "--decode-from {p} outside 0..{} (the input's {} rows)",
             pos.len() - 1,
             pos.len()
@@ -483,16 +470,16 @@ pub fn info(dir: &Path) -> Result<String> {
     let c = &model.cfg;
     let mut s = format!(
         "family {:?}\nlayers {}  hidden {}  heads {}/{}  head_dim {}  vocab {}\nintermediate {:?}  rms_norm_eps {}  rope_theta {}  tied {}  attention_bias {}\n",
-        c.family, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
         c.vocab_size, c.intermediate_size, c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings, c.attention_bias
     );
-    if let Some(m) = &c.moe {
+    if c.model_type == ModelType::Qwen3Moe {
         let sparse: Vec<usize> = (0..c.num_hidden_layers)
             .filter(|&l| c.is_sparse(l))
             .collect();
         s += &format!(
             "experts {} top-{}  moe_intermediate {}  norm_topk_prob {}  sparse layers {:?}\n",
-            m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob, sparse
+            c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, sparse
         );
     }
     s += &format!(

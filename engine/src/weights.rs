@@ -67,7 +67,7 @@ pub struct Entry {
 /// overlapping ranges, and bytes of the data buffer no tensor covers.
 pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>> {
     if bytes.len() < 8 {
-        return Err(err!(
+        return Err(err!(Checkpoint:
             "{file}: not a safetensors file ({} bytes, need at least 8)",
             bytes.len()
         ));
@@ -75,16 +75,18 @@ pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>>
     let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
     let avail = bytes.len() as u64 - 8;
     if n > MAX_HEADER_BYTES || n > avail {
-        return Err(err!("{file}: safetensors header length {n} exceeds the file ({avail} bytes after the length) or the {MAX_HEADER_BYTES}-byte limit"));
+        return Err(
+            err!(Checkpoint: "{file}: safetensors header length {n} exceeds the file ({avail} bytes after the length) or the {MAX_HEADER_BYTES}-byte limit"),
+        );
     }
     let n = n as usize;
     let text = std::str::from_utf8(&bytes[8..8 + n])
-        .map_err(|e| err!("{file}: safetensors header is not UTF-8: {e}"))?;
+        .map_err(|e| err!(Checkpoint: "{file}: safetensors header is not UTF-8: {e}"))?;
     if !text.starts_with('{') {
-        return Err(err!("{file}: safetensors header does not start with '{{'"));
+        return Err(err!(Checkpoint: "{file}: safetensors header does not start with '{{'"));
     }
     let raw: UniqueMap = serde_json::from_str(text)
-        .map_err(|e| err!("{file}: safetensors header is not valid JSON: {e}"))?;
+        .map_err(|e| err!(Checkpoint: "{file}: safetensors header is not valid JSON: {e}"))?;
     let data_start = 8 + n;
     let data_len = bytes.len() - data_start;
     let mut out = BTreeMap::new();
@@ -94,42 +96,48 @@ pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>>
                 .as_object()
                 .is_some_and(|m| m.values().all(|x| x.is_string()));
             if !ok {
-                return Err(err!("{file}: __metadata__ must be an object of strings"));
+                return Err(err!(Checkpoint: "{file}: __metadata__ must be an object of strings"));
             }
             continue;
         }
         let obj = v
             .as_object()
-            .ok_or_else(|| err!("{file}: tensor {name}: entry is not an object"))?;
+            .ok_or_else(|| err!(Checkpoint: "{file}: tensor {name}: entry is not an object"))?;
         let dtype = obj
             .get("dtype")
             .and_then(|d| d.as_str())
-            .ok_or_else(|| err!("{file}: tensor {name}: missing string dtype"))?;
+            .ok_or_else(|| err!(Checkpoint: "{file}: tensor {name}: missing string dtype"))?;
         let esize = st_dtype_size(dtype)
-            .ok_or_else(|| err!("{file}: tensor {name}: unknown dtype {dtype:?}"))?;
+            .ok_or_else(|| err!(Checkpoint: "{file}: tensor {name}: unknown dtype {dtype:?}"))?;
         let shape: Vec<u64> = obj
             .get("shape")
             .and_then(|s| s.as_array())
             .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<_>>>())
             .ok_or_else(|| {
-                err!("{file}: tensor {name}: shape must be an array of non-negative integers")
+                err!(Checkpoint: "{file}: tensor {name}: shape must be an array of non-negative integers")
             })?;
         let offs: Vec<u64> = obj
             .get("data_offsets")
             .and_then(|s| s.as_array())
             .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<_>>>())
             .filter(|a| a.len() == 2)
-            .ok_or_else(|| err!("{file}: tensor {name}: data_offsets must be [begin, end]"))?;
+            .ok_or_else(
+                || err!(Checkpoint: "{file}: tensor {name}: data_offsets must be [begin, end]"),
+            )?;
         let (b, e) = (offs[0], offs[1]);
         if b > e || e > data_len as u64 {
-            return Err(err!("{file}: tensor {name}: data_offsets [{b}, {e}] outside the {data_len}-byte data buffer"));
+            return Err(
+                err!(Checkpoint: "{file}: tensor {name}: data_offsets [{b}, {e}] outside the {data_len}-byte data buffer"),
+            );
         }
         let nbytes = shape
             .iter()
             .try_fold(esize as u64, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| err!("{file}: tensor {name}: shape {shape:?} overflows"))?;
+            .ok_or_else(|| err!(Checkpoint: "{file}: tensor {name}: shape {shape:?} overflows"))?;
         if nbytes != e - b {
-            return Err(err!("{file}: tensor {name}: shape {shape:?} of {dtype} needs {nbytes} bytes, data_offsets give {}", e - b));
+            return Err(
+                err!(Checkpoint: "{file}: tensor {name}: shape {shape:?} of {dtype} needs {nbytes} bytes, data_offsets give {}", e - b),
+            );
         }
         let entry = Entry {
             dtype: dtype.to_string(),
@@ -153,12 +161,12 @@ pub fn parse_header(bytes: &[u8], file: &str) -> Result<BTreeMap<String, Entry>>
             } else {
                 "leaves a gap before it"
             };
-            return Err(err!("{file}: tensor {name}: data range {what}"));
+            return Err(err!(Checkpoint: "{file}: tensor {name}: data range {what}"));
         }
         pos = e;
     }
     if pos != bytes.len() {
-        return Err(err!(
+        return Err(err!(Checkpoint:
             "{file}: {} trailing bytes of the data buffer belong to no tensor",
             bytes.len() - pos
         ));
@@ -262,11 +270,11 @@ pub fn widen(dtype: WDType, b: &[u8], out: &mut [f32]) {
 /// until a writer comes, which may be never. (A file swapped between this check and the open is
 /// not caught; the checkpoint must not change while the engine runs, as for the mapping.)
 pub fn regular_file(p: &Path) -> Result<()> {
-    let m = std::fs::metadata(p).map_err(|e| err!("{}: {e}", p.display()))?;
+    let m = std::fs::metadata(p).map_err(|e| err!(Checkpoint: "{}: {e}", p.display()))?;
     if m.is_file() {
         Ok(())
     } else {
-        Err(err!("{}: not a regular file", p.display()))
+        Err(err!(Checkpoint: "{}: not a regular file", p.display()))
     }
 }
 
@@ -275,10 +283,10 @@ pub fn regular_file(p: &Path) -> Result<()> {
 /// `model.safetensors`. This one list feeds both the loader and the weights digest.
 pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir)
-        .map_err(|e| err!("{}: cannot read model directory: {e}", dir.display()))?;
+        .map_err(|e| err!(Checkpoint: "{}: cannot read model directory: {e}", dir.display()))?;
     let mut names = Vec::new();
     for ent in rd {
-        let ent = ent.map_err(|e| err!("{}: {e}", dir.display()))?;
+        let ent = ent.map_err(|e| err!(Checkpoint: "{}: {e}", dir.display()))?;
         let name = ent.file_name().to_string_lossy().into_owned();
         if name.ends_with(".safetensors") {
             names.push(name);
@@ -297,7 +305,7 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     };
     for n in &names {
         if !expected.contains(n) {
-            return Err(err!(
+            return Err(err!(Checkpoint:
                 "{}: safetensors file {n} is not part of the checkpoint (expected {expected:?})",
                 dir.display()
             ));
@@ -305,7 +313,7 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     for n in &expected {
         if !names.contains(n) {
-            return Err(err!("{}: missing safetensors file {n}", dir.display()));
+            return Err(err!(Checkpoint: "{}: missing safetensors file {n}", dir.display()));
         }
     }
     Ok(names.iter().map(|n| dir.join(n)).collect())
@@ -314,20 +322,21 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// `weight_map` of a sharded checkpoint index: tensor name → shard file name.
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     regular_file(path)?;
-    let text = std::fs::read_to_string(path).map_err(|e| err!("{}: {e}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| err!("{}: invalid JSON: {e}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| err!(Checkpoint: "{}: {e}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| err!(Checkpoint: "{}: invalid JSON: {e}", path.display()))?;
     let wm = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| err!("{}: missing object weight_map", path.display()))?;
+        .ok_or_else(|| err!(Checkpoint: "{}: missing object weight_map", path.display()))?;
     let mut out = BTreeMap::new();
     for (k, f) in wm {
-        let f = f
-            .as_str()
-            .ok_or_else(|| err!("{}: weight_map[{k}] is not a string", path.display()))?;
+        let f = f.as_str().ok_or_else(
+            || err!(Checkpoint: "{}: weight_map[{k}] is not a string", path.display()),
+        )?;
         if f.contains('/') || f.contains('\\') || !f.ends_with(".safetensors") {
-            return Err(err!(
+            return Err(err!(Checkpoint:
                 "{}: weight_map[{k}] names {f:?}, not a safetensors file in the directory",
                 path.display()
             ));
@@ -359,11 +368,11 @@ impl Store {
         let mut tensors = BTreeMap::new();
         for p in &files {
             regular_file(p)?;
-            let f = File::open(p).map_err(|e| err!("{}: {e}", p.display()))?;
+            let f = File::open(p).map_err(|e| err!(Checkpoint: "{}: {e}", p.display()))?;
             // SAFETY: mapped read-only; the checkpoint must not be modified while the engine runs
             // (the same contract every mmap-based loader has).
-            let m =
-                unsafe { Mmap::map(&f) }.map_err(|e| err!("{}: cannot map: {e}", p.display()))?;
+            let m = unsafe { Mmap::map(&f) }
+                .map_err(|e| err!(Checkpoint: "{}: cannot map: {e}", p.display()))?;
             let fname = p
                 .file_name()
                 .map(|s| s.to_string_lossy().into_owned())
@@ -372,14 +381,14 @@ impl Store {
             for (name, e) in entries {
                 if let Some(wm) = &weight_map {
                     if wm.get(&name) != Some(&fname) {
-                        return Err(err!(
+                        return Err(err!(Checkpoint:
                             "tensor {name} is in {fname} but the index names {:?}",
                             wm.get(&name)
                         ));
                     }
                 }
                 if tensors.insert(name.clone(), (maps.len(), e)).is_some() {
-                    return Err(err!(
+                    return Err(err!(Checkpoint:
                         "tensor {name} appears in more than one safetensors file"
                     ));
                 }
@@ -389,7 +398,7 @@ impl Store {
         if let Some(wm) = &weight_map {
             for (name, f) in wm {
                 if !tensors.contains_key(name) {
-                    return Err(err!(
+                    return Err(err!(Checkpoint:
                         "tensor {name}: listed in the index for {f} but not in that file"
                     ));
                 }
@@ -411,17 +420,17 @@ impl Store {
         let (mi, e) = self
             .tensors
             .get(name)
-            .ok_or_else(|| err!("missing tensor {name} (expected shape {shape:?})"))?;
+            .ok_or_else(|| err!(Checkpoint: "missing tensor {name} (expected shape {shape:?})"))?;
         let got: Vec<usize> = e.shape.iter().map(|&d| d as usize).collect();
         if got != shape {
-            return Err(err!("tensor {name}: shape {got:?}, expected {shape:?}"));
+            return Err(err!(Checkpoint: "tensor {name}: shape {got:?}, expected {shape:?}"));
         }
         let dtype = match e.dtype.as_str() {
             "F32" => WDType::F32,
             "F16" => WDType::F16,
             "BF16" => WDType::BF16,
             d => {
-                return Err(err!(
+                return Err(err!(Checkpoint:
                     "tensor {name}: dtype {d} not supported (BF16, F16, F32)"
                 ))
             }
@@ -431,7 +440,7 @@ impl Store {
             [n] => (1, *n),
             [r, c] => (*r, *c),
             [a, r, c] => (a * r, *c),
-            _ => return Err(err!("tensor {name}: unsupported rank {}", shape.len())),
+            _ => return Err(err!(Checkpoint: "tensor {name}: unsupported rank {}", shape.len())),
         };
         Ok(Mat {
             dtype,
@@ -446,7 +455,7 @@ impl Store {
         let claimed = self.claimed.borrow();
         for name in self.tensors.keys() {
             if !claimed.contains(name) {
-                return Err(err!(
+                return Err(err!(Checkpoint:
                     "unclaimed tensor {name}: no module of this config uses it"
                 ));
             }

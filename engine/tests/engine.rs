@@ -10,7 +10,9 @@ use serde_json::{json, Value};
 use tracegate_engine::capture::Capture;
 use tracegate_engine::qwen3::Model;
 use tracegate_engine::weights::Store;
-use tracegate_engine::{generate, load_config, run_layer, run_trace, LayerOptions, TraceOptions};
+use tracegate_engine::{
+    generate, load_config, run_layer, run_trace, Error, LayerOptions, TraceOptions,
+};
 use tracegate_trace::Trace;
 
 fn trace_opts(model: &Path, out: PathBuf, tokens: &[i64]) -> TraceOptions {
@@ -24,6 +26,22 @@ fn trace_opts(model: &Path, out: PathBuf, tokens: &[i64]) -> TraceOptions {
         threads: 1,
         command_line: vec![],
         force_decisions: None,
+    }
+}
+
+/// `layer` of layer 0 on tensor `x` of `input`, default capture, one thread.
+fn layer_opts(model: &Path, input: PathBuf, out: PathBuf) -> LayerOptions {
+    LayerOptions {
+        model_dir: model.to_path_buf(),
+        layer: 0,
+        input,
+        input_name: "x".into(),
+        out,
+        internals: false,
+        threads: 1,
+        command_line: vec![],
+        force_decisions: None,
+        decode_from: None,
     }
 }
 
@@ -187,7 +205,10 @@ fn embed_out_is_the_widened_embedding_row() {
     assert_eq!(bits(&e[24..]), bits(&row(0)));
     // Token outside the vocabulary is refused, naming it.
     let e = run_trace(&trace_opts(&f.dense, f.dir.join("x.trace"), &[61])).unwrap_err();
-    assert!(e.0.contains("61") && e.0.contains("vocabulary"), "{e}");
+    assert!(
+        matches!(&e, Error::Input(s) if s.contains("61") && s.contains("vocabulary")),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -456,8 +477,9 @@ fn layer_decode_from_matches_the_plain_layer_verb_and_the_decode_steps() {
             for p in [-1, n as i64 + 2] {
                 let e = layer(Some(p), "bad.trace").unwrap_err();
                 assert!(
-                    e.0.contains(&format!("--decode-from {p} outside 0..{}", n + 1))
-                        && e.0.contains("tensor x"),
+                    matches!(&e, Error::Input(s)
+                        if s.contains(&format!("--decode-from {p} outside 0..{}", n + 1))
+                            && s.contains("tensor x")),
                     "{e}"
                 );
             }
@@ -480,8 +502,9 @@ fn layer_decode_from_matches_the_plain_layer_verb_and_the_decode_steps() {
     })
     .unwrap_err();
     assert!(
-        e.0.contains("tensor decode.0001.layer.00.hidden_in")
-            && e.0.contains("row 0 is at position 7"),
+        matches!(&e, Error::Input(s)
+            if s.contains("tensor decode.0001.layer.00.hidden_in")
+                && s.contains("row 0 is at position 7")),
         "{e}"
     );
 }
@@ -538,32 +561,25 @@ fn layer_verb_honours_positions_attribute() {
     w.tensor_f32("x", &[1, h as u64], &x[..h], &Default::default())
         .unwrap();
     w.finish().unwrap();
-    let e = run_layer(&LayerOptions {
-        model_dir: f.dense.clone(),
-        layer: 0,
-        input: p,
-        input_name: "x".into(),
-        out: f.dir.join("o.trace"),
-        internals: false,
-        threads: 1,
-        command_line: vec![],
-        force_decisions: None,
-        decode_from: None,
-    })
-    .unwrap_err();
-    assert!(e.0.contains("positions"), "{e}");
+    let e = run_layer(&layer_opts(&f.dense, p, f.dir.join("o.trace"))).unwrap_err();
+    assert!(e.to_string().contains("positions"), "{e}");
 }
 
 // ---- loader refusals ------------------------------------------------------------------------
 
 fn load_err(dir: &Path) -> String {
+    load_refusal(dir).to_string()
+}
+
+/// The refusal of loading `dir`, with its kind (callers branch on `Error`'s variant).
+fn load_refusal(dir: &Path) -> Error {
     let r = (|| -> tracegate_engine::Result<()> {
         let (cfg, _) = load_config(dir)?;
         let store = Store::open(dir)?;
         Model::load(cfg, &store)?;
         Ok(())
     })();
-    r.expect_err("load should be refused").0
+    r.expect_err("load should be refused")
 }
 
 #[test]
@@ -578,6 +594,7 @@ fn refuses_missing_tensor() {
         e.contains("missing tensor model.layers.1.self_attn.k_norm.weight"),
         "{e}"
     );
+    assert!(matches!(load_refusal(tmp.path()), Error::Checkpoint(_)));
 }
 
 #[test]
@@ -705,6 +722,8 @@ fn refuses_unsupported_config_values() {
         std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
         let e = load_err(tmp.path());
         assert!(e.contains(named), "{key}: {e}");
+        let kind = load_refusal(tmp.path());
+        assert!(matches!(kind, Error::Config(_)), "{key}: {kind:?}");
     }
     for (key, value, named) in [
         ("num_experts_per_tok", json!(6), "num_experts_per_tok"),
@@ -722,7 +741,7 @@ fn refuses_unsupported_config_values() {
 
 #[test]
 fn config_defaults_follow_transformers() {
-    use tracegate_engine::qwen3::Config;
+    use tracegate_engine::config::Config;
     let mut c = dense_config();
     for k in [
         "head_dim",
@@ -757,12 +776,11 @@ fn config_defaults_follow_transformers() {
     let cfg = Config::from_json(&m).unwrap();
     assert_eq!(cfg.head_dim, 16 / 4);
     assert_eq!(cfg.rope_theta, 10000.0);
-    let moe = cfg.moe.unwrap();
     assert_eq!(
         (
-            moe.norm_topk_prob,
-            moe.decoder_sparse_step,
-            moe.mlp_only_layers.len()
+            cfg.norm_topk_prob,
+            cfg.decoder_sparse_step,
+            cfg.mlp_only_layers.len()
         ),
         (false, 1, 0)
     );
@@ -905,7 +923,10 @@ fn refuses_bad_safetensors_headers() {
     ];
     for (bytes, want) in cases {
         let e = parse_header(&bytes, "f").expect_err(want);
-        assert!(e.0.contains(want), "want {want:?}: {e}");
+        assert!(
+            matches!(&e, Error::Checkpoint(s) if s.contains(want)),
+            "want {want:?}: {e:?}"
+        );
     }
 }
 
@@ -1253,4 +1274,17 @@ fn a_fifo_in_the_model_directory_is_refused_not_waited_on() {
             "{err}"
         );
     }
+}
+
+#[test]
+fn a_missing_input_trace_is_the_trace_crates_error_kept_whole() {
+    // Callers branch on the kind: a file the trace crate cannot open stays its `Io` error.
+    let f = fixture();
+    let input = f.dir.join("no-such.trace");
+    let e = run_layer(&layer_opts(&f.dense, input, f.dir.join("o.trace"))).unwrap_err();
+    assert!(
+        matches!(&e, Error::Trace(tracegate_trace::Error::Io { path, .. }) if path.ends_with("no-such.trace")),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("no-such.trace"), "{e}");
 }

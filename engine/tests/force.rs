@@ -273,7 +273,10 @@ fn the_layer_verb_takes_the_layers_router_rows_by_position() {
     w.decision("layer.02.router.topk", &[3, 2], &before[..6], None)
         .unwrap();
     w.finish().unwrap();
-    let e = layer(Some(&short), "l2-short.trace").err().unwrap().0;
+    let e = layer(Some(&short), "l2-short.trace")
+        .err()
+        .unwrap()
+        .to_string();
     assert_eq!(e, format!("--force-decisions {}: decision layer.02.router.topk has 3 rows, the input holds position 3", short.display()));
 }
 
@@ -282,7 +285,7 @@ fn refusal(o: TraceOptions) -> String {
     let e = run_trace(&o)
         .err()
         .unwrap_or_else(|| panic!("accepted {:?}", o.force_decisions))
-        .0;
+        .to_string();
     assert_eq!(e.lines().count(), 1, "{e}");
     let path = o.force_decisions.unwrap();
     assert!(

@@ -816,12 +816,12 @@ def topk_wrong(p, k):
     return chosen, margin
 
 
-def moe(self, L, x, pos, pfx, cap):
-    if pfx != "layer.01":
-        return orig_moe(self, L, x, pos, pfx, cap)
+def moe(self, L, x, pos, layer, cap):
+    if layer != 1:
+        return orig_moe(self, L, x, pos, layer, cap)
     ops.topk = topk_wrong
     try:
-        return orig_moe(self, L, x, pos, pfx, cap)
+        return orig_moe(self, L, x, pos, layer, cap)
     finally:
         ops.topk = orig_topk
 

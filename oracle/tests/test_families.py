@@ -446,8 +446,8 @@ def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
     import json
 
     from binaries import release_binary
+    from tracegate_contract.config import ORACLE_FAMILIES, parse_config
     from tracegate_contract.errors import ContractError
-    from tracegate_contract.qwen3 import ORACLE_FAMILIES, parse_config
 
     assert sorted(ORACLE_FAMILIES) == FAMS
     engine, why = release_binary("engine")

@@ -22,7 +22,7 @@ use std::process::ExitCode;
 
 use serde_json::{json, Value};
 use tracegate_trace::ndarray::Ix2;
-use tracegate_trace::{weights_digest, Attributes, Trace, TraceWriter};
+use tracegate_trace::{names, weights_digest, Attributes, Trace, TraceWriter};
 
 type Res<T> = Result<T, String>;
 
@@ -396,14 +396,14 @@ struct Captured {
     pos: Vec<i64>,
 }
 
-/// `path` is the tensors' `path` attribute (prefill, decode, layer); `prefix` names a decode
-/// step's tensors (`decode.SSSS.`); `last_row` keeps only the last row (an uncached decode step
+/// `path` is the tensors' `path` attribute (prefill, decode, layer); `step` names a decode
+/// step's tensors (`decode.SSSS.*`); `last_row` keeps only the last row (an uncached decode step
 /// recomputes the whole sequence); `decode_from` is the attribute of `layer --decode-from`.
 struct Cap {
     on: bool,
     internals: bool,
     path: &'static str,
-    prefix: String,
+    step: Option<usize>,
     last_row: bool,
     decode_from: Option<usize>,
     tensors: Vec<Captured>,
@@ -415,7 +415,7 @@ impl Cap {
             on: true,
             internals,
             path,
-            prefix: String::new(),
+            step: None,
             last_row: false,
             decode_from: None,
             tensors: vec![],
@@ -446,7 +446,10 @@ impl Cap {
             let cols = data.len() / shape[0];
             (shape[0], data, pos) = (1, &data[data.len() - cols..], &pos[pos.len() - 1..]);
         }
-        let name = format!("{}{name}", self.prefix);
+        let name = match self.step {
+            Some(s) => names::decode(s, name),
+            None => name.to_string(),
+        };
         // `layer --decode-from` runs one row at a time: its rows are appended to one tensor.
         match self.tensors.iter_mut().find(|t| t.name == name) {
             Some(t) => {
@@ -629,8 +632,7 @@ impl Model {
     ) -> Vec<f32> {
         let (c, w) = (&self.c, &self.layers[l]);
         let (h, d, nq, nkv, t) = (c.hidden, c.head_dim, c.heads, c.kv_heads, pos.len());
-        let nn = format!("layer.{l:02}");
-        cap.put(&format!("{nn}.hidden_in"), false, &[t, h], x, pos);
+        cap.put(&names::layer(l, "hidden_in"), false, &[t, h], x, pos);
         let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
         for (r, row) in x.chunks_exact(h).enumerate() {
             let xn = rmsnorm(row, &w.input_norm, c.eps);
@@ -651,9 +653,9 @@ impl Model {
             }
             v.extend(w.v.apply(&xn));
         }
-        cap.put(&format!("{nn}.q"), true, &[t, nq, d], &q, pos);
-        cap.put(&format!("{nn}.k"), true, &[t, nkv, d], &k, pos);
-        cap.put(&format!("{nn}.v"), true, &[t, nkv, d], &v, pos);
+        cap.put(&names::layer(l, "q"), true, &[t, nq, d], &q, pos);
+        cap.put(&names::layer(l, "k"), true, &[t, nkv, d], &k, pos);
+        cap.put(&names::layer(l, "v"), true, &[t, nkv, d], &v, pos);
         for r in 0..t {
             kv.k.push(k[r * nkv * d..(r + 1) * nkv * d].to_vec());
             kv.v.push(v[r * nkv * d..(r + 1) * nkv * d].to_vec());
@@ -682,12 +684,18 @@ impl Model {
                 }
             }
         }
-        cap.put(&format!("{nn}.attn_probs"), true, &[nq, t, tk], &probs, pos);
+        cap.put(
+            &names::layer(l, "attn_probs"),
+            true,
+            &[nq, t, tk],
+            &probs,
+            pos,
+        );
         let a: Vec<f32> = o
             .chunks_exact(nq * d)
             .flat_map(|row| w.o.apply(row))
             .collect();
-        cap.put(&format!("{nn}.attn_out"), false, &[t, h], &a, pos);
+        cap.put(&names::layer(l, "attn_out"), false, &[t, h], &a, pos);
         let h1: Vec<f32> = x.iter().zip(&a).map(|(x, a)| x + a).collect();
         let m: Vec<f32> = h1
             .chunks_exact(h)
@@ -703,9 +711,9 @@ impl Model {
                 w.down.apply(&hm)
             })
             .collect();
-        cap.put(&format!("{nn}.mlp_out"), false, &[t, h], &m, pos);
+        cap.put(&names::layer(l, "mlp_out"), false, &[t, h], &m, pos);
         let out: Vec<f32> = h1.iter().zip(&m).map(|(a, b)| a + b).collect();
-        cap.put(&format!("{nn}.hidden_out"), false, &[t, h], &out, pos);
+        cap.put(&names::layer(l, "hidden_out"), false, &[t, h], &out, pos);
         out
     }
 }
@@ -793,7 +801,7 @@ fn trace_verb(a: &Args, plant: Plant) -> Res<()> {
     cap.path = "decode";
     for s in 0..generate {
         let p = (n + s) as i64 - 1;
-        cap.prefix = format!("decode.{s:04}.");
+        cap.step = Some(s);
         if s == 0 {
             cap.put("logits", false, &[1, vocab], &row, &[p]);
         } else if cache {
@@ -805,7 +813,7 @@ fn trace_verb(a: &Args, plant: Plant) -> Res<()> {
             row = all[(seq.len() - 1) * vocab..].to_vec();
         }
         let (token, margin) = argmax(&row)?;
-        decisions.push((format!("decode.{s:04}.argmax"), vec![token], vec![margin]));
+        decisions.push((names::decode(s, "argmax"), vec![token], vec![margin]));
         seq.push(token);
     }
     let mut prov = provenance(dir, &raw, "trace", internals)?;

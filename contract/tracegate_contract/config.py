@@ -1,0 +1,338 @@
+"""The model's `config.json` (docs/numerics.md §13): the fields that change the forward pass, one
+`Config` field per JSON field, transformers' defaults, the refusals of §7/§13 (each naming the
+field), and the sizes checked against the checkpoint. The engine's mirror is engine/src/config.rs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+import numpy as np
+
+from . import jsonfile, ops
+from .errors import ContractError
+from .weights import Checkpoint, regular_file
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model_types of the oracle's family table (oracle/tracegate_oracle/families.py; equality checked by
+# oracle/tests/test_families.py): the refusal tells their users where to go.
+ORACLE_FAMILIES = (
+    "gemma3_text",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "olmoe",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+)
+
+
+def unsupported_family(mt) -> str:
+    """Why a model_type is refused; same text as the engine's (engine/src/config.rs)."""
+    if mt in ORACLE_FAMILIES:
+        return (
+            "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: "
+            "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
+        )
+    return "not supported (engine, contract: qwen3, qwen3_moe; oracle: the families of docs/capture-points.md)"
+
+
+MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
+USIZE = 1 << 64  # the engine's sizes are 64-bit: a product at or above this is refused there
+
+
+# --------------------------------------------------------------------------------------------
+# Config (§13)
+
+
+@dataclass
+class Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int | None  # None: every layer is sparse and the config omits it
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: np.float32  # the config's number as binary64, then rounded to f32 (§6)
+    rope_theta: float  # binary64, as pow receives it (§7)
+    tie_word_embeddings: bool
+    attention_bias: bool
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def has_dense_layer(self) -> bool:
+        """Some layer uses the dense MLP, decided without visiting every layer (the count is not
+        checked against the checkpoint yet and may be 2^62). Layer 0 is dense when step > 1."""
+        n = self.num_hidden_layers
+        if self.model_type != "qwen3_moe" or self.num_experts == 0 or self.decoder_sparse_step > 1:
+            return n > 0
+        return any(i < n for i in self.mlp_only_layers)
+
+    def is_sparse(self, layer: int) -> bool:
+        """§10: layer `layer` uses the sparse MoE block."""
+        return (
+            self.model_type == "qwen3_moe"
+            and self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def refuse(field_name: str, why: str):
+    raise ContractError(f"config.json: {field_name}: {why}")
+
+
+# As in the engine and transformers, a field set to null counts as absent everywhere below.
+
+
+def _int(raw: dict, key: str, minimum: int = 1, default=None) -> int:
+    v = raw.get(key)
+    if v is None:
+        if default is None:
+            refuse(key, "missing")
+        return default
+    if type(v) is not int or not minimum <= v < USIZE:  # the engine reads sizes as u64
+        refuse(key, f"must be an integer ≥ {minimum} and < 2^64, got {v!r}")
+    return v
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    v = raw.get(key)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        refuse(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def _number(v, key: str) -> Decimal:
+    # Decimal from load_config's parse; a float only when a caller hands a dict in directly.
+    if isinstance(v, bool) or not isinstance(v, (int, float, Decimal)):
+        refuse(key, f"must be a number, got {v!r}")
+    if not np.isfinite(float(v)):  # the engine reads numbers as finite binary64 only
+        refuse(key, f"must be a finite number, got {v}")
+    return Decimal(v)
+
+
+def _float(d: dict, key: str, default: float, where: str | None = None) -> float:
+    v = d.get(key)
+    return default if v is None else float(_number(v, where or key))
+
+
+def _rope_theta(raw: dict) -> float:
+    """§7/§13 resolved as transformers does (`rope_scaling or rope_parameters`): a non-empty
+    legacy `rope_scaling` replaces `rope_parameters` entirely; theta comes from that dict, else
+    the top-level `rope_theta`, else 10000."""
+    rs = raw.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        refuse("rope_scaling", f"must be an object or null, got {rs!r}")
+    name, d = ("rope_scaling", rs) if rs else ("rope_parameters", raw.get("rope_parameters"))
+    top = _float(
+        raw, "rope_theta", 10000.0
+    )  # checked even where the dict's theta wins, as the engine does
+    if _float(raw, "partial_rotary_factor", 1.0) != 1.0:
+        refuse("partial_rotary_factor", f"must be 1, got {raw['partial_rotary_factor']}")
+    if d is None:
+        theta = top
+    else:
+        if not isinstance(d, dict):
+            refuse(name, f"must be an object, got {d!r}")
+        for key in ("rope_type", "type"):
+            t = d.get(key)
+            if t is not None and t != "default":
+                refuse(f"{name}.{key}", f"rope type {t!r} is not supported (only default)")
+        if _float(d, "partial_rotary_factor", 1.0, f"{name}.partial_rotary_factor") != 1.0:
+            refuse(f"{name}.partial_rotary_factor", f"must be 1, got {d['partial_rotary_factor']}")
+        # Any other key (factor, ...) belongs to a scaled rope: refused, as the engine does.
+        extra = sorted(set(d) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        if extra:
+            refuse(f"{name}.{extra[0]}", "not supported with the default rope type")
+        theta = _float(d, "rope_theta", top, f"{name}.rope_theta")
+    if not theta > 0:  # pow of a base ≤ 0 gives no usable table (the engine's logits turn NaN)
+        refuse("rope_theta", f"must be positive, got {theta}")
+    return theta
+
+
+def parse_config(raw: dict) -> Config:
+    """Honour the fields of §13, refuse (naming the field) what this contract cannot compute."""
+    mt = raw.get("model_type")
+    if mt not in ARCHITECTURES:
+        refuse("model_type", f"{mt!r} {unsupported_family(mt)}")
+    archs = raw.get("architectures")
+    if archs is not None and archs != [ARCHITECTURES[mt]]:
+        refuse(
+            "architectures",
+            f"unsupported architecture {archs!r} for {mt} (expected [{ARCHITECTURES[mt]!r}])",
+        )
+
+    # Sliding windows: only `use_sliding_window` and `layer_types` can ask for one (transformers
+    # drops `sliding_window`/`max_window_layers` unless use_sliding_window is true).
+    if _bool(raw, "use_sliding_window", False):
+        refuse("use_sliding_window", "sliding-window attention is not supported")
+    lt = raw.get("layer_types")
+    if lt is not None and (not isinstance(lt, list) or any(t != "full_attention" for t in lt)):
+        refuse("layer_types", f"only full_attention layers are supported, got {lt!r}")
+    act = raw.get("hidden_act")
+    if act is not None and act != "silu":
+        refuse("hidden_act", f"only silu is supported, got {act!r}")
+    theta = _rope_theta(raw)
+
+    hidden = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    kv = _int(raw, "num_key_value_heads")
+    if heads % kv != 0:
+        refuse("num_key_value_heads", f"num_attention_heads {heads} is not a multiple of {kv}")
+    # §13: Qwen3Config declares head_dim = 128; Qwen3MoeConfig has no such field, and the
+    # attention falls back to hidden_size // num_attention_heads (floor, as transformers).
+    head_dim = _int(raw, "head_dim", default=128 if mt == "qwen3" else hidden // heads)
+    if head_dim % 2 != 0 or head_dim == 0:
+        src = (
+            ""
+            if raw.get("head_dim") is not None
+            else f" (hidden_size {hidden} // num_attention_heads {heads})"
+        )
+        refuse("head_dim", f"must be even and positive for RoPE, got {head_dim}{src}")
+    # Not read by the forward, but a size all the same (as the engine checks it).
+    mpe = _int(raw, "max_position_embeddings", default=0)
+    if mpe > MAX_POSITIONS:
+        refuse(
+            "max_position_embeddings", f"{mpe} exceeds the position limit 2^24 = {MAX_POSITIONS}"
+        )
+    eps = raw.get("rms_norm_eps")
+    eps = Decimal("1e-6") if eps is None else _number(eps, "rms_norm_eps")  # transformers' default
+
+    cfg = Config(
+        model_type=mt,
+        vocab_size=_int(raw, "vocab_size", minimum=2),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size", default=0) or None,  # checked below
+        num_hidden_layers=_int(raw, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=ops.f32_of_config_number(eps),
+        rope_theta=theta,
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+        attention_bias=_bool(raw, "attention_bias", False),
+    )
+    if mt == "qwen3_moe":
+        # transformers maps num_local_experts onto num_experts; both given must agree.
+        ne_given, nle_given = (
+            raw.get("num_experts") is not None,
+            raw.get("num_local_experts") is not None,
+        )
+        if ne_given and nle_given and _int(raw, "num_experts") != _int(raw, "num_local_experts"):
+            refuse("num_experts", "num_experts and num_local_experts disagree")
+        cfg.num_experts = _int(
+            raw, "num_local_experts" if nle_given and not ne_given else "num_experts", minimum=0
+        )
+        cfg.num_experts_per_tok = _int(raw, "num_experts_per_tok", minimum=0)
+        cfg.norm_topk_prob = _bool(raw, "norm_topk_prob", False)
+        cfg.decoder_sparse_step = _int(raw, "decoder_sparse_step", default=1)
+        mol = raw.get("mlp_only_layers")
+        mol = [] if mol is None else mol
+        if not isinstance(mol, list) or any(type(i) is not int or not 0 <= i < USIZE for i in mol):
+            refuse("mlp_only_layers", f"must be a list of layer indices, got {mol!r}")
+        cfg.mlp_only_layers = list(mol)
+        k, e = cfg.num_experts_per_tok, cfg.num_experts
+        if e > 0:  # num_experts = 0: every layer dense (§10), no expert fields needed
+            if not 1 <= k < e:
+                refuse("num_experts_per_tok", f"must satisfy 1 ≤ k < num_experts ({e}), got {k}")
+            cfg.moe_intermediate_size = _int(raw, "moe_intermediate_size")
+    # §13: intermediate_size is required only where a dense MLP layer exists.
+    if cfg.intermediate_size is None and cfg.has_dense_layer():
+        refuse("intermediate_size", "missing (a layer uses the dense MLP)")
+    return cfg
+
+
+def load_config(model_dir: str) -> Config:
+    path = os.path.join(model_dir, "config.json")
+    regular_file(path, path)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ContractError(f"{model_dir}: no config.json") from None
+    except OSError as e:
+        raise ContractError(f"{path}: unreadable: {e}") from None
+    # Decimals keep the written text; numbers reach the model through binary64 (§6, §13).
+    raw, _ = jsonfile.loads(text, path, parse_float=Decimal)
+    if not isinstance(raw, dict):
+        raise ContractError(f"{path}: not a JSON object")
+    return parse_config(raw)
+
+
+def check_sizes(cfg: Config, ck: Checkpoint) -> None:
+    """§13: every size against the checkpoint's own tensors, naming the field, before anything is
+    built or looped over by it. A representative tensor that is absent is left to `take`, which
+    refuses it by name."""
+
+    def dim(name: str, axis: int, want: int, field: str, what: str):
+        s = ck.shape(name)
+        if s is not None and len(s) > axis and s[axis] != want:
+            refuse(field, f"{what} does not match the checkpoint: {name} has shape {list(s)}")
+
+    def product(field: str, x: int, by: str, y: int) -> int:
+        if x * y >= USIZE:  # where the engine's 64-bit product overflows
+            refuse(field, f"{x} overflows when multiplied by {by} ({y})")
+        return x * y
+
+    H, V, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    dim("model.embed_tokens.weight", 0, V, "vocab_size", f"{V}")
+    dim("model.embed_tokens.weight", 1, H, "hidden_size", f"{H}")
+    have = ck.layer_count()
+    if cfg.num_hidden_layers > have:
+        refuse(
+            "num_hidden_layers",
+            f"{cfg.num_hidden_layers} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})",
+        )
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    a = "model.layers.0.self_attn"
+    dim(f"{a}.q_norm.weight", 0, d, "head_dim", f"{d}")
+    q_rows = product("num_attention_heads", nh, "head_dim", d)
+    kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
+    dim(
+        f"{a}.q_proj.weight",
+        0,
+        q_rows,
+        "num_attention_heads",
+        f"{nh} (× head_dim {d} = {q_rows} rows)",
+    )
+    dim(
+        f"{a}.k_proj.weight",
+        0,
+        kv_rows,
+        "num_key_value_heads",
+        f"{nkv} (× head_dim {d} = {kv_rows} rows)",
+    )
+    layers = range(cfg.num_hidden_layers)  # bounded by the checkpoint now
+    dense = next((i for i in layers if not cfg.is_sparse(i)), None)
+    if cfg.intermediate_size is not None and dense is not None:
+        I = cfg.intermediate_size
+        dim(f"model.layers.{dense}.mlp.gate_proj.weight", 0, I, "intermediate_size", f"{I}")
+    sparse = next((i for i in layers if cfg.is_sparse(i)), None)
+    if sparse is not None:
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        p = f"model.layers.{sparse}.mlp"
+        dim(f"{p}.gate.weight", 0, E, "num_experts", f"{E}")
+        gu_rows = product("moe_intermediate_size", I, "2 (gate and up rows)", 2)
+        dim(f"{p}.experts.gate_up_proj", 0, E, "num_experts", f"{E}")
+        dim(
+            f"{p}.experts.gate_up_proj",
+            1,
+            gu_rows,
+            "moe_intermediate_size",
+            f"{I} (× 2 = {gu_rows} rows)",
+        )
+        dim(f"{p}.experts.0.gate_proj.weight", 0, I, "moe_intermediate_size", f"{I}")
