@@ -2,7 +2,8 @@
 //! ordered fp32 (docs/numerics.md), capture of the named tensors and decisions into a `.trace`.
 //!
 //! - `weights`: safetensors parsing, mapped views, inventory, weights digest
-//! - `ops`: the ordered kernels (one definition each; the fast matmul is tested against it)
+//! - `ops`: the ordered kernels of docs/numerics.md, one definition each
+//! - `matmul`: the fast matmul and column dots, bit-equal to the `ops` definitions (tested)
 //! - `qwen3`: config, weights binding and forward for both families
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace
@@ -13,6 +14,7 @@
 
 pub mod capture;
 pub mod force;
+pub mod matmul;
 pub mod ops;
 pub mod qwen3;
 pub mod run;
