@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-pub use crate::matmul::{avx512_available, dots_transposed, matmul};
+pub use crate::matmul::{dots_transposed, matmul};
 use crate::weights::Mat;
 
 /// §2: `acc = +0.0; acc = acc ⊕ (x[k] ⊗ w[k])` for k ascending.
