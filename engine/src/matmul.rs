@@ -695,7 +695,7 @@ fn tile_portable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::{dot, matmul_ref};
+    use crate::ops::{dot, matmul_ref, matmul_ref_by};
     use crate::weights::WDType;
 
     fn bytes_of(dtype: WDType, v: &[f32]) -> Vec<u8> {
@@ -828,18 +828,6 @@ mod tests {
     /// the two halves of k summed separately, then added) and a planted FMA are caught.
     #[test]
     fn bit_equality_check_catches_planted_reorder_and_fma() {
-        fn planted(x: &[f32], rows: usize, w: Mat, f: impl Fn(&[f32], &[f32]) -> f32) -> Vec<f32> {
-            let (n, k) = (w.rows, w.cols);
-            let mut wr = vec![0.0f32; k];
-            let mut y = vec![0.0f32; rows * n];
-            for o in 0..n {
-                w.widen_row(o, 0, &mut wr);
-                for r in 0..rows {
-                    y[r * n + o] = f(&x[r * k..(r + 1) * k], &wr);
-                }
-            }
-            y
-        }
         let split_k = |x: &[f32], w: &[f32]| {
             let h = x.len() / 2;
             dot(&x[..h], &w[..h]) + dot(&x[h..], &w[h..])
@@ -854,10 +842,10 @@ mod tests {
             let want = matmul_ref(&x, rows, w, None);
             if k >= 16 {
                 long += 1;
-                if first_mismatch(&want, &planted(&x, rows, w, split_k)).is_none() {
+                if first_mismatch(&want, &matmul_ref_by(&x, rows, w, None, split_k)).is_none() {
                     missed_split.push((dtype, rows, n, k));
                 }
-                if first_mismatch(&want, &planted(&x, rows, w, fma)).is_none() {
+                if first_mismatch(&want, &matmul_ref_by(&x, rows, w, None, fma)).is_none() {
                     missed_fma.push((dtype, rows, n, k));
                 }
             }

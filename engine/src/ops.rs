@@ -29,6 +29,17 @@ pub fn sum(v: &[f32]) -> f32 {
 
 /// §2, the plain definition: `y[r,o] = dot(x[r,:], W[o,:]) (⊕ b[o])`. The reference for tests.
 pub fn matmul_ref(x: &[f32], rows: usize, w: Mat, bias: Option<&[f32]>) -> Vec<f32> {
+    matmul_ref_by(x, rows, w, bias, dot)
+}
+
+/// `matmul_ref` with `dot` replaced (tests plant other orders with it to show they are caught).
+pub fn matmul_ref_by(
+    x: &[f32],
+    rows: usize,
+    w: Mat,
+    bias: Option<&[f32]>,
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+) -> Vec<f32> {
     let (n, k) = (w.rows, w.cols);
     let mut wr = vec![0.0f32; k];
     let mut y = vec![0.0f32; rows * n];
