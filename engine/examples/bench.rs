@@ -1,15 +1,21 @@
 //! Engine timings for scripts/bench_engine.sh (an observation, not a test):
 //!
-//!     cargo run --release -p tracegate-engine --example bench -- MODEL_DIR THREADS PREFILL DECODE
+//!     cargo run --release -p tracegate-engine --example bench -- MODEL_DIR THREADS PREFILLS DECODE
 //!
-//! Prints one JSON line: prefill seconds (best of 3, no capture), per-token cached decode seconds
-//! (mean over DECODE greedy steps after the prompt), peak RSS (VmHWM, includes the mapped
-//! checkpoint pages touched) and the model's f32 weight size.
+//! `PREFILLS` is a comma-separated list of prompt lengths (e.g. `64,512`). Prints one JSON line:
+//! prefill seconds per length (one timed forward each, after an untimed warm-up forward that
+//! touches every weight page), per-token cached decode seconds (mean over DECODE greedy steps
+//! after the first prompt), the weight bytes one decoded token reads and the GB/s that makes,
+//! peak RSS (VmHWM, includes the mapped checkpoint pages touched, read before the bandwidth
+//! probe below allocates), the model's f32 weight size, and the machine's memory bandwidth on
+//! the same threads: a read-only pass and a copy over buffers larger than the caches.
 
 use std::time::Instant;
 
+use rayon::prelude::*;
 use tracegate_engine::capture::Capture;
-use tracegate_engine::qwen3::Model;
+use tracegate_engine::matmul::Kernel;
+use tracegate_engine::qwen3::{Config, Model};
 use tracegate_engine::weights::Store;
 use tracegate_engine::{generate, load_config};
 
@@ -22,50 +28,142 @@ fn vm_hwm_kb() -> u64 {
         .unwrap_or(0)
 }
 
+/// Parameters stored, and parameters one decoded token multiplies with (the head in full; of
+/// the embedding one row; of a sparse layer the router and `num_experts_per_tok` experts).
+fn param_counts(c: &Config) -> (usize, usize) {
+    let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+    let bias = if c.attention_bias {
+        (c.num_attention_heads + 2 * c.num_key_value_heads) * d + h
+    } else {
+        0
+    };
+    let attn = 2 * h * c.num_attention_heads * d + 2 * h * c.num_key_value_heads * d + bias;
+    let norms = 2 * d + 2 * h;
+    let (mut stored, mut read) = (v * h + h, h + h);
+    if !c.tie_word_embeddings {
+        stored += v * h;
+    }
+    read += v * h;
+    for l in 0..c.num_hidden_layers {
+        stored += attn + norms;
+        read += attn + norms;
+        match (&c.moe, c.is_sparse(l)) {
+            (Some(m), true) => {
+                let expert = 3 * h * m.moe_intermediate_size;
+                stored += m.num_experts * h + m.num_experts * expert;
+                read += m.num_experts * h + m.num_experts_per_tok * expert;
+            }
+            _ => {
+                let mlp = 3 * h * c.intermediate_size.unwrap_or(0);
+                stored += mlp;
+                read += mlp;
+            }
+        }
+    }
+    (stored, read)
+}
+
+/// Memory bandwidth over `bytes`-sized buffers on the current pool, best of 3, GB/s counting the
+/// bytes of the source once: (read-only pass, copy).
+fn bandwidth(bytes: usize) -> (f64, f64) {
+    let n = bytes / 8;
+    let src: Vec<u64> = (0..n as u64).collect();
+    let mut dst = vec![0u64; n];
+    let chunk = n.div_ceil(rayon::current_num_threads() * 4).max(1 << 16);
+    let (mut read, mut copy) = (f64::INFINITY, f64::INFINITY);
+    let mut sink = 0u64;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        sink ^= src
+            .par_chunks(chunk)
+            .map(|c| {
+                // Eight independent lanes, so the loop is bound by loads, not by one xor chain.
+                let mut a = [0u64; 8];
+                for w in c.chunks_exact(8) {
+                    for i in 0..8 {
+                        a[i] ^= w[i];
+                    }
+                }
+                a.iter().fold(0, |x, y| x ^ y)
+            })
+            .reduce(|| 0, |x, y| x ^ y);
+        read = read.min(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        copy = copy.min(t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box((sink, &dst));
+    let gb = (n * 8) as f64 / 1e9;
+    (gb / read, gb / copy)
+}
+
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     if a.len() != 5 {
-        eprintln!("usage: bench MODEL_DIR THREADS PREFILL_TOKENS DECODE_STEPS");
+        eprintln!("usage: bench MODEL_DIR THREADS PREFILL_TOKENS[,PREFILL_TOKENS...] DECODE_STEPS");
         std::process::exit(2);
     }
     let dir = std::path::PathBuf::from(&a[1]);
     let threads: usize = a[2].parse().expect("threads");
-    let n: usize = a[3].parse().expect("prefill tokens");
+    let lens: Vec<usize> = a[3]
+        .split(',')
+        .map(|s| s.parse().expect("prefill tokens"))
+        .collect();
     let steps: usize = a[4].parse().expect("decode steps");
     let (cfg, _) = load_config(&dir).expect("config");
     let store = Store::open(&dir).expect("store");
     let model = Model::load(cfg, &store).expect("model");
-    let v = model.cfg.vocab_size as i64;
-    // The same prompt the torch side uses.
-    let prompt: Vec<i64> = (0..n as i64).map(|i| (i * 7919 + 13) % v).collect();
+    let c = &model.cfg;
+    let wdtype = store
+        .take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])
+        .expect("embedding")
+        .dtype;
+    let v = c.vocab_size as i64;
+    // The same prompts the torch side uses.
+    let prompt = |n: usize| -> Vec<i64> { (0..n as i64).map(|i| (i * 7919 + 13) % v).collect() };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .expect("pool");
     pool.install(|| {
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let t0 = Instant::now();
+        let forward = |p: &[i64]| {
             let mut kv = model.new_cache();
-            model.forward(&prompt, 0, &mut kv, &mut Capture::off()).expect("forward");
-            best = best.min(t0.elapsed().as_secs_f64());
+            let logits = model
+                .forward(p, 0, &mut kv, &mut Capture::off())
+                .expect("forward");
+            (kv, logits)
+        };
+        forward(&prompt(lens[0]));
+        let mut prefill = vec![];
+        for &n in &lens {
+            let p = prompt(n);
+            let t0 = Instant::now();
+            forward(&p);
+            prefill.push(format!("\"{n}\": {:.6}", t0.elapsed().as_secs_f64()));
         }
-        let mut kv = model.new_cache();
-        let logits = model.forward(&prompt, 0, &mut kv, &mut Capture::off()).expect("forward");
+        let p = prompt(lens[0]);
+        let (mut kv, logits) = forward(&p);
         let t0 = Instant::now();
         // Step 0 reuses the prompt's logits; steps 1..=DECODE each run one cached row.
-        let out = generate(&model, &prompt, &logits, steps + 1, Some(&mut kv), false).expect("generate");
+        let out = generate(&model, &p, &logits, steps + 1, Some(&mut kv), false).expect("generate");
         let decode = t0.elapsed().as_secs_f64() / steps as f64;
         let tokens: Vec<i64> = out.iter().map(|s| s.token).collect();
-        let c = &model.cfg;
-        let mut params = c.vocab_size * c.hidden_size * if c.tie_word_embeddings { 1 } else { 2 } + c.hidden_size;
-        let (h, d) = (c.hidden_size, c.head_dim);
-        let attn = h * c.num_attention_heads * d * 2 + h * c.num_key_value_heads * d * 2 + 2 * d + 2 * h;
-        params += c.num_hidden_layers * (attn + 3 * h * c.intermediate_size.unwrap_or(0));
+        let rss = vm_hwm_kb() * 1024;
+        let (stored, read) = param_counts(c);
+        let read_bytes = read * wdtype.size();
+        // 1 GiB each: far beyond any last-level cache of the machines this runs on.
+        let (read_gbps, copy_gbps) = bandwidth(1 << 30);
         println!(
-            "{{\"prefill_s\": {best:.5}, \"decode_s_per_token\": {decode:.5}, \"peak_rss_bytes\": {}, \"f32_weight_bytes\": {}, \"tokens\": {tokens:?}}}",
-            vm_hwm_kb() * 1024,
-            params * 4
+            "{{\"threads\": {threads}, \"kernel\": \"{:?}\", \"prefill_s\": {{{}}}, \
+             \"decode_s_per_token\": {decode:.6}, \"decode_weight_bytes_per_token\": {read_bytes}, \
+             \"decode_gbps\": {:.3}, \"read_gbps\": {read_gbps:.3}, \"copy_gbps\": {copy_gbps:.3}, \
+             \"peak_rss_bytes\": {rss}, \"f32_weight_bytes\": {}, \"tokens\": {tokens:?}}}",
+            Kernel::detect(),
+            prefill.join(", "),
+            read_bytes as f64 / decode / 1e9,
+            stored * 4
         );
     });
 }

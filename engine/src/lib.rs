@@ -3,8 +3,9 @@
 //!
 //! - `weights`: safetensors parsing, mapped views, inventory, weights digest
 //! - `config`: `config.json` as the forward reads it (§13), refusals included
-//! - `ops`: the ordered kernels (one definition each; the fast matmul and attention are tested
-//!   against theirs)
+//! - `ops`: the ordered kernels of docs/numerics.md, one definition each (the fast attention is
+//!   tested against its definition)
+//! - `matmul`: the fast matmul and column dots, bit-equal to the `ops` definitions (tested)
 //! - `qwen3`: weights binding and forward for both families
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace
@@ -16,6 +17,7 @@
 pub mod capture;
 pub mod config;
 pub mod force;
+pub mod matmul;
 pub mod ops;
 pub mod qwen3;
 pub mod run;
