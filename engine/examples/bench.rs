@@ -14,8 +14,9 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use tracegate_engine::capture::Capture;
+use tracegate_engine::config::Config;
 use tracegate_engine::matmul::Kernel;
-use tracegate_engine::qwen3::{Config, Model};
+use tracegate_engine::qwen3::Model;
 use tracegate_engine::weights::Store;
 use tracegate_engine::{generate, load_config};
 
@@ -47,11 +48,11 @@ fn param_counts(c: &Config) -> (usize, usize) {
     for l in 0..c.num_hidden_layers {
         stored += attn + norms;
         read += attn + norms;
-        match (&c.moe, c.is_sparse(l)) {
-            (Some(m), true) => {
-                let expert = 3 * h * m.moe_intermediate_size;
-                stored += m.num_experts * h + m.num_experts * expert;
-                read += m.num_experts * h + m.num_experts_per_tok * expert;
+        match c.is_sparse(l) {
+            true => {
+                let expert = 3 * h * c.moe_intermediate_size;
+                stored += c.num_experts * h + c.num_experts * expert;
+                read += c.num_experts * h + c.num_experts_per_tok * expert;
             }
             _ => {
                 let mlp = 3 * h * c.intermediate_size.unwrap_or(0);

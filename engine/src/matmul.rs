@@ -693,7 +693,7 @@ fn tile_portable(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::ops::{dot, matmul_ref, matmul_ref_by};
     use crate::weights::WDType;
@@ -713,7 +713,7 @@ mod tests {
     }
 
     /// Deterministic pseudo-random values with a wide exponent range, signed zeros included.
-    fn vals(n: usize, seed: u64) -> Vec<f32> {
+    pub(crate) fn vals(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
@@ -735,7 +735,7 @@ mod tests {
     /// A SIMD family this CPU lacks cannot be compared here: say so instead of passing quietly.
     /// Written to the stderr handle itself, which the test harness does not capture (eprintln!
     /// of a passing test is swallowed).
-    fn note_unchecked_kernels(what: &str) {
+    pub(crate) fn note_unchecked_kernels(what: &str) {
         for k in [Kernel::Avx2, Kernel::Avx512] {
             if !k.supported() {
                 use std::io::Write;

@@ -376,10 +376,11 @@ pub fn margin_of(v: &[f32], chosen: &[usize]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matmul::tests::{note_unchecked_kernels, vals};
 
     #[test]
     fn attention_fast_equals_definition_bits() {
-        note_if_avx512_not_checked("attention_fast_equals_definition_bits");
+        note_unchecked_kernels("attention_fast_equals_definition_bits");
         // GQA groups of 1 and 3, key counts around the SC-wide blocks, cached rows (key
         // positions before the query rows) and a query row that sees only some of the keys.
         let pool = rayon::ThreadPoolBuilder::new()
