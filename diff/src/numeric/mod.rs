@@ -7,7 +7,8 @@
 //! sum of the two sides' steps. NaNs have no distance and are counted on their own.
 //!
 //! One concept a file: `ordering` (element kinds, rounding between formats, ULP distance),
-//! `scan` (a tensor pair's statistics, chunk by chunk, by the careful path), `kernels` (the
+//! `scan` (a tensor pair's statistics, [`crate::measures::Stats`], chunk by chunk, by the
+//! careful path), `kernels` (the
 //! portable fast kernels of f32 and f32/bf16) with `avx512` and `avx2` (their intrinsics
 //! versions), `median` (the exact median ULP), `format` (printing values); here, the element
 //! accessors the report uses.
@@ -26,6 +27,7 @@ mod tests;
 
 use tracegate_trace::DType;
 
+pub(crate) use crate::measures::Stats;
 pub use format::{format_value, hex_bits, unravel};
 pub(crate) use median::median_ulp;
 use ordering::mixed_pair;
@@ -33,7 +35,7 @@ pub(crate) use ordering::{
     classify, dispatch, with_float, Num, BF16K, F16K, F32K, F64K, I16K, I32K, I64K, I8K, U8K,
 };
 pub use ordering::{Pair, Special};
-pub(crate) use scan::{scan, Stats};
+pub(crate) use scan::scan;
 
 /// Raw bits of element `index` of a payload.
 pub(crate) fn element_bits(dtype: DType, data: &[u8], index: u64) -> u64 {
@@ -76,6 +78,11 @@ pub(crate) fn pair_element(
         element_bits(pair.reference, r, index),
         element_bits(pair.candidate, c, index),
     );
+    pair_bits(pair, a, b)
+}
+
+/// [`pair_element`] for two elements given as bits (see [`crate::measures::compare_element`]).
+pub(crate) fn pair_bits(pair: Pair, a: u64, b: u64) -> Option<(Option<Special>, Option<u64>)> {
     if !pair.is_mixed() {
         return (a != b).then(|| element_distance(pair.reference, a, b));
     }

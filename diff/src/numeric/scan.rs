@@ -8,136 +8,15 @@ use tracegate_trace::DType;
 use super::kernels::{scan_f32, scan_f32_bf16, LANES};
 use super::median::{UlpCounts, Window};
 use super::ordering::{
-    classify, dispatch, mixed_pair, with_float, Float, Num, Pair, Special, BF16K, F16K, F32K, F64K,
-    I16K, I32K, I64K, I8K, U8K,
+    classify, dispatch, mixed_pair, with_float, Float, Num, Pair, BF16K, F16K, F32K, F64K, I16K,
+    I32K, I64K, I8K, U8K,
 };
+use crate::measures::Stats;
 
 /// Elements per work unit: big enough to amortise scheduling, small enough to balance two
 /// cores on a single large tensor. Chunks are folded back in index order, so every sum is
 /// the same whatever the thread count.
 pub(super) const CHUNK: usize = 1 << 16;
-
-/// Statistics of one tensor pair (or a range of it). Float sums run over pairs where both
-/// values are finite; NaN and infinity pairs are counted, not summed.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Stats {
-    pub total: u64,
-    pub differing: u64,
-    pub first: Option<u64>,
-    pub max_ulp: u64,
-    pub max_abs: f64,
-    pub max_rel: f64,
-    pub rr: f64,
-    pub cc: f64,
-    pub rc: f64,
-    pub dd: f64,
-    pub signed_zero: u64,
-    pub nan_mismatch: u64,
-    pub nan_payload: u64,
-    pub infinity: u64,
-}
-
-impl Stats {
-    pub(super) fn new() -> Stats {
-        Stats::default()
-    }
-
-    /// Appends a later range (indices are already absolute).
-    pub(crate) fn merge(mut self, o: Stats) -> Stats {
-        self.total += o.total;
-        self.differing += o.differing;
-        self.first = self.first.or(o.first);
-        self.max_ulp = self.max_ulp.max(o.max_ulp);
-        self.max_abs = self.max_abs.max(o.max_abs);
-        self.max_rel = self.max_rel.max(o.max_rel);
-        self.rr += o.rr;
-        self.cc += o.cc;
-        self.rc += o.rc;
-        self.dd += o.dd;
-        self.signed_zero += o.signed_zero;
-        self.nan_mismatch += o.nan_mismatch;
-        self.nan_payload += o.nan_payload;
-        self.infinity += o.infinity;
-        self
-    }
-
-    /// Adds one element pair (index `idx`, values `x` and `y`): its values to the sums when both
-    /// are finite, and, when it differs, its kind and distance (`differs`).
-    #[inline(always)]
-    pub(super) fn add(
-        &mut self,
-        idx: u64,
-        x: f64,
-        y: f64,
-        differs: Option<(Option<Special>, Option<u64>)>,
-        ulps: Option<&mut UlpCounts>,
-    ) {
-        let both_finite = x.is_finite() && y.is_finite();
-        if both_finite {
-            self.rr += x * x;
-            self.cc += y * y;
-            self.rc += x * y;
-        }
-        let Some((special, ulp)) = differs else {
-            return;
-        };
-        self.differing += 1;
-        if self.first.is_none() {
-            self.first = Some(idx);
-        }
-        match special {
-            Some(Special::SignedZero) => self.signed_zero += 1,
-            Some(Special::NanMismatch) => self.nan_mismatch += 1,
-            Some(Special::NanPayload) => self.nan_payload += 1,
-            Some(Special::Infinity) => self.infinity += 1,
-            None => {}
-        }
-        if let Some(u) = ulp {
-            self.max_ulp = self.max_ulp.max(u);
-            if let Some(ulps) = ulps {
-                ulps.add(u);
-            }
-        }
-        if both_finite {
-            let d = (x - y).abs();
-            self.dd += d * d;
-            self.max_abs = self.max_abs.max(d);
-            let rel = if x == 0.0 { f64::INFINITY } else { d / x.abs() };
-            if d > 0.0 {
-                self.max_rel = self.max_rel.max(rel);
-            }
-        }
-    }
-
-    pub fn cosine(&self) -> Option<f64> {
-        if self.differing == 0 {
-            return Some(1.0);
-        }
-        let den = (self.rr * self.cc).sqrt();
-        (den > 0.0 && den.is_finite()).then(|| self.rc / den)
-    }
-
-    /// ⟨c, r⟩ / ⟨r, r⟩ − 1, the candidate's least-squares scale against the reference minus one
-    /// (signed; finite pairs only, as the other sums).
-    pub fn scale_error(&self) -> Option<f64> {
-        if self.differing == 0 {
-            return Some(0.0);
-        }
-        (self.rr > 0.0).then(|| self.rc / self.rr - 1.0)
-    }
-
-    pub fn rel_l2(&self) -> Option<f64> {
-        if self.differing == 0 {
-            return Some(0.0);
-        }
-        (self.rr > 0.0).then(|| (self.dd / self.rr).sqrt())
-    }
-
-    /// Differing pairs that have a ULP distance (everything but NaN pairs).
-    pub fn with_distance(&self) -> u64 {
-        self.differing - self.nan_mismatch - self.nan_payload
-    }
-}
 
 /// Sums and maxima over one chunk; `base` is the chunk's first absolute index.
 pub(super) fn scan_chunk<K: Num>(
@@ -186,13 +65,10 @@ pub(super) fn scan_chunk<K: Num>(
     {
         let (a, b) = (K::bits(e), K::bits(f));
         let differs = (a != b).then(|| classify::<K>(a, b));
-        s.add(
-            base + i as u64,
-            K::to_f64(a),
-            K::to_f64(b),
-            differs,
-            ulps.as_deref_mut(),
-        );
+        let ulp = s.add(base + i as u64, K::to_f64(a), K::to_f64(b), differs);
+        if let (Some(u), Some(counts)) = (ulp, ulps.as_deref_mut()) {
+            counts.add(u);
+        }
     }
     s
 }
@@ -213,13 +89,11 @@ pub(super) fn scan_chunk_mixed<A: Float, B: Float>(
         .enumerate()
     {
         let (a, b) = (A::bits(e), B::bits(f));
-        s.add(
-            base + i as u64,
-            A::to_f64(a),
-            B::to_f64(b),
-            mixed_pair::<A, B>(a, b),
-            ulps.as_deref_mut(),
-        );
+        let differs = mixed_pair::<A, B>(a, b);
+        let ulp = s.add(base + i as u64, A::to_f64(a), B::to_f64(b), differs);
+        if let (Some(u), Some(counts)) = (ulp, ulps.as_deref_mut()) {
+            counts.add(u);
+        }
     }
     s
 }
