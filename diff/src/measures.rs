@@ -272,3 +272,31 @@ pub fn measure_f32(reference: &[f32], candidate: &[f32]) -> Result<Stats, Measur
     let bytes = |x: &[f32]| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
     measure(Pair::same(DType::F32), &bytes(reference), &bytes(candidate))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_that_do_not_pair_are_errors_naming_the_numbers() {
+        let one = Pair::same(DType::F32);
+        assert_eq!(
+            measure_f32(&[1.0], &[1.0, 2.0]).unwrap_err(),
+            MeasureError::Count {
+                reference: 1,
+                candidate: 2
+            }
+        );
+        let partial = measure(one, &[0; 5], &[0; 4]).unwrap_err();
+        assert_eq!(
+            partial.to_string(),
+            "5 bytes are not a whole number of f32 elements"
+        );
+        // Negative control: pairing payloads measure (and 2 vs 1 differs by 0x00800000 ULP).
+        let m = measure_f32(&[2.0], &[1.0]).expect("one element each");
+        assert_eq!(
+            (m.total(), m.differing(), m.max_ulp()),
+            (1, 1, Some(0x0080_0000))
+        );
+    }
+}
