@@ -8,6 +8,7 @@ mod decisions;
 mod excuse;
 pub mod filter;
 pub mod html;
+pub mod measures;
 pub mod numeric;
 pub mod policy;
 mod render;
@@ -1177,11 +1178,7 @@ pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
         row.nan_payload,
         row.infinity,
     ) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
-    row.max_ulp = if s.differing > 0 {
-        (s.with_distance() > 0).then_some(s.max_ulp)
-    } else {
-        Some(0)
-    };
+    row.max_ulp = s.max_ulp();
 }
 
 /// Judges a differing row by its rule from the row's statistics: sets `violations` and the

@@ -464,33 +464,23 @@ pub(crate) fn say(layers: &[usize], one: &str, many: &str) -> String {
     }
 }
 
-/// f32 rel L2 (vs `reference`), max ULP and differing count, by bits.
-fn f32_stats(reference: &[f32], candidate: &[f32]) -> CalibrationRow {
-    let ord = |b: u32| -> i64 {
-        if b & 0x8000_0000 != 0 {
-            -((b & 0x7fff_ffff) as i64)
-        } else {
-            b as i64
-        }
-    };
-    let (mut dd, mut rr, mut max_ulp, mut differing) = (0f64, 0f64, 0u64, 0u64);
-    for (&r, &c) in reference.iter().zip(candidate) {
-        if r.to_bits() != c.to_bits() {
-            differing += 1;
-            max_ulp = max_ulp.max(ord(r.to_bits()).abs_diff(ord(c.to_bits())));
-        }
-        let d = c as f64 - r as f64;
-        dd += d * d;
-        rr += r as f64 * r as f64;
-    }
-    let rel_l2 = (rr > 0.0).then(|| (dd / rr).sqrt());
-    CalibrationRow {
+/// rel L2 (vs `reference`), max ULP and differing count: trace-diff's measures
+/// (`tracegate_diff::measures`, docs/diff.md "Measures"), the ones the layer rows carry, since
+/// calibration divides those by these. NaN and infinity pairs are counted there, not summed; a
+/// row whose differing pairs are all NaN pairs (no distance) has max ULP 0 here.
+pub fn f32_stats(
+    reference: &[f32],
+    candidate: &[f32],
+) -> std::result::Result<CalibrationRow, String> {
+    let m =
+        tracegate_diff::measures::measure_f32(reference, candidate).map_err(|e| e.to_string())?;
+    Ok(CalibrationRow {
         layer: 0,
-        rel_l2,
-        max_ulp,
-        differing_elements: differing,
-        total_elements: reference.len() as u64,
-    }
+        rel_l2: m.rel_l2(),
+        max_ulp: m.max_ulp().unwrap_or(0),
+        differing_elements: m.differing(),
+        total_elements: m.total(),
+    })
 }
 
 /// Moves every finite element one ULP up or down in magnitude, the direction from a seeded
@@ -1095,7 +1085,7 @@ fn calibrate(
         w.tensor_f32(&name, &info.shape, &y, &info.attributes)
             .map_err(|e| gerr!("{input_rel}: {e}"))?;
         w.finish().map_err(|e| gerr!("{input_rel}: {e}"))?;
-        Ok(f32_stats(x, &y).rel_l2)
+        Ok(f32_stats(x, &y).map_err(|e| gerr!("{name}: {e}"))?.rel_l2)
     })();
     match written {
         Ok(r) => cal.input_rel_l2 = r,
@@ -1136,7 +1126,7 @@ fn calibrate(
                     r.len()
                 ));
             }
-            Ok(f32_stats(r, c))
+            f32_stats(r, c)
         });
         match stats {
             Ok(row) => cal.rows.push(CalibrationRow { layer, ..row }),
