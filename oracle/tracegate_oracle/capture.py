@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tracegate import names
 
 from .checkpoint import preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
@@ -619,7 +620,7 @@ class Tap:
 
     `decode=True` taps one decode step (docs/producers.md, decode steps): only the last row of
     each point (the step's row, whether the forward ran one row on the cache or recomputed the
-    whole sequence), names prefixed by `prefix` (`decode.SSSS.`), no embedding, no internals and
+    whole sequence), names under `decode.SSSS.` for `step` S, no embedding, no internals and
     no router decisions; `final_norm.out` only with layers; the logits always (when `whole`).
     """
 
@@ -634,12 +635,12 @@ class Tap:
         whole: bool,
         forcing=None,
         decode: bool = False,
-        prefix: str = "",
+        step: int | None = None,
     ):
         self.model, self.path, self.positions = model, path, list(positions)
         self.lay = resolve(model)
         self.layers, self.internals, self.whole = list(layers), internals and not decode, whole
-        self.decode, self.prefix = decode, prefix
+        self.decode, self.step = decode, step
         self.records: list[Record] = []
         self.decisions: list[Decision] = []
         self.notes: list[str] = []
@@ -661,7 +662,9 @@ class Tap:
         # A decode step of `trace` comes after its forced logits.argmax (the first forced decision).
         if self.forced or (self.decode and self.forcing is not None and self.whole):
             attrs["forced"] = self.forcing.digest
-        self.records.append(Record(self.prefix + name, arr, dt, attrs))
+        if self.step is not None:
+            name = names.decode(self.step, name)
+        self.records.append(Record(name, arr, dt, attrs))
 
     def decide(self, d: Decision, scores: np.ndarray, rows: list[int]) -> None:
         """Record decision `d`, forced when a forcing trace is given."""
@@ -718,27 +721,30 @@ class Tap:
         self._handles.append(h)
 
     def _hook_layer(self, L: int, layer):
-        nn_ = f"layer.{L:02d}"
-
         def hidden_in(mod, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            self.add(f"{nn_}.hidden_in", x[0], layer_idx=L)
+            self.add(names.layer(L, "hidden_in"), x[0], layer_idx=L)
 
         self._hook(layer, hidden_in, pre=True)
         lay = self.lay
         self._hook(
-            lay.attn(L), lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L)
+            lay.attn(L),
+            lambda mod, a, out: self.add(names.layer(L, "attn_out"), out[0][0], layer_idx=L),
         )
         mlp = lay.mlp(L)
         if L in lay.moe_layers and not self.decode:
             self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
             if self.internals:
                 self._tap_experts(L, lay.experts(L))
-        self._hook(mlp, lambda mod, a, out: self.add(f"{nn_}.mlp_out", out[0], layer_idx=L))
+        self._hook(
+            mlp, lambda mod, a, out: self.add(names.layer(L, "mlp_out"), out[0], layer_idx=L)
+        )
 
         def hidden_out(mod, args, out):
             self.add(
-                f"{nn_}.hidden_out", (out[0] if isinstance(out, tuple) else out)[0], layer_idx=L
+                names.layer(L, "hidden_out"),
+                (out[0] if isinstance(out, tuple) else out)[0],
+                layer_idx=L,
             )
 
         self._hook(layer, hidden_out)
@@ -747,11 +753,11 @@ class Tap:
         import torch
 
         if self.internals:
-            self.add(f"layer.{L:02d}.router.logits", logits, layer_idx=L)
+            self.add(names.layer(L, "router.logits"), logits, layer_idx=L)
         k = self.lay.router(L).top_k
         # The model's own probabilities: fp32 softmax of its router logits, as its router does.
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).cpu().numpy()
-        self.decide(topk_decision(f"layer.{L:02d}.router.topk", probs, k), probs, self.positions)
+        self.decide(topk_decision(names.layer(L, "router.topk"), probs, k), probs, self.positions)
 
     def _tap_experts(self, L: int, experts):
         ExpertTap = _expert_tap_class()
@@ -786,7 +792,7 @@ class Tap:
                     f"layer {L} expert {e}: model routed rows {rows.tolist()}, tie rule gives {expected.get(e)}"
                 )
             self.add(
-                f"layer.{L:02d}.expert.{e:03d}.out",
+                names.expert(L, e, "out"),
                 out[order],
                 positions=[self.positions[i] for i in rows],
                 layer_idx=L,
@@ -810,11 +816,10 @@ class Tap:
                 out, weights = _orig(module, query, key, value, attention_mask, *a, **kw)
                 L = getattr(module, "layer_idx", None)
                 if L in _tapped:
-                    p = f"layer.{L:02d}"
-                    self.add(f"{p}.q", query[0].transpose(0, 1), layer_idx=L)
-                    self.add(f"{p}.k", key[0].transpose(0, 1), layer_idx=L)
-                    self.add(f"{p}.v", value[0].transpose(0, 1), layer_idx=L)
-                    self.add(f"{p}.attn_probs", weights[0], layer_idx=L)
+                    self.add(names.layer(L, "q"), query[0].transpose(0, 1), layer_idx=L)
+                    self.add(names.layer(L, "k"), key[0].transpose(0, 1), layer_idx=L)
+                    self.add(names.layer(L, "v"), value[0].transpose(0, 1), layer_idx=L)
+                    self.add(names.layer(L, "attn_probs"), weights[0], layer_idx=L)
                 return out, weights
 
             mod.eager_attention_forward = wrapped
@@ -895,13 +900,13 @@ def _generate(
                 whole=True,
                 forcing=forcing,
                 decode=True,
-                prefix=f"decode.{s:04d}.",
+                step=s,
             ) as tap:
                 r = model(torch.tensor([ids], device=rc.device), **kw)
             records += tap.records
             past = r.past_key_values
             row = r.logits[0, -1].float().cpu().numpy()[None]
-            d = argmax_decision(f"decode.{s:04d}.argmax", row)
+            d = argmax_decision(names.decode(s, "argmax"), row)
             if forcing is not None:
                 d, over = force_decision(d, row, forcing.values(d.name), [0])
                 forced.append((d.name, over))
@@ -932,7 +937,7 @@ def _require_forced(
     if tokens is not None:
         forcing.check_prompt(tokens)
     for L in lay.moe_layers if layer is None else [L for L in lay.moe_layers if L == layer]:
-        name = f"layer.{L:02d}.router.topk"
+        name = names.layer(L, "router.topk")
         router = lay.router(L)
         rows = forcing.require(
             name, None if tokens is None else len(tokens), router.top_k, router.num_experts
@@ -945,7 +950,7 @@ def _require_forced(
     if tokens is not None:
         forcing.require("logits.argmax", len(tokens), None, cfg.vocab_size)
         for s in range(generate):
-            forcing.require(f"decode.{s:04d}.argmax", 1, None, cfg.vocab_size)
+            forcing.require(names.decode(s, "argmax"), 1, None, cfg.vocab_size)
 
 
 def _forced_provenance(prov: dict, forcing: Forcing | None, records: list[tuple[str, int]]) -> None:
