@@ -297,7 +297,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
     if problems:
         # Random init of a missing tensor, or a silently dropped extra one, would make a trace of
-        # a model nobody has: refuse instead (DESIGN trap 14).
+        # a model nobody has: refuse instead (docs/traps.md, trap 14).
         detail = "; ".join(
             f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items()
         )
