@@ -22,7 +22,6 @@ import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(ROOT, "contract"))
 ENGINE = os.path.join(ROOT, "target", "release", "engine")
 
 
@@ -54,12 +53,6 @@ def main() -> None:
     )
     from tracegate_contract import Capture, Model
 
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [os.path.join(ROOT, "contract"), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
     print(
         f"{'model':<20} {'load s':>7} {'prefill s':>10} {'contract CLI s':>15} {'engine CLI s':>13} {'ratio':>7}  same digest"
     )
@@ -88,8 +81,7 @@ def main() -> None:
                     tok_arg,
                     "--out",
                     os.path.join(tmp, "c.trace"),
-                ],
-                env,
+                ]
             )
             e_cli = e_digest = None
             if os.access(ENGINE, os.X_OK):

@@ -17,10 +17,10 @@ import importlib.util
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+from tracegate import names
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURES = ["hidden_out", "attn_out", "mlp_out"]
@@ -51,7 +51,7 @@ def layer_args(model, ref, L, out):
         "--input",
         str(ref),
         "--input-name",
-        f"layer.{L:02d}.hidden_in",
+        names.layer(L, "hidden_in"),
         "--out",
         str(out),
         "--capture",
@@ -72,7 +72,6 @@ def main():
     ap.add_argument("--fixtures", default="tiny-qwen3,tiny-qwen3-moe")
     ap.add_argument("--prompts", default="short,repeat,mid,edge64,long")
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "gate/tests/producers"))
     from tracegate_contract import __main__ as contract
     from tracegate_oracle import cli as oracle
 
@@ -192,10 +191,10 @@ def main():
             defective.plant("rms-eps")  # from here on the contract is the planted one
         errs = {m: [] for m in MEASURES}
         for L in range(n):
-            out = work / f"{pair.split()[0]}.layer.{L:02d}.trace"
+            out = work / f"{pair.split()[0]}.{names.layer_prefix(L)}trace"
             run(ref, L, out)
             for m in MEASURES:
-                errs[m].append(rel_l2((ref, f"layer.{L:02d}.{m}"), (out, f"layer.{L:02d}.{m}")))
+                errs[m].append(rel_l2((ref, names.layer(L, m)), (out, names.layer(L, m))))
         line = [f"{fx:15} {p:7} {pair:22}"]
         for m in MEASURES:
             r = ratios(errs[m])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: Rust release build, .venv with pinned Python packages,
-# the `tracegate` native module (maturin), the contract/oracle packages on the venv's path, and
+# the `tracegate` native module (maturin), the contract and oracle packages (editable), and
 # chromium for the HTML reports' browser test.
 # Idempotent: re-running skips what is already up to date.
 set -euo pipefail
@@ -46,6 +46,34 @@ log "building the tracegate Python module (maturin)"
 VIRTUAL_ENV="$root/.venv" PATH="$root/.venv/bin:$PATH" \
   .venv/bin/maturin develop --release --quiet -m trace/python/Cargo.toml >/dev/null
 
-site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-printf '%s\n%s\n' "$root/contract" "$root/oracle" > "$site/tracegate_local.pth"
+# contract/ and oracle/ as editable packages: imported from this checkout, at the versions of
+# requirements.txt (--no-deps: pip resolves nothing; --no-build-isolation: the pinned setuptools
+# builds them, nothing is fetched). `pip check` then holds each package's declared dependencies
+# to what requirements.txt installed. Skipped when this checkout's packages, with these
+# pyproject files, are the ones the venv imports.
+stamp=.venv/.packages.sha256
+want="$(cat contract/pyproject.toml oracle/pyproject.toml trace/python/pyproject.toml requirements.txt | sha256sum | cut -d' ' -f1) $root"
+installed_here() {
+  .venv/bin/python - "$root" <<'PY'
+import importlib.util, os, sys
+root = os.path.realpath(sys.argv[1])
+for name, where in (("tracegate_contract", "contract"), ("tracegate_oracle", "oracle")):
+    spec = importlib.util.find_spec(name)
+    at = spec and spec.origin and os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
+    if at != os.path.join(root, where):
+        sys.exit(1)
+PY
+}
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! installed_here; then
+  log "installing contract/ and oracle/ as editable packages"
+  # Before they were packages, set-up put both folders on the path with this file.
+  rm -f "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tracegate_local.pth"
+  # setuptools warns about editable installs on every build: shown only when pip fails.
+  out="$(.venv/bin/python -m pip install --disable-pip-version-check -q --no-deps \
+    --no-build-isolation -e contract -e oracle 2>&1)" || { printf '%s\n' "$out" >&2; exit 1; }
+  .venv/bin/python -m pip check --disable-pip-version-check >/dev/null \
+    || { .venv/bin/python -m pip check >&2; echo "setup: installed versions do not satisfy the packages' declared dependencies (pyproject.toml vs requirements.txt)" >&2; exit 1; }
+  installed_here || { echo "setup: tracegate_contract/tracegate_oracle do not import from $root" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
 log "ready: .venv/bin/python, target/release/{engine,trace-diff,gate,example-producer}"

@@ -8,13 +8,11 @@ import json
 import os
 import struct
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "contract"))
 
 FIXTURES = {
     "dense": os.path.join(ROOT, "fixtures", "tiny-qwen3"),

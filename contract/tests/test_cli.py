@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES
 
 tracegate = pytest.importorskip(
     "tracegate", reason="the tracegate Python module is not built (scripts/setup.sh)"
@@ -174,12 +174,10 @@ def test_layer_verb_reproduces_whole_run(tmp_path, fixture):
 
 
 def run_module(*args):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "contract"))
     return subprocess.run(
         [sys.executable, "-m", "tracegate_contract", *map(str, args)],
         capture_output=True,
         text=True,
-        env=env,
     )
 
 

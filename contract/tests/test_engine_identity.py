@@ -74,9 +74,8 @@ def engine_trace(model, tokens, out, capture="default", generate=0, cache="on"):
 def contract_trace(model, tokens, out, capture="default", generate=0, cache="on", src_root=None):
     """Run the contract's CLI (in a subprocess, so a planted copy can be run the same way)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [src_root or os.path.join(ROOT, "contract"), env.get("PYTHONPATH", "")]
-    )
+    if src_root is not None:  # the planted copy comes before the installed package
+        env["PYTHONPATH"] = os.pathsep.join([src_root, env.get("PYTHONPATH", "")])
     cmd = [
         sys.executable,
         "-m",
@@ -413,7 +412,6 @@ def engine_layer(model, layer, inp, name, out, capture, decode_from=None):
 
 
 def contract_layer(model, layer, inp, name, out, capture, decode_from=None):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "contract"))
     extra = [] if decode_from is None else ["--decode-from", str(decode_from)]
     r = subprocess.run(
         [
@@ -438,7 +436,6 @@ def contract_layer(model, layer, inp, name, out, capture, decode_from=None):
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
         cwd=ROOT,
     )
     assert r.returncode == 0, f"contract layer failed ({r.returncode}): {r.stderr.strip()}"

@@ -36,9 +36,7 @@ def short_prompt() -> list[int]:
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "contract"), env.get("PYTHONPATH", "")])
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def traces(tmp_path, defect: str) -> tuple[str, str]:

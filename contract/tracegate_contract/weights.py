@@ -4,7 +4,7 @@ The header is parsed here (8-byte little-endian length, JSON, then the data regi
 tensor is a numpy view into one `np.memmap` of its file, so nothing is read until used.
 Hostile or broken headers are refused before anything is mapped. A model takes its tensors by
 name through `Checkpoint.take`; a tensor it asks for and cannot find is refused by name, and
-`Checkpoint.finish` refuses any tensor nobody took (design trap 14: a declared weight must
+`Checkpoint.finish` refuses any tensor nobody took (docs/traps.md, trap 14: a declared weight must
 reach the computation).
 """
 

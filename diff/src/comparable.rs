@@ -1,7 +1,8 @@
 //! Whether two traces may be compared at all. Numbers computed on different code paths,
 //! masks or positions, from different weights or prompts, or by two oracle runs on different
 //! stacks are not "close" or "far": comparing them is meaningless, so the differ refuses
-//! with the reason (traps 1–3, 13). These rules run before any digest is consulted.
+//! with the reason (docs/traps.md, traps 1–3 and 13). These rules run before any digest is
+//! consulted.
 
 use serde_json::Value;
 use tracegate_trace::Trace;

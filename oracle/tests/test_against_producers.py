@@ -31,9 +31,6 @@ pytest.importorskip("transformers")
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "oracle") not in sys.path:  # same as test_oracle.py: works before scripts/setup.sh
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 from binaries import diff_report, release_binary  # noqa: E402
 from tracegate_oracle import capture as cp  # noqa: E402
 

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from binaries import diff_report, release_binary
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "oracle") not in sys.path:
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 MODEL = ROOT / "fixtures/tiny-qwen3-moe"
 TOKENS = next(
     p["tokens"]

@@ -20,7 +20,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
 from binaries import release_binary  # noqa: E402
 from test_families import TOKENS, make_checkpoint  # noqa: E402
 

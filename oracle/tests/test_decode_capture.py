@@ -27,10 +27,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
-if str(ROOT / "oracle") not in sys.path:
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 from test_families import CASES, FAMS, TOKENS, make_checkpoint  # noqa: E402
 from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle.cli import main  # noqa: E402

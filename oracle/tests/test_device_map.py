@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +26,6 @@ accelerate = pytest.importorskip("accelerate", reason="accelerate not installed 
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "oracle") not in sys.path:
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle import cli  # noqa: E402
 from tracegate_oracle.families import resolve  # noqa: E402

@@ -19,9 +19,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "oracle") not in sys.path:
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle.errors import OracleError  # noqa: E402
 from tracegate_oracle.families import FAMILIES, resolve  # noqa: E402
@@ -410,7 +407,7 @@ def test_cli_layer_on_gemma3(ckpts, runs, tmp_path):
     d = ckpts["gemma3_text"]
     whole, one = tmp_path / "w.trace", tmp_path / "l.trace"
     cp.write_trace(runs["gemma3_text"][1], whole)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "oracle"), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     r = subprocess.run(
         [
             sys.executable,

@@ -17,11 +17,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-# Normally on sys.path via the .pth file scripts/setup.sh writes; this keeps `pytest oracle` working
-# before that step. (No conftest.py: contract/tests imports its own `conftest` by name.)
-if str(ROOT / "oracle") not in sys.path:
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 from tracegate_oracle import capture as cp  # noqa: E402
 
 DENSE = ROOT / "fixtures" / "tiny-qwen3"
@@ -127,7 +122,7 @@ def test_assert_same_bits_sees_a_lost_capture_point(moe):
 
 
 def test_same_threads_same_bits_in_process(moe):
-    # What the project promises (DESIGN trap 9): at a fixed thread count, a second run in the same
+    # What the project promises (docs/traps.md, trap 9): at a fixed thread count, a second run in the same
     # process repeats the first bit for bit. Across thread counts torch promises no bits; that
     # comparison is judged by the oracle policy (test_against_producers.py).
     toks = [int(t) for t in np.random.default_rng(3).integers(0, 503, 70)]
@@ -270,8 +265,9 @@ def test_layer_verb_reproduces_whole_run(which, dense, moe):
         one = cp.capture_layer(model, d, L, h.array, h.attrs["positions"], RC)
         assert one.names and all(n.startswith(f"layer.{L:02d}.") for n in one.names)
         assert all(r.attrs["path"] == "layer" for r in one.tensors)
-        # Promised, not measured: the layer verb runs the same module on the same input, shapes and
-        # threads in the same process (trap 1), so deterministic algorithms give the same bits.
+        # Promised, not measured: the layer verb runs the same module on the same input, shapes
+        # and threads in the same process (docs/traps.md, trap 1), so deterministic algorithms
+        # give the same bits.
         for r in one.tensors:
             assert np.array_equal(r.array, whole[r.name].array), (L, r.name)
         for dcs in one.decisions:
@@ -340,13 +336,9 @@ def test_checkpoint_mismatch_refused(tmp_path, det, src, edit, match):
 
 
 def _cli(*args, cwd=ROOT):
-    env = dict(
-        os.environ, PYTHONPATH=str(ROOT / "oracle") + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
     return subprocess.run(
         [sys.executable, "-m", "tracegate_oracle", *map(str, args)],
         cwd=cwd,
-        env=env,
         capture_output=True,
         text=True,
         timeout=120,

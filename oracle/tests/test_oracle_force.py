@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +23,6 @@ transformers = pytest.importorskip("transformers")
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "oracle") not in sys.path:
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 from binaries import release_binary  # noqa: E402
 from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle import cli  # noqa: E402

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +19,6 @@ import pytest
 from binaries import release_binary
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "oracle") not in sys.path:
-    sys.path.insert(0, str(ROOT / "oracle"))
-
 FIXTURES = ["tiny-qwen3", "tiny-qwen3-moe"]
 PROMPTS = {
     p["id"]: p["tokens"]

@@ -11,7 +11,6 @@ transformers' classes.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import subprocess
@@ -264,9 +263,6 @@ def test_cli_refuses_bad_model_with_one_line(tmp_path, case):
     src, cfg_edit, st_edit, dir_edit, words = CASES[case]
     d = _mutated(tmp_path, src, cfg_edit, st_edit, dir_edit)
     out = tmp_path / "x.trace"
-    env = dict(
-        os.environ, PYTHONPATH=str(ROOT / "oracle") + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
     r = subprocess.run(
         [
             sys.executable,
@@ -281,7 +277,6 @@ def test_cli_refuses_bad_model_with_one_line(tmp_path, case):
             str(out),
         ],
         cwd=ROOT,
-        env=env,
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,7 +2,7 @@
 
 The oracle never re-implements the model: it loads the checkpoint with transformers' own
 classes (eager attention, eager experts), runs them, and records what they computed at the
-shared capture points (see docs in DESIGN.md), plus the decisions (router top-k, argmax).
+shared capture points (docs/capture-points.md), plus the decisions (router top-k, argmax).
 
     python -m tracegate_oracle trace --model DIR --tokens 3,17,5 --out run.trace
     python -m tracegate_oracle layer --model DIR --layer 2 --input run.trace \

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tracegate import names
 
 from .checkpoint import preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
@@ -296,7 +297,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
     if problems:
         # Random init of a missing tensor, or a silently dropped extra one, would make a trace of
-        # a model nobody has: refuse instead (DESIGN trap 14).
+        # a model nobody has: refuse instead (docs/traps.md, trap 14).
         detail = "; ".join(
             f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items()
         )
@@ -633,7 +634,7 @@ class Tap:
 
     `decode=True` taps one decode step (docs/producers.md, decode steps): only the last row of
     each point (the step's row, whether the forward ran one row on the cache or recomputed the
-    whole sequence), names prefixed by `prefix` (`decode.SSSS.`), no embedding, no internals and
+    whole sequence), names under `decode.SSSS.` for `step` S, no embedding, no internals and
     no router decisions; `final_norm.out` only with layers; the logits always (when `whole`).
     """
 
@@ -648,12 +649,12 @@ class Tap:
         whole: bool,
         forcing=None,
         decode: bool = False,
-        prefix: str = "",
+        step: int | None = None,
     ):
         self.model, self.path, self.positions = model, path, list(positions)
         self.lay = resolve(model)
         self.layers, self.internals, self.whole = list(layers), internals and not decode, whole
-        self.decode, self.prefix = decode, prefix
+        self.decode, self.step = decode, step
         self.records: list[Record] = []
         self.decisions: list[Decision] = []
         self.notes: list[str] = []
@@ -675,7 +676,9 @@ class Tap:
         # A decode step of `trace` comes after its forced logits.argmax (the first forced decision).
         if self.forced or (self.decode and self.forcing is not None and self.whole):
             attrs["forced"] = self.forcing.digest
-        self.records.append(Record(self.prefix + name, arr, dt, attrs))
+        if self.step is not None:
+            name = names.decode(self.step, name)
+        self.records.append(Record(name, arr, dt, attrs))
 
     def decide(self, d: Decision, scores: np.ndarray, rows: list[int]) -> None:
         """Record decision `d`, forced when a forcing trace is given."""
@@ -732,27 +735,30 @@ class Tap:
         self._handles.append(h)
 
     def _hook_layer(self, L: int, layer):
-        nn_ = f"layer.{L:02d}"
-
         def hidden_in(mod, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            self.add(f"{nn_}.hidden_in", x[0], layer_idx=L)
+            self.add(names.layer(L, "hidden_in"), x[0], layer_idx=L)
 
         self._hook(layer, hidden_in, pre=True)
         lay = self.lay
         self._hook(
-            lay.attn(L), lambda mod, a, out: self.add(f"{nn_}.attn_out", out[0][0], layer_idx=L)
+            lay.attn(L),
+            lambda mod, a, out: self.add(names.layer(L, "attn_out"), out[0][0], layer_idx=L),
         )
         mlp = lay.mlp(L)
         if L in lay.moe_layers and not self.decode:
             self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
             if self.internals:
                 self._tap_experts(L, lay.experts(L))
-        self._hook(mlp, lambda mod, a, out: self.add(f"{nn_}.mlp_out", out[0], layer_idx=L))
+        self._hook(
+            mlp, lambda mod, a, out: self.add(names.layer(L, "mlp_out"), out[0], layer_idx=L)
+        )
 
         def hidden_out(mod, args, out):
             self.add(
-                f"{nn_}.hidden_out", (out[0] if isinstance(out, tuple) else out)[0], layer_idx=L
+                names.layer(L, "hidden_out"),
+                (out[0] if isinstance(out, tuple) else out)[0],
+                layer_idx=L,
             )
 
         self._hook(layer, hidden_out)
@@ -761,11 +767,11 @@ class Tap:
         import torch
 
         if self.internals:
-            self.add(f"layer.{L:02d}.router.logits", logits, layer_idx=L)
+            self.add(names.layer(L, "router.logits"), logits, layer_idx=L)
         k = self.lay.router(L).top_k
         # The model's own probabilities: fp32 softmax of its router logits, as its router does.
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).cpu().numpy()
-        self.decide(topk_decision(f"layer.{L:02d}.router.topk", probs, k), probs, self.positions)
+        self.decide(topk_decision(names.layer(L, "router.topk"), probs, k), probs, self.positions)
 
     def _tap_experts(self, L: int, experts):
         ExpertTap = _expert_tap_class()
@@ -800,7 +806,7 @@ class Tap:
                     f"layer {L} expert {e}: model routed rows {rows.tolist()}, tie rule gives {expected.get(e)}"
                 )
             self.add(
-                f"layer.{L:02d}.expert.{e:03d}.out",
+                names.expert(L, e, "out"),
                 out[order],
                 positions=[self.positions[i] for i in rows],
                 layer_idx=L,
@@ -824,11 +830,10 @@ class Tap:
                 out, weights = _orig(module, query, key, value, attention_mask, *a, **kw)
                 L = getattr(module, "layer_idx", None)
                 if L in _tapped:
-                    p = f"layer.{L:02d}"
-                    self.add(f"{p}.q", query[0].transpose(0, 1), layer_idx=L)
-                    self.add(f"{p}.k", key[0].transpose(0, 1), layer_idx=L)
-                    self.add(f"{p}.v", value[0].transpose(0, 1), layer_idx=L)
-                    self.add(f"{p}.attn_probs", weights[0], layer_idx=L)
+                    self.add(names.layer(L, "q"), query[0].transpose(0, 1), layer_idx=L)
+                    self.add(names.layer(L, "k"), key[0].transpose(0, 1), layer_idx=L)
+                    self.add(names.layer(L, "v"), value[0].transpose(0, 1), layer_idx=L)
+                    self.add(names.layer(L, "attn_probs"), weights[0], layer_idx=L)
                 return out, weights
 
             mod.eager_attention_forward = wrapped
@@ -910,13 +915,13 @@ def _generate(
                 whole=True,
                 forcing=forcing,
                 decode=True,
-                prefix=f"decode.{s:04d}.",
+                step=s,
             ) as tap:
                 r = model(torch.tensor([ids], device=dev), **kw)
             records += tap.records
             past = r.past_key_values
             row = r.logits[0, -1].float().cpu().numpy()[None]
-            d = argmax_decision(f"decode.{s:04d}.argmax", row)
+            d = argmax_decision(names.decode(s, "argmax"), row)
             if forcing is not None:
                 d, over = force_decision(d, row, forcing.values(d.name), [0])
                 forced.append((d.name, over))
@@ -947,7 +952,7 @@ def _require_forced(
     if tokens is not None:
         forcing.check_prompt(tokens)
     for L in lay.moe_layers if layer is None else [L for L in lay.moe_layers if L == layer]:
-        name = f"layer.{L:02d}.router.topk"
+        name = names.layer(L, "router.topk")
         router = lay.router(L)
         rows = forcing.require(
             name, None if tokens is None else len(tokens), router.top_k, router.num_experts
@@ -960,7 +965,7 @@ def _require_forced(
     if tokens is not None:
         forcing.require("logits.argmax", len(tokens), None, cfg.vocab_size)
         for s in range(generate):
-            forcing.require(f"decode.{s:04d}.argmax", 1, None, cfg.vocab_size)
+            forcing.require(names.decode(s, "argmax"), 1, None, cfg.vocab_size)
 
 
 def _forced_provenance(prov: dict, forcing: Forcing | None, records: list[tuple[str, int]]) -> None:

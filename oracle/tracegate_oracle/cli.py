@@ -12,36 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from tracegate import protocol
+
 from .capture import OracleError, RunConfig
 from .checkpoint import preflight
 from .force import Forcing
 
 PROG = "python -m tracegate_oracle"
-
-
-def _tokens(s: str) -> list[int]:
-    try:
-        toks = [int(x) for x in s.split(",") if x.strip() != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {s!r}") from None
-    if not toks:
-        raise argparse.ArgumentTypeError("empty token list")
-    return toks
-
-
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {v}")
-    return v
-
-
-def _nonneg(s: str) -> int:
-    v = _positive(s) if s != "0" else 0
-    return v
 
 
 def _max_memory(s: str) -> dict:
@@ -62,21 +39,9 @@ def _max_memory(s: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = ap.add_subparsers(dest="verb", required=True)
-
-    def common(p):
-        p.add_argument(
-            "--model", required=True, help="HF-layout model dir (config.json + *.safetensors)"
-        )
-        p.add_argument(
-            "--out",
-            required=True,
-            help="trace file to write (written to a temp file, then renamed)",
-        )
-        p.add_argument("--capture", choices=["default", "internals"], default="default")
+    """The protocol's two verbs (tracegate.protocol), each with the oracle's own flags."""
+    g = protocol.parser(PROG, __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for p in (g.trace, g.layer):
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
         p.add_argument(
             "--dtype",
@@ -98,49 +63,13 @@ def parser() -> argparse.ArgumentParser:
             "(modules placed on cpu are kept in CPU memory and computed on the first GPU)",
         )
         p.add_argument(
-            "--threads", type=_positive, default=1, help="torch intra-op threads (default 1)"
+            "--threads",
+            type=protocol.at_least(1),
+            default=1,
+            help="torch intra-op threads (default 1)",
         )
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument(
-            "--force-decisions",
-            metavar="TRACE",
-            help="take router top-k (and, for trace, greedy tokens) from this trace instead of computing them",
-        )
-
-    t = sub.add_parser("trace", help="whole forward over a prompt (+ greedy decode)")
-    common(t)
-    t.add_argument("--tokens", required=True, type=_tokens, help="prompt token ids, e.g. 3,17,5")
-    t.add_argument(
-        "--generate",
-        type=_nonneg,
-        default=0,
-        metavar="N",
-        help="greedy decode N tokens: decode.SSSS.argmax decisions, decode.SSSS.logits rows, and the "
-        "steps' layer points under --capture internals",
-    )
-    t.add_argument(
-        "--cache",
-        choices=["on", "off"],
-        default="on",
-        help="decode with the model's KV cache or recompute",
-    )
-
-    l = sub.add_parser("layer", help="run decoder layer L on a tensor taken from a trace")
-    common(l)
-    l.add_argument("--layer", required=True, type=int)
-    l.add_argument("--input", required=True, help="trace holding the layer input")
-    l.add_argument(
-        "--input-name", required=True, help="tensor name in --input, e.g. layer.02.hidden_in"
-    )
-    # Any integer: a value outside 0..rows-1 is refused in one line once the input's rows are known.
-    l.add_argument(
-        "--decode-from",
-        type=int,
-        metavar="P",
-        help="rows at positions < P fill the layer's KV cache; each later row runs as a cached decode "
-        "step; only those rows are written (input rows at positions 0..m-1)",
-    )
-    return ap
+    return g.parser
 
 
 def _check_out(out: str) -> Path:
@@ -162,12 +91,8 @@ def _positions(v) -> list[int]:
 
 def _read_input(path: str, name: str):
     """(array, positions, dtype name or None, source provenance) of tensor `name` in trace `path`."""
-    try:
-        import tracegate
-    except ImportError:
-        raise OracleError(
-            "the `tracegate` Python module is not installed (run scripts/setup.sh)"
-        ) from None
+    import tracegate
+
     if not Path(path).exists():
         raise OracleError(f"--input {path}: no such file")
     if not Path(path).is_file():  # a FIFO would block the reader
@@ -258,7 +183,7 @@ def _versions(rest: list[str]) -> int:
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if args[:1] == ["serve"]:
+    if args[:1] == [protocol.SERVE]:
         return _serve(args[1:])
     if args[:1] == ["versions"]:
         return _versions(args[1:])

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from tracegate import names
 from tracegate_contract.force import Forcing as _ContractForcing
 
 from .errors import OracleError
@@ -61,7 +62,7 @@ class RouterForcing:
 
     def __enter__(self):
         for L in self.lay.moe_layers:
-            forced = self.forcing.values(f"layer.{L:02d}.router.topk")
+            forced = self.forcing.values(names.layer(L, "router.topk"))
             if forced is not None:
                 self._wrap(L, self.lay.router(L), forced)
         return self

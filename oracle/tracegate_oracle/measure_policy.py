@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tracegate import names
 
 from . import capture as cp
 
@@ -71,7 +72,12 @@ def prompts(vocab: int, n: int = 8, seed: int = 99) -> list[list[int]]:
 
 
 def pattern(name: str) -> str:
-    return re.sub(r"\.\d{3}\.", ".*.", re.sub(r"^layer\.\d{2}\.", "layer.*.", name))
+    """A prefill name with its layer and expert numbers as `*` (`layer.03.expert.007.out` is
+    `layer.*.expert.*.out`); any other name, a decode step's included, as it is."""
+    n = names.parse(name)
+    if n.layer is None or n.decode_step is not None:
+        return name
+    return "layer.*." + ("" if n.expert is None else "expert.*.") + n.point
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,16 +196,16 @@ def oracle_runs(
     for pid, ref in isolate_on.items():
         iso[pid] = {}
         for L in range(model.config.num_hidden_layers):
-            a, _, positions = ref.tensors[f"layer.{L:02d}.hidden_in"]
+            a, _, positions = ref.tensors[names.layer(L, "hidden_in")]
             run = from_plain(
                 plain(cp.capture_layer(model, model_dir, L, a, list(positions), rc, det))
             )
             # A token routed differently in isolation (a near-tie flip in bf16) gets other experts:
             # its mlp_out row is not comparable, as trace-diff excludes it; keep the rest.
-            topk = f"layer.{L:02d}.router.topk"
+            topk = names.layer(L, "router.topk")
             if topk in run.decisions:
                 same = np.all(run.decisions[topk][0] == ref.decisions[topk][0], axis=1)
-                name = f"layer.{L:02d}.mlp_out"
+                name = names.layer(L, "mlp_out")
                 x, dt_, pos = run.tensors[name]
                 run.tensors[name] = (x[same], dt_, pos)
                 run.tensors[f"{name}.ref"] = ref.tensors[name][0][same]
@@ -518,13 +524,13 @@ def planted(
                         "iso_first_outside": set(),
                     }
                     # The clean run (scale 1) has no planted layer: every layer's mlp_out.
-                    names = [
-                        f"layer.{x:02d}.mlp_out"
+                    points = [
+                        names.layer(x, "mlp_out")
                         for x in (range(n_layers) if scale == 1 else [layer])
                     ]
                     for pid in tokens:
                         c = from_plain(runs[pid])
-                        for name in names:
+                        for name in points:
                             a, b = real(*c.tensors[name][:2]), real(*eng[pid].tensors[name][:2])
                             row["rel_l2"].append(
                                 compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["rel_l2"]
@@ -580,13 +586,13 @@ def print_planted(d: str, rows: list[dict]) -> None:
     )
     print("| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |")
     rng = lambda xs, f: f"{min(xs):{f}} to {max(xs):{f}}"  # noqa: E731
-    names = lambda xs: ", ".join(sorted("none" if x is None else f"`{x}`" for x in xs))  # noqa: E731
+    listed = lambda xs: ", ".join(sorted("none" if x is None else f"`{x}`" for x in xs))  # noqa: E731
     for r in rows:
         nr = [x - 1 for x in r["norm_ratio"]]
         print(
             f"| {r['dtype']} | {r['scale']:g} | {r['layer'] if r['scale'] != 1 else '-'} | {rng(r['rel_l2'], '.4f')} | "
-            f"{rng(nr, '+.4f')} | {rng(r['scale_error'], '+.4f')} | {names(r['first_outside'])} | "
-            f"{rng(r['iso_rel_l2'], '.4f')} | {rng(r['iso_scale_error'], '+.4f')} | {names(r['iso_first_outside'])} |"
+            f"{rng(nr, '+.4f')} | {rng(r['scale_error'], '+.4f')} | {listed(r['first_outside'])} | "
+            f"{rng(r['iso_rel_l2'], '.4f')} | {rng(r['iso_scale_error'], '+.4f')} | {listed(r['iso_first_outside'])} |"
         )
 
 

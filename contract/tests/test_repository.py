@@ -1,0 +1,181 @@
+"""The Python packages as installed and the docs that describe them: the contract needs no torch,
+each package's declared pins are requirements.txt's, one Python version everywhere, and every
+"trap N" the tree cites is defined in docs/traps.md with tests that exist."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import requires
+
+from conftest import FIXTURES, ROOT
+
+PYPROJECTS = {
+    "tracegate": "trace/python/pyproject.toml",
+    "tracegate-contract": "contract/pyproject.toml",
+    "tracegate-oracle": "oracle/pyproject.toml",
+}
+
+
+def _project(path: str) -> dict:
+    with open(os.path.join(ROOT, path), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _pins(lines) -> dict[str, str]:
+    """`name==version` lines (comments and blanks skipped) as {name: version}."""
+    out = {}
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if line:
+            name, eq, version = line.partition("==")
+            assert eq, f"not pinned: {line!r}"
+            out[name.strip().lower()] = version.strip()
+    return out
+
+
+def _disagreements(declared: list[str], pinned: dict[str, str]) -> list[str]:
+    """Each declared dependency that is not `name==version` with requirements.txt's version."""
+    bad = []
+    for dep, (name, version) in zip(declared, _pins(declared).items(), strict=True):
+        if pinned.get(name) != version:
+            bad.append(f"{dep} (requirements.txt: {pinned.get(name, 'absent')})")
+    return bad
+
+
+def _pinned() -> dict[str, str]:
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = _pins(f)
+    # The repository's own packages are pinned by their pyproject.toml.
+    pins.update({name: _project(path)["version"] for name, path in PYPROJECTS.items()})
+    return pins
+
+
+def test_declared_dependencies_are_the_pinned_versions():
+    pinned = _pinned()
+    for path in PYPROJECTS.values():
+        assert _disagreements(_project(path)["dependencies"], pinned) == [], path
+    # Negative control: a drifted pin and an unpinned package are both reported.
+    assert _disagreements(["numpy==1.0", "ml-dtypes==1"], pinned) == [
+        f"numpy==1.0 (requirements.txt: {pinned['numpy']})",
+        "ml-dtypes==1 (requirements.txt: absent)",
+    ]
+
+
+def test_the_contract_declares_no_torch_and_the_oracle_does():
+    names = {
+        dist: {re.split(r"[<>=!~ ;\[]", r)[0].lower() for r in requires(dist) or []}
+        for dist in ("tracegate-contract", "tracegate-oracle")
+    }
+    assert names["tracegate-contract"] == {"numpy", "tracegate"}
+    assert {"torch", "transformers", "accelerate"} <= names["tracegate-oracle"]
+
+
+def test_the_contract_runs_where_torch_cannot_be_imported(tmp_path):
+    out = tmp_path / "t.trace"
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = sys.modules['transformers'] = None  # imports now fail\n"
+        "try:\n"
+        "    import torch\n"
+        "    sys.exit('torch is importable: the block did not work')\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "from tracegate_contract.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["trace", "--model", FIXTURES["dense"], "--tokens", "3,17,5", "--out", str(out)]
+    r = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert out.is_file()
+
+
+def test_one_python_version_everywhere():
+    wanted = {_project(path)["requires-python"] for path in PYPROJECTS.values()}
+    assert wanted == {">=3.11"}
+    with open(os.path.join(ROOT, "ruff.toml"), "rb") as f:
+        assert tomllib.load(f)["target-version"] == "py311"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        said = set(re.findall(r"Python (3\.\d+)", f.read()))
+    assert said == {"3.11"}, said
+
+
+def _tree_files():
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "target", "__pycache__")]
+        for f in files:
+            if f.endswith((".md", ".py", ".rs", ".sh", ".toml")):
+                yield os.path.join(top, f)
+
+
+def _numbers(text: str) -> set[int]:
+    """The trap numbers a text cites: `trap 1`, `traps 1–3 and 13`, `traps 2, 5`."""
+    out = set()
+    for m in re.finditer(r"\btraps? (\d+(?:\s*(?:–|-|,|and)\s*\d+)*)", text, re.I):
+        for a, b in re.findall(r"(\d+)(?:\s*[–-]\s*(\d+))?", m.group(1)):
+            out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def test_every_cited_trap_is_defined_in_docs_traps_md():
+    with open(os.path.join(ROOT, "docs", "traps.md")) as f:
+        doc = f.read()
+    defined = {int(n) for n in re.findall(r"^## (\d+)\. ", doc, re.M)}
+    assert defined == set(range(1, 16))
+    cited = {}
+    for path in _tree_files():
+        if os.path.samefile(path, __file__):  # its negative controls cite what is not defined
+            continue
+        with open(path, errors="replace") as f:
+            text = f.read()
+        assert "DESIGN.md" not in text, path
+        for n in _numbers(text):
+            cited.setdefault(n, []).append(os.path.relpath(path, ROOT))
+    assert cited and set(cited) <= defined, {n: p for n, p in cited.items() if n not in defined}
+    # Negative control: the reader of citations sees a range and an undefined number.
+    assert _numbers("(traps 1–3 and 13) trap 99") == {1, 2, 3, 13, 99}
+
+
+_CITED = re.compile(r"`((?:[\w/]+/)?tests/[\w/]+\.(?:rs|py))(?:::(\w+))?`|`([a-z][a-z0-9_]+)`")
+
+
+def _missing_tests(doc: str) -> tuple[int, list[str]]:
+    """(how many test citations were checked, those that do not exist). A citation is
+    `path/tests/file.rs` or `…::name`; a bare `name` later in the same paragraph is in that file."""
+    checked, missing = 0, []
+    for paragraph in doc.split("\n\n"):
+        current = None
+        for m in _CITED.finditer(paragraph):
+            path, name = (m.group(1), m.group(2)) if m.group(1) else (current, m.group(3))
+            if path is None:
+                continue  # a bare word before any file: not a citation
+            current = path
+            full = os.path.join(ROOT, path)
+            checked += 1
+            if not os.path.isfile(full):
+                missing.append(path)
+            elif name and not re.search(rf"\b(?:fn|def) {name}\(", open(full).read()):
+                missing.append(f"{path}::{name}")
+    return checked, missing
+
+
+def test_every_test_docs_traps_md_names_exists():
+    with open(os.path.join(ROOT, "docs", "traps.md")) as f:
+        doc = f.read()
+    checked, missing = _missing_tests(doc)
+    assert missing == [] and checked >= 60, (checked, missing)
+    # Negative control: a renamed test and a moved file are reported.
+    bad = "`contract/tests/test_ops.py::test_gone`, `test_topk_treats_signed_zeros_as_equal`, `x_y`"
+    assert _missing_tests(bad + " `oracle/tests/test_moved.py`") == (
+        4,
+        [
+            "contract/tests/test_ops.py::test_gone",
+            "contract/tests/test_ops.py::x_y",
+            "oracle/tests/test_moved.py",
+        ],
+    )

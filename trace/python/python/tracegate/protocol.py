@@ -1,0 +1,122 @@
+"""The producer protocol's command line (docs/producers.md), defined once for Python producers.
+
+    PRODUCER trace --model DIR --tokens IDS --out PATH [--capture default|internals]
+                   [--generate N] [--cache on|off] [--force-decisions TRACE]
+    PRODUCER layer --model DIR --layer L --input TRACE --input-name NAME --out PATH
+                   [--capture default|internals] [--force-decisions TRACE] [--decode-from P]
+    PRODUCER serve     (one request per stdin line: tracegate.serve)
+
+`parser()` builds the argparse grammar of the two verbs; a producer adds its own flags to the
+verbs it returns (the oracle's --device, --dtype, …) and keeps its own error style through
+`parser_class`. The values are checked here (token ids, a count ≥ 0), so every producer refuses
+the same command lines with the same words.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NamedTuple
+
+__all__ = ["SERVE", "Grammar", "at_least", "parser", "tokens"]
+
+SERVE = "serve"  # the worker verb: its requests are the per-call command lines (tracegate.serve)
+
+
+def tokens(text: str) -> list[int]:
+    """`--tokens IDS`: comma-separated integers, at least one (`3,17,5` is [3, 17, 5])."""
+    try:
+        ids = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    return ids
+
+
+def at_least(low: int):
+    """An argparse type: an integer ≥ `low` (`--generate`: 0; the oracle's `--threads`: 1)."""
+
+    def integer(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {low}, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be ≥ {low}, got {n}")
+        return n
+
+    return integer
+
+
+class Grammar(NamedTuple):
+    """The whole parser, and the parsers of its two verbs (to add a producer's own flags to)."""
+
+    parser: argparse.ArgumentParser
+    trace: argparse.ArgumentParser
+    layer: argparse.ArgumentParser
+
+
+def parser(
+    prog: str,
+    description: str | None = None,
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+    **kwargs,
+) -> Grammar:
+    """The `trace` and `layer` verbs with the protocol's arguments. `parser_class` and `kwargs`
+    (e.g. `formatter_class`) go to the top parser and both verbs' parsers."""
+    top = parser_class(prog=prog, description=description, **kwargs)
+    sub = top.add_subparsers(dest="verb", required=True, parser_class=parser_class)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--model", required=True, help="HF-layout model dir (config.json + *.safetensors)"
+        )
+        p.add_argument(
+            "--out", required=True, help="trace file to write (written whole, then renamed)"
+        )
+        p.add_argument("--capture", choices=["default", "internals"], default="default")
+
+    t = sub.add_parser("trace", help="whole forward over a prompt (+ greedy decode)", **kwargs)
+    common(t)
+    t.add_argument("--tokens", required=True, type=tokens, help="prompt token ids, e.g. 3,17,5")
+    t.add_argument(
+        "--generate",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="greedy decode N tokens: decode.SSSS.argmax decisions, decode.SSSS.logits rows, "
+        "and the steps' layer points under --capture internals",
+    )
+    t.add_argument(
+        "--cache",
+        choices=["on", "off"],
+        default="on",
+        help="decode with the KV cache or recompute the whole sequence",
+    )
+    t.add_argument(
+        "--force-decisions",
+        metavar="TRACE",
+        help="take router top-k and greedy tokens from this trace instead of computing them",
+    )
+
+    l = sub.add_parser("layer", help="run decoder layer L on a tensor taken from a trace", **kwargs)
+    common(l)
+    l.add_argument("--layer", required=True, type=int, help="decoder layer, 0-based")
+    l.add_argument("--input", required=True, help="trace holding the layer input")
+    l.add_argument(
+        "--input-name", required=True, help="tensor name in --input, e.g. layer.02.hidden_in"
+    )
+    l.add_argument(
+        "--force-decisions",
+        metavar="TRACE",
+        help="take the layer's router top-k from this trace (row i: position i)",
+    )
+    # Any integer: a value outside 0..rows-1 is refused by the producer once the rows are known.
+    l.add_argument(
+        "--decode-from",
+        type=int,
+        metavar="P",
+        help="rows at positions < P fill the layer's KV cache; each later row runs as a cached "
+        "decode step; only those rows are written (input rows at positions 0..m-1)",
+    )
+    return Grammar(top, t, l)
