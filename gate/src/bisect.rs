@@ -2466,3 +2466,16 @@ fn outlier_line(out: &Outliers, layers: &[LayerRow]) -> String {
     };
     format!("  outliers: no layer's isolated error ({}) is above {}× its peers' median, of {} matching isolated layers{largest}\n", out.measure, out.factor, out.isolated_layers)
 }
+
+#[cfg(test)]
+mod tests {
+    /// Before `names`, `location` read two digits: `layer.100.*` sat at layer 10.
+    #[test]
+    fn location_reads_every_digit_of_the_layer() {
+        assert_eq!(super::location("layer.100.mlp_out"), 100);
+        assert_eq!(super::location("layer.07.q"), 7);
+        assert_eq!(super::location("embed.out"), -1);
+        assert_eq!(super::location("logits"), i64::MAX);
+        assert_eq!(super::location("decode.0001.layer.03.q"), i64::MAX);
+    }
+}
