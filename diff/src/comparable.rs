@@ -7,7 +7,7 @@
 use serde_json::Value;
 use tracegate_trace::Trace;
 
-use crate::Finding;
+use crate::{Finding, FindingKind};
 
 /// Provenance keys (dotted paths) that define an oracle's stack.
 pub const STACK_KEYS: [&str; 6] = [
@@ -20,10 +20,10 @@ pub const STACK_KEYS: [&str; 6] = [
 ];
 
 /// Provenance keys that must agree whenever both traces record them, whatever the producers.
-pub const CONTENT_KEYS: [(&str, &str); 3] = [
-    ("weights_digest", "weights_mismatch"),
-    ("prompt_tokens", "prompt_mismatch"),
-    ("seed", "seed_mismatch"),
+pub const CONTENT_KEYS: [(&str, FindingKind); 3] = [
+    ("weights_digest", FindingKind::WeightsMismatch),
+    ("prompt_tokens", FindingKind::PromptMismatch),
+    ("seed", FindingKind::SeedMismatch),
 ];
 
 fn lookup<'a>(v: &'a Value, dotted: &str) -> Option<&'a Value> {
@@ -74,12 +74,12 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                 );
                 if allow_stack_mismatch {
                     allowed.push(Finding::new(
-                        "stack_mismatch_allowed",
+                        FindingKind::StackMismatchAllowed,
                         None,
                         format!("{detail} (allowed by --allow-stack-mismatch)"),
                     ));
                 } else {
-                    refuse.push(Finding::new("stack_mismatch", None, detail));
+                    refuse.push(Finding::new(FindingKind::StackMismatch, None, detail));
                 }
             }
         }
@@ -110,14 +110,14 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
         let (ra, ca) = (&ri.attributes, &ci.attributes);
         if ra.path != ca.path {
             refuse.push(Finding::new(
-                "path_mismatch",
+                FindingKind::PathMismatch,
                 Some(&ri.name),
                 format!("code path {} vs {}", opt(&ra.path), opt(&ca.path)),
             ));
         }
         if ra.mask != ca.mask {
             refuse.push(Finding::new(
-                "mask_mismatch",
+                FindingKind::MaskMismatch,
                 Some(&ri.name),
                 format!("mask {} vs {}", opt(&ra.mask), opt(&ca.mask)),
             ));
@@ -125,7 +125,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
         // An expert that other tokens were routed to is compared by position (`reroute`).
         if ra.positions != ca.positions && !crate::reroute::rerouted(ri, ci) {
             refuse.push(Finding::new(
-                "positions_mismatch",
+                FindingKind::PositionsMismatch,
                 Some(&ri.name),
                 format!(
                     "positions {} vs {}",

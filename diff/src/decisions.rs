@@ -5,22 +5,15 @@
 //! row `after-near-tie` when an earlier near-tie changed its token, a `defect` otherwise.
 //! Margins are content too: compared by bits, or under a policy within [`margin_tolerance`].
 
+use tracegate_trace::names::Name;
 use tracegate_trace::{DecisionInfo, Trace};
 
 use crate::excuse::{capture_index, Excusal};
 use crate::{
     numeric, order_finding, range_divergence, row_range, DecisionDivergence, DecisionResult,
-    Finding, Flip, MarginDifference, NearTieRef, Options, Policy, Real, Report,
+    DecisionStatus, Finding, FindingKind, Flip, Label, MarginDifference, Margins, NearTieRef,
+    Options, Policy, Real, Report,
 };
-
-/// A tensor captured up to the decision's source is outside the policy (differs, by bits).
-pub const CONSEQUENCE: &str = "consequence";
-/// Clean inputs, and a margin within the noise the source row's divergence explains.
-pub const NEAR_TIE: &str = "near-tie";
-/// The row's token took another path at an earlier near-tie; not judged.
-pub const AFTER_NEAR_TIE: &str = "after-near-tie";
-/// Clean inputs and a margin the measured noise cannot explain (or no noise bound).
-pub const DEFECT: &str = "defect";
 
 /// Under a policy, the slack a margin gets beyond what its source row explains, relative to
 /// max(1, |margin|): covers rounding of the subtraction and of the softmax (≈1e-7), and router
@@ -41,20 +34,15 @@ pub fn margin_tolerance(a: f32, b: f32, divergence: Option<f64>) -> f64 {
 /// else `layer.NN.hidden_in`, for `layer.NN.router.topk`; `X` for any other `X.argmax`.
 pub fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
     let both = |n: &str| r.tensor_info(n).is_some() && c.tensor_info(n).is_some();
-    let candidates: Vec<String> = if let Some(step) = name
-        .strip_prefix("decode.")
-        .and_then(|s| s.strip_suffix(".argmax"))
-    {
-        vec![format!("decode.{step}.logits"), "logits".into()]
-    } else if let Some(layer) = name.strip_suffix(".router.topk") {
-        vec![
-            format!("{layer}.router.logits"),
-            format!("{layer}.hidden_in"),
-        ]
-    } else if let Some(base) = name.strip_suffix(".argmax") {
-        vec![base.to_string()]
-    } else {
-        vec![]
+    let n = Name::parse(name);
+    let at = |point| Name { point, ..n }.to_string();
+    let candidates: Vec<String> = match (n.decode_step, n.layer, n.point) {
+        (Some(_), None, "argmax") => vec![at("logits"), "logits".into()],
+        (_, Some(_), "router.topk") => vec![at("router.logits"), at("hidden_in")],
+        _ => name
+            .strip_suffix(".argmax")
+            .map(|base| vec![base.to_string()])
+            .unwrap_or_default(),
     };
     candidates.into_iter().find(|n| both(n))
 }
@@ -67,20 +55,25 @@ fn taken_at(name: &str, source: Option<&str>, r: &Trace) -> usize {
         return usize::MAX;
     };
     let at = capture_index(r, source).unwrap_or(usize::MAX);
-    match name.strip_suffix(".router.topk") {
-        Some(layer) if source.ends_with(".hidden_in") => {
-            capture_index(r, &format!("{layer}.attn_out")).map_or(at, |a| a.max(at))
-        }
-        _ => at,
+    let n = Name::parse(name);
+    if n.layer.is_some() && n.point == "router.topk" && Name::parse(source).point == "hidden_in" {
+        let attn_out = Name {
+            point: "attn_out",
+            ..n
+        };
+        capture_index(r, &attn_out.to_string()).map_or(at, |a| a.max(at))
+    } else {
+        at
     }
 }
 
 /// The step of a `decode.SSSS.argmax` decision.
 fn decode_step(name: &str) -> Option<u64> {
-    name.strip_prefix("decode.")?
-        .strip_suffix(".argmax")?
-        .parse()
-        .ok()
+    let n = Name::parse(name);
+    match (n.decode_step, n.layer, n.point) {
+        (Some(step), None, "argmax") => Some(step as u64),
+        _ => None,
+    }
 }
 
 /// The source row a decision row was taken from, as `(row, rows)` for [`range_divergence`]:
@@ -106,8 +99,8 @@ fn source_row(name: &str, source: &str, row: u64, rows: u64, r: &Trace) -> (u64,
 fn holds_scores(name: &str, source: &str) -> bool {
     if let Some(step) = decode_step(name) {
         step == 0 || source != "logits"
-    } else if name.ends_with(".router.topk") {
-        source.ends_with(".router.logits")
+    } else if Name::parse(name).point == "router.topk" {
+        Name::parse(source).point == "router.logits"
     } else {
         true
     }
@@ -161,13 +154,13 @@ fn reorder_gap(r: &Trace, source: &str, range: (u64, u64), a: &[i64], b: &[i64])
 /// is outside the policy (differs, by bits); `gap`: the reference gap the flip crossed;
 /// `bound`: `F·d` under a policy when the source holds the scores; `d`: the source row's
 /// divergence. With `d = 0` the scores are bit-identical, so the decision rule itself differs.
-pub fn label(upstream: bool, gap: Option<f64>, bound: Option<f64>, d: Option<f64>) -> &'static str {
+pub fn label(upstream: bool, gap: Option<f64>, bound: Option<f64>, d: Option<f64>) -> Label {
     if upstream {
-        return CONSEQUENCE;
+        return Label::Consequence;
     }
     match (gap, bound, d) {
-        (Some(g), Some(b), Some(d)) if d > 0.0 && g <= b => NEAR_TIE,
-        _ => DEFECT,
+        (Some(g), Some(b), Some(d)) if d > 0.0 && g <= b => Label::NearTie,
+        _ => Label::Defect,
     }
 }
 
@@ -225,7 +218,7 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             Slot::Missing => {
                 d.missing.push(rd.name.clone());
                 rep.findings.push(Finding::new(
-                    "missing_decision",
+                    FindingKind::MissingDecision,
                     Some(&rd.name),
                     "in the reference, not in the candidate",
                 ));
@@ -233,20 +226,20 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             }
             Slot::Shape(rd, cd) => {
                 rep.findings.push(Finding::new(
-                    "decision_shape_mismatch",
+                    FindingKind::DecisionShapeMismatch,
                     Some(&rd.name),
                     format!("reference {:?} vs candidate {:?}", rd.shape, cd.shape),
                 ));
                 d.results.push(DecisionResult {
                     name: rd.name.clone(),
                     shape: rd.shape.clone(),
-                    status: "shape_mismatch",
+                    status: DecisionStatus::ShapeMismatch,
                     rows: rd.rows(),
                     differing_rows: 0,
                     reordered_rows: 0,
                     source: None,
                     flips: Vec::new(),
-                    margins: "not_compared",
+                    margins: Margins::NotCompared,
                     margin_differing_rows: 0,
                     margin_outside_rows: 0,
                     first_margin_difference: None,
@@ -258,19 +251,19 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         };
         d.compared += 1;
         match (result.margins, &result.first_margin_difference) {
-            ("reference_only" | "candidate_only", _) => {
-                let (has, lacks) = if result.margins == "reference_only" {
+            (Margins::ReferenceOnly | Margins::CandidateOnly, _) => {
+                let (has, lacks) = if result.margins == Margins::ReferenceOnly {
                     ("reference", "candidate")
                 } else {
                     ("candidate", "reference")
                 };
                 rep.findings.push(Finding::new(
-                    "margin_presence_mismatch",
+                    FindingKind::MarginPresenceMismatch,
                     Some(&rd.name),
                     format!("margins recorded in the {has}, none in the {lacks}"),
                 ));
             }
-            ("different", Some(m)) => {
+            (Margins::Different, Some(m)) => {
                 let bound = m
                     .tolerance
                     .map(|t| format!(" (outside the tolerance {:e})", t.0))
@@ -281,7 +274,7 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                     result.margin_differing_rows
                 };
                 rep.findings.push(Finding::new(
-                    "margin_differs",
+                    FindingKind::MarginDiffers,
                     Some(&rd.name),
                     format!(
                         "margins differ in {counted} of {} rows whose values are equal; first at row {}: {:e} ({}) vs {:e} ({}){bound}",
@@ -298,7 +291,7 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             if result.flips.iter().any(|f| !f.excused()) {
                 failing = true;
                 rep.findings.push(Finding::new(
-                    "decision_differs",
+                    FindingKind::DecisionDiffers,
                     Some(&rd.name),
                     format!(
                         "{} of {} rows differ{}; first at row {}: {:?} vs {:?}",
@@ -333,7 +326,7 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         if r.decision_info(&cd.name).is_none() {
             d.extra.push(cd.name.clone());
             rep.findings.push(Finding::new(
-                "extra_decision",
+                FindingKind::ExtraDecision,
                 Some(&cd.name),
                 "in the candidate, not in the reference",
             ));
@@ -349,13 +342,13 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         .iter()
         .map(|i| i.name.as_str())
         .filter(|n| selected(n) && r.decision_info(n).is_some());
-    if let Some(f) = order_finding("decision_order_mismatch", rn, cn) {
+    if let Some(f) = order_finding(FindingKind::DecisionOrderMismatch, rn, cn) {
         rep.findings.push(f);
     }
     failing
         || rep.findings[before..]
             .iter()
-            .any(|f| f.kind != "decision_differs")
+            .any(|f| f.kind != FindingKind::DecisionDiffers)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -378,17 +371,17 @@ fn compare_one(
     let mut out = DecisionResult {
         name: rd.name.clone(),
         shape: rd.shape.clone(),
-        status: "identical",
+        status: DecisionStatus::Identical,
         rows,
         differing_rows: 0,
         reordered_rows: 0,
         source: source.clone(),
         flips: Vec::new(),
         margins: match (&rm, &cm) {
-            (None, None) => "absent",
-            (Some(_), None) => "reference_only",
-            (None, Some(_)) => "candidate_only",
-            (Some(_), Some(_)) => "identical",
+            (None, None) => Margins::Absent,
+            (Some(_), None) => Margins::ReferenceOnly,
+            (None, Some(_)) => Margins::CandidateOnly,
+            (Some(_), Some(_)) => Margins::Identical,
         },
         margin_differing_rows: 0,
         margin_outside_rows: 0,
@@ -470,7 +463,7 @@ fn compare_one(
             _ => None,
         };
         let (label, upstream) = match &after {
-            Some(_) => (AFTER_NEAR_TIE, None),
+            Some(_) => (Label::AfterNearTie, None),
             None => {
                 let upstream = ex.upstream(rep, at);
                 (label(upstream.is_some(), gap, bound, d), upstream)
@@ -479,7 +472,7 @@ fn compare_one(
         let origin = after
             .clone()
             .unwrap_or_else(|| format!("{} row {row}", rd.name));
-        if label == NEAR_TIE {
+        if label == Label::NearTie {
             ex.near_tie(
                 position,
                 at,
@@ -492,7 +485,7 @@ fn compare_one(
             );
         }
         // A different next token: every later decode step runs on another sequence.
-        if label == NEAR_TIE || label == AFTER_NEAR_TIE {
+        if label.excused() {
             let next = match step {
                 Some(s) => Some(s + 1),
                 None if rd.name == "logits.argmax" && row + 1 == rows => Some(0),
@@ -519,12 +512,12 @@ fn compare_one(
     }
     ex.count_decision_rows(out.rows_after_near_tie);
     if out.differing_rows > 0 {
-        out.status = "different";
+        out.status = DecisionStatus::Different;
     }
     if out.margin_outside_rows > 0 {
-        out.margins = "different";
+        out.margins = Margins::Different;
     } else if out.margin_differing_rows > 0 {
-        out.margins = "within_tolerance";
+        out.margins = Margins::WithinTolerance;
     }
     out
 }
@@ -536,16 +529,31 @@ mod tests {
     #[test]
     fn labels() {
         // Upstream outside the policy wins over everything.
-        assert_eq!(label(true, Some(1e-9), Some(1.0), Some(0.5)), CONSEQUENCE);
-        assert_eq!(label(false, Some(1e-7), Some(2e-5), Some(1e-5)), NEAR_TIE);
-        assert_eq!(label(false, Some(2e-5), Some(2e-5), Some(1e-5)), NEAR_TIE);
-        assert_eq!(label(false, Some(2.1e-5), Some(2e-5), Some(1e-5)), DEFECT);
+        assert_eq!(
+            label(true, Some(1e-9), Some(1.0), Some(0.5)),
+            Label::Consequence
+        );
+        assert_eq!(
+            label(false, Some(1e-7), Some(2e-5), Some(1e-5)),
+            Label::NearTie
+        );
+        assert_eq!(
+            label(false, Some(2e-5), Some(2e-5), Some(1e-5)),
+            Label::NearTie
+        );
+        assert_eq!(
+            label(false, Some(2.1e-5), Some(2e-5), Some(1e-5)),
+            Label::Defect
+        );
         // Bit-identical scores: the rule differs, even for a tie.
-        assert_eq!(label(false, Some(0.0), Some(0.0), Some(0.0)), DEFECT);
+        assert_eq!(label(false, Some(0.0), Some(0.0), Some(0.0)), Label::Defect);
         // No bound (no policy, or the source is not the scores), or no gap: no near-tie.
-        assert_eq!(label(false, Some(1e-9), None, Some(1.0)), DEFECT);
-        assert_eq!(label(false, None, Some(1.0), Some(1.0)), DEFECT);
-        assert_eq!(label(false, Some(f64::NAN), Some(1.0), Some(1.0)), DEFECT);
+        assert_eq!(label(false, Some(1e-9), None, Some(1.0)), Label::Defect);
+        assert_eq!(label(false, None, Some(1.0), Some(1.0)), Label::Defect);
+        assert_eq!(
+            label(false, Some(f64::NAN), Some(1.0), Some(1.0)),
+            Label::Defect
+        );
     }
 
     #[test]

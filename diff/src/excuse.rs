@@ -9,8 +9,8 @@ use std::collections::BTreeSet;
 use tracegate_trace::{TensorInfo, Trace};
 
 use crate::{
-    judge_row, numeric, reroute, set_stats, NearTieRef, NearTieSummary, Policy, Report, RowsAfter,
-    TensorRow,
+    judge_row, numeric, reroute, set_stats, FindingKind, NearTieRef, NearTieSummary, Policy,
+    Report, RowStatus, RowsAfter, TensorRow,
 };
 
 /// A tensor's capture index in `t`: the reader hands out references into its capture-ordered
@@ -102,10 +102,10 @@ impl<'a> Excusal<'a> {
             let bad = match self.policy {
                 // A tensor without a rule is unjudged: outside when its bits differ.
                 Some(_) => {
-                    matches!(row.status, "outside_policy" | "rerouted")
-                        || (row.status == "no_rule" && row.differing_elements != Some(0))
+                    matches!(row.status, RowStatus::OutsidePolicy | RowStatus::Rerouted)
+                        || (row.status == RowStatus::NoRule && row.differing_elements != Some(0))
                 }
-                None => row.status != "identical",
+                None => row.status != RowStatus::Identical,
             };
             if bad && self.first_bad.is_none() {
                 self.first_bad = Some(self.settled);
@@ -180,7 +180,10 @@ impl<'a> Excusal<'a> {
         let row = &rep.per_tensor[j];
         // Identical stays identical without any rows; a tensor without a rule has nothing to re-judge.
         if excused.is_empty()
-            || !matches!(row.status, "within_policy" | "outside_policy" | "rerouted")
+            || !matches!(
+                row.status,
+                RowStatus::WithinPolicy | RowStatus::OutsidePolicy | RowStatus::Rerouted
+            )
         {
             return;
         }
@@ -196,8 +199,8 @@ impl<'a> Excusal<'a> {
             let (row, findings, left_out) =
                 reroute::judge(self.r, self.c, ri, ci, pair, Some(policy), &excused);
             rep.findings.retain(|f| {
-                !(matches!(f.kind, "rerouted" | "outside_policy")
-                    && f.tensor.as_deref() == Some(row.tensor.as_str()))
+                !(matches!(f.kind, FindingKind::Rerouted | FindingKind::OutsidePolicy)
+                    && f.tensor() == Some(row.tensor.as_str()))
             });
             rep.findings.extend(findings);
             if left_out > 0 {
@@ -268,10 +271,9 @@ impl<'a> Excusal<'a> {
                 .map(|i| Box::new(crate::element(pair, &ri.shape, rd, cd, i)));
         }
         let name = row.tensor.clone();
-        let old = rep
-            .findings
-            .iter()
-            .position(|f| f.kind == "outside_policy" && f.tensor.as_deref() == Some(name.as_str()));
+        let old = rep.findings.iter().position(|f| {
+            f.kind == FindingKind::OutsidePolicy && f.tensor() == Some(name.as_str())
+        });
         match (old, finding) {
             (Some(i), Some(f)) => rep.findings[i] = f,
             (Some(i), None) => {

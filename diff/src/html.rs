@@ -12,6 +12,8 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use tracegate_trace::names::Name;
+
 use crate::{Real, Report, TensorRow};
 
 /// `&`, `<`, `>`, `"`, `'` escaped: safe in text and in a quoted attribute.
@@ -282,26 +284,21 @@ impl LogChart {
     }
 }
 
-/// The layer number of a capture point's name (`layer.07.attn_out` → "07"), for x groups.
-fn layer_of(name: &str) -> Option<&str> {
-    let rest = name
-        .strip_prefix("layer.")
-        .or_else(|| name.split_once(".layer.").map(|(_, r)| r))?;
-    rest.split('.').next()
+/// The x group of a capture point: its decode step ("d0001"), else its layer ("L07").
+fn group_of(name: &str) -> Option<String> {
+    let n = Name::parse(name);
+    match (n.decode_step, n.layer) {
+        (Some(step), _) => Some(format!("d{step:04}")),
+        (None, Some(layer)) => Some(format!("L{layer:02}")),
+        (None, None) => None,
+    }
 }
 
 /// Where the layer (or, past the prompt, the decode step) changes along the rows: the x groups.
 fn groups(rows: &[TensorRow]) -> Vec<(usize, String)> {
     let mut out: Vec<(usize, String)> = Vec::new();
     for (i, r) in rows.iter().enumerate() {
-        let key = match r
-            .tensor
-            .strip_prefix("decode.")
-            .and_then(|s| s.split('.').next())
-        {
-            Some(step) => Some(format!("d{step}")),
-            None => layer_of(&r.tensor).map(|l| format!("L{l}")),
-        };
+        let key = group_of(&r.tensor);
         if let Some(k) = key {
             if out.last().is_none_or(|(_, last)| *last != k) {
                 out.push((i, k));
@@ -810,9 +807,8 @@ pub fn render_html(rep: &Report) -> String {
         let _ = write!(
             h,
             "<li><b>{}</b>{}: {}</li>",
-            esc(f.kind),
-            f.tensor
-                .as_ref()
+            f.kind,
+            f.tensor()
                 .map_or(String::new(), |t| format!(" <code>{}</code>", esc(t))),
             esc(&f.detail)
         );
@@ -869,8 +865,12 @@ mod tests {
 
     #[test]
     fn layer_groups_follow_the_names() {
-        assert_eq!(layer_of("layer.07.attn_out"), Some("07"));
-        assert_eq!(layer_of("decode.0001.layer.03.mlp_out"), Some("03"));
-        assert_eq!(layer_of("logits"), None);
+        assert_eq!(group_of("layer.07.attn_out").as_deref(), Some("L07"));
+        assert_eq!(group_of("layer.100.attn_out").as_deref(), Some("L100"));
+        assert_eq!(
+            group_of("decode.0001.layer.03.mlp_out").as_deref(),
+            Some("d0001")
+        );
+        assert_eq!(group_of("logits"), None);
     }
 }

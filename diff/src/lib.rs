@@ -14,16 +14,18 @@ pub mod policy;
 mod render;
 mod reroute;
 pub mod stats;
+mod vocab;
 mod worst;
+
+#[doc(hidden)]
+pub use serde as __serde;
 
 use std::path::Path;
 
 use serde::{Serialize, Serializer};
 use tracegate_trace::{DType, TensorInfo, Trace};
 
-pub use decisions::{
-    margin_tolerance, AFTER_NEAR_TIE, CONSEQUENCE, DEFECT, MARGIN_SLACK, NEAR_TIE,
-};
+pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use filter::{Filter, FilterSummary};
 pub use html::write_html;
 pub use numeric::{Pair, Special};
@@ -32,16 +34,17 @@ pub use render::{
     label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json,
     write_show, write_show_json,
 };
+pub use vocab::{DecisionStatus, FindingKind, Label, Margins, RowStatus};
 
-/// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Verdict {
-    Identical,
-    Different,
-    WithinPolicy,
-    Incomparable,
-    Unreadable,
+string_enum! {
+    /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
+    pub enum Verdict {
+        Identical = "identical",
+        Different = "different",
+        WithinPolicy = "within_policy",
+        Incomparable = "incomparable",
+        Unreadable = "unreadable",
+    }
 }
 
 impl Verdict {
@@ -169,10 +172,12 @@ pub enum RowSet {
 impl RowSet {
     fn holds(self, r: &TensorRow) -> bool {
         match self {
-            RowSet::CompareElementwise => r.method == "elementwise",
-            RowSet::MatchedByDigest => r.method == "digest",
-            RowSet::NotScanned => r.method == "not_scanned",
-            RowSet::KnownDifferent => r.method == "not_scanned" && r.status == "differs_by_digest",
+            RowSet::CompareElementwise => r.method == Method::Elementwise,
+            RowSet::MatchedByDigest => r.method == Method::Digest,
+            RowSet::NotScanned => r.method == Method::NotScanned,
+            RowSet::KnownDifferent => {
+                r.method == Method::NotScanned && r.status == RowStatus::DiffersByDigest
+            }
         }
     }
 }
@@ -226,10 +231,7 @@ pub struct TensorRow {
     pub ulp_dtype: Option<DType>,
     pub shape: Vec<u64>,
     pub method: Method,
-    /// "identical", "different", "within_policy", "outside_policy", "no_rule",
-    /// "differs_by_digest" (not scanned), "unknown" (not scanned, digests not trusted) or
-    /// "rerouted" (an expert's tokens differ, not all after a near-tie: `reroute`).
-    pub status: &'static str,
+    pub status: RowStatus,
     pub total_elements: u64,
     /// Null when the elements were not compared one by one.
     pub differing_elements: Option<u64>,
@@ -379,8 +381,7 @@ pub struct RowsAfter {
 pub struct DecisionResult {
     pub name: String,
     pub shape: Vec<u64>,
-    /// "identical", "different" or "shape_mismatch".
-    pub status: &'static str,
+    pub status: DecisionStatus,
     pub rows: u64,
     pub differing_rows: u64,
     /// Differing rows holding the same values in another order (a reordered top-k).
@@ -388,10 +389,8 @@ pub struct DecisionResult {
     /// The tensor whose numbers this decision was taken from, when both traces have it.
     pub source: Option<String>,
     pub flips: Vec<Flip>,
-    /// Margins of the rows whose values are equal: "identical" (bit for bit), "within_tolerance"
-    /// (policy only), "different", "absent" (neither side has margins), "reference_only",
-    /// "candidate_only", or "not_compared" (shapes differ).
-    pub margins: &'static str,
+    /// Margins of the rows whose values are equal.
+    pub margins: Margins,
     /// Rows with equal values whose margins differ in bits.
     pub margin_differing_rows: u64,
     /// Of those, rows outside the policy's margin tolerance (all of them without a policy).
@@ -432,8 +431,7 @@ pub struct Flip {
     pub gap: Option<Real>,
     /// Under a policy, `F·d` when the source row holds the decision's own scores; else null.
     pub noise_bound: Option<Real>,
-    /// "consequence", "near-tie", "after-near-tie" or "defect".
-    pub label: &'static str,
+    pub label: Label,
     /// For a consequence: the first tensor up to the source outside the policy (differing by
     /// bits without one).
     pub upstream: Option<String>,
@@ -444,7 +442,7 @@ pub struct Flip {
 impl Flip {
     /// A near-tie, or a row after one: under a policy it does not fail the verdict.
     pub fn excused(&self) -> bool {
-        self.label == NEAR_TIE || self.label == AFTER_NEAR_TIE
+        self.label.excused()
     }
 }
 
@@ -459,20 +457,38 @@ pub struct DecisionDivergence {
     pub candidate_margin: Option<Real>,
 }
 
+/// One thing a comparison found. `About` names what it is about: for the differ a tensor or
+/// decision, if any ([`OnTensor`], JSON `{kind, tensor, detail}`); the gate counts its findings,
+/// so that a declared divergence names exactly what it excuses (`tracegate_gate::run::Counted`,
+/// JSON `{kind, name, count, detail}`).
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Finding {
-    pub kind: &'static str,
-    pub tensor: Option<String>,
+pub struct Finding<About = OnTensor> {
+    pub kind: FindingKind,
+    #[serde(flatten)]
+    pub about: About,
     pub detail: String,
 }
 
+/// The differ's findings name the tensor or decision they are about (null: the whole trace).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct OnTensor {
+    pub tensor: Option<String>,
+}
+
 impl Finding {
-    pub fn new(kind: &'static str, tensor: Option<&str>, detail: impl Into<String>) -> Finding {
+    pub fn new(kind: FindingKind, tensor: Option<&str>, detail: impl Into<String>) -> Finding {
         Finding {
             kind,
-            tensor: tensor.map(str::to_string),
+            about: OnTensor {
+                tensor: tensor.map(str::to_string),
+            },
             detail: detail.into(),
         }
+    }
+
+    /// The tensor or decision it is about.
+    pub fn tensor(&self) -> Option<&str> {
+        self.about.tensor.as_deref()
     }
 }
 
@@ -566,7 +582,7 @@ impl std::fmt::Display for TensorViolation {
 impl TensorRow {
     /// This tensor's violation, when it is outside the policy.
     pub fn violation(&self) -> Option<TensorViolation> {
-        (self.status == "outside_policy").then(|| TensorViolation {
+        (self.status == RowStatus::OutsidePolicy).then(|| TensorViolation {
             tensor: self.tensor.clone(),
             dtype: self.dtype,
             candidate_dtype: self.candidate_dtype.name(),
@@ -659,8 +675,11 @@ pub fn compare_files(reference: &Path, candidate: &Path, opts: &Options) -> Repo
             rep.verdict = Verdict::Unreadable;
             for (label, res) in [("reference", &r), ("candidate", &c)] {
                 if let Err(e) = res {
-                    rep.findings
-                        .push(Finding::new("unreadable", None, format!("{label}: {e}")));
+                    rep.findings.push(Finding::new(
+                        FindingKind::Unreadable,
+                        None,
+                        format!("{label}: {e}"),
+                    ));
                 }
             }
             rep
@@ -680,7 +699,7 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         );
         (rep.verdict, rep.filter) = (Verdict::Unreadable, filter);
         rep.findings
-            .push(Finding::new("nothing_selected", None, why));
+            .push(Finding::new(FindingKind::NothingSelected, None, why));
         return rep;
     }
     // 1. Readable and verified. Both files are hashed at once (each verify is itself parallel
@@ -708,8 +727,11 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         rep.verdict = Verdict::Unreadable;
         for (label, res) in [("reference", &vr), ("candidate", &vc)] {
             if let Err(e) = res {
-                rep.findings
-                    .push(Finding::new("unreadable", None, format!("{label}: {e}")));
+                rep.findings.push(Finding::new(
+                    FindingKind::Unreadable,
+                    None,
+                    format!("{label}: {e}"),
+                ));
             }
         }
         return rep;
@@ -742,14 +764,20 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         .as_ref()
         .is_some_and(|n| !n.tensors.is_empty());
     different |= if rejudged {
-        rep.per_tensor
-            .iter()
-            .any(|r| matches!(r.status, "outside_policy" | "no_rule" | "rerouted"))
+        rep.per_tensor.iter().any(|r| {
+            matches!(
+                r.status,
+                RowStatus::OutsidePolicy | RowStatus::NoRule | RowStatus::Rerouted
+            )
+        })
     } else {
         values_different
     };
 
-    let any_value_difference = rep.per_tensor.iter().any(|r| r.status != "identical")
+    let any_value_difference = rep
+        .per_tensor
+        .iter()
+        .any(|r| r.status != RowStatus::Identical)
         || rep
             .decisions
             .results
@@ -777,7 +805,7 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     {
         rep.verdict = Verdict::Different;
         rep.findings.push(Finding::new(
-            "content_digest_differs",
+            FindingKind::ContentDigestDiffers,
             None,
             format!(
                 "no difference was found, but the verified content digests differ ({} vs {}): a content field this differ does not compare",
@@ -800,7 +828,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             None => {
                 rep.tensors.missing.push(info.name.clone());
                 rep.findings.push(Finding::new(
-                    "missing_tensor",
+                    FindingKind::MissingTensor,
                     Some(&info.name),
                     "in the reference, not in the candidate",
                 ));
@@ -808,7 +836,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             // Two float dtypes are compared by value (Values); anything else cannot be.
             Some(ci) if Pair::new(info.dtype, ci.dtype).is_none() => {
                 rep.findings.push(Finding::new(
-                    "dtype_mismatch",
+                    FindingKind::DtypeMismatch,
                     Some(&info.name),
                     format!("reference {} vs candidate {}", info.dtype, ci.dtype),
                 ));
@@ -821,7 +849,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                     ""
                 };
                 rep.findings.push(Finding::new(
-                    "shape_mismatch",
+                    FindingKind::ShapeMismatch,
                     Some(&info.name),
                     format!(
                         "reference {:?} vs candidate {:?}{note}",
@@ -836,7 +864,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         if r.tensor_info(&info.name).is_none() {
             rep.tensors.extra.push(info.name.clone());
             rep.findings.push(Finding::new(
-                "extra_tensor",
+                FindingKind::ExtraTensor,
                 Some(&info.name),
                 "in the candidate, not in the reference",
             ));
@@ -852,7 +880,7 @@ fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         .iter()
         .map(|i| i.name.as_str())
         .filter(|n| opts.selects(n) && r.tensor_info(n).is_some());
-    if let Some(f) = order_finding("order_mismatch", rn, cn) {
+    if let Some(f) = order_finding(FindingKind::OrderMismatch, rn, cn) {
         rep.findings.push(f);
     }
     rep.findings.len() > before
@@ -870,8 +898,11 @@ fn attribute_findings(r: &TensorInfo, c: &TensorInfo, digests: &[String; 2], rep
             show(ra.step.map(|s| s.to_string())),
             show(ca.step.map(|s| s.to_string()))
         );
-        rep.findings
-            .push(Finding::new("attribute_differs", Some(&r.name), detail));
+        rep.findings.push(Finding::new(
+            FindingKind::AttributeDiffers,
+            Some(&r.name),
+            detail,
+        ));
     }
     let keys: std::collections::BTreeSet<&String> =
         ra.extra.keys().chain(ca.extra.keys()).collect();
@@ -884,8 +915,11 @@ fn attribute_findings(r: &TensorInfo, c: &TensorInfo, digests: &[String; 2], rep
                 q(a),
                 q(b)
             );
-            rep.findings
-                .push(Finding::new("attribute_differs", Some(&r.name), detail));
+            rep.findings.push(Finding::new(
+                FindingKind::AttributeDiffers,
+                Some(&r.name),
+                detail,
+            ));
         }
     }
 }
@@ -927,13 +961,13 @@ fn forced_note(r: &Trace, c: &Trace) -> Option<Finding> {
     } else {
         ("reference", "candidate", sides[0], &digests[1])
     };
-    (n > 0).then(|| Finding::new("decisions_forced", None, format!("the {forced}'s decisions were forced from the {from} (--force-decisions): {n} tensors carry forced={digest}")))
+    (n > 0).then(|| Finding::new(FindingKind::DecisionsForced, None, format!("the {forced}'s decisions were forced from the {from} (--force-decisions): {n} tensors carry forced={digest}")))
 }
 
 /// Compares the relative order of the names both sides share (each iterator already keeps
 /// only those); names the first out of place. Allocates nothing: traces hold a million names.
 pub(crate) fn order_finding<'a>(
-    kind: &'static str,
+    kind: FindingKind,
     r_common: impl Iterator<Item = &'a str>,
     c_common: impl Iterator<Item = &'a str>,
 ) -> Option<Finding> {
@@ -979,7 +1013,7 @@ impl std::fmt::Display for Method {
     }
 }
 
-fn row_for(info: &TensorInfo, pair: Pair, method: Method, status: &'static str) -> TensorRow {
+fn row_for(info: &TensorInfo, pair: Pair, method: Method, status: RowStatus) -> TensorRow {
     TensorRow {
         tensor: info.name.clone(),
         dtype: info.dtype.name(),
@@ -1039,7 +1073,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                 opts.policy.as_ref(),
                 &Default::default(),
             );
-            different |= row.status != "identical" && row.status != "within_policy";
+            different |= !row.status.agrees();
             rep.tensors.compared_elementwise.add();
             rep.findings.extend(findings);
             rep.per_tensor.push(row);
@@ -1056,7 +1090,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         let mut row;
         if digest_equal {
             // Verified equal bytes: every statistic is known without reading them.
-            row = row_for(ri, pair, Method::Digest, "identical");
+            row = row_for(ri, pair, Method::Digest, RowStatus::Identical);
             row.differing_elements = Some(0);
             row.max_ulp = Some(0);
             (
@@ -1075,9 +1109,9 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             rep.tensors.matched_by_digest.add();
         } else if stopped {
             let status = if trust_digests {
-                "differs_by_digest"
+                RowStatus::DiffersByDigest
             } else {
-                "unknown"
+                RowStatus::Unknown
             };
             row = row_for(ri, pair, Method::NotScanned, status);
             rep.tensors.not_scanned.add();
@@ -1098,7 +1132,11 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                 ri,
                 pair,
                 Method::Elementwise,
-                if identical { "identical" } else { "different" },
+                if identical {
+                    RowStatus::Identical
+                } else {
+                    RowStatus::Different
+                },
             );
             set_stats(&mut row, &s);
             if s.differing > 0 {
@@ -1118,11 +1156,11 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             match rule {
                 None => {
                     rep.findings.push(Finding::new(
-                        "no_policy_rule",
+                        FindingKind::NoPolicyRule,
                         Some(&ri.name),
                         "no rule in the policy matches this tensor",
                     ));
-                    row.status = "no_rule";
+                    row.status = RowStatus::NoRule;
                     different = true;
                 }
                 Some((idx, rule)) => {
@@ -1130,7 +1168,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                         index: idx,
                         pattern: rule.pattern.clone(),
                     }));
-                    if row.status == "different" {
+                    if row.status == RowStatus::Different {
                         if let Some(f) = judge_row(&mut row, idx, rule) {
                             different = true;
                             rep.findings.push(f);
@@ -1142,7 +1180,7 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                     }
                 }
             }
-        } else if row.status == "different" {
+        } else if row.status == RowStatus::Different {
             different = true;
             let counts = format!(
                 "{} of {} elements differ",
@@ -1156,8 +1194,11 @@ fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
                 ),
                 None => counts,
             };
-            rep.findings
-                .push(Finding::new("values_differ", Some(&ri.name), detail));
+            rep.findings.push(Finding::new(
+                FindingKind::ValuesDiffer,
+                Some(&ri.name),
+                detail,
+            ));
         }
         rep.per_tensor.push(row);
     }
@@ -1195,14 +1236,14 @@ pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<
     };
     row.violations = rule.violations(&m).into_boxed_slice();
     if row.violations.is_empty() {
-        row.status = "within_policy";
+        row.status = RowStatus::WithinPolicy;
         row.worst_element = None;
         return None;
     }
-    row.status = "outside_policy";
+    row.status = RowStatus::OutsidePolicy;
     let broken: Vec<String> = row.violations.iter().map(|v| v.to_string()).collect();
     Some(Finding::new(
-        "outside_policy",
+        FindingKind::OutsidePolicy,
         Some(&row.tensor),
         format!("rule {idx} ({}): {}", rule.pattern, broken.join("; ")),
     ))
@@ -1211,10 +1252,14 @@ pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<
 /// Names signed-zero / NaN / infinity differences of the first differing tensor as findings.
 fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
     for (count, kind, what) in [
-        (s.signed_zero, "signed_zero", Special::SignedZero),
-        (s.nan_mismatch, "nan_mismatch", Special::NanMismatch),
-        (s.nan_payload, "nan_payload", Special::NanPayload),
-        (s.infinity, "infinity", Special::Infinity),
+        (s.signed_zero, FindingKind::SignedZero, Special::SignedZero),
+        (
+            s.nan_mismatch,
+            FindingKind::NanMismatch,
+            Special::NanMismatch,
+        ),
+        (s.nan_payload, FindingKind::NanPayload, Special::NanPayload),
+        (s.infinity, FindingKind::Infinity, Special::Infinity),
     ] {
         if count > 0 {
             rep.findings.push(Finding::new(
@@ -1348,6 +1393,6 @@ mod tests {
     /// docs/diff.md ("Memory") states what a row costs; a field must not grow it unnoticed.
     #[test]
     fn a_row_costs_what_the_docs_say() {
-        assert_eq!(std::mem::size_of::<super::TensorRow>(), 288);
+        assert_eq!(std::mem::size_of::<super::TensorRow>(), 272);
     }
 }

@@ -9,8 +9,8 @@ use tracegate_trace::{Attributes, DType, DecisionInfo, TensorInfo, Trace};
 
 use crate::stats::{each_with_stats, Scalar, TensorStats};
 use crate::{
-    Element, FilterSummary, Flip, Real, Report, RowSet, Special, TensorRow, Verdict,
-    AFTER_NEAR_TIE, CONSEQUENCE, NEAR_TIE,
+    DecisionStatus, Element, FilterSummary, FindingKind, Flip, Label, Margins, Real, Report,
+    RowSet, RowStatus, Special, TensorRow, Verdict,
 };
 
 /// Names wider than this overflow their column instead of widening it: a format width is at
@@ -217,10 +217,10 @@ pub fn label_text(f: &Flip) -> String {
         _ => String::new(),
     };
     match f.label {
-        CONSEQUENCE => format!("consequence of {}", f.upstream.as_deref().unwrap_or("?")),
-        AFTER_NEAR_TIE => format!("after a near-tie ({})", f.after.as_deref().unwrap_or("?")),
-        NEAR_TIE => format!("near-tie{}", vs("≤")),
-        other => format!("{other}{}", vs(">")),
+        Label::Consequence => format!("consequence of {}", f.upstream.as_deref().unwrap_or("?")),
+        Label::AfterNearTie => format!("after a near-tie ({})", f.after.as_deref().unwrap_or("?")),
+        Label::NearTie => format!("near-tie{}", vs("≤")),
+        Label::Defect => format!("{}{}", f.label, vs(">")),
     }
 }
 
@@ -230,8 +230,8 @@ fn summary(rep: &Report) -> String {
     match rep.verdict {
         Verdict::Unreadable | Verdict::Incomparable => {
             let word = if rep.verdict == Verdict::Unreadable { "UNREADABLE" } else { "INCOMPARABLE" };
-            let refusals: Vec<_> = rep.findings.iter().filter(|f| !f.kind.ends_with("_allowed")).collect();
-            let first = refusals.first().map(|f| match &f.tensor {
+            let refusals: Vec<_> = rep.findings.iter().filter(|f| f.kind != FindingKind::StackMismatchAllowed).collect();
+            let first = refusals.first().map(|f| match f.tensor() {
                 Some(t) => format!("{} ({t}): {}", f.kind, f.detail),
                 None => format!("{}: {}", f.kind, f.detail),
             });
@@ -245,7 +245,7 @@ fn summary(rep: &Report) -> String {
             decisions_clause(rep)
         ),
         Verdict::WithinPolicy => {
-            let within = rep.per_tensor.iter().filter(|r| r.status == "within_policy").count();
+            let within = rep.per_tensor.iter().filter(|r| r.status == RowStatus::WithinPolicy).count();
             format!(
                 "WITHIN POLICY — {common} tensors judged by policy {:?} ({} bit-identical, {within} within bounds), {}",
                 rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
@@ -296,7 +296,13 @@ fn summary(rep: &Report) -> String {
                 .filter(|f| {
                     matches!(
                         f.kind,
-                        "missing_tensor" | "extra_tensor" | "dtype_mismatch" | "shape_mismatch" | "order_mismatch" | "decision_order_mismatch" | "decision_shape_mismatch"
+                        FindingKind::MissingTensor
+                            | FindingKind::ExtraTensor
+                            | FindingKind::DtypeMismatch
+                            | FindingKind::ShapeMismatch
+                            | FindingKind::OrderMismatch
+                            | FindingKind::DecisionOrderMismatch
+                            | FindingKind::DecisionShapeMismatch
                     )
                 })
                 .count();
@@ -307,8 +313,16 @@ fn summary(rep: &Report) -> String {
             let content: Vec<&str> = rep
                 .findings
                 .iter()
-                .filter(|f| matches!(f.kind, "attribute_differs" | "margin_differs" | "margin_presence_mismatch" | "content_digest_differs"))
-                .map(|f| f.kind)
+                .filter(|f| {
+                    matches!(
+                        f.kind,
+                        FindingKind::AttributeDiffers
+                            | FindingKind::MarginDiffers
+                            | FindingKind::MarginPresenceMismatch
+                            | FindingKind::ContentDigestDiffers
+                    )
+                })
+                .map(|f| f.kind.as_str())
                 .collect();
             if let Some(first) = content.first() {
                 parts.push(format!("{} content finding{} (first: {})", content.len(), if content.len() == 1 { "" } else { "s" }, first.replace('_', " ")));
@@ -327,7 +341,7 @@ fn policy_clauses(rep: &Report) -> Vec<String> {
     let outside = rep
         .per_tensor
         .iter()
-        .filter(|r| r.status == "outside_policy")
+        .filter(|r| r.status == RowStatus::OutsidePolicy)
         .count();
     if let Some(v) = rep.first_violation() {
         let more = match v.violations.len() {
@@ -352,7 +366,7 @@ fn policy_clauses(rep: &Report) -> Vec<String> {
     let unruled: Vec<&TensorRow> = rep
         .per_tensor
         .iter()
-        .filter(|r| r.status == "no_rule")
+        .filter(|r| r.status == RowStatus::NoRule)
         .collect();
     if let Some(first) = unruled.first() {
         let n = unruled.len();
@@ -367,7 +381,7 @@ fn policy_clauses(rep: &Report) -> Vec<String> {
         let within = rep
             .per_tensor
             .iter()
-            .filter(|r| r.status == "within_policy")
+            .filter(|r| r.status == RowStatus::WithinPolicy)
             .count();
         parts.push(format!(
             "all {common} tensors within the policy ({} bit-identical, {within} within bounds)",
@@ -383,7 +397,7 @@ fn rerouted_clause(rep: &Report) -> Option<String> {
     let rerouted: Vec<&TensorRow> = rep
         .per_tensor
         .iter()
-        .filter(|r| r.status == "rerouted")
+        .filter(|r| r.status == RowStatus::Rerouted)
         .collect();
     let n = rerouted.len();
     rerouted.first().map(|first| {
@@ -724,9 +738,9 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
     );
     for r in &d.results {
         let state = match r.status {
-            "identical" => format!("identical ({} rows)", r.rows),
-            "shape_mismatch" => "shape mismatch".into(),
-            _ => {
+            DecisionStatus::Identical => format!("identical ({} rows)", r.rows),
+            DecisionStatus::ShapeMismatch => "shape mismatch".into(),
+            DecisionStatus::Different => {
                 let reord = if r.reordered_rows > 0 {
                     format!(", {} same values in a different order", r.reordered_rows)
                 } else {
@@ -743,7 +757,7 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
         let state = state + &after;
         let _ = writeln!(o, "  {} {:?}  {state}", r.name, r.shape);
         if let Some(m) = &r.first_margin_difference {
-            let n = if r.margins == "within_tolerance" {
+            let n = if r.margins == Margins::WithinTolerance {
                 r.margin_differing_rows
             } else {
                 r.margin_outside_rows
@@ -755,7 +769,7 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
             let _ = writeln!(
                 o,
                 "    margins {}: {n} row{} (first row {}: {} ({}) vs {} ({}){bound})",
-                r.margins.replace('_', " "),
+                r.margins.as_str().replace('_', " "),
                 if n == 1 { "" } else { "s" },
                 m.row,
                 real(Some(m.reference)),
@@ -763,12 +777,12 @@ fn decisions(o: &mut Sink<'_>, rep: &Report) {
                 real(Some(m.candidate)),
                 m.candidate_bits
             );
-        } else if matches!(r.margins, "reference_only" | "candidate_only") {
-            let _ = writeln!(
-                o,
-                "    margins in the {} only",
-                r.margins.trim_end_matches("_only")
-            );
+        } else if let Some(side) = match r.margins {
+            Margins::ReferenceOnly => Some("reference"),
+            Margins::CandidateOnly => Some("candidate"),
+            _ => None,
+        } {
+            let _ = writeln!(o, "    margins in the {side} only");
         }
         for f in r.flips.iter().take(10) {
             let what = if f.same_values_different_order {
@@ -841,7 +855,7 @@ fn findings(o: &mut Sink<'_>, rep: &Report) {
     }
     let _ = writeln!(o, "findings   {}", rep.findings.len());
     for f in &rep.findings {
-        match &f.tensor {
+        match f.tensor() {
             Some(t) => {
                 let _ = writeln!(o, "  {}  {t}: {}", f.kind, f.detail);
             }

@@ -7,22 +7,18 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use tracegate_trace::names::{self, Name};
 use tracegate_trace::{TensorInfo, Trace};
 
 use crate::{
-    comparable, excuse, judge_row, numeric, row_for, set_stats, Finding, Policy, RuleRef, TensorRow,
+    comparable, excuse, judge_row, numeric, row_for, set_stats, Finding, FindingKind, Policy,
+    RowStatus, RuleRef, TensorRow,
 };
 
-/// `layer.NN.expert.EEE.<point>` (docs/capture-points.md).
+/// `layer.NN.expert.EEE.<point>` of the prefill (docs/capture-points.md).
 pub(crate) fn is_expert(name: &str) -> bool {
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let p: Vec<&str> = name.splitn(5, '.').collect();
-    p.len() == 5
-        && p[0] == "layer"
-        && digits(p[1])
-        && p[2] == "expert"
-        && digits(p[3])
-        && !p[4].is_empty()
+    let n = Name::parse(name);
+    n.decode_step.is_none() && n.expert.is_some() && !n.point.is_empty()
 }
 
 /// An expert tensor whose two sides hold different positions, each token-major with one row
@@ -90,9 +86,9 @@ pub(crate) fn judge(
         pair,
         crate::Method::Elementwise,
         if stats.differing == 0 {
-            "identical"
+            RowStatus::Identical
         } else {
-            "different"
+            RowStatus::Different
         },
     );
     set_stats(&mut row, &stats);
@@ -107,33 +103,34 @@ pub(crate) fn judge(
     if !only_r.is_empty() || !only_c.is_empty() {
         // Tokens routed differently and not after a near-tie: the router decision of this
         // layer (or an earlier one) differs there, and these rows cannot be compared.
-        row.status = "rerouted";
-        let router = ri.name.splitn(3, '.').take(2).collect::<Vec<_>>().join(".") + ".router.topk";
+        row.status = RowStatus::Rerouted;
+        let layer = Name::parse(&ri.name).layer.unwrap_or_default();
+        let router = names::layer(layer, "router.topk");
         let detail = format!(
             "other tokens routed here ({router} or an earlier router differs): positions {} only in the reference, {} only in the candidate{}",
             show(&only_r),
             show(&only_c),
             if policy.is_some() { ", not after a near-tie" } else { "" }
         );
-        findings.push(Finding::new("rerouted", Some(&ri.name), detail));
+        findings.push(Finding::new(FindingKind::Rerouted, Some(&ri.name), detail));
     } else if let Some(rule) = rule {
         match rule {
             None => {
-                row.status = "no_rule";
+                row.status = RowStatus::NoRule;
                 findings.push(Finding::new(
-                    "no_policy_rule",
+                    FindingKind::NoPolicyRule,
                     Some(&ri.name),
                     "no rule in the policy matches this tensor",
                 ));
             }
-            Some((idx, rule)) if row.status == "different" => {
+            Some((idx, rule)) if row.status == RowStatus::Different => {
                 findings.extend(judge_row(&mut row, idx, rule))
             }
             Some(_) => {}
         }
-    } else if row.status == "different" {
+    } else if row.status == RowStatus::Different {
         findings.push(Finding::new(
-            "values_differ",
+            FindingKind::ValuesDiffer,
             Some(&ri.name),
             format!(
                 "{} elements differ in the rows of the positions both sides hold",

@@ -41,7 +41,7 @@ fn flip(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>
         .iter()
         .find(|f| f.row == row)
         .unwrap_or_else(|| panic!("{decision} row {row} did not flip: {:?}", res.flips));
-    (f.label, f.upstream.clone(), f.after.clone())
+    (f.label.as_str(), f.upstream.clone(), f.after.clone())
 }
 
 fn status<'a>(rep: &'a Report, tensor: &str) -> &'a str {
@@ -50,6 +50,7 @@ fn status<'a>(rep: &'a Report, tensor: &str) -> &'a str {
         .find(|t| t.tensor == tensor)
         .unwrap()
         .status
+        .as_str()
 }
 
 fn get_f32(s: &Spec, name: &str, i: usize) -> f32 {
@@ -182,7 +183,7 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
         .find(|x| x.name == "layer.00.router.topk")
         .unwrap();
     let f = &res.flips[0];
-    assert_eq!((f.row, f.label), (3, "near-tie"));
+    assert_eq!((f.row, f.label.as_str()), (3, "near-tie"));
     assert_eq!(f.source_divergence.unwrap().0, d);
     assert_eq!(
         f.noise_bound.unwrap().0,
@@ -262,8 +263,8 @@ fn another_tokens_difference_after_a_near_tie_still_fails() {
         assert_eq!(
             rep.findings
                 .iter()
-                .filter(|f| f.kind == "outside_policy")
-                .map(|f| f.tensor.as_deref())
+                .filter(|f| f.kind.as_str() == "outside_policy")
+                .map(|f| f.tensor())
                 .collect::<Vec<_>>(),
             [Some(tensor)]
         );
@@ -355,7 +356,10 @@ fn the_near_tie_factor_comes_from_the_policy() {
         .find(|x| x.name == "layer.00.router.topk")
         .unwrap();
     assert_eq!(
-        (res.flips[0].label, res.flips[0].noise_bound.unwrap().0),
+        (
+            res.flips[0].label.as_str(),
+            res.flips[0].noise_bound.unwrap().0
+        ),
         ("defect", 0.4 * d)
     );
     assert_eq!(rep.decisions.near_ties.as_ref().unwrap().margin_factor, 0.4);
@@ -495,13 +499,13 @@ fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
     assert!(rep
         .per_tensor
         .iter()
-        .all(|t| matches!(t.status, "identical" | "within_policy")));
+        .all(|t| matches!(t.status.as_str(), "identical" | "within_policy")));
     assert!(
         f.source_divergence.unwrap().0 > 100.0 * 1e-6 * 0.99,
         "{f:?}"
     );
     assert_eq!(
-        (f.row, f.label, f.noise_bound),
+        (f.row, f.label.as_str(), f.noise_bound),
         (3, "defect", None),
         "margin 1e-6, yet no bound from hidden_in: {f:?}"
     );
@@ -517,7 +521,7 @@ fn a_large_margin_flip_with_clean_inputs_is_a_defect() {
     assert!(rep
         .per_tensor
         .iter()
-        .all(|t| matches!(t.status, "identical" | "within_policy")));
+        .all(|t| matches!(t.status.as_str(), "identical" | "within_policy")));
     assert_eq!(rep.verdict, Verdict::Different);
     let res = rep
         .decisions
@@ -526,10 +530,13 @@ fn a_large_margin_flip_with_clean_inputs_is_a_defect() {
         .find(|x| x.name == "layer.00.router.topk")
         .unwrap();
     let f = &res.flips[0];
-    assert_eq!((f.row, f.label, f.upstream.as_deref()), (2, "defect", None));
+    assert_eq!(
+        (f.row, f.label.as_str(), f.upstream.as_deref()),
+        (2, "defect", None)
+    );
     assert!(f.noise_bound.unwrap().0 < 0.75, "{f:?}");
     assert!(rep.findings.iter().any(
-        |x| x.kind == "decision_differs" && x.tensor.as_deref() == Some("layer.00.router.topk")
+        |x| x.kind.as_str() == "decision_differs" && x.tensor() == Some("layer.00.router.topk")
     ));
     assert!(rep.decisions.near_ties.as_ref().unwrap().excused.is_empty());
 }
@@ -564,7 +571,7 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
         .flips[0]
         .clone();
     assert!(f.same_values_different_order);
-    assert_eq!(f.label, "near-tie", "{f:?}");
+    assert_eq!(f.label.as_str(), "near-tie", "{f:?}");
     assert_eq!(f.gap.unwrap().0, 1.0 - (1.0f32 - 1e-6) as f64);
     // Gap 0.5, the same tiny recorded margin: a defect.
     let (r, c) = build(0.5);
@@ -577,7 +584,11 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
         .unwrap()
         .flips[0]
         .clone();
-    assert_eq!((f.label, f.gap.unwrap().0), ("defect", 0.5), "{f:?}");
+    assert_eq!(
+        (f.label.as_str(), f.gap.unwrap().0),
+        ("defect", 0.5),
+        "{f:?}"
+    );
 }
 
 #[test]
@@ -624,7 +635,7 @@ fn decode_steps_are_bounded_by_their_own_logits_only() {
         .find(|x| x.name == "decode.0001.argmax")
         .unwrap();
     assert_eq!(
-        (res.flips[0].label, res.flips[0].noise_bound),
+        (res.flips[0].label.as_str(), res.flips[0].noise_bound),
         ("defect", None)
     );
 }

@@ -88,7 +88,7 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(rep.findings.len(), 1, "{:?}", rep.findings);
     let f = &rep.findings[0];
-    assert_eq!((f.kind, f.tensor.as_deref()), ("values_differ", Some("x")));
+    assert_eq!((f.kind.as_str(), f.tensor()), ("values_differ", Some("x")));
     assert!(f.detail.contains("reference f32 vs candidate bf16, compared in bf16 ULPs: 4 of 4 elements differ in value"), "{}", f.detail);
     let row = &rep.per_tensor[0];
     assert_eq!(
@@ -96,7 +96,7 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
         ("f32", DType::BF16, Some(DType::BF16))
     );
     assert_eq!(
-        (row.status, row.differing_elements, row.max_ulp),
+        (row.status.as_str(), row.differing_elements, row.max_ulp),
         ("different", Some(4), Some(0))
     );
     // Its real statistics, from the values themselves, not from the rounded ones.
@@ -125,7 +125,7 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
     // Under a policy, judged like any other tensor: 0 bf16 ULPs is within max_ulp 0 …
     let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 0})));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
-    assert_eq!(rep.per_tensor[0].status, "within_policy");
+    assert_eq!(rep.per_tensor[0].status.as_str(), "within_policy");
     // … and the negative control: the real max |difference|, 0.044, breaks max_abs 1e-3.
     let rep = diff(
         &r,
@@ -133,7 +133,7 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
         &with_policy(json!({"pattern": "**", "max_abs": 1e-3})),
     );
     assert_eq!(rep.verdict, Verdict::Different);
-    assert_eq!(rep.per_tensor[0].status, "outside_policy");
+    assert_eq!(rep.per_tensor[0].status.as_str(), "outside_policy");
 }
 
 #[test]
@@ -415,7 +415,7 @@ fn nan_infinity_and_signed_zero_across_dtypes() {
         (d.reference_value.as_str(), d.candidate_value.as_str()),
         ("0", "-0")
     );
-    let kinds: Vec<&str> = rep.findings.iter().map(|f| f.kind).collect();
+    let kinds: Vec<&str> = rep.findings.iter().map(|f| f.kind.as_str()).collect();
     for k in ["signed_zero", "nan_mismatch", "nan_payload", "infinity"] {
         assert!(kinds.contains(&k), "{k} in {kinds:?}");
     }
@@ -425,7 +425,7 @@ fn nan_infinity_and_signed_zero_across_dtypes() {
         &c,
         &with_policy(json!({"pattern": "**", "max_abs": 1e300})),
     );
-    assert_eq!(rep.per_tensor[0].status, "outside_policy");
+    assert_eq!(rep.per_tensor[0].status.as_str(), "outside_policy");
 }
 
 #[test]
@@ -443,7 +443,7 @@ fn integer_and_float_or_two_integer_widths_stay_dtype_mismatches() {
     let found: Vec<(&str, Option<&str>)> = rep
         .findings
         .iter()
-        .map(|f| (f.kind, f.tensor.as_deref()))
+        .map(|f| (f.kind.as_str(), f.tensor()))
         .collect();
     assert_eq!(
         found,
@@ -475,7 +475,7 @@ fn equal_values_in_two_dtypes_are_never_identical() {
     assert!(rep.first_divergence.is_none());
     assert_eq!(
         (
-            rep.per_tensor[0].status,
+            rep.per_tensor[0].status.as_str(),
             rep.per_tensor[0].differing_elements
         ),
         ("different", Some(0))
@@ -484,7 +484,7 @@ fn equal_values_in_two_dtypes_are_never_identical() {
     assert!(human.starts_with("DIFFERENT — values equal in all 1 common tensors, 1 of them in two dtypes (never bit-identical)"), "{human}");
     let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 0})));
     assert_eq!(
-        (rep.verdict, rep.per_tensor[0].status),
+        (rep.verdict, rep.per_tensor[0].status.as_str()),
         (Verdict::WithinPolicy, "within_policy")
     );
 }

@@ -40,7 +40,7 @@ fn label(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String
         .iter()
         .find(|f| f.row == row)
         .unwrap_or_else(|| panic!("{decision} row {row} did not flip"));
-    (f.label, f.upstream.clone())
+    (f.label.as_str(), f.upstream.clone())
 }
 
 fn row<'a>(rep: &'a Report, tensor: &str) -> &'a tracegate_diff::TensorRow {
@@ -53,8 +53,13 @@ fn row<'a>(rep: &'a Report, tensor: &str) -> &'a tracegate_diff::TensorRow {
 fn findings(rep: &Report, kind: &str) -> Vec<(String, String)> {
     rep.findings
         .iter()
-        .filter(|f| f.kind == kind)
-        .map(|f| (f.tensor.clone().unwrap_or_default(), f.detail.clone()))
+        .filter(|f| f.kind.as_str() == kind)
+        .map(|f| {
+            (
+                f.tensor().map(str::to_string).unwrap_or_default(),
+                f.detail.clone(),
+            )
+        })
         .collect()
 }
 
@@ -214,7 +219,10 @@ fn a_near_tie_reroute_is_within_policy_and_counted() {
         );
         // The rows both sides hold are equal here: judged, and nothing differs.
         assert_eq!(
-            (row(&rep, t).status, row(&rep, t).differing_elements),
+            (
+                row(&rep, t).status.as_str(),
+                row(&rep, t).differing_elements
+            ),
             ("identical", Some(0)),
             "{t}"
         );
@@ -241,7 +249,7 @@ fn a_common_rows_difference_in_a_rerouted_expert_is_still_judged() {
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
-        row(&rep, "layer.00.expert.000.out").status,
+        row(&rep, "layer.00.expert.000.out").status.as_str(),
         "outside_policy"
     );
     assert_eq!(
@@ -266,7 +274,7 @@ fn the_same_reroute_after_a_defect_fails() {
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(label(&rep, "layer.00.router.topk", 3), ("defect", None));
     for t in REROUTED {
-        assert_eq!(row(&rep, t).status, "rerouted", "{t}");
+        assert_eq!(row(&rep, t).status.as_str(), "rerouted", "{t}");
     }
     let f = findings(&rep, "rerouted");
     assert_eq!(f.len(), 6, "{f:?}");
@@ -306,7 +314,10 @@ fn an_extra_token_no_near_tie_excuses_fails() {
     c.tensors[at] = expert(0, 2, &[0, 1, 3]);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
-    assert_eq!(row(&rep, "layer.00.expert.002.out").status, "rerouted");
+    assert_eq!(
+        row(&rep, "layer.00.expert.002.out").status.as_str(),
+        "rerouted"
+    );
     let f = findings(&rep, "rerouted");
     assert_eq!(
         f.iter().map(|x| x.0.as_str()).collect::<Vec<_>>(),
@@ -319,7 +330,10 @@ fn an_extra_token_no_near_tie_excuses_fails() {
         f[0].1
     );
     // The near-tie's own reroutes are still excused.
-    assert_eq!(row(&rep, "layer.00.expert.000.out").status, "identical");
+    assert_eq!(
+        row(&rep, "layer.00.expert.000.out").status.as_str(),
+        "identical"
+    );
     // The only failure: the headline must not read "all tensors within the policy".
     assert!(rep.first_violation().is_none());
     let first = render_human(&rep).lines().next().unwrap().to_string();
@@ -348,7 +362,10 @@ fn by_bits_a_rerouted_expert_is_a_difference_not_incomparable() {
             .collect::<Vec<_>>(),
         REROUTED
     );
-    assert_eq!(row(&rep, "layer.00.expert.002.out").status, "identical");
+    assert_eq!(
+        row(&rep, "layer.00.expert.002.out").status.as_str(),
+        "identical"
+    );
     let first = render_human(&rep).lines().next().unwrap().to_string();
     assert!(
         first.starts_with("DIFFERENT — first at layer.00.router.logits")

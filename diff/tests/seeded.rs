@@ -16,7 +16,7 @@ fn diff(r: &Spec, c: &Spec, opts: &Options) -> tracegate_diff::Report {
 }
 
 fn kinds(rep: &tracegate_diff::Report) -> Vec<&'static str> {
-    rep.findings.iter().map(|f| f.kind).collect()
+    rep.findings.iter().map(|f| f.kind.as_str()).collect()
 }
 
 #[test]
@@ -95,7 +95,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     assert_eq!(
         (
             later.method.as_str(),
-            later.status,
+            later.status.as_str(),
             later.differing_elements
         ),
         ("not_scanned", "differs_by_digest", None)
@@ -107,7 +107,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     assert_eq!(
         rep.findings
             .iter()
-            .map(|f| (f.kind, f.tensor.as_deref()))
+            .map(|f| (f.kind.as_str(), f.tensor()))
             .collect::<Vec<_>>(),
         vec![("values_differ", Some("layer.00.mlp_out"))]
     );
@@ -139,7 +139,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     assert_eq!(
         (
             later.method.as_str(),
-            later.status,
+            later.status.as_str(),
             later.differing_elements
         ),
         ("elementwise", "different", Some(32))
@@ -204,7 +204,7 @@ fn a_flipped_topk_with_identical_floats_is_reported() {
         .find(|x| x.name == "layer.00.router.topk")
         .unwrap();
     assert_eq!(res.source.as_deref(), Some("layer.00.router.logits"));
-    assert_eq!(res.flips[0].label, "defect");
+    assert_eq!(res.flips[0].label.as_str(), "defect");
 }
 
 #[test]
@@ -256,7 +256,7 @@ fn without_a_policy_flips_after_a_bit_difference_are_consequences() {
     let by_row = |row: u64| res.flips.iter().find(|f| f.row == row).unwrap();
     for row in [2, 0] {
         assert_eq!(
-            (by_row(row).label, by_row(row).upstream.as_deref()),
+            (by_row(row).label.as_str(), by_row(row).upstream.as_deref()),
             ("consequence", Some("logits"))
         );
     }
@@ -302,7 +302,7 @@ fn order_differences_are_structure_findings() {
     c.tensors.swap(2, 3);
     let rep = diff(&r, &c, &Options::default());
     assert_eq!(kinds(&rep), vec!["order_mismatch"]);
-    assert_eq!(rep.findings[0].tensor.as_deref(), Some("layer.00.attn_out"));
+    assert_eq!(rep.findings[0].tensor(), Some("layer.00.attn_out"));
 }
 
 #[test]
@@ -470,7 +470,7 @@ fn path_mask_and_positions_mismatches_are_refused() {
         assert_eq!(rep.verdict, Verdict::Incomparable, "{field}");
         assert_eq!(rep.exit_code(), 3);
         assert_eq!(kinds(&rep), vec![kind]);
-        assert_eq!(rep.findings[0].tensor.as_deref(), Some("layer.00.attn_out"));
+        assert_eq!(rep.findings[0].tensor(), Some("layer.00.attn_out"));
         assert!(rep.first_divergence.is_none());
     }
 }
@@ -600,7 +600,10 @@ fn policy_pass() {
     assert_eq!(rep.per_tensor.len(), 13);
     let embed = &rep.per_tensor[0];
     assert_eq!(
-        (embed.status, embed.rule.as_ref().unwrap().pattern.as_str()),
+        (
+            embed.status.as_str(),
+            embed.rule.as_ref().unwrap().pattern.as_str()
+        ),
         ("identical", "embed.out")
     );
     let attn = rep
@@ -609,7 +612,10 @@ fn policy_pass() {
         .find(|t| t.tensor == "layer.01.attn_out")
         .unwrap();
     assert_eq!(
-        (attn.status, attn.rule.as_ref().unwrap().pattern.as_str()),
+        (
+            attn.status.as_str(),
+            attn.rule.as_ref().unwrap().pattern.as_str()
+        ),
         ("within_policy", "layer.*.attn_out")
     );
 }
@@ -643,7 +649,7 @@ fn policy_fail_and_unmatched_tensor() {
         .iter()
         .find(|t| t.tensor == "layer.00.mlp_out")
         .unwrap();
-    assert_eq!(mlp.status, "outside_policy");
+    assert_eq!(mlp.status.as_str(), "outside_policy");
     assert!(
         mlp.violations.iter().any(|v| v.bound == "max_rel_l2"),
         "{:?}",
@@ -654,7 +660,10 @@ fn policy_fail_and_unmatched_tensor() {
         .iter()
         .find(|t| t.tensor == "custom.probe")
         .unwrap();
-    assert_eq!((probe.status, probe.rule.is_none()), ("no_rule", true));
+    assert_eq!(
+        (probe.status.as_str(), probe.rule.is_none()),
+        ("no_rule", true)
+    );
     let k = kinds(&rep);
     assert!(
         k.contains(&"outside_policy")
@@ -695,9 +704,13 @@ fn only_finding<'a>(
     kind: &str,
     name: &str,
 ) -> &'a tracegate_diff::Finding {
-    let found: Vec<_> = rep.findings.iter().filter(|f| f.kind == kind).collect();
+    let found: Vec<_> = rep
+        .findings
+        .iter()
+        .filter(|f| f.kind.as_str() == kind)
+        .collect();
     assert_eq!(found.len(), 1, "{:?}", rep.findings);
-    assert_eq!(found[0].tensor.as_deref(), Some(name), "{:?}", found[0]);
+    assert_eq!(found[0].tensor(), Some(name), "{:?}", found[0]);
     found[0]
 }
 
@@ -736,7 +749,11 @@ fn a_changed_margin_is_different_with_and_without_verify() {
             .find(|x| x.name == "logits.argmax")
             .unwrap();
         assert_eq!(
-            (res.margins, res.margin_differing_rows, res.status),
+            (
+                res.margins.as_str(),
+                res.margin_differing_rows,
+                res.status.as_str()
+            ),
             ("different", 1, "identical")
         );
         assert_eq!(
@@ -894,7 +911,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
         .unwrap();
     assert_eq!(
         (
-            res.margins,
+            res.margins.as_str(),
             res.margin_differing_rows,
             res.margin_outside_rows
         ),
@@ -925,7 +942,10 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
     // Without a policy the same tiny change is different.
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1.5 + 1e-5;
     let exact = diff(&r, &c, &Options::default());
-    assert!(exact.findings.iter().any(|f| f.kind == "margin_differs"));
+    assert!(exact
+        .findings
+        .iter()
+        .any(|f| f.kind.as_str() == "margin_differs"));
 }
 
 fn res_first(rep: &tracegate_diff::Report) -> tracegate_diff::MarginDifference {

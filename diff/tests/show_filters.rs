@@ -90,7 +90,10 @@ fn a_single_star_stops_at_a_dot() {
     let rep = diff(&r, &c, &filter(&["layer.*"], &[]));
     assert_eq!(rep.verdict, Verdict::Unreadable);
     assert_eq!(
-        rep.findings.iter().map(|f| f.kind).collect::<Vec<_>>(),
+        rep.findings
+            .iter()
+            .map(|f| f.kind.as_str())
+            .collect::<Vec<_>>(),
         vec!["nothing_selected"]
     );
     // `layer.*.attn_out`: two tensors, no decision.
@@ -188,7 +191,7 @@ fn left_out_names_are_not_missing_extra_or_out_of_order() {
     let kinds: Vec<_> = diff(&r, &c, &Options::default())
         .findings
         .iter()
-        .map(|f| f.kind)
+        .map(|f| f.kind.as_str())
         .collect();
     for k in [
         "missing_tensor",

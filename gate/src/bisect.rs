@@ -13,10 +13,13 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use serde_json::json;
-use tracegate_diff::{compare, Options, Policy, Report, Verdict};
+use tracegate_diff::{
+    compare, string_enum, FindingKind, Label, Options, Policy, Report, RowStatus, Verdict,
+};
+use tracegate_trace::names::{self, Name};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
-use crate::bisect_judge::{self as judge, Ask, Judge, Outliers, RoundingLevel};
+use crate::bisect_judge::{self as judge, Ask, By, Judge, Outliers, RoundingLevel};
 use crate::producer::{Producer, RunRecord, Verb};
 use crate::{gerr, Result};
 
@@ -84,11 +87,233 @@ pub fn is_ordered(root: &Path, p: &Producer) -> bool {
 // ------------------------------------------------------------------------------------------
 // Report
 
+/// How a tensor compared: the differ's row status, or for a common tensor of another dtype or
+/// shape (no value row) the differ's finding kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmpStatus {
+    Row(RowStatus),
+    Structure(FindingKind),
+}
+
+impl CmpStatus {
+    /// Neither identical nor within the policy.
+    pub fn is_bad(self) -> bool {
+        match self {
+            CmpStatus::Row(s) => !s.agrees(),
+            CmpStatus::Structure(_) => true,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CmpStatus::Row(s) => s.as_str(),
+            CmpStatus::Structure(k) => k.as_str(),
+        }
+    }
+}
+
+impl std::fmt::Display for CmpStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+impl Serialize for CmpStatus {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// How a place first diverges: its values differ, or the differ states it as a finding (a
+/// tensor or decision on one side only, margins, order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum How {
+    Differs,
+    Finding(FindingKind),
+}
+
+impl How {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            How::Differs => "differs",
+            How::Finding(k) => k.as_str(),
+        }
+    }
+
+    /// In words: "values differ", "missing from the candidate", ….
+    pub fn words(self) -> String {
+        match self {
+            How::Differs => "values differ".into(),
+            How::Finding(FindingKind::MissingTensor | FindingKind::MissingDecision) => {
+                "missing from the candidate".into()
+            }
+            How::Finding(FindingKind::ExtraTensor | FindingKind::ExtraDecision) => {
+                "only in the candidate".into()
+            }
+            How::Finding(k) => k.as_str().replace('_', " "),
+        }
+    }
+}
+
+impl Serialize for How {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+string_enum! {
+    /// A layer's tensors in the whole runs.
+    pub enum WholeRunState {
+        Match = "match",
+        Differs = "differs",
+    }
+}
+
+string_enum! {
+    /// A layer's isolation: the candidate's layer verb on the reference's input.
+    pub enum Isolated {
+        Match = "match",
+        Wrong = "wrong",
+        NotChecked = "not_checked",
+        /// Not needed (see the layer's status).
+        NotRun = "not_run",
+    }
+}
+
+string_enum! {
+    /// A layer's status from its isolation and its whole-run comparison.
+    pub enum LayerStatus {
+        Ok = "ok",
+        Wrong = "wrong",
+        Inherits = "inherits",
+        /// Differs in the whole run, not isolated.
+        Downstream = "downstream",
+        NotChecked = "not_checked",
+        /// Its layer verb disagrees with the candidate's own whole run.
+        Inconsistent = "inconsistent",
+    }
+}
+
+string_enum! {
+    /// The candidate's layer verb on its own input vs its own whole run.
+    pub enum SelfCheck {
+        NotRun = "not_run",
+        Consistent = "consistent",
+        Inconsistent = "inconsistent",
+        NotChecked = "not_checked",
+    }
+}
+
+string_enum! {
+    /// Where in a layer a stage sits.
+    pub enum Block {
+        Input = "input",
+        Attention = "attention",
+        Mlp = "mlp",
+        MoeRouter = "moe_router",
+        MoeExpert = "moe_expert",
+        MoeCombine = "moe_combine",
+        Moe = "moe",
+        Residual = "residual",
+        /// Outside the ordered capture points (an extra tensor, a structure finding).
+        Other = "other",
+    }
+}
+
+impl Block {
+    pub fn words(self) -> &'static str {
+        match self {
+            Block::Input => "the layer verb did not take its input as given",
+            Block::Attention => "attention block",
+            Block::Mlp => "MLP block",
+            Block::MoeRouter => "MoE router",
+            Block::MoeExpert => "MoE expert",
+            Block::MoeCombine => {
+                "MoE combine (routing weights × expert outputs; router and experts match)"
+            }
+            Block::Moe => "MoE block",
+            Block::Residual => "residual add (both blocks match; their sum with the input differs)",
+            Block::Other => "other",
+        }
+    }
+}
+
+string_enum! {
+    /// Whether the candidate re-ran with the reference's decisions.
+    pub enum Forcing {
+        /// `whole_run`, the isolation and the verdict are about the forced run.
+        Forced = "forced",
+        /// The candidate could not be forced (`reason`): everything is unforced.
+        NotForced = "not_forced",
+    }
+}
+
+string_enum! {
+    /// Which element of an inconsistency is shown.
+    pub enum Which {
+        /// By bits: the first differing element.
+        FirstDiffering = "first_differing",
+        /// Under a policy: the worst element of the tensor outside it.
+        WorstOutsidePolicy = "worst_outside_policy",
+    }
+}
+
+string_enum! {
+    /// Which layers the self-consistency check covers.
+    pub enum Scope {
+        /// Only a layer about to be blamed.
+        FirstWrongLayer = "first_wrong_layer",
+        /// `--all-layers`: every isolated layer.
+        AllLayers = "all_layers",
+    }
+}
+
+string_enum! {
+    /// What was captured.
+    pub enum Capture {
+        Default = "default",
+        Internals = "internals",
+    }
+}
+
+string_enum! {
+    /// A bisection's outcome (docs/bisect.md, "Verdicts").
+    pub enum BisectVerdict {
+        NothingWrong = "nothing_wrong",
+        WrongLayer = "wrong_layer",
+        InconsistentProducer = "inconsistent_producer",
+        Accumulates = "accumulates",
+        OutsideLayers = "outside_layers",
+        DecisionsDiffer = "decisions_differ",
+        StructureDiffers = "structure_differs",
+        NotChecked = "not_checked",
+        CachedDecodeDiffers = "cached_decode_differs",
+    }
+}
+
+impl BisectVerdict {
+    /// The exit status (docs/bisect.md, "Exit codes").
+    pub fn exit_code(self) -> i32 {
+        match self {
+            BisectVerdict::NothingWrong => 0,
+            BisectVerdict::NotChecked => 4,
+            BisectVerdict::CachedDecodeDiffers => crate::bisect_decode::CACHED_DECODE_EXIT,
+            BisectVerdict::WrongLayer
+            | BisectVerdict::InconsistentProducer
+            | BisectVerdict::Accumulates
+            | BisectVerdict::OutsideLayers
+            | BisectVerdict::DecisionsDiffer
+            | BisectVerdict::StructureDiffers => 1,
+        }
+    }
+}
+
+/// A verdict and its summary line.
+pub type Said = (BisectVerdict, String);
+
 #[derive(Clone, Debug, Serialize)]
 pub struct TensorCmp {
     pub tensor: String,
-    /// The differ's status: identical, different, within_policy, outside_policy, no_rule, ...
-    pub status: String,
+    pub status: CmpStatus,
     pub differing_elements: Option<u64>,
     pub total_elements: u64,
     pub max_ulp: Option<u64>,
@@ -127,12 +352,11 @@ pub struct FirstBitDifference {
 #[derive(Clone, Debug, Serialize)]
 pub struct WholeRun {
     /// The differ's verdict on the two whole traces.
-    pub verdict: String,
+    pub verdict: Verdict,
     /// The first place that differs (or is outside policy, or is missing from one side):
     /// "embed.out", "layer.NN.*", or the head.
     pub first_diverging: Option<String>,
-    /// How it diverges: "differs", or the differ's finding kind (e.g. "missing_tensor").
-    pub first_diverging_how: Option<String>,
+    pub first_diverging_how: Option<How>,
     pub first_diverging_layer: Option<usize>,
     /// Under a policy: the first tensor outside it, with its broken bounds and worst element.
     pub first_violation: Option<tracegate_diff::TensorViolation>,
@@ -147,20 +371,17 @@ pub struct WholeRun {
 #[derive(Clone, Debug, Serialize)]
 pub struct LayerRow {
     pub layer: usize,
-    /// "match" or "differs": this layer's tensors in the whole runs.
-    pub whole_run: &'static str,
+    pub whole_run: WholeRunState,
     /// layer.NN.hidden_out in the whole runs.
     pub whole_max_ulp: Option<u64>,
     pub whole_rel_l2: Option<f64>,
-    /// "match", "wrong", "not_checked", or "not_run" (not needed: see status).
-    pub isolation: &'static str,
+    pub isolation: Isolated,
     /// layer.NN.hidden_out, candidate's layer verb on the reference's input vs the reference.
     pub isolated_max_ulp: Option<u64>,
     pub isolated_rel_l2: Option<f64>,
     pub isolated: Vec<TensorCmp>,
     pub isolated_decisions: Vec<DecisionCmp>,
-    /// "ok", "wrong", "inherits", "downstream" (differs in the whole run, not isolated), "not_checked".
-    pub status: &'static str,
+    pub status: LayerStatus,
     pub reason: Option<String>,
     /// rel L2 of hidden_out after a 1-ULP perturbation of the calibration layer's input.
     pub calibration_rel_l2: Option<f64>,
@@ -168,9 +389,8 @@ pub struct LayerRow {
     pub whole_vs_calibration: Option<f64>,
     /// isolated_rel_l2 / calibration_rel_l2 (at the calibration layer only: same input perturbed).
     pub isolated_vs_calibration: Option<f64>,
-    /// The candidate's layer verb on its own input vs its own whole run: "not_run",
-    /// "consistent", "inconsistent", "not_checked" (self_consistency says why).
-    pub self_check: &'static str,
+    /// self_consistency says why when not checked.
+    pub self_check: SelfCheck,
     /// The largest ratio of this layer's isolated error to the median of the other matching
     /// isolated layers' (bisect_judge::OUTLIER_MEASURE; null: not checked, or zero medians);
     /// `suspicious`: flagged by the outlier check.
@@ -183,20 +403,20 @@ impl LayerRow {
     fn new(layer: usize) -> LayerRow {
         LayerRow {
             layer,
-            whole_run: "match",
+            whole_run: WholeRunState::Match,
             whole_max_ulp: None,
             whole_rel_l2: None,
-            isolation: "not_run",
+            isolation: Isolated::NotRun,
             isolated_max_ulp: None,
             isolated_rel_l2: None,
             isolated: Vec::new(),
             isolated_decisions: Vec::new(),
-            status: "ok",
+            status: LayerStatus::Ok,
             reason: None,
             calibration_rel_l2: None,
             whole_vs_calibration: None,
             isolated_vs_calibration: None,
-            self_check: "not_run",
+            self_check: SelfCheck::NotRun,
             peer_ratio: None,
             suspicious: false,
         }
@@ -206,8 +426,7 @@ impl LayerRow {
 #[derive(Clone, Debug, Serialize)]
 pub struct Stage {
     pub layer: usize,
-    /// "input", "attention", "mlp", "moe_router", "moe_expert", "moe_combine", "moe", "residual".
-    pub block: &'static str,
+    pub block: Block,
     pub tensor: String,
     pub detail: String,
     /// The capture points before it in this layer that match in isolation.
@@ -242,16 +461,14 @@ pub struct UnforcedDecision {
     pub rows: u64,
     pub differing_rows: u64,
     /// How many of the differing rows trace-diff labels "consequence", "near-tie", "after-near-tie" or "defect".
-    pub labels: std::collections::BTreeMap<&'static str, u64>,
+    pub labels: std::collections::BTreeMap<Label, u64>,
 }
 
 /// Present when the whole runs' decisions differ: the candidate re-ran with the reference's
 /// decisions (`--force-decisions`, docs/producers.md), so its numbers compare past the flips.
 #[derive(Clone, Debug, Serialize)]
 pub struct DecisionsForced {
-    /// "forced": `whole_run`, the isolation and the verdict are about the forced run;
-    /// "not_forced": the candidate could not be forced (`reason`), everything is unforced.
-    pub status: &'static str,
+    pub status: Forcing,
     pub reason: Option<String>,
     /// The reference whole trace the decisions came from, and its content digest.
     pub from: String,
@@ -271,8 +488,7 @@ pub struct DecisionsForced {
 /// the worst element of the tensor outside it.
 #[derive(Clone, Debug, Serialize)]
 pub struct ElementDiff {
-    /// "first_differing" or "worst_outside_policy".
-    pub which: &'static str,
+    pub which: Which,
     pub coords: Vec<u64>,
     pub whole_run_value: String,
     pub layer_verb_value: String,
@@ -296,9 +512,7 @@ pub struct Inconsistency {
 /// verb that disagrees with its own whole run would be blamed for a body the engine does not run.
 #[derive(Clone, Debug, Serialize)]
 pub struct SelfConsistency {
-    /// "first_wrong_layer" (checked only for a layer about to be blamed) or "all_layers"
-    /// (`--all-layers`: every isolated layer).
-    pub scope: &'static str,
+    pub scope: Scope,
     pub checked_layers: Vec<usize>,
     /// The first layer whose layer verb disagrees with its own whole run.
     pub inconsistent: Option<Inconsistency>,
@@ -310,9 +524,8 @@ pub struct SelfConsistency {
 pub struct BisectReport {
     pub schema: &'static str,
     pub summary: String,
-    /// "nothing_wrong", "wrong_layer", "inconsistent_producer", "accumulates", "outside_layers",
-    /// "decisions_differ", "structure_differs", "not_checked".
-    pub verdict: &'static str,
+    pub verdict: BisectVerdict,
+    /// `verdict`'s exit status.
     pub exit_code: i32,
     pub model: String,
     pub prompt: Option<String>,
@@ -321,7 +534,7 @@ pub struct BisectReport {
     pub candidate: String,
     /// How it judged and why (the first line of the text verdict).
     pub judge: Judge,
-    pub capture: &'static str,
+    pub capture: Capture,
     pub layers_total: usize,
     /// Whether the candidate's decisions were forced from the reference's (null: they agreed).
     pub decisions_forced: Option<DecisionsForced>,
@@ -348,10 +561,6 @@ pub struct BisectReport {
 // ------------------------------------------------------------------------------------------
 // Helpers
 
-pub(crate) fn is_bad(status: &str) -> bool {
-    !matches!(status, "identical" | "within_policy")
-}
-
 fn is_oracle(t: &Trace) -> bool {
     tracegate_diff::comparable::is_oracle(t.provenance())
 }
@@ -361,10 +570,11 @@ fn location(name: &str) -> i64 {
     if name.starts_with("embed.") {
         return -1;
     }
-    name.strip_prefix("layer.")
-        .and_then(|r| r.get(..2))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(i64::MAX)
+    let n = Name::parse(name);
+    match (n.decode_step, n.layer) {
+        (None, Some(l)) => l as i64,
+        _ => i64::MAX,
+    }
 }
 
 pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
@@ -372,7 +582,7 @@ pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
         .iter()
         .map(|r| TensorCmp {
             tensor: r.tensor.clone(),
-            status: r.status.to_string(),
+            status: CmpStatus::Row(r.status),
             differing_elements: r.differing_elements,
             total_elements: r.total_elements,
             max_ulp: r.max_ulp,
@@ -383,10 +593,15 @@ pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
         .chain(
             rep.findings
                 .iter()
-                .filter(|f| matches!(f.kind, "dtype_mismatch" | "shape_mismatch"))
+                .filter(|f| {
+                    matches!(
+                        f.kind,
+                        FindingKind::DtypeMismatch | FindingKind::ShapeMismatch
+                    )
+                })
                 .map(|f| TensorCmp {
-                    tensor: f.tensor.clone().unwrap_or_default(),
-                    status: f.kind.to_string(),
+                    tensor: f.tensor().unwrap_or_default().to_string(),
+                    status: CmpStatus::Structure(f.kind),
                     differing_elements: None,
                     total_elements: 0,
                     max_ulp: None,
@@ -538,7 +753,7 @@ struct Source<'a> {
 /// rewritten with path=layer, so the differ compares them with the candidate's layer verb
 /// under its usual rules (positions and masks must still agree).
 pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Result<()> {
-    let pfx = format!("layer.{layer:02}.");
+    let pfx = names::layer_prefix(layer);
     let mut prov = reference.provenance().clone();
     if let Some(o) = prov.as_object_mut() {
         o.insert(
@@ -611,7 +826,7 @@ fn isolate(
         model: o.model.clone(),
         layer,
         input: src.rel.into(),
-        input_name: format!("layer.{layer:02}.hidden_in"),
+        input_name: names::layer(layer, "hidden_in"),
         out,
         internals: o.internals,
         force: forced.then(|| src.rel.to_string()),
@@ -660,7 +875,7 @@ pub(crate) fn isolate_with(
     }
     let cand = open(&o.root, verb.out()).map_err(|e| e.to_string())?;
     for need in ["attn_out", "mlp_out", "hidden_out"] {
-        let name = format!("layer.{layer:02}.{need}");
+        let name = names::layer(layer, need);
         if cand.tensor_info(&name).is_none() {
             return Err(format!("the candidate's layer trace has no {name}"));
         }
@@ -687,7 +902,7 @@ pub(crate) fn isolate_with(
     let tensors = rows(&rep);
     let decisions = decisions(&rep);
     let wrong =
-        tensors.iter().any(|t| is_bad(&t.status)) || decisions.iter().any(|d| d.judged_rows() > 0);
+        tensors.iter().any(|t| t.status.is_bad()) || decisions.iter().any(|d| d.judged_rows() > 0);
     Ok(Isolation {
         tensors,
         decisions,
@@ -700,7 +915,11 @@ pub(crate) fn isolate_with(
 /// A layer's row before isolation: `differs` in the whole run, `h` its hidden_out there.
 pub(crate) fn layer_row(layer: usize, differs: bool, h: Option<&TensorCmp>) -> LayerRow {
     LayerRow {
-        whole_run: if differs { "differs" } else { "match" },
+        whole_run: if differs {
+            WholeRunState::Differs
+        } else {
+            WholeRunState::Match
+        },
         whole_max_ulp: h.and_then(|t| t.max_ulp),
         whole_rel_l2: h.and_then(|t| t.rel_l2),
         ..LayerRow::new(layer)
@@ -711,22 +930,26 @@ pub(crate) fn fill_isolated(row: &mut LayerRow, iso: Isolation) {
     let h = iso
         .tensors
         .iter()
-        .find(|t| t.tensor == format!("layer.{:02}.hidden_out", row.layer));
+        .find(|t| t.tensor == names::layer(row.layer, "hidden_out"));
     row.isolated_max_ulp = h.and_then(|t| t.max_ulp);
     row.isolated_rel_l2 = h.and_then(|t| t.rel_l2);
-    row.isolation = if iso.wrong { "wrong" } else { "match" };
+    row.isolation = if iso.wrong {
+        Isolated::Wrong
+    } else {
+        Isolated::Match
+    };
     row.isolated = iso.tensors;
     row.isolated_decisions = iso.decisions;
 }
 
 /// A layer's status from its isolation and its whole-run comparison.
-pub(crate) fn layer_status(isolation: &str, whole_run: &str) -> &'static str {
+pub(crate) fn layer_status(isolation: Isolated, whole_run: WholeRunState) -> LayerStatus {
     match (isolation, whole_run) {
-        ("wrong", _) => "wrong",
-        ("not_checked", _) => "not_checked",
-        ("match", "differs") => "inherits",
-        (_, "differs") => "downstream",
-        _ => "ok",
+        (Isolated::Wrong, _) => LayerStatus::Wrong,
+        (Isolated::NotChecked, _) => LayerStatus::NotChecked,
+        (Isolated::Match, WholeRunState::Differs) => LayerStatus::Inherits,
+        (Isolated::NotRun, WholeRunState::Differs) => LayerStatus::Downstream,
+        (Isolated::Match | Isolated::NotRun, WholeRunState::Match) => LayerStatus::Ok,
     }
 }
 
@@ -745,7 +968,7 @@ fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsistency {
         .as_ref()
         .filter(|d| d.tensor == s.tensor && rep.policy.is_none())
         .map(|d| ElementDiff {
-            which: "first_differing",
+            which: Which::FirstDiffering,
             coords: d.coords.clone(),
             whole_run_value: d.reference_value.clone(),
             layer_verb_value: d.candidate_value.clone(),
@@ -757,7 +980,7 @@ fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsistency {
             .find(|r| r.tensor == s.tensor)
             .and_then(|r| r.worst_element.as_ref())
             .map(|e| ElementDiff {
-                which: "worst_outside_policy",
+                which: Which::WorstOutsidePolicy,
                 coords: e.coords.clone(),
                 whole_run_value: e.reference_value.clone(),
                 layer_verb_value: e.candidate_value.clone(),
@@ -776,9 +999,9 @@ fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsistency {
 /// The first wrong capture point of a layer in isolation, in computation order; `differs`:
 /// how a wrong one is said ("differs in isolation").
 pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> Stage {
-    let pfx = format!("layer.{layer:02}.");
+    let pfx = names::layer_prefix(layer);
     let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
-    let mut order: Vec<(String, &'static str)> = [
+    let mut order: Vec<(String, Block)> = [
         "hidden_in",
         "q",
         "k",
@@ -792,16 +1015,16 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
         (
             format!("{pfx}{s}"),
             if *s == "hidden_in" {
-                "input"
+                Block::Input
             } else if s.starts_with("router") {
-                "moe_router"
+                Block::MoeRouter
             } else {
-                "attention"
+                Block::Attention
             },
         )
     })
     .collect();
-    order.push((format!("{pfx}router.topk"), "moe_router"));
+    order.push((format!("{pfx}router.topk"), Block::MoeRouter));
     let mut experts: Vec<String> = row
         .isolated
         .iter()
@@ -809,20 +1032,20 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
         .filter(|n| n.starts_with(&format!("{pfx}expert.")))
         .collect();
     experts.sort();
-    order.extend(experts.into_iter().map(|n| (n, "moe_expert")));
+    order.extend(experts.into_iter().map(|n| (n, Block::MoeExpert)));
     let has_router = row.isolated.iter().any(|t| {
         t.tensor.starts_with(&format!("{pfx}router."))
             || t.tensor.starts_with(&format!("{pfx}expert."))
     });
     let mlp_block = if !moe {
-        "mlp"
+        Block::Mlp
     } else if has_router {
-        "moe_combine"
+        Block::MoeCombine
     } else {
-        "moe"
+        Block::Moe
     };
     order.push((format!("{pfx}mlp_out"), mlp_block));
-    order.push((format!("{pfx}hidden_out"), "residual"));
+    order.push((format!("{pfx}hidden_out"), Block::Residual));
 
     let mut matching = Vec::new();
     for (name, block) in order {
@@ -844,11 +1067,11 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
             }
             matching.push(short(&name));
         } else if let Some(t) = row.isolated.iter().find(|t| t.tensor == name) {
-            if is_bad(&t.status) {
-                let how = if t.status == "different" {
+            if t.status.is_bad() {
+                let how = if t.status == CmpStatus::Row(RowStatus::Different) {
                     String::new()
                 } else {
-                    format!(", {}", t.status.replace('_', " "))
+                    format!(", {}", t.status.as_str().replace('_', " "))
                 };
                 let detail = format!(
                     "{} {differs} ({}/{} elements, max {} ULP, rel L2 {}{how})",
@@ -873,12 +1096,12 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
     let other = row
         .isolated
         .iter()
-        .find(|t| is_bad(&t.status))
+        .find(|t| t.status.is_bad())
         .map(|t| t.tensor.clone())
         .unwrap_or_default();
     Stage {
         layer,
-        block: "other",
+        block: Block::Other,
         detail: format!("{} {differs}", short(&other)),
         tensor: other,
         matching,
@@ -886,7 +1109,7 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
 }
 
 fn is_moe(t: &Trace, layer: usize) -> bool {
-    t.decision_info(&format!("layer.{layer:02}.router.topk"))
+    t.decision_info(&names::layer(layer, "router.topk"))
         .is_some()
 }
 
@@ -904,9 +1127,9 @@ fn self_check(
 ) -> SelfConsistency {
     let mut sc = SelfConsistency {
         scope: if o.all_layers {
-            "all_layers"
+            Scope::AllLayers
         } else {
-            "first_wrong_layer"
+            Scope::FirstWrongLayer
         },
         checked_layers: Vec::new(),
         inconsistent: None,
@@ -915,13 +1138,13 @@ fn self_check(
     let todo: Vec<usize> = if o.all_layers {
         layers
             .iter()
-            .filter(|r| matches!(r.isolation, "match" | "wrong"))
+            .filter(|r| matches!(r.isolation, Isolated::Match | Isolated::Wrong))
             .map(|r| r.layer)
             .collect()
     } else {
         layers
             .iter()
-            .find(|r| r.isolation == "wrong")
+            .find(|r| r.isolation == Isolated::Wrong)
             .map(|r| r.layer)
             .into_iter()
             .collect()
@@ -938,16 +1161,16 @@ fn self_check(
             Ok(iso) => {
                 sc.checked_layers.push(l);
                 layers[l].self_check = if iso.wrong {
-                    "inconsistent"
+                    SelfCheck::Inconsistent
                 } else {
-                    "consistent"
+                    SelfCheck::Consistent
                 };
                 if iso.wrong && sc.inconsistent.is_none() {
                     sc.inconsistent = Some(inconsistency(l, &iso, is_moe(own, l)));
                 }
             }
             Err(why) => {
-                layers[l].self_check = "not_checked";
+                layers[l].self_check = SelfCheck::NotChecked;
                 sc.not_checked.push(format!("layer {l:02}: {why}"));
             }
         }
@@ -960,19 +1183,14 @@ fn self_check(
 
 /// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
 /// the candidate's own whole run, so its isolation would judge the probe, not the engine.
-fn inconsistent_verdict(
-    i: &Inconsistency,
-    layers: &[LayerRow],
-    whole: &WholeRun,
-) -> (&'static str, i32, String) {
+fn inconsistent_verdict(i: &Inconsistency, layers: &[LayerRow], whole: &WholeRun) -> Said {
     let element = i
         .element
         .as_ref()
         .map(|e| {
-            let which = if e.which == "first_differing" {
-                "first differing element"
-            } else {
-                "worst element outside the policy"
+            let which = match e.which {
+                Which::FirstDiffering => "first differing element",
+                Which::WorstOutsidePolicy => "worst element outside the policy",
             };
             format!(
                 "; {which} {:?}: whole run {} vs layer verb {} ({} ULP)",
@@ -985,7 +1203,7 @@ fn inconsistent_verdict(
         .unwrap_or_default();
     let others: Vec<usize> = layers
         .iter()
-        .filter(|r| r.status == "inconsistent" && r.layer != i.layer)
+        .filter(|r| r.status == LayerStatus::Inconsistent && r.layer != i.layer)
         .map(|r| r.layer)
         .collect();
     let also = if others.is_empty() {
@@ -994,13 +1212,12 @@ fn inconsistent_verdict(
         format!("; {}", say(&others, "disagrees too", "disagree too"))
     };
     (
-        "inconsistent_producer",
-        1,
+        BisectVerdict::InconsistentProducer,
         format!(
             "the candidate's layer verb disagrees with its own whole run at layer {:02}: {}{element}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
             i.layer,
             i.detail,
-            whole.verdict.replace('_', " ")
+            whole.verdict.as_str().replace('_', " ")
         ),
     )
 }
@@ -1027,20 +1244,6 @@ fn suspicious_words(layers: &[LayerRow], out: &Outliers) -> String {
     )
 }
 
-pub(crate) fn block_words(block: &str) -> &'static str {
-    match block {
-        "input" => "the layer verb did not take its input as given",
-        "attention" => "attention block",
-        "mlp" => "MLP block",
-        "moe_router" => "MoE router",
-        "moe_expert" => "MoE expert",
-        "moe_combine" => "MoE combine (routing weights × expert outputs; router and experts match)",
-        "moe" => "MoE block",
-        "residual" => "residual add (both blocks match; their sum with the input differs)",
-        _ => "other",
-    }
-}
-
 // ------------------------------------------------------------------------------------------
 // Calibration
 
@@ -1057,12 +1260,12 @@ fn calibrate(
         automatic: !o.calibrate,
         from_layer: from,
         seed: o.seed,
-        perturbation: format!("every finite element of layer.{from:02}.hidden_in moved one f32 ULP up or down in magnitude (splitmix64, seed {})", o.seed),
+        perturbation: format!("every finite element of {} moved one f32 ULP up or down in magnitude (splitmix64, seed {})", names::layer(from, "hidden_in"), o.seed),
         input_rel_l2: None,
         rows: Vec::new(),
         not_checked: None,
     };
-    let name = format!("layer.{from:02}.hidden_in");
+    let name = names::layer(from, "hidden_in");
     let input_rel = format!("{}/calibration.input.trace", o.work);
     let written = (|| -> Result<Option<f64>> {
         let info = reference
@@ -1110,7 +1313,7 @@ fn calibrate(
         };
         let rec = o.reference.run(&o.root, &verb, o.timeout);
         runs.push(rec.clone());
-        let hidden = format!("layer.{layer:02}.hidden_out");
+        let hidden = names::layer(layer, "hidden_out");
         let got = if rec.ok {
             open(&o.root, &out).map_err(|e| e.0)
         } else {
@@ -1229,7 +1432,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     // their consequence and changes nothing upstream. A candidate that cannot be forced is said so.
     let first_tensor = rows(&whole)
         .iter()
-        .filter(|t| is_bad(&t.status))
+        .filter(|t| t.status.is_bad())
         .map(|t| location(&t.tensor))
         .min();
     let first_flip = whole
@@ -1263,7 +1466,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         runs.push(rec.clone());
         refuse_timeout(&runs, o)?;
         let mut f = DecisionsForced {
-            status: "not_forced",
+            status: Forcing::NotForced,
             reason: None,
             from: ref_rel.clone(),
             from_digest: reference.digest().hex(),
@@ -1277,7 +1480,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
                 let prov = &t.provenance()["forced_decisions"];
                 f.rows_overridden = prov["rows_overridden"].as_u64();
                 f.overridden = Some(prov["overridden"].clone());
-                f.status = "forced";
+                f.status = Forcing::Forced;
                 f.candidate_trace = Some(forced_rel);
                 whole = rep;
             }
@@ -1289,29 +1492,31 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     };
     let forced = decisions_forced
         .as_ref()
-        .is_some_and(|f| f.status == "forced");
+        .is_some_and(|f| f.status == Forcing::Forced);
     let whole_rows = rows(&whole);
     let whole_decisions = decisions(&whole);
     let n = reference
         .tensors()
         .iter()
-        .filter(|t| t.name.starts_with("layer.") && t.name.ends_with(".hidden_out"))
-        .map(|t| location(&t.name) + 1)
+        .filter_map(|t| {
+            let n = Name::parse(&t.name);
+            (n.decode_step.is_none() && n.point == "hidden_out").then_some(n.layer?)
+        })
+        .map(|l| l + 1)
         .max()
-        .unwrap_or(0)
-        .max(0) as usize;
+        .unwrap_or(0);
 
     // The first diverging place, in computation order (tensors in reference order, then decisions by location).
-    let mut diverging: Vec<(i64, String, &'static str)> = whole_rows
+    let mut diverging: Vec<(i64, String, How)> = whole_rows
         .iter()
-        .filter(|t| is_bad(&t.status))
-        .map(|t| (location(&t.tensor), t.tensor.clone(), "differs"))
+        .filter(|t| t.status.is_bad())
+        .map(|t| (location(&t.tensor), t.tensor.clone(), How::Differs))
         .collect();
     diverging.extend(
         whole_decisions
             .iter()
             .filter(|d| d.judged_rows() > 0)
-            .map(|d| (location(&d.name), d.name.clone(), "differs")),
+            .map(|d| (location(&d.name), d.name.clone(), How::Differs)),
     );
     // What the differ states as a finding rather than as values (a tensor or decision on one
     // side only, another order): divergence too, so the headline never calls runs matching while
@@ -1327,14 +1532,13 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let margins = whole
         .findings
         .iter()
-        .filter(|f| f.kind == "margin_differs" && !forced);
+        .filter(|f| f.kind == FindingKind::MarginDiffers && !forced);
     for f in structure.iter().copied().chain(margins) {
         if let Some(t) = f
-            .tensor
-            .as_ref()
-            .filter(|t| !diverging.iter().any(|(_, name, _)| name == *t))
+            .tensor()
+            .filter(|t| !diverging.iter().any(|(_, name, _)| name == t))
         {
-            diverging.push((location(t), t.clone(), f.kind));
+            diverging.push((location(t), t.to_string(), How::Finding(f.kind)));
         }
     }
     let first = diverging.iter().min_by_key(|(loc, _, _)| *loc).cloned();
@@ -1342,12 +1546,9 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         .as_ref()
         .and_then(|(loc, _, _)| (0..n as i64).contains(loc).then_some(*loc as usize));
     let whole_run = WholeRun {
-        verdict: serde_json::to_value(whole.verdict)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default(),
+        verdict: whole.verdict,
         first_diverging: first.as_ref().map(|(_, n, _)| n.clone()),
-        first_diverging_how: first.as_ref().map(|(_, _, how)| how.to_string()),
+        first_diverging_how: first.as_ref().map(|(_, _, how)| *how),
         first_diverging_layer: first_layer,
         first_violation: whole.first_violation(),
         first_bit_difference: whole.first_divergence.as_ref().map(|d| FirstBitDifference {
@@ -1370,7 +1571,9 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             .filter(|f| {
                 !matches!(
                     f.kind,
-                    "values_differ" | "outside_policy" | "decision_differs"
+                    FindingKind::ValuesDiffer
+                        | FindingKind::OutsidePolicy
+                        | FindingKind::DecisionDiffers
                 )
             })
             .map(describe)
@@ -1386,18 +1589,18 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     };
     let mut layers: Vec<LayerRow> = (0..n)
         .map(|l| {
-            let pfx = format!("layer.{l:02}.");
+            let pfx = names::layer_prefix(l);
             let differs = diverging.iter().any(|(_, name, _)| name.starts_with(&pfx));
             let h = whole_rows
                 .iter()
-                .find(|t| t.tensor == format!("{pfx}hidden_out"));
+                .find(|t| t.tensor == names::layer(l, "hidden_out"));
             layer_row(l, differs, h)
         })
         .collect();
     let mut failed: Option<(usize, String)> = None;
     for (l, row) in layers.iter_mut().enumerate().take(isolate_upto) {
         if let Some((at, _)) = &failed {
-            row.isolation = "not_checked";
+            row.isolation = Isolated::NotChecked;
             row.reason = Some(format!(
                 "not attempted: the candidate's layer verb failed on layer {at:02}"
             ));
@@ -1413,7 +1616,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         match isolate(o, &src, l, &policy, forced, &mut runs) {
             Ok(iso) => fill_isolated(row, iso),
             Err(why) => {
-                row.isolation = "not_checked";
+                row.isolation = Isolated::NotChecked;
                 row.reason = Some(why.clone());
                 failed = Some((l, why));
             }
@@ -1429,20 +1632,23 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let self_consistency = self_check(o, &own, &own_rel, &mut layers, &policy, forced, &mut runs);
     refuse_timeout(&runs, o)?;
     for row in &mut layers {
-        row.status = if row.self_check == "inconsistent" {
-            "inconsistent"
+        row.status = if row.self_check == SelfCheck::Inconsistent {
+            LayerStatus::Inconsistent
         } else {
             layer_status(row.isolation, row.whole_run)
         };
     }
-    let first_wrong = layers.iter().find(|r| r.status == "wrong").map(|r| r.layer);
+    let first_wrong = layers
+        .iter()
+        .find(|r| r.status == LayerStatus::Wrong)
+        .map(|r| r.layer);
     let stage =
         first_wrong.map(|l| stage(l, &layers[l], is_moe(&reference, l), "differs in isolation"));
 
     // Calibration: from the first wrong layer, else the first diverging one, else layer 0. Judged
     // by bits, a layer about to be blamed in a pair that is not two ordered producers gets it
     // without --calibrate, for that one layer: is its difference rounding?
-    let auto = judge.by == "bits" && !(ordered.0 && ordered.1) && !o.calibrate;
+    let auto = judge.by == By::Bits && !(ordered.0 && ordered.1) && !o.calibrate;
     let calibration = match first_wrong {
         Some(l) if auto => Some(calibrate(o, &reference, l, l + 1, &mut runs)),
         _ => (o.calibrate && n > 0).then(|| {
@@ -1472,7 +1678,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
 
     refuse_timeout(&runs, o)?;
     let rounding_level = match (first_wrong, judge.by) {
-        (Some(l), "bits") => RoundingLevel::new(
+        (Some(l), By::Bits) => RoundingLevel::new(
             l,
             layers[l].isolated_rel_l2,
             layers[l].calibration_rel_l2,
@@ -1485,12 +1691,12 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     // Outliers within the policy: the matching isolated layers' errors against their peers'.
     let errors: Vec<judge::LayerErrors> = layers
         .iter()
-        .filter(|r| r.isolation == "match" && r.status != "inconsistent")
+        .filter(|r| r.isolation == Isolated::Match && r.status != LayerStatus::Inconsistent)
         .map(|r| {
             let rel = |t: &str| {
                 r.isolated
                     .iter()
-                    .find(|x| x.tensor == format!("layer.{:02}.{t}", r.layer))
+                    .find(|x| x.tensor == names::layer(r.layer, t))
                     .and_then(|x| x.rel_l2)
             };
             (
@@ -1518,7 +1724,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let amplification = (errs.len() >= 2)
         .then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64));
 
-    let (verdict, exit_code, summary) = match &self_consistency.inconsistent {
+    let (verdict, summary) = match &self_consistency.inconsistent {
         // The first layer whose verbs disagree comes before any layer blamed: nothing is blamed.
         Some(i) if first_wrong.is_none_or(|w| i.layer < w) => {
             inconsistent_verdict(i, &layers, &whole_run)
@@ -1535,9 +1741,9 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             &failed,
         ),
     };
-    let (verdict, exit_code, mut summary) = match &decisions_forced {
-        Some(f) => with_forcing(f, (verdict, exit_code, summary)),
-        None => (verdict, exit_code, summary),
+    let (verdict, mut summary) = match &decisions_forced {
+        Some(f) => with_forcing(f, (verdict, summary)),
+        None => (verdict, summary),
     };
     if let Some(r) = &rounding_level {
         summary.push_str(&format!("; {}", r.words()));
@@ -1551,31 +1757,35 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     if !outliers.suspicious.is_empty() {
         summary.push_str(&format!("; {}", suspicious_words(&layers, &outliers)));
     }
-    let (decode, (verdict, exit_code, summary)) = if o.generate > 0 {
+    let (decode, (verdict, summary)) = if o.generate > 0 {
         let ctx = crate::bisect_decode::Context {
             reference: &reference,
             candidate: &candidate,
             policy: &policy,
             layers: n,
         };
-        let (d, v) = crate::bisect_decode::run(o, &ctx, &mut runs, (verdict, exit_code, summary));
+        let (d, v) = crate::bisect_decode::run(o, &ctx, &mut runs, (verdict, summary));
         refuse_timeout(&runs, o)?;
         (Some(d), v)
     } else {
-        (None, (verdict, exit_code, summary))
+        (None, (verdict, summary))
     };
     Ok(BisectReport {
         schema: SCHEMA,
         summary,
         verdict,
-        exit_code,
+        exit_code: verdict.exit_code(),
         model: o.model.clone(),
         prompt: o.prompt.clone(),
         tokens: o.tokens.clone(),
         reference: o.reference.name(),
         candidate: o.candidate.name(),
         judge,
-        capture: if o.internals { "internals" } else { "default" },
+        capture: if o.internals {
+            Capture::Internals
+        } else {
+            Capture::Default
+        },
         layers_total: n,
         decisions_forced,
         whole_run,
@@ -1653,10 +1863,7 @@ fn forced_run(
 /// The verdict on the forced runs, with the decisions said. The numbers agreeing once forced is
 /// `nothing_wrong` only when no unforced flip is one trace-diff labels a defect; otherwise
 /// `decisions_differ` (exit 1): the candidate decides otherwise on numbers that agree.
-fn with_forcing(
-    f: &DecisionsForced,
-    (verdict, code, summary): (&'static str, i32, String),
-) -> (&'static str, i32, String) {
+fn with_forcing(f: &DecisionsForced, (verdict, summary): Said) -> Said {
     let summary = summary.trim_end_matches([';', ' ']);
     let rows = |n: u64| format!("{n} row{}", if n == 1 { "" } else { "s" });
     let list: Vec<String> = f
@@ -1677,10 +1884,9 @@ fn with_forcing(
         "unforced, the runs take other decisions: {}",
         list.join("; ")
     );
-    if f.status != "forced" {
+    if f.status != Forcing::Forced {
         return (
             verdict,
-            code,
             format!(
                 "{summary}; {unforced}; decisions NOT forced: {}",
                 f.reason.as_deref().unwrap_or("")
@@ -1707,12 +1913,15 @@ fn with_forcing(
             own.join(", ")
         )
     };
-    if verdict == "nothing_wrong" && f.unforced.iter().any(|d| d.labels.contains_key("defect")) {
-        return ("decisions_differ", 1, format!("the numbers agree once decisions are forced, but the candidate decides otherwise where they do not explain it{own}; {unforced}"));
+    if verdict == BisectVerdict::NothingWrong
+        && f.unforced
+            .iter()
+            .any(|d| d.labels.contains_key(&Label::Defect))
+    {
+        return (BisectVerdict::DecisionsDiffer, format!("the numbers agree once decisions are forced, but the candidate decides otherwise where they do not explain it{own}; {unforced}"));
     }
     (
         verdict,
-        code,
         format!("with decisions forced from the reference: {summary}{own}; {unforced}"),
     )
 }
@@ -1722,14 +1931,14 @@ fn verdict(
     layers: &[LayerRow],
     first_wrong: Option<usize>,
     stage: &Option<Stage>,
-    first: &Option<(i64, String, &'static str)>,
+    first: &Option<(i64, String, How)>,
     n: usize,
     whole: &WholeRun,
     structure: &Option<String>,
     amplification: Option<f64>,
     failed: &Option<(usize, String)>,
-) -> (&'static str, i32, String) {
-    let with = |status: &str| -> Vec<usize> {
+) -> Said {
+    let with = |status: LayerStatus| -> Vec<usize> {
         layers
             .iter()
             .filter(|r| r.status == status)
@@ -1739,12 +1948,12 @@ fn verdict(
     let (matched, inherits, downstream, wrong) = (
         layers
             .iter()
-            .filter(|r| r.isolation == "match" && r.whole_run == "match")
+            .filter(|r| r.isolation == Isolated::Match && r.whole_run == WholeRunState::Match)
             .map(|r| r.layer)
             .collect::<Vec<_>>(),
-        with("inherits"),
-        with("downstream"),
-        with("wrong"),
+        with(LayerStatus::Inherits),
+        with(LayerStatus::Downstream),
+        with(LayerStatus::Wrong),
     );
     let also_structure = structure
         .as_ref()
@@ -1754,7 +1963,7 @@ fn verdict(
     if !matched.is_empty() {
         tail.push(say(&matched, "matches in isolation", "match in isolation"));
     }
-    let inconsistent = with("inconsistent");
+    let inconsistent = with(LayerStatus::Inconsistent);
     if !inconsistent.is_empty() {
         tail.push(say(
             &inconsistent,
@@ -1781,38 +1990,40 @@ fn verdict(
             );
         }
         return (
-            "wrong_layer",
-            1,
+            BisectVerdict::WrongLayer,
             format!(
                 "layer {l:02} body is wrong: {} [{}]; {}{also_structure}",
                 s.detail,
-                block_words(s.block),
+                s.block.words(),
                 tail.join("; ")
             ),
         );
     }
     let whole_same =
-        matches!(whole.verdict.as_str(), "identical" | "within_policy") && structure.is_none();
+        matches!(whole.verdict, Verdict::Identical | Verdict::WithinPolicy) && structure.is_none();
     if let Some((at, why)) = failed {
         let div = match (first, structure) {
-            (Some((_, name, how)), _) => format!(
-                "the whole runs first diverge at {name} ({})",
-                how_words(how)
-            ),
+            (Some((_, name, how)), _) => {
+                format!("the whole runs first diverge at {name} ({})", how.words())
+            }
             (None, Some(s)) => format!("the whole runs differ in structure: {s}"),
             (None, None) if whole_same => {
-                format!("the whole runs are {}", whole.verdict.replace('_', " "))
+                format!(
+                    "the whole runs are {}",
+                    whole.verdict.as_str().replace('_', " ")
+                )
             }
             (None, None) => format!("the whole runs differ ({})", whole.verdict),
         };
         return (
-            "not_checked",
-            4,
+            BisectVerdict::NotChecked,
             format!("isolation NOT CHECKED from layer {at:02}: {why}; {div}"),
         );
     }
     // The first divergence is structural, or only the structure differs: no value to bisect.
-    if first.as_ref().is_some_and(|(_, _, how)| *how != "differs")
+    if first
+        .as_ref()
+        .is_some_and(|(_, _, how)| *how != How::Differs)
         || (first.is_none() && !whole_same)
     {
         let what = structure
@@ -1824,31 +2035,28 @@ fn verdict(
             format!("; {}", tail.join("; "))
         };
         return (
-            "structure_differs",
-            1,
+            BisectVerdict::StructureDiffers,
             format!("the whole runs differ in structure, not only in values: {what}{iso}"),
         );
     }
     match first {
         None => {
-            let how = if whole.verdict == "within_policy" { "within policy" } else { "identical" };
+            let how = if whole.verdict == Verdict::WithinPolicy { "within policy" } else { "identical" };
             // Say so when no layer verb ran: nothing needed isolating, but nothing was isolated.
             let iso = if matched.is_empty() { "; no layer isolated (nothing diverged; --all-layers runs every layer's verb)".to_string() } else { format!("; {}", tail.join("; ")) };
-            ("nothing_wrong", 0, format!("nothing wrong: the whole runs are {how}{iso}"))
+            (BisectVerdict::NothingWrong, format!("nothing wrong: the whole runs are {how}{iso}"))
         }
-        Some((loc, name, _)) if *loc < 0 => ("outside_layers", 1, format!("{name} differs before layer 00{}: the embedding is wrong (the layer verb does not isolate it)", broken(whole, name))),
+        Some((loc, name, _)) if *loc < 0 => (BisectVerdict::OutsideLayers, format!("{name} differs before layer 00{}: the embedding is wrong (the layer verb does not isolate it)", broken(whole, name))),
         Some((loc, name, _)) if *loc as usize >= n => (
-            "outside_layers",
-            1,
+            BisectVerdict::OutsideLayers,
             format!("no layer differs in the whole run; the divergence starts at {name}{}, after the last layer (the head, which the layer verb does not isolate)", broken(whole, name)),
         ),
         Some(_) => {
-            let iso_ulp = layers.iter().filter(|r| r.isolation == "match").filter_map(|r| r.isolated_max_ulp).max().unwrap_or(0);
+            let iso_ulp = layers.iter().filter(|r| r.isolation == Isolated::Match).filter_map(|r| r.isolated_max_ulp).max().unwrap_or(0);
             let iso_rel = layers.iter().filter_map(|r| r.isolated_rel_l2).fold(0.0f64, f64::max);
             let amp = amplification.map(|a| format!(", amplification ×{a:.2} per layer")).unwrap_or_default();
             (
-                "accumulates",
-                1,
+                BisectVerdict::Accumulates,
                 format!(
                     "no layer body is wrong in isolation; the divergence accumulates: per-layer isolated error <= {} ULP (rel L2 <= {}){amp}; {}{also_structure}",
                     thousands(iso_ulp),
@@ -1884,36 +2092,59 @@ fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
 }
 
 /// A differ finding that states a difference of structure, not of values.
-fn is_structure(kind: &str) -> bool {
-    // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
-    // (`rows`), and so is an expert the routing sent other tokens (status `rerouted`); the rest
-    // are notes, not differences.
-    !matches!(
-        kind,
-        "values_differ"
-            | "outside_policy"
-            | "decision_differs"
-            | "margin_differs"
-            | "dtype_mismatch"
-            | "shape_mismatch"
-            | "rerouted"
-            | "stack_mismatch_allowed"
-            | "decisions_forced"
-    )
-}
-
-fn how_words(how: &str) -> String {
-    match how {
-        "differs" => "values differ".into(),
-        "missing_tensor" | "missing_decision" => "missing from the candidate".into(),
-        "extra_tensor" | "extra_decision" => "only in the candidate".into(),
-        other => other.replace('_', " "),
+fn is_structure(kind: FindingKind) -> bool {
+    use FindingKind as K;
+    match kind {
+        // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
+        // (`rows`), and so is an expert the routing sent other tokens (status `rerouted`); the
+        // rest are notes, not differences.
+        K::ValuesDiffer
+        | K::OutsidePolicy
+        | K::DecisionDiffers
+        | K::MarginDiffers
+        | K::DtypeMismatch
+        | K::ShapeMismatch
+        | K::Rerouted
+        | K::StackMismatchAllowed
+        | K::DecisionsForced => false,
+        K::Unreadable
+        | K::StackMismatch
+        | K::WeightsMismatch
+        | K::PromptMismatch
+        | K::SeedMismatch
+        | K::PathMismatch
+        | K::MaskMismatch
+        | K::PositionsMismatch
+        | K::MissingTensor
+        | K::ExtraTensor
+        | K::OrderMismatch
+        | K::AttributeDiffers
+        | K::SignedZero
+        | K::NanMismatch
+        | K::NanPayload
+        | K::Infinity
+        | K::NoPolicyRule
+        | K::MissingDecision
+        | K::ExtraDecision
+        | K::DecisionShapeMismatch
+        | K::DecisionOrderMismatch
+        | K::MarginPresenceMismatch
+        | K::ContentDigestDiffers
+        | K::NothingSelected
+        | K::TensorDiffers
+        | K::Different
+        | K::NoRule
+        | K::CountChanged
+        | K::DigestChanged
+        | K::TokensDiffer
+        | K::TokensChanged
+        | K::ObservedOutOfTolerance => true,
     }
 }
 
 /// "kind name: detail", the name left out when the finding has none.
 pub(crate) fn describe(f: &tracegate_diff::Finding) -> String {
-    match &f.tensor {
+    match f.tensor() {
         Some(t) => format!("{} {t}: {}", f.kind, f.detail),
         None => format!("{}: {}", f.kind, f.detail),
     }
@@ -1922,7 +2153,7 @@ pub(crate) fn describe(f: &tracegate_diff::Finding) -> String {
 /// Structure findings by kind, each with its count and first names: "42 missing_tensor
 /// (layer.00.q, layer.00.k, layer.00.v, …)".
 fn summarise(findings: &[&tracegate_diff::Finding]) -> Option<String> {
-    let mut kinds: Vec<(&str, Vec<&tracegate_diff::Finding>)> = Vec::new();
+    let mut kinds: Vec<(FindingKind, Vec<&tracegate_diff::Finding>)> = Vec::new();
     for f in findings {
         match kinds.iter_mut().find(|(k, _)| *k == f.kind) {
             Some((_, v)) => v.push(f),
@@ -1932,7 +2163,7 @@ fn summarise(findings: &[&tracegate_diff::Finding]) -> Option<String> {
     let parts: Vec<String> = kinds
         .iter()
         .map(|(kind, fs)| {
-            let names: Vec<&str> = fs.iter().filter_map(|f| f.tensor.as_deref()).collect();
+            let names: Vec<&str> = fs.iter().filter_map(|f| f.tensor()).collect();
             let shown: Vec<&str> = names.iter().copied().take(3).collect();
             let more = if names.len() > shown.len() {
                 ", …"
@@ -2003,10 +2234,9 @@ pub fn render(r: &BisectReport) -> String {
             if let Some(how) = r
                 .whole_run
                 .first_diverging_how
-                .as_deref()
-                .filter(|h| *h != "differs")
+                .filter(|h| *h != How::Differs)
             {
-                o.push_str(&format!(" ({})", how_words(how)));
+                o.push_str(&format!(" ({})", how.words()));
             }
             // Under a policy the failure is its first violation; the first bit difference
             // (possibly rounding noise within the policy) follows, named as such.
@@ -2073,7 +2303,7 @@ pub fn render(r: &BisectReport) -> String {
     for row in &r.layers {
         let vs = match (peers, row.isolation) {
             (false, _) => String::new(),
-            (true, "match") if row.status != "inconsistent" => format!(
+            (true, Isolated::Match) if row.status != LayerStatus::Inconsistent => format!(
                 "  {:>8}{}",
                 ratio(row.peer_ratio),
                 if row.suspicious { " suspicious" } else { "" }
@@ -2085,7 +2315,7 @@ pub fn render(r: &BisectReport) -> String {
             format!("{:02}", row.layer),
             row.status,
             row.whole_run,
-            if row.isolation == "not_run" {
+            if row.isolation == Isolated::NotRun {
                 "-".into()
             } else {
                 ulps(row.isolated_max_ulp)
@@ -2108,7 +2338,7 @@ pub fn render(r: &BisectReport) -> String {
         o.push_str(&format!(
             "\n  first wrong stage in layer {:02}: {} — {}\n",
             s.layer,
-            block_words(s.block),
+            s.block.words(),
             s.detail
         ));
         if !s.matching.is_empty() {
@@ -2118,7 +2348,7 @@ pub fn render(r: &BisectReport) -> String {
             ));
         }
         let row = &r.layers[s.layer];
-        for t in row.isolated.iter().filter(|t| is_bad(&t.status)) {
+        for t in row.isolated.iter().filter(|t| t.status.is_bad()) {
             o.push_str(&format!(
                 "    {:<28} {:<14} {:>9}/{:<9} max {} ULP, rel L2 {}\n",
                 t.tensor,
@@ -2184,17 +2414,17 @@ fn self_consistency_lines(sc: &SelfConsistency, layers: &[LayerRow]) -> String {
     let mut o = String::new();
     let consistent: Vec<usize> = layers
         .iter()
-        .filter(|r| r.self_check == "consistent")
+        .filter(|r| r.self_check == SelfCheck::Consistent)
         .map(|r| r.layer)
         .collect();
     match (&sc.inconsistent, consistent.is_empty(), sc.scope) {
         (Some(i), _, _) => {
             o.push_str(&format!("  self-consistency: INCONSISTENT at layer {:02}: the candidate's layer verb on its own input: {} ({})\n", i.layer, i.detail, i.trace));
             if let Some(e) = &i.element {
-                o.push_str(&format!("    {} {:?}: whole run {} vs layer verb {} ({} ULP)\n", e.which.replace('_', " "), e.coords, e.whole_run_value, e.layer_verb_value, ulps(e.ulp)));
+                o.push_str(&format!("    {} {:?}: whole run {} vs layer verb {} ({} ULP)\n", e.which.as_str().replace('_', " "), e.coords, e.whole_run_value, e.layer_verb_value, ulps(e.ulp)));
             }
         }
-        (None, true, "first_wrong_layer") if sc.not_checked.is_empty() => {
+        (None, true, Scope::FirstWrongLayer) if sc.not_checked.is_empty() => {
             o.push_str("  self-consistency: not run (checked only for a layer about to be blamed; --all-layers checks every isolated layer)\n")
         }
         _ => {}
@@ -2225,4 +2455,17 @@ fn outlier_line(out: &Outliers, layers: &[LayerRow]) -> String {
         _ => String::new(),
     };
     format!("  outliers: no layer's isolated error ({}) is above {}× its peers' median, of {} matching isolated layers{largest}\n", out.measure, out.factor, out.isolated_layers)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Before `names`, `location` read two digits: `layer.100.*` sat at layer 10.
+    #[test]
+    fn location_reads_every_digit_of_the_layer() {
+        assert_eq!(super::location("layer.100.mlp_out"), 100);
+        assert_eq!(super::location("layer.07.q"), 7);
+        assert_eq!(super::location("embed.out"), -1);
+        assert_eq!(super::location("logits"), i64::MAX);
+        assert_eq!(super::location("decode.0001.layer.03.q"), i64::MAX);
+    }
 }

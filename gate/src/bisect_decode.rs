@@ -9,10 +9,14 @@
 
 use serde::Serialize;
 use serde_json::json;
-use tracegate_diff::{compare, Filter, Options, Policy};
+use tracegate_diff::{compare, string_enum, Filter, FindingKind, Options, Policy, Verdict};
+use tracegate_trace::names::{self, Name};
 use tracegate_trace::{Attributes, Trace, TraceWriter};
 
-use crate::bisect::{self as b, BisectOptions, DecisionCmp, LayerRow, Stage, TensorCmp};
+use crate::bisect::{
+    self as b, BisectOptions, BisectVerdict, DecisionCmp, How, Isolated, LayerRow, LayerStatus,
+    Said, Stage, TensorCmp, WholeRunState,
+};
 use crate::producer::{RunRecord, Verb};
 use crate::{gerr, Result};
 
@@ -22,10 +26,28 @@ pub const CACHED_DECODE_EXIT: i32 = 6;
 /// The capture points of a decode step's layer, in computation order.
 const BODY: [&str; 4] = ["hidden_in", "attn_out", "mlp_out", "hidden_out"];
 
+string_enum! {
+    /// The candidate's cached decode against its own full recompute.
+    pub enum CacheStatus {
+        /// No difference at or before the diverging step.
+        Agrees = "agrees",
+        Disagrees = "disagrees",
+        NotChecked = "not_checked",
+    }
+}
+
+string_enum! {
+    /// Whether the decode steps were compared.
+    pub enum DecodeStatus {
+        Compared = "compared",
+        /// The prefill verdict wins (`reason`).
+        NotCompared = "not_compared",
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct CacheCheck {
-    /// "agrees" (no difference at or before the diverging step), "disagrees", "not_checked".
-    pub status: &'static str,
+    pub status: CacheStatus,
     /// The candidate's `--cache off` trace.
     pub trace: Option<String>,
     /// The first difference between the candidate's cached and uncached decode steps.
@@ -39,8 +61,7 @@ pub struct CacheCheck {
 pub struct DecodeReport {
     /// `--generate N`: decode steps in each whole run.
     pub generate: usize,
-    /// "compared", or "not_compared" (the prefill verdict wins; `reason`).
-    pub status: &'static str,
+    pub status: DecodeStatus,
     pub reason: Option<String>,
     /// Steps compared, 0.. in order: up to and including the first diverging one.
     pub steps_compared: usize,
@@ -50,7 +71,7 @@ pub struct DecodeReport {
     /// The first tensor or decision of that step that differs (or is outside the policy, or on
     /// one side only), and how.
     pub first_diverging: Option<String>,
-    pub first_diverging_how: Option<String>,
+    pub first_diverging_how: Option<How>,
     /// The step's differing tensors and decision.
     pub step_tensors: Vec<TensorCmp>,
     pub step_decisions: Vec<DecisionCmp>,
@@ -69,7 +90,7 @@ impl DecodeReport {
     fn new(generate: usize) -> DecodeReport {
         DecodeReport {
             generate,
-            status: "compared",
+            status: DecodeStatus::Compared,
             reason: None,
             steps_compared: 0,
             first_diverging_step: None,
@@ -121,16 +142,9 @@ fn decode_only(policy: &Option<Policy>) -> Options {
     }
 }
 
-/// The step of a `decode.SSSS.…` name: every digit up to the next dot (a step past 9999 is
-/// written with more than four).
+/// The step of a `decode.SSSS.…` name (every digit: a step past 9999 has more than four).
 fn step_of(name: &str) -> Option<usize> {
-    name.strip_prefix("decode.")
-        .and_then(|r| r.split('.').next())
-        .and_then(|s| s.parse().ok())
-}
-
-fn step_name(s: usize, point: &str) -> String {
-    format!("decode.{s:04}.{point}")
+    Name::parse(name).decode_step
 }
 
 /// The decode bisection, after the prefill's verdict: returns the decode report and the verdict
@@ -139,11 +153,11 @@ pub fn run(
     o: &BisectOptions,
     c: &Context,
     runs: &mut Vec<RunRecord>,
-    prefill: (&'static str, i32, String),
-) -> (DecodeReport, (&'static str, i32, String)) {
+    prefill: Said,
+) -> (DecodeReport, Said) {
     let mut d = DecodeReport::new(o.generate);
-    if prefill.0 != "nothing_wrong" {
-        d.status = "not_compared";
+    if prefill.0 != BisectVerdict::NothingWrong {
+        d.status = DecodeStatus::NotCompared;
         d.reason = Some(format!(
             "the prefill verdict ({}) wins; decode steps are compared only when the prefill agrees",
             prefill.0
@@ -158,18 +172,17 @@ pub fn run(
     // A side that captured no decode tensors (a producer older than the decode capture) leaves
     // the steps' numbers unchecked, whatever its decisions say.
     for (side, t) in [("reference", c.reference), ("candidate", c.candidate)] {
-        if t.tensor_info(&step_name(0, "logits")).is_none() {
-            let why = format!("the {side}'s trace has no {} (its trace verb does not capture decode steps, docs/producers.md)", step_name(0, "logits"));
-            d.status = "not_compared";
+        if t.tensor_info(&names::decode(0, "logits")).is_none() {
+            let why = format!("the {side}'s trace has no {} (its trace verb does not capture decode steps, docs/producers.md)", names::decode(0, "logits"));
+            d.status = DecodeStatus::NotCompared;
             d.reason = Some(why.clone());
             return (
                 d,
                 (
-                    "not_checked",
-                    4,
+                    BisectVerdict::NotChecked,
                     format!(
                         "decode steps NOT CHECKED: {why}; the prefill: {}",
-                        prefill.2
+                        prefill.1
                     ),
                 ),
             );
@@ -177,18 +190,21 @@ pub fn run(
     }
     // Per step, in computation order: its tensors in the reference's order, then its decision;
     // what the differ states as a finding (a tensor or decision on one side only) counts too.
-    let structure: Vec<(String, &'static str)> = rep
+    let structure: Vec<(&str, FindingKind)> = rep
         .findings
         .iter()
         .filter(|f| {
             matches!(
                 f.kind,
-                "missing_tensor" | "extra_tensor" | "missing_decision" | "extra_decision"
+                FindingKind::MissingTensor
+                    | FindingKind::ExtraTensor
+                    | FindingKind::MissingDecision
+                    | FindingKind::ExtraDecision
             )
         })
-        .filter_map(|f| f.tensor.clone().map(|t| (t, f.kind)))
+        .filter_map(|f| f.tensor().map(|t| (t, f.kind)))
         .collect();
-    let mut first: Option<(usize, String, String)> = None;
+    let mut first: Option<(usize, String, How)> = None;
     let mut step_all: Vec<TensorCmp> = Vec::new();
     let mut stop_after: Option<(usize, String)> = None;
     for s in 0..o.generate {
@@ -196,16 +212,16 @@ pub fn run(
         let mine = |name: &str| step_of(name) == Some(s);
         let bad_tensor = tensors
             .iter()
-            .find(|t| mine(&t.tensor) && b::is_bad(&t.status))
-            .map(|t| (t.tensor.clone(), "differs".to_string()));
+            .find(|t| mine(&t.tensor) && t.status.is_bad())
+            .map(|t| (t.tensor.clone(), How::Differs));
         let bad_structure = structure
             .iter()
             .find(|(t, _)| mine(t))
-            .map(|(t, k)| (t.clone(), k.to_string()));
+            .map(|(t, k)| (t.to_string(), How::Finding(*k)));
         let dec = decisions.iter().find(|x| mine(&x.name));
         let bad_decision = dec
             .filter(|x| x.judged_rows() > 0)
-            .map(|x| (x.name.clone(), "differs".to_string()));
+            .map(|x| (x.name.clone(), How::Differs));
         if let Some((name, how)) = bad_tensor.or(bad_structure).or(bad_decision) {
             step_all = tensors
                 .iter()
@@ -214,7 +230,7 @@ pub fn run(
                 .collect();
             d.step_tensors = step_all
                 .iter()
-                .filter(|t| b::is_bad(&t.status))
+                .filter(|t| t.status.is_bad())
                 .cloned()
                 .collect();
             d.step_decisions = decisions
@@ -238,7 +254,7 @@ pub fn run(
         } else {
             format!("steps 0-{}", d.steps_compared - 1)
         };
-        let how = if rep.verdict == tracegate_diff::Verdict::WithinPolicy {
+        let how = if rep.verdict == Verdict::WithinPolicy {
             "within policy"
         } else {
             "identical"
@@ -249,41 +265,40 @@ pub fn run(
         };
         let summary = format!(
             "{}; decode {steps} {how} ({} of {} steps compared){tail}",
-            prefill.2, d.steps_compared, o.generate
+            prefill.1, d.steps_compared, o.generate
         );
-        return (d, ("nothing_wrong", 0, summary));
+        return (d, (BisectVerdict::NothingWrong, summary));
     };
     let p = n + s as i64 - 1;
     d.first_diverging_step = Some(s);
     d.position = Some(p);
     d.first_diverging = Some(name.clone());
-    d.first_diverging_how = Some(how.clone());
+    d.first_diverging_how = Some(how);
 
     let cache = cache_check(o, c, s, runs);
     let cache_says = match (cache.status, &cache.first_tensor, cache.first_step) {
-        ("disagrees", Some(t), Some(at)) => Some(format!(
+        (CacheStatus::Disagrees, Some(t), Some(at)) => Some(format!(
             "the cached decode path disagrees with the full recompute from step {at}: first {t}{} (the candidate's --cache on vs --cache off)",
             cache.detail.as_ref().map(|x| format!(" ({x})")).unwrap_or_default()
         )),
         _ => None,
     };
     let cache_note = match cache.status {
-        "agrees" => {
+        CacheStatus::Agrees => {
             "the candidate's cached decode agrees with its full recompute through this step"
                 .to_string()
         }
-        "not_checked" => format!(
+        CacheStatus::NotChecked => format!(
             "cache self-check NOT CHECKED: {}",
             cache.reason.as_deref().unwrap_or("")
         ),
-        _ => String::new(),
+        CacheStatus::Disagrees => String::new(),
     };
     d.cache_check = Some(cache);
 
-    let how_said = if how == "differs" {
-        String::new()
-    } else {
-        format!(" ({})", how.replace('_', " "))
+    let how_said = match how {
+        How::Differs => String::new(),
+        How::Finding(k) => format!(" ({})", k.as_str().replace('_', " ")),
     };
     let head = format!("decode step {s} (position {p}) first diverges at {name}{how_said}");
     let before = match s {
@@ -293,29 +308,28 @@ pub fn run(
     };
     // Step 0 runs no forward: its logits are the prompt's last row, which the prefill compared.
     if s == 0 {
-        let v = cache_says.map(|c| ("cached_decode_differs", CACHED_DECODE_EXIT, c)).unwrap_or(("outside_layers", 1, format!("{head}: step 0 is the prompt's last logits row, which matched in the prefill; the producer records another")));
-        return (d, (v.0, v.1, format!("{}; {before}", v.2)));
+        let v = cache_says.map(|c| (BisectVerdict::CachedDecodeDiffers, c)).unwrap_or((BisectVerdict::OutsideLayers, format!("{head}: step 0 is the prompt's last logits row, which matched in the prefill; the producer records another")));
+        return (d, (v.0, format!("{}; {before}", v.1)));
     }
     isolate_step(o, c, s, p, &step_all, &mut d, runs);
     let iso = iso_words(&d, s);
-    let (verdict, code, what) = match (&cache_says, d.first_wrong_layer, &d.isolation_not_checked) {
-        (Some(cs), _, _) => ("cached_decode_differs", CACHED_DECODE_EXIT, format!("{cs}; {iso}")),
-        (None, Some(_), _) => ("wrong_layer", 1, format!("{head}; {iso}; {cache_note}")),
-        (None, None, Some(_)) => ("not_checked", 4, format!("{head}; {iso}; {cache_note}")),
-        (None, None, None) if how != "differs" => ("structure_differs", 1, format!("{head}; {iso}")),
-        (None, None, None) if name.ends_with(".argmax") => {
-            ("decisions_differ", 1, format!("{head}: the step's numbers agree but the candidate decides otherwise; {iso}; {cache_note}"))
+    let (verdict, what) = match (&cache_says, d.first_wrong_layer, &d.isolation_not_checked) {
+        (Some(cs), _, _) => (BisectVerdict::CachedDecodeDiffers, format!("{cs}; {iso}")),
+        (None, Some(_), _) => (BisectVerdict::WrongLayer, format!("{head}; {iso}; {cache_note}")),
+        (None, None, Some(_)) => (BisectVerdict::NotChecked, format!("{head}; {iso}; {cache_note}")),
+        (None, None, None) if how != How::Differs => (BisectVerdict::StructureDiffers, format!("{head}; {iso}")),
+        (None, None, None) if Name::parse(&name).point == "argmax" => {
+            (BisectVerdict::DecisionsDiffer, format!("{head}: the step's numbers agree but the candidate decides otherwise; {iso}; {cache_note}"))
         }
-        (None, None, None) if !name.contains(".layer.") && d.layers.iter().all(|r| r.whole_run == "match") => {
-            ("outside_layers", 1, format!("{head}, after the last layer (the head, which the layer verb does not isolate); {iso}; {cache_note}"))
+        (None, None, None) if Name::parse(&name).layer.is_none() && d.layers.iter().all(|r| r.whole_run == WholeRunState::Match) => {
+            (BisectVerdict::OutsideLayers, format!("{head}, after the last layer (the head, which the layer verb does not isolate); {iso}; {cache_note}"))
         }
-        (None, None, None) => ("accumulates", 1, format!("{head}; no layer's decode body is wrong in isolation; {iso}; {cache_note}")),
+        (None, None, None) => (BisectVerdict::Accumulates, format!("{head}; no layer's decode body is wrong in isolation; {iso}; {cache_note}")),
     };
     (
         d,
         (
             verdict,
-            code,
             format!("{}; {before}", what.trim_end_matches("; ")),
         ),
     )
@@ -327,7 +341,7 @@ fn iso_words(d: &DecodeReport, s: usize) -> String {
         return format!(
             "in isolation at step {s} layer {l:02}'s decode body is wrong: {} [{}]",
             st.detail,
-            b::block_words(st.block)
+            st.block.words()
         );
     }
     if let Some(why) = &d.isolation_not_checked {
@@ -336,7 +350,7 @@ fn iso_words(d: &DecodeReport, s: usize) -> String {
     let matched: Vec<usize> = d
         .layers
         .iter()
-        .filter(|r| r.isolation == "match")
+        .filter(|r| r.isolation == Isolated::Match)
         .map(|r| r.layer)
         .collect();
     if matched.is_empty() {
@@ -354,7 +368,7 @@ fn iso_words(d: &DecodeReport, s: usize) -> String {
 fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecord>) -> CacheCheck {
     let rel = format!("{}/candidate.uncached.trace", o.work);
     let mut check = CacheCheck {
-        status: "not_checked",
+        status: CacheStatus::NotChecked,
         trace: None,
         first_step: None,
         first_tensor: None,
@@ -398,7 +412,7 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
     let tensors = b::rows(&rep);
     let bad_t = tensors
         .iter()
-        .filter(|t| b::is_bad(&t.status))
+        .filter(|t| t.status.is_bad())
         .filter_map(|t| step_of(&t.tensor).map(|s| (s, t)))
         .min_by_key(|(s, _)| *s);
     let bad_d = b::decisions(&rep)
@@ -414,7 +428,7 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
     };
     match first {
         Some((at, name, t)) if at <= s => {
-            check.status = "disagrees";
+            check.status = CacheStatus::Disagrees;
             check.first_step = Some(at);
             check.first_tensor = Some(name);
             check.detail = t.map(|t| {
@@ -428,7 +442,7 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
             });
         }
         other => {
-            check.status = "agrees";
+            check.status = CacheStatus::Agrees;
             // A later difference is a consequence of the step already diverging, not the cause.
             if let Some((at, name, _)) = other {
                 check.first_step = Some(at);
@@ -464,7 +478,7 @@ fn write_step_inputs(
     };
     let (mut input, mut view) = (create(input_rel)?, create(view_rel)?);
     for l in 0..c.layers {
-        let pre = format!("layer.{l:02}.hidden_in");
+        let pre = names::layer(l, "hidden_in");
         let mut x = r
             .f32_slice(&pre)
             .map_err(|e| gerr!("the reference's {pre}: {e}"))?
@@ -474,7 +488,7 @@ fn write_step_inputs(
             .ok_or_else(|| gerr!("the reference has no {pre}"))?;
         let h = *info.shape.last().unwrap_or(&0);
         for t in 1..=s {
-            let name = step_name(t, &pre);
+            let name = names::decode(t, &pre);
             x.extend_from_slice(
                 r.f32_slice(&name)
                     .map_err(|e| gerr!("the reference's {name}: {e}"))?,
@@ -488,7 +502,7 @@ fn write_step_inputs(
             .tensor_f32(&pre, &[p as u64 + 1, h], &x, &attrs)
             .map_err(|e| gerr!("{input_rel}: {e}"))?;
         for point in BODY {
-            let name = step_name(s, &format!("layer.{l:02}.{point}"));
+            let name = names::decode(s, &names::layer(l, point));
             let info = r
                 .tensor_info(&name)
                 .ok_or_else(|| gerr!("the reference has no {name}"))?;
@@ -497,7 +511,7 @@ fn write_step_inputs(
             let data = r
                 .f32_slice(&name)
                 .map_err(|e| gerr!("the reference's {name}: {e}"))?;
-            view.tensor_f32(&format!("layer.{l:02}.{point}"), &info.shape, data, &attrs)
+            view.tensor_f32(&names::layer(l, point), &info.shape, data, &attrs)
                 .map_err(|e| gerr!("{view_rel}: {e}"))?;
         }
     }
@@ -533,13 +547,13 @@ fn isolate_step(
     let whole = |l: usize| {
         step_all
             .iter()
-            .find(|t| t.tensor == step_name(s, &format!("layer.{l:02}.hidden_out")))
+            .find(|t| t.tensor == names::decode(s, &names::layer(l, "hidden_out")))
             .cloned()
     };
     let differs = |l: usize| {
         d.step_tensors.iter().any(|t| {
             t.tensor
-                .starts_with(&step_name(s, &format!("layer.{l:02}.")))
+                .starts_with(&names::decode(s, &names::layer_prefix(l)))
         })
     };
     let first_layer = (0..c.layers).find(|&l| differs(l));
@@ -555,7 +569,7 @@ fn isolate_step(
             model: o.model.clone(),
             layer: l,
             input: input_rel.clone(),
-            input_name: format!("layer.{l:02}.hidden_in"),
+            input_name: names::layer(l, "hidden_in"),
             out: format!("{}/decode.{s:04}.candidate.layer.{l:02}.trace", o.work),
             internals: o.internals,
             force: None,
@@ -574,8 +588,8 @@ fn isolate_step(
         ) {
             Ok(iso) => b::fill_isolated(&mut row, iso),
             Err(why) => {
-                row.isolation = "not_checked";
-                row.status = "not_checked";
+                row.isolation = Isolated::NotChecked;
+                row.status = LayerStatus::NotChecked;
                 let why = format!("{why} (--decode-from is part of the decode extension, docs/producers.md; a producer without it cannot be isolated at a decode step)");
                 row.reason = Some(why.clone());
                 d.isolation_not_checked = Some(format!("layer {l:02}: {why}"));
@@ -591,14 +605,14 @@ fn isolate_step(
     d.first_wrong_layer = d
         .layers
         .iter()
-        .find(|r| r.isolation == "wrong")
+        .find(|r| r.isolation == Isolated::Wrong)
         .map(|r| r.layer);
     d.stage = d.first_wrong_layer.map(|l| {
         b::stage(
             l,
             &d.layers[l],
             c.reference
-                .decision_info(&format!("layer.{l:02}.router.topk"))
+                .decision_info(&names::layer(l, "router.topk"))
                 .is_some(),
             "differs in isolation",
         )
@@ -608,7 +622,7 @@ fn isolate_step(
 /// The decode part of the human output.
 pub fn render(d: &DecodeReport) -> String {
     let mut o = String::new();
-    if d.status != "compared" {
+    if d.status != DecodeStatus::Compared {
         o.push_str(&format!(
             "\n  decode ({} steps): not compared: {}\n",
             d.generate,
@@ -653,14 +667,16 @@ pub fn render(d: &DecodeReport) -> String {
     }
     if let Some(c) = &d.cache_check {
         let what = match c.status {
-            "disagrees" => format!(
+            CacheStatus::Disagrees => format!(
                 "DISAGREES from step {} at {} ({})",
                 c.first_step.unwrap_or(0),
                 c.first_tensor.as_deref().unwrap_or(""),
                 c.detail.as_deref().unwrap_or("")
             ),
-            "agrees" => "agrees through the diverging step".to_string(),
-            _ => format!("NOT CHECKED: {}", c.reason.as_deref().unwrap_or("")),
+            CacheStatus::Agrees => "agrees through the diverging step".to_string(),
+            CacheStatus::NotChecked => {
+                format!("NOT CHECKED: {}", c.reason.as_deref().unwrap_or(""))
+            }
         };
         o.push_str(&format!(
             "  cache self-check (the candidate's --cache on vs --cache off): {what}\n"
@@ -693,7 +709,7 @@ pub fn render(d: &DecodeReport) -> String {
         o.push_str(&format!(
             "  first wrong stage in layer {:02} at the decode step: {} — {}\n",
             st.layer,
-            b::block_words(st.block),
+            st.block.words(),
             st.detail
         ));
     }

@@ -11,7 +11,7 @@ use tracegate_diff::html::{
 };
 use tracegate_diff::thousands;
 
-use crate::bisect::{block_words, BisectReport, LayerRow};
+use crate::bisect::{BisectReport, LayerRow};
 
 /// The series' colours (the diff's sheet has one colour per diff series); allowed by the page's
 /// CSP (`style-src 'unsafe-inline'`).
@@ -76,7 +76,7 @@ fn chart(r: &BisectReport) -> String {
     let mut marks = Vec::new();
     if let Some(w) = r.first_wrong_layer {
         let names = r.stage.as_ref().map_or(format!("layer {w:02}"), |s| {
-            format!("{} ({})", s.tensor, block_words(s.block))
+            format!("{} ({})", s.tensor, s.block.words())
         });
         marks.push(Mark {
             x: w,
@@ -129,9 +129,9 @@ fn layer_table(r: &BisectReport, h: &mut String) {
             l.layer,
             l.layer,
             num_td(&p("layer"), &l.layer, &format!("{:02}", l.layer)),
-            val("td", "text", &p("status"), &l.status, l.status),
-            val("td", "text", &p("whole_run"), &l.whole_run, l.whole_run),
-            val("td", "text", &p("isolation"), &l.isolation, l.isolation),
+            val("td", "text", &p("status"), &l.status, l.status.as_str()),
+            val("td", "text", &p("whole_run"), &l.whole_run, l.whole_run.as_str()),
+            val("td", "text", &p("isolation"), &l.isolation, l.isolation.as_str()),
             num_td(&p("isolated_max_ulp"), &l.isolated_max_ulp, &ulp_text(l.isolated_max_ulp)),
             num_td(&p("isolated_rel_l2"), &l.isolated_rel_l2, &fmt_real(l.isolated_rel_l2)),
             num_td(&p("whole_max_ulp"), &l.whole_max_ulp, &ulp_text(l.whole_max_ulp)),
@@ -139,7 +139,7 @@ fn layer_table(r: &BisectReport, h: &mut String) {
             num_td(&p("calibration_rel_l2"), &l.calibration_rel_l2, &fmt_real(l.calibration_rel_l2)),
             num_td(&p("whole_vs_calibration"), &l.whole_vs_calibration, &fmt_real(l.whole_vs_calibration)),
             num_td(&p("isolated_vs_calibration"), &l.isolated_vs_calibration, &fmt_real(l.isolated_vs_calibration)),
-            val("td", "text", &p("self_check"), &l.self_check, l.self_check),
+            val("td", "text", &p("self_check"), &l.self_check, l.self_check.as_str()),
             num_td(&p("peer_ratio"), &l.peer_ratio, &fmt_real(l.peer_ratio)),
             val("td", "flag", &p("suspicious"), &l.suspicious, if l.suspicious { "suspicious" } else { "" }),
             val("td", if l.reason.is_some() { "text" } else { "none" }, &p("reason"), &l.reason, l.reason.as_deref().unwrap_or("-")),
@@ -159,8 +159,8 @@ fn stage(r: &BisectReport, h: &mut String) {
         s.layer,
         esc(&s.tensor),
         val("span", "num", "/stage/layer", &s.layer, &format!("{:02}", s.layer)),
-        esc(block_words(s.block)),
-        val("code", "text", "/stage/block", &s.block, s.block),
+        esc(s.block.words()),
+        val("code", "text", "/stage/block", &s.block, s.block.as_str()),
         esc(&s.tensor),
         val("span", "text", "/stage/detail", &s.detail, &s.detail),
     );
@@ -187,10 +187,10 @@ fn stage(r: &BisectReport, h: &mut String) {
         let _ = write!(
             h,
             "<tr class=\"{}\" data-tensor=\"{}\"><td class=\"mono\">{}</td>{}{}{}{}{}{}</tr>",
-            esc(&t.status),
+            t.status,
             esc(&t.tensor),
             esc(&t.tensor),
-            val("td", "text", &p("status"), &t.status, &t.status),
+            val("td", "text", &p("status"), &t.status, t.status.as_str()),
             num_td(
                 &p("differing_elements"),
                 &t.differing_elements,
@@ -214,7 +214,13 @@ fn whole_run(r: &BisectReport, h: &mut String) {
     let _ = write!(
         h,
         "<div class=\"box\" id=\"whole-run\">Whole run: {}",
-        val("b", "text", "/whole_run/verdict", &w.verdict, &w.verdict)
+        val(
+            "b",
+            "text",
+            "/whole_run/verdict",
+            &w.verdict,
+            w.verdict.as_str()
+        )
     );
     if let Some(f) = &w.first_diverging {
         let _ = write!(
@@ -350,7 +356,7 @@ fn checks(r: &BisectReport, h: &mut String) {
     let _ = write!(
         h,
         "<div class=\"box\" id=\"self-consistency\"><b>Self-consistency</b> (scope {}): ",
-        esc(sc.scope)
+        sc.scope
     );
     match &sc.inconsistent {
         Some(i) => {
@@ -445,15 +451,15 @@ pub fn render_html(r: &BisectReport) -> String {
         h,
         "<h1>gate bisect: <span id=\"verdict\" class=\"{}\" data-json=\"/verdict\" data-v=\"{}\">{}</span> (exit {})</h1>",
         if r.exit_code == 0 { "s-PASS" } else { "s-FAIL" },
-        esc(&json_text(r.verdict)),
-        esc(&r.verdict.to_uppercase().replace('_', " ")),
+        esc(&json_text(&r.verdict)),
+        esc(&r.verdict.as_str().to_uppercase().replace('_', " ")),
         val("span", "num", "/exit_code", &r.exit_code, &r.exit_code.to_string()),
     );
     let j = &r.judge;
     let _ = write!(
         h,
         "<p id=\"judge\">judged by {}{} ({})</p>",
-        val("b", "text", "/judge/by", j.by, j.by),
+        val("b", "text", "/judge/by", &j.by, j.by.as_str()),
         j.policy.as_ref().map_or(String::new(), |p| format!(
             " {}",
             val("code", "text", "/judge/policy", p, p)
@@ -473,7 +479,7 @@ pub fn render_html(r: &BisectReport) -> String {
         esc(&r.model),
         r.tokens.len(),
         r.prompt.as_ref().map_or(String::new(), |p| format!(" (prompt {})", esc(p))),
-        esc(r.capture),
+        r.capture,
         val("span", "num", "/layers_total", &r.layers_total, &r.layers_total.to_string()),
         esc(&r.work_dir),
     );
@@ -481,7 +487,13 @@ pub fn render_html(r: &BisectReport) -> String {
         let _ = write!(
             h,
             "<p id=\"decisions-forced\">decisions: {}{}</p>",
-            val("b", "text", "/decisions_forced/status", f.status, f.status),
+            val(
+                "b",
+                "text",
+                "/decisions_forced/status",
+                &f.status,
+                f.status.as_str()
+            ),
             f.reason.as_ref().map_or(String::new(), |why| format!(
                 " — {}",
                 val("span", "text", "/decisions_forced/reason", why, why)

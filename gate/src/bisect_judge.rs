@@ -30,11 +30,18 @@ pub enum Ask {
     Policy(String),
 }
 
+tracegate_diff::string_enum! {
+    /// What a bisection judges by.
+    pub enum By {
+        Bits = "bits",
+        Policy = "policy",
+    }
+}
+
 /// How a bisection judges, and why (the first line of its verdict; `judge` in the report).
 #[derive(Clone, Debug, Serialize)]
 pub struct Judge {
-    /// "bits" or "policy".
-    pub by: &'static str,
+    pub by: By,
     /// The policy as given or chosen: a bundled name (f32, bf16, f16) or a file; null by bits.
     pub policy: Option<String>,
     /// The policy file's own name (e.g. oracle-default); null by bits.
@@ -81,7 +88,7 @@ pub fn choose(
         let p = Policy::resolve(arg, root).map_err(|e| gerr!("--policy {arg}: {e}"))?;
         Ok((
             Judge {
-                by: "policy",
+                by: By::Policy,
                 policy: Some(arg.to_string()),
                 policy_name: Some(p.name.clone()),
                 precision,
@@ -93,7 +100,7 @@ pub fn choose(
     let bits = |reason: String| {
         Ok((
             Judge {
-                by: "bits",
+                by: By::Bits,
                 policy: None,
                 policy_name: None,
                 precision,

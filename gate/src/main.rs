@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use tracegate_gate::paths::UserPaths;
 use tracegate_gate::producer::DEFAULT_TIMEOUT_S;
-use tracegate_gate::run::{run_milestone, GateOptions, MilestoneReport};
+use tracegate_gate::run::{run_milestone, Check, GateOptions, MilestoneReport};
 use tracegate_gate::{find_root, milestones::MilestoneFile, report};
 
 #[derive(Parser)]
@@ -326,13 +326,13 @@ fn run_one(
 }
 
 /// The three answers `gate check` gives per milestone.
-fn answer(rep: &MilestoneReport, checks: &[&str]) -> (&'static str, String) {
+fn answer(rep: &MilestoneReport, checks: &[Check]) -> (&'static str, String) {
     use tracegate_gate::run::Status;
     let relevant: Vec<_> = rep
         .prompts
         .iter()
         .flat_map(|p| p.checks.iter().map(move |c| (p, c)))
-        .filter(|(_, c)| checks.contains(&c.check.as_str()))
+        .filter(|(_, c)| checks.contains(&c.check))
         .collect();
     if let Some((p, c)) = relevant.iter().find(|(_, c)| c.status == Status::Fail) {
         return ("FAIL", format!("{}/{}: {}", p.id, c.check, c.detail));
@@ -406,9 +406,9 @@ fn main() -> ExitCode {
             let mut worst = 0;
             for m in &file.milestones {
                 let rep = run_one(&root, &up, &m.id, args)?;
-                let stable = answer(&rep, &["stable"]);
-                let matches = answer(&rep, &["matches", "generation"]);
-                let agrees = answer(&rep, &["agrees", "generation_oracle"]);
+                let stable = answer(&rep, &[Check::Stable]);
+                let matches = answer(&rep, &[Check::Matches, Check::Generation]);
+                let agrees = answer(&rep, &[Check::Agrees, Check::GenerationOracle]);
                 table.push(format!(
                     "{:<4} stable: {:<11} matches: {:<11} agrees: {:<11}\n     stable  — {}\n     matches — {}\n     agrees  — {}",
                     m.id, stable.0, matches.0, agrees.0, stable.1, matches.1, agrees.1

@@ -6,6 +6,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use tracegate_diff::FindingKind;
+
+use crate::run::Check;
 use crate::{gerr, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -68,9 +71,9 @@ pub struct Expectation {
 pub struct DeclaredDivergence {
     pub prompt: String,
     /// `matches`, `agrees` or `generation`.
-    pub check: String,
+    pub check: Check,
     /// The finding kind, e.g. `decision_differs`, `outside_policy`, `tokens_differ`.
-    pub kind: String,
+    pub kind: FindingKind,
     /// The tensor or decision it is about.
     pub name: String,
     /// The count the finding reports (differing rows, elements, tokens).
@@ -90,8 +93,8 @@ impl MilestoneFile {
         }
         for m in &file.milestones {
             for d in &m.declared_divergences {
-                if !["matches", "agrees", "generation"].contains(&d.check.as_str()) {
-                    return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation", path.display(), m.id, d.check));
+                if !matches!(d.check, Check::Matches | Check::Agrees | Check::Generation) {
+                    return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation", path.display(), m.id, d.check.to_string()));
                 }
                 if d.reason.trim().is_empty() {
                     return Err(gerr!(

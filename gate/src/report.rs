@@ -1,10 +1,6 @@
 //! The human summary of a gate run. The JSON report is the serialised `MilestoneReport`.
 
-use crate::run::{CheckResult, MilestoneReport, Status};
-
-fn cell(status: Status) -> &'static str {
-    status.label()
-}
+use crate::run::{Check, CheckResult, GateVerdict, MilestoneReport, Status};
 
 /// The summary table: one row per prompt, one column per check, then failures and reasons.
 pub fn render(r: &MilestoneReport) -> String {
@@ -23,7 +19,7 @@ pub fn render(r: &MilestoneReport) -> String {
     let checks: Vec<String> = r
         .prompts
         .first()
-        .map(|p| p.checks.iter().map(|c| c.check.clone()).collect())
+        .map(|p| p.checks.iter().map(|c| c.check.to_string()).collect())
         .unwrap_or_default();
     let mut header = format!("{:<10} {:>6}", "prompt", "tokens");
     for c in &checks {
@@ -35,7 +31,7 @@ pub fn render(r: &MilestoneReport) -> String {
     for p in &r.prompts {
         let mut line = format!("{:<10} {:>6}", p.id, p.tokens);
         for c in &p.checks {
-            line.push_str(&format!(" {:<17}", cell(c.status)));
+            line.push_str(&format!(" {:<17}", c.status));
         }
         line.push_str(&format!(
             " {}",
@@ -54,19 +50,19 @@ pub fn render(r: &MilestoneReport) -> String {
                         "{}/{} {}: {}\n",
                         p.id,
                         c.check,
-                        c.status.label(),
+                        c.status.as_str(),
                         c.detail
                     ));
                     for f in &c.findings {
                         out.push_str(&format!(
                             "    finding {} {} (count {}): {}\n",
-                            f.kind, f.name, f.count, f.detail
+                            f.kind, f.about.name, f.about.count, f.detail
                         ));
                     }
                     for f in &c.excused {
                         out.push_str(&format!(
                             "    declared {} {} (count {}): {}\n",
-                            f.kind, f.name, f.count, f.detail
+                            f.kind, f.about.name, f.about.count, f.detail
                         ));
                     }
                 }
@@ -97,11 +93,16 @@ pub fn render(r: &MilestoneReport) -> String {
         }
     }
     for b in &r.baselines {
-        out.push_str(&format!("{} {}: {}\n", b.check, b.status.label(), b.detail));
+        out.push_str(&format!(
+            "{} {}: {}\n",
+            b.check,
+            b.status.as_str(),
+            b.detail
+        ));
         for f in &b.findings {
             out.push_str(&format!(
                 "    finding {} {}: {}\n",
-                f.kind, f.name, f.detail
+                f.kind, f.about.name, f.detail
             ));
         }
     }
@@ -111,13 +112,13 @@ pub fn render(r: &MilestoneReport) -> String {
             r.baselines_not_selected.join(", ")
         ));
     }
-    let n = |k: &str| r.totals.get(k).copied().unwrap_or(0);
+    let n = |s: Status| r.totals.get(&s).copied().unwrap_or(0);
     out.push_str(&format!(
         "\n{} — {} PASS, {} FAIL, {} NOT CHECKED\n",
         r.verdict,
-        n("PASS"),
-        n("FAIL"),
-        n("NOT CHECKED")
+        n(Status::Pass),
+        n(Status::Fail),
+        n(Status::NotChecked)
     ));
     out
 }
@@ -129,14 +130,17 @@ pub fn render_html(r: &MilestoneReport) -> String {
     use std::fmt::Write as _;
     use tracegate_diff::html::{esc, fmt_real, num_td, page, val};
     let mut h = String::new();
-    let status_class = |s: Status| s.label().split(' ').next().unwrap_or("").to_string();
+    let status_class = |s: Status| s.as_str().split(' ').next().unwrap_or("").to_string();
     let _ = write!(
         h,
         "<h1>gate {}: <span id=\"verdict\" class=\"s-{}\" data-json=\"/verdict\" data-v=\"&quot;{}&quot;\">{}</span></h1><p>{}</p>",
         esc(&r.milestone),
-        if r.verdict == "INCOMPLETE" { "NOT" } else { r.verdict },
-        esc(r.verdict),
-        esc(r.verdict),
+        match r.verdict {
+            GateVerdict::Incomplete => "NOT",
+            GateVerdict::Pass | GateVerdict::Fail => r.verdict.as_str(),
+        },
+        r.verdict,
+        r.verdict,
         esc(&r.claim)
     );
     let _ = write!(
@@ -156,25 +160,25 @@ pub fn render_html(r: &MilestoneReport) -> String {
         .map(|(k, n)| {
             format!(
                 "{} {}",
-                val("span", "num", &format!("/totals/{}", k), n, &n.to_string()),
-                esc(k)
+                val("span", "num", &format!("/totals/{k}"), n, &n.to_string()),
+                k
             )
         })
         .collect();
     let _ = write!(h, "<p id=\"totals\">{}</p>", totals.join(", "));
 
     // The milestone table: one row per prompt, one column per check (the first prompt's order).
-    let mut checks: Vec<&str> = Vec::new();
+    let mut checks: Vec<&Check> = Vec::new();
     for p in &r.prompts {
         for c in &p.checks {
-            if !checks.contains(&c.check.as_str()) {
+            if !checks.contains(&&c.check) {
                 checks.push(&c.check);
             }
         }
     }
     h.push_str("<h2>Checks</h2><table id=\"milestone-table\"><tr><th>prompt</th><th>tokens</th>");
     for c in &checks {
-        let _ = write!(h, "<th>{}</th>", esc(c));
+        let _ = write!(h, "<th>{}</th>", esc(&c.to_string()));
     }
     h.push_str("<th>engine digest</th></tr>");
     for (pi, p) in r.prompts.iter().enumerate() {
@@ -190,24 +194,24 @@ pub fn render_html(r: &MilestoneReport) -> String {
             )
         );
         for name in &checks {
-            let Some((ci, c)) = p.checks.iter().enumerate().find(|(_, c)| c.check == *name) else {
+            let Some((ci, c)) = p.checks.iter().enumerate().find(|(_, c)| c.check == **name) else {
                 h.push_str("<td>-</td>");
                 continue;
             };
             let shown = if c.status == Status::Pass && c.excused.is_empty() {
-                esc(c.status.label())
+                esc(c.status.as_str())
             } else {
                 format!(
                     "<a href=\"#finding-{pi}-{ci}\">{}</a>",
-                    esc(c.status.label())
+                    esc(c.status.as_str())
                 )
             };
             let _ = write!(
                 h,
                 "<td class=\"check s-{}\" data-check=\"{}\" data-json=\"/prompts/{pi}/checks/{ci}/status\" data-v=\"&quot;{}&quot;\">{shown}</td>",
                 status_class(c.status),
-                esc(&c.check),
-                esc(c.status.label())
+                esc(&c.check.to_string()),
+                esc(c.status.as_str())
             );
         }
         let _ = write!(
@@ -225,7 +229,7 @@ pub fn render_html(r: &MilestoneReport) -> String {
     h.push_str("<h2>Findings</h2>");
     let mut any = false;
     let findings_block = |h: &mut String, id: &str, title: &str, base: &str, c: &CheckResult| {
-        let _ = write!(h, "<div class=\"box finding\" id=\"{id}\" data-check=\"{}\"><b>{title}</b> <span class=\"s-{}\">{}</span>: {}<ul>", esc(&c.check), status_class(c.status), esc(c.status.label()), val("span", "text", &format!("{base}/detail"), &c.detail, &c.detail));
+        let _ = write!(h, "<div class=\"box finding\" id=\"{id}\" data-check=\"{}\"><b>{title}</b> <span class=\"s-{}\">{}</span>: {}<ul>", esc(&c.check.to_string()), status_class(c.status), esc(c.status.as_str()), val("span", "text", &format!("{base}/detail"), &c.detail, &c.detail));
         for (kind, list) in [("finding", &c.findings), ("excused", &c.excused)] {
             for (i, f) in list.iter().enumerate() {
                 let ptr = format!(
@@ -236,7 +240,7 @@ pub fn render_html(r: &MilestoneReport) -> String {
                         "excused"
                     }
                 );
-                let _ = write!(h, "<li class=\"{kind}\" data-kind=\"{}\" data-name=\"{}\">{kind} <b>{}</b> <code>{}</code> (count {}): {}</li>", esc(&f.kind), esc(&f.name), esc(&f.kind), esc(&f.name), val("span", "num", &ptr, &f.count, &f.count.to_string()), val("span", "text", &ptr.replace("/count", "/detail"), &f.detail, &f.detail));
+                let _ = write!(h, "<li class=\"{kind}\" data-kind=\"{}\" data-name=\"{}\">{kind} <b>{}</b> <code>{}</code> (count {}): {}</li>", f.kind, esc(&f.about.name), f.kind, esc(&f.about.name), val("span", "num", &ptr, &f.about.count, &f.about.count.to_string()), val("span", "text", &ptr.replace("/count", "/detail"), &f.detail, &f.detail));
             }
         }
         h.push_str("</ul></div>");
@@ -252,7 +256,7 @@ pub fn render_html(r: &MilestoneReport) -> String {
             findings_block(
                 &mut h,
                 &format!("finding-{pi}-{ci}"),
-                &format!("{}/{}", esc(&p.id), esc(&c.check)),
+                &format!("{}/{}", esc(&p.id), esc(&c.check.to_string())),
                 &format!("/prompts/{pi}/checks/{ci}"),
                 c,
             );
@@ -331,18 +335,18 @@ pub fn render_html(r: &MilestoneReport) -> String {
     h.push_str("<h2>Baselines</h2><table id=\"baselines\"><tr><th>baseline</th><th>status</th><th>observation</th><th>recorded</th><th>now</th><th>delta</th><th>detail</th></tr>");
     for (bi, c) in r.baselines.iter().enumerate() {
         let status = if c.status == Status::Pass {
-            esc(c.status.label())
+            esc(c.status.as_str())
         } else {
-            format!("<a href=\"#baseline-{bi}\">{}</a>", esc(c.status.label()))
+            format!("<a href=\"#baseline-{bi}\">{}</a>", esc(c.status.as_str()))
         };
         let span = c.observed.len().max(1);
         let _ = write!(
             h,
             "<tr data-baseline=\"{}\"><td rowspan=\"{span}\" class=\"mono\">{}</td><td rowspan=\"{span}\" class=\"check s-{}\" data-json=\"/baselines/{bi}/status\" data-v=\"&quot;{}&quot;\">{status}</td>",
-            esc(&c.check),
-            esc(&c.check),
+            esc(&c.check.to_string()),
+            esc(&c.check.to_string()),
             status_class(c.status),
-            esc(c.status.label())
+            esc(c.status.as_str())
         );
         if c.observed.is_empty() {
             let _ = write!(
@@ -396,7 +400,7 @@ pub fn render_html(r: &MilestoneReport) -> String {
         findings_block(
             &mut h,
             &format!("baseline-{bi}"),
-            &esc(&c.check),
+            &esc(&c.check.to_string()),
             &format!("/baselines/{bi}"),
             c,
         );

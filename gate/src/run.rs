@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::{json, Value};
-use tracegate_diff::{label_text, Options, Policy, Verdict, NEAR_TIE};
+use tracegate_diff::{
+    label_text, string_enum, FindingKind, Label, Options, Policy, RowStatus, Verdict,
+};
 use tracegate_trace::Trace;
 
 use crate::baselines::{Baseline, BaselineFile, Conditions};
@@ -17,38 +19,126 @@ use crate::producer::{Producer, RunRecord, Verb};
 use crate::prompts::{self, Prompt, PromptSet};
 use crate::{gerr, Result};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Status {
-    #[serde(rename = "PASS")]
-    Pass,
-    #[serde(rename = "FAIL")]
-    Fail,
-    #[serde(rename = "NOT CHECKED")]
-    NotChecked,
+string_enum! {
+    /// A check's outcome.
+    pub enum Status {
+        Pass = "PASS",
+        Fail = "FAIL",
+        NotChecked = "NOT CHECKED",
+    }
 }
 
-impl Status {
-    pub fn label(self) -> &'static str {
+string_enum! {
+    /// A milestone run's outcome.
+    pub enum GateVerdict {
+        Pass = "PASS",
+        Fail = "FAIL",
+        /// Nothing failed but something was NOT CHECKED.
+        Incomplete = "INCOMPLETE",
+    }
+}
+
+impl GateVerdict {
+    /// 0 all passed; 1 something failed (or nothing ran); 4 nothing failed but not all checked.
+    pub fn exit_code(self) -> i32 {
         match self {
-            Status::Pass => "PASS",
-            Status::Fail => "FAIL",
-            Status::NotChecked => "NOT CHECKED",
+            GateVerdict::Pass => 0,
+            GateVerdict::Incomplete => 4,
+            GateVerdict::Fail => 1,
         }
     }
 }
 
-/// One thing a check found; excused only by a declared divergence naming all of it.
+/// A check of a milestone run; a baseline's is `baseline ID` (`baselines` when none applied).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Check {
+    Stable,
+    Matches,
+    Generation,
+    Agrees,
+    GenerationOracle,
+    Baseline(String),
+    Baselines,
+}
+
+impl std::fmt::Display for Check {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Check::Stable => f.pad("stable"),
+            Check::Matches => f.pad("matches"),
+            Check::Generation => f.pad("generation"),
+            Check::Agrees => f.pad("agrees"),
+            Check::GenerationOracle => f.pad("generation_oracle"),
+            Check::Baseline(id) => f.pad(&format!("baseline {id}")),
+            Check::Baselines => f.pad("baselines"),
+        }
+    }
+}
+
+impl std::str::FromStr for Check {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Check, String> {
+        Ok(match s {
+            "stable" => Check::Stable,
+            "matches" => Check::Matches,
+            "generation" => Check::Generation,
+            "agrees" => Check::Agrees,
+            "generation_oracle" => Check::GenerationOracle,
+            "baselines" => Check::Baselines,
+            _ => match s.strip_prefix("baseline ") {
+                Some(id) => Check::Baseline(id.to_string()),
+                None => return Err(format!("{s:?} is not a check")),
+            },
+        })
+    }
+}
+
+impl Serialize for Check {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Check {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Check, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// One thing a check found, counted: excused only by a declared divergence naming all of it
+/// (kind, name and count).
+pub type Finding = tracegate_diff::Finding<Counted>;
+
+/// What a gate finding is about: a tensor, decision, producer or count name (empty: the whole
+/// comparison), and how many elements, rows or tokens.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Finding {
-    pub kind: String,
+pub struct Counted {
     pub name: String,
     pub count: u64,
-    pub detail: String,
+}
+
+/// A gate finding.
+pub fn finding(
+    kind: FindingKind,
+    name: impl Into<String>,
+    count: u64,
+    detail: impl Into<String>,
+) -> Finding {
+    Finding {
+        kind,
+        about: Counted {
+            name: name.into(),
+            count,
+        },
+        detail: detail.into(),
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct CheckResult {
-    pub check: String,
+    pub check: Check,
     pub status: Status,
     /// For PASS/FAIL what was measured; for NOT CHECKED the reason.
     pub detail: String,
@@ -71,9 +161,9 @@ pub struct Observed {
 }
 
 impl CheckResult {
-    fn new(check: &str, status: Status, detail: impl Into<String>) -> CheckResult {
+    fn new(check: Check, status: Status, detail: impl Into<String>) -> CheckResult {
         CheckResult {
-            check: check.into(),
+            check,
             status,
             detail: detail.into(),
             findings: vec![],
@@ -81,7 +171,7 @@ impl CheckResult {
             observed: vec![],
         }
     }
-    fn not_checked(check: &str, why: impl Into<String>) -> CheckResult {
+    fn not_checked(check: Check, why: impl Into<String>) -> CheckResult {
         CheckResult::new(check, Status::NotChecked, why)
     }
 }
@@ -147,12 +237,11 @@ pub struct MilestoneReport {
     /// Baselines of prompts this run did not select (`--only`): not checks, so neither passed
     /// nor NOT CHECKED.
     pub baselines_not_selected: Vec<String>,
-    pub totals: BTreeMap<&'static str, usize>,
+    pub totals: BTreeMap<Status, usize>,
     /// The gate's own wall seconds per phase (`setup`: checks, oracle probe, worker start-up;
     /// `producers`: the prompts' runs; `judge`: the checks; `total`): observed, never asserted.
     pub wall_s: BTreeMap<&'static str, f64>,
-    /// PASS, FAIL, or INCOMPLETE (nothing failed but something was NOT CHECKED).
-    pub verdict: &'static str,
+    pub verdict: GateVerdict,
 }
 
 impl MilestoneReport {
@@ -162,13 +251,8 @@ impl MilestoneReport {
             .flat_map(|p| p.checks.iter())
             .chain(self.baselines.iter())
     }
-    /// 0 all passed; 1 something failed (or nothing ran); 4 nothing failed but not all checked.
     pub fn exit_code(&self) -> i32 {
-        match self.verdict {
-            "PASS" => 0,
-            "INCOMPLETE" => 4,
-            _ => 1,
-        }
+        self.verdict.exit_code()
     }
 }
 
@@ -314,8 +398,8 @@ fn judge(m: &Milestone, prompt: &str, mut c: CheckResult, found: Vec<Finding>) -
             d.prompt == prompt
                 && d.check == c.check
                 && d.kind == f.kind
-                && d.name == f.name
-                && d.count == f.count
+                && d.name == f.about.name
+                && d.count == f.about.count
         });
         if declared {
             c.excused.push(f);
@@ -338,16 +422,27 @@ fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
         .filter(|f| {
             !matches!(
                 f.kind,
-                "values_differ" | "decision_differs" | "outside_policy"
+                FindingKind::ValuesDiffer
+                    | FindingKind::DecisionDiffers
+                    | FindingKind::OutsidePolicy
             )
         })
-        .map(|f| Finding {
-            kind: f.kind.to_string(),
-            name: f.tensor.clone().unwrap_or_default(),
-            count: 1,
-            detail: f.detail.clone(),
-        })
+        .map(|f| finding(f.kind, f.tensor().unwrap_or_default(), 1, f.detail.clone()))
         .collect()
+}
+
+/// The gate finding kind of a tensor outside the policy or without a rule.
+fn policy_kind(status: RowStatus) -> Option<FindingKind> {
+    match status {
+        RowStatus::OutsidePolicy => Some(FindingKind::OutsidePolicy),
+        RowStatus::NoRule => Some(FindingKind::NoRule),
+        RowStatus::Identical
+        | RowStatus::Different
+        | RowStatus::WithinPolicy
+        | RowStatus::DiffersByDigest
+        | RowStatus::Unknown
+        | RowStatus::Rerouted => None,
+    }
 }
 
 fn check_matches(
@@ -367,7 +462,11 @@ fn check_matches(
         },
     );
     let mut found = diff_findings(&rep);
-    for row in rep.per_tensor.iter().filter(|r| r.status == "different") {
+    for row in rep
+        .per_tensor
+        .iter()
+        .filter(|r| r.status == RowStatus::Different)
+    {
         let count = row.differing_elements.unwrap_or(0);
         let detail = match &rep.first_divergence {
             Some(d) if d.tensor == row.tensor => format!(
@@ -385,12 +484,12 @@ fn check_matches(
                 row.max_ulp.map(|u| u.to_string()).unwrap_or("NaN".into())
             ),
         };
-        found.push(Finding {
-            kind: "tensor_differs".into(),
-            name: row.tensor.clone(),
+        found.push(finding(
+            FindingKind::TensorDiffers,
+            row.tensor.clone(),
             count,
             detail,
-        });
+        ));
     }
     for r in rep
         .decisions
@@ -398,12 +497,12 @@ fn check_matches(
         .iter()
         .filter(|r| r.differing_rows > 0)
     {
-        found.push(Finding {
-            kind: "decision_differs".into(),
-            name: r.name.clone(),
-            count: r.differing_rows,
-            detail: format!("{}/{} rows differ", r.differing_rows, r.rows),
-        });
+        found.push(finding(
+            FindingKind::DecisionDiffers,
+            r.name.clone(),
+            r.differing_rows,
+            format!("{}/{} rows differ", r.differing_rows, r.rows),
+        ));
     }
     let differing = rep.differing_elements();
     let mut detail = format!(
@@ -419,12 +518,12 @@ fn check_matches(
         rep.decisions.compared
     );
     if rep.verdict != Verdict::Identical && found.is_empty() {
-        found.push(Finding {
-            kind: "different".into(),
-            name: String::new(),
-            count: 1,
-            detail: format!("verdict {:?}", rep.verdict),
-        });
+        found.push(finding(
+            FindingKind::Different,
+            "",
+            1,
+            format!("verdict {:?}", rep.verdict),
+        ));
     }
     match expect {
         Ok(e) => {
@@ -438,12 +537,12 @@ fn check_matches(
                 ("differing_elements", e.differing_elements, differing),
             ] {
                 if want != have {
-                    found.push(Finding {
-                        kind: "count_changed".into(),
-                        name: what.into(),
-                        count: have,
-                        detail: format!("{what}: recorded {want}, now {have}"),
-                    });
+                    found.push(finding(
+                        FindingKind::CountChanged,
+                        what,
+                        have,
+                        format!("{what}: recorded {want}, now {have}"),
+                    ));
                 }
             }
             detail.push_str("; counts as recorded");
@@ -453,7 +552,7 @@ fn check_matches(
     judge(
         m,
         &p.id,
-        CheckResult::new("matches", Status::Pass, detail),
+        CheckResult::new(Check::Matches, Status::Pass, detail),
         found,
     )
 }
@@ -476,19 +575,14 @@ fn check_agrees(
     );
     let mut found = diff_findings(&rep);
     for row in &rep.per_tensor {
-        if row.status == "outside_policy" || row.status == "no_rule" {
+        if let Some(kind) = policy_kind(row.status) {
             // Already reported as a diff finding when the differ emits one; keep one entry per tensor.
-            if !found.iter().any(|f| f.name == row.tensor) {
+            if !found.iter().any(|f| f.about.name == row.tensor) {
                 let detail = row.violation().map_or_else(
                     || "no rule in the policy matches this tensor".to_string(),
                     |v| v.to_string(),
                 );
-                found.push(Finding {
-                    kind: row.status.into(),
-                    name: row.tensor.clone(),
-                    count: 1,
-                    detail,
-                });
+                found.push(finding(kind, row.tensor.clone(), 1, detail));
             }
         }
     }
@@ -504,7 +598,7 @@ fn check_agrees(
         near_ties.extend(
             r.flips
                 .iter()
-                .filter(|f| f.label == NEAR_TIE)
+                .filter(|f| f.label == Label::NearTie)
                 .map(|f| format!("{}[{}]", r.name, f.row)),
         );
         let failing = r.flips.iter().filter(|f| !f.excused()).count() as u64;
@@ -522,12 +616,12 @@ fn check_agrees(
                     )
                 })
                 .collect();
-            found.push(Finding {
-                kind: "decision_differs".into(),
-                name: r.name.clone(),
-                count: failing,
-                detail: labels.join("; "),
-            });
+            found.push(finding(
+                FindingKind::DecisionDiffers,
+                r.name.clone(),
+                failing,
+                labels.join("; "),
+            ));
         }
     }
     let rows_after_near_tie = rep
@@ -600,7 +694,7 @@ fn check_agrees(
         let outside = rep
             .per_tensor
             .iter()
-            .filter(|r| r.status == "outside_policy")
+            .filter(|r| r.status == RowStatus::OutsidePolicy)
             .count();
         let first = v
             .violations
@@ -613,37 +707,37 @@ fn check_agrees(
         ));
     }
     if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
-        found.push(Finding {
-            kind: "different".into(),
-            name: String::new(),
-            count: 1,
-            detail: format!("verdict {:?}", rep.verdict),
-        });
+        found.push(finding(
+            FindingKind::Different,
+            "",
+            1,
+            format!("verdict {:?}", rep.verdict),
+        ));
     }
     // Declared oracle divergences are recorded by count: a different number of differing
     // decisions is a change even when each one is declared.
     if let Ok(e) = expect {
         let have = found
             .iter()
-            .filter(|f| f.kind == "decision_differs")
+            .filter(|f| f.kind == FindingKind::DecisionDiffers)
             .count();
         if have != e.oracle_decisions_differing {
-            found.push(Finding {
-                kind: "count_changed".into(),
-                name: "oracle_decisions_differing".into(),
-                count: have as u64,
-                detail: format!(
+            found.push(finding(
+                FindingKind::CountChanged,
+                "oracle_decisions_differing",
+                have as u64,
+                format!(
                     "oracle_decisions_differing: recorded {}, now {have}",
                     e.oracle_decisions_differing
                 ),
-            });
+            ));
         }
     }
     (
         judge(
             m,
             &p.id,
-            CheckResult::new("agrees", Status::Pass, detail),
+            CheckResult::new(Check::Agrees, Status::Pass, detail),
             found,
         ),
         summary,
@@ -655,12 +749,12 @@ fn tokens_finding(name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
         return None;
     }
     let differ = a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
-    Some(Finding {
-        kind: "tokens_differ".into(),
-        name: name.into(),
-        count: differ as u64,
-        detail: format!("engine {a:?} vs {name} {b:?}"),
-    })
+    Some(finding(
+        FindingKind::TokensDiffer,
+        name,
+        differ as u64,
+        format!("engine {a:?} vs {name} {b:?}"),
+    ))
 }
 
 fn stack_versions(oracle: &std::result::Result<Value, String>) -> Value {
@@ -823,7 +917,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
             result
                 .checks
                 .iter()
-                .map(|c| format!("{} {}", c.check, c.status.label()))
+                .map(|c| format!("{} {}", c.check, c.status))
                 .collect::<Vec<_>>()
                 .join(", ")
         );
@@ -858,7 +952,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         &selected,
     );
 
-    let mut totals: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut totals: BTreeMap<Status, usize> = BTreeMap::new();
     let mut report = MilestoneReport {
         schema: REPORT_SCHEMA,
         milestone: m.id.clone(),
@@ -878,20 +972,18 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         baselines_not_selected,
         totals: BTreeMap::new(),
         wall_s,
-        verdict: "FAIL",
+        verdict: GateVerdict::Fail,
     };
     for c in report.all_checks() {
-        *totals.entry(c.status.label()).or_default() += 1;
+        *totals.entry(c.status).or_default() += 1;
     }
-    let passed = totals.get("PASS").copied().unwrap_or(0);
-    let failed = totals.get("FAIL").copied().unwrap_or(0);
-    let unchecked = totals.get("NOT CHECKED").copied().unwrap_or(0);
-    report.verdict = if failed > 0 || passed == 0 {
-        "FAIL"
-    } else if unchecked > 0 {
-        "INCOMPLETE"
+    let n = |s: Status| totals.get(&s).copied().unwrap_or(0);
+    report.verdict = if n(Status::Fail) > 0 || n(Status::Pass) == 0 {
+        GateVerdict::Fail
+    } else if n(Status::NotChecked) > 0 {
+        GateVerdict::Incomplete
     } else {
-        "PASS"
+        GateVerdict::Pass
     };
     report.totals = totals;
     report
@@ -972,16 +1064,16 @@ fn judge_prompt(
 
     // stable: the engine reproduces its recorded digest.
     checks.push(match (&eng, expect) {
-        (Err(e), _) => CheckResult::new("stable", Status::Fail, e.clone()),
-        (Ok(_), Err(why)) => CheckResult::not_checked("stable", why),
+        (Err(e), _) => CheckResult::new(Check::Stable, Status::Fail, e.clone()),
+        (Ok(_), Err(why)) => CheckResult::not_checked(Check::Stable, why),
         (Ok(t), Ok(e)) if t.digest().hex() == e.engine_digest => CheckResult::new(
-            "stable",
+            Check::Stable,
             Status::Pass,
             format!("engine digest {} as recorded", t.digest().short()),
         ),
         (Ok(t), Ok(e)) => {
             let mut c = CheckResult::new(
-                "stable",
+                Check::Stable,
                 Status::Fail,
                 format!(
                     "engine digest {} but recorded {}",
@@ -989,12 +1081,12 @@ fn judge_prompt(
                     &e.engine_digest[..16.min(e.engine_digest.len())]
                 ),
             );
-            c.findings.push(Finding {
-                kind: "digest_changed".into(),
-                name: "engine".into(),
-                count: 1,
-                detail: c.detail.clone(),
-            });
+            c.findings.push(finding(
+                FindingKind::DigestChanged,
+                "engine",
+                1,
+                c.detail.clone(),
+            ));
             c
         }
     });
@@ -1002,7 +1094,7 @@ fn judge_prompt(
     // matches: engine ≡ contract, bit for bit, with the recorded counts.
     checks.push(match (&eng, &con) {
         (Ok(e), Ok(c)) => check_matches(m, p, e, c, expect),
-        (Err(e), _) | (_, Err(e)) => CheckResult::new("matches", Status::Fail, e.clone()),
+        (Err(e), _) | (_, Err(e)) => CheckResult::new(Check::Matches, Status::Fail, e.clone()),
     });
 
     // generation: cached, uncached and contract tokens identical.
@@ -1019,7 +1111,7 @@ fn judge_prompt(
             &generated.contract,
         ) {
             (Some(a), _, _) if a.is_empty() => {
-                CheckResult::not_checked("generation", "no tokens generated (--generate 0)")
+                CheckResult::not_checked(Check::Generation, "no tokens generated (--generate 0)")
             }
             (Some(a), Some(b), Some(c)) => {
                 let mut found: Vec<Finding> = [
@@ -1035,17 +1127,17 @@ fn judge_prompt(
                 );
                 if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
                     detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
-                    found.push(Finding {
-                        kind: "tokens_changed".into(),
-                        name: "engine".into(),
-                        count: a.len() as u64,
-                        detail: detail.clone(),
-                    });
+                    found.push(finding(
+                        FindingKind::TokensChanged,
+                        "engine",
+                        a.len() as u64,
+                        detail.clone(),
+                    ));
                 }
                 judge(
                     m,
                     &p.id,
-                    CheckResult::new("generation", Status::Pass, detail),
+                    CheckResult::new(Check::Generation, Status::Pass, detail),
                     found,
                 )
             }
@@ -1054,7 +1146,7 @@ fn judge_prompt(
                     .iter()
                     .filter_map(|t| t.as_ref().err().cloned())
                     .collect();
-                CheckResult::new("generation", Status::Fail, why.join("; "))
+                CheckResult::new(Check::Generation, Status::Fail, why.join("; "))
             }
         },
     );
@@ -1069,13 +1161,16 @@ fn judge_prompt(
             let (a, b) = (decode_tokens(e), decode_tokens(r));
             let found: Vec<Finding> = tokens_finding("oracle", &a, &b).into_iter().collect();
             checks.push(if a.is_empty() {
-                CheckResult::not_checked("generation_oracle", "no tokens generated (--generate 0)")
+                CheckResult::not_checked(
+                    Check::GenerationOracle,
+                    "no tokens generated (--generate 0)",
+                )
             } else {
                 judge(
                     m,
                     &p.id,
                     CheckResult::new(
-                        "generation_oracle",
+                        Check::GenerationOracle,
                         Status::Pass,
                         format!(
                             "{} greedy tokens equal to the oracle's (its own KV cache)",
@@ -1087,24 +1182,27 @@ fn judge_prompt(
             });
         }
         (Err(e), _) => {
-            checks.push(CheckResult::new("agrees", Status::Fail, e.clone()));
+            checks.push(CheckResult::new(Check::Agrees, Status::Fail, e.clone()));
             checks.push(CheckResult::new(
-                "generation_oracle",
+                Check::GenerationOracle,
                 Status::Fail,
                 e.clone(),
             ));
         }
         (Ok(_), Err(why)) if oracle_failed_to_run => {
-            checks.push(CheckResult::new("agrees", Status::Fail, why.clone()));
+            checks.push(CheckResult::new(Check::Agrees, Status::Fail, why.clone()));
             checks.push(CheckResult::new(
-                "generation_oracle",
+                Check::GenerationOracle,
                 Status::Fail,
                 why.clone(),
             ));
         }
         (Ok(_), Err(why)) => {
-            checks.push(CheckResult::not_checked("agrees", why.clone()));
-            checks.push(CheckResult::not_checked("generation_oracle", why.clone()));
+            checks.push(CheckResult::not_checked(Check::Agrees, why.clone()));
+            checks.push(CheckResult::not_checked(
+                Check::GenerationOracle,
+                why.clone(),
+            ));
         }
     }
 
@@ -1154,7 +1252,7 @@ fn check_baselines(
     let mut out = Vec::new();
     let mut not_selected = Vec::new();
     for b in baselines.iter().filter(|b| b.milestone == m.id) {
-        let name = format!("baseline {}", b.id);
+        let name = Check::Baseline(b.id.clone());
         // A prompt of the set left out by --only: its baselines are not this run's business.
         let want_prompt = b.requires.get("prompt").and_then(Value::as_str);
         if want_prompt.is_some_and(|p| {
@@ -1184,27 +1282,27 @@ fn check_baselines(
                     .find(|r| !r.starts_with("requires prompt="))
                     .unwrap_or_else(|| "no run matched".into()),
             };
-            out.push(CheckResult::not_checked(&name, why));
+            out.push(CheckResult::not_checked(name, why));
             continue;
         };
         if r.counts.is_null() {
             out.push(CheckResult::new(
-                &name,
+                name,
                 Status::Fail,
                 "engine trace missing: counts unavailable",
             ));
             continue;
         }
-        let mut c = CheckResult::new(&name, Status::Pass, String::new());
+        let mut c = CheckResult::new(name, Status::Pass, String::new());
         for (key, want) in &b.counts {
             let have = r.counts.get(key).cloned().unwrap_or(Value::Null);
             if &have != want {
-                c.findings.push(Finding {
-                    kind: "count_changed".into(),
-                    name: key.clone(),
-                    count: 1,
-                    detail: format!("{key}: baseline {want}, now {have}"),
-                });
+                c.findings.push(finding(
+                    FindingKind::CountChanged,
+                    key.clone(),
+                    1,
+                    format!("{key}: baseline {want}, now {have}"),
+                ));
             }
         }
         let obs = observed_of(r);
@@ -1221,16 +1319,16 @@ fn check_baselines(
                 notes.push(format!("{key} {new} ({:+.0}%)", delta * 100.0));
                 if let Some(tol) = assert_observed {
                     if delta.abs() > tol {
-                        c.findings.push(Finding {
-                            kind: "observed_out_of_tolerance".into(),
-                            name: key.clone(),
-                            count: 1,
-                            detail: format!(
+                        c.findings.push(finding(
+                            FindingKind::ObservedOutOfTolerance,
+                            key.clone(),
+                            1,
+                            format!(
                                 "{key}: baseline {old}, now {new} ({:+.0}% > ±{:.0}%)",
                                 delta * 100.0,
                                 tol * 100.0
                             ),
-                        });
+                        ));
                     }
                 }
             }
@@ -1238,7 +1336,7 @@ fn check_baselines(
         let changed = c
             .findings
             .iter()
-            .filter(|f| f.kind == "count_changed")
+            .filter(|f| f.kind == FindingKind::CountChanged)
             .count();
         c.detail = format!(
             "{} of {} counts exact; observed: {}",
@@ -1270,7 +1368,7 @@ fn check_baselines(
         out.push(c);
     }
     if !out.iter().any(|c| c.status != Status::NotChecked) {
-        out.push(CheckResult::new("baselines", Status::Fail, format!("no baseline of milestone {} applied to this run: zero checked baselines is a failure (record one with --bless)", m.id)));
+        out.push(CheckResult::new(Check::Baselines, Status::Fail, format!("no baseline of milestone {} applied to this run: zero checked baselines is a failure (record one with --bless)", m.id)));
     }
     (out, not_selected)
 }
@@ -1315,25 +1413,25 @@ fn bless(
             let differing = r
                 .checks
                 .iter()
-                .find(|c| c.check == "matches")
+                .find(|c| c.check == Check::Matches)
                 .map(|c| {
                     c.findings
                         .iter()
                         .chain(&c.excused)
-                        .filter(|f| f.kind == "tensor_differs")
-                        .map(|f| f.count)
+                        .filter(|f| f.kind == FindingKind::TensorDiffers)
+                        .map(|f| f.about.count)
                         .sum()
                 })
                 .unwrap_or(0);
             let oracle_differing = r
                 .checks
                 .iter()
-                .find(|c| c.check == "agrees" && c.status != Status::NotChecked)
+                .find(|c| c.check == Check::Agrees && c.status != Status::NotChecked)
                 .map(|c| {
                     c.findings
                         .iter()
                         .chain(&c.excused)
-                        .filter(|f| f.kind == "decision_differs")
+                        .filter(|f| f.kind == FindingKind::DecisionDiffers)
                         .count()
                 });
             let new = Expectation {

@@ -1,0 +1,206 @@
+//! The words the reports share between crates — finding kinds, row and decision statuses, margin
+//! states, flip labels — as enums. Each serialises to exactly the string the JSON reports carry
+//! (docs/diff-report.schema.json), so code matches them exhaustively and a typo does not compile.
+
+/// An enum whose variants are written as fixed strings: `as_str`, `Display` (padded like a
+/// `str`), `FromStr`, serde both ways, and ordering by the string (so a map keyed by one
+/// serialises in the same order as one keyed by its string).
+#[macro_export]
+macro_rules! string_enum {
+    ($(#[$m:meta])* $vis:vis enum $name:ident { $($(#[$vm:meta])* $var:ident = $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        $vis enum $name { $($(#[$vm])* $var),+ }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$var),+];
+            /// The word the reports carry.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$var => $s),+ }
+            }
+        }
+
+        impl ::std::str::FromStr for $name {
+            type Err = ::std::string::String;
+            fn from_str(s: &str) -> ::std::result::Result<Self, Self::Err> {
+                match s {
+                    $($s => Ok($name::$var),)+
+                    other => Err(format!(
+                        "{other:?} is not a {}: expected one of {}",
+                        stringify!($name),
+                        [$($s),+].join(", ")
+                    )),
+                }
+            }
+        }
+
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                f.pad(self.as_str())
+            }
+        }
+
+        impl PartialOrd for $name {
+            fn partial_cmp(&self, other: &Self) -> Option<::std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+
+        impl Ord for $name {
+            fn cmp(&self, other: &Self) -> ::std::cmp::Ordering {
+                self.as_str().cmp(other.as_str())
+            }
+        }
+
+        impl $crate::__serde::Serialize for $name {
+            fn serialize<S: $crate::__serde::Serializer>(
+                &self,
+                s: S,
+            ) -> ::std::result::Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> $crate::__serde::Deserialize<'de> for $name {
+            fn deserialize<D: $crate::__serde::Deserializer<'de>>(
+                d: D,
+            ) -> ::std::result::Result<Self, D::Error> {
+                let s = <::std::string::String as $crate::__serde::Deserialize>::deserialize(d)?;
+                s.parse().map_err(<D::Error as $crate::__serde::de::Error>::custom)
+            }
+        }
+    };
+}
+
+string_enum! {
+    /// What a finding is about (docs/diff.md). The differ emits the first group; the gate also
+    /// states its own checks' findings with the last group (docs/gate.md).
+    pub enum FindingKind {
+        Unreadable = "unreadable",
+        StackMismatch = "stack_mismatch",
+        StackMismatchAllowed = "stack_mismatch_allowed",
+        WeightsMismatch = "weights_mismatch",
+        PromptMismatch = "prompt_mismatch",
+        SeedMismatch = "seed_mismatch",
+        PathMismatch = "path_mismatch",
+        MaskMismatch = "mask_mismatch",
+        PositionsMismatch = "positions_mismatch",
+        MissingTensor = "missing_tensor",
+        ExtraTensor = "extra_tensor",
+        DtypeMismatch = "dtype_mismatch",
+        ShapeMismatch = "shape_mismatch",
+        OrderMismatch = "order_mismatch",
+        AttributeDiffers = "attribute_differs",
+        ValuesDiffer = "values_differ",
+        Rerouted = "rerouted",
+        SignedZero = "signed_zero",
+        NanMismatch = "nan_mismatch",
+        NanPayload = "nan_payload",
+        Infinity = "infinity",
+        OutsidePolicy = "outside_policy",
+        NoPolicyRule = "no_policy_rule",
+        MissingDecision = "missing_decision",
+        ExtraDecision = "extra_decision",
+        DecisionShapeMismatch = "decision_shape_mismatch",
+        DecisionOrderMismatch = "decision_order_mismatch",
+        DecisionDiffers = "decision_differs",
+        MarginDiffers = "margin_differs",
+        MarginPresenceMismatch = "margin_presence_mismatch",
+        ContentDigestDiffers = "content_digest_differs",
+        DecisionsForced = "decisions_forced",
+        NothingSelected = "nothing_selected",
+        // The gate's own (docs/gate-report.schema.json).
+        TensorDiffers = "tensor_differs",
+        Different = "different",
+        NoRule = "no_rule",
+        CountChanged = "count_changed",
+        DigestChanged = "digest_changed",
+        TokensDiffer = "tokens_differ",
+        TokensChanged = "tokens_changed",
+        ObservedOutOfTolerance = "observed_out_of_tolerance",
+    }
+}
+
+string_enum! {
+    /// How one common tensor compared (a `per_tensor` row's `status`).
+    pub enum RowStatus {
+        Identical = "identical",
+        Different = "different",
+        WithinPolicy = "within_policy",
+        OutsidePolicy = "outside_policy",
+        /// No rule of the policy matches the tensor.
+        NoRule = "no_rule",
+        /// Not scanned; the verified digests differ.
+        DiffersByDigest = "differs_by_digest",
+        /// Not scanned, digests not trusted.
+        Unknown = "unknown",
+        /// An expert's tokens differ, not all after a near-tie (docs/diff.md, "Rerouted experts").
+        Rerouted = "rerouted",
+    }
+}
+
+impl RowStatus {
+    /// Whether the tensor counts as agreeing: bit-identical or within the policy.
+    pub fn agrees(self) -> bool {
+        match self {
+            RowStatus::Identical | RowStatus::WithinPolicy => true,
+            RowStatus::Different
+            | RowStatus::OutsidePolicy
+            | RowStatus::NoRule
+            | RowStatus::DiffersByDigest
+            | RowStatus::Unknown
+            | RowStatus::Rerouted => false,
+        }
+    }
+}
+
+string_enum! {
+    /// How one common decision compared.
+    pub enum DecisionStatus {
+        Identical = "identical",
+        Different = "different",
+        ShapeMismatch = "shape_mismatch",
+    }
+}
+
+string_enum! {
+    /// The margins of a decision's rows whose values are equal.
+    pub enum Margins {
+        /// Bit for bit.
+        Identical = "identical",
+        /// Policy only: every difference within the margin tolerance.
+        WithinTolerance = "within_tolerance",
+        Different = "different",
+        /// Neither side has margins.
+        Absent = "absent",
+        ReferenceOnly = "reference_only",
+        CandidateOnly = "candidate_only",
+        /// The shapes differ.
+        NotCompared = "not_compared",
+    }
+}
+
+string_enum! {
+    /// What a differing decision row is (docs/diff.md, "Labels").
+    pub enum Label {
+        /// Something upstream is outside the policy (differs, by bits).
+        Consequence = "consequence",
+        /// The reference gap it crossed is within the noise bound.
+        NearTie = "near-tie",
+        /// A row after a near-tie: another sequence from there on.
+        AfterNearTie = "after-near-tie",
+        /// None of the above: the decision rule itself differs.
+        Defect = "defect",
+    }
+}
+
+impl Label {
+    /// A near-tie, or a row after one: under a policy it does not fail the verdict.
+    pub fn excused(self) -> bool {
+        match self {
+            Label::NearTie | Label::AfterNearTie => true,
+            Label::Consequence | Label::Defect => false,
+        }
+    }
+}
