@@ -99,7 +99,7 @@ fn bisect(model: &str, args: &[&str]) -> Outcome {
 fn defective(defect: &str) -> String {
     let root = repo();
     format!(
-        "'{}' '{}' --defect {defect} {{verb}} {{args}}",
+        "'{}' '{}' --defect {defect} {{verb|serve}} {{args}}",
         root.join(".venv/bin/python").display(),
         root.join("gate/tests/producers/defective_contract.py")
             .display()
