@@ -617,7 +617,7 @@ fn an_engine_reference_on_an_absurd_config_is_refused_not_crashed() {
 #[test]
 fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
     let cmd = format!(
-        "'{}' '{}' --base contract --drop layer.02.attn_out --drop layer.03.attn_out {{verb}} {{args}}",
+        "'{}' '{}' --base contract --drop layer.02.attn_out --drop layer.03.attn_out {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         repo().join("gate/tests/producers/planted_trace.py").display()
     );
@@ -729,7 +729,7 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
     // A 1-ULP nudge in layer 00 (noise within the policy) and a defect in the head: judged by
     // the policy, the failure is the head's violation; the nudge is only the first bit difference.
     let cmd = format!(
-        "'{}' '{}' --base contract --nudge layer.00.attn_out --push logits {{verb}} {{args}}",
+        "'{}' '{}' --base contract --nudge layer.00.attn_out --push logits {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         repo()
             .join("gate/tests/producers/planted_trace.py")
@@ -839,7 +839,7 @@ fn router_rule_defect(dir: &Path) -> String {
     let script = dir.join("router_flip.py");
     std::fs::write(&script, ROUTER_FLIP).unwrap();
     format!(
-        "'{}' '{}' {{verb}} {{args}}",
+        "'{}' '{}' {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         script.display()
     )
@@ -911,7 +911,7 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
     // Negative control: a candidate that does not honour --force-decisions (its output is
     // edited after the run, forced or not) is said so, and the bisection stays unforced.
     let planted = format!(
-        "'{}' '{}' --base contract --flip layer.00.router.topk {{verb}} {{args}}",
+        "'{}' '{}' --base contract --flip layer.00.router.topk {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         repo()
             .join("gate/tests/producers/planted_trace.py")
