@@ -11,7 +11,7 @@ use tracegate_diff::html::{
 };
 use tracegate_diff::thousands;
 
-use crate::bisect::{block_words, BisectReport, LayerRow, Stage};
+use crate::bisect::{block_words, BisectReport, LayerRow, Stage, TensorCmp};
 use crate::bisect_decode::DecodeReport;
 
 /// A table of layers on the page: the prefill's (`/layers`, ids as they are) or those isolated
@@ -219,10 +219,20 @@ fn stage(v: &View, h: &mut String) {
     let Some((li, row)) = v.rows.iter().enumerate().find(|(_, l)| l.layer == s.layer) else {
         return;
     };
-    let _ = write!(h, "<table id=\"{}stage-tensors\">", v.id);
+    tensor_table(
+        &format!("{}stage-tensors", v.id),
+        &format!("{}/{li}/isolated", v.rows_at),
+        &row.isolated,
+        h,
+    );
+}
+
+/// The differ's rows of some tensors as a table; `at` is their JSON pointer.
+fn tensor_table(id: &str, at: &str, rows: &[TensorCmp], h: &mut String) {
+    let _ = write!(h, "<table id=\"{id}\">");
     h.push_str("<tr><th>tensor</th><th>status</th><th>differing</th><th>of</th><th>max ULP</th><th>rel L2</th><th>cosine</th></tr>");
-    for (j, t) in row.isolated.iter().enumerate() {
-        let p = |f: &str| format!("{}/{li}/isolated/{j}/{f}", v.rows_at);
+    for (j, t) in rows.iter().enumerate() {
+        let p = |f: &str| format!("{at}/{j}/{f}");
         let _ = write!(
             h,
             "<tr class=\"{}\" data-tensor=\"{}\"><td class=\"mono\">{}</td>{}{}{}{}{}{}</tr>",
@@ -580,30 +590,12 @@ fn decode(d: &DecodeReport, h: &mut String) {
         );
     }
     if !d.step_tensors.is_empty() {
-        h.push_str("<table id=\"decode-step-tensors\"><tr><th>tensor</th><th>status</th><th>differing</th><th>of</th><th>max ULP</th><th>rel L2</th></tr>");
-        for (j, t) in d.step_tensors.iter().enumerate() {
-            let p = |f: &str| format!("/decode/step_tensors/{j}/{f}");
-            let _ = write!(
-                h,
-                "<tr data-tensor=\"{}\">{}{}{}{}{}{}</tr>",
-                esc(&t.tensor),
-                val("td", "text", &p("tensor"), &t.tensor, &t.tensor),
-                val("td", "text", &p("status"), &t.status, &t.status),
-                num_td(
-                    &p("differing_elements"),
-                    &t.differing_elements,
-                    &ulp_text(t.differing_elements)
-                ),
-                num_td(
-                    &p("total_elements"),
-                    &t.total_elements,
-                    &thousands(t.total_elements)
-                ),
-                num_td(&p("max_ulp"), &t.max_ulp, &ulp_text(t.max_ulp)),
-                num_td(&p("rel_l2"), &t.rel_l2, &fmt_real(t.rel_l2)),
-            );
-        }
-        h.push_str("</table>");
+        tensor_table(
+            "decode-step-tensors",
+            "/decode/step_tensors",
+            &d.step_tensors,
+            h,
+        );
     }
     for (i, x) in d.step_decisions.iter().enumerate() {
         let p = |f: &str| format!("/decode/step_decisions/{i}/{f}");

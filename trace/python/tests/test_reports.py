@@ -84,53 +84,11 @@ def planted(tmp_path_factory):
     }
 
 
-def defective(defect: str) -> str:
-    """The contract with one planted defect (gate/tests/producers/defective_contract.py), served."""
+def bisect_defective(d: Path, defect: str, *extra, exit_code: int) -> dict:
+    """`gate bisect --report --html` in `d`: the engine against the contract with one planted
+    defect (gate/tests/producers/defective_contract.py, served)."""
     script = ROOT / "gate/tests/producers/defective_contract.py"
-    return f"'{sys.executable}' '{script}' --defect {defect} {{verb|serve}} {{args}}"
-
-
-@pytest.fixture(scope="module")
-def bisected_decode(tmp_path_factory):
-    """One real decode bisection, --report and --html: the engine against the contract whose
-    cached decode rotates layer 01's rows at the wrong position (--defect cached-pos), 3 steps."""
-    d = tmp_path_factory.mktemp("bisect-decode")
-    b = run(
-        [
-            BIN / "gate",
-            "--root",
-            ROOT,
-            "bisect",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--prompt",
-            "short",
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            defective("cached-pos"),
-            "--generate",
-            "3",
-            "--work",
-            d / "work",
-            "--report",
-            d / "bisect.json",
-            "--html",
-            d / "bisect.html",
-        ]
-    )
-    assert b.returncode == 6, b.stdout + b.stderr
-    return {"dir": d, "report": json.loads((d / "bisect.json").read_text())}
-
-
-@pytest.fixture(scope="module")
-def bisected(tmp_path_factory):
-    """One real bisection, --report and --html: the engine against the contract with the MLP of
-    layer 02 planted wrong (gate/tests/producers/defective_contract.py), calibrated."""
-    d = tmp_path_factory.mktemp("bisect")
-    cand = defective("mlp-add")
+    cand = f"'{sys.executable}' '{script}' --defect {defect} {{verb|serve}} {{args}}"
     b = run(
         [
             BIN / "gate",
@@ -147,7 +105,7 @@ def bisected(tmp_path_factory):
             "cmd",
             "--candidate-cmd",
             cand,
-            "--calibrate",
+            *extra,
             "--work",
             d / "work",
             "--report",
@@ -156,8 +114,24 @@ def bisected(tmp_path_factory):
             d / "bisect.html",
         ]
     )
-    assert b.returncode == 1, b.stdout + b.stderr
+    assert b.returncode == exit_code, b.stdout + b.stderr
     return {"dir": d, "report": json.loads((d / "bisect.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def bisected_decode(tmp_path_factory):
+    """One real decode bisection: the contract's cached decode rotates layer 01's rows at the
+    wrong position (--defect cached-pos), 3 steps."""
+    d = tmp_path_factory.mktemp("bisect-decode")
+    return bisect_defective(d, "cached-pos", "--generate", "3", exit_code=6)
+
+
+@pytest.fixture(scope="module")
+def bisected(tmp_path_factory):
+    """One real bisection: the contract with the MLP of layer 02 planted wrong, calibrated."""
+    return bisect_defective(
+        tmp_path_factory.mktemp("bisect"), "mlp-add", "--calibrate", exit_code=1
+    )
 
 
 def validator(name: str):
@@ -494,33 +468,49 @@ def test_the_gate_page_shows_the_json_report_and_links_failures_to_findings(rend
     assert len(deltas) == sum(len(b["observed"]) for b in rep["baselines"]) > 0
 
 
+def assert_refused(check, dom: Dom, rep: dict, plants) -> None:
+    """Negative controls: `check` of the page refuses each copy of `rep` a plant edited."""
+    for i, plant in enumerate(plants):
+        bad = json.loads(json.dumps(rep))
+        plant(bad)
+        with pytest.raises(AssertionError):
+            check(dom, bad)
+            pytest.fail(f"plant {i} was accepted")
+
+
+def check_layers(dom: Dom, owner: dict, at: str, pfx: str, fields) -> None:
+    """A table of layers (`at`: /layers or /decode/layers; element ids prefixed `pfx`) against
+    `owner`, the JSON holding it with its first_wrong_layer and stage: one point per measured
+    value and field, the wrong layer marked on the chart and in the table, its stage."""
+    layers = owner["layers"]
+    assert dom.by_id(f"{pfx}chart-layers")["data-n"] == str(len(layers))
+    for field in fields:
+        points = [
+            e
+            for e in dom.find(tag="circle")
+            if re.fullmatch(rf"{at}/\d+/{field}", e.get("data-json", ""))
+        ]
+        assert [int(p["data-x"]) for p in points] == [
+            i for i, l in enumerate(layers) if l[field] is not None
+        ], field
+    w = owner["first_wrong_layer"]
+    assert int(dom.by_id(f"{pfx}chart-layers-wrong-layer")["data-x"]) == w
+    assert dom.by_id(f"{pfx}wrong-layer")["data-layer"] == str(w)
+    assert [
+        int(e["data-layer"])
+        for e in dom.find(tag="tr")
+        if e.get("id", "").startswith(f"{pfx}layer-") and "wrong-layer" in e["class"].split()
+    ] == [w]
+    assert dom.by_id(f"{pfx}stage")["data-tensor"] == owner["stage"]["tensor"]
+
+
 def check_bisect_page(dom: Dom, rep: dict) -> None:
     """The bisect page against its JSON: every tied number, one point per measured value and
     series, the wrong layer marked on the chart and in the table, its stage, the suspicious layers."""
     assert check_numbers(dom, rep) > 5 * 12
     layers = rep["layers"]
-    assert dom.by_id("chart-layers")["data-n"] == str(len(layers))
-    for field in ("whole_rel_l2", "isolated_rel_l2", "calibration_rel_l2"):
-        points = [
-            e
-            for e in dom.find(tag="circle")
-            if re.fullmatch(rf"/layers/\d+/{field}", e.get("data-json", ""))
-        ]
-        assert [int(p["data-x"]) for p in points] == [
-            i for i, l in enumerate(layers) if l[field] is not None
-        ], field
-    w = rep["first_wrong_layer"]
-    assert int(dom.by_id("chart-layers-wrong-layer")["data-x"]) == w
-    assert [
-        int(e["data-layer"])
-        for e in dom.find(tag="tr")
-        if "wrong-layer" in e.get("class", "").split()
-    ] == [w]
-    assert dom.by_id("wrong-layer")["data-layer"] == str(w)
-    assert (dom.by_id("stage")["data-tensor"], dom.by_id("stage")["data-layer"]) == (
-        rep["stage"]["tensor"],
-        str(rep["stage"]["layer"]),
-    )
+    check_layers(dom, rep, "/layers", "", ("whole_rel_l2", "isolated_rel_l2", "calibration_rel_l2"))
+    assert dom.by_id("stage")["data-layer"] == str(rep["stage"]["layer"])
     suspicious = [
         e["data-x"] for e in dom.elements if e.get("id", "").startswith("chart-layers-suspicious-")
     ]
@@ -547,12 +537,7 @@ def test_the_bisect_page_shows_the_json_report(rendered, bisected):
         lambda r: r["layers"][4].__setitem__("calibration_rel_l2", None),
         lambda r: r["stage"].__setitem__("tensor", "layer.02.attn_out"),
     ]
-    for i, plant in enumerate(plants):
-        bad = json.loads(json.dumps(rep))
-        plant(bad)
-        with pytest.raises(AssertionError):
-            check_bisect_page(dom, bad)
-            pytest.fail(f"plant {i} was accepted")
+    assert_refused(check_bisect_page, dom, rep, plants)
 
 
 def check_decode_page(dom: Dom, rep: dict) -> None:
@@ -585,26 +570,7 @@ def check_decode_page(dom: Dom, rep: dict) -> None:
         d["first_diverging"],
     )
     assert dom.by_id("decode-cache-check")["data-status"] == d["cache_check"]["status"]
-    layers = d["layers"]
-    assert dom.by_id("decode-chart-layers")["data-n"] == str(len(layers))
-    for field in ("whole_rel_l2", "isolated_rel_l2"):
-        points = [
-            e
-            for e in dom.find(tag="circle")
-            if re.fullmatch(rf"/decode/layers/\d+/{field}", e.get("data-json", ""))
-        ]
-        assert [int(p["data-x"]) for p in points] == [
-            i for i, l in enumerate(layers) if l[field] is not None
-        ], field
-    w = d["first_wrong_layer"]
-    assert int(dom.by_id("decode-chart-layers-wrong-layer")["data-x"]) == w
-    assert dom.by_id("decode-wrong-layer")["data-layer"] == str(w)
-    assert [
-        int(e["data-layer"])
-        for e in dom.find(tag="tr")
-        if e.get("id", "").startswith("decode-layer-") and "wrong-layer" in e["class"].split()
-    ] == [w]
-    assert dom.by_id("decode-stage")["data-tensor"] == d["stage"]["tensor"]
+    check_layers(dom, d, "/decode/layers", "decode-", ("whole_rel_l2", "isolated_rel_l2"))
 
 
 def test_the_bisect_page_draws_the_decode_steps(rendered, bisected_decode):
@@ -631,12 +597,7 @@ def test_the_bisect_page_draws_the_decode_steps(rendered, bisected_decode):
         ),
         lambda r: r["decode"]["stage"].__setitem__("tensor", "layer.01.mlp_out"),
     ]
-    for i, plant in enumerate(plants):
-        bad = json.loads(json.dumps(rep))
-        plant(bad)
-        with pytest.raises(AssertionError):
-            check_decode_page(dom, bad)
-            pytest.fail(f"plant {i} was accepted")
+    assert_refused(check_decode_page, dom, rep, plants)
 
 
 def test_bisect_html_into_a_missing_directory_is_refused_before_any_run(tmp_path):
