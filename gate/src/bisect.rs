@@ -1156,6 +1156,7 @@ fn self_check(
         out_stem: "candidate.self.layer",
         slice_stem: "candidate.slice.layer",
     };
+    crate::progress::plan(todo.len() as u64);
     for l in todo {
         match isolate(o, &src, l, policy, forced, runs) {
             Ok(iso) => {
@@ -1174,6 +1175,10 @@ fn self_check(
                 sc.not_checked.push(format!("layer {l:02}: {why}"));
             }
         }
+        crate::progress::step(format_args!(
+            "layer {l:02} against the candidate's own whole run: {}",
+            layers[l].self_check
+        ));
         if runs.last().is_some_and(|r| r.timed_out) {
             break; // refused right after
         }
@@ -1299,6 +1304,7 @@ fn calibrate(
     }
     // The reference's own layer verb, chained: each layer's hidden_out is the next one's input.
     let (mut input, mut input_name) = (input_rel, name);
+    crate::progress::plan((upto - from) as u64);
     for layer in from..upto {
         let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
         let verb = Verb::Layer {
@@ -1313,6 +1319,9 @@ fn calibrate(
         };
         let rec = o.reference.run(&o.root, &verb, o.timeout);
         runs.push(rec.clone());
+        crate::progress::step(format_args!(
+            "calibration: layer {layer:02} on the perturbed input"
+        ));
         let hidden = names::layer(layer, "hidden_out");
         let got = if rec.ok {
             open(&o.root, &out).map_err(|e| e.0)
@@ -1355,6 +1364,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         o.generate,
     )?;
     let _lock = crate::WorkLock::acquire(&o.root.join(&o.work))?;
+    let _progress = crate::progress::start("bisect", 1);
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
     let trace = |p: &Producer, out: &str, force: Option<String>| {
@@ -1381,6 +1391,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         )
     });
     let mut runs = vec![rr.clone(), cr.clone()];
+    crate::progress::step("whole runs of the reference and the candidate");
     for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
         if !rec.ok {
             return Err(gerr!(
@@ -1464,6 +1475,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         let forced_rel = format!("{}/candidate.forced.trace", o.work);
         let rec = trace(&o.candidate, &forced_rel, Some(ref_rel.clone()));
         runs.push(rec.clone());
+        crate::progress::step("candidate traced with the reference's decisions forced");
         refuse_timeout(&runs, o)?;
         let mut f = DecisionsForced {
             status: Forcing::NotForced,
@@ -1598,6 +1610,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         })
         .collect();
     let mut failed: Option<(usize, String)> = None;
+    crate::progress::plan(isolate_upto as u64);
     for (l, row) in layers.iter_mut().enumerate().take(isolate_upto) {
         if let Some((at, _)) = &failed {
             row.isolation = Isolated::NotChecked;
@@ -1621,6 +1634,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
                 failed = Some((l, why));
             }
         }
+        crate::progress::step(format_args!("layer {l:02} in isolation: {}", row.isolation));
     }
     refuse_timeout(&runs, o)?;
     // Before a layer body is blamed: does the candidate's layer verb agree with its own whole run?

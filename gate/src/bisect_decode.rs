@@ -248,6 +248,10 @@ pub fn run(
             break;
         }
     }
+    crate::progress::step(format_args!(
+        "decode: {} of {} steps compared",
+        d.steps_compared, o.generate
+    ));
     let Some((s, name, how)) = first else {
         let steps = if d.steps_compared == 1 {
             "step 0".to_string()
@@ -386,6 +390,7 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
     };
     let rec = o.candidate.run(&o.root, &verb, o.timeout);
     runs.push(rec.clone());
+    crate::progress::step("decode: candidate traced with --cache off");
     if !rec.ok {
         check.reason = Some(format!(
             "the candidate's trace verb failed with --cache off: {}",
@@ -562,6 +567,7 @@ fn isolate_step(
     } else {
         first_layer.map_or(0, |l| l + 1)
     };
+    crate::progress::plan(upto as u64);
     for l in 0..upto {
         let h = whole(l);
         let mut row = b::layer_row(l, differs(l), h.as_ref());
@@ -593,10 +599,15 @@ fn isolate_step(
                 let why = format!("{why} (--decode-from is part of the decode extension, docs/producers.md; a producer without it cannot be isolated at a decode step)");
                 row.reason = Some(why.clone());
                 d.isolation_not_checked = Some(format!("layer {l:02}: {why}"));
+                crate::progress::step(format_args!("decode step {s}: layer {l:02} not checked"));
                 d.layers.push(row);
                 break;
             }
         }
+        crate::progress::step(format_args!(
+            "decode step {s}: layer {l:02} in isolation: {}",
+            row.isolation
+        ));
         d.layers.push(row);
     }
     for row in &mut d.layers {

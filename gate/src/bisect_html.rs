@@ -11,7 +11,45 @@ use tracegate_diff::html::{
 };
 use tracegate_diff::thousands;
 
-use crate::bisect::{BisectReport, LayerRow};
+use crate::bisect::{BisectReport, LayerRow, Stage, TensorCmp};
+use crate::bisect_decode::DecodeReport;
+
+/// A table of layers on the page: the prefill's (`/layers`, ids as they are) or those isolated
+/// at the first diverging decode step (`/decode/layers`, ids prefixed `decode-`).
+struct View<'a> {
+    rows: &'a [LayerRow],
+    /// JSON pointer of the rows and of the report part holding `first_wrong_layer` and `stage`.
+    rows_at: &'a str,
+    owner_at: &'a str,
+    /// Prefix of every element id.
+    id: &'a str,
+    first_wrong: Option<usize>,
+    stage: Option<&'a Stage>,
+}
+
+impl<'a> View<'a> {
+    fn prefill(r: &'a BisectReport) -> View<'a> {
+        View {
+            rows: &r.layers,
+            rows_at: "/layers",
+            owner_at: "",
+            id: "",
+            first_wrong: r.first_wrong_layer,
+            stage: r.stage.as_ref(),
+        }
+    }
+
+    fn decode(d: &'a DecodeReport) -> View<'a> {
+        View {
+            rows: &d.layers,
+            rows_at: "/decode/layers",
+            owner_at: "/decode",
+            id: "decode-",
+            first_wrong: d.first_wrong_layer,
+            stage: d.stage.as_ref(),
+        }
+    }
+}
 
 /// The series' colours (the diff's sheet has one colour per diff series); allowed by the page's
 /// CSP (`style-src 'unsafe-inline'`).
@@ -25,13 +63,14 @@ fn ulp_text(v: Option<u64>) -> String {
 
 /// One series over the layers: `field` of each row, tied to `/layers/N/<field>`.
 fn series(
-    layers: &[LayerRow],
+    v: &View,
     key: &str,
     legend: &str,
     field: &str,
     get: impl Fn(&LayerRow) -> Option<f64>,
 ) -> Series {
-    let points = layers
+    let points = v
+        .rows
         .iter()
         .enumerate()
         .map(|(i, row)| {
@@ -39,7 +78,7 @@ fn series(
             Point {
                 x: i,
                 y,
-                pointer: format!("/layers/{i}/{field}"),
+                pointer: format!("{}/{i}/{field}", v.rows_at),
                 json: json_text(&y),
                 title: format!("layer {:02} {field}: {}", row.layer, fmt_real(y)),
             }
@@ -52,18 +91,18 @@ fn series(
     }
 }
 
-fn chart(r: &BisectReport) -> String {
-    let layers = &r.layers;
+fn chart(v: &View) -> String {
+    let layers = v.rows;
     let mut all = vec![
         series(
-            layers,
+            v,
             "whole",
             "blue ring: whole run, layer.NN.hidden_out rel L2 (reference vs candidate)",
             "whole_rel_l2",
             |l| l.whole_rel_l2,
         ),
         series(
-            layers,
+            v,
             "isolated",
             "red: isolated, the candidate's layer verb on the reference's input",
             "isolated_rel_l2",
@@ -71,16 +110,16 @@ fn chart(r: &BisectReport) -> String {
         ),
     ];
     if layers.iter().any(|l| l.calibration_rel_l2.is_some()) {
-        all.push(series(layers, "calibration", "amber: calibration, what a 1-ULP perturbation of the calibration layer's input grows to", "calibration_rel_l2", |l| l.calibration_rel_l2));
+        all.push(series(v, "calibration", "amber: calibration, what a 1-ULP perturbation of the calibration layer's input grows to", "calibration_rel_l2", |l| l.calibration_rel_l2));
     }
     let mut marks = Vec::new();
-    if let Some(w) = r.first_wrong_layer {
-        let names = r.stage.as_ref().map_or(format!("layer {w:02}"), |s| {
+    if let Some(w) = v.first_wrong {
+        let names = v.stage.map_or(format!("layer {w:02}"), |s| {
             format!("{} ({})", s.tensor, s.block.words())
         });
         marks.push(Mark {
             x: w,
-            id: "chart-layers-wrong-layer".into(),
+            id: format!("{}chart-layers-wrong-layer", v.id),
             class: "mark-fv".into(),
             label: "wrong layer".into(),
             names,
@@ -89,7 +128,7 @@ fn chart(r: &BisectReport) -> String {
     for l in layers.iter().filter(|l| l.suspicious) {
         marks.push(Mark {
             x: l.layer,
-            id: format!("chart-layers-suspicious-{:02}", l.layer),
+            id: format!("{}chart-layers-suspicious-{:02}", v.id, l.layer),
             class: "mark-suspicious".into(),
             label: "suspicious".into(),
             names: format!("layer {:02}", l.layer),
@@ -101,7 +140,7 @@ fn chart(r: &BisectReport) -> String {
         .map(|(i, l)| (i, format!("L{:02}", l.layer)))
         .collect();
     let mut s = LogChart {
-        id: "chart-layers".into(),
+        id: format!("{}chart-layers", v.id),
         y_label: "relative L2 of layer.NN.hidden_out (log)".into(),
         n: layers.len(),
         groups,
@@ -114,18 +153,20 @@ fn chart(r: &BisectReport) -> String {
     s
 }
 
-fn layer_table(r: &BisectReport, h: &mut String) {
-    h.push_str("<table id=\"layers\"><tr><th>layer</th><th>status</th><th>whole run</th><th>isolation</th><th>isolated max ULP</th><th>isolated rel L2</th><th>whole max ULP</th><th>whole rel L2</th><th>1-ULP rel L2</th><th>whole / 1-ULP</th><th>isolated / 1-ULP</th><th>self check</th><th>vs peers</th><th>suspicious</th><th>reason</th></tr>");
-    for (i, l) in r.layers.iter().enumerate() {
-        let p = |f: &str| format!("/layers/{i}/{f}");
-        let class = match (r.first_wrong_layer == Some(l.layer), l.suspicious) {
+fn layer_table(v: &View, h: &mut String) {
+    let _ = write!(h, "<table id=\"{}layers\"><tr>", v.id);
+    h.push_str("<th>layer</th><th>status</th><th>whole run</th><th>isolation</th><th>isolated max ULP</th><th>isolated rel L2</th><th>whole max ULP</th><th>whole rel L2</th><th>1-ULP rel L2</th><th>whole / 1-ULP</th><th>isolated / 1-ULP</th><th>self check</th><th>vs peers</th><th>suspicious</th><th>reason</th></tr>");
+    for (i, l) in v.rows.iter().enumerate() {
+        let p = |f: &str| format!("{}/{i}/{f}", v.rows_at);
+        let class = match (v.first_wrong == Some(l.layer), l.suspicious) {
             (true, _) => "wrong-layer",
             (false, true) => "suspicious",
             _ => "",
         };
         let _ = write!(
             h,
-            "<tr id=\"layer-{:02}\" class=\"{class}\" data-layer=\"{}\">{}{}{}{}{}{}{}{}{}{}{}{}{}{}{}</tr>",
+            "<tr id=\"{}layer-{:02}\" class=\"{class}\" data-layer=\"{}\">{}{}{}{}{}{}{}{}{}{}{}{}{}{}{}</tr>",
+            v.id,
             l.layer,
             l.layer,
             num_td(&p("layer"), &l.layer, &format!("{:02}", l.layer)),
@@ -148,21 +189,23 @@ fn layer_table(r: &BisectReport, h: &mut String) {
     h.push_str("</table>");
 }
 
-fn stage(r: &BisectReport, h: &mut String) {
-    let Some(s) = &r.stage else {
+fn stage(v: &View, h: &mut String) {
+    let Some(s) = v.stage else {
         h.push_str("<p>No stage named (no layer is wrong in isolation).</p>");
         return;
     };
+    let at = |f: &str| format!("{}/stage/{f}", v.owner_at);
     let _ = write!(
         h,
-        "<div class=\"box\" id=\"stage\" data-layer=\"{}\" data-tensor=\"{}\"><b>First wrong stage</b> in layer {}: {} ({}) at <code>{}</code>: {}",
+        "<div class=\"box\" id=\"{}stage\" data-layer=\"{}\" data-tensor=\"{}\"><b>First wrong stage</b> in layer {}: {} ({}) at <code>{}</code>: {}",
+        v.id,
         s.layer,
         esc(&s.tensor),
-        val("span", "num", "/stage/layer", &s.layer, &format!("{:02}", s.layer)),
+        val("span", "num", &at("layer"), &s.layer, &format!("{:02}", s.layer)),
         esc(s.block.words()),
-        val("code", "text", "/stage/block", &s.block, s.block.as_str()),
+        val("code", "text", &at("block"), &s.block, s.block.as_str()),
         esc(&s.tensor),
-        val("span", "text", "/stage/detail", &s.detail, &s.detail),
+        val("span", "text", &at("detail"), &s.detail, &s.detail),
     );
     if !s.matching.is_empty() {
         let _ = write!(
@@ -173,17 +216,23 @@ fn stage(r: &BisectReport, h: &mut String) {
     }
     h.push_str("</div>");
     // The wrong layer's isolated capture points (the candidate's layer verb vs the reference).
-    let Some((li, row)) = r
-        .layers
-        .iter()
-        .enumerate()
-        .find(|(_, l)| l.layer == s.layer)
-    else {
+    let Some((li, row)) = v.rows.iter().enumerate().find(|(_, l)| l.layer == s.layer) else {
         return;
     };
-    h.push_str("<table id=\"stage-tensors\"><tr><th>tensor</th><th>status</th><th>differing</th><th>of</th><th>max ULP</th><th>rel L2</th><th>cosine</th></tr>");
-    for (j, t) in row.isolated.iter().enumerate() {
-        let p = |f: &str| format!("/layers/{li}/isolated/{j}/{f}");
+    tensor_table(
+        &format!("{}stage-tensors", v.id),
+        &format!("{}/{li}/isolated", v.rows_at),
+        &row.isolated,
+        h,
+    );
+}
+
+/// The differ's rows of some tensors as a table; `at` is their JSON pointer.
+fn tensor_table(id: &str, at: &str, rows: &[TensorCmp], h: &mut String) {
+    let _ = write!(h, "<table id=\"{id}\">");
+    h.push_str("<tr><th>tensor</th><th>status</th><th>differing</th><th>of</th><th>max ULP</th><th>rel L2</th><th>cosine</th></tr>");
+    for (j, t) in rows.iter().enumerate() {
+        let p = |f: &str| format!("{at}/{j}/{f}");
         let _ = write!(
             h,
             "<tr class=\"{}\" data-tensor=\"{}\"><td class=\"mono\">{}</td>{}{}{}{}{}{}</tr>",
@@ -444,6 +493,180 @@ fn checks(r: &BisectReport, h: &mut String) {
     }
 }
 
+/// A view's chart (when it has rows), its wrong layer and stage, and its table.
+fn layers(v: &View, h: &mut String) {
+    if !v.rows.is_empty() {
+        h.push_str(&chart(v));
+    }
+    h.push_str("<h3>Wrong layer and stage</h3>");
+    match v.first_wrong {
+        Some(w) => {
+            let _ = write!(
+                h,
+                "<p id=\"{}wrong-layer\" data-layer=\"{w}\">first wrong layer: {}</p>",
+                v.id,
+                val(
+                    "b",
+                    "num",
+                    &format!("{}/first_wrong_layer", v.owner_at),
+                    &w,
+                    &format!("{w:02}")
+                )
+            );
+        }
+        None => {
+            let _ = write!(
+                h,
+                "<p id=\"{}wrong-layer\" data-layer=\"\">No layer is wrong in isolation.</p>",
+                v.id
+            );
+        }
+    }
+    stage(v, h);
+    h.push_str("<h3>Layers</h3>");
+    layer_table(v, h);
+}
+
+/// `--generate N`: one box per decode step (compared, the first diverging, not compared), the
+/// diverging step's tensors and decisions, the cached-path self-check, and the layers isolated
+/// at that step as the prefill's (docs/bisect.md, "Decode").
+fn decode(d: &DecodeReport, h: &mut String) {
+    let _ = write!(
+        h,
+        "<h2 id=\"decode\" data-status=\"{}\">Decode steps: {} of {} compared</h2>",
+        esc(d.status.as_str()),
+        val(
+            "span",
+            "num",
+            "/decode/steps_compared",
+            &d.steps_compared,
+            &d.steps_compared.to_string()
+        ),
+        val(
+            "span",
+            "num",
+            "/decode/generate",
+            &d.generate,
+            &d.generate.to_string()
+        ),
+    );
+    if let Some(why) = &d.reason {
+        let _ = write!(
+            h,
+            "<p>not compared: {}</p>",
+            val("span", "text", "/decode/reason", why, why)
+        );
+    }
+    // The steps in order: 0..steps_compared compared, the last of them diverging when one did.
+    let (w, gap) = (44usize, 6usize);
+    let _ = write!(
+        h,
+        "<svg id=\"decode-steps\" data-n=\"{}\" width=\"{}\" height=\"48\" role=\"img\">",
+        d.generate,
+        d.generate.max(1) * (w + gap)
+    );
+    for s in 0..d.generate {
+        let (class, fill, said) = if d.first_diverging_step == Some(s) {
+            ("step diverging", "#c62828", "first diverging")
+        } else if s < d.steps_compared {
+            ("step compared", "#2e7d32", "compared, agrees")
+        } else {
+            ("step not-compared", "#bdbdbd", "not compared")
+        };
+        let x = s * (w + gap);
+        let _ = write!(
+            h,
+            "<g id=\"decode-step-{s:04}\" class=\"{class}\" data-step=\"{s}\"><title>decode step {s}: {said}</title>\
+<rect x=\"{x}\" y=\"4\" width=\"{w}\" height=\"24\" fill=\"{fill}\"></rect>\
+<text x=\"{}\" y=\"44\" text-anchor=\"middle\" font-size=\"11\">{s}</text></g>",
+            x + w / 2
+        );
+    }
+    h.push_str("</svg><div class=\"note\">green: compared, agrees · red: the first diverging step · grey: not compared</div>");
+    if let (Some(s), Some(name)) = (d.first_diverging_step, &d.first_diverging) {
+        let how = d.first_diverging_how.map_or("-", |h| h.as_str());
+        let _ = write!(
+            h,
+            "<div class=\"box\" id=\"decode-first-diverging\" data-step=\"{s}\" data-tensor=\"{}\">first diverging step {} (position {}) at {} ({})</div>",
+            esc(name),
+            val("b", "num", "/decode/first_diverging_step", &s, &s.to_string()),
+            val("span", "num", "/decode/position", &d.position, &d.position.map_or("-".into(), |p| p.to_string())),
+            val("code", "text", "/decode/first_diverging", name, name),
+            val("span", "text", "/decode/first_diverging_how", &d.first_diverging_how, how),
+        );
+    }
+    if !d.step_tensors.is_empty() {
+        tensor_table(
+            "decode-step-tensors",
+            "/decode/step_tensors",
+            &d.step_tensors,
+            h,
+        );
+    }
+    for (i, x) in d.step_decisions.iter().enumerate() {
+        let p = |f: &str| format!("/decode/step_decisions/{i}/{f}");
+        let _ = write!(
+            h,
+            "<p class=\"decode-decision\">decision {} differs in {} of {} rows</p>",
+            val("code", "text", &p("name"), &x.name, &x.name),
+            val(
+                "span",
+                "num",
+                &p("differing_rows"),
+                &x.differing_rows,
+                &thousands(x.differing_rows)
+            ),
+            val("span", "num", &p("rows"), &x.rows, &thousands(x.rows)),
+        );
+    }
+    if let Some(c) = &d.cache_check {
+        let _ = write!(
+            h,
+            "<div class=\"box\" id=\"decode-cache-check\" data-status=\"{}\"><b>Cached decode against the full recompute</b> (the candidate's --cache on vs --cache off): {}",
+            esc(c.status.as_str()),
+            val("b", "text", "/decode/cache_check/status", &c.status, c.status.as_str()),
+        );
+        if let (Some(at), Some(t)) = (c.first_step, &c.first_tensor) {
+            let _ = write!(
+                h,
+                "; first at step {}: {}",
+                val(
+                    "span",
+                    "num",
+                    "/decode/cache_check/first_step",
+                    &at,
+                    &at.to_string()
+                ),
+                val("code", "text", "/decode/cache_check/first_tensor", t, t),
+            );
+        }
+        for (f, x) in [("detail", &c.detail), ("reason", &c.reason)] {
+            if let Some(x) = x {
+                let _ = write!(
+                    h,
+                    "<br>{f}: {}",
+                    val("span", "text", &format!("/decode/cache_check/{f}"), x, x)
+                );
+            }
+        }
+        h.push_str("</div>");
+    }
+    if let Some(s) = d.first_diverging_step {
+        let _ = write!(
+            h,
+            "<h2>Layers isolated at decode step {s}: the candidate's <code>layer --decode-from</code></h2>"
+        );
+        if let Some(why) = &d.isolation_not_checked {
+            let _ = write!(
+                h,
+                "<p id=\"decode-isolation-not-checked\">NOT CHECKED: {}</p>",
+                val("span", "text", "/decode/isolation_not_checked", why, why)
+            );
+        }
+        layers(&View::decode(d), h);
+    }
+}
+
 /// The `gate bisect --html` page of `r`.
 pub fn render_html(r: &BisectReport) -> String {
     let mut h = String::from(STYLE);
@@ -504,29 +727,12 @@ pub fn render_html(r: &BisectReport) -> String {
     h.push_str("<h2>Error per layer: whole run, isolated, calibration</h2>");
     if r.layers.is_empty() {
         h.push_str("<p>No layer row (the bisection stopped before the layers).</p>");
-    } else {
-        h.push_str(&chart(r));
     }
-    h.push_str("<h2>Wrong layer and stage</h2>");
-    match r.first_wrong_layer {
-        Some(w) => {
-            let _ = write!(
-                h,
-                "<p id=\"wrong-layer\" data-layer=\"{w}\">first wrong layer: {}</p>",
-                val("b", "num", "/first_wrong_layer", &w, &format!("{w:02}"))
-            );
-        }
-        None => {
-            h.push_str("<p id=\"wrong-layer\" data-layer=\"\">No layer is wrong in isolation.</p>")
-        }
-    }
-    stage(r, &mut h);
-    h.push_str("<h2>Layers</h2>");
-    layer_table(r, &mut h);
+    layers(&View::prefill(r), &mut h);
     h.push_str("<h2>Checks</h2>");
     checks(r, &mut h);
-    if r.decode.is_some() {
-        h.push_str("<p class=\"note\" id=\"decode\">The decode steps (--generate) are NOT drawn on this page: see the text output and <code>decode</code> in the JSON report.</p>");
+    if let Some(d) = &r.decode {
+        decode(d, &mut h);
     }
     page(&format!("gate bisect {}", r.verdict), &h)
 }

@@ -11,6 +11,7 @@ pub mod bisect_judge;
 pub mod milestones;
 pub mod paths;
 pub mod producer;
+pub mod progress;
 pub mod prompts;
 pub mod report;
 pub mod run;

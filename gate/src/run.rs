@@ -2,10 +2,8 @@
 //! then the checks — stable, matches, generation, agrees, generation_oracle — and the baselines.
 
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::{json, Value};
 use tracegate_diff::{
@@ -838,15 +836,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     );
     let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
 
-    let steps = selected.len() as u64 * if oracle_runs { 4 } else { 3 };
-    let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
-    bar.set_style(
-        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(format!("gate {}", m.id));
-    let tty = std::io::stderr().is_terminal();
+    let progress = crate::progress::start(format!("gate {}", m.id), selected.len() as u64);
 
     let mut results = Vec::new();
     let mut wall_s: BTreeMap<&'static str, f64> = BTreeMap::new();
@@ -877,7 +867,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         if oracle_runs {
             producers.push((&oracle, "oracle", "oracle.trace", true));
         }
-        bar.set_message(p.id.clone());
+        crate::progress::doing(format!("{}: running the producers", p.id));
         // Independent runs overlap (the Python producers are served by their own workers).
         let recs: Vec<RunRecord> = std::thread::scope(|s| {
             let handles: Vec<_> = producers
@@ -893,10 +883,8 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
                 .collect()
         });
         for ((_, label, _, _), rec) in producers.iter().zip(recs) {
-            bar.inc(1);
             // A hang says nothing about the model; the gate cannot judge this run at all.
             if rec.timed_out {
-                bar.finish_and_clear();
                 return Err(gerr!(
                     "{}: {label} {} timed out after {} s (--timeout) and was killed: $ {}",
                     p.id,
@@ -921,14 +909,10 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        if tty {
-            bar.println(line);
-        } else {
-            eprintln!("[gate {}] {line}", m.id);
-        }
+        crate::progress::step(line);
         results.push(result);
     }
-    bar.finish_and_clear();
+    drop(progress);
     wall_s.insert("producers", producing);
     wall_s.insert("judge", judging);
 

@@ -36,15 +36,19 @@ impl Outcome {
 /// given extra arguments, from the root; traces and report in a temp dir. Returns the exit code,
 /// stdout, stderr and the report.
 fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let out = bisect_command(model, args, work.path()).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let report = read_report(work.path(), &stdout, &stderr);
+    (out.status.code().unwrap_or(-1), stdout, stderr, report)
+}
+
+/// The `gate bisect` command of `run_bisect`, its traces and report.json in `work`.
+fn bisect_command(model: &str, args: &[&str], work: &Path) -> Command {
     let root = repo();
-    let work = tempfile::tempdir_in(root.join("target")).unwrap();
-    let work_rel = work
-        .path()
-        .strip_prefix(&root)
-        .unwrap()
-        .display()
-        .to_string();
-    let report = work.path().join("report.json");
+    let work_rel = work.strip_prefix(&root).unwrap().display().to_string();
+    let report = work.join("report.json");
     let model = if model.starts_with('/') {
         model.to_string()
     } else {
@@ -55,8 +59,8 @@ fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
     } else {
         &["--prompt", "short"]
     };
-    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
-        .current_dir(&root)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gate"));
+    cmd.current_dir(&root)
         .args([
             "--root",
             root.to_str().unwrap(),
@@ -68,16 +72,17 @@ fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
         ])
         .args(prompt)
         .args(["--report", report.to_str().unwrap()])
-        .args(args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    let report = std::fs::read_to_string(&report)
+        .args(args);
+    cmd
+}
+
+/// `work`/report.json, validated against the schema.
+fn read_report(work: &Path, stdout: &str, stderr: &str) -> Value {
+    let report = std::fs::read_to_string(work.join("report.json"))
         .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
     let report: Value = serde_json::from_str(&report).unwrap();
     assert_valid_report(&report);
-    (out.status.code().unwrap_or(-1), stdout, stderr, report)
+    report
 }
 
 /// `run_bisect` for a bisection that must not be refused.
@@ -94,7 +99,7 @@ fn bisect(model: &str, args: &[&str]) -> Outcome {
 fn defective(defect: &str) -> String {
     let root = repo();
     format!(
-        "'{}' '{}' --defect {defect} {{verb}} {{args}}",
+        "'{}' '{}' --defect {defect} {{verb|serve}} {{args}}",
         root.join(".venv/bin/python").display(),
         root.join("gate/tests/producers/defective_contract.py")
             .display()
@@ -612,7 +617,7 @@ fn an_engine_reference_on_an_absurd_config_is_refused_not_crashed() {
 #[test]
 fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
     let cmd = format!(
-        "'{}' '{}' --base contract --drop layer.02.attn_out --drop layer.03.attn_out {{verb}} {{args}}",
+        "'{}' '{}' --base contract --drop layer.02.attn_out --drop layer.03.attn_out {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         repo().join("gate/tests/producers/planted_trace.py").display()
     );
@@ -724,7 +729,7 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
     // A 1-ULP nudge in layer 00 (noise within the policy) and a defect in the head: judged by
     // the policy, the failure is the head's violation; the nudge is only the first bit difference.
     let cmd = format!(
-        "'{}' '{}' --base contract --nudge layer.00.attn_out --push logits {{verb}} {{args}}",
+        "'{}' '{}' --base contract --nudge layer.00.attn_out --push logits {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         repo()
             .join("gate/tests/producers/planted_trace.py")
@@ -834,7 +839,7 @@ fn router_rule_defect(dir: &Path) -> String {
     let script = dir.join("router_flip.py");
     std::fs::write(&script, ROUTER_FLIP).unwrap();
     format!(
-        "'{}' '{}' {{verb}} {{args}}",
+        "'{}' '{}' {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         script.display()
     )
@@ -906,7 +911,7 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
     // Negative control: a candidate that does not honour --force-decisions (its output is
     // edited after the run, forced or not) is said so, and the bisection stays unforced.
     let planted = format!(
-        "'{}' '{}' --base contract --flip layer.00.router.topk {{verb}} {{args}}",
+        "'{}' '{}' --base contract --flip layer.00.router.topk {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
         repo()
             .join("gate/tests/producers/planted_trace.py")
@@ -1336,4 +1341,156 @@ fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
             o.stdout
         );
     }
+}
+
+/// `gate bisect` with stderr on a pseudo-terminal (stdout a pipe): (stdout, what the terminal
+/// showed, report).
+fn bisect_on_a_terminal(model: &str, args: &[&str], work: &Path) -> (String, String, Value) {
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty writes two new descriptors into the given ints; no name, termios or size.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just opened and are owned here alone.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let mut child = bisect_command(model, args, work)
+        .env("TERM", "xterm-256color")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::from(slave))
+        .spawn()
+        .unwrap();
+    // The terminal is read while the gate runs (a full pty buffer would block it).
+    let reader = std::thread::spawn(move || {
+        let mut f = std::fs::File::from(master);
+        let (mut seen, mut buf) = (Vec::new(), [0u8; 4096]);
+        // EIO once the last writer (the gate and its children) closed the terminal.
+        while let Ok(n) = f.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&seen).to_string()
+    });
+    let mut stdout = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    let status = child.wait().unwrap();
+    let shown = reader.join().unwrap();
+    assert_eq!(status.code(), Some(0), "{stdout}\n{shown}");
+    let report = read_report(work, &stdout, &shown);
+    (stdout, shown, report)
+}
+
+/// The report less what changes from run to run (each producer run's seconds, memory, pid).
+fn without_runs(mut report: Value) -> Value {
+    report.as_object_mut().unwrap().remove("runs");
+    report
+}
+
+/// `text` less its terminal control sequences (`ESC [ ... letter`).
+fn without_escapes(text: &str) -> String {
+    let (mut out, mut chars) = (String::new(), text.chars());
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            if chars.next() == Some('[') {
+                for d in chars.by_ref() {
+                    if d.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The `[bisect] ` step lines of stderr.
+fn steps(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("[bisect] "))
+        .collect()
+}
+
+#[test]
+fn progress_is_a_line_per_step_off_a_terminal_and_a_bar_on_one_never_in_the_output() {
+    // The engine against itself, every layer isolated, self-checked and calibrated: 1 step for
+    // the whole runs, then 5 of each for the 5 layers of tiny-qwen3.
+    let args = [
+        "--reference",
+        "engine",
+        "--candidate",
+        "engine",
+        "--all-layers",
+        "--calibrate",
+    ];
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let out = bisect_command("tiny-qwen3", &args, work.path())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let piped = read_report(work.path(), &stdout, &stderr);
+    let lines = steps(&stderr);
+    let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
+    assert_eq!(
+        (
+            lines.len(),
+            count("] whole runs of the reference and the candidate"),
+            count(" in isolation: match"),
+            count(" against the candidate's own whole run: consistent"),
+            count("] calibration: layer "),
+        ),
+        (16, 1, 5, 5, 5),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains('\x1b') && !stderr.contains('\r'),
+        "a bar's control codes in a pipe: {stderr:?}"
+    );
+    assert!(!stdout.contains("[bisect]"), "progress on stdout: {stdout}");
+    // Negative control: without --calibrate exactly the 5 calibration steps go.
+    let fewer = run_bisect("tiny-qwen3", &args[..5]).2;
+    assert_eq!(
+        (
+            steps(&fewer).len(),
+            fewer.matches("] calibration: ").count()
+        ),
+        (11, 0),
+        "{fewer}"
+    );
+
+    // On a terminal: the bar and the same steps on it; stdout and the report as in a pipe.
+    let (tty_stdout, shown, tty) = bisect_on_a_terminal("tiny-qwen3", &args, work.path());
+    assert!(
+        shown.contains("bisect [") && shown.contains("\x1b["),
+        "no bar drawn on the terminal: {shown:?}"
+    );
+    let plain = without_escapes(&shown).replace('\r', "\n");
+    assert_eq!(
+        steps(&plain).len(),
+        16,
+        "the terminal lost step lines: {shown:?}"
+    );
+    assert_eq!(tty_stdout, stdout);
+    assert_eq!(without_runs(tty), without_runs(piped));
 }

@@ -62,7 +62,7 @@ fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
 fn defective(defect: &str) -> String {
     let root = repo();
     format!(
-        "'{}' '{}' --defect {defect} {{verb}} {{args}}",
+        "'{}' '{}' --defect {defect} {{verb|serve}} {{args}}",
         root.join(".venv/bin/python").display(),
         root.join("gate/tests/producers/defective_contract.py")
             .display()

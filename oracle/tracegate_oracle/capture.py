@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tracegate import names
 
-from .checkpoint import preflight
+from .checkpoint import LoadProgress, preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
 from .families import resolve
 from .force import Forcing, RouterForcing, shadow_forward
@@ -263,6 +263,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
 
     d = Path(model_dir)
     inv = preflight(d)
+    progress = LoadProgress(d, inv)
     transformers.utils.logging.disable_progress_bar()
     with _transformers_log() as log:
         try:
@@ -272,7 +273,9 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
                 f"--model {d}: config.json not understood by transformers: {_one_line(e)}"
             ) from None
         _check_shapes_on_meta(d, cfg, inv, AutoModelForCausalLM)
+    progress.config(cfg)
     placement = _placement(rc)
+    progress.weights(rc.dtype)
     try:
         with _transformers_log() as load_log:
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -309,6 +312,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     )  # the family table: refused here unless every capture point is found
     _check_tied_head(model, d)
     _replay(log + load_log)
+    progress.placement(model, rc.device)
     # A dispatched model stays where accelerate put it (transformers refuses .to() on an offloaded one).
     return (model if placement else model.to(rc.device)).eval()
 

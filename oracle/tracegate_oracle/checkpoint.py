@@ -14,6 +14,8 @@ import json
 import math
 import re
 import struct
+import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,3 +366,62 @@ def preflight(model_dir) -> dict[str, Entry]:
     inv = inventory(d)
     check_config(raw, inv, d / "config.json")
     return inv
+
+
+# ---------------------------------------------------------------------------------- progress
+
+# From this many bytes of weights a load takes seconds (read, convert, place), so the oracle says
+# each phase on stderr as it starts: a log shows where a large model's minutes go. Smaller models
+# say nothing, so a refused load of one stays the one line a refusal is.
+LOAD_PROGRESS_BYTES = 256 << 20
+
+
+def weight_bytes(inv: dict[str, Entry]) -> int:
+    """The bytes the checkpoint's tensors occupy on disk."""
+    return sum(DTYPE_SIZE[e.dtype] * math.prod(e.shape) for e in inv.values())
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
+class LoadProgress:
+    """One stderr line per loading phase (config, weights with their size, device placement),
+    `[oracle] loading DIR: PHASE: DETAIL`, for a checkpoint of at least LOAD_PROGRESS_BYTES.
+    Lines, never a bar: transformers' own bars stay off (capture.load_model disables them), so a
+    CI log gets no carriage-return spam. stdout and the trace are unchanged."""
+
+    def __init__(self, d: Path, inv: dict[str, Entry]):
+        self.d, self.inv = d, inv
+        self.bytes = weight_bytes(inv)
+        self.on = self.bytes >= LOAD_PROGRESS_BYTES
+
+    def _say(self, phase: str, detail: str) -> None:
+        if self.on:
+            print(f"[oracle] loading {self.d}: {phase}: {detail}", file=sys.stderr, flush=True)
+
+    def config(self, cfg) -> None:
+        layers = getattr(cfg, "num_hidden_layers", None)
+        self._say("config", f"{cfg.model_type}, {layers} layers, shapes checked on the meta device")
+
+    def weights(self, dtype: str) -> None:
+        files = len({e.file for e in self.inv.values()})
+        self._say(
+            "weights",
+            f"{_size(self.bytes)} in {files} safetensors file{'s' if files != 1 else ''} "
+            f"({len(self.inv)} tensors), loading as {dtype}",
+        )
+
+    def placement(self, model, device: str) -> None:
+        """Where transformers/accelerate put the modules (a device map), else `device`."""
+        dm = getattr(model, "hf_device_map", None)
+        if dm:
+            where = ", ".join(
+                f"{d} ({n} modules)" for d, n in Counter(map(str, dm.values())).items()
+            )
+            self._say("placement", f"device map: {where}")
+        else:
+            self._say("placement", f"every module on {device}")

@@ -1,8 +1,12 @@
 """A test-only producer: the numpy contract with exactly one planted defect, answering the same
-two verbs (docs/producers.md). `gate bisect`'s negative controls run it as the candidate and
-must name the layer and stage the defect lives in.
+two verbs and `serve` (docs/producers.md). `gate bisect`'s negative controls run it as the
+candidate and must name the layer and stage the defect lives in.
 
-  defective_contract.py --defect NAME {verb} {args}
+  defective_contract.py --defect NAME {verb|serve} {args}
+
+Served, one worker answers every request of a bisection (Python and numpy start once); each
+request behaves as the per-call process would: the defect is planted once, and what depends on
+the request (the verb for layer-bidir, the prompt for late-pos, the refusals) is set per request.
 
 Defects (each touches one layer only, so every later layer is a correct body that inherits):
   mlp-add      layer 2: the MLP block returns its input plus its output (add where it should overwrite)
@@ -31,6 +35,8 @@ from tracegate_contract import __main__ as cli
 from tracegate_contract import ops, qwen3
 
 _current = [None]  # the layer Model.layer is running, for defects scoped to one layer
+_verb = [None]  # the request's verb, for defects scoped to one verb
+_prompt = [None]  # the prompt's length, known to the trace verb only (late-pos)
 _orig_layer = qwen3.Model.layer
 
 
@@ -56,7 +62,9 @@ def plant(defect: str) -> None:
         orig = ops.attention
 
         def attention(q, k, v, q_pos, k_pos, scale):
-            if (defect, _current[0]) in (("bidir-mask", 1), ("layer-bidir", 2)):
+            if (defect, _current[0]) == ("bidir-mask", 1) or (
+                (defect, _current[0], _verb[0]) == ("layer-bidir", 2, "layer")
+            ):
                 q_pos = [max(k_pos)] * len(q_pos)  # every query row sees every key
             if defect == "gqa-mod" and _current[0] == 3:
                 nh, nkv = q.shape[1], k.shape[1]
@@ -103,7 +111,7 @@ def plant(defect: str) -> None:
         qwen3.Model._moe = moe
     elif defect in ("cached-pos", "late-pos"):
         orig, orig_run = qwen3.Model.layer, qwen3.Model.run  # layer: the tracking wrapper
-        prompt = [None]  # the prompt's length, known to the trace verb only
+        prompt = _prompt
 
         def run(self, tokens, *a, **k):
             prompt[0] = len(tokens)
@@ -136,22 +144,33 @@ def plant(defect: str) -> None:
         raise SystemExit(f"unknown defect {defect!r}")
 
 
-def main(argv):
-    if len(argv) < 2 or argv[0] != "--defect":
-        print("usage: defective_contract.py --defect NAME {verb} {args}", file=sys.stderr)
-        return 2
-    defect, rest = argv[1], argv[2:]
-    if defect == "no-layer" and rest[:1] == ["layer"]:
+def answer(defect: str, request: list[str]) -> int:
+    """One request (`VERB ARGS...`), as a fresh per-call process would answer it."""
+    sys.argv = [sys.argv[0], "--defect", defect, *request]  # the per-call command line
+    _verb[0], _prompt[0] = (request[:1] or [None])[0], None
+    if defect == "no-layer" and request[:1] == ["layer"]:
         print("error: this producer does not implement the layer verb", file=sys.stderr)
         return 3
-    if defect == "late-pos" and "--decode-from" in rest:
+    if defect == "late-pos" and "--decode-from" in request:
         print(
             "error: unrecognized arguments: --decode-from", file=sys.stderr
         )  # as an argparse CLI without it
         return 2
-    if defect != "layer-bidir" or rest[:1] == ["layer"]:
-        plant(defect)
-    return cli.main(rest)
+    return cli.main(request)
+
+
+def main(argv):
+    if len(argv) < 2 or argv[0] != "--defect":
+        print("usage: defective_contract.py --defect NAME {verb|serve} {args}", file=sys.stderr)
+        return 2
+    defect, rest = argv[1], argv[2:]
+    plant(defect)
+    if rest == ["serve"]:
+        from tracegate.serve import serve
+
+        argv0 = sys.argv[0]
+        return serve(lambda request: answer(defect, request), argv0)
+    return answer(defect, rest)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Test-only producer: a real producer (the contract or the oracle) whose finished trace is then
 rewritten with one planted defect, so the gate's tests can show that each check catches it.
 
-    python gate/tests/producers/planted_trace.py --base contract|oracle EDIT... {verb} {args}
+    python gate/tests/producers/planted_trace.py --base contract|oracle EDIT... {verb|serve} {args}
+
+Served (`serve`), one worker answers every request with the same edits, each as the per-call
+process would (docs/producers.md, "Serving").
 
 Edits, of the `trace` verb's output only (the `layer` verb is the base's, unchanged); each may
 repeat, and the trace must hold what it names:
@@ -54,6 +57,21 @@ def main() -> int:
     while argv and argv[0] in edits:
         edits[argv[0]].append(argv[1])
         argv = argv[2:]
+    if argv == ["serve"]:
+        from tracegate.serve import serve
+
+        argv0, words = sys.argv[0], sys.argv[1:-1]  # the per-call words before the verb
+
+        def request(req: list[str]) -> int:
+            sys.argv = [argv0, *words, *req]  # as the per-call process sees it
+            return answer(run, edits, list(req))
+
+        return serve(request, argv0)
+    return answer(run, edits, argv)
+
+
+def answer(run, edits: dict, argv: list[str]) -> int:
+    """One run of the verb in `argv`, with the trace verb's output edited."""
     if argv[0] != "trace":
         return run(argv)
     out = argv[argv.index("--out") + 1]

@@ -5,7 +5,8 @@ defects: a 1-ULP nudge in layer.00.attn_out within the policy, layer.01.mlp_out 
 outside it, decode.0003.argmax flipped) gives a failing gate report, JSON and HTML, and a pair of
 real traces (engine vs planted oracle) for `trace-diff` and `tracegate.compare`. One real
 `gate bisect --calibrate` (the engine against the contract with layer 02's MLP planted wrong)
-gives a bisect report, JSON and HTML. The pages are
+gives a bisect report, JSON and HTML, and one real `gate bisect --generate 3` (layer 01's cached
+decode planted wrong) a decode bisection's. The pages are
 rendered in headless Chromium; each number the page shows is checked against the JSON of the
 same run; the JSON reports are validated against docs/*.schema.json."""
 
@@ -83,12 +84,11 @@ def planted(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
-def bisected(tmp_path_factory):
-    """One real bisection, --report and --html: the engine against the contract with the MLP of
-    layer 02 planted wrong (gate/tests/producers/defective_contract.py), calibrated."""
-    d = tmp_path_factory.mktemp("bisect")
-    cand = f"'{sys.executable}' '{ROOT / 'gate/tests/producers/defective_contract.py'}' --defect mlp-add {{verb}} {{args}}"
+def bisect_defective(d: Path, defect: str, *extra, exit_code: int) -> dict:
+    """`gate bisect --report --html` in `d`: the engine against the contract with one planted
+    defect (gate/tests/producers/defective_contract.py, served)."""
+    script = ROOT / "gate/tests/producers/defective_contract.py"
+    cand = f"'{sys.executable}' '{script}' --defect {defect} {{verb|serve}} {{args}}"
     b = run(
         [
             BIN / "gate",
@@ -105,7 +105,7 @@ def bisected(tmp_path_factory):
             "cmd",
             "--candidate-cmd",
             cand,
-            "--calibrate",
+            *extra,
             "--work",
             d / "work",
             "--report",
@@ -114,8 +114,24 @@ def bisected(tmp_path_factory):
             d / "bisect.html",
         ]
     )
-    assert b.returncode == 1, b.stdout + b.stderr
+    assert b.returncode == exit_code, b.stdout + b.stderr
     return {"dir": d, "report": json.loads((d / "bisect.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def bisected_decode(tmp_path_factory):
+    """One real decode bisection: the contract's cached decode rotates layer 01's rows at the
+    wrong position (--defect cached-pos), 3 steps."""
+    d = tmp_path_factory.mktemp("bisect-decode")
+    return bisect_defective(d, "cached-pos", "--generate", "3", exit_code=6)
+
+
+@pytest.fixture(scope="module")
+def bisected(tmp_path_factory):
+    """One real bisection: the contract with the MLP of layer 02 planted wrong, calibrated."""
+    return bisect_defective(
+        tmp_path_factory.mktemp("bisect"), "mlp-add", "--calibrate", exit_code=1
+    )
 
 
 def validator(name: str):
@@ -302,7 +318,7 @@ def check_numbers(dom: Dom, report: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def rendered(planted, bisected):
+def rendered(planted, bisected, bisected_decode):
     exe = browser.chromium()
     if exe is None:
         pytest.skip(
@@ -323,6 +339,7 @@ def rendered(planted, bisected):
     try:
         pages = {name: b.render(d / f"{name}.html") for name in ("diff", "gate", "python", "bad")}
         pages["bisect"] = b.render(bisected["dir"] / "bisect.html")
+        pages["bisect-decode"] = b.render(bisected_decode["dir"] / "bisect.html")
     finally:
         b.close()
     keep = os.environ.get("TRACEGATE_SCREENSHOTS")  # e.g. docs/img, to refresh README's pictures
@@ -342,7 +359,7 @@ def test_the_browser_sees_console_errors_and_network_requests(rendered):
     assert any("ERR_PROXY_CONNECTION_FAILED" in e for e in bad.log_errors), bad.log_errors
 
 
-@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect"])
+@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect", "bisect-decode"])
 def test_pages_are_self_contained_and_clean(rendered, name):
     r = rendered[name]
     assert r.png[:8] == b"\x89PNG\r\n\x1a\n" and len(r.png) > 10_000
@@ -451,33 +468,49 @@ def test_the_gate_page_shows_the_json_report_and_links_failures_to_findings(rend
     assert len(deltas) == sum(len(b["observed"]) for b in rep["baselines"]) > 0
 
 
+def assert_refused(check, dom: Dom, rep: dict, plants) -> None:
+    """Negative controls: `check` of the page refuses each copy of `rep` a plant edited."""
+    for i, plant in enumerate(plants):
+        bad = json.loads(json.dumps(rep))
+        plant(bad)
+        with pytest.raises(AssertionError):
+            check(dom, bad)
+            pytest.fail(f"plant {i} was accepted")
+
+
+def check_layers(dom: Dom, owner: dict, at: str, pfx: str, fields) -> None:
+    """A table of layers (`at`: /layers or /decode/layers; element ids prefixed `pfx`) against
+    `owner`, the JSON holding it with its first_wrong_layer and stage: one point per measured
+    value and field, the wrong layer marked on the chart and in the table, its stage."""
+    layers = owner["layers"]
+    assert dom.by_id(f"{pfx}chart-layers")["data-n"] == str(len(layers))
+    for field in fields:
+        points = [
+            e
+            for e in dom.find(tag="circle")
+            if re.fullmatch(rf"{at}/\d+/{field}", e.get("data-json", ""))
+        ]
+        assert [int(p["data-x"]) for p in points] == [
+            i for i, l in enumerate(layers) if l[field] is not None
+        ], field
+    w = owner["first_wrong_layer"]
+    assert int(dom.by_id(f"{pfx}chart-layers-wrong-layer")["data-x"]) == w
+    assert dom.by_id(f"{pfx}wrong-layer")["data-layer"] == str(w)
+    assert [
+        int(e["data-layer"])
+        for e in dom.find(tag="tr")
+        if e.get("id", "").startswith(f"{pfx}layer-") and "wrong-layer" in e["class"].split()
+    ] == [w]
+    assert dom.by_id(f"{pfx}stage")["data-tensor"] == owner["stage"]["tensor"]
+
+
 def check_bisect_page(dom: Dom, rep: dict) -> None:
     """The bisect page against its JSON: every tied number, one point per measured value and
     series, the wrong layer marked on the chart and in the table, its stage, the suspicious layers."""
     assert check_numbers(dom, rep) > 5 * 12
     layers = rep["layers"]
-    assert dom.by_id("chart-layers")["data-n"] == str(len(layers))
-    for field in ("whole_rel_l2", "isolated_rel_l2", "calibration_rel_l2"):
-        points = [
-            e
-            for e in dom.find(tag="circle")
-            if re.fullmatch(rf"/layers/\d+/{field}", e.get("data-json", ""))
-        ]
-        assert [int(p["data-x"]) for p in points] == [
-            i for i, l in enumerate(layers) if l[field] is not None
-        ], field
-    w = rep["first_wrong_layer"]
-    assert int(dom.by_id("chart-layers-wrong-layer")["data-x"]) == w
-    assert [
-        int(e["data-layer"])
-        for e in dom.find(tag="tr")
-        if "wrong-layer" in e.get("class", "").split()
-    ] == [w]
-    assert dom.by_id("wrong-layer")["data-layer"] == str(w)
-    assert (dom.by_id("stage")["data-tensor"], dom.by_id("stage")["data-layer"]) == (
-        rep["stage"]["tensor"],
-        str(rep["stage"]["layer"]),
-    )
+    check_layers(dom, rep, "/layers", "", ("whole_rel_l2", "isolated_rel_l2", "calibration_rel_l2"))
+    assert dom.by_id("stage")["data-layer"] == str(rep["stage"]["layer"])
     suspicious = [
         e["data-x"] for e in dom.elements if e.get("id", "").startswith("chart-layers-suspicious-")
     ]
@@ -504,12 +537,67 @@ def test_the_bisect_page_shows_the_json_report(rendered, bisected):
         lambda r: r["layers"][4].__setitem__("calibration_rel_l2", None),
         lambda r: r["stage"].__setitem__("tensor", "layer.02.attn_out"),
     ]
-    for i, plant in enumerate(plants):
-        bad = json.loads(json.dumps(rep))
-        plant(bad)
-        with pytest.raises(AssertionError):
-            check_bisect_page(dom, bad)
-            pytest.fail(f"plant {i} was accepted")
+    assert_refused(check_bisect_page, dom, rep, plants)
+
+
+def check_decode_page(dom: Dom, rep: dict) -> None:
+    """The decode part of a bisect page against its JSON: every tied number, one box per step
+    (compared, the first diverging, not compared), that step, the cache check, and the layers
+    isolated at that step (points, the wrong layer on the chart and in the table, its stage)."""
+    assert check_numbers(dom, rep) > 5 * 12
+    d = rep["decode"]
+    assert dom.by_id("decode")["data-status"] == d["status"]
+    assert dom.by_id("decode-steps")["data-n"] == str(d["generate"])
+    boxes = [
+        (int(e["data-step"]), e["class"])
+        for e in dom.find(tag="g")
+        if e.get("id", "").startswith("decode-step-")
+    ]
+    assert boxes == [
+        (
+            s,
+            "step diverging"
+            if s == d["first_diverging_step"]
+            else "step compared"
+            if s < d["steps_compared"]
+            else "step not-compared",
+        )
+        for s in range(d["generate"])
+    ]
+    first = dom.by_id("decode-first-diverging")
+    assert (first["data-step"], first["data-tensor"]) == (
+        str(d["first_diverging_step"]),
+        d["first_diverging"],
+    )
+    assert dom.by_id("decode-cache-check")["data-status"] == d["cache_check"]["status"]
+    check_layers(dom, d, "/decode/layers", "decode-", ("whole_rel_l2", "isolated_rel_l2"))
+
+
+def test_the_bisect_page_draws_the_decode_steps(rendered, bisected_decode):
+    rep = bisected_decode["report"]
+    d = rep["decode"]
+    # The run this page is drawn from: step 1 diverges, the cached path disagrees with the full
+    # recompute, and layer 01 is wrong in isolation at that step.
+    assert (rep["verdict"], d["steps_compared"], d["first_diverging_step"]) == (
+        "cached_decode_differs",
+        2,
+        1,
+    )
+    assert (d["cache_check"]["status"], d["first_wrong_layer"]) == ("disagrees", 1)
+    dom = Dom(rendered["bisect-decode"].dom)
+    check_decode_page(dom, rep)
+    # Negative controls: the same page against a JSON that says otherwise is refused.
+    plants = [
+        lambda r: r["decode"].__setitem__("first_diverging_step", 0),
+        lambda r: r["decode"].__setitem__("steps_compared", 3),
+        lambda r: r["decode"]["cache_check"].__setitem__("status", "agrees"),
+        lambda r: r["decode"].__setitem__("first_wrong_layer", 0),
+        lambda r: r["decode"]["layers"][0].__setitem__(
+            "isolated_rel_l2", (r["decode"]["layers"][0]["isolated_rel_l2"] or 0) + 1
+        ),
+        lambda r: r["decode"]["stage"].__setitem__("tensor", "layer.01.mlp_out"),
+    ]
+    assert_refused(check_decode_page, dom, rep, plants)
 
 
 def test_bisect_html_into_a_missing_directory_is_refused_before_any_run(tmp_path):
