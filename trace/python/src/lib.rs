@@ -420,7 +420,11 @@ fn compare(
         let why: Vec<String> = report.findings.iter().map(|f| f.detail.clone()).collect();
         let why = why.join("; ");
         return Err(
-            if report.findings.iter().any(|f| f.kind == "nothing_selected") {
+            if report
+                .findings
+                .iter()
+                .any(|f| f.kind == tracegate_diff::FindingKind::NothingSelected)
+            {
                 CompareError::new_err(why)
             } else {
                 TraceError::new_err(why)
