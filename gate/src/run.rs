@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use tracegate_diff::{
     label_text, string_enum, FindingKind, Label, Options, Policy, RowStatus, Verdict,
 };
-use tracegate_trace::Trace;
+use tracegate_trace::{names, Trace};
 
 use crate::baselines::{Baseline, BaselineFile, Conditions};
 use crate::milestones::{Expectation, Milestone, MilestoneFile};
@@ -340,13 +340,17 @@ fn probe_oracle(
 }
 
 fn decode_tokens(t: &Trace) -> Vec<i64> {
-    let mut steps: Vec<(&str, i64)> = t
+    // Ordered by the step number, not the name: `decode.10000` comes after `decode.9999`.
+    let mut steps: Vec<(usize, i64)> = t
         .decisions()
         .iter()
-        .filter(|d| d.name.starts_with("decode.") && d.name.ends_with(".argmax"))
-        .filter_map(|d| t.decision_values(d).first().map(|&v| (d.name.as_str(), v)))
+        .filter_map(|d| {
+            let n = names::Name::parse(&d.name);
+            let step = n.decode_step.filter(|_| n.layer.is_none() && n.point == "argmax")?;
+            t.decision_values(d).first().map(|&v| (step, v))
+        })
         .collect();
-    steps.sort_by(|a, b| a.0.cmp(b.0));
+    steps.sort_by_key(|&(s, _)| s);
     steps.into_iter().map(|(_, v)| v).collect()
 }
 

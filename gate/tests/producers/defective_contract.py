@@ -9,7 +9,8 @@ request behaves as the per-call process would: the defect is planted once, and w
 the request (the verb for layer-bidir, the prompt for late-pos, the refusals) is set per request.
 
 Defects (each touches one layer only, so every later layer is a correct body that inherits):
-  mlp-add      layer 2: the MLP block returns its input plus its output (add where it should overwrite)
+  mlp-add      layer 2: the MLP block returns its input plus its output (add where it should overwrite);
+               mlp-add@L puts it in layer L instead
   bidir-mask   layer 1: attention sees every key (bidirectional instead of causal)
   gqa-mod      layer 3: query head h reads kv head h % n_kv instead of h // n_rep
   no-renorm    layer 1 (MoE): the chosen experts' weights are not renormalised
@@ -50,12 +51,12 @@ def _tracking_layer(self, i, *a, **k):
 
 def plant(defect: str) -> None:
     qwen3.Model.layer = _tracking_layer
-    if defect == "mlp-add":
-        orig = qwen3._Mlp.__call__
+    if defect == "mlp-add" or defect.startswith("mlp-add@"):
+        orig, at = qwen3._Mlp.__call__, int(defect.partition("@")[2] or 2)
 
         def mlp(self, x):
             y = orig(self, x)
-            return x + y if _current[0] == 2 else y
+            return x + y if _current[0] == at else y
 
         qwen3._Mlp.__call__ = mlp
     elif defect in ("bidir-mask", "gqa-mod", "layer-bidir"):
