@@ -346,7 +346,9 @@ fn decode_tokens(t: &Trace) -> Vec<i64> {
         .iter()
         .filter_map(|d| {
             let n = names::Name::parse(&d.name);
-            let step = n.decode_step.filter(|_| n.layer.is_none() && n.point == "argmax")?;
+            let step = n
+                .decode_step
+                .filter(|_| n.layer.is_none() && n.point == "argmax")?;
             t.decision_values(d).first().map(|&v| (step, v))
         })
         .collect();
