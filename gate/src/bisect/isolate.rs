@@ -1,0 +1,533 @@
+//! Layer isolation: the candidate's layer verb on a whole run's input to a layer, compared with
+//! that run's outputs; the first wrong stage; the self-consistency check.
+
+use super::*;
+
+// ------------------------------------------------------------------------------------------
+// Isolation
+
+pub(crate) struct Isolation {
+    pub tensors: Vec<TensorCmp>,
+    pub decisions: Vec<DecisionCmp>,
+    pub wrong: bool,
+    pub report: Report,
+    /// The candidate's layer trace.
+    pub out: String,
+}
+
+/// Where one isolation reads and writes: the whole trace whose `layer.LL.hidden_in` is the
+/// input and whose `layer.LL.*` the output is compared with (the reference's, or for the
+/// self-consistency check the candidate's own), and the file names under the work dir.
+pub(crate) struct Source<'a> {
+    pub(crate) trace: &'a Trace,
+    pub(crate) rel: &'a str,
+    /// "the reference's" / "its own whole run's", for messages.
+    pub(crate) whose: &'a str,
+    /// The candidate's layer trace and the rewritten slice, `{stem}.LL.trace`.
+    pub(crate) out_stem: &'a str,
+    pub(crate) slice_stem: &'a str,
+}
+
+/// The reference's whole-run `layer.LL.*` tensors (those the candidate's layer trace also has)
+/// rewritten with path=layer, so the differ compares them with the candidate's layer verb
+/// under its usual rules (positions and masks must still agree).
+pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Result<()> {
+    let pfx = names::layer_prefix(layer);
+    let mut prov = reference.provenance().clone();
+    if let Some(o) = prov.as_object_mut() {
+        o.insert(
+            "bisect_slice".into(),
+            json!({ "layer": layer, "from": reference.path().display().to_string() }),
+        );
+    }
+    let mut w = TraceWriter::create(out, prov).map_err(|e| gerr!("{}: {e}", out.display()))?;
+    let same_rows = |name: &str, a: &Attributes| {
+        cand.tensor_info(name)
+            .is_some_and(|c| !name.contains(".expert.") || c.attributes.positions == a.positions)
+    };
+    // A candidate forced from the reference marks its tensors forced=<the reference's digest>;
+    // this slice stands for that reference, so it carries the same mark.
+    let digest = reference.digest().hex();
+    for info in reference
+        .tensors()
+        .iter()
+        .filter(|t| t.name.starts_with(&pfx) && same_rows(&t.name, &t.attributes))
+    {
+        let mut attrs = Attributes {
+            path: Some("layer".into()),
+            ..info.attributes.clone()
+        };
+        if cand
+            .tensor_info(&info.name)
+            .is_some_and(|c| c.attributes.extra.get("forced") == Some(&digest))
+        {
+            attrs.extra.insert("forced".into(), digest.clone());
+        }
+        w.tensor(
+            &info.name,
+            info.dtype,
+            &info.shape,
+            reference.data(info),
+            &attrs,
+        )
+        .map_err(|e| gerr!("{}: {e}", out.display()))?;
+    }
+    for d in reference
+        .decisions()
+        .iter()
+        .filter(|d| d.name.starts_with(&pfx) && cand.decision_info(&d.name).is_some())
+    {
+        let margins = reference.decision_margins(d);
+        w.decision(
+            &d.name,
+            &d.shape,
+            &reference.decision_values(d),
+            margins.as_deref(),
+        )
+        .map_err(|e| gerr!("{}: {e}", out.display()))?;
+    }
+    w.finish().map_err(|e| gerr!("{}: {e}", out.display()))?;
+    Ok(())
+}
+
+/// The candidate's layer verb on `src`'s input to `layer`, compared with `src`'s own outputs.
+/// `forced`: the layer verb takes `src`'s router choices too.
+pub(crate) fn isolate(
+    o: &BisectOptions,
+    src: &Source,
+    layer: usize,
+    policy: &Option<Policy>,
+    forced: bool,
+    runs: &mut Vec<RunRecord>,
+) -> std::result::Result<Isolation, String> {
+    let out = format!("{}/{}.{layer:02}.trace", o.work, src.out_stem);
+    let verb = Verb::Layer {
+        model: o.model.clone(),
+        layer,
+        input: src.rel.into(),
+        input_name: names::layer(layer, "hidden_in"),
+        out,
+        internals: o.internals,
+        force: forced.then(|| src.rel.to_string()),
+        decode_from: None,
+    };
+    let slice_rel = format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem);
+    isolate_with(
+        o,
+        &verb,
+        layer,
+        &slice_rel,
+        src.whose,
+        policy,
+        runs,
+        |cand, out| write_slice(src.trace, cand, layer, out),
+    )
+}
+
+/// Runs the candidate's layer `verb` and compares its trace with the reference's rows of that
+/// layer, which `slice` writes (given the candidate's trace) to `slice_rel`; `whose` names
+/// their source in messages ("the reference's").
+#[allow(clippy::too_many_arguments)] // one call site per verb kind; a struct would only rename them
+pub(crate) fn isolate_with(
+    o: &BisectOptions,
+    verb: &Verb,
+    layer: usize,
+    slice_rel: &str,
+    whose: &str,
+    policy: &Option<Policy>,
+    runs: &mut Vec<RunRecord>,
+    slice: impl FnOnce(&Trace, &Path) -> Result<()>,
+) -> std::result::Result<Isolation, String> {
+    let rec = o.candidate.run(&o.root, verb, o.timeout);
+    runs.push(rec.clone());
+    if !rec.ok {
+        return Err(format!(
+            "the candidate's layer verb failed: {} ($ {})",
+            rec.why()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(" | "),
+            rec.invocation
+        ));
+    }
+    let cand = open(&o.root, verb.out()).map_err(|e| e.to_string())?;
+    for need in ["attn_out", "mlp_out", "hidden_out"] {
+        let name = names::layer(layer, need);
+        if cand.tensor_info(&name).is_none() {
+            return Err(format!("the candidate's layer trace has no {name}"));
+        }
+    }
+    slice(&cand, &o.root.join(slice_rel)).map_err(|e| e.to_string())?;
+    let slice = open(&o.root, slice_rel).map_err(|e| e.to_string())?;
+    let rep = compare(
+        &slice,
+        &cand,
+        &Options {
+            all: true,
+            policy: policy.clone(),
+            ..Options::default()
+        },
+    );
+    if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
+        let why: Vec<String> = rep.findings.iter().map(describe).collect();
+        return Err(format!(
+            "the candidate's layer trace is not comparable with {}: {}",
+            whose,
+            why.join("; ")
+        ));
+    }
+    let tensors = rows(&rep);
+    let decisions = decisions(&rep);
+    let wrong =
+        tensors.iter().any(|t| t.status.is_bad()) || decisions.iter().any(|d| d.judged_rows() > 0);
+    Ok(Isolation {
+        tensors,
+        decisions,
+        wrong,
+        report: rep,
+        out: verb.out().to_string(),
+    })
+}
+
+/// A layer's row before isolation: `differs` in the whole run, `h` its hidden_out there.
+pub(crate) fn layer_row(layer: usize, differs: bool, h: Option<&TensorCmp>) -> LayerRow {
+    LayerRow {
+        whole_run: if differs {
+            WholeRunState::Differs
+        } else {
+            WholeRunState::Match
+        },
+        whole_max_ulp: h.and_then(|t| t.max_ulp),
+        whole_rel_l2: h.and_then(|t| t.rel_l2),
+        ..LayerRow::new(layer)
+    }
+}
+
+pub(crate) fn fill_isolated(row: &mut LayerRow, iso: Isolation) {
+    let h = iso
+        .tensors
+        .iter()
+        .find(|t| t.tensor == names::layer(row.layer, "hidden_out"));
+    row.isolated_max_ulp = h.and_then(|t| t.max_ulp);
+    row.isolated_rel_l2 = h.and_then(|t| t.rel_l2);
+    row.isolation = if iso.wrong {
+        Isolated::Wrong
+    } else {
+        Isolated::Match
+    };
+    row.isolated = iso.tensors;
+    row.isolated_decisions = iso.decisions;
+}
+
+/// A layer's status from its isolation and its whole-run comparison.
+pub(crate) fn layer_status(isolation: Isolated, whole_run: WholeRunState) -> LayerStatus {
+    match (isolation, whole_run) {
+        (Isolated::Wrong, _) => LayerStatus::Wrong,
+        (Isolated::NotChecked, _) => LayerStatus::NotChecked,
+        (Isolated::Match, WholeRunState::Differs) => LayerStatus::Inherits,
+        (Isolated::NotRun, WholeRunState::Differs) => LayerStatus::Downstream,
+        (Isolated::Match | Isolated::NotRun, WholeRunState::Match) => LayerStatus::Ok,
+    }
+}
+
+/// Where the layer verb and the whole run disagree first (`stage` names the capture point) and
+/// the element that shows it: by bits the first differing one, under a policy the worst.
+pub(crate) fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsistency {
+    let probe = LayerRow {
+        isolated: iso.tensors.clone(),
+        isolated_decisions: iso.decisions.clone(),
+        ..LayerRow::new(layer)
+    };
+    let s = stage(layer, &probe, moe, "differs from the whole run");
+    let rep = &iso.report;
+    let first = rep
+        .first_divergence
+        .as_ref()
+        .filter(|d| d.tensor == s.tensor && rep.policy.is_none())
+        .map(|d| ElementDiff {
+            which: Which::FirstDiffering,
+            coords: d.coords.clone(),
+            whole_run_value: d.reference_value.clone(),
+            layer_verb_value: d.candidate_value.clone(),
+            ulp: d.ulp,
+        });
+    let worst = || {
+        rep.per_tensor
+            .iter()
+            .find(|r| r.tensor == s.tensor)
+            .and_then(|r| r.worst_element.as_ref())
+            .map(|e| ElementDiff {
+                which: Which::WorstOutsidePolicy,
+                coords: e.coords.clone(),
+                whole_run_value: e.reference_value.clone(),
+                layer_verb_value: e.candidate_value.clone(),
+                ulp: e.ulp,
+            })
+    };
+    Inconsistency {
+        layer,
+        element: first.or_else(worst),
+        tensor: s.tensor,
+        detail: s.detail,
+        trace: iso.out.clone(),
+    }
+}
+
+/// The first wrong capture point of a layer in isolation, in computation order; `differs`:
+/// how a wrong one is said ("differs in isolation").
+pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> Stage {
+    let pfx = names::layer_prefix(layer);
+    let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
+    let mut order: Vec<(String, Block)> = [
+        "hidden_in",
+        "q",
+        "k",
+        "v",
+        "attn_probs",
+        "attn_out",
+        "router.logits",
+    ]
+    .iter()
+    .map(|s| {
+        (
+            format!("{pfx}{s}"),
+            if *s == "hidden_in" {
+                Block::Input
+            } else if s.starts_with("router") {
+                Block::MoeRouter
+            } else {
+                Block::Attention
+            },
+        )
+    })
+    .collect();
+    order.push((format!("{pfx}router.topk"), Block::MoeRouter));
+    let mut experts: Vec<String> = row
+        .isolated
+        .iter()
+        .map(|t| t.tensor.clone())
+        .filter(|n| n.starts_with(&format!("{pfx}expert.")))
+        .collect();
+    experts.sort();
+    order.extend(experts.into_iter().map(|n| (n, Block::MoeExpert)));
+    let has_router = row.isolated.iter().any(|t| {
+        t.tensor.starts_with(&format!("{pfx}router."))
+            || t.tensor.starts_with(&format!("{pfx}expert."))
+    });
+    let mlp_block = if !moe {
+        Block::Mlp
+    } else if has_router {
+        Block::MoeCombine
+    } else {
+        Block::Moe
+    };
+    order.push((format!("{pfx}mlp_out"), mlp_block));
+    order.push((format!("{pfx}hidden_out"), Block::Residual));
+
+    let mut matching = Vec::new();
+    for (name, block) in order {
+        if let Some(d) = row.isolated_decisions.iter().find(|d| d.name == name) {
+            if d.judged_rows() > 0 {
+                let detail = format!(
+                    "{} {differs} ({}/{} rows choose other experts)",
+                    short(&name),
+                    d.differing_rows,
+                    d.rows
+                );
+                return Stage {
+                    layer,
+                    block,
+                    tensor: name,
+                    detail,
+                    matching,
+                };
+            }
+            matching.push(short(&name));
+        } else if let Some(t) = row.isolated.iter().find(|t| t.tensor == name) {
+            if t.status.is_bad() {
+                let how = if t.status == CmpStatus::Row(RowStatus::Different) {
+                    String::new()
+                } else {
+                    format!(", {}", t.status.as_str().replace('_', " "))
+                };
+                let detail = format!(
+                    "{} {differs} ({}/{} elements, max {} ULP, rel L2 {}{how})",
+                    short(&name),
+                    thousands(t.differing_elements.unwrap_or(0)),
+                    thousands(t.total_elements),
+                    ulps(t.max_ulp),
+                    sci(t.rel_l2)
+                );
+                return Stage {
+                    layer,
+                    block,
+                    tensor: name,
+                    detail,
+                    matching,
+                };
+            }
+            matching.push(short(&name));
+        }
+    }
+    // Only something outside the ordered capture points differs (an extra tensor, a structure finding).
+    let other = row
+        .isolated
+        .iter()
+        .find(|t| t.status.is_bad())
+        .map(|t| t.tensor.clone())
+        .unwrap_or_default();
+    Stage {
+        layer,
+        block: Block::Other,
+        detail: format!("{} {differs}", short(&other)),
+        tensor: other,
+        matching,
+    }
+}
+
+pub(crate) fn is_moe(t: &Trace, layer: usize) -> bool {
+    t.decision_info(&names::layer(layer, "router.topk"))
+        .is_some()
+}
+
+/// The self-consistency check (`SelfConsistency`), lazily: only the first layer wrong in
+/// isolation, the one about to be blamed (a clean run costs nothing), or under `--all-layers`
+/// every isolated layer (one more layer-verb run each). Sets each checked row's `self_check`.
+pub(crate) fn self_check(
+    o: &BisectOptions,
+    own: &Trace,
+    own_rel: &str,
+    layers: &mut [LayerRow],
+    policy: &Option<Policy>,
+    forced: bool,
+    runs: &mut Vec<RunRecord>,
+) -> SelfConsistency {
+    let mut sc = SelfConsistency {
+        scope: if o.all_layers {
+            Scope::AllLayers
+        } else {
+            Scope::FirstWrongLayer
+        },
+        checked_layers: Vec::new(),
+        inconsistent: None,
+        not_checked: Vec::new(),
+    };
+    let todo: Vec<usize> = if o.all_layers {
+        layers
+            .iter()
+            .filter(|r| matches!(r.isolation, Isolated::Match | Isolated::Wrong))
+            .map(|r| r.layer)
+            .collect()
+    } else {
+        layers
+            .iter()
+            .find(|r| r.isolation == Isolated::Wrong)
+            .map(|r| r.layer)
+            .into_iter()
+            .collect()
+    };
+    let src = Source {
+        trace: own,
+        rel: own_rel,
+        whose: "its own whole run's",
+        out_stem: "candidate.self.layer",
+        slice_stem: "candidate.slice.layer",
+    };
+    crate::progress::plan(todo.len() as u64);
+    for l in todo {
+        match isolate(o, &src, l, policy, forced, runs) {
+            Ok(iso) => {
+                sc.checked_layers.push(l);
+                layers[l].self_check = if iso.wrong {
+                    SelfCheck::Inconsistent
+                } else {
+                    SelfCheck::Consistent
+                };
+                if iso.wrong && sc.inconsistent.is_none() {
+                    sc.inconsistent = Some(inconsistency(l, &iso, is_moe(own, l)));
+                }
+            }
+            Err(why) => {
+                layers[l].self_check = SelfCheck::NotChecked;
+                sc.not_checked.push(format!("layer {l:02}: {why}"));
+            }
+        }
+        crate::progress::step(format_args!(
+            "layer {l:02} against the candidate's own whole run: {}",
+            layers[l].self_check
+        ));
+        if runs.last().is_some_and(|r| r.timed_out) {
+            break; // refused right after
+        }
+    }
+    sc
+}
+
+/// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
+/// the candidate's own whole run, so its isolation would judge the probe, not the engine.
+pub(crate) fn inconsistent_verdict(
+    i: &Inconsistency,
+    layers: &[LayerRow],
+    whole: &WholeRun,
+) -> Said {
+    let element = i
+        .element
+        .as_ref()
+        .map(|e| {
+            let which = match e.which {
+                Which::FirstDiffering => "first differing element",
+                Which::WorstOutsidePolicy => "worst element outside the policy",
+            };
+            format!(
+                "; {which} {:?}: whole run {} vs layer verb {} ({} ULP)",
+                e.coords,
+                e.whole_run_value,
+                e.layer_verb_value,
+                ulps(e.ulp)
+            )
+        })
+        .unwrap_or_default();
+    let others: Vec<usize> = layers
+        .iter()
+        .filter(|r| r.status == LayerStatus::Inconsistent && r.layer != i.layer)
+        .map(|r| r.layer)
+        .collect();
+    let also = if others.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", say(&others, "disagrees too", "disagree too"))
+    };
+    (
+        BisectVerdict::InconsistentProducer,
+        format!(
+            "the candidate's layer verb disagrees with its own whole run at layer {:02}: {}{element}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
+            i.layer,
+            i.detail,
+            whole.verdict.as_str().replace('_', " ")
+        ),
+    )
+}
+
+/// "layer 01 suspicious: isolated error 3.10× its peers' median (rel L2 of …; flagged above 2×; not a failure)".
+pub(crate) fn suspicious_words(layers: &[LayerRow], out: &Outliers) -> String {
+    let each: Vec<String> = out
+        .suspicious
+        .iter()
+        .map(|&l| {
+            let r = &layers[l];
+            let how = r
+                .peer_ratio
+                .map(|x| format!("{} its peers' median", ratio(Some(x))))
+                .unwrap_or_else(|| "above zero, its peers' median (bit-exact)".into());
+            format!("layer {l:02} suspicious: isolated error {how}")
+        })
+        .collect();
+    format!(
+        "{} (rel L2 of {}; flagged above {}×; not a failure)",
+        each.join("; "),
+        out.measure,
+        out.factor
+    )
+}

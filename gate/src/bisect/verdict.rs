@@ -1,0 +1,383 @@
+//! The verdict and summary line from the whole-run comparison, the isolations and the forced run.
+
+use super::*;
+
+/// The differ's report on two whole traces, refused when they cannot be compared. An MoE
+/// expert that routing sent other tokens is compared by the differ itself (status `rerouted`).
+pub(crate) fn compare_whole(
+    reference: &Trace,
+    candidate: &Trace,
+    opts: &Options,
+) -> Result<Report> {
+    let whole = compare(reference, candidate, opts);
+    if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
+        let why: Vec<String> = whole.findings.iter().map(describe).collect();
+        return Err(gerr!(
+            "the whole traces cannot be compared ({:?}): {}",
+            whole.verdict,
+            why.join("; ")
+        ));
+    }
+    Ok(whole)
+}
+
+/// The forced candidate run, checked: it must have run, recorded that it was forced from this
+/// reference, and taken every decision the reference took. Else why not, in a line.
+pub(crate) fn forced_run(
+    o: &BisectOptions,
+    reference: &Trace,
+    rec: &RunRecord,
+    rel: &str,
+    opts: &Options,
+) -> std::result::Result<(Report, Trace), String> {
+    if !rec.ok {
+        let why = rec.why();
+        let said: Vec<&str> = why
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        return Err(format!("the candidate's trace verb failed with --force-decisions (a producer need not implement it): {}", said.join(" | ")));
+    }
+    let t = open(&o.root, rel).map_err(|e| e.0)?;
+    let digest = reference.digest().hex();
+    if t.provenance()["forced_decisions"]["trace_digest"].as_str() != Some(digest.as_str()) {
+        return Err("the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)".into());
+    }
+    let rep = compare_whole(reference, &t, opts).map_err(|e| e.0)?;
+    let still: Vec<String> = rep
+        .decisions
+        .results
+        .iter()
+        .filter(|d| d.differing_rows > 0)
+        .map(|d| format!("{} ({} rows)", d.name, d.differing_rows))
+        .collect();
+    if !still.is_empty() {
+        return Err(format!(
+            "the candidate's forced trace still takes other decisions: {}",
+            still.join(", ")
+        ));
+    }
+    Ok((rep, t))
+}
+
+/// The verdict on the forced runs, with the decisions said. The numbers agreeing once forced is
+/// `nothing_wrong` only when no unforced flip is one trace-diff labels a defect; otherwise
+/// `decisions_differ` (exit 1): the candidate decides otherwise on numbers that agree.
+pub(crate) fn with_forcing(f: &DecisionsForced, (verdict, summary): Said) -> Said {
+    let summary = summary.trim_end_matches([';', ' ']);
+    let rows = |n: u64| format!("{n} row{}", if n == 1 { "" } else { "s" });
+    let list: Vec<String> = f
+        .unforced
+        .iter()
+        .map(|d| {
+            let labels: Vec<String> = d.labels.iter().map(|(l, n)| format!("{n} {l}")).collect();
+            format!(
+                "{} {}/{} ({})",
+                d.name,
+                d.differing_rows,
+                rows(d.rows),
+                labels.join(", ")
+            )
+        })
+        .collect();
+    let unforced = format!(
+        "unforced, the runs take other decisions: {}",
+        list.join("; ")
+    );
+    if f.status != Forcing::Forced {
+        return (
+            verdict,
+            format!(
+                "{summary}; {unforced}; decisions NOT forced: {}",
+                f.reason.as_deref().unwrap_or("")
+            ),
+        );
+    }
+    // Where the candidate, given the reference's decisions upstream, would itself decide
+    // otherwise: the flips, without their consequences.
+    let own: Vec<String> = f
+        .overridden
+        .as_ref()
+        .and_then(|o| o.as_object())
+        .map(|o| {
+            o.iter()
+                .map(|(name, n)| format!("{name} ({})", rows(n.as_u64().unwrap_or(0))))
+                .collect()
+        })
+        .unwrap_or_default();
+    let own = if own.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; given the reference's decisions the candidate would decide otherwise in {}",
+            own.join(", ")
+        )
+    };
+    if verdict == BisectVerdict::NothingWrong
+        && f.unforced
+            .iter()
+            .any(|d| d.labels.contains_key(&Label::Defect))
+    {
+        return (BisectVerdict::DecisionsDiffer, format!("the numbers agree once decisions are forced, but the candidate decides otherwise where they do not explain it{own}; {unforced}"));
+    }
+    (
+        verdict,
+        format!("with decisions forced from the reference: {summary}{own}; {unforced}"),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn verdict(
+    layers: &[LayerRow],
+    first_wrong: Option<usize>,
+    stage: &Option<Stage>,
+    first: &Option<(i64, String, How)>,
+    n: usize,
+    whole: &WholeRun,
+    structure: &Option<String>,
+    amplification: Option<f64>,
+    failed: &Option<(usize, String)>,
+) -> Said {
+    let with = |status: LayerStatus| -> Vec<usize> {
+        layers
+            .iter()
+            .filter(|r| r.status == status)
+            .map(|r| r.layer)
+            .collect()
+    };
+    let (matched, inherits, downstream, wrong) = (
+        layers
+            .iter()
+            .filter(|r| r.isolation == Isolated::Match && r.whole_run == WholeRunState::Match)
+            .map(|r| r.layer)
+            .collect::<Vec<_>>(),
+        with(LayerStatus::Inherits),
+        with(LayerStatus::Downstream),
+        with(LayerStatus::Wrong),
+    );
+    let also_structure = structure
+        .as_ref()
+        .map(|s| format!("; the whole runs also differ in structure: {s}"))
+        .unwrap_or_default();
+    let mut tail = Vec::new();
+    if !matched.is_empty() {
+        tail.push(say(&matched, "matches in isolation", "match in isolation"));
+    }
+    let inconsistent = with(LayerStatus::Inconsistent);
+    if !inconsistent.is_empty() {
+        tail.push(say(
+            &inconsistent,
+            "has a layer verb that disagrees with its own whole run",
+            "have layer verbs that disagree with their own whole runs",
+        ));
+    }
+    if let (Some(l), Some(s)) = (first_wrong, stage) {
+        let also: Vec<usize> = wrong.iter().copied().filter(|&w| w != l).collect();
+        if !also.is_empty() {
+            tail.push(say(
+                &also,
+                "is also wrong in isolation",
+                "are also wrong in isolation",
+            ));
+        }
+        if !inherits.is_empty() {
+            tail.push(say(&inherits, "inherits", "inherit"));
+        }
+        if !downstream.is_empty() {
+            tail.push(
+                say(&downstream, "differs downstream", "differ downstream")
+                    + " (not isolated; --all-layers checks whether they inherit)",
+            );
+        }
+        return (
+            BisectVerdict::WrongLayer,
+            format!(
+                "layer {l:02} body is wrong: {} [{}]; {}{also_structure}",
+                s.detail,
+                s.block.words(),
+                tail.join("; ")
+            ),
+        );
+    }
+    let whole_same =
+        matches!(whole.verdict, Verdict::Identical | Verdict::WithinPolicy) && structure.is_none();
+    if let Some((at, why)) = failed {
+        let div = match (first, structure) {
+            (Some((_, name, how)), _) => {
+                format!("the whole runs first diverge at {name} ({})", how.words())
+            }
+            (None, Some(s)) => format!("the whole runs differ in structure: {s}"),
+            (None, None) if whole_same => {
+                format!(
+                    "the whole runs are {}",
+                    whole.verdict.as_str().replace('_', " ")
+                )
+            }
+            (None, None) => format!("the whole runs differ ({})", whole.verdict),
+        };
+        return (
+            BisectVerdict::NotChecked,
+            format!("isolation NOT CHECKED from layer {at:02}: {why}; {div}"),
+        );
+    }
+    // The first divergence is structural, or only the structure differs: no value to bisect.
+    if first
+        .as_ref()
+        .is_some_and(|(_, _, how)| *how != How::Differs)
+        || (first.is_none() && !whole_same)
+    {
+        let what = structure
+            .clone()
+            .unwrap_or_else(|| format!("verdict {}", whole.verdict));
+        let iso = if tail.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", tail.join("; "))
+        };
+        return (
+            BisectVerdict::StructureDiffers,
+            format!("the whole runs differ in structure, not only in values: {what}{iso}"),
+        );
+    }
+    match first {
+        None => {
+            let how = if whole.verdict == Verdict::WithinPolicy { "within policy" } else { "identical" };
+            // Say so when no layer verb ran: nothing needed isolating, but nothing was isolated.
+            let iso = if matched.is_empty() { "; no layer isolated (nothing diverged; --all-layers runs every layer's verb)".to_string() } else { format!("; {}", tail.join("; ")) };
+            (BisectVerdict::NothingWrong, format!("nothing wrong: the whole runs are {how}{iso}"))
+        }
+        Some((loc, name, _)) if *loc < 0 => (BisectVerdict::OutsideLayers, format!("{name} differs before layer 00{}: the embedding is wrong (the layer verb does not isolate it)", broken(whole, name))),
+        Some((loc, name, _)) if *loc as usize >= n => (
+            BisectVerdict::OutsideLayers,
+            format!("no layer differs in the whole run; the divergence starts at {name}{}, after the last layer (the head, which the layer verb does not isolate)", broken(whole, name)),
+        ),
+        Some(_) => {
+            let iso_ulp = layers.iter().filter(|r| r.isolation == Isolated::Match).filter_map(|r| r.isolated_max_ulp).max().unwrap_or(0);
+            let iso_rel = layers.iter().filter_map(|r| r.isolated_rel_l2).fold(0.0f64, f64::max);
+            let amp = amplification.map(|a| format!(", amplification ×{a:.2} per layer")).unwrap_or_default();
+            (
+                BisectVerdict::Accumulates,
+                format!(
+                    "no layer body is wrong in isolation; the divergence accumulates: per-layer isolated error <= {} ULP (rel L2 <= {}){amp}; {}{also_structure}",
+                    thousands(iso_ulp),
+                    sci(Some(iso_rel)),
+                    tail.join("; ")
+                ),
+            )
+        }
+    }
+}
+
+/// " (relative L2 0.2 > 0.0001)" when `name` is the whole run's first violation: under a
+/// policy, the bound that puts it outside.
+pub(crate) fn broken(whole: &WholeRun, name: &str) -> String {
+    let v = whole.first_violation.as_ref().filter(|v| v.tensor == name);
+    v.and_then(|v| v.violations.first())
+        .map(|b| format!(" ({b})"))
+        .unwrap_or_default()
+}
+
+/// A hang says nothing about the layers: the bisection cannot be judged, so it is refused.
+pub(crate) fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
+    match runs.iter().find(|r| r.timed_out) {
+        Some(r) => Err(gerr!(
+            "{} {} timed out after {} s (--timeout) and was killed: $ {}",
+            r.producer,
+            r.verb,
+            o.timeout.as_secs(),
+            r.invocation
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A differ finding that states a difference of structure, not of values.
+pub(crate) fn is_structure(kind: FindingKind) -> bool {
+    use FindingKind as K;
+    match kind {
+        // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
+        // (`rows`), and so is an expert the routing sent other tokens (status `rerouted`); the
+        // rest are notes, not differences.
+        K::ValuesDiffer
+        | K::OutsidePolicy
+        | K::DecisionDiffers
+        | K::MarginDiffers
+        | K::DtypeMismatch
+        | K::ShapeMismatch
+        | K::Rerouted
+        | K::StackMismatchAllowed
+        | K::DecisionsForced => false,
+        K::Unreadable
+        | K::StackMismatch
+        | K::WeightsMismatch
+        | K::PromptMismatch
+        | K::SeedMismatch
+        | K::PathMismatch
+        | K::MaskMismatch
+        | K::PositionsMismatch
+        | K::MissingTensor
+        | K::ExtraTensor
+        | K::OrderMismatch
+        | K::AttributeDiffers
+        | K::SignedZero
+        | K::NanMismatch
+        | K::NanPayload
+        | K::Infinity
+        | K::NoPolicyRule
+        | K::MissingDecision
+        | K::ExtraDecision
+        | K::DecisionShapeMismatch
+        | K::DecisionOrderMismatch
+        | K::MarginPresenceMismatch
+        | K::ContentDigestDiffers
+        | K::NothingSelected
+        | K::TensorDiffers
+        | K::Different
+        | K::NoRule
+        | K::CountChanged
+        | K::DigestChanged
+        | K::TokensDiffer
+        | K::TokensChanged
+        | K::ObservedOutOfTolerance => true,
+    }
+}
+
+/// "kind name: detail", the name left out when the finding has none.
+pub(crate) fn describe(f: &tracegate_diff::Finding) -> String {
+    match f.tensor() {
+        Some(t) => format!("{} {t}: {}", f.kind, f.detail),
+        None => format!("{}: {}", f.kind, f.detail),
+    }
+}
+
+/// Structure findings by kind, each with its count and first names: "42 missing_tensor
+/// (layer.00.q, layer.00.k, layer.00.v, …)".
+pub(crate) fn summarise(findings: &[&tracegate_diff::Finding]) -> Option<String> {
+    let mut kinds: Vec<(FindingKind, Vec<&tracegate_diff::Finding>)> = Vec::new();
+    for f in findings {
+        match kinds.iter_mut().find(|(k, _)| *k == f.kind) {
+            Some((_, v)) => v.push(f),
+            None => kinds.push((f.kind, vec![f])),
+        }
+    }
+    let parts: Vec<String> = kinds
+        .iter()
+        .map(|(kind, fs)| {
+            let names: Vec<&str> = fs.iter().filter_map(|f| f.tensor()).collect();
+            let shown: Vec<&str> = names.iter().copied().take(3).collect();
+            let more = if names.len() > shown.len() {
+                ", …"
+            } else {
+                ""
+            };
+            match (fs.len(), shown.is_empty()) {
+                (1, true) => format!("{kind}: {}", fs[0].detail),
+                (1, false) => format!("{kind} {}", shown[0]),
+                (count, true) => format!("{count} {kind}"),
+                (count, false) => format!("{count} {kind} ({}{more})", shown.join(", ")),
+            }
+        })
+        .collect();
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
