@@ -15,6 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+# A declared dependency (contract/pyproject.toml), already imported by the package itself.
+import tracegate
+from tracegate import protocol
+
 from .errors import ContractError
 
 
@@ -25,8 +29,6 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     """The protocol's two verbs (tracegate.protocol); errors raise ContractError."""
-    from tracegate import protocol
-
     return protocol.parser(
         "python -m tracegate_contract", "numpy contract producer", parser_class=_Parser
     ).parser
@@ -34,15 +36,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        import tracegate  # the trace writer and the protocol; refuse early and plainly if absent
-        from tracegate import protocol
-    except ImportError:
-        print(
-            "error: the tracegate Python module is not installed (run scripts/setup.sh)",
-            file=sys.stderr,
-        )
-        return 2
     if argv[:1] == [protocol.SERVE]:
         return _serve(argv[1:])
     from . import run
