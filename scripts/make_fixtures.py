@@ -207,6 +207,28 @@ PRESETS["bench-qwen3-moe"] = dict(
     ),
 )
 
+# Qwen3.5: the text-config fields both presets share, and their scales. `A_range`: the decay
+# rate A = exp(A_log) is log-uniform in it; `dt_bias`: sigma of dt_bias (see draw()).
+_Q35_TEXT = dict(
+    attention_bias=False,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    hidden_act="silu",
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    use_cache=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_Q35_SCALES = dict(
+    embed=1.0,
+    embed_tail=0.5,
+    block_out=0.7,
+    bias=0.0,
+    norm_noise=0.1,
+    A_range=(0.02, 0.6),
+    dt_bias=0.5,
+)
 PRESETS["tiny-qwen3_5"] = dict(
     seed=20241607,
     dtype="f32",
@@ -253,15 +275,7 @@ PRESETS["tiny-qwen3_5"] = dict(
                 "mrope_section": [1, 1, 1],
                 "mrope_interleaved": True,
             },
-            attention_bias=False,
-            tie_word_embeddings=False,
-            max_position_embeddings=256,
-            hidden_act="silu",
-            attention_dropout=0.0,
-            initializer_range=0.02,
-            use_cache=True,
-            bos_token_id=1,
-            eos_token_id=2,
+            **_Q35_TEXT,
             dtype="float32",
         ),
         vision_config=dict(
@@ -281,16 +295,7 @@ PRESETS["tiny-qwen3_5"] = dict(
         ),
         dtype="float32",
     ),
-    scales=dict(
-        embed=1.0,
-        embed_tail=0.5,
-        block_out=0.7,
-        bias=0.1,
-        norm_noise=0.1,
-        router=0.0,
-        A_range=(0.02, 0.6),
-        dt_bias=0.5,
-    ),
+    scales=dict(_Q35_SCALES, bias=0.1, router=0.0),  # bias: the vision tower's
     mtp_layers=1,
 )
 PRESETS["tiny-qwen3_5-moe"] = dict(
@@ -326,30 +331,12 @@ PRESETS["tiny-qwen3_5-moe"] = dict(
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
         },
-        attention_bias=False,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
-        hidden_act="silu",
-        attention_dropout=0.0,
-        initializer_range=0.02,
+        **_Q35_TEXT,
         output_router_logits=False,
         router_aux_loss_coef=0.001,
-        use_cache=True,
-        bos_token_id=1,
-        eos_token_id=2,
         dtype="bfloat16",
     ),
-    scales=dict(
-        embed=1.0,
-        embed_tail=0.5,
-        block_out=0.7,
-        bias=0.0,
-        norm_noise=0.1,
-        router=2.0,
-        router_tail=0.5,
-        A_range=(0.02, 0.6),
-        dt_bias=0.5,
-    ),
+    scales=dict(_Q35_SCALES, router=2.0, router_tail=0.5),
     mtp_layers=1,
 )
 

@@ -29,8 +29,10 @@ from tracegate import names
 
 from .checkpoint import LoadProgress, preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
-from .families import resolve
+from .families import FAMILIES, _get, resolve
 from .force import Forcing, RouterForcing, shadow_forward
+from .linear_attn import LinearTap, active_paths, torch_paths
+from .linear_attn import provenance as linear_provenance
 
 TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -223,7 +225,7 @@ def _report_rows(records) -> list[str]:
     return rows
 
 
-def _check_shapes_on_meta(d: Path, cfg, inv, AutoModelForCausalLM) -> None:
+def _check_shapes_on_meta(d: Path, cfg, inv, auto) -> None:
     """Build transformers' own class on the meta device (shapes, no storage; the layer and expert
     counts are already bounded by the checkpoint) and compare every parameter the checkpoint
     names alike. A size from config.json that disagrees is refused here, before anything is
@@ -232,7 +234,7 @@ def _check_shapes_on_meta(d: Path, cfg, inv, AutoModelForCausalLM) -> None:
 
     try:
         with torch.device("meta"):
-            skel = AutoModelForCausalLM.from_config(
+            skel = auto.from_config(
                 cfg, attn_implementation="eager", experts_implementation="eager"
             )
     except Exception as e:  # any failure here comes from config.json's values
@@ -259,7 +261,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     """Load with transformers' own classes; refuse anything but a clean one-to-one load."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     d = Path(model_dir)
     inv = preflight(d)
@@ -272,13 +274,17 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
             raise OracleError(
                 f"--model {d}: config.json not understood by transformers: {_one_line(e)}"
             ) from None
-        _check_shapes_on_meta(d, cfg, inv, AutoModelForCausalLM)
+        # The class config.json's architectures names (ForConditionalGeneration for a multimodal
+        # layout, run on text only); a family outside the table is refused by resolve() below.
+        spec = FAMILIES.get(getattr(cfg, "model_type", None))
+        auto = getattr(transformers, spec.auto if spec else "AutoModelForCausalLM")
+        _check_shapes_on_meta(d, cfg, inv, auto)
     progress.config(cfg)
     placement = _placement(rc)
     progress.weights(rc.dtype)
     try:
         with _transformers_log() as load_log:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto.from_pretrained(
                 d,
                 dtype=getattr(torch, TORCH_DTYPES[rc.dtype]),
                 attn_implementation="eager",
@@ -307,9 +313,15 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
         raise CheckpointError(
             f"--model {d}: checkpoint does not match {type(model).__name__}: {detail}"
         )
-    resolve(
-        model, f"--model {d}"
-    )  # the family table: refused here unless every capture point is found
+    # the family table: refused here unless every capture point is found
+    lay = resolve(model, f"--model {d}")
+    # Present, not computed with: listed in provenance, never dropped silently (transformers
+    # ignores `mtp.*` on load without reporting it).
+    unused = sorted(n for n in inv if n.startswith(lay.spec.unused_prefixes))
+    model.tracegate_unused_tensors = {
+        "count": len(unused),
+        "prefixes": {p: sum(n.startswith(p) for n in unused) for p in lay.spec.unused_prefixes},
+    }
     _check_tied_head(model, d)
     _replay(log + load_log)
     progress.placement(model, rc.device)
@@ -499,6 +511,12 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         "attn_implementation": cfg._attn_implementation,
         "experts_implementation": cfg._experts_implementation if is_moe else None,
         "model_class": type(model).__name__,
+        **(
+            {"unused_tensors": model.tracegate_unused_tensors}
+            if getattr(model, "tracegate_unused_tensors", {}).get("count")
+            else {}
+        ),
+        **({"linear_attention": linear_provenance(lay)} if lay.linear_layers else {}),
         # What this family computes differently (masks per layer, softcaps, embedding scale, tied head).
         "family": lay.provenance(),
         "model": str(model_dir),
@@ -664,6 +682,7 @@ class Tap:
         self.notes: list[str] = []
         self._handles = []
         self._undo = []
+        self._gates: dict = {}  # layer -> its attn_gate, until _patch_attention records it
         # --force-decisions: (name, rows overridden) per forced decision; tensors recorded after
         # the first carry `forced = <the forcing trace's digest>`.
         self.forcing = forcing
@@ -745,15 +764,26 @@ class Tap:
 
         self._hook(layer, hidden_in, pre=True)
         lay = self.lay
-        self._hook(
-            lay.attn(L),
-            lambda mod, a, out: self.add(names.layer(L, "attn_out"), out[0][0], layer_idx=L),
-        )
+        if self.internals and L in lay.linear_layers:
+            self._tap_linear(L, lay.attn(L))
+        if self.internals and lay.spec.attn_gate and L not in lay.linear_layers:
+            self._tap_attn_gate(L, lay.attn(L))
+
+        def attn_out(mod, a, out):  # self-attention returns (output, weights); linear, the output
+            self.add(
+                names.layer(L, "attn_out"),
+                (out[0] if isinstance(out, tuple) else out)[0],
+                layer_idx=L,
+            )
+
+        self._hook(lay.attn(L), attn_out)
         mlp = lay.mlp(L)
         if L in lay.moe_layers and not self.decode:
             self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
             if self.internals:
                 self._tap_experts(L, lay.experts(L))
+                if lay.spec.shared_expert:
+                    self._tap_shared_expert(L, mlp)
         self._hook(
             mlp, lambda mod, a, out: self.add(names.layer(L, "mlp_out"), out[0], layer_idx=L)
         )
@@ -766,6 +796,55 @@ class Tap:
             )
 
         self._hook(layer, hidden_out)
+
+    def _tap_linear(self, L: int, module):
+        """Layer L's Gated DeltaNet internals (linear_attn.LinearTap), recorded before attn_out."""
+        paths = active_paths()
+        if paths is None:
+            raise RuntimeError("linear-attention internals need the torch paths (TorchPaths)")
+        taps: list[LinearTap] = []
+
+        def pre(mod, args, kwargs):
+            taps.append(LinearTap(mod))
+            paths.observer = taps[-1]
+
+        def post(mod, args, out):
+            paths.observer = None
+            for name, t in taps.pop().records():
+                # the state is after the call's last row: that row's position
+                pos = self.positions[-1:] if name == "linear.state" else None
+                self.add(names.layer(L, name), t, pos, L)
+
+        self._hook(module, pre, pre=True)
+        self._hook(module.norm, lambda mod, a, out: taps[-1].norm_out(out))
+        self._hook(module, post)
+        self._undo.append(lambda: setattr(paths, "observer", None))
+
+    def _tap_attn_gate(self, L: int, attn):
+        """The gate half of q_proj's output, per head `[rows, heads, head_dim]` before the
+        sigmoid (Qwen3.5: q_proj's output is, per head, head_dim query then head_dim gate
+        values); recorded after v by _patch_attention."""
+        hd = attn.head_dim
+
+        def hook(mod, a, out):
+            self._gates[L] = out[0].view(out.shape[1], -1, 2 * hd)[..., hd:]
+
+        self._hook(attn.q_proj, hook)
+
+    def _tap_shared_expert(self, L: int, mlp):
+        """`shared_expert.gate` [rows, 1] (the gate logit, before the sigmoid), then
+        `shared_expert.out` [rows, hidden] (the shared MLP, before its gate). transformers runs
+        the shared MLP first and its gate after the routed experts; the output is held until the
+        gate is recorded, so the trace order is router, experts, gate, output."""
+        held = []
+        spec = self.lay.spec
+        self._hook(_get(mlp, spec.shared_expert), lambda mod, a, out: held.append(out))
+
+        def gate(mod, a, out):
+            self.add(names.layer(L, "shared_expert.gate"), out, layer_idx=L)
+            self.add(names.layer(L, "shared_expert.out"), held.pop(), layer_idx=L)
+
+        self._hook(_get(mlp, spec.shared_expert_gate), gate)
 
     def _on_router(self, L: int, logits):
         import torch
@@ -837,6 +916,8 @@ class Tap:
                     self.add(names.layer(L, "q"), query[0].transpose(0, 1), layer_idx=L)
                     self.add(names.layer(L, "k"), key[0].transpose(0, 1), layer_idx=L)
                     self.add(names.layer(L, "v"), value[0].transpose(0, 1), layer_idx=L)
+                    if L in self._gates:
+                        self.add(names.layer(L, "attn_gate"), self._gates.pop(L), layer_idx=L)
                     self.add(names.layer(L, "attn_probs"), weights[0], layer_idx=L)
                 return out, weights
 
@@ -865,13 +946,13 @@ class Tap:
 
 
 def _check_tokens(model, tokens, extra: int = 0):
-    V = model.config.vocab_size
+    V = model.config.get_text_config().vocab_size
     if not tokens:
         raise OracleError("--tokens: empty prompt")
     bad = [t for t in tokens if not 0 <= t < V]
     if bad:
         raise OracleError(f"--tokens: ids {bad[:5]} outside the vocabulary [0, {V})")
-    P = getattr(model.config, "max_position_embeddings", None)
+    P = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if P is not None and len(tokens) + extra > P:
         raise OracleError(
             f"--tokens/--generate: {len(tokens) + extra} positions exceed max_position_embeddings {P}"
@@ -952,7 +1033,8 @@ def _require_forced(
     positions: list[int] | None = None,
 ) -> None:
     """What this run needs from the forcing trace, checked before anything runs."""
-    lay, cfg = resolve(model), model.config
+    lay = resolve(model)
+    cfg = lay.config
     if tokens is not None:
         forcing.check_prompt(tokens)
     for L in lay.moe_layers if layer is None else [L for L in lay.moe_layers if L == layer]:
@@ -1019,7 +1101,8 @@ def capture_prompt(
             tap.finish()
         return tap, _generate(model, tokens, rc.generate, rc, forcing)
 
-    tap, (gen_tensors, gen, gen_forced) = _deterministic(run, det)
+    with torch_paths(resolve(model)):  # Gated DeltaNet: transformers' torch references
+        tap, (gen_tensors, gen, gen_forced) = _deterministic(run, det)
     prov = provenance(model, model_dir, rc, det, tokens, "trace")
     _forced_provenance(prov, forcing, tap.forced + gen_forced)
     if tap.notes:
@@ -1033,19 +1116,25 @@ def _layer_mask(model, L: int, x, position_ids, cache=None):
     layer L (the family table's mask rule)."""
     from transformers import masking_utils as mu
 
-    fn = (
-        mu.create_causal_mask
-        if resolve(model).window(L) is None
-        else mu.create_sliding_window_causal_mask
-    )
+    lay = resolve(model)
+    if L in lay.linear_layers:  # the model's own (None without padding: nothing to mask)
+        return mu.create_recurrent_attention_mask(
+            config=lay.config, inputs_embeds=x, attention_mask=None, past_key_values=cache
+        )
+    fn = mu.create_causal_mask if lay.window(L) is None else mu.create_sliding_window_causal_mask
     return fn(
-        config=model.config,
+        config=lay.config,
         inputs_embeds=x,
         attention_mask=None,
         past_key_values=cache,
         position_ids=position_ids,
         layer_idx=L if cache is not None else None,
     )
+
+
+def _positions_text(positions: list[int]) -> str:
+    p = list(positions)
+    return str(p) if len(p) <= 8 else f"[{', '.join(map(str, p[:8]))}, ...] ({len(p)} rows)"
 
 
 def check_decode_from(P: int, positions: list[int], name: str) -> None:
@@ -1072,7 +1161,7 @@ def _decode_layer(model, L: int, x, positions: list[int], P: int, forcing) -> li
     from transformers import DynamicCache
 
     lay = resolve(model)
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=lay.config)
 
     def forward(rows: slice):
         xs, pos = x[:, rows], torch.tensor([positions[rows]], device=x.device)
@@ -1138,7 +1227,7 @@ def capture_layer(
     layers = lay.layers
     if not 0 <= L < len(layers):
         raise OracleError(f"--layer {L}: the model has layers 0..{len(layers) - 1}")
-    H = model.config.hidden_size
+    H = lay.config.hidden_size
     if hidden.ndim != 2 or hidden.shape[1] != H:
         raise OracleError(f"--input-name: tensor shape {list(hidden.shape)} is not [T, {H}]")
     if len(positions) != hidden.shape[0]:
@@ -1150,6 +1239,14 @@ def capture_layer(
     name = (source or {}).get("input_name", "")
     if decode_from is not None:
         check_decode_from(decode_from, positions, name)
+    elif L in lay.linear_layers and list(positions) != list(range(len(positions))):
+        # Run alone, a linear-attention layer starts from zero conv and recurrent states, which
+        # is position 0: its rows must be the whole prefix.
+        raise OracleError(
+            f"--input-name {name}: layer {L} is a linear-attention layer, which runs from a zero "
+            f"state at position 0: its rows must be at positions 0..{len(positions) - 1} in "
+            f"order, not {_positions_text(positions)}"
+        )
     if forcing is not None:
         # Under --decode-from the rows the forcing trace holds are forced and later ones route
         # themselves, as generated rows do in `trace`; the cache's prefix must be covered.
@@ -1199,7 +1296,8 @@ def capture_layer(
                 )
         return tap.records, tap
 
-    records, tap = _deterministic(run, det)
+    with torch_paths(lay):  # Gated DeltaNet: transformers' torch references
+        records, tap = _deterministic(run, det)
     prov = provenance(model, model_dir, rc, det, None, "layer")
     prov.update(layer=L, positions=list(positions), **(source or {}))
     if decode_from is not None:

@@ -70,7 +70,8 @@ SIZE_FIELDS = (
 # float parameter by value, and F8 needs a quantisation config this oracle does not run.
 WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
 
-LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+# decoder layers; `model.language_model.layers.N` in a multimodal checkpoint (Qwen3.5)
+LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 
@@ -299,6 +300,8 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
                 refuse(
                     f"{at} = {v!r} is not positive (every RoPE frequency would be NaN or infinite)"
                 )
+    # A multimodal config holds the language model's fields under text_config.
+    raw = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     eps = raw.get("rms_norm_eps")
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))):
         refuse(f"rms_norm_eps = {eps!r} is not a number")

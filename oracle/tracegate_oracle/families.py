@@ -29,6 +29,12 @@ class Family:
     head: str = "lm_head"
     rotary: str = "model.rotary_emb"
     attn: str = "self_attn"  # within a layer
+    # Hybrid families: a layer has either `attn` or this linear-attention token mixer (Gated
+    # DeltaNet); config.layer_types says which ("linear_attention" / "full_attention").
+    linear_attn: str | None = None
+    # q_proj's output holds, per head, the query and then a gate applied as sigmoid(gate) to the
+    # attention output before o_proj (Qwen3.5): captured as `attn_gate` under internals.
+    attn_gate: bool = False
     mlp: str = "mlp"  # within a layer; the MoE block in MoE families
     # Norms each layer must have (checked, documented: their place differs per family).
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
@@ -36,6 +42,9 @@ class Family:
     moe: str | None = None
     router: str = "gate"
     experts: str = "experts"
+    # A shared expert beside the routed ones, and its gate (a Linear to one logit), within `mlp`.
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
     mask: str = "causal"
     # The rotary module takes the layer's type as a third argument (one table per layer type).
     rope_by_layer_type: bool = False
@@ -43,6 +52,11 @@ class Family:
     provenance_fields: tuple[str, ...] = ()
     # Config values the oracle does not capture faithfully: (field, refused value, why).
     refuse: tuple[tuple[str, object, str], ...] = ()
+    # The transformers auto class that builds the class config.json's `architectures` names.
+    auto: str = "AutoModelForCausalLM"
+    # Checkpoint tensors a text-only forward does not use (a vision tower, multi-token
+    # prediction): transformers ignores or loads them; the oracle lists them in provenance.
+    unused_prefixes: tuple[str, ...] = ()
 
 
 COMMON = Family()
@@ -87,6 +101,32 @@ FAMILIES: dict[str, Family] = {
     "mixtral": replace(COMMON, moe="all", mask="config", provenance_fields=("sliding_window",)),
     "olmoe": replace(COMMON, moe="all"),
 }
+# Qwen3.5: hybrid Gated DeltaNet / gated full attention, partial RoPE; transformers'
+# Qwen3_5ForCausalLM ignores `mtp.*` and `model.visual.*` on load (its
+# _keys_to_ignore_on_load_unexpected). The multimodal layout (`qwen3_5`, `qwen3_5_moe`) is
+# loaded as the ForConditionalGeneration class it names and run on text only.
+_Q35 = replace(
+    COMMON,
+    linear_attn="linear_attn",
+    attn_gate=True,
+    mask="layer_types",
+    provenance_fields=("layer_types", "rope_parameters"),
+    unused_prefixes=("model.visual.", "mtp."),
+)
+_Q35_MM = dict(
+    embed="model.language_model.embed_tokens",
+    layers="model.language_model.layers",
+    final_norm="model.language_model.norm",
+    rotary="model.language_model.rotary_emb",
+    auto="AutoModelForImageTextToText",
+)
+_Q35_MOE = dict(moe="all", shared_expert="shared_expert", shared_expert_gate="shared_expert_gate")
+FAMILIES |= {
+    "qwen3_5_text": _Q35,
+    "qwen3_5": replace(_Q35, **_Q35_MM),
+    "qwen3_5_moe_text": replace(_Q35, **_Q35_MOE),
+    "qwen3_5_moe": replace(_Q35, **_Q35_MOE, **_Q35_MM),
+}
 
 
 def _get(root, path: str):
@@ -111,8 +151,17 @@ class Layout:
     head: object
     rotary: object
     moe_layers: list[int] = field(default_factory=list)
+    linear_layers: list[int] = field(default_factory=list)
+
+    @property
+    def config(self):
+        """The language model's config (`text_config` of a multimodal one)."""
+        return self.model.config.get_text_config()
 
     def attn(self, L: int):
+        """Layer L's token mixer: self-attention, or linear attention in a hybrid family."""
+        if L in self.linear_layers:
+            return _get(self.layers[L], self.spec.linear_attn)
         return _get(self.layers[L], self.spec.attn)
 
     def mlp(self, L: int):
@@ -126,7 +175,7 @@ class Layout:
 
     def window(self, L: int) -> int | None:
         """The attention window of layer L as the model's forward chooses it (None: causal)."""
-        cfg, rule = self.model.config, self.spec.mask
+        cfg, rule = self.config, self.spec.mask
         if rule == "causal":
             return None
         if rule == "layer_types" and cfg.layer_types[L] != "sliding_attention":
@@ -139,11 +188,11 @@ class Layout:
 
     def rope(self, x, pos, L: int):
         if self.spec.rope_by_layer_type:
-            return self.rotary(x, pos, self.model.config.layer_types[L])
+            return self.rotary(x, pos, self.config.layer_types[L])
         return self.rotary(x, pos)
 
     def provenance(self) -> dict:
-        cfg = self.model.config
+        cfg = self.config
         out = {
             "family": self.family,
             "mask_rule": self.spec.mask,
@@ -159,6 +208,8 @@ class Layout:
             out["embed_scale"] = float(scale)
         if self.moe_layers:
             out["moe_layers"] = list(self.moe_layers)
+        if self.linear_layers:
+            out["linear_layers"] = list(self.linear_layers)
         return out
 
 
@@ -168,8 +219,8 @@ def supported() -> str:
 
 def resolve(model, where: str = "--model") -> Layout:
     """The model's Layout, or one line naming what its family's entry did not find."""
-    cfg = model.config
-    mt = getattr(cfg, "model_type", None)
+    mt = getattr(model.config, "model_type", None)
+    cfg = model.config.get_text_config()
     spec = FAMILIES.get(mt)
     cls = type(model).__name__
     if spec is None:
@@ -214,7 +265,11 @@ def resolve(model, where: str = "--model") -> Layout:
         )
     for L, layer in enumerate(layers):
         at = f"{spec.layers}.{L}"
-        need(layer, spec.attn, f"attention ({at})")
+        if spec.linear_attn and cfg.layer_types[L] == "linear_attention":
+            need(layer, spec.linear_attn, f"linear attention ({at})")
+            lay.linear_layers.append(L)
+        else:
+            need(layer, spec.attn, f"attention ({at})")
         mlp = need(layer, spec.mlp, f"MLP ({at})")
         for n in spec.norms:
             need(layer, n, f"norm ({at})")
@@ -230,4 +285,7 @@ def resolve(model, where: str = "--model") -> Layout:
                     f"{where}: {cls} ({mt}): router `{at}.{spec.mlp}.{spec.router}` has no top_k"
                 )
             lay.moe_layers.append(L)
+            for part in (spec.shared_expert, spec.shared_expert_gate):
+                if part:
+                    need(mlp, part, f"shared expert ({at}.{spec.mlp})")
     return lay
