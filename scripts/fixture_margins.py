@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Measure a fixture's decision margins and activation scales with transformers in fp32.
 
-Loads DIR with AutoModelForCausalLM (fp32, eager attention, eager experts), refuses any
-missing / unexpected / mismatched key, runs the seeded prompt set (20 prompts of random token
+Loads DIR with AutoModelForCausalLM (fp32, eager attention, eager experts; for a multimodal
+Qwen3.5 checkpoint that is transformers' Qwen3_5ForCausalLM, the language model alone), refuses
+any missing / unexpected / mismatched key, runs the seeded prompt set (20 prompts of random token
 ids, lengths 1..70, some with repeated tokens) and prints:
   - logits argmax margin  top1 - top2 (absolute, and relative to the row's max |logit|);
   - router margin         p_k - p_(k+1) of the fp32 softmax of the router logits (absolute,

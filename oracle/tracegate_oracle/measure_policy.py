@@ -195,7 +195,7 @@ def oracle_runs(
     iso = {}
     for pid, ref in isolate_on.items():
         iso[pid] = {}
-        for L in range(model.config.num_hidden_layers):
+        for L in range(model.config.get_text_config().num_hidden_layers):
             a, _, positions = ref.tensors[names.layer(L, "hidden_in")]
             run = from_plain(
                 plain(cp.capture_layer(model, model_dir, L, a, list(positions), rc, det))
@@ -433,7 +433,7 @@ def measure(model_dir: str) -> dict[str, dict]:
     m32 = cp.load_model(model_dir, rc)
     m64 = copy.deepcopy(m32).double()
     res = Result()
-    for i, ids in enumerate(prompts(m32.config.vocab_size)):
+    for i, ids in enumerate(prompts(m32.config.get_text_config().vocab_size)):
         c32 = from_plain(plain(cp.capture_prompt(m32, model_dir, ids, rc)))
         c64 = from_plain(plain(cp.capture_prompt(m64, model_dir, ids, rc)))
         measure_pair(c64, c32, str(i), pattern, res)
