@@ -29,7 +29,7 @@ from tracegate import names
 
 from .checkpoint import LoadProgress, preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
-from .families import FAMILIES, _get, resolve
+from .families import FAMILIES, resolve
 from .force import Forcing, RouterForcing, shadow_forward
 from .linear_attn import LinearTap, active_paths, torch_paths
 from .linear_attn import provenance as linear_provenance
@@ -782,8 +782,8 @@ class Tap:
             self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
             if self.internals:
                 self._tap_experts(L, lay.experts(L))
-                if lay.spec.shared_expert:
-                    self._tap_shared_expert(L, mlp)
+                if lay.shared_expert(L):
+                    self._tap_shared_expert(L, *lay.shared_expert(L))
         self._hook(
             mlp, lambda mod, a, out: self.add(names.layer(L, "mlp_out"), out[0], layer_idx=L)
         )
@@ -831,20 +831,19 @@ class Tap:
 
         self._hook(attn.q_proj, hook)
 
-    def _tap_shared_expert(self, L: int, mlp):
+    def _tap_shared_expert(self, L: int, shared, shared_gate):
         """`shared_expert.gate` [rows, 1] (the gate logit, before the sigmoid), then
         `shared_expert.out` [rows, hidden] (the shared MLP, before its gate). transformers runs
         the shared MLP first and its gate after the routed experts; the output is held until the
         gate is recorded, so the trace order is router, experts, gate, output."""
         held = []
-        spec = self.lay.spec
-        self._hook(_get(mlp, spec.shared_expert), lambda mod, a, out: held.append(out))
+        self._hook(shared, lambda mod, a, out: held.append(out))
 
         def gate(mod, a, out):
             self.add(names.layer(L, "shared_expert.gate"), out, layer_idx=L)
             self.add(names.layer(L, "shared_expert.out"), held.pop(), layer_idx=L)
 
-        self._hook(_get(mlp, spec.shared_expert_gate), gate)
+        self._hook(shared_gate, gate)
 
     def _on_router(self, L: int, logits):
         import torch

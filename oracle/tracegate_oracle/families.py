@@ -173,6 +173,14 @@ class Layout:
     def experts(self, L: int):
         return _get(self.mlp(L), self.spec.experts) if L in self.moe_layers else None
 
+    def shared_expert(self, L: int):
+        """(shared expert MLP, its gate) of MoE layer L, or None in a family without one."""
+        spec = self.spec
+        if L not in self.moe_layers or not spec.shared_expert:
+            return None
+        mlp = self.mlp(L)
+        return _get(mlp, spec.shared_expert), _get(mlp, spec.shared_expert_gate)
+
     def window(self, L: int) -> int | None:
         """The attention window of layer L as the model's forward chooses it (None: causal)."""
         cfg, rule = self.config, self.spec.mask
