@@ -1,6 +1,6 @@
 """The oracle on Qwen3.5 / Qwen3.5-MoE (docs/capture-points.md, "Qwen3.5"): the committed
-fixtures tiny-qwen3_5 (multimodal layout) and tiny-qwen3_5-moe (text layout), and a text-layout
-conversion of tiny-qwen3_5.
+fixtures tiny-qwen3_5 (multimodal layout) and tiny-qwen3_5-moe (text layout), and conversions of
+each to the other layout (so all four families of the table run).
 
 Expected names and shapes are written out below from the fixtures' config.json and the modeling
 files (transformers/models/qwen3_5*/modeling_qwen3_5*.py), not derived from the oracle's table.
@@ -204,19 +204,78 @@ def _text_layout(d: Path, out: Path) -> Path:
     return out
 
 
-def test_text_and_multimodal_layouts_give_identical_traces(runs, tmp_path):
-    d, _, mm, _ = runs["tiny-qwen3_5"]
-    t = _text_layout(d, tmp_path / "text")
+def _multimodal_layout(d: Path, out: Path) -> Path:
+    """tiny-qwen3_5-moe's weights as a Qwen3_5MoeForConditionalGeneration checkpoint, with a
+    tiny vision tower drawn by the fixture generator (scripts/make_fixtures.py)."""
+    import importlib.util
+
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("mf", ROOT / "scripts" / "make_fixtures.py")
+    mf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mf)
+    dense = mf.PRESETS["tiny-qwen3_5"]
+    text = {
+        k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "architectures"
+    }
+    V = text["vocab_size"]
+    cfg = dict(
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+        model_type="qwen3_5_moe",
+        tie_word_embeddings=False,
+        image_token_id=V - 2,
+        video_token_id=V - 1,
+        vision_start_token_id=V - 4,
+        vision_end_token_id=V - 3,
+        text_config=text,
+        vision_config=dict(
+            dense["config"]["vision_config"],
+            model_type="qwen3_5_moe_vision",
+            out_hidden_size=text["hidden_size"],
+        ),
+    )
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(cfg))
+    w = {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+        for k, v in load_file(d / "model.safetensors").items()
+    }
+    for name, shape, kind, fan_in in mf.qwen3_5_specs(cfg, 0):
+        if name.startswith("model.visual."):
+            w[name] = torch.from_numpy(mf.draw(1, name, shape, kind, fan_in, dense["scales"]))
+    save_file(w, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("fx", ["tiny-qwen3_5", "tiny-qwen3_5-moe"])
+def test_text_and_multimodal_layouts_give_identical_traces(runs, tmp_path, fx):
+    """tiny-qwen3_5 converted to the text layout, tiny-qwen3_5-moe to the multimodal one: the
+    same language-model weights give the same trace, bit for bit."""
+    d, _, committed, _ = runs[fx]
+    if fx == "tiny-qwen3_5":
+        other, cls, fam, unused = (
+            _text_layout(d, tmp_path / "t"),
+            "Qwen3_5ForCausalLM",
+            "qwen3_5_text",
+            15,
+        )
+    else:
+        other, cls, fam, unused = (
+            _multimodal_layout(d, tmp_path / "m"),
+            "Qwen3_5MoeForConditionalGeneration",
+            "qwen3_5_moe",
+            62,
+        )
     rc = cp.RunConfig(capture="internals", generate=N)
-    text = cp.capture_prompt(cp.load_model(t, rc), t, PROMPT, rc)
-    assert text.provenance["model_class"] == "Qwen3_5ForCausalLM"
-    assert text.provenance["family"]["family"] == "qwen3_5_text"
-    assert text.provenance["unused_tensors"]["prefixes"] == {"model.visual.": 0, "mtp.": 15}
-    assert text.names == mm.names
-    for r in text.tensors:
-        np.testing.assert_array_equal(r.array, mm[r.name].array, err_msg=r.name)
-        assert r.attrs == mm[r.name].attrs, r.name
-    for a, b in zip(text.decisions, mm.decisions, strict=True):
+    conv = cp.capture_prompt(cp.load_model(other, rc), other, PROMPT, rc)
+    assert conv.provenance["model_class"] == cls
+    assert conv.provenance["family"]["family"] == fam
+    assert conv.provenance["unused_tensors"]["count"] == unused
+    assert conv.names == committed.names
+    for r in conv.tensors:
+        np.testing.assert_array_equal(r.array, committed[r.name].array, err_msg=r.name)
+        assert r.attrs == committed[r.name].attrs, r.name
+    for a, b in zip(conv.decisions, committed.decisions, strict=True):
         assert a.name == b.name
         np.testing.assert_array_equal(a.values, b.values)
         np.testing.assert_array_equal(a.margins, b.margins)
