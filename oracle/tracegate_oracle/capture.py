@@ -315,13 +315,10 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
         )
     # the family table: refused here unless every capture point is found
     lay = resolve(model, f"--model {d}")
-    # Present, not computed with: listed in provenance, never dropped silently (transformers
-    # ignores `mtp.*` on load without reporting it).
-    unused = sorted(n for n in inv if n.startswith(lay.spec.unused_prefixes))
-    model.tracegate_unused_tensors = {
-        "count": len(unused),
-        "prefixes": {p: sum(n.startswith(p) for n in unused) for p in lay.spec.unused_prefixes},
-    }
+    # Present, not computed with: listed in provenance as {prefix: count} (as engine and
+    # contract do), never dropped silently (transformers ignores `mtp.*` on load unreported).
+    counts = {p: sum(n.startswith(p) for n in inv) for p in lay.spec.unused_prefixes}
+    model.tracegate_unused_tensors = {p: n for p, n in counts.items() if n}
     _check_tied_head(model, d)
     _replay(log + load_log)
     progress.placement(model, rc.device)
@@ -513,7 +510,7 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         "model_class": type(model).__name__,
         **(
             {"unused_tensors": model.tracegate_unused_tensors}
-            if getattr(model, "tracegate_unused_tensors", {}).get("count")
+            if getattr(model, "tracegate_unused_tensors", None)
             else {}
         ),
         **({"linear_attention": linear_provenance(lay)} if lay.linear_layers else {}),
