@@ -61,25 +61,145 @@ pub fn matmul_ref_by(
 
 /// §6 RMSNorm of one vector.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let mut ss = 0.0f32;
-    for &v in x {
-        ss += v * v;
-    }
-    let mean = ss / x.len() as f32;
-    let inv = 1.0f32 / (mean + eps).sqrt();
+    let inv = rms_inv(x, eps);
     for i in 0..x.len() {
         out[i] = w[i] * (x[i] * inv);
     }
 }
 
-/// §6 RMSNorm of every `n`-wide row of `x`.
-pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+/// §15.1 zero-centred RMSNorm of one vector (Qwen3.5): §6's `inv`, then
+/// `(x[i] ⊗ inv) ⊗ (1 ⊕ w[i])`.
+pub fn rmsnorm_zero_centred(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = rms_inv(x, eps);
+    for i in 0..x.len() {
+        out[i] = (x[i] * inv) * (1.0 + w[i]);
+    }
+}
+
+/// §6's `1 ⊘ sqrt(mean(x²) ⊕ eps)`, the mean an ordered sum of squares divided by n.
+fn rms_inv(x: &[f32], eps: f32) -> f32 {
+    let mut ss = 0.0f32;
+    for &v in x {
+        ss += v * v;
+    }
+    let mean = ss / x.len() as f32;
+    1.0f32 / (mean + eps).sqrt()
+}
+
+/// §15.2 gated RMSNorm (Qwen3.5's linear-attention output norm): §6 with the plain weight,
+/// then times `silu(z[i])`.
+pub fn gated_rmsnorm(x: &[f32], w: &[f32], z: &[f32], eps: f32, out: &mut [f32]) {
+    rmsnorm(x, w, eps, out);
+    for i in 0..x.len() {
+        out[i] *= silu(z[i]);
+    }
+}
+
+/// §18.3 L2 normalisation of one vector with transformers' fixed `1e-6`:
+/// `x[i] ⊗ (1 ⊘ sqrt(Σ x² ⊕ 1e-6))`, the sum ordered.
+pub fn l2norm(x: &[f32], out: &mut [f32]) {
+    let mut ss = 0.0f32;
+    for &v in x {
+        ss += v * v;
+    }
+    let inv = 1.0f32 / (ss + 1e-6f32).sqrt();
+    for i in 0..x.len() {
+        out[i] = x[i] * inv;
+    }
+}
+
+/// §18.4 PyTorch's softplus (beta 1, threshold 20): `u` above 20, else
+/// `f32(log1p(E(u)))` in binary64 with libm's exp and log1p. NaN takes the second branch.
+pub fn softplus(u: f32) -> f32 {
+    if u > 20.0 {
+        u
+    } else {
+        (u as f64).exp().ln_1p() as f32
+    }
+}
+
+/// §18.4 one value head's decay for one row: `g = (−f32(E(A_log))) ⊗ softplus(a ⊕ dt_bias)`
+/// (≤ 0, captured as `linear.g`) and the factor `alpha = f32(E(g))` the state is scaled by.
+pub fn gdn_decay(a: f32, dt_bias: f32, a_log: f32) -> (f32, f32) {
+    let sp = softplus(a + dt_bias);
+    let g = -exp_to_f32(a_log) * sp;
+    (g, exp_to_f32(g))
+}
+
+/// §18.2 causal depthwise conv1d + SiLU of one row, updating the conv state. `state` holds
+/// each channel's K−1 previous pre-conv values, oldest first (`[conv_dim, K−1]`, channel-major);
+/// `w` is `conv1d.weight` as `[conv_dim, K]`; `mixed` the row's pre-conv values. Every channel:
+/// `acc = Σ_j win[j] ⊗ w[c, j]` over the window (state, then this row) from +0.0 in j order, the
+/// output `silu(acc)`; then the window, less its oldest value, becomes the state.
+pub fn causal_conv1d(mixed: &[f32], w: &[f32], k: usize, state: &mut [f32], out: &mut [f32]) {
+    let keep = k - 1;
+    for c in 0..mixed.len() {
+        let st = &mut state[c * keep..(c + 1) * keep];
+        let wc = &w[c * k..(c + 1) * k];
+        let mut acc = 0.0f32;
+        for j in 0..keep {
+            acc += st[j] * wc[j];
+        }
+        acc += mixed[c] * wc[keep];
+        out[c] = silu(acc);
+        if keep > 0 {
+            st.copy_within(1.., 0);
+            st[keep - 1] = mixed[c];
+        }
+    }
+}
+
+/// §18.5 the delta rule for one row and one value head, on its state `s` (`[dk, dv]`,
+/// row-major): decay by `alpha`, read `mem = Sᵀk`, `d = (v ⊖ mem) ⊗ beta`, write `S ⊕= k dᵀ`,
+/// then `out = Sᵀq` (the query already scaled); every sum over i ascending from +0.0.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    alpha: f32,
+    beta: f32,
+    mem: &mut [f32],
+    out: &mut [f32],
+) {
+    let (dk, dv) = (k.len(), v.len());
+    for x in s.iter_mut() {
+        *x *= alpha;
+    }
+    mem.fill(0.0);
+    for i in 0..dk {
+        for j in 0..dv {
+            mem[j] += s[i * dv + j] * k[i];
+        }
+    }
+    for j in 0..dv {
+        mem[j] = (v[j] - mem[j]) * beta; // d[j], in mem's place
+    }
+    for i in 0..dk {
+        for j in 0..dv {
+            s[i * dv + j] += k[i] * mem[j];
+        }
+    }
+    out.fill(0.0);
+    for i in 0..dk {
+        for j in 0..dv {
+            out[j] += s[i * dv + j] * q[i];
+        }
+    }
+}
+
+/// §6 RMSNorm (or, `zero_centred`, §15.1's) of every `n`-wide row of `x`.
+pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, zero_centred: bool) -> Vec<f32> {
     let n = w.len();
     let mut out = vec![0.0f32; x.len()];
     // Rows are independent; each row's arithmetic is the same whichever thread runs it.
     out.par_chunks_exact_mut(n)
         .zip(x.par_chunks_exact(n))
-        .for_each(|(or, xr)| rmsnorm(xr, w, eps, or));
+        .for_each(|(or, xr)| match zero_centred {
+            false => rmsnorm(xr, w, eps, or),
+            true => rmsnorm_zero_centred(xr, w, eps, or),
+        });
     out
 }
 
