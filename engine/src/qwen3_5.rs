@@ -180,10 +180,6 @@ impl<'a> GatedDeltaNet<'a> {
             }
         }
         cap.internal(&name("linear.core"), &[t, nv, dv], &core, pos);
-        if cap.internals() {
-            let last = &pos[t - 1..];
-            cap.internal(&name("linear.state"), &[1, nv, dk, dv], &state.s, last);
-        }
         state.next_pos += t as i64;
         // §18.6 gated norm per (row, value head), then out_proj.
         let eps = cfg.eps_f32();
@@ -199,6 +195,13 @@ impl<'a> GatedDeltaNet<'a> {
             );
         }
         cap.internal(&name("linear.norm_out"), &[t, nv, dv], &normed, pos);
+        // The state after the block's last row, at that row's position.
+        cap.internal(
+            &name("linear.state"),
+            &[1, nv, dk, dv],
+            &state.s,
+            &pos[t - 1..],
+        );
         Ok(ops::matmul(&normed, t, self.out_proj, None))
     }
 }
