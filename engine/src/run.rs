@@ -446,16 +446,15 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
 }
 
 /// Qwen3.5 (docs/numerics.md §20): the tensors present and not run, as `unused_tensors` =
-/// `{"count": N, "prefixes": {prefix: count}}`; nothing for the Qwen3 families.
+/// `{prefix: count}`; absent when there are none (and for the Qwen3 families).
 fn unused_provenance(prov: &mut Value, model: &Model) {
-    if model.cfg.model_type.is_qwen3_5() {
+    if !model.unused_tensors.is_empty() {
         let by_prefix: serde_json::Map<String, Value> = model
             .unused_tensors
             .iter()
             .map(|(p, n)| (p.clone(), json!(n)))
             .collect();
-        let count: usize = model.unused_tensors.iter().map(|(_, n)| n).sum();
-        prov["unused_tensors"] = json!({ "count": count, "prefixes": by_prefix });
+        prov["unused_tensors"] = Value::Object(by_prefix);
     }
 }
 
