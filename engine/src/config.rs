@@ -30,11 +30,11 @@ pub const ORACLE_FAMILIES: [&str; 10] = [
 /// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/qwen3.py).
 pub fn unsupported_family(model_type: &str) -> String {
     if ORACLE_FAMILIES.contains(&model_type) {
-        "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: \
+        "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
          python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
             .to_string()
     } else {
-        "not supported (engine, contract: qwen3, qwen3_moe; oracle: the families of docs/capture-points.md)".to_string()
+        "not supported (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)".to_string()
     }
 }
 
