@@ -638,6 +638,23 @@ fn cached_decode_equals_uncached_for_8_steps_and_threads_do_not_matter() {
         o.threads = 2;
         o.out = f.dir.join("t2.trace");
         assert_eq!(run_trace(&o).unwrap(), off);
+        // Control: a decode row on a cache without the prompt's linear state is refused, never
+        // computed from a zero state as if it were at position 0.
+        let (cfg, _) = tracegate_engine::load_config(model).unwrap();
+        let store = tracegate_engine::weights::Store::open(model).unwrap();
+        let m = tracegate_engine::qwen3::Model::load(cfg, &store).unwrap();
+        let mut fresh = m.new_cache();
+        let quiet = tracegate_engine::capture::Capture::off;
+        let e = m
+            .forward(&[5], 7, &mut fresh, &mut quiet())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("is linear attention") && e.contains("row 0 is at position 7"),
+            "{e}"
+        );
+        m.forward(&PROMPT, 0, &mut fresh, &mut quiet()).unwrap();
+        m.forward(&[5], 7, &mut fresh, &mut quiet()).unwrap();
         // Control: the decode steps differ from each other (the state moves on).
         let (a, b) = (
             t.f32_vec("decode.0003.logits").unwrap(),
