@@ -6,7 +6,8 @@
 //! - `ops`: the ordered kernels of docs/numerics.md, one definition each (the fast attention is
 //!   tested against its definition)
 //! - `matmul`: the fast matmul and column dots, bit-equal to the `ops` definitions (tested)
-//! - `qwen3`: weights binding and forward for both families
+//! - `qwen3`: weights binding and forward for the four families
+//! - `qwen3_5`: what Qwen3.5 adds (Gated DeltaNet, the shared expert; docs/numerics.md §§15–20)
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace
 //! - `run`: the verbs (`trace`, `layer`, `info`) as a library API; `main.rs` is the CLI over it
@@ -20,6 +21,7 @@ pub mod force;
 pub mod matmul;
 pub mod ops;
 pub mod qwen3;
+pub mod qwen3_5;
 pub mod run;
 pub mod weights;
 

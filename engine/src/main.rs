@@ -11,7 +11,7 @@ use tracegate_engine::{info, run_layer, run_trace, LayerOptions, TraceOptions};
 #[command(
     name = "engine",
     version,
-    about = "tracegate reference engine (ordered fp32 Qwen3 / Qwen3-MoE)"
+    about = "tracegate reference engine (ordered fp32 Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3.5-MoE)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -22,7 +22,8 @@ struct Cli {
 enum CaptureSet {
     /// The capture points every producer writes.
     Default,
-    /// Add q, k, v, attn_probs, router logits and expert outputs (changes the digest).
+    /// Add q, k, v, attn_probs, router logits and expert outputs, and Qwen3.5's attn_gate,
+    /// linear.* and shared_expert.* points (changes the digest).
     Internals,
 }
 

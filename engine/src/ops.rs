@@ -61,25 +61,145 @@ pub fn matmul_ref_by(
 
 /// §6 RMSNorm of one vector.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let mut ss = 0.0f32;
-    for &v in x {
-        ss += v * v;
-    }
-    let mean = ss / x.len() as f32;
-    let inv = 1.0f32 / (mean + eps).sqrt();
+    let inv = rms_inv(x, eps);
     for i in 0..x.len() {
         out[i] = w[i] * (x[i] * inv);
     }
 }
 
-/// §6 RMSNorm of every `n`-wide row of `x`.
-pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+/// §15.1 zero-centred RMSNorm of one vector (Qwen3.5): §6's `inv`, then
+/// `(x[i] ⊗ inv) ⊗ (1 ⊕ w[i])`.
+pub fn rmsnorm_zero_centred(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = rms_inv(x, eps);
+    for i in 0..x.len() {
+        out[i] = (x[i] * inv) * (1.0 + w[i]);
+    }
+}
+
+/// §6's `1 ⊘ sqrt(mean(x²) ⊕ eps)`, the mean an ordered sum of squares divided by n.
+fn rms_inv(x: &[f32], eps: f32) -> f32 {
+    let mut ss = 0.0f32;
+    for &v in x {
+        ss += v * v;
+    }
+    let mean = ss / x.len() as f32;
+    1.0f32 / (mean + eps).sqrt()
+}
+
+/// §15.2 gated RMSNorm (Qwen3.5's linear-attention output norm): §6 with the plain weight,
+/// then times `silu(z[i])`.
+pub fn gated_rmsnorm(x: &[f32], w: &[f32], z: &[f32], eps: f32, out: &mut [f32]) {
+    rmsnorm(x, w, eps, out);
+    for i in 0..x.len() {
+        out[i] *= silu(z[i]);
+    }
+}
+
+/// §18.3 L2 normalisation of one vector with transformers' fixed `1e-6`:
+/// `x[i] ⊗ (1 ⊘ sqrt(Σ x² ⊕ 1e-6))`, the sum ordered.
+pub fn l2norm(x: &[f32], out: &mut [f32]) {
+    let mut ss = 0.0f32;
+    for &v in x {
+        ss += v * v;
+    }
+    let inv = 1.0f32 / (ss + 1e-6f32).sqrt();
+    for i in 0..x.len() {
+        out[i] = x[i] * inv;
+    }
+}
+
+/// §18.4 PyTorch's softplus (beta 1, threshold 20): `u` above 20, else
+/// `f32(log1p(E(u)))` in binary64 with libm's exp and log1p. NaN takes the second branch.
+pub fn softplus(u: f32) -> f32 {
+    if u > 20.0 {
+        u
+    } else {
+        (u as f64).exp().ln_1p() as f32
+    }
+}
+
+/// §18.4 one value head's decay for one row: `g = (−f32(E(A_log))) ⊗ softplus(a ⊕ dt_bias)`
+/// (≤ 0, captured as `linear.g`) and the factor `alpha = f32(E(g))` the state is scaled by.
+pub fn gdn_decay(a: f32, dt_bias: f32, a_log: f32) -> (f32, f32) {
+    let sp = softplus(a + dt_bias);
+    let g = -exp_to_f32(a_log) * sp;
+    (g, exp_to_f32(g))
+}
+
+/// §18.2 causal depthwise conv1d + SiLU of one row, updating the conv state. `state` holds
+/// each channel's K−1 previous pre-conv values, oldest first (`[conv_dim, K−1]`, channel-major);
+/// `w` is `conv1d.weight` as `[conv_dim, K]`; `mixed` the row's pre-conv values. Every channel:
+/// `acc = Σ_j win[j] ⊗ w[c, j]` over the window (state, then this row) from +0.0 in j order, the
+/// output `silu(acc)`; then the window, less its oldest value, becomes the state.
+pub fn causal_conv1d(mixed: &[f32], w: &[f32], k: usize, state: &mut [f32], out: &mut [f32]) {
+    let keep = k - 1;
+    for c in 0..mixed.len() {
+        let st = &mut state[c * keep..(c + 1) * keep];
+        let wc = &w[c * k..(c + 1) * k];
+        let mut acc = 0.0f32;
+        for j in 0..keep {
+            acc += st[j] * wc[j];
+        }
+        acc += mixed[c] * wc[keep];
+        out[c] = silu(acc);
+        if keep > 0 {
+            st.copy_within(1.., 0);
+            st[keep - 1] = mixed[c];
+        }
+    }
+}
+
+/// §18.5 the delta rule for one row and one value head, on its state `s` (`[dk, dv]`,
+/// row-major): decay by `alpha`, read `mem = Sᵀk`, `d = (v ⊖ mem) ⊗ beta`, write `S ⊕= k dᵀ`,
+/// then `out = Sᵀq` (the query already scaled); every sum over i ascending from +0.0.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    alpha: f32,
+    beta: f32,
+    mem: &mut [f32],
+    out: &mut [f32],
+) {
+    let (dk, dv) = (k.len(), v.len());
+    for x in s.iter_mut() {
+        *x *= alpha;
+    }
+    mem.fill(0.0);
+    for i in 0..dk {
+        for j in 0..dv {
+            mem[j] += s[i * dv + j] * k[i];
+        }
+    }
+    for j in 0..dv {
+        mem[j] = (v[j] - mem[j]) * beta; // d[j], in mem's place
+    }
+    for i in 0..dk {
+        for j in 0..dv {
+            s[i * dv + j] += k[i] * mem[j];
+        }
+    }
+    out.fill(0.0);
+    for i in 0..dk {
+        for j in 0..dv {
+            out[j] += s[i * dv + j] * q[i];
+        }
+    }
+}
+
+/// §6 RMSNorm (or, `zero_centred`, §15.1's) of every `n`-wide row of `x`.
+pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, zero_centred: bool) -> Vec<f32> {
     let n = w.len();
     let mut out = vec![0.0f32; x.len()];
     // Rows are independent; each row's arithmetic is the same whichever thread runs it.
     out.par_chunks_exact_mut(n)
         .zip(x.par_chunks_exact(n))
-        .for_each(|(or, xr)| rmsnorm(xr, w, eps, or));
+        .for_each(|(or, xr)| match zero_centred {
+            false => rmsnorm(xr, w, eps, or),
+            true => rmsnorm_zero_centred(xr, w, eps, or),
+        });
     out
 }
 
@@ -439,6 +559,104 @@ mod tests {
         rmsnorm(&[0.0, -0.0], &[1.0, 1.0], eps, &mut out);
         assert_eq!(out[0].to_bits(), 0.0f32.to_bits());
         assert_eq!(out[1].to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn rmsnorm_zero_centred_and_gated_hand_cases() {
+        // §15.1: x = [3, 4], w = [0, 1]: u = [1, 2], y = (x ⊗ inv) ⊗ u.
+        let eps = 1e-6f32;
+        let inv = 1.0f32 / (12.5f32 + eps).sqrt();
+        let mut out = [0.0f32; 2];
+        rmsnorm_zero_centred(&[3.0, 4.0], &[0.0, 1.0], eps, &mut out);
+        assert_eq!(out, [3.0 * inv, (4.0 * inv) * 2.0]);
+        // Control: the plain norm with the same stored weight is another function.
+        let mut plain = [0.0f32; 2];
+        rmsnorm(&[3.0, 4.0], &[0.0, 1.0], eps, &mut plain);
+        assert_ne!(plain, out);
+        // §15.2: plain weight, then times silu(z); silu(0) = 0 zeroes its element.
+        gated_rmsnorm(&[3.0, 4.0], &[1.0, 2.0], &[0.0, 2.0], eps, &mut out);
+        let sig2 = (1.0f64 / (1.0 + (-2.0f64).exp())) as f32;
+        assert_eq!(out, [0.0, (2.0 * (4.0 * inv)) * (2.0 * sig2)]);
+    }
+
+    #[test]
+    fn l2norm_uses_the_fixed_epsilon() {
+        // §18.3 on a small vector, where the epsilon shows: t = ss ⊕ f32(1e-6), ordered ss.
+        let x = [3e-4f32, 4e-4];
+        let mut out = [0.0f32; 2];
+        l2norm(&x, &mut out);
+        let ss = (0.0f32 + x[0] * x[0]) + x[1] * x[1];
+        let inv = 1.0f32 / (ss + 1e-6f32).sqrt();
+        assert_eq!(out, [x[0] * inv, x[1] * inv]);
+        // Control: without the epsilon (or with rms_norm_eps 1e-5) the result is another one.
+        for eps in [0.0f32, 1e-5] {
+            let inv = 1.0f32 / (ss + eps).sqrt();
+            assert_ne!(out, [x[0] * inv, x[1] * inv]);
+        }
+    }
+
+    #[test]
+    fn softplus_threshold_and_decay() {
+        // §18.4: above 20 the input itself; at 20 and below libm's log1p(exp(u)) in binary64.
+        assert_eq!(softplus(21.0), 21.0);
+        assert_eq!(softplus(20.0), (20.0f64.exp().ln_1p()) as f32);
+        // Control: the threshold keeps a large input finite where log1p(exp(u)) overflows.
+        assert_eq!(softplus(1000.0), 1000.0);
+        assert!((1000.0f64.exp().ln_1p() as f32).is_infinite());
+        assert_eq!(softplus(0.0), std::f64::consts::LN_2 as f32);
+        assert_eq!(softplus(f32::NEG_INFINITY), 0.0);
+        assert!(softplus(f32::NAN).is_nan());
+        // g = (−f32(E(A_log))) ⊗ softplus(a ⊕ dt_bias); alpha = f32(E(g)).
+        let (g, alpha) = gdn_decay(0.5, 0.25, 0.0);
+        let sp = (0.75f64.exp().ln_1p()) as f32;
+        assert_eq!(g, -sp);
+        assert_eq!(alpha, ((g as f64).exp()) as f32);
+        let (g2, _) = gdn_decay(0.5, 0.25, std::f32::consts::LN_2);
+        assert_eq!(g2, -(((std::f32::consts::LN_2 as f64).exp()) as f32) * sp);
+        assert!(g2 < g && g < 0.0);
+    }
+
+    #[test]
+    fn causal_conv1d_reads_the_state_then_the_row() {
+        // §18.2, K = 3, two channels (taps [1, 2, 3] and [0.5, 0, -1]), rows 1, 10, 100 and 2, 4, 8.
+        let w = [1.0f32, 2.0, 3.0, 0.5, 0.0, -1.0];
+        let mut state = [0.0f32; 4]; // [conv_dim 2, K-1 2], zeros before position 0
+        let mut out = [0.0f32; 2];
+        let rows = [[1.0f32, 2.0], [10.0, 4.0], [100.0, 8.0]];
+        // acc, row t, channel 0: Σ win[j] ⊗ w[j] with win = (state, row).
+        let want0 = [3.0f32, 2.0 + 30.0, 1.0 + 20.0 + 300.0];
+        let want1 = [-2.0f32, -4.0, 1.0 + 0.0 - 8.0];
+        for (t, row) in rows.iter().enumerate() {
+            causal_conv1d(row, &w, 3, &mut state, &mut out);
+            assert_eq!(out, [silu(want0[t]), silu(want1[t])], "row {t}");
+        }
+        assert_eq!(state, [10.0, 100.0, 4.0, 8.0]);
+        // K = 1: no state, the row times its one tap.
+        causal_conv1d(&[2.0], &[3.0], 1, &mut [], &mut out[..1]);
+        assert_eq!(out[0], silu(6.0));
+    }
+
+    #[test]
+    fn delta_rule_step_hand_case() {
+        // §18.5, dk = dv = 2, S = [[1, 2], [3, 4]] (i rows, j columns): every value exact.
+        let mut s = [1.0f32, 2.0, 3.0, 4.0];
+        let (mut mem, mut out) = ([9.0f32; 2], [9.0f32; 2]);
+        delta_rule_step(
+            &mut s,
+            &[1.0, 1.0],
+            &[1.0, 0.0],
+            &[2.0, 3.0],
+            0.5,
+            0.5,
+            &mut mem,
+            &mut out,
+        );
+        // decay: [[.5, 1], [1.5, 2]]; mem = [.5, 1]; d = [(2 − .5)·.5, (3 − 1)·.5] = [.75, 1];
+        // write row 0 (k = [1, 0]): [[1.25, 2], [1.5, 2]]; out = S₀ + S₁ = [2.75, 4].
+        assert_eq!(s, [1.25, 2.0, 1.5, 2.0]);
+        assert_eq!(out, [2.75, 4.0]);
+        // Control: the output reads the state after the write (before it, out would be [2, 3]).
+        assert_ne!(out, [2.0, 3.0]);
     }
 
     #[test]

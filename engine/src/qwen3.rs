@@ -1,33 +1,37 @@
 //! Qwen3 and Qwen3-MoE (`Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`): the weights the config
 //! (config.rs) requires, and the forward pass of docs/numerics.md §5–§11.
 //! The two families differ only in the feed-forward block of some layers (dense MLP vs sparse
-//! MoE), so one file covers both.
+//! MoE), so one file covers both. The Qwen3.5 families (§§15–20) run through the same model and
+//! decoder layer: their pieces — the Gated DeltaNet mixer, the attention's output gate, the
+//! shared expert, zero-centred norms — are in `qwen3_5.rs` and plug in where the layer differs.
 
 use rayon::prelude::*;
 use tracegate_trace::names;
 
 use crate::capture::Capture;
-use crate::config::{check_sizes, Config};
+use crate::config::{check_sizes, Config, LayerKind};
 use crate::force::Forcing;
 use crate::ops::{self, Rope};
+use crate::qwen3_5::{GatedDeltaNet, LinearState, SharedExpert};
 use crate::weights::{Mat, Store};
 use crate::{err, Result};
 
 // ---------------------------------------------------------------------------------------------
 // Weights
 
-struct Mlp<'a> {
-    gate: Mat<'a>,
-    up: Mat<'a>,
-    down: Mat<'a>,
+pub(crate) struct Mlp<'a> {
+    pub gate: Mat<'a>,
+    pub up: Mat<'a>,
+    pub down: Mat<'a>,
 }
 
 enum Ffn<'a> {
     Dense(Mlp<'a>),
-    /// Router `[E, H]` and the experts in id order.
+    /// Router `[E, H]`, the experts in id order, and Qwen3.5-MoE's shared expert (§19).
     Moe {
         router: Mat<'a>,
         experts: Vec<Mlp<'a>>,
+        shared: Option<SharedExpert<'a>>,
     },
 }
 
@@ -42,15 +46,46 @@ impl Linear<'_> {
     }
 }
 
-struct Layer<'a> {
-    input_layernorm: Vec<f32>,
-    post_attention_layernorm: Vec<f32>,
+/// An RMSNorm weight: §6's plain scale, or §15.1's zero-centred `1 ⊕ w` (Qwen3.5).
+pub(crate) struct Norm {
+    pub w: Vec<f32>,
+    pub zero_centred: bool,
+}
+
+impl Norm {
+    pub fn rows(&self, x: &[f32], eps: f32) -> Vec<f32> {
+        ops::rmsnorm_rows(x, &self.w, eps, self.zero_centred)
+    }
+    pub fn one(&self, x: &[f32], eps: f32, out: &mut [f32]) {
+        match self.zero_centred {
+            false => ops::rmsnorm(x, &self.w, eps, out),
+            true => ops::rmsnorm_zero_centred(x, &self.w, eps, out),
+        }
+    }
+}
+
+/// Softmax attention (§8; Qwen3.5's §17 when `gated`: `q_proj` holds each head's query then its
+/// output gate).
+struct Attention<'a> {
     q: Linear<'a>,
     k: Linear<'a>,
     v: Linear<'a>,
     o: Linear<'a>,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
+    q_norm: Norm,
+    k_norm: Norm,
+    gated: bool,
+}
+
+/// A layer's token mixer (`config::LayerKind`).
+enum Mixer<'a> {
+    Full(Attention<'a>),
+    Linear(GatedDeltaNet<'a>),
+}
+
+struct Layer<'a> {
+    input_layernorm: Norm,
+    post_attention_layernorm: Norm,
+    mixer: Mixer<'a>,
     ffn: Ffn<'a>,
 }
 
@@ -60,18 +95,23 @@ pub struct Model<'a> {
     pub cfg: Config,
     embed: Mat<'a>,
     head: Mat<'a>,
-    norm: Vec<f32>,
+    norm: Norm,
     layers: Vec<Layer<'a>>,
     /// `--force-decisions`: router rows at the positions it holds are taken from it.
     pub forcing: Option<Forcing>,
+    /// Qwen3.5: tensors present and not run (vision tower, multi-token prediction), by prefix
+    /// with their count (§20); empty for Qwen3.
+    pub unused_tensors: Vec<(String, usize)>,
 }
 
-/// Per-layer KV cache: k (normed, rotated) and v rows `[n, kv, d]` with their positions.
+/// Per-layer cache: for a full-attention layer the k (normed, rotated) and v rows `[n, kv, d]`
+/// with their positions; for a linear-attention layer its conv and recurrent state (§18.7).
 #[derive(Clone, Default)]
 pub struct LayerKv {
     k: Vec<f32>,
     v: Vec<f32>,
     pos: Vec<i64>,
+    pub linear: LinearState,
 }
 
 impl<'a> Model<'a> {
@@ -81,7 +121,15 @@ impl<'a> Model<'a> {
         check_sizes(&cfg, st)?;
         let (h, v, d) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim);
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let q35 = cfg.model_type.is_qwen3_5();
+        let m = cfg.layout.prefix();
         let vec = |name: &str, n: usize| st.take(name, &[n]).map(|m| m.to_vec());
+        let norm = |name: &str, n: usize| -> Result<Norm> {
+            Ok(Norm {
+                w: vec(name, n)?,
+                zero_centred: q35,
+            })
+        };
         let lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<'a>> {
             let w = st.take(&format!("{name}.weight"), &[out, inp])?;
             let b = if bias {
@@ -98,10 +146,10 @@ impl<'a> Model<'a> {
                 down: st.take(&format!("{p}.down_proj.weight"), &[h, inter])?,
             })
         };
-        let embed = st.take("model.embed_tokens.weight", &[v, h])?;
+        let embed = st.take(&format!("{m}embed_tokens.weight"), &[v, h])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}");
+            let p = format!("{m}layers.{l}");
             let ab = cfg.attention_bias;
             let ffn = if cfg.is_sparse(l) {
                 let (ne, mi) = (cfg.num_experts, cfg.moe_intermediate_size);
@@ -124,28 +172,61 @@ impl<'a> Model<'a> {
                         .map(|e| mlp(&format!("{p}.mlp.experts.{e}"), mi))
                         .collect::<Result<Vec<_>>>()?
                 };
-                Ffn::Moe { router, experts }
+                let shared = match cfg.shared_expert_intermediate_size {
+                    0 => None,
+                    si => Some(SharedExpert {
+                        mlp: mlp(&format!("{p}.mlp.shared_expert"), si)?,
+                        gate: st.take(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
+                    }),
+                };
+                Ffn::Moe {
+                    router,
+                    experts,
+                    shared,
+                }
             } else {
                 let inter = cfg.intermediate_size.expect("checked in Config::from_json");
                 Ffn::Dense(mlp(&format!("{p}.mlp"), inter)?)
             };
+            let mixer = match cfg.layer_kind(l) {
+                LayerKind::Full => Mixer::Full(Attention {
+                    // §17: a Qwen3.5 q_proj holds each head's query and its gate.
+                    q: lin(
+                        &format!("{p}.self_attn.q_proj"),
+                        nq * d * (1 + q35 as usize),
+                        h,
+                        ab,
+                    )?,
+                    k: lin(&format!("{p}.self_attn.k_proj"), nkv * d, h, ab)?,
+                    v: lin(&format!("{p}.self_attn.v_proj"), nkv * d, h, ab)?,
+                    o: lin(&format!("{p}.self_attn.o_proj"), h, nq * d, ab)?,
+                    q_norm: norm(&format!("{p}.self_attn.q_norm.weight"), d)?,
+                    k_norm: norm(&format!("{p}.self_attn.k_norm.weight"), d)?,
+                    gated: q35,
+                }),
+                LayerKind::Linear => {
+                    Mixer::Linear(GatedDeltaNet::load(st, &format!("{p}.linear_attn"), &cfg)?)
+                }
+            };
             layers.push(Layer {
-                input_layernorm: vec(&format!("{p}.input_layernorm.weight"), h)?,
-                post_attention_layernorm: vec(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                q: lin(&format!("{p}.self_attn.q_proj"), nq * d, h, ab)?,
-                k: lin(&format!("{p}.self_attn.k_proj"), nkv * d, h, ab)?,
-                v: lin(&format!("{p}.self_attn.v_proj"), nkv * d, h, ab)?,
-                o: lin(&format!("{p}.self_attn.o_proj"), h, nq * d, ab)?,
-                q_norm: vec(&format!("{p}.self_attn.q_norm.weight"), d)?,
-                k_norm: vec(&format!("{p}.self_attn.k_norm.weight"), d)?,
+                input_layernorm: norm(&format!("{p}.input_layernorm.weight"), h)?,
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                mixer,
                 ffn,
             });
         }
-        let norm = vec("model.norm.weight", h)?;
+        let norm = norm(&format!("{m}norm.weight"), h)?;
         let head = if cfg.tie_word_embeddings {
             embed
         } else {
             st.take("lm_head.weight", &[v, h])?
+        };
+        // §20: Qwen3.5 checkpoints carry a vision tower and a multi-token-prediction head the
+        // language model does not run; they are listed, not refused.
+        let unused_tensors = if q35 {
+            st.set_aside(&crate::qwen3_5::UNUSED_PREFIXES)
+        } else {
+            vec![]
         };
         st.finish_claims()?;
         Ok(Model {
@@ -155,6 +236,7 @@ impl<'a> Model<'a> {
             norm,
             layers,
             forcing: None,
+            unused_tensors,
         })
     }
 
@@ -191,21 +273,27 @@ impl<'a> Model<'a> {
         let t = tokens.len();
         let (h, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let pos: Vec<i64> = (0..t as i64).map(|i| pos0 + i).collect();
-        let rope = Rope::new(self.cfg.rope_theta, self.cfg.head_dim, &pos);
+        let rope = self.rope(&pos);
         let mut x = self.embed(tokens)?;
         cap.tensor("embed.out", &[t, h], &x, &pos);
         for (l, kv) in cache.iter_mut().enumerate() {
             x = self.layer(l, &x, &pos, &rope, kv, cap)?;
         }
-        let xn = ops::rmsnorm_rows(&x, &self.norm, self.cfg.eps_f32());
+        let xn = self.norm.rows(&x, self.cfg.eps_f32());
         cap.tensor("final_norm.out", &[t, h], &xn, &pos);
         let logits = ops::matmul(&xn, t, self.head, None);
         cap.tensor("logits", &[t, v], &logits, &pos);
         Ok(logits)
     }
 
-    /// §11 decoder layer `l` on rows `x` `[T, H]` at absolute positions `pos` (causal by
-    /// position), attending to `kv` plus these rows (which are appended to `kv`).
+    /// §7 / §16 RoPE tables for these positions, over the config's rotary dims.
+    pub fn rope(&self, pos: &[i64]) -> Rope {
+        Rope::new(self.cfg.rope_theta, self.cfg.rotary_dim, pos)
+    }
+
+    /// §11 / §20 decoder layer `l` on rows `x` `[T, H]` at absolute positions `pos` (causal by
+    /// position), attending to `kv` plus these rows (which are appended to `kv`); a
+    /// linear-attention layer continues its state in `kv`, so its rows must follow on from it.
     pub fn layer(
         &self,
         l: usize,
@@ -221,14 +309,27 @@ impl<'a> Model<'a> {
         let (t, h, eps) = (pos.len(), self.cfg.hidden_size, self.cfg.eps_f32());
         let name = |point: &str| names::layer(l, point);
         cap.tensor(&name("hidden_in"), &[t, h], x, pos);
-        let xn = ops::rmsnorm_rows(x, &lw.input_layernorm, eps);
-        let a = self.attention(l, lw, &xn, pos, rope, kv, cap);
+        let xn = lw.input_layernorm.rows(x, eps);
+        let a = match &lw.mixer {
+            Mixer::Full(at) => self.attention(l, at, &xn, pos, rope, kv, cap),
+            Mixer::Linear(gdn) => gdn.forward(l, &self.cfg, &xn, pos, &mut kv.linear, cap)?,
+        };
         cap.tensor(&name("attn_out"), &[t, h], &a, pos);
         let h1: Vec<f32> = x.iter().zip(&a).map(|(p, q)| p + q).collect();
-        let hn = ops::rmsnorm_rows(&h1, &lw.post_attention_layernorm, eps);
+        let hn = lw.post_attention_layernorm.rows(&h1, eps);
         let m = match &lw.ffn {
             Ffn::Dense(mlp) => gated_mlp(mlp, &hn, t),
-            Ffn::Moe { router, experts } => self.moe(l, router, experts, &hn, pos, cap)?,
+            Ffn::Moe {
+                router,
+                experts,
+                shared,
+            } => {
+                let routed = self.moe(l, router, experts, &hn, pos, cap)?;
+                match shared {
+                    None => routed,
+                    Some(se) => se.add_to(l, routed, &hn, pos, cap),
+                }
+            }
         };
         cap.tensor(&name("mlp_out"), &[t, h], &m, pos);
         let out: Vec<f32> = h1.iter().zip(&m).map(|(p, q)| p + q).collect();
@@ -236,12 +337,13 @@ impl<'a> Model<'a> {
         Ok(out)
     }
 
-    /// §8 attention of the new rows over `kv` ++ new rows; returns attn_out (after o_proj).
+    /// §8 (§17 when gated) attention of the new rows over `kv` ++ new rows; returns attn_out
+    /// (after o_proj).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         l: usize,
-        lw: &Layer,
+        lw: &Attention,
         xn: &[f32],
         pos: &[i64],
         rope: &Rope,
@@ -251,15 +353,27 @@ impl<'a> Model<'a> {
         let c = &self.cfg;
         let (t, d, eps) = (pos.len(), c.head_dim, c.eps_f32());
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        // §8.1 projections.
-        let mut q = lw.q.apply(xn, t);
+        // §8.1 projections; §17.1 a gated q_proj's head h is [query | gate], d each.
+        let (mut q, gate) = match lw.gated {
+            false => (lw.q.apply(xn, t), None),
+            true => {
+                let qg = lw.q.apply(xn, t);
+                let halves = |half: usize| -> Vec<f32> {
+                    qg.chunks_exact(2 * d)
+                        .flat_map(|hd| hd[half * d..(half + 1) * d].iter().copied())
+                        .collect()
+                };
+                (halves(0), Some(halves(1)))
+            }
+        };
         let mut k = lw.k.apply(xn, t);
         let v = lw.v.apply(xn, t);
-        // §8.2 q_norm / k_norm on every head vector, then RoPE at the row's position.
+        // §8.2 q_norm / k_norm on every head vector, then RoPE at the row's position (§16: the
+        // leading rotary dims only).
         for (x, norm, heads) in [(&mut q, &lw.q_norm, nq), (&mut k, &lw.k_norm, nkv)] {
             let mut normed = vec![0.0f32; d];
             for (i, head) in x.chunks_exact_mut(d).enumerate() {
-                ops::rmsnorm(head, norm, eps, &mut normed);
+                norm.one(head, eps, &mut normed);
                 head.copy_from_slice(&normed);
                 rope.apply(i / heads, head);
             }
@@ -267,6 +381,9 @@ impl<'a> Model<'a> {
         cap.internal(&names::layer(l, "q"), &[t, nq, d], &q, pos);
         cap.internal(&names::layer(l, "k"), &[t, nkv, d], &k, pos);
         cap.internal(&names::layer(l, "v"), &[t, nkv, d], &v, pos);
+        if let Some(g) = &gate {
+            cap.internal(&names::layer(l, "attn_gate"), &[t, nq, d], g, pos);
+        }
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
         kv.pos.extend_from_slice(pos);
@@ -279,10 +396,16 @@ impl<'a> Model<'a> {
         let shape = ops::Heads { nq, nkv, d };
         // §8.4: scale = f32(1 / sqrt(d)) in binary64.
         let scale = (1.0f64 / (d as f64).sqrt()) as f32;
-        let (o, probs) = ops::attention(&q, pos, &keys, shape, scale, cap.internals());
+        let (mut o, probs) = ops::attention(&q, pos, &keys, shape, scale, cap.internals());
         if cap.internals() {
             let tk = kv.pos.len();
             cap.internal(&names::layer(l, "attn_probs"), &[nq, t, tk], &probs, pos);
+        }
+        // §17.3 the output gate, elementwise on o `[T, nq, d]`.
+        if let Some(g) = &gate {
+            for (x, &gi) in o.iter_mut().zip(g) {
+                *x *= ops::sigmoid(gi);
+            }
         }
         // §8.8
         lw.o.apply(&o, t)
@@ -381,7 +504,7 @@ impl<'a> Model<'a> {
 }
 
 /// §9 `down(silu(gate(x)) ⊗ up(x))`.
-fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
+pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
     let g = ops::matmul(x, rows, m.gate, None);
     let u = ops::matmul(x, rows, m.up, None);
     // Elementwise (one libm exp each), so spread over the pool in chunks; bits are per element.

@@ -8,9 +8,9 @@ use serde_json::{json, Value};
 use tracegate_trace::{names, Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
-use crate::config::{load_config, ModelType, MAX_POSITIONS};
+use crate::config::{load_config, LayerKind, ModelType, MAX_POSITIONS};
 use crate::force::Forcing;
-use crate::ops::{self, Rope};
+use crate::ops;
 use crate::qwen3::Model;
 use crate::weights::Store;
 use crate::{err, Result};
@@ -271,6 +271,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
+    unused_provenance(&mut prov, &model);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
     prov["cache"] = json!(if o.cache { "on" } else { "off" });
@@ -393,14 +394,14 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
             let mut kv = Default::default();
             let Some(p) = o.decode_from.map(|p| p as usize) else {
                 let mut cap = Capture::new("layer", o.internals);
-                let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos);
+                let rope = model.rope(&pos);
                 model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
                 return Ok(cap);
             };
             // No internal points under --decode-from (docs/producers.md).
             let mut cap = Capture::new("layer", false);
             if p > 0 {
-                let rope = Rope::new(model.cfg.rope_theta, model.cfg.head_dim, &pos[..p]);
+                let rope = model.rope(&pos[..p]);
                 model.layer(
                     o.layer,
                     &x[..p * h],
@@ -416,7 +417,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
                     o.layer,
                     &x[r * h..(r + 1) * h],
                     at,
-                    &Rope::new(model.cfg.rope_theta, model.cfg.head_dim, at),
+                    &model.rope(at),
                     &mut kv,
                     &mut cap,
                 )?;
@@ -434,6 +435,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         o.internals && o.decode_from.is_none(),
         &o.command_line,
     );
+    unused_provenance(&mut prov, &model);
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     if let Some(p) = o.decode_from {
@@ -441,6 +443,19 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     }
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
     write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)
+}
+
+/// Qwen3.5 (docs/numerics.md §20): the tensors present and not run, as `unused_tensors` =
+/// `{prefix: count}`; absent when there are none (and for the Qwen3 families).
+fn unused_provenance(prov: &mut Value, model: &Model) {
+    if !model.unused_tensors.is_empty() {
+        let by_prefix: serde_json::Map<String, Value> = model
+            .unused_tensors
+            .iter()
+            .map(|(p, n)| (p.clone(), json!(n)))
+            .collect();
+        prov["unused_tensors"] = Value::Object(by_prefix);
+    }
 }
 
 /// `--decode-from P`: the rows must be at positions exactly 0..m−1 in order, and 0 ≤ P < m.
@@ -473,7 +488,29 @@ pub fn info(dir: &Path) -> Result<String> {
         c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
         c.vocab_size, c.intermediate_size, c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings, c.attention_bias
     );
-    if c.model_type == ModelType::Qwen3Moe {
+    if c.model_type.is_qwen3_5() {
+        let kinds: String = (0..c.num_hidden_layers)
+            .map(|l| match c.layer_kind(l) {
+                LayerKind::Full => 'F',
+                LayerKind::Linear => 'L',
+            })
+            .collect();
+        s += &format!(
+            "layout {:?}  layer_types {kinds} (L linear, F full)  rotary_dim {}\n",
+            c.layout, c.rotary_dim
+        );
+        if let Some(ls) = c.linear {
+            s += &format!(
+                "linear: conv_kernel {}  key heads {}×{}  value heads {}×{}\n",
+                ls.conv_kernel,
+                ls.num_key_heads,
+                ls.key_head_dim,
+                ls.num_value_heads,
+                ls.value_head_dim
+            );
+        }
+    }
+    if matches!(c.model_type, ModelType::Qwen3Moe | ModelType::Qwen3_5Moe) {
         let sparse: Vec<usize> = (0..c.num_hidden_layers)
             .filter(|&l| c.is_sparse(l))
             .collect();
@@ -482,9 +519,31 @@ pub fn info(dir: &Path) -> Result<String> {
             c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, sparse
         );
     }
-    s += &format!(
-        "tensors {n}: all present, all claimed\nweights_digest {}\n",
-        crate::weights_digest(dir)?
-    );
+    if c.shared_expert_intermediate_size > 0 {
+        s += &format!(
+            "shared expert intermediate {}\n",
+            c.shared_expert_intermediate_size
+        );
+    }
+    if c.model_type.is_qwen3_5() {
+        let unused: usize = model.unused_tensors.iter().map(|(_, n)| n).sum();
+        let list: Vec<String> = model
+            .unused_tensors
+            .iter()
+            .map(|(p, n)| format!("{p}* {n}"))
+            .collect();
+        s += &format!(
+            "tensors {n}: all present; {} run, {unused} unused ({})\n",
+            n - unused,
+            if list.is_empty() {
+                "none".to_string()
+            } else {
+                list.join(", ")
+            }
+        );
+    } else {
+        s += &format!("tensors {n}: all present, all claimed\n");
+    }
+    s += &format!("weights_digest {}\n", crate::weights_digest(dir)?);
     Ok(s)
 }

@@ -472,12 +472,30 @@ impl Store {
         self.tensors.get(name).map(|(_, e)| e.shape.as_slice())
     }
 
-    /// One past the highest `N` of the checkpoint's `model.layers.N.*` tensors (0: none).
-    pub fn layer_count(&self) -> usize {
+    /// Claim, without using them, every tensor under one of `prefixes` (parts of a checkpoint
+    /// the language model does not run: Qwen3.5's vision tower and multi-token-prediction head),
+    /// and say how many each prefix held, in the order given, prefixes holding none left out.
+    pub fn set_aside(&self, prefixes: &[&str]) -> Vec<(String, usize)> {
+        let mut claimed = self.claimed.borrow_mut();
+        let mut out = Vec::new();
+        for p in prefixes {
+            let names: Vec<&String> = self.tensors.keys().filter(|k| k.starts_with(p)).collect();
+            if !names.is_empty() {
+                out.push((p.to_string(), names.len()));
+                claimed.extend(names.into_iter().cloned());
+            }
+        }
+        out
+    }
+
+    /// One past the highest `N` of the checkpoint's `{model}layers.N.*` tensors (0: none);
+    /// `model` is the language model's prefix (`model.`, or `model.language_model.`).
+    pub fn layer_count(&self, model: &str) -> usize {
+        let layers = format!("{model}layers.");
         self.tensors
             .keys()
             .filter_map(|k| {
-                k.strip_prefix("model.layers.")?
+                k.strip_prefix(&layers)?
                     .split('.')
                     .next()?
                     .parse::<usize>()

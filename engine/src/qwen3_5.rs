@@ -1,0 +1,242 @@
+//! Qwen3.5 and Qwen3.5-MoE (docs/numerics.md §§15–20): the pieces the hybrid families add to the
+//! Qwen3 decoder layer (`qwen3.rs`, which runs all four families as one model) — the Gated
+//! DeltaNet token mixer of the `linear_attention` layers with its conv and recurrent state
+//! (§18), and the MoE block's shared expert (§19). The gated full attention (§17) is `qwen3.rs`'s
+//! attention with its output gate on; the zero-centred norms (§15.1) its `Norm`.
+
+use rayon::prelude::*;
+use tracegate_trace::names;
+
+use crate::capture::Capture;
+use crate::config::{Config, LinearSizes};
+use crate::ops;
+use crate::qwen3::{gated_mlp, Mlp};
+use crate::weights::{Mat, Store};
+use crate::{err, Result};
+
+/// The one model of the four families (docs/numerics.md §14 names it here too).
+pub use crate::qwen3::Model;
+
+/// Prefixes of the tensors a Qwen3.5 checkpoint carries and the language model does not run:
+/// the vision tower and the multi-token-prediction head (§20).
+pub const UNUSED_PREFIXES: [&str; 2] = ["model.visual.", "mtp."];
+
+/// §18 one linear-attention layer's weights (under `linear_attn.`). The projections stay mapped;
+/// the conv taps and the per-head vectors are widened once.
+pub struct GatedDeltaNet<'a> {
+    sizes: LinearSizes,
+    in_proj_qkv: Mat<'a>,
+    in_proj_z: Mat<'a>,
+    in_proj_b: Mat<'a>,
+    in_proj_a: Mat<'a>,
+    /// `conv1d.weight` `[conv_dim, 1, K]` as `[conv_dim, K]`.
+    conv: Vec<f32>,
+    dt_bias: Vec<f32>,
+    a_log: Vec<f32>,
+    norm: Vec<f32>,
+    out_proj: Mat<'a>,
+}
+
+/// §18 a linear-attention layer's state after the rows it has run: the conv state `C`
+/// (`[conv_dim, K−1]`, channel-major, oldest first) and the recurrent state `S` (`[nv, dk, dv]`),
+/// both +0.0 before position 0 (empty vectors until the first row), and the position the next
+/// row must have.
+#[derive(Clone, Default)]
+pub struct LinearState {
+    conv: Vec<f32>,
+    s: Vec<f32>,
+    next_pos: i64,
+}
+
+impl<'a> GatedDeltaNet<'a> {
+    /// Takes the layer's tensors (`p` = `…layers.N.linear_attn`), shapes from the config (§18).
+    pub fn load(st: &'a Store, p: &str, cfg: &Config) -> Result<GatedDeltaNet<'a>> {
+        let s = cfg
+            .linear
+            .expect("a linear layer exists only with the linear sizes");
+        let (h, nv) = (cfg.hidden_size, s.num_value_heads);
+        let vec = |name: &str, n: usize| st.take(&format!("{p}.{name}"), &[n]).map(|m| m.to_vec());
+        let mat =
+            |name: &str, rows: usize, cols: usize| st.take(&format!("{p}.{name}"), &[rows, cols]);
+        Ok(GatedDeltaNet {
+            sizes: s,
+            in_proj_qkv: mat("in_proj_qkv.weight", s.conv_dim(), h)?,
+            in_proj_z: mat("in_proj_z.weight", s.value_dim(), h)?,
+            in_proj_b: mat("in_proj_b.weight", nv, h)?,
+            in_proj_a: mat("in_proj_a.weight", nv, h)?,
+            conv: st
+                .take(
+                    &format!("{p}.conv1d.weight"),
+                    &[s.conv_dim(), 1, s.conv_kernel],
+                )?
+                .to_vec(),
+            dt_bias: vec("dt_bias", nv)?,
+            a_log: vec("A_log", nv)?,
+            norm: vec("norm.weight", s.value_head_dim)?,
+            out_proj: mat("out_proj.weight", h, s.value_dim())?,
+        })
+    }
+
+    /// §18 the mixer on `xn` (`input_layernorm`'s output, `[T, H]`) at positions `pos`, which
+    /// must continue `state` (0.. for a fresh one); returns attn_out and leaves `state` after the
+    /// last row. Captures the `linear.*` internals.
+    pub fn forward(
+        &self,
+        l: usize,
+        cfg: &Config,
+        xn: &[f32],
+        pos: &[i64],
+        state: &mut LinearState,
+        cap: &mut Capture,
+    ) -> Result<Vec<f32>> {
+        let s = self.sizes;
+        let (t, k) = (pos.len(), s.conv_kernel);
+        let (nk, nv, dk, dv) = (
+            s.num_key_heads,
+            s.num_value_heads,
+            s.key_head_dim,
+            s.value_head_dim,
+        );
+        let (cd, kd, vd) = (s.conv_dim(), s.key_dim(), s.value_dim());
+        if let Some((i, &p)) = pos
+            .iter()
+            .enumerate()
+            .find(|&(i, &p)| p != state.next_pos + i as i64)
+        {
+            return Err(err!(Input:
+                "layer {l} is linear attention: it runs from a zero state at position 0, so its rows must be at positions {}..{} in order; row {i} is at position {p}",
+                state.next_pos,
+                state.next_pos + t as i64 - 1
+            ));
+        }
+        if state.s.is_empty() {
+            state.conv = vec![0.0; cd * (k - 1)];
+            state.s = vec![0.0; nv * dk * dv];
+        }
+        let name = |point: &str| names::layer(l, point);
+        // §18.1 projections.
+        let mixed = ops::matmul(xn, t, self.in_proj_qkv, None);
+        let z = ops::matmul(xn, t, self.in_proj_z, None);
+        let b = ops::matmul(xn, t, self.in_proj_b, None);
+        let a = ops::matmul(xn, t, self.in_proj_a, None);
+        // §18.2 conv, rows ascending through the state.
+        let mut conv_out = vec![0.0f32; t * cd];
+        for (row, out) in mixed.chunks_exact(cd).zip(conv_out.chunks_exact_mut(cd)) {
+            ops::causal_conv1d(row, &self.conv, k, &mut state.conv, out);
+        }
+        cap.internal(&name("linear.conv_out"), &[t, cd], &conv_out, pos);
+        // §18.3 split and L2-normalise q and k per key head; v as is.
+        let (mut qn, mut kn) = (vec![0.0f32; t * kd], vec![0.0f32; t * kd]);
+        let mut v = vec![0.0f32; t * vd];
+        for (r, row) in conv_out.chunks_exact(cd).enumerate() {
+            for g in 0..nk {
+                let at = r * kd + g * dk;
+                ops::l2norm(&row[g * dk..(g + 1) * dk], &mut qn[at..at + dk]);
+                ops::l2norm(&row[kd + g * dk..kd + (g + 1) * dk], &mut kn[at..at + dk]);
+            }
+            v[r * vd..(r + 1) * vd].copy_from_slice(&row[2 * kd..]);
+        }
+        cap.internal(&name("linear.q"), &[t, nk, dk], &qn, pos);
+        cap.internal(&name("linear.k"), &[t, nk, dk], &kn, pos);
+        let scale_k = (1.0f64 / (dk as f64).sqrt()) as f32;
+        let qs: Vec<f32> = qn.iter().map(|&x| x * scale_k).collect();
+        // §18.4 decay and beta.
+        let mut g = vec![0.0f32; t * nv];
+        let mut alpha = vec![0.0f32; t * nv];
+        let beta: Vec<f32> = b.iter().map(|&x| ops::sigmoid(x)).collect();
+        for r in 0..t {
+            for hh in 0..nv {
+                let i = r * nv + hh;
+                (g[i], alpha[i]) = ops::gdn_decay(a[i], self.dt_bias[hh], self.a_log[hh]);
+            }
+        }
+        cap.internal(&name("linear.g"), &[t, nv], &g, pos);
+        cap.internal(&name("linear.beta"), &[t, nv], &beta, pos);
+        // §18.5 the delta rule: each value head's rows in order, heads on the pool (independent).
+        let per_head: Vec<Vec<f32>> = state
+            .s
+            .par_chunks_exact_mut(dk * dv)
+            .enumerate()
+            .map(|(hh, sh)| {
+                let gk = hh / (nv / nk);
+                let mut core = vec![0.0f32; t * dv];
+                let mut mem = vec![0.0f32; dv];
+                for r in 0..t {
+                    let kk = &kn[r * kd + gk * dk..r * kd + (gk + 1) * dk];
+                    let qq = &qs[r * kd + gk * dk..r * kd + (gk + 1) * dk];
+                    let vv = &v[r * vd + hh * dv..r * vd + (hh + 1) * dv];
+                    let (al, be) = (alpha[r * nv + hh], beta[r * nv + hh]);
+                    let out = &mut core[r * dv..(r + 1) * dv];
+                    ops::delta_rule_step(sh, qq, kk, vv, al, be, &mut mem, out);
+                }
+                core
+            })
+            .collect();
+        let mut core = vec![0.0f32; t * vd];
+        for (hh, ch) in per_head.iter().enumerate() {
+            for r in 0..t {
+                core[r * vd + hh * dv..r * vd + (hh + 1) * dv]
+                    .copy_from_slice(&ch[r * dv..(r + 1) * dv]);
+            }
+        }
+        cap.internal(&name("linear.core"), &[t, nv, dv], &core, pos);
+        state.next_pos += t as i64;
+        // §18.6 gated norm per (row, value head), then out_proj.
+        let eps = cfg.eps_f32();
+        let mut normed = vec![0.0f32; t * vd];
+        for i in 0..t * nv {
+            let sl = i * dv..(i + 1) * dv;
+            ops::gated_rmsnorm(
+                &core[sl.clone()],
+                &self.norm,
+                &z[sl.clone()],
+                eps,
+                &mut normed[sl],
+            );
+        }
+        cap.internal(&name("linear.norm_out"), &[t, nv, dv], &normed, pos);
+        // The state after the block's last row, at that row's position.
+        cap.internal(
+            &name("linear.state"),
+            &[1, nv, dk, dv],
+            &state.s,
+            &pos[t - 1..],
+        );
+        Ok(ops::matmul(&normed, t, self.out_proj, None))
+    }
+}
+
+/// §19 Qwen3.5-MoE's shared expert: a gated MLP beside the routed experts, scaled by the sigmoid
+/// of its own one-output gate.
+pub struct SharedExpert<'a> {
+    pub(crate) mlp: Mlp<'a>,
+    /// `mlp.shared_expert_gate.weight` `[1, H]`.
+    pub(crate) gate: Mat<'a>,
+}
+
+impl SharedExpert<'_> {
+    /// §19.3–4 `mlp_out = routed ⊕ (sigmoid(sg) ⊗ sh)`, the routed sum complete first; captures
+    /// `shared_expert.gate` (before the sigmoid) and `shared_expert.out`.
+    pub fn add_to(
+        &self,
+        l: usize,
+        mut routed: Vec<f32>,
+        xn: &[f32],
+        pos: &[i64],
+        cap: &mut Capture,
+    ) -> Vec<f32> {
+        let t = pos.len();
+        let h = xn.len() / t;
+        let sh = gated_mlp(&self.mlp, xn, t);
+        let sg = ops::matmul(xn, t, self.gate, None);
+        cap.internal(&names::layer(l, "shared_expert.gate"), &[t, 1], &sg, pos);
+        cap.internal(&names::layer(l, "shared_expert.out"), &[t, h], &sh, pos);
+        for r in 0..t {
+            let sigma = ops::sigmoid(sg[r]);
+            for i in 0..h {
+                routed[r * h + i] += sigma * sh[r * h + i];
+            }
+        }
+        routed
+    }
+}
