@@ -71,6 +71,21 @@ class _Mlp:
         return ops.matmul(h, self.wd_t)
 
 
+def load_router_and_experts(ck: Checkpoint, mlp: str, cfg: Config):
+    """The router's Wᵀ and the experts' MLPs under `mlp` (§10)."""
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    router_t = ops.transpose_weight(ck.take(f"{mlp}.gate.weight", (E, H)))
+    # Experts on disk: per-expert modules (what save_pretrained writes), or transformers 5's
+    # fused `gate_up_proj` [E, 2I, H] (expert e: gate rows, then up rows) and `down_proj`
+    # [E, H, I] — the two layouts the engine accepts; the fused pair wins when present.
+    fused = f"{mlp}.experts.gate_up_proj"
+    if ck.has(fused):
+        gu = ck.take(fused, (E, 2 * I, H))
+        dn = ck.take(f"{mlp}.experts.down_proj", (E, H, I))
+        return router_t, [_Mlp(gu[e], dn[e]) for e in range(E)]
+    return router_t, [_Mlp.load(ck, f"{mlp}.experts.{e}", H, I) for e in range(E)]
+
+
 class _Layer:
     def __init__(self, cfg: Config, ck: Checkpoint, i: int):
         p = f"model.layers.{i}"
@@ -105,26 +120,22 @@ class _Layer:
         )
         self.moe = cfg.is_sparse(i)
         if self.moe:
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
-            self.router_t = ops.transpose_weight(ck.take(f"{p}.mlp.gate.weight", (E, H)))
-            # Experts on disk: per-expert modules (what save_pretrained writes), or transformers 5's
-            # fused `gate_up_proj` [E, 2I, H] (expert e: gate rows, then up rows) and `down_proj`
-            # [E, H, I] — the two layouts the engine accepts; the fused pair wins when present.
-            fused = f"{p}.mlp.experts.gate_up_proj"
-            if ck.has(fused):
-                gu = ck.take(fused, (E, 2 * I, H))
-                dn = ck.take(f"{p}.mlp.experts.down_proj", (E, H, I))
-                self.experts = [_Mlp(gu[e], dn[e]) for e in range(E)]
-            else:
-                self.experts = [_Mlp.load(ck, f"{p}.mlp.experts.{e}", H, I) for e in range(E)]
+            self.router_t, self.experts = load_router_and_experts(ck, f"{p}.mlp", cfg)
         else:
             self.mlp = _Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size)
 
 
 class Model:
+    # §6 for Qwen3; the Qwen3.5 model (qwen3_5.py) uses the zero-centred norm of §15.1.
+    norm_op = staticmethod(ops.rmsnorm)
+
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         cfg = self.cfg = load_config(model_dir)
+        if cfg.hybrid:  # a Qwen3.5 family: qwen3_5.Model (open_model picks it)
+            raise ContractError(
+                f"{model_dir}: {cfg.model_type} is not a Qwen3 model; use open_model"
+            )
         ck = Checkpoint(model_dir)
         check_sizes(cfg, ck)
         V, H = cfg.vocab_size, cfg.hidden_size
@@ -247,7 +258,7 @@ class Model:
     # §11 head
     def head(self, h: np.ndarray, pos, cap: Capture = NO_CAPTURE) -> np.ndarray:
         with _ieee():
-            f = ops.rmsnorm(h, self.norm, self.cfg.rms_norm_eps)
+            f = self.norm_op(h, self.norm, self.cfg.rms_norm_eps)
             logits = ops.matmul(f, self.head_t)
         cap.tensor("final_norm.out", f, pos)
         cap.tensor("logits", logits, pos)
@@ -263,6 +274,10 @@ class Model:
             h = self.layer(i, h, pos, cap, cache)
         return self.head(h, pos, cap)
 
+    def new_cache(self) -> KVCache:
+        """An empty cache for cached decoding (`run`, the `layer` verb's --decode-from)."""
+        return KVCache(self.cfg.num_hidden_layers)
+
     # §12
     def run(self, tokens, cap: Capture, generate: int = 0, cached: bool = True) -> list[int]:
         """Prefill of the prompt with capture, `logits.argmax`, then `generate` greedy steps, each
@@ -270,7 +285,7 @@ class Model:
         n = len(tokens)
         if n == 0:
             raise ContractError("the prompt is empty")
-        cache = KVCache(self.cfg.num_hidden_layers) if (generate > 0 and cached) else None
+        cache = self.new_cache() if (generate > 0 and cached) else None
         logits = self.forward(tokens, range(n), cap, cache)
         self._decide(cap, "logits.argmax", logits)
         out: list[int] = []
