@@ -415,31 +415,21 @@ def _trace(d, out, *extra):
     return tracegate.Trace(out)
 
 
+def _layer_verb(d, src, i, name, out, *extra):
+    """The `layer` verb on layer i of model d, input tensor `name` of trace `src`; exit code."""
+    return main(
+        ["layer", "--model", d, "--layer", str(i), "--input", src, "--input-name", name]
+        + ["--out", out, *extra]
+    )
+
+
 def test_layer_verb_on_both_kinds_and_decode_from(dense, tmp_path, capsys):
-    whole = _trace(dense, str(tmp_path / "whole.trace"), "--generate", "2")
+    src = str(tmp_path / "whole.trace")
+    whole = _trace(dense, src, "--generate", "2")
     for i in (0, 1):  # linear, full
         out = str(tmp_path / f"l{i}.trace")
-        args = [
-            "layer",
-            "--model",
-            dense,
-            "--layer",
-            str(i),
-            "--input",
-            str(tmp_path / "whole.trace"),
-        ]
         assert (
-            main(
-                [
-                    *args,
-                    "--input-name",
-                    f"layer.{i:02d}.hidden_in",
-                    "--out",
-                    out,
-                    "--capture",
-                    "internals",
-                ]
-            )
+            _layer_verb(dense, src, i, f"layer.{i:02d}.hidden_in", out, "--capture", "internals")
             == 0
         )
         one = tracegate.Trace(out)
@@ -448,45 +438,17 @@ def test_layer_verb_on_both_kinds_and_decode_from(dense, tmp_path, capsys):
         assert all(same(np.asarray(one[n]), np.asarray(whole[n])) for n in mine)
         out = str(tmp_path / f"d{i}.trace")
         assert (
-            main(
-                [
-                    *args,
-                    "--input-name",
-                    f"layer.{i:02d}.hidden_in",
-                    "--out",
-                    out,
-                    "--decode-from",
-                    "4",
-                ]
-            )
-            == 0
+            _layer_verb(dense, src, i, f"layer.{i:02d}.hidden_in", out, "--decode-from", "4") == 0
         )
-        dec = tracegate.Trace(out)
         h = f"layer.{i:02d}.hidden_out"
-        assert same(np.asarray(dec[h]), np.asarray(whole[h])[4:])
+        assert same(np.asarray(tracegate.Trace(out)[h]), np.asarray(whole[h])[4:])
     # a decode step's row is at position len(TOKENS): a linear layer cannot start there
-    args = ["layer", "--model", dense, "--layer", "0", "--input", str(tmp_path / "whole.trace")]
     capsys.readouterr()
-    rc = main(
-        [*args, "--input-name", "decode.0001.layer.00.hidden_in", "--out", str(tmp_path / "x")]
-    )
+    rc = _layer_verb(dense, src, 0, "decode.0001.layer.00.hidden_in", str(tmp_path / "x"))
     err = capsys.readouterr().err
     assert rc == 2 and "positions 0..0" in err and f"at position {len(TOKENS)}" in err
     # negative control: the full-attention layer takes the same row at its own position
-    assert (
-        main(
-            [
-                *args[:4],
-                "1",
-                *args[5:],
-                "--input-name",
-                "decode.0001.layer.01.hidden_in",
-                "--out",
-                str(tmp_path / "y"),
-            ]
-        )
-        == 0
-    )
+    assert _layer_verb(dense, src, 1, "decode.0001.layer.01.hidden_in", str(tmp_path / "y")) == 0
 
 
 # ---- layouts and unused tensors (§20) ----------------------------------------------------------

@@ -7,18 +7,10 @@ import math
 
 import numpy as np
 import pytest
+from test_ops import same_bits
 from tracegate_contract import ops
 
 f32 = np.float32
-
-
-def bits(a):
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def same_bits(a, b):
-    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
-    return a.shape == b.shape and np.array_equal(bits(a), bits(b))
 
 
 def scalar_inv(x, eps):

@@ -126,9 +126,6 @@ class _Layer:
 
 
 class Model:
-    # §6 for Qwen3; the Qwen3.5 model (qwen3_5.py) uses the zero-centred norm of §15.1.
-    norm_op = staticmethod(ops.rmsnorm)
-
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         cfg = self.cfg = load_config(model_dir)
@@ -192,18 +189,7 @@ class Model:
         q = qkv[:, : nh * d].reshape(t, nh, d)
         k = qkv[:, nh * d : (nh + nkv) * d].reshape(t, nkv, d)
         v = np.ascontiguousarray(qkv[:, (nh + nkv) * d :].reshape(t, nkv, d))
-        cos, sin = self.rope.tables(pos)
-        q = ops.Rope.apply(ops.rmsnorm(q, L.q_norm, eps), cos, sin)
-        k = ops.Rope.apply(ops.rmsnorm(k, L.k_norm, eps), cos, sin)
-        cap.tensor(names.layer(i, "q"), q, pos, internal=True)
-        cap.tensor(names.layer(i, "k"), k, pos, internal=True)
-        cap.tensor(names.layer(i, "v"), v, pos, internal=True)
-        if cache is not None:
-            keys, vals, kpos = cache.extend(i, k, v, pos)
-        else:
-            keys, vals, kpos = k, v, pos
-        o, probs = ops.attention(q, keys, vals, pos, kpos, self.scale)
-        cap.tensor(names.layer(i, "attn_probs"), probs, pos, internal=True)
+        o = self._attend(i, L, q, k, v, pos, cap, cache)
         a = ops.matmul(o.reshape(t, nh * d), L.wo_t, L.bo)
         cap.tensor(names.layer(i, "attn_out"), a, pos)
 
@@ -214,6 +200,31 @@ class Model:
         out = h1 + m
         cap.tensor(names.layer(i, "hidden_out"), out, pos)
         return out
+
+    def norm_op(self, x, w, eps):
+        """The model's RMSNorm: §6 for Qwen3 (qwen3_5.Model: §15.1). Looked up in ops at each
+        call, so a patched ops.rmsnorm (gate's planted defects) reaches every norm."""
+        return ops.rmsnorm(x, w, eps)
+
+    def _attend(self, i, A, q, k, v, pos, cap, cache, gate=None):
+        """§8 steps 2–7: q_norm/k_norm and RoPE, the cache, attention; returns o [T, heads, d].
+        `A` holds q_norm/k_norm; `gate` (§17) is captured as attn_gate before attn_probs."""
+        eps = self.cfg.rms_norm_eps
+        cos, sin = self.rope.tables(pos)
+        q = ops.Rope.apply(self.norm_op(q, A.q_norm, eps), cos, sin)
+        k = ops.Rope.apply(self.norm_op(k, A.k_norm, eps), cos, sin)
+        cap.tensor(names.layer(i, "q"), q, pos, internal=True)
+        cap.tensor(names.layer(i, "k"), k, pos, internal=True)
+        cap.tensor(names.layer(i, "v"), v, pos, internal=True)
+        if gate is not None:
+            cap.tensor(names.layer(i, "attn_gate"), gate, pos, internal=True)
+        if cache is not None:
+            keys, vals, kpos = cache.extend(i, k, v, pos)
+        else:
+            keys, vals, kpos = k, v, pos
+        o, probs = ops.attention(q, keys, vals, pos, kpos, self.scale)
+        cap.tensor(names.layer(i, "attn_probs"), probs, pos, internal=True)
+        return o
 
     def _moe(self, L: _Layer, x: np.ndarray, pos: list[int], i: int, cap: Capture) -> np.ndarray:
         """§10: router softmax, top-k (ties to the lowest id), optional renormalisation in rank

@@ -139,8 +139,6 @@ class Model(qwen3.Model):
     """The Qwen3.5 families. `unused_tensors`: {prefix: count} of the tensors present and not
     read (the vision tower, the multi-token-prediction head; §20)."""
 
-    norm_op = staticmethod(ops.rmsnorm_zero_centred)  # §15.1, the final norm included
-
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         cfg = self.cfg = load_config(model_dir)
@@ -159,20 +157,24 @@ class Model(qwen3.Model):
         self.rope = ops.Rope(cfg.rope_theta, cfg.head_dim, cfg.rotary_dim)
         self.scale = F32(1.0 / math.sqrt(float(cfg.head_dim)))  # §8.4
 
+    def norm_op(self, x, w, eps):
+        """§15.1 wherever Qwen3 uses §6: the layer norms, q_norm/k_norm, the final norm."""
+        return ops.rmsnorm_zero_centred(x, w, eps)
+
     def new_cache(self) -> HybridCache:
         return HybridCache(self.cfg.num_hidden_layers)
 
     # §20
     def _layer(self, i, L, x, pos, cap: Capture, cache):
         eps = self.cfg.rms_norm_eps
-        xn = ops.rmsnorm_zero_centred(x, L.input_layernorm, eps)
+        xn = self.norm_op(x, L.input_layernorm, eps)
         if L.kind == FULL:
             a = self._full_attention(i, L.attn, xn, pos, cap, cache)
         else:
             a = self._gated_deltanet(i, L.attn, xn, pos, cap, cache)
         cap.tensor(names.layer(i, "attn_out"), a, pos)
         h1 = x + a
-        hn = ops.rmsnorm_zero_centred(h1, L.post_attention_layernorm, eps)
+        hn = self.norm_op(h1, L.post_attention_layernorm, eps)
         m = self._sparse_moe(L.mlp, hn, pos, i, cap) if L.moe else L.mlp(hn)
         cap.tensor(names.layer(i, "mlp_out"), m, pos)
         out = h1 + m
@@ -182,31 +184,14 @@ class Model(qwen3.Model):
     # §17
     def _full_attention(self, i, A: FullAttention, xn, pos, cap, cache):
         cfg = self.cfg
-        nh, nkv, d, eps = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-        )
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         t = xn.shape[0]
         qkv = ops.matmul(xn, A.wqkv_t, A.bqkv)
         qg = qkv[:, : 2 * nh * d].reshape(t, nh, 2 * d)  # per head: query, then gate
         q, gate = qg[:, :, :d], np.ascontiguousarray(qg[:, :, d:])
         k = qkv[:, 2 * nh * d : (2 * nh + nkv) * d].reshape(t, nkv, d)
         v = np.ascontiguousarray(qkv[:, (2 * nh + nkv) * d :].reshape(t, nkv, d))
-        cos, sin = self.rope.tables(pos)
-        q = ops.Rope.apply(ops.rmsnorm_zero_centred(q, A.q_norm, eps), cos, sin)
-        k = ops.Rope.apply(ops.rmsnorm_zero_centred(k, A.k_norm, eps), cos, sin)
-        cap.tensor(names.layer(i, "q"), q, pos, internal=True)
-        cap.tensor(names.layer(i, "k"), k, pos, internal=True)
-        cap.tensor(names.layer(i, "v"), v, pos, internal=True)
-        cap.tensor(names.layer(i, "attn_gate"), gate, pos, internal=True)
-        if cache is not None:
-            keys, vals, kpos = cache.extend(i, k, v, pos)
-        else:
-            keys, vals, kpos = k, v, pos
-        o, probs = ops.attention(q, keys, vals, pos, kpos, self.scale)
-        cap.tensor(names.layer(i, "attn_probs"), probs, pos, internal=True)
+        o = self._attend(i, A, q, k, v, pos, cap, cache, gate)
         og = o * ops.sigmoid(gate)
         return ops.matmul(og.reshape(t, nh * d), A.wo_t, A.bo)
 
