@@ -152,8 +152,9 @@ def measure(model_dir: str, with_f64: bool = True) -> dict:
     return res
 
 
-def search(preset: str, n: int) -> None:
-    """Try n seeds from the preset's; print each seed's smallest relative margin (argmax, router)."""
+def search(preset: str, n: int, start: int | None = None) -> None:
+    """Try n seeds from `start` (default: the preset's); print each seed's smallest relative
+    margin (argmax, router)."""
     import importlib.util
     import tempfile
     from pathlib import Path
@@ -163,7 +164,7 @@ def search(preset: str, n: int) -> None:
     )
     mf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mf)
-    base = mf.PRESETS[preset]["seed"]
+    base = mf.PRESETS[preset]["seed"] if start is None else start
     for seed in range(base, base + n):
         with tempfile.TemporaryDirectory() as d:
             mf.make(preset, Path(d), seed)
@@ -187,6 +188,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--search", nargs=2, metavar=("PRESET", "N"), help="try N seeds of a make_fixtures preset"
     )
+    ap.add_argument(
+        "--start",
+        type=int,
+        metavar="SEED",
+        help="with --search: the first seed (default: preset's)",
+    )
     ap.add_argument("--min-rel", type=float, default=1e-3)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -194,7 +201,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)  # deterministic and frugal; margins do not depend on it
     if a.search:
-        search(a.search[0], int(a.search[1]))
+        search(a.search[0], int(a.search[1]), a.start)
         return 0
     ok = True
     for d in a.model_dirs:

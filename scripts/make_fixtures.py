@@ -6,6 +6,11 @@ Presets
                                                head_dim != hidden/heads, odd widths.
   tiny-qwen3-moe  -> fixtures/tiny-qwen3-moe/  Qwen3MoeForCausalLM, bf16, untied head,
                                                8 experts top-2, norm_topk_prob, layer 2 dense.
+  tiny-qwen3_5    -> fixtures/tiny-qwen3_5/    Qwen3_5ForConditionalGeneration (multimodal
+                                               layout: tiny vision tower, mtp.* tensors), f32,
+                                               hybrid linear/full attention, partial RoPE 0.25.
+  tiny-qwen3_5-moe -> fixtures/tiny-qwen3_5-moe/ Qwen3_5MoeForCausalLM (text layout, mtp.*),
+                                               bf16, 8 experts top-2 + shared expert, RoPE 0.5.
   bench-qwen3     -> --out DIR (required; not committed)  ~160M-parameter bf16 Qwen3 for benchmarks.
   bench-qwen3-0.6b, bench-qwen3-moe -> --out DIR (required; not committed)  the Qwen3-0.6B shape
                   and a 64-expert top-8 MoE shape, bf16, for benchmarks (see docs/benchmarks.md).
@@ -15,13 +20,15 @@ so a tensor's values do not depend on which other tensors exist or their order, 
 writes byte-identical files (the README of each fixture records the sha256).  Scales are chosen
 so that activations neither vanish nor explode with depth, and so that logit-argmax and router
 top-k margins stay far above fp32 noise on the seeded prompt set (see scripts/fixture_margins.py).
-Norm weights are 1 + noise (never exactly 1) so a forgotten norm weight shows in every tensor.
+Norm weights are 1 + noise (never exactly 1) so a forgotten norm weight shows in every tensor;
+Qwen3.5's zero-centred norms (applied as x * (1 + w)) get the noise alone, around 0, and its
+gated norm (plain x * w) 1 + noise.
 
 bf16 weights are rounded from the f32 draw with round-to-nearest-even; safetensors' numpy API
 has no bf16, so the bits are saved as U16 and the header dtype is rewritten to BF16.
 
 Usage
-  python scripts/make_fixtures.py                       # both committed fixtures, default dirs
+  python scripts/make_fixtures.py                       # every committed fixture, default dirs
   python scripts/make_fixtures.py tiny-qwen3 --out DIR
   python scripts/make_fixtures.py bench-qwen3 --out /tmp/bench-qwen3
 """
@@ -200,6 +207,152 @@ PRESETS["bench-qwen3-moe"] = dict(
     ),
 )
 
+PRESETS["tiny-qwen3_5"] = dict(
+    seed=20241607,
+    dtype="f32",
+    out="fixtures/tiny-qwen3_5",
+    # The multimodal layout real Qwen3.5 checkpoints ship: the language model under `text_config`
+    # and `model.language_model.*`, a (tiny) vision tower `model.visual.*` and multi-token-prediction
+    # tensors `mtp.*`, both present and unused by a text-only run.
+    config=dict(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        tie_word_embeddings=False,
+        # inside the vocabulary as in real checkpoints; a text-only run never sees pixel values
+        image_token_id=307,
+        video_token_id=308,
+        vision_start_token_id=305,
+        vision_end_token_id=306,
+        text_config=dict(
+            model_type="qwen3_5_text",
+            vocab_size=311,
+            hidden_size=40,
+            num_hidden_layers=5,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            intermediate_size=54,
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=12,
+            linear_value_head_dim=10,
+            rms_norm_eps=1e-6,
+            # partial RoPE: 0.25 * 24 = 6 rotated dims (3 frequencies); mrope sections sum to 3
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 1],
+                "mrope_interleaved": True,
+            },
+            attention_bias=False,
+            tie_word_embeddings=False,
+            max_position_embeddings=256,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            use_cache=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            dtype="float32",
+        ),
+        vision_config=dict(
+            model_type="qwen3_5_vision",
+            depth=1,
+            hidden_size=16,
+            intermediate_size=24,
+            num_heads=2,
+            in_channels=3,
+            patch_size=2,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=40,
+            num_position_embeddings=16,
+            hidden_act="gelu_pytorch_tanh",
+            initializer_range=0.02,
+        ),
+        dtype="float32",
+    ),
+    scales=dict(
+        embed=1.0,
+        embed_tail=0.5,
+        block_out=0.7,
+        bias=0.1,
+        norm_noise=0.1,
+        router=0.0,
+        A_range=(0.02, 0.6),
+        dt_bias=0.5,
+    ),
+    mtp_layers=1,
+)
+PRESETS["tiny-qwen3_5-moe"] = dict(
+    seed=20241902,
+    dtype="bf16",
+    out="fixtures/tiny-qwen3_5-moe",
+    # The text-only layout (`model.layers.*`); its multimodal twin is tiny-qwen3_5's.
+    config=dict(
+        architectures=["Qwen3_5MoeForCausalLM"],
+        model_type="qwen3_5_moe_text",
+        vocab_size=293,
+        hidden_size=36,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=3,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=20,
+        shared_expert_intermediate_size=28,
+        rms_norm_eps=1e-5,
+        # partial RoPE: 0.5 * 16 = 8 rotated dims (4 frequencies); mrope sections sum to 4
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        attention_bias=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        use_cache=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="bfloat16",
+    ),
+    scales=dict(
+        embed=1.0,
+        embed_tail=0.5,
+        block_out=0.7,
+        bias=0.0,
+        norm_noise=0.1,
+        router=2.0,
+        router_tail=0.5,
+        A_range=(0.02, 0.6),
+        dt_bias=0.5,
+    ),
+    mtp_layers=1,
+)
+
 
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     """(name, shape, kind, fan_in) for every checkpoint tensor, in HF checkpoint naming."""
@@ -256,6 +409,133 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     return specs
 
 
+def text_config(cfg: dict) -> dict:
+    """The language model's fields: `text_config` in the multimodal layout, else the config itself."""
+    return cfg.get("text_config", cfg)
+
+
+def _mlp_specs(p: str, H: int, I: int) -> list:
+    return [
+        (p + "gate_proj.weight", (I, H), "in", H),
+        (p + "up_proj.weight", (I, H), "in", H),
+        (p + "down_proj.weight", (H, I), "mlp_down", I),
+    ]
+
+
+def _qwen3_5_layer_specs(p: str, t: dict, kind: str) -> list:
+    """One Qwen3.5 decoder layer (`kind` from layer_types) in HF checkpoint naming under prefix p."""
+    H = t["hidden_size"]
+    specs = [
+        # Qwen3_5RMSNorm is zero-centred, x * (1 + w): "norm0" draws small noise around 0
+        (p + "input_layernorm.weight", (H,), "norm0", 0),
+        (p + "post_attention_layernorm.weight", (H,), "norm0", 0),
+    ]
+    if kind == "linear_attention":
+        nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+        dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+        conv_dim, K = 2 * nk * dk + nv * dv, t["linear_conv_kernel_dim"]
+        q = p + "linear_attn."
+        specs += [
+            (q + "in_proj_qkv.weight", (conv_dim, H), "in", H),
+            (q + "in_proj_z.weight", (nv * dv, H), "in", H),
+            (q + "in_proj_b.weight", (nv, H), "in", H),
+            (q + "in_proj_a.weight", (nv, H), "in", H),
+            (q + "conv1d.weight", (conv_dim, 1, K), "in", K),
+            (q + "dt_bias", (nv,), "dt_bias", 0),
+            (q + "A_log", (nv,), "A_log", 0),
+            # Qwen3_5RMSNormGated is 1-centred (plain x * w): "norm" is 1 + noise
+            (q + "norm.weight", (dv,), "norm", 0),
+            (q + "out_proj.weight", (H, nv * dv), "out", nv * dv),
+        ]
+    elif kind == "full_attention":
+        nh, nkv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+        q = p + "self_attn."
+        specs += [
+            # per head: head_dim query rows, then head_dim output-gate rows
+            (q + "q_proj.weight", (2 * nh * hd, H), "in", H),
+            (q + "k_proj.weight", (nkv * hd, H), "in", H),
+            (q + "v_proj.weight", (nkv * hd, H), "in", H),
+            (q + "o_proj.weight", (H, nh * hd), "out", nh * hd),
+            (q + "q_norm.weight", (hd,), "norm0", 0),
+            (q + "k_norm.weight", (hd,), "norm0", 0),
+        ]
+    else:
+        raise AssertionError(kind)
+    if "num_experts" in t:  # Qwen3.5-MoE: every layer routed + shared expert
+        E, I = t["num_experts"], t["moe_intermediate_size"]
+        specs.append((p + "mlp.gate.weight", (E, H), "router", H))
+        for e in range(E):
+            specs += _mlp_specs(f"{p}mlp.experts.{e}.", H, I)
+        specs += _mlp_specs(p + "mlp.shared_expert.", H, t["shared_expert_intermediate_size"])
+        specs.append((p + "mlp.shared_expert_gate.weight", (1, H), "in", H))
+    else:
+        specs += _mlp_specs(p + "mlp.", H, t["intermediate_size"])
+    return specs
+
+
+def qwen3_5_specs(cfg: dict, mtp_layers: int) -> list[tuple[str, tuple[int, ...], str, float]]:
+    """Every tensor of a Qwen3.5 / Qwen3.5-MoE checkpoint, text or multimodal layout."""
+    t = text_config(cfg)
+    H, V = t["hidden_size"], t["vocab_size"]
+    lm = "model.language_model." if "text_config" in cfg else "model."
+    specs = [(lm + "embed_tokens.weight", (V, H), "embed", H)]
+    for i, kind in enumerate(t["layer_types"]):
+        specs += _qwen3_5_layer_specs(f"{lm}layers.{i}.", t, kind)
+    specs.append((lm + "norm.weight", (H,), "norm0", 0))
+    if not t["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (V, H), "head", H))
+    # multi-token prediction head: present in real checkpoints, unused by a forward pass
+    if mtp_layers:
+        specs += [
+            ("mtp.fc.weight", (H, 2 * H), "in", 2 * H),
+            ("mtp.pre_fc_norm_embedding.weight", (H,), "norm0", 0),
+            ("mtp.pre_fc_norm_hidden.weight", (H,), "norm0", 0),
+            ("mtp.norm.weight", (H,), "norm0", 0),
+        ]
+        for i in range(mtp_layers):
+            specs += _qwen3_5_layer_specs(f"mtp.layers.{i}.", t, "full_attention")
+    if "vision_config" in cfg:
+        v = cfg["vision_config"]
+        D, Iv, P, T = (
+            v["hidden_size"],
+            v["intermediate_size"],
+            v["patch_size"],
+            v["temporal_patch_size"],
+        )
+        C, M = v["in_channels"], D * v["spatial_merge_size"] ** 2
+        p = "model.visual."
+        specs += [
+            (p + "patch_embed.proj.weight", (D, C, T, P, P), "in", C * T * P * P),
+            (p + "patch_embed.proj.bias", (D,), "bias", 0),
+            (p + "pos_embed.weight", (v["num_position_embeddings"], D), "in", D),
+        ]
+        for b in range(v["depth"]):
+            q = f"{p}blocks.{b}."
+            specs += [
+                (q + "norm1.weight", (D,), "norm", 0),
+                (q + "norm1.bias", (D,), "bias", 0),
+                (q + "norm2.weight", (D,), "norm", 0),
+                (q + "norm2.bias", (D,), "bias", 0),
+                (q + "attn.qkv.weight", (3 * D, D), "in", D),
+                (q + "attn.qkv.bias", (3 * D,), "bias", 0),
+                (q + "attn.proj.weight", (D, D), "out", D),
+                (q + "attn.proj.bias", (D,), "bias", 0),
+                (q + "mlp.linear_fc1.weight", (Iv, D), "in", D),
+                (q + "mlp.linear_fc1.bias", (Iv,), "bias", 0),
+                (q + "mlp.linear_fc2.weight", (D, Iv), "out", Iv),
+                (q + "mlp.linear_fc2.bias", (D,), "bias", 0),
+            ]
+        specs += [
+            (p + "merger.norm.weight", (D,), "norm", 0),
+            (p + "merger.norm.bias", (D,), "bias", 0),
+            (p + "merger.linear_fc1.weight", (M, M), "in", M),
+            (p + "merger.linear_fc1.bias", (M,), "bias", 0),
+            (p + "merger.linear_fc2.weight", (v["out_hidden_size"], M), "out", M),
+            (p + "merger.linear_fc2.bias", (v["out_hidden_size"],), "bias", 0),
+        ]
+    return specs
+
+
 def draw(seed: int, name: str, shape, kind: str, fan_in: int, sc: dict) -> np.ndarray:
     # Per-tensor stream: independent of every other tensor's existence and order.
     rng = np.random.Generator(
@@ -264,6 +544,15 @@ def draw(seed: int, name: str, shape, kind: str, fan_in: int, sc: dict) -> np.nd
     z = rng.standard_normal(shape, dtype=np.float64)
     if kind == "norm":
         w = 1.0 + sc["norm_noise"] * z
+    elif kind == "norm0":  # zero-centred norm weight, applied as x * (1 + w)
+        w = sc["norm_noise"] * z
+    elif kind == "A_log":
+        # decay rate A log-uniform in A_range: per-token decay exp(-A * softplus(a + dt_bias))
+        # then spans long and short memories, never 0 or 1
+        lo, hi = np.log(sc["A_range"])
+        w = lo + (hi - lo) * rng.uniform(size=shape)
+    elif kind == "dt_bias":
+        w = sc["dt_bias"] * z
     elif kind == "bias":
         w = sc["bias"] * z
     elif kind in ("embed", "head"):
@@ -328,9 +617,10 @@ def make(preset: str, out: Path, seed: int | None = None) -> Path:
     cfg, sc = p["config"], p["scales"]
     seed = p["seed"] if seed is None else seed
     out.mkdir(parents=True, exist_ok=True)
+    qwen3_5 = text_config(cfg)["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
+    specs = qwen3_5_specs(cfg, p["mtp_layers"]) if qwen3_5 else tensor_specs(cfg)
     tensors = {
-        name: draw(seed, name, shape, kind, fan_in, sc)
-        for name, shape, kind, fan_in in tensor_specs(cfg)
+        name: draw(seed, name, shape, kind, fan_in, sc) for name, shape, kind, fan_in in specs
     }
     meta = {"format": "pt", "generator": f"scripts/make_fixtures.py {preset} seed={seed}"}
     st = out / "model.safetensors"
@@ -358,7 +648,7 @@ def main(argv=None) -> int:
         help="override the preset's seed (exploration only; committed fixtures use the preset's)",
     )
     a = ap.parse_args(argv)
-    presets = a.presets or ["tiny-qwen3", "tiny-qwen3-moe"]
+    presets = a.presets or [n for n, p in PRESETS.items() if p["out"]]
     for name in presets:
         if name not in PRESETS:
             ap.error(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")

@@ -12,7 +12,9 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3_5", "tiny-qwen3_5-moe"]
+)
 def test_regenerated_fixture_is_byte_identical(tmp_path, preset):
     out = tmp_path / preset
     r = subprocess.run(
