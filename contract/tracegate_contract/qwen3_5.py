@@ -106,16 +106,22 @@ class GatedDeltaNet:
         self.key_of = np.arange(nv) // (nv // nk)
 
 
-class SparseMoe:
-    """§19's weights: Qwen3-MoE's router and experts, the shared expert and its gate."""
+class SharedExpert:
+    """§19: a gated MLP beside the routed experts, scaled by the sigmoid of its own one-output
+    gate (`mlp.shared_expert_gate.weight` [1, H])."""
 
     def __init__(self, cfg: Config, ck: Checkpoint, mlp: str):
         H, SI = cfg.hidden_size, cfg.shared_expert_intermediate_size
-        self.router_t, self.experts = qwen3.load_router_and_experts(ck, mlp, cfg)
-        self.shared = qwen3._Mlp.load(ck, f"{mlp}.shared_expert", H, SI)
-        self.shared_gate_t = ops.transpose_weight(
-            ck.take(f"{mlp}.shared_expert_gate.weight", (1, H))
-        )
+        self.mlp = qwen3._Mlp.load(ck, f"{mlp}.shared_expert", H, SI)
+        self.gate_t = ops.transpose_weight(ck.take(f"{mlp}.shared_expert_gate.weight", (1, H)))
+
+    def add_to(self, i: int, routed: np.ndarray, x: np.ndarray, pos, cap: Capture) -> np.ndarray:
+        """§19 steps 3–4: routed ⊕ (sigmoid(sg) ⊗ sh), the routed sum complete first."""
+        sg = ops.matmul(x, self.gate_t)
+        cap.tensor(names.layer(i, "shared_expert.gate"), sg, pos, internal=True)
+        sh = self.mlp(x)
+        cap.tensor(names.layer(i, "shared_expert.out"), sh, pos, internal=True)
+        return routed + ops.sigmoid(sg) * sh
 
 
 class _Layer:
@@ -129,8 +135,9 @@ class _Layer:
         self.input_layernorm = _vec(ck, f"{p}.input_layernorm.weight", H)
         self.post_attention_layernorm = _vec(ck, f"{p}.post_attention_layernorm.weight", H)
         self.moe = cfg.is_sparse(i)
-        if self.moe:
-            self.mlp = SparseMoe(cfg, ck, f"{p}.mlp")
+        if self.moe:  # §19: Qwen3-MoE's router and experts, then the shared expert
+            self.router_t, self.experts = qwen3.load_router_and_experts(ck, f"{p}.mlp", cfg)
+            self.shared = SharedExpert(cfg, ck, f"{p}.mlp")
         else:
             self.mlp = qwen3._Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size)
 
@@ -175,7 +182,10 @@ class Model(qwen3.Model):
         cap.tensor(names.layer(i, "attn_out"), a, pos)
         h1 = x + a
         hn = self.norm_op(h1, L.post_attention_layernorm, eps)
-        m = self._sparse_moe(L.mlp, hn, pos, i, cap) if L.moe else L.mlp(hn)
+        if L.moe:  # §19: the routed sum (§10, renormalised), then the shared expert added
+            m = L.shared.add_to(i, self._moe(L, hn, pos, i, cap), hn, pos, cap)
+        else:
+            m = L.mlp(hn)
         cap.tensor(names.layer(i, "mlp_out"), m, pos)
         out = h1 + m
         cap.tensor(names.layer(i, "hidden_out"), out, pos)
@@ -242,19 +252,10 @@ class Model(qwen3.Model):
         cap.tensor(names.layer(i, "linear.state"), st.rec[None].copy(), pos[-1:], internal=True)
         return ops.matmul(norm_out.reshape(t, vd), G.wout_t)
 
-    # §19
-    def _sparse_moe(self, M: SparseMoe, x, pos, i, cap):
-        routed = self._moe(M, x, pos, i, cap)  # §10 steps, renormalised (cfg.norm_topk_prob)
-        sg = ops.matmul(x, M.shared_gate_t)
-        cap.tensor(names.layer(i, "shared_expert.gate"), sg, pos, internal=True)
-        sh = M.shared(x)
-        cap.tensor(names.layer(i, "shared_expert.out"), sh, pos, internal=True)
-        return routed + ops.sigmoid(sg) * sh
-
 
 def open_model(model_dir: str) -> qwen3.Model:
     """The model of `model_dir`'s config: Qwen3.5's for its families, Qwen3's otherwise."""
     return Model(model_dir) if load_config(model_dir).hybrid else qwen3.Model(model_dir)
 
 
-__all__ = ["NO_CAPTURE", "HybridCache", "LinearState", "Model", "open_model"]
+__all__ = ["NO_CAPTURE", "HybridCache", "LinearState", "Model", "SharedExpert", "open_model"]
