@@ -10,10 +10,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
 import tracegate
+from test_engine_identity import _NO_ENGINE, ENGINE
+from test_engine_refusals import both_refuse_trace
 from tracegate_contract import Capture, ContractError, open_model, ops, parse_config
 from tracegate_contract import qwen3_5 as q35
 from tracegate_contract.__main__ import main
@@ -552,3 +555,31 @@ def test_contract_agrees_with_transformers(which, request):
         if isinstance(layer.attn, q35.GatedDeltaNet):
             layer.attn.scale_k = np.float32(1.0)
     assert _max_diff(m, logits, hidden) > 100 * TOL
+
+
+# ---- the engine refuses the same configs (when it runs the Qwen3.5 families) --------------------
+
+
+@pytest.mark.parametrize(
+    "field,cfg",
+    [(f, e(config())) for f, e in REFUSALS]
+    + [(f, config(moe=True, **over)) for f, over in MOE_REFUSALS],
+)
+def test_engine_refuses_the_same_configs_naming_the_field(field, cfg, tmp_path, capsys):
+    if _NO_ENGINE:
+        pytest.skip(f"NOT CHECKED (engine refusals): {_NO_ENGINE}")
+    base = config(moe="num_experts" in cfg)
+    ok = write(tmp_path / "ok", base, tensors(base))
+    r = subprocess.run(
+        [ENGINE, "trace", "--model", ok, "--tokens", "1,2", "--out", str(tmp_path / "ok.trace")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.returncode != 0 and "model_type" in r.stderr:
+        pytest.skip(
+            f"NOT CHECKED: this engine does not run {base['model_type']}: {r.stderr.strip()}"
+        )
+    assert r.returncode == 0, r.stderr  # negative control: the unedited config runs
+    d = write(tmp_path / "m", cfg, tensors(base))
+    both_refuse_trace(capsys, tmp_path, d, field.rpartition(".")[2])
