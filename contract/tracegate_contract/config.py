@@ -52,10 +52,10 @@ def unsupported_family(mt) -> str:
     """Why a model_type is refused; same text as the engine's (engine/src/config.rs)."""
     if mt in ORACLE_FAMILIES:
         return (
-            "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: "
+            "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
             "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
         )
-    return "not supported (engine, contract: qwen3, qwen3_moe; oracle: the families of docs/capture-points.md)"
+    return "not supported (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)"
 
 
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
