@@ -8,5 +8,15 @@ from .capture import Capture
 from .config import Config, load_config, parse_config
 from .errors import ContractError
 from .qwen3 import KVCache, Model
+from .qwen3_5 import open_model
 
-__all__ = ["ContractError", "Capture", "Config", "KVCache", "Model", "load_config", "parse_config"]
+__all__ = [
+    "ContractError",
+    "Capture",
+    "Config",
+    "KVCache",
+    "Model",
+    "load_config",
+    "open_model",
+    "parse_config",
+]

@@ -15,7 +15,23 @@ from . import jsonfile, ops
 from .errors import ContractError
 from .weights import Checkpoint, regular_file
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# The Qwen3.5 families (§13, "Qwen3.5 and Qwen3.5-MoE"): the text layout's model_types, and the
+# multimodal layout's, whose language model is `text_config` of the matching text model_type.
+QWEN3_5_TEXT = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+QWEN3_5_MULTIMODAL = {
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5_text"),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"),
+}
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    **QWEN3_5_TEXT,
+    **{mt: arch for mt, (arch, _) in QWEN3_5_MULTIMODAL.items()},
+}
+FULL, LINEAR = "full_attention", "linear_attention"
+# Tensors of the multimodal checkpoints that the language model does not use (§20): listed, not
+# read, never refused.
+UNUSED_PREFIXES = ("model.visual.", "mtp.")
 # model_types of the oracle's family table (oracle/tracegate_oracle/families.py; equality checked by
 # oracle/tests/test_families.py): the refusal tells their users where to go.
 ORACLE_FAMILIES = (
@@ -36,10 +52,10 @@ def unsupported_family(mt) -> str:
     """Why a model_type is refused; same text as the engine's (engine/src/config.rs)."""
     if mt in ORACLE_FAMILIES:
         return (
-            "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe); the oracle supports it: "
+            "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
             "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
         )
-    return "not supported (engine, contract: qwen3, qwen3_moe; oracle: the families of docs/capture-points.md)"
+    return "not supported (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)"
 
 
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
@@ -70,17 +86,52 @@ class Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # Qwen3.5 (§§15–20). model_type is then the language model's (`qwen3_5_text`,
+    # `qwen3_5_moe_text`); `layout` says whether it came from the multimodal config.
+    layout: str = "text"
+    prefix: str = "model."  # where the language model's tensors are (§20)
+    rotary_dim: int = 0  # §16; head_dim for the Qwen3 families
+    layer_types: list[str] | None = None  # None: every `full_attention_interval`-th layer is full
+    full_attention_interval: int = 1
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        """A Qwen3.5 family: zero-centred norms, gated attention, linear-attention layers."""
+        return self.model_type in QWEN3_5_TEXT
+
+    def layer_kind(self, layer: int) -> str:
+        """§13 `layer_types`: FULL or LINEAR (Qwen3's layers are all FULL)."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return FULL if (layer + 1) % self.full_attention_interval == 0 else LINEAR
+
+    def has_linear_layer(self) -> bool:
+        """Decided without visiting every layer (the count is not checked yet): with an interval
+        > 1, layer 0 is linear."""
+        if self.layer_types is not None:
+            return LINEAR in self.layer_types
+        return self.num_hidden_layers > 0 and self.full_attention_interval > 1
 
     def has_dense_layer(self) -> bool:
         """Some layer uses the dense MLP, decided without visiting every layer (the count is not
         checked against the checkpoint yet and may be 2^62). Layer 0 is dense when step > 1."""
         n = self.num_hidden_layers
+        if self.model_type == "qwen3_5_moe_text":
+            return False
         if self.model_type != "qwen3_moe" or self.num_experts == 0 or self.decoder_sparse_step > 1:
             return n > 0
         return any(i < n for i in self.mlp_only_layers)
 
     def is_sparse(self, layer: int) -> bool:
-        """§10: layer `layer` uses the sparse MoE block."""
+        """§10: layer `layer` uses the sparse MoE block (§19: every Qwen3.5-MoE layer)."""
+        if self.model_type == "qwen3_5_moe_text":
+            return True
         return (
             self.model_type == "qwen3_moe"
             and self.num_experts > 0
@@ -130,10 +181,12 @@ def _float(d: dict, key: str, default: float, where: str | None = None) -> float
     return default if v is None else float(_number(v, where or key))
 
 
-def _rope_theta(raw: dict) -> float:
+def _rope(raw: dict, hybrid: bool) -> tuple[float, float]:
     """§7/§13 resolved as transformers does (`rope_scaling or rope_parameters`): a non-empty
     legacy `rope_scaling` replaces `rope_parameters` entirely; theta comes from that dict, else
-    the top-level `rope_theta`, else 10000."""
+    the top-level `rope_theta`, else 10000. Returns (theta, partial_rotary_factor): the Qwen3
+    families refuse a factor other than 1; the Qwen3.5 ones (`hybrid`) take the dict's, else the
+    top-level one, else 0.25 (§16), and allow the mrope keys, which change nothing for text."""
     rs = raw.get("rope_scaling")
     if rs is not None and not isinstance(rs, dict):
         refuse("rope_scaling", f"must be an object or null, got {rs!r}")
@@ -141,8 +194,11 @@ def _rope_theta(raw: dict) -> float:
     top = _float(
         raw, "rope_theta", 10000.0
     )  # checked even where the dict's theta wins, as the engine does
-    if _float(raw, "partial_rotary_factor", 1.0) != 1.0:
+    factor = _float(raw, "partial_rotary_factor", 0.25 if hybrid else 1.0)
+    if not hybrid and factor != 1.0:
         refuse("partial_rotary_factor", f"must be 1, got {raw['partial_rotary_factor']}")
+    factor_name = "partial_rotary_factor"
+    allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     if d is None:
         theta = top
     else:
@@ -152,16 +208,41 @@ def _rope_theta(raw: dict) -> float:
             t = d.get(key)
             if t is not None and t != "default":
                 refuse(f"{name}.{key}", f"rope type {t!r} is not supported (only default)")
-        if _float(d, "partial_rotary_factor", 1.0, f"{name}.partial_rotary_factor") != 1.0:
+        if hybrid:
+            if d.get("partial_rotary_factor") is not None:
+                factor_name = f"{name}.partial_rotary_factor"
+                factor = _float(d, "partial_rotary_factor", factor, factor_name)
+            _mrope_keys(d, name)
+            allowed |= {"mrope_section", "mrope_interleaved"}
+        elif _float(d, "partial_rotary_factor", 1.0, f"{name}.partial_rotary_factor") != 1.0:
             refuse(f"{name}.partial_rotary_factor", f"must be 1, got {d['partial_rotary_factor']}")
         # Any other key (factor, ...) belongs to a scaled rope: refused, as the engine does.
-        extra = sorted(set(d) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        extra = sorted(set(d) - allowed)
         if extra:
             refuse(f"{name}.{extra[0]}", "not supported with the default rope type")
         theta = _float(d, "rope_theta", top, f"{name}.rope_theta")
     if not theta > 0:  # pow of a base ≤ 0 gives no usable table (the engine's logits turn NaN)
         refuse("rope_theta", f"must be positive, got {theta}")
-    return theta
+    if not 0.0 < factor <= 1.0:
+        refuse(factor_name, f"must be in (0, 1], got {factor}")
+    return theta, factor
+
+
+def _mrope_keys(d: dict, name: str) -> None:
+    """§16: mrope's sections and interleaving pick which position stream each frequency reads;
+    text-only input gives every stream the same position, so they are checked, not used."""
+    sec = d.get("mrope_section")
+    if sec is not None and (
+        not isinstance(sec, list)
+        or len(sec) != 3
+        or any(type(v) is not int or not 0 <= v < USIZE for v in sec)
+    ):
+        refuse(
+            f"{name}.mrope_section", f"must be a list of three non-negative integers, got {sec!r}"
+        )
+    il = d.get("mrope_interleaved")
+    if il is not None and type(il) is not bool:
+        refuse(f"{name}.mrope_interleaved", f"must be true or false, got {il!r}")
 
 
 def parse_config(raw: dict) -> Config:
@@ -175,28 +256,61 @@ def parse_config(raw: dict) -> Config:
             "architectures",
             f"unsupported architecture {archs!r} for {mt} (expected [{ARCHITECTURES[mt]!r}])",
         )
+    if mt not in QWEN3_5_MULTIMODAL:
+        return _parse_fields(raw, mt)
+    # The multimodal layout (§13): the language model's fields are `text_config`; transformers
+    # ties the head by the top-level `tie_word_embeddings`.
+    text_mt = QWEN3_5_MULTIMODAL[mt][1]
+    tc = raw.get("text_config")
+    if not isinstance(tc, dict):
+        refuse("text_config", f"must be an object (the language model's fields), got {tc!r}")
+    if tc.get("model_type") is not None and tc["model_type"] != text_mt:
+        refuse("text_config.model_type", f"must be {text_mt!r} for {mt}, got {tc['model_type']!r}")
+    tie = _bool(raw, "tie_word_embeddings", False)
+    if tc.get("tie_word_embeddings") is not None and tc["tie_word_embeddings"] != tie:
+        refuse(
+            "text_config.tie_word_embeddings",
+            f"{tc['tie_word_embeddings']!r} disagrees with the top-level tie_word_embeddings {tie} (which transformers reads)",
+        )
+    try:
+        cfg = _parse_fields({**tc, "tie_word_embeddings": tie}, text_mt)
+    except ContractError as e:  # a refusal inside text_config names the field under it
+        raise ContractError(
+            str(e).replace("config.json: ", "config.json: text_config.", 1)
+        ) from None
+    cfg.layout, cfg.prefix = "multimodal", "model.language_model."
+    return cfg
 
+
+def _parse_fields(raw: dict, mt: str) -> Config:
+    hybrid = mt in QWEN3_5_TEXT
     # Sliding windows: only `use_sliding_window` and `layer_types` can ask for one (transformers
     # drops `sliding_window`/`max_window_layers` unless use_sliding_window is true).
     if _bool(raw, "use_sliding_window", False):
         refuse("use_sliding_window", "sliding-window attention is not supported")
     lt = raw.get("layer_types")
-    if lt is not None and (not isinstance(lt, list) or any(t != "full_attention" for t in lt)):
+    if (
+        not hybrid
+        and lt is not None
+        and (not isinstance(lt, list) or any(t != "full_attention" for t in lt))
+    ):
         refuse("layer_types", f"only full_attention layers are supported, got {lt!r}")
     act = raw.get("hidden_act")
     if act is not None and act != "silu":
         refuse("hidden_act", f"only silu is supported, got {act!r}")
-    theta = _rope_theta(raw)
+    theta, factor = _rope(raw, hybrid)
 
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
     kv = _int(raw, "num_key_value_heads")
     if heads % kv != 0:
         refuse("num_key_value_heads", f"num_attention_heads {heads} is not a multiple of {kv}")
-    # §13: Qwen3Config declares head_dim = 128; Qwen3MoeConfig has no such field, and the
-    # attention falls back to hidden_size // num_attention_heads (floor, as transformers).
-    head_dim = _int(raw, "head_dim", default=128 if mt == "qwen3" else hidden // heads)
-    if head_dim % 2 != 0 or head_dim == 0:
+    # §13: Qwen3Config declares head_dim = 128 and the Qwen3.5 configs 256; Qwen3MoeConfig has
+    # no such field, and the attention falls back to hidden_size // num_attention_heads (floor,
+    # as transformers).
+    default_head_dim = {"qwen3": 128, "qwen3_moe": hidden // heads}.get(mt, 256)
+    head_dim = _int(raw, "head_dim", default=default_head_dim)
+    if not hybrid and (head_dim % 2 != 0 or head_dim == 0):  # Qwen3.5: the rotary dim's check
         src = (
             ""
             if raw.get("head_dim") is not None
@@ -226,7 +340,16 @@ def parse_config(raw: dict) -> Config:
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         attention_bias=_bool(raw, "attention_bias", False),
     )
-    if mt == "qwen3_moe":
+    # §16: int(head_dim × factor), the binary64 product truncated as transformers does.
+    cfg.rotary_dim = int(head_dim * factor) if hybrid else head_dim
+    if cfg.rotary_dim % 2 != 0 or cfg.rotary_dim == 0:
+        refuse(
+            "partial_rotary_factor",
+            f"{factor} × head_dim {head_dim} gives rotary dim {cfg.rotary_dim}, which must be even and positive",
+        )
+    if hybrid:
+        _parse_qwen3_5(raw, cfg)
+    if mt in ("qwen3_moe", "qwen3_5_moe_text"):
         # transformers maps num_local_experts onto num_experts; both given must agree.
         ne_given, nle_given = (
             raw.get("num_experts") is not None,
@@ -238,6 +361,9 @@ def parse_config(raw: dict) -> Config:
             raw, "num_local_experts" if nle_given and not ne_given else "num_experts", minimum=0
         )
         cfg.num_experts_per_tok = _int(raw, "num_experts_per_tok", minimum=0)
+    if mt == "qwen3_5_moe_text":
+        _parse_qwen3_5_moe(raw, cfg)
+    elif mt == "qwen3_moe":
         cfg.norm_topk_prob = _bool(raw, "norm_topk_prob", False)
         cfg.decoder_sparse_step = _int(raw, "decoder_sparse_step", default=1)
         mol = raw.get("mlp_only_layers")
@@ -254,6 +380,47 @@ def parse_config(raw: dict) -> Config:
     if cfg.intermediate_size is None and cfg.has_dense_layer():
         refuse("intermediate_size", "missing (a layer uses the dense MLP)")
     return cfg
+
+
+def _parse_qwen3_5(raw: dict, cfg: Config) -> None:
+    """§13's Qwen3.5 fields: the layer kinds and the linear-attention sizes (§18)."""
+    n = cfg.num_hidden_layers
+    lt = raw.get("layer_types")
+    if lt is None:  # transformers: every interval-th layer is full, the others linear
+        cfg.full_attention_interval = _int(raw, "full_attention_interval", default=4)
+    elif not isinstance(lt, list) or any(t not in (FULL, LINEAR) for t in lt):
+        refuse("layer_types", f"entries must be {FULL!r} or {LINEAR!r}, got {lt!r}")
+    elif len(lt) != n:
+        refuse("layer_types", f"{len(lt)} entries for num_hidden_layers {n}")
+    else:
+        cfg.layer_types = list(lt)
+    if cfg.has_linear_layer():
+        cfg.linear_conv_kernel_dim = _int(raw, "linear_conv_kernel_dim")
+        cfg.linear_key_head_dim = _int(raw, "linear_key_head_dim")
+        cfg.linear_value_head_dim = _int(raw, "linear_value_head_dim")
+        cfg.linear_num_key_heads = nk = _int(raw, "linear_num_key_heads")
+        cfg.linear_num_value_heads = nv = _int(raw, "linear_num_value_heads")
+        if nv % nk != 0:
+            refuse("linear_num_value_heads", f"{nv} is not a multiple of linear_num_key_heads {nk}")
+
+
+def _parse_qwen3_5_moe(raw: dict, cfg: Config) -> None:
+    """§13/§19: every layer sparse, top-k always renormalised — what transformers' class does
+    whatever the config says, so the fields that would say otherwise are refused, not ignored."""
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    if not 1 <= k < e:
+        refuse("num_experts_per_tok", f"must satisfy 1 ≤ k < num_experts ({e}), got {k}")
+    cfg.moe_intermediate_size = _int(raw, "moe_intermediate_size")
+    cfg.shared_expert_intermediate_size = _int(raw, "shared_expert_intermediate_size")
+    why = "transformers' Qwen3.5-MoE makes every layer sparse and always renormalises the top-k weights"
+    if not _bool(raw, "norm_topk_prob", True):
+        refuse("norm_topk_prob", f"false is not supported ({why})")
+    if _int(raw, "decoder_sparse_step", default=1) != 1:
+        refuse("decoder_sparse_step", f"must be 1, got {raw['decoder_sparse_step']} ({why})")
+    mol = raw.get("mlp_only_layers")
+    if mol is not None and mol != []:
+        refuse("mlp_only_layers", f"must be empty, got {mol!r} ({why})")
+    cfg.norm_topk_prob = True
 
 
 def load_config(model_dir: str) -> Config:
@@ -288,43 +455,67 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
             refuse(field, f"{x} overflows when multiplied by {by} ({y})")
         return x * y
 
-    H, V, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-    dim("model.embed_tokens.weight", 0, V, "vocab_size", f"{V}")
-    dim("model.embed_tokens.weight", 1, H, "hidden_size", f"{H}")
-    have = ck.layer_count()
+    H, V, d, P = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.prefix
+    dim(f"{P}embed_tokens.weight", 0, V, "vocab_size", f"{V}")
+    dim(f"{P}embed_tokens.weight", 1, H, "hidden_size", f"{H}")
+    have = ck.layer_count(P)
     if cfg.num_hidden_layers > have:
         refuse(
             "num_hidden_layers",
-            f"{cfg.num_hidden_layers} but the checkpoint holds {have} layers (model.layers.N tensors for N < {have})",
+            f"{cfg.num_hidden_layers} but the checkpoint holds {have} layers ({P}layers.N tensors for N < {have})",
         )
-    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    a = "model.layers.0.self_attn"
-    dim(f"{a}.q_norm.weight", 0, d, "head_dim", f"{d}")
-    q_rows = product("num_attention_heads", nh, "head_dim", d)
-    kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
-    dim(
-        f"{a}.q_proj.weight",
-        0,
-        q_rows,
-        "num_attention_heads",
-        f"{nh} (× head_dim {d} = {q_rows} rows)",
-    )
-    dim(
-        f"{a}.k_proj.weight",
-        0,
-        kv_rows,
-        "num_key_value_heads",
-        f"{nkv} (× head_dim {d} = {kv_rows} rows)",
-    )
     layers = range(cfg.num_hidden_layers)  # bounded by the checkpoint now
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    full = next((i for i in layers if cfg.layer_kind(i) == FULL), None)
+    if full is not None:
+        a = f"{P}layers.{full}.self_attn"
+        dim(f"{a}.q_norm.weight", 0, d, "head_dim", f"{d}")
+        q_rows = product("num_attention_heads", nh, "head_dim", d)
+        kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
+        q_what = f"{nh} (× head_dim {d} = {q_rows} rows)"
+        if cfg.hybrid:  # §17: each head's query, then its gate
+            q_rows = product("num_attention_heads", q_rows, "2 (query and gate)", 2)
+            q_what = f"{nh} (× head_dim {d} × 2 for query and gate = {q_rows} rows)"
+        dim(f"{a}.q_proj.weight", 0, q_rows, "num_attention_heads", q_what)
+        dim(
+            f"{a}.k_proj.weight",
+            0,
+            kv_rows,
+            "num_key_value_heads",
+            f"{nkv} (× head_dim {d} = {kv_rows} rows)",
+        )
+    linear = next((i for i in layers if cfg.layer_kind(i) == LINEAR), None)
+    if linear is not None:
+        a = f"{P}layers.{linear}.linear_attn"
+        nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        nv, dv, K = (
+            cfg.linear_num_value_heads,
+            cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim,
+        )
+        dim(f"{a}.in_proj_a.weight", 0, nv, "linear_num_value_heads", f"{nv}")
+        dim(f"{a}.norm.weight", 0, dv, "linear_value_head_dim", f"{dv}")
+        dim(f"{a}.conv1d.weight", 2, K, "linear_conv_kernel_dim", f"{K}")
+        key = product("linear_num_key_heads", nk, "linear_key_head_dim", dk)
+        value = product("linear_num_value_heads", nv, "linear_value_head_dim", dv)
+        conv = product("linear_num_key_heads", key, "2 (q and k)", 2) + value
+        if conv >= USIZE:
+            refuse("linear_num_key_heads", f"the conv width 2·{key} + {value} overflows")
+        dim(
+            f"{a}.in_proj_qkv.weight",
+            0,
+            conv,
+            "linear_num_key_heads",
+            f"{nk} × linear_key_head_dim {dk} (conv width 2 × {key} + {value} = {conv} rows)",
+        )
     dense = next((i for i in layers if not cfg.is_sparse(i)), None)
     if cfg.intermediate_size is not None and dense is not None:
         I = cfg.intermediate_size
-        dim(f"model.layers.{dense}.mlp.gate_proj.weight", 0, I, "intermediate_size", f"{I}")
+        dim(f"{P}layers.{dense}.mlp.gate_proj.weight", 0, I, "intermediate_size", f"{I}")
     sparse = next((i for i in layers if cfg.is_sparse(i)), None)
     if sparse is not None:
         E, I = cfg.num_experts, cfg.moe_intermediate_size
-        p = f"model.layers.{sparse}.mlp"
+        p = f"{P}layers.{sparse}.mlp"
         dim(f"{p}.gate.weight", 0, E, "num_experts", f"{E}")
         gu_rows = product("moe_intermediate_size", I, "2 (gate and up rows)", 2)
         dim(f"{p}.experts.gate_up_proj", 0, E, "num_experts", f"{E}")
@@ -336,3 +527,12 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
             f"{I} (× 2 = {gu_rows} rows)",
         )
         dim(f"{p}.experts.0.gate_proj.weight", 0, I, "moe_intermediate_size", f"{I}")
+        if cfg.shared_expert_intermediate_size:
+            SI = cfg.shared_expert_intermediate_size
+            dim(
+                f"{p}.shared_expert.gate_proj.weight",
+                0,
+                SI,
+                "shared_expert_intermediate_size",
+                f"{SI}",
+            )

@@ -45,11 +45,37 @@ def f32_of_config_number(value) -> np.float32:
 # Transcendentals (§4): libm binary64, rounded to f32 once
 
 
+def _exp64(t: float) -> float:
+    # libm's exp; math.exp raises where the result overflows binary64, libm (and Rust's
+    # f64::exp) returns +inf there.
+    try:
+        return math.exp(t)
+    except OverflowError:
+        return float("inf")
+
+
 def exp_to_f32(a: np.ndarray) -> np.ndarray:
     """f32(E(binary64(a))) element-wise, through libm's exp (math.exp)."""
+    a = np.asarray(a, dtype=F32)
     flat = a.astype(F64).ravel().tolist()
-    out = np.fromiter(map(math.exp, flat), dtype=F64, count=len(flat))
+    out = np.fromiter(map(_exp64, flat), dtype=F64, count=len(flat))
     return out.astype(F32).reshape(a.shape)
+
+
+def _softplus64(u: float) -> float:
+    # §18.4: PyTorch's threshold (20, beta 1) above which softplus returns its input; NaN fails
+    # the comparison and propagates through log1p(exp(NaN)).
+    return u if u > 20.0 else math.log1p(math.exp(u))
+
+
+def softplus(u: np.ndarray) -> np.ndarray:
+    """§18.4: u where u > 20, else f32(log1p(E(u))) (libm exp then log1p, binary64, rounded
+    once). u ≤ 20 keeps exp's result far from overflow."""
+    u = np.asarray(u, dtype=F32)
+    flat = u.astype(F64).ravel().tolist()
+    return (
+        np.fromiter(map(_softplus64, flat), dtype=F64, count=len(flat)).astype(F32).reshape(u.shape)
+    )
 
 
 def _sigmoid64(g: float) -> float:
@@ -117,20 +143,46 @@ def matmul(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None = None) -> np.
 # RMSNorm (§6)
 
 
-def rmsnorm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
-    """Over the last axis: ss ordered, mean = ss ⊘ n, t = mean ⊕ eps, s = sqrt_f32(t),
-    inv = 1 ⊘ s, y = w ⊗ (x ⊗ inv). np.sqrt on f32 is the correctly rounded IEEE sqrt."""
-    x = np.asarray(x, dtype=F32)
-    n = x.shape[-1]
+def _sum_squares(x: np.ndarray) -> np.ndarray:
     ss = np.zeros(x.shape[:-1], dtype=F32)
-    for i in range(n):
+    for i in range(x.shape[-1]):
         xi = x[..., i]
         ss = ss + xi * xi
-    mean = ss / F32(n)
+    return ss
+
+
+def _rms_scaled(x: np.ndarray, eps: np.float32) -> np.ndarray:
+    """x ⊗ inv over the last axis: ss ordered, mean = ss ⊘ n, t = mean ⊕ eps, s = sqrt_f32(t),
+    inv = 1 ⊘ s. np.sqrt on f32 is the correctly rounded IEEE sqrt."""
+    x = np.asarray(x, dtype=F32)
+    mean = _sum_squares(x) / F32(x.shape[-1])
     t = mean + F32(eps)
-    s = np.sqrt(t)
-    inv = F32(1.0) / s
-    return w * (x * inv[..., None])
+    inv = F32(1.0) / np.sqrt(t)
+    return x * inv[..., None]
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
+    """§6 over the last axis: y = w ⊗ (x ⊗ inv)."""
+    return w * _rms_scaled(x, eps)
+
+
+def rmsnorm_zero_centred(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
+    """§15.1: y = (x ⊗ inv) ⊗ (1 ⊕ w) — Qwen3.5's weights are offsets from one."""
+    return _rms_scaled(x, eps) * (F32(1.0) + np.asarray(w, dtype=F32))
+
+
+def gated_rmsnorm(x: np.ndarray, w: np.ndarray, z: np.ndarray, eps: np.float32) -> np.ndarray:
+    """§15.2: §6 (plain weight), then ⊗ silu(z)."""
+    return rmsnorm(x, w, eps) * silu(np.asarray(z, dtype=F32))
+
+
+def l2norm(x: np.ndarray) -> np.ndarray:
+    """§18.3 over the last axis: y = x ⊗ (1 ⊘ sqrt_f32(ss ⊕ f32(1e-6))); the constant is
+    transformers' (not the config's rms_norm_eps)."""
+    x = np.asarray(x, dtype=F32)
+    t = _sum_squares(x) + F32(1e-6)
+    inv = F32(1.0) / np.sqrt(t)
+    return x * inv[..., None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,10 +198,11 @@ def inv_freq(base: float, d: int) -> np.ndarray:
 
 class Rope:
     """cos/sin rows per absolute position, computed on first use and kept (a position's row is
-    a pure function of the position, so caching cannot change a bit)."""
+    a pure function of the position, so caching cannot change a bit). `rotary_dim` < d: partial
+    RoPE (§16), the tables cover the first rotary_dim dims only."""
 
-    def __init__(self, base: float, d: int):
-        self.inv_freq = inv_freq(base, d)
+    def __init__(self, base: float, d: int, rotary_dim: int | None = None):
+        self.inv_freq = inv_freq(base, d if rotary_dim is None else rotary_dim)
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def row(self, p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,13 +222,13 @@ class Rope:
     @staticmethod
     def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [T, heads, d] rotated at each row's position ("rotate half": i pairs with i+h).
-        cos/sin are [T, h] (`tables`)."""
-        h = x.shape[-1] // 2
-        x1, x2 = x[..., :h], x[..., h:]
+        cos/sin are [T, h] (`tables`); with h < d/2 (§16) dims 2h.. are copied unchanged."""
+        h = cos.shape[-1]
+        x1, x2 = x[..., :h], x[..., h : 2 * h]
         c, s = cos[:, None, :], sin[:, None, :]
-        out = np.empty_like(x)
+        out = np.array(x, dtype=F32)  # the copy keeps the unrotated dims bit for bit
         out[..., :h] = (x1 * c) - (x2 * s)
-        out[..., h:] = (x2 * c) + (x1 * s)
+        out[..., h : 2 * h] = (x2 * c) + (x1 * s)
         return out
 
 
@@ -240,6 +293,47 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos, k_pos, scale: 
             upd = out + probs[:, :, c, None] * vh[:, None, c, :]
             out = np.where(visible[None, :, c, None], upd, out)
     return np.ascontiguousarray(out.transpose(1, 0, 2)), probs
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaNet (§18)
+
+
+def causal_conv1d(mixed: np.ndarray, w: np.ndarray, state: np.ndarray):
+    """§18.2. mixed [T, C] (pre-conv), w [C, K], state [C, K−1] (the previous rows' pre-conv
+    values, oldest first). Returns (silu(conv) [T, C], the new state). Row t's window is the
+    K−1 rows before it then itself; the K products are summed in tap order, all of them."""
+    k = w.shape[1]
+    full = np.concatenate([np.asarray(state, dtype=F32).T, np.asarray(mixed, dtype=F32)])
+    t = mixed.shape[0]
+    acc = np.zeros((t, w.shape[0]), dtype=F32)
+    for j in range(k):  # tap j reads row t−(K−1)+j: vectorised over rows and channels
+        acc = acc + full[j : j + t] * w[:, j]
+    return silu(acc), np.ascontiguousarray(full[t:].T)
+
+
+def gdn_decay(a: np.ndarray, dt_bias: np.ndarray, a_log: np.ndarray) -> np.ndarray:
+    """§18.4: g = (−f32(E(A_log))) ⊗ softplus(a ⊕ dt_bias), per row and value head."""
+    neg_a = -exp_to_f32(a_log)  # negation is exact
+    return neg_a * softplus(np.asarray(a, dtype=F32) + dt_bias)
+
+
+def delta_rule_step(s: np.ndarray, q, k, v, alpha, beta) -> np.ndarray:
+    """§18.5, one row, every value head at once (heads are independent). s [nv, dk, dv] is
+    updated in place; q, k [nv, dk] are the key heads as each value head reads them (q already
+    scaled); v [nv, dv]; alpha, beta [nv]. Returns core [nv, dv]. Both reads sum over the key
+    dim i ascending from +0.0."""
+    nv, dk, dv = s.shape
+    s *= alpha[:, None, None]  # 1. decay
+    mem = np.zeros((nv, dv), dtype=F32)
+    for i in range(dk):  # 2. read
+        mem = mem + s[:, i, :] * k[:, i, None]
+    d = (v - mem) * beta[:, None]  # 3. delta
+    s += k[:, :, None] * d[:, None, :]  # 4. write
+    core = np.zeros((nv, dv), dtype=F32)
+    for i in range(dk):  # 5. output, from the written state
+        core = core + s[:, i, :] * q[:, i, None]
+    return core
 
 
 # --------------------------------------------------------------------------------------------

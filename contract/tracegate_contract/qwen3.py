@@ -71,6 +71,21 @@ class _Mlp:
         return ops.matmul(h, self.wd_t)
 
 
+def load_router_and_experts(ck: Checkpoint, mlp: str, cfg: Config):
+    """The router's Wᵀ and the experts' MLPs under `mlp` (§10)."""
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    router_t = ops.transpose_weight(ck.take(f"{mlp}.gate.weight", (E, H)))
+    # Experts on disk: per-expert modules (what save_pretrained writes), or transformers 5's
+    # fused `gate_up_proj` [E, 2I, H] (expert e: gate rows, then up rows) and `down_proj`
+    # [E, H, I] — the two layouts the engine accepts; the fused pair wins when present.
+    fused = f"{mlp}.experts.gate_up_proj"
+    if ck.has(fused):
+        gu = ck.take(fused, (E, 2 * I, H))
+        dn = ck.take(f"{mlp}.experts.down_proj", (E, H, I))
+        return router_t, [_Mlp(gu[e], dn[e]) for e in range(E)]
+    return router_t, [_Mlp.load(ck, f"{mlp}.experts.{e}", H, I) for e in range(E)]
+
+
 class _Layer:
     def __init__(self, cfg: Config, ck: Checkpoint, i: int):
         p = f"model.layers.{i}"
@@ -105,18 +120,7 @@ class _Layer:
         )
         self.moe = cfg.is_sparse(i)
         if self.moe:
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
-            self.router_t = ops.transpose_weight(ck.take(f"{p}.mlp.gate.weight", (E, H)))
-            # Experts on disk: per-expert modules (what save_pretrained writes), or transformers 5's
-            # fused `gate_up_proj` [E, 2I, H] (expert e: gate rows, then up rows) and `down_proj`
-            # [E, H, I] — the two layouts the engine accepts; the fused pair wins when present.
-            fused = f"{p}.mlp.experts.gate_up_proj"
-            if ck.has(fused):
-                gu = ck.take(fused, (E, 2 * I, H))
-                dn = ck.take(f"{p}.mlp.experts.down_proj", (E, H, I))
-                self.experts = [_Mlp(gu[e], dn[e]) for e in range(E)]
-            else:
-                self.experts = [_Mlp.load(ck, f"{p}.mlp.experts.{e}", H, I) for e in range(E)]
+            self.router_t, self.experts = load_router_and_experts(ck, f"{p}.mlp", cfg)
         else:
             self.mlp = _Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size)
 
@@ -125,6 +129,10 @@ class Model:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         cfg = self.cfg = load_config(model_dir)
+        if cfg.hybrid:  # a Qwen3.5 family: qwen3_5.Model (open_model picks it)
+            raise ContractError(
+                f"{model_dir}: {cfg.model_type} is not a Qwen3 model; use open_model"
+            )
         ck = Checkpoint(model_dir)
         check_sizes(cfg, ck)
         V, H = cfg.vocab_size, cfg.hidden_size
@@ -181,18 +189,7 @@ class Model:
         q = qkv[:, : nh * d].reshape(t, nh, d)
         k = qkv[:, nh * d : (nh + nkv) * d].reshape(t, nkv, d)
         v = np.ascontiguousarray(qkv[:, (nh + nkv) * d :].reshape(t, nkv, d))
-        cos, sin = self.rope.tables(pos)
-        q = ops.Rope.apply(ops.rmsnorm(q, L.q_norm, eps), cos, sin)
-        k = ops.Rope.apply(ops.rmsnorm(k, L.k_norm, eps), cos, sin)
-        cap.tensor(names.layer(i, "q"), q, pos, internal=True)
-        cap.tensor(names.layer(i, "k"), k, pos, internal=True)
-        cap.tensor(names.layer(i, "v"), v, pos, internal=True)
-        if cache is not None:
-            keys, vals, kpos = cache.extend(i, k, v, pos)
-        else:
-            keys, vals, kpos = k, v, pos
-        o, probs = ops.attention(q, keys, vals, pos, kpos, self.scale)
-        cap.tensor(names.layer(i, "attn_probs"), probs, pos, internal=True)
+        o = self._attend(i, L, q, k, v, pos, cap, cache)
         a = ops.matmul(o.reshape(t, nh * d), L.wo_t, L.bo)
         cap.tensor(names.layer(i, "attn_out"), a, pos)
 
@@ -203,6 +200,31 @@ class Model:
         out = h1 + m
         cap.tensor(names.layer(i, "hidden_out"), out, pos)
         return out
+
+    def norm_op(self, x, w, eps):
+        """The model's RMSNorm: §6 for Qwen3 (qwen3_5.Model: §15.1). Looked up in ops at each
+        call, so a patched ops.rmsnorm (gate's planted defects) reaches every norm."""
+        return ops.rmsnorm(x, w, eps)
+
+    def _attend(self, i, A, q, k, v, pos, cap, cache, gate=None):
+        """§8 steps 2–7: q_norm/k_norm and RoPE, the cache, attention; returns o [T, heads, d].
+        `A` holds q_norm/k_norm; `gate` (§17) is captured as attn_gate before attn_probs."""
+        eps = self.cfg.rms_norm_eps
+        cos, sin = self.rope.tables(pos)
+        q = ops.Rope.apply(self.norm_op(q, A.q_norm, eps), cos, sin)
+        k = ops.Rope.apply(self.norm_op(k, A.k_norm, eps), cos, sin)
+        cap.tensor(names.layer(i, "q"), q, pos, internal=True)
+        cap.tensor(names.layer(i, "k"), k, pos, internal=True)
+        cap.tensor(names.layer(i, "v"), v, pos, internal=True)
+        if gate is not None:
+            cap.tensor(names.layer(i, "attn_gate"), gate, pos, internal=True)
+        if cache is not None:
+            keys, vals, kpos = cache.extend(i, k, v, pos)
+        else:
+            keys, vals, kpos = k, v, pos
+        o, probs = ops.attention(q, keys, vals, pos, kpos, self.scale)
+        cap.tensor(names.layer(i, "attn_probs"), probs, pos, internal=True)
+        return o
 
     def _moe(self, L: _Layer, x: np.ndarray, pos: list[int], i: int, cap: Capture) -> np.ndarray:
         """§10: router softmax, top-k (ties to the lowest id), optional renormalisation in rank
@@ -247,7 +269,7 @@ class Model:
     # §11 head
     def head(self, h: np.ndarray, pos, cap: Capture = NO_CAPTURE) -> np.ndarray:
         with _ieee():
-            f = ops.rmsnorm(h, self.norm, self.cfg.rms_norm_eps)
+            f = self.norm_op(h, self.norm, self.cfg.rms_norm_eps)
             logits = ops.matmul(f, self.head_t)
         cap.tensor("final_norm.out", f, pos)
         cap.tensor("logits", logits, pos)
@@ -263,6 +285,10 @@ class Model:
             h = self.layer(i, h, pos, cap, cache)
         return self.head(h, pos, cap)
 
+    def new_cache(self) -> KVCache:
+        """An empty cache for cached decoding (`run`, the `layer` verb's --decode-from)."""
+        return KVCache(self.cfg.num_hidden_layers)
+
     # §12
     def run(self, tokens, cap: Capture, generate: int = 0, cached: bool = True) -> list[int]:
         """Prefill of the prompt with capture, `logits.argmax`, then `generate` greedy steps, each
@@ -270,7 +296,7 @@ class Model:
         n = len(tokens)
         if n == 0:
             raise ContractError("the prompt is empty")
-        cache = KVCache(self.cfg.num_hidden_layers) if (generate > 0 and cached) else None
+        cache = self.new_cache() if (generate > 0 and cached) else None
         logits = self.forward(tokens, range(n), cap, cache)
         self._decide(cap, "logits.argmax", logits)
         out: list[int] = []

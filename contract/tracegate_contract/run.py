@@ -10,7 +10,8 @@ from tracegate import names
 
 from .errors import ContractError
 from .force import Forcing
-from .qwen3 import MAX_POSITIONS, NO_CAPTURE, Capture, KVCache, Model
+from .qwen3 import MAX_POSITIONS, NO_CAPTURE, Capture, Model
+from .qwen3_5 import open_model
 
 
 def _tracegate():
@@ -78,7 +79,13 @@ def write_trace(
 def _model(model_dir: str) -> Model:
     if not os.path.isdir(model_dir):
         raise ContractError(f"--model: {model_dir} is not a directory")
-    return Model(model_dir)
+    return open_model(model_dir)
+
+
+def _unused(model: Model) -> dict:
+    """Provenance's `unused_tensors` ({prefix: count}, §20) where the checkpoint has any."""
+    unused = getattr(model, "unused_tensors", None)
+    return {"unused_tensors": unused} if unused else {}
 
 
 def trace(
@@ -110,6 +117,7 @@ def trace(
         capture="internals" if internals else "default",
         cache="on" if cached else "off",
         generate=generate,
+        **_unused(model),
     )
     return write_trace(out, prov, cap, "prefill", model.forcing)
 
@@ -203,7 +211,7 @@ def layer(
         attrs, run = None, {}
     else:
         internals = False  # no internal points under --decode-from
-        cap, cache, P = Capture(False), KVCache(model.cfg.num_hidden_layers), decode_from
+        cap, cache, P = Capture(False), model.new_cache(), decode_from
         if P > 0:
             model.layer(index, x[:P], pos[:P], NO_CAPTURE, cache)
         for r in range(P, x.shape[0]):
@@ -220,5 +228,6 @@ def layer(
         input_digest=src.digest,
         capture="internals" if internals else "default",
         **run,
+        **_unused(model),
     )
     return write_trace(out, prov, cap, "layer", model.forcing, attrs)

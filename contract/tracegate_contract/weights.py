@@ -208,12 +208,14 @@ class Checkpoint:
         sf = self._where.get(name)
         return None if sf is None else sf.entries[name][1]
 
-    def layer_count(self) -> int:
-        """One past the highest N of the `model.layers.N.*` tensors (0: none)."""
+    def layer_count(self, prefix: str = "model.") -> int:
+        """One past the highest N of the `{prefix}layers.N.*` tensors (0: none)."""
+        head = prefix.split(".")[:-1] + ["layers"]
+        at = len(head)
         ns = [
-            p[2]
+            p[at]
             for p in (n.split(".") for n in self._where)
-            if len(p) >= 3 and p[:2] == ["model", "layers"] and p[2].isascii() and p[2].isdigit()
+            if len(p) > at and p[:at] == head and p[at].isascii() and p[at].isdigit()
         ]
         return max(map(int, ns)) + 1 if ns else 0
 
@@ -240,11 +242,20 @@ class Checkpoint:
         sf = self._claim(name, shape)
         return sf.stored(name), sf.entries[name][4]
 
-    def finish(self) -> None:
-        """Refuse the checkpoint if any tensor was not claimed by the model."""
+    def finish(self, unused_prefixes: tuple[str, ...] = ()) -> dict[str, int]:
+        """Refuse the checkpoint if any tensor was not claimed by the model, apart from those
+        under `unused_prefixes` (present and unused, §20): returned as {prefix: count} for the
+        prefixes that hold any."""
         left = sorted(set(self._where) - self._claimed)
+        unused: dict[str, int] = {}
+        for prefix in unused_prefixes:
+            under = [n for n in left if n.startswith(prefix)]
+            if under:
+                unused[prefix] = len(under)
+                left = [n for n in left if not n.startswith(prefix)]
         if left:
             more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
             raise ContractError(
                 f"unclaimed tensor {left[0]}{more}: no module of this model uses it"
             )
+        return unused
