@@ -44,6 +44,10 @@ ORACLE_FAMILIES = (
     "phi3",
     "qwen2",
     "qwen3",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
     "qwen3_moe",
 )
 

@@ -14,7 +14,7 @@ pub const MAX_POSITIONS: usize = 1 << 24;
 
 /// `model_type`s of the oracle's family table (oracle/tracegate_oracle/families.py; equality
 /// checked by oracle/tests/test_families.py): the refusal tells their users where to go.
-pub const ORACLE_FAMILIES: [&str; 10] = [
+pub const ORACLE_FAMILIES: [&str; 14] = [
     "gemma3_text",
     "llama",
     "mistral",
@@ -24,6 +24,10 @@ pub const ORACLE_FAMILIES: [&str; 10] = [
     "phi3",
     "qwen2",
     "qwen3",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
     "qwen3_moe",
 ];
 
