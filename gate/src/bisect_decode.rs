@@ -571,27 +571,24 @@ fn isolate_step(
     for l in 0..upto {
         let h = whole(l);
         let mut row = b::layer_row(l, differs(l), h.as_ref());
-        let verb = Verb::Layer {
-            model: o.model.clone(),
+        let run = b::LayerRun {
+            verb: Verb::Layer {
+                model: o.model.clone(),
+                layer: l,
+                input: input_rel.clone(),
+                input_name: names::layer(l, "hidden_in"),
+                out: format!("{}/decode.{s:04}.candidate.layer.{l:02}.trace", o.work),
+                internals: o.internals,
+                force: None,
+                decode_from: Some(p),
+            },
             layer: l,
-            input: input_rel.clone(),
-            input_name: names::layer(l, "hidden_in"),
-            out: format!("{}/decode.{s:04}.candidate.layer.{l:02}.trace", o.work),
-            internals: o.internals,
-            force: None,
-            decode_from: Some(p),
+            slice_rel: format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work),
+            whose: "the reference's",
         };
-        let slice_rel = format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work);
-        match b::isolate_with(
-            o,
-            &verb,
-            l,
-            &slice_rel,
-            "the reference's",
-            c.policy,
-            runs,
-            |cand, out| b::write_slice(&view, cand, l, out),
-        ) {
+        match b::isolate_with(o, &run, c.policy, runs, |cand, out| {
+            b::write_slice(&view, cand, l, out)
+        }) {
             Ok(iso) => b::fill_isolated(&mut row, iso),
             Err(why) => {
                 row.isolation = Isolated::NotChecked;

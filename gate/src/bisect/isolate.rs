@@ -111,33 +111,43 @@ pub(crate) fn isolate(
         force: forced.then(|| src.rel.to_string()),
         decode_from: None,
     };
-    let slice_rel = format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem);
-    isolate_with(
-        o,
-        &verb,
+    let run = LayerRun {
+        verb,
         layer,
-        &slice_rel,
-        src.whose,
-        policy,
-        runs,
-        |cand, out| write_slice(src.trace, cand, layer, out),
-    )
+        slice_rel: format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem),
+        whose: src.whose,
+    };
+    isolate_with(o, &run, policy, runs, |cand, out| {
+        write_slice(src.trace, cand, layer, out)
+    })
 }
 
-/// Runs the candidate's layer `verb` and compares its trace with the reference's rows of that
-/// layer, which `slice` writes (given the candidate's trace) to `slice_rel`; `whose` names
-/// their source in messages ("the reference's").
-#[allow(clippy::too_many_arguments)] // one call site per verb kind; a struct would only rename them
+/// One layer isolation's run: the candidate's layer `verb` for `layer`, and where the reference's
+/// rows of that layer go (`slice_rel`); `whose` names their source in messages ("the
+/// reference's").
+pub(crate) struct LayerRun<'a> {
+    pub(crate) verb: Verb,
+    pub(crate) layer: usize,
+    pub(crate) slice_rel: String,
+    pub(crate) whose: &'a str,
+}
+
+/// Runs the candidate's layer verb of `run` and compares its trace with the reference's rows of
+/// that layer, which `slice` writes (given the candidate's trace) to `run.slice_rel`.
 pub(crate) fn isolate_with(
     o: &BisectOptions,
-    verb: &Verb,
-    layer: usize,
-    slice_rel: &str,
-    whose: &str,
+    run: &LayerRun,
     policy: &Option<Policy>,
     runs: &mut Vec<RunRecord>,
     slice: impl FnOnce(&Trace, &Path) -> Result<()>,
 ) -> std::result::Result<Isolation, String> {
+    let LayerRun {
+        verb,
+        layer,
+        slice_rel,
+        whose,
+    } = run;
+    let (layer, slice_rel) = (*layer, slice_rel.as_str());
     let rec = o.candidate.run(&o.root, verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {

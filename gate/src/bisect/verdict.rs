@@ -127,18 +127,22 @@ pub(crate) fn with_forcing(f: &DecisionsForced, (verdict, summary): Said) -> Sai
     )
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The verdict and summary from the layers' statuses and where the whole runs diverge;
+/// `failed`: the layer whose layer verb failed, and why.
 pub(crate) fn verdict(
     layers: &[LayerRow],
+    located: &super::whole::Located,
     first_wrong: Option<usize>,
     stage: &Option<Stage>,
-    first: &Option<(i64, String, How)>,
-    n: usize,
-    whole: &WholeRun,
-    structure: &Option<String>,
     amplification: Option<f64>,
     failed: &Option<(usize, String)>,
 ) -> Said {
+    let (first, n, whole, structure) = (
+        &located.first,
+        located.n,
+        &located.whole_run,
+        &located.structure,
+    );
     let with = |status: LayerStatus| -> Vec<usize> {
         layers
             .iter()
