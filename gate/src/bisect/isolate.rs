@@ -40,7 +40,8 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
             json!({ "layer": layer, "from": reference.path().display().to_string() }),
         );
     }
-    let mut w = TraceWriter::create(out, prov).map_err(|e| gerr!("{}: {e}", out.display()))?;
+    let mut w =
+        TraceWriter::create(out, prov).map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     let same_rows = |name: &str, a: &Attributes| {
         cand.tensor_info(name)
             .is_some_and(|c| !name.contains(".expert.") || c.attributes.positions == a.positions)
@@ -70,7 +71,7 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
             reference.data(info),
             &attrs,
         )
-        .map_err(|e| gerr!("{}: {e}", out.display()))?;
+        .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     }
     for d in reference
         .decisions()
@@ -84,9 +85,10 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
             &reference.decision_values(d),
             margins.as_deref(),
         )
-        .map_err(|e| gerr!("{}: {e}", out.display()))?;
+        .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     }
-    w.finish().map_err(|e| gerr!("{}: {e}", out.display()))?;
+    w.finish()
+        .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     Ok(())
 }
 
@@ -99,7 +101,7 @@ pub(crate) fn isolate(
     policy: &Option<Policy>,
     forced: bool,
     runs: &mut Vec<RunRecord>,
-) -> std::result::Result<Isolation, String> {
+) -> Result<Isolation> {
     let out = format!("{}/{}.{layer:02}.trace", o.work, src.out_stem);
     let verb = Verb::Layer {
         model: o.model.clone(),
@@ -140,7 +142,7 @@ pub(crate) fn isolate_with(
     policy: &Option<Policy>,
     runs: &mut Vec<RunRecord>,
     slice: impl FnOnce(&Trace, &Path) -> Result<()>,
-) -> std::result::Result<Isolation, String> {
+) -> Result<Isolation> {
     let LayerRun {
         verb,
         layer,
@@ -151,8 +153,8 @@ pub(crate) fn isolate_with(
     let rec = o.candidate.run(&o.root, verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {
-        return Err(format!(
-            "the candidate's layer verb failed: {} ($ {})",
+        return Err(gerr!(
+            Producer: "the candidate's layer verb failed: {} ($ {})",
             rec.why()
                 .lines()
                 .map(str::trim)
@@ -162,15 +164,15 @@ pub(crate) fn isolate_with(
             rec.invocation
         ));
     }
-    let cand = open(&o.root, verb.out()).map_err(|e| e.to_string())?;
+    let cand = open(&o.root, verb.out())?;
     for need in ["attn_out", "mlp_out", "hidden_out"] {
         let name = names::layer(layer, need);
         if cand.tensor_info(&name).is_none() {
-            return Err(format!("the candidate's layer trace has no {name}"));
+            return Err(gerr!(Producer: "the candidate's layer trace has no {name}"));
         }
     }
-    slice(&cand, &o.root.join(slice_rel)).map_err(|e| e.to_string())?;
-    let slice = open(&o.root, slice_rel).map_err(|e| e.to_string())?;
+    slice(&cand, &o.root.join(slice_rel))?;
+    let slice = open(&o.root, slice_rel)?;
     let rep = compare(
         &slice,
         &cand,
@@ -182,8 +184,8 @@ pub(crate) fn isolate_with(
     );
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = rep.findings.iter().map(describe).collect();
-        return Err(format!(
-            "the candidate's layer trace is not comparable with {}: {}",
+        return Err(gerr!(
+            Incomparable: "the candidate's layer trace is not comparable with {}: {}",
             whose,
             why.join("; ")
         ));

@@ -55,8 +55,8 @@ pub(crate) fn isolate_layers(
             Ok(iso) => fill_isolated(row, iso),
             Err(why) => {
                 row.isolation = Isolated::NotChecked;
-                row.reason = Some(why.clone());
-                failed = Some((l, why));
+                row.reason = Some(why.to_string());
+                failed = Some((l, why.to_string()));
             }
         }
         crate::progress::step(format_args!("layer {l:02} in isolation: {}", row.isolation));

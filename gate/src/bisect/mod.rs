@@ -171,7 +171,7 @@ pub(crate) fn decisions(rep: &Report) -> Vec<DecisionCmp> {
 }
 
 pub(crate) fn open(root: &Path, rel: &str) -> Result<Trace> {
-    Trace::open(root.join(rel)).map_err(|e| gerr!("{rel}: {e}"))
+    Trace::open(root.join(rel)).map_err(|e| gerr!(File: "{rel}: {e}"))
 }
 
 pub use tracegate_diff::thousands;

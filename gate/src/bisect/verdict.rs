@@ -13,7 +13,7 @@ pub(crate) fn compare_whole(
     if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = whole.findings.iter().map(describe).collect();
         return Err(gerr!(
-            "the whole traces cannot be compared ({:?}): {}",
+            Incomparable: "the whole traces cannot be compared ({:?}): {}",
             whole.verdict,
             why.join("; ")
         ));
@@ -29,7 +29,7 @@ pub(crate) fn forced_run(
     rec: &RunRecord,
     rel: &str,
     opts: &Options,
-) -> std::result::Result<(Report, Trace), String> {
+) -> Result<(Report, Trace)> {
     if !rec.ok {
         let why = rec.why();
         let said: Vec<&str> = why
@@ -37,14 +37,18 @@ pub(crate) fn forced_run(
             .map(str::trim)
             .filter(|l| !l.is_empty())
             .collect();
-        return Err(format!("the candidate's trace verb failed with --force-decisions (a producer need not implement it): {}", said.join(" | ")));
+        return Err(
+            gerr!(Producer: "the candidate's trace verb failed with --force-decisions (a producer need not implement it): {}", said.join(" | ")),
+        );
     }
-    let t = open(&o.root, rel).map_err(|e| e.0)?;
+    let t = open(&o.root, rel)?;
     let digest = reference.digest().hex();
     if t.provenance()["forced_decisions"]["trace_digest"].as_str() != Some(digest.as_str()) {
-        return Err("the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)".into());
+        return Err(
+            gerr!(Producer: "the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)"),
+        );
     }
-    let rep = compare_whole(reference, &t, opts).map_err(|e| e.0)?;
+    let rep = compare_whole(reference, &t, opts)?;
     let still: Vec<String> = rep
         .decisions
         .results
@@ -53,8 +57,8 @@ pub(crate) fn forced_run(
         .map(|d| format!("{} ({} rows)", d.name, d.differing_rows))
         .collect();
     if !still.is_empty() {
-        return Err(format!(
-            "the candidate's forced trace still takes other decisions: {}",
+        return Err(gerr!(
+            Producer: "the candidate's forced trace still takes other decisions: {}",
             still.join(", ")
         ));
     }
@@ -286,7 +290,7 @@ pub(crate) fn broken(whole: &WholeRun, name: &str) -> String {
 pub(crate) fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
     match runs.iter().find(|r| r.timed_out) {
         Some(r) => Err(gerr!(
-            "{} {} timed out after {} s (--timeout) and was killed: $ {}",
+            Producer: "{} {} timed out after {} s (--timeout) and was killed: $ {}",
             r.producer,
             r.verb,
             o.timeout.as_secs(),

@@ -49,7 +49,7 @@ pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result
     for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
         if !rec.ok {
             return Err(gerr!(
-                "{side} ({}) trace failed: {}\n    $ {}",
+                Producer: "{side} ({}) trace failed: {}\n    $ {}",
                 rec.producer,
                 rec.why(),
                 rec.invocation
@@ -163,7 +163,7 @@ pub(crate) fn force_decisions(
             rep
         }
         Err(why) => {
-            f.reason = Some(why);
+            f.reason = Some(why.to_string());
             compared
         }
     };

@@ -10,9 +10,8 @@ pub const ENGINE_CHILD: &str = "__engine-producer";
 
 /// The engine side of ENGINE_CHILD: `argv` is the equivalent engine command line
 /// (`engine trace|layer ARGS --threads N`, as `Producer::argv` writes it).
-pub fn engine_child(argv: &[String]) -> Result<(), String> {
+pub fn engine_child(argv: &[String]) -> crate::Result<()> {
     let (verb, threads) = Verb::parse(argv)?;
-    let e = |e: tracegate_engine::Error| e.to_string();
     match verb {
         Verb::Trace {
             model,
@@ -34,7 +33,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
             force_decisions: force.map(PathBuf::from),
         })
         .map(|_| ())
-        .map_err(e),
+        .map_err(crate::Error::from),
         Verb::Layer {
             model,
             layer,
@@ -57,7 +56,7 @@ pub fn engine_child(argv: &[String]) -> Result<(), String> {
             decode_from,
         })
         .map(|_| ())
-        .map_err(e),
+        .map_err(crate::Error::from),
     }
 }
 
@@ -123,6 +122,6 @@ mod tests {
             "m".into(),
         ])
         .unwrap_err();
-        assert!(err.contains("missing --capture"), "{err}");
+        assert!(err.to_string().contains("missing --capture"), "{err}");
     }
 }

@@ -101,7 +101,7 @@ impl Producer {
         let bad = |why: &str| {
             crate::gerr!("{name} command template {template:?}: {why} (example: 'my-engine {{verb}} {{args}}'; docs/producers.md)")
         };
-        let words = split_words(template).map_err(|e| bad(&e))?;
+        let words = split_words(template).map_err(|e| bad(&e.to_string()))?;
         if words.is_empty() {
             return Err(bad("empty"));
         }
@@ -205,17 +205,18 @@ impl Producer {
         root: &Path,
         request: &[String],
         timeout: Duration,
-    ) -> Option<std::result::Result<(), String>> {
+    ) -> Option<crate::Result<()>> {
         let (_, serve_argv) = self.serve_argv()?;
         let (e, _) = crate::worker::request(root, &serve_argv, request, timeout);
         Some(match (e.ok, e.timed_out) {
             (true, _) => Ok(()),
-            (false, true) => Err(format!(
+            (false, true) => Err(crate::gerr!(
+                Producer:
                 "timed out after {} s (--timeout) and was killed: $ {}",
                 timeout.as_secs_f64(),
                 display(&serve_argv)
             )),
-            (false, false) => Err(e.text),
+            (false, false) => Err(crate::Error::Producer(e.text)),
         })
     }
 

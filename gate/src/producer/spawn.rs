@@ -88,20 +88,17 @@ impl Ended {
 
 /// Runs a helper command (not a producer: e.g. the oracle's version probe) under the same
 /// timeout and bounds; its stdout when it succeeds, else why not.
-pub fn run_helper(
-    root: &Path,
-    argv: &[String],
-    timeout: Duration,
-) -> std::result::Result<String, String> {
+pub fn run_helper(root: &Path, argv: &[String], timeout: Duration) -> crate::Result<String> {
     let e = run_command(root, argv, timeout);
     match (e.ok, e.timed_out) {
         (true, _) => Ok(e.stdout),
-        (false, true) => Err(format!(
+        (false, true) => Err(crate::gerr!(
+            Producer:
             "timed out after {} s (--timeout) and was killed: $ {}",
             timeout.as_secs_f64(),
             display(argv)
         )),
-        (false, false) => Err(e.text),
+        (false, false) => Err(crate::Error::Producer(e.text)),
     }
 }
 

@@ -114,18 +114,18 @@ impl Verb {
     }
 
     /// The inverse of `Producer::argv` for the engine: `engine VERB ARGS --threads N`.
-    pub fn parse(argv: &[String]) -> std::result::Result<(Verb, usize), String> {
+    pub fn parse(argv: &[String]) -> crate::Result<(Verb, usize)> {
         let (verb, rest) = match argv {
             [engine, verb, rest @ ..] if engine == "engine" => (verb.as_str(), rest),
             _ => {
-                return Err(format!(
+                return Err(crate::gerr!(
                     "expected `engine trace|layer ARGS`, got {}",
                     display(argv)
                 ))
             }
         };
         if rest.len() % 2 != 0 {
-            return Err(format!(
+            return Err(crate::gerr!(
                 "arguments are not --name value pairs: {}",
                 display(rest)
             ));
@@ -136,15 +136,17 @@ impl Verb {
             .collect();
         let mut take = |name: &str| {
             args.remove(name)
-                .ok_or_else(|| format!("{verb}: missing {name}"))
+                .ok_or_else(|| crate::gerr!("{verb}: missing {name}"))
         };
-        let number =
-            |name: &str, v: &str| v.parse::<usize>().map_err(|e| format!("{name} {v:?}: {e}"));
+        let number = |name: &str, v: &str| {
+            v.parse::<usize>()
+                .map_err(|e| crate::gerr!("{name} {v:?}: {e}"))
+        };
         let internals = match take("--capture")? {
             "default" => false,
             "internals" => true,
             other => {
-                return Err(format!(
+                return Err(crate::gerr!(
                     "--capture {other:?}: expected default or internals"
                 ))
             }
@@ -156,7 +158,7 @@ impl Verb {
         let parsed = match verb {
             "trace" => {
                 let tokens = take("--tokens")?;
-                let tokens = crate::prompts::parse_tokens(tokens).map_err(|e| e.to_string())?;
+                let tokens = crate::prompts::parse_tokens(tokens)?;
                 let generate = match args.remove("--generate") {
                     Some(g) => number("--generate", g)?,
                     None => 0,
@@ -164,7 +166,9 @@ impl Verb {
                 let cache = match args.remove("--cache") {
                     None | Some("on") => true,
                     Some("off") => false,
-                    Some(other) => return Err(format!("--cache {other:?}: expected on or off")),
+                    Some(other) => {
+                        return Err(crate::gerr!("--cache {other:?}: expected on or off"))
+                    }
                 };
                 Verb::Trace {
                     model,
@@ -183,7 +187,7 @@ impl Verb {
                 let decode_from = match args.remove("--decode-from") {
                     Some(p) => Some(
                         p.parse::<i64>()
-                            .map_err(|e| format!("--decode-from {p:?}: {e}"))?,
+                            .map_err(|e| crate::gerr!("--decode-from {p:?}: {e}"))?,
                     ),
                     None => None,
                 };
@@ -198,16 +202,20 @@ impl Verb {
                     decode_from,
                 }
             }
-            other => return Err(format!("unknown verb {other:?}: expected trace or layer")),
+            other => {
+                return Err(crate::gerr!(
+                    "unknown verb {other:?}: expected trace or layer"
+                ))
+            }
         };
         match args.keys().next() {
-            Some(extra) => Err(format!("{verb}: unexpected argument {extra}")),
+            Some(extra) => Err(crate::gerr!("{verb}: unexpected argument {extra}")),
             None => Ok((parsed, threads)),
         }
     }
 }
 
-pub fn split_words(s: &str) -> std::result::Result<Vec<String>, String> {
+pub fn split_words(s: &str) -> crate::Result<Vec<String>> {
     let mut words = Vec::new();
     let mut cur = String::new();
     let mut quote: Option<char> = None;
@@ -230,7 +238,7 @@ pub fn split_words(s: &str) -> std::result::Result<Vec<String>, String> {
         }
     }
     if let Some(q) = quote {
-        return Err(format!("unterminated {q} quote"));
+        return Err(crate::gerr!("unterminated {q} quote"));
     }
     if any || !cur.is_empty() {
         words.push(cur);

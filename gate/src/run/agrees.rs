@@ -48,13 +48,12 @@ pub(super) fn check_oracle(
         (Err(why), _) | (Ok(_), Err(why)) => {
             // An engine that failed, or an oracle that ran and failed, fails both; an oracle
             // that could not run leaves them NOT CHECKED.
-            let status = if traces.engine.is_err() || traces.oracle_failed_to_run {
-                Status::Fail
-            } else {
-                Status::NotChecked
+            let status = match (&traces.engine, &traces.oracle) {
+                (Ok(_), Err(crate::Error::Unavailable(_))) => Status::NotChecked,
+                _ => Status::Fail,
             };
             let both = [Check::Agrees, Check::GenerationOracle]
-                .map(|check| CheckResult::new(check, status, why.clone()));
+                .map(|check| CheckResult::new(check, status, why.to_string()));
             (both.into(), None)
         }
     }

@@ -74,7 +74,7 @@ pub(super) fn check_stable(
     expect: std::result::Result<&Expectation, &str>,
 ) -> CheckResult {
     match (engine, expect) {
-        (Err(e), _) => CheckResult::new(Check::Stable, Status::Fail, e.clone()),
+        (Err(e), _) => CheckResult::new(Check::Stable, Status::Fail, e.to_string()),
         (Ok(_), Err(why)) => CheckResult::not_checked(Check::Stable, why),
         (Ok(t), Ok(e)) if t.digest().hex() == e.engine_digest => CheckResult::new(
             Check::Stable,
@@ -111,7 +111,7 @@ pub(super) fn check_matches(
 ) -> CheckResult {
     match (&traces.engine, &traces.contract) {
         (Ok(e), Ok(c)) => compare_matches(m, p, e, c, expect),
-        (Err(e), _) | (_, Err(e)) => CheckResult::new(Check::Matches, Status::Fail, e.clone()),
+        (Err(e), _) | (_, Err(e)) => CheckResult::new(Check::Matches, Status::Fail, e.to_string()),
     }
 }
 
@@ -274,7 +274,7 @@ pub(super) fn check_generation(
         _ => {
             let why: Vec<String> = [&traces.engine, &traces.engine_uncached, &traces.contract]
                 .iter()
-                .filter_map(|t| t.as_ref().err().cloned())
+                .filter_map(|t| t.as_ref().err().map(ToString::to_string))
                 .collect();
             CheckResult::new(Check::Generation, Status::Fail, why.join("; "))
         }

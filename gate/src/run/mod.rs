@@ -77,16 +77,17 @@ fn probe_oracle(
     timeout: std::time::Duration,
     oracle: Option<&Producer>,
     dir: &Path,
-) -> std::result::Result<Value, String> {
+) -> Result<Value> {
     let py = python(root, "TRACEGATE_ORACLE_PYTHON");
-    let unavailable = |err: String| {
+    let unavailable = |err: crate::Error| {
+        let err = err.to_string();
         let last = err
             .lines()
             .rev()
             .find(|l| !l.trim().is_empty() && !l.starts_with('['))
             .unwrap_or("import failed")
             .to_string();
-        format!("torch/transformers unavailable to {py}: {last}")
+        gerr!(Unavailable: "torch/transformers unavailable to {py}: {last}")
     };
     let answer = dir.join("oracle-versions.json");
     let served = oracle.and_then(|o| {
@@ -102,7 +103,8 @@ fn probe_oracle(
     });
     let out = match served {
         Some(asked) => asked.map_err(unavailable).and_then(|()| {
-            std::fs::read_to_string(&answer).map_err(|e| format!("{}: {e}", answer.display()))
+            std::fs::read_to_string(&answer)
+                .map_err(|e| gerr!(Unavailable: "{}: {e}", answer.display()))
         })?,
         None => {
             let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
@@ -110,13 +112,13 @@ fn probe_oracle(
                 .map_err(unavailable)?
         }
     };
-    serde_json::from_str(&out).map_err(|e| format!("version probe printed no JSON: {e}"))
+    serde_json::from_str(&out).map_err(|e| gerr!(Unavailable: "version probe printed no JSON: {e}"))
 }
 
-fn stack_versions(oracle: &std::result::Result<Value, String>) -> Value {
+fn stack_versions(oracle: &Result<Value>) -> Value {
     json!({
         "tracegate": env!("CARGO_PKG_VERSION"),
-        "oracle_stack": match oracle { Ok(v) => v.clone(), Err(e) => json!({"unavailable": e}) },
+        "oracle_stack": match oracle { Ok(v) => v.clone(), Err(e) => json!({"unavailable": e.to_string()}) },
     })
 }
 
@@ -221,7 +223,7 @@ struct Producers {
     contract: Producer,
     oracle: Producer,
     /// The oracle's versions, or why it cannot run (no torch or transformers).
-    oracle_probe: std::result::Result<Value, String>,
+    oracle_probe: Result<Value>,
     /// A user's oracle always runs; the default one when its probe answered.
     oracle_runs: bool,
 }
@@ -365,7 +367,7 @@ fn run_prompt(
     let dir = o.root.join(&dir_rel);
     // Never compare a stale trace: a producer that fails must leave nothing to read.
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| gerr!("{}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
     crate::progress::doing(format!("{}: running the producers", p.id));
     let runs = std::thread::scope(|s| {
         let spawn = |role: Role| {
@@ -395,7 +397,7 @@ fn run_prompt(
     });
     if let Some((role, rec)) = runs.by_role().find(|(_, rec)| rec.timed_out) {
         return Err(gerr!(
-            "{}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
+            Producer: "{}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
             p.id,
             role.label(),
             rec.verb,

@@ -15,8 +15,9 @@ use crate::milestones::{Expectation, Milestone};
 use crate::producer::RunRecord;
 use crate::prompts::Prompt;
 
-/// A trace, or why it cannot be read (its run failed; for the oracle, also why it did not run).
-pub(super) type Opened = std::result::Result<Trace, String>;
+/// A trace, or why it cannot be read: its run failed (Producer), its file is unreadable (File),
+/// or, for the oracle, it could not run at all (Unavailable).
+pub(super) type Opened = crate::Result<Trace>;
 
 /// A prompt's traces, each by the run that wrote it.
 pub(super) struct Traces {
@@ -24,27 +25,25 @@ pub(super) struct Traces {
     pub engine_uncached: Opened,
     pub contract: Opened,
     pub oracle: Opened,
-    /// The oracle ran and its trace cannot be read: a failure, where an oracle that could not
-    /// run at all (no torch) leaves its checks NOT CHECKED.
-    pub oracle_failed_to_run: bool,
 }
 
 impl Traces {
     /// `oracle_probe`: why the oracle did not run, when it did not.
-    fn open(
-        root: &Path,
-        runs: &PromptRuns,
-        oracle_probe: &std::result::Result<Value, String>,
-    ) -> Traces {
+    fn open(root: &Path, runs: &PromptRuns, oracle_probe: &crate::Result<Value>) -> Traces {
         let oracle = match &runs.oracle {
             Some(rec) => open(root, rec),
-            None => Err(oracle_probe.as_ref().err().cloned().unwrap_or_default()),
+            None => Err(crate::Error::Unavailable(
+                oracle_probe
+                    .as_ref()
+                    .err()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
+            )),
         };
         Traces {
             engine: open(root, &runs.engine),
             engine_uncached: open(root, &runs.engine_uncached),
             contract: open(root, &runs.contract),
-            oracle_failed_to_run: runs.oracle.is_some() && oracle.is_err(),
             oracle,
         }
     }
@@ -88,7 +87,7 @@ pub(super) fn judge_prompt(
     p: &Prompt,
     runs: PromptRuns,
     policy: &Policy,
-    oracle_probe: &std::result::Result<Value, String>,
+    oracle_probe: &crate::Result<Value>,
 ) -> PromptResult {
     let traces = Traces::open(&o.root, &runs, oracle_probe);
     let expect = expectation(m, p, o.generate.unwrap_or(m.generate));
@@ -172,14 +171,16 @@ fn counts(t: &Trace) -> Value {
     })
 }
 
-fn open(root: &Path, rec: &RunRecord) -> std::result::Result<Trace, String> {
+fn open(root: &Path, rec: &RunRecord) -> Opened {
     if !rec.ok {
-        return Err(format!(
+        return Err(crate::gerr!(
+            Producer:
             "{} {} failed: {}",
             rec.producer,
             rec.verb,
             rec.why()
         ));
     }
-    Trace::open(root.join(&rec.out)).map_err(|e| format!("{} trace unreadable: {e}", rec.producer))
+    Trace::open(root.join(&rec.out))
+        .map_err(|e| crate::gerr!(File: "{} trace unreadable: {e}", rec.producer))
 }
