@@ -1,4 +1,5 @@
-//! The verdict and summary line from the whole-run comparison, the isolations and the forced run.
+//! The verdict and summary line from the whole-run comparison, the isolations, the forced run
+//! and the self-consistency check, and the words for suspicious layers.
 
 use super::*;
 
@@ -275,6 +276,73 @@ pub(crate) fn verdict(
             )
         }
     }
+}
+
+/// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
+/// the candidate's own whole run, so its isolation would judge the probe, not the engine.
+pub(crate) fn inconsistent_verdict(
+    i: &Inconsistency,
+    layers: &[LayerRow],
+    whole: &WholeRun,
+) -> Said {
+    let element = i
+        .element
+        .as_ref()
+        .map(|e| {
+            let which = match e.which {
+                Which::FirstDiffering => "first differing element",
+                Which::WorstOutsidePolicy => "worst element outside the policy",
+            };
+            format!(
+                "; {which} {:?}: whole run {} vs layer verb {} ({} ULP)",
+                e.coords,
+                e.whole_run_value,
+                e.layer_verb_value,
+                ulps(e.ulp)
+            )
+        })
+        .unwrap_or_default();
+    let others: Vec<usize> = layers
+        .iter()
+        .filter(|r| r.status == LayerStatus::Inconsistent && r.layer != i.layer)
+        .map(|r| r.layer)
+        .collect();
+    let also = if others.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", say(&others, "disagrees too", "disagree too"))
+    };
+    (
+        BisectVerdict::InconsistentProducer,
+        format!(
+            "the candidate's layer verb disagrees with its own whole run at layer {:02}: {}{element}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
+            i.layer,
+            i.detail,
+            whole.verdict.as_str().replace('_', " ")
+        ),
+    )
+}
+
+/// "layer 01 suspicious: isolated error 3.10× its peers' median (rel L2 of …; flagged above 2×; not a failure)".
+pub(crate) fn suspicious_words(layers: &[LayerRow], out: &Outliers) -> String {
+    let each: Vec<String> = out
+        .suspicious
+        .iter()
+        .map(|&l| {
+            let r = &layers[l];
+            let how = r
+                .peer_ratio
+                .map(|x| format!("{} its peers' median", ratio(Some(x))))
+                .unwrap_or_else(|| "above zero, its peers' median (bit-exact)".into());
+            format!("layer {l:02} suspicious: isolated error {how}")
+        })
+        .collect();
+    format!(
+        "{} (rel L2 of {}; flagged above {}×; not a failure)",
+        each.join("; "),
+        out.measure,
+        out.factor
+    )
 }
 
 /// " (relative L2 0.2 > 0.0001)" when `name` is the whole run's first violation: under a
