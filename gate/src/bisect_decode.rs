@@ -406,7 +406,7 @@ fn cache_check(o: &BisectOptions, c: &Context, s: usize, runs: &mut Vec<RunRecor
     let uncached = match b::open(&o.root, &rel) {
         Ok(t) => t,
         Err(e) => {
-            check.reason = Some(e.0);
+            check.reason = Some(e.to_string());
             return check;
         }
     };
@@ -479,24 +479,24 @@ fn write_step_inputs(
         );
     }
     let create = |rel: &str| {
-        TraceWriter::create(o.root.join(rel), prov.clone()).map_err(|e| gerr!("{rel}: {e}"))
+        TraceWriter::create(o.root.join(rel), prov.clone()).map_err(|e| gerr!(File: "{rel}: {e}"))
     };
     let (mut input, mut view) = (create(input_rel)?, create(view_rel)?);
     for l in 0..c.layers {
         let pre = names::layer(l, "hidden_in");
         let mut x = r
             .f32_slice(&pre)
-            .map_err(|e| gerr!("the reference's {pre}: {e}"))?
+            .map_err(|e| gerr!(File: "the reference's {pre}: {e}"))?
             .to_vec();
         let info = r
             .tensor_info(&pre)
-            .ok_or_else(|| gerr!("the reference has no {pre}"))?;
+            .ok_or_else(|| gerr!(Producer: "the reference has no {pre}"))?;
         let h = *info.shape.last().unwrap_or(&0);
         for t in 1..=s {
             let name = names::decode(t, &pre);
             x.extend_from_slice(
                 r.f32_slice(&name)
-                    .map_err(|e| gerr!("the reference's {name}: {e}"))?,
+                    .map_err(|e| gerr!(File: "the reference's {name}: {e}"))?,
             );
         }
         let attrs = Attributes {
@@ -505,23 +505,25 @@ fn write_step_inputs(
         };
         input
             .tensor_f32(&pre, &[p as u64 + 1, h], &x, &attrs)
-            .map_err(|e| gerr!("{input_rel}: {e}"))?;
+            .map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
         for point in BODY {
             let name = names::decode(s, &names::layer(l, point));
             let info = r
                 .tensor_info(&name)
-                .ok_or_else(|| gerr!("the reference has no {name}"))?;
+                .ok_or_else(|| gerr!(Producer: "the reference has no {name}"))?;
             let mut attrs = info.attributes.clone();
             attrs.extra.insert("decode_from".into(), p.to_string());
             let data = r
                 .f32_slice(&name)
-                .map_err(|e| gerr!("the reference's {name}: {e}"))?;
+                .map_err(|e| gerr!(File: "the reference's {name}: {e}"))?;
             view.tensor_f32(&names::layer(l, point), &info.shape, data, &attrs)
-                .map_err(|e| gerr!("{view_rel}: {e}"))?;
+                .map_err(|e| gerr!(File: "{view_rel}: {e}"))?;
         }
     }
-    input.finish().map_err(|e| gerr!("{input_rel}: {e}"))?;
-    view.finish().map_err(|e| gerr!("{view_rel}: {e}"))?;
+    input
+        .finish()
+        .map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
+    view.finish().map_err(|e| gerr!(File: "{view_rel}: {e}"))?;
     Ok(())
 }
 
@@ -539,13 +541,13 @@ fn isolate_step(
     let input_rel = format!("{}/decode.{s:04}.input.trace", o.work);
     let view_rel = format!("{}/decode.{s:04}.reference.trace", o.work);
     if let Err(e) = write_step_inputs(o, c, s, p, &input_rel, &view_rel) {
-        d.isolation_not_checked = Some(e.0);
+        d.isolation_not_checked = Some(e.to_string());
         return;
     }
     let view = match b::open(&o.root, &view_rel) {
         Ok(t) => t,
         Err(e) => {
-            d.isolation_not_checked = Some(e.0);
+            d.isolation_not_checked = Some(e.to_string());
             return;
         }
     };
@@ -571,27 +573,24 @@ fn isolate_step(
     for l in 0..upto {
         let h = whole(l);
         let mut row = b::layer_row(l, differs(l), h.as_ref());
-        let verb = Verb::Layer {
-            model: o.model.clone(),
+        let run = b::LayerRun {
+            verb: Verb::Layer {
+                model: o.model.clone(),
+                layer: l,
+                input: input_rel.clone(),
+                input_name: names::layer(l, "hidden_in"),
+                out: format!("{}/decode.{s:04}.candidate.layer.{l:02}.trace", o.work),
+                internals: o.internals,
+                force: None,
+                decode_from: Some(p),
+            },
             layer: l,
-            input: input_rel.clone(),
-            input_name: names::layer(l, "hidden_in"),
-            out: format!("{}/decode.{s:04}.candidate.layer.{l:02}.trace", o.work),
-            internals: o.internals,
-            force: None,
-            decode_from: Some(p),
+            slice_rel: format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work),
+            whose: "the reference's",
         };
-        let slice_rel = format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work);
-        match b::isolate_with(
-            o,
-            &verb,
-            l,
-            &slice_rel,
-            "the reference's",
-            c.policy,
-            runs,
-            |cand, out| b::write_slice(&view, cand, l, out),
-        ) {
+        match b::isolate_with(o, &run, c.policy, runs, |cand, out| {
+            b::write_slice(&view, cand, l, out)
+        }) {
             Ok(iso) => b::fill_isolated(&mut row, iso),
             Err(why) => {
                 row.isolation = Isolated::NotChecked;

@@ -19,22 +19,80 @@ pub mod worker;
 
 use std::path::{Path, PathBuf};
 
-/// A refusal or failure with the offending name, path and numbers; the CLI prints it and exits 2.
+/// The gate's errors, by kind, each with its whole message (the offending name, path and
+/// numbers), which is what the CLI prints. Callers branch on the kind: a layer verb that failed
+/// is not a layer trace that cannot be compared; the CLI exits with [`Error::exit_code`].
 #[derive(Debug)]
-pub struct Error(pub String);
+pub enum Error {
+    /// What was asked cannot be done as asked (a flag, a command template, a prompt, a model, a
+    /// milestone, a policy): refused before the work it asked for.
+    Refused(String),
+    /// A file the gate reads or writes: milestones, baselines, prompts, traces, reports.
+    File(String),
+    /// The work directory is held by another gate run.
+    Busy(String),
+    /// A producer run failed, timed out, or wrote a trace without what was asked of it.
+    Producer(String),
+    /// A producer that cannot run here at all (the default oracle without torch): what it would
+    /// have checked is NOT CHECKED, where a producer that ran and failed fails it.
+    Unavailable(String),
+    /// Two traces the differ cannot compare.
+    Incomparable(String),
+    /// The engine, run as the gate's own child (the engine crate's error, kept whole).
+    Engine(tracegate_engine::Error),
+}
+
+impl Error {
+    /// Every kind ends a command before it has an answer: the CLI's refusal, exit 2.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::Refused(_)
+            | Error::File(_)
+            | Error::Busy(_)
+            | Error::Producer(_)
+            | Error::Unavailable(_)
+            | Error::Incomparable(_)
+            | Error::Engine(_) => 2,
+        }
+    }
+}
 
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            Error::Refused(s)
+            | Error::File(s)
+            | Error::Busy(s)
+            | Error::Producer(s)
+            | Error::Unavailable(s)
+            | Error::Incomparable(s) => f.write_str(s),
+            Error::Engine(e) => e.fmt(f),
+        }
     }
 }
-impl std::error::Error for Error {}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Engine(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<tracegate_engine::Error> for Error {
+    fn from(e: tracegate_engine::Error) -> Error {
+        Error::Engine(e)
+    }
+}
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// `gerr!("...", args)`: a refusal; `gerr!(Kind: "...", args)`: an error of that kind.
 #[macro_export]
 macro_rules! gerr {
-    ($($t:tt)*) => { $crate::Error(format!($($t)*)) };
+    ($kind:ident: $($t:tt)*) => { $crate::Error::$kind(format!($($t)*)) };
+    ($($t:tt)*) => { $crate::Error::Refused(format!($($t)*)) };
 }
 
 /// The project root: the nearest ancestor of `start` holding `milestones.json`.
@@ -51,22 +109,23 @@ pub fn find_root(start: &Path) -> Result<PathBuf> {
 
 pub fn sha256_file(path: &Path) -> Result<String> {
     use sha2::Digest;
-    let bytes = std::fs::read(path).map_err(|e| gerr!("{}: {e}", path.display()))?;
+    let bytes = std::fs::read(path).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
     Ok(hex::encode(sha2::Sha256::digest(&bytes)))
 }
 
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|e| gerr!("{}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| gerr!("{}: {e}", path.display()))
+    let text = std::fs::read_to_string(path).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| gerr!(File: "{}: {e}", path.display()))
 }
 
 /// Writes JSON through a temporary file and a rename, so a crash never leaves half a file.
 pub fn write_json_atomic(path: &Path, value: &impl serde::Serialize) -> Result<()> {
-    let text =
-        serde_json::to_string_pretty(value).map_err(|e| gerr!("{}: {e}", path.display()))? + "\n";
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| gerr!(File: "{}: {e}", path.display()))?
+        + "\n";
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, text).map_err(|e| gerr!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| gerr!("{}: {e}", path.display()))
+    std::fs::write(&tmp, text).map_err(|e| gerr!(File: "{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| gerr!(File: "{}: {e}", path.display()))
 }
 
 /// Exclusive use of a trace directory for the life of one gate run. Two runs writing the same
@@ -81,7 +140,7 @@ impl WorkLock {
     pub fn acquire(dir: &Path) -> Result<WorkLock> {
         use std::io::{Read, Seek, Write};
         use std::os::fd::AsRawFd;
-        std::fs::create_dir_all(dir).map_err(|e| gerr!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
         let path = dir.join(".lock");
         let mut file = std::fs::OpenOptions::new()
             .read(true)
@@ -89,12 +148,12 @@ impl WorkLock {
             .create(true)
             .truncate(false)
             .open(&path)
-            .map_err(|e| gerr!("{}: {e}", path.display()))?;
+            .map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
         // SAFETY: flock on a descriptor this function owns; no memory is passed.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let err = std::io::Error::last_os_error();
             if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                return Err(gerr!("{}: cannot lock: {err}", path.display()));
+                return Err(gerr!(File: "{}: cannot lock: {err}", path.display()));
             }
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
@@ -104,7 +163,9 @@ impl WorkLock {
             } else {
                 format!("another gate run (pid {holder})")
             };
-            return Err(gerr!("{} is in use by {who}; wait for it to finish, or give this run its own directory with --work DIR", dir.display()));
+            return Err(
+                gerr!(Busy: "{} is in use by {who}; wait for it to finish, or give this run its own directory with --work DIR", dir.display()),
+            );
         }
         let _ = file
             .set_len(0)

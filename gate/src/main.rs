@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use tracegate_gate::paths::UserPaths;
 use tracegate_gate::producer::DEFAULT_TIMEOUT_S;
 use tracegate_gate::run::{run_milestone, Check, GateOptions, MilestoneReport};
-use tracegate_gate::{find_root, milestones::MilestoneFile, report};
+use tracegate_gate::{find_root, gerr, milestones::MilestoneFile, report, Error};
 
 #[derive(Parser)]
 #[command(
@@ -188,9 +188,8 @@ fn prompts_arg(up: &UserPaths, spec: &str) -> String {
     }
 }
 
-fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32, String> {
+fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32, Error> {
     use tracegate_gate::{bisect, prompts};
-    let e = |e: tracegate_gate::Error| e.to_string();
     let report = a.report.as_ref().map(|p| up.absolute(p));
     let html = a.html.as_ref().map(|p| up.absolute(p));
     // Refused before any producer runs: a page that cannot be written would lose the bisection.
@@ -199,14 +198,13 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
         .and_then(|p| p.parent())
         .filter(|d| !d.as_os_str().is_empty() && !d.is_dir())
     {
-        return Err(format!("--html: {} is not a directory", dir.display()));
+        return Err(gerr!("--html: {} is not a directory", dir.display()));
     }
     let tokens = match (&a.tokens, &a.prompt) {
-        (Some(t), None) => prompts::parse_tokens(t).map_err(e)?,
+        (Some(t), None) => prompts::parse_tokens(t)?,
         (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
-            .and_then(|s| s.get(id).map(|p| p.tokens.clone()))
-            .map_err(e)?,
-        _ => return Err("bisect needs --tokens IDS or --prompt ID".into()),
+            .and_then(|s| s.get(id).map(|p| p.tokens.clone()))?,
+        _ => return Err(gerr!("bisect needs --tokens IDS or --prompt ID")),
     };
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -223,16 +221,14 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
             a.reference_cmd.as_deref(),
             "reference",
             a.threads,
-        )
-        .map_err(e)?,
+        )?,
         candidate: bisect::producer(
             root,
             &a.candidate,
             a.candidate_cmd.as_deref(),
             "candidate",
             a.threads,
-        )
-        .map_err(e)?,
+        )?,
         policy: a.policy.as_ref().map(|p| match p.to_str() {
             Some(name) if tracegate_diff::Policy::is_name(name) => name.to_string(),
             _ => up.resolve(p).display().to_string(),
@@ -261,14 +257,14 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
                 "work_dir": o.work, "timeout_s": a.timeout, "gate_invocation": o.gate_invocation,
             });
             write_report(&report, &refused)?;
-            return Err(err.to_string());
+            return Err(err);
         }
     };
     print!("{}", bisect::render(&rep));
     write_report(&report, &rep)?;
     if let Some(p) = &html {
         tracegate_diff::html::write_file(p, &tracegate_gate::bisect_html::render_html(&rep))
-            .map_err(|e| format!("{}: {e}", p.display()))?;
+            .map_err(|e| gerr!(File: "{}: {e}", p.display()))?;
         eprintln!("HTML report written to {}", p.display());
     }
     Ok(rep.exit_code)
@@ -297,9 +293,9 @@ fn options(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Gat
     }
 }
 
-fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result<(), String> {
+fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result<(), Error> {
     if let Some(p) = path {
-        tracegate_gate::write_json_atomic(p, value).map_err(|e| e.to_string())?;
+        tracegate_gate::write_json_atomic(p, value)?;
         eprintln!("report written to {}", p.display());
     }
     Ok(())
@@ -310,13 +306,13 @@ fn run_one(
     up: &UserPaths,
     id: &str,
     a: &RunArgs,
-) -> Result<MilestoneReport, String> {
-    let (rep, bless_log) = run_milestone(&options(root, up, id, a)).map_err(|e| e.to_string())?;
+) -> Result<MilestoneReport, Error> {
+    let (rep, bless_log) = run_milestone(&options(root, up, id, a))?;
     print!("{}", report::render(&rep));
     if let Some(p) = &a.html {
         let p = up.absolute(p);
         tracegate_diff::html::write_file(&p, &report::render_html(&rep))
-            .map_err(|e| format!("{}: {e}", p.display()))?;
+            .map_err(|e| gerr!(File: "{}: {e}", p.display()))?;
         eprintln!("HTML report written to {}", p.display());
     }
     if let Some(log) = bless_log {
@@ -359,7 +355,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let root = match cli.root.clone().map(Ok).unwrap_or_else(|| {
         std::env::current_dir()
-            .map_err(|e| tracegate_gate::Error(e.to_string()))
+            .map_err(|e| gerr!("{e}"))
             .and_then(|d| find_root(&d))
     }) {
         Ok(r) => r,
@@ -394,13 +390,11 @@ fn main() -> ExitCode {
             write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())
         }),
         Cmd::Bisect(a) => bisect(&root, &up, a),
-        Cmd::Check { args } if args.html.is_some() => Err(
+        Cmd::Check { args } if args.html.is_some() => Err(gerr!(
             "gate check writes no HTML report: run each milestone with gate m0|m1|run --html"
-                .into(),
-        ),
+        )),
         Cmd::Check { args } => (|| {
-            let file =
-                MilestoneFile::load(&root.join("milestones.json")).map_err(|e| e.to_string())?;
+            let file = MilestoneFile::load(&root.join("milestones.json"))?;
             let mut reports = Vec::new();
             let mut table = Vec::new();
             let mut worst = 0;
@@ -437,7 +431,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
             eprintln!("gate: {e}");
-            ExitCode::from(2)
+            ExitCode::from(e.exit_code())
         }
     }
 }
@@ -451,13 +445,13 @@ fn engine_child() -> ExitCode {
         .collect();
     let result = match argv {
         Ok(argv) => tracegate_gate::producer::engine_child(&argv),
-        Err(bad) => Err(format!("argument {bad:?} is not UTF-8")),
+        Err(bad) => Err(gerr!("argument {bad:?} is not UTF-8")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("engine: {e}");
-            ExitCode::from(2)
+            ExitCode::from(e.exit_code())
         }
     }
 }

@@ -54,9 +54,11 @@ fn nonblocking(f: &std::fs::File) {
 }
 
 impl Worker {
-    fn spawn(root: &Path, argv: &[String]) -> Result<Worker, String> {
+    fn spawn(root: &Path, argv: &[String]) -> crate::Result<Worker> {
         use std::os::unix::process::CommandExt;
-        let (prog, rest) = argv.split_first().ok_or("empty worker command")?;
+        let (prog, rest) = argv
+            .split_first()
+            .ok_or_else(|| crate::gerr!("empty worker command"))?;
         let mut child = Command::new(prog)
             .args(rest)
             .current_dir(root)
@@ -65,12 +67,15 @@ impl Worker {
             .stderr(Stdio::piped())
             .process_group(0)
             .spawn()
-            .map_err(|e| format!("could not start {prog:?}: {e}"))?;
+            .map_err(|e| crate::gerr!(Producer: "could not start {prog:?}: {e}"))?;
         let as_file = |fd: Option<std::os::fd::OwnedFd>| fd.map(std::fs::File::from);
         let out = as_file(child.stdout.take().map(Into::into));
         let err = as_file(child.stderr.take().map(Into::into));
         out.iter().chain(err.iter()).for_each(nonblocking);
-        let stdin = child.stdin.take().ok_or("worker has no stdin")?;
+        let stdin = child
+            .stdin
+            .take()
+            .ok_or_else(|| crate::gerr!(Producer: "worker has no stdin"))?;
         Ok(Worker {
             pid: child.id() as libc::pid_t,
             child,
@@ -179,7 +184,7 @@ pub(crate) fn request(
     if guard.is_none() {
         match Worker::spawn(root, serve_argv) {
             Ok(w) => *guard = Some(w),
-            Err(e) => return (Ended::failed(e), None),
+            Err(e) => return (Ended::failed(e.to_string()), None),
         }
     }
     let Some(w) = guard.as_mut() else {

@@ -7,12 +7,9 @@ use super::*;
 /// (`tracegate_diff::measures`, docs/diff.md "Measures"), the ones the layer rows carry, since
 /// calibration divides those by these. NaN and infinity pairs are counted there, not summed; a
 /// row whose differing pairs are all NaN pairs (no distance) has max ULP 0 here.
-pub fn f32_stats(
-    reference: &[f32],
-    candidate: &[f32],
-) -> std::result::Result<CalibrationRow, String> {
-    let m =
-        tracegate_diff::measures::measure_f32(reference, candidate).map_err(|e| e.to_string())?;
+pub fn f32_stats(reference: &[f32], candidate: &[f32]) -> Result<CalibrationRow> {
+    let m = tracegate_diff::measures::measure_f32(reference, candidate)
+        .map_err(|e| gerr!(Incomparable: "{e}"))?;
     Ok(CalibrationRow {
         layer: 0,
         rel_l2: m.rel_l2(),
@@ -74,11 +71,11 @@ pub(crate) fn calibrate(
     let written = (|| -> Result<Option<f64>> {
         let info = reference
             .tensor_info(&name)
-            .ok_or_else(|| gerr!("the reference has no {name}"))?;
+            .ok_or_else(|| gerr!(Producer: "the reference has no {name}"))?;
         if info.dtype != DType::F32 {
             return Err(gerr!("{name} is {}, calibration perturbs f32", info.dtype));
         }
-        let x = reference.f32_slice(&name).map_err(|e| gerr!("{e}"))?;
+        let x = reference.f32_slice(&name).map_err(|e| gerr!(File: "{e}"))?;
         let y = perturb(x, o.seed);
         let mut prov = reference.provenance().clone();
         if let Some(p) = prov.as_object_mut() {
@@ -88,16 +85,19 @@ pub(crate) fn calibrate(
             );
         }
         let path = o.root.join(&input_rel);
-        let mut w = TraceWriter::create(&path, prov).map_err(|e| gerr!("{input_rel}: {e}"))?;
+        let mut w =
+            TraceWriter::create(&path, prov).map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
         w.tensor_f32(&name, &info.shape, &y, &info.attributes)
-            .map_err(|e| gerr!("{input_rel}: {e}"))?;
-        w.finish().map_err(|e| gerr!("{input_rel}: {e}"))?;
-        Ok(f32_stats(x, &y).map_err(|e| gerr!("{name}: {e}"))?.rel_l2)
+            .map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
+        w.finish().map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
+        Ok(f32_stats(x, &y)
+            .map_err(|e| gerr!(Incomparable: "{name}: {e}"))?
+            .rel_l2)
     })();
     match written {
         Ok(r) => cal.input_rel_l2 = r,
         Err(e) => {
-            cal.not_checked = Some(e.0);
+            cal.not_checked = Some(e.to_string());
             return cal;
         }
     }
@@ -123,16 +123,18 @@ pub(crate) fn calibrate(
         ));
         let hidden = names::layer(layer, "hidden_out");
         let got = if rec.ok {
-            open(&o.root, &out).map_err(|e| e.0)
+            open(&o.root, &out)
         } else {
-            Err(format!("the reference's layer verb failed: {}", rec.why()))
+            Err(gerr!(Producer: "the reference's layer verb failed: {}", rec.why()))
         };
         let stats = got.and_then(|t| {
-            let c = t.f32_slice(&hidden).map_err(|e| e.to_string())?;
-            let r = reference.f32_slice(&hidden).map_err(|e| e.to_string())?;
+            let c = t.f32_slice(&hidden).map_err(|e| gerr!(File: "{e}"))?;
+            let r = reference
+                .f32_slice(&hidden)
+                .map_err(|e| gerr!(File: "{e}"))?;
             if c.len() != r.len() {
-                return Err(format!(
-                    "{hidden}: {} elements vs {} in the reference",
+                return Err(gerr!(
+                    Incomparable: "{hidden}: {} elements vs {} in the reference",
                     c.len(),
                     r.len()
                 ));

@@ -40,7 +40,8 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
             json!({ "layer": layer, "from": reference.path().display().to_string() }),
         );
     }
-    let mut w = TraceWriter::create(out, prov).map_err(|e| gerr!("{}: {e}", out.display()))?;
+    let mut w =
+        TraceWriter::create(out, prov).map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     let same_rows = |name: &str, a: &Attributes| {
         cand.tensor_info(name)
             .is_some_and(|c| !name.contains(".expert.") || c.attributes.positions == a.positions)
@@ -70,7 +71,7 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
             reference.data(info),
             &attrs,
         )
-        .map_err(|e| gerr!("{}: {e}", out.display()))?;
+        .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     }
     for d in reference
         .decisions()
@@ -84,9 +85,10 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
             &reference.decision_values(d),
             margins.as_deref(),
         )
-        .map_err(|e| gerr!("{}: {e}", out.display()))?;
+        .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     }
-    w.finish().map_err(|e| gerr!("{}: {e}", out.display()))?;
+    w.finish()
+        .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     Ok(())
 }
 
@@ -99,7 +101,7 @@ pub(crate) fn isolate(
     policy: &Option<Policy>,
     forced: bool,
     runs: &mut Vec<RunRecord>,
-) -> std::result::Result<Isolation, String> {
+) -> Result<Isolation> {
     let out = format!("{}/{}.{layer:02}.trace", o.work, src.out_stem);
     let verb = Verb::Layer {
         model: o.model.clone(),
@@ -111,38 +113,48 @@ pub(crate) fn isolate(
         force: forced.then(|| src.rel.to_string()),
         decode_from: None,
     };
-    let slice_rel = format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem);
-    isolate_with(
-        o,
-        &verb,
+    let run = LayerRun {
+        verb,
         layer,
-        &slice_rel,
-        src.whose,
-        policy,
-        runs,
-        |cand, out| write_slice(src.trace, cand, layer, out),
-    )
+        slice_rel: format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem),
+        whose: src.whose,
+    };
+    isolate_with(o, &run, policy, runs, |cand, out| {
+        write_slice(src.trace, cand, layer, out)
+    })
 }
 
-/// Runs the candidate's layer `verb` and compares its trace with the reference's rows of that
-/// layer, which `slice` writes (given the candidate's trace) to `slice_rel`; `whose` names
-/// their source in messages ("the reference's").
-#[allow(clippy::too_many_arguments)] // one call site per verb kind; a struct would only rename them
+/// One layer isolation's run: the candidate's layer `verb` for `layer`, and where the reference's
+/// rows of that layer go (`slice_rel`); `whose` names their source in messages ("the
+/// reference's").
+pub(crate) struct LayerRun<'a> {
+    pub(crate) verb: Verb,
+    pub(crate) layer: usize,
+    pub(crate) slice_rel: String,
+    pub(crate) whose: &'a str,
+}
+
+/// Runs the candidate's layer verb of `run` and compares its trace with the reference's rows of
+/// that layer, which `slice` writes (given the candidate's trace) to `run.slice_rel`.
 pub(crate) fn isolate_with(
     o: &BisectOptions,
-    verb: &Verb,
-    layer: usize,
-    slice_rel: &str,
-    whose: &str,
+    run: &LayerRun,
     policy: &Option<Policy>,
     runs: &mut Vec<RunRecord>,
     slice: impl FnOnce(&Trace, &Path) -> Result<()>,
-) -> std::result::Result<Isolation, String> {
+) -> Result<Isolation> {
+    let LayerRun {
+        verb,
+        layer,
+        slice_rel,
+        whose,
+    } = run;
+    let (layer, slice_rel) = (*layer, slice_rel.as_str());
     let rec = o.candidate.run(&o.root, verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {
-        return Err(format!(
-            "the candidate's layer verb failed: {} ($ {})",
+        return Err(gerr!(
+            Producer: "the candidate's layer verb failed: {} ($ {})",
             rec.why()
                 .lines()
                 .map(str::trim)
@@ -152,15 +164,15 @@ pub(crate) fn isolate_with(
             rec.invocation
         ));
     }
-    let cand = open(&o.root, verb.out()).map_err(|e| e.to_string())?;
+    let cand = open(&o.root, verb.out())?;
     for need in ["attn_out", "mlp_out", "hidden_out"] {
         let name = names::layer(layer, need);
         if cand.tensor_info(&name).is_none() {
-            return Err(format!("the candidate's layer trace has no {name}"));
+            return Err(gerr!(Producer: "the candidate's layer trace has no {name}"));
         }
     }
-    slice(&cand, &o.root.join(slice_rel)).map_err(|e| e.to_string())?;
-    let slice = open(&o.root, slice_rel).map_err(|e| e.to_string())?;
+    slice(&cand, &o.root.join(slice_rel))?;
+    let slice = open(&o.root, slice_rel)?;
     let rep = compare(
         &slice,
         &cand,
@@ -172,8 +184,8 @@ pub(crate) fn isolate_with(
     );
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = rep.findings.iter().map(describe).collect();
-        return Err(format!(
-            "the candidate's layer trace is not comparable with {}: {}",
+        return Err(gerr!(
+            Incomparable: "the candidate's layer trace is not comparable with {}: {}",
             whose,
             why.join("; ")
         ));
@@ -463,71 +475,4 @@ pub(crate) fn self_check(
         }
     }
     sc
-}
-
-/// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
-/// the candidate's own whole run, so its isolation would judge the probe, not the engine.
-pub(crate) fn inconsistent_verdict(
-    i: &Inconsistency,
-    layers: &[LayerRow],
-    whole: &WholeRun,
-) -> Said {
-    let element = i
-        .element
-        .as_ref()
-        .map(|e| {
-            let which = match e.which {
-                Which::FirstDiffering => "first differing element",
-                Which::WorstOutsidePolicy => "worst element outside the policy",
-            };
-            format!(
-                "; {which} {:?}: whole run {} vs layer verb {} ({} ULP)",
-                e.coords,
-                e.whole_run_value,
-                e.layer_verb_value,
-                ulps(e.ulp)
-            )
-        })
-        .unwrap_or_default();
-    let others: Vec<usize> = layers
-        .iter()
-        .filter(|r| r.status == LayerStatus::Inconsistent && r.layer != i.layer)
-        .map(|r| r.layer)
-        .collect();
-    let also = if others.is_empty() {
-        String::new()
-    } else {
-        format!("; {}", say(&others, "disagrees too", "disagree too"))
-    };
-    (
-        BisectVerdict::InconsistentProducer,
-        format!(
-            "the candidate's layer verb disagrees with its own whole run at layer {:02}: {}{element}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
-            i.layer,
-            i.detail,
-            whole.verdict.as_str().replace('_', " ")
-        ),
-    )
-}
-
-/// "layer 01 suspicious: isolated error 3.10× its peers' median (rel L2 of …; flagged above 2×; not a failure)".
-pub(crate) fn suspicious_words(layers: &[LayerRow], out: &Outliers) -> String {
-    let each: Vec<String> = out
-        .suspicious
-        .iter()
-        .map(|&l| {
-            let r = &layers[l];
-            let how = r
-                .peer_ratio
-                .map(|x| format!("{} its peers' median", ratio(Some(x))))
-                .unwrap_or_else(|| "above zero, its peers' median (bit-exact)".into());
-            format!("layer {l:02} suspicious: isolated error {how}")
-        })
-        .collect();
-    format!(
-        "{} (rel L2 of {}; flagged above {}×; not a failure)",
-        each.join("; "),
-        out.measure,
-        out.factor
-    )
 }

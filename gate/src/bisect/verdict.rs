@@ -1,4 +1,5 @@
-//! The verdict and summary line from the whole-run comparison, the isolations and the forced run.
+//! The verdict and summary line from the whole-run comparison, the isolations, the forced run
+//! and the self-consistency check, and the words for suspicious layers.
 
 use super::*;
 
@@ -13,7 +14,7 @@ pub(crate) fn compare_whole(
     if matches!(whole.verdict, Verdict::Incomparable | Verdict::Unreadable) {
         let why: Vec<String> = whole.findings.iter().map(describe).collect();
         return Err(gerr!(
-            "the whole traces cannot be compared ({:?}): {}",
+            Incomparable: "the whole traces cannot be compared ({:?}): {}",
             whole.verdict,
             why.join("; ")
         ));
@@ -29,7 +30,7 @@ pub(crate) fn forced_run(
     rec: &RunRecord,
     rel: &str,
     opts: &Options,
-) -> std::result::Result<(Report, Trace), String> {
+) -> Result<(Report, Trace)> {
     if !rec.ok {
         let why = rec.why();
         let said: Vec<&str> = why
@@ -37,14 +38,18 @@ pub(crate) fn forced_run(
             .map(str::trim)
             .filter(|l| !l.is_empty())
             .collect();
-        return Err(format!("the candidate's trace verb failed with --force-decisions (a producer need not implement it): {}", said.join(" | ")));
+        return Err(
+            gerr!(Producer: "the candidate's trace verb failed with --force-decisions (a producer need not implement it): {}", said.join(" | ")),
+        );
     }
-    let t = open(&o.root, rel).map_err(|e| e.0)?;
+    let t = open(&o.root, rel)?;
     let digest = reference.digest().hex();
     if t.provenance()["forced_decisions"]["trace_digest"].as_str() != Some(digest.as_str()) {
-        return Err("the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)".into());
+        return Err(
+            gerr!(Producer: "the candidate's trace does not record decisions forced from the reference (provenance forced_decisions.trace_digest)"),
+        );
     }
-    let rep = compare_whole(reference, &t, opts).map_err(|e| e.0)?;
+    let rep = compare_whole(reference, &t, opts)?;
     let still: Vec<String> = rep
         .decisions
         .results
@@ -53,8 +58,8 @@ pub(crate) fn forced_run(
         .map(|d| format!("{} ({} rows)", d.name, d.differing_rows))
         .collect();
     if !still.is_empty() {
-        return Err(format!(
-            "the candidate's forced trace still takes other decisions: {}",
+        return Err(gerr!(
+            Producer: "the candidate's forced trace still takes other decisions: {}",
             still.join(", ")
         ));
     }
@@ -127,18 +132,22 @@ pub(crate) fn with_forcing(f: &DecisionsForced, (verdict, summary): Said) -> Sai
     )
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The verdict and summary from the layers' statuses and where the whole runs diverge;
+/// `failed`: the layer whose layer verb failed, and why.
 pub(crate) fn verdict(
     layers: &[LayerRow],
+    located: &super::whole::Located,
     first_wrong: Option<usize>,
     stage: &Option<Stage>,
-    first: &Option<(i64, String, How)>,
-    n: usize,
-    whole: &WholeRun,
-    structure: &Option<String>,
     amplification: Option<f64>,
     failed: &Option<(usize, String)>,
 ) -> Said {
+    let (first, n, whole, structure) = (
+        &located.first,
+        located.n,
+        &located.whole_run,
+        &located.structure,
+    );
     let with = |status: LayerStatus| -> Vec<usize> {
         layers
             .iter()
@@ -269,6 +278,73 @@ pub(crate) fn verdict(
     }
 }
 
+/// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
+/// the candidate's own whole run, so its isolation would judge the probe, not the engine.
+pub(crate) fn inconsistent_verdict(
+    i: &Inconsistency,
+    layers: &[LayerRow],
+    whole: &WholeRun,
+) -> Said {
+    let element = i
+        .element
+        .as_ref()
+        .map(|e| {
+            let which = match e.which {
+                Which::FirstDiffering => "first differing element",
+                Which::WorstOutsidePolicy => "worst element outside the policy",
+            };
+            format!(
+                "; {which} {:?}: whole run {} vs layer verb {} ({} ULP)",
+                e.coords,
+                e.whole_run_value,
+                e.layer_verb_value,
+                ulps(e.ulp)
+            )
+        })
+        .unwrap_or_default();
+    let others: Vec<usize> = layers
+        .iter()
+        .filter(|r| r.status == LayerStatus::Inconsistent && r.layer != i.layer)
+        .map(|r| r.layer)
+        .collect();
+    let also = if others.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", say(&others, "disagrees too", "disagree too"))
+    };
+    (
+        BisectVerdict::InconsistentProducer,
+        format!(
+            "the candidate's layer verb disagrees with its own whole run at layer {:02}: {}{element}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
+            i.layer,
+            i.detail,
+            whole.verdict.as_str().replace('_', " ")
+        ),
+    )
+}
+
+/// "layer 01 suspicious: isolated error 3.10× its peers' median (rel L2 of …; flagged above 2×; not a failure)".
+pub(crate) fn suspicious_words(layers: &[LayerRow], out: &Outliers) -> String {
+    let each: Vec<String> = out
+        .suspicious
+        .iter()
+        .map(|&l| {
+            let r = &layers[l];
+            let how = r
+                .peer_ratio
+                .map(|x| format!("{} its peers' median", ratio(Some(x))))
+                .unwrap_or_else(|| "above zero, its peers' median (bit-exact)".into());
+            format!("layer {l:02} suspicious: isolated error {how}")
+        })
+        .collect();
+    format!(
+        "{} (rel L2 of {}; flagged above {}×; not a failure)",
+        each.join("; "),
+        out.measure,
+        out.factor
+    )
+}
+
 /// " (relative L2 0.2 > 0.0001)" when `name` is the whole run's first violation: under a
 /// policy, the bound that puts it outside.
 pub(crate) fn broken(whole: &WholeRun, name: &str) -> String {
@@ -282,7 +358,7 @@ pub(crate) fn broken(whole: &WholeRun, name: &str) -> String {
 pub(crate) fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()> {
     match runs.iter().find(|r| r.timed_out) {
         Some(r) => Err(gerr!(
-            "{} {} timed out after {} s (--timeout) and was killed: $ {}",
+            Producer: "{} {} timed out after {} s (--timeout) and was killed: $ {}",
             r.producer,
             r.verb,
             o.timeout.as_secs(),

@@ -1,0 +1,158 @@
+//! The per-layer phases of a bisection: each layer isolated on the reference's input, each
+//! layer's status, the calibration rows, the outliers within the policy and the amplification.
+
+use super::whole::{Located, Whole};
+use super::*;
+
+/// Isolation: layers up to and including the first diverging one, or all of them. A layer verb
+/// that fails leaves the layers after it not attempted: `failed` is that layer and why.
+pub(crate) fn isolate_layers(
+    o: &BisectOptions,
+    whole: &Whole,
+    located: &Located,
+    policy: &Option<Policy>,
+    forced: bool,
+    runs: &mut Vec<RunRecord>,
+) -> (Vec<LayerRow>, Option<(usize, String)>) {
+    let n = located.n;
+    let isolate_upto = if o.all_layers {
+        n
+    } else {
+        located.first_layer.map_or(0, |l| l + 1)
+    };
+    let mut layers: Vec<LayerRow> = (0..n)
+        .map(|l| {
+            let pfx = names::layer_prefix(l);
+            let differs = located
+                .diverging
+                .iter()
+                .any(|(_, name, _)| name.starts_with(&pfx));
+            let h = located
+                .rows
+                .iter()
+                .find(|t| t.tensor == names::layer(l, "hidden_out"));
+            layer_row(l, differs, h)
+        })
+        .collect();
+    let mut failed: Option<(usize, String)> = None;
+    crate::progress::plan(isolate_upto as u64);
+    let src = Source {
+        trace: &whole.reference,
+        rel: &whole.ref_rel,
+        whose: "the reference's",
+        out_stem: "candidate.layer",
+        slice_stem: "reference.layer",
+    };
+    for (l, row) in layers.iter_mut().enumerate().take(isolate_upto) {
+        if let Some((at, _)) = &failed {
+            row.isolation = Isolated::NotChecked;
+            row.reason = Some(format!(
+                "not attempted: the candidate's layer verb failed on layer {at:02}"
+            ));
+            continue;
+        }
+        match isolate(o, &src, l, policy, forced, runs) {
+            Ok(iso) => fill_isolated(row, iso),
+            Err(why) => {
+                row.isolation = Isolated::NotChecked;
+                row.reason = Some(why.to_string());
+                failed = Some((l, why.to_string()));
+            }
+        }
+        crate::progress::step(format_args!("layer {l:02} in isolation: {}", row.isolation));
+    }
+    (layers, failed)
+}
+
+/// Each layer's status from its isolation, its whole-run comparison and its self-check; the
+/// first layer wrong in isolation.
+pub(crate) fn settle_statuses(layers: &mut [LayerRow]) -> Option<usize> {
+    for row in layers.iter_mut() {
+        row.status = if row.self_check == SelfCheck::Inconsistent {
+            LayerStatus::Inconsistent
+        } else {
+            layer_status(row.isolation, row.whole_run)
+        };
+    }
+    layers
+        .iter()
+        .find(|r| r.status == LayerStatus::Wrong)
+        .map(|r| r.layer)
+}
+
+/// Calibration: from the first wrong layer, else the first diverging one, else layer 0. `auto`:
+/// judged by bits, a layer about to be blamed in a pair that is not two ordered producers gets
+/// it without --calibrate, for that one layer: is its difference rounding? Each calibrated
+/// row gets its calibration error and the ratios of its own errors to it.
+pub(crate) fn calibration(
+    o: &BisectOptions,
+    reference: &Trace,
+    layers: &mut [LayerRow],
+    located: &Located,
+    first_wrong: Option<usize>,
+    auto: bool,
+    runs: &mut Vec<RunRecord>,
+) -> Option<Calibration> {
+    let n = located.n;
+    let cal = match first_wrong {
+        Some(l) if auto => Some(calibrate(o, reference, l, l + 1, runs)),
+        _ => (o.calibrate && n > 0).then(|| {
+            let from = first_wrong.or(located.first_layer).unwrap_or(0);
+            calibrate(o, reference, from, n, runs)
+        }),
+    }?;
+    for c in &cal.rows {
+        let row = &mut layers[c.layer];
+        row.calibration_rel_l2 = c.rel_l2;
+        let over = |x: Option<f64>| match (x, c.rel_l2) {
+            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+            _ => None,
+        };
+        row.whole_vs_calibration = over(row.whole_rel_l2);
+        if c.layer == cal.from_layer {
+            row.isolated_vs_calibration = over(row.isolated_rel_l2);
+        }
+    }
+    Some(cal)
+}
+
+/// Outliers within the policy: the matching isolated layers' errors against their peers'; each
+/// such row gets its ratio and flag.
+pub(crate) fn outliers(reference: &Trace, layers: &mut [LayerRow]) -> Outliers {
+    let errors: Vec<judge::LayerErrors> = layers
+        .iter()
+        .filter(|r| r.isolation == Isolated::Match && r.status != LayerStatus::Inconsistent)
+        .map(|r| {
+            let rel = |t: &str| {
+                r.isolated
+                    .iter()
+                    .find(|x| x.tensor == names::layer(r.layer, t))
+                    .and_then(|x| x.rel_l2)
+            };
+            (
+                r.layer,
+                rel("attn_out"),
+                if is_moe(reference, r.layer) {
+                    None
+                } else {
+                    rel("mlp_out")
+                },
+            )
+        })
+        .collect();
+    let (outliers, per) = judge::outliers(&errors);
+    for (l, ratio, flagged) in per {
+        (layers[l].peer_ratio, layers[l].suspicious) = (ratio, flagged);
+    }
+    outliers
+}
+
+/// Geometric-mean growth of the whole-run error over consecutive differing layers.
+pub(crate) fn amplification(layers: &[LayerRow]) -> Option<f64> {
+    let errs: Vec<f64> = layers
+        .iter()
+        .filter_map(|r| r.whole_rel_l2)
+        .filter(|&e| e > 0.0)
+        .collect();
+    (errs.len() >= 2).then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64))
+}

@@ -1,0 +1,286 @@
+//! The whole-run phases of a bisection: both producers' whole traces, the judge, the candidate
+//! forced to take the reference's decisions, and where the whole runs first diverge.
+
+use super::*;
+
+/// Both producers' whole traces and where they are, relative to the root.
+pub(crate) struct Whole {
+    pub reference: Trace,
+    pub candidate: Trace,
+    pub ref_rel: String,
+    pub cand_rel: String,
+}
+
+/// A whole trace of the prompt by `p` at `out`; `force`: the trace whose decisions it takes.
+pub(crate) fn trace_run(
+    o: &BisectOptions,
+    p: &Producer,
+    out: &str,
+    force: Option<String>,
+) -> RunRecord {
+    p.run(
+        &o.root,
+        &Verb::Trace {
+            model: o.model.clone(),
+            tokens: o.tokens.clone(),
+            out: out.into(),
+            internals: o.internals,
+            generate: o.generate,
+            cache: true,
+            force,
+        },
+        o.timeout,
+    )
+}
+
+/// Both whole runs at once (one is usually a subprocess); a side that fails refuses the bisection.
+pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result<Whole> {
+    let ref_rel = format!("{}/reference.trace", o.work);
+    let cand_rel = format!("{}/candidate.trace", o.work);
+    let (rr, cr) = std::thread::scope(|s| {
+        let h = s.spawn(|| trace_run(o, &o.candidate, &cand_rel, None));
+        (
+            trace_run(o, &o.reference, &ref_rel, None),
+            h.join().expect("candidate thread"),
+        )
+    });
+    runs.extend([rr.clone(), cr.clone()]);
+    crate::progress::step("whole runs of the reference and the candidate");
+    for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
+        if !rec.ok {
+            return Err(gerr!(
+                Producer: "{side} ({}) trace failed: {}\n    $ {}",
+                rec.producer,
+                rec.why(),
+                rec.invocation
+            ));
+        }
+    }
+    Ok(Whole {
+        reference: open(&o.root, &ref_rel)?,
+        candidate: open(&o.root, &cand_rel)?,
+        ref_rel,
+        cand_rel,
+    })
+}
+
+/// By bits for two ordered producers, else by the policy for the candidate's precision, unless
+/// --exact or --policy says otherwise. An oracle's provenance is never ordered. Also whether
+/// each side (reference, candidate) is ordered.
+pub(crate) fn choose_judge(
+    o: &BisectOptions,
+    whole: &Whole,
+) -> Result<(Judge, Option<Policy>, (bool, bool))> {
+    let ask = match (o.exact, &o.policy) {
+        (true, Some(p)) => {
+            return Err(gerr!(
+                "--exact judges by bits and --policy {p} by a policy: give one"
+            ))
+        }
+        (true, None) => Ask::Exact,
+        (false, Some(p)) => Ask::Policy(p.clone()),
+        (false, None) => Ask::Default,
+    };
+    let ordered = (
+        is_ordered(&o.root, &o.reference) && !is_oracle(&whole.reference),
+        is_ordered(&o.root, &o.candidate) && !is_oracle(&whole.candidate),
+    );
+    let (judge, policy) = judge::choose(
+        &ask,
+        (&o.reference.name(), &o.candidate.name()),
+        ordered,
+        &whole.candidate,
+        &o.root,
+    )?;
+    Ok((judge, policy, ordered))
+}
+
+/// A decision differs no later than the first differing tensor (by layer), so it may be what
+/// makes the numbers differ: compare them past the flips, on the candidate forced to take the
+/// reference's decisions (docs/producers.md). A flip after the numbers already diverged is
+/// their consequence and changes nothing upstream. A candidate that cannot be forced is said so.
+/// The comparison to bisect from (the forced one when forcing worked) and what forcing did.
+pub(crate) fn force_decisions(
+    o: &BisectOptions,
+    whole: &Whole,
+    compared: Report,
+    opts: &Options,
+    runs: &mut Vec<RunRecord>,
+) -> Result<(Report, Option<DecisionsForced>)> {
+    let first_tensor = rows(&compared)
+        .iter()
+        .filter(|t| t.status.is_bad())
+        .map(|t| location(&t.tensor))
+        .min();
+    let flipped = || {
+        compared
+            .decisions
+            .results
+            .iter()
+            .filter(|d| d.differing_rows > 0)
+    };
+    let first_flip = flipped().map(|d| location(&d.name)).min();
+    let flip_first = first_flip.is_some_and(|f| first_tensor.is_none_or(|t| f <= t));
+    if !flip_first {
+        return Ok((compared, None));
+    }
+    let unforced = flipped()
+        .map(|d| {
+            let mut labels = std::collections::BTreeMap::new();
+            for f in &d.flips {
+                *labels.entry(f.label).or_insert(0) += 1;
+            }
+            UnforcedDecision {
+                name: d.name.clone(),
+                rows: d.rows,
+                differing_rows: d.differing_rows,
+                labels,
+            }
+        })
+        .collect();
+    let forced_rel = format!("{}/candidate.forced.trace", o.work);
+    let rec = trace_run(o, &o.candidate, &forced_rel, Some(whole.ref_rel.clone()));
+    runs.push(rec.clone());
+    crate::progress::step("candidate traced with the reference's decisions forced");
+    refuse_timeout(runs, o)?;
+    let mut f = DecisionsForced {
+        status: Forcing::NotForced,
+        reason: None,
+        from: whole.ref_rel.clone(),
+        from_digest: whole.reference.digest().hex(),
+        candidate_trace: None,
+        unforced,
+        rows_overridden: None,
+        overridden: None,
+    };
+    let report = match forced_run(o, &whole.reference, &rec, &forced_rel, opts) {
+        Ok((rep, t)) => {
+            let prov = &t.provenance()["forced_decisions"];
+            f.rows_overridden = prov["rows_overridden"].as_u64();
+            f.overridden = Some(prov["overridden"].clone());
+            f.status = Forcing::Forced;
+            f.candidate_trace = Some(forced_rel);
+            rep
+        }
+        Err(why) => {
+            f.reason = Some(why.to_string());
+            compared
+        }
+    };
+    Ok((report, Some(f)))
+}
+
+/// Where the whole runs first diverge: the locate phase's answer.
+pub(crate) struct Located {
+    /// Layers in the model (the reference's prefill `layer.LL.hidden_out`).
+    pub n: usize,
+    /// The whole runs' tensor rows.
+    pub rows: Vec<TensorCmp>,
+    /// Every diverging place: its location (`location`), name and how it diverges.
+    pub diverging: Vec<(i64, String, How)>,
+    /// The first of them in computation order.
+    pub first: Option<(i64, String, How)>,
+    /// The layer it is in, when it is in a layer.
+    pub first_layer: Option<usize>,
+    pub whole_run: WholeRun,
+    /// The structure findings, summarised (`summarise`).
+    pub structure: Option<String>,
+}
+
+/// The first diverging place, in computation order (tensors in reference order, then decisions
+/// by location). `forced`: the candidate took the reference's decisions.
+pub(crate) fn locate(reference: &Trace, whole: &Report, forced: bool) -> Located {
+    let whole_rows = rows(whole);
+    let whole_decisions = decisions(whole);
+    let n = reference
+        .tensors()
+        .iter()
+        .filter_map(|t| {
+            let n = Name::parse(&t.name);
+            (n.decode_step.is_none() && n.point == "hidden_out").then_some(n.layer?)
+        })
+        .map(|l| l + 1)
+        .max()
+        .unwrap_or(0);
+    let mut diverging: Vec<(i64, String, How)> = whole_rows
+        .iter()
+        .filter(|t| t.status.is_bad())
+        .map(|t| (location(&t.tensor), t.tensor.clone(), How::Differs))
+        .collect();
+    diverging.extend(
+        whole_decisions
+            .iter()
+            .filter(|d| d.judged_rows() > 0)
+            .map(|d| (location(&d.name), d.name.clone(), How::Differs)),
+    );
+    // What the differ states as a finding rather than as values (a tensor or decision on one
+    // side only, another order): divergence too, so the headline never calls runs matching while
+    // the body lists their differences.
+    let structure: Vec<&tracegate_diff::Finding> = whole
+        .findings
+        .iter()
+        .filter(|f| is_structure(f.kind))
+        .collect();
+    // A decision whose values agree but whose margins do not diverges in value, not structure.
+    // Forced decisions agree by construction, and their margins say where the candidate would
+    // have decided otherwise: that is `decisions_forced`, not a place to bisect numbers from.
+    let margins = whole
+        .findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::MarginDiffers && !forced);
+    for f in structure.iter().copied().chain(margins) {
+        if let Some(t) = f
+            .tensor()
+            .filter(|t| !diverging.iter().any(|(_, name, _)| name == t))
+        {
+            diverging.push((location(t), t.to_string(), How::Finding(f.kind)));
+        }
+    }
+    let first = diverging.iter().min_by_key(|(loc, _, _)| *loc).cloned();
+    let first_layer = first
+        .as_ref()
+        .and_then(|(loc, _, _)| (0..n as i64).contains(loc).then_some(*loc as usize));
+    let whole_run = WholeRun {
+        verdict: whole.verdict,
+        first_diverging: first.as_ref().map(|(_, n, _)| n.clone()),
+        first_diverging_how: first.as_ref().map(|(_, _, how)| *how),
+        first_diverging_layer: first_layer,
+        first_violation: whole.first_violation(),
+        first_bit_difference: whole.first_divergence.as_ref().map(|d| FirstBitDifference {
+            tensor: d.tensor.clone(),
+            coords: d.coords.clone(),
+            reference_value: d.reference_value.clone(),
+            candidate_value: d.candidate_value.clone(),
+            ulp: d.ulp,
+            differing_elements: d.differing_elements,
+            total_elements: d.total_elements,
+        }),
+        differing_decisions: whole_decisions
+            .iter()
+            .filter(|d| d.differing_rows > 0)
+            .cloned()
+            .collect(),
+        findings: whole
+            .findings
+            .iter()
+            .filter(|f| {
+                !matches!(
+                    f.kind,
+                    FindingKind::ValuesDiffer
+                        | FindingKind::OutsidePolicy
+                        | FindingKind::DecisionDiffers
+                )
+            })
+            .map(describe)
+            .collect(),
+    };
+    Located {
+        n,
+        rows: whole_rows,
+        diverging,
+        first,
+        first_layer,
+        whole_run,
+        structure: summarise(&structure),
+    }
+}
