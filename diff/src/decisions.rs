@@ -9,10 +9,11 @@ use tracegate_trace::names::Name;
 use tracegate_trace::{DecisionInfo, Trace};
 
 use crate::excuse::{capture_index, Excusal};
+use crate::structure::order_finding;
+use crate::values::{range_divergence, row_range};
 use crate::{
-    numeric, order_finding, range_divergence, row_range, DecisionDivergence, DecisionResult,
-    DecisionStatus, Finding, FindingKind, Flip, Label, MarginDifference, Margins, NearTieRef,
-    Options, Policy, Real, Report,
+    numeric, DecisionDivergence, DecisionResult, DecisionStatus, Finding, FindingKind, Flip, Label,
+    MarginDifference, Margins, NearTieRef, Options, Policy, Real, Report,
 };
 
 /// Under a policy, the slack a margin gets beyond what its source row explains, relative to
