@@ -65,24 +65,29 @@ pub fn compare_files(reference: &Path, candidate: &Path, opts: &Options) -> Repo
     match (r, c) {
         (Ok(r), Ok(c)) => compare(&r, &c, opts),
         (r, c) => {
-            let mut rep = Report::empty(
+            let rep = Report::empty(
                 side(r.as_ref().ok(), Some(reference), false),
                 side(c.as_ref().ok(), Some(candidate), false),
                 opts,
             );
-            rep.verdict = Verdict::Unreadable;
-            for (label, res) in [("reference", &r), ("candidate", &c)] {
-                if let Err(e) = res {
-                    rep.findings.push(Finding::new(
-                        FindingKind::Unreadable,
-                        None,
-                        format!("{label}: {e}"),
-                    ));
-                }
-            }
-            rep
+            unreadable(rep, [&r, &c])
         }
     }
+}
+
+/// An `unreadable` report: one finding for each side that could not be opened or verified.
+fn unreadable<T, E: std::fmt::Display>(mut rep: Report, sides: [&Result<T, E>; 2]) -> Report {
+    rep.verdict = Verdict::Unreadable;
+    for (label, res) in ["reference", "candidate"].into_iter().zip(sides) {
+        if let Err(e) = res {
+            rep.findings.push(Finding::new(
+                FindingKind::Unreadable,
+                None,
+                format!("{label}: {e}"),
+            ));
+        }
+    }
+    rep
 }
 
 /// Compares two opened traces: verify, comparability, structure, values, decisions.
@@ -122,17 +127,7 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     );
     rep.filter = filter;
     if vr.is_err() || vc.is_err() {
-        rep.verdict = Verdict::Unreadable;
-        for (label, res) in [("reference", &vr), ("candidate", &vc)] {
-            if let Err(e) = res {
-                rep.findings.push(Finding::new(
-                    FindingKind::Unreadable,
-                    None,
-                    format!("{label}: {e}"),
-                ));
-            }
-        }
-        return rep;
+        return unreadable(rep, [&vr, &vc]);
     }
 
     // 2. Comparable: runs before any digest is looked at.
@@ -172,6 +167,16 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         values_different
     };
 
+    rep.verdict = verdict(&rep, opts, different);
+    if rep.verdict == Verdict::Identical && !forced_from_other {
+        digests_confirm(reference, candidate, &mut rep);
+    }
+    rep
+}
+
+/// The verdict from the phases' outcome: different, else within the policy when some value or
+/// margin differs under one, else identical.
+fn verdict(rep: &Report, opts: &Options, different: bool) -> Verdict {
     let any_value_difference = rep
         .per_tensor
         .iter()
@@ -181,25 +186,26 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
             .results
             .iter()
             .any(|d| d.margin_differing_rows > 0 || d.differing_rows > 0);
-    rep.verdict = if different {
+    if different {
         Verdict::Different
     } else if opts.policy.is_some() && any_value_difference {
         Verdict::WithinPolicy
     } else {
         Verdict::Identical
-    };
-    // IDENTICAL claims equal content, and two verified digests decide that on their own: a
-    // disagreement means a check above misses some content, which must not pass as identical.
-    // Under a filter that left something out, IDENTICAL covers what was compared only; a side
-    // forced from the other differs from it in that attribute, so its digest cannot match (the
-    // decisions_forced note says so instead).
+    }
+}
+
+/// IDENTICAL claims equal content, and two verified digests decide that on their own: a
+/// disagreement means a check above misses some content, which must not pass as identical.
+/// Under a filter that left something out, IDENTICAL covers what was compared only; a side
+/// forced from the other differs from it in that attribute, so its digest cannot match (the
+/// caller skips this then: the decisions_forced note says so instead).
+fn digests_confirm(reference: &Trace, candidate: &Trace, rep: &mut Report) {
     let whole = rep.filter.as_ref().is_none_or(|f| !f.left_out_any());
-    if rep.verdict == Verdict::Identical
-        && whole
+    if whole
         && rep.reference.verified
         && rep.candidate.verified
         && reference.digest() != candidate.digest()
-        && !forced_from_other
     {
         rep.verdict = Verdict::Different;
         rep.findings.push(Finding::new(
@@ -212,5 +218,4 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
             ),
         ));
     }
-    rep
 }

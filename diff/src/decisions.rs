@@ -177,13 +177,57 @@ enum Slot<'a> {
 /// `policy`, margins are judged by [`margin_tolerance`], near-ties are excused and the rows
 /// after them leave the judgement (`excuse`).
 pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
-    let policy = opts.policy.as_ref();
     let selected = |name: &str| opts.selects(name);
     rep.decisions.reference_count = r.decisions().iter().filter(|i| selected(&i.name)).count();
     rep.decisions.candidate_count = c.decisions().iter().filter(|i| selected(&i.name)).count();
+    let slots = compare_common(r, c, opts, rep);
+
+    // Re-judging rows after a near-tie may have replaced value findings: count from here.
+    let before = rep.findings.len();
+    let mut failing = false;
+    for (rd, slot) in r
+        .decisions()
+        .iter()
+        .filter(|i| selected(&i.name))
+        .zip(slots)
+    {
+        match slot {
+            Slot::Missing => {
+                rep.decisions.missing.push(rd.name.clone());
+                rep.findings.push(Finding::new(
+                    FindingKind::MissingDecision,
+                    Some(&rd.name),
+                    "in the reference, not in the candidate",
+                ));
+            }
+            Slot::Shape(rd, cd) => shape_mismatch(rd, cd, rep),
+            Slot::Compared(result) => {
+                let result = *result.expect("every compared decision has a result");
+                failing |= report_result(result, opts.policy.is_some(), rep);
+            }
+        }
+    }
+    extra_and_order(r, c, opts, rep);
+    failing
+        || rep.findings[before..]
+            .iter()
+            .any(|f| f.kind != FindingKind::DecisionDiffers)
+}
+
+/// Sorts the selected reference decisions into slots and compares those both traces hold with
+/// one shape, in capture order of their sources, so that every near-tie that can reach a
+/// decision's inputs is known before the decision is labelled (stable: decode steps stay in
+/// order). Then the rows after a near-tie leave the tensors' judgement (`excuse`).
+fn compare_common<'a>(
+    r: &'a Trace,
+    c: &'a Trace,
+    opts: &Options,
+    rep: &mut Report,
+) -> Vec<Slot<'a>> {
+    let policy = opts.policy.as_ref();
     let mut slots: Vec<Slot> = Vec::with_capacity(rep.decisions.reference_count);
     let mut todo = Vec::new();
-    for rd in r.decisions().iter().filter(|i| selected(&i.name)) {
+    for rd in r.decisions().iter().filter(|i| opts.selects(&i.name)) {
         match c.decision_info(&rd.name) {
             None => slots.push(Slot::Missing),
             Some(cd) if rd.shape != cd.shape => slots.push(Slot::Shape(rd, cd)),
@@ -195,8 +239,6 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
             }
         }
     }
-    // In capture order of the sources, so that every near-tie that can reach a decision's
-    // inputs is known before the decision is labelled (stable: decode steps stay in order).
     todo.sort_by_key(|t| t.0);
     let mut ex = Excusal::new(r, c, policy);
     for (at, slot, rd, cd, source) in todo {
@@ -204,128 +246,119 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         slots[slot] = Slot::Compared(Some(Box::new(result)));
     }
     ex.finish(rep);
+    slots
+}
 
-    // Re-judging rows after a near-tie may have replaced value findings: count from here.
-    let before = rep.findings.len();
-    let mut failing = false;
-    let d = &mut rep.decisions;
-    for (rd, slot) in r
-        .decisions()
-        .iter()
-        .filter(|i| selected(&i.name))
-        .zip(slots)
-    {
-        let result = match slot {
-            Slot::Missing => {
-                d.missing.push(rd.name.clone());
-                rep.findings.push(Finding::new(
-                    FindingKind::MissingDecision,
-                    Some(&rd.name),
-                    "in the reference, not in the candidate",
-                ));
-                continue;
-            }
-            Slot::Shape(rd, cd) => {
-                rep.findings.push(Finding::new(
-                    FindingKind::DecisionShapeMismatch,
-                    Some(&rd.name),
-                    format!("reference {:?} vs candidate {:?}", rd.shape, cd.shape),
-                ));
-                d.results.push(DecisionResult {
-                    name: rd.name.clone(),
-                    shape: rd.shape.clone(),
-                    status: DecisionStatus::ShapeMismatch,
-                    rows: rd.rows(),
-                    differing_rows: 0,
-                    reordered_rows: 0,
-                    source: None,
-                    flips: Vec::new(),
-                    margins: Margins::NotCompared,
-                    margin_differing_rows: 0,
-                    margin_outside_rows: 0,
-                    first_margin_difference: None,
-                    rows_after_near_tie: 0,
-                });
-                continue;
-            }
-            Slot::Compared(result) => *result.expect("every compared decision has a result"),
-        };
-        d.compared += 1;
-        match (result.margins, &result.first_margin_difference) {
-            (Margins::ReferenceOnly | Margins::CandidateOnly, _) => {
-                let (has, lacks) = if result.margins == Margins::ReferenceOnly {
-                    ("reference", "candidate")
-                } else {
-                    ("candidate", "reference")
-                };
-                rep.findings.push(Finding::new(
-                    FindingKind::MarginPresenceMismatch,
-                    Some(&rd.name),
-                    format!("margins recorded in the {has}, none in the {lacks}"),
-                ));
-            }
-            (Margins::Different, Some(m)) => {
-                let bound = m
-                    .tolerance
-                    .map(|t| format!(" (outside the tolerance {:e})", t.0))
-                    .unwrap_or_default();
-                let counted = if policy.is_some() {
-                    result.margin_outside_rows
-                } else {
-                    result.margin_differing_rows
-                };
-                rep.findings.push(Finding::new(
-                    FindingKind::MarginDiffers,
-                    Some(&rd.name),
-                    format!(
-                        "margins differ in {counted} of {} rows whose values are equal; first at row {}: {:e} ({}) vs {:e} ({}){bound}",
-                        result.rows, m.row, m.reference.0, m.reference_bits, m.candidate.0, m.candidate_bits
-                    ),
-                ));
-            }
-            _ => {}
+/// A decision whose shapes differ: its finding, and a result that says so.
+fn shape_mismatch(rd: &DecisionInfo, cd: &DecisionInfo, rep: &mut Report) {
+    rep.findings.push(Finding::new(
+        FindingKind::DecisionShapeMismatch,
+        Some(&rd.name),
+        format!("reference {:?} vs candidate {:?}", rd.shape, cd.shape),
+    ));
+    rep.decisions.results.push(DecisionResult {
+        name: rd.name.clone(),
+        shape: rd.shape.clone(),
+        status: DecisionStatus::ShapeMismatch,
+        rows: rd.rows(),
+        differing_rows: 0,
+        reordered_rows: 0,
+        source: None,
+        flips: Vec::new(),
+        margins: Margins::NotCompared,
+        margin_differing_rows: 0,
+        margin_outside_rows: 0,
+        first_margin_difference: None,
+        rows_after_near_tie: 0,
+    });
+}
+
+/// A compared decision's findings (margins, differing rows), the first decision divergence,
+/// and the result itself; true when a flip that is not excused fails the verdict.
+fn report_result(result: DecisionResult, under_policy: bool, rep: &mut Report) -> bool {
+    let name = &result.name;
+    rep.decisions.compared += 1;
+    match (result.margins, &result.first_margin_difference) {
+        (Margins::ReferenceOnly | Margins::CandidateOnly, _) => {
+            let (has, lacks) = if result.margins == Margins::ReferenceOnly {
+                ("reference", "candidate")
+            } else {
+                ("candidate", "reference")
+            };
+            rep.findings.push(Finding::new(
+                FindingKind::MarginPresenceMismatch,
+                Some(name),
+                format!("margins recorded in the {has}, none in the {lacks}"),
+            ));
         }
-        if result.differing_rows > 0 {
-            d.differing += 1;
-            let f = &result.flips[0];
-            // Near-ties and the rows after them are reported (decisions, near_ties), not failed.
-            if result.flips.iter().any(|f| !f.excused()) {
-                failing = true;
-                rep.findings.push(Finding::new(
-                    FindingKind::DecisionDiffers,
-                    Some(&rd.name),
-                    format!(
-                        "{} of {} rows differ{}; first at row {}: {:?} vs {:?}",
-                        result.differing_rows,
-                        result.rows,
-                        if result.reordered_rows > 0 {
-                            format!(" ({} same values, different order)", result.reordered_rows)
-                        } else {
-                            String::new()
-                        },
-                        f.row,
-                        f.reference,
-                        f.candidate
-                    ),
-                ));
-            }
-            if rep.first_decision_divergence.is_none() {
-                rep.first_decision_divergence = Some(DecisionDivergence {
-                    name: rd.name.clone(),
-                    row: f.row,
-                    reference: f.reference.clone(),
-                    candidate: f.candidate.clone(),
-                    same_values_different_order: f.same_values_different_order,
-                    reference_margin: f.reference_margin,
-                    candidate_margin: f.candidate_margin,
-                });
-            }
+        (Margins::Different, Some(m)) => {
+            let bound = m
+                .tolerance
+                .map(|t| format!(" (outside the tolerance {:e})", t.0))
+                .unwrap_or_default();
+            let counted = if under_policy {
+                result.margin_outside_rows
+            } else {
+                result.margin_differing_rows
+            };
+            rep.findings.push(Finding::new(
+                FindingKind::MarginDiffers,
+                Some(name),
+                format!(
+                    "margins differ in {counted} of {} rows whose values are equal; first at row {}: {:e} ({}) vs {:e} ({}){bound}",
+                    result.rows, m.row, m.reference.0, m.reference_bits, m.candidate.0, m.candidate_bits
+                ),
+            ));
         }
-        d.results.push(result);
+        _ => {}
     }
+    let mut failing = false;
+    if result.differing_rows > 0 {
+        rep.decisions.differing += 1;
+        let f = &result.flips[0];
+        // Near-ties and the rows after them are reported (decisions, near_ties), not failed.
+        if result.flips.iter().any(|f| !f.excused()) {
+            failing = true;
+            rep.findings.push(Finding::new(
+                FindingKind::DecisionDiffers,
+                Some(name),
+                format!(
+                    "{} of {} rows differ{}; first at row {}: {:?} vs {:?}",
+                    result.differing_rows,
+                    result.rows,
+                    if result.reordered_rows > 0 {
+                        format!(" ({} same values, different order)", result.reordered_rows)
+                    } else {
+                        String::new()
+                    },
+                    f.row,
+                    f.reference,
+                    f.candidate
+                ),
+            ));
+        }
+        if rep.first_decision_divergence.is_none() {
+            rep.first_decision_divergence = Some(DecisionDivergence {
+                name: name.clone(),
+                row: f.row,
+                reference: f.reference.clone(),
+                candidate: f.candidate.clone(),
+                same_values_different_order: f.same_values_different_order,
+                reference_margin: f.reference_margin,
+                candidate_margin: f.candidate_margin,
+            });
+        }
+    }
+    rep.decisions.results.push(result);
+    failing
+}
+
+/// Decisions in the candidate only, and the first out of the reference's order.
+fn extra_and_order(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) {
+    let selected = |name: &str| opts.selects(name);
     for cd in c.decisions().iter().filter(|i| selected(&i.name)) {
         if r.decision_info(&cd.name).is_none() {
-            d.extra.push(cd.name.clone());
+            rep.decisions.extra.push(cd.name.clone());
             rep.findings.push(Finding::new(
                 FindingKind::ExtraDecision,
                 Some(&cd.name),
@@ -346,12 +379,10 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
     if let Some(f) = order_finding(FindingKind::DecisionOrderMismatch, rn, cn) {
         rep.findings.push(f);
     }
-    failing
-        || rep.findings[before..]
-            .iter()
-            .any(|f| f.kind != FindingKind::DecisionDiffers)
 }
 
+/// Compares one decision present in both traces with the same shape, row by row: equal rows by
+/// their margins ([`Rows::margins`]), differing rows as labelled flips ([`Rows::flip`]).
 #[allow(clippy::too_many_arguments)]
 fn compare_one(
     r: &Trace,
@@ -368,7 +399,6 @@ fn compare_one(
     let (rm, cm) = (r.decision_margins(rd), c.decision_margins(cd));
     let rows = rd.rows();
     let width = rd.count().checked_div(rows).unwrap_or(0) as usize;
-    let step = decode_step(&rd.name);
     let mut out = DecisionResult {
         name: rd.name.clone(),
         shape: rd.shape.clone(),
@@ -392,94 +422,162 @@ fn compare_one(
     if width == 0 {
         return out;
     }
-    let src_row = |row: u64| {
-        source
-            .as_deref()
-            .map(|s| (s, source_row(&rd.name, s, row, rows, r)))
+    let d = Rows {
+        r,
+        c,
+        name: &rd.name,
+        source: source.as_deref(),
+        rows,
+        at,
+        step: decode_step(&rd.name),
+        policy,
+        margins: (rm.as_deref(), cm.as_deref()),
     };
-    let divergence =
-        |row: u64| src_row(row).and_then(|(s, range)| range_divergence(r, c, s, Some(range)));
     for (row, (a, b)) in rv.chunks(width).zip(cv.chunks(width)).enumerate() {
         let row = row as u64;
         let position = row_position(&rd.name, source.as_deref(), row, rows, r);
         // A row after a near-tie is not judged: its token took another, honest path.
-        let after = ex.after(position, at, step).map(str::to_string);
+        let after = ex.after(position, at, d.step).map(str::to_string);
         out.rows_after_near_tie += after.is_some() as u64;
         if a == b {
             // Equal choices: the margins must be equal too (a flipped row shows both instead).
             if let (Some(rm), Some(cm), None) = (&rm, &cm, &after) {
-                let (ma, mb) = (rm[row as usize], cm[row as usize]);
-                if ma.to_bits() != mb.to_bits() {
-                    out.margin_differing_rows += 1;
-                    let tolerance = policy.map(|_| margin_tolerance(ma, mb, divergence(row)));
-                    // NaN never lies within a tolerance; only equal bits match it.
-                    let outside = tolerance.is_none_or(|t| {
-                        !matches!(
-                            ((ma as f64) - (mb as f64)).abs().partial_cmp(&t),
-                            Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
-                        )
-                    });
-                    out.margin_outside_rows += outside as u64;
-                    // Keep the first row outside the tolerance, else the first that differs at all.
-                    let keep = match &out.first_margin_difference {
-                        None => true,
-                        Some(m) => outside && !m.outside,
-                    };
-                    if keep {
-                        out.first_margin_difference = Some(MarginDifference {
-                            row,
-                            reference: Real(ma as f64),
-                            candidate: Real(mb as f64),
-                            reference_bits: format!("{:#010x}", ma.to_bits()),
-                            candidate_bits: format!("{:#010x}", mb.to_bits()),
-                            tolerance: tolerance.map(Real),
-                            outside,
-                        });
-                    }
-                }
+                d.margins(row, rm[row as usize], cm[row as usize], &mut out);
             }
             continue;
         }
+        let flip = d.flip(row, (a, b), position, after, ex, rep);
+        out.differing_rows += 1;
+        out.reordered_rows += flip.same_values_different_order as u64;
+        out.flips.push(flip);
+    }
+    ex.count_decision_rows(out.rows_after_near_tie);
+    if out.differing_rows > 0 {
+        out.status = DecisionStatus::Different;
+    }
+    if out.margin_outside_rows > 0 {
+        out.margins = Margins::Different;
+    } else if out.margin_differing_rows > 0 {
+        out.margins = Margins::WithinTolerance;
+    }
+    out
+}
+
+/// One decision pair under comparison: what judging each of its rows reads.
+struct Rows<'a> {
+    r: &'a Trace,
+    c: &'a Trace,
+    name: &'a str,
+    source: Option<&'a str>,
+    rows: u64,
+    /// Where the decision is taken in the reference's capture order ([`taken_at`]).
+    at: usize,
+    step: Option<u64>,
+    policy: Option<&'a Policy>,
+    /// Each side's margins, one a row.
+    margins: (Option<&'a [f32]>, Option<&'a [f32]>),
+}
+
+impl Rows<'_> {
+    /// The source tensor and the row of it that decision row `row` was taken from.
+    fn src_row(&self, row: u64) -> Option<(&str, (u64, u64))> {
+        self.source
+            .map(|s| (s, source_row(self.name, s, row, self.rows, self.r)))
+    }
+
+    /// The source row's divergence ([`range_divergence`]).
+    fn divergence(&self, row: u64) -> Option<f64> {
+        self.src_row(row)
+            .and_then(|(s, range)| range_divergence(self.r, self.c, s, Some(range)))
+    }
+
+    /// A row whose choices are equal: its margins `ma`, `mb` compared by bits, or under a
+    /// policy within [`margin_tolerance`]; a difference is counted in `out`, and the first kept.
+    fn margins(&self, row: u64, ma: f32, mb: f32, out: &mut DecisionResult) {
+        if ma.to_bits() == mb.to_bits() {
+            return;
+        }
+        out.margin_differing_rows += 1;
+        let tolerance = self
+            .policy
+            .map(|_| margin_tolerance(ma, mb, self.divergence(row)));
+        // NaN never lies within a tolerance; only equal bits match it.
+        let outside = tolerance.is_none_or(|t| {
+            !matches!(
+                ((ma as f64) - (mb as f64)).abs().partial_cmp(&t),
+                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+            )
+        });
+        out.margin_outside_rows += outside as u64;
+        // Keep the first row outside the tolerance, else the first that differs at all.
+        let keep = match &out.first_margin_difference {
+            None => true,
+            Some(m) => outside && !m.outside,
+        };
+        if keep {
+            out.first_margin_difference = Some(MarginDifference {
+                row,
+                reference: Real(ma as f64),
+                candidate: Real(mb as f64),
+                reference_bits: format!("{:#010x}", ma.to_bits()),
+                candidate_bits: format!("{:#010x}", mb.to_bits()),
+                tolerance: tolerance.map(Real),
+                outside,
+            });
+        }
+    }
+
+    /// A row whose choices differ, labelled (docs/diff.md, "Labels"): `after` names the
+    /// near-tie it follows, if any. A near-tie it finds, and the decode steps an excused flip
+    /// sends down another sequence, are recorded in `ex`.
+    fn flip(
+        &self,
+        row: u64,
+        (a, b): (&[i64], &[i64]),
+        position: Option<i64>,
+        after: Option<String>,
+        ex: &mut Excusal,
+        rep: &mut Report,
+    ) -> Flip {
         let mut sa = a.to_vec();
         let mut sb = b.to_vec();
         sa.sort_unstable();
         sb.sort_unstable();
         let reordered = sa == sb;
-        out.differing_rows += 1;
-        out.reordered_rows += reordered as u64;
-        let margin_of =
-            |m: &Option<Vec<f32>>| m.as_ref().and_then(|m| m.get(row as usize).copied());
-        let (ref_margin, cand_margin) = (margin_of(&rm), margin_of(&cm));
-        let d = divergence(row);
-        let scores = src_row(row).filter(|(s, _)| holds_scores(&rd.name, s));
+        let margin_of = |m: Option<&[f32]>| m.and_then(|m| m.get(row as usize).copied());
+        let (ref_margin, cand_margin) = (margin_of(self.margins.0), margin_of(self.margins.1));
+        let d = self.divergence(row);
+        let scores = self
+            .src_row(row)
+            .filter(|(s, _)| holds_scores(self.name, s));
         // The margin is the gap between the k-th and (k+1)-th score: a reorder within the
         // chosen crossed another gap, which only the scores tell.
         let gap = match (reordered, scores) {
-            (true, Some((s, range))) => reorder_gap(r, s, range, a, b),
+            (true, Some((s, range))) => reorder_gap(self.r, s, range, a, b),
             (true, None) => None,
             (false, _) => ref_margin.map(|m| (m as f64).abs()),
         };
-        let bound = match (policy, scores, d) {
+        let bound = match (self.policy, scores, d) {
             (Some(p), Some(_), Some(d)) => Some(p.near_tie_factor() * d),
             _ => None,
         };
         let (label, upstream) = match &after {
             Some(_) => (Label::AfterNearTie, None),
             None => {
-                let upstream = ex.upstream(rep, at);
+                let upstream = ex.upstream(rep, self.at);
                 (label(upstream.is_some(), gap, bound, d), upstream)
             }
         };
         let origin = after
             .clone()
-            .unwrap_or_else(|| format!("{} row {row}", rd.name));
+            .unwrap_or_else(|| format!("{} row {row}", self.name));
         if label == Label::NearTie {
             ex.near_tie(
                 position,
-                at,
+                self.at,
                 &origin,
                 NearTieRef {
-                    decision: rd.name.clone(),
+                    decision: self.name.to_string(),
                     row,
                     position: position.unwrap_or(row as i64),
                 },
@@ -487,16 +585,16 @@ fn compare_one(
         }
         // A different next token: every later decode step runs on another sequence.
         if label.excused() {
-            let next = match step {
+            let next = match self.step {
                 Some(s) => Some(s + 1),
-                None if rd.name == "logits.argmax" && row + 1 == rows => Some(0),
+                None if self.name == "logits.argmax" && row + 1 == self.rows => Some(0),
                 None => None,
             };
             if let Some(next) = next {
                 ex.decode_from(next, &origin);
             }
         }
-        out.flips.push(Flip {
+        Flip {
             row,
             reference: a.to_vec(),
             candidate: b.to_vec(),
@@ -509,18 +607,8 @@ fn compare_one(
             label,
             upstream,
             after,
-        });
+        }
     }
-    ex.count_decision_rows(out.rows_after_near_tie);
-    if out.differing_rows > 0 {
-        out.status = DecisionStatus::Different;
-    }
-    if out.margin_outside_rows > 0 {
-        out.margins = Margins::Different;
-    } else if out.margin_differing_rows > 0 {
-        out.margins = Margins::WithinTolerance;
-    }
-    out
 }
 
 #[cfg(test)]

@@ -200,7 +200,7 @@ pub fn write_show(
 }
 
 /// `trace-diff --show FILE --json`: the trace's description as JSON (fields in docs/diff.md,
-/// "--show"), streamed like [`write_json`], with the same escaping.
+/// "--show"), streamed like [`write_json`](super::write_json), with the same escaping.
 pub fn write_show_json(
     t: &Trace,
     verify: Option<&Result<(), String>>,
