@@ -8,9 +8,10 @@ use std::collections::BTreeSet;
 
 use tracegate_trace::{TensorInfo, Trace};
 
+use crate::values::{element, judge_row, set_stats};
 use crate::{
-    judge_row, numeric, reroute, set_stats, FindingKind, NearTieRef, NearTieSummary, Policy,
-    Report, RowStatus, RowsAfter, TensorRow,
+    numeric, reroute, worst, FindingKind, NearTieRef, NearTieSummary, Policy, Report, RowStatus,
+    RowsAfter, TensorRow,
 };
 
 /// A tensor's capture index in `t`: the reader hands out references into its capture-ordered
@@ -267,8 +268,8 @@ impl<'a> Excusal<'a> {
         row.median_ulp = None;
         let finding = judge_row(row, rule.0, rule.1);
         if finding.is_some() {
-            row.worst_element = crate::worst::locate_in(pair, rd, cd, &kept)
-                .map(|i| Box::new(crate::element(pair, &ri.shape, rd, cd, i)));
+            row.worst_element = worst::locate_in(pair, rd, cd, &kept)
+                .map(|i| Box::new(element(pair, &ri.shape, rd, cd, i)));
         }
         let name = row.tensor.clone();
         let old = rep.findings.iter().position(|f| {

@@ -10,9 +10,10 @@ use std::collections::{BTreeSet, HashMap};
 use tracegate_trace::names::{self, Name};
 use tracegate_trace::{TensorInfo, Trace};
 
+use crate::values::{judge_row, row_for, set_stats};
 use crate::{
-    comparable, excuse, judge_row, numeric, row_for, set_stats, Finding, FindingKind, Policy,
-    RowStatus, RuleRef, TensorRow,
+    comparable, excuse, numeric, Finding, FindingKind, Method, Policy, RowStatus, RuleRef,
+    TensorRow,
 };
 
 /// `layer.NN.expert.EEE.<point>` of the prefill (docs/capture-points.md).
@@ -84,7 +85,7 @@ pub(crate) fn judge(
     let mut row = row_for(
         ri,
         pair,
-        crate::Method::Elementwise,
+        Method::Elementwise,
         if stats.differing == 0 {
             RowStatus::Identical
         } else {

@@ -1,5 +1,5 @@
-//! The words the reports share between crates — finding kinds, row and decision statuses, margin
-//! states, flip labels — as enums. Each serialises to exactly the string the JSON reports carry
+//! The words the reports share between crates — the verdict, finding kinds, row and decision
+//! statuses, margin states, flip labels — as enums. Each serialises to exactly the string the JSON reports carry
 //! (docs/diff-report.schema.json), so code matches them exhaustively and a typo does not compile.
 
 /// An enum whose variants are written as fixed strings: `as_str`, `Display` (padded like a
@@ -71,6 +71,28 @@ macro_rules! string_enum {
             }
         }
     };
+}
+
+string_enum! {
+    /// The outcome, one word; [`Verdict::exit_code`] is the CLI's exit status.
+    pub enum Verdict {
+        Identical = "identical",
+        Different = "different",
+        WithinPolicy = "within_policy",
+        Incomparable = "incomparable",
+        Unreadable = "unreadable",
+    }
+}
+
+impl Verdict {
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Verdict::Identical | Verdict::WithinPolicy => 0,
+            Verdict::Different => 1,
+            Verdict::Unreadable => 2,
+            Verdict::Incomparable => 3,
+        }
+    }
 }
 
 string_enum! {

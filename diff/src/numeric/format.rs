@@ -107,6 +107,11 @@ pub fn unravel(mut index: u64, shape: &[u64]) -> Vec<u64> {
     coords
 }
 
+/// Exposed for tests and tools: the dtype's printed value for raw bits.
+pub fn describe_bits(dtype: DType, bits: u64) -> (String, String) {
+    (format_value(dtype, bits), hex_bits(dtype, bits))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,7 +28,7 @@ mod tests;
 use tracegate_trace::DType;
 
 pub(crate) use crate::measures::Stats;
-pub use format::{format_value, hex_bits, unravel};
+pub use format::{describe_bits, format_value, hex_bits, unravel};
 pub(crate) use median::median_ulp;
 use ordering::mixed_pair;
 pub(crate) use ordering::{

@@ -1,0 +1,221 @@
+//! [`compare`]: the checks in their fixed order (docs/diff.md) — readable and verified,
+//! comparable (`comparable`), structure (`structure`), values (`values`), decisions
+//! (`decisions`) — then the verdict. Each phase adds its findings to the report.
+
+use std::path::Path;
+
+use tracegate_trace::Trace;
+
+use crate::report::{Finding, Report, Side};
+use crate::structure::{forced_note, structure};
+use crate::values::values;
+use crate::{
+    comparable, decisions, Filter, FilterSummary, FindingKind, Policy, RowStatus, Verdict,
+};
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Recompute every digest of both traces first. Without it the per-tensor digests are not
+    /// trusted either, so every common tensor is compared element by element.
+    pub verify: bool,
+    /// Downgrade the oracle stack rule (versions, dtype, device, attention) to a finding.
+    pub allow_stack_mismatch: bool,
+    /// Keep scanning values after the first differing tensor.
+    pub all: bool,
+    /// Judge numeric differences by this policy (implies scanning every tensor).
+    pub policy: Option<Policy>,
+    /// `--only` / `--skip`: the tensors and decisions compared; the rest are left out.
+    pub filter: Filter,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            verify: true,
+            allow_stack_mismatch: false,
+            all: false,
+            policy: None,
+            filter: Filter::default(),
+        }
+    }
+}
+
+impl Options {
+    /// Whether the tensor or decision `name` is compared (see [`Filter`]).
+    pub fn selects(&self, name: &str) -> bool {
+        self.filter.selects(name)
+    }
+}
+
+fn side(t: Option<&Trace>, path: Option<&Path>, verified: bool) -> Side {
+    Side {
+        path: path.map(|p| p.display().to_string()),
+        digest: t.map(|t| t.digest().hex()),
+        producer: t
+            .and_then(|t| t.provenance().get("producer"))
+            .and_then(|v| v.as_str())
+            .map(str::to_string),
+        verified,
+    }
+}
+
+/// Opens both files and compares them; an unopenable file gives an `unreadable` report.
+pub fn compare_files(reference: &Path, candidate: &Path, opts: &Options) -> Report {
+    let (r, c) = rayon::join(|| Trace::open(reference), || Trace::open(candidate));
+    match (r, c) {
+        (Ok(r), Ok(c)) => compare(&r, &c, opts),
+        (r, c) => {
+            let rep = Report::empty(
+                side(r.as_ref().ok(), Some(reference), false),
+                side(c.as_ref().ok(), Some(candidate), false),
+                opts,
+            );
+            unreadable(rep, [&r, &c])
+        }
+    }
+}
+
+/// An `unreadable` report: one finding for each side that could not be opened or verified.
+fn unreadable<T, E: std::fmt::Display>(mut rep: Report, sides: [&Result<T, E>; 2]) -> Report {
+    rep.verdict = Verdict::Unreadable;
+    for (label, res) in ["reference", "candidate"].into_iter().zip(sides) {
+        if let Err(e) = res {
+            rep.findings.push(Finding::new(
+                FindingKind::Unreadable,
+                None,
+                format!("{label}: {e}"),
+            ));
+        }
+    }
+    rep
+}
+
+/// Compares two opened traces: verify, comparability, structure, values, decisions.
+pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
+    // A filter that selects nothing is bad usage, known from the indexes alone: no hashing first.
+    let filter = opts.filter.summary(&[reference, candidate]);
+    if let Some(why) = filter.as_ref().and_then(FilterSummary::nothing_selected) {
+        let mut rep = Report::empty(
+            side(Some(reference), Some(reference.path()), false),
+            side(Some(candidate), Some(candidate.path()), false),
+            opts,
+        );
+        (rep.verdict, rep.filter) = (Verdict::Unreadable, filter);
+        rep.findings
+            .push(Finding::new(FindingKind::NothingSelected, None, why));
+        return rep;
+    }
+    // 1. Readable and verified. Both files are hashed at once (each verify is itself parallel
+    // across tensors, but one large tensor hashes on one core).
+    let (vr, vc) = if opts.verify {
+        rayon::join(|| reference.verify(), || candidate.verify())
+    } else {
+        (Ok(()), Ok(()))
+    };
+    let mut rep = Report::empty(
+        side(
+            Some(reference),
+            Some(reference.path()),
+            opts.verify && vr.is_ok(),
+        ),
+        side(
+            Some(candidate),
+            Some(candidate.path()),
+            opts.verify && vc.is_ok(),
+        ),
+        opts,
+    );
+    rep.filter = filter;
+    if vr.is_err() || vc.is_err() {
+        return unreadable(rep, [&vr, &vc]);
+    }
+
+    // 2. Comparable: runs before any digest is looked at.
+    let (refusals, allowed) = comparable::check(reference, candidate, opts.allow_stack_mismatch);
+    rep.findings.extend(allowed);
+    if !refusals.is_empty() {
+        rep.findings.extend(refusals);
+        rep.verdict = Verdict::Incomparable;
+        return rep;
+    }
+
+    // 3. Structure.
+    let mut different = structure(reference, candidate, opts, &mut rep);
+    let forced = forced_note(reference, candidate);
+    let forced_from_other = forced.is_some();
+    rep.findings.extend(forced);
+
+    // 4. Values.
+    let values_different = values(reference, candidate, opts, &mut rep);
+
+    // 5. Decisions (every one the filter selects), each flip labelled; under a policy the rows
+    // after a near-tie leave the judgement and their tensors are judged again without them.
+    different |= decisions::compare(reference, candidate, opts, &mut rep);
+    let rejudged = rep
+        .decisions
+        .near_ties
+        .as_ref()
+        .is_some_and(|n| !n.tensors.is_empty());
+    different |= if rejudged {
+        rep.per_tensor.iter().any(|r| {
+            matches!(
+                r.status,
+                RowStatus::OutsidePolicy | RowStatus::NoRule | RowStatus::Rerouted
+            )
+        })
+    } else {
+        values_different
+    };
+
+    rep.verdict = verdict(&rep, opts, different);
+    if rep.verdict == Verdict::Identical && !forced_from_other {
+        digests_confirm(reference, candidate, &mut rep);
+    }
+    rep
+}
+
+/// The verdict from the phases' outcome: different, else within the policy when some value or
+/// margin differs under one, else identical.
+fn verdict(rep: &Report, opts: &Options, different: bool) -> Verdict {
+    let any_value_difference = rep
+        .per_tensor
+        .iter()
+        .any(|r| r.status != RowStatus::Identical)
+        || rep
+            .decisions
+            .results
+            .iter()
+            .any(|d| d.margin_differing_rows > 0 || d.differing_rows > 0);
+    if different {
+        Verdict::Different
+    } else if opts.policy.is_some() && any_value_difference {
+        Verdict::WithinPolicy
+    } else {
+        Verdict::Identical
+    }
+}
+
+/// IDENTICAL claims equal content, and two verified digests decide that on their own: a
+/// disagreement means a check above misses some content, which must not pass as identical.
+/// Under a filter that left something out, IDENTICAL covers what was compared only; a side
+/// forced from the other differs from it in that attribute, so its digest cannot match (the
+/// caller skips this then: the decisions_forced note says so instead).
+fn digests_confirm(reference: &Trace, candidate: &Trace, rep: &mut Report) {
+    let whole = rep.filter.as_ref().is_none_or(|f| !f.left_out_any());
+    if whole
+        && rep.reference.verified
+        && rep.candidate.verified
+        && reference.digest() != candidate.digest()
+    {
+        rep.verdict = Verdict::Different;
+        rep.findings.push(Finding::new(
+            FindingKind::ContentDigestDiffers,
+            None,
+            format!(
+                "no difference was found, but the verified content digests differ ({} vs {}): a content field this differ does not compare",
+                reference.digest().hex(),
+                candidate.digest().hex()
+            ),
+        ));
+    }
+}

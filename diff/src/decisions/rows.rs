@@ -1,0 +1,331 @@
+//! One decision compared row by row: equal rows by their margins, differing rows as flips,
+//! each labelled (docs/diff.md, "Labels").
+
+use tracegate_trace::{DecisionInfo, Trace};
+
+use super::source::{decode_step, holds_scores, row_position, source_row};
+use crate::excuse::Excusal;
+use crate::values::{range_divergence, row_range};
+use crate::{
+    numeric, DecisionResult, DecisionStatus, Flip, Label, MarginDifference, Margins, NearTieRef,
+    Policy, Real, Report,
+};
+
+/// Under a policy, the slack a margin gets beyond what its source row explains, relative to
+/// max(1, |margin|): covers rounding of the subtraction and of the softmax (≈1e-7), and router
+/// margins whose traces hold no `router.logits` (the fallback source is not the scores).
+pub const MARGIN_SLACK: f64 = 1e-5;
+
+/// Under a policy, the largest |reference − candidate| margin difference accepted for a row:
+/// `2·d + MARGIN_SLACK·max(1, |a|, |b|)`, `d` the source row's divergence (0 without a source).
+/// Why 2·d: the top-1 and top-2 (k-th, (k+1)-th) values of a row are order statistics, each
+/// moving by at most the row's max |difference|, and a softmax moves no probability by more.
+pub fn margin_tolerance(a: f32, b: f32, divergence: Option<f64>) -> f64 {
+    let scale = 1f64.max((a as f64).abs()).max((b as f64).abs());
+    2.0 * divergence.unwrap_or(0.0) + MARGIN_SLACK * scale
+}
+
+/// The reference gap a reordered row crossed: the largest score gap between two chosen values
+/// whose order the candidate inverted, read from the reference's source row (`range`).
+fn reorder_gap(r: &Trace, source: &str, range: (u64, u64), a: &[i64], b: &[i64]) -> Option<f64> {
+    let info = r.tensor_info(source)?;
+    let (start, end) = row_range(info, Some(range));
+    let data = r.data(info);
+    let score = |v: i64| {
+        u64::try_from(v)
+            .ok()
+            .filter(|&i| i < end - start)
+            .map(|i| numeric::element_value(info.dtype, data, start + i))
+    };
+    let rank = |v: i64| b.iter().position(|&x| x == v);
+    let mut gap: Option<f64> = None;
+    for (i, &hi) in a.iter().enumerate() {
+        for &lo in &a[i + 1..] {
+            if rank(hi) > rank(lo) {
+                let g = (score(hi)? - score(lo)?).abs();
+                gap = Some(gap.map_or(g, |x| x.max(g)));
+            }
+        }
+    }
+    gap
+}
+
+/// Labels a flip that does not come after a near-tie. `upstream`: some tensor up to the source
+/// is outside the policy (differs, by bits); `gap`: the reference gap the flip crossed;
+/// `bound`: `F·d` under a policy when the source holds the scores; `d`: the source row's
+/// divergence. With `d = 0` the scores are bit-identical, so the decision rule itself differs.
+pub fn label(upstream: bool, gap: Option<f64>, bound: Option<f64>, d: Option<f64>) -> Label {
+    if upstream {
+        return Label::Consequence;
+    }
+    match (gap, bound, d) {
+        (Some(g), Some(b), Some(d)) if d > 0.0 && g <= b => Label::NearTie,
+        _ => Label::Defect,
+    }
+}
+
+/// Compares one decision present in both traces with the same shape, row by row: equal rows by
+/// their margins ([`Rows::margins`]), differing rows as labelled flips ([`Rows::flip`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn compare_one(
+    r: &Trace,
+    c: &Trace,
+    rd: &DecisionInfo,
+    cd: &DecisionInfo,
+    source: Option<String>,
+    at: usize,
+    policy: Option<&Policy>,
+    ex: &mut Excusal,
+    rep: &mut Report,
+) -> DecisionResult {
+    let (rv, cv) = (r.decision_values(rd), c.decision_values(cd));
+    let (rm, cm) = (r.decision_margins(rd), c.decision_margins(cd));
+    let rows = rd.rows();
+    let width = rd.count().checked_div(rows).unwrap_or(0) as usize;
+    let mut out = DecisionResult {
+        name: rd.name.clone(),
+        shape: rd.shape.clone(),
+        status: DecisionStatus::Identical,
+        rows,
+        differing_rows: 0,
+        reordered_rows: 0,
+        source: source.clone(),
+        flips: Vec::new(),
+        margins: match (&rm, &cm) {
+            (None, None) => Margins::Absent,
+            (Some(_), None) => Margins::ReferenceOnly,
+            (None, Some(_)) => Margins::CandidateOnly,
+            (Some(_), Some(_)) => Margins::Identical,
+        },
+        margin_differing_rows: 0,
+        margin_outside_rows: 0,
+        first_margin_difference: None,
+        rows_after_near_tie: 0,
+    };
+    if width == 0 {
+        return out;
+    }
+    let d = Rows {
+        r,
+        c,
+        name: &rd.name,
+        source: source.as_deref(),
+        rows,
+        at,
+        step: decode_step(&rd.name),
+        policy,
+        margins: (rm.as_deref(), cm.as_deref()),
+    };
+    for (row, (a, b)) in rv.chunks(width).zip(cv.chunks(width)).enumerate() {
+        let row = row as u64;
+        let position = row_position(&rd.name, source.as_deref(), row, rows, r);
+        // A row after a near-tie is not judged: its token took another, honest path.
+        let after = ex.after(position, at, d.step).map(str::to_string);
+        out.rows_after_near_tie += after.is_some() as u64;
+        if a == b {
+            // Equal choices: the margins must be equal too (a flipped row shows both instead).
+            if let (Some(rm), Some(cm), None) = (&rm, &cm, &after) {
+                d.margins(row, rm[row as usize], cm[row as usize], &mut out);
+            }
+            continue;
+        }
+        let flip = d.flip(row, (a, b), position, after, ex, rep);
+        out.differing_rows += 1;
+        out.reordered_rows += flip.same_values_different_order as u64;
+        out.flips.push(flip);
+    }
+    ex.count_decision_rows(out.rows_after_near_tie);
+    if out.differing_rows > 0 {
+        out.status = DecisionStatus::Different;
+    }
+    if out.margin_outside_rows > 0 {
+        out.margins = Margins::Different;
+    } else if out.margin_differing_rows > 0 {
+        out.margins = Margins::WithinTolerance;
+    }
+    out
+}
+
+/// One decision pair under comparison: what judging each of its rows reads.
+struct Rows<'a> {
+    r: &'a Trace,
+    c: &'a Trace,
+    name: &'a str,
+    source: Option<&'a str>,
+    rows: u64,
+    /// Where the decision is taken in the reference's capture order
+    /// ([`taken_at`](super::source::taken_at)).
+    at: usize,
+    step: Option<u64>,
+    policy: Option<&'a Policy>,
+    /// Each side's margins, one a row.
+    margins: (Option<&'a [f32]>, Option<&'a [f32]>),
+}
+
+impl Rows<'_> {
+    /// The source tensor and the row of it that decision row `row` was taken from.
+    fn src_row(&self, row: u64) -> Option<(&str, (u64, u64))> {
+        self.source
+            .map(|s| (s, source_row(self.name, s, row, self.rows, self.r)))
+    }
+
+    /// The source row's divergence ([`range_divergence`]).
+    fn divergence(&self, row: u64) -> Option<f64> {
+        self.src_row(row)
+            .and_then(|(s, range)| range_divergence(self.r, self.c, s, Some(range)))
+    }
+
+    /// A row whose choices are equal: its margins `ma`, `mb` compared by bits, or under a
+    /// policy within [`margin_tolerance`]; a difference is counted in `out`, and the first kept.
+    fn margins(&self, row: u64, ma: f32, mb: f32, out: &mut DecisionResult) {
+        if ma.to_bits() == mb.to_bits() {
+            return;
+        }
+        out.margin_differing_rows += 1;
+        let tolerance = self
+            .policy
+            .map(|_| margin_tolerance(ma, mb, self.divergence(row)));
+        // NaN never lies within a tolerance; only equal bits match it.
+        let outside = tolerance.is_none_or(|t| {
+            !matches!(
+                ((ma as f64) - (mb as f64)).abs().partial_cmp(&t),
+                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+            )
+        });
+        out.margin_outside_rows += outside as u64;
+        // Keep the first row outside the tolerance, else the first that differs at all.
+        let keep = match &out.first_margin_difference {
+            None => true,
+            Some(m) => outside && !m.outside,
+        };
+        if keep {
+            out.first_margin_difference = Some(MarginDifference {
+                row,
+                reference: Real(ma as f64),
+                candidate: Real(mb as f64),
+                reference_bits: format!("{:#010x}", ma.to_bits()),
+                candidate_bits: format!("{:#010x}", mb.to_bits()),
+                tolerance: tolerance.map(Real),
+                outside,
+            });
+        }
+    }
+
+    /// A row whose choices differ, labelled (docs/diff.md, "Labels"): `after` names the
+    /// near-tie it follows, if any. A near-tie it finds, and the decode steps an excused flip
+    /// sends down another sequence, are recorded in `ex`.
+    fn flip(
+        &self,
+        row: u64,
+        (a, b): (&[i64], &[i64]),
+        position: Option<i64>,
+        after: Option<String>,
+        ex: &mut Excusal,
+        rep: &mut Report,
+    ) -> Flip {
+        let mut sa = a.to_vec();
+        let mut sb = b.to_vec();
+        sa.sort_unstable();
+        sb.sort_unstable();
+        let reordered = sa == sb;
+        let margin_of = |m: Option<&[f32]>| m.and_then(|m| m.get(row as usize).copied());
+        let (ref_margin, cand_margin) = (margin_of(self.margins.0), margin_of(self.margins.1));
+        let d = self.divergence(row);
+        let scores = self
+            .src_row(row)
+            .filter(|(s, _)| holds_scores(self.name, s));
+        // The margin is the gap between the k-th and (k+1)-th score: a reorder within the
+        // chosen crossed another gap, which only the scores tell.
+        let gap = match (reordered, scores) {
+            (true, Some((s, range))) => reorder_gap(self.r, s, range, a, b),
+            (true, None) => None,
+            (false, _) => ref_margin.map(|m| (m as f64).abs()),
+        };
+        let bound = match (self.policy, scores, d) {
+            (Some(p), Some(_), Some(d)) => Some(p.near_tie_factor() * d),
+            _ => None,
+        };
+        let (label, upstream) = match &after {
+            Some(_) => (Label::AfterNearTie, None),
+            None => {
+                let upstream = ex.upstream(rep, self.at);
+                (label(upstream.is_some(), gap, bound, d), upstream)
+            }
+        };
+        let origin = after
+            .clone()
+            .unwrap_or_else(|| format!("{} row {row}", self.name));
+        if label == Label::NearTie {
+            ex.near_tie(
+                position,
+                self.at,
+                &origin,
+                NearTieRef {
+                    decision: self.name.to_string(),
+                    row,
+                    position: position.unwrap_or(row as i64),
+                },
+            );
+        }
+        // A different next token: every later decode step runs on another sequence.
+        if label.excused() {
+            let next = match self.step {
+                Some(s) => Some(s + 1),
+                None if self.name == "logits.argmax" && row + 1 == self.rows => Some(0),
+                None => None,
+            };
+            if let Some(next) = next {
+                ex.decode_from(next, &origin);
+            }
+        }
+        Flip {
+            row,
+            reference: a.to_vec(),
+            candidate: b.to_vec(),
+            same_values_different_order: reordered,
+            reference_margin: ref_margin.map(|m| Real(m as f64)),
+            candidate_margin: cand_margin.map(|m| Real(m as f64)),
+            source_divergence: d.map(Real),
+            gap: gap.map(Real),
+            noise_bound: bound.map(Real),
+            label,
+            upstream,
+            after,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels() {
+        // Upstream outside the policy wins over everything.
+        assert_eq!(
+            label(true, Some(1e-9), Some(1.0), Some(0.5)),
+            Label::Consequence
+        );
+        assert_eq!(
+            label(false, Some(1e-7), Some(2e-5), Some(1e-5)),
+            Label::NearTie
+        );
+        assert_eq!(
+            label(false, Some(2e-5), Some(2e-5), Some(1e-5)),
+            Label::NearTie
+        );
+        assert_eq!(
+            label(false, Some(2.1e-5), Some(2e-5), Some(1e-5)),
+            Label::Defect
+        );
+        // Bit-identical scores: the rule differs, even for a tie.
+        assert_eq!(label(false, Some(0.0), Some(0.0), Some(0.0)), Label::Defect);
+        // No bound (no policy, or the source is not the scores), or no gap: no near-tie.
+        assert_eq!(label(false, Some(1e-9), None, Some(1.0)), Label::Defect);
+        assert_eq!(label(false, None, Some(1.0), Some(1.0)), Label::Defect);
+        assert_eq!(
+            label(false, Some(f64::NAN), Some(1.0), Some(1.0)),
+            Label::Defect
+        );
+    }
+}

@@ -1,0 +1,178 @@
+//! The HTML report: one self-contained page (inline CSS and hand-written SVG; no script, no
+//! font, no URL) a person opens in a browser. `trace-diff --html` writes [`render_html`]'s
+//! page; the gate's pages (`gate/src/report.rs`) are built from the primitives here.
+//!
+//! Every number the page shows comes from the report the JSON is serialised from, and says
+//! where: an element with `data-json` (a JSON pointer into the `--json` report of the same run)
+//! and `data-v` (that value, serialised by the same serializer). The browser test reads the DOM
+//! and compares each with the JSON. Axis tick labels are the only other numbers.
+//!
+//! One concept a file: here, the primitives every page is built from (escaping, a value tied to
+//! the JSON, the page and its style, the atomic write); `chart` (the log-scale chart);
+//! `report_page` (the `trace-diff --html` page) with `decisions` (its decisions section).
+
+mod chart;
+mod decisions;
+mod report_page;
+
+use std::path::Path;
+
+use serde::Serialize;
+
+pub use chart::{BoundBar, LogChart, Mark, Point, Series};
+pub use report_page::{render_html, write_html, MAX_FLIPS, MAX_ROWS};
+
+use crate::Real;
+
+/// `&`, `<`, `>`, `"`, `'` escaped: safe in text and in a quoted attribute.
+pub fn esc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The JSON text of `v`, as the report serialises it (a `Real` that is not finite is a string).
+pub fn json_text<T: Serialize + ?Sized>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| format!("\"unserialisable: {e}\""))
+}
+
+/// `<TAG class=.. data-json=POINTER data-v=JSON>SHOWN</TAG>`: a value of the report, shown
+/// as `shown`, tied to where the JSON holds it.
+pub fn val<T: Serialize + ?Sized>(
+    tag: &str,
+    class: &str,
+    pointer: &str,
+    v: &T,
+    shown: &str,
+) -> String {
+    format!(
+        "<{tag} class=\"{class}\" data-json=\"{}\" data-v=\"{}\">{}</{tag}>",
+        esc(pointer),
+        esc(&json_text(v)),
+        esc(shown),
+        tag = tag
+    )
+}
+
+/// A number of the report in a table cell (`td.num`).
+pub fn num_td<T: Serialize + ?Sized>(pointer: &str, v: &T, shown: &str) -> String {
+    val("td", "num", pointer, v, shown)
+}
+
+/// A real for people: 3 significant digits, `0`, `inf`, `nan`; `-` for not measured.
+pub fn fmt_real(v: Option<f64>) -> String {
+    match v {
+        None => "-".into(),
+        Some(v) if v.is_nan() => "nan".into(),
+        Some(v) if v.is_infinite() => {
+            if v > 0.0 {
+                "inf".into()
+            } else {
+                "-inf".into()
+            }
+        }
+        Some(0.0) => "0".into(),
+        // A short exact form (0.9999, 0.0001, 151) as it is: rounding it could make a limit
+        // read like the value it bounds.
+        Some(v) if format!("{v}").len() <= 7 => format!("{v}"),
+        Some(v) if (1e-2..1e5).contains(&v.abs()) => {
+            let digits = (2 - v.abs().log10().floor() as i32).max(0) as usize;
+            format!("{v:.digits$}")
+        }
+        Some(v) => format!("{v:.2e}"),
+    }
+}
+
+fn real(v: Option<Real>) -> String {
+    fmt_real(v.map(|r| r.0))
+}
+
+fn int(v: Option<u64>) -> String {
+    v.map_or("-".into(), crate::thousands)
+}
+
+/// The page around `body`: inline style only.
+pub fn page(title: &str, body: &str) -> String {
+    format!(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">\
+<title>{}</title><style>{STYLE}</style></head>\n<body>\n{body}\n</body></html>\n",
+        esc(title)
+    )
+}
+
+const STYLE: &str = "\
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2430;max-width:1400px}\
+h1{font-size:1.5em;margin:.2em 0}h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ccd}\
+table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #d4d8e0;padding:2px 6px;text-align:left;vertical-align:top}\
+th{background:#eef1f6}td.num{text-align:right;font-variant-numeric:tabular-nums}\
+.mono,code{font-family:ui-monospace,monospace;font-size:12.5px}\
+.v-identical,.v-within_policy,.s-PASS{color:#1a7f37}.v-different,.v-incomparable,.v-unreadable,.s-FAIL{color:#c62828}\
+.s-NOT{color:#9a6700}td.s-FAIL{background:#fde7e7}td.s-PASS{background:#e8f5ec}td.s-NOT{background:#fff4d6}\
+tr.outside_policy td,tr.no_rule td,tr.rerouted td{background:#fde7e7}tr.different td,tr.differs_by_digest td{background:#fff0e0}\
+tr.first-violation td{outline:2px solid #c62828}.box{border:1px solid #ccd;border-radius:4px;padding:.5em .8em;margin:.5em 0;background:#fafbfd}\
+.l-defect{color:#c62828;font-weight:600}.l-near-tie,.l-after-near-tie{color:#9a6700}.l-consequence{color:#555}\
+svg{background:#fff;border:1px solid #d4d8e0;margin:.3em 0}svg text{font:11px system-ui,sans-serif;fill:#333}\
+.grid{stroke:#e3e6ec}.axis{stroke:#888}.pt{stroke:none}.s-rel_l2 .pt{fill:#1f5fbf}.s-max_ulp .pt{fill:#7b3fbf}\
+.pt.zero{fill:none;stroke:#9aa;stroke-width:1}.pt.off{fill:#c62828}.bound{stroke:#e07b00;stroke-width:2}\
+.mark-fbd{stroke:#1f5fbf;stroke-dasharray:4 3;stroke-width:1.5}.mark-fv{stroke:#c62828;stroke-width:2}\
+.lane{stroke:#eee}.m-defect{fill:#c62828}.m-near-tie{fill:#e0a000}.m-after-near-tie{fill:#c9b26b}.m-consequence{fill:#888}\
+.nb{stroke:#333;stroke-width:1.5}.note{color:#555}a{color:#1f5fbf}";
+
+/// Writes through a temporary file and a rename, so a crash never leaves half a page.
+pub fn write_file(path: &Path, text: &str) -> std::io::Result<()> {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".tmp");
+    let tmp = path.with_file_name(name);
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_from_traces_is_escaped() {
+        let v = val(
+            "td",
+            "num",
+            "/per_tensor/0/tensor",
+            "<script>alert(1)</script>",
+            "a\"b<c>",
+        );
+        assert!(!v.contains("<script>") && !v.contains("a\"b"), "{v}");
+        assert!(
+            v.contains("&lt;script&gt;") && v.contains("a&quot;b&lt;c&gt;"),
+            "{v}"
+        );
+    }
+
+    #[test]
+    fn reals_are_shown_to_three_significant_digits() {
+        let cases = [
+            (Some(0.0001234567), "1.23e-4"),
+            (Some(1.0), "1"),
+            (Some(12.345), "12.345"),
+            (Some(12.3456789), "12.3"),
+            (Some(0.9999), "0.9999"),
+            (Some(0.123456), "0.123"),
+            (Some(f64::INFINITY), "inf"),
+            (None, "-"),
+            (Some(0.0), "0"),
+        ];
+        for (v, want) in cases {
+            assert_eq!(fmt_real(v), want, "{v:?}");
+        }
+    }
+}

@@ -1,0 +1,417 @@
+//! Phase 4 of [`crate::compare`], values: each common tensor's row — equal by digest, not
+//! scanned, or scanned element by element — judged by the policy when there is one; the first
+//! divergence with its element; and the element-range divergence the decisions measure.
+
+use tracegate_trace::{TensorInfo, Trace};
+
+use crate::report::{Divergence, Element, Method, RuleRef, TensorRow};
+use crate::{
+    numeric, policy, reroute, worst, Finding, FindingKind, Options, Pair, Real, Report, RowStatus,
+    Rule, Special,
+};
+
+pub(crate) fn row_for(
+    info: &TensorInfo,
+    pair: Pair,
+    method: Method,
+    status: RowStatus,
+) -> TensorRow {
+    TensorRow {
+        tensor: info.name.clone(),
+        dtype: info.dtype.name(),
+        candidate_dtype: pair.candidate,
+        ulp_dtype: pair.ulp_dtype(),
+        shape: info.shape.clone(),
+        method,
+        status,
+        total_elements: info.element_count(),
+        differing_elements: None,
+        max_ulp: None,
+        median_ulp: None,
+        max_abs: None,
+        max_rel: None,
+        cosine: None,
+        rel_l2: None,
+        scale_error: None,
+        signed_zero: 0,
+        nan_mismatch: 0,
+        nan_payload: 0,
+        infinity: 0,
+        rule: None,
+        violations: Box::default(),
+        worst_element: None,
+    }
+}
+
+/// Scans common tensors in reference order; true if any is different (or fails the policy).
+/// Each row is made by one of three phases — equal by digest, not scanned (after the first
+/// difference), scanned — then judged.
+pub(crate) fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
+    let scan_all = opts.all || opts.policy.is_some();
+    // Without verification a recorded digest proves nothing about the bytes.
+    let trust_digests = opts.verify;
+    let mut different = false;
+    let mut stopped = false;
+    // One row per common tensor, allocated once: doubling a million-row Vec holds both copies.
+    rep.per_tensor.reserve_exact(
+        r.tensors()
+            .iter()
+            .filter(|ri| opts.selects(&ri.name) && c.tensor_info(&ri.name).is_some())
+            .count(),
+    );
+    for ri in r.tensors().iter().filter(|ri| opts.selects(&ri.name)) {
+        let Some(ci) = c.tensor_info(&ri.name) else {
+            continue;
+        };
+        if reroute::rerouted(ri, ci) {
+            different |= rerouted_row(r, c, ri, ci, opts, rep);
+            continue;
+        }
+        let Some(pair) = Pair::new(ri.dtype, ci.dtype).filter(|_| ci.shape == ri.shape) else {
+            continue;
+        };
+        let digest_equal = trust_digests && !pair.is_mixed() && ri.digest == ci.digest;
+        let data = (r.data(ri), c.data(ci));
+        let mut row = if digest_equal {
+            digest_row(ri, pair, rep)
+        } else if stopped {
+            not_scanned_row(ri, pair, trust_digests, rep)
+        } else {
+            let row = scanned_row(ri, pair, data, rep);
+            // What follows a divergence is noise: a later change is not a finding by default
+            // (--all scans and reports it); the JSON still lists which digests differ.
+            stopped = !scan_all && row.differing_elements.is_some_and(|d| d > 0);
+            row
+        };
+        different |= judge(ri, ci, pair, data, opts, &mut row, rep);
+        rep.per_tensor.push(row);
+    }
+    different
+}
+
+/// Other tokens routed to this expert: compared on the positions both sides hold.
+fn rerouted_row(
+    r: &Trace,
+    c: &Trace,
+    ri: &TensorInfo,
+    ci: &TensorInfo,
+    opts: &Options,
+    rep: &mut Report,
+) -> bool {
+    let Some(pair) = Pair::new(ri.dtype, ci.dtype) else {
+        return false;
+    };
+    let (row, findings, _) = reroute::judge(
+        r,
+        c,
+        ri,
+        ci,
+        pair,
+        opts.policy.as_ref(),
+        &Default::default(),
+    );
+    rep.tensors.compared_elementwise.add();
+    rep.findings.extend(findings);
+    let different = !row.status.agrees();
+    rep.per_tensor.push(row);
+    different
+}
+
+/// Verified equal bytes: every statistic is known without reading them.
+fn digest_row(ri: &TensorInfo, pair: Pair, rep: &mut Report) -> TensorRow {
+    let mut row = row_for(ri, pair, Method::Digest, RowStatus::Identical);
+    row.differing_elements = Some(0);
+    row.max_ulp = Some(0);
+    (
+        row.max_abs,
+        row.max_rel,
+        row.cosine,
+        row.rel_l2,
+        row.scale_error,
+    ) = (
+        Some(Real(0.0)),
+        Some(Real(0.0)),
+        Some(Real(1.0)),
+        Some(Real(0.0)),
+        Some(Real(0.0)),
+    );
+    rep.tensors.matched_by_digest.add();
+    row
+}
+
+/// A tensor after the first difference, not read: known to differ when digests are trusted.
+fn not_scanned_row(
+    ri: &TensorInfo,
+    pair: Pair,
+    trust_digests: bool,
+    rep: &mut Report,
+) -> TensorRow {
+    let status = if trust_digests {
+        RowStatus::DiffersByDigest
+    } else {
+        RowStatus::Unknown
+    };
+    rep.tensors.not_scanned.add();
+    if trust_digests {
+        rep.tensors.known_different.add();
+    }
+    row_for(ri, pair, Method::NotScanned, status)
+}
+
+/// Every element compared; the first differing tensor also gives the first divergence, its
+/// median ULP and its signed-zero / NaN / infinity findings.
+fn scanned_row(
+    ri: &TensorInfo,
+    pair: Pair,
+    (rd, cd): (&[u8], &[u8]),
+    rep: &mut Report,
+) -> TensorRow {
+    // Only the first divergence reports a median: only its scan counts distances.
+    let (s, ulps) = numeric::scan(pair, rd, cd, rep.first_divergence.is_none());
+    rep.tensors.compared_elementwise.add();
+    // Across dtypes nothing is bit-identical: equal values are still judged (policy) or
+    // different (by bits).
+    let identical = s.differing == 0 && !pair.is_mixed();
+    let mut row = row_for(
+        ri,
+        pair,
+        Method::Elementwise,
+        if identical {
+            RowStatus::Identical
+        } else {
+            RowStatus::Different
+        },
+    );
+    set_stats(&mut row, &s);
+    if s.differing > 0 && rep.first_divergence.is_none() {
+        row.median_ulp = ulps
+            .as_ref()
+            .and_then(|u| numeric::median_ulp(pair, rd, cd, &s, u));
+        rep.first_divergence = Some(divergence(ri, pair, rd, cd, &s, &row));
+        specials_findings(ri, &s, rep);
+    }
+    row
+}
+
+/// Judges a row: by the policy's rule for the tensor under a policy (a row outside it gets its
+/// worst element), else by bits. Pushes the finding and sets the status; true when it fails.
+fn judge(
+    ri: &TensorInfo,
+    ci: &TensorInfo,
+    pair: Pair,
+    (rd, cd): (&[u8], &[u8]),
+    opts: &Options,
+    row: &mut TensorRow,
+    rep: &mut Report,
+) -> bool {
+    let Some(policy) = opts.policy.as_ref() else {
+        if row.status != RowStatus::Different {
+            return false;
+        }
+        rep.findings.push(Finding::new(
+            FindingKind::ValuesDiffer,
+            Some(&ri.name),
+            values_differ(pair, row),
+        ));
+        return true;
+    };
+    let Some((idx, rule)) = policy.rule_for(&ri.name, ci.attributes.path.as_deref()) else {
+        rep.findings.push(Finding::new(
+            FindingKind::NoPolicyRule,
+            Some(&ri.name),
+            "no rule in the policy matches this tensor",
+        ));
+        row.status = RowStatus::NoRule;
+        return true;
+    };
+    row.rule = Some(Box::new(RuleRef {
+        index: idx,
+        pattern: rule.pattern.clone(),
+    }));
+    if row.status != RowStatus::Different {
+        return false;
+    }
+    let Some(f) = judge_row(row, idx, rule) else {
+        return false;
+    };
+    rep.findings.push(f);
+    // One more pass, over failing tensors only: where it fails most.
+    row.worst_element =
+        worst::locate(pair, rd, cd).map(|i| Box::new(element(pair, &ri.shape, rd, cd, i)));
+    true
+}
+
+/// The `values_differ` finding's detail: the counts, and across dtypes the unit they compare in.
+fn values_differ(pair: Pair, row: &TensorRow) -> String {
+    let counts = format!(
+        "{} of {} elements differ",
+        row.differing_elements.unwrap_or(0),
+        row.total_elements
+    );
+    match pair.ulp_dtype().filter(|_| pair.is_mixed()) {
+        Some(unit) => format!(
+            "reference {} vs candidate {}, compared in {unit} ULPs: {counts} in value (bit-identical does not exist across dtypes)",
+            pair.reference, pair.candidate
+        ),
+        None => counts,
+    }
+}
+
+/// A row's statistics from a scan (the median is the caller's: only the first divergence has one).
+pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
+    row.differing_elements = Some(s.differing);
+    row.max_abs = Some(Real(s.max_abs));
+    row.max_rel = Some(Real(s.max_rel));
+    row.cosine = s.cosine().map(Real);
+    row.rel_l2 = s.rel_l2().map(Real);
+    row.scale_error = s.scale_error().map(Real);
+    (
+        row.signed_zero,
+        row.nan_mismatch,
+        row.nan_payload,
+        row.infinity,
+    ) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
+    row.max_ulp = s.max_ulp();
+}
+
+/// Judges a differing row by its rule from the row's statistics: sets `violations` and the
+/// status, and returns the `outside_policy` finding when a bound is broken.
+pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<Finding> {
+    let m = policy::Measured {
+        max_ulp: row.max_ulp,
+        max_abs: row.max_abs.map_or(0.0, |x| x.0),
+        max_rel: row.max_rel.map_or(0.0, |x| x.0),
+        rel_l2: row.rel_l2.map(|x| x.0),
+        cosine: row.cosine.map(|x| x.0),
+        scale_error: row.scale_error.map(|x| x.0),
+        nonfinite_differences: row.nan_mismatch + row.nan_payload + row.infinity,
+    };
+    row.violations = rule.violations(&m).into_boxed_slice();
+    if row.violations.is_empty() {
+        row.status = RowStatus::WithinPolicy;
+        row.worst_element = None;
+        return None;
+    }
+    row.status = RowStatus::OutsidePolicy;
+    let broken: Vec<String> = row.violations.iter().map(|v| v.to_string()).collect();
+    Some(Finding::new(
+        FindingKind::OutsidePolicy,
+        Some(&row.tensor),
+        format!("rule {idx} ({}): {}", rule.pattern, broken.join("; ")),
+    ))
+}
+
+/// Names signed-zero / NaN / infinity differences of the first differing tensor as findings.
+fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
+    for (count, kind, what) in [
+        (s.signed_zero, FindingKind::SignedZero, Special::SignedZero),
+        (
+            s.nan_mismatch,
+            FindingKind::NanMismatch,
+            Special::NanMismatch,
+        ),
+        (s.nan_payload, FindingKind::NanPayload, Special::NanPayload),
+        (s.infinity, FindingKind::Infinity, Special::Infinity),
+    ] {
+        if count > 0 {
+            rep.findings.push(Finding::new(
+                kind,
+                Some(&info.name),
+                format!("{count} element(s): {}", what.describe()),
+            ));
+        }
+    }
+}
+
+/// Element `idx` of a tensor both traces hold with the same shape: each value and its bits in
+/// its own dtype, the distance in the pair's ULPs (the coarser dtype's for a mixed pair).
+pub(crate) fn element(pair: Pair, shape: &[u64], rd: &[u8], cd: &[u8], idx: u64) -> Element {
+    let (rt, ct) = (pair.reference, pair.candidate);
+    let (a, b) = (
+        numeric::element_bits(rt, rd, idx),
+        numeric::element_bits(ct, cd, idx),
+    );
+    let (special, ulp) = numeric::pair_element(pair, rd, cd, idx).unwrap_or((None, Some(0)));
+    Element {
+        flat_index: idx,
+        coords: numeric::unravel(idx, shape),
+        reference_value: numeric::format_value(rt, a),
+        candidate_value: numeric::format_value(ct, b),
+        reference_bits: numeric::hex_bits(rt, a),
+        candidate_bits: numeric::hex_bits(ct, b),
+        ulp,
+        special,
+    }
+}
+
+fn divergence(
+    info: &TensorInfo,
+    pair: Pair,
+    rd: &[u8],
+    cd: &[u8],
+    s: &numeric::Stats,
+    row: &TensorRow,
+) -> Divergence {
+    let idx = s.first.expect("a differing tensor has a first difference");
+    let e = element(pair, &info.shape, rd, cd, idx);
+    Divergence {
+        tensor: info.name.clone(),
+        dtype: pair.reference.name().to_string(),
+        candidate_dtype: pair.candidate.name().to_string(),
+        ulp_dtype: pair.ulp_dtype().map(|d| d.name().to_string()),
+        shape: info.shape.clone(),
+        flat_index: e.flat_index,
+        coords: e.coords,
+        reference_value: e.reference_value,
+        candidate_value: e.candidate_value,
+        reference_bits: e.reference_bits,
+        candidate_bits: e.candidate_bits,
+        ulp: e.ulp,
+        special: e.special,
+        differing_elements: s.differing,
+        total_elements: s.total,
+        max_ulp: row.max_ulp,
+        median_ulp: row.median_ulp,
+        max_abs: Real(s.max_abs),
+        max_rel: Real(s.max_rel),
+        cosine: row.cosine,
+        rel_l2: row.rel_l2,
+    }
+}
+
+/// Max |reference − candidate| over elements `[start, end)` of a tensor present in both with
+/// the same shape and comparable dtypes (the same, or two floats: real values, each in its
+/// own dtype); infinite when a NaN or infinity differs there.
+pub(crate) fn range_divergence(
+    r: &Trace,
+    c: &Trace,
+    name: &str,
+    rows: Option<(u64, u64)>,
+) -> Option<f64> {
+    let (ri, ci) = (r.tensor_info(name)?, c.tensor_info(name)?);
+    let pair = Pair::new(ri.dtype, ci.dtype).filter(|_| ri.shape == ci.shape)?;
+    let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
+    let (start, end) = row_range(ri, rows);
+    let (a, b) = (
+        &r.data(ri)[start as usize * rs..end as usize * rs],
+        &c.data(ci)[start as usize * cs..end as usize * cs],
+    );
+    let (s, _) = numeric::scan(pair, a, b, false);
+    if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
+        return Some(f64::INFINITY);
+    }
+    Some(s.max_abs)
+}
+
+/// The elements `[start, end)` of row `row` of `count` rows, when the tensor's first axis has
+/// that many rows; else of the whole tensor.
+pub(crate) fn row_range(info: &TensorInfo, rows: Option<(u64, u64)>) -> (u64, u64) {
+    let n = info.element_count();
+    match rows {
+        Some((row, count)) if info.shape.first() == Some(&count) && count > 0 => {
+            let width = n / count;
+            (row * width, (row + 1) * width)
+        }
+        _ => (0, n),
+    }
+}
