@@ -13,5 +13,6 @@ cargo clippy --release --quiet --workspace --all-targets -- -D warnings
 echo "== cargo test (release profile, shares the set-up build)"
 cargo test --release --quiet
 # With CI set (CI=true), the root conftest.py turns every pytest skip into a failure.
-echo "== pytest${CI:+ (CI=$CI: a skipped test fails the run)}"
-.venv/bin/python -m pytest
+# -n auto: one worker per core (pytest-xdist); each worker builds its own session fixtures.
+echo "== pytest, one worker per core${CI:+ (CI=$CI: a skipped test fails the run)}"
+.venv/bin/python -m pytest -n auto
