@@ -4,7 +4,8 @@
 Loads DIR with AutoModelForCausalLM (fp32, eager attention, eager experts; for a multimodal
 Qwen3.5 checkpoint that is transformers' Qwen3_5ForCausalLM, the language model alone), refuses
 any missing / unexpected / mismatched key, runs the seeded prompt set (20 prompts of random token
-ids, lengths 1..70, some with repeated tokens) and prints:
+ids, lengths 1..70, some with repeated tokens) or, with --prompts frozen, the gates' frozen prompts
+(fixtures/prompts/frozen.json), and prints:
   - logits argmax margin  top1 - top2 (absolute, and relative to the row's max |logit|);
   - router margin         p_k - p_(k+1) of the fp32 softmax of the router logits (absolute,
                           and relative to p_k), per MoE layer, from a hook on each `mlp.gate`;
@@ -12,7 +13,8 @@ ids, lengths 1..70, some with repeated tokens) and prints:
     tokens appear (degeneracy check).
 Exit status 1 if a check fails (--min-rel, default 1e-3).
 
-  python scripts/fixture_margins.py fixtures/tiny-qwen3 [--json]
+  python scripts/fixture_margins.py fixtures/tiny-qwen3 [--json] [--prompts frozen]
+  python scripts/fixture_margins.py --search PRESET N [--start SEED]   # seeded and frozen sets
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
+
+FROZEN = Path(__file__).resolve().parent.parent / "fixtures/prompts/frozen.json"
 
 
 def prompt_set(vocab: int, n: int = 20, seed: int = 1234) -> list[list[int]]:
@@ -36,6 +41,17 @@ def prompt_set(vocab: int, n: int = 20, seed: int = 1234) -> list[list[int]]:
         else:
             prompts.append([int(x) for x in rng.integers(0, vocab, size=t)])
     return prompts
+
+
+def frozen_prompts(vocab: int) -> list[list[int]]:
+    """The gates' frozen prompts; refuses a vocabulary below the file's `vocab_min`."""
+    d = json.loads(FROZEN.read_text())
+    if vocab < d["vocab_min"]:
+        raise SystemExit(f"{FROZEN}: vocab_size {vocab} < vocab_min {d['vocab_min']}")
+    return [p["tokens"] for p in d["prompts"]]
+
+
+PROMPT_SETS = {"seeded": prompt_set, "frozen": frozen_prompts}
 
 
 def load(model_dir: str):
@@ -87,7 +103,7 @@ def _gaps(x: np.ndarray, k: int):
     return s[:, k - 1] - s[:, k], np.abs(x).max(-1)
 
 
-def measure(model_dir: str, with_f64: bool = True) -> dict:
+def measure(model_dir: str, with_f64: bool = True, prompts: str = "seeded") -> dict:
     import copy
 
     import torch
@@ -107,7 +123,7 @@ def measure(model_dir: str, with_f64: bool = True) -> dict:
     r_abs, r_rel, r_lrel, r_safe = ({n: [] for n in g32} for _ in range(4))
     rms = np.zeros(cfg.num_hidden_layers + 1)
     nrows = 0
-    for ids in prompt_set(cfg.vocab_size):
+    for ids in PROMPT_SETS[prompts](cfg.vocab_size):
         lg, rl, hs = _run(model, ids, g32)
         gap, mx = _gaps(lg, 1)
         arg_abs.append(gap)
@@ -133,6 +149,7 @@ def measure(model_dir: str, with_f64: bool = True) -> dict:
     cat = np.concatenate
     res = {
         "model": model_dir,
+        "prompts": prompts,
         "rows": nrows,
         "argmax_min_abs": float(cat(arg_abs).min()),
         "argmax_min_rel": float(cat(arg_rel).min()),
@@ -155,7 +172,7 @@ def measure(model_dir: str, with_f64: bool = True) -> dict:
 
 def search(preset: str, n: int, start: int | None = None) -> None:
     """Try n seeds from `start` (default: the preset's); print each seed's smallest relative
-    margin (argmax, router)."""
+    margin (argmax, router) on the seeded and on the frozen prompt set; `score` is the smaller."""
     import importlib.util
     import tempfile
     from pathlib import Path
@@ -167,18 +184,21 @@ def search(preset: str, n: int, start: int | None = None) -> None:
     spec.loader.exec_module(mf)
     base = mf.PRESETS[preset]["seed"] if start is None else start
     for seed in range(base, base + n):
+        line, score = [], float("inf")
         with tempfile.TemporaryDirectory() as d:
             mf.make(preset, Path(d), seed)
-            r = measure(d, with_f64=False)
-        rr = min(
-            [min(v["min_rel"], v["min_logit_rel"]) for v in r["router"].values()],
-            default=float("inf"),
-        )
-        print(
-            f"seed {seed}: argmax min rel {r['argmax_min_rel']:.3g} router min rel {rr:.3g} "
-            f"score {min(r['argmax_min_rel'], rr):.3g} distinct {r['distinct_argmax']}",
-            flush=True,
-        )
+            for prompts in PROMPT_SETS:
+                r = measure(d, with_f64=False, prompts=prompts)
+                rr = min(
+                    [min(v["min_rel"], v["min_logit_rel"]) for v in r["router"].values()],
+                    default=float("inf"),
+                )
+                score = min(score, r["argmax_min_rel"], rr)
+                line.append(
+                    f"{prompts}: argmax min rel {r['argmax_min_rel']:.3g} router min rel {rr:.3g}"
+                    f" distinct {r['distinct_argmax']}"
+                )
+        print(f"seed {seed}: " + "; ".join(line) + f"; score {score:.3g}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -196,6 +216,7 @@ def main(argv=None) -> int:
         help="with --search: the first seed (default: preset's)",
     )
     ap.add_argument("--min-rel", type=float, default=1e-3)
+    ap.add_argument("--prompts", choices=list(PROMPT_SETS), default="seeded")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     import torch
@@ -206,7 +227,7 @@ def main(argv=None) -> int:
         return 0
     ok = True
     for d in a.model_dirs:
-        r = measure(d)
+        r = measure(d, prompts=a.prompts)
         fails = []
         if r["argmax_min_rel"] < a.min_rel:
             fails.append("argmax margin")
@@ -223,7 +244,7 @@ def main(argv=None) -> int:
             print(json.dumps(r, indent=1))
         else:
             print(
-                f"{d}: rows={r['rows']} argmax min margin {r['argmax_min_abs']:.4g} abs, {r['argmax_min_rel']:.4g} rel"
+                f"{d} ({a.prompts} prompts): rows={r['rows']} argmax min margin {r['argmax_min_abs']:.4g} abs, {r['argmax_min_rel']:.4g} rel"
                 f" (median rel {r['argmax_median_rel']:.3g}), min safety vs f64 {r['argmax_min_safety_vs_f64']:.3g}x,"
                 f" distinct argmax {r['distinct_argmax']}"
             )

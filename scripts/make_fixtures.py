@@ -230,7 +230,7 @@ _Q35_SCALES = dict(
     dt_bias=0.5,
 )
 PRESETS["tiny-qwen3_5"] = dict(
-    seed=20241607,
+    seed=20241703,  # best of 20241601..20241760 by `fixture_margins.py --search` (see README)
     dtype="f32",
     out="fixtures/tiny-qwen3_5",
     # The multimodal layout real Qwen3.5 checkpoints ship: the language model under `text_config`
@@ -240,14 +240,15 @@ PRESETS["tiny-qwen3_5"] = dict(
         architectures=["Qwen3_5ForConditionalGeneration"],
         model_type="qwen3_5",
         tie_word_embeddings=False,
-        # inside the vocabulary as in real checkpoints; a text-only run never sees pixel values
-        image_token_id=307,
-        video_token_id=308,
-        vision_start_token_id=305,
-        vision_end_token_id=306,
+        # inside the vocabulary, near its end as in real checkpoints, above every id of the frozen
+        # prompts (fixtures/prompts/frozen.json); a text-only run never sees pixel values
+        image_token_id=505,
+        video_token_id=506,
+        vision_start_token_id=503,
+        vision_end_token_id=504,
         text_config=dict(
             model_type="qwen3_5_text",
-            vocab_size=311,
+            vocab_size=509,  # >= the frozen prompts' vocab_min (499)
             hidden_size=40,
             num_hidden_layers=5,
             layer_types=[
@@ -299,14 +300,14 @@ PRESETS["tiny-qwen3_5"] = dict(
     mtp_layers=1,
 )
 PRESETS["tiny-qwen3_5-moe"] = dict(
-    seed=20241902,
+    seed=20241998,  # best of 20241901..20242060 by `fixture_margins.py --search` (see README)
     dtype="bf16",
     out="fixtures/tiny-qwen3_5-moe",
     # The text-only layout (`model.layers.*`); its multimodal twin is tiny-qwen3_5's.
     config=dict(
         architectures=["Qwen3_5MoeForCausalLM"],
         model_type="qwen3_5_moe_text",
-        vocab_size=293,
+        vocab_size=521,  # >= the frozen prompts' vocab_min (499)
         hidden_size=36,
         num_hidden_layers=4,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
