@@ -3,7 +3,9 @@
 Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREMENTS.md):
 
 - default: the oracle's fp32 error against the same transformers model cast to float64 (a proxy
-  for "exact"), over 8 seeded prompts. Basis of the f32 policy.
+  for "exact") and run with transformers' fp32 casts made float64 (`float64_throughout`: else
+  RMSNorm, softmax and the whole Gated DeltaNet recurrence stay fp32), over 8 seeded prompts.
+  Basis of the f32 policy.
 
       python -m tracegate_oracle.measure_policy fixtures/tiny-qwen3 fixtures/tiny-qwen3-moe
 
@@ -18,6 +20,9 @@ Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREME
       python -m tracegate_oracle.measure_policy --precision fixtures/tiny-qwen3 fixtures/tiny-qwen3-moe
       python -m tracegate_oracle.measure_policy --precision --device cuda --engine none --save DIR MODELS...
       python -m tracegate_oracle.measure_policy --precision --load DIR MODELS...
+
+  `--seeded-prompts`: over the default measurement's 8 seeded prompts instead of the frozen
+  ones, for a model whose vocabulary the frozen prompts' ids exceed (tiny-qwen3_5*).
 
 - `--planted SCALES`: one layer's MLP down projection scaled in a copy of an f32 checkpoint: how
   far that moves the layer's mlp_out (relative L2, norm ratio, scale error), next to each dtype's
