@@ -3,7 +3,9 @@
 Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREMENTS.md):
 
 - default: the oracle's fp32 error against the same transformers model cast to float64 (a proxy
-  for "exact"), over 8 seeded prompts. Basis of the f32 policy.
+  for "exact") and run with transformers' fp32 casts made float64 (`float64_throughout`: else
+  RMSNorm, softmax and the whole Gated DeltaNet recurrence stay fp32), over 8 seeded prompts.
+  Basis of the f32 policy.
 
       python -m tracegate_oracle.measure_policy fixtures/tiny-qwen3 fixtures/tiny-qwen3-moe
 
@@ -18,6 +20,9 @@ Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREME
       python -m tracegate_oracle.measure_policy --precision fixtures/tiny-qwen3 fixtures/tiny-qwen3-moe
       python -m tracegate_oracle.measure_policy --precision --device cuda --engine none --save DIR MODELS...
       python -m tracegate_oracle.measure_policy --precision --load DIR MODELS...
+
+  `--seeded-prompts`: over the default measurement's 8 seeded prompts instead of the frozen
+  ones, for a model whose vocabulary the frozen prompts' ids exceed (tiny-qwen3_5*).
 
 - `--planted SCALES`: one layer's MLP down projection scaled in a copy of an f32 checkpoint: how
   far that moves the layer's mlp_out (relative L2, norm ratio, scale error), next to each dtype's
@@ -38,6 +43,7 @@ was taken from (`logits` for `logits.argmax`, `layer.NN.router.logits` for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gzip
 import json
@@ -426,8 +432,60 @@ def aggregate(per_tensor: list, kept: bool = False) -> dict[str, dict]:
 # the two measurements
 
 
+class _Torch64:
+    """The `torch` a modeling module sees inside `float64_throughout`: `torch.float32` and
+    `torch.float` are float64, everything else is torch's own."""
+
+    def __getattr__(self, name):
+        import torch
+
+        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
+
+
+@contextlib.contextmanager
+def float64_throughout(model):
+    """transformers' own code for `model` (a `.double()` copy) with its fp32 casts made float64.
+
+    A float64 model alone is not a float64 reference: transformers' modeling code casts to fp32
+    by name — `x.float()` in every RMSNorm (input, post-attention, q/k, final) and for the decay
+    `g`'s `A_log` and `a`, `.to(torch.float32)` in the gated RMSNorm (the norm and SiLU(z)) and
+    for every input of both gated-delta-rule functions (which then keep the recurrent state and
+    compute the output in fp32, L2-normalising q and k there), `dtype=torch.float32` for the
+    eager attention softmax, `torch.float` for the MoE router softmax and the RoPE angles. So the
+    modeling modules see a `torch` whose `float32`/`float` are float64 and `Tensor.float` widens
+    to float64; the arithmetic is transformers', in float64 (restored on exit, also on error).
+    The RoPE `inv_freq` buffer was computed in fp32 when the model was built and is widened
+    exactly: the same frequencies on both sides, not an error of either."""
+    import torch
+
+    mods = {
+        sys.modules[type(m).__module__]
+        for m in model.modules()
+        if type(m).__module__.startswith("transformers.models.")
+    }
+    undo = [(m, m.torch) for m in mods if getattr(m, "torch", None) is torch]
+    tensor_float = torch.Tensor.float
+    try:
+        for m, _ in undo:
+            m.torch = _Torch64()
+        torch.Tensor.float = lambda self, *a, **k: self.double()
+        yield
+    finally:
+        torch.Tensor.float = tensor_float
+        for m, t in undo:
+            m.torch = t
+
+
+def text_config(model_dir: str) -> dict:
+    """config.json's language-model fields (under `text_config` in a multimodal layout)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
 def measure(model_dir: str) -> dict[str, dict]:
-    """Oracle fp32 against float64 (the f32 policy's basis)."""
+    """Oracle fp32 against float64 (the f32 policy's basis): the model cast to float64 run by
+    transformers' own code with its fp32 casts made float64 (`float64_throughout`), so every
+    capture point, the Gated DeltaNet's included, has a float64 reference."""
     rc = cp.RunConfig(capture="internals")
     cp.setup_torch(rc)
     m32 = cp.load_model(model_dir, rc)
@@ -435,7 +493,11 @@ def measure(model_dir: str) -> dict[str, dict]:
     res = Result()
     for i, ids in enumerate(prompts(m32.config.get_text_config().vocab_size)):
         c32 = from_plain(plain(cp.capture_prompt(m32, model_dir, ids, rc)))
-        c64 = from_plain(plain(cp.capture_prompt(m64, model_dir, ids, rc)))
+        with float64_throughout(m64):
+            c64 = from_plain(plain(cp.capture_prompt(m64, model_dir, ids, rc)))
+        narrow = [n for n, (a, dt, _) in c64.tensors.items() if dt != "f64"]
+        if narrow:  # a part transformers still ran narrower than float64: no reference there
+            raise RuntimeError(f"float64 reference holds narrower tensors: {', '.join(narrow)}")
         measure_pair(c64, c32, str(i), pattern, res)
     agg = aggregate(res.per_tensor)
     agg["(decisions differing f32 vs f64)"] = {"n": res.decision_rows, "flips": len(res.flips)}
@@ -449,9 +511,16 @@ def precision(
     engine: str | None,
     load: str | None,
     save: str | None,
+    seeded: bool = False,
 ) -> dict:
-    """The oracle in each of `dtypes` against the oracle and the engine in f32."""
-    tokens = {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+    """The oracle in each of `dtypes` against the oracle and the engine in f32, over every
+    frozen prompt or (`seeded`) the default measurement's 8 seeded prompts, named 0..7: for a
+    model whose vocabulary is smaller than the frozen prompts' ids (tiny-qwen3_5*)."""
+    tokens = (
+        {str(i): t for i, t in enumerate(prompts(text_config(model_dir)["vocab_size"]))}
+        if seeded
+        else {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+    )
     name = Path(model_dir).name
     if load:
         with gzip.open(Path(load) / f"{name}.pkl.gz", "rb") as f:
@@ -469,7 +538,11 @@ def precision(
     # Grouped by the f32 policy's rules, which the bf16 and f16 policies keep.
     f32_policy = json.loads((POLICIES / "oracle-default.json").read_text())
     pattern_of = lambda n: (rule_for(f32_policy, n) or {}).get("pattern", "(no rule)")  # noqa: E731
-    out = {"provenance": next(iter(runs["f32"].values())).provenance, "results": {}}
+    out = {
+        "provenance": next(iter(runs["f32"].values())).provenance,
+        "prompts": "the 8 seeded prompts" if seeded else "every frozen prompt",
+        "results": {},
+    }
     for d in dtypes:
         for ref_name, ref_runs in refs.items():
             res = Result()
@@ -639,7 +712,8 @@ def print_precision(d: str, m: dict) -> None:
     v = m["provenance"].get("versions", {})
     dev = m["provenance"].get("device", {})
     print(
-        f"\n### {d} (oracle on {dev.get('type')} {dev.get('name')}; torch {v.get('torch')}, transformers {v.get('transformers')})"
+        f"\n### {d} (oracle on {dev.get('type')} {dev.get('name')}; torch {v.get('torch')}, transformers {v.get('transformers')}; "
+        f"{m.get('prompts', 'every frozen prompt')})"
     )
     res = m["results"]
     for dt in dict.fromkeys(k[0] for k in res):
@@ -749,6 +823,12 @@ def main(argv=None) -> int:
         default=str(ROOT / "target" / "release" / "engine"),
         help="engine binary for the f32 engine reference; 'none' to skip it",
     )
+    ap.add_argument(
+        "--seeded-prompts",
+        action="store_true",
+        help="--precision over the default measurement's 8 seeded prompts instead of the frozen"
+        " ones (a vocabulary smaller than the frozen prompts' ids)",
+    )
     ap.add_argument("--save", metavar="DIR", help="write the oracle captures to DIR/<model>.pkl.gz")
     ap.add_argument(
         "--load", metavar="DIR", help="compare captures --save wrote instead of running the oracle"
@@ -773,7 +853,12 @@ def main(argv=None) -> int:
             )
         elif a.precision:
             engine = None if a.engine == "none" else a.engine
-            print_precision(d, precision(d, a.dtypes.split(","), a.device, engine, a.load, a.save))
+            print_precision(
+                d,
+                precision(
+                    d, a.dtypes.split(","), a.device, engine, a.load, a.save, a.seeded_prompts
+                ),
+            )
         else:
             print_fp64(d, measure(d))
     return 0
