@@ -247,7 +247,10 @@ def _multimodal_layout(d: Path, out: Path) -> Path:
 @pytest.mark.parametrize("fx", ["tiny-qwen3_5", "tiny-qwen3_5-moe"])
 def test_text_and_multimodal_layouts_give_identical_traces(runs, tmp_path, fx):
     """tiny-qwen3_5 converted to the text layout, tiny-qwen3_5-moe to the multimodal one: the
-    same language-model weights give the same trace, bit for bit."""
+    same language-model weights give the same trace: every decision equal, every tensor equal to
+    fp32 rounding. Not bit for bit: transformers keeps f32 weights memory-mapped from the file, so
+    the same weight sits at another alignment in the other layout's file, and torch's CPU matmul
+    does not promise the same bits for it (seen: 1 ulp from decode step 1 on, growing by steps)."""
     d, _, committed, _ = runs[fx]
     if fx == "tiny-qwen3_5":
         other, cls, fam, unused = (
@@ -270,12 +273,15 @@ def test_text_and_multimodal_layouts_give_identical_traces(runs, tmp_path, fx):
     assert conv.provenance["unused_tensors"] == unused
     assert conv.names == committed.names
     for r in conv.tensors:
-        np.testing.assert_array_equal(r.array, committed[r.name].array, err_msg=r.name)
+        # Relative L2 per tensor, the policy's measure (elements near 0 have no useful relative
+        # error); 1e-5 is a tenth of oracle-default's bound.
+        a, b = np.asarray(r.array, np.float64), np.asarray(committed[r.name].array, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), r.name
         assert r.attrs == committed[r.name].attrs, r.name
     for a, b in zip(conv.decisions, committed.decisions, strict=True):
         assert a.name == b.name
         np.testing.assert_array_equal(a.values, b.values)
-        np.testing.assert_array_equal(a.margins, b.margins)
+        np.testing.assert_allclose(a.margins, b.margins, rtol=1e-5, atol=1e-6)
 
 
 def _changed(a, b) -> list[str]:
