@@ -200,6 +200,11 @@ def differences(path_a: str, path_b: str, label_a="engine", label_b="contract") 
 
 
 FIX = [pytest.param(k, v, id=k) for k, v in FIXTURES.items()]
+# The Qwen3.5 fixtures (hybrid Gated DeltaNet; numerics.md §§15–20), for the frozen-prompt check.
+FIX_QWEN3_5 = [
+    pytest.param(k, os.path.join(ROOT, "fixtures", k), id=k)
+    for k in ("tiny-qwen3_5", "tiny-qwen3_5-moe")
+]
 
 
 def _vocab(model):
@@ -234,7 +239,7 @@ def frozen_prompts() -> dict[str, list[int]]:
 
 
 @needs_engine
-@pytest.mark.parametrize("fixture,model", FIX)
+@pytest.mark.parametrize("fixture,model", FIX + FIX_QWEN3_5)
 def test_frozen_prompts_identical_with_internals_and_generation(tmp_path, fixture, model):
     """Every frozen prompt (the gate's set), internal capture points, 4 greedy tokens; the
     engine's cached path against the contract's uncached one."""
