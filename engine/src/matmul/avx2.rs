@@ -1,0 +1,171 @@
+//! The avx2 (+f16c) kernel: 16-output tiles as two ymm accumulators per row over packed row
+//! panels, and the in-register widening of 8×8 weight blocks. Never FMA.
+
+use super::{KB, NR};
+#[cfg(target_arch = "x86_64")]
+use super::{MRA, MRP};
+#[cfg(target_arch = "x86_64")]
+use crate::weights::Mat;
+
+/// Full 16-output tiles, 8 columns at a time: for each half of the tile load 8 rows × 8 values,
+/// widen in registers, transpose 8×8, store 8 lanes per k. Returns the columns done (a multiple
+/// of 8).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn widen_transposed_avx2(
+    w: Mat,
+    o0: usize,
+    k0: usize,
+    kb: usize,
+    wt: &mut [f32; KB * NR],
+) -> usize {
+    use crate::weights::WDType;
+    use std::arch::x86_64::*;
+    let es = w.dtype.size();
+    let base = w.bytes.as_ptr();
+    // In bounds: rows o0..o0+16 ≤ rows (valid == NR) and columns k0+kc+8 ≤ k0+kb ≤ cols.
+    let row_ptr = |j: usize, kc: usize| base.add(((o0 + j) * w.cols + k0 + kc) * es);
+    let out = wt.as_mut_ptr();
+    let mut kc = 0;
+    while kc + 8 <= kb {
+        for half in 0..2 {
+            let mut r: [__m256; 8] = [_mm256_setzero_ps(); 8];
+            for (j, rj) in r.iter_mut().enumerate() {
+                let p = row_ptr(half * 8 + j, kc);
+                *rj = match w.dtype {
+                    WDType::F32 => _mm256_loadu_ps(p as *const f32),
+                    WDType::BF16 => {
+                        let h = _mm_loadu_si128(p as *const __m128i);
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                    }
+                    WDType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                };
+            }
+            transpose8(&mut r);
+            for (kk, rk) in r.iter().enumerate() {
+                _mm256_storeu_ps(out.add((kc + kk) * NR + half * 8), *rk);
+            }
+        }
+        kc += 8;
+    }
+    kc
+}
+
+/// In-register 8×8 f32 transpose: rows `r[j]` (8 columns each) become columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn transpose8(r: &mut [std::arch::x86_64::__m256; 8]) {
+    use std::arch::x86_64::*;
+    // Pairs of rows interleaved, then 4×4 blocks within each 128-bit lane, then the lanes.
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(a, b)
+        } else {
+            _mm256_unpackhi_ps(a, b)
+        }
+    });
+    // s[q]: columns q and q+4 of rows 0..3; s[4+q]: the same of rows 4..7.
+    let mut s = [_mm256_setzero_ps(); 8];
+    for g in 0..2 {
+        let (t0, t1, t2, t3) = (t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3]);
+        s[4 * g] = _mm256_shuffle_ps::<0x44>(t0, t2);
+        s[4 * g + 1] = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        s[4 * g + 2] = _mm256_shuffle_ps::<0x44>(t1, t3);
+        s[4 * g + 3] = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    }
+    for q in 0..4 {
+        r[q] = _mm256_permute2f128_ps::<0x20>(s[q], s[4 + q]);
+        r[4 + q] = _mm256_permute2f128_ps::<0x31>(s[q], s[4 + q]);
+    }
+}
+
+/// One k-block of a tile for all rows from the packed panels, MRA rows per micro-kernel call.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn tile_avx2_packed(
+    xp: &[f32],
+    k: usize,
+    rows: usize,
+    k0: usize,
+    kb: usize,
+    wt: &[f32; KB * NR],
+    acc: &mut [f32],
+) {
+    assert!(xp.len() == rows * k && acc.len() == rows * NR);
+    let xpp = xp.as_ptr();
+    let wtp = wt.as_ptr();
+    let accp = acc.as_mut_ptr();
+    let mut r0 = 0;
+    while r0 < rows {
+        // Panel r0..r0+m holds x[r0+i, k0+kk] at xb + kk*m + i.
+        let m = MRP.min(rows - r0);
+        let xb = xpp.add(r0 * k + k0 * m);
+        let mut i = 0;
+        while i < m {
+            let (xq, aq) = (xb.add(i), accp.add((r0 + i) * NR));
+            let h = MRA.min(m - i);
+            match h {
+                MRA => micro_avx2::<MRA>(xq, m, kb, wtp, aq),
+                1 => micro_avx2::<1>(xq, m, kb, wtp, aq),
+                2 => micro_avx2::<2>(xq, m, kb, wtp, aq),
+                3 => micro_avx2::<3>(xq, m, kb, wtp, aq),
+                4 => micro_avx2::<4>(xq, m, kb, wtp, aq),
+                5 => micro_avx2::<5>(xq, m, kb, wtp, aq),
+                _ => unreachable!("block height ≤ MRA"),
+            }
+            i += h;
+        }
+        r0 += m;
+    }
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn tile_avx2_packed(
+    _xp: &[f32],
+    _k: usize,
+    _rows: usize,
+    _k0: usize,
+    _kb: usize,
+    _wt: &[f32; KB * NR],
+    _acc: &mut [f32],
+) {
+    unreachable!("avx2 is x86_64 only")
+}
+
+/// `M` rows × NR outputs, two ymm accumulators per row: `x[m]` at `xp + kk*xs + m` (kb values of
+/// k), the widened block `wt[kk*NR + j]`; `acc[m][j] = acc[m][j] ⊕ (x ⊗ w)`, kk ascending, one
+/// separately rounded multiply and add per step (no FMA).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn micro_avx2<const M: usize>(
+    xp: *const f32,
+    xs: usize,
+    kb: usize,
+    wt: *const f32,
+    acc: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let mut lo = [_mm256_setzero_ps(); M];
+    let mut hi = [_mm256_setzero_ps(); M];
+    for m in 0..M {
+        lo[m] = _mm256_loadu_ps(acc.add(m * NR));
+        hi[m] = _mm256_loadu_ps(acc.add(m * NR + 8));
+    }
+    let (mut xq, mut wq) = (xp, wt);
+    for _ in 0..kb {
+        let (w0, w1) = (_mm256_loadu_ps(wq), _mm256_loadu_ps(wq.add(8)));
+        for m in 0..M {
+            let xv = _mm256_set1_ps(*xq.add(m));
+            lo[m] = _mm256_add_ps(lo[m], _mm256_mul_ps(xv, w0));
+            hi[m] = _mm256_add_ps(hi[m], _mm256_mul_ps(xv, w1));
+        }
+        xq = xq.add(xs);
+        wq = wq.add(NR);
+    }
+    for m in 0..M {
+        _mm256_storeu_ps(acc.add(m * NR), lo[m]);
+        _mm256_storeu_ps(acc.add(m * NR + 8), hi[m]);
+    }
+}

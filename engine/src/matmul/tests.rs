@@ -1,0 +1,213 @@
+//! Every kernel family against the `ops` definitions, bit for bit (and the helpers `ops`'s
+//! tests share).
+
+use super::*;
+use crate::ops::{dot, matmul_ref, matmul_ref_by};
+use crate::weights::WDType;
+
+fn bytes_of(dtype: WDType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        WDType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        WDType::BF16 => v
+            .iter()
+            .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+            .collect(),
+        WDType::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Deterministic pseudo-random values with a wide exponent range, signed zeros included.
+pub(crate) fn vals(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = ((s >> 33) as f32) / (1u64 << 31) as f32 - 0.5;
+            match i % 37 {
+                0 => -0.0,
+                1 => 0.0,
+                _ => u * (1 << (s % 7)) as f32,
+            }
+        })
+        .collect()
+}
+
+/// A SIMD family this CPU lacks cannot be compared here: say so instead of passing quietly.
+/// Written to the stderr handle itself, which the test harness does not capture (eprintln!
+/// of a passing test is swallowed).
+pub(crate) fn note_unchecked_kernels(what: &str) {
+    for k in [Kernel::Avx2, Kernel::Avx512] {
+        if !k.supported() {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "NOT CHECKED: {what}: the {k:?} kernels did not run (this CPU lacks their features); the others were compared");
+        }
+    }
+}
+
+/// The first index where the bits differ, if any (what every bit-equality check asserts).
+fn first_mismatch(want: &[f32], got: &[f32]) -> Option<usize> {
+    assert_eq!(want.len(), got.len());
+    (0..want.len()).find(|&i| want[i].to_bits() != got[i].to_bits())
+}
+
+/// Shapes hitting every tail: N not a multiple of NR, K = 1 and not a multiple of KB or of
+/// the 8/16-column widening steps, one row (cached decode), rows not a multiple of the
+/// micro-kernel heights (MR, MRA) or of the panel height MRP, many rows (prefill).
+const SHAPES: &[(usize, usize, usize)] = &[
+    (1, 1, 1),
+    (1, 17, 5),
+    (3, 33, 1),
+    (9, 15, 257),
+    (17, 40, 300),
+    (8, 16, 256),
+    (1, 5, 600),
+    (1, 48, 16),
+    (2, 32, 47),
+    (1, 16, 1000),
+    (3, 16, 560),
+    (64, 33, 300),
+    (33, 17, 257),
+    (31, 48, 1),
+    (6, 16, 9),
+    (1, 64, 1024),
+    (13, 32, 7),
+    (1, 32, 13),
+    (1, 16, 1003),
+    (1, 48, 7),
+];
+
+/// One case: (dtype, rows, n, k, x, weight bytes, bias).
+type Case = (WDType, usize, usize, usize, Vec<f32>, Vec<u8>, Vec<f32>);
+
+/// Every shape × dtype of `SHAPES`, with a bias vector each.
+fn cases() -> Vec<Case> {
+    let mut v = vec![];
+    for dtype in [WDType::F32, WDType::BF16, WDType::F16] {
+        for &(rows, n, k) in SHAPES {
+            let x = vals(rows * k, 1 + rows as u64);
+            let wb = bytes_of(dtype, &vals(n * k, 7 + n as u64));
+            v.push((dtype, rows, n, k, x, wb, vals(n, 99)));
+        }
+    }
+    v
+}
+
+fn mat(dtype: WDType, n: usize, k: usize, bytes: &[u8]) -> Mat<'_> {
+    Mat {
+        dtype,
+        rows: n,
+        cols: k,
+        bytes,
+    }
+}
+
+#[test]
+fn matmul_every_kernel_equals_definition_bits() {
+    note_unchecked_kernels("matmul_every_kernel_equals_definition_bits");
+    // Three threads, so tiles of one matmul run on different threads.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    let kernels = Kernel::all_supported();
+    for (dtype, rows, n, k, x, wb, b) in cases() {
+        let w = mat(dtype, n, k, &wb);
+        for bias in [None, Some(&b[..])] {
+            let want = matmul_ref(&x, rows, w, bias);
+            for &kernel in &kernels {
+                let got = pool.install(|| matmul_with(kernel, &x, rows, w, bias));
+                assert_eq!(
+                    first_mismatch(&want, &got),
+                    None,
+                    "{kernel:?} dtype {dtype:?} rows {rows} n {n} k {k} bias {}",
+                    bias.is_some()
+                );
+            }
+        }
+    }
+}
+
+/// Negative control for the test above: the same cases through a planted reorder (split-K:
+/// the two halves of k summed separately, then added) and a planted FMA are caught.
+#[test]
+fn bit_equality_check_catches_planted_reorder_and_fma() {
+    let split_k = |x: &[f32], w: &[f32]| {
+        let h = x.len() / 2;
+        dot(&x[..h], &w[..h]) + dot(&x[h..], &w[h..])
+    };
+    let fma = |x: &[f32], w: &[f32]| x.iter().zip(w).fold(0.0f32, |a, (&p, &q)| p.mul_add(q, a));
+    // Deterministic data, so the counts are fixed: every case with K ≥ 16 is caught (with a
+    // few steps only, a reorder can round the same by chance; with K = 1 it cannot differ).
+    let (mut missed_split, mut missed_fma, mut long) = (vec![], vec![], 0);
+    for (dtype, rows, n, k, x, wb, _) in cases() {
+        let w = mat(dtype, n, k, &wb);
+        let want = matmul_ref(&x, rows, w, None);
+        if k >= 16 {
+            long += 1;
+            if first_mismatch(&want, &matmul_ref_by(&x, rows, w, None, split_k)).is_none() {
+                missed_split.push((dtype, rows, n, k));
+            }
+            if first_mismatch(&want, &matmul_ref_by(&x, rows, w, None, fma)).is_none() {
+                missed_fma.push((dtype, rows, n, k));
+            }
+        }
+    }
+    assert!(long >= 30, "{long} cases with K ≥ 16");
+    assert_eq!(missed_split, vec![], "split-K not caught");
+    assert_eq!(missed_fma, vec![], "FMA not caught");
+}
+
+#[test]
+fn transposed_widening_is_exact_for_every_16_bit_pattern() {
+    note_unchecked_kernels("transposed_widening_is_exact_for_every_16_bit_pattern");
+    // Every bf16 and f16 bit pattern (subnormals, infinities, NaN payloads) through each
+    // family's transpose-widen equals the scalar widening.
+    let bytes: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
+    for kernel in Kernel::all_supported() {
+        for dtype in [WDType::BF16, WDType::F16] {
+            let w = mat(dtype, 16, 4096, &bytes);
+            let mut wt = [0.0f32; KB * NR];
+            let mut row = vec![0.0f32; 4096];
+            for k0 in (0..4096).step_by(KB) {
+                widen_transposed(kernel, w, 0, 16, k0, KB, &mut wt);
+                for j in 0..16 {
+                    w.widen_row(j, 0, &mut row);
+                    for kk in 0..KB {
+                        assert_eq!(
+                            wt[kk * NR + j].to_bits(),
+                            row[k0 + kk].to_bits(),
+                            "{kernel:?} {dtype:?} row {j} col {}",
+                            k0 + kk
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn transposed_dots_equal_dot_bits() {
+    note_unchecked_kernels("transposed_dots_equal_dot_bits");
+    // Column counts hitting the 64- and 16-wide blocks, d odd and 1; every family.
+    for &(d, cols, stride) in &[(1, 16, 16), (64, 80, 96), (7, 128, 144), (33, 48, 48)] {
+        let x = vals(d, d as u64);
+        let kt = vals(d * stride, 5 + cols as u64);
+        for kernel in Kernel::all_supported() {
+            let mut got = vec![0.0f32; cols];
+            dots_transposed_with(kernel, &x, &kt, stride, &mut got);
+            for c in 0..cols {
+                let w: Vec<f32> = (0..d).map(|j| kt[j * stride + c]).collect();
+                let want = dot(&x, &w).to_bits();
+                assert_eq!(got[c].to_bits(), want, "{kernel:?} d {d} col {c}");
+            }
+        }
+    }
+}
