@@ -1,0 +1,143 @@
+//! The JSON field readers (a null field is an absent one) and the rope resolution both families
+//! share (§7, §13).
+
+use serde_json::Value;
+
+use crate::{err, Result};
+
+pub(super) fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    v.get(key).filter(|x| !x.is_null())
+}
+pub(super) fn req_usize(v: &Value, key: &str) -> Result<usize> {
+    let x = field(v, key).ok_or_else(|| err!(Config: "config.json: missing field {key}"))?;
+    x.as_u64()
+        .filter(|&n| n >= 1)
+        .map(|n| n as usize)
+        .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a positive integer"))
+}
+pub(super) fn opt_usize(v: &Value, key: &str) -> Result<Option<usize>> {
+    match field(v, key) {
+        None => Ok(None),
+        Some(_) => req_usize(v, key).map(Some),
+    }
+}
+pub(super) fn opt_bool(v: &Value, key: &str, default: bool) -> Result<bool> {
+    match field(v, key) {
+        None => Ok(default),
+        Some(x) => x
+            .as_bool()
+            .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a boolean")),
+    }
+}
+pub(super) fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
+    match field(v, key) {
+        None => Ok(default),
+        Some(x) => x
+            .as_f64()
+            .filter(|f| f.is_finite())
+            .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a finite number")),
+    }
+}
+
+/// Rope theta, `partial_rotary_factor` and the refusals of §7/§13, following transformers'
+/// resolution: a non-empty legacy `rope_scaling` replaces `rope_parameters`; theta comes from that
+/// dict, else the top-level `rope_theta`, else 10000; the factor from that dict, else the
+/// top-level field, else the family's default (1 for Qwen3, where only 1 is accepted; 0.25 for
+/// Qwen3.5). Qwen3.5 also accepts the multimodal rope's `mrope_section` (three non-negative
+/// integers) and `mrope_interleaved` (a boolean): with text-only input the three position rows
+/// transformers builds are equal, so every section rotates by the same 1-D position and the
+/// sections change nothing.
+pub(super) fn rope_params(v: &Value, qwen3_5: bool) -> Result<(f64, f64)> {
+    let (dict, dict_name) = match field(v, "rope_scaling") {
+        Some(x) if x.as_object().is_some_and(|m| !m.is_empty()) => (Some(x), "rope_scaling"),
+        Some(x) if !x.is_object() => {
+            return Err(err!(Config:
+                "config.json: rope_scaling = {x} is not an object or null"
+            ))
+        }
+        _ => (field(v, "rope_parameters"), "rope_parameters"),
+    };
+    let top_theta = opt_f64(v, "rope_theta", 10000.0)?;
+    let factor = |x: &Value, name: &str| -> Result<f64> {
+        match x.as_f64() {
+            Some(f) if qwen3_5 && f > 0.0 && f <= 1.0 => Ok(f),
+            Some(f) if f == 1.0 => Ok(f),
+            _ if qwen3_5 => Err(err!(Config:
+                "config.json: {name} = {x} not supported (need 0 < factor ≤ 1)"
+            )),
+            _ => Err(err!(Config: "config.json: {name} = {x} not supported (only 1)")),
+        }
+    };
+    let mut partial = if qwen3_5 { 0.25 } else { 1.0 };
+    if let Some(f) = field(v, "partial_rotary_factor") {
+        partial = factor(f, "partial_rotary_factor")?;
+    }
+    let Some(d) = dict else {
+        return Ok((positive_theta(top_theta)?, partial));
+    };
+    let obj = d
+        .as_object()
+        .ok_or_else(|| err!(Config: "config.json: {dict_name} is not an object"))?;
+    for key in ["rope_type", "type"] {
+        if let Some(t) = obj.get(key).filter(|x| !x.is_null()) {
+            if t.as_str() != Some("default") {
+                return Err(err!(Config:
+                    "config.json: {dict_name}.{key} = {t} not supported (only \"default\")"
+                ));
+            }
+        }
+    }
+    if let Some(f) = obj.get("partial_rotary_factor").filter(|x| !x.is_null()) {
+        partial = factor(f, &format!("{dict_name}.partial_rotary_factor"))?;
+    }
+    if qwen3_5 {
+        if let Some(m) = obj.get("mrope_section").filter(|x| !x.is_null()) {
+            if !m
+                .as_array()
+                .is_some_and(|l| l.len() == 3 && l.iter().all(|i| i.is_u64()))
+            {
+                return Err(err!(Config:
+                    "config.json: {dict_name}.mrope_section = {m} is not three non-negative integers"
+                ));
+            }
+        }
+        if let Some(m) = obj.get("mrope_interleaved").filter(|x| !x.is_null()) {
+            if !m.is_boolean() {
+                return Err(err!(Config:
+                    "config.json: {dict_name}.mrope_interleaved = {m} is not a boolean"
+                ));
+            }
+        }
+    }
+    let known: &[&str] = if qwen3_5 {
+        &[
+            "rope_type",
+            "type",
+            "rope_theta",
+            "partial_rotary_factor",
+            "mrope_section",
+            "mrope_interleaved",
+        ]
+    } else {
+        &["rope_type", "type", "rope_theta", "partial_rotary_factor"]
+    };
+    if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(err!(Config:
+            "config.json: {dict_name}.{k} not supported with the default rope type"
+        ));
+    }
+    Ok((
+        positive_theta(opt_f64(d, "rope_theta", top_theta)?)?,
+        partial,
+    ))
+}
+
+/// A theta ≤ 0 makes every inverse frequency NaN or infinite: refuse it here rather than
+/// produce NaN logits later.
+pub(super) fn positive_theta(theta: f64) -> Result<f64> {
+    if theta > 0.0 {
+        Ok(theta)
+    } else {
+        Err(err!(Config: "config.json: rope_theta = {theta} is not positive"))
+    }
+}
