@@ -1,0 +1,255 @@
+//! The numerics.md operations against hand cases and their definitions.
+
+use super::*;
+use crate::matmul::tests::{note_unchecked_kernels, vals};
+
+#[test]
+fn attention_fast_equals_definition_bits() {
+    note_unchecked_kernels("attention_fast_equals_definition_bits");
+    // GQA groups of 1 and 3, key counts around the SC-wide blocks, cached rows (key
+    // positions before the query rows) and a query row that sees only some of the keys.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for &(nq, nkv, d, s_len, t) in &[(2, 2, 4, 1, 1), (6, 2, 8, 17, 5), (3, 1, 6, 33, 33)] {
+        let k_pos: Vec<i64> = (0..s_len as i64).collect();
+        let q_pos: Vec<i64> = k_pos[s_len - t..].to_vec();
+        let q = vals(t * nq * d, 11);
+        let (k, v) = (vals(s_len * nkv * d, 12), vals(s_len * nkv * d, 13));
+        let keys = KeyRows {
+            k: &k,
+            v: &v,
+            pos: &k_pos,
+        };
+        let hs = Heads { nq, nkv, d };
+        let (want_o, want_p) = attention_ref(&q, &q_pos, &keys, hs, 0.375);
+        let (got_o, got_p) = pool.install(|| attention(&q, &q_pos, &keys, hs, 0.375, true));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&want_o),
+            bits(&got_o),
+            "o: nq {nq} nkv {nkv} s {s_len}"
+        );
+        assert_eq!(
+            bits(&want_p),
+            bits(&got_p),
+            "p: nq {nq} nkv {nkv} s {s_len}"
+        );
+        let (o2, p2) = attention(&q, &q_pos, &keys, hs, 0.375, false);
+        assert_eq!(bits(&o2), bits(&want_o));
+        assert!(p2.is_empty());
+    }
+}
+
+#[test]
+fn dot_starts_from_positive_zero() {
+    // -0 ⊗ 1 = -0, and +0 ⊕ -0 = +0: the accumulator's +0 start is visible.
+    assert_eq!(dot(&[-0.0], &[1.0]).to_bits(), 0.0f32.to_bits());
+    // Order matters: (1e8 + 1) - 1e8 = 0 in f32, left to right.
+    assert_eq!(dot(&[1e8, 1.0, -1e8], &[1.0, 1.0, 1.0]), 0.0);
+    assert_eq!(ordered_sum(&[1.0, 1e8, -1e8]), 0.0);
+    assert_eq!(ordered_sum(&[1e8, -1e8, 1.0]), 1.0);
+}
+
+#[test]
+fn rmsnorm_hand_case() {
+    // x = [3, 4]: ss = 25, mean = 12.5, t = 12.5 + eps, inv = 1/sqrt(t).
+    let eps = 1e-6f32;
+    let mut out = [0.0f32; 2];
+    rmsnorm(&[3.0, 4.0], &[1.0, 2.0], eps, &mut out);
+    let inv = 1.0f32 / (12.5f32 + eps).sqrt();
+    assert_eq!(out, [1.0 * (3.0 * inv), 2.0 * (4.0 * inv)]);
+    // Zero vector: inv = 1/sqrt(eps), output zeros keep their sign.
+    rmsnorm(&[0.0, -0.0], &[1.0, 1.0], eps, &mut out);
+    assert_eq!(out[0].to_bits(), 0.0f32.to_bits());
+    assert_eq!(out[1].to_bits(), (-0.0f32).to_bits());
+}
+
+#[test]
+fn rmsnorm_zero_centred_and_gated_hand_cases() {
+    // §15.1: x = [3, 4], w = [0, 1]: u = [1, 2], y = (x ⊗ inv) ⊗ u.
+    let eps = 1e-6f32;
+    let inv = 1.0f32 / (12.5f32 + eps).sqrt();
+    let mut out = [0.0f32; 2];
+    rmsnorm_zero_centred(&[3.0, 4.0], &[0.0, 1.0], eps, &mut out);
+    assert_eq!(out, [3.0 * inv, (4.0 * inv) * 2.0]);
+    // Control: the plain norm with the same stored weight is another function.
+    let mut plain = [0.0f32; 2];
+    rmsnorm(&[3.0, 4.0], &[0.0, 1.0], eps, &mut plain);
+    assert_ne!(plain, out);
+    // §15.2: plain weight, then times silu(z); silu(0) = 0 zeroes its element.
+    gated_rmsnorm(&[3.0, 4.0], &[1.0, 2.0], &[0.0, 2.0], eps, &mut out);
+    let sig2 = (1.0f64 / (1.0 + (-2.0f64).exp())) as f32;
+    assert_eq!(out, [0.0, (2.0 * (4.0 * inv)) * (2.0 * sig2)]);
+}
+
+#[test]
+fn l2norm_uses_the_fixed_epsilon() {
+    // §18.3 on a small vector, where the epsilon shows: t = ss ⊕ f32(1e-6), ordered ss.
+    let x = [3e-4f32, 4e-4];
+    let mut out = [0.0f32; 2];
+    l2norm(&x, &mut out);
+    let ss = (0.0f32 + x[0] * x[0]) + x[1] * x[1];
+    let inv = 1.0f32 / (ss + 1e-6f32).sqrt();
+    assert_eq!(out, [x[0] * inv, x[1] * inv]);
+    // Control: without the epsilon (or with rms_norm_eps 1e-5) the result is another one.
+    for eps in [0.0f32, 1e-5] {
+        let inv = 1.0f32 / (ss + eps).sqrt();
+        assert_ne!(out, [x[0] * inv, x[1] * inv]);
+    }
+}
+
+#[test]
+fn softplus_threshold_and_decay() {
+    // §18.4: above 20 the input itself; at 20 and below libm's log1p(exp(u)) in binary64.
+    assert_eq!(softplus(21.0), 21.0);
+    assert_eq!(softplus(20.0), (20.0f64.exp().ln_1p()) as f32);
+    // Control: the threshold keeps a large input finite where log1p(exp(u)) overflows.
+    assert_eq!(softplus(1000.0), 1000.0);
+    assert!((1000.0f64.exp().ln_1p() as f32).is_infinite());
+    assert_eq!(softplus(0.0), std::f64::consts::LN_2 as f32);
+    assert_eq!(softplus(f32::NEG_INFINITY), 0.0);
+    assert!(softplus(f32::NAN).is_nan());
+    // g = (−f32(E(A_log))) ⊗ softplus(a ⊕ dt_bias); alpha = f32(E(g)).
+    let (g, alpha) = gdn_decay(0.5, 0.25, 0.0);
+    let sp = (0.75f64.exp().ln_1p()) as f32;
+    assert_eq!(g, -sp);
+    assert_eq!(alpha, ((g as f64).exp()) as f32);
+    let (g2, _) = gdn_decay(0.5, 0.25, std::f32::consts::LN_2);
+    assert_eq!(g2, -(((std::f32::consts::LN_2 as f64).exp()) as f32) * sp);
+    assert!(g2 < g && g < 0.0);
+}
+
+#[test]
+fn causal_conv1d_reads_the_state_then_the_row() {
+    // §18.2, K = 3, two channels (taps [1, 2, 3] and [0.5, 0, -1]), rows 1, 10, 100 and 2, 4, 8.
+    let w = [1.0f32, 2.0, 3.0, 0.5, 0.0, -1.0];
+    let mut state = [0.0f32; 4]; // [conv_dim 2, K-1 2], zeros before position 0
+    let mut out = [0.0f32; 2];
+    let rows = [[1.0f32, 2.0], [10.0, 4.0], [100.0, 8.0]];
+    // acc, row t, channel 0: Σ win[j] ⊗ w[j] with win = (state, row).
+    let want0 = [3.0f32, 2.0 + 30.0, 1.0 + 20.0 + 300.0];
+    let want1 = [-2.0f32, -4.0, 1.0 + 0.0 - 8.0];
+    for (t, row) in rows.iter().enumerate() {
+        causal_conv1d(row, &w, 3, &mut state, &mut out);
+        assert_eq!(out, [silu(want0[t]), silu(want1[t])], "row {t}");
+    }
+    assert_eq!(state, [10.0, 100.0, 4.0, 8.0]);
+    // K = 1: no state, the row times its one tap.
+    causal_conv1d(&[2.0], &[3.0], 1, &mut [], &mut out[..1]);
+    assert_eq!(out[0], silu(6.0));
+}
+
+#[test]
+fn delta_rule_step_hand_case() {
+    // §18.5, dk = dv = 2, S = [[1, 2], [3, 4]] (i rows, j columns): every value exact.
+    let mut s = [1.0f32, 2.0, 3.0, 4.0];
+    let (mut mem, mut out) = ([9.0f32; 2], [9.0f32; 2]);
+    delta_rule_step(
+        &mut s,
+        &[1.0, 1.0],
+        &[1.0, 0.0],
+        &[2.0, 3.0],
+        0.5,
+        0.5,
+        &mut mem,
+        &mut out,
+    );
+    // decay: [[.5, 1], [1.5, 2]]; mem = [.5, 1]; d = [(2 − .5)·.5, (3 − 1)·.5] = [.75, 1];
+    // write row 0 (k = [1, 0]): [[1.25, 2], [1.5, 2]]; out = S₀ + S₁ = [2.75, 4].
+    assert_eq!(s, [1.25, 2.0, 1.5, 2.0]);
+    assert_eq!(out, [2.75, 4.0]);
+    // Control: the output reads the state after the write (before it, out would be [2, 3]).
+    assert_ne!(out, [2.0, 3.0]);
+}
+
+#[test]
+fn softmax_with_masked_and_neg_inf() {
+    let s = [1.0f32, f32::NEG_INFINITY, 3.0, 100.0];
+    let mut p = [9.0f32; 4];
+    softmax(&s, |c| c < 3, &mut p);
+    // m = 3; e = [exp(-2), exp(-inf)=0, 1]; masked entry 3 → +0.
+    let e0 = ((-2.0f64).exp()) as f32;
+    let z = (e0 + 0.0) + 1.0;
+    assert_eq!(p, [e0 / z, 0.0, 1.0 / z, 0.0]);
+    assert_eq!(p[3].to_bits(), 0);
+}
+
+#[test]
+fn rope_table_entries_match_f64_formula() {
+    let (base, d) = (10000.0f64, 12usize);
+    let inv = inv_freq(base, d);
+    for i in 0..d / 2 {
+        let want = (1.0 / base.powf(2.0 * i as f64 / 12.0)) as f32;
+        assert_eq!(inv[i].to_bits(), want.to_bits());
+    }
+    assert_eq!(inv[0], 1.0);
+    let rope = Rope::new(base, d, &[0, 5, 1000]);
+    for (row, p) in [0i64, 5, 1000].iter().enumerate() {
+        for i in 0..6 {
+            let angle = (*p as f32) * inv[i];
+            assert_eq!(
+                rope.cos[row * 6 + i].to_bits(),
+                ((angle as f64).cos() as f32).to_bits()
+            );
+            assert_eq!(
+                rope.sin[row * 6 + i].to_bits(),
+                ((angle as f64).sin() as f32).to_bits()
+            );
+        }
+    }
+    // Position 0 is the identity.
+    let mut x: Vec<f32> = (0..12).map(|i| i as f32 - 5.5).collect();
+    let x0 = x.clone();
+    rope.apply(0, &mut x);
+    assert_eq!(x, x0);
+    // Hand case: d = 2, angle = π/2-ish: out = (a·c − b·s, b·c + a·s).
+    let r = Rope {
+        half: 1,
+        cos: vec![0.5],
+        sin: vec![0.25],
+    };
+    let mut v = [2.0f32, 4.0];
+    r.apply(0, &mut v);
+    assert_eq!(v, [2.0 * 0.5 - 4.0 * 0.25, 4.0 * 0.5 + 2.0 * 0.25]);
+}
+
+#[test]
+fn silu_both_branches() {
+    let g = 1.5f32;
+    assert_eq!(sigmoid(g), (1.0 / (1.0 + (-1.5f64).exp())) as f32);
+    let g = -1.5f32;
+    let e = (-1.5f64).exp();
+    assert_eq!(sigmoid(g), (e / (1.0 + e)) as f32);
+    assert_eq!(sigmoid(0.0), 0.5);
+    assert_eq!(sigmoid(-0.0), 0.5);
+    assert_eq!(
+        sigmoid(-200.0),
+        ((-200.0f64).exp() / (1.0 + (-200.0f64).exp())) as f32
+    );
+    assert_eq!(silu(2.0), 2.0 * sigmoid(2.0));
+    assert!(silu(f32::NAN).is_nan());
+    assert!(silu(f32::NEG_INFINITY).is_nan()); // -inf ⊗ 0: IEEE NaN, left as is
+}
+
+#[test]
+fn topk_ties_go_to_lowest_index() {
+    let p = [0.1f32, 0.3, 0.3, 0.2, 0.3];
+    let (c, next) = topk(&p, 2);
+    assert_eq!(c, vec![1, 2]);
+    assert_eq!(next, Some(4));
+    let (c, next) = topk(&p, 5);
+    assert_eq!(c, vec![1, 2, 4, 3, 0]);
+    assert_eq!(next, None);
+}
+
+#[test]
+fn argmax_margin_ties_and_values() {
+    assert_eq!(argmax_margin(&[1.0, 3.0, 3.0, 2.0]), (1, 0.0));
+    assert_eq!(argmax_margin(&[5.0, 3.0, -1.0]), (0, 2.0));
+    assert_eq!(
+        argmax_margin(&[-1.0, f32::NEG_INFINITY]),
+        (0, f32::INFINITY)
+    );
+}
