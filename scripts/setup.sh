@@ -12,34 +12,54 @@ command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (rus
 PYTHON="${PYTHON:-python3}"
 command -v "$PYTHON" >/dev/null || { echo "setup: $PYTHON not found" >&2; exit 1; }
 
-if [ ! -x .venv/bin/python ]; then
-  log "creating .venv with $($PYTHON --version)"
-  "$PYTHON" -m venv .venv
-fi
-stamp=.venv/.requirements.sha256
-want="$(sha256sum requirements.txt | cut -d' ' -f1)"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "installing pinned Python packages (requirements.txt)"
-  .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
-  .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt
-  echo "$want" > "$stamp"
+# The Python environment: .venv with the pinned packages, and chromium. Mostly download and
+# unpacking, so it runs beside the Rust build below (on a fresh machine the two take minutes each).
+python_env() {
+  if [ ! -x .venv/bin/python ]; then
+    log "creating .venv with $($PYTHON --version)"
+    "$PYTHON" -m venv .venv
+  fi
+  stamp=.venv/.requirements.sha256
+  want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing pinned Python packages (requirements.txt)"
+    .venv/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
+    .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt
+    echo "$want" > "$stamp"
+  fi
+
+  # Headless Chromium renders the HTML reports in their browser test
+  # (trace/python/tests/test_reports.py): Debian's package, installed as root where apt-get is.
+  if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
+    :
+  elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing Debian's chromium (the HTML reports' browser test; about a minute)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+      || log "WARNING: apt-get could not install chromium: the browser test skips without it, and fails under CI=true"
+  else
+    log "WARNING: chromium is missing and cannot be installed here (needs root and apt-get): install Debian's chromium (or put chromium on PATH); until then the browser test skips, and fails under CI=true"
+  fi
+}
+
+if [ "${1:-}" = "--python-env" ]; then
+  # Only the Python environment: scripts/test.sh runs this beside its Rust style checks.
+  python_env
+  exit 0
+elif [ -n "${1:-}" ]; then
+  echo "setup: unknown argument ${1}; usage: scripts/setup.sh [--python-env]" >&2
+  exit 2
 fi
 
-# Headless Chromium renders the HTML reports in their browser test
-# (trace/python/tests/test_reports.py): Debian's package, installed as root where apt-get is.
-if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
-  :
-elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  log "installing Debian's chromium (the HTML reports' browser test; about a minute)"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
-    || log "WARNING: apt-get could not install chromium: the browser test skips without it, and fails under CI=true"
-else
-  log "WARNING: chromium is missing and cannot be installed here (needs root and apt-get): install Debian's chromium (or put chromium on PATH); until then the browser test skips, and fails under CI=true"
-fi
+python_env &
+python_pid=$!
+# A failed or interrupted set-up leaves no download running behind it.
+trap 'pkill -P "$python_pid" 2>/dev/null; kill "$python_pid" 2>/dev/null || true' EXIT
 
 log "building Rust binaries (release)"
 cargo build --release --quiet --bins
+wait "$python_pid" || { echo "setup: the Python environment failed (above)" >&2; exit 1; }
+trap - EXIT
 
 log "building the tracegate Python module (maturin)"
 # maturin develop installs into the active venv; VIRTUAL_ENV points it at ours.
