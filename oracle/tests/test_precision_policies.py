@@ -38,30 +38,41 @@ def diff(ref, cand, policy) -> tuple[int, dict | None, str]:
     return p.returncode, (json.loads(p.stdout) if p.stdout else None), p.stderr
 
 
-def engine_trace(
-    out: Path, fixture: str, prompt: str, capture: str = "internals", generate: int = 0
-) -> Path:
-    gen = ["--generate", str(generate)] if generate else []
+def run_engine(verb: str, fixture: str, out: Path, capture: str, *args: str) -> Path:
     subprocess.run(
-        [
-            ENGINE,
-            "trace",
-            "--model",
-            str(ROOT / "fixtures" / fixture),
-            "--tokens",
-            ",".join(map(str, PROMPTS[prompt])),
-            "--out",
-            str(out),
-            "--capture",
-            capture,
-            "--threads",
-            "1",
-            *gen,
-        ],
+        [ENGINE, verb, "--model", str(ROOT / "fixtures" / fixture), *args]
+        + ["--out", str(out), "--capture", capture, "--threads", "1"],
         check=True,
         capture_output=True,
     )
     return out
+
+
+def engine_trace(
+    out: Path, fixture: str, prompt: str, capture: str = "internals", generate: int = 0
+) -> Path:
+    gen = ["--generate", str(generate)] if generate else []
+    tokens = ",".join(map(str, PROMPTS[prompt]))
+    return run_engine("trace", fixture, out, capture, "--tokens", tokens, *gen)
+
+
+def engine_layer(
+    tmp_path: Path, whole: Path, fixture: str, layer: int, capture: str
+) -> tuple[Path, np.ndarray, list[int]]:
+    """The engine's `layer` verb on its own `layer.NN.hidden_in` of the trace `whole` (the
+    reference of a layer run alone), with that input and its positions."""
+    import tracegate
+
+    name = f"layer.{layer:02d}.hidden_in"
+    ref = run_engine(
+        "layer",
+        fixture,
+        tmp_path / f"e-layer-{layer}.trace",
+        capture,
+        *("--layer", str(layer), "--input", str(whole), "--input-name", name),
+    )
+    t = tracegate.Trace(str(whole))
+    return ref, np.array(t[name]), list(t.attributes(name)["positions"])
 
 
 def scaled_copy(src: Path, out: Path, scale: float) -> Path:
@@ -282,32 +293,7 @@ def test_planted_1pct_mlp_scale_fails_bf16_when_the_layer_runs_alone(tmp_path, o
     from tracegate_oracle import capture as cp
 
     whole = engine_trace(tmp_path / "e.trace", "tiny-qwen3", "short", capture="default")
-    name = f"layer.{layer:02d}.hidden_in"
-    ref = tmp_path / "e-layer.trace"
-    subprocess.run(
-        [
-            ENGINE,
-            "layer",
-            "--model",
-            str(ROOT / "fixtures/tiny-qwen3"),
-            "--layer",
-            str(layer),
-            "--input",
-            str(whole),
-            "--input-name",
-            name,
-            "--out",
-            str(ref),
-            "--capture",
-            "default",
-            "--threads",
-            "1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    t = tracegate.Trace(str(whole))
-    hidden, positions = np.array(t[name]), t.attributes(name)["positions"]
+    ref, hidden, positions = engine_layer(tmp_path, whole, "tiny-qwen3", layer, "default")
     digest = tracegate.weights_digest(str(ROOT / "fixtures/tiny-qwen3"))
     rc_ = cp.RunConfig(dtype="bf16", capture="default")
     det = cp.setup_torch(rc_)

@@ -91,3 +91,114 @@ def test_float64_throughout_widens_the_fp32_casts_and_restores_them():
     with pytest.raises(RuntimeError), float64_throughout(model):
         raise RuntimeError("restored on error too")
     assert mod.torch is torch and x.float().dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16: an honest run is within bf16.json, a planted linear-attention defect is outside
+# (fixtures/policy/MEASUREMENTS.md, "Qwen3.5: the bf16 decision")
+
+from test_precision_policies import (  # noqa: E402
+    diff,
+    engine_layer,
+    engine_trace,
+    first_outside,
+    needs_binaries,
+    oracle,  # noqa: F401 (the fixture)
+)
+
+DENSE = ROOT / "fixtures/tiny-qwen3_5"
+
+
+def planted_copy(tmp_path: Path, plant: str, layer: int, scale: float) -> Path:
+    from tracegate_oracle.measure_policy import plant_into
+
+    d = tmp_path / f"{plant}-{layer}-{scale}"
+    plant_into(str(DENSE), d, plant, layer, scale)
+    return d
+
+
+@needs_binaries
+@pytest.mark.parametrize(
+    "fixture, prompt",
+    # Prompts with no decision flip (dense) or only the last row's argmax (MoE), where the
+    # linear-attention points reach 0.05-0.06 relative L2: outside the 0.04 they had before.
+    [("tiny-qwen3_5", "mid"), ("tiny-qwen3_5-moe", "short")],
+)
+def test_honest_bf16_qwen3_5_is_within_bf16(tmp_path, oracle, fixture, prompt):  # noqa: F811
+    ref = engine_trace(tmp_path / "e.trace", fixture, prompt)
+    cand = oracle(ROOT / "fixtures" / fixture, "bf16", prompt, tmp_path / "o.trace")
+    rc, rep, err = diff(ref, cand, "bf16")
+    assert rep is not None, err
+    assert (rc, rep["verdict"], first_outside(rep)) == (0, "within_policy", None), [
+        (r["tensor"], r["violations"]) for r in rep["per_tensor"] if r["violations"]
+    ][:5]
+    # The run exercises what the looser rules are for: linear-attention tensors past 0.04.
+    past = {r["tensor"].split(".", 2)[2] for r in rep["per_tensor"] if (r["rel_l2"] or 0) > 0.04}
+    assert past & {"linear.norm_out", "attn_out"}, past
+
+
+@needs_binaries
+@pytest.mark.parametrize(
+    "plant, point, bound",
+    [
+        ("norm", "linear.norm_out", "max_scale_error"),
+        ("out_proj", "attn_out", "max_scale_error"),
+        ("decay", "linear.g", "max_scale_error"),
+    ],
+)
+def test_planted_5pct_linear_layer_scale_fails_bf16_at_its_stage(
+    tmp_path,
+    oracle,  # noqa: F811
+    plant,
+    point,
+    bound,
+):
+    """Negative control of the test above, same prompt: 5% on the gated norm's weight, on
+    out_proj or on the decay of linear layer 2 is outside at that layer's point."""
+    import tracegate
+
+    ref = engine_trace(tmp_path / "e.trace", "tiny-qwen3_5", "mid")
+    cand = oracle(
+        planted_copy(tmp_path, plant, 2, 1.05),
+        "bf16",
+        "mid",
+        tmp_path / "o.trace",
+        weights_digest=tracegate.weights_digest(str(DENSE)),
+    )
+    rc, rep, err = diff(ref, cand, "bf16")
+    assert rep is not None, err
+    assert (rc, rep["verdict"], first_outside(rep)) == (1, "different", f"layer.02.{point}")
+    row = next(r for r in rep["per_tensor"] if r["tensor"] == f"layer.02.{point}")
+    assert bound in [v["bound"] for v in row["violations"]], row["violations"]
+
+
+@needs_binaries
+def test_planted_2pct_gated_norm_scale_fails_bf16_when_the_layer_runs_alone(tmp_path):
+    """2% on the gated norm's weight hides in the whole run's bf16 rounding but not in layer 2
+    run alone from a zero state on the engine's input (gate bisect's isolation), where the
+    `path: layer` rule bounds linear.norm_out's scale error; the clean layer passes."""
+    import tracegate
+    from tracegate_oracle import capture as cp
+
+    whole = engine_trace(tmp_path / "e.trace", "tiny-qwen3_5", "mid")
+    ref, hidden, positions = engine_layer(tmp_path, whole, "tiny-qwen3_5", 2, "internals")
+    rules = json.loads((ROOT / "fixtures/policy/bf16.json").read_text())["rules"]
+    path_rule = next(
+        i
+        for i, r in enumerate(rules)
+        if (r["pattern"], r.get("path")) == ("layer.*.linear.norm_out", "layer")
+    )
+    rc_ = cp.RunConfig(dtype="bf16", capture="internals")
+    det = cp.setup_torch(rc_)
+    got = {}
+    for scale in (1.0, 1.02):
+        d = DENSE if scale == 1 else planted_copy(tmp_path, "norm", 2, scale)
+        cap = cp.capture_layer(cp.load_model(str(d), rc_), str(d), 2, hidden, positions, rc_, det)
+        cap.provenance.update(weights_digest=tracegate.weights_digest(str(DENSE)))
+        cp.write_trace(cap, tmp_path / f"o-{scale}.trace")
+        rc, rep, err = diff(ref, tmp_path / f"o-{scale}.trace", "bf16")
+        assert rep is not None, err
+        row = next(r for r in rep["per_tensor"] if r["tensor"] == "layer.02.linear.norm_out")
+        assert row["rule"]["index"] == path_rule, row["rule"]  # not the whole run's rule
+        got[scale] = (rc, first_outside(rep), [v["bound"] for v in row["violations"]])
+    assert got == {1.0: (0, None, []), 1.02: (1, "layer.02.linear.norm_out", ["max_scale_error"])}

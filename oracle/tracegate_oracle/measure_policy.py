@@ -24,12 +24,16 @@ Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREME
   `--seeded-prompts`: over the default measurement's 8 seeded prompts instead of the frozen
   ones, for a model whose vocabulary the frozen prompts' ids exceed (tiny-qwen3_5*).
 
-- `--planted SCALES`: one layer's MLP down projection scaled in a copy of an f32 checkpoint: how
-  far that moves the layer's mlp_out (relative L2, norm ratio, scale error), next to each dtype's
-  own rounding (scale 1), in the whole run and with the layer run alone on the engine's input to
-  it, and the first tensor outside the dtype's policy in each.
+- `--planted SCALES`: one layer's weight scaled in a copy of an f32 checkpoint (`--plant`: the
+  MLP down projection, default; or in a linear-attention layer the decay, beta's projection, the
+  gated norm's weight or out_proj): how far that moves the layer's points (relative L2, norm
+  ratio, scale error), next to each dtype's own rounding (scale 1), in the whole run and with the
+  layer run alone on the engine's input to it, and the first tensor outside the dtype's policy in
+  each.
 
       python -m tracegate_oracle.measure_policy --planted 1,1.01,1.02,1.05,1.1 fixtures/tiny-qwen3
+      python -m tracegate_oracle.measure_policy --planted 1,1.01,1.02,1.05 --plant norm \
+          --dtypes bf16 fixtures/tiny-qwen3_5
 
 Quantities as trace-diff computes them, mixed precision included: the finer side rounded to the
 coarser dtype (round to nearest even) for the ULP distance, counted in the coarser dtype's
@@ -186,10 +190,11 @@ def oracle_runs(
     device: str,
     tokens: dict[str, list[int]],
     isolate_on: dict[str, Run] | None = None,
+    layers: list[int] | None = None,
 ):
     """The oracle's whole run of each prompt; with `isolate_on` (a reference run per prompt) also
-    every layer run alone (the `layer` verb) on the reference's `layer.NN.hidden_in`, as
-    {prompt: {name: (array, dtype, positions)}}."""
+    each of `layers` (default: every layer) run alone (the `layer` verb) on the reference's
+    `layer.NN.hidden_in`, as {prompt: {name: (array, dtype, positions)}}."""
     rc = cp.RunConfig(device=device, dtype=dtype, capture="internals")
     det = cp.setup_torch(rc)
     model = cp.load_model(model_dir, rc)
@@ -201,7 +206,11 @@ def oracle_runs(
     iso = {}
     for pid, ref in isolate_on.items():
         iso[pid] = {}
-        for L in range(model.config.get_text_config().num_hidden_layers):
+        for L in (
+            layers
+            if layers is not None
+            else range(model.config.get_text_config().num_hidden_layers)
+        ):
             a, _, positions = ref.tensors[names.layer(L, "hidden_in")]
             run = from_plain(
                 plain(cp.capture_layer(model, model_dir, L, a, list(positions), rc, det))
@@ -552,85 +561,134 @@ def precision(
     return out
 
 
-def planted(
-    model_dir: str, dtypes: list[str], scales: list[float], engine: str, device: str
-) -> list[dict]:
-    """How far a scale error planted in one layer's MLP (its down projection times `scale`, in a
-    copy of the checkpoint) moves that layer's mlp_out, against the rounding of each dtype: per
-    dtype, scale and layer, the relative L2, norm ratio and scale error of mlp_out against the
-    engine's f32 trace of the clean checkpoint over every frozen prompt — in the whole run, and
-    with the layer run alone (the oracle's `layer` verb) on the engine's input to it, as
-    `gate bisect` isolates it — and the first tensor outside the bundled policy of the dtype in
-    each. Scale 1 is the clean run (every layer)."""
+# What `--plant` scales in one layer of a copy of the checkpoint: the weight (its name after
+# `layers.N.`), how the scale enters it, the capture points whose rows the table shows (the first
+# is where the defect shows first), and which layers have the weight.
+PLANTS = {
+    "mlp": ("mlp.down_proj.weight", "times", ("mlp_out",), "every"),
+    # exp(A_log + ln s) = s exp(A_log): the decay g = -exp(A_log) softplus(a + dt_bias) times s
+    "decay": ("linear_attn.A_log", "log", ("linear.g", "attn_out"), "linear_attention"),
+    # b times s, so beta = sigmoid(s b)
+    "beta": (
+        "linear_attn.in_proj_b.weight",
+        "times",
+        ("linear.beta", "attn_out"),
+        "linear_attention",
+    ),
+    "norm": (
+        "linear_attn.norm.weight",
+        "times",
+        ("linear.norm_out", "attn_out"),
+        "linear_attention",
+    ),
+    "out_proj": ("linear_attn.out_proj.weight", "times", ("attn_out",), "linear_attention"),
+}
+
+
+def plant_layers(model_dir: str, plant: str) -> list[int]:
+    """The layers holding `plant`'s weight (`layer_types`; a model without it is all full
+    attention)."""
+    cfg = text_config(model_dir)
+    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    want = PLANTS[plant][3]
+    layers = [i for i, k in enumerate(kinds) if want in ("every", k)]
+    if not layers:
+        raise ValueError(f"--plant {plant}: {model_dir} has no {want} layer")
+    return layers
+
+
+def plant_into(model_dir: str, out: Path, plant: str, layer: int, scale: float) -> None:
+    """A copy of `model_dir` at `out` with `plant`'s weight in `layer` scaled by `scale`; the
+    weight must be f32, so the scale is exact before the run rounds."""
     import shutil
 
-    from safetensors.numpy import load_file, save_file
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    w = load_file(out / "model.safetensors")
+    suffix, how = f".layers.{layer}.{PLANTS[plant][0]}", PLANTS[plant][1]
+    k = next((k for k in w if k.endswith(suffix) and not k.startswith("mtp.")), None)
+    if k is None:
+        raise ValueError(f"--plant {plant}: no tensor *{suffix} in {model_dir}")
+    if str(w[k].dtype) != "torch.float32":
+        raise ValueError(f"--plant {plant}: {k} is {w[k].dtype}, not f32: a scale would round")
+    x = w[k].double()
+    w[k] = (x + np.log(scale) if how == "log" else x * scale).float()
+    save_file(w, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def planted(
+    model_dir: str,
+    dtypes: list[str],
+    scales: list[float],
+    engine: str,
+    device: str,
+    plant: str = "mlp",
+) -> list[dict]:
+    """How far a scale error planted in one layer (`plant`: its MLP down projection, or in a
+    linear-attention layer the decay, beta's projection, the gated norm weight or out_proj, in a
+    copy of the checkpoint) moves that layer's capture points (`PLANTS`), against the rounding of
+    each dtype: per dtype, scale and layer, the relative L2, norm ratio and scale error of each
+    point against the engine's f32 trace of the clean checkpoint over every frozen prompt — in
+    the whole run, and with the layer run alone (the oracle's `layer` verb) on the engine's input
+    to it, as `gate bisect` isolates it — and the first tensor outside the bundled policy of the
+    dtype in each. Scale 1 is the clean run (every layer holding the weight). Each row keeps
+    every compared tensor's quantities (`whole`, `isolated`: {prompt: {name: stats}})."""
+    import shutil
 
     tokens = {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
     eng = engine_runs(model_dir, engine, tokens)
-    n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    layers, points = plant_layers(model_dir, plant), PLANTS[plant][2]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for dt in dtypes:
             policy = json.loads(policy_file(dt).read_text())
             for scale in scales:
-                for layer in range(n_layers):
-                    # The clean run reads the checkpoint itself (a bf16 one cannot be rewritten here).
+                # The clean run reads the checkpoint itself (a bf16 one cannot be rewritten here)
+                # and has no planted layer: every layer holding the weight.
+                for layer in [None] if scale == 1 else layers:
                     d = Path(model_dir) if scale == 1 else Path(tmp) / f"{dt}-{scale}-{layer}"
                     if scale != 1:
-                        shutil.copytree(model_dir, d)
-                        w = load_file(d / "model.safetensors")
-                        k = f"model.layers.{layer}.mlp.down_proj.weight"
-                        w[k] = (w[k].astype(np.float64) * scale).astype(w[k].dtype)
-                        save_file(w, d / "model.safetensors", metadata={"format": "pt"})
-                    runs, iso = oracle_runs(str(d), dt, device, tokens, isolate_on=eng)
-                    row = {
-                        "dtype": dt,
-                        "scale": scale,
-                        "layer": layer,
-                        "rel_l2": [],
-                        "norm_ratio": [],
-                        "scale_error": [],
-                        "first_outside": set(),
-                        "iso_rel_l2": [],
-                        "iso_scale_error": [],
-                        "iso_first_outside": set(),
-                    }
-                    # The clean run (scale 1) has no planted layer: every layer's mlp_out.
-                    points = [
-                        names.layer(x, "mlp_out")
-                        for x in (range(n_layers) if scale == 1 else [layer])
-                    ]
+                        plant_into(model_dir, d, plant, layer, scale)
+                    at = layers if layer is None else [layer]
+                    runs, iso = oracle_runs(str(d), dt, device, tokens, isolate_on=eng, layers=at)
+                    row = {"dtype": dt, "scale": scale, "layer": layer, "points": points}
+                    row.update(first_outside=set(), iso_first_outside=set(), whole={}, isolated={})
+                    row["norm_ratio"] = []
                     for pid in tokens:
-                        c = from_plain(runs[pid])
-                        for name in points:
-                            a, b = real(*c.tensors[name][:2]), real(*eng[pid].tensors[name][:2])
-                            row["rel_l2"].append(
-                                compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])["rel_l2"]
+                        c, e = from_plain(runs[pid]), eng[pid]
+                        row["whole"][pid] = {
+                            n: compare(*e.tensors[n][:2], *c.tensors[n][:2])
+                            for n in e.tensors
+                            if n in c.tensors and c.tensors[n][2] == e.tensors[n][2]
+                        }
+                        # mlp_out: the rows routed alike (oracle_runs keeps those); an expert
+                        # holding other rows in isolation is not comparable (first_outside names it)
+                        ref_of = {n: iso[pid].get(f"{n}.ref", e.tensors[n][0]) for n in e.tensors}
+                        row["isolated"][pid] = {
+                            n: compare(ref_of[n], e.tensors[n][1], *iso[pid][n][:2])
+                            for n in e.tensors
+                            if n in iso[pid] and iso[pid][n][0].shape == ref_of[n].shape
+                        }
+                        row["norm_ratio"] += [  # of the first point, in the whole run
+                            float(
+                                np.linalg.norm(real(*c.tensors[n][:2]))
+                                / np.linalg.norm(real(*e.tensors[n][:2]))
                             )
-                            row["norm_ratio"].append(float(np.linalg.norm(a) / np.linalg.norm(b)))
-                            row["scale_error"].append(
-                                compare(*eng[pid].tensors[name][:2], *c.tensors[name][:2])[
-                                    "scale_error"
-                                ]
-                            )
-                            ref_rows = iso[pid].get(
-                                f"{name}.ref", eng[pid].tensors[name][0]
-                            )  # rows routed alike
-                            s = compare(ref_rows, eng[pid].tensors[name][1], *iso[pid][name][:2])
-                            row["iso_rel_l2"].append(s["rel_l2"])
-                            row["iso_scale_error"].append(s["scale_error"])
-                        row["first_outside"].add(
-                            first_outside(policy, eng[pid], c.tensors, "prefill")
-                        )
-                        row["iso_first_outside"].add(
-                            first_outside(policy, eng[pid], iso[pid], "layer")
-                        )
+                            for n in (names.layer(x, points[0]) for x in at)
+                        ]
+                        row["first_outside"].add(first_outside(policy, e, c.tensors, "prefill"))
+                        row["iso_first_outside"].add(first_outside(policy, e, iso[pid], "layer"))
+                    for p in points:
+                        for key in ("whole", "isolated"):
+                            st = [s[names.layer(x, p)] for s in row[key].values() for x in at]
+                            pre = "" if key == "whole" else "iso_"
+                            row[f"{pre}{p}"] = {
+                                q: [x[q] for x in st] for q in ("rel_l2", "scale_error")
+                            }
                     out.append(row)
                     if scale != 1:
                         shutil.rmtree(d)
-                    if scale == 1:
-                        break
     return out
 
 
@@ -647,26 +705,37 @@ def first_outside(policy: dict, ref: Run, cand: dict, path: str) -> str | None:
     return None
 
 
-def print_planted(d: str, rows: list[dict]) -> None:
-    print(f"\n### {d}: a scale planted in one layer's MLP down projection\n")
+def print_planted(d: str, plant: str, rows: list[dict]) -> None:
+    weight, _, points, _ = PLANTS[plant]
+    print(f"\n### {d}: a scale planted in one layer's `{weight}`\n")
     print(
         "Whole run, then the layer alone on the engine's input to it (isolated). Ranges are min to max over prompts "
         "(and, for scale 1, over layers).\n"
     )
-    print(
-        "| dtype | scale | layer | mlp_out rel L2 | norm ratio - 1 | scale error | first outside the policy | "
-        "isolated rel L2 | isolated scale error | isolated: first outside the policy |"
-    )
-    print("| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |")
+    first, rest = points[0], points[1:]
+    whole = [f"{first} rel L2", "norm ratio - 1", "scale error"]
+    whole += [f"{p} {q}" for p in rest for q in ("rel L2", "scale error")]
+    iso = [f"isolated {p} {q}" for p in points for q in ("rel L2", "scale error")]
+    cols = ["dtype", "scale", "layer", *whole, "first outside the policy", *iso]
+    print("| " + " | ".join([*cols, "isolated: first outside the policy"]) + " |")
+    print("| --- | ---: | ---: |" + " --- |" * (len(cols) - 2))
     rng = lambda xs, f: f"{min(xs):{f}} to {max(xs):{f}}"  # noqa: E731
     listed = lambda xs: ", ".join(sorted("none" if x is None else f"`{x}`" for x in xs))  # noqa: E731
     for r in rows:
-        nr = [x - 1 for x in r["norm_ratio"]]
-        print(
-            f"| {r['dtype']} | {r['scale']:g} | {r['layer'] if r['scale'] != 1 else '-'} | {rng(r['rel_l2'], '.4f')} | "
-            f"{rng(nr, '+.4f')} | {rng(r['scale_error'], '+.4f')} | {listed(r['first_outside'])} | "
-            f"{rng(r['iso_rel_l2'], '.4f')} | {rng(r['iso_scale_error'], '+.4f')} | {listed(r['iso_first_outside'])} |"
-        )
+        cells = [r["dtype"], f"{r['scale']:g}", "-" if r["layer"] is None else str(r["layer"])]
+        cells += [rng(r[first]["rel_l2"], ".4f"), rng([x - 1 for x in r["norm_ratio"]], "+.4f")]
+        cells.append(rng(r[first]["scale_error"], "+.4f"))
+        cells += [
+            rng(r[p][q], f) for p in rest for q, f in (("rel_l2", ".4f"), ("scale_error", "+.4f"))
+        ]
+        cells.append(listed(r["first_outside"]))
+        cells += [
+            rng(r[f"iso_{p}"][q], f)
+            for p in points
+            for q, f in (("rel_l2", ".4f"), ("scale_error", "+.4f"))
+        ]
+        cells.append(listed(r["iso_first_outside"]))
+        print("| " + " | ".join(cells) + " |")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -836,21 +905,22 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--planted",
         metavar="SCALES",
-        help="scale errors to plant in each layer's MLP, e.g. 1,1.01,1.05 (f32 checkpoints)",
+        help="scale errors to plant in each layer, e.g. 1,1.01,1.05 (f32 checkpoints)",
+    )
+    ap.add_argument(
+        "--plant",
+        choices=sorted(PLANTS),
+        default="mlp",
+        help="--planted's weight: the MLP down projection (mlp, every layer) or, in each"
+        " linear-attention layer, the decay (A_log + ln s), beta's projection, the gated norm"
+        " weight or out_proj",
     )
     a = ap.parse_args(argv)
     for d in a.models:
         if a.planted:
-            print_planted(
-                d,
-                planted(
-                    d,
-                    a.dtypes.split(","),
-                    [float(x) for x in a.planted.split(",")],
-                    a.engine,
-                    a.device,
-                ),
-            )
+            scales = [float(x) for x in a.planted.split(",")]
+            rows = planted(d, a.dtypes.split(","), scales, a.engine, a.device, a.plant)
+            print_planted(d, a.plant, rows)
         elif a.precision:
             engine = None if a.engine == "none" else a.engine
             print_precision(
