@@ -66,20 +66,31 @@ pub fn delta_rule_step(
     mem: &mut [f32],
     out: &mut [f32],
 ) {
-    delta_rule_step_with(Kernel::detect(), s, q, k, v, alpha, beta, mem, out)
+    let row = DeltaRow {
+        q,
+        k,
+        v,
+        alpha,
+        beta,
+    };
+    delta_rule_step_with(Kernel::detect(), s, &row, mem, out)
+}
+
+/// One row's operands of `delta_rule_step` for one value head.
+pub(crate) struct DeltaRow<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub alpha: f32,
+    pub beta: f32,
 }
 
 /// `delta_rule_step` compiled for `kernel`'s family (tests run each one the CPU supports);
 /// a family this CPU lacks runs the baseline body.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn delta_rule_step_with(
     kernel: Kernel,
     s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    alpha: f32,
-    beta: f32,
+    row: &DeltaRow,
     mem: &mut [f32],
     out: &mut [f32],
 ) {
@@ -87,63 +98,31 @@ pub(crate) fn delta_rule_step_with(
     if kernel.supported() {
         match kernel {
             // SAFETY: the CPU supports the family (checked just above).
-            Kernel::Avx512 => unsafe {
-                return delta_rule_step_avx512(s, q, k, v, alpha, beta, mem, out);
-            },
+            Kernel::Avx512 => unsafe { return delta_rule_step_avx512(s, row, mem, out) },
             // SAFETY: as above (the Avx2 family includes avx2).
-            Kernel::Avx2 => unsafe {
-                return delta_rule_step_avx2(s, q, k, v, alpha, beta, mem, out);
-            },
+            Kernel::Avx2 => unsafe { return delta_rule_step_avx2(s, row, mem, out) },
             Kernel::Portable => {}
         }
     }
-    delta_rule_body(s, q, k, v, alpha, beta, mem, out)
+    delta_rule_body(s, row, mem, out)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn delta_rule_step_avx512(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    alpha: f32,
-    beta: f32,
-    mem: &mut [f32],
-    out: &mut [f32],
-) {
-    delta_rule_body(s, q, k, v, alpha, beta, mem, out)
+/// `delta_rule_body` compiled with a target feature: one function per SIMD family.
+macro_rules! delta_rule_for {
+    ($name:ident, $feature:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        unsafe fn $name(s: &mut [f32], row: &DeltaRow, mem: &mut [f32], out: &mut [f32]) {
+            delta_rule_body(s, row, mem, out)
+        }
+    };
 }
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn delta_rule_step_avx2(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    alpha: f32,
-    beta: f32,
-    mem: &mut [f32],
-    out: &mut [f32],
-) {
-    delta_rule_body(s, q, k, v, alpha, beta, mem, out)
-}
+delta_rule_for!(delta_rule_step_avx512, "avx512f");
+delta_rule_for!(delta_rule_step_avx2, "avx2");
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn delta_rule_body(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    alpha: f32,
-    beta: f32,
-    mem: &mut [f32],
-    out: &mut [f32],
-) {
+fn delta_rule_body(s: &mut [f32], row: &DeltaRow, mem: &mut [f32], out: &mut [f32]) {
+    let (q, k, v, alpha, beta) = (row.q, row.k, row.v, row.alpha, row.beta);
     let dv = v.len();
     let mem = &mut mem[..dv];
     let out = &mut out[..dv];
@@ -173,16 +152,8 @@ mod tests {
 
     /// §18.5's five steps as numerics.md writes them, on `s`; returns the output row. With
     /// `read_descending` step 2 sums i descending (the negative control's planted reorder).
-    #[allow(clippy::too_many_arguments)]
-    fn steps(
-        s: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        alpha: f32,
-        beta: f32,
-        read_descending: bool,
-    ) -> Vec<f32> {
+    fn steps(s: &mut [f32], row: &DeltaRow, read_descending: bool) -> Vec<f32> {
+        let (q, k, v, alpha, beta) = (row.q, row.k, row.v, row.alpha, row.beta);
         let (dk, dv) = (k.len(), v.len());
         for x in s.iter_mut() {
             *x *= alpha;
@@ -227,20 +198,25 @@ mod tests {
                 let mut want_s = vals(dk * dv, 1);
                 let mut got_s = want_s.clone();
                 let mut planted_s = want_s.clone();
-                for row in 0..4u64 {
-                    let (q, k, v) = (vals(dk, 10 + row), vals(dk, 20 + row), vals(dv, 30 + row));
-                    let (alpha, beta) = (0.9 - 0.15 * row as f32, 0.3 + 0.2 * row as f32);
-                    let want = steps(&mut want_s, &q, &k, &v, alpha, beta, false);
+                for r in 0..4u64 {
+                    let (q, k, v) = (vals(dk, 10 + r), vals(dk, 20 + r), vals(dv, 30 + r));
+                    let row = DeltaRow {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        alpha: 0.9 - 0.15 * r as f32,
+                        beta: 0.3 + 0.2 * r as f32,
+                    };
+                    let want = steps(&mut want_s, &row, false);
                     let (mut mem, mut out) = (vec![7.0f32; dv], vec![9.0f32; dv]);
-                    let (s, m, o) = (&mut got_s, &mut mem, &mut out);
-                    delta_rule_step_with(kernel, s, &q, &k, &v, alpha, beta, m, o);
+                    delta_rule_step_with(kernel, &mut got_s, &row, &mut mem, &mut out);
                     assert_eq!(
                         bits(&out),
                         bits(&want),
-                        "{kernel:?} dk {dk} dv {dv} row {row}"
+                        "{kernel:?} dk {dk} dv {dv} row {r}"
                     );
-                    assert_eq!(bits(&got_s), bits(&want_s), "{kernel:?} state, row {row}");
-                    let planted = steps(&mut planted_s, &q, &k, &v, alpha, beta, true);
+                    assert_eq!(bits(&got_s), bits(&want_s), "{kernel:?} state, row {r}");
+                    let planted = steps(&mut planted_s, &row, true);
                     planted_differs |= bits(&planted) != bits(&out);
                 }
             }
