@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Engine vs torch fp32 on CPU, same model, prompts and thread count (an observation, not a test).
-#   scripts/bench_engine.sh [--preset bench|0.6b|moe] [--model DIR] [--threads 1,2,all]
+#   scripts/bench_engine.sh [--preset bench|0.6b|moe|qwen3_5-moe] [--model DIR] [--threads 1,2,all]
 #                           [--repeat N] [--prefill 64,512] [--decode 32]
 # Defaults: --preset bench, --threads 1,2,all, --repeat 3, --prefill 64,512, --decode 32. The
-# model dir defaults to /tmp/bench-qwen3, /tmp/bench-qwen3-0.6b or /tmp/bench-qwen3-moe and is
-# generated with scripts/make_fixtures.py if it has no config.json. Each repeat runs the engine,
-# then torch, back to back, per thread count; every ratio is printed as the median of the
-# per-pair ratios with their min–max. Also printed: the engine's decode GB/s (weight bytes one
-# token reads / time per token) against the machine's read and copy bandwidth on the same
-# threads, and peak RSS against the f32 weight size. See docs/benchmarks.md.
+# model dir defaults to /tmp/bench-qwen3, /tmp/bench-qwen3-0.6b, /tmp/bench-qwen3-moe or
+# /tmp/bench-qwen3_5-moe and is generated with scripts/make_fixtures.py if it has no config.json.
+# Each repeat runs the engine, then torch, back to back, per thread count; every ratio is the
+# median of the per-pair ratios with their min–max. Also printed: the engine's decode GB/s
+# (weight bytes one token reads / time per token) against the machine's read and copy bandwidth
+# on the same threads, peak RSS against the f32 weight size, and for a hybrid model which
+# Gated DeltaNet functions torch ran (always transformers' torch references). See
+# docs/benchmarks.md.
 # Environment: PY (python with torch + transformers; default .venv/bin/python, else python3),
 # BENCH_BIN (a prebuilt engine bench binary: skips cargo, e.g. on a machine without Rust).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=bench MODEL= THREADS=1,2,all REPEAT=3 PREFILL=64,512 DECODE=32
-usage() { sed -n '2,14p' "$0" >&2; exit 2; }
+usage() { sed -n '2,16p' "$0" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --preset) PRESET=${2:?}; shift 2 ;;
@@ -30,7 +32,8 @@ case "$PRESET" in
   bench) FIXTURE=bench-qwen3 ;;
   0.6b) FIXTURE=bench-qwen3-0.6b ;;
   moe) FIXTURE=bench-qwen3-moe ;;
-  *) echo "bench_engine.sh: --preset must be bench, 0.6b or moe, not $PRESET" >&2; exit 2 ;;
+  qwen3_5-moe) FIXTURE=bench-qwen3_5-moe ;;
+  *) echo "bench_engine.sh: --preset must be bench, 0.6b, moe or qwen3_5-moe, not $PRESET" >&2; exit 2 ;;
 esac
 MODEL=${MODEL:-/tmp/$FIXTURE}
 if [ -z "${PY:-}" ]; then
@@ -96,4 +99,9 @@ for t in dict.fromkeys(r["threads"] for r in runs):
     agree = [sum(a == b for a, b in zip(r["engine"]["tokens"], r["torch"]["tokens"])) for r in rs]
     steps = len(rs[0]["torch"]["tokens"])
     print("  greedy tokens agree: " + ", ".join(f"{a}/{steps}" for a in agree))
+    paths = rs[0]["torch"].get("torch_paths")
+    if paths:
+        bypassed = {k: v for r in rs for m in r["torch"]["torch_paths"].values() for k, v in m.items()}
+        print("  torch Gated DeltaNet: transformers' torch references"
+              + (f" (bypassed: {bypassed})" if bypassed else " (nothing else was bound)"))
 PY

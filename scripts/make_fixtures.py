@@ -14,6 +14,8 @@ Presets
   bench-qwen3     -> --out DIR (required; not committed)  ~160M-parameter bf16 Qwen3 for benchmarks.
   bench-qwen3-0.6b, bench-qwen3-moe -> --out DIR (required; not committed)  the Qwen3-0.6B shape
                   and a 64-expert top-8 MoE shape, bf16, for benchmarks (see docs/benchmarks.md).
+  bench-qwen3_5-moe -> --out DIR (required; not committed)  a Qwen3.5-MoE shape (hybrid, 3 linear
+                  to 1 full attention layer, 64 experts top-8 + shared expert), bf16, benchmarks.
 
 Every parameter comes from numpy's PCG64 seeded per tensor from (preset seed, crc32(name)),
 so a tensor's values do not depend on which other tensors exist or their order, and re-running
@@ -339,6 +341,52 @@ PRESETS["tiny-qwen3_5-moe"] = dict(
     ),
     scales=dict(_Q35_SCALES, router=2.0, router_tail=0.5),
     mtp_layers=1,
+)
+# bench-qwen3_5-moe (docs/benchmarks.md): the Qwen3.5-MoE shape at hidden 1024, 8 layers
+# `L L L F L L L F` (3 Gated DeltaNet layers per full attention layer, transformers' default
+# interval 4), routed + shared expert in every layer. The linear_* and attention head sizes are
+# the Qwen3.5-MoE defaults (head dims 128 and 256, 2 KV heads, partial RoPE 0.25 with mrope
+# sections summing to 32) with the head counts halved with the width (16 → 8 key heads, 32 → 16
+# value heads, 16 → 8 query heads); 64 experts top-8 with moe_intermediate 512 and a 512 shared
+# expert; vocab 32000, untied; no mtp.* tensors. ~0.94B parameters (1.9 GB as bf16), ~0.2B of
+# them read per decoded token; generating it peaks near 10 GB.
+PRESETS["bench-qwen3_5-moe"] = dict(
+    PRESETS["tiny-qwen3_5-moe"],
+    seed=20241999,
+    out=None,  # must be given: not committed
+    config=dict(
+        PRESETS["tiny-qwen3_5-moe"]["config"],
+        vocab_size=32000,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        layer_types=["linear_attention"] * 3
+        + ["full_attention"]
+        + ["linear_attention"] * 3
+        + ["full_attention"],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        rms_norm_eps=1e-6,
+        # 0.25 * 256 = 64 rotated dims (32 frequencies), as in the real config
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        max_position_embeddings=4096,
+    ),
+    mtp_layers=0,
 )
 
 

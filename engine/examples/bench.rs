@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use tracegate_engine::capture::Capture;
-use tracegate_engine::config::Config;
+use tracegate_engine::config::{Config, LayerKind};
 use tracegate_engine::matmul::Kernel;
 use tracegate_engine::qwen3::Model;
 use tracegate_engine::weights::Store;
@@ -30,29 +30,45 @@ fn vm_hwm_kb() -> u64 {
 }
 
 /// Parameters stored, and parameters one decoded token multiplies with (the head in full; of
-/// the embedding one row; of a sparse layer the router and `num_experts_per_tok` experts).
+/// the embedding one row; of a sparse layer the router, `num_experts_per_tok` experts and the
+/// shared expert). Qwen3.5: a full-attention layer's q_proj carries the output gate (twice the
+/// rows), a linear-attention layer holds the Gated DeltaNet's tensors (§18) instead.
 fn param_counts(c: &Config) -> (usize, usize) {
     let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+    let q35 = c.model_type.is_qwen3_5();
     let bias = if c.attention_bias {
         (c.num_attention_heads + 2 * c.num_key_value_heads) * d + h
     } else {
         0
     };
-    let attn = 2 * h * c.num_attention_heads * d + 2 * h * c.num_key_value_heads * d + bias;
-    let norms = 2 * d + 2 * h;
+    let q_rows = c.num_attention_heads * d * (1 + q35 as usize);
+    let attn =
+        h * (q_rows + c.num_attention_heads * d + 2 * c.num_key_value_heads * d) + bias + 2 * d;
+    let linear = c.linear.map_or(0, |s| {
+        let (cd, vd, nv) = (s.conv_dim(), s.value_dim(), s.num_value_heads);
+        h * (cd + vd + 2 * nv) + cd * s.conv_kernel + 2 * nv + s.value_head_dim + vd * h
+    });
+    let shared = match c.shared_expert_intermediate_size {
+        0 => 0,
+        si => 3 * h * si + h,
+    };
     let (mut stored, mut read) = (v * h + h, h + h);
     if !c.tie_word_embeddings {
         stored += v * h;
     }
     read += v * h;
     for l in 0..c.num_hidden_layers {
-        stored += attn + norms;
-        read += attn + norms;
+        let mixer = match c.layer_kind(l) {
+            LayerKind::Full => attn,
+            LayerKind::Linear => linear,
+        } + 2 * h;
+        stored += mixer;
+        read += mixer;
         match c.is_sparse(l) {
             true => {
                 let expert = 3 * h * c.moe_intermediate_size;
-                stored += c.num_experts * h + c.num_experts * expert;
-                read += c.num_experts * h + c.num_experts_per_tok * expert;
+                stored += c.num_experts * h + c.num_experts * expert + shared;
+                read += c.num_experts * h + c.num_experts_per_tok * expert + shared;
             }
             _ => {
                 let mlp = 3 * h * c.intermediate_size.unwrap_or(0);
@@ -118,7 +134,10 @@ fn main() {
     let model = Model::load(cfg, &store).expect("model");
     let c = &model.cfg;
     let wdtype = store
-        .take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])
+        .take(
+            &format!("{}embed_tokens.weight", c.layout.prefix()),
+            &[c.vocab_size, c.hidden_size],
+        )
         .expect("embedding")
         .dtype;
     let v = c.vocab_size as i64;

@@ -120,22 +120,24 @@ impl<'a> GatedDeltaNet<'a> {
         let b = ops::matmul(xn, t, self.in_proj_b, None);
         let a = ops::matmul(xn, t, self.in_proj_a, None);
         // §18.2 conv, rows ascending through the state.
-        let mut conv_out = vec![0.0f32; t * cd];
-        for (row, out) in mixed.chunks_exact(cd).zip(conv_out.chunks_exact_mut(cd)) {
-            ops::causal_conv1d(row, &self.conv, k, &mut state.conv, out);
-        }
+        let conv_out = self.conv_rows(&mixed, t, &mut state.conv);
         cap.internal(&name("linear.conv_out"), &[t, cd], &conv_out, pos);
-        // §18.3 split and L2-normalise q and k per key head; v as is.
+        // §18.3 split and L2-normalise q and k per key head; v as is. Rows on the pool.
         let (mut qn, mut kn) = (vec![0.0f32; t * kd], vec![0.0f32; t * kd]);
         let mut v = vec![0.0f32; t * vd];
-        for (r, row) in conv_out.chunks_exact(cd).enumerate() {
-            for g in 0..nk {
-                let at = r * kd + g * dk;
-                ops::l2norm(&row[g * dk..(g + 1) * dk], &mut qn[at..at + dk]);
-                ops::l2norm(&row[kd + g * dk..kd + (g + 1) * dk], &mut kn[at..at + dk]);
-            }
-            v[r * vd..(r + 1) * vd].copy_from_slice(&row[2 * kd..]);
-        }
+        conv_out
+            .par_chunks_exact(cd)
+            .zip(qn.par_chunks_exact_mut(kd))
+            .zip(kn.par_chunks_exact_mut(kd))
+            .zip(v.par_chunks_exact_mut(vd))
+            .for_each(|(((row, qr), kr), vr)| {
+                for g in 0..nk {
+                    let at = g * dk..(g + 1) * dk;
+                    ops::l2norm(&row[at.clone()], &mut qr[at.clone()]);
+                    ops::l2norm(&row[kd + g * dk..kd + (g + 1) * dk], &mut kr[at]);
+                }
+                vr.copy_from_slice(&row[2 * kd..]);
+            });
         cap.internal(&name("linear.q"), &[t, nk, dk], &qn, pos);
         cap.internal(&name("linear.k"), &[t, nk, dk], &kn, pos);
         let scale_k = (1.0f64 / (dk as f64).sqrt()) as f32;
@@ -181,19 +183,21 @@ impl<'a> GatedDeltaNet<'a> {
         }
         cap.internal(&name("linear.core"), &[t, nv, dv], &core, pos);
         state.next_pos += t as i64;
-        // §18.6 gated norm per (row, value head), then out_proj.
+        // §18.6 gated norm per (row, value head), rows on the pool, then out_proj.
         let eps = cfg.eps_f32();
         let mut normed = vec![0.0f32; t * vd];
-        for i in 0..t * nv {
-            let sl = i * dv..(i + 1) * dv;
-            ops::gated_rmsnorm(
-                &core[sl.clone()],
-                &self.norm,
-                &z[sl.clone()],
-                eps,
-                &mut normed[sl],
-            );
-        }
+        normed
+            .par_chunks_exact_mut(vd)
+            .zip(core.par_chunks_exact(vd).zip(z.par_chunks_exact(vd)))
+            .for_each(|(nr, (cr, zr))| {
+                for ((n, c), zz) in nr
+                    .chunks_exact_mut(dv)
+                    .zip(cr.chunks_exact(dv))
+                    .zip(zr.chunks_exact(dv))
+                {
+                    ops::gated_rmsnorm(c, &self.norm, zz, eps, n);
+                }
+            });
         cap.internal(&name("linear.norm_out"), &[t, nv, dv], &normed, pos);
         // The state after the block's last row, at that row's position.
         cap.internal(
@@ -203,6 +207,46 @@ impl<'a> GatedDeltaNet<'a> {
             &pos[t - 1..],
         );
         Ok(ops::matmul(&normed, t, self.out_proj, None))
+    }
+}
+
+impl GatedDeltaNet<'_> {
+    /// §18.2 the causal conv1d + SiLU of `t` rows of `mixed` (`[t, conv_dim]`), rows ascending
+    /// through `conv_state`. A channel reads and updates only its own state, so blocks of
+    /// channels run on the pool, each through every row in order; the bits are
+    /// `ops::causal_conv1d`'s row by row.
+    fn conv_rows(&self, mixed: &[f32], t: usize, conv_state: &mut [f32]) -> Vec<f32> {
+        const BLOCK: usize = 512;
+        let (cd, k) = (self.sizes.conv_dim(), self.sizes.conv_kernel);
+        let keep = k - 1;
+        let mut states: Vec<&mut [f32]> = Vec::with_capacity(cd.div_ceil(BLOCK));
+        let mut rest = conv_state;
+        for c0 in (0..cd).step_by(BLOCK) {
+            let (st, tail) = rest.split_at_mut(BLOCK.min(cd - c0) * keep);
+            states.push(st);
+            rest = tail;
+        }
+        let blocks: Vec<Vec<f32>> = states
+            .into_par_iter()
+            .enumerate()
+            .map(|(b, st)| {
+                let (c0, c1) = (b * BLOCK, ((b + 1) * BLOCK).min(cd));
+                let mut out = vec![0.0f32; t * (c1 - c0)];
+                for (r, o) in out.chunks_exact_mut(c1 - c0).enumerate() {
+                    let row = &mixed[r * cd + c0..r * cd + c1];
+                    ops::causal_conv1d(row, &self.conv[c0 * k..c1 * k], k, st, o);
+                }
+                out
+            })
+            .collect();
+        let mut conv_out = vec![0.0f32; t * cd];
+        for (b, block) in blocks.iter().enumerate() {
+            let (c0, w) = (b * BLOCK, block.len() / t.max(1));
+            for (r, o) in block.chunks_exact(w.max(1)).enumerate() {
+                conv_out[r * cd + c0..r * cd + c0 + w].copy_from_slice(o);
+            }
+        }
+        conv_out
     }
 }
 
