@@ -10,6 +10,7 @@
 mod avx2;
 mod avx512;
 mod dots;
+mod matvec;
 mod portable;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -122,6 +123,9 @@ pub fn matmul_with(
     );
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), rows * k, "x is [rows, K]");
+    if (1..=matvec::MV_ROWS).contains(&rows) {
+        return matvec::matvec::<{ matvec::EXACT }>(kernel, x, rows, w, bias);
+    }
     let tiles = n.div_ceil(NR);
     let mut y = vec![0.0f32; rows * n];
     // The SIMD paths read x from k-major panels of MRP rows (pure data movement).
