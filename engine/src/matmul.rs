@@ -5,7 +5,8 @@
 //! one; every path is tested bit-for-bit against the definitions.
 //!
 //! Here: the kernel families and their dispatch, the tile loop and the data movement they share.
-//! The kernels: `dots` (the column dots), `portable`, `avx2` and `avx512` (one file each).
+//! The kernels: `dots` (the column dots), `portable`, `avx2` and `avx512` (one file each), and
+//! `matvec` (1..=MV_ROWS rows: decode; its SIMD kernels live in `avx2` and `avx512`).
 
 mod avx2;
 mod avx512;
@@ -136,8 +137,8 @@ pub fn matmul_with(
     let yp = SyncPtr(y.as_mut_ptr());
     // Each task keeps its tile's [rows][NR] accumulators and the widened weight block in scratch
     // of its own (not zeroed per tile: every value read is written first), and writes the
-    // finished tile straight into its columns of y. With rows = 1 (cached decode) this streams
-    // each weight once, widened block by block in L1: never a whole f32 copy.
+    // finished tile straight into its columns of y. (1..=MV_ROWS rows, cached decode, took the
+    // matvec path above: no L1 block there.) Never a whole f32 copy of the weights.
     (0..tiles).into_par_iter().for_each_init(
         || (vec![0.0f32; rows * NR], Box::new([0.0f32; KB * NR])),
         |(tile_acc, wt), t| {
