@@ -161,24 +161,28 @@ pub fn matmul_with(
                 k0 += kb;
             }
             for r in 0..rows {
-                let src = &tile_acc[r * NR..r * NR + valid];
                 // SAFETY: in bounds of y (r < rows, o0 + valid ≤ n); tile t is the only writer of
                 // columns o0..o0+valid, and y outlives the parallel loop.
                 let dst =
                     unsafe { std::slice::from_raw_parts_mut(yp.get().add(r * n + o0), valid) };
-                match bias {
-                    // The bias is added once, after the whole accumulation.
-                    Some(b) => dst
-                        .iter_mut()
-                        .zip(src)
-                        .zip(&b[o0..o0 + valid])
-                        .for_each(|((d, &s), &bb)| *d = s + bb),
-                    None => dst.copy_from_slice(src),
-                }
+                store_outputs(dst, &tile_acc[r * NR..r * NR + valid], bias, o0);
             }
         },
     );
     y
+}
+
+/// Finished accumulators `src` of outputs `o0..` into `dst`, the bias (if any) added once, after
+/// the whole accumulation.
+fn store_outputs(dst: &mut [f32], src: &[f32], bias: Option<&[f32]>, o0: usize) {
+    match bias {
+        Some(b) => dst
+            .iter_mut()
+            .zip(src)
+            .zip(&b[o0..o0 + src.len()])
+            .for_each(|((d, &s), &bb)| *d = s + bb),
+        None => dst.copy_from_slice(src),
+    }
 }
 
 /// The output pointer shared by the tile tasks (each writes disjoint columns).

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::{avx2, avx512, Kernel, SyncPtr};
+use super::{avx2, avx512, store_outputs, Kernel, SyncPtr};
 use crate::weights::Mat;
 
 /// Rows up to which `matmul` takes this path (more rows reuse a widened block enough for the
@@ -68,9 +68,9 @@ pub(super) fn lanes(kernel: Kernel) -> usize {
     }
 }
 
-/// How far ahead (bytes) the SIMD kernels prefetch each weight row. Measured on the 16-core
-/// Xeon (docs/benchmarks.md): 512 B ahead beat none, 256 and 1024 at 1, 2 and 16 threads, and
-/// one group of outputs per call beat two interleaved ones once prefetched.
+/// How far ahead (bytes) the SIMD kernels prefetch each weight row: one group of outputs per
+/// call with 512 B ahead was the fastest variant measured on the 16-core Xeon at 1, 2 and 16
+/// threads (docs/benchmarks.md, "Decode matvec path").
 pub(super) const PREFETCH: usize = 512;
 
 fn run<const R: usize, const P: u8>(
@@ -113,16 +113,7 @@ fn run<const R: usize, const P: u8>(
                 // outputs c0..c1, and y outlives the parallel loop.
                 let dst =
                     unsafe { std::slice::from_raw_parts_mut(yp.get().add(r * n + o0), valid) };
-                let src = &out[r * stride..r * stride + valid];
-                match bias {
-                    // The bias is added once, after the whole accumulation.
-                    Some(b) => dst
-                        .iter_mut()
-                        .zip(src)
-                        .zip(&b[o0..o0 + valid])
-                        .for_each(|((d, &s), &bb)| *d = s + bb),
-                    None => dst.copy_from_slice(src),
-                }
+                store_outputs(dst, &out[r * stride..r * stride + valid], bias, o0);
             }
             o0 += valid;
         }
@@ -131,7 +122,7 @@ fn run<const R: usize, const P: u8>(
 }
 
 /// Scalar: `valid ≤ 8` outputs from `o0`, `out[r*8 + j]`; 8 rows' k-blocks widened to the stack.
-pub(super) fn matvec_portable<const R: usize, const P: u8>(
+fn matvec_portable<const R: usize, const P: u8>(
     x: &[f32],
     w: Mat,
     o0: usize,
