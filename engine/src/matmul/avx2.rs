@@ -180,7 +180,7 @@ unsafe fn vstep<const P: u8>(
 
 /// In-register 8×8 f32 transpose: rows `r[j]` (8 columns each) become columns.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn transpose8(r: &mut [std::arch::x86_64::__m256; 8]) {
     use std::arch::x86_64::*;
