@@ -5,11 +5,13 @@
 //! one; every path is tested bit-for-bit against the definitions.
 //!
 //! Here: the kernel families and their dispatch, the tile loop and the data movement they share.
-//! The kernels: `dots` (the column dots), `portable`, `avx2` and `avx512` (one file each).
+//! The kernels: `dots` (the column dots), `portable`, `avx2` and `avx512` (one file each), and
+//! `matvec` (1..=MV_ROWS rows: decode; its SIMD kernels live in `avx2` and `avx512`).
 
 mod avx2;
 mod avx512;
 mod dots;
+mod matvec;
 mod portable;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -122,6 +124,9 @@ pub fn matmul_with(
     );
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), rows * k, "x is [rows, K]");
+    if (1..=matvec::MV_ROWS).contains(&rows) {
+        return matvec::matvec::<{ matvec::EXACT }>(kernel, x, rows, w, bias);
+    }
     let tiles = n.div_ceil(NR);
     let mut y = vec![0.0f32; rows * n];
     // The SIMD paths read x from k-major panels of MRP rows (pure data movement).
@@ -132,8 +137,8 @@ pub fn matmul_with(
     let yp = SyncPtr(y.as_mut_ptr());
     // Each task keeps its tile's [rows][NR] accumulators and the widened weight block in scratch
     // of its own (not zeroed per tile: every value read is written first), and writes the
-    // finished tile straight into its columns of y. With rows = 1 (cached decode) this streams
-    // each weight once, widened block by block in L1: never a whole f32 copy.
+    // finished tile straight into its columns of y. (1..=MV_ROWS rows, cached decode, took the
+    // matvec path above: no L1 block there.) Never a whole f32 copy of the weights.
     (0..tiles).into_par_iter().for_each_init(
         || (vec![0.0f32; rows * NR], Box::new([0.0f32; KB * NR])),
         |(tile_acc, wt), t| {
@@ -156,24 +161,28 @@ pub fn matmul_with(
                 k0 += kb;
             }
             for r in 0..rows {
-                let src = &tile_acc[r * NR..r * NR + valid];
                 // SAFETY: in bounds of y (r < rows, o0 + valid ≤ n); tile t is the only writer of
                 // columns o0..o0+valid, and y outlives the parallel loop.
                 let dst =
                     unsafe { std::slice::from_raw_parts_mut(yp.get().add(r * n + o0), valid) };
-                match bias {
-                    // The bias is added once, after the whole accumulation.
-                    Some(b) => dst
-                        .iter_mut()
-                        .zip(src)
-                        .zip(&b[o0..o0 + valid])
-                        .for_each(|((d, &s), &bb)| *d = s + bb),
-                    None => dst.copy_from_slice(src),
-                }
+                store_outputs(dst, &tile_acc[r * NR..r * NR + valid], bias, o0);
             }
         },
     );
     y
+}
+
+/// Finished accumulators `src` of outputs `o0..` into `dst`, the bias (if any) added once, after
+/// the whole accumulation.
+fn store_outputs(dst: &mut [f32], src: &[f32], bias: Option<&[f32]>, o0: usize) {
+    match bias {
+        Some(b) => dst
+            .iter_mut()
+            .zip(src)
+            .zip(&b[o0..o0 + src.len()])
+            .for_each(|((d, &s), &bb)| *d = s + bb),
+        None => dst.copy_from_slice(src),
+    }
 }
 
 /// The output pointer shared by the tile tasks (each writes disjoint columns).

@@ -19,7 +19,6 @@ pub(super) unsafe fn widen_transposed_avx2(
     kb: usize,
     wt: &mut [f32; KB * NR],
 ) -> usize {
-    use crate::weights::WDType;
     use std::arch::x86_64::*;
     let es = w.dtype.size();
     let base = w.bytes.as_ptr();
@@ -31,15 +30,7 @@ pub(super) unsafe fn widen_transposed_avx2(
         for half in 0..2 {
             let mut r: [__m256; 8] = [_mm256_setzero_ps(); 8];
             for (j, rj) in r.iter_mut().enumerate() {
-                let p = row_ptr(half * 8 + j, kc);
-                *rj = match w.dtype {
-                    WDType::F32 => _mm256_loadu_ps(p as *const f32),
-                    WDType::BF16 => {
-                        let h = _mm_loadu_si128(p as *const __m128i);
-                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-                    }
-                    WDType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
-                };
+                *rj = load8(w.dtype, row_ptr(half * 8 + j, kc));
             }
             transpose8(&mut r);
             for (kk, rk) in r.iter().enumerate() {
@@ -49,6 +40,142 @@ pub(super) unsafe fn widen_transposed_avx2(
         kc += 8;
     }
     kc
+}
+
+/// 8 consecutive weights at `p` widened to f32 (exact).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn load8(dtype: crate::weights::WDType, p: *const u8) -> std::arch::x86_64::__m256 {
+    use crate::weights::WDType;
+    use std::arch::x86_64::*;
+    match dtype {
+        WDType::F32 => _mm256_loadu_ps(p as *const f32),
+        WDType::BF16 => {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+        WDType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+    }
+}
+
+/// The matvec kernel (`matvec.rs`): 8 outputs from `o0` for `R` rows of x (`[R, K]`), into
+/// `out[r * 8 + j]`. Per 8 columns of k: 8 rows × 8 weights loaded, widened and transposed
+/// in registers, then 8 steps (k ascending) of each output's own chain; the k tail (k mod 8)
+/// through the same steps from a small stack block. Never FMA. Each row's stream is prefetched
+/// `PREFETCH` bytes ahead: the add chain lets the core run only a few blocks ahead by itself.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
+    x: &[f32],
+    w: Mat,
+    o0: usize,
+    out: &mut [f32],
+) {
+    use super::matvec::{split_at, PLANT_SPLIT, PREFETCH};
+    use std::arch::x86_64::*;
+    let k = w.cols;
+    assert!(x.len() == R * k && o0 + 8 <= w.rows && out.len() >= R * 8);
+    let ks = if P == PLANT_SPLIT { split_at(k) } else { 0 };
+    let (es, base, xp) = (w.dtype.size(), w.bytes.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut saved = acc;
+    let mut kc = 0;
+    while kc + 8 <= k {
+        if ks > 0 && kc == ks {
+            saved = acc;
+            acc = [_mm256_setzero_ps(); R];
+        }
+        // In bounds: rows o0..o0+8 ≤ w.rows (asserted) and columns kc+8 ≤ k. A prefetch
+        // past the end of the weights is a hint only (never faults).
+        let row = |j: usize| base.add(((o0 + j) * k + kc) * es);
+        if (kc * es) % 64 == 0 {
+            for j in 0..8 {
+                _mm_prefetch::<_MM_HINT_T0>(row(j).wrapping_add(PREFETCH) as *const i8);
+            }
+        }
+        let mut t: [__m256; 8] = std::array::from_fn(|j| load8(w.dtype, row(j)));
+        transpose8(&mut t);
+        for (kk, wv) in t.iter().enumerate() {
+            for (r, ar) in acc.iter_mut().enumerate() {
+                *ar = vstep::<P>(*ar, _mm256_set1_ps(*xp.add(r * k + kc + kk)), *wv);
+            }
+        }
+        kc += 8;
+    }
+    if kc < k {
+        tail_avx2::<R, P>(x, w, o0, kc, &mut acc);
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        let v = if ks > 0 {
+            _mm256_add_ps(*ar, saved[r])
+        } else {
+            *ar
+        };
+        _mm256_storeu_ps(out.as_mut_ptr().add(r * 8), v);
+    }
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
+    _x: &[f32],
+    _w: crate::weights::Mat,
+    _o0: usize,
+    _out: &mut [f32],
+) {
+    unreachable!("avx2 is x86_64 only")
+}
+
+/// The k tail (k mod 8 columns from `kc`) of outputs `o..o+8`, widened to a small stack
+/// block, through the same steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn tail_avx2<const R: usize, const P: u8>(
+    x: &[f32],
+    w: Mat,
+    o: usize,
+    kc: usize,
+    acc: &mut [std::arch::x86_64::__m256; R],
+) {
+    use std::arch::x86_64::*;
+    let (k, kt) = (w.cols, w.cols - kc);
+    let mut blk = [[0.0f32; 8]; 8];
+    let mut row = [0.0f32; 8];
+    for j in 0..8 {
+        w.widen_row(o + j, kc, &mut row[..kt]);
+        for kk in 0..kt {
+            blk[kk][j] = row[kk];
+        }
+    }
+    for (kk, bk) in blk.iter().enumerate().take(kt) {
+        let wv = _mm256_loadu_ps(bk.as_ptr());
+        for (r, ar) in acc.iter_mut().enumerate() {
+            *ar = vstep::<P>(*ar, _mm256_set1_ps(x[r * k + kc + kk]), wv);
+        }
+    }
+}
+
+/// `acc ⊕ (x ⊗ w)` lane by lane: a multiply then an add, or the planted fused step.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn vstep<const P: u8>(
+    acc: std::arch::x86_64::__m256,
+    x: std::arch::x86_64::__m256,
+    w: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m256 {
+    use super::matvec::{step, EXACT};
+    use std::arch::x86_64::*;
+    if P == EXACT {
+        return _mm256_add_ps(acc, _mm256_mul_ps(x, w));
+    }
+    let (mut a, mut xs, mut ws) = ([0.0f32; 8], [0.0f32; 8], [0.0f32; 8]);
+    _mm256_storeu_ps(a.as_mut_ptr(), acc);
+    _mm256_storeu_ps(xs.as_mut_ptr(), x);
+    _mm256_storeu_ps(ws.as_mut_ptr(), w);
+    for i in 0..8 {
+        a[i] = step::<P>(a[i], xs[i], ws[i]);
+    }
+    _mm256_loadu_ps(a.as_ptr())
 }
 
 /// In-register 8×8 f32 transpose: rows `r[j]` (8 columns each) become columns.

@@ -59,7 +59,8 @@ fn first_mismatch(want: &[f32], got: &[f32]) -> Option<usize> {
 
 /// Shapes hitting every tail: N not a multiple of NR, K = 1 and not a multiple of KB or of
 /// the 8/16-column widening steps, one row (cached decode), rows not a multiple of the
-/// micro-kernel heights (MR, MRA) or of the panel height MRP, many rows (prefill).
+/// micro-kernel heights (MR, MRA) or of the panel height MRP, many rows (prefill); 1..=4 rows
+/// (the matvec path) with whole and partial 8/16/32-output spans and k tails.
 const SHAPES: &[(usize, usize, usize)] = &[
     (1, 1, 1),
     (1, 17, 5),
@@ -81,6 +82,9 @@ const SHAPES: &[(usize, usize, usize)] = &[
     (1, 32, 13),
     (1, 16, 1003),
     (1, 48, 7),
+    (4, 40, 531),
+    (2, 96, 80),
+    (3, 64, 33),
 ];
 
 /// One case: (dtype, rows, n, k, x, weight bytes, bias).
@@ -208,6 +212,56 @@ fn transposed_dots_equal_dot_bits() {
                 let want = dot(&x, &w).to_bits();
                 assert_eq!(got[c].to_bits(), want, "{kernel:?} d {d} col {c}");
             }
+        }
+    }
+}
+
+/// Negative control in the matvec path itself: the same kernels with a planted fused step and
+/// a planted split-K (`matvec.rs`) differ from the definition in the outputs each family's own
+/// kernel computes (the first span of every row: the portable code only takes partial spans).
+#[test]
+fn matvec_check_catches_planted_fma_and_split_k_in_every_kernel() {
+    use super::matvec::{lanes, matvec, PLANT_FMA, PLANT_SPLIT};
+    note_unchecked_kernels("matvec_check_catches_planted_fma_and_split_k_in_every_kernel");
+    let mut covered = std::collections::BTreeMap::new();
+    let mut missed = vec![];
+    for (dtype, rows, n, k, x, wb, _) in cases() {
+        let w = mat(dtype, n, k, &wb);
+        let want = matmul_ref(&x, rows, w, None);
+        for kernel in Kernel::all_supported() {
+            let span = lanes(kernel);
+            // K ≥ 32 so the planted split has two halves; n ≥ span so the first span is whole.
+            if rows > super::matvec::MV_ROWS || n < span || k < 32 {
+                continue;
+            }
+            *covered.entry(format!("{kernel:?}")).or_insert(0) += 1;
+            let first_span = |y: &[f32]| -> Vec<f32> {
+                (0..rows)
+                    .flat_map(|r| y[r * n..r * n + span].to_vec())
+                    .collect()
+            };
+            let planted = [
+                ("fma", matvec::<PLANT_FMA>(kernel, &x, rows, w, None)),
+                ("split-K", matvec::<PLANT_SPLIT>(kernel, &x, rows, w, None)),
+            ];
+            for (what, got) in planted {
+                if first_mismatch(&first_span(&want), &first_span(&got)).is_none() {
+                    missed.push((what, kernel, dtype, rows, n, k));
+                }
+            }
+        }
+    }
+    assert_eq!(missed, vec![], "planted faults not caught");
+    // Shapes of SHAPES with rows ≤ 4, k ≥ 32 and n ≥ the span, three dtypes each.
+    let want: &[(&str, usize)] = &[("Avx2", 3 * 8), ("Avx512", 3 * 8), ("Portable", 3 * 8)];
+    for &(kernel, count) in want {
+        let k = match kernel {
+            "Avx2" => Kernel::Avx2,
+            "Avx512" => Kernel::Avx512,
+            _ => Kernel::Portable,
+        };
+        if k.supported() {
+            assert_eq!(covered.get(kernel), Some(&count), "{kernel} cases covered");
         }
     }
 }

@@ -1,0 +1,168 @@
+//! The matvec path of `matmul` for 1..=MV_ROWS rows (cached decode, lightly routed experts):
+//! each weight is read once, widened and transposed in registers and consumed at once (no L1
+//! block), x broadcast per k, `lanes` outputs per kernel call, each weight row prefetched ahead.
+//! Threads split the outputs. Every output is still the definition's chain: +0.0, k ascending,
+//! one rounded multiply then one rounded add per step (`step`), never FMA, never split-K.
+
+use rayon::prelude::*;
+
+use super::{avx2, avx512, store_outputs, Kernel, SyncPtr};
+use crate::weights::Mat;
+
+/// Rows up to which `matmul` takes this path (more rows reuse a widened block enough for the
+/// tile path to win).
+pub(super) const MV_ROWS: usize = 4;
+
+/// What a step does: `EXACT` in every build; the others are planted faults that only the
+/// tests instantiate (the kernels take it as a const parameter, so the release build holds the
+/// exact code alone), to show that the bit-equality check catches them in this path.
+pub(super) const EXACT: u8 = 0;
+/// Planted fault: a fused multiply–add per step (one rounding).
+#[cfg_attr(not(test), allow(dead_code))]
+pub(super) const PLANT_FMA: u8 = 1;
+/// Planted fault: split-K, k from `split_at` on accumulated from +0.0 apart, then added.
+pub(super) const PLANT_SPLIT: u8 = 2;
+
+/// Where a planted split-K restarts its accumulators: half of k rounded down to a multiple of
+/// 16 (a step boundary of every family; 0 = no split, k too short).
+#[inline(always)]
+pub(super) fn split_at(k: usize) -> usize {
+    k / 2 / 16 * 16
+}
+
+/// One scalar step `acc ⊕ (x ⊗ w)`, or the planted fused step.
+#[inline(always)]
+pub(super) fn step<const P: u8>(acc: f32, x: f32, w: f32) -> f32 {
+    if P == PLANT_FMA {
+        x.mul_add(w, acc)
+    } else {
+        acc + x * w
+    }
+}
+
+/// `y = x·Wᵀ (+ b)` for `rows ≤ MV_ROWS`, bit-equal to `matmul_ref` (tested).
+pub(super) fn matvec<const P: u8>(
+    kernel: Kernel,
+    x: &[f32],
+    rows: usize,
+    w: Mat,
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    assert!(
+        (1..=MV_ROWS).contains(&rows),
+        "matvec takes 1..={MV_ROWS} rows"
+    );
+    match rows {
+        1 => run::<1, P>(kernel, x, w, bias),
+        2 => run::<2, P>(kernel, x, w, bias),
+        3 => run::<3, P>(kernel, x, w, bias),
+        _ => run::<4, P>(kernel, x, w, bias),
+    }
+}
+
+/// Outputs per kernel call (one vector of accumulators per row of x).
+pub(super) fn lanes(kernel: Kernel) -> usize {
+    match kernel {
+        Kernel::Avx512 => 16,
+        Kernel::Avx2 | Kernel::Portable => 8,
+    }
+}
+
+/// How far ahead (bytes) the SIMD kernels prefetch each weight row: one group of outputs per
+/// call with 512 B ahead was the fastest variant measured on the 16-core Xeon at 1, 2 and 16
+/// threads (docs/benchmarks.md, "Decode matvec path").
+pub(super) const PREFETCH: usize = 512;
+
+fn run<const R: usize, const P: u8>(
+    kernel: Kernel,
+    x: &[f32],
+    w: Mat,
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    let n = w.rows;
+    let span = lanes(kernel);
+    // About four chunks per thread (whole spans), so uneven cores even out.
+    let per = n
+        .div_ceil(rayon::current_num_threads() * 4)
+        .div_ceil(span)
+        .max(1)
+        * span;
+    let mut y = vec![0.0f32; R * n];
+    let yp = SyncPtr(y.as_mut_ptr());
+    (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
+        let (c0, c1) = (c * per, n.min((c + 1) * per));
+        // out[r * span + j]: one call's outputs for every row.
+        let mut out = [0.0f32; MV_ROWS * 16];
+        let mut o0 = c0;
+        while o0 < c1 {
+            let full = o0 + span <= c1;
+            let valid = if full { span } else { 8.min(c1 - o0) };
+            match kernel {
+                // SAFETY: the CPU supports the family (`matmul_with` asserted it); outputs
+                // o0..o0+span are rows of w (full); x holds R rows of k.
+                Kernel::Avx512 if full => unsafe {
+                    avx512::matvec_avx512::<R, P>(x, w, o0, &mut out)
+                },
+                // SAFETY: as above.
+                Kernel::Avx2 if full => unsafe { avx2::matvec_avx2::<R, P>(x, w, o0, &mut out) },
+                _ => matvec_portable::<R, P>(x, w, o0, valid, &mut out[..R * 8]),
+            }
+            let stride = if full { span } else { 8 };
+            for r in 0..R {
+                // SAFETY: in bounds (r < R, o0 + valid ≤ n); chunk c is the only writer of
+                // outputs c0..c1, and y outlives the parallel loop.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(yp.get().add(r * n + o0), valid) };
+                store_outputs(dst, &out[r * stride..r * stride + valid], bias, o0);
+            }
+            o0 += valid;
+        }
+    });
+    y
+}
+
+/// Scalar: `valid ≤ 8` outputs from `o0`, `out[r*8 + j]`; 8 rows' k-blocks widened to the stack.
+fn matvec_portable<const R: usize, const P: u8>(
+    x: &[f32],
+    w: Mat,
+    o0: usize,
+    valid: usize,
+    out: &mut [f32],
+) {
+    const B: usize = 64;
+    let k = w.cols;
+    let ks = if P == PLANT_SPLIT { split_at(k) } else { 0 };
+    let mut acc = [[0.0f32; 8]; R];
+    let mut saved = [[0.0f32; 8]; R];
+    let mut blk = [[0.0f32; B]; 8];
+    let mut k0 = 0;
+    while k0 < k {
+        let kb = B.min(k - k0);
+        for (j, row) in blk.iter_mut().enumerate().take(valid) {
+            w.widen_row(o0 + j, k0, &mut row[..kb]);
+        }
+        for kk in 0..kb {
+            if ks > 0 && k0 + kk == ks {
+                saved = acc;
+                acc = [[0.0; 8]; R];
+            }
+            for r in 0..R {
+                let xv = x[r * k + k0 + kk];
+                for j in 0..valid {
+                    acc[r][j] = step::<P>(acc[r][j], xv, blk[j][kk]);
+                }
+            }
+        }
+        k0 += kb;
+    }
+    if ks > 0 {
+        for r in 0..R {
+            for j in 0..8 {
+                acc[r][j] += saved[r][j];
+            }
+        }
+    }
+    for r in 0..R {
+        out[r * 8..r * 8 + valid].copy_from_slice(&acc[r][..valid]);
+    }
+}
