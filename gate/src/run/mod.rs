@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use tracegate_diff::Policy;
 
 use crate::baselines::{BaselineFile, Conditions};
-use crate::milestones::{Milestone, MilestoneFile};
+use crate::milestones::{Milestone, MilestoneFile, MilestoneModel};
 use crate::producer::{Producer, Verb};
 use crate::prompts::{self, Prompt, PromptSet};
 use crate::{gerr, Result};
@@ -123,24 +123,35 @@ fn stack_versions(oracle: &Result<Value>) -> Value {
 }
 
 /// What a milestone run is about, settled before any producer runs: every refusal comes here.
+/// One plan per model of the milestone that runs.
 struct Plan {
-    ms_path: PathBuf,
-    file: MilestoneFile,
     m: Milestone,
+    /// The model of `m` this plan runs.
+    mm: MilestoneModel,
     prompt_path: PathBuf,
     set: PromptSet,
     selected: Vec<Prompt>,
-    /// The milestone's own model name, or the canonical path of `--model`.
+    /// The milestone model's own name, or the canonical path of `--model`.
     model: String,
     generate: usize,
     threads: usize,
     policy: Policy,
-    /// `<work>/<milestone>`, relative to the root (or absolute).
+    /// `<work>/<milestone>/<model directory name>`, relative to the root (or absolute).
     work_rel: String,
 }
 
-impl Plan {
-    fn settle(o: &GateOptions) -> Result<Plan> {
+/// The milestone file and one plan per model that runs: every model of the milestone, or the
+/// one of `--model`'s family.
+struct Settled {
+    ms_path: PathBuf,
+    file: MilestoneFile,
+    /// `<work>/<milestone>`, locked for the run.
+    work_rel: String,
+    plans: Vec<Plan>,
+}
+
+impl Settled {
+    fn settle(o: &GateOptions) -> Result<Settled> {
         let ms_path = o.root.join("milestones.json");
         let file = MilestoneFile::load(&ms_path)?;
         let m = file.get(&o.milestone)?.clone();
@@ -156,31 +167,54 @@ impl Plan {
             ));
         }
         let selected = set.select(o.only.as_deref())?;
-        let model = match &o.model {
-            Some(dir) => model_of(o, &m, dir)?,
-            None => m.model.clone(),
+        let runs: Vec<(MilestoneModel, String)> = match &o.model {
+            Some(dir) => vec![model_of(o, &m, dir)?],
+            None => m
+                .models
+                .iter()
+                .map(|mm| (mm.clone(), mm.model.clone()))
+                .collect(),
         };
         let generate = o.generate.unwrap_or(m.generate);
-        for p in &selected {
-            prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
-        }
         let policy = Policy::resolve(&m.policy, &o.root).map_err(|e| gerr!("{}: {e}", m.policy))?;
         let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
-        Ok(Plan {
+        let mut plans = Vec::new();
+        for (mm, model) in runs {
+            for p in &selected {
+                prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
+            }
+            plans.push(Plan {
+                work_rel: format!("{work_rel}/{}", dir_name(&model)),
+                m: m.clone(),
+                mm,
+                prompt_path: prompt_path.clone(),
+                set: set.clone(),
+                selected: selected.clone(),
+                model,
+                generate,
+                threads: o.threads,
+                policy: policy.clone(),
+            });
+        }
+        Ok(Settled {
             ms_path,
             file,
-            m,
-            prompt_path,
-            set,
-            selected,
-            model,
-            generate,
-            threads: o.threads,
-            policy,
             work_rel,
+            plans,
         })
     }
+}
 
+/// A model's directory name: its traces' directory under the milestone's, and its part of a
+/// baseline id (milestones.json keeps these distinct within a milestone).
+pub fn dir_name(model: &str) -> String {
+    Path::new(model)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| model.to_string())
+}
+
+impl Plan {
     /// The conditions a baseline requires, as this run meets them for prompt `r`.
     fn conditions(&self, r: &PromptResult) -> Conditions {
         let mut c = Conditions::new();
@@ -192,29 +226,29 @@ impl Plan {
     }
 }
 
-/// `--model DIR` validated as the engine would (unsupported fields are refused here, not mid-run);
-/// the name it runs under.
-fn model_of(o: &GateOptions, m: &Milestone, dir: &Path) -> Result<String> {
+/// `--model DIR` validated as the engine would (unsupported fields are refused here, not mid-run):
+/// the milestone's model of the same family, and the name DIR runs under.
+fn model_of(o: &GateOptions, m: &Milestone, dir: &Path) -> Result<(MilestoneModel, String)> {
     let shown = crate::paths::shown(dir);
     let (_, raw) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
-    let family = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
-    if family != m.family {
+    let family = prompts::family(&raw);
+    let Some(mm) = m.models.iter().find(|mm| mm.family == family) else {
+        let families: Vec<&str> = m.models.iter().map(|mm| mm.family.as_str()).collect();
         return Err(gerr!(
-            "--model {shown}: model_type {family:?} is not milestone {}'s family {:?}",
+            "--model {shown}: model_type {family:?} is not a family of milestone {} ({})",
             m.id,
-            m.family
+            families.join(", ")
         ));
-    }
+    };
     let canon = std::fs::canonicalize(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
     // The milestone's own checkpoint, however spelled, keeps the milestone's name, so its
     // recorded baselines still apply.
-    Ok(
-        if std::fs::canonicalize(o.root.join(&m.model)).is_ok_and(|own| own == canon) {
-            m.model.clone()
-        } else {
-            canon.display().to_string()
-        },
-    )
+    let name = if std::fs::canonicalize(o.root.join(&mm.model)).is_ok_and(|own| own == canon) {
+        mm.model.clone()
+    } else {
+        canon.display().to_string()
+    };
+    Ok((mm.clone(), name))
 }
 
 /// The producers of a milestone run, by name, and whether the oracle can run at all.
@@ -229,7 +263,8 @@ struct Producers {
 }
 
 impl Producers {
-    fn start(o: &GateOptions, plan: &Plan) -> Result<Producers> {
+    /// `dir`: where the oracle's probe writes its answer.
+    fn start(o: &GateOptions, dir: &Path) -> Result<Producers> {
         let engine = Producer::Engine { threads: o.threads };
         let contract = Producer::command(
             "contract",
@@ -251,7 +286,7 @@ impl Producers {
             &o.root,
             o.timeout,
             o.oracle_cmd.is_none().then_some(&oracle),
-            &o.root.join(&plan.work_rel),
+            dir,
         );
         let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
         Ok(Producers {
@@ -272,25 +307,83 @@ impl Producers {
     }
 }
 
-pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>)> {
+/// Runs every model of the milestone (or `--model`'s) on every selected prompt: one report per
+/// model, in milestones.json's order, and with `--bless` the log of what was recorded.
+pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<String>)> {
     let started = std::time::Instant::now();
-    let mut plan = Plan::settle(o)?;
-    let _lock = crate::WorkLock::acquire(&o.root.join(&plan.work_rel))?;
-    let producers = Producers::start(o, &plan)?;
-    let progress =
-        crate::progress::start(format!("gate {}", plan.m.id), plan.selected.len() as u64);
+    let mut settled = Settled::settle(o)?;
+    let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
+    let producers = Producers::start(o, &o.root.join(&settled.work_rel))?;
+    let setup = started.elapsed().as_secs_f64();
+    let bl_path = o.root.join("baselines.json");
+    let mut bl_file = BaselineFile::load(&bl_path)?;
+    let mut reports = Vec::new();
+    for plan in &settled.plans {
+        reports.push(run_plan(o, plan, &producers, &bl_file, setup)?);
+    }
+    let sum = |k: &str| reports.iter().map(|r| r.wall_s[k]).sum::<f64>();
+    eprintln!(
+        "[gate {}] wall (observed): setup {setup:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s ({} model(s))",
+        o.milestone,
+        sum("producers"),
+        sum("judge"),
+        started.elapsed().as_secs_f64(),
+        reports.len()
+    );
+    let bless_log = if o.bless {
+        let mut log = Vec::new();
+        for (plan, report) in settled.plans.iter().zip(&reports) {
+            log.extend(recorded::bless(
+                plan,
+                report,
+                &mut settled.file,
+                &mut bl_file,
+            )?);
+        }
+        crate::write_json_atomic(&settled.ms_path, &settled.file)?;
+        crate::write_json_atomic(&bl_path, &bl_file)?;
+        if log.is_empty() {
+            log.push("nothing changed".into());
+        }
+        Some(log.join("\n"))
+    } else {
+        None
+    };
+    Ok((reports, bless_log))
+}
 
+/// One model's run: its prompts through the producers, judged, and its baselines checked.
+/// `setup`: the seconds the milestone spent starting its producers (shared by its models).
+fn run_plan(
+    o: &GateOptions,
+    plan: &Plan,
+    producers: &Producers,
+    bl_file: &BaselineFile,
+    setup: f64,
+) -> Result<MilestoneReport> {
+    let started = std::time::Instant::now();
+    let progress = crate::progress::start(
+        format!("gate {} {}", plan.m.id, dir_name(&plan.model)),
+        plan.selected.len() as u64,
+    );
     let mut results = Vec::new();
     let mut wall_s: BTreeMap<&'static str, f64> = BTreeMap::new();
-    wall_s.insert("setup", started.elapsed().as_secs_f64());
+    wall_s.insert("setup", setup);
     let (mut producing, mut judging) = (0.0, 0.0);
     for p in &plan.selected {
         let phase = std::time::Instant::now();
-        let runs = run_prompt(o, &plan, &producers, p)?;
+        let runs = run_prompt(o, plan, producers, p)?;
         producing += phase.elapsed().as_secs_f64();
         let phase = std::time::Instant::now();
-        let result =
-            prompt::judge_prompt(o, &plan.m, p, runs, &plan.policy, &producers.oracle_probe);
+        let result = prompt::judge_prompt(
+            o,
+            &plan.m,
+            &plan.mm,
+            p,
+            runs,
+            &plan.policy,
+            &producers.oracle_probe,
+        );
         judging += phase.elapsed().as_secs_f64();
         let line = format!(
             "{}: {}",
@@ -309,10 +402,8 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     wall_s.insert("producers", producing);
     wall_s.insert("judge", judging);
 
-    let bl_path = o.root.join("baselines.json");
-    let mut bl_file = BaselineFile::load(&bl_path)?;
     let (baselines, baselines_not_selected) =
-        recorded::check_baselines(&plan, &bl_file.baselines, &results, o.assert_observed);
+        recorded::check_baselines(plan, &bl_file.baselines, &results, o.assert_observed);
 
     let m = &plan.m;
     let mut report = MilestoneReport {
@@ -320,7 +411,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         milestone: m.id.clone(),
         claim: m.claim.clone(),
         model: plan.model.clone(),
-        family: m.family.clone(),
+        family: plan.mm.family.clone(),
         prompt_file: plan.prompt_path.display().to_string(),
         prompt_sha256: plan.set.sha256.clone(),
         generate: plan.generate,
@@ -340,18 +431,7 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
     report
         .wall_s
         .insert("total", started.elapsed().as_secs_f64());
-    let w = &report.wall_s;
-    eprintln!(
-        "[gate {}] wall (observed): setup {:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s",
-        m.id, w["setup"], w["producers"], w["judge"], w["total"]
-    );
-
-    let bless_log = if o.bless {
-        Some(recorded::bless(&mut plan, &report, &mut bl_file, &bl_path)?)
-    } else {
-        None
-    };
-    Ok((report, bless_log))
+    Ok(report)
 }
 
 /// One prompt's runs, overlapping (the Python producers are served by their own workers), each
