@@ -596,6 +596,47 @@ fn bless_records_expectations_and_baselines_that_then_pass() {
 }
 
 #[test]
+fn blessing_a_failing_run_records_no_state_that_passes() {
+    // A contract one ULP off at layer.01.mlp_out, blessed: the next run still fails matches,
+    // because bit-identity with the contract is required, not recorded.
+    let root = scratch_root();
+    let torchless = torchless_python(root.path());
+    let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
+    let template = test_producer(
+        "planted_trace.py",
+        "--base contract --nudge layer.01.mlp_out",
+    );
+    let args = [
+        "m1",
+        "--model",
+        "fixtures/tiny-qwen3_5-moe",
+        "--only",
+        "short",
+        "--contract-cmd",
+        template.as_str(),
+    ];
+    let blessed = gate(root.path(), &[&args[..], &["--bless"]].concat(), &env);
+    assert_eq!(blessed.code, 1, "{}\n{}", blessed.stdout, blessed.stderr);
+    assert_eq!(
+        check(blessed.report.as_ref().unwrap(), "short", "matches")["status"],
+        "FAIL"
+    );
+    let r = gate(root.path(), &args, &env);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let matches = check(&rep, "short", "matches");
+    assert_eq!(matches["status"], "FAIL", "{matches}");
+    assert!(
+        findings(matches)
+            .iter()
+            .any(|(kind, name, _)| kind == "tensor_differs" && name == "layer.01.mlp_out"),
+        "{matches}"
+    );
+    // The engine is unchanged: its digest, recorded again, still holds.
+    assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
+}
+
+#[test]
 fn a_changed_count_fails_the_baseline() {
     let root = scratch_root();
     let torchless = torchless_python(root.path());

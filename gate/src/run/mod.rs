@@ -1,11 +1,12 @@
-//! Running a milestone: every selected prompt through the engine, the contract and the oracle,
-//! then the checks — stable, matches, generation, agrees, generation_oracle — and the baselines.
-
+//! Running a milestone: every model's every selected prompt through the engine, the contract
+//! and the oracle, then the checks — stable, matches, generation, agrees, generation_oracle —
+//! and the baselines.
 //!
-//! `run_milestone` (this file) drives the phases: `Plan::settle` (everything checked before a
-//! producer runs), `Producers` (the three producers by name and the oracle probe), `run_prompt`
-//! (one prompt's runs), then prompt.rs judges each prompt (checks.rs, agrees.rs), recorded.rs
-//! the baselines and `--bless`, and `tally` the verdict. report.rs holds the report types;
+//! `run_milestone` (this file) drives the phases: `Settled::settle` (everything checked before
+//! a producer runs, one `Plan` per model), `Producers` (the three producers by name), `produce`
+//! (every run, each role in order on a thread of its own, and the oracle probe), then
+//! `judge_plan` per model: prompt.rs judges each prompt (checks.rs, agrees.rs), recorded.rs the
+//! baselines and `--bless`, and `tally` the verdict. report.rs holds the report types;
 //! crate::report renders them.
 
 use std::collections::BTreeMap;
@@ -256,15 +257,10 @@ struct Producers {
     engine: Producer,
     contract: Producer,
     oracle: Producer,
-    /// The oracle's versions, or why it cannot run (no torch or transformers).
-    oracle_probe: Result<Value>,
-    /// A user's oracle always runs; the default one when its probe answered.
-    oracle_runs: bool,
 }
 
 impl Producers {
-    /// `dir`: where the oracle's probe writes its answer.
-    fn start(o: &GateOptions, dir: &Path) -> Result<Producers> {
+    fn new(o: &GateOptions) -> Result<Producers> {
         let engine = Producer::Engine { threads: o.threads };
         let contract = Producer::command(
             "contract",
@@ -280,21 +276,10 @@ impl Producers {
                 .unwrap_or_else(|| default_oracle_cmd(&o.root)),
         )
         .map_err(|e| gerr!("--oracle-cmd: {e}"))?;
-        // The contract worker's start-up overlaps the oracle's, which answers the probe.
-        contract.prestart(&o.root);
-        let oracle_probe = probe_oracle(
-            &o.root,
-            o.timeout,
-            o.oracle_cmd.is_none().then_some(&oracle),
-            dir,
-        );
-        let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
         Ok(Producers {
             engine,
             contract,
             oracle,
-            oracle_probe,
-            oracle_runs,
         })
     }
 
@@ -307,28 +292,176 @@ impl Producers {
     }
 }
 
+/// Every run of a milestone, and what the oracle's probe said.
+struct Produced {
+    /// Per plan, per selected prompt, in order.
+    runs: Vec<Vec<PromptRuns>>,
+    /// The oracle's versions, or why it cannot run (no torch or transformers).
+    oracle_probe: Result<Value>,
+    /// Seconds until the oracle's probe answered (its worker started).
+    setup: f64,
+}
+
+/// Runs every model's every prompt. Each role (engine cached, engine uncached, contract,
+/// oracle) takes its requests in plan and prompt order from a thread of its own, so the roles
+/// overlap one another and the oracle worker's start-up: the engine and the contract run while
+/// torch imports. The oracle's requests start once its probe answered (a user's oracle always
+/// runs). A run that timed out stops every role before its next request and refuses the whole
+/// gate run: a hang says nothing about the model.
+fn produce(
+    o: &GateOptions,
+    plans: &[Plan],
+    producers: &Producers,
+    probe_dir: &Path,
+) -> Result<Produced> {
+    let started = std::time::Instant::now();
+    let jobs: Vec<(&Plan, &Prompt)> = plans
+        .iter()
+        .flat_map(|plan| plan.selected.iter().map(move |p| (plan, p)))
+        .collect();
+    for (plan, p) in &jobs {
+        let dir = o.root.join(&plan.work_rel).join(&p.id);
+        // Never compare a stale trace: a producer that fails must leave nothing to read.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
+    }
+    crate::progress::doing("running the producers");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (records, oracle_probe, setup) = std::thread::scope(|s| {
+        let role_runs = |role: Role| {
+            let (jobs, stop) = (&jobs, &stop);
+            s.spawn(move || {
+                let mut out = Vec::new();
+                for (plan, p) in jobs {
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        break;
+                    }
+                    let verb = Verb::Trace {
+                        model: plan.model.clone(),
+                        tokens: p.tokens.clone(),
+                        out: format!("{}/{}/{}", plan.work_rel, p.id, role.file()),
+                        internals: false,
+                        generate: plan.generate,
+                        cache: role != Role::EngineUncached,
+                        force: None,
+                    };
+                    let rec = producers.of(role).run(&o.root, &verb, o.timeout);
+                    if rec.timed_out {
+                        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    out.push(rec);
+                }
+                out
+            })
+        };
+        // The contract worker's start-up overlaps the oracle's, which answers the probe.
+        producers.contract.prestart(&o.root);
+        let engine = role_runs(Role::Engine);
+        let engine_uncached = role_runs(Role::EngineUncached);
+        let contract = role_runs(Role::Contract);
+        let oracle_probe = probe_oracle(
+            &o.root,
+            o.timeout,
+            o.oracle_cmd.is_none().then_some(&producers.oracle),
+            probe_dir,
+        );
+        let setup = started.elapsed().as_secs_f64();
+        let oracle =
+            (o.oracle_cmd.is_some() || oracle_probe.is_ok()).then(|| role_runs(Role::Oracle));
+        let done = "a producer thread panicked";
+        let records = (
+            engine.join().expect(done),
+            engine_uncached.join().expect(done),
+            contract.join().expect(done),
+            oracle.map(|h| h.join().expect(done)),
+        );
+        (records, oracle_probe, setup)
+    });
+    let (engine, engine_uncached, contract, oracle) = records;
+    let mut by_role = vec![
+        (Role::Engine, &engine),
+        (Role::EngineUncached, &engine_uncached),
+        (Role::Contract, &contract),
+    ];
+    by_role.extend(oracle.as_ref().map(|r| (Role::Oracle, r)));
+    // The first run that timed out, in prompt then role order; without one, every role ran
+    // every job.
+    let first = (0..jobs.len()).find_map(|k| {
+        by_role
+            .iter()
+            .find_map(|(role, recs)| recs.get(k).filter(|r| r.timed_out).map(|r| (*role, r)))
+            .map(|(role, rec)| (jobs[k], role, rec))
+    });
+    if let Some(((plan, p), role, rec)) = first {
+        return Err(gerr!(
+            Producer: "{} {}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
+            dir_name(&plan.model),
+            p.id,
+            role.label(),
+            rec.verb,
+            o.timeout.as_secs(),
+            rec.invocation
+        ));
+    }
+    let mut oracle = oracle.map(Vec::into_iter);
+    let mut all = engine.into_iter().zip(engine_uncached).zip(contract).map(
+        |((engine, engine_uncached), contract)| PromptRuns {
+            engine,
+            engine_uncached,
+            contract,
+            oracle: oracle.as_mut().and_then(Iterator::next),
+        },
+    );
+    let runs = plans
+        .iter()
+        .map(|plan| all.by_ref().take(plan.selected.len()).collect())
+        .collect();
+    Ok(Produced {
+        runs,
+        oracle_probe,
+        setup,
+    })
+}
+
 /// Runs every model of the milestone (or `--model`'s) on every selected prompt: one report per
 /// model, in milestones.json's order, and with `--bless` the log of what was recorded.
 pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<String>)> {
     let started = std::time::Instant::now();
     let mut settled = Settled::settle(o)?;
     let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
-    let producers = Producers::start(o, &o.root.join(&settled.work_rel))?;
-    let setup = started.elapsed().as_secs_f64();
+    let producers = Producers::new(o)?;
+    let jobs: u64 = settled.plans.iter().map(|p| p.selected.len() as u64).sum();
+    let progress = crate::progress::start(format!("gate {}", o.milestone), jobs);
+    let produced = produce(
+        o,
+        &settled.plans,
+        &producers,
+        &o.root.join(&settled.work_rel),
+    )?;
+    let mut wall_s: BTreeMap<&'static str, f64> = BTreeMap::new();
+    wall_s.insert("setup", produced.setup);
+    wall_s.insert(
+        "producers",
+        started.elapsed().as_secs_f64() - produced.setup,
+    );
+    let judging = std::time::Instant::now();
     let bl_path = o.root.join("baselines.json");
     let mut bl_file = BaselineFile::load(&bl_path)?;
-    let mut reports = Vec::new();
-    for plan in &settled.plans {
-        reports.push(run_plan(o, plan, &producers, &bl_file, setup)?);
+    let mut reports: Vec<MilestoneReport> = settled
+        .plans
+        .iter()
+        .zip(produced.runs)
+        .map(|(plan, runs)| judge_plan(o, plan, runs, &produced.oracle_probe, &bl_file))
+        .collect();
+    drop(progress);
+    wall_s.insert("judge", judging.elapsed().as_secs_f64());
+    wall_s.insert("total", started.elapsed().as_secs_f64());
+    for r in &mut reports {
+        r.wall_s = wall_s.clone();
     }
-    let sum = |k: &str| reports.iter().map(|r| r.wall_s[k]).sum::<f64>();
     eprintln!(
-        "[gate {}] wall (observed): setup {setup:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s ({} model(s))",
-        o.milestone,
-        sum("producers"),
-        sum("judge"),
-        started.elapsed().as_secs_f64(),
-        reports.len()
+        "[gate {}] wall (observed): setup {:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s ({} model(s), {jobs} prompt runs)",
+        o.milestone, wall_s["setup"], wall_s["producers"], wall_s["judge"], wall_s["total"], reports.len()
     );
     let bless_log = if o.bless {
         let mut log = Vec::new();
@@ -352,41 +485,21 @@ pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<St
     Ok((reports, bless_log))
 }
 
-/// One model's run: its prompts through the producers, judged, and its baselines checked.
-/// `setup`: the seconds the milestone spent starting its producers (shared by its models).
-fn run_plan(
+/// One model's runs judged, prompt by prompt, and its baselines checked.
+fn judge_plan(
     o: &GateOptions,
     plan: &Plan,
-    producers: &Producers,
+    runs: Vec<PromptRuns>,
+    oracle_probe: &Result<Value>,
     bl_file: &BaselineFile,
-    setup: f64,
-) -> Result<MilestoneReport> {
-    let started = std::time::Instant::now();
-    let progress = crate::progress::start(
-        format!("gate {} {}", plan.m.id, dir_name(&plan.model)),
-        plan.selected.len() as u64,
-    );
+) -> MilestoneReport {
     let mut results = Vec::new();
-    let mut wall_s: BTreeMap<&'static str, f64> = BTreeMap::new();
-    wall_s.insert("setup", setup);
-    let (mut producing, mut judging) = (0.0, 0.0);
-    for p in &plan.selected {
-        let phase = std::time::Instant::now();
-        let runs = run_prompt(o, plan, producers, p)?;
-        producing += phase.elapsed().as_secs_f64();
-        let phase = std::time::Instant::now();
-        let result = prompt::judge_prompt(
-            o,
-            &plan.m,
-            &plan.mm,
-            p,
-            runs,
-            &plan.policy,
-            &producers.oracle_probe,
-        );
-        judging += phase.elapsed().as_secs_f64();
+    for (p, runs) in plan.selected.iter().zip(runs) {
+        let result =
+            prompt::judge_prompt(o, &plan.m, &plan.mm, p, runs, &plan.policy, oracle_probe);
         let line = format!(
-            "{}: {}",
+            "{} {}: {}",
+            dir_name(&plan.model),
             p.id,
             result
                 .checks
@@ -398,13 +511,8 @@ fn run_plan(
         crate::progress::step(line);
         results.push(result);
     }
-    drop(progress);
-    wall_s.insert("producers", producing);
-    wall_s.insert("judge", judging);
-
     let (baselines, baselines_not_selected) =
         recorded::check_baselines(plan, &bl_file.baselines, &results, o.assert_observed);
-
     let m = &plan.m;
     let mut report = MilestoneReport {
         schema: REPORT_SCHEMA,
@@ -419,73 +527,16 @@ fn run_plan(
         timeout_s: o.timeout.as_secs(),
         policy: m.policy.clone(),
         gate_invocation: o.gate_invocation.clone(),
-        stack: stack_versions(&producers.oracle_probe),
+        stack: stack_versions(oracle_probe),
         prompts: results,
         baselines,
         baselines_not_selected,
         totals: BTreeMap::new(),
-        wall_s,
+        wall_s: BTreeMap::new(),
         verdict: GateVerdict::Fail,
     };
     (report.totals, report.verdict) = tally(&report);
     report
-        .wall_s
-        .insert("total", started.elapsed().as_secs_f64());
-    Ok(report)
-}
-
-/// One prompt's runs, overlapping (the Python producers are served by their own workers), each
-/// writing into a fresh `<work>/<milestone>/<prompt>/`. A run that timed out refuses the whole
-/// gate run: a hang says nothing about the model.
-fn run_prompt(
-    o: &GateOptions,
-    plan: &Plan,
-    producers: &Producers,
-    p: &Prompt,
-) -> Result<PromptRuns> {
-    let dir_rel = format!("{}/{}", plan.work_rel, p.id);
-    let dir = o.root.join(&dir_rel);
-    // Never compare a stale trace: a producer that fails must leave nothing to read.
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
-    crate::progress::doing(format!("{}: running the producers", p.id));
-    let runs = std::thread::scope(|s| {
-        let spawn = |role: Role| {
-            let verb = Verb::Trace {
-                model: plan.model.clone(),
-                tokens: p.tokens.clone(),
-                out: format!("{dir_rel}/{}", role.file()),
-                internals: false,
-                generate: plan.generate,
-                cache: role != Role::EngineUncached,
-                force: None,
-            };
-            let producer = producers.of(role);
-            s.spawn(move || producer.run(&o.root, &verb, o.timeout))
-        };
-        let engine = spawn(Role::Engine);
-        let engine_uncached = spawn(Role::EngineUncached);
-        let contract = spawn(Role::Contract);
-        let oracle = producers.oracle_runs.then(|| spawn(Role::Oracle));
-        let done = "a producer run panicked";
-        PromptRuns {
-            engine: engine.join().expect(done),
-            engine_uncached: engine_uncached.join().expect(done),
-            contract: contract.join().expect(done),
-            oracle: oracle.map(|h| h.join().expect(done)),
-        }
-    });
-    if let Some((role, rec)) = runs.by_role().find(|(_, rec)| rec.timed_out) {
-        return Err(gerr!(
-            Producer: "{}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
-            p.id,
-            role.label(),
-            rec.verb,
-            o.timeout.as_secs(),
-            rec.invocation
-        ));
-    }
-    Ok(runs)
 }
 
 /// Every check's status counted, and the verdict: FAIL when anything failed or nothing passed,
