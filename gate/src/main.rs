@@ -49,7 +49,8 @@ struct RunArgs {
     /// Greedy tokens per prompt (default: the milestone's).
     #[arg(long)]
     generate: Option<usize>,
-    /// Run the milestone's checks on this checkpoint instead (same family; relative to the current directory).
+    /// Run the milestone's checks on this checkpoint instead, for the milestone's model of its
+    /// family only (relative to the current directory).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Engine threads (at least 1).
@@ -157,9 +158,11 @@ fn at_least_one_u64(s: &str) -> Result<u64, String> {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Milestone m0: tiny-qwen3 (dense) — engine ≡ contract, engine ≈ oracle, generation.
+    /// Milestone m0: the dense fixtures (tiny-qwen3, tiny-qwen3_5) — engine ≡ contract, engine ≈
+    /// oracle, generation.
     M0(RunArgs),
-    /// Milestone m1: tiny-qwen3-moe — the same checks plus every router decision.
+    /// Milestone m1: the MoE fixtures (tiny-qwen3-moe, tiny-qwen3_5-moe) — the same checks plus
+    /// every router decision.
     M1(RunArgs),
     /// Run any milestone of milestones.json by id.
     Run {
@@ -301,48 +304,101 @@ fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result
     Ok(())
 }
 
+/// One milestone, every model of it: each model's report printed (and its HTML page written),
+/// the JSON report (an array, one report per model) written; the exit code of the worst.
 fn run_one(
     root: &std::path::Path,
     up: &UserPaths,
     id: &str,
     a: &RunArgs,
-) -> Result<MilestoneReport, Error> {
-    let (rep, bless_log) = run_milestone(&options(root, up, id, a))?;
-    print!("{}", report::render(&rep));
+) -> Result<Vec<MilestoneReport>, Error> {
+    let (reps, bless_log) = run_milestone(&options(root, up, id, a))?;
+    for rep in &reps {
+        print!("{}", report::render(rep));
+    }
     if let Some(p) = &a.html {
         let p = up.absolute(p);
-        tracegate_diff::html::write_file(&p, &report::render_html(&rep))
-            .map_err(|e| gerr!(File: "{}: {e}", p.display()))?;
-        eprintln!("HTML report written to {}", p.display());
+        for rep in &reps {
+            // Several models: one page each, the model's directory name before the extension.
+            let page = if reps.len() == 1 {
+                p.clone()
+            } else {
+                html_path(&p, &tracegate_gate::run::dir_name(&rep.model))
+            };
+            tracegate_diff::html::write_file(&page, &report::render_html(rep))
+                .map_err(|e| gerr!(File: "{}: {e}", page.display()))?;
+            eprintln!("HTML report written to {}", page.display());
+        }
     }
     if let Some(log) = bless_log {
         println!("\nblessed (milestones.json, baselines.json):\n{log}");
     }
-    Ok(rep)
+    Ok(reps)
 }
 
-/// The three answers `gate check` gives per milestone.
-fn answer(rep: &MilestoneReport, checks: &[Check]) -> (&'static str, String) {
-    use tracegate_gate::run::Status;
-    let relevant: Vec<_> = rep
-        .prompts
-        .iter()
-        .flat_map(|p| p.checks.iter().map(move |c| (p, c)))
-        .filter(|(_, c)| checks.contains(&c.check))
-        .collect();
-    if let Some((p, c)) = relevant.iter().find(|(_, c)| c.status == Status::Fail) {
-        return ("FAIL", format!("{}/{}: {}", p.id, c.check, c.detail));
+/// `OUT.html` → `OUT.<model>.html`.
+fn html_path(p: &std::path::Path, model: &str) -> PathBuf {
+    let stem = p.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match p.extension() {
+        Some(ext) => format!("{stem}.{model}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.{model}"),
+    };
+    p.with_file_name(name)
+}
+
+/// The exit code of a run of several reports: 1 if any failed, else 4 if any was incomplete.
+fn worst_exit(reps: &[MilestoneReport]) -> i32 {
+    let codes: Vec<i32> = reps.iter().map(MilestoneReport::exit_code).collect();
+    if codes.iter().any(|&c| c != 0 && c != 4) {
+        1
+    } else if codes.contains(&4) {
+        4
+    } else {
+        0
     }
-    if let Some((p, c)) = relevant
+}
+
+/// The three answers `gate check` gives per milestone, over every model's report.
+fn answer(reps: &[MilestoneReport], checks: &[Check]) -> (&'static str, String) {
+    use tracegate_gate::run::Status;
+    let relevant: Vec<_> = reps
         .iter()
-        .find(|(_, c)| c.status == Status::NotChecked)
+        .flat_map(|r| {
+            r.prompts
+                .iter()
+                .flat_map(move |p| p.checks.iter().map(move |c| (r, p, c)))
+        })
+        .filter(|(_, _, c)| checks.contains(&c.check))
+        .collect();
+    let at = |r: &MilestoneReport, p: &str, c: &Check| {
+        format!("{} {p}/{c}", tracegate_gate::run::dir_name(&r.model))
+    };
+    if let Some((r, p, c)) = relevant.iter().find(|(_, _, c)| c.status == Status::Fail) {
+        return ("FAIL", format!("{}: {}", at(r, &p.id, &c.check), c.detail));
+    }
+    if let Some((r, p, c)) = relevant
+        .iter()
+        .find(|(_, _, c)| c.status == Status::NotChecked)
     {
-        return ("NOT CHECKED", format!("{}/{}: {}", p.id, c.check, c.detail));
+        return (
+            "NOT CHECKED",
+            format!("{}: {}", at(r, &p.id, &c.check), c.detail),
+        );
     }
     if relevant.is_empty() {
         return ("NOT CHECKED", "no check ran".into());
     }
-    ("PASS", format!("{} prompts", rep.prompts.len()))
+    let per_model: Vec<String> = reps
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {} prompts",
+                tracegate_gate::run::dir_name(&r.model),
+                r.prompts.len()
+            )
+        })
+        .collect();
+    ("PASS", per_model.join(", "))
 }
 
 fn main() -> ExitCode {
@@ -381,13 +437,13 @@ fn main() -> ExitCode {
     let root = PathBuf::from(".");
     let result = match &cli.cmd {
         Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| {
-            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())
+            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| worst_exit(&r))
         }),
         Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| {
-            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())
+            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| worst_exit(&r))
         }),
         Cmd::Run { id, args } => run_one(&root, &up, id, args).and_then(|r| {
-            write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| r.exit_code())
+            write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| worst_exit(&r))
         }),
         Cmd::Bisect(a) => bisect(&root, &up, a),
         Cmd::Check { args } if args.html.is_some() => Err(gerr!(
@@ -399,24 +455,24 @@ fn main() -> ExitCode {
             let mut table = Vec::new();
             let mut worst = 0;
             for m in &file.milestones {
-                let rep = run_one(&root, &up, &m.id, args)?;
-                let stable = answer(&rep, &[Check::Stable]);
-                let matches = answer(&rep, &[Check::Matches, Check::Generation]);
-                let agrees = answer(&rep, &[Check::Agrees, Check::GenerationOracle]);
+                let reps = run_one(&root, &up, &m.id, args)?;
+                let stable = answer(&reps, &[Check::Stable]);
+                let matches = answer(&reps, &[Check::Matches, Check::Generation]);
+                let agrees = answer(&reps, &[Check::Agrees, Check::GenerationOracle]);
                 table.push(format!(
                     "{:<4} stable: {:<11} matches: {:<11} agrees: {:<11}\n     stable  — {}\n     matches — {}\n     agrees  — {}",
                     m.id, stable.0, matches.0, agrees.0, stable.1, matches.1, agrees.1
                 ));
-                worst = worst.max(match rep.exit_code() {
+                worst = worst.max(match worst_exit(&reps) {
                     0 => 0,
                     4 => 1,
                     _ => 2,
                 });
-                reports.push(rep);
+                reports.extend(reps);
             }
             println!(
                 "\n== gate check: {} milestones\n{}",
-                reports.len(),
+                file.milestones.len(),
                 table.join("\n")
             );
             write_report(&args.report.as_ref().map(|p| up.absolute(p)), &reports)?;

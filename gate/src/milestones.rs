@@ -22,18 +22,28 @@ pub struct MilestoneFile {
 #[serde(deny_unknown_fields)]
 pub struct Milestone {
     pub id: String,
-    /// One falsifiable sentence.
+    /// One falsifiable sentence (naming every model it is about).
     pub claim: String,
-    /// Model directory, relative to the project root.
-    pub model: String,
-    /// `qwen3` or `qwen3_moe`: a `--model` override must be of the same family.
-    pub family: String,
     pub prompts: PromptRecord,
     /// Greedy tokens generated per prompt unless `--generate` says otherwise.
     pub generate: usize,
     /// The policy that judges engine ≈ oracle: a bundled name (f32, bf16, f16) or a path
     /// relative to the project root.
     pub policy: String,
+    /// The checkpoints the claim is about, each with its own expectations; a run checks every
+    /// one of them on every selected prompt.
+    pub models: Vec<MilestoneModel>,
+}
+
+/// One checkpoint of a milestone and what it is expected to produce.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MilestoneModel {
+    /// Model directory, relative to the project root.
+    pub model: String,
+    /// The language model's `model_type` (`text_config.model_type` in the multimodal layout,
+    /// see [`crate::prompts::text_fields`]): a `--model` override must be of the same family.
+    pub family: String,
     /// Per prompt id: what the engine is expected to produce.
     #[serde(default)]
     pub expect: BTreeMap<String, Expectation>,
@@ -81,18 +91,43 @@ pub struct DeclaredDivergence {
     pub reason: String,
 }
 
+/// The milestones.json format this gate reads. Schema 1 had one model per milestone; 2 lists
+/// `models`, each with its own `family`, `expect` and `declared_divergences`.
+pub const SCHEMA: u32 = 2;
+
 impl MilestoneFile {
     pub fn load(path: &Path) -> Result<MilestoneFile> {
-        let file: MilestoneFile = crate::read_json(path)?;
-        if file.schema != 1 {
+        // The schema is read first, so an old file is refused by its number, not by a field.
+        let raw: serde_json::Value = crate::read_json(path)?;
+        let schema = raw.get("schema").and_then(serde_json::Value::as_u64);
+        if schema != Some(SCHEMA as u64) {
             return Err(gerr!(
-                "{}: schema {} is not supported (this gate reads schema 1)",
+                "{}: schema {} is not supported (this gate reads schema {SCHEMA}: a milestone lists its models, docs/gate.md)",
                 path.display(),
-                file.schema
+                raw.get("schema").map_or("(missing)".into(), |s| s.to_string())
             ));
         }
+        let file: MilestoneFile =
+            serde_json::from_value(raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
         for m in &file.milestones {
-            for d in &m.declared_divergences {
+            if m.models.is_empty() {
+                return Err(gerr!(
+                    "{}: milestone {} lists no models",
+                    path.display(),
+                    m.id
+                ));
+            }
+            for (i, a) in m.models.iter().enumerate() {
+                if m.models[..i].iter().any(|b| b.model == a.model) {
+                    return Err(gerr!(
+                        "{}: milestone {} lists model {} twice",
+                        path.display(),
+                        m.id,
+                        a.model
+                    ));
+                }
+            }
+            for d in m.models.iter().flat_map(|mm| &mm.declared_divergences) {
                 if !matches!(d.check, Check::Matches | Check::Agrees | Check::Generation) {
                     return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation", path.display(), m.id, d.check.to_string()));
                 }

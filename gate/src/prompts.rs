@@ -155,7 +155,8 @@ pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
 }
 
 /// Refuses, before any producer runs, a prompt whose positions (its tokens, then `generate`
-/// greedy tokens, as the oracle counts them) exceed the model's `max_position_embeddings`.
+/// greedy tokens, as the oracle counts them) exceed the model's `max_position_embeddings` (the
+/// language model's: see [`text_fields`]).
 /// `model` is the model directory as the producers get it (relative to `root`).
 pub fn check_fits(
     root: &Path,
@@ -166,7 +167,7 @@ pub fn check_fits(
 ) -> Result<()> {
     let path = root.join(model).join("config.json");
     let config: serde_json::Value = crate::read_json(&path).map_err(|e| gerr!("--model: {e}"))?;
-    let Some(limit) = config.get("max_position_embeddings") else {
+    let Some(limit) = text_fields(&config).get("max_position_embeddings") else {
         return Ok(());
     };
     let limit = limit.as_u64().filter(|&n| n > 0).ok_or_else(|| {
@@ -191,4 +192,25 @@ pub fn check_fits(
         ));
     }
     Ok(())
+}
+
+/// The language model's fields of a config.json: `text_config` in the multimodal layout
+/// (`model_type` `qwen3_5` / `qwen3_5_moe`, as the engine reads it), else the config itself.
+pub fn text_fields(config: &serde_json::Value) -> &serde_json::Value {
+    let multimodal = matches!(
+        config.get("model_type").and_then(serde_json::Value::as_str),
+        Some("qwen3_5" | "qwen3_5_moe")
+    );
+    match config.get("text_config") {
+        Some(tc) if multimodal && tc.is_object() => tc,
+        _ => config,
+    }
+}
+
+/// The language model's `model_type` (a milestone's `family`), "" when there is none.
+pub fn family(config: &serde_json::Value) -> &str {
+    text_fields(config)
+        .get("model_type")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("")
 }

@@ -239,6 +239,83 @@ fn interleaved_gqa_repeat_is_named_in_layer_03_attention() {
     );
 }
 
+/// The stage's `matching` list of a bisection.
+fn matching(o: &Outcome) -> Vec<&str> {
+    o.report["stage"]["matching"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect()
+}
+
+#[test]
+fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention() {
+    // tiny-qwen3_5's layers: linear, full, linear, linear, full.
+    let o = against_defect("tiny-qwen3_5", "gdn-decay@2");
+    assert_found(
+        &o,
+        2,
+        "attention",
+        "linear.g",
+        &["ok", "ok", "wrong", "inherits", "inherits"],
+        &[
+            "layer 02 body is wrong: linear.g differs",
+            "layers 00-01 match in isolation",
+            "layers 03-04 inherit",
+        ],
+    );
+    // The conv and the normalised q and k come before the decay: they match.
+    assert_eq!(
+        matching(&o),
+        ["hidden_in", "linear.conv_out", "linear.q", "linear.k"]
+    );
+    let o = against_defect("tiny-qwen3_5", "bidir-mask@4");
+    assert_found(
+        &o,
+        4,
+        "attention",
+        "attn_probs",
+        &["ok", "ok", "ok", "ok", "wrong"],
+        &[
+            "layer 04 body is wrong: attn_probs differs",
+            "layers 00-03 match in isolation",
+        ],
+    );
+    assert_eq!(matching(&o), ["hidden_in", "q", "k", "v", "attn_gate"]);
+}
+
+#[test]
+fn qwen3_5_moe_defects_are_named_at_their_layer_and_stage_linear_and_full_attention() {
+    // tiny-qwen3_5-moe's layers: linear, linear, full, linear.
+    let o = against_defect("tiny-qwen3_5-moe", "gdn-decay@1");
+    assert_found(
+        &o,
+        1,
+        "attention",
+        "linear.g",
+        &["ok", "wrong", "inherits", "inherits"],
+        &[
+            "layer 01 body is wrong: linear.g differs",
+            "layer 00 matches in isolation",
+            "layers 02-03 inherit",
+        ],
+    );
+    let o = against_defect("tiny-qwen3_5-moe", "bidir-mask@2");
+    assert_found(
+        &o,
+        2,
+        "attention",
+        "attn_probs",
+        &["ok", "ok", "wrong", "inherits"],
+        &[
+            "layer 02 body is wrong: attn_probs differs",
+            "layers 00-01 match in isolation",
+            "layer 03 inherits",
+        ],
+    );
+}
+
 #[test]
 fn skipped_router_renormalisation_is_named_in_moe_layer_01() {
     let o = against_defect("tiny-qwen3-moe", "no-renorm");

@@ -59,6 +59,16 @@ fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
     (out.status.code().unwrap_or(-1), stdout, report)
 }
 
+/// Each layer's status at the decode step it was isolated at.
+fn layer_statuses(d: &Value) -> Vec<&str> {
+    d["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["status"].as_str().unwrap())
+        .collect()
+}
+
 fn defective(defect: &str) -> String {
     let root = repo();
     format!(
@@ -119,12 +129,7 @@ fn cached_pos_is_found(model: &str, cmd: &str) {
         )
     );
     // Isolated at the step through the candidate's own cached path: layer 00 matches, 01 is wrong.
-    let statuses: Vec<&str> = d["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["status"].as_str().unwrap())
-        .collect();
+    let statuses = layer_statuses(d);
     assert_eq!(statuses, ["ok", "wrong"], "{stdout}");
     assert_eq!(
         (
@@ -134,6 +139,45 @@ fn cached_pos_is_found(model: &str, cmd: &str) {
         (Some(1), Some("attention"))
     );
     assert_eq!(d["stage"]["tensor"], "layer.01.attn_out");
+    assert!(d["isolation_not_checked"].is_null());
+}
+
+#[test]
+fn a_wrong_decay_on_a_carried_linear_state_is_named_as_the_cached_path_at_its_layer() {
+    // tiny-qwen3_5: layers 00 and 02 linear, 01 full. Layer 02's decay is wrong only on a row
+    // that continues a carried state: the prefill and the uncached recompute are correct.
+    let cmd = defective("gdn-decay-cached@2");
+    let (code, stdout, r) = bisect_generate(
+        "tiny-qwen3_5",
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    let d = &r["decode"];
+    assert_eq!(
+        (code, r["verdict"].as_str()),
+        (6, Some("cached_decode_differs")),
+        "{stdout}"
+    );
+    assert_eq!(r["whole_run"]["verdict"], "identical");
+    assert_eq!(
+        (
+            d["first_diverging_step"].as_u64(),
+            d["cache_check"]["status"].as_str()
+        ),
+        (Some(1), Some("disagrees"))
+    );
+    assert_eq!(d["first_diverging"], "decode.0001.layer.02.attn_out");
+    // Isolated at step 1 through `layer --decode-from`: layer 00's state and layer 01's KV rows
+    // carried from the prefill reproduce the whole run; layer 02's carried state is decayed wrong.
+    let statuses = layer_statuses(d);
+    assert_eq!(statuses, ["ok", "ok", "wrong"], "{stdout}");
+    assert_eq!(
+        (
+            d["first_wrong_layer"].as_u64(),
+            d["stage"]["block"].as_str()
+        ),
+        (Some(2), Some("attention"))
+    );
+    assert_eq!(d["stage"]["tensor"], "layer.02.attn_out");
     assert!(d["isolation_not_checked"].is_null());
 }
 

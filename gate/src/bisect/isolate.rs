@@ -287,16 +287,27 @@ pub(crate) fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsi
     }
 }
 
-/// The first wrong capture point of a layer in isolation, in computation order; `differs`:
-/// how a wrong one is said ("differs in isolation").
+/// The first wrong capture point of a layer in isolation, in computation order
+/// (docs/capture-points.md, "Order": a layer holds the linear-attention points or the
+/// full-attention ones, absent points are passed over); `differs`: how a wrong one is said
+/// ("differs in isolation").
 pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> Stage {
     let pfx = names::layer_prefix(layer);
     let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
     let mut order: Vec<(String, Block)> = [
         "hidden_in",
+        "linear.conv_out",
+        "linear.q",
+        "linear.k",
+        "linear.g",
+        "linear.beta",
+        "linear.core",
+        "linear.norm_out",
+        "linear.state",
         "q",
         "k",
         "v",
+        "attn_gate",
         "attn_probs",
         "attn_out",
         "router.logits",
@@ -324,6 +335,9 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
         .collect();
     experts.sort();
     order.extend(experts.into_iter().map(|n| (n, Block::MoeExpert)));
+    for s in ["shared_expert.gate", "shared_expert.out"] {
+        order.push((format!("{pfx}{s}"), Block::MoeExpert));
+    }
     let has_router = row.isolated.iter().any(|t| {
         t.tensor.starts_with(&format!("{pfx}router."))
             || t.tensor.starts_with(&format!("{pfx}expert."))

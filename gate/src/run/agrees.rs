@@ -7,12 +7,12 @@ use tracegate_trace::Trace;
 use super::checks::{diff_findings, judge, policy_kind, tokens_finding};
 use super::prompt::{decode_tokens, Traces};
 use super::{finding, Check, CheckResult, Finding, OracleSummary, Status};
-use crate::milestones::{Expectation, Milestone};
+use crate::milestones::{Expectation, MilestoneModel};
 use crate::prompts::Prompt;
 
 /// agrees and generation_oracle, in that order, and the summary when the oracle's trace was read.
 pub(super) fn check_oracle(
-    m: &Milestone,
+    m: &MilestoneModel,
     p: &Prompt,
     traces: &Traces,
     policy: &Policy,
@@ -60,7 +60,7 @@ pub(super) fn check_oracle(
 }
 
 fn compare_agrees(
-    m: &Milestone,
+    m: &MilestoneModel,
     p: &Prompt,
     eng: &Trace,
     ora: &Trace,

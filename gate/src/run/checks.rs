@@ -6,12 +6,12 @@ use tracegate_trace::Trace;
 
 use super::prompt::{Opened, Traces};
 use super::{finding, Check, CheckResult, Finding, Generated, Status};
-use crate::milestones::{Expectation, Milestone};
+use crate::milestones::{Expectation, MilestoneModel};
 use crate::prompts::Prompt;
 
 /// Splits findings into failing and excused by the milestone's declared divergences.
 pub(super) fn judge(
-    m: &Milestone,
+    m: &MilestoneModel,
     prompt: &str,
     mut c: CheckResult,
     found: Vec<Finding>,
@@ -104,7 +104,7 @@ pub(super) fn check_stable(
 
 /// matches: engine ≡ contract, bit for bit, with the recorded counts.
 pub(super) fn check_matches(
-    m: &Milestone,
+    m: &MilestoneModel,
     p: &Prompt,
     traces: &Traces,
     expect: std::result::Result<&Expectation, &str>,
@@ -116,7 +116,7 @@ pub(super) fn check_matches(
 }
 
 fn compare_matches(
-    m: &Milestone,
+    m: &MilestoneModel,
     p: &Prompt,
     eng: &Trace,
     con: &Trace,
@@ -229,7 +229,7 @@ fn compare_matches(
 
 /// generation: cached, uncached and contract tokens identical.
 pub(super) fn check_generation(
-    m: &Milestone,
+    m: &MilestoneModel,
     p: &Prompt,
     traces: &Traces,
     generated: &Generated,

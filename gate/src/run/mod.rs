@@ -1,11 +1,12 @@
-//! Running a milestone: every selected prompt through the engine, the contract and the oracle,
-//! then the checks — stable, matches, generation, agrees, generation_oracle — and the baselines.
-
+//! Running a milestone: every model's every selected prompt through the engine, the contract
+//! and the oracle, then the checks — stable, matches, generation, agrees, generation_oracle —
+//! and the baselines.
 //!
-//! `run_milestone` (this file) drives the phases: `Plan::settle` (everything checked before a
-//! producer runs), `Producers` (the three producers by name and the oracle probe), `run_prompt`
-//! (one prompt's runs), then prompt.rs judges each prompt (checks.rs, agrees.rs), recorded.rs
-//! the baselines and `--bless`, and `tally` the verdict. report.rs holds the report types;
+//! `run_milestone` (this file) drives the phases: `Settled::settle` (everything checked before
+//! a producer runs, one `Plan` per model), `Producers` (the three producers by name), `produce`
+//! (every run, each role in order on a thread of its own, and the oracle probe), then
+//! `judge_plan` per model: prompt.rs judges each prompt (checks.rs, agrees.rs), recorded.rs the
+//! baselines and `--bless`, and `tally` the verdict. report.rs holds the report types;
 //! crate::report renders them.
 
 use std::collections::BTreeMap;
@@ -15,7 +16,7 @@ use serde_json::{json, Value};
 use tracegate_diff::Policy;
 
 use crate::baselines::{BaselineFile, Conditions};
-use crate::milestones::{Milestone, MilestoneFile};
+use crate::milestones::{Milestone, MilestoneFile, MilestoneModel};
 use crate::producer::{Producer, Verb};
 use crate::prompts::{self, Prompt, PromptSet};
 use crate::{gerr, Result};
@@ -123,24 +124,35 @@ fn stack_versions(oracle: &Result<Value>) -> Value {
 }
 
 /// What a milestone run is about, settled before any producer runs: every refusal comes here.
+/// One plan per model of the milestone that runs.
 struct Plan {
-    ms_path: PathBuf,
-    file: MilestoneFile,
     m: Milestone,
+    /// The model of `m` this plan runs.
+    mm: MilestoneModel,
     prompt_path: PathBuf,
     set: PromptSet,
     selected: Vec<Prompt>,
-    /// The milestone's own model name, or the canonical path of `--model`.
+    /// The milestone model's own name, or the canonical path of `--model`.
     model: String,
     generate: usize,
     threads: usize,
     policy: Policy,
-    /// `<work>/<milestone>`, relative to the root (or absolute).
+    /// `<work>/<milestone>/<model directory name>`, relative to the root (or absolute).
     work_rel: String,
 }
 
-impl Plan {
-    fn settle(o: &GateOptions) -> Result<Plan> {
+/// The milestone file and one plan per model that runs: every model of the milestone, or the
+/// one of `--model`'s family.
+struct Settled {
+    ms_path: PathBuf,
+    file: MilestoneFile,
+    /// `<work>/<milestone>`, locked for the run.
+    work_rel: String,
+    plans: Vec<Plan>,
+}
+
+impl Settled {
+    fn settle(o: &GateOptions) -> Result<Settled> {
         let ms_path = o.root.join("milestones.json");
         let file = MilestoneFile::load(&ms_path)?;
         let m = file.get(&o.milestone)?.clone();
@@ -156,31 +168,54 @@ impl Plan {
             ));
         }
         let selected = set.select(o.only.as_deref())?;
-        let model = match &o.model {
-            Some(dir) => model_of(o, &m, dir)?,
-            None => m.model.clone(),
+        let runs: Vec<(MilestoneModel, String)> = match &o.model {
+            Some(dir) => vec![model_of(o, &m, dir)?],
+            None => m
+                .models
+                .iter()
+                .map(|mm| (mm.clone(), mm.model.clone()))
+                .collect(),
         };
         let generate = o.generate.unwrap_or(m.generate);
-        for p in &selected {
-            prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
-        }
         let policy = Policy::resolve(&m.policy, &o.root).map_err(|e| gerr!("{}: {e}", m.policy))?;
         let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
-        Ok(Plan {
+        let mut plans = Vec::new();
+        for (mm, model) in runs {
+            for p in &selected {
+                prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
+            }
+            plans.push(Plan {
+                work_rel: format!("{work_rel}/{}", dir_name(&model)),
+                m: m.clone(),
+                mm,
+                prompt_path: prompt_path.clone(),
+                set: set.clone(),
+                selected: selected.clone(),
+                model,
+                generate,
+                threads: o.threads,
+                policy: policy.clone(),
+            });
+        }
+        Ok(Settled {
             ms_path,
             file,
-            m,
-            prompt_path,
-            set,
-            selected,
-            model,
-            generate,
-            threads: o.threads,
-            policy,
             work_rel,
+            plans,
         })
     }
+}
 
+/// A model's directory name: its traces' directory under the milestone's, and its part of a
+/// baseline id (milestones.json keeps these distinct within a milestone).
+pub fn dir_name(model: &str) -> String {
+    Path::new(model)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| model.to_string())
+}
+
+impl Plan {
     /// The conditions a baseline requires, as this run meets them for prompt `r`.
     fn conditions(&self, r: &PromptResult) -> Conditions {
         let mut c = Conditions::new();
@@ -192,29 +227,29 @@ impl Plan {
     }
 }
 
-/// `--model DIR` validated as the engine would (unsupported fields are refused here, not mid-run);
-/// the name it runs under.
-fn model_of(o: &GateOptions, m: &Milestone, dir: &Path) -> Result<String> {
+/// `--model DIR` validated as the engine would (unsupported fields are refused here, not mid-run):
+/// the milestone's model of the same family, and the name DIR runs under.
+fn model_of(o: &GateOptions, m: &Milestone, dir: &Path) -> Result<(MilestoneModel, String)> {
     let shown = crate::paths::shown(dir);
     let (_, raw) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
-    let family = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
-    if family != m.family {
+    let family = prompts::family(&raw);
+    let Some(mm) = m.models.iter().find(|mm| mm.family == family) else {
+        let families: Vec<&str> = m.models.iter().map(|mm| mm.family.as_str()).collect();
         return Err(gerr!(
-            "--model {shown}: model_type {family:?} is not milestone {}'s family {:?}",
+            "--model {shown}: model_type {family:?} is not a family of milestone {} ({})",
             m.id,
-            m.family
+            families.join(", ")
         ));
-    }
+    };
     let canon = std::fs::canonicalize(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
     // The milestone's own checkpoint, however spelled, keeps the milestone's name, so its
     // recorded baselines still apply.
-    Ok(
-        if std::fs::canonicalize(o.root.join(&m.model)).is_ok_and(|own| own == canon) {
-            m.model.clone()
-        } else {
-            canon.display().to_string()
-        },
-    )
+    let name = if std::fs::canonicalize(o.root.join(&mm.model)).is_ok_and(|own| own == canon) {
+        mm.model.clone()
+    } else {
+        canon.display().to_string()
+    };
+    Ok((mm.clone(), name))
 }
 
 /// The producers of a milestone run, by name, and whether the oracle can run at all.
@@ -222,14 +257,10 @@ struct Producers {
     engine: Producer,
     contract: Producer,
     oracle: Producer,
-    /// The oracle's versions, or why it cannot run (no torch or transformers).
-    oracle_probe: Result<Value>,
-    /// A user's oracle always runs; the default one when its probe answered.
-    oracle_runs: bool,
 }
 
 impl Producers {
-    fn start(o: &GateOptions, plan: &Plan) -> Result<Producers> {
+    fn new(o: &GateOptions) -> Result<Producers> {
         let engine = Producer::Engine { threads: o.threads };
         let contract = Producer::command(
             "contract",
@@ -245,21 +276,10 @@ impl Producers {
                 .unwrap_or_else(|| default_oracle_cmd(&o.root)),
         )
         .map_err(|e| gerr!("--oracle-cmd: {e}"))?;
-        // The contract worker's start-up overlaps the oracle's, which answers the probe.
-        contract.prestart(&o.root);
-        let oracle_probe = probe_oracle(
-            &o.root,
-            o.timeout,
-            o.oracle_cmd.is_none().then_some(&oracle),
-            &o.root.join(&plan.work_rel),
-        );
-        let oracle_runs = o.oracle_cmd.is_some() || oracle_probe.is_ok();
         Ok(Producers {
             engine,
             contract,
             oracle,
-            oracle_probe,
-            oracle_runs,
         })
     }
 
@@ -272,28 +292,214 @@ impl Producers {
     }
 }
 
-pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>)> {
-    let started = std::time::Instant::now();
-    let mut plan = Plan::settle(o)?;
-    let _lock = crate::WorkLock::acquire(&o.root.join(&plan.work_rel))?;
-    let producers = Producers::start(o, &plan)?;
-    let progress =
-        crate::progress::start(format!("gate {}", plan.m.id), plan.selected.len() as u64);
+/// Every run of a milestone, and what the oracle's probe said.
+struct Produced {
+    /// Per plan, per selected prompt, in order.
+    runs: Vec<Vec<PromptRuns>>,
+    /// The oracle's versions, or why it cannot run (no torch or transformers).
+    oracle_probe: Result<Value>,
+    /// Seconds until the oracle's probe answered (its worker started).
+    setup: f64,
+}
 
-    let mut results = Vec::new();
+/// Runs every model's every prompt. Each role (engine cached, engine uncached, contract,
+/// oracle) takes its requests in plan and prompt order from a thread of its own, so the roles
+/// overlap one another and the oracle worker's start-up: the engine and the contract run while
+/// torch imports. The oracle's requests start once its probe answered (a user's oracle always
+/// runs). A run that timed out stops every role before its next request and refuses the whole
+/// gate run: a hang says nothing about the model.
+fn produce(
+    o: &GateOptions,
+    plans: &[Plan],
+    producers: &Producers,
+    probe_dir: &Path,
+) -> Result<Produced> {
+    let started = std::time::Instant::now();
+    let jobs: Vec<(&Plan, &Prompt)> = plans
+        .iter()
+        .flat_map(|plan| plan.selected.iter().map(move |p| (plan, p)))
+        .collect();
+    for (plan, p) in &jobs {
+        let dir = o.root.join(&plan.work_rel).join(&p.id);
+        // Never compare a stale trace: a producer that fails must leave nothing to read.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
+    }
+    crate::progress::doing("running the producers");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (records, oracle_probe, setup) = std::thread::scope(|s| {
+        let role_runs = |role: Role| {
+            let (jobs, stop) = (&jobs, &stop);
+            s.spawn(move || {
+                let mut out = Vec::new();
+                for (plan, p) in jobs {
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        break;
+                    }
+                    let verb = Verb::Trace {
+                        model: plan.model.clone(),
+                        tokens: p.tokens.clone(),
+                        out: format!("{}/{}/{}", plan.work_rel, p.id, role.file()),
+                        internals: false,
+                        generate: plan.generate,
+                        cache: role != Role::EngineUncached,
+                        force: None,
+                    };
+                    let rec = producers.of(role).run(&o.root, &verb, o.timeout);
+                    if rec.timed_out {
+                        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    out.push(rec);
+                }
+                out
+            })
+        };
+        // The contract worker's start-up overlaps the oracle's, which answers the probe.
+        producers.contract.prestart(&o.root);
+        let engine = role_runs(Role::Engine);
+        let engine_uncached = role_runs(Role::EngineUncached);
+        let contract = role_runs(Role::Contract);
+        let oracle_probe = probe_oracle(
+            &o.root,
+            o.timeout,
+            o.oracle_cmd.is_none().then_some(&producers.oracle),
+            probe_dir,
+        );
+        let setup = started.elapsed().as_secs_f64();
+        let oracle =
+            (o.oracle_cmd.is_some() || oracle_probe.is_ok()).then(|| role_runs(Role::Oracle));
+        let done = "a producer thread panicked";
+        let records = (
+            engine.join().expect(done),
+            engine_uncached.join().expect(done),
+            contract.join().expect(done),
+            oracle.map(|h| h.join().expect(done)),
+        );
+        (records, oracle_probe, setup)
+    });
+    let (engine, engine_uncached, contract, oracle) = records;
+    let mut by_role = vec![
+        (Role::Engine, &engine),
+        (Role::EngineUncached, &engine_uncached),
+        (Role::Contract, &contract),
+    ];
+    by_role.extend(oracle.as_ref().map(|r| (Role::Oracle, r)));
+    // The first run that timed out, in prompt then role order; without one, every role ran
+    // every job.
+    let first = (0..jobs.len()).find_map(|k| {
+        by_role
+            .iter()
+            .find_map(|(role, recs)| recs.get(k).filter(|r| r.timed_out).map(|r| (*role, r)))
+            .map(|(role, rec)| (jobs[k], role, rec))
+    });
+    if let Some(((plan, p), role, rec)) = first {
+        return Err(gerr!(
+            Producer: "{} {}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
+            dir_name(&plan.model),
+            p.id,
+            role.label(),
+            rec.verb,
+            o.timeout.as_secs(),
+            rec.invocation
+        ));
+    }
+    let mut oracle = oracle.map(Vec::into_iter);
+    let mut all = engine.into_iter().zip(engine_uncached).zip(contract).map(
+        |((engine, engine_uncached), contract)| PromptRuns {
+            engine,
+            engine_uncached,
+            contract,
+            oracle: oracle.as_mut().and_then(Iterator::next),
+        },
+    );
+    let runs = plans
+        .iter()
+        .map(|plan| all.by_ref().take(plan.selected.len()).collect())
+        .collect();
+    Ok(Produced {
+        runs,
+        oracle_probe,
+        setup,
+    })
+}
+
+/// Runs every model of the milestone (or `--model`'s) on every selected prompt: one report per
+/// model, in milestones.json's order, and with `--bless` the log of what was recorded.
+pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<String>)> {
+    let started = std::time::Instant::now();
+    let mut settled = Settled::settle(o)?;
+    let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
+    let producers = Producers::new(o)?;
+    let jobs: u64 = settled.plans.iter().map(|p| p.selected.len() as u64).sum();
+    let progress = crate::progress::start(format!("gate {}", o.milestone), jobs);
+    let produced = produce(
+        o,
+        &settled.plans,
+        &producers,
+        &o.root.join(&settled.work_rel),
+    )?;
     let mut wall_s: BTreeMap<&'static str, f64> = BTreeMap::new();
-    wall_s.insert("setup", started.elapsed().as_secs_f64());
-    let (mut producing, mut judging) = (0.0, 0.0);
-    for p in &plan.selected {
-        let phase = std::time::Instant::now();
-        let runs = run_prompt(o, &plan, &producers, p)?;
-        producing += phase.elapsed().as_secs_f64();
-        let phase = std::time::Instant::now();
+    wall_s.insert("setup", produced.setup);
+    wall_s.insert(
+        "producers",
+        started.elapsed().as_secs_f64() - produced.setup,
+    );
+    let judging = std::time::Instant::now();
+    let bl_path = o.root.join("baselines.json");
+    let mut bl_file = BaselineFile::load(&bl_path)?;
+    let mut reports: Vec<MilestoneReport> = settled
+        .plans
+        .iter()
+        .zip(produced.runs)
+        .map(|(plan, runs)| judge_plan(o, plan, runs, &produced.oracle_probe, &bl_file))
+        .collect();
+    drop(progress);
+    wall_s.insert("judge", judging.elapsed().as_secs_f64());
+    wall_s.insert("total", started.elapsed().as_secs_f64());
+    for r in &mut reports {
+        r.wall_s = wall_s.clone();
+    }
+    eprintln!(
+        "[gate {}] wall (observed): setup {:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s ({} model(s), {jobs} prompt runs)",
+        o.milestone, wall_s["setup"], wall_s["producers"], wall_s["judge"], wall_s["total"], reports.len()
+    );
+    let bless_log = if o.bless {
+        let mut log = Vec::new();
+        for (plan, report) in settled.plans.iter().zip(&reports) {
+            log.extend(recorded::bless(
+                plan,
+                report,
+                &mut settled.file,
+                &mut bl_file,
+            )?);
+        }
+        crate::write_json_atomic(&settled.ms_path, &settled.file)?;
+        crate::write_json_atomic(&bl_path, &bl_file)?;
+        if log.is_empty() {
+            log.push("nothing changed".into());
+        }
+        Some(log.join("\n"))
+    } else {
+        None
+    };
+    Ok((reports, bless_log))
+}
+
+/// One model's runs judged, prompt by prompt, and its baselines checked.
+fn judge_plan(
+    o: &GateOptions,
+    plan: &Plan,
+    runs: Vec<PromptRuns>,
+    oracle_probe: &Result<Value>,
+    bl_file: &BaselineFile,
+) -> MilestoneReport {
+    let mut results = Vec::new();
+    for (p, runs) in plan.selected.iter().zip(runs) {
         let result =
-            prompt::judge_prompt(o, &plan.m, p, runs, &plan.policy, &producers.oracle_probe);
-        judging += phase.elapsed().as_secs_f64();
+            prompt::judge_prompt(o, &plan.m, &plan.mm, p, runs, &plan.policy, oracle_probe);
         let line = format!(
-            "{}: {}",
+            "{} {}: {}",
+            dir_name(&plan.model),
             p.id,
             result
                 .checks
@@ -305,22 +511,15 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         crate::progress::step(line);
         results.push(result);
     }
-    drop(progress);
-    wall_s.insert("producers", producing);
-    wall_s.insert("judge", judging);
-
-    let bl_path = o.root.join("baselines.json");
-    let mut bl_file = BaselineFile::load(&bl_path)?;
     let (baselines, baselines_not_selected) =
-        recorded::check_baselines(&plan, &bl_file.baselines, &results, o.assert_observed);
-
+        recorded::check_baselines(plan, &bl_file.baselines, &results, o.assert_observed);
     let m = &plan.m;
     let mut report = MilestoneReport {
         schema: REPORT_SCHEMA,
         milestone: m.id.clone(),
         claim: m.claim.clone(),
         model: plan.model.clone(),
-        family: m.family.clone(),
+        family: plan.mm.family.clone(),
         prompt_file: plan.prompt_path.display().to_string(),
         prompt_sha256: plan.set.sha256.clone(),
         generate: plan.generate,
@@ -328,84 +527,16 @@ pub fn run_milestone(o: &GateOptions) -> Result<(MilestoneReport, Option<String>
         timeout_s: o.timeout.as_secs(),
         policy: m.policy.clone(),
         gate_invocation: o.gate_invocation.clone(),
-        stack: stack_versions(&producers.oracle_probe),
+        stack: stack_versions(oracle_probe),
         prompts: results,
         baselines,
         baselines_not_selected,
         totals: BTreeMap::new(),
-        wall_s,
+        wall_s: BTreeMap::new(),
         verdict: GateVerdict::Fail,
     };
     (report.totals, report.verdict) = tally(&report);
     report
-        .wall_s
-        .insert("total", started.elapsed().as_secs_f64());
-    let w = &report.wall_s;
-    eprintln!(
-        "[gate {}] wall (observed): setup {:.1} s, producers {:.1} s, judge {:.1} s, total {:.1} s",
-        m.id, w["setup"], w["producers"], w["judge"], w["total"]
-    );
-
-    let bless_log = if o.bless {
-        Some(recorded::bless(&mut plan, &report, &mut bl_file, &bl_path)?)
-    } else {
-        None
-    };
-    Ok((report, bless_log))
-}
-
-/// One prompt's runs, overlapping (the Python producers are served by their own workers), each
-/// writing into a fresh `<work>/<milestone>/<prompt>/`. A run that timed out refuses the whole
-/// gate run: a hang says nothing about the model.
-fn run_prompt(
-    o: &GateOptions,
-    plan: &Plan,
-    producers: &Producers,
-    p: &Prompt,
-) -> Result<PromptRuns> {
-    let dir_rel = format!("{}/{}", plan.work_rel, p.id);
-    let dir = o.root.join(&dir_rel);
-    // Never compare a stale trace: a producer that fails must leave nothing to read.
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
-    crate::progress::doing(format!("{}: running the producers", p.id));
-    let runs = std::thread::scope(|s| {
-        let spawn = |role: Role| {
-            let verb = Verb::Trace {
-                model: plan.model.clone(),
-                tokens: p.tokens.clone(),
-                out: format!("{dir_rel}/{}", role.file()),
-                internals: false,
-                generate: plan.generate,
-                cache: role != Role::EngineUncached,
-                force: None,
-            };
-            let producer = producers.of(role);
-            s.spawn(move || producer.run(&o.root, &verb, o.timeout))
-        };
-        let engine = spawn(Role::Engine);
-        let engine_uncached = spawn(Role::EngineUncached);
-        let contract = spawn(Role::Contract);
-        let oracle = producers.oracle_runs.then(|| spawn(Role::Oracle));
-        let done = "a producer run panicked";
-        PromptRuns {
-            engine: engine.join().expect(done),
-            engine_uncached: engine_uncached.join().expect(done),
-            contract: contract.join().expect(done),
-            oracle: oracle.map(|h| h.join().expect(done)),
-        }
-    });
-    if let Some((role, rec)) = runs.by_role().find(|(_, rec)| rec.timed_out) {
-        return Err(gerr!(
-            Producer: "{}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
-            p.id,
-            role.label(),
-            rec.verb,
-            o.timeout.as_secs(),
-            rec.invocation
-        ));
-    }
-    Ok(runs)
 }
 
 /// Every check's status counted, and the verdict: FAIL when anything failed or nothing passed,

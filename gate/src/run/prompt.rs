@@ -11,7 +11,7 @@ use tracegate_trace::{names, Trace};
 use super::agrees::check_oracle;
 use super::checks::{check_generation, check_matches, check_stable};
 use super::{GateOptions, PromptResult, PromptRuns, Role};
-use crate::milestones::{Expectation, Milestone};
+use crate::milestones::{Expectation, Milestone, MilestoneModel};
 use crate::producer::RunRecord;
 use crate::prompts::Prompt;
 
@@ -62,7 +62,8 @@ impl Traces {
 /// for the milestone's own --generate: another N changes the digest, the decision count and the
 /// tokens, so those comparisons are NOT CHECKED, not failed.
 fn expectation<'m>(
-    m: &'m Milestone,
+    m: &Milestone,
+    mm: &'m MilestoneModel,
     p: &Prompt,
     generate: usize,
 ) -> std::result::Result<&'m Expectation, String> {
@@ -72,7 +73,7 @@ fn expectation<'m>(
             m.generate
         ))
     } else {
-        m.expect.get(&p.id).ok_or_else(|| {
+        mm.expect.get(&p.id).ok_or_else(|| {
             format!(
                 "no expectation recorded for prompt {:?}: run with --bless",
                 p.id
@@ -84,13 +85,14 @@ fn expectation<'m>(
 pub(super) fn judge_prompt(
     o: &GateOptions,
     m: &Milestone,
+    mm: &MilestoneModel,
     p: &Prompt,
     runs: PromptRuns,
     policy: &Policy,
     oracle_probe: &crate::Result<Value>,
 ) -> PromptResult {
     let traces = Traces::open(&o.root, &runs, oracle_probe);
-    let expect = expectation(m, p, o.generate.unwrap_or(m.generate));
+    let expect = expectation(m, mm, p, o.generate.unwrap_or(m.generate));
     let expect = expect.as_ref().copied().map_err(String::as_str);
     let mut digests = BTreeMap::new();
     for role in Role::ALL {
@@ -106,10 +108,10 @@ pub(super) fn judge_prompt(
     };
     let mut checks = vec![
         check_stable(&traces.engine, expect),
-        check_matches(m, p, &traces, expect),
-        check_generation(m, p, &traces, &generated, expect),
+        check_matches(mm, p, &traces, expect),
+        check_generation(mm, p, &traces, &generated, expect),
     ];
-    let (oracle_checks, oracle_summary) = check_oracle(m, p, &traces, policy, expect);
+    let (oracle_checks, oracle_summary) = check_oracle(mm, p, &traces, policy, expect);
     checks.extend(oracle_checks);
     let counts = match &traces.engine {
         Ok(t) => counts(t),

@@ -8,7 +8,7 @@ use tracegate_diff::FindingKind;
 
 use super::{finding, Check, CheckResult, MilestoneReport, Observed, Plan, PromptResult, Status};
 use crate::baselines::{Baseline, BaselineFile};
-use crate::milestones::Expectation;
+use crate::milestones::{Expectation, MilestoneFile};
 use crate::{gerr, Result};
 
 pub(super) fn observed_of(r: &PromptResult) -> BTreeMap<String, f64> {
@@ -35,11 +35,24 @@ pub(super) fn check_baselines(
     assert_observed: Option<f64>,
 ) -> (Vec<CheckResult>, Vec<String>) {
     let Plan {
-        m, set, selected, ..
+        m,
+        mm,
+        set,
+        selected,
+        ..
     } = plan;
     let mut out = Vec::new();
     let mut not_selected = Vec::new();
-    for b in baselines.iter().filter(|b| b.milestone == m.id) {
+    // A baseline belongs to the model it requires: the one that ran, or the milestone's own
+    // (then NOT CHECKED under `--model`, by its unmet condition), not a sibling model.
+    let ours = |b: &&Baseline| {
+        b.milestone == m.id
+            && b.requires
+                .get("model")
+                .and_then(Value::as_str)
+                .is_none_or(|want| want == plan.model || want == mm.model)
+    };
+    for b in baselines.iter().filter(ours) {
         let name = Check::Baseline(b.id.clone());
         // A prompt of the set left out by --only: its baselines are not this run's business.
         let want_prompt = b.requires.get("prompt").and_then(Value::as_str);
@@ -161,45 +174,49 @@ pub(super) fn check_baselines(
     (out, not_selected)
 }
 
-/// `--bless`: this run's prompts sha256, expectations and baselines recorded in
-/// milestones.json and `baselines`; the log of what changed.
+/// `--bless`: one model's run recorded in `file` (the prompts sha256, the model's expectations)
+/// and `bl_file` (its baselines); the log of what changed. The caller writes both files.
 pub(super) fn bless(
-    plan: &mut Plan,
+    plan: &Plan,
     report: &MilestoneReport,
-    baselines: &mut BaselineFile,
-    bl_path: &std::path::Path,
-) -> Result<String> {
-    let conditions: Vec<_> = report.prompts.iter().map(|r| plan.conditions(r)).collect();
+    file: &mut MilestoneFile,
+    bl_file: &mut BaselineFile,
+) -> Result<Vec<String>> {
     let Plan {
-        ms_path,
-        file,
         m,
+        mm,
         set,
         threads,
         ..
     } = plan;
-    let bl_file = baselines;
     let mut log = Vec::new();
-    let entry = file
+    let milestone = file
         .get_mut(&m.id)
         .ok_or_else(|| gerr!("milestone {} vanished", m.id))?;
-    if entry.prompts.sha256 != set.sha256 {
+    if milestone.prompts.sha256 != set.sha256 {
         log.push(format!(
             "{}: prompts sha256 {} -> {}",
-            m.id, entry.prompts.sha256, set.sha256
+            m.id, milestone.prompts.sha256, set.sha256
         ));
-        entry.prompts.sha256 = set.sha256.clone();
+        milestone.prompts.sha256 = set.sha256.clone();
     }
+    let entry = milestone
+        .models
+        .iter_mut()
+        .find(|e| e.model == mm.model)
+        .ok_or_else(|| gerr!("milestone {}: model {} vanished", m.id, mm.model))?;
+    // Each line names the model: a milestone's models share its prompt ids.
+    let tag = format!("{} {}", m.id, super::dir_name(&plan.model));
     // Expectations belong to the milestone's own --generate; another N gets only its baselines.
     let own_generate = report.generate == m.generate;
     if !own_generate {
-        log.push(format!("{}: expectations left as recorded for --generate {} (this run: --generate {}); baselines recorded", m.id, m.generate, report.generate));
+        log.push(format!("{}: expectations left as recorded for --generate {} (this run: --generate {}); baselines recorded", tag, m.generate, report.generate));
     }
-    for (r, conditions) in report.prompts.iter().zip(conditions) {
+    for r in &report.prompts {
         let Some(digest) = r.digests.get("engine") else {
             log.push(format!(
                 "{}/{}: engine failed; expectation left as it was",
-                m.id, r.id
+                tag, r.id
             ));
             continue;
         };
@@ -209,14 +226,14 @@ pub(super) fn bless(
                 Some(old) if *old == new => {}
                 Some(old) => log.push(format!(
                     "{}/{}: expectation {} -> {}",
-                    m.id,
+                    tag,
                     r.id,
                     serde_json::to_string(old).unwrap_or_default(),
                     serde_json::to_string(&new).unwrap_or_default()
                 )),
                 None => log.push(format!(
                     "{}/{}: new expectation {}",
-                    m.id,
+                    tag,
                     r.id,
                     serde_json::to_string(&new).unwrap_or_default()
                 )),
@@ -224,7 +241,14 @@ pub(super) fn bless(
             entry.expect.insert(r.id.clone(), new);
         }
 
-        let id = format!("{}.{}.t{}.g{}", m.id, r.id, threads, report.generate);
+        let id = format!(
+            "{}.{}.{}.t{}.g{}",
+            m.id,
+            super::dir_name(&plan.model),
+            r.id,
+            threads,
+            report.generate
+        );
         let counts: BTreeMap<String, Value> = r
             .counts
             .as_object()
@@ -233,7 +257,7 @@ pub(super) fn bless(
         let baseline = Baseline {
             id: id.clone(),
             milestone: m.id.clone(),
-            requires: conditions,
+            requires: plan.conditions(r),
             counts,
             observed: observed_of(r),
         };
@@ -254,12 +278,7 @@ pub(super) fn bless(
             }
         }
     }
-    crate::write_json_atomic(ms_path, &*file)?;
-    crate::write_json_atomic(bl_path, bl_file)?;
-    if log.is_empty() {
-        log.push("nothing changed".into());
-    }
-    Ok(log.join("\n"))
+    Ok(log)
 }
 
 /// The expectation this run would record for prompt `r` (engine trace digest `digest`); `old`:

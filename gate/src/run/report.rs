@@ -283,7 +283,7 @@ impl Serialize for PromptRuns {
 }
 
 /// The JSON report's format, its top-level `schema` (docs/gate-report.schema.json describes it).
-pub const REPORT_SCHEMA: &str = "tracegate-gate-report/1";
+pub const REPORT_SCHEMA: &str = "tracegate-gate-report/2";
 
 #[derive(Clone, Debug, Serialize)]
 pub struct MilestoneReport {

@@ -11,7 +11,12 @@ the request (the verb for layer-bidir, the prompt for late-pos, the refusals) is
 Defects (each touches one layer only, so every later layer is a correct body that inherits):
   mlp-add      layer 2: the MLP block returns its input plus its output (add where it should overwrite);
                mlp-add@L puts it in layer L instead
-  bidir-mask   layer 1: attention sees every key (bidirectional instead of causal)
+  bidir-mask   layer 1: attention sees every key (bidirectional instead of causal);
+               bidir-mask@L puts it in layer L instead (a full-attention layer)
+  gdn-decay@L  Qwen3.5, linear-attention layer L: the decay g of the delta rule doubled (the
+               state forgets as exp(2g) per token instead of exp(g))
+  gdn-decay-cached@L  the same, only on a row that continues a carried state (a cached decode
+               step, or `layer --decode-from`): the prefill and the uncached recompute are correct
   gqa-mod      layer 3: query head h reads kv head h % n_kv instead of h // n_rep
   no-renorm    layer 1 (MoE): the chosen experts' weights are not renormalised
   cached-pos   layer 1, cached decode only: a row on a filled KV cache is rotated at position p+1
@@ -33,7 +38,7 @@ import sys
 
 import numpy as np
 from tracegate_contract import __main__ as cli
-from tracegate_contract import ops, qwen3
+from tracegate_contract import ops, qwen3, qwen3_5
 
 _current = [None]  # the layer Model.layer is running, for defects scoped to one layer
 _verb = [None]  # the request's verb, for defects scoped to one verb
@@ -59,11 +64,28 @@ def plant(defect: str) -> None:
             return x + y if _current[0] == at else y
 
         qwen3._Mlp.__call__ = mlp
-    elif defect in ("bidir-mask", "gqa-mod", "layer-bidir"):
+    elif defect.startswith(("gdn-decay@", "gdn-decay-cached@")):
+        orig, at = ops.gdn_decay, int(defect.partition("@")[2])
+        orig_gdn, carried = qwen3_5.Model._gated_deltanet, [False]
+
+        def gated_deltanet(self, i, G, xn, pos, cap, cache):
+            # a carried state: this layer's state of the cache already holds rows
+            carried[0] = cache is not None and cache.linear[i] is not None
+            return orig_gdn(self, i, G, xn, pos, cap, cache)
+
+        def gdn_decay(a, dt_bias, a_log):
+            g = orig(a, dt_bias, a_log)
+            wrong = _current[0] == at and (defect.startswith("gdn-decay@") or carried[0])
+            return g * np.float32(2.0) if wrong else g
+
+        qwen3_5.Model._gated_deltanet = gated_deltanet
+        ops.gdn_decay = gdn_decay  # qwen3_5 calls ops.gdn_decay through the module
+    elif defect in ("bidir-mask", "gqa-mod", "layer-bidir") or defect.startswith("bidir-mask@"):
         orig = ops.attention
+        bidir_at = int(defect.partition("@")[2] or 1) if defect.startswith("bidir-mask") else None
 
         def attention(q, k, v, q_pos, k_pos, scale):
-            if (defect, _current[0]) == ("bidir-mask", 1) or (
+            if _current[0] == bidir_at or (
                 (defect, _current[0], _verb[0]) == ("layer-bidir", 2, "layer")
             ):
                 q_pos = [max(k_pos)] * len(q_pos)  # every query row sees every key

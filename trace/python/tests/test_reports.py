@@ -48,6 +48,8 @@ def planted(tmp_path_factory):
             "--root",
             ROOT,
             "m0",
+            "--model",
+            ROOT / "fixtures/tiny-qwen3",
             "--only",
             "short",
             "--oracle-cmd",
@@ -62,7 +64,9 @@ def planted(tmp_path_factory):
         env={**os.environ, "TRACEGATE_PYTHON": sys.executable},
     )
     assert g.returncode == 1, g.stdout + g.stderr
-    traces = d / "work" / "m0" / "short"
+    traces = d / "work" / "m0" / "tiny-qwen3" / "short"
+    # Every gate report file is an array, one report per model; --model ran one.
+    (gate,) = json.loads((d / "gate.json").read_text())
     t = run(
         [
             BIN / "trace-diff",
@@ -79,7 +83,7 @@ def planted(tmp_path_factory):
     return {
         "dir": d,
         "traces": traces,
-        "gate": json.loads((d / "gate.json").read_text()),
+        "gate": gate,
         "diff": json.loads(t.stdout),
     }
 
@@ -149,7 +153,7 @@ def validator(name: str):
 
 def test_the_gate_report_carries_its_schema_and_validates(planted):
     rep = planted["gate"]
-    assert rep["schema"] == "tracegate-gate-report/1"
+    assert rep["schema"] == "tracegate-gate-report/2"
     v = validator("gate-report.schema.json")
     assert list(v.iter_errors(rep)) == []
     # Negative controls: each planted defect is refused by the validator.
