@@ -316,6 +316,9 @@ fn run_one(
     for rep in &reps {
         print!("{}", report::render(rep));
     }
+    if reps.len() > 1 {
+        print!("{}", overall_line(id, &reps));
+    }
     if let Some(p) = &a.html {
         let p = up.absolute(p);
         for rep in &reps {
@@ -344,6 +347,24 @@ fn html_path(p: &std::path::Path, model: &str) -> PathBuf {
         None => format!("{stem}.{model}"),
     };
     p.with_file_name(name)
+}
+
+/// Several models: one line that sums every report's checks, so the last line is the verdict.
+fn overall_line(id: &str, reps: &[MilestoneReport]) -> String {
+    use tracegate_gate::run::Status;
+    let n = |s: Status| -> usize { reps.iter().filter_map(|r| r.totals.get(&s)).sum() };
+    let verdict = match worst_exit(reps) {
+        0 => "PASS",
+        4 => "INCOMPLETE",
+        _ => "FAIL",
+    };
+    format!(
+        "\ngate {id}, {} models: {verdict} — {} PASS, {} FAIL, {} NOT CHECKED\n",
+        reps.len(),
+        n(Status::Pass),
+        n(Status::Fail),
+        n(Status::NotChecked)
+    )
 }
 
 /// The exit code of a run of several reports: 1 if any failed, else 4 if any was incomplete.

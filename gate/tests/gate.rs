@@ -1999,3 +1999,49 @@ fn a_worker_that_hangs_is_killed_at_the_timeout_of_that_request() {
     .unwrap();
     assert!(ended(&pid), "the hung worker (pid {pid}) outlived the gate");
 }
+
+#[test]
+fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict() {
+    // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3 (no
+    // such layer) does not; the oracle is unavailable, so tiny-qwen3's report is INCOMPLETE.
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let root = repo();
+    let defective = format!(
+        "'{}' '{}' --defect gdn-decay@2 {{verb|serve}} {{args}}",
+        root.join(".venv/bin/python").display(),
+        root.join("gate/tests/producers/defective_contract.py")
+            .display()
+    );
+    let r = gate(
+        &root,
+        &["m0", "--only", "short", "--contract-cmd", &defective],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let reps = r.report.unwrap();
+    let reps = reps.as_array().unwrap();
+    let verdicts: Vec<&str> = reps
+        .iter()
+        .map(|r| r["verdict"].as_str().unwrap())
+        .collect();
+    assert_eq!(verdicts, ["INCOMPLETE", "FAIL"], "{}", r.stdout);
+    let total = |s: &str| -> u64 {
+        reps.iter()
+            .map(|r| r["totals"][s].as_u64().unwrap_or(0))
+            .sum()
+    };
+    let want = format!(
+        "gate m0, 2 models: FAIL — {} PASS, {} FAIL, {} NOT CHECKED",
+        total("PASS"),
+        total("FAIL"),
+        total("NOT CHECKED")
+    );
+    assert!(total("FAIL") > 0 && total("PASS") > 0, "{}", r.stdout);
+    assert_eq!(
+        r.stdout.trim_end().lines().last(),
+        Some(want.as_str()),
+        "{}",
+        r.stdout
+    );
+}
