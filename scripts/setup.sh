@@ -6,7 +6,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-log() { printf '[setup] %s\n' "$*" >&2; }
+log() { printf '[setup %s] %s\n' "$(date +%T)" "$*" >&2; }
 
 command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (rustup) first" >&2; exit 1; }
 PYTHON="${PYTHON:-python3}"
@@ -40,6 +40,7 @@ python_env() {
   else
     log "WARNING: chromium is missing and cannot be installed here (needs root and apt-get): install Debian's chromium (or put chromium on PATH); until then the browser test skips, and fails under CI=true"
   fi
+  log "Python environment ready"
 }
 
 if [ "${1:-}" = "--python-env" ]; then
