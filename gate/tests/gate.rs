@@ -2006,15 +2006,9 @@ fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict()
     // such layer) does not; the oracle is unavailable, so tiny-qwen3's report is INCOMPLETE.
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
-    let root = repo();
-    let defective = format!(
-        "'{}' '{}' --defect gdn-decay@2 {{verb|serve}} {{args}}",
-        root.join(".venv/bin/python").display(),
-        root.join("gate/tests/producers/defective_contract.py")
-            .display()
-    );
+    let defective = test_producer("defective_contract.py", "--defect gdn-decay@2");
     let r = gate(
-        &root,
+        &repo(),
         &["m0", "--only", "short", "--contract-cmd", &defective],
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
