@@ -180,6 +180,18 @@ enum Cmd {
     /// inconsistent producer or divergence, 2 refused, 4 isolation NOT CHECKED, 6 the cached
     /// decode path disagrees with the full recompute (--generate).
     Bisect(BisectArgs),
+    /// List the resident contract and oracle workers (pid, command, started, idle for, RSS), or
+    /// end them all with `gate workers stop` (docs/producers.md, "Resident workers").
+    Workers {
+        #[command(subcommand)]
+        action: Option<WorkersAction>,
+    },
+}
+
+#[derive(Subcommand)]
+enum WorkersAction {
+    /// End every resident worker of this user (says how many).
+    Stop,
 }
 
 /// A `--prompts` value: a set name stays a name; a path is taken from where the gate started.
@@ -429,7 +441,31 @@ fn main() -> ExitCode {
     {
         return engine_child();
     }
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == tracegate_gate::producer::resident::RESIDENT_CHILD)
+    {
+        let args: Vec<String> = std::env::args_os()
+            .skip(2)
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        return ExitCode::from(tracegate_gate::producer::resident::daemon_main(&args) as u8);
+    }
     let cli = Cli::parse();
+    // Needs no project: the runtime directory is the user's.
+    if let Cmd::Workers { action } = &cli.cmd {
+        let stop = matches!(action, Some(WorkersAction::Stop));
+        return match tracegate_gate::producer::resident::workers_verb(stop) {
+            Ok(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("gate workers: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let root = match cli.root.clone().map(Ok).unwrap_or_else(|| {
         std::env::current_dir()
             .map_err(|e| gerr!("{e}"))
@@ -467,6 +503,7 @@ fn main() -> ExitCode {
             write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| worst_exit(&r))
         }),
         Cmd::Bisect(a) => bisect(&root, &up, a),
+        Cmd::Workers { .. } => Ok(0), // answered above
         Cmd::Check { args } if args.html.is_some() => Err(gerr!(
             "gate check writes no HTML report: run each milestone with gate m0|m1|run --html"
         )),

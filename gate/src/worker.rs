@@ -18,17 +18,25 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::producer::resident::{self, Client, Reply};
 use crate::producer::{display, exit_text, Capture, Ended};
 
 /// (working directory, worker command line): one worker each.
 type Key = (PathBuf, Vec<String>);
-type Slot = Arc<Mutex<Option<Worker>>>;
+type Slot = Arc<Mutex<Option<Conn>>>;
+
+/// A gate process's way to its worker: its own child (per-run), or a resident one on a socket
+/// (crate::producer::resident).
+enum Conn {
+    Local(Worker),
+    Resident(Client),
+}
 
 static WORKERS: LazyLock<Mutex<HashMap<Key, Slot>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
-struct Worker {
+pub(crate) struct Worker {
     child: Child,
-    pid: libc::pid_t,
+    pub(crate) pid: libc::pid_t,
     stdin: ChildStdin,
     out: Option<std::fs::File>,
     err: Option<std::fs::File>,
@@ -54,7 +62,7 @@ fn nonblocking(f: &std::fs::File) {
 }
 
 impl Worker {
-    fn spawn(root: &Path, argv: &[String]) -> crate::Result<Worker> {
+    pub(crate) fn spawn(root: &Path, argv: &[String]) -> crate::Result<Worker> {
         use std::os::unix::process::CommandExt;
         let (prog, rest) = argv
             .split_first()
@@ -88,7 +96,7 @@ impl Worker {
     }
 
     /// Reads what is there (waiting at most 20 ms); Some(answer line) once one is complete.
-    fn pump(&mut self, buf: &mut [u8]) -> Option<String> {
+    pub(crate) fn pump(&mut self, buf: &mut [u8]) -> Option<String> {
         let open: Vec<(usize, i32)> = [&self.out, &self.err]
             .iter()
             .enumerate()
@@ -131,9 +139,59 @@ impl Worker {
         Some(String::from_utf8_lossy(&line).trim().to_string())
     }
 
+    /// Sends one request and waits for its answer (or `deadline`, or `cancelled()`, polled
+    /// every 20 ms). The worker's stderr meanwhile goes to `err_cap`.
+    pub(crate) fn ask(
+        &mut self,
+        request: &[String],
+        deadline: Option<Instant>,
+        cancelled: &mut dyn FnMut() -> bool,
+    ) -> Answer {
+        let pid = self.pid;
+        let line = serde_json::json!({ "argv": request }).to_string() + "\n";
+        let mut buf = vec![0u8; 64 * 1024];
+        if let Err(e) = self
+            .stdin
+            .write_all(line.as_bytes())
+            .and_then(|_| self.stdin.flush())
+        {
+            return Answer::Broken(format!("worker {pid} did not take the request: {e}"));
+        }
+        loop {
+            if let Some(a) = self.pump(&mut buf) {
+                let v = serde_json::from_str::<serde_json::Value>(&a).ok();
+                if let Some(c) = v.as_ref().and_then(|v| v.get("exit")?.as_i64()) {
+                    return Answer::Exit(c as i32);
+                }
+                if let Some(why) = v.as_ref().and_then(|v| v.get("stale")?.as_str()) {
+                    return Answer::Stale(why.to_string());
+                }
+                return Answer::Broken(format!(
+                    "worker {pid} answered {a:?}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")"
+                ));
+            }
+            if self.out.is_none() {
+                return Answer::Broken(format!("worker {pid} ended without answering"));
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Answer::TimedOut;
+            }
+            if cancelled() {
+                return Answer::Cancelled;
+            }
+        }
+    }
+
+    /// Reads what the worker wrote while no request ran (kept for the next request); false once
+    /// it closed its stdout (it ended).
+    pub(crate) fn idle(&mut self, buf: &mut [u8]) -> bool {
+        let _ = self.pump(buf);
+        self.out.is_some()
+    }
+
     /// Kills the group, reads the rest of stderr (DRAIN_GRACE at most), reaps the leader: how it
     /// ended, and its peak RSS.
-    fn end(mut self) -> (String, Option<i32>, Option<u64>, Capture) {
+    pub(crate) fn end(mut self) -> (String, Option<i32>, Option<u64>, Capture) {
         // SAFETY: the leader is our unreaped child, so its pid (the group id) is not reused.
         unsafe { libc::kill(-self.pid, libc::SIGKILL) };
         let start = Instant::now();
@@ -155,79 +213,39 @@ impl Worker {
 }
 
 /// The worker's peak RSS so far (VmHWM), as a per-call run reports its own.
-fn peak_rss_kib(pid: libc::pid_t) -> Option<u64> {
+pub(crate) fn peak_rss_kib(pid: libc::pid_t) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
-/// Starts the worker now, so its start-up (imports) overlaps whatever the gate does next.
-pub(crate) fn prestart(root: &Path, serve_argv: &[String]) {
-    let slot = slot(root, serve_argv);
-    let mut w = slot.lock().unwrap_or_else(|p| p.into_inner());
-    if w.is_none() {
-        // A worker that cannot start is reported by the first request that needs it.
-        *w = Worker::spawn(root, serve_argv).ok();
-    }
+/// How a request to a worker went.
+pub(crate) enum Answer {
+    Exit(i32),
+    /// The worker's code changed since it imported it (tracegate.serve); it has left.
+    Stale(String),
+    /// Unusable: ended, or broke the protocol.
+    Broken(String),
+    TimedOut,
+    /// Whoever asked went away (a resident worker's client).
+    Cancelled,
 }
 
-/// One request: `request` is the per-call command line from the verb on. Returns how it ended
-/// (as a per-call run would) and the worker's pid.
-pub(crate) fn request(
-    root: &Path,
-    serve_argv: &[String],
-    request: &[String],
-    timeout: Duration,
-) -> (Ended, Option<u32>) {
-    let slot = slot(root, serve_argv);
-    let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
-    if guard.is_none() {
-        match Worker::spawn(root, serve_argv) {
-            Ok(w) => *guard = Some(w),
-            Err(e) => return (Ended::failed(e.to_string()), None),
-        }
-    }
-    let Some(w) = guard.as_mut() else {
-        return (Ended::failed("no worker".into()), None);
+/// What a per-call run would have ended with, from a worker's answer. A worker that did not
+/// answer `{"exit": N}` is ended (its group killed) and taken from `slot`.
+pub(crate) fn ended(slot: &mut Option<Worker>, answer: Answer, serve_argv: &[String]) -> Ended {
+    let Some(w) = slot.as_mut() else {
+        return Ended::failed("no worker".into());
     };
-    let pid = w.pid as u32;
-    let start = Instant::now();
-    let line = serde_json::json!({ "argv": request }).to_string() + "\n";
-    let mut buf = vec![0u8; 64 * 1024];
-    // Ok(exit status) from the answer; Err(why the worker is unusable, timed out).
-    let answer: Result<i32, (String, bool)> = match w
-        .stdin
-        .write_all(line.as_bytes())
-        .and_then(|_| w.stdin.flush())
-    {
-        Err(e) => Err((format!("worker {pid} did not take the request: {e}"), false)),
-        Ok(()) => loop {
-            if let Some(a) = w.pump(&mut buf) {
-                let code = serde_json::from_str::<serde_json::Value>(&a)
-                    .ok()
-                    .and_then(|v| v.get("exit")?.as_i64());
-                break match code {
-                    Some(c) => Ok(c as i32),
-                    None => Err((format!("worker {pid} answered {a:?}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")"), false)),
-                };
-            }
-            if w.out.is_none() {
-                break Err((format!("worker {pid} ended without answering"), false));
-            }
-            if start.elapsed() >= timeout {
-                break Err((String::new(), true));
-            }
-        },
-    };
-    match answer {
-        Ok(code) => {
+    let (why, timed_out) = match answer {
+        Answer::Exit(code) => {
             let cap = std::mem::take(&mut w.err_cap);
             let mut text = cap.text();
             if code != 0 {
                 text.truncate(text.trim_end().len());
                 text.push_str(&format!("\n[exit status {code}]"));
             }
-            let ended = Ended {
+            return Ended {
                 ok: code == 0,
                 exit_code: Some(code),
                 timed_out: false,
@@ -236,30 +254,125 @@ pub(crate) fn request(
                 stderr_bytes: cap.total(),
                 stdout: String::new(),
             };
-            (ended, Some(pid))
         }
-        Err((why, timed_out)) => {
-            let Some(w) = guard.take() else {
-                return (Ended::failed(why), Some(pid));
-            };
-            let (how, code, rss, cap) = w.end();
-            let mut text = cap.text();
-            text.truncate(text.trim_end().len());
-            if !timed_out {
-                text.push_str(&format!("\n[{why}; {how}; $ {}]", display(serve_argv)));
-            }
-            (
-                Ended {
-                    ok: false,
-                    exit_code: if timed_out { None } else { code },
-                    timed_out,
-                    peak_rss_kib: rss,
-                    text,
-                    stderr_bytes: cap.total(),
-                    stdout: String::new(),
-                },
-                Some(pid),
-            )
-        }
+        Answer::TimedOut => (String::new(), true),
+        Answer::Broken(why) => (why, false),
+        Answer::Stale(why) => (why, false),
+        Answer::Cancelled => ("the request was cancelled".into(), false),
+    };
+    let Some(w) = slot.take() else {
+        return Ended::failed(why);
+    };
+    let (how, code, rss, cap) = w.end();
+    let mut text = cap.text();
+    text.truncate(text.trim_end().len());
+    if !timed_out {
+        text.push_str(&format!("\n[{why}; {how}; $ {}]", display(serve_argv)));
+    }
+    Ended {
+        ok: false,
+        exit_code: if timed_out { None } else { code },
+        timed_out,
+        peak_rss_kib: rss,
+        text,
+        stderr_bytes: cap.total(),
+        stdout: String::new(),
     }
 }
+
+/// Which worker answered a run: its pid, and for a resident one whether this gate run started
+/// it or found it running (docs/producers.md, "Resident workers").
+#[derive(Clone, Copy, Debug)]
+pub struct Served {
+    pub pid: u32,
+    pub resident: Option<&'static str>,
+}
+
+/// A worker for `slot`: a resident one when residency is on and it is free, else this gate
+/// process's own. Says on stderr which, once per worker.
+fn connect(name: &str, root: &Path, serve_argv: &[String]) -> crate::Result<Conn> {
+    match resident::open(name, root, serve_argv) {
+        Some(Ok(c)) => return Ok(Conn::Resident(c)),
+        Some(Err(why)) => eprintln!("[gate] {name} worker: {why}; this run starts its own"),
+        None => {}
+    }
+    Worker::spawn(root, serve_argv).map(Conn::Local)
+}
+
+/// Starts the worker now, so its start-up (imports) overlaps whatever the gate does next.
+pub(crate) fn prestart(name: &str, root: &Path, serve_argv: &[String]) {
+    let slot = slot(root, serve_argv);
+    let mut w = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if w.is_none() {
+        // A worker that cannot start is reported by the first request that needs it.
+        *w = connect(name, root, serve_argv).ok();
+    }
+}
+
+/// One request: `request` is the per-call command line from the verb on. Returns how it ended
+/// (as a per-call run would) and which worker answered. A worker that finds its code changed
+/// (stale) is replaced by a fresh one, which gets the request.
+pub(crate) fn request(
+    name: &str,
+    root: &Path,
+    serve_argv: &[String],
+    request: &[String],
+    timeout: Duration,
+) -> (Ended, Option<Served>) {
+    let slot = slot(root, serve_argv);
+    let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+    let deadline = Instant::now() + timeout;
+    for _ in 0..STALE_RETRIES {
+        if guard.is_none() {
+            match connect(name, root, serve_argv) {
+                Ok(c) => *guard = Some(c),
+                Err(e) => return (Ended::failed(e.to_string()), None),
+            }
+        }
+        let stale = match guard.take() {
+            None => return (Ended::failed("no worker".into()), None),
+            Some(Conn::Local(w)) => {
+                let mut local = Some(w);
+                let pid = local.as_ref().map_or(0, |w| w.pid as u32);
+                let answer = match local.as_mut() {
+                    Some(w) => w.ask(request, Some(deadline), &mut || false),
+                    None => Answer::Broken("no worker".into()),
+                };
+                let stale = matches!(&answer, Answer::Stale(_));
+                let why = if let Answer::Stale(why) = &answer {
+                    why.clone()
+                } else {
+                    String::new()
+                };
+                let e = ended(&mut local, answer, serve_argv);
+                if !stale {
+                    *guard = local.map(Conn::Local);
+                    let served = Served {
+                        pid,
+                        resident: None,
+                    };
+                    return (e, Some(served));
+                }
+                why
+            }
+            Some(Conn::Resident(mut c)) => {
+                let served = c.served();
+                match c.ask(request, deadline) {
+                    Reply::Ended(e) => {
+                        *guard = Some(Conn::Resident(c));
+                        return (e, Some(served));
+                    }
+                    Reply::Gone(e) => return (e, Some(served)),
+                    Reply::Stale(why) => why,
+                }
+            }
+        };
+        eprintln!("[gate] {name} worker is stale ({stale}): starting a fresh one");
+    }
+    let why =
+        format!("{name} worker: stale {STALE_RETRIES} times in a row (its code keeps changing)");
+    (Ended::failed(why), None)
+}
+
+/// Fresh workers tried for one request whose worker found its code changed.
+const STALE_RETRIES: usize = 3;

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 mod engine_child;
+pub mod resident;
 mod spawn;
 mod verb;
 
@@ -61,6 +62,10 @@ pub struct RunRecord {
     /// invocation above is then the equivalent per-call command line.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub served_by: Option<u32>,
+    /// For a resident worker (docs/producers.md, "Resident workers"): `started` by this gate
+    /// run or `reused` from an earlier one; absent for a per-run worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_resident: Option<&'static str>,
 }
 
 impl RunRecord {
@@ -194,7 +199,7 @@ impl Producer {
     /// overlaps what the gate does before the first request.
     pub fn prestart(&self, root: &Path) {
         if let Some((_, serve_argv)) = self.serve_argv() {
-            crate::worker::prestart(root, &serve_argv);
+            crate::worker::prestart(&self.name(), root, &serve_argv);
         }
     }
 
@@ -207,7 +212,7 @@ impl Producer {
         timeout: Duration,
     ) -> Option<crate::Result<()>> {
         let (_, serve_argv) = self.serve_argv()?;
-        let (e, _) = crate::worker::request(root, &serve_argv, request, timeout);
+        let (e, _) = crate::worker::request(&self.name(), root, &serve_argv, request, timeout);
         Some(match (e.ok, e.timed_out) {
             (true, _) => Ok(()),
             (false, true) => Err(crate::gerr!(
@@ -227,7 +232,7 @@ impl Producer {
         let argv = self.argv(verb);
         let invocation = display(&argv);
         let start = Instant::now();
-        let mut served_by = None;
+        let mut served = None;
         let spawned = match self {
             Producer::Engine { .. } => match std::env::current_exe() {
                 Ok(exe) => {
@@ -241,9 +246,14 @@ impl Producer {
             },
             Producer::Command { .. } => match self.serve_argv() {
                 Some((i, serve_argv)) => {
-                    let (ended, pid) =
-                        crate::worker::request(root, &serve_argv, &argv[i..], timeout);
-                    served_by = pid;
+                    let (ended, by) = crate::worker::request(
+                        &self.name(),
+                        root,
+                        &serve_argv,
+                        &argv[i..],
+                        timeout,
+                    );
+                    served = by;
                     ended
                 }
                 None => run_command(root, &argv, timeout),
@@ -274,7 +284,8 @@ impl Producer {
             stderr,
             stderr_bytes: spawned.stderr_bytes,
             out: verb.out().to_string(),
-            served_by,
+            served_by: served.map(|s| s.pid),
+            served_resident: served.and_then(|s| s.resident),
         }
     }
 }

@@ -60,7 +60,8 @@ impl Capture {
     }
 }
 
-/// How a subprocess ended.
+/// How a subprocess ended (also what a resident worker's daemon answers, as JSON).
+#[derive(serde::Serialize, serde::Deserialize)]
 pub(crate) struct Ended {
     pub(crate) ok: bool,
     pub(crate) exit_code: Option<i32>,

@@ -8,6 +8,13 @@ takes after the program (``trace --model DIR ...``). stdout: one answer per requ
 producer itself prints (its digest line, a library's chatter, tracebacks) goes to stderr, so
 stdout carries answers only. EOF on stdin ends the worker (exit 0); so does the end of the
 process that started it (the gate), even while a request runs.
+
+Never stale: before each request the worker compares the size and mtime of every tracegate
+module it has imported (``tracegate*`` in ``sys.modules``, the compiled binding included) with
+what they were when it imported them; once one changed it answers ``{"stale": WHY}`` instead of
+running the request and exits, and the gate starts a fresh worker for it (a resident worker
+outlives the edit that changed them). Test-only hooks: ``TRACEGATE_SERVE_WATCH`` (one more file
+to watch) and ``TRACEGATE_SERVE_STALE_CHECK=0`` (no check: the negative control).
 """
 
 from __future__ import annotations
@@ -38,15 +45,53 @@ def _watch_parent(ppid: int) -> None:
             os._exit(1)
 
 
+def _stat(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns)
+
+
+class _Imported:
+    """The files of the tracegate modules imported so far, with their (size, mtime) when first
+    seen (a module imported during a request is recorded right after it)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[int, int] | None] = {}
+        watch = os.environ.get("TRACEGATE_SERVE_WATCH")
+        if watch:
+            self.seen[watch] = _stat(watch)
+        self.update()
+
+    def update(self) -> None:
+        for name, mod in list(sys.modules.items()):
+            path = getattr(mod, "__file__", None)
+            if name.split(".")[0].startswith("tracegate") and path and path not in self.seen:
+                self.seen[path] = _stat(path)
+
+    def changed(self) -> str | None:
+        for path, was in self.seen.items():
+            now = _stat(path)
+            if now != was:
+                return f"{path} changed since the worker imported it (size, mtime {was} -> {now})"
+        return None
+
+
 def serve(main, argv0: str) -> int:
     """Run ``main(argv) -> int`` once per request line. ``sys.argv`` is set per request to
     ``[argv0, *argv]`` as the per-call process would see it (the oracle records it as its command)."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # fd 1 (and sys.stdout, which writes to it) now goes to stderr
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    imported = _Imported() if os.environ.get("TRACEGATE_SERVE_STALE_CHECK") != "0" else None
     for line in sys.stdin:
         if not line.strip():
             continue
+        stale = imported and imported.changed()
+        if stale:
+            answers.write(json.dumps({"stale": stale}) + "\n")
+            return 0
         try:
             argv = json.loads(line)["argv"]
             if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
@@ -63,6 +108,8 @@ def serve(main, argv0: str) -> int:
             except Exception:  # a bug keeps its traceback, as an uncaught exception would
                 traceback.print_exc()
                 status = 1
+        if imported:
+            imported.update()
         sys.stdout.flush()
         sys.stderr.flush()
         answers.write(json.dumps({"exit": status}) + "\n")

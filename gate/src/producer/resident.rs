@@ -1,0 +1,742 @@
+//! Resident workers (docs/producers.md, "Resident workers"): a built-in worker that outlives the
+//! gate run that started it and serves the next run that would start the same one, so Python,
+//! torch and transformers are imported once per session rather than once per gate run.
+//!
+//! A resident worker is a small daemon, the gate's own executable under the hidden verb
+//! RESIDENT_CHILD, that owns the Python worker exactly as a gate process owns its per-run one
+//! (crate::worker: stdin/stdout lines, stderr kept per request) and listens on a Unix socket in
+//! a private runtime directory, one socket per key. The key is a digest of what decides what
+//! the worker computes: working directory, worker command line (its Python included), the
+//! environment variables of KEY_ENV, and the gate executable itself. On the socket: a hello
+//! line from the daemon (`{"pid", "worker_pid", "started"}`), then per request the client's
+//! `{"argv": [...]}` line and the daemon's `{"ended": …}` (what the request ended with, stderr
+//! bounded as for a per-call run) or `{"stale": WHY}`.
+//!
+//! Lifecycle: one client at a time, held by an flock on the key's lock file for the whole gate
+//! run; a second run finds it taken and starts its own per-run worker. The daemon leaves after
+//! TRACEGATE_RESIDENT_IDLE seconds without a client (default IDLE_S), when its worker ends or
+//! finds its code stale, and when a client leaves mid-request (the request is dropped: the
+//! worker's group is killed). A client whose request outlives `--timeout` kills both groups.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::producer::{display, Ended};
+use crate::worker::{self, Answer, Served, Worker};
+
+/// The hidden first argument that runs the gate's executable as a resident worker's daemon.
+pub const RESIDENT_CHILD: &str = "__resident-worker";
+/// Seconds a resident worker waits for its next client before it leaves.
+pub const IDLE_S: u64 = 600;
+/// Environment variables (exact names, or prefixes ending in `_` or `*`) that can change what
+/// a worker computes or which code it runs: a different value is a different worker. The gate's
+/// own residency settings are not among them.
+const KEY_ENV: &[&str] = &[
+    "TRACEGATE_*",
+    "PYTHON*",
+    "OMP_*",
+    "MKL_*",
+    "OPENBLAS_*",
+    "KMP_*",
+    "NUMEXPR_*",
+    "TORCH*",
+    "CUDA_*",
+    "HF_*",
+    "TRANSFORMERS_*",
+    "PATH",
+    "LD_LIBRARY_PATH",
+    "LD_PRELOAD",
+    "VIRTUAL_ENV",
+];
+const GATE_SIDE_ENV: &[&str] = &[
+    "TRACEGATE_RESIDENT",
+    "TRACEGATE_RESIDENT_IDLE",
+    "TRACEGATE_RUNTIME_DIR",
+    "TRACEGATE_SERVE",
+];
+/// How long a client waits for a daemon it started to listen, or for a hello.
+const CONNECT_WAIT: Duration = Duration::from_secs(10);
+
+/// Residency is on unless TRACEGATE_RESIDENT=0, or CI is set (CI services set CI=true): a CI
+/// job leaves no process behind.
+pub fn enabled() -> bool {
+    let off = |v: &str| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "" | "0" | "false" | "no"
+        )
+    };
+    match std::env::var("TRACEGATE_RESIDENT") {
+        Ok(v) => !off(&v),
+        Err(_) => std::env::var("CI").map_or(true, |v| off(&v)),
+    }
+}
+
+fn idle_s() -> u64 {
+    std::env::var("TRACEGATE_RESIDENT_IDLE")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(IDLE_S)
+}
+
+fn uid() -> u32 {
+    // SAFETY: getuid cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// TRACEGATE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/tracegate, else /tmp/tracegate-$UID: created
+/// 0700; refused when another user owns it or others may enter it.
+pub fn runtime_dir() -> Result<PathBuf, String> {
+    let dir = match (
+        std::env::var_os("TRACEGATE_RUNTIME_DIR"),
+        std::env::var_os("XDG_RUNTIME_DIR"),
+    ) {
+        (Some(d), _) if !d.is_empty() => PathBuf::from(d),
+        (_, Some(x)) if !x.is_empty() => PathBuf::from(x).join("tracegate"),
+        _ => PathBuf::from(format!("/tmp/tracegate-{}", uid())),
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| format!("runtime dir {}: {e}", dir.display()))?;
+    let m = std::fs::symlink_metadata(&dir)
+        .map_err(|e| format!("runtime dir {}: {e}", dir.display()))?;
+    if !m.is_dir() {
+        return Err(format!("runtime dir {} is not a directory", dir.display()));
+    }
+    if m.uid() != uid() {
+        return Err(format!(
+            "runtime dir {} is owned by uid {}, not this user ({})",
+            dir.display(),
+            m.uid(),
+            uid()
+        ));
+    }
+    if m.mode() & 0o077 != 0 {
+        return Err(format!(
+            "runtime dir {} is not private (mode {:o}; want 700)",
+            dir.display(),
+            m.mode() & 0o777
+        ));
+    }
+    Ok(dir)
+}
+
+fn key_env() -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| {
+            !GATE_SIDE_ENV.contains(&k.as_str())
+                && KEY_ENV.iter().any(|p| match p.strip_suffix('*') {
+                    Some(prefix) => k.starts_with(prefix),
+                    None => k == p,
+                })
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn file_id(p: &Path) -> serde_json::Value {
+    match std::fs::metadata(p) {
+        Ok(m) => serde_json::json!([p.display().to_string(), m.len(), m.mtime(), m.mtime_nsec()]),
+        Err(_) => serde_json::json!([p.display().to_string()]),
+    }
+}
+
+/// The key of the worker `serve_argv` started in `root`: 16 hex digits of a SHA-256.
+fn key(root: &Path, serve_argv: &[String]) -> Result<String, String> {
+    let cwd = std::fs::canonicalize(root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let exe = std::env::current_exe().map_err(|e| format!("the gate's executable: {e}"))?;
+    let python = serve_argv
+        .first()
+        .map(|p| file_id(&std::fs::canonicalize(root.join(p)).unwrap_or_else(|_| p.into())));
+    let what = serde_json::json!({
+        "cwd": cwd.display().to_string(),
+        "argv": serve_argv,
+        "python": python,
+        "env": key_env(),
+        "gate": file_id(&exe),
+    });
+    let digest = Sha256::digest(what.to_string().as_bytes());
+    Ok(hex::encode(&digest[..8]))
+}
+
+/// What a daemon records about itself next to its socket (`gate workers` reads it).
+#[derive(Serialize, Deserialize)]
+pub struct Info {
+    pub pid: i32,
+    pub worker_pid: i32,
+    pub command: String,
+    pub cwd: String,
+    /// Unix seconds.
+    pub started: u64,
+    /// Unix seconds at the end of the last request (or the start).
+    pub last_used: u64,
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Local wall-clock time of unix seconds `t`, `HH:MM:SS`.
+pub fn clock(t: u64) -> String {
+    // SAFETY: localtime_r fills the out-parameter from a time_t.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    let tt = t as libc::time_t;
+    unsafe { libc::localtime_r(&tt, &mut tm) };
+    format!("{:02}:{:02}:{:02}", tm.tm_hour, tm.tm_min, tm.tm_sec)
+}
+
+struct Paths {
+    sock: PathBuf,
+    lock: PathBuf,
+    info: PathBuf,
+    log: PathBuf,
+}
+
+fn paths(dir: &Path, key: &str) -> Paths {
+    Paths {
+        sock: dir.join(format!("{key}.sock")),
+        lock: dir.join(format!("{key}.lock")),
+        info: dir.join(format!("{key}.json")),
+        log: dir.join(format!("{key}.log")),
+    }
+}
+
+fn read_info(path: &Path) -> Option<Info> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+fn write_info(path: &Path, info: &Info) {
+    let tmp = path.with_extension("json.tmp");
+    if let Ok(text) = serde_json::to_string(info) {
+        if std::fs::write(&tmp, text).is_ok() {
+            let _ = std::fs::rename(&tmp, path);
+        }
+    }
+}
+
+/// A gate run's connection to a resident worker; holds the key's lock while it lives.
+pub(crate) struct Client {
+    reader: BufReader<UnixStream>,
+    stream: UnixStream,
+    _lock: std::fs::File,
+    pid: i32,
+    worker_pid: i32,
+    resident: &'static str,
+    sock: PathBuf,
+    /// Bytes of the daemon's next line read so far.
+    line: Vec<u8>,
+}
+
+pub(crate) enum Reply {
+    /// Answered: what the request ended with (a failed run included).
+    Ended(Ended),
+    /// The worker's code changed; it has left. Ask a fresh one.
+    Stale(String),
+    /// The worker is gone (or was killed at the timeout): the request's result says why.
+    Gone(Ended),
+}
+
+#[derive(Deserialize)]
+struct Hello {
+    pid: i32,
+    worker_pid: i32,
+    started: u64,
+}
+
+/// A resident worker for `serve_argv` in `root`: None when residency is off; Err(why this run
+/// starts its own instead: busy, or the runtime directory refused). Prints which worker serves.
+pub(crate) fn open(
+    name: &str,
+    root: &Path,
+    serve_argv: &[String],
+) -> Option<Result<Client, String>> {
+    if !enabled() {
+        return None;
+    }
+    Some(open_resident(name, root, serve_argv))
+}
+
+fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Client, String> {
+    let dir = runtime_dir()?;
+    let key = key(root, serve_argv)?;
+    let p = paths(&dir, &key);
+    if p.sock.as_os_str().len() >= 100 {
+        return Err(format!(
+            "socket path {} is too long for a Unix socket",
+            p.sock.display()
+        ));
+    }
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p.lock)
+        .map_err(|e| format!("{}: {e}", p.lock.display()))?;
+    // SAFETY: flock on a descriptor this function owns.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let pid = read_info(&p.info).map_or(String::new(), |i| format!(" (pid {})", i.worker_pid));
+        return Err(format!(
+            "the resident worker{pid} is busy with another gate run"
+        ));
+    }
+    let (stream, resident) = match UnixStream::connect(&p.sock) {
+        Ok(s) => (s, "reused"),
+        Err(_) => {
+            // Dead or never started: replace it (we hold the lock, so no one else is).
+            let _ = std::fs::remove_file(&p.sock);
+            let _ = std::fs::remove_file(&p.info);
+            (start(root, &dir, &key, &p, serve_argv)?, "started")
+        }
+    };
+    stream
+        .set_read_timeout(Some(CONNECT_WAIT))
+        .map_err(|e| e.to_string())?;
+    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+    let mut hello = String::new();
+    reader.read_line(&mut hello).map_err(|e| {
+        format!(
+            "no hello from the resident worker at {}: {e}",
+            p.sock.display()
+        )
+    })?;
+    let h: Hello = serde_json::from_str(&hello).map_err(|e| {
+        format!(
+            "the resident worker at {} said {hello:?}: {e}",
+            p.sock.display()
+        )
+    })?;
+    match resident {
+        "reused" => eprintln!(
+            "[gate] {name} worker {} reused (resident since {}; `gate workers stop` ends it)",
+            h.worker_pid,
+            clock(h.started)
+        ),
+        _ => eprintln!(
+            "[gate] {name} worker {} started, resident (serves later gate runs; leaves after {} s idle; `gate workers stop` ends it)",
+            h.worker_pid,
+            idle_s()
+        ),
+    }
+    Ok(Client {
+        reader,
+        stream,
+        _lock: lock,
+        pid: h.pid,
+        worker_pid: h.worker_pid,
+        resident,
+        sock: p.sock,
+        line: Vec::new(),
+    })
+}
+
+/// Starts the daemon detached (a session of its own, reparented to init, stdio on its log
+/// file) and connects to it.
+fn start(
+    root: &Path,
+    dir: &Path,
+    key: &str,
+    p: &Paths,
+    serve_argv: &[String],
+) -> Result<UnixStream, String> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().map_err(|e| format!("the gate's executable: {e}"))?;
+    let log = std::fs::File::create(&p.log).map_err(|e| format!("{}: {e}", p.log.display()))?;
+    let log2 = log.try_clone().map_err(|e| e.to_string())?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg(RESIDENT_CHILD)
+        .arg(dir)
+        .arg(key)
+        .args(serve_argv)
+        .current_dir(root)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log2);
+    // SAFETY: fork, setsid and _exit are async-signal-safe. The intermediate child exits at
+    // once, so the daemon is nobody's child but init's and never this gate's zombie.
+    unsafe {
+        cmd.pre_exec(|| {
+            match libc::fork() {
+                -1 => return Err(std::io::Error::last_os_error()),
+                0 => {}
+                _ => libc::_exit(0),
+            }
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("could not start the resident worker: {e}"))?;
+    let _ = child.wait();
+    let since = Instant::now();
+    loop {
+        match UnixStream::connect(&p.sock) {
+            Ok(s) => return Ok(s),
+            Err(e) if since.elapsed() > CONNECT_WAIT => {
+                return Err(format!(
+                    "the resident worker did not listen at {} within {} s: {e} (log: {})",
+                    p.sock.display(),
+                    CONNECT_WAIT.as_secs(),
+                    p.log.display()
+                ))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+fn kill_groups(pids: &[i32]) {
+    for &pid in pids.iter().filter(|&&p| p > 1) {
+        // SAFETY: kill sends a signal; both are session/group leaders we started.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+    }
+}
+
+impl Client {
+    pub(crate) fn served(&self) -> Served {
+        Served {
+            pid: self.worker_pid as u32,
+            resident: Some(self.resident),
+        }
+    }
+
+    /// One request, answered by `deadline`; at the deadline both groups (daemon and worker)
+    /// are killed and the request is a timeout, as for a per-run worker.
+    pub(crate) fn ask(&mut self, request: &[String], deadline: Instant) -> Reply {
+        let gone = |why: String| Reply::Gone(Ended::failed(why));
+        let line = serde_json::json!({ "argv": request }).to_string() + "\n";
+        if let Err(e) = self.stream.write_all(line.as_bytes()) {
+            return gone(format!(
+                "resident worker {} did not take the request: {e}",
+                self.worker_pid
+            ));
+        }
+        self.line.clear();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                kill_groups(&[self.worker_pid, self.pid]);
+                let _ = std::fs::remove_file(&self.sock);
+                let mut e = Ended::failed(String::new());
+                e.timed_out = true;
+                return Reply::Gone(e);
+            }
+            let _ = self
+                .reader
+                .get_ref()
+                .set_read_timeout(Some(left.min(Duration::from_millis(200))));
+            match self.reader.read_until(b'\n', &mut self.line) {
+                Ok(0) => {
+                    return gone(format!(
+                        "resident worker {} (daemon {}) ended without answering (log: {})",
+                        self.worker_pid,
+                        self.pid,
+                        self.sock.with_extension("log").display()
+                    ))
+                }
+                Ok(_) if self.line.ends_with(b"\n") => break,
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return gone(format!("resident worker {}: {e}", self.worker_pid)),
+            }
+        }
+        match serde_json::from_slice::<DaemonAnswer>(&self.line) {
+            Ok(DaemonAnswer::Ended(e)) => Reply::Ended(e),
+            Ok(DaemonAnswer::Gone(e)) => Reply::Gone(e),
+            Ok(DaemonAnswer::Stale(why)) => Reply::Stale(why),
+            Err(e) => gone(format!(
+                "resident worker {} answered {:?}: {e}",
+                self.worker_pid,
+                String::from_utf8_lossy(&self.line)
+            )),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum DaemonAnswer {
+    /// Answered; the worker stays.
+    Ended(Ended),
+    /// Failed and the worker is gone (the daemon leaves too).
+    Gone(Ended),
+    Stale(String),
+}
+
+fn log(msg: &str) {
+    println!("[{}] {msg}", clock(now_s()));
+}
+
+/// The daemon: `RESIDENT_CHILD DIR KEY SERVE_ARGV…`, in the worker's working directory.
+pub fn daemon_main(args: &[String]) -> i32 {
+    let [dir, key, serve_argv @ ..] = args else {
+        eprintln!("usage: gate {RESIDENT_CHILD} DIR KEY SERVE_ARGV...");
+        return 2;
+    };
+    let p = paths(Path::new(dir), key);
+    let listener = match UnixListener::bind(&p.sock) {
+        Ok(l) => l,
+        Err(e) => {
+            log(&format!("cannot listen at {}: {e}", p.sock.display()));
+            return 2;
+        }
+    };
+    let code = serve_socket(&listener, &p, serve_argv);
+    // Only our own files: a fresh daemon may already be listening under the same name if
+    // this one was declared dead; the lock holder removed ours then.
+    if read_info(&p.info).is_some_and(|i| i.pid == std::process::id() as i32) {
+        let _ = std::fs::remove_file(&p.sock);
+        let _ = std::fs::remove_file(&p.info);
+    }
+    code
+}
+
+fn serve_socket(listener: &UnixListener, p: &Paths, serve_argv: &[String]) -> i32 {
+    let root = Path::new(".");
+    let mut worker = match Worker::spawn(root, serve_argv) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            log(&format!("{e}"));
+            return 2;
+        }
+    };
+    let worker_pid = worker.as_ref().map_or(0, |w| w.pid);
+    let mut info = Info {
+        pid: std::process::id() as i32,
+        worker_pid,
+        command: display(serve_argv),
+        cwd: std::fs::canonicalize(root).map_or(String::new(), |c| c.display().to_string()),
+        started: now_s(),
+        last_used: now_s(),
+    };
+    write_info(&p.info, &info);
+    log(&format!(
+        "started: daemon {}, worker {worker_pid}: $ {}",
+        info.pid, info.command
+    ));
+    let idle = Duration::from_secs(idle_s());
+    let mut idle_since = Instant::now();
+    let mut buf = vec![0u8; 64 * 1024];
+    let _ = listener.set_nonblocking(true);
+    loop {
+        let Some(w) = worker.as_mut() else { return 1 };
+        if !w.idle(&mut buf) {
+            let _ = worker::ended(&mut worker, Answer::Broken("ended".into()), serve_argv);
+            log("the worker ended on its own");
+            return 1;
+        }
+        if idle_since.elapsed() >= idle {
+            log(&format!("idle for {} s: leaving", idle.as_secs()));
+            return 0; // dropping the worker closes its stdin: it leaves (EOF)
+        }
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(_) => continue, // nothing yet: `idle` waited 20 ms
+        };
+        log("client connected");
+        match serve_client(stream, &mut worker, &info, serve_argv) {
+            Ok(()) => log("client left"),
+            Err(why) => {
+                log(&why);
+                return 1;
+            }
+        }
+        info.last_used = now_s();
+        write_info(&p.info, &info);
+        idle_since = Instant::now();
+    }
+}
+
+/// Serves one client until it leaves (Ok) or the worker cannot go on (Err: why).
+fn serve_client(
+    stream: UnixStream,
+    worker: &mut Option<Worker>,
+    info: &Info,
+    serve_argv: &[String],
+) -> Result<(), String> {
+    let _ = stream.set_nonblocking(false);
+    let mut out = stream.try_clone().map_err(|e| e.to_string())?;
+    let hello = serde_json::json!({"pid": info.pid, "worker_pid": info.worker_pid, "started": info.started});
+    writeln!(out, "{hello}").map_err(|e| format!("hello: {e}"))?;
+    let fd = stream.as_raw_fd();
+    let mut reader = BufReader::new(stream);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        // Wait for a request while keeping the worker's stderr drained.
+        let mut line = Vec::new();
+        loop {
+            if !readable(fd, 20) {
+                if let Some(w) = worker.as_mut() {
+                    if !w.idle(&mut buf) {
+                        return Err("the worker ended between requests".into());
+                    }
+                }
+                continue;
+            }
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) => return Ok(()),
+                Ok(_) if line.ends_with(b"\n") => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return Ok(()),
+            }
+        }
+        let request: Vec<String> = match serde_json::from_slice::<serde_json::Value>(&line)
+            .ok()
+            .and_then(|v| serde_json::from_value(v.get("argv")?.clone()).ok())
+        {
+            Some(r) => r,
+            None => {
+                return Err(format!(
+                    "bad request line {:?}",
+                    String::from_utf8_lossy(&line)
+                ))
+            }
+        };
+        let Some(w) = worker.as_mut() else {
+            return Err("no worker".into());
+        };
+        // The client sends nothing while it waits: readable now means it left.
+        let answer = w.ask(&request, None, &mut || readable(fd, 0));
+        let reply = match answer {
+            Answer::Stale(why) => {
+                let _ = worker::ended(worker, Answer::Stale(why.clone()), serve_argv);
+                let _ = writeln!(out, "{}", json(&DaemonAnswer::Stale(why.clone())));
+                return Err(format!("stale: {why}"));
+            }
+            Answer::Cancelled => {
+                let _ = worker::ended(worker, Answer::Cancelled, serve_argv);
+                return Err("the client left mid-request: the request was dropped".into());
+            }
+            a @ Answer::Exit(_) => DaemonAnswer::Ended(worker::ended(worker, a, serve_argv)),
+            a => DaemonAnswer::Gone(worker::ended(worker, a, serve_argv)),
+        };
+        let gone = matches!(reply, DaemonAnswer::Gone(_));
+        writeln!(out, "{}", json(&reply)).map_err(|e| format!("answer: {e}"))?;
+        if gone {
+            return Err("the worker failed a request and was ended".into());
+        }
+    }
+}
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| format!("{{\"stale\": \"answer: {e}\"}}"))
+}
+
+/// Whether `fd` has something to read (or hung up), within `ms` milliseconds.
+fn readable(fd: i32, ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, ms) > 0 }
+}
+
+/// A running resident worker as `gate workers` lists it.
+pub struct Listed {
+    pub info: Info,
+    /// Resident set of the daemon and its worker, KiB.
+    pub rss_kib: u64,
+}
+
+fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_string();
+            l.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+fn is_daemon(pid: i32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.split(|&b| b == 0).nth(1) == Some(RESIDENT_CHILD.as_bytes()))
+}
+
+/// The resident workers of this user's runtime directory; entries whose daemon is gone are
+/// removed.
+pub fn list() -> Result<Vec<Listed>, String> {
+    let dir = runtime_dir()?;
+    let mut out = Vec::new();
+    let entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let Some(info) = read_info(&path) else {
+            continue;
+        };
+        if !is_daemon(info.pid) {
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_file(path.with_extension("sock"));
+            continue;
+        }
+        let rss_kib = rss_kib(info.pid) + rss_kib(info.worker_pid);
+        out.push(Listed { info, rss_kib });
+    }
+    out.sort_by_key(|l| l.info.started);
+    Ok(out)
+}
+
+/// Ends every resident worker; how many it ended.
+pub fn stop_all() -> Result<usize, String> {
+    let all = list()?;
+    for l in &all {
+        kill_groups(&[l.info.worker_pid, l.info.pid]);
+    }
+    let since = Instant::now();
+    while all.iter().any(|l| is_daemon(l.info.pid)) && since.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Their files: gone with them (a killed daemon cannot remove its own).
+    list()?;
+    Ok(all.len())
+}
+
+/// `gate workers [stop]`'s text.
+pub fn workers_verb(stop: bool) -> Result<String, String> {
+    if stop {
+        let n = stop_all()?;
+        return Ok(format!("stopped {n} resident worker(s)"));
+    }
+    let all = list()?;
+    let dir = runtime_dir()?;
+    let mut s = format!("{} resident worker(s) in {}", all.len(), dir.display());
+    let now = now_s();
+    for l in &all {
+        let i = &l.info;
+        s.push_str(&format!(
+            "\n  worker {} (daemon {}): started {}, idle for {} s, RSS {:.0} MiB\n    $ {}\n    in {}",
+            i.worker_pid,
+            i.pid,
+            clock(i.started),
+            now.saturating_sub(i.last_used),
+            l.rss_kib as f64 / 1024.0,
+            i.command,
+            i.cwd
+        ));
+    }
+    Ok(s)
+}
