@@ -5,6 +5,9 @@ developer without, say, CUDA still gets a green run. In CI (`CI` set and not 0/f
 services set CI=true) nothing may pass by not running: a test, fixture or whole module
 (`importorskip` at module level) that skips fails the run, and the report says why.
 
+Residency off (docs/producers.md, "Resident workers"): a gate these tests start serves them
+with per-run workers and leaves no process behind.
+
 Kept free of importable names: contract/tests imports its own `conftest` by name.
 """
 
@@ -13,6 +16,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+os.environ["TRACEGATE_RESIDENT"] = "0"
 
 
 def _ci() -> str | None:

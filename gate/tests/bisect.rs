@@ -59,7 +59,7 @@ fn bisect_command(model: &str, args: &[&str], work: &Path) -> Command {
     } else {
         &["--prompt", "short"]
     };
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gate"));
+    let mut cmd = common::gate();
     cmd.current_dir(&root)
         .args([
             "--root",
@@ -659,7 +659,7 @@ fn an_engine_reference_on_an_absurd_config_is_refused_not_crashed() {
     );
     // What the engine itself says about this model, run alone as the gate runs it.
     let work = tempfile::tempdir().unwrap();
-    let alone = Command::new(env!("CARGO_BIN_EXE_gate"))
+    let alone = common::gate()
         .current_dir(repo())
         .args([
             "__engine-producer",
@@ -1111,7 +1111,7 @@ fn a_correct_candidate_that_is_not_bit_exact_is_judged_by_policy_unless_exact() 
 #[test]
 fn exact_and_policy_together_are_refused() {
     // A usage error: refused before anything runs (no report).
-    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
+    let out = common::gate()
         .current_dir(repo())
         .args([
             "bisect",

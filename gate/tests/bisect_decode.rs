@@ -4,8 +4,6 @@
 //! `layer --decode-from` is NOT CHECKED, never a pass; clean engine-vs-contract runs (dense and
 //! MoE) say nothing wrong and name the steps compared.
 
-use std::process::Command;
-
 use serde_json::Value;
 
 mod common;
@@ -26,7 +24,7 @@ fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
     let root = repo();
     let work = tempfile::tempdir_in(root.join("target")).unwrap();
     let report = work.path().join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
+    let out = common::gate()
         .current_dir(&root)
         .args([
             "--root",

@@ -95,7 +95,7 @@ fn gate_command(
     report: &Path,
     work: &Path,
 ) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gate"));
+    let mut cmd = common::gate();
     // From the root, so `--model fixtures/...` names the root's fixture.
     cmd.current_dir(root)
         .arg("--root")
@@ -1535,7 +1535,7 @@ fn relative_report_model_and_work_are_taken_from_the_current_directory() {
     let torchless = torchless_python(dir.path());
     // Started in a directory two levels below the root, without --root.
     let here = tempfile::tempdir_in(repo().join("target")).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_gate"))
+    let out = common::gate()
         .current_dir(here.path())
         .args([
             "m0",

@@ -7,6 +7,15 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
+/// The gate under test, with residency off (docs/producers.md, "Resident workers"): a test run
+/// leaves no worker behind. The resident tests (tests/resident.rs) turn it on in a runtime
+/// directory of their own.
+pub fn gate() -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_gate"));
+    cmd.env("TRACEGATE_RESIDENT", "0");
+    cmd
+}
+
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
