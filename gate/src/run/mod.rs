@@ -72,14 +72,34 @@ pub fn default_oracle_cmd(root: &Path) -> String {
 
 /// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
 /// The default oracle's worker answers it (`versions`), so torch is imported once per gate run;
-/// `dir`: where it writes its answer.
+/// `dir`: where it writes its answer. Asked once per gate process and interpreter (`gate check`
+/// runs every milestone): an answer is remembered, a failure asked again.
 fn probe_oracle(
     root: &Path,
     timeout: std::time::Duration,
     oracle: Option<&Producer>,
     dir: &Path,
 ) -> Result<Value> {
+    static ANSWERED: std::sync::Mutex<BTreeMap<String, Value>> =
+        std::sync::Mutex::new(BTreeMap::new());
     let py = python(root, "TRACEGATE_ORACLE_PYTHON");
+    let key = format!("{py}\0{}", oracle.is_some());
+    let answered = || ANSWERED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(v) = answered().get(&key) {
+        return Ok(v.clone());
+    }
+    let v = ask_versions(root, timeout, oracle, dir, &py)?;
+    answered().insert(key, v.clone());
+    Ok(v)
+}
+
+fn ask_versions(
+    root: &Path,
+    timeout: std::time::Duration,
+    oracle: Option<&Producer>,
+    dir: &Path,
+    py: &str,
+) -> Result<Value> {
     let unavailable = |err: crate::Error| {
         let err = err.to_string();
         let last = err
@@ -109,7 +129,7 @@ fn probe_oracle(
         })?,
         None => {
             let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
-            crate::producer::run_helper(root, &[py.clone(), "-c".into(), code.into()], timeout)
+            crate::producer::run_helper(root, &[py.into(), "-c".into(), code.into()], timeout)
                 .map_err(unavailable)?
         }
     };
