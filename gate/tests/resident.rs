@@ -273,3 +273,62 @@ fn a_busy_worker_is_not_waited_for_and_workers_stop_ends_them() {
         "stopped 0 resident worker(s)"
     );
 }
+
+#[test]
+fn a_client_that_leaves_mid_request_takes_the_request_with_it() {
+    let env = Env::new();
+    let mut gate = env
+        .gate(&[("TRACEGATE_SERVE_TEST_SLEEP", "120")])
+        .args([
+            "bisect",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+        ])
+        .arg(env.tmp.path().join("left"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("gate starts");
+    // The runtime dir's log says when the request is in flight (the worker sleeps in it).
+    let in_flight = |what: &str| {
+        std::fs::read_dir(env.runtime()).ok().and_then(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                .find_map(|p| std::fs::read_to_string(p).ok().filter(|t| t.contains(what)))
+        })
+    };
+    let since = Instant::now();
+    while in_flight("request: trace").is_none() && since.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let listed = env.workers(&[]);
+    let pid: u64 = listed
+        .split("worker ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no worker listed: {listed}"));
+    assert!(in_flight("request: trace").is_some(), "{listed}");
+    gate.kill().expect("kill the gate we started");
+    let _ = gate.wait();
+    while alive(pid) && since.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Negative control: the first test's worker outlives the clients that leave between requests.
+    assert!(
+        !alive(pid),
+        "worker {pid} still computes for a client that left"
+    );
+    let log = in_flight("request: trace").unwrap_or_default();
+    assert!(
+        log.contains("the client left mid-request: the request was dropped"),
+        "{log}"
+    );
+}

@@ -248,6 +248,28 @@ pub(crate) enum Reply {
     Gone(Ended),
 }
 
+/// Whether `serve_argv` is the built-in contract's or oracle's worker (a user's template is
+/// never resident: the gate cannot know what its worker's result depends on).
+fn built_in(root: &Path, serve_argv: &[String]) -> bool {
+    [
+        crate::run::default_contract_cmd(root),
+        crate::run::default_oracle_cmd(root),
+    ]
+    .iter()
+    .any(|t| {
+        let words = crate::producer::split_words(t).unwrap_or_default();
+        words
+            .iter()
+            .position(|w| w == crate::producer::SERVE_VERB)
+            .is_some_and(|i| {
+                words[..i]
+                    .iter()
+                    .chain(["serve".to_string()].iter())
+                    .eq(serve_argv)
+            })
+    })
+}
+
 #[derive(Deserialize)]
 struct Hello {
     pid: i32,
@@ -262,7 +284,7 @@ pub(crate) fn open(
     root: &Path,
     serve_argv: &[String],
 ) -> Option<Result<Client, String>> {
-    if !enabled() {
+    if !enabled() || !built_in(root, serve_argv) {
         return None;
     }
     Some(open_resident(name, root, serve_argv))
@@ -291,32 +313,20 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
             "the resident worker{pid} is busy with another gate run"
         ));
     }
-    let (stream, resident) = match UnixStream::connect(&p.sock) {
-        Ok(s) => (s, "reused"),
+    // A socket that does not answer with a hello (its daemon died, or is leaving: idle, stale)
+    // is replaced (we hold the lock, so no one else is replacing it).
+    let reused = UnixStream::connect(&p.sock)
+        .map_err(|e| e.to_string())
+        .and_then(|s| hello(s, &p.sock));
+    let ((reader, stream, h), resident) = match reused {
+        Ok(x) => (x, "reused"),
         Err(_) => {
-            // Dead or never started: replace it (we hold the lock, so no one else is).
             let _ = std::fs::remove_file(&p.sock);
             let _ = std::fs::remove_file(&p.info);
-            (start(root, &dir, &key, &p, serve_argv)?, "started")
+            let s = start(root, &dir, &key, &p, serve_argv)?;
+            (hello(s, &p.sock)?, "started")
         }
     };
-    stream
-        .set_read_timeout(Some(CONNECT_WAIT))
-        .map_err(|e| e.to_string())?;
-    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
-    let mut hello = String::new();
-    reader.read_line(&mut hello).map_err(|e| {
-        format!(
-            "no hello from the resident worker at {}: {e}",
-            p.sock.display()
-        )
-    })?;
-    let h: Hello = serde_json::from_str(&hello).map_err(|e| {
-        format!(
-            "the resident worker at {} said {hello:?}: {e}",
-            p.sock.display()
-        )
-    })?;
     match resident {
         "reused" => eprintln!(
             "[gate] {name} worker {} reused (resident since {}; `gate workers stop` ends it)",
@@ -339,6 +349,30 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
         sock: p.sock,
         line: Vec::new(),
     })
+}
+
+fn hello(
+    stream: UnixStream,
+    sock: &Path,
+) -> Result<(BufReader<UnixStream>, UnixStream, Hello), String> {
+    stream
+        .set_read_timeout(Some(CONNECT_WAIT))
+        .map_err(|e| e.to_string())?;
+    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+    let mut line = String::new();
+    reader.read_line(&mut line).map_err(|e| {
+        format!(
+            "no hello from the resident worker at {}: {e}",
+            sock.display()
+        )
+    })?;
+    let h: Hello = serde_json::from_str(&line).map_err(|e| {
+        format!(
+            "the resident worker at {} said {line:?}: {e}",
+            sock.display()
+        )
+    })?;
+    Ok((reader, stream, h))
 }
 
 /// Starts the daemon detached (a session of its own, reparented to init, stdio on its log
@@ -499,11 +533,13 @@ pub fn daemon_main(args: &[String]) -> i32 {
             return 2;
         }
     };
+    let bound = std::fs::metadata(&p.sock).map(|m| m.ino()).ok();
     let code = serve_socket(&listener, &p, serve_argv);
-    // Only our own files: a fresh daemon may already be listening under the same name if
-    // this one was declared dead; the lock holder removed ours then.
-    if read_info(&p.info).is_some_and(|i| i.pid == std::process::id() as i32) {
+    // Only our own files: a fresh daemon may already listen under the same name.
+    if std::fs::metadata(&p.sock).map(|m| m.ino()).ok() == bound {
         let _ = std::fs::remove_file(&p.sock);
+    }
+    if read_info(&p.info).is_some_and(|i| i.pid == std::process::id() as i32) {
         let _ = std::fs::remove_file(&p.info);
     }
     code
@@ -552,7 +588,7 @@ fn serve_socket(listener: &UnixListener, p: &Paths, serve_argv: &[String]) -> i3
             Err(_) => continue, // nothing yet: `idle` waited 20 ms
         };
         log("client connected");
-        match serve_client(stream, &mut worker, &info, serve_argv) {
+        match serve_client(stream, &mut worker, &info, p, serve_argv) {
             Ok(()) => log("client left"),
             Err(why) => {
                 log(&why);
@@ -570,6 +606,7 @@ fn serve_client(
     stream: UnixStream,
     worker: &mut Option<Worker>,
     info: &Info,
+    p: &Paths,
     serve_argv: &[String],
 ) -> Result<(), String> {
     let _ = stream.set_nonblocking(false);
@@ -614,10 +651,16 @@ fn serve_client(
         let Some(w) = worker.as_mut() else {
             return Err("no worker".into());
         };
+        log(&format!(
+            "request: {}",
+            request.first().map_or("", String::as_str)
+        ));
         // The client sends nothing while it waits: readable now means it left.
         let answer = w.ask(&request, None, &mut || readable(fd, 0));
         let reply = match answer {
             Answer::Stale(why) => {
+                // Gone before the client hears it, so its next connect starts a fresh one.
+                let _ = std::fs::remove_file(&p.sock);
                 let _ = worker::ended(worker, Answer::Stale(why.clone()), serve_argv);
                 let _ = writeln!(out, "{}", json(&DaemonAnswer::Stale(why.clone())));
                 return Err(format!("stale: {why}"));

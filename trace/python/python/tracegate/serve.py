@@ -14,7 +14,8 @@ module it has imported (``tracegate*`` in ``sys.modules``, the compiled binding 
 what they were when it imported them; once one changed it answers ``{"stale": WHY}`` instead of
 running the request and exits, and the gate starts a fresh worker for it (a resident worker
 outlives the edit that changed them). Test-only hooks: ``TRACEGATE_SERVE_WATCH`` (one more file
-to watch) and ``TRACEGATE_SERVE_STALE_CHECK=0`` (no check: the negative control).
+to watch), ``TRACEGATE_SERVE_STALE_CHECK=0`` (no check: the negative control) and
+``TRACEGATE_SERVE_TEST_SLEEP=S`` (each request first sleeps S seconds: a request in flight).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def serve(main, argv0: str) -> int:
             status = 2
         else:
             sys.argv = [argv0, *argv]
+            time.sleep(float(os.environ.get("TRACEGATE_SERVE_TEST_SLEEP", "0") or 0))
             try:
                 status = _exit_status(main(argv))
             except SystemExit as e:  # argparse refusals, as in the per-call form
