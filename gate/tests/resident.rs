@@ -76,24 +76,29 @@ impl Env {
         cmd
     }
 
+    /// `gate bisect` of the engine against the contract, its traces in `tag`.
+    fn bisect_cmd(&self, tag: &str, env: &[(&str, &str)]) -> Command {
+        let mut cmd = self.gate(env);
+        cmd.args([
+            "bisect",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+        ])
+        .arg(self.tmp.path().join(tag));
+        cmd
+    }
+
     fn bisect(&self, tag: &str, env: &[(&str, &str)]) -> Run {
-        let work = self.tmp.path().join(tag);
         let report = self.tmp.path().join(format!("{tag}.json"));
         let out = self
-            .gate(env)
-            .args([
-                "bisect",
-                "--model",
-                "fixtures/tiny-qwen3",
-                "--prompt",
-                "short",
-                "--reference",
-                "engine",
-                "--candidate",
-                "contract",
-                "--work",
-            ])
-            .arg(&work)
+            .bisect_cmd(tag, env)
             .arg("--report")
             .arg(&report)
             .output()
@@ -278,20 +283,7 @@ fn a_busy_worker_is_not_waited_for_and_workers_stop_ends_them() {
 fn a_client_that_leaves_mid_request_takes_the_request_with_it() {
     let env = Env::new();
     let mut gate = env
-        .gate(&[("TRACEGATE_SERVE_TEST_SLEEP", "120")])
-        .args([
-            "bisect",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--prompt",
-            "short",
-            "--reference",
-            "engine",
-            "--candidate",
-            "contract",
-            "--work",
-        ])
-        .arg(env.tmp.path().join("left"))
+        .bisect_cmd("left", &[("TRACEGATE_SERVE_TEST_SLEEP", "120")])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
