@@ -1,7 +1,7 @@
 //! Checkpoint access: a careful safetensors header parser, tensor views that widen bf16/f16 to
 //! f32 at use (never a full f32 copy), the inventory check and the weights digest. The files'
-//! bytes are held either as copied into anonymous memory asking for huge pages (the default) or
-//! as the file mapping itself: `TRACEGATE_ENGINE_WEIGHTS` (`Residence`).
+//! bytes are held as the file mapping (the default) or copied, unconverted, into anonymous
+//! memory asking for huge pages: `TRACEGATE_ENGINE_WEIGHTS` (`Residence`).
 //!
 //! safetensors layout: `u64 LE header length N`, `N bytes of JSON`, then the data buffer. The
 //! JSON maps tensor names to `{dtype, shape, data_offsets: [begin, end]}` (offsets relative to
@@ -352,15 +352,17 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
 /// Where the checkpoint's bytes live while the engine runs, chosen by the environment variable
 /// `TRACEGATE_ENGINE_WEIGHTS`.
 ///
-/// - `copy` (the default, also when the variable is unset or empty): each file is read once,
-///   unconverted, into anonymous memory aligned to 2 MiB and advised `MADV_HUGEPAGE`. Decode
-///   streams every weight once per token; through the file mapping's 4 KiB pages that costs a
-///   TLB walk per page and a hardware-prefetch restart at every page boundary, while
-///   transparent huge pages (normally available to anonymous memory only) take 2 MiB at a time.
-///   The file is read with `pread`, never mapped beyond its header, so peak RSS is the
+/// - `mmap` (the default, also when the variable is unset or empty): the file mapping itself.
+///   No load-time copy, and only the pages a run touches are read (a MoE run that routes to
+///   few experts resides in less memory).
+/// - `copy`: each file is read once with `pread`, unconverted, into anonymous memory aligned to
+///   2 MiB and advised `MADV_HUGEPAGE` (transparent huge pages are normally available to
+///   anonymous memory only). Decode streams every weight once per token; through 4 KiB pages
+///   that costs a TLB walk per page. Measured (docs/benchmarks.md, "Decode at one and two
+///   threads"): faster decode on the AMD development machine, no difference for this access
+///   pattern on the 16-core Xeon, and seconds of load time on a loaded machine for the 0.6B
+///   shape, hence opt-in. The file is never mapped beyond its header, so peak RSS is the
 ///   checkpoint's size (bf16: half the f32 weights), not that plus the file's pages.
-/// - `mmap`: the file mapping itself (no load-time copy; only the pages a run touches are read,
-///   so a MoE run that routes to few experts resides in less memory).
 ///
 /// The bytes are the same either way (tested), so every output bit is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -376,9 +378,8 @@ impl Residence {
     /// The value of `TRACEGATE_ENGINE_WEIGHTS` (`None`: unset).
     pub fn parse(v: Option<&std::ffi::OsStr>) -> Result<Residence> {
         match v.map(|v| v.to_str()) {
-            None => Ok(Residence::Copy),
-            Some(Some("" | "copy")) => Ok(Residence::Copy),
-            Some(Some("mmap")) => Ok(Residence::Mmap),
+            None | Some(Some("" | "mmap")) => Ok(Residence::Mmap),
+            Some(Some("copy")) => Ok(Residence::Copy),
             Some(other) => Err(err!(Input:
                 "{WEIGHTS_ENV}={}: expected copy or mmap",
                 other.map_or_else(|| format!("{v:?}"), |s| format!("{s:?}"))
@@ -721,8 +722,8 @@ mod tests {
     fn weights_env_values() {
         use std::ffi::OsStr;
         let p = |v: Option<&str>| Residence::parse(v.map(OsStr::new));
-        assert_eq!(p(None).unwrap(), Residence::Copy);
-        assert_eq!(p(Some("")).unwrap(), Residence::Copy);
+        assert_eq!(p(None).unwrap(), Residence::Mmap);
+        assert_eq!(p(Some("")).unwrap(), Residence::Mmap);
         assert_eq!(p(Some("copy")).unwrap(), Residence::Copy);
         assert_eq!(p(Some("mmap")).unwrap(), Residence::Mmap);
         let e = p(Some("Mmap")).err().unwrap().to_string();
