@@ -6,9 +6,11 @@
 //! prefill seconds per length (one timed forward each, after an untimed warm-up forward that
 //! touches every weight page), per-token cached decode seconds (mean over DECODE greedy steps
 //! after the first prompt), the weight bytes one decoded token reads and the GB/s that makes,
-//! peak RSS (VmHWM, includes the mapped checkpoint pages touched, read before the bandwidth
-//! probe below allocates), the model's f32 weight size, and the machine's memory bandwidth on
-//! the same threads: a read-only pass and a copy over buffers larger than the caches.
+//! peak RSS (VmHWM, includes the checkpoint's copy or the mapped pages touched, read before the
+//! bandwidth probe below allocates), the model's f32 weight size, how the weights are held
+//! (`TRACEGATE_ENGINE_WEIGHTS`), the load time (checkpoint open and model load) and the bytes
+//! on transparent huge pages, and the machine's memory bandwidth on the same threads: a
+//! read-only pass and a copy over buffers larger than the caches.
 
 use std::time::Instant;
 
@@ -17,13 +19,18 @@ use tracegate_engine::capture::Capture;
 use tracegate_engine::config::{Config, LayerKind};
 use tracegate_engine::matmul::Kernel;
 use tracegate_engine::qwen3::Model;
-use tracegate_engine::weights::Store;
+use tracegate_engine::weights::{Residence, Store};
 use tracegate_engine::{generate, load_config};
 
 fn vm_hwm_kb() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    proc_kb("/proc/self/status", "VmHWM:")
+}
+
+/// The kB figure of the line starting with `key` in a /proc file (0 if absent).
+fn proc_kb(path: &str, key: &str) -> u64 {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
     s.lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.starts_with(key))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
@@ -130,8 +137,11 @@ fn main() {
         .collect();
     let steps: usize = a[4].parse().expect("decode steps");
     let (cfg, _) = load_config(&dir).expect("config");
+    let t0 = Instant::now();
+    let residence = Residence::from_env().expect("TRACEGATE_ENGINE_WEIGHTS");
     let store = Store::open(&dir).expect("store");
     let model = Model::load(cfg, &store).expect("model");
+    let load = t0.elapsed().as_secs_f64();
     let c = &model.cfg;
     let wdtype = store
         .take(
@@ -171,6 +181,7 @@ fn main() {
         let decode = t0.elapsed().as_secs_f64() / steps as f64;
         let tokens: Vec<i64> = out.iter().map(|s| s.token).collect();
         let rss = vm_hwm_kb() * 1024;
+        let huge = proc_kb("/proc/self/smaps_rollup", "AnonHugePages:") * 1024;
         let (stored, read) = param_counts(c);
         let read_bytes = read * wdtype.size();
         // 1 GiB each: far beyond any last-level cache of the machines this runs on.
@@ -179,7 +190,8 @@ fn main() {
             "{{\"threads\": {threads}, \"kernel\": \"{:?}\", \"prefill_s\": {{{}}}, \
              \"decode_s_per_token\": {decode:.6}, \"decode_weight_bytes_per_token\": {read_bytes}, \
              \"decode_gbps\": {:.3}, \"read_gbps\": {read_gbps:.3}, \"copy_gbps\": {copy_gbps:.3}, \
-             \"peak_rss_bytes\": {rss}, \"f32_weight_bytes\": {}, \"tokens\": {tokens:?}}}",
+             \"peak_rss_bytes\": {rss}, \"f32_weight_bytes\": {}, \"weights\": \"{residence:?}\", \
+             \"load_s\": {load:.6}, \"anon_huge_bytes\": {huge}, \"tokens\": {tokens:?}}}",
             Kernel::detect(),
             prefill.join(", "),
             read_bytes as f64 / decode / 1e9,

@@ -61,7 +61,8 @@ unsafe fn load8(dtype: crate::weights::WDType, p: *const u8) -> std::arch::x86_6
 
 /// The matvec kernel (`matvec.rs`): 8 outputs from `o0` for `R` rows of x (`[R, K]`), into
 /// `out[r * 8 + j]`. Per 8 columns of k: 8 rows × 8 weights loaded, widened and transposed
-/// in registers, then 8 steps (k ascending) of each output's own chain; the k tail (k mod 8)
+/// in registers, then 8 steps (k ascending) of each output's own chain (bf16: 16 columns at a
+/// time, transposed as bf16 pairs before widening); the k tail (k mod 8)
 /// through the same steps from a small stack block. Never FMA. Each row's stream is prefetched
 /// `PREFETCH` bytes ahead: the add chain lets the core run only a few blocks ahead by itself.
 #[cfg(target_arch = "x86_64")]
@@ -80,19 +81,41 @@ pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
     let (es, base, xp) = (w.dtype.size(), w.bytes.as_ptr(), x.as_ptr());
     let mut acc = [_mm256_setzero_ps(); R];
     let mut saved = acc;
+    let bf16 = w.dtype == crate::weights::WDType::BF16;
     let mut kc = 0;
     while kc + 8 <= k {
         if ks > 0 && kc == ks {
             saved = acc;
             acc = [_mm256_setzero_ps(); R];
         }
-        // In bounds: rows o0..o0+8 ≤ w.rows (asserted) and columns kc+8 ≤ k. A prefetch
-        // past the end of the weights is a hint only (never faults).
+        // In bounds: rows o0..o0+8 ≤ w.rows (asserted) and columns kc+8 ≤ k (kc+16 ≤ k for
+        // the bf16 pairs). A prefetch past the end of the weights is a hint only (never faults).
         let row = |j: usize| base.add(((o0 + j) * k + kc) * es);
         if (kc * es) % 64 == 0 {
             for j in 0..8 {
                 _mm_prefetch::<_MM_HINT_T0>(row(j).wrapping_add(PREFETCH) as *const i8);
             }
+        }
+        if bf16 && kc + 16 <= k {
+            // 16 columns as 8 dwords per row, each the bf16 pair (k, k+1): transposed as
+            // 32-bit lanes, lane j of t[m] holds output j's pair at k = kc+2m, which widens
+            // without a shuffle (the low half shifted up; the high half with the low cleared).
+            // Half the shuffles of widening first, then transposing.
+            let mut t: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(row(j) as *const f32));
+            transpose8(&mut t);
+            let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            for (m, pair) in t.iter().enumerate() {
+                let d = _mm256_castps_si256(*pair);
+                let w0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(d));
+                let w1 = _mm256_castsi256_ps(_mm256_and_si256(d, high));
+                for (r, ar) in acc.iter_mut().enumerate() {
+                    let xr = xp.add(r * k + kc + 2 * m);
+                    *ar = vstep::<P>(*ar, _mm256_set1_ps(*xr), w0);
+                    *ar = vstep::<P>(*ar, _mm256_set1_ps(*xr.add(1)), w1);
+                }
+            }
+            kc += 16;
+            continue;
         }
         let mut t: [__m256; 8] = std::array::from_fn(|j| load8(w.dtype, row(j)));
         transpose8(&mut t);

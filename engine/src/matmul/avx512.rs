@@ -143,7 +143,8 @@ unsafe fn load16(dtype: crate::weights::WDType, p: *const u8) -> std::arch::x86_
 
 /// The matvec kernel (`matvec.rs`): 16 outputs from `o0` for `R` rows of x (`[R, K]`), into
 /// `out[r * 16 + j]`. Per 16 columns of k: 16 rows × 16 weights loaded, widened and transposed
-/// in registers, then 16 steps (k ascending) of each output's own chain; the k tail (k mod 16)
+/// in registers, then 16 steps (k ascending) of each output's own chain (bf16: 32 columns at a
+/// time, transposed as bf16 pairs before widening); the k tail (k mod 16)
 /// through the same steps from a small stack block. Never FMA. Each row's stream is prefetched
 /// `PREFETCH` bytes ahead: the add chain lets the core run only a few blocks ahead by itself.
 #[cfg(target_arch = "x86_64")]
@@ -162,19 +163,44 @@ pub(super) unsafe fn matvec_avx512<const R: usize, const P: u8>(
     let (es, base, xp) = (w.dtype.size(), w.bytes.as_ptr(), x.as_ptr());
     let mut acc = [_mm512_setzero_ps(); R];
     let mut saved = acc;
+    let bf16 = w.dtype == crate::weights::WDType::BF16;
     let mut kc = 0;
     while kc + 16 <= k {
         if ks > 0 && kc == ks {
             saved = acc;
             acc = [_mm512_setzero_ps(); R];
         }
-        // In bounds: rows o0..o0+16 ≤ w.rows (asserted) and columns kc+16 ≤ k. A prefetch
-        // past the end of the weights is a hint only (never faults).
+        // In bounds: rows o0..o0+16 ≤ w.rows (asserted) and columns kc+16 ≤ k (kc+32 ≤ k for
+        // the bf16 pairs). A prefetch past the end of the weights is a hint only (never faults).
         let row = |j: usize| base.add(((o0 + j) * k + kc) * es);
         if (kc * es) % 64 == 0 {
             for j in 0..16 {
                 _mm_prefetch::<_MM_HINT_T0>(row(j).wrapping_add(PREFETCH) as *const i8);
             }
+        }
+        // (A block never straddles a planted split: it starts its own chains at `ks`.)
+        if bf16 && kc + 32 <= k && (ks <= kc || ks >= kc + 32) {
+            // 32 columns as 16 dwords per row, each the bf16 pair (k, k+1): transposed as
+            // 32-bit lanes, lane j of t[m] holds output j's pair at k = kc+2m, which widens
+            // without a shuffle (the low half shifted up; the high half with the low cleared).
+            // Per weight, 40% of the shuffles of widening first, then transposing: the
+            // shuffle port bounds this loop at one or two threads on the 16-core Xeon.
+            let mut t: [__m512; 16] =
+                std::array::from_fn(|j| _mm512_loadu_ps(row(j) as *const f32));
+            transpose16(&mut t);
+            let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            for (m, pair) in t.iter().enumerate() {
+                let d = _mm512_castps_si512(*pair);
+                let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(d));
+                let w1 = _mm512_castsi512_ps(_mm512_and_si512(d, high));
+                for (r, ar) in acc.iter_mut().enumerate() {
+                    let xr = xp.add(r * k + kc + 2 * m);
+                    *ar = vstep::<P>(*ar, _mm512_set1_ps(*xr), w0);
+                    *ar = vstep::<P>(*ar, _mm512_set1_ps(*xr.add(1)), w1);
+                }
+            }
+            kc += 32;
+            continue;
         }
         let mut t: [__m512; 16] = std::array::from_fn(|j| load16(w.dtype, row(j)));
         transpose16(&mut t);
