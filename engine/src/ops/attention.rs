@@ -1,9 +1,11 @@
-//! §7 RoPE and §8 attention: the definition (`attention_ref`) and its threaded, column-dot fast
-//! path (`attention`), bit-equal (tested in `ops`'s tests).
+//! §7 RoPE and §8 attention: the definition (`attention_ref`) and its fast path (`attention`:
+//! heads on the rayon pool, query rows in blocks, keys and values vectorised), bit-equal for
+//! every kernel family (tested in `ops`'s tests).
 
 use rayon::prelude::*;
 
-use super::{dot, dots_transposed, softmax};
+use super::{dot, exp_to_f32, softmax};
+use crate::matmul::Kernel;
 
 /// §7 RoPE tables for a list of absolute positions: `cos[p][i]`, `sin[p][i]`, i < d/2.
 pub struct Rope {
@@ -106,16 +108,23 @@ pub fn attention_ref(
     (o, probs)
 }
 
-/// Attention scores computed together (one `dot` per lane of an array).
-const SC: usize = 16;
+/// Query rows per block: their scores share each loaded key column and their P·V each loaded
+/// value row (4 rows × 64 lanes are 16 zmm accumulators on AVX-512).
+const RB: usize = 4;
 
-// The speed-up of attention: scores SC at a time through `dots_transposed` (crate::matmul),
-// each lane its own ordered `dot`.
+/// The fast path exactly as written (`PLANT_*`: test-only faults for the negative control).
+pub(super) const PLANT_NONE: u8 = 0;
+/// Every score's dot summed as two halves of the head dimension, then added (split-K).
+pub(super) const PLANT_SPLIT: u8 = 1;
+/// P·V's multiply and add fused (`mul_add`: one rounding).
+pub(super) const PLANT_FMA: u8 = 2;
 
-/// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and each head's
-/// scores computed SC at a time from its keys transposed (`dots_transposed`, each lane its own
-/// ordered `dot`). Every (head, row) does the same operations in the same order as the
-/// definition, so the bits are equal (tested). `probs` is empty unless `want_probs`.
+/// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and, per head, query
+/// rows in blocks of RB. Keys are transposed per head (`kt[j][c]`), so one vector holds one
+/// dimension of 16 (AVX-512) / 8 (AVX2) keys and those keys' dots advance together, each still
+/// its own ordered `dot`; P·V advances a vector of the value dimension per step, c ascending.
+/// Every (head, row, output) does the same operations in the same order as the definition, so
+/// the bits are equal (tested for every kernel family). `probs` is empty unless `want_probs`.
 pub fn attention(
     q: &[f32],
     q_pos: &[i64],
@@ -124,59 +133,48 @@ pub fn attention(
     scale: f32,
     want_probs: bool,
 ) -> (Vec<f32>, Vec<f32>) {
-    let (t, tk, d, nq, nkv) = (q_pos.len(), keys.pos.len(), hs.d, hs.nq, hs.nkv);
-    let group = nq / nkv;
+    let job = Job {
+        q,
+        q_pos,
+        keys,
+        hs,
+        scale,
+    };
+    attention_with::<PLANT_NONE>(Kernel::detect(), &job, want_probs)
+}
+
+/// One attention's inputs (the arguments of `attention`).
+pub(super) struct Job<'a> {
+    pub q: &'a [f32],
+    pub q_pos: &'a [i64],
+    pub keys: &'a KeyRows<'a>,
+    pub hs: Heads,
+    pub scale: f32,
+}
+
+/// `attention` on a given kernel family (tests run every family the CPU has).
+pub(super) fn attention_with<const PLANT: u8>(
+    kernel: Kernel,
+    job: &Job,
+    want_probs: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    assert!(
+        kernel.supported(),
+        "{kernel:?} kernels need CPU features this CPU lacks"
+    );
+    let (t, tk, d, nq) = (job.q_pos.len(), job.keys.pos.len(), job.hs.d, job.hs.nq);
     // Heads are independent; each head's arithmetic is the same whichever thread runs it.
     let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..nq)
         .into_par_iter()
         .map(|hq| {
-            let hk = hq / group;
             let mut o = vec![0.0f32; t * d];
-            let mut probs = if want_probs {
-                vec![0.0f32; t * tk]
-            } else {
-                vec![]
-            };
-            let mut s = vec![0.0f32; tk];
-            let mut p = vec![0.0f32; tk];
-            // This head's keys transposed to `kt[j][c]` (columns padded with zeros to a
-            // multiple of SC), so SC scores advance together, each its own ordered `dot`.
-            let tkp = tk.div_ceil(SC) * SC;
-            let mut kt = vec![0.0f32; d * tkp];
-            let mut dots = vec![0.0f32; tkp];
-            for c in 0..tk {
-                let kr = &keys.k[(c * nkv + hk) * d..(c * nkv + hk + 1) * d];
-                for j in 0..d {
-                    kt[j * tkp + c] = kr[j];
-                }
-            }
-            for r in 0..t {
-                let qv = &q[(r * nq + hq) * d..(r * nq + hq + 1) * d];
-                let visible = |c: usize| keys.pos[c] <= q_pos[r];
-                // Columns past the last visible one are not needed (they become -inf).
-                let cend = (0..tk).rev().find(|&c| visible(c)).map_or(0, |c| c + 1);
-                let cpad = cend.div_ceil(SC) * SC;
-                dots_transposed(qv, &kt, tkp, &mut dots[..cpad]);
-                for c in 0..tk {
-                    s[c] = if visible(c) {
-                        dots[c] * scale
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                }
-                softmax(&s, visible, &mut p);
-                let orow = &mut o[r * d..(r + 1) * d];
-                for c in 0..tk {
-                    if visible(c) {
-                        let vv = &keys.v[(c * nkv + hk) * d..(c * nkv + hk + 1) * d];
-                        for j in 0..d {
-                            orow[j] += p[c] * vv[j];
-                        }
-                    }
-                }
-                if want_probs {
-                    probs[r * tk..(r + 1) * tk].copy_from_slice(&p);
-                }
+            let mut probs = vec![0.0f32; if want_probs { t * tk } else { 0 }];
+            match kernel {
+                // SAFETY: the CPU supports avx512f (asserted above).
+                Kernel::Avx512 => unsafe { head_avx512::<PLANT>(job, hq, &mut o, &mut probs) },
+                // SAFETY: the CPU supports avx2 (asserted above).
+                Kernel::Avx2 => unsafe { head_avx2::<PLANT>(job, hq, &mut o, &mut probs) },
+                Kernel::Portable => head::<8, 8, 8, PLANT>(job, hq, &mut o, &mut probs),
             }
             (o, probs)
         })
@@ -193,4 +191,274 @@ pub fn attention(
         vec![]
     };
     (o, probs)
+}
+
+// The same generic loops compiled for each family's vectors (the compiler may not fuse, and
+// does not: Rust never contracts `a * b + c`). Widths: scores N keys per block (NS for the last
+// ones), P·V DJ value lanes per block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn head_avx512<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
+    head::<64, 16, 64, PLANT>(job, hq, o, probs)
+}
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn head_avx2<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
+    head::<16, 8, 16, PLANT>(job, hq, o, probs)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn head_avx512<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
+    head::<8, 8, 8, PLANT>(job, hq, o, probs)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn head_avx2<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
+    head::<8, 8, 8, PLANT>(job, hq, o, probs)
+}
+
+/// One query head over all rows: `o` `[T, d]`, `probs` `[T, S]` (or empty).
+#[inline(always)]
+fn head<const N: usize, const NS: usize, const DJ: usize, const PLANT: u8>(
+    job: &Job,
+    hq: usize,
+    o: &mut [f32],
+    probs: &mut [f32],
+) {
+    let (t, tk, d) = (job.q_pos.len(), job.keys.pos.len(), job.hs.d);
+    let hk = hq / (job.hs.nq / job.hs.nkv); // §8.3
+                                            // This head's keys transposed to `kt[j][c]`, columns padded with zeros to a multiple of N.
+    let tkp = tk.div_ceil(N) * N;
+    let mut kt = vec![0.0f32; d * tkp];
+    for c in 0..tk {
+        let kr = &job.keys.k[(c * job.hs.nkv + hk) * d..][..d];
+        for (j, &kj) in kr.iter().enumerate() {
+            kt[j * tkp + c] = kj;
+        }
+    }
+    // Scores, then probabilities, of the block's rows (row i at `s[i * tkp..]`).
+    let mut s = vec![0.0f32; RB * tkp];
+    let mut r0 = 0;
+    while r0 < t {
+        let b = Block {
+            job,
+            hq,
+            hk,
+            r0,
+            kt: &kt,
+            tkp,
+        };
+        let m = RB.min(t - r0);
+        let (ob, pb) = (&mut o[r0 * d..(r0 + m) * d], &mut *probs);
+        match m {
+            4 => b.run::<4, N, NS, DJ, PLANT>(&mut s, ob, pb),
+            3 => b.run::<3, N, NS, DJ, PLANT>(&mut s, ob, pb),
+            2 => b.run::<2, N, NS, DJ, PLANT>(&mut s, ob, pb),
+            _ => b.run::<1, N, NS, DJ, PLANT>(&mut s, ob, pb),
+        }
+        r0 += m;
+    }
+}
+
+/// Rows `r0..r0+R` of one head.
+struct Block<'a> {
+    job: &'a Job<'a>,
+    hq: usize,
+    hk: usize,
+    r0: usize,
+    kt: &'a [f32],
+    tkp: usize,
+}
+
+impl Block<'_> {
+    /// Scores, softmax and P·V of R rows; `o` holds their outputs `[R, d]`, `probs` all rows'.
+    #[inline(always)]
+    fn run<const R: usize, const N: usize, const NS: usize, const DJ: usize, const PLANT: u8>(
+        &self,
+        s: &mut [f32],
+        o: &mut [f32],
+        probs: &mut [f32],
+    ) {
+        let Job {
+            q,
+            q_pos,
+            keys,
+            hs,
+            scale,
+        } = *self.job;
+        let (tk, d, tkp) = (keys.pos.len(), hs.d, self.tkp);
+        let qp: [i64; R] = std::array::from_fn(|i| q_pos[self.r0 + i]);
+        // Keys past a row's last visible one are not needed (they become -inf, then +0).
+        let cend: [usize; R] = std::array::from_fn(|i| {
+            (0..tk)
+                .rev()
+                .find(|&c| keys.pos[c] <= qp[i])
+                .map_or(0, |c| c + 1)
+        });
+        let cmax = cend.iter().copied().max().unwrap_or(0);
+        let qrows: [&[f32]; R] =
+            std::array::from_fn(|i| &q[((self.r0 + i) * hs.nq + self.hq) * d..][..d]);
+        let (cpad, mut c0) = (cmax.div_ceil(NS) * NS, 0);
+        while c0 + N <= cpad {
+            score_cols::<R, N, PLANT>(&qrows, self.kt, tkp, c0, s);
+            c0 += N;
+        }
+        while c0 < cpad {
+            score_cols::<R, NS, PLANT>(&qrows, self.kt, tkp, c0, s);
+            c0 += NS;
+        }
+        // §8.4 scale and mask, §8.6 softmax: row by row, each its own ordered sum.
+        let mut all_visible = cmax;
+        for i in 0..R {
+            let (ce, pos) = (cend[i], &keys.pos[..cend[i]]);
+            let sr = &mut s[i * tkp..i * tkp + ce];
+            for (v, &p) in sr.iter_mut().zip(pos) {
+                *v = if p <= qp[i] {
+                    *v * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            softmax_row::<NS>(sr, pos, qp[i]);
+            all_visible = all_visible.min(pos.iter().position(|&p| p > qp[i]).unwrap_or(ce));
+            if !probs.is_empty() {
+                probs[(self.r0 + i) * tk..][..ce].copy_from_slice(sr);
+            }
+        }
+        // §8.7 P·V: keys every row sees, all rows together; then each row's own rest, c ascending.
+        let (vstride, voff) = (hs.nkv * d, self.hk * d);
+        let mut j0 = 0;
+        while j0 + DJ <= d {
+            pv_cols::<R, DJ, PLANT>(s, tkp, keys.v, vstride, voff + j0, all_visible, o, d, j0);
+            j0 += DJ;
+        }
+        while j0 + 8 <= d {
+            pv_cols::<R, 8, PLANT>(s, tkp, keys.v, vstride, voff + j0, all_visible, o, d, j0);
+            j0 += 8;
+        }
+        while j0 < d {
+            pv_cols::<R, 1, PLANT>(s, tkp, keys.v, vstride, voff + j0, all_visible, o, d, j0);
+            j0 += 1;
+        }
+        for i in 0..R {
+            let orow = &mut o[i * d..(i + 1) * d];
+            for c in all_visible..cend[i] {
+                if keys.pos[c] <= qp[i] {
+                    let (pc, vv) = (s[i * tkp + c], &keys.v[c * vstride + voff..][..d]);
+                    for (oj, &vj) in orow.iter_mut().zip(vv) {
+                        *oj += pc * vj;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `s[i][c0..c0+W] = dot(q_i, column c of kt)` for the R rows: per column j ascending from +0.0,
+/// one rounded multiply then one rounded add (the planted split aside).
+#[inline(always)]
+fn score_cols<const R: usize, const W: usize, const PLANT: u8>(
+    q: &[&[f32]; R],
+    kt: &[f32],
+    tkp: usize,
+    c0: usize,
+    s: &mut [f32],
+) {
+    let d = q[0].len();
+    let half = if PLANT == PLANT_SPLIT { d / 2 } else { d };
+    let mut acc = [[0.0f32; W]; R];
+    for j in 0..half {
+        let col: &[f32; W] = kt[j * tkp + c0..][..W].try_into().expect("W lanes");
+        for (a, qr) in acc.iter_mut().zip(q) {
+            let x = qr[j];
+            for (ai, &ki) in a.iter_mut().zip(col) {
+                *ai += x * ki;
+            }
+        }
+    }
+    if PLANT == PLANT_SPLIT {
+        let mut hi = [[0.0f32; W]; R];
+        for j in half..d {
+            for (a, qr) in hi.iter_mut().zip(q) {
+                for (ai, &ki) in a.iter_mut().zip(&kt[j * tkp + c0..][..W]) {
+                    *ai += qr[j] * ki;
+                }
+            }
+        }
+        for (a, h) in acc.iter_mut().zip(&hi) {
+            for (ai, &hv) in a.iter_mut().zip(h) {
+                *ai += hv;
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        s[i * tkp + c0..][..W].copy_from_slice(a);
+    }
+}
+
+/// §8.6 on one row's first `ce` scores (masked ones already -inf): `softmax` with the max taken
+/// lane-wise. `>` keeps the first of equal values in each lane and the lanes are then combined by
+/// `>` too, so the result is the definition's max up to the sign of a zero max, which no `s ⊖ m`
+/// can tell (`±0 ⊖ ±0` is ±0 and `f32(exp(±0))` is 1); -inf and NaN never win a `>`.
+#[inline(always)]
+fn softmax_row<const L: usize>(s: &mut [f32], pos: &[i64], qp: i64) {
+    let mut lanes = [f32::NEG_INFINITY; L];
+    let chunks = s.chunks_exact(L);
+    let rest = chunks.remainder();
+    for ch in chunks {
+        for (m, &v) in lanes.iter_mut().zip(ch) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(rest) {
+        if v > m {
+            m = v;
+        }
+    }
+    let mut z = 0.0f32;
+    for (v, &p) in s.iter_mut().zip(pos) {
+        if p <= qp {
+            let e = exp_to_f32(*v - m);
+            *v = e;
+            z += e;
+        } else {
+            *v = 0.0;
+        }
+    }
+    for (v, &p) in s.iter_mut().zip(pos) {
+        *v = if p <= qp { *v / z } else { 0.0 };
+    }
+}
+
+/// `o[i][j0..j0+W] = Σ_c p[i][c] ⊗ v[c][j]` over keys `0..cn`, c ascending from +0.0, one
+/// rounded multiply then one rounded add (the planted FMA aside): R rows share each value load.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pv_cols<const R: usize, const W: usize, const PLANT: u8>(
+    p: &[f32],
+    tkp: usize,
+    v: &[f32],
+    vstride: usize,
+    voff: usize,
+    cn: usize,
+    o: &mut [f32],
+    d: usize,
+    j0: usize,
+) {
+    let mut acc = [[0.0f32; W]; R];
+    for c in 0..cn {
+        let vr: &[f32; W] = v[c * vstride + voff..][..W].try_into().expect("W lanes");
+        for (i, a) in acc.iter_mut().enumerate() {
+            let pc = p[i * tkp + c];
+            for (ai, &vj) in a.iter_mut().zip(vr) {
+                *ai = if PLANT == PLANT_FMA {
+                    pc.mul_add(vj, *ai)
+                } else {
+                    *ai + pc * vj
+                };
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        o[i * d + j0..][..W].copy_from_slice(a);
+    }
 }
