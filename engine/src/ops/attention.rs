@@ -294,15 +294,21 @@ impl Block<'_> {
                 .map_or(0, |c| c + 1)
         });
         let cmax = cend.iter().copied().max().unwrap_or(0);
-        let qrows: [&[f32]; R] =
-            std::array::from_fn(|i| &q[((self.r0 + i) * hs.nq + self.hq) * d..][..d]);
+        // The block's query rows interleaved, `qk[j * R + i] = q_i[j]`: one base for the loads.
+        let mut qk = vec![0.0f32; d * R];
+        for i in 0..R {
+            let qi = &q[((self.r0 + i) * hs.nq + self.hq) * d..][..d];
+            for (j, &x) in qi.iter().enumerate() {
+                qk[j * R + i] = x;
+            }
+        }
         let (cpad, mut c0) = (cmax.div_ceil(NS) * NS, 0);
         while c0 + N <= cpad {
-            score_cols::<R, N, PLANT>(&qrows, self.kt, tkp, c0, s);
+            score_cols::<R, N, PLANT>(&qk, self.kt, tkp, c0, s);
             c0 += N;
         }
         while c0 < cpad {
-            score_cols::<R, NS, PLANT>(&qrows, self.kt, tkp, c0, s);
+            score_cols::<R, NS, PLANT>(&qk, self.kt, tkp, c0, s);
             c0 += NS;
         }
         // §8.4 scale and mask, §8.6 softmax: row by row, each its own ordered sum.
@@ -325,17 +331,24 @@ impl Block<'_> {
         }
         // §8.7 P·V: keys every row sees, all rows together; then each row's own rest, c ascending.
         let (vstride, voff) = (hs.nkv * d, self.hk * d);
+        // The shared keys' probabilities interleaved, `pk[c * R + i] = p_i[c]`: one base.
+        let mut pk = vec![0.0f32; all_visible * R];
+        for i in 0..R {
+            for (c, &pc) in s[i * tkp..][..all_visible].iter().enumerate() {
+                pk[c * R + i] = pc;
+            }
+        }
         let mut j0 = 0;
         while j0 + DJ <= d {
-            pv_cols::<R, DJ, PLANT>(s, tkp, keys.v, vstride, voff + j0, all_visible, o, d, j0);
+            pv_cols::<R, DJ, PLANT>(&pk, &keys.v[voff + j0..], vstride, &mut o[j0..], d);
             j0 += DJ;
         }
         while j0 + 8 <= d {
-            pv_cols::<R, 8, PLANT>(s, tkp, keys.v, vstride, voff + j0, all_visible, o, d, j0);
+            pv_cols::<R, 8, PLANT>(&pk, &keys.v[voff + j0..], vstride, &mut o[j0..], d);
             j0 += 8;
         }
         while j0 < d {
-            pv_cols::<R, 1, PLANT>(s, tkp, keys.v, vstride, voff + j0, all_visible, o, d, j0);
+            pv_cols::<R, 1, PLANT>(&pk, &keys.v[voff + j0..], vstride, &mut o[j0..], d);
             j0 += 1;
         }
         for i in 0..R {
@@ -352,36 +365,36 @@ impl Block<'_> {
     }
 }
 
-/// `s[i][c0..c0+W] = dot(q_i, column c of kt)` for the R rows: per column j ascending from +0.0,
-/// one rounded multiply then one rounded add (the planted split aside).
+/// `s[i][c0..c0+W] = dot(q_i, column c of kt)` for the R rows of `qk` (`qk[j * R + i]`): per
+/// column j ascending from +0.0, one rounded multiply then one rounded add (the planted split
+/// aside).
 #[inline(always)]
 fn score_cols<const R: usize, const W: usize, const PLANT: u8>(
-    q: &[&[f32]; R],
+    qk: &[f32],
     kt: &[f32],
     tkp: usize,
     c0: usize,
     s: &mut [f32],
 ) {
-    let d = q[0].len();
+    let d = qk.len() / R;
     let half = if PLANT == PLANT_SPLIT { d / 2 } else { d };
-    let mut acc = [[0.0f32; W]; R];
-    for j in 0..half {
+    let step = |acc: &mut [[f32; W]; R], j: usize| {
         let col: &[f32; W] = kt[j * tkp + c0..][..W].try_into().expect("W lanes");
-        for (a, qr) in acc.iter_mut().zip(q) {
-            let x = qr[j];
+        let xs: &[f32; R] = qk[j * R..][..R].try_into().expect("R rows");
+        for (a, &x) in acc.iter_mut().zip(xs) {
             for (ai, &ki) in a.iter_mut().zip(col) {
                 *ai += x * ki;
             }
         }
+    };
+    let mut acc = [[0.0f32; W]; R];
+    for j in 0..half {
+        step(&mut acc, j);
     }
     if PLANT == PLANT_SPLIT {
         let mut hi = [[0.0f32; W]; R];
         for j in half..d {
-            for (a, qr) in hi.iter_mut().zip(q) {
-                for (ai, &ki) in a.iter_mut().zip(&kt[j * tkp + c0..][..W]) {
-                    *ai += qr[j] * ki;
-                }
-            }
+            step(&mut hi, j);
         }
         for (a, h) in acc.iter_mut().zip(&hi) {
             for (ai, &hv) in a.iter_mut().zip(h) {
@@ -429,26 +442,21 @@ fn softmax_row<const L: usize>(s: &mut [f32], pos: &[i64], qp: i64) {
     }
 }
 
-/// `o[i][j0..j0+W] = Σ_c p[i][c] ⊗ v[c][j]` over keys `0..cn`, c ascending from +0.0, one
-/// rounded multiply then one rounded add (the planted FMA aside): R rows share each value load.
-#[allow(clippy::too_many_arguments)]
+/// `o[i * d..][..W] = Σ_c pk[c * R + i] ⊗ v[c * vstride..][..W]` over the keys of `pk`, c
+/// ascending from +0.0, one rounded multiply then one rounded add (the planted FMA aside): the
+/// R rows share each value load.
 #[inline(always)]
 fn pv_cols<const R: usize, const W: usize, const PLANT: u8>(
-    p: &[f32],
-    tkp: usize,
+    pk: &[f32],
     v: &[f32],
     vstride: usize,
-    voff: usize,
-    cn: usize,
     o: &mut [f32],
     d: usize,
-    j0: usize,
 ) {
     let mut acc = [[0.0f32; W]; R];
-    for c in 0..cn {
-        let vr: &[f32; W] = v[c * vstride + voff..][..W].try_into().expect("W lanes");
-        for (i, a) in acc.iter_mut().enumerate() {
-            let pc = p[i * tkp + c];
+    for (ps, vc) in pk.chunks_exact(R).zip(v.chunks(vstride)) {
+        let vr: &[f32; W] = vc[..W].try_into().expect("W lanes");
+        for (a, &pc) in acc.iter_mut().zip(ps) {
             for (ai, &vj) in a.iter_mut().zip(vr) {
                 *ai = if PLANT == PLANT_FMA {
                     pc.mul_add(vj, *ai)
@@ -459,6 +467,6 @@ fn pv_cols<const R: usize, const W: usize, const PLANT: u8>(
         }
     }
     for (i, a) in acc.iter().enumerate() {
-        o[i * d + j0..][..W].copy_from_slice(a);
+        o[i * d..][..W].copy_from_slice(a);
     }
 }
