@@ -44,7 +44,7 @@ fn best_of(n: usize, mut f: impl FnMut()) -> f64 {
 
 /// Peak loops: CHAINS independent chains, each step one multiply then one add per chain (the
 /// product is the next multiply's input, so nothing folds away), or one fused multiply-add.
-/// Returns a sum of the lanes so the work is live.
+/// Return a sum of the lanes so the work is live.
 #[cfg(target_arch = "x86_64")]
 mod peak {
     use super::CHAINS;
@@ -52,67 +52,51 @@ mod peak {
 
     const C: f32 = 0.999_999_94; // 1 - 2^-24: not 1, so `m * C` is a real multiply
 
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn mul_add_512(steps: usize) -> f32 {
-        let c = _mm512_set1_ps(C);
-        let (mut m, mut a) = ([_mm512_set1_ps(1.0); CHAINS], [_mm512_setzero_ps(); CHAINS]);
-        for _ in 0..steps {
-            for i in 0..CHAINS {
-                m[i] = _mm512_mul_ps(m[i], c);
-                a[i] = _mm512_add_ps(a[i], m[i]);
+    /// The two loops for one vector width: (names, features, lanes, intrinsics).
+    macro_rules! peak_loops {
+        ($mul_add:ident, $fma:ident, $feat:literal, $fma_feat:literal, $lanes:literal,
+         $set1:ident, $zero:ident, $mul:ident, $add:ident, $fmadd:ident, $store:ident) => {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $mul_add(steps: usize) -> f32 {
+                let c = $set1(C);
+                let (mut m, mut a) = ([$set1(1.0); CHAINS], [$zero(); CHAINS]);
+                for _ in 0..steps {
+                    for i in 0..CHAINS {
+                        m[i] = $mul(m[i], c);
+                        a[i] = $add(a[i], m[i]);
+                    }
+                }
+                let mut lanes = [0.0f32; $lanes];
+                a.iter().fold(0.0, |t, v| {
+                    $store(lanes.as_mut_ptr(), *v);
+                    t + lanes.iter().sum::<f32>()
+                })
             }
-        }
-        a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+
+            #[target_feature(enable = $fma_feat)]
+            pub unsafe fn $fma(steps: usize) -> f32 {
+                let (c, d) = ($set1(C), $set1(1.0));
+                let mut a = [$zero(); 2 * CHAINS];
+                for _ in 0..steps {
+                    for ai in a.iter_mut() {
+                        *ai = $fmadd(*ai, c, d);
+                    }
+                }
+                let mut lanes = [0.0f32; $lanes];
+                a.iter().fold(0.0, |t, v| {
+                    $store(lanes.as_mut_ptr(), *v);
+                    t + lanes.iter().sum::<f32>()
+                })
+            }
+        };
     }
 
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn fma_512(steps: usize) -> f32 {
-        let (c, d) = (_mm512_set1_ps(C), _mm512_set1_ps(1.0));
-        let mut a = [_mm512_setzero_ps(); 2 * CHAINS];
-        for _ in 0..steps {
-            for ai in a.iter_mut() {
-                *ai = _mm512_fmadd_ps(*ai, c, d);
-            }
-        }
-        a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
-    }
-
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn mul_add_256(steps: usize) -> f32 {
-        let c = _mm256_set1_ps(C);
-        let (mut m, mut a) = ([_mm256_set1_ps(1.0); CHAINS], [_mm256_setzero_ps(); CHAINS]);
-        for _ in 0..steps {
-            for i in 0..CHAINS {
-                m[i] = _mm256_mul_ps(m[i], c);
-                a[i] = _mm256_add_ps(a[i], m[i]);
-            }
-        }
-        let mut s = [0.0f32; 8];
-        _mm256_storeu_ps(
-            s.as_mut_ptr(),
-            a.iter()
-                .fold(_mm256_setzero_ps(), |x, y| _mm256_add_ps(x, *y)),
-        );
-        s.iter().sum()
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn fma_256(steps: usize) -> f32 {
-        let (c, d) = (_mm256_set1_ps(C), _mm256_set1_ps(1.0));
-        let mut a = [_mm256_setzero_ps(); 2 * CHAINS];
-        for _ in 0..steps {
-            for ai in a.iter_mut() {
-                *ai = _mm256_fmadd_ps(*ai, c, d);
-            }
-        }
-        let mut s = [0.0f32; 8];
-        _mm256_storeu_ps(
-            s.as_mut_ptr(),
-            a.iter()
-                .fold(_mm256_setzero_ps(), |x, y| _mm256_add_ps(x, *y)),
-        );
-        s.iter().sum()
-    }
+    #[rustfmt::skip]
+    peak_loops!(mul_add_512, fma_512, "avx512f", "avx512f", 16, _mm512_set1_ps,
+                _mm512_setzero_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_storeu_ps);
+    #[rustfmt::skip]
+    peak_loops!(mul_add_256, fma_256, "avx2", "avx2,fma", 8, _mm256_set1_ps,
+                _mm256_setzero_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, _mm256_storeu_ps);
 }
 
 /// GFLOP/s (2 flops per multiply-add pair) of a peak loop: `vectors` instructions of `lanes`
