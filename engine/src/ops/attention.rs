@@ -224,8 +224,9 @@ fn head<const N: usize, const NS: usize, const DJ: usize, const PLANT: u8>(
     probs: &mut [f32],
 ) {
     let (t, tk, d) = (job.q_pos.len(), job.keys.pos.len(), job.hs.d);
-    let hk = hq / (job.hs.nq / job.hs.nkv); // §8.3
-                                            // This head's keys transposed to `kt[j][c]`, columns padded with zeros to a multiple of N.
+    // §8.3 the head's kv head; its keys transposed to `kt[j][c]`, columns padded with zeros to
+    // a multiple of N.
+    let hk = hq / (job.hs.nq / job.hs.nkv);
     let tkp = tk.div_ceil(N) * N;
     let mut kt = vec![0.0f32; d * tkp];
     for c in 0..tk {
