@@ -120,7 +120,7 @@ pub(super) const PLANT_SPLIT: u8 = 1;
 pub(super) const PLANT_FMA: u8 = 2;
 
 /// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and, per head, query
-/// rows in blocks of RB. Keys are transposed per head (`kt[j][c]`), so one vector holds one
+/// rows in blocks of RB (the last rows one at a time). Keys are transposed per head (`kt[j][c]`), so one vector holds one
 /// dimension of 16 (AVX-512) / 8 (AVX2) keys and those keys' dots advance together, each still
 /// its own ordered `dot`; P·V advances a vector of the value dimension per step, c ascending.
 /// Every (head, row, output) does the same operations in the same order as the definition, so
@@ -169,13 +169,7 @@ pub(super) fn attention_with<const PLANT: u8>(
         .map(|hq| {
             let mut o = vec![0.0f32; t * d];
             let mut probs = vec![0.0f32; if want_probs { t * tk } else { 0 }];
-            match kernel {
-                // SAFETY: the CPU supports avx512f (asserted above).
-                Kernel::Avx512 => unsafe { head_avx512::<PLANT>(job, hq, &mut o, &mut probs) },
-                // SAFETY: the CPU supports avx2 (asserted above).
-                Kernel::Avx2 => unsafe { head_avx2::<PLANT>(job, hq, &mut o, &mut probs) },
-                Kernel::Portable => head::<8, 8, 8, PLANT>(job, hq, &mut o, &mut probs),
-            }
+            head::<PLANT>(kernel, job, hq, &mut o, &mut probs);
             (o, probs)
         })
         .collect();
@@ -193,41 +187,17 @@ pub(super) fn attention_with<const PLANT: u8>(
     (o, probs)
 }
 
-// The same generic loops compiled for each family's vectors (the compiler may not fuse, and
-// does not: Rust never contracts `a * b + c`). Widths: scores N keys per block (NS for the last
-// ones), P·V DJ value lanes per block.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn head_avx512<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
-    head::<64, 16, 64, PLANT>(job, hq, o, probs)
-}
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn head_avx2<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
-    head::<16, 8, 16, PLANT>(job, hq, o, probs)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn head_avx512<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
-    head::<8, 8, 8, PLANT>(job, hq, o, probs)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn head_avx2<const PLANT: u8>(job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
-    head::<8, 8, 8, PLANT>(job, hq, o, probs)
-}
+/// Key columns are padded to a multiple of this (the widest family's score block).
+const KPAD: usize = 64;
 
-/// One query head over all rows: `o` `[T, d]`, `probs` `[T, S]` (or empty).
-#[inline(always)]
-fn head<const N: usize, const NS: usize, const DJ: usize, const PLANT: u8>(
-    job: &Job,
-    hq: usize,
-    o: &mut [f32],
-    probs: &mut [f32],
-) {
+/// One query head over all rows: `o` `[T, d]`, `probs` `[T, S]` (or empty). Blocks of RB rows,
+/// the last rows one at a time.
+fn head<const PLANT: u8>(kernel: Kernel, job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
     let (t, tk, d) = (job.q_pos.len(), job.keys.pos.len(), job.hs.d);
     // §8.3 the head's kv head; its keys transposed to `kt[j][c]`, columns padded with zeros to
-    // a multiple of N.
+    // a multiple of KPAD.
     let hk = hq / (job.hs.nq / job.hs.nkv);
-    let tkp = tk.div_ceil(N) * N;
+    let tkp = tk.div_ceil(KPAD) * KPAD;
     let mut kt = vec![0.0f32; d * tkp];
     for c in 0..tk {
         let kr = &job.keys.k[(c * job.hs.nkv + hk) * d..][..d];
@@ -240,6 +210,7 @@ fn head<const N: usize, const NS: usize, const DJ: usize, const PLANT: u8>(
     let mut r0 = 0;
     while r0 < t {
         let b = Block {
+            kernel,
             job,
             hq,
             hk,
@@ -247,20 +218,19 @@ fn head<const N: usize, const NS: usize, const DJ: usize, const PLANT: u8>(
             kt: &kt,
             tkp,
         };
-        let m = RB.min(t - r0);
-        let (ob, pb) = (&mut o[r0 * d..(r0 + m) * d], &mut *probs);
-        match m {
-            4 => b.run::<4, N, NS, DJ, PLANT>(&mut s, ob, pb),
-            3 => b.run::<3, N, NS, DJ, PLANT>(&mut s, ob, pb),
-            2 => b.run::<2, N, NS, DJ, PLANT>(&mut s, ob, pb),
-            _ => b.run::<1, N, NS, DJ, PLANT>(&mut s, ob, pb),
+        if r0 + RB <= t {
+            b.run::<RB, PLANT>(&mut s, &mut o[r0 * d..(r0 + RB) * d], probs);
+            r0 += RB;
+        } else {
+            b.run::<1, PLANT>(&mut s, &mut o[r0 * d..(r0 + 1) * d], probs);
+            r0 += 1;
         }
-        r0 += m;
     }
 }
 
 /// Rows `r0..r0+R` of one head.
 struct Block<'a> {
+    kernel: Kernel,
     job: &'a Job<'a>,
     hq: usize,
     hk: usize,
@@ -271,8 +241,7 @@ struct Block<'a> {
 
 impl Block<'_> {
     /// Scores, softmax and P·V of R rows; `o` holds their outputs `[R, d]`, `probs` all rows'.
-    #[inline(always)]
-    fn run<const R: usize, const N: usize, const NS: usize, const DJ: usize, const PLANT: u8>(
+    fn run<const R: usize, const PLANT: u8>(
         &self,
         s: &mut [f32],
         o: &mut [f32],
@@ -303,15 +272,7 @@ impl Block<'_> {
                 qk[j * R + i] = x;
             }
         }
-        let (cpad, mut c0) = (cmax.div_ceil(NS) * NS, 0);
-        while c0 + N <= cpad {
-            score_cols::<R, N, PLANT>(&qk, self.kt, tkp, c0, s);
-            c0 += N;
-        }
-        while c0 < cpad {
-            score_cols::<R, NS, PLANT>(&qk, self.kt, tkp, c0, s);
-            c0 += NS;
-        }
+        scores::<R, PLANT>(self.kernel, &qk, self.kt, tkp, cmax, s);
         // §8.4 scale and mask, §8.6 softmax: row by row, each its own ordered sum.
         let mut all_visible = cmax;
         for i in 0..R {
@@ -324,7 +285,7 @@ impl Block<'_> {
                     f32::NEG_INFINITY
                 };
             }
-            softmax_row::<NS>(sr, pos, qp[i]);
+            softmax_row(sr, pos, qp[i]);
             all_visible = all_visible.min(pos.iter().position(|&p| p > qp[i]).unwrap_or(ce));
             if !probs.is_empty() {
                 probs[(self.r0 + i) * tk..][..ce].copy_from_slice(sr);
@@ -339,19 +300,7 @@ impl Block<'_> {
                 pk[c * R + i] = pc;
             }
         }
-        let mut j0 = 0;
-        while j0 + DJ <= d {
-            pv_cols::<R, DJ, PLANT>(&pk, &keys.v[voff + j0..], vstride, &mut o[j0..], d);
-            j0 += DJ;
-        }
-        while j0 + 8 <= d {
-            pv_cols::<R, 8, PLANT>(&pk, &keys.v[voff + j0..], vstride, &mut o[j0..], d);
-            j0 += 8;
-        }
-        while j0 < d {
-            pv_cols::<R, 1, PLANT>(&pk, &keys.v[voff + j0..], vstride, &mut o[j0..], d);
-            j0 += 1;
-        }
+        pv::<R, PLANT>(self.kernel, &pk, &keys.v[voff..], vstride, o, d);
         for i in 0..R {
             let orow = &mut o[i * d..(i + 1) * d];
             for c in all_visible..cend[i] {
@@ -363,6 +312,176 @@ impl Block<'_> {
                 }
             }
         }
+    }
+}
+
+// The two kernels, the same generic loops compiled for each family's vectors (the compiler
+// may not fuse, and does not: Rust never contracts `a * b + c`): scores N keys per block (NS
+// for the last ones), P·V DJ value lanes per block (then 8, then 1). Only these are compiled
+// per family: the masking and softmax around them are cheap beside libm's `exp`, and a whole
+// head body per family tripled the crate's build time.
+
+/// `s[i][c] = dot(q_i, column c of kt)` for the R rows of `qk` and every column below `cmax`
+/// rounded up to the family's small block (at most `tkp`).
+fn scores<const R: usize, const PLANT: u8>(
+    kernel: Kernel,
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    match kernel {
+        // SAFETY: `attention_with` asserted the CPU supports the family.
+        Kernel::Avx512 => unsafe { scores_avx512::<R, PLANT>(qk, kt, tkp, cmax, s) },
+        // SAFETY: as above.
+        Kernel::Avx2 => unsafe { scores_avx2::<R, PLANT>(qk, kt, tkp, cmax, s) },
+        Kernel::Portable => scores_generic::<R, 8, 8, PLANT>(qk, kt, tkp, cmax, s),
+    }
+}
+
+/// `o[i][j] = Σ_c pk[c * R + i] ⊗ v[c * vstride + j]` for the R rows and every j < d.
+fn pv<const R: usize, const PLANT: u8>(
+    kernel: Kernel,
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    match kernel {
+        // SAFETY: `attention_with` asserted the CPU supports the family.
+        Kernel::Avx512 => unsafe { pv_avx512::<R, PLANT>(pk, v, vstride, o, d) },
+        // SAFETY: as above.
+        Kernel::Avx2 => unsafe { pv_avx2::<R, PLANT>(pk, v, vstride, o, d) },
+        Kernel::Portable => pv_generic::<R, 8, PLANT>(pk, v, vstride, o, d),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_avx512<const R: usize, const PLANT: u8>(
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    scores_generic::<R, 64, 16, PLANT>(qk, kt, tkp, cmax, s)
+}
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn scores_avx2<const R: usize, const PLANT: u8>(
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    scores_generic::<R, 16, 8, PLANT>(qk, kt, tkp, cmax, s)
+}
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_avx512<const R: usize, const PLANT: u8>(
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    pv_generic::<R, 64, PLANT>(pk, v, vstride, o, d)
+}
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pv_avx2<const R: usize, const PLANT: u8>(
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    pv_generic::<R, 16, PLANT>(pk, v, vstride, o, d)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn scores_avx512<const R: usize, const PLANT: u8>(
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    scores_generic::<R, 8, 8, PLANT>(qk, kt, tkp, cmax, s)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn scores_avx2<const R: usize, const PLANT: u8>(
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    scores_generic::<R, 8, 8, PLANT>(qk, kt, tkp, cmax, s)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn pv_avx512<const R: usize, const PLANT: u8>(
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    pv_generic::<R, 8, PLANT>(pk, v, vstride, o, d)
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn pv_avx2<const R: usize, const PLANT: u8>(
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    pv_generic::<R, 8, PLANT>(pk, v, vstride, o, d)
+}
+
+#[inline(always)]
+fn scores_generic<const R: usize, const N: usize, const NS: usize, const PLANT: u8>(
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    let (cpad, mut c0) = (cmax.div_ceil(NS) * NS, 0);
+    while c0 + N <= cpad {
+        score_cols::<R, N, PLANT>(qk, kt, tkp, c0, s);
+        c0 += N;
+    }
+    while c0 < cpad {
+        score_cols::<R, NS, PLANT>(qk, kt, tkp, c0, s);
+        c0 += NS;
+    }
+}
+
+#[inline(always)]
+fn pv_generic<const R: usize, const DJ: usize, const PLANT: u8>(
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    let mut j0 = 0;
+    while j0 + DJ <= d {
+        pv_cols::<R, DJ, PLANT>(pk, &v[j0..], vstride, &mut o[j0..], d);
+        j0 += DJ;
+    }
+    while j0 + 8 <= d {
+        pv_cols::<R, 8, PLANT>(pk, &v[j0..], vstride, &mut o[j0..], d);
+        j0 += 8;
+    }
+    while j0 < d {
+        pv_cols::<R, 1, PLANT>(pk, &v[j0..], vstride, &mut o[j0..], d);
+        j0 += 1;
     }
 }
 
@@ -412,10 +531,9 @@ fn score_cols<const R: usize, const W: usize, const PLANT: u8>(
 /// lane-wise. `>` keeps the first of equal values in each lane and the lanes are then combined by
 /// `>` too, so the result is the definition's max up to the sign of a zero max, which no `s ⊖ m`
 /// can tell (`±0 ⊖ ±0` is ±0 and `f32(exp(±0))` is 1); -inf and NaN never win a `>`.
-#[inline(always)]
-fn softmax_row<const L: usize>(s: &mut [f32], pos: &[i64], qp: i64) {
-    let mut lanes = [f32::NEG_INFINITY; L];
-    let chunks = s.chunks_exact(L);
+fn softmax_row(s: &mut [f32], pos: &[i64], qp: i64) {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = s.chunks_exact(16);
     let rest = chunks.remainder();
     for ch in chunks {
         for (m, &v) in lanes.iter_mut().zip(ch) {
