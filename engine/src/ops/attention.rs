@@ -358,90 +358,35 @@ fn pv<const R: usize, const PLANT: u8>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn scores_avx512<const R: usize, const PLANT: u8>(
-    qk: &[f32],
-    kt: &[f32],
-    tkp: usize,
-    cmax: usize,
-    s: &mut [f32],
-) {
-    scores_generic::<R, 64, 16, PLANT>(qk, kt, tkp, cmax, s)
+/// One kernel compiled for one family: the family's widths under its `target_feature` on
+/// x86_64; elsewhere the baseline widths (never called there: `Kernel::supported` is false).
+macro_rules! family_kernel {
+    ($name:ident, $feat:literal, $generic:ident, [$($w:literal),+], [$($bw:literal),+],
+     ($($arg:ident: $ty:ty),*)) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const R: usize, const PLANT: u8>($($arg: $ty),*) {
+            $generic::<R, $($w,)+ PLANT>($($arg),*)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unsafe fn $name<const R: usize, const PLANT: u8>($($arg: $ty),*) {
+            $generic::<R, $($bw,)+ PLANT>($($arg),*)
+        }
+    };
 }
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn scores_avx2<const R: usize, const PLANT: u8>(
-    qk: &[f32],
-    kt: &[f32],
-    tkp: usize,
-    cmax: usize,
-    s: &mut [f32],
-) {
-    scores_generic::<R, 16, 8, PLANT>(qk, kt, tkp, cmax, s)
-}
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn pv_avx512<const R: usize, const PLANT: u8>(
-    pk: &[f32],
-    v: &[f32],
-    vstride: usize,
-    o: &mut [f32],
-    d: usize,
-) {
-    pv_generic::<R, 64, PLANT>(pk, v, vstride, o, d)
-}
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn pv_avx2<const R: usize, const PLANT: u8>(
-    pk: &[f32],
-    v: &[f32],
-    vstride: usize,
-    o: &mut [f32],
-    d: usize,
-) {
-    pv_generic::<R, 16, PLANT>(pk, v, vstride, o, d)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn scores_avx512<const R: usize, const PLANT: u8>(
-    qk: &[f32],
-    kt: &[f32],
-    tkp: usize,
-    cmax: usize,
-    s: &mut [f32],
-) {
-    scores_generic::<R, 8, 8, PLANT>(qk, kt, tkp, cmax, s)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn scores_avx2<const R: usize, const PLANT: u8>(
-    qk: &[f32],
-    kt: &[f32],
-    tkp: usize,
-    cmax: usize,
-    s: &mut [f32],
-) {
-    scores_generic::<R, 8, 8, PLANT>(qk, kt, tkp, cmax, s)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn pv_avx512<const R: usize, const PLANT: u8>(
-    pk: &[f32],
-    v: &[f32],
-    vstride: usize,
-    o: &mut [f32],
-    d: usize,
-) {
-    pv_generic::<R, 8, PLANT>(pk, v, vstride, o, d)
-}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn pv_avx2<const R: usize, const PLANT: u8>(
-    pk: &[f32],
-    v: &[f32],
-    vstride: usize,
-    o: &mut [f32],
-    d: usize,
-) {
-    pv_generic::<R, 8, PLANT>(pk, v, vstride, o, d)
-}
+
+#[rustfmt::skip]
+family_kernel!(scores_avx512, "avx512f", scores_generic, [64, 16], [8, 8],
+               (qk: &[f32], kt: &[f32], tkp: usize, cmax: usize, s: &mut [f32]));
+#[rustfmt::skip]
+family_kernel!(scores_avx2, "avx2", scores_generic, [16, 8], [8, 8],
+               (qk: &[f32], kt: &[f32], tkp: usize, cmax: usize, s: &mut [f32]));
+#[rustfmt::skip]
+family_kernel!(pv_avx512, "avx512f", pv_generic, [64], [8],
+               (pk: &[f32], v: &[f32], vstride: usize, o: &mut [f32], d: usize));
+#[rustfmt::skip]
+family_kernel!(pv_avx2, "avx2", pv_generic, [16], [8],
+               (pk: &[f32], v: &[f32], vstride: usize, o: &mut [f32], d: usize));
 
 #[inline(always)]
 fn scores_generic<const R: usize, const N: usize, const NS: usize, const PLANT: u8>(
