@@ -5,7 +5,7 @@
 //! - `config`: `config.json` as the forward reads it (§13), refusals included
 //! - `ops`: the ordered kernels of docs/numerics.md, one definition each (the fast attention is
 //!   tested against its definition)
-//! - `matmul`: the fast matmul and column dots, bit-equal to the `ops` definitions (tested)
+//! - `matmul`: the fast matmul and its kernel families, bit-equal to the `ops` definition (tested)
 //! - `qwen3`: weights binding and forward for the four families
 //! - `qwen3_5`: what Qwen3.5 adds (Gated DeltaNet, the shared expert; docs/numerics.md §§15–20)
 //! - `capture`: the capture points a forward records

@@ -1,16 +1,15 @@
-//! The fast matmul of docs/numerics.md §2 and the attention scores' column dots: same
-//! arithmetic as the definitions in `ops` (`dot`, `matmul_ref`), each output from +0.0 with k
-//! ascending and one rounded multiply then one rounded add per step (no FMA, no split-K); only
-//! the grouping across outputs and rows changes. Runtime-detected SIMD kernels beside a portable
-//! one; every path is tested bit-for-bit against the definitions.
+//! The fast matmul of docs/numerics.md §2 (and the kernel families, which `ops`'s attention
+//! dispatches on too): same arithmetic as the definition in `ops` (`matmul_ref`), each output
+//! from +0.0 with k ascending and one rounded multiply then one rounded add per step (no FMA, no
+//! split-K); only the grouping across outputs and rows changes. Runtime-detected SIMD kernels
+//! beside a portable one; every path is tested bit-for-bit against the definition.
 //!
 //! Here: the kernel families and their dispatch, the tile loop and the data movement they share.
-//! The kernels: `dots` (the column dots), `portable`, `avx2` and `avx512` (one file each), and
-//! `matvec` (1..=MV_ROWS rows: decode; its SIMD kernels live in `avx2` and `avx512`).
+//! The kernels: `portable`, `avx2` and `avx512` (one file each), and `matvec` (1..=MV_ROWS rows:
+//! decode; its SIMD kernels live in `avx2` and `avx512`).
 
 mod avx2;
 mod avx512;
-mod dots;
 mod matvec;
 mod portable;
 #[cfg(test)]
@@ -26,9 +25,6 @@ use avx2::widen_transposed_avx2;
 use avx512::tile_avx512_packed;
 #[cfg(target_arch = "x86_64")]
 use avx512::widen_transposed_avx512;
-pub use dots::dots_transposed;
-#[cfg(test)]
-use dots::dots_transposed_with;
 use portable::{tile_portable, widen_transposed_scalar};
 
 /// Outputs per tile: one 512-bit vector of accumulators per row.

@@ -2,8 +2,8 @@
 //! comments). Rust never contracts `a * b + c` into an FMA, so every `+`/`*` below is one rounded
 //! IEEE operation. Two operations have a fast path, each tested bit for bit against its
 //! definition: `matmul` (tiled, AVX2/AVX-512, in `crate::matmul`, re-exported here) against
-//! `matmul_ref`, and `attention` (threaded over heads, scores through `dots_transposed`, also in
-//! `crate::matmul`) against `attention_ref`. Names follow docs/numerics.md §14, the same as the
+//! `matmul_ref`, and `attention` (threaded over heads, query rows in blocks, keys and values
+//! vectorised per kernel family) against `attention_ref`. Names follow docs/numerics.md §14, the same as the
 //! contract's ops.py.
 //!
 //! Here: §2–§4, §9 and the softmax of §8.6/§10.2 (dot, ordered sum, the matmul definition, exp,
@@ -18,7 +18,7 @@ mod norm;
 #[cfg(test)]
 mod tests;
 
-pub use crate::matmul::{dots_transposed, matmul};
+pub use crate::matmul::matmul;
 use crate::weights::Mat;
 pub use attention::{attention, attention_ref, inv_freq, Heads, KeyRows, Rope};
 pub use decisions::{argmax_margin, margin_of, topk};

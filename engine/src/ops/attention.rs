@@ -1,9 +1,11 @@
-//! §7 RoPE and §8 attention: the definition (`attention_ref`) and its threaded, column-dot fast
-//! path (`attention`), bit-equal (tested in `ops`'s tests).
+//! §7 RoPE and §8 attention: the definition (`attention_ref`) and its fast path (`attention`:
+//! heads on the rayon pool, query rows in blocks, keys and values vectorised), bit-equal for
+//! every kernel family (tested in `ops`'s tests).
 
 use rayon::prelude::*;
 
-use super::{dot, dots_transposed, softmax};
+use super::{dot, exp_to_f32, softmax};
+use crate::matmul::Kernel;
 
 /// §7 RoPE tables for a list of absolute positions: `cos[p][i]`, `sin[p][i]`, i < d/2.
 pub struct Rope {
@@ -106,16 +108,23 @@ pub fn attention_ref(
     (o, probs)
 }
 
-/// Attention scores computed together (one `dot` per lane of an array).
-const SC: usize = 16;
+/// Query rows per block: their scores share each loaded key column and their P·V each loaded
+/// value row (4 rows × 64 lanes are 16 zmm accumulators on AVX-512).
+const RB: usize = 4;
 
-// The speed-up of attention: scores SC at a time through `dots_transposed` (crate::matmul),
-// each lane its own ordered `dot`.
+/// The fast path exactly as written (`PLANT_*`: test-only faults for the negative control).
+pub(super) const PLANT_NONE: u8 = 0;
+/// Every score's dot summed as two halves of the head dimension, then added (split-K).
+pub(super) const PLANT_SPLIT: u8 = 1;
+/// P·V's multiply and add fused (`mul_add`: one rounding).
+pub(super) const PLANT_FMA: u8 = 2;
 
-/// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and each head's
-/// scores computed SC at a time from its keys transposed (`dots_transposed`, each lane its own
-/// ordered `dot`). Every (head, row) does the same operations in the same order as the
-/// definition, so the bits are equal (tested). `probs` is empty unless `want_probs`.
+/// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and, per head, query
+/// rows in blocks of RB (the last rows one at a time). Keys are transposed per head (`kt[j][c]`), so one vector holds one
+/// dimension of 16 (AVX-512) / 8 (AVX2) keys and those keys' dots advance together, each still
+/// its own ordered `dot`; P·V advances a vector of the value dimension per step, c ascending.
+/// Every (head, row, output) does the same operations in the same order as the definition, so
+/// the bits are equal (tested for every kernel family). `probs` is empty unless `want_probs`.
 pub fn attention(
     q: &[f32],
     q_pos: &[i64],
@@ -124,60 +133,43 @@ pub fn attention(
     scale: f32,
     want_probs: bool,
 ) -> (Vec<f32>, Vec<f32>) {
-    let (t, tk, d, nq, nkv) = (q_pos.len(), keys.pos.len(), hs.d, hs.nq, hs.nkv);
-    let group = nq / nkv;
+    let job = Job {
+        q,
+        q_pos,
+        keys,
+        hs,
+        scale,
+    };
+    attention_with::<PLANT_NONE>(Kernel::detect(), &job, want_probs)
+}
+
+/// One attention's inputs (the arguments of `attention`).
+pub(super) struct Job<'a> {
+    pub q: &'a [f32],
+    pub q_pos: &'a [i64],
+    pub keys: &'a KeyRows<'a>,
+    pub hs: Heads,
+    pub scale: f32,
+}
+
+/// `attention` on a given kernel family (tests run every family the CPU has).
+pub(super) fn attention_with<const PLANT: u8>(
+    kernel: Kernel,
+    job: &Job,
+    want_probs: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    assert!(
+        kernel.supported(),
+        "{kernel:?} kernels need CPU features this CPU lacks"
+    );
+    let (t, tk, d, nq) = (job.q_pos.len(), job.keys.pos.len(), job.hs.d, job.hs.nq);
     // Heads are independent; each head's arithmetic is the same whichever thread runs it.
     let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..nq)
         .into_par_iter()
         .map(|hq| {
-            let hk = hq / group;
             let mut o = vec![0.0f32; t * d];
-            let mut probs = if want_probs {
-                vec![0.0f32; t * tk]
-            } else {
-                vec![]
-            };
-            let mut s = vec![0.0f32; tk];
-            let mut p = vec![0.0f32; tk];
-            // This head's keys transposed to `kt[j][c]` (columns padded with zeros to a
-            // multiple of SC), so SC scores advance together, each its own ordered `dot`.
-            let tkp = tk.div_ceil(SC) * SC;
-            let mut kt = vec![0.0f32; d * tkp];
-            let mut dots = vec![0.0f32; tkp];
-            for c in 0..tk {
-                let kr = &keys.k[(c * nkv + hk) * d..(c * nkv + hk + 1) * d];
-                for j in 0..d {
-                    kt[j * tkp + c] = kr[j];
-                }
-            }
-            for r in 0..t {
-                let qv = &q[(r * nq + hq) * d..(r * nq + hq + 1) * d];
-                let visible = |c: usize| keys.pos[c] <= q_pos[r];
-                // Columns past the last visible one are not needed (they become -inf).
-                let cend = (0..tk).rev().find(|&c| visible(c)).map_or(0, |c| c + 1);
-                let cpad = cend.div_ceil(SC) * SC;
-                dots_transposed(qv, &kt, tkp, &mut dots[..cpad]);
-                for c in 0..tk {
-                    s[c] = if visible(c) {
-                        dots[c] * scale
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                }
-                softmax(&s, visible, &mut p);
-                let orow = &mut o[r * d..(r + 1) * d];
-                for c in 0..tk {
-                    if visible(c) {
-                        let vv = &keys.v[(c * nkv + hk) * d..(c * nkv + hk + 1) * d];
-                        for j in 0..d {
-                            orow[j] += p[c] * vv[j];
-                        }
-                    }
-                }
-                if want_probs {
-                    probs[r * tk..(r + 1) * tk].copy_from_slice(&p);
-                }
-            }
+            let mut probs = vec![0.0f32; if want_probs { t * tk } else { 0 }];
+            head::<PLANT>(kernel, job, hq, &mut o, &mut probs);
             (o, probs)
         })
         .collect();
@@ -193,4 +185,352 @@ pub fn attention(
         vec![]
     };
     (o, probs)
+}
+
+/// Key columns are padded to a multiple of this (the widest family's score block).
+const KPAD: usize = 64;
+
+/// One query head over all rows: `o` `[T, d]`, `probs` `[T, S]` (or empty). Blocks of RB rows,
+/// the last rows one at a time.
+fn head<const PLANT: u8>(kernel: Kernel, job: &Job, hq: usize, o: &mut [f32], probs: &mut [f32]) {
+    let (t, tk, d) = (job.q_pos.len(), job.keys.pos.len(), job.hs.d);
+    // §8.3 the head's kv head; its keys transposed to `kt[j][c]`, columns padded with zeros to
+    // a multiple of KPAD.
+    let hk = hq / (job.hs.nq / job.hs.nkv);
+    let tkp = tk.div_ceil(KPAD) * KPAD;
+    let mut kt = vec![0.0f32; d * tkp];
+    for c in 0..tk {
+        let kr = &job.keys.k[(c * job.hs.nkv + hk) * d..][..d];
+        for (j, &kj) in kr.iter().enumerate() {
+            kt[j * tkp + c] = kj;
+        }
+    }
+    // Scores, then probabilities, of the block's rows (row i at `s[i * tkp..]`).
+    let mut s = vec![0.0f32; RB * tkp];
+    let mut r0 = 0;
+    while r0 < t {
+        let b = Block {
+            kernel,
+            job,
+            hq,
+            hk,
+            r0,
+            kt: &kt,
+            tkp,
+        };
+        if r0 + RB <= t {
+            b.run::<RB, PLANT>(&mut s, &mut o[r0 * d..(r0 + RB) * d], probs);
+            r0 += RB;
+        } else {
+            b.run::<1, PLANT>(&mut s, &mut o[r0 * d..(r0 + 1) * d], probs);
+            r0 += 1;
+        }
+    }
+}
+
+/// Rows `r0..r0+R` of one head.
+struct Block<'a> {
+    kernel: Kernel,
+    job: &'a Job<'a>,
+    hq: usize,
+    hk: usize,
+    r0: usize,
+    kt: &'a [f32],
+    tkp: usize,
+}
+
+impl Block<'_> {
+    /// Scores, softmax and P·V of R rows; `o` holds their outputs `[R, d]`, `probs` all rows'.
+    fn run<const R: usize, const PLANT: u8>(
+        &self,
+        s: &mut [f32],
+        o: &mut [f32],
+        probs: &mut [f32],
+    ) {
+        let Job {
+            q,
+            q_pos,
+            keys,
+            hs,
+            scale,
+        } = *self.job;
+        let (tk, d, tkp) = (keys.pos.len(), hs.d, self.tkp);
+        let qp: [i64; R] = std::array::from_fn(|i| q_pos[self.r0 + i]);
+        // Keys past a row's last visible one are not needed (they become -inf, then +0).
+        let cend: [usize; R] = std::array::from_fn(|i| {
+            (0..tk)
+                .rev()
+                .find(|&c| keys.pos[c] <= qp[i])
+                .map_or(0, |c| c + 1)
+        });
+        let cmax = cend.iter().copied().max().unwrap_or(0);
+        // The block's query rows interleaved, `qk[j * R + i] = q_i[j]`: one base for the loads.
+        let mut qk = vec![0.0f32; d * R];
+        for i in 0..R {
+            let qi = &q[((self.r0 + i) * hs.nq + self.hq) * d..][..d];
+            for (j, &x) in qi.iter().enumerate() {
+                qk[j * R + i] = x;
+            }
+        }
+        scores::<R, PLANT>(self.kernel, &qk, self.kt, tkp, cmax, s);
+        // §8.4 scale and mask, §8.6 softmax: row by row, each its own ordered sum.
+        let mut all_visible = cmax;
+        for i in 0..R {
+            let (ce, pos) = (cend[i], &keys.pos[..cend[i]]);
+            let sr = &mut s[i * tkp..i * tkp + ce];
+            for (v, &p) in sr.iter_mut().zip(pos) {
+                *v = if p <= qp[i] {
+                    *v * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            softmax_row(sr, pos, qp[i]);
+            all_visible = all_visible.min(pos.iter().position(|&p| p > qp[i]).unwrap_or(ce));
+            if !probs.is_empty() {
+                probs[(self.r0 + i) * tk..][..ce].copy_from_slice(sr);
+            }
+        }
+        // §8.7 P·V: keys every row sees, all rows together; then each row's own rest, c ascending.
+        let (vstride, voff) = (hs.nkv * d, self.hk * d);
+        // The shared keys' probabilities interleaved, `pk[c * R + i] = p_i[c]`: one base.
+        let mut pk = vec![0.0f32; all_visible * R];
+        for i in 0..R {
+            for (c, &pc) in s[i * tkp..][..all_visible].iter().enumerate() {
+                pk[c * R + i] = pc;
+            }
+        }
+        pv::<R, PLANT>(self.kernel, &pk, &keys.v[voff..], vstride, o, d);
+        for i in 0..R {
+            let orow = &mut o[i * d..(i + 1) * d];
+            for c in all_visible..cend[i] {
+                if keys.pos[c] <= qp[i] {
+                    let (pc, vv) = (s[i * tkp + c], &keys.v[c * vstride + voff..][..d]);
+                    for (oj, &vj) in orow.iter_mut().zip(vv) {
+                        *oj += pc * vj;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The two kernels, the same generic loops compiled for each family's vectors (the compiler
+// may not fuse, and does not: Rust never contracts `a * b + c`): scores N keys per block (NS
+// for the last ones), P·V DJ value lanes per block (then 8, then 1). Only these are compiled
+// per family: the masking and softmax around them are cheap beside libm's `exp`, and a whole
+// head body per family tripled the crate's build time.
+
+/// `s[i][c] = dot(q_i, column c of kt)` for the R rows of `qk` and every column below `cmax`
+/// rounded up to the family's small block (at most `tkp`).
+fn scores<const R: usize, const PLANT: u8>(
+    kernel: Kernel,
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    match kernel {
+        // SAFETY: `attention_with` asserted the CPU supports the family.
+        Kernel::Avx512 => unsafe { scores_avx512::<R, PLANT>(qk, kt, tkp, cmax, s) },
+        // SAFETY: as above.
+        Kernel::Avx2 => unsafe { scores_avx2::<R, PLANT>(qk, kt, tkp, cmax, s) },
+        Kernel::Portable => scores_generic::<R, 8, 8, PLANT>(qk, kt, tkp, cmax, s),
+    }
+}
+
+/// `o[i][j] = Σ_c pk[c * R + i] ⊗ v[c * vstride + j]` for the R rows and every j < d.
+fn pv<const R: usize, const PLANT: u8>(
+    kernel: Kernel,
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    match kernel {
+        // SAFETY: `attention_with` asserted the CPU supports the family.
+        Kernel::Avx512 => unsafe { pv_avx512::<R, PLANT>(pk, v, vstride, o, d) },
+        // SAFETY: as above.
+        Kernel::Avx2 => unsafe { pv_avx2::<R, PLANT>(pk, v, vstride, o, d) },
+        Kernel::Portable => pv_generic::<R, 8, PLANT>(pk, v, vstride, o, d),
+    }
+}
+
+/// One kernel compiled for one family: the family's widths under its `target_feature` on
+/// x86_64; elsewhere the baseline widths (never called there: `Kernel::supported` is false).
+macro_rules! family_kernel {
+    ($name:ident, $feat:literal, $generic:ident, [$($w:literal),+], [$($bw:literal),+],
+     ($($arg:ident: $ty:ty),*)) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const R: usize, const PLANT: u8>($($arg: $ty),*) {
+            $generic::<R, $($w,)+ PLANT>($($arg),*)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unsafe fn $name<const R: usize, const PLANT: u8>($($arg: $ty),*) {
+            $generic::<R, $($bw,)+ PLANT>($($arg),*)
+        }
+    };
+}
+
+#[rustfmt::skip]
+family_kernel!(scores_avx512, "avx512f", scores_generic, [64, 16], [8, 8],
+               (qk: &[f32], kt: &[f32], tkp: usize, cmax: usize, s: &mut [f32]));
+#[rustfmt::skip]
+family_kernel!(scores_avx2, "avx2", scores_generic, [16, 8], [8, 8],
+               (qk: &[f32], kt: &[f32], tkp: usize, cmax: usize, s: &mut [f32]));
+#[rustfmt::skip]
+family_kernel!(pv_avx512, "avx512f", pv_generic, [64], [8],
+               (pk: &[f32], v: &[f32], vstride: usize, o: &mut [f32], d: usize));
+#[rustfmt::skip]
+family_kernel!(pv_avx2, "avx2", pv_generic, [16], [8],
+               (pk: &[f32], v: &[f32], vstride: usize, o: &mut [f32], d: usize));
+
+#[inline(always)]
+fn scores_generic<const R: usize, const N: usize, const NS: usize, const PLANT: u8>(
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    cmax: usize,
+    s: &mut [f32],
+) {
+    let (cpad, mut c0) = (cmax.div_ceil(NS) * NS, 0);
+    while c0 + N <= cpad {
+        score_cols::<R, N, PLANT>(qk, kt, tkp, c0, s);
+        c0 += N;
+    }
+    while c0 < cpad {
+        score_cols::<R, NS, PLANT>(qk, kt, tkp, c0, s);
+        c0 += NS;
+    }
+}
+
+#[inline(always)]
+fn pv_generic<const R: usize, const DJ: usize, const PLANT: u8>(
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    let mut j0 = 0;
+    while j0 + DJ <= d {
+        pv_cols::<R, DJ, PLANT>(pk, &v[j0..], vstride, &mut o[j0..], d);
+        j0 += DJ;
+    }
+    while j0 + 8 <= d {
+        pv_cols::<R, 8, PLANT>(pk, &v[j0..], vstride, &mut o[j0..], d);
+        j0 += 8;
+    }
+    while j0 < d {
+        pv_cols::<R, 1, PLANT>(pk, &v[j0..], vstride, &mut o[j0..], d);
+        j0 += 1;
+    }
+}
+
+/// `s[i][c0..c0+W] = dot(q_i, column c of kt)` for the R rows of `qk` (`qk[j * R + i]`): per
+/// column j ascending from +0.0, one rounded multiply then one rounded add (the planted split
+/// aside).
+#[inline(always)]
+fn score_cols<const R: usize, const W: usize, const PLANT: u8>(
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    c0: usize,
+    s: &mut [f32],
+) {
+    let d = qk.len() / R;
+    let half = if PLANT == PLANT_SPLIT { d / 2 } else { d };
+    let step = |acc: &mut [[f32; W]; R], j: usize| {
+        let col: &[f32; W] = kt[j * tkp + c0..][..W].try_into().expect("W lanes");
+        let xs: &[f32; R] = qk[j * R..][..R].try_into().expect("R rows");
+        for (a, &x) in acc.iter_mut().zip(xs) {
+            for (ai, &ki) in a.iter_mut().zip(col) {
+                *ai += x * ki;
+            }
+        }
+    };
+    let mut acc = [[0.0f32; W]; R];
+    for j in 0..half {
+        step(&mut acc, j);
+    }
+    if PLANT == PLANT_SPLIT {
+        let mut hi = [[0.0f32; W]; R];
+        for j in half..d {
+            step(&mut hi, j);
+        }
+        for (a, h) in acc.iter_mut().zip(&hi) {
+            for (ai, &hv) in a.iter_mut().zip(h) {
+                *ai += hv;
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        s[i * tkp + c0..][..W].copy_from_slice(a);
+    }
+}
+
+/// §8.6 on one row's first `ce` scores (masked ones already -inf): `softmax` with the max taken
+/// lane-wise. `>` keeps the first of equal values in each lane and the lanes are then combined by
+/// `>` too, so the result is the definition's max up to the sign of a zero max, which no `s ⊖ m`
+/// can tell (`±0 ⊖ ±0` is ±0 and `f32(exp(±0))` is 1); -inf and NaN never win a `>`.
+fn softmax_row(s: &mut [f32], pos: &[i64], qp: i64) {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = s.chunks_exact(16);
+    let rest = chunks.remainder();
+    for ch in chunks {
+        for (m, &v) in lanes.iter_mut().zip(ch) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(rest) {
+        if v > m {
+            m = v;
+        }
+    }
+    let mut z = 0.0f32;
+    for (v, &p) in s.iter_mut().zip(pos) {
+        if p <= qp {
+            let e = exp_to_f32(*v - m);
+            *v = e;
+            z += e;
+        } else {
+            *v = 0.0;
+        }
+    }
+    for (v, &p) in s.iter_mut().zip(pos) {
+        *v = if p <= qp { *v / z } else { 0.0 };
+    }
+}
+
+/// `o[i * d..][..W] = Σ_c pk[c * R + i] ⊗ v[c * vstride..][..W]` over the keys of `pk`, c
+/// ascending from +0.0, one rounded multiply then one rounded add (the planted FMA aside): the
+/// R rows share each value load.
+#[inline(always)]
+fn pv_cols<const R: usize, const W: usize, const PLANT: u8>(
+    pk: &[f32],
+    v: &[f32],
+    vstride: usize,
+    o: &mut [f32],
+    d: usize,
+) {
+    let mut acc = [[0.0f32; W]; R];
+    for (ps, vc) in pk.chunks_exact(R).zip(v.chunks(vstride)) {
+        let vr: &[f32; W] = vc[..W].try_into().expect("W lanes");
+        for (a, &pc) in acc.iter_mut().zip(ps) {
+            for (ai, &vj) in a.iter_mut().zip(vr) {
+                *ai = if PLANT == PLANT_FMA {
+                    pc.mul_add(vj, *ai)
+                } else {
+                    *ai + pc * vj
+                };
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        o[i * d..][..W].copy_from_slice(a);
+    }
 }

@@ -1,44 +1,151 @@
 //! The numerics.md operations against hand cases and their definitions.
 
+use super::attention::{self, PLANT_FMA, PLANT_NONE, PLANT_SPLIT};
 use super::*;
 use crate::matmul::tests::{note_unchecked_kernels, vals};
+use crate::matmul::Kernel;
+
+/// An attention case: `(nq, nkv, d, key count, query rows)`, keys at positions `k_pos` (the
+/// query rows at the last `t` of them unless `q_pos` is given).
+struct AttnCase {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k_pos: Vec<i64>,
+    q_pos: Vec<i64>,
+    hs: Heads,
+}
+
+fn attn_case(nq: usize, nkv: usize, d: usize, s_len: usize, t: usize, seed: u64) -> AttnCase {
+    let k_pos: Vec<i64> = (0..s_len as i64).collect();
+    AttnCase {
+        q: vals(t * nq * d, seed),
+        k: vals(s_len * nkv * d, seed + 1),
+        v: vals(s_len * nkv * d, seed + 2),
+        q_pos: k_pos[s_len - t..].to_vec(),
+        k_pos,
+        hs: Heads { nq, nkv, d },
+    }
+}
+
+impl AttnCase {
+    fn run<const PLANT: u8>(&self, kernel: Kernel, want_probs: bool) -> (Vec<f32>, Vec<f32>) {
+        let keys = KeyRows {
+            k: &self.k,
+            v: &self.v,
+            pos: &self.k_pos,
+        };
+        let job = attention::Job {
+            q: &self.q,
+            q_pos: &self.q_pos,
+            keys: &keys,
+            hs: self.hs,
+            scale: 0.375,
+        };
+        attention::attention_with::<PLANT>(kernel, &job, want_probs)
+    }
+
+    fn reference(&self) -> (Vec<f32>, Vec<f32>) {
+        let keys = KeyRows {
+            k: &self.k,
+            v: &self.v,
+            pos: &self.k_pos,
+        };
+        attention_ref(&self.q, &self.q_pos, &keys, self.hs, 0.375)
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
 
 #[test]
 fn attention_fast_equals_definition_bits() {
     note_unchecked_kernels("attention_fast_equals_definition_bits");
-    // GQA groups of 1 and 3, key counts around the SC-wide blocks, cached rows (key
-    // positions before the query rows) and a query row that sees only some of the keys.
+    // GQA groups of 1, 2 and 3; head dims odd, below and above every vector width (67 = 64 + 3);
+    // key counts around the 8/16/64-wide blocks; query-row counts not a multiple of the 4-row
+    // block; cached rows (keys before the query rows) and a causal prefill (each row sees a
+    // different count). Qwen3.5's output gate multiplies o after this function (qwen3.rs), so
+    // its path is this one.
+    let mut cases = vec![];
+    for (i, &(nq, nkv, d, s_len, t)) in [
+        (2, 2, 4, 1, 1),
+        (6, 2, 8, 17, 5),
+        (3, 1, 6, 33, 33),
+        (4, 2, 67, 70, 70),
+        (2, 1, 64, 131, 7),
+        (2, 2, 128, 19, 19),
+        (3, 3, 24, 65, 1),
+    ]
+    .iter()
+    .enumerate()
+    {
+        cases.push(attn_case(nq, nkv, d, s_len, t, 11 + 3 * i as u64));
+    }
+    // Key positions out of order (a key hidden from a row between visible ones), and a row that
+    // sees no key at all.
+    let mut holes = attn_case(2, 1, 16, 23, 6, 40);
+    holes.k_pos.swap(3, 20);
+    holes.k_pos.swap(8, 22);
+    holes.q_pos[0] = -1;
+    cases.push(holes);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(3)
         .build()
         .unwrap();
-    for &(nq, nkv, d, s_len, t) in &[(2, 2, 4, 1, 1), (6, 2, 8, 17, 5), (3, 1, 6, 33, 33)] {
-        let k_pos: Vec<i64> = (0..s_len as i64).collect();
-        let q_pos: Vec<i64> = k_pos[s_len - t..].to_vec();
-        let q = vals(t * nq * d, 11);
-        let (k, v) = (vals(s_len * nkv * d, 12), vals(s_len * nkv * d, 13));
-        let keys = KeyRows {
-            k: &k,
-            v: &v,
-            pos: &k_pos,
-        };
-        let hs = Heads { nq, nkv, d };
-        let (want_o, want_p) = attention_ref(&q, &q_pos, &keys, hs, 0.375);
-        let (got_o, got_p) = pool.install(|| attention(&q, &q_pos, &keys, hs, 0.375, true));
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&want_o),
-            bits(&got_o),
-            "o: nq {nq} nkv {nkv} s {s_len}"
+    for (n, case) in cases.iter().enumerate() {
+        let (want_o, want_p) = case.reference();
+        for kernel in Kernel::all_supported() {
+            let (got_o, got_p) = pool.install(|| case.run::<PLANT_NONE>(kernel, true));
+            assert_eq!(bits(&want_o), bits(&got_o), "o: case {n} {kernel:?}");
+            assert_eq!(bits(&want_p), bits(&got_p), "p: case {n} {kernel:?}");
+            let (o2, p2) = case.run::<PLANT_NONE>(kernel, false);
+            assert_eq!(
+                bits(&o2),
+                bits(&want_o),
+                "o without probs: case {n} {kernel:?}"
+            );
+            assert!(p2.is_empty());
+        }
+    }
+    // The public entry is the detected family's path.
+    let c = &cases[3];
+    let keys = KeyRows {
+        k: &c.k,
+        v: &c.v,
+        pos: &c.k_pos,
+    };
+    let (o, _) = attention(&c.q, &c.q_pos, &keys, c.hs, 0.375, false);
+    assert_eq!(bits(&o), bits(&c.reference().0));
+}
+
+/// Negative control for the test above: a planted split-K in the scores and a planted FMA in
+/// P·V, in every family's own widest blocks (d = 64: whole vectors; 40 rows: whole 4-row blocks
+/// and keys every row of a block sees), are caught by the same comparison.
+#[test]
+fn attention_check_catches_planted_split_and_fma() {
+    note_unchecked_kernels("attention_check_catches_planted_split_and_fma");
+    let case = attn_case(4, 2, 64, 40, 40, 7);
+    let (want_o, want_p) = case.reference();
+    for kernel in Kernel::all_supported() {
+        let (o, p) = case.run::<PLANT_SPLIT>(kernel, true);
+        assert_ne!(
+            bits(&want_p),
+            bits(&p),
+            "split scores not caught: {kernel:?}"
         );
+        assert_ne!(
+            bits(&want_o),
+            bits(&o),
+            "split scores not caught: {kernel:?}"
+        );
+        let (o, p) = case.run::<PLANT_FMA>(kernel, true);
         assert_eq!(
             bits(&want_p),
-            bits(&got_p),
-            "p: nq {nq} nkv {nkv} s {s_len}"
+            bits(&p),
+            "the FMA plant is in P·V only: {kernel:?}"
         );
-        let (o2, p2) = attention(&q, &q_pos, &keys, hs, 0.375, false);
-        assert_eq!(bits(&o2), bits(&want_o));
-        assert!(p2.is_empty());
+        assert_ne!(bits(&want_o), bits(&o), "fused P·V not caught: {kernel:?}");
     }
 }
 
