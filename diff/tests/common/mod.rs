@@ -3,7 +3,6 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use serde_json::{json, Value};
 use tracegate_trace::{Attributes, DType, TraceWriter};
@@ -207,27 +206,13 @@ pub fn rewrite_index(path: &Path, edit: impl FnOnce(&mut Value)) {
 
 // --- the JSON report's schema, checked by a real JSON Schema validator ----------------------
 
-/// docs/diff-report.schema.json, compiled once per test binary (draft 2020-12; building it
-/// also checks the schema itself against the draft's meta-schema).
-fn report_validator() -> &'static jsonschema::Validator {
-    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
-    V.get_or_init(|| {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/diff-report.schema.json");
-        let text =
-            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let schema: Value =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        jsonschema::draft202012::new(&schema)
-            .unwrap_or_else(|e| panic!("{} is not a valid schema: {e}", path.display()))
-    })
+fn report_validator() -> &'static tracegate_schema_check::Schema {
+    tracegate_schema_check::schema("diff-report.schema.json")
 }
 
 /// Every way `report` departs from docs/diff-report.schema.json, each "at /json/pointer: why".
 pub fn report_schema_errors(report: &Value) -> Vec<String> {
-    report_validator()
-        .iter_errors(report)
-        .map(|e| format!("at {}: {e}", e.instance_path()))
-        .collect()
+    report_validator().errors(report)
 }
 
 /// Panics unless `report` is valid under docs/diff-report.schema.json. Every test that makes a
