@@ -11,8 +11,9 @@ process that started it (the gate), even while a request runs.
 
 Never stale: before each request the worker compares the size and mtime of every tracegate
 module it has imported (``tracegate*`` in ``sys.modules``, the compiled binding included) with
-what they were when it imported them; once one changed it answers ``{"stale": WHY}`` instead of
-running the request and exits, and the gate starts a fresh worker for it (a resident worker
+what they were when it imported them, and likewise the ``__init__`` of torch, transformers and
+numpy (a ``pip install`` of another version rewrites it); once one changed it answers
+``{"stale": WHY}`` instead of running the request and exits, and the gate starts a fresh worker for it (a resident worker
 outlives the edit that changed them). Test-only hooks: ``TRACEGATE_SERVE_WATCH`` (one more file
 to watch), ``TRACEGATE_SERVE_STALE_CHECK=0`` (no check: the negative control) and
 ``TRACEGATE_SERVE_TEST_SLEEP=S`` (each request first sleeps S seconds: a request in flight).
@@ -54,9 +55,14 @@ def _stat(path: str):
     return (st.st_size, st.st_mtime_ns)
 
 
+# The pinned stack a trace depends on: an upgrade rewrites each package's __init__.py.
+_STACK = ("torch", "transformers", "numpy")
+
+
 class _Imported:
-    """The files of the tracegate modules imported so far, with their (size, mtime) when first
-    seen (a module imported during a request is recorded right after it)."""
+    """The files of the tracegate modules imported so far, and of the stack's top-level packages
+    (``_STACK``), with their (size, mtime) when first seen (a module imported during a request is
+    recorded right after it)."""
 
     def __init__(self) -> None:
         self.seen: dict[str, tuple[int, int] | None] = {}
@@ -68,7 +74,8 @@ class _Imported:
     def update(self) -> None:
         for name, mod in list(sys.modules.items()):
             path = getattr(mod, "__file__", None)
-            if name.split(".")[0].startswith("tracegate") and path and path not in self.seen:
+            ours = name.split(".")[0].startswith("tracegate")
+            if (ours or name in _STACK) and path and path not in self.seen:
                 self.seen[path] = _stat(path)
 
     def changed(self) -> str | None:
