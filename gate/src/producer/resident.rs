@@ -290,6 +290,26 @@ pub(crate) fn open(
     Some(open_resident(name, root, serve_argv))
 }
 
+/// How long a run waits for the key's lock before it starts its own worker. Not zero: a process
+/// forked at the moment another thread of this gate still held the lock (to start another
+/// worker's daemon) keeps the lock until it execs, a few milliseconds.
+const LOCK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Takes the exclusive flock on `lock`, trying until `grace` has passed.
+fn lock_within(lock: &std::fs::File, grace: std::time::Duration) -> bool {
+    let until = std::time::Instant::now() + grace;
+    loop {
+        // SAFETY: flock on a descriptor the caller owns.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return true;
+        }
+        if std::time::Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Client, String> {
     let dir = runtime_dir()?;
     let key = key(root, serve_argv)?;
@@ -306,8 +326,7 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
         .write(true)
         .open(&p.lock)
         .map_err(|e| format!("{}: {e}", p.lock.display()))?;
-    // SAFETY: flock on a descriptor this function owns.
-    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    if !lock_within(&lock, LOCK_GRACE) {
         let pid = read_info(&p.info).map_or(String::new(), |i| format!(" (pid {})", i.worker_pid));
         return Err(format!(
             "the resident worker{pid} is busy with another gate run"
