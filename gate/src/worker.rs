@@ -148,7 +148,7 @@ impl Worker {
         cancelled: &mut dyn FnMut() -> bool,
     ) -> Answer {
         let pid = self.pid;
-        let line = serde_json::json!({ "argv": request }).to_string() + "\n";
+        let line = request_line(request);
         let mut buf = vec![0u8; 64 * 1024];
         if let Err(e) = self
             .stdin
@@ -212,11 +212,24 @@ impl Worker {
     }
 }
 
+/// A request as its line on the worker's stdin (or a resident daemon's socket):
+/// `{"argv": [VERB, ARG, …]}` (docs/producers.md, "Serving").
+pub(crate) fn request_line(request: &[String]) -> String {
+    serde_json::json!({ "argv": request }).to_string() + "\n"
+}
+
+/// The KiB figure of `field` (e.g. `VmHWM`, `VmRSS`) in /proc/`pid`/status.
+pub(crate) fn proc_status_kib(pid: libc::pid_t, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status
+        .lines()
+        .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// The worker's peak RSS so far (VmHWM), as a per-call run reports its own.
 pub(crate) fn peak_rss_kib(pid: libc::pid_t) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
+    proc_status_kib(pid, "VmHWM")
 }
 
 /// How a request to a worker went.
@@ -331,28 +344,23 @@ pub(crate) fn request(
         }
         let stale = match guard.take() {
             None => return (Ended::failed("no worker".into()), None),
-            Some(Conn::Local(w)) => {
+            Some(Conn::Local(mut w)) => {
+                let pid = w.pid as u32;
+                let answer = w.ask(request, Some(deadline), &mut || false);
+                let stale = match &answer {
+                    Answer::Stale(why) => Some(why.clone()),
+                    _ => None,
+                };
                 let mut local = Some(w);
-                let pid = local.as_ref().map_or(0, |w| w.pid as u32);
-                let answer = match local.as_mut() {
-                    Some(w) => w.ask(request, Some(deadline), &mut || false),
-                    None => Answer::Broken("no worker".into()),
-                };
-                let stale = matches!(&answer, Answer::Stale(_));
-                let why = if let Answer::Stale(why) = &answer {
-                    why.clone()
-                } else {
-                    String::new()
-                };
                 let e = ended(&mut local, answer, serve_argv);
-                if !stale {
+                let Some(why) = stale else {
                     *guard = local.map(Conn::Local);
                     let served = Served {
                         pid,
                         resident: None,
                     };
                     return (e, Some(served));
-                }
+                };
                 why
             }
             Some(Conn::Resident(mut c)) => {

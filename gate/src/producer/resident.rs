@@ -469,7 +469,7 @@ impl Client {
     /// are killed and the request is a timeout, as for a per-run worker.
     pub(crate) fn ask(&mut self, request: &[String], deadline: Instant) -> Reply {
         let gone = |why: String| Reply::Gone(Ended::failed(why));
-        let line = serde_json::json!({ "argv": request }).to_string() + "\n";
+        let line = worker::request_line(request);
         if let Err(e) = self.stream.write_all(line.as_bytes()) {
             return gone(format!(
                 "resident worker {} did not take the request: {e}",
@@ -722,13 +722,7 @@ pub struct Listed {
 }
 
 fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            let l = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_string();
-            l.split_whitespace().nth(1)?.parse().ok()
-        })
-        .unwrap_or(0)
+    worker::proc_status_kib(pid, "VmRSS").unwrap_or(0)
 }
 
 fn is_daemon(pid: i32) -> bool {
