@@ -6,10 +6,9 @@
 //! prefill seconds per length (one timed forward each, after an untimed warm-up forward that
 //! touches every weight page), per-token cached decode seconds (mean over DECODE greedy steps
 //! after the first prompt), the weight bytes one decoded token reads and the GB/s that makes,
-//! peak RSS (VmHWM, includes the checkpoint's copy or the mapped pages touched, read before the
-//! bandwidth probe below allocates), the model's f32 weight size, how the weights are held
-//! (`TRACEGATE_ENGINE_WEIGHTS`), the load time (checkpoint open and model load) and the bytes
-//! on transparent huge pages, and the machine's memory bandwidth on the same threads: a
+//! peak RSS (VmHWM, includes the weights' panels and the mapped pages touched, read before the
+//! bandwidth probe below allocates), the model's f32 weight size, the load time (checkpoint open
+//! and model load, which packs the panels) and the bytes on transparent huge pages, and the machine's memory bandwidth on the same threads: a
 //! read-only pass and a copy over buffers larger than the caches.
 
 use std::time::Instant;
@@ -19,7 +18,7 @@ use tracegate_engine::capture::Capture;
 use tracegate_engine::config::{Config, LayerKind};
 use tracegate_engine::matmul::Kernel;
 use tracegate_engine::qwen3::Model;
-use tracegate_engine::weights::{Residence, Store};
+use tracegate_engine::weights::Store;
 use tracegate_engine::{generate, load_config};
 
 fn vm_hwm_kb() -> u64 {
@@ -138,7 +137,6 @@ fn main() {
     let steps: usize = a[4].parse().expect("decode steps");
     let (cfg, _) = load_config(&dir).expect("config");
     let t0 = Instant::now();
-    let residence = Residence::from_env().expect("TRACEGATE_ENGINE_WEIGHTS");
     let store = Store::open(&dir).expect("store");
     let model = Model::load(cfg, &store).expect("model");
     let load = t0.elapsed().as_secs_f64();
@@ -190,7 +188,7 @@ fn main() {
             "{{\"threads\": {threads}, \"kernel\": \"{:?}\", \"prefill_s\": {{{}}}, \
              \"decode_s_per_token\": {decode:.6}, \"decode_weight_bytes_per_token\": {read_bytes}, \
              \"decode_gbps\": {:.3}, \"read_gbps\": {read_gbps:.3}, \"copy_gbps\": {copy_gbps:.3}, \
-             \"peak_rss_bytes\": {rss}, \"f32_weight_bytes\": {}, \"weights\": \"{residence:?}\", \
+             \"peak_rss_bytes\": {rss}, \"f32_weight_bytes\": {}, \
              \"load_s\": {load:.6}, \"anon_huge_bytes\": {huge}, \"tokens\": {tokens:?}}}",
             Kernel::detect(),
             prefill.join(", "),

@@ -6,13 +6,13 @@
 //! On one core: (a) the peak rate of independent vector multiply-then-add pairs (two rounded
 //! instructions, what the engine may use) and of fused multiply-adds (what sgemm uses), per
 //! vector width this CPU has; (b) the engine's matmul on the bench preset's prefill shapes
-//! (`ROWS` × hidden × out, bf16 weights as on disk) in GFLOP/s (2 flops per multiply-add).
+//! (`ROWS` × hidden × out, bf16 weights as the engine holds them: panels) in GFLOP/s (2 flops per multiply-add).
 //! Prints one JSON line.
 
 use std::time::Instant;
 
 use tracegate_engine::matmul::{matmul_with, Kernel};
-use tracegate_engine::weights::{Mat, WDType};
+use tracegate_engine::weights::{Mat, WDType, PANEL};
 
 /// The bench preset's (`scripts/make_fixtures.py bench-qwen3`: 8 layers) linear layers: (name,
 /// in, out, times per forward).
@@ -150,12 +150,9 @@ fn main() {
         let bytes: Vec<u8> = (0..n * k)
             .flat_map(|_| ((next().to_bits() >> 16) as u16).to_le_bytes())
             .collect();
-        let w = Mat {
-            dtype: WDType::BF16,
-            rows: n,
-            cols: k,
-            bytes: &bytes,
-        };
+        // As the engine holds them: bf16 panels (`Store::matrix`).
+        let mut panels = vec![0u8; n.div_ceil(PANEL) * PANEL * k * 2];
+        let w = Mat::rows(WDType::BF16, n, k, &bytes).pack_into(&mut panels);
         let s = pool.install(|| {
             best_of(5, || {
                 std::hint::black_box(matmul_with(kernel, &x, rows, w, None));

@@ -17,15 +17,15 @@ pub(crate) mod tests;
 
 use rayon::prelude::*;
 
-use crate::weights::Mat;
+use crate::weights::{Layout, Mat};
 
 use avx2::tile_avx2_packed;
 #[cfg(target_arch = "x86_64")]
-use avx2::widen_transposed_avx2;
+use avx2::{widen_panels_avx2, widen_transposed_avx2};
 use avx512::tile_avx512_packed;
 #[cfg(target_arch = "x86_64")]
-use avx512::widen_transposed_avx512;
-use portable::{tile_portable, widen_transposed_scalar};
+use avx512::{widen_panels_avx512, widen_transposed_avx512};
+use portable::{tile_portable, widen_panels, widen_transposed_scalar};
 
 /// Outputs per tile: one 512-bit vector of accumulators per row.
 const NR: usize = 16;
@@ -212,7 +212,8 @@ fn pack_rows(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
 }
 
 /// Widen `W[o0..o0+valid, k0..k0+kb]` into `wt[k*NR + j]` (lanes past `valid` are zero and their
-/// results discarded). Pure data movement: every path stores the same exact values.
+/// results discarded). Pure data movement: every path stores the same exact values. (Tiles
+/// start on panel boundaries: NR = PANEL.)
 fn widen_transposed(
     kernel: Kernel,
     w: Mat,
@@ -222,6 +223,18 @@ fn widen_transposed(
     kb: usize,
     wt: &mut [f32; KB * NR],
 ) {
+    if w.layout == Layout::Panels {
+        match kernel {
+            // SAFETY (both): the family's CPU features were checked by the caller; the block is
+            // whole panel words of `w` (the kernels assert it).
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => unsafe { widen_panels_avx512(w, o0, k0, kb, wt) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { widen_panels_avx2(w, o0, k0, kb, wt) },
+            _ => widen_panels(w, o0, k0, kb, &mut wt[..]),
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if valid == NR {
         // SAFETY: the family's CPU features were checked by the caller (`matmul_with` asserts

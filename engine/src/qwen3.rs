@@ -89,8 +89,9 @@ struct Layer<'a> {
     ffn: Ffn<'a>,
 }
 
-/// The model: matrices stay in the mapped checkpoint and are widened tile by tile at use; only
-/// the O(hidden) vectors (norm weights, biases) are widened once here.
+/// The model: matrices stay bf16/f16/f32 (in the mapped checkpoint, or bf16 repacked as panels:
+/// `Store::matrix`) and are widened tile by tile at use; only the O(hidden) vectors (norm
+/// weights, biases) are widened once here.
 pub struct Model<'a> {
     pub cfg: Config,
     embed: Mat<'a>,
@@ -131,7 +132,7 @@ impl<'a> Model<'a> {
             })
         };
         let lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<'a>> {
-            let w = st.take(&format!("{name}.weight"), &[out, inp])?;
+            let w = st.matrix(&format!("{name}.weight"), &[out, inp])?;
             let b = if bias {
                 Some(vec(&format!("{name}.bias"), out)?)
             } else {
@@ -141,32 +142,41 @@ impl<'a> Model<'a> {
         };
         let mlp = |p: &str, inter: usize| -> Result<Mlp<'a>> {
             Ok(Mlp {
-                gate: st.take(&format!("{p}.gate_proj.weight"), &[inter, h])?,
-                up: st.take(&format!("{p}.up_proj.weight"), &[inter, h])?,
-                down: st.take(&format!("{p}.down_proj.weight"), &[h, inter])?,
+                gate: st.matrix(&format!("{p}.gate_proj.weight"), &[inter, h])?,
+                up: st.matrix(&format!("{p}.up_proj.weight"), &[inter, h])?,
+                down: st.matrix(&format!("{p}.down_proj.weight"), &[h, inter])?,
             })
         };
-        let embed = st.take(&format!("{m}embed_tokens.weight"), &[v, h])?;
+        // Tied, the embedding is also the head: packed once, looked up from its panels.
+        let embed_name = format!("{m}embed_tokens.weight");
+        let embed = if cfg.tie_word_embeddings {
+            st.matrix(&embed_name, &[v, h])?
+        } else {
+            st.take(&embed_name, &[v, h])?
+        };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("{m}layers.{l}");
             let ab = cfg.attention_bias;
             let ffn = if cfg.is_sparse(l) {
                 let (ne, mi) = (cfg.num_experts, cfg.moe_intermediate_size);
-                let router = st.take(&format!("{p}.mlp.gate.weight"), &[ne, h])?;
+                let router = st.matrix(&format!("{p}.mlp.gate.weight"), &[ne, h])?;
                 // On disk experts are either per-expert modules (what save_pretrained writes) or
                 // transformers 5's fused `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`.
                 let fused = format!("{p}.mlp.experts.gate_up_proj");
                 let experts = if st.contains(&fused) {
                     let gu = st.take(&fused, &[ne, 2 * mi, h])?;
                     let dn = st.take(&format!("{p}.mlp.experts.down_proj"), &[ne, h, mi])?;
+                    let dn_name = format!("{p}.mlp.experts.down_proj");
                     (0..ne)
-                        .map(|e| Mlp {
-                            gate: gu.row_block(e * 2 * mi, mi),
-                            up: gu.row_block(e * 2 * mi + mi, mi),
-                            down: dn.row_block(e * h, h),
+                        .map(|e| {
+                            Ok(Mlp {
+                                gate: st.panels(&fused, gu.row_block(e * 2 * mi, mi))?,
+                                up: st.panels(&fused, gu.row_block(e * 2 * mi + mi, mi))?,
+                                down: st.panels(&dn_name, dn.row_block(e * h, h))?,
+                            })
                         })
-                        .collect()
+                        .collect::<Result<Vec<_>>>()?
                 } else {
                     (0..ne)
                         .map(|e| mlp(&format!("{p}.mlp.experts.{e}"), mi))
@@ -176,7 +186,7 @@ impl<'a> Model<'a> {
                     0 => None,
                     si => Some(SharedExpert {
                         mlp: mlp(&format!("{p}.mlp.shared_expert"), si)?,
-                        gate: st.take(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
+                        gate: st.matrix(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
                     }),
                 };
                 Ffn::Moe {
@@ -219,7 +229,7 @@ impl<'a> Model<'a> {
         let head = if cfg.tie_word_embeddings {
             embed
         } else {
-            st.take("lm_head.weight", &[v, h])?
+            st.matrix("lm_head.weight", &[v, h])?
         };
         // §20: Qwen3.5 checkpoints carry a vision tower and a multi-token-prediction head the
         // language model does not run; they are listed, not refused.

@@ -57,7 +57,7 @@ impl<'a> GatedDeltaNet<'a> {
         let (h, nv) = (cfg.hidden_size, s.num_value_heads);
         let vec = |name: &str, n: usize| st.take(&format!("{p}.{name}"), &[n]).map(|m| m.to_vec());
         let mat =
-            |name: &str, rows: usize, cols: usize| st.take(&format!("{p}.{name}"), &[rows, cols]);
+            |name: &str, rows: usize, cols: usize| st.matrix(&format!("{p}.{name}"), &[rows, cols]);
         Ok(GatedDeltaNet {
             sizes: s,
             in_proj_qkv: mat("in_proj_qkv.weight", s.conv_dim(), h)?,

@@ -1,7 +1,7 @@
 //! Checkpoint access: a careful safetensors header parser, tensor views that widen bf16/f16 to
-//! f32 at use (never a full f32 copy), the inventory check and the weights digest. The files'
-//! bytes are held as the file mapping (the default) or copied, unconverted, into anonymous
-//! memory asking for huge pages: `TRACEGATE_ENGINE_WEIGHTS` (`Residence`).
+//! f32 at use (never a full f32 copy), the inventory check and the weights digest. The files
+//! stay mapped; bf16 matrices the model multiplies by are repacked once, still bf16, into row
+//! panels (`Layout::Panels`) that decode streams without a transpose.
 //!
 //! safetensors layout: `u64 LE header length N`, `N bytes of JSON`, then the data buffer. The
 //! JSON maps tensor names to `{dtype, shape, data_offsets: [begin, end]}` (offsets relative to
@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
+use memmap2::{Advice, Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 use rayon::prelude::*;
 
 use crate::{err, Result};
@@ -209,40 +209,132 @@ impl<'de> serde::Deserialize<'de> for UniqueMap {
     }
 }
 
-/// A 2-D weight matrix `[rows, cols]` (row-major) viewed in place in the mapped file.
+/// Rows per panel of a `Layout::Panels` matrix: one 512-bit vector of outputs.
+pub const PANEL: usize = 16;
+
+/// How a matrix's bytes are ordered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Row-major `[rows, cols]`, as in the file.
+    Rows,
+    /// bf16 only, `cols` even: panels of `PANEL` rows, the last padded with zero rows. Panel `p`
+    /// holds, for each column pair `q` ascending, `PANEL` 32-bit words, word `j` the bf16 pair
+    /// `(w[p*PANEL + j][2q], w[p*PANEL + j][2q + 1])`. A decode kernel streams a panel front to
+    /// back and finds `PANEL` outputs' next two weights in one load, already transposed; the
+    /// row-major kernels read `PANEL` rows at once (as many memory streams) and transpose in
+    /// registers (docs/benchmarks.md, "Decode from row panels").
+    Panels,
+}
+
+/// A 2-D weight matrix `[rows, cols]`: a view into the mapped file (`Layout::Rows`) or into a
+/// store's panels (`Store::matrix`).
 #[derive(Clone, Copy)]
 pub struct Mat<'a> {
     pub dtype: WDType,
     pub rows: usize,
     pub cols: usize,
+    pub layout: Layout,
     pub bytes: &'a [u8],
 }
 
 impl<'a> Mat<'a> {
-    /// Rows `r0 .. r0+n` as their own matrix (used to split fused expert tensors).
+    /// A row-major matrix over `bytes` (`rows * cols` elements of `dtype`).
+    pub fn rows(dtype: WDType, rows: usize, cols: usize, bytes: &'a [u8]) -> Mat<'a> {
+        debug_assert_eq!(bytes.len(), rows * cols * dtype.size());
+        Mat {
+            dtype,
+            rows,
+            cols,
+            layout: Layout::Rows,
+            bytes,
+        }
+    }
+
+    /// Rows `r0 .. r0+n` as their own matrix (used to split fused expert tensors before they
+    /// are packed: a row-major matrix only).
     pub fn row_block(&self, r0: usize, n: usize) -> Mat<'a> {
+        assert_eq!(self.layout, Layout::Rows, "row_block of a packed matrix");
         let rb = self.cols * self.dtype.size();
+        Mat::rows(
+            self.dtype,
+            n,
+            self.cols,
+            &self.bytes[r0 * rb..(r0 + n) * rb],
+        )
+    }
+
+    /// Whether `panels` can repack this matrix (bf16 with an even number of columns).
+    pub fn can_pack(&self) -> bool {
+        self.layout == Layout::Rows && self.dtype == WDType::BF16 && self.cols.is_multiple_of(2)
+    }
+
+    /// Bytes of the panels of this matrix (whole panels).
+    pub fn panels_len(&self) -> usize {
+        self.rows.div_ceil(PANEL) * PANEL * self.cols * 2
+    }
+
+    /// Repack into `out` (`panels_len` bytes, zeroed: padding rows stay zero) as
+    /// `Layout::Panels`, the panels on the pool, and view it. Pure data movement.
+    pub fn pack_into<'b>(&self, out: &'b mut [u8]) -> Mat<'b> {
+        assert!(self.can_pack() && out.len() == self.panels_len());
+        let (k, rb) = (self.cols, self.cols * 2);
+        out.par_chunks_mut(PANEL * rb)
+            .enumerate()
+            .for_each(|(p, dst)| {
+                let real = PANEL.min(self.rows - p * PANEL);
+                let src = &self.bytes[p * PANEL * rb..(p * PANEL + real) * rb];
+                // Written front to back, one 64-byte group (a column pair of every row) at a time.
+                for (q, group) in dst.chunks_exact_mut(PANEL * 4).take(k / 2).enumerate() {
+                    for (j, word) in group.chunks_exact_mut(4).take(real).enumerate() {
+                        word.copy_from_slice(&src[j * rb + q * 4..j * rb + q * 4 + 4]);
+                    }
+                }
+            });
         Mat {
             dtype: self.dtype,
-            rows: n,
+            rows: self.rows,
             cols: self.cols,
-            bytes: &self.bytes[r0 * rb..(r0 + n) * rb],
+            layout: Layout::Panels,
+            bytes: out,
         }
+    }
+
+    /// The `count` whole panels from output row `o0` (a panel boundary) of a `Layout::Panels`
+    /// matrix, each `PANEL * cols * 2` bytes: what the SIMD kernels read through raw pointers.
+    pub fn panels_from(&self, o0: usize, count: usize) -> &'a [u8] {
+        assert!(self.layout == Layout::Panels && o0.is_multiple_of(PANEL));
+        let pb = PANEL * self.cols * 2;
+        &self.bytes[o0 / PANEL * pb..(o0 / PANEL + count) * pb]
     }
 
     /// Widen `out.len()` elements of row `r` starting at column `c0` (exact).
     #[inline]
     pub fn widen_row(&self, r: usize, c0: usize, out: &mut [f32]) {
-        let s = self.dtype.size();
-        let off = (r * self.cols + c0) * s;
-        let b = &self.bytes[off..off + out.len() * s];
-        widen(self.dtype, b, out);
+        match self.layout {
+            Layout::Rows => {
+                let s = self.dtype.size();
+                let off = (r * self.cols + c0) * s;
+                let b = &self.bytes[off..off + out.len() * s];
+                widen(self.dtype, b, out);
+            }
+            Layout::Panels => {
+                let panel = &self.bytes[r / PANEL * PANEL * self.cols * 2..];
+                for (i, o) in out.iter_mut().enumerate() {
+                    let c = c0 + i;
+                    let at = c / 2 * PANEL * 4 + r % PANEL * 4 + c % 2 * 2;
+                    let h = u16::from_le_bytes([panel[at], panel[at + 1]]);
+                    *o = f32::from_bits((h as u32) << 16);
+                }
+            }
+        }
     }
 
     /// Whole matrix widened (only for small tensors: norms, biases).
     pub fn to_vec(&self) -> Vec<f32> {
         let mut v = vec![0.0; self.rows * self.cols];
-        widen(self.dtype, self.bytes, &mut v);
+        for (r, row) in v.chunks_exact_mut(self.cols.max(1)).enumerate() {
+            self.widen_row(r, 0, row);
+        }
         v
     }
 }
@@ -349,110 +441,50 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
-/// Where the checkpoint's bytes live while the engine runs, chosen by the environment variable
-/// `TRACEGATE_ENGINE_WEIGHTS`.
-///
-/// - `mmap` (the default, also when the variable is unset or empty): the file mapping itself.
-///   No load-time copy, and only the pages a run touches are read (a MoE run that routes to
-///   few experts resides in less memory).
-/// - `copy`: each file is read once with `pread`, unconverted, into anonymous memory aligned to
-///   2 MiB and advised `MADV_HUGEPAGE` (transparent huge pages are normally available to
-///   anonymous memory only). Decode streams every weight once per token; through 4 KiB pages
-///   that costs a TLB walk per page. Measured (docs/benchmarks.md, "Decode at one and two
-///   threads"): faster decode on the AMD development machine, no difference for this access
-///   pattern on the 16-core Xeon, and seconds of load time on a loaded machine for the 0.6B
-///   shape, hence opt-in. The file is never mapped beyond its header, so peak RSS is the
-///   checkpoint's size (bf16: half the f32 weights), not that plus the file's pages.
-///
-/// The bytes are the same either way (tested), so every output bit is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Residence {
-    Copy,
-    Mmap,
-}
-
-/// The environment variable that picks the `Residence`.
-pub const WEIGHTS_ENV: &str = "TRACEGATE_ENGINE_WEIGHTS";
-
-impl Residence {
-    /// The value of `TRACEGATE_ENGINE_WEIGHTS` (`None`: unset).
-    pub fn parse(v: Option<&std::ffi::OsStr>) -> Result<Residence> {
-        match v.map(|v| v.to_str()) {
-            None | Some(Some("" | "mmap")) => Ok(Residence::Mmap),
-            Some(Some("copy")) => Ok(Residence::Copy),
-            Some(other) => Err(err!(Input:
-                "{WEIGHTS_ENV}={}: expected copy or mmap",
-                other.map_or_else(|| format!("{v:?}"), |s| format!("{s:?}"))
-            )),
-        }
-    }
-
-    pub fn from_env() -> Result<Residence> {
-        Residence::parse(std::env::var_os(WEIGHTS_ENV).as_deref())
-    }
-}
-
-/// Huge-page size the copy is aligned to (x86-64 and aarch64 with 4 KiB base pages).
+/// Huge-page size the panels are aligned to (x86-64 and aarch64 with 4 KiB base pages).
 const HUGE_PAGE: usize = 2 << 20;
-/// Bytes per `pread` of the copy; the pieces are read on the pool.
-const READ_CHUNK: usize = 16 << 20;
 
-/// One file's bytes: its mapping, or its copy at `off..off + len` of an anonymous mapping
-/// (padded by `HUGE_PAGE` so the copy can start on a huge-page boundary).
-enum FileBytes {
-    Mapped(Mmap),
-    Copied {
-        map: MmapMut,
-        off: usize,
-        len: usize,
-    },
-}
-
-impl std::ops::Deref for FileBytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            FileBytes::Mapped(m) => m,
-            FileBytes::Copied { map, off, len } => &map[*off..*off + *len],
-        }
-    }
-}
-
-/// Read all `len` bytes of `f` (named `path` in errors) into anonymous memory on a huge-page
-/// boundary, advised `MADV_HUGEPAGE`, the pieces read in parallel.
-fn copy_file(f: &File, path: &Path, len: usize) -> Result<FileBytes> {
-    use std::os::unix::fs::FileExt;
-    let mut map = MmapOptions::new().len(len + HUGE_PAGE).map_anon().map_err(
-        |e| err!(Checkpoint: "{}: cannot allocate {len} bytes for the copy: {e}", path.display()),
-    )?;
-    let off = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
-    // A hint: a kernel without transparent huge pages refuses it and the copy keeps 4 KiB pages
-    // (the bench prints how much of the process is on huge pages: `anon_huge_bytes`).
+/// Zeroed anonymous memory for `len` bytes of panels, starting on a huge-page boundary when it
+/// spans one, advised `MADV_HUGEPAGE` (decode streams every weight once per token; through 4 KiB
+/// pages that is a TLB walk per page). Returns the mapping and the offset of the buffer in it.
+fn panel_buffer(len: usize) -> std::io::Result<(MmapMut, usize)> {
+    let pad = if len >= HUGE_PAGE { HUGE_PAGE } else { 0 };
+    let map = MmapOptions::new().len(len.max(1) + pad).map_anon()?;
+    let off = if pad > 0 {
+        (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE
+    } else {
+        0
+    };
+    // A hint: without transparent huge pages the panels keep 4 KiB pages (the bench prints how
+    // much of the process is on huge pages: `anon_huge_bytes`).
     let _ = map.advise(Advice::HugePage);
-    map[off..off + len]
-        .par_chunks_mut(READ_CHUNK)
-        .enumerate()
-        .try_for_each(|(i, chunk)| f.read_exact_at(chunk, (i * READ_CHUNK) as u64))
-        .map_err(|e| err!(Checkpoint: "{}: cannot read: {e}", path.display()))?;
-    Ok(FileBytes::Copied { map, off, len })
+    Ok((map, off))
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
 }
 
 /// All tensors of a checkpoint, read-only. `take` hands out views and records which
 /// names were claimed, so `finish_claims` can refuse tensors no module uses.
 pub struct Store {
-    maps: Vec<FileBytes>,
+    maps: Vec<Mmap>,
+    /// The panels `matrix` made (never moved or dropped before the store: views point in).
+    panels: std::cell::RefCell<Vec<MmapMut>>,
     /// name → (map index, entry)
     tensors: BTreeMap<String, (usize, Entry)>,
     claimed: std::cell::RefCell<std::collections::BTreeSet<String>>,
 }
 
 impl Store {
-    /// Open the checkpoint in `dir`, its bytes held as `TRACEGATE_ENGINE_WEIGHTS` says.
+    /// Map the checkpoint in `dir` and check its headers (and index, if any).
     pub fn open(dir: &Path) -> Result<Store> {
-        Store::open_with(dir, Residence::from_env()?)
-    }
-
-    pub fn open_with(dir: &Path, residence: Residence) -> Result<Store> {
         let files = safetensors_files(dir)?;
         let index = dir.join("model.safetensors.index.json");
         let weight_map = if index.exists() {
@@ -489,16 +521,7 @@ impl Store {
                     ));
                 }
             }
-            maps.push(match residence {
-                Residence::Mmap => FileBytes::Mapped(m),
-                // The header is checked on the mapping (only its pages read); the mapping goes
-                // before the copy is made, so its pages never add to the copy's.
-                Residence::Copy => {
-                    let len = m.len();
-                    drop(m);
-                    copy_file(&f, p, len)?
-                }
-            });
+            maps.push(m);
         }
         if let Some(wm) = &weight_map {
             for (name, f) in wm {
@@ -512,6 +535,7 @@ impl Store {
         Ok(Store {
             maps,
             tensors,
+            panels: Default::default(),
             claimed: Default::default(),
         })
     }
@@ -547,11 +571,61 @@ impl Store {
             [a, r, c] => (a * r, *c),
             _ => return Err(err!(Checkpoint: "tensor {name}: unsupported rank {}", shape.len())),
         };
+        Ok(Mat::rows(
+            dtype,
+            rows,
+            cols,
+            &self.maps[*mi][e.start..e.end],
+        ))
+    }
+
+    /// `take` a matrix the model multiplies by, as panels when it can be packed.
+    pub fn matrix(&self, name: &str, shape: &[usize]) -> Result<Mat<'_>> {
+        let m = self.take(name, shape)?;
+        self.panels(name, m)
+    }
+
+    /// `m` (a view into this store's files; `name` for errors) repacked as `Layout::Panels` in
+    /// memory the store owns, when `m.can_pack()`; else `m` itself. The file's pages of `m` are
+    /// then released (what a run reads is the panels; a page read again would come back from
+    /// the file): resident memory stays one copy of the bf16 weights, not two.
+    pub fn panels<'s>(&'s self, name: &str, m: Mat<'s>) -> Result<Mat<'s>> {
+        if !m.can_pack() {
+            return Ok(m);
+        }
+        let len = m.panels_len();
+        let (mut map, off) = panel_buffer(len).map_err(
+            |e| err!(Checkpoint: "tensor {name}: cannot allocate {len} bytes for its panels: {e}"),
+        )?;
+        let packed = m.pack_into(&mut map[off..off + len]);
+        let (dtype, rows, cols, layout) = (packed.dtype, packed.rows, packed.cols, packed.layout);
+        let (ptr, page) = (map[off..].as_ptr(), page_size());
+        self.panels.borrow_mut().push(map);
+        if let Some(file) = self
+            .maps
+            .iter()
+            .find(|f| f.as_ptr_range().contains(&m.bytes.as_ptr()))
+        {
+            let start = m.bytes.as_ptr() as usize - file.as_ptr() as usize;
+            let (a, b) = (
+                start.next_multiple_of(page),
+                (start + m.bytes.len()) / page * page,
+            );
+            if a < b {
+                // SAFETY: a private read-only file mapping: dropping its pages loses nothing (a
+                // later read faults them in from the file again); only whole pages of `m` go.
+                let _ = unsafe { file.unchecked_advise_range(UncheckedAdvice::DontNeed, a, b - a) };
+            }
+        }
+        // SAFETY: the mapping just pushed lives, unmoved and unwritten, as long as `self` (the
+        // vector only grows; a mapping's memory does not move with the vector's storage).
+        let bytes = unsafe { std::slice::from_raw_parts(ptr, len) };
         Ok(Mat {
             dtype,
             rows,
             cols,
-            bytes: &self.maps[*mi][e.start..e.end],
+            layout,
+            bytes,
         })
     }
 
@@ -642,94 +716,86 @@ mod tests {
         file
     }
 
-    /// The first tensor (name order) whose bytes in the store differ from the file's.
-    fn first_difference(store: &Store, file: &[u8]) -> Option<String> {
-        store
-            .tensors
-            .iter()
-            .find(|(_, (mi, e))| store.maps[*mi][e.start..e.end] != file[e.start..e.end])
-            .map(|(name, _)| name.clone())
-    }
-
-    #[test]
-    fn copied_weights_equal_the_files_bytes_for_every_tensor() {
-        let tmp = tempfile::tempdir().unwrap();
-        // "big" spans several READ_CHUNK pieces (the last one partial), read in parallel.
-        let big = READ_CHUNK * 2 / 4 + 12345;
-        let tensors = [
-            ("a", "BF16", vec![3, 5]),
-            ("big", "F32", vec![big]),
-            ("c", "F16", vec![7]),
-            ("d", "F32", vec![2, 2]),
-        ];
-        let file = write_checkpoint(tmp.path(), &tensors);
-        assert!(file.len() > 2 * READ_CHUNK);
-        for residence in [Residence::Copy, Residence::Mmap] {
-            let store = Store::open_with(tmp.path(), residence).unwrap();
-            assert_eq!(first_difference(&store, &file), None, "{residence:?}");
-            // What the model reads: `take` hands out the same bytes.
-            for (name, _, shape) in &tensors {
-                let e = &store.tensors[*name].1;
-                assert_eq!(
-                    store.take(name, shape).unwrap().bytes,
-                    &file[e.start..e.end]
-                );
-            }
-            match (&store.maps[0], residence) {
-                (FileBytes::Copied { map, off, .. }, Residence::Copy) => {
-                    assert_eq!((map.as_ptr() as usize + off) % HUGE_PAGE, 0)
-                }
-                (FileBytes::Mapped(_), Residence::Mmap) => {}
-                _ => panic!("{residence:?}: the store holds the other kind of bytes"),
+    /// The first element (tensor, row, column) where `m` differs from the row-major bf16 or
+    /// f32 tensor at `file[start..]`, widened by the scalar reference.
+    fn first_difference(m: Mat, file: &[u8], start: usize) -> Option<(usize, usize)> {
+        let s = m.dtype.size();
+        let mut row = vec![0.0f32; m.cols];
+        let mut want = vec![0.0f32; m.cols];
+        for r in 0..m.rows {
+            m.widen_row(r, 0, &mut row);
+            let at = start + r * m.cols * s;
+            widen(m.dtype, &file[at..at + m.cols * s], &mut want);
+            if let Some(c) = (0..m.cols).find(|&c| row[c].to_bits() != want[c].to_bits()) {
+                return Some((r, c));
             }
         }
-        // Control: one flipped byte in the copy (the last of "big", in the partial last piece)
-        // is caught and named.
-        let mut store = Store::open_with(tmp.path(), Residence::Copy).unwrap();
-        let at = store.tensors["big"].1.end - 1;
-        let FileBytes::Copied { map, off, .. } = &mut store.maps[0] else {
-            panic!("not a copy")
-        };
-        map[*off + at] ^= 0x10;
-        assert_eq!(first_difference(&store, &file).as_deref(), Some("big"));
+        None
     }
 
     #[test]
-    fn copy_load_errors_name_the_file_and_tensor() {
+    fn panels_hold_every_weight_of_the_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        // Whole and partial panels, fewer rows than a panel, and matrices that stay row-major
+        // (f32; bf16 with an odd number of columns).
+        let tensors = [
+            ("a", "BF16", vec![37, 10]),
+            ("b", "BF16", vec![16, 64]),
+            ("c", "BF16", vec![5, 2]),
+            ("d", "F32", vec![20, 4]),
+            ("e", "BF16", vec![17, 5]),
+        ];
+        let file = write_checkpoint(tmp.path(), &tensors);
+        let store = Store::open(tmp.path()).unwrap();
+        for (name, dtype, shape) in &tensors {
+            let m = store.matrix(name, shape).unwrap();
+            let packed = *dtype == "BF16" && shape[1] % 2 == 0;
+            let want = if packed { Layout::Panels } else { Layout::Rows };
+            assert_eq!(m.layout, want, "{name}");
+            let start = store.tensors[*name].1.start;
+            assert_eq!(first_difference(m, &file, start), None, "{name}");
+            if packed {
+                let (rows, cols) = (shape[0], shape[1]);
+                assert_eq!(m.bytes.len(), rows.div_ceil(PANEL) * PANEL * cols * 2);
+                // The last panel's padding rows are zero.
+                let last = &m.bytes[rows / PANEL * PANEL * cols * 2..];
+                for q in 0..(cols / 2) * usize::from(rows % PANEL > 0) {
+                    for j in rows % PANEL..PANEL {
+                        let at = q * PANEL * 4 + j * 4;
+                        assert_eq!(last[at..at + 4], [0; 4], "{name} pad row {j} pair {q}");
+                    }
+                }
+            }
+        }
+        // Controls: one flipped byte in the panels is caught at its element; the same bytes
+        // read as row-major are not the matrix.
+        let m = store.matrix("a", &[37, 10]).unwrap();
+        let mut bytes = m.bytes.to_vec();
+        // Row 20 (panel 1, word 4), column pair 3, high byte of column 7.
+        bytes[PANEL * 10 * 2 + 3 * PANEL * 4 + 4 * 4 + 3] ^= 0x40;
+        let start = store.tensors["a"].1.start;
+        let flipped = Mat { bytes: &bytes, ..m };
+        assert_eq!(first_difference(flipped, &file, start), Some((20, 7)));
+        let rows = Mat::rows(WDType::BF16, 37, 10, &m.bytes[..37 * 10 * 2]);
+        assert!(first_difference(rows, &file, start).is_some());
+    }
+
+    #[test]
+    fn load_errors_name_the_file_and_tensor() {
         let tmp = tempfile::tempdir().unwrap();
         let mut file = write_checkpoint(tmp.path(), &[("w", "BF16", vec![4, 8])]);
-        let store = Store::open_with(tmp.path(), Residence::Copy).unwrap();
-        let e = store.take("w", &[8, 4]).err().unwrap().to_string();
+        let store = Store::open(tmp.path()).unwrap();
+        let e = store.matrix("w", &[8, 4]).err().unwrap().to_string();
         assert!(e.contains("tensor w: shape [4, 8], expected [8, 4]"), "{e}");
         let e = store.take("v", &[1]).err().unwrap().to_string();
         assert!(e.contains("missing tensor v"), "{e}");
-        // A truncated data buffer: refused on the header, naming the file, before any copy.
+        // A truncated data buffer: refused on the header, naming the file.
         file.truncate(file.len() - 2);
         std::fs::write(tmp.path().join("model.safetensors"), &file).unwrap();
-        for residence in [Residence::Copy, Residence::Mmap] {
-            let e = Store::open_with(tmp.path(), residence)
-                .err()
-                .unwrap()
-                .to_string();
-            assert!(
-                e.contains("model.safetensors: tensor w: data_offsets [0, 64] outside"),
-                "{residence:?}: {e}"
-            );
-        }
-    }
-
-    #[test]
-    fn weights_env_values() {
-        use std::ffi::OsStr;
-        let p = |v: Option<&str>| Residence::parse(v.map(OsStr::new));
-        assert_eq!(p(None).unwrap(), Residence::Mmap);
-        assert_eq!(p(Some("")).unwrap(), Residence::Mmap);
-        assert_eq!(p(Some("copy")).unwrap(), Residence::Copy);
-        assert_eq!(p(Some("mmap")).unwrap(), Residence::Mmap);
-        let e = p(Some("Mmap")).err().unwrap().to_string();
-        assert_eq!(
-            e,
-            "TRACEGATE_ENGINE_WEIGHTS=\"Mmap\": expected copy or mmap"
+        let e = Store::open(tmp.path()).err().unwrap().to_string();
+        assert!(
+            e.contains("model.safetensors: tensor w: data_offsets [0, 64] outside"),
+            "{e}"
         );
     }
 }

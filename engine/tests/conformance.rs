@@ -153,12 +153,7 @@ fn every_op_of_the_vectors_matches_bit_for_bit() {
                         let w = c["w"].as_array().unwrap().iter().flat_map(fs);
                         (WDType::F32, w.flat_map(|x| x.to_le_bytes()).collect())
                     };
-                    let w = Mat {
-                        dtype,
-                        rows: n,
-                        cols: k,
-                        bytes: &bytes,
-                    };
+                    let w = Mat::rows(dtype, n, k, &bytes);
                     let bias = (!c["bias"].is_null()).then(|| fs(&c["bias"]));
                     let want: Vec<f32> = c["out"].as_array().unwrap().iter().flat_map(fs).collect();
                     let got = ops::matmul(&x, rows, w, bias.as_deref());

@@ -42,6 +42,35 @@ pub(super) unsafe fn widen_transposed_avx2(
     kc
 }
 
+/// A `Layout::Panels` block into `wt` (as `widen_panels`, which says why it is already
+/// transposed): per column pair the panel's two halves loaded, widened without a shuffle, four
+/// stores.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn widen_panels_avx2(
+    w: Mat,
+    o0: usize,
+    k0: usize,
+    kb: usize,
+    wt: &mut [f32; KB * NR],
+) {
+    use std::arch::x86_64::*;
+    assert!(k0.is_multiple_of(2) && kb.is_multiple_of(2) && kb <= KB);
+    let src = w.panels_from(o0, 1)[k0 / 2 * 64..(k0 + kb) / 2 * 64].as_ptr();
+    let (high, out) = (_mm256_set1_epi32(0xFFFF_0000u32 as i32), wt.as_mut_ptr());
+    for q in 0..kb / 2 {
+        for h in 0..2 {
+            let d = _mm256_loadu_si256(src.add(q * 64 + h * 32) as *const _);
+            let (even, odd) = (
+                out.add(2 * q * NR + h * 8),
+                out.add((2 * q + 1) * NR + h * 8),
+            );
+            _mm256_storeu_ps(even, _mm256_castsi256_ps(_mm256_slli_epi32::<16>(d)));
+            _mm256_storeu_ps(odd, _mm256_castsi256_ps(_mm256_and_si256(d, high)));
+        }
+    }
+}
+
 /// 8 consecutive weights at `p` widened to f32 (exact).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
@@ -140,6 +169,75 @@ pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
 }
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
+    _x: &[f32],
+    _w: crate::weights::Mat,
+    _o0: usize,
+    _out: &mut [f32],
+) {
+    unreachable!("avx2 is x86_64 only")
+}
+
+/// The matvec kernel on panels (`Layout::Panels`, `matvec.rs`): the panel from output `o0` (a
+/// panel boundary) for `R` rows of x (`[R, K]`), into `out[r * 16 + j]`. Per column pair: the
+/// panel's two halves loaded (16 outputs' pairs, already transposed), widened without a
+/// shuffle, then two steps (k ascending) of each output's own chain. Never FMA. The panel's
+/// stream is prefetched `PANEL_PREFETCH` bytes ahead; the two halves are two chains per row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn matvec_panels_avx2<const R: usize, const P: u8>(
+    x: &[f32],
+    w: Mat,
+    o0: usize,
+    out: &mut [f32],
+) {
+    use super::matvec::{split_at, PANEL_PREFETCH, PLANT_SPLIT};
+    use std::arch::x86_64::*;
+    let k = w.cols;
+    assert!(x.len() == R * k && out.len() >= R * 16);
+    let qs = if P == PLANT_SPLIT { split_at(k) / 2 } else { 0 };
+    let (base, xp) = (w.panels_from(o0, 1).as_ptr(), x.as_ptr());
+    let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let mut saved = acc;
+    for q in 0..k / 2 {
+        if qs > 0 && q == qs {
+            saved = acc;
+            acc = [[_mm256_setzero_ps(); 2]; R];
+        }
+        // In bounds: pair q < k/2 of panel o0/PANEL (asserted). A prefetch past the end of the
+        // panels is a hint only (never faults).
+        let p = base.add(q * 64);
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PANEL_PREFETCH) as *const i8);
+        let d: [__m256i; 2] =
+            std::array::from_fn(|h| _mm256_loadu_si256(p.add(32 * h) as *const _));
+        let w0: [__m256; 2] =
+            std::array::from_fn(|h| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(d[h])));
+        let w1: [__m256; 2] =
+            std::array::from_fn(|h| _mm256_castsi256_ps(_mm256_and_si256(d[h], high)));
+        for (r, ar) in acc.iter_mut().enumerate() {
+            let x0 = _mm256_set1_ps(*xp.add(r * k + 2 * q));
+            let x1 = _mm256_set1_ps(*xp.add(r * k + 2 * q + 1));
+            for (a, wv) in ar.iter_mut().zip(&w0) {
+                *a = vstep::<P>(*a, x0, *wv);
+            }
+            for (a, wv) in ar.iter_mut().zip(&w1) {
+                *a = vstep::<P>(*a, x1, *wv);
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (h, a) in ar.iter().enumerate() {
+            let v = if qs > 0 {
+                _mm256_add_ps(*a, saved[r][h])
+            } else {
+                *a
+            };
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * 16 + h * 8), v);
+        }
+    }
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn matvec_panels_avx2<const R: usize, const P: u8>(
     _x: &[f32],
     _w: crate::weights::Mat,
     _o0: usize,

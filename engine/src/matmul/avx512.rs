@@ -124,6 +124,34 @@ pub(super) unsafe fn widen_transposed_avx512(
     kc
 }
 
+/// A `Layout::Panels` block into `wt` (as `widen_panels`, which says why it is already
+/// transposed): per column pair one load, the pair widened without a shuffle, two stores.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn widen_panels_avx512(
+    w: Mat,
+    o0: usize,
+    k0: usize,
+    kb: usize,
+    wt: &mut [f32; KB * NR],
+) {
+    use std::arch::x86_64::*;
+    assert!(k0.is_multiple_of(2) && kb.is_multiple_of(2) && kb <= KB);
+    let src = w.panels_from(o0, 1)[k0 / 2 * 64..(k0 + kb) / 2 * 64].as_ptr();
+    let (high, out) = (_mm512_set1_epi32(0xFFFF_0000u32 as i32), wt.as_mut_ptr());
+    for q in 0..kb / 2 {
+        let d = _mm512_loadu_si512(src.add(q * 64) as *const _);
+        _mm512_storeu_ps(
+            out.add(2 * q * NR),
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(d)),
+        );
+        _mm512_storeu_ps(
+            out.add((2 * q + 1) * NR),
+            _mm512_castsi512_ps(_mm512_and_si512(d, high)),
+        );
+    }
+}
+
 /// 16 consecutive weights at `p` widened to f32 (exact).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -225,6 +253,78 @@ pub(super) unsafe fn matvec_avx512<const R: usize, const P: u8>(
 }
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn matvec_avx512<const R: usize, const P: u8>(
+    _x: &[f32],
+    _w: crate::weights::Mat,
+    _o0: usize,
+    _out: &mut [f32],
+) {
+    unreachable!("avx512 is x86_64 only")
+}
+
+/// The matvec kernel on panels (`Layout::Panels`, `matvec.rs`): the `C` panels from output
+/// `o0` (a panel boundary) for `R` rows of x (`[R, K]`), into `out[r * 16 * C + c * 16 + j]`.
+/// Per column pair: one load per panel (16 outputs' pairs, already transposed), widened without
+/// a shuffle, then two steps (k ascending) of each output's own chain. Never FMA. Each panel's
+/// stream is prefetched `PANEL_PREFETCH` bytes ahead; `C` chains per row of x keep the adds'
+/// latency from bounding the loop.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn matvec_panels_avx512<const R: usize, const P: u8, const C: usize>(
+    x: &[f32],
+    w: Mat,
+    o0: usize,
+    out: &mut [f32],
+) {
+    use super::matvec::{split_at, PANEL_PREFETCH, PLANT_SPLIT};
+    use crate::weights::PANEL;
+    use std::arch::x86_64::*;
+    let (k, pb) = (w.cols, PANEL * w.cols * 2);
+    assert!(x.len() == R * k && out.len() >= R * 16 * C);
+    let qs = if P == PLANT_SPLIT { split_at(k) / 2 } else { 0 };
+    let (base, xp) = (w.panels_from(o0, C).as_ptr(), x.as_ptr());
+    let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let mut saved = acc;
+    for q in 0..k / 2 {
+        if qs > 0 && q == qs {
+            saved = acc;
+            acc = [[_mm512_setzero_ps(); C]; R];
+        }
+        // In bounds: pair q < k/2 of panels o0/PANEL .. +C (asserted). A prefetch past the end
+        // of the panels is a hint only (never faults).
+        let d: [__m512i; C] = std::array::from_fn(|c| {
+            let p = base.add(c * pb + q * 64);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PANEL_PREFETCH) as *const i8);
+            _mm512_loadu_si512(p as *const _)
+        });
+        let w0: [__m512; C] =
+            std::array::from_fn(|c| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(d[c])));
+        let w1: [__m512; C] =
+            std::array::from_fn(|c| _mm512_castsi512_ps(_mm512_and_si512(d[c], high)));
+        for (r, ar) in acc.iter_mut().enumerate() {
+            let x0 = _mm512_set1_ps(*xp.add(r * k + 2 * q));
+            let x1 = _mm512_set1_ps(*xp.add(r * k + 2 * q + 1));
+            for (a, wv) in ar.iter_mut().zip(&w0) {
+                *a = vstep::<P>(*a, x0, *wv);
+            }
+            for (a, wv) in ar.iter_mut().zip(&w1) {
+                *a = vstep::<P>(*a, x1, *wv);
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (c, a) in ar.iter().enumerate() {
+            let v = if qs > 0 {
+                _mm512_add_ps(*a, saved[r][c])
+            } else {
+                *a
+            };
+            _mm512_storeu_ps(out.as_mut_ptr().add(r * 16 * C + c * 16), v);
+        }
+    }
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn matvec_panels_avx512<const R: usize, const P: u8, const C: usize>(
     _x: &[f32],
     _w: crate::weights::Mat,
     _o0: usize,

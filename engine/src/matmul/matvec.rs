@@ -1,13 +1,13 @@
 //! The matvec path of `matmul` for 1..=MV_ROWS rows (cached decode, lightly routed experts):
-//! each weight is read once, widened and transposed in registers and consumed at once (no L1
-//! block), x broadcast per k, `lanes` outputs per kernel call, each weight row prefetched ahead.
-//! Threads split the outputs. Every output is still the definition's chain: +0.0, k ascending,
+//! each weight is read once, widened (and, row-major, transposed) in registers and consumed at
+//! once (no L1 block), x broadcast per k, `span` outputs per kernel call, each weight stream
+//! prefetched ahead. Threads split the outputs. Every output is still the definition's chain: +0.0, k ascending,
 //! one rounded multiply then one rounded add per step (`step`), never FMA, never split-K.
 
 use rayon::prelude::*;
 
 use super::{avx2, avx512, store_outputs, Kernel, SyncPtr};
-use crate::weights::Mat;
+use crate::weights::{Layout, Mat, PANEL};
 
 /// Rows up to which `matmul` takes this path (more rows reuse a widened block enough for the
 /// tile path to win).
@@ -60,11 +60,22 @@ pub(super) fn matvec<const P: u8>(
     }
 }
 
-/// Outputs per kernel call (one vector of accumulators per row of x).
+/// Outputs per kernel call on a row-major matrix (one vector of accumulators per row of x).
 pub(super) fn lanes(kernel: Kernel) -> usize {
     match kernel {
         Kernel::Avx512 => 16,
         Kernel::Avx2 | Kernel::Portable => 8,
+    }
+}
+
+/// Outputs per kernel call on `w`: on panels, two panels (two streams, two chains per row of x)
+/// on avx512 and one panel (its halves two chains) on avx2; the portable family reads panels
+/// element by element, `lanes` at a time.
+pub(super) fn span(kernel: Kernel, w: Mat) -> usize {
+    match (w.layout, kernel) {
+        (Layout::Panels, Kernel::Avx512) => 2 * PANEL,
+        (Layout::Panels, Kernel::Avx2) => PANEL,
+        _ => lanes(kernel),
     }
 }
 
@@ -73,6 +84,11 @@ pub(super) fn lanes(kernel: Kernel) -> usize {
 /// threads (docs/benchmarks.md, "Decode matvec path").
 pub(super) const PREFETCH: usize = 512;
 
+/// How far ahead (bytes) the panel kernels prefetch each panel's stream: 2 KiB was among the
+/// fastest distances measured on the 16-core Xeon at 1 and 2 threads, 512 B clearly slower
+/// (docs/benchmarks.md, "Decode from row panels").
+pub(super) const PANEL_PREFETCH: usize = 2048;
+
 fn run<const R: usize, const P: u8>(
     kernel: Kernel,
     x: &[f32],
@@ -80,8 +96,9 @@ fn run<const R: usize, const P: u8>(
     bias: Option<&[f32]>,
 ) -> Vec<f32> {
     let n = w.rows;
-    let span = lanes(kernel);
-    // About four chunks per thread (whole spans), so uneven cores even out.
+    let span = span(kernel, w);
+    let panels = w.layout == Layout::Panels && kernel != Kernel::Portable;
+    // About four chunks per thread (whole spans: panel boundaries), so uneven cores even out.
     let per = n
         .div_ceil(rayon::current_num_threads() * 4)
         .div_ceil(span)
@@ -91,23 +108,43 @@ fn run<const R: usize, const P: u8>(
     let yp = SyncPtr(y.as_mut_ptr());
     (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
         let (c0, c1) = (c * per, n.min((c + 1) * per));
-        // out[r * span + j]: one call's outputs for every row.
-        let mut out = [0.0f32; MV_ROWS * 16];
+        // out[r * stride + j]: one call's outputs for every row.
+        let mut out = [0.0f32; MV_ROWS * 2 * PANEL];
         let mut o0 = c0;
         while o0 < c1 {
-            let full = o0 + span <= c1;
-            let valid = if full { span } else { 8.min(c1 - o0) };
-            match kernel {
-                // SAFETY: the CPU supports the family (`matmul_with` asserted it); outputs
-                // o0..o0+span are rows of w (full); x holds R rows of k.
-                Kernel::Avx512 if full => unsafe {
-                    avx512::matvec_avx512::<R, P>(x, w, o0, &mut out)
-                },
-                // SAFETY: as above.
-                Kernel::Avx2 if full => unsafe { avx2::matvec_avx2::<R, P>(x, w, o0, &mut out) },
-                _ => matvec_portable::<R, P>(x, w, o0, valid, &mut out[..R * 8]),
-            }
-            let stride = if full { span } else { 8 };
+            let (valid, stride) = if panels {
+                // Panels are padded to whole panels: every call reads whole ones.
+                let valid = span.min(c1 - o0);
+                match kernel {
+                    // SAFETY (all three): the CPU supports the family (`matmul_with` asserted
+                    // it); o0 is a panel boundary (chunks are whole spans) and the panels
+                    // o0/PANEL.. hold `valid` outputs; x holds R rows of k.
+                    Kernel::Avx512 if valid > PANEL => unsafe {
+                        avx512::matvec_panels_avx512::<R, P, 2>(x, w, o0, &mut out)
+                    },
+                    Kernel::Avx512 => unsafe {
+                        avx512::matvec_panels_avx512::<R, P, 1>(x, w, o0, &mut out)
+                    },
+                    _ => unsafe { avx2::matvec_panels_avx2::<R, P>(x, w, o0, &mut out) },
+                }
+                (valid, valid.next_multiple_of(PANEL))
+            } else {
+                let full = o0 + span <= c1;
+                let valid = if full { span } else { 8.min(c1 - o0) };
+                match kernel {
+                    // SAFETY: the CPU supports the family (`matmul_with` asserted it); outputs
+                    // o0..o0+span are rows of w (full); x holds R rows of k.
+                    Kernel::Avx512 if full => unsafe {
+                        avx512::matvec_avx512::<R, P>(x, w, o0, &mut out)
+                    },
+                    // SAFETY: as above.
+                    Kernel::Avx2 if full => unsafe {
+                        avx2::matvec_avx2::<R, P>(x, w, o0, &mut out)
+                    },
+                    _ => matvec_portable::<R, P>(x, w, o0, valid, &mut out[..R * 8]),
+                }
+                (valid, if full { span } else { 8 })
+            };
             for r in 0..R {
                 // SAFETY: in bounds (r < R, o0 + valid ≤ n); chunk c is the only writer of
                 // outputs c0..c1, and y outlives the parallel loop.

@@ -2,7 +2,26 @@
 //! back to for partial tiles and k tails.
 
 use super::{KB, MR, NR};
-use crate::weights::Mat;
+use crate::weights::{Mat, PANEL};
+
+/// A block `W[o0..o0+NR, k0..k0+kb]` of a `Layout::Panels` matrix (o0 a panel boundary, k0 and
+/// kb even) into `wt[k*NR + j]`: the panel is already transposed in pairs, so each word widens
+/// to lane j of two consecutive k (padding rows are zero words: zero lanes). Every family takes
+/// this path for panels (the SIMD families through their own copy of this loop).
+pub(super) fn widen_panels(w: Mat, o0: usize, k0: usize, kb: usize, wt: &mut [f32]) {
+    const { assert!(NR == PANEL) };
+    assert!(k0.is_multiple_of(2) && kb.is_multiple_of(2));
+    let panel = w.panels_from(o0, 1);
+    for q in 0..kb / 2 {
+        let src = &panel[(k0 / 2 + q) * PANEL * 4..][..PANEL * 4];
+        let (even, odd) = wt[2 * q * NR..(2 * q + 2) * NR].split_at_mut(NR);
+        for (j, word) in src.chunks_exact(4).enumerate() {
+            let word = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+            even[j] = f32::from_bits(word << 16);
+            odd[j] = f32::from_bits(word & 0xFFFF_0000);
+        }
+    }
+}
 
 pub(super) fn widen_transposed_scalar(
     w: Mat,

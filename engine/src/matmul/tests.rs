@@ -85,6 +85,8 @@ const SHAPES: &[(usize, usize, usize)] = &[
     (4, 40, 531),
     (2, 96, 80),
     (3, 64, 33),
+    (1, 40, 64),
+    (4, 48, 100),
 ];
 
 /// One case: (dtype, rows, n, k, x, weight bytes, bias).
@@ -104,12 +106,15 @@ fn cases() -> Vec<Case> {
 }
 
 fn mat(dtype: WDType, n: usize, k: usize, bytes: &[u8]) -> Mat<'_> {
-    Mat {
-        dtype,
-        rows: n,
-        cols: k,
-        bytes,
-    }
+    Mat::rows(dtype, n, k, bytes)
+}
+
+/// `w` repacked as panels into `buf` (bf16 with even K), else `None`.
+fn panels<'b>(w: Mat, buf: &'b mut Vec<u8>) -> Option<Mat<'b>> {
+    w.can_pack().then(|| {
+        *buf = vec![0; w.panels_len()];
+        w.pack_into(buf)
+    })
 }
 
 #[test]
@@ -121,21 +126,36 @@ fn matmul_every_kernel_equals_definition_bits() {
         .build()
         .unwrap();
     let kernels = Kernel::all_supported();
+    let mut packed_cases = 0;
     for (dtype, rows, n, k, x, wb, b) in cases() {
         let w = mat(dtype, n, k, &wb);
+        let mut buf = vec![];
+        let p = panels(w, &mut buf);
+        packed_cases += usize::from(p.is_some());
         for bias in [None, Some(&b[..])] {
             let want = matmul_ref(&x, rows, w, bias);
+            // The same weights as panels: the definition reading them element by element, and
+            // every family's kernels.
+            if let Some(p) = p {
+                let got = matmul_ref(&x, rows, p, bias);
+                assert_eq!(first_mismatch(&want, &got), None, "definition on panels");
+            }
             for &kernel in &kernels {
-                let got = pool.install(|| matmul_with(kernel, &x, rows, w, bias));
-                assert_eq!(
-                    first_mismatch(&want, &got),
-                    None,
-                    "{kernel:?} dtype {dtype:?} rows {rows} n {n} k {k} bias {}",
-                    bias.is_some()
-                );
+                for (layout, w) in [("rows", Some(w)), ("panels", p)] {
+                    let Some(w) = w else { continue };
+                    let got = pool.install(|| matmul_with(kernel, &x, rows, w, bias));
+                    assert_eq!(
+                        first_mismatch(&want, &got),
+                        None,
+                        "{kernel:?} {layout} dtype {dtype:?} rows {rows} n {n} k {k} bias {}",
+                        bias.is_some()
+                    );
+                }
             }
         }
     }
+    // bf16 shapes of SHAPES with an even K.
+    assert_eq!(packed_cases, 11, "cases on panels");
 }
 
 /// Negative control for the test above: the same cases through a planted reorder (split-K:
@@ -180,16 +200,20 @@ fn transposed_widening_is_exact_for_every_16_bit_pattern() {
             let mut wt = [0.0f32; KB * NR];
             let mut row = vec![0.0f32; 4096];
             for k0 in (0..4096).step_by(KB) {
-                widen_transposed(kernel, w, 0, 16, k0, KB, &mut wt);
-                for j in 0..16 {
-                    w.widen_row(j, 0, &mut row);
-                    for kk in 0..KB {
-                        assert_eq!(
-                            wt[kk * NR + j].to_bits(),
-                            row[k0 + kk].to_bits(),
-                            "{kernel:?} {dtype:?} row {j} col {}",
-                            k0 + kk
-                        );
+                let mut buf = vec![];
+                for (layout, w) in [("rows", Some(w)), ("panels", panels(w, &mut buf))] {
+                    let Some(wl) = w else { continue };
+                    widen_transposed(kernel, wl, 0, 16, k0, KB, &mut wt);
+                    for j in 0..16 {
+                        mat(dtype, 16, 4096, &bytes).widen_row(j, 0, &mut row);
+                        for kk in 0..KB {
+                            assert_eq!(
+                                wt[kk * NR + j].to_bits(),
+                                row[k0 + kk].to_bits(),
+                                "{kernel:?} {layout} {dtype:?} row {j} col {}",
+                                k0 + kk
+                            );
+                        }
                     }
                 }
             }
@@ -202,20 +226,30 @@ fn transposed_widening_is_exact_for_every_16_bit_pattern() {
 /// kernel computes (the first span of every row: the portable code only takes partial spans).
 #[test]
 fn matvec_check_catches_planted_fma_and_split_k_in_every_kernel() {
-    use super::matvec::{lanes, matvec, PLANT_FMA, PLANT_SPLIT};
+    use super::matvec::{matvec, span, PLANT_FMA, PLANT_SPLIT};
     note_unchecked_kernels("matvec_check_catches_planted_fma_and_split_k_in_every_kernel");
     let mut covered = std::collections::BTreeMap::new();
     let mut missed = vec![];
     for (dtype, rows, n, k, x, wb, _) in cases() {
-        let w = mat(dtype, n, k, &wb);
-        let want = matmul_ref(&x, rows, w, None);
-        for kernel in Kernel::all_supported() {
-            let span = lanes(kernel);
+        let rw = mat(dtype, n, k, &wb);
+        let want = matmul_ref(&x, rows, rw, None);
+        let mut buf = vec![];
+        let layouts: Vec<Mat> = [Some(rw), panels(rw, &mut buf)]
+            .into_iter()
+            .flatten()
+            .collect();
+        for (kernel, &w) in Kernel::all_supported()
+            .into_iter()
+            .flat_map(|kn| layouts.iter().map(move |w| (kn, w)))
+        {
+            let span = span(kernel, w);
             // K ≥ 32 so the planted split has two halves; n ≥ span so the first span is whole.
             if rows > super::matvec::MV_ROWS || n < span || k < 32 {
                 continue;
             }
-            *covered.entry(format!("{kernel:?}")).or_insert(0) += 1;
+            *covered
+                .entry(format!("{kernel:?} {:?}", w.layout))
+                .or_insert(0) += 1;
             let first_span = |y: &[f32]| -> Vec<f32> {
                 (0..rows)
                     .flat_map(|r| y[r * n..r * n + span].to_vec())
@@ -227,22 +261,25 @@ fn matvec_check_catches_planted_fma_and_split_k_in_every_kernel() {
             ];
             for (what, got) in planted {
                 if first_mismatch(&first_span(&want), &first_span(&got)).is_none() {
-                    missed.push((what, kernel, dtype, rows, n, k));
+                    missed.push((what, kernel, w.layout, dtype, rows, n, k));
                 }
             }
         }
     }
     assert_eq!(missed, vec![], "planted faults not caught");
-    // Shapes of SHAPES with rows ≤ 4, k ≥ 32 and n ≥ the span, three dtypes each.
-    let want: &[(&str, usize)] = &[("Avx2", 3 * 8), ("Avx512", 3 * 8), ("Portable", 3 * 8)];
-    for &(kernel, count) in want {
-        let k = match kernel {
-            "Avx2" => Kernel::Avx2,
-            "Avx512" => Kernel::Avx512,
-            _ => Kernel::Portable,
-        };
-        if k.supported() {
-            assert_eq!(covered.get(kernel), Some(&count), "{kernel} cases covered");
+    // Shapes of SHAPES with rows ≤ 4, k ≥ 32 and n ≥ the span: row-major, three dtypes each;
+    // panels, bf16 with an even K (spans 8, 16 and 32).
+    let want: &[(&str, Kernel, usize)] = &[
+        ("Avx2 Rows", Kernel::Avx2, 3 * 10),
+        ("Avx512 Rows", Kernel::Avx512, 3 * 10),
+        ("Portable Rows", Kernel::Portable, 3 * 10),
+        ("Avx2 Panels", Kernel::Avx2, 6),
+        ("Avx512 Panels", Kernel::Avx512, 4),
+        ("Portable Panels", Kernel::Portable, 6),
+    ];
+    for &(case, kernel, count) in want {
+        if kernel.supported() {
+            assert_eq!(covered.get(case), Some(&count), "{case} cases covered");
         }
     }
 }
