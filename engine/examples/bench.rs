@@ -135,6 +135,7 @@ fn main() {
         .map(|s| s.parse().expect("prefill tokens"))
         .collect();
     let steps: usize = a[4].parse().expect("decode steps");
+    tracegate_engine::keep_freed_memory();
     let (cfg, _) = load_config(&dir).expect("config");
     let t0 = Instant::now();
     let store = Store::open(&dir).expect("store");

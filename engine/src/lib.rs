@@ -29,6 +29,23 @@ pub use config::load_config;
 pub use run::{generate, info, run_layer, run_trace, LayerOptions, Step, TraceOptions};
 pub use tracegate_trace::Digest;
 
+/// Keep memory the forward frees for its next allocation. A forward allocates and frees its
+/// activations layer by layer (megabytes per matmul output at a 64-token prefill); by default
+/// glibc hands large freed blocks back to the kernel (chunks above its mmap threshold, and the
+/// heap's top past its trim threshold), so the next forward page-faults and the kernel zeroes
+/// every page again (on the 16-core Xeon, a 64-token prefill of bench-qwen3 at 2 threads
+/// 10 % faster without that: docs/benchmarks.md, "Freed memory kept"). Called once by each program that runs forwards
+/// (the CLI, the bench); no effect on values. Peak memory is unchanged (the same blocks are
+/// reused); what a run freed stays resident until the process exits.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; called before the forward's threads run.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
 /// An engine failure, by kind, so callers (the gate, tests) branch on the kind rather than the
 /// text. Each displays as one line naming the offending field, tensor, file or value; the CLI
 /// prints it after `engine: error:` and exits 2 whatever the kind.

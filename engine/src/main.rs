@@ -123,6 +123,7 @@ fn main() -> ExitCode {
         }
         Err(e) => e.exit(),
     };
+    tracegate_engine::keep_freed_memory();
     let command_line: Vec<String> = std::env::args().collect();
     let result = match cli.cmd {
         Cmd::Trace {
