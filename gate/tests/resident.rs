@@ -324,3 +324,29 @@ fn a_client_that_leaves_mid_request_takes_the_request_with_it() {
         "{log}"
     );
 }
+
+#[test]
+fn a_request_past_its_timeout_is_ended_with_the_workers_stderr_so_far() {
+    let env = Env::new();
+    let out = env
+        .bisect_cmd("slow", &[("TRACEGATE_SERVE_TEST_SLEEP", "60")])
+        .args(["--timeout", "4"])
+        .output()
+        .expect("gate runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    // The daemon ended the request at the deadline and quoted what the worker had written (the
+    // client's own backstop, 5 s later, has no stderr to quote).
+    assert!(
+        stderr.contains(
+            "candidate (contract) trace failed: serve: test sleep of 60 s before the request\n\
+             [timed out after 4 s (--timeout); killed: $ "
+        ),
+        "{stderr}"
+    );
+    // The worker and its daemon are gone.
+    assert!(env.workers(&[]).starts_with("0 resident worker(s)"));
+    // Negative control: the quoted line comes from the slow request, not from every request.
+    let quick = env.bisect("quick", &[]);
+    assert!(!quick.stderr.contains("test sleep"), "{}", quick.stderr);
+}

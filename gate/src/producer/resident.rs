@@ -9,14 +9,17 @@
 //! the worker computes: working directory, worker command line (its Python included), the
 //! environment variables of KEY_ENV, and the gate executable itself. On the socket: a hello
 //! line from the daemon (`{"pid", "worker_pid", "started"}`), then per request the client's
-//! `{"argv": [...]}` line and the daemon's `{"ended": …}` (what the request ended with, stderr
-//! bounded as for a per-call run) or `{"stale": WHY}`.
+//! `{"argv": [...], "timeout_ms": N}` line and the daemon's `{"ended": …}` (what the request
+//! ended with, stderr bounded as for a per-call run) or `{"stale": WHY}`.
 //!
 //! Lifecycle: one client at a time, held by an flock on the key's lock file for the whole gate
 //! run; a second run finds it taken and starts its own per-run worker. The daemon leaves after
 //! TRACEGATE_RESIDENT_IDLE seconds without a client (default IDLE_S), when its worker ends or
 //! finds its code stale, and when a client leaves mid-request (the request is dropped: the
-//! worker's group is killed). A client whose request outlives `--timeout` kills both groups.
+//! worker's group is killed). A request that outlives its `timeout_ms` (the run's `--timeout`)
+//! is ended by the daemon as a per-call run is (the worker's group killed, its stderr so far
+//! quoted), and the daemon leaves; a daemon that does not answer by then plus `BACKSTOP` is
+//! killed with its worker by the client.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
@@ -33,6 +36,9 @@ use crate::worker::{self, Answer, Served, Worker};
 
 /// The hidden first argument that runs the gate's executable as a resident worker's daemon.
 pub const RESIDENT_CHILD: &str = "__resident-worker";
+/// How long past a request's deadline the client waits for the daemon to end the request and
+/// answer (killing the worker and draining its stderr takes up to DRAIN_GRACE).
+const BACKSTOP: Duration = Duration::from_secs(5);
 /// Seconds a resident worker waits for its next client before it leaves.
 pub const IDLE_S: u64 = 600;
 /// Environment variables (exact names, or prefixes ending in `_` or `*`) that can change what
@@ -465,11 +471,18 @@ impl Client {
         }
     }
 
-    /// One request, answered by `deadline`; at the deadline both groups (daemon and worker)
-    /// are killed and the request is a timeout, as for a per-run worker.
+    /// One request, to be answered by `deadline`: the daemon ends it there as a per-run worker's
+    /// request is ended (its answer says timed out, with the worker's stderr so far); if the
+    /// daemon has not answered by `deadline + BACKSTOP`, both groups (daemon and worker) are
+    /// killed here and the request is a timeout without stderr.
     pub(crate) fn ask(&mut self, request: &[String], deadline: Instant) -> Reply {
         let gone = |why: String| Reply::Gone(Ended::failed(why));
-        let line = worker::request_line(request);
+        let timeout_ms = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis();
+        let line =
+            serde_json::json!({ "argv": request, "timeout_ms": timeout_ms }).to_string() + "\n";
+        let deadline = deadline + BACKSTOP;
         if let Err(e) = self.stream.write_all(line.as_bytes()) {
             return gone(format!(
                 "resident worker {} did not take the request: {e}",
@@ -655,8 +668,13 @@ fn serve_client(
                 Err(_) => return Ok(()),
             }
         }
-        let request: Vec<String> = match serde_json::from_slice::<serde_json::Value>(&line)
-            .ok()
+        let parsed = serde_json::from_slice::<serde_json::Value>(&line).ok();
+        let deadline = parsed
+            .as_ref()
+            .and_then(|v| v.get("timeout_ms")?.as_u64())
+            .map(|ms| Instant::now() + Duration::from_millis(ms));
+        let request: Vec<String> = match parsed
+            .as_ref()
             .and_then(|v| serde_json::from_value(v.get("argv")?.clone()).ok())
         {
             Some(r) => r,
@@ -675,7 +693,10 @@ fn serve_client(
             request.first().map_or("", String::as_str)
         ));
         // The client sends nothing while it waits: readable now means it left.
-        let answer = w.ask(&request, None, &mut || readable(fd, 0));
+        let answer = w.ask(&request, deadline, &mut || readable(fd, 0));
+        if matches!(answer, Answer::TimedOut) {
+            log("the request outlived its timeout: the worker is ended");
+        }
         let reply = match answer {
             Answer::Stale(why) => {
                 // Gone before the client hears it, so its next connect starts a fresh one.

@@ -16,7 +16,8 @@ numpy (a ``pip install`` of another version rewrites it); once one changed it an
 ``{"stale": WHY}`` instead of running the request and exits, and the gate starts a fresh worker for it (a resident worker
 outlives the edit that changed them). Test-only hooks: ``TRACEGATE_SERVE_WATCH`` (one more file
 to watch), ``TRACEGATE_SERVE_STALE_CHECK=0`` (no check: the negative control) and
-``TRACEGATE_SERVE_TEST_SLEEP=S`` (each request first sleeps S seconds: a request in flight).
+``TRACEGATE_SERVE_TEST_SLEEP=S`` (each request first says so on stderr and sleeps S seconds: a
+request in flight).
 """
 
 from __future__ import annotations
@@ -109,7 +110,14 @@ def serve(main, argv0: str) -> int:
             status = 2
         else:
             sys.argv = [argv0, *argv]
-            time.sleep(float(os.environ.get("TRACEGATE_SERVE_TEST_SLEEP", "0") or 0))
+            sleep = float(os.environ.get("TRACEGATE_SERVE_TEST_SLEEP", "0") or 0)
+            if sleep:
+                print(
+                    f"serve: test sleep of {sleep:g} s before the request",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                time.sleep(sleep)
             try:
                 status = _exit_status(main(argv))
             except SystemExit as e:  # argparse refusals, as in the per-call form
