@@ -16,6 +16,8 @@ use serde_json::Value;
 
 struct Env {
     tmp: tempfile::TempDir,
+    /// The gate executable the commands run (a test may swap in a copy).
+    exe: std::cell::RefCell<PathBuf>,
 }
 
 struct Run {
@@ -52,6 +54,7 @@ impl Env {
     fn new() -> Env {
         Env {
             tmp: tempfile::tempdir().expect("tempdir"),
+            exe: std::cell::RefCell::new(env!("CARGO_BIN_EXE_gate").into()),
         }
     }
 
@@ -60,7 +63,7 @@ impl Env {
     }
 
     fn gate(&self, env: &[(&str, &str)]) -> Command {
-        let mut cmd = common::gate();
+        let mut cmd = Command::new(self.exe.borrow().as_path());
         cmd.current_dir(common::repo())
             .env("TRACEGATE_RESIDENT", "1")
             .env("TRACEGATE_RUNTIME_DIR", self.runtime());
@@ -349,4 +352,31 @@ fn a_request_past_its_timeout_is_ended_with_the_workers_stderr_so_far() {
     // Negative control: the quoted line comes from the slow request, not from every request.
     let quick = env.bisect("quick", &[]);
     assert!(!quick.stderr.contains("test sleep"), "{}", quick.stderr);
+}
+
+#[test]
+fn a_worker_of_a_replaced_gate_executable_is_retired_by_the_next_one_started() {
+    let env = Env::new();
+    let first = env.bisect("first", &[]);
+    // The same gate at another path: another executable (as after a rebuild), same purpose.
+    let copy = env.tmp.path().join("gate-rebuilt");
+    std::fs::copy(env!("CARGO_BIN_EXE_gate"), &copy).expect("copy the gate");
+    *env.exe.borrow_mut() = copy;
+    let second = env.bisect("second", &[]);
+    assert_eq!(second.resident(), Some("started"));
+    let says = format!(
+        "contract worker {} retired: superseded by this one (the gate executable or the Python changed)",
+        first.pid()
+    );
+    assert!(second.stderr.contains(&says), "{}", second.stderr);
+    let since = Instant::now();
+    while alive(first.pid()) && since.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!alive(first.pid()));
+    // Negative control: a worker of another purpose (other environment) is not retired.
+    let other = env.bisect("other", &[("TRACEGATE_SERVE_WATCH", "README.md")]);
+    assert!(!other.stderr.contains("retired"), "{}", other.stderr);
+    assert!(alive(second.pid()));
+    assert!(env.workers(&[]).starts_with("2 resident worker(s)"));
 }

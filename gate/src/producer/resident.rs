@@ -158,21 +158,25 @@ fn file_id(p: &Path) -> serde_json::Value {
 }
 
 /// The key of the worker `serve_argv` started in `root`: 16 hex digits of a SHA-256.
-fn key(root: &Path, serve_argv: &[String]) -> Result<String, String> {
+/// Also returns the worker's purpose: the same digest without the gate executable and the
+/// interpreter. Two keys of one purpose differ only by a rebuilt gate or a reinstalled Python, and
+/// the older worker will not be asked again (`retire_superseded`).
+fn key(root: &Path, serve_argv: &[String]) -> Result<(String, String), String> {
     let cwd = std::fs::canonicalize(root).map_err(|e| format!("{}: {e}", root.display()))?;
     let exe = std::env::current_exe().map_err(|e| format!("the gate's executable: {e}"))?;
     let python = serve_argv
         .first()
         .map(|p| file_id(&std::fs::canonicalize(root.join(p)).unwrap_or_else(|_| p.into())));
-    let what = serde_json::json!({
+    let purpose = serde_json::json!({
         "cwd": cwd.display().to_string(),
         "argv": serve_argv,
-        "python": python,
         "env": key_env(),
-        "gate": file_id(&exe),
     });
-    let digest = Sha256::digest(what.to_string().as_bytes());
-    Ok(hex::encode(&digest[..8]))
+    let mut what = purpose.clone();
+    what["python"] = python.into();
+    what["gate"] = file_id(&exe);
+    let hex16 = |v: &serde_json::Value| hex::encode(&Sha256::digest(v.to_string().as_bytes())[..8]);
+    Ok((hex16(&what), hex16(&purpose)))
 }
 
 /// What a daemon records about itself next to its socket (`gate workers` reads it).
@@ -208,6 +212,8 @@ struct Paths {
     lock: PathBuf,
     info: PathBuf,
     log: PathBuf,
+    /// The worker's purpose (`key`), for `retire_superseded`.
+    purpose: PathBuf,
 }
 
 fn paths(dir: &Path, key: &str) -> Paths {
@@ -216,6 +222,7 @@ fn paths(dir: &Path, key: &str) -> Paths {
         lock: dir.join(format!("{key}.lock")),
         info: dir.join(format!("{key}.json")),
         log: dir.join(format!("{key}.log")),
+        purpose: dir.join(format!("{key}.purpose")),
     }
 }
 
@@ -318,7 +325,7 @@ fn lock_within(lock: &std::fs::File, grace: std::time::Duration) -> bool {
 
 fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Client, String> {
     let dir = runtime_dir()?;
-    let key = key(root, serve_argv)?;
+    let (key, purpose) = key(root, serve_argv)?;
     let p = paths(&dir, &key);
     if p.sock.as_os_str().len() >= 100 {
         return Err(format!(
@@ -349,6 +356,8 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
             let _ = std::fs::remove_file(&p.sock);
             let _ = std::fs::remove_file(&p.info);
             let s = start(root, &dir, &key, &p, serve_argv)?;
+            let _ = std::fs::write(&p.purpose, &purpose);
+            retire_superseded(name, &dir, &key, &purpose);
             (hello(s, &p.sock)?, "started")
         }
     };
@@ -374,6 +383,44 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
         sock: p.sock,
         line: Vec::new(),
     })
+}
+
+/// Ends the idle resident workers of `purpose` under other keys (the gate rebuilt, the Python
+/// reinstalled since they started): no gate run would ask them again, and each holds a model's
+/// worth of memory until its idle exit. One another gate run holds is left to it.
+fn retire_superseded(name: &str, dir: &Path, key: &str, purpose: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for path in entries.flatten().map(|e| e.path()) {
+        let Some(other) = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .filter(|_| path.extension().is_some_and(|x| x == "purpose"))
+        else {
+            continue;
+        };
+        if other == key || std::fs::read_to_string(&path).ok().as_deref() != Some(purpose) {
+            continue;
+        }
+        let p = paths(dir, other);
+        let Ok(lock) = std::fs::OpenOptions::new().write(true).open(&p.lock) else {
+            continue;
+        };
+        if !lock_within(&lock, Duration::ZERO) {
+            continue;
+        }
+        if let Some(info) = read_info(&p.info).filter(|i| is_daemon(i.pid)) {
+            kill_groups(&[info.worker_pid, info.pid]);
+            eprintln!(
+                "[gate] {name} worker {} retired: superseded by this one (the gate executable or the Python changed)",
+                info.worker_pid
+            );
+        }
+        for f in [&p.sock, &p.info, &p.purpose] {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }
 
 fn hello(
@@ -766,8 +813,9 @@ pub fn list() -> Result<Vec<Listed>, String> {
             continue;
         };
         if !is_daemon(info.pid) {
-            let _ = std::fs::remove_file(&path);
-            let _ = std::fs::remove_file(path.with_extension("sock"));
+            for ext in ["json", "sock", "purpose"] {
+                let _ = std::fs::remove_file(path.with_extension(ext));
+            }
             continue;
         }
         let rss_kib = rss_kib(info.pid) + rss_kib(info.worker_pid);
