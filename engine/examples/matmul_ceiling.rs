@@ -152,7 +152,7 @@ fn main() {
         let bytes: Vec<u8> = (0..n * k)
             .flat_map(|_| ((next().to_bits() >> 16) as u16).to_le_bytes())
             .collect();
-        // As the engine holds them: bf16 panels (`Store::matrix`).
+        // As the engine holds them once decode has used them: bf16 panels (`Weight`).
         let mut panels = vec![0u8; n.div_ceil(PANEL) * PANEL * k * 2];
         let w = Mat::rows(WDType::BF16, n, k, &bytes).pack_into(&mut panels);
         let s = pool.install(|| {

@@ -27,6 +27,9 @@ use avx512::tile_avx512_packed;
 use avx512::{widen_panels_avx512, widen_transposed_avx512};
 use portable::{tile_portable, widen_panels, widen_transposed_scalar};
 
+/// Rows of x up to which `matmul` takes the matvec path (decode): where a `Weight`'s panels pay.
+pub const MATVEC_ROWS: usize = matvec::MV_ROWS;
+
 /// Outputs per tile: one 512-bit vector of accumulators per row.
 const NR: usize = 16;
 /// k per widened block: `KB × NR` f32 (16 KiB) stays in L1 while every row block streams it.

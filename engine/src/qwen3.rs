@@ -13,36 +13,42 @@ use crate::config::{check_sizes, Config, LayerKind};
 use crate::force::Forcing;
 use crate::ops::{self, Rope};
 use crate::qwen3_5::{GatedDeltaNet, LinearState, SharedExpert};
-use crate::weights::{Mat, Store};
+use crate::weights::{Mat, Store, Weight};
 use crate::{err, Result};
 
 // ---------------------------------------------------------------------------------------------
 // Weights
 
 pub(crate) struct Mlp<'a> {
-    pub gate: Mat<'a>,
-    pub up: Mat<'a>,
-    pub down: Mat<'a>,
+    pub gate: Weight<'a>,
+    pub up: Weight<'a>,
+    pub down: Weight<'a>,
+}
+
+impl<'a> Mlp<'a> {
+    fn weights(&self) -> [&Weight<'a>; 3] {
+        [&self.gate, &self.up, &self.down]
+    }
 }
 
 enum Ffn<'a> {
-    Dense(Mlp<'a>),
+    Dense(Box<Mlp<'a>>),
     /// Router `[E, H]`, the experts in id order, and Qwen3.5-MoE's shared expert (§19).
     Moe {
-        router: Mat<'a>,
+        router: Weight<'a>,
         experts: Vec<Mlp<'a>>,
-        shared: Option<SharedExpert<'a>>,
+        shared: Option<Box<SharedExpert<'a>>>,
     },
 }
 
 struct Linear<'a> {
-    w: Mat<'a>,
+    w: Weight<'a>,
     b: Option<Vec<f32>>,
 }
 
 impl Linear<'_> {
     fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        ops::matmul(x, rows, self.w, self.b.as_deref())
+        ops::matmul(x, rows, self.w.view(rows), self.b.as_deref())
     }
 }
 
@@ -90,12 +96,12 @@ struct Layer<'a> {
 }
 
 /// The model: matrices stay bf16/f16/f32 (in the mapped checkpoint, or bf16 repacked as panels:
-/// `Store::matrix`) and are widened tile by tile at use; only the O(hidden) vectors (norm
+/// `Weight`) and are widened tile by tile at use; only the O(hidden) vectors (norm
 /// weights, biases) are widened once here.
 pub struct Model<'a> {
     pub cfg: Config,
     embed: Mat<'a>,
-    head: Mat<'a>,
+    head: Weight<'a>,
     norm: Norm,
     layers: Vec<Layer<'a>>,
     /// `--force-decisions`: router rows at the positions it holds are taken from it.
@@ -132,7 +138,7 @@ impl<'a> Model<'a> {
             })
         };
         let lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<'a>> {
-            let w = st.matrix(&format!("{name}.weight"), &[out, inp])?;
+            let w = st.weight(&format!("{name}.weight"), &[out, inp])?;
             let b = if bias {
                 Some(vec(&format!("{name}.bias"), out)?)
             } else {
@@ -142,25 +148,20 @@ impl<'a> Model<'a> {
         };
         let mlp = |p: &str, inter: usize| -> Result<Mlp<'a>> {
             Ok(Mlp {
-                gate: st.matrix(&format!("{p}.gate_proj.weight"), &[inter, h])?,
-                up: st.matrix(&format!("{p}.up_proj.weight"), &[inter, h])?,
-                down: st.matrix(&format!("{p}.down_proj.weight"), &[h, inter])?,
+                gate: st.weight(&format!("{p}.gate_proj.weight"), &[inter, h])?,
+                up: st.weight(&format!("{p}.up_proj.weight"), &[inter, h])?,
+                down: st.weight(&format!("{p}.down_proj.weight"), &[h, inter])?,
             })
         };
-        // Tied, the embedding is also the head: packed once, looked up from its panels.
         let embed_name = format!("{m}embed_tokens.weight");
-        let embed = if cfg.tie_word_embeddings {
-            st.matrix(&embed_name, &[v, h])?
-        } else {
-            st.take(&embed_name, &[v, h])?
-        };
+        let embed = st.take(&embed_name, &[v, h])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("{m}layers.{l}");
             let ab = cfg.attention_bias;
             let ffn = if cfg.is_sparse(l) {
                 let (ne, mi) = (cfg.num_experts, cfg.moe_intermediate_size);
-                let router = st.matrix(&format!("{p}.mlp.gate.weight"), &[ne, h])?;
+                let router = st.weight(&format!("{p}.mlp.gate.weight"), &[ne, h])?;
                 // On disk experts are either per-expert modules (what save_pretrained writes) or
                 // transformers 5's fused `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`.
                 let fused = format!("{p}.mlp.experts.gate_up_proj");
@@ -171,9 +172,9 @@ impl<'a> Model<'a> {
                     (0..ne)
                         .map(|e| {
                             Ok(Mlp {
-                                gate: st.panels(&fused, gu.row_block(e * 2 * mi, mi))?,
-                                up: st.panels(&fused, gu.row_block(e * 2 * mi + mi, mi))?,
-                                down: st.panels(&dn_name, dn.row_block(e * h, h))?,
+                                gate: st.weight_of(&fused, gu.row_block(e * 2 * mi, mi)),
+                                up: st.weight_of(&fused, gu.row_block(e * 2 * mi + mi, mi)),
+                                down: st.weight_of(&dn_name, dn.row_block(e * h, h)),
                             })
                         })
                         .collect::<Result<Vec<_>>>()?
@@ -184,10 +185,10 @@ impl<'a> Model<'a> {
                 };
                 let shared = match cfg.shared_expert_intermediate_size {
                     0 => None,
-                    si => Some(SharedExpert {
+                    si => Some(Box::new(SharedExpert {
                         mlp: mlp(&format!("{p}.mlp.shared_expert"), si)?,
-                        gate: st.matrix(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
-                    }),
+                        gate: st.weight(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
+                    })),
                 };
                 Ffn::Moe {
                     router,
@@ -196,7 +197,7 @@ impl<'a> Model<'a> {
                 }
             } else {
                 let inter = cfg.intermediate_size.expect("checked in Config::from_json");
-                Ffn::Dense(mlp(&format!("{p}.mlp"), inter)?)
+                Ffn::Dense(Box::new(mlp(&format!("{p}.mlp"), inter)?))
             };
             let mixer = match cfg.layer_kind(l) {
                 LayerKind::Full => Mixer::Full(Attention {
@@ -226,10 +227,12 @@ impl<'a> Model<'a> {
             });
         }
         let norm = norm(&format!("{m}norm.weight"), h)?;
+        // Tied, the head is the embedding (looked up from the file's rows, multiplied by as a
+        // `Weight`).
         let head = if cfg.tie_word_embeddings {
-            embed
+            st.weight_of(&embed_name, embed)
         } else {
-            st.matrix("lm_head.weight", &[v, h])?
+            st.weight("lm_head.weight", &[v, h])?
         };
         // §20: Qwen3.5 checkpoints carry a vision tower and a multi-token-prediction head the
         // language model does not run; they are listed, not refused.
@@ -248,6 +251,36 @@ impl<'a> Model<'a> {
             forcing: None,
             unused_tensors,
         })
+    }
+
+    /// Makes every matrix's panels now instead of on first decode use (`Weight`): for a
+    /// measurement of steady decode (the bench), packing counted as load time.
+    pub fn pack_panels(&self) {
+        let mut all: Vec<&Weight> = vec![&self.head];
+        for l in &self.layers {
+            match &l.mixer {
+                Mixer::Full(a) => all.extend([&a.q.w, &a.k.w, &a.v.w, &a.o.w]),
+                Mixer::Linear(g) => all.extend(g.weights()),
+            }
+            match &l.ffn {
+                Ffn::Dense(m) => all.extend(m.weights()),
+                Ffn::Moe {
+                    router,
+                    experts,
+                    shared,
+                } => {
+                    all.push(router);
+                    all.extend(experts.iter().flat_map(Mlp::weights));
+                    if let Some(sh) = shared {
+                        all.extend(sh.mlp.weights());
+                        all.push(&sh.gate);
+                    }
+                }
+            }
+        }
+        for w in all {
+            w.pack();
+        }
     }
 
     pub fn new_cache(&self) -> Vec<LayerKv> {
@@ -291,7 +324,7 @@ impl<'a> Model<'a> {
         }
         let xn = self.norm.rows(&x, self.cfg.eps_f32());
         cap.tensor("final_norm.out", &[t, h], &xn, &pos);
-        let logits = ops::matmul(&xn, t, self.head, None);
+        let logits = ops::matmul(&xn, t, self.head.view(t), None);
         cap.tensor("logits", &[t, v], &logits, &pos);
         Ok(logits)
     }
@@ -425,7 +458,7 @@ impl<'a> Model<'a> {
     fn moe(
         &self,
         l: usize,
-        router: &Mat,
+        router: &Weight,
         experts: &[Mlp],
         xn: &[f32],
         pos: &[i64],
@@ -438,7 +471,7 @@ impl<'a> Model<'a> {
             c.num_experts,
             c.num_experts_per_tok,
         );
-        let logits = ops::matmul(xn, t, *router, None);
+        let logits = ops::matmul(xn, t, router.view(t), None);
         cap.internal(&names::layer(l, "router.logits"), &[t, ne], &logits, pos);
         // weight[r][e] for the chosen experts of row r (None: not chosen).
         let mut weight: Vec<Vec<Option<f32>>> = vec![vec![None; ne]; t];
@@ -515,8 +548,8 @@ impl<'a> Model<'a> {
 
 /// §9 `down(silu(gate(x)) ⊗ up(x))`.
 pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
-    let g = ops::matmul(x, rows, m.gate, None);
-    let u = ops::matmul(x, rows, m.up, None);
+    let g = ops::matmul(x, rows, m.gate.view(rows), None);
+    let u = ops::matmul(x, rows, m.up.view(rows), None);
     // Elementwise (one libm exp each), so spread over the pool in chunks; bits are per element.
     let mut hmid = vec![0.0f32; g.len()];
     hmid.par_chunks_mut(4096)
@@ -526,5 +559,5 @@ pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
                 *h = ops::silu(g) * u;
             }
         });
-    ops::matmul(&hmid, rows, m.down, None)
+    ops::matmul(&hmid, rows, m.down.view(rows), None)
 }

@@ -11,7 +11,7 @@ use crate::capture::Capture;
 use crate::config::{Config, LinearSizes};
 use crate::ops;
 use crate::qwen3::{gated_mlp, Mlp};
-use crate::weights::{Mat, Store};
+use crate::weights::{Store, Weight};
 use crate::{err, Result};
 
 /// The one model of the four families (docs/numerics.md §14 names it here too).
@@ -25,16 +25,16 @@ pub const UNUSED_PREFIXES: [&str; 2] = ["model.visual.", "mtp."];
 /// the conv taps and the per-head vectors are widened once.
 pub struct GatedDeltaNet<'a> {
     sizes: LinearSizes,
-    in_proj_qkv: Mat<'a>,
-    in_proj_z: Mat<'a>,
-    in_proj_b: Mat<'a>,
-    in_proj_a: Mat<'a>,
+    in_proj_qkv: Weight<'a>,
+    in_proj_z: Weight<'a>,
+    in_proj_b: Weight<'a>,
+    in_proj_a: Weight<'a>,
     /// `conv1d.weight` `[conv_dim, 1, K]` as `[conv_dim, K]`.
     conv: Vec<f32>,
     dt_bias: Vec<f32>,
     a_log: Vec<f32>,
     norm: Vec<f32>,
-    out_proj: Mat<'a>,
+    out_proj: Weight<'a>,
 }
 
 /// §18 a linear-attention layer's state after the rows it has run: the conv state `C`
@@ -57,7 +57,7 @@ impl<'a> GatedDeltaNet<'a> {
         let (h, nv) = (cfg.hidden_size, s.num_value_heads);
         let vec = |name: &str, n: usize| st.take(&format!("{p}.{name}"), &[n]).map(|m| m.to_vec());
         let mat =
-            |name: &str, rows: usize, cols: usize| st.matrix(&format!("{p}.{name}"), &[rows, cols]);
+            |name: &str, rows: usize, cols: usize| st.weight(&format!("{p}.{name}"), &[rows, cols]);
         Ok(GatedDeltaNet {
             sizes: s,
             in_proj_qkv: mat("in_proj_qkv.weight", s.conv_dim(), h)?,
@@ -75,6 +75,17 @@ impl<'a> GatedDeltaNet<'a> {
             norm: vec("norm.weight", s.value_head_dim)?,
             out_proj: mat("out_proj.weight", h, s.value_dim())?,
         })
+    }
+
+    /// Its matrices (`Model::pack_panels`).
+    pub(crate) fn weights(&self) -> [&Weight<'a>; 5] {
+        [
+            &self.in_proj_qkv,
+            &self.in_proj_z,
+            &self.in_proj_b,
+            &self.in_proj_a,
+            &self.out_proj,
+        ]
     }
 
     /// §18 the mixer on `xn` (`input_layernorm`'s output, `[T, H]`) at positions `pos`, which
@@ -115,10 +126,10 @@ impl<'a> GatedDeltaNet<'a> {
         }
         let name = |point: &str| names::layer(l, point);
         // §18.1 projections.
-        let mixed = ops::matmul(xn, t, self.in_proj_qkv, None);
-        let z = ops::matmul(xn, t, self.in_proj_z, None);
-        let b = ops::matmul(xn, t, self.in_proj_b, None);
-        let a = ops::matmul(xn, t, self.in_proj_a, None);
+        let mixed = ops::matmul(xn, t, self.in_proj_qkv.view(t), None);
+        let z = ops::matmul(xn, t, self.in_proj_z.view(t), None);
+        let b = ops::matmul(xn, t, self.in_proj_b.view(t), None);
+        let a = ops::matmul(xn, t, self.in_proj_a.view(t), None);
         // §18.2 conv, rows ascending through the state.
         let conv_out = self.conv_rows(&mixed, t, &mut state.conv);
         cap.internal(&name("linear.conv_out"), &[t, cd], &conv_out, pos);
@@ -206,7 +217,7 @@ impl<'a> GatedDeltaNet<'a> {
             &state.s,
             &pos[t - 1..],
         );
-        Ok(ops::matmul(&normed, t, self.out_proj, None))
+        Ok(ops::matmul(&normed, t, self.out_proj.view(t), None))
     }
 }
 
@@ -255,7 +266,7 @@ impl GatedDeltaNet<'_> {
 pub struct SharedExpert<'a> {
     pub(crate) mlp: Mlp<'a>,
     /// `mlp.shared_expert_gate.weight` `[1, H]`.
-    pub(crate) gate: Mat<'a>,
+    pub(crate) gate: Weight<'a>,
 }
 
 impl SharedExpert<'_> {
@@ -272,7 +283,7 @@ impl SharedExpert<'_> {
         let t = pos.len();
         let h = xn.len() / t;
         let sh = gated_mlp(&self.mlp, xn, t);
-        let sg = ops::matmul(xn, t, self.gate, None);
+        let sg = ops::matmul(xn, t, self.gate.view(t), None);
         cap.internal(&names::layer(l, "shared_expert.gate"), &[t, 1], &sg, pos);
         cap.internal(&names::layer(l, "shared_expert.out"), &[t, h], &sh, pos);
         for r in 0..t {

@@ -1,7 +1,8 @@
 //! Checkpoint access: a careful safetensors header parser, tensor views that widen bf16/f16 to
 //! f32 at use (never a full f32 copy), the inventory check and the weights digest. The files
-//! stay mapped; bf16 matrices the model multiplies by are repacked once, still bf16, into row
-//! panels (`Layout::Panels`) that decode streams without a transpose.
+//! stay mapped; a bf16 matrix the model multiplies by is repacked once, still bf16, into row
+//! panels (`Layout::Panels`) when decode first uses it (`Weight`): decode streams them without
+//! a transpose.
 //!
 //! safetensors layout: `u64 LE header length N`, `N bytes of JSON`, then the data buffer. The
 //! JSON maps tensor names to `{dtype, shape, data_offsets: [begin, end]}` (offsets relative to
@@ -227,7 +228,7 @@ pub enum Layout {
 }
 
 /// A 2-D weight matrix `[rows, cols]`: a view into the mapped file (`Layout::Rows`) or into a
-/// store's panels (`Store::matrix`).
+/// store's panels (`Weight::pack`).
 #[derive(Clone, Copy)]
 pub struct Mat<'a> {
     pub dtype: WDType,
@@ -336,6 +337,51 @@ impl<'a> Mat<'a> {
             self.widen_row(r, 0, row);
         }
         v
+    }
+}
+
+/// A matrix the model multiplies by: the file's row-major view, and for a bf16 matrix with an
+/// even K its row panels, packed on first use by a decode-sized matmul (`view`). Lazily, so a
+/// run that never decodes (a prefill trace, a bisect layer) pays no packing and keeps only the
+/// pages it touched, and a MoE model packs only the experts it routes to.
+pub struct Weight<'a> {
+    name: String,
+    rows: Mat<'a>,
+    store: &'a Store,
+    panels: std::sync::OnceLock<Mat<'a>>,
+}
+
+impl<'a> Weight<'a> {
+    /// The view a matmul with `rows` rows of x reads: the panels once made (made now for a
+    /// decode-sized call, `rows ≤ MATVEC_ROWS`); the file's rows before that (prefill tiles widen
+    /// a block and reuse it for every row, so the layout matters little there). Same bits either
+    /// way (tested).
+    pub fn view(&self, rows: usize) -> Mat<'a> {
+        if let Some(p) = self.panels.get() {
+            return *p;
+        }
+        if rows <= crate::matmul::MATVEC_ROWS && self.rows.can_pack() {
+            return self.pack();
+        }
+        self.rows
+    }
+
+    /// The panels, made now if not yet (for a matrix that cannot be packed, or whose panels
+    /// cannot be allocated, the file's rows: same bits, slower decode; said once on stderr).
+    pub fn pack(&self) -> Mat<'a> {
+        *self.panels.get_or_init(|| {
+            self.store
+                .panels(&self.name, self.rows)
+                .unwrap_or_else(|e| {
+                    eprintln!("engine: note: {e}; it is read from the file's rows (same values)");
+                    self.rows
+                })
+        })
+    }
+
+    /// The file's row-major view (what the checkpoint holds).
+    pub fn rows(&self) -> Mat<'a> {
+        self.rows
     }
 }
 
@@ -475,11 +521,11 @@ fn page_size() -> usize {
 /// names were claimed, so `finish_claims` can refuse tensors no module uses.
 pub struct Store {
     maps: Vec<Mmap>,
-    /// The panels `matrix` made (never moved or dropped before the store: views point in).
-    panels: std::cell::RefCell<Vec<MmapMut>>,
+    /// The panels `panels` made (never moved or dropped before the store: views point in).
+    panels: std::sync::Mutex<Vec<MmapMut>>,
     /// name → (map index, entry)
     tensors: BTreeMap<String, (usize, Entry)>,
-    claimed: std::cell::RefCell<std::collections::BTreeSet<String>>,
+    claimed: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Store {
@@ -564,7 +610,7 @@ impl Store {
                 ))
             }
         };
-        self.claimed.borrow_mut().insert(name.to_string());
+        self.claimed().insert(name.to_string());
         let (rows, cols) = match shape {
             [n] => (1, *n),
             [r, c] => (*r, *c),
@@ -579,10 +625,25 @@ impl Store {
         ))
     }
 
-    /// `take` a matrix the model multiplies by, as panels when it can be packed.
-    pub fn matrix(&self, name: &str, shape: &[usize]) -> Result<Mat<'_>> {
-        let m = self.take(name, shape)?;
-        self.panels(name, m)
+    fn claimed(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<String>> {
+        // A panic elsewhere cannot leave the set half-written: insert and extend are whole.
+        self.claimed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `take` a matrix the model multiplies by (`Weight`: panels made on first decode use).
+    pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight<'_>> {
+        Ok(self.weight_of(name, self.take(name, shape)?))
+    }
+
+    /// A `Weight` over part of a tensor already taken (`name` for messages): a fused expert's
+    /// rows.
+    pub fn weight_of<'s>(&'s self, name: &str, m: Mat<'s>) -> Weight<'s> {
+        Weight {
+            name: name.to_string(),
+            rows: m,
+            store: self,
+            panels: std::sync::OnceLock::new(),
+        }
     }
 
     /// `m` (a view into this store's files; `name` for errors) repacked as `Layout::Panels` in
@@ -600,7 +661,10 @@ impl Store {
         let packed = m.pack_into(&mut map[off..off + len]);
         let (dtype, rows, cols, layout) = (packed.dtype, packed.rows, packed.cols, packed.layout);
         let (ptr, page) = (map[off..].as_ptr(), page_size());
-        self.panels.borrow_mut().push(map);
+        self.panels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(map);
         if let Some(file) = self
             .maps
             .iter()
@@ -631,7 +695,7 @@ impl Store {
 
     /// Refuse the checkpoint if any tensor was not claimed by the model.
     pub fn finish_claims(&self) -> Result<()> {
-        let claimed = self.claimed.borrow();
+        let claimed = self.claimed();
         for name in self.tensors.keys() {
             if !claimed.contains(name) {
                 return Err(err!(Checkpoint:
@@ -655,7 +719,7 @@ impl Store {
     /// the language model does not run: Qwen3.5's vision tower and multi-token-prediction head),
     /// and say how many each prefix held, in the order given, prefixes holding none left out.
     pub fn set_aside(&self, prefixes: &[&str]) -> Vec<(String, usize)> {
-        let mut claimed = self.claimed.borrow_mut();
+        let mut claimed = self.claimed();
         let mut out = Vec::new();
         for p in prefixes {
             let names: Vec<&String> = self.tensors.keys().filter(|k| k.starts_with(p)).collect();
@@ -748,10 +812,15 @@ mod tests {
         let file = write_checkpoint(tmp.path(), &tensors);
         let store = Store::open(tmp.path()).unwrap();
         for (name, dtype, shape) in &tensors {
-            let m = store.matrix(name, shape).unwrap();
+            let w = store.weight(name, shape).unwrap();
+            // Prefill before any decode reads the file; a decode-sized call packs (when it can),
+            // and from then on every call reads the panels.
+            assert_eq!(w.view(64).layout, Layout::Rows, "{name}");
+            let m = w.view(crate::matmul::MATVEC_ROWS);
             let packed = *dtype == "BF16" && shape[1] % 2 == 0;
             let want = if packed { Layout::Panels } else { Layout::Rows };
             assert_eq!(m.layout, want, "{name}");
+            assert_eq!(w.view(64).layout, want, "{name}");
             let start = store.tensors[*name].1.start;
             assert_eq!(first_difference(m, &file, start), None, "{name}");
             if packed {
@@ -769,7 +838,7 @@ mod tests {
         }
         // Controls: one flipped byte in the panels is caught at its element; the same bytes
         // read as row-major are not the matrix.
-        let m = store.matrix("a", &[37, 10]).unwrap();
+        let m = store.weight("a", &[37, 10]).unwrap().pack();
         let mut bytes = m.bytes.to_vec();
         // Row 20 (panel 1, word 4), column pair 3, high byte of column 7.
         bytes[PANEL * 10 * 2 + 3 * PANEL * 4 + 4 * 4 + 3] ^= 0x40;
@@ -785,7 +854,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let mut file = write_checkpoint(tmp.path(), &[("w", "BF16", vec![4, 8])]);
         let store = Store::open(tmp.path()).unwrap();
-        let e = store.matrix("w", &[8, 4]).err().unwrap().to_string();
+        let e = store.weight("w", &[8, 4]).err().unwrap().to_string();
         assert!(e.contains("tensor w: shape [4, 8], expected [8, 4]"), "{e}");
         let e = store.take("v", &[1]).err().unwrap().to_string();
         assert!(e.contains("missing tensor v"), "{e}");
