@@ -30,6 +30,13 @@ use portable::{tile_portable, widen_panels, widen_transposed_scalar};
 /// Rows of x up to which `matmul` takes the matvec path (decode): where a `Weight`'s panels pay.
 pub const MATVEC_ROWS: usize = matvec::MV_ROWS;
 
+/// Whether this process's kernel family has panel kernels (AVX2, AVX-512). The portable family
+/// reads panels element by element, slower than the file's rows: there a `Weight` stays
+/// row-major (other targets than x86-64, and `TRACEGATE_ENGINE_PORTABLE`).
+pub fn panels_pay() -> bool {
+    Kernel::detect() != Kernel::Portable
+}
+
 /// Outputs per tile: one 512-bit vector of accumulators per row.
 const NR: usize = 16;
 /// k per widened block: `KB × NR` f32 (16 KiB) stays in L1 while every row block streams it.

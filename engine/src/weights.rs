@@ -353,14 +353,15 @@ pub struct Weight<'a> {
 
 impl<'a> Weight<'a> {
     /// The view a matmul with `rows` rows of x reads: the panels once made (made now for a
-    /// decode-sized call, `rows ≤ MATVEC_ROWS`); the file's rows before that (prefill tiles widen
-    /// a block and reuse it for every row, so the layout matters little there). Same bits either
-    /// way (tested).
+    /// decode-sized call, `rows ≤ MATVEC_ROWS`, when the kernel family has panel kernels:
+    /// `matmul::panels_pay`); the file's rows before that (prefill tiles widen a block and reuse
+    /// it for every row, so the layout matters little there). Same bits either way (tested).
     pub fn view(&self, rows: usize) -> Mat<'a> {
         if let Some(p) = self.panels.get() {
             return *p;
         }
-        if rows <= crate::matmul::MATVEC_ROWS && self.rows.can_pack() {
+        if rows <= crate::matmul::MATVEC_ROWS && self.rows.can_pack() && crate::matmul::panels_pay()
+        {
             return self.pack();
         }
         self.rows
@@ -818,12 +819,20 @@ mod tests {
             assert_eq!(w.view(64).layout, Layout::Rows, "{name}");
             let m = w.view(crate::matmul::MATVEC_ROWS);
             let packed = *dtype == "BF16" && shape[1] % 2 == 0;
-            let want = if packed { Layout::Panels } else { Layout::Rows };
+            let want = if packed && crate::matmul::panels_pay() {
+                Layout::Panels
+            } else {
+                Layout::Rows
+            };
             assert_eq!(m.layout, want, "{name}");
             assert_eq!(w.view(64).layout, want, "{name}");
             let start = store.tensors[*name].1.start;
             assert_eq!(first_difference(m, &file, start), None, "{name}");
             if packed {
+                // The panels themselves, whichever view this CPU's kernels take.
+                let m = w.pack();
+                assert_eq!(m.layout, Layout::Panels, "{name}");
+                assert_eq!(first_difference(m, &file, start), None, "{name}");
                 let (rows, cols) = (shape[0], shape[1]);
                 assert_eq!(m.bytes.len(), rows.div_ceil(PANEL) * PANEL * cols * 2);
                 // The last panel's padding rows are zero.
