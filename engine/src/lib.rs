@@ -34,9 +34,10 @@ pub use tracegate_trace::Digest;
 /// glibc hands large freed blocks back to the kernel (chunks above its mmap threshold, and the
 /// heap's top past its trim threshold), so the next forward page-faults and the kernel zeroes
 /// every page again (on the 16-core Xeon, a 64-token prefill of bench-qwen3 at 2 threads
-/// 10 % faster without that: docs/benchmarks.md, "Freed memory kept"). Called once by each program that runs forwards
-/// (the CLI, the bench); no effect on values. Peak memory is unchanged (the same blocks are
-/// reused); what a run freed stays resident until the process exits.
+/// 10 % faster without that: docs/benchmarks.md, "Freed memory kept"). Called once by each
+/// program that runs forwards (the CLI, the bench); no effect on values. Peak memory is
+/// unchanged (the same blocks are reused); what a run freed stays resident until the process
+/// exits.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; called before the forward's threads run.

@@ -170,14 +170,12 @@ impl<'a> Model<'a> {
                     let dn = st.take(&format!("{p}.mlp.experts.down_proj"), &[ne, h, mi])?;
                     let dn_name = format!("{p}.mlp.experts.down_proj");
                     (0..ne)
-                        .map(|e| {
-                            Ok(Mlp {
-                                gate: st.weight_of(&fused, gu.row_block(e * 2 * mi, mi)),
-                                up: st.weight_of(&fused, gu.row_block(e * 2 * mi + mi, mi)),
-                                down: st.weight_of(&dn_name, dn.row_block(e * h, h)),
-                            })
+                        .map(|e| Mlp {
+                            gate: st.weight_of(&fused, gu.row_block(e * 2 * mi, mi)),
+                            up: st.weight_of(&fused, gu.row_block(e * 2 * mi + mi, mi)),
+                            down: st.weight_of(&dn_name, dn.row_block(e * h, h)),
                         })
-                        .collect::<Result<Vec<_>>>()?
+                        .collect()
                 } else {
                     (0..ne)
                         .map(|e| mlp(&format!("{p}.mlp.experts.{e}"), mi))

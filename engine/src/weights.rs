@@ -379,11 +379,6 @@ impl<'a> Weight<'a> {
                 })
         })
     }
-
-    /// The file's row-major view (what the checkpoint holds).
-    pub fn rows(&self) -> Mat<'a> {
-        self.rows
-    }
 }
 
 /// Exact widening of little-endian storage to f32.
@@ -659,8 +654,7 @@ impl Store {
         let (mut map, off) = panel_buffer(len).map_err(
             |e| err!(Checkpoint: "tensor {name}: cannot allocate {len} bytes for its panels: {e}"),
         )?;
-        let packed = m.pack_into(&mut map[off..off + len]);
-        let (dtype, rows, cols, layout) = (packed.dtype, packed.rows, packed.cols, packed.layout);
+        m.pack_into(&mut map[off..off + len]);
         let (ptr, page) = (map[off..].as_ptr(), page_size());
         self.panels
             .lock()
@@ -686,11 +680,9 @@ impl Store {
         // vector only grows; a mapping's memory does not move with the vector's storage).
         let bytes = unsafe { std::slice::from_raw_parts(ptr, len) };
         Ok(Mat {
-            dtype,
-            rows,
-            cols,
-            layout,
+            layout: Layout::Panels,
             bytes,
+            ..m
         })
     }
 

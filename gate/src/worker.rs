@@ -148,7 +148,7 @@ impl Worker {
         cancelled: &mut dyn FnMut() -> bool,
     ) -> Answer {
         let pid = self.pid;
-        let line = request_line(request);
+        let line = request_line(request, None);
         let mut buf = vec![0u8; 64 * 1024];
         if let Err(e) = self
             .stdin
@@ -212,10 +212,15 @@ impl Worker {
     }
 }
 
-/// A request as its line on the worker's stdin (or a resident daemon's socket):
-/// `{"argv": [VERB, ARG, …]}` (docs/producers.md, "Serving").
-pub(crate) fn request_line(request: &[String]) -> String {
-    serde_json::json!({ "argv": request }).to_string() + "\n"
+/// A request as its line on the worker's stdin, `{"argv": [VERB, ARG, …]}` (docs/producers.md,
+/// "Serving"), or on a resident daemon's socket, which also takes the time left until the run's
+/// timeout: `{"argv": […], "timeout_ms": N}` (`producer::resident`).
+pub(crate) fn request_line(request: &[String], timeout: Option<std::time::Duration>) -> String {
+    let mut line = serde_json::json!({ "argv": request });
+    if let Some(t) = timeout {
+        line["timeout_ms"] = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).into();
+    }
+    line.to_string() + "\n"
 }
 
 /// The KiB figure of `field` (e.g. `VmHWM`, `VmRSS`) in /proc/`pid`/status.

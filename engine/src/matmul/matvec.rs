@@ -1,8 +1,9 @@
 //! The matvec path of `matmul` for 1..=MV_ROWS rows (cached decode, lightly routed experts):
 //! each weight is read once, widened (and, row-major, transposed) in registers and consumed at
 //! once (no L1 block), x broadcast per k, `span` outputs per kernel call, each weight stream
-//! prefetched ahead. Threads split the outputs. Every output is still the definition's chain: +0.0, k ascending,
-//! one rounded multiply then one rounded add per step (`step`), never FMA, never split-K.
+//! prefetched ahead. Threads split the outputs. Every output is still the definition's chain:
+//! +0.0, k ascending, one rounded multiply then one rounded add per step (`step`), never FMA,
+//! never split-K.
 
 use rayon::prelude::*;
 

@@ -524,11 +524,8 @@ impl Client {
     /// killed here and the request is a timeout without stderr.
     pub(crate) fn ask(&mut self, request: &[String], deadline: Instant) -> Reply {
         let gone = |why: String| Reply::Gone(Ended::failed(why));
-        let timeout_ms = deadline
-            .saturating_duration_since(Instant::now())
-            .as_millis();
-        let line =
-            serde_json::json!({ "argv": request, "timeout_ms": timeout_ms }).to_string() + "\n";
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = worker::request_line(request, Some(left));
         let deadline = deadline + BACKSTOP;
         if let Err(e) = self.stream.write_all(line.as_bytes()) {
             return gone(format!(
