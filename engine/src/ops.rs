@@ -1,10 +1,12 @@
 //! Ordered fp32 kernels, each the written definition of docs/numerics.md (section numbers in the
 //! comments). Rust never contracts `a * b + c` into an FMA, so every `+`/`*` below is one rounded
-//! IEEE operation. Two operations have a fast path, each tested bit for bit against its
+//! IEEE operation. Four operations have a fast path, each tested bit for bit against its
 //! definition: `matmul` (tiled, AVX2/AVX-512, in `crate::matmul`, re-exported here) against
-//! `matmul_ref`, and `attention` (threaded over heads, query rows in blocks, keys and values
-//! vectorised per kernel family) against `attention_ref`. Names follow docs/numerics.md §14, the same as the
-//! contract's ops.py.
+//! `matmul_ref`; `attention` (threaded over heads, query rows in blocks, keys and values
+//! vectorised per kernel family) against `attention_ref`; and in `fast_exp`, the softmax's
+//! exponentials (`exp_shifted`) and the gated MLP's SiLU product (`silu_mul`) against
+//! `exp_to_f32` and `silu` (a polynomial `exp` kept only where it provably rounds as libm's does).
+//! Names follow docs/numerics.md §14, the same as the contract's ops.py.
 //!
 //! Here: §2–§4, §9 and the softmax of §8.6/§10.2 (dot, ordered sum, the matmul definition, exp,
 //! softmax, sigmoid, SiLU), the operations the others are written in. By section group, each
@@ -13,6 +15,7 @@
 
 mod attention;
 mod decisions;
+mod fast_exp;
 mod gated_deltanet;
 mod norm;
 #[cfg(test)]
@@ -22,6 +25,7 @@ pub use crate::matmul::matmul;
 use crate::weights::Mat;
 pub use attention::{attention, attention_ref, inv_freq, Heads, KeyRows, Rope};
 pub use decisions::{argmax_margin, margin_of, topk};
+pub use fast_exp::{exp_shifted, silu_mul};
 pub use gated_deltanet::{causal_conv1d, delta_rule_step, gdn_decay, softplus};
 pub use norm::{gated_rmsnorm, l2norm, rmsnorm, rmsnorm_rows, rmsnorm_zero_centred};
 

@@ -548,14 +548,10 @@ impl<'a> Model<'a> {
 pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
     let g = ops::matmul(x, rows, m.gate.view(rows), None);
     let u = ops::matmul(x, rows, m.up.view(rows), None);
-    // Elementwise (one libm exp each), so spread over the pool in chunks; bits are per element.
+    // Elementwise, so spread over the pool in chunks; bits are per element.
     let mut hmid = vec![0.0f32; g.len()];
     hmid.par_chunks_mut(4096)
         .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
-        .for_each(|(hc, (gc, uc))| {
-            for ((h, &g), &u) in hc.iter_mut().zip(gc).zip(uc) {
-                *h = ops::silu(g) * u;
-            }
-        });
+        .for_each(|(hc, (gc, uc))| ops::silu_mul(gc, uc, hc));
     ops::matmul(&hmid, rows, m.down.view(rows), None)
 }

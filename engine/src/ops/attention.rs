@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{dot, exp_to_f32, softmax};
+use super::{dot, exp_shifted, softmax};
 use crate::matmul::Kernel;
 
 /// §7 RoPE tables for a list of absolute positions: `cos[p][i]`, `sin[p][i]`, i < d/2.
@@ -491,12 +491,13 @@ fn softmax_row(s: &mut [f32], pos: &[i64], qp: i64) {
             m = v;
         }
     }
+    // Every entry's f32(E(s ⊖ m)) (vectorised; a masked -inf gives +0), then the ordered sum of
+    // the visible ones with the masked set to +0.
+    exp_shifted(s, m);
     let mut z = 0.0f32;
     for (v, &p) in s.iter_mut().zip(pos) {
         if p <= qp {
-            let e = exp_to_f32(*v - m);
-            *v = e;
-            z += e;
+            z += *v;
         } else {
             *v = 0.0;
         }

@@ -360,3 +360,206 @@ fn argmax_margin_ties_and_values() {
         (0, f32::INFINITY)
     );
 }
+
+/// f32s from every `stride`-th bit pattern in `[lo, hi)`, then the cases at the edges of the
+/// fast path's range and every special value.
+fn sampled(lo: u32, hi: u32, stride: u32) -> Vec<f32> {
+    let mut xs: Vec<f32> = (lo..hi)
+        .step_by(stride as usize)
+        .map(f32::from_bits)
+        .collect();
+    for x in [
+        0.0f32,
+        -0.0,
+        -87.0,
+        -87.00001,
+        -86.99999,
+        87.0,
+        87.00001,
+        -87.4,
+        -88.73,
+        -103.97,
+        -104.0,
+        -1e-45,
+        1e-45,
+        -1.17e-38,
+        f32::MIN,
+        f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+    ] {
+        xs.push(x);
+    }
+    xs
+}
+
+/// Indices where the bits differ.
+fn mismatches(want: &[f32], got: &[f32]) -> Vec<usize> {
+    (0..want.len())
+        .filter(|&i| want[i].to_bits() != got[i].to_bits())
+        .collect()
+}
+
+fn exp_definition(s: &[f32], m: f32) -> Vec<f32> {
+    s.iter().map(|&v| exp_to_f32(v - m)).collect()
+}
+
+fn silu_definition(g: &[f32], u: &[f32]) -> Vec<f32> {
+    g.iter().zip(u).map(|(&g, &u)| silu(g) * u).collect()
+}
+
+/// Every kernel family's softmax exponentials and SiLU products equal the definition's bits on
+/// about 11 M softmax arguments (every 101st f32 in [-88, -0]) and 16 M SiLU inputs (every
+/// 257th of all 2^32 patterns: NaNs, infinities, subnormals), with a shift `m` and odd lengths
+/// (the scalar tail). About 2·2^10/2^29 of the lanes are near an f32 midpoint, so a few dozen
+/// take the libm recomputation; the count is printed.
+#[test]
+fn fast_exp_and_silu_equal_definition_bits() {
+    note_unchecked_kernels("fast_exp_and_silu_equal_definition_bits");
+    let ts = sampled(0x8000_0000, 0xC2B0_0001, 101);
+    let gs = sampled(0, u32::MAX, 257);
+    let us = vals(gs.len(), 5);
+    let shifted: Vec<f32> = vals(1003, 9).iter().map(|v| v * 40.0).collect();
+    let m = shifted.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    for kernel in Kernel::all_supported() {
+        let mut got = ts.clone();
+        fast_exp::exp_shifted_with::<{ fast_exp::DEGREE }>(kernel, &mut got, 0.0);
+        assert_eq!(
+            mismatches(&exp_definition(&ts, 0.0), &got),
+            [0usize; 0],
+            "exp {kernel:?}"
+        );
+        let mut got = shifted.clone();
+        fast_exp::exp_shifted_with::<{ fast_exp::DEGREE }>(kernel, &mut got, m);
+        let want = exp_definition(&shifted, m);
+        assert_eq!(mismatches(&want, &got), [0usize; 0], "exp - m {kernel:?}");
+        for n in [0, 1, 3, 5, 1003] {
+            let (g, u) = (&gs[..n], &us[..n]);
+            let mut got = vec![0.0f32; n];
+            fast_exp::silu_mul_with::<{ fast_exp::DEGREE }>(kernel, g, u, &mut got);
+            assert_eq!(
+                mismatches(&silu_definition(g, u), &got),
+                [0usize; 0],
+                "silu {n}"
+            );
+        }
+        let mut got = vec![0.0f32; gs.len()];
+        fast_exp::silu_mul_with::<{ fast_exp::DEGREE }>(kernel, &gs, &us, &mut got);
+        assert_eq!(
+            mismatches(&silu_definition(&gs, &us), &got),
+            [0usize; 0],
+            "silu {kernel:?}"
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Kernel::Avx2.supported() {
+        let (e, s) = (
+            fast_exp::recomputed_exp(&ts),
+            fast_exp::recomputed_silu(&gs),
+        );
+        eprintln!(
+            "fast_exp: lanes recomputed with libm: exp {e} of {}, SiLU {s} of {} (out of range or near an f32 midpoint)",
+            ts.len(),
+            gs.len()
+        );
+        assert!(
+            e > 0 && s > 0,
+            "the sample must reach the libm recomputation"
+        );
+    }
+}
+
+/// What the guard rests on: the polynomial's binary64 exp lies within GUARD/8 ulps of libm's on
+/// the sampled arguments (the analysis in fast_exp.rs bounds it by 2^7; the largest seen is
+/// printed).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn fast_exp_polynomial_is_far_inside_the_guard() {
+    if !Kernel::Avx2.supported() {
+        eprintln!("NOT CHECKED: fast_exp_polynomial_is_far_inside_the_guard: no AVX2");
+        return;
+    }
+    let xs: Vec<f64> = sampled(0x8000_0000, 0xC2AE_0000, 101)
+        .into_iter()
+        .filter(|x| (-87.0..=0.0).contains(x))
+        .map(f64::from)
+        .collect();
+    let poly = fast_exp::exp_f64::<{ fast_exp::DEGREE }>(&xs);
+    let worst = xs
+        .iter()
+        .zip(&poly)
+        .map(|(x, p)| (x.exp().to_bits() as i64 - p.to_bits() as i64).abs())
+        .max()
+        .unwrap();
+    eprintln!(
+        "fast_exp: largest difference from libm's exp over {} arguments: {worst} ulps",
+        xs.len()
+    );
+    assert!(worst <= fast_exp::GUARD / 8, "{worst} ulps");
+}
+
+/// Negative control: a degree-6 polynomial (relative error about 2^-23, beyond what the guard
+/// covers) is caught by the comparison above, in exp and in SiLU.
+#[test]
+fn fast_exp_check_catches_a_short_polynomial() {
+    let vector: Vec<Kernel> = Kernel::all_supported()
+        .into_iter()
+        .filter(|&k| k != Kernel::Portable)
+        .collect();
+    if vector.is_empty() {
+        eprintln!("NOT CHECKED: fast_exp_check_catches_a_short_polynomial: no vector family here");
+        return;
+    }
+    let ts = sampled(0x8000_0000, 0xC2B0_0001, 1009);
+    let gs = sampled(0, u32::MAX, 2053);
+    let us = vec![1.0f32; gs.len()];
+    for kernel in vector {
+        let mut got = ts.clone();
+        fast_exp::exp_shifted_with::<6>(kernel, &mut got, 0.0);
+        assert!(
+            !mismatches(&exp_definition(&ts, 0.0), &got).is_empty(),
+            "exp {kernel:?}"
+        );
+        let mut got = vec![0.0f32; gs.len()];
+        fast_exp::silu_mul_with::<6>(kernel, &gs, &us, &mut got);
+        assert!(
+            !mismatches(&silu_definition(&gs, &us), &got).is_empty(),
+            "silu {kernel:?}"
+        );
+    }
+}
+
+/// Every softmax argument in [-88, -0] and every f32 SiLU input, on both cores (about two
+/// minutes on two): `cargo test --release -p tracegate-engine -- --ignored fast_exp_every`.
+#[test]
+#[ignore]
+fn fast_exp_every_f32_input_equals_definition() {
+    use rayon::prelude::*;
+    let chunk = 1u64 << 22;
+    let bad_exp: usize = (0x8000_0000u64..=0xC2B0_0000)
+        .step_by(chunk as usize)
+        .par_bridge()
+        .map(|a| {
+            let ts: Vec<f32> = (a..(a + chunk).min(0xC2B0_0001))
+                .map(|b| f32::from_bits(b as u32))
+                .collect();
+            let mut got = ts.clone();
+            fast_exp::exp_shifted(&mut got, 0.0);
+            mismatches(&exp_definition(&ts, 0.0), &got).len()
+        })
+        .sum();
+    let bad_silu: usize = (0u64..1 << 32)
+        .step_by(chunk as usize)
+        .par_bridge()
+        .map(|a| {
+            let gs: Vec<f32> = (a..a + chunk).map(|b| f32::from_bits(b as u32)).collect();
+            let us = vec![1.0f32; gs.len()];
+            let mut got = vec![0.0f32; gs.len()];
+            fast_exp::silu_mul(&gs, &us, &mut got);
+            mismatches(&silu_definition(&gs, &us), &got).len()
+        })
+        .sum();
+    assert_eq!((bad_exp, bad_silu), (0, 0), "(exp, SiLU) mismatches");
+}
