@@ -44,8 +44,10 @@ const KB: usize = 256;
 /// Rows per micro-kernel call (independent accumulators per (row, output)).
 const MR: usize = 8;
 /// Rows per packed panel, and per micro-kernel call on the avx512 path (one zmm accumulator per
-/// row).
-const MRP: usize = 16;
+/// row). 12, not 16: the 16-row call ran about 10 % below 12 on the AVX-512 Xeon (docs/
+/// benchmarks.md, "Softmax and SiLU without libm's exp per element"); on AVX2 a panel is two
+/// 6-row calls instead of 6 + 6 + 4.
+const MRP: usize = 12;
 /// Rows per micro-kernel call on the avx2 path (two ymm accumulators per row: 12 of 16 registers).
 const MRA: usize = 6;
 

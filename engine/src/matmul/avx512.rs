@@ -42,10 +42,6 @@ pub(super) unsafe fn tile_avx512_packed(
             9 => micro_packed::<9>(xb, kb, wtp, ab),
             10 => micro_packed::<10>(xb, kb, wtp, ab),
             11 => micro_packed::<11>(xb, kb, wtp, ab),
-            12 => micro_packed::<12>(xb, kb, wtp, ab),
-            13 => micro_packed::<13>(xb, kb, wtp, ab),
-            14 => micro_packed::<14>(xb, kb, wtp, ab),
-            15 => micro_packed::<15>(xb, kb, wtp, ab),
             _ => unreachable!("panel height ≤ MRP"),
         }
         r0 += m;
