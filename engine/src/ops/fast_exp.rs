@@ -305,15 +305,21 @@ mod avx2 {
         exp4::<D, 1>([x])[0]
     }
 
+    /// How many lanes of `vals` the lane check `redo` sends to libm, four at a time (tests).
+    #[cfg(test)]
+    fn count_redone<T>(vals: &[T], redo: unsafe fn(&[T]) -> i32) -> usize {
+        assert!(super::Kernel::Avx2.supported());
+        // SAFETY: AVX2 checked above; every chunk is 4 values.
+        vals.chunks_exact(4)
+            .map(|c| unsafe { redo(c) }.count_ones() as usize)
+            .sum()
+    }
+
     /// How many lanes `exp_shifted` (m = 0) recomputes with libm (tests; needs AVX2).
     #[cfg(test)]
     pub(in crate::ops) fn recomputed_exp(ts: &[f32]) -> usize {
-        assert!(super::Kernel::Avx2.supported());
         let xs: Vec<f64> = ts.iter().map(|&t| f64::from(t)).collect();
-        xs.chunks_exact(4)
-            // SAFETY: AVX2 checked above.
-            .map(|c| unsafe { redo_exp(c) }.count_ones() as usize)
-            .sum()
+        count_redone(&xs, redo_exp)
     }
 
     #[cfg(test)]
@@ -326,11 +332,7 @@ mod avx2 {
     /// How many lanes `silu_mul` recomputes with libm (tests; needs AVX2).
     #[cfg(test)]
     pub(in crate::ops) fn recomputed_silu(gs: &[f32]) -> usize {
-        assert!(super::Kernel::Avx2.supported());
-        gs.chunks_exact(4)
-            // SAFETY: AVX2 checked above.
-            .map(|c| unsafe { redo_silu(c) }.count_ones() as usize)
-            .sum()
+        count_redone(gs, redo_silu)
     }
 
     #[cfg(test)]
