@@ -443,23 +443,14 @@ fn score_cols<const R: usize, const W: usize, const PLANT: u8>(
 ) {
     let d = qk.len() / R;
     let half = if PLANT == PLANT_SPLIT { d / 2 } else { d };
-    let step = |acc: &mut [[f32; W]; R], j: usize| {
-        let col: &[f32; W] = kt[j * tkp + c0..][..W].try_into().expect("W lanes");
-        let xs: &[f32; R] = qk[j * R..][..R].try_into().expect("R rows");
-        for (a, &x) in acc.iter_mut().zip(xs) {
-            for (ai, &ki) in a.iter_mut().zip(col) {
-                *ai += x * ki;
-            }
-        }
-    };
     let mut acc = [[0.0f32; W]; R];
     for j in 0..half {
-        step(&mut acc, j);
+        score_step(&mut acc, qk, kt, tkp, c0, j);
     }
     if PLANT == PLANT_SPLIT {
         let mut hi = [[0.0f32; W]; R];
         for j in half..d {
-            step(&mut hi, j);
+            score_step(&mut hi, qk, kt, tkp, c0, j);
         }
         for (a, h) in acc.iter_mut().zip(&hi) {
             for (ai, &hv) in a.iter_mut().zip(h) {
@@ -469,6 +460,27 @@ fn score_cols<const R: usize, const W: usize, const PLANT: u8>(
     }
     for (i, a) in acc.iter().enumerate() {
         s[i * tkp + c0..][..W].copy_from_slice(a);
+    }
+}
+
+/// One step j of `score_cols`: `acc[i][c] ⊕= q_i[j] ⊗ kt[j][c0 + c]`. A function, not a
+/// closure, so that it is inlined into the family's `target_feature` body: a closure there was
+/// compiled on its own, at the baseline's 128-bit width with the accumulators in memory.
+#[inline(always)]
+fn score_step<const R: usize, const W: usize>(
+    acc: &mut [[f32; W]; R],
+    qk: &[f32],
+    kt: &[f32],
+    tkp: usize,
+    c0: usize,
+    j: usize,
+) {
+    let col: &[f32; W] = kt[j * tkp + c0..][..W].try_into().expect("W lanes");
+    let xs: &[f32; R] = qk[j * R..][..R].try_into().expect("R rows");
+    for (a, &x) in acc.iter_mut().zip(xs) {
+        for (ai, &ki) in a.iter_mut().zip(col) {
+            *ai += x * ki;
+        }
     }
 }
 
