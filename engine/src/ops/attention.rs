@@ -318,7 +318,7 @@ impl Block<'_> {
 // The two kernels, the same generic loops compiled for each family's vectors (the compiler
 // may not fuse, and does not: Rust never contracts `a * b + c`): scores N keys per block (NS
 // for the last ones), P·V DJ value lanes per block (then 8, then 1). Only these are compiled
-// per family: the masking and softmax around them are cheap beside libm's `exp`, and a whole
+// per family (the softmax's exponentials are `exp_shifted`'s, vectorised on their own): a whole
 // head body per family tripled the crate's build time.
 
 /// `s[i][c] = dot(q_i, column c of kt)` for the R rows of `qk` and every column below `cmax`
