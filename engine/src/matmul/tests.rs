@@ -52,7 +52,7 @@ pub(crate) fn note_unchecked_kernels(what: &str) {
 }
 
 /// The first index where the bits differ, if any (what every bit-equality check asserts).
-fn first_mismatch(want: &[f32], got: &[f32]) -> Option<usize> {
+pub(crate) fn first_mismatch(want: &[f32], got: &[f32]) -> Option<usize> {
     assert_eq!(want.len(), got.len());
     (0..want.len()).find(|&i| want[i].to_bits() != got[i].to_bits())
 }

@@ -186,10 +186,10 @@ mod avx2 {
         }
     }
 
-    /// `exp_shifted` on 4·V values.
+    /// `exp_shifted` on 4·V values; returns how many lanes it recomputed with libm.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn exp_block<const D: usize, const V: usize>(vals: &mut [f32], m: f32) {
+    fn exp_block<const D: usize, const V: usize>(vals: &mut [f32], m: f32) -> u32 {
         assert_eq!(vals.len(), 4 * V);
         // SAFETY: 4 f32s at 4·i < vals.len().
         let t: [__m128; V] = std::array::from_fn(|i| {
@@ -200,11 +200,13 @@ mod avx2 {
         });
         let x = t.map(|t| _mm256_cvtps_pd(t));
         let e = exp4::<D, V>(x);
+        let mut recomputed = 0;
         for i in 0..V {
             let lanes = &mut vals[4 * i..4 * i + 4];
             // SAFETY: `lanes` is 4 f32s.
             unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), _mm256_cvtpd_ps(e[i])) };
             let redo = outside(x[i]) | near_midpoint(e[i]);
+            recomputed += redo.count_ones();
             if redo != 0 {
                 let mut ts = [0.0f32; 4];
                 // SAFETY: `ts` is 4 f32s.
@@ -216,6 +218,7 @@ mod avx2 {
                 }
             }
         }
+        recomputed
     }
 
     /// (exp's arguments -|g|, §9's sigmoid(g) in binary64 before its rounding to f32).
@@ -255,20 +258,22 @@ mod avx2 {
         }
     }
 
-    /// `silu_mul` on 4·V values.
+    /// `silu_mul` on 4·V values; returns how many lanes it recomputed with libm.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn silu_block<const D: usize, const V: usize>(g: &[f32], u: &[f32], h: &mut [f32]) {
+    fn silu_block<const D: usize, const V: usize>(g: &[f32], u: &[f32], h: &mut [f32]) -> u32 {
         assert!(g.len() == 4 * V && u.len() == 4 * V && h.len() == 4 * V);
         // SAFETY (all three): 4 f32s at 4·i < 4·V.
         let gf: [__m128; V] =
             std::array::from_fn(|i| unsafe { _mm_loadu_ps(g.as_ptr().add(4 * i)) });
         let (x, y) = sigmoid4::<D, V>(gf.map(|g| _mm256_cvtps_pd(g)));
+        let mut recomputed = 0;
         for i in 0..V {
             let uf = unsafe { _mm_loadu_ps(u.as_ptr().add(4 * i)) };
             let silu4 = _mm_mul_ps(gf[i], _mm256_cvtpd_ps(y[i]));
             unsafe { _mm_storeu_ps(h.as_mut_ptr().add(4 * i), _mm_mul_ps(silu4, uf)) };
             let redo = outside(x[i]) | near_midpoint(y[i]);
+            recomputed += redo.count_ones();
             if redo != 0 {
                 for j in (0..4).filter(|j| redo >> j & 1 == 1) {
                     let k = 4 * i + j;
@@ -276,6 +281,7 @@ mod avx2 {
                 }
             }
         }
+        recomputed
     }
 
     /// The polynomial's binary64 exp of each `x` (tests; needs AVX2).
@@ -305,41 +311,26 @@ mod avx2 {
         exp4::<D, 1>([x])[0]
     }
 
-    /// How many lanes of `vals` the lane check `redo` sends to libm, four at a time (tests).
+    /// How many lanes `exp_shifted` (m = 0) recomputes with libm: its own blocks, four values
+    /// at a time (tests; needs AVX2).
     #[cfg(test)]
-    fn count_redone<T>(vals: &[T], redo: unsafe fn(&[T]) -> i32) -> usize {
+    pub(in crate::ops) fn recomputed_exp(ts: &[f32]) -> usize {
         assert!(super::Kernel::Avx2.supported());
-        // SAFETY: AVX2 checked above; every chunk is 4 values.
-        vals.chunks_exact(4)
-            .map(|c| unsafe { redo(c) }.count_ones() as usize)
+        let mut vals = ts.to_vec();
+        vals.chunks_exact_mut(4)
+            // SAFETY: AVX2 checked above.
+            .map(|c| unsafe { exp_block::<{ super::DEGREE }, 1>(c, 0.0) } as usize)
             .sum()
     }
 
-    /// How many lanes `exp_shifted` (m = 0) recomputes with libm (tests; needs AVX2).
-    #[cfg(test)]
-    pub(in crate::ops) fn recomputed_exp(ts: &[f32]) -> usize {
-        let xs: Vec<f64> = ts.iter().map(|&t| f64::from(t)).collect();
-        count_redone(&xs, redo_exp)
-    }
-
-    #[cfg(test)]
-    #[target_feature(enable = "avx2")]
-    unsafe fn redo_exp(c: &[f64]) -> i32 {
-        let x = unsafe { _mm256_loadu_pd(c.as_ptr()) };
-        outside(x) | near_midpoint(exp4::<{ super::DEGREE }, 1>([x])[0])
-    }
-
-    /// How many lanes `silu_mul` recomputes with libm (tests; needs AVX2).
+    /// How many lanes `silu_mul` recomputes with libm, as `recomputed_exp` (tests; needs AVX2).
     #[cfg(test)]
     pub(in crate::ops) fn recomputed_silu(gs: &[f32]) -> usize {
-        count_redone(gs, redo_silu)
-    }
-
-    #[cfg(test)]
-    #[target_feature(enable = "avx2")]
-    unsafe fn redo_silu(c: &[f32]) -> i32 {
-        let gd = _mm256_cvtps_pd(unsafe { _mm_loadu_ps(c.as_ptr()) });
-        let (x, y) = sigmoid4::<{ super::DEGREE }, 1>([gd]);
-        outside(x[0]) | near_midpoint(y[0])
+        assert!(super::Kernel::Avx2.supported());
+        let (ones, mut h) = ([1.0f32; 4], [0.0f32; 4]);
+        gs.chunks_exact(4)
+            // SAFETY: AVX2 checked above.
+            .map(|c| unsafe { silu_block::<{ super::DEGREE }, 1>(c, &ones, &mut h) } as usize)
+            .sum()
     }
 }

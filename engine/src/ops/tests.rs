@@ -2,7 +2,7 @@
 
 use super::attention::{self, PLANT_FMA, PLANT_NONE, PLANT_SPLIT};
 use super::*;
-use crate::matmul::tests::{note_unchecked_kernels, vals};
+use crate::matmul::tests::{first_mismatch, note_unchecked_kernels, vals};
 use crate::matmul::Kernel;
 
 /// An attention case: `(nq, nkv, d, key count, query rows)`, keys at positions `k_pos` (the
@@ -395,13 +395,6 @@ fn sampled(lo: u32, hi: u32, stride: u32) -> Vec<f32> {
     xs
 }
 
-/// Indices where the bits differ.
-fn mismatches(want: &[f32], got: &[f32]) -> Vec<usize> {
-    (0..want.len())
-        .filter(|&i| want[i].to_bits() != got[i].to_bits())
-        .collect()
-}
-
 fn exp_definition(s: &[f32], m: f32) -> Vec<f32> {
     s.iter().map(|&v| exp_to_f32(v - m)).collect()
 }
@@ -427,29 +420,29 @@ fn fast_exp_and_silu_equal_definition_bits() {
         let mut got = ts.clone();
         fast_exp::exp_shifted_with::<{ fast_exp::DEGREE }>(kernel, &mut got, 0.0);
         assert_eq!(
-            mismatches(&exp_definition(&ts, 0.0), &got),
-            [0usize; 0],
+            first_mismatch(&exp_definition(&ts, 0.0), &got),
+            None,
             "exp {kernel:?}"
         );
         let mut got = shifted.clone();
         fast_exp::exp_shifted_with::<{ fast_exp::DEGREE }>(kernel, &mut got, m);
         let want = exp_definition(&shifted, m);
-        assert_eq!(mismatches(&want, &got), [0usize; 0], "exp - m {kernel:?}");
+        assert_eq!(first_mismatch(&want, &got), None, "exp - m {kernel:?}");
         for n in [0, 1, 3, 5, 1003] {
             let (g, u) = (&gs[..n], &us[..n]);
             let mut got = vec![0.0f32; n];
             fast_exp::silu_mul_with::<{ fast_exp::DEGREE }>(kernel, g, u, &mut got);
             assert_eq!(
-                mismatches(&silu_definition(g, u), &got),
-                [0usize; 0],
+                first_mismatch(&silu_definition(g, u), &got),
+                None,
                 "silu {n}"
             );
         }
         let mut got = vec![0.0f32; gs.len()];
         fast_exp::silu_mul_with::<{ fast_exp::DEGREE }>(kernel, &gs, &us, &mut got);
         assert_eq!(
-            mismatches(&silu_definition(&gs, &us), &got),
-            [0usize; 0],
+            first_mismatch(&silu_definition(&gs, &us), &got),
+            None,
             "silu {kernel:?}"
         );
     }
@@ -519,13 +512,13 @@ fn fast_exp_check_catches_a_short_polynomial() {
         let mut got = ts.clone();
         fast_exp::exp_shifted_with::<6>(kernel, &mut got, 0.0);
         assert!(
-            !mismatches(&exp_definition(&ts, 0.0), &got).is_empty(),
+            first_mismatch(&exp_definition(&ts, 0.0), &got).is_some(),
             "exp {kernel:?}"
         );
         let mut got = vec![0.0f32; gs.len()];
         fast_exp::silu_mul_with::<6>(kernel, &gs, &us, &mut got);
         assert!(
-            !mismatches(&silu_definition(&gs, &us), &got).is_empty(),
+            first_mismatch(&silu_definition(&gs, &us), &got).is_some(),
             "silu {kernel:?}"
         );
     }
@@ -538,28 +531,32 @@ fn fast_exp_check_catches_a_short_polynomial() {
 fn fast_exp_every_f32_input_equals_definition() {
     use rayon::prelude::*;
     let chunk = 1u64 << 22;
-    let bad_exp: usize = (0x8000_0000u64..=0xC2B0_0000)
+    // Per chunk of inputs, the first one whose bits differ (if any).
+    let bad_exp: Vec<u32> = (0x8000_0000u64..=0xC2B0_0000)
         .step_by(chunk as usize)
         .par_bridge()
-        .map(|a| {
+        .filter_map(|a| {
             let ts: Vec<f32> = (a..(a + chunk).min(0xC2B0_0001))
                 .map(|b| f32::from_bits(b as u32))
                 .collect();
             let mut got = ts.clone();
             fast_exp::exp_shifted(&mut got, 0.0);
-            mismatches(&exp_definition(&ts, 0.0), &got).len()
+            first_mismatch(&exp_definition(&ts, 0.0), &got).map(|i| ts[i].to_bits())
         })
-        .sum();
-    let bad_silu: usize = (0u64..1 << 32)
+        .collect();
+    let bad_silu: Vec<u32> = (0u64..1 << 32)
         .step_by(chunk as usize)
         .par_bridge()
-        .map(|a| {
+        .filter_map(|a| {
             let gs: Vec<f32> = (a..a + chunk).map(|b| f32::from_bits(b as u32)).collect();
             let us = vec![1.0f32; gs.len()];
             let mut got = vec![0.0f32; gs.len()];
             fast_exp::silu_mul(&gs, &us, &mut got);
-            mismatches(&silu_definition(&gs, &us), &got).len()
+            first_mismatch(&silu_definition(&gs, &us), &got).map(|i| gs[i].to_bits())
         })
-        .sum();
-    assert_eq!((bad_exp, bad_silu), (0, 0), "(exp, SiLU) mismatches");
+        .collect();
+    assert!(
+        bad_exp.is_empty() && bad_silu.is_empty(),
+        "inputs whose bits differ (the first of each chunk): exp {bad_exp:x?}, SiLU {bad_silu:x?}"
+    );
 }
