@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prefill ceiling under docs/numerics.md (an observation, not a test):
-#   scripts/matmul_ceiling.sh [ROWS=64]
+#   scripts/matmul_ceiling.sh [ROWS=64] [SHAPES=bench|0.6b]
 # Runs engine/examples/matmul_ceiling.rs (one core: the peak rate of vector multiply-then-add
-# pairs and of FMA; the engine's matmul on the bench preset's prefill shapes, ROWS × in × out),
+# pairs and of FMA; the engine's matmul on a benchmark preset's prefill shapes, ROWS × in × out),
 # then times torch's fp32 sgemm (`F.linear`, best of 10) on the same shapes with 1 and 2
 # threads, and prints each rate as a fraction of the matching peak and the lowest engine/torch
 # time any engine without FMA could reach (its time at the no-FMA peak over torch's). See
@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROWS=${1:-64}
+SHAPES=${2:-bench}
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
@@ -21,7 +22,7 @@ if [ -z "$BIN" ]; then
   BIN=target/release/examples/matmul_ceiling
 fi
 echo "load average $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores"
-E=$("$BIN" "$ROWS")
+E=$("$BIN" "$ROWS" "$SHAPES")
 echo "$E"
 $PY - "$E" <<'PY'
 import json

@@ -1,12 +1,13 @@
 //! The prefill ceiling under docs/numerics.md (an observation, not a test; scripts/
 //! matmul_ceiling.sh runs it beside torch's sgemm on the same shapes):
 //!
-//!     cargo run --release -p tracegate-engine --example matmul_ceiling -- [ROWS=64]
+//!     cargo run --release -p tracegate-engine --example matmul_ceiling -- [ROWS=64] [SHAPES=bench]
 //!
 //! On one core: (a) the peak rate of independent vector multiply-then-add pairs (two rounded
 //! instructions, what the engine may use) and of fused multiply-adds (what sgemm uses), per
-//! vector width this CPU has; (b) the engine's matmul on the bench preset's prefill shapes
-//! (`ROWS` × hidden × out, bf16 weights as the engine holds them: panels) in GFLOP/s (2 flops per multiply-add).
+//! vector width this CPU has; (b) the engine's matmul on a benchmark preset's prefill shapes
+//! (`SHAPES`: `bench` or `0.6b`; `ROWS` × in × out, bf16 weights as the engine holds them:
+//! panels) in GFLOP/s (2 flops per multiply-add).
 //! Prints one JSON line.
 
 use std::time::Instant;
@@ -14,15 +15,27 @@ use std::time::Instant;
 use tracegate_engine::matmul::{matmul_with, Kernel};
 use tracegate_engine::weights::{Mat, WDType, PANEL};
 
-/// The bench preset's (`scripts/make_fixtures.py bench-qwen3`: 8 layers) linear layers: (name,
-/// in, out, times per forward).
-const SHAPES: &[(&str, usize, usize, usize)] = &[
+/// A preset's linear layers: (name, in, out, times per forward).
+type Shapes = &'static [(&'static str, usize, usize, usize)];
+
+/// `scripts/make_fixtures.py bench-qwen3` (8 layers).
+const BENCH: Shapes = &[
     ("q_proj", 1024, 1024, 8),
     ("k_proj/v_proj", 1024, 512, 16),
     ("o_proj", 1024, 1024, 8),
     ("gate_proj/up_proj", 1024, 2816, 16),
     ("down_proj", 2816, 1024, 8),
     ("lm_head", 1024, 32000, 1),
+];
+
+/// `scripts/make_fixtures.py bench-qwen3-0.6b` (28 layers, head_dim 128, tied head).
+const QWEN3_0_6B: Shapes = &[
+    ("q_proj", 1024, 2048, 28),
+    ("k_proj/v_proj", 1024, 1024, 56),
+    ("o_proj", 2048, 1024, 28),
+    ("gate_proj/up_proj", 1024, 3072, 56),
+    ("down_proj", 3072, 1024, 28),
+    ("lm_head", 1024, 151936, 1),
 ];
 
 /// Independent chains per loop step in the peak loops below (twice as many fused ones): enough
@@ -114,13 +127,26 @@ fn peak_gflops(lanes: usize, vectors: usize, f: unsafe fn(usize) -> f32) -> f64 
 fn main() {
     // As the engine runs: freed outputs reused, not faulted in again per call.
     tracegate_engine::keep_freed_memory();
-    let rows: usize = match std::env::args().nth(1) {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rows: usize = match args.first() {
         None => 64,
-        Some(a) => a.parse().unwrap_or_else(|_| {
+        Some(a) => a.parse().ok().filter(|&r| r > 0).unwrap_or_else(|| {
             eprintln!("matmul_ceiling: ROWS must be a positive integer, not {a:?}");
             std::process::exit(2)
         }),
     };
+    let table = match args.get(1).map_or("bench", String::as_str) {
+        "bench" => BENCH,
+        "0.6b" => QWEN3_0_6B,
+        other => {
+            eprintln!("matmul_ceiling: SHAPES must be bench or 0.6b, not {other:?}");
+            std::process::exit(2)
+        }
+    };
+    if args.len() > 2 {
+        eprintln!("usage: matmul_ceiling [ROWS=64] [SHAPES=bench|0.6b]");
+        std::process::exit(2);
+    }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
@@ -147,14 +173,18 @@ fn main() {
         ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     };
     let mut shapes = vec![];
-    for &(name, k, n, per_forward) in SHAPES {
+    for &(name, k, n, per_forward) in table {
         let x: Vec<f32> = (0..rows * k).map(|_| next()).collect();
         let bytes: Vec<u8> = (0..n * k)
             .flat_map(|_| ((next().to_bits() >> 16) as u16).to_le_bytes())
             .collect();
-        // As the engine holds them once decode has used them: bf16 panels (`Weight`).
-        let mut panels = vec![0u8; n.div_ceil(PANEL) * PANEL * k * 2];
-        let w = Mat::rows(WDType::BF16, n, k, &bytes).pack_into(&mut panels);
+        // As the engine holds them once decode has used them: bf16 panels (`Weight`), on a
+        // cache-line boundary as the engine's page-aligned ones are (malloc's 16-byte alignment
+        // would let 64-byte loads straddle two lines).
+        let len = n.div_ceil(PANEL) * PANEL * k * 2;
+        let mut buf = vec![0u8; len + 64];
+        let off = buf.as_ptr().align_offset(64);
+        let w = Mat::rows(WDType::BF16, n, k, &bytes).pack_into(&mut buf[off..off + len]);
         let s = pool.install(|| {
             best_of(5, || {
                 std::hint::black_box(matmul_with(kernel, &x, rows, w, None));
