@@ -15,6 +15,7 @@
 // Index loops mirror the written definitions in docs/numerics.md (x[i], w[k], ...).
 #![allow(clippy::needless_range_loop)]
 
+pub mod aligned;
 pub mod capture;
 pub mod config;
 pub mod force;

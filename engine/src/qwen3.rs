@@ -8,6 +8,7 @@
 use rayon::prelude::*;
 use tracegate_trace::names;
 
+use crate::aligned::Lines;
 use crate::capture::Capture;
 use crate::config::{check_sizes, Config, LayerKind};
 use crate::force::Forcing;
@@ -112,11 +113,12 @@ pub struct Model<'a> {
 }
 
 /// Per-layer cache: for a full-attention layer the k (normed, rotated) and v rows `[n, kv, d]`
-/// with their positions; for a linear-attention layer its conv and recurrent state (§18.7).
+/// with their positions (cache-line aligned: P·V loads value rows a vector at a time); for a
+/// linear-attention layer its conv and recurrent state (§18.7).
 #[derive(Clone, Default)]
 pub struct LayerKv {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Lines,
+    v: Lines,
     pos: Vec<i64>,
     pub linear: LinearState,
 }

@@ -359,12 +359,12 @@ pub(super) unsafe fn tile_avx2_packed(
             let (xq, aq) = (xb.add(i), accp.add((r0 + i) * NR));
             let h = MRA.min(m - i);
             match h {
-                MRA => micro_avx2::<MRA>(xq, m, kb, wtp, aq),
-                1 => micro_avx2::<1>(xq, m, kb, wtp, aq),
-                2 => micro_avx2::<2>(xq, m, kb, wtp, aq),
-                3 => micro_avx2::<3>(xq, m, kb, wtp, aq),
-                4 => micro_avx2::<4>(xq, m, kb, wtp, aq),
-                5 => micro_avx2::<5>(xq, m, kb, wtp, aq),
+                MRA => micro_avx2::<MRA>(xq, m, kb, wtp, aq, k0 == 0),
+                1 => micro_avx2::<1>(xq, m, kb, wtp, aq, k0 == 0),
+                2 => micro_avx2::<2>(xq, m, kb, wtp, aq, k0 == 0),
+                3 => micro_avx2::<3>(xq, m, kb, wtp, aq, k0 == 0),
+                4 => micro_avx2::<4>(xq, m, kb, wtp, aq, k0 == 0),
+                5 => micro_avx2::<5>(xq, m, kb, wtp, aq, k0 == 0),
                 _ => unreachable!("block height ≤ MRA"),
             }
             i += h;
@@ -387,7 +387,8 @@ pub(super) unsafe fn tile_avx2_packed(
 
 /// `M` rows × NR outputs, two ymm accumulators per row: `x[m]` at `xp + kk*xs + m` (kb values of
 /// k), the widened block `wt[kk*NR + j]`; `acc[m][j] = acc[m][j] ⊕ (x ⊗ w)`, kk ascending, one
-/// separately rounded multiply and add per step (no FMA).
+/// separately rounded multiply and add per step (no FMA). `fresh` (the first k-block): the
+/// accumulators start at +0.0 instead of `acc`'s values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
@@ -397,13 +398,16 @@ unsafe fn micro_avx2<const M: usize>(
     kb: usize,
     wt: *const f32,
     acc: *mut f32,
+    fresh: bool,
 ) {
     use std::arch::x86_64::*;
     let mut lo = [_mm256_setzero_ps(); M];
     let mut hi = [_mm256_setzero_ps(); M];
-    for m in 0..M {
-        lo[m] = _mm256_loadu_ps(acc.add(m * NR));
-        hi[m] = _mm256_loadu_ps(acc.add(m * NR + 8));
+    if !fresh {
+        for m in 0..M {
+            lo[m] = _mm256_loadu_ps(acc.add(m * NR));
+            hi[m] = _mm256_loadu_ps(acc.add(m * NR + 8));
+        }
     }
     let (mut xq, mut wq) = (xp, wt);
     for _ in 0..kb {

@@ -30,18 +30,18 @@ pub(super) unsafe fn tile_avx512_packed(
         let xb = xpp.add(r0 * k + k0 * m);
         let ab = accp.add(r0 * NR);
         match m {
-            MRP => micro_packed::<MRP>(xb, kb, wtp, ab),
-            1 => micro_packed::<1>(xb, kb, wtp, ab),
-            2 => micro_packed::<2>(xb, kb, wtp, ab),
-            3 => micro_packed::<3>(xb, kb, wtp, ab),
-            4 => micro_packed::<4>(xb, kb, wtp, ab),
-            5 => micro_packed::<5>(xb, kb, wtp, ab),
-            6 => micro_packed::<6>(xb, kb, wtp, ab),
-            7 => micro_packed::<7>(xb, kb, wtp, ab),
-            8 => micro_packed::<8>(xb, kb, wtp, ab),
-            9 => micro_packed::<9>(xb, kb, wtp, ab),
-            10 => micro_packed::<10>(xb, kb, wtp, ab),
-            11 => micro_packed::<11>(xb, kb, wtp, ab),
+            MRP => micro_packed::<MRP>(xb, kb, wtp, ab, k0 == 0),
+            1 => micro_packed::<1>(xb, kb, wtp, ab, k0 == 0),
+            2 => micro_packed::<2>(xb, kb, wtp, ab, k0 == 0),
+            3 => micro_packed::<3>(xb, kb, wtp, ab, k0 == 0),
+            4 => micro_packed::<4>(xb, kb, wtp, ab, k0 == 0),
+            5 => micro_packed::<5>(xb, kb, wtp, ab, k0 == 0),
+            6 => micro_packed::<6>(xb, kb, wtp, ab, k0 == 0),
+            7 => micro_packed::<7>(xb, kb, wtp, ab, k0 == 0),
+            8 => micro_packed::<8>(xb, kb, wtp, ab, k0 == 0),
+            9 => micro_packed::<9>(xb, kb, wtp, ab, k0 == 0),
+            10 => micro_packed::<10>(xb, kb, wtp, ab, k0 == 0),
+            11 => micro_packed::<11>(xb, kb, wtp, ab, k0 == 0),
             _ => unreachable!("panel height ≤ MRP"),
         }
         r0 += m;
@@ -62,15 +62,24 @@ pub(super) unsafe fn tile_avx512_packed(
 
 /// `M` rows × NR outputs from a k-major panel `xp[kk*M + m]` (kb values of k) and the widened
 /// block `wt[kk*NR + j]`: `acc[m][j] = acc[m][j] ⊕ (x ⊗ w)`, kk ascending, one separately rounded
-/// multiply and add per step (no FMA), accumulators in zmm registers across the block.
+/// multiply and add per step (no FMA), accumulators in zmm registers across the block. `fresh`
+/// (the first k-block): they start at +0.0 instead of `acc`'s values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn micro_packed<const M: usize>(xp: *const f32, kb: usize, wt: *const f32, acc: *mut f32) {
+unsafe fn micro_packed<const M: usize>(
+    xp: *const f32,
+    kb: usize,
+    wt: *const f32,
+    acc: *mut f32,
+    fresh: bool,
+) {
     use std::arch::x86_64::*;
     let mut a = [_mm512_setzero_ps(); M];
-    for (m, am) in a.iter_mut().enumerate() {
-        *am = _mm512_loadu_ps(acc.add(m * NR));
+    if !fresh {
+        for (m, am) in a.iter_mut().enumerate() {
+            *am = _mm512_loadu_ps(acc.add(m * NR));
+        }
     }
     let (mut xq, mut wq) = (xp, wt);
     for _ in 0..kb {

@@ -149,9 +149,14 @@ fn run<const R: usize, const P: u8>(
             for r in 0..R {
                 // SAFETY: in bounds (r < R, o0 + valid ≤ n); chunk c is the only writer of
                 // outputs c0..c1, and y outlives the parallel loop.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut(yp.get().add(r * n + o0), valid) };
-                store_outputs(dst, &out[r * stride..r * stride + valid], bias, o0);
+                unsafe {
+                    store_outputs(
+                        yp.get().add(r * n + o0),
+                        &out[r * stride..r * stride + valid],
+                        bias,
+                        o0,
+                    )
+                };
             }
             o0 += valid;
         }

@@ -68,7 +68,8 @@ fn tile_generic(
     }
 }
 
-/// `M` rows × NR outputs: `acc[m][j] = acc[m][j] ⊕ (x[r+m, k0+kk] ⊗ wt[kk][j])`, kk ascending.
+/// `M` rows × NR outputs: `acc[m][j] = acc[m][j] ⊕ (x[r+m, k0+kk] ⊗ wt[kk][j])`, kk ascending;
+/// in the first k-block (k0 = 0) from +0.0, not from `acc`.
 #[inline(always)]
 fn micro<const M: usize>(
     x: &[f32],
@@ -80,8 +81,10 @@ fn micro<const M: usize>(
     acc: &mut [f32],
 ) {
     let mut a = [[0.0f32; NR]; M];
-    for m in 0..M {
-        a[m].copy_from_slice(&acc[(r0 + m) * NR..(r0 + m + 1) * NR]);
+    if k0 > 0 {
+        for m in 0..M {
+            a[m].copy_from_slice(&acc[(r0 + m) * NR..(r0 + m + 1) * NR]);
+        }
     }
     let xs: [&[f32]; M] = std::array::from_fn(|m| &x[(r0 + m) * k + k0..(r0 + m) * k + k0 + kb]);
     for kk in 0..kb {

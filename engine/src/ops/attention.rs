@@ -5,6 +5,7 @@
 use rayon::prelude::*;
 
 use super::{dot, exp_shifted, softmax};
+use crate::aligned::Lines;
 use crate::matmul::Kernel;
 
 /// §7 RoPE tables for a list of absolute positions: `cos[p][i]`, `sin[p][i]`, i < d/2.
@@ -198,7 +199,7 @@ fn head<const PLANT: u8>(kernel: Kernel, job: &Job, hq: usize, o: &mut [f32], pr
     // a multiple of KPAD.
     let hk = hq / (job.hs.nq / job.hs.nkv);
     let tkp = tk.div_ceil(KPAD) * KPAD;
-    let mut kt = vec![0.0f32; d * tkp];
+    let mut kt = Lines::zeros(d * tkp);
     for c in 0..tk {
         let kr = &job.keys.k[(c * job.hs.nkv + hk) * d..][..d];
         for (j, &kj) in kr.iter().enumerate() {
@@ -206,7 +207,7 @@ fn head<const PLANT: u8>(kernel: Kernel, job: &Job, hq: usize, o: &mut [f32], pr
         }
     }
     // Scores, then probabilities, of the block's rows (row i at `s[i * tkp..]`).
-    let mut s = vec![0.0f32; RB * tkp];
+    let mut s = Lines::zeros(RB * tkp);
     let mut r0 = 0;
     while r0 < t {
         let b = Block {
