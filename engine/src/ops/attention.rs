@@ -119,6 +119,8 @@ pub(super) const PLANT_NONE: u8 = 0;
 pub(super) const PLANT_SPLIT: u8 = 1;
 /// P·V's multiply and add fused (`mul_add`: one rounding).
 pub(super) const PLANT_FMA: u8 = 2;
+/// The softmax's sums of rows with sorted keys taken c descending.
+pub(super) const PLANT_SUM_ORDER: u8 = 3;
 
 /// §8.3–§8.7, fast: `attention_ref` with heads spread over the rayon pool and, per head, query
 /// rows in blocks of RB (the last rows one at a time). Keys are transposed per head (`kt[j][c]`), so one vector holds one
@@ -199,6 +201,9 @@ fn head<const PLANT: u8>(kernel: Kernel, job: &Job, hq: usize, o: &mut [f32], pr
     // a multiple of KPAD.
     let hk = hq / (job.hs.nq / job.hs.nkv);
     let tkp = tk.div_ceil(KPAD) * KPAD;
+    // Keys in position order (every cache this engine builds): row i then sees exactly the keys
+    // before the first one past its position.
+    let sorted = job.keys.pos.is_sorted();
     let mut kt = Lines::zeros(d * tkp);
     for c in 0..tk {
         let kr = &job.keys.k[(c * job.hs.nkv + hk) * d..][..d];
@@ -218,6 +223,7 @@ fn head<const PLANT: u8>(kernel: Kernel, job: &Job, hq: usize, o: &mut [f32], pr
             r0,
             kt: &kt,
             tkp,
+            sorted,
         };
         if r0 + RB <= t {
             b.run::<RB, PLANT>(&mut s, &mut o[r0 * d..(r0 + RB) * d], probs);
@@ -238,6 +244,8 @@ struct Block<'a> {
     r0: usize,
     kt: &'a [f32],
     tkp: usize,
+    /// `keys.pos` is ascending: each row's visible keys are a prefix.
+    sorted: bool,
 }
 
 impl Block<'_> {
@@ -258,11 +266,12 @@ impl Block<'_> {
         let (tk, d, tkp) = (keys.pos.len(), hs.d, self.tkp);
         let qp: [i64; R] = std::array::from_fn(|i| q_pos[self.r0 + i]);
         // Keys past a row's last visible one are not needed (they become -inf, then +0).
-        let cend: [usize; R] = std::array::from_fn(|i| {
-            (0..tk)
+        let cend: [usize; R] = std::array::from_fn(|i| match self.sorted {
+            true => keys.pos.partition_point(|&p| p <= qp[i]),
+            false => (0..tk)
                 .rev()
                 .find(|&c| keys.pos[c] <= qp[i])
-                .map_or(0, |c| c + 1)
+                .map_or(0, |c| c + 1),
         });
         let cmax = cend.iter().copied().max().unwrap_or(0);
         // The block's query rows interleaved, `qk[j * R + i] = q_i[j]`: one base for the loads.
@@ -274,22 +283,30 @@ impl Block<'_> {
             }
         }
         scores::<R, PLANT>(self.kernel, &qk, self.kt, tkp, cmax, s);
-        // §8.4 scale and mask, §8.6 softmax: row by row, each its own ordered sum.
+        // §8.4 scale and mask, §8.6 softmax: each row its own ordered sum. `all_visible`: the
+        // keys every row of the block sees.
         let mut all_visible = cmax;
-        for i in 0..R {
-            let (ce, pos) = (cend[i], &keys.pos[..cend[i]]);
-            let sr = &mut s[i * tkp..i * tkp + ce];
-            for (v, &p) in sr.iter_mut().zip(pos) {
-                *v = if p <= qp[i] {
-                    *v * scale
-                } else {
-                    f32::NEG_INFINITY
-                };
+        if self.sorted {
+            softmax_prefix_rows::<R, PLANT>(s, tkp, &cend, scale);
+            all_visible = cend.iter().copied().min().unwrap_or(0);
+        } else {
+            for i in 0..R {
+                let (ce, pos) = (cend[i], &keys.pos[..cend[i]]);
+                let sr = &mut s[i * tkp..i * tkp + ce];
+                for (v, &p) in sr.iter_mut().zip(pos) {
+                    *v = if p <= qp[i] {
+                        *v * scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+                softmax_row(sr, pos, qp[i]);
+                all_visible = all_visible.min(pos.iter().position(|&p| p > qp[i]).unwrap_or(ce));
             }
-            softmax_row(sr, pos, qp[i]);
-            all_visible = all_visible.min(pos.iter().position(|&p| p > qp[i]).unwrap_or(ce));
-            if !probs.is_empty() {
-                probs[(self.r0 + i) * tk..][..ce].copy_from_slice(sr);
+        }
+        if !probs.is_empty() {
+            for (i, &ce) in cend.iter().enumerate() {
+                probs[(self.r0 + i) * tk..][..ce].copy_from_slice(&s[i * tkp..][..ce]);
             }
         }
         // §8.7 P·V: keys every row sees, all rows together; then each row's own rest, c ascending.
@@ -490,6 +507,24 @@ fn score_step<const R: usize, const W: usize>(
 /// `>` too, so the result is the definition's max up to the sign of a zero max, which no `s ⊖ m`
 /// can tell (`±0 ⊖ ±0` is ±0 and `f32(exp(±0))` is 1); -inf and NaN never win a `>`.
 fn softmax_row(s: &mut [f32], pos: &[i64], qp: i64) {
+    // Every entry's f32(E(s ⊖ m)) (vectorised; a masked -inf gives +0), then the ordered sum of
+    // the visible ones with the masked set to +0.
+    exp_shifted(s, row_max(s));
+    let mut z = 0.0f32;
+    for (v, &p) in s.iter_mut().zip(pos) {
+        if p <= qp {
+            z += *v;
+        } else {
+            *v = 0.0;
+        }
+    }
+    for (v, &p) in s.iter_mut().zip(pos) {
+        *v = if p <= qp { *v / z } else { 0.0 };
+    }
+}
+
+/// The definition's max of `s`, taken lane-wise (`softmax_row` says why that is the same).
+fn row_max(s: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 16];
     let chunks = s.chunks_exact(16);
     let rest = chunks.remainder();
@@ -504,19 +539,51 @@ fn softmax_row(s: &mut [f32], pos: &[i64], qp: i64) {
             m = v;
         }
     }
-    // Every entry's f32(E(s ⊖ m)) (vectorised; a masked -inf gives +0), then the ordered sum of
-    // the visible ones with the masked set to +0.
-    exp_shifted(s, m);
-    let mut z = 0.0f32;
-    for (v, &p) in s.iter_mut().zip(pos) {
-        if p <= qp {
-            z += *v;
-        } else {
-            *v = 0.0;
+    m
+}
+
+/// §8.4 and §8.6 for R rows (row i at `s[i * tkp..]`) that see exactly their first `cend[i]`
+/// keys: scale, then `softmax_row` with nothing masked. The rows' ordered sums advance together
+/// (R independent add chains; one row's chain alone is bound by the add latency), each still
+/// from +0.0 with c ascending.
+fn softmax_prefix_rows<const R: usize, const PLANT: u8>(
+    s: &mut [f32],
+    tkp: usize,
+    cend: &[usize; R],
+    scale: f32,
+) {
+    for (i, &ce) in cend.iter().enumerate() {
+        let sr = &mut s[i * tkp..][..ce];
+        for v in sr.iter_mut() {
+            *v *= scale;
+        }
+        exp_shifted(sr, row_max(sr));
+    }
+    let mut z = [0.0f32; R];
+    if PLANT == PLANT_SUM_ORDER {
+        for (i, zi) in z.iter_mut().enumerate() {
+            *zi = s[i * tkp..][..cend[i]]
+                .iter()
+                .rev()
+                .fold(0.0, |a, &v| a + v);
+        }
+    } else {
+        let common = cend.iter().copied().min().unwrap_or(0);
+        for c in 0..common {
+            for (i, zi) in z.iter_mut().enumerate() {
+                *zi += s[i * tkp + c];
+            }
+        }
+        for (i, zi) in z.iter_mut().enumerate() {
+            for &v in &s[i * tkp..][common..cend[i]] {
+                *zi += v;
+            }
         }
     }
-    for (v, &p) in s.iter_mut().zip(pos) {
-        *v = if p <= qp { *v / z } else { 0.0 };
+    for (i, &ce) in cend.iter().enumerate() {
+        for v in s[i * tkp..][..ce].iter_mut() {
+            *v /= z[i];
+        }
     }
 }
 

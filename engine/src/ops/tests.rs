@@ -1,6 +1,6 @@
 //! The numerics.md operations against hand cases and their definitions.
 
-use super::attention::{self, PLANT_FMA, PLANT_NONE, PLANT_SPLIT};
+use super::attention::{self, PLANT_FMA, PLANT_NONE, PLANT_SPLIT, PLANT_SUM_ORDER};
 use super::*;
 use crate::matmul::tests::{first_mismatch, note_unchecked_kernels, vals};
 use crate::matmul::Kernel;
@@ -89,6 +89,10 @@ fn attention_fast_equals_definition_bits() {
     holes.k_pos.swap(8, 22);
     holes.q_pos[0] = -1;
     cases.push(holes);
+    // Keys in order (each row's visible keys a prefix) and a row before every key.
+    let mut early = attn_case(2, 1, 16, 23, 6, 41);
+    early.q_pos[0] = -1;
+    cases.push(early);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(3)
         .build()
@@ -119,9 +123,10 @@ fn attention_fast_equals_definition_bits() {
     assert_eq!(bits(&o), bits(&c.reference().0));
 }
 
-/// Negative control for the test above: a planted split-K in the scores and a planted FMA in
-/// P·V, in every family's own widest blocks (d = 64: whole vectors; 40 rows: whole 4-row blocks
-/// and keys every row of a block sees), are caught by the same comparison.
+/// Negative control for the test above: a planted split-K in the scores, a planted FMA in P·V
+/// and the softmax's sums taken backwards, in every family's own widest blocks (d = 64: whole
+/// vectors; 40 rows: whole 4-row blocks and keys every row of a block sees), are caught by the
+/// same comparison.
 #[test]
 fn attention_check_catches_planted_split_and_fma() {
     note_unchecked_kernels("attention_check_catches_planted_split_and_fma");
@@ -146,6 +151,12 @@ fn attention_check_catches_planted_split_and_fma() {
             "the FMA plant is in P·V only: {kernel:?}"
         );
         assert_ne!(bits(&want_o), bits(&o), "fused P·V not caught: {kernel:?}");
+        let (_, p) = case.run::<PLANT_SUM_ORDER>(kernel, true);
+        assert_ne!(
+            bits(&want_p),
+            bits(&p),
+            "softmax sums out of order not caught: {kernel:?}"
+        );
     }
 }
 
