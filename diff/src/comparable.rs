@@ -101,6 +101,29 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
         }
     }
 
+    // Rows are indexed by absolute position, one position a row: a list that repeats or goes
+    // back could hide a row (two rows of one position, only one of them ever matched), so
+    // every positioned tensor of either trace lists its positions strictly increasing.
+    for (side, t) in [("reference", r), ("candidate", c)] {
+        for info in t.tensors() {
+            if let Some(p) = &info.attributes.positions {
+                if let Some(i) = p.windows(2).position(|w| w[0] >= w[1]) {
+                    refuse.push(Finding::new(
+                        FindingKind::PositionsMismatch,
+                        Some(&info.name),
+                        format!(
+                            "the {side}'s positions are not strictly increasing: entry {} is {} after {} ({})",
+                            i + 1,
+                            p[i + 1],
+                            p[i],
+                            positions(&info.attributes.positions)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
     // Tensor attributes are content: a tensor present in both must describe the same
     // computation. Absent on one side and present on the other is a difference too.
     for ri in r.tensors() {

@@ -263,12 +263,21 @@ impl<'a> Excusal<'a> {
             }
         }
         let row: &mut TensorRow = &mut rep.per_tensor[j];
+        // A non-finite difference is never excused (docs/diff.md, "Near-ties under a policy"):
+        // no honest path after a near-tie makes a NaN or an infinity, so the whole tensor's
+        // counts stay in its row and fail its rule, wherever they are.
+        let whole = (row.nan_mismatch, row.nan_payload, row.infinity);
         set_stats(row, &stats);
+        let hidden = (row.nan_mismatch, row.nan_payload, row.infinity) != whole;
+        (row.nan_mismatch, row.nan_payload, row.infinity) = whole;
         // The median is measured once, over the whole first differing tensor.
         row.median_ulp = None;
         let finding = judge_row(row, rule.0, rule.1);
         if finding.is_some() {
-            row.worst_element = worst::locate_in(pair, rd, cd, &kept)
+            // The worst element is the first non-finite one, in an excused row when it is there.
+            let whole_range = [(0, ri.element_count())];
+            let ranges: &[(u64, u64)] = if hidden { &whole_range } else { &kept };
+            row.worst_element = worst::locate_in(pair, rd, cd, ranges)
                 .map(|i| Box::new(element(pair, &ri.shape, rd, cd, i)));
         }
         let name = row.tensor.clone();

@@ -57,42 +57,63 @@ pub(crate) fn judge(
     let in_c: HashMap<i64, u64> = cp.iter().enumerate().map(|(j, &p)| (p, j as u64)).collect();
     let in_r: BTreeSet<i64> = rp.iter().copied().collect();
     let mut stats = numeric::Stats::default();
+    // Non-finite differences in the rows left out: never excused (docs/diff.md, "Near-ties
+    // under a policy"), so counted into the row whatever the near-tie says.
+    let mut hidden = numeric::Stats::default();
     let (mut only_r, mut only_c, mut left_out) = (Vec::new(), Vec::new(), 0u64);
     for (i, p) in rp.iter().enumerate() {
+        let i = i as u64;
         match in_c.get(p) {
-            _ if excused.contains(p) => left_out += 1,
             Some(&j) => {
-                let i = i as u64;
-                stats = stats.merge(excuse::scan_range(
+                let scanned = excuse::scan_range(
                     pair,
                     rd,
                     cd,
                     (i * width, (i + 1) * width),
                     (j * width, (j + 1) * width),
-                ));
+                );
+                if excused.contains(p) {
+                    left_out += 1;
+                    hidden = hidden.merge(scanned);
+                } else {
+                    stats = stats.merge(scanned);
+                }
             }
+            None if excused.contains(p) => left_out += 1,
             None => only_r.push(*p),
         }
     }
-    for p in cp.iter().filter(|p| !in_r.contains(p)) {
+    for (j, p) in cp.iter().enumerate().filter(|(_, p)| !in_r.contains(p)) {
         if excused.contains(p) {
             left_out += 1;
+            // A row only the candidate holds has no reference value: a NaN or an infinity in
+            // it is a difference all the same.
+            let j = j as u64;
+            for k in j * width..(j + 1) * width {
+                let v = numeric::element_value(ci.dtype, cd, k);
+                hidden.nan_mismatch += v.is_nan() as u64;
+                hidden.infinity += v.is_infinite() as u64;
+            }
         } else {
             only_c.push(*p);
         }
     }
+    let nonfinite = hidden.nan_mismatch + hidden.nan_payload + hidden.infinity;
 
     let mut row = row_for(
         ri,
         pair,
         Method::Elementwise,
-        if stats.differing == 0 {
+        if stats.differing == 0 && nonfinite == 0 {
             RowStatus::Identical
         } else {
             RowStatus::Different
         },
     );
     set_stats(&mut row, &stats);
+    row.nan_mismatch += hidden.nan_mismatch;
+    row.nan_payload += hidden.nan_payload;
+    row.infinity += hidden.infinity;
     let mut findings = Vec::new();
     let rule = policy.map(|p| p.rule_for(&ri.name, ci.attributes.path.as_deref()));
     if let Some(Some((idx, rule))) = &rule {

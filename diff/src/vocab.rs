@@ -129,6 +129,7 @@ string_enum! {
         DecisionDiffers = "decision_differs",
         MarginDiffers = "margin_differs",
         MarginPresenceMismatch = "margin_presence_mismatch",
+        MarginContradictsScores = "margin_contradicts_scores",
         ContentDigestDiffers = "content_digest_differs",
         DecisionsForced = "decisions_forced",
         NothingSelected = "nothing_selected",

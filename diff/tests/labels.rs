@@ -89,7 +89,7 @@ fn push_token(s: &mut Spec, name: &str, token: usize, by: f32) {
 /// `layer.01.attn_out`, as the producers capture it) and two decode steps: step 0 is the
 /// argmax of the last logits row (14, margin 0.75, as `logits.argmax` row 3).
 fn model_ext() -> Spec {
-    let mut m = model();
+    let mut m = crafted();
     let at = m
         .tensors
         .iter()
@@ -104,6 +104,7 @@ fn model_ext() -> Spec {
         values: vec![14],
         margins: Some(vec![0.75]),
     });
+    m.decide();
     m.decisions.push(D {
         name: "decode.0001.argmax".into(),
         shape: vec![1],
@@ -128,16 +129,16 @@ const AFTER_ROUTER_0: [&str; 10] = [
 ];
 
 /// The reference and an oracle-like candidate where token 3's router row in layer 0 moved by
-/// `moved` (element 12, the row's first) and picked [2, 0] instead of [2, 1] (margin 1e-6).
-/// Token 3 then took another expert: its rows differ widely in every later tensor and its
-/// later decisions flip (layer 1's router, the last logits row, both decode steps).
+/// `moved` (element 12, expert 0, the runner-up `1e-6` below expert 1: [`crafted`]), so the
+/// candidate's own scores pick [2, 0] instead of [2, 1]. Token 3 then took another expert: its
+/// rows differ widely in every later tensor and its later decisions flip (layer 1's router,
+/// the last logits row, both decode steps), each taken from the candidate's own scores.
 fn near_tie_pair(moved: f32) -> (Spec, Spec) {
     let r = model_ext();
     let mut c = r.clone();
     c.provenance = oracle_provenance();
     let v = get_f32(&r, "layer.00.router.logits", 12);
     c.set_f32("layer.00.router.logits", 12, v + moved);
-    c.decision_mut("layer.00.router.topk").values[7] = 0;
     for name in AFTER_ROUTER_0 {
         push_token(
             &mut c,
@@ -150,9 +151,12 @@ fn near_tie_pair(moved: f32) -> (Spec, Spec) {
             },
         );
     }
-    c.decision_mut("layer.01.router.topk").values[6..8].copy_from_slice(&[0, 1]);
-    c.decision_mut("logits.argmax").values[3] = 5;
-    c.decision_mut("decode.0000.argmax").values[0] = 5;
+    // Token 3's later choices: layer 1's router [0, 1] (was [3, 2]), its logits 5 (was 14).
+    for (e, z) in [1.0, 0.5, -0.5, -1.0].into_iter().enumerate() {
+        c.set_f32("layer.01.router.logits", 12 + e, z);
+    }
+    c.raise("logits", 3, 5, 0.5);
+    c.decide();
     c.decision_mut("decode.0001.argmax").values[0] = 4;
     (r, c)
 }
@@ -164,13 +168,24 @@ fn moved_by(r: &Spec, moved: f32) -> f64 {
     ((v + moved) as f64 - v as f64).abs()
 }
 
+/// The gap the near-tie crosses in the reference's own scores: expert 1's logit minus expert 0's.
+fn crafted_gap(r: &Spec) -> f64 {
+    get_f32(r, "layer.00.router.logits", 13) as f64
+        - get_f32(r, "layer.00.router.logits", 12) as f64
+}
+
 #[test]
 fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
     let (r, c) = near_tie_pair(2e-6);
     let d = moved_by(&r, 2e-6);
     assert!(
-        1e-6 <= 2.0 * d,
-        "the plant must put the margin within 2·d: d = {d}"
+        crafted_gap(&r) <= 2.0 * d,
+        "the plant must put the gap within 2·d: d = {d}"
+    );
+    assert_eq!(
+        c.decisions[0].values[6..8],
+        [2, 0],
+        "the candidate's own scores pick expert 0"
     );
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
@@ -190,7 +205,7 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
         2.0 * d,
         "default factor 2 (no near_tie in oracle-default)"
     );
-    assert_eq!(f.gap.unwrap().0, 1e-6f32 as f64);
+    assert_eq!(f.gap.unwrap().0, crafted_gap(&r));
 
     let origin = Some("layer.00.router.topk row 3".to_string());
     for (decision, row) in [
@@ -298,16 +313,34 @@ fn another_tokens_difference_after_a_near_tie_still_fails() {
 }
 
 #[test]
-fn a_margin_beyond_the_bound_is_a_defect_and_excuses_nothing() {
-    // The router row moved by a few ULP only: 2·d < 1e-6, the measured noise cannot explain it.
-    let (r, c) = near_tie_pair(2e-7);
-    assert!(2.0 * moved_by(&r, 2e-7) < 1e-6);
+fn a_flip_its_own_scores_do_not_make_is_a_defect_and_excuses_nothing() {
+    // The router row moved by a few ULP only: 2·d < 1e-6, so the candidate's own scores still
+    // pick [2, 1]; it records [2, 0] all the same (a decision rule that does not follow its
+    // scores). The measured noise cannot explain that flip.
+    let (r, mut c) = near_tie_pair(2e-7);
+    assert!(2.0 * moved_by(&r, 2e-7) < crafted_gap(&r));
+    assert_eq!(
+        c.decisions[0].values[6..8],
+        [2, 1],
+        "honest scores: no flip"
+    );
+    c.decision_mut("layer.00.router.topk").values[7] = 0;
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
         flip(&rep, "layer.00.router.topk", 3),
         ("defect", None, None)
     );
+    let f = &rep.decisions.results[0].flips[0];
+    assert!(
+        f.why.as_deref().is_some_and(
+            |w| w.contains("candidate's own layer.00.router.logits does not pick its choice")
+        ),
+        "{f:?}"
+    );
+    assert!(render_human(&rep)
+        .contains("defect: the candidate's own layer.00.router.logits does not pick"));
+
     // Its token's later rows are judged, so the first of them is outside the policy and every
     // later flip is its consequence.
     assert_eq!(status(&rep, "layer.00.mlp_out"), "outside_policy");
@@ -546,44 +579,42 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
     // layer.01.router.topk row 1 chooses [2, 3]; the candidate orders them [3, 2]. Its recorded
     // margin (k-th minus (k+1)-th) says nothing about the pair: their scores do.
     let build = |z3: f32| {
-        let mut r = model();
+        let mut r = crafted();
         r.set_f32("layer.01.router.logits", 4 + 2, 1.0);
         r.set_f32("layer.01.router.logits", 4 + 3, z3);
-        r.decision_mut("layer.01.router.topk")
-            .margins
-            .as_mut()
-            .unwrap()[1] = 1e-7;
+        r.decide();
+        assert_eq!(r.decisions[1].values[2..4], [2, 3]);
         let mut c = r.clone();
         c.provenance = oracle_provenance();
         c.set_f32("layer.01.router.logits", 4 + 3, z3 + 2e-6);
-        c.decision_mut("layer.01.router.topk").values.swap(2, 3);
+        c.decide();
         (r, c)
     };
-    // Gap 1e-6 (as f32) against a row that moved by ~2e-6: a near-tie.
+    let flip_of = |rep: &Report| {
+        rep.decisions
+            .results
+            .iter()
+            .find(|x| x.name == "layer.01.router.topk")
+            .unwrap()
+            .flips[0]
+            .clone()
+    };
+    // Gap 1e-6 (as f32) against a row that moved by ~2e-6: the candidate's own scores reorder
+    // the pair, a near-tie.
     let (r, c) = build(1.0 - 1e-6);
+    assert_eq!(c.decisions[1].values[2..4], [3, 2]);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let f = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.01.router.topk")
-        .unwrap()
-        .flips[0]
-        .clone();
+    let f = flip_of(&rep);
     assert!(f.same_values_different_order);
     assert_eq!(f.label.as_str(), "near-tie", "{f:?}");
     assert_eq!(f.gap.unwrap().0, 1.0 - (1.0f32 - 1e-6) as f64);
-    // Gap 0.5, the same tiny recorded margin: a defect.
-    let (r, c) = build(0.5);
+    // Gap 0.5: no honest movement of ~2e-6 reorders it; a candidate that records [3, 2] anyway
+    // is a defect, whatever its (tiny, copied) margin says.
+    let (r, mut c) = build(0.5);
+    assert_eq!(c.decisions[1].values[2..4], [2, 3]);
+    c.decision_mut("layer.01.router.topk").values.swap(2, 3);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let f = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.01.router.topk")
-        .unwrap()
-        .flips[0]
-        .clone();
+    let f = flip_of(&rep);
     assert_eq!(
         (f.label.as_str(), f.gap.unwrap().0),
         ("defect", 0.5),
@@ -593,18 +624,20 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
 
 #[test]
 fn decode_steps_are_bounded_by_their_own_logits_only() {
-    // decode.0000 decides from the last logits row (3): that row moved by ~2e-6 and the step's
-    // margin is 1e-6, a near-tie, and the step after it runs on another sequence.
+    // decode.0000 decides from the last logits row (3), whose runner-up (5) is 1e-6 below its
+    // top (14) in the reference; that row moved by ~2e-6 and the candidate's own scores pick 5:
+    // a near-tie, and the step after it runs on another sequence.
     let mut r = model_ext();
-    r.decision_mut("decode.0000.argmax").margins = Some(vec![1e-6]);
-    r.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e-6;
+    let top = get_f32(&r, "logits", 3 * 16 + 14);
+    r.set_f32("logits", 3 * 16 + 5, top - 1e-6);
+    r.decide();
+    assert_eq!(r.decisions[3].values, [14]);
     let mut c = r.clone();
     c.provenance = oracle_provenance();
-    let v = get_f32(&r, "logits", 3 * 16 + 14);
-    c.set_f32("logits", 3 * 16 + 14, v - 2e-6);
-    c.decision_mut("logits.argmax").values[3] = 5;
-    c.decision_mut("decode.0000.argmax").values[0] = 5;
+    c.set_f32("logits", 3 * 16 + 14, top - 2e-6);
+    c.decide();
     c.decision_mut("decode.0001.argmax").values[0] = 4;
+    assert_eq!(c.decisions[3].values, [5]);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
     assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
@@ -621,7 +654,6 @@ fn decode_steps_are_bounded_by_their_own_logits_only() {
     // A later step alone: its own logits are not in the trace, the prompt's do not bound it.
     let mut c = r.clone();
     c.provenance = oracle_provenance();
-    c.set_f32("logits", 3 * 16 + 14, v - 2e-6);
     c.decision_mut("decode.0001.argmax").values[0] = 4;
     c.decision_mut("decode.0001.argmax").margins = Some(vec![1e-9]);
     let mut r2 = r.clone();

@@ -114,11 +114,13 @@ fn with_experts(mut s: Spec) -> Spec {
     s
 }
 
-/// Token 3's layer-0 router row moved by `moved` and chose [2, 0] instead of [2, 1] (margin
-/// 1e-6): expert 0 gains token 3, expert 1 loses it, and in layer 1 (token 3 now picks [0, 1]
-/// instead of [3, 2]) experts 0 and 1 gain it, 2 and 3 lose it. Token 3's later rows differ.
+/// Token 3's layer-0 router row moved by `moved` (expert 0, the runner-up `1e-6` below expert
+/// 1: [`crafted`]), so the candidate's own scores choose [2, 0] instead of [2, 1]: expert 0
+/// gains token 3, expert 1 loses it, and in layer 1 (token 3 now picks [0, 1] instead of
+/// [3, 2]) experts 0 and 1 gain it, 2 and 3 lose it. Token 3's later rows differ. Every
+/// decision of the candidate is taken from its own scores.
 fn reroute_pair(moved: f32) -> (Spec, Spec) {
-    let r = model();
+    let r = crafted();
     let mut c = r.clone();
     c.provenance = oracle_provenance();
     let v = f32::from_le_bytes(
@@ -127,7 +129,6 @@ fn reroute_pair(moved: f32) -> (Spec, Spec) {
             .unwrap(),
     );
     c.set_f32("layer.00.router.logits", 12, v + moved);
-    c.decision_mut("layer.00.router.topk").values[7] = 0;
     for name in [
         "layer.00.mlp_out",
         "layer.00.hidden_out",
@@ -144,8 +145,11 @@ fn reroute_pair(moved: f32) -> (Spec, Spec) {
             c.poke_f32_bits(name, i, |b| (f32::from_bits(b) + 1.0).to_bits());
         }
     }
-    c.decision_mut("layer.01.router.topk").values[6..8].copy_from_slice(&[0, 1]);
-    c.decision_mut("logits.argmax").values[3] = 5;
+    for (e, z) in [1.0, 0.5, -0.5, -1.0].into_iter().enumerate() {
+        c.set_f32("layer.01.router.logits", 12 + e, z);
+    }
+    c.raise("logits", 3, 5, 0.5);
+    c.decide();
     (with_experts(r), with_experts(c))
 }
 
@@ -268,8 +272,20 @@ fn a_common_rows_difference_in_a_rerouted_expert_is_still_judged() {
 
 #[test]
 fn the_same_reroute_after_a_defect_fails() {
-    // Moved by a few ULP only: the flip is a defect, and the experts' changed tokens are rerouted.
-    let (r, c) = reroute_pair(2e-7);
+    // The candidate's router row 3 is the reference's, bit for bit, yet it records [2, 0] (and
+    // routes by it): its own scores do not make that flip, a defect, and the experts' changed
+    // tokens are rerouted.
+    let (r, mut c) = reroute_pair(2e-6);
+    let v = f32::from_le_bytes(
+        r.tensors
+            .iter()
+            .find(|t| t.name == "layer.00.router.logits")
+            .unwrap()
+            .bytes[48..52]
+            .try_into()
+            .unwrap(),
+    );
+    c.set_f32("layer.00.router.logits", 12, v);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(label(&rep, "layer.00.router.topk", 3), ("defect", None));

@@ -10,6 +10,7 @@
 //! decision compared row by row: margins, and each flip labelled).
 
 mod rows;
+mod scores;
 mod source;
 
 use tracegate_trace::{DecisionInfo, Trace};
@@ -22,7 +23,7 @@ use crate::{
     DecisionDivergence, DecisionResult, DecisionStatus, Finding, FindingKind, Margins, Options,
     Report,
 };
-use rows::compare_one;
+use rows::{compare_one, LeftOut};
 use source::{source_tensor, taken_at};
 
 /// What `compare` found for one reference decision, in recorded order.
@@ -72,6 +73,10 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         || rep.findings[before..]
             .iter()
             .any(|f| f.kind != FindingKind::DecisionDiffers)
+        || rep
+            .findings
+            .iter()
+            .any(|f| f.kind == FindingKind::MarginContradictsScores)
 }
 
 /// Sorts the selected reference decisions into slots and compares those both traces hold with
@@ -100,9 +105,21 @@ fn compare_common<'a>(
         }
     }
     todo.sort_by_key(|t| t.0);
+    // A tensor the filter left out excuses nothing: the first one bounds which flips may be
+    // near-ties and which margins may use their source's divergence.
+    let first_left_out = r
+        .tensors()
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !opts.selects(&t.name))
+        .map(|(i, t)| (i, t.name.as_str()));
     let mut ex = Excusal::new(r, c, policy);
     for (at, slot, rd, cd, source) in todo {
-        let result = compare_one(r, c, rd, cd, source, at, policy, &mut ex, rep);
+        let left_out = LeftOut {
+            first: first_left_out,
+            source_selected: source.as_deref().is_none_or(|s| opts.selects(s)),
+        };
+        let result = compare_one(r, c, rd, cd, source, at, left_out, policy, &mut ex, rep);
         slots[slot] = Slot::Compared(Some(Box::new(result)));
     }
     ex.finish(rep);

@@ -3,12 +3,15 @@
 
 use tracegate_trace::{DecisionInfo, Trace};
 
+use tracegate_trace::names::Name;
+
+use super::scores::{crossed_gap, margin_of, picks, Scores};
 use super::source::{decode_step, holds_scores, row_position, source_row};
 use crate::excuse::Excusal;
-use crate::values::{range_divergence, row_range};
+use crate::values::range_divergence;
 use crate::{
-    numeric, DecisionResult, DecisionStatus, Flip, Label, MarginDifference, Margins, NearTieRef,
-    Policy, Real, Report,
+    DecisionResult, DecisionStatus, Finding, FindingKind, Flip, Label, MarginDifference, Margins,
+    NearTieRef, Policy, Real, Report,
 };
 
 /// Under a policy, the slack a margin gets beyond what its source row explains, relative to
@@ -25,47 +28,45 @@ pub fn margin_tolerance(a: f32, b: f32, divergence: Option<f64>) -> f64 {
     2.0 * divergence.unwrap_or(0.0) + MARGIN_SLACK * scale
 }
 
-/// The reference gap a reordered row crossed: the largest score gap between two chosen values
-/// whose order the candidate inverted, read from the reference's source row (`range`).
-fn reorder_gap(r: &Trace, source: &str, range: (u64, u64), a: &[i64], b: &[i64]) -> Option<f64> {
-    let info = r.tensor_info(source)?;
-    let (start, end) = row_range(info, Some(range));
-    let data = r.data(info);
-    let score = |v: i64| {
-        u64::try_from(v)
-            .ok()
-            .filter(|&i| i < end - start)
-            .map(|i| numeric::element_value(info.dtype, data, start + i))
-    };
-    let rank = |v: i64| b.iter().position(|&x| x == v);
-    let mut gap: Option<f64> = None;
-    for (i, &hi) in a.iter().enumerate() {
-        for &lo in &a[i + 1..] {
-            if rank(hi) > rank(lo) {
-                let g = (score(hi)? - score(lo)?).abs();
-                gap = Some(gap.map_or(g, |x| x.max(g)));
-            }
-        }
-    }
-    gap
-}
-
 /// Labels a flip that does not come after a near-tie. `upstream`: some tensor up to the source
-/// is outside the policy (differs, by bits); `gap`: the reference gap the flip crossed;
-/// `bound`: `F·d` under a policy when the source holds the scores; `d`: the source row's
-/// divergence. With `d = 0` the scores are bit-identical, so the decision rule itself differs.
-pub fn label(upstream: bool, gap: Option<f64>, bound: Option<f64>, d: Option<f64>) -> Label {
+/// is outside the policy (differs, by bits); `no_excuse`: why the flip cannot be a near-tie
+/// whatever its gap (a tensor up to the source left out by a filter, a side's scores that do
+/// not pick its choice); `gap`: the gap the flip crossed in the reference's scores; `bound`:
+/// `F·d` under a policy when the source holds the scores; `d`: the source row's divergence.
+/// With `d = 0` the scores are bit-identical, so the decision rule itself differs; a
+/// non-finite `d` or bound explains nothing.
+pub fn label(
+    upstream: bool,
+    no_excuse: bool,
+    gap: Option<f64>,
+    bound: Option<f64>,
+    d: Option<f64>,
+) -> Label {
     if upstream {
         return Label::Consequence;
     }
-    match (gap, bound, d) {
-        (Some(g), Some(b), Some(d)) if d > 0.0 && g <= b => Label::NearTie,
+    match (no_excuse, gap, bound, d) {
+        (false, Some(g), Some(b), Some(d))
+            if d > 0.0 && d.is_finite() && b.is_finite() && g <= b =>
+        {
+            Label::NearTie
+        }
         _ => Label::Defect,
     }
 }
 
+/// What a comparison's filter left out, as the labels and margins need it: a left-out tensor
+/// never excuses anything (docs/diff.md, "Filters").
+pub(super) struct LeftOut<'a> {
+    /// The first reference tensor in capture order the filter left out, with its index.
+    pub first: Option<(usize, &'a str)>,
+    /// Whether the decision's source tensor was compared.
+    pub source_selected: bool,
+}
+
 /// Compares one decision present in both traces with the same shape, row by row: equal rows by
-/// their margins ([`Rows::margins`]), differing rows as labelled flips ([`Rows::flip`]).
+/// their margins ([`Rows::margins`]), differing rows as labelled flips ([`Rows::flip`]); every
+/// recorded margin is checked against its own side's scores ([`Rows::check_margins`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn compare_one(
     r: &Trace,
@@ -74,6 +75,7 @@ pub(super) fn compare_one(
     cd: &DecisionInfo,
     source: Option<String>,
     at: usize,
+    left_out: LeftOut,
     policy: Option<&Policy>,
     ex: &mut Excusal,
     rep: &mut Report,
@@ -115,6 +117,7 @@ pub(super) fn compare_one(
         step: decode_step(&rd.name),
         policy,
         margins: (rm.as_deref(), cm.as_deref()),
+        left_out,
     };
     for (row, (a, b)) in rv.chunks(width).zip(cv.chunks(width)).enumerate() {
         let row = row as u64;
@@ -134,6 +137,7 @@ pub(super) fn compare_one(
         out.reordered_rows += flip.same_values_different_order as u64;
         out.flips.push(flip);
     }
+    d.check_margins(width, (&rv, &cv), rep);
     ex.count_decision_rows(out.rows_after_near_tie);
     if out.differing_rows > 0 {
         out.status = DecisionStatus::Different;
@@ -160,6 +164,7 @@ struct Rows<'a> {
     policy: Option<&'a Policy>,
     /// Each side's margins, one a row.
     margins: (Option<&'a [f32]>, Option<&'a [f32]>),
+    left_out: LeftOut<'a>,
 }
 
 impl Rows<'_> {
@@ -169,9 +174,30 @@ impl Rows<'_> {
             .map(|s| (s, source_row(self.name, s, row, self.rows, self.r)))
     }
 
+    /// The source row, when it holds the decision's own scores.
+    fn scores_row(&self, row: u64) -> Option<(&str, (u64, u64))> {
+        self.src_row(row)
+            .filter(|(s, _)| holds_scores(self.name, s))
+    }
+
+    fn router(&self) -> bool {
+        Name::parse(self.name).point == "router.topk"
+    }
+
     /// The source row's divergence ([`range_divergence`]).
     fn divergence(&self, row: u64) -> Option<f64> {
         self.src_row(row)
+            .and_then(|(s, range)| range_divergence(self.r, self.c, s, Some(range)))
+    }
+
+    /// The divergence a margin's tolerance may use: only from a compared source that holds the
+    /// decision's scores (a router's fallback `hidden_in` is in other units; a left-out tensor
+    /// excuses nothing).
+    fn margin_divergence(&self, row: u64) -> Option<f64> {
+        if !self.left_out.source_selected {
+            return None;
+        }
+        self.scores_row(row)
             .and_then(|(s, range)| range_divergence(self.r, self.c, s, Some(range)))
     }
 
@@ -184,13 +210,14 @@ impl Rows<'_> {
         out.margin_differing_rows += 1;
         let tolerance = self
             .policy
-            .map(|_| margin_tolerance(ma, mb, self.divergence(row)));
-        // NaN never lies within a tolerance; only equal bits match it.
+            .map(|_| margin_tolerance(ma, mb, self.margin_divergence(row)));
+        // A non-finite margin (or tolerance) is equal only by bits: ±inf minus anything finite
+        // is never "within" an infinite tolerance, and NaN never lies within one.
         let outside = tolerance.is_none_or(|t| {
-            !matches!(
-                ((ma as f64) - (mb as f64)).abs().partial_cmp(&t),
-                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
-            )
+            !(ma.is_finite()
+                && mb.is_finite()
+                && t.is_finite()
+                && ((ma as f64) - (mb as f64)).abs() <= t)
         });
         out.margin_outside_rows += outside as u64;
         // Keep the first row outside the tolerance, else the first that differs at all.
@@ -209,6 +236,80 @@ impl Rows<'_> {
                 outside,
             });
         }
+    }
+
+    /// Every recorded margin against the margin its own side's scores give its own choice
+    /// (docs/diff.md, "The near-tie rule"): a margin is a claim about the scores, and one that
+    /// contradicts them beyond rounding is a `margin_contradicts_scores` finding per side.
+    fn check_margins(&self, width: usize, values: (&[i64], &[i64]), rep: &mut Report) {
+        let router = self.router();
+        for (side, t, margins, values) in [
+            ("reference", self.r, self.margins.0, values.0),
+            ("candidate", self.c, self.margins.1, values.1),
+        ] {
+            let Some(margins) = margins else { continue };
+            let (mut count, mut first) = (0u64, None);
+            for (row, chosen) in values.chunks(width).enumerate() {
+                let Some((source, range)) = self.scores_row(row as u64) else {
+                    continue;
+                };
+                let Some(scores) = Scores::of(t, source, range).filter(|s| s.len() > width as u64)
+                else {
+                    continue;
+                };
+                let Some((want, rounding)) = margin_of(&scores, chosen, router) else {
+                    continue;
+                };
+                let got = margins[row] as f64;
+                let slack = MARGIN_SLACK * 1f64.max(got.abs()).max(want.abs()) + rounding;
+                let agrees =
+                    got == want || (got.is_nan() && want.is_nan()) || (got - want).abs() <= slack;
+                if !agrees {
+                    count += 1;
+                    first.get_or_insert((row, got, want, source.to_string()));
+                }
+            }
+            if let Some((row, got, want, source)) = first {
+                rep.findings.push(Finding::new(
+                    FindingKind::MarginContradictsScores,
+                    Some(self.name),
+                    format!(
+                        "the {side}'s recorded margins contradict its own {source} in {count} of {} rows; first at row {row}: recorded {got:e}, its scores give {want:e}{}",
+                        self.rows,
+                        if router { " (softmax probabilities)" } else { "" }
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// Why a flip whose source holds the scores cannot be a near-tie, whatever its gap: a
+    /// tensor up to the source was left out by a filter, or either side's scores do not pick
+    /// that side's choice (a decision that does not follow its scores is a defect of its own).
+    fn no_excuse(
+        &self,
+        scores: Option<(&str, (u64, u64))>,
+        a: &[i64],
+        b: &[i64],
+    ) -> Option<String> {
+        if let Some((i, name)) = self.left_out.first.filter(|(i, _)| *i <= self.at) {
+            let _ = i;
+            return Some(format!(
+                "{name}, captured up to the source, was left out by the filter: a tensor not compared excuses nothing"
+            ));
+        }
+        let (source, range) = scores?;
+        for (side, t, chosen) in [("reference", self.r, a), ("candidate", self.c, b)] {
+            let Some(s) = Scores::of(t, source, range) else {
+                return Some(format!("the {side}'s {source} has no scores for this row"));
+            };
+            if let Err(e) = picks(&s, chosen, self.router()) {
+                return Some(format!(
+                    "the {side}'s own {source} does not pick its choice: it {e}"
+                ));
+            }
+        }
+        None
     }
 
     /// A row whose choices differ, labelled (docs/diff.md, "Labels"): `after` names the
@@ -231,25 +332,31 @@ impl Rows<'_> {
         let margin_of = |m: Option<&[f32]>| m.and_then(|m| m.get(row as usize).copied());
         let (ref_margin, cand_margin) = (margin_of(self.margins.0), margin_of(self.margins.1));
         let d = self.divergence(row);
-        let scores = self
-            .src_row(row)
-            .filter(|(s, _)| holds_scores(self.name, s));
-        // The margin is the gap between the k-th and (k+1)-th score: a reorder within the
-        // chosen crossed another gap, which only the scores tell.
-        let gap = match (reordered, scores) {
-            (true, Some((s, range))) => reorder_gap(self.r, s, range, a, b),
-            (true, None) => None,
-            (false, _) => ref_margin.map(|m| (m as f64).abs()),
-        };
+        let scores = self.scores_row(row);
+        // The gap is read from the reference's own scores, never from a recorded margin: the
+        // margin is a claim about the scores (checked in `check_margins`), and the candidate's
+        // choice need not be the reference's runner-up.
+        let gap = scores
+            .and_then(|(s, range)| Scores::of(self.r, s, range))
+            .and_then(|s| crossed_gap(&s, a, b));
         let bound = match (self.policy, scores, d) {
             (Some(p), Some(_), Some(d)) => Some(p.near_tie_factor() * d),
             _ => None,
         };
-        let (label, upstream) = match &after {
-            Some(_) => (Label::AfterNearTie, None),
+        let (label, upstream, why) = match &after {
+            Some(_) => (Label::AfterNearTie, None, None),
             None => {
                 let upstream = ex.upstream(rep, self.at);
-                (label(upstream.is_some(), gap, bound, d), upstream)
+                let no_excuse = match (self.policy, upstream.is_some()) {
+                    (Some(_), false) => self.no_excuse(scores, a, b),
+                    _ => None,
+                };
+                let label = label(upstream.is_some(), no_excuse.is_some(), gap, bound, d);
+                (
+                    label,
+                    upstream,
+                    no_excuse.filter(|_| label == Label::Defect),
+                )
             }
         };
         let origin = after
@@ -291,6 +398,7 @@ impl Rows<'_> {
             label,
             upstream,
             after,
+            why,
         }
     }
 }
@@ -303,28 +411,53 @@ mod tests {
     fn labels() {
         // Upstream outside the policy wins over everything.
         assert_eq!(
-            label(true, Some(1e-9), Some(1.0), Some(0.5)),
+            label(true, false, Some(1e-9), Some(1.0), Some(0.5)),
             Label::Consequence
         );
         assert_eq!(
-            label(false, Some(1e-7), Some(2e-5), Some(1e-5)),
+            label(false, false, Some(1e-7), Some(2e-5), Some(1e-5)),
             Label::NearTie
         );
         assert_eq!(
-            label(false, Some(2e-5), Some(2e-5), Some(1e-5)),
+            label(false, false, Some(2e-5), Some(2e-5), Some(1e-5)),
             Label::NearTie
         );
         assert_eq!(
-            label(false, Some(2.1e-5), Some(2e-5), Some(1e-5)),
+            label(false, false, Some(2.1e-5), Some(2e-5), Some(1e-5)),
+            Label::Defect
+        );
+        // A reason that no gap can outweigh (a left-out tensor, scores that do not pick).
+        assert_eq!(
+            label(false, true, Some(1e-7), Some(2e-5), Some(1e-5)),
             Label::Defect
         );
         // Bit-identical scores: the rule differs, even for a tie.
-        assert_eq!(label(false, Some(0.0), Some(0.0), Some(0.0)), Label::Defect);
-        // No bound (no policy, or the source is not the scores), or no gap: no near-tie.
-        assert_eq!(label(false, Some(1e-9), None, Some(1.0)), Label::Defect);
-        assert_eq!(label(false, None, Some(1.0), Some(1.0)), Label::Defect);
         assert_eq!(
-            label(false, Some(f64::NAN), Some(1.0), Some(1.0)),
+            label(false, false, Some(0.0), Some(0.0), Some(0.0)),
+            Label::Defect
+        );
+        // No bound (no policy, or the source is not the scores), or no gap: no near-tie.
+        assert_eq!(
+            label(false, false, Some(1e-9), None, Some(1.0)),
+            Label::Defect
+        );
+        assert_eq!(
+            label(false, false, None, Some(1.0), Some(1.0)),
+            Label::Defect
+        );
+        assert_eq!(
+            label(false, false, Some(f64::NAN), Some(1.0), Some(1.0)),
+            Label::Defect
+        );
+        // A non-finite divergence (a NaN or infinity differs in the source) explains nothing.
+        assert_eq!(
+            label(
+                false,
+                false,
+                Some(8.0),
+                Some(f64::INFINITY),
+                Some(f64::INFINITY)
+            ),
             Label::Defect
         );
     }

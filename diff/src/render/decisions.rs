@@ -17,7 +17,10 @@ pub fn label_text(f: &Flip) -> String {
         Label::Consequence => format!("consequence of {}", f.upstream.as_deref().unwrap_or("?")),
         Label::AfterNearTie => format!("after a near-tie ({})", f.after.as_deref().unwrap_or("?")),
         Label::NearTie => format!("near-tie{}", vs("≤")),
-        Label::Defect => format!("{}{}", f.label, vs(">")),
+        Label::Defect => match &f.why {
+            Some(why) => format!("{}: {why}", f.label),
+            None => format!("{}{}", f.label, vs(">")),
+        },
     }
 }
 

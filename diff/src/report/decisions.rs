@@ -116,6 +116,9 @@ pub struct Flip {
     pub upstream: Option<String>,
     /// For a row after a near-tie: that near-tie, "DECISION row N".
     pub after: Option<String>,
+    /// For a defect that no gap could excuse: why (a tensor up to the source left out by the
+    /// filter, or a side whose own scores do not pick its choice).
+    pub why: Option<String>,
 }
 
 impl Flip {

@@ -133,14 +133,149 @@ pub fn model() -> Spec {
             margins: Some(vec![1.5, 2.0, 1e-7, 0.75]),
         },
     ];
-    Spec {
+    let mut s = Spec {
         provenance: engine_provenance(),
         tensors,
         decisions,
-    }
+    };
+    s.decide();
+    s
+}
+
+/// The model with scores crafted for the label tests: each router row and logits row gives a
+/// known choice — layer 0's router `[0, 3] [1, 2] [3, 0] [2, 1]`, layer 1's `[1, 0] [2, 3]
+/// [0, 1] [3, 2]`, `logits.argmax` `[5, 9, 2, 14]` with margins 1.5, 2, 0.5, 0.75 — and token 3's
+/// layer-0 router row a near-tie: expert 0's logit `1e-6` below expert 1's, the runner-up.
+/// Every decision is then taken from these scores ([`Spec::decide`]).
+pub fn crafted() -> Spec {
+    let mut m = model();
+    m.craft();
+    m
 }
 
 impl Spec {
+    /// Sets the crafted scores of [`crafted`] (and takes every decision from them again).
+    pub fn craft(&mut self) {
+        let routers: [[[f32; 4]; 4]; 2] = [
+            [
+                [1.0, -0.5, -1.0, 0.5],
+                [-0.5, 1.0, 0.5, -1.0],
+                [0.5, -1.0, -0.5, 1.0],
+                [0.3 - 1e-6, 0.3, 1.0, -1.0],
+            ],
+            [
+                [0.5, 1.0, -0.5, -1.0],
+                [-1.0, -0.5, 1.0, 0.5],
+                [1.0, 0.5, -0.5, -1.0],
+                [-1.0, -0.5, 0.5, 1.0],
+            ],
+        ];
+        for (l, rows) in routers.iter().enumerate() {
+            for (t, row) in rows.iter().enumerate() {
+                for (e, &z) in row.iter().enumerate() {
+                    self.set_f32(&format!("layer.{l:02}.router.logits"), 4 * t + e, z);
+                }
+            }
+        }
+        for (t, (a, m)) in [(5, 1.5f32), (9, 2.0), (2, 0.5), (14, 0.75)]
+            .into_iter()
+            .enumerate()
+        {
+            self.raise("logits", t, a, m);
+        }
+        self.decide();
+    }
+
+    /// Sets element `index` of row `row` of a `[rows, n]` f32 tensor to `by` above the largest
+    /// other element of the row.
+    pub fn raise(&mut self, name: &str, row: usize, index: usize, by: f32) {
+        let width = self.tensors.iter().find(|t| t.name == name).unwrap().shape[1] as usize;
+        let v = self.f32s(name);
+        let top = (0..width)
+            .filter(|&j| j != index)
+            .map(|j| v[row * width + j])
+            .fold(f32::NEG_INFINITY, f32::max);
+        self.set_f32(name, row * width + index, top + by);
+    }
+}
+
+/// Indices of `row` by descending value, ties to the lowest index (the tie rule everywhere).
+pub fn ranked(row: &[f32]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    order
+}
+
+/// f32 softmax of one row, as a producer's router computes it (max subtracted, f64 exp rounded
+/// once, ordered sum, divide).
+pub fn softmax(row: &[f32]) -> Vec<f32> {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = row.iter().map(|&z| ((z - m) as f64).exp() as f32).collect();
+    let sum = e.iter().fold(0f32, |a, &x| a + x);
+    e.iter().map(|&x| x / sum).collect()
+}
+
+impl Spec {
+    /// The f32 values of a tensor.
+    pub fn f32s(&self, name: &str) -> Vec<f32> {
+        let t = self
+            .tensors
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no tensor {name}"));
+        t.bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+
+    /// Every decision this spec can take from its own tensors, taken as a producer takes it
+    /// (docs/numerics.md §§10, 12): `layer.NN.router.topk` from the f32 softmax of
+    /// `router.logits` (top-k, margin k-th minus (k+1)-th probability), `logits.argmax` and
+    /// `decode.0000.argmax` (the last row) from `logits` (margin top-1 minus top-2). Decisions
+    /// without their scores here (later decode steps) are left as they are.
+    pub fn decide(&mut self) {
+        let names: Vec<String> = self.decisions.iter().map(|d| d.name.clone()).collect();
+        for name in names {
+            let (source, router) = if let Some(l) = name.strip_suffix(".router.topk") {
+                (format!("{l}.router.logits"), true)
+            } else if name == "logits.argmax" || name == "decode.0000.argmax" {
+                ("logits".to_string(), false)
+            } else {
+                continue;
+            };
+            if !self.tensors.iter().any(|t| t.name == source) {
+                continue;
+            }
+            let shape = self
+                .tensors
+                .iter()
+                .find(|t| t.name == source)
+                .unwrap()
+                .shape
+                .clone();
+            let width = shape[1] as usize;
+            let all = self.f32s(&source);
+            let mut rows: Vec<&[f32]> = all.chunks(width).collect();
+            if name == "decode.0000.argmax" {
+                rows = vec![rows[rows.len() - 1]];
+            }
+            let d = self.decision_mut(&name);
+            let k = if router { d.shape[1] as usize } else { 1 };
+            let (mut values, mut margins) = (Vec::new(), Vec::new());
+            for row in rows {
+                let scores = if router { softmax(row) } else { row.to_vec() };
+                let order = ranked(&scores);
+                values.extend(order[..k].iter().map(|&i| i as i64));
+                margins.push(scores[order[k - 1]] - scores[order[k]]);
+            }
+            d.values = values;
+            if d.margins.is_some() {
+                d.margins = Some(margins);
+            }
+        }
+    }
+
     pub fn tensor_mut(&mut self, name: &str) -> &mut T {
         self.tensors
             .iter_mut()
