@@ -671,3 +671,288 @@ fn decode_steps_are_bounded_by_their_own_logits_only() {
         ("defect", None)
     );
 }
+
+// --- attacks: candidates built to make an excusal rule say "agrees" about a defect ----------
+// Each would have passed before the near-tie rule read the scores (docs/diff.md, "The
+// near-tie rule"); each must now fail, naming why.
+
+fn diff_with(r: &Spec, c: &Spec, opts: Options) -> Report {
+    let (_dir, rp, cp) = pair(r, c);
+    compare_files(&rp, &cp, &opts)
+}
+
+/// The reference's logits row 3 with its top two 1e-5 apart (14 above 5), and a token 8.0
+/// below the top (0).
+fn near_tie_logits() -> Spec {
+    let mut r = model_ext();
+    let top = get_f32(&r, "logits", 3 * 16 + 14);
+    r.set_f32("logits", 3 * 16 + 5, top - 1e-5);
+    r.set_f32("logits", 3 * 16, top - 8.0);
+    r.decide();
+    r
+}
+
+#[test]
+fn attack_a_flip_far_below_the_top_is_no_near_tie() {
+    // The reference's top two are 1e-5 apart; the candidate's logits row moved by 2e-5 (a
+    // recorded margin of 1e-5 would be "within 2·d"), and it picks token 0, 8.0 below the top,
+    // which is not even the argmax of its own row.
+    let r = near_tie_logits();
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let v = get_f32(&r, "logits", 3 * 16 + 7);
+    c.set_f32("logits", 3 * 16 + 7, v + 2e-5);
+    c.decision_mut("logits.argmax").values[3] = 0;
+    c.decision_mut("decode.0000.argmax").values[0] = 0;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different, "{:#?}", rep.findings);
+    let f = rep.decisions.results[2].flips[0].clone();
+    assert_eq!((f.row, f.label.as_str()), (3, "defect"), "{f:?}");
+    assert_eq!(
+        f.gap.unwrap().0,
+        8.0,
+        "the gap is read from the reference's scores"
+    );
+    assert!(f
+        .why
+        .unwrap()
+        .contains("candidate's own logits does not pick its choice"));
+    // Even a candidate whose own logits do pick it had to move them by 8: outside the policy,
+    // so a consequence, never a near-tie.
+    let mut c2 = r.clone();
+    c2.provenance = oracle_provenance();
+    c2.raise("logits", 3, 0, 0.5);
+    c2.decide();
+    let rep = diff(&r, &c2, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(
+        flip(&rep, "logits.argmax", 3),
+        ("consequence", Some("logits".into()), None)
+    );
+    // The control: the runner-up, picked by the candidate's own moved scores, is a near-tie.
+    let mut c3 = r.clone();
+    c3.provenance = oracle_provenance();
+    let top = get_f32(&r, "logits", 3 * 16 + 14);
+    c3.set_f32("logits", 3 * 16 + 14, top - 2e-5);
+    c3.decide();
+    let rep = diff(&r, &c3, Some(oracle_policy()));
+    assert_eq!(
+        flip(&rep, "logits.argmax", 3).0,
+        "near-tie",
+        "{:#?}",
+        rep.findings
+    );
+}
+
+#[test]
+fn attack_a_recorded_margin_that_contradicts_the_scores_is_not_believed() {
+    // Row 0's logits put 5 1.5 above the rest; the reference records a margin of 1e-6 there, and
+    // the candidate flips with its scores moved by 1e-6.
+    let mut r = model_ext();
+    r.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = 1e-6;
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let v = get_f32(&r, "logits", 3);
+    c.set_f32("logits", 3, v + 1e-6);
+    c.decision_mut("logits.argmax").values[0] = 3;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(flip(&rep, "logits.argmax", 0).0, "defect");
+    let contradictions: Vec<_> = rep
+        .findings
+        .iter()
+        .filter(|f| f.kind.as_str() == "margin_contradicts_scores")
+        .map(|f| f.detail.clone())
+        .collect();
+    assert!(
+        contradictions
+            .iter()
+            .any(|d| d.starts_with("the reference's recorded margins contradict its own logits in 1 of 4 rows; first at row 0")),
+        "{contradictions:?}"
+    );
+    // The control: the same reference with its true margin has no such finding.
+    let mut honest = r.clone();
+    honest.decide();
+    let rep = diff(&honest, &honest, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Identical, "{:#?}", rep.findings);
+}
+
+#[test]
+fn attack_the_best_expert_swapped_for_the_worst_is_no_near_tie() {
+    // Token 3's router row is a near-tie between its second (1) and third (0) expert; the
+    // candidate, its row moved by 2e-6, records [3, 1]: the worst expert for the best.
+    let (r, mut c) = near_tie_pair(2e-6);
+    c.decision_mut("layer.00.router.topk").values[6..8].copy_from_slice(&[3, 1]);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    let f = &rep.decisions.results[0].flips[0];
+    assert_eq!((f.row, f.label.as_str()), (3, "defect"), "{f:?}");
+    // Expert 2 (logit 1.0) fell below expert 3 (logit -1.0): the gap crossed is 2.
+    assert_eq!(f.gap.unwrap().0, 2.0);
+}
+
+#[test]
+fn attack_non_finite_values_after_a_near_tie_are_never_excused() {
+    // The near-tie excuses token 3's later rows; the candidate writes NaN and +inf into every
+    // one of them.
+    let (r, mut c) = near_tie_pair(2e-6);
+    for name in ["layer.00.hidden_out", "layer.01.mlp_out", "final_norm.out"] {
+        let width = c.tensor_mut(name).shape[1] as usize;
+        c.set_f32(name, 3 * width, f32::NAN);
+        c.set_f32(name, 3 * width + 1, f32::INFINITY);
+    }
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "near-tie");
+    assert_eq!(rep.verdict, Verdict::Different);
+    for name in ["layer.00.hidden_out", "layer.01.mlp_out", "final_norm.out"] {
+        let row = rep.per_tensor.iter().find(|t| t.tensor == name).unwrap();
+        assert_eq!(
+            (row.status.as_str(), row.nan_mismatch, row.infinity),
+            ("outside_policy", 1, 1),
+            "{name}"
+        );
+        let worst = row.worst_element.as_ref().unwrap();
+        assert_eq!(
+            worst.coords[0], 3,
+            "{name}: the worst element is in the excused row"
+        );
+    }
+    // The control: the same near-tie without them passes.
+    let (r, c) = near_tie_pair(2e-6);
+    assert_eq!(
+        diff(&r, &c, Some(oracle_policy())).verdict,
+        Verdict::WithinPolicy
+    );
+}
+
+#[test]
+fn attack_a_left_out_source_excuses_nothing() {
+    // The router logit moved by +50, the worst expert chosen, the token's later rows moved by
+    // +100: with the router logits left out by --skip, their divergence (50) would explain
+    // any flip.
+    let (r, mut c) = near_tie_pair(2e-6);
+    let v = get_f32(&r, "layer.00.router.logits", 15);
+    c.set_f32("layer.00.router.logits", 15, v + 50.0);
+    for name in AFTER_ROUTER_0 {
+        push_token(
+            &mut c,
+            name,
+            3,
+            if name.ends_with("attn_probs") {
+                0.0
+            } else {
+                100.0
+            },
+        );
+    }
+    c.decide();
+    assert_eq!(
+        c.decisions[0].values[6..8],
+        [3, 2],
+        "its own scores choose the worst expert"
+    );
+    let skip = |pattern: &str| Options {
+        policy: Some(oracle_policy()),
+        filter: tracegate_diff::Filter {
+            only: vec![],
+            skip: vec![pattern.to_string()],
+        },
+        ..Options::default()
+    };
+    for pattern in ["layer.*.router.logits", "layer.00.**"] {
+        let rep = diff_with(&r, &c, skip(pattern));
+        assert_eq!(
+            rep.verdict,
+            Verdict::Different,
+            "--skip {pattern}: {:#?}",
+            rep.findings
+        );
+        let f = rep
+            .decisions
+            .results
+            .iter()
+            .find(|d| d.name == "layer.00.router.topk");
+        if let Some(f) = f {
+            let f = &f.flips[0];
+            assert_eq!(f.label.as_str(), "defect", "--skip {pattern}: {f:?}");
+            assert!(
+                f.why
+                    .as_deref()
+                    .unwrap()
+                    .contains("was left out by the filter"),
+                "{f:?}"
+            );
+        }
+        assert!(rep.decisions.near_ties.as_ref().unwrap().excused.is_empty());
+    }
+    // Without the filter the same candidate is different too: the logits row is outside.
+    assert_eq!(
+        diff(&r, &c, Some(oracle_policy())).verdict,
+        Verdict::Different
+    );
+    // The control: an honest near-tie with the same --skip is still a defect (no excuse
+    // without the source), never within the policy.
+    let (r, c) = near_tie_pair(2e-6);
+    let rep = diff_with(&r, &c, skip("layer.*.router.logits"));
+    assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "defect");
+}
+
+#[test]
+fn attack_router_margins_without_router_logits_get_no_divergence() {
+    // Without router.logits the margin's tolerance has no scores to measure: hidden_in moved
+    // by 0.05 must not let a router margin move from its value by 0.09.
+    let mut r = crafted();
+    r.tensors.retain(|t| !t.name.ends_with("router.logits"));
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let v = get_f32(&r, "layer.00.hidden_in", 0);
+    c.set_f32("layer.00.hidden_in", 0, v + 0.05);
+    let m = c
+        .decision_mut("layer.00.router.topk")
+        .margins
+        .as_mut()
+        .unwrap();
+    m[0] += 0.09;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    let res = &rep.decisions.results[0];
+    assert_eq!(
+        (res.margins.as_str(), res.margin_outside_rows),
+        ("different", 1),
+        "{res:?}"
+    );
+    assert_eq!(rep.verdict, Verdict::Different);
+}
+
+#[test]
+fn attack_infinite_margins_are_equal_only_by_bits() {
+    // A decision without scores in the trace (decode step 1): its margin's tolerance is the
+    // slack alone, 1e-5·max(1, |a|, |b|), which an infinite margin would make infinite.
+    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        let r = model_ext();
+        let mut c = r.clone();
+        c.provenance = oracle_provenance();
+        c.decision_mut("decode.0001.argmax").margins = Some(vec![bad]);
+        let rep = diff(&r, &c, Some(oracle_policy()));
+        assert_eq!(rep.verdict, Verdict::Different, "{bad}");
+        let res = rep
+            .decisions
+            .results
+            .iter()
+            .find(|d| d.name == "decode.0001.argmax")
+            .unwrap();
+        assert_eq!(
+            (res.margins.as_str(), res.margin_outside_rows),
+            ("different", 1),
+            "{bad}"
+        );
+        // Both sides infinite, same bits: equal.
+        let mut r2 = r.clone();
+        r2.decision_mut("decode.0001.argmax").margins = Some(vec![bad]);
+        if !bad.is_nan() {
+            assert_eq!(
+                diff(&r2, &c, Some(oracle_policy())).verdict,
+                Verdict::Identical
+            );
+        }
+    }
+}

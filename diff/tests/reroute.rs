@@ -410,3 +410,49 @@ fn a_positions_mismatch_elsewhere_is_still_refused() {
         );
     }
 }
+
+#[test]
+fn attack_a_repeated_position_cannot_hide_a_row() {
+    // The candidate's expert 0 lists position 2 twice: a row of 1e30 sits under the first entry
+    // and the honest row under the second, so matching by position would never read it, and
+    // its extra row would pass as rerouting.
+    let r = with_experts(crafted());
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let name = "layer.00.expert.000.out";
+    let t = c.tensor_mut(name);
+    let positions = t.attrs.positions.clone().unwrap();
+    assert_eq!(positions, [0, 2]);
+    let (row0, row2) = (t.bytes[..32].to_vec(), t.bytes[32..].to_vec());
+    t.bytes = [row0, f32_bytes(&[1e30; 8]), row2].concat();
+    t.shape = vec![3, 8];
+    t.attrs = prefill().with_positions(vec![0, 2, 2]);
+    for opts in [
+        Options::default(),
+        Options {
+            policy: Some(oracle_policy()),
+            filter: tracegate_diff::Filter {
+                only: vec!["layer.*.expert.*.out".into()],
+                skip: vec![],
+            },
+            ..Options::default()
+        },
+    ] {
+        let (_dir, rp, cp) = pair(&r, &c);
+        let rep = compare_files(&rp, &cp, &opts);
+        assert_eq!(rep.verdict, Verdict::Incomparable, "{:#?}", rep.findings);
+        let f = findings(&rep, "positions_mismatch");
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].0, name);
+        assert!(
+            f[0].1
+                .contains("not strictly increasing: entry 2 is 2 after 2"),
+            "{}",
+            f[0].1
+        );
+    }
+    // The control: the same rows under distinct positions are a reroute, compared by position.
+    c.tensor_mut(name).attrs = prefill().with_positions(vec![0, 1, 2]);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_ne!(rep.verdict, Verdict::Incomparable);
+}
