@@ -379,6 +379,7 @@ pub(crate) fn is_structure(kind: FindingKind) -> bool {
         | K::OutsidePolicy
         | K::DecisionDiffers
         | K::MarginDiffers
+        | K::MarginContradictsScores
         | K::DtypeMismatch
         | K::ShapeMismatch
         | K::Rerouted
