@@ -333,13 +333,14 @@ fn a_flip_its_own_scores_do_not_make_is_a_defect_and_excuses_nothing() {
     );
     let f = &rep.decisions.results[0].flips[0];
     assert!(
-        f.why.as_deref().is_some_and(
-            |w| w.contains("candidate's own layer.00.router.logits does not pick its choice")
-        ),
+        f.why
+            .as_deref()
+            .is_some_and(|w| w
+                .contains("candidate's own layer.00.router.logits row does not pick its choice")),
         "{f:?}"
     );
     assert!(render_human(&rep)
-        .contains("defect: the candidate's own layer.00.router.logits does not pick"));
+        .contains("defect: the candidate's own layer.00.router.logits row does not pick"));
 
     // Its token's later rows are judged, so the first of them is outside the policy and every
     // later flip is its consequence.
@@ -716,7 +717,7 @@ fn attack_a_flip_far_below_the_top_is_no_near_tie() {
     assert!(f
         .why
         .unwrap()
-        .contains("candidate's own logits does not pick its choice"));
+        .contains("candidate's own logits row does not pick its choice"));
     // Even a candidate whose own logits do pick it had to move them by 8: outside the policy,
     // so a consequence, never a near-tie.
     let mut c2 = r.clone();

@@ -1215,8 +1215,14 @@ fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "edge64", "agrees");
-    // The defect row alone is counted (and so, as recorded, one decision now differs).
+    // The defect row alone is counted (and so, as recorded, one decision now differs); its
+    // margin, left as recorded, contradicts its logits (the near-tie's was recomputed).
     let want = [
+        (
+            "margin_contradicts_scores".to_string(),
+            "logits.argmax".to_string(),
+            1,
+        ),
         (
             "decision_differs".to_string(),
             "logits.argmax".to_string(),
@@ -1229,7 +1235,12 @@ fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees
         ),
     ];
     assert_eq!(findings(agrees), want, "{agrees}");
-    let detail = agrees["findings"][0]["detail"].as_str().unwrap();
+    let contradiction = agrees["findings"][0]["detail"].as_str().unwrap();
+    assert!(
+        contradiction.contains("in 1 of 64 rows; first at row 0"),
+        "{contradiction}"
+    );
+    let detail = agrees["findings"][1]["detail"].as_str().unwrap();
     assert!(
         detail.contains("row 0 ") && detail.contains("defect") && detail.contains("near-tie"),
         "{detail}"
@@ -1289,6 +1300,59 @@ fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees
 }
 
 #[test]
+fn a_flip_far_below_the_top_beside_a_moved_runner_up_fails_agrees() {
+    // The near-tie plant's moved runner-up (1.5 times the row's margin: within the policy), but
+    // the candidate's argmax goes to the row's lowest logit. A rule that read the recorded
+    // reference margin (~8.7e-3 ≤ 2·d) would excuse it; the scores say it crossed the whole row.
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let oracle = test_producer("planted_trace.py", "--base contract --far-flip 10");
+    let r = gate(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "edge64",
+            "--oracle-cmd",
+            &oracle,
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let agrees = check(&rep, "edge64", "agrees");
+    assert_eq!(agrees["status"], "FAIL", "{agrees}");
+    let f = findings(agrees);
+    assert!(
+        f.contains(&(
+            "decision_differs".to_string(),
+            "logits.argmax".to_string(),
+            1
+        )),
+        "{agrees}"
+    );
+    let detail = agrees["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["kind"] == "decision_differs")
+        .unwrap()["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        detail.contains("row 10 ") && detail.contains("defect") && !detail.contains("near-tie"),
+        "{detail}"
+    );
+    assert!(
+        agrees["detail"].as_str().unwrap().contains("DIFFERENT"),
+        "{agrees}"
+    );
+}
+
+#[test]
 fn a_contract_decode_token_flip_fails_generation() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
@@ -1318,14 +1382,22 @@ fn a_contract_decode_token_flip_fails_generation() {
         [("tokens_differ".to_string(), "contract".to_string(), 1)],
         "{g}"
     );
+    // The flipped token's recorded margin is its old one: it contradicts the step's logits.
     let matches = findings(check(&rep, "short", "matches"));
     assert_eq!(
         matches,
-        [(
-            "decision_differs".to_string(),
-            "decode.0005.argmax".to_string(),
-            1
-        )]
+        [
+            (
+                "margin_contradicts_scores".to_string(),
+                "decode.0005.argmax".to_string(),
+                1
+            ),
+            (
+                "decision_differs".to_string(),
+                "decode.0005.argmax".to_string(),
+                1
+            )
+        ]
     );
     assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
 }

@@ -305,7 +305,7 @@ impl Rows<'_> {
             };
             if let Err(e) = picks(&s, chosen, self.router()) {
                 return Some(format!(
-                    "the {side}'s own {source} does not pick its choice: it {e}"
+                    "the {side}'s own {source} row does not pick its choice: it {e}"
                 ));
             }
         }

@@ -15,7 +15,14 @@ repeat, and the trace must hold what it names:
   --attr TENSOR     an extra attribute `note=""` added on TENSOR (its bytes unchanged)
   --margins VALUE   every margin of every decision set to VALUE (decision values unchanged)
   --near-tie ROW    logits row ROW's runner-up raised above its top logit by half their gap, and
-                    logits.argmax row ROW set to it: a flip the moved logit explains (a near-tie)
+                    logits.argmax row ROW set to it with the margin of the edited row: a flip the
+                    moved logit explains (a near-tie)
+  --far-flip ROW    the same moved runner-up, but logits.argmax row ROW set to the row's lowest
+                    logit (its margin recomputed): a flip no movement of that size explains,
+                    which a near-tie rule that believed the recorded margin would excuse
+
+--flip leaves the margin as recorded: the decision no longer follows its scores, and where the
+trace holds them its margin contradicts them.
 
 Not for real use.
 """
@@ -53,6 +60,7 @@ def main() -> int:
         "--attr": [],
         "--margins": [],
         "--near-tie": [],
+        "--far-flip": [],
     }
     while argv and argv[0] in edits:
         edits[argv[0]].append(argv[1])
@@ -88,7 +96,7 @@ def answer(run, edits: dict, argv: list[str]) -> int:
             + edits["--nudge"]
             + edits["--drop"]
             + edits["--attr"]
-            + ["logits"] * bool(edits["--near-tie"])
+            + ["logits"] * bool(edits["--near-tie"] or edits["--far-flip"])
         ):
             if name not in t.names:
                 print(f"planted_trace: no tensor {name} to edit", file=sys.stderr)
@@ -97,7 +105,8 @@ def answer(run, edits: dict, argv: list[str]) -> int:
             if name not in t.decisions:
                 print(f"planted_trace: no decision {name} to flip", file=sys.stderr)
                 return 3
-        near_ties = {}  # logits row -> its runner-up, the new argmax
+        near_ties = {}  # logits row -> the new argmax: its runner-up (or lowest, --far-flip)
+        new_margins = {}  # logits row -> the margin of the new choice in the edited row
         with tracegate.TraceWriter(out, t.provenance) as w:
             for name in t.names:
                 if name in edits["--drop"]:
@@ -109,12 +118,17 @@ def answer(run, edits: dict, argv: list[str]) -> int:
                 if name in edits["--nudge"]:
                     flat[0] = np.nextafter(flat[0], np.float32(np.inf))
                 if name == "logits":
-                    for row in map(int, edits["--near-tie"]):
-                        top, second = np.argsort(-array[row], kind="stable")[:2]
+                    far = set(map(int, edits["--far-flip"]))
+                    for row in map(int, edits["--near-tie"] + edits["--far-flip"]):
+                        order = np.argsort(-array[row], kind="stable")
+                        top, second = order[:2]
                         array[row, second] = (
                             array[row, top] + (array[row, top] - array[row, second]) / 2
                         )
-                        near_ties[row] = int(second)
+                        choice = int(order[-1] if row in far else second)
+                        near_ties[row] = choice
+                        others = np.delete(array[row], choice)
+                        new_margins[row] = np.float32(array[row, choice] - others.max())
                 attrs = dict(t.attributes(name))
                 if name in edits["--attr"]:
                     attrs["note"] = ""
@@ -124,10 +138,13 @@ def answer(run, edits: dict, argv: list[str]) -> int:
                 if name in edits["--flip"]:
                     flat = values.reshape(-1)
                     flat[0] ^= 1
+                margins = t.margins[name]
                 if name == "logits.argmax":
+                    margins = None if margins is None else np.array(margins, dtype=np.float32)
                     for row, choice in near_ties.items():
                         values[row] = choice
-                margins = t.margins[name]
+                        if margins is not None:
+                            margins[row] = new_margins[row]
                 if edits["--margins"] and margins is not None:
                     margins = np.full_like(
                         np.asarray(margins), float(edits["--margins"][-1]), dtype=np.float32
