@@ -6,8 +6,8 @@ use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
-use serde_json::Value;
 
+use crate::json::UniqueValue;
 use crate::layout::{DecisionJson, TensorJson};
 
 /// The index's scalar fields; the entries went to the sink.
@@ -15,7 +15,8 @@ pub(crate) struct Head {
     pub format: String,
     pub version: [u16; 2],
     pub digest: String,
-    pub provenance: Value,
+    /// Checked for repeated keys: the reader refuses one, naming it.
+    pub provenance: UniqueValue,
 }
 
 type Each<'a, T> = &'a mut dyn FnMut(T) -> Result<(), String>;

@@ -3,6 +3,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::json::UniqueValue;
+
 pub const MAGIC: &[u8; 8] = b"TGTRACE\0";
 pub const FOOTER_MAGIC: &[u8; 8] = b"TGTREND\0";
 pub const FORMAT_MAJOR: u16 = 1;
@@ -61,7 +63,9 @@ pub struct TensorJson {
     pub offset: u64,
     pub nbytes: u64,
     pub xxh3: String,
-    pub attributes: Value,
+    /// Read with its keys checked: the spec gives each attribute key once, and serde_json alone
+    /// would keep the last of two `"mask"` keys.
+    pub attributes: UniqueValue,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -69,6 +73,9 @@ pub struct DecisionJson {
     pub name: String,
     pub shape: Vec<u64>,
     pub values_offset: u64,
+    /// Required, `null` when there are no margins: `deserialize_with` makes serde refuse a
+    /// missing key instead of reading it as `None` (the spec lists the key in every entry).
+    #[serde(deserialize_with = "Option::deserialize")]
     pub margins_offset: Option<u64>,
     pub xxh3: String,
 }

@@ -14,6 +14,7 @@ mod digest;
 mod dtype;
 mod error;
 mod index;
+pub mod json;
 mod layout;
 pub mod names;
 mod reader;

@@ -12,6 +12,7 @@ use crate::digest::{parse_xxh3_hex, Canonical, Digest};
 use crate::dtype::{element_count, DType};
 use crate::error::{Error, Result};
 use crate::index::{parse as parse_index, Sink};
+use crate::json::file_kind;
 use crate::layout::*;
 use crate::view::{bad_bool_reason, first_bad_bool};
 
@@ -83,22 +84,6 @@ impl std::fmt::Debug for Trace {
 }
 
 /// What a path is, for a refusal of anything but a regular file.
-fn file_kind(meta: &std::fs::Metadata) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    let t = meta.file_type();
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_block_device() || t.is_char_device() {
-        "a device"
-    } else {
-        "not a regular file"
-    }
-}
-
 /// `Err` is the reason: alignment, inside the data region `64..index_offset`, no overflow.
 fn check_range(
     what: &dyn Fn() -> String,
@@ -166,8 +151,11 @@ fn tensor_entry(t: TensorJson, index_offset: u64) -> std::result::Result<TensorI
             t.xxh3
         )
     })?;
+    if let Some(dup) = &t.attributes.duplicate {
+        return Err(format!("{}: attributes: {dup}", what()));
+    }
     let attributes =
-        Attributes::from_json(&t.attributes).map_err(|e| format!("{}: {e}", what()))?;
+        Attributes::from_json(&t.attributes.value).map_err(|e| format!("{}: {e}", what()))?;
     // A fresh exact allocation: shrinking serde's grown one in place keeps its larger chunk.
     let shape = t.shape.to_vec();
     Ok(TensorInfo {
@@ -457,7 +445,11 @@ impl Trace {
                     head.digest
                 ))
             })?;
-        if !head.provenance.is_object() {
+        if let Some(dup) = &head.provenance.duplicate {
+            return Err(bad(format!("provenance: {dup}")));
+        }
+        let provenance = head.provenance.value;
+        if !provenance.is_object() {
             return Err(bad("provenance is not a JSON object".into()));
         }
         tensors.shrink_to_fit();
@@ -491,7 +483,7 @@ impl Trace {
             decisions,
             by_name,
             decision_by_name,
-            provenance: head.provenance,
+            provenance,
             digest,
             version: (major, minor),
             index_offset,

@@ -371,7 +371,7 @@ impl TraceWriter {
                     offset: t.offset,
                     nbytes: t.nbytes,
                     xxh3: xxh3_hex(t.xxh3),
-                    attributes: t.attributes.to_json(),
+                    attributes: t.attributes.to_json().into(),
                 })
                 .collect(),
             decisions: self
