@@ -176,8 +176,11 @@ pub fn check_fits(
             crate::paths::shown(&path)
         )
     })?;
-    let positions = tokens as u64 + generate as u64;
-    if positions > limit {
+    // Checked: `--generate 18446744073709551615` must be refused here, not wrap past the limit.
+    let positions = (tokens as u64).checked_add(generate as u64);
+    if positions.is_none_or(|p| p > limit) {
+        let positions =
+            positions.map_or_else(|| format!("more than {}", u64::MAX), |p| p.to_string());
         let what = id
             .map(|id| format!("prompt {id:?}"))
             .unwrap_or_else(|| "--tokens".into());

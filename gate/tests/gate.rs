@@ -1402,6 +1402,88 @@ fn a_contract_decode_token_flip_fails_generation() {
     assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
 }
 
+// Equal tokens from runs that are not comparable are not a pass: a contract whose trace says
+// it ran other weights, an oracle whose trace says it ran another prompt (both passed before).
+
+fn foreign_producer(base: &str, set: &str) -> String {
+    test_producer(
+        "foreign_provenance.py",
+        &format!("--base {base} --set '{set}'"),
+    )
+}
+
+#[test]
+fn a_contract_of_other_weights_fails_generation_not_only_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let contract = foreign_producer(
+        "contract",
+        r#"weights_digest="00112233445566778899aabbccddeeff""#,
+    );
+    let r = gate(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let g = check(&rep, "short", "generation");
+    assert_eq!(g["status"], "FAIL", "{g}");
+    assert_eq!(
+        findings(g),
+        [("weights_mismatch".to_string(), "contract".to_string(), 1)],
+        "{g}"
+    );
+    let detail = g["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("not comparable") && detail.contains("00112233445566778899aabbccddeeff"),
+        "{g}"
+    );
+    assert_eq!(check(&rep, "short", "matches")["status"], "FAIL");
+    // The engine's own runs are comparable: stable is unaffected.
+    assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
+}
+
+#[test]
+fn an_oracle_of_another_prompt_fails_generation_oracle() {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    // The oracle's place is taken by the contract, as in the oracle's other negative controls.
+    let oracle = foreign_producer("contract", "prompt_tokens=[1,2,3]");
+    let r = gate(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "short",
+            "--oracle-cmd",
+            &oracle,
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let g = check(&rep, "short", "generation_oracle");
+    assert_eq!(g["status"], "FAIL", "{g}");
+    assert_eq!(
+        findings(g),
+        [("prompt_mismatch".to_string(), "oracle".to_string(), 1)],
+        "{g}"
+    );
+    assert_eq!(check(&rep, "short", "agrees")["status"], "FAIL");
+    assert_eq!(check(&rep, "short", "generation")["status"], "PASS");
+}
+
 #[test]
 fn a_hanging_producer_is_killed_at_the_timeout_and_the_run_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -1666,6 +1748,42 @@ fn a_prompt_longer_than_the_models_positions_is_refused_before_any_producer_runs
         "{}",
         r.stderr
     );
+    assert!(!work.path().join("m0").exists(), "no producer may run");
+}
+
+#[test]
+fn a_generate_count_that_overflows_the_positions_is_refused_before_any_producer_runs() {
+    // 5 tokens + u64::MAX wraps to 4 positions in unchecked arithmetic: the producers then ran.
+    let huge = u64::MAX.to_string();
+    let want = format!(
+        "prompt \"short\": 5 tokens + {huge} generated = more than {huge} positions exceed max_position_embeddings 256 of "
+    );
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path().to_str().unwrap();
+    let base = [
+        "m0",
+        "--model",
+        "fixtures/tiny-qwen3",
+        "--only",
+        "short",
+        "--work",
+        w,
+    ];
+    let r = gate(&repo(), &[&base[..], &["--generate", &huge]].concat(), &[]);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains(&want), "{}", r.stderr);
+    assert!(!work.path().join("m0").exists(), "no producer may run");
+    // The same count as the milestone's own `generate`, in a hostile milestones.json.
+    let root = scratch_root();
+    let path = root.path().join("milestones.json");
+    let mut ms: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for m in ms["milestones"].as_array_mut().unwrap() {
+        m["generate"] = Value::from(u64::MAX);
+    }
+    std::fs::write(&path, serde_json::to_string(&ms).unwrap()).unwrap();
+    let r = gate(root.path(), &base, &[]);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains(&want), "{}", r.stderr);
     assert!(!work.path().join("m0").exists(), "no producer may run");
 }
 

@@ -4,7 +4,9 @@
 use tracegate_diff::{label_text, FindingKind, Label, Options, Policy, RowStatus, Verdict};
 use tracegate_trace::Trace;
 
-use super::checks::{diff_findings, judge, policy_kind, tokens_finding};
+use super::checks::{
+    diff_findings, incomparable, judge, not_comparable, policy_kind, tokens_finding,
+};
 use super::prompt::{decode_tokens, Traces};
 use super::{finding, Check, CheckResult, Finding, OracleSummary, Status};
 use crate::milestones::{Expectation, MilestoneModel};
@@ -28,6 +30,8 @@ pub(super) fn check_oracle(
                     Check::GenerationOracle,
                     "no tokens generated (--generate 0)",
                 )
+            } else if let refused @ [_, ..] = &incomparable(&[("oracle", e, r)])[..] {
+                not_comparable(Check::GenerationOracle, refused.to_vec())
             } else {
                 judge(
                     m,

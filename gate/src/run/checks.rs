@@ -244,6 +244,15 @@ pub(super) fn check_generation(
             CheckResult::not_checked(Check::Generation, "no tokens generated (--generate 0)")
         }
         (Some(a), Some(b), Some(c)) => {
+            if let (Ok(eng), Ok(unc), Ok(con)) =
+                (&traces.engine, &traces.engine_uncached, &traces.contract)
+            {
+                let refused =
+                    incomparable(&[("engine-uncached", eng, unc), ("contract", eng, con)]);
+                if !refused.is_empty() {
+                    return not_comparable(Check::Generation, refused);
+                }
+            }
             let mut found: Vec<Finding> = [
                 tokens_finding("engine-uncached", a, b),
                 tokens_finding("contract", a, c),
@@ -279,6 +288,39 @@ pub(super) fn check_generation(
             CheckResult::new(Check::Generation, Status::Fail, why.join("; "))
         }
     }
+}
+
+/// Comparability comes before the tokens: equal tokens from runs on other weights, of another
+/// prompt or seed, or by two oracles on different stacks (the differ's rule, docs/diff.md,
+/// "Comparable") say nothing about the claim. Each refusal is a finding naming the other run
+/// (or its tensor) and the reason; `(name, engine, other)` per pair.
+pub(super) fn incomparable(pairs: &[(&str, &Trace, &Trace)]) -> Vec<Finding> {
+    let mut found = Vec::new();
+    for (name, a, b) in pairs {
+        let (refused, _) = tracegate_diff::comparable::check(a, b, false);
+        found.extend(refused.into_iter().map(|f| {
+            let about = f.tensor().map_or_else(|| name.to_string(), str::to_string);
+            finding(f.kind, about, 1, format!("engine vs {name}: {}", f.detail))
+        }));
+    }
+    found
+}
+
+/// A check whose runs are not comparable FAILS (never NOT CHECKED: the gate ran every producer
+/// on the same checkpoint and prompt, so a trace that says otherwise is a producer gone wrong,
+/// and a gate must not end "nothing failed" on it). No declared divergence excuses it.
+pub(super) fn not_comparable(check: Check, refused: Vec<Finding>) -> CheckResult {
+    let why: Vec<&str> = refused.iter().map(|f| f.detail.as_str()).collect();
+    let mut c = CheckResult::new(
+        check,
+        Status::Fail,
+        format!(
+            "runs not comparable, tokens not compared: {}",
+            why.join("; ")
+        ),
+    );
+    c.findings = refused;
+    c
 }
 
 pub(super) fn tokens_finding(name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
