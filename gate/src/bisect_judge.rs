@@ -334,3 +334,72 @@ mod tests {
         assert!(!two.checked && two.not_checked.unwrap().starts_with("2 layers isolated"));
     }
 }
+
+tracegate_diff::string_enum! {
+    /// What a differ finding is, as the differ itself treats it (docs/diff.md): one reading for
+    /// `gate bisect` and `gate m0|m1 … agrees`, so a pair trace-diff calls within policy is
+    /// never "structure differs" in one of them.
+    pub enum FindingClass {
+        /// About the values of a tensor or decision both traces hold: the differ judges it by
+        /// that tensor's row (`per_tensor[].status`) or that decision's rows, and the finding
+        /// only names what kind of difference it is. A signed zero, a NaN on one side, another
+        /// NaN payload and an infinity are values: under a policy a signed zero (0 ULP) can be
+        /// within it, a NaN or infinity difference breaks `nonfinite_differences`; by bits each
+        /// is a differing element.
+        Values = "values",
+        /// What the traces hold or how they are laid out: a tensor or decision on one side only,
+        /// another order, attributes, path, mask, positions; or the pair refused.
+        Structure = "structure",
+        /// Says how the comparison ran, not that anything differs (an allowed stack mismatch,
+        /// decisions forced from the other side).
+        Note = "note",
+    }
+}
+
+/// The class of a finding kind (see [`FindingClass`]).
+pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
+    use tracegate_diff::FindingKind as K;
+    match kind {
+        K::ValuesDiffer
+        | K::OutsidePolicy
+        | K::SignedZero
+        | K::NanMismatch
+        | K::NanPayload
+        | K::Infinity
+        | K::DecisionDiffers
+        | K::MarginDiffers
+        | K::MarginContradictsScores
+        | K::DtypeMismatch
+        | K::ShapeMismatch
+        | K::Rerouted => FindingClass::Values,
+        K::StackMismatchAllowed | K::DecisionsForced => FindingClass::Note,
+        K::Unreadable
+        | K::StackMismatch
+        | K::WeightsMismatch
+        | K::PromptMismatch
+        | K::SeedMismatch
+        | K::PathMismatch
+        | K::MaskMismatch
+        | K::PositionsMismatch
+        | K::MissingTensor
+        | K::ExtraTensor
+        | K::OrderMismatch
+        | K::AttributeDiffers
+        | K::NoPolicyRule
+        | K::MissingDecision
+        | K::ExtraDecision
+        | K::DecisionShapeMismatch
+        | K::DecisionOrderMismatch
+        | K::MarginPresenceMismatch
+        | K::ContentDigestDiffers
+        | K::NothingSelected
+        | K::TensorDiffers
+        | K::Different
+        | K::NoRule
+        | K::CountChanged
+        | K::DigestChanged
+        | K::TokensDiffer
+        | K::TokensChanged
+        | K::ObservedOutOfTolerance => FindingClass::Structure,
+    }
+}

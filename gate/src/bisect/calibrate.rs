@@ -116,7 +116,7 @@ pub(crate) fn calibrate(
             force: None,
             decode_from: None,
         };
-        let rec = o.reference.run(&o.root, &verb, o.timeout);
+        let rec = run_fresh(&o.root, &o.reference, &verb, o.timeout);
         runs.push(rec.clone());
         crate::progress::step(format_args!(
             "calibration: layer {layer:02} on the perturbed input"

@@ -150,7 +150,7 @@ pub(crate) fn isolate_with(
         whose,
     } = run;
     let (layer, slice_rel) = (*layer, slice_rel.as_str());
-    let rec = o.candidate.run(&o.root, verb, o.timeout);
+    let rec = run_fresh(&o.root, &o.candidate, verb, o.timeout);
     runs.push(rec.clone());
     if !rec.ok {
         return Err(gerr!(

@@ -35,12 +35,15 @@ mod render;
 mod report;
 mod verdict;
 mod whole;
+mod work;
 
 pub use calibrate::*;
 pub(crate) use isolate::*;
 pub use render::*;
 pub use report::*;
 pub(crate) use verdict::*;
+pub(crate) use work::run_fresh;
+pub use work::MARKER as WORK_MARKER;
 
 /// The report's format (docs/bisect.md, docs/bisect-report.schema.json).
 pub const SCHEMA: &str = "tracegate-bisect/3";
@@ -239,7 +242,12 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         o.tokens.len(),
         o.generate,
     )?;
-    let _lock = crate::WorkLock::acquire(&o.root.join(&o.work))?;
+    // Never judge an earlier run's traces: only an empty directory or one bisect made is used,
+    // and it is emptied of bisect's own traces under the lock (work.rs).
+    let work_dir = o.root.join(&o.work);
+    work::check(&work_dir)?;
+    let _lock = crate::WorkLock::acquire(&work_dir)?;
+    work::prepare(&work_dir)?;
     let _progress = crate::progress::start("bisect", 1);
     let mut runs = Vec::new();
     let whole = whole::whole_runs(o, &mut runs)?;

@@ -368,56 +368,12 @@ pub(crate) fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()
     }
 }
 
-/// A differ finding that states a difference of structure, not of values.
+/// A differ finding that states a difference of structure, not of values: the one
+/// classification bisect_judge.rs gives (a signed zero, NaN or infinity is a value difference,
+/// judged by its tensor's row; dtype and shape mismatches, rerouted experts and margins are
+/// rows too, `rows`).
 pub(crate) fn is_structure(kind: FindingKind) -> bool {
-    use FindingKind as K;
-    match kind {
-        // Values, decisions and policy breaks are rows; dtype and shape mismatches are rows too
-        // (`rows`), and so is an expert the routing sent other tokens (status `rerouted`); the
-        // rest are notes, not differences.
-        K::ValuesDiffer
-        | K::OutsidePolicy
-        | K::DecisionDiffers
-        | K::MarginDiffers
-        | K::MarginContradictsScores
-        | K::DtypeMismatch
-        | K::ShapeMismatch
-        | K::Rerouted
-        | K::StackMismatchAllowed
-        | K::DecisionsForced => false,
-        K::Unreadable
-        | K::StackMismatch
-        | K::WeightsMismatch
-        | K::PromptMismatch
-        | K::SeedMismatch
-        | K::PathMismatch
-        | K::MaskMismatch
-        | K::PositionsMismatch
-        | K::MissingTensor
-        | K::ExtraTensor
-        | K::OrderMismatch
-        | K::AttributeDiffers
-        | K::SignedZero
-        | K::NanMismatch
-        | K::NanPayload
-        | K::Infinity
-        | K::NoPolicyRule
-        | K::MissingDecision
-        | K::ExtraDecision
-        | K::DecisionShapeMismatch
-        | K::DecisionOrderMismatch
-        | K::MarginPresenceMismatch
-        | K::ContentDigestDiffers
-        | K::NothingSelected
-        | K::TensorDiffers
-        | K::Different
-        | K::NoRule
-        | K::CountChanged
-        | K::DigestChanged
-        | K::TokensDiffer
-        | K::TokensChanged
-        | K::ObservedOutOfTolerance => true,
-    }
+    judge::finding_class(kind) == judge::FindingClass::Structure
 }
 
 /// "kind name: detail", the name left out when the finding has none.

@@ -18,8 +18,9 @@ pub(crate) fn trace_run(
     out: &str,
     force: Option<String>,
 ) -> RunRecord {
-    p.run(
+    run_fresh(
         &o.root,
+        p,
         &Verb::Trace {
             model: o.model.clone(),
             tokens: o.tokens.clone(),

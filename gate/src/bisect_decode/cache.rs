@@ -1,6 +1,6 @@
 //! The cached decode path against the candidate's own full recompute.
 
-use tracegate_diff::compare;
+use tracegate_diff::{compare, FindingKind, Report, Verdict};
 
 use super::{decode_only, step_of, CacheCheck, CacheStatus, Context};
 use crate::bisect::{self as b, BisectOptions};
@@ -32,18 +32,19 @@ pub(super) fn cache_check(
         cache: false,
         force: None,
     };
-    let rec = o.candidate.run(&o.root, &verb, o.timeout);
+    let rec = crate::bisect::run_fresh(&o.root, &o.candidate, &verb, o.timeout);
     runs.push(rec.clone());
     crate::progress::step("decode: candidate traced with --cache off");
     if !rec.ok {
         check.reason = Some(format!(
-            "the candidate's trace verb failed with --cache off: {}",
+            "the candidate's trace verb failed with --cache off: {} ($ {})",
             rec.why()
                 .lines()
                 .map(str::trim)
                 .filter(|l| !l.is_empty())
                 .collect::<Vec<_>>()
-                .join(" | ")
+                .join(" | "),
+            rec.invocation
         ));
         return check;
     }
@@ -54,10 +55,20 @@ pub(super) fn cache_check(
             return check;
         }
     };
-    check.trace = Some(rel);
+    check.trace = Some(rel.clone());
     // The full recompute is the reference side: the cached path is what is being checked.
     let opts = decode_only(c.policy);
     let rep = compare(&uncached, c.candidate, &opts);
+    // A refused comparison compared nothing: it cannot agree.
+    if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {
+        let why: Vec<String> = rep.findings.iter().map(b::describe).collect();
+        check.reason = Some(format!(
+            "the candidate's --cache off trace {rel} cannot be compared with its cached run ({}): {}",
+            rep.verdict,
+            why.join("; ")
+        ));
+        return check;
+    }
     let tensors = b::rows(&rep);
     let bad_t = tensors
         .iter()
@@ -90,6 +101,19 @@ pub(super) fn cache_check(
                 )
             });
         }
+        // Agreeing needs steps 0..=s compared on both sides: a run that holds none of them, or
+        // lacks one the cached run holds, has not shown that it agrees there.
+        _ if !compared_through(&rep, s) => {
+            check.reason = Some(format!(
+                "the candidate's --cache off trace {rel} and its cached run share no decode tensor or decision at steps 0-{s}: nothing compared"
+            ));
+        }
+        _ if one_sided(&rep, s).is_some() => {
+            let (kind, name) = one_sided(&rep, s).unwrap_or_default();
+            check.reason = Some(format!(
+                "{kind} {name} between the candidate's --cache off trace {rel} and its cached run: steps 0-{s} not all compared"
+            ));
+        }
         other => {
             check.status = CacheStatus::Agrees;
             // A later difference is a consequence of the step already diverging, not the cause.
@@ -100,4 +124,28 @@ pub(super) fn cache_check(
         }
     }
     check
+}
+
+/// Whether the comparison judged any decode tensor or decision at steps 0..=s.
+fn compared_through(rep: &Report, s: usize) -> bool {
+    let at = |name: &str| step_of(name).is_some_and(|x| x <= s);
+    rep.per_tensor.iter().any(|r| at(&r.tensor))
+        || rep.decisions.results.iter().any(|d| at(&d.name))
+}
+
+/// The first tensor or decision at steps 0..=s that one side holds and the other does not.
+fn one_sided(rep: &Report, s: usize) -> Option<(&'static str, String)> {
+    rep.findings
+        .iter()
+        .filter(|f| {
+            matches!(
+                f.kind,
+                FindingKind::MissingTensor
+                    | FindingKind::ExtraTensor
+                    | FindingKind::MissingDecision
+                    | FindingKind::ExtraDecision
+            )
+        })
+        .filter_map(|f| f.tensor().map(|t| (f.kind.as_str(), t.to_string())))
+        .find(|(_, t)| step_of(t).is_some_and(|x| x <= s))
 }

@@ -25,6 +25,10 @@ pub fn render(d: &DecodeReport) -> String {
         "\n  decode ({} steps, cached): {} steps compared{first}\n",
         d.generate, d.steps_compared
     ));
+    // What was left out of the steps' comparison (their numbers, the steps after a near-tie).
+    if let Some(why) = &d.reason {
+        o.push_str(&format!("    NOT CHECKED: {why}\n"));
+    }
     const SHOWN: usize = 6;
     if d.step_tensors.len() > SHOWN {
         o.push_str(&format!(

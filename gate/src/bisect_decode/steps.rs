@@ -35,37 +35,46 @@ pub fn run(
     let tensors = b::rows(&rep);
     let decisions = b::decisions(&rep);
     // A side that captured no decode tensors (a producer older than the decode capture) leaves
-    // the steps' numbers unchecked, whatever its decisions say.
-    for (side, t) in [("reference", c.reference), ("candidate", c.candidate)] {
-        if t.tensor_info(&names::decode(0, "logits")).is_none() {
-            let why = format!("the {side}'s trace has no {} (its trace verb does not capture decode steps, docs/producers.md)", names::decode(0, "logits"));
+    // the steps' numbers unchecked, whatever its decisions say; its decode tokens (the
+    // `decode.SSSS.argmax` decisions) are still compared, and the first step whose token
+    // differs is named.
+    let no_numbers = [("reference", c.reference), ("candidate", c.candidate)]
+        .into_iter()
+        .find(|(_, t)| t.tensor_info(&names::decode(0, "logits")).is_none())
+        .map(|(side, _)| format!("the {side}'s trace has no {} (its trace verb does not capture decode steps, docs/producers.md)", names::decode(0, "logits")));
+    let has_tokens =
+        |t: &tracegate_trace::Trace| t.decisions().iter().any(|x| step_of(&x.name).is_some());
+    if let Some(why) = &no_numbers {
+        if !has_tokens(c.reference) || !has_tokens(c.candidate) {
             d.status = DecodeStatus::NotCompared;
-            d.reason = Some(why.clone());
+            d.reason = Some(format!(
+                "{why}; and no decode tokens (decode.SSSS.argmax) on both sides to compare"
+            ));
             return (
                 d,
                 (
                     BisectVerdict::NotChecked,
                     format!(
-                        "decode steps NOT CHECKED: {why}; the prefill: {}",
+                        "decode steps NOT CHECKED: {why}, nor decode tokens on both sides; the prefill: {}",
                         prefill.1
                     ),
                 ),
             );
         }
+        d.reason = Some(format!(
+            "the steps' numbers ({why}); only their tokens are compared"
+        ));
     }
     // Per step, in computation order: its tensors in the reference's order, then its decision;
     // what the differ states as a finding (a tensor or decision on one side only) counts too.
+    // Without decode numbers only the decisions are compared.
     let structure: Vec<(&str, FindingKind)> = rep
         .findings
         .iter()
-        .filter(|f| {
-            matches!(
-                f.kind,
-                FindingKind::MissingTensor
-                    | FindingKind::ExtraTensor
-                    | FindingKind::MissingDecision
-                    | FindingKind::ExtraDecision
-            )
+        .filter(|f| match f.kind {
+            FindingKind::MissingTensor | FindingKind::ExtraTensor => no_numbers.is_none(),
+            FindingKind::MissingDecision | FindingKind::ExtraDecision => true,
+            _ => false,
         })
         .filter_map(|f| f.tensor().map(|t| (t, f.kind)))
         .collect();
@@ -77,6 +86,7 @@ pub fn run(
         let mine = |name: &str| step_of(name) == Some(s);
         let bad_tensor = tensors
             .iter()
+            .filter(|_| no_numbers.is_none())
             .find(|t| mine(&t.tensor) && t.status.is_bad())
             .map(|t| (t.tensor.clone(), How::Differs));
         let bad_structure = structure
@@ -128,10 +138,41 @@ pub fn run(
         } else {
             "identical"
         };
+        // Steps after an excused flip were not compared: NOT CHECKED, never a pass.
+        let left = o.generate - d.steps_compared;
+        let rest = match left {
+            1 => format!("step {}", d.steps_compared),
+            _ => format!("steps {}-{}", d.steps_compared, o.generate - 1),
+        };
         let tail = match &stop_after {
-            Some((at, dec)) => format!("; {dec} is a near-tie the policy excuses, so the steps after {at} (other tokens) are not compared"),
+            Some((at, dec)) if left > 0 => {
+                let why = format!("{dec} is a near-tie the policy excuses, so the runs feed other tokens after step {at}: {rest} NOT CHECKED");
+                d.reason = Some(match d.reason.take() {
+                    Some(r) => format!("{r}; {why}"),
+                    None => why.clone(),
+                });
+                format!("; {why}")
+            }
+            Some((at, dec)) => {
+                format!("; {dec} is a near-tie the policy excuses (step {at}, the last)")
+            }
             None => String::new(),
         };
+        if let Some(why) = &no_numbers {
+            let summary = format!(
+                "decode steps NOT CHECKED: {why}; their tokens agree at {steps} ({} of {} steps compared){tail}; the prefill: {}",
+                d.steps_compared, o.generate, prefill.1
+            );
+            return (d, (BisectVerdict::NotChecked, summary));
+        }
+        if stop_after.is_some() && left > 0 {
+            // The headline says NOT CHECKED first: the prefill's "nothing wrong" comes after.
+            let summary = format!(
+                "decode {rest} NOT CHECKED: decode {steps} {how} ({} of {} steps compared){tail}; the prefill: {}",
+                d.steps_compared, o.generate, prefill.1
+            );
+            return (d, (BisectVerdict::NotChecked, summary));
+        }
         let summary = format!(
             "{}; decode {steps} {how} ({} of {} steps compared){tail}",
             prefill.1, d.steps_compared, o.generate
@@ -143,6 +184,34 @@ pub fn run(
     d.position = Some(p);
     d.first_diverging = Some(name.clone());
     d.first_diverging_how = Some(how);
+    if let Some(why) = &no_numbers {
+        let before = match s {
+            0 => "the prefill matches".to_string(),
+            1 => "the prefill matches and step 0 takes the same token".to_string(),
+            _ => format!(
+                "the prefill matches and steps 0-{} take the same tokens",
+                s - 1
+            ),
+        };
+        let (verdict, what) = match how {
+            How::Differs => (
+                BisectVerdict::DecisionsDiffer,
+                "the candidate takes another token",
+            ),
+            How::Finding(_) => (
+                BisectVerdict::StructureDiffers,
+                "a decode token on one side only",
+            ),
+        };
+        let how_said = match how {
+            How::Differs => String::new(),
+            How::Finding(k) => format!(" ({})", k.as_str().replace('_', " ")),
+        };
+        let summary = format!(
+            "decode step {s} (position {p}) first diverges at {name}{how_said}: {what}; the steps' numbers NOT CHECKED (neither the cache self-check nor the isolation runs): {why}; {before}"
+        );
+        return (d, (verdict, summary));
+    }
 
     let cache = cache_check(o, c, s, runs);
     let cache_says = match (cache.status, &cache.first_tensor, cache.first_step) {

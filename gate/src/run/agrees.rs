@@ -80,6 +80,16 @@ fn compare_agrees(
         },
     );
     let mut found = diff_findings(&rep);
+    // A value finding (a signed zero, NaN, infinity) on a tensor the differ judged agreeing is
+    // what kind of difference the row is, not a failure: the one classification bisect uses
+    // (bisect_judge.rs), so a pair trace-diff calls within policy agrees here too.
+    found.retain(|f| {
+        crate::bisect_judge::finding_class(f.kind) != crate::bisect_judge::FindingClass::Values
+            || !rep
+                .per_tensor
+                .iter()
+                .any(|r| r.tensor == f.about.name && r.status.agrees())
+    });
     for row in &rep.per_tensor {
         if let Some(kind) = policy_kind(row.status) {
             // Already reported as a diff finding when the differ emits one; keep one entry per tensor.

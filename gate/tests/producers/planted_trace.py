@@ -14,6 +14,8 @@ repeat, and the trace must hold what it names:
   --drop TENSOR     TENSOR left out of the trace
   --attr TENSOR     an extra attribute `note=""` added on TENSOR (its bytes unchanged)
   --margins VALUE   every margin of every decision set to VALUE (decision values unchanged)
+  --bits TENSOR=HEX the first element of the f32 TENSOR given these bits (0x80000000 is -0,
+                    0x7fc00001 a NaN with another payload, 0xff800000 -inf)
   --near-tie ROW    logits row ROW's runner-up raised above its top logit by half their gap, and
                     logits.argmax row ROW set to it with the margin of the edited row: a flip the
                     moved logit explains (a near-tie)
@@ -61,6 +63,7 @@ def main() -> int:
         "--margins": [],
         "--near-tie": [],
         "--far-flip": [],
+        "--bits": [],
     }
     while argv and argv[0] in edits:
         edits[argv[0]].append(argv[1])
@@ -97,6 +100,7 @@ def answer(run, edits: dict, argv: list[str]) -> int:
             + edits["--drop"]
             + edits["--attr"]
             + ["logits"] * bool(edits["--near-tie"] or edits["--far-flip"])
+            + [b.split("=")[0] for b in edits["--bits"]]
         ):
             if name not in t.names:
                 print(f"planted_trace: no tensor {name} to edit", file=sys.stderr)
@@ -117,6 +121,10 @@ def answer(run, edits: dict, argv: list[str]) -> int:
                     flat[0] = 1000 * (abs(flat[0]) + 1)
                 if name in edits["--nudge"]:
                     flat[0] = np.nextafter(flat[0], np.float32(np.inf))
+                for b in edits["--bits"]:
+                    tensor, bits = b.split("=")
+                    if tensor == name:
+                        flat.view(np.uint32)[0] = int(bits, 16)
                 if name == "logits":
                     far = set(map(int, edits["--far-flip"]))
                     for row in map(int, edits["--near-tie"] + edits["--far-flip"]):
