@@ -244,37 +244,21 @@ fn steps_after_an_excused_decode_flip_are_not_checked_never_nothing_wrong() {
         &["--reference", "cmd", "--reference-cmd", &reference],
         &candidate,
     );
+    // The decode steps are compared under a `decode.**` filter, so the prefill tensors upstream
+    // of the step's logits are left out, and a left-out tensor excuses nothing (docs/diff.md,
+    // "Filters"): the flip is a defect, strict but never a pass. (A decode comparison that
+    // keeps the judged prefill in view could excuse it; then this run is NOT CHECKED from step 2.)
     let d = &r.report["decode"];
     assert_eq!(
         (
             r.code,
             r.report["verdict"].as_str(),
-            r.report["exit_code"].as_i64()
+            d["first_diverging_step"].as_u64()
         ),
-        (4, Some("not_checked"), Some(4)),
+        (1, Some("decisions_differ"), Some(1)),
         "{}{}",
         r.stdout,
         r.stderr
-    );
-    assert_eq!(
-        (
-            d["steps_compared"].as_u64(),
-            d["first_diverging_step"].as_u64()
-        ),
-        (Some(2), None)
-    );
-    assert!(
-        d["reason"]
-            .as_str()
-            .unwrap()
-            .contains("decode.0001.argmax is a near-tie")
-            && d["reason"].as_str().unwrap().contains("step 2 NOT CHECKED"),
-        "{d}"
-    );
-    assert!(
-        r.headline().starts_with("decode step 2 NOT CHECKED"),
-        "{}",
-        r.stdout
     );
     // The control: the same near-tie on both sides is no flip, and every step is compared.
     let same = decode_run(
