@@ -93,7 +93,14 @@ def scaled_copy(src: Path, out: Path, scale: float) -> Path:
                 **{k: v for k, v in t.attributes(n).items() if k in ("path", "mask", "positions")},
             )
         for n, v in decisions.items():
-            w.decision(n, v, margins=margins.get(n))
+            m = margins.get(n)
+            if n == "logits.argmax" and m is not None:
+                # A margin is a claim about the scores (docs/diff.md): scaled with them.
+                top2 = np.sort(
+                    (np.array(t["logits"]).astype(np.float64) * scale).astype(np.float32), axis=-1
+                )
+                m = (top2[:, -1] - top2[:, -2]).astype(np.float32)
+            w.decision(n, v, margins=m)
     return out
 
 
