@@ -195,6 +195,33 @@ def moe(tmp_path):
     return write(tmp_path / "moe", c, tensors(c, seed=1, dtype="BF16"))
 
 
+# §16's odd rotary dims: 12 × 0.25 = 3 (issue 33's config) and an odd head, 7 × 0.5 = 3.5 → 3;
+# both rotate 4 dims. A small theta makes the last frequency's angles large (100^(-2/3) ≈ 0.046
+# rad per position), so a wrong rotary width shows well above the tolerance.
+ODD_ROTARY = {
+    "odd_rotary": dict(head_dim=12, factor=0.25),
+    "odd_head": dict(head_dim=7, factor=0.5),
+}
+
+
+def odd_rotary_config(which: str) -> dict:
+    o = ODD_ROTARY[which]
+    rope = {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": o["factor"]}
+    return config(head_dim=o["head_dim"], rope_parameters=rope)
+
+
+@pytest.fixture
+def odd_rotary(tmp_path):
+    c = odd_rotary_config("odd_rotary")
+    return write(tmp_path / "odd_rotary", c, tensors(c, seed=5))
+
+
+@pytest.fixture
+def odd_head(tmp_path):
+    c = odd_rotary_config("odd_head")
+    return write(tmp_path / "odd_head", c, tensors(c, seed=6))
+
+
 TOKENS = [3, 17, 5, 9, 17, 30, 2, 2, 11]
 
 
@@ -251,7 +278,13 @@ REFUSALS = [
         "rope_parameters.partial_rotary_factor",
         lambda c: {**c, "rope_parameters": {"partial_rotary_factor": 1.5}},
     ),
-    ("partial_rotary_factor", lambda c: {**c, "rope_parameters": {"partial_rotary_factor": 0.375}}),
+    # 8 × 0.1 = 0.8 → no rotary dim at all
+    ("partial_rotary_factor", lambda c: {**c, "rope_parameters": {"partial_rotary_factor": 0.1}}),
+    # an odd head rotated whole: 7 rounds up to 8 rotated dims, more than the head (§16)
+    (
+        "partial_rotary_factor",
+        lambda c: {**c, "head_dim": 7, "rope_parameters": {"partial_rotary_factor": 1.0}},
+    ),
     (
         "rope_parameters.mrope_section",
         lambda c: {**c, "rope_parameters": {"mrope_section": [1, 2]}},
@@ -373,8 +406,9 @@ def _generation(d, cached):
 
 
 def _model_dir(which, request):
-    """A checkpoint written here ("dense", "moe") or a committed fixture (skipped when absent)."""
-    if which in ("dense", "moe"):
+    """A checkpoint written here ("dense", "moe", ODD_ROTARY's) or a committed fixture (skipped
+    when absent)."""
+    if which in ("dense", "moe", *ODD_ROTARY):
         return request.getfixturevalue(which)
     if not os.path.exists(os.path.join(which, "config.json")):
         pytest.skip(f"NOT CHECKED: fixture {which} not present")
@@ -555,6 +589,48 @@ def test_contract_agrees_with_transformers(which, request):
         if isinstance(layer.attn, q35.GatedDeltaNet):
             layer.attn.scale_k = np.float32(1.0)
     assert _max_diff(m, logits, hidden) > 100 * TOL
+
+
+# ---- §16 odd rotary dims: transformers' rounding up, engine ≡ contract ---------------------------
+
+
+@pytest.mark.parametrize("which", list(ODD_ROTARY))
+def test_odd_rotary_dim_agrees_with_transformers(which, request):
+    d = _model_dir(which, request)
+    m = open_model(d)
+    o = ODD_ROTARY[which]
+    assert (m.cfg.head_dim, m.cfg.rotary_dim) == (o["head_dim"], 3)
+    logits, hidden, tokens = _transformers_run(d, TOKENS, 8)
+    assert _max_diff(m, logits, hidden) <= TOL
+    assert m.run(TOKENS, Capture(), generate=8) == tokens
+    # negative controls, the rotary width off by one either way: the floor (one frequency, dims
+    # 0 and 1 rotate, 3 passes) and the rounded-up width 4 in the exponent's denominator
+    theta, hd = m.cfg.rope_theta, m.cfg.head_dim
+    for wrong in (2, 4):
+        m.rope = ops.Rope(theta, hd, wrong)
+        assert _max_diff(m, logits, hidden) > 100 * TOL, f"rotary dim {wrong} not caught"
+
+
+@pytest.mark.parametrize("which", list(ODD_ROTARY))
+def test_odd_rotary_dim_engine_equals_contract(which, request, tmp_path):
+    """Bit for bit, prefill with internals and 5 cached decode steps; a contract planted with the
+    floor rule (one frequency fewer) diverges first at the first full-attention layer's q."""
+    if _NO_ENGINE:
+        pytest.skip(f"NOT CHECKED (engine ≡ contract, odd rotary dim): {_NO_ENGINE}")
+    from test_engine_identity import contract_trace, differences, engine_trace, planted_copy
+
+    d = _model_dir(which, request)
+    e = engine_trace(d, TOKENS, str(tmp_path / "e.trace"), "internals", 5, "on")
+    c = contract_trace(d, TOKENS, str(tmp_path / "c.trace"), "internals", 5, "on")
+    diff = differences(e, c)
+    assert not diff, "\n".join(diff[:3])
+    assert "layer.01.q" in tracegate.Trace(e).names  # layer 1 is the first full-attention one
+    root = planted_copy(
+        tmp_path, "ops.py", "for i in range((d + 1) // 2)]", "for i in range(d // 2)]"
+    )
+    bad = contract_trace(d, TOKENS, str(tmp_path / "bad.trace"), "internals", 5, "on", root)
+    diff = differences(e, bad, "engine", "planted contract")
+    assert diff and diff[0].startswith("layer.01.q:"), diff[:1]
 
 
 # ---- the engine refuses the same configs (when it runs the Qwen3.5 families) --------------------

@@ -92,6 +92,33 @@ def test_partial_rope_rotates_the_first_dims_and_copies_the_rest():
     assert not same_bits(ops.Rope.apply(x, *full.tables([1]))[0, 0], want)
 
 
+def test_odd_rotary_dim_rounds_up_as_transformers():
+    # §16: d_r = 12 × 0.25 = 3 is odd. transformers takes arange(0, 3, 2) → 2 frequencies with
+    # the odd d_r in the exponent's denominator, and its cos/sin are 2·2 = 4 wide, so dims 0..3
+    # rotate (0 with 2, 1 with 3) and 4..11 pass.
+    rope = ops.Rope(100.0, 12, 3)
+    f1 = f32(1.0 / math.pow(100.0, 2 / 3))
+    assert same_bits(rope.inv_freq, [1.0, f1])
+    x = np.arange(1, 13, dtype=np.float32).reshape(1, 1, 12)
+    cos, sin = rope.tables([2])
+    a0, a1 = f32(2.0), f32(f32(2.0) * f1)
+    c0, s0 = f32(math.cos(float(a0))), f32(math.sin(float(a0)))
+    c1, s1 = f32(math.cos(float(a1))), f32(math.sin(float(a1)))
+    want = [
+        f32(f32(1 * c0) - f32(3 * s0)),
+        f32(f32(2 * c1) - f32(4 * s1)),
+        f32(f32(3 * c0) + f32(1 * s0)),
+        f32(f32(4 * c1) + f32(2 * s1)),
+        *range(5, 13),
+    ]
+    assert same_bits(ops.Rope.apply(x, cos, sin)[0, 0], want)
+    # negative controls, the two tempting off-by-ones: the floor (1 frequency, dims 0 and 1
+    # rotate, dim 3 passes) and the rounded-up width in the denominator (100^(-2/4) = 0.1)
+    floor = ops.Rope(100.0, 12, 2)
+    assert not same_bits(ops.Rope.apply(x, *floor.tables([2]))[0, 0], want)
+    assert not same_bits(ops.Rope(100.0, 12, 4).inv_freq, [1.0, f1])
+
+
 # ---- §18.2 causal conv1d -----------------------------------------------------------------------
 
 

@@ -344,12 +344,21 @@ def _parse_fields(raw: dict, mt: str) -> Config:
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         attention_bias=_bool(raw, "attention_bias", False),
     )
-    # §16: int(head_dim × factor), the binary64 product truncated as transformers does.
+    # §16: int(head_dim × factor), the binary64 product truncated as transformers does. An odd
+    # rotary dim rounds up to 2·ceil(d_r/2) rotated dims, which fit in the head unless the whole
+    # (odd) head would rotate: transformers refuses that (head_dim > 4) or fails to broadcast.
     cfg.rotary_dim = int(head_dim * factor) if hybrid else head_dim
-    if cfg.rotary_dim % 2 != 0 or cfg.rotary_dim == 0:
+    width = 2 * ((cfg.rotary_dim + 1) // 2)
+    if cfg.rotary_dim == 0:
         refuse(
             "partial_rotary_factor",
-            f"{factor} × head_dim {head_dim} gives rotary dim {cfg.rotary_dim}, which must be even and positive",
+            f"{factor} × head_dim {head_dim} gives rotary dim 0, which must be positive",
+        )
+    if width > head_dim:
+        refuse(
+            "partial_rotary_factor",
+            f"{factor} × head_dim {head_dim} gives the odd rotary dim {cfg.rotary_dim}, which "
+            f"rotates {width} dims, more than the head's {head_dim} (docs/numerics.md §16)",
         )
     if hybrid:
         _parse_qwen3_5(raw, cfg)

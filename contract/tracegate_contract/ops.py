@@ -190,16 +190,19 @@ def l2norm(x: np.ndarray) -> np.ndarray:
 
 
 def inv_freq(base: float, d: int) -> np.ndarray:
-    """inv_freq[i] = f32(1.0 / pow(base, (2i)/d)), all binary64 (libm pow) until the final round."""
+    """inv_freq[i] = f32(1.0 / pow(base, (2i)/d)), all binary64 (libm pow) until the final round,
+    for i in 0 .. ceil(d/2)−1: an odd d (§16's rotary dim) gets the frequency of i = (d−1)/2 too,
+    as transformers' arange(0, d, 2) does."""
     return np.array(
-        [1.0 / math.pow(float(base), (2 * i) / d) for i in range(d // 2)], dtype=F64
+        [1.0 / math.pow(float(base), (2 * i) / d) for i in range((d + 1) // 2)], dtype=F64
     ).astype(F32)
 
 
 class Rope:
     """cos/sin rows per absolute position, computed on first use and kept (a position's row is
     a pure function of the position, so caching cannot change a bit). `rotary_dim` < d: partial
-    RoPE (§16), the tables cover the first rotary_dim dims only."""
+    RoPE (§16), the tables cover the first 2·ceil(rotary_dim/2) dims only (an odd rotary dim
+    rounds up, as in transformers)."""
 
     def __init__(self, base: float, d: int, rotary_dim: int | None = None):
         self.inv_freq = inv_freq(base, d if rotary_dim is None else rotary_dim)
@@ -222,7 +225,8 @@ class Rope:
     @staticmethod
     def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [T, heads, d] rotated at each row's position ("rotate half": i pairs with i+h).
-        cos/sin are [T, h] (`tables`); with h < d/2 (§16) dims 2h.. are copied unchanged."""
+        cos/sin are [T, h] (`tables`); with h < d/2 (§16) dims 2h.. are copied unchanged.
+        2h ≤ d is the config's check (§16)."""
         h = cos.shape[-1]
         x1, x2 = x[..., :h], x[..., h : 2 * h]
         c, s = cos[:, None, :], sin[:, None, :]

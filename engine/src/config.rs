@@ -262,8 +262,8 @@ impl Config {
             (None, ModelType::Qwen3Moe) => hidden_size / num_attention_heads,
             (None, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe) => 256,
         };
-        // Qwen3.5 rotates only the leading `rotary_dim` dims (checked below), which must pair up;
-        // its head_dim itself may be odd.
+        // Qwen3.5 rotates only the leading 2·ceil(rotary_dim/2) dims (checked below); its
+        // head_dim itself may be odd.
         if !qwen3_5 && (head_dim % 2 != 0 || head_dim == 0) {
             let from = if field(v, "head_dim").is_some() {
                 String::new()
@@ -365,9 +365,18 @@ impl Config {
         let rms_norm_eps = opt_f64(v, "rms_norm_eps", 1e-6)?;
         let (rope_theta, partial) = rope_params(v, qwen3_5)?;
         let rotary_dim = (head_dim as f64 * partial) as usize; // transformers: int(head_dim * factor)
-        if qwen3_5 && (!rotary_dim.is_multiple_of(2) || rotary_dim == 0) {
+                                                               // §16: an odd rotary dim rounds up to 2·ceil(d_r/2) rotated dims, as transformers does;
+                                                               // they fit in the head unless the whole (odd) head would rotate, which transformers
+                                                               // refuses (head_dim > 4) or fails to broadcast.
+        let width = rotary_dim.div_ceil(2) * 2;
+        if qwen3_5 && rotary_dim == 0 {
             return Err(err!(Config:
-                "config.json: partial_rotary_factor = {partial} gives {rotary_dim} rotary dims of head_dim {head_dim}; they must be even and positive"
+                "config.json: partial_rotary_factor = {partial} gives 0 rotary dims of head_dim {head_dim}; they must be positive"
+            ));
+        }
+        if qwen3_5 && width > head_dim {
+            return Err(err!(Config:
+                "config.json: partial_rotary_factor = {partial} gives the odd rotary dim {rotary_dim}, which rotates {width} dims, more than head_dim {head_dim} (docs/numerics.md §16)"
             ));
         }
         let (linear, shared_expert_intermediate_size) = match family {

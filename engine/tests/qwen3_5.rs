@@ -372,6 +372,21 @@ fn config_fields_are_honoured_or_refused_by_name() {
         json!(1.0),
     );
     assert_eq!(Config::from_json(&top).unwrap().rotary_dim, 12);
+    // An odd rotary dim (12 × 0.25 = 3) is run as transformers runs it, rounded up (§16); so is
+    // an odd head whose rotated dims fit in it (7 × 0.5 = 3.5 → 3: 4 of its 7 dims rotate).
+    let odd = with(
+        &d,
+        "rope_parameters",
+        json!({"partial_rotary_factor": 0.25}),
+    );
+    assert_eq!(Config::from_json(&odd).unwrap().rotary_dim, 3);
+    let odd_head = with(&odd, "head_dim", json!(7));
+    let odd_head = with(
+        &odd_head,
+        "rope_parameters",
+        json!({"partial_rotary_factor": 0.5}),
+    );
+    assert_eq!(Config::from_json(&odd_head).unwrap().rotary_dim, 3);
     let rope = |extra: Value| {
         let mut r = d["rope_parameters"].clone();
         for (k, v) in extra.as_object().unwrap() {
@@ -410,9 +425,13 @@ fn config_fields_are_honoured_or_refused_by_name() {
             "partial_rotary_factor",
         ),
         (
-            rope(json!({"partial_rotary_factor": 0.25})),
-            "partial_rotary_factor",
-        ), // 12 × 0.25 = 3: odd
+            rope(json!({"partial_rotary_factor": 0.05})),
+            "partial_rotary_factor = 0.05 gives 0 rotary dims",
+        ), // 12 × 0.05 = 0.6 → 0
+        (
+            with(&rope(json!({"partial_rotary_factor": 1.0})), "head_dim", json!(11)),
+            "partial_rotary_factor = 1 gives the odd rotary dim 11, which rotates 12 dims, more than head_dim 11",
+        ), // an odd head rotated whole: transformers refuses it too (§16)
         (
             rope(json!({"rope_type": "yarn"})),
             "rope_parameters.rope_type",

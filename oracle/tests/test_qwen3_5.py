@@ -452,3 +452,55 @@ def test_torch_references_run_and_are_restored(runs):
     assert base.provenance["linear_attention"][mod.__name__]["bypassed"] == {}
     assert all(not isinstance(getattr(mod, f), linear_attn._Wrapped) for f in linear_attn.FUNCS)
     assert linear_attn.active_paths() is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_odd_rotary_dim_is_rounded_up_as_numerics_md_says(family):
+    """docs/numerics.md §16: d_r = int(head_dim × factor) odd → ceil(d_r/2) frequencies over d_r,
+    2·ceil(d_r/2) dims rotate, the rest pass; an odd head rotated whole is refused."""
+    import importlib
+    import math
+
+    import transformers
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    Cfg = getattr(
+        transformers, "Qwen3_5TextConfig" if family == "qwen3_5" else "Qwen3_5MoeTextConfig"
+    )
+    Rot = getattr(
+        mod,
+        "Qwen3_5TextRotaryEmbedding" if family == "qwen3_5" else "Qwen3_5MoeTextRotaryEmbedding",
+    )
+
+    def cfg(head_dim, factor):
+        rope = {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": factor}
+        return Cfg(
+            vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=head_dim, layer_types=["full_attention"],
+            rope_parameters=rope,
+        )  # fmt: skip
+
+    rot = Rot(cfg(12, 0.25))  # d_r = 3
+    f1 = 1.0 / math.pow(100.0, 2 / 3)
+    assert rot.inv_freq.tolist() == pytest.approx([1.0, f1], rel=1e-6)
+    x = torch.arange(1, 13, dtype=torch.float32).reshape(1, 1, 1, 12)
+    cos, sin = rot(x, torch.tensor([[2]]))
+    assert tuple(cos.shape) == (1, 1, 4)
+    q, _ = mod.apply_rotary_pos_emb(x, x, cos, sin)
+    q = q[0, 0, 0].tolist()
+    a = [2.0, 2.0 * f1]
+    want = [
+        1 * math.cos(a[0]) - 3 * math.sin(a[0]),
+        2 * math.cos(a[1]) - 4 * math.sin(a[1]),
+        3 * math.cos(a[0]) + 1 * math.sin(a[0]),
+        4 * math.cos(a[1]) + 2 * math.sin(a[1]),
+    ]
+    assert q[:4] == pytest.approx(want, abs=1e-5) and q[4:] == list(range(5, 13))
+    # negative control: the floor rule (dims 0 and 1 rotate, 3 passes) is not what it does
+    floor = [1 * math.cos(2) - 2 * math.sin(2), 2 * math.cos(2) + 1 * math.sin(2), 3.0, 4.0]
+    assert q[:4] != pytest.approx(floor, abs=1e-3)
+    # the one odd case that does not fit: refused by the config (head_dim > 4) ...
+    with pytest.raises(Exception, match="even rotary dimension"):
+        cfg(7, 1.0)
+    # ... while an odd head whose rounded-up width fits runs (7 × 0.5 → 3: 4 of 7 dims rotate)
+    assert tuple(Rot(cfg(7, 0.5))(x[..., :7], torch.tensor([[2]]))[0].shape) == (1, 1, 4)

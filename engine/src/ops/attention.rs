@@ -8,23 +8,25 @@ use super::{dot, exp_shifted, softmax};
 use crate::aligned::Lines;
 use crate::matmul::Kernel;
 
-/// §7 RoPE tables for a list of absolute positions: `cos[p][i]`, `sin[p][i]`, i < d/2.
+/// §7 RoPE tables for a list of absolute positions: `cos[p][i]`, `sin[p][i]`, i < `half` =
+/// ceil(d/2) (§16: an odd rotary dim rounds up, so `apply` rotates 2·half dims).
 pub struct Rope {
     pub half: usize,
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
 }
 
-/// §7 `inv_freq[i] = f32(1 / pow(base, (2i)/d))`, all in binary64.
+/// §7 `inv_freq[i] = f32(1 / pow(base, (2i)/d))`, all in binary64, for i < ceil(d/2): an odd d
+/// (§16's rotary dim) keeps i = (d−1)/2, as transformers' `arange(0, d, 2)` does.
 pub fn inv_freq(base: f64, d: usize) -> Vec<f32> {
-    (0..d / 2)
+    (0..d.div_ceil(2))
         .map(|i| (1.0f64 / base.powf((2 * i) as f64 / d as f64)) as f32)
         .collect()
 }
 
 impl Rope {
     pub fn new(base: f64, d: usize, positions: &[i64]) -> Rope {
-        let half = d / 2;
+        let half = d.div_ceil(2);
         let inv = inv_freq(base, d);
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
@@ -38,7 +40,8 @@ impl Rope {
         Rope { half, cos, sin }
     }
 
-    /// Rotate one head vector in place with the tables of row `row` ("rotate half" pairing).
+    /// Rotate one head vector in place with the tables of row `row` ("rotate half" pairing);
+    /// `x` holds at least 2·half dims (the config's check, §16), the rest are left alone.
     pub fn apply(&self, row: usize, x: &mut [f32]) {
         let h = self.half;
         let (c, s) = (

@@ -334,6 +334,36 @@ fn rope_table_entries_match_f64_formula() {
 }
 
 #[test]
+fn rope_odd_rotary_dim_rounds_up_as_transformers() {
+    // §16: d_r = 3 (12 × 0.25). transformers: arange(0, 3, 2) → 2 frequencies, exponent over 3,
+    // cos/sin 4 wide: dims 0..3 rotate (0 with 2, 1 with 3), 4.. are left alone.
+    let base = 100.0f64;
+    let f1 = (1.0 / base.powf(2.0 / 3.0)) as f32;
+    assert_eq!(inv_freq(base, 3), [1.0, f1]);
+    let rope = Rope::new(base, 3, &[2]);
+    assert_eq!(rope.half, 2);
+    let (a0, a1) = (2.0f32, 2.0f32 * f1);
+    let (c0, s0) = ((a0 as f64).cos() as f32, (a0 as f64).sin() as f32);
+    let (c1, s1) = ((a1 as f64).cos() as f32, (a1 as f64).sin() as f32);
+    let mut x: Vec<f32> = (1..=12).map(|i| i as f32).collect();
+    rope.apply(0, &mut x);
+    let mut want = vec![
+        1.0 * c0 - 3.0 * s0,
+        2.0 * c1 - 4.0 * s1,
+        3.0 * c0 + 1.0 * s0,
+        4.0 * c1 + 2.0 * s1,
+    ];
+    want.extend((5..=12).map(|i| i as f32));
+    assert_eq!(bits(&x), bits(&want));
+    // Negative controls, the two tempting off-by-ones: the floor (one frequency: dims 0 and 1
+    // rotate, dim 3 passes) and the rounded-up width in the denominator (100^(-2/4) = 0.1).
+    let mut y: Vec<f32> = (1..=12).map(|i| i as f32).collect();
+    Rope::new(base, 2, &[2]).apply(0, &mut y);
+    assert_ne!(bits(&y), bits(&want));
+    assert_ne!(inv_freq(base, 4), [1.0, f1]);
+}
+
+#[test]
 fn silu_both_branches() {
     let g = 1.5f32;
     assert_eq!(sigmoid(g), (1.0 / (1.0 + (-1.5f64).exp())) as f32);
