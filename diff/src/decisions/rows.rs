@@ -292,8 +292,7 @@ impl Rows<'_> {
         a: &[i64],
         b: &[i64],
     ) -> Option<String> {
-        if let Some((i, name)) = self.left_out.first.filter(|(i, _)| *i <= self.at) {
-            let _ = i;
+        if let Some((_, name)) = self.left_out.first.filter(|(i, _)| *i <= self.at) {
             return Some(format!(
                 "{name}, captured up to the source, was left out by the filter: a tensor not compared excuses nothing"
             ));

@@ -82,8 +82,8 @@ fn significand_bits(d: DType) -> Option<i32> {
     }
 }
 
-/// One unit in the last place of `dtype` at magnitude `x` (at least the dtype's step at 1 ×
-/// its smallest normal exponent is not needed here: the slack this feeds is never below 1e-5).
+/// One unit in the last place of `dtype` at magnitude `x`, as for a normal number: a subnormal
+/// magnitude gets a smaller step than its real one, so the slack is stricter there, never looser.
 fn ulp_at(dtype: DType, x: f64) -> f64 {
     let bits = significand_bits(dtype).unwrap_or(53);
     let x = x.abs();
