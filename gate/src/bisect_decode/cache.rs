@@ -2,7 +2,7 @@
 
 use tracegate_diff::{compare, FindingKind, Report, Verdict};
 
-use super::{decode_only, step_of, CacheCheck, CacheStatus, Context};
+use super::{decode_view, step_of, CacheCheck, CacheStatus, Context};
 use crate::bisect::{self as b, BisectOptions};
 use crate::producer::{RunRecord, Verb};
 
@@ -57,7 +57,7 @@ pub(super) fn cache_check(
     };
     check.trace = Some(rel.clone());
     // The full recompute is the reference side: the cached path is what is being checked.
-    let opts = decode_only(c.policy);
+    let opts = decode_view(c.policy);
     let rep = compare(&uncached, c.candidate, &opts);
     // A refused comparison compared nothing: it cannot agree.
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {

@@ -1,14 +1,15 @@
 //! The decode bisection's driver: the first diverging step, then the cache self-check and the
 //! isolation at that step (cache.rs, isolate.rs), then the verdict.
 
-use tracegate_diff::{compare, FindingKind, Verdict};
+use tracegate_diff::{compare, FindingKind, RowStatus};
 use tracegate_trace::names::{self, Name};
 
 use super::cache::cache_check;
 use super::isolate::isolate_step;
-use super::{decode_only, step_of, CacheStatus, Context, DecodeReport, DecodeStatus};
+use super::{decode_view, step_of, CacheStatus, Context, DecodeReport, DecodeStatus};
 use crate::bisect::{
-    self as b, BisectOptions, BisectVerdict, How, Isolated, Said, TensorCmp, WholeRunState,
+    self as b, BisectOptions, BisectVerdict, CmpStatus, How, Isolated, Said, TensorCmp,
+    WholeRunState,
 };
 use crate::producer::RunRecord;
 
@@ -30,7 +31,7 @@ pub fn run(
         return (d, prefill);
     }
     let n = o.tokens.len() as i64;
-    let opts = decode_only(c.policy);
+    let opts = decode_view(c.policy);
     let rep = compare(c.reference, c.candidate, &opts);
     let tensors = b::rows(&rep);
     let decisions = b::decisions(&rep);
@@ -133,10 +134,20 @@ pub fn run(
         } else {
             format!("steps 0-{}", d.steps_compared - 1)
         };
-        let how = if rep.verdict == Verdict::WithinPolicy {
-            "within policy"
-        } else {
+        // The comparison holds the prefill too: only the compared steps' rows say how they agree.
+        let seen = |name: &str| step_of(name).is_some_and(|x| x < d.steps_compared);
+        let identical = tensors
+            .iter()
+            .filter(|t| seen(&t.tensor))
+            .all(|t| t.status == CmpStatus::Row(RowStatus::Identical))
+            && decisions
+                .iter()
+                .filter(|x| seen(&x.name))
+                .all(|x| x.differing_rows == 0);
+        let how = if identical {
             "identical"
+        } else {
+            "within policy"
         };
         // Steps after an excused flip were not compared: NOT CHECKED, never a pass.
         let left = o.generate - d.steps_compared;
