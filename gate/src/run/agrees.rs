@@ -259,3 +259,80 @@ fn compare_agrees(
         summary,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    //! `agrees` classifies a finding as trace-diff and bisect do (bisect_judge::finding_class):
+    //! a candidate (the oracle's trace here, written as an adversary would, with TraceWriter)
+    //! that differs from the engine in one element of embed.out.
+    use super::*;
+    use serde_json::json;
+    use tracegate_trace::{Attributes, DType, TraceWriter};
+
+    fn write(path: &std::path::Path, producer: serde_json::Value, first: f32) -> Trace {
+        let mut w = TraceWriter::create(path, producer).unwrap();
+        let attrs = Attributes::default()
+            .with_path("prefill")
+            .with_mask("causal")
+            .with_positions(vec![0, 1]);
+        let embed: Vec<u8> = [first, 0.5, -0.25, 1.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        w.tensor("embed.out", DType::F32, &[2, 2], &embed, &attrs)
+            .unwrap();
+        let logits: Vec<u8> = [2.0f32, 0.0, -1.0, -1.0, 0.0, 3.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        w.tensor("logits", DType::F32, &[2, 3], &logits, &attrs)
+            .unwrap();
+        w.decision("logits.argmax", &[2], &[0, 2], Some(&[2.0, 3.0]))
+            .unwrap();
+        w.finish().unwrap();
+        Trace::open(path).unwrap()
+    }
+
+    fn agrees(oracle_first: f32) -> CheckResult {
+        let dir = tempfile::tempdir().unwrap();
+        let tokens = json!([1, 2]);
+        let engine = json!({"producer": "engine", "versions": {"tracegate": "0.1.0"}, "dtype": "f32",
+            "device": "cpu", "weights_digest": "w-1", "prompt_tokens": tokens});
+        let oracle = json!({"producer": "oracle", "dtype": "float32", "device": "cpu",
+            "versions": {"torch": "2.5.1", "transformers": "4.47.0", "numpy": "2.1.3"},
+            "attn_implementation": "eager", "weights_digest": "w-1", "prompt_tokens": tokens});
+        let e = write(&dir.path().join("e.trace"), engine, 0.0);
+        let o = write(&dir.path().join("o.trace"), oracle, oracle_first);
+        let m: MilestoneModel =
+            serde_json::from_value(json!({"model": "m", "family": "qwen3"})).unwrap();
+        let p = Prompt {
+            id: "p".into(),
+            tokens: vec![1, 2],
+        };
+        let policy = Policy::load(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../fixtures/policy/oracle-default.json"),
+        )
+        .unwrap();
+        compare_agrees(&m, &p, &e, &o, &policy, Err("none recorded")).0
+    }
+
+    #[test]
+    fn a_signed_zero_within_the_policy_agrees_and_a_nan_or_infinity_fails() {
+        // The control first: the same bits agree.
+        assert_eq!(agrees(0.0).status, Status::Pass);
+        // -0 against +0 is 0 ULP: trace-diff calls the row within policy, and so does agrees
+        // (a signed_zero finding on an agreeing row says what kind of difference it is).
+        let signed = agrees(-0.0);
+        assert_eq!(signed.status, Status::Pass, "{:?}", signed.findings);
+        for (what, v) in [("NaN", f32::NAN), ("+inf", f32::INFINITY)] {
+            let r = agrees(v);
+            assert_eq!(r.status, Status::Fail, "{what}: {}", r.detail);
+            assert!(
+                r.findings.iter().any(|f| f.about.name == "embed.out"),
+                "{what}: {:?}",
+                r.findings
+            );
+        }
+    }
+}
