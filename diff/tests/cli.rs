@@ -618,3 +618,32 @@ fn control_characters_are_escaped_in_every_output() {
         }
     }
 }
+
+#[test]
+fn a_full_disk_leaves_no_page_and_no_temporary() {
+    // RLIMIT_FSIZE stands in for a full disk: past 512 bytes every write fails (EFBIG, with
+    // SIGXFSZ ignored), as ENOSPC does, without root or a filesystem of our own.
+    let (r, c) = oracle_like_pair();
+    let (dir, rp, cp) = pair(&r, &c);
+    let out_dir = dir.path().join("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    let page = out_dir.join("page.html");
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(r#"trap '' XFSZ; ulimit -f 1; exec "$0" "$@""#)
+        .arg(env!("CARGO_BIN_EXE_trace-diff"))
+        .args([p(&rp), p(&cp), "--html", p(&page)])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("cannot write") && err.contains("page.html"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&out_dir).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    // The control: no limit, the page is written.
+    let ok = run(&[p(&rp), p(&cp), "--html", p(&page)]);
+    assert!(page.is_file(), "{}", ok.stderr);
+}

@@ -173,10 +173,14 @@ fn main() -> ExitCode {
         Cmd::Info { model } => info(&model).map(|s| s.trim_end().to_string()),
     };
     match result {
-        Ok(s) => {
-            println!("{s}");
-            ExitCode::SUCCESS
-        }
+        // A closed stdout (`engine info | head`) drops the text; the verb's work is done.
+        Ok(s) => match tracegate_trace::output::print(&format!("{s}\n")) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("engine: error: cannot write to stdout: {e}");
+                ExitCode::from(2)
+            }
+        },
         Err(e) => {
             eprintln!("engine: error: {e}");
             ExitCode::from(2)

@@ -1289,3 +1289,27 @@ fn a_missing_input_trace_is_the_trace_crates_error_kept_whole() {
     );
     assert!(e.to_string().contains("no-such.trace"), "{e}");
 }
+
+#[test]
+fn a_closed_stdout_is_no_crash() {
+    // `engine info | head`: the reader went away; the verb did its work and exits 0, no panic.
+    let f = fixture();
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_engine"))
+        .args(["info", "--model"])
+        .arg(&f.dense)
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // The control: with a reader, it says what it printed.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_engine"))
+        .args(["info", "--model"])
+        .arg(&f.dense)
+        .output()
+        .unwrap();
+    assert!(o.status.success() && !o.stdout.is_empty());
+}

@@ -118,14 +118,27 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     serde_json::from_str(&text).map_err(|e| gerr!(File: "{}: {e}", path.display()))
 }
 
-/// Writes JSON through a temporary file and a rename, so a crash never leaves half a file.
+/// JSON as the gate writes it: pretty, with a final newline.
+pub fn json_bytes(path: &Path, value: &impl serde::Serialize) -> Result<Vec<u8>> {
+    let mut text =
+        serde_json::to_vec_pretty(value).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+    text.push(b'\n');
+    Ok(text)
+}
+
+/// Writes every file or none (a full disk, a read-only directory: the temporaries are removed
+/// and each path keeps what it held), so reports never disagree with one another or with the
+/// exit status.
+pub fn write_files(files: &[(&Path, &[u8])]) -> Result<()> {
+    tracegate_trace::output::write_whole(files).map_err(|e| {
+        let names: Vec<String> = files.iter().map(|(p, _)| p.display().to_string()).collect();
+        gerr!(File: "cannot write {e}: none of {} written", names.join(", "))
+    })
+}
+
+/// One JSON file, written whole or not at all.
 pub fn write_json_atomic(path: &Path, value: &impl serde::Serialize) -> Result<()> {
-    let text = serde_json::to_string_pretty(value)
-        .map_err(|e| gerr!(File: "{}: {e}", path.display()))?
-        + "\n";
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, text).map_err(|e| gerr!(File: "{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| gerr!(File: "{}: {e}", path.display()))
+    write_files(&[(path, &json_bytes(path, value)?)])
 }
 
 /// Exclusive use of a trace directory for the life of one gate run. Two runs writing the same

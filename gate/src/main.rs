@@ -215,6 +215,11 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     {
         return Err(gerr!("--html: {} is not a directory", dir.display()));
     }
+    for (flag, p) in [("--report", &report), ("--html", &html)] {
+        if let Some(p) = p.as_ref().filter(|p| p.is_dir()) {
+            return Err(gerr!("{flag}: {} is a directory", p.display()));
+        }
+    }
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), None) => prompts::parse_tokens(t)?,
         (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
@@ -275,14 +280,19 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
             return Err(err);
         }
     };
-    print!("{}", bisect::render(&rep));
-    write_report(&report, &rep)?;
-    if let Some(p) = &html {
-        tracegate_diff::html::write_file(p, &tracegate_gate::bisect_html::render_html(&rep))
-            .map_err(|e| gerr!(File: "{}: {e}", p.display()))?;
-        eprintln!("HTML report written to {}", p.display());
+    let printed = say(&bisect::render(&rep));
+    let mut files = Vec::new();
+    if let Some(p) = &report {
+        files.push(Output::json(p, &rep)?);
     }
-    Ok(rep.exit_code)
+    if let Some(p) = &html {
+        files.push(Output::html(
+            p,
+            tracegate_gate::bisect_html::render_html(&rep),
+        ));
+    }
+    write_outputs(&files)?;
+    printed.map(|()| rep.exit_code)
 }
 
 fn options(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> GateOptions {
@@ -309,28 +319,69 @@ fn options(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Gat
 }
 
 fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result<(), Error> {
-    if let Some(p) = path {
-        tracegate_gate::write_json_atomic(p, value)?;
-        eprintln!("report written to {}", p.display());
+    match path {
+        Some(p) => write_outputs(&[Output::json(p, value)?]),
+        None => Ok(()),
+    }
+}
+
+/// A report file: where it goes, what it holds, and what the run says once it is written.
+struct Output {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    what: &'static str,
+}
+
+impl Output {
+    fn json(path: &std::path::Path, value: &impl serde::Serialize) -> Result<Output, Error> {
+        Ok(Output {
+            path: path.to_path_buf(),
+            bytes: tracegate_gate::json_bytes(path, value)?,
+            what: "report",
+        })
+    }
+    fn html(path: &std::path::Path, page: String) -> Output {
+        Output {
+            path: path.to_path_buf(),
+            bytes: page.into_bytes(),
+            what: "HTML report",
+        }
+    }
+}
+
+/// Every report of a run, or none: a JSON report saying exit 0 beside a page that could not be
+/// written (and an exit status of 2) would be two answers.
+fn write_outputs(files: &[Output]) -> Result<(), Error> {
+    let refs: Vec<(&std::path::Path, &[u8])> = files
+        .iter()
+        .map(|f| (f.path.as_path(), f.bytes.as_slice()))
+        .collect();
+    tracegate_gate::write_files(&refs)?;
+    for f in files {
+        eprintln!("{} written to {}", f.what, f.path.display());
     }
     Ok(())
 }
 
-/// One milestone, every model of it: each model's report printed (and its HTML page written),
-/// the JSON report (an array, one report per model) written; the exit code of the worst.
-fn run_one(
-    root: &std::path::Path,
-    up: &UserPaths,
-    id: &str,
-    a: &RunArgs,
-) -> Result<Vec<MilestoneReport>, Error> {
+/// Prints the text output. A closed stdout (`| head`, `| true`) drops it and the run goes on
+/// (its reports are written, its exit status stands); another write error is exit 2 once the
+/// reports are written.
+fn say(text: &str) -> Result<(), Error> {
+    tracegate_trace::output::print(text).map_err(|e| gerr!(File: "cannot write to stdout: {e}"))
+}
+
+/// One milestone, every model of it: each model's report printed, and its HTML page when asked
+/// for (not yet written: the caller writes the pages with the JSON report, all or none).
+fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Result<Run, Error> {
     let (reps, bless_log) = run_milestone(&options(root, up, id, a))?;
+    let mut text = String::new();
     for rep in &reps {
-        print!("{}", report::render(rep));
+        text.push_str(&report::render(rep));
     }
     if reps.len() > 1 {
-        print!("{}", overall_line(id, &reps));
+        text.push_str(&overall_line(id, &reps));
     }
+    let mut pages = Vec::new();
     if let Some(p) = &a.html {
         let p = up.absolute(p);
         for rep in &reps {
@@ -340,15 +391,38 @@ fn run_one(
             } else {
                 html_path(&p, &tracegate_gate::run::dir_name(&rep.model))
             };
-            tracegate_diff::html::write_file(&page, &report::render_html(rep))
-                .map_err(|e| gerr!(File: "{}: {e}", page.display()))?;
-            eprintln!("HTML report written to {}", page.display());
+            pages.push(Output::html(&page, report::render_html(rep)));
         }
     }
     if let Some(log) = bless_log {
-        println!("\nblessed (milestones.json, baselines.json):\n{log}");
+        text.push_str(&format!(
+            "\nblessed (milestones.json, baselines.json):\n{log}\n"
+        ));
     }
-    Ok(reps)
+    let printed = say(&text);
+    Ok(Run {
+        reps,
+        pages,
+        printed,
+    })
+}
+
+/// A milestone's run: its reports, the HTML pages to write, and whether stdout took the text.
+struct Run {
+    reps: Vec<MilestoneReport>,
+    pages: Vec<Output>,
+    printed: Result<(), Error>,
+}
+
+/// A milestone run's pages and JSON report (an array, one report per model), all or none; the
+/// exit code of the worst model.
+fn finish_run(run: Run, report: Option<PathBuf>) -> Result<i32, Error> {
+    let mut files = run.pages;
+    if let Some(p) = &report {
+        files.push(Output::json(p, &run.reps)?);
+    }
+    write_outputs(&files)?;
+    run.printed.map(|()| worst_exit(&run.reps))
 }
 
 /// `OUT.html` → `OUT.<model>.html`.
@@ -456,10 +530,13 @@ fn main() -> ExitCode {
     if let Cmd::Workers { action } = &cli.cmd {
         let stop = matches!(action, Some(WorkersAction::Stop));
         return match tracegate_gate::producer::resident::workers_verb(stop) {
-            Ok(text) => {
-                println!("{text}");
-                ExitCode::SUCCESS
-            }
+            Ok(text) => match say(&format!("{text}\n")) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("gate workers: {e}");
+                    ExitCode::from(2)
+                }
+            },
             Err(e) => {
                 eprintln!("gate workers: {e}");
                 ExitCode::from(2)
@@ -493,15 +570,12 @@ fn main() -> ExitCode {
     }
     let root = PathBuf::from(".");
     let result = match &cli.cmd {
-        Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| {
-            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| worst_exit(&r))
-        }),
-        Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| {
-            write_report(&a.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| worst_exit(&r))
-        }),
-        Cmd::Run { id, args } => run_one(&root, &up, id, args).and_then(|r| {
-            write_report(&args.report.as_ref().map(|p| up.absolute(p)), &r).map(|_| worst_exit(&r))
-        }),
+        Cmd::M0(a) => run_one(&root, &up, "m0", a)
+            .and_then(|r| finish_run(r, a.report.as_ref().map(|p| up.absolute(p)))),
+        Cmd::M1(a) => run_one(&root, &up, "m1", a)
+            .and_then(|r| finish_run(r, a.report.as_ref().map(|p| up.absolute(p)))),
+        Cmd::Run { id, args } => run_one(&root, &up, id, args)
+            .and_then(|r| finish_run(r, args.report.as_ref().map(|p| up.absolute(p)))),
         Cmd::Bisect(a) => bisect(&root, &up, a),
         Cmd::Workers { .. } => Ok(0), // answered above
         Cmd::Check { args } if args.html.is_some() => Err(gerr!(
@@ -512,8 +586,10 @@ fn main() -> ExitCode {
             let mut reports = Vec::new();
             let mut table = Vec::new();
             let mut worst = 0;
+            let mut stdout = Ok(());
             for m in &file.milestones {
-                let reps = run_one(&root, &up, &m.id, args)?;
+                let Run { reps, printed, .. } = run_one(&root, &up, &m.id, args)?;
+                stdout = stdout.and(printed);
                 let stable = answer(&reps, &[Check::Stable]);
                 let matches = answer(&reps, &[Check::Matches, Check::Generation]);
                 let agrees = answer(&reps, &[Check::Agrees, Check::GenerationOracle]);
@@ -528,12 +604,13 @@ fn main() -> ExitCode {
                 });
                 reports.extend(reps);
             }
-            println!(
-                "\n== gate check: {} milestones\n{}",
+            let printed = say(&format!(
+                "\n== gate check: {} milestones\n{}\n",
                 file.milestones.len(),
                 table.join("\n")
-            );
+            ));
             write_report(&args.report.as_ref().map(|p| up.absolute(p)), &reports)?;
+            stdout.and(printed)?;
             Ok(match worst {
                 0 => 0,
                 1 => 4,

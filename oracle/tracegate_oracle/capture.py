@@ -1224,8 +1224,10 @@ def capture_layer(
     if not 0 <= L < len(layers):
         raise OracleError(f"--layer {L}: the model has layers 0..{len(layers) - 1}")
     H = lay.config.hidden_size
-    if hidden.ndim != 2 or hidden.shape[1] != H:
-        raise OracleError(f"--input-name: tensor shape {list(hidden.shape)} is not [T, {H}]")
+    if hidden.ndim != 2 or hidden.shape[1] != H or hidden.shape[0] < 1:
+        raise OracleError(
+            f"--input-name: tensor shape {list(hidden.shape)} is not [rows, {H}] with rows ≥ 1"
+        )
     if len(positions) != hidden.shape[0]:
         raise OracleError(f"--input-name: {len(positions)} positions for {hidden.shape[0]} rows")
     if any(b <= a for a, b in zip(positions, positions[1:], strict=False)) or (
@@ -1313,6 +1315,14 @@ def write_trace(cap: Capture, out: str | os.PathLike) -> str:
         raise OracleError(
             "the `tracegate` Python module is not installed (run scripts/setup.sh)"
         ) from None
+    try:
+        return _write(tracegate, cap, out)
+    except (OSError, tracegate.TraceError) as e:
+        # An unwritable --out (a read-only directory, a full disk): one line, as the engine's.
+        raise OracleError(f"--out {out}: cannot write the trace: {e}") from None
+
+
+def _write(tracegate, cap: Capture, out) -> str:
     with tracegate.TraceWriter(str(out), cap.provenance) as w:
         for r in cap.tensors:
             a = r.attrs

@@ -111,10 +111,12 @@ def _read_input(path: str, name: str):
     if "positions" not in attrs:
         raise OracleError(f"--input-name {name}: tensor has no positions attribute")
     arr = tr[name]
-    dt = attrs.get("dtype")
-    if dt is None and hasattr(tr, "dtype"):
-        dt = tr.dtype(name)
-    dt = "bf16" if str(dt).lower() in ("bf16", "bfloat16") else None
+    # As the engine and the contract: rows are taken as they are, never converted from integers
+    # (an i32 tensor read as f32 is other numbers); a bf16 row is a bf16 candidate's.
+    stored = tr.dtype(name)
+    if stored not in ("f32", "bf16"):
+        raise OracleError(f"{path}: tensor {name} is {stored}, not f32 (or bf16)")
+    dt = "bf16" if stored == "bf16" else None
     src = {
         "input_trace": str(path),
         "input_name": name,

@@ -17,6 +17,7 @@ mod index;
 pub mod json;
 mod layout;
 pub mod names;
+pub mod output;
 mod reader;
 mod view;
 mod writer;

@@ -129,13 +129,10 @@ svg{background:#fff;border:1px solid #d4d8e0;margin:.3em 0}svg text{font:11px sy
 .lane{stroke:#eee}.m-defect{fill:#c62828}.m-near-tie{fill:#e0a000}.m-after-near-tie{fill:#c9b26b}.m-consequence{fill:#888}\
 .nb{stroke:#333;stroke-width:1.5}.note{color:#555}a{color:#1f5fbf}";
 
-/// Writes through a temporary file and a rename, so a crash never leaves half a page.
+/// Writes the page whole or not at all (tracegate_trace::output::write_whole): a crash or a
+/// full disk never leaves half a page or a temporary.
 pub fn write_file(path: &Path, text: &str) -> std::io::Result<()> {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".tmp");
-    let tmp = path.with_file_name(name);
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    tracegate_trace::output::write_whole(&[(path, text.as_bytes())]).map_err(|e| e.error)
 }
 
 #[cfg(test)]

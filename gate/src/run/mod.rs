@@ -493,8 +493,10 @@ pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<St
                 &mut bl_file,
             )?);
         }
-        crate::write_json_atomic(&settled.ms_path, &settled.file)?;
-        crate::write_json_atomic(&bl_path, &bl_file)?;
+        // Both or neither: a milestones.json blessed without its baselines would disagree.
+        let ms = crate::json_bytes(&settled.ms_path, &settled.file)?;
+        let bl = crate::json_bytes(&bl_path, &bl_file)?;
+        crate::write_files(&[(&settled.ms_path, &ms), (&bl_path, &bl)])?;
         if log.is_empty() {
             log.push("nothing changed".into());
         }

@@ -1,0 +1,119 @@
+//! What the gate writes besides traces, under hostile conditions: a closed stdout (`gate … |
+//! true`) is no crash and loses no report; a report that cannot be written leaves none of the
+//! run's reports (never a JSON saying exit 0 beside a failed page) and no temporary.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::repo;
+
+/// A pipe whose reading end is already closed: every write to it fails with EPIPE.
+fn closed_pipe() -> Stdio {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    Stdio::from(writer)
+}
+
+fn python() -> std::path::PathBuf {
+    repo().join(".venv/bin/python")
+}
+
+/// `gate m0` on one prompt, the oracle left out by a Python without torch (it is NOT CHECKED).
+fn m0(dir: &Path, report: &Path, html: &Path) -> Command {
+    let block = dir.join("block");
+    std::fs::create_dir_all(&block).unwrap();
+    std::fs::write(block.join("torch.py"), "raise ImportError('blocked')\n").unwrap();
+    let mut cmd = common::gate();
+    cmd.current_dir(repo())
+        .args(["m0", "--model", "fixtures/tiny-qwen3", "--only", "edge64"])
+        .arg("--work")
+        .arg(dir.join("work"))
+        .arg("--report")
+        .arg(report)
+        .arg("--html")
+        .arg(html)
+        .env("TRACEGATE_PYTHON", python())
+        .env("PYTHONPATH", &block);
+    cmd
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_closed_stdout_is_no_crash_and_the_reports_are_written() {
+    let dir = tempfile::tempdir().unwrap();
+    // The control: the same run with stdout read.
+    let (report, html) = (dir.path().join("a.json"), dir.path().join("a.html"));
+    let seen = m0(dir.path(), &report, &html).output().unwrap();
+    let expected = seen.status.code();
+    assert!(
+        matches!(expected, Some(0 | 4)),
+        "{}",
+        String::from_utf8_lossy(&seen.stderr)
+    );
+    assert!(report.is_file() && html.is_file());
+    let (report, html) = (dir.path().join("b.json"), dir.path().join("b.html"));
+    let out = m0(dir.path(), &report, &html)
+        .stdout(closed_pipe())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), expected, "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(report.is_file() && html.is_file(), "{stderr}");
+    let a: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("a.json")).unwrap()).unwrap();
+    let b: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(a[0]["exit_code"], b[0]["exit_code"]);
+
+    // The verb that only prints.
+    let out = common::gate()
+        .arg("workers")
+        .env("TRACEGATE_RUNTIME_DIR", dir.path().join("runtime"))
+        .stdout(closed_pipe())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn a_page_that_cannot_be_written_leaves_no_report_and_no_temporary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    let report = out_dir.join("report.json");
+    // The page's path is a directory: nothing can be renamed onto it, even by root.
+    let html = out_dir.join("page.html");
+    std::fs::create_dir(&html).unwrap();
+    let out = m0(dir.path(), &report, &html).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("page.html")
+            && stderr.contains("report.json")
+            && stderr.contains("none of"),
+        "{stderr}"
+    );
+    // No JSON saying how the run ended beside the failed page, and no temporary.
+    assert_eq!(names(&out_dir), vec!["page.html".to_string()]);
+    // The control: a writable page, both written.
+    std::fs::remove_dir(&html).unwrap();
+    let out = m0(dir.path(), &report, &html).output().unwrap();
+    assert!(matches!(out.status.code(), Some(0 | 4)));
+    assert_eq!(
+        names(&out_dir),
+        vec!["page.html".to_string(), "report.json".to_string()]
+    );
+}

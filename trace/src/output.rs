@@ -1,0 +1,110 @@
+//! What a command writes besides traces: report files written whole or not at all, and stdout
+//! that a closed pipe does not turn into a crash.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// A file that could not be written, and why.
+#[derive(Debug)]
+pub struct WriteError {
+    pub path: PathBuf,
+    pub error: std::io::Error,
+}
+
+impl std::fmt::Display for WriteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path.display(), self.error)
+    }
+}
+
+impl std::error::Error for WriteError {}
+
+/// Writes every file or none of them: each goes to a temporary beside it first (fsynced), and
+/// only when all are complete are they renamed into place. On any failure (a full disk, a
+/// read-only directory) every temporary is removed and the final paths keep what they held, so
+/// no report is half written and none disagrees with another (a JSON report saying exit 0 beside
+/// an HTML page that could not be written).
+pub fn write_whole(files: &[(&Path, &[u8])]) -> Result<(), WriteError> {
+    // A directory in the way would fail only at the rename, after others were renamed.
+    if let Some((path, _)) = files.iter().find(|(p, _)| p.is_dir()) {
+        return Err(WriteError {
+            path: path.to_path_buf(),
+            error: std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory"),
+        });
+    }
+    let tmps: Vec<PathBuf> = files.iter().map(|(p, _)| temporary(p)).collect();
+    let cleanup = |upto: usize| {
+        for t in &tmps[..upto] {
+            let _ = std::fs::remove_file(t);
+        }
+    };
+    for (i, ((_, bytes), tmp)) in files.iter().zip(&tmps).enumerate() {
+        let written = std::fs::File::create(tmp).and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        });
+        if let Err(error) = written {
+            cleanup(i + 1);
+            return Err(WriteError {
+                path: files[i].0.to_path_buf(),
+                error,
+            });
+        }
+    }
+    for (i, ((path, _), tmp)) in files.iter().zip(&tmps).enumerate() {
+        if let Err(error) = std::fs::rename(tmp, path) {
+            for t in &tmps[i..] {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(WriteError {
+                path: path.to_path_buf(),
+                error,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `.NAME.PID.tracegate-tmp` beside `path`: hidden, and never another run's.
+fn temporary(path: &Path) -> PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!(".{name}.{}.tracegate-tmp", std::process::id()))
+}
+
+/// Prints to stdout. A closed pipe (`| head`, `| true`) is the reader's choice, not a failure:
+/// the rest is dropped and the command goes on (its reports are still written, its exit status
+/// stands). Any other write error is returned.
+pub fn print(text: &str) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_file_leaves_neither_temporaries_nor_the_other_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("report.json");
+        std::fs::write(&good, "old").unwrap();
+        // A directory in the way: the second file cannot be created.
+        let bad = dir.path().join("missing").join("page.html");
+        let err = write_whole(&[(&good, b"new"), (&bad, b"<html>")]).unwrap_err();
+        assert_eq!(err.path, bad);
+        assert_eq!(std::fs::read_to_string(&good).unwrap(), "old");
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, vec!["report.json".to_string()], "{left:?}");
+        // The control: both writable, both written.
+        std::fs::create_dir(dir.path().join("missing")).unwrap();
+        write_whole(&[(&good, b"new"), (&bad, b"<html>")]).unwrap();
+        assert_eq!(std::fs::read_to_string(&good).unwrap(), "new");
+        assert_eq!(std::fs::read_to_string(&bad).unwrap(), "<html>");
+    }
+}
