@@ -1453,6 +1453,45 @@ fn a_contract_of_other_weights_fails_generation_not_only_matches() {
 }
 
 #[test]
+fn bidi_characters_from_a_producers_trace_are_escaped_on_the_html_page() {
+    // The contract's trace claims a weights digest that hides its text behind a right-to-left
+    // override; the refusal quotes it in the findings, which the page shows.
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let contract = foreign_producer(
+        "contract",
+        r#"weights_digest="\u202eff00\u2066x\u2069\u200f""#,
+    );
+    let page = dir.path().join("out.html");
+    let r = gate(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+            "--html",
+            page.to_str().unwrap(),
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(
+        html.contains("\\u{202e}ff00\\u{2066}x\\u{2069}\\u{200f}"),
+        "shown escaped"
+    );
+    let raw: Vec<char> = html
+        .chars()
+        .filter(|c| matches!(c, '\u{202e}' | '\u{2066}' | '\u{2069}' | '\u{200f}'))
+        .collect();
+    assert_eq!(raw, [], "raw bidi characters on the page");
+}
+
+#[test]
 fn an_oracle_of_another_prompt_fails_generation_oracle() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());

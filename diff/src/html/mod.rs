@@ -24,11 +24,17 @@ pub use report_page::{render_html, write_html, MAX_FLIPS, MAX_ROWS};
 
 use crate::Real;
 
-/// `&`, `<`, `>`, `"`, `'` escaped: safe in text and in a quoted attribute.
+/// `&`, `<`, `>`, `"`, `'` escaped: safe in text and in a quoted attribute. Control and
+/// invisible format characters (bidirectional overrides and isolates, zero-width characters,
+/// …; the terminal's and the JSON's rule) are shown as `\u{202e}`: raw, a name from a trace
+/// could reorder what the browser shows. The one escaping function of every HTML page.
 pub fn esc(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {
+            c if crate::render::needs_escape(c) => {
+                out.push_str(&format!("\\u{{{:x}}}", c as u32));
+            }
             '&' => out.push_str("&amp;"),
             '<' => out.push_str("&lt;"),
             '>' => out.push_str("&gt;"),
@@ -41,8 +47,11 @@ pub fn esc(s: &str) -> String {
 }
 
 /// The JSON text of `v`, as the report serialises it (a `Real` that is not finite is a string).
+/// Characters [`esc`] would show as `\u{…}` are JSON escapes here (the same value once parsed):
+/// such characters occur only inside JSON strings, so `data-v` stays the JSON's value.
 pub fn json_text<T: Serialize + ?Sized>(v: &T) -> String {
-    serde_json::to_string(v).unwrap_or_else(|e| format!("\"unserialisable: {e}\""))
+    let text = serde_json::to_string(v).unwrap_or_else(|e| format!("\"unserialisable: {e}\""));
+    crate::render::escape_with(&text, crate::render::json_escape).into_owned()
 }
 
 /// `<TAG class=.. data-json=POINTER data-v=JSON>SHOWN</TAG>`: a value of the report, shown
@@ -153,6 +162,78 @@ mod tests {
             v.contains("&lt;script&gt;") && v.contains("a&quot;b&lt;c&gt;"),
             "{v}"
         );
+    }
+
+    /// Every character that must not reach a page raw, one of each kind.
+    const HOSTILE: [char; 9] = [
+        '\u{202e}',
+        '\u{202a}',
+        '\u{2066}',
+        '\u{2069}',
+        '\u{200e}',
+        '\u{200f}',
+        '\u{200b}',
+        '\u{feff}',
+        '\u{e0041}',
+    ];
+
+    fn raw_hostile(page: &str) -> Vec<char> {
+        page.chars().filter(|c| HOSTILE.contains(c)).collect()
+    }
+
+    #[test]
+    fn format_characters_are_shown_escaped_and_data_v_keeps_the_value() {
+        let name = "layer.00.\u{202e}tuo_nttA\u{202c}";
+        let v = val("td", "num", "/per_tensor/0/tensor", name, name);
+        assert!(raw_hostile(&v).is_empty(), "{v:?}");
+        assert!(v.contains(">layer.00.\\u{202e}tuo_nttA\\u{202c}<"), "{v}");
+        // data-v is the JSON's value: the JSON escape, parsed back to the same string.
+        assert!(
+            v.contains("data-v=\"&quot;layer.00.\\u202etuo_nttA\\u202c&quot;\""),
+            "{v}"
+        );
+        assert_eq!(json_text("\u{e0041}"), "\"\\udb40\\udc41\"");
+        let back: String = serde_json::from_str(&json_text(name)).unwrap();
+        assert_eq!(back, name);
+    }
+
+    #[test]
+    fn a_candidate_trace_with_bidi_names_gives_a_page_without_them_raw() {
+        use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
+        // As an adversary writes it: each hostile character in a tensor name and a decision
+        // name, one tensor in both traces with other values, one extra in the candidate.
+        let dir = tempfile::tempdir().unwrap();
+        let write = |file: &str, extra: bool, value: f32| {
+            let path = dir.path().join(file);
+            let mut w = TraceWriter::create(&path, serde_json::json!({"producer": "x"})).unwrap();
+            for (i, c) in HOSTILE.iter().enumerate() {
+                let bytes = [value + i as f32, 1.0].map(f32::to_le_bytes).concat();
+                let name = format!("layer.{i:02}.{c}tuo_nttA");
+                w.tensor(&name, DType::F32, &[2], &bytes, &Attributes::default())
+                    .unwrap();
+            }
+            if extra {
+                let bytes = 1f32.to_le_bytes();
+                w.tensor(
+                    "\u{2067}extra\u{2069}",
+                    DType::F32,
+                    &[1],
+                    &bytes,
+                    &Attributes::default(),
+                )
+                .unwrap();
+            }
+            w.decision("logits.\u{202e}xamgra", &[1], &[i64::from(extra)], None)
+                .unwrap();
+            w.finish().unwrap();
+            Trace::open(&path).unwrap()
+        };
+        let (r, c) = (write("r.trace", false, 0.0), write("c.trace", true, 0.5));
+        let rep = crate::compare(&r, &c, &crate::Options::default());
+        let page = render_html(&rep);
+        assert!(page.contains("tuo_nttA"), "the names are on the page");
+        assert!(page.contains("\\u{202e}tuo_nttA"), "shown escaped");
+        assert_eq!(raw_hostile(&page), [], "raw format characters on the page");
     }
 
     #[test]

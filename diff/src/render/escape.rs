@@ -8,15 +8,31 @@ use serde::Serialize;
 
 use crate::Report;
 
-/// Control characters (but the newline) and bidirectional-formatting characters: names,
-/// attributes and provenance come from files, and raw they could move the cursor, recolour or
-/// rewrite a terminal, or reorder what it shows.
-fn needs_escape(c: char) -> bool {
+/// Control characters (but the newline), bidirectional-formatting characters and the other
+/// invisible format characters (Unicode's Cf: zero-width spaces and joiners, the soft hyphen,
+/// the byte-order mark, the tag characters, …): names, attributes and provenance come from
+/// files, and raw they could move the cursor, recolour or rewrite a terminal, reorder what it or
+/// a browser shows, or make two different names look the same.
+pub(crate) fn needs_escape(c: char) -> bool {
     (c.is_control() && c != '\n')
-        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        || matches!(c,
+            '\u{00ad}' | '\u{0600}'..='\u{0605}' | '\u{061c}' | '\u{06dd}' | '\u{070f}'
+            | '\u{0890}'..='\u{0891}' | '\u{08e2}' | '\u{180e}' | '\u{200b}'..='\u{200f}'
+            | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}'
+            | '\u{feff}' | '\u{fff9}'..='\u{fffb}' | '\u{110bd}' | '\u{110cd}'
+            | '\u{13430}'..='\u{1343f}' | '\u{1bca0}'..='\u{1bca3}' | '\u{1d173}'..='\u{1d17a}'
+            | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
 }
 
-fn escape_with(s: &str, escape: fn(&mut String, char)) -> Cow<'_, str> {
+/// `c` as a JSON string escape: `\u202e`, a surrogate pair beyond the BMP (`\udb40\udc01`).
+pub(crate) fn json_escape(out: &mut String, c: char) {
+    for unit in c.encode_utf16(&mut [0; 2]) {
+        let _ = write!(out, "\\u{unit:04x}");
+    }
+}
+
+/// `s` with every character [`needs_escape`] names written by `escape`.
+pub(crate) fn escape_with(s: &str, escape: fn(&mut String, char)) -> Cow<'_, str> {
     if !s.chars().any(needs_escape) {
         return Cow::Borrowed(s);
     }
@@ -39,8 +55,9 @@ pub fn terminal_safe(s: &str) -> Cow<'_, str> {
 }
 
 /// serde_json's pretty layout, with every string fragment passed through [`needs_escape`]:
-/// serde_json escapes U+0000..U+001F itself; DEL, the C1 controls and the bidirectional
-/// characters become `\u007f`-style escapes here (all in the BMP), the same string once parsed.
+/// serde_json escapes U+0000..U+001F itself; DEL, the C1 controls and the format characters
+/// become `\u007f`-style escapes here (surrogate pairs beyond the BMP), the same string once
+/// parsed.
 struct SafeJson<'a>(serde_json::ser::PrettyFormatter<'a>);
 
 macro_rules! delegate {
@@ -69,9 +86,7 @@ impl serde_json::ser::Formatter for SafeJson<'_> {
         w: &mut W,
         fragment: &str,
     ) -> std::io::Result<()> {
-        let safe = escape_with(fragment, |o, c| {
-            let _ = write!(o, "\\u{:04x}", c as u32);
-        });
+        let safe = escape_with(fragment, json_escape);
         w.write_all(safe.as_bytes())
     }
 }

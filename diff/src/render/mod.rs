@@ -12,6 +12,7 @@ mod human;
 mod show;
 
 pub use decisions::label_text;
+pub(crate) use escape::{escape_with, json_escape, needs_escape};
 pub use escape::{terminal_safe, write_json};
 pub(crate) use human::element_words;
 pub use human::{render_human, write_human};
