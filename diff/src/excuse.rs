@@ -24,13 +24,43 @@ pub(crate) fn capture_index(t: &Trace, name: &str) -> Option<usize> {
         .then(|| (info as usize - all.start as usize) / std::mem::size_of::<TensorInfo>())
 }
 
-/// The axis of a tensor that holds tokens: `attn_probs` is `[heads, tokens, keys]`, every other
-/// capture point is token-major (docs/capture-points.md).
-fn token_axis(name: &str) -> usize {
-    if name.ends_with(".attn_probs") {
-        1
-    } else {
-        0
+/// The axis of a capture point that holds its tokens (docs/capture-points.md): `attn_probs` is
+/// `[heads, tokens, keys]`, `linear.state` one row at its last token's position, the others
+/// token-major. A name this table does not know (a port's own capture point) has no known token
+/// axis, so none of its rows is excused: reading axis 0 as tokens could excuse a head whole.
+fn token_axis(name: &str) -> Option<usize> {
+    let n = tracegate_trace::names::Name::parse(name);
+    let known = match (n.layer, n.expert) {
+        (None, _) => matches!(n.point, "embed.out" | "final_norm.out" | "logits"),
+        (Some(_), Some(_)) => n.point == "out",
+        (Some(_), None) => matches!(
+            n.point,
+            "hidden_in"
+                | "q"
+                | "k"
+                | "v"
+                | "attn_probs"
+                | "attn_out"
+                | "attn_gate"
+                | "router.logits"
+                | "mlp_out"
+                | "hidden_out"
+                | "linear.conv_out"
+                | "linear.q"
+                | "linear.k"
+                | "linear.g"
+                | "linear.beta"
+                | "linear.core"
+                | "linear.norm_out"
+                | "linear.state"
+                | "shared_expert.gate"
+                | "shared_expert.out"
+        ),
+    };
+    match n.point {
+        _ if !known => None,
+        "attn_probs" => Some(1),
+        _ => Some(0),
     }
 }
 
@@ -220,18 +250,25 @@ impl<'a> Excusal<'a> {
         else {
             return;
         };
-        let axis = token_axis(&ri.name);
+        let Some(axis) = token_axis(&ri.name) else {
+            return;
+        };
         let Some(&tokens) = ri.shape.get(axis) else {
             return;
         };
-        let positions = ri
+        // A row is a token only by its position: a tensor without one position per row of its
+        // token axis (a layout this rule does not know, such as a port's own `[heads, tokens,
+        // …]` capture point) has no rows to excuse; taking the index for the position would
+        // excuse a head, or a token before the near-tie.
+        let Some(positions) = ri
             .attributes
             .positions
             .as_ref()
-            .filter(|p| p.len() as u64 == tokens);
-        let out: Vec<bool> = (0..tokens)
-            .map(|i| excused.contains(&positions.map_or(i as i64, |p| p[i as usize])))
-            .collect();
+            .filter(|p| p.len() as u64 == tokens)
+        else {
+            return;
+        };
+        let out: Vec<bool> = positions.iter().map(|p| excused.contains(p)).collect();
         let left_out = out.iter().filter(|&&x| x).count() as u64;
         if left_out == 0 {
             return;

@@ -490,3 +490,73 @@ fn content_edits_through_the_writer_are_never_identical() {
     }
     tally.print("content edits through the writer");
 }
+
+/// A value no margin tolerance may accept against a finite margin: ±inf, NaNs of both signs and
+/// other payloads, or a random bit pattern with an all-ones exponent.
+fn nonfinite(rng: &mut Rng) -> f32 {
+    match rng.below(5) {
+        0 => f32::INFINITY,
+        1 => f32::NEG_INFINITY,
+        2 => f32::NAN,
+        3 => -f32::NAN,
+        _ => f32::from_bits(0x7f80_0000 | (rng.next() as u32 & 0x807f_ffff)),
+    }
+}
+
+#[test]
+fn nonfinite_margins_are_never_within_a_policy() {
+    // Under a policy a margin may move by its tolerance (2·d + 1e-5·max(1,|a|,|b|)); a margin
+    // made ±inf or NaN on either side would make that tolerance infinite or NaN. The property:
+    // never exit 0, with the policy or by bits, whichever side holds the non-finite margin.
+    let dir = tempfile::tempdir().unwrap();
+    let policy =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json");
+    let original = model().write(&dir.path().join("model.trace"));
+    let base = spec_of(&original);
+    let with_policy = ["--policy", policy.to_str().unwrap()];
+    // The control: the unmutated pair agrees under the policy.
+    let same = trace_diff(&[&original, &original], &with_policy, "control");
+    assert_eq!(same.code, 0, "control: {}", same.stdout);
+    let mut rng = Rng::seeded(4, 0);
+    let (mut cases, mut runs) = (0, 0);
+    for k in 0..40 * scale() {
+        let mut s = base.clone();
+        let d = rng.below(s.decisions.len());
+        let rows = s.decisions[d].margins.as_ref().map_or(0, |m| m.len());
+        if rows == 0 {
+            continue;
+        }
+        let r = rng.below(rows);
+        let v = nonfinite(&mut rng);
+        s.decisions[d].margins.as_mut().unwrap()[r] = v;
+        let path = dir.path().join("margin.trace");
+        let _ = std::fs::remove_file(&path);
+        try_write(&s, &path).expect("the writer takes any margin bits");
+        let case = format!(
+            "margin #{k}: {} row {r} = {v:?} ({:#010x})",
+            s.decisions[d].name,
+            v.to_bits()
+        );
+        cases += 1;
+        for (a, b, side) in [
+            (&original, &path, "candidate"),
+            (&path, &original, "reference"),
+        ] {
+            for flags in [&with_policy[..], &[][..]] {
+                let out = trace_diff(&[a, b], flags, &case);
+                runs += 1;
+                assert!(
+                    out.code == 1,
+                    "{case} on the {side} side, flags {flags:?}: exit {}:\n{}",
+                    out.code,
+                    out.stdout
+                );
+            }
+        }
+    }
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "fuzz non-finite margins: {cases} cases, {runs} trace-diff runs, none within policy or identical"
+    );
+}

@@ -957,3 +957,50 @@ fn attack_infinite_margins_are_equal_only_by_bits() {
         }
     }
 }
+
+#[test]
+fn attack_a_layout_the_excusal_does_not_know_has_no_rows_to_excuse() {
+    // A port's own capture point `layer.01.head_probs`, laid out `[4 heads, 4 tokens, 2]` with
+    // one position per token (0..3), after token 3's near-tie in layer 0. The candidate moves
+    // head 3 at every token, tokens 0-2 before the tie included. Read as token-major, head 3
+    // would be "position 3", after the near-tie, and excused whole; the excusal knows the
+    // token axis only of the documented capture points, so this row is judged whole.
+    let with_head_probs = |s: &mut Spec, defect: bool| {
+        let at = s
+            .tensors
+            .iter()
+            .position(|t| t.name == "layer.01.attn_out")
+            .unwrap();
+        let mut v = values(32, 23);
+        if defect {
+            v[24..].iter_mut().for_each(|x| *x += 1.0);
+        }
+        s.tensors
+            .insert(at, t_f32("layer.01.head_probs", &[4, 4, 2], &v));
+    };
+    let mut policy: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../fixtures/policy/oracle-default.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    policy["rules"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"pattern": "layer.*.head_probs", "max_rel_l2": 1e-5}));
+    let policy = Policy::parse(&policy.to_string()).unwrap();
+    let (mut r, mut c) = near_tie_pair(2e-6);
+    with_head_probs(&mut r, false);
+    // The control: the same tensor on both sides; the near-tie is excused as without it.
+    let mut same = c.clone();
+    with_head_probs(&mut same, false);
+    let rep = diff(&r, &same, Some(policy.clone()));
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "near-tie");
+    with_head_probs(&mut c, true);
+    let rep = diff(&r, &c, Some(policy));
+    assert_eq!(status(&rep, "layer.01.head_probs"), "outside_policy");
+    assert_eq!(rep.verdict, Verdict::Different, "{}", render_human(&rep));
+}
