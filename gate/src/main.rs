@@ -207,19 +207,8 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     use tracegate_gate::{bisect, prompts};
     let report = a.report.as_ref().map(|p| up.absolute(p));
     let html = a.html.as_ref().map(|p| up.absolute(p));
-    // Refused before any producer runs: a page that cannot be written would lose the bisection.
-    if let Some(dir) = html
-        .as_ref()
-        .and_then(|p| p.parent())
-        .filter(|d| !d.as_os_str().is_empty() && !d.is_dir())
-    {
-        return Err(gerr!("--html: {} is not a directory", dir.display()));
-    }
-    for (flag, p) in [("--report", &report), ("--html", &html)] {
-        if let Some(p) = p.as_ref().filter(|p| p.is_dir()) {
-            return Err(gerr!("{flag}: {} is a directory", p.display()));
-        }
-    }
+    // Refused before any producer runs: a report that cannot be written would lose the bisection.
+    check_outputs(&[("--report", report.as_ref()), ("--html", html.as_ref())])?;
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), None) => prompts::parse_tokens(t)?,
         (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
@@ -325,6 +314,35 @@ fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result
     }
 }
 
+/// Refuses, before anything runs, an output location that cannot take a file: a missing parent
+/// directory, a parent that is not a directory, or a path that is a directory. Found after the
+/// work, it would cost the whole run.
+fn check_outputs(outputs: &[(&str, Option<&PathBuf>)]) -> Result<(), Error> {
+    for (flag, p) in outputs {
+        let Some(p) = p else { continue };
+        if p.is_dir() {
+            return Err(gerr!("{flag} {}: is a directory", p.display()));
+        }
+        let dir = p
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        if !dir.is_dir() {
+            let what = if dir.exists() {
+                "is not a directory"
+            } else {
+                "does not exist"
+            };
+            return Err(gerr!(
+                "{flag} {}: directory {} {what}",
+                p.display(),
+                dir.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A report file: where it goes, what it holds, and what the run says once it is written.
 struct Output {
     path: PathBuf,
@@ -373,6 +391,11 @@ fn say(text: &str) -> Result<(), Error> {
 /// One milestone, every model of it: each model's report printed, and its HTML page when asked
 /// for (not yet written: the caller writes the pages with the JSON report, all or none).
 fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Result<Run, Error> {
+    let (report, html) = (
+        a.report.as_ref().map(|p| up.absolute(p)),
+        a.html.as_ref().map(|p| up.absolute(p)),
+    );
+    check_outputs(&[("--report", report.as_ref()), ("--html", html.as_ref())])?;
     let (reps, bless_log) = run_milestone(&options(root, up, id, a))?;
     let mut text = String::new();
     for rep in &reps {

@@ -1,6 +1,7 @@
 //! What the gate writes besides traces, under hostile conditions: a closed stdout (`gate … |
-//! true`) is no crash and loses no report; a report that cannot be written leaves none of the
-//! run's reports (never a JSON saying exit 0 beside a failed page) and no temporary.
+//! true`) is no crash and loses no report; an output location that cannot take a file is
+//! refused before anything runs. (A write that fails midway leaves none of the run's reports and
+//! no temporary: trace/src/output.rs's test, and trace-diff's full-disk test in diff/tests/cli.rs.)
 
 mod common;
 
@@ -89,31 +90,71 @@ fn a_closed_stdout_is_no_crash_and_the_reports_are_written() {
 }
 
 #[test]
-fn a_page_that_cannot_be_written_leaves_no_report_and_no_temporary() {
+fn an_output_location_that_cannot_take_a_file_is_refused_before_anything_runs() {
     let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let ok = |name: &str| dir.path().join(name);
+    for (report, html, flag, why) in [
+        (
+            missing.join("r.json"),
+            ok("p.html"),
+            "--report",
+            "does not exist",
+        ),
+        (
+            ok("r.json"),
+            missing.join("p.html"),
+            "--html",
+            "does not exist",
+        ),
+        (
+            ok("r.json"),
+            file.join("p.html"),
+            "--html",
+            "is not a directory",
+        ),
+        (
+            dir.path().to_path_buf(),
+            ok("p.html"),
+            "--report",
+            "is a directory",
+        ),
+        // A page's path that is a directory would fail only at the rename, after the run.
+        (
+            ok("r.json"),
+            dir.path().to_path_buf(),
+            "--html",
+            "is a directory",
+        ),
+    ] {
+        let _ = std::fs::remove_dir_all(dir.path().join("work"));
+        let out = m0(dir.path(), &report, &html).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
+        assert!(stderr.contains(flag) && stderr.contains(why), "{stderr}");
+        // Refused before any producer ran: no trace directory, nothing printed.
+        assert!(
+            !dir.path().join("work").exists(),
+            "{flag}: the gate ran first"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(!ok("r.json").exists(), "{flag}: a report was written");
+    }
+    // The control: writable locations, both written, no temporary beside them.
     let out_dir = dir.path().join("out");
     std::fs::create_dir(&out_dir).unwrap();
-    let report = out_dir.join("report.json");
-    // The page's path is a directory: nothing can be renamed onto it, even by root.
-    let html = out_dir.join("page.html");
-    std::fs::create_dir(&html).unwrap();
-    let out = m0(dir.path(), &report, &html).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.contains("page.html")
-            && stderr.contains("report.json")
-            && stderr.contains("none of"),
-        "{stderr}"
-    );
-    // No JSON saying how the run ended beside the failed page, and no temporary.
-    assert_eq!(names(&out_dir), vec!["page.html".to_string()]);
-    // The control: a writable page, both written.
-    std::fs::remove_dir(&html).unwrap();
-    let out = m0(dir.path(), &report, &html).output().unwrap();
+    let out = m0(dir.path(), &out_dir.join("r.json"), &out_dir.join("p.html"))
+        .output()
+        .unwrap();
     assert!(matches!(out.status.code(), Some(0 | 4)));
     assert_eq!(
         names(&out_dir),
-        vec!["page.html".to_string(), "report.json".to_string()]
+        ["p.html".to_string(), "r.json".to_string()]
     );
 }
