@@ -24,46 +24,6 @@ pub(crate) fn capture_index(t: &Trace, name: &str) -> Option<usize> {
         .then(|| (info as usize - all.start as usize) / std::mem::size_of::<TensorInfo>())
 }
 
-/// The axis of a capture point that holds its tokens (docs/capture-points.md): `attn_probs` is
-/// `[heads, tokens, keys]`, `linear.state` one row at its last token's position, the others
-/// token-major. A name this table does not know (a port's own capture point) has no known token
-/// axis, so none of its rows is excused: reading axis 0 as tokens could excuse a head whole.
-fn token_axis(name: &str) -> Option<usize> {
-    let n = tracegate_trace::names::Name::parse(name);
-    let known = match (n.layer, n.expert) {
-        (None, _) => matches!(n.point, "embed.out" | "final_norm.out" | "logits"),
-        (Some(_), Some(_)) => n.point == "out",
-        (Some(_), None) => matches!(
-            n.point,
-            "hidden_in"
-                | "q"
-                | "k"
-                | "v"
-                | "attn_probs"
-                | "attn_out"
-                | "attn_gate"
-                | "router.logits"
-                | "mlp_out"
-                | "hidden_out"
-                | "linear.conv_out"
-                | "linear.q"
-                | "linear.k"
-                | "linear.g"
-                | "linear.beta"
-                | "linear.core"
-                | "linear.norm_out"
-                | "linear.state"
-                | "shared_expert.gate"
-                | "shared_expert.out"
-        ),
-    };
-    match n.point {
-        _ if !known => None,
-        "attn_probs" => Some(1),
-        _ => Some(0),
-    }
-}
-
 /// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the
 /// candidate's (the same range, except for a rerouted expert's rows). The one place the
 /// excusal calls the element scan.
@@ -250,7 +210,10 @@ impl<'a> Excusal<'a> {
         else {
             return;
         };
-        let Some(axis) = token_axis(&ri.name) else {
+        // A name outside the documented capture points (a port's own, whose layout may be
+        // `[heads, tokens, …]`) has no known token axis and no rows to excuse: reading its first
+        // axis as tokens could excuse a head whole.
+        let Some(axis) = tracegate_trace::names::token_axis(&ri.name) else {
             return;
         };
         let Some(&tokens) = ri.shape.get(axis) else {

@@ -31,6 +31,46 @@ pub fn decode(step: usize, rest: &str) -> String {
     format!("decode.{step:0STEP_WIDTH$}.{rest}")
 }
 
+/// The axis of a documented capture point that holds its tokens (docs/capture-points.md):
+/// `attn_probs` is `[heads, tokens, keys]`, `linear.state` one row at its last token's
+/// position, every other point token-major. None for a name outside the table (a port's own
+/// point), whose layout is not known.
+pub fn token_axis(name: &str) -> Option<usize> {
+    let n = Name::parse(name);
+    let known = match (n.layer, n.expert) {
+        (None, _) => matches!(n.point, "embed.out" | "final_norm.out" | "logits"),
+        (Some(_), Some(_)) => n.point == "out",
+        (Some(_), None) => matches!(
+            n.point,
+            "hidden_in"
+                | "q"
+                | "k"
+                | "v"
+                | "attn_probs"
+                | "attn_out"
+                | "attn_gate"
+                | "router.logits"
+                | "mlp_out"
+                | "hidden_out"
+                | "linear.conv_out"
+                | "linear.q"
+                | "linear.k"
+                | "linear.g"
+                | "linear.beta"
+                | "linear.core"
+                | "linear.norm_out"
+                | "linear.state"
+                | "shared_expert.gate"
+                | "shared_expert.out"
+        ),
+    };
+    match n.point {
+        _ if !known => None,
+        "attn_probs" => Some(1),
+        _ => Some(0),
+    }
+}
+
 /// A capture-point or decision name taken apart. Every name parses: one without the prefixes is
 /// all `point` (`logits`, `embed.out`, `final_norm.out`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

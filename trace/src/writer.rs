@@ -231,6 +231,19 @@ impl TraceWriter {
         attributes
             .validate()
             .map_err(|e| Error::Invalid(format!("tensor {name:?}: {e}")))?;
+        // One position per row of the token axis (axis 0 for a name outside the documented
+        // points): a list of another length says nothing about which row is which token.
+        if let Some(p) = &attributes.positions {
+            let axis = crate::names::token_axis(name).unwrap_or(0);
+            let rows = shape.get(axis).copied();
+            if rows != Some(p.len() as u64) {
+                return Err(Error::Invalid(format!(
+                    "tensor {name:?}: {} positions for {} rows (shape {shape:?}, token axis {axis}): one per row",
+                    p.len(),
+                    rows.map_or("no".to_string(), |r| r.to_string())
+                )));
+            }
+        }
         if self.tensor_names.contains(name) {
             return Err(Error::Invalid(format!("duplicate tensor name {name:?}")));
         }

@@ -89,7 +89,7 @@ fn every_content_field_changes_the_digest() {
         dtype: DType::I32,
         shape: vec![2, 2],
         bytes: vec![1; 16],
-        attrs: attrs(),
+        attrs: attrs().with_positions(vec![0, 1]),
         dname: "d".into(),
         dshape: vec![2],
         values: vec![3, 4],
@@ -98,11 +98,11 @@ fn every_content_field_changes_the_digest() {
     let edits: Vec<(&str, Edit)> = vec![
         ("tensor name", |c| c.name = "u".into()),
         ("dtype", |c| c.dtype = DType::F32),
-        ("shape", |c| c.shape = vec![4, 1]),
+        ("shape", |c| c.shape = vec![2, 1, 2]),
         ("one byte", |c| c.bytes[7] = 2),
         ("path", |c| c.attrs.path = Some("decode".into())),
         ("mask", |c| c.attrs.mask = Some("bidirectional".into())),
-        ("positions", |c| c.attrs.positions = Some(vec![0, 1, 3])),
+        ("positions", |c| c.attrs.positions = Some(vec![0, 3])),
         ("step", |c| c.attrs.step = Some(0)),
         ("extra attribute", |c| {
             c.attrs.extra.insert("note".into(), "x".into());
@@ -452,7 +452,12 @@ proptest! {
         let dir = tmp();
         let p = dir.path().join("p.trace");
         let mut w = TraceWriter::create(&p, json!({})).unwrap();
-        w.tensor("t", dtype, &shape, &bytes, &attrs()).unwrap();
+        // One position per row; a scalar has no rows to give positions to.
+        let a = match shape.first() {
+            Some(&rows) => attrs().with_positions((0..rows as i64).collect()),
+            None => Attributes { positions: None, ..attrs() },
+        };
+        w.tensor("t", dtype, &shape, &bytes, &a).unwrap();
         let d = w.finish().unwrap();
         let t = Trace::open(&p).unwrap();
         t.verify().unwrap();
@@ -462,4 +467,61 @@ proptest! {
         prop_assert_eq!(&info.shape, &shape);
         prop_assert_eq!(t.data(info), &bytes[..]);
     }
+}
+
+#[test]
+fn positions_must_name_one_position_per_row_of_the_token_axis() {
+    let dir = tmp();
+    let mut w = TraceWriter::create(dir.path().join("p.trace"), json!({})).unwrap();
+    let bytes = |n: usize| vec![0u8; n * 4];
+    // Two positions for a 3-row tensor: which row is which token is then unknown.
+    let e = w
+        .tensor(
+            "layer.00.hidden_in",
+            DType::F32,
+            &[3, 2],
+            &bytes(6),
+            &attrs().with_positions(vec![0, 1]),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("2 positions for 3 rows"), "{e}");
+    // attn_probs is [heads, tokens, keys]: one position per token of axis 1, not per head.
+    let probs = attrs().with_positions(vec![0, 1, 2]);
+    assert!(w
+        .tensor(
+            "layer.00.attn_probs",
+            DType::F32,
+            &[2, 3, 3],
+            &bytes(18),
+            &probs
+        )
+        .is_ok());
+    let e = w
+        .tensor(
+            "layer.01.attn_probs",
+            DType::F32,
+            &[3, 2, 3],
+            &bytes(18),
+            &probs,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("3 positions for 2 rows"), "{e}");
+    // A scalar has no rows; a name outside the documented points is read on axis 0.
+    assert!(w
+        .tensor(
+            "s",
+            DType::F32,
+            &[],
+            &bytes(1),
+            &attrs().with_positions(vec![0])
+        )
+        .is_err());
+    assert!(w
+        .tensor("my.point", DType::F32, &[3, 1], &bytes(3), &probs)
+        .is_ok());
+    // The control: rows and positions agree.
+    assert!(w
+        .tensor("layer.00.q", DType::F32, &[3, 2], &bytes(6), &probs)
+        .is_ok());
+    w.finish().unwrap();
 }

@@ -129,6 +129,10 @@ def test_writer_errors_are_trace_errors_with_numbers(tmp_path):
             w.tensor("y", np.zeros(1, np.float32), step=2**70)
         with pytest.raises(tracegate.TraceError, match="tensor 'z': positions must be an integer"):
             w.tensor("z", np.zeros(1, np.float32), positions=["x"])
+        # One position per row: two for three rows says nothing about which row is which token.
+        with pytest.raises(tracegate.TraceError, match='tensor "p": 2 positions for 3 rows'):
+            w.tensor("p", np.zeros((3, 2), np.float32), positions=[0, 1])
+        w.tensor("p", np.zeros((3, 2), np.float32), positions=[0, 1, 2])
     with pytest.raises(tracegate.TraceError, match="not JSON-serialisable"):
         tracegate.TraceWriter(tmp_path / "b.trace", {"x": object()})
     with pytest.raises(tracegate.TraceError, match="must be a JSON object"):
