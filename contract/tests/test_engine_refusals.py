@@ -215,3 +215,38 @@ def test_bad_layer_inputs_refused_by_both(capsys, tmp_path, case):
     c = contract_refusal(capsys, *args)
     assert named in e and named in c, f"engine: {e}\ncontract: {c}"
     assert not out.exists()
+
+
+# ---- a run past max_position_embeddings (the oracle and the gate refuse it too) ---------------
+
+
+@needs_engine
+def test_a_run_past_max_position_embeddings_is_refused_by_both(capsys, tmp_path):
+    model = make_model_dir(tmp_path / "m", max_position_embeddings=4)
+    out = tmp_path / "x.trace"
+    args = ["trace", "--model", model, "--tokens", "1,2", "--out", out]
+    msg = "2 prompt tokens plus 3 generated = 5 positions exceed max_position_embeddings 4"
+    e = engine_refusal(*args, "--generate", "3")
+    c = contract_refusal(capsys, *args, "--generate", "3")
+    assert msg in e and msg in c, f"engine: {e}\ncontract: {c}"
+    assert not out.exists()
+    # The control: 4 positions fit.
+    r = subprocess.run([ENGINE, *map(str, args), "--generate", "2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert main([str(a) for a in [*args, "--generate", "2"]]) == 0
+
+
+@needs_engine
+def test_token_ids_with_spaces_are_refused_by_both(capsys, tmp_path):
+    """One grammar (tracegate.protocol, tracegate_trace::protocol): `3, 17, 5` is refused by the
+    engine and the contract alike, where int() alone would have let the contract read it."""
+    model = make_model_dir(tmp_path / "m")
+    out = tmp_path / "x.trace"
+    for ids in ("3, 17, 5", "+5", "1_0"):
+        args = ["trace", "--model", model, "--tokens", ids, "--out", out]
+        r = subprocess.run([ENGINE, *map(str, args)], capture_output=True, text=True)
+        assert r.returncode == 2 and "digits only" in r.stderr, r.stderr
+        capsys.readouterr()
+        assert main([str(a) for a in args]) == 2
+        assert "digits only" in capsys.readouterr().err
+        assert not out.exists()

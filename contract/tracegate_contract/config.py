@@ -103,6 +103,7 @@ class Config:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0
+    max_position_embeddings: int = 0  # 0: the config sets no bound
 
     @property
     def hybrid(self) -> bool:
@@ -331,6 +332,7 @@ def _parse_fields(raw: dict, mt: str) -> Config:
     eps = Decimal("1e-6") if eps is None else _number(eps, "rms_norm_eps")  # transformers' default
 
     cfg = Config(
+        max_position_embeddings=mpe,
         model_type=mt,
         vocab_size=_int(raw, "vocab_size", minimum=2),
         hidden_size=hidden,

@@ -96,6 +96,12 @@ def trace(
             f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
         )
     model = _model(model_dir)
+    mpe = model.cfg.max_position_embeddings
+    if mpe and len(tokens) + generate > mpe:
+        raise ContractError(
+            f"--tokens/--generate: {len(tokens)} prompt tokens plus {generate} generated = "
+            f"{len(tokens) + generate} positions exceed max_position_embeddings {mpe}"
+        )
     if force_decisions is not None:
         f = Forcing(force_decisions)
         f.check_prompt(tokens)

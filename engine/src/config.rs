@@ -167,6 +167,8 @@ pub struct Config {
     pub linear: Option<LinearSizes>,
     /// Qwen3.5-MoE's shared expert width (0: no shared expert).
     pub shared_expert_intermediate_size: usize,
+    /// The positions a run may use (`--tokens` plus `--generate`), when the config says.
+    pub max_position_embeddings: Option<usize>,
 }
 
 impl Config {
@@ -274,8 +276,10 @@ impl Config {
                 "config.json: head_dim = {head_dim}{from} must be even and positive"
             ));
         }
-        // Not used by the forward, but a size all the same: positions must stay below 2^24 (§7).
-        if let Some(m) = opt_usize(v, "max_position_embeddings")? {
+        // Not used by the forward, but a bound all the same: positions must stay below 2^24
+        // (§7), and a run past it is refused as the oracle and the gate refuse it.
+        let max_position_embeddings = opt_usize(v, "max_position_embeddings")?;
+        if let Some(m) = max_position_embeddings {
             if m > MAX_POSITIONS {
                 return Err(
                     err!(Config: "config.json: max_position_embeddings = {m} exceeds the position limit 2^24 = {MAX_POSITIONS}"),
@@ -414,6 +418,7 @@ impl Config {
             rotary_dim,
             linear,
             shared_expert_intermediate_size,
+            max_position_embeddings,
         };
         if cfg.vocab_size < 2 {
             return Err(err!(Config:

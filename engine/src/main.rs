@@ -51,7 +51,8 @@ enum Cmd {
             long,
             value_delimiter = ',',
             allow_negative_numbers = true,
-            required = true
+            required = true,
+            value_parser = tracegate_trace::protocol::token_id
         )]
         tokens: Vec<i64>,
         /// Trace file to write (replaced only once complete).

@@ -198,6 +198,16 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
         ));
     }
     let (cfg, raw) = load_config(&o.model_dir)?;
+    if let Some(m) = cfg.max_position_embeddings {
+        let n = o.tokens.len().saturating_add(o.generate);
+        if n > m {
+            return Err(err!(Input:
+                "--tokens/--generate: {} prompt tokens plus {} generated = {n} positions exceed max_position_embeddings {m}",
+                o.tokens.len(),
+                o.generate
+            ));
+        }
+    }
     let store = Store::open(&o.model_dir)?;
     let mut model = Model::load(cfg, &store)?;
     if let Some(path) = &o.force_decisions {

@@ -141,11 +141,12 @@ impl PromptSet {
 }
 
 pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
-    let tokens: std::result::Result<Vec<i64>, _> =
-        s.split(',').map(|t| t.trim().parse::<i64>()).collect();
-    let tokens = tokens.map_err(|e| {
-        gerr!("--tokens {s:?}: {e} (expected comma-separated token ids, e.g. 3,17,5)")
-    })?;
+    // The producers' grammar (tracegate_trace::protocol): what the gate takes, they take.
+    let tokens: std::result::Result<Vec<i64>, _> = s
+        .split(',')
+        .map(tracegate_trace::protocol::token_id)
+        .collect();
+    let tokens = tokens.map_err(|e| gerr!("--tokens {s:?}: {e} (e.g. 3,17,5)"))?;
     if tokens.is_empty() || tokens.iter().any(|&t| t < 0) {
         return Err(gerr!(
             "--tokens {s:?}: need at least one non-negative token id"

@@ -91,7 +91,9 @@ def test_value_types():
     assert protocol.tokens("-1") == [-1]  # a range check is the producer's, with the vocabulary
     count, positive = protocol.at_least(0), protocol.at_least(1)
     assert count("0") == 0 and count("7") == 7 and positive("1") == 1
-    for bad in ("", "1,", ",1", "1;2", "x"):
+    # One grammar with the engine and the gate (tracegate_trace::protocol::token_id): no spaces,
+    # `+` or `_`, which int() alone would take.
+    for bad in ("", "1,", ",1", "1;2", "x", "3, 17, 5", " 17", "+5", "1_0", "٣"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
             protocol.tokens(bad)
     for of, bad, why in (

@@ -18,6 +18,7 @@ pub mod json;
 mod layout;
 pub mod names;
 pub mod output;
+pub mod protocol;
 mod reader;
 mod view;
 mod writer;

@@ -15,6 +15,7 @@ the same command lines with the same words.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import NamedTuple
 
 __all__ = ["SERVE", "Grammar", "at_least", "parser", "tokens"]
@@ -22,15 +23,20 @@ __all__ = ["SERVE", "Grammar", "at_least", "parser", "tokens"]
 SERVE = "serve"  # the worker verb: its requests are the per-call command lines (tracegate.serve)
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
 def tokens(text: str) -> list[int]:
-    """`--tokens IDS`: comma-separated integers, at least one (`3,17,5` is [3, 17, 5])."""
-    try:
-        ids = [int(s) for s in text.split(",")]
-    except ValueError:
+    """`--tokens IDS`: comma-separated integers, at least one (`3,17,5` is [3, 17, 5]). Each id
+    is ASCII digits with an optional leading `-`, as the Rust side's `protocol::token_id`: no
+    spaces, `+` or `_`, which Python's `int` would take and the engine refuses."""
+    parts = text.split(",")
+    bad = next((s for s in parts if not _TOKEN_ID.fullmatch(s)), None)
+    if bad is not None:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    return ids
+            f"expected comma-separated integers (digits only, no spaces), got {bad!r}"
+        )
+    return [int(s) for s in parts]
 
 
 def at_least(low: int):
