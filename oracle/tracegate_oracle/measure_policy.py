@@ -265,11 +265,37 @@ def policy_file(dtype: str) -> Path:
 
 
 def glob_match(pat: str, name: str) -> bool:
-    rx = "".join(
-        ".*" if t == "**" else "[^.]*" if t == "*" else "." if t == "?" else re.escape(t)
-        for t in re.findall(r"\*\*|\*|\?|[^*?]+", pat)
-    )
-    return re.fullmatch(rx, name) is not None
+    """diff/src/policy.rs `glob_match`: `*` any run without `.`, `**` (any longer star run) any
+    run, `?` one character. The same automaton: the set of token positions reachable after each
+    character, so the cost is at most (tokens + 1) x (characters + 1) steps, never the
+    exponential backtracking a regex takes on `*a*a*...b`."""
+    toks = [
+        ("*" if len(t) == 1 else "**") if t[0] == "*" else t for t in re.findall(r"\*+|[^*]", pat)
+    ]
+    if sum(t[0] != "*" for t in toks) > len(name):
+        return False  # every non-star token takes one character
+
+    def close(live: set[int]) -> set[int]:
+        for k in list(live):  # a star run is one token: the one after a star is no star
+            if k < len(toks) and toks[k][0] == "*":
+                live.add(k + 1)
+        return live
+
+    live = close({0})
+    for c in name:
+        nxt = set()
+        for k in live:
+            if k == len(toks):
+                continue
+            t = toks[k]
+            if t == "**" or (t == "*" and c != "."):
+                nxt.add(k)
+            elif t == "?" or t == c:
+                nxt.add(k + 1)
+        if not nxt:
+            return False
+        live = close(nxt)
+    return len(toks) in live
 
 
 def rule_for(policy: dict, name: str, path: str = "prefill") -> dict | None:
