@@ -90,13 +90,21 @@ pub struct Measured {
 }
 
 impl Policy {
+    /// A policy file: one regular file of at most [`tracegate_trace::json::MAX_JSON_LEN`] bytes
+    /// (a FIFO or `/dev/zero` is refused before it is read), then [`Policy::parse`].
     pub fn load(path: &Path) -> Result<Policy, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+        let bytes = tracegate_trace::json::read_bytes(path, tracegate_trace::json::MAX_JSON_LEN)?;
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|e| format!("{}: not a policy: not UTF-8: {e}", path.display()))?;
+        Policy::parse(text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
+    /// A policy's text. Refused: a repeated key in any object (serde keeps the last, so a
+    /// second `max_rel_l2` in a rule would silently loosen it), an unknown field, a rule with
+    /// no bound or a bound outside its quantity's range.
     pub fn parse(text: &str) -> Result<Policy, String> {
-        let p: Policy = serde_json::from_str(text).map_err(|e| format!("not a policy: {e}"))?;
+        let p: Policy = tracegate_trace::json::parse(text.as_bytes())
+            .map_err(|e| format!("not a policy: {e}"))?;
         if p.format != POLICY_FORMAT {
             return Err(format!(
                 "format is {:?}, expected {POLICY_FORMAT:?}",
@@ -112,6 +120,40 @@ impl Policy {
                 && r.max_scale_error.is_none()
             {
                 return Err(format!("rule {i} ({:?}) sets no bound", r.pattern));
+            }
+            // Each bound within its quantity's range: a negative maximum fails every tensor,
+            // `min_cosine` 2 fails all and -5 passes all while reading as a bound.
+            let ranged = [
+                ("max_abs", r.max_abs, 0.0, f64::INFINITY, "a magnitude"),
+                ("max_rel", r.max_rel, 0.0, f64::INFINITY, "a magnitude"),
+                (
+                    "max_rel_l2",
+                    r.max_rel_l2,
+                    0.0,
+                    f64::INFINITY,
+                    "a magnitude",
+                ),
+                (
+                    "max_scale_error",
+                    r.max_scale_error,
+                    0.0,
+                    f64::INFINITY,
+                    "a magnitude",
+                ),
+                ("min_cosine", r.min_cosine, -1.0, 1.0, "a cosine"),
+            ];
+            for (key, v, lo, hi, what) in ranged {
+                if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= lo && *v <= hi)) {
+                    let range = if hi.is_finite() {
+                        format!("[{lo}, {hi}]")
+                    } else {
+                        format!("a finite number >= {lo}")
+                    };
+                    return Err(format!(
+                        "rule {i} ({:?}): {key} is {v}, outside its range: {range} ({what})",
+                        r.pattern
+                    ));
+                }
             }
         }
         if let Some(n) = &p.near_tie {
@@ -574,6 +616,105 @@ mod tests {
             rule.violations(&m(None))[0].to_string(),
             "scale error undefined (reference is all zero)"
         );
+    }
+
+    const HEAD: &str = r#"{"format": "tracegate-policy/1", "name": "t", "rules": ["#;
+
+    #[test]
+    fn bounds_outside_their_range_are_refused_with_rule_field_and_range() {
+        // Issue 33 item 13: each of these loaded without a word on main.
+        for (rule, want) in [
+            (
+                r#"{"pattern": "x", "max_rel_l2": -1}"#,
+                "max_rel_l2 is -1, outside its range: a finite number >= 0",
+            ),
+            (
+                r#"{"pattern": "x", "min_cosine": 2}"#,
+                "min_cosine is 2, outside its range: [-1, 1]",
+            ),
+            (
+                r#"{"pattern": "x", "min_cosine": -5}"#,
+                "min_cosine is -5, outside its range: [-1, 1]",
+            ),
+            (r#"{"pattern": "x", "max_abs": -0.5}"#, "max_abs is -0.5"),
+            (
+                r#"{"pattern": "x", "max_rel": -1e-9}"#,
+                "max_rel is -0.000000001",
+            ),
+            (
+                r#"{"pattern": "x", "max_scale_error": -2}"#,
+                "max_scale_error is -2",
+            ),
+        ] {
+            let text = format!(r#"{HEAD}{{"pattern": "ok", "max_ulp": 0}}, {rule}]}}"#);
+            let e = Policy::parse(&text).unwrap_err();
+            assert!(
+                e.starts_with(r#"rule 1 ("x"): "#) && e.contains(want),
+                "{rule}: {e}"
+            );
+        }
+        // The edges of each range are bounds (negative control: the check is not a blanket no).
+        let edges = format!(
+            r#"{HEAD}{{"pattern": "x", "max_abs": 0, "max_rel": 0, "max_rel_l2": 0, "max_scale_error": 0, "min_cosine": -1}}, {{"pattern": "y", "min_cosine": 1}}]}}"#
+        );
+        Policy::parse(&edges).unwrap();
+    }
+
+    #[test]
+    fn a_repeated_key_is_refused_with_its_place() {
+        // Issue 33 item 12: on main the second max_rel_l2 silently replaced the first.
+        let text = format!(r#"{HEAD}{{"pattern": "x", "max_rel_l2": 1e-6, "max_rel_l2": 1e9}}]}}"#);
+        let e = Policy::parse(&text).unwrap_err();
+        assert!(
+            e.contains(r#"duplicate key "max_rel_l2" in rules[0]"#),
+            "{e}"
+        );
+        let text = format!(r#"{HEAD}{{"pattern": "x", "max_ulp": 0}}], "rules": []}}"#);
+        let e = Policy::parse(&text).unwrap_err();
+        assert!(e.contains(r#"duplicate key "rules""#), "{e}");
+        // Equal keys in two rules are no repeat.
+        Policy::parse(&format!(
+            r#"{HEAD}{{"pattern": "x", "max_ulp": 0}}, {{"pattern": "y", "max_ulp": 0}}]}}"#
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn a_policy_file_is_one_bounded_regular_file() {
+        // Issue 33 item 8: on main a FIFO blocked forever and /dev/zero was read until the
+        // kernel killed the process. The FIFO is opened without a writer: a blocking open would
+        // hang this test (the harness's timeout fails it).
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("policy.json");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success());
+        let e = Policy::load(&fifo).unwrap_err();
+        assert!(
+            e.contains("policy.json") && e.contains("a FIFO, not a regular file"),
+            "{e}"
+        );
+        let e = Policy::load(Path::new("/dev/zero")).unwrap_err();
+        assert!(
+            e.contains("/dev/zero") && e.contains("a device, not a regular file"),
+            "{e}"
+        );
+        let e = Policy::load(dir.path()).unwrap_err();
+        assert!(e.contains("a directory, not a regular file"), "{e}");
+        // Over the size bound: a sparse file, no 64 MiB written.
+        let big = dir.path().join("big.json");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(tracegate_trace::json::MAX_JSON_LEN + 1)
+            .unwrap();
+        let e = Policy::load(&big).unwrap_err();
+        assert!(
+            e.contains("big.json") && e.contains("more than the limit"),
+            "{e}"
+        );
+        // The same text as a regular file loads (negative control).
+        let ok = dir.path().join("ok.json");
+        std::fs::write(&ok, format!(r#"{HEAD}{{"pattern": "x", "max_ulp": 0}}]}}"#)).unwrap();
+        assert_eq!(Policy::load(&ok).unwrap().rules.len(), 1);
     }
 
     #[test]
