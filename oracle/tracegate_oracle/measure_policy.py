@@ -50,7 +50,6 @@ import argparse
 import contextlib
 import copy
 import gzip
-import json
 import pickle
 import re
 import subprocess
@@ -63,6 +62,7 @@ import numpy as np
 from tracegate import names
 
 from . import capture as cp
+from . import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ROOT / "fixtures" / "policy"
@@ -513,7 +513,7 @@ def float64_throughout(model):
 
 def text_config(model_dir: str) -> dict:
     """config.json's language-model fields (under `text_config` in a multimodal layout)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = checkpoint.read_config(Path(model_dir))  # bounded, regular, no repeated key
     return cfg.get("text_config", cfg)
 
 
@@ -554,7 +554,7 @@ def precision(
     tokens = (
         {str(i): t for i, t in enumerate(prompts(text_config(model_dir)["vocab_size"]))}
         if seeded
-        else {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+        else {p["id"]: p["tokens"] for p in checkpoint.read_json_file(FROZEN)["prompts"]}
     )
     name = Path(model_dir).name
     if load:
@@ -571,7 +571,7 @@ def precision(
     if engine:
         refs["engine f32"] = engine_runs(model_dir, engine, tokens)
     # Grouped by the f32 policy's rules, which the bf16 and f16 policies keep.
-    f32_policy = json.loads((POLICIES / "oracle-default.json").read_text())
+    f32_policy = checkpoint.read_json_file(POLICIES / "oracle-default.json")
     pattern_of = lambda n: (rule_for(f32_policy, n) or {}).get("pattern", "(no rule)")  # noqa: E731
     out = {
         "provenance": next(iter(runs["f32"].values())).provenance,
@@ -662,13 +662,13 @@ def planted(
     every compared tensor's quantities (`whole`, `isolated`: {prompt: {name: stats}})."""
     import shutil
 
-    tokens = {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+    tokens = {p["id"]: p["tokens"] for p in checkpoint.read_json_file(FROZEN)["prompts"]}
     eng = engine_runs(model_dir, engine, tokens)
     layers, points = plant_layers(model_dir, plant), PLANTS[plant][2]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for dt in dtypes:
-            policy = json.loads(policy_file(dt).read_text())
+            policy = checkpoint.read_json_file(policy_file(dt))
             for scale in scales:
                 # The clean run reads the checkpoint itself (a bf16 one cannot be rewritten here)
                 # and has no planted layer: every layer holding the weight.
@@ -881,7 +881,7 @@ def print_precision(d: str, m: dict) -> None:
                 )
         pol = policy_file(dt)
         if pol.exists():
-            policy = json.loads(pol.read_text())
+            policy = checkpoint.read_json_file(pol)
             for kept_rows, how in ((False, "whole tensors"), (True, "no near-tie rows")):
                 judged = [(r, *_judge(policy, res[(dt, r)].per_tensor, kept_rows)) for r in refs]
                 total, bad = sum(j[1] for j in judged), [(r, *b) for r, _, bs in judged for b in bs]
