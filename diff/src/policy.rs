@@ -311,9 +311,10 @@ impl fmt::Display for Violation {
 /// A run of stars is one token (`*` alone stops at `.`; two or more cross it, as `**` followed
 /// by `*` matches exactly what `**` does), and the match is a simulation of the pattern's
 /// automaton over the set of token positions reachable so far: each character of `name` is
-/// looked at once against at most every token, so the cost is at most (tokens + 1) × (chars
-/// + 1) steps, with no recursion and no backtracking. A 200,000-star pattern is one token; a
-/// backtracking shape (`*a*a*…b`) on a 4096-byte name is a few million steps, not exponential.
+/// looked at once against at most every token, so the cost is at most
+/// (tokens + 1) × (chars + 1) steps, with no recursion and no backtracking. A 200,000-star
+/// pattern is one token; a backtracking shape (`*a*a*…b`) on a 4096-byte name is a few million
+/// steps, not exponential.
 pub fn glob_match(pattern: &str, name: &str) -> bool {
     // Names are ASCII in practice: match bytes without allocating for a short pattern (a
     // filter or policy runs this once per tensor of a million-tensor trace); `?` is one

@@ -188,3 +188,137 @@ fn a_model_config_with_a_repeated_key_is_refused() {
         "{e}"
     );
 }
+
+// The bounded fuzz of these inputs (docs/fuzzing.md): a member of a random object of each
+// shipped file written twice, before or after itself, with its own value or another.
+// `TRACEGATE_FUZZ_SCALE` multiplies the cases, as in diff/tests/fuzz.rs.
+
+/// xorshift64*, fixed seeds.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1) as u64) as usize
+    }
+}
+
+/// `v` as JSON text with one member of its `target`-th non-empty object (pre-order) written twice.
+/// Returns the repeated key (None when `target` names no object: the plain text).
+fn with_repeat(v: &serde_json::Value, target: usize, rng: &mut Rng) -> (String, Option<String>) {
+    use serde_json::{json, Value};
+    fn go(
+        v: &Value,
+        target: usize,
+        seen: &mut usize,
+        rng: &mut Rng,
+        out: &mut String,
+    ) -> Option<String> {
+        let mut dup = None;
+        match v {
+            Value::Object(m) => {
+                // Only objects with a member are counted: there is something to repeat.
+                let here = !m.is_empty() && *seen == target;
+                *seen += !m.is_empty() as usize;
+                let (pick, before) = (rng.below(m.len()), rng.below(2) == 0);
+                let copy =
+                    [v.clone(), json!(0), json!("x"), Value::Null, json!([])][rng.below(5)].clone();
+                out.push('{');
+                for (i, (k, x)) in m.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    let key = serde_json::to_string(k).unwrap();
+                    if here && i == pick && before {
+                        out.push_str(&format!("{key}:{copy},"));
+                    }
+                    out.push_str(&format!("{key}:"));
+                    dup = dup.or(go(x, target, seen, rng, out));
+                    if here && i == pick {
+                        if !before {
+                            out.push_str(&format!(",{key}:{copy}"));
+                        }
+                        dup = Some(k.clone());
+                    }
+                }
+                out.push('}');
+            }
+            Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    dup = dup.or(go(x, target, seen, rng, out));
+                }
+                out.push(']');
+            }
+            x => out.push_str(&x.to_string()),
+        }
+        dup
+    }
+    let mut out = String::new();
+    let dup = go(v, target, &mut 0, rng, &mut out);
+    (out, dup)
+}
+
+fn objects(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::Object(m) => {
+            (!m.is_empty()) as usize + m.values().map(objects).sum::<usize>()
+        }
+        serde_json::Value::Array(a) => a.iter().map(objects).sum(),
+        _ => 0,
+    }
+}
+
+#[test]
+fn fuzz_repeated_keys_in_every_gate_input_are_refused_naming_the_key() {
+    let scale: usize = std::env::var("TRACEGATE_FUZZ_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1)
+        .max(1);
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    type Load = fn(&Path, &Path) -> Result<(), String>;
+    let loaders: [(&str, &str, Load); 4] = [
+        ("milestones.json", "milestones.json", |p, _| {
+            MilestoneFile::load(p).map(drop).map_err(|e| e.to_string())
+        }),
+        ("baselines.json", "baselines.json", |p, _| {
+            BaselineFile::load(p).map(drop).map_err(|e| e.to_string())
+        }),
+        ("fixtures/prompts/frozen.json", "frozen.json", |p, _| {
+            prompts::load(p).map(drop).map_err(|e| e.to_string())
+        }),
+        (
+            "fixtures/tiny-qwen3_5/config.json",
+            "model/config.json",
+            |_, root| prompts::check_fits(root, "model", None, 3, 0).map_err(|e| e.to_string()),
+        ),
+    ];
+    for (i, (source, name, load)) in loaders.iter().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(&shipped(source)).unwrap();
+        let file = dir.path().join(name);
+        let mut rng = Rng(0x5eed_1dec ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        // Negative control: the same writer with no repeat gives a file that loads.
+        let (plain, none) = with_repeat(&v, usize::MAX, &mut rng);
+        assert_eq!(none, None);
+        std::fs::write(&file, plain).unwrap();
+        load(&file, dir.path()).unwrap_or_else(|e| panic!("{source} rewritten: {e}"));
+        let n = objects(&v);
+        for k in 0..16 * scale {
+            let target = rng.below(n);
+            let (text, key) = with_repeat(&v, target, &mut rng);
+            let key = key.expect("every object of a shipped file has a member");
+            std::fs::write(&file, text).unwrap();
+            let e = load(&file, dir.path()).expect_err(&format!("{source} #{k}: {key:?} repeated"));
+            let want = format!("duplicate key {}", serde_json::to_string(&key).unwrap());
+            assert!(e.contains(&want) && e.contains(name), "{source} #{k}: {e}");
+        }
+    }
+}
