@@ -342,6 +342,25 @@ enum Tok<T> {
 const INLINE: usize = 64;
 
 fn glob_run<T: Copy + PartialEq>(p: &[T], n: &[T], star: T, one: T, dot: T) -> bool {
+    // The characters before the first star and after the last take one character of the name
+    // each, at its two ends: compared in place, most names are told apart here, and only the
+    // part between (starting and ending with a star) needs the automaton.
+    let same = |a: &[T], b: &[T]| a.iter().zip(b).all(|(&x, &y)| x == one || x == y);
+    let Some(first) = p.iter().position(|&c| c == star) else {
+        return p.len() == n.len() && same(p, n);
+    };
+    let last = p.iter().rposition(|&c| c == star).unwrap_or(first);
+    let (head, tail) = (&p[..first], &p[last + 1..]);
+    if head.len() + tail.len() > n.len()
+        || !same(head, &n[..head.len()])
+        || !same(tail, &n[n.len() - tail.len()..])
+    {
+        return false;
+    }
+    let (p, n) = (&p[first..=last], &n[head.len()..n.len() - tail.len()]);
+    if p.iter().all(|&c| c == star) {
+        return p.len() > 1 || !n.contains(&dot); // one run: `*` stops at a dot, `**` does not
+    }
     // Tokens, star runs collapsed.
     let mut inline = [Tok::One; INLINE];
     let mut heap = Vec::new();
