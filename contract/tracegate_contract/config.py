@@ -13,7 +13,7 @@ import numpy as np
 
 from . import jsonfile, ops
 from .errors import ContractError
-from .weights import Checkpoint, regular_file
+from .weights import Checkpoint
 
 # The Qwen3.5 families (§13, "Qwen3.5 and Qwen3.5-MoE"): the text layout's model_types, and the
 # multimodal layout's, whose language model is `text_config` of the matching text model_type.
@@ -440,16 +440,13 @@ def _parse_qwen3_5_moe(raw: dict, cfg: Config) -> None:
 
 def load_config(model_dir: str) -> Config:
     path = os.path.join(model_dir, "config.json")
-    regular_file(path, path)
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
+    try:  # one bounded regular file (a FIFO would block, /dev/zero never end)
+        text = jsonfile.read_bytes(path, path)
     except FileNotFoundError:
         raise ContractError(f"{model_dir}: no config.json") from None
-    except OSError as e:
-        raise ContractError(f"{path}: unreadable: {e}") from None
-    # Decimals keep the written text; numbers reach the model through binary64 (§6, §13).
-    raw, _ = jsonfile.loads(text, path, parse_float=Decimal)
+    # Decimals keep the written text; numbers reach the model through binary64 (§6, §13). A
+    # repeated key is refused: json keeps the last of two `num_hidden_layers` silently.
+    raw = jsonfile.loads_unique(text, path, parse_float=Decimal)
     if not isinstance(raw, dict):
         raise ContractError(f"{path}: not a JSON object")
     return parse_config(raw)

@@ -150,13 +150,12 @@ class Checkpoint:
         single = os.path.join(model_dir, "model.safetensors")
         self._where: dict[str, SafetensorsFile] = {}
         if os.path.exists(index):
-            regular_file(index, "model.safetensors.index.json")
+            where = "model.safetensors.index.json"
             try:
-                with open(index, "rb") as f:
-                    text = f.read()
-            except OSError as e:
-                raise ContractError(f"model.safetensors.index.json: unreadable: {e}") from None
-            idx, _ = jsonfile.loads(text, "model.safetensors.index.json")
+                text = jsonfile.read_bytes(index, where)
+            except FileNotFoundError:
+                raise ContractError(f"{where}: vanished while being read") from None
+            idx = jsonfile.loads_unique(text, where)
             weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
             if not isinstance(weight_map, dict):
                 raise ContractError("model.safetensors.index.json: no weight_map object")

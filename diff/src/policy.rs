@@ -90,13 +90,21 @@ pub struct Measured {
 }
 
 impl Policy {
+    /// A policy file: one regular file of at most [`tracegate_trace::json::MAX_JSON_LEN`] bytes
+    /// (a FIFO or `/dev/zero` is refused before it is read), then [`Policy::parse`].
     pub fn load(path: &Path) -> Result<Policy, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+        let bytes = tracegate_trace::json::read_bytes(path, tracegate_trace::json::MAX_JSON_LEN)?;
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|e| format!("{}: not a policy: not UTF-8: {e}", path.display()))?;
+        Policy::parse(text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
+    /// A policy's text. Refused: a repeated key in any object (serde keeps the last, so a
+    /// second `max_rel_l2` in a rule would silently loosen it), an unknown field, a rule with
+    /// no bound or a bound outside its quantity's range.
     pub fn parse(text: &str) -> Result<Policy, String> {
-        let p: Policy = serde_json::from_str(text).map_err(|e| format!("not a policy: {e}"))?;
+        let p: Policy = tracegate_trace::json::parse(text.as_bytes())
+            .map_err(|e| format!("not a policy: {e}"))?;
         if p.format != POLICY_FORMAT {
             return Err(format!(
                 "format is {:?}, expected {POLICY_FORMAT:?}",
@@ -112,6 +120,40 @@ impl Policy {
                 && r.max_scale_error.is_none()
             {
                 return Err(format!("rule {i} ({:?}) sets no bound", r.pattern));
+            }
+            // Each bound within its quantity's range: a negative maximum fails every tensor,
+            // `min_cosine` 2 fails all and -5 passes all while reading as a bound.
+            let ranged = [
+                ("max_abs", r.max_abs, 0.0, f64::INFINITY, "a magnitude"),
+                ("max_rel", r.max_rel, 0.0, f64::INFINITY, "a magnitude"),
+                (
+                    "max_rel_l2",
+                    r.max_rel_l2,
+                    0.0,
+                    f64::INFINITY,
+                    "a magnitude",
+                ),
+                (
+                    "max_scale_error",
+                    r.max_scale_error,
+                    0.0,
+                    f64::INFINITY,
+                    "a magnitude",
+                ),
+                ("min_cosine", r.min_cosine, -1.0, 1.0, "a cosine"),
+            ];
+            for (key, v, lo, hi, what) in ranged {
+                if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= lo && *v <= hi)) {
+                    let range = if hi.is_finite() {
+                        format!("[{lo}, {hi}]")
+                    } else {
+                        format!("a finite number >= {lo}")
+                    };
+                    return Err(format!(
+                        "rule {i} ({:?}): {key} is {v}, outside its range: {range} ({what})",
+                        r.pattern
+                    ));
+                }
             }
         }
         if let Some(n) = &p.near_tie {
@@ -265,29 +307,141 @@ impl fmt::Display for Violation {
 }
 
 /// Matches `name` against a glob where `*` stops at `.`, `**` crosses it, `?` is one char.
+///
+/// A run of stars is one token (`*` alone stops at `.`; two or more cross it, as `**` followed
+/// by `*` matches exactly what `**` does), and the match is a simulation of the pattern's
+/// automaton over the set of token positions reachable so far: each character of `name` is
+/// looked at once against at most every token, so the cost is at most
+/// (tokens + 1) × (chars + 1) steps, with no recursion and no backtracking. A 200,000-star
+/// pattern is one token; a backtracking shape (`*a*a*…b`) on a 4096-byte name is a few million
+/// steps, not exponential.
 pub fn glob_match(pattern: &str, name: &str) -> bool {
-    fn go<T: Copy + PartialEq>(p: &[T], n: &[T], star: T, any: T, dot: T) -> bool {
-        match p.first() {
-            None => n.is_empty(),
-            Some(&s) if s == star && p.get(1) == Some(&star) => {
-                (0..=n.len()).any(|k| go(&p[2..], &n[k..], star, any, dot))
-            }
-            Some(&s) if s == star => {
-                let limit = n.iter().position(|&c| c == dot).unwrap_or(n.len());
-                (0..=limit).any(|k| go(&p[1..], &n[k..], star, any, dot))
-            }
-            Some(&q) if q == any => !n.is_empty() && go(&p[1..], &n[1..], star, any, dot),
-            Some(&c) => n.first() == Some(&c) && go(&p[1..], &n[1..], star, any, dot),
-        }
-    }
-    // Names are ASCII in practice: match bytes without allocating (a filter or policy runs this
-    // once per tensor of a million-tensor trace); `?` is one character, so others go by char.
+    // Names are ASCII in practice: match bytes without allocating for a short pattern (a
+    // filter or policy runs this once per tensor of a million-tensor trace); `?` is one
+    // character, so others go by char.
     if pattern.is_ascii() && name.is_ascii() {
-        return go(pattern.as_bytes(), name.as_bytes(), b'*', b'?', b'.');
+        return glob_run(pattern.as_bytes(), name.as_bytes(), b'*', b'?', b'.');
     }
     let p: Vec<char> = pattern.chars().collect();
     let n: Vec<char> = name.chars().collect();
-    go(&p, &n, '*', '?', '.')
+    glob_run(&p, &n, '*', '?', '.')
+}
+
+#[derive(Clone, Copy)]
+enum Tok<T> {
+    Lit(T),
+    /// `?`: any one character.
+    One,
+    /// `*`: any run without the separator.
+    Star,
+    /// `**` (or a longer run of stars): any run.
+    Any,
+}
+
+/// Tokens and position sets this short live on the stack (no allocation per match).
+const INLINE: usize = 64;
+
+fn glob_run<T: Copy + PartialEq>(p: &[T], n: &[T], star: T, one: T, dot: T) -> bool {
+    // The characters before the first star and after the last take one character of the name
+    // each, at its two ends: compared in place, most names are told apart here, and only the
+    // part between (starting and ending with a star) needs the automaton.
+    let same = |a: &[T], b: &[T]| a.iter().zip(b).all(|(&x, &y)| x == one || x == y);
+    let Some(first) = p.iter().position(|&c| c == star) else {
+        return p.len() == n.len() && same(p, n);
+    };
+    let last = p.iter().rposition(|&c| c == star).unwrap_or(first);
+    let (head, tail) = (&p[..first], &p[last + 1..]);
+    if head.len() + tail.len() > n.len()
+        || !same(head, &n[..head.len()])
+        || !same(tail, &n[n.len() - tail.len()..])
+    {
+        return false;
+    }
+    let (p, n) = (&p[first..=last], &n[head.len()..n.len() - tail.len()]);
+    if p.iter().all(|&c| c == star) {
+        return p.len() > 1 || !n.contains(&dot); // one run: `*` stops at a dot, `**` does not
+    }
+    // Tokens, star runs collapsed.
+    let mut inline = [Tok::One; INLINE];
+    let mut heap = Vec::new();
+    let mut len = 0;
+    let mut push = |t: Tok<T>| {
+        if len < INLINE {
+            inline[len] = t;
+        } else {
+            if len == INLINE {
+                heap.extend_from_slice(&inline);
+            }
+            heap.push(t);
+        }
+        len += 1;
+    };
+    let mut i = 0;
+    let mut fixed = 0usize; // characters the non-star tokens consume, exactly
+    while i < p.len() {
+        if p[i] == star {
+            let run = p[i..].iter().take_while(|&&c| c == star).count();
+            push(if run == 1 { Tok::Star } else { Tok::Any });
+            i += run;
+        } else {
+            push(if p[i] == one {
+                Tok::One
+            } else {
+                Tok::Lit(p[i])
+            });
+            fixed += 1;
+            i += 1;
+        }
+    }
+    let toks: &[Tok<T>] = if len <= INLINE { &inline[..len] } else { &heap };
+    if fixed > n.len() {
+        return false; // every non-star token takes one character
+    }
+    // live[k]: the first k tokens can match the characters read so far.
+    let (mut a, mut b) = ([false; INLINE + 1], [false; INLINE + 1]);
+    let (mut va, mut vb) = (Vec::new(), Vec::new());
+    let (mut cur, mut next): (&mut [bool], &mut [bool]) = if len < INLINE {
+        (&mut a[..=len], &mut b[..=len])
+    } else {
+        va.resize(len + 1, false);
+        vb.resize(len + 1, false);
+        (&mut va, &mut vb)
+    };
+    // A star token may match nothing: whoever reaches it also reaches the token after it.
+    let close = |set: &mut [bool]| {
+        for k in 0..toks.len() {
+            if set[k] && matches!(toks[k], Tok::Star | Tok::Any) {
+                set[k + 1] = true;
+            }
+        }
+    };
+    cur[0] = true;
+    close(cur);
+    for &c in n {
+        next.fill(false);
+        let mut any = false;
+        for (k, t) in toks.iter().enumerate() {
+            if !cur[k] {
+                continue;
+            }
+            let (to, ok) = match *t {
+                Tok::Lit(x) => (k + 1, x == c),
+                Tok::One => (k + 1, true),
+                Tok::Star => (k, c != dot),
+                Tok::Any => (k, true),
+            };
+            if ok {
+                next[to] = true;
+                any = true;
+            }
+        }
+        if !any {
+            return false;
+        }
+        close(next);
+        std::mem::swap(&mut cur, &mut next);
+    }
+    cur[len]
 }
 
 #[cfg(test)]
@@ -307,6 +461,90 @@ mod tests {
         assert!(glob_match("layer.?.x", "layer.é.x"));
         assert!(!glob_match("layer.??.x", "layer.é.x"));
         assert!(glob_match("*.é*", "a.éb"));
+    }
+
+    /// The recursive matcher this crate had before the automaton: exponential on backtracking
+    /// shapes and one stack frame per pattern character, but a plain reading of the syntax, so
+    /// it is the reference on inputs short enough for it.
+    fn reference(p: &[char], n: &[char]) -> bool {
+        match p {
+            [] => n.is_empty(),
+            ['*', '*', rest @ ..] => (0..=n.len()).any(|k| reference(rest, &n[k..])),
+            ['*', rest @ ..] => {
+                let limit = n.iter().position(|&c| c == '.').unwrap_or(n.len());
+                (0..=limit).any(|k| reference(rest, &n[k..]))
+            }
+            ['?', rest @ ..] => !n.is_empty() && reference(rest, &n[1..]),
+            [c, rest @ ..] => n.first() == Some(c) && reference(rest, &n[1..]),
+        }
+    }
+
+    #[test]
+    fn the_automaton_agrees_with_the_recursive_reading() {
+        // Every pattern up to 5 characters over {a, ., *, ?} (star runs of every length among
+        // them) against every name up to 5 characters over {a, b, .}, plus one non-ASCII pair.
+        fn words(alphabet: &[char], max: usize) -> Vec<String> {
+            let mut out = vec![String::new()];
+            let mut last = vec![String::new()];
+            for _ in 0..max {
+                last = last
+                    .iter()
+                    .flat_map(|w| alphabet.iter().map(move |c| format!("{w}{c}")))
+                    .collect();
+                out.extend(last.iter().cloned());
+            }
+            out
+        }
+        let (patterns, names) = (words(&['a', '.', '*', '?'], 5), words(&['a', 'b', '.'], 5));
+        let mut matched = 0;
+        for p in &patterns {
+            let pc: Vec<char> = p.chars().collect();
+            for n in names.iter().chain([&"a.é".to_string()]) {
+                let want = reference(&pc, &n.chars().collect::<Vec<_>>());
+                assert_eq!(glob_match(p, n), want, "pattern {p:?} name {n:?}");
+                matched += want as usize;
+            }
+        }
+        // Both answers occur (a matcher that always said no would agree on most pairs).
+        assert!(
+            matched > 10_000 && matched < patterns.len() * names.len() / 2,
+            "{matched}"
+        );
+    }
+
+    #[test]
+    fn a_long_star_run_is_one_token_not_200000_stack_frames() {
+        // Issue 33 item 5: the recursive matcher overflowed the stack on this pattern.
+        let stars = "*".repeat(200_000);
+        assert!(glob_match(&stars, "layer.03.attn_out"));
+        assert!(glob_match(&format!("{stars}out"), "layer.03.attn_out"));
+        assert!(!glob_match(&format!("{stars}x"), "layer.03.attn_out"));
+        // A single star never crosses a dot, however many tokens surround it.
+        let singles = "*?".repeat(50_000);
+        assert!(!glob_match(&singles, "a.b"));
+        assert!(glob_match(&format!("{}*", "?".repeat(3)), "a.b"));
+    }
+
+    #[test]
+    fn backtracking_shapes_answer_without_backtracking() {
+        // Issue 33 item 7: `*a*a*...*b` against a long run of `a`: the recursive matcher tries
+        // every way to split the run between the stars (C(4000, 20) of them) before saying no.
+        let name = "a".repeat(4000);
+        for star in ["*", "**"] {
+            let pattern = format!("{}{star}b", format!("{star}a").repeat(20));
+            assert!(!glob_match(&pattern, &name), "{pattern}");
+            assert!(glob_match(&pattern, &format!("{name}b")), "{pattern}");
+            assert!(!glob_match(&pattern, &format!("{name}ba")), "{pattern}");
+        }
+        // The dotted shape for `**`: every split point is a dot the single star cannot cross.
+        let dotted = "a.".repeat(2000);
+        let pattern = format!("{}**b", "**a".repeat(20));
+        assert!(!glob_match(&pattern, &dotted));
+        assert!(glob_match(&pattern, &format!("{dotted}b")));
+        assert!(!glob_match(
+            &format!("{}*b", "*a".repeat(20)),
+            &format!("{dotted}b")
+        ));
     }
 
     #[test]
@@ -398,6 +636,105 @@ mod tests {
             rule.violations(&m(None))[0].to_string(),
             "scale error undefined (reference is all zero)"
         );
+    }
+
+    const HEAD: &str = r#"{"format": "tracegate-policy/1", "name": "t", "rules": ["#;
+
+    #[test]
+    fn bounds_outside_their_range_are_refused_with_rule_field_and_range() {
+        // Issue 33 item 13: each of these loaded without a word on main.
+        for (rule, want) in [
+            (
+                r#"{"pattern": "x", "max_rel_l2": -1}"#,
+                "max_rel_l2 is -1, outside its range: a finite number >= 0",
+            ),
+            (
+                r#"{"pattern": "x", "min_cosine": 2}"#,
+                "min_cosine is 2, outside its range: [-1, 1]",
+            ),
+            (
+                r#"{"pattern": "x", "min_cosine": -5}"#,
+                "min_cosine is -5, outside its range: [-1, 1]",
+            ),
+            (r#"{"pattern": "x", "max_abs": -0.5}"#, "max_abs is -0.5"),
+            (
+                r#"{"pattern": "x", "max_rel": -1e-9}"#,
+                "max_rel is -0.000000001",
+            ),
+            (
+                r#"{"pattern": "x", "max_scale_error": -2}"#,
+                "max_scale_error is -2",
+            ),
+        ] {
+            let text = format!(r#"{HEAD}{{"pattern": "ok", "max_ulp": 0}}, {rule}]}}"#);
+            let e = Policy::parse(&text).unwrap_err();
+            assert!(
+                e.starts_with(r#"rule 1 ("x"): "#) && e.contains(want),
+                "{rule}: {e}"
+            );
+        }
+        // The edges of each range are bounds (negative control: the check is not a blanket no).
+        let edges = format!(
+            r#"{HEAD}{{"pattern": "x", "max_abs": 0, "max_rel": 0, "max_rel_l2": 0, "max_scale_error": 0, "min_cosine": -1}}, {{"pattern": "y", "min_cosine": 1}}]}}"#
+        );
+        Policy::parse(&edges).unwrap();
+    }
+
+    #[test]
+    fn a_repeated_key_is_refused_with_its_place() {
+        // Issue 33 item 12: on main the second max_rel_l2 silently replaced the first.
+        let text = format!(r#"{HEAD}{{"pattern": "x", "max_rel_l2": 1e-6, "max_rel_l2": 1e9}}]}}"#);
+        let e = Policy::parse(&text).unwrap_err();
+        assert!(
+            e.contains(r#"duplicate key "max_rel_l2" in rules[0]"#),
+            "{e}"
+        );
+        let text = format!(r#"{HEAD}{{"pattern": "x", "max_ulp": 0}}], "rules": []}}"#);
+        let e = Policy::parse(&text).unwrap_err();
+        assert!(e.contains(r#"duplicate key "rules""#), "{e}");
+        // Equal keys in two rules are no repeat.
+        Policy::parse(&format!(
+            r#"{HEAD}{{"pattern": "x", "max_ulp": 0}}, {{"pattern": "y", "max_ulp": 0}}]}}"#
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn a_policy_file_is_one_bounded_regular_file() {
+        // Issue 33 item 8: on main a FIFO blocked forever and /dev/zero was read until the
+        // kernel killed the process. The FIFO is opened without a writer: a blocking open would
+        // hang this test (the harness's timeout fails it).
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("policy.json");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success());
+        let e = Policy::load(&fifo).unwrap_err();
+        assert!(
+            e.contains("policy.json") && e.contains("a FIFO, not a regular file"),
+            "{e}"
+        );
+        let e = Policy::load(Path::new("/dev/zero")).unwrap_err();
+        assert!(
+            e.contains("/dev/zero") && e.contains("a device, not a regular file"),
+            "{e}"
+        );
+        let e = Policy::load(dir.path()).unwrap_err();
+        assert!(e.contains("a directory, not a regular file"), "{e}");
+        // Over the size bound: a sparse file, no 64 MiB written.
+        let big = dir.path().join("big.json");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(tracegate_trace::json::MAX_JSON_LEN + 1)
+            .unwrap();
+        let e = Policy::load(&big).unwrap_err();
+        assert!(
+            e.contains("big.json") && e.contains("more than the limit"),
+            "{e}"
+        );
+        // The same text as a regular file loads (negative control).
+        let ok = dir.path().join("ok.json");
+        std::fs::write(&ok, format!(r#"{HEAD}{{"pattern": "x", "max_ulp": 0}}]}}"#)).unwrap();
+        assert_eq!(Policy::load(&ok).unwrap().rules.len(), 1);
     }
 
     #[test]

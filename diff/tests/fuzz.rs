@@ -560,3 +560,338 @@ fn nonfinite_margins_are_never_within_a_policy() {
         "fuzz non-finite margins: {cases} cases, {runs} trace-diff runs, none within policy or identical"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hostile inputs beside the traces (issue 33 items 5, 7, 8, 12): patterns and policy files.
+
+/// `--only`/`--skip` globs matched by the recursive reading of the syntax, computed bottom-up
+/// over (pattern suffix, name suffix) pairs: no recursion, (m+1)·(n+1) cells. Independent of
+/// the matcher under test (an automaton over tokens with collapsed star runs).
+fn reference_glob(p: &str, n: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (p.chars().collect(), n.chars().collect());
+    let w = n.len() + 1;
+    let mut dp = vec![false; (p.len() + 2) * w];
+    dp[p.len() * w + n.len()] = true;
+    for i in (0..p.len()).rev() {
+        for j in (0..=n.len()).rev() {
+            let next = |di: usize, dj: usize| dp[(i + di) * w + j + dj];
+            let here = j < n.len();
+            dp[i * w + j] = match p[i] {
+                '*' if p.get(i + 1) == Some(&'*') => next(2, 0) || (here && next(0, 1)),
+                '*' => next(1, 0) || (here && n[j] != '.' && next(0, 1)),
+                '?' => here && next(1, 1),
+                c => here && n[j] == c && next(1, 1),
+            };
+        }
+    }
+    dp[0]
+}
+
+/// One hostile or random pattern, a description, and what it must match among `names` (for a
+/// long star run the family says it outright: the reference's table would be too large).
+fn hostile_pattern(rng: &mut Rng, names: &[String]) -> (String, String, Vec<bool>) {
+    let star = if rng.below(2) == 0 { "*" } else { "**" };
+    match rng.below(3) {
+        0 => {
+            // A long star run (a 200,000-star pattern overflowed the recursive matcher's stack;
+            // the policy below has one), alone or before a literal. Up to 130,000: one argument
+            // of a command line holds at most 128 KiB on Linux.
+            let k = 1 + rng.below(130_000);
+            let tail = ["", "b", "a.b"][rng.below(3)];
+            let p = format!("{}{tail}", "*".repeat(k));
+            let want = names
+                .iter()
+                .map(|n| {
+                    let body = &n[..n.len() - tail.len().min(n.len())];
+                    n.ends_with(tail) && (k > 1 || !body.contains('.'))
+                })
+                .collect();
+            (format!("{k} stars then {tail:?}"), p, want)
+        }
+        1 => {
+            // A backtracking shape: exponential for a backtracking matcher on a long name.
+            let k = 5 + rng.below(36);
+            let p = format!("{}{star}b", format!("{star}a").repeat(k));
+            let want = names.iter().map(|n| reference_glob(&p, n)).collect();
+            (format!("({star}a)x{k}{star}b"), p, want)
+        }
+        _ => {
+            let alphabet = ['a', 'b', '.', '*', '?'];
+            let p: String = (0..1 + rng.below(10))
+                .map(|_| alphabet[rng.below(alphabet.len())])
+                .collect();
+            let want = names.iter().map(|n| reference_glob(&p, n)).collect();
+            (format!("random {p:?}"), p, want)
+        }
+    }
+}
+
+fn run_capture(args: &[&std::ffi::OsStr], case: &str) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_trace-diff"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let code = out.status.code().unwrap_or_else(|| {
+        panic!(
+            "{case}: trace-diff was killed by a signal ({:?})\n{stderr}",
+            out.status
+        )
+    });
+    assert!(
+        code != 101 && !stderr.contains("panicked"),
+        "{case}: {stderr}"
+    );
+    (
+        code,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr,
+    )
+}
+
+#[test]
+fn hostile_patterns_select_what_the_reference_reading_selects() {
+    // Names: short random ones over {a, b, .} and legal long ones a backtracking matcher
+    // cannot get through (4000 and 4001 bytes; the trace's name limit is 4096).
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::seeded(20, 0);
+    let mut names: Vec<String> = vec![
+        "a".repeat(4000),
+        format!("{}b", "a".repeat(4000)),
+        format!("{}b", "a.".repeat(2000)),
+        format!("{}ba", "a".repeat(3998)),
+    ];
+    while names.len() < 40 {
+        let n: String = (0..1 + rng.below(8))
+            .map(|_| ['a', 'b', '.'][rng.below(3)])
+            .collect();
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    let spec = Spec {
+        provenance: engine_provenance(),
+        tensors: names.iter().map(|n| t_f32(n, &[1], &[1.0])).collect(),
+        decisions: vec![],
+    };
+    let trace = spec.write(&dir.path().join("names.trace"));
+    let (mut selected, mut empty) = (0, 0);
+    for k in 0..24 * scale() {
+        let (what, p, matches) = hostile_pattern(&mut rng, &names);
+        let skip = rng.below(2) == 0;
+        let case = format!(
+            "case #{k}: {} {what}",
+            if skip { "--skip" } else { "--only" }
+        );
+        let want: Vec<&String> = names
+            .iter()
+            .zip(&matches)
+            .filter(|(_, &m)| m != skip)
+            .map(|(n, _)| n)
+            .collect();
+        let flag = if skip { "--skip" } else { "--only" };
+        let (code, stdout, stderr) = run_capture(
+            &[
+                "--show".as_ref(),
+                trace.as_os_str(),
+                flag.as_ref(),
+                p.as_ref(),
+                "--json".as_ref(),
+            ],
+            &case,
+        );
+        if want.is_empty() {
+            assert_eq!(code, 2, "{case}: selects nothing, exit {code}");
+            assert!(stderr.contains("selects no tensor"), "{case}: {stderr}");
+            empty += 1;
+            continue;
+        }
+        assert_eq!(code, 0, "{case}: {stderr}");
+        let shown: Value = serde_json::from_str(&stdout).unwrap();
+        let got: Vec<&str> = shown["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["name"].as_str().unwrap())
+            .collect();
+        let want: Vec<&str> = want.iter().map(|n| n.as_str()).collect();
+        assert_eq!(got, want, "{case}");
+        selected += 1;
+    }
+    // Both outcomes occur, so neither branch is vacuous.
+    assert!(
+        selected > 0 && empty > 0,
+        "{selected} selecting, {empty} empty"
+    );
+    eprintln!("fuzz patterns: {selected} selections checked name by name, {empty} empty");
+
+    // The same shapes as policy rules: the first rule whose pattern matches judges a tensor.
+    let rules: Vec<Value> = [
+        "*".repeat(200_000),
+        format!("{}*b", "*a".repeat(40)),
+        format!("{}**b", "**a".repeat(40)),
+        "**".to_string(),
+    ]
+    .into_iter()
+    .map(|p| json!({"pattern": p, "max_ulp": 0}))
+    .collect();
+    let policy = dir.path().join("policy.json");
+    let text = json!({"format": "tracegate-policy/1", "name": "hostile", "rules": rules});
+    std::fs::write(&policy, text.to_string()).unwrap();
+    let (code, stdout, stderr) = run_capture(
+        &[
+            "--policy".as_ref(),
+            policy.as_os_str(),
+            trace.as_os_str(),
+            trace.as_os_str(),
+        ],
+        "hostile policy patterns",
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+}
+
+/// `v` as JSON text with one member of its `target`-th non-empty object (pre-order) written twice. the
+/// copy before or after the original with a value from `values`. Returns the repeated key.
+fn with_repeat(v: &Value, target: usize, rng: &mut Rng, out: &mut String) -> Option<String> {
+    fn go(
+        v: &Value,
+        target: usize,
+        seen: &mut usize,
+        rng: &mut Rng,
+        out: &mut String,
+        dup: &mut Option<String>,
+    ) {
+        match v {
+            Value::Object(m) => {
+                // Only objects with a member are counted: there is something to repeat.
+                let here = !m.is_empty() && *seen == target;
+                *seen += !m.is_empty() as usize;
+                let pick = rng.below(m.len().max(1));
+                let before = rng.below(2) == 0;
+                let copy = [
+                    v.clone(),
+                    json!(0),
+                    json!(-1),
+                    json!("x"),
+                    Value::Null,
+                    json!([]),
+                ][rng.below(6)]
+                .clone();
+                out.push('{');
+                for (i, (k, x)) in m.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    let key = serde_json::to_string(k).unwrap();
+                    if here && i == pick && before {
+                        out.push_str(&format!("{key}:{copy},"));
+                    }
+                    out.push_str(&key);
+                    out.push(':');
+                    go(x, target, seen, rng, out, dup);
+                    if here && i == pick && !before {
+                        out.push_str(&format!(",{key}:{copy}"));
+                    }
+                    if here && i == pick {
+                        *dup = Some(k.clone());
+                    }
+                }
+                out.push('}');
+            }
+            Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    go(x, target, seen, rng, out, dup);
+                }
+                out.push(']');
+            }
+            x => out.push_str(&x.to_string()),
+        }
+    }
+    let mut dup = None;
+    go(v, target, &mut 0, rng, out, &mut dup);
+    dup
+}
+
+fn objects(v: &Value) -> usize {
+    match v {
+        Value::Object(m) => (!m.is_empty()) as usize + m.values().map(objects).sum::<usize>(),
+        Value::Array(a) => a.iter().map(objects).sum(),
+        _ => 0,
+    }
+}
+
+#[test]
+fn policy_files_with_a_repeated_key_or_that_are_not_one_regular_file_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = model().write(&dir.path().join("model.trace"));
+    let run = |policy: &Path, case: &str| {
+        run_capture(
+            &[
+                "--policy".as_ref(),
+                policy.as_os_str(),
+                trace.as_os_str(),
+                trace.as_os_str(),
+            ],
+            case,
+        )
+    };
+    let policies = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy");
+    for (i, name) in ["oracle-default.json", "bf16.json", "f16.json"]
+        .iter()
+        .enumerate()
+    {
+        let v: Value =
+            serde_json::from_str(&std::fs::read_to_string(policies.join(name)).unwrap()).unwrap();
+        let n = objects(&v);
+        let mut rng = Rng::seeded(21, i);
+        let file = dir.path().join("policy.json");
+        // Negative control: the same writer without a repeat is a policy that loads.
+        let mut plain = String::new();
+        assert_eq!(with_repeat(&v, usize::MAX, &mut rng, &mut plain), None);
+        std::fs::write(&file, &plain).unwrap();
+        let (code, out, err) = run(&file, name);
+        assert_eq!(code, 0, "{name} rewritten: {out}{err}");
+        for k in 0..12 * scale() {
+            let target = rng.below(n);
+            let mut text = String::new();
+            let key = with_repeat(&v, target, &mut rng, &mut text).expect("a non-empty object");
+            std::fs::write(&file, &text).unwrap();
+            let case = format!("{name} repeat #{k}: key {key:?} in object {target}");
+            let (code, out, err) = run(&file, &case);
+            assert_eq!(code, 2, "{case}: exit {code}\n{out}{err}");
+            let want = format!("duplicate key {}", serde_json::to_string(&key).unwrap());
+            assert!(
+                err.contains(&want) && err.contains("policy.json"),
+                "{case}: {err}"
+            );
+        }
+    }
+    // Not one regular file: each refused by kind, none read (a FIFO opened without a writer
+    // would block, /dev/zero would be read until memory ran out).
+    let fifo = dir.path().join("fifo.json");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let big = dir.path().join("big.json");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(tracegate_trace::json::MAX_JSON_LEN + 1)
+        .unwrap();
+    for (path, want) in [
+        (fifo.as_path(), "a FIFO, not a regular file"),
+        (Path::new("/dev/zero"), "a device, not a regular file"),
+        (Path::new("/dev/null"), "a device, not a regular file"),
+        (dir.path(), "a directory, not a regular file"),
+        (big.as_path(), "more than the limit"),
+    ] {
+        let (code, out, err) = run(path, &path.display().to_string());
+        assert_eq!(code, 2, "{}: {out}{err}", path.display());
+        assert!(err.contains(want), "{}: {err}", path.display());
+    }
+}

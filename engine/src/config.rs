@@ -472,9 +472,10 @@ impl Config {
 /// Read and validate `<dir>/config.json`; returns the parsed config and the raw JSON.
 pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
     let p = dir.join("config.json");
-    crate::weights::regular_file(&p)?;
-    let text = std::fs::read_to_string(&p).map_err(|e| err!(Config: "{}: {e}", p.display()))?;
-    let raw: Value = serde_json::from_str(&text)
+    // One regular file, bounded, no repeated key (serde keeps the last of two `num_experts`).
+    let bytes = tracegate_trace::json::read_bytes(&p, tracegate_trace::json::MAX_JSON_LEN)
+        .map_err(|e| err!(Config: "{e}"))?;
+    let raw: Value = tracegate_trace::json::parse(&bytes)
         .map_err(|e| err!(Config: "{}: invalid JSON: {e}", p.display()))?;
     Ok((Config::from_json(&raw)?, raw))
 }

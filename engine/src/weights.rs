@@ -458,10 +458,10 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// `weight_map` of a sharded checkpoint index: tensor name → shard file name.
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
-    regular_file(path)?;
-    let text =
-        std::fs::read_to_string(path).map_err(|e| err!(Checkpoint: "{}: {e}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
+    // One regular file, bounded, no repeated key (two `weight_map`s, or one tensor named twice).
+    let bytes = tracegate_trace::json::read_bytes(path, tracegate_trace::json::MAX_JSON_LEN)
+        .map_err(|e| err!(Checkpoint: "{e}"))?;
+    let v: serde_json::Value = tracegate_trace::json::parse(&bytes)
         .map_err(|e| err!(Checkpoint: "{}: invalid JSON: {e}", path.display()))?;
     let wm = v
         .get("weight_map")

@@ -1278,6 +1278,44 @@ fn a_fifo_in_the_model_directory_is_refused_not_waited_on() {
 }
 
 #[test]
+fn model_json_with_a_repeated_key_or_past_the_size_bound_is_refused() {
+    // Issue 33 items 8, 12: serde keeps the last of two equal keys, so on main a second
+    // `num_hidden_layers` silently replaced the first; a huge config.json was read whole.
+    let (code, err) = {
+        let tmp = tempfile::tempdir().unwrap();
+        make_model(tmp.path(), &dense_config(), "F32", 1);
+        let p = tmp.path().join("config.json");
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(text.starts_with('{'));
+        std::fs::write(&p, text.replacen('{', r#"{"num_hidden_layers": 1, "#, 1)).unwrap();
+        engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()])
+    };
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("config.json") && err.contains(r#"duplicate key "num_hidden_layers""#),
+        "{err}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    make_model(tmp.path(), &dense_config(), "F32", 1);
+    // Sparse: refused from its size, nothing read.
+    std::fs::File::create(tmp.path().join("config.json"))
+        .unwrap()
+        .set_len(tracegate_trace::json::MAX_JSON_LEN + 1)
+        .unwrap();
+    let (code, err) = engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("config.json") && err.contains("more than the limit"),
+        "{err}"
+    );
+    // The same model with its config intact is read (negative control).
+    let tmp = tempfile::tempdir().unwrap();
+    make_model(tmp.path(), &dense_config(), "F32", 1);
+    let (code, err) = engine_cli(&["info".as_ref(), "--model".as_ref(), tmp.path().as_os_str()]);
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
 fn a_missing_input_trace_is_the_trace_crates_error_kept_whole() {
     // Callers branch on the kind: a file the trace crate cannot open stays its `Io` error.
     let f = fixture();

@@ -113,9 +113,12 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(hex::encode(sha2::Sha256::digest(&bytes)))
 }
 
+/// A JSON input (milestones.json, baselines.json, a prompt set, a model's config.json): one
+/// regular file of at most [`tracegate_trace::json::MAX_JSON_LEN`] bytes (a FIFO would block,
+/// `/dev/zero` would be read until memory ran out), no object repeating a key (serde keeps the
+/// last, so a second `"policy"` would silently replace the first). `Err` names the file.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| gerr!(File: "{}: {e}", path.display()))
+    tracegate_trace::json::read(path).map_err(|e| gerr!(File: "{e}"))
 }
 
 /// JSON as the gate writes it: pretty, with a final newline.

@@ -20,16 +20,57 @@ pub struct PromptSet {
     pub prompts: Vec<Prompt>,
 }
 
+// Unknown fields are refused, not dropped: a field the gate ignores (a `generate` per prompt,
+// a second token list) would be a claim nobody checks, and `--bless` would record it as passed.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct PromptFile {
     schema: u32,
+    /// What the set is for (free text).
+    #[serde(default)]
+    #[allow(dead_code)]
+    about: String,
+    /// The smallest vocabulary holding every token id of the set (scripts/fixture_margins.py).
+    #[serde(default)]
+    #[allow(dead_code)]
+    vocab_min: Option<u64>,
     prompts: Vec<PromptEntry>,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct PromptEntry {
     id: String,
     tokens: Vec<i64>,
+}
+
+const FILE_FIELDS: [&str; 4] = ["schema", "about", "vocab_min", "prompts"];
+const ENTRY_FIELDS: [&str; 2] = ["id", "tokens"];
+
+/// The first field of the file or of a prompt entry that the gate does not read, named with
+/// the entry (serde's own refusal says only the line).
+fn unknown_fields(raw: &serde_json::Value) -> std::result::Result<(), String> {
+    let Some(top) = raw.as_object() else {
+        return Ok(()); // serde refuses it with its type
+    };
+    if let Some(k) = top.keys().find(|k| !FILE_FIELDS.contains(&k.as_str())) {
+        return Err(format!(
+            "unknown field {k:?} (a prompt set has {})",
+            FILE_FIELDS.join(", ")
+        ));
+    }
+    let entries = top.get("prompts").and_then(|p| p.as_array());
+    for (i, e) in entries.into_iter().flatten().enumerate() {
+        let Some(e) = e.as_object() else { continue };
+        if let Some(k) = e.keys().find(|k| !ENTRY_FIELDS.contains(&k.as_str())) {
+            let id = e.get("id").map_or("(no id)".to_string(), |v| v.to_string());
+            return Err(format!(
+                "prompts[{i}] (id {id}): unknown field {k:?} (a prompt has {})",
+                ENTRY_FIELDS.join(", ")
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Whether a `--prompts` value is a path (it has a `/` or ends in `.json`) rather than a set name.
@@ -47,7 +88,15 @@ pub fn resolve(root: &Path, spec: &str) -> PathBuf {
 }
 
 pub fn load(path: &Path) -> Result<PromptSet> {
-    let file: PromptFile = crate::read_json(path)?;
+    // One read: the sha256 the milestone records is of the bytes that were parsed (hashing a
+    // second read would let a file swapped in between pass under the old hash).
+    let bytes = tracegate_trace::json::read_bytes(path, tracegate_trace::json::MAX_JSON_LEN)
+        .map_err(|e| gerr!(File: "{e}"))?;
+    let raw: serde_json::Value =
+        tracegate_trace::json::parse(&bytes).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+    unknown_fields(&raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+    let file: PromptFile =
+        serde_json::from_value(raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
     if file.schema != 1 {
         return Err(gerr!(
             "{}: prompt schema {} is not supported (this gate reads schema 1)",
@@ -92,7 +141,10 @@ pub fn load(path: &Path) -> Result<PromptSet> {
     }
     Ok(PromptSet {
         path: path.to_path_buf(),
-        sha256: crate::sha256_file(path)?,
+        sha256: {
+            use sha2::Digest;
+            hex::encode(sha2::Sha256::digest(&bytes))
+        },
         prompts: file
             .prompts
             .into_iter()

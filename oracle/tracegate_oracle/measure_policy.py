@@ -50,7 +50,6 @@ import argparse
 import contextlib
 import copy
 import gzip
-import json
 import pickle
 import re
 import subprocess
@@ -63,6 +62,7 @@ import numpy as np
 from tracegate import names
 
 from . import capture as cp
+from . import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ROOT / "fixtures" / "policy"
@@ -265,11 +265,37 @@ def policy_file(dtype: str) -> Path:
 
 
 def glob_match(pat: str, name: str) -> bool:
-    rx = "".join(
-        ".*" if t == "**" else "[^.]*" if t == "*" else "." if t == "?" else re.escape(t)
-        for t in re.findall(r"\*\*|\*|\?|[^*?]+", pat)
-    )
-    return re.fullmatch(rx, name) is not None
+    """diff/src/policy.rs `glob_match`: `*` any run without `.`, `**` (any longer star run) any
+    run, `?` one character. The same automaton: the set of token positions reachable after each
+    character, so the cost is at most (tokens + 1) x (characters + 1) steps, never the
+    exponential backtracking a regex takes on `*a*a*...b`."""
+    toks = [
+        ("*" if len(t) == 1 else "**") if t[0] == "*" else t for t in re.findall(r"\*+|[^*]", pat)
+    ]
+    if sum(t[0] != "*" for t in toks) > len(name):
+        return False  # every non-star token takes one character
+
+    def close(live: set[int]) -> set[int]:
+        for k in list(live):  # a star run is one token: the one after a star is no star
+            if k < len(toks) and toks[k][0] == "*":
+                live.add(k + 1)
+        return live
+
+    live = close({0})
+    for c in name:
+        nxt = set()
+        for k in live:
+            if k == len(toks):
+                continue
+            t = toks[k]
+            if t == "**" or (t == "*" and c != "."):
+                nxt.add(k)
+            elif t == "?" or t == c:
+                nxt.add(k + 1)
+        if not nxt:
+            return False
+        live = close(nxt)
+    return len(toks) in live
 
 
 def rule_for(policy: dict, name: str, path: str = "prefill") -> dict | None:
@@ -487,7 +513,7 @@ def float64_throughout(model):
 
 def text_config(model_dir: str) -> dict:
     """config.json's language-model fields (under `text_config` in a multimodal layout)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = checkpoint.read_config(Path(model_dir))  # bounded, regular, no repeated key
     return cfg.get("text_config", cfg)
 
 
@@ -528,7 +554,7 @@ def precision(
     tokens = (
         {str(i): t for i, t in enumerate(prompts(text_config(model_dir)["vocab_size"]))}
         if seeded
-        else {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+        else {p["id"]: p["tokens"] for p in checkpoint.read_json_file(FROZEN)["prompts"]}
     )
     name = Path(model_dir).name
     if load:
@@ -545,7 +571,7 @@ def precision(
     if engine:
         refs["engine f32"] = engine_runs(model_dir, engine, tokens)
     # Grouped by the f32 policy's rules, which the bf16 and f16 policies keep.
-    f32_policy = json.loads((POLICIES / "oracle-default.json").read_text())
+    f32_policy = checkpoint.read_json_file(POLICIES / "oracle-default.json")
     pattern_of = lambda n: (rule_for(f32_policy, n) or {}).get("pattern", "(no rule)")  # noqa: E731
     out = {
         "provenance": next(iter(runs["f32"].values())).provenance,
@@ -636,13 +662,13 @@ def planted(
     every compared tensor's quantities (`whole`, `isolated`: {prompt: {name: stats}})."""
     import shutil
 
-    tokens = {p["id"]: p["tokens"] for p in json.loads(FROZEN.read_text())["prompts"]}
+    tokens = {p["id"]: p["tokens"] for p in checkpoint.read_json_file(FROZEN)["prompts"]}
     eng = engine_runs(model_dir, engine, tokens)
     layers, points = plant_layers(model_dir, plant), PLANTS[plant][2]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for dt in dtypes:
-            policy = json.loads(policy_file(dt).read_text())
+            policy = checkpoint.read_json_file(policy_file(dt))
             for scale in scales:
                 # The clean run reads the checkpoint itself (a bf16 one cannot be rewritten here)
                 # and has no planted layer: every layer holding the weight.
@@ -855,7 +881,7 @@ def print_precision(d: str, m: dict) -> None:
                 )
         pol = policy_file(dt)
         if pol.exists():
-            policy = json.loads(pol.read_text())
+            policy = checkpoint.read_json_file(pol)
             for kept_rows, how in ((False, "whole tensors"), (True, "no near-tie rows")):
                 judged = [(r, *_judge(policy, res[(dt, r)].per_tensor, kept_rows)) for r in refs]
                 total, bad = sum(j[1] for j in judged), [(r, *b) for r, _, bs in judged for b in bs]
