@@ -107,12 +107,6 @@ pub fn find_root(start: &Path) -> Result<PathBuf> {
     Err(gerr!("no milestones.json in {} or any parent: run the gate inside a tracegate checkout, or pass --root", start.display()))
 }
 
-pub fn sha256_file(path: &Path) -> Result<String> {
-    use sha2::Digest;
-    let bytes = std::fs::read(path).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
-    Ok(hex::encode(sha2::Sha256::digest(&bytes)))
-}
-
 /// A JSON input (milestones.json, baselines.json, a prompt set, a model's config.json): one
 /// regular file of at most [`tracegate_trace::json::MAX_JSON_LEN`] bytes (a FIFO would block,
 /// `/dev/zero` would be read until memory ran out), no object repeating a key (serde keeps the
