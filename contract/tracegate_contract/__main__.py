@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     except (tracegate.TraceError, OSError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
-    print(digest)
+    # Success is one line, `DIGEST PATH`, from every producer (docs/producers.md).
+    print(f"{digest} {args.out}")
     return 0
 
 

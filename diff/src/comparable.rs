@@ -86,6 +86,30 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
     }
 
     for (key, kind) in CONTENT_KEYS {
+        // Nothing NOT CHECKED silently: a run without the weights' digest or the prompt could
+        // be of other weights or another prompt, and only this note says the rule did not run.
+        // (`seed` is recorded by sampling producers only: its absence says nothing.)
+        if kind != FindingKind::SeedMismatch {
+            let absent: Vec<&str> = [("reference", rp), ("candidate", cp)]
+                .into_iter()
+                .filter(|(_, p)| lookup(p, key).is_none())
+                .map(|(side, _)| side)
+                .collect();
+            if !absent.is_empty() {
+                let what = match key {
+                    "weights_digest" => "whether both ran the same weights",
+                    _ => "whether both ran the same prompt",
+                };
+                allowed.push(Finding::new(
+                    FindingKind::ComparabilityNotChecked,
+                    None,
+                    format!(
+                        "{key} absent from the {}: {what} is NOT CHECKED (record it: tracegate.weights_digest / the prompt's token ids in provenance, docs/trace-format.md)",
+                        absent.join(" and the ")
+                    ),
+                ));
+            }
+        }
         if let (Some(a), Some(b)) = (lookup(rp, key), lookup(cp, key)) {
             if a != b {
                 refuse.push(Finding::new(
@@ -145,8 +169,12 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                 format!("mask {} vs {}", opt(&ra.mask), opt(&ca.mask)),
             ));
         }
-        // An expert that other tokens were routed to is compared by position (`reroute`).
-        if ra.positions != ca.positions && !crate::reroute::rerouted(ri, ci) {
+        // An expert that other tokens were routed to is compared by position (`reroute`). A
+        // tensor whose token axis has another length (a transposed one) is Structure's shape
+        // finding, never compared by value, so its positions can hide no row.
+        let axis = tracegate_trace::names::token_axis(&ri.name).unwrap_or(0);
+        let same_rows = ri.shape.get(axis) == ci.shape.get(axis);
+        if ra.positions != ca.positions && same_rows && !crate::reroute::rerouted(ri, ci) {
             refuse.push(Finding::new(
                 FindingKind::PositionsMismatch,
                 Some(&ri.name),

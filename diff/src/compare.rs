@@ -126,6 +126,31 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         opts,
     );
     rep.filter = filter;
+    if let Some(p) = rep.policy.as_mut() {
+        p.candidate_computes_in =
+            crate::policy::computes_in(candidate.provenance()).map(String::from);
+        if let (Some(want), Some(have)) = (&p.candidate_dtype, &p.candidate_computes_in) {
+            if want != have {
+                // A note, not a verdict: the bounds still judge, but the reader must know
+                // they were measured for another precision.
+                let why = if want == "f32" {
+                    "its bounds are f32 rounding's: honest reduced-precision rounding breaks them"
+                } else if have == "f32" {
+                    "its bounds are far looser than f32 rounding needs: a defect can hide in them"
+                } else {
+                    "its bounds were measured for another rounding"
+                };
+                rep.findings.push(Finding::new(
+                    FindingKind::PolicyPrecisionMismatch,
+                    None,
+                    format!(
+                        "policy {:?} is for {want} candidates, and this candidate computes in {have} (its provenance dtype): {why}",
+                        p.name
+                    ),
+                ));
+            }
+        }
+    }
     if vr.is_err() || vc.is_err() {
         return unreadable(rep, [&vr, &vc]);
     }

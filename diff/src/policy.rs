@@ -28,6 +28,22 @@ pub struct Policy {
     /// default factor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub near_tie: Option<NearTie>,
+    /// The precision the bounds were measured for, the candidate's (`f32`, `bf16`, `f16`):
+    /// a bf16 policy on an f32 candidate passes what f32 rounding never makes, an f32 one on
+    /// a bf16 candidate fails honest rounding. The report names both and warns when they differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate_dtype: Option<String>,
+}
+
+/// The precision a trace's producer computed in, from its provenance `dtype` (`f32` or
+/// `float32`, `bf16` or `bfloat16`, `f16` or `float16`); None when it does not say.
+pub fn computes_in(provenance: &serde_json::Value) -> Option<&'static str> {
+    match provenance.get("dtype")?.as_str()? {
+        "f32" | "float32" => Some("f32"),
+        "bf16" | "bfloat16" => Some("bf16"),
+        "f16" | "float16" => Some("f16"),
+        _ => None,
+    }
 }
 
 /// The near-tie calibration: a flip whose reference margin is at most `margin_factor` times
@@ -155,6 +171,15 @@ impl Policy {
                     ));
                 }
             }
+        }
+        if let Some(d) = p
+            .candidate_dtype
+            .as_deref()
+            .filter(|d| !matches!(*d, "f32" | "bf16" | "f16"))
+        {
+            return Err(format!(
+                "candidate_dtype is {d:?}, expected \"f32\", \"bf16\" or \"f16\""
+            ));
         }
         if let Some(n) = &p.near_tie {
             if !(n.margin_factor.is_finite() && n.margin_factor >= 0.0) {

@@ -51,10 +51,18 @@ pub(crate) fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) 
     for info in c.tensors().iter().filter(|i| opts.selects(&i.name)) {
         if r.tensor_info(&info.name).is_none() {
             rep.tensors.extra.push(info.name.clone());
+            // `layer.0.q` for `layer.00.q`: the one mistake that makes every name of a port
+            // missing and extra at once; say what the reference calls it.
+            let canonical = tracegate_trace::names::Name::parse(&info.name).to_string();
+            let detail = if canonical != info.name && r.tensor_info(&canonical).is_some() {
+                format!("in the candidate, not in the reference, which has {canonical}: names are zero-padded (layer.NN, expert.EEE, decode.SSSS; docs/capture-points.md)")
+            } else {
+                "in the candidate, not in the reference".to_string()
+            };
             rep.findings.push(Finding::new(
                 FindingKind::ExtraTensor,
                 Some(&info.name),
-                "in the candidate, not in the reference",
+                detail,
             ));
         }
     }

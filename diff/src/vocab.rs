@@ -102,6 +102,11 @@ string_enum! {
         Unreadable = "unreadable",
         StackMismatch = "stack_mismatch",
         StackMismatchAllowed = "stack_mismatch_allowed",
+        /// A comparability key (`weights_digest`, `prompt_tokens`) one side does not record: that
+        /// rule did not run, and the report says so (a note; the verdict is unchanged).
+        ComparabilityNotChecked = "comparability_not_checked",
+        /// The policy's bounds were measured for another precision than the candidate's.
+        PolicyPrecisionMismatch = "policy_precision_mismatch",
         WeightsMismatch = "weights_mismatch",
         PromptMismatch = "prompt_mismatch",
         SeedMismatch = "seed_mismatch",

@@ -671,7 +671,7 @@ fn hostile_patterns_select_what_the_reference_reading_selects() {
     }
     let spec = Spec {
         provenance: engine_provenance(),
-        tensors: names.iter().map(|n| t_f32(n, &[1], &[1.0])).collect(),
+        tensors: names.iter().map(|n| t_f32(n, &[4], &[1.0; 4])).collect(),
         decisions: vec![],
     };
     let trace = spec.write(&dir.path().join("names.trace"));

@@ -1004,3 +1004,131 @@ fn attack_a_layout_the_excusal_does_not_know_has_no_rows_to_excuse() {
     assert_eq!(status(&rep, "layer.01.head_probs"), "outside_policy");
     assert_eq!(rep.verdict, Verdict::Different, "{}", render_human(&rep));
 }
+
+#[test]
+fn a_trace_without_its_weights_digest_or_prompt_says_that_rule_did_not_run() {
+    let r = crafted();
+    let mut c = r.clone();
+    c.provenance
+        .as_object_mut()
+        .unwrap()
+        .remove("weights_digest");
+    let rep = diff(&r, &c, None);
+    // Same content: still identical, with a note naming the key, the side and NOT CHECKED.
+    assert_eq!(rep.verdict, Verdict::Identical);
+    let notes: Vec<&str> = rep
+        .findings
+        .iter()
+        .filter(|f| f.kind.as_str() == "comparability_not_checked")
+        .map(|f| f.detail.as_str())
+        .collect();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(
+        notes[0].starts_with("weights_digest absent from the candidate")
+            && notes[0].contains("NOT CHECKED"),
+        "{}",
+        notes[0]
+    );
+    assert!(render_human(&rep).contains("comparability_not_checked"));
+    // Both keys absent from both sides: two notes.
+    let mut r2 = r.clone();
+    for s in [&mut r2, &mut c] {
+        let p = s.provenance.as_object_mut().unwrap();
+        p.remove("weights_digest");
+        p.remove("prompt_tokens");
+    }
+    let rep = diff(&r2, &c, None);
+    let n = rep
+        .findings
+        .iter()
+        .filter(|f| f.kind.as_str() == "comparability_not_checked")
+        .count();
+    assert_eq!(n, 2);
+    // The control: both recorded, no note.
+    let rep = diff(&r, &r.clone(), None);
+    assert!(rep.findings.is_empty(), "{:#?}", rep.findings);
+}
+
+#[test]
+fn a_name_without_zero_padding_is_named_with_the_references_spelling() {
+    // A port that writes `layer.0.hidden_in` gets every such tensor missing and extra; the
+    // extra one's finding says what the reference calls it.
+    let r = crafted();
+    let mut c = r.clone();
+    for t in &mut c.tensors {
+        t.name = t.name.replace("layer.00.", "layer.0.");
+    }
+    let rep = diff(&r, &c, None);
+    let f = rep
+        .findings
+        .iter()
+        .find(|f| f.tensor() == Some("layer.0.hidden_in"))
+        .unwrap();
+    assert!(
+        f.detail.contains("which has layer.00.hidden_in") && f.detail.contains("zero-padded"),
+        "{}",
+        f.detail
+    );
+    // The control: an extra tensor with no padded twin gets no hint.
+    let mut c = r.clone();
+    c.tensors.push(t_f32("my.point", &[4, 1], &[0.0; 4]));
+    let rep = diff(&r, &c, None);
+    let f = rep
+        .findings
+        .iter()
+        .find(|f| f.tensor() == Some("my.point"))
+        .unwrap();
+    assert_eq!(f.detail, "in the candidate, not in the reference");
+}
+
+#[test]
+fn a_policy_for_another_precision_is_named_and_warned_about() {
+    let load = |name: &str| {
+        Policy::load(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join(format!("../fixtures/policy/{name}.json")),
+        )
+        .unwrap()
+    };
+    let r = crafted();
+    let mut c = r.clone();
+    c.provenance = oracle_provenance(); // dtype float32
+                                        // One element 1 ULP off: within either policy, so the headline is WITHIN POLICY's.
+    let v = get_f32(&r, "layer.00.attn_out", 0);
+    c.set_f32("layer.00.attn_out", 0, f32::from_bits(v.to_bits() + 1));
+    let mismatch = |rep: &Report| {
+        rep.findings
+            .iter()
+            .filter(|f| f.kind.as_str() == "policy_precision_mismatch")
+            .map(|f| f.detail.clone())
+            .collect::<Vec<_>>()
+    };
+    // bf16 bounds on an f32 candidate: far looser than its rounding; said in the headline.
+    let rep = diff(&r, &c, Some(load("bf16")));
+    let notes = mismatch(&rep);
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].contains("is for bf16 candidates, and this candidate computes in f32"));
+    let text = render_human(&rep);
+    assert!(
+        text.lines()
+            .next()
+            .unwrap()
+            .contains("WARNING, they differ"),
+        "{text}"
+    );
+    // The control: the f32 policy on the same candidate names both and warns of nothing.
+    let rep = diff(&r, &c, Some(load("oracle-default")));
+    assert!(mismatch(&rep).is_empty());
+    let text = render_human(&rep);
+    assert!(
+        text.lines()
+            .next()
+            .unwrap()
+            .contains("(for f32 candidates, as this one)"),
+        "{text}"
+    );
+    // An f32 policy on a bf16 candidate: honest rounding would break it; said.
+    c.provenance["dtype"] = serde_json::json!("bfloat16");
+    let rep = diff(&r, &c, Some(load("oracle-default")));
+    assert!(mismatch(&rep)[0].contains("honest reduced-precision rounding breaks them"));
+}

@@ -392,14 +392,31 @@ fn by_bits_a_rerouted_expert_is_a_difference_not_incomparable() {
 
 #[test]
 fn a_positions_mismatch_elsewhere_is_still_refused() {
-    // A non-expert tensor, and an expert whose rows do not match its positions list.
+    // A non-expert tensor, and an expert whose rows do not match its positions list. Our writer
+    // refuses the second (one position per row), so it is written as a hostile writer would:
+    // the index edited after the fact, read unverified.
     for (tensor, positions) in [
         ("layer.00.mlp_out", vec![0, 1, 2, 4]),
         ("layer.00.expert.002.out", vec![1, 2, 3]),
     ] {
-        let (r, mut c) = reroute_pair(2e-6);
-        c.tensor_mut(tensor).attrs.positions = Some(positions);
-        let rep = diff(&r, &c, Some(oracle_policy()));
+        let (r, c) = reroute_pair(2e-6);
+        let (_dir, rp, cp) = pair(&r, &c);
+        rewrite_index(&cp, |ix| {
+            for t in ix["tensors"].as_array_mut().unwrap() {
+                if t["name"] == tensor {
+                    t["attributes"]["positions"] = serde_json::json!(positions);
+                }
+            }
+        });
+        let rep = compare_files(
+            &rp,
+            &cp,
+            &Options {
+                policy: Some(oracle_policy()),
+                verify: false,
+                ..Options::default()
+            },
+        );
         assert_eq!(rep.verdict, Verdict::Incomparable, "{tensor}");
         assert_eq!(
             findings(&rep, "positions_mismatch")

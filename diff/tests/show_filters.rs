@@ -418,7 +418,7 @@ fn show_json_describes_the_trace() {
     );
     assert_eq!(
         mixed["attributes"],
-        json!({"path": "prefill", "mask": "causal", "positions": [0, 1, 2, 3]})
+        json!({"path": "prefill", "mask": "causal", "positions": [0, 1, 2, 3, 4]})
     );
     assert_eq!(mixed["digest"].as_str().unwrap().len(), 32);
     assert_eq!(

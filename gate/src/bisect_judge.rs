@@ -372,7 +372,10 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::DtypeMismatch
         | K::ShapeMismatch
         | K::Rerouted => FindingClass::Values,
-        K::StackMismatchAllowed | K::DecisionsForced => FindingClass::Note,
+        K::StackMismatchAllowed
+        | K::DecisionsForced
+        | K::ComparabilityNotChecked
+        | K::PolicyPrecisionMismatch => FindingClass::Note,
         K::Unreadable
         | K::StackMismatch
         | K::WeightsMismatch

@@ -1411,6 +1411,19 @@ fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
         .find(|t| t["tensor"] == "layer.02.mlp_out")
         .unwrap();
     assert_eq!(mlp["status"], "outside_policy", "{mlp}");
+    // The bound it broke is named, in the JSON and the text: a 1% scale is within bf16's
+    // relative L2 and cosine, only the isolated scale-error bound (0.005) catches it.
+    let broke: Vec<&str> = mlp["violations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["bound"].as_str().unwrap())
+        .collect();
+    assert_eq!(broke, ["max_scale_error"], "{mlp}");
+    // 1.01 rounded through bf16: above the 0.005 bound, near the planted 1%.
+    let scale = mlp["scale_error"].as_f64().unwrap();
+    assert!(scale > 0.005 && scale < 0.02, "{mlp}");
+    assert!(o.stdout.contains("broke max_scale_error"), "{}", o.stdout);
     for l in [0, 1, 3, 4] {
         assert_eq!(
             r["layers"][l]["isolation"], "match",

@@ -820,9 +820,19 @@ fn another_generate_count_is_not_checked_against_expectations_and_gets_its_own_b
     assert_eq!(g["status"], "PASS");
     assert!(g["detail"].as_str().unwrap().starts_with("3 tokens"), "{g}");
 
-    // No baseline exists for N=3, and zero checked baselines is a failure; --bless records one
-    // and leaves the N=8 expectations alone.
-    assert_eq!(rep["verdict"], "FAIL");
+    // No baseline exists for N=3: the N=8 ones are NOT CHECKED, each naming its condition, and
+    // the run is INCOMPLETE (exit 4), not a failure; --bless records one and leaves the N=8
+    // expectations alone.
+    assert_eq!(rep["verdict"], "INCOMPLETE", "{}", r.stdout);
+    let b = rep["baselines"].as_array().unwrap();
+    assert!(b.iter().all(|b| b["status"] == "NOT CHECKED"), "{b:?}");
+    assert!(
+        b.iter().any(|b| b["detail"]
+            .as_str()
+            .unwrap()
+            .contains("applies to this run's conditions")),
+        "{b:?}"
+    );
     let root = scratch_root();
     let before = std::fs::read_to_string(root.path().join("milestones.json")).unwrap();
     let r = gate(

@@ -5,6 +5,7 @@ come on top (and the contract refuses them, which shows the two parsers are told
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from tracegate import protocol
@@ -104,3 +105,34 @@ def test_value_types():
     ):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             of(bad)
+
+
+def test_every_producer_says_success_in_one_format(tmp_path, capsys):
+    """`DIGEST PATH`, one line, from the engine, the contract and the oracle alike."""
+    import subprocess
+
+    from tracegate_contract.__main__ import main as contract_main
+    from tracegate_oracle.cli import main as oracle_main
+
+    pytest.importorskip("torch")
+    import tracegate
+    from binaries import release_binary
+
+    engine, why = release_binary("engine")
+    if why:
+        pytest.skip(why)
+    model = str(Path(__file__).resolve().parents[2] / "fixtures" / "tiny-qwen3")
+    lines = {}
+    for who in ("engine", "contract", "oracle"):
+        out = tmp_path / f"{who}.trace"
+        argv = ["trace", "--model", model, "--tokens", "3,17,5", "--out", str(out)]
+        if who == "engine":
+            lines[who] = subprocess.run(
+                [str(engine), *argv], capture_output=True, text=True, check=True
+            ).stdout
+        else:
+            capsys.readouterr()
+            assert {"contract": contract_main, "oracle": oracle_main}[who](argv) == 0
+            lines[who] = capsys.readouterr().out
+        digest = tracegate.Trace(str(out)).digest
+        assert lines[who] == f"{digest} {out}\n", (who, lines[who])

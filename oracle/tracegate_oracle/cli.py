@@ -238,5 +238,6 @@ def main(argv=None) -> int:
     except OracleError as e:
         print(f"{PROG} {a.verb}: error: {e}", file=sys.stderr)
         return 2
-    print(f"{out} {digest}")
+    # Success is one line, `DIGEST PATH`, from every producer (docs/producers.md).
+    print(f"{digest} {out}")
     return 0

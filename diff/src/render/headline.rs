@@ -81,18 +81,25 @@ pub(super) fn summary(rep: &Report) -> String {
         Verdict::WithinPolicy => {
             let within = rep.per_tensor.iter().filter(|r| r.status == RowStatus::WithinPolicy).count();
             format!(
-                "WITHIN POLICY — {common} tensors judged by policy {:?} ({} bit-identical, {within} within bounds), {}",
+                "WITHIN POLICY — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds), {}",
                 rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
+                rep.policy.as_ref().map(precision_clause).unwrap_or_default(),
                 common - within,
                 decisions_clause(rep)
             )
         }
         Verdict::Different => {
             let mut parts = Vec::new();
-            if rep.policy.is_some() {
+            if let Some(p) = &rep.policy {
                 // Under a policy bits are not the question (the first bit difference may be
                 // rounding noise within it): the headline names the first tensor outside it.
                 parts.extend(policy_clauses(rep));
+                if p.candidate_dtype.is_some()
+                    && p.candidate_computes_in.is_some()
+                    && p.candidate_dtype != p.candidate_computes_in
+                {
+                    parts.push(format!("policy {:?}{}", p.name, precision_clause(p)));
+                }
             } else if let Some(d) = &rep.first_divergence {
                 let dist = match (d.special, d.ulp) {
                     (Some(s), _) if d.ulp.is_none() || d.ulp == Some(0) => s.describe().to_string(),
@@ -241,4 +248,23 @@ fn rerouted_clause(rep: &Report) -> Option<String> {
             first.tensor
         )
     })
+}
+
+/// " (for bf16 candidates; this one computes in f32: WARNING, they differ)", from what the
+/// policy and the candidate's provenance say; empty when neither says.
+fn precision_clause(p: &crate::PolicyRef) -> String {
+    match (
+        p.candidate_dtype.as_deref(),
+        p.candidate_computes_in.as_deref(),
+    ) {
+        (Some(w), Some(h)) if w != h => {
+            format!(" (for {w} candidates; this one computes in {h}: WARNING, they differ)")
+        }
+        (Some(w), Some(_)) => format!(" (for {w} candidates, as this one)"),
+        (Some(w), None) => format!(" (for {w} candidates; this one does not say)"),
+        (None, Some(h)) => {
+            format!(" (this candidate computes in {h}; the policy does not say for what)")
+        }
+        (None, None) => String::new(),
+    }
 }

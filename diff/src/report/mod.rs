@@ -94,6 +94,10 @@ pub struct PolicyRef {
     /// The rules themselves, in file order (`per_tensor[].rule.index` indexes them): the bounds
     /// the HTML report draws, from the report like every other number in it.
     pub bounds: Vec<Rule>,
+    /// The precision the policy's bounds are for (its `candidate_dtype`), when it says.
+    pub candidate_dtype: Option<String>,
+    /// The precision the candidate computed in (its provenance `dtype`), when it says.
+    pub candidate_computes_in: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -163,6 +167,8 @@ impl Report {
                 name: p.name.clone(),
                 rules: p.rules.len(),
                 bounds: p.rules.clone(),
+                candidate_dtype: p.candidate_dtype.clone(),
+                candidate_computes_in: None,
             }),
             scan: if opts.all || opts.policy.is_some() {
                 "all"

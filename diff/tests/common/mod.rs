@@ -48,7 +48,7 @@ pub fn t_f32(name: &str, shape: &[u64], v: &[f32]) -> T {
         dtype: DType::F32,
         shape: shape.to_vec(),
         bytes: f32_bytes(v),
-        attrs: prefill(),
+        attrs: rows_of(name, shape),
     }
 }
 
@@ -58,7 +58,20 @@ pub fn t_raw(name: &str, dtype: DType, shape: &[u64], bytes: Vec<u8>) -> T {
         dtype,
         shape: shape.to_vec(),
         bytes,
-        attrs: prefill(),
+        attrs: rows_of(name, shape),
+    }
+}
+
+/// [`prefill`]'s attributes with one position per row of the tensor's token axis (the writer
+/// refuses another count): 0..rows, so a `[4, …]` tensor holds the prompt's positions 0..3.
+pub fn rows_of(name: &str, shape: &[u64]) -> Attributes {
+    let axis = tracegate_trace::names::token_axis(name).unwrap_or(0);
+    match shape.get(axis) {
+        Some(&rows) => prefill().with_positions((0..rows as i64).collect()),
+        None => Attributes {
+            positions: None,
+            ..prefill()
+        },
     }
 }
 

@@ -136,6 +136,8 @@ pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
             max_ulp: r.max_ulp,
             rel_l2: r.rel_l2.map(|x| x.0),
             cosine: r.cosine.map(|x| x.0),
+            scale_error: r.scale_error.map(|x| x.0),
+            violations: r.violations.to_vec(),
         })
         // A common tensor of another dtype or shape gets no value row; it differs all the same.
         .chain(
@@ -155,6 +157,8 @@ pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
                     max_ulp: None,
                     rel_l2: None,
                     cosine: None,
+                    scale_error: None,
+                    violations: Vec::new(),
                 }),
         )
         .collect()

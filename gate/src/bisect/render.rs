@@ -179,6 +179,11 @@ pub fn render(r: &BisectReport) -> String {
                 ulps(t.max_ulp),
                 sci(t.rel_l2)
             ));
+            // Outside the policy: which bound, so honest rounding blamed by one bound (a
+            // scale error on a trained model, say) is seen without rerunning trace-diff.
+            for v in &t.violations {
+                o.push_str(&format!("      broke {}: {v}\n", v.bound));
+            }
         }
     }
     for row in r.layers.iter().filter(|r| r.reason.is_some()).take(1) {

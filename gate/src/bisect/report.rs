@@ -237,6 +237,11 @@ pub struct TensorCmp {
     pub max_ulp: Option<u64>,
     pub rel_l2: Option<f64>,
     pub cosine: Option<f64>,
+    /// ⟨c, r⟩ / ⟨r, r⟩ − 1 (docs/diff.md, "Scale error").
+    pub scale_error: Option<f64>,
+    /// Every bound of the tensor's rule that it broke (empty when within the policy or judged
+    /// by bits): what puts an isolated layer outside the policy, named.
+    pub violations: Vec<tracegate_diff::Violation>,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -42,6 +42,10 @@ pub(super) fn judge(
 pub(super) fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
     rep.findings
         .iter()
+        // A note says how the comparison ran, not that anything differs.
+        .filter(|f| {
+            crate::bisect_judge::finding_class(f.kind) != crate::bisect_judge::FindingClass::Note
+        })
         .filter(|f| {
             !matches!(
                 f.kind,
