@@ -40,8 +40,13 @@ pub(crate) struct Worker {
     stdin: ChildStdin,
     out: Option<std::fs::File>,
     err: Option<std::fs::File>,
-    /// Bytes of stdout after the last complete answer line.
+    /// Bytes of stdout after the last complete answer line (at most MAX_ANSWER_LINE).
     line: Vec<u8>,
+    /// How many bytes of `line` are known to hold no newline: each read scans only what it added.
+    scanned: usize,
+    /// Set once stdout held more than MAX_ANSWER_LINE bytes without a newline (the worker is
+    /// then broken: its stdout is no longer read).
+    overlong: Option<String>,
     /// stderr since the previous answer (a fresh worker's start-up output goes to its first request).
     err_cap: Capture,
 }
@@ -91,6 +96,8 @@ impl Worker {
             out,
             err,
             line: Vec::new(),
+            scanned: 0,
+            overlong: None,
             err_cap: Capture::default(),
         })
     }
@@ -134,8 +141,25 @@ impl Worker {
                 Err(_) => *f = None,
             }
         }
-        let nl = self.line.iter().position(|&b| b == b'\n')?;
+        // Only the bytes this call added are scanned: a long line costs its length once.
+        let Some(at) = self.line[self.scanned..].iter().position(|&b| b == b'\n') else {
+            self.scanned = self.line.len();
+            if self.line.len() > MAX_ANSWER_LINE && self.overlong.is_none() {
+                self.overlong = Some(format!(
+                    "worker {} wrote more than {MAX_ANSWER_LINE} bytes on stdout without a newline \
+                     (an answer is one line of at most {MAX_ANSWER_LINE} bytes; docs/producers.md, \"Serving\")",
+                    self.pid
+                ));
+                // Not read again: the worker is ended by whoever sees `overlong`.
+                self.out = None;
+                self.line = Vec::new();
+                self.scanned = 0;
+            }
+            return None;
+        };
+        let nl = self.scanned + at;
         let line: Vec<u8> = self.line.drain(..=nl).collect();
+        self.scanned = 0;
         Some(String::from_utf8_lossy(&line).trim().to_string())
     }
 
@@ -170,6 +194,9 @@ impl Worker {
                     "worker {pid} answered {a:?}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")"
                 ));
             }
+            if let Some(why) = self.overlong.take() {
+                return Answer::Broken(why);
+            }
             if self.out.is_none() {
                 return Answer::Broken(format!("worker {pid} ended without answering"));
             }
@@ -183,10 +210,16 @@ impl Worker {
     }
 
     /// Reads what the worker wrote while no request ran (kept for the next request); false once
-    /// it closed its stdout (it ended).
+    /// it closed its stdout (it ended) or wrote more than MAX_ANSWER_LINE bytes without a newline
+    /// (`overlong` says so).
     pub(crate) fn idle(&mut self, buf: &mut [u8]) -> bool {
         let _ = self.pump(buf);
         self.out.is_some()
+    }
+
+    /// Why the worker's stdout stopped being read, when it broke the line bound.
+    pub(crate) fn overlong(&self) -> Option<&str> {
+        self.overlong.as_deref()
     }
 
     /// Kills the group, reads the rest of stderr (DRAIN_GRACE at most), reaps the leader: how it
@@ -211,6 +244,10 @@ impl Worker {
         (how, code, Some(usage.ru_maxrss as u64), self.err_cap)
     }
 }
+
+/// The longest answer line a worker may write (an answer is `{"exit": N}` or `{"stale": WHY}`):
+/// more without a newline is a broken worker, not a buffer that grows without bound.
+pub(crate) const MAX_ANSWER_LINE: usize = 64 * 1024;
 
 /// A request as its line on the worker's stdin, `{"argv": [VERB, ARG, …]}` (docs/producers.md,
 /// "Serving"), or on a resident daemon's socket, which also takes the time left until the run's
