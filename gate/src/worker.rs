@@ -142,25 +142,35 @@ impl Worker {
             }
         }
         // Only the bytes this call added are scanned: a long line costs its length once.
-        let Some(at) = self.line[self.scanned..].iter().position(|&b| b == b'\n') else {
-            self.scanned = self.line.len();
-            if self.line.len() > MAX_ANSWER_LINE && self.overlong.is_none() {
-                self.overlong = Some(format!(
-                    "worker {} wrote more than {MAX_ANSWER_LINE} bytes on stdout without a newline \
-                     (an answer is one line of at most {MAX_ANSWER_LINE} bytes; docs/producers.md, \"Serving\")",
-                    self.pid
-                ));
-                // Not read again: the worker is ended by whoever sees `overlong`.
+        let nl = self.line[self.scanned..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .map(|at| self.scanned + at);
+        match nl {
+            Some(nl) if nl <= MAX_ANSWER_LINE => {
+                let line: Vec<u8> = self.line.drain(..=nl).collect();
+                self.scanned = 0;
+                Some(String::from_utf8_lossy(&line).trim().to_string())
+            }
+            None if self.line.len() <= MAX_ANSWER_LINE => {
+                self.scanned = self.line.len();
+                None
+            }
+            _ => {
+                if self.overlong.is_none() {
+                    self.overlong = Some(format!(
+                        "worker {} wrote more than {MAX_ANSWER_LINE} bytes on stdout without a newline \
+                         (an answer is one line of at most {MAX_ANSWER_LINE} bytes; docs/producers.md, \"Serving\")",
+                        self.pid
+                    ));
+                }
+                // Not read again: whoever sees `overlong` ends the worker.
                 self.out = None;
                 self.line = Vec::new();
                 self.scanned = 0;
+                None
             }
-            return None;
-        };
-        let nl = self.scanned + at;
-        let line: Vec<u8> = self.line.drain(..=nl).collect();
-        self.scanned = 0;
-        Some(String::from_utf8_lossy(&line).trim().to_string())
+        }
     }
 
     /// Sends one request and waits for its answer (or `deadline`, or `cancelled()`, polled
@@ -191,7 +201,8 @@ impl Worker {
                     return Answer::Stale(why.to_string());
                 }
                 return Answer::Broken(format!(
-                    "worker {pid} answered {a:?}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")"
+                    "worker {pid} answered {}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")",
+                    quoted_start(&a)
                 ));
             }
             if let Some(why) = self.overlong.take() {
@@ -242,6 +253,14 @@ impl Worker {
         let (_, code, how) = exit_text(status);
         drop(self.child); // reaped above: dropping neither waits nor kills
         (how, code, Some(usage.ru_maxrss as u64), self.err_cap)
+    }
+}
+
+/// `s` quoted, cut after its first 200 characters (an answer line may be up to MAX_ANSWER_LINE).
+fn quoted_start(s: &str) -> String {
+    match s.char_indices().nth(200) {
+        Some((at, _)) => format!("{:?}… ({} bytes)", &s[..at], s.len()),
+        None => format!("{s:?}"),
     }
 }
 

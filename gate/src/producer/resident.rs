@@ -19,7 +19,12 @@
 //! worker's group is killed). A request that outlives its `timeout_ms` (the run's `--timeout`)
 //! is ended by the daemon as a per-call run is (the worker's group killed, its stderr so far
 //! quoted), and the daemon leaves; a daemon that does not answer by then plus `BACKSTOP` is
-//! killed with its worker by the client.
+//! killed with its worker by the client. After any request that ends the worker the client
+//! returns only once the daemon has left (`Client::ask`).
+//!
+//! Hygiene: the daemon keeps no descriptor the gate inherited (`cloexec_from_3`), reads a request
+//! line of at most MAX_REQUEST_LINE, and a record's pids are signalled only once verified
+//! (`kill_verified`): records are files anyone of this user can write, and pids are reused.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
@@ -414,7 +419,7 @@ fn retire_superseded(name: &str, dir: &Path, key: &str, purpose: &str) {
             continue;
         }
         if let Some(info) =
-            read_info(&p.info).filter(|i| kill_verified(dir, other, i.pid, i.worker_pid))
+            read_info(&p.info).filter(|i| kill_verified(dir, other, i.pid, i.worker_pid).is_ok())
         {
             eprintln!(
                 "[gate] {name} worker {} retired: superseded by this one (the gate executable or the Python changed)",
@@ -560,11 +565,12 @@ impl Client {
     /// killed here and the request is a timeout without stderr.
     ///
     /// A request after which the daemon leaves (`Reply::Gone`: the worker failed, ended or timed
-    /// out) returns only once the daemon has left (it reaps its worker before it answers), or
-    /// BACKSTOP later with both killed: when the gate returns, neither runs any more.
+    /// out; `Reply::Stale`) returns only once the daemon has left (it reaps its worker before it
+    /// answers), or BACKSTOP later with both killed: when the gate returns, neither runs any
+    /// more (docs/producers.md, "Resident workers").
     pub(crate) fn ask(&mut self, request: &[String], deadline: Instant) -> Reply {
         let reply = self.ask_daemon(request, deadline);
-        if matches!(reply, Reply::Gone(_)) {
+        if matches!(reply, Reply::Gone(_) | Reply::Stale(_)) {
             self.wait_gone();
         }
         reply
@@ -585,7 +591,7 @@ impl Client {
         let since = Instant::now();
         while is_daemon_of(self.pid, &dir, &key) {
             if since.elapsed() >= BACKSTOP {
-                kill_verified(&dir, &key, self.pid, self.worker_pid);
+                let _ = kill_verified(&dir, &key, self.pid, self.worker_pid);
                 let _ = std::fs::remove_file(&self.sock);
                 let _ = std::fs::remove_file(self.sock.with_extension("json"));
                 return;
@@ -617,7 +623,7 @@ impl Client {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 let (dir, key) = self.dir_key();
-                kill_verified(&dir, &key, self.pid, self.worker_pid);
+                let _ = kill_verified(&dir, &key, self.pid, self.worker_pid);
                 let _ = std::fs::remove_file(&self.sock);
                 let mut e = Ended::failed(String::new());
                 e.timed_out = true;
@@ -883,8 +889,6 @@ fn readable(fd: i32, ms: i32) -> bool {
 /// A running resident worker as `gate workers` lists it.
 pub struct Listed {
     pub info: Info,
-    /// The record's key (its file name).
-    key: String,
     /// Resident set of the daemon and its worker, KiB.
     pub rss_kib: u64,
 }
@@ -948,18 +952,39 @@ fn is_worker_of(worker: i32, daemon: i32) -> bool {
     ppid == Some(daemon) && pgrp == Some(worker)
 }
 
-/// Kills the daemon `info` names (its group) and its worker's group, each only when it is what
+/// Kills the daemon a record names (its group) and its worker's group, each only when it is what
 /// the record says (`is_daemon_of`, `is_worker_of`): a stale or planted record's pids may belong
-/// to anyone's processes. Whether the daemon was one.
-fn kill_verified(dir: &Path, key: &str, daemon: i32, worker: i32) -> bool {
+/// to anyone's processes. Err(why nothing was signalled) when `daemon` is not the key's daemon;
+/// Ok(Some(why the worker was not signalled)) when only the daemon was (its real worker leaves
+/// at the EOF on its stdin).
+fn kill_verified(
+    dir: &Path,
+    key: &str,
+    daemon: i32,
+    worker: i32,
+) -> Result<Option<String>, String> {
     if !is_daemon_of(daemon, dir, key) {
-        return false;
+        return Err(format!(
+            "{key}.json names daemon pid {daemon}, which is not that worker's daemon (not `gate {RESIDENT_CHILD} {} {key} …` leading its own process group): not signalled",
+            dir.display()
+        ));
     }
-    if is_worker_of(worker, daemon) {
+    let worker_note = if is_worker_of(worker, daemon) {
         kill_groups(&[worker]);
-    }
+        None
+    } else {
+        Some(format!(
+            "{key}.json names worker pid {worker}, which is not daemon {daemon}'s child leading its own process group: not signalled (the daemon was)"
+        ))
+    };
     kill_groups(&[daemon]);
-    true
+    Ok(worker_note)
+}
+
+fn alive(pid: i32) -> bool {
+    pid > 0
+        && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.rsplit(") ").next().is_some_and(|r| !r.starts_with('Z')))
 }
 
 /// The resident workers of this user's runtime directory; entries whose daemon is gone are
@@ -986,35 +1011,59 @@ pub fn list() -> Result<Vec<Listed>, String> {
             continue;
         }
         let rss_kib = rss_kib(info.pid) + rss_kib(info.worker_pid);
-        out.push(Listed { info, key, rss_kib });
+        out.push(Listed { info, rss_kib });
     }
     out.sort_by_key(|l| l.info.started);
     Ok(out)
 }
 
-/// Ends every resident worker; how many it ended.
-pub fn stop_all() -> Result<usize, String> {
+/// Ends every resident worker: how many it ended, and why it signalled what a record named only
+/// in part or not at all (a record whose pids are not its daemon and worker: stale, or planted).
+pub fn stop_all() -> Result<(usize, Vec<String>), String> {
     let dir = runtime_dir()?;
-    let all: Vec<Listed> = list()?
-        .into_iter()
-        .filter(|l| kill_verified(&dir, &l.key, l.info.pid, l.info.worker_pid))
-        .collect();
+    let mut notes = Vec::new();
+    let mut stopped = Vec::new();
+    let entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let Some(info) = read_info(&path) else {
+            continue;
+        };
+        let key = path
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        match kill_verified(&dir, &key, info.pid, info.worker_pid) {
+            Ok(note) => {
+                notes.extend(note);
+                stopped.push((key, info.pid));
+            }
+            // A pid that has ended is a stale record, nothing to tell; a live one is not ours.
+            Err(why) if alive(info.pid) => notes.push(why),
+            Err(_) => {}
+        }
+    }
     let since = Instant::now();
-    while all.iter().any(|l| is_daemon_of(l.info.pid, &dir, &l.key))
+    while stopped.iter().any(|(k, pid)| is_daemon_of(*pid, &dir, k))
         && since.elapsed() < Duration::from_secs(5)
     {
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Their files: gone with them (a killed daemon cannot remove its own).
+    // Their files (a killed daemon cannot remove its own), and those of records naming no daemon.
     list()?;
-    Ok(all.len())
+    Ok((stopped.len(), notes))
 }
 
 /// `gate workers [stop]`'s text.
 pub fn workers_verb(stop: bool) -> Result<String, String> {
     if stop {
-        let n = stop_all()?;
-        return Ok(format!("stopped {n} resident worker(s)"));
+        let (n, notes) = stop_all()?;
+        let mut s = format!("stopped {n} resident worker(s)");
+        for note in notes {
+            s.push_str(&format!("\n  {note}"));
+        }
+        return Ok(s);
     }
     let all = list()?;
     let dir = runtime_dir()?;
