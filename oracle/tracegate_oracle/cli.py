@@ -139,9 +139,20 @@ def _content_key(d: Path) -> tuple | None:
     weights = cp._weights_digest(d)
     if weights is None:
         return None
+
+    def sha256(p: Path) -> str:
+        h = hashlib.sha256()
+        try:
+            with open(p, "rb") as f:  # streamed: a stray large file costs time, not its size
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError as e:
+            raise OracleError(f"--model {d}: cannot read {p.name}: {e}") from None
+        return h.hexdigest()
+
     others = tuple(
         sorted(
-            (p.name, hashlib.sha256(p.read_bytes()).hexdigest())
+            (p.name, sha256(p))
             for p in d.iterdir()
             if p.is_file() and not p.name.endswith(".safetensors")
         )
