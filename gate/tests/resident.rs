@@ -627,9 +627,23 @@ fn an_overlong_request_line_is_refused_and_the_worker_kept() {
 fn workers_stop_signals_only_the_processes_it_verified() {
     use std::os::unix::process::CommandExt;
     let env = Env::new();
+    use std::io::BufRead;
     let run = env.bisect("first", &[]);
-    let (key, mut record) = the_record(&env.runtime());
+    let (key, _) = the_record(&env.runtime());
+    // Connected (and greeted), the daemon is past its record's update for the gate run that left
+    // and will not rewrite it while this client stays: the tampering below is not undone.
+    let client = std::os::unix::net::UnixStream::connect(env.runtime().join(format!("{key}.sock")))
+        .expect("connect");
+    client
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut hello = String::new();
+    std::io::BufReader::new(&client)
+        .read_line(&mut hello)
+        .expect("hello");
+    let (_, mut record) = the_record(&env.runtime());
     let daemon = record["pid"].as_u64().expect("pid");
+    assert!(hello.contains(&format!("\"pid\":{daemon}")), "{hello}");
     let sleep = || {
         Command::new("sleep")
             .arg("300")
@@ -652,6 +666,7 @@ fn workers_stop_signals_only_the_processes_it_verified() {
     record["worker_pid"] = c.id().into();
     write(&key, &record);
     let out = env.workers(&["stop"]);
+    drop(client);
     let survived = [a.id(), b.id(), c.id()].map(|p| alive(p.into()));
     for s in [&mut a, &mut b, &mut c] {
         let _ = s.kill();

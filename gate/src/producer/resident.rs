@@ -952,33 +952,40 @@ fn is_worker_of(worker: i32, daemon: i32) -> bool {
     ppid == Some(daemon) && pgrp == Some(worker)
 }
 
-/// Kills the daemon a record names (its group) and its worker's group, each only when it is what
-/// the record says (`is_daemon_of`, `is_worker_of`): a stale or planted record's pids may belong
-/// to anyone's processes. Err(why nothing was signalled) when `daemon` is not the key's daemon;
-/// Ok(Some(why the worker was not signalled)) when only the daemon was (its real worker leaves
-/// at the EOF on its stdin).
-fn kill_verified(
-    dir: &Path,
-    key: &str,
-    daemon: i32,
-    worker: i32,
-) -> Result<Option<String>, String> {
+/// Whether a record's pids are what it says: Err(why nothing may be signalled) when `daemon` is
+/// not the key's daemon (`is_daemon_of`); Ok(Some(why the worker may not be)) when `worker` is
+/// not that daemon's worker (`is_worker_of`). A stale or planted record's pids may belong to
+/// anyone's processes.
+fn verify(dir: &Path, key: &str, daemon: i32, worker: i32) -> Result<Option<String>, String> {
     if !is_daemon_of(daemon, dir, key) {
         return Err(format!(
             "{key}.json names daemon pid {daemon}, which is not that worker's daemon (not `gate {RESIDENT_CHILD} {} {key} …` leading its own process group): not signalled",
             dir.display()
         ));
     }
-    let worker_note = if is_worker_of(worker, daemon) {
+    if is_worker_of(worker, daemon) {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "{key}.json names worker pid {worker}, which is not daemon {daemon}'s child leading its own process group: not signalled (the daemon was)"
+    )))
+}
+
+/// Kills the daemon a record names (its group) and its worker's group, each only when `verify`
+/// says it is what the record says; `verify`'s verdict (a worker not signalled leaves at the EOF
+/// on its stdin).
+fn kill_verified(
+    dir: &Path,
+    key: &str,
+    daemon: i32,
+    worker: i32,
+) -> Result<Option<String>, String> {
+    let verdict = verify(dir, key, daemon, worker)?;
+    if verdict.is_none() {
         kill_groups(&[worker]);
-        None
-    } else {
-        Some(format!(
-            "{key}.json names worker pid {worker}, which is not daemon {daemon}'s child leading its own process group: not signalled (the daemon was)"
-        ))
-    };
+    }
     kill_groups(&[daemon]);
-    Ok(worker_note)
+    Ok(verdict)
 }
 
 fn alive(pid: i32) -> bool {
@@ -1024,6 +1031,9 @@ pub fn stop_all() -> Result<(usize, Vec<String>), String> {
     let mut notes = Vec::new();
     let mut stopped = Vec::new();
     let entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Every record is judged before any is acted on: a record naming another's daemon is refused
+    // for what it names, whichever is listed first.
+    let mut judged = Vec::new();
     for path in entries.flatten().map(|e| e.path()) {
         if path.extension().is_none_or(|x| x != "json") {
             continue;
@@ -1034,14 +1044,21 @@ pub fn stop_all() -> Result<(usize, Vec<String>), String> {
         let key = path
             .file_stem()
             .map_or(String::new(), |s| s.to_string_lossy().into_owned());
-        match kill_verified(&dir, &key, info.pid, info.worker_pid) {
-            Ok(note) => {
-                notes.extend(note);
-                stopped.push((key, info.pid));
+        // A pid that has ended is a stale record, nothing to tell; a live one is not ours.
+        let verdict = verify(&dir, &key, info.pid, info.worker_pid)
+            .map_err(|why| alive(info.pid).then_some(why));
+        judged.push((key, info, verdict));
+    }
+    for (key, info, verdict) in judged {
+        match verdict {
+            // Verified again as it is signalled (it may have ended since).
+            Ok(_) => {
+                if let Ok(note) = kill_verified(&dir, &key, info.pid, info.worker_pid) {
+                    notes.extend(note);
+                    stopped.push((key, info.pid));
+                }
             }
-            // A pid that has ended is a stale record, nothing to tell; a live one is not ours.
-            Err(why) if alive(info.pid) => notes.push(why),
-            Err(_) => {}
+            Err(why) => notes.extend(why),
         }
     }
     let since = Instant::now();
