@@ -449,11 +449,17 @@ fn the_daemon_keeps_no_descriptor_the_gate_inherited() {
         unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     let w = write_end.as_raw_fd();
     let mut cmd = env.bisect_cmd("fds", &[]);
-    // SAFETY: dup2 is async-signal-safe; it gives only the gate the write end, as fd 9, not
-    // close-on-exec (as Python's pass_fds would).
+    // SAFETY: dup2 and fcntl are async-signal-safe; they give only the gate the write end, as
+    // fd 9, not close-on-exec (as Python's pass_fds would).
     unsafe {
         cmd.pre_exec(move || {
-            if libc::dup2(w, 9) == -1 {
+            // dup2 onto itself would leave it close-on-exec.
+            let r = if w == 9 {
+                libc::fcntl(9, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(w, 9)
+            };
+            if r == -1 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
