@@ -40,8 +40,13 @@ pub(crate) struct Worker {
     stdin: ChildStdin,
     out: Option<std::fs::File>,
     err: Option<std::fs::File>,
-    /// Bytes of stdout after the last complete answer line.
+    /// Bytes of stdout after the last complete answer line (at most MAX_ANSWER_LINE).
     line: Vec<u8>,
+    /// How many bytes of `line` are known to hold no newline: each read scans only what it added.
+    scanned: usize,
+    /// Set once stdout held more than MAX_ANSWER_LINE bytes without a newline (the worker is
+    /// then broken: its stdout is no longer read).
+    overlong: Option<String>,
     /// stderr since the previous answer (a fresh worker's start-up output goes to its first request).
     err_cap: Capture,
 }
@@ -91,6 +96,8 @@ impl Worker {
             out,
             err,
             line: Vec::new(),
+            scanned: 0,
+            overlong: None,
             err_cap: Capture::default(),
         })
     }
@@ -134,9 +141,36 @@ impl Worker {
                 Err(_) => *f = None,
             }
         }
-        let nl = self.line.iter().position(|&b| b == b'\n')?;
-        let line: Vec<u8> = self.line.drain(..=nl).collect();
-        Some(String::from_utf8_lossy(&line).trim().to_string())
+        // Only the bytes this call added are scanned: a long line costs its length once.
+        let nl = self.line[self.scanned..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .map(|at| self.scanned + at);
+        match nl {
+            Some(nl) if nl <= MAX_ANSWER_LINE => {
+                let line: Vec<u8> = self.line.drain(..=nl).collect();
+                self.scanned = 0;
+                Some(String::from_utf8_lossy(&line).trim().to_string())
+            }
+            None if self.line.len() <= MAX_ANSWER_LINE => {
+                self.scanned = self.line.len();
+                None
+            }
+            _ => {
+                if self.overlong.is_none() {
+                    self.overlong = Some(format!(
+                        "worker {} wrote more than {MAX_ANSWER_LINE} bytes on stdout without a newline \
+                         (an answer is one line of at most {MAX_ANSWER_LINE} bytes; docs/producers.md, \"Serving\")",
+                        self.pid
+                    ));
+                }
+                // Not read again: whoever sees `overlong` ends the worker.
+                self.out = None;
+                self.line = Vec::new();
+                self.scanned = 0;
+                None
+            }
+        }
     }
 
     /// Sends one request and waits for its answer (or `deadline`, or `cancelled()`, polled
@@ -167,8 +201,12 @@ impl Worker {
                     return Answer::Stale(why.to_string());
                 }
                 return Answer::Broken(format!(
-                    "worker {pid} answered {a:?}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")"
+                    "worker {pid} answered {}, not {{\"exit\": N}} (docs/producers.md, \"Serving\")",
+                    quoted_start(&a)
                 ));
+            }
+            if let Some(why) = self.overlong.take() {
+                return Answer::Broken(why);
             }
             if self.out.is_none() {
                 return Answer::Broken(format!("worker {pid} ended without answering"));
@@ -183,10 +221,16 @@ impl Worker {
     }
 
     /// Reads what the worker wrote while no request ran (kept for the next request); false once
-    /// it closed its stdout (it ended).
+    /// it closed its stdout (it ended) or wrote more than MAX_ANSWER_LINE bytes without a newline
+    /// (`overlong` says so).
     pub(crate) fn idle(&mut self, buf: &mut [u8]) -> bool {
         let _ = self.pump(buf);
         self.out.is_some()
+    }
+
+    /// Why the worker's stdout stopped being read, when it broke the line bound.
+    pub(crate) fn overlong(&self) -> Option<&str> {
+        self.overlong.as_deref()
     }
 
     /// Kills the group, reads the rest of stderr (DRAIN_GRACE at most), reaps the leader: how it
@@ -211,6 +255,18 @@ impl Worker {
         (how, code, Some(usage.ru_maxrss as u64), self.err_cap)
     }
 }
+
+/// `s` quoted, cut after its first 200 characters (an answer line may be up to MAX_ANSWER_LINE).
+fn quoted_start(s: &str) -> String {
+    match s.char_indices().nth(200) {
+        Some((at, _)) => format!("{:?}… ({} bytes)", &s[..at], s.len()),
+        None => format!("{s:?}"),
+    }
+}
+
+/// The longest answer line a worker may write (an answer is `{"exit": N}` or `{"stale": WHY}`):
+/// more without a newline is a broken worker, not a buffer that grows without bound.
+pub(crate) const MAX_ANSWER_LINE: usize = 64 * 1024;
 
 /// A request as its line on the worker's stdin, `{"argv": [VERB, ARG, …]}` (docs/producers.md,
 /// "Serving"), or on a resident daemon's socket, which also takes the time left until the run's

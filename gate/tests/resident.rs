@@ -328,12 +328,16 @@ fn a_client_that_leaves_mid_request_takes_the_request_with_it() {
     );
 }
 
+/// Also the promise of docs/producers.md ("Resident workers", "Ending"): a request after which
+/// the daemon leaves returns only once it has (bounded, then killed), so when the gate returns
+/// neither the worker nor its daemon runs; asserted at once, no waiting.
 #[test]
 fn a_request_past_its_timeout_is_ended_with_the_workers_stderr_so_far() {
     let env = Env::new();
+    // 10 s: time enough for the worker to start and say it sleeps on a loaded machine.
     let out = env
         .bisect_cmd("slow", &[("TRACEGATE_SERVE_TEST_SLEEP", "60")])
-        .args(["--timeout", "4"])
+        .args(["--timeout", "10"])
         .output()
         .expect("gate runs");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -343,11 +347,33 @@ fn a_request_past_its_timeout_is_ended_with_the_workers_stderr_so_far() {
     assert!(
         stderr.contains(
             "candidate (contract) trace failed: serve: test sleep of 60 s before the request\n\
-             [timed out after 4 s (--timeout); killed: $ "
+             [timed out after 10 s (--timeout); killed: $ "
         ),
         "{stderr}"
     );
-    // The worker and its daemon are gone.
+    // The worker and its daemon are gone (pids from the daemon's log, which outlives it).
+    let log = std::fs::read_dir(env.runtime())
+        .expect("runtime dir")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "log"))
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_default();
+    let pid_after = |what: &str| -> u64 {
+        log.split(what)
+            .nth(1)
+            .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {what:?} in the log: {log}"))
+    };
+    let (daemon, worker) = (pid_after("started: daemon "), pid_after(", worker "));
+    assert!(
+        !alive(worker),
+        "worker {worker} runs after the gate returned\n{log}"
+    );
+    assert!(
+        !alive(daemon),
+        "daemon {daemon} runs after the gate returned\n{log}"
+    );
     assert!(env.workers(&[]).starts_with("0 resident worker(s)"));
     // Negative control: the quoted line comes from the slow request, not from every request.
     let quick = env.bisect("quick", &[]);
@@ -379,4 +405,301 @@ fn a_worker_of_a_replaced_gate_executable_is_retired_by_the_next_one_started() {
     assert!(!other.stderr.contains("retired"), "{}", other.stderr);
     assert!(alive(second.pid()));
     assert!(env.workers(&[]).starts_with("2 resident worker(s)"));
+}
+
+/// The one record (`KEY.json`) of the runtime directory: its key and JSON.
+fn the_record(runtime: &Path) -> (String, Value) {
+    let records: Vec<PathBuf> = std::fs::read_dir(runtime)
+        .expect("runtime dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    assert_eq!(records.len(), 1, "{records:?}");
+    let key = records[0]
+        .file_stem()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let json = serde_json::from_str(&std::fs::read_to_string(&records[0]).unwrap()).unwrap();
+    (key, json)
+}
+
+/// Waits (lifecycle, not speed: `bound`) until `pid` has ended; whether it did.
+fn ends_within(pid: u64, bound: Duration) -> bool {
+    let since = Instant::now();
+    while alive(pid) && since.elapsed() < bound {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    !alive(pid)
+}
+
+/// Issue 33 item 9: a caller that gave the gate a pipe and waits for EOF on it gets EOF when the
+/// gate exits, not when the resident daemon it started leaves (600 s idle by default).
+#[test]
+fn the_daemon_keeps_no_descriptor_the_gate_inherited() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+    let env = Env::new();
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 fills two descriptors, both close-on-exec (no other test's child gets them).
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let w = write_end.as_raw_fd();
+    let mut cmd = env.bisect_cmd("fds", &[]);
+    // SAFETY: dup2 and fcntl are async-signal-safe; they give only the gate the write end, as
+    // fd 9, not close-on-exec (as Python's pass_fds would).
+    unsafe {
+        cmd.pre_exec(move || {
+            // dup2 onto itself would leave it close-on-exec.
+            let r = if w == 9 {
+                libc::fcntl(9, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(w, 9)
+            };
+            if r == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().expect("gate runs");
+    drop(write_end);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The daemon outlives the gate (else EOF would prove nothing)...
+    let listed = env.workers(&[]);
+    assert!(listed.starts_with("1 resident worker(s)"), "{listed}");
+    // ...and holds no copy of the write end: EOF, within a bound far below the idle time.
+    let mut p = libc::pollfd {
+        fd: read_end.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    let ready = unsafe { libc::poll(&mut p, 1, 60_000) };
+    let mut byte = [0u8; 1];
+    // SAFETY: reading one byte into a live buffer from a descriptor this test owns.
+    let n = if ready > 0 {
+        unsafe { libc::read(read_end.as_raw_fd(), byte.as_mut_ptr().cast(), 1) }
+    } else {
+        -1
+    };
+    assert_eq!(
+        n, 0,
+        "no EOF on the gate's inherited pipe 60 s after the gate exited: {listed}"
+    );
+}
+
+/// A serving producer that misbehaves on stdout (issue 33 item 10): `serve` reads one request and
+/// writes MODE's line, then sleeps (the gate must end it, not wait).
+const HOSTILE_WORKER: &str = r#"
+import sys, time
+mode = sys.argv[1]
+if sys.argv[2:3] != ["serve"]:
+    sys.exit(3)
+sys.stdin.readline()
+out = sys.stdout.buffer
+if mode == "over":  # 50 MiB without a newline, then one
+    for _ in range(50):
+        out.write(b"x" * (1 << 20))
+    out.write(b"\n")
+else:  # 60 KiB of garbage: within the bound, not an answer
+    out.write(b"y" * (60 << 10) + b"\n")
+out.flush()
+time.sleep(600)
+"#;
+
+#[test]
+fn a_workers_stdout_line_is_bounded() {
+    let env = Env::new();
+    let script = env.tmp.path().join("hostile_worker.py");
+    std::fs::write(&script, HOSTILE_WORKER).unwrap();
+    let python = common::repo().join(".venv/bin/python");
+    let run = |mode: &str| {
+        let template = format!(
+            "'{}' '{}' {mode} {{verb|serve}} {{args}}",
+            python.display(),
+            script.display()
+        );
+        let out = env
+            .gate(&[])
+            .args([
+                "bisect",
+                "--model",
+                "fixtures/tiny-qwen3",
+                "--prompt",
+                "short",
+            ])
+            .args([
+                "--reference",
+                "engine",
+                "--candidate",
+                "cmd",
+                "--candidate-cmd",
+                &template,
+            ])
+            .args(["--timeout", "120", "--work"])
+            .arg(env.tmp.path().join(mode))
+            .output()
+            .expect("gate runs");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = run("over");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("wrote more than 65536 bytes on stdout without a newline"),
+        "{}",
+        &stderr[..stderr.len().min(4000)]
+    );
+    // Nothing of the 50 MiB is quoted.
+    assert!(stderr.len() < 64 << 10, "{} bytes of stderr", stderr.len());
+    // Negative control: a line within the bound is read whole, and refused as no answer (quoted
+    // only in part).
+    let (code, stderr) = run("under");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(!stderr.contains("without a newline"), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "\"{}\"… (61440 bytes), not {{\"exit\": N}}",
+            "y".repeat(200)
+        )),
+        "{stderr}"
+    );
+}
+
+/// Issue 33 item 10: a client's request line is read up to MAX_REQUEST_LINE (16 MiB), not
+/// buffered whole; the client is refused and dropped, the worker kept for the next gate run.
+#[test]
+fn an_overlong_request_line_is_refused_and_the_worker_kept() {
+    use std::io::{BufRead, BufReader, Write};
+    let env = Env::new();
+    let first = env.bisect("first", &[]);
+    let (key, record) = the_record(&env.runtime());
+    let daemon = record["pid"].as_u64().expect("pid");
+    let sock = env.runtime().join(format!("{key}.sock"));
+    let stream = std::os::unix::net::UnixStream::connect(&sock).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut hello = String::new();
+    reader.read_line(&mut hello).expect("hello");
+    assert!(hello.contains(&format!("\"pid\":{daemon}")), "{hello}");
+    // 300 MiB without a newline, as a hostile client sends it; the daemon may hang up midway.
+    let mut w = stream.try_clone().unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    let sent = (0..300).take_while(|_| w.write_all(&chunk).is_ok()).count();
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let mut answer = String::new();
+    let _ = reader.read_line(&mut answer);
+    assert!(
+        answer.contains("request line over 16777216 bytes without a newline: refused"),
+        "answer {answer:?} after {sent} MiB sent"
+    );
+    // Bounded: the daemon's peak resident set is far below the line (it held at most 16 MiB of it).
+    let status = std::fs::read_to_string(format!("/proc/{daemon}/status")).expect("daemon runs");
+    let hwm: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmHWM");
+    assert!(hwm < 128 << 10, "daemon {daemon} peaked at {hwm} KiB");
+    // The worker stays: the next gate run is served by it (the negative control of the refusal
+    // being the client's alone).
+    let again = env.bisect("again", &[]);
+    assert_eq!(
+        (again.pid(), again.resident()),
+        (first.pid(), Some("reused")),
+        "{}",
+        again.stderr
+    );
+}
+
+/// Issue 33 item 11: `gate workers stop` signals a record's pids only once they are its daemon
+/// (`gate __resident-worker DIR KEY`, leading its group) and that daemon's worker; a planted or
+/// stale record's other pids (here two `sleep`s, each leading its own group) survive, and the
+/// output says why they were not signalled.
+#[test]
+fn workers_stop_signals_only_the_processes_it_verified() {
+    use std::os::unix::process::CommandExt;
+    let env = Env::new();
+    use std::io::BufRead;
+    let run = env.bisect("first", &[]);
+    let (key, _) = the_record(&env.runtime());
+    // Connected (and greeted), the daemon is past its record's update for the gate run that left
+    // and will not rewrite it while this client stays: the tampering below is not undone.
+    let client = std::os::unix::net::UnixStream::connect(env.runtime().join(format!("{key}.sock")))
+        .expect("connect");
+    client
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut hello = String::new();
+    std::io::BufReader::new(&client)
+        .read_line(&mut hello)
+        .expect("hello");
+    let (_, mut record) = the_record(&env.runtime());
+    let daemon = record["pid"].as_u64().expect("pid");
+    assert!(hello.contains(&format!("\"pid\":{daemon}")), "{hello}");
+    let sleep = || {
+        Command::new("sleep")
+            .arg("300")
+            .process_group(0)
+            .spawn()
+            .expect("sleep starts")
+    };
+    let (mut a, mut b, mut c) = (sleep(), sleep(), sleep());
+    let write = |name: &str, v: &Value| {
+        std::fs::write(env.runtime().join(format!("{name}.json")), v.to_string()).unwrap()
+    };
+    // A planted record under another key naming the live daemon and a sleep as its worker.
+    let mut planted = record.clone();
+    planted["worker_pid"] = a.id().into();
+    write("00000000deadbeef", &planted);
+    // One naming a sleep as its daemon.
+    planted["pid"] = b.id().into();
+    write("00000000feedf00d", &planted);
+    // The daemon's own record, its worker pid replaced by a sleep's (stale, or tampered).
+    record["worker_pid"] = c.id().into();
+    write(&key, &record);
+    let out = env.workers(&["stop"]);
+    drop(client);
+    let survived = [a.id(), b.id(), c.id()].map(|p| alive(p.into()));
+    for s in [&mut a, &mut b, &mut c] {
+        let _ = s.kill();
+        let _ = s.wait();
+    }
+    assert_eq!(survived, [true; 3], "{out}");
+    assert!(out.starts_with("stopped 1 resident worker(s)"), "{out}");
+    for says in [
+        format!("00000000deadbeef.json names daemon pid {daemon}, which is not that worker's daemon"),
+        format!("00000000feedf00d.json names daemon pid {}, which is not that worker's daemon", b.id()),
+        format!(
+            "{key}.json names worker pid {}, which is not daemon {daemon}'s child leading its own process group: not signalled (the daemon was)",
+            c.id()
+        ),
+    ] {
+        assert!(out.contains(&says), "{says:?} not in:\n{out}");
+    }
+    // Negative control: what the record rightly named was signalled; its real worker, not
+    // signalled, leaves at the EOF on its stdin.
+    assert!(
+        ends_within(daemon, Duration::from_secs(30)),
+        "daemon {daemon} runs: {out}"
+    );
+    assert!(
+        ends_within(run.pid(), Duration::from_secs(60)),
+        "worker {} runs",
+        run.pid()
+    );
+    assert!(env.workers(&[]).starts_with("0 resident worker(s)"));
 }

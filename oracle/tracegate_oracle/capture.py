@@ -518,7 +518,10 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         "family": lay.provenance(),
         "model": str(model_dir),
         "model_abspath": str(Path(model_dir).resolve()),
-        "weights_digest": _weights_digest(Path(model_dir)),
+        # The digest of the weights this model was loaded from, where the loader recorded it
+        # (cli._load keys its served models on it); else the directory's, now.
+        "weights_digest": getattr(model, "tracegate_weights_digest", None)
+        or _weights_digest(Path(model_dir)),
         "prompt_tokens": [int(t) for t in tokens] if tokens is not None else None,
         "capture": rc.capture,
         "cache": rc.cache,

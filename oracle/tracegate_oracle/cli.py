@@ -129,20 +129,64 @@ def _read_input(path: str, name: str):
 _MODELS: dict = {}
 
 
+def _content_key(d: Path) -> tuple | None:
+    """What the checkpoint directory holds, by content: the weights digest the trace records
+    (tracegate.weights_digest over *.safetensors) and a SHA-256 of every other file (config.json
+    and its like, small). Never size and mtime: `cp -p` and `rsync -a` keep both while replacing
+    the bytes. None when the digest cannot be computed (no tracegate, no xxhash)."""
+    import hashlib
+
+    from . import capture as cp
+
+    weights = cp._weights_digest(d)
+    if weights is None:
+        return None
+
+    def sha256(p: Path) -> str:
+        h = hashlib.sha256()
+        try:
+            with open(p, "rb") as f:  # streamed: a stray large file costs time, not its size
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError as e:
+            raise OracleError(f"--model {d}: cannot read {p.name}: {e}") from None
+        return h.hexdigest()
+
+    others = tuple(
+        sorted(
+            (p.name, sha256(p))
+            for p in d.iterdir()
+            if p.is_file() and not p.name.endswith(".safetensors")
+        )
+    )
+    return weights, others
+
+
 def _load(model_dir: str, rc: RunConfig):
-    """The model, loaded once per (checkpoint files, dtype, device) in a serving process: a run
-    only reads its weights (hooks are removed after each capture). One model is kept, so a
-    worker holds no more than a per-call process."""
+    """The model, loaded once per (checkpoint content, dtype, device, placement) in a serving
+    process: a run only reads its weights (hooks are removed after each capture). One model is
+    kept, so a worker holds no more than a per-call process. The weights digest the key was made
+    of is the one the trace records (`model.tracegate_weights_digest`): a trace's tensors are
+    those of the weights it names."""
     from . import capture as cp
 
     d = Path(model_dir).resolve()
-    stamp = tuple(
-        sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in d.iterdir() if p.is_file())
-    )
-    key = (str(d), rc.dtype, rc.device, stamp)
-    if key not in _MODELS:
+    content = _content_key(d)
+    key = (str(d), rc.dtype, rc.device, rc.device_map, repr(rc.max_memory), content)
+    if content is None or key not in _MODELS:
         _MODELS.clear()
-        _MODELS[key] = cp.load_model(model_dir, rc)
+        model = cp.load_model(model_dir, rc)
+        if content is not None:
+            # Replaced while loading: the model may hold either; neither key nor record would say.
+            after = _content_key(d)
+            if after != content:
+                raise OracleError(
+                    f"--model {model_dir}: the checkpoint changed while it was loading "
+                    f"(weights digest {content[0]} before, {after and after[0]} after)"
+                )
+            model.tracegate_weights_digest = content[0]
+            _MODELS[key] = model
+        return model
     return _MODELS[key]
 
 

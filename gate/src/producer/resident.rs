@@ -19,9 +19,14 @@
 //! worker's group is killed). A request that outlives its `timeout_ms` (the run's `--timeout`)
 //! is ended by the daemon as a per-call run is (the worker's group killed, its stderr so far
 //! quoted), and the daemon leaves; a daemon that does not answer by then plus `BACKSTOP` is
-//! killed with its worker by the client.
+//! killed with its worker by the client. After any request that ends the worker the client
+//! returns only once the daemon has left (`Client::ask`).
+//!
+//! Hygiene: the daemon keeps no descriptor the gate inherited (`cloexec_from_3`), reads a request
+//! line of at most MAX_REQUEST_LINE, and a record's pids are signalled only once verified
+//! (`kill_verified`): records are files anyone of this user can write, and pids are reused.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -67,6 +72,9 @@ const GATE_SIDE_ENV: &[&str] = &[
     "TRACEGATE_RUNTIME_DIR",
     "TRACEGATE_SERVE",
 ];
+/// The longest request line the daemon reads from a client: a request is a command line (its
+/// longest part a prompt's token ids), far below this; more is refused, not buffered.
+pub(crate) const MAX_REQUEST_LINE: usize = 16 << 20;
 /// How long a client waits for a daemon it started to listen, or for a hello.
 const CONNECT_WAIT: Duration = Duration::from_secs(10);
 
@@ -410,8 +418,9 @@ fn retire_superseded(name: &str, dir: &Path, key: &str, purpose: &str) {
         if !lock_within(&lock, Duration::ZERO) {
             continue;
         }
-        if let Some(info) = read_info(&p.info).filter(|i| is_daemon(i.pid)) {
-            kill_groups(&[info.worker_pid, info.pid]);
+        if let Some(info) =
+            read_info(&p.info).filter(|i| kill_verified(dir, other, i.pid, i.worker_pid).is_ok())
+        {
             eprintln!(
                 "[gate] {name} worker {} retired: superseded by this one (the gate executable or the Python changed)",
                 info.worker_pid
@@ -469,8 +478,9 @@ fn start(
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log2);
-    // SAFETY: fork, setsid and _exit are async-signal-safe. The intermediate child exits at
-    // once, so the daemon is nobody's child but init's and never this gate's zombie.
+    // SAFETY: fork, setsid, _exit, syscall(close_range), getrlimit and fcntl are
+    // async-signal-safe. The intermediate child exits at once, so the daemon is nobody's child
+    // but init's and never this gate's zombie.
     unsafe {
         cmd.pre_exec(|| {
             match libc::fork() {
@@ -479,6 +489,7 @@ fn start(
                 _ => libc::_exit(0),
             }
             libc::setsid();
+            cloexec_from_3();
             Ok(())
         });
     }
@@ -503,6 +514,36 @@ fn start(
     }
 }
 
+/// Marks every descriptor above stderr close-on-exec, so the daemon (and its worker) keeps none
+/// the gate inherited: a caller that waits for EOF on a pipe it gave the gate does not wait for
+/// the daemon's idle exit. Marked rather than closed: std's own exec-error pipe must stay open
+/// until the exec. Runs between fork and exec (async-signal-safe calls only).
+unsafe fn cloexec_from_3() {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    if libc::syscall(
+        libc::SYS_close_range,
+        3 as libc::c_uint,
+        libc::c_uint::MAX,
+        CLOSE_RANGE_CLOEXEC,
+    ) == 0
+    {
+        return;
+    }
+    // Kernels before 5.11: every descriptor the limit allows.
+    let mut lim: libc::rlimit = std::mem::zeroed();
+    let max = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+        lim.rlim_cur.min(1 << 20) as libc::c_int
+    } else {
+        1024
+    };
+    for fd in 3..max {
+        let flags = libc::fcntl(fd, libc::F_GETFD);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+        }
+    }
+}
+
 fn kill_groups(pids: &[i32]) {
     for &pid in pids.iter().filter(|&&p| p > 1) {
         // SAFETY: kill sends a signal; both are session/group leaders we started.
@@ -522,10 +563,54 @@ impl Client {
     /// request is ended (its answer says timed out, with the worker's stderr so far); if the
     /// daemon has not answered by `deadline + BACKSTOP`, both groups (daemon and worker) are
     /// killed here and the request is a timeout without stderr.
+    ///
+    /// A request after which the daemon leaves (`Reply::Gone`: the worker failed, ended or timed
+    /// out; `Reply::Stale`) returns only once the daemon has left (it reaps its worker before it
+    /// answers), or BACKSTOP later with both killed: when the gate returns, neither runs any
+    /// more (docs/producers.md, "Resident workers").
     pub(crate) fn ask(&mut self, request: &[String], deadline: Instant) -> Reply {
+        let reply = self.ask_daemon(request, deadline);
+        if matches!(reply, Reply::Gone(_) | Reply::Stale(_)) {
+            self.wait_gone();
+        }
+        reply
+    }
+
+    /// The daemon's runtime directory and key (its socket's directory and name).
+    fn dir_key(&self) -> (PathBuf, String) {
+        let dir = self.sock.parent().map_or(PathBuf::new(), Path::to_path_buf);
+        let key = self
+            .sock
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        (dir, key)
+    }
+
+    fn wait_gone(&self) {
+        let (dir, key) = self.dir_key();
+        let since = Instant::now();
+        while is_daemon_of(self.pid, &dir, &key) {
+            if since.elapsed() >= BACKSTOP {
+                let _ = kill_verified(&dir, &key, self.pid, self.worker_pid);
+                let _ = std::fs::remove_file(&self.sock);
+                let _ = std::fs::remove_file(self.sock.with_extension("json"));
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn ask_daemon(&mut self, request: &[String], deadline: Instant) -> Reply {
         let gone = |why: String| Reply::Gone(Ended::failed(why));
         let left = deadline.saturating_duration_since(Instant::now());
         let line = worker::request_line(request, Some(left));
+        if line.len() > MAX_REQUEST_LINE {
+            // The daemon would refuse it (and drop this client): refused here, the worker kept.
+            return Reply::Ended(Ended::failed(format!(
+                "the request line is {} bytes, over the resident worker's bound of {MAX_REQUEST_LINE}",
+                line.len()
+            )));
+        }
         let deadline = deadline + BACKSTOP;
         if let Err(e) = self.stream.write_all(line.as_bytes()) {
             return gone(format!(
@@ -537,7 +622,8 @@ impl Client {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                kill_groups(&[self.worker_pid, self.pid]);
+                let (dir, key) = self.dir_key();
+                let _ = kill_verified(&dir, &key, self.pid, self.worker_pid);
                 let _ = std::fs::remove_file(&self.sock);
                 let mut e = Ended::failed(String::new());
                 e.timed_out = true;
@@ -651,8 +737,11 @@ fn serve_socket(listener: &UnixListener, p: &Paths, serve_argv: &[String]) -> i3
     loop {
         let Some(w) = worker.as_mut() else { return 1 };
         if !w.idle(&mut buf) {
+            let why = w
+                .overlong()
+                .map_or("the worker ended on its own".into(), str::to_string);
             let _ = worker::ended(&mut worker, Answer::Broken("ended".into()), serve_argv);
-            log("the worker ended on its own");
+            log(&why);
             return 1;
         }
         if idle_since.elapsed() >= idle {
@@ -699,14 +788,32 @@ fn serve_client(
             if !readable(fd, 20) {
                 if let Some(w) = worker.as_mut() {
                     if !w.idle(&mut buf) {
-                        return Err("the worker ended between requests".into());
+                        let why = w.overlong().unwrap_or("the worker ended between requests");
+                        return Err(why.to_string());
                     }
                 }
                 continue;
             }
-            match reader.read_until(b'\n', &mut line) {
+            // Bounded: read at most one byte past MAX_REQUEST_LINE (BufReader's read_until scans
+            // each buffered chunk once).
+            let room = (MAX_REQUEST_LINE + 1 - line.len()) as u64;
+            match (&mut reader).take(room).read_until(b'\n', &mut line) {
                 Ok(0) => return Ok(()),
                 Ok(_) if line.ends_with(b"\n") => break,
+                Ok(_) if line.len() > MAX_REQUEST_LINE => {
+                    // The client is dropped, not the worker: the next client is served as before.
+                    let _ = writeln!(
+                        out,
+                        "{}",
+                        json(&DaemonAnswer::Ended(Ended::failed(format!(
+                            "request line over {MAX_REQUEST_LINE} bytes without a newline: refused"
+                        ))))
+                    );
+                    log(&format!(
+                        "a client sent more than {MAX_REQUEST_LINE} bytes without a newline (the bound of a request line): it was dropped"
+                    ));
+                    return Ok(());
+                }
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => return Ok(()),
@@ -790,9 +897,101 @@ fn rss_kib(pid: i32) -> u64 {
     worker::proc_status_kib(pid, "VmRSS").unwrap_or(0)
 }
 
-fn is_daemon(pid: i32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .is_ok_and(|c| c.split(|&b| b == 0).nth(1) == Some(RESIDENT_CHILD.as_bytes()))
+/// Whether `pid` is the daemon of `key` in the runtime directory `dir`: this user's process
+/// running `EXE RESIDENT_CHILD DIR KEY …` (DIR the same directory), leading its own process group
+/// (it called setsid). A record names pids; only this makes it safe to signal them.
+fn is_daemon_of(pid: i32, dir: &Path, key: &str) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    if pid <= 1 {
+        return false;
+    }
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+    let (Some(&verb), Some(&d), Some(&k)) = (args.get(1), args.get(2), args.get(3)) else {
+        return false;
+    };
+    if verb != RESIDENT_CHILD.as_bytes() || k != key.as_bytes() {
+        return false;
+    }
+    let d = Path::new(std::ffi::OsStr::from_bytes(d));
+    let d = if d.is_relative() {
+        match std::fs::read_link(format!("/proc/{pid}/cwd")) {
+            Ok(cwd) => cwd.join(d),
+            Err(_) => return false,
+        }
+    } else {
+        d.to_path_buf()
+    };
+    let same_dir = match (std::fs::metadata(&d), std::fs::metadata(dir)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    };
+    // SAFETY: getpgid reads a process's group id.
+    same_dir && unsafe { libc::getpgid(pid) } == pid
+}
+
+/// Whether `worker` is `daemon`'s worker: its child, leading a process group of its own (as
+/// crate::worker starts it). Anything else a record names is not ours to signal.
+fn is_worker_of(worker: i32, daemon: i32) -> bool {
+    if worker <= 1 {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{worker}/stat")) else {
+        return false;
+    };
+    // After the command's closing parenthesis: state, ppid, pgrp, …
+    let mut fields = stat
+        .rsplit_once(") ")
+        .map_or("", |(_, r)| r)
+        .split_whitespace();
+    let _state = fields.next();
+    let ppid = fields.next().and_then(|v| v.parse::<i32>().ok());
+    let pgrp = fields.next().and_then(|v| v.parse::<i32>().ok());
+    ppid == Some(daemon) && pgrp == Some(worker)
+}
+
+/// Whether a record's pids are what it says: Err(why nothing may be signalled) when `daemon` is
+/// not the key's daemon (`is_daemon_of`); Ok(Some(why the worker may not be)) when `worker` is
+/// not that daemon's worker (`is_worker_of`). A stale or planted record's pids may belong to
+/// anyone's processes.
+fn verify(dir: &Path, key: &str, daemon: i32, worker: i32) -> Result<Option<String>, String> {
+    if !is_daemon_of(daemon, dir, key) {
+        return Err(format!(
+            "{key}.json names daemon pid {daemon}, which is not that worker's daemon (not `gate {RESIDENT_CHILD} {} {key} …` leading its own process group): not signalled",
+            dir.display()
+        ));
+    }
+    if is_worker_of(worker, daemon) {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "{key}.json names worker pid {worker}, which is not daemon {daemon}'s child leading its own process group: not signalled (the daemon was)"
+    )))
+}
+
+/// Kills the daemon a record names (its group) and its worker's group, each only when `verify`
+/// says it is what the record says; `verify`'s verdict (a worker not signalled leaves at the EOF
+/// on its stdin).
+fn kill_verified(
+    dir: &Path,
+    key: &str,
+    daemon: i32,
+    worker: i32,
+) -> Result<Option<String>, String> {
+    let verdict = verify(dir, key, daemon, worker)?;
+    if verdict.is_none() {
+        kill_groups(&[worker]);
+    }
+    kill_groups(&[daemon]);
+    Ok(verdict)
+}
+
+fn alive(pid: i32) -> bool {
+    pid > 0
+        && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.rsplit(") ").next().is_some_and(|r| !r.starts_with('Z')))
 }
 
 /// The resident workers of this user's runtime directory; entries whose daemon is gone are
@@ -809,7 +1008,10 @@ pub fn list() -> Result<Vec<Listed>, String> {
         let Some(info) = read_info(&path) else {
             continue;
         };
-        if !is_daemon(info.pid) {
+        let key = path
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        if !is_daemon_of(info.pid, &dir, &key) {
             for ext in ["json", "sock", "purpose"] {
                 let _ = std::fs::remove_file(path.with_extension(ext));
             }
@@ -822,26 +1024,63 @@ pub fn list() -> Result<Vec<Listed>, String> {
     Ok(out)
 }
 
-/// Ends every resident worker; how many it ended.
-pub fn stop_all() -> Result<usize, String> {
-    let all = list()?;
-    for l in &all {
-        kill_groups(&[l.info.worker_pid, l.info.pid]);
+/// Ends every resident worker: how many it ended, and why it signalled what a record named only
+/// in part or not at all (a record whose pids are not its daemon and worker: stale, or planted).
+pub fn stop_all() -> Result<(usize, Vec<String>), String> {
+    let dir = runtime_dir()?;
+    let mut notes = Vec::new();
+    let mut stopped = Vec::new();
+    let entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Every record is judged before any is acted on: a record naming another's daemon is refused
+    // for what it names, whichever is listed first.
+    let mut judged = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let Some(info) = read_info(&path) else {
+            continue;
+        };
+        let key = path
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        // A pid that has ended is a stale record, nothing to tell; a live one is not ours.
+        let verdict = verify(&dir, &key, info.pid, info.worker_pid)
+            .map_err(|why| alive(info.pid).then_some(why));
+        judged.push((key, info, verdict));
+    }
+    for (key, info, verdict) in judged {
+        match verdict {
+            // Verified again as it is signalled (it may have ended since).
+            Ok(_) => {
+                if let Ok(note) = kill_verified(&dir, &key, info.pid, info.worker_pid) {
+                    notes.extend(note);
+                    stopped.push((key, info.pid));
+                }
+            }
+            Err(why) => notes.extend(why),
+        }
     }
     let since = Instant::now();
-    while all.iter().any(|l| is_daemon(l.info.pid)) && since.elapsed() < Duration::from_secs(5) {
+    while stopped.iter().any(|(k, pid)| is_daemon_of(*pid, &dir, k))
+        && since.elapsed() < Duration::from_secs(5)
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Their files: gone with them (a killed daemon cannot remove its own).
+    // Their files (a killed daemon cannot remove its own), and those of records naming no daemon.
     list()?;
-    Ok(all.len())
+    Ok((stopped.len(), notes))
 }
 
 /// `gate workers [stop]`'s text.
 pub fn workers_verb(stop: bool) -> Result<String, String> {
     if stop {
-        let n = stop_all()?;
-        return Ok(format!("stopped {n} resident worker(s)"));
+        let (n, notes) = stop_all()?;
+        let mut s = format!("stopped {n} resident worker(s)");
+        for note in notes {
+            s.push_str(&format!("\n  {note}"));
+        }
+        return Ok(s);
     }
     let all = list()?;
     let dir = runtime_dir()?;
