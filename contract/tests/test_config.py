@@ -125,7 +125,6 @@ def test_ignored_fields_do_not_matter():
     a = parse_config(cfg())
     b = parse_config(
         cfg(
-            max_position_embeddings=7,
             initializer_range=0.5,
             attention_dropout=0.1,
             dtype="bfloat16",
@@ -133,6 +132,8 @@ def test_ignored_fields_do_not_matter():
         )
     )
     assert a == b
+    # max_position_embeddings computes nothing but bounds a run (--tokens plus --generate).
+    assert parse_config(cfg(max_position_embeddings=7)).max_position_embeddings == 7
 
 
 def test_deeply_nested_config_is_one_line_naming_the_file(tmp_path):

@@ -154,7 +154,7 @@ fn policy_reports_the_rule_per_tensor() {
     let pol = policy_path();
     let out = run(&["--policy", p(&pol), p(&rp), p(&cp)]);
     assert_eq!(out.code, 0, "{}", out.stdout);
-    assert!(out.stdout.starts_with("WITHIN POLICY — 13 tensors judged by policy \"oracle-default\" (12 bit-identical, 1 within bounds), 3 decisions"), "{}", out.stdout);
+    assert!(out.stdout.starts_with("WITHIN POLICY — 13 tensors judged by policy \"oracle-default\" (for f32 candidates, as this one) (12 bit-identical, 1 within bounds), 3 decisions"), "{}", out.stdout);
     snap!("policy_pass_human", out.stdout);
 
     c.set_f32("logits", 3, 50.0);

@@ -626,7 +626,8 @@ def test_bisect_html_into_a_missing_directory_is_refused_before_any_run(tmp_path
             out,
         ]
     )
-    assert r.returncode == 2 and f"--html: {out.parent} is not a directory" in r.stderr, r.stderr
+    want = f"--html {out}: directory {out.parent} does not exist"
+    assert r.returncode == 2 and want in r.stderr, r.stderr
     assert not (tmp_path / "work").exists()
 
 
