@@ -6,65 +6,21 @@ top-level object repeats a key. A JSON input file is read as the engine reads it
 from __future__ import annotations
 
 import json
-import os
-import stat
+
+from tracegate.jsonfile import MAX_JSON_LEN, JsonInputError
+from tracegate.jsonfile import read_bytes as _read_bytes
 
 from .errors import ContractError
 
-# trace/src/json.rs MAX_JSON_LEN: the most bytes a JSON input file may hold.
-MAX_JSON_LEN = 64 << 20
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
+__all__ = ["MAX_JSON_LEN", "read_bytes", "loads", "loads_unique"]
 
 
 def read_bytes(path, shown: str, limit: int = MAX_JSON_LEN) -> bytes:
-    """The bytes of `path`, a regular file of at most `limit` bytes. Opened with O_NONBLOCK (a
-    FIFO would block the open until a writer came) and checked by fstat of the opened file, so
-    what is read is what was checked; the read stops one byte past the bound. FileNotFoundError
-    passes through (callers name what is missing); anything else is a ContractError."""
+    """tracegate.jsonfile.read_bytes, its refusal a ContractError."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise ContractError(f"{shown}: cannot open: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ContractError(
-                f"{shown}: not a regular file ({_kind(st.st_mode)}): "
-                "a JSON input is one regular file"
-            )
-        if st.st_size > limit:
-            raise ContractError(
-                f"{shown}: {st.st_size} bytes, more than the limit of {limit} for a JSON input"
-            )
-        chunks, got = [], 0
-        while got <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - got))
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
-    except OSError as e:
-        raise ContractError(f"{shown}: cannot read: {e.strerror}") from None
-    finally:
-        os.close(fd)
-    if got > limit:
-        raise ContractError(
-            f"{shown}: grew past the limit of {limit} bytes for a JSON input while being read"
-        )
-    return b"".join(chunks)
+        return _read_bytes(path, shown, limit)
+    except JsonInputError as e:
+        raise ContractError(str(e)) from None
 
 
 def loads_unique(text, where: str, parse_float=None):

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import stat
 import struct
 import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+from tracegate.jsonfile import JsonInputError, read_bytes
 
 from .errors import CheckpointError, OracleError
 
@@ -142,59 +142,18 @@ def safetensors_files(d: Path, wm: dict[str, str] | None) -> list[Path]:
     return [d / n for n in expected]
 
 
-# trace/src/json.rs MAX_JSON_LEN: the most bytes a JSON input file may hold.
-MAX_JSON_LEN = 64 << 20
-
-
-def _file_kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
 def _read_json_file(path: Path, absent: str):
     """The parsed JSON of one regular file of at most MAX_JSON_LEN bytes, no object repeating a
-    key, as the engine reads it (trace/src/json.rs): opened with O_NONBLOCK (a FIFO would block
-    the open) and checked by fstat of the opened file, so what is read is what was checked; the
-    read stops one byte past the bound. `absent` is the message when it is missing."""
+    key, as the engine reads it (trace/src/json.rs; the read is tracegate.jsonfile's). `absent`
+    is the message when it is missing."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_bytes(path, str(path))
     except FileNotFoundError:
         raise CheckpointError(absent) from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: unreadable: {e.strerror}") from None
+    except JsonInputError as e:
+        raise CheckpointError(str(e)) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(
-                f"{path}: not a regular file ({_file_kind(st.st_mode)}): "
-                "a JSON input is one regular file"
-            )
-        if st.st_size > MAX_JSON_LEN:
-            raise CheckpointError(
-                f"{path}: {st.st_size} bytes, more than the limit of {MAX_JSON_LEN} for a JSON input"
-            )
-        chunks, got = [], 0
-        while got <= MAX_JSON_LEN:
-            b = os.read(fd, min(1 << 20, MAX_JSON_LEN + 1 - got))
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
-    except OSError as e:
-        raise CheckpointError(f"{path}: unreadable: {e.strerror}") from None
-    finally:
-        os.close(fd)
-    if got > MAX_JSON_LEN:
-        raise CheckpointError(
-            f"{path}: grew past the limit of {MAX_JSON_LEN} bytes while being read"
-        )
-    try:
-        text = b"".join(chunks).decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: unreadable: {e}") from None
     return _load_json(text, str(path), "key")

@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tracegate.jsonfile import MAX_JSON_LEN
 from tracegate_oracle import checkpoint
 from tracegate_oracle.errors import CheckpointError
 from tracegate_oracle.measure_policy import text_config
@@ -37,7 +38,7 @@ def test_json_inputs_past_the_bound_or_not_regular_are_refused(tmp_path):
     d.mkdir()
     p = d / "config.json"
     with open(p, "wb") as f:
-        f.truncate(checkpoint.MAX_JSON_LEN + 1)  # sparse: refused from fstat, nothing read
+        f.truncate(MAX_JSON_LEN + 1)  # sparse: refused from fstat, nothing read
     with pytest.raises(CheckpointError, match="config.json: .* more than the limit"):
         checkpoint.read_config(d)
     p.unlink()
