@@ -1,7 +1,7 @@
 """A serving oracle keys its loaded model on the checkpoint's content, never on its files' size and
 mtime (issue 33 item 2): weights replaced by others of the same size with the old mtime kept (as
 `cp -p` and `rsync -a` leave them) are the weights the next request computes with, and the digest
-its trace records is theirs. Run from the repo root: .venv/bin/python -m pytest oracle/tests
+its trace records is theirs; the contract's serving worker likewise. Run from the repo root: .venv/bin/python -m pytest oracle/tests
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def _replace_weights_keeping_size_and_mtime(ck: Path) -> None:
 
 
 class _Worker:
-    """`python -m tracegate_oracle serve`, asked over its stdin/stdout as the gate asks it."""
+    """`python -m MODULE serve`, asked over its stdin/stdout as the gate asks it."""
 
-    def __init__(self, err: Path):
+    def __init__(self, module: str, err: Path):
         self._err = open(err, "w")
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "tracegate_oracle", "serve"],
+            [sys.executable, "-m", module, "serve"],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -92,10 +92,13 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
 
 
-def test_weights_replaced_with_the_same_size_and_mtime_are_the_ones_served(tmp_path):
+# The contract keeps no model between requests; it is held to the same (a size-and-mtime cache
+# added to its serve loop fails it).
+@pytest.mark.parametrize("module", ["tracegate_oracle", "tracegate_contract"])
+def test_weights_replaced_with_the_same_size_and_mtime_are_the_ones_served(tmp_path, module):
     ck = tmp_path / "ck"
     shutil.copytree(DENSE, ck)
-    w = _Worker(tmp_path / "worker.err")
+    w = _Worker(module, tmp_path / "worker.err")
     try:
         assert w.ask(_trace(ck, tmp_path / "before.trace")) == 0
         old_digest = tracegate.weights_digest(str(ck))
@@ -107,7 +110,7 @@ def test_weights_replaced_with_the_same_size_and_mtime_are_the_ones_served(tmp_p
         w.close()
     # What a fresh process computes with the new weights (nothing cached).
     subprocess.run(
-        [sys.executable, "-m", "tracegate_oracle", *_trace(ck, tmp_path / "fresh.trace")],
+        [sys.executable, "-m", module, *_trace(ck, tmp_path / "fresh.trace")],
         cwd=ROOT,
         check=True,
         capture_output=True,
