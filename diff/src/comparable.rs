@@ -116,9 +116,14 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                     kind,
                     None,
                     format!(
-                        "{key} differs: {} in the reference, {} in the candidate",
+                        "{key} differs: {} in the reference, {} in the candidate{}",
                         show(Some(a)),
-                        show(Some(b))
+                        show(Some(b)),
+                        if key == "weights_digest" {
+                            digest_hint(a, b)
+                        } else {
+                            String::new()
+                        }
                     ),
                 ));
             }
@@ -187,6 +192,27 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
         }
     }
     (refuse, allowed)
+}
+
+/// Where a side's `weights_digest` is not of tracegate's form (32 lowercase hex digits: a
+/// sha256 of the file is 64), the pointer to the function that makes it.
+fn digest_hint(a: &Value, b: &Value) -> String {
+    let ours = |v: &Value| {
+        v.as_str().is_some_and(|s| {
+            s.len() == 32 && s.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
+        })
+    };
+    let odd: Vec<&str> = [("reference", a), ("candidate", b)]
+        .into_iter()
+        .filter(|(_, v)| !ours(v))
+        .map(|(side, _)| side)
+        .collect();
+    let whose = match odd.as_slice() {
+        [] => return String::new(),
+        [side] => format!("the {side}'s is not"),
+        _ => "neither is".to_string(),
+    };
+    format!(" ({whose} a tracegate weights digest: record tracegate.weights_digest(model_dir) / tracegate_trace::weights_digest, xxh3-128 of the *.safetensors files in name order, 32 hex digits)")
 }
 
 fn opt(s: &Option<String>) -> String {

@@ -1132,3 +1132,46 @@ fn a_policy_for_another_precision_is_named_and_warned_about() {
     let rep = diff(&r, &c, Some(load("oracle-default")));
     assert!(mismatch(&rep)[0].contains("honest reduced-precision rounding breaks them"));
 }
+
+#[test]
+fn a_weights_digest_of_another_form_points_to_the_function() {
+    // A port that records the sha256 of its weights file: refused as other weights, and told
+    // how tracegate's digest is made.
+    let r = crafted();
+    let mut c = r.clone();
+    c.provenance["weights_digest"] = serde_json::json!("ab".repeat(32));
+    let rep = diff(&r, &c, None);
+    assert_eq!(rep.verdict, Verdict::Incomparable);
+    let f = &rep.findings[0];
+    assert_eq!(f.kind.as_str(), "weights_mismatch");
+    assert!(
+        f.detail.contains("neither is a tracegate weights digest"),
+        "{}",
+        f.detail
+    );
+    assert!(
+        f.detail.contains("tracegate.weights_digest(model_dir)"),
+        "{}",
+        f.detail
+    );
+    let mut r1 = r.clone();
+    r1.provenance["weights_digest"] = serde_json::json!("0".repeat(32));
+    let rep = diff(&r1, &c, None);
+    assert!(
+        rep.findings[0]
+            .detail
+            .contains("the candidate's is not a tracegate weights digest"),
+        "{}",
+        rep.findings[0].detail
+    );
+    // The control: two digests of tracegate's form that differ get no hint.
+    let mut r2 = r.clone();
+    r2.provenance["weights_digest"] = serde_json::json!("0".repeat(32));
+    c.provenance["weights_digest"] = serde_json::json!("1".repeat(32));
+    let rep = diff(&r2, &c, None);
+    assert!(
+        !rep.findings[0].detail.contains("not a tracegate"),
+        "{}",
+        rep.findings[0].detail
+    );
+}

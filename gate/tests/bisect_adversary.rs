@@ -498,3 +498,27 @@ fn a_signed_zero_nan_payload_or_infinity_is_the_same_class_in_bisect_as_in_trace
         }
     }
 }
+
+#[test]
+fn a_relative_candidate_command_that_is_not_found_says_where_templates_run() {
+    let dir = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let r = bisect(
+        &dir.path().join("work"),
+        dir.path(),
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            "./my-port.sh {verb} {args}",
+        ],
+    );
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    let said = format!("{}{}", r.stderr, r.report["summary"]);
+    assert!(
+        said.contains("could not start \"./my-port.sh\"")
+            && said.contains("command templates run in the project root"),
+        "{said}"
+    );
+}

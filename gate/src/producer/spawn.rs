@@ -168,7 +168,20 @@ pub(crate) fn run_command(root: &Path, argv: &[String], timeout: Duration) -> En
     }
     let mut child = match cmd.spawn() {
         Ok(c) => c,
-        Err(e) => return Ended::failed(format!("could not start {prog:?}: {e}")),
+        Err(e) => {
+            // The template runs in the project root, not where the gate was started: a relative
+            // program path is the usual reason it is not found.
+            let hint = if e.kind() == std::io::ErrorKind::NotFound && !prog.starts_with('/') {
+                let at = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+                format!(
+                    " (command templates run in the project root {}: a relative path is taken from there; give an absolute one, or a program on PATH)",
+                    at.display()
+                )
+            } else {
+                String::new()
+            };
+            return Ended::failed(format!("could not start {prog:?}: {e}{hint}"));
+        }
     };
     let pid = child.id() as libc::pid_t;
     let as_file = |fd: Option<std::os::fd::OwnedFd>| fd.map(std::fs::File::from);
