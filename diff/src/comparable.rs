@@ -64,9 +64,26 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
     // Two oracle runs are only comparable on one stack. An engine or contract trace against
     // an oracle trace differs in stack by construction — that is what policies are for.
     if is_oracle(rp) && is_oracle(cp) {
-        for key in STACK_KEYS {
+        let differ: Vec<&str> = STACK_KEYS
+            .into_iter()
+            .filter(|k| lookup(rp, k) != lookup(cp, k))
+            .collect();
+        // One stack in two precisions (an fp32 oracle against its own bf16 run) is the usual
+        // calibration, not two stacks: compared, and said; a reduced-precision policy judges it.
+        if differ == ["dtype"] {
+            allowed.push(Finding::new(
+                FindingKind::StackMismatchAllowed,
+                None,
+                format!(
+                    "oracle stack differs only in dtype: {} in the reference, {} in the candidate (one stack in two precisions: compared; judge it with that precision's policy, e.g. --policy bf16)",
+                    show(lookup(rp, "dtype")),
+                    show(lookup(cp, "dtype"))
+                ),
+            ));
+        }
+        for key in differ.iter().copied().filter(|_| differ != ["dtype"]) {
             let (a, b) = (lookup(rp, key), lookup(cp, key));
-            if a != b {
+            {
                 let detail = format!(
                     "oracle stack differs: {key} is {} in the reference, {} in the candidate",
                     show(a),
@@ -79,7 +96,13 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                         format!("{detail} (allowed by --allow-stack-mismatch)"),
                     ));
                 } else {
-                    refuse.push(Finding::new(FindingKind::StackMismatch, None, detail));
+                    refuse.push(Finding::new(
+                        FindingKind::StackMismatch,
+                        None,
+                        format!(
+                            "{detail} (trace-diff --allow-stack-mismatch compares them anyway)"
+                        ),
+                    ));
                 }
             }
         }

@@ -969,3 +969,28 @@ fn res_first(rep: &tracegate_diff::Report) -> tracegate_diff::MarginDifference {
         .clone()
         .unwrap()
 }
+
+#[test]
+fn one_oracle_stack_in_two_precisions_is_compared_and_said() {
+    // An fp32 oracle against its own bf16 run: only dtype differs, the usual calibration.
+    let mut r = model();
+    r.provenance = oracle_provenance();
+    let mut c = r.clone();
+    c.provenance["dtype"] = json!("bfloat16");
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Identical, "{:#?}", rep.findings);
+    assert_eq!(kinds(&rep), vec!["stack_mismatch_allowed"]);
+    assert!(rep.findings[0]
+        .detail
+        .contains("differs only in dtype: float32 in the reference, bfloat16"));
+    // The control: dtype and another key differ: two stacks, refused, naming the flag.
+    c.provenance["versions"]["torch"] = json!("2.6.0");
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Incomparable);
+    assert_eq!(kinds(&rep), vec!["stack_mismatch", "stack_mismatch"]);
+    assert!(
+        rep.findings[0].detail.contains("--allow-stack-mismatch"),
+        "{}",
+        rep.findings[0].detail
+    );
+}
