@@ -2275,3 +2275,64 @@ fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict()
         r.stdout
     );
 }
+
+#[test]
+fn blessing_one_milestone_moves_every_milestone_sharing_its_prompt_file() {
+    // m0 and m1 both record fixtures/prompts/frozen.json. A byte that changes no prompt (a
+    // trailing newline) changes its sha256; `gate m0 --bless` accepts it, and m1 must then run,
+    // not refuse the file m0 just accepted.
+    let root = scratch_root();
+    let torchless = torchless_python(root.path());
+    let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
+    let prompts = root.path().join("fixtures/prompts/frozen.json");
+    let mut text = std::fs::read_to_string(&prompts).unwrap();
+    text.push('\n');
+    std::fs::write(&prompts, text).unwrap();
+    let m1 = [
+        "m1",
+        "--model",
+        "fixtures/tiny-qwen3-moe",
+        "--only",
+        "short",
+    ];
+    // The control: before any blessing m1 refuses the changed file.
+    let r = gate(root.path(), &m1, &env);
+    assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
+    let r = gate(
+        root.path(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "short",
+            "--bless",
+        ],
+        &env,
+    );
+    assert!(
+        r.stdout.contains("m1: prompts sha256") && r.stdout.contains("shares frozen with m0"),
+        "{}\n{}",
+        r.stdout,
+        r.stderr
+    );
+    let ms: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.path().join("milestones.json")).unwrap(),
+    )
+    .unwrap();
+    let shas: Vec<&str> = ms["milestones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["prompts"]["sha256"].as_str().unwrap())
+        .collect();
+    assert!(shas.windows(2).all(|w| w[0] == w[1]), "{shas:?}");
+    let r = gate(root.path(), &m1, &env);
+    assert_ne!(
+        r.code, 2,
+        "m1 refused what m0 blessed:\n{}\n{}",
+        r.stdout, r.stderr
+    );
+    let rep = r.report.unwrap();
+    assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
+}

@@ -203,8 +203,30 @@ pub(super) fn bless(
             "{}: prompts sha256 {} -> {}",
             m.id, milestone.prompts.sha256, set.sha256
         ));
+        let (shared, old) = (
+            milestone.prompts.set.clone(),
+            milestone.prompts.sha256.clone(),
+        );
         milestone.prompts.sha256 = set.sha256.clone();
+        // The file is one fact: every milestone that records the same set at the same old hash
+        // moves with it, or the next milestone would refuse the file this one just accepted.
+        // Their expectations are their own: a prompt that changed fails their checks until they
+        // are blessed too, and the log says so.
+        for other in file
+            .milestones
+            .iter_mut()
+            .filter(|x| x.id != m.id && x.prompts.set == shared && x.prompts.sha256 == old)
+        {
+            log.push(format!(
+                "{}: prompts sha256 {old} -> {} (shares {shared} with {}; its expectations are not re-recorded: bless it too if a prompt changed)",
+                other.id, set.sha256, m.id
+            ));
+            other.prompts.sha256 = set.sha256.clone();
+        }
     }
+    let milestone = file
+        .get_mut(&m.id)
+        .ok_or_else(|| gerr!("milestone {} vanished", m.id))?;
     let entry = milestone
         .models
         .iter_mut()
