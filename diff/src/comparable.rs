@@ -80,14 +80,12 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                     show(lookup(cp, "dtype"))
                 ),
             ));
-        }
-        for key in differ.iter().copied().filter(|_| differ != ["dtype"]) {
-            let (a, b) = (lookup(rp, key), lookup(cp, key));
-            {
+        } else {
+            for key in differ {
                 let detail = format!(
                     "oracle stack differs: {key} is {} in the reference, {} in the candidate",
-                    show(a),
-                    show(b)
+                    show(lookup(rp, key)),
+                    show(lookup(cp, key))
                 );
                 if allow_stack_mismatch {
                     allowed.push(Finding::new(
@@ -99,9 +97,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                     refuse.push(Finding::new(
                         FindingKind::StackMismatch,
                         None,
-                        format!(
-                            "{detail} (trace-diff --allow-stack-mismatch compares them anyway)"
-                        ),
+                        format!("{detail} (trace-diff and gate bisect compare them anyway with --allow-stack-mismatch)"),
                     ));
                 }
             }

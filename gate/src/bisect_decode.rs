@@ -35,6 +35,7 @@ pub struct Context<'a> {
     pub policy: &'a Option<Policy>,
     /// Decoder layers.
     pub layers: usize,
+    pub allow_stack_mismatch: bool,
 }
 
 /// The whole runs' comparison leaves the decode steps to this module.
@@ -53,10 +54,11 @@ pub fn prefill_filter(generate: usize) -> Filter {
 /// filtered out: the steps are read from the `decode.SSSS.*` rows, but the prefill stays in view,
 /// because a tensor left out excuses no flip after it (docs/diff.md, "The near-tie rule") and an
 /// honest decode near-tie needs its clean prefill to be seen as clean.
-fn decode_view(policy: &Option<Policy>) -> Options {
+fn decode_view(c: &Context) -> Options {
     Options {
         all: true,
-        policy: policy.clone(),
+        policy: c.policy.clone(),
+        allow_stack_mismatch: c.allow_stack_mismatch,
         ..Options::default()
     }
 }

@@ -133,6 +133,10 @@ struct BisectArgs {
     /// Seed of the calibration perturbation.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Compare two oracle runs whose stacks differ (torch, transformers, device, …), each
+    /// difference stated; one stack in two precisions needs no flag (docs/diff.md, "Comparable").
+    #[arg(long)]
+    allow_stack_mismatch: bool,
     /// Engine threads (at least 1).
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     threads: usize,
@@ -256,6 +260,7 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
             .unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
+        allow_stack_mismatch: a.allow_stack_mismatch,
     };
     let rep = match bisect::run(&o) {
         Ok(rep) => rep,

@@ -522,3 +522,52 @@ fn a_relative_candidate_command_that_is_not_found_says_where_templates_run() {
         "{said}"
     );
 }
+
+// Two oracle runs on different stacks: refused by default, the refusal naming the flag; with
+// `--allow-stack-mismatch` bisected, each difference stated in the whole run's findings. Both
+// sides are the contract claiming to be an oracle on another device (cheap, and the numbers
+// equal: only the stack rule can tell them apart).
+#[test]
+fn oracle_stacks_that_differ_are_refused_naming_the_flag_and_bisected_with_it() {
+    let side = |device: &str| {
+        producer(
+            "foreign_provenance.py",
+            &format!(
+                "--base contract --set 'producer=\"oracle\"' --set 'device=\"{device}\"' {{verb}} {{args}}"
+            ),
+        )
+    };
+    let (reference, candidate) = (side("cpu"), side("cuda:0"));
+    let args = [
+        "--reference",
+        "cmd",
+        "--reference-cmd",
+        &reference,
+        "--candidate",
+        "cmd",
+        "--candidate-cmd",
+        &candidate,
+    ];
+    let dir = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let refused = bisect(&dir.path().join("refused"), dir.path(), &args);
+    assert_eq!(refused.code, 2, "{}{}", refused.stdout, refused.stderr);
+    let said = format!("{}{}", refused.stderr, refused.report["summary"]);
+    assert!(
+        said.contains("device is cpu in the reference, cuda:0 in the candidate")
+            && said.contains("gate bisect compare them anyway with --allow-stack-mismatch"),
+        "{said}"
+    );
+
+    let allowed = bisect(
+        &dir.path().join("allowed"),
+        dir.path(),
+        &[&args[..], &["--allow-stack-mismatch"]].concat(),
+    );
+    assert_eq!(allowed.code, 0, "{}{}", allowed.stdout, allowed.stderr);
+    let findings = allowed.report["whole_run"]["findings"].to_string();
+    assert!(
+        findings.contains("stack_mismatch_allowed")
+            && findings.contains("device is cpu in the reference, cuda:0 in the candidate"),
+        "{findings}"
+    );
+}

@@ -179,6 +179,7 @@ pub(crate) fn isolate_with(
         &Options {
             all: true,
             policy: policy.clone(),
+            allow_stack_mismatch: o.allow_stack_mismatch,
             ..Options::default()
         },
     );

@@ -72,6 +72,9 @@ pub struct BisectOptions {
     /// Each producer run is killed after this long, and the bisection refused.
     pub timeout: std::time::Duration,
     pub gate_invocation: Vec<String>,
+    /// `--allow-stack-mismatch`: two oracle stacks that differ (not only in dtype) are compared,
+    /// each difference a `stack_mismatch_allowed` finding, as `trace-diff` does.
+    pub allow_stack_mismatch: bool,
 }
 
 /// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.
@@ -261,6 +264,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         all: true,
         policy: policy.clone(),
         filter: crate::bisect_decode::prefill_filter(o.generate),
+        allow_stack_mismatch: o.allow_stack_mismatch,
         ..Options::default()
     };
     let compared = compare_whole(&whole.reference, &whole.candidate, &opts)?;
@@ -347,6 +351,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
             candidate: &whole.candidate,
             policy: &policy,
             layers: n,
+            allow_stack_mismatch: o.allow_stack_mismatch,
         };
         let (d, v) = crate::bisect_decode::run(o, &ctx, &mut runs, (verdict, summary));
         refuse_timeout(&runs, o)?;

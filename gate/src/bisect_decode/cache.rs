@@ -57,7 +57,7 @@ pub(super) fn cache_check(
     };
     check.trace = Some(rel.clone());
     // The full recompute is the reference side: the cached path is what is being checked.
-    let opts = decode_view(c.policy);
+    let opts = decode_view(c);
     let rep = compare(&uncached, c.candidate, &opts);
     // A refused comparison compared nothing: it cannot agree.
     if matches!(rep.verdict, Verdict::Incomparable | Verdict::Unreadable) {

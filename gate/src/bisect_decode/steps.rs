@@ -31,7 +31,7 @@ pub fn run(
         return (d, prefill);
     }
     let n = o.tokens.len() as i64;
-    let opts = decode_view(c.policy);
+    let opts = decode_view(c);
     let rep = compare(c.reference, c.candidate, &opts);
     let tensors = b::rows(&rep);
     let decisions = b::decisions(&rep);
