@@ -443,5 +443,28 @@ pub(crate) fn request(
     (Ended::failed(why), None)
 }
 
+/// The run's last line (docs/producers.md, "Resident workers"): the resident workers this gate
+/// process used that still run, and how to stop them; None when none does (residency off
+/// included). A slot another thread still holds is skipped rather than waited for.
+pub fn resident_after_run() -> Option<String> {
+    let map = WORKERS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut names: Vec<String> = map
+        .values()
+        .filter_map(|slot| match slot.try_lock().ok()?.as_ref()? {
+            Conn::Resident(c) => c.still_resident(),
+            Conn::Local(_) => None,
+        })
+        .collect();
+    if names.is_empty() {
+        return None;
+    }
+    names.sort();
+    Some(format!(
+        "[gate] resident after this run: {}; they leave after {} s idle; stop now: gate workers stop",
+        names.join(", "),
+        resident::idle_s()
+    ))
+}
+
 /// Fresh workers tried for one request whose worker found its code changed.
 const STALE_RETRIES: usize = 3;

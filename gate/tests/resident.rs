@@ -177,6 +177,52 @@ fn a_resident_worker_serves_the_next_run_with_the_traces_of_a_per_call_run() {
     assert_eq!(a.digest(), per_call.digest());
 }
 
+/// The run's last stderr line that is not empty.
+fn last_line(stderr: &str) -> &str {
+    stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+}
+
+#[test]
+fn the_runs_last_line_says_what_stays_resident_and_how_to_stop_it() {
+    let env = Env::new();
+    let started = env.bisect("first", &[("TRACEGATE_RESIDENT_IDLE", "300")]);
+    let reused = env.bisect("second", &[("TRACEGATE_RESIDENT_IDLE", "300")]);
+    for run in [&started, &reused] {
+        let last = last_line(&run.stderr);
+        let says = format!(
+            "[gate] resident after this run: contract worker {} (",
+            run.pid()
+        );
+        assert!(
+            last.starts_with(&says),
+            "last line {last:?} of\n{}",
+            run.stderr
+        );
+        assert!(
+            last.ends_with(" MB); they leave after 300 s idle; stop now: gate workers stop"),
+            "{last:?}"
+        );
+        // Only one such line: printed once, at the end.
+        assert_eq!(run.stderr.matches("resident after this run").count(), 1);
+    }
+    // Negative control: residency off, nothing stays and nothing is said.
+    let off = env.bisect("off", &[("TRACEGATE_RESIDENT", "0")]);
+    assert_eq!(off.resident(), None);
+    assert!(
+        !off.stderr.contains("resident after this run"),
+        "{}",
+        off.stderr
+    );
+    // Nor once the workers were stopped and a per-call run (no worker at all) follows.
+    env.workers(&["stop"]);
+    let per_call = env.bisect("per-call", &[("TRACEGATE_SERVE", "0")]);
+    assert!(!per_call.stderr.contains("resident after this run"));
+}
+
 #[test]
 fn a_worker_whose_tracegate_code_changed_is_replaced() {
     let env = Env::new();

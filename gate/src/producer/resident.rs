@@ -93,7 +93,7 @@ pub fn enabled() -> bool {
     }
 }
 
-fn idle_s() -> u64 {
+pub(crate) fn idle_s() -> u64 {
     std::env::var("TRACEGATE_RESIDENT_IDLE")
         .ok()
         .and_then(|v| v.trim().parse().ok())
@@ -255,6 +255,8 @@ pub(crate) struct Client {
     pid: i32,
     worker_pid: i32,
     resident: &'static str,
+    /// The producer it serves (`contract`, `oracle`), for the run's last line.
+    name: String,
     sock: PathBuf,
     /// Bytes of the daemon's next line read so far.
     line: Vec<u8>,
@@ -388,6 +390,7 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
         pid: h.pid,
         worker_pid: h.worker_pid,
         resident,
+        name: name.to_string(),
         sock: p.sock,
         line: Vec::new(),
     })
@@ -574,6 +577,22 @@ impl Client {
             self.wait_gone();
         }
         reply
+    }
+
+    /// What stays resident after this run, `oracle worker 1234 (812 MB)`: None when its daemon
+    /// has left (a request ended it), so the run's last line names only what still runs.
+    pub(crate) fn still_resident(&self) -> Option<String> {
+        let (dir, key) = self.dir_key();
+        if !is_daemon_of(self.pid, &dir, &key) {
+            return None;
+        }
+        let kib = rss_kib(self.pid) + rss_kib(self.worker_pid);
+        Some(format!(
+            "{} worker {} ({:.0} MB)",
+            self.name,
+            self.worker_pid,
+            kib as f64 / 1024.0
+        ))
     }
 
     /// The daemon's runtime directory and key (its socket's directory and name).
