@@ -223,6 +223,120 @@ fn the_runs_last_line_says_what_stays_resident_and_how_to_stop_it() {
     assert!(!per_call.stderr.contains("resident after this run"));
 }
 
+/// A second project root of the same installation: every top-level entry of the repository
+/// (but target/ and .git) linked into `dir`, and `m2` there (only there) naming tiny-qwen3.
+fn second_root(dir: &Path) {
+    std::fs::create_dir_all(dir).expect("second root");
+    for e in std::fs::read_dir(common::repo()).expect("repo").flatten() {
+        let name = e.file_name();
+        if name == "target" || name == ".git" {
+            continue;
+        }
+        std::os::unix::fs::symlink(e.path(), dir.join(&name)).expect("link");
+    }
+    std::os::unix::fs::symlink(common::repo().join("fixtures/tiny-qwen3"), dir.join("m2"))
+        .expect("m2");
+}
+
+#[test]
+fn two_project_roots_of_one_installation_share_one_worker_and_each_request_runs_in_its_callers() {
+    let env = Env::new();
+    let python = std::fs::canonicalize(common::repo())
+        .expect("repo")
+        .join(".venv/bin/python");
+    let python = python.to_str().expect("utf-8");
+    let py = [("TRACEGATE_PYTHON", python)];
+    let first = env.bisect("first", &py);
+    assert_eq!(first.resident(), Some("started"), "{}", first.stderr);
+    // From another project root, with paths that exist only relative to it: the model `m2`, and
+    // the work directory `w` (the contract writes its trace there).
+    let root2 = env.tmp.path().join("proj2");
+    second_root(&root2);
+    assert!(!common::repo().join("m2").exists());
+    let report = env.tmp.path().join("second.json");
+    let out = env
+        .gate(&py)
+        .current_dir(&root2)
+        .args([
+            "bisect",
+            "--model",
+            "m2",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+            "w",
+            "--report",
+        ])
+        .arg(&report)
+        .output()
+        .expect("gate runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    let second = Run { report, stderr };
+    assert_eq!(second.resident(), Some("reused"), "{}", second.stderr);
+    assert_eq!(second.pid(), first.pid(), "{}", second.stderr);
+    let rel = second.contract()["out"].as_str().expect("out").to_string();
+    assert!(rel.starts_with("w/") || rel.starts_with("./w/"), "{rel}");
+    assert!(
+        !common::repo().join(&rel).exists(),
+        "written in the first root: {rel}"
+    );
+    let trace =
+        tracegate_trace::Trace::open(root2.join(&rel)).unwrap_or_else(|e| panic!("{rel}: {e}"));
+    // The same report as a per-run worker's, from that same root.
+    let per_run_report = env.tmp.path().join("per-run.json");
+    let out = env
+        .gate(&[("TRACEGATE_RESIDENT", "0"), py[0]])
+        .current_dir(&root2)
+        .args([
+            "bisect",
+            "--model",
+            "m2",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+            "w-per-run",
+            "--report",
+        ])
+        .arg(&per_run_report)
+        .output()
+        .expect("gate runs");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let per_run: Value =
+        serde_json::from_str(&std::fs::read_to_string(&per_run_report).expect("report"))
+            .expect("JSON");
+    let per_run = Run {
+        report: per_run,
+        stderr: String::new(),
+    };
+    assert_eq!(per_run.resident(), None);
+    let per_run_trace =
+        tracegate_trace::Trace::open(root2.join(per_run.contract()["out"].as_str().expect("out")))
+            .expect("per-run trace");
+    assert_eq!(trace.digest().hex(), per_run_trace.digest().hex());
+    assert_eq!(first.digest(), per_run_trace.digest().hex());
+    assert!(second.report["verdict"].is_string(), "{}", second.report);
+    assert_eq!(second.report["verdict"], per_run.report["verdict"]);
+    // Still one worker for both roots.
+    let listed = env.workers(&[]);
+    assert!(listed.starts_with("1 resident worker(s)"), "{listed}");
+}
+
 #[test]
 fn a_worker_whose_tracegate_code_changed_is_replaced() {
     let env = Env::new();

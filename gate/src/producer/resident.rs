@@ -6,11 +6,13 @@
 //! RESIDENT_CHILD, that owns the Python worker exactly as a gate process owns its per-run one
 //! (crate::worker: stdin/stdout lines, stderr kept per request) and listens on a Unix socket in
 //! a private runtime directory, one socket per key. The key is a digest of what decides what
-//! the worker computes: working directory, worker command line (its Python included), the
-//! environment variables of KEY_ENV, and the gate executable itself. On the socket: a hello
-//! line from the daemon (`{"pid", "worker_pid", "started"}`), then per request the client's
-//! `{"argv": [...], "timeout_ms": N}` line and the daemon's `{"ended": …}` (what the request
-//! ended with, stderr bounded as for a per-call run) or `{"stale": WHY}`.
+//! the worker computes: worker command line (its Python included), what Python could import
+//! from the project root, the environment variables of KEY_ENV, and the gate executable itself;
+//! not the working directory: each request carries its caller's (`"cwd"`), where it runs. On
+//! the socket: a hello line from the daemon (`{"pid", "worker_pid", "started"}`), then per
+//! request the client's `{"argv": [...], "timeout_ms": N, "cwd": ABS}` line and the daemon's
+//! `{"ended": …}` (what the request ended with, stderr bounded as for a per-call run) or
+//! `{"stale": WHY}`.
 //!
 //! Lifecycle: one client at a time, held by an flock on the key's lock file for the whole gate
 //! run; a second run finds it taken and starts its own per-run worker. The daemon leaves after
@@ -167,24 +169,70 @@ fn file_id(p: &Path) -> serde_json::Value {
 
 /// The key of the worker `serve_argv` started in `root`: 16 hex digits of a SHA-256.
 /// Also returns the worker's purpose: the same digest without the gate executable and the
-/// interpreter. Two keys of one purpose differ only by a rebuilt gate or a reinstalled Python, and
+/// interpreter's file (its size and mtime; the Python's path stays). Two keys of one purpose differ only by a rebuilt gate or a reinstalled Python, and
 /// the older worker will not be asked again (`retire_superseded`).
+///
+/// Not the working directory (one worker serves every project root of an installation; each
+/// request runs in its caller's, `"cwd"`), but what a worker started there could import from
+/// it: `python -m` puts the directory first on sys.path, so its top-level modules and packages
+/// (`importable_at`) are part of the installation. The Python is named by its absolute path
+/// with symlinks kept (a venv's `bin/python` is a symlink to the same interpreter in every
+/// venv; the venv decides the site-packages, hence which tracegate* packages are imported); that
+/// path is part of the purpose, so two checkouts' venvs never supersede each other's workers.
 fn key(root: &Path, serve_argv: &[String]) -> Result<(String, String), String> {
     let cwd = std::fs::canonicalize(root).map_err(|e| format!("{}: {e}", root.display()))?;
     let exe = std::env::current_exe().map_err(|e| format!("the gate's executable: {e}"))?;
-    let python = serve_argv
-        .first()
-        .map(|p| file_id(&std::fs::canonicalize(root.join(p)).unwrap_or_else(|_| p.into())));
+    let python = serve_argv.first().map(|p| cwd.join(p));
     let purpose = serde_json::json!({
-        "cwd": cwd.display().to_string(),
         "argv": serve_argv,
+        "python_path": python.as_ref().map(|p| p.display().to_string()),
         "env": key_env(),
+        "importable": importable_at(&cwd).iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
     });
     let mut what = purpose.clone();
-    what["python"] = python.into();
+    what["python"] = python
+        .map(|p| file_id(&std::fs::canonicalize(&p).unwrap_or(p)))
+        .into();
     what["gate"] = file_id(&exe);
+    what["importable_files"] = importable_at(&cwd)
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect::<Vec<_>>()
+        .into();
     let hex16 = |v: &serde_json::Value| hex::encode(&Sha256::digest(v.to_string().as_bytes())[..8]);
     Ok((hex16(&what), hex16(&purpose)))
+}
+
+/// The top-level modules and packages `python -m` could import from `dir` (it is sys.path[0]):
+/// `NAME.py`, `NAME.pyc`, `NAME*.so` and `NAME/__init__.py`, each with its file's size and
+/// mtime (path left out: two checkouts' same files are one installation). A directory without
+/// `__init__.py` is left out: a namespace portion loses to a regular package found later.
+fn importable_at(dir: &Path) -> Vec<(String, serde_json::Value)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, serde_json::Value)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let file = if [".py", ".pyc", ".so"].iter().any(|x| name.ends_with(x)) {
+                e.path()
+            } else {
+                let init = e.path().join("__init__.py");
+                if !init.is_file() {
+                    return None;
+                }
+                init
+            };
+            let m = std::fs::metadata(&file).ok()?;
+            Some((
+                name,
+                serde_json::json!([m.len(), m.mtime(), m.mtime_nsec()]),
+            ))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
 }
 
 /// What a daemon records about itself next to its socket (`gate workers` reads it).
@@ -257,6 +305,8 @@ pub(crate) struct Client {
     resident: &'static str,
     /// The producer it serves (`contract`, `oracle`), for the run's last line.
     name: String,
+    /// This run's working directory (absolute), sent with each request.
+    cwd: String,
     sock: PathBuf,
     /// Bytes of the daemon's next line read so far.
     line: Vec<u8>,
@@ -391,6 +441,10 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
         worker_pid: h.worker_pid,
         resident,
         name: name.to_string(),
+        cwd: std::fs::canonicalize(root)
+            .map_err(|e| format!("{}: {e}", root.display()))?
+            .display()
+            .to_string(),
         sock: p.sock,
         line: Vec::new(),
     })
@@ -622,7 +676,7 @@ impl Client {
     fn ask_daemon(&mut self, request: &[String], deadline: Instant) -> Reply {
         let gone = |why: String| Reply::Gone(Ended::failed(why));
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = worker::request_line(request, Some(left));
+        let line = worker::request_line(request, Some(left), Some(&self.cwd));
         if line.len() > MAX_REQUEST_LINE {
             // The daemon would refuse it (and drop this client): refused here, the worker kept.
             return Reply::Ended(Ended::failed(format!(
@@ -700,7 +754,8 @@ fn log(msg: &str) {
     println!("[{}] {msg}", clock(now_s()));
 }
 
-/// The daemon: `RESIDENT_CHILD DIR KEY SERVE_ARGV…`, in the worker's working directory.
+/// The daemon: `RESIDENT_CHILD DIR KEY SERVE_ARGV…`, started in its first client's working
+/// directory (its worker's start; each request then runs in its own client's).
 pub fn daemon_main(args: &[String]) -> i32 {
     let [dir, key, serve_argv @ ..] = args else {
         eprintln!("usage: gate {RESIDENT_CHILD} DIR KEY SERVE_ARGV...");
@@ -858,6 +913,10 @@ fn serve_client(
         let Some(w) = worker.as_mut() else {
             return Err("no worker".into());
         };
+        // Run where the client runs (the daemon itself stays where it started).
+        w.cwd = parsed
+            .as_ref()
+            .and_then(|v| Some(v.get("cwd")?.as_str()?.to_string()));
         log(&format!(
             "request: {}",
             request.first().map_or("", String::as_str)
