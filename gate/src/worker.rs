@@ -461,13 +461,20 @@ pub(crate) fn request(
 /// included). A slot another thread still holds is skipped rather than waited for.
 pub fn resident_after_run() -> Option<String> {
     let map = WORKERS.lock().unwrap_or_else(|p| p.into_inner());
-    let mut names: Vec<String> = map
+    let mut guards: Vec<_> = map
         .values()
-        .filter_map(|slot| match slot.try_lock().ok()?.as_ref()? {
-            Conn::Resident(c) => c.still_resident(),
+        .filter_map(|slot| slot.try_lock().ok())
+        .collect();
+    let mut clients: Vec<&mut Client> = guards
+        .iter_mut()
+        .filter_map(|g| match g.as_mut()? {
+            Conn::Resident(c) => Some(c),
             Conn::Local(_) => None,
         })
         .collect();
+    // The memory bound (docs/producers.md, "Resident workers"): what does not fit leaves now.
+    resident::keep_within_bound(&mut clients);
+    let mut names: Vec<String> = clients.iter().filter_map(|c| c.still_resident()).collect();
     if names.is_empty() {
         return None;
     }

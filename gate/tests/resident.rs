@@ -338,6 +338,94 @@ fn two_project_roots_of_one_installation_share_one_worker_and_each_request_runs_
 }
 
 #[test]
+fn over_the_memory_bound_the_least_recently_used_idle_worker_retires_and_a_held_one_never() {
+    use std::os::fd::AsRawFd;
+    let env = Env::new();
+    let first = env.bisect("first", &[]);
+    let wait_gone = |pid: u64| {
+        let since = Instant::now();
+        while alive(pid) && since.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        !alive(pid)
+    };
+    // Negative control: another key (another TRACEGATE_* value) within the default bound keeps
+    // the first worker.
+    let other = env.bisect("other", &[("TRACEGATE_TEST_KEY", "b")]);
+    assert_eq!(other.resident(), Some("started"));
+    assert_ne!(other.pid(), first.pid());
+    assert!(alive(first.pid()) && alive(other.pid()));
+    assert!(!first.stderr.contains("retired"), "{}", first.stderr);
+    assert!(!other.stderr.contains("retired"), "{}", other.stderr);
+    env.workers(&["stop"]);
+    assert!(wait_gone(first.pid()) && wait_gone(other.pid()));
+    drop(env);
+
+    // Held by another gate run (its lock taken here, as a run holds it): never retired, and a
+    // run over the bound then starts its own per-run worker.
+    let env = Env::new(); // a runtime directory with one lock file
+    let first = env.bisect("first-again", &[]);
+    let held = std::fs::File::open(lock_file(&env.runtime())).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    assert_eq!(
+        unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    let tiny = [
+        ("TRACEGATE_TEST_KEY", "b"),
+        ("TRACEGATE_RESIDENT_MAX_MB", "1"),
+    ];
+    let over = env.bisect("over-held", &tiny);
+    assert!(alive(first.pid()), "{}", over.stderr);
+    assert!(!over.stderr.contains("retired"), "{}", over.stderr);
+    assert_eq!(over.resident(), None, "{}", over.stderr);
+    assert!(
+        over.stderr.contains("over TRACEGATE_RESIDENT_MAX_MB=1, and other gate runs hold them; this run starts its own"),
+        "{}",
+        over.stderr
+    );
+    assert!(
+        !over.stderr.contains("resident after this run"),
+        "{}",
+        over.stderr
+    );
+    drop(held);
+
+    // Idle: a second key's run retires it (one line naming it), and its own worker, alone over
+    // the bound, is not kept resident either.
+    let second = env.bisect("second", &tiny);
+    let says = format!("[gate] resident worker {} (", first.pid());
+    let line = second
+        .stderr
+        .lines()
+        .find(|l| l.starts_with(&says))
+        .unwrap_or_else(|| panic!("no retirement of {}:\n{}", first.pid(), second.stderr));
+    assert!(
+        line.contains("retired: this user's resident workers used ")
+            && line.contains("over TRACEGATE_RESIDENT_MAX_MB=1 (least recently used first)"),
+        "{line}"
+    );
+    assert!(wait_gone(first.pid()), "{}", second.stderr);
+    assert_eq!(second.resident(), Some("started"), "{}", second.stderr);
+    let not_kept = format!("[gate] contract worker {} (", second.pid());
+    assert!(
+        second
+            .stderr
+            .lines()
+            .any(|l| l.starts_with(&not_kept) && l.contains(") not kept resident: ")),
+        "{}",
+        second.stderr
+    );
+    assert!(wait_gone(second.pid()), "{}", second.stderr);
+    assert!(
+        !second.stderr.contains("resident after this run"),
+        "{}",
+        second.stderr
+    );
+    assert!(env.workers(&[]).starts_with("0 resident worker(s)"));
+}
+
+#[test]
 fn a_worker_whose_tracegate_code_changed_is_replaced() {
     let env = Env::new();
     let watched = env.tmp.path().join("watched.py");

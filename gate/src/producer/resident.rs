@@ -71,6 +71,7 @@ const KEY_ENV: &[&str] = &[
 const GATE_SIDE_ENV: &[&str] = &[
     "TRACEGATE_RESIDENT",
     "TRACEGATE_RESIDENT_IDLE",
+    "TRACEGATE_RESIDENT_MAX_MB",
     "TRACEGATE_RUNTIME_DIR",
     "TRACEGATE_SERVE",
 ];
@@ -100,6 +101,119 @@ pub(crate) fn idle_s() -> u64 {
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(IDLE_S)
+}
+
+/// The bound, MiB, on the resident set of this user's resident workers (daemons included):
+/// TRACEGATE_RESIDENT_MAX_MB, else half of MemTotal (8192 where /proc/meminfo cannot say).
+fn max_mb() -> u64 {
+    if let Some(v) = std::env::var("TRACEGATE_RESIDENT_MAX_MB")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        return v;
+    }
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(8192, |kib| kib / 1024 / 2)
+}
+
+/// The records of running resident workers in `dir` (daemon verified): key, record, resident
+/// set of daemon and worker (KiB).
+fn running(dir: &Path) -> Vec<(String, Info, u64)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter_map(|path| {
+            let info = read_info(&path)?;
+            let key = path.file_stem()?.to_str()?.to_string();
+            is_daemon_of(info.pid, dir, &key).then_some(())?;
+            let kib = rss_kib(info.pid) + rss_kib(info.worker_pid);
+            Some((key, info, kib))
+        })
+        .collect()
+}
+
+/// Keeps the resident set of this user's resident workers within `max_mb`: retires idle ones of
+/// keys not in `mine` (never one another gate run holds: its lock is taken first; pids verified),
+/// least recently used first, one line each. `mine` (this run's keys) are never retired, and
+/// counted only when `count_mine`. Ok, or Err((MB still resident, the bound)).
+fn within_bound(dir: &Path, mine: &[String], count_mine: bool) -> Result<(), (u64, u64)> {
+    let max = max_mb();
+    let mut all = running(dir);
+    all.retain(|(k, _, _)| count_mine || !mine.contains(k));
+    let mut total: u64 = all.iter().map(|r| r.2).sum();
+    all.sort_by_key(|r| r.1.last_used);
+    let now = now_s();
+    for (k, info, kib) in all {
+        if total <= max * 1024 {
+            break;
+        }
+        if mine.contains(&k) {
+            continue;
+        }
+        let p = paths(dir, &k);
+        let Ok(lock) = std::fs::OpenOptions::new().write(true).open(&p.lock) else {
+            continue;
+        };
+        if !lock_within(&lock, Duration::ZERO) {
+            continue; // another gate run holds it
+        }
+        if kill_verified(dir, &k, info.pid, info.worker_pid).is_err() {
+            continue;
+        }
+        for f in [&p.sock, &p.info, &p.purpose] {
+            let _ = std::fs::remove_file(f);
+        }
+        eprintln!(
+            "[gate] resident worker {} ({:.0} MB, idle for {} s; $ {}) retired: this user's resident workers used {:.0} MB, over TRACEGATE_RESIDENT_MAX_MB={max} (least recently used first)",
+            info.worker_pid,
+            kib as f64 / 1024.0,
+            now.saturating_sub(info.last_used),
+            info.command,
+            total as f64 / 1024.0
+        );
+        total = total.saturating_sub(kib);
+    }
+    if total > max * 1024 {
+        return Err((total / 1024, max));
+    }
+    Ok(())
+}
+
+/// At the end of a gate run: keeps what `clients` hold resident only within the bound
+/// (`within_bound`, retiring others' idle workers first); those that do not fit are ended now,
+/// one line each, and marked so the run's last line does not name them.
+pub(crate) fn keep_within_bound(clients: &mut [&mut Client]) {
+    let Some((dir, _)) = clients.first().map(|c| c.dir_key()) else {
+        return;
+    };
+    let mine: Vec<String> = clients.iter().map(|c| c.dir_key().1).collect();
+    let Err((mb, max)) = within_bound(&dir, &mine, true) else {
+        return;
+    };
+    for c in clients.iter_mut() {
+        let (dir, key) = c.dir_key();
+        let kib = rss_kib(c.pid) + rss_kib(c.worker_pid);
+        if kill_verified(&dir, &key, c.pid, c.worker_pid).is_ok() {
+            let _ = std::fs::remove_file(&c.sock);
+            let _ = std::fs::remove_file(c.sock.with_extension("json"));
+            c.ended = true;
+            eprintln!(
+                "[gate] {} worker {} ({:.0} MB) not kept resident: this user's resident workers use {mb} MB, over TRACEGATE_RESIDENT_MAX_MB={max} even after retiring the idle ones",
+                c.name,
+                c.worker_pid,
+                kib as f64 / 1024.0
+            );
+        }
+    }
 }
 
 fn uid() -> u32 {
@@ -307,6 +421,8 @@ pub(crate) struct Client {
     name: String,
     /// This run's working directory (absolute), sent with each request.
     cwd: String,
+    /// Ended at the end of the run for the memory bound (`keep_within_bound`).
+    ended: bool,
     sock: PathBuf,
     /// Bytes of the daemon's next line read so far.
     line: Vec<u8>,
@@ -405,6 +521,13 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
             "the resident worker{pid} is busy with another gate run"
         ));
     }
+    // Within the memory bound before this worker is kept or started: others' idle workers are
+    // retired; if what other gate runs hold is over it, this run starts its own.
+    if let Err((mb, max)) = within_bound(&dir, std::slice::from_ref(&key), false) {
+        return Err(format!(
+            "this user's other resident workers use {mb} MB, over TRACEGATE_RESIDENT_MAX_MB={max}, and other gate runs hold them"
+        ));
+    }
     // A socket that does not answer with a hello (its daemon died, or is leaving: idle, stale)
     // is replaced (we hold the lock, so no one else is replacing it).
     let reused = UnixStream::connect(&p.sock)
@@ -446,6 +569,7 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
             .display()
             .to_string(),
         sock: p.sock,
+        ended: false,
         line: Vec::new(),
     })
 }
@@ -637,7 +761,7 @@ impl Client {
     /// has left (a request ended it), so the run's last line names only what still runs.
     pub(crate) fn still_resident(&self) -> Option<String> {
         let (dir, key) = self.dir_key();
-        if !is_daemon_of(self.pid, &dir, &key) {
+        if self.ended || !is_daemon_of(self.pid, &dir, &key) {
             return None;
         }
         let kib = rss_kib(self.pid) + rss_kib(self.worker_pid);
