@@ -335,6 +335,43 @@ fn two_project_roots_of_one_installation_share_one_worker_and_each_request_runs_
     // Still one worker for both roots.
     let listed = env.workers(&[]);
     assert!(listed.starts_with("1 resident worker(s)"), "{listed}");
+    // Negative control: another installation (the default Python, `.venv/bin/python` of each
+    // root: another path) gets a worker of its own.
+    let report = env.tmp.path().join("own.json");
+    let out = env
+        .gate(&[])
+        .current_dir(&root2)
+        .args([
+            "bisect",
+            "--model",
+            "m2",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+            "w-own",
+            "--report",
+        ])
+        .arg(&report)
+        .output()
+        .expect("gate runs");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let own: Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    let own = Run {
+        report: own,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert_eq!(own.resident(), Some("started"), "{}", own.stderr);
+    assert_ne!(own.pid(), first.pid());
 }
 
 #[test]

@@ -24,6 +24,9 @@
 //! killed with its worker by the client. After any request that ends the worker the client
 //! returns only once the daemon has left (`Client::ask`).
 //!
+//! Memory: the resident set of this user's workers is kept within TRACEGATE_RESIDENT_MAX_MB
+//! (`within_bound`: least recently used idle workers of other keys retire first).
+//!
 //! Hygiene: the daemon keeps no descriptor the gate inherited (`cloexec_from_3`), reads a request
 //! line of at most MAX_REQUEST_LINE, and a record's pids are signalled only once verified
 //! (`kill_verified`): records are files anyone of this user can write, and pids are reused.
