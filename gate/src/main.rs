@@ -646,13 +646,18 @@ fn main() -> ExitCode {
             })
         })(),
     };
-    match result {
+    let code = match result {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
             eprintln!("gate: {e}");
             ExitCode::from(e.exit_code())
         }
+    };
+    // Last: what outlives this run and how to stop it (docs/producers.md, "Resident workers").
+    if let Some(line) = tracegate_gate::worker::resident_after_run() {
+        eprintln!("{line}");
     }
+    code
 }
 
 /// The hidden ENGINE_CHILD verb: the gate's engine producer, in a process of its own. Errors

@@ -49,6 +49,9 @@ pub(crate) struct Worker {
     overlong: Option<String>,
     /// stderr since the previous answer (a fresh worker's start-up output goes to its first request).
     err_cap: Capture,
+    /// The working directory of the next request (a resident worker serves gate runs of several
+    /// project roots: each request runs in its caller's, docs/producers.md "Resident workers").
+    pub(crate) cwd: Option<String>,
 }
 
 fn slot(root: &Path, serve_argv: &[String]) -> Slot {
@@ -99,6 +102,7 @@ impl Worker {
             scanned: 0,
             overlong: None,
             err_cap: Capture::default(),
+            cwd: None,
         })
     }
 
@@ -182,7 +186,7 @@ impl Worker {
         cancelled: &mut dyn FnMut() -> bool,
     ) -> Answer {
         let pid = self.pid;
-        let line = request_line(request, None);
+        let line = request_line(request, None, self.cwd.as_deref());
         let mut buf = vec![0u8; 64 * 1024];
         if let Err(e) = self
             .stdin
@@ -271,10 +275,19 @@ pub(crate) const MAX_ANSWER_LINE: usize = 64 * 1024;
 /// A request as its line on the worker's stdin, `{"argv": [VERB, ARG, …]}` (docs/producers.md,
 /// "Serving"), or on a resident daemon's socket, which also takes the time left until the run's
 /// timeout: `{"argv": […], "timeout_ms": N}` (`producer::resident`).
-pub(crate) fn request_line(request: &[String], timeout: Option<std::time::Duration>) -> String {
+/// A request of a resident worker also carries its caller's working directory, `"cwd": ABS`
+/// (the worker runs it there).
+pub(crate) fn request_line(
+    request: &[String],
+    timeout: Option<std::time::Duration>,
+    cwd: Option<&str>,
+) -> String {
     let mut line = serde_json::json!({ "argv": request });
     if let Some(t) = timeout {
         line["timeout_ms"] = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).into();
+    }
+    if let Some(cwd) = cwd {
+        line["cwd"] = cwd.into();
     }
     line.to_string() + "\n"
 }
@@ -441,6 +454,36 @@ pub(crate) fn request(
     let why =
         format!("{name} worker: stale {STALE_RETRIES} times in a row (its code keeps changing)");
     (Ended::failed(why), None)
+}
+
+/// The run's last line (docs/producers.md, "Resident workers"): the resident workers this gate
+/// process used that still run, and how to stop them; None when none does (residency off
+/// included). A slot another thread still holds is skipped rather than waited for.
+pub fn resident_after_run() -> Option<String> {
+    let map = WORKERS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut guards: Vec<_> = map
+        .values()
+        .filter_map(|slot| slot.try_lock().ok())
+        .collect();
+    let mut clients: Vec<&mut Client> = guards
+        .iter_mut()
+        .filter_map(|g| match g.as_mut()? {
+            Conn::Resident(c) => Some(c),
+            Conn::Local(_) => None,
+        })
+        .collect();
+    // The memory bound (docs/producers.md, "Resident workers"): what does not fit leaves now.
+    resident::keep_within_bound(&mut clients);
+    let mut names: Vec<String> = clients.iter().filter_map(|c| c.still_resident()).collect();
+    if names.is_empty() {
+        return None;
+    }
+    names.sort();
+    Some(format!(
+        "[gate] resident after this run: {}; they leave after {} s idle; stop now: gate workers stop",
+        names.join(", "),
+        resident::idle_s()
+    ))
 }
 
 /// Fresh workers tried for one request whose worker found its code changed.

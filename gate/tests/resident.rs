@@ -177,6 +177,291 @@ fn a_resident_worker_serves_the_next_run_with_the_traces_of_a_per_call_run() {
     assert_eq!(a.digest(), per_call.digest());
 }
 
+/// The run's last stderr line that is not empty.
+fn last_line(stderr: &str) -> &str {
+    stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+}
+
+#[test]
+fn the_runs_last_line_says_what_stays_resident_and_how_to_stop_it() {
+    let env = Env::new();
+    let started = env.bisect("first", &[("TRACEGATE_RESIDENT_IDLE", "300")]);
+    let reused = env.bisect("second", &[("TRACEGATE_RESIDENT_IDLE", "300")]);
+    for run in [&started, &reused] {
+        let last = last_line(&run.stderr);
+        let says = format!(
+            "[gate] resident after this run: contract worker {} (",
+            run.pid()
+        );
+        assert!(
+            last.starts_with(&says),
+            "last line {last:?} of\n{}",
+            run.stderr
+        );
+        assert!(
+            last.ends_with(" MB); they leave after 300 s idle; stop now: gate workers stop"),
+            "{last:?}"
+        );
+        // Only one such line: printed once, at the end.
+        assert_eq!(run.stderr.matches("resident after this run").count(), 1);
+    }
+    // Negative control: residency off, nothing stays and nothing is said.
+    let off = env.bisect("off", &[("TRACEGATE_RESIDENT", "0")]);
+    assert_eq!(off.resident(), None);
+    assert!(
+        !off.stderr.contains("resident after this run"),
+        "{}",
+        off.stderr
+    );
+    // Nor once the workers were stopped and a per-call run (no worker at all) follows.
+    env.workers(&["stop"]);
+    let per_call = env.bisect("per-call", &[("TRACEGATE_SERVE", "0")]);
+    assert!(!per_call.stderr.contains("resident after this run"));
+}
+
+/// A second project root of the same installation: every top-level entry of the repository
+/// (but target/ and .git) linked into `dir`, and `m2` there (only there) naming tiny-qwen3.
+fn second_root(dir: &Path) {
+    std::fs::create_dir_all(dir).expect("second root");
+    for e in std::fs::read_dir(common::repo()).expect("repo").flatten() {
+        let name = e.file_name();
+        if name == "target" || name == ".git" {
+            continue;
+        }
+        std::os::unix::fs::symlink(e.path(), dir.join(&name)).expect("link");
+    }
+    std::os::unix::fs::symlink(common::repo().join("fixtures/tiny-qwen3"), dir.join("m2"))
+        .expect("m2");
+}
+
+#[test]
+fn two_project_roots_of_one_installation_share_one_worker_and_each_request_runs_in_its_callers() {
+    let env = Env::new();
+    let python = std::fs::canonicalize(common::repo())
+        .expect("repo")
+        .join(".venv/bin/python");
+    let python = python.to_str().expect("utf-8");
+    let py = [("TRACEGATE_PYTHON", python)];
+    let first = env.bisect("first", &py);
+    assert_eq!(first.resident(), Some("started"), "{}", first.stderr);
+    // From another project root, with paths that exist only relative to it: the model `m2`, and
+    // the work directory `w` (the contract writes its trace there).
+    let root2 = env.tmp.path().join("proj2");
+    second_root(&root2);
+    assert!(!common::repo().join("m2").exists());
+    let report = env.tmp.path().join("second.json");
+    let out = env
+        .gate(&py)
+        .current_dir(&root2)
+        .args([
+            "bisect",
+            "--model",
+            "m2",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+            "w",
+            "--report",
+        ])
+        .arg(&report)
+        .output()
+        .expect("gate runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    let second = Run { report, stderr };
+    assert_eq!(second.resident(), Some("reused"), "{}", second.stderr);
+    assert_eq!(second.pid(), first.pid(), "{}", second.stderr);
+    let rel = second.contract()["out"].as_str().expect("out").to_string();
+    assert!(rel.starts_with("w/") || rel.starts_with("./w/"), "{rel}");
+    assert!(
+        !common::repo().join(&rel).exists(),
+        "written in the first root: {rel}"
+    );
+    let trace =
+        tracegate_trace::Trace::open(root2.join(&rel)).unwrap_or_else(|e| panic!("{rel}: {e}"));
+    // The same report as a per-run worker's, from that same root.
+    let per_run_report = env.tmp.path().join("per-run.json");
+    let out = env
+        .gate(&[("TRACEGATE_RESIDENT", "0"), py[0]])
+        .current_dir(&root2)
+        .args([
+            "bisect",
+            "--model",
+            "m2",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+            "w-per-run",
+            "--report",
+        ])
+        .arg(&per_run_report)
+        .output()
+        .expect("gate runs");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let per_run: Value =
+        serde_json::from_str(&std::fs::read_to_string(&per_run_report).expect("report"))
+            .expect("JSON");
+    let per_run = Run {
+        report: per_run,
+        stderr: String::new(),
+    };
+    assert_eq!(per_run.resident(), None);
+    let per_run_trace =
+        tracegate_trace::Trace::open(root2.join(per_run.contract()["out"].as_str().expect("out")))
+            .expect("per-run trace");
+    assert_eq!(trace.digest().hex(), per_run_trace.digest().hex());
+    assert_eq!(first.digest(), per_run_trace.digest().hex());
+    assert!(second.report["verdict"].is_string(), "{}", second.report);
+    assert_eq!(second.report["verdict"], per_run.report["verdict"]);
+    // Still one worker for both roots.
+    let listed = env.workers(&[]);
+    assert!(listed.starts_with("1 resident worker(s)"), "{listed}");
+    // Negative control: another installation (the default Python, `.venv/bin/python` of each
+    // root: another path) gets a worker of its own.
+    let report = env.tmp.path().join("own.json");
+    let out = env
+        .gate(&[])
+        .current_dir(&root2)
+        .args([
+            "bisect",
+            "--model",
+            "m2",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--work",
+            "w-own",
+            "--report",
+        ])
+        .arg(&report)
+        .output()
+        .expect("gate runs");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let own: Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    let own = Run {
+        report: own,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert_eq!(own.resident(), Some("started"), "{}", own.stderr);
+    assert_ne!(own.pid(), first.pid());
+}
+
+#[test]
+fn over_the_memory_bound_the_least_recently_used_idle_worker_retires_and_a_held_one_never() {
+    use std::os::fd::AsRawFd;
+    let env = Env::new();
+    let first = env.bisect("first", &[]);
+    let wait_gone = |pid: u64| {
+        let since = Instant::now();
+        while alive(pid) && since.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        !alive(pid)
+    };
+    // Negative control: another key (another TRACEGATE_* value) within the default bound keeps
+    // the first worker.
+    let other = env.bisect("other", &[("TRACEGATE_TEST_KEY", "b")]);
+    assert_eq!(other.resident(), Some("started"));
+    assert_ne!(other.pid(), first.pid());
+    assert!(alive(first.pid()) && alive(other.pid()));
+    assert!(!first.stderr.contains("retired"), "{}", first.stderr);
+    assert!(!other.stderr.contains("retired"), "{}", other.stderr);
+    env.workers(&["stop"]);
+    assert!(wait_gone(first.pid()) && wait_gone(other.pid()));
+    drop(env);
+
+    // Held by another gate run (its lock taken here, as a run holds it): never retired, and a
+    // run over the bound then starts its own per-run worker.
+    let env = Env::new(); // a runtime directory with one lock file
+    let first = env.bisect("first-again", &[]);
+    let held = std::fs::File::open(lock_file(&env.runtime())).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    assert_eq!(
+        unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    let tiny = [
+        ("TRACEGATE_TEST_KEY", "b"),
+        ("TRACEGATE_RESIDENT_MAX_MB", "1"),
+    ];
+    let over = env.bisect("over-held", &tiny);
+    assert!(alive(first.pid()), "{}", over.stderr);
+    assert!(!over.stderr.contains("retired"), "{}", over.stderr);
+    assert_eq!(over.resident(), None, "{}", over.stderr);
+    assert!(
+        over.stderr.contains("over TRACEGATE_RESIDENT_MAX_MB=1, and other gate runs hold them; this run starts its own"),
+        "{}",
+        over.stderr
+    );
+    assert!(
+        !over.stderr.contains("resident after this run"),
+        "{}",
+        over.stderr
+    );
+    drop(held);
+
+    // Idle: a second key's run retires it (one line naming it), and its own worker, alone over
+    // the bound, is not kept resident either.
+    let second = env.bisect("second", &tiny);
+    let says = format!("[gate] resident worker {} (", first.pid());
+    let line = second
+        .stderr
+        .lines()
+        .find(|l| l.starts_with(&says))
+        .unwrap_or_else(|| panic!("no retirement of {}:\n{}", first.pid(), second.stderr));
+    assert!(
+        line.contains("retired: this user's resident workers used ")
+            && line.contains("over TRACEGATE_RESIDENT_MAX_MB=1 (least recently used first)"),
+        "{line}"
+    );
+    assert!(wait_gone(first.pid()), "{}", second.stderr);
+    assert_eq!(second.resident(), Some("started"), "{}", second.stderr);
+    let not_kept = format!("[gate] contract worker {} (", second.pid());
+    assert!(
+        second
+            .stderr
+            .lines()
+            .any(|l| l.starts_with(&not_kept) && l.contains(") not kept resident: ")),
+        "{}",
+        second.stderr
+    );
+    assert!(wait_gone(second.pid()), "{}", second.stderr);
+    assert!(
+        !second.stderr.contains("resident after this run"),
+        "{}",
+        second.stderr
+    );
+    assert!(env.workers(&[]).starts_with("0 resident worker(s)"));
+}
+
 #[test]
 fn a_worker_whose_tracegate_code_changed_is_replaced() {
     let env = Env::new();

@@ -6,11 +6,13 @@
 //! RESIDENT_CHILD, that owns the Python worker exactly as a gate process owns its per-run one
 //! (crate::worker: stdin/stdout lines, stderr kept per request) and listens on a Unix socket in
 //! a private runtime directory, one socket per key. The key is a digest of what decides what
-//! the worker computes: working directory, worker command line (its Python included), the
-//! environment variables of KEY_ENV, and the gate executable itself. On the socket: a hello
-//! line from the daemon (`{"pid", "worker_pid", "started"}`), then per request the client's
-//! `{"argv": [...], "timeout_ms": N}` line and the daemon's `{"ended": …}` (what the request
-//! ended with, stderr bounded as for a per-call run) or `{"stale": WHY}`.
+//! the worker computes: worker command line (its Python included), what Python could import
+//! from the project root, the environment variables of KEY_ENV, and the gate executable itself;
+//! not the working directory: each request carries its caller's (`"cwd"`), where it runs. On
+//! the socket: a hello line from the daemon (`{"pid", "worker_pid", "started"}`), then per
+//! request the client's `{"argv": [...], "timeout_ms": N, "cwd": ABS}` line and the daemon's
+//! `{"ended": …}` (what the request ended with, stderr bounded as for a per-call run) or
+//! `{"stale": WHY}`.
 //!
 //! Lifecycle: one client at a time, held by an flock on the key's lock file for the whole gate
 //! run; a second run finds it taken and starts its own per-run worker. The daemon leaves after
@@ -21,6 +23,9 @@
 //! quoted), and the daemon leaves; a daemon that does not answer by then plus `BACKSTOP` is
 //! killed with its worker by the client. After any request that ends the worker the client
 //! returns only once the daemon has left (`Client::ask`).
+//!
+//! Memory: the resident set of this user's workers is kept within TRACEGATE_RESIDENT_MAX_MB
+//! (`within_bound`: least recently used idle workers of other keys retire first).
 //!
 //! Hygiene: the daemon keeps no descriptor the gate inherited (`cloexec_from_3`), reads a request
 //! line of at most MAX_REQUEST_LINE, and a record's pids are signalled only once verified
@@ -69,6 +74,7 @@ const KEY_ENV: &[&str] = &[
 const GATE_SIDE_ENV: &[&str] = &[
     "TRACEGATE_RESIDENT",
     "TRACEGATE_RESIDENT_IDLE",
+    "TRACEGATE_RESIDENT_MAX_MB",
     "TRACEGATE_RUNTIME_DIR",
     "TRACEGATE_SERVE",
 ];
@@ -93,11 +99,124 @@ pub fn enabled() -> bool {
     }
 }
 
-fn idle_s() -> u64 {
+pub(crate) fn idle_s() -> u64 {
     std::env::var("TRACEGATE_RESIDENT_IDLE")
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(IDLE_S)
+}
+
+/// The bound, MiB, on the resident set of this user's resident workers (daemons included):
+/// TRACEGATE_RESIDENT_MAX_MB, else half of MemTotal (8192 where /proc/meminfo cannot say).
+fn max_mb() -> u64 {
+    if let Some(v) = std::env::var("TRACEGATE_RESIDENT_MAX_MB")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        return v;
+    }
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(8192, |kib| kib / 1024 / 2)
+}
+
+/// The records of running resident workers in `dir` (daemon verified): key, record, resident
+/// set of daemon and worker (KiB).
+fn running(dir: &Path) -> Vec<(String, Info, u64)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter_map(|path| {
+            let info = read_info(&path)?;
+            let key = path.file_stem()?.to_str()?.to_string();
+            is_daemon_of(info.pid, dir, &key).then_some(())?;
+            let kib = rss_kib(info.pid) + rss_kib(info.worker_pid);
+            Some((key, info, kib))
+        })
+        .collect()
+}
+
+/// Keeps the resident set of this user's resident workers within `max_mb`: retires idle ones of
+/// keys not in `mine` (never one another gate run holds: its lock is taken first; pids verified),
+/// least recently used first, one line each. `mine` (this run's keys) are never retired, and
+/// counted only when `count_mine`. Ok, or Err((MB still resident, the bound)).
+fn within_bound(dir: &Path, mine: &[String], count_mine: bool) -> Result<(), (u64, u64)> {
+    let max = max_mb();
+    let mut all = running(dir);
+    all.retain(|(k, _, _)| count_mine || !mine.contains(k));
+    let mut total: u64 = all.iter().map(|r| r.2).sum();
+    all.sort_by_key(|r| r.1.last_used);
+    let now = now_s();
+    for (k, info, kib) in all {
+        if total <= max * 1024 {
+            break;
+        }
+        if mine.contains(&k) {
+            continue;
+        }
+        let p = paths(dir, &k);
+        let Ok(lock) = std::fs::OpenOptions::new().write(true).open(&p.lock) else {
+            continue;
+        };
+        if !lock_within(&lock, Duration::ZERO) {
+            continue; // another gate run holds it
+        }
+        if kill_verified(dir, &k, info.pid, info.worker_pid).is_err() {
+            continue;
+        }
+        for f in [&p.sock, &p.info, &p.purpose] {
+            let _ = std::fs::remove_file(f);
+        }
+        eprintln!(
+            "[gate] resident worker {} ({:.0} MB, idle for {} s; $ {}) retired: this user's resident workers used {:.0} MB, over TRACEGATE_RESIDENT_MAX_MB={max} (least recently used first)",
+            info.worker_pid,
+            kib as f64 / 1024.0,
+            now.saturating_sub(info.last_used),
+            info.command,
+            total as f64 / 1024.0
+        );
+        total = total.saturating_sub(kib);
+    }
+    if total > max * 1024 {
+        return Err((total / 1024, max));
+    }
+    Ok(())
+}
+
+/// At the end of a gate run: keeps what `clients` hold resident only within the bound
+/// (`within_bound`, retiring others' idle workers first); those that do not fit are ended now,
+/// one line each, and marked so the run's last line does not name them.
+pub(crate) fn keep_within_bound(clients: &mut [&mut Client]) {
+    let Some((dir, _)) = clients.first().map(|c| c.dir_key()) else {
+        return;
+    };
+    let mine: Vec<String> = clients.iter().map(|c| c.dir_key().1).collect();
+    let Err((mb, max)) = within_bound(&dir, &mine, true) else {
+        return;
+    };
+    for c in clients.iter_mut() {
+        let (dir, key) = c.dir_key();
+        let kib = rss_kib(c.pid) + rss_kib(c.worker_pid);
+        if kill_verified(&dir, &key, c.pid, c.worker_pid).is_ok() {
+            let _ = std::fs::remove_file(&c.sock);
+            let _ = std::fs::remove_file(c.sock.with_extension("json"));
+            c.ended = true;
+            eprintln!(
+                "[gate] {} worker {} ({:.0} MB) not kept resident: this user's resident workers use {mb} MB, over TRACEGATE_RESIDENT_MAX_MB={max} even after retiring the idle ones",
+                c.name,
+                c.worker_pid,
+                kib as f64 / 1024.0
+            );
+        }
+    }
 }
 
 fn uid() -> u32 {
@@ -167,24 +286,70 @@ fn file_id(p: &Path) -> serde_json::Value {
 
 /// The key of the worker `serve_argv` started in `root`: 16 hex digits of a SHA-256.
 /// Also returns the worker's purpose: the same digest without the gate executable and the
-/// interpreter. Two keys of one purpose differ only by a rebuilt gate or a reinstalled Python, and
+/// interpreter's file (its size and mtime; the Python's path stays). Two keys of one purpose differ only by a rebuilt gate or a reinstalled Python, and
 /// the older worker will not be asked again (`retire_superseded`).
+///
+/// Not the working directory (one worker serves every project root of an installation; each
+/// request runs in its caller's, `"cwd"`), but what a worker started there could import from
+/// it: `python -m` puts the directory first on sys.path, so its top-level modules and packages
+/// (`importable_at`) are part of the installation. The Python is named by its absolute path
+/// with symlinks kept (a venv's `bin/python` is a symlink to the same interpreter in every
+/// venv; the venv decides the site-packages, hence which tracegate* packages are imported); that
+/// path is part of the purpose, so two checkouts' venvs never supersede each other's workers.
 fn key(root: &Path, serve_argv: &[String]) -> Result<(String, String), String> {
     let cwd = std::fs::canonicalize(root).map_err(|e| format!("{}: {e}", root.display()))?;
     let exe = std::env::current_exe().map_err(|e| format!("the gate's executable: {e}"))?;
-    let python = serve_argv
-        .first()
-        .map(|p| file_id(&std::fs::canonicalize(root.join(p)).unwrap_or_else(|_| p.into())));
+    let python = serve_argv.first().map(|p| cwd.join(p));
     let purpose = serde_json::json!({
-        "cwd": cwd.display().to_string(),
         "argv": serve_argv,
+        "python_path": python.as_ref().map(|p| p.display().to_string()),
         "env": key_env(),
+        "importable": importable_at(&cwd).iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
     });
     let mut what = purpose.clone();
-    what["python"] = python.into();
+    what["python"] = python
+        .map(|p| file_id(&std::fs::canonicalize(&p).unwrap_or(p)))
+        .into();
     what["gate"] = file_id(&exe);
+    what["importable_files"] = importable_at(&cwd)
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect::<Vec<_>>()
+        .into();
     let hex16 = |v: &serde_json::Value| hex::encode(&Sha256::digest(v.to_string().as_bytes())[..8]);
     Ok((hex16(&what), hex16(&purpose)))
+}
+
+/// The top-level modules and packages `python -m` could import from `dir` (it is sys.path[0]):
+/// `NAME.py`, `NAME.pyc`, `NAME*.so` and `NAME/__init__.py`, each with its file's size and
+/// mtime (path left out: two checkouts' same files are one installation). A directory without
+/// `__init__.py` is left out: a namespace portion loses to a regular package found later.
+fn importable_at(dir: &Path) -> Vec<(String, serde_json::Value)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, serde_json::Value)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let file = if [".py", ".pyc", ".so"].iter().any(|x| name.ends_with(x)) {
+                e.path()
+            } else {
+                let init = e.path().join("__init__.py");
+                if !init.is_file() {
+                    return None;
+                }
+                init
+            };
+            let m = std::fs::metadata(&file).ok()?;
+            Some((
+                name,
+                serde_json::json!([m.len(), m.mtime(), m.mtime_nsec()]),
+            ))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
 }
 
 /// What a daemon records about itself next to its socket (`gate workers` reads it).
@@ -255,6 +420,12 @@ pub(crate) struct Client {
     pid: i32,
     worker_pid: i32,
     resident: &'static str,
+    /// The producer it serves (`contract`, `oracle`), for the run's last line.
+    name: String,
+    /// This run's working directory (absolute), sent with each request.
+    cwd: String,
+    /// Ended at the end of the run for the memory bound (`keep_within_bound`).
+    ended: bool,
     sock: PathBuf,
     /// Bytes of the daemon's next line read so far.
     line: Vec<u8>,
@@ -353,6 +524,13 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
             "the resident worker{pid} is busy with another gate run"
         ));
     }
+    // Within the memory bound before this worker is kept or started: others' idle workers are
+    // retired; if what other gate runs hold is over it, this run starts its own.
+    if let Err((mb, max)) = within_bound(&dir, std::slice::from_ref(&key), false) {
+        return Err(format!(
+            "this user's other resident workers use {mb} MB, over TRACEGATE_RESIDENT_MAX_MB={max}, and other gate runs hold them"
+        ));
+    }
     // A socket that does not answer with a hello (its daemon died, or is leaving: idle, stale)
     // is replaced (we hold the lock, so no one else is replacing it).
     let reused = UnixStream::connect(&p.sock)
@@ -388,7 +566,13 @@ fn open_resident(name: &str, root: &Path, serve_argv: &[String]) -> Result<Clien
         pid: h.pid,
         worker_pid: h.worker_pid,
         resident,
+        name: name.to_string(),
+        cwd: std::fs::canonicalize(root)
+            .map_err(|e| format!("{}: {e}", root.display()))?
+            .display()
+            .to_string(),
         sock: p.sock,
+        ended: false,
         line: Vec::new(),
     })
 }
@@ -576,6 +760,22 @@ impl Client {
         reply
     }
 
+    /// What stays resident after this run, `oracle worker 1234 (812 MB)`: None when its daemon
+    /// has left (a request ended it), so the run's last line names only what still runs.
+    pub(crate) fn still_resident(&self) -> Option<String> {
+        let (dir, key) = self.dir_key();
+        if self.ended || !is_daemon_of(self.pid, &dir, &key) {
+            return None;
+        }
+        let kib = rss_kib(self.pid) + rss_kib(self.worker_pid);
+        Some(format!(
+            "{} worker {} ({:.0} MB)",
+            self.name,
+            self.worker_pid,
+            kib as f64 / 1024.0
+        ))
+    }
+
     /// The daemon's runtime directory and key (its socket's directory and name).
     fn dir_key(&self) -> (PathBuf, String) {
         let dir = self.sock.parent().map_or(PathBuf::new(), Path::to_path_buf);
@@ -603,7 +803,7 @@ impl Client {
     fn ask_daemon(&mut self, request: &[String], deadline: Instant) -> Reply {
         let gone = |why: String| Reply::Gone(Ended::failed(why));
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = worker::request_line(request, Some(left));
+        let line = worker::request_line(request, Some(left), Some(&self.cwd));
         if line.len() > MAX_REQUEST_LINE {
             // The daemon would refuse it (and drop this client): refused here, the worker kept.
             return Reply::Ended(Ended::failed(format!(
@@ -681,7 +881,8 @@ fn log(msg: &str) {
     println!("[{}] {msg}", clock(now_s()));
 }
 
-/// The daemon: `RESIDENT_CHILD DIR KEY SERVE_ARGV…`, in the worker's working directory.
+/// The daemon: `RESIDENT_CHILD DIR KEY SERVE_ARGV…`, started in its first client's working
+/// directory (its worker's start; each request then runs in its own client's).
 pub fn daemon_main(args: &[String]) -> i32 {
     let [dir, key, serve_argv @ ..] = args else {
         eprintln!("usage: gate {RESIDENT_CHILD} DIR KEY SERVE_ARGV...");
@@ -839,6 +1040,10 @@ fn serve_client(
         let Some(w) = worker.as_mut() else {
             return Err("no worker".into());
         };
+        // Run where the client runs (the daemon itself stays where it started).
+        w.cwd = parsed
+            .as_ref()
+            .and_then(|v| Some(v.get("cwd")?.as_str()?.to_string()));
         log(&format!(
             "request: {}",
             request.first().map_or("", String::as_str)

@@ -18,6 +18,10 @@ outlives the edit that changed them). Test-only hooks: ``TRACEGATE_SERVE_WATCH``
 to watch), ``TRACEGATE_SERVE_STALE_CHECK=0`` (no check: the negative control) and
 ``TRACEGATE_SERVE_TEST_SLEEP=S`` (each request first says so on stderr and sleeps S seconds: a
 request in flight).
+
+A request may carry ``"cwd": ABS`` (a resident worker serves gate runs of several project roots):
+the worker runs it in that directory, with that directory as ``sys.path[0]`` where ``python -m``
+had put its starting one, as a per-call process started there would.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def serve(main, argv0: str) -> int:
     os.dup2(2, 1)  # fd 1 (and sys.stdout, which writes to it) now goes to stderr
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     imported = _Imported() if os.environ.get("TRACEGATE_SERVE_STALE_CHECK") != "0" else None
+    path0 = sys.path[0] if sys.path and sys.path[0] == os.getcwd() else None
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -102,10 +107,21 @@ def serve(main, argv0: str) -> int:
             answers.write(json.dumps({"stale": stale}) + "\n")
             return 0
         try:
-            argv = json.loads(line)["argv"]
+            req = json.loads(line)
+            argv = req["argv"]
             if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
                 raise ValueError("argv is not a list of strings")
-        except (ValueError, KeyError, TypeError) as e:
+            cwd = req.get("cwd")
+            if cwd is not None:
+                if not isinstance(cwd, str):
+                    raise ValueError("cwd is not a string")
+                try:
+                    os.chdir(cwd)
+                except OSError as e:
+                    raise ValueError(f"cwd {cwd!r}: {e}") from e
+                if path0 is not None and sys.path and sys.path[0] == path0:
+                    path0 = sys.path[0] = os.getcwd()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"error: serve: bad request line {line.strip()[:200]!r}: {e}", file=sys.stderr)
             status = 2
         else:
