@@ -110,6 +110,17 @@ fn main() -> ExitCode {
         cli.reference.expect("required by clap"),
         cli.candidate.expect("required by clap"),
     );
+    // Before reading anything: `--html e.trace` must not destroy the trace it reports on.
+    if let Some(html) = &cli.html {
+        let inputs = [
+            ("reference trace", r.as_path()),
+            ("candidate trace", c.as_path()),
+        ];
+        if let Err(e) = tracegate_trace::output::refuse_clobbering(&[("--html", html)], &inputs) {
+            eprintln!("trace-diff: {}", terminal_safe(&e));
+            return ExitCode::from(2);
+        }
+    }
     let report = compare_files(&r, &c, &opts);
     if let Some(code) = report.filter.as_ref().and_then(filter_usage) {
         return code;

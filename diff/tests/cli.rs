@@ -492,6 +492,25 @@ fn unreadable_and_bad_usage_exit_2() {
 }
 
 #[test]
+fn an_html_page_onto_an_input_trace_is_refused_and_the_trace_kept() {
+    let m = model();
+    let (_d, r, c) = pair(&m, &m);
+    let before = std::fs::read(&c).unwrap();
+    let out = run(&["--html", p(&c), p(&r), p(&c)]);
+    assert_eq!(out.code, 2, "{}{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("is the candidate trace") && out.stderr.contains("destroy"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        std::fs::read(&c).unwrap(),
+        before,
+        "the candidate trace was overwritten"
+    );
+}
+
+#[test]
 fn help_documents_exit_codes() {
     let out = run(&["--help"]);
     assert_eq!(out.code, 0);

@@ -212,7 +212,10 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     let report = a.report.as_ref().map(|p| up.absolute(p));
     let html = a.html.as_ref().map(|p| up.absolute(p));
     // Refused before any producer runs: a report that cannot be written would lose the bisection.
-    check_outputs(&[("--report", report.as_ref()), ("--html", html.as_ref())])?;
+    check_outputs(
+        root,
+        &[("--report", report.as_ref()), ("--html", html.as_ref())],
+    )?;
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), None) => prompts::parse_tokens(t)?,
         (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
@@ -322,7 +325,21 @@ fn write_report(path: &Option<PathBuf>, value: &impl serde::Serialize) -> Result
 /// Refuses, before anything runs, an output location that cannot take a file: a missing parent
 /// directory, a parent that is not a directory, or a path that is a directory. Found after the
 /// work, it would cost the whole run.
-fn check_outputs(outputs: &[(&str, Option<&PathBuf>)]) -> Result<(), Error> {
+fn check_outputs(
+    root: &std::path::Path,
+    outputs: &[(&str, Option<&PathBuf>)],
+) -> Result<(), Error> {
+    // Neither output may be the other, nor a file the gate reads and a user keeps.
+    let named: Vec<(&str, &std::path::Path)> = outputs
+        .iter()
+        .filter_map(|(flag, p)| p.map(|p| (*flag, p.as_path())))
+        .collect();
+    let (milestones, baselines) = (root.join("milestones.json"), root.join("baselines.json"));
+    let kept = [
+        ("milestones file", milestones.as_path()),
+        ("baselines file", baselines.as_path()),
+    ];
+    tracegate_trace::output::refuse_clobbering(&named, &kept).map_err(|e| gerr!("{e}"))?;
     for (flag, p) in outputs {
         let Some(p) = p else { continue };
         if p.is_dir() {
@@ -400,7 +417,10 @@ fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Res
         a.report.as_ref().map(|p| up.absolute(p)),
         a.html.as_ref().map(|p| up.absolute(p)),
     );
-    check_outputs(&[("--report", report.as_ref()), ("--html", html.as_ref())])?;
+    check_outputs(
+        root,
+        &[("--report", report.as_ref()), ("--html", html.as_ref())],
+    )?;
     let (reps, bless_log) = run_milestone(&options(root, up, id, a))?;
     let mut text = String::new();
     for rep in &reps {

@@ -121,6 +121,8 @@ fn an_output_location_that_cannot_take_a_file_is_refused_before_anything_runs() 
             "--report",
             "is a directory",
         ),
+        // One path for both: one report would overwrite the other.
+        (ok("same"), ok("same"), "--html", "is also --report"),
         // A page's path that is a directory would fail only at the rename, after the run.
         (
             ok("r.json"),

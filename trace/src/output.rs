@@ -108,3 +108,73 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&bad).unwrap(), "<html>");
     }
 }
+
+/// Refuses an output path that names one of the command's inputs, or another output of it:
+/// writing a report there would destroy the trace or file it was computed from (`--html
+/// e.trace`), or one report would overwrite the other. The same file is told by device and
+/// inode, so another spelling of the path or a link to it is caught too.
+pub fn refuse_clobbering(
+    outputs: &[(&str, &Path)],
+    inputs: &[(&str, &Path)],
+) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    for (i, (flag, out)) in outputs.iter().enumerate() {
+        let Some(out_id) = id(out) else {
+            // Not there yet: only two outputs spelled alike can collide.
+            if let Some((other, _)) = outputs[..i].iter().find(|(_, o)| o == out) {
+                return Err(format!(
+                    "{flag} {} is also {other}: one would overwrite the other",
+                    out.display()
+                ));
+            }
+            continue;
+        };
+        for (what, input) in inputs {
+            if id(input) == Some(out_id) {
+                return Err(format!(
+                    "{flag} {} is the {what} ({}): writing there would destroy it; name another file",
+                    out.display(),
+                    input.display()
+                ));
+            }
+        }
+        if let Some((other, _)) = outputs[..i].iter().find(|(_, o)| id(o) == Some(out_id)) {
+            return Err(format!(
+                "{flag} {} is also {other}: one would overwrite the other",
+                out.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod clobbering {
+    use super::refuse_clobbering;
+
+    #[test]
+    fn an_output_that_is_an_input_or_another_output_is_refused_by_any_spelling() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("e.trace");
+        std::fs::write(&input, b"trace").unwrap();
+        let link = dir.path().join("link.trace");
+        std::os::unix::fs::symlink(&input, &link).unwrap();
+        let dotted = dir.path().join(".").join("e.trace");
+        for out in [&input, &link, &dotted] {
+            let e = refuse_clobbering(&[("--html", out)], &[("reference", &input)]).unwrap_err();
+            assert!(
+                e.contains("is the reference") && e.contains("destroy"),
+                "{e}"
+            );
+        }
+        let fresh = dir.path().join("report.html");
+        assert_eq!(
+            refuse_clobbering(&[("--html", &fresh)], &[("reference", &input)]),
+            Ok(())
+        );
+        let e = refuse_clobbering(&[("--report", &fresh), ("--html", &fresh)], &[]).unwrap_err();
+        assert!(e.contains("--html") && e.contains("also --report"), "{e}");
+        assert_eq!(std::fs::read(&input).unwrap(), b"trace");
+    }
+}
