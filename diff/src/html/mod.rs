@@ -101,6 +101,48 @@ pub fn fmt_real(v: Option<f64>) -> String {
     }
 }
 
+/// A measured value and the limit it broke (or kept), each with as many significant digits as it
+/// takes for the two as shown to stand in the order the numbers do: 0.99987 against 0.9999
+/// reads `0.99987 < 0.9999`, never `1.000 < 0.9999`. At 3 digits when that is enough.
+pub fn fmt_against(value: f64, limit: f64) -> (String, String) {
+    let order = value.partial_cmp(&limit);
+    let holds = |v: &str, l: &str| match (v.parse::<f64>(), l.parse::<f64>()) {
+        (Ok(v), Ok(l)) => v.partial_cmp(&l) == order,
+        _ => true, // nan, inf: shown as words, nothing to round
+    };
+    let (v, l) = (fmt_real(Some(value)), fmt_real(Some(limit)));
+    if holds(&v, &l) {
+        return (v, l);
+    }
+    // A limit shown exactly (0.9999) stays as written; only a rounded one gains digits.
+    let exact = l.parse::<f64>() == Ok(limit);
+    for digits in 4..=17 {
+        let v = significant(value, digits);
+        let l = if exact {
+            l.clone()
+        } else {
+            significant(limit, digits)
+        };
+        if holds(&v, &l) {
+            return (v, l);
+        }
+    }
+    (format!("{value}"), format!("{limit}"))
+}
+
+/// `v` rounded to `digits` significant digits, fixed-point in [1e-2, 1e5), else exponent form.
+fn significant(v: f64, digits: usize) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return fmt_real(Some(v));
+    }
+    if (1e-2..1e5).contains(&v.abs()) {
+        let decimals = (digits as i32 - 1 - v.abs().log10().floor() as i32).max(0) as usize;
+        format!("{v:.decimals$}")
+    } else {
+        format!("{v:.prec$e}", prec = digits - 1)
+    }
+}
+
 fn real(v: Option<Real>) -> String {
     fmt_real(v.map(|r| r.0))
 }
@@ -147,6 +189,39 @@ pub fn write_file(path: &Path, text: &str) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_and_its_limit_are_shown_in_the_order_they_stand() {
+        let read =
+            |(v, l): (String, String)| (v.parse::<f64>().unwrap(), l.parse::<f64>().unwrap());
+        // The reported case: a broken cosine bound read `1.000 < 0.9999`.
+        assert_eq!(fmt_real(Some(0.999_872_34)), "1.000");
+        assert_eq!(
+            fmt_against(0.999_872_34, 0.9999),
+            ("0.99987".into(), "0.9999".into())
+        );
+        for (value, limit) in [
+            (0.999_872_34, 0.9999), // below a cosine bound, by a little
+            (0.999_900_1, 0.9999),  // above it, by less
+            (1.000_04e-3, 1e-3),    // over a relative L2 bound
+            (0.999_96e-3, 1e-3),    // under it
+            (-2.000_001, -2.0),     // negative
+            (123_456.7, 123_456.8), // exponent form
+            (1.0 + 1e-15, 1.0),     // past 3 digits, within f64
+        ] {
+            let (v, l) = read(fmt_against(value, limit));
+            assert_eq!(
+                v.partial_cmp(&l),
+                value.partial_cmp(&limit),
+                "{value} vs {limit}: {v} vs {l}"
+            );
+        }
+        // Enough at 3 digits: left as it was; equal stays equal; words for the non-finite.
+        assert_eq!(fmt_against(0.5, 0.9999), ("0.5".into(), "0.9999".into()));
+        assert_eq!(fmt_against(0.25, 0.25), ("0.25".into(), "0.25".into()));
+        assert_eq!(fmt_against(f64::NAN, 0.9999).0, "nan");
+        assert_eq!(fmt_against(f64::INFINITY, 1e-3).0, "inf");
+    }
 
     #[test]
     fn text_from_traces_is_escaped() {

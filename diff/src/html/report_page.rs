@@ -192,30 +192,24 @@ fn first_boxes(rep: &Report, h: &mut String) {
             h.push_str("<ul>");
             for (i, b) in v.violations.iter().enumerate() {
                 let q = format!("{p}/violations/{i}");
+                let (value_shown, limit_shown) = match (&b.value, &b.limit) {
+                    (Some(crate::Amount::Real(v)), crate::Amount::Real(l)) => {
+                        super::fmt_against(v.0, l.0)
+                    }
+                    (v, l) => (v.as_ref().map_or("undefined".into(), amount), amount(l)),
+                };
                 let _ = write!(
                     h,
                     "<li class=\"violation\" data-bound=\"{}\">{}: value {} {} limit {}</li>",
                     esc(b.bound),
                     esc(b.bound),
-                    val(
-                        "span",
-                        "num",
-                        &format!("{q}/value"),
-                        &b.value,
-                        &b.value.map_or("undefined".into(), |a| amount(&a))
-                    ),
+                    val("span", "num", &format!("{q}/value"), &b.value, &value_shown),
                     if b.bound == "min_cosine" {
                         "&lt;"
                     } else {
                         "&gt;"
                     },
-                    val(
-                        "span",
-                        "num",
-                        &format!("{q}/limit"),
-                        &b.limit,
-                        &amount(&b.limit)
-                    ),
+                    val("span", "num", &format!("{q}/limit"), &b.limit, &limit_shown),
                 );
             }
             h.push_str("</ul>");
