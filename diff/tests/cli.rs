@@ -666,3 +666,32 @@ fn a_full_disk_leaves_no_page_and_no_temporary() {
     let ok = run(&[p(&rp), p(&cp), "--html", p(&page)]);
     assert!(page.is_file(), "{}", ok.stderr);
 }
+
+// The max-ULP chart's caption promised orange bars that a policy without a positive max_ulp
+// never draws (the bundled f32 policy bounds ULPs only by 0, which a log scale cannot place).
+#[test]
+fn each_charts_caption_promises_only_the_bars_it_draws() {
+    let (r, c) = oracle_like_pair();
+    let (dir, rp, cp) = pair(&r, &c);
+    let page = dir.path().join("page.html");
+    let policy = policy_path();
+    let out = run(&[p(&rp), p(&cp), "--policy", p(&policy), "--html", p(&page)]);
+    assert!(page.is_file(), "{}{}", out.stdout, out.stderr);
+    let html = std::fs::read_to_string(&page).unwrap();
+    for chart in ["chart-rel-l2", "chart-max-ulp"] {
+        let start = html.find(&format!("id=\"{chart}\"")).expect(chart);
+        let end = html[start..].find("</svg>").map_or(html.len(), |e| start + e);
+        let svg = &html[start..end];
+        let bars = svg.matches("class=\"bound\"").count();
+        let caption_at = html[end..].find("<div class=\"note\">").unwrap() + end;
+        let caption = &html[caption_at..caption_at + html[caption_at..].find("</div>").unwrap()];
+        assert_eq!(
+            bars > 0,
+            caption.contains("orange bars"),
+            "{chart}: {bars} bars drawn, caption {caption:?}"
+        );
+        if bars == 0 {
+            assert!(caption.contains("no bars"), "{chart}: {caption:?}");
+        }
+    }
+}

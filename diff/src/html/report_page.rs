@@ -119,10 +119,23 @@ fn curve(
             });
         }
     }
-    let legend = if rep.policy.is_some() {
-        format!("{legend} · orange bars: the policy's {bound} for the tensor's rule · hollow: 0 (identical)")
-    } else {
-        format!("{legend} · hollow: 0 (identical) · no policy: no bounds")
+    // The caption promises only the bars drawn (chart.rs draws a positive, finite limit): a
+    // policy whose rules set no such bound (no `max_ulp`, or `max_ulp: 0`, which a log scale
+    // cannot place) draws none, and says why.
+    let drawn = bounds
+        .iter()
+        .filter(|b| b.y > 0.0 && b.y.is_finite())
+        .count();
+    let zero = bounds.iter().filter(|b| b.y == 0.0).count();
+    let zero_note = match zero {
+        0 => String::new(),
+        z => format!(" · {z} tensor(s) bounded by {bound} 0 (bit-exact): no bar on a log scale"),
+    };
+    let legend = match (rep.policy.is_some(), drawn) {
+        (false, _) => format!("{legend} · hollow: 0 (identical) · no policy: no bounds"),
+        (true, 0) => format!("{legend} · hollow: 0 (identical) · no bars: no rule of the policy sets a positive {bound}{zero_note}"),
+        (true, n) if n == rows.len() => format!("{legend} · orange bars: the policy's {bound} for the tensor's rule · hollow: 0 (identical)"),
+        (true, n) => format!("{legend} · orange bars: the policy's {bound} for the tensor's rule, on the {n} of {} tensors it bounds above 0{zero_note} · hollow: 0 (identical)", rows.len()),
     };
     LogChart {
         id: id.into(),
