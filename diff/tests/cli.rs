@@ -680,7 +680,9 @@ fn each_charts_caption_promises_only_the_bars_it_draws() {
     let html = std::fs::read_to_string(&page).unwrap();
     for chart in ["chart-rel-l2", "chart-max-ulp"] {
         let start = html.find(&format!("id=\"{chart}\"")).expect(chart);
-        let end = html[start..].find("</svg>").map_or(html.len(), |e| start + e);
+        let end = html[start..]
+            .find("</svg>")
+            .map_or(html.len(), |e| start + e);
         let svg = &html[start..end];
         let bars = svg.matches("class=\"bound\"").count();
         let caption_at = html[end..].find("<div class=\"note\">").unwrap() + end;

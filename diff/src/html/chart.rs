@@ -60,6 +60,8 @@ const L: f64 = 64.0;
 pub(super) const R: f64 = 16.0;
 pub(super) const T: f64 = 22.0;
 const B: f64 = 40.0;
+/// A generous width of one character of an 11-px label (digits and capitals are about 7 px).
+const GROUP_CHAR_PX: f64 = 8.0;
 
 /// Whole decades covering every positive finite value (at least one decade).
 pub(super) fn decades(values: impl Iterator<Item = f64>) -> (i32, i32) {
@@ -88,9 +90,11 @@ impl LogChart {
         let n = self.n.max(1) as f64;
         let x = |i: usize| L + (i as f64 + 0.5) * pw / n;
         let y = |v: f64| T + ph - (v.log10() - lo as f64) / (hi - lo) as f64 * ph;
-        let zero_y = T + ph + 12.0;
+        // 14 px below the axis: the zero line's tick clears the lowest decade's (11-px text).
+        let zero_y = T + ph + 14.0;
         let _ = write!(s, "<svg id=\"{}\" class=\"chart\" viewBox=\"0 0 {W} {H}\" width=\"{W}\" height=\"{H}\" role=\"img\" data-n=\"{}\">", esc(&self.id), self.n);
-        let _ = write!(s, "<text x=\"4\" y=\"14\">{}</text>", esc(&self.y_label));
+        // Above the plot, right of the tick column: clear of the top decade's tick.
+        let _ = write!(s, "<text x=\"{L}\" y=\"13\">{}</text>", esc(&self.y_label));
         for d in lo..=hi {
             let yy = y(10f64.powi(d));
             let _ = write!(s, "<line class=\"grid\" x1=\"{L}\" x2=\"{}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\"/><text class=\"tick\" x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">1e{d}</text>", W - R, L - 4.0, yy + 4.0);
@@ -101,9 +105,16 @@ impl LogChart {
             L - 4.0,
             zero_y + 4.0
         );
+        // A group is labelled (and its boundary drawn) only where its label clears the last one:
+        // 30 layers over 25 decode steps are 750 groups, whose labels would overprint.
+        let mut free_from = f64::NEG_INFINITY;
         for (g, text) in &self.groups {
             let xx = L + *g as f64 * pw / n;
-            let _ = write!(s, "<line class=\"grid\" x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{T}\" y2=\"{}\"/><text x=\"{:.1}\" y=\"{}\">{}</text>", T + ph, xx + 2.0, H - 8.0, esc(text));
+            if xx < free_from {
+                continue;
+            }
+            free_from = xx + 2.0 + GROUP_CHAR_PX * text.chars().count() as f64 + 4.0;
+            let _ = write!(s, "<line class=\"grid\" x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{T}\" y2=\"{}\"/><text class=\"group\" x=\"{:.1}\" y=\"{}\">{}</text>", T + ph, xx + 2.0, H - 8.0, esc(text));
         }
         let _ = write!(s, "<line class=\"axis\" x1=\"{L}\" x2=\"{L}\" y1=\"{T}\" y2=\"{}\"/><line class=\"axis\" x1=\"{L}\" x2=\"{}\" y1=\"{}\" y2=\"{}\"/>", T + ph, W - R, T + ph, T + ph);
         let half = (pw / n / 2.0).clamp(1.5, 8.0);

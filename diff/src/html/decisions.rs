@@ -148,7 +148,7 @@ fn margin_chart(rep: &Report, h: &mut String) {
     let (lo, hi) = decades(values);
     let lane_h = 26.0;
     let left = 220.0;
-    let height = T + lanes.len() as f64 * lane_h + 30.0;
+    let height = T + lanes.len() as f64 * lane_h + 38.0; // ticks at the axis + 14, the caption 20 px below them
     let pw = W - left - R;
     let x = |v: f64| left + (v.log10() - lo as f64) / (hi - lo) as f64 * pw;
     let _ = write!(h, "<h3>Margin distribution</h3><svg id=\"chart-margins\" class=\"chart\" viewBox=\"0 0 {W} {height}\" width=\"{W}\" height=\"{height}\" role=\"img\">");

@@ -165,7 +165,7 @@ pub fn page(title: &str, body: &str) -> String {
 const STYLE: &str = "\
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2430;max-width:1400px}\
 h1{font-size:1.5em;margin:.2em 0}h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ccd}\
-table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #d4d8e0;padding:2px 6px;text-align:left;vertical-align:top}\
+table{border-collapse:collapse;margin:.4em 0;display:block;overflow-x:auto;max-width:100%}td,th{border:1px solid #d4d8e0;padding:2px 6px;text-align:left;vertical-align:top}\
 th{background:#eef1f6}td.num{text-align:right;font-variant-numeric:tabular-nums}\
 .mono,code{font-family:ui-monospace,monospace;font-size:12.5px}\
 .v-identical,.v-within_policy,.s-PASS{color:#1a7f37}.v-different,.v-incomparable,.v-unreadable,.s-FAIL{color:#c62828}\

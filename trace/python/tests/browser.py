@@ -15,6 +15,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+LAYOUT = r"""(() => {
+  const doc = document.documentElement;
+  const overlaps = [];
+  for (const svg of document.querySelectorAll('svg')) {
+    const boxes = [...svg.querySelectorAll('text')]
+      .filter(t => !t.closest('g.mark'))
+      .map(t => [t.textContent, t.getBoundingClientRect()]);
+    for (let i = 0; i < boxes.length; i++)
+      for (let j = i + 1; j < boxes.length; j++) {
+        const [a, b] = [boxes[i][1], boxes[j][1]];
+        if (a.left < b.right - 0.5 && b.left < a.right - 0.5 &&
+            a.top < b.bottom - 0.5 && b.top < a.bottom - 0.5)
+          overlaps.push([svg.id, boxes[i][0], boxes[j][0]]);
+      }
+  }
+  return {scroll_width: doc.scrollWidth, client_width: doc.clientWidth, overlaps};
+})()"""
+
 
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
@@ -28,6 +46,9 @@ class Rendered:
     console_errors: list = field(default_factory=list)
     log_errors: list = field(default_factory=list)
     requests: list = field(default_factory=list)
+    # What a person would see go wrong in the layout: the page's width against the window's,
+    # and every pair of chart labels (SVG text, outside the marks) whose boxes overlap.
+    layout: dict = field(default_factory=dict)
 
     def foreign_requests(self) -> list:
         """Requests for anything but the page itself (its own file:// load is the only one)."""
@@ -143,6 +164,9 @@ class Browser:
             returnByValue=True,
         )
         out.dom = dom["result"]["value"]
+        out.layout = self.call(
+            "Runtime.evaluate", session=True, expression=LAYOUT, returnByValue=True
+        )["result"]["value"]
         size = self.call("Page.getLayoutMetrics", session=True)["cssContentSize"]
         shot = self.call(
             "Page.captureScreenshot",

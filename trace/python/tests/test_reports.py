@@ -22,6 +22,7 @@ from pathlib import Path
 
 import browser
 import jsonschema
+import numpy as np
 import pytest
 import referencing
 import tracegate
@@ -322,7 +323,45 @@ def check_numbers(dom: Dom, report: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def rendered(planted, bisected, bisected_decode):
+def at_scale(tmp_path_factory):
+    """A port's traces at a real model's scale, written with TraceWriter as a port writes them:
+    30 layers, the prefill and 24 decode steps, 3,002 tensors; noise on every 7th, one tensor
+    far outside the policy. Its trace-diff page, for the layout checks."""
+    d = tmp_path_factory.mktemp("at-scale")
+    rng = np.random.default_rng(0)
+    names = ["embed"]
+    for step in [None, *range(24)]:
+        for layer in range(30):
+            for point in ("hidden_in", "attn_out", "mlp_out", "hidden_out"):
+                name = f"layer.{layer:02d}.{point}"
+                names.append(name if step is None else f"decode.{step:04d}.{name}")
+    names.append("logits")
+    provenance = {"producer": "my-port", "weights_digest": "0" * 32, "prompt_tokens": [1, 2, 3]}
+    with (
+        tracegate.TraceWriter(d / "reference.trace", provenance) as ref,
+        tracegate.TraceWriter(d / "candidate.trace", provenance) as cand,
+    ):
+        for i, name in enumerate(names):
+            rows = 1 if name.startswith("decode.") else 3
+            a = rng.standard_normal((rows, 16)).astype(np.float32)
+            b = a.copy()
+            if i % 7 == 0:
+                b += np.float32(1e-6) * rng.standard_normal(b.shape).astype(np.float32)
+            if i == 1500:
+                b[0, 0] += 1.0
+            ref.tensor(name, a, positions=list(range(rows)))
+            cand.tensor(name, b, positions=list(range(rows)))
+    page = d / "diff-at-scale.html"
+    r = run(
+        [BIN / "trace-diff", d / "reference.trace", d / "candidate.trace"]
+        + ["--policy", "f32", "--html", page]
+    )
+    assert r.returncode == 1 and "3002 tensors" in r.stdout, r.stdout + r.stderr
+    return page
+
+
+@pytest.fixture(scope="module")
+def rendered(planted, bisected, bisected_decode, at_scale):
     exe = browser.chromium()
     if exe is None:
         pytest.skip(
@@ -337,13 +376,17 @@ def rendered(planted, bisected, bisected_decode):
     bad = d / "bad.html"
     bad.write_text(
         '<!DOCTYPE html><html><body><img src="http://192.0.2.1/x.png">'
-        '<script>console.error("planted error")</script></body></html>'
+        '<script>console.error("planted error")</script>'
+        # A layout a person could not read: two labels on one spot, a page wider than the window.
+        '<svg id="planted"><text x="0" y="10">AAAA</text><text x="4" y="12">BBBB</text></svg>'
+        '<div style="width:3000px">wide</div></body></html>'
     )
     b = browser.Browser(exe)
     try:
         pages = {name: b.render(d / f"{name}.html") for name in ("diff", "gate", "python", "bad")}
         pages["bisect"] = b.render(bisected["dir"] / "bisect.html")
         pages["bisect-decode"] = b.render(bisected_decode["dir"] / "bisect.html")
+        pages["diff-at-scale"] = b.render(at_scale)
     finally:
         b.close()
     keep = os.environ.get("TRACEGATE_SCREENSHOTS")  # e.g. docs/img, to refresh README's pictures
@@ -361,6 +404,19 @@ def test_the_browser_sees_console_errors_and_network_requests(rendered):
     assert bad.console_errors == ["planted error"]
     assert bad.foreign_requests() == ["http://192.0.2.1/x.png"]
     assert any("ERR_PROXY_CONNECTION_FAILED" in e for e in bad.log_errors), bad.log_errors
+    assert bad.layout["overlaps"] == [["planted", "AAAA", "BBBB"]], bad.layout
+    assert bad.layout["scroll_width"] > bad.layout["client_width"], bad.layout
+
+
+@pytest.mark.parametrize(
+    "name", ["diff", "gate", "python", "bisect", "bisect-decode", "diff-at-scale"]
+)
+def test_no_chart_label_overprints_another_and_no_page_scrolls_sideways(rendered, name):
+    """At the 1280-px window; diff-at-scale is 30 layers over 25 steps (750 layer groups, 3,002
+    tensors), where the layer labels overprinted and the per-tensor table pushed the page wide."""
+    layout = rendered[name].layout
+    assert layout["overlaps"] == [], layout["overlaps"][:10]
+    assert layout["scroll_width"] <= layout["client_width"], layout
 
 
 @pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect", "bisect-decode"])
