@@ -120,7 +120,15 @@ impl Policy {
     /// no bound or a bound outside its quantity's range.
     pub fn parse(text: &str) -> Result<Policy, String> {
         let p: Policy = tracegate_trace::json::parse(text.as_bytes())
-            .map_err(|e| format!("not a policy: {e}"))?;
+            .map_err(|e| {
+                // serde names one missing field at a time: point at a whole example instead.
+                let hint = if e.to_string().contains("missing field") {
+                    format!(" (a policy needs format {POLICY_FORMAT:?}, name and rules; the bundled fixtures/policy/oracle-default.json is a complete one, docs/diff.md \"Policies\")")
+                } else {
+                    String::new()
+                };
+                format!("not a policy: {e}{hint}")
+            })?;
         if p.format != POLICY_FORMAT {
             return Err(format!(
                 "format is {:?}, expected {POLICY_FORMAT:?}",
@@ -471,6 +479,26 @@ fn glob_run<T: Copy + PartialEq>(p: &[T], n: &[T], star: T, one: T, dot: T) -> b
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_policy_missing_a_field_names_every_required_one_and_an_example() {
+        let e = super::Policy::parse(r#"{"rules": [{"pattern": "**", "max_rel_l2": 1e-3}]}"#)
+            .unwrap_err();
+        assert!(
+            e.contains("missing field `format`")
+                && e.contains("needs format \"tracegate-policy/1\", name and rules")
+                && e.contains("fixtures/policy/oracle-default.json"),
+            "{e}"
+        );
+        // An unknown field is named as it is, without the hint.
+        let e = super::Policy::parse(
+            r#"{"format": "tracegate-policy/1", "name": "x", "rules": [], "x": 1}"#,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("unknown field `x`") && !e.contains("needs format"),
+            "{e}"
+        );
+    }
     use super::*;
 
     #[test]
