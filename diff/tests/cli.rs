@@ -536,6 +536,20 @@ fn show_inspects_one_trace() {
     snap!("show", out.stdout);
 }
 
+// A NaN margin is below nothing: the minimum passed over it and --show said 0.5 (row 0).
+#[test]
+fn show_counts_nan_margins_aloud() {
+    let mut m = model();
+    let last = m.decisions.len() - 1;
+    m.decisions[last].margins = Some(vec![f32::NAN, 2.0, f32::NAN, 0.75]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = m.write(&dir.path().join("one.trace"));
+    let out = run(&["--show", p(&path)]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let line = out.stdout.lines().find(|l| l.contains("logits.argmax")).unwrap();
+    assert!(line.contains("0.75 (row 3); 2 NaN (first row 0)"), "{line}");
+}
+
 // --- hostile names, attributes and provenance on a terminal (issue 12, item 7) -------------
 
 /// What must never reach a terminal raw: controls but the newline, and bidirectional overrides.

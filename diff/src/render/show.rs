@@ -182,10 +182,18 @@ pub fn write_show(
                                 acc
                             }
                         });
+                // NaN is below nothing, so the minimum passes over it: count it aloud instead.
+                let nan: Vec<usize> = (0..m.len()).filter(|&i| m[i].is_nan()).collect();
+                let nan_note = match nan.first() {
+                    None => String::new(),
+                    Some(r) => format!("; {} NaN (first row {r})", nan.len()),
+                };
                 if m.is_empty() {
                     "-".into()
+                } else if nan.len() == m.len() {
+                    format!("NaN in every row ({})", m.len())
                 } else {
-                    format!("{} (row {row})", real(Some(Real(v as f64))))
+                    format!("{} (row {row}){nan_note}", real(Some(Real(v as f64))))
                 }
             }
         };
