@@ -377,3 +377,22 @@ def test_a_shape_the_native_view_cannot_index_raises_the_same_trace_error(tmp_pa
         match=r"tensor 'huge' of shape \[0, 9223372036854775808\] cannot be a numpy array: shape",
     ):
         t["huge"]
+
+
+def test_a_torch_bfloat16_tensor_is_written_as_bf16_with_its_values(tmp_path):
+    # np.asarray fails on it ("Got unsupported ScalarType BFloat16"): a port's bf16 activations
+    # were refused with torch's words, not ours.
+    torch = pytest.importorskip("torch")
+    values = torch.tensor([[1.0, -2.5, 3.140625], [0.0, 1e-3, -7.0]], dtype=torch.bfloat16)
+    path = tmp_path / "bf16.trace"
+    with tracegate.TraceWriter(path, {"producer": "mine"}) as w:
+        w.tensor("layer.00.attn_out", values, positions=[0, 1])
+        with pytest.raises(tracegate.TraceError, match="torch.bfloat16"):
+            w.tensor("layer.00.mlp_out", values, dtype="f32", positions=[0, 1])
+    t = tracegate.Trace(path)
+    bits = np.asarray(t["layer.00.attn_out"])
+    assert t.dtype("layer.00.attn_out") == "bf16"
+    assert "layer.00.mlp_out" not in t.names
+    # The bits read back are the tensor's own bits: widened to f32, the same numbers.
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert widened.tolist() == values.float().tolist()

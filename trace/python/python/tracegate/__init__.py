@@ -14,7 +14,8 @@
     report.to_html("report.html")
 
 bf16 has no numpy dtype: pass the raw bits as a uint16 array with ``dtype="bf16"`` (or an
-``ml_dtypes.bfloat16`` array); bf16 tensors are read back as uint16 arrays holding the bits.
+``ml_dtypes.bfloat16`` array, or a torch ``bfloat16`` tensor as it is); bf16 tensors are read
+back as uint16 arrays holding the bits.
 The format is specified in docs/trace-format.md.
 """
 
@@ -63,6 +64,22 @@ _TO_TRACE = {
 # What each trace dtype reads back as (the native `array`: bf16 as its uint16 bits).
 _TO_NUMPY = {v: k for k, v in _TO_TRACE.items()}
 _TO_NUMPY["bf16"] = np.dtype("<u2")
+
+
+def _torch_bf16_bits(array, dtype: str | None):
+    """A torch bfloat16 tensor as its bits (numpy has no bf16, and np.asarray fails on it with
+    "Got unsupported ScalarType BFloat16"): stored as bf16, its values unchanged. torch is not
+    imported here: a tensor of another library passes through."""
+    if (
+        type(array).__module__.split(".")[0] != "torch"
+        or str(getattr(array, "dtype", "")) != "torch.bfloat16"
+    ):
+        return array, dtype
+    if dtype not in (None, "bf16"):
+        raise TraceError(f"dtype={dtype!r} does not match the tensor's dtype torch.bfloat16 (bf16)")
+    import torch
+
+    return array.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16), "bf16"
 
 
 def _trace_dtype(array: np.ndarray, dtype: str | None) -> tuple[str, np.ndarray]:
@@ -145,6 +162,7 @@ class TraceWriter:
         step: int | None = None,
         **extra: str,
     ) -> None:
+        array, dtype = _torch_bf16_bits(array, dtype)
         array = np.asarray(array)
         trace_dtype, array = _trace_dtype(array, dtype)
         # np.ascontiguousarray would turn a rank-0 array into rank 1; keep the shape exactly.
