@@ -546,7 +546,11 @@ fn show_counts_nan_margins_aloud() {
     let path = m.write(&dir.path().join("one.trace"));
     let out = run(&["--show", p(&path)]);
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let line = out.stdout.lines().find(|l| l.contains("logits.argmax")).unwrap();
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("logits.argmax"))
+        .unwrap();
     assert!(line.contains("0.75 (row 3); 2 NaN (first row 0)"), "{line}");
 }
 

@@ -87,11 +87,35 @@ pub fn resolve(root: &Path, spec: &str) -> PathBuf {
     }
 }
 
+/// For a named set that is not there (`--prompts frozn`): the sets there are.
+fn known_sets(path: &Path) -> String {
+    let Some(dir) = path.parent().filter(|d| d.ends_with("fixtures/prompts")) else {
+        return String::new();
+    };
+    if path.exists() {
+        return String::new();
+    }
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.strip_suffix(".json").map(str::to_string)
+        })
+        .collect();
+    names.sort();
+    format!(
+        " (the named prompt sets are {}; a path is read as a file)",
+        names.join(", ")
+    )
+}
+
 pub fn load(path: &Path) -> Result<PromptSet> {
     // One read: the sha256 the milestone records is of the bytes that were parsed (hashing a
     // second read would let a file swapped in between pass under the old hash).
     let bytes = tracegate_trace::json::read_bytes(path, tracegate_trace::json::MAX_JSON_LEN)
-        .map_err(|e| gerr!(File: "{e}"))?;
+        .map_err(|e| gerr!(File: "{e}{}", known_sets(path)))?;
     let raw: serde_json::Value =
         tracegate_trace::json::parse(&bytes).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
     unknown_fields(&raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;

@@ -472,6 +472,27 @@ fn an_unknown_only_id_is_refused() {
 }
 
 #[test]
+fn a_misspelt_prompt_set_lists_the_named_sets() {
+    let r = gate(
+        &repo(),
+        &[
+            "m1",
+            "--model",
+            "fixtures/tiny-qwen3-moe",
+            "--prompts",
+            "frozn",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("frozn.json") && r.stderr.contains("the named prompt sets are frozen"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
 fn an_unavailable_oracle_is_not_checked_not_passed() {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
