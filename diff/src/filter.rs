@@ -137,7 +137,15 @@ impl FilterSummary {
             } else {
                 "--skip"
             };
-            format!("{flag} '{g}' matches no tensor or decision name")
+            // The usual slip: `layer.0*` for "every tensor of layers 00-09".
+            let hint = match (g.contains('*') && !g.contains("**"), g.ends_with('*')) {
+                (true, true) => {
+                    format!(" (`*` stops at `.`, `**` crosses it: did you mean '{g}.**'?)")
+                }
+                (true, false) => " (`*` stops at `.`, `**` crosses it)".to_string(),
+                _ => String::new(),
+            };
+            format!("{flag} '{g}' matches no tensor or decision name{hint}")
         })
     }
 }

@@ -574,3 +574,22 @@ fn show_json_escapes_control_characters() {
     );
     assert_eq!(v["tensors"][2]["attributes"]["note"], "\u{9b}2Jred");
 }
+
+// `--only 'layer.0*'` for "layers 00-09" matches only the name `layer.00`, never a tensor: the
+// refusal says why and what would select them.
+#[test]
+fn a_single_star_glob_that_selects_nothing_says_star_stops_at_a_dot() {
+    let m = model();
+    let (_d, rp, cp) = pair(&m, &m);
+    let out = run(&["--only", "layer.0*", p(&rp), p(&cp)]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("(`*` stops at `.`, `**` crosses it: did you mean 'layer.0*.**'?)"),
+        "{}",
+        out.stderr
+    );
+    // The suggestion selects what was meant.
+    let out = run(&["--only", "layer.0*.**", p(&rp), p(&cp)]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}
