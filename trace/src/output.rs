@@ -82,6 +82,40 @@ pub fn print(text: &str) -> std::io::Result<()> {
     }
 }
 
+/// Refuses an output path that names one of the command's inputs, or another output of it:
+/// writing a report there would destroy the trace or file it was computed from (`--html
+/// e.trace`), or one report would overwrite the other. The same file is told by device and
+/// inode, so another spelling of the path or a link to it is caught too; two outputs not there
+/// yet collide only when spelled alike.
+pub fn refuse_clobbering(
+    outputs: &[(&str, &Path)],
+    inputs: &[(&str, &Path)],
+) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    for (i, (flag, out)) in outputs.iter().enumerate() {
+        let out_id = id(out);
+        if let Some((what, input)) = inputs
+            .iter()
+            .find(|(_, input)| out_id.is_some() && id(input) == out_id)
+        {
+            return Err(format!(
+                "{flag} {} is the {what} ({}): writing there would destroy it; name another file",
+                out.display(),
+                input.display()
+            ));
+        }
+        let same = |o: &Path| o == *out || (out_id.is_some() && id(o) == out_id);
+        if let Some((other, _)) = outputs[..i].iter().find(|(_, o)| same(o)) {
+            return Err(format!(
+                "{flag} {} is also {other}: one would overwrite the other",
+                out.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,51 +141,6 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&good).unwrap(), "new");
         assert_eq!(std::fs::read_to_string(&bad).unwrap(), "<html>");
     }
-}
-
-/// Refuses an output path that names one of the command's inputs, or another output of it:
-/// writing a report there would destroy the trace or file it was computed from (`--html
-/// e.trace`), or one report would overwrite the other. The same file is told by device and
-/// inode, so another spelling of the path or a link to it is caught too.
-pub fn refuse_clobbering(
-    outputs: &[(&str, &Path)],
-    inputs: &[(&str, &Path)],
-) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
-    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    for (i, (flag, out)) in outputs.iter().enumerate() {
-        let Some(out_id) = id(out) else {
-            // Not there yet: only two outputs spelled alike can collide.
-            if let Some((other, _)) = outputs[..i].iter().find(|(_, o)| o == out) {
-                return Err(format!(
-                    "{flag} {} is also {other}: one would overwrite the other",
-                    out.display()
-                ));
-            }
-            continue;
-        };
-        for (what, input) in inputs {
-            if id(input) == Some(out_id) {
-                return Err(format!(
-                    "{flag} {} is the {what} ({}): writing there would destroy it; name another file",
-                    out.display(),
-                    input.display()
-                ));
-            }
-        }
-        if let Some((other, _)) = outputs[..i].iter().find(|(_, o)| id(o) == Some(out_id)) {
-            return Err(format!(
-                "{flag} {} is also {other}: one would overwrite the other",
-                out.display()
-            ));
-        }
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod clobbering {
-    use super::refuse_clobbering;
 
     #[test]
     fn an_output_that_is_an_input_or_another_output_is_refused_by_any_spelling() {
