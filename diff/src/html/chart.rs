@@ -107,14 +107,23 @@ impl LogChart {
         );
         // A group is labelled (and its boundary drawn) only where its label clears the last one:
         // 30 layers over 25 decode steps are 750 groups, whose labels would overprint.
+        // A group of one position (a layer of the bisect chart) is labelled under its point;
+        // a wider group (a layer's tensors) from its boundary, where its points start.
         let mut free_from = f64::NEG_INFINITY;
-        for (g, text) in &self.groups {
+        for (k, (g, text)) in self.groups.iter().enumerate() {
             let xx = L + *g as f64 * pw / n;
-            if xx < free_from {
+            let width = GROUP_CHAR_PX * text.chars().count() as f64;
+            let next = self.groups.get(k + 1).map_or(self.n, |(next, _)| *next);
+            let (left, at, anchor) = if next == g + 1 {
+                (x(*g) - width / 2.0, x(*g), "middle")
+            } else {
+                (xx + 2.0, xx + 2.0, "start")
+            };
+            if left < free_from {
                 continue;
             }
-            free_from = xx + 2.0 + GROUP_CHAR_PX * text.chars().count() as f64 + 4.0;
-            let _ = write!(s, "<line class=\"grid\" x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{T}\" y2=\"{}\"/><text class=\"group\" x=\"{:.1}\" y=\"{}\">{}</text>", T + ph, xx + 2.0, H - 8.0, esc(text));
+            free_from = left + width + 4.0;
+            let _ = write!(s, "<line class=\"grid\" x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{T}\" y2=\"{}\"/><text class=\"group\" x=\"{at:.1}\" y=\"{}\" text-anchor=\"{anchor}\">{}</text>", T + ph, H - 8.0, esc(text));
         }
         let _ = write!(s, "<line class=\"axis\" x1=\"{L}\" x2=\"{L}\" y1=\"{T}\" y2=\"{}\"/><line class=\"axis\" x1=\"{L}\" x2=\"{}\" y1=\"{}\" y2=\"{}\"/>", T + ph, W - R, T + ph, T + ph);
         let half = (pw / n / 2.0).clamp(1.5, 8.0);
@@ -167,5 +176,68 @@ impl LogChart {
         let legend: Vec<String> = self.series.iter().map(|se| esc(&se.legend)).collect();
         let _ = write!(s, "<div class=\"note\">{}</div>", legend.join(" · "));
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chart(n: usize, groups: &[(usize, &str)]) -> String {
+        let points = (0..n)
+            .map(|x| Point {
+                x,
+                y: Some(0.1),
+                pointer: String::new(),
+                json: String::new(),
+                title: String::new(),
+            })
+            .collect();
+        LogChart {
+            id: "c".into(),
+            y_label: String::new(),
+            n,
+            groups: groups.iter().map(|(g, t)| (*g, t.to_string())).collect(),
+            series: vec![Series {
+                key: "s".into(),
+                legend: String::new(),
+                points,
+            }],
+            bounds: Vec::new(),
+            marks: Vec::new(),
+        }
+        .render()
+    }
+
+    /// The `x` (or `cx`) of the element whose tag holds `what`, or whose text follows it.
+    fn attr_x(svg: &str, open: &str, what: &str) -> f64 {
+        let at = svg
+            .find(what)
+            .unwrap_or_else(|| panic!("{what} not in {svg}"));
+        let start = svg[..at].rfind(open).unwrap();
+        let tag = &svg[start..start + svg[start..].find('>').unwrap()];
+        let v = tag
+            .split(" x=\"")
+            .nth(1)
+            .or_else(|| tag.split(" cx=\"").nth(1));
+        v.unwrap().split('"').next().unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn a_one_point_group_is_labelled_under_its_point_and_a_wider_one_from_its_boundary() {
+        // The bisect chart at decode: two layers, each one point 500 px wide; the labels sat at
+        // the slots' left edges, half a slot from their points.
+        let svg = chart(2, &[(0, "L00"), (1, "L01")]);
+        for (i, label) in ["L00", "L01"].iter().enumerate() {
+            let label_x = attr_x(&svg, "<text", &format!(">{label}<"));
+            let point_x = attr_x(&svg, "<circle", &format!("data-x=\"{i}\""));
+            assert_eq!(label_x, point_x, "{label}: {svg}");
+        }
+        assert!(svg.contains("text-anchor=\"middle\">L01<"), "{svg}");
+        // A layer of four tensors: labelled from the group's boundary, as before.
+        let svg = chart(8, &[(0, "L00"), (4, "L01")]);
+        let boundary = L + 4.0 * (W - L - R) / 8.0;
+        assert_eq!(attr_x(&svg, "<text", ">L01<"), boundary + 2.0, "{svg}");
+        assert!(svg.contains("text-anchor=\"start\">L01<"), "{svg}");
     }
 }

@@ -6,7 +6,8 @@ outside it, decode.0003.argmax flipped) gives a failing gate report, JSON and HT
 real traces (engine vs planted oracle) for `trace-diff` and `tracegate.compare`. One real
 `gate bisect --calibrate` (the engine against the contract with layer 02's MLP planted wrong)
 gives a bisect report, JSON and HTML, and one real `gate bisect --generate 3` (layer 01's cached
-decode planted wrong) a decode bisection's. The pages are
+decode planted wrong) a decode bisection's; the same two at 30 layers (tiny-qwen3's layers
+repeated), and a port's 3,002-tensor trace pair, are the pages at a real model's scale. The pages are
 rendered in headless Chromium; each number the page shows is checked against the JSON of the
 same run; the JSON reports are validated against docs/*.schema.json."""
 
@@ -89,7 +90,9 @@ def planted(tmp_path_factory):
     }
 
 
-def bisect_defective(d: Path, defect: str, *extra, exit_code: int) -> dict:
+def bisect_defective(
+    d: Path, defect: str, *extra, exit_code: int, model: Path = ROOT / "fixtures/tiny-qwen3"
+) -> dict:
     """`gate bisect --report --html` in `d`: the engine against the contract with one planted
     defect (gate/tests/producers/defective_contract.py, served)."""
     script = ROOT / "gate/tests/producers/defective_contract.py"
@@ -101,7 +104,7 @@ def bisect_defective(d: Path, defect: str, *extra, exit_code: int) -> dict:
             ROOT,
             "bisect",
             "--model",
-            "fixtures/tiny-qwen3",
+            model,
             "--prompt",
             "short",
             "--reference",
@@ -129,6 +132,43 @@ def bisected_decode(tmp_path_factory):
     wrong position (--defect cached-pos), 3 steps."""
     d = tmp_path_factory.mktemp("bisect-decode")
     return bisect_defective(d, "cached-pos", "--generate", "3", exit_code=6)
+
+
+def thirty_layers(d: Path) -> Path:
+    """tiny-qwen3 at a real model's depth: its 5 layers' weights repeated to 30 layers."""
+    from safetensors.numpy import load_file, save_file
+
+    src, out = ROOT / "fixtures/tiny-qwen3", d / "tiny-qwen3-30"
+    out.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    config["num_hidden_layers"] = config["max_window_layers"] = 30
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            weights[name] = value
+        for layer in range(int(m[1]), 30, n) if m else ():
+            weights[f"model.layers.{layer}.{m[2]}"] = value
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def bisected_at_scale(tmp_path_factory):
+    """Two bisections at 30 layers: layer 17's MLP planted wrong (the prefill chart with 12
+    layers downstream), and the cached decode of layer 01 over 24 steps."""
+    d = tmp_path_factory.mktemp("bisect-at-scale")
+    model = thirty_layers(d)
+    (d / "prefill").mkdir()
+    (d / "decode").mkdir()
+    return {
+        "prefill": bisect_defective(d / "prefill", "mlp-add@17", exit_code=1, model=model),
+        "decode": bisect_defective(
+            d / "decode", "cached-pos", "--generate", "24", exit_code=6, model=model
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +401,7 @@ def at_scale(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rendered(planted, bisected, bisected_decode, at_scale):
+def rendered(planted, bisected, bisected_decode, at_scale, bisected_at_scale):
     exe = browser.chromium()
     if exe is None:
         pytest.skip(
@@ -387,6 +427,9 @@ def rendered(planted, bisected, bisected_decode, at_scale):
         pages["bisect"] = b.render(bisected["dir"] / "bisect.html")
         pages["bisect-decode"] = b.render(bisected_decode["dir"] / "bisect.html")
         pages["diff-at-scale"] = b.render(at_scale)
+        for part in ("prefill", "decode"):
+            page = bisected_at_scale[part]["dir"] / "bisect.html"
+            pages[f"bisect-{part}-at-scale"] = b.render(page)
     finally:
         b.close()
     keep = os.environ.get("TRACEGATE_SCREENSHOTS")  # e.g. docs/img, to refresh README's pictures
@@ -408,18 +451,20 @@ def test_the_browser_sees_console_errors_and_network_requests(rendered):
     assert bad.layout["scroll_width"] > bad.layout["client_width"], bad.layout
 
 
-@pytest.mark.parametrize(
-    "name", ["diff", "gate", "python", "bisect", "bisect-decode", "diff-at-scale"]
-)
+AT_SCALE = ["diff-at-scale", "bisect-prefill-at-scale", "bisect-decode-at-scale"]
+
+
+@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect", "bisect-decode", *AT_SCALE])
 def test_no_chart_label_overprints_another_and_no_page_scrolls_sideways(rendered, name):
     """At the 1280-px window; diff-at-scale is 30 layers over 25 steps (750 layer groups, 3,002
-    tensors), where the layer labels overprinted and the per-tensor table pushed the page wide."""
+    tensors), where the layer labels overprinted and the per-tensor table pushed the page wide;
+    the bisect pages at scale are 30 layers, one of them over 24 decode steps."""
     layout = rendered[name].layout
     assert layout["overlaps"] == [], layout["overlaps"][:10]
     assert layout["scroll_width"] <= layout["client_width"], layout
 
 
-@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect", "bisect-decode"])
+@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect", "bisect-decode", *AT_SCALE])
 def test_pages_are_self_contained_and_clean(rendered, name):
     r = rendered[name]
     assert r.png[:8] == b"\x89PNG\r\n\x1a\n" and len(r.png) > 10_000
@@ -658,6 +703,28 @@ def test_the_bisect_page_draws_the_decode_steps(rendered, bisected_decode):
         lambda r: r["decode"]["stage"].__setitem__("tensor", "layer.01.mlp_out"),
     ]
     assert_refused(check_decode_page, dom, rep, plants)
+
+
+def test_the_bisect_pages_at_30_layers_show_their_json_reports(rendered, bisected_at_scale):
+    """Every number on the pages of both 30-layer bisections is tied to its JSON, and each names
+    the planted layer; a page checked against the other run's JSON is refused."""
+    prefill, decode = (bisected_at_scale[p]["report"] for p in ("prefill", "decode"))
+    assert (len(prefill["layers"]), prefill["first_wrong_layer"], prefill["stage"]["tensor"]) == (
+        30,
+        17,
+        "layer.17.mlp_out",
+    )
+    assert [l["status"] for l in prefill["layers"]][16:19] == ["ok", "wrong", "downstream"]
+    assert (decode["verdict"], decode["decode"]["first_wrong_layer"]) == (
+        "cached_decode_differs",
+        1,
+    )
+    prefill_dom = Dom(rendered["bisect-prefill-at-scale"].dom)
+    decode_dom = Dom(rendered["bisect-decode-at-scale"].dom)
+    check_bisect_page(prefill_dom, prefill)
+    check_decode_page(decode_dom, decode)
+    with pytest.raises(AssertionError):
+        check_bisect_page(prefill_dom, bisected_at_scale["decode"]["report"])
 
 
 def test_bisect_html_into_a_missing_directory_is_refused_before_any_run(tmp_path):
