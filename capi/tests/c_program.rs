@@ -186,3 +186,48 @@ fn a_close_with_a_small_digest_buffer_writes_no_trace() {
     assert!(!path.exists());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
+
+#[test]
+fn the_c_program_compiled_as_cpp_links_and_runs() {
+    // C++, CUDA and Metal host code include the header from C++: without its extern "C" block
+    // the calls would link against mangled names and fail here.
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = dir.path().join("write_trace_cpp");
+    let out = Command::new("c++")
+        .args([
+            "-std=c++11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-x",
+            "c++",
+            "-o",
+        ])
+        .arg(&exe)
+        .arg(manifest.join("tests/c/write_trace.c"))
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .args(["-x", "none", "-L"])
+        .arg(library_dir())
+        .arg("-ltracegate_capi")
+        .output()
+        .expect("c++ (a C++ compiler) is needed to test the C ABI's header");
+    assert!(
+        out.status.success(),
+        "c++ failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = Command::new(&exe)
+        .arg(dir.path().join("cpp.trace"))
+        .arg(Path::new(ROOT).join("fixtures/tiny-qwen3"))
+        .env("LD_LIBRARY_PATH", library_dir())
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(Trace::open(dir.path().join("cpp.trace")).is_ok());
+}
