@@ -89,7 +89,9 @@ struct BisectArgs {
     /// Prompt set for --prompt: a name under fixtures/prompts/ or a path (relative to the current directory).
     #[arg(long, default_value = "frozen")]
     prompts: String,
-    /// Reference producer: engine, contract, oracle or cmd (then --reference-cmd).
+    /// Reference producer: engine, contract, oracle or cmd (then --reference-cmd); or trace:PATH,
+    /// a whole trace recorded before (relative to the current directory), which supplies the
+    /// prompt, --generate and --capture unless they are given (docs/bisect.md, "A stored reference").
     #[arg(long)]
     reference: String,
     /// Candidate producer: engine, contract, oracle or cmd (then --candidate-cmd).
@@ -120,16 +122,16 @@ struct BisectArgs {
     #[arg(long)]
     all_layers: bool,
     /// default or internals (q/k/v, attn_probs, router logits, expert outputs: names sub-stages).
-    #[arg(long, default_value = "default", value_parser = ["default", "internals"])]
-    capture: String,
+    #[arg(long, value_parser = ["default", "internals"])]
+    capture: Option<String>,
     /// Chain the reference's layer verb over a 1-ULP perturbation of its input, to scale the difference.
     #[arg(long)]
     calibrate: bool,
     /// Greedy decode steps: once the prefill agrees, name the first diverging step, check the
     /// candidate's cached decode against its full recompute, and isolate layers at that step
     /// (implies --capture internals; docs/bisect.md, "Decode").
-    #[arg(long, default_value_t = 0)]
-    generate: usize,
+    #[arg(long)]
+    generate: Option<usize>,
     /// Seed of the calibration perturbation.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -208,7 +210,6 @@ fn prompts_arg(up: &UserPaths, spec: &str) -> String {
 }
 
 fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32, Error> {
-    use tracegate_gate::{bisect, prompts};
     let report = a.report.as_ref().map(|p| up.absolute(p));
     let html = a.html.as_ref().map(|p| up.absolute(p));
     // Refused before any producer runs: a report that cannot be written would lose the bisection.
@@ -216,28 +217,93 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
         root,
         &[("--report", report.as_ref()), ("--html", html.as_ref())],
     )?;
-    let tokens = match (&a.tokens, &a.prompt) {
-        (Some(t), None) => prompts::parse_tokens(t)?,
-        (None, Some(id)) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
-            .and_then(|s| s.get(id).map(|p| p.tokens.clone()))?,
-        _ => return Err(gerr!("bisect needs --tokens IDS or --prompt ID")),
-    };
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis())
         .unwrap_or(0);
-    let o = bisect::BisectOptions {
+    let work = a
+        .work
+        .as_ref()
+        .map(|w| up.resolve(w).display().to_string())
+        .unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id()));
+    // A CI job that asked for a report gets one saying why there is no bisection.
+    let refused = |err: Error| -> Error {
+        let refused = serde_json::json!({
+            "schema": tracegate_gate::bisect::SCHEMA, "verdict": "refused", "exit_code": 2, "summary": err.to_string(),
+            "work_dir": work, "timeout_s": a.timeout, "gate_invocation": std::env::args().collect::<Vec<_>>(),
+        });
+        match write_report(&report, &refused) {
+            Ok(()) => err,
+            Err(e) => e,
+        }
+    };
+    let o = bisect_options(root, up, a, &work).map_err(refused)?;
+    let rep = tracegate_gate::bisect::run(&o).map_err(refused)?;
+    let printed = say(&tracegate_gate::bisect::render(&rep));
+    let mut files = Vec::new();
+    if let Some(p) = &report {
+        files.push(Output::json(p, &rep)?);
+    }
+    if let Some(p) = &html {
+        files.push(Output::html(
+            p,
+            tracegate_gate::bisect_html::render_html(&rep),
+        ));
+    }
+    write_outputs(&files)?;
+    printed.map(|()| rep.exit_code)
+}
+
+/// The bisection `a` asks for; a stored reference (`--reference trace:PATH`) supplies the prompt,
+/// --generate and --capture that were not given.
+fn bisect_options(
+    root: &std::path::Path,
+    up: &UserPaths,
+    a: &BisectArgs,
+    work: &str,
+) -> Result<tracegate_gate::bisect::BisectOptions, Error> {
+    use tracegate_gate::{bisect, prompts};
+    let stored = match a.reference.strip_prefix("trace:") {
+        Some(_) if a.reference_cmd.is_some() => {
+            return Err(gerr!("--reference-cmd: a stored reference (--reference {}) runs no command; give one or the other", a.reference))
+        }
+        Some("") => return Err(gerr!("--reference trace:PATH needs a path after trace:")),
+        Some(p) => Some(bisect::StoredReference::open(
+            &up.resolve(std::path::Path::new(p)),
+            p,
+        )?),
+        None => None,
+    };
+    let tokens = match (&a.tokens, &a.prompt, &stored) {
+        (Some(t), None, _) => prompts::parse_tokens(t)?,
+        (None, Some(id), _) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
+            .and_then(|s| s.get(id).map(|p| p.tokens.clone()))?,
+        (None, None, Some(s)) => s.tokens.clone(),
+        _ => return Err(gerr!("bisect needs --tokens IDS or --prompt ID")),
+    };
+    let generate = a
+        .generate
+        .or(stored.as_ref().map(|s| s.generate))
+        .unwrap_or(0);
+    let internals = match a.capture.as_deref() {
+        Some(c) => c == "internals",
+        None => stored.as_ref().is_some_and(|s| s.internals),
+    };
+    Ok(bisect::BisectOptions {
         root: root.to_path_buf(),
         model: up.resolve(&a.model).display().to_string(),
         tokens,
         prompt: a.prompt.clone(),
-        reference: bisect::producer(
-            root,
-            &a.reference,
-            a.reference_cmd.as_deref(),
-            "reference",
-            a.threads,
-        )?,
+        reference: match stored {
+            Some(s) => bisect::Reference::Stored(s),
+            None => bisect::Reference::Run(bisect::producer(
+                root,
+                &a.reference,
+                a.reference_cmd.as_deref(),
+                "reference",
+                a.threads,
+            )?),
+        },
         candidate: bisect::producer(
             root,
             &a.candidate,
@@ -252,44 +318,15 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
         exact: a.exact,
         all_layers: a.all_layers,
         // Decode steps capture their layer points only under internals (docs/producers.md).
-        internals: a.capture == "internals" || a.generate > 0,
+        internals: internals || generate > 0,
         calibrate: a.calibrate,
-        generate: a.generate,
+        generate,
         seed: a.seed,
-        work: a
-            .work
-            .as_ref()
-            .map(|w| up.resolve(w).display().to_string())
-            .unwrap_or_else(|| format!("target/bisect/{stamp}-{}", std::process::id())),
+        work: work.to_string(),
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
         allow_stack_mismatch: a.allow_stack_mismatch,
-    };
-    let rep = match bisect::run(&o) {
-        Ok(rep) => rep,
-        Err(err) => {
-            // A CI job that asked for a report gets one saying why there is no bisection.
-            let refused = serde_json::json!({
-                "schema": bisect::SCHEMA, "verdict": "refused", "exit_code": 2, "summary": err.to_string(),
-                "work_dir": o.work, "timeout_s": a.timeout, "gate_invocation": o.gate_invocation,
-            });
-            write_report(&report, &refused)?;
-            return Err(err);
-        }
-    };
-    let printed = say(&bisect::render(&rep));
-    let mut files = Vec::new();
-    if let Some(p) = &report {
-        files.push(Output::json(p, &rep)?);
-    }
-    if let Some(p) = &html {
-        files.push(Output::html(
-            p,
-            tracegate_gate::bisect_html::render_html(&rep),
-        ));
-    }
-    write_outputs(&files)?;
-    printed.map(|()| rep.exit_code)
+    })
 }
 
 fn options(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> GateOptions {

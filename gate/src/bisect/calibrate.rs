@@ -66,6 +66,16 @@ pub(crate) fn calibrate(
         rows: Vec::new(),
         not_checked: None,
     };
+    let reference_producer = match &o.reference {
+        Reference::Run(p) => p,
+        Reference::Stored(s) => {
+            cal.not_checked = Some(format!(
+                "the reference is a stored trace (trace:{}): calibration runs the reference's own layer verb, which a trace does not have",
+                s.shown
+            ));
+            return cal;
+        }
+    };
     let name = names::layer(from, "hidden_in");
     let input_rel = format!("{}/calibration.input.trace", o.work);
     let written = (|| -> Result<Option<f64>> {
@@ -116,7 +126,7 @@ pub(crate) fn calibrate(
             force: None,
             decode_from: None,
         };
-        let rec = run_fresh(&o.root, &o.reference, &verb, o.timeout);
+        let rec = run_fresh(&o.root, reference_producer, &verb, o.timeout);
         runs.push(rec.clone());
         crate::progress::step(format_args!(
             "calibration: layer {layer:02} on the perturbed input"

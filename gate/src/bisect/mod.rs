@@ -33,6 +33,7 @@ mod isolate;
 mod layers;
 mod render;
 mod report;
+mod stored;
 mod verdict;
 mod whole;
 mod work;
@@ -41,6 +42,7 @@ pub use calibrate::*;
 pub(crate) use isolate::*;
 pub use render::*;
 pub use report::*;
+pub use stored::*;
 pub(crate) use verdict::*;
 pub(crate) use work::run_fresh;
 pub use work::MARKER as WORK_MARKER;
@@ -54,7 +56,8 @@ pub struct BisectOptions {
     pub model: String,
     pub tokens: Vec<i64>,
     pub prompt: Option<String>,
-    pub reference: Producer,
+    /// A producer run now, or a trace recorded before (`--reference trace:PATH`, stored.rs).
+    pub reference: Reference,
     pub candidate: Producer,
     /// Judge by this policy (`--policy`); None: see `exact`.
     pub policy: Option<String>,
@@ -249,6 +252,9 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         o.tokens.len(),
         o.generate,
     )?;
+    if let Reference::Stored(s) = &o.reference {
+        s.fits(o)?;
+    }
     // Never judge an earlier run's traces: only an empty directory or one bisect made is used,
     // and it is emptied of bisect's own traces under the lock (work.rs).
     let work_dir = o.root.join(&o.work);
@@ -368,6 +374,14 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         prompt: o.prompt.clone(),
         tokens: o.tokens.clone(),
         reference: o.reference.name(),
+        reference_trace: match &o.reference {
+            Reference::Stored(s) => Some(ReferenceTrace {
+                path: s.shown.clone(),
+                digest: s.digest.clone(),
+                producer: s.producer.clone(),
+            }),
+            Reference::Run(_) => None,
+        },
         candidate: o.candidate.name(),
         judge,
         capture: if o.internals {

@@ -12,8 +12,16 @@ pub fn render(r: &BisectReport) -> String {
     o.push_str(&r.summary);
     o.push('\n');
     o.push_str(&format!(
-        "  reference {} · candidate {} · model {} · {} tokens{} · capture {}\n",
+        "  reference {}{} · candidate {} · model {} · {} tokens{} · capture {}\n",
         r.reference,
+        r.reference_trace
+            .as_ref()
+            .map(|t| format!(
+                " (stored; recorded by {}, digest {})",
+                t.producer,
+                &t.digest[..16]
+            ))
+            .unwrap_or_default(),
         r.candidate,
         r.model,
         r.tokens.len(),

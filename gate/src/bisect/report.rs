@@ -443,6 +443,14 @@ pub struct SelfConsistency {
     pub not_checked: Vec<String>,
 }
 
+/// A stored reference trace: the path as given, its verified content digest, its producer.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReferenceTrace {
+    pub path: String,
+    pub digest: String,
+    pub producer: String,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct BisectReport {
     pub schema: &'static str,
@@ -454,6 +462,8 @@ pub struct BisectReport {
     pub prompt: Option<String>,
     pub tokens: Vec<i64>,
     pub reference: String,
+    /// `--reference trace:PATH`: the stored trace judged against (null: a producer ran).
+    pub reference_trace: Option<ReferenceTrace>,
     pub candidate: String,
     /// How it judged and why (the first line of the text verdict).
     pub judge: Judge,

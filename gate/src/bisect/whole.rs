@@ -34,14 +34,41 @@ pub(crate) fn trace_run(
     )
 }
 
-/// Both whole runs at once (one is usually a subprocess); a side that fails refuses the bisection.
+fn failed(side: &str, rec: &RunRecord) -> crate::Error {
+    gerr!(
+        Producer: "{side} ({}) trace failed: {}\n    $ {}",
+        rec.producer,
+        rec.why(),
+        rec.invocation
+    )
+}
+
+/// Both whole runs at once (one is usually a subprocess), or the candidate's beside a stored
+/// reference; a side that fails refuses the bisection.
 pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result<Whole> {
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
+    let producer = match &o.reference {
+        Reference::Run(p) => p,
+        Reference::Stored(stored) => {
+            let cr = trace_run(o, &o.candidate, &cand_rel, None);
+            runs.push(cr.clone());
+            crate::progress::step("whole run of the candidate (the reference is stored)");
+            if !cr.ok {
+                return Err(failed("candidate", &cr));
+            }
+            return Ok(Whole {
+                reference: stored.adopt(o, &ref_rel)?,
+                candidate: open(&o.root, &cand_rel)?,
+                ref_rel,
+                cand_rel,
+            });
+        }
+    };
     let (rr, cr) = std::thread::scope(|s| {
         let h = s.spawn(|| trace_run(o, &o.candidate, &cand_rel, None));
         (
-            trace_run(o, &o.reference, &ref_rel, None),
+            trace_run(o, producer, &ref_rel, None),
             h.join().expect("candidate thread"),
         )
     });
@@ -49,12 +76,7 @@ pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result
     crate::progress::step("whole runs of the reference and the candidate");
     for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
         if !rec.ok {
-            return Err(gerr!(
-                Producer: "{side} ({}) trace failed: {}\n    $ {}",
-                rec.producer,
-                rec.why(),
-                rec.invocation
-            ));
+            return Err(failed(side, rec));
         }
     }
     Ok(Whole {
@@ -83,12 +105,15 @@ pub(crate) fn choose_judge(
         (false, None) => Ask::Default,
     };
     let ordered = (
-        is_ordered(&o.root, &o.reference) && !is_oracle(&whole.reference),
+        match &o.reference {
+            Reference::Run(p) => is_ordered(&o.root, p) && !is_oracle(&whole.reference),
+            Reference::Stored(s) => s.ordered,
+        },
         is_ordered(&o.root, &o.candidate) && !is_oracle(&whole.candidate),
     );
     let (judge, policy) = judge::choose(
         &ask,
-        (&o.reference.name(), &o.candidate.name()),
+        (&o.reference.described(), &o.candidate.name()),
         ordered,
         &whole.candidate,
         &o.root,
