@@ -8,6 +8,7 @@ pub mod bisect;
 pub mod bisect_decode;
 pub mod bisect_html;
 pub mod bisect_judge;
+pub mod ci;
 pub mod milestones;
 pub mod paths;
 pub mod producer;

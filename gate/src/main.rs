@@ -43,6 +43,12 @@ struct RunArgs {
     /// agreement, the baselines with their deltas (docs/gate.md, "HTML report"). m0, m1, run only.
     #[arg(long, value_name = "OUT.html")]
     html: Option<PathBuf>,
+    /// Also write the checks as JUnit XML (relative to the current directory): a test case per
+    /// prompt and check and per baseline, FAIL a failure and NOT CHECKED a skipped case, each
+    /// with its detail (docs/ci.md). Under GitHub Actions (GITHUB_ACTIONS=true) the gate also
+    /// prints an ::error line per FAIL and a ::warning line per NOT CHECKED.
+    #[arg(long, value_name = "OUT.xml")]
+    junit: Option<PathBuf>,
     /// Accept this run as the new expectation: rewrite milestones.json and baselines.json and print what changed.
     #[arg(long)]
     bless: bool,
@@ -424,6 +430,13 @@ impl Output {
             what: "HTML report",
         }
     }
+    fn junit(path: &std::path::Path, reps: &[MilestoneReport]) -> Output {
+        Output {
+            path: path.to_path_buf(),
+            bytes: tracegate_gate::ci::junit(reps).into_bytes(),
+            what: "JUnit report",
+        }
+    }
 }
 
 /// Every report of a run, or none: a JSON report saying exit 0 beside a page that could not be
@@ -450,13 +463,18 @@ fn say(text: &str) -> Result<(), Error> {
 /// One milestone, every model of it: each model's report printed, and its HTML page when asked
 /// for (not yet written: the caller writes the pages with the JSON report, all or none).
 fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Result<Run, Error> {
-    let (report, html) = (
+    let (report, html, junit) = (
         a.report.as_ref().map(|p| up.absolute(p)),
         a.html.as_ref().map(|p| up.absolute(p)),
+        a.junit.as_ref().map(|p| up.absolute(p)),
     );
     check_outputs(
         root,
-        &[("--report", report.as_ref()), ("--html", html.as_ref())],
+        &[
+            ("--report", report.as_ref()),
+            ("--html", html.as_ref()),
+            ("--junit", junit.as_ref()),
+        ],
     )?;
     let (reps, bless_log) = run_milestone(&options(root, up, id, a))?;
     let mut text = String::new();
@@ -499,15 +517,32 @@ struct Run {
     printed: Result<(), Error>,
 }
 
-/// A milestone run's pages and JSON report (an array, one report per model), all or none; the
-/// exit code of the worst model.
-fn finish_run(run: Run, report: Option<PathBuf>) -> Result<i32, Error> {
+/// A milestone run's pages, JSON report (an array, one report per model) and JUnit XML, all or
+/// none; under GitHub Actions its annotations; the exit code of the worst model.
+fn finish_run(run: Run, up: &UserPaths, a: &RunArgs) -> Result<i32, Error> {
     let mut files = run.pages;
-    if let Some(p) = &report {
-        files.push(Output::json(p, &run.reps)?);
+    if let Some(p) = &a.report {
+        files.push(Output::json(&up.absolute(p), &run.reps)?);
+    }
+    if let Some(p) = &a.junit {
+        files.push(Output::junit(&up.absolute(p), &run.reps));
     }
     write_outputs(&files)?;
-    run.printed.map(|()| worst_exit(&run.reps))
+    let annotated = annotate(&run.reps);
+    run.printed.and(annotated).map(|()| worst_exit(&run.reps))
+}
+
+/// Under GitHub Actions: an ::error line per FAIL and a ::warning per NOT CHECKED, on stdout
+/// after the text (where the runner reads workflow commands).
+fn annotate(reps: &[MilestoneReport]) -> Result<(), Error> {
+    if !tracegate_gate::ci::on_github_actions() {
+        return Ok(());
+    }
+    let lines = tracegate_gate::ci::github_annotations(reps);
+    if lines.is_empty() {
+        return Ok(());
+    }
+    say(&(lines.join("\n") + "\n"))
 }
 
 /// `OUT.html` → `OUT.<model>.html`.
@@ -655,12 +690,11 @@ fn main() -> ExitCode {
     }
     let root = PathBuf::from(".");
     let result = match &cli.cmd {
-        Cmd::M0(a) => run_one(&root, &up, "m0", a)
-            .and_then(|r| finish_run(r, a.report.as_ref().map(|p| up.absolute(p)))),
-        Cmd::M1(a) => run_one(&root, &up, "m1", a)
-            .and_then(|r| finish_run(r, a.report.as_ref().map(|p| up.absolute(p)))),
-        Cmd::Run { id, args } => run_one(&root, &up, id, args)
-            .and_then(|r| finish_run(r, args.report.as_ref().map(|p| up.absolute(p)))),
+        Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| finish_run(r, &up, a)),
+        Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| finish_run(r, &up, a)),
+        Cmd::Run { id, args } => {
+            run_one(&root, &up, id, args).and_then(|r| finish_run(r, &up, args))
+        }
         Cmd::Bisect(a) => bisect(&root, &up, a),
         Cmd::Workers { .. } => Ok(0), // answered above
         Cmd::Check { args } if args.html.is_some() => Err(gerr!(
@@ -694,8 +728,15 @@ fn main() -> ExitCode {
                 file.milestones.len(),
                 table.join("\n")
             ));
-            write_report(&args.report.as_ref().map(|p| up.absolute(p)), &reports)?;
-            stdout.and(printed)?;
+            let mut files = Vec::new();
+            if let Some(p) = &args.report {
+                files.push(Output::json(&up.absolute(p), &reports)?);
+            }
+            if let Some(p) = &args.junit {
+                files.push(Output::junit(&up.absolute(p), &reports));
+            }
+            write_outputs(&files)?;
+            stdout.and(printed).and(annotate(&reports))?;
             Ok(match worst {
                 0 => 0,
                 1 => 4,
