@@ -360,3 +360,82 @@ fn a_stored_reference_is_refused_when_edited_or_recorded_for_another_bisection()
     );
     assert_refused(&r, &["needs a path"]);
 }
+
+/// Rewrites `from` into `to` with tracegate.TraceWriter (its provenance kept, so it still says
+/// `engine`): `drop-layer` leaves out layer 04, `drop-internals` the q/k/v/attn_probs points of
+/// a trace still claiming `capture: internals`, `nan` puts one NaN in layer 02's hidden_out.
+fn forge(from: &Path, to: &Path, how: &str) {
+    let script = r#"
+import sys, tracegate
+src, out, how = tracegate.Trace(sys.argv[1]), sys.argv[2], sys.argv[3]
+internals = ("q", "k", "v", "attn_probs")
+with tracegate.TraceWriter(out, dict(src.provenance)) as w:
+    for n in src.names:
+        if how == "drop-layer" and n.startswith("layer.04."):
+            continue
+        if how == "drop-internals" and n.split(".")[-1] in internals:
+            continue
+        a = src[n].copy()
+        if how == "nan" and n == "layer.02.hidden_out":
+            a.flat[3] = float("nan")
+        w.tensor(n, a, **src.attributes(n))
+    for d, v in src.decisions.items():
+        w.decision(d, v, src.margins.get(d))
+"#;
+    let out = std::process::Command::new(repo().join(".venv/bin/python"))
+        .args(["-c", script])
+        .arg(from)
+        .arg(to)
+        .arg(how)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_forged_stored_reference_never_makes_a_clean_candidate_agree_by_bits_or_by_policy() {
+    let dir = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let live = bisect(
+        dir.path(),
+        &[
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "engine",
+            "--capture",
+            "internals",
+        ],
+    );
+    assert_eq!(live.code, 0, "{}{}", live.stdout, live.stderr);
+    let golden = live.work.join("reference.trace");
+    for (how, verdict) in [
+        ("drop-layer", "structure_differs"),
+        ("drop-internals", "structure_differs"),
+        ("nan", "wrong_layer"),
+    ] {
+        let forged = dir.path().join(format!("{how}.trace"));
+        forge(&golden, &forged, how);
+        for judge in [&["--exact"][..], &["--policy", "f32"][..]] {
+            let r = bisect(
+                dir.path(),
+                &[
+                    &["--reference", &stored(&forged), "--candidate", "engine"],
+                    judge,
+                ]
+                .concat(),
+            );
+            assert_eq!(r.code, 1, "{how} {judge:?}: {}{}", r.stdout, r.stderr);
+            assert_eq!(
+                r.report["verdict"], verdict,
+                "{how} {judge:?}: {}",
+                r.stdout
+            );
+        }
+    }
+}
