@@ -17,19 +17,9 @@ pub const TG_ERR_NOT_FOUND: c_int = 3;
 pub const TG_ERR_ARGUMENT: c_int = 4;
 pub const TG_ERR_INTERNAL: c_int = 5;
 
-/// `tg_dtype` of the header, in its order from 1: 0 (a zeroed field) is no type.
-const DTYPES: [DType; 10] = [
-    DType::F64,
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::I16,
-    DType::I8,
-    DType::U8,
-    DType::Bool,
-];
+/// `tg_dtype` of the header: `DType::ALL[n - 1]`, 0 (a zeroed field) no type. The header's
+/// numbers are checked against this list by the test below: a reordered `ALL` fails it.
+const DTYPES: [DType; 10] = DType::ALL;
 
 /// `tg_attrs` of the header.
 #[repr(C)]
@@ -334,4 +324,27 @@ pub unsafe extern "C" fn tg_weights_digest(
 #[no_mangle]
 pub extern "C" fn tg_last_error() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every `TG_<NAME> = N` of the header's tg_dtype names `DTYPES[N - 1]`, and every dtype has one.
+    #[test]
+    fn the_headers_dtype_numbers_are_the_librarys() {
+        let header = include_str!("../include/tracegate.h");
+        let start = header.find("typedef enum tg_dtype").unwrap();
+        let body = &header[start..header[start..].find('}').unwrap() + start];
+        let mut seen = Vec::new();
+        for line in body.lines().filter_map(|l| l.trim().strip_prefix("TG_")) {
+            let (name, number) = line.split_once('=').unwrap();
+            let n: usize = number.trim().trim_end_matches(',').parse().unwrap();
+            assert_eq!(
+                super::DTYPES[n - 1].name(),
+                name.trim().to_lowercase(),
+                "TG_{line}"
+            );
+            seen.push(n);
+        }
+        assert_eq!(seen, (1..=super::DTYPES.len()).collect::<Vec<_>>());
+    }
 }
