@@ -56,7 +56,9 @@ class Rendered:
 
 
 class Browser:
-    def __init__(self, exe: str, timeout: float = 30.0):
+    # A hang guard, not a timing check: a cold chromium on a loaded 2-core machine took more
+    # than 30 s to answer its first call (every page test then errored).
+    def __init__(self, exe: str, timeout: float = 120.0):
         self.timeout = timeout
         to_browser_r, self._w = os.pipe()
         self._r, from_browser_w = os.pipe()
