@@ -10,7 +10,9 @@ use std::process::Command;
 use serde_json::Value;
 
 mod common;
-use common::{assert_valid_bisect_report as assert_valid_report, bisect_validator, repo};
+use common::{
+    assert_valid_bisect_report as assert_valid_report, bisect_validator, defective, repo,
+};
 
 struct Outcome {
     code: i32,
@@ -94,16 +96,6 @@ fn bisect(model: &str, args: &[&str]) -> Outcome {
         stdout,
         report,
     }
-}
-
-fn defective(defect: &str) -> String {
-    let root = repo();
-    format!(
-        "'{}' '{}' --defect {defect} {{verb|serve}} {{args}}",
-        root.join(".venv/bin/python").display(),
-        root.join("gate/tests/producers/defective_contract.py")
-            .display()
-    )
 }
 
 /// Engine reference against a defective contract, every layer isolated, internals captured.

@@ -7,7 +7,7 @@
 use serde_json::Value;
 
 mod common;
-use common::{assert_valid_bisect_report, repo};
+use common::{assert_valid_bisect_report, defective, repo};
 
 /// The verdict line: the first line says how bisect judged (docs/bisect.md, "Judging").
 fn headline(stdout: &str) -> &str {
@@ -65,16 +65,6 @@ fn layer_statuses(d: &Value) -> Vec<&str> {
         .iter()
         .map(|l| l["status"].as_str().unwrap())
         .collect()
-}
-
-fn defective(defect: &str) -> String {
-    let root = repo();
-    format!(
-        "'{}' '{}' --defect {defect} {{verb|serve}} {{args}}",
-        root.join(".venv/bin/python").display(),
-        root.join("gate/tests/producers/defective_contract.py")
-            .display()
-    )
 }
 
 #[test]

@@ -9,17 +9,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 mod common;
-use common::{assert_valid_bisect_report, repo};
-
-fn defective(defect: &str) -> String {
-    format!(
-        "'{}' '{}' --defect {defect} {{verb|serve}} {{args}}",
-        repo().join(".venv/bin/python").display(),
-        repo()
-            .join("gate/tests/producers/defective_contract.py")
-            .display()
-    )
-}
+use common::{assert_valid_bisect_report, defective, repo};
 
 struct Run {
     code: i32,

@@ -34,3 +34,15 @@ pub fn bisect_validator() -> &'static tracegate_schema_check::Schema {
 pub fn assert_valid_bisect_report(report: &Value) {
     bisect_validator().assert_valid(report);
 }
+
+/// The contract with one planted defect (tests/producers/defective_contract.py `--defect NAME`)
+/// as a serving command template, run by the project's Python.
+pub fn defective(defect: &str) -> String {
+    format!(
+        "'{}' '{}' --defect {defect} {{verb|serve}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo()
+            .join("gate/tests/producers/defective_contract.py")
+            .display()
+    )
+}
