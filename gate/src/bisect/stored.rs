@@ -4,9 +4,9 @@
 //! the reference's `hidden_in` rows — so a stored trace serves for everything but calibration,
 //! which runs the reference's `layer` verb (NOT CHECKED, with that reason).
 //!
-//! Soundness: the stored trace is verified (every tensor's digest) before it is used, and copied
-//! into the work directory with its digest checked again, so an edited or truncated file is refused
-//! rather than judged. It is used only for the prompt, decode steps and capture it was recorded
+//! Soundness: the stored trace is copied into the work directory and the copy is verified (every
+//! tensor's digest, and its whole-trace digest against the one read when it was opened) before
+//! the candidate runs, so an edited, truncated or replaced file is refused rather than judged. It is used only for the prompt, decode steps and capture it was recorded
 //! with; another is refused naming both. It counts as an ordered producer only when its provenance
 //! names the engine or the contract and no oracle stack: a mislabelled trace can only make the
 //! judge stricter (by bits), never looser.
@@ -54,16 +54,12 @@ pub struct StoredReference {
 }
 
 impl StoredReference {
-    /// Opens and verifies `path`; refuses a trace that is not a whole run (`verb` other than
-    /// `trace`) or lacks the provenance a bisection needs.
+    /// Opens `path` and reads what it was recorded for; refuses a trace that is not a whole run
+    /// (`verb` other than `trace`) or lacks the provenance a bisection needs. Its payloads are
+    /// verified on the copy that is judged (`adopt`), once.
     pub fn open(path: &Path, shown: &str) -> Result<StoredReference> {
         let at = |what: String| gerr!(File: "--reference trace:{shown}: {what}");
         let t = Trace::open(path).map_err(|e| at(e.to_string()))?;
-        t.verify().map_err(|e| {
-            at(format!(
-                "{e}; a stored reference must be the file as recorded"
-            ))
-        })?;
         let p = t.provenance();
         let producer = p["producer"].as_str().unwrap_or_default().to_string();
         match p["verb"].as_str() {
@@ -155,8 +151,9 @@ impl StoredReference {
         std::fs::copy(&self.path, o.root.join(rel))
             .map_err(|e| gerr!(File: "--reference trace:{} → {rel}: {e}", self.shown))?;
         let t = open(&o.root, rel)?;
-        t.verify()
-            .map_err(|e| gerr!(File: "--reference trace:{} (copied to {rel}): {e}", self.shown))?;
+        t.verify().map_err(|e| {
+            gerr!(File: "--reference trace:{} (copied to {rel}): {e}; a stored reference must be the file as recorded", self.shown)
+        })?;
         if t.digest().hex() != self.digest {
             return Err(
                 gerr!(File: "--reference trace:{}: the file changed while the bisection read it (digest {} then {})", self.shown, self.digest, t.digest().hex()),

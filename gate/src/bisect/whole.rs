@@ -51,6 +51,8 @@ pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result
     let producer = match &o.reference {
         Reference::Run(p) => p,
         Reference::Stored(stored) => {
+            // Verified before the candidate runs: an edited file costs no run.
+            let reference = stored.adopt(o, &ref_rel)?;
             let cr = trace_run(o, &o.candidate, &cand_rel, None);
             runs.push(cr.clone());
             crate::progress::step("whole run of the candidate (the reference is stored)");
@@ -58,7 +60,7 @@ pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result
                 return Err(failed("candidate", &cr));
             }
             return Ok(Whole {
-                reference: stored.adopt(o, &ref_rel)?,
+                reference,
                 candidate: open(&o.root, &cand_rel)?,
                 ref_rel,
                 cand_rel,
