@@ -2,6 +2,8 @@
 
   python -m tracegate_contract trace --model DIR --tokens 3,17,5 --out PATH
          [--capture default|internals] [--generate N] [--cache on|off] [--force-decisions TRACE]
+  python -m tracegate_contract trace --model DIR --text TEXT [--chat] --out PATH ...
+         (tokenized by the model dir's own tokenizer: tracegate.text, which imports transformers)
   python -m tracegate_contract layer --model DIR --layer L --input TRACE --input-name NAME
          --out PATH [--capture default|internals] [--force-decisions TRACE] [--decode-from P]
   python -m tracegate_contract serve     (one request per stdin line; docs/producers.md, "Serving")
@@ -45,15 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         # The command as it can be re-run (under -m, sys.argv[0] is this file's path).
         command = [sys.executable, "-m", "tracegate_contract", *argv]
         if args.verb == "trace":
+            ids, prompt_text = _prompt(args)
             digest = run.trace(
                 args.model,
-                args.tokens,
+                ids,
                 args.out,
                 args.capture == "internals",
                 args.generate,
                 args.cache == "on",
                 command,
                 args.force_decisions,
+                prompt_text,
             )
         else:
             digest = run.layer(
@@ -76,6 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     # Success is one line, `DIGEST PATH`, from every producer (docs/producers.md).
     print(f"{digest} {args.out}")
     return 0
+
+
+def _prompt(args) -> tuple[list[int], dict | None]:
+    """The prompt's token ids, and provenance `prompt_text` when it came as `--text` (tokenized
+    here, before anything else; transformers is imported only then)."""
+    if args.text is None:
+        return args.tokens, None
+    from tracegate import text
+
+    try:
+        t = text.tokenize(args.model, args.text, args.chat)
+    except text.TextError as e:
+        raise ContractError(str(e)) from None
+    return t["tokens"], {
+        "text": args.text,
+        "chat": args.chat,
+        "template": t["template"],
+        "tokenizer_digest": t["tokenizer_digest"],
+    }
 
 
 def _serve(rest: list[str]) -> int:

@@ -89,8 +89,18 @@ def _unused(model: Model) -> dict:
 
 
 def trace(
-    model_dir, tokens, out, internals, generate, cached, command, force_decisions=None
+    model_dir,
+    tokens,
+    out,
+    internals,
+    generate,
+    cached,
+    command,
+    force_decisions=None,
+    prompt_text=None,
 ) -> str:
+    """The `trace` verb. `prompt_text`: provenance `prompt_text` of a `--text` prompt (the text,
+    chat, template, tokenizer digest) recorded beside `prompt_tokens`, or None for `--tokens`."""
     if len(tokens) + generate > MAX_POSITIONS:
         raise ContractError(
             f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
@@ -120,6 +130,7 @@ def trace(
         command,
         "trace",
         prompt_tokens=list(tokens),
+        **({"prompt_text": prompt_text} if prompt_text is not None else {}),
         capture="internals" if internals else "default",
         cache="on" if cached else "off",
         generate=generate,

@@ -2,6 +2,9 @@
 optionally as cached decode steps with --decode-from); `serve` answers many of them from one process
 (docs/producers.md, "Serving").
 
+`trace --text TEXT [--chat]` instead of `--tokens IDS`: the text is tokenized by the model dir's
+own tokenizer (tracegate.text) before anything else, and provenance records `prompt_text`.
+
 User errors (arguments, paths, checkpoints, input traces) exit 2 with one line naming the
 problem; anything else is a bug and keeps its traceback.
 """
@@ -227,6 +230,35 @@ def _versions(rest: list[str]) -> int:
     return 0
 
 
+def _prompt(a) -> tuple[list[int], dict | None]:
+    """The prompt's token ids, and provenance `prompt_text` when it came as `--text`."""
+    if a.text is None:
+        return a.tokens, None
+    from tracegate import text
+
+    try:
+        t = text.tokenize(a.model, a.text, a.chat)
+    except text.TextError as e:
+        raise OracleError(str(e)) from None
+    return t["tokens"], {
+        "text": a.text,
+        "chat": a.chat,
+        "template": t["template"],
+        "tokenizer_digest": t["tokenizer_digest"],
+    }
+
+
+def _after(d: dict, key: str, new_key: str, value) -> dict:
+    """`d` with `new_key: value` placed right after `key` (at the end when `key` is absent)."""
+    out = {}
+    for k, v in d.items():
+        out[k] = v
+        if k == key:
+            out[new_key] = value
+    out.setdefault(new_key, value)
+    return out
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == [protocol.SERVE]:
@@ -249,6 +281,7 @@ def main(argv=None) -> int:
     from . import capture as cp
 
     try:
+        tokens, prompt_text = _prompt(a) if a.verb == "trace" else (None, None)
         out = _check_out(a.out)
         cp.check_device_map(rc)
         # Refusals that need no torch come before the seconds its import takes (load_model
@@ -277,7 +310,9 @@ def main(argv=None) -> int:
             )
         else:
             model = _load(a.model, rc)
-            cap = cp.capture_prompt(model, a.model, a.tokens, rc, det, forcing=forcing)
+            cap = cp.capture_prompt(model, a.model, tokens, rc, det, forcing=forcing)
+            if prompt_text is not None:  # beside prompt_tokens
+                cap.provenance = _after(cap.provenance, "prompt_tokens", "prompt_text", prompt_text)
         digest = cp.write_trace(cap, out)
     except OracleError as e:
         print(f"{PROG} {a.verb}: error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
     PRODUCER trace --model DIR --tokens IDS --out PATH [--capture default|internals]
                    [--generate N] [--cache on|off] [--force-decisions TRACE]
+    PRODUCER trace --model DIR --text TEXT [--chat] --out PATH ...   (tracegate.text)
     PRODUCER layer --model DIR --layer L --input TRACE --input-name NAME --out PATH
                    [--capture default|internals] [--force-decisions TRACE] [--decode-from P]
     PRODUCER serve     (one request per stdin line: tracegate.serve)
@@ -10,6 +11,10 @@
 verbs it returns (the oracle's --device, --dtype, …) and keeps its own error style through
 `parser_class`. The values are checked here (token ids, a count ≥ 0), so every producer refuses
 the same command lines with the same words.
+
+`--text TEXT [--chat]` is the alternative to `--tokens` (exactly one of the two; `--chat` only
+with `--text`): the producer turns it into token ids with `tracegate.text.tokenize` before
+anything else, and records `prompt_text` in provenance (docs/producers.md, "Text prompts").
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import argparse
 import re
 from typing import NamedTuple
 
-__all__ = ["SERVE", "Grammar", "at_least", "parser", "tokens"]
+__all__ = ["SERVE", "Grammar", "at_least", "parser", "prompt_text", "tokens"]
 
 SERVE = "serve"  # the worker verb: its requests are the per-call command lines (tracegate.serve)
 
@@ -37,6 +42,13 @@ def tokens(text: str) -> list[int]:
             f"expected comma-separated integers (digits only, no spaces), got {bad!r}"
         )
     return [int(s) for s in parts]
+
+
+def prompt_text(text: str) -> str:
+    """`--text TEXT`: any non-empty string (tokenized later, by the model's own tokenizer)."""
+    if text == "":
+        raise argparse.ArgumentTypeError("the text is empty")
+    return text
 
 
 def at_least(low: int):
@@ -84,7 +96,21 @@ def parser(
 
     t = sub.add_parser("trace", help="whole forward over a prompt (+ greedy decode)", **kwargs)
     common(t)
-    t.add_argument("--tokens", required=True, type=tokens, help="prompt token ids, e.g. 3,17,5")
+    prompt = t.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--tokens", type=tokens, help="prompt token ids, e.g. 3,17,5")
+    prompt.add_argument(
+        "--text",
+        type=prompt_text,
+        metavar="TEXT",
+        help="instead of --tokens: prompt text, tokenized by the --model dir's own tokenizer "
+        "(tracegate.text; --text=-x for a text starting with -)",
+    )
+    t.add_argument(
+        "--chat",
+        action="store_true",
+        help="with --text: the text as one user message in the tokenizer's chat template, "
+        "with the generation prompt",
+    )
     t.add_argument(
         "--generate",
         type=at_least(0),
@@ -104,6 +130,19 @@ def parser(
         metavar="TRACE",
         help="take router top-k and greedy tokens from this trace instead of computing them",
     )
+
+    # --chat without --text is a usage error of the verb. argparse checks no relation between two
+    # flags but mutual exclusion, so the trace parser's own parse checks it once it has parsed
+    # (the subparsers action, and a direct parse_args, both call this instance's method).
+    parse_known = t.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, rest = parse_known(args, namespace)
+        if ns.chat and ns.text is None:
+            t.error("--chat goes only with --text (it wraps the text in the chat template)")
+        return ns, rest
+
+    t.parse_known_args = parse_known_args
 
     l = sub.add_parser("layer", help="run decoder layer L on a tensor taken from a trace", **kwargs)
     common(l)

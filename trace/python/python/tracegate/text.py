@@ -1,0 +1,295 @@
+"""Text prompts: a prompt given as text, tokenized by the model directory's own tokenizer
+(docs/producers.md, "Text prompts").
+
+    python -m tracegate.text --model DIR --text TEXT [--chat]
+    python -m tracegate.text --model DIR --prompts FILE
+
+`tokenize(model_dir, text, chat=False)` gives ``{"tokens": [ids], "tokenizer_digest": HEX,
+"template": None | the chat template used}``, through
+``transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)`` (imported only
+here, when asked: ``import tracegate`` never needs transformers). Plain text is ``tok(text)``'s
+``input_ids``, with the tokenizer's own special-token rule (a BOS, say, where its post-processor
+adds one); with ``chat`` the text is one user message through ``tok.apply_chat_template(...,
+add_generation_prompt=True, tokenize=True)``.
+
+**The tokenizer digest** (`tokenizer_digest`; a Rust twin computes the same hex from this text):
+
+    SHA-256, as lowercase hex, over the concatenation, for each name of TOKENIZER_FILES in that
+    order (tokenizer.json, tokenizer_config.json, special_tokens_map.json, added_tokens.json,
+    tokenizer.model, vocab.json, merges.txt, chat_template.jinja, chat_template.json) that exists
+    in the model directory as a regular file (stat following symlinks, as the Hugging Face
+    cache's snapshot links are followed; a name that is absent, a directory, a broken link or
+    anything but a regular file is skipped), of:
+        the name's UTF-8 bytes,
+        one 0x00 byte,
+        the file's length in bytes as an unsigned 64-bit little-endian integer (8 bytes),
+        the file's bytes.
+    No other file of the directory takes part (config.json, the weights). A directory holding
+    none of the names is refused: "DIR: no tokenizer (looked for tokenizer.json, ...)".
+
+Known answers (pinned in trace/python/tests/test_text.py): a directory holding only
+``tokenizer.json`` with the two bytes ``{}`` digests to
+``17120e8581415f4473d7a6fe45a9aca632bfe53e6a6a2ef7c2ab81905d25e7f2``; with also ``merges.txt``
+holding the four bytes ``a b\\n`` (``a``, space, ``b``, newline), to
+``f0575d0f69217ab81f87d45aebc4e2173b8c6bfb6c86d2af281f4707472b71f7``.
+
+Every refusal is a `TextError` (a ValueError) with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+
+__all__ = ["TOKENIZER_FILES", "TextError", "tokenize", "tokenizer_digest", "tokenize_prompts"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class TextError(ValueError):
+    """A text prompt refused: no tokenizer, no chat template, no transformers, no ids."""
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def tokenizer_digest(model_dir) -> str:
+    """SHA-256 hex of the tokenizer files in `model_dir`, as the module docstring defines it."""
+    d = os.fspath(model_dir)
+    if not os.path.isdir(d):
+        raise TextError(f"{d}: not a directory")
+    h = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        path = os.path.join(d, name)
+        if not os.path.isfile(path):  # stat follows symlinks; any failure counts as absent
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise TextError(f"{path}: cannot read: {e.strerror}") from None
+        h.update(name.encode("utf-8"))
+        h.update(b"\x00")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+        found = True
+    if not found:
+        raise TextError(f"{d}: no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
+    return h.hexdigest()
+
+
+def _load(model_dir: str):
+    """(the AutoTokenizer of `model_dir`, its tokenizer digest taken before loading it)."""
+    digest = tokenizer_digest(model_dir)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TextError("--text needs transformers (pip install transformers)") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # a library's refusal of the user's files: one line, no traceback
+        raise TextError(f"{model_dir}: cannot load the tokenizer: {_line(e)}") from None
+    return tok, digest
+
+
+def _flat_ids(out) -> list[int] | None:
+    """The ids of one sequence: `out` is a BatchEncoding (a Mapping) or the ids themselves; a
+    batch of exactly one sequence is taken as that sequence. None when it is neither."""
+    if isinstance(out, Mapping):
+        out = out.get("input_ids")
+    if hasattr(out, "tolist"):  # a tensor or an array, should a tokenizer return one
+        out = out.tolist()
+    if isinstance(out, (list, tuple)) and len(out) == 1 and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    if not isinstance(out, (list, tuple)):
+        return None
+    ids = []
+    for t in out:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            return None
+        ids.append(int(t))
+    return ids
+
+
+def _encode(tok, model_dir: str, text: str, chat: bool) -> tuple[list[int], str | None]:
+    if not isinstance(text, str) or text == "":
+        raise TextError("--text: the text is empty")
+    template = None
+    try:
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise TextError(
+                    f"--chat: the tokenizer in {model_dir} has no chat template "
+                    "(tokenizer_config.json chat_template, chat_template.jinja or chat_template.json)"
+                )
+            template = tok.get_chat_template()
+            out = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+        else:
+            out = tok(text)
+    except TextError:
+        raise
+    except Exception as e:  # a template that raises, a tokenizer that cannot encode
+        how = "the chat template" if chat else "the tokenizer"
+        raise TextError(f"{model_dir}: {how} failed on the text: {_line(e)}") from None
+    ids = _flat_ids(out)
+    if ids is None:
+        raise TextError(
+            f"{model_dir}: the tokenizer returned {type(out).__name__}, not one list of token ids"
+        )
+    if not ids:
+        raise TextError(f"--text: {text!r} tokenizes to no ids with the tokenizer in {model_dir}")
+    return ids, template
+
+
+def _check_unchanged(model_dir: str, digest: str) -> None:
+    after = tokenizer_digest(model_dir)
+    if after != digest:
+        raise TextError(
+            f"{model_dir}: the tokenizer files changed while they were used "
+            f"(tokenizer digest {digest} before, {after} after)"
+        )
+
+
+def tokenize(model_dir, text: str, chat: bool = False) -> dict:
+    """``{"tokens": [ids], "tokenizer_digest": HEX, "template": None | str}`` for `text`,
+    tokenized by `model_dir`'s own tokenizer (with `chat`: one user message in its chat template,
+    with the generation prompt; `template` is that template's source)."""
+    d = os.fspath(model_dir)
+    if not isinstance(text, str) or text == "":
+        raise TextError("--text: the text is empty")
+    tok, digest = _load(d)
+    ids, template = _encode(tok, d, text, chat)
+    _check_unchanged(d, digest)
+    return {"tokens": ids, "tokenizer_digest": digest, "template": template}
+
+
+def _prompt_set(path: str) -> list[tuple[int, str, str, bool]]:
+    """(index, id, text, chat) of every entry of prompt-set `path` that has `text`; entries with
+    `tokens` are checked and skipped."""
+    from .jsonfile import JsonInputError, read_bytes
+
+    try:
+        raw = read_bytes(path, path)
+    except FileNotFoundError:
+        raise TextError(f"--prompts {path}: no such file") from None
+    except JsonInputError as e:
+        raise TextError(f"--prompts {e}") from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TextError(f"--prompts {path}: not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise TextError(f"--prompts {path}: not a JSON object")
+    if doc.get("schema") != 1:
+        raise TextError(f"--prompts {path}: schema {doc.get('schema')!r}, expected 1")
+    prompts = doc.get("prompts")
+    if not isinstance(prompts, list):
+        raise TextError(f"--prompts {path}: no `prompts` list")
+    out, seen = [], set()
+    for i, p in enumerate(prompts):
+        pid = p.get("id") if isinstance(p, dict) else None
+        where = f"--prompts {path}: prompt {i} (id {pid!r})"
+        if not isinstance(p, dict):
+            raise TextError(f"{where}: not a JSON object")
+        if not isinstance(pid, str) or not pid:
+            raise TextError(f"{where}: `id` must be a non-empty string")
+        if pid in seen:
+            raise TextError(f"{where}: id given twice")
+        seen.add(pid)
+        has_text, has_tokens = "text" in p, "tokens" in p
+        if has_text and has_tokens:
+            raise TextError(f"{where}: has both `text` and `tokens` (give one)")
+        if not has_text and not has_tokens:
+            raise TextError(f"{where}: has neither `text` nor `tokens`")
+        chat = p.get("chat", False)
+        if not isinstance(chat, bool):
+            raise TextError(f"{where}: `chat` must be true or false")
+        if has_tokens:
+            if chat:
+                raise TextError(f"{where}: `chat` goes only with `text`")
+            continue
+        text = p["text"]
+        if not isinstance(text, str) or text == "":
+            raise TextError(f"{where}: `text` must be a non-empty string")
+        out.append((i, pid, text, chat))
+    return out
+
+
+def tokenize_prompts(model_dir, path) -> dict:
+    """``{"tokenizer_digest": HEX, "prompts": {ID: {"tokens": [...], "template": ...}}}`` for
+    every entry of prompt-set `path` that has `text` (one tokenizer load for them all)."""
+    d, path = os.fspath(model_dir), os.fspath(path)
+    entries = _prompt_set(path)
+    tok, digest = _load(d)
+    result = {}
+    for i, pid, text, chat in entries:
+        try:
+            ids, template = _encode(tok, d, text, chat)
+        except TextError as e:
+            raise TextError(f"--prompts {path}: prompt {i} (id {pid!r}): {e}") from None
+        result[pid] = {"tokens": ids, "template": template}
+    _check_unchanged(d, digest)
+    return {"tokenizer_digest": digest, "prompts": result}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
+        raise TextError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m tracegate.text",
+        description="Tokenize a text prompt (or a prompt set's text prompts) with the model "
+        "directory's own tokenizer; prints one JSON line.",
+    )
+    p.add_argument("--model", required=True, help="model dir holding the tokenizer files")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="the prompt text (--text=-x for a text starting with -)")
+    src.add_argument("--prompts", metavar="FILE", help="a prompt-set JSON file (schema 1)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="with --text: one user message in the tokenizer's chat template",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+        if a.chat and a.text is None:
+            raise TextError("--chat goes only with --text (a prompt set says `chat` per prompt)")
+        if a.text is not None:
+            result = tokenize(a.model, a.text, a.chat)
+        else:
+            result = tokenize_prompts(a.model, a.prompts)
+    except TextError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
