@@ -9,6 +9,7 @@ pub mod bisect_decode;
 pub mod bisect_html;
 pub mod bisect_judge;
 pub mod ci;
+pub mod init;
 pub mod milestones;
 pub mod paths;
 pub mod producer;

@@ -82,6 +82,58 @@ struct RunArgs {
 }
 
 #[derive(Args, Clone)]
+struct InitArgs {
+    /// The model directory (HF layout: config.json + *.safetensors), relative to the current
+    /// directory; recorded relative to the project root when it lies inside it.
+    #[arg(long)]
+    model: PathBuf,
+    /// Your engine's producer command template, run in the project root, e.g.
+    /// 'my-engine {verb} {args}' (docs/producers.md).
+    #[arg(long)]
+    candidate_cmd: String,
+    /// Prompt file (relative to the current directory; docs/gate.md, "Prompt sets"). Default:
+    /// tracegate's frozen set, copied to prompts.json. One outside the project is copied there.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Greedy tokens per prompt.
+    #[arg(long, default_value_t = 8)]
+    generate: usize,
+    /// The capture points of the golden traces and the candidate's runs.
+    #[arg(long, default_value = "default", value_parser = ["default", "internals"])]
+    capture: String,
+    /// Who records the golden traces: the oracle (transformers' own class, from tracegate's
+    /// installation) or cmd (--reference-cmd).
+    #[arg(long, default_value = "oracle", value_parser = ["oracle", "cmd"])]
+    reference: String,
+    /// The reference's command template, with --reference cmd.
+    #[arg(long)]
+    reference_cmd: Option<String>,
+    /// The oracle's compute dtype for the golden traces.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
+    dtype: String,
+    /// The oracle's device for the golden traces.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// The candidate writes the same trace on every run: `stable` is then a check (otherwise
+    /// its digest is an observation).
+    #[arg(long)]
+    deterministic: bool,
+    /// Judge by this policy: a bundled name (f32, bf16, f16) or a file relative to the project
+    /// root. Default: the bundled policy for the candidate's precision.
+    #[arg(long)]
+    policy: Option<String>,
+    /// The milestone's id.
+    #[arg(long, default_value = "port")]
+    id: String,
+    /// Trace directory (default: target/gate under the project root).
+    #[arg(long)]
+    work: Option<PathBuf>,
+    /// Seconds each producer run may take before it is killed and init refused.
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_S, value_parser = at_least_one_u64)]
+    timeout: u64,
+}
+
+#[derive(Args, Clone)]
 struct BisectArgs {
     /// Model directory (HF layout), relative to the current directory.
     #[arg(long)]
@@ -176,7 +228,12 @@ enum Cmd {
     /// Milestone m1: the MoE fixtures (tiny-qwen3-moe, tiny-qwen3_5-moe) — the same checks plus
     /// every router decision.
     M1(RunArgs),
-    /// Run any milestone of milestones.json by id.
+    /// Gate your own engine: in your project directory (not tracegate's), record golden
+    /// reference traces (transformers' own class by default) and write milestones.json (one
+    /// milestone, `port`) and baselines.json; then `gate run port` checks your engine against
+    /// them in your CI, with no torch (docs/gate.md, "Gate your own engine").
+    Init(InitArgs),
+    /// Run any milestone of milestones.json by id (a port milestone from `gate init` too).
     Run {
         id: String,
         #[command(flatten)]
@@ -355,6 +412,8 @@ fn options(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Gat
             .unwrap_or_else(|| "target/gate".into()),
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
+        milestones: None,
+        baselines: None,
     }
 }
 
@@ -663,6 +722,22 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Cmd::Init(a) = &cli.cmd {
+        let code = match tracegate_gate::init::run(cli.root.as_deref(), &init_options(a)) {
+            Ok(done) => match say(&done.text) {
+                Ok(()) => done.exit_code,
+                Err(e) => {
+                    eprintln!("gate init: {e}");
+                    2
+                }
+            },
+            Err(e) => {
+                eprintln!("gate init: {e}");
+                e.exit_code() as i32
+            }
+        };
+        return ExitCode::from(code as u8);
+    }
     let root = match cli.root.clone().map(Ok).unwrap_or_else(|| {
         std::env::current_dir()
             .map_err(|e| gerr!("{e}"))
@@ -696,7 +771,7 @@ fn main() -> ExitCode {
             run_one(&root, &up, id, args).and_then(|r| finish_run(r, &up, args))
         }
         Cmd::Bisect(a) => bisect(&root, &up, a),
-        Cmd::Workers { .. } => Ok(0), // answered above
+        Cmd::Workers { .. } | Cmd::Init(_) => Ok(0), // answered above
         Cmd::Check { args } if args.html.is_some() => Err(gerr!(
             "gate check writes no HTML report: run each milestone with gate m0|m1|run --html"
         )),
@@ -756,6 +831,25 @@ fn main() -> ExitCode {
         eprintln!("{line}");
     }
     code
+}
+
+fn init_options(a: &InitArgs) -> tracegate_gate::init::InitOptions {
+    tracegate_gate::init::InitOptions {
+        model: a.model.clone(),
+        candidate_cmd: a.candidate_cmd.clone(),
+        prompts: a.prompts.clone(),
+        generate: a.generate,
+        capture: a.capture.clone(),
+        reference: a.reference.clone(),
+        reference_cmd: a.reference_cmd.clone(),
+        dtype: a.dtype.clone(),
+        device: a.device.clone(),
+        deterministic: a.deterministic,
+        policy: a.policy.clone(),
+        id: a.id.clone(),
+        work: a.work.clone(),
+        timeout: std::time::Duration::from_secs(a.timeout),
+    }
 }
 
 /// The hidden ENGINE_CHILD verb: the gate's engine producer, in a process of its own. Errors

@@ -33,6 +33,75 @@ pub struct Milestone {
     /// The checkpoints the claim is about, each with its own expectations; a run checks every
     /// one of them on every selected prompt.
     pub models: Vec<MilestoneModel>,
+    /// A port milestone (`gate init`): a user's engine judged against golden reference traces
+    /// instead of tracegate's engine against its contract and oracle (docs/gate.md, "Gate your
+    /// own engine"). Its one model's `expect` stays empty: the port's own are here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<Port>,
+}
+
+/// What a port milestone runs and what it recorded.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Port {
+    pub candidate: PortCandidate,
+    pub reference: PortReference,
+    /// `default` or `internals`: the capture of the golden traces and of every candidate run.
+    pub capture: String,
+    /// Per prompt id: its golden reference trace.
+    #[serde(default)]
+    pub golden: BTreeMap<String, Golden>,
+    /// Per prompt id: what the candidate produced when last blessed.
+    #[serde(default)]
+    pub expect: BTreeMap<String, PortExpectation>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortCandidate {
+    /// The producer command template, run in the project root (docs/producers.md).
+    pub cmd: String,
+    /// Whether the candidate claims the same digest on every run: then `stable` is a check,
+    /// otherwise its digest is an observation.
+    pub deterministic: bool,
+    /// Whether it answers `trace --cache off` (found by `gate init`): `generation` compares
+    /// its cached decode with its uncached one, else is NOT CHECKED.
+    pub cache_off: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortReference {
+    /// `oracle` (transformers' own class, from tracegate's installation) or `cmd`.
+    pub producer: String,
+    /// The command template of a `cmd` reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<String>,
+    /// The oracle's `--dtype` (f32, bf16, f16) and `--device` (cpu, cuda).
+    pub dtype: String,
+    pub device: String,
+}
+
+/// A golden trace: where it is, relative to the project root, and its content digest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Golden {
+    pub trace: String,
+    pub digest: String,
+    /// Its greedy tokens (`decode.SSSS.argmax`).
+    pub generated: Vec<i64>,
+}
+
+/// What a port's candidate produced for one prompt when it was blessed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortExpectation {
+    pub candidate_digest: String,
+    pub tensors: usize,
+    pub decisions: usize,
+    pub generated: Vec<i64>,
+    /// Decisions that differ from the golden trace's and are not near-ties (0 unless declared).
+    pub decisions_differing: usize,
 }
 
 /// One checkpoint of a milestone and what it is expected to produce.
@@ -117,6 +186,14 @@ impl MilestoneFile {
                     m.id
                 ));
             }
+            if m.port.is_some() && m.models.len() != 1 {
+                return Err(gerr!(
+                    "{}: milestone {} is a port milestone and lists {} models: its golden traces are of one",
+                    path.display(),
+                    m.id,
+                    m.models.len()
+                ));
+            }
             for (i, a) in m.models.iter().enumerate() {
                 if m.models[..i].iter().any(|b| b.model == a.model) {
                     return Err(gerr!(
@@ -128,8 +205,11 @@ impl MilestoneFile {
                 }
             }
             for d in m.models.iter().flat_map(|mm| &mm.declared_divergences) {
-                if !matches!(d.check, Check::Matches | Check::Agrees | Check::Generation) {
-                    return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation", path.display(), m.id, d.check.to_string()));
+                if !matches!(
+                    d.check,
+                    Check::Matches | Check::Agrees | Check::Generation | Check::GenerationReference
+                ) {
+                    return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation/generation_reference", path.display(), m.id, d.check.to_string()));
                 }
                 if d.reason.trim().is_empty() {
                     return Err(gerr!(

@@ -25,7 +25,17 @@ pub fn render(r: &MilestoneReport) -> String {
     for c in &checks {
         header.push_str(&format!(" {:<17}", c));
     }
-    header.push_str(" engine digest");
+    // A port milestone's runs are its candidate's (docs/gate.md, "Gate your own engine").
+    let whose = if r
+        .prompts
+        .iter()
+        .any(|p| p.digests.contains_key("candidate"))
+    {
+        "candidate"
+    } else {
+        "engine"
+    };
+    header.push_str(&format!(" {whose} digest"));
     out.push_str(&header);
     out.push('\n');
     for p in &r.prompts {
@@ -35,7 +45,7 @@ pub fn render(r: &MilestoneReport) -> String {
         }
         line.push_str(&format!(
             " {}",
-            p.digests.get("engine").map(|d| &d[..16]).unwrap_or("-")
+            p.digests.get(whose).map(|d| &d[..16]).unwrap_or("-")
         ));
         out.push_str(&line);
         out.push('\n');
@@ -78,10 +88,25 @@ pub fn render(r: &MilestoneReport) -> String {
                 run.invocation
             ));
         }
+        for note in &p.observations {
+            out.push_str(&format!("{}: observed: {note}\n", p.id));
+        }
+        if let Some(l) = &p.localised {
+            out.push_str(&format!(
+                "{}: localised by gate bisect against the golden trace: {}{}\n",
+                p.id,
+                l["summary"].as_str().unwrap_or("-"),
+                l["report"]
+                    .as_str()
+                    .map(|r| format!(" (report {r})"))
+                    .unwrap_or_default()
+            ));
+        }
         if let Some(o) = &p.oracle {
             out.push_str(&format!(
-                "{}: oracle agreement — smallest margin {} ({}), worst max rel {} ({}), worst rel L2 {} ({}), near-ties excused: {}\n",
+                "{}: {} agreement — smallest margin {} ({}), worst max rel {} ({}), worst rel L2 {} ({}), near-ties excused: {}\n",
                 p.id,
+                if whose == "candidate" { "golden" } else { "oracle" },
                 o.smallest_margin.map(|v| format!("{v:.3e}")).unwrap_or("n/a".into()),
                 o.smallest_margin_at.clone().unwrap_or_default(),
                 o.worst_max_rel.map(|v| format!("{v:.2e}")).unwrap_or("n/a".into()),

@@ -251,15 +251,17 @@ pub(super) fn check_generation(
             if let (Ok(eng), Ok(unc), Ok(con)) =
                 (&traces.engine, &traces.engine_uncached, &traces.contract)
             {
-                let refused =
-                    incomparable(&[("engine-uncached", eng, unc), ("contract", eng, con)]);
+                let refused = incomparable(
+                    "engine",
+                    &[("engine-uncached", eng, unc), ("contract", eng, con)],
+                );
                 if !refused.is_empty() {
                     return not_comparable(Check::Generation, refused);
                 }
             }
             let mut found: Vec<Finding> = [
-                tokens_finding("engine-uncached", a, b),
-                tokens_finding("contract", a, c),
+                tokens_finding("engine", "engine-uncached", a, b),
+                tokens_finding("engine", "contract", a, c),
             ]
             .into_iter()
             .flatten()
@@ -297,14 +299,15 @@ pub(super) fn check_generation(
 /// Comparability comes before the tokens: equal tokens from runs on other weights, of another
 /// prompt or seed, or by two oracles on different stacks (the differ's rule, docs/diff.md,
 /// "Comparable") say nothing about the claim. Each refusal is a finding naming the other run
-/// (or its tensor) and the reason; `(name, engine, other)` per pair.
-pub(super) fn incomparable(pairs: &[(&str, &Trace, &Trace)]) -> Vec<Finding> {
+/// (or its tensor) and the reason; `(name, this, other)` per pair, `this` the run named `this`
+/// (the engine; a port's candidate).
+pub(super) fn incomparable(this: &str, pairs: &[(&str, &Trace, &Trace)]) -> Vec<Finding> {
     let mut found = Vec::new();
     for (name, a, b) in pairs {
         let (refused, _) = tracegate_diff::comparable::check(a, b, false);
         found.extend(refused.into_iter().map(|f| {
             let about = f.tensor().map_or_else(|| name.to_string(), str::to_string);
-            finding(f.kind, about, 1, format!("engine vs {name}: {}", f.detail))
+            finding(f.kind, about, 1, format!("{this} vs {name}: {}", f.detail))
         }));
     }
     found
@@ -327,7 +330,8 @@ pub(super) fn not_comparable(check: Check, refused: Vec<Finding>) -> CheckResult
     c
 }
 
-pub(super) fn tokens_finding(name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
+/// The tokens of the run named `this` (`a`) against run `name`'s (`b`), counted by position.
+pub(super) fn tokens_finding(this: &str, name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
     if a == b {
         return None;
     }
@@ -336,6 +340,6 @@ pub(super) fn tokens_finding(name: &str, a: &[i64], b: &[i64]) -> Option<Finding
         FindingKind::TokensDiffer,
         name,
         differ as u64,
-        format!("engine {a:?} vs {name} {b:?}"),
+        format!("{this} {a:?} vs {name} {b:?}"),
     ))
 }

@@ -23,9 +23,12 @@ use crate::{gerr, Result};
 
 mod agrees;
 mod checks;
+mod port;
 mod prompt;
 mod recorded;
 mod report;
+
+pub use port::AUTO_POLICY;
 
 pub use report::*;
 
@@ -47,12 +50,34 @@ pub struct GateOptions {
     /// Each producer run is killed after this long, and the run refused.
     pub timeout: std::time::Duration,
     pub gate_invocation: Vec<String>,
+    /// `gate init`: the milestones and baselines not yet written (they are, with the golden
+    /// traces, only when the first run has recorded them); None: read from the root.
+    pub milestones: Option<MilestoneFile>,
+    pub baselines: Option<BaselineFile>,
 }
 
+/// The tracegate checkout this gate was built from: its `.venv` serves a project that has none
+/// of its own (a port's directory, `gate init`).
+pub fn install_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// The Python of the contract and the oracle: `specific` or TRACEGATE_PYTHON when set, else the
+/// project's own `.venv`, else the installation's (symlinks kept: a venv's python is one).
 fn python(root: &Path, specific: &str) -> String {
     std::env::var(specific)
         .or_else(|_| std::env::var("TRACEGATE_PYTHON"))
-        .unwrap_or_else(|_| root.join(".venv/bin/python").display().to_string())
+        .unwrap_or_else(|_| {
+            let own = root.join(".venv/bin/python");
+            if own.exists() {
+                own
+            } else {
+                install_root().join(".venv/bin/python")
+            }
+            .display()
+            .to_string()
+        })
 }
 
 pub fn default_contract_cmd(root: &Path) -> String {
@@ -174,7 +199,10 @@ struct Settled {
 impl Settled {
     fn settle(o: &GateOptions) -> Result<Settled> {
         let ms_path = o.root.join("milestones.json");
-        let file = MilestoneFile::load(&ms_path)?;
+        let file = match &o.milestones {
+            Some(f) => f.clone(),
+            None => MilestoneFile::load(&ms_path)?,
+        };
         let m = file.get(&o.milestone)?.clone();
         let prompt_path = prompts::resolve(&o.root, o.prompts.as_deref().unwrap_or(&m.prompts.set));
         let set: PromptSet = prompts::load(&prompt_path)?;
@@ -188,6 +216,14 @@ impl Settled {
             ));
         }
         let selected = set.select(o.only.as_deref())?;
+        if let (Some(_), Some(dir)) = (&m.port, &o.model) {
+            return Err(gerr!(
+                "--model {}: milestone {}'s golden traces are of {}; `gate init` a milestone for another model",
+                dir.display(),
+                m.id,
+                m.models.first().map_or("its model", |mm| mm.model.as_str())
+            ));
+        }
         let runs: Vec<(MilestoneModel, String)> = match &o.model {
             Some(dir) => vec![model_of(o, &m, dir)?],
             None => m
@@ -197,7 +233,14 @@ impl Settled {
                 .collect(),
         };
         let generate = o.generate.unwrap_or(m.generate);
-        let policy = Policy::resolve(&m.policy, &o.root).map_err(|e| gerr!("{}: {e}", m.policy))?;
+        // A new port milestone's policy is chosen by its first run (run/port.rs).
+        let policy_arg = if m.port.is_some() && m.policy == AUTO_POLICY {
+            "f32"
+        } else {
+            &m.policy
+        };
+        let policy =
+            Policy::resolve(policy_arg, &o.root).map_err(|e| gerr!("{}: {e}", m.policy))?;
         let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
         let mut plans = Vec::new();
         for (mm, model) in runs {
@@ -308,6 +351,9 @@ impl Producers {
             Role::Engine | Role::EngineUncached => &self.engine,
             Role::Contract => &self.contract,
             Role::Oracle => &self.oracle,
+            Role::Candidate | Role::CandidateUncached => {
+                unreachable!("a port milestone runs its candidate in run/port.rs")
+            }
         }
     }
 }
@@ -425,11 +471,19 @@ fn produce(
     }
     let mut oracle = oracle.map(Vec::into_iter);
     let mut all = engine.into_iter().zip(engine_uncached).zip(contract).map(
-        |((engine, engine_uncached), contract)| PromptRuns {
-            engine,
-            engine_uncached,
-            contract,
-            oracle: oracle.as_mut().and_then(Iterator::next),
+        |((engine, engine_uncached), contract)| {
+            let mut runs = vec![
+                (Role::Engine, engine),
+                (Role::EngineUncached, engine_uncached),
+                (Role::Contract, contract),
+            ];
+            runs.extend(
+                oracle
+                    .as_mut()
+                    .and_then(Iterator::next)
+                    .map(|r| (Role::Oracle, r)),
+            );
+            PromptRuns(runs)
         },
     );
     let runs = plans
@@ -448,6 +502,9 @@ fn produce(
 pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<String>)> {
     let started = std::time::Instant::now();
     let mut settled = Settled::settle(o)?;
+    if settled.plans.first().is_some_and(|p| p.m.port.is_some()) {
+        return port::run(o, settled);
+    }
     let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
     let producers = Producers::new(o)?;
     let jobs: u64 = settled.plans.iter().map(|p| p.selected.len() as u64).sum();

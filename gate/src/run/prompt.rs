@@ -30,7 +30,7 @@ pub(super) struct Traces {
 impl Traces {
     /// `oracle_probe`: why the oracle did not run, when it did not.
     fn open(root: &Path, runs: &PromptRuns, oracle_probe: &crate::Result<Value>) -> Traces {
-        let oracle = match &runs.oracle {
+        let oracle = match runs.get(Role::Oracle) {
             Some(rec) => open(root, rec),
             None => Err(crate::Error::Unavailable(
                 oracle_probe
@@ -40,20 +40,26 @@ impl Traces {
                     .unwrap_or_default(),
             )),
         };
+        let of = |role: Role| match runs.get(role) {
+            Some(rec) => open(root, rec),
+            None => Err(crate::gerr!(Producer: "{} did not run", role.label())),
+        };
         Traces {
-            engine: open(root, &runs.engine),
-            engine_uncached: open(root, &runs.engine_uncached),
-            contract: open(root, &runs.contract),
+            engine: of(Role::Engine),
+            engine_uncached: of(Role::EngineUncached),
+            contract: of(Role::Contract),
             oracle,
         }
     }
 
-    fn get(&self, role: Role) -> &Opened {
+    /// None for a port's roles, which this milestone does not run.
+    fn get(&self, role: Role) -> Option<&Opened> {
         match role {
-            Role::Engine => &self.engine,
-            Role::EngineUncached => &self.engine_uncached,
-            Role::Contract => &self.contract,
-            Role::Oracle => &self.oracle,
+            Role::Engine => Some(&self.engine),
+            Role::EngineUncached => Some(&self.engine_uncached),
+            Role::Contract => Some(&self.contract),
+            Role::Oracle => Some(&self.oracle),
+            Role::Candidate | Role::CandidateUncached => None,
         }
     }
 }
@@ -96,7 +102,7 @@ pub(super) fn judge_prompt(
     let expect = expect.as_ref().copied().map_err(String::as_str);
     let mut digests = BTreeMap::new();
     for role in Role::ALL {
-        if let Ok(t) = traces.get(role) {
+        if let Some(Ok(t)) = traces.get(role) {
             digests.insert(role.key().to_string(), t.digest().hex());
         }
     }
@@ -105,6 +111,7 @@ pub(super) fn judge_prompt(
         engine_uncached: traces.engine_uncached.as_ref().ok().map(decode_tokens),
         contract: traces.contract.as_ref().ok().map(decode_tokens),
         oracle: traces.oracle.as_ref().ok().map(decode_tokens),
+        ..Default::default()
     };
     let mut checks = vec![
         check_stable(&traces.engine, expect),
@@ -126,6 +133,8 @@ pub(super) fn judge_prompt(
         counts,
         generated,
         oracle: oracle_summary,
+        observations: Vec::new(),
+        localised: None,
     }
 }
 
@@ -146,8 +155,8 @@ pub(super) fn decode_tokens(t: &Trace) -> Vec<i64> {
     steps.into_iter().map(|(_, v)| v).collect()
 }
 
-/// Deterministic counts of an engine trace, asserted by baselines.
-fn counts(t: &Trace) -> Value {
+/// Deterministic counts of an engine (or a port's candidate) trace, asserted by baselines.
+pub(super) fn counts(t: &Trace) -> Value {
     let mut router = serde_json::Map::new();
     for d in t.decisions() {
         if let Some(layer) = d.name.strip_suffix(".router.topk") {
@@ -173,7 +182,7 @@ fn counts(t: &Trace) -> Value {
     })
 }
 
-fn open(root: &Path, rec: &RunRecord) -> Opened {
+pub(super) fn open(root: &Path, rec: &RunRecord) -> Opened {
     if !rec.ok {
         return Err(crate::gerr!(
             Producer:

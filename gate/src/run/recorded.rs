@@ -187,13 +187,7 @@ pub(super) fn bless(
     file: &mut MilestoneFile,
     bl_file: &mut BaselineFile,
 ) -> Result<Vec<String>> {
-    let Plan {
-        m,
-        mm,
-        set,
-        threads,
-        ..
-    } = plan;
+    let Plan { m, mm, set, .. } = plan;
     let mut log = Vec::new();
     let milestone = file
         .get_mut(&m.id)
@@ -268,44 +262,57 @@ pub(super) fn bless(
             entry.expect.insert(r.id.clone(), new);
         }
 
-        let id = format!(
-            "{}.{}.{}.t{}.g{}",
-            m.id,
-            super::dir_name(&plan.model),
-            r.id,
-            threads,
-            report.generate
-        );
-        let counts: BTreeMap<String, Value> = r
-            .counts
-            .as_object()
-            .map(|o| o.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-            .unwrap_or_default();
-        let baseline = Baseline {
-            id: id.clone(),
-            milestone: m.id.clone(),
-            requires: plan.conditions(r),
-            counts,
-            observed: observed_of(r),
-        };
-        match bl_file.baselines.iter_mut().find(|b| b.id == id) {
-            Some(old) => {
-                if old.counts != baseline.counts || old.requires != baseline.requires {
-                    log.push(format!(
-                        "baseline {id}: counts {} -> {}",
-                        serde_json::to_string(&old.counts).unwrap_or_default(),
-                        serde_json::to_string(&baseline.counts).unwrap_or_default()
-                    ));
-                }
-                *old = baseline;
-            }
-            None => {
-                log.push(format!("baseline {id}: new"));
-                bl_file.baselines.push(baseline);
-            }
-        }
+        record_baseline(plan, report, r, bl_file, &mut log);
     }
     Ok(log)
+}
+
+/// `--bless`: prompt `r`'s baseline for this run's conditions, recorded in `bl_file` (a change
+/// of its counts or conditions logged).
+pub(super) fn record_baseline(
+    plan: &Plan,
+    report: &MilestoneReport,
+    r: &PromptResult,
+    bl_file: &mut BaselineFile,
+    log: &mut Vec<String>,
+) {
+    let Plan { m, threads, .. } = plan;
+    let id = format!(
+        "{}.{}.{}.t{}.g{}",
+        m.id,
+        super::dir_name(&plan.model),
+        r.id,
+        threads,
+        report.generate
+    );
+    let counts: BTreeMap<String, Value> = r
+        .counts
+        .as_object()
+        .map(|o| o.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default();
+    let baseline = Baseline {
+        id: id.clone(),
+        milestone: m.id.clone(),
+        requires: plan.conditions(r),
+        counts,
+        observed: observed_of(r),
+    };
+    match bl_file.baselines.iter_mut().find(|b| b.id == id) {
+        Some(old) => {
+            if old.counts != baseline.counts || old.requires != baseline.requires {
+                log.push(format!(
+                    "baseline {id}: counts {} -> {}",
+                    serde_json::to_string(&old.counts).unwrap_or_default(),
+                    serde_json::to_string(&baseline.counts).unwrap_or_default()
+                ));
+            }
+            *old = baseline;
+        }
+        None => {
+            log.push(format!("baseline {id}: new"));
+            bl_file.baselines.push(baseline);
+        }
+    }
 }
 
 /// The expectation this run would record for prompt `r` (engine trace digest `digest`); `old`:

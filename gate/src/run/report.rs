@@ -47,6 +47,8 @@ pub enum Check {
     Generation,
     Agrees,
     GenerationOracle,
+    /// A port's greedy tokens against its golden trace's (docs/gate.md, "Gate your own engine").
+    GenerationReference,
     Baseline(String),
     Baselines,
 }
@@ -59,6 +61,7 @@ impl std::fmt::Display for Check {
             Check::Generation => f.pad("generation"),
             Check::Agrees => f.pad("agrees"),
             Check::GenerationOracle => f.pad("generation_oracle"),
+            Check::GenerationReference => f.pad("generation_reference"),
             Check::Baseline(id) => f.pad(&format!("baseline {id}")),
             Check::Baselines => f.pad("baselines"),
         }
@@ -74,6 +77,7 @@ impl std::str::FromStr for Check {
             "generation" => Check::Generation,
             "agrees" => Check::Agrees,
             "generation_oracle" => Check::GenerationOracle,
+            "generation_reference" => Check::GenerationReference,
             "baselines" => Check::Baselines,
             _ => match s.strip_prefix("baseline ") {
                 Some(id) => Check::Baseline(id.to_string()),
@@ -172,6 +176,14 @@ pub struct Generated {
     pub engine_uncached: Option<Vec<i64>>,
     pub contract: Option<Vec<i64>>,
     pub oracle: Option<Vec<i64>>,
+    /// A port milestone's: the candidate's, with and without its KV cache, and the golden
+    /// trace's (the reference's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub candidate_cached: Option<Vec<i64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub candidate_uncached: Option<Vec<i64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference: Option<Vec<i64>>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -200,18 +212,31 @@ pub struct PromptResult {
     pub counts: Value,
     pub generated: Generated,
     pub oracle: Option<OracleSummary>,
+    /// What was seen and is reported, never asserted (a port's digest when it does not declare
+    /// itself deterministic).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub observations: Vec<String>,
+    /// A port whose `agrees` failed: the bisection against its golden trace, summarised
+    /// (docs/gate.md, "Gate your own engine").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub localised: Option<Value>,
 }
 
-/// One run of a prompt: the engine (with and without its KV cache), the contract, the oracle.
+/// One run of a prompt: the engine (with and without its KV cache), the contract, the oracle;
+/// for a port milestone (docs/gate.md, "Gate your own engine") the candidate, with and without
+/// its KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     Engine,
     EngineUncached,
     Contract,
     Oracle,
+    Candidate,
+    CandidateUncached,
 }
 
 impl Role {
+    /// The roles of a milestone of tracegate's own producers, in run order.
     pub const ALL: [Role; 4] = [
         Role::Engine,
         Role::EngineUncached,
@@ -226,6 +251,8 @@ impl Role {
             Role::EngineUncached => "engine_uncached",
             Role::Contract => "contract",
             Role::Oracle => "oracle",
+            Role::Candidate => "candidate",
+            Role::CandidateUncached => "candidate_uncached",
         }
     }
 
@@ -233,6 +260,7 @@ impl Role {
     pub fn label(self) -> &'static str {
         match self {
             Role::EngineUncached => "engine (uncached)",
+            Role::CandidateUncached => "candidate (uncached)",
             other => other.key(),
         }
     }
@@ -244,30 +272,26 @@ impl Role {
             Role::EngineUncached => "engine-uncached.trace",
             Role::Contract => "contract.trace",
             Role::Oracle => "oracle.trace",
+            Role::Candidate => "candidate.trace",
+            Role::CandidateUncached => "candidate-uncached.trace",
         }
     }
 }
 
-/// A prompt's runs, each by its role; `oracle` is None when the oracle could not run. In the
-/// report, the list of them in [`Role::ALL`] order.
-#[derive(Clone, Debug)]
-pub struct PromptRuns {
-    pub engine: RunRecord,
-    pub engine_uncached: RunRecord,
-    pub contract: RunRecord,
-    pub oracle: Option<RunRecord>,
-}
+/// A prompt's runs, each with its role, in run order; a role that did not run (the oracle
+/// without torch) is absent. In the report, the list of the records.
+#[derive(Clone, Debug, Default)]
+pub struct PromptRuns(pub Vec<(Role, RunRecord)>);
 
 impl PromptRuns {
-    /// The runs that happened, in [`Role::ALL`] order, with their roles.
+    /// The runs that happened, in run order, with their roles.
     pub fn by_role(&self) -> impl Iterator<Item = (Role, &RunRecord)> {
-        [
-            (Role::Engine, &self.engine),
-            (Role::EngineUncached, &self.engine_uncached),
-            (Role::Contract, &self.contract),
-        ]
-        .into_iter()
-        .chain(self.oracle.as_ref().map(|r| (Role::Oracle, r)))
+        self.0.iter().map(|(role, r)| (*role, r))
+    }
+
+    /// The run of `role`, if it ran.
+    pub fn get(&self, role: Role) -> Option<&RunRecord> {
+        self.by_role().find(|(r, _)| *r == role).map(|(_, rec)| rec)
     }
 
     /// The runs that happened, as the report lists them.

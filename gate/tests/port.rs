@@ -1,0 +1,443 @@
+//! Gate your own engine (docs/gate.md, "Gate your own engine"): `gate init` in a user's own
+//! directory outside the checkout, with `examples/producer` as the user's port, records golden
+//! oracle traces; `gate run port` then judges the port against them with no torch. Negative
+//! controls: a planted k_norm defect fails `agrees` and is localised at layer 03 stage k; a
+//! cached-decode defect that leaves the first tokens alone fails `generation`; an edited,
+//! swapped or missing golden trace is refused; a deterministic candidate whose digest moves
+//! fails `stable`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use common::repo;
+
+/// The user's port: the example producer, built beside the gate (`cargo build --release --bins`).
+fn example_producer() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("example-producer");
+    assert!(
+        p.is_file(),
+        "{} is missing: build it with `cargo build --release --bins`",
+        p.display()
+    );
+    p
+}
+
+fn port_cmd(extra: &str) -> String {
+    format!(
+        "'{}' {{verb}} {{args}}{extra}",
+        example_producer().display()
+    )
+}
+
+/// A Python that cannot import torch: the oracle is unavailable to it.
+fn torchless(dir: &Path) -> PathBuf {
+    let block = dir.join("block");
+    std::fs::create_dir_all(&block).unwrap();
+    std::fs::write(block.join("torch.py"), "raise ImportError('blocked')\n").unwrap();
+    block
+}
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn gate(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
+    let mut cmd = common::gate();
+    cmd.current_dir(dir).args(args).env_remove("GITHUB_ACTIONS");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+const PROMPTS: &str = r#"{"schema": 1, "about": "two prompts of a port's own", "prompts": [
+  {"id": "short", "tokens": [12, 218, 345, 152, 81]},
+  {"id": "mid", "tokens": [438, 493, 24, 203, 157, 369, 394, 425, 82, 100, 321]}]}"#;
+
+/// A user's project in a temp directory outside the checkout: the model and a prompt file,
+/// initialised with `gate init … extra` (exit 0 expected).
+fn project(extra: &[&str]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(!dir.path().starts_with(repo().canonicalize().unwrap()));
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in std::fs::read_dir(repo().join("fixtures/tiny-qwen3")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(dir.path().join("my-prompts.json"), PROMPTS).unwrap();
+    let cmd = port_cmd("");
+    let mut args = vec![
+        "init",
+        "--model",
+        "model",
+        "--candidate-cmd",
+        &cmd,
+        "--prompts",
+        "my-prompts.json",
+        "--generate",
+        "4",
+    ];
+    args.extend(extra);
+    let out = gate(dir.path(), &args, &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    dir
+}
+
+fn report(path: &Path) -> Value {
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for rep in r.as_array().unwrap() {
+        common::validator("gate-report.schema.json").assert_valid(rep);
+    }
+    r[0].clone()
+}
+
+fn milestones(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("milestones.json")).unwrap()).unwrap()
+}
+
+/// The port milestone's candidate command, replaced (a planted defect appended).
+fn set_candidate(dir: &Path, cmd: &str) {
+    let mut m = milestones(dir);
+    m["milestones"][0]["port"]["candidate"]["cmd"] = Value::String(cmd.into());
+    std::fs::write(
+        dir.join("milestones.json"),
+        serde_json::to_string_pretty(&m).unwrap(),
+    )
+    .unwrap();
+}
+
+fn statuses(r: &Value) -> Vec<(String, String, String)> {
+    r["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| {
+            p["checks"].as_array().unwrap().iter().map(move |c| {
+                (
+                    p["id"].as_str().unwrap().to_string(),
+                    c["check"].as_str().unwrap().to_string(),
+                    c["status"].as_str().unwrap().to_string(),
+                )
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn init_records_golden_traces_and_run_passes_without_torch() {
+    let dir = project(&["--capture", "internals"]);
+    let d = dir.path();
+    let m = milestones(d);
+    let ms = &m["milestones"][0];
+    assert_eq!(ms["id"], "port");
+    assert_eq!(ms["prompts"]["set"], "my-prompts.json");
+    assert_eq!(ms["policy"], "f32", "the example producer computes in f32");
+    assert_eq!(ms["port"]["candidate"]["cache_off"], true);
+    // Each golden trace is the oracle's (transformers' own class), recorded as it was digested.
+    for id in ["short", "mid"] {
+        let g = &ms["port"]["golden"][id];
+        assert_eq!(g["trace"], format!("golden/{id}.trace"));
+        let t = tracegate_trace::Trace::open(d.join(g["trace"].as_str().unwrap())).unwrap();
+        t.verify().unwrap();
+        assert_eq!(t.digest().hex(), g["digest"].as_str().unwrap());
+        assert_eq!(t.provenance()["producer"], "oracle");
+        assert!(t.provenance()["versions"]["transformers"].is_string());
+        assert_eq!(g["generated"].as_array().unwrap().len(), 4);
+    }
+    let baselines: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("baselines.json")).unwrap()).unwrap();
+    assert_eq!(baselines["baselines"].as_array().unwrap().len(), 2);
+    // The run: no torch anywhere (the oracle's Python cannot import it).
+    let block = torchless(d);
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &["run", "port", "--report", rp.to_str().unwrap()],
+        &[
+            ("PYTHONPATH", block.to_str().unwrap()),
+            ("TRACEGATE_PYTHON", "/nonexistent/python"),
+        ],
+    );
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let r = report(&rp);
+    let got = statuses(&r);
+    let want: Vec<(String, String, String)> = ["short", "mid"]
+        .iter()
+        .flat_map(|p| {
+            ["agrees", "generation", "generation_reference"]
+                .map(|c| (p.to_string(), c.to_string(), "PASS".to_string()))
+        })
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(r["totals"]["PASS"], 8, "6 checks and 2 baselines");
+    assert_eq!(r["verdict"], "PASS");
+    // Not deterministic by declaration: the digest is an observation, not a check.
+    assert!(r["prompts"][0]["observations"][0]
+        .as_str()
+        .unwrap()
+        .contains("not a check"));
+    assert!(r["prompts"][0]["localised"].is_null());
+}
+
+#[test]
+fn a_planted_k_norm_defect_fails_agrees_and_is_localised_at_layer_03_stage_k() {
+    let dir = project(&["--capture", "internals", "--deterministic"]);
+    let d = dir.path();
+    set_candidate(d, &port_cmd(" --plant k-norm:3"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let r = report(&rp);
+    let p = &r["prompts"][0];
+    let check = |name: &str| {
+        p["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["check"] == name)
+            .unwrap_or_else(|| panic!("no {name}: {p}"))
+            .clone()
+    };
+    assert_eq!(check("agrees")["status"], "FAIL");
+    // Declared deterministic: its moved digest is a failed claim.
+    assert_eq!(check("stable")["status"], "FAIL");
+    assert_eq!(check("stable")["findings"][0]["kind"], "digest_changed");
+    let l = &p["localised"];
+    assert_eq!(l["verdict"], "wrong_layer", "{l}");
+    assert_eq!(l["first_wrong_layer"], 3, "{l}");
+    assert_eq!(l["stage"]["tensor"], "layer.03.k", "{l}");
+    assert!(d.join(l["report"].as_str().unwrap()).is_file());
+    assert!(
+        out.stdout
+            .contains("localised by gate bisect against the golden trace: layer 03"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn a_cached_decode_defect_fails_generation_though_the_first_tokens_agree() {
+    let dir = project(&[]);
+    let d = dir.path();
+    set_candidate(d, &port_cmd(" --plant decode-pos"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let r = report(&rp);
+    let gen = r["prompts"][0]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == "generation")
+        .unwrap()
+        .clone();
+    assert_eq!(gen["status"], "FAIL", "{gen}");
+    assert!(
+        gen["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["kind"] == "outside_policy" && f["name"] == "decode.0001.logits"),
+        "{gen}"
+    );
+}
+
+#[test]
+fn a_candidate_without_an_uncached_path_leaves_generation_not_checked() {
+    // The port refuses `--cache off` (exit 2), as a producer that has only a cached path would.
+    let cmd = format!(
+        "sh -c 'case \"$*\" in *\"--cache off\"*) echo no uncached path >&2; exit 2;; esac; exec \"$0\" \"$@\"' '{}' {{verb}} {{args}}",
+        example_producer().display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("p.json"), PROMPTS).unwrap();
+    let model = repo().join("fixtures/tiny-qwen3");
+    let out = gate(
+        d,
+        &[
+            "init",
+            "--model",
+            model.to_str().unwrap(),
+            "--candidate-cmd",
+            &cmd,
+            "--prompts",
+            "p.json",
+            "--generate",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 4, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("does not answer `trace --cache off`"));
+    assert_eq!(
+        milestones(d)["milestones"][0]["port"]["candidate"]["cache_off"],
+        false
+    );
+    let rp = d.join("r.json");
+    let out = gate(d, &["run", "port", "--report", rp.to_str().unwrap()], &[]);
+    assert_eq!(out.code, 4, "NOT CHECKED is not a pass: {}", out.stdout);
+    let r = report(&rp);
+    let gens: Vec<&Value> = r["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["checks"].as_array().unwrap())
+        .filter(|c| c["check"] == "generation")
+        .collect();
+    assert_eq!(gens.len(), 2);
+    assert!(gens.iter().all(|c| c["status"] == "NOT CHECKED"));
+}
+
+#[test]
+fn an_edited_swapped_or_missing_golden_trace_is_refused() {
+    let dir = project(&[]);
+    let d = dir.path();
+    let short = d.join("golden/short.trace");
+    let kept = std::fs::read(&short).unwrap();
+    // One bit of a tensor's payload.
+    let mut bytes = kept.clone();
+    bytes[4096] ^= 1;
+    std::fs::write(&short, &bytes).unwrap();
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("golden trace golden/short.trace") && out.stderr.contains("--bless"),
+        "{}",
+        out.stderr
+    );
+    // A whole valid trace in its place: another prompt's.
+    std::fs::copy(d.join("golden/mid.trace"), &short).unwrap();
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("differs from milestones.json's record"),
+        "{}",
+        out.stderr
+    );
+    std::fs::remove_file(&short).unwrap();
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("golden trace golden/short.trace"),
+        "{}",
+        out.stderr
+    );
+    // Negative control: the file as recorded runs.
+    std::fs::write(&short, &kept).unwrap();
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+}
+
+#[test]
+fn bless_re_records_a_changed_prompt_and_prints_what_changed() {
+    let dir = project(&[]);
+    let d = dir.path();
+    let before = milestones(d);
+    std::fs::write(
+        d.join("my-prompts.json"),
+        PROMPTS.replace("[12, 218, 345, 152, 81]", "[12, 218, 345, 152, 82]"),
+    )
+    .unwrap();
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(
+        out.code, 2,
+        "a changed prompt file is refused: {}",
+        out.stdout
+    );
+    assert!(out.stderr.contains("--bless"), "{}", out.stderr);
+    let out = gate(d, &["run", "port", "--bless"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("port: prompts sha256"),
+        "{}",
+        out.stdout
+    );
+    let after = milestones(d);
+    let golden = |m: &Value, id: &str| m["milestones"][0]["port"]["golden"][id]["digest"].clone();
+    assert_ne!(golden(&before, "short"), golden(&after, "short"));
+    assert_eq!(golden(&before, "mid"), golden(&after, "mid"));
+    assert!(
+        out.stdout.contains("port/short: golden trace")
+            && out.stdout.contains("port/mid: golden trace unchanged"),
+        "{}",
+        out.stdout
+    );
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+}
+
+#[test]
+fn init_refuses_what_it_cannot_gate_in_one_line() {
+    let dir = project(&[]);
+    let d = dir.path();
+    let cmd = port_cmd("");
+    let refused = |args: &[&str], says: &str| {
+        let mut all = vec!["init", "--candidate-cmd", &cmd];
+        all.extend(args);
+        let out = gate(d, &all, &[]);
+        assert_eq!(out.code, 2, "{all:?}: {}", out.stderr);
+        assert!(out.stderr.contains(says), "{all:?}: {}", out.stderr);
+        assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.stderr);
+    };
+    refused(&["--model", "model"], "already holds milestones.json");
+    let fresh = tempfile::tempdir().unwrap();
+    let f = fresh.path().to_str().unwrap();
+    refused(&["--root", f, "--model", "nowhere"], "nowhere");
+    let too_big = fresh.path().join("big.json");
+    std::fs::write(
+        &too_big,
+        r#"{"schema": 1, "prompts": [{"id": "a", "tokens": [1, 100000]}]}"#,
+    )
+    .unwrap();
+    refused(
+        &[
+            "--root",
+            f,
+            "--model",
+            "model",
+            "--prompts",
+            too_big.to_str().unwrap(),
+        ],
+        "token id 100000",
+    );
+    refused(
+        &["--root", f, "--model", "model", "--reference", "cmd"],
+        "--reference cmd needs --reference-cmd",
+    );
+    // Nothing was written by any refusal.
+    assert_eq!(std::fs::read_dir(fresh.path()).unwrap().count(), 1);
+}
