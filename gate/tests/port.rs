@@ -441,3 +441,190 @@ fn init_refuses_what_it_cannot_gate_in_one_line() {
     // Nothing was written by any refusal.
     assert_eq!(std::fs::read_dir(fresh.path()).unwrap().count(), 1);
 }
+
+/// The adversary port (tests/producers/port_adversary.py): the example producer with its trace
+/// rewritten by TraceWriter.
+fn adversary(edits: &str) -> String {
+    format!(
+        "'{}' '{}' --exe '{}' {edits} {{verb}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo()
+            .join("gate/tests/producers/port_adversary.py")
+            .display(),
+        example_producer().display()
+    )
+}
+
+fn checks_of(r: &Value) -> Vec<Value> {
+    r["prompts"][0]["checks"].as_array().unwrap().clone()
+}
+
+#[test]
+fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
+    let dir = project(&[]);
+    let d = dir.path();
+    // Negative control: the adversary with no edit passes.
+    set_candidate(d, &adversary(""));
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The same tokens, and the cached trace as clean as ever; the uncached one lacks a step's
+    // logits, so a comparison of what both hold would see no difference.
+    set_candidate(d, &adversary("--when off --drop decode.0001.logits"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let r = report(&rp);
+    let gen = checks_of(&r)
+        .into_iter()
+        .find(|c| c["check"] == "generation")
+        .unwrap();
+    assert_eq!(gen["status"], "FAIL", "{gen}");
+    assert!(
+        gen["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["name"] == "decode.0001.logits"),
+        "{gen}"
+    );
+}
+
+#[test]
+fn a_nan_in_both_runs_of_the_candidate_fails_agrees() {
+    // NaN in the same element of the cached and the uncached trace: the two paths agree with
+    // each other bit for bit, and the golden trace still says the value is a number.
+    let dir = project(&[]);
+    let d = dir.path();
+    set_candidate(d, &adversary("--bits decode.0002.logits=7fc00000"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let r = report(&rp);
+    let agrees = checks_of(&r)
+        .into_iter()
+        .find(|c| c["check"] == "agrees")
+        .unwrap();
+    assert_eq!(agrees["status"], "FAIL", "{agrees}");
+    assert!(
+        agrees["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["name"] == "decode.0002.logits"),
+        "{agrees}"
+    );
+}
+
+/// docs/ci.md's workflow: each step's name and its `run:` command, as written there.
+fn documented_steps() -> Vec<(String, String)> {
+    let doc = std::fs::read_to_string(repo().join("docs/ci.md")).unwrap();
+    let at = doc
+        .find("## A port's workflow")
+        .expect("docs/ci.md has the port's workflow");
+    let block = &doc[at..];
+    let start = block.find("```yaml\n").expect("a yaml block") + 8;
+    let end = start + block[start..].find("```").unwrap();
+    let mut steps = Vec::new();
+    let mut name = None;
+    for line in block[start..end].lines() {
+        let line = line.trim();
+        if let Some(n) = line.strip_prefix("- name: ") {
+            name = Some(n.to_string());
+        } else if let (Some(run), Some(n)) = (line.strip_prefix("run: "), &name) {
+            // A single-quoted YAML scalar is the command between the quotes.
+            let run = run
+                .strip_prefix('\'')
+                .and_then(|r| r.strip_suffix('\''))
+                .unwrap_or(run);
+            steps.push((n.clone(), run.replace("''", "'")));
+        }
+    }
+    steps
+}
+
+#[test]
+fn the_documented_workflow_gates_a_port() {
+    let steps = documented_steps();
+    let names: Vec<&str> = steps.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "Fetch tracegate",
+            "Build the gate",
+            "Build the port",
+            "Gate the port"
+        ]
+    );
+    // This checkout's build stands in for the fetched and built tracegate.
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(home.path().join("target/release")).unwrap();
+    std::os::unix::fs::symlink(
+        env!("CARGO_BIN_EXE_gate"),
+        home.path().join("target/release/gate"),
+    )
+    .unwrap();
+    let dir = project(&[]);
+    let d = dir.path();
+    let run_steps = |d: &Path| -> (i32, String) {
+        let mut last = (0, String::new());
+        for (name, run) in &steps[2..] {
+            let run = if name == "Build the port" {
+                assert_eq!(run, "make");
+                "true".to_string()
+            } else {
+                run.clone()
+            };
+            let out = std::process::Command::new("bash")
+                .args(["-euo", "pipefail", "-c", &run])
+                .current_dir(d)
+                .env("TRACEGATE_HOME", home.path())
+                .env("GITHUB_ACTIONS", "true")
+                .env("TRACEGATE_RESIDENT", "0")
+                .output()
+                .unwrap();
+            last = (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr),
+            );
+        }
+        last
+    };
+    let (code, text) = run_steps(d);
+    assert_eq!(code, 0, "{text}");
+    assert!(!text.contains("::error"), "{text}");
+    for f in ["gate-report.json", "gate-report.html", "gate-junit.xml"] {
+        assert!(d.join(f).is_file(), "{f} missing:\n{text}");
+    }
+    report(&d.join("gate-report.json"));
+    // Negative control: a planted defect fails the job and is annotated.
+    set_candidate(d, &port_cmd(" --plant k-norm:3"));
+    let (code, text) = run_steps(d);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("::error title=gate port model short/agrees"),
+        "{text}"
+    );
+}

@@ -21,14 +21,16 @@ use tracegate_diff::{FindingKind, Options, Policy};
 use tracegate_trace::Trace;
 
 use super::agrees::compare_agrees;
-use super::checks::{incomparable, judge, not_comparable, policy_kind, tokens_finding};
+use super::checks::{
+    diff_findings, incomparable, judge, not_comparable, policy_kind, tokens_finding,
+};
 use super::prompt::{counts, decode_tokens, open, Opened};
 use super::{
     finding, recorded, tally, Check, CheckResult, GateOptions, GateVerdict, Generated,
     MilestoneReport, Plan, PromptResult, PromptRuns, Role, Settled, Status, REPORT_SCHEMA,
 };
 use crate::baselines::BaselineFile;
-use crate::milestones::{Golden, Port, PortExpectation};
+use crate::milestones::{Golden, Milestone, Port, PortExpectation};
 use crate::producer::{Producer, RunRecord, Verb};
 use crate::prompts::Prompt;
 use crate::{gerr, Result};
@@ -59,8 +61,17 @@ fn reference_producer(o: &GateOptions, port: &Port) -> Result<Producer> {
     }
 }
 
-/// A golden trace as recorded, or why it may not be judged against (a refusal: exit 2).
-fn verified_golden(o: &GateOptions, m: &str, p: &Prompt, g: Option<&Golden>) -> Result<Trace> {
+/// A golden trace as recorded, or why it may not be judged against (a refusal: exit 2): one that
+/// is not the file milestones.json records, or was recorded for another prompt, decode length
+/// or capture than the milestone now states.
+fn verified_golden(
+    o: &GateOptions,
+    m: &Milestone,
+    capture: &str,
+    p: &Prompt,
+    g: Option<&Golden>,
+) -> Result<Trace> {
+    let (m, want) = (&m.id, m.generate);
     let g = g.ok_or_else(|| {
         gerr!("prompt {:?} has no golden trace in milestone {m}: record it with `gate run {m} --bless`", p.id)
     })?;
@@ -81,6 +92,19 @@ fn verified_golden(o: &GateOptions, m: &str, p: &Prompt, g: Option<&Golden>) -> 
         return Err(refuse(format!(
             "recorded for prompt tokens {tokens:?}, prompt {:?} is now {:?}",
             p.id, p.tokens
+        )));
+    }
+    let prov = t.provenance();
+    let generate = prov["generate"].as_u64().unwrap_or(0);
+    if generate != want as u64 {
+        return Err(refuse(format!(
+            "recorded with --generate {generate}, milestone {m} states {want}"
+        )));
+    }
+    let recorded = prov["capture"].as_str().unwrap_or("default");
+    if recorded != capture {
+        return Err(refuse(format!(
+            "recorded with --capture {recorded}, milestone {m} states {capture}"
         )));
     }
     Ok(t)
@@ -135,7 +159,13 @@ pub(super) fn run(
         goldens.push(if o.bless {
             None
         } else {
-            Some(verified_golden(o, &m.id, p, port.golden.get(&p.id))?)
+            Some(verified_golden(
+                o,
+                &m,
+                &port.capture,
+                p,
+                port.golden.get(&p.id),
+            )?)
         });
     }
     let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
@@ -532,6 +562,9 @@ fn check_generation(
         },
     );
     let tokens_differ = found.first().map(|f| f.about.count);
+    // A tensor on one side only, or of another shape, is a difference of the two paths too:
+    // without it a run that leaves its decode steps out of one trace would compare nothing.
+    found.extend(diff_findings(&rep));
     for row in &rep.per_tensor {
         if let Some(kind) = policy_kind(row.status) {
             let detail = row.violation().map_or_else(
@@ -548,7 +581,7 @@ fn check_generation(
             c,
             Status::Pass,
             format!(
-                "{} greedy tokens: {} with and without the KV cache; {} of {} tensors outside policy {}",
+                "{} greedy tokens: {} with and without the KV cache; {} finding(s) over {} tensors under policy {}",
                 a.len(),
                 tokens_differ.map_or("equal".to_string(), |n| format!("{n} differ")),
                 found.len() - usize::from(tokens_differ.is_some()),

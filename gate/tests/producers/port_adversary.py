@@ -1,0 +1,70 @@
+"""Test-only port: another producer (the example producer, say) whose `trace` output is rewritten
+with tracegate.TraceWriter, to try to make a port milestone's rules pass a real defect.
+
+    python gate/tests/producers/port_adversary.py --exe PATH [--when on|off|both] EDIT... {verb} {args}
+
+`--when` picks the runs edited by their `--cache` (default both; a run without --generate is
+`on`). Edits:
+  --drop TENSOR      TENSOR left out of the trace
+  --bits TENSOR=HEX  the first element of the f32 TENSOR given these bits (0x7fc00000: a NaN)
+
+The `layer` verb is the base's, unchanged. Not for real use.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import tracegate
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    exe, when, drop, bits = None, "both", [], []
+    while argv and argv[0].startswith("--") and argv[0] in ("--exe", "--when", "--drop", "--bits"):
+        flag, value, argv = argv[0], argv[1], argv[2:]
+        if flag == "--exe":
+            exe = value
+        elif flag == "--when":
+            when = value
+        elif flag == "--drop":
+            drop.append(value)
+        else:
+            bits.append(value)
+    if exe is None or not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    cache = argv[argv.index("--cache") + 1] if "--cache" in argv else "on"
+    if argv[0] != "trace" or when not in ("both", cache):
+        return subprocess.call([exe, *argv])
+    out = argv[argv.index("--out") + 1]
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = os.path.join(tmp, "clean.trace")
+        argv[argv.index("--out") + 1] = clean
+        rc = subprocess.call([exe, *argv], stdout=subprocess.DEVNULL)
+        if rc:
+            return rc
+        t = tracegate.Trace(clean)
+        for name in drop + [b.split("=")[0] for b in bits]:
+            if name not in t.names:  # an edit of nothing proves nothing
+                print(f"port_adversary: no tensor {name} to edit", file=sys.stderr)
+                return 3
+        with tracegate.TraceWriter(out, t.provenance) as w:
+            for name in t.names:
+                if name in drop:
+                    continue
+                array = np.array(t[name])
+                for b in bits:
+                    tensor, hexbits = b.split("=")
+                    if tensor == name:
+                        array.reshape(-1).view(np.uint32)[0] = int(hexbits, 16)
+                w.tensor(name, array, **dict(t.attributes(name)))
+            for name, values in t.decisions.items():
+                w.decision(name, np.array(values), margins=t.margins[name])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
