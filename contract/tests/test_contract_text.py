@@ -144,3 +144,33 @@ def test_chat_without_a_template_is_refused(tmp_path, capsys):
     assert _run("trace", "--model", d, "--text", "hello", "--chat", "--out", tmp_path / "x") == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --chat: the tokenizer in {d} has no chat template"), err
+
+
+def test_the_engine_takes_text_to_the_contracts_trace(model, tmp_path):
+    """`engine trace --text` tokenizes through tracegate.text, so its ids are the contract's:
+    the two traces of one text are bit-identical, and the engine records the same prompt_text."""
+    from test_engine_identity import ENGINE
+
+    engine_out, contract_out = tmp_path / "engine.trace", tmp_path / "contract.trace"
+    common = ["--model", str(model), "--text", TEXT, "--chat", "--generate", "2"]
+    e = subprocess.run(
+        [ENGINE, "trace", *common, "--out", str(engine_out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TRACEGATE_PYTHON": sys.executable},
+    )
+    assert e.returncode == 0, e.stderr
+    assert _run("trace", *common, "--out", contract_out) == 0
+    a, b = Trace(str(engine_out)), Trace(str(contract_out))
+    assert a.digest == b.digest
+    assert a.provenance["prompt_text"] == b.provenance["prompt_text"]
+    assert a.provenance["prompt_text"]["chat"] is True
+    # Negative control: --chat without --text is refused in one line.
+    r = subprocess.run(
+        [ENGINE, "trace", "--model", str(model), "--tokens", "1", "--chat", "--out", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--chat: only with --text" in r.stderr, r.stderr

@@ -51,10 +51,19 @@ enum Cmd {
             long,
             value_delimiter = ',',
             allow_negative_numbers = true,
-            required = true,
+            required_unless_present = "text",
+            conflicts_with = "text",
             value_parser = tracegate_trace::protocol::token_id
         )]
         tokens: Vec<i64>,
+        /// The prompt as text instead, tokenized by the model directory's own tokenizer
+        /// (`python -m tracegate.text`: TRACEGATE_PYTHON, else tracegate's .venv; docs/producers.md
+        /// "Text prompts").
+        #[arg(long)]
+        text: Option<String>,
+        /// With --text: the text as one user message in the tokenizer's chat template.
+        #[arg(long)]
+        chat: bool,
         /// Trace file to write (replaced only once complete).
         #[arg(long)]
         out: PathBuf,
@@ -128,26 +137,45 @@ fn main() -> ExitCode {
     let command_line: Vec<String> = std::env::args().collect();
     let result = match cli.cmd {
         Cmd::Trace {
+            chat: true,
+            text: None,
+            ..
+        } => Err(tracegate_engine::Error::Input(
+            "--chat: only with --text (a chat template applies to a text prompt)".into(),
+        )),
+        Cmd::Trace {
             model,
             tokens,
+            text,
+            chat,
             out,
             capture,
             generate,
             cache,
             threads,
             force_decisions,
-        } => run_trace(&TraceOptions {
-            model_dir: model,
-            tokens,
-            out: out.clone(),
-            internals: matches!(capture, CaptureSet::Internals),
-            generate,
-            cache: matches!(cache, OnOff::On),
-            threads,
-            command_line,
-            force_decisions,
-        })
-        .map(|d| format!("{} {}", d.hex(), out.display())),
+        } => match text.map(|t| tokenize(&model, &t, chat)).transpose() {
+            Err(e) => Err(e),
+            Ok(tokenized) => {
+                let (tokens, prompt_text) = match tokenized {
+                    Some((ids, record)) => (ids, Some(record)),
+                    None => (tokens, None),
+                };
+                run_trace(&TraceOptions {
+                    model_dir: model,
+                    tokens,
+                    out: out.clone(),
+                    internals: matches!(capture, CaptureSet::Internals),
+                    generate,
+                    cache: matches!(cache, OnOff::On),
+                    threads,
+                    command_line,
+                    force_decisions,
+                    prompt_text,
+                })
+                .map(|d| format!("{} {}", d.hex(), out.display()))
+            }
+        },
         Cmd::Layer {
             model,
             layer,
@@ -187,6 +215,58 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `--text`: the ids of `text` by the model's own tokenizer, and the provenance record
+/// `prompt_text`, from `python -m tracegate.text` — one tokenization for every producer, so the
+/// engine's ids are the contract's and the oracle's.
+fn tokenize(
+    model: &std::path::Path,
+    text: &str,
+    chat: bool,
+) -> Result<(Vec<i64>, serde_json::Value), tracegate_engine::Error> {
+    let refuse = |what: String| tracegate_engine::Error::Input(format!("--text: {what}"));
+    let python = std::env::var("TRACEGATE_PYTHON").unwrap_or_else(|_| {
+        let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        manifest
+            .parent()
+            .unwrap_or(manifest)
+            .join(".venv/bin/python")
+            .display()
+            .to_string()
+    });
+    let mut cmd = std::process::Command::new(&python);
+    cmd.args(["-m", "tracegate.text", "--model"])
+        .arg(model)
+        .arg(format!("--text={text}"));
+    if chat {
+        cmd.arg("--chat");
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| refuse(format!("cannot run {python} -m tracegate.text: {e} (set TRACEGATE_PYTHON to a Python with tracegate and transformers)")))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(refuse(
+            err.trim()
+                .lines()
+                .last()
+                .unwrap_or("tokenizing failed")
+                .trim_start_matches("error: ")
+                .to_string(),
+        ));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| refuse(format!("python -m tracegate.text printed no JSON: {e}")))?;
+    let ids: Vec<i64> = v["tokens"]
+        .as_array()
+        .and_then(|a| a.iter().map(serde_json::Value::as_i64).collect())
+        .filter(|ids: &Vec<i64>| !ids.is_empty())
+        .ok_or_else(|| refuse("python -m tracegate.text gave no token ids".into()))?;
+    let record = serde_json::json!({
+        "text": text, "chat": chat, "template": v["template"], "tokenizer_digest": v["tokenizer_digest"],
+    });
+    Ok((ids, record))
 }
 
 #[cfg(test)]

@@ -31,6 +31,9 @@ pub struct TraceOptions {
     pub command_line: Vec<String>,
     /// `--force-decisions`: take the router top-k and greedy tokens from this trace.
     pub force_decisions: Option<PathBuf>,
+    /// `--text`: the prompt as text and how it was tokenized (`prompt_text` in provenance,
+    /// docs/producers.md "Text prompts"); `tokens` are its ids.
+    pub prompt_text: Option<serde_json::Value>,
 }
 
 pub struct LayerOptions {
@@ -284,6 +287,9 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     unused_provenance(&mut prov, &model);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
+    if let Some(text) = &o.prompt_text {
+        prov["prompt_text"] = text.clone();
+    }
     prov["cache"] = json!(if o.cache { "on" } else { "off" });
     prov["generate"] = json!(o.generate);
     write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)

@@ -26,6 +26,7 @@ fn trace_opts(model: &Path, out: PathBuf, tokens: &[i64]) -> TraceOptions {
         threads: 1,
         command_line: vec![],
         force_decisions: None,
+        prompt_text: None,
     }
 }
 

@@ -307,6 +307,7 @@ fn opts(model: &Path, out: PathBuf) -> TraceOptions {
         threads: 1,
         command_line: vec![],
         force_decisions: None,
+        prompt_text: None,
     }
 }
 

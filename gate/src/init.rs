@@ -11,7 +11,7 @@ use crate::milestones::{
 };
 use crate::paths::UserPaths;
 use crate::producer::{Producer, Verb};
-use crate::run::{install_root, run_milestone, GateOptions, AUTO_POLICY};
+use crate::run::{install_root, run_milestone, tokenize_text, GateOptions, AUTO_POLICY};
 use crate::{gerr, prompts, Result};
 
 /// What `gate init` was asked (paths relative to where it was started).
@@ -95,12 +95,23 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
         Some(p) => up.absolute(p),
         None => install_root().join("fixtures/prompts/frozen.json"),
     };
-    let set = prompts::load(&prompt_src)?;
-    check_vocab(&set, &config, &config_path)?;
+    let mut set = prompts::load(&prompt_src)?;
     // The gate works from the root; a prompt file outside it is copied in, so the project
     // stands alone.
     std::env::set_current_dir(&root_abs).map_err(|e| gerr!("{}: {e}", root_abs.display()))?;
     let root = PathBuf::from(".");
+    let model = model.display().to_string();
+    // Text prompts get their ids from the model's tokenizer here for the checks below; the
+    // first run tokenizes them again and records them with the tokenizer's digest.
+    if set.prompts.iter().any(|p| p.text.is_some()) {
+        let t = tokenize_text(&root, &model, &set, a.timeout)?;
+        for p in set.prompts.iter_mut() {
+            if let Some(ids) = t.prompts.get(&p.id) {
+                p.tokens = ids.tokens.clone();
+            }
+        }
+    }
+    check_vocab(&set, &config, &config_path)?;
     let (prompt_rel, copied) = match up.resolve(&prompt_src) {
         // A bare name would read as a bundled set's (prompts::is_path).
         rel if rel.is_relative() && prompts::is_path(&rel.display().to_string()) => {
@@ -115,7 +126,6 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
             root_abs.display()
         ));
     }
-    let model = model.display().to_string();
     let work = a
         .work
         .as_ref()
@@ -175,6 +185,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
                 capture: a.capture.clone(),
                 golden: Default::default(),
                 expect: Default::default(),
+                tokenized: None,
             }),
         }],
     };

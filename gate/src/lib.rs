@@ -17,6 +17,7 @@ pub mod progress;
 pub mod prompts;
 pub mod report;
 pub mod run;
+pub mod tokenizer;
 pub mod worker;
 
 use std::path::{Path, PathBuf};

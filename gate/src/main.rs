@@ -340,7 +340,10 @@ fn bisect_options(
     let tokens = match (&a.tokens, &a.prompt, &stored) {
         (Some(t), None, _) => prompts::parse_tokens(t)?,
         (None, Some(id), _) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
-            .and_then(|s| s.get(id).map(|p| p.tokens.clone()))?,
+            .and_then(|s| {
+                s.token_ids_only("gate bisect")?;
+                s.get(id).map(|p| p.tokens.clone())
+            })?,
         (None, None, Some(s)) => s.tokens.clone(),
         _ => return Err(gerr!("bisect needs --tokens IDS or --prompt ID")),
     };

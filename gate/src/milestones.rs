@@ -54,6 +54,27 @@ pub struct Port {
     /// Per prompt id: what the candidate produced when last blessed.
     #[serde(default)]
     pub expect: BTreeMap<String, PortExpectation>,
+    /// The text prompts' ids as the model's tokenizer gave them when blessed, with that
+    /// tokenizer's digest: a changed tokenizer is refused as a changed prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenized: Option<Tokenized>,
+}
+
+/// Text prompts tokenized once (`python -m tracegate.text --prompts`, docs/producers.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tokenized {
+    /// `tracegate.text.tokenizer_digest` of the model directory (crate::tokenizer).
+    pub tokenizer_digest: String,
+    /// Per text prompt id: its ids and the chat template used (null without `chat`).
+    pub prompts: BTreeMap<String, TokenizedPrompt>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizedPrompt {
+    pub tokens: Vec<i64>,
+    pub template: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -10,7 +10,18 @@ use crate::{gerr, Result};
 #[derive(Clone, Debug)]
 pub struct Prompt {
     pub id: String,
+    /// The token ids; for a text prompt, empty until the model's tokenizer has given them (a
+    /// port milestone records them: run/port.rs).
     pub tokens: Vec<i64>,
+    /// A text prompt: tokenized once by the model's own tokenizer (docs/gate.md, "Prompt sets").
+    pub text: Option<TextPrompt>,
+}
+
+/// A prompt given as text, optionally through the tokenizer's chat template.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TextPrompt {
+    pub text: String,
+    pub chat: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -41,11 +52,16 @@ struct PromptFile {
 #[serde(deny_unknown_fields)]
 struct PromptEntry {
     id: String,
-    tokens: Vec<i64>,
+    #[serde(default)]
+    tokens: Option<Vec<i64>>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    chat: Option<bool>,
 }
 
 const FILE_FIELDS: [&str; 4] = ["schema", "about", "vocab_min", "prompts"];
-const ENTRY_FIELDS: [&str; 2] = ["id", "tokens"];
+const ENTRY_FIELDS: [&str; 4] = ["id", "tokens", "text", "chat"];
 
 /// The first field of the file or of a prompt entry that the gate does not read, named with
 /// the entry (serde's own refusal says only the line).
@@ -149,10 +165,23 @@ pub fn load(path: &Path) -> Result<PromptSet> {
                 p.id
             ));
         }
-        if p.tokens.is_empty() {
+        let at = |what: &str| gerr!("{}: prompt {:?} {what}", path.display(), p.id);
+        let tokens = match (&p.tokens, &p.text, p.chat) {
+            (Some(_), Some(_), _) => {
+                return Err(at(
+                    "has both tokens and text: give one (docs/gate.md, \"Prompt sets\")",
+                ))
+            }
+            (None, None, _) => return Err(at("has neither tokens nor text")),
+            (Some(_), None, Some(_)) => return Err(at("has chat without text")),
+            (None, Some(t), _) if t.is_empty() => return Err(at("has an empty text")),
+            (None, Some(_), _) => continue,
+            (Some(t), None, None) => t,
+        };
+        if tokens.is_empty() {
             return Err(gerr!("{}: prompt {:?} has no tokens", path.display(), p.id));
         }
-        if let Some(t) = p.tokens.iter().find(|&&t| t < 0) {
+        if let Some(t) = tokens.iter().find(|&&t| t < 0) {
             return Err(gerr!(
                 "{}: prompt {:?} has a negative token id {t}",
                 path.display(),
@@ -174,7 +203,11 @@ pub fn load(path: &Path) -> Result<PromptSet> {
             .into_iter()
             .map(|p| Prompt {
                 id: p.id,
-                tokens: p.tokens,
+                tokens: p.tokens.unwrap_or_default(),
+                text: p.text.map(|text| TextPrompt {
+                    text,
+                    chat: p.chat.unwrap_or(false),
+                }),
             })
             .collect(),
     })
@@ -202,6 +235,19 @@ impl PromptSet {
             .filter(|p| only.contains(&p.id))
             .cloned()
             .collect())
+    }
+
+    /// Refuses a set with text prompts where nothing tokenizes them: only a port milestone
+    /// records a tokenizer's ids (`gate init`); `what` names the place that needs ids.
+    pub fn token_ids_only(&self, what: &str) -> Result<()> {
+        match self.prompts.iter().find(|p| p.text.is_some()) {
+            Some(p) => Err(gerr!(
+                "{}: prompt {:?} is text, and {what} needs token ids: text prompts are tokenized by a port milestone (gate init, docs/gate.md \"Gate your own engine\"), or give tokens",
+                self.path.display(),
+                p.id
+            )),
+            None => Ok(()),
+        }
     }
 
     pub fn get(&self, id: &str) -> Result<&Prompt> {

@@ -165,7 +165,7 @@ fn prompt_sets_refuse_unknown_fields_and_repeated_keys() {
     );
     let e = prompts::load(&p).unwrap_err().to_string();
     assert!(
-        e.contains(r#"unknown field "generate" (a prompt has id, tokens)"#),
+        e.contains(r#"unknown field "generate" (a prompt has id, tokens, text, chat)"#),
         "{e}"
     );
 }

@@ -628,3 +628,124 @@ fn the_documented_workflow_gates_a_port() {
         "{text}"
     );
 }
+
+#[test]
+fn text_prompts_are_tokenized_once_and_a_changed_tokenizer_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // A model with a tokenizer (trace/python/tests/tiny_tokenizer.py: a WordLevel one in a copy
+    // of tiny-qwen3, with a chat template).
+    let made = std::process::Command::new(repo().join(".venv/bin/python"))
+        .args([
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import tiny_tokenizer as t; t.model_with_tokenizer(sys.argv[2])",
+        ])
+        .arg(repo().join("trace/python/tests"))
+        .arg(d.join("model"))
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    std::fs::write(
+        d.join("p.json"),
+        r#"{"schema": 1, "prompts": [{"id": "plain", "text": "the cat sat on a mat"},
+            {"id": "chat", "text": "hello world", "chat": true}, {"id": "ids", "tokens": [5, 6, 7]}]}"#,
+    )
+    .unwrap();
+    let cmd = port_cmd("");
+    let out = gate(
+        d,
+        &[
+            "init",
+            "--model",
+            "model",
+            "--candidate-cmd",
+            &cmd,
+            "--prompts",
+            "p.json",
+            "--generate",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let m = milestones(d);
+    let t = &m["milestones"][0]["port"]["tokenized"];
+    // The tokenizer's own ids, asked of it independently of the gate.
+    let asked = std::process::Command::new(repo().join(".venv/bin/python"))
+        .args([
+            "-c",
+            "import sys, json; from tokenizers import Tokenizer; t = Tokenizer.from_file(sys.argv[1]); print(json.dumps(t.encode('the cat sat on a mat').ids))",
+        ])
+        .arg(d.join("model/tokenizer.json"))
+        .output()
+        .unwrap();
+    let want: Value = serde_json::from_slice(&asked.stdout).unwrap();
+    assert_eq!(t["prompts"]["plain"]["tokens"], want);
+    assert!(t["prompts"]["chat"]["template"].is_string());
+    assert!(
+        t["prompts"].get("ids").is_none(),
+        "a token prompt is not tokenized"
+    );
+    // The golden trace is of those ids.
+    let g = tracegate_trace::Trace::open(d.join("golden/plain.trace")).unwrap();
+    assert_eq!(g.provenance()["prompt_tokens"], want);
+    // No Python at run time: the tokenizer's digest is the gate's own (crate::tokenizer).
+    let out = gate(
+        d,
+        &["run", "port"],
+        &[("TRACEGATE_PYTHON", "/nonexistent/python")],
+    );
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // A changed tokenizer is a changed prompt.
+    let cfg = d.join("model/tokenizer_config.json");
+    let mut bytes = std::fs::read(&cfg).unwrap();
+    bytes.push(b'\n');
+    std::fs::write(&cfg, &bytes).unwrap();
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 2, "{}", out.stdout);
+    assert!(
+        out.stderr.contains("the tokenizer changed"),
+        "{}",
+        out.stderr
+    );
+    let out = gate(d, &["run", "port", "--bless"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("text prompts tokenized (tokenizer "),
+        "{}",
+        out.stdout
+    );
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // Where nothing tokenizes, a text prompt is refused: the self-checks and gate bisect.
+    for args in [
+        vec!["m0", "--prompts"],
+        vec![
+            "bisect",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--reference",
+            "engine",
+            "--candidate",
+            "contract",
+            "--prompt",
+            "plain",
+            "--prompts",
+        ],
+    ] {
+        let mut args = args.clone();
+        let p = d.join("p.json");
+        args.push(p.to_str().unwrap());
+        let out = gate(&repo(), &args, &[]);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("prompt \"plain\" is text"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+}

@@ -31,6 +31,7 @@ pub fn engine_child(argv: &[String]) -> crate::Result<()> {
             threads,
             command_line: argv.to_vec(),
             force_decisions: force.map(PathBuf::from),
+            prompt_text: None,
         })
         .map(|_| ())
         .map_err(crate::Error::from),

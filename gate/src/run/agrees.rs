@@ -311,6 +311,7 @@ mod tests {
         let p = Prompt {
             id: "p".into(),
             tokens: vec![1, 2],
+            text: None,
         };
         let policy = Policy::load(
             &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

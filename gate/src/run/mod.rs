@@ -28,6 +28,7 @@ mod prompt;
 mod recorded;
 mod report;
 
+pub(crate) use port::tokenize_text;
 pub use port::AUTO_POLICY;
 
 pub use report::*;
@@ -206,6 +207,9 @@ impl Settled {
         let m = file.get(&o.milestone)?.clone();
         let prompt_path = prompts::resolve(&o.root, o.prompts.as_deref().unwrap_or(&m.prompts.set));
         let set: PromptSet = prompts::load(&prompt_path)?;
+        if m.port.is_none() {
+            set.token_ids_only(&format!("milestone {}", m.id))?;
+        }
         if set.sha256 != m.prompts.sha256 && !o.bless {
             return Err(gerr!(
                 "{}: sha256 {} differs from milestone {}'s record {} — changing prompts changes the gate; rerun with --bless to accept it",

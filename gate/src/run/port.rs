@@ -15,6 +15,7 @@
 //! changed only by `--bless`, which re-runs the reference and prints what changed.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use serde_json::{json, Value};
 use tracegate_diff::{FindingKind, Options, Policy};
@@ -30,9 +31,9 @@ use super::{
     MilestoneReport, Plan, PromptResult, PromptRuns, Role, Settled, Status, REPORT_SCHEMA,
 };
 use crate::baselines::BaselineFile;
-use crate::milestones::{Golden, Milestone, Port, PortExpectation};
+use crate::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
 use crate::producer::{Producer, RunRecord, Verb};
-use crate::prompts::Prompt;
+use crate::prompts::{Prompt, PromptSet};
 use crate::{gerr, Result};
 
 /// The policy a new port milestone records until its first run has chosen one: the bundled
@@ -59,6 +60,88 @@ fn reference_producer(o: &GateOptions, port: &Port) -> Result<Producer> {
             "milestones.json: port reference producer {other:?} is neither \"oracle\" nor \"cmd\" (with its cmd)"
         )),
     }
+}
+
+/// The text prompts of `set` tokenized by `model`'s own tokenizer, through the oracle's Python
+/// (`python -m tracegate.text --prompts`, docs/producers.md "Text prompts").
+pub(crate) fn tokenize_text(
+    root: &Path,
+    model: &str,
+    set: &PromptSet,
+    timeout: std::time::Duration,
+) -> Result<Tokenized> {
+    let py = super::python(root, "TRACEGATE_ORACLE_PYTHON");
+    let argv = [
+        py.clone(),
+        "-m".into(),
+        "tracegate.text".into(),
+        "--model".into(),
+        model.to_string(),
+        "--prompts".into(),
+        set.path.display().to_string(),
+    ];
+    let out = crate::producer::run_helper(root, &argv, timeout).map_err(|e| {
+        gerr!(
+            "tokenizing the text prompts of {} with {model}'s tokenizer ({py}): {e}",
+            set.path.display()
+        )
+    })?;
+    let t: Tokenized = serde_json::from_str(out.trim())
+        .map_err(|e| gerr!("python -m tracegate.text printed no tokenization: {e}"))?;
+    if let Some(p) = set
+        .prompts
+        .iter()
+        .find(|p| p.text.is_some() && !t.prompts.contains_key(&p.id))
+    {
+        return Err(gerr!(
+            "python -m tracegate.text gave no ids for text prompt {:?}",
+            p.id
+        ));
+    }
+    Ok(t)
+}
+
+/// The ids of the text prompts among `plan.selected`, filled in: tokenized anew when blessing
+/// (returned, to be recorded), else the recorded ids, held to the tokenizer digest recorded with
+/// them — a changed tokenizer is refused as a changed prompt is.
+fn resolve_text(o: &GateOptions, plan: &mut Plan, port: &Port) -> Result<Option<Tokenized>> {
+    if plan.set.prompts.iter().all(|p| p.text.is_none()) {
+        return Ok(None);
+    }
+    let m = &plan.m.id;
+    let tokenized = if o.bless {
+        tokenize_text(&o.root, &plan.model, &plan.set, o.timeout)?
+    } else {
+        let recorded = port.tokenized.clone().ok_or_else(|| {
+            gerr!("{}: text prompts, and milestone {m} records no ids for them: tokenize them with `gate run {m} --bless`", plan.set.path.display())
+        })?;
+        let now = crate::tokenizer::tokenizer_digest(&o.root.join(&plan.model))?;
+        if now != recorded.tokenizer_digest {
+            return Err(gerr!(
+                "{}: the tokenizer changed (digest {now}, recorded {}): its text prompts' ids may have too — changing the tokenizer changes the gate; rerun with --bless to accept it",
+                plan.model,
+                recorded.tokenizer_digest
+            ));
+        }
+        recorded
+    };
+    for p in plan.selected.iter_mut().filter(|p| p.text.is_some()) {
+        let ids = tokenized.prompts.get(&p.id).ok_or_else(|| {
+            gerr!(
+                "milestone {m}: no ids recorded for text prompt {:?}: run with --bless",
+                p.id
+            )
+        })?;
+        p.tokens = ids.tokens.clone();
+        crate::prompts::check_fits(
+            &o.root,
+            &plan.model,
+            Some(&p.id),
+            p.tokens.len(),
+            plan.generate,
+        )?;
+    }
+    Ok(Some(tokenized))
 }
 
 /// A golden trace as recorded, or why it may not be judged against (a refusal: exit 2): one that
@@ -153,6 +236,7 @@ pub(super) fn run(
     let candidate = Producer::command("candidate", &port.candidate.cmd)
         .map_err(|e| gerr!("milestones.json: milestone {}: {e}", m.id))?;
     let reference = reference_producer(o, &port)?;
+    let tokenized = resolve_text(o, &mut plan, &port)?;
     // Before anything runs: a golden trace that is not the one recorded is refused.
     let mut goldens: Vec<Option<Trace>> = Vec::new();
     for p in &plan.selected {
@@ -289,7 +373,14 @@ pub(super) fn run(
         .wall_s
         .insert("total", started.elapsed().as_secs_f64());
     let log = if o.bless {
-        Some(bless(o, &plan, &report, &mut settled, &mut bl_file)?)
+        Some(bless(
+            o,
+            &plan,
+            &report,
+            tokenized,
+            &mut settled,
+            &mut bl_file,
+        )?)
     } else {
         None
     };
@@ -664,6 +755,7 @@ fn bless(
     o: &GateOptions,
     plan: &Plan,
     report: &MilestoneReport,
+    tokenized: Option<Tokenized>,
     settled: &mut Settled,
     bl_file: &mut BaselineFile,
 ) -> Result<String> {
@@ -698,6 +790,23 @@ fn bless(
         .port
         .as_mut()
         .ok_or_else(|| gerr!("milestone {id} is not a port milestone"))?;
+    if port.tokenized != tokenized {
+        let digest = |t: &Option<Tokenized>| {
+            t.as_ref()
+                .map_or("none".to_string(), |t| t.tokenizer_digest[..16].to_string())
+        };
+        log.push(format!(
+            "{id}: text prompts tokenized (tokenizer {} -> {}){}",
+            digest(&port.tokenized),
+            digest(&tokenized),
+            tokenized
+                .iter()
+                .flat_map(|t| &t.prompts)
+                .map(|(pid, t)| format!("; {pid} {:?}", t.tokens))
+                .collect::<String>()
+        ));
+        port.tokenized = tokenized;
+    }
     let mut moves = Vec::new();
     for r in &report.prompts {
         let Some(digest) = r.digests.get("reference") else {
