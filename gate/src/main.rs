@@ -675,7 +675,9 @@ fn answer(reps: &[MilestoneReport], checks: &[Check]) -> (&'static str, String) 
         );
     }
     if relevant.is_empty() {
-        return ("NOT CHECKED", "no check ran".into());
+        // Not a check that did not run: one this milestone does not state (a port whose
+        // candidate is not declared deterministic has no `stable`). Its exit code is the runs'.
+        return ("NOT CLAIMED", "the milestone states no such check".into());
     }
     let per_model: Vec<String> = reps
         .iter()
@@ -789,7 +791,14 @@ fn main() -> ExitCode {
                 stdout = stdout.and(printed);
                 let stable = answer(&reps, &[Check::Stable]);
                 let matches = answer(&reps, &[Check::Matches, Check::Generation]);
-                let agrees = answer(&reps, &[Check::Agrees, Check::GenerationOracle]);
+                let agrees = answer(
+                    &reps,
+                    &[
+                        Check::Agrees,
+                        Check::GenerationOracle,
+                        Check::GenerationReference,
+                    ],
+                );
                 table.push(format!(
                     "{:<4} stable: {:<11} matches: {:<11} agrees: {:<11}\n     stable  — {}\n     matches — {}\n     agrees  — {}",
                     m.id, stable.0, matches.0, agrees.0, stable.1, matches.1, agrees.1

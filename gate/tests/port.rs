@@ -455,21 +455,8 @@ fn adversary(edits: &str) -> String {
     )
 }
 
-fn checks_of(r: &Value) -> Vec<Value> {
-    r["prompts"][0]["checks"].as_array().unwrap().clone()
-}
-
-#[test]
-fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
-    let dir = project(&[]);
-    let d = dir.path();
-    // Negative control: the adversary with no edit passes.
-    set_candidate(d, &adversary(""));
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
-    // The same tokens, and the cached trace as clean as ever; the uncached one lacks a step's
-    // logits, so a comparison of what both hold would see no difference.
-    set_candidate(d, &adversary("--when off --drop decode.0001.logits"));
+/// `gate run port --only short`, which must fail (exit 1): its check `name`.
+fn failing_check(d: &Path, name: &str) -> Value {
     let rp = d.join("r.json");
     let out = gate(
         d,
@@ -485,10 +472,27 @@ fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
     );
     assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
     let r = report(&rp);
-    let gen = checks_of(&r)
-        .into_iter()
-        .find(|c| c["check"] == "generation")
-        .unwrap();
+    r["prompts"][0]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no {name}: {r}"))
+        .clone()
+}
+
+#[test]
+fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
+    let dir = project(&[]);
+    let d = dir.path();
+    // Negative control: the adversary with no edit passes.
+    set_candidate(d, &adversary(""));
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The same tokens, and the cached trace as clean as ever; the uncached one lacks a step's
+    // logits, so a comparison of what both hold would see no difference.
+    set_candidate(d, &adversary("--when off --drop decode.0001.logits"));
+    let gen = failing_check(d, "generation");
     assert_eq!(gen["status"], "FAIL", "{gen}");
     assert!(
         gen["findings"]
@@ -507,25 +511,7 @@ fn a_nan_in_both_runs_of_the_candidate_fails_agrees() {
     let dir = project(&[]);
     let d = dir.path();
     set_candidate(d, &adversary("--bits decode.0002.logits=7fc00000"));
-    let rp = d.join("r.json");
-    let out = gate(
-        d,
-        &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
-    let r = report(&rp);
-    let agrees = checks_of(&r)
-        .into_iter()
-        .find(|c| c["check"] == "agrees")
-        .unwrap();
+    let agrees = failing_check(d, "agrees");
     assert_eq!(agrees["status"], "FAIL", "{agrees}");
     assert!(
         agrees["findings"]
@@ -748,4 +734,19 @@ fn text_prompts_are_tokenized_once_and_a_changed_tokenizer_is_refused() {
             out.stderr
         );
     }
+}
+
+#[test]
+fn a_bf16_golden_trace_holds_an_f32_port_to_the_bf16_policy_which_still_catches_a_cache_defect() {
+    // The coarser side sets the precision: an f32 candidate against transformers in bf16.
+    let dir = project(&["--dtype", "bf16"]);
+    let d = dir.path();
+    assert_eq!(milestones(d)["milestones"][0]["policy"], "bf16");
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // (A dropped k_norm weight is not caught here: on this fixture it moves layer 03's attn_out
+    // by a relative L2 of 3.8e-2, inside the bf16 bounds; the f32 test above catches it.)
+    set_candidate(d, &port_cmd(" --plant decode-pos"));
+    let gen = failing_check(d, "generation");
+    assert_eq!(gen["status"], "FAIL", "{gen}");
 }

@@ -580,46 +580,63 @@ fn judge_plan(
     for (p, runs) in plan.selected.iter().zip(runs) {
         let result =
             prompt::judge_prompt(o, &plan.m, &plan.mm, p, runs, &plan.policy, oracle_probe);
-        let line = format!(
-            "{} {}: {}",
-            dir_name(&plan.model),
-            p.id,
-            result
-                .checks
-                .iter()
-                .map(|c| format!("{} {}", c.check, c.status))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        crate::progress::step(line);
+        plan.judged(&result);
         results.push(result);
     }
-    let (baselines, baselines_not_selected) =
+    let baselines =
         recorded::check_baselines(plan, &bl_file.baselines, &results, o.assert_observed);
-    let m = &plan.m;
-    let mut report = MilestoneReport {
-        schema: REPORT_SCHEMA,
-        milestone: m.id.clone(),
-        claim: m.claim.clone(),
-        model: plan.model.clone(),
-        family: plan.mm.family.clone(),
-        prompt_file: plan.prompt_path.display().to_string(),
-        prompt_sha256: plan.set.sha256.clone(),
-        generate: plan.generate,
-        threads: o.threads,
-        timeout_s: o.timeout.as_secs(),
-        policy: m.policy.clone(),
-        gate_invocation: o.gate_invocation.clone(),
-        stack: stack_versions(oracle_probe),
-        prompts: results,
-        baselines,
-        baselines_not_selected,
-        totals: BTreeMap::new(),
-        wall_s: BTreeMap::new(),
-        verdict: GateVerdict::Fail,
-    };
-    (report.totals, report.verdict) = tally(&report);
-    report
+    plan.report(o, stack_versions(oracle_probe), results, baselines)
+}
+
+impl Plan {
+    /// The progress line of a judged prompt: its checks and their statuses.
+    fn judged(&self, r: &PromptResult) {
+        let checks: Vec<String> = r
+            .checks
+            .iter()
+            .map(|c| format!("{} {}", c.check, c.status))
+            .collect();
+        crate::progress::step(format!(
+            "{} {}: {}",
+            dir_name(&self.model),
+            r.id,
+            checks.join(", ")
+        ));
+    }
+
+    /// This model's report: its prompts' results and its baselines (checked, and those of
+    /// prompts `--only` left out), tallied.
+    fn report(
+        &self,
+        o: &GateOptions,
+        stack: Value,
+        results: Vec<PromptResult>,
+        (baselines, baselines_not_selected): (Vec<CheckResult>, Vec<String>),
+    ) -> MilestoneReport {
+        let mut report = MilestoneReport {
+            schema: REPORT_SCHEMA,
+            milestone: self.m.id.clone(),
+            claim: self.m.claim.clone(),
+            model: self.model.clone(),
+            family: self.mm.family.clone(),
+            prompt_file: self.prompt_path.display().to_string(),
+            prompt_sha256: self.set.sha256.clone(),
+            generate: self.generate,
+            threads: o.threads,
+            timeout_s: o.timeout.as_secs(),
+            policy: self.m.policy.clone(),
+            gate_invocation: o.gate_invocation.clone(),
+            stack,
+            prompts: results,
+            baselines,
+            baselines_not_selected,
+            totals: BTreeMap::new(),
+            wall_s: BTreeMap::new(),
+            verdict: GateVerdict::Fail,
+        };
+        (report.totals, report.verdict) = tally(&report);
+        report
+    }
 }
 
 /// Every check's status counted, and the verdict: FAIL when anything failed or nothing passed,

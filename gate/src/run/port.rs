@@ -27,8 +27,8 @@ use super::checks::{
 };
 use super::prompt::{counts, decode_tokens, open, Opened};
 use super::{
-    finding, recorded, tally, Check, CheckResult, GateOptions, GateVerdict, Generated,
-    MilestoneReport, Plan, PromptResult, PromptRuns, Role, Settled, Status, REPORT_SCHEMA,
+    finding, recorded, Check, CheckResult, GateOptions, Generated, MilestoneReport, Plan,
+    PromptResult, PromptRuns, Role, Settled, Status,
 };
 use crate::baselines::BaselineFile;
 use crate::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
@@ -287,7 +287,7 @@ pub(super) fn run(
             r.get(Role::Candidate)
                 .and_then(|rec| open(&o.root, rec).ok())
         });
-        let precision = first.as_ref().map(crate::bisect_judge::precision).ok_or_else(|| {
+        let candidate = first.as_ref().map(crate::bisect_judge::precision).ok_or_else(|| {
             let why = runs
                 .first()
                 .and_then(|r| r.get(Role::Candidate))
@@ -295,22 +295,22 @@ pub(super) fn run(
                 .unwrap_or_default();
             gerr!(Producer: "the candidate wrote no trace, so its precision (and the policy for it) is unknown: {why}")
         })?;
+        // The coarser of the two sides' precisions: a bf16 golden trace (`--dtype bf16`) holds an
+        // f32 candidate to the bf16 bounds, as it does a bf16 candidate to an f32 golden trace.
+        let coarse = |p: &str| ["f32", "f16", "bf16"].iter().position(|q| *q == p);
+        let precision = goldens
+            .iter()
+            .map(crate::bisect_judge::precision)
+            .chain([candidate])
+            .max_by_key(|p| coarse(p))
+            .unwrap_or(candidate);
         plan.m.policy = precision.to_string();
         plan.policy = Policy::resolve(precision, &o.root).map_err(|e| gerr!("{precision}: {e}"))?;
     }
     let mut results = Vec::new();
     for ((p, runs), golden) in plan.selected.iter().zip(runs).zip(&goldens) {
         let mut r = judge_prompt(o, &plan, &port, p, runs, golden);
-        crate::progress::step(format!(
-            "{} {}: {}",
-            super::dir_name(&plan.model),
-            p.id,
-            r.checks
-                .iter()
-                .map(|c| format!("{} {}", c.check, c.status))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
+        plan.judged(&r);
         if r.checks
             .iter()
             .any(|c| c.check == Check::Agrees && c.status == Status::Fail)
@@ -328,7 +328,7 @@ pub(super) fn run(
     };
     // `gate init` records the first baselines: there are none yet to hold this run to, and
     // none it records is checked against itself.
-    let (baselines, baselines_not_selected) = if o.baselines.is_some() {
+    let baselines = if o.baselines.is_some() {
         (Vec::new(), Vec::new())
     } else {
         recorded::check_baselines(&plan, &bl_file.baselines, &results, o.assert_observed)
@@ -342,28 +342,7 @@ pub(super) fn run(
             "device": g.provenance()["device"],
         })),
     });
-    let mut report = MilestoneReport {
-        schema: REPORT_SCHEMA,
-        milestone: m.id.clone(),
-        claim: m.claim.clone(),
-        model: plan.model.clone(),
-        family: plan.mm.family.clone(),
-        prompt_file: plan.prompt_path.display().to_string(),
-        prompt_sha256: plan.set.sha256.clone(),
-        generate: plan.generate,
-        threads: o.threads,
-        timeout_s: o.timeout.as_secs(),
-        policy: plan.m.policy.clone(),
-        gate_invocation: o.gate_invocation.clone(),
-        stack,
-        prompts: results,
-        baselines,
-        baselines_not_selected,
-        totals: BTreeMap::new(),
-        wall_s: BTreeMap::new(),
-        verdict: GateVerdict::Fail,
-    };
-    (report.totals, report.verdict) = tally(&report);
+    let mut report = plan.report(o, stack, results, baselines);
     report.wall_s.insert("setup", 0.0);
     report.wall_s.insert("producers", producers_s);
     report
@@ -857,17 +836,8 @@ fn bless(
             continue;
         };
         let differing = r
-            .checks
-            .iter()
-            .find(|c| c.check == Check::Agrees)
-            .map(|c| {
-                c.findings
-                    .iter()
-                    .chain(&c.excused)
-                    .filter(|f| f.kind == FindingKind::DecisionDiffers)
-                    .count()
-            })
-            .unwrap_or(0);
+            .found(Check::Agrees, FindingKind::DecisionDiffers)
+            .map_or(0, |f| f.len());
         let new = PortExpectation {
             candidate_digest: cand.clone(),
             tensors: r.counts["tensors"].as_u64().unwrap_or(0) as usize,

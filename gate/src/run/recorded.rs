@@ -319,29 +319,11 @@ pub(super) fn record_baseline(
 /// the one recorded, whose oracle count stands when the oracle was NOT CHECKED.
 fn expectation_of(r: &PromptResult, digest: &str, old: Option<&Expectation>) -> Expectation {
     let differing = r
-        .checks
-        .iter()
-        .find(|c| c.check == Check::Matches)
-        .map(|c| {
-            c.findings
-                .iter()
-                .chain(&c.excused)
-                .filter(|f| f.kind == FindingKind::TensorDiffers)
-                .map(|f| f.about.count)
-                .sum()
-        })
-        .unwrap_or(0);
+        .found(Check::Matches, FindingKind::TensorDiffers)
+        .map_or(0, |f| f.iter().map(|f| f.about.count).sum());
     let oracle_differing = r
-        .checks
-        .iter()
-        .find(|c| c.check == Check::Agrees && c.status != Status::NotChecked)
-        .map(|c| {
-            c.findings
-                .iter()
-                .chain(&c.excused)
-                .filter(|f| f.kind == FindingKind::DecisionDiffers)
-                .count()
-        });
+        .found(Check::Agrees, FindingKind::DecisionDiffers)
+        .map(|f| f.len());
     Expectation {
         engine_digest: digest.to_string(),
         tensors: r.counts["tensors"].as_u64().unwrap_or(0) as usize,

@@ -222,6 +222,23 @@ pub struct PromptResult {
     pub localised: Option<Value>,
 }
 
+impl PromptResult {
+    /// The findings of `check`, failing and excused, of `kind`; None when it did not run (absent
+    /// or NOT CHECKED).
+    pub fn found(&self, check: Check, kind: FindingKind) -> Option<Vec<&Finding>> {
+        self.checks
+            .iter()
+            .find(|c| c.check == check && c.status != Status::NotChecked)
+            .map(|c| {
+                c.findings
+                    .iter()
+                    .chain(&c.excused)
+                    .filter(|f| f.kind == kind)
+                    .collect()
+            })
+    }
+}
+
 /// One run of a prompt: the engine (with and without its KV cache), the contract, the oracle;
 /// for a port milestone (docs/gate.md, "Gate your own engine") the candidate, with and without
 /// its KV cache.
