@@ -2,6 +2,19 @@
 
 use crate::run::{Check, CheckResult, GateVerdict, MilestoneReport, Status};
 
+/// Whose runs a report judges: a port milestone's are its candidate's (docs/gate.md, "Gate your
+/// own engine"), the self-checks' the engine's.
+fn whose_runs(r: &MilestoneReport) -> &'static str {
+    if r.prompts
+        .iter()
+        .any(|p| p.digests.contains_key("candidate"))
+    {
+        "candidate"
+    } else {
+        "engine"
+    }
+}
+
 /// The summary table: one row per prompt, one column per check, then failures and reasons.
 pub fn render(r: &MilestoneReport) -> String {
     let mut out = String::new();
@@ -25,16 +38,7 @@ pub fn render(r: &MilestoneReport) -> String {
     for c in &checks {
         header.push_str(&format!(" {:<17}", c));
     }
-    // A port milestone's runs are its candidate's (docs/gate.md, "Gate your own engine").
-    let whose = if r
-        .prompts
-        .iter()
-        .any(|p| p.digests.contains_key("candidate"))
-    {
-        "candidate"
-    } else {
-        "engine"
-    };
+    let whose = whose_runs(r);
     header.push_str(&format!(" {whose} digest"));
     out.push_str(&header);
     out.push('\n');
@@ -205,7 +209,8 @@ pub fn render_html(r: &MilestoneReport) -> String {
     for c in &checks {
         let _ = write!(h, "<th>{}</th>", esc(&c.to_string()));
     }
-    h.push_str("<th>engine digest</th></tr>");
+    let whose = whose_runs(r);
+    let _ = write!(h, "<th>{whose} digest</th></tr>");
     for (pi, p) in r.prompts.iter().enumerate() {
         let _ = write!(
             h,
@@ -244,7 +249,7 @@ pub fn render_html(r: &MilestoneReport) -> String {
             "<td class=\"mono\">{}</td></tr>",
             esc(p
                 .digests
-                .get("engine")
+                .get(whose)
                 .map(|d| &d[..16.min(d.len())])
                 .unwrap_or("-"))
         );
@@ -303,7 +308,27 @@ pub fn render_html(r: &MilestoneReport) -> String {
         h.push_str("<p>Every check of every prompt passed.</p>");
     }
 
-    h.push_str("<h2>Oracle agreement</h2>");
+    if r.prompts.iter().any(|p| p.localised.is_some()) {
+        h.push_str("<h2>Localised</h2>");
+        for (pi, p) in r.prompts.iter().enumerate() {
+            let Some(l) = &p.localised else { continue };
+            let layer = &l["first_wrong_layer"];
+            let _ = write!(
+                h,
+                "<div class=\"box\" id=\"localised-{pi}\"><b>{}/agrees</b> localised by gate bisect against the golden trace: {}<br>first wrong layer {}, stage <code>{}</code>{}</div>",
+                esc(&p.id),
+                esc(l["summary"].as_str().unwrap_or("-")),
+                val("span", "num", &format!("/prompts/{pi}/localised/first_wrong_layer"), layer, &layer.as_u64().map_or("-".into(), |n| n.to_string())),
+                esc(l["stage"]["tensor"].as_str().unwrap_or("-")),
+                l["report"].as_str().map(|r| format!("; its report: <code>{}</code>", esc(r))).unwrap_or_default(),
+            );
+        }
+    }
+    if whose == "candidate" {
+        h.push_str("<h2>Agreement with the golden traces</h2>");
+    } else {
+        h.push_str("<h2>Oracle agreement</h2>");
+    }
     for (pi, p) in r.prompts.iter().enumerate() {
         let Some(o) = &p.oracle else {
             let _ = write!(h, "<p>{}: no oracle summary (the oracle did not run or its trace was unreadable).</p>", esc(&p.id));

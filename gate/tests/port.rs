@@ -196,6 +196,7 @@ fn a_planted_k_norm_defect_fails_agrees_and_is_localised_at_layer_03_stage_k() {
     let d = dir.path();
     set_candidate(d, &port_cmd(" --plant k-norm:3"));
     let rp = d.join("r.json");
+    let page = d.join("r.html");
     let out = gate(
         d,
         &[
@@ -205,6 +206,8 @@ fn a_planted_k_norm_defect_fails_agrees_and_is_localised_at_layer_03_stage_k() {
             "short",
             "--report",
             rp.to_str().unwrap(),
+            "--html",
+            page.to_str().unwrap(),
         ],
         &[],
     );
@@ -234,6 +237,15 @@ fn a_planted_k_norm_defect_fails_agrees_and_is_localised_at_layer_03_stage_k() {
             .contains("localised by gate bisect against the golden trace: layer 03"),
         "{}",
         out.stdout
+    );
+    // The page says it too, its layer tied to the report's number.
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(
+        html.contains("id=\"localised-0\"")
+            && html.contains("data-json=\"/prompts/0/localised/first_wrong_layer\"")
+            && html.contains("<code>layer.03.k</code>")
+            && html.contains("<th>candidate digest</th>"),
+        "{html}"
     );
 }
 
