@@ -76,6 +76,17 @@ fn project(extra: &[&str]) -> tempfile::TempDir {
         std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
     }
     std::fs::write(dir.path().join("my-prompts.json"), PROMPTS).unwrap();
+    // The project's own Python environment, without tracegate: the gate must use its own.
+    let decoy = dir.path().join(".venv/bin/python");
+    std::fs::create_dir_all(decoy.parent().unwrap()).unwrap();
+    std::fs::write(
+        &decoy,
+        "#!/bin/sh\necho 'the project .venv was used' >&2\nexit 3\n",
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&decoy).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&decoy, perm).unwrap();
     let cmd = port_cmd("");
     let mut args = vec![
         "init",
@@ -372,6 +383,15 @@ fn an_edited_swapped_or_missing_golden_trace_is_refused() {
     std::fs::write(&short, &kept).unwrap();
     let out = gate(d, &["run", "port"], &[]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The model's weights changed under golden traces that are intact: refused, named once.
+    let weights = d.join("model/model.safetensors");
+    let mut w = std::fs::read(&weights).unwrap();
+    let last = w.len() - 1;
+    w[last] ^= 1;
+    std::fs::write(&weights, &w).unwrap();
+    let out = gate(d, &["run", "port"], &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("its weights changed"), "{}", out.stderr);
 }
 
 #[test]

@@ -64,14 +64,15 @@ pub fn install_root() -> PathBuf {
     manifest.parent().unwrap_or(manifest).to_path_buf()
 }
 
-/// The Python of the contract and the oracle: `specific` or TRACEGATE_PYTHON when set, else the
-/// project's own `.venv`, else the installation's (symlinks kept: a venv's python is one).
+/// The Python of the contract and the oracle: `specific` or TRACEGATE_PYTHON when set, else a
+/// tracegate checkout's own `.venv`, else the installation's — never a user project's `.venv`,
+/// which need not hold tracegate's packages (symlinks kept: a venv's python is one).
 fn python(root: &Path, specific: &str) -> String {
     std::env::var(specific)
         .or_else(|_| std::env::var("TRACEGATE_PYTHON"))
         .unwrap_or_else(|_| {
             let own = root.join(".venv/bin/python");
-            if own.exists() {
+            if own.exists() && root.join("oracle/tracegate_oracle").is_dir() {
                 own
             } else {
                 install_root().join(".venv/bin/python")

@@ -252,6 +252,24 @@ pub(super) fn run(
             )?)
         });
     }
+    // The weights the golden traces were recorded on, before anything runs: another checkpoint
+    // in the model's place would fail every comparison; it is named once instead.
+    if let (Some(g), Ok(now)) = (
+        goldens.iter().flatten().next(),
+        tracegate_trace::weights_digest(&o.root.join(&plan.model)),
+    ) {
+        if let Some(then) = g.provenance()["weights_digest"]
+            .as_str()
+            .filter(|t| *t != now)
+        {
+            return Err(gerr!(
+                "{}: its weights changed since milestone {}'s golden traces were recorded (weights digest {now}, golden {then}); re-record them with `gate run {} --bless`",
+                plan.model,
+                m.id,
+                m.id
+            ));
+        }
+    }
     let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
     for p in &plan.selected {
         let dir = o.root.join(&plan.work_rel).join(&p.id);
