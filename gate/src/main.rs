@@ -19,7 +19,8 @@ unknown prompt id, prompt file changed without --bless, unreadable files); 4 not
 was NOT CHECKED (its reason is printed)."
 )]
 struct Cli {
-    /// Project root (default: the nearest ancestor of the current directory with milestones.json).
+    /// Project root (default: the nearest ancestor of the current directory with milestones.json;
+    /// for init, the current directory).
     #[arg(long, global = true)]
     root: Option<PathBuf>,
     #[command(subcommand)]
@@ -119,7 +120,8 @@ struct InitArgs {
     #[arg(long)]
     deterministic: bool,
     /// Judge by this policy: a bundled name (f32, bf16, f16) or a file relative to the project
-    /// root. Default: the bundled policy for the candidate's precision.
+    /// root. Default: the bundled policy for the coarser of the candidate's precision and the
+    /// golden traces'.
     #[arg(long)]
     policy: Option<String>,
     /// The milestone's id.

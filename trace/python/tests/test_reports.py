@@ -90,6 +90,34 @@ def planted(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def ported(tmp_path_factory):
+    """A port milestone in a project of its own (`gate init` with examples/producer as the port,
+    internals captured), then `gate run port --report --html` with layer 03's k_norm dropped: a
+    failing agrees, localised by the bisection against the golden trace."""
+    d = tmp_path_factory.mktemp("port")
+    (d / "p.json").write_text(
+        '{"schema": 1, "prompts": [{"id": "short", "tokens": [12, 218, 345, 152, 81]}]}'
+    )
+    port = f"'{BIN / 'example-producer'}' {{verb}} {{args}}"
+    init = [BIN / "gate", "init", "--model", ROOT / "fixtures/tiny-qwen3", "--prompts", "p.json"]
+    init += ["--candidate-cmd", port, "--capture", "internals", "--generate", "3"]
+    g = subprocess.run([str(a) for a in init], capture_output=True, text=True, cwd=d)
+    assert g.returncode == 0, g.stdout + g.stderr
+    ms = json.loads((d / "milestones.json").read_text())
+    ms["milestones"][0]["port"]["candidate"]["cmd"] = port + " --plant k-norm:3"
+    (d / "milestones.json").write_text(json.dumps(ms))
+    r = subprocess.run(
+        [str(BIN / "gate"), "run", "port", "--report", "port.json", "--html", "port.html"],
+        capture_output=True,
+        text=True,
+        cwd=d,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    (report,) = json.loads((d / "port.json").read_text())
+    return {"dir": d, "report": report}
+
+
 def bisect_defective(
     d: Path, defect: str, *extra, exit_code: int, model: Path = ROOT / "fixtures/tiny-qwen3"
 ) -> dict:
@@ -401,7 +429,7 @@ def at_scale(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rendered(planted, bisected, bisected_decode, at_scale, bisected_at_scale):
+def rendered(planted, bisected, bisected_decode, at_scale, bisected_at_scale, ported):
     exe = browser.chromium()
     if exe is None:
         pytest.skip(
@@ -427,6 +455,7 @@ def rendered(planted, bisected, bisected_decode, at_scale, bisected_at_scale):
         pages["bisect"] = b.render(bisected["dir"] / "bisect.html")
         pages["bisect-decode"] = b.render(bisected_decode["dir"] / "bisect.html")
         pages["diff-at-scale"] = b.render(at_scale)
+        pages["port"] = b.render(ported["dir"] / "port.html")
         for part in ("prefill", "decode"):
             page = bisected_at_scale[part]["dir"] / "bisect.html"
             pages[f"bisect-{part}-at-scale"] = b.render(page)
@@ -454,7 +483,9 @@ def test_the_browser_sees_console_errors_and_network_requests(rendered):
 AT_SCALE = ["diff-at-scale", "bisect-prefill-at-scale", "bisect-decode-at-scale"]
 
 
-@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect", "bisect-decode", *AT_SCALE])
+@pytest.mark.parametrize(
+    "name", ["diff", "gate", "port", "python", "bisect", "bisect-decode", *AT_SCALE]
+)
 def test_no_chart_label_overprints_another_and_no_page_scrolls_sideways(rendered, name):
     """At the 1280-px window; diff-at-scale is 30 layers over 25 steps (750 layer groups, 3,002
     tensors), where the layer labels overprinted and the per-tensor table pushed the page wide;
@@ -464,7 +495,9 @@ def test_no_chart_label_overprints_another_and_no_page_scrolls_sideways(rendered
     assert layout["scroll_width"] <= layout["client_width"], layout
 
 
-@pytest.mark.parametrize("name", ["diff", "gate", "python", "bisect", "bisect-decode", *AT_SCALE])
+@pytest.mark.parametrize(
+    "name", ["diff", "gate", "port", "python", "bisect", "bisect-decode", *AT_SCALE]
+)
 def test_pages_are_self_contained_and_clean(rendered, name):
     r = rendered[name]
     assert r.png[:8] == b"\x89PNG\r\n\x1a\n" and len(r.png) > 10_000
@@ -527,6 +560,22 @@ def test_the_diff_page_shows_the_json_report(rendered, planted):
             == ["consequence"]
         )
         assert len([e for e in dom.find(tag="circle") if "margin" in e.get("class", "")]) == 1
+
+
+def test_the_port_page_shows_the_json_report_and_where_the_defect_is(rendered, ported):
+    """gate run port's page: every number tied to the report holds its value, the failing
+    agrees links to its findings, and the localisation says layer 03, stage k."""
+    rep = ported["report"]
+    assert rep["prompts"][0]["localised"]["first_wrong_layer"] == 3
+    dom = Dom(rendered["port"].dom)
+    assert check_numbers(dom, rep) > 10
+    layer = [
+        e for e in dom.elements if e.get("data-json") == "/prompts/0/localised/first_wrong_layer"
+    ]
+    assert [e["text"] for e in layer] == ["3"]
+    assert "layer.03.k" in dom.by_id("localised-0")["text"]
+    agrees = next(i for i, c in enumerate(rep["prompts"][0]["checks"]) if c["check"] == "agrees")
+    assert f"#finding-0-{agrees}" in {e["href"] for e in dom.find(tag="a")}
 
 
 def test_the_gate_page_shows_the_json_report_and_links_failures_to_findings(rendered, planted):
