@@ -782,3 +782,23 @@ fn a_bf16_golden_trace_holds_an_f32_port_to_the_bf16_policy_which_still_catches_
     let gen = failing_check(d, "generation");
     assert_eq!(gen["status"], "FAIL", "{gen}");
 }
+
+#[test]
+fn a_cached_token_no_score_explains_fails_generation() {
+    // The cached run's third token replaced, every tensor of both runs as computed: the differ
+    // labels the flip a defect (nothing upstream moved, the scores do not pick it), which no
+    // near-tie rule may excuse.
+    let dir = project(&[]);
+    let d = dir.path();
+    set_candidate(d, &adversary("--when on --flip decode.0002.argmax"));
+    let gen = failing_check(d, "generation");
+    assert_eq!(gen["status"], "FAIL", "{gen}");
+    assert!(
+        gen["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["kind"] == "decision_differs" && f["name"] == "decode.0002.argmax"),
+        "{gen}"
+    );
+}

@@ -23,7 +23,7 @@ pub(super) fn check_oracle(
     match (&traces.engine, &traces.oracle) {
         (Ok(e), Ok(r)) => {
             let recorded = expect.ok().map(|e| e.oracle_decisions_differing);
-            let (agrees, summary) = compare_agrees(m, p, e, r, policy, recorded);
+            let (agrees, summary) = compare_agrees(Check::Agrees, m, p, e, r, policy, recorded);
             let (a, b) = (decode_tokens(e), decode_tokens(r));
             let found: Vec<Finding> = tokens_finding("engine", "oracle", &a, &b)
                 .into_iter()
@@ -66,10 +66,12 @@ pub(super) fn check_oracle(
     }
 }
 
-/// `eng` (the reference: the engine, or a port's golden trace) against `ora` (the oracle, or the
-/// port's candidate) under `policy`; `recorded`: the decisions recorded as differing, so a
-/// different number is a finding even when each is declared.
+/// `eng` (the reference: the engine, a port's golden trace or its uncached run) against `ora`
+/// (the oracle, or the port's candidate) under `policy`, as `check` (`agrees`; a port's
+/// `generation`); `recorded`: the decisions recorded as differing, so a different number is a
+/// finding even when each is declared.
 pub(super) fn compare_agrees(
+    check: Check,
     m: &MilestoneModel,
     p: &Prompt,
     eng: &Trace,
@@ -256,7 +258,7 @@ pub(super) fn compare_agrees(
         judge(
             m,
             &p.id,
-            CheckResult::new(Check::Agrees, Status::Pass, detail),
+            CheckResult::new(check, Status::Pass, detail),
             found,
         ),
         summary,
@@ -318,7 +320,7 @@ mod tests {
                 .join("../fixtures/policy/oracle-default.json"),
         )
         .unwrap();
-        compare_agrees(&m, &p, &e, &o, &policy, None).0
+        compare_agrees(Check::Agrees, &m, &p, &e, &o, &policy, None).0
     }
 
     #[test]

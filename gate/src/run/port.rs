@@ -5,7 +5,8 @@
 //! Per prompt: `stable` (for a candidate that declares itself deterministic; otherwise its digest
 //! is an observation), `agrees` (candidate ≈ golden under the policy, every decision exact but
 //! for near-ties — the same judge as the self-check's `agrees`), `generation` (its cached decode
-//! = its uncached one: the tokens exactly, every tensor within the policy), and
+//! = its uncached one, by that judge: every tensor within the policy, every token equal but for
+//! near-ties), and
 //! `generation_reference` (its tokens = the golden trace's). A failing `agrees` is localised in
 //! the same run: `gate bisect` against the stored golden trace names the first wrong layer and
 //! stage.
@@ -18,13 +19,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::{json, Value};
-use tracegate_diff::{FindingKind, Options, Policy};
+use tracegate_diff::{FindingKind, Policy};
 use tracegate_trace::Trace;
 
 use super::agrees::compare_agrees;
-use super::checks::{
-    diff_findings, incomparable, judge, not_comparable, policy_kind, tokens_finding,
-};
+use super::checks::{incomparable, judge, not_comparable, tokens_finding};
 use super::prompt::{counts, decode_tokens, open, Opened};
 use super::{
     finding, recorded, Check, CheckResult, GateOptions, Generated, MilestoneReport, Plan,
@@ -37,7 +36,8 @@ use crate::prompts::{Prompt, PromptSet};
 use crate::{gerr, Result};
 
 /// The policy a new port milestone records until its first run has chosen one: the bundled
-/// policy for the candidate's precision (bisect_judge::precision).
+/// policy for the coarser of the candidate's and the golden traces' precision
+/// (bisect_judge::precision).
 pub const AUTO_POLICY: &str = "auto";
 
 /// The reference producer of a port: the oracle of tracegate's installation in the recorded
@@ -523,6 +523,7 @@ fn judge_prompt(
     let (agrees, summary) = match &cand {
         Ok(t) => {
             let (c, s) = compare_agrees(
+                Check::Agrees,
                 &plan.mm,
                 p,
                 golden,
@@ -603,9 +604,11 @@ fn judge_prompt(
     }
 }
 
-/// generation: the candidate's cached decode against its own uncached recompute — the greedy
-/// tokens exactly, and every tensor (the decode steps' logits among them) within the policy, so
-/// a cache defect that leaves the tokens alone is still caught.
+/// generation: the candidate's cached decode against its own uncached recompute, judged as
+/// `agrees` judges the golden trace (the uncached run the reference): every tensor (the decode
+/// steps' logits among them) within the policy and present in both, and every decision — the
+/// greedy tokens — equal but for near-ties, so a cache defect that leaves the tokens alone still
+/// fails and a non-ordered port's honest near-tie between its two paths does not.
 fn check_generation(
     plan: &Plan,
     port: &Port,
@@ -625,7 +628,9 @@ fn check_generation(
             )
         }
         (Err(e), _) => return CheckResult::new(c, Status::Fail, e.to_string()),
-        (_, None) => return CheckResult::new(c, Status::Fail, "the candidate's uncached run did not run"),
+        (_, None) => {
+            return CheckResult::new(c, Status::Fail, "the candidate's uncached run did not run")
+        }
         (_, Some(Err(e))) => return CheckResult::new(c, Status::Fail, format!("--cache off: {e}")),
         (Ok(_), Some(Ok(u))) => u,
     };
@@ -637,48 +642,15 @@ fn check_generation(
     {
         return not_comparable(c, refused.to_vec());
     }
+    let (mut judged, _) = compare_agrees(c, &plan.mm, p, unc, cached, &plan.policy, None);
     let (a, b) = (decode_tokens(cached), decode_tokens(unc));
-    let mut found: Vec<_> = tokens_finding("candidate", "candidate-uncached", &a, &b)
-        .into_iter()
-        .collect();
-    let rep = tracegate_diff::compare(
-        unc,
-        cached,
-        &Options {
-            policy: Some(plan.policy.clone()),
-            ..Options::default()
-        },
-    );
-    let tokens_differ = found.first().map(|f| f.about.count);
-    // A tensor on one side only, or of another shape, is a difference of the two paths too:
-    // without it a run that leaves its decode steps out of one trace would compare nothing.
-    found.extend(diff_findings(&rep));
-    for row in &rep.per_tensor {
-        if let Some(kind) = policy_kind(row.status) {
-            let detail = row.violation().map_or_else(
-                || "no rule in the policy matches this tensor".to_string(),
-                |v| format!("cached vs uncached: {v}"),
-            );
-            found.push(finding(kind, row.tensor.clone(), 1, detail));
-        }
-    }
-    judge(
-        &plan.mm,
-        &p.id,
-        CheckResult::new(
-            c,
-            Status::Pass,
-            format!(
-                "{} greedy tokens: {} with and without the KV cache; {} finding(s) over {} tensors under policy {}",
-                a.len(),
-                tokens_differ.map_or("equal".to_string(), |n| format!("{n} differ")),
-                found.len() - usize::from(tokens_differ.is_some()),
-                rep.per_tensor.len(),
-                plan.policy.name
-            ),
-        ),
-        found,
-    )
+    let tokens = match a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
+    {
+        0 => format!("{} greedy tokens equal", a.len()),
+        n => format!("{n} of {} greedy tokens differ", a.len().max(b.len())),
+    };
+    judged.detail = format!("cached vs uncached: {tokens}; {}", judged.detail);
+    judged
 }
 
 /// A failing `agrees` localised: `gate bisect` of the candidate against the stored golden

@@ -7,6 +7,8 @@ with tracegate.TraceWriter, to try to make a port milestone's rules pass a real 
 `on`). Edits:
   --drop TENSOR      TENSOR left out of the trace
   --bits TENSOR=HEX  the first element of the f32 TENSOR given these bits (0x7fc00000: a NaN)
+  --flip DECISION    the first value of DECISION changed (v -> v ^ 1), its margin and every
+                     tensor as computed: a choice no score explains
 
 The `layer` verb is the base's, unchanged. Not for real use.
 """
@@ -22,8 +24,9 @@ import tracegate
 
 def main() -> int:
     argv = sys.argv[1:]
-    exe, when, drop, bits = None, "both", [], []
-    while argv and argv[0].startswith("--") and argv[0] in ("--exe", "--when", "--drop", "--bits"):
+    exe, when, drop, bits, flip = None, "both", [], [], []
+    flags = ("--exe", "--when", "--drop", "--bits", "--flip")
+    while argv and argv[0] in flags:
         flag, value, argv = argv[0], argv[1], argv[2:]
         if flag == "--exe":
             exe = value
@@ -31,6 +34,8 @@ def main() -> int:
             when = value
         elif flag == "--drop":
             drop.append(value)
+        elif flag == "--flip":
+            flip.append(value)
         else:
             bits.append(value)
     if exe is None or not argv:
@@ -51,6 +56,10 @@ def main() -> int:
             if name not in t.names:  # an edit of nothing proves nothing
                 print(f"port_adversary: no tensor {name} to edit", file=sys.stderr)
                 return 3
+        for name in flip:
+            if name not in t.decisions:
+                print(f"port_adversary: no decision {name} to flip", file=sys.stderr)
+                return 3
         with tracegate.TraceWriter(out, t.provenance) as w:
             for name in t.names:
                 if name in drop:
@@ -62,7 +71,10 @@ def main() -> int:
                         array.reshape(-1).view(np.uint32)[0] = int(hexbits, 16)
                 w.tensor(name, array, **dict(t.attributes(name)))
             for name, values in t.decisions.items():
-                w.decision(name, np.array(values), margins=t.margins[name])
+                values = np.array(values)
+                if name in flip:
+                    values.reshape(-1)[0] ^= 1
+                w.decision(name, values, margins=t.margins[name])
     return 0
 
 
