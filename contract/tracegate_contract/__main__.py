@@ -90,15 +90,9 @@ def _prompt(args) -> tuple[list[int], dict | None]:
     from tracegate import text
 
     try:
-        t = text.tokenize(args.model, args.text, args.chat)
+        return text.prompt(args.model, args.text, args.chat)
     except text.TextError as e:
         raise ContractError(str(e)) from None
-    return t["tokens"], {
-        "text": args.text,
-        "chat": args.chat,
-        "template": t["template"],
-        "tokenizer_digest": t["tokenizer_digest"],
-    }
 
 
 def _serve(rest: list[str]) -> int:

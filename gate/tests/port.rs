@@ -265,28 +265,7 @@ fn a_cached_decode_defect_fails_generation_though_the_first_tokens_agree() {
     let dir = project(&[]);
     let d = dir.path();
     set_candidate(d, &port_cmd(" --plant decode-pos"));
-    let rp = d.join("r.json");
-    let out = gate(
-        d,
-        &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
-    let r = report(&rp);
-    let gen = r["prompts"][0]["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == "generation")
-        .unwrap()
-        .clone();
+    let gen = failing_check(d, "generation");
     assert_eq!(gen["status"], "FAIL", "{gen}");
     assert!(
         gen["findings"]

@@ -237,15 +237,9 @@ def _prompt(a) -> tuple[list[int], dict | None]:
     from tracegate import text
 
     try:
-        t = text.tokenize(a.model, a.text, a.chat)
+        return text.prompt(a.model, a.text, a.chat)
     except text.TextError as e:
         raise OracleError(str(e)) from None
-    return t["tokens"], {
-        "text": a.text,
-        "chat": a.chat,
-        "template": t["template"],
-        "tokenizer_digest": t["tokenizer_digest"],
-    }
 
 
 def _after(d: dict, key: str, new_key: str, value) -> dict:

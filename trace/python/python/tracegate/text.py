@@ -45,7 +45,14 @@ import os
 import sys
 from collections.abc import Mapping
 
-__all__ = ["TOKENIZER_FILES", "TextError", "tokenize", "tokenizer_digest", "tokenize_prompts"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "TextError",
+    "prompt",
+    "tokenize",
+    "tokenizer_digest",
+    "tokenize_prompts",
+]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -233,6 +240,18 @@ def _prompt_set(path: str) -> list[tuple[int, str, str, bool]]:
             raise TextError(f"{where}: `text` must be a non-empty string")
         out.append((i, pid, text, chat))
     return out
+
+
+def prompt(model_dir, text: str, chat: bool = False) -> tuple[list[int], dict]:
+    """A producer's `trace --text TEXT [--chat]`: the ids, and the provenance record
+    `prompt_text` (docs/producers.md, "Text prompts") that goes beside `prompt_tokens`."""
+    t = tokenize(model_dir, text, chat)
+    return t["tokens"], {
+        "text": text,
+        "chat": chat,
+        "template": t["template"],
+        "tokenizer_digest": t["tokenizer_digest"],
+    }
 
 
 def tokenize_prompts(model_dir, path) -> dict:
