@@ -43,7 +43,8 @@ pub use render::{
 };
 pub use report::{
     Count, DecisionDivergence, DecisionResult, DecisionSummary, Divergence, Element, Finding, Flip,
-    MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PolicyRef, Real, Report,
-    RowSet, RowsAfter, RuleRef, Side, TensorRow, TensorSummary, TensorViolation, REPORT_SCHEMA,
+    MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PassingBounds, PolicyRef, Real,
+    Report, RowSet, RowsAfter, RuleRef, Side, TensorRow, TensorSummary, TensorViolation,
+    REPORT_SCHEMA,
 };
 pub use vocab::{DecisionStatus, FindingKind, Label, Margins, RowStatus, Verdict};

@@ -195,6 +195,25 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
         if let Some(e) = &v.worst_element {
             element_lines(o, v.ulp_dtype.unwrap_or(v.dtype), "worst", e);
         }
+        // "Which tolerance?": what the measurements say would have passed, per rule.
+        for p in rep.passing_bounds() {
+            let bounds: Vec<String> = p.bounds.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let _ = writeln!(
+                o,
+                "  to pass    rule #{} {} ({} tensor(s) outside): {}",
+                p.rule.index,
+                p.rule.pattern,
+                p.tensors.len(),
+                if bounds.is_empty() {
+                    "-".to_string()
+                } else {
+                    bounds.join(", ")
+                }
+            );
+            for u in &p.unpassable {
+                let _ = writeln!(o, "             no bound passes {u}");
+            }
+        }
     }
     if let Some(d) = &rep.first_divergence {
         // Under a policy the first bit difference may be within it; it is still where the

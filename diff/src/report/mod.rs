@@ -4,6 +4,7 @@
 //! with other crates (verdict, statuses, finding kinds) in `crate::vocab`.
 
 mod decisions;
+mod passing;
 mod tensors;
 
 use serde::{Serialize, Serializer};
@@ -12,6 +13,7 @@ pub use decisions::{
     DecisionDivergence, DecisionResult, DecisionSummary, Flip, MarginDifference, NearTieRef,
     NearTieSummary, RowsAfter,
 };
+pub use passing::PassingBounds;
 pub use tensors::{
     Count, Divergence, Element, Method, RowSet, RuleRef, TensorRow, TensorSummary, TensorViolation,
 };
@@ -123,7 +125,7 @@ pub struct Report {
 impl Serialize for Report {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("Report", 14)?;
+        let mut st = s.serialize_struct("Report", 15)?;
         st.serialize_field("schema", REPORT_SCHEMA)?;
         st.serialize_field("verdict", &self.verdict)?;
         st.serialize_field("reference", &self.reference)?;
@@ -134,6 +136,7 @@ impl Serialize for Report {
         st.serialize_field("tensors", &TensorsJson(self))?;
         st.serialize_field("decisions", &self.decisions)?;
         st.serialize_field("first_violation", &self.first_violation())?;
+        st.serialize_field("passing_bounds", &self.passing_bounds())?;
         st.serialize_field("first_bit_difference", &self.first_divergence)?;
         st.serialize_field("first_decision_divergence", &self.first_decision_divergence)?;
         st.serialize_field("per_tensor", &self.per_tensor)?;

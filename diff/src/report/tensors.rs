@@ -168,7 +168,7 @@ fn opt_dtype_name<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Er
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RuleRef {
     pub index: usize,
     pub pattern: String,
