@@ -266,15 +266,7 @@ fn a_cached_decode_defect_fails_generation_though_the_first_tokens_agree() {
     let d = dir.path();
     set_candidate(d, &port_cmd(" --plant decode-pos"));
     let gen = failing_check(d, "generation");
-    assert_eq!(gen["status"], "FAIL", "{gen}");
-    assert!(
-        gen["findings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|f| f["kind"] == "outside_policy" && f["name"] == "decode.0001.logits"),
-        "{gen}"
-    );
+    assert_fails_at(&gen, "decode.0001.logits", Some("outside_policy"));
 }
 
 #[test]
@@ -466,6 +458,19 @@ fn adversary(edits: &str) -> String {
     )
 }
 
+/// `check` FAILed with a finding about `name` (of `kind`, when given).
+fn assert_fails_at(check: &Value, name: &str, kind: Option<&str>) {
+    assert_eq!(check["status"], "FAIL", "{check}");
+    assert!(
+        check["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["name"] == name && kind.is_none_or(|k| f["kind"] == k)),
+        "{check}"
+    );
+}
+
 /// `gate run port --only short`, which must fail (exit 1): its check `name`.
 fn failing_check(d: &Path, name: &str) -> Value {
     let rp = d.join("r.json");
@@ -504,15 +509,7 @@ fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
     // logits, so a comparison of what both hold would see no difference.
     set_candidate(d, &adversary("--when off --drop decode.0001.logits"));
     let gen = failing_check(d, "generation");
-    assert_eq!(gen["status"], "FAIL", "{gen}");
-    assert!(
-        gen["findings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|f| f["name"] == "decode.0001.logits"),
-        "{gen}"
-    );
+    assert_fails_at(&gen, "decode.0001.logits", None);
 }
 
 #[test]
@@ -523,15 +520,7 @@ fn a_nan_in_both_runs_of_the_candidate_fails_agrees() {
     let d = dir.path();
     set_candidate(d, &adversary("--bits decode.0002.logits=7fc00000"));
     let agrees = failing_check(d, "agrees");
-    assert_eq!(agrees["status"], "FAIL", "{agrees}");
-    assert!(
-        agrees["findings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|f| f["name"] == "decode.0002.logits"),
-        "{agrees}"
-    );
+    assert_fails_at(&agrees, "decode.0002.logits", None);
 }
 
 /// docs/ci.md's workflow: each step's name and its `run:` command, as written there.
@@ -771,13 +760,5 @@ fn a_cached_token_no_score_explains_fails_generation() {
     let d = dir.path();
     set_candidate(d, &adversary("--when on --flip decode.0002.argmax"));
     let gen = failing_check(d, "generation");
-    assert_eq!(gen["status"], "FAIL", "{gen}");
-    assert!(
-        gen["findings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|f| f["kind"] == "decision_differs" && f["name"] == "decode.0002.argmax"),
-        "{gen}"
-    );
+    assert_fails_at(&gen, "decode.0002.argmax", Some("decision_differs"));
 }

@@ -72,32 +72,34 @@ pub(super) fn policy_kind(status: RowStatus) -> Option<FindingKind> {
     }
 }
 
-/// stable: the engine reproduces its recorded digest.
+/// stable: the run named `who` (the engine; a port's candidate) reproduces its recorded digest
+/// (`recorded`: the digest, or why none is held to it).
 pub(super) fn check_stable(
-    engine: &Opened,
-    expect: std::result::Result<&Expectation, &str>,
+    who: &str,
+    run: &Opened,
+    recorded: std::result::Result<&str, &str>,
 ) -> CheckResult {
-    match (engine, expect) {
+    match (run, recorded) {
         (Err(e), _) => CheckResult::new(Check::Stable, Status::Fail, e.to_string()),
         (Ok(_), Err(why)) => CheckResult::not_checked(Check::Stable, why),
-        (Ok(t), Ok(e)) if t.digest().hex() == e.engine_digest => CheckResult::new(
+        (Ok(t), Ok(d)) if t.digest().hex() == d => CheckResult::new(
             Check::Stable,
             Status::Pass,
-            format!("engine digest {} as recorded", t.digest().short()),
+            format!("{who} digest {} as recorded", t.digest().short()),
         ),
-        (Ok(t), Ok(e)) => {
+        (Ok(t), Ok(d)) => {
             let mut c = CheckResult::new(
                 Check::Stable,
                 Status::Fail,
                 format!(
-                    "engine digest {} but recorded {}",
+                    "{who} digest {} but recorded {}",
                     t.digest().short(),
-                    &e.engine_digest[..16.min(e.engine_digest.len())]
+                    &d[..16.min(d.len())]
                 ),
             );
             c.findings.push(finding(
                 FindingKind::DigestChanged,
-                "engine",
+                who,
                 1,
                 c.detail.clone(),
             ));

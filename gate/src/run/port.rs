@@ -23,11 +23,11 @@ use tracegate_diff::{FindingKind, Policy};
 use tracegate_trace::Trace;
 
 use super::agrees::compare_agrees;
-use super::checks::{incomparable, judge, not_comparable, tokens_finding};
+use super::checks::{check_stable, incomparable, judge, not_comparable, tokens_finding};
 use super::prompt::{counts, decode_tokens, open, Opened};
 use super::{
-    finding, recorded, Check, CheckResult, GateOptions, Generated, MilestoneReport, Plan,
-    PromptResult, PromptRuns, Role, Settled, Status,
+    recorded, Check, CheckResult, GateOptions, Generated, MilestoneReport, Plan, PromptResult,
+    PromptRuns, Role, Settled, Status,
 };
 use crate::baselines::BaselineFile;
 use crate::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
@@ -496,27 +496,15 @@ fn judge_prompt(
             "candidate digest {}: recorded by gate init, `stable` checks it from the next run on",
             t.digest().short()
         )),
-        (Err(e), _) => checks.push(CheckResult::new(Check::Stable, Status::Fail, e.to_string())),
-        (Ok(_), None) => checks.push(CheckResult::not_checked(
-            Check::Stable,
-            format!("no digest recorded for prompt {:?}: run with --bless", p.id),
-        )),
-        (Ok(t), Some(e)) if t.digest().hex() == e.candidate_digest => checks.push(CheckResult::new(
-            Check::Stable,
-            Status::Pass,
-            format!("candidate digest {} as recorded", t.digest().short()),
-        )),
-        (Ok(t), Some(e)) => {
-            let mut c = CheckResult::new(
-                Check::Stable,
-                Status::Fail,
-                format!(
-                    "candidate digest {} but recorded {} (the candidate declares itself deterministic)",
-                    t.digest().short(),
-                    &e.candidate_digest[..16.min(e.candidate_digest.len())]
-                ),
-            );
-            c.findings.push(finding(FindingKind::DigestChanged, "candidate", 1, c.detail.clone()));
+        (_, expect) => {
+            let recorded = expect.map(|e| e.candidate_digest.as_str()).ok_or_else(|| {
+                format!("no digest recorded for prompt {:?}: run with --bless", p.id)
+            });
+            let mut c = check_stable("candidate", &cand, recorded.as_deref().map_err(String::as_str));
+            if c.status == Status::Fail && cand.is_ok() {
+                c.detail
+                    .push_str(" (the candidate declares itself deterministic)");
+            }
             checks.push(c);
         }
     }

@@ -114,7 +114,11 @@ pub(super) fn judge_prompt(
         ..Default::default()
     };
     let mut checks = vec![
-        check_stable(&traces.engine, expect),
+        check_stable(
+            "engine",
+            &traces.engine,
+            expect.map(|e| e.engine_digest.as_str()),
+        ),
         check_matches(mm, p, &traces, expect),
         check_generation(mm, p, &traces, &generated, expect),
     ];
