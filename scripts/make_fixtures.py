@@ -11,6 +11,13 @@ Presets
                                                hybrid linear/full attention, partial RoPE 0.25.
   tiny-qwen3_5-moe -> fixtures/tiny-qwen3_5-moe/ Qwen3_5MoeForCausalLM (text layout, mtp.*),
                                                bf16, 8 experts top-2 + shared expert, RoPE 0.5.
+  tiny-llama      -> fixtures/tiny-llama/      LlamaForCausalLM in the layout real checkpoints
+                                               have (SmolLM2, Llama 3.2): bf16, tied head, no
+                                               bias, GQA, llama3 rope scaling with a frequency
+                                               in its blended band; no q/k norm.
+  tiny-llama-bias -> --out DIR (not committed)  tiny-llama with attention and MLP biases, an
+                  absent num_key_value_heads (MHA) and linear rope scaling: the llama fields
+                  real checkpoints rarely set, for the tests.
   bench-qwen3     -> --out DIR (required; not committed)  ~160M-parameter bf16 Qwen3 for benchmarks.
   bench-qwen3-0.6b, bench-qwen3-moe -> --out DIR (required; not committed)  the Qwen3-0.6B shape
                   and a 64-expert top-8 MoE shape, bf16, for benchmarks (see docs/benchmarks.md).
@@ -390,12 +397,71 @@ PRESETS["bench-qwen3_5-moe"] = dict(
 )
 
 
+PRESETS["tiny-llama"] = dict(
+    seed=20241202,  # best of seeds 20241201..20241216 by `fixture_margins.py --search` (see README)
+    dtype="bf16",
+    out="fixtures/tiny-llama",
+    config=dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=509,
+        hidden_size=60,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        # head_dim absent: hidden_size // num_attention_heads = 10, as LlamaConfig defaults.
+        intermediate_size=92,
+        rms_norm_eps=1e-5,
+        # Wavelengths 2π/inv_freq ≈ 6.3, 87, 1190, …: one kept (< 256/4), one blended, the rest
+        # divided by the factor (> 256/1) — every branch of §7.1's llama3 rule.
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        pretraining_tp=1,
+        use_cache=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="bfloat16",
+    ),
+    scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.0, norm_noise=0.1, router=0.0),
+)
+PRESETS["tiny-llama-bias"] = dict(
+    PRESETS["tiny-llama"],
+    out=None,
+    dtype="f32",
+    config={
+        **{k: v for k, v in PRESETS["tiny-llama"]["config"].items() if k != "num_key_value_heads"},
+        "attention_bias": True,
+        "mlp_bias": True,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        "dtype": "float32",
+    },
+    scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.1, norm_noise=0.1, router=0.0),
+)
+
+
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     """(name, shape, kind, fan_in) for every checkpoint tensor, in HF checkpoint naming."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads", nh)  # LlamaConfig's default: MHA
+    hd = cfg.get("head_dim", H // nh)
     bias = cfg["attention_bias"]
     moe = cfg["model_type"] == "qwen3_moe"
+    llama = cfg["model_type"] == "llama"
     specs = [("model.embed_tokens.weight", (V, H), "embed", H)]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -405,10 +471,13 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
             (p + "self_attn.k_proj.weight", (nkv * hd, H), "in", H),
             (p + "self_attn.v_proj.weight", (nkv * hd, H), "in", H),
             (p + "self_attn.o_proj.weight", (H, nh * hd), "out", nh * hd),
-            (p + "self_attn.q_norm.weight", (hd,), "norm", 0),
-            (p + "self_attn.k_norm.weight", (hd,), "norm", 0),
             (p + "post_attention_layernorm.weight", (H,), "norm", 0),
         ]
+        if not llama:  # llama has no per-head q/k norm
+            specs += [
+                (p + "self_attn.q_norm.weight", (hd,), "norm", 0),
+                (p + "self_attn.k_norm.weight", (hd,), "norm", 0),
+            ]
         if bias:  # Qwen3 puts attention_bias on q, k, v AND o_proj
             specs += [
                 (p + "self_attn.q_proj.bias", (nh * hd,), "bias", 0),
@@ -439,6 +508,12 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
                 (p + "mlp.up_proj.weight", (I, H), "in", H),
                 (p + "mlp.down_proj.weight", (H, I), "mlp_down", I),
             ]
+            if cfg.get("mlp_bias"):
+                specs += [
+                    (p + "mlp.gate_proj.bias", (I,), "bias", 0),
+                    (p + "mlp.up_proj.bias", (I,), "bias", 0),
+                    (p + "mlp.down_proj.bias", (H,), "bias", 0),
+                ]
     specs.append(("model.norm.weight", (H,), "norm", 0))
     if not cfg["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (V, H), "head", H))

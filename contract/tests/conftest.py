@@ -17,6 +17,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIXTURES = {
     "dense": os.path.join(ROOT, "fixtures", "tiny-qwen3"),
     "moe": os.path.join(ROOT, "fixtures", "tiny-qwen3-moe"),
+    "llama": os.path.join(ROOT, "fixtures", "tiny-llama"),
 }
 
 

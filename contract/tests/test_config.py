@@ -94,7 +94,7 @@ def test_rope_scaling_replaces_rope_parameters_and_absent_fields_default():
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"head_dim": 7}, "head_dim"),
-        ({"model_type": "llama"}, "model_type"),
+        ({"model_type": "mistral"}, "model_type"),
         ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
         ({"rope_scaling": {"rope_type": "default", "factor": 2.0}}, "rope_scaling.factor"),
@@ -169,7 +169,7 @@ def test_sizes_beyond_64_bits_are_refused_as_the_engine_does(field):
 
 
 @pytest.mark.parametrize(
-    "mt,oracle", [("llama", True), ("gemma3_text", True), ("mixtral", True), ("gpt2", False)]
+    "mt,oracle", [("mistral", True), ("gemma3_text", True), ("mixtral", True), ("gpt2", False)]
 )
 def test_other_family_refusal_says_whether_the_oracle_supports_it(mt, oracle):
     with pytest.raises(ContractError) as e:

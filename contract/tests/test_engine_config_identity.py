@@ -53,6 +53,39 @@ def fuse_experts(keep_per_expert=False, transpose_down=False):
     return edit
 
 
+def llama_biases(t, cfg):
+    """attention_bias and mlp_bias: a seeded bias on q, k, v, o and gate, up, down."""
+    g = torch.Generator().manual_seed(5)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
+            rows = t[f"{p}.{m}.weight"].shape[0]
+            t[f"{p}.{m}.bias"] = 0.1 * torch.randn(rows, generator=g)
+
+
+def llama_mha(t, cfg):
+    """num_key_value_heads absent (one kv head per query head): k_proj and v_proj as wide as q."""
+    g = torch.Generator().manual_seed(6)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.self_attn"
+        for m in ("k_proj", "v_proj"):
+            shape = t[f"{p}.q_proj.weight"].shape
+            t[f"{p}.{m}.weight"] = (torch.randn(shape, generator=g) / 8).to(torch.bfloat16)
+
+
+def llama_q_norm(t, cfg):
+    """A Qwen-style q_norm in a llama checkpoint: llama has none, so nothing claims it."""
+    t["model.layers.0.self_attn.q_norm.weight"] = torch.ones(10, dtype=torch.bfloat16)
+
+
 def keep_layers(n):
     def edit(t, cfg):
         for k in [k for k in t if k.startswith("model.layers.") and int(k.split(".")[2]) >= n]:
@@ -135,6 +168,41 @@ COMPUTED = {
         {"num_experts": 8},
     ),
     "fused-experts": ("moe", {}, fuse_experts(), {}),
+    # §7.1: llama's scaled rope types, in transformers 5's and in the legacy spelling.
+    "llama-linear-rope": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+        None,
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 10000.0},
+    ),
+    "llama-legacy-rope-scaling-llama3": (
+        "llama",
+        {
+            "rope_parameters": DROP,
+            "rope_theta": 200000.0,
+            "rope_scaling": {
+                "type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 2.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        None,
+        {"rope_theta": 200000.0},
+    ),
+    "llama-attention-and-mlp-bias": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True},
+        llama_biases,
+        {"attention_bias": True, "mlp_bias": True, "qk_norm": False},
+    ),
+    "llama-mha-without-num-key-value-heads": (
+        "llama",
+        {"num_key_value_heads": DROP},
+        llama_mha,
+        {"num_key_value_heads": 6, "head_dim": 10},
+    ),
 }
 
 
@@ -177,6 +245,74 @@ REFUSED = {
         "rope_parameters.rope_type",
     ),
     "top-level-rope-theta-not-a-number": ("dense", {"rope_theta": "big"}, None, "rope_theta"),
+    # §7.1: llama takes linear and llama3 only, each with all of its numbers; the Qwen families
+    # take neither.
+    "llama-rope-yarn": (
+        "llama",
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+        None,
+        "rope_parameters.rope_type",
+    ),
+    "llama-rope-dynamic": (
+        "llama",
+        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+        None,
+        "rope_parameters.rope_type",
+    ),
+    "llama3-rope-without-low-freq-factor": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+        None,
+        "rope_parameters.low_freq_factor",
+    ),
+    "llama3-rope-high-not-above-low": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+        None,
+        "rope_parameters.high_freq_factor",
+    ),
+    "llama-linear-rope-factor-zero": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "factor": 0}},
+        None,
+        "rope_parameters.factor",
+    ),
+    "llama-linear-rope-extra-key": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}},
+        None,
+        "rope_parameters.low_freq_factor",
+    ),
+    "qwen3-with-llama3-rope": (
+        "dense",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+        None,
+        "rope_parameters.rope_type",
+    ),
+    "llama-with-a-q-norm": ("llama", {}, llama_q_norm, "q_norm"),
     # The engine computes a NaN table and then refuses the NaN logits; the contract refuses up front.
     "rope-theta-zero": (
         "dense",

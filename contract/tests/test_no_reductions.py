@@ -73,7 +73,8 @@ NUMPY_NAMES = {"np", "numpy"}
 # and `model.norm`.)
 METHODS = REDUCING - {"trace", "norm", "linalg"}
 # `ops.inv_freq`'s "1.0 / math.pow" and friends are the *allowed* route (§4).
-ALLOWED_MATH = {"exp", "cos", "sin", "pow", "sqrt", "log1p"}
+# `pi` is no routine: §7.1's binary64 constant.
+ALLOWED_MATH = {"exp", "cos", "sin", "pow", "sqrt", "log1p", "pi"}
 # The package's own ordered kernels that share a name with a reducing routine (numerics.md §2
 # calls the linear layer `matmul` on both sides): allowed only as `ops.<name>`, the function
 # ops.py defines (`_own_kernels` checks that it is defined there).

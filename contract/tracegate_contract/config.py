@@ -23,6 +23,7 @@ QWEN3_5_MULTIMODAL = {
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"),
 }
 ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     **QWEN3_5_TEXT,
@@ -56,10 +57,10 @@ def unsupported_family(mt) -> str:
     """Why a model_type is refused; same text as the engine's (engine/src/config.rs)."""
     if mt in ORACLE_FAMILIES:
         return (
-            "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
+            "not supported by the bit-exact producers (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
             "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
         )
-    return "not supported (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)"
+    return "not supported (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)"
 
 
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
@@ -84,6 +85,9 @@ class Config:
     rope_theta: float  # binary64, as pow receives it (§7)
     tie_word_embeddings: bool
     attention_bias: bool
+    mlp_bias: bool = False  # llama: gate, up and down carry a bias
+    qk_norm: bool = True  # §8.2 per-head q/k norms: the Qwen families, not llama
+    rope_scaling: dict | None = None  # §7.1 (llama): rope_type "linear"/"llama3" and its numbers
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -186,12 +190,26 @@ def _float(d: dict, key: str, default: float, where: str | None = None) -> float
     return default if v is None else float(_number(v, where or key))
 
 
-def _rope(raw: dict, hybrid: bool) -> tuple[float, float]:
+# §7.1: the scaled rope types llama accepts, with the numbers each needs (in this order).
+LLAMA_ROPE_TYPES = {
+    "linear": ("factor",),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+}
+
+
+def _rope(raw: dict, hybrid: bool, llama: bool = False) -> tuple[float, float, dict | None]:
     """§7/§13 resolved as transformers does (`rope_scaling or rope_parameters`): a non-empty
     legacy `rope_scaling` replaces `rope_parameters` entirely; theta comes from that dict, else
     the top-level `rope_theta`, else 10000. Returns (theta, partial_rotary_factor): the Qwen3
     families refuse a factor other than 1; the Qwen3.5 ones (`hybrid`) take the dict's, else the
-    top-level one, else 0.25 (§16), and allow the mrope keys, which change nothing for text."""
+    top-level one, else 0.25 (§16), and allow the mrope keys, which change nothing for text.
+    llama (§7.1) also takes the `linear` and `llama3` rope types: the third value is then the
+    scaling (None for the default type)."""
     rs = raw.get("rope_scaling")
     if rs is not None and not isinstance(rs, dict):
         refuse("rope_scaling", f"must be an object or null, got {rs!r}")
@@ -204,15 +222,21 @@ def _rope(raw: dict, hybrid: bool) -> tuple[float, float]:
         refuse("partial_rotary_factor", f"must be 1, got {raw['partial_rotary_factor']}")
     factor_name = "partial_rotary_factor"
     allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    scaling = None
     if d is None:
         theta = top
     else:
         if not isinstance(d, dict):
             refuse(name, f"must be an object, got {d!r}")
+        rope_type = "default"
         for key in ("rope_type", "type"):
             t = d.get(key)
-            if t is not None and t != "default":
-                refuse(f"{name}.{key}", f"rope type {t!r} is not supported (only default)")
+            if llama and t in LLAMA_ROPE_TYPES:
+                rope_type = t
+            elif t is not None and t != "default":
+                only = "default, linear and llama3" if llama else "default"
+                refuse(f"{name}.{key}", f"rope type {t!r} is not supported (only {only})")
+        allowed |= set(LLAMA_ROPE_TYPES.get(rope_type, ()))
         if hybrid:
             if d.get("partial_rotary_factor") is not None:
                 factor_name = f"{name}.partial_rotary_factor"
@@ -224,13 +248,31 @@ def _rope(raw: dict, hybrid: bool) -> tuple[float, float]:
         # Any other key (factor, ...) belongs to a scaled rope: refused, as the engine does.
         extra = sorted(set(d) - allowed)
         if extra:
-            refuse(f"{name}.{extra[0]}", "not supported with the default rope type")
+            refuse(f"{name}.{extra[0]}", f"not supported with the {rope_type} rope type")
+        if rope_type in LLAMA_ROPE_TYPES:
+            scaling = {"rope_type": rope_type}
+            for key in LLAMA_ROPE_TYPES[rope_type]:
+                if d.get(key) is None:
+                    refuse(f"{name}.{key}", f"missing for the {rope_type} rope type")
+                v = _float(d, key, 0.0, f"{name}.{key}")
+                if not v > 0:  # a zero factor divides by zero
+                    refuse(f"{name}.{key}", f"must be a positive number, got {d[key]}")
+                scaling[key] = v
+            if (
+                rope_type == "llama3"
+                and not scaling["high_freq_factor"] > scaling["low_freq_factor"]
+            ):
+                refuse(
+                    f"{name}.high_freq_factor",
+                    f"{d['high_freq_factor']} must exceed low_freq_factor {d['low_freq_factor']} "
+                    "(the blend divides by their difference)",
+                )
         theta = _float(d, "rope_theta", top, f"{name}.rope_theta")
     if not theta > 0:  # pow of a base ≤ 0 gives no usable table (the engine's logits turn NaN)
         refuse("rope_theta", f"must be positive, got {theta}")
     if not 0.0 < factor <= 1.0:
         refuse(factor_name, f"must be in (0, 1], got {factor}")
-    return theta, factor
+    return theta, factor, scaling
 
 
 def _mrope_keys(d: dict, name: str) -> None:
@@ -303,17 +345,22 @@ def _parse_fields(raw: dict, mt: str) -> Config:
     act = raw.get("hidden_act")
     if act is not None and act != "silu":
         refuse("hidden_act", f"only silu is supported, got {act!r}")
-    theta, factor = _rope(raw, hybrid)
+    llama = mt == "llama"
+    theta, factor, scaling = _rope(raw, hybrid, llama)
 
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
-    kv = _int(raw, "num_key_value_heads")
+    # LlamaConfig: an absent num_key_value_heads means one kv head per query head (MHA).
+    kv = _int(raw, "num_key_value_heads", default=heads if llama else None)
     if heads % kv != 0:
         refuse("num_key_value_heads", f"num_attention_heads {heads} is not a multiple of {kv}")
     # §13: Qwen3Config declares head_dim = 128 and the Qwen3.5 configs 256; Qwen3MoeConfig has
     # no such field, and the attention falls back to hidden_size // num_attention_heads (floor,
     # as transformers).
-    default_head_dim = {"qwen3": 128, "qwen3_moe": hidden // heads}.get(mt, 256)
+    # LlamaConfig: hidden_size // num_attention_heads too.
+    default_head_dim = {"qwen3": 128, "qwen3_moe": hidden // heads, "llama": hidden // heads}.get(
+        mt, 256
+    )
     head_dim = _int(raw, "head_dim", default=default_head_dim)
     if not hybrid and (head_dim % 2 != 0 or head_dim == 0):  # Qwen3.5: the rotary dim's check
         src = (
@@ -345,6 +392,9 @@ def _parse_fields(raw: dict, mt: str) -> Config:
         rope_theta=theta,
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         attention_bias=_bool(raw, "attention_bias", False),
+        mlp_bias=llama and _bool(raw, "mlp_bias", False),
+        qk_norm=not llama,
+        rope_scaling=scaling,
     )
     # §16: int(head_dim × factor), the binary64 product truncated as transformers does. An odd
     # rotary dim rounds up to 2·ceil(d_r/2) rotated dims, which fit in the head unless the whole

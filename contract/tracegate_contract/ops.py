@@ -189,13 +189,34 @@ def l2norm(x: np.ndarray) -> np.ndarray:
 # RoPE (§7)
 
 
-def inv_freq(base: float, d: int) -> np.ndarray:
+def inv_freq(base: float, d: int, scaling: dict | None = None) -> np.ndarray:
     """inv_freq[i] = f32(1.0 / pow(base, (2i)/d)), all binary64 (libm pow) until the final round,
     for i in 0 .. ceil(d/2)−1: an odd d (§16's rotary dim) gets the frequency of i = (d−1)/2 too,
-    as transformers' arange(0, d, 2) does."""
-    return np.array(
-        [1.0 / math.pow(float(base), (2 * i) / d) for i in range((d + 1) // 2)], dtype=F64
-    ).astype(F32)
+    as transformers' arange(0, d, 2) does. `scaling` (§7.1, llama): {"rope_type": "linear" or
+    "llama3", and that type's numbers}, applied in binary64 before the one rounding."""
+    freqs = [1.0 / math.pow(float(base), (2 * i) / d) for i in range((d + 1) // 2)]
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        freqs = [f / scaling["factor"] for f in freqs]
+    elif kind == "llama3":
+        factor, low, high = (
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+        )
+        old = scaling["original_max_position_embeddings"]
+        scaled = []
+        for f in freqs:
+            wavelen = 2.0 * math.pi / f
+            if wavelen < old / high:  # high frequencies: kept
+                scaled.append(f)
+            elif wavelen > old / low:  # low frequencies: divided by the factor
+                scaled.append(f / factor)
+            else:  # between: a blend, weighted by where the wavelength sits
+                smooth = (old / wavelen - low) / (high - low)
+                scaled.append((1.0 - smooth) * f / factor + smooth * f)
+        freqs = scaled
+    return np.array(freqs, dtype=F64).astype(F32)
 
 
 class Rope:
@@ -204,8 +225,10 @@ class Rope:
     RoPE (§16), the tables cover the first 2·ceil(rotary_dim/2) dims only (an odd rotary dim
     rounds up, as in transformers)."""
 
-    def __init__(self, base: float, d: int, rotary_dim: int | None = None):
-        self.inv_freq = inv_freq(base, d if rotary_dim is None else rotary_dim)
+    def __init__(
+        self, base: float, d: int, rotary_dim: int | None = None, scaling: dict | None = None
+    ):
+        self.inv_freq = inv_freq(base, d if rotary_dim is None else rotary_dim, scaling)
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def row(self, p: int) -> tuple[np.ndarray, np.ndarray]:

@@ -53,22 +53,36 @@ class _Mlp:
     """Gated SiLU MLP (§9). gate and up share one ordered matmul: their outputs are computed
     independently column by column, so concatenating them changes no bit."""
 
-    def __init__(self, gate_up: np.ndarray, down: np.ndarray):
-        """gate_up: [2I, H], the gate rows then the up rows; down: [H, I]."""
+    def __init__(self, gate_up: np.ndarray, down: np.ndarray, bias=None):
+        """gate_up: [2I, H], the gate rows then the up rows; down: [H, I]; bias (llama's
+        mlp_bias): (gate and up biases concatenated, down's)."""
         self.inter = down.shape[1]
         self.wgu_t = ops.transpose_weight(gate_up)
         self.wd_t = ops.transpose_weight(down)
+        self.bgu, self.bd = bias if bias is not None else (None, None)
 
     @classmethod
-    def load(cls, ck: Checkpoint, prefix: str, hidden: int, inter: int) -> _Mlp:
+    def load(cls, ck: Checkpoint, prefix: str, hidden: int, inter: int, bias=False) -> _Mlp:
         g = ck.take(f"{prefix}.gate_proj.weight", (inter, hidden))
         u = ck.take(f"{prefix}.up_proj.weight", (inter, hidden))
-        return cls(np.concatenate([g, u]), ck.take(f"{prefix}.down_proj.weight", (hidden, inter)))
+        b = None
+        if bias:
+            b = (
+                np.concatenate(
+                    [
+                        ck.take(f"{prefix}.gate_proj.bias", (inter,)),
+                        ck.take(f"{prefix}.up_proj.bias", (inter,)),
+                    ]
+                ).astype(F32),
+                np.array(ck.take(f"{prefix}.down_proj.bias", (hidden,)), dtype=F32),
+            )
+        down = ck.take(f"{prefix}.down_proj.weight", (hidden, inter))
+        return cls(np.concatenate([g, u]), down, b)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        gu = ops.matmul(x, self.wgu_t)
+        gu = ops.matmul(x, self.wgu_t, self.bgu)
         h = ops.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-        return ops.matmul(h, self.wd_t)
+        return ops.matmul(h, self.wd_t, self.bd)
 
 
 def load_router_and_experts(ck: Checkpoint, mlp: str, cfg: Config):
@@ -112,8 +126,11 @@ class _Layer:
             self.bo = np.array(ck.take(f"{a}.o_proj.bias", (H,)), dtype=F32)
         else:
             self.bqkv = self.bo = None
-        self.q_norm = np.array(ck.take(f"{a}.q_norm.weight", (d,)), dtype=F32)
-        self.k_norm = np.array(ck.take(f"{a}.k_norm.weight", (d,)), dtype=F32)
+        if cfg.qk_norm:
+            self.q_norm = np.array(ck.take(f"{a}.q_norm.weight", (d,)), dtype=F32)
+            self.k_norm = np.array(ck.take(f"{a}.k_norm.weight", (d,)), dtype=F32)
+        else:  # llama: RoPE straight after the projections
+            self.q_norm = self.k_norm = None
         self.input_layernorm = np.array(ck.take(f"{p}.input_layernorm.weight", (H,)), dtype=F32)
         self.post_attention_layernorm = np.array(
             ck.take(f"{p}.post_attention_layernorm.weight", (H,)), dtype=F32
@@ -122,7 +139,7 @@ class _Layer:
         if self.moe:
             self.router_t, self.experts = load_router_and_experts(ck, f"{p}.mlp", cfg)
         else:
-            self.mlp = _Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size)
+            self.mlp = _Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size, cfg.mlp_bias)
 
 
 class Model:
@@ -146,7 +163,7 @@ class Model:
         ck.finish()
         # --force-decisions (force.Forcing): router rows at the positions it holds are taken from it.
         self.forcing = None
-        self.rope = ops.Rope(cfg.rope_theta, cfg.head_dim)
+        self.rope = ops.Rope(cfg.rope_theta, cfg.head_dim, scaling=cfg.rope_scaling)
         # §8.4: binary64 sqrt and division, rounded once.
         self.scale = F32(1.0 / math.sqrt(float(cfg.head_dim)))
 
@@ -207,12 +224,15 @@ class Model:
         return ops.rmsnorm(x, w, eps)
 
     def _attend(self, i, A, q, k, v, pos, cap, cache, gate=None):
-        """§8 steps 2–7: q_norm/k_norm and RoPE, the cache, attention; returns o [T, heads, d].
-        `A` holds q_norm/k_norm; `gate` (§17) is captured as attn_gate before attn_probs."""
+        """§8 steps 2–7: q_norm/k_norm (none for llama) and RoPE, the cache, attention; returns
+        o [T, heads, d]. `A` holds q_norm/k_norm; `gate` (§17) is captured as attn_gate before
+        attn_probs."""
         eps = self.cfg.rms_norm_eps
         cos, sin = self.rope.tables(pos)
-        q = ops.Rope.apply(self.norm_op(q, A.q_norm, eps), cos, sin)
-        k = ops.Rope.apply(self.norm_op(k, A.k_norm, eps), cos, sin)
+        if A.q_norm is not None:
+            q, k = self.norm_op(q, A.q_norm, eps), self.norm_op(k, A.k_norm, eps)
+        q = ops.Rope.apply(q, cos, sin)
+        k = ops.Rope.apply(k, cos, sin)
         cap.tensor(names.layer(i, "q"), q, pos, internal=True)
         cap.tensor(names.layer(i, "k"), k, pos, internal=True)
         cap.tensor(names.layer(i, "v"), v, pos, internal=True)

@@ -14,6 +14,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use crate::ops::RopeScaling;
 use crate::{err, Result};
 use fields::{field, opt_bool, opt_f64, opt_usize, req_usize, rope_params};
 use qwen3_5::{linear_sizes, qwen3_5_layer_types, qwen3_5_moe_fixed, text_config};
@@ -44,17 +45,20 @@ pub const ORACLE_FAMILIES: [&str; 14] = [
 /// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/qwen3.py).
 pub fn unsupported_family(model_type: &str) -> String {
     if ORACLE_FAMILIES.contains(&model_type) {
-        "not supported by the bit-exact producers (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
+        "not supported by the bit-exact producers (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
          python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
             .to_string()
     } else {
-        "not supported (engine, contract: qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)".to_string()
+        "not supported (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)".to_string()
     }
 }
 
 /// The families this engine computes (a `model_type` of either layout names one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ModelType {
+    /// Dense llama (`LlamaForCausalLM`): no q/k norm, optional attention and MLP biases, scaled
+    /// rope types (§7.1).
+    Llama,
     Qwen3,
     Qwen3Moe,
     /// Qwen3.5 dense: `qwen3_5_text`, or `qwen3_5` with `text_config`.
@@ -133,7 +137,7 @@ impl LinearSizes {
     }
 }
 
-/// The computation-changing fields of a Qwen3 / Qwen3-MoE `config.json` (numerics.md §13).
+/// The computation-changing fields of a model's `config.json` (numerics.md §13).
 /// The MoE fields are 0 / false / empty for `qwen3`, as in the contract's `Config`.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -152,6 +156,12 @@ pub struct Config {
     pub rope_theta: f64,
     pub tie_word_embeddings: bool,
     pub attention_bias: bool,
+    /// llama's `mlp_bias`: gate, up and down projections carry a bias (false elsewhere).
+    pub mlp_bias: bool,
+    /// q_norm / k_norm on every head before RoPE (§8.2): the Qwen families; not llama.
+    pub qk_norm: bool,
+    /// §7.1 the rope type's frequency scaling (llama; `Default` for the Qwen families).
+    pub rope_scaling: RopeScaling,
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
     pub moe_intermediate_size: usize,
@@ -180,6 +190,7 @@ impl Config {
             .and_then(|m| m.as_str())
             .unwrap_or("");
         let (family, layout, want_arch) = match model_type {
+            "llama" => (ModelType::Llama, Layout::Text, "LlamaForCausalLM"),
             "qwen3" => (ModelType::Qwen3, Layout::Text, "Qwen3ForCausalLM"),
             "qwen3_moe" => (ModelType::Qwen3Moe, Layout::Text, "Qwen3MoeForCausalLM"),
             "qwen3_5_text" => (ModelType::Qwen3_5, Layout::Text, "Qwen3_5ForCausalLM"),
@@ -249,7 +260,11 @@ impl Config {
         };
         let hidden_size = req_usize(v, "hidden_size")?;
         let num_attention_heads = req_usize(v, "num_attention_heads")?;
-        let num_key_value_heads = req_usize(v, "num_key_value_heads")?;
+        // LlamaConfig: an absent num_key_value_heads means one kv head per query head (MHA).
+        let num_key_value_heads = match family {
+            ModelType::Llama => opt_usize(v, "num_key_value_heads")?.unwrap_or(num_attention_heads),
+            _ => req_usize(v, "num_key_value_heads")?,
+        };
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(
                 err!(Config: "config.json: num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"),
@@ -261,7 +276,7 @@ impl Config {
         let head_dim = match (opt_usize(v, "head_dim")?, family) {
             (Some(d), _) => d,
             (None, ModelType::Qwen3) => 128,
-            (None, ModelType::Qwen3Moe) => hidden_size / num_attention_heads,
+            (None, ModelType::Qwen3Moe | ModelType::Llama) => hidden_size / num_attention_heads,
             (None, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe) => 256,
         };
         // Qwen3.5 rotates only the leading 2·ceil(rotary_dim/2) dims (checked below); its
@@ -290,7 +305,7 @@ impl Config {
         // decoder_sparse_step, mlp_only_layers): read (and refused) before the sizes below, in
         // this order, so the first refusal named is the same as ever.
         let moe = match family {
-            ModelType::Qwen3 | ModelType::Qwen3_5 => (0, 0, 0, false, 1, vec![]),
+            ModelType::Llama | ModelType::Qwen3 | ModelType::Qwen3_5 => (0, 0, 0, false, 1, vec![]),
             ModelType::Qwen3Moe | ModelType::Qwen3_5Moe => {
                 let ne = match (field(v, "num_experts"), field(v, "num_local_experts")) {
                     (Some(_), Some(_))
@@ -367,7 +382,8 @@ impl Config {
             _ => opt_usize(v, "intermediate_size")?,
         };
         let rms_norm_eps = opt_f64(v, "rms_norm_eps", 1e-6)?;
-        let (rope_theta, partial) = rope_params(v, qwen3_5)?;
+        let llama = family == ModelType::Llama;
+        let (rope_theta, partial, rope_scaling) = rope_params(v, qwen3_5, llama)?;
         let rotary_dim = (head_dim as f64 * partial) as usize; // transformers: int(head_dim * factor)
                                                                // §16: an odd rotary dim rounds up to 2·ceil(d_r/2) rotated dims, as transformers does;
                                                                // they fit in the head unless the whole (odd) head would rotate, which transformers
@@ -384,7 +400,7 @@ impl Config {
             ));
         }
         let (linear, shared_expert_intermediate_size) = match family {
-            ModelType::Qwen3 | ModelType::Qwen3Moe => (None, 0),
+            ModelType::Llama | ModelType::Qwen3 | ModelType::Qwen3Moe => (None, 0),
             ModelType::Qwen3_5 => (linear_sizes(v, &layer_types)?, 0),
             ModelType::Qwen3_5Moe => (
                 linear_sizes(v, &layer_types)?,
@@ -408,6 +424,9 @@ impl Config {
                 None => opt_bool(v, "tie_word_embeddings", false)?,
             },
             attention_bias: opt_bool(v, "attention_bias", false)?,
+            mlp_bias: llama && opt_bool(v, "mlp_bias", false)?,
+            qk_norm: !llama,
+            rope_scaling,
             num_experts,
             num_experts_per_tok,
             moe_intermediate_size,
@@ -446,8 +465,10 @@ impl Config {
         let n = self.num_hidden_layers;
         // Layer 0 is dense when the step is above 1 ((0 + 1) % step ≠ 0).
         n > 0
-            && (matches!(self.model_type, ModelType::Qwen3 | ModelType::Qwen3_5)
-                || self.num_experts == 0
+            && (matches!(
+                self.model_type,
+                ModelType::Llama | ModelType::Qwen3 | ModelType::Qwen3_5
+            ) || self.num_experts == 0
                 || self.decoder_sparse_step > 1
                 || self.mlp_only_layers.iter().any(|&l| l < n))
     }

@@ -23,7 +23,9 @@ mod tests;
 
 pub use crate::matmul::matmul;
 use crate::weights::Mat;
-pub use attention::{attention, attention_ref, inv_freq, Heads, KeyRows, Rope};
+pub use attention::{
+    attention, attention_ref, inv_freq, inv_freq_scaled, Heads, KeyRows, Rope, RopeScaling,
+};
 pub use decisions::{argmax_margin, margin_of, topk};
 pub use fast_exp::{exp_shifted, silu_mul};
 pub use gated_deltanet::{causal_conv1d, delta_rule_step, gdn_decay, softplus};

@@ -1,7 +1,8 @@
 //! Qwen3 and Qwen3-MoE (`Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`): the weights the config
 //! (config.rs) requires, and the forward pass of docs/numerics.md §5–§11.
 //! The two families differ only in the feed-forward block of some layers (dense MLP vs sparse
-//! MoE), so one file covers both. The Qwen3.5 families (§§15–20) run through the same model and
+//! MoE), so one file covers both. Dense llama is Qwen3 without the per-head q/k norms, with an
+//! optional MLP bias and a scaled rope (§7.1): config fields, not a file of its own. The Qwen3.5 families (§§15–20) run through the same model and
 //! decoder layer: their pieces — the Gated DeltaNet mixer, the attention's output gate, the
 //! shared expert, zero-centred norms — are in `qwen3_5.rs` and plug in where the layer differs.
 
@@ -24,6 +25,8 @@ pub(crate) struct Mlp<'a> {
     pub gate: Weight<'a>,
     pub up: Weight<'a>,
     pub down: Weight<'a>,
+    /// llama's `mlp_bias`: the gate, up and down biases.
+    pub bias: Option<Box<[Vec<f32>; 3]>>,
 }
 
 impl<'a> Mlp<'a> {
@@ -78,8 +81,8 @@ struct Attention<'a> {
     k: Linear<'a>,
     v: Linear<'a>,
     o: Linear<'a>,
-    q_norm: Norm,
-    k_norm: Norm,
+    /// §8.2 per-head norms: the Qwen families (llama has none).
+    qk_norm: Option<(Norm, Norm)>,
     gated: bool,
 }
 
@@ -149,10 +152,20 @@ impl<'a> Model<'a> {
             Ok(Linear { w, b })
         };
         let mlp = |p: &str, inter: usize| -> Result<Mlp<'a>> {
+            let bias = if cfg.mlp_bias {
+                Some(Box::new([
+                    vec(&format!("{p}.gate_proj.bias"), inter)?,
+                    vec(&format!("{p}.up_proj.bias"), inter)?,
+                    vec(&format!("{p}.down_proj.bias"), h)?,
+                ]))
+            } else {
+                None
+            };
             Ok(Mlp {
                 gate: st.weight(&format!("{p}.gate_proj.weight"), &[inter, h])?,
                 up: st.weight(&format!("{p}.up_proj.weight"), &[inter, h])?,
                 down: st.weight(&format!("{p}.down_proj.weight"), &[h, inter])?,
+                bias,
             })
         };
         let embed_name = format!("{m}embed_tokens.weight");
@@ -176,6 +189,7 @@ impl<'a> Model<'a> {
                             gate: st.weight_of(&fused, gu.row_block(e * 2 * mi, mi)),
                             up: st.weight_of(&fused, gu.row_block(e * 2 * mi + mi, mi)),
                             down: st.weight_of(&dn_name, dn.row_block(e * h, h)),
+                            bias: None,
                         })
                         .collect()
                 } else {
@@ -211,8 +225,14 @@ impl<'a> Model<'a> {
                     k: lin(&format!("{p}.self_attn.k_proj"), nkv * d, h, ab)?,
                     v: lin(&format!("{p}.self_attn.v_proj"), nkv * d, h, ab)?,
                     o: lin(&format!("{p}.self_attn.o_proj"), h, nq * d, ab)?,
-                    q_norm: norm(&format!("{p}.self_attn.q_norm.weight"), d)?,
-                    k_norm: norm(&format!("{p}.self_attn.k_norm.weight"), d)?,
+                    qk_norm: if cfg.qk_norm {
+                        Some((
+                            norm(&format!("{p}.self_attn.q_norm.weight"), d)?,
+                            norm(&format!("{p}.self_attn.k_norm.weight"), d)?,
+                        ))
+                    } else {
+                        None
+                    },
                     gated: q35,
                 }),
                 LayerKind::Linear => {
@@ -331,7 +351,12 @@ impl<'a> Model<'a> {
 
     /// §7 / §16 RoPE tables for these positions, over the config's rotary dims.
     pub fn rope(&self, pos: &[i64]) -> Rope {
-        Rope::new(self.cfg.rope_theta, self.cfg.rotary_dim, pos)
+        Rope::scaled(
+            self.cfg.rope_theta,
+            self.cfg.rotary_dim,
+            self.cfg.rope_scaling,
+            pos,
+        )
     }
 
     /// §11 / §20 decoder layer `l` on rows `x` `[T, H]` at absolute positions `pos` (causal by
@@ -411,13 +436,19 @@ impl<'a> Model<'a> {
         };
         let mut k = lw.k.apply(xn, t);
         let v = lw.v.apply(xn, t);
-        // §8.2 q_norm / k_norm on every head vector, then RoPE at the row's position (§16: the
-        // leading rotary dims only).
-        for (x, norm, heads) in [(&mut q, &lw.q_norm, nq), (&mut k, &lw.k_norm, nkv)] {
+        // §8.2 q_norm / k_norm on every head vector (not llama), then RoPE at the row's
+        // position (§16: the leading rotary dims only).
+        let norms = lw.qk_norm.as_ref();
+        for (x, norm, heads) in [
+            (&mut q, norms.map(|n| &n.0), nq),
+            (&mut k, norms.map(|n| &n.1), nkv),
+        ] {
             let mut normed = vec![0.0f32; d];
             for (i, head) in x.chunks_exact_mut(d).enumerate() {
-                norm.one(head, eps, &mut normed);
-                head.copy_from_slice(&normed);
+                if let Some(norm) = norm {
+                    norm.one(head, eps, &mut normed);
+                    head.copy_from_slice(&normed);
+                }
                 rope.apply(i / heads, head);
             }
         }
@@ -546,14 +577,15 @@ impl<'a> Model<'a> {
     }
 }
 
-/// §9 `down(silu(gate(x)) ⊗ up(x))`.
+/// §9 `down(silu(gate(x)) ⊗ up(x))` (each projection with its bias under llama's `mlp_bias`).
 pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
-    let g = ops::matmul(x, rows, m.gate.view(rows), None);
-    let u = ops::matmul(x, rows, m.up.view(rows), None);
+    let bias = |i: usize| m.bias.as_ref().map(|b| b[i].as_slice());
+    let g = ops::matmul(x, rows, m.gate.view(rows), bias(0));
+    let u = ops::matmul(x, rows, m.up.view(rows), bias(1));
     // Elementwise, so spread over the pool in chunks; bits are per element.
     let mut hmid = vec![0.0f32; g.len()];
     hmid.par_chunks_mut(4096)
         .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
         .for_each(|(hc, (gc, uc))| ops::silu_mul(gc, uc, hc));
-    ops::matmul(&hmid, rows, m.down.view(rows), None)
+    ops::matmul(&hmid, rows, m.down.view(rows), bias(2))
 }

@@ -651,7 +651,7 @@ fn refuses_wrong_shape_and_dtype() {
 #[test]
 fn refusal_of_another_family_says_whether_the_oracle_supports_it() {
     for (mt, oracle) in [
-        ("llama", true),
+        ("mistral", true),
         ("gemma3_text", true),
         ("olmoe", true),
         ("gpt2", false),
@@ -703,7 +703,7 @@ fn refuses_unsupported_config_values() {
         ("hidden_act", json!("gelu"), "hidden_act"),
         ("num_key_value_heads", json!(3), "num_key_value_heads"),
         ("head_dim", json!(9), "head_dim"),
-        ("model_type", json!("llama"), "model_type"),
+        ("model_type", json!("mistral"), "model_type"),
         (
             "architectures",
             json!(["Qwen3ForSequenceClassification"]),

@@ -256,6 +256,7 @@ fn passes_as_bundled_and_records_invocations() {
         [
             ("m0", "fixtures/tiny-qwen3"),
             ("m0", "fixtures/tiny-qwen3_5"),
+            ("m0", "fixtures/tiny-llama"),
             ("m1", "fixtures/tiny-qwen3-moe"),
             ("m1", "fixtures/tiny-qwen3_5-moe")
         ]
@@ -2259,8 +2260,9 @@ fn a_worker_that_hangs_is_killed_at_the_timeout_of_that_request() {
 
 #[test]
 fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict() {
-    // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3 (no
-    // such layer) does not; the oracle is unavailable, so tiny-qwen3's report is INCOMPLETE.
+    // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3 and
+    // tiny-llama (no such layer) do not; the oracle is unavailable, so their reports are
+    // INCOMPLETE.
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
     let defective = test_producer("defective_contract.py", "--defect gdn-decay@2");
@@ -2276,14 +2278,19 @@ fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict()
         .iter()
         .map(|r| r["verdict"].as_str().unwrap())
         .collect();
-    assert_eq!(verdicts, ["INCOMPLETE", "FAIL"], "{}", r.stdout);
+    assert_eq!(
+        verdicts,
+        ["INCOMPLETE", "FAIL", "INCOMPLETE"],
+        "{}",
+        r.stdout
+    );
     let total = |s: &str| -> u64 {
         reps.iter()
             .map(|r| r["totals"][s].as_u64().unwrap_or(0))
             .sum()
     };
     let want = format!(
-        "gate m0, 2 models: FAIL — {} PASS, {} FAIL, {} NOT CHECKED",
+        "gate m0, 3 models: FAIL — {} PASS, {} FAIL, {} NOT CHECKED",
         total("PASS"),
         total("FAIL"),
         total("NOT CHECKED")

@@ -13,7 +13,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3_5", "tiny-qwen3_5-moe"]
+    "preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3_5", "tiny-qwen3_5-moe", "tiny-llama"]
 )
 def test_regenerated_fixture_is_byte_identical(tmp_path, preset):
     out = tmp_path / preset

@@ -3,6 +3,7 @@
 
 use serde_json::Value;
 
+use crate::ops::RopeScaling;
 use crate::{err, Result};
 
 pub(super) fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
@@ -47,7 +48,11 @@ pub(super) fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
 /// integers) and `mrope_interleaved` (a boolean): with text-only input the three position rows
 /// transformers builds are equal, so every section rotates by the same 1-D position and the
 /// sections change nothing.
-pub(super) fn rope_params(v: &Value, qwen3_5: bool) -> Result<(f64, f64)> {
+pub(super) fn rope_params(
+    v: &Value,
+    qwen3_5: bool,
+    llama: bool,
+) -> Result<(f64, f64, RopeScaling)> {
     let (dict, dict_name) = match field(v, "rope_scaling") {
         Some(x) if x.as_object().is_some_and(|m| !m.is_empty()) => (Some(x), "rope_scaling"),
         Some(x) if !x.is_object() => {
@@ -73,17 +78,29 @@ pub(super) fn rope_params(v: &Value, qwen3_5: bool) -> Result<(f64, f64)> {
         partial = factor(f, "partial_rotary_factor")?;
     }
     let Some(d) = dict else {
-        return Ok((positive_theta(top_theta)?, partial));
+        return Ok((positive_theta(top_theta)?, partial, RopeScaling::Default));
     };
     let obj = d
         .as_object()
         .ok_or_else(|| err!(Config: "config.json: {dict_name} is not an object"))?;
+    // §7.1: llama also scales its frequencies (`linear`, `llama3`); the Qwen families take only
+    // the default type.
+    let mut rope_type = "default";
     for key in ["rope_type", "type"] {
         if let Some(t) = obj.get(key).filter(|x| !x.is_null()) {
-            if t.as_str() != Some("default") {
-                return Err(err!(Config:
-                    "config.json: {dict_name}.{key} = {t} not supported (only \"default\")"
-                ));
+            match t.as_str() {
+                Some(name @ ("linear" | "llama3")) if llama => rope_type = name,
+                Some("default") => {}
+                _ if llama => {
+                    return Err(err!(Config:
+                        "config.json: {dict_name}.{key} = {t} not supported (only \"default\", \"linear\" and \"llama3\")"
+                    ))
+                }
+                _ => {
+                    return Err(err!(Config:
+                        "config.json: {dict_name}.{key} = {t} not supported (only \"default\")"
+                    ))
+                }
             }
         }
     }
@@ -109,6 +126,16 @@ pub(super) fn rope_params(v: &Value, qwen3_5: bool) -> Result<(f64, f64)> {
             }
         }
     }
+    let scaled: &[&str] = match rope_type {
+        "linear" => &["factor"],
+        "llama3" => &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+        _ => &[],
+    };
     let known: &[&str] = if qwen3_5 {
         &[
             "rope_type",
@@ -121,14 +148,49 @@ pub(super) fn rope_params(v: &Value, qwen3_5: bool) -> Result<(f64, f64)> {
     } else {
         &["rope_type", "type", "rope_theta", "partial_rotary_factor"]
     };
-    if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !known.contains(&k.as_str()) && !scaled.contains(&k.as_str()))
+    {
         return Err(err!(Config:
-            "config.json: {dict_name}.{k} not supported with the default rope type"
+            "config.json: {dict_name}.{k} not supported with the {rope_type} rope type"
         ));
     }
+    // Each scaling number is required, finite and positive (a zero factor divides by zero).
+    let num = |key: &str| -> Result<f64> {
+        let x = obj.get(key).filter(|x| !x.is_null()).ok_or_else(
+            || err!(Config: "config.json: {dict_name}.{key} missing for the {rope_type} rope type"),
+        )?;
+        x.as_f64().filter(|f| f.is_finite() && *f > 0.0).ok_or_else(
+            || err!(Config: "config.json: {dict_name}.{key} = {x} is not a positive number"),
+        )
+    };
+    let scaling = match rope_type {
+        "linear" => RopeScaling::Linear {
+            factor: num("factor")?,
+        },
+        "llama3" => {
+            let factor = num("factor")?;
+            let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+            let old = num("original_max_position_embeddings")?;
+            if high <= low {
+                return Err(err!(Config:
+                    "config.json: {dict_name}.high_freq_factor = {high} must exceed low_freq_factor = {low} (the blend divides by their difference)"
+                ));
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: old,
+            }
+        }
+        _ => RopeScaling::Default,
+    };
     Ok((
         positive_theta(opt_f64(d, "rope_theta", top_theta)?)?,
         partial,
+        scaling,
     ))
 }
 

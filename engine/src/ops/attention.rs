@@ -19,15 +19,65 @@ pub struct Rope {
 /// §7 `inv_freq[i] = f32(1 / pow(base, (2i)/d))`, all in binary64, for i < ceil(d/2): an odd d
 /// (§16's rotary dim) keeps i = (d−1)/2, as transformers' `arange(0, d, 2)` does.
 pub fn inv_freq(base: f64, d: usize) -> Vec<f32> {
+    inv_freq_scaled(base, d, RopeScaling::Default)
+}
+
+/// §7.1 the rope types that rescale the frequencies (llama's `rope_parameters`); positions and
+/// the rotation stay §7's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    Default,
+    /// `linear`: every frequency divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// `llama3`: low frequencies divided by `factor`, high ones kept, a smooth blend between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// §7.1 `inv_freq` of a rope type, each frequency computed in binary64 and rounded once to f32.
+pub fn inv_freq_scaled(base: f64, d: usize, scaling: RopeScaling) -> Vec<f32> {
     (0..d.div_ceil(2))
-        .map(|i| (1.0f64 / base.powf((2 * i) as f64 / d as f64)) as f32)
+        .map(|i| {
+            let f = 1.0f64 / base.powf((2 * i) as f64 / d as f64);
+            let scaled = match scaling {
+                RopeScaling::Default => f,
+                RopeScaling::Linear { factor } => f / factor,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: old,
+                } => {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < old / high {
+                        f
+                    } else if wavelen > old / low {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                }
+            };
+            scaled as f32
+        })
         .collect()
 }
 
 impl Rope {
     pub fn new(base: f64, d: usize, positions: &[i64]) -> Rope {
+        Rope::scaled(base, d, RopeScaling::Default, positions)
+    }
+
+    pub fn scaled(base: f64, d: usize, scaling: RopeScaling, positions: &[i64]) -> Rope {
         let half = d.div_ceil(2);
-        let inv = inv_freq(base, d);
+        let inv = inv_freq_scaled(base, d, scaling);
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
         for &p in positions {

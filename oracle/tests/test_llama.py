@@ -1,0 +1,155 @@
+"""Llama in the bit-exact reference (docs/numerics.md §7.1, §13): the engine and the contract
+compute tiny-llama's variants bit for bit alike and within the oracle policy of transformers' own
+LlamaForCausalLM; and the oracle comparison catches the llama defects a port makes — its rope
+scaling dropped or misplaced, its MLP bias forgotten — at the point where they enter.
+
+tiny-llama itself (bf16, tied head, llama3 rope) is gated by milestone m0; here its variants:
+tiny-llama-bias (attention and MLP biases, no num_key_value_heads, linear rope; made by
+scripts/make_fixtures.py at test time) and single-field edits of tiny-llama."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from binaries import diff_report, release_binary  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = ROOT / "fixtures" / "tiny-llama"
+POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
+TOKENS = "1,17,300,5,42,7,99,250,3"
+ENGINE, why_engine = release_binary("engine")
+DIFF, why_diff = release_binary("trace-diff")
+needs_binaries = pytest.mark.skipif(
+    bool(why_engine or why_diff), reason=f"{why_engine or why_diff}"
+)
+
+
+def run(*argv):
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{argv[:3]}: exit {r.returncode}: {r.stderr[-800:]}"
+    return r
+
+
+def trace(who: str, model: Path, out: Path, cache: str = "on") -> Path:
+    args = ["trace", "--model", model, "--tokens", TOKENS, "--generate", 4]
+    args += ["--capture", "internals", "--cache", cache, "--out", out]
+    if who == "engine":
+        run(ENGINE, *args)
+    else:
+        run(sys.executable, "-m", f"tracegate_{who}", *args)
+    return out
+
+
+def judge(reference: Path, candidate: Path) -> tuple[int, dict]:
+    r = subprocess.run(
+        [DIFF, reference, candidate, "--policy", POLICY, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode, diff_report(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def llama_bias(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama-bias")
+    run(sys.executable, ROOT / "scripts" / "make_fixtures.py", "tiny-llama-bias", "--out", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_llama(tmp_path_factory) -> Path:
+    return trace("oracle", LLAMA, tmp_path_factory.mktemp("oracle") / "o.trace")
+
+
+def edited(tmp_path: Path, src: Path, edit) -> Path:
+    d = tmp_path / f"{src.name}-edited"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@needs_binaries
+def test_bias_variant_engine_is_the_contract_and_agrees_with_the_oracle(tmp_path, llama_bias):
+    cfg = json.loads((llama_bias / "config.json").read_text())
+    assert cfg["attention_bias"] and cfg["mlp_bias"] and "num_key_value_heads" not in cfg
+    assert cfg["rope_parameters"]["rope_type"] == "linear"
+    e = trace("engine", llama_bias, tmp_path / "e.trace", "on")
+    c = trace("contract", llama_bias, tmp_path / "c.trace", "off")
+    o = trace("oracle", llama_bias, tmp_path / "o.trace")
+    same, report = judge(e, c)
+    assert same == 0 and report["first_bit_difference"] is None, report["first_bit_difference"]
+    code, report = judge(o, e)
+    assert code == 0, report["first_violation"]
+    assert report["decisions"]["compared"] > 0 and report["tensors"]["compared_elementwise"]
+
+
+@needs_binaries
+@pytest.mark.parametrize(
+    "planted,edit,first",
+    [
+        # A port that ignores rope_parameters' type (the default rope): every rotated q differs.
+        (
+            "llama3-scaling-dropped",
+            lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+            "layer.00.q",
+        ),
+        # Only the blended band and the low frequencies move: a wrong original context length.
+        (
+            "llama3-original-context-doubled",
+            lambda c: c["rope_parameters"].update(original_max_position_embeddings=512),
+            "layer.00.q",
+        ),
+    ],
+)
+def test_a_rope_scaling_defect_is_caught_where_it_enters(
+    tmp_path, oracle_llama, planted, edit, first
+):
+    e = trace("engine", edited(tmp_path, LLAMA, edit), tmp_path / "e.trace")
+    code, report = judge(oracle_llama, e)
+    assert code == 1, f"{planted}: the oracle comparison passed a planted defect"
+    assert report["first_violation"]["tensor"] == first, report["first_violation"]
+
+
+@needs_binaries
+def test_a_forgotten_mlp_bias_is_caught_at_the_first_mlp_out(tmp_path, llama_bias):
+    """A contract planted to load no MLP bias (what a port that skips `mlp_bias` computes),
+    against the oracle on the same checkpoint."""
+    import tracegate_contract
+
+    planted = tmp_path / "planted"
+    shutil.copytree(
+        Path(tracegate_contract.__file__).parent,
+        planted / "tracegate_contract",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    src = planted / "tracegate_contract" / "qwen3.py"
+    site = "self.bgu, self.bd = bias if bias is not None else (None, None)"
+    assert src.read_text().count(site) == 1, "planting site not found exactly once"
+    src.write_text(src.read_text().replace(site, "self.bgu, self.bd = (None, None)"))
+    out = tmp_path / "c.trace"
+    args = ["trace", "--model", llama_bias, "--tokens", TOKENS, "--capture", "internals"]
+    r = subprocess.run(
+        [sys.executable, "-m", "tracegate_contract", *map(str, args), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(planted)},
+    )
+    assert r.returncode == 0, r.stderr[-800:]
+    o = trace("oracle", llama_bias, tmp_path / "o.trace")
+    code, report = judge(o, out)
+    assert code == 1, "the oracle comparison passed a contract without MLP biases"
+    assert report["first_violation"]["tensor"] == "layer.00.mlp_out", report["first_violation"]
