@@ -6,6 +6,7 @@ use std::path::Path;
 
 use tracegate_trace::Trace;
 
+use crate::noise::NoiseReference;
 use crate::report::{Finding, Report, Side};
 use crate::structure::{forced_note, structure};
 use crate::values::values;
@@ -26,6 +27,8 @@ pub struct Options {
     pub policy: Option<Policy>,
     /// `--only` / `--skip`: the tensors and decisions compared; the rest are left out.
     pub filter: Filter,
+    /// `--noise-reference`: what the policy's `max_noise_ratio` bounds measure against.
+    pub noise: Option<NoiseReference>,
 }
 
 impl Default for Options {
@@ -36,6 +39,7 @@ impl Default for Options {
             all: false,
             policy: None,
             filter: Filter::default(),
+            noise: None,
         }
     }
 }
@@ -162,6 +166,22 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         rep.findings.extend(refusals);
         rep.verdict = Verdict::Incomparable;
         return rep;
+    }
+
+    // The noise reference must be the reference's model on the reference's prompt; only its
+    // precision (the stack) may differ, and that is reported.
+    if let Some(noise) = &opts.noise {
+        let (refusals, allowed) = comparable::check(reference, &noise.0, true);
+        let named = |mut f: Finding| {
+            f.detail = format!("noise reference {}: {}", noise.0.path().display(), f.detail);
+            f
+        };
+        rep.findings.extend(allowed.into_iter().map(named));
+        if !refusals.is_empty() {
+            rep.findings.extend(refusals.into_iter().map(named));
+            rep.verdict = Verdict::Incomparable;
+            return rep;
+        }
     }
 
     // 3. Structure.

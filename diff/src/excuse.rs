@@ -10,8 +10,8 @@ use tracegate_trace::{TensorInfo, Trace};
 
 use crate::values::{element, judge_row, set_stats};
 use crate::{
-    numeric, reroute, worst, FindingKind, NearTieRef, NearTieSummary, Policy, Report, RowStatus,
-    RowsAfter, TensorRow,
+    noise, numeric, reroute, worst, FindingKind, NearTieRef, NearTieSummary, Policy, Real, Report,
+    RowStatus, RowsAfter, TensorRow,
 };
 
 /// A tensor's capture index in `t`: the reader hands out references into its capture-ordered
@@ -48,6 +48,8 @@ pub(crate) struct Excusal<'a> {
     r: &'a Trace,
     c: &'a Trace,
     policy: Option<&'a Policy>,
+    /// The noise reference, measured again over the rows left in.
+    noise: Option<&'a Trace>,
     /// `per_tensor` rows before this one are settled: their statuses are final.
     settled: usize,
     /// The first settled row outside the policy (differing, by bits, without one).
@@ -61,7 +63,12 @@ pub(crate) struct Excusal<'a> {
 }
 
 impl<'a> Excusal<'a> {
-    pub(crate) fn new(r: &'a Trace, c: &'a Trace, policy: Option<&'a Policy>) -> Self {
+    pub(crate) fn new(
+        r: &'a Trace,
+        c: &'a Trace,
+        policy: Option<&'a Policy>,
+        noise: Option<&'a Trace>,
+    ) -> Self {
         let summary = NearTieSummary {
             margin_factor: policy.map_or(0.0, Policy::near_tie_factor),
             ..NearTieSummary::default()
@@ -70,6 +77,7 @@ impl<'a> Excusal<'a> {
             r,
             c,
             policy,
+            noise,
             settled: 0,
             first_bad: None,
             tokens: Vec::new(),
@@ -272,6 +280,14 @@ impl<'a> Excusal<'a> {
         (row.nan_mismatch, row.nan_payload, row.infinity) = whole;
         // The median is measured once, over the whole first differing tensor.
         row.median_ulp = None;
+        // The noise reference on the same rows as the candidate, or undefined.
+        if let Some(r) = row.rule.as_mut().filter(|r| r.noise_rel_l2.is_some()) {
+            r.noise_rel_l2 = Some(
+                self.noise
+                    .and_then(|n| noise::rel_l2(n, ri, rd, &kept))
+                    .map(Real),
+            );
+        }
         let finding = judge_row(row, rule.0, rule.1);
         if finding.is_some() {
             // The worst element is the first non-finite one, in an excused row when it is there.

@@ -17,6 +17,7 @@ mod excuse;
 pub mod filter;
 pub mod html;
 pub mod measures;
+pub mod noise;
 pub mod numeric;
 pub mod policy;
 mod render;
@@ -35,6 +36,7 @@ pub use compare::{compare, compare_files, Options};
 pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use filter::{Filter, FilterSummary};
 pub use html::write_html;
+pub use noise::NoiseReference;
 pub use numeric::{describe_bits, Pair, Special};
 pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
 pub use render::{

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use tracegate_diff::{
     compare_files, terminal_safe, write_html, write_human, write_json, write_show, write_show_json,
-    Filter, FilterSummary, Options, Policy,
+    Filter, FilterSummary, NoiseReference, Options, Policy,
 };
 use tracegate_trace::Trace;
 
@@ -78,6 +78,38 @@ struct Cli {
     /// instead of refusing.
     #[arg(long)]
     allow_stack_mismatch: bool,
+    /// The reference model run in the candidate's own precision (e.g. the oracle in bf16), same
+    /// weights and prompt as the reference: what the policy's `max_noise_ratio` bounds measure
+    /// the candidate's error against (docs/diff.md, "Noise-relative bound"). Needs a policy
+    /// with such a bound, and such a policy needs it.
+    #[arg(long, value_name = "TRACE", conflicts_with = "show")]
+    noise_reference: Option<PathBuf>,
+}
+
+/// `--noise-reference`, opened and verified, when the policy has a bound that reads it; either
+/// one without the other is a usage error (a bound that cannot be measured, or a trace nothing
+/// reads, would each say less than the user asked).
+fn noise_reference(cli: &Cli, policy: Option<&Policy>) -> Result<Option<NoiseReference>, String> {
+    let rule = policy.and_then(Policy::noise_rule);
+    match (&cli.noise_reference, rule) {
+        (None, None) => Ok(None),
+        (None, Some((i, r))) => Err(format!(
+            "policy rule {i} ({:?}) sets max_noise_ratio: give --noise-reference TRACE (the reference model run in the candidate's precision)",
+            r.pattern
+        )),
+        (Some(p), None) => Err(format!(
+            "--noise-reference {}: no rule of the policy sets max_noise_ratio, so nothing would read it",
+            p.display()
+        )),
+        (Some(p), Some(_)) => {
+            let t = Trace::open(p).map_err(|e| format!("--noise-reference: {e}"))?;
+            if !cli.no_verify {
+                t.verify()
+                    .map_err(|e| format!("--noise-reference {}: {e}", p.display()))?;
+            }
+            Ok(Some(NoiseReference(std::sync::Arc::new(t))))
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -99,12 +131,20 @@ fn main() -> ExitCode {
             }
         },
     };
+    let noise = match noise_reference(&cli, policy.as_ref()) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("trace-diff: {}", terminal_safe(&e));
+            return ExitCode::from(2);
+        }
+    };
     let opts = Options {
         verify: !cli.no_verify,
         allow_stack_mismatch: cli.allow_stack_mismatch,
         all: cli.all,
         policy,
         filter,
+        noise,
     };
     let (r, c) = (
         cli.reference.expect("required by clap"),

@@ -82,6 +82,12 @@ pub struct Rule {
     /// all of it (docs/diff.md, "Scale error").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_scale_error: Option<f64>,
+    /// Bound on the candidate's relative L2 against the reference divided by the noise
+    /// reference's (`--noise-reference`: the reference model run in the candidate's own
+    /// precision): at most k times the error that precision makes honestly (docs/diff.md,
+    /// "Noise-relative bound").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_noise_ratio: Option<f64>,
     /// The rule judges only tensors whose candidate's `path` attribute is this (e.g. `layer`: a layer run
     /// alone on the reference's input, where no upstream drift is mixed in); absent: any path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -100,6 +106,10 @@ pub struct Measured {
     pub rel_l2: Option<f64>,
     pub cosine: Option<f64>,
     pub scale_error: Option<f64>,
+    /// The candidate's relative L2 over the noise reference's, for the same elements; None
+    /// when undefined (no noise reference, the tensor absent from it, its relative L2 0 while
+    /// the candidate's is not, or undefined).
+    pub noise_ratio: Option<f64>,
     /// Elements whose bits differ but have no numeric distance (NaN on either side), or an
     /// infinity against something else: no tolerance covers these.
     pub nonfinite_differences: u64,
@@ -142,6 +152,7 @@ impl Policy {
                 && r.max_rel_l2.is_none()
                 && r.min_cosine.is_none()
                 && r.max_scale_error.is_none()
+                && r.max_noise_ratio.is_none()
             {
                 return Err(format!("rule {i} ({:?}) sets no bound", r.pattern));
             }
@@ -165,6 +176,13 @@ impl Policy {
                     "a magnitude",
                 ),
                 ("min_cosine", r.min_cosine, -1.0, 1.0, "a cosine"),
+                (
+                    "max_noise_ratio",
+                    r.max_noise_ratio,
+                    0.0,
+                    f64::INFINITY,
+                    "a ratio",
+                ),
             ];
             for (key, v, lo, hi, what) in ranged {
                 if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= lo && *v <= hi)) {
@@ -198,6 +216,14 @@ impl Policy {
             }
         }
         Ok(p)
+    }
+
+    /// The first rule that sets `max_noise_ratio`, which a noise reference must then measure.
+    pub fn noise_rule(&self) -> Option<(usize, &Rule)> {
+        self.rules
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.max_noise_ratio.is_some())
     }
 
     /// The near-tie factor: the policy's `near_tie.margin_factor`, else [`DEFAULT_NEAR_TIE_FACTOR`].
@@ -269,6 +295,12 @@ impl Rule {
                 v => broken("max_scale_error", Amount::real(b), v.map(Amount::real)),
             }
         }
+        if let Some(b) = self.max_noise_ratio {
+            match m.noise_ratio {
+                Some(v) if v <= b => {}
+                v => broken("max_noise_ratio", Amount::real(b), v.map(Amount::real)),
+            }
+        }
         out
     }
 }
@@ -304,7 +336,7 @@ impl fmt::Display for Amount {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Violation {
     /// The rule's key (`max_ulp`, `max_abs`, `max_rel`, `max_rel_l2`, `min_cosine`,
-    /// `max_scale_error`), or
+    /// `max_scale_error`, `max_noise_ratio`), or
     /// [`NONFINITE`].
     pub bound: &'static str,
     pub limit: Amount,
@@ -330,6 +362,14 @@ impl fmt::Display for Violation {
                 write!(f, "scale error {v} (|⟨c,r⟩/⟨r,r⟩ − 1|) > {limit}")
             }
             ("max_scale_error", None) => write!(f, "scale error undefined (reference is all zero)"),
+            ("max_noise_ratio", Some(v)) => write!(
+                f,
+                "relative L2 {v}× the noise reference's > {limit}×"
+            ),
+            ("max_noise_ratio", None) => write!(
+                f,
+                "noise ratio undefined (no noise reference for this tensor, or its relative L2 is 0 or undefined while the candidate's is not)"
+            ),
             (bound, v) => write!(
                 f,
                 "{bound} {} vs limit {limit}",

@@ -120,6 +120,9 @@ pub(crate) fn judge(
         row.rule = Some(Box::new(RuleRef {
             index: *idx,
             pattern: rule.pattern.clone(),
+            // Rows routed by position on each side: no noise measure pairs with them, so a
+            // noise-relative bound is undefined here (fails), never assumed.
+            noise_rel_l2: rule.max_noise_ratio.map(|_| None),
         }));
     }
     if !only_r.is_empty() || !only_c.is_empty() {

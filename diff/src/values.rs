@@ -6,8 +6,8 @@ use tracegate_trace::{TensorInfo, Trace};
 
 use crate::report::{Divergence, Element, Method, RuleRef, TensorRow};
 use crate::{
-    numeric, policy, reroute, worst, Finding, FindingKind, Options, Pair, Real, Report, RowStatus,
-    Rule, Special,
+    noise, numeric, policy, reroute, worst, Finding, FindingKind, Options, Pair, Real, Report,
+    RowStatus, Rule, Special,
 };
 
 pub(crate) fn row_for(
@@ -224,9 +224,17 @@ fn judge(
         row.status = RowStatus::NoRule;
         return true;
     };
+    // The noise-relative bound measures the noise reference on the same elements.
+    let noise_rel_l2 = rule.max_noise_ratio.map(|_| {
+        opts.noise
+            .as_ref()
+            .and_then(|n| noise::rel_l2(&n.0, ri, rd, &[(0, ri.element_count())]))
+            .map(Real)
+    });
     row.rule = Some(Box::new(RuleRef {
         index: idx,
         pattern: rule.pattern.clone(),
+        noise_rel_l2,
     }));
     if row.status != RowStatus::Different {
         return false;
@@ -277,7 +285,9 @@ pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
 /// Judges a differing row by its rule from the row's statistics: sets `violations` and the
 /// status, and returns the `outside_policy` finding when a bound is broken.
 pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<Finding> {
+    let noise_rel_l2 = row.rule.as_ref().and_then(|r| r.noise_rel_l2.flatten());
     let m = policy::Measured {
+        noise_ratio: noise::ratio(row.rel_l2.map(|x| x.0), noise_rel_l2.map(|x| x.0)),
         max_ulp: row.max_ulp,
         max_abs: row.max_abs.map_or(0.0, |x| x.0),
         max_rel: row.max_rel.map_or(0.0, |x| x.0),

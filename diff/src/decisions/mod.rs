@@ -113,7 +113,7 @@ fn compare_common<'a>(
         .enumerate()
         .find(|(_, t)| !opts.selects(&t.name))
         .map(|(i, t)| (i, t.name.as_str()));
-    let mut ex = Excusal::new(r, c, policy);
+    let mut ex = Excusal::new(r, c, policy, opts.noise.as_ref().map(|n| &*n.0));
     for (at, slot, rd, cd, source) in todo {
         let left_out = LeftOut {
             first: first_left_out,

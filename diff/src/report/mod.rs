@@ -100,6 +100,9 @@ pub struct PolicyRef {
     pub candidate_dtype: Option<String>,
     /// The precision the candidate computed in (its provenance `dtype`), when it says.
     pub candidate_computes_in: Option<String>,
+    /// `--noise-reference`: the trace the `max_noise_ratio` bounds measured against.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noise_reference: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -172,6 +175,10 @@ impl Report {
                 bounds: p.rules.clone(),
                 candidate_dtype: p.candidate_dtype.clone(),
                 candidate_computes_in: None,
+                noise_reference: opts
+                    .noise
+                    .as_ref()
+                    .map(|n| n.0.path().display().to_string()),
             }),
             scan: if opts.all || opts.policy.is_some() {
                 "all"

@@ -172,6 +172,10 @@ fn opt_dtype_name<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Er
 pub struct RuleRef {
     pub index: usize,
     pub pattern: String,
+    /// Under a rule with `max_noise_ratio`: the noise reference's relative L2 against the
+    /// reference over the elements judged (null when it has none for them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noise_rel_l2: Option<Option<Real>>,
 }
 
 /// The first differing element of the first differing tensor (reference capture order): the

@@ -1,0 +1,278 @@
+//! The noise-relative bound (`max_noise_ratio`, `--noise-reference`; docs/diff.md,
+//! "Noise-relative bound"). Claim: a tensor passes the bound only when the candidate's relative
+//! L2 against the reference is at most k times the noise reference's, measured on the same
+//! elements of a noise trace from the same weights and prompt. Everything else fails it or is
+//! refused: a noise trace without the tensor, with another shape or other positions, exact where
+//! the candidate is not, NaN, or from other weights; a bound without a noise trace, or a noise
+//! trace nothing reads. The expected ratios are computed here in binary64 from the values
+//! written, not read from the code under test.
+
+use std::path::Path;
+use std::process::Command;
+
+use tracegate_diff::{compare, NoiseReference, Options, Policy, RowStatus, Verdict};
+use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
+
+const NAME: &str = "layer.00.mlp_out";
+
+fn write_with(
+    path: &Path,
+    weights: &str,
+    positions: Vec<i64>,
+    tensors: &[(&str, Vec<f32>)],
+) -> Trace {
+    let prov = serde_json::json!({"producer": "my-port", "weights_digest": weights, "prompt_tokens": [1, 2]});
+    let mut w = TraceWriter::create(path, prov).unwrap();
+    let attrs = Attributes::default()
+        .with_path("prefill")
+        .with_mask("causal")
+        .with_positions(positions);
+    for (name, v) in tensors {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.tensor(name, DType::F32, &[2, (v.len() / 2) as u64], &bytes, &attrs)
+            .unwrap();
+    }
+    w.finish().unwrap();
+    Trace::open(path).unwrap()
+}
+
+fn write(path: &Path, tensors: &[(&str, Vec<f32>)]) -> Trace {
+    write_with(path, "w-1", vec![0, 1], tensors)
+}
+
+fn base() -> Vec<f32> {
+    (0..64).map(|i| (i as f32 * 0.37).sin() + 0.2).collect()
+}
+
+/// `base` moved by `scale` times a fixed pattern (`phase` picks one of two patterns, so noise
+/// and candidate errors are not proportional).
+fn moved(scale: f32, phase: usize) -> Vec<f32> {
+    base()
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x + scale * (((i + phase) % 5) as f32 - 2.0))
+        .collect()
+}
+
+/// ‖c − r‖ / ‖r‖ in binary64 over the f32 values.
+fn rel_l2(r: &[f32], c: &[f32]) -> f64 {
+    let (mut dd, mut rr) = (0.0f64, 0.0f64);
+    for (a, b) in r.iter().zip(c) {
+        let d = *b as f64 - *a as f64;
+        dd += d * d;
+        rr += *a as f64 * *a as f64;
+    }
+    (dd / rr).sqrt()
+}
+
+fn policy(k: f64) -> Policy {
+    Policy::parse(&format!(
+        r#"{{"format": "tracegate-policy/1", "name": "noise", "rules": [{{"pattern": "**", "max_noise_ratio": {k}}}]}}"#
+    ))
+    .unwrap()
+}
+
+fn judged(r: &Trace, c: &Trace, noise: Trace, k: f64) -> tracegate_diff::Report {
+    let opts = Options {
+        policy: Some(policy(k)),
+        noise: Some(NoiseReference(std::sync::Arc::new(noise))),
+        ..Options::default()
+    };
+    compare(r, c, &opts)
+}
+
+fn row<'a>(rep: &'a tracegate_diff::Report, name: &str) -> &'a tracegate_diff::TensorRow {
+    rep.per_tensor.iter().find(|r| r.tensor == name).unwrap()
+}
+
+fn noise_violation(rep: &tracegate_diff::Report, name: &str) -> Option<Option<f64>> {
+    row(rep, name)
+        .violations
+        .iter()
+        .find(|v| v.bound == "max_noise_ratio")
+        .map(|v| {
+            v.value.map(|a| match a {
+                tracegate_diff::Amount::Real(x) => x.0,
+                tracegate_diff::Amount::Count(n) => n as f64,
+            })
+        })
+}
+
+#[test]
+fn within_k_times_the_noise_passes_and_beyond_it_fails_with_the_ratio() {
+    let d = tempfile::tempdir().unwrap();
+    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
+    let noise = moved(2e-3, 0);
+    let want_noise = rel_l2(&base(), &noise);
+    for (scale, k, passes) in [(1e-3f32, 1.0, true), (6e-3, 1.0, false), (6e-3, 4.0, true)] {
+        let cand = moved(scale, 2);
+        let c = write(
+            &d.path().join(format!("c{scale}.trace")),
+            &[(NAME, cand.clone())],
+        );
+        let n = write(&d.path().join("n.trace"), &[(NAME, noise.clone())]);
+        let rep = judged(&r, &c, n, k);
+        let ratio = rel_l2(&base(), &cand) / want_noise;
+        let rule = row(&rep, NAME).rule.as_ref().unwrap();
+        let measured_noise = rule.noise_rel_l2.unwrap().unwrap().0;
+        assert!(
+            (measured_noise / want_noise - 1.0).abs() < 1e-9,
+            "{measured_noise} vs {want_noise}"
+        );
+        assert_eq!(ratio <= k, passes, "ratio {ratio} vs k {k}");
+        if passes {
+            assert_eq!(rep.verdict, Verdict::WithinPolicy, "scale {scale}, k {k}");
+            assert_eq!(row(&rep, NAME).status, RowStatus::WithinPolicy);
+        } else {
+            assert_eq!(rep.verdict, Verdict::Different);
+            let got = noise_violation(&rep, NAME).unwrap().unwrap();
+            assert!((got / ratio - 1.0).abs() < 1e-9, "{got} vs {ratio}");
+        }
+    }
+}
+
+#[test]
+fn a_port_more_precise_than_the_noise_never_fails_for_it_however_far_from_f32() {
+    // The candidate's error (1e-2 scale) is far outside any f32 bound, yet below the noise
+    // reference's: the noise-relative bound alone passes it.
+    let d = tempfile::tempdir().unwrap();
+    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
+    let c = write(&d.path().join("c.trace"), &[(NAME, moved(1e-2, 1))]);
+    let n = write(&d.path().join("n.trace"), &[(NAME, moved(2e-2, 3))]);
+    let rep = judged(&r, &c, n, 1.0);
+    assert_eq!(rep.verdict, Verdict::WithinPolicy);
+}
+
+#[test]
+fn a_noise_trace_that_cannot_measure_the_tensor_fails_it_never_passes_it() {
+    let d = tempfile::tempdir().unwrap();
+    let r = write(
+        &d.path().join("r.trace"),
+        &[(NAME, base()), ("layer.01.mlp_out", base())],
+    );
+    let c = write(
+        &d.path().join("c.trace"),
+        &[(NAME, moved(1e-3, 2)), ("layer.01.mlp_out", moved(1e-3, 2))],
+    );
+    let mut nan = moved(2e-3, 0);
+    nan[7] = f32::NAN;
+    let cases: Vec<(&str, Trace)> = vec![
+        // The tensor is absent from the noise trace (layer.01 is there, layer.00 is not).
+        (
+            "absent",
+            write(
+                &d.path().join("n1.trace"),
+                &[("layer.01.mlp_out", moved(2e-3, 0))],
+            ),
+        ),
+        // Exact in the noise trace while the candidate is not: that precision computes it exactly.
+        (
+            "exact",
+            write(&d.path().join("n2.trace"), &[(NAME, base())]),
+        ),
+        // Another shape: [4, 16] instead of [2, 32].
+        ("shape", {
+            let path = d.path().join("n3.trace");
+            let prov = serde_json::json!({"producer": "oracle", "weights_digest": "w-1", "prompt_tokens": [1, 2]});
+            let mut w = TraceWriter::create(&path, prov).unwrap();
+            let attrs = Attributes::default()
+                .with_path("prefill")
+                .with_mask("causal")
+                .with_positions(vec![0, 1, 2, 3]);
+            let bytes: Vec<u8> = moved(2e-3, 0)
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            w.tensor(NAME, DType::F32, &[4, 16], &bytes, &attrs)
+                .unwrap();
+            w.finish().unwrap();
+            Trace::open(&path).unwrap()
+        }),
+        // NaN in the noise trace: its relative L2 is no measure of honest noise.
+        ("nan", write(&d.path().join("n5.trace"), &[(NAME, nan)])),
+    ];
+    for (case, n) in cases {
+        let rep = judged(&r, &c, n, 1e6);
+        assert_eq!(
+            rep.verdict,
+            Verdict::Different,
+            "{case}: {:?}",
+            rep.findings
+        );
+        assert_eq!(row(&rep, NAME).status, RowStatus::OutsidePolicy, "{case}");
+        let v = noise_violation(&rep, NAME).unwrap_or_else(|| panic!("{case}: no violation"));
+        assert!(v.is_none_or(|x| x.is_nan()), "{case}: ratio {v:?} measured");
+    }
+}
+
+#[test]
+fn a_noise_trace_from_other_weights_or_another_prompt_is_refused_as_incomparable() {
+    let d = tempfile::tempdir().unwrap();
+    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
+    let c = write(&d.path().join("c.trace"), &[(NAME, moved(1e-3, 2))]);
+    for (case, weights, positions, named) in [
+        ("weights", "w-2", vec![0, 1], "w-2"),
+        ("positions", "w-1", vec![5, 6], "[5, 6]"),
+    ] {
+        let n = write_with(
+            &d.path().join(format!("n-{case}.trace")),
+            weights,
+            positions,
+            &[(NAME, moved(2e-3, 0))],
+        );
+        let rep = judged(&r, &c, n, 1e6);
+        assert_eq!(rep.verdict, Verdict::Incomparable, "{case}");
+        assert!(
+            rep.findings
+                .iter()
+                .any(|f| f.detail.starts_with("noise reference") && f.detail.contains(named)),
+            "{case}: {:?}",
+            rep.findings
+        );
+    }
+}
+
+#[test]
+fn the_cli_refuses_a_bound_without_a_noise_trace_and_a_noise_trace_nothing_reads() {
+    let d = tempfile::tempdir().unwrap();
+    write(&d.path().join("r.trace"), &[(NAME, base())]);
+    write(&d.path().join("c.trace"), &[(NAME, moved(1e-3, 2))]);
+    write(&d.path().join("n.trace"), &[(NAME, moved(2e-3, 0))]);
+    let noise_policy = d.path().join("noise.json");
+    std::fs::write(
+        &noise_policy,
+        r#"{"format": "tracegate-policy/1", "name": "noise", "rules": [{"pattern": "**", "max_noise_ratio": 2}]}"#,
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_trace-diff"))
+            .current_dir(d.path())
+            .args(["r.trace", "c.trace"])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let (code, err) = run(&["--policy", "noise.json"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("max_noise_ratio") && err.contains("--noise-reference"),
+        "{err}"
+    );
+    let (code, err) = run(&["--policy", "f32", "--noise-reference", "n.trace"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("nothing would read it"), "{err}");
+    let (code, err) = run(&[
+        "--policy",
+        "noise.json",
+        "--noise-reference",
+        "missing.trace",
+    ]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("missing.trace"), "{err}");
+    let (code, err) = run(&["--policy", "noise.json", "--noise-reference", "n.trace"]);
+    assert_eq!(code, Some(0), "{err}");
+}
