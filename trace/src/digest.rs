@@ -134,28 +134,69 @@ impl Canonical {
     }
 }
 
-/// xxh3-128 over the bytes of every `*.safetensors` file in `dir`, in sorted file-name order,
-/// streamed. Recorded in provenance so two producers that read different weights are refused.
-pub fn weights_digest(dir: &Path) -> Result<String> {
+/// xxh3-128 over the bytes of the model's weight files, streamed: every `*.safetensors` file of
+/// the directory `model` in sorted file-name order; or, for a GGUF model (`model` is a `.gguf`
+/// file, or a directory whose weights are one `.gguf` file and no safetensors), that file's
+/// bytes — its tensor data with the header that places it, so a quantized port that loads the
+/// file records the digest every producer of that file records. Recorded in provenance so two
+/// producers that read different weights are refused.
+pub fn weights_digest(model: &Path) -> Result<String> {
+    let mut files = weight_files(model)?;
+    files.sort();
+    hash_files(&files)
+}
+
+/// The files `weights_digest` hashes (docs/producers.md, "Weights digest").
+fn weight_files(model: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let is_gguf = |p: &Path| p.extension().is_some_and(|e| e == "gguf");
+    if model.is_file() {
+        return if is_gguf(model) {
+            Ok(vec![model.to_path_buf()])
+        } else {
+            Err(Error::NotFound(format!(
+                "{}: a model is a directory of *.safetensors or a .gguf file",
+                model.display()
+            )))
+        };
+    }
+    let dir = model;
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-    let mut files = Vec::new();
+    let (mut safetensors, mut gguf) = (Vec::new(), Vec::new());
     for entry in entries {
         let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let name = entry.file_name();
-        if name.to_string_lossy().ends_with(".safetensors") {
-            files.push(entry.path());
+        let path = entry.path();
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .ends_with(".safetensors")
+        {
+            safetensors.push(path);
+        } else if is_gguf(&path) {
+            gguf.push(path);
         }
     }
-    if files.is_empty() {
-        return Err(Error::NotFound(format!(
-            "{}: no *.safetensors files",
+    match (safetensors.is_empty(), gguf.len()) {
+        (false, 0) => Ok(safetensors),
+        (true, 1) => Ok(gguf),
+        (true, 0) => Err(Error::NotFound(format!(
+            "{}: no *.safetensors or .gguf files",
             dir.display()
-        )));
+        ))),
+        (false, _) => Err(Error::NotFound(format!(
+            "{}: holds both *.safetensors and .gguf files: which are the weights? (keep one kind)",
+            dir.display()
+        ))),
+        (true, n) => Err(Error::NotFound(format!(
+            "{}: {n} .gguf files: name the one to use (--model FILE.gguf)",
+            dir.display()
+        ))),
     }
-    files.sort();
+}
+
+fn hash_files(files: &[std::path::PathBuf]) -> Result<String> {
     let mut hasher = Xxh3::new();
     let mut buf = vec![0u8; 1 << 20];
-    for path in &files {
+    for path in files {
         let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         loop {
             let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;

@@ -229,6 +229,29 @@ def test_weights_digest_is_streamed_xxh3_of_sorted_files(tmp_path):
         tracegate.weights_digest(tmp_path / "nowhere")
 
 
+def test_weights_digest_of_a_gguf_model_is_xxh3_of_the_file(tmp_path):
+    """A .gguf file, or a directory whose weights are one .gguf: the file's bytes. Both kinds
+    in one directory, or two .gguf files, are refused: which weights a producer read would be a
+    guess."""
+    import xxhash
+
+    blob = b"GGUF" + bytes(range(256)) * 3
+    (tmp_path / "m.gguf").write_bytes(blob)
+    (tmp_path / "config.json").write_text("{}")
+    want = xxhash.xxh3_128_hexdigest(blob)
+    assert tracegate.weights_digest(tmp_path / "m.gguf") == want
+    assert tracegate.weights_digest(tmp_path) == want
+    (tmp_path / "n.gguf").write_bytes(blob)
+    with pytest.raises(tracegate.TraceError, match="2 .gguf files"):
+        tracegate.weights_digest(tmp_path)
+    (tmp_path / "n.gguf").unlink()
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    with pytest.raises(tracegate.TraceError, match="both"):
+        tracegate.weights_digest(tmp_path)
+    with pytest.raises(tracegate.TraceError, match="config.json"):
+        tracegate.weights_digest(tmp_path / "config.json")
+
+
 def _run(code: str, *args, timeout: float = 60) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter, so a signal or a hang is seen, not suffered."""
     return subprocess.run(
