@@ -2,6 +2,7 @@
 //! ordered fp32 (docs/numerics.md), capture of the named tensors and decisions into a `.trace`.
 //!
 //! - `weights`: safetensors parsing, mapped views, inventory, weights digest
+//! - `gguf`: GGUF weights: the file checked, dequantized, read as the Hugging Face checkpoint
 //! - `config`: `config.json` as the forward reads it (§13), refusals included
 //! - `ops`: the ordered kernels of docs/numerics.md, one definition each (the fast attention is
 //!   tested against its definition)
@@ -19,6 +20,7 @@ pub mod aligned;
 pub mod capture;
 pub mod config;
 pub mod force;
+pub mod gguf;
 pub mod matmul;
 pub mod ops;
 pub mod qwen3;

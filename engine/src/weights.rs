@@ -574,12 +574,18 @@ impl Store {
                 }
             }
         }
-        Ok(Store {
+        Ok(Store::from_maps(maps, tensors))
+    }
+
+    /// A store over mappings already checked and their entries (`tensors`: name → (index into
+    /// `maps`, entry)); the GGUF source builds one (`gguf::GgufModel::into_store`).
+    pub(crate) fn from_maps(maps: Vec<Mmap>, tensors: BTreeMap<String, (usize, Entry)>) -> Store {
+        Store {
             maps,
             tensors,
             panels: Default::default(),
             claimed: Default::default(),
-        })
+        }
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -1,0 +1,243 @@
+//! From a GGUF file's names and metadata to the Hugging Face checkpoint transformers' own GGUF
+//! loader builds (`transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`, transformers
+//! 5.x): the tensor names, llama's q/k un-permutation, and `config.json` (docs/numerics.md §21.3–5).
+
+use serde_json::{json, Map, Value as Json};
+
+use super::parse::{Array, Header, Value};
+use crate::{err, Result};
+
+/// The GGUF architectures mapped here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen3,
+}
+
+impl Arch {
+    pub fn from_name(name: &str) -> Option<Arch> {
+        match name {
+            "llama" => Some(Arch::Llama),
+            "qwen3" => Some(Arch::Qwen3),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// The Hugging Face name of GGUF tensor `name`, or `None` when it is not one of the family's.
+pub fn hf_name(arch: Arch, name: &str) -> Option<String> {
+    let global = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(g) = global {
+        return Some(g.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    // Canonical decimal only: transformers' name table has `blk.1`, never `blk.01`.
+    let n: usize = layer.parse().ok()?;
+    if n.to_string() != layer {
+        return None;
+    }
+    let (module, kind) = part.rsplit_once('.')?;
+    let hf = match (module, kind) {
+        ("attn_norm", "weight") => "input_layernorm",
+        ("attn_q", _) => "self_attn.q_proj",
+        ("attn_k", _) => "self_attn.k_proj",
+        ("attn_v", _) => "self_attn.v_proj",
+        ("attn_output", _) => "self_attn.o_proj",
+        ("attn_q_norm", "weight") if arch == Arch::Qwen3 => "self_attn.q_norm",
+        ("attn_k_norm", "weight") if arch == Arch::Qwen3 => "self_attn.k_norm",
+        ("ffn_norm", "weight") => "post_attention_layernorm",
+        ("ffn_gate", "weight") => "mlp.gate_proj",
+        ("ffn_up", "weight") => "mlp.up_proj",
+        ("ffn_down", "weight") => "mlp.down_proj",
+        _ => return None,
+    };
+    if kind != "weight" && kind != "bias" {
+        return None;
+    }
+    Some(format!("model.layers.{n}.{hf}.{kind}"))
+}
+
+/// For llama's `attn_q`/`attn_k` (weight or bias): the head count of the permutation
+/// llama.cpp's converter applied, which `unpermuted_row` undoes (transformers'
+/// `LlamaTensorProcessor`, which only the GGUF architecture `llama` gets). `None`: stored as is.
+pub fn permuted_heads(arch: Arch, name: &str, config: &Json) -> Result<Option<usize>> {
+    if arch != Arch::Llama {
+        return Ok(None);
+    }
+    let key = if name.contains(".attn_q.") {
+        "num_attention_heads"
+    } else if name.contains(".attn_k.") {
+        "num_key_value_heads"
+    } else {
+        return Ok(None);
+    };
+    let gguf_key = match key {
+        "num_attention_heads" => "llama.attention.head_count",
+        _ => "llama.attention.head_count_kv",
+    };
+    match config.get(key) {
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n >= 1)
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| err!(Checkpoint:
+                "{gguf_key} = {v} is not a positive integer (needed to undo the q/k permutation of {name})"
+            )),
+        // transformers skips the un-permutation when either count is missing and so loads the
+        // rows in llama.cpp's order: refused rather than reproduced.
+        None => Err(err!(Checkpoint:
+            "{gguf_key} is missing: transformers would load {name} without undoing llama.cpp's q/k permutation; refused"
+        )),
+    }
+}
+
+/// The stored row of un-permuted row `r`: llama.cpp stored each head's rows `[h, i, j]`
+/// (`i < dim = rows / heads / 2`, `j < 2`) at `h·2·dim + 2i + j`; transformers reads them back
+/// as `[h, j, i]` (`reshape(heads, dim, 2, …).swapaxes(1, 2)`), so row `h·2·dim + j·dim + i`
+/// comes from `h·2·dim + 2i + j`.
+#[inline]
+pub fn unpermuted_row(r: usize, rows: usize, heads: usize) -> usize {
+    let dim = rows / heads / 2;
+    let (h, rem) = (r / (2 * dim), r % (2 * dim));
+    let (j, i) = (rem / dim, rem % dim);
+    h * 2 * dim + 2 * i + j
+}
+
+/// Metadata key suffixes (after `{arch}.`) and the config field each sets, as transformers'
+/// `GGUF_CONFIG_MAPPING`; llama reads `rope.dimension_count` as `head_dim`, qwen3 does not.
+const CONFIG_KEYS: [(&str, &str); 10] = [
+    ("context_length", "max_position_embeddings"),
+    ("block_count", "num_hidden_layers"),
+    ("feed_forward_length", "intermediate_size"),
+    ("embedding_length", "hidden_size"),
+    ("rope.dimension_count", "head_dim"),
+    ("rope.freq_base", "rope_theta"),
+    ("attention.head_count", "num_attention_heads"),
+    ("attention.head_count_kv", "num_key_value_heads"),
+    ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
+    ("vocab_size", "vocab_size"),
+];
+
+/// A metadata value as transformers' `_gguf_parse_value` makes it: integers stay integers, f32
+/// and f64 become the binary64 of the same value, strings and bools stay; an array is refused
+/// (no field read here is one).
+fn config_value(key: &str, v: &Value) -> Result<Json> {
+    Ok(match v {
+        Value::F32(x) => finite(key, *x as f64)?,
+        Value::F64(x) => finite(key, *x)?,
+        Value::Bool(b) => json!(b),
+        Value::Str(s) => json!(s),
+        Value::Array(_) => {
+            return Err(err!(Checkpoint:
+                "metadata {key} is an array (per-layer values?); a single value is needed"
+            ))
+        }
+        other => match other.as_int().expect("the remaining types are integers") {
+            i if i < 0 => json!(i as i64),
+            i => json!(i as u64),
+        },
+    })
+}
+
+fn finite(key: &str, x: f64) -> Result<Json> {
+    serde_json::Number::from_f64(x)
+        .map(Json::Number)
+        .ok_or_else(|| err!(Checkpoint: "metadata {key} = {x} is not a finite number"))
+}
+
+/// The `config.json` transformers' GGUF loader builds for this file (its `config` dict, in its
+/// order: `tie_word_embeddings`, then the mapped keys in file order, then `vocab_size` from the
+/// tokenizer when no key gave it), plus `architectures`, which transformers adds when it saves a
+/// model. Computation-changing keys transformers ignores (rope scaling) are refused, as is a
+/// `key_length` other than the `head_dim` the config ends up with.
+pub fn config(h: &Header, arch: Arch) -> Result<Json> {
+    let mut cfg = Map::new();
+    // transformers: tied exactly when no tensor is named `output.weight`.
+    let tied = !h.tensors.iter().any(|t| t.name == "output.weight");
+    cfg.insert("tie_word_embeddings".into(), json!(tied));
+    // transformers loads a `llama` file whose `general.name` is exactly "mistral" as mistral
+    // (same keys under the `mistral.` prefix).
+    let mistral =
+        arch == Arch::Llama && h.get("general.name").and_then(Value::as_str) == Some("mistral");
+    let prefix = format!("{}.", arch.name());
+    for (key, v) in &h.metadata {
+        let field = match key.as_str() {
+            "general.architecture" => Some("model_type"),
+            "general.name" => Some("_model_name_or_path"),
+            k => k.strip_prefix(&prefix).and_then(|suffix| {
+                CONFIG_KEYS
+                    .iter()
+                    .find(|(s, _)| *s == suffix)
+                    .map(|(_, f)| *f)
+                    .filter(|&f| f != "head_dim" || arch == Arch::Llama)
+            }),
+        };
+        let Some(field) = field else { continue };
+        let mut value = config_value(key, v)?;
+        if field == "model_type" && mistral {
+            value = json!("mistral");
+        }
+        cfg.insert(field.into(), value);
+    }
+    if !cfg.contains_key("vocab_size") {
+        if let Some(Value::Array(Array::Str(tokens))) = h.get("tokenizer.ggml.tokens") {
+            cfg.insert("vocab_size".into(), json!(tokens.len()));
+        }
+    }
+    let model_type = cfg.get("model_type").and_then(Json::as_str).unwrap_or("");
+    let architecture = match model_type {
+        "llama" => "LlamaForCausalLM",
+        "mistral" => "MistralForCausalLM",
+        "qwen3" => "Qwen3ForCausalLM",
+        other => {
+            return Err(
+                err!(Checkpoint: "general.architecture = {other:?}: expected {}", arch.name()),
+            )
+        }
+    };
+    cfg.insert("architectures".into(), json!([architecture]));
+
+    if let Some(t) = h.get(&format!("{prefix}rope.scaling.type")) {
+        if t.as_str() != Some("none") {
+            return Err(err!(Checkpoint:
+                "metadata {prefix}rope.scaling.type = {t:?}: transformers' GGUF loader ignores rope scaling (its model would not be this file's); refused"
+            ));
+        }
+    }
+    // transformers' default head_dim: LlamaConfig hidden_size / num_attention_heads, Qwen3Config
+    // 128. A key_length saying otherwise is a file transformers loads as another model.
+    let head_dim = match (cfg.get("head_dim"), arch) {
+        (Some(d), _) => d.as_u64(),
+        (None, Arch::Qwen3) => Some(128),
+        (None, Arch::Llama) => match (
+            cfg.get("hidden_size").and_then(Json::as_u64),
+            cfg.get("num_attention_heads").and_then(Json::as_u64),
+        ) {
+            (Some(h), Some(n)) if n > 0 => Some(h / n),
+            _ => None,
+        },
+    };
+    for k in ["attention.key_length", "attention.value_length"] {
+        let key = format!("{prefix}{k}");
+        if let (Some(v), Some(d)) = (h.get(&key), head_dim) {
+            if v.as_int() != Some(d as i128) {
+                return Err(err!(Checkpoint:
+                    "metadata {key} = {v:?} but transformers' GGUF loader gives head_dim = {d} (it does not read {key}); refused"
+                ));
+            }
+        }
+    }
+    Ok(Json::Object(cfg))
+}
