@@ -490,8 +490,17 @@ impl Config {
     }
 }
 
-/// Read and validate `<dir>/config.json`; returns the parsed config and the raw JSON.
+/// Read and validate `<dir>/config.json`; returns the parsed config and the raw JSON. For a GGUF
+/// file, or a directory holding one and no safetensors (`gguf::model_file`), the config is the
+/// one transformers builds from its metadata (docs/numerics.md §21.5).
 pub fn load_config(dir: &Path) -> Result<(Config, Value)> {
+    if let Some(file) = crate::gguf::model_file(dir)? {
+        let raw = crate::gguf::load(&file)?.config;
+        let cfg = Config::from_json(&raw).map_err(
+            |e| err!(Config: "{}: the config made from its GGUF metadata: {e}", file.display()),
+        )?;
+        return Ok((cfg, raw));
+    }
     let p = dir.join("config.json");
     // One regular file, bounded, no repeated key (serde keeps the last of two `num_experts`).
     let bytes = tracegate_trace::json::read_bytes(&p, tracegate_trace::json::MAX_JSON_LEN)

@@ -110,8 +110,12 @@ macro_rules! err {
 
 /// xxh3-128 over the model's safetensors files (sorted by name, index json excluded), hex.
 /// The file set is checked first (exactly the checkpoint's files), then hashed by the trace
-/// crate's one definition of the digest.
+/// crate's one definition of the digest. A GGUF checkpoint (`gguf::model_file`): xxh3-128 of
+/// the .gguf file's bytes.
 pub fn weights_digest(dir: &std::path::Path) -> Result<String> {
+    if let Some(file) = gguf::model_file(dir)? {
+        return gguf::file_digest(&file);
+    }
     weights::safetensors_files(dir)?;
     Ok(tracegate_trace::weights_digest(dir)?)
 }

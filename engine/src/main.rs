@@ -43,7 +43,8 @@ fn default_threads() -> usize {
 enum Cmd {
     /// Prefill a prompt (and optionally generate greedily) and write a trace.
     Trace {
-        /// Model directory: config.json and model.safetensors (or the shards of an index).
+        /// Model directory: config.json and model.safetensors (or the shards of an index); or a
+        /// GGUF file, or a directory holding one .gguf and no safetensors (docs/numerics.md §21).
         #[arg(long)]
         model: PathBuf,
         /// Prompt token ids, comma separated (e.g. 3,17,5).
@@ -85,7 +86,8 @@ enum Cmd {
     },
     /// Run decoder layer L alone on a tensor of another trace (rows at its positions).
     Layer {
-        /// Model directory: config.json and model.safetensors (or the shards of an index).
+        /// Model directory: config.json and model.safetensors (or the shards of an index); or a
+        /// GGUF file, or a directory holding one .gguf and no safetensors (docs/numerics.md §21).
         #[arg(long)]
         model: PathBuf,
         /// Decoder layer index (0-based).
@@ -116,7 +118,8 @@ enum Cmd {
     },
     /// Config summary, weights digest and inventory check.
     Info {
-        /// Model directory: config.json and model.safetensors (or the shards of an index).
+        /// Model directory: config.json and model.safetensors (or the shards of an index); or a
+        /// GGUF file, or a directory holding one .gguf and no safetensors (docs/numerics.md §21).
         #[arg(long)]
         model: PathBuf,
     },

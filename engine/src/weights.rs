@@ -525,8 +525,12 @@ pub struct Store {
 }
 
 impl Store {
-    /// Map the checkpoint in `dir` and check its headers (and index, if any).
+    /// Map the checkpoint in `dir` and check its headers (and index, if any). A GGUF file, or a
+    /// directory holding one and no safetensors (`gguf::model_file`), is read by `gguf`.
     pub fn open(dir: &Path) -> Result<Store> {
+        if let Some(file) = crate::gguf::model_file(dir)? {
+            return crate::gguf::load(&file)?.into_store();
+        }
         let files = safetensors_files(dir)?;
         let index = dir.join("model.safetensors.index.json");
         let weight_map = if index.exists() {

@@ -332,7 +332,8 @@ pub fn parse(bytes: &[u8], file: &str) -> Result<Header> {
     let magic: [u8; 4] = c.array(&|| "the magic".to_string())?;
     if magic != MAGIC {
         return Err(err!(Checkpoint:
-            "{file}: not a GGUF file (magic {magic:02x?}, expected \"GGUF\" {MAGIC:02x?})"
+            "{file}: not a GGUF file (it starts with b\"{}\", not b\"GGUF\")",
+            magic.escape_ascii()
         ));
     }
     let version = c.u32(&|| "the version".to_string())?;

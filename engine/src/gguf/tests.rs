@@ -335,7 +335,10 @@ fn refuses_a_wrong_magic_version_or_byte_order() {
     let mut bytes = one_tensor().bytes();
     bytes[..4].copy_from_slice(b"GGML");
     let e = parse_err(&bytes);
-    assert!(e.contains("m.gguf: not a GGUF file"), "{e}");
+    assert!(
+        e.contains("m.gguf: not a GGUF file (it starts with b\"GGML\""),
+        "{e}"
+    );
     for (v, says) in [
         (1u32, "GGUF version 1 not supported"),
         (4, "GGUF version 4 not supported"),
@@ -805,6 +808,207 @@ fn model_file_finds_the_one_gguf() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The engine over a GGUF file: the same trace as the same weights in safetensors.
+
+/// A tiny Qwen3 (head_dim 128, transformers' default for a GGUF qwen3) with tensors of every
+/// supported type.
+fn tiny_qwen3() -> Writer {
+    let (h, ff, v, hd) = (32u64, 64u64, 40u64, 128u64);
+    let raw = |n: usize, seed: u64| -> Vec<u8> {
+        // Blocks with small finite scales: varied bytes, then every f16 scale set to ≈ 0.01.
+        values(n, seed)
+            .iter()
+            .map(|x| (x.to_bits() >> 7) as u8)
+            .collect()
+    };
+    let with_scales = |mut b: Vec<u8>, size: usize, at: &[usize]| {
+        for blk in b.chunks_exact_mut(size) {
+            for &o in at {
+                blk[o..o + 2].copy_from_slice(&0x2120u16.to_le_bytes());
+            }
+        }
+        b
+    };
+    let bf16 = |n: usize, seed: u64| -> Vec<u8> {
+        values(n, seed)
+            .iter()
+            .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+            .collect()
+    };
+    let f16 = |n: usize, seed: u64| -> Vec<u8> {
+        values(n, seed)
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect()
+    };
+    let f32s = |n: usize, seed: u64| f32_bytes(&values(n, seed));
+    let mut w = Writer::new("qwen3");
+    w.kv_u32("qwen3.block_count", 2)
+        .kv_u32("qwen3.context_length", 128)
+        .kv_u32("qwen3.embedding_length", h as u32)
+        .kv_u32("qwen3.feed_forward_length", ff as u32)
+        .kv_u32("qwen3.attention.head_count", 2)
+        .kv_u32("qwen3.attention.head_count_kv", 1)
+        .kv_f32("qwen3.rope.freq_base", 1e6)
+        .kv_f32("qwen3.attention.layer_norm_rms_epsilon", 1e-6)
+        .kv_u32("qwen3.vocab_size", v as u32);
+    let n = |a: u64, b: u64| (a * b) as usize;
+    w.tensor(
+        "token_embd.weight",
+        &[h, v],
+        T_Q8_0,
+        with_scales(raw(n(h, v) / 32 * 34, 1), 34, &[0]),
+    );
+    for l in 0..2u64 {
+        let s = 100 * (l + 1);
+        let name = |p: &str| format!("blk.{l}.{p}.weight");
+        w.tensor(&name("attn_norm"), &[h], T_F32, f32s(h as usize, s))
+            .tensor(
+                &name("attn_q"),
+                &[h, 2 * hd],
+                T_Q4_0,
+                with_scales(raw(n(h, 2 * hd) / 32 * 18, s + 1), 18, &[0]),
+            )
+            .tensor(
+                &name("attn_q_norm"),
+                &[hd],
+                T_BF16,
+                bf16(hd as usize, s + 2),
+            )
+            .tensor(
+                &name("attn_k"),
+                &[h, hd],
+                T_Q4_1,
+                with_scales(raw(n(h, hd) / 32 * 20, s + 3), 20, &[0, 2]),
+            )
+            .tensor(&name("attn_k_norm"), &[hd], T_F16, f16(hd as usize, s + 4))
+            .tensor(&name("attn_v"), &[h, hd], T_BF16, bf16(n(h, hd), s + 5))
+            .tensor(
+                &name("attn_output"),
+                &[2 * hd, h],
+                T_Q4_K,
+                with_scales(raw(n(2 * hd, h) / 256 * 144, s + 6), 144, &[0, 2]),
+            )
+            .tensor(&name("ffn_norm"), &[h], T_F32, f32s(h as usize, s + 7))
+            .tensor(&name("ffn_gate"), &[h, ff], T_F16, f16(n(h, ff), s + 8))
+            .tensor(&name("ffn_up"), &[h, ff], T_F32, f32s(n(h, ff), s + 9))
+            .tensor(
+                &name("ffn_down"),
+                &[ff, h],
+                T_Q8_0,
+                with_scales(raw(n(ff, h) / 32 * 34, s + 10), 34, &[0]),
+            );
+    }
+    w.tensor("output_norm.weight", &[h], T_F32, f32s(h as usize, 7));
+    w
+}
+
+/// A safetensors checkpoint in `dir`: `config`, and every tensor as f32.
+fn write_safetensors(
+    dir: &Path,
+    config: &serde_json::Value,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+    for (name, shape, v) in tensors {
+        let b = data.len();
+        data.extend(f32_bytes(v));
+        header.insert(
+            name.clone(),
+            json!({"dtype": "F32", "shape": shape, "data_offsets": [b, data.len()]}),
+        );
+    }
+    let h = serde_json::Value::Object(header).to_string();
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(h.as_bytes());
+    file.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+}
+
+#[test]
+fn the_engine_runs_a_gguf_as_its_weights_in_safetensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf_dir = tmp.path().join("gguf");
+    std::fs::create_dir(&gguf_dir).unwrap();
+    let file = write_file(&gguf_dir, "tiny.gguf", &tiny_qwen3());
+    let m = load(&file).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = m
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone(), m.to_f32(t).unwrap()))
+        .collect();
+
+    // The store hands out each tensor as `read` gives it: f32/bf16 ones from the file as stored.
+    let store = Store::open(&file).unwrap();
+    for (name, shape, want) in &tensors {
+        let mat = store.take(name, shape).unwrap();
+        let stored = m
+            .info(m.tensors.iter().find(|t| &t.name == name).unwrap())
+            .ggml_type;
+        let want_dtype = match stored {
+            GgmlType::BF16 => crate::weights::WDType::BF16,
+            _ => crate::weights::WDType::F32,
+        };
+        assert_eq!(mat.dtype, want_dtype, "{name}");
+        let got = mat.to_vec();
+        assert!(
+            got.iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}"
+        );
+    }
+
+    let st_dir = tmp.path().join("st");
+    write_safetensors(&st_dir, &m.config, &tensors);
+    let trace = |model: &Path, out: &str| {
+        let o = crate::TraceOptions {
+            model_dir: model.to_path_buf(),
+            tokens: vec![3, 17, 5, 0, 39],
+            out: tmp.path().join(out),
+            internals: true,
+            generate: 2,
+            cache: true,
+            threads: 1,
+            command_line: vec![],
+            force_decisions: None,
+            prompt_text: None,
+        };
+        crate::run_trace(&o).unwrap();
+        tracegate_trace::Trace::open(&o.out).unwrap()
+    };
+    let want = trace(&st_dir, "st.trace");
+    for model in [&file, &gguf_dir] {
+        let got = trace(model, "gguf.trace");
+        assert_eq!(got.tensors().len(), want.tensors().len());
+        for t in want.tensors() {
+            let g = got.tensor_info(&t.name).unwrap();
+            // Same dtype, shape and payload (its xxh3-128).
+            assert_eq!(
+                (g.dtype, &g.shape, g.digest),
+                (t.dtype, &t.shape, t.digest),
+                "{}",
+                t.name
+            );
+        }
+        for d in want.decisions() {
+            let g = got.decision_info(&d.name).unwrap();
+            assert_eq!(
+                got.decision_values(g),
+                want.decision_values(d),
+                "{}",
+                d.name
+            );
+        }
+        let digest = crate::weights_digest(model).unwrap();
+        assert_eq!(digest, file_digest(&file).unwrap());
+        assert_eq!(got.provenance()["weights_digest"], json!(digest));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Against ggml's and transformers' Python.
 
 /// TRACEGATE_PYTHON, else the checkout's `.venv`.
@@ -925,5 +1129,30 @@ fn bit_for_bit_with_gguf_quants_and_transformers() {
     assert_eq!(
         types_seen, supported,
         "every supported type against the reference"
+    );
+}
+
+#[test]
+fn attention_biases_transformers_would_drop_are_refused() {
+    // transformers' GGUF config never sets attention_bias, so its Qwen3 has no bias parameters
+    // and drops these; the engine maps them and refuses them as unclaimed instead.
+    let mut w = tiny_qwen3();
+    w.tensor(
+        "blk.0.attn_q.bias",
+        &[256],
+        T_F32,
+        f32_bytes(&values(256, 9)),
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let file = write_file(tmp.path(), "m.gguf", &w);
+    let (cfg, _) = crate::load_config(&file).unwrap();
+    let store = Store::open(&file).unwrap();
+    let e = crate::qwen3::Model::load(cfg, &store)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("unclaimed tensor model.layers.0.self_attn.q_proj.bias"),
+        "{e}"
     );
 }
