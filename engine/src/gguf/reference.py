@@ -37,9 +37,13 @@ SCALE_OFFSETS = {
 }
 
 
+def u16_bits(shape):
+    return rng.integers(0, 1 << 16, size=shape, dtype=np.uint32).astype(np.uint16)
+
+
 def finite_f16_bits(n):
     """Random f16 bit patterns, any sign, normal or subnormal, never infinity or NaN."""
-    bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint32).astype(np.uint16)
+    bits = u16_bits(n)
     exponent_all_ones = (bits & 0x7C00) == 0x7C00
     return np.where(exponent_all_ones, bits & 0xBFFF, bits).astype(np.uint16)
 
@@ -55,18 +59,18 @@ def raw_blocks(qtype, rows, cols):
 
 
 def tensor(qtype, rows, cols=None, source="raw"):
-    """(data, raw_dtype) for GGUFWriter.add_tensor; shape [rows] when cols is None."""
+    """(data, raw_dtype) for GGUFWriter.add_tensor; shape [rows] when cols is None. F32, F16 and
+    BF16 "raw" data are random bit patterns, NaNs and infinities included."""
     shape = (rows,) if cols is None else (rows, cols)
     if qtype == T.F32:
-        bits = rng.integers(0, 1 << 32, size=shape, dtype=np.uint64).astype(np.uint32)
         if source == "values":
             return rng.standard_normal(shape).astype(np.float32), None
-        return bits.view(np.float32), None  # every bit pattern, NaNs included
+        bits = rng.integers(0, 1 << 32, size=shape, dtype=np.uint64).astype(np.uint32)
+        return bits.view(np.float32), None
     if qtype == T.F16:
-        return rng.integers(0, 1 << 16, size=shape, dtype=np.uint32).astype(np.uint16).view(np.float16), None
+        return u16_bits(shape).view(np.float16), None
     if qtype == T.BF16:
-        bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint32).astype(np.uint16)
-        return bits.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2), T.BF16
+        return u16_bits(shape).view(np.uint8).reshape(*shape[:-1], shape[-1] * 2), T.BF16
     if source == "quantize":
         values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
         return quantize(values, qtype), qtype
@@ -178,7 +182,8 @@ def put(values):
     return entry
 
 
-expected = {"f16_all": put(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32))}
+every_f16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+expected = {"f16_all": put(every_f16.astype(np.float32))}
 files = []
 for name in ["llama.gguf", "qwen3.gguf"]:
     path = OUT / name
