@@ -28,6 +28,11 @@ python_env() {
     echo "$want" > "$stamp"
   fi
 
+  # The real-model tier's checkpoint (SmolLM2-135M-Instruct, Q4_1 GGUF; scripts/real_model.py):
+  # pinned and sha256-checked, fetched once, kept in .venv/real-models/.
+  .venv/bin/python scripts/real_model.py fetch >/dev/null \
+    || log "WARNING: the real model could not be fetched (above): the real-model tests skip without it, and fail under CI=true"
+
   # Headless Chromium renders the HTML reports in their browser test
   # (trace/python/tests/test_reports.py): Debian's package, installed as root where apt-get is.
   if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
@@ -96,5 +101,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! installed_here; then
     || { .venv/bin/python -m pip check >&2; echo "setup: installed versions do not satisfy the packages' declared dependencies (pyproject.toml vs requirements.txt)" >&2; exit 1; }
   installed_here || { echo "setup: tracegate_contract/tracegate_oracle do not import from $root" >&2; exit 1; }
   echo "$want" > "$stamp"
+fi
+# The real model as a safetensors directory with its tokenizer (scripts/real_model.py convert;
+# made once, from the fetched GGUF, by the contract's reader).
+if .venv/bin/python scripts/real_model.py path >/dev/null 2>&1; then
+  .venv/bin/python scripts/real_model.py convert >/dev/null \
+    || log "WARNING: converting the real model failed (above): the real-model tests fail without it"
 fi
 log "ready: .venv/bin/python, target/release/{engine,trace-diff,gate,example-producer}"

@@ -489,6 +489,13 @@ def _parse_qwen3_5_moe(raw: dict, cfg: Config) -> None:
 
 
 def load_config(model_dir: str) -> Config:
+    # A GGUF checkpoint (a .gguf file, or a directory holding one and no safetensors): the config
+    # its metadata makes (numerics.md §21.5).
+    from . import gguf  # gguf reads this module's parse_config
+
+    found = gguf.locate(model_dir)
+    if found is not None:
+        return gguf.gguf_config(found)
     path = os.path.join(model_dir, "config.json")
     try:  # one bounded regular file (a FIFO would block, /dev/zero never end)
         text = jsonfile.read_bytes(path, path)

@@ -8,6 +8,7 @@ import platform
 import numpy as np
 from tracegate import names
 
+from . import gguf
 from .errors import ContractError
 from .force import Forcing
 from .qwen3 import MAX_POSITIONS, NO_CAPTURE, Capture, Model
@@ -77,8 +78,8 @@ def write_trace(
 
 
 def _model(model_dir: str) -> Model:
-    if not os.path.isdir(model_dir):
-        raise ContractError(f"--model: {model_dir} is not a directory")
+    if gguf.locate(model_dir) is None and not os.path.isdir(model_dir):
+        raise ContractError(f"--model: {model_dir} is not a directory or a .gguf file")
     return open_model(model_dir)
 
 

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from . import jsonfile
+from . import gguf, jsonfile
 from .errors import ContractError
 from .ops import F32
 
@@ -142,10 +142,17 @@ class SafetensorsFile:
 
 class Checkpoint:
     """All tensors of a model directory: `model.safetensors`, or the shards named by
-    `model.safetensors.index.json`."""
+    `model.safetensors.index.json`; or of a GGUF file (gguf.locate: a `.gguf` path, or a
+    directory holding one and no safetensors), under their HF names, dequantized to f32."""
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
+        self._claimed: set[str] = set()
+        found = gguf.locate(model_dir)
+        if found is not None:
+            g = gguf.GgufWeights(found)
+            self._where = dict.fromkeys(g.entries, g)
+            return
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
         self._where: dict[str, SafetensorsFile] = {}
@@ -197,7 +204,6 @@ class Checkpoint:
         )
         if stray:
             raise ContractError(f"{stray[0]}: a safetensors file the checkpoint does not name")
-        self._claimed: set[str] = set()
 
     def names(self) -> list[str]:
         return sorted(self._where)

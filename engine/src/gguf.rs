@@ -17,7 +17,6 @@ mod tests;
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapOptions};
@@ -81,8 +80,12 @@ pub fn model_file(path: &Path) -> Result<Option<PathBuf>> {
     }
     gguf.sort();
     match gguf.as_slice() {
-        _ if safetensors => Ok(None),
         [] => Ok(None),
+        // Which are the weights would be a guess: the digest refuses it as well.
+        _ if safetensors => Err(err!(Checkpoint:
+            "{}: holds both *.safetensors and .gguf files: keep one kind, or give --model FILE.gguf",
+            path.display()
+        )),
         [one] => Ok(Some(path.join(one))),
         many => Err(err!(Checkpoint:
             "{}: {} .gguf files ({}): expected exactly one (split GGUF files are not supported)",
@@ -91,25 +94,6 @@ pub fn model_file(path: &Path) -> Result<Option<PathBuf>> {
             many.join(", ")
         )),
     }
-}
-
-/// xxh3-128 of the file's bytes, streamed, as 32 hex digits: the weights digest of a GGUF
-/// checkpoint (the same hash and spelling as the safetensors digest of `tracegate_trace`).
-pub fn file_digest(path: &Path) -> Result<String> {
-    regular_file(path)?;
-    let mut f = File::open(path).map_err(|e| err!(Checkpoint: "{}: {e}", path.display()))?;
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .map_err(|e| err!(Checkpoint: "{}: {e}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    Ok(tracegate_trace::xxh3_hex(hasher.digest128()))
 }
 
 /// Map and parse the GGUF file at `path`, synthesize its config and name its tensors. Refuses

@@ -114,7 +114,7 @@ macro_rules! err {
 /// the .gguf file's bytes.
 pub fn weights_digest(dir: &std::path::Path) -> Result<String> {
     if let Some(file) = gguf::model_file(dir)? {
-        return gguf::file_digest(&file);
+        return Ok(tracegate_trace::weights_digest(&file)?);
     }
     weights::safetensors_files(dir)?;
     Ok(tracegate_trace::weights_digest(dir)?)

@@ -457,7 +457,15 @@ def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
     if why:
         pytest.skip(f"NOT CHECKED (engine refusal): {why}")
     base = json.loads((ROOT / "fixtures/tiny-qwen3/config.json").read_text())
-    bit_exact = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text")
+    bit_exact = (
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
+    )
     for mt in [f for f in FAMS if f not in bit_exact] + ["gpt2"]:
         d = tmp_path / mt
         d.mkdir()

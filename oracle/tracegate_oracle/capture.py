@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from tracegate import names
 
+from . import gguf_source
 from .checkpoint import LoadProgress, preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
 from .families import FAMILIES, resolve
@@ -264,6 +265,9 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     from transformers import AutoConfig
 
     d = Path(model_dir)
+    found = gguf_source.locate(d)
+    if found is not None:
+        return _load_gguf(found, rc)
     inv = preflight(d)
     progress = LoadProgress(d, inv)
     transformers.utils.logging.disable_progress_bar()
@@ -324,6 +328,26 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     progress.placement(model, rc.device)
     # A dispatched model stays where accelerate put it (transformers refuses .to() on an offloaded one).
     return (model if placement else model.to(rc.device)).eval()
+
+
+def _load_gguf(path: Path, rc: RunConfig):
+    """A GGUF checkpoint (gguf_source): transformers' class on the file's dequantized tensors,
+    then the family table's check that every capture point is found."""
+    import torch
+    import transformers
+
+    if rc.device_map is not None:
+        raise OracleError(f"--model {path}: --device-map is not supported for a GGUF checkpoint")
+    transformers.utils.logging.disable_progress_bar()
+    cfg = gguf_source.config(path)
+    spec = FAMILIES.get(cfg.get("model_type"))
+    auto = getattr(transformers, spec.auto if spec else "AutoModelForCausalLM")
+    with _transformers_log() as log:
+        model = gguf_source.load(path, auto, getattr(torch, TORCH_DTYPES[rc.dtype]), rc.device)
+    resolve(model, f"--model {path}")
+    model.tracegate_unused_tensors = {}
+    _replay(log)
+    return model
 
 
 def _placement(rc: RunConfig) -> dict:

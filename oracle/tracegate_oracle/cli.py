@@ -155,11 +155,16 @@ def _content_key(d: Path) -> tuple | None:
             raise OracleError(f"--model {d}: cannot read {p.name}: {e}") from None
         return h.hexdigest()
 
-    others = tuple(
-        sorted(
-            (p.name, sha256(p))
-            for p in d.iterdir()
-            if p.is_file() and not p.name.endswith(".safetensors")
+    # A GGUF file is its own whole content (its config is its metadata, in the digest).
+    others = (
+        ()
+        if d.is_file()
+        else tuple(
+            sorted(
+                (p.name, sha256(p))
+                for p in d.iterdir()
+                if p.is_file() and not p.name.endswith((".safetensors", ".gguf"))
+            )
         )
     )
     return weights, others
@@ -279,8 +284,11 @@ def main(argv=None) -> int:
         out = _check_out(a.out)
         cp.check_device_map(rc)
         # Refusals that need no torch come before the seconds its import takes (load_model
-        # repeats them for callers of the API).
-        preflight(a.model)
+        # repeats them for callers of the API). A GGUF checkpoint is checked as it loads.
+        from .gguf_source import locate
+
+        if locate(a.model) is None:
+            preflight(a.model)
         forcing = Forcing(a.force_decisions) if a.force_decisions is not None else None
         if a.verb == "layer":
             arr, positions, dt, src = _read_input(a.input, a.input_name)

@@ -61,6 +61,10 @@ pub fn hf_name(arch: Arch, name: &str) -> Option<String> {
         ("ffn_gate", "weight") => "mlp.gate_proj",
         ("ffn_up", "weight") => "mlp.up_proj",
         ("ffn_down", "weight") => "mlp.down_proj",
+        // llama's `mlp_bias` (§21.5).
+        ("ffn_gate", "bias") if arch == Arch::Llama => "mlp.gate_proj",
+        ("ffn_up", "bias") if arch == Arch::Llama => "mlp.up_proj",
+        ("ffn_down", "bias") if arch == Arch::Llama => "mlp.down_proj",
         _ => return None,
     };
     if kind != "weight" && kind != "bias" {
@@ -160,8 +164,9 @@ fn finite(key: &str, x: f64) -> Result<Json> {
 /// The `config.json` transformers' GGUF loader builds for this file (its `config` dict, in its
 /// order: `tie_word_embeddings`, then the mapped keys in file order, then `vocab_size` from the
 /// tokenizer when no key gave it), plus `architectures`, which transformers adds when it saves a
-/// model. Computation-changing keys transformers ignores (rope scaling) are refused, as is a
-/// `key_length` other than the `head_dim` the config ends up with.
+/// model, and what the file states that transformers does not read (the head size from any of
+/// `rope.dimension_count`, `key_length`, `value_length`, which must agree; the biases it holds).
+/// Computation-changing keys no producer honours (rope scaling, experts) are refused.
 pub fn config(h: &Header, arch: Arch) -> Result<Json> {
     let mut cfg = Map::new();
     // transformers: tied exactly when no tensor is named `output.weight`.
@@ -207,37 +212,70 @@ pub fn config(h: &Header, arch: Arch) -> Result<Json> {
             )
         }
     };
-    cfg.insert("architectures".into(), json!([architecture]));
 
     if let Some(t) = h.get(&format!("{prefix}rope.scaling.type")) {
         if t.as_str() != Some("none") {
             return Err(err!(Checkpoint:
-                "metadata {prefix}rope.scaling.type = {t:?}: transformers' GGUF loader ignores rope scaling (its model would not be this file's); refused"
+                "metadata {prefix}rope.scaling.type = {t:?}: rope scaling from GGUF metadata is not supported (transformers' GGUF loader ignores it: its model would not be this file's)"
             ));
         }
     }
-    // transformers' default head_dim: LlamaConfig hidden_size / num_attention_heads, Qwen3Config
-    // 128. A key_length saying otherwise is a file transformers loads as another model.
-    let head_dim = match (cfg.get("head_dim"), arch) {
-        (Some(d), _) => d.as_u64(),
-        (None, Arch::Qwen3) => Some(128),
-        (None, Arch::Llama) => match (
-            cfg.get("hidden_size").and_then(Json::as_u64),
-            cfg.get("num_attention_heads").and_then(Json::as_u64),
-        ) {
-            (Some(h), Some(n)) if n > 0 => Some(h / n),
-            _ => None,
-        },
-    };
-    for k in ["attention.key_length", "attention.value_length"] {
-        let key = format!("{prefix}{k}");
-        if let (Some(v), Some(d)) = (h.get(&key), head_dim) {
-            if v.as_int() != Some(d as i128) {
-                return Err(err!(Checkpoint:
-                    "metadata {key} = {v:?} but transformers' GGUF loader gives head_dim = {d} (it does not read {key}); refused"
-                ));
-            }
+    if let Some(n) = h.get(&format!("{prefix}expert_count")) {
+        if n.as_int() != Some(0) {
+            return Err(err!(Checkpoint:
+                "metadata {prefix}expert_count = {n:?}: experts are not supported in a GGUF checkpoint"
+            ));
         }
     }
+    // What the file states and transformers does not read (§21.5), so that the model is the
+    // file's: the head size (every one of these keys the file has must agree; qwen3's from
+    // key_length, where transformers would keep Qwen3Config's 128), and the biases it holds.
+    let dims = [
+        "rope.dimension_count",
+        "attention.key_length",
+        "attention.value_length",
+    ];
+    let given: Vec<(&str, &Value)> = dims
+        .iter()
+        .filter_map(|k| h.get(&format!("{prefix}{k}")).map(|v| (*k, v)))
+        .collect();
+    let sizes: Vec<Option<i128>> = given.iter().map(|(_, v)| v.as_int()).collect();
+    if let Some((k, v)) = given
+        .iter()
+        .zip(&sizes)
+        .find(|(_, s)| s.is_none())
+        .map(|(g, _)| g)
+    {
+        return Err(err!(Checkpoint: "metadata {prefix}{k} = {v:?} is not an integer"));
+    }
+    if sizes.windows(2).any(|w| w[0] != w[1]) {
+        let shown: Vec<String> = given
+            .iter()
+            .map(|(k, v)| format!("{prefix}{k} = {v:?}"))
+            .collect();
+        return Err(err!(Checkpoint: "head sizes disagree: {}", shown.join(", ")));
+    }
+    if let (Some(d), false) = (
+        sizes.first().copied().flatten(),
+        cfg.contains_key("head_dim"),
+    ) {
+        cfg.insert("head_dim".into(), json!(d));
+    }
+    let holds = |modules: &[&str]| {
+        h.tensors.iter().any(|t| {
+            t.name.strip_prefix("blk.").is_some_and(|rest| {
+                rest.split_once('.')
+                    .is_some_and(|(_, part)| modules.iter().any(|m| part == format!("{m}.bias")))
+            })
+        })
+    };
+    if holds(&["attn_q", "attn_k", "attn_v", "attn_output"]) {
+        cfg.insert("attention_bias".into(), json!(true));
+    }
+    if arch == Arch::Llama && holds(&["ffn_gate", "ffn_up", "ffn_down"]) {
+        cfg.insert("mlp_bias".into(), json!(true));
+    }
+    // `architectures` last, as transformers writes it when it saves the model.
+    cfg.insert("architectures".into(), json!([architecture]));
     Ok(Json::Object(cfg))
 }

@@ -732,6 +732,8 @@ fn config_is_transformers_gguf_config() {
         "num_key_value_heads": 1,
         "rms_norm_eps": 9.999999974752427e-7, // the f32 nearest 1e-6, widened
         "vocab_size": 3,
+        // Not read by transformers for qwen3; the file states it (§21.5).
+        "head_dim": 128,
         "architectures": ["Qwen3ForCausalLM"],
     });
     assert_eq!(m.config, want);
@@ -758,14 +760,12 @@ fn config_is_transformers_gguf_config() {
         })
     );
 
-    // What transformers would silently get wrong is refused.
+    // A qwen3 head size transformers would not read (it keeps 128) is the file's.
     let mut w = Writer::new("qwen3");
     w.kv_u32("qwen3.attention.key_length", 64);
-    let e = load_err(&w);
-    assert!(
-        e.contains("qwen3.attention.key_length = U32(64) but transformers' GGUF loader gives head_dim = 128"),
-        "{e}"
-    );
+    let m = load(&write_file(tmp.path(), "k.gguf", &w)).unwrap();
+    assert_eq!(m.config["head_dim"], json!(64));
+    // What no producer honours is refused.
     let mut w = Writer::new("llama");
     w.kv_str("llama.rope.scaling.type", "linear");
     let e = load_err(&w);
@@ -802,8 +802,13 @@ fn model_file_finds_the_one_gguf() {
         e.contains("2 .gguf files (a.gguf, b.gguf): expected exactly one"),
         "{e}"
     );
-    // Safetensors beside them: a safetensors checkpoint, as before.
+    // Safetensors beside a .gguf: which are the weights would be a guess.
+    std::fs::remove_file(d.join("b.gguf")).unwrap();
     std::fs::write(d.join("model.safetensors"), b"").unwrap();
+    let e = model_file(d).err().unwrap().to_string();
+    assert!(e.contains("holds both *.safetensors and .gguf"), "{e}");
+    // Safetensors alone: a safetensors checkpoint, as before.
+    std::fs::remove_file(d.join("a.gguf")).unwrap();
     assert_eq!(model_file(d).unwrap(), None);
 }
 
@@ -1003,7 +1008,7 @@ fn the_engine_runs_a_gguf_as_its_weights_in_safetensors() {
             );
         }
         let digest = crate::weights_digest(model).unwrap();
-        assert_eq!(digest, file_digest(&file).unwrap());
+        assert_eq!(digest, tracegate_trace::weights_digest(&file).unwrap());
         assert_eq!(got.provenance()["weights_digest"], json!(digest));
     }
 }
@@ -1114,8 +1119,19 @@ fn bit_for_bit_with_gguf_quants_and_transformers() {
             );
         }
         let mut config = m.config.clone();
+        // The head size the file states, which transformers does not read for qwen3: equal to
+        // its Qwen3Config default there, so the two models are the same (§21.5).
+        if m.arch == Arch::Qwen3 {
+            assert_eq!(
+                config.as_object_mut().unwrap().shift_remove("head_dim"),
+                Some(json!(128))
+            );
+        }
         assert_eq!(
-            config.as_object_mut().unwrap().remove("architectures"),
+            config
+                .as_object_mut()
+                .unwrap()
+                .shift_remove("architectures"),
             Some(json!([if m.arch == Arch::Llama {
                 "LlamaForCausalLM"
             } else {
@@ -1133,9 +1149,9 @@ fn bit_for_bit_with_gguf_quants_and_transformers() {
 }
 
 #[test]
-fn attention_biases_transformers_would_drop_are_refused() {
-    // transformers' GGUF config never sets attention_bias, so its Qwen3 has no bias parameters
-    // and drops these; the engine maps them and refuses them as unclaimed instead.
+fn attention_biases_the_file_holds_are_the_models() {
+    // transformers' GGUF config never sets attention_bias, so its model would drop these; the
+    // file holds them, so the config says attention_bias and the model needs all four (§21.5).
     let mut w = tiny_qwen3();
     w.tensor(
         "blk.0.attn_q.bias",
@@ -1145,14 +1161,31 @@ fn attention_biases_transformers_would_drop_are_refused() {
     );
     let tmp = tempfile::tempdir().unwrap();
     let file = write_file(tmp.path(), "m.gguf", &w);
-    let (cfg, _) = crate::load_config(&file).unwrap();
+    let (cfg, raw) = crate::load_config(&file).unwrap();
+    assert_eq!(raw["attention_bias"], json!(true));
     let store = Store::open(&file).unwrap();
     let e = crate::qwen3::Model::load(cfg, &store)
         .err()
         .unwrap()
         .to_string();
     assert!(
-        e.contains("unclaimed tensor model.layers.0.self_attn.q_proj.bias"),
+        e.contains("missing tensor model.layers.0.self_attn.k_proj.bias"),
+        "{e}"
+    );
+}
+
+#[test]
+fn head_sizes_the_file_states_must_agree() {
+    let mut w = tiny_qwen3();
+    w.kv_u32("qwen3.attention.key_length", 128)
+        .kv_u32("qwen3.attention.value_length", 64);
+    let tmp = tempfile::tempdir().unwrap();
+    let e = load(&write_file(tmp.path(), "m.gguf", &w))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("head sizes disagree") && e.contains("qwen3.attention.value_length = "),
         "{e}"
     );
 }
