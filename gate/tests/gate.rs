@@ -1924,7 +1924,7 @@ fn a_model_of_another_family_and_an_old_milestones_schema_are_refused_by_name() 
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr.contains(
-            "model_type \"qwen3_5_moe_text\" is not a family of milestone m0 (qwen3, qwen3_5_text)"
+            "model_type \"qwen3_5_moe_text\" is not a family of milestone m0 (qwen3, qwen3_5_text, llama)"
         ),
         "{}",
         r.stderr

@@ -8,8 +8,6 @@ un-permutation — the classic GGUF llama bug — is caught at layer.00.q agains
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +17,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("torch")
-from binaries import diff_report, release_binary  # noqa: E402
+from binaries import diff_report, planted_contract, release_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 Q = gguf.GGMLQuantizationType
@@ -164,20 +162,8 @@ def test_engine_is_the_contract_and_agrees_with_the_oracle(tmp_path, model, orac
 def test_a_contract_that_keeps_llama_cpp_row_order_is_caught_at_layer_00_q(
     tmp_path, model, oracle_trace
 ):
-    import tracegate_contract
-
-    planted = tmp_path / "planted"
-    shutil.copytree(
-        Path(tracegate_contract.__file__).parent,
-        planted / "tracegate_contract",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    src = planted / "tracegate_contract" / "gguf.py"
-    text = src.read_text()
     site = "def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:\n"
-    assert text.count(site) == 1, "planting site not found exactly once"
-    src.write_text(text.replace(site, site + "    return w\n"))
-    env = {**os.environ, "PYTHONPATH": str(planted)}
+    env = planted_contract(tmp_path, "gguf.py", site, site + "    return w\n")
     bad = trace("contract", model, tmp_path / "bad.trace", env=env)
     code, report = judge(oracle_trace, bad)
     assert code == 1, "the oracle comparison passed q/k rows in llama.cpp's order"

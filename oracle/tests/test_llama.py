@@ -10,7 +10,6 @@ scripts/make_fixtures.py at test time) and single-field edits of tiny-llama."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from binaries import diff_report, release_binary  # noqa: E402
+from binaries import diff_report, planted_contract, release_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "fixtures" / "tiny-llama"
@@ -127,18 +126,8 @@ def test_a_rope_scaling_defect_is_caught_where_it_enters(
 def test_a_forgotten_mlp_bias_is_caught_at_the_first_mlp_out(tmp_path, llama_bias):
     """A contract planted to load no MLP bias (what a port that skips `mlp_bias` computes),
     against the oracle on the same checkpoint."""
-    import tracegate_contract
-
-    planted = tmp_path / "planted"
-    shutil.copytree(
-        Path(tracegate_contract.__file__).parent,
-        planted / "tracegate_contract",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    src = planted / "tracegate_contract" / "qwen3.py"
     site = "self.bgu, self.bd = bias if bias is not None else (None, None)"
-    assert src.read_text().count(site) == 1, "planting site not found exactly once"
-    src.write_text(src.read_text().replace(site, "self.bgu, self.bd = (None, None)"))
+    env = planted_contract(tmp_path, "qwen3.py", site, "self.bgu, self.bd = (None, None)")
     out = tmp_path / "c.trace"
     args = ["trace", "--model", llama_bias, "--tokens", TOKENS, "--capture", "internals"]
     r = subprocess.run(
@@ -146,7 +135,7 @@ def test_a_forgotten_mlp_bias_is_caught_at_the_first_mlp_out(tmp_path, llama_bia
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(planted)},
+        env=env,
     )
     assert r.returncode == 0, r.stderr[-800:]
     o = trace("oracle", llama_bias, tmp_path / "o.trace")

@@ -128,6 +128,17 @@ def test_no_tokenizer_names_the_directory_and_the_files(tmp_path):
 # --------------------------------------------------------------------------------- tokenize
 
 
+def test_a_gguf_file_is_refused_with_the_way_out(tmp_path):
+    """A GGUF's tokenizer lives in its metadata, which --text does not read: the refusal says
+    what to give instead, rather than `not a directory`."""
+    g = tmp_path / "m.gguf"
+    g.write_bytes(b"GGUF")
+    with pytest.raises(TextError) as e:
+        tokenizer_digest(g)
+    msg = str(e.value)
+    assert str(g) in msg and "--tokens" in msg and "save_pretrained" in msg, msg
+
+
 def test_plain_text_is_the_tokenizers_own_encoding(model):
     s = "hello world the cat sat on zebra a mat"  # zebra: <unk>
     r = tokenize(model, s)

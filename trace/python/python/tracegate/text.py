@@ -80,6 +80,15 @@ def _line(e: BaseException) -> str:
 def tokenizer_digest(model_dir) -> str:
     """SHA-256 hex of the tokenizer files in `model_dir`, as the module docstring defines it."""
     d = os.fspath(model_dir)
+    if d.endswith(".gguf") and os.path.isfile(d):
+        # A GGUF's tokenizer is its metadata, which this module does not read: its digest would
+        # be a second definition beside the files'.
+        raise TextError(
+            f"{d}: a text prompt needs the tokenizer's files (tokenizer.json, ...), not a GGUF "
+            "file: give --tokens, or a directory the tokenizer was saved to (transformers' "
+            "AutoTokenizer.from_pretrained(dir, gguf_file=...).save_pretrained(dir); "
+            "scripts/real_model.py convert does this)"
+        )
     if not os.path.isdir(d):
         raise TextError(f"{d}: not a directory")
     h = hashlib.sha256()
