@@ -32,6 +32,9 @@ Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREME
   each.
 
       python -m tracegate_oracle.measure_policy --planted 1,1.01,1.02,1.05,1.1 fixtures/tiny-qwen3
+      python -m tracegate_oracle.measure_policy --planted 1,1.01,1.05 --layers 1,9,29 MODEL
+
+  `--layers`: plant in those layers only (every layer of a 30-layer model is hours of runs).
       python -m tracegate_oracle.measure_policy --planted 1,1.01,1.02,1.05 --plant norm \
           --dtypes bf16 fixtures/tiny-qwen3_5
 
@@ -650,6 +653,7 @@ def planted(
     engine: str,
     device: str,
     plant: str = "mlp",
+    only_layers: list[int] | None = None,
 ) -> list[dict]:
     """How far a scale error planted in one layer (`plant`: its MLP down projection, or in a
     linear-attention layer the decay, beta's projection, the gated norm weight or out_proj, in a
@@ -665,6 +669,11 @@ def planted(
     tokens = {p["id"]: p["tokens"] for p in checkpoint.read_json_file(FROZEN)["prompts"]}
     eng = engine_runs(model_dir, engine, tokens)
     layers, points = plant_layers(model_dir, plant), PLANTS[plant][2]
+    if only_layers is not None:  # `--layers`: a deep model's every layer is hours of runs
+        missing = sorted(set(only_layers) - set(layers))
+        if missing:
+            raise ValueError(f"--layers {missing}: not layers holding --plant {plant}'s weight")
+        layers = only_layers
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for dt in dtypes:
@@ -934,6 +943,11 @@ def main(argv=None) -> int:
         help="scale errors to plant in each layer, e.g. 1,1.01,1.05 (f32 checkpoints)",
     )
     ap.add_argument(
+        "--layers",
+        help="--planted in these layers only (comma separated; default every layer holding the"
+        " weight)",
+    )
+    ap.add_argument(
         "--plant",
         choices=sorted(PLANTS),
         default="mlp",
@@ -945,7 +959,8 @@ def main(argv=None) -> int:
     for d in a.models:
         if a.planted:
             scales = [float(x) for x in a.planted.split(",")]
-            rows = planted(d, a.dtypes.split(","), scales, a.engine, a.device, a.plant)
+            only = [int(x) for x in a.layers.split(",")] if a.layers else None
+            rows = planted(d, a.dtypes.split(","), scales, a.engine, a.device, a.plant, only)
             print_planted(d, a.plant, rows)
         elif a.precision:
             engine = None if a.engine == "none" else a.engine

@@ -87,7 +87,10 @@ def parser(
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "--model", required=True, help="HF-layout model dir (config.json + *.safetensors)"
+            "--model",
+            required=True,
+            help="HF-layout model dir (config.json + *.safetensors), or a .gguf file (or a dir "
+            "holding one; docs/numerics.md §21)",
         )
         p.add_argument(
             "--out", required=True, help="trace file to write (written whole, then renamed)"
