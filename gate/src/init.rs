@@ -87,9 +87,8 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
     let candidate = Producer::command("candidate", &a.candidate_cmd)
         .map_err(|e| gerr!("--candidate-cmd: {e}"))?;
     let model = up.resolve(&a.model);
-    let config_path = up.absolute(&a.model).join("config.json");
-    let config: serde_json::Value =
-        crate::read_json(&config_path).map_err(|e| gerr!("--model {}: {e}", a.model.display()))?;
+    let (config, config_path) = prompts::model_config(&up.absolute(&a.model))
+        .map_err(|e| gerr!("--model {}: {e}", a.model.display()))?;
     let family = prompts::family(&config).to_string();
     let prompt_src = match &a.prompts {
         Some(p) => up.absolute(p),

@@ -84,8 +84,9 @@ struct RunArgs {
 
 #[derive(Args, Clone)]
 struct InitArgs {
-    /// The model directory (HF layout: config.json + *.safetensors), relative to the current
-    /// directory; recorded relative to the project root when it lies inside it.
+    /// The model directory (HF layout: config.json + *.safetensors), or a GGUF file (or a
+    /// directory holding one; docs/numerics.md §21), relative to the current directory; recorded
+    /// relative to the project root when it lies inside it.
     #[arg(long)]
     model: PathBuf,
     /// Your engine's producer command template, run in the project root, e.g.

@@ -288,8 +288,7 @@ pub fn check_fits(
     tokens: usize,
     generate: usize,
 ) -> Result<()> {
-    let path = root.join(model).join("config.json");
-    let config: serde_json::Value = crate::read_json(&path).map_err(|e| gerr!("--model: {e}"))?;
+    let (config, path) = model_config(&root.join(model)).map_err(|e| gerr!("--model: {e}"))?;
     let Some(limit) = text_fields(&config).get("max_position_embeddings") else {
         return Ok(());
     };
@@ -318,6 +317,23 @@ pub fn check_fits(
         ));
     }
     Ok(())
+}
+
+/// A model's `config.json` as JSON, unvalidated (a port's family may be one the engine does not
+/// compute), and the file it came from: `DIR/config.json`, or for a GGUF model (a `.gguf` file, or
+/// a directory holding one) the config its metadata makes (docs/numerics.md §21.5).
+pub fn model_config(model: &Path) -> Result<(serde_json::Value, std::path::PathBuf)> {
+    let gguf = tracegate_engine::gguf::model_file(model).map_err(|e| gerr!("{e}"))?;
+    match gguf {
+        Some(file) => {
+            let m = tracegate_engine::gguf::load(&file).map_err(|e| gerr!("{e}"))?;
+            Ok((m.config, file))
+        }
+        None => {
+            let path = model.join("config.json");
+            Ok((crate::read_json(&path)?, path))
+        }
+    }
 }
 
 /// The language model's fields of a config.json: `text_config` in the multimodal layout

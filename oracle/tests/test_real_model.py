@@ -99,3 +99,40 @@ def test_gguf_and_its_conversion_three_producers_and_the_same_tensors(tmp_path):
 def test_the_pinned_file_is_the_one_here():
     """The sha256 path() trusts was checked when fetched; checked again here, from the bytes."""
     assert real_model.sha256(GGUF) == real_model.GGUF_SHA256
+
+
+@needs
+def test_a_gguf_port_gated_against_golden_traces(tmp_path):
+    """`gate init` on the GGUF itself (golden traces by the oracle, the engine as the port), then
+    `gate run port` passes without torch; a model file changed by one byte of tensor data is
+    refused before anything runs (its weights digest is no longer the golden traces')."""
+    import json
+    import shutil
+
+    gate, why = release_binary("gate")
+    if why:
+        pytest.skip(why)
+    shutil.copy(GGUF, tmp_path / "model.gguf")
+    prompts = {
+        "schema": 1,
+        "about": "two prompts of SmolLM2 token ids",
+        "prompts": [
+            {"id": "a", "tokens": [1, 504, 3250, 314, 260, 3575, 28]},
+            {"id": "b", "tokens": [1, 1534, 253, 1789, 3596, 282, 260, 5166, 30]},
+        ],
+    }
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    cmd = f"{ENGINE} {{verb}} {{args}}"
+    init = [gate, "init", "--model", "model.gguf", "--candidate-cmd", cmd]
+    init += ["--prompts", "prompts.json", "--generate", "4"]
+    r = subprocess.run(init, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+    run = [gate, "run", "port", "--report", "r.json"]
+    env = {"PATH": "/usr/bin:/bin", "TRACEGATE_PYTHON": "/nonexistent"}  # no torch
+    r = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+    data = bytearray((tmp_path / "model.gguf").read_bytes())
+    data[-100] ^= 1  # in the last tensor's data
+    (tmp_path / "model.gguf").write_bytes(bytes(data))
+    r = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 2 and "weights" in r.stderr, r.stdout[-800:] + r.stderr[-800:]
