@@ -436,10 +436,12 @@ PRESETS["tiny-llama"] = dict(
         dtype="bfloat16",
     ),
     scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.0, norm_noise=0.1, router=0.0),
+    tokenizer=True,
 )
 PRESETS["tiny-llama-bias"] = dict(
     PRESETS["tiny-llama"],
     out=None,
+    tokenizer=False,
     dtype="f32",
     config={
         **{k: v for k, v in PRESETS["tiny-llama"]["config"].items() if k != "num_key_value_heads"},
@@ -739,7 +741,65 @@ def make(preset: str, out: Path, seed: int | None = None) -> Path:
     save(tensors, st, meta, bf16=p["dtype"] == "bf16")
     full = dict(cfg, transformers_version="5.23.0")
     (out / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+    if p.get("tokenizer"):
+        write_tokenizer(out, cfg["vocab_size"])
     return out
+
+
+# tiny-llama's tokenizer: byte-level BPE as real llama checkpoints have (every text encodes; ids
+# are its own, not 0..n), with a few merges of common English and a ChatML chat template.
+TOKENIZER_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_MERGES = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("Ġ", "a"),
+    ("i", "n"),
+    ("o", "n"),
+    ("e", "r"),
+    ("Ġ", "s"),
+    ("Ġ", "w"),
+    ("Ġ", "o"),
+    ("r", "e"),
+    ("a", "t"),
+    ("e", "n"),
+    ("Ġ", "c"),
+    ("i", "s"),
+    ("Ġ", "i"),
+    ("o", "r"),
+    ("Ġ", "f"),
+    ("Ġ", "p"),
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """tokenizer.json and tokenizer_config.json: special tokens at ids 0..2, the 256 byte
+    symbols, then the merges' results, every id below `vocab_size`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(TOKENIZER_SPECIAL)}
+    for sym in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[sym] = len(vocab)
+    for a, b in TOKENIZER_MERGES:
+        vocab.setdefault(a + b, len(vocab))
+    assert len(vocab) <= vocab_size, (len(vocab), vocab_size)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=TOKENIZER_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(TOKENIZER_SPECIAL)
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv=None) -> int:

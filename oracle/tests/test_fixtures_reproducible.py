@@ -31,7 +31,9 @@ def test_regenerated_fixture_is_byte_identical(tmp_path, preset):
     )
     assert r.returncode == 0, r.stderr
     committed = os.path.join(ROOT, "fixtures", preset)
-    for name in ("config.json", "model.safetensors"):
+    # tiny-llama carries its tokenizer too (written by the same script, from code).
+    extra = ("tokenizer.json", "tokenizer_config.json") if preset == "tiny-llama" else ()
+    for name in ("config.json", "model.safetensors", *extra):
         assert filecmp.cmp(out / name, os.path.join(committed, name), shallow=False), (
             f"{preset}/{name} differs from a fresh regeneration"
         )

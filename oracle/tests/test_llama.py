@@ -142,3 +142,30 @@ def test_a_forgotten_mlp_bias_is_caught_at_the_first_mlp_out(tmp_path, llama_bia
     code, report = judge(o, out)
     assert code == 1, "the oracle comparison passed a contract without MLP biases"
     assert report["first_violation"]["tensor"] == "layer.00.mlp_out", report["first_violation"]
+
+
+@needs_binaries
+def test_a_chat_text_prompt_through_the_fixtures_own_tokenizer(tmp_path):
+    """tiny-llama carries a byte-level BPE tokenizer and a chat template, as real llama
+    checkpoints do: the three producers take a chat text prompt, tokenized by it (the ids are
+    its own apply_chat_template's), engine ≡ contract bit for bit, the oracle within f32."""
+    import tracegate
+    from transformers import AutoTokenizer
+
+    question = "What is the capital of France?"
+    want = AutoTokenizer.from_pretrained(str(LLAMA)).apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    args = ["trace", "--model", LLAMA, "--text", question, "--chat", "--generate", 4]
+    e, c, o = (tmp_path / f"{w}.trace" for w in ("e", "c", "o"))
+    run(ENGINE, *args, "--out", e)
+    run(sys.executable, "-m", "tracegate_contract", *args, "--out", c)
+    run(sys.executable, "-m", "tracegate_oracle", *args, "--out", o)
+    assert tracegate.Trace(str(e)).provenance["prompt_tokens"] == list(want)
+    code, report = judge(e, c)
+    assert code == 0 and report["first_bit_difference"] is None, report["first_bit_difference"]
+    code, report = judge(o, e)
+    assert code == 0, report["first_violation"]

@@ -1,4 +1,4 @@
-"""A tiny tokenizer for the text-prompt tests (no fixture has one): a WordLevel `tokenizers`
+"""A tiny tokenizer for the text-prompt tests (tiny-qwen3 has none; tiny-llama carries its own): a WordLevel `tokenizers`
 tokenizer whose ids fit inside fixtures/tiny-qwen3's vocab (499), saved as tokenizer.json, and a
 tokenizer_config.json that makes `AutoTokenizer` load it as a fast tokenizer, with a chat
 template or without. Imported by trace/python/tests/test_text.py by name and by the contract's
