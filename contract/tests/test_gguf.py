@@ -759,3 +759,87 @@ def test_transformers_gguf_loader_cannot_rebuild_the_fixture(fixture_gguf):
     }
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         _hf_load(d, os.path.basename(path))
+
+
+# --------------------------------------------------------------------------------------------
+# The engine refuses what the contract refuses (two implementations of numerics.md §21)
+
+
+def _hostile(tmp_path, fixture_gguf):
+    """(case, model path, what the contract's refusal names): one thing wrong in each."""
+    _, path, cfg, _ = fixture_gguf
+    good = bytearray(open(path, "rb").read())
+    kv = arch_kv("qwen3", cfg)
+    one = np.ones(4, np.float32)
+    cases = []
+
+    def file(name, data):
+        p = tmp_path / name
+        p.write_bytes(bytes(data))
+        return str(p)
+
+    bad = bytearray(good)
+    bad[0:4] = b"GGUG"
+    cases.append(("magic", file("magic.gguf", bad), "magic"))
+    cases.append(("truncated", file("trunc.gguf", good[: len(good) - 100]), "past the end"))
+    cases.append(("trailing bytes", file("trail.gguf", good + b"\0" * 64), "belong to no tensor"))
+    sizes = [x for x in kv if not x[0].endswith(("key_length", "value_length"))]
+    disagree = sizes + [
+        ("qwen3.attention.key_length", cfg["head_dim"], V.UINT32),
+        ("qwen3.attention.value_length", cfg["head_dim"] + 2, V.UINT32),
+    ]
+    cases.append(
+        ("head sizes", write_gguf(tmp_path / "hd.gguf", "qwen3", disagree), "head sizes disagree")
+    )
+    scaling = kv + [("qwen3.rope.scaling.type", "linear", V.STRING)]
+    cases.append(("rope scaling", write_gguf(tmp_path / "rs.gguf", "qwen3", scaling), "scaling"))
+    experts = kv + [("qwen3.expert_count", 8, V.UINT32)]
+    cases.append(("experts", write_gguf(tmp_path / "ex.gguf", "qwen3", experts), "expert"))
+    unknown = [("blk.0.attn_qkv.weight", one, None)]
+    cases.append(
+        ("unknown tensor", write_gguf(tmp_path / "un.gguf", "qwen3", kv, unknown), "attn_qkv")
+    )
+    rope_freqs = [("rope_freqs.weight", one, None)]
+    cases.append(
+        (
+            "rope_freqs",
+            write_gguf(tmp_path / "rf.gguf", "llama", arch_kv("llama", cfg), rope_freqs),
+            "rope_freqs",
+        )
+    )
+    cases.append(("architecture", write_gguf(tmp_path / "a.gguf", "qwen3moe"), "qwen3moe"))
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "m.gguf").write_bytes(bytes(good))
+    (both / "model.safetensors").write_bytes(b"")
+    cases.append(("both kinds", str(both), "both"))
+    return cases
+
+
+# What the engine's refusal of each case names (its own words for the same thing).
+ENGINE_NAMES = {
+    "magic": "not a GGUF file",
+    "truncated": "past the end of the file",
+    "trailing bytes": "belong to no tensor",
+    "head sizes": "head sizes disagree",
+    "rope scaling": "rope.scaling.type",
+    "experts": "expert_count",
+    "unknown tensor": "blk.0.attn_qkv.weight",
+    "rope_freqs": "rope_freqs.weight",
+    "architecture": "qwen3moe",
+    "both kinds": "both",
+}
+
+
+def test_the_engine_refuses_each_gguf_the_contract_refuses(tmp_path, capsys, fixture_gguf):
+    from test_engine_identity import ENGINE
+    from test_engine_refusals import contract_refusal, engine_refusal
+
+    if not os.access(ENGINE, os.X_OK):
+        pytest.skip(f"NOT CHECKED (the engine's side): {ENGINE} is not built")
+    for case, model, named in _hostile(tmp_path, fixture_gguf):
+        args = ["trace", "--model", model, "--tokens", "1,2,3"]
+        c = contract_refusal(capsys, *args, "--out", tmp_path / "c.trace")
+        assert named in c, f"{case}: contract: {c}"
+        e = engine_refusal(*args, "--out", tmp_path / "e.trace")
+        assert os.path.basename(model) in e and ENGINE_NAMES[case] in e, f"{case}: engine: {e}"
