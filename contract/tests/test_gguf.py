@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from tracegate_contract import Capture, ContractError, run
 from tracegate_contract import gguf as contract_gguf
+from tracegate_contract.config import gguf_config
 from tracegate_contract.weights import Checkpoint, SafetensorsFile
 
 from conftest import FIXTURES, write_safetensors
@@ -491,7 +492,7 @@ def test_fixture_round_trip_bit_for_bit(fixture_gguf):
     # through the contract's own config parser: the same Config as config.json gives
     from tracegate_contract.config import load_config
 
-    assert contract_gguf.gguf_config(path) == load_config(FIXTURES["dense"])
+    assert gguf_config(path) == load_config(FIXTURES["dense"])
 
 
 def test_fixture_gguf_runs_as_the_safetensors_do(fixture_gguf):
@@ -573,7 +574,7 @@ def test_config_refusals_name_the_gguf_key(tmp_path, fixture_gguf):
         match=r"h\.gguf: the GGUF metadata as config.json: "
         r"head_dim \(from qwen3\.attention\.key_length\): must be even",
     ):
-        contract_gguf.gguf_config(p)
+        gguf_config(p)
     p = write_gguf(
         tmp_path / "d.gguf",
         "qwen3",
@@ -588,15 +589,15 @@ def test_config_refusals_name_the_gguf_key(tmp_path, fixture_gguf):
         match="head sizes disagree: "
         "qwen3.attention.key_length = 12, qwen3.attention.value_length = 16",
     ):
-        contract_gguf.gguf_config(p)
+        gguf_config(p)
     p = write_gguf(tmp_path / "t.gguf", "qwen3", [("qwen3.block_count", 2.0, V.FLOAT32)])
     with pytest.raises(
         ContractError, match="metadata qwen3.block_count: type FLOAT32, must be an integer"
     ):
-        contract_gguf.gguf_config(p)
+        gguf_config(p)
     p = write_gguf(tmp_path / "s.gguf", "llama", [("llama.rope.scaling.type", "linear", V.STRING)])
     with pytest.raises(ContractError, match="llama.rope.scaling.type = 'linear'"):
-        contract_gguf.gguf_config(p)
+        gguf_config(p)
 
 
 def test_llama_round_trip_through_llama_cpp_permutation(tmp_path):

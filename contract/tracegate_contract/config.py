@@ -11,7 +11,7 @@ from decimal import Decimal
 
 import numpy as np
 
-from . import jsonfile, ops
+from . import gguf, jsonfile, ops
 from .errors import ContractError
 from .weights import Checkpoint
 
@@ -491,11 +491,9 @@ def _parse_qwen3_5_moe(raw: dict, cfg: Config) -> None:
 def load_config(model_dir: str) -> Config:
     # A GGUF checkpoint (a .gguf file, or a directory holding one and no safetensors): the config
     # its metadata makes (numerics.md §21.5).
-    from . import gguf  # gguf reads this module's parse_config
-
     found = gguf.locate(model_dir)
     if found is not None:
-        return gguf.gguf_config(found)
+        return gguf_config(found)
     path = os.path.join(model_dir, "config.json")
     try:  # one bounded regular file (a FIFO would block, /dev/zero never end)
         text = jsonfile.read_bytes(path, path)
@@ -507,6 +505,22 @@ def load_config(model_dir: str) -> Config:
     if not isinstance(raw, dict):
         raise ContractError(f"{path}: not a JSON object")
     return parse_config(raw)
+
+
+def gguf_config(path: str, g: gguf.GgufFile | None = None) -> Config:
+    """The Config of GGUF file `path`: its metadata's config.json dict (gguf.config_dict) parsed
+    as config.json's would be; a refusal names the file and the GGUF key the field came from."""
+    raw, src = gguf.config_dict(g if g is not None else gguf.GgufFile(path))
+    try:
+        return parse_config(raw)
+    except ContractError as e:
+        msg, head = str(e), "config.json: "
+        if not msg.startswith(head):
+            raise
+        field, _, rest = msg[len(head) :].partition(":")
+        key = src.get(field.split(".")[0])
+        shown = f"{field} (from {key})" if key else field
+        raise ContractError(f"{path}: the GGUF metadata as config.json: {shown}:{rest}") from None
 
 
 def check_sizes(cfg: Config, ck: Checkpoint) -> None:

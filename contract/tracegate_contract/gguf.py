@@ -773,21 +773,3 @@ def load_gguf(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         raise ContractError(f"{path}: not a .gguf file or a directory holding one")
     w = GgufWeights(found)
     return dict(w.config), {hf: w.as_f32(hf) for hf in w.entries}
-
-
-def gguf_config(path: str, g: GgufFile | None = None):
-    """The contract's Config of GGUF file `path`: config_dict through config.parse_config, as
-    config.json's dict would go; a refusal names the file and the GGUF key the field came from."""
-    from .config import parse_config  # config imports weights, which imports this module
-
-    raw, src = config_dict(g if g is not None else GgufFile(path))
-    try:
-        return parse_config(raw)
-    except ContractError as e:
-        msg, head = str(e), "config.json: "
-        if not msg.startswith(head):
-            raise
-        field, _, rest = msg[len(head) :].partition(":")
-        key = src.get(field.split(".")[0])
-        shown = f"{field} (from {key})" if key else field
-        raise ContractError(f"{path}: the GGUF metadata as config.json: {shown}:{rest}") from None

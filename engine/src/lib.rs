@@ -108,6 +108,15 @@ macro_rules! err {
     ($kind:ident: $($t:tt)*) => { $crate::Error::$kind(format!($($t)*)) };
 }
 
+/// The checkpoint of `--model`: its GGUF file (`gguf::model_file`: a `.gguf`, or a directory
+/// holding one and no safetensors; read by `gguf`), else the directory's safetensors.
+pub fn open_store(dir: &std::path::Path) -> Result<weights::Store> {
+    match gguf::model_file(dir)? {
+        Some(file) => gguf::load(&file)?.into_store(),
+        None => weights::Store::open(dir),
+    }
+}
+
 /// xxh3-128 over the model's safetensors files (sorted by name, index json excluded), hex.
 /// The file set is checked first (exactly the checkpoint's files), then hashed by the trace
 /// crate's one definition of the digest. A GGUF checkpoint (`gguf::model_file`): xxh3-128 of

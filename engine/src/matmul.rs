@@ -10,6 +10,7 @@
 
 mod avx2;
 mod avx512;
+pub mod layout;
 mod matvec;
 mod portable;
 #[cfg(test)]
@@ -18,7 +19,7 @@ pub(crate) mod tests;
 use rayon::prelude::*;
 
 use crate::aligned::Lines;
-use crate::weights::{Layout, Mat};
+use layout::{Layout, Mat};
 
 use avx2::tile_avx2_packed;
 #[cfg(target_arch = "x86_64")]

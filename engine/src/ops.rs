@@ -21,8 +21,8 @@ mod norm;
 #[cfg(test)]
 mod tests;
 
+use crate::matmul::layout::Mat;
 pub use crate::matmul::matmul;
-use crate::weights::Mat;
 pub use attention::{
     attention, attention_ref, inv_freq, inv_freq_scaled, Heads, KeyRows, Rope, RopeScaling,
 };

@@ -12,7 +12,6 @@ use crate::config::{load_config, LayerKind, ModelType, MAX_POSITIONS};
 use crate::force::Forcing;
 use crate::ops;
 use crate::qwen3::Model;
-use crate::weights::Store;
 use crate::{err, Result};
 
 pub struct TraceOptions {
@@ -211,7 +210,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
             ));
         }
     }
-    let store = Store::open(&o.model_dir)?;
+    let store = crate::open_store(&o.model_dir)?;
     let mut model = Model::load(cfg, &store)?;
     if let Some(path) = &o.force_decisions {
         let f = Forcing::open(path)?;
@@ -342,7 +341,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
             cfg.num_hidden_layers
         ));
     }
-    let store = Store::open(&o.model_dir)?;
+    let store = crate::open_store(&o.model_dir)?;
     let mut model = Model::load(cfg, &store)?;
     let input = Trace::open(&o.input)?;
     let info = input
@@ -495,7 +494,7 @@ fn check_decode_from(pos: &[i64], p: i64) -> Result<()> {
 /// `engine info`: config summary, weights digest, inventory check (loading binds every tensor).
 pub fn info(dir: &Path) -> Result<String> {
     let (cfg, _) = load_config(dir)?;
-    let store = Store::open(dir)?;
+    let store = crate::open_store(dir)?;
     let n = store.tensor_count();
     let model = Model::load(cfg, &store)?;
     let c = &model.cfg;

@@ -946,7 +946,7 @@ fn the_engine_runs_a_gguf_as_its_weights_in_safetensors() {
         .collect();
 
     // The store hands out each tensor as `read` gives it: f32/bf16 ones from the file as stored.
-    let store = Store::open(&file).unwrap();
+    let store = crate::open_store(&file).unwrap();
     for (name, shape, want) in &tensors {
         let mat = store.take(name, shape).unwrap();
         let stored = m
@@ -1163,7 +1163,7 @@ fn attention_biases_the_file_holds_are_the_models() {
     let file = write_file(tmp.path(), "m.gguf", &w);
     let (cfg, raw) = crate::load_config(&file).unwrap();
     assert_eq!(raw["attention_bias"], json!(true));
-    let store = Store::open(&file).unwrap();
+    let store = crate::open_store(&file).unwrap();
     let e = crate::qwen3::Model::load(cfg, &store)
         .err()
         .unwrap()

@@ -5,7 +5,7 @@ use super::{KB, NR};
 #[cfg(target_arch = "x86_64")]
 use super::{MRA, MRP};
 #[cfg(target_arch = "x86_64")]
-use crate::weights::Mat;
+use crate::matmul::layout::Mat;
 
 /// Full 16-output tiles, 8 columns at a time: for each half of the tile load 8 rows × 8 values,
 /// widen in registers, transpose 8×8, store 8 lanes per k. Returns the columns done (a multiple
@@ -79,8 +79,8 @@ pub(super) unsafe fn widen_panels_avx2(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
-unsafe fn load8(dtype: crate::weights::WDType, p: *const u8) -> std::arch::x86_64::__m256 {
-    use crate::weights::WDType;
+unsafe fn load8(dtype: crate::matmul::layout::WDType, p: *const u8) -> std::arch::x86_64::__m256 {
+    use crate::matmul::layout::WDType;
     use std::arch::x86_64::*;
     match dtype {
         WDType::F32 => _mm256_loadu_ps(p as *const f32),
@@ -114,7 +114,7 @@ pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
     let (es, base, xp) = (w.dtype.size(), w.bytes.as_ptr(), x.as_ptr());
     let mut acc = [_mm256_setzero_ps(); R];
     let mut saved = acc;
-    let bf16 = w.dtype == crate::weights::WDType::BF16;
+    let bf16 = w.dtype == crate::matmul::layout::WDType::BF16;
     let mut kc = 0;
     while kc + 8 <= k {
         if ks > 0 && kc == ks {
@@ -174,7 +174,7 @@ pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
     _x: &[f32],
-    _w: crate::weights::Mat,
+    _w: crate::matmul::layout::Mat,
     _o0: usize,
     _out: &mut [f32],
 ) {
@@ -243,7 +243,7 @@ pub(super) unsafe fn matvec_panels_avx2<const R: usize, const P: u8>(
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn matvec_panels_avx2<const R: usize, const P: u8>(
     _x: &[f32],
-    _w: crate::weights::Mat,
+    _w: crate::matmul::layout::Mat,
     _o0: usize,
     _out: &mut [f32],
 ) {

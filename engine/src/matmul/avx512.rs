@@ -5,7 +5,7 @@
 use super::MRP;
 use super::{KB, NR};
 #[cfg(target_arch = "x86_64")]
-use crate::weights::Mat;
+use crate::matmul::layout::Mat;
 
 /// One k-block of a tile for all rows from the packed panels, MRP rows per micro-kernel call.
 /// (Software prefetch of the next weight block was measured: no prefill gain, decode 10–20% slower.)
@@ -161,8 +161,8 @@ pub(super) unsafe fn widen_panels_avx512(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn load16(dtype: crate::weights::WDType, p: *const u8) -> std::arch::x86_64::__m512 {
-    use crate::weights::WDType;
+unsafe fn load16(dtype: crate::matmul::layout::WDType, p: *const u8) -> std::arch::x86_64::__m512 {
+    use crate::matmul::layout::WDType;
     use std::arch::x86_64::*;
     match dtype {
         WDType::F32 => _mm512_loadu_ps(p as *const f32),
@@ -196,7 +196,7 @@ pub(super) unsafe fn matvec_avx512<const R: usize, const P: u8>(
     let (es, base, xp) = (w.dtype.size(), w.bytes.as_ptr(), x.as_ptr());
     let mut acc = [_mm512_setzero_ps(); R];
     let mut saved = acc;
-    let bf16 = w.dtype == crate::weights::WDType::BF16;
+    let bf16 = w.dtype == crate::matmul::layout::WDType::BF16;
     let mut kc = 0;
     while kc + 16 <= k {
         if ks > 0 && kc == ks {
@@ -259,7 +259,7 @@ pub(super) unsafe fn matvec_avx512<const R: usize, const P: u8>(
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn matvec_avx512<const R: usize, const P: u8>(
     _x: &[f32],
-    _w: crate::weights::Mat,
+    _w: crate::matmul::layout::Mat,
     _o0: usize,
     _out: &mut [f32],
 ) {
@@ -281,7 +281,7 @@ pub(super) unsafe fn matvec_panels_avx512<const R: usize, const P: u8, const C: 
     out: &mut [f32],
 ) {
     use super::matvec::{split_at, PANEL_PREFETCH, PLANT_SPLIT};
-    use crate::weights::PANEL;
+    use crate::matmul::layout::PANEL;
     use std::arch::x86_64::*;
     let (k, pb) = (w.cols, PANEL * w.cols * 2);
     assert!(x.len() == R * k && out.len() >= R * 16 * C);
@@ -331,7 +331,7 @@ pub(super) unsafe fn matvec_panels_avx512<const R: usize, const P: u8, const C: 
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn matvec_panels_avx512<const R: usize, const P: u8, const C: usize>(
     _x: &[f32],
-    _w: crate::weights::Mat,
+    _w: crate::matmul::layout::Mat,
     _o0: usize,
     _out: &mut [f32],
 ) {

@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::{avx2, avx512, store_outputs, Kernel, SyncPtr};
-use crate::weights::{Layout, Mat, PANEL};
+use crate::matmul::layout::{Layout, Mat, PANEL};
 
 /// Rows up to which `matmul` takes this path (more rows reuse a widened block enough for the
 /// tile path to win).

@@ -2,7 +2,7 @@
 //! back to for partial tiles and k tails.
 
 use super::{KB, MR, NR};
-use crate::weights::{Mat, PANEL};
+use crate::matmul::layout::{Mat, PANEL};
 
 /// A block `W[o0..o0+NR, k0..k0+kb]` of a `Layout::Panels` matrix (o0 a panel boundary, k0 and
 /// kb even) into `wt[k*NR + j]`: the panel is already transposed in pairs, so each word widens

@@ -2,8 +2,8 @@
 //! tests share).
 
 use super::*;
+use crate::matmul::layout::WDType;
 use crate::ops::{dot, matmul_ref, matmul_ref_by};
-use crate::weights::WDType;
 
 fn bytes_of(dtype: WDType, v: &[f32]) -> Vec<u8> {
     match dtype {
