@@ -1260,14 +1260,17 @@ pub fn stop_all() -> Result<(usize, Vec<String>), String> {
             Ok(_) => {
                 if let Ok(note) = kill_verified(&dir, &key, info.pid, info.worker_pid) {
                     notes.extend(note);
-                    stopped.push((key, info.pid));
+                    stopped.push((key, info.pid, info.worker_pid));
                 }
             }
             Err(why) => notes.extend(why),
         }
     }
+    // "Stopped" means ended: the daemon and its worker (signalled apart, they end apart).
     let since = Instant::now();
-    while stopped.iter().any(|(k, pid)| is_daemon_of(*pid, &dir, k))
+    while stopped
+        .iter()
+        .any(|(k, pid, worker)| is_daemon_of(*pid, &dir, k) || alive(*worker))
         && since.elapsed() < Duration::from_secs(5)
     {
         std::thread::sleep(Duration::from_millis(20));
