@@ -24,24 +24,6 @@ pub(crate) fn capture_index(t: &Trace, name: &str) -> Option<usize> {
         .then(|| (info as usize - all.start as usize) / std::mem::size_of::<TensorInfo>())
 }
 
-/// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the
-/// candidate's (the same range, except for a rerouted expert's rows). The one place the
-/// excusal calls the element scan.
-pub(crate) fn scan_range(
-    pair: numeric::Pair,
-    rd: &[u8],
-    cd: &[u8],
-    (start, end): (u64, u64),
-    (c_start, c_end): (u64, u64),
-) -> numeric::Stats {
-    let (rs, cs) = (pair.reference.size(), pair.candidate.size());
-    let (a, b) = (
-        &rd[start as usize * rs..end as usize * rs],
-        &cd[c_start as usize * cs..c_end as usize * cs],
-    );
-    numeric::scan(pair, a, b, false).0
-}
-
 /// The labelling state: which per-tensor rows are settled, the first of them outside the
 /// policy, and the tokens and decode steps that come after a near-tie.
 pub(crate) struct Excusal<'a> {
@@ -266,7 +248,7 @@ impl<'a> Excusal<'a> {
                 }
                 let base = o * tokens;
                 let range = ((base + start) * inner, (base + i) * inner);
-                stats = stats.merge(scan_range(pair, rd, cd, range, range));
+                stats = stats.merge(numeric::scan_range(pair, rd, cd, range, range));
                 kept.push(range);
             }
         }

@@ -43,15 +43,11 @@ pub(crate) fn rel_l2(
     rd: &[u8],
     ranges: &[(u64, u64)],
 ) -> Option<f64> {
+    // Same shape as the reference tensor (checked), so the ranges lie in both payloads.
     let (pair, nd) = counterpart(noise, ri)?;
-    let (rs, ns) = (pair.reference.size(), pair.candidate.size());
     let mut stats = numeric::Stats::default();
-    for &(start, end) in ranges {
-        let (a, b) = (
-            rd.get(start as usize * rs..end as usize * rs)?,
-            nd.get(start as usize * ns..end as usize * ns)?,
-        );
-        stats = stats.merge(numeric::scan(pair, a, b, false).0);
+    for &range in ranges {
+        stats = stats.merge(numeric::scan_range(pair, rd, nd, range, range));
     }
     // A NaN or infinity where the reference is finite (or the reverse) is no honest rounding,
     // and the relative L2 leaves such elements out: a noise trace holding one measures nothing.

@@ -12,8 +12,7 @@ use tracegate_trace::{TensorInfo, Trace};
 
 use crate::values::{judge_row, row_for, set_stats};
 use crate::{
-    comparable, excuse, numeric, Finding, FindingKind, Method, Policy, RowStatus, RuleRef,
-    TensorRow,
+    comparable, numeric, Finding, FindingKind, Method, Policy, RowStatus, RuleRef, TensorRow,
 };
 
 /// `layer.NN.expert.EEE.<point>` of the prefill (docs/capture-points.md).
@@ -65,7 +64,7 @@ pub(crate) fn judge(
         let i = i as u64;
         match in_c.get(p) {
             Some(&j) => {
-                let scanned = excuse::scan_range(
+                let scanned = numeric::scan_range(
                     pair,
                     rd,
                     cd,

@@ -37,6 +37,24 @@ pub(crate) use ordering::{
 pub use ordering::{Pair, Special};
 pub(crate) use scan::scan;
 
+/// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the
+/// candidate's (the same range, except for a rerouted expert's rows): the rows a near-tie leaves
+/// in, a rerouted expert's rows, the noise reference's measure over either.
+pub(crate) fn scan_range(
+    pair: Pair,
+    rd: &[u8],
+    cd: &[u8],
+    (start, end): (u64, u64),
+    (c_start, c_end): (u64, u64),
+) -> Stats {
+    let (rs, cs) = (pair.reference.size(), pair.candidate.size());
+    let (a, b) = (
+        &rd[start as usize * rs..end as usize * rs],
+        &cd[c_start as usize * cs..c_end as usize * cs],
+    );
+    scan(pair, a, b, false).0
+}
+
 /// Raw bits of element `index` of a payload.
 pub(crate) fn element_bits(dtype: DType, data: &[u8], index: u64) -> u64 {
     let size = dtype.size();
