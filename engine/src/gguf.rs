@@ -54,46 +54,10 @@ pub struct GgufModel {
     pub tensors: Vec<HfTensor>,
 }
 
-/// The GGUF file `path` names, if it names one: `path` itself when it is a file, or the one
-/// `*.gguf` of a directory that holds no `*.safetensors` (a directory with safetensors, or with
-/// neither, is a safetensors checkpoint: `None`). Several `.gguf` files are refused.
+/// The GGUF file `path` names, if it names one (`tracegate_trace::gguf_file`: the rule the
+/// weights digest follows too), its refusals as checkpoint errors.
 pub fn model_file(path: &Path) -> Result<Option<PathBuf>> {
-    // A path that cannot be read is left to the safetensors loader, which names what is missing
-    // as it always has.
-    let Ok(meta) = std::fs::metadata(path) else {
-        return Ok(None);
-    };
-    if !meta.is_dir() {
-        return Ok(Some(path.to_path_buf()));
-    }
-    let Ok(rd) = std::fs::read_dir(path) else {
-        return Ok(None);
-    };
-    let (mut gguf, mut safetensors) = (Vec::new(), false);
-    for ent in rd {
-        let ent = ent.map_err(|e| err!(Checkpoint: "{}: {e}", path.display()))?;
-        let name = ent.file_name().to_string_lossy().into_owned();
-        safetensors |= name.ends_with(".safetensors");
-        if name.ends_with(".gguf") {
-            gguf.push(name);
-        }
-    }
-    gguf.sort();
-    match gguf.as_slice() {
-        [] => Ok(None),
-        // Which are the weights would be a guess: the digest refuses it as well.
-        _ if safetensors => Err(err!(Checkpoint:
-            "{}: holds both *.safetensors and .gguf files: keep one kind, or give --model FILE.gguf",
-            path.display()
-        )),
-        [one] => Ok(Some(path.join(one))),
-        many => Err(err!(Checkpoint:
-            "{}: {} .gguf files ({}): expected exactly one (split GGUF files are not supported)",
-            path.display(),
-            many.len(),
-            many.join(", ")
-        )),
-    }
+    tracegate_trace::gguf_file(path).map_err(|e| err!(Checkpoint: "{e}"))
 }
 
 /// Map and parse the GGUF file at `path`, synthesize its config and name its tensors. Refuses

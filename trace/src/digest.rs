@@ -1,5 +1,5 @@
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use sha2::{Digest as _, Sha256};
 use xxhash_rust::xxh3::Xxh3;
@@ -146,12 +146,53 @@ pub fn weights_digest(model: &Path) -> Result<String> {
     hash_files(&files)
 }
 
+/// The GGUF file a model path names, if it names one: the path itself when it is a file (read as
+/// GGUF, refused by its magic if it is not one), or the one `*.gguf` of a directory that holds no
+/// `*.safetensors`; `None` for a safetensors checkpoint, or a path that cannot be read (its
+/// loader names what is missing). A directory holding both kinds, or several `.gguf` files, is
+/// refused: which weights a producer read would be a guess. The one rule of the engine's loader
+/// and of [`weights_digest`].
+pub fn gguf_file(model: &Path) -> Result<Option<PathBuf>> {
+    let Ok(meta) = std::fs::metadata(model) else {
+        return Ok(None);
+    };
+    if !meta.is_dir() {
+        return Ok(Some(model.to_path_buf()));
+    }
+    let Ok(entries) = std::fs::read_dir(model) else {
+        return Ok(None);
+    };
+    let (mut gguf, mut safetensors) = (Vec::new(), false);
+    for entry in entries {
+        let name = entry.map_err(|e| Error::io(model, e))?.file_name();
+        let name = name.to_string_lossy();
+        safetensors |= name.ends_with(".safetensors");
+        if name.ends_with(".gguf") {
+            gguf.push(name.into_owned());
+        }
+    }
+    gguf.sort();
+    match gguf.as_slice() {
+        [] => Ok(None),
+        _ if safetensors => Err(Error::NotFound(format!(
+            "{}: holds both *.safetensors and .gguf files: keep one kind, or give --model FILE.gguf",
+            model.display()
+        ))),
+        [one] => Ok(Some(model.join(one))),
+        many => Err(Error::NotFound(format!(
+            "{}: {} .gguf files ({}): expected exactly one (split GGUF files are not supported)",
+            model.display(),
+            many.len(),
+            many.join(", ")
+        ))),
+    }
+}
+
 /// The files `weights_digest` hashes (docs/producers.md, "Weights digest").
-fn weight_files(model: &Path) -> Result<Vec<std::path::PathBuf>> {
-    let is_gguf = |p: &Path| p.extension().is_some_and(|e| e == "gguf");
-    if model.is_file() {
-        return if is_gguf(model) {
-            Ok(vec![model.to_path_buf()])
+fn weight_files(model: &Path) -> Result<Vec<PathBuf>> {
+    if let Some(file) = gguf_file(model)? {
+        return if file.extension().is_some_and(|e| e == "gguf") {
+            Ok(vec![file])
         } else {
             Err(Error::NotFound(format!(
                 "{}: a model is a directory of *.safetensors or a .gguf file",
@@ -159,41 +200,28 @@ fn weight_files(model: &Path) -> Result<Vec<std::path::PathBuf>> {
             )))
         };
     }
-    let dir = model;
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-    let (mut safetensors, mut gguf) = (Vec::new(), Vec::new());
+    let entries = std::fs::read_dir(model).map_err(|e| Error::io(model, e))?;
+    let mut files = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let path = entry.path();
+        let entry = entry.map_err(|e| Error::io(model, e))?;
         if entry
             .file_name()
             .to_string_lossy()
             .ends_with(".safetensors")
         {
-            safetensors.push(path);
-        } else if is_gguf(&path) {
-            gguf.push(path);
+            files.push(entry.path());
         }
     }
-    match (safetensors.is_empty(), gguf.len()) {
-        (false, 0) => Ok(safetensors),
-        (true, 1) => Ok(gguf),
-        (true, 0) => Err(Error::NotFound(format!(
+    if files.is_empty() {
+        return Err(Error::NotFound(format!(
             "{}: no *.safetensors or .gguf files",
-            dir.display()
-        ))),
-        (false, _) => Err(Error::NotFound(format!(
-            "{}: holds both *.safetensors and .gguf files: which are the weights? (keep one kind)",
-            dir.display()
-        ))),
-        (true, n) => Err(Error::NotFound(format!(
-            "{}: {n} .gguf files: name the one to use (--model FILE.gguf)",
-            dir.display()
-        ))),
+            model.display()
+        )));
     }
+    Ok(files)
 }
 
-fn hash_files(files: &[std::path::PathBuf]) -> Result<String> {
+fn hash_files(files: &[PathBuf]) -> Result<String> {
     let mut hasher = Xxh3::new();
     let mut buf = vec![0u8; 1 << 20];
     for path in files {

@@ -24,7 +24,7 @@ mod view;
 mod writer;
 
 pub use attrs::{Attributes, ExtraAttrs};
-pub use digest::{weights_digest, xxh3_hex, Digest};
+pub use digest::{gguf_file, weights_digest, xxh3_hex, Digest};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};
