@@ -339,11 +339,11 @@ def _load_gguf(path: Path, rc: RunConfig):
     if rc.device_map is not None:
         raise OracleError(f"--model {path}: --device-map is not supported for a GGUF checkpoint")
     transformers.utils.logging.disable_progress_bar()
-    cfg = gguf_source.config(path)
-    spec = FAMILIES.get(cfg.get("model_type"))
+    src = gguf_source.read(path)
+    spec = FAMILIES.get(src.config.get("model_type"))
     auto = getattr(transformers, spec.auto if spec else "AutoModelForCausalLM")
     with _transformers_log() as log:
-        model = gguf_source.load(path, auto, getattr(torch, TORCH_DTYPES[rc.dtype]), rc.device)
+        model = gguf_source.load(src, auto, getattr(torch, TORCH_DTYPES[rc.dtype]), rc.device)
     resolve(model, f"--model {path}")
     model.tracegate_unused_tensors = {}
     _replay(log)

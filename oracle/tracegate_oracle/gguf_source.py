@@ -13,6 +13,7 @@ import contextlib
 import io
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError, OracleError
@@ -46,8 +47,18 @@ def _field(reader, key: str):
     return None if f is None else f.contents()
 
 
-def config(path: Path) -> dict:
-    """transformers' config for the file (`load_gguf_checkpoint`), completed per §21.5."""
+@dataclass
+class Source:
+    """A GGUF file, its metadata read once: the config (transformers' own, completed per
+    §21.5) and how many tensors the file holds."""
+
+    path: Path
+    config: dict
+    tensors: int
+
+
+def read(path: Path) -> Source:
+    """The file's `Source`; refuses what no producer honours."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -83,32 +94,29 @@ def config(path: Path) -> dict:
     cfg["architectures"] = [
         ARCHITECTURES[arch] if cfg["model_type"] == arch else "MistralForCausalLM"
     ]
-    return cfg
+    return Source(path, cfg, len(reader.tensors))
 
 
-def load(path: Path, auto, dtype, device: str):
-    """transformers' class `auto` built from `config(path)`, holding the file's dequantized
-    tensors: every parameter from the file, every tensor of the file a parameter (a tied head
-    is the embedding). Returns the model in `dtype` on `device`."""
+def load(src: Source, auto, dtype, device: str):
+    """transformers' class `auto` built from the file's config, holding its dequantized tensors:
+    every parameter from the file, every tensor of the file a parameter (a tied head is the
+    embedding). Returns the model in `dtype` on `device`."""
     import torch
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    cfg = config(path)
-    hf_config = AutoConfig.for_model(**cfg)
+    path = src.path
+    hf_config = AutoConfig.for_model(**src.config)
     with torch.device("meta"):
         skel = auto.from_config(hf_config, attn_implementation="eager")
     # Its tqdm bar ignores transformers' disable_progress_bar: kept off the oracle's stderr.
     with contextlib.redirect_stderr(io.StringIO()):
         loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skel)
     tensors = loaded["tensors"]
-    from gguf import GGUFReader
-
-    in_file = len(GGUFReader(str(path)).tensors)
-    if len(tensors) != in_file:
+    if len(tensors) != src.tensors:
         raise CheckpointError(
             f"--model {path}: transformers' GGUF loader mapped {len(tensors)} of the file's "
-            f"{in_file} tensors (a tensor no module claims, e.g. rope_freqs.weight, is refused)"
+            f"{src.tensors} tensors (a tensor no module claims, e.g. rope_freqs.weight, is refused)"
         )
     model = auto.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
     want = set(model.state_dict())
