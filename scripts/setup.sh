@@ -33,6 +33,22 @@ python_env() {
   .venv/bin/python scripts/real_model.py fetch >/dev/null \
     || log "WARNING: the real model could not be fetched (above): the real-model tests skip without it, and fail under CI=true"
 
+  # --- llama.cpp (optional; examples/llamacpp and its test) -------------------------------
+  # requirements-llamacpp.txt: PyPI's llama-cpp-python, built from source by pip (minutes on a
+  # small machine; pip's wheel cache makes a re-install instant). Without it the example's test
+  # skips, and fails under CI=true.
+  stamp=.venv/.requirements-llamacpp.sha256
+  want="$(sha256sum requirements-llamacpp.txt | cut -d' ' -f1)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing llama.cpp (requirements-llamacpp.txt; built from source, about 5 minutes)"
+    if .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements-llamacpp.txt; then
+      echo "$want" > "$stamp"
+    else
+      log "WARNING: llama-cpp-python could not be installed (above): the llama.cpp example's test skips without it, and fails under CI=true"
+    fi
+  fi
+  # --- end llama.cpp ------------------------------------------------------------------------
+
   # Headless Chromium renders the HTML reports in their browser test
   # (trace/python/tests/test_reports.py): Debian's package, installed as root where apt-get is.
   if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
@@ -64,6 +80,8 @@ trap 'pkill -P "$python_pid" 2>/dev/null; kill "$python_pid" 2>/dev/null || true
 
 log "building Rust binaries (release)"
 cargo build --release --quiet --bins
+# The C ABI's shared library (capi/include/tracegate.h), which the llama.cpp example links.
+cargo build --release --quiet -p tracegate-capi --lib
 wait "$python_pid" || { echo "setup: the Python environment failed (above)" >&2; exit 1; }
 trap - EXIT
 
