@@ -133,6 +133,14 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     if let Some(p) = rep.policy.as_mut() {
         p.candidate_computes_in =
             crate::policy::computes_in(candidate.provenance()).map(String::from);
+        if let Err(why) = crate::policy::declared_precision(candidate.provenance()) {
+            // Not a verdict either: the policy still judges, but the declaration is not read.
+            rep.findings.push(Finding::new(
+                FindingKind::PolicyPrecisionMismatch,
+                None,
+                format!("the candidate's declared precision is not read: {why}"),
+            ));
+        }
         if let (Some(want), Some(have)) = (&p.candidate_dtype, &p.candidate_computes_in) {
             if want != have {
                 // A note, not a verdict: the bounds still judge, but the reader must know
@@ -148,7 +156,7 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
                     FindingKind::PolicyPrecisionMismatch,
                     None,
                     format!(
-                        "policy {:?} is for {want} candidates, and this candidate computes in {have} (its provenance dtype): {why}",
+                        "policy {:?} is for {want} candidates, and this candidate computes in {have} (its provenance precision, else dtype): {why}",
                         p.name
                     ),
                 ));

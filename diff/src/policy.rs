@@ -35,15 +35,58 @@ pub struct Policy {
     pub candidate_dtype: Option<String>,
 }
 
-/// The precision a trace's producer computed in, from its provenance `dtype` (`f32` or
-/// `float32`, `bf16` or `bfloat16`, `f16` or `float16`); None when it does not say.
+/// The precisions a candidate computes in, finest first; each is a bundled policy's name.
+pub const PRECISIONS: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// The precision a trace's producer computed in: the coarsest it declares (provenance
+/// `precision`, `declared_precision`), else its provenance `dtype` (`f32` or `float32`, `bf16`
+/// or `bfloat16`, `f16` or `float16`); None when it says neither (or declares it wrongly).
 pub fn computes_in(provenance: &serde_json::Value) -> Option<&'static str> {
+    if let Ok(Some(p)) = declared_precision(provenance) {
+        return Some(p);
+    }
     match provenance.get("dtype")?.as_str()? {
         "f32" | "float32" => Some("f32"),
         "bf16" | "bfloat16" => Some("bf16"),
         "f16" | "float16" => Some("f16"),
         _ => None,
     }
+}
+
+/// What a producer declares it computes in (provenance `precision`, docs/trace-format.md): one
+/// of `PRECISIONS` for the whole trace, or an object from capture-point patterns to them (an
+/// engine that keeps its KV cache in f16: `{"*": "f32", "layer.*.attn_probs": "f16"}`). The
+/// coarsest named; Ok(None) when nothing is declared; Err names the bad value.
+pub fn declared_precision(provenance: &serde_json::Value) -> Result<Option<&'static str>, String> {
+    let Some(d) = provenance.get("precision") else {
+        return Ok(None);
+    };
+    let one = |v: &serde_json::Value, at: &str| -> Result<&'static str, String> {
+        let name = v.as_str().unwrap_or_default();
+        PRECISIONS
+            .iter()
+            .find(|p| **p == name)
+            .copied()
+            .ok_or_else(|| {
+                format!(
+                    "provenance precision{at} is {v}: expected one of {}",
+                    PRECISIONS.join(", ")
+                )
+            })
+    };
+    let named: Vec<&'static str> = match d {
+        serde_json::Value::Object(m) if !m.is_empty() => m
+            .iter()
+            .map(|(k, v)| one(v, &format!("[{k:?}]")))
+            .collect::<Result<_, _>>()?,
+        serde_json::Value::Object(_) => {
+            return Err("provenance precision is an empty object: name a precision per capture-point pattern, or one for the whole trace".into())
+        }
+        v => vec![one(v, "")?],
+    };
+    Ok(named
+        .into_iter()
+        .max_by_key(|p| PRECISIONS.iter().position(|q| q == p)))
 }
 
 /// The near-tie calibration: a flip whose reference margin is at most `margin_factor` times
@@ -911,5 +954,35 @@ mod resolve_tests {
             .unwrap_err()
             .contains("bf16.json"));
         assert!(Policy::resolve("./f32", here).unwrap_err().contains("f32"));
+    }
+}
+
+#[cfg(test)]
+mod declared_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_coarsest_declared_precision_wins_over_the_dtype_and_bad_ones_are_named() {
+        assert_eq!(declared_precision(&json!({"dtype": "f32"})), Ok(None));
+        assert_eq!(computes_in(&json!({"dtype": "f32"})), Some("f32"));
+        let mixed = json!({"dtype": "f32", "precision": {"*": "f32", "layer.*.attn_probs": "f16"}});
+        assert_eq!(declared_precision(&mixed), Ok(Some("f16")));
+        assert_eq!(computes_in(&mixed), Some("f16"));
+        let all = json!({"precision": {"a": "f16", "b": "bf16", "c": "f32"}});
+        assert_eq!(declared_precision(&all), Ok(Some("bf16")));
+        assert_eq!(
+            declared_precision(&json!({"precision": "bf16"})),
+            Ok(Some("bf16"))
+        );
+        let bad = declared_precision(&json!({"precision": {"layer.*.q": "int4"}})).unwrap_err();
+        assert!(bad.contains(r#"precision["layer.*.q"] is "int4""#), "{bad}");
+        assert!(declared_precision(&json!({"precision": {}})).is_err());
+        assert!(declared_precision(&json!({"precision": 16})).is_err());
+        // A bad declaration is not read: the dtype still says something.
+        assert_eq!(
+            computes_in(&json!({"dtype": "bf16", "precision": "fp8"})),
+            Some("bf16")
+        );
     }
 }

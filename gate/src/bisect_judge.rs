@@ -12,6 +12,12 @@ use crate::{gerr, Result};
 /// An isolated difference at most this many times what a 1-ULP perturbation of the same
 /// layer's input produces is called rounding level (docs/bisect.md, "Judging").
 pub const ROUNDING_LEVEL: f64 = 10.0;
+/// Judged by policy, a layer whose isolated block output (attn_out, mlp_out) is more than this
+/// many times the reference's response to one ULP of the candidate's precision at the layer's
+/// input is far above rounding (docs/bisect.md, "Rounding response"): clean f32 pairs measured
+/// at most 1.3× on the fixtures and 11× on a trained model (SmolLM2 mlp_out, the layers that
+/// make its massive activations), a wrong eps in every norm at least 30× at its first layer.
+pub const RESPONSE_FACTOR: f64 = 20.0;
 /// A layer whose isolated error is more than this many times the median of the other matching
 /// isolated layers' is flagged `suspicious`: clean runs measured at most 1.37× on what the check
 /// reads, the planted RMSNorm-eps defect at least 2.83× (docs/bisect.md, "Outliers").
@@ -46,7 +52,8 @@ pub struct Judge {
     pub policy: Option<String>,
     /// The policy file's own name (e.g. oracle-default); null by bits.
     pub policy_name: Option<String>,
-    /// The candidate's precision: the coarsest float dtype among its whole-run tensors.
+    /// The candidate's precision: `--precision`, else what it declares, else the coarsest
+    /// float dtype among its whole-run tensors (`precision`).
     pub precision: &'static str,
     /// Why it judges so, in words.
     pub reason: String,
@@ -61,17 +68,27 @@ impl Judge {
     }
 }
 
-/// The coarsest float dtype of a trace's tensors, as a bundled policy name: bf16 if any tensor
-/// is bf16 (8 significand bits), else f16 if any is f16, else f32.
-pub fn precision(t: &Trace) -> &'static str {
-    let has = |d: DType| t.tensors().iter().any(|i| i.dtype == d);
-    if has(DType::BF16) {
-        "bf16"
-    } else if has(DType::F16) {
-        "f16"
-    } else {
-        "f32"
+/// A candidate's precision, as a bundled policy name, and where it was read: what the
+/// candidate declares (provenance `precision`, the coarsest it names; docs/trace-format.md),
+/// else the coarsest float dtype of its tensors: bf16 if any tensor is bf16 (8 significand
+/// bits), else f16 if any is f16, else f32. A declaration that names no precision is refused.
+pub fn precision(t: &Trace) -> Result<(&'static str, &'static str)> {
+    if let Some(p) = tracegate_diff::policy::declared_precision(t.provenance())
+        .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))?
+    {
+        return Ok((p, "declared"));
     }
+    let has = |d: DType| t.tensors().iter().any(|i| i.dtype == d);
+    Ok((
+        if has(DType::BF16) {
+            "bf16"
+        } else if has(DType::F16) {
+            "f16"
+        } else {
+            "f32"
+        },
+        "its tensors' dtype",
+    ))
 }
 
 /// The judge and its policy. `ordered`: whether each side (reference, candidate) is one of the
@@ -81,9 +98,13 @@ pub fn choose(
     names: (&str, &str),
     ordered: (bool, bool),
     candidate: &Trace,
+    given: Option<&'static str>,
     root: &std::path::Path,
 ) -> Result<(Judge, Option<Policy>)> {
-    let precision = precision(candidate);
+    let (precision, from) = match given {
+        Some(p) => (p, "--precision"),
+        None => precision(candidate)?,
+    };
     let by_policy = |arg: &str, reason: String| -> Result<(Judge, Option<Policy>)> {
         let p = Policy::resolve(arg, root).map_err(|e| gerr!("--policy {arg}: {e}"))?;
         Ok((
@@ -134,7 +155,7 @@ pub fn choose(
             by_policy(
                 precision,
                 format!(
-                    "{} {is}; candidate's precision: {precision}; --exact judges by bits",
+                    "{} {is}; candidate's precision: {precision} ({from}); --exact judges by bits",
                     not.join(" and ")
                 ),
             )

@@ -172,6 +172,11 @@ struct BisectArgs {
     /// Judge by bits whatever the pair (a port meant to be bit-exact); not with --policy.
     #[arg(long, conflicts_with = "policy")]
     exact: bool,
+    /// The precision the candidate computes in (f32, f16, bf16), when neither its trace's
+    /// declaration (provenance precision) nor its tensors' dtype says it: picks the bundled
+    /// policy and the ULP the rounding response perturbs by (docs/bisect.md, "Judging").
+    #[arg(long, value_parser = tracegate_diff::policy::PRECISIONS, conflicts_with = "exact")]
+    precision: Option<String>,
     /// Write the JSON report here (schema: docs/bisect.md; relative to the current directory).
     #[arg(long)]
     report: Option<PathBuf>,
@@ -385,6 +390,12 @@ fn bisect_options(
             _ => up.resolve(p).display().to_string(),
         }),
         exact: a.exact,
+        precision: a.precision.as_deref().and_then(|p| {
+            tracegate_diff::policy::PRECISIONS
+                .iter()
+                .find(|q| **q == p)
+                .copied()
+        }),
         all_layers: a.all_layers,
         // Decode steps capture their layer points only under internals (docs/producers.md).
         internals: internals || generate > 0,

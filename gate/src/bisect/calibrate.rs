@@ -19,9 +19,51 @@ pub fn f32_stats(reference: &[f32], candidate: &[f32]) -> Result<CalibrationRow>
     })
 }
 
-/// Moves every finite element one ULP up or down in magnitude, the direction from a seeded
-/// splitmix64 stream, so the calibration is reproducible bit for bit.
-pub(crate) fn perturb(data: &[f32], seed: u64) -> Vec<f32> {
+/// The ULP a perturbation moves by: one of f32's, or one of a coarser precision's (bf16, f16)
+/// at the element's magnitude, so the response scales with what that precision rounds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Unit {
+    F32,
+    BF16,
+    F16,
+}
+
+impl Unit {
+    /// The unit of a precision the judge uses (bisect_judge::PRECISIONS); None for one without
+    /// a ULP of its own size here.
+    pub(crate) fn of(precision: &str) -> Option<Unit> {
+        match precision {
+            "f32" => Some(Unit::F32),
+            "bf16" => Some(Unit::BF16),
+            "f16" => Some(Unit::F16),
+            _ => None,
+        }
+    }
+
+    /// How many f32 ULPs one of this unit's is: 2^(23 − fraction bits).
+    fn step(self) -> u32 {
+        match self {
+            Unit::F32 => 1,
+            Unit::BF16 => 1 << 16,
+            Unit::F16 => 1 << 13,
+        }
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Unit::F32 => "f32",
+            Unit::BF16 => "bf16",
+            Unit::F16 => "f16",
+        }
+    }
+}
+
+/// Moves every finite element one `unit` ULP up or down in magnitude, the direction from a
+/// seeded splitmix64 stream, so the calibration is reproducible bit for bit: the f32 bit
+/// pattern's magnitude moved by `unit.step()`, one ULP of that precision at the element's
+/// magnitude (a magnitude below one step goes to zero going down).
+pub(crate) fn perturb_in(data: &[f32], seed: u64, unit: Unit) -> Vec<f32> {
+    let step = unit.step();
     let mut s = seed;
     data.iter()
         .map(|&x| {
@@ -31,15 +73,15 @@ pub(crate) fn perturb(data: &[f32], seed: u64) -> Vec<f32> {
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             let up = (z ^ (z >> 31)) & 1 == 1;
             let b = x.to_bits();
-            let mag = b & 0x7fff_ffff;
+            let (sign, mag) = (b & 0x8000_0000, b & 0x7fff_ffff);
             if !x.is_finite() {
                 x
             } else if mag == 0 {
-                f32::from_bits(b | 1) // ±0 → ±smallest subnormal
-            } else if up && mag < 0x7f7f_ffff {
-                f32::from_bits(b + 1)
+                f32::from_bits(b | step) // ±0 → ± one step
+            } else if up && mag <= 0x7f7f_ffff - step {
+                f32::from_bits(sign | (mag + step))
             } else {
-                f32::from_bits(b - 1)
+                f32::from_bits(sign | mag.saturating_sub(step))
             }
         })
         .collect()
@@ -78,33 +120,7 @@ pub(crate) fn calibrate(
     };
     let name = names::layer(from, "hidden_in");
     let input_rel = format!("{}/calibration.input.trace", o.work);
-    let written = (|| -> Result<Option<f64>> {
-        let info = reference
-            .tensor_info(&name)
-            .ok_or_else(|| gerr!(Producer: "the reference has no {name}"))?;
-        if info.dtype != DType::F32 {
-            return Err(gerr!("{name} is {}, calibration perturbs f32", info.dtype));
-        }
-        let x = reference.f32_slice(&name).map_err(|e| gerr!(File: "{e}"))?;
-        let y = perturb(x, o.seed);
-        let mut prov = reference.provenance().clone();
-        if let Some(p) = prov.as_object_mut() {
-            p.insert(
-                "bisect_calibration".into(),
-                json!({ "layer": from, "seed": o.seed }),
-            );
-        }
-        let path = o.root.join(&input_rel);
-        let mut w =
-            TraceWriter::create(&path, prov).map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
-        w.tensor_f32(&name, &info.shape, &y, &info.attributes)
-            .map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
-        w.finish().map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
-        Ok(f32_stats(x, &y)
-            .map_err(|e| gerr!(Incomparable: "{name}: {e}"))?
-            .rel_l2)
-    })();
-    match written {
+    match write_perturbed(o, reference, from, Unit::F32, &input_rel) {
         Ok(r) => cal.input_rel_l2 = r,
         Err(e) => {
             cal.not_checked = Some(e.to_string());
@@ -116,49 +132,165 @@ pub(crate) fn calibrate(
     crate::progress::plan((upto - from) as u64);
     for layer in from..upto {
         let out = format!("{}/calibration.layer.{layer:02}.trace", o.work);
-        let verb = Verb::Layer {
-            model: o.model.clone(),
+        let hidden = names::layer(layer, "hidden_out");
+        let row = run_reference_layer(
+            o,
+            reference_producer,
             layer,
-            input,
-            input_name,
-            out: out.clone(),
-            internals: false,
-            force: None,
-            decode_from: None,
-        };
-        let rec = run_fresh(&o.root, reference_producer, &verb, o.timeout);
-        runs.push(rec.clone());
+            &input,
+            &input_name,
+            &out,
+            runs,
+        )
+        .and_then(|t| against_whole(reference, &t, &hidden, layer));
         crate::progress::step(format_args!(
             "calibration: layer {layer:02} on the perturbed input"
         ));
-        let hidden = names::layer(layer, "hidden_out");
-        let got = if rec.ok {
-            open(&o.root, &out)
-        } else {
-            Err(gerr!(Producer: "the reference's layer verb failed: {}", rec.why()))
-        };
-        let stats = got.and_then(|t| {
-            let c = t.f32_slice(&hidden).map_err(|e| gerr!(File: "{e}"))?;
-            let r = reference
-                .f32_slice(&hidden)
-                .map_err(|e| gerr!(File: "{e}"))?;
-            if c.len() != r.len() {
-                return Err(gerr!(
-                    Incomparable: "{hidden}: {} elements vs {} in the reference",
-                    c.len(),
-                    r.len()
-                ));
-            }
-            f32_stats(r, c)
-        });
-        match stats {
-            Ok(row) => cal.rows.push(CalibrationRow { layer, ..row }),
+        match row {
+            Ok(row) => cal.rows.push(row),
             Err(e) => {
                 cal.not_checked = Some(format!("layer {layer:02}: {e}"));
                 return cal;
             }
         }
-        (input, input_name) = (out, hidden);
+        (input, input_name) = (out, names::layer(layer, "hidden_out"));
     }
     cal
+}
+
+/// Writes the reference's input to `layer`, every finite element moved one `unit` ULP, as a
+/// trace at `rel`; its rel L2 against the unperturbed input.
+fn write_perturbed(
+    o: &BisectOptions,
+    reference: &Trace,
+    layer: usize,
+    unit: Unit,
+    rel: &str,
+) -> Result<Option<f64>> {
+    let name = names::layer(layer, "hidden_in");
+    let info = reference
+        .tensor_info(&name)
+        .ok_or_else(|| gerr!(Producer: "the reference has no {name}"))?;
+    if info.dtype != DType::F32 {
+        return Err(gerr!("{name} is {}, calibration perturbs f32", info.dtype));
+    }
+    let x = reference.f32_slice(&name).map_err(|e| gerr!(File: "{e}"))?;
+    let y = perturb_in(x, o.seed, unit);
+    let mut prov = reference.provenance().clone();
+    if let Some(p) = prov.as_object_mut() {
+        p.insert(
+            "bisect_calibration".into(),
+            json!({ "layer": layer, "seed": o.seed, "unit": unit.name() }),
+        );
+    }
+    let path = o.root.join(rel);
+    let mut w = TraceWriter::create(&path, prov).map_err(|e| gerr!(File: "{rel}: {e}"))?;
+    w.tensor_f32(&name, &info.shape, &y, &info.attributes)
+        .map_err(|e| gerr!(File: "{rel}: {e}"))?;
+    w.finish().map_err(|e| gerr!(File: "{rel}: {e}"))?;
+    Ok(f32_stats(x, &y)
+        .map_err(|e| gerr!(Incomparable: "{name}: {e}"))?
+        .rel_l2)
+}
+
+/// The reference's layer verb on `layer` with `input` (a trace holding `input_name`): its trace.
+#[allow(clippy::too_many_arguments)]
+fn run_reference_layer(
+    o: &BisectOptions,
+    producer: &Producer,
+    layer: usize,
+    input: &str,
+    input_name: &str,
+    out: &str,
+    runs: &mut Vec<RunRecord>,
+) -> Result<Trace> {
+    let verb = Verb::Layer {
+        model: o.model.clone(),
+        layer,
+        input: input.to_string(),
+        input_name: input_name.to_string(),
+        out: out.to_string(),
+        internals: false,
+        force: None,
+        decode_from: None,
+    };
+    let rec = run_fresh(&o.root, producer, &verb, o.timeout);
+    runs.push(rec.clone());
+    if !rec.ok {
+        return Err(gerr!(Producer: "the reference's layer verb failed: {}", rec.why()));
+    }
+    open(&o.root, out)
+}
+
+/// `name` of a layer run measured against the reference's whole-run `name`.
+fn against_whole(
+    reference: &Trace,
+    run: &Trace,
+    name: &str,
+    layer: usize,
+) -> Result<CalibrationRow> {
+    let c = run.f32_slice(name).map_err(|e| gerr!(File: "{e}"))?;
+    let r = reference.f32_slice(name).map_err(|e| gerr!(File: "{e}"))?;
+    if c.len() != r.len() {
+        return Err(gerr!(
+            Incomparable: "{name}: {} elements vs {} in the reference",
+            c.len(),
+            r.len()
+        ));
+    }
+    Ok(CalibrationRow {
+        layer,
+        ..f32_stats(r, c)?
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// Rounding response
+
+/// Each listed layer's response to rounding in the candidate's precision: the reference's layer
+/// verb on its own input to that layer moved one ULP of that precision (`unit`), not chained;
+/// per layer, each of `tensors` (capture-point suffixes) against the reference's whole run. The
+/// ratio of the candidate's isolated error to it says how far above what that precision rounds
+/// the layer's body is (docs/bisect.md, "Rounding response").
+pub(crate) fn responses(
+    o: &BisectOptions,
+    reference: &Trace,
+    layers: &[(usize, Vec<&'static str>)],
+    unit: Unit,
+    runs: &mut Vec<RunRecord>,
+) -> std::result::Result<Vec<Vec<CalibrationRow>>, String> {
+    let Reference::Run(producer) = &o.reference else {
+        return Err("the reference is a stored trace: the rounding response runs the reference's own layer verb, which a trace does not have".into());
+    };
+    crate::progress::plan(layers.len() as u64);
+    let mut rows = Vec::new();
+    for (layer, tensors) in layers {
+        let layer = *layer;
+        let input = format!("{}/response.input.{layer:02}.trace", o.work);
+        let out = format!("{}/response.layer.{layer:02}.trace", o.work);
+        let measured = write_perturbed(o, reference, layer, unit, &input)
+            .and_then(|_| {
+                run_reference_layer(
+                    o,
+                    producer,
+                    layer,
+                    &input,
+                    &names::layer(layer, "hidden_in"),
+                    &out,
+                    runs,
+                )
+            })
+            .and_then(|t| {
+                tensors
+                    .iter()
+                    .map(|s| against_whole(reference, &t, &names::layer(layer, s), layer))
+                    .collect::<Result<Vec<_>>>()
+            });
+        crate::progress::step(format_args!(
+            "rounding response: layer {layer:02} on its input moved one {} ULP",
+            unit.name()
+        ));
+        rows.push(measured.map_err(|e| format!("layer {layer:02}: {e}"))?);
+    }
+    Ok(rows)
 }

@@ -116,6 +116,102 @@ pub(crate) fn calibration(
     Some(cal)
 }
 
+/// The rounding response (judged by policy only): for the isolated layers up to the first
+/// wrong one (all of them when none is), each one's isolated block-output errors over the
+/// reference's response to one ULP of the candidate's precision at that layer's input. It runs
+/// when the whole runs are outside the policy, or under --all-layers (then an observation).
+pub(crate) fn rounding_response(
+    o: &BisectOptions,
+    reference: &Trace,
+    layers: &[LayerRow],
+    first_wrong: Option<usize>,
+    whole_within: bool,
+    precision: &'static str,
+    runs: &mut Vec<RunRecord>,
+) -> Option<RoundingResponse> {
+    if whole_within && !o.all_layers {
+        return None;
+    }
+    let mut rr = RoundingResponse {
+        precision,
+        perturbation: format!("every finite element of the reference's input to each layer moved one {precision} ULP up or down in magnitude (splitmix64, seed {}), that layer alone", o.seed),
+        factor: judge::RESPONSE_FACTOR,
+        rows: Vec::new(),
+        first_far_above: None,
+        ratio: None,
+        not_checked: None,
+    };
+    let Some(unit) = Unit::of(precision) else {
+        rr.not_checked = Some(format!("no rounding unit for precision {precision}"));
+        return Some(rr);
+    };
+    let upto = first_wrong.map_or(layers.len(), |l| l + 1);
+    let isolated: Vec<&LayerRow> = layers[..upto]
+        .iter()
+        .filter(|r| matches!(r.isolation, Isolated::Match | Isolated::Wrong))
+        .collect();
+    if isolated.is_empty() {
+        rr.not_checked = Some("no layer was isolated (the whole runs diverge after the last layer, or not at all; --all-layers isolates every layer)".into());
+        return Some(rr);
+    }
+    // Block outputs, not hidden_out: the residual carries the perturbed input straight into
+    // hidden_out, which on a trained model's massive activations swamps the block's own rounding
+    // (SmolLM2: clean hidden_out ratios 0.11-11, attn_out 1.9-3.4).
+    let which: Vec<(usize, Vec<&'static str>)> = isolated
+        .iter()
+        .map(|r| {
+            let t = if is_moe(reference, r.layer) {
+                vec!["attn_out"]
+            } else {
+                vec!["attn_out", "mlp_out"]
+            };
+            (r.layer, t)
+        })
+        .collect();
+    match responses(o, reference, &which, unit, runs) {
+        Err(why) => rr.not_checked = Some(why),
+        Ok(measured) => {
+            for ((row, (_, suffixes)), cal) in isolated.iter().zip(&which).zip(measured) {
+                let tensors: Vec<ResponseTensor> = suffixes
+                    .iter()
+                    .zip(cal)
+                    .map(|(s, c)| {
+                        let name = names::layer(row.layer, s);
+                        let iso = row
+                            .isolated
+                            .iter()
+                            .find(|x| x.tensor == name)
+                            .and_then(|x| x.rel_l2);
+                        let ratio = match (iso, c.rel_l2) {
+                            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+                            _ => None,
+                        };
+                        ResponseTensor {
+                            tensor: name,
+                            isolated_rel_l2: iso,
+                            response_rel_l2: c.rel_l2,
+                            ratio,
+                        }
+                    })
+                    .collect();
+                let ratio = tensors
+                    .iter()
+                    .filter_map(|t| t.ratio)
+                    .max_by(f64::total_cmp);
+                if rr.first_far_above.is_none() && ratio.is_some_and(|x| x > rr.factor) {
+                    (rr.first_far_above, rr.ratio) = (Some(row.layer), ratio);
+                }
+                rr.rows.push(ResponseRow {
+                    layer: row.layer,
+                    tensors,
+                    ratio,
+                });
+            }
+        }
+    }
+    Some(rr)
+}
+
 /// Outliers within the policy: the matching isolated layers' errors against their peers'; each
 /// such row gets its ratio and flag.
 pub(crate) fn outliers(reference: &Trace, layers: &mut [LayerRow]) -> Outliers {

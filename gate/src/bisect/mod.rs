@@ -48,7 +48,7 @@ pub(crate) use work::run_fresh;
 pub use work::MARKER as WORK_MARKER;
 
 /// The report's format (docs/bisect.md, docs/bisect-report.schema.json).
-pub const SCHEMA: &str = "tracegate-bisect/3";
+pub const SCHEMA: &str = "tracegate-bisect/4";
 
 #[derive(Clone, Debug)]
 pub struct BisectOptions {
@@ -64,6 +64,8 @@ pub struct BisectOptions {
     /// `--exact`: judge by bits. Neither: by bits for two ordered producers, else by the bundled
     /// policy for the candidate's precision (bisect_judge.rs).
     pub exact: bool,
+    /// `--precision`: the candidate's precision, over its declaration and its dtype.
+    pub precision: Option<&'static str>,
     pub all_layers: bool,
     pub internals: bool,
     pub calibrate: bool,
@@ -318,6 +320,23 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         ),
         _ => None,
     };
+    let whole_within = matches!(
+        located.whole_run.verdict,
+        Verdict::Identical | Verdict::WithinPolicy
+    );
+    let rounding_response = match judge.by {
+        By::Policy => layers::rounding_response(
+            o,
+            reference,
+            &layers,
+            first_wrong,
+            whole_within,
+            judge.precision,
+            &mut runs,
+        ),
+        By::Bits => None,
+    };
+    refuse_timeout(&runs, o)?;
     let outliers = layers::outliers(reference, &mut layers);
     let amplification = layers::amplification(&layers);
 
@@ -350,6 +369,12 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     }
     if !outliers.suspicious.is_empty() {
         summary.push_str(&format!("; {}", suspicious_words(&layers, &outliers)));
+    }
+    if let Some(words) = rounding_response
+        .as_ref()
+        .and_then(|rr| response_words(rr, verdict, first_wrong))
+    {
+        summary.push_str(&format!("; {words}"));
     }
     let (decode, (verdict, summary)) = if o.generate > 0 {
         let ctx = crate::bisect_decode::Context {
@@ -400,6 +425,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         calibration,
         decode,
         rounding_level,
+        rounding_response,
         self_consistency,
         outliers,
         work_dir: o.work.clone(),

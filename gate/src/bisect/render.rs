@@ -204,6 +204,9 @@ pub fn render(r: &BisectReport) -> String {
     o.push('\n');
     o.push_str(&self_consistency_lines(&r.self_consistency, &r.layers));
     o.push_str(&outlier_line(&r.outliers, &r.layers));
+    if let Some(rr) = &r.rounding_response {
+        o.push_str(&response_lines(rr));
+    }
     if let Some(c) = &r.calibration {
         o.push_str(&format!(
             "\n  calibration: {} (input rel L2 {})\n",
@@ -289,4 +292,25 @@ pub(crate) fn outlier_line(out: &Outliers, layers: &[LayerRow]) -> String {
         _ => String::new(),
     };
     format!("  outliers: no layer's isolated error ({}) is above {}× its peers' median, of {} matching isolated layers{largest}\n", out.measure, out.factor, out.isolated_layers)
+}
+
+/// The rounding response: each layer's isolated error over its 1-ULP response, or why not.
+fn response_lines(rr: &RoundingResponse) -> String {
+    if let Some(why) = &rr.not_checked {
+        return format!("  rounding response NOT CHECKED: {why}\n");
+    }
+    let each: Vec<String> = rr
+        .rows
+        .iter()
+        .map(|r| format!("{:02} {}", r.layer, ratio(r.ratio)))
+        .collect();
+    let first = match rr.first_far_above {
+        Some(l) => format!("; first above {}×: layer {l:02}", rr.factor),
+        None => format!("; none above {}×", rr.factor),
+    };
+    format!(
+        "  rounding response (block outputs' isolated error / the reference's response to one {} ULP at the layer's input, that layer alone): {}{first}\n",
+        rr.precision,
+        each.join(", ")
+    )
 }

@@ -378,6 +378,44 @@ pub struct Calibration {
     pub not_checked: Option<String>,
 }
 
+/// Judged by policy: each isolated layer's error against its own response to one ULP of the
+/// candidate's precision at its input (docs/bisect.md, "Rounding response"). A defect under the
+/// policy in every layer is named where its layer stands far above what that precision rounds.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoundingResponse {
+    /// The candidate's precision, whose ULP perturbs: f32, bf16 or f16.
+    pub precision: &'static str,
+    pub perturbation: String,
+    /// RESPONSE_FACTOR: a layer whose ratio is above it is far above rounding.
+    pub factor: f64,
+    pub rows: Vec<ResponseRow>,
+    /// The first layer whose ratio is above the factor, and that ratio.
+    pub first_far_above: Option<usize>,
+    pub ratio: Option<f64>,
+    pub not_checked: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ResponseRow {
+    pub layer: usize,
+    /// The block outputs read (RESPONSE_MEASURE): attn_out, and mlp_out where the layer has no
+    /// router.
+    pub tensors: Vec<ResponseTensor>,
+    /// The largest of the tensors' ratios; null where none is defined.
+    pub ratio: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ResponseTensor {
+    pub tensor: String,
+    /// rel L2: the candidate's layer alone on the reference's input.
+    pub isolated_rel_l2: Option<f64>,
+    /// rel L2: the reference's layer alone on that input moved one ULP.
+    pub response_rel_l2: Option<f64>,
+    /// isolated / response; null where the response is zero or either is missing.
+    pub ratio: Option<f64>,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct UnforcedDecision {
     pub name: String,
@@ -484,6 +522,8 @@ pub struct BisectReport {
     pub decode: Option<crate::bisect_decode::DecodeReport>,
     /// Judged by bits with a calibrated blamed layer: whether its difference is rounding level.
     pub rounding_level: Option<RoundingLevel>,
+    /// Judged by policy with layers isolated: null when judged by bits.
+    pub rounding_response: Option<RoundingResponse>,
     pub self_consistency: SelfConsistency,
     pub outliers: Outliers,
     pub work_dir: String,

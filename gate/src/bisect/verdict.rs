@@ -414,3 +414,60 @@ pub(crate) fn summarise(findings: &[&tracegate_diff::Finding]) -> Option<String>
         .collect();
     (!parts.is_empty()).then(|| parts.join("; "))
 }
+
+/// What the rounding response adds to the verdict line: the first layer far above what the
+/// candidate's precision rounds, where the policy blamed none or a later one; else, with every
+/// ratio measured, that none is. Nothing when it was not checked (the text output says why).
+pub(crate) fn response_words(
+    rr: &RoundingResponse,
+    verdict: BisectVerdict,
+    first_wrong: Option<usize>,
+) -> Option<String> {
+    let unit = format!("one {} ULP at its input", rr.precision);
+    match (rr.first_far_above, rr.ratio) {
+        (Some(l), Some(x)) => {
+            let worst = rr
+                .rows
+                .iter()
+                .find(|r| r.layer == l)
+                .and_then(|r| r.tensors.iter().find(|t| t.ratio == Some(x)));
+            let (what, a, b) = (
+                worst.map_or("", |t| t.tensor.as_str()),
+                sci(worst.and_then(|t| t.isolated_rel_l2)),
+                sci(worst.and_then(|t| t.response_rel_l2)),
+            );
+            let size = format!(
+                "layer {l:02}'s isolated error ({what} rel L2 {a}) is {} what {unit} produces ({b}), the first layer above {}×",
+                ratio(Some(x)),
+                rr.factor
+            );
+            Some(match (verdict, first_wrong) {
+                (BisectVerdict::WrongLayer, Some(w)) if w == l => {
+                    format!("rounding response: {size}")
+                }
+                (BisectVerdict::WrongLayer, Some(w)) => format!(
+                    "by rounding response it starts earlier, at layer {l:02}: {size}, before layer {w:02} where the policy first trips"
+                ),
+                (BisectVerdict::NothingWrong, _) => format!(
+                    "rounding response: {size} (the whole runs are within the policy: an observation, not a failure)"
+                ),
+                _ => format!("by rounding response it starts at layer {l:02}: {size}"),
+            })
+        }
+        _ if rr.not_checked.is_some() || rr.rows.is_empty() => None,
+        _ => {
+            let top = rr
+                .rows
+                .iter()
+                .filter_map(|r| r.ratio.map(|x| (r.layer, x)))
+                .max_by(|a, b| a.1.total_cmp(&b.1));
+            let largest = top
+                .map(|(l, x)| format!(" (largest {} at layer {l:02})", ratio(Some(x))))
+                .unwrap_or_default();
+            Some(format!(
+                "rounding response: every isolated layer within {}× what {unit} produces{largest}",
+                rr.factor
+            ))
+        }
+    }
+}

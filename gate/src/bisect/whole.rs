@@ -118,6 +118,7 @@ pub(crate) fn choose_judge(
         (&o.reference.described(), &o.candidate.name()),
         ordered,
         &whole.candidate,
+        o.precision,
         &o.root,
     )?;
     Ok((judge, policy, ordered))

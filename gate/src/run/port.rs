@@ -305,20 +305,23 @@ pub(super) fn run(
             r.get(Role::Candidate)
                 .and_then(|rec| open(&o.root, rec).ok())
         });
-        let candidate = first.as_ref().map(crate::bisect_judge::precision).ok_or_else(|| {
+        let candidate = first.as_ref().map(|t| crate::bisect_judge::precision(t).map(|p| p.0)).ok_or_else(|| {
             let why = runs
                 .first()
                 .and_then(|r| r.get(Role::Candidate))
                 .map(|rec| format!("{}\n    $ {}", rec.why(), rec.invocation))
                 .unwrap_or_default();
             gerr!(Producer: "the candidate wrote no trace, so its precision (and the policy for it) is unknown: {why}")
-        })?;
+        })??;
         // The coarser of the two sides' precisions: a bf16 golden trace (`--dtype bf16`) holds an
         // f32 candidate to the bf16 bounds, as it does a bf16 candidate to an f32 golden trace.
         let coarse = |p: &str| ["f32", "f16", "bf16"].iter().position(|q| *q == p);
-        let precision = goldens
+        let golden: Vec<&str> = goldens
             .iter()
-            .map(crate::bisect_judge::precision)
+            .map(|t| crate::bisect_judge::precision(t).map(|p| p.0))
+            .collect::<Result<_>>()?;
+        let precision = golden
+            .into_iter()
             .chain([candidate])
             .max_by_key(|p| coarse(p))
             .unwrap_or(candidate);
@@ -676,6 +679,7 @@ fn localise(
             candidate: candidate.clone(),
             policy: Some(plan.m.policy.clone()),
             exact: false,
+            precision: None,
             all_layers: false,
             internals,
             calibrate: false,

@@ -26,6 +26,11 @@ Defects (each touches one layer only, so every later layer is a correct body tha
                prefill is correct, cache on ≡ cache off), from a producer without `layer --decode-from`
   rms-eps      layer 1: every RMSNorm adds eps outside the square root, x / (sqrt(mean(x²)) + eps)
                instead of x / sqrt(mean(x²) + eps): a defect too small for the f32 policy
+  eps-x10      every RMSNorm of every layer (and the final norm) uses ten times the config's eps
+               (1e-5 where it says 1e-6, as a port with a hard-coded eps): a defect in every
+               layer, each too small for the f32 policy
+  declare@P    no defect, but the trace's provenance declares precision P: a name, or
+               PATTERN=NAME,... (an object from capture-point patterns to names)
   layer-bidir  layer 2, only in the `layer` verb: attention sees every key; the `trace` verb is
                correct, so the producer's two verbs disagree (the whole run is the contract's)
   f64-sumsq    not a defect: every RMSNorm sums its squares in f64 (then rounds the mean to f32),
@@ -96,6 +101,13 @@ def plant(defect: str) -> None:
             return orig(q, k, v, q_pos, k_pos, scale)
 
         ops.attention = attention  # qwen3 calls ops.attention through the module
+    elif defect == "eps-x10":
+        orig = ops.rmsnorm
+
+        def rmsnorm(x, w, eps):
+            return orig(x, w, np.float32(eps) * np.float32(10.0))
+
+        ops.rmsnorm = rmsnorm  # qwen3 calls ops.rmsnorm through the module
     elif defect in ("rms-eps", "f64-sumsq"):
         orig = ops.rmsnorm
 
@@ -163,6 +175,16 @@ def plant(defect: str) -> None:
                 self.rope = saved
 
         qwen3.Model.layer, qwen3.Model.run = layer, run
+    elif defect.startswith("declare@"):
+        from tracegate_contract import run as contract_run
+
+        orig_prov, said = contract_run.provenance, defect.partition("@")[2]
+        declared = dict(kv.split("=", 1) for kv in said.split(",")) if "=" in said else said
+
+        def provenance(*a, **k):
+            return {**orig_prov(*a, **k), "precision": declared}
+
+        contract_run.provenance = provenance  # run.py calls it through the module
     elif defect not in ("none", "no-layer"):
         raise SystemExit(f"unknown defect {defect!r}")
 
