@@ -322,8 +322,9 @@ def describe(found: list[Site], plants) -> dict:
     return out
 
 
-def capture(model, model_path, tokens, rc, det, plants=()):
-    """The simulated candidate's capture of `tokens` (capture_prompt under the hooks)."""
+def capture(model, model_path, tokens, rc, det, plants=(), forcing=None):
+    """The simulated candidate's capture of `tokens` (capture_prompt under the hooks; with
+    `forcing`, the greedy tokens of the forcing trace, so its decode steps stay comparable)."""
     gguf = gguf_source.locate(model_path)
     if gguf is None:
         raise OracleError(
@@ -331,7 +332,7 @@ def capture(model, model_path, tokens, rc, det, plants=()):
         )
     found = checked_sites(model, gguf)
     with planted(model, list(plants)), quantized_activations(model, found):
-        cap = cp.capture_prompt(model, model_path, tokens, rc, det)
+        cap = cp.capture_prompt(model, model_path, tokens, rc, det, forcing=forcing)
     prov = dict(cap.provenance)
     prov["producer"] = PRODUCER
     prov["activations"] = describe(found, list(plants))
@@ -578,9 +579,14 @@ def _trace(a) -> int:
     )
     tokens, prompt_text = cli._prompt(a)
     out = cli._check_out(a.out)
+    from .force import Forcing
+
+    # A greedy token that flips at a near-tie puts the later decode steps on another sequence;
+    # forced to the reference's tokens they stay comparable (docs/producers.md, forced decisions).
+    forcing = Forcing(a.force_decisions) if a.force_decisions is not None else None
     det = cp.setup_torch(rc)
     model = cp.load_model(a.model, rc)
-    cap = capture(model, a.model, tokens, rc, det, a.plant_down)
+    cap = capture(model, a.model, tokens, rc, det, a.plant_down, forcing)
     if prompt_text is not None:
         cap.provenance = cli._after(cap.provenance, "prompt_tokens", "prompt_text", prompt_text)
     print(f"{cp.write_trace(cap, out)} {out}")
@@ -594,15 +600,14 @@ def parser() -> argparse.ArgumentParser:
     t = g.trace
     t.add_argument("--threads", type=protocol.at_least(1), default=1)
     t.add_argument("--seed", type=int, default=0)
-    for p in (t,):
-        p.add_argument(
-            "--plant-down",
-            type=_plant,
-            action="append",
-            default=[],
-            metavar="L:S",
-            help="a planted defect: layer L's MLP down projection times S (repeatable)",
-        )
+    t.add_argument(
+        "--plant-down",
+        type=_plant,
+        action="append",
+        default=[],
+        metavar="L:S",
+        help="a planted defect: layer L's MLP down projection times S (repeatable)",
+    )
     return g.parser
 
 
@@ -634,9 +639,6 @@ def main(argv=None) -> int:
         a = parser().parse_args(args)
         if a.verb != "trace":
             print(f"{PROG}: error: only the trace verb is simulated", file=sys.stderr)
-            return 2
-        if a.force_decisions is not None:
-            print(f"{PROG} trace: error: --force-decisions is not supported here", file=sys.stderr)
             return 2
         return _trace(a)
     except OracleError as e:
