@@ -57,7 +57,8 @@ struct Cli {
     /// Tolerance policy for comparisons against the oracle; scans every tensor and names the
     /// first tensor outside it (bound, value vs limit, worst element), not the first bit
     /// difference. A bundled name, f32 (fixtures/policy/oracle-default.json), bf16 or f16 (the
-    /// candidate's dtype), or a file.
+    /// candidate's dtype), q8 (GGUF weights, activations quantized to 8 bits per matmul, as
+    /// llama.cpp's CPU path), or a file.
     #[arg(long, value_name = "NAME|FILE")]
     policy: Option<String>,
     /// Print the machine-readable report (docs/diff-report.schema.json); with --show, the

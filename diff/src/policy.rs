@@ -898,13 +898,14 @@ mod tests {
 /// The bundled policies, by the name `--policy` takes: compiled in, so every binary judges by
 /// the same bounds from any directory. Their files under fixtures/policy/ are the source, with
 /// the measurements behind each bound (fixtures/policy/MEASUREMENTS.md).
-pub const BUNDLED: [(&str, &str); 3] = [
+pub const BUNDLED: [(&str, &str); 4] = [
     (
         "f32",
         include_str!("../../fixtures/policy/oracle-default.json"),
     ),
     ("bf16", include_str!("../../fixtures/policy/bf16.json")),
     ("f16", include_str!("../../fixtures/policy/f16.json")),
+    ("q8", include_str!("../../fixtures/policy/q8.json")),
 ];
 
 impl Policy {
@@ -944,9 +945,10 @@ mod resolve_tests {
         assert_eq!(by_name.name, "oracle-default");
         assert_eq!(Policy::resolve("bf16", here).unwrap().name, "oracle-bf16");
         assert_eq!(Policy::resolve("f16", here).unwrap().name, "oracle-f16");
+        assert_eq!(Policy::resolve("q8", here).unwrap().name, "q8-activations");
         let e = Policy::resolve("fp8", here).unwrap_err();
         assert!(
-            e.contains("unknown policy name \"fp8\"") && e.contains("f32, bf16, f16"),
+            e.contains("unknown policy name \"fp8\"") && e.contains("f32, bf16, f16, q8"),
             "{e}"
         );
         // Anything with a dot or a slash is a path, even when it is missing.

@@ -853,7 +853,7 @@ fn policy_files_with_a_repeated_key_or_that_are_not_one_regular_file_are_refused
         )
     };
     let policies = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy");
-    for (i, name) in ["oracle-default.json", "bf16.json", "f16.json"]
+    for (i, name) in ["oracle-default.json", "bf16.json", "f16.json", "q8.json"]
         .iter()
         .enumerate()
     {

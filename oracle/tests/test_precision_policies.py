@@ -153,7 +153,7 @@ def test_every_bundled_policy_covers_every_capture_point(tmp_path):
         for f in FIXTURES
         for p in PROMPTS
     ]
-    for name in ("f32", "bf16", "f16"):
+    for name in ("f32", "bf16", "f16", "q8"):
         for t in traces:
             rc, rep, err = diff(t, t, name)
             assert rc == 0, (name, t.name, err)
