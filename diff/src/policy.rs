@@ -35,8 +35,9 @@ pub struct Policy {
     pub candidate_dtype: Option<String>,
 }
 
-/// The precisions a candidate computes in, finest first; each is a bundled policy's name.
-pub const PRECISIONS: [&str; 3] = ["f32", "f16", "bf16"];
+/// The precisions a candidate computes in, finest first; each is a bundled policy's name. q8:
+/// float weights and activations whose matmul inputs are rounded to 8 bits (docs/diff.md, q8).
+pub const PRECISIONS: [&str; 4] = ["f32", "f16", "bf16", "q8"];
 
 /// The precision a trace's producer computed in: the coarsest it declares (provenance
 /// `precision`, `declared_precision`), else its provenance `dtype` (`f32` or `float32`, `bf16`
@@ -244,10 +245,11 @@ impl Policy {
         if let Some(d) = p
             .candidate_dtype
             .as_deref()
-            .filter(|d| !matches!(*d, "f32" | "bf16" | "f16"))
+            .filter(|d| !PRECISIONS.contains(d))
         {
             return Err(format!(
-                "candidate_dtype is {d:?}, expected \"f32\", \"bf16\" or \"f16\""
+                "candidate_dtype is {d:?}, expected one of {}",
+                PRECISIONS.join(", ")
             ));
         }
         if let Some(n) = &p.near_tie {

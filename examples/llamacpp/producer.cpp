@@ -7,7 +7,7 @@
 //
 //   llamacpp-producer trace --model FILE.gguf|DIR --tokens IDS --out PATH
 //                     --capture default|internals [--generate N --cache on|off]
-//                     [--threads T] [--plant-mlp L] [--list-names]
+//                     [--threads T] [--plant-mlp L[:S]] [--list-names]
 //
 // `layer` and `--force-decisions` are refused (exit 2, one line): llama.cpp builds whole
 // forwards, not one layer on a given input.
@@ -55,6 +55,7 @@ struct Capture {
     bool internals = false;
     bool list_names = false;
     int plant_mlp = -1;                  // the layer whose ffn_out is perturbed in the graph
+    float plant_scale = 1.05f;           // and by what factor
     std::map<std::string, Tensor> seen;  // ggml name -> its last occurrence in the graph
 };
 
@@ -115,7 +116,7 @@ bool eval_cb(struct ggml_tensor *t, bool ask, void *user) {
     if (cap->plant_mlp >= 0 && name == "ffn_out-" + std::to_string(cap->plant_mlp)) {
         if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t))
             die("--plant-mlp: %s is not a contiguous f32 tensor", name.c_str());
-        for (float &x : out.data) x *= 1.05f;
+        for (float &x : out.data) x *= cap->plant_scale;
         ggml_backend_tensor_set(t, out.data.data(), 0, out.data.size() * 4);
     }
     cap->seen[name] = std::move(out);
@@ -126,6 +127,7 @@ struct Args {
     std::string verb, model, out, capture = "default", cache = "on";
     std::vector<llama_token> tokens;
     int generate = 0, threads = 2, plant_mlp = -1;
+    float plant_scale = 1.05f;
     bool list_names = false;
 };
 
@@ -155,7 +157,18 @@ Args parse(int argc, char **argv) {
         else if (f == "--cache") a.cache = v;
         else if (f == "--generate") a.generate = int(parse_int(v, "--generate", 0, 1 << 20));
         else if (f == "--threads") a.threads = int(parse_int(v, "--threads", 1, 1024));
-        else if (f == "--plant-mlp") a.plant_mlp = int(parse_int(v, "--plant-mlp", 0, 1 << 20));
+        else if (f == "--plant-mlp") {
+            // L, or L:S for a scale other than 1.05
+            size_t c = v.find(':');
+            a.plant_mlp = int(parse_int(v.substr(0, c), "--plant-mlp", 0, 1 << 20));
+            if (c != std::string::npos) {
+                std::string sc = v.substr(c + 1);
+                char *end = nullptr;
+                a.plant_scale = std::strtof(sc.c_str(), &end);
+                if (sc.empty() || *end != '\0' || !std::isfinite(a.plant_scale))
+                    die("--plant-mlp: scale '%s' is not a finite number (L or L:S)", sc.c_str());
+            }
+        }
         else if (f == "--tokens") {
             // The protocol's grammar: ASCII integers separated by single commas.
             size_t p = 0;
@@ -298,6 +311,7 @@ int main(int argc, char **argv) {
     cap.internals = a.capture == "internals";
     cap.list_names = a.list_names;
     cap.plant_mlp = a.plant_mlp;
+    cap.plant_scale = a.plant_scale;
 
     llama_context_params cp = llama_context_default_params();
     // One ubatch for the whole prompt, so each ggml name is one graph's, holding every row.
@@ -314,7 +328,16 @@ int main(int argc, char **argv) {
     llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) die("llama.cpp could not create a context for %s", file.c_str());
 
+    // What its matmuls compute in (docs/producers.md, "Provenance a producer must record"): the
+    // CPU path rounds a matmul's f32 input to the weight's vec_dot type, f16 or bf16 for such
+    // weights and 8 bits for every quantized type; only all-f32 weights keep f32.
+    const llama_ftype ftype = llama_model_ftype(model);
+    const char *precision = ftype == LLAMA_FTYPE_ALL_F32      ? "f32"
+                            : ftype == LLAMA_FTYPE_MOSTLY_F16  ? "f16"
+                            : ftype == LLAMA_FTYPE_MOSTLY_BF16 ? "bf16"
+                                                               : "q8";
     std::string prov = "{\"producer\": \"llamacpp-example\", \"dtype\": \"f32\", \"device\": \"cpu\"";
+    prov += ", \"precision\": " + json_str(precision);
     prov += ", \"verb\": \"trace\", \"weights_digest\": " + json_str(weights);
     prov += ", \"model_dir\": " + json_str(a.model) + ", \"capture\": " + json_str(a.capture);
     prov += ", \"prompt_tokens\": [";
@@ -324,7 +347,8 @@ int main(int argc, char **argv) {
     prov += ", \"llama_cpp\": {\"package\": \"llama-cpp-python==0.3.36\", \"system_info\": " +
             json_str(llama_print_system_info()) +
             ", \"type_k\": \"f32\", \"type_v\": \"f32\", \"flash_attn\": false}";
-    if (a.plant_mlp >= 0) prov += ", \"planted\": \"ffn_out-" + std::to_string(a.plant_mlp) + " x1.05\"";
+    if (a.plant_mlp >= 0)
+        prov += ", \"planted\": " + json_str("ffn_out-" + std::to_string(a.plant_mlp) + " x" + std::to_string(a.plant_scale));
     prov += "}";
     Writer w{tg_open(a.out.c_str(), prov.c_str())};
     if (!w.w) die("%s", tg_last_error());

@@ -172,7 +172,7 @@ struct BisectArgs {
     /// Judge by bits whatever the pair (a port meant to be bit-exact); not with --policy.
     #[arg(long, conflicts_with = "policy")]
     exact: bool,
-    /// The precision the candidate computes in (f32, f16, bf16), when neither its trace's
+    /// The precision the candidate computes in (f32, f16, bf16, q8), when neither its trace's
     /// declaration (provenance precision) nor its tensors' dtype says it: picks the bundled
     /// policy and the ULP the rounding response perturbs by (docs/bisect.md, "Judging").
     #[arg(long, value_parser = tracegate_diff::policy::PRECISIONS, conflicts_with = "exact")]

@@ -1780,7 +1780,7 @@ fn the_judge_reads_the_precision_a_candidate_declares_or_is_given() {
     assert!(
         code == 2
             && format!("{stdout}{stderr}")
-                .contains(r#"provenance precision is "f64": expected one of f32, f16, bf16"#),
+                .contains(r#"provenance precision is "f64": expected one of f32, f16, bf16, q8"#),
         "{code}\n{stdout}\n{stderr}"
     );
 }
