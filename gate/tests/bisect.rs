@@ -1323,12 +1323,14 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
     );
 }
 
-/// A 1% scale error in one layer's MLP of a bf16 candidate: inside bf16 rounding in the whole run
-/// (so the run is within the bf16 policy), but not in isolation, where the bf16 policy's `path:
-/// layer` rule bounds the scale error (fixtures/policy/MEASUREMENTS.md, "Scale error"). Bisect
-/// judges the bf16 candidate by the bf16 policy without being told and names the layer and stage.
+/// A 5% scale error in one layer's MLP of a bf16 candidate: outside the bf16 policy in the whole
+/// run (mlp_out's scale error, bound 0.032) and in isolation, where the `path: layer` rule bounds
+/// it by 0.02. Bisect judges the bf16 candidate by the bf16 policy without being told and names
+/// the layer and stage. A 1% error is inside bf16 rounding on trained weights (SmolLM2's clean
+/// layers run alone reach 0.0092, a 1% plant +0.0070 to +0.0170), so no bf16 bound is set to see
+/// it (fixtures/policy/MEASUREMENTS.md, "A trained model").
 #[test]
-fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
+fn a_five_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
     let root = repo();
     let cmd = |scale: &str| {
         format!(
@@ -1371,7 +1373,7 @@ fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
             "--candidate",
             "cmd",
             "--candidate-cmd",
-            &cmd("1.01"),
+            &cmd("1.05"),
             "--all-layers",
         ],
     );
@@ -1382,8 +1384,8 @@ fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
         o.stdout
     );
     assert_eq!(
-        r["whole_run"]["verdict"], "within_policy",
-        "the 1% hides in the whole run: {}",
+        r["whole_run"]["verdict"], "different",
+        "the 5% shows in the whole run: {}",
         o.stdout
     );
     assert_eq!(
@@ -1403,18 +1405,17 @@ fn a_one_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
         .find(|t| t["tensor"] == "layer.02.mlp_out")
         .unwrap();
     assert_eq!(mlp["status"], "outside_policy", "{mlp}");
-    // The bound it broke is named, in the JSON and the text: a 1% scale is within bf16's
-    // relative L2 and cosine, only the isolated scale-error bound (0.005) catches it.
+    // The bound it broke is named, in the JSON and the text: the isolated scale error (0.02).
     let broke: Vec<&str> = mlp["violations"]
         .as_array()
         .unwrap()
         .iter()
         .map(|v| v["bound"].as_str().unwrap())
         .collect();
-    assert_eq!(broke, ["max_scale_error"], "{mlp}");
-    // 1.01 rounded through bf16: above the 0.005 bound, near the planted 1%.
+    assert!(broke.contains(&"max_scale_error"), "{mlp}");
+    // 1.05 rounded through bf16: above the 0.02 bound, near the planted 5%.
     let scale = mlp["scale_error"].as_f64().unwrap();
-    assert!(scale > 0.005 && scale < 0.02, "{mlp}");
+    assert!(scale > 0.02 && scale < 0.08, "{mlp}");
     assert!(o.stdout.contains("broke max_scale_error"), "{}", o.stdout);
     for l in [0, 1, 3, 4] {
         assert_eq!(

@@ -112,11 +112,12 @@ def scaled_copy(src: Path, out: Path, scale: float) -> Path:
 @pytest.mark.parametrize(
     "scale, within",
     [
-        # Expected verdicts from the bounds in the files: max_rel_l2 f32 1e-4, f16 0.008, bf16 0.04.
+        # Expected verdicts from the logits bounds in the files: max_rel_l2 f32 1e-4, f16 0.008,
+        # bf16 0.12 (honest bf16 reaches 0.068 at SmolLM2's decode logits: MEASUREMENTS.md).
         (1 + 2e-5, {"f32": True, "f16": True, "bf16": True}),
         (1 + 2e-3, {"f32": False, "f16": True, "bf16": True}),
-        (1 + 1e-2, {"f32": False, "f16": False, "bf16": True}),
-        (1 + 6e-2, {"f32": False, "f16": False, "bf16": False}),
+        (1 + 6e-2, {"f32": False, "f16": False, "bf16": True}),
+        (1 + 0.15, {"f32": False, "f16": False, "bf16": False}),
     ],
 )
 def test_each_name_judges_by_its_own_file(tmp_path, scale, within):
@@ -262,8 +263,10 @@ def test_oracle_reduced_precision_passes_against_the_engine(tmp_path, oracle, dt
 @pytest.mark.parametrize(
     "dtype, scale",
     [
-        # The smallest planted scale each policy can tell from its dtype's own rounding on this
-        # fixture: bf16 rounding alone reaches 0.023 relative L2, a 1% error 0.012-0.021.
+        # The smallest planted scale each policy tells from its dtype's own rounding, by the
+        # whole run's mlp_out scale error (bf16 0.032, f16 0.0075): on SmolLM2 honest rounding
+        # reaches 0.0238 (bf16) and 0.0047 (f16), a 5% plant >= 0.041 and a 1% one >= 0.0093
+        # (MEASUREMENTS.md, "A trained model"); relative L2 must allow more than either plant.
         ("bf16", 1.05),
         ("f16", 1.01),
     ],
@@ -287,26 +290,46 @@ def test_planted_mlp_scale_fails_at_its_layer(tmp_path, oracle, dtype, scale):
     assert first_outside(rep) == f"layer.{layer:02d}.mlp_out", [
         (r["tensor"], r["status"]) for r in rep["per_tensor"]
     ][:14]
+    row = next(r for r in rep["per_tensor"] if r["tensor"] == f"layer.{layer:02d}.mlp_out")
+    assert [v["bound"] for v in row["violations"]] == ["max_scale_error"], row["violations"]
 
 
 @needs_binaries
+@pytest.mark.parametrize(
+    "dtype, scale, path_rule",
+    [
+        # bf16: a `path: layer` rule bounds the isolated scale error by 0.02, above SmolLM2's
+        # clean layers (<= 0.0092): a 5% plant (>= 0.043 there) is caught, a 1% one (+0.0070 to
+        # +0.0170 on SmolLM2, +0.0077 to +0.0131 here) is not (MEASUREMENTS.md, "A trained
+        # model"). f16 needs no path rule: its mlp_out scale error bound 0.0075 catches 1%.
+        ("bf16", 1.05, True),
+        ("f16", 1.01, False),
+    ],
+)
 @pytest.mark.parametrize("layer", [1, 3])
-def test_planted_1pct_mlp_scale_fails_bf16_when_the_layer_runs_alone(tmp_path, oracle, layer):
-    """A 1% scale error in one layer's MLP hides in bf16 rounding in the whole run (the test
-    above needs 5%), but not when that layer runs alone on the reference's input, as `gate bisect`
-    isolates it: there the bf16 policy's `path: layer` rule bounds the scale error
+def test_planted_mlp_scale_fails_when_the_layer_runs_alone(
+    tmp_path, oracle, dtype, scale, path_rule, layer
+):
+    """A scale error in one layer's MLP is seen when that layer runs alone on the reference's
+    input, as `gate bisect` isolates it, by the scale error of its mlp_out
     (fixtures/policy/MEASUREMENTS.md, "Scale error"). The clean layer passes the same rule."""
     import tracegate
     from tracegate_oracle import capture as cp
 
+    rules = json.loads((ROOT / f"fixtures/policy/{dtype}.json").read_text())["rules"]
+    want = next(
+        i
+        for i, r in enumerate(rules)
+        if r["pattern"] == "layer.*.mlp_out" and r.get("path") == ("layer" if path_rule else None)
+    )
     whole = engine_trace(tmp_path / "e.trace", "tiny-qwen3", "short", capture="default")
     ref, hidden, positions = engine_layer(tmp_path, whole, "tiny-qwen3", layer, "default")
     digest = tracegate.weights_digest(str(ROOT / "fixtures/tiny-qwen3"))
-    rc_ = cp.RunConfig(dtype="bf16", capture="default")
+    rc_ = cp.RunConfig(dtype=dtype, capture="default")
     det = cp.setup_torch(rc_)
     verdicts = {}
-    for scale in (1.0, 1.01):
-        model_dir = ROOT / "fixtures/tiny-qwen3" if scale == 1 else planted(tmp_path, layer, scale)
+    for s in (1.0, scale):
+        model_dir = ROOT / "fixtures/tiny-qwen3" if s == 1 else planted(tmp_path, layer, s)
         cap = cp.capture_layer(
             cp.load_model(str(model_dir), rc_),
             str(model_dir),
@@ -317,24 +340,17 @@ def test_planted_1pct_mlp_scale_fails_bf16_when_the_layer_runs_alone(tmp_path, o
             det,
         )
         cap.provenance.update(weights_digest=digest, planted=str(model_dir))
-        cand = tmp_path / f"o-{scale}.trace"
+        cand = tmp_path / f"o-{s}.trace"
         cp.write_trace(cap, cand)
-        rc, rep, err = diff(ref, cand, "bf16")
+        rc, rep, err = diff(ref, cand, dtype)
         assert rep is not None, err
         row = next(r for r in rep["per_tensor"] if r["tensor"] == f"layer.{layer:02d}.mlp_out")
-        verdicts[scale] = (
+        verdicts[s] = (
             rc,
             rep["verdict"],
             first_outside(rep),
-            [v["bound"] for v in row["violations"]],
-            row["rule"]["pattern"],
+            "max_scale_error" in [v["bound"] for v in row["violations"]],
         )
-        assert row["rule"]["index"] == 3, row["rule"]  # the path rule, not the general mlp_out rule
-    assert verdicts[1.0] == (0, "within_policy", None, [], "layer.*.mlp_out"), verdicts
-    assert verdicts[1.01] == (
-        1,
-        "different",
-        f"layer.{layer:02d}.mlp_out",
-        ["max_scale_error"],
-        "layer.*.mlp_out",
-    ), verdicts
+        assert row["rule"]["index"] == want, row["rule"]  # bf16: the path rule, not the general
+    assert verdicts[1.0] == (0, "within_policy", None, False), verdicts
+    assert verdicts[scale] == (1, "different", f"layer.{layer:02d}.mlp_out", True), verdicts

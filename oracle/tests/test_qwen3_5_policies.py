@@ -142,7 +142,9 @@ def test_honest_bf16_qwen3_5_is_within_bf16(tmp_path, oracle, fixture, prompt): 
     "plant, point, bound",
     [
         ("norm", "linear.norm_out", "max_scale_error"),
-        ("out_proj", "attn_out", "max_scale_error"),
+        # out_proj x1.05 no longer shows in the whole run: attn_out's scale error bound is 0.15
+        # since honest bf16 reaches 0.0925 there on SmolLM2 (MEASUREMENTS.md, "A trained
+        # model"); the layer alone still catches 2% (the test below)
         ("decay", "linear.g", "max_scale_error"),
     ],
 )
@@ -153,8 +155,8 @@ def test_planted_5pct_linear_layer_scale_fails_bf16_at_its_stage(
     point,
     bound,
 ):
-    """Negative control of the test above, same prompt: 5% on the gated norm's weight, on
-    out_proj or on the decay of linear layer 2 is outside at that layer's point."""
+    """Negative control of the test above, same prompt: 5% on the gated norm's weight or on
+    the decay of linear layer 2 is outside at that layer's point."""
     import tracegate
 
     ref = engine_trace(tmp_path / "e.trace", "tiny-qwen3_5", "mid")
@@ -173,10 +175,14 @@ def test_planted_5pct_linear_layer_scale_fails_bf16_at_its_stage(
 
 
 @needs_binaries
-def test_planted_2pct_gated_norm_scale_fails_bf16_when_the_layer_runs_alone(tmp_path):
-    """2% on the gated norm's weight hides in the whole run's bf16 rounding but not in layer 2
-    run alone from a zero state on the engine's input (gate bisect's isolation), where the
-    `path: layer` rule bounds linear.norm_out's scale error; the clean layer passes."""
+@pytest.mark.parametrize("plant, point", [("norm", "linear.norm_out"), ("out_proj", "attn_out")])
+def test_planted_2pct_linear_layer_scale_fails_bf16_when_the_layer_runs_alone(
+    tmp_path, plant, point
+):
+    """2% on the gated norm's weight or on out_proj hides in the whole run's bf16 rounding but
+    not in layer 2 run alone from a zero state on the engine's input (gate bisect's isolation),
+    where the `path: layer` rules bound linear.norm_out's and attn_out's scale error; the clean
+    layer passes."""
     import tracegate
     from tracegate_oracle import capture as cp
 
@@ -186,19 +192,19 @@ def test_planted_2pct_gated_norm_scale_fails_bf16_when_the_layer_runs_alone(tmp_
     path_rule = next(
         i
         for i, r in enumerate(rules)
-        if (r["pattern"], r.get("path")) == ("layer.*.linear.norm_out", "layer")
+        if (r["pattern"], r.get("path")) == (f"layer.*.{point}", "layer")
     )
     rc_ = cp.RunConfig(dtype="bf16", capture="internals")
     det = cp.setup_torch(rc_)
     got = {}
     for scale in (1.0, 1.02):
-        d = DENSE if scale == 1 else planted_copy(tmp_path, "norm", 2, scale)
+        d = DENSE if scale == 1 else planted_copy(tmp_path, plant, 2, scale)
         cap = cp.capture_layer(cp.load_model(str(d), rc_), str(d), 2, hidden, positions, rc_, det)
         cap.provenance.update(weights_digest=tracegate.weights_digest(str(DENSE)))
         cp.write_trace(cap, tmp_path / f"o-{scale}.trace")
         rc, rep, err = diff(ref, tmp_path / f"o-{scale}.trace", "bf16")
         assert rep is not None, err
-        row = next(r for r in rep["per_tensor"] if r["tensor"] == "layer.02.linear.norm_out")
+        row = next(r for r in rep["per_tensor"] if r["tensor"] == f"layer.02.{point}")
         assert row["rule"]["index"] == path_rule, row["rule"]  # not the whole run's rule
         got[scale] = (rc, first_outside(rep), [v["bound"] for v in row["violations"]])
-    assert got == {1.0: (0, None, []), 1.02: (1, "layer.02.linear.norm_out", ["max_scale_error"])}
+    assert got == {1.0: (0, None, []), 1.02: (1, f"layer.02.{point}", ["max_scale_error"])}

@@ -33,6 +33,7 @@ needs = pytest.mark.skipif(
 )
 needs_converted = pytest.mark.skipif(bool(why_converted), reason=str(why_converted))
 QUESTION = "What is the capital of France?"
+POEM = "Write a short poem about the sea."  # the decode measurement's prompt (MEASUREMENTS.md)
 
 
 def trace(who: str, model: Path, out: Path, prompt: list[str]) -> Path:
@@ -136,3 +137,74 @@ def test_a_gguf_port_gated_against_golden_traces(tmp_path):
     (tmp_path / "model.gguf").write_bytes(bytes(data))
     r = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 2 and "weights" in r.stderr, r.stdout[-800:] + r.stderr[-800:]
+
+
+def oracle_chat(model: Path, dtype: str, out: Path, digest: str | None = None) -> Path:
+    """The oracle's `trace --text POEM --chat --generate 24 --dtype DTYPE --capture internals`
+    in this process (no start-up cost), recorded as the clean weights when `digest` is given (a
+    planted copy)."""
+    from tracegate import text
+    from tracegate_oracle import capture as cp
+
+    tokens, _ = text.prompt(str(model), POEM, True)
+    rc = cp.RunConfig(dtype=dtype, generate=24, capture="internals")
+    det = cp.setup_torch(rc)
+    cap = cp.capture_prompt(cp.load_model(str(model), rc), str(model), tokens, rc, det)
+    if digest:
+        cap.provenance.update(weights_digest=digest, planted=str(model))
+    cp.write_trace(cap, out)
+    return out
+
+
+def rope_theta_copy(out: Path, factor: float) -> Path:
+    """CONVERTED with config.json's rope_theta times `factor` (the files linked, not copied)."""
+    import json
+
+    out.mkdir()
+    for f in CONVERTED.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((CONVERTED / "config.json").read_text())
+    cfg["rope_theta"] *= factor
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@needs_converted
+@pytest.mark.skipif(bool(why_diff), reason=str(why_diff))
+def test_honest_bf16_is_within_the_bf16_policy_and_a_wrong_rope_theta_is_not(tmp_path):
+    """Trained weights, a chat prompt plus 24 greedy tokens: transformers in bf16 against
+    transformers in f32 is within bf16.json (fixtures/policy/MEASUREMENTS.md, "A trained model":
+    worst decode logits 0.068 against 0.12). Negative control, the same bf16 run with rope_theta
+    10000 where SmolLM2's config says 100000 (Llama's default, what a port that hardcodes it
+    computes): outside from the first layer's q on (on the frozen prompts 0.28-0.74 relative L2
+    against 0.12; only the 5-token one hides it there)."""
+    import tracegate
+
+    f32 = oracle_chat(CONVERTED, "f32", tmp_path / "f32.trace")
+    verdicts = {}
+    for name, model in (
+        ("honest", CONVERTED),
+        ("rope", rope_theta_copy(tmp_path / "rope", 0.1)),
+    ):
+        digest = tracegate.weights_digest(str(CONVERTED)) if name != "honest" else None
+        cand = oracle_chat(model, "bf16", tmp_path / f"{name}.trace", digest)
+        r = subprocess.run(
+            [str(DIFF), str(f32), str(cand), "--policy", "bf16", "--json"]
+            + ["--allow-stack-mismatch"],  # one stack in two precisions: judged by bf16.json
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode in (0, 1), r.stderr
+        rep = diff_report(r.stdout)
+        outside = [
+            t["tensor"] for t in rep["per_tensor"] if t["status"] in ("outside_policy", "no_rule")
+        ]
+        verdicts[name] = (r.returncode, rep["verdict"], outside[:1])
+        if name == "honest":  # the run reaches what the bounds were widened for
+            assert len(rep["per_tensor"]) > 100 and rep["decisions"]["compared"] == 25
+            logits = [t["rel_l2"] for t in rep["per_tensor"] if t["tensor"].endswith("logits")]
+            assert max(logits) > 0.04, logits  # past the bound the fixtures had set
+    assert verdicts["honest"] == (0, "within_policy", []), verdicts
+    assert verdicts["rope"] == (1, "different", ["layer.00.q"]), verdicts

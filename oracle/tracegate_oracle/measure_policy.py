@@ -38,6 +38,14 @@ Three measurements, the basis of the bundled policies (fixtures/policy/MEASUREME
       python -m tracegate_oracle.measure_policy --planted 1,1.01,1.02,1.05 --plant norm \
           --dtypes bf16 fixtures/tiny-qwen3_5
 
+  Two plants are no weight scale: `--plant rope` multiplies config.json's rope_theta by s (every
+  layer at once; `--layers` are then the layers run alone), `--plant eps` puts a share s of eps
+  outside the square root in one layer's RMSNorms (s = 1: x / (sqrt(mean(x^2)) + eps); s = 0 is
+  the clean run).
+
+      python -m tracegate_oracle.measure_policy --planted 1,0.1 --plant rope --layers 1,9,29 MODEL
+      python -m tracegate_oracle.measure_policy --planted 0,1 --plant eps --layers 1,9,29 MODEL
+
 Quantities as trace-diff computes them, mixed precision included: the finer side rounded to the
 coarser dtype (round to nearest even) for the ULP distance, counted in the coarser dtype's
 steps; max |a-b|, max element-wise |a-b|/|b| (b = reference), relative L2 ||a-b||/||b|| and cosine
@@ -194,13 +202,17 @@ def oracle_runs(
     tokens: dict[str, list[int]],
     isolate_on: dict[str, Run] | None = None,
     layers: list[int] | None = None,
+    patch=None,
 ):
     """The oracle's whole run of each prompt; with `isolate_on` (a reference run per prompt) also
     each of `layers` (default: every layer) run alone (the `layer` verb) on the reference's
-    `layer.NN.hidden_in`, as {prompt: {name: (array, dtype, positions)}}."""
+    `layer.NN.hidden_in`, as {prompt: {name: (array, dtype, positions)}}. `patch(model)`, if
+    given, changes the loaded model first (a planted defect that is no weight)."""
     rc = cp.RunConfig(device=device, dtype=dtype, capture="internals")
     det = cp.setup_torch(rc)
     model = cp.load_model(model_dir, rc)
+    if patch is not None:
+        patch(model)
     runs = {
         pid: plain(cp.capture_prompt(model, model_dir, t, rc, det)) for pid, t in tokens.items()
     }
@@ -451,6 +463,7 @@ def aggregate(per_tensor: list, kept: bool = False) -> dict[str, dict]:
                 "max_rel": 0.0,
                 "rel_l2": 0.0,
                 "cosine": 1.0,
+                "scale_error": 0.0,
                 "where": "",
             },
         )
@@ -463,6 +476,7 @@ def aggregate(per_tensor: list, kept: bool = False) -> dict[str, dict]:
         if s["rel_l2"] >= a["rel_l2"]:
             a["rel_l2"], a["where"] = s["rel_l2"], f"{name} ({prompt})"
         a["cosine"] = min(a["cosine"], s["cosine"])
+        a["scale_error"] = max(a["scale_error"], abs(s["scale_error"]))
     return agg
 
 
@@ -590,9 +604,9 @@ def precision(
     return out
 
 
-# What `--plant` scales in one layer of a copy of the checkpoint: the weight (its name after
-# `layers.N.`), how the scale enters it, the capture points whose rows the table shows (the first
-# is where the defect shows first), and which layers have the weight.
+# What `--plant` changes in a copy of the checkpoint: the weight (its name after `layers.N.`) or
+# the kind of change, how the scale enters it, the capture points whose rows the table shows (the
+# first is where the defect shows first), and which layers have the weight.
 PLANTS = {
     "mlp": ("mlp.down_proj.weight", "times", ("mlp_out",), "every"),
     # exp(A_log + ln s) = s exp(A_log): the decay g = -exp(A_log) softplus(a + dt_bias) times s
@@ -611,7 +625,21 @@ PLANTS = {
         "linear_attention",
     ),
     "out_proj": ("linear_attn.out_proj.weight", "times", ("attn_out",), "linear_attention"),
+    # config.json's rope_theta times s (SmolLM2: 100000 x 0.1 = 10000, a port that hardcodes
+    # Llama's default): every layer at once, so its rows are "all" layers, and the layers run
+    # alone are `--layers` (default every layer)
+    "rope": ("rope_theta", "config", ("q", "k", "attn_out"), "every"),
+    # every plain RMSNorm of the layer (input, post-attention, q/k norms) with a share s of eps
+    # outside the square root, x / (sqrt(mean(x^2) + (1-s) eps) + s eps): s = 1 is
+    # x / (sqrt(mean(x^2)) + eps), the defect of gate/tests/producers/defective_contract.py
+    # --defect rms-eps; s = 0 the model itself (a patched forward: no weight changes)
+    "eps": ("RMSNorm", "eps", ("attn_out", "mlp_out"), "every"),
 }
+
+
+def identity(plant: str) -> float:
+    """The `--planted` value that leaves the model as it is (the clean run)."""
+    return 0.0 if PLANTS[plant][1] == "eps" else 1.0
 
 
 def plant_layers(model_dir: str, plant: str) -> list[int]:
@@ -626,14 +654,25 @@ def plant_layers(model_dir: str, plant: str) -> list[int]:
     return layers
 
 
-def plant_into(model_dir: str, out: Path, plant: str, layer: int, scale: float) -> None:
-    """A copy of `model_dir` at `out` with `plant`'s weight in `layer` scaled by `scale`; the
-    weight must be f32, so the scale is exact before the run rounds."""
+def plant_into(model_dir: str, out: Path, plant: str, layer: int | None, scale: float) -> None:
+    """A copy of `model_dir` at `out` with `plant`'s weight in `layer` scaled by `scale` (the
+    weight must be f32, so the scale is exact before the run rounds), or its config's value
+    (`rope`: every layer) scaled."""
+    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(model_dir, out)
+    if PLANTS[plant][1] == "config":
+        key = PLANTS[plant][0]
+        cfg = checkpoint.read_config(out)
+        text = cfg.get("text_config", cfg)
+        if key not in text:
+            raise ValueError(f"--plant {plant}: no {key} in {model_dir}/config.json")
+        text[key] = float(text[key]) * scale
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        return
     w = load_file(out / "model.safetensors")
     suffix, how = f".layers.{layer}.{PLANTS[plant][0]}", PLANTS[plant][1]
     k = next((k for k in w if k.endswith(suffix) and not k.startswith("mtp.")), None)
@@ -644,6 +683,41 @@ def plant_into(model_dir: str, out: Path, plant: str, layer: int, scale: float) 
     x = w[k].double()
     w[k] = (x + np.log(scale) if how == "log" else x * scale).float()
     save_file(w, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def eps_outside(layer: int, share: float):
+    """A patch for `oracle_runs`: every plain RMSNorm of decoder layer `layer` computes
+    w * x / (sqrt(mean(x^2) + (1-share) eps) + share eps), in f32 as transformers' does."""
+    import types
+
+    import torch
+
+    def forward(self, h):
+        dt = h.dtype
+        h = h.to(torch.float32)
+        ms = h.pow(2).mean(-1, keepdim=True)
+        eps = self.variance_epsilon
+        h = h / (torch.sqrt(ms + (1 - share) * eps) + share * eps)
+        return self.weight * h.to(dt)
+
+    def patch(model):
+        blocks = model.get_decoder().layers
+        norms = [
+            m
+            for m in blocks[layer].modules()
+            if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")
+        ]
+        others = [
+            m
+            for m in blocks[layer].modules()
+            if "RMSNorm" in type(m).__name__ and not hasattr(m, "variance_epsilon")
+        ]
+        if not norms or others:  # another formula (Qwen3.5's 1 + w, a gated norm): not written
+            raise ValueError(f"--plant eps: layer {layer}'s norms are not all w * x / rms(x)")
+        for m in norms:
+            m.forward = types.MethodType(forward, m)
+
+    return patch
 
 
 def planted(
@@ -680,13 +754,22 @@ def planted(
             policy = checkpoint.read_json_file(policy_file(dt))
             for scale in scales:
                 # The clean run reads the checkpoint itself (a bf16 one cannot be rewritten here)
-                # and has no planted layer: every layer holding the weight.
-                for layer in [None] if scale == 1 else layers:
-                    d = Path(model_dir) if scale == 1 else Path(tmp) / f"{dt}-{scale}-{layer}"
-                    if scale != 1:
+                # and has no planted layer: every layer holding the weight. So has a config plant
+                # (rope), which changes every layer.
+                clean = scale == identity(plant)
+                every = clean or PLANTS[plant][1] == "config"
+                for layer in [None] if every else layers:
+                    patch = None
+                    if clean or PLANTS[plant][1] == "eps":
+                        d = Path(model_dir)  # eps: the norms are patched after the load
+                        patch = None if clean else eps_outside(layer, scale)
+                    else:
+                        d = Path(tmp) / f"{dt}-{scale}-{layer}"
                         plant_into(model_dir, d, plant, layer, scale)
                     at = layers if layer is None else [layer]
-                    runs, iso = oracle_runs(str(d), dt, device, tokens, isolate_on=eng, layers=at)
+                    runs, iso = oracle_runs(
+                        str(d), dt, device, tokens, isolate_on=eng, layers=at, patch=patch
+                    )
                     row = {"dtype": dt, "scale": scale, "layer": layer, "points": points}
                     row.update(first_outside=set(), iso_first_outside=set(), whole={}, isolated={})
                     row["norm_ratio"] = []
@@ -721,8 +804,9 @@ def planted(
                             row[f"{pre}{p}"] = {
                                 q: [x[q] for x in st] for q in ("rel_l2", "scale_error")
                             }
+                    row["clean"] = clean
                     out.append(row)
-                    if scale != 1:
+                    if d != Path(model_dir):
                         shutil.rmtree(d)
     return out
 
@@ -741,8 +825,12 @@ def first_outside(policy: dict, ref: Run, cand: dict, path: str) -> str | None:
 
 
 def print_planted(d: str, plant: str, rows: list[dict]) -> None:
-    weight, _, points, _ = PLANTS[plant]
-    print(f"\n### {d}: a scale planted in one layer's `{weight}`\n")
+    weight, how, points, _ = PLANTS[plant]
+    what = {
+        "config": f"`{weight}` times s in config.json (every layer)",
+        "eps": "eps outside the square root in one layer's RMSNorms (a share s of it)",
+    }.get(how, f"a scale planted in one layer's `{weight}`")
+    print(f"\n### {d}: {what}\n")
     print(
         "Whole run, then the layer alone on the engine's input to it (isolated). Ranges are min to max over prompts "
         "(and, for scale 1, over layers).\n"
@@ -757,7 +845,8 @@ def print_planted(d: str, plant: str, rows: list[dict]) -> None:
     rng = lambda xs, f: f"{min(xs):{f}} to {max(xs):{f}}"  # noqa: E731
     listed = lambda xs: ", ".join(sorted("none" if x is None else f"`{x}`" for x in xs))  # noqa: E731
     for r in rows:
-        cells = [r["dtype"], f"{r['scale']:g}", "-" if r["layer"] is None else str(r["layer"])]
+        at = "-" if r["clean"] else "all" if r["layer"] is None else str(r["layer"])
+        cells = [r["dtype"], f"{r['scale']:g}", at]
         cells += [rng(r[first]["rel_l2"], ".4f"), rng([x - 1 for x in r["norm_ratio"]], "+.4f")]
         cells.append(rng(r[first]["scale_error"], "+.4f"))
         cells += [
@@ -832,12 +921,13 @@ def print_precision(d: str, m: dict) -> None:
         print(
             "| pattern | tensors | max ULP | max abs | max rel (elementwise) | "
             + " | ".join(f"max rel L2 vs {r}" for r in refs)
-            + " | max rel L2, no near-tie rows | min cosine | min cosine, no near-tie rows | worst rel L2 (no near-tie rows) at |"
+            + " | max rel L2, no near-tie rows | min cosine | min cosine, no near-tie rows |"
+            " max \\|scale error\\|, no near-tie rows | worst rel L2 (no near-tie rows) at |"
         )
         print(
             "| --- | ---: | ---: | ---: | ---: | "
             + " | ".join("---:" for _ in refs)
-            + " | ---: | ---: | ---: | --- |"
+            + " | ---: | ---: | ---: | ---: | --- |"
         )
         for p in whole[refs[0]]:
             w, k = [whole[r][p] for r in refs], [kept[r][p] for r in refs]
@@ -847,7 +937,8 @@ def print_precision(d: str, m: dict) -> None:
                 f"{_g(max(x['max_rel'] for x in w))} | "
                 + " | ".join(_g(x["rel_l2"]) for x in w)
                 + f" | {_g(worst['rel_l2'])} | {_g(1 - min(x['cosine'] for x in w))} below 1 | "
-                f"{_g(1 - min(x['cosine'] for x in k))} below 1 | {worst['where']} |"
+                f"{_g(1 - min(x['cosine'] for x in k))} below 1 | "
+                f"{_g(max(x['scale_error'] for x in k))} | {worst['where']} |"
             )
         for r in refs:
             x = res[(dt, r)]
@@ -940,7 +1031,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--planted",
         metavar="SCALES",
-        help="scale errors to plant in each layer, e.g. 1,1.01,1.05 (f32 checkpoints)",
+        help="scale errors to plant in each layer, e.g. 1,1.01,1.05 (f32 checkpoints); for"
+        " --plant eps the share of eps outside the root, e.g. 0,1",
     )
     ap.add_argument(
         "--layers",
@@ -953,7 +1045,8 @@ def main(argv=None) -> int:
         default="mlp",
         help="--planted's weight: the MLP down projection (mlp, every layer) or, in each"
         " linear-attention layer, the decay (A_log + ln s), beta's projection, the gated norm"
-        " weight or out_proj",
+        " weight or out_proj; or rope (config.json's rope_theta times s, every layer at once)"
+        " or eps (a share s of eps outside the square root in one layer's RMSNorms; 0 is clean)",
     )
     a = ap.parse_args(argv)
     for d in a.models:

@@ -5,9 +5,10 @@ The checkpoint on disk is untouched, so the weights digest is the clean one, as 
 
   planted_oracle.py --scale-mlp L:S {verb|serve} {args}
 
-`gate bisect`'s negative control for a scale error too small for the bf16 policy in the whole
-run (fixtures/policy/MEASUREMENTS.md, "Scale error"): with `--dtype bf16` in the template the
-weight is scaled in bf16 (each product rounded), a scale of S up to that rounding.
+`gate bisect`'s negative control for a scale error found in isolation by the bf16 policy's
+`path: layer` rule (fixtures/policy/MEASUREMENTS.md, "Scale error", "A trained model"): with
+`--dtype bf16` in the template the weight is scaled in bf16 (each product rounded), a scale of S
+up to that rounding.
 """
 
 import sys
