@@ -208,3 +208,40 @@ def test_honest_bf16_is_within_the_bf16_policy_and_a_wrong_rope_theta_is_not(tmp
             assert max(logits) > 0.04, logits  # past the bound the fixtures had set
     assert verdicts["honest"] == (0, "within_policy", []), verdicts
     assert verdicts["rope"] == (1, "different", ["layer.00.q"]), verdicts
+
+
+@needs
+@needs_converted
+def test_honest_f32_attention_on_random_ids_is_within_the_f32_policy(tmp_path):
+    """Trained weights make large attention logits: on the 5-token frozen prompt `short` (random
+    ids), honest f32 moves a near-one probability by 3.8e-5 (layer.10.attn_probs), which the f32
+    policy's former max abs 1e-5 failed (fixtures/policy/MEASUREMENTS.md, "A trained model").
+    The engine against the oracle, capture internals, prefill: within the f32 policy. Negative
+    control, the engine on the rope_theta x0.1 copy: outside from layer.00.q."""
+    import json
+
+    frozen = json.loads((ROOT / "fixtures" / "prompts" / "frozen.json").read_text())
+    ids = next(p["tokens"] for p in frozen["prompts"] if p["id"] == "short")
+    run = ["--tokens", ",".join(map(str, ids)), "--capture", "internals"]
+
+    def traced(cmd: list[str], model: Path, out: Path) -> Path:
+        r = subprocess.run(
+            [*cmd, "trace", "--model", str(model), *run, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-1500:]
+        return out
+
+    o = traced([sys.executable, "-m", "tracegate_oracle"], CONVERTED, tmp_path / "o.trace")
+    e = traced([str(ENGINE)], CONVERTED, tmp_path / "e.trace")
+    code, report = judge(o, e)
+    probs = [t for t in report["per_tensor"] if t["tensor"].endswith("attn_probs")]
+    assert len(probs) == 30 and max(t["max_abs"] for t in probs) > 1e-5  # past the old bound
+    assert code == 0 and report["verdict"] == "within_policy", report["first_violation"]
+    rope = rope_theta_copy(tmp_path / "rope", 0.1)
+    bad = traced([str(ENGINE)], rope, tmp_path / "rope.trace")
+    # The weights digest covers the weights files only, which the copy links: still comparable.
+    code, report = judge(o, bad)
+    assert code == 1 and report["first_violation"]["tensor"] == "layer.00.q", report["verdict"]
