@@ -73,22 +73,30 @@ impl Judge {
 /// else the coarsest float dtype of its tensors: bf16 if any tensor is bf16 (8 significand
 /// bits), else f16 if any is f16, else f32. A declaration that names no precision is refused.
 pub fn precision(t: &Trace) -> Result<(&'static str, &'static str)> {
-    if let Some(p) = tracegate_diff::policy::declared_precision(t.provenance())
-        .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))?
-    {
-        return Ok((p, "declared"));
-    }
     let has = |d: DType| t.tensors().iter().any(|i| i.dtype == d);
-    Ok((
-        if has(DType::BF16) {
-            "bf16"
-        } else if has(DType::F16) {
-            "f16"
-        } else {
-            "f32"
-        },
-        "its tensors' dtype",
-    ))
+    let stored = if has(DType::BF16) {
+        "bf16"
+    } else if has(DType::F16) {
+        "f16"
+    } else {
+        "f32"
+    };
+    let declared = tracegate_diff::policy::declared_precision(t.provenance())
+        .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))?;
+    Ok(match declared {
+        // A declaration coarser than what the tensors hold loosens the judge: said every time.
+        Some(p) if p != stored => (p, coarser_than(stored)),
+        Some(p) => (p, "declared"),
+        None => (stored, "its tensors' dtype"),
+    })
+}
+
+fn coarser_than(stored: &str) -> &'static str {
+    match stored {
+        "bf16" => "declared; its tensors are bf16",
+        "f16" => "declared; its tensors are f16",
+        _ => "declared; its tensors are f32",
+    }
 }
 
 /// The judge and its policy. `ordered`: whether each side (reference, candidate) is one of the

@@ -1731,7 +1731,8 @@ fn the_judge_reads_the_precision_a_candidate_declares_or_is_given() {
         o.stdout
     );
     assert!(
-        o.stdout.contains("candidate's precision: f16 (declared)"),
+        o.stdout
+            .contains("candidate's precision: f16 (declared; its tensors are f32)"),
         "{}",
         o.stdout
     );

@@ -172,44 +172,83 @@ pub(crate) fn rounding_response(
         Err(why) => rr.not_checked = Some(why),
         Ok(measured) => {
             for ((row, (_, suffixes)), cal) in isolated.iter().zip(&which).zip(measured) {
-                let tensors: Vec<ResponseTensor> = suffixes
+                let isolated: Vec<(String, Option<f64>)> = suffixes
                     .iter()
-                    .zip(cal)
-                    .map(|(s, c)| {
-                        let name = names::layer(row.layer, s);
+                    .map(|t| {
+                        let name = names::layer(row.layer, t);
                         let iso = row
                             .isolated
                             .iter()
                             .find(|x| x.tensor == name)
                             .and_then(|x| x.rel_l2);
-                        let ratio = match (iso, c.rel_l2) {
-                            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-                            _ => None,
-                        };
-                        ResponseTensor {
-                            tensor: name,
-                            isolated_rel_l2: iso,
-                            response_rel_l2: c.rel_l2,
-                            ratio,
-                        }
+                        (name, iso)
                     })
                     .collect();
-                let ratio = tensors
-                    .iter()
-                    .filter_map(|t| t.ratio)
-                    .max_by(f64::total_cmp);
-                if rr.first_far_above.is_none() && ratio.is_some_and(|x| x > rr.factor) {
-                    (rr.first_far_above, rr.ratio) = (Some(row.layer), ratio);
-                }
-                rr.rows.push(ResponseRow {
-                    layer: row.layer,
-                    tensors,
-                    ratio,
-                });
+                rr.rows.push(response_row(row.layer, isolated, &cal));
             }
+            (rr.first_far_above, rr.ratio) = first_far_above(&rr.rows, rr.factor);
         }
     }
     Some(rr)
+}
+
+/// A layer's row: each block output's isolated rel L2 (`isolated`, by tensor name) over the
+/// reference's response (`response`, in the same order).
+pub(crate) fn response_row(
+    layer: usize,
+    isolated: Vec<(String, Option<f64>)>,
+    response: &[CalibrationRow],
+) -> ResponseRow {
+    let tensors: Vec<ResponseTensor> = isolated
+        .into_iter()
+        .zip(response)
+        .map(|((tensor, iso), c)| {
+            let (ratio, undefined) = match (iso, c.rel_l2) {
+                (Some(a), Some(b)) if b > 0.0 => (Some(a / b), None),
+                // Rounding moves nothing there, the candidate does: no ratio bounds it, so it
+                // counts as far above (never as within).
+                (Some(a), Some(_)) if a > 0.0 => (None, Some(Undefined::ZeroResponse)),
+                (Some(_), Some(_)) => (None, Some(Undefined::BothZero)),
+                _ => (None, Some(Undefined::NotMeasured)),
+            };
+            ResponseTensor {
+                tensor,
+                isolated_rel_l2: iso,
+                response_rel_l2: c.rel_l2,
+                ratio,
+                undefined,
+            }
+        })
+        .collect();
+    let ratio = tensors
+        .iter()
+        .filter_map(|t| t.ratio)
+        .max_by(f64::total_cmp);
+    ResponseRow {
+        layer,
+        tensors,
+        ratio,
+    }
+}
+
+/// The first layer far above rounding, and its ratio: above `factor`, or unbounded (a zero
+/// response where the candidate differs; its ratio null).
+pub(crate) fn first_far_above(rows: &[ResponseRow], factor: f64) -> (Option<usize>, Option<f64>) {
+    rows.iter()
+        .find_map(|r| {
+            let unbounded = r
+                .tensors
+                .iter()
+                .any(|t| t.undefined == Some(Undefined::ZeroResponse));
+            if unbounded {
+                Some((Some(r.layer), None))
+            } else if r.ratio.is_some_and(|x| x > factor) {
+                Some((Some(r.layer), r.ratio))
+            } else {
+                None
+            }
+        })
+        .unwrap_or((None, None))
 }
 
 /// Outliers within the policy: the matching isolated layers' errors against their peers'; each
@@ -251,4 +290,85 @@ pub(crate) fn amplification(layers: &[LayerRow]) -> Option<f64> {
         .filter(|&e| e > 0.0)
         .collect();
     (errs.len() >= 2).then(|| (errs[errs.len() - 1] / errs[0]).powf(1.0 / (errs.len() - 1) as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cal(rel: Option<f64>) -> CalibrationRow {
+        CalibrationRow {
+            layer: 0,
+            rel_l2: rel,
+            max_ulp: 0,
+            differing_elements: 0,
+            total_elements: 1,
+        }
+    }
+
+    fn row(
+        layer: usize,
+        attn: (Option<f64>, Option<f64>),
+        mlp: (Option<f64>, Option<f64>),
+    ) -> ResponseRow {
+        response_row(
+            layer,
+            vec![("attn_out".into(), attn.0), ("mlp_out".into(), mlp.0)],
+            &[cal(attn.1), cal(mlp.1)],
+        )
+    }
+
+    #[test]
+    fn a_layer_is_far_above_by_its_largest_block_ratio_or_by_a_response_that_never_moved() {
+        // The larger block output decides: mlp_out 30x, attn_out 1x.
+        let rows = [row(0, (Some(1e-7), Some(1e-7)), (Some(3e-6), Some(1e-7)))];
+        assert_eq!(
+            first_far_above(&rows, 20.0),
+            (Some(0), Some(30.000000000000004))
+        );
+        // At rounding level everywhere: none.
+        let clean = [
+            row(0, (Some(1e-7), Some(1e-7)), (Some(1.5e-7), Some(1e-7))),
+            row(1, (Some(0.0), Some(1e-7)), (Some(0.0), Some(1e-7))),
+        ];
+        assert_eq!(first_far_above(&clean, 20.0), (None, None));
+        // A reference layer that does not move with its input while the candidate differs is
+        // never "within": it is the first far above, with no ratio to show.
+        let frozen = [
+            row(0, (Some(1e-7), Some(1e-7)), (Some(1e-7), Some(1e-7))),
+            row(1, (Some(1e-7), Some(0.0)), (Some(1e-7), Some(1e-7))),
+        ];
+        assert_eq!(first_far_above(&frozen, 20.0), (Some(1), None));
+        assert_eq!(
+            frozen[1].tensors[0].undefined,
+            Some(Undefined::ZeroResponse)
+        );
+        // Both bit for bit: no ratio and nothing above; a missing measure is said.
+        let quiet = [row(0, (Some(0.0), Some(0.0)), (None, Some(1e-7)))];
+        assert_eq!(first_far_above(&quiet, 20.0), (None, None));
+        assert_eq!(
+            quiet[0]
+                .tensors
+                .iter()
+                .map(|t| t.undefined)
+                .collect::<Vec<_>>(),
+            [Some(Undefined::BothZero), Some(Undefined::NotMeasured)]
+        );
+        let rr = RoundingResponse {
+            precision: "f32",
+            perturbation: String::new(),
+            factor: 20.0,
+            rows: quiet.to_vec(),
+            first_far_above: None,
+            ratio: None,
+            not_checked: None,
+        };
+        let words = response_words(&rr, BisectVerdict::Accumulates, None).unwrap();
+        assert!(
+            words.ends_with(
+                "; rounding response NOT CHECKED at layer 00: a block output was not measured"
+            ),
+            "{words}"
+        );
+    }
 }

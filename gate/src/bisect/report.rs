@@ -389,7 +389,8 @@ pub struct RoundingResponse {
     /// RESPONSE_FACTOR: a layer whose ratio is above it is far above rounding.
     pub factor: f64,
     pub rows: Vec<ResponseRow>,
-    /// The first layer whose ratio is above the factor, and that ratio.
+    /// The first layer whose ratio is above the factor (or whose reference did not move while
+    /// the candidate differs: then `ratio` is null), and that ratio.
     pub first_far_above: Option<usize>,
     pub ratio: Option<f64>,
     pub not_checked: Option<String>,
@@ -412,8 +413,22 @@ pub struct ResponseTensor {
     pub isolated_rel_l2: Option<f64>,
     /// rel L2: the reference's layer alone on that input moved one ULP.
     pub response_rel_l2: Option<f64>,
-    /// isolated / response; null where the response is zero or either is missing.
+    /// isolated / response; null where `undefined` says why.
     pub ratio: Option<f64>,
+    pub undefined: Option<Undefined>,
+}
+
+string_enum! {
+    /// Why a block output has no rounding-response ratio.
+    pub enum Undefined {
+        /// The reference's layer did not move with its input while the candidate's differs:
+        /// no ratio bounds it, so the layer counts as far above.
+        ZeroResponse = "zero_response",
+        /// Neither moved: the candidate's layer is the reference's bit for bit there.
+        BothZero = "both_zero",
+        /// A rel L2 could not be measured (the tensor missing from the isolated run).
+        NotMeasured = "not_measured",
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -424,7 +424,28 @@ pub(crate) fn response_words(
     first_wrong: Option<usize>,
 ) -> Option<String> {
     let unit = format!("one {} ULP at its input", rr.precision);
+    let unmeasured: Vec<usize> = rr
+        .rows
+        .iter()
+        .filter(|r| {
+            r.tensors
+                .iter()
+                .any(|t| t.undefined == Some(Undefined::NotMeasured))
+        })
+        .map(|r| r.layer)
+        .collect();
+    let unmeasured = if unmeasured.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; rounding response NOT CHECKED at {}: a block output was not measured",
+            say(&unmeasured, "", "").trim_end()
+        )
+    };
     match (rr.first_far_above, rr.ratio) {
+        (Some(l), None) => Some(format!(
+            "by rounding response it starts at layer {l:02}: the reference's layer does not move with {unit} where the candidate's differs (no ratio bounds it){unmeasured}"
+        )),
         (Some(l), Some(x)) => {
             let worst = rr
                 .rows
@@ -465,7 +486,7 @@ pub(crate) fn response_words(
                 .map(|(l, x)| format!(" (largest {} at layer {l:02})", ratio(Some(x))))
                 .unwrap_or_default();
             Some(format!(
-                "rounding response: every isolated layer within {}× what {unit} produces{largest}",
+                "rounding response: every isolated layer within {}× what {unit} produces{largest}{unmeasured}",
                 rr.factor
             ))
         }
