@@ -4,7 +4,7 @@ into the venv, and run on SmolLM2-135M-Instruct (scripts/real_model.py) with a c
 
 What is held, and why it is not a tolerance chosen to pass:
 - On an F32 GGUF of the model (the shipped Q4_1 file's values, written as F32 by
-  examples/llamacpp/requant.py) llama.cpp multiplies f32 activations by f32 weights, so it must be
+  `python -m tracegate_oracle.quantized_activations requantize`) llama.cpp multiplies f32 activations by f32 weights, so it must be
   within the f32 policy of the engine, every capture point and decision: this is what shows the
   ggml-name mapping (q/k un-permuted, attn_probs cut to the prompt's keys, rows, positions) right.
 - A defect planted in llama.cpp's forward (`--plant-mlp 7`: layer 7's ffn_out times 1.05, written
@@ -60,9 +60,10 @@ def producer(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def f32_gguf(tmp_path_factory):
     # 540 MB, written in about 4 s; removed when the module's tests are done.
-    requant = _load("requant", ROOT / "examples" / "llamacpp" / "requant.py")
+    from tracegate_oracle.quantized_activations import requantize
+
     path = tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf"
-    requant.requant(str(GGUF), str(path), "f32")
+    requantize(str(GGUF), str(path), "F32")
     yield path
     path.unlink()
 

@@ -34,15 +34,15 @@ the oracle. Commands:
     python -m tracegate_oracle.quantized_activations measure --model M.gguf --frozen
     python -m tracegate_oracle.quantized_activations measure --model M.gguf \\
         --text "Write a short poem about the sea." --chat --tokenizer DIR --generate 24
-    python -m tracegate_oracle.quantized_activations requantize IN.gguf OUT.gguf --type Q8_0
+    python -m tracegate_oracle.quantized_activations requantize IN.gguf OUT.gguf --type Q8_0|F16|F32
 
 `measure` runs the oracle (f32) and the simulated candidate on one loaded model, and the engine
 (`--engine`, `none` to skip), prefill or decode, capture internals, and prints the worst relative
 L2, cosine and max abs per capture-point pattern against each reference, the decisions that flip,
 and the verdict of fixtures/policy/q8.json; `--plant-down L:S` (repeatable) adds candidates
 whose layer L MLP down projection is scaled by S. `requantize` writes a copy of a GGUF file whose
-quantized 2-D weights are re-quantized to another type (gguf.quants, ggml's reference), metadata
-and other tensors unchanged: a Q8_0 model from a Q4_1 one.
+tensors other than F32 are written again in another type (F32, F16, Q8_0, ...: gguf.quants,
+ggml's reference), metadata unchanged: a Q8_0, F16 or F32 model from a Q4_1 one.
 """
 
 from __future__ import annotations
@@ -535,12 +535,19 @@ def measure(a) -> None:
 
 
 def requantize(src: str, dst: str, qtype: str) -> None:
-    """`dst`: `src` with every quantized 2-D weight re-quantized from its dequantized values to
-    `qtype` (gguf.quants: ggml's reference quantizer); F32 tensors and metadata copied."""
+    """`dst`: `src` with every tensor that is not F32 dequantized and written again as `qtype`
+    (F32, F16, or a type gguf.quants quantizes, e.g. Q8_0: ggml's reference quantizer); F32
+    tensors (the norms) and every metadata field copied, `general.file_type` set to what the
+    file now mostly holds. From a Q4_1 file the values are the Q4_1 ones re-rounded: every
+    producer then runs the new file, so what is compared is the same weights."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    target = gguf.GGMLQuantizationType[qtype]
+    try:
+        target = gguf.GGMLQuantizationType[qtype.upper()]
+    except KeyError:
+        raise OracleError(f"--type {qtype}: not a GGML type (F32, F16, Q8_0, ...)") from None
+    file_type = {"F32": "ALL_F32"}.get(target.name, f"MOSTLY_{target.name}")
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(dst, arch)
@@ -548,19 +555,24 @@ def requantize(src: str, dst: str, qtype: str) -> None:
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
             continue
         vt = f.types[0]
-        if f.name == "general.file_type":  # what the file now mostly holds
-            w.add_key_value(f.name, int(gguf.LlamaFileType[f"MOSTLY_{qtype}"]), vt)
+        if f.name == "general.file_type":
+            w.add_key_value(f.name, int(gguf.LlamaFileType[file_type]), vt)
             continue
         sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
     for t in r.tensors:
         kind = t.tensor_type
-        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        if kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(t.name, np.asarray(t.data))
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         x = dequantize(t.data, kind).reshape(shape).astype(np.float32)
-        w.add_tensor(t.name, quantize(x, target), raw_dtype=target)
+        if target == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(t.name, x)
+        elif target == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(t.name, x.astype(np.float16))
+        else:
+            w.add_tensor(t.name, quantize(x, target), raw_dtype=target)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -633,7 +645,10 @@ def main(argv=None) -> int:
             m.add_argument("dst")
             m.add_argument("--type", default="Q8_0")
             a = m.parse_args(args[1:])
-            requantize(a.src, a.dst, a.type)
+            try:
+                requantize(a.src, a.dst, a.type)
+            except (OSError, ValueError) as e:
+                raise OracleError(f"requantize {a.src} -> {a.dst}: {e}") from None
             print(a.dst)
             return 0
         a = parser().parse_args(args)
