@@ -152,6 +152,13 @@ impl<'a> Excusal<'a> {
     /// Judges row `j` (capture index `at`) again without the rows of tokens after a near-tie.
     fn settle(&mut self, rep: &mut Report, j: usize, at: usize) {
         let Some(policy) = self.policy else { return };
+        let step = tracegate_trace::names::Name::parse(&rep.per_tensor[j].tensor).decode_step;
+        if let (Some(s), Some((from, _))) = (step, &self.decode_from) {
+            if s as u64 >= *from {
+                self.after_whole(rep, j);
+                return;
+            }
+        }
         let excused: BTreeSet<i64> = self
             .tokens
             .iter()
@@ -294,5 +301,37 @@ impl<'a> Excusal<'a> {
             tensor: name,
             rows: left_out,
         });
+    }
+
+    /// Row `j` belongs to a decode step after a near-tie chose another token: every row of it
+    /// runs on another sequence and leaves the judgement (`after_near_tie`), counted. A
+    /// non-finite difference stays judged, as in `settle`; a bit-identical tensor stays identical
+    /// and one without a rule stays a finding.
+    fn after_whole(&mut self, rep: &mut Report, j: usize) {
+        let row = &mut rep.per_tensor[j];
+        if !matches!(
+            row.status,
+            RowStatus::WithinPolicy | RowStatus::OutsidePolicy | RowStatus::Rerouted
+        ) || row.nan_mismatch + row.nan_payload + row.infinity > 0
+        {
+            return;
+        }
+        let Some(ri) = self.r.tensor_info(&row.tensor) else {
+            return;
+        };
+        let rows = ri
+            .attributes
+            .positions
+            .as_ref()
+            .map_or(1, |p| p.len() as u64);
+        row.status = RowStatus::AfterNearTie;
+        row.violations = Box::default();
+        row.worst_element = None;
+        let name = row.tensor.clone();
+        rep.findings.retain(|f| {
+            !(matches!(f.kind, FindingKind::OutsidePolicy | FindingKind::Rerouted)
+                && f.tensor() == Some(name.as_str()))
+        });
+        self.summary.tensors.push(RowsAfter { tensor: name, rows });
     }
 }

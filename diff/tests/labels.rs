@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use tracegate_diff::{compare_files, render_human, NearTie, Options, Policy, Report, Verdict};
+use tracegate_trace::Attributes;
 
 fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
     let (_dir, rp, cp) = pair(r, c);
@@ -1174,4 +1175,131 @@ fn a_weights_digest_of_another_form_points_to_the_function() {
         "{}",
         rep.findings[0].detail
     );
+}
+
+/// `model_ext` with the reference's last logits row a near-tie (14 over 5 by 1e-6) and two decode
+/// steps' hidden states (`decode.0000.layer.00.hidden_out` at position 4, `decode.0001…` at 5).
+fn with_decode_steps() -> Spec {
+    let mut r = model_ext();
+    let top = get_f32(&r, "logits", 3 * 16 + 14);
+    r.set_f32("logits", 3 * 16 + 5, top - 1e-6);
+    r.decide();
+    for (s, seed) in [(0u64, 95u32), (1, 96)] {
+        let mut t = t_f32(
+            &format!("decode.{s:04}.layer.00.hidden_out"),
+            &[1, 8],
+            &values(8, seed),
+        );
+        t.attrs = Attributes::default()
+            .with_path("decode")
+            .with_mask("causal")
+            .with_positions(vec![4 + s as i64]);
+        r.tensors.push(t);
+    }
+    r
+}
+
+/// The candidate of `with_decode_steps`: its last logits row moved by ~2e-6 so its own scores
+/// pick 5, and its decode steps (another token, another sequence) far from the reference's.
+fn flipped_at_the_last_row(r: &Spec) -> Spec {
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let top = get_f32(r, "logits", 3 * 16 + 14);
+    c.set_f32("logits", 3 * 16 + 14, top - 2e-6);
+    c.decide();
+    c.decision_mut("decode.0001.argmax").values[0] = 4;
+    for s in 0..2 {
+        push_token(
+            &mut c,
+            &format!("decode.{s:04}.layer.00.hidden_out"),
+            0,
+            1.0,
+        );
+    }
+    c
+}
+
+#[test]
+fn decode_steps_after_a_near_tie_token_leave_the_judgement_whole_and_counted() {
+    let r = with_decode_steps();
+    let c = flipped_at_the_last_row(&r);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
+    let steps = [
+        "decode.0000.layer.00.hidden_out",
+        "decode.0001.layer.00.hidden_out",
+    ];
+    for t in steps {
+        assert_eq!(status(&rep, t), "after_near_tie", "{t}");
+    }
+    let n = rep.decisions.near_ties.as_ref().unwrap();
+    let left: Vec<(&str, u64)> = n
+        .tensors
+        .iter()
+        .map(|t| (t.tensor.as_str(), t.rows))
+        .collect();
+    assert_eq!(left, steps.map(|t| (t, 1)));
+    let first = render_human(&rep).lines().next().unwrap().to_string();
+    assert!(first.contains("2 after a near-tie not judged"), "{first}");
+    assert_eq!(
+        report_json(&rep)["per_tensor"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["status"] == "after_near_tie")
+            .count(),
+        2
+    );
+}
+
+#[test]
+fn attack_decode_steps_after_a_near_tie_hide_no_nan_and_no_step_without_one() {
+    let r = with_decode_steps();
+    // A NaN in a decode step after the near-tie stays judged.
+    let mut c = flipped_at_the_last_row(&r);
+    c.set_f32("decode.0001.layer.00.hidden_out", 3, f32::NAN);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(
+        status(&rep, "decode.0001.layer.00.hidden_out"),
+        "outside_policy"
+    );
+    assert_eq!(
+        status(&rep, "decode.0000.layer.00.hidden_out"),
+        "after_near_tie"
+    );
+    // The same decode difference with no flip before it is judged, and fails.
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    push_token(&mut c, "decode.0001.layer.00.hidden_out", 0, 1.0);
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(
+        status(&rep, "decode.0001.layer.00.hidden_out"),
+        "outside_policy"
+    );
+    // A flip that is no near-tie (the candidate's last row picks 5 by 0.5 over a reference
+    // margin of 1e-6 moved by 0.5: a defect) excuses no decode step.
+    let mut c = flipped_at_the_last_row(&r);
+    c.raise("logits", 3, 5, 0.5);
+    c.decide();
+    c.decision_mut("decode.0001.argmax").values[0] = 4;
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_ne!(flip(&rep, "logits.argmax", 3).0, "near-tie");
+    for s in 0..2 {
+        assert_eq!(
+            status(&rep, &format!("decode.{s:04}.layer.00.hidden_out")),
+            "outside_policy"
+        );
+    }
+    // Without a policy there are no near-ties: by bits every step differs.
+    let c = flipped_at_the_last_row(&r);
+    let rep = diff(&r, &c, None);
+    assert_eq!(rep.verdict, Verdict::Different);
+    for s in 0..2 {
+        let st = status(&rep, &format!("decode.{s:04}.layer.00.hidden_out"));
+        assert!(st == "different" || st == "differs_by_digest", "{st}");
+    }
 }

@@ -13,8 +13,8 @@ What is held, and why it is not a tolerance chosen to pass:
   declares so (provenance precision q8): its prefill must be within the q8 policy of the engine
   (measured on a simulation of that rounding, fixtures/policy/MEASUREMENTS.md, not on llama.cpp),
   and a 10% scale planted in layer 7's ffn_out (a 5% one is inside 8-bit rounding there) is named
-  first at layer.07.mlp_out. With decode steps only the structure is held: the first generated
-  token flips at a near-tie, and the steps after it run on another token.
+  first at layer.07.mlp_out. With decode steps the first generated token flips at a near-tie:
+  the steps after it run on another token and are left out of the judgement, counted.
 
 Skipped, with the reason, without llama.cpp, the model or the binaries; under CI=true a skip fails
 (the root conftest.py): CI must have them.
@@ -127,13 +127,15 @@ def test_shipped_q4_1_is_within_the_q8_policy_and_has_the_engines_structure(prod
     t = report["tensors"]
     assert t["reference_count"] == t["candidate_count"] == 610
     assert t["missing"] == t["extra"] == []
-    # The steps after the flipped token outside the policy, and the flips, yes; nothing else (no
-    # shape, dtype, order, attribute, margin-presence or precision finding).
-    other = [
-        f for f in report["findings"] if f["kind"] not in ("outside_policy", "decision_differs")
-    ]
-    assert not other, other[:5]
-    assert report["decisions"]["compared"] == 5
+    # The first generated token flips at a near-tie (row 36), so every decode step runs on
+    # another sequence and is left out, counted (docs/diff.md, "Near-ties under a policy"); the
+    # prefill is judged, and within.
+    assert code == 0 and report["verdict"] == "within_policy", report["first_violation"]
+    assert report["findings"] == [], report["findings"][:5]
+    after = [r["tensor"] for r in report["per_tensor"] if r["status"] == "after_near_tie"]
+    assert after and all(n.startswith("decode.") for n in after)
+    judged = [r for r in report["per_tensor"] if r["status"] != "after_near_tie"]
+    assert len(judged) == 243 and report["decisions"]["compared"] == 5
 
 
 def test_what_it_does_not_answer_is_refused_in_one_line(producer):

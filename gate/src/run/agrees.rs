@@ -196,7 +196,10 @@ pub(super) fn compare_agrees(
             _ => "DIFFERENT",
         },
         policy.name,
-        rep.per_tensor.len(),
+        rep.per_tensor
+            .iter()
+            .filter(|r| r.status != RowStatus::AfterNearTie)
+            .count(),
         rep.decisions.differing,
         rep.decisions.compared,
         summary.smallest_margin.map(|v| format!("{v:.3e}")).unwrap_or("n/a".into()),

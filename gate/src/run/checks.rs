@@ -68,7 +68,8 @@ pub(super) fn policy_kind(status: RowStatus) -> Option<FindingKind> {
         | RowStatus::WithinPolicy
         | RowStatus::DiffersByDigest
         | RowStatus::Unknown
-        | RowStatus::Rerouted => None,
+        | RowStatus::Rerouted
+        | RowStatus::AfterNearTie => None,
     }
 }
 
