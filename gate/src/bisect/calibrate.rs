@@ -294,3 +294,67 @@ pub(crate) fn responses(
     }
     Ok(rows)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One ULP of `unit` at `x`'s magnitude, away from or toward zero, as that format spaces it.
+    fn neighbours(x: f32, unit: Unit) -> (f32, f32) {
+        let bits = match unit {
+            Unit::F32 => 24,
+            Unit::BF16 => 8,
+            Unit::F16 => 11,
+        };
+        let e = x.abs().log2().floor() as i32;
+        let up = 2f32.powi(e - bits + 1);
+        // Just below a power of two the spacing halves.
+        let below = if x.abs() == 2f32.powi(e) {
+            up / 2.0
+        } else {
+            up
+        };
+        (x.abs() + up, x.abs() - below)
+    }
+
+    #[test]
+    fn each_unit_moves_an_element_one_ulp_of_its_own_format() {
+        let xs = [1.0f32, -1.0, 1.5, -0.75, 3.0, 1024.0, 0.0078125];
+        for unit in [Unit::F32, Unit::BF16, Unit::F16] {
+            let y = perturb_in(&xs, 7, unit);
+            for (&x, &v) in xs.iter().zip(&y) {
+                let (up, down) = neighbours(x, unit);
+                assert!(
+                    v.abs() == up || v.abs() == down,
+                    "{unit:?}: {x} -> {v}, expected ±{up} or ±{down}"
+                );
+                assert_eq!(
+                    v.is_sign_negative(),
+                    x.is_sign_negative(),
+                    "{unit:?}: {x} -> {v}"
+                );
+                if unit == Unit::BF16 {
+                    assert_eq!(
+                        v.to_bits() & 0xffff,
+                        0,
+                        "{x} -> {v} is not on the bf16 grid"
+                    );
+                }
+            }
+            // Both directions occur (the seeded stream), and non-finite values stay.
+            assert!(xs.iter().zip(&y).any(|(x, v)| v.abs() > x.abs()));
+            assert!(xs.iter().zip(&y).any(|(x, v)| v.abs() < x.abs()));
+            let odd = perturb_in(&[f32::NAN, f32::INFINITY, f32::NEG_INFINITY], 1, unit);
+            assert!(odd[0].is_nan() && odd[1] == f32::INFINITY && odd[2] == f32::NEG_INFINITY);
+        }
+        // The f32 unit is the calibration's one-ULP move: a neighbour in the bit pattern.
+        let y = perturb_in(&xs, 1, Unit::F32);
+        for (x, v) in xs.iter().zip(&y) {
+            assert_eq!(
+                (x.to_bits() as i64 - v.to_bits() as i64).abs(),
+                1,
+                "{x} -> {v}"
+            );
+        }
+    }
+}
