@@ -48,7 +48,7 @@ tracegate_diff::string_enum! {
 #[derive(Clone, Debug, Serialize)]
 pub struct Judge {
     pub by: By,
-    /// The policy as given or chosen: a bundled name (f32, bf16, f16) or a file; null by bits.
+    /// The policy as given or chosen: a bundled name (f32, bf16, f16, q8) or a file; null by bits.
     pub policy: Option<String>,
     /// The policy file's own name (e.g. oracle-default); null by bits.
     pub policy_name: Option<String>,

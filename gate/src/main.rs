@@ -120,9 +120,10 @@ struct InitArgs {
     /// its digest is an observation).
     #[arg(long)]
     deterministic: bool,
-    /// Judge by this policy: a bundled name (f32, bf16, f16) or a file relative to the project
-    /// root. Default: the bundled policy for the coarser of the candidate's precision and the
-    /// golden traces'.
+    /// Judge by this policy: a bundled name (f32, bf16, f16, q8) or a file relative to the
+    /// project root. Default: the bundled policy for the coarser of the candidate's precision
+    /// (what its trace declares, provenance precision, else its tensors' dtype) and the golden
+    /// traces'.
     #[arg(long)]
     policy: Option<String>,
     /// The milestone's id.
@@ -164,7 +165,7 @@ struct BisectArgs {
     /// Candidate command template, e.g. 'my-engine {verb} {args}'.
     #[arg(long)]
     candidate_cmd: Option<String>,
-    /// Judge by this policy: a bundled name (f32, bf16, f16) or a file (relative to the current
+    /// Judge by this policy: a bundled name (f32, bf16, f16, q8) or a file (relative to the current
     /// directory). Default: by bits when both sides are ordered producers (engine, contract),
     /// else by the bundled policy for the candidate's precision (docs/bisect.md, "Judging").
     #[arg(long)]

@@ -27,7 +27,7 @@ pub struct Milestone {
     pub prompts: PromptRecord,
     /// Greedy tokens generated per prompt unless `--generate` says otherwise.
     pub generate: usize,
-    /// The policy that judges engine ≈ oracle: a bundled name (f32, bf16, f16) or a path
+    /// The policy that judges engine ≈ oracle: a bundled name (f32, bf16, f16, q8) or a path
     /// relative to the project root.
     pub policy: String,
     /// The checkpoints the claim is about, each with its own expectations; a run checks every

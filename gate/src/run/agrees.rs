@@ -165,9 +165,11 @@ pub(super) fn compare_agrees(
             }
         }
     }
+    // Over the tensors judged: one after a near-tie ran on another sequence.
     let worst = |f: fn(&tracegate_diff::TensorRow) -> Option<f64>| {
         rep.per_tensor
             .iter()
+            .filter(|r| r.status != RowStatus::AfterNearTie)
             .filter_map(|r| f(r).map(|v| (v, r.tensor.clone())))
             .fold(None, |acc: Option<(f64, String)>, x| match acc {
                 Some(a) if a.0 >= x.0 => Some(a),
