@@ -762,3 +762,43 @@ fn a_cached_token_no_score_explains_fails_generation() {
     let gen = failing_check(d, "generation");
     assert_fails_at(&gen, "decode.0002.argmax", Some("decision_differs"));
 }
+
+#[test]
+fn a_declared_precision_is_read_when_the_policy_is_chosen_and_never_loosens_a_recorded_one() {
+    let dir = project(&[]);
+    let d = dir.path();
+    assert_eq!(milestones(d)["milestones"][0]["policy"], "f32");
+    // The same port declaring bf16 (its values unchanged): the policy recorded at init still
+    // judges, so a declaration cannot loosen the claim behind the user's back.
+    set_candidate(d, &adversary("--declare bf16"));
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains(", policy f32"), "{}", out.stdout);
+    // Asked to choose again (policy auto) and blessed, the policy is the declared precision's,
+    // and the bless says what changed.
+    let path = d.join("milestones.json");
+    let mut ms = milestones(d);
+    ms["milestones"][0]["policy"] = "auto".into();
+    std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
+    let out = gate(d, &["run", "port", "--bless"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("port: policy auto -> bf16"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(milestones(d)["milestones"][0]["policy"], "bf16");
+    // A declaration that names no precision is refused, naming it.
+    set_candidate(d, &adversary("--declare fp8"));
+    let mut ms = milestones(d);
+    ms["milestones"][0]["policy"] = "auto".into();
+    std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr
+            .contains(r#"provenance precision is "fp8": expected one of f32, f16, bf16, q8"#),
+        "{}",
+        out.stderr
+    );
+}

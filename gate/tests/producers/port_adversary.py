@@ -9,6 +9,7 @@ with tracegate.TraceWriter, to try to make a port milestone's rules pass a real 
   --bits TENSOR=HEX  the first element of the f32 TENSOR given these bits (0x7fc00000: a NaN)
   --flip DECISION    the first value of DECISION changed (v -> v ^ 1), its margin and every
                      tensor as computed: a choice no score explains
+  --declare P        provenance precision P: the port declares it computes in P (no value changed)
 
 The `layer` verb is the base's, unchanged. Not for real use.
 """
@@ -24,8 +25,8 @@ import tracegate
 
 def main() -> int:
     argv = sys.argv[1:]
-    exe, when, drop, bits, flip = None, "both", [], [], []
-    flags = ("--exe", "--when", "--drop", "--bits", "--flip")
+    exe, when, drop, bits, flip, declare = None, "both", [], [], [], None
+    flags = ("--exe", "--when", "--drop", "--bits", "--flip", "--declare")
     while argv and argv[0] in flags:
         flag, value, argv = argv[0], argv[1], argv[2:]
         if flag == "--exe":
@@ -36,6 +37,8 @@ def main() -> int:
             drop.append(value)
         elif flag == "--flip":
             flip.append(value)
+        elif flag == "--declare":
+            declare = value
         else:
             bits.append(value)
     if exe is None or not argv:
@@ -60,7 +63,10 @@ def main() -> int:
             if name not in t.decisions:
                 print(f"port_adversary: no decision {name} to flip", file=sys.stderr)
                 return 3
-        with tracegate.TraceWriter(out, t.provenance) as w:
+        provenance = dict(t.provenance)
+        if declare is not None:
+            provenance["precision"] = declare
+        with tracegate.TraceWriter(out, provenance) as w:
             for name in t.names:
                 if name in drop:
                     continue
