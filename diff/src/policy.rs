@@ -85,9 +85,14 @@ pub fn declared_precision(provenance: &serde_json::Value) -> Result<Option<&'sta
         }
         v => vec![one(v, "")?],
     };
-    Ok(named
+    Ok(coarsest(named))
+}
+
+/// The coarsest of some precisions (`PRECISIONS` order; a name outside it counts as finest).
+pub fn coarsest<'a>(precisions: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    precisions
         .into_iter()
-        .max_by_key(|p| PRECISIONS.iter().position(|q| q == p)))
+        .max_by_key(|p| PRECISIONS.iter().position(|q| q == p))
 }
 
 /// The near-tie calibration: a flip whose reference margin is at most `margin_factor` times

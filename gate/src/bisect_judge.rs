@@ -72,7 +72,7 @@ impl Judge {
 /// candidate declares (provenance `precision`, the coarsest it names; docs/trace-format.md),
 /// else the coarsest float dtype of its tensors: bf16 if any tensor is bf16 (8 significand
 /// bits), else f16 if any is f16, else f32. A declaration that names no precision is refused.
-pub fn precision(t: &Trace) -> Result<(&'static str, &'static str)> {
+pub fn precision(t: &Trace) -> Result<(&'static str, String)> {
     let has = |d: DType| t.tensors().iter().any(|i| i.dtype == d);
     let stored = if has(DType::BF16) {
         "bf16"
@@ -84,19 +84,12 @@ pub fn precision(t: &Trace) -> Result<(&'static str, &'static str)> {
     let declared = tracegate_diff::policy::declared_precision(t.provenance())
         .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))?;
     Ok(match declared {
-        // A declaration coarser than what the tensors hold loosens the judge: said every time.
-        Some(p) if p != stored => (p, coarser_than(stored)),
-        Some(p) => (p, "declared"),
-        None => (stored, "its tensors' dtype"),
+        // A declaration other than what the tensors hold (a coarser one loosens the judge):
+        // said every time.
+        Some(p) if p != stored => (p, format!("declared; its tensors are {stored}")),
+        Some(p) => (p, "declared".into()),
+        None => (stored, "its tensors' dtype".into()),
     })
-}
-
-fn coarser_than(stored: &str) -> &'static str {
-    match stored {
-        "bf16" => "declared; its tensors are bf16",
-        "f16" => "declared; its tensors are f16",
-        _ => "declared; its tensors are f32",
-    }
 }
 
 /// The judge and its policy. `ordered`: whether each side (reference, candidate) is one of the
@@ -110,7 +103,7 @@ pub fn choose(
     root: &std::path::Path,
 ) -> Result<(Judge, Option<Policy>)> {
     let (precision, from) = match given {
-        Some(p) => (p, "--precision"),
+        Some(p) => (p, "--precision".to_string()),
         None => precision(candidate)?,
     };
     let by_policy = |arg: &str, reason: String| -> Result<(Judge, Option<Policy>)> {

@@ -243,7 +243,9 @@ def oracle_runs(
     return runs, iso
 
 
-def engine_runs(model_dir: str, engine: str, tokens: dict[str, list[int]]) -> dict[str, Run]:
+def engine_runs(
+    model_dir: str, engine: str, tokens: dict[str, list[int]], generate: int = 0
+) -> dict[str, Run]:
     out = {}
     with tempfile.TemporaryDirectory() as d:
         for pid, t in tokens.items():
@@ -262,6 +264,8 @@ def engine_runs(model_dir: str, engine: str, tokens: dict[str, list[int]]) -> di
                     "internals",
                     "--threads",
                     "1",
+                    "--generate",
+                    str(generate),
                 ],
                 check=True,
                 stdout=subprocess.DEVNULL,

@@ -50,9 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -354,19 +352,10 @@ def _plant(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not LAYER:SCALE, e.g. 9:1.05") from None
 
 
-def _engine_run(engine: str, model: str, tokens: list[int], generate: int, tmp: str):
-    from . import measure_policy as mp
-
-    out = f"{tmp}/engine.trace"
-    cmd = [engine, "trace", "--model", model, "--tokens", ",".join(map(str, tokens))]
-    cmd += ["--capture", "internals", "--generate", str(generate), "--out", out]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return mp.from_trace(out)
-
-
 def _step(name: str) -> int | None:
-    m = re.match(r"decode\.(\d+)\.", name)
-    return None if m is None else int(m.group(1))
+    from tracegate.names import parse
+
+    return parse(name).decode_step
 
 
 def decode_divergence(ref, cand) -> tuple[int, float] | None:
@@ -410,15 +399,14 @@ def measure(a) -> None:
     engine = None if a.engine == "none" else a.engine
     if engine:
         runs["engine f32"] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for pid, t in tokens.items():
-            runs["oracle f32"][pid] = mp.from_plain(
-                mp.plain(cp.capture_prompt(model, a.model, t, rc, det))
-            )
-            for c, plants in cands.items():
-                runs[c][pid] = mp.from_plain(mp.plain(capture(model, a.model, t, rc, det, plants)))
-            if engine:
-                runs["engine f32"][pid] = _engine_run(engine, a.model, t, a.generate, tmp)
+    for pid, t in tokens.items():
+        runs["oracle f32"][pid] = mp.from_plain(
+            mp.plain(cp.capture_prompt(model, a.model, t, rc, det))
+        )
+        for c, plants in cands.items():
+            runs[c][pid] = mp.from_plain(mp.plain(capture(model, a.model, t, rc, det, plants)))
+    if engine:
+        runs["engine f32"] = mp.engine_runs(a.model, engine, tokens, a.generate)
     f32_policy = checkpoint.read_json_file(mp.POLICIES / "oracle-default.json")
     q8_path = mp.POLICIES / "q8.json"
     policy = checkpoint.read_json_file(q8_path) if q8_path.exists() else None

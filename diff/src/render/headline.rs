@@ -80,13 +80,13 @@ pub(super) fn summary(rep: &Report) -> String {
         ),
         Verdict::WithinPolicy => {
             let count = |s: RowStatus| rep.per_tensor.iter().filter(|r| r.status == s).count();
-            let (within, after) = (count(RowStatus::WithinPolicy), count(RowStatus::AfterNearTie));
-            let after = if after > 0 { format!(", {after} after a near-tie not judged") } else { String::new() };
+            let (within, left_out) = (count(RowStatus::WithinPolicy), count(RowStatus::AfterNearTie));
+            let after = if left_out > 0 { format!(", {left_out} after a near-tie not judged") } else { String::new() };
             format!(
                 "WITHIN POLICY — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds{after}), {}",
                 rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
                 rep.policy.as_ref().map(precision_clause).unwrap_or_default(),
-                common - within - count(RowStatus::AfterNearTie),
+                common - within - left_out,
                 decisions_clause(rep)
             )
         }

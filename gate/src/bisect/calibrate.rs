@@ -29,8 +29,8 @@ pub(crate) enum Unit {
 }
 
 impl Unit {
-    /// The unit of a precision the judge uses (bisect_judge::PRECISIONS); None for one without
-    /// a ULP of its own size here.
+    /// The unit of a precision the judge uses (tracegate_diff::policy::PRECISIONS); None for
+    /// one without a ULP of its own size here (q8).
     pub(crate) fn of(precision: &str) -> Option<Unit> {
         match precision {
             "f32" => Some(Unit::F32),
@@ -153,7 +153,7 @@ pub(crate) fn calibrate(
                 return cal;
             }
         }
-        (input, input_name) = (out, names::layer(layer, "hidden_out"));
+        (input, input_name) = (out, hidden);
     }
     cal
 }
@@ -194,7 +194,6 @@ fn write_perturbed(
 }
 
 /// The reference's layer verb on `layer` with `input` (a trace holding `input_name`): its trace.
-#[allow(clippy::too_many_arguments)]
 fn run_reference_layer(
     o: &BisectOptions,
     producer: &Producer,

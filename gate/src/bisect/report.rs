@@ -399,8 +399,8 @@ pub struct RoundingResponse {
 #[derive(Clone, Debug, Serialize)]
 pub struct ResponseRow {
     pub layer: usize,
-    /// The block outputs read (RESPONSE_MEASURE): attn_out, and mlp_out where the layer has no
-    /// router.
+    /// The block outputs read: attn_out, and mlp_out where the layer has no router (as the
+    /// outlier check reads them).
     pub tensors: Vec<ResponseTensor>,
     /// The largest of the tensors' ratios; null where none is defined.
     pub ratio: Option<f64>,

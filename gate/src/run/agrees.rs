@@ -165,11 +165,15 @@ pub(super) fn compare_agrees(
             }
         }
     }
-    // Over the tensors judged: one after a near-tie ran on another sequence.
+    // The tensors judged: one after a near-tie ran on another sequence.
+    let judged: Vec<&tracegate_diff::TensorRow> = rep
+        .per_tensor
+        .iter()
+        .filter(|r| r.status != RowStatus::AfterNearTie)
+        .collect();
     let worst = |f: fn(&tracegate_diff::TensorRow) -> Option<f64>| {
-        rep.per_tensor
+        judged
             .iter()
-            .filter(|r| r.status != RowStatus::AfterNearTie)
             .filter_map(|r| f(r).map(|v| (v, r.tensor.clone())))
             .fold(None, |acc: Option<(f64, String)>, x| match acc {
                 Some(a) if a.0 >= x.0 => Some(a),
@@ -198,10 +202,7 @@ pub(super) fn compare_agrees(
             _ => "DIFFERENT",
         },
         policy.name,
-        rep.per_tensor
-            .iter()
-            .filter(|r| r.status != RowStatus::AfterNearTie)
-            .count(),
+        judged.len(),
         rep.decisions.differing,
         rep.decisions.compared,
         summary.smallest_margin.map(|v| format!("{v:.3e}")).unwrap_or("n/a".into()),

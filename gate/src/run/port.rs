@@ -315,19 +315,11 @@ pub(super) fn run(
         })??;
         // The coarser of the two sides' precisions: a bf16 golden trace (`--dtype bf16`) holds an
         // f32 candidate to the bf16 bounds, as it does a bf16 candidate to an f32 golden trace.
-        let coarse = |p: &str| {
-            tracegate_diff::policy::PRECISIONS
-                .iter()
-                .position(|q| *q == p)
-        };
         let golden: Vec<&str> = goldens
             .iter()
             .map(|t| crate::bisect_judge::precision(t).map(|p| p.0))
             .collect::<Result<_>>()?;
-        let precision = golden
-            .into_iter()
-            .chain([candidate])
-            .max_by_key(|p| coarse(p))
+        let precision = tracegate_diff::policy::coarsest(golden.into_iter().chain([candidate]))
             .unwrap_or(candidate);
         plan.m.policy = precision.to_string();
         plan.policy = Policy::resolve(precision, &o.root).map_err(|e| gerr!("{precision}: {e}"))?;
