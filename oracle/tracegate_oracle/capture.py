@@ -714,6 +714,13 @@ class Tap:
 
     # -- recording
     def add(self, name: str, t, positions=None, layer_idx=None):
+        if names.point(name) is None:
+            # A hook for a point the registry does not know: every other tool would guess its
+            # layout and policy, so it is refused here, where it was added.
+            raise OracleError(
+                f"capture point {name!r} is not in the capture-point registry "
+                "(tracegate_trace::names::POINTS, trace/src/names.rs): register it there first"
+            )
         arr, dt = to_numpy(t[-1:] if self.decode else t)
         attrs = {
             "path": self.path,

@@ -16,6 +16,8 @@ import contextlib
 import inspect
 import sys
 
+from tracegate import names
+
 FUNCS = (
     "causal_conv1d_fn",
     "causal_conv1d_update",
@@ -168,16 +170,8 @@ class LinearTap:
         rows = self.points["linear.core"].shape[0]
         self.points["linear.norm_out"] = out.reshape(rows, self.module.num_v_heads, -1)
 
-    ORDER = (
-        "linear.conv_out",
-        "linear.q",
-        "linear.k",
-        "linear.g",
-        "linear.beta",
-        "linear.core",
-        "linear.norm_out",
-        "linear.state",
-    )
+    # The registry's linear-attention points, in its (computation) order.
+    ORDER = tuple(p.name for p in names.POINTS if p.needs == "linear_attention")
 
     def records(self):
         missing = [p for p in self.ORDER if p not in self.points]

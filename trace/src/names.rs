@@ -31,44 +31,258 @@ pub fn decode(step: usize, rest: &str) -> String {
     format!("decode.{step:0STEP_WIDTH$}.{rest}")
 }
 
-/// The axis of a documented capture point that holds its tokens (docs/capture-points.md):
-/// `attn_probs` is `[heads, tokens, keys]`, `linear.state` one row at its last token's
-/// position, every other point token-major. None for a name outside the table (a port's own
-/// point), whose layout is not known.
+/// The axis of a registered capture point that holds its tokens ([`Point::token_axis`]). None
+/// for a name outside the registry (a port's own point), whose layout is not known, and for a
+/// registered point that is not token-major.
 pub fn token_axis(name: &str) -> Option<usize> {
-    let n = Name::parse(name);
-    let known = match (n.layer, n.expert) {
-        (None, _) => matches!(n.point, "embed.out" | "final_norm.out" | "logits"),
-        (Some(_), Some(_)) => n.point == "out",
-        (Some(_), None) => matches!(
-            n.point,
-            "hidden_in"
-                | "q"
-                | "k"
-                | "v"
-                | "attn_probs"
-                | "attn_out"
-                | "attn_gate"
-                | "router.logits"
-                | "mlp_out"
-                | "hidden_out"
-                | "linear.conv_out"
-                | "linear.q"
-                | "linear.k"
-                | "linear.g"
-                | "linear.beta"
-                | "linear.core"
-                | "linear.norm_out"
-                | "linear.state"
-                | "shared_expert.gate"
-                | "shared_expert.out"
-        ),
-    };
-    match n.point {
-        _ if !known => None,
-        "attn_probs" => Some(1),
-        _ => Some(0),
+    point(name)
+        .filter(|p| p.kind == Kind::Tensor)
+        .and_then(|p| p.token_axis)
+}
+
+/// Where a point's name lives: the whole model (`logits`), one layer (`layer.NN.POINT`) or one
+/// expert of a layer (`layer.NN.expert.EEE.POINT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scope {
+    Model,
+    Layer,
+    Expert,
+}
+
+/// A tensor, or a discrete decision recorded with its margins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Tensor,
+    Decision,
+}
+
+/// The block of the model a point belongs to; bisection names a wrong layer's stage by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Block {
+    Embedding,
+    /// The residual stream entering a layer.
+    Input,
+    /// The token mixer: softmax attention or linear attention, up to its output projection.
+    Attention,
+    Router,
+    /// The routed experts' outputs and the shared expert beside them.
+    Experts,
+    /// The layer's feed-forward output: a dense MLP or the combined MoE.
+    FeedForward,
+    /// The layer's output after both residual adds.
+    Residual,
+    /// Final norm, logits and the token decision.
+    Head,
+}
+
+/// Which `--capture` level asks for a point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Capture {
+    Default,
+    Internals,
+}
+
+/// The dtype a point is stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stored {
+    /// The dtype the producer computes in (provenance `dtype`).
+    Computed,
+    /// f32 whatever the model's dtype: transformers computes these in f32 under bf16/f16.
+    F32,
+}
+
+/// What a layer must have for a point to exist in it. A family has the points whose feature it
+/// has ([`FAMILIES`]); `Any` points exist in every family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Feature {
+    Any,
+    /// Softmax attention (a full- or sliding-attention layer).
+    SoftmaxAttention,
+    /// Gated DeltaNet linear attention (a hybrid family's linear layers).
+    LinearAttention,
+    /// A sigmoid gate on the attention output, taken from `q_proj` (Qwen3.5).
+    OutputGate,
+    /// A routed mixture of experts.
+    Moe,
+    /// A gated shared expert beside the routed ones.
+    SharedExpert,
+}
+
+/// Whether a point is also written for each decode step (`decode.SSSS.` + its name, docs/
+/// capture-points.md "Rows and positions on each path").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InDecode {
+    Never,
+    /// In the prompt's trace and, under `--capture internals` (`logits` always), each step's.
+    Also,
+    /// Only as a decode step's (`decode.SSSS.argmax`).
+    Only,
+}
+
+/// One capture point of docs/capture-points.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Point {
+    /// The name after its prefixes: `attn_out`, `out` (of an expert), `logits.argmax`.
+    pub name: &'static str,
+    pub scope: Scope,
+    pub kind: Kind,
+    pub block: Block,
+    pub capture: Capture,
+    /// The axis that holds one row per token: 0 for most, 1 for `attn_probs`
+    /// (`[heads, tokens, keys]`); None when the point is not token-major.
+    pub token_axis: Option<usize>,
+    pub stored: Stored,
+    pub needs: Feature,
+    pub in_decode: InDecode,
+}
+
+const fn at(
+    scope: Scope,
+    name: &'static str,
+    block: Block,
+    capture: Capture,
+    needs: Feature,
+) -> Point {
+    Point {
+        name,
+        scope,
+        kind: Kind::Tensor,
+        block,
+        capture,
+        token_axis: Some(0),
+        stored: Stored::Computed,
+        needs,
+        in_decode: InDecode::Never,
     }
+}
+
+const fn decision(scope: Scope, name: &'static str, block: Block, needs: Feature) -> Point {
+    Point {
+        kind: Kind::Decision,
+        ..at(scope, name, block, Capture::Default, needs)
+    }
+}
+
+const fn per_step(p: Point) -> Point {
+    Point {
+        in_decode: InDecode::Also,
+        ..p
+    }
+}
+
+const fn f32_stored(p: Point) -> Point {
+    Point {
+        stored: Stored::F32,
+        ..p
+    }
+}
+
+/// Every capture point and decision, in computation order: the one registry that the writer's
+/// positions check, the differ's row excusal, bisection's stage descent, the policies' coverage
+/// test, the oracle's hooks and docs/capture-points.md's tables are held to (mirrored in Python
+/// as `tracegate.names.POINTS`). A linear-attention layer holds the `linear.*` points, a softmax
+/// one `q` to `attn_probs`; the rest of a layer is shared.
+pub const POINTS: &[Point] = {
+    use Block as B;
+    use Capture::{Default as D, Internals as I};
+    use Feature as F;
+    use Scope::{Expert as E, Layer as L, Model as M};
+    &[
+        at(M, "embed.out", B::Embedding, D, F::Any),
+        per_step(at(L, "hidden_in", B::Input, D, F::Any)),
+        at(L, "linear.conv_out", B::Attention, I, F::LinearAttention),
+        at(L, "linear.q", B::Attention, I, F::LinearAttention),
+        at(L, "linear.k", B::Attention, I, F::LinearAttention),
+        f32_stored(at(L, "linear.g", B::Attention, I, F::LinearAttention)),
+        at(L, "linear.beta", B::Attention, I, F::LinearAttention),
+        at(L, "linear.core", B::Attention, I, F::LinearAttention),
+        at(L, "linear.norm_out", B::Attention, I, F::LinearAttention),
+        // One row: the state after the call's last token, at that token's position.
+        f32_stored(at(L, "linear.state", B::Attention, I, F::LinearAttention)),
+        at(L, "q", B::Attention, I, F::SoftmaxAttention),
+        at(L, "k", B::Attention, I, F::SoftmaxAttention),
+        at(L, "v", B::Attention, I, F::SoftmaxAttention),
+        at(L, "attn_gate", B::Attention, I, F::OutputGate),
+        Point {
+            token_axis: Some(1),
+            ..at(L, "attn_probs", B::Attention, I, F::SoftmaxAttention)
+        },
+        per_step(at(L, "attn_out", B::Attention, D, F::Any)),
+        at(L, "router.logits", B::Router, I, F::Moe),
+        decision(L, "router.topk", B::Router, F::Moe),
+        at(E, "out", B::Experts, I, F::Moe),
+        at(L, "shared_expert.gate", B::Experts, I, F::SharedExpert),
+        at(L, "shared_expert.out", B::Experts, I, F::SharedExpert),
+        per_step(at(L, "mlp_out", B::FeedForward, D, F::Any)),
+        per_step(at(L, "hidden_out", B::Residual, D, F::Any)),
+        per_step(at(M, "final_norm.out", B::Head, D, F::Any)),
+        per_step(at(M, "logits", B::Head, D, F::Any)),
+        decision(M, "logits.argmax", B::Head, F::Any),
+        Point {
+            in_decode: InDecode::Only,
+            ..decision(M, "argmax", B::Head, F::Any)
+        },
+    ]
+};
+
+/// The families some producer here implements (their config's `model_type`), with the features
+/// their layers have; a family has every point whose [`Point::needs`] it lists, and the `Any`
+/// ones. A MoE family may also have dense layers (`mlp_only_layers`).
+pub const FAMILIES: &[(&str, &[Feature])] = {
+    use Feature::*;
+    const DENSE: &[Feature] = &[SoftmaxAttention];
+    const MOE: &[Feature] = &[SoftmaxAttention, Moe];
+    const HYBRID: &[Feature] = &[SoftmaxAttention, LinearAttention, OutputGate];
+    const HYBRID_MOE: &[Feature] = &[
+        SoftmaxAttention,
+        LinearAttention,
+        OutputGate,
+        Moe,
+        SharedExpert,
+    ];
+    &[
+        ("llama", DENSE),
+        ("mistral", DENSE),
+        ("qwen2", DENSE),
+        ("qwen3", DENSE),
+        ("gemma3_text", DENSE),
+        ("olmo2", DENSE),
+        ("phi3", DENSE),
+        ("qwen3_moe", MOE),
+        ("mixtral", MOE),
+        ("olmoe", MOE),
+        ("qwen3_5_text", HYBRID),
+        ("qwen3_5", HYBRID),
+        ("qwen3_5_moe_text", HYBRID_MOE),
+        ("qwen3_5_moe", HYBRID_MOE),
+    ]
+};
+
+/// The registered point a full name is an instance of (its decode step, layer and expert
+/// numbers set aside); None for a name outside the registry.
+pub fn point(name: &str) -> Option<&'static Point> {
+    let n = Name::parse(name);
+    let scope = match (n.layer, n.expert) {
+        (None, _) => Scope::Model,
+        (Some(_), None) => Scope::Layer,
+        (Some(_), Some(_)) => Scope::Expert,
+    };
+    POINTS
+        .iter()
+        .find(|p| p.scope == scope && p.name == n.point)
+}
+
+/// The features of family `model_type`; None for a family no producer here implements.
+pub fn family_features(model_type: &str) -> Option<&'static [Feature]> {
+    FAMILIES
+        .iter()
+        .find(|(f, _)| *f == model_type)
+        .map(|(_, features)| *features)
+}
+
+/// Whether family `model_type` has point `p`; None for an unknown family.
+pub fn family_has(model_type: &str, p: &Point) -> Option<bool> {
+    family_features(model_type).map(|fs| p.needs == Feature::Any || fs.contains(&p.needs))
 }
 
 /// A capture-point or decision name taken apart. Every name parses: one without the prefixes is
@@ -196,6 +410,57 @@ mod tests {
         assert_eq!(Name::parse("expert.001.out").expert, None);
         // Too large for usize: not a number.
         assert_eq!(Name::parse("layer.99999999999999999999999.x").layer, None);
+    }
+
+    #[test]
+    fn registry_names_are_unique_and_found_by_any_instance() {
+        for (i, p) in POINTS.iter().enumerate() {
+            assert!(
+                !POINTS[..i]
+                    .iter()
+                    .any(|q| q.scope == p.scope && q.name == p.name),
+                "{} registered twice",
+                p.name
+            );
+        }
+        assert_eq!(
+            point("decode.0003.layer.101.mlp_out").unwrap().name,
+            "mlp_out"
+        );
+        assert_eq!(
+            point("layer.02.expert.1000.out").unwrap().block,
+            Block::Experts
+        );
+        assert_eq!(point("logits.argmax").unwrap().kind, Kind::Decision);
+        // Scope matters: `out` alone is no point, `mlp_out` outside a layer neither.
+        assert_eq!(point("out"), None);
+        assert_eq!(point("mlp_out"), None);
+        assert_eq!(point("layer.01.my_port_point"), None);
+    }
+
+    #[test]
+    fn token_axis_follows_the_registry() {
+        assert_eq!(token_axis("layer.03.attn_probs"), Some(1));
+        assert_eq!(token_axis("decode.0001.layer.03.attn_probs"), Some(1));
+        assert_eq!(token_axis("layer.03.linear.state"), Some(0));
+        assert_eq!(token_axis("layer.03.expert.007.out"), Some(0));
+        assert_eq!(token_axis("embed.out"), Some(0));
+        assert_eq!(token_axis("layer.03.unknown"), None);
+        // A decision's name is no tensor's layout.
+        assert_eq!(token_axis("logits.argmax"), None);
+    }
+
+    #[test]
+    fn families_have_the_points_of_their_features() {
+        let gate = point("layer.00.attn_gate").unwrap();
+        let topk = point("layer.00.router.topk").unwrap();
+        let logits = point("logits").unwrap();
+        assert_eq!(family_has("qwen3", gate), Some(false));
+        assert_eq!(family_has("qwen3_5_text", gate), Some(true));
+        assert_eq!(family_has("qwen3", topk), Some(false));
+        assert_eq!(family_has("mixtral", topk), Some(true));
+        assert_eq!(family_has("llama", logits), Some(true));
+        assert_eq!(family_has("no_such_family", logits), None);
     }
 
     #[test]

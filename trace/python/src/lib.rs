@@ -351,6 +351,51 @@ fn weights_digest(py: Python<'_>, model_dir: PathBuf) -> PyResult<String> {
         .map_err(err)
 }
 
+/// A registry word as Python reads it: `FeedForward` -> `feed_forward`.
+fn word(debug: impl std::fmt::Debug) -> String {
+    let mut out = String::new();
+    for (i, c) in format!("{debug:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
+}
+
+/// The capture-point registry (`tracegate_trace::names::POINTS`), one dict a point in
+/// computation order; `tracegate.names.POINTS` is built from it.
+#[pyfunction]
+fn capture_points(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    use tracegate_trace::names::POINTS;
+    let out = PyList::empty(py);
+    for p in POINTS {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("name", p.name)?;
+        d.set_item("scope", word(p.scope))?;
+        d.set_item("kind", word(p.kind))?;
+        d.set_item("block", word(p.block))?;
+        d.set_item("capture", word(p.capture))?;
+        d.set_item("token_axis", p.token_axis)?;
+        d.set_item("stored", word(p.stored))?;
+        d.set_item("needs", word(p.needs))?;
+        d.set_item("in_decode", word(p.in_decode))?;
+        out.append(d)?;
+    }
+    Ok(out)
+}
+
+/// The registry's families: `model_type` -> the features its layers have.
+#[pyfunction]
+fn capture_families(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let out = pyo3::types::PyDict::new(py);
+    for (family, features) in tracegate_trace::names::FAMILIES {
+        let words: Vec<String> = features.iter().map(word).collect();
+        out.set_item(family, words)?;
+    }
+    Ok(out)
+}
+
 /// The outcome of [`compare`]: the differ's own report, serialised on demand.
 #[pyclass(module = "tracegate._native", frozen)]
 struct NativeReport {
@@ -443,6 +488,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeWriter>()?;
     m.add_class::<NativeTrace>()?;
     m.add_function(wrap_pyfunction!(weights_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_points, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_families, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "FORMAT_VERSION",

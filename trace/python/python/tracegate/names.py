@@ -1,4 +1,6 @@
-"""Capture-point names (docs/capture-points.md), built and parsed here and nowhere else in Python.
+"""Capture-point names (docs/capture-points.md), built and parsed here and nowhere else in Python,
+and the capture-point registry (``POINTS``, ``FAMILIES``: read from the Rust one,
+``tracegate_trace::names::POINTS``, so there is one table).
 
 A name is ``[decode.SSSS.][layer.NN.[expert.EEE.]]POINT``. Numbers are written zero-padded to at
 least 4, 2 and 3 digits and read with every digit they have, so layer 100 is ``layer.100.x``,
@@ -10,7 +12,21 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-__all__ = ["Name", "decode", "expert", "layer", "layer_prefix", "parse"]
+from ._native import capture_families, capture_points
+
+__all__ = [
+    "FAMILIES",
+    "POINTS",
+    "Name",
+    "Point",
+    "decode",
+    "expert",
+    "family_has",
+    "layer",
+    "layer_prefix",
+    "parse",
+    "point",
+]
 
 
 def layer(layer: int, point: str) -> str:
@@ -70,3 +86,49 @@ def parse(name: str) -> Name:
     lay, rest = _numbered("layer", rest)
     exp, rest = _numbered("expert", rest) if lay is not None else (None, rest)
     return Name(step, lay, exp, rest)
+
+
+class Point(NamedTuple):
+    """One registered capture point: ``name`` after its prefixes; ``scope`` model, layer or
+    expert; ``kind`` tensor or decision; ``block`` (input, attention, router, experts,
+    feed_forward, residual, embedding, head); ``capture`` default or internals; ``token_axis``
+    (None: not token-major); ``stored`` computed (the producer's dtype) or f32; ``needs`` the
+    feature a layer must have (any, softmax_attention, linear_attention, output_gate, moe,
+    shared_expert); ``in_decode`` never, also or only (written per decode step as
+    ``decode.SSSS.`` + its name)."""
+
+    name: str
+    scope: str
+    kind: str
+    block: str
+    capture: str
+    token_axis: int | None
+    stored: str
+    needs: str
+    in_decode: str
+
+    def example(self, layer_no: int = 0, expert_no: int = 0) -> str:
+        """A full name of this point: ``layer.00.mlp_out``, ``layer.00.expert.000.out``."""
+        if self.scope == "model":
+            return self.name
+        if self.scope == "layer":
+            return layer(layer_no, self.name)
+        return expert(layer_no, expert_no, self.name)
+
+
+POINTS: tuple[Point, ...] = tuple(Point(**p) for p in capture_points())
+FAMILIES: dict[str, tuple[str, ...]] = {f: tuple(v) for f, v in capture_families().items()}
+
+
+def point(name: str) -> Point | None:
+    """The registered point ``name`` is an instance of (decode step, layer and expert numbers
+    set aside); None for a name outside the registry."""
+    n = parse(name)
+    scope = "model" if n.layer is None else ("layer" if n.expert is None else "expert")
+    return next((p for p in POINTS if p.scope == scope and p.name == n.point), None)
+
+
+def family_has(model_type: str, p: Point) -> bool | None:
+    """Whether family ``model_type`` has point ``p``; None for a family not in the registry."""
+    features = FAMILIES.get(model_type)
+    return None if features is None else (p.needs == "any" or p.needs in features)
