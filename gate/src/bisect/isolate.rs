@@ -288,70 +288,51 @@ pub(crate) fn inconsistency(layer: usize, iso: &Isolation, moe: bool) -> Inconsi
     }
 }
 
-/// The first wrong capture point of a layer in isolation, in computation order
-/// (docs/capture-points.md, "Order": a layer holds the linear-attention points or the
-/// full-attention ones, absent points are passed over); `differs`: how a wrong one is said
+/// The first wrong capture point of a layer in isolation, in the registry's computation order
+/// (`tracegate_trace::names::POINTS`: a layer holds the linear-attention points or the
+/// softmax-attention ones, absent points are passed over); `differs`: how a wrong one is said
 /// ("differs in isolation").
 pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> Stage {
+    use names::{Block as Registered, Scope};
     let pfx = names::layer_prefix(layer);
     let short = |n: &str| n.strip_prefix(&pfx).unwrap_or(n).to_string();
-    let mut order: Vec<(String, Block)> = [
-        "hidden_in",
-        "linear.conv_out",
-        "linear.q",
-        "linear.k",
-        "linear.g",
-        "linear.beta",
-        "linear.core",
-        "linear.norm_out",
-        "linear.state",
-        "q",
-        "k",
-        "v",
-        "attn_gate",
-        "attn_probs",
-        "attn_out",
-        "router.logits",
-    ]
-    .iter()
-    .map(|s| {
-        (
-            format!("{pfx}{s}"),
-            if *s == "hidden_in" {
-                Block::Input
-            } else if s.starts_with("router") {
-                Block::MoeRouter
-            } else {
-                Block::Attention
-            },
-        )
-    })
-    .collect();
-    order.push((format!("{pfx}router.topk"), Block::MoeRouter));
-    let mut experts: Vec<String> = row
-        .isolated
-        .iter()
-        .map(|t| t.tensor.clone())
-        .filter(|n| n.starts_with(&format!("{pfx}expert.")))
-        .collect();
-    experts.sort();
-    order.extend(experts.into_iter().map(|n| (n, Block::MoeExpert)));
-    for s in ["shared_expert.gate", "shared_expert.out"] {
-        order.push((format!("{pfx}{s}"), Block::MoeExpert));
-    }
     let has_router = row.isolated.iter().any(|t| {
         t.tensor.starts_with(&format!("{pfx}router."))
             || t.tensor.starts_with(&format!("{pfx}expert."))
     });
-    let mlp_block = if !moe {
+    let feed_forward = if !moe {
         Block::Mlp
     } else if has_router {
         Block::MoeCombine
     } else {
         Block::Moe
     };
-    order.push((format!("{pfx}mlp_out"), mlp_block));
-    order.push((format!("{pfx}hidden_out"), Block::Residual));
+    let mut order: Vec<(String, Block)> = Vec::new();
+    for p in names::POINTS.iter().filter(|p| p.scope != Scope::Model) {
+        let block = match p.block {
+            Registered::Input => Block::Input,
+            Registered::Attention => Block::Attention,
+            Registered::Router => Block::MoeRouter,
+            Registered::Experts => Block::MoeExpert,
+            Registered::FeedForward => feed_forward,
+            Registered::Residual => Block::Residual,
+            // Model-wide blocks hold no layer point.
+            Registered::Embedding | Registered::Head => Block::Other,
+        };
+        if p.scope == Scope::Expert {
+            // One per expert that received rows, in expert order.
+            let mut experts: Vec<String> = row
+                .isolated
+                .iter()
+                .map(|t| t.tensor.clone())
+                .filter(|n| names::point(n).is_some_and(|q| q == p) && n.starts_with(&pfx))
+                .collect();
+            experts.sort();
+            order.extend(experts.into_iter().map(|n| (n, block)));
+        } else {
+            order.push((format!("{pfx}{}", p.name), block));
+        }
+    }
 
     let mut matching = Vec::new();
     for (name, block) in order {
