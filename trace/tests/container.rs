@@ -1,5 +1,5 @@
 //! Round trips, digest semantics, tamper refusal and crash safety of the container.
-mod common;
+use crate::common;
 
 use std::path::Path;
 
@@ -250,7 +250,12 @@ fn killed_writer_leaves_nothing_at_final_path() {
     let dir = tmp();
     let p = dir.path().join("killed.trace");
     let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "container::crash_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("TRACEGATE_CRASH_CHILD", &p)
         .status()
         .unwrap();
@@ -290,7 +295,7 @@ fn run_crash_child(target: &Path, complete_from: Option<&Path>) {
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
     cmd.args([
         "--exact",
-        "crash_child_with_complete_temporary",
+        "container::crash_child_with_complete_temporary",
         "--nocapture",
         "--test-threads=1",
     ]);

@@ -4,7 +4,7 @@
 //! refused by `open` or `verify`, or read back with the original content; views of every tensor
 //! before `verify` are refused or handed out, never a panic. Deterministic seeds;
 //! TRACEGATE_FUZZ_ITERS raises the iteration count for a long run.
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

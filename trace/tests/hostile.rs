@@ -1,6 +1,6 @@
 //! Hostile input: every malformed file is an error with a reason, never a panic, never an
 //! allocation sized by an unchecked number.
-mod common;
+use crate::common;
 
 use common::*;
 use proptest::prelude::*;

@@ -2,7 +2,7 @@
 //! an attribute or provenance key, or leaves out a required one, is refused by name. Each case
 //! starts from a trace written by `TraceWriter` and edits the index text (serde_json's `Value`
 //! cannot hold a repeated key), re-digesting the footer so the footer check passes.
-mod common;
+use crate::common;
 
 use common::*;
 use tracegate_trace::Trace;

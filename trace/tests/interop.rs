@@ -1,6 +1,6 @@
 //! Interop with the Python binding: written in Python and read here, and the reverse.
 //! Needs the project's .venv with the `tracegate` module (scripts/setup.sh builds it).
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -58,7 +58,12 @@ fn assert_open_costs_at_most_three_times_the_index(n: usize, attrs: &Attributes)
         u64::from_le_bytes(f[f.len() - 32..f.len() - 24].try_into().unwrap())
     };
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "memory_child", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "memory::memory_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("TRACEGATE_MEMORY_CHILD", &path)
         .output()
         .unwrap();
