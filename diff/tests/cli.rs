@@ -1,7 +1,7 @@
 //! The `trace-diff` binary: exit codes, human and JSON reports (snapshots), the JSON schema,
 //! and `--show`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -7,7 +7,7 @@
 //! the original's is IDENTICAL (0) unless provenance makes it incomparable (3); any other is
 //! never 0. A few seconds; every seed is fixed, so a failure names a reproducible case.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! upstream tensor a consequence names, a near-tie that excuses exactly its token's later rows,
 //! and negative controls where the same flip or a difference elsewhere still fails.
 
-mod common;
+use crate::common;
 
 use common::*;
 use tracegate_diff::{compare_files, render_human, NearTie, Options, Policy, Report, Verdict};

@@ -2,7 +2,7 @@
 //! element by element in the coarser dtype's ULPs, the finer value rounded to nearest even
 //! first. Every expected bit pattern and distance below is worked by hand in its comment.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{json, Value};

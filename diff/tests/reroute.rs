@@ -3,7 +3,7 @@
 //! policy, its token's rows counted as after the near-tie; the same reroute after a defect, an
 //! extra token that no near-tie excuses, or a positions mismatch anywhere else still fails.
 
-mod common;
+use crate::common;
 
 use common::*;
 use tracegate_diff::{compare_files, render_human, Options, Policy, Report, Verdict};

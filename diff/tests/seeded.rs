@@ -1,7 +1,7 @@
 //! The seeded-failure suite: each test plants one defect in a model-shaped trace and checks
 //! that the differ names exactly that defect (and would fail without the feature).
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::json;

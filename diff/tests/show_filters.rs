@@ -3,7 +3,7 @@
 //! tensors: embed.out, layer.0{0,1}.{hidden_in, attn_out, router.logits, mlp_out, hidden_out},
 //! final_norm.out, logits; 3 decisions: layer.0{0,1}.router.topk, logits.argmax).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -1,0 +1,13 @@
+//! Every integration test of the crate, one module a file, built as one binary (Cargo.toml
+//! `autotests = false`): `cargo test -p tracegate-diff --test all fuzz::` runs one file's.
+
+mod cli;
+mod common;
+mod fuzz;
+mod labels;
+mod mixed;
+mod noise_reference;
+mod passing_bounds;
+mod reroute;
+mod seeded;
+mod show_filters;
