@@ -10,9 +10,10 @@ use crate::milestones::{
     Milestone, MilestoneFile, MilestoneModel, Port, PortCandidate, PortReference, PromptRecord,
 };
 use crate::paths::UserPaths;
-use crate::producer::{Producer, Verb};
-use crate::run::{install_root, run_milestone, tokenize_text, GateOptions, AUTO_POLICY};
+use crate::run::{run_milestone, tokenize_text, GateOptions, AUTO_POLICY};
 use crate::{gerr, prompts, Result};
+use tracegate_producers::install_root;
+use tracegate_producers::{Producer, Verb};
 
 /// What `gate init` was asked (paths relative to where it was started).
 pub struct InitOptions {

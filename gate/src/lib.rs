@@ -12,13 +12,11 @@ pub mod ci;
 pub mod init;
 pub mod milestones;
 pub mod paths;
-pub mod producer;
 pub mod progress;
 pub mod prompts;
 pub mod report;
 pub mod run;
 pub mod tokenizer;
-pub mod worker;
 
 use std::path::{Path, PathBuf};
 
@@ -86,6 +84,17 @@ impl std::error::Error for Error {
 impl From<tracegate_engine::Error> for Error {
     fn from(e: tracegate_engine::Error) -> Error {
         Error::Engine(e)
+    }
+}
+
+/// A producer's error is the gate's of the same kind (its message unchanged).
+impl From<tracegate_producers::Error> for Error {
+    fn from(e: tracegate_producers::Error) -> Error {
+        match e {
+            tracegate_producers::Error::Refused(s) => Error::Refused(s),
+            tracegate_producers::Error::Producer(s) => Error::Producer(s),
+            tracegate_producers::Error::Engine(e) => Error::Engine(e),
+        }
     }
 }
 

@@ -5,9 +5,9 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use tracegate_gate::paths::UserPaths;
-use tracegate_gate::producer::DEFAULT_TIMEOUT_S;
 use tracegate_gate::run::{run_milestone, Check, GateOptions, MilestoneReport};
 use tracegate_gate::{find_root, gerr, milestones::MilestoneFile, report, Error};
+use tracegate_producers::DEFAULT_TIMEOUT_S;
 
 #[derive(Parser)]
 #[command(
@@ -347,7 +347,7 @@ fn bisect_options(
         None => None,
     };
     let tokens = match (&a.tokens, &a.prompt, &stored) {
-        (Some(t), None, _) => prompts::parse_tokens(t)?,
+        (Some(t), None, _) => tracegate_producers::parse_tokens(t)?,
         (None, Some(id), _) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
             .and_then(|s| {
                 s.token_ids_only("gate bisect")?;
@@ -710,25 +710,25 @@ fn answer(reps: &[MilestoneReport], checks: &[Check]) -> (&'static str, String) 
 fn main() -> ExitCode {
     if std::env::args_os()
         .nth(1)
-        .is_some_and(|a| a == tracegate_gate::producer::ENGINE_CHILD)
+        .is_some_and(|a| a == tracegate_producers::ENGINE_CHILD)
     {
         return engine_child();
     }
     if std::env::args_os()
         .nth(1)
-        .is_some_and(|a| a == tracegate_gate::producer::resident::RESIDENT_CHILD)
+        .is_some_and(|a| a == tracegate_producers::resident::RESIDENT_CHILD)
     {
         let args: Vec<String> = std::env::args_os()
             .skip(2)
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
-        return ExitCode::from(tracegate_gate::producer::resident::daemon_main(&args) as u8);
+        return ExitCode::from(tracegate_producers::resident::daemon_main(&args) as u8);
     }
     let cli = Cli::parse();
     // Needs no project: the runtime directory is the user's.
     if let Cmd::Workers { action } = &cli.cmd {
         let stop = matches!(action, Some(WorkersAction::Stop));
-        return match tracegate_gate::producer::resident::workers_verb(stop) {
+        return match tracegate_producers::resident::workers_verb(stop) {
             Ok(text) => match say(&format!("{text}\n")) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -854,7 +854,7 @@ fn main() -> ExitCode {
         }
     };
     // Last: what outlives this run and how to stop it (docs/producers.md, "Resident workers").
-    if let Some(line) = tracegate_gate::worker::resident_after_run() {
+    if let Some(line) = tracegate_producers::worker::resident_after_run() {
         eprintln!("{line}");
     }
     code
@@ -887,7 +887,7 @@ fn engine_child() -> ExitCode {
         .map(|a| a.into_string())
         .collect();
     let result = match argv {
-        Ok(argv) => tracegate_gate::producer::engine_child(&argv),
+        Ok(argv) => tracegate_producers::engine_child(&argv).map_err(Error::from),
         Err(bad) => Err(gerr!("argument {bad:?} is not UTF-8")),
     };
     match result {

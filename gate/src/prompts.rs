@@ -262,21 +262,6 @@ impl PromptSet {
     }
 }
 
-pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
-    // The producers' grammar (tracegate_trace::protocol): what the gate takes, they take.
-    let tokens: std::result::Result<Vec<i64>, _> = s
-        .split(',')
-        .map(tracegate_trace::protocol::token_id)
-        .collect();
-    let tokens = tokens.map_err(|e| gerr!("--tokens {s:?}: {e} (e.g. 3,17,5)"))?;
-    if tokens.is_empty() || tokens.iter().any(|&t| t < 0) {
-        return Err(gerr!(
-            "--tokens {s:?}: need at least one non-negative token id"
-        ));
-    }
-    Ok(tokens)
-}
-
 /// Refuses, before any producer runs, a prompt whose positions (its tokens, then `generate`
 /// greedy tokens, as the oracle counts them) exceed the model's `max_position_embeddings` (the
 /// language model's: see [`text_fields`]).

@@ -25,8 +25,8 @@ use tracegate_trace::names::{self, Name};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 use crate::bisect_judge::{self as judge, Ask, By, Judge, Outliers, RoundingLevel};
-use crate::producer::{Producer, RunRecord, Verb};
 use crate::{gerr, Result};
+use tracegate_producers::{Producer, RunRecord, Verb};
 
 mod calibrate;
 mod isolate;
@@ -90,12 +90,13 @@ pub fn producer(
     side: &str,
     threads: usize,
 ) -> Result<Producer> {
-    let cmd = |name: &str, default: String| Producer::command(name, template.unwrap_or(&default));
+    let cmd =
+        |name: &str, default: String| Ok(Producer::command(name, template.unwrap_or(&default))?);
     match (kind, template) {
         ("engine", None) => Ok(Producer::Engine { threads }),
         ("engine", Some(_)) => Err(gerr!("--{side}-cmd: the engine is built into the gate and takes no command; use --{side} cmd to run a command")),
-        ("contract", _) => cmd("contract", crate::run::default_contract_cmd(root)),
-        ("oracle", _) => cmd("oracle", crate::run::default_oracle_cmd(root)),
+        ("contract", _) => cmd("contract", tracegate_producers::default_contract_cmd(root)),
+        ("oracle", _) => cmd("oracle", tracegate_producers::default_oracle_cmd(root)),
         ("cmd", Some(_)) => cmd(&format!("{side}-cmd"), String::new()),
         ("cmd", None) => Err(gerr!("--{side} cmd needs --{side}-cmd 'TEMPLATE' (e.g. 'my-engine {{verb}} {{args}}')")),
         (other, _) => Err(gerr!("--{side} {other:?}: expected engine, contract, oracle or cmd")),
@@ -109,7 +110,7 @@ pub fn is_ordered(root: &Path, p: &Producer) -> bool {
         Producer::Engine { .. } => true,
         Producer::Command { name, words, .. } => {
             name == "contract"
-                && matches!(Producer::command("contract", &crate::run::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
+                && matches!(Producer::command("contract", &tracegate_producers::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
         }
     }
 }

@@ -7,8 +7,8 @@
 
 use std::path::Path;
 
-use crate::producer::{Producer, RunRecord, Verb};
 use crate::{gerr, Result};
+use tracegate_producers::{Producer, RunRecord, Verb};
 
 /// Written into every directory bisect works in; its presence is what lets a later run empty it.
 pub const MARKER: &str = ".tracegate-bisect";
@@ -96,7 +96,7 @@ pub(crate) fn run_fresh(
             return RunRecord {
                 producer: p.name(),
                 verb: verb.name(),
-                invocation: crate::producer::display(&p.argv(verb)),
+                invocation: tracegate_producers::display(&p.argv(verb)),
                 ok: false,
                 exit_code: None,
                 timed_out: false,

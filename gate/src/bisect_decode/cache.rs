@@ -4,7 +4,7 @@ use tracegate_diff::{compare, FindingKind, Report, Verdict};
 
 use super::{decode_view, step_of, CacheCheck, CacheStatus, Context};
 use crate::bisect::{self as b, BisectOptions};
-use crate::producer::{RunRecord, Verb};
+use tracegate_producers::{RunRecord, Verb};
 
 /// The candidate's `--cache off` run against its own cached run, decode steps only, judged as
 /// the whole runs are.

@@ -6,8 +6,8 @@ use tracegate_trace::{Attributes, TraceWriter};
 
 use super::{Context, DecodeReport};
 use crate::bisect::{self as b, BisectOptions, Isolated, LayerStatus, TensorCmp};
-use crate::producer::{RunRecord, Verb};
 use crate::{gerr, Result};
+use tracegate_producers::{RunRecord, Verb};
 
 /// The capture points of a decode step's layer, in computation order.
 const BODY: [&str; 4] = ["hidden_in", "attn_out", "mlp_out", "hidden_out"];

@@ -11,7 +11,7 @@ use crate::bisect::{
     self as b, BisectOptions, BisectVerdict, CmpStatus, How, Isolated, Said, TensorCmp,
     WholeRunState,
 };
-use crate::producer::RunRecord;
+use tracegate_producers::RunRecord;
 
 /// The decode bisection, after the prefill's verdict: returns the decode report and the verdict
 /// (the prefill's when it is not `nothing_wrong`: a prefill verdict wins).

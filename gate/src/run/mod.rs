@@ -17,9 +17,9 @@ use tracegate_diff::Policy;
 
 use crate::baselines::{BaselineFile, Conditions};
 use crate::milestones::{Milestone, MilestoneFile, MilestoneModel};
-use crate::producer::{Producer, Verb};
 use crate::prompts::{self, Prompt, PromptSet};
 use crate::{gerr, Result};
+use tracegate_producers::{default_contract_cmd, default_oracle_cmd, python, Producer, Verb};
 
 mod agrees;
 mod checks;
@@ -57,46 +57,6 @@ pub struct GateOptions {
     pub baselines: Option<BaselineFile>,
 }
 
-/// The tracegate checkout this gate was built from: its `.venv` serves a project that has none
-/// of its own (a port's directory, `gate init`).
-pub fn install_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
-}
-
-/// The Python of the contract and the oracle: `specific` or TRACEGATE_PYTHON when set, else a
-/// tracegate checkout's own `.venv`, else the installation's — never a user project's `.venv`,
-/// which need not hold tracegate's packages (symlinks kept: a venv's python is one).
-fn python(root: &Path, specific: &str) -> String {
-    std::env::var(specific)
-        .or_else(|_| std::env::var("TRACEGATE_PYTHON"))
-        .unwrap_or_else(|_| {
-            let own = root.join(".venv/bin/python");
-            if own.exists() && root.join("oracle/tracegate_oracle").is_dir() {
-                own
-            } else {
-                install_root().join(".venv/bin/python")
-            }
-            .display()
-            .to_string()
-        })
-}
-
-pub fn default_contract_cmd(root: &Path) -> String {
-    // {verb|serve}: one worker answers every run of the gate (docs/producers.md, "Serving").
-    format!(
-        "'{}' -m tracegate_contract {{verb|serve}} {{args}}",
-        python(root, "TRACEGATE_CONTRACT_PYTHON")
-    )
-}
-
-pub fn default_oracle_cmd(root: &Path) -> String {
-    format!(
-        "'{}' -m tracegate_oracle {{verb|serve}} {{args}} --threads 1",
-        python(root, "TRACEGATE_ORACLE_PYTHON")
-    )
-}
-
 /// Whether the oracle's interpreter can import torch and transformers; Err carries the reason.
 /// The default oracle's worker answers it (`versions`), so torch is imported once per gate run;
 /// `dir`: where it writes its answer. Asked once per gate process and interpreter (`gate check`
@@ -127,7 +87,7 @@ fn ask_versions(
     dir: &Path,
     py: &str,
 ) -> Result<Value> {
-    let unavailable = |err: crate::Error| {
+    let unavailable = |err: tracegate_producers::Error| {
         let err = err.to_string();
         let last = err
             .lines()
@@ -156,7 +116,7 @@ fn ask_versions(
         })?,
         None => {
             let code = "import json, torch, transformers, numpy; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'numpy': numpy.__version__}))";
-            crate::producer::run_helper(root, &[py.into(), "-c".into(), code.into()], timeout)
+            tracegate_producers::run_helper(root, &[py.into(), "-c".into(), code.into()], timeout)
                 .map_err(unavailable)?
         }
     };

@@ -31,9 +31,9 @@ use super::{
 };
 use crate::baselines::BaselineFile;
 use crate::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
-use crate::producer::{Producer, RunRecord, Verb};
 use crate::prompts::{Prompt, PromptSet};
 use crate::{gerr, Result};
+use tracegate_producers::{Producer, RunRecord, Verb};
 
 /// The policy a new port milestone records until its first run has chosen one: the bundled
 /// policy for the coarser of the candidate's and the golden traces' precision
@@ -49,13 +49,13 @@ fn reference_producer(o: &GateOptions, port: &Port) -> Result<Producer> {
             let base = o
                 .oracle_cmd
                 .clone()
-                .unwrap_or_else(|| super::default_oracle_cmd(&o.root));
-            Producer::command(
+                .unwrap_or_else(|| tracegate_producers::default_oracle_cmd(&o.root));
+            Ok(Producer::command(
                 "reference",
                 &format!("{base} --dtype {} --device {}", r.dtype, r.device),
-            )
+            )?)
         }
-        ("cmd", Some(cmd)) => Producer::command("reference", cmd),
+        ("cmd", Some(cmd)) => Ok(Producer::command("reference", cmd)?),
         (other, _) => Err(gerr!(
             "milestones.json: port reference producer {other:?} is neither \"oracle\" nor \"cmd\" (with its cmd)"
         )),
@@ -70,7 +70,7 @@ pub(crate) fn tokenize_text(
     set: &PromptSet,
     timeout: std::time::Duration,
 ) -> Result<Tokenized> {
-    let py = super::python(root, "TRACEGATE_ORACLE_PYTHON");
+    let py = tracegate_producers::python(root, "TRACEGATE_ORACLE_PYTHON");
     let argv = [
         py.clone(),
         "-m".into(),
@@ -80,7 +80,7 @@ pub(crate) fn tokenize_text(
         "--prompts".into(),
         set.path.display().to_string(),
     ];
-    let out = crate::producer::run_helper(root, &argv, timeout).map_err(|e| {
+    let out = tracegate_producers::run_helper(root, &argv, timeout).map_err(|e| {
         gerr!(
             "tokenizing the text prompts of {} with {model}'s tokenizer ({py}): {e}",
             set.path.display()

@@ -12,8 +12,8 @@ use super::agrees::check_oracle;
 use super::checks::{check_generation, check_matches, check_stable};
 use super::{GateOptions, PromptResult, PromptRuns, Role};
 use crate::milestones::{Expectation, Milestone, MilestoneModel};
-use crate::producer::RunRecord;
 use crate::prompts::Prompt;
+use tracegate_producers::RunRecord;
 
 /// A trace, or why it cannot be read: its run failed (Producer), its file is unreadable (File),
 /// or, for the oracle, it could not run at all (Unavailable).

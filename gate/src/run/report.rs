@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tracegate_diff::{string_enum, FindingKind};
 
-use crate::producer::RunRecord;
+use tracegate_producers::RunRecord;
 
 string_enum! {
     /// A check's outcome.

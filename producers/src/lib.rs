@@ -4,21 +4,33 @@
 //! its exact invocation, seconds and peak RSS, and a crash or a hang is a result with the head
 //! and tail of its stderr, never a dropped row or a dead gate.
 //!
+//! A crate of its own, below the gate: it depends on nothing of the gate's (the gate's milestone
+//! runs and bisections use it; the gate's binary answers its hidden verbs ENGINE_CHILD and
+//! RESIDENT_CHILD).
+//!
 //! This file: the producers, their command templates and one run's record. verb.rs: the
-//! protocol's argument grammar (verbs, words, quoting); spawn.rs: a subprocess with its bounded
-//! captures, timeout and peak RSS; engine_child.rs: the engine side of the gate's own child.
+//! protocol's argument grammar (verbs, words, quoting, token ids); spawn.rs: a subprocess with
+//! its bounded captures, timeout and peak RSS; engine_child.rs: the engine side of the gate's
+//! own child; builtin.rs: the contract's and the oracle's default templates; worker.rs: serving
+//! producers (one worker per gate process); resident.rs: resident workers (one per session);
+//! error.rs: the errors.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+mod builtin;
 mod engine_child;
+mod error;
 pub mod resident;
 mod spawn;
 mod verb;
+pub mod worker;
 
+pub use builtin::*;
 pub use engine_child::*;
+pub use error::*;
 pub use spawn::*;
 pub use verb::*;
 
@@ -104,7 +116,7 @@ impl Producer {
     /// A subprocess producer, its template checked now rather than failing every run later.
     pub fn command(name: &str, template: &str) -> crate::Result<Producer> {
         let bad = |why: &str| {
-            crate::gerr!("{name} command template {template:?}: {why} (example: 'my-engine {{verb}} {{args}}'; docs/producers.md)")
+            gerr!("{name} command template {template:?}: {why} (example: 'my-engine {{verb}} {{args}}'; docs/producers.md)")
         };
         let words = split_words(template).map_err(|e| bad(&e.to_string()))?;
         if words.is_empty() {
@@ -215,7 +227,7 @@ impl Producer {
         let (e, _) = crate::worker::request(&self.name(), root, &serve_argv, request, timeout);
         Some(match (e.ok, e.timed_out) {
             (true, _) => Ok(()),
-            (false, true) => Err(crate::gerr!(
+            (false, true) => Err(gerr!(
                 Producer:
                 "timed out after {} s (--timeout) and was killed: $ {}",
                 timeout.as_secs_f64(),

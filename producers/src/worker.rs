@@ -18,15 +18,15 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::producer::resident::{self, Client, Reply};
-use crate::producer::{display, exit_text, Capture, Ended};
+use crate::resident::{self, Client, Reply};
+use crate::{display, exit_text, Capture, Ended};
 
 /// (working directory, worker command line): one worker each.
 type Key = (PathBuf, Vec<String>);
 type Slot = Arc<Mutex<Option<Conn>>>;
 
 /// A gate process's way to its worker: its own child (per-run), or a resident one on a socket
-/// (crate::producer::resident).
+/// (crate::resident).
 enum Conn {
     Local(Worker),
     Resident(Client),
@@ -245,7 +245,7 @@ impl Worker {
         let start = Instant::now();
         let mut buf = vec![0u8; 64 * 1024];
         self.out = None;
-        while self.err.is_some() && start.elapsed() < crate::producer::DRAIN_GRACE {
+        while self.err.is_some() && start.elapsed() < crate::DRAIN_GRACE {
             self.pump(&mut buf);
         }
         let mut status: libc::c_int = 0;

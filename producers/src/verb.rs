@@ -158,7 +158,7 @@ impl Verb {
         let parsed = match verb {
             "trace" => {
                 let tokens = take("--tokens")?;
-                let tokens = crate::prompts::parse_tokens(tokens)?;
+                let tokens = parse_tokens(tokens)?;
                 let generate = match args.remove("--generate") {
                     Some(g) => number("--generate", g)?,
                     None => 0,
@@ -213,6 +213,22 @@ impl Verb {
             None => Ok((parsed, threads)),
         }
     }
+}
+
+/// Token ids as the protocol writes them (`3,17,5`).
+pub fn parse_tokens(s: &str) -> crate::Result<Vec<i64>> {
+    // The producers' grammar (tracegate_trace::protocol): what the gate takes, they take.
+    let tokens: std::result::Result<Vec<i64>, _> = s
+        .split(',')
+        .map(tracegate_trace::protocol::token_id)
+        .collect();
+    let tokens = tokens.map_err(|e| crate::gerr!("--tokens {s:?}: {e} (e.g. 3,17,5)"))?;
+    if tokens.is_empty() || tokens.iter().any(|&t| t < 0) {
+        return Err(crate::gerr!(
+            "--tokens {s:?}: need at least one non-negative token id"
+        ));
+    }
+    Ok(tokens)
 }
 
 pub fn split_words(s: &str) -> crate::Result<Vec<String>> {

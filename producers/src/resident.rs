@@ -41,8 +41,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::producer::{display, Ended};
 use crate::worker::{self, Answer, Served, Worker};
+use crate::{display, Ended};
 
 /// The hidden first argument that runs the gate's executable as a resident worker's daemon.
 pub const RESIDENT_CHILD: &str = "__resident-worker";
@@ -444,15 +444,15 @@ pub(crate) enum Reply {
 /// never resident: the gate cannot know what its worker's result depends on).
 fn built_in(root: &Path, serve_argv: &[String]) -> bool {
     [
-        crate::run::default_contract_cmd(root),
-        crate::run::default_oracle_cmd(root),
+        crate::default_contract_cmd(root),
+        crate::default_oracle_cmd(root),
     ]
     .iter()
     .any(|t| {
-        let words = crate::producer::split_words(t).unwrap_or_default();
+        let words = crate::split_words(t).unwrap_or_default();
         words
             .iter()
-            .position(|w| w == crate::producer::SERVE_VERB)
+            .position(|w| w == crate::SERVE_VERB)
             .is_some_and(|i| {
                 words[..i]
                     .iter()

@@ -63,8 +63,8 @@ pub fn engine_child(argv: &[String]) -> crate::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Producer;
     use super::*;
+    use crate::Producer;
 
     #[test]
     fn the_engine_child_reads_back_exactly_the_arguments_the_gate_wrote() {
