@@ -5,9 +5,6 @@
 
 pub mod baselines;
 pub mod bisect;
-pub mod bisect_decode;
-pub mod bisect_html;
-pub mod bisect_judge;
 pub mod ci;
 pub mod init;
 pub mod milestones;

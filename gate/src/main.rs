@@ -311,7 +311,7 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     };
     let o = bisect_options(root, up, a, &work).map_err(refused)?;
     let rep = tracegate_gate::bisect::run(&o).map_err(refused)?;
-    let printed = say(&tracegate_gate::bisect::render(&rep));
+    let printed = say(&tracegate_gate::bisect::render::render(&rep));
     let mut files = Vec::new();
     if let Some(p) = &report {
         files.push(Output::json(p, &rep)?);
@@ -319,7 +319,7 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     if let Some(p) = &html {
         files.push(Output::html(
             p,
-            tracegate_gate::bisect_html::render_html(&rep),
+            tracegate_gate::bisect::html::render_html(&rep),
         ));
     }
     write_outputs(&files)?;

@@ -90,9 +90,9 @@ pub(super) fn compare_agrees(
     let mut found = diff_findings(&rep);
     // A value finding (a signed zero, NaN, infinity) on a tensor the differ judged agreeing is
     // what kind of difference the row is, not a failure: the one classification bisect uses
-    // (bisect_judge.rs), so a pair trace-diff calls within policy agrees here too.
+    // (bisect/judge.rs), so a pair trace-diff calls within policy agrees here too.
     found.retain(|f| {
-        crate::bisect_judge::finding_class(f.kind) != crate::bisect_judge::FindingClass::Values
+        crate::bisect::judge::finding_class(f.kind) != crate::bisect::judge::FindingClass::Values
             || !rep
                 .per_tensor
                 .iter()
@@ -273,7 +273,7 @@ pub(super) fn compare_agrees(
 
 #[cfg(test)]
 mod tests {
-    //! `agrees` classifies a finding as trace-diff and bisect do (bisect_judge::finding_class):
+    //! `agrees` classifies a finding as trace-diff and bisect do (bisect::judge::finding_class):
     //! a candidate (the oracle's trace here, written as an adversary would, with TraceWriter)
     //! that differs from the engine in one element of embed.out.
     use super::*;

@@ -44,7 +44,7 @@ pub(super) fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
         .iter()
         // A note says how the comparison ran, not that anything differs.
         .filter(|f| {
-            crate::bisect_judge::finding_class(f.kind) != crate::bisect_judge::FindingClass::Note
+            crate::bisect::judge::finding_class(f.kind) != crate::bisect::judge::FindingClass::Note
         })
         .filter(|f| {
             !matches!(

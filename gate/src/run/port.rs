@@ -37,7 +37,7 @@ use tracegate_producers::{Producer, RunRecord, Verb};
 
 /// The policy a new port milestone records until its first run has chosen one: the bundled
 /// policy for the coarser of the candidate's and the golden traces' precision
-/// (bisect_judge::precision).
+/// (bisect::judge::precision).
 pub const AUTO_POLICY: &str = "auto";
 
 /// The reference producer of a port: the oracle of tracegate's installation in the recorded
@@ -305,7 +305,7 @@ pub(super) fn run(
             r.get(Role::Candidate)
                 .and_then(|rec| open(&o.root, rec).ok())
         });
-        let candidate = first.as_ref().map(|t| crate::bisect_judge::precision(t).map(|p| p.0)).ok_or_else(|| {
+        let candidate = first.as_ref().map(|t| crate::bisect::judge::precision(t).map(|p| p.0)).ok_or_else(|| {
             let why = runs
                 .first()
                 .and_then(|r| r.get(Role::Candidate))
@@ -317,7 +317,7 @@ pub(super) fn run(
         // f32 candidate to the bf16 bounds, as it does a bf16 candidate to an f32 golden trace.
         let golden: Vec<&str> = goldens
             .iter()
-            .map(|t| crate::bisect_judge::precision(t).map(|p| p.0))
+            .map(|t| crate::bisect::judge::precision(t).map(|p| p.0))
             .collect::<Result<_>>()?;
         let precision = tracegate_diff::policy::coarsest(golden.into_iter().chain([candidate]))
             .unwrap_or(candidate);

@@ -13,8 +13,9 @@ use std::fmt::Write as _;
 use tracegate_diff::html::{esc, json_text, page, val};
 use tracegate_diff::thousands;
 
-use crate::bisect::{BisectReport, LayerRow, Stage};
-use crate::bisect_decode::DecodeReport;
+use crate::bisect::decode::DecodeReport;
+use crate::bisect::prefill::{LayerRow, Stage};
+use crate::bisect::BisectReport;
 
 mod chart;
 mod checks;

@@ -3,7 +3,7 @@
 use tracegate_diff::html::{fmt_real, json_text, LogChart, Mark, Point, Series};
 
 use super::View;
-use crate::bisect::LayerRow;
+use crate::bisect::prefill::LayerRow;
 
 /// One series over the layers: `field` of each row, tied to `/layers/N/<field>`.
 fn series(

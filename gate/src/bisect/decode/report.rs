@@ -3,7 +3,7 @@
 use serde::Serialize;
 use tracegate_diff::string_enum;
 
-use crate::bisect::{DecisionCmp, How, LayerRow, Stage, TensorCmp};
+use crate::bisect::prefill::{DecisionCmp, How, LayerRow, Stage, TensorCmp};
 
 string_enum! {
     /// The candidate's cached decode against its own full recompute.

@@ -1,7 +1,7 @@
 //! The decode part of `gate bisect`'s text output.
 
 use super::{CacheStatus, DecodeReport, DecodeStatus};
-use crate::bisect as b;
+use crate::bisect::prefill as b;
 
 /// The decode part of the human output.
 pub fn render(d: &DecodeReport) -> String {

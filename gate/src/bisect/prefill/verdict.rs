@@ -369,7 +369,7 @@ pub(crate) fn refuse_timeout(runs: &[RunRecord], o: &BisectOptions) -> Result<()
 }
 
 /// A differ finding that states a difference of structure, not of values: the one
-/// classification bisect_judge.rs gives (a signed zero, NaN or infinity is a value difference,
+/// classification ../judge.rs gives (a signed zero, NaN or infinity is a value difference,
 /// judged by its tensor's row; dtype and shape mismatches, rerouted experts and margins are
 /// rows too, `rows`).
 pub(crate) fn is_structure(kind: FindingKind) -> bool {

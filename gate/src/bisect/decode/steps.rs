@@ -7,7 +7,7 @@ use tracegate_trace::names::{self, Name};
 use super::cache::cache_check;
 use super::isolate::isolate_step;
 use super::{decode_view, step_of, CacheStatus, Context, DecodeReport, DecodeStatus};
-use crate::bisect::{
+use crate::bisect::prefill::{
     self as b, BisectOptions, BisectVerdict, CmpStatus, How, Isolated, Said, TensorCmp,
     WholeRunState,
 };

@@ -3,7 +3,7 @@
 use tracegate_diff::{compare, FindingKind, Report, Verdict};
 
 use super::{decode_view, step_of, CacheCheck, CacheStatus, Context};
-use crate::bisect::{self as b, BisectOptions};
+use crate::bisect::prefill::{self as b, BisectOptions};
 use tracegate_producers::{RunRecord, Verb};
 
 /// The candidate's `--cache off` run against its own cached run, decode steps only, judged as
@@ -32,7 +32,7 @@ pub(super) fn cache_check(
         cache: false,
         force: None,
     };
-    let rec = crate::bisect::run_fresh(&o.root, &o.candidate, &verb, o.timeout);
+    let rec = crate::bisect::prefill::run_fresh(&o.root, &o.candidate, &verb, o.timeout);
     runs.push(rec.clone());
     crate::progress::step("decode: candidate traced with --cache off");
     if !rec.ok {

@@ -7,7 +7,7 @@ use tracegate_diff::thousands;
 
 use super::chart::chart;
 use super::{ulp_text, View};
-use crate::bisect::TensorCmp;
+use crate::bisect::prefill::TensorCmp;
 
 fn layer_table(v: &View, h: &mut String) {
     let _ = write!(h, "<table id=\"{}layers\"><tr>", v.id);

@@ -5,7 +5,7 @@ use tracegate_trace::names;
 use tracegate_trace::{Attributes, TraceWriter};
 
 use super::{Context, DecodeReport};
-use crate::bisect::{self as b, BisectOptions, Isolated, LayerStatus, TensorCmp};
+use crate::bisect::prefill::{self as b, BisectOptions, Isolated, LayerStatus, TensorCmp};
 use crate::{gerr, Result};
 use tracegate_producers::{RunRecord, Verb};
 

@@ -208,13 +208,16 @@ string_enum! {
     }
 }
 
+/// The exit code of `cached_decode_differs` (docs/bisect.md, "Exit codes").
+pub const CACHED_DECODE_EXIT: i32 = 6;
+
 impl BisectVerdict {
     /// The exit status (docs/bisect.md, "Exit codes").
     pub fn exit_code(self) -> i32 {
         match self {
             BisectVerdict::NothingWrong => 0,
             BisectVerdict::NotChecked => 4,
-            BisectVerdict::CachedDecodeDiffers => crate::bisect_decode::CACHED_DECODE_EXIT,
+            BisectVerdict::CachedDecodeDiffers => CACHED_DECODE_EXIT,
             BisectVerdict::WrongLayer
             | BisectVerdict::InconsistentProducer
             | BisectVerdict::Accumulates
@@ -315,7 +318,7 @@ pub struct LayerRow {
     /// self_consistency says why when not checked.
     pub self_check: SelfCheck,
     /// The largest ratio of this layer's isolated error to the median of the other matching
-    /// isolated layers' (bisect_judge::OUTLIER_MEASURE; null: not checked, or zero medians);
+    /// isolated layers' (judge::OUTLIER_MEASURE; null: not checked, or zero medians);
     /// `suspicious`: flagged by the outlier check.
     pub peer_ratio: Option<f64>,
     pub suspicious: bool,
@@ -502,46 +505,4 @@ pub struct ReferenceTrace {
     pub path: String,
     pub digest: String,
     pub producer: String,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct BisectReport {
-    pub schema: &'static str,
-    pub summary: String,
-    pub verdict: BisectVerdict,
-    /// `verdict`'s exit status.
-    pub exit_code: i32,
-    pub model: String,
-    pub prompt: Option<String>,
-    pub tokens: Vec<i64>,
-    pub reference: String,
-    /// `--reference trace:PATH`: the stored trace judged against (null: a producer ran).
-    pub reference_trace: Option<ReferenceTrace>,
-    pub candidate: String,
-    /// How it judged and why (the first line of the text verdict).
-    pub judge: Judge,
-    pub capture: Capture,
-    pub layers_total: usize,
-    /// Whether the candidate's decisions were forced from the reference's (null: they agreed).
-    pub decisions_forced: Option<DecisionsForced>,
-    pub whole_run: WholeRun,
-    /// `--timeout`: seconds each producer run may take.
-    pub timeout_s: u64,
-    pub first_wrong_layer: Option<usize>,
-    pub stage: Option<Stage>,
-    pub layers: Vec<LayerRow>,
-    /// Geometric mean growth of the whole-run hidden_out rel L2 per layer, over differing layers.
-    pub amplification_per_layer: Option<f64>,
-    pub calibration: Option<Calibration>,
-    /// `--generate N`: the decode steps (bisect_decode.rs); null without it.
-    pub decode: Option<crate::bisect_decode::DecodeReport>,
-    /// Judged by bits with a calibrated blamed layer: whether its difference is rounding level.
-    pub rounding_level: Option<RoundingLevel>,
-    /// Judged by policy with layers isolated: null when judged by bits.
-    pub rounding_response: Option<RoundingResponse>,
-    pub self_consistency: SelfConsistency,
-    pub outliers: Outliers,
-    pub work_dir: String,
-    pub runs: Vec<RunRecord>,
-    pub gate_invocation: Vec<String>,
 }

@@ -7,7 +7,7 @@ use tracegate_diff::thousands;
 
 use super::layers::{layers, tensor_table};
 use super::View;
-use crate::bisect_decode::DecodeReport;
+use crate::bisect::decode::DecodeReport;
 
 /// `--generate N`: one box per decode step (compared, the first diverging, not compared), the
 /// diverging step's tensors and decisions, the cached-path self-check, and the layers isolated

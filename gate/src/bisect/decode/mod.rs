@@ -25,9 +25,6 @@ pub use render::render;
 pub use report::*;
 pub use steps::run;
 
-/// The exit code of `cached_decode_differs` (docs/bisect.md, "Exit codes").
-pub const CACHED_DECODE_EXIT: i32 = 6;
-
 /// What the prefill bisection hands over.
 pub struct Context<'a> {
     pub reference: &'a Trace,
