@@ -3,17 +3,11 @@
 //! counts exactly; `gate check` re-derives every milestone; `gate bisect` names the first layer whose
 //! body is wrong.
 
-pub mod baselines;
 pub mod bisect;
-pub mod ci;
-pub mod init;
-pub mod milestones;
+pub mod milestone;
 pub mod paths;
 pub mod progress;
 pub mod prompts;
-pub mod report;
-pub mod run;
-pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 

@@ -11,7 +11,7 @@ use crate::{gerr, Result};
 pub struct Prompt {
     pub id: String,
     /// The token ids; for a text prompt, empty until the model's tokenizer has given them (a
-    /// port milestone records them: run/port.rs).
+    /// port milestone records them: milestone/run/port.rs).
     pub tokens: Vec<i64>,
     /// A text prompt: tokenized once by the model's own tokenizer (docs/gate.md, "Prompt sets").
     pub text: Option<TextPrompt>,

@@ -1,10 +1,10 @@
 //! The cached decode path against the candidate's own full recompute.
 
 use tracegate_diff::{compare, FindingKind, Report, Verdict};
+use tracegate_producers::{RunRecord, Verb};
 
 use super::{decode_view, step_of, CacheCheck, CacheStatus, Context};
 use crate::bisect::prefill::{self as b, BisectOptions};
-use tracegate_producers::{RunRecord, Verb};
 
 /// The candidate's `--cache off` run against its own cached run, decode steps only, judged as
 /// the whole runs are.

@@ -1,13 +1,13 @@
 //! The layers isolated at the first diverging decode step (`layer --decode-from P`).
 
 use serde_json::json;
+use tracegate_producers::{RunRecord, Verb};
 use tracegate_trace::names;
 use tracegate_trace::{Attributes, TraceWriter};
 
 use super::{Context, DecodeReport};
 use crate::bisect::prefill::{self as b, BisectOptions, Isolated, LayerStatus, TensorCmp};
 use crate::{gerr, Result};
-use tracegate_producers::{RunRecord, Verb};
 
 /// The capture points of a decode step's layer, in computation order.
 const BODY: [&str; 4] = ["hidden_in", "attn_out", "mlp_out", "hidden_out"];

@@ -2,6 +2,7 @@
 //! isolation at that step (cache.rs, isolate.rs), then the verdict.
 
 use tracegate_diff::{compare, FindingKind, RowStatus};
+use tracegate_producers::RunRecord;
 use tracegate_trace::names::{self, Name};
 
 use super::cache::cache_check;
@@ -11,7 +12,6 @@ use crate::bisect::prefill::{
     self as b, BisectOptions, BisectVerdict, CmpStatus, How, Isolated, Said, TensorCmp,
     WholeRunState,
 };
-use tracegate_producers::RunRecord;
 
 /// The decode bisection, after the prefill's verdict: returns the decode report and the verdict
 /// (the prefill's when it is not `nothing_wrong`: a prefill verdict wins).

@@ -20,12 +20,12 @@ use serde_json::json;
 use tracegate_diff::{
     compare, string_enum, FindingKind, Label, Options, Policy, Report, RowStatus, Verdict,
 };
+use tracegate_producers::{Producer, RunRecord, Verb};
 use tracegate_trace::names::{self, Name};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 use crate::bisect::judge::{self as judge, Ask, Judge, Outliers};
 use crate::{gerr, Result};
-use tracegate_producers::{Producer, RunRecord, Verb};
 
 mod calibrate;
 mod isolate;

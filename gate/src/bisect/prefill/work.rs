@@ -7,8 +7,9 @@
 
 use std::path::Path;
 
-use crate::{gerr, Result};
 use tracegate_producers::{Producer, RunRecord, Verb};
+
+use crate::{gerr, Result};
 
 /// Written into every directory bisect works in; its presence is what lets a later run empty it.
 pub const MARKER: &str = ".tracegate-bisect";

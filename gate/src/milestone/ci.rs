@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use crate::run::{CheckResult, MilestoneReport, Status};
+use crate::milestone::run::{CheckResult, MilestoneReport, Status};
 
 /// Where a check sits: milestone, model, prompt (or `baselines`), check.
 struct Case<'a> {
@@ -19,7 +19,7 @@ struct Case<'a> {
 fn cases(reps: &[MilestoneReport]) -> Vec<Case<'_>> {
     let mut out = Vec::new();
     for r in reps {
-        let model = crate::run::dir_name(&r.model);
+        let model = crate::milestone::run::dir_name(&r.model);
         for p in &r.prompts {
             for c in &p.checks {
                 out.push(Case {
@@ -88,7 +88,7 @@ pub fn junit(reps: &[MilestoneReport]) -> String {
         count(Status::NotChecked)
     );
     for r in reps {
-        let model = crate::run::dir_name(&r.model);
+        let model = crate::milestone::run::dir_name(&r.model);
         let mine: Vec<&Case> = all
             .iter()
             .filter(|c| c.milestone == r.milestone && c.model == model)

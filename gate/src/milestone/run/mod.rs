@@ -7,19 +7,19 @@
 //! (every run, each role in order on a thread of its own, and the oracle probe), then
 //! `judge_plan` per model: prompt.rs judges each prompt (checks.rs, agrees.rs), recorded.rs the
 //! baselines and `--bless`, and `tally` the verdict. report.rs holds the report types;
-//! crate::report renders them.
+//! crate::milestone::render renders them.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use tracegate_diff::Policy;
+use tracegate_producers::{default_contract_cmd, default_oracle_cmd, python, Producer, Verb};
 
-use crate::baselines::{BaselineFile, Conditions};
-use crate::milestones::{Milestone, MilestoneFile, MilestoneModel};
+use crate::milestone::baselines::{BaselineFile, Conditions};
+use crate::milestone::milestones::{Milestone, MilestoneFile, MilestoneModel};
 use crate::prompts::{self, Prompt, PromptSet};
 use crate::{gerr, Result};
-use tracegate_producers::{default_contract_cmd, default_oracle_cmd, python, Producer, Verb};
 
 mod agrees;
 mod checks;

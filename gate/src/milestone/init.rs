@@ -6,14 +6,14 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::milestones::{
+use tracegate_producers::{install_root, Producer, Verb};
+
+use crate::milestone::milestones::{
     Milestone, MilestoneFile, MilestoneModel, Port, PortCandidate, PortReference, PromptRecord,
 };
+use crate::milestone::run::{run_milestone, tokenize_text, GateOptions, AUTO_POLICY};
 use crate::paths::UserPaths;
-use crate::run::{run_milestone, tokenize_text, GateOptions, AUTO_POLICY};
 use crate::{gerr, prompts, Result};
-use tracegate_producers::install_root;
-use tracegate_producers::{Producer, Verb};
 
 /// What `gate init` was asked (paths relative to where it was started).
 pub struct InitOptions {
@@ -154,7 +154,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
         }
     );
     let file = MilestoneFile {
-        schema: crate::milestones::SCHEMA,
+        schema: crate::milestone::milestones::SCHEMA,
         milestones: vec![Milestone {
             id: a.id.clone(),
             claim,
@@ -209,7 +209,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
         timeout: a.timeout,
         gate_invocation: std::env::args().collect(),
         milestones: Some(file),
-        baselines: Some(crate::baselines::BaselineFile {
+        baselines: Some(crate::milestone::baselines::BaselineFile {
             schema: 1,
             baselines: Vec::new(),
         }),
@@ -227,7 +227,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
     };
     let mut text = String::new();
     for r in &reports {
-        text.push_str(&crate::report::render(r));
+        text.push_str(&crate::milestone::render::render(r));
     }
     text.push_str(&format!(
         "\nrecorded (milestones.json, baselines.json, golden/):\n{}\n",

@@ -6,14 +6,14 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 use tracegate_diff::Policy;
+use tracegate_producers::RunRecord;
 use tracegate_trace::{names, Trace};
 
 use super::agrees::check_oracle;
 use super::checks::{check_generation, check_matches, check_stable};
 use super::{GateOptions, PromptResult, PromptRuns, Role};
-use crate::milestones::{Expectation, Milestone, MilestoneModel};
+use crate::milestone::milestones::{Expectation, Milestone, MilestoneModel};
 use crate::prompts::Prompt;
-use tracegate_producers::RunRecord;
 
 /// A trace, or why it cannot be read: its run failed (Producer), its file is unreadable (File),
 /// or, for the oracle, it could not run at all (Unavailable).

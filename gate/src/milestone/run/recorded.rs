@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 use tracegate_diff::FindingKind;
 
-use super::{finding, Check, CheckResult, MilestoneReport, Observed, Plan, PromptResult, Status};
-use crate::baselines::{Baseline, BaselineFile};
-use crate::milestones::{Expectation, MilestoneFile};
+use super::{finding, CheckResult, MilestoneReport, Observed, Plan, PromptResult, Status};
+use crate::milestone::baselines::{Baseline, BaselineFile};
+use crate::milestone::check::Check;
+use crate::milestone::milestones::{Expectation, MilestoneFile};
 use crate::{gerr, Result};
 
 pub(super) fn observed_of(r: &PromptResult) -> BTreeMap<String, f64> {

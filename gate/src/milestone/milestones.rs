@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use tracegate_diff::FindingKind;
 
-use crate::run::Check;
+use crate::milestone::check::Check;
 use crate::{gerr, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -1,6 +1,7 @@
 //! The human summary of a gate run. The JSON report is the serialised `MilestoneReport`.
 
-use crate::run::{Check, CheckResult, GateVerdict, MilestoneReport, Status};
+use crate::milestone::check::Check;
+use crate::milestone::run::{CheckResult, GateVerdict, MilestoneReport, Status};
 
 /// Whose runs a report judges: a port milestone's are its candidate's (docs/gate.md, "Gate your
 /// own engine"), the self-checks' the engine's.

@@ -8,8 +8,9 @@ use super::checks::{
     diff_findings, incomparable, judge, not_comparable, policy_kind, tokens_finding,
 };
 use super::prompt::{decode_tokens, Traces};
-use super::{finding, Check, CheckResult, Finding, OracleSummary, Status};
-use crate::milestones::{Expectation, MilestoneModel};
+use super::{finding, CheckResult, Finding, OracleSummary, Status};
+use crate::milestone::check::Check;
+use crate::milestone::milestones::{Expectation, MilestoneModel};
 use crate::prompts::Prompt;
 
 /// agrees and generation_oracle, in that order, and the summary when the oracle's trace was read.

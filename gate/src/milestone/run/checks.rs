@@ -5,8 +5,9 @@ use tracegate_diff::{FindingKind, Options, RowStatus, Verdict};
 use tracegate_trace::Trace;
 
 use super::prompt::{Opened, Traces};
-use super::{finding, Check, CheckResult, Finding, Generated, Status};
-use crate::milestones::{Expectation, MilestoneModel};
+use super::{finding, CheckResult, Finding, Generated, Status};
+use crate::milestone::check::Check;
+use crate::milestone::milestones::{Expectation, MilestoneModel};
 use crate::prompts::Prompt;
 
 /// Splits findings into failing and excused by the milestone's declared divergences.

@@ -20,20 +20,21 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 use tracegate_diff::{FindingKind, Policy};
+use tracegate_producers::{Producer, RunRecord, Verb};
 use tracegate_trace::Trace;
 
 use super::agrees::compare_agrees;
 use super::checks::{check_stable, incomparable, judge, not_comparable, tokens_finding};
 use super::prompt::{counts, decode_tokens, open, Opened};
 use super::{
-    recorded, Check, CheckResult, GateOptions, Generated, MilestoneReport, Plan, PromptResult,
-    PromptRuns, Role, Settled, Status,
+    recorded, CheckResult, GateOptions, Generated, MilestoneReport, Plan, PromptResult, PromptRuns,
+    Role, Settled, Status,
 };
-use crate::baselines::BaselineFile;
-use crate::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
+use crate::milestone::baselines::BaselineFile;
+use crate::milestone::check::Check;
+use crate::milestone::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
 use crate::prompts::{Prompt, PromptSet};
 use crate::{gerr, Result};
-use tracegate_producers::{Producer, RunRecord, Verb};
 
 /// The policy a new port milestone records until its first run has chosen one: the bundled
 /// policy for the coarser of the candidate's and the golden traces' precision
@@ -115,7 +116,7 @@ fn resolve_text(o: &GateOptions, plan: &mut Plan, port: &Port) -> Result<Option<
         let recorded = port.tokenized.clone().ok_or_else(|| {
             gerr!("{}: text prompts, and milestone {m} records no ids for them: tokenize them with `gate run {m} --bless`", plan.set.path.display())
         })?;
-        let now = crate::tokenizer::tokenizer_digest(&o.root.join(&plan.model))?;
+        let now = crate::milestone::tokenizer::tokenizer_digest(&o.root.join(&plan.model))?;
         if now != recorded.tokenizer_digest {
             return Err(gerr!(
                 "{}: the tokenizer changed (digest {now}, recorded {}): its text prompts' ids may have too — changing the tokenizer changes the gate; rerun with --bless to accept it",
