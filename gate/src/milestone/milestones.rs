@@ -6,9 +6,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use tracegate_diff::FindingKind;
-
-use crate::milestone::check::Check;
+use crate::milestone::check::{Check, FindingKind};
 use crate::{gerr, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

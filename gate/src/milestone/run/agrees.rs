@@ -1,7 +1,7 @@
 //! The checks against the oracle: agrees (engine ≈ oracle under the policy, decisions exact)
 //! and generation_oracle (greedy tokens equal), with the summary of how close they came.
 
-use tracegate_diff::{label_text, FindingKind, Label, Options, Policy, RowStatus, Verdict};
+use tracegate_diff::{label_text, Label, Options, Policy, RowStatus, Verdict};
 use tracegate_trace::Trace;
 
 use super::checks::{
@@ -9,7 +9,7 @@ use super::checks::{
 };
 use super::prompt::{decode_tokens, Traces};
 use super::{finding, CheckResult, Finding, OracleSummary, Status};
-use crate::milestone::check::Check;
+use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Expectation, MilestoneModel};
 use crate::prompts::Prompt;
 
@@ -93,7 +93,8 @@ pub(super) fn compare_agrees(
     // what kind of difference the row is, not a failure: the one classification bisect uses
     // (bisect/judge.rs), so a pair trace-diff calls within policy agrees here too.
     found.retain(|f| {
-        crate::bisect::judge::finding_class(f.kind) != crate::bisect::judge::FindingClass::Values
+        f.kind.differ().map(crate::bisect::judge::finding_class)
+            != Some(crate::bisect::judge::FindingClass::Values)
             || !rep
                 .per_tensor
                 .iter()

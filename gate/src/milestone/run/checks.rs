@@ -1,12 +1,12 @@
 //! The checks against the contract and the engine's own record: stable, matches, generation;
 //! and how a check's findings are judged against the milestone's declared divergences.
 
-use tracegate_diff::{FindingKind, Options, RowStatus, Verdict};
+use tracegate_diff::{Options, RowStatus, Verdict};
 use tracegate_trace::Trace;
 
 use super::prompt::{Opened, Traces};
 use super::{finding, CheckResult, Finding, Generated, Status};
-use crate::milestone::check::Check;
+use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Expectation, MilestoneModel};
 use crate::prompts::Prompt;
 
@@ -50,12 +50,19 @@ pub(super) fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
         .filter(|f| {
             !matches!(
                 f.kind,
-                FindingKind::ValuesDiffer
-                    | FindingKind::DecisionDiffers
-                    | FindingKind::OutsidePolicy
+                tracegate_diff::FindingKind::ValuesDiffer
+                    | tracegate_diff::FindingKind::DecisionDiffers
+                    | tracegate_diff::FindingKind::OutsidePolicy
             )
         })
-        .map(|f| finding(f.kind, f.tensor().unwrap_or_default(), 1, f.detail.clone()))
+        .map(|f| {
+            finding(
+                f.kind.into(),
+                f.tensor().unwrap_or_default(),
+                1,
+                f.detail.clone(),
+            )
+        })
         .collect()
 }
 
@@ -311,7 +318,12 @@ pub(super) fn incomparable(this: &str, pairs: &[(&str, &Trace, &Trace)]) -> Vec<
         let (refused, _) = tracegate_diff::comparable::check(a, b, false);
         found.extend(refused.into_iter().map(|f| {
             let about = f.tensor().map_or_else(|| name.to_string(), str::to_string);
-            finding(f.kind, about, 1, format!("{this} vs {name}: {}", f.detail))
+            finding(
+                f.kind.into(),
+                about,
+                1,
+                format!("{this} vs {name}: {}", f.detail),
+            )
         }));
     }
     found

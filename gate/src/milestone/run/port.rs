@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::{json, Value};
-use tracegate_diff::{FindingKind, Policy};
+use tracegate_diff::Policy;
 use tracegate_producers::{Producer, RunRecord, Verb};
 use tracegate_trace::Trace;
 
@@ -31,7 +31,7 @@ use super::{
     Role, Settled, Status,
 };
 use crate::milestone::baselines::BaselineFile;
-use crate::milestone::check::Check;
+use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
 use crate::prompts::{Prompt, PromptSet};
 use crate::{gerr, Result};

@@ -4,11 +4,10 @@
 use std::collections::BTreeMap;
 
 use serde_json::Value;
-use tracegate_diff::FindingKind;
 
 use super::{finding, CheckResult, MilestoneReport, Observed, Plan, PromptResult, Status};
 use crate::milestone::baselines::{Baseline, BaselineFile};
-use crate::milestone::check::Check;
+use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Expectation, MilestoneFile};
 use crate::{gerr, Result};
 

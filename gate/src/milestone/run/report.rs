@@ -3,10 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use crate::milestone::check::Check;
+use crate::milestone::check::{Check, FindingKind};
 use serde::Serialize;
 use serde_json::Value;
-use tracegate_diff::{string_enum, FindingKind};
+use tracegate_diff::string_enum;
 use tracegate_producers::RunRecord;
 
 string_enum! {
@@ -41,7 +41,13 @@ impl GateVerdict {
 
 /// One thing a check found, counted: excused only by a declared divergence naming all of it
 /// (kind, name and count).
-pub type Finding = tracegate_diff::Finding<Counted>;
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Finding {
+    pub kind: FindingKind,
+    #[serde(flatten)]
+    pub about: Counted,
+    pub detail: String,
+}
 
 /// What a gate finding is about: a tensor, decision, producer or count name (empty: the whole
 /// comparison), and how many elements, rows or tokens.
