@@ -2,6 +2,19 @@
 //! contract and the oracle (each a subprocess with a timeout) on frozen prompts and asserts
 //! counts exactly; `gate check` re-derives every milestone; `gate bisect` names the first layer whose
 //! body is wrong.
+//!
+//! Three parts, from the bottom up; no part imports one above it:
+//! - the producers: the protocol's verbs, spawning a producer under a timeout, serving and
+//!   resident workers. A crate of its own, `tracegate_producers` (producers/), which depends on
+//!   nothing of the gate's;
+//! - [`bisect`]: the bisection (judge, prefill, decode, html);
+//! - [`milestone`]: the milestone gate (run and its checks, milestones, baselines, their
+//!   rendering, `gate init`). A port whose `agrees` fails is localised by a bisection, so this
+//!   part sits above `bisect`.
+//!
+//! Below both, what they share: this file (the errors, the root, JSON files written whole, the
+//! work directory's lock), [`prompts`] (prompt sets, a model's config and whether a prompt fits
+//! it), [`paths`] and [`progress`]. On top, main.rs: the CLI.
 
 pub mod bisect;
 pub mod milestone;
