@@ -3,14 +3,14 @@
 
 use std::path::PathBuf;
 
-use super::Verb;
+use crate::verb::Verb;
 
 /// The hidden first argument with which the gate runs itself as the engine producer.
 pub const ENGINE_CHILD: &str = "__engine-producer";
 
 /// The engine side of ENGINE_CHILD: `argv` is the equivalent engine command line
 /// (`engine trace|layer ARGS --threads N`, as `Producer::argv` writes it).
-pub fn engine_child(argv: &[String]) -> crate::Result<()> {
+pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
     let (verb, threads) = Verb::parse(argv)?;
     match verb {
         Verb::Trace {
@@ -34,7 +34,7 @@ pub fn engine_child(argv: &[String]) -> crate::Result<()> {
             prompt_text: None,
         })
         .map(|_| ())
-        .map_err(crate::Error::from),
+        .map_err(crate::error::Error::from),
         Verb::Layer {
             model,
             layer,
@@ -57,7 +57,7 @@ pub fn engine_child(argv: &[String]) -> crate::Result<()> {
             decode_from,
         })
         .map(|_| ())
-        .map_err(crate::Error::from),
+        .map_err(crate::error::Error::from),
     }
 }
 

@@ -114,7 +114,7 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
 impl Producer {
     /// A subprocess producer, its template checked now rather than failing every run later.
-    pub fn command(name: &str, template: &str) -> crate::Result<Producer> {
+    pub fn command(name: &str, template: &str) -> crate::error::Result<Producer> {
         let bad = |why: &str| {
             gerr!("{name} command template {template:?}: {why} (example: 'my-engine {{verb}} {{args}}'; docs/producers.md)")
         };
@@ -222,7 +222,7 @@ impl Producer {
         root: &Path,
         request: &[String],
         timeout: Duration,
-    ) -> Option<crate::Result<()>> {
+    ) -> Option<crate::error::Result<()>> {
         let (_, serve_argv) = self.serve_argv()?;
         let (e, _) = crate::worker::request(&self.name(), root, &serve_argv, request, timeout);
         Some(match (e.ok, e.timed_out) {
@@ -233,7 +233,7 @@ impl Producer {
                 timeout.as_secs_f64(),
                 display(&serve_argv)
             )),
-            (false, false) => Err(crate::Error::Producer(e.text)),
+            (false, false) => Err(crate::error::Error::Producer(e.text)),
         })
     }
 
@@ -301,9 +301,6 @@ impl Producer {
         }
     }
 }
-
-/// The template word that is the verb and declares that the command answers `serve`.
-pub const SERVE_VERB: &str = "{verb|serve}";
 
 #[cfg(test)]
 mod tests {

@@ -41,8 +41,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::builtin::{default_contract_cmd, default_oracle_cmd};
+use crate::spawn::Ended;
+use crate::verb::{display, split_words, SERVE_VERB};
 use crate::worker::{self, Answer, Served, Worker};
-use crate::{display, Ended};
 
 /// The hidden first argument that runs the gate's executable as a resident worker's daemon.
 pub const RESIDENT_CHILD: &str = "__resident-worker";
@@ -443,23 +445,17 @@ pub(crate) enum Reply {
 /// Whether `serve_argv` is the built-in contract's or oracle's worker (a user's template is
 /// never resident: the gate cannot know what its worker's result depends on).
 fn built_in(root: &Path, serve_argv: &[String]) -> bool {
-    [
-        crate::default_contract_cmd(root),
-        crate::default_oracle_cmd(root),
-    ]
-    .iter()
-    .any(|t| {
-        let words = crate::split_words(t).unwrap_or_default();
-        words
-            .iter()
-            .position(|w| w == crate::SERVE_VERB)
-            .is_some_and(|i| {
+    [default_contract_cmd(root), default_oracle_cmd(root)]
+        .iter()
+        .any(|t| {
+            let words = split_words(t).unwrap_or_default();
+            words.iter().position(|w| w == SERVE_VERB).is_some_and(|i| {
                 words[..i]
                     .iter()
                     .chain(["serve".to_string()].iter())
                     .eq(serve_argv)
             })
-    })
+        })
 }
 
 #[derive(Deserialize)]

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::display;
+use crate::verb::display;
 
 /// What a producer's output may cost the gate, per stream, in memory and in the report.
 pub const CAPTURE_HEAD: usize = 8 * 1024;
@@ -89,17 +89,17 @@ impl Ended {
 
 /// Runs a helper command (not a producer: e.g. the oracle's version probe) under the same
 /// timeout and bounds; its stdout when it succeeds, else why not.
-pub fn run_helper(root: &Path, argv: &[String], timeout: Duration) -> crate::Result<String> {
+pub fn run_helper(root: &Path, argv: &[String], timeout: Duration) -> crate::error::Result<String> {
     let e = run_command(root, argv, timeout);
     match (e.ok, e.timed_out) {
         (true, _) => Ok(e.stdout),
-        (false, true) => Err(crate::gerr!(
+        (false, true) => Err(crate::error::gerr!(
             Producer:
             "timed out after {} s (--timeout) and was killed: $ {}",
             timeout.as_secs_f64(),
             display(argv)
         )),
-        (false, false) => Err(crate::Error::Producer(e.text)),
+        (false, false) => Err(crate::error::Error::Producer(e.text)),
     }
 }
 

@@ -114,18 +114,18 @@ impl Verb {
     }
 
     /// The inverse of `Producer::argv` for the engine: `engine VERB ARGS --threads N`.
-    pub fn parse(argv: &[String]) -> crate::Result<(Verb, usize)> {
+    pub fn parse(argv: &[String]) -> crate::error::Result<(Verb, usize)> {
         let (verb, rest) = match argv {
             [engine, verb, rest @ ..] if engine == "engine" => (verb.as_str(), rest),
             _ => {
-                return Err(crate::gerr!(
+                return Err(crate::error::gerr!(
                     "expected `engine trace|layer ARGS`, got {}",
                     display(argv)
                 ))
             }
         };
         if rest.len() % 2 != 0 {
-            return Err(crate::gerr!(
+            return Err(crate::error::gerr!(
                 "arguments are not --name value pairs: {}",
                 display(rest)
             ));
@@ -136,17 +136,17 @@ impl Verb {
             .collect();
         let mut take = |name: &str| {
             args.remove(name)
-                .ok_or_else(|| crate::gerr!("{verb}: missing {name}"))
+                .ok_or_else(|| crate::error::gerr!("{verb}: missing {name}"))
         };
         let number = |name: &str, v: &str| {
             v.parse::<usize>()
-                .map_err(|e| crate::gerr!("{name} {v:?}: {e}"))
+                .map_err(|e| crate::error::gerr!("{name} {v:?}: {e}"))
         };
         let internals = match take("--capture")? {
             "default" => false,
             "internals" => true,
             other => {
-                return Err(crate::gerr!(
+                return Err(crate::error::gerr!(
                     "--capture {other:?}: expected default or internals"
                 ))
             }
@@ -167,7 +167,7 @@ impl Verb {
                     None | Some("on") => true,
                     Some("off") => false,
                     Some(other) => {
-                        return Err(crate::gerr!("--cache {other:?}: expected on or off"))
+                        return Err(crate::error::gerr!("--cache {other:?}: expected on or off"))
                     }
                 };
                 Verb::Trace {
@@ -187,7 +187,7 @@ impl Verb {
                 let decode_from = match args.remove("--decode-from") {
                     Some(p) => Some(
                         p.parse::<i64>()
-                            .map_err(|e| crate::gerr!("--decode-from {p:?}: {e}"))?,
+                            .map_err(|e| crate::error::gerr!("--decode-from {p:?}: {e}"))?,
                     ),
                     None => None,
                 };
@@ -203,35 +203,38 @@ impl Verb {
                 }
             }
             other => {
-                return Err(crate::gerr!(
+                return Err(crate::error::gerr!(
                     "unknown verb {other:?}: expected trace or layer"
                 ))
             }
         };
         match args.keys().next() {
-            Some(extra) => Err(crate::gerr!("{verb}: unexpected argument {extra}")),
+            Some(extra) => Err(crate::error::gerr!("{verb}: unexpected argument {extra}")),
             None => Ok((parsed, threads)),
         }
     }
 }
 
 /// Token ids as the protocol writes them (`3,17,5`).
-pub fn parse_tokens(s: &str) -> crate::Result<Vec<i64>> {
+pub fn parse_tokens(s: &str) -> crate::error::Result<Vec<i64>> {
     // The producers' grammar (tracegate_trace::protocol): what the gate takes, they take.
     let tokens: std::result::Result<Vec<i64>, _> = s
         .split(',')
         .map(tracegate_trace::protocol::token_id)
         .collect();
-    let tokens = tokens.map_err(|e| crate::gerr!("--tokens {s:?}: {e} (e.g. 3,17,5)"))?;
+    let tokens = tokens.map_err(|e| crate::error::gerr!("--tokens {s:?}: {e} (e.g. 3,17,5)"))?;
     if tokens.is_empty() || tokens.iter().any(|&t| t < 0) {
-        return Err(crate::gerr!(
+        return Err(crate::error::gerr!(
             "--tokens {s:?}: need at least one non-negative token id"
         ));
     }
     Ok(tokens)
 }
 
-pub fn split_words(s: &str) -> crate::Result<Vec<String>> {
+/// The template word that is the verb and declares that the command answers `serve`.
+pub const SERVE_VERB: &str = "{verb|serve}";
+
+pub fn split_words(s: &str) -> crate::error::Result<Vec<String>> {
     let mut words = Vec::new();
     let mut cur = String::new();
     let mut quote: Option<char> = None;
@@ -254,7 +257,7 @@ pub fn split_words(s: &str) -> crate::Result<Vec<String>> {
         }
     }
     if let Some(q) = quote {
-        return Err(crate::gerr!("unterminated {q} quote"));
+        return Err(crate::error::gerr!("unterminated {q} quote"));
     }
     if any || !cur.is_empty() {
         words.push(cur);

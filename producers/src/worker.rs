@@ -19,7 +19,8 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::resident::{self, Client, Reply};
-use crate::{display, exit_text, Capture, Ended};
+use crate::spawn::{exit_text, Capture, Ended};
+use crate::verb::display;
 
 /// (working directory, worker command line): one worker each.
 type Key = (PathBuf, Vec<String>);
@@ -70,11 +71,11 @@ fn nonblocking(f: &std::fs::File) {
 }
 
 impl Worker {
-    pub(crate) fn spawn(root: &Path, argv: &[String]) -> crate::Result<Worker> {
+    pub(crate) fn spawn(root: &Path, argv: &[String]) -> crate::error::Result<Worker> {
         use std::os::unix::process::CommandExt;
         let (prog, rest) = argv
             .split_first()
-            .ok_or_else(|| crate::gerr!("empty worker command"))?;
+            .ok_or_else(|| crate::error::gerr!("empty worker command"))?;
         let mut child = Command::new(prog)
             .args(rest)
             .current_dir(root)
@@ -83,7 +84,7 @@ impl Worker {
             .stderr(Stdio::piped())
             .process_group(0)
             .spawn()
-            .map_err(|e| crate::gerr!(Producer: "could not start {prog:?}: {e}"))?;
+            .map_err(|e| crate::error::gerr!(Producer: "could not start {prog:?}: {e}"))?;
         let as_file = |fd: Option<std::os::fd::OwnedFd>| fd.map(std::fs::File::from);
         let out = as_file(child.stdout.take().map(Into::into));
         let err = as_file(child.stderr.take().map(Into::into));
@@ -91,7 +92,7 @@ impl Worker {
         let stdin = child
             .stdin
             .take()
-            .ok_or_else(|| crate::gerr!(Producer: "worker has no stdin"))?;
+            .ok_or_else(|| crate::error::gerr!(Producer: "worker has no stdin"))?;
         Ok(Worker {
             pid: child.id() as libc::pid_t,
             child,
@@ -245,7 +246,7 @@ impl Worker {
         let start = Instant::now();
         let mut buf = vec![0u8; 64 * 1024];
         self.out = None;
-        while self.err.is_some() && start.elapsed() < crate::DRAIN_GRACE {
+        while self.err.is_some() && start.elapsed() < crate::spawn::DRAIN_GRACE {
             self.pump(&mut buf);
         }
         let mut status: libc::c_int = 0;
@@ -274,7 +275,7 @@ pub(crate) const MAX_ANSWER_LINE: usize = 64 * 1024;
 
 /// A request as its line on the worker's stdin, `{"argv": [VERB, ARG, …]}` (docs/producers.md,
 /// "Serving"), or on a resident daemon's socket, which also takes the time left until the run's
-/// timeout: `{"argv": […], "timeout_ms": N}` (`producer::resident`).
+/// timeout: `{"argv": […], "timeout_ms": N}` (`resident.rs`).
 /// A request of a resident worker also carries its caller's working directory, `"cwd": ABS`
 /// (the worker runs it there).
 pub(crate) fn request_line(
@@ -377,7 +378,7 @@ pub struct Served {
 
 /// A worker for `slot`: a resident one when residency is on and it is free, else this gate
 /// process's own. Says on stderr which, once per worker.
-fn connect(name: &str, root: &Path, serve_argv: &[String]) -> crate::Result<Conn> {
+fn connect(name: &str, root: &Path, serve_argv: &[String]) -> crate::error::Result<Conn> {
     match resident::open(name, root, serve_argv) {
         Some(Ok(c)) => return Ok(Conn::Resident(c)),
         Some(Err(why)) => eprintln!("[gate] {name} worker: {why}; this run starts its own"),

@@ -62,7 +62,7 @@ pub struct Port {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tokenized {
-    /// `tracegate.text.tokenizer_digest` of the model directory (crate::tokenizer).
+    /// `tracegate.text.tokenizer_digest` of the model directory (crate::milestone::tokenizer).
     pub tokenizer_digest: String,
     /// Per text prompt id: its ids and the chat template used (null without `chat`).
     pub prompts: BTreeMap<String, TokenizedPrompt>,
