@@ -2,23 +2,25 @@
 //! contract and the oracle (each a subprocess with a timeout) on frozen prompts and asserts
 //! counts exactly; `gate check` re-derives every milestone; `gate bisect` names the first layer whose
 //! body is wrong.
+//!
+//! Three parts, from the bottom up; no part imports one above it:
+//! - the producers: the protocol's verbs, spawning a producer under a timeout, serving and
+//!   resident workers. A crate of its own, `tracegate_producers` (producers/), which depends on
+//!   nothing of the gate's;
+//! - [`bisect`]: the bisection (judge, prefill, decode, html);
+//! - [`milestone`]: the milestone gate (run and its checks, milestones, baselines, their
+//!   rendering, `gate init`). A port whose `agrees` fails is localised by a bisection, so this
+//!   part sits above `bisect`.
+//!
+//! Below both, what they share: this file (the errors, the root, JSON files written whole, the
+//! work directory's lock), [`prompts`] (prompt sets, a model's config and whether a prompt fits
+//! it), [`paths`] and [`progress`]. On top, main.rs: the CLI.
 
-pub mod baselines;
 pub mod bisect;
-pub mod bisect_decode;
-pub mod bisect_html;
-pub mod bisect_judge;
-pub mod ci;
-pub mod init;
-pub mod milestones;
+pub mod milestone;
 pub mod paths;
-pub mod producer;
 pub mod progress;
 pub mod prompts;
-pub mod report;
-pub mod run;
-pub mod tokenizer;
-pub mod worker;
 
 use std::path::{Path, PathBuf};
 
@@ -86,6 +88,17 @@ impl std::error::Error for Error {
 impl From<tracegate_engine::Error> for Error {
     fn from(e: tracegate_engine::Error) -> Error {
         Error::Engine(e)
+    }
+}
+
+/// A producer's error is the gate's of the same kind (its message unchanged).
+impl From<tracegate_producers::Error> for Error {
+    fn from(e: tracegate_producers::Error) -> Error {
+        match e {
+            tracegate_producers::Error::Refused(s) => Error::Refused(s),
+            tracegate_producers::Error::Producer(s) => Error::Producer(s),
+            tracegate_producers::Error::Engine(e) => Error::Engine(e),
+        }
     }
 }
 

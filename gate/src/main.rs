@@ -4,10 +4,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use tracegate_gate::milestone::check::Check;
+use tracegate_gate::milestone::run::{run_milestone, GateOptions, MilestoneReport};
+use tracegate_gate::milestone::{milestones::MilestoneFile, render};
 use tracegate_gate::paths::UserPaths;
-use tracegate_gate::producer::DEFAULT_TIMEOUT_S;
-use tracegate_gate::run::{run_milestone, Check, GateOptions, MilestoneReport};
-use tracegate_gate::{find_root, gerr, milestones::MilestoneFile, report, Error};
+use tracegate_gate::{find_root, gerr, Error};
+use tracegate_producers::DEFAULT_TIMEOUT_S;
 
 #[derive(Parser)]
 #[command(
@@ -311,7 +313,7 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     };
     let o = bisect_options(root, up, a, &work).map_err(refused)?;
     let rep = tracegate_gate::bisect::run(&o).map_err(refused)?;
-    let printed = say(&tracegate_gate::bisect::render(&rep));
+    let printed = say(&tracegate_gate::bisect::render::render(&rep));
     let mut files = Vec::new();
     if let Some(p) = &report {
         files.push(Output::json(p, &rep)?);
@@ -319,7 +321,7 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     if let Some(p) = &html {
         files.push(Output::html(
             p,
-            tracegate_gate::bisect_html::render_html(&rep),
+            tracegate_gate::bisect::html::render_html(&rep),
         ));
     }
     write_outputs(&files)?;
@@ -347,7 +349,7 @@ fn bisect_options(
         None => None,
     };
     let tokens = match (&a.tokens, &a.prompt, &stored) {
-        (Some(t), None, _) => prompts::parse_tokens(t)?,
+        (Some(t), None, _) => tracegate_producers::parse_tokens(t)?,
         (None, Some(id), _) => prompts::load(&prompts::resolve(root, &prompts_arg(up, &a.prompts)))
             .and_then(|s| {
                 s.token_ids_only("gate bisect")?;
@@ -510,7 +512,7 @@ impl Output {
     fn junit(path: &std::path::Path, reps: &[MilestoneReport]) -> Output {
         Output {
             path: path.to_path_buf(),
-            bytes: tracegate_gate::ci::junit(reps).into_bytes(),
+            bytes: tracegate_gate::milestone::ci::junit(reps).into_bytes(),
             what: "JUnit report",
         }
     }
@@ -556,7 +558,7 @@ fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Res
     let (reps, bless_log) = run_milestone(&options(root, up, id, a))?;
     let mut text = String::new();
     for rep in &reps {
-        text.push_str(&report::render(rep));
+        text.push_str(&render::render(rep));
     }
     if reps.len() > 1 {
         text.push_str(&overall_line(id, &reps));
@@ -569,9 +571,9 @@ fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Res
             let page = if reps.len() == 1 {
                 p.clone()
             } else {
-                html_path(&p, &tracegate_gate::run::dir_name(&rep.model))
+                html_path(&p, &tracegate_gate::milestone::run::dir_name(&rep.model))
             };
-            pages.push(Output::html(&page, report::render_html(rep)));
+            pages.push(Output::html(&page, render::render_html(rep)));
         }
     }
     if let Some(log) = bless_log {
@@ -612,10 +614,10 @@ fn finish_run(run: Run, up: &UserPaths, a: &RunArgs) -> Result<i32, Error> {
 /// Under GitHub Actions: an ::error line per FAIL and a ::warning per NOT CHECKED, on stdout
 /// after the text (where the runner reads workflow commands).
 fn annotate(reps: &[MilestoneReport]) -> Result<(), Error> {
-    if !tracegate_gate::ci::on_github_actions() {
+    if !tracegate_gate::milestone::ci::on_github_actions() {
         return Ok(());
     }
-    let lines = tracegate_gate::ci::github_annotations(reps);
+    let lines = tracegate_gate::milestone::ci::github_annotations(reps);
     if lines.is_empty() {
         return Ok(());
     }
@@ -634,7 +636,7 @@ fn html_path(p: &std::path::Path, model: &str) -> PathBuf {
 
 /// Several models: one line that sums every report's checks, so the last line is the verdict.
 fn overall_line(id: &str, reps: &[MilestoneReport]) -> String {
-    use tracegate_gate::run::Status;
+    use tracegate_gate::milestone::run::Status;
     let n = |s: Status| -> usize { reps.iter().filter_map(|r| r.totals.get(&s)).sum() };
     let verdict = match worst_exit(reps) {
         0 => "PASS",
@@ -664,7 +666,7 @@ fn worst_exit(reps: &[MilestoneReport]) -> i32 {
 
 /// The three answers `gate check` gives per milestone, over every model's report.
 fn answer(reps: &[MilestoneReport], checks: &[Check]) -> (&'static str, String) {
-    use tracegate_gate::run::Status;
+    use tracegate_gate::milestone::run::Status;
     let relevant: Vec<_> = reps
         .iter()
         .flat_map(|r| {
@@ -675,7 +677,10 @@ fn answer(reps: &[MilestoneReport], checks: &[Check]) -> (&'static str, String) 
         .filter(|(_, _, c)| checks.contains(&c.check))
         .collect();
     let at = |r: &MilestoneReport, p: &str, c: &Check| {
-        format!("{} {p}/{c}", tracegate_gate::run::dir_name(&r.model))
+        format!(
+            "{} {p}/{c}",
+            tracegate_gate::milestone::run::dir_name(&r.model)
+        )
     };
     if let Some((r, p, c)) = relevant.iter().find(|(_, _, c)| c.status == Status::Fail) {
         return ("FAIL", format!("{}: {}", at(r, &p.id, &c.check), c.detail));
@@ -699,7 +704,7 @@ fn answer(reps: &[MilestoneReport], checks: &[Check]) -> (&'static str, String) 
         .map(|r| {
             format!(
                 "{} {} prompts",
-                tracegate_gate::run::dir_name(&r.model),
+                tracegate_gate::milestone::run::dir_name(&r.model),
                 r.prompts.len()
             )
         })
@@ -710,25 +715,25 @@ fn answer(reps: &[MilestoneReport], checks: &[Check]) -> (&'static str, String) 
 fn main() -> ExitCode {
     if std::env::args_os()
         .nth(1)
-        .is_some_and(|a| a == tracegate_gate::producer::ENGINE_CHILD)
+        .is_some_and(|a| a == tracegate_producers::ENGINE_CHILD)
     {
         return engine_child();
     }
     if std::env::args_os()
         .nth(1)
-        .is_some_and(|a| a == tracegate_gate::producer::resident::RESIDENT_CHILD)
+        .is_some_and(|a| a == tracegate_producers::resident::RESIDENT_CHILD)
     {
         let args: Vec<String> = std::env::args_os()
             .skip(2)
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
-        return ExitCode::from(tracegate_gate::producer::resident::daemon_main(&args) as u8);
+        return ExitCode::from(tracegate_producers::resident::daemon_main(&args) as u8);
     }
     let cli = Cli::parse();
     // Needs no project: the runtime directory is the user's.
     if let Cmd::Workers { action } = &cli.cmd {
         let stop = matches!(action, Some(WorkersAction::Stop));
-        return match tracegate_gate::producer::resident::workers_verb(stop) {
+        return match tracegate_producers::resident::workers_verb(stop) {
             Ok(text) => match say(&format!("{text}\n")) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -743,7 +748,8 @@ fn main() -> ExitCode {
         };
     }
     if let Cmd::Init(a) = &cli.cmd {
-        let code = match tracegate_gate::init::run(cli.root.as_deref(), &init_options(a)) {
+        let code = match tracegate_gate::milestone::init::run(cli.root.as_deref(), &init_options(a))
+        {
             Ok(done) => match say(&done.text) {
                 Ok(()) => done.exit_code,
                 Err(e) => {
@@ -854,14 +860,14 @@ fn main() -> ExitCode {
         }
     };
     // Last: what outlives this run and how to stop it (docs/producers.md, "Resident workers").
-    if let Some(line) = tracegate_gate::worker::resident_after_run() {
+    if let Some(line) = tracegate_producers::worker::resident_after_run() {
         eprintln!("{line}");
     }
     code
 }
 
-fn init_options(a: &InitArgs) -> tracegate_gate::init::InitOptions {
-    tracegate_gate::init::InitOptions {
+fn init_options(a: &InitArgs) -> tracegate_gate::milestone::init::InitOptions {
+    tracegate_gate::milestone::init::InitOptions {
         model: a.model.clone(),
         candidate_cmd: a.candidate_cmd.clone(),
         prompts: a.prompts.clone(),
@@ -887,7 +893,7 @@ fn engine_child() -> ExitCode {
         .map(|a| a.into_string())
         .collect();
     let result = match argv {
-        Ok(argv) => tracegate_gate::producer::engine_child(&argv),
+        Ok(argv) => tracegate_producers::engine_child(&argv).map_err(Error::from),
         Err(bad) => Err(gerr!("argument {bad:?} is not UTF-8")),
     };
     match result {

@@ -11,7 +11,7 @@ use crate::{gerr, Result};
 pub struct Prompt {
     pub id: String,
     /// The token ids; for a text prompt, empty until the model's tokenizer has given them (a
-    /// port milestone records them: run/port.rs).
+    /// port milestone records them: milestone/run/port.rs).
     pub tokens: Vec<i64>,
     /// A text prompt: tokenized once by the model's own tokenizer (docs/gate.md, "Prompt sets").
     pub text: Option<TextPrompt>,
@@ -260,21 +260,6 @@ impl PromptSet {
             )
         })
     }
-}
-
-pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
-    // The producers' grammar (tracegate_trace::protocol): what the gate takes, they take.
-    let tokens: std::result::Result<Vec<i64>, _> = s
-        .split(',')
-        .map(tracegate_trace::protocol::token_id)
-        .collect();
-    let tokens = tokens.map_err(|e| gerr!("--tokens {s:?}: {e} (e.g. 3,17,5)"))?;
-    if tokens.is_empty() || tokens.iter().any(|&t| t < 0) {
-        return Err(gerr!(
-            "--tokens {s:?}: need at least one non-negative token id"
-        ));
-    }
-    Ok(tokens)
 }
 
 /// Refuses, before any producer runs, a prompt whose positions (its tokens, then `generate`

@@ -5,8 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use tracegate_gate::baselines::BaselineFile;
-use tracegate_gate::milestones::MilestoneFile;
+use tracegate_gate::milestone::baselines::BaselineFile;
+use tracegate_gate::milestone::milestones::MilestoneFile;
 use tracegate_gate::prompts;
 
 fn root() -> PathBuf {

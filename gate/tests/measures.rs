@@ -1,6 +1,6 @@
 //! One definition of each element-wise measure (docs/diff.md, "Measures"): planted NaN and
 //! infinity pairs give the same numbers in trace-diff's report row, in the public measures
-//! (`tracegate_diff::measures`) and in `gate bisect`'s calibration (`bisect::f32_stats`, whose
+//! (`tracegate_diff::measures`) and in `gate bisect`'s calibration (`bisect::prefill::f32_stats`, whose
 //! rel L2 the bisect report divides the layer rows' by). Every expected value is worked by hand
 //! below from the definitions, not computed by the code under test.
 
@@ -9,7 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use serde_json::json;
 use tracegate_diff::measures::{self, compare_element, Difference, Pair, Special};
 use tracegate_diff::{compare_files, Options};
-use tracegate_gate::bisect::f32_stats;
+use tracegate_gate::bisect::prefill::f32_stats;
 use tracegate_trace::{Attributes, DType, TraceWriter};
 
 const NAN: u32 = 0x7fc0_0000;

@@ -1,250 +1,36 @@
 //! `gate bisect`: find the first layer whose *body* is wrong, not just the first layer whose
-//! output differs. Both producers write whole traces; then the candidate's `layer` verb runs
-//! each layer alone on the **reference's** input to that layer, so a layer that matches in
-//! isolation but differs in the whole run has inherited its difference from upstream. Within the
-//! first wrong layer the capture points name the first wrong sub-stage. `--calibrate` chains the
-//! reference's own layer verb over a 1-ULP perturbation of its input, to say how large the
-//! candidate's difference is next to rounding noise. Before a layer body is blamed, the
-//! candidate's layer verb is checked against its own whole run (`inconsistent_producer`). How it
-//! judges, the rounding-level reading and the outlier flag: bisect_judge.rs. Report schema:
-//! docs/bisect.md, docs/bisect-report.schema.json.
+//! output differs (docs/bisect.md; report schema docs/bisect-report.schema.json).
 //!
-//! `run` (this file) drives the phases: whole.rs the whole runs (run, judge, force decisions,
-//! locate), layers.rs the per-layer phases, isolate.rs layer isolation and self-consistency,
-//! calibrate.rs `--calibrate`, verdict.rs the verdict; report.rs holds the report types and
-//! render.rs the text output.
-
-use std::path::{Path, PathBuf};
+//! The parts, from the bottom up; none imports one above it:
+//! - judge.rs: how it judges (by bits or a policy), the rounding-level reading, the outliers;
+//! - prefill/: the prefill's phases (whole runs, layers in isolation, self-consistency,
+//!   calibration, the verdict), the options and the report's types;
+//! - decode/: `--generate N`, the decode steps after the prefill, built on prefill's pieces;
+//! - this file: the bisection itself (`run`: the prefill, then the decode steps) and its report;
+//! - render.rs the text output and html/ the page (`--html`), both of the whole report.
 
 use serde::Serialize;
-use serde_json::json;
-use tracegate_diff::{
-    compare, string_enum, FindingKind, Label, Options, Policy, Report, RowStatus, Verdict,
-};
-use tracegate_trace::names::{self, Name};
-use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
+use tracegate_diff::{Options, Verdict};
+use tracegate_producers::RunRecord;
 
-use crate::bisect_judge::{self as judge, Ask, By, Judge, Outliers, RoundingLevel};
-use crate::producer::{Producer, RunRecord, Verb};
-use crate::{gerr, Result};
+use crate::Result;
 
-mod calibrate;
-mod isolate;
-mod layers;
-mod render;
-mod report;
-mod stored;
-mod verdict;
-mod whole;
-mod work;
+pub mod decode;
+pub mod html;
+pub mod judge;
+pub mod prefill;
+pub mod render;
 
-pub use calibrate::*;
-pub(crate) use isolate::*;
-pub use render::*;
-pub use report::*;
-pub use stored::*;
-pub(crate) use verdict::*;
-pub(crate) use work::run_fresh;
-pub use work::MARKER as WORK_MARKER;
+use judge::{By, Judge, Outliers, RoundingLevel};
+use prefill::*;
+pub use prefill::{producer, BisectOptions, Reference, StoredReference};
 
 /// The report's format (docs/bisect.md, docs/bisect-report.schema.json).
 pub const SCHEMA: &str = "tracegate-bisect/4";
 
-#[derive(Clone, Debug)]
-pub struct BisectOptions {
-    pub root: PathBuf,
-    pub model: String,
-    pub tokens: Vec<i64>,
-    pub prompt: Option<String>,
-    /// A producer run now, or a trace recorded before (`--reference trace:PATH`, stored.rs).
-    pub reference: Reference,
-    pub candidate: Producer,
-    /// Judge by this policy (`--policy`); None: see `exact`.
-    pub policy: Option<String>,
-    /// `--exact`: judge by bits. Neither: by bits for two ordered producers, else by the bundled
-    /// policy for the candidate's precision (bisect_judge.rs).
-    pub exact: bool,
-    /// `--precision`: the candidate's precision, over its declaration and its dtype.
-    pub precision: Option<&'static str>,
-    pub all_layers: bool,
-    pub internals: bool,
-    pub calibrate: bool,
-    pub seed: u64,
-    /// `--generate N`: decode steps in the whole runs, bisected after the prefill (bisect_decode.rs).
-    pub generate: usize,
-    /// Where the traces go, relative to root; kept for inspection.
-    pub work: String,
-    /// Each producer run is killed after this long, and the bisection refused.
-    pub timeout: std::time::Duration,
-    pub gate_invocation: Vec<String>,
-    /// `--allow-stack-mismatch`: two oracle stacks that differ (not only in dtype) are compared,
-    /// each difference a `stack_mismatch_allowed` finding, as `trace-diff` does.
-    pub allow_stack_mismatch: bool,
-}
-
-/// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.
-pub fn producer(
-    root: &Path,
-    kind: &str,
-    template: Option<&str>,
-    side: &str,
-    threads: usize,
-) -> Result<Producer> {
-    let cmd = |name: &str, default: String| Producer::command(name, template.unwrap_or(&default));
-    match (kind, template) {
-        ("engine", None) => Ok(Producer::Engine { threads }),
-        ("engine", Some(_)) => Err(gerr!("--{side}-cmd: the engine is built into the gate and takes no command; use --{side} cmd to run a command")),
-        ("contract", _) => cmd("contract", crate::run::default_contract_cmd(root)),
-        ("oracle", _) => cmd("oracle", crate::run::default_oracle_cmd(root)),
-        ("cmd", Some(_)) => cmd(&format!("{side}-cmd"), String::new()),
-        ("cmd", None) => Err(gerr!("--{side} cmd needs --{side}-cmd 'TEMPLATE' (e.g. 'my-engine {{verb}} {{args}}')")),
-        (other, _) => Err(gerr!("--{side} {other:?}: expected engine, contract, oracle or cmd")),
-    }
-}
-
-/// Whether a producer is one of the built-in ordered ones (docs/numerics.md): the engine, or the
-/// contract run by its own command. A replaced command is the user's producer.
-pub fn is_ordered(root: &Path, p: &Producer) -> bool {
-    match p {
-        Producer::Engine { .. } => true,
-        Producer::Command { name, words, .. } => {
-            name == "contract"
-                && matches!(Producer::command("contract", &crate::run::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
-        }
-    }
-}
-
-// ------------------------------------------------------------------------------------------
-// Helpers
-
-pub(crate) fn is_oracle(t: &Trace) -> bool {
-    tracegate_diff::comparable::is_oracle(t.provenance())
-}
-
-/// Where a capture point sits: -1 embed, NN a layer, i64::MAX the head (final norm, logits, decode).
-pub(crate) fn location(name: &str) -> i64 {
-    if name.starts_with("embed.") {
-        return -1;
-    }
-    let n = Name::parse(name);
-    match (n.decode_step, n.layer) {
-        (None, Some(l)) => l as i64,
-        _ => i64::MAX,
-    }
-}
-
-pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
-    rep.per_tensor
-        .iter()
-        .map(|r| TensorCmp {
-            tensor: r.tensor.clone(),
-            status: CmpStatus::Row(r.status),
-            differing_elements: r.differing_elements,
-            total_elements: r.total_elements,
-            max_ulp: r.max_ulp,
-            rel_l2: r.rel_l2.map(|x| x.0),
-            cosine: r.cosine.map(|x| x.0),
-            scale_error: r.scale_error.map(|x| x.0),
-            violations: r.violations.to_vec(),
-        })
-        // A common tensor of another dtype or shape gets no value row; it differs all the same.
-        .chain(
-            rep.findings
-                .iter()
-                .filter(|f| {
-                    matches!(
-                        f.kind,
-                        FindingKind::DtypeMismatch | FindingKind::ShapeMismatch
-                    )
-                })
-                .map(|f| TensorCmp {
-                    tensor: f.tensor().unwrap_or_default().to_string(),
-                    status: CmpStatus::Structure(f.kind),
-                    differing_elements: None,
-                    total_elements: 0,
-                    max_ulp: None,
-                    rel_l2: None,
-                    cosine: None,
-                    scale_error: None,
-                    violations: Vec::new(),
-                }),
-        )
-        .collect()
-}
-
-pub(crate) fn decisions(rep: &Report) -> Vec<DecisionCmp> {
-    rep.decisions
-        .results
-        .iter()
-        .map(|d| DecisionCmp {
-            name: d.name.clone(),
-            rows: d.rows,
-            differing_rows: d.differing_rows,
-            excused_rows: d.flips.iter().filter(|f| f.excused()).count() as u64,
-        })
-        .collect()
-}
-
-pub(crate) fn open(root: &Path, rel: &str) -> Result<Trace> {
-    Trace::open(root.join(rel)).map_err(|e| gerr!(File: "{rel}: {e}"))
-}
-
-pub use tracegate_diff::thousands;
-
-pub(crate) fn sci(x: Option<f64>) -> String {
-    match x {
-        None => "-".into(),
-        Some(0.0) => "0".into(),
-        Some(v) => format!("{v:.2e}"),
-    }
-}
-
-pub(crate) fn ulps(x: Option<u64>) -> String {
-    x.map(thousands).unwrap_or_else(|| "-".into())
-}
-
-pub(crate) fn ratio(x: Option<f64>) -> String {
-    match x {
-        None => "-".into(),
-        Some(v) if v >= 10.0 => format!("{}×", thousands(v.round() as u64)),
-        Some(v) => format!("{v:.2}×"),
-    }
-}
-
-/// "00-01", "03", or "00, 02" for a set of layers (sorted).
-pub(crate) fn span(layers: &[usize]) -> String {
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < layers.len() {
-        let mut j = i;
-        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j {
-            format!("{:02}", layers[i])
-        } else {
-            format!("{:02}-{:02}", layers[i], layers[j])
-        });
-        i = j + 1;
-    }
-    parts.join(", ")
-}
-
-/// "layer 03 inherits" / "layers 03-04 inherit".
-pub(crate) fn say(layers: &[usize], one: &str, many: &str) -> String {
-    if layers.len() == 1 {
-        format!("layer {} {one}", span(layers))
-    } else {
-        format!("layers {} {many}", span(layers))
-    }
-}
-
-// ------------------------------------------------------------------------------------------
-// The bisection
-
-/// The bisection, phase by phase: the whole runs (whole.rs: run, judge, force decisions,
-/// locate), the layers (layers.rs: isolate, self-check, statuses, calibrate, outliers), the
-/// verdict (verdict.rs) and the decode steps (bisect_decode.rs). Every producer run is recorded
+/// The bisection, phase by phase: the whole runs (prefill/whole.rs: run, judge, force decisions,
+/// locate), the layers (prefill/layers.rs: isolate, self-check, statuses, calibrate, outliers), the
+/// verdict (prefill/verdict.rs) and the decode steps (decode/). Every producer run is recorded
 /// in `runs`; one that timed out refuses the bisection.
 pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     crate::prompts::check_fits(
@@ -267,11 +53,11 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let mut runs = Vec::new();
     let whole = whole::whole_runs(o, &mut runs)?;
     let (judge, policy, ordered) = whole::choose_judge(o, &whole)?;
-    // The decode steps are bisected after the prefill, step by step (bisect_decode.rs).
+    // The decode steps are bisected after the prefill, step by step (decode/).
     let opts = Options {
         all: true,
         policy: policy.clone(),
-        filter: crate::bisect_decode::prefill_filter(o.generate),
+        filter: decode::prefill_filter(o.generate),
         allow_stack_mismatch: o.allow_stack_mismatch,
         ..Options::default()
     };
@@ -377,14 +163,14 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         summary.push_str(&format!("; {words}"));
     }
     let (decode, (verdict, summary)) = if o.generate > 0 {
-        let ctx = crate::bisect_decode::Context {
+        let ctx = decode::Context {
             reference,
             candidate: &whole.candidate,
             policy: &policy,
             layers: n,
             allow_stack_mismatch: o.allow_stack_mismatch,
         };
-        let (d, v) = crate::bisect_decode::run(o, &ctx, &mut runs, (verdict, summary));
+        let (d, v) = decode::run(o, &ctx, &mut runs, (verdict, summary));
         refuse_timeout(&runs, o)?;
         (Some(d), v)
     } else {
@@ -434,15 +220,44 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    /// Before `names`, `location` read two digits: `layer.100.*` sat at layer 10.
-    #[test]
-    fn location_reads_every_digit_of_the_layer() {
-        assert_eq!(super::location("layer.100.mlp_out"), 100);
-        assert_eq!(super::location("layer.07.q"), 7);
-        assert_eq!(super::location("embed.out"), -1);
-        assert_eq!(super::location("logits"), i64::MAX);
-        assert_eq!(super::location("decode.0001.layer.03.q"), i64::MAX);
-    }
+#[derive(Clone, Debug, Serialize)]
+pub struct BisectReport {
+    pub schema: &'static str,
+    pub summary: String,
+    pub verdict: BisectVerdict,
+    /// `verdict`'s exit status.
+    pub exit_code: i32,
+    pub model: String,
+    pub prompt: Option<String>,
+    pub tokens: Vec<i64>,
+    pub reference: String,
+    /// `--reference trace:PATH`: the stored trace judged against (null: a producer ran).
+    pub reference_trace: Option<ReferenceTrace>,
+    pub candidate: String,
+    /// How it judged and why (the first line of the text verdict).
+    pub judge: Judge,
+    pub capture: Capture,
+    pub layers_total: usize,
+    /// Whether the candidate's decisions were forced from the reference's (null: they agreed).
+    pub decisions_forced: Option<DecisionsForced>,
+    pub whole_run: WholeRun,
+    /// `--timeout`: seconds each producer run may take.
+    pub timeout_s: u64,
+    pub first_wrong_layer: Option<usize>,
+    pub stage: Option<Stage>,
+    pub layers: Vec<LayerRow>,
+    /// Geometric mean growth of the whole-run hidden_out rel L2 per layer, over differing layers.
+    pub amplification_per_layer: Option<f64>,
+    pub calibration: Option<Calibration>,
+    /// `--generate N`: the decode steps (decode/); null without it.
+    pub decode: Option<decode::DecodeReport>,
+    /// Judged by bits with a calibrated blamed layer: whether its difference is rounding level.
+    pub rounding_level: Option<RoundingLevel>,
+    /// Judged by policy with layers isolated: null when judged by bits.
+    pub rounding_response: Option<RoundingResponse>,
+    pub self_consistency: SelfConsistency,
+    pub outliers: Outliers,
+    pub work_dir: String,
+    pub runs: Vec<RunRecord>,
+    pub gate_invocation: Vec<String>,
 }

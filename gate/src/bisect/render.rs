@@ -241,7 +241,7 @@ pub fn render(r: &BisectReport) -> String {
         }
     }
     if let Some(d) = &r.decode {
-        o.push_str(&crate::bisect_decode::render(d));
+        o.push_str(&super::decode::render(d));
     }
     o.push_str(&format!("\n  traces in {}\n", r.work_dir));
     o

@@ -1,0 +1,184 @@
+//! The layers isolated at the first diverging decode step (`layer --decode-from P`).
+
+use serde_json::json;
+use tracegate_producers::{RunRecord, Verb};
+use tracegate_trace::names;
+use tracegate_trace::{Attributes, TraceWriter};
+
+use super::{Context, DecodeReport};
+use crate::bisect::prefill::{self as b, BisectOptions, Isolated, LayerStatus, TensorCmp};
+use crate::{gerr, Result};
+
+/// The capture points of a decode step's layer, in computation order.
+const BODY: [&str; 4] = ["hidden_in", "attn_out", "mlp_out", "hidden_out"];
+
+/// Writes the isolation inputs of step `s` from the reference: `decode.SSSS.input.trace`, per
+/// layer `layer.LL.hidden_in` at positions 0..=P (the prefill's rows, then steps 1..=s), and
+/// `decode.SSSS.reference.trace`, per layer the step's `layer.LL.*` row as the candidate's
+/// `layer --decode-from P` writes it (one row at P, attribute `decode_from`).
+fn write_step_inputs(
+    o: &BisectOptions,
+    c: &Context,
+    s: usize,
+    p: i64,
+    input_rel: &str,
+    view_rel: &str,
+) -> Result<()> {
+    let r = c.reference;
+    let mut prov = r.provenance().clone();
+    if let Some(x) = prov.as_object_mut() {
+        x.insert(
+            "bisect_decode_step".into(),
+            json!({ "step": s, "position": p, "from": r.path().display().to_string() }),
+        );
+    }
+    let create = |rel: &str| {
+        TraceWriter::create(o.root.join(rel), prov.clone()).map_err(|e| gerr!(File: "{rel}: {e}"))
+    };
+    let (mut input, mut view) = (create(input_rel)?, create(view_rel)?);
+    for l in 0..c.layers {
+        let pre = names::layer(l, "hidden_in");
+        let mut x = r
+            .f32_slice(&pre)
+            .map_err(|e| gerr!(File: "the reference's {pre}: {e}"))?
+            .to_vec();
+        let info = r
+            .tensor_info(&pre)
+            .ok_or_else(|| gerr!(Producer: "the reference has no {pre}"))?;
+        let h = *info.shape.last().unwrap_or(&0);
+        for t in 1..=s {
+            let name = names::decode(t, &pre);
+            x.extend_from_slice(
+                r.f32_slice(&name)
+                    .map_err(|e| gerr!(File: "the reference's {name}: {e}"))?,
+            );
+        }
+        let attrs = Attributes {
+            positions: Some((0..=p).collect()),
+            ..info.attributes.clone()
+        };
+        input
+            .tensor_f32(&pre, &[p as u64 + 1, h], &x, &attrs)
+            .map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
+        for point in BODY {
+            let name = names::decode(s, &names::layer(l, point));
+            let info = r
+                .tensor_info(&name)
+                .ok_or_else(|| gerr!(Producer: "the reference has no {name}"))?;
+            let mut attrs = info.attributes.clone();
+            attrs.extra.insert("decode_from".into(), p.to_string());
+            let data = r
+                .f32_slice(&name)
+                .map_err(|e| gerr!(File: "the reference's {name}: {e}"))?;
+            view.tensor_f32(&names::layer(l, point), &info.shape, data, &attrs)
+                .map_err(|e| gerr!(File: "{view_rel}: {e}"))?;
+        }
+    }
+    input
+        .finish()
+        .map_err(|e| gerr!(File: "{input_rel}: {e}"))?;
+    view.finish().map_err(|e| gerr!(File: "{view_rel}: {e}"))?;
+    Ok(())
+}
+
+/// Isolates layers at step `s` (up to the first diverging one, or all with `--all-layers`).
+/// `step_all`: the whole runs' comparison of every tensor of step `s`.
+pub(super) fn isolate_step(
+    o: &BisectOptions,
+    c: &Context,
+    s: usize,
+    p: i64,
+    step_all: &[TensorCmp],
+    d: &mut DecodeReport,
+    runs: &mut Vec<RunRecord>,
+) {
+    let input_rel = format!("{}/decode.{s:04}.input.trace", o.work);
+    let view_rel = format!("{}/decode.{s:04}.reference.trace", o.work);
+    if let Err(e) = write_step_inputs(o, c, s, p, &input_rel, &view_rel) {
+        d.isolation_not_checked = Some(e.to_string());
+        return;
+    }
+    let view = match b::open(&o.root, &view_rel) {
+        Ok(t) => t,
+        Err(e) => {
+            d.isolation_not_checked = Some(e.to_string());
+            return;
+        }
+    };
+    let whole = |l: usize| {
+        step_all
+            .iter()
+            .find(|t| t.tensor == names::decode(s, &names::layer(l, "hidden_out")))
+            .cloned()
+    };
+    let differs = |l: usize| {
+        d.step_tensors.iter().any(|t| {
+            t.tensor
+                .starts_with(&names::decode(s, &names::layer_prefix(l)))
+        })
+    };
+    let first_layer = (0..c.layers).find(|&l| differs(l));
+    let upto = if o.all_layers {
+        c.layers
+    } else {
+        first_layer.map_or(0, |l| l + 1)
+    };
+    crate::progress::plan(upto as u64);
+    for l in 0..upto {
+        let h = whole(l);
+        let mut row = b::layer_row(l, differs(l), h.as_ref());
+        let run = b::LayerRun {
+            verb: Verb::Layer {
+                model: o.model.clone(),
+                layer: l,
+                input: input_rel.clone(),
+                input_name: names::layer(l, "hidden_in"),
+                out: format!("{}/decode.{s:04}.candidate.layer.{l:02}.trace", o.work),
+                internals: o.internals,
+                force: None,
+                decode_from: Some(p),
+            },
+            layer: l,
+            slice_rel: format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work),
+            whose: "the reference's",
+        };
+        match b::isolate_with(o, &run, c.policy, runs, |cand, out| {
+            b::write_slice(&view, cand, l, out)
+        }) {
+            Ok(iso) => b::fill_isolated(&mut row, iso),
+            Err(why) => {
+                row.isolation = Isolated::NotChecked;
+                row.status = LayerStatus::NotChecked;
+                let why = format!("{why} (--decode-from is part of the decode extension, docs/producers.md; a producer without it cannot be isolated at a decode step)");
+                row.reason = Some(why.clone());
+                d.isolation_not_checked = Some(format!("layer {l:02}: {why}"));
+                crate::progress::step(format_args!("decode step {s}: layer {l:02} not checked"));
+                d.layers.push(row);
+                break;
+            }
+        }
+        crate::progress::step(format_args!(
+            "decode step {s}: layer {l:02} in isolation: {}",
+            row.isolation
+        ));
+        d.layers.push(row);
+    }
+    for row in &mut d.layers {
+        row.status = b::layer_status(row.isolation, row.whole_run);
+    }
+    d.first_wrong_layer = d
+        .layers
+        .iter()
+        .find(|r| r.isolation == Isolated::Wrong)
+        .map(|r| r.layer);
+    d.stage = d.first_wrong_layer.map(|l| {
+        b::stage(
+            l,
+            &d.layers[l],
+            c.reference
+                .decision_info(&names::layer(l, "router.topk"))
+                .is_some(),
+            "differs in isolation",
+        )
+    });
+}

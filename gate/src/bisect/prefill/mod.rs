@@ -1,0 +1,248 @@
+//! The prefill's bisection (docs/bisect.md): both producers write whole traces; then the
+//! candidate's `layer` verb runs each layer alone on the **reference's** input to that layer, so
+//! a layer that matches in isolation but differs in the whole run has inherited its difference
+//! from upstream. Within the first wrong layer the capture points name the first wrong
+//! sub-stage. `--calibrate` chains the reference's own layer verb over a 1-ULP perturbation of
+//! its input, to say how large the candidate's difference is next to rounding noise. Before a
+//! layer body is blamed, the candidate's layer verb is checked against its own whole run
+//! (`inconsistent_producer`). How it judges, the rounding-level reading and the outlier flag:
+//! ../judge.rs. The decode steps (../decode/) are built on what is here.
+//!
+//! This file: the options and the helpers the phases share. The phases, which crate::bisect's
+//! `run` drives: whole.rs the whole runs (run, judge, force decisions, locate), layers.rs the
+//! per-layer phases, isolate.rs layer isolation and self-consistency, calibrate.rs
+//! `--calibrate`, verdict.rs the verdict; report.rs holds the report's types.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::json;
+use tracegate_diff::{
+    compare, string_enum, FindingKind, Label, Options, Policy, Report, RowStatus, Verdict,
+};
+use tracegate_producers::{Producer, RunRecord, Verb};
+use tracegate_trace::names::{self, Name};
+use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
+
+use crate::bisect::judge::{self as judge, Ask, Judge, Outliers};
+use crate::{gerr, Result};
+
+mod calibrate;
+mod isolate;
+pub(super) mod layers;
+mod report;
+mod stored;
+mod verdict;
+pub(super) mod whole;
+pub(super) mod work;
+
+pub use calibrate::*;
+pub(crate) use isolate::*;
+pub use report::*;
+pub use stored::*;
+pub(crate) use verdict::*;
+pub(crate) use work::run_fresh;
+pub use work::MARKER as WORK_MARKER;
+
+#[derive(Clone, Debug)]
+pub struct BisectOptions {
+    pub root: PathBuf,
+    pub model: String,
+    pub tokens: Vec<i64>,
+    pub prompt: Option<String>,
+    /// A producer run now, or a trace recorded before (`--reference trace:PATH`, stored.rs).
+    pub reference: Reference,
+    pub candidate: Producer,
+    /// Judge by this policy (`--policy`); None: see `exact`.
+    pub policy: Option<String>,
+    /// `--exact`: judge by bits. Neither: by bits for two ordered producers, else by the bundled
+    /// policy for the candidate's precision (../judge.rs).
+    pub exact: bool,
+    /// `--precision`: the candidate's precision, over its declaration and its dtype.
+    pub precision: Option<&'static str>,
+    pub all_layers: bool,
+    pub internals: bool,
+    pub calibrate: bool,
+    pub seed: u64,
+    /// `--generate N`: decode steps in the whole runs, bisected after the prefill (../decode/).
+    pub generate: usize,
+    /// Where the traces go, relative to root; kept for inspection.
+    pub work: String,
+    /// Each producer run is killed after this long, and the bisection refused.
+    pub timeout: std::time::Duration,
+    pub gate_invocation: Vec<String>,
+    /// `--allow-stack-mismatch`: two oracle stacks that differ (not only in dtype) are compared,
+    /// each difference a `stack_mismatch_allowed` finding, as `trace-diff` does.
+    pub allow_stack_mismatch: bool,
+}
+
+/// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.
+pub fn producer(
+    root: &Path,
+    kind: &str,
+    template: Option<&str>,
+    side: &str,
+    threads: usize,
+) -> Result<Producer> {
+    let cmd =
+        |name: &str, default: String| Ok(Producer::command(name, template.unwrap_or(&default))?);
+    match (kind, template) {
+        ("engine", None) => Ok(Producer::Engine { threads }),
+        ("engine", Some(_)) => Err(gerr!("--{side}-cmd: the engine is built into the gate and takes no command; use --{side} cmd to run a command")),
+        ("contract", _) => cmd("contract", tracegate_producers::default_contract_cmd(root)),
+        ("oracle", _) => cmd("oracle", tracegate_producers::default_oracle_cmd(root)),
+        ("cmd", Some(_)) => cmd(&format!("{side}-cmd"), String::new()),
+        ("cmd", None) => Err(gerr!("--{side} cmd needs --{side}-cmd 'TEMPLATE' (e.g. 'my-engine {{verb}} {{args}}')")),
+        (other, _) => Err(gerr!("--{side} {other:?}: expected engine, contract, oracle or cmd")),
+    }
+}
+
+/// Whether a producer is one of the built-in ordered ones (docs/numerics.md): the engine, or the
+/// contract run by its own command. A replaced command is the user's producer.
+pub fn is_ordered(root: &Path, p: &Producer) -> bool {
+    match p {
+        Producer::Engine { .. } => true,
+        Producer::Command { name, words, .. } => {
+            name == "contract"
+                && matches!(Producer::command("contract", &tracegate_producers::default_contract_cmd(root)), Ok(Producer::Command { words: w, .. }) if w == *words)
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Helpers
+
+pub(crate) fn is_oracle(t: &Trace) -> bool {
+    tracegate_diff::comparable::is_oracle(t.provenance())
+}
+
+/// Where a capture point sits: -1 embed, NN a layer, i64::MAX the head (final norm, logits, decode).
+pub(crate) fn location(name: &str) -> i64 {
+    if name.starts_with("embed.") {
+        return -1;
+    }
+    let n = Name::parse(name);
+    match (n.decode_step, n.layer) {
+        (None, Some(l)) => l as i64,
+        _ => i64::MAX,
+    }
+}
+
+pub(crate) fn rows(rep: &Report) -> Vec<TensorCmp> {
+    rep.per_tensor
+        .iter()
+        .map(|r| TensorCmp {
+            tensor: r.tensor.clone(),
+            status: CmpStatus::Row(r.status),
+            differing_elements: r.differing_elements,
+            total_elements: r.total_elements,
+            max_ulp: r.max_ulp,
+            rel_l2: r.rel_l2.map(|x| x.0),
+            cosine: r.cosine.map(|x| x.0),
+            scale_error: r.scale_error.map(|x| x.0),
+            violations: r.violations.to_vec(),
+        })
+        // A common tensor of another dtype or shape gets no value row; it differs all the same.
+        .chain(
+            rep.findings
+                .iter()
+                .filter(|f| {
+                    matches!(
+                        f.kind,
+                        FindingKind::DtypeMismatch | FindingKind::ShapeMismatch
+                    )
+                })
+                .map(|f| TensorCmp {
+                    tensor: f.tensor().unwrap_or_default().to_string(),
+                    status: CmpStatus::Structure(f.kind),
+                    differing_elements: None,
+                    total_elements: 0,
+                    max_ulp: None,
+                    rel_l2: None,
+                    cosine: None,
+                    scale_error: None,
+                    violations: Vec::new(),
+                }),
+        )
+        .collect()
+}
+
+pub(crate) fn decisions(rep: &Report) -> Vec<DecisionCmp> {
+    rep.decisions
+        .results
+        .iter()
+        .map(|d| DecisionCmp {
+            name: d.name.clone(),
+            rows: d.rows,
+            differing_rows: d.differing_rows,
+            excused_rows: d.flips.iter().filter(|f| f.excused()).count() as u64,
+        })
+        .collect()
+}
+
+pub(crate) fn open(root: &Path, rel: &str) -> Result<Trace> {
+    Trace::open(root.join(rel)).map_err(|e| gerr!(File: "{rel}: {e}"))
+}
+
+pub use tracegate_diff::thousands;
+
+pub(crate) fn sci(x: Option<f64>) -> String {
+    match x {
+        None => "-".into(),
+        Some(0.0) => "0".into(),
+        Some(v) => format!("{v:.2e}"),
+    }
+}
+
+pub(crate) fn ulps(x: Option<u64>) -> String {
+    x.map(thousands).unwrap_or_else(|| "-".into())
+}
+
+pub(crate) fn ratio(x: Option<f64>) -> String {
+    match x {
+        None => "-".into(),
+        Some(v) if v >= 10.0 => format!("{}×", thousands(v.round() as u64)),
+        Some(v) => format!("{v:.2}×"),
+    }
+}
+
+/// "00-01", "03", or "00, 02" for a set of layers (sorted).
+pub(crate) fn span(layers: &[usize]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            format!("{:02}", layers[i])
+        } else {
+            format!("{:02}-{:02}", layers[i], layers[j])
+        });
+        i = j + 1;
+    }
+    parts.join(", ")
+}
+
+/// "layer 03 inherits" / "layers 03-04 inherit".
+pub(crate) fn say(layers: &[usize], one: &str, many: &str) -> String {
+    if layers.len() == 1 {
+        format!("layer {} {one}", span(layers))
+    } else {
+        format!("layers {} {many}", span(layers))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Before `names`, `location` read two digits: `layer.100.*` sat at layer 10.
+    #[test]
+    fn location_reads_every_digit_of_the_layer() {
+        assert_eq!(super::location("layer.100.mlp_out"), 100);
+        assert_eq!(super::location("layer.07.q"), 7);
+        assert_eq!(super::location("embed.out"), -1);
+        assert_eq!(super::location("logits"), i64::MAX);
+        assert_eq!(super::location("decode.0001.layer.03.q"), i64::MAX);
+    }
+}

@@ -1,0 +1,258 @@
+//! milestones.json: each milestone states one falsifiable claim, the model and prompts it is
+//! about, what the engine is expected to produce, and exactly which divergences are declared.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::milestone::check::{Check, FindingKind};
+use crate::{gerr, Result};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MilestoneFile {
+    pub schema: u32,
+    pub milestones: Vec<Milestone>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Milestone {
+    pub id: String,
+    /// One falsifiable sentence (naming every model it is about).
+    pub claim: String,
+    pub prompts: PromptRecord,
+    /// Greedy tokens generated per prompt unless `--generate` says otherwise.
+    pub generate: usize,
+    /// The policy that judges engine ≈ oracle: a bundled name (f32, bf16, f16, q8) or a path
+    /// relative to the project root.
+    pub policy: String,
+    /// The checkpoints the claim is about, each with its own expectations; a run checks every
+    /// one of them on every selected prompt.
+    pub models: Vec<MilestoneModel>,
+    /// A port milestone (`gate init`): a user's engine judged against golden reference traces
+    /// instead of tracegate's engine against its contract and oracle (docs/gate.md, "Gate your
+    /// own engine"). Its one model's `expect` stays empty: the port's own are here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<Port>,
+}
+
+/// What a port milestone runs and what it recorded.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Port {
+    pub candidate: PortCandidate,
+    pub reference: PortReference,
+    /// `default` or `internals`: the capture of the golden traces and of every candidate run.
+    pub capture: String,
+    /// Per prompt id: its golden reference trace.
+    #[serde(default)]
+    pub golden: BTreeMap<String, Golden>,
+    /// Per prompt id: what the candidate produced when last blessed.
+    #[serde(default)]
+    pub expect: BTreeMap<String, PortExpectation>,
+    /// The text prompts' ids as the model's tokenizer gave them when blessed, with that
+    /// tokenizer's digest: a changed tokenizer is refused as a changed prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenized: Option<Tokenized>,
+}
+
+/// Text prompts tokenized once (`python -m tracegate.text --prompts`, docs/producers.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tokenized {
+    /// `tracegate.text.tokenizer_digest` of the model directory (crate::milestone::tokenizer).
+    pub tokenizer_digest: String,
+    /// Per text prompt id: its ids and the chat template used (null without `chat`).
+    pub prompts: BTreeMap<String, TokenizedPrompt>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizedPrompt {
+    pub tokens: Vec<i64>,
+    pub template: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortCandidate {
+    /// The producer command template, run in the project root (docs/producers.md).
+    pub cmd: String,
+    /// Whether the candidate claims the same digest on every run: then `stable` is a check,
+    /// otherwise its digest is an observation.
+    pub deterministic: bool,
+    /// Whether it answers `trace --cache off` (found by `gate init`): `generation` compares
+    /// its cached decode with its uncached one, else is NOT CHECKED.
+    pub cache_off: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortReference {
+    /// `oracle` (transformers' own class, from tracegate's installation) or `cmd`.
+    pub producer: String,
+    /// The command template of a `cmd` reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<String>,
+    /// The oracle's `--dtype` (f32, bf16, f16) and `--device` (cpu, cuda).
+    pub dtype: String,
+    pub device: String,
+}
+
+/// A golden trace: where it is, relative to the project root, and its content digest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Golden {
+    pub trace: String,
+    pub digest: String,
+    /// Its greedy tokens (`decode.SSSS.argmax`).
+    pub generated: Vec<i64>,
+}
+
+/// What a port's candidate produced for one prompt when it was blessed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortExpectation {
+    pub candidate_digest: String,
+    pub tensors: usize,
+    pub decisions: usize,
+    pub generated: Vec<i64>,
+    /// Decisions that differ from the golden trace's and are not near-ties (0 unless declared).
+    pub decisions_differing: usize,
+}
+
+/// One checkpoint of a milestone and what it is expected to produce.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MilestoneModel {
+    /// Model directory, relative to the project root.
+    pub model: String,
+    /// The language model's `model_type` (`text_config.model_type` in the multimodal layout,
+    /// see [`crate::prompts::text_fields`]): a `--model` override must be of the same family.
+    pub family: String,
+    /// Per prompt id: what the engine is expected to produce.
+    #[serde(default)]
+    pub expect: BTreeMap<String, Expectation>,
+    /// Differences that are known and accepted, each naming exactly what it excuses.
+    #[serde(default)]
+    pub declared_divergences: Vec<DeclaredDivergence>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromptRecord {
+    /// The set name (`fixtures/prompts/<set>.json`).
+    pub set: String,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expectation {
+    /// The engine trace's content digest (prefill + generation decisions).
+    pub engine_digest: String,
+    pub tensors: usize,
+    pub decisions: usize,
+    /// Engine vs contract: always 0 for a bit-exact claim; recorded so a change is a finding.
+    pub differing_elements: u64,
+    /// Greedy tokens the engine generated.
+    pub generated: Vec<i64>,
+    /// Engine vs oracle: decisions that differ (0 unless declared).
+    pub oracle_decisions_differing: usize,
+}
+
+/// Excuses exactly one finding: same prompt, check, kind, name and count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclaredDivergence {
+    pub prompt: String,
+    /// `matches`, `agrees` or `generation`.
+    pub check: Check,
+    /// The finding kind, e.g. `decision_differs`, `outside_policy`, `tokens_differ`.
+    pub kind: FindingKind,
+    /// The tensor or decision it is about.
+    pub name: String,
+    /// The count the finding reports (differing rows, elements, tokens).
+    pub count: u64,
+    pub reason: String,
+}
+
+/// The milestones.json format this gate reads. Schema 1 had one model per milestone; 2 lists
+/// `models`, each with its own `family`, `expect` and `declared_divergences`.
+pub const SCHEMA: u32 = 2;
+
+impl MilestoneFile {
+    pub fn load(path: &Path) -> Result<MilestoneFile> {
+        // The schema is read first, so an old file is refused by its number, not by a field.
+        let raw: serde_json::Value = crate::read_json(path)?;
+        let schema = raw.get("schema").and_then(serde_json::Value::as_u64);
+        if schema != Some(SCHEMA as u64) {
+            return Err(gerr!(
+                "{}: schema {} is not supported (this gate reads schema {SCHEMA}: a milestone lists its models, docs/gate.md)",
+                path.display(),
+                raw.get("schema").map_or("(missing)".into(), |s| s.to_string())
+            ));
+        }
+        let file: MilestoneFile =
+            serde_json::from_value(raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+        for m in &file.milestones {
+            if m.models.is_empty() {
+                return Err(gerr!(
+                    "{}: milestone {} lists no models",
+                    path.display(),
+                    m.id
+                ));
+            }
+            if m.port.is_some() && m.models.len() != 1 {
+                return Err(gerr!(
+                    "{}: milestone {} is a port milestone and lists {} models: its golden traces are of one",
+                    path.display(),
+                    m.id,
+                    m.models.len()
+                ));
+            }
+            for (i, a) in m.models.iter().enumerate() {
+                if m.models[..i].iter().any(|b| b.model == a.model) {
+                    return Err(gerr!(
+                        "{}: milestone {} lists model {} twice",
+                        path.display(),
+                        m.id,
+                        a.model
+                    ));
+                }
+            }
+            for d in m.models.iter().flat_map(|mm| &mm.declared_divergences) {
+                if !matches!(
+                    d.check,
+                    Check::Matches | Check::Agrees | Check::Generation | Check::GenerationReference
+                ) {
+                    return Err(gerr!("{}: milestone {}: declared divergence check {:?} is not matches/agrees/generation/generation_reference", path.display(), m.id, d.check.to_string()));
+                }
+                if d.reason.trim().is_empty() {
+                    return Err(gerr!(
+                        "{}: milestone {}: a declared divergence needs a reason",
+                        path.display(),
+                        m.id
+                    ));
+                }
+            }
+        }
+        Ok(file)
+    }
+
+    pub fn get(&self, id: &str) -> Result<&Milestone> {
+        self.milestones.iter().find(|m| m.id == id).ok_or_else(|| {
+            let known: Vec<&str> = self.milestones.iter().map(|m| m.id.as_str()).collect();
+            gerr!(
+                "no milestone {id:?} in milestones.json (known: {})",
+                known.join(", ")
+            )
+        })
+    }
+
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut Milestone> {
+        self.milestones.iter_mut().find(|m| m.id == id)
+    }
+}

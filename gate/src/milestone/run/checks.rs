@@ -1,0 +1,361 @@
+//! The checks against the contract and the engine's own record: stable, matches, generation;
+//! and how a check's findings are judged against the milestone's declared divergences.
+
+use tracegate_diff::{Options, RowStatus, Verdict};
+use tracegate_trace::Trace;
+
+use super::prompt::{Opened, Traces};
+use super::{finding, CheckResult, Finding, Generated, Status};
+use crate::milestone::check::{Check, FindingKind};
+use crate::milestone::milestones::{Expectation, MilestoneModel};
+use crate::prompts::Prompt;
+
+/// Splits findings into failing and excused by the milestone's declared divergences.
+pub(super) fn judge(
+    m: &MilestoneModel,
+    prompt: &str,
+    mut c: CheckResult,
+    found: Vec<Finding>,
+) -> CheckResult {
+    for f in found {
+        let declared = m.declared_divergences.iter().any(|d| {
+            d.prompt == prompt
+                && d.check == c.check
+                && d.kind == f.kind
+                && d.name == f.about.name
+                && d.count == f.about.count
+        });
+        if declared {
+            c.excused.push(f);
+        } else {
+            c.findings.push(f);
+        }
+    }
+    if c.status == Status::Pass && !c.findings.is_empty() {
+        c.status = Status::Fail;
+    }
+    c
+}
+
+/// The differ's own findings (structure, comparability), one gate finding each. Differing
+/// values, decisions and policy breaks are left out: the gate states each of those itself with
+/// its exact count, so a declared divergence must name the count and cannot excuse more.
+pub(super) fn diff_findings(rep: &tracegate_diff::Report) -> Vec<Finding> {
+    rep.findings
+        .iter()
+        // A note says how the comparison ran, not that anything differs.
+        .filter(|f| {
+            crate::bisect::judge::finding_class(f.kind) != crate::bisect::judge::FindingClass::Note
+        })
+        .filter(|f| {
+            !matches!(
+                f.kind,
+                tracegate_diff::FindingKind::ValuesDiffer
+                    | tracegate_diff::FindingKind::DecisionDiffers
+                    | tracegate_diff::FindingKind::OutsidePolicy
+            )
+        })
+        .map(|f| {
+            finding(
+                f.kind.into(),
+                f.tensor().unwrap_or_default(),
+                1,
+                f.detail.clone(),
+            )
+        })
+        .collect()
+}
+
+/// The gate finding kind of a tensor outside the policy or without a rule.
+pub(super) fn policy_kind(status: RowStatus) -> Option<FindingKind> {
+    match status {
+        RowStatus::OutsidePolicy => Some(FindingKind::OutsidePolicy),
+        RowStatus::NoRule => Some(FindingKind::NoRule),
+        RowStatus::Identical
+        | RowStatus::Different
+        | RowStatus::WithinPolicy
+        | RowStatus::DiffersByDigest
+        | RowStatus::Unknown
+        | RowStatus::Rerouted
+        | RowStatus::AfterNearTie => None,
+    }
+}
+
+/// stable: the run named `who` (the engine; a port's candidate) reproduces its recorded digest
+/// (`recorded`: the digest, or why none is held to it).
+pub(super) fn check_stable(
+    who: &str,
+    run: &Opened,
+    recorded: std::result::Result<&str, &str>,
+) -> CheckResult {
+    match (run, recorded) {
+        (Err(e), _) => CheckResult::new(Check::Stable, Status::Fail, e.to_string()),
+        (Ok(_), Err(why)) => CheckResult::not_checked(Check::Stable, why),
+        (Ok(t), Ok(d)) if t.digest().hex() == d => CheckResult::new(
+            Check::Stable,
+            Status::Pass,
+            format!("{who} digest {} as recorded", t.digest().short()),
+        ),
+        (Ok(t), Ok(d)) => {
+            let mut c = CheckResult::new(
+                Check::Stable,
+                Status::Fail,
+                format!(
+                    "{who} digest {} but recorded {}",
+                    t.digest().short(),
+                    &d[..16.min(d.len())]
+                ),
+            );
+            c.findings.push(finding(
+                FindingKind::DigestChanged,
+                who,
+                1,
+                c.detail.clone(),
+            ));
+            c
+        }
+    }
+}
+
+/// matches: engine ≡ contract, bit for bit, with the recorded counts.
+pub(super) fn check_matches(
+    m: &MilestoneModel,
+    p: &Prompt,
+    traces: &Traces,
+    expect: std::result::Result<&Expectation, &str>,
+) -> CheckResult {
+    match (&traces.engine, &traces.contract) {
+        (Ok(e), Ok(c)) => compare_matches(m, p, e, c, expect),
+        (Err(e), _) | (_, Err(e)) => CheckResult::new(Check::Matches, Status::Fail, e.to_string()),
+    }
+}
+
+fn compare_matches(
+    m: &MilestoneModel,
+    p: &Prompt,
+    eng: &Trace,
+    con: &Trace,
+    expect: std::result::Result<&Expectation, &str>,
+) -> CheckResult {
+    // Every tensor scanned, so each differing one is a finding with its exact count.
+    let rep = tracegate_diff::compare(
+        eng,
+        con,
+        &Options {
+            all: true,
+            ..Options::default()
+        },
+    );
+    let mut found = diff_findings(&rep);
+    for row in rep
+        .per_tensor
+        .iter()
+        .filter(|r| r.status == RowStatus::Different)
+    {
+        let count = row.differing_elements.unwrap_or(0);
+        let detail = match &rep.first_divergence {
+            Some(d) if d.tensor == row.tensor => format!(
+                "first at {}{:?}: {} vs {} ({} ULP; {count}/{} elements differ)",
+                d.tensor,
+                d.coords,
+                d.reference_value,
+                d.candidate_value,
+                d.ulp.map(|u| u.to_string()).unwrap_or("NaN".into()),
+                row.total_elements
+            ),
+            _ => format!(
+                "{count}/{} elements differ, max {} ULP",
+                row.total_elements,
+                row.max_ulp.map(|u| u.to_string()).unwrap_or("NaN".into())
+            ),
+        };
+        found.push(finding(
+            FindingKind::TensorDiffers,
+            row.tensor.clone(),
+            count,
+            detail,
+        ));
+    }
+    for r in rep
+        .decisions
+        .results
+        .iter()
+        .filter(|r| r.differing_rows > 0)
+    {
+        found.push(finding(
+            FindingKind::DecisionDiffers,
+            r.name.clone(),
+            r.differing_rows,
+            format!("{}/{} rows differ", r.differing_rows, r.rows),
+        ));
+    }
+    let differing = rep.differing_elements();
+    let mut detail = format!(
+        "{} — {} tensors ({} by digest, {} element-wise), {} differing elements, {} decisions",
+        match rep.verdict {
+            Verdict::Identical => "IDENTICAL",
+            _ => "DIFFERENT",
+        },
+        rep.tensors.reference_count,
+        rep.tensors.matched_by_digest.len(),
+        rep.tensors.compared_elementwise.len(),
+        differing,
+        rep.decisions.compared
+    );
+    if rep.verdict != Verdict::Identical && found.is_empty() {
+        found.push(finding(
+            FindingKind::Different,
+            "",
+            1,
+            format!("verdict {:?}", rep.verdict),
+        ));
+    }
+    match expect {
+        Ok(e) => {
+            for (what, want, have) in [
+                ("tensors", e.tensors as u64, eng.tensors().len() as u64),
+                (
+                    "decisions",
+                    e.decisions as u64,
+                    eng.decisions().len() as u64,
+                ),
+                ("differing_elements", e.differing_elements, differing),
+            ] {
+                if want != have {
+                    found.push(finding(
+                        FindingKind::CountChanged,
+                        what,
+                        have,
+                        format!("{what}: recorded {want}, now {have}"),
+                    ));
+                }
+            }
+            detail.push_str("; counts as recorded");
+        }
+        Err(why) => detail.push_str(&format!("; counts NOT CHECKED ({why})")),
+    }
+    judge(
+        m,
+        &p.id,
+        CheckResult::new(Check::Matches, Status::Pass, detail),
+        found,
+    )
+}
+
+/// generation: cached, uncached and contract tokens identical.
+pub(super) fn check_generation(
+    m: &MilestoneModel,
+    p: &Prompt,
+    traces: &Traces,
+    generated: &Generated,
+    expect: std::result::Result<&Expectation, &str>,
+) -> CheckResult {
+    match (
+        &generated.engine_cached,
+        &generated.engine_uncached,
+        &generated.contract,
+    ) {
+        (Some(a), _, _) if a.is_empty() => {
+            CheckResult::not_checked(Check::Generation, "no tokens generated (--generate 0)")
+        }
+        (Some(a), Some(b), Some(c)) => {
+            if let (Ok(eng), Ok(unc), Ok(con)) =
+                (&traces.engine, &traces.engine_uncached, &traces.contract)
+            {
+                let refused = incomparable(
+                    "engine",
+                    &[("engine-uncached", eng, unc), ("contract", eng, con)],
+                );
+                if !refused.is_empty() {
+                    return not_comparable(Check::Generation, refused);
+                }
+            }
+            let mut found: Vec<Finding> = [
+                tokens_finding("engine", "engine-uncached", a, b),
+                tokens_finding("engine", "contract", a, c),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            let mut detail = format!(
+                "{} tokens: engine cached = uncached = contract: {a:?}",
+                a.len()
+            );
+            if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
+                detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
+                found.push(finding(
+                    FindingKind::TokensChanged,
+                    "engine",
+                    a.len() as u64,
+                    detail.clone(),
+                ));
+            }
+            judge(
+                m,
+                &p.id,
+                CheckResult::new(Check::Generation, Status::Pass, detail),
+                found,
+            )
+        }
+        _ => {
+            let why: Vec<String> = [&traces.engine, &traces.engine_uncached, &traces.contract]
+                .iter()
+                .filter_map(|t| t.as_ref().err().map(ToString::to_string))
+                .collect();
+            CheckResult::new(Check::Generation, Status::Fail, why.join("; "))
+        }
+    }
+}
+
+/// Comparability comes before the tokens: equal tokens from runs on other weights, of another
+/// prompt or seed, or by two oracles on different stacks (the differ's rule, docs/diff.md,
+/// "Comparable") say nothing about the claim. Each refusal is a finding naming the other run
+/// (or its tensor) and the reason; `(name, this, other)` per pair, `this` the run named `this`
+/// (the engine; a port's candidate).
+pub(super) fn incomparable(this: &str, pairs: &[(&str, &Trace, &Trace)]) -> Vec<Finding> {
+    let mut found = Vec::new();
+    for (name, a, b) in pairs {
+        let (refused, _) = tracegate_diff::comparable::check(a, b, false);
+        found.extend(refused.into_iter().map(|f| {
+            let about = f.tensor().map_or_else(|| name.to_string(), str::to_string);
+            finding(
+                f.kind.into(),
+                about,
+                1,
+                format!("{this} vs {name}: {}", f.detail),
+            )
+        }));
+    }
+    found
+}
+
+/// A check whose runs are not comparable FAILS (never NOT CHECKED: the gate ran every producer
+/// on the same checkpoint and prompt, so a trace that says otherwise is a producer gone wrong,
+/// and a gate must not end "nothing failed" on it). No declared divergence excuses it.
+pub(super) fn not_comparable(check: Check, refused: Vec<Finding>) -> CheckResult {
+    let why: Vec<&str> = refused.iter().map(|f| f.detail.as_str()).collect();
+    let mut c = CheckResult::new(
+        check,
+        Status::Fail,
+        format!(
+            "runs not comparable, tokens not compared: {}",
+            why.join("; ")
+        ),
+    );
+    c.findings = refused;
+    c
+}
+
+/// The tokens of the run named `this` (`a`) against run `name`'s (`b`), counted by position.
+pub(super) fn tokens_finding(this: &str, name: &str, a: &[i64], b: &[i64]) -> Option<Finding> {
+    if a == b {
+        return None;
+    }
+    let differ = a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+    Some(finding(
+        FindingKind::TokensDiffer,
+        name,
+        differ as u64,
+        format!("{this} {a:?} vs {name} {b:?}"),
+    ))
+}

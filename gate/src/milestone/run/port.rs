@@ -1,0 +1,880 @@
+//! A port milestone (docs/gate.md, "Gate your own engine"): the user's engine — the candidate,
+//! answering the producer protocol — judged on every prompt against golden reference traces
+//! recorded once (`gate init`, `--bless`), with no torch needed once they exist.
+//!
+//! Per prompt: `stable` (for a candidate that declares itself deterministic; otherwise its digest
+//! is an observation), `agrees` (candidate ≈ golden under the policy, every decision exact but
+//! for near-ties — the same judge as the self-check's `agrees`), `generation` (its cached decode
+//! = its uncached one, by that judge: every tensor within the policy, every token equal but for
+//! near-ties), and
+//! `generation_reference` (its tokens = the golden trace's). A failing `agrees` is localised in
+//! the same run: `gate bisect` against the stored golden trace names the first wrong layer and
+//! stage.
+//!
+//! Soundness: a golden trace is verified and held to the digest milestones.json records before
+//! the candidate runs — an edited, truncated or swapped file is refused, never judged — and is
+//! changed only by `--bless`, which re-runs the reference and prints what changed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::{json, Value};
+use tracegate_diff::Policy;
+use tracegate_producers::{Producer, RunRecord, Verb};
+use tracegate_trace::Trace;
+
+use super::agrees::compare_agrees;
+use super::checks::{check_stable, incomparable, judge, not_comparable, tokens_finding};
+use super::prompt::{counts, decode_tokens, open, Opened};
+use super::{
+    recorded, CheckResult, GateOptions, Generated, MilestoneReport, Plan, PromptResult, PromptRuns,
+    Role, Settled, Status,
+};
+use crate::milestone::baselines::BaselineFile;
+use crate::milestone::check::{Check, FindingKind};
+use crate::milestone::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
+use crate::prompts::{Prompt, PromptSet};
+use crate::{gerr, Result};
+
+/// The policy a new port milestone records until its first run has chosen one: the bundled
+/// policy for the coarser of the candidate's and the golden traces' precision
+/// (bisect::judge::precision).
+pub const AUTO_POLICY: &str = "auto";
+
+/// The reference producer of a port: the oracle of tracegate's installation in the recorded
+/// dtype and device, or the user's command.
+fn reference_producer(o: &GateOptions, port: &Port) -> Result<Producer> {
+    let r = &port.reference;
+    match (r.producer.as_str(), &r.cmd) {
+        ("oracle", _) => {
+            let base = o
+                .oracle_cmd
+                .clone()
+                .unwrap_or_else(|| tracegate_producers::default_oracle_cmd(&o.root));
+            Ok(Producer::command(
+                "reference",
+                &format!("{base} --dtype {} --device {}", r.dtype, r.device),
+            )?)
+        }
+        ("cmd", Some(cmd)) => Ok(Producer::command("reference", cmd)?),
+        (other, _) => Err(gerr!(
+            "milestones.json: port reference producer {other:?} is neither \"oracle\" nor \"cmd\" (with its cmd)"
+        )),
+    }
+}
+
+/// The text prompts of `set` tokenized by `model`'s own tokenizer, through the oracle's Python
+/// (`python -m tracegate.text --prompts`, docs/producers.md "Text prompts").
+pub(crate) fn tokenize_text(
+    root: &Path,
+    model: &str,
+    set: &PromptSet,
+    timeout: std::time::Duration,
+) -> Result<Tokenized> {
+    let py = tracegate_producers::python(root, "TRACEGATE_ORACLE_PYTHON");
+    let argv = [
+        py.clone(),
+        "-m".into(),
+        "tracegate.text".into(),
+        "--model".into(),
+        model.to_string(),
+        "--prompts".into(),
+        set.path.display().to_string(),
+    ];
+    let out = tracegate_producers::run_helper(root, &argv, timeout).map_err(|e| {
+        gerr!(
+            "tokenizing the text prompts of {} with {model}'s tokenizer ({py}): {e}",
+            set.path.display()
+        )
+    })?;
+    let t: Tokenized = serde_json::from_str(out.trim())
+        .map_err(|e| gerr!("python -m tracegate.text printed no tokenization: {e}"))?;
+    if let Some(p) = set
+        .prompts
+        .iter()
+        .find(|p| p.text.is_some() && !t.prompts.contains_key(&p.id))
+    {
+        return Err(gerr!(
+            "python -m tracegate.text gave no ids for text prompt {:?}",
+            p.id
+        ));
+    }
+    Ok(t)
+}
+
+/// The ids of the text prompts among `plan.selected`, filled in: tokenized anew when blessing
+/// (returned, to be recorded), else the recorded ids, held to the tokenizer digest recorded with
+/// them — a changed tokenizer is refused as a changed prompt is.
+fn resolve_text(o: &GateOptions, plan: &mut Plan, port: &Port) -> Result<Option<Tokenized>> {
+    if plan.set.prompts.iter().all(|p| p.text.is_none()) {
+        return Ok(None);
+    }
+    let m = &plan.m.id;
+    let tokenized = if o.bless {
+        tokenize_text(&o.root, &plan.model, &plan.set, o.timeout)?
+    } else {
+        let recorded = port.tokenized.clone().ok_or_else(|| {
+            gerr!("{}: text prompts, and milestone {m} records no ids for them: tokenize them with `gate run {m} --bless`", plan.set.path.display())
+        })?;
+        let now = crate::milestone::tokenizer::tokenizer_digest(&o.root.join(&plan.model))?;
+        if now != recorded.tokenizer_digest {
+            return Err(gerr!(
+                "{}: the tokenizer changed (digest {now}, recorded {}): its text prompts' ids may have too — changing the tokenizer changes the gate; rerun with --bless to accept it",
+                plan.model,
+                recorded.tokenizer_digest
+            ));
+        }
+        recorded
+    };
+    for p in plan.selected.iter_mut().filter(|p| p.text.is_some()) {
+        let ids = tokenized.prompts.get(&p.id).ok_or_else(|| {
+            gerr!(
+                "milestone {m}: no ids recorded for text prompt {:?}: run with --bless",
+                p.id
+            )
+        })?;
+        p.tokens = ids.tokens.clone();
+        crate::prompts::check_fits(
+            &o.root,
+            &plan.model,
+            Some(&p.id),
+            p.tokens.len(),
+            plan.generate,
+        )?;
+    }
+    Ok(Some(tokenized))
+}
+
+/// A golden trace as recorded, or why it may not be judged against (a refusal: exit 2): one that
+/// is not the file milestones.json records, or was recorded for another prompt, decode length
+/// or capture than the milestone now states.
+fn verified_golden(
+    o: &GateOptions,
+    m: &Milestone,
+    capture: &str,
+    p: &Prompt,
+    g: Option<&Golden>,
+) -> Result<Trace> {
+    let (m, want) = (&m.id, m.generate);
+    let g = g.ok_or_else(|| {
+        gerr!("prompt {:?} has no golden trace in milestone {m}: record it with `gate run {m} --bless`", p.id)
+    })?;
+    let refuse = |what: String| gerr!(File: "golden trace {}: {what}; a golden trace changes only through `gate run {m} --bless` (restore it from version control)", g.trace);
+    let t = Trace::open(o.root.join(&g.trace)).map_err(|e| refuse(e.to_string()))?;
+    t.verify().map_err(|e| refuse(e.to_string()))?;
+    if t.digest().hex() != g.digest {
+        return Err(refuse(format!(
+            "content digest {} differs from milestones.json's record {}",
+            t.digest().hex(),
+            g.digest
+        )));
+    }
+    let tokens: Option<Vec<i64>> = t.provenance()["prompt_tokens"]
+        .as_array()
+        .and_then(|a| a.iter().map(Value::as_i64).collect());
+    if tokens.as_deref() != Some(&p.tokens[..]) {
+        return Err(refuse(format!(
+            "recorded for prompt tokens {tokens:?}, prompt {:?} is now {:?}",
+            p.id, p.tokens
+        )));
+    }
+    let prov = t.provenance();
+    let generate = prov["generate"].as_u64().unwrap_or(0);
+    if generate != want as u64 {
+        return Err(refuse(format!(
+            "recorded with --generate {generate}, milestone {m} states {want}"
+        )));
+    }
+    let recorded = prov["capture"].as_str().unwrap_or("default");
+    if recorded != capture {
+        return Err(refuse(format!(
+            "recorded with --capture {recorded}, milestone {m} states {capture}"
+        )));
+    }
+    Ok(t)
+}
+
+/// Runs a port milestone: see the module doc. `--bless` (and `gate init`) re-record the golden
+/// traces, the expectations and the baselines, and return the log of what changed.
+pub(super) fn run(
+    o: &GateOptions,
+    mut settled: Settled,
+) -> Result<(Vec<MilestoneReport>, Option<String>)> {
+    let started = std::time::Instant::now();
+    let mut plan = settled
+        .plans
+        .pop()
+        .ok_or_else(|| gerr!("a port milestone lists one model"))?;
+    let m = plan.m.clone();
+    let port = m
+        .port
+        .clone()
+        .ok_or_else(|| gerr!("milestone {} is not a port milestone", m.id))?;
+    if o.contract_cmd.is_some() {
+        return Err(gerr!(
+            "--contract-cmd: a port milestone runs no contract (its reference is {})",
+            port.reference.producer
+        ));
+    }
+    if plan.generate != m.generate && !o.bless {
+        return Err(gerr!(
+            "--generate {}: milestone {}'s golden traces hold {} greedy tokens; re-record them with --bless to change it",
+            plan.generate,
+            m.id,
+            m.generate
+        ));
+    }
+    let internals = match port.capture.as_str() {
+        "default" => false,
+        "internals" => true,
+        other => {
+            return Err(gerr!(
+                "milestones.json: milestone {}: capture {other:?} is neither \"default\" nor \"internals\"",
+                m.id
+            ))
+        }
+    };
+    let candidate = Producer::command("candidate", &port.candidate.cmd)
+        .map_err(|e| gerr!("milestones.json: milestone {}: {e}", m.id))?;
+    let reference = reference_producer(o, &port)?;
+    let tokenized = resolve_text(o, &mut plan, &port)?;
+    // Before anything runs: a golden trace that is not the one recorded is refused.
+    let mut goldens: Vec<Option<Trace>> = Vec::new();
+    for p in &plan.selected {
+        goldens.push(if o.bless {
+            None
+        } else {
+            Some(verified_golden(
+                o,
+                &m,
+                &port.capture,
+                p,
+                port.golden.get(&p.id),
+            )?)
+        });
+    }
+    // The weights the golden traces were recorded on, before anything runs: another checkpoint
+    // in the model's place would fail every comparison; it is named once instead.
+    if let (Some(g), Ok(now)) = (
+        goldens.iter().flatten().next(),
+        tracegate_trace::weights_digest(&o.root.join(&plan.model)),
+    ) {
+        if let Some(then) = g.provenance()["weights_digest"]
+            .as_str()
+            .filter(|t| *t != now)
+        {
+            return Err(gerr!(
+                "{}: its weights changed since milestone {}'s golden traces were recorded (weights digest {now}, golden {then}); re-record them with `gate run {} --bless`",
+                plan.model,
+                m.id,
+                m.id
+            ));
+        }
+    }
+    let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
+    for p in &plan.selected {
+        let dir = o.root.join(&plan.work_rel).join(&p.id);
+        // Never judge a stale trace: a candidate that fails must leave nothing to read.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
+    }
+    let progress = crate::progress::start(format!("gate {}", m.id), plan.selected.len() as u64);
+    let roles: Vec<Role> = [Role::Candidate]
+        .into_iter()
+        .chain(port.candidate.cache_off.then_some(Role::CandidateUncached))
+        .chain(o.bless.then_some(Role::Oracle))
+        .collect();
+    let runs = produce(o, &plan, &roles, &candidate, &reference, internals)?;
+    let producers_s = started.elapsed().as_secs_f64();
+    let judging = std::time::Instant::now();
+    // Blessing: the reference's new traces are the golden ones; a reference that failed
+    // leaves nothing to bless.
+    if o.bless {
+        for ((p, runs), golden) in plan.selected.iter().zip(&runs).zip(goldens.iter_mut()) {
+            let rec = runs
+                .get(Role::Oracle)
+                .ok_or_else(|| gerr!("the reference did not run"))?;
+            let t = open(&o.root, rec).map_err(|e| {
+                gerr!(Producer: "prompt {:?}: the reference failed, nothing is blessed: {e}\n    $ {}", p.id, rec.invocation)
+            })?;
+            *golden = Some(t);
+        }
+    }
+    let goldens: Vec<Trace> = goldens.into_iter().flatten().collect();
+    if plan.m.policy == AUTO_POLICY {
+        let first = plan.selected.iter().zip(&runs).find_map(|(_, r)| {
+            r.get(Role::Candidate)
+                .and_then(|rec| open(&o.root, rec).ok())
+        });
+        let candidate = first.as_ref().map(|t| crate::bisect::judge::precision(t).map(|p| p.0)).ok_or_else(|| {
+            let why = runs
+                .first()
+                .and_then(|r| r.get(Role::Candidate))
+                .map(|rec| format!("{}\n    $ {}", rec.why(), rec.invocation))
+                .unwrap_or_default();
+            gerr!(Producer: "the candidate wrote no trace, so its precision (and the policy for it) is unknown: {why}")
+        })??;
+        // The coarser of the two sides' precisions: a bf16 golden trace (`--dtype bf16`) holds an
+        // f32 candidate to the bf16 bounds, as it does a bf16 candidate to an f32 golden trace.
+        let golden: Vec<&str> = goldens
+            .iter()
+            .map(|t| crate::bisect::judge::precision(t).map(|p| p.0))
+            .collect::<Result<_>>()?;
+        let precision = tracegate_diff::policy::coarsest(golden.into_iter().chain([candidate]))
+            .unwrap_or(candidate);
+        plan.m.policy = precision.to_string();
+        plan.policy = Policy::resolve(precision, &o.root).map_err(|e| gerr!("{precision}: {e}"))?;
+    }
+    let mut results = Vec::new();
+    for ((p, runs), golden) in plan.selected.iter().zip(runs).zip(&goldens) {
+        let mut r = judge_prompt(o, &plan, &port, p, runs, golden);
+        plan.judged(&r);
+        if r.checks
+            .iter()
+            .any(|c| c.check == Check::Agrees && c.status == Status::Fail)
+            && r.runs.get(Role::Candidate).is_some_and(|rec| rec.ok)
+        {
+            r.localised = Some(localise(o, &plan, &port, p, &candidate, internals));
+        }
+        results.push(r);
+    }
+    drop(progress);
+    let bl_path = o.root.join("baselines.json");
+    let mut bl_file = match &o.baselines {
+        Some(b) => b.clone(),
+        None => BaselineFile::load(&bl_path)?,
+    };
+    // `gate init` records the first baselines: there are none yet to hold this run to, and
+    // none it records is checked against itself.
+    let baselines = if o.baselines.is_some() {
+        (Vec::new(), Vec::new())
+    } else {
+        recorded::check_baselines(&plan, &bl_file.baselines, &results, o.assert_observed)
+    };
+    let stack = json!({
+        "tracegate": env!("CARGO_PKG_VERSION"),
+        "reference": goldens.first().map(|g| json!({
+            "producer": g.provenance()["producer"],
+            "versions": g.provenance()["versions"],
+            "dtype": g.provenance()["dtype"],
+            "device": g.provenance()["device"],
+        })),
+    });
+    let mut report = plan.report(o, stack, results, baselines);
+    report.wall_s.insert("setup", 0.0);
+    report.wall_s.insert("producers", producers_s);
+    report
+        .wall_s
+        .insert("judge", judging.elapsed().as_secs_f64());
+    report
+        .wall_s
+        .insert("total", started.elapsed().as_secs_f64());
+    let log = if o.bless {
+        Some(bless(
+            o,
+            &plan,
+            &report,
+            tokenized,
+            &mut settled,
+            &mut bl_file,
+        )?)
+    } else {
+        None
+    };
+    Ok((vec![report], log))
+}
+
+/// Every run of the port, each role (candidate cached, uncached, and the reference when
+/// blessing) in prompt order on a thread of its own. A run that timed out refuses the whole
+/// gate run, as for the self-checks.
+fn produce(
+    o: &GateOptions,
+    plan: &Plan,
+    roles: &[Role],
+    candidate: &Producer,
+    reference: &Producer,
+    internals: bool,
+) -> Result<Vec<PromptRuns>> {
+    let per_role: Vec<Vec<RunRecord>> = std::thread::scope(|s| {
+        let handles: Vec<_> = roles
+            .iter()
+            .map(|&role| {
+                s.spawn(move || {
+                    let producer = if role == Role::Oracle {
+                        reference
+                    } else {
+                        candidate
+                    };
+                    let file = if role == Role::Oracle {
+                        "reference.trace"
+                    } else {
+                        role.file()
+                    };
+                    let mut out = Vec::new();
+                    for p in &plan.selected {
+                        let verb = Verb::Trace {
+                            model: plan.model.clone(),
+                            tokens: p.tokens.clone(),
+                            out: format!("{}/{}/{file}", plan.work_rel, p.id),
+                            internals,
+                            generate: plan.generate,
+                            cache: role != Role::CandidateUncached,
+                            force: None,
+                        };
+                        let rec = producer.run(&o.root, &verb, o.timeout);
+                        let stop = rec.timed_out;
+                        out.push(rec);
+                        if stop {
+                            break;
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect()
+    });
+    for (role, recs) in roles.iter().zip(&per_role) {
+        if let Some((p, rec)) = plan.selected.iter().zip(recs).find(|(_, r)| r.timed_out) {
+            return Err(gerr!(
+                Producer: "{} {}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
+                super::dir_name(&plan.model),
+                p.id,
+                if *role == Role::Oracle { "reference" } else { role.label() },
+                rec.verb,
+                o.timeout.as_secs(),
+                rec.invocation
+            ));
+        }
+    }
+    let mut iters: Vec<_> = per_role.into_iter().map(Vec::into_iter).collect();
+    Ok(plan
+        .selected
+        .iter()
+        .map(|_| {
+            PromptRuns(
+                roles
+                    .iter()
+                    .zip(iters.iter_mut())
+                    .filter_map(|(role, it)| it.next().map(|r| (*role, r)))
+                    .collect(),
+            )
+        })
+        .collect())
+}
+
+/// One prompt's checks: stable, agrees, generation, generation_reference.
+fn judge_prompt(
+    o: &GateOptions,
+    plan: &Plan,
+    port: &Port,
+    p: &Prompt,
+    runs: PromptRuns,
+    golden: &Trace,
+) -> PromptResult {
+    let opened = |role: Role| -> Option<Opened> { runs.get(role).map(|rec| open(&o.root, rec)) };
+    let cand = opened(Role::Candidate)
+        .unwrap_or_else(|| Err(gerr!(Producer: "the candidate did not run")));
+    let uncached = opened(Role::CandidateUncached);
+    let expect = port.expect.get(&p.id);
+    let mut observations = Vec::new();
+    let mut checks = Vec::new();
+    // stable: a claim only for a candidate that makes it.
+    match (&cand, expect) {
+        (Ok(t), Some(e)) if !port.candidate.deterministic => observations.push(format!(
+            "candidate digest {} ({} the recorded {}): an observation, not a check — the candidate does not declare itself deterministic (candidate.deterministic in milestones.json)",
+            t.digest().short(),
+            if t.digest().hex() == e.candidate_digest { "equal to" } else { "differs from" },
+            &e.candidate_digest[..16.min(e.candidate_digest.len())]
+        )),
+        (_, _) if !port.candidate.deterministic => {}
+        // `gate init` records the first digest: nothing yet to hold it to.
+        (Ok(t), None) if o.baselines.is_some() => observations.push(format!(
+            "candidate digest {}: recorded by gate init, `stable` checks it from the next run on",
+            t.digest().short()
+        )),
+        (_, expect) => {
+            let recorded = expect.map(|e| e.candidate_digest.as_str()).ok_or_else(|| {
+                format!("no digest recorded for prompt {:?}: run with --bless", p.id)
+            });
+            let mut c = check_stable("candidate", &cand, recorded.as_deref().map_err(String::as_str));
+            if c.status == Status::Fail && cand.is_ok() {
+                c.detail
+                    .push_str(" (the candidate declares itself deterministic)");
+            }
+            checks.push(c);
+        }
+    }
+    let (agrees, summary) = match &cand {
+        Ok(t) => {
+            let (c, s) = compare_agrees(
+                Check::Agrees,
+                &plan.mm,
+                p,
+                golden,
+                t,
+                &plan.policy,
+                expect.map(|e| e.decisions_differing),
+            );
+            (c, Some(s))
+        }
+        Err(e) => (
+            CheckResult::new(Check::Agrees, Status::Fail, e.to_string()),
+            None,
+        ),
+    };
+    checks.push(agrees);
+    checks.push(check_generation(plan, port, p, &cand, uncached.as_ref()));
+    let golden_tokens = decode_tokens(golden);
+    checks.push(match &cand {
+        Err(e) => CheckResult::new(Check::GenerationReference, Status::Fail, e.to_string()),
+        Ok(_) if golden_tokens.is_empty() => CheckResult::not_checked(
+            Check::GenerationReference,
+            "no tokens generated (--generate 0)",
+        ),
+        Ok(t) => match &incomparable("candidate", &[("golden", t, golden)])[..] {
+            refused @ [_, ..] => not_comparable(Check::GenerationReference, refused.to_vec()),
+            [] => {
+                let tokens = decode_tokens(t);
+                let found: Vec<_> = tokens_finding("candidate", "golden", &tokens, &golden_tokens)
+                    .into_iter()
+                    .collect();
+                let detail = match found.first() {
+                    None => format!("{} greedy tokens equal to the golden trace's", tokens.len()),
+                    Some(f) => format!(
+                        "{} of {} greedy tokens differ from the golden trace's: {}",
+                        f.about.count,
+                        tokens.len().max(golden_tokens.len()),
+                        f.detail
+                    ),
+                };
+                judge(
+                    &plan.mm,
+                    &p.id,
+                    CheckResult::new(Check::GenerationReference, Status::Pass, detail),
+                    found,
+                )
+            }
+        },
+    });
+    let mut digests = BTreeMap::new();
+    digests.insert("reference".to_string(), golden.digest().hex());
+    for (role, t) in [
+        (Role::Candidate, Some(&cand)),
+        (Role::CandidateUncached, uncached.as_ref()),
+    ] {
+        if let Some(Ok(t)) = t {
+            digests.insert(role.key().to_string(), t.digest().hex());
+        }
+    }
+    PromptResult {
+        id: p.id.clone(),
+        tokens: p.tokens.len(),
+        digests,
+        checks,
+        counts: cand.as_ref().map(counts).unwrap_or(Value::Null),
+        generated: Generated {
+            candidate_cached: cand.as_ref().ok().map(decode_tokens),
+            candidate_uncached: uncached
+                .as_ref()
+                .and_then(|u| u.as_ref().ok())
+                .map(decode_tokens),
+            reference: Some(golden_tokens),
+            ..Generated::default()
+        },
+        oracle: summary,
+        observations,
+        localised: None,
+        runs,
+    }
+}
+
+/// generation: the candidate's cached decode against its own uncached recompute, judged as
+/// `agrees` judges the golden trace (the uncached run the reference): every tensor (the decode
+/// steps' logits among them) within the policy and present in both, and every decision — the
+/// greedy tokens — equal but for near-ties, so a cache defect that leaves the tokens alone still
+/// fails and a non-ordered port's honest near-tie between its two paths does not.
+fn check_generation(
+    plan: &Plan,
+    port: &Port,
+    p: &Prompt,
+    cand: &Opened,
+    uncached: Option<&Opened>,
+) -> CheckResult {
+    let c = Check::Generation;
+    if plan.generate == 0 {
+        return CheckResult::not_checked(c, "no tokens generated (--generate 0)");
+    }
+    let unc = match (cand, uncached) {
+        (_, None) if !port.candidate.cache_off => {
+            return CheckResult::not_checked(
+                c,
+                "the candidate does not answer `trace --cache off` (candidate.cache_off in milestones.json, found by gate init): its cached decode has nothing to be compared with",
+            )
+        }
+        (Err(e), _) => return CheckResult::new(c, Status::Fail, e.to_string()),
+        (_, None) => {
+            return CheckResult::new(c, Status::Fail, "the candidate's uncached run did not run")
+        }
+        (_, Some(Err(e))) => return CheckResult::new(c, Status::Fail, format!("--cache off: {e}")),
+        (Ok(_), Some(Ok(u))) => u,
+    };
+    let Ok(cached) = cand else {
+        return CheckResult::new(c, Status::Fail, "the candidate's trace is unreadable");
+    };
+    if let refused @ [_, ..] =
+        &incomparable("candidate", &[("candidate-uncached", cached, unc)])[..]
+    {
+        return not_comparable(c, refused.to_vec());
+    }
+    let (mut judged, _) = compare_agrees(c, &plan.mm, p, unc, cached, &plan.policy, None);
+    let (a, b) = (decode_tokens(cached), decode_tokens(unc));
+    let tokens = match a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
+    {
+        0 => format!("{} greedy tokens equal", a.len()),
+        n => format!("{n} of {} greedy tokens differ", a.len().max(b.len())),
+    };
+    judged.detail = format!("cached vs uncached: {tokens}; {}", judged.detail);
+    judged
+}
+
+/// A failing `agrees` localised: `gate bisect` of the candidate against the stored golden
+/// trace (its `hidden_in` per layer feeds the candidate's `layer` verb; its outputs judge).
+/// Its report goes beside the prompt's traces; the summary names the first wrong layer and stage.
+fn localise(
+    o: &GateOptions,
+    plan: &Plan,
+    port: &Port,
+    p: &Prompt,
+    candidate: &Producer,
+    internals: bool,
+) -> Value {
+    use crate::bisect;
+    let work = format!("{}/{}/bisect", plan.work_rel, p.id);
+    // Blessing: the golden trace is still the reference's new one in the work directory.
+    let golden = match (o.bless, port.golden.get(&p.id)) {
+        (true, _) => format!("{}/{}/reference.trace", plan.work_rel, p.id),
+        (false, Some(g)) => g.trace.clone(),
+        (false, None) => {
+            return json!({"verdict": "refused", "summary": "no golden trace", "first_wrong_layer": null, "stage": null, "report": null})
+        }
+    };
+    crate::progress::doing(format!(
+        "{}: localising the failing agrees (gate bisect against {golden})",
+        p.id
+    ));
+    let result = bisect::StoredReference::open(&o.root.join(&golden), &golden).and_then(|stored| {
+        bisect::run(&bisect::BisectOptions {
+            root: o.root.clone(),
+            model: plan.model.clone(),
+            tokens: p.tokens.clone(),
+            prompt: Some(p.id.clone()),
+            reference: bisect::Reference::Stored(stored),
+            candidate: candidate.clone(),
+            policy: Some(plan.m.policy.clone()),
+            exact: false,
+            precision: None,
+            all_layers: false,
+            internals,
+            calibrate: false,
+            generate: plan.generate,
+            seed: 1,
+            work: work.clone(),
+            timeout: o.timeout,
+            gate_invocation: o.gate_invocation.clone(),
+            allow_stack_mismatch: false,
+        })
+    });
+    match result {
+        Ok(rep) => {
+            let path = format!("{work}/report.json");
+            let written = crate::write_json_atomic(&o.root.join(&path), &rep).is_ok();
+            json!({
+                "verdict": rep.verdict,
+                "summary": rep.summary,
+                "first_wrong_layer": rep.first_wrong_layer,
+                "stage": rep.stage.as_ref().map(|s| json!({"layer": s.layer, "block": s.block, "tensor": s.tensor, "detail": s.detail})),
+                "report": written.then_some(path),
+            })
+        }
+        Err(e) => {
+            json!({"verdict": "refused", "summary": format!("the bisection could not run: {e}"), "first_wrong_layer": null, "stage": null, "report": null})
+        }
+    }
+}
+
+/// `--bless` (and `gate init`): the golden traces, the expectations, the policy chosen and the
+/// baselines recorded; the log of what changed. Golden traces are put in place only once both
+/// JSON files are written.
+fn bless(
+    o: &GateOptions,
+    plan: &Plan,
+    report: &MilestoneReport,
+    tokenized: Option<Tokenized>,
+    settled: &mut Settled,
+    bl_file: &mut BaselineFile,
+) -> Result<String> {
+    let mut log = Vec::new();
+    let id = plan.m.id.clone();
+    let milestone = settled
+        .file
+        .get_mut(&id)
+        .ok_or_else(|| gerr!("milestone {id} vanished"))?;
+    if milestone.prompts.sha256 != plan.set.sha256 {
+        log.push(format!(
+            "{id}: prompts sha256 {} -> {}",
+            milestone.prompts.sha256, plan.set.sha256
+        ));
+        milestone.prompts.sha256 = plan.set.sha256.clone();
+    }
+    if milestone.policy != plan.m.policy {
+        log.push(format!(
+            "{id}: policy {} -> {}",
+            milestone.policy, plan.m.policy
+        ));
+        milestone.policy = plan.m.policy.clone();
+    }
+    if milestone.generate != plan.generate {
+        log.push(format!(
+            "{id}: generate {} -> {}",
+            milestone.generate, plan.generate
+        ));
+        milestone.generate = plan.generate;
+    }
+    let port = milestone
+        .port
+        .as_mut()
+        .ok_or_else(|| gerr!("milestone {id} is not a port milestone"))?;
+    if port.tokenized != tokenized {
+        let digest = |t: &Option<Tokenized>| {
+            t.as_ref()
+                .map_or("none".to_string(), |t| t.tokenizer_digest[..16].to_string())
+        };
+        log.push(format!(
+            "{id}: text prompts tokenized (tokenizer {} -> {}){}",
+            digest(&port.tokenized),
+            digest(&tokenized),
+            tokenized
+                .iter()
+                .flat_map(|t| &t.prompts)
+                .map(|(pid, t)| format!("; {pid} {:?}", t.tokens))
+                .collect::<String>()
+        ));
+        port.tokenized = tokenized;
+    }
+    let mut moves = Vec::new();
+    for r in &report.prompts {
+        let Some(digest) = r.digests.get("reference") else {
+            continue;
+        };
+        let trace = format!("golden/{}.trace", r.id);
+        let new = Golden {
+            trace: trace.clone(),
+            digest: digest.clone(),
+            generated: r.generated.reference.clone().unwrap_or_default(),
+        };
+        match port.golden.get(&r.id) {
+            Some(old) if *old == new => log.push(format!(
+                "{id}/{}: golden trace unchanged ({})",
+                r.id,
+                &digest[..16]
+            )),
+            Some(old) => log.push(format!(
+                "{id}/{}: golden trace {} -> {}{}",
+                r.id,
+                &old.digest[..16.min(old.digest.len())],
+                &digest[..16],
+                if old.generated == new.generated {
+                    String::new()
+                } else {
+                    format!("; golden tokens {:?} -> {:?}", old.generated, new.generated)
+                }
+            )),
+            None => log.push(format!(
+                "{id}/{}: new golden trace {trace} ({})",
+                r.id,
+                &digest[..16]
+            )),
+        }
+        port.golden.insert(r.id.clone(), new);
+        moves.push((
+            o.root
+                .join(&plan.work_rel)
+                .join(&r.id)
+                .join("reference.trace"),
+            o.root.join(&trace),
+        ));
+        let Some(cand) = r.digests.get("candidate") else {
+            log.push(format!(
+                "{id}/{}: the candidate failed; its expectation left as it was",
+                r.id
+            ));
+            continue;
+        };
+        let differing = r
+            .found(Check::Agrees, FindingKind::DecisionDiffers)
+            .map_or(0, |f| f.len());
+        let new = PortExpectation {
+            candidate_digest: cand.clone(),
+            tensors: r.counts["tensors"].as_u64().unwrap_or(0) as usize,
+            decisions: r.counts["decisions"].as_u64().unwrap_or(0) as usize,
+            generated: r.generated.candidate_cached.clone().unwrap_or_default(),
+            decisions_differing: differing,
+        };
+        match port.expect.get(&r.id) {
+            Some(old) if *old == new => {}
+            Some(old) => log.push(format!(
+                "{id}/{}: expectation {} -> {}",
+                r.id,
+                serde_json::to_string(old).unwrap_or_default(),
+                serde_json::to_string(&new).unwrap_or_default()
+            )),
+            None => log.push(format!(
+                "{id}/{}: new expectation {}",
+                r.id,
+                serde_json::to_string(&new).unwrap_or_default()
+            )),
+        }
+        port.expect.insert(r.id.clone(), new);
+        recorded::record_baseline(plan, report, r, bl_file, &mut log);
+    }
+    let ms = crate::json_bytes(&settled.ms_path, &settled.file)?;
+    let bl_path = o.root.join("baselines.json");
+    let bl = crate::json_bytes(&bl_path, bl_file)?;
+    // The golden traces first, as temporaries beside their places; then both JSON files, all or
+    // none; then the traces renamed into place. A failure before the renames leaves every file
+    // as it was.
+    let golden_dir = o.root.join("golden");
+    std::fs::create_dir_all(&golden_dir)
+        .map_err(|e| gerr!(File: "{}: {e}", golden_dir.display()))?;
+    let mut staged = Vec::new();
+    for (from, to) in &moves {
+        let tmp = to.with_extension("trace.tracegate-bless");
+        if let Err(e) = std::fs::copy(from, &tmp) {
+            for (t, _) in &staged {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(
+                gerr!(File: "{} -> {}: {e}; nothing blessed", from.display(), tmp.display()),
+            );
+        }
+        staged.push((tmp, to.clone()));
+    }
+    if let Err(e) = crate::write_files(&[(&settled.ms_path, &ms), (&bl_path, &bl)]) {
+        for (t, _) in &staged {
+            let _ = std::fs::remove_file(t);
+        }
+        return Err(e);
+    }
+    for (tmp, to) in &staged {
+        std::fs::rename(tmp, to)
+            .map_err(|e| gerr!(File: "{} -> {}: {e}", tmp.display(), to.display()))?;
+    }
+    if log.is_empty() {
+        log.push("nothing changed".into());
+    }
+    Ok(log.join("\n"))
+}
