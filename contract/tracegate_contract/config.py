@@ -573,7 +573,7 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
         q_rows = product("num_attention_heads", nh, "head_dim", d)
         kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
         q_what = f"{nh} (× head_dim {d} = {q_rows} rows)"
-        if cfg.hybrid:  # §17: each head's query, then its gate
+        if cfg.gated_attention:  # §17: each head's query, then its gate
             q_rows = product("num_attention_heads", q_rows, "2 (query and gate)", 2)
             q_what = f"{nh} (× head_dim {d} × 2 for query and gate = {q_rows} rows)"
         dim(f"{a}.q_proj.weight", 0, q_rows, "num_attention_heads", q_what)
