@@ -16,7 +16,7 @@ import pytest
 from test_engine_identity import contract_trace, differences, engine_trace, needs_engine, prompts
 from test_engine_refusals import engine_refusal
 from tracegate_contract import ContractError
-from tracegate_contract.qwen3 import Model, load_config
+from tracegate_contract.model import Model, load_config
 
 from conftest import FIXTURES
 

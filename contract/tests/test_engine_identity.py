@@ -346,7 +346,7 @@ def planted_copy(tmp_path, file: str, old: str, new: str) -> str:
         # MoE block output added to the residual twice: mlp_out is still right, hidden_out is not.
         (
             "moe",
-            "qwen3.py",
+            "layer.py",
             "out = h1 + m\n",
             "out = (h1 + m) + m if L.moe else h1 + m\n",
             "default",

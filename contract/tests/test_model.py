@@ -139,7 +139,7 @@ def test_capture_comparison_sees_a_missing_tail():
 
 def test_cached_decode_row_equals_uncached_row(dense_dir):
     """Stronger than equal decisions: the cached step's logits row is the uncached row's bits."""
-    from tracegate_contract.qwen3 import KVCache
+    from tracegate_contract.model import KVCache
 
     m = Model(dense_dir)
     toks = prompt(m, 7)

@@ -17,8 +17,7 @@ import pytest
 import tracegate
 from test_engine_identity import _NO_ENGINE, ENGINE
 from test_engine_refusals import both_refuse_trace
-from tracegate_contract import Capture, ContractError, open_model, ops, parse_config
-from tracegate_contract import qwen3_5 as q35
+from tracegate_contract import Capture, ContractError, mixers, open_model, ops, parse_config
 from tracegate_contract.__main__ import main
 
 from conftest import ROOT, to_bf16_bits, write_safetensors
@@ -586,8 +585,8 @@ def test_contract_agrees_with_transformers(which, request):
     assert m.run(TOKENS, Capture(), generate=8) == tokens
     # negative control: the contract without the 1/√dk query scale of §18.3
     for layer in m.layers:
-        if isinstance(layer.attn, q35.GatedDeltaNet):
-            layer.attn.scale_k = np.float32(1.0)
+        if isinstance(layer.mixer, mixers.GatedDeltaNet):
+            layer.mixer.scale_k = np.float32(1.0)
     assert _max_diff(m, logits, hidden) > 100 * TOL
 
 

@@ -7,8 +7,7 @@ engine ≡ contract bit for bit is evidence that both follow the document.
 from .capture import Capture
 from .config import Config, load_config, parse_config
 from .errors import ContractError
-from .qwen3 import KVCache, Model
-from .qwen3_5 import open_model
+from .model import KVCache, Model, open_model
 
 __all__ = [
     "ContractError",

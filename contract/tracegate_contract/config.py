@@ -114,6 +114,23 @@ class Config:
         """A Qwen3.5 family: zero-centred norms, gated attention, linear-attention layers."""
         return self.model_type in QWEN3_5_TEXT
 
+    @property
+    def zero_centred_norms(self) -> bool:
+        """§15.1: every RMSNorm scales by 1 ⊕ w (the Qwen3.5 families)."""
+        return self.hybrid
+
+    @property
+    def gated_attention(self) -> bool:
+        """§17: full attention's q_proj holds each head's query then its output gate (Qwen3.5)."""
+        return self.hybrid
+
+    @property
+    def unused_prefixes(self) -> tuple[str, ...]:
+        """Prefixes of the tensors a checkpoint of this family carries and the language model does
+        not run (§20: Qwen3.5's vision tower and multi-token-prediction head); listed, not
+        refused."""
+        return UNUSED_PREFIXES if self.hybrid else ()
+
     def layer_kind(self, layer: int) -> str:
         """§13 `layer_types`: FULL or LINEAR (Qwen3's layers are all FULL)."""
         if self.layer_types is not None:
@@ -556,7 +573,7 @@ def check_sizes(cfg: Config, ck: Checkpoint) -> None:
         q_rows = product("num_attention_heads", nh, "head_dim", d)
         kv_rows = product("num_key_value_heads", nkv, "head_dim", d)
         q_what = f"{nh} (× head_dim {d} = {q_rows} rows)"
-        if cfg.hybrid:  # §17: each head's query, then its gate
+        if cfg.gated_attention:  # §17: each head's query, then its gate
             q_rows = product("num_attention_heads", q_rows, "2 (query and gate)", 2)
             q_what = f"{nh} (× head_dim {d} × 2 for query and gate = {q_rows} rows)"
         dim(f"{a}.q_proj.weight", 0, q_rows, "num_attention_heads", q_what)

@@ -11,8 +11,7 @@ from tracegate import names
 from . import gguf
 from .errors import ContractError
 from .force import Forcing
-from .qwen3 import MAX_POSITIONS, NO_CAPTURE, Capture, Model
-from .qwen3_5 import open_model
+from .model import MAX_POSITIONS, NO_CAPTURE, Capture, Model, open_model
 
 
 def _tracegate():

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use tracegate_engine::capture::Capture;
 use tracegate_engine::config::{Config, LayerKind};
 use tracegate_engine::matmul::Kernel;
-use tracegate_engine::qwen3::Model;
+use tracegate_engine::model::Model;
 use tracegate_engine::weights::Store;
 use tracegate_engine::{generate, load_config};
 

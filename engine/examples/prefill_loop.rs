@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use tracegate_engine::capture::Capture;
 use tracegate_engine::load_config;
-use tracegate_engine::qwen3::Model;
+use tracegate_engine::model::Model;
 use tracegate_engine::weights::Store;
 
 fn main() {

@@ -42,7 +42,7 @@ pub const ORACLE_FAMILIES: [&str; 14] = [
     "qwen3_moe",
 ];
 
-/// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/qwen3.py).
+/// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/config.py).
 pub fn unsupported_family(model_type: &str) -> String {
     if ORACLE_FAMILIES.contains(&model_type) {
         "not supported by the bit-exact producers (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
@@ -71,6 +71,25 @@ impl ModelType {
     /// The Qwen3.5 families: hybrid linear/full attention, zero-centred norms, gated attention.
     pub fn is_qwen3_5(self) -> bool {
         matches!(self, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe)
+    }
+
+    /// §15.1: every RMSNorm scales by `1 ⊕ w` (the Qwen3.5 families).
+    pub fn zero_centred_norms(self) -> bool {
+        self.is_qwen3_5()
+    }
+
+    /// §17: full attention's `q_proj` holds each head's query then its output gate (Qwen3.5).
+    pub fn gated_attention(self) -> bool {
+        self.is_qwen3_5()
+    }
+
+    /// Prefixes of the tensors a checkpoint of this family carries and the language model does
+    /// not run (§20: Qwen3.5's vision tower and multi-token-prediction head); listed, not refused.
+    pub fn unused_prefixes(self) -> &'static [&'static str] {
+        match self.is_qwen3_5() {
+            true => &qwen3_5::UNUSED_PREFIXES,
+            false => &[],
+        }
     }
 }
 

@@ -1,5 +1,6 @@
-//! tracegate reference engine: the fast, exact producer. Qwen3 / Qwen3-MoE forward passes in
-//! ordered fp32 (docs/numerics.md), capture of the named tensors and decisions into a `.trace`.
+//! tracegate reference engine: the fast, exact producer. llama, Qwen3, Qwen3-MoE, Qwen3.5 and
+//! Qwen3.5-MoE forward passes in ordered fp32 (docs/numerics.md), capture of the named tensors
+//! and decisions into a `.trace`.
 //!
 //! - `weights`: safetensors parsing, mapped views, inventory, weights digest
 //! - `gguf`: GGUF weights: the file checked, dequantized, read as the Hugging Face checkpoint
@@ -7,8 +8,10 @@
 //! - `ops`: the ordered kernels of docs/numerics.md, one definition each (the fast attention is
 //!   tested against its definition)
 //! - `matmul`: the fast matmul and its kernel families, bit-equal to the `ops` definition (tested)
-//! - `qwen3`: weights binding and forward for the four families
-//! - `qwen3_5`: what Qwen3.5 adds (Gated DeltaNet, the shared expert; docs/numerics.md §§15–20)
+//! - `model`: the family-neutral model: weights binding and forward; a decoder layer
+//!   (`model/layer.rs`) is a token mixer (`model/mixer/`: attention, Gated DeltaNet) and a
+//!   feed-forward block (`model/feed_forward/`: MLP, MoE, shared expert) chosen per layer from
+//!   the config, which is where the families differ
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace
 //! - `run`: the verbs (`trace`, `layer`, `info`) as a library API; `main.rs` is the CLI over it
@@ -22,9 +25,8 @@ pub mod config;
 pub mod force;
 pub mod gguf;
 pub mod matmul;
+pub mod model;
 pub mod ops;
-pub mod qwen3;
-pub mod qwen3_5;
 pub mod run;
 pub mod weights;
 

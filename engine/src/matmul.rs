@@ -6,13 +6,14 @@
 //!
 //! Here: the kernel families and their dispatch, the tile loop and the data movement they share.
 //! The kernels: `portable`, `avx2` and `avx512` (one file each), and `matvec` (1..=MV_ROWS rows:
-//! decode; its SIMD kernels live in `avx2` and `avx512`).
+//! decode; its SIMD kernels live in `avx2` and `avx512`, the step they share in `step`).
 
 mod avx2;
 mod avx512;
 pub mod layout;
 mod matvec;
 mod portable;
+mod step;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -135,7 +136,7 @@ pub fn matmul_with(
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), rows * k, "x is [rows, K]");
     if (1..=matvec::MV_ROWS).contains(&rows) {
-        return matvec::matvec::<{ matvec::EXACT }>(kernel, x, rows, w, bias);
+        return matvec::matvec::<{ step::EXACT }>(kernel, x, rows, w, bias);
     }
     let tiles = n.div_ceil(NR);
     // Not zeroed: the tiles write every element (below) before `set_len`.

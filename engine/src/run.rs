@@ -10,8 +10,8 @@ use tracegate_trace::{names, Digest, Trace, TraceWriter};
 use crate::capture::Capture;
 use crate::config::{load_config, LayerKind, ModelType, MAX_POSITIONS};
 use crate::force::Forcing;
+use crate::model::Model;
 use crate::ops;
-use crate::qwen3::Model;
 use crate::{err, Result};
 
 pub struct TraceOptions {
@@ -141,7 +141,7 @@ pub fn generate(
     prompt: &[i64],
     prompt_logits: &[f32],
     n: usize,
-    cache: Option<&mut [crate::qwen3::LayerKv]>,
+    cache: Option<&mut [crate::model::LayerKv]>,
     internals: bool,
 ) -> Result<Vec<Step>> {
     let v = model.cfg.vocab_size;

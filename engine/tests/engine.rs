@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use common::*;
 use serde_json::{json, Value};
 use tracegate_engine::capture::Capture;
-use tracegate_engine::qwen3::Model;
+use tracegate_engine::model::Model;
 use tracegate_engine::weights::Store;
 use tracegate_engine::{
     generate, load_config, run_layer, run_trace, Error, LayerOptions, TraceOptions,

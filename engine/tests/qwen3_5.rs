@@ -662,7 +662,7 @@ fn cached_decode_equals_uncached_for_8_steps_and_threads_do_not_matter() {
         // computed from a zero state as if it were at position 0.
         let (cfg, _) = tracegate_engine::load_config(model).unwrap();
         let store = tracegate_engine::weights::Store::open(model).unwrap();
-        let m = tracegate_engine::qwen3::Model::load(cfg, &store).unwrap();
+        let m = tracegate_engine::model::Model::load(cfg, &store).unwrap();
         let mut fresh = m.new_cache();
         let quiet = tracegate_engine::capture::Capture::off;
         let e = m

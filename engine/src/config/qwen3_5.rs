@@ -1,11 +1,16 @@
 //! What only Qwen3.5 reads: the multimodal layout's `text_config`, `layer_types`, the
-//! `linear_*` sizes and the fixed choices of its MoE block.
+//! `linear_*` sizes and the fixed choices of its MoE block; and the tensors its checkpoints
+//! carry for parts the language model does not run.
 
 use serde_json::Value;
 
 use super::fields::{field, opt_bool, opt_usize, req_usize};
 use super::{LayerKind, LayerTypes, LinearSizes, ModelType};
 use crate::{err, Result};
+
+/// Prefixes of the tensors a Qwen3.5 checkpoint carries and the language model does not run:
+/// the vision tower and the multi-token-prediction head (§20).
+pub(super) const UNUSED_PREFIXES: [&str; 2] = ["model.visual.", "mtp."];
 
 /// The multimodal layout's language-model fields: `text_config` (an object whose `model_type`,
 /// when given, is the family's text model type), and the head's tying from the top level. A

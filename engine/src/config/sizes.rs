@@ -91,8 +91,8 @@ pub fn check_sizes(c: &Config, st: &Store) -> Result<()> {
         })?;
         let q_rows = product("num_attention_heads", nq, "head_dim", d)?;
         let kv_rows = product("num_key_value_heads", nkv, "head_dim", d)?;
-        // Qwen3.5's q_proj holds each head's query and output gate: twice the rows.
-        let (gated, times) = if c.model_type.is_qwen3_5() {
+        // A gated q_proj (Qwen3.5) holds each head's query and output gate: twice the rows.
+        let (gated, times) = if c.model_type.gated_attention() {
             (q_rows.checked_mul(2), " × 2")
         } else {
             (Some(q_rows), "")

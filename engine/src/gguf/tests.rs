@@ -1164,7 +1164,7 @@ fn attention_biases_the_file_holds_are_the_models() {
     let (cfg, raw) = crate::load_config(&file).unwrap();
     assert_eq!(raw["attention_bias"], json!(true));
     let store = crate::open_store(&file).unwrap();
-    let e = crate::qwen3::Model::load(cfg, &store)
+    let e = crate::model::Model::load(cfg, &store)
         .err()
         .unwrap()
         .to_string();

@@ -106,7 +106,7 @@ pub(super) unsafe fn matvec_avx2<const R: usize, const P: u8>(
     o0: usize,
     out: &mut [f32],
 ) {
-    use super::matvec::{split_at, PLANT_SPLIT, PREFETCH};
+    use super::step::{split_at, PLANT_SPLIT, PREFETCH};
     use std::arch::x86_64::*;
     let k = w.cols;
     assert!(x.len() == R * k && o0 + 8 <= w.rows && out.len() >= R * 8);
@@ -194,7 +194,7 @@ pub(super) unsafe fn matvec_panels_avx2<const R: usize, const P: u8>(
     o0: usize,
     out: &mut [f32],
 ) {
-    use super::matvec::{split_at, PANEL_PREFETCH, PLANT_SPLIT};
+    use super::step::{split_at, PANEL_PREFETCH, PLANT_SPLIT};
     use std::arch::x86_64::*;
     let k = w.cols;
     assert!(x.len() == R * k && out.len() >= R * 16);
@@ -288,7 +288,7 @@ unsafe fn vstep<const P: u8>(
     x: std::arch::x86_64::__m256,
     w: std::arch::x86_64::__m256,
 ) -> std::arch::x86_64::__m256 {
-    use super::matvec::{step, EXACT};
+    use super::step::{step, EXACT};
     use std::arch::x86_64::*;
     if P == EXACT {
         return _mm256_add_ps(acc, _mm256_mul_ps(x, w));

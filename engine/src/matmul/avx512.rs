@@ -188,7 +188,7 @@ pub(super) unsafe fn matvec_avx512<const R: usize, const P: u8>(
     o0: usize,
     out: &mut [f32],
 ) {
-    use super::matvec::{split_at, PLANT_SPLIT, PREFETCH};
+    use super::step::{split_at, PLANT_SPLIT, PREFETCH};
     use std::arch::x86_64::*;
     let k = w.cols;
     assert!(x.len() == R * k && o0 + 16 <= w.rows && out.len() >= R * 16);
@@ -280,7 +280,7 @@ pub(super) unsafe fn matvec_panels_avx512<const R: usize, const P: u8, const C: 
     o0: usize,
     out: &mut [f32],
 ) {
-    use super::matvec::{split_at, PANEL_PREFETCH, PLANT_SPLIT};
+    use super::step::{split_at, PANEL_PREFETCH, PLANT_SPLIT};
     use crate::matmul::layout::PANEL;
     use std::arch::x86_64::*;
     let (k, pb) = (w.cols, PANEL * w.cols * 2);
@@ -376,7 +376,7 @@ unsafe fn vstep<const P: u8>(
     x: std::arch::x86_64::__m512,
     w: std::arch::x86_64::__m512,
 ) -> std::arch::x86_64::__m512 {
-    use super::matvec::{step, EXACT};
+    use super::step::{step, EXACT};
     use std::arch::x86_64::*;
     if P == EXACT {
         return _mm512_add_ps(acc, _mm512_mul_ps(x, w));

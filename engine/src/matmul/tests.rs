@@ -226,7 +226,8 @@ fn transposed_widening_is_exact_for_every_16_bit_pattern() {
 /// kernel computes (the first span of every row: the portable code only takes partial spans).
 #[test]
 fn matvec_check_catches_planted_fma_and_split_k_in_every_kernel() {
-    use super::matvec::{matvec, span, PLANT_FMA, PLANT_SPLIT};
+    use super::matvec::{matvec, span};
+    use super::step::{PLANT_FMA, PLANT_SPLIT};
     note_unchecked_kernels("matvec_check_catches_planted_fma_and_split_k_in_every_kernel");
     let mut covered = std::collections::BTreeMap::new();
     let mut missed = vec![];

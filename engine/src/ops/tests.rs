@@ -65,7 +65,7 @@ fn attention_fast_equals_definition_bits() {
     // GQA groups of 1, 2 and 3; head dims odd, below and above every vector width (67 = 64 + 3);
     // key counts around the 8/16/64-wide blocks; query-row counts not a multiple of the 4-row
     // block; cached rows (keys before the query rows) and a causal prefill (each row sees a
-    // different count). Qwen3.5's output gate multiplies o after this function (qwen3.rs), so
+    // different count). Qwen3.5's output gate multiplies o after this function (model/mixer/attention.rs), so
     // its path is this one.
     let mut cases = vec![];
     for (i, &(nq, nkv, d, s_len, t)) in [

@@ -1,8 +1,5 @@
-//! Qwen3.5 and Qwen3.5-MoE (docs/numerics.md §§15–20): the pieces the hybrid families add to the
-//! Qwen3 decoder layer (`qwen3.rs`, which runs all four families as one model) — the Gated
-//! DeltaNet token mixer of the `linear_attention` layers with its conv and recurrent state
-//! (§18), and the MoE block's shared expert (§19). The gated full attention (§17) is `qwen3.rs`'s
-//! attention with its output gate on; the zero-centred norms (§15.1) its `Norm`.
+//! §18 Gated DeltaNet, the token mixer of Qwen3.5's `linear_attention` layers: its weights, the
+//! causal conv1d and the delta-rule recurrence over the layer's conv and recurrent state.
 
 use rayon::prelude::*;
 use tracegate_trace::names;
@@ -10,16 +7,8 @@ use tracegate_trace::names;
 use crate::capture::Capture;
 use crate::config::{Config, LinearSizes};
 use crate::ops;
-use crate::qwen3::{gated_mlp, Mlp};
 use crate::weights::{Store, Weight};
 use crate::{err, Result};
-
-/// The one model of the four families (docs/numerics.md §14 names it here too).
-pub use crate::qwen3::Model;
-
-/// Prefixes of the tensors a Qwen3.5 checkpoint carries and the language model does not run:
-/// the vision tower and the multi-token-prediction head (§20).
-pub const UNUSED_PREFIXES: [&str; 2] = ["model.visual.", "mtp."];
 
 /// §18 one linear-attention layer's weights (under `linear_attn.`). The projections stay mapped;
 /// the conv taps and the per-head vectors are widened once.
@@ -258,40 +247,5 @@ impl GatedDeltaNet<'_> {
             }
         }
         conv_out
-    }
-}
-
-/// §19 Qwen3.5-MoE's shared expert: a gated MLP beside the routed experts, scaled by the sigmoid
-/// of its own one-output gate.
-pub struct SharedExpert<'a> {
-    pub(crate) mlp: Mlp<'a>,
-    /// `mlp.shared_expert_gate.weight` `[1, H]`.
-    pub(crate) gate: Weight<'a>,
-}
-
-impl SharedExpert<'_> {
-    /// §19.3–4 `mlp_out = routed ⊕ (sigmoid(sg) ⊗ sh)`, the routed sum complete first; captures
-    /// `shared_expert.gate` (before the sigmoid) and `shared_expert.out`.
-    pub fn add_to(
-        &self,
-        l: usize,
-        mut routed: Vec<f32>,
-        xn: &[f32],
-        pos: &[i64],
-        cap: &mut Capture,
-    ) -> Vec<f32> {
-        let t = pos.len();
-        let h = xn.len() / t;
-        let sh = gated_mlp(&self.mlp, xn, t);
-        let sg = ops::matmul(xn, t, self.gate.view(t), None);
-        cap.internal(&names::layer(l, "shared_expert.gate"), &[t, 1], &sg, pos);
-        cap.internal(&names::layer(l, "shared_expert.out"), &[t, h], &sh, pos);
-        for r in 0..t {
-            let sigma = ops::sigmoid(sg[r]);
-            for i in 0..h {
-                routed[r * h + i] += sigma * sh[r * h + i];
-            }
-        }
-        routed
     }
 }

@@ -1,0 +1,56 @@
+"""§11 / §20 the decoder layer: norm → token mixer → residual → norm → feed-forward → residual,
+with the layer's capture points (hidden_in in model.Model.layer; attn_out, mlp_out, hidden_out
+here; the mixer and the feed-forward block capture their own internals). The mixer and the
+feed-forward block are chosen per layer from the config."""
+
+from __future__ import annotations
+
+import numpy as np
+from tracegate import names
+
+from .config import FULL, Config
+from .feed_forward import Mlp, Moe
+from .mixers import Attention, GatedDeltaNet
+from .ops import F32
+from .weights import Checkpoint
+
+
+class Layer:
+    """Layer `i`'s weights: its two norms, its mixer (`cfg.layer_kind`: Attention or
+    GatedDeltaNet) and its feed-forward block (`cfg.is_sparse`: Moe, else Mlp)."""
+
+    def __init__(self, cfg: Config, ck: Checkpoint, i: int):
+        p, H = f"{cfg.prefix}layers.{i}", cfg.hidden_size
+        self.kind = cfg.layer_kind(i)
+        if self.kind == FULL:
+            self.mixer = Attention(cfg, ck, f"{p}.self_attn")
+        else:
+            self.mixer = GatedDeltaNet(cfg, ck, f"{p}.linear_attn")
+        self.input_layernorm = np.array(ck.take(f"{p}.input_layernorm.weight", (H,)), dtype=F32)
+        self.post_attention_layernorm = np.array(
+            ck.take(f"{p}.post_attention_layernorm.weight", (H,)), dtype=F32
+        )
+        self.moe = cfg.is_sparse(i)
+        if self.moe:
+            self.feed_forward = Moe(cfg, ck, f"{p}.mlp")
+        else:
+            self.feed_forward = Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size, cfg.mlp_bias)
+
+
+def forward(model, i: int, L: Layer, x: np.ndarray, pos: list[int], cap, cache):
+    """Layer `i` on rows x [T, H] at positions `pos`; `model` (model.Model) supplies the norm and
+    runs the blocks (its `_attention`, `_gated_deltanet`, `_moe`)."""
+    eps = model.cfg.rms_norm_eps
+    xn = model.norm_op(x, L.input_layernorm, eps)
+    if L.kind == FULL:
+        a = model._attention(i, L.mixer, xn, pos, cap, cache)
+    else:
+        a = model._gated_deltanet(i, L.mixer, xn, pos, cap, cache)
+    cap.tensor(names.layer(i, "attn_out"), a, pos)
+    h1 = x + a
+    hn = model.norm_op(h1, L.post_attention_layernorm, eps)
+    m = model._moe(L.feed_forward, hn, pos, i, cap) if L.moe else L.feed_forward(hn)
+    cap.tensor(names.layer(i, "mlp_out"), m, pos)
+    out = h1 + m
+    cap.tensor(names.layer(i, "hidden_out"), out, pos)
+    return out

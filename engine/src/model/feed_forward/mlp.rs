@@ -1,0 +1,58 @@
+//! §9 the gated SiLU MLP: a dense layer's feed-forward block, each routed expert, the shared
+//! expert.
+
+use rayon::prelude::*;
+
+use crate::config::Config;
+use crate::ops;
+use crate::weights::{Store, Weight};
+use crate::Result;
+
+pub(crate) struct Mlp<'a> {
+    pub gate: Weight<'a>,
+    pub up: Weight<'a>,
+    pub down: Weight<'a>,
+    /// llama's `mlp_bias`: the gate, up and down biases.
+    pub bias: Option<Box<[Vec<f32>; 3]>>,
+}
+
+impl<'a> Mlp<'a> {
+    /// The MLP under `p` (`{p}.gate_proj.weight`, …), `inter` wide, with the three biases under
+    /// llama's `mlp_bias`.
+    pub fn load(st: &'a Store, cfg: &Config, p: &str, inter: usize) -> Result<Mlp<'a>> {
+        let h = cfg.hidden_size;
+        let vec = |name: &str, n: usize| st.take(name, &[n]).map(|m| m.to_vec());
+        let bias = if cfg.mlp_bias {
+            Some(Box::new([
+                vec(&format!("{p}.gate_proj.bias"), inter)?,
+                vec(&format!("{p}.up_proj.bias"), inter)?,
+                vec(&format!("{p}.down_proj.bias"), h)?,
+            ]))
+        } else {
+            None
+        };
+        Ok(Mlp {
+            gate: st.weight(&format!("{p}.gate_proj.weight"), &[inter, h])?,
+            up: st.weight(&format!("{p}.up_proj.weight"), &[inter, h])?,
+            down: st.weight(&format!("{p}.down_proj.weight"), &[h, inter])?,
+            bias,
+        })
+    }
+
+    pub fn weights(&self) -> [&Weight<'a>; 3] {
+        [&self.gate, &self.up, &self.down]
+    }
+}
+
+/// §9 `down(silu(gate(x)) ⊗ up(x))` (each projection with its bias under llama's `mlp_bias`).
+pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
+    let bias = |i: usize| m.bias.as_ref().map(|b| b[i].as_slice());
+    let g = ops::matmul(x, rows, m.gate.view(rows), bias(0));
+    let u = ops::matmul(x, rows, m.up.view(rows), bias(1));
+    // Elementwise, so spread over the pool in chunks; bits are per element.
+    let mut hmid = vec![0.0f32; g.len()];
+    hmid.par_chunks_mut(4096)
+        .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
+        .for_each(|(hc, (gc, uc))| ops::silu_mul(gc, uc, hc));
+    ops::matmul(&hmid, rows, m.down.view(rows), bias(2))
+}

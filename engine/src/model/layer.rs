@@ -1,0 +1,77 @@
+//! §11 / §20 the decoder layer: norm → token mixer → residual → norm → feed-forward → residual,
+//! with the layer's capture points (`hidden_in`, `attn_out`, `mlp_out`, `hidden_out`; the
+//! mixer and the feed-forward block capture their own internals).
+
+use tracegate_trace::names;
+
+use super::feed_forward::Ffn;
+use super::mixer::Mixer;
+use super::norm::Norm;
+use super::{LayerKv, Model};
+use crate::capture::Capture;
+use crate::config::Config;
+use crate::ops::Rope;
+use crate::weights::Store;
+use crate::{err, Result};
+
+pub(crate) struct Layer<'a> {
+    input_layernorm: Norm,
+    post_attention_layernorm: Norm,
+    pub mixer: Mixer<'a>,
+    pub ffn: Ffn<'a>,
+}
+
+impl<'a> Layer<'a> {
+    /// Layer `l`'s tensors: its mixer and feed-forward block as the config chooses them.
+    pub fn load(st: &'a Store, cfg: &Config, l: usize) -> Result<Layer<'a>> {
+        let p = format!("{}layers.{l}", cfg.layout.prefix());
+        let h = cfg.hidden_size;
+        let ffn = Ffn::load(st, cfg, l, &p)?;
+        let mixer = Mixer::load(st, cfg, l, &p)?;
+        Ok(Layer {
+            input_layernorm: Norm::load(st, cfg, &format!("{p}.input_layernorm.weight"), h)?,
+            post_attention_layernorm: Norm::load(
+                st,
+                cfg,
+                &format!("{p}.post_attention_layernorm.weight"),
+                h,
+            )?,
+            mixer,
+            ffn,
+        })
+    }
+}
+
+impl Model<'_> {
+    /// §11 / §20 decoder layer `l` on rows `x` `[T, H]` at absolute positions `pos` (causal by
+    /// position), attending to `kv` plus these rows (which are appended to `kv`); a
+    /// linear-attention layer continues its state in `kv`, so its rows must follow on from it.
+    pub fn layer(
+        &self,
+        l: usize,
+        x: &[f32],
+        pos: &[i64],
+        rope: &Rope,
+        kv: &mut LayerKv,
+        cap: &mut Capture,
+    ) -> Result<Vec<f32>> {
+        let lw = self.layers.get(l).ok_or_else(
+            || err!(Input: "layer {l} out of range (model has {})", self.layers.len()),
+        )?;
+        let (t, h, eps) = (pos.len(), self.cfg.hidden_size, self.cfg.eps_f32());
+        let name = |point: &str| names::layer(l, point);
+        cap.tensor(&name("hidden_in"), &[t, h], x, pos);
+        let xn = lw.input_layernorm.rows(x, eps);
+        let a = lw.mixer.forward(l, &self.cfg, &xn, pos, rope, kv, cap)?;
+        cap.tensor(&name("attn_out"), &[t, h], &a, pos);
+        let h1: Vec<f32> = x.iter().zip(&a).map(|(p, q)| p + q).collect();
+        let hn = lw.post_attention_layernorm.rows(&h1, eps);
+        let m = lw
+            .ffn
+            .forward(l, &self.cfg, self.forcing.as_ref(), &hn, pos, cap)?;
+        cap.tensor(&name("mlp_out"), &[t, h], &m, pos);
+        let out: Vec<f32> = h1.iter().zip(&m).map(|(p, q)| p + q).collect();
+        cap.tensor(&name("hidden_out"), &[t, h], &out, pos);
+        Ok(out)
+    }
+}

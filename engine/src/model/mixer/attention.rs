@@ -1,0 +1,155 @@
+//! §8 softmax attention over the cached keys; §17 (Qwen3.5) its gated form, `q_proj` holding
+//! each head's query then its output gate; §16 partial rotation through the config's rotary dims.
+
+use tracegate_trace::names;
+
+use crate::capture::Capture;
+use crate::config::Config;
+use crate::model::norm::Norm;
+use crate::model::LayerKv;
+use crate::ops::{self, Rope};
+use crate::weights::{Store, Weight};
+use crate::Result;
+
+struct Linear<'a> {
+    w: Weight<'a>,
+    b: Option<Vec<f32>>,
+}
+
+impl Linear<'_> {
+    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        ops::matmul(x, rows, self.w.view(rows), self.b.as_deref())
+    }
+}
+
+/// Softmax attention (§8; Qwen3.5's §17 when `gated`: `q_proj` holds each head's query then its
+/// output gate).
+pub(crate) struct Attention<'a> {
+    q: Linear<'a>,
+    k: Linear<'a>,
+    v: Linear<'a>,
+    o: Linear<'a>,
+    /// §8.2 per-head norms: the Qwen families (llama has none).
+    qk_norm: Option<(Norm, Norm)>,
+    gated: bool,
+}
+
+impl<'a> Attention<'a> {
+    /// Takes the layer's tensors (`p` = `…layers.N.self_attn`).
+    pub fn load(st: &'a Store, cfg: &Config, p: &str) -> Result<Attention<'a>> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (nq, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let gated = cfg.model_type.gated_attention();
+        let ab = cfg.attention_bias;
+        let lin = |name: &str, out: usize, inp: usize| -> Result<Linear<'a>> {
+            let w = st.weight(&format!("{p}.{name}.weight"), &[out, inp])?;
+            let b = if ab {
+                Some(st.take(&format!("{p}.{name}.bias"), &[out])?.to_vec())
+            } else {
+                None
+            };
+            Ok(Linear { w, b })
+        };
+        Ok(Attention {
+            // §17: a gated q_proj holds each head's query and its gate.
+            q: lin("q_proj", nq * d * (1 + gated as usize), h)?,
+            k: lin("k_proj", nkv * d, h)?,
+            v: lin("v_proj", nkv * d, h)?,
+            o: lin("o_proj", h, nq * d)?,
+            qk_norm: if cfg.qk_norm {
+                Some((
+                    Norm::load(st, cfg, &format!("{p}.q_norm.weight"), d)?,
+                    Norm::load(st, cfg, &format!("{p}.k_norm.weight"), d)?,
+                ))
+            } else {
+                None
+            },
+            gated,
+        })
+    }
+
+    /// Its matrices (`Model::pack_panels`).
+    pub fn weights(&self) -> [&Weight<'a>; 4] {
+        [&self.q.w, &self.k.w, &self.v.w, &self.o.w]
+    }
+
+    /// §8 (§17 when gated) attention of the new rows over `kv` ++ new rows; returns attn_out
+    /// (after o_proj).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        l: usize,
+        c: &Config,
+        xn: &[f32],
+        pos: &[i64],
+        rope: &Rope,
+        kv: &mut LayerKv,
+        cap: &mut Capture,
+    ) -> Vec<f32> {
+        let lw = self;
+        let (t, d, eps) = (pos.len(), c.head_dim, c.eps_f32());
+        let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        // §8.1 projections; §17.1 a gated q_proj's head h is [query | gate], d each.
+        let (mut q, gate) = match lw.gated {
+            false => (lw.q.apply(xn, t), None),
+            true => {
+                let qg = lw.q.apply(xn, t);
+                let halves = |half: usize| -> Vec<f32> {
+                    qg.chunks_exact(2 * d)
+                        .flat_map(|hd| hd[half * d..(half + 1) * d].iter().copied())
+                        .collect()
+                };
+                (halves(0), Some(halves(1)))
+            }
+        };
+        let mut k = lw.k.apply(xn, t);
+        let v = lw.v.apply(xn, t);
+        // §8.2 q_norm / k_norm on every head vector (not llama), then RoPE at the row's
+        // position (§16: the leading rotary dims only).
+        let norms = lw.qk_norm.as_ref();
+        for (x, norm, heads) in [
+            (&mut q, norms.map(|n| &n.0), nq),
+            (&mut k, norms.map(|n| &n.1), nkv),
+        ] {
+            let mut normed = vec![0.0f32; d];
+            for (i, head) in x.chunks_exact_mut(d).enumerate() {
+                if let Some(norm) = norm {
+                    norm.one(head, eps, &mut normed);
+                    head.copy_from_slice(&normed);
+                }
+                rope.apply(i / heads, head);
+            }
+        }
+        cap.internal(&names::layer(l, "q"), &[t, nq, d], &q, pos);
+        cap.internal(&names::layer(l, "k"), &[t, nkv, d], &k, pos);
+        cap.internal(&names::layer(l, "v"), &[t, nkv, d], &v, pos);
+        if let Some(g) = &gate {
+            cap.internal(&names::layer(l, "attn_gate"), &[t, nq, d], g, pos);
+        }
+        kv.k.extend_from_slice(&k);
+        kv.v.extend_from_slice(&v);
+        kv.pos.extend_from_slice(pos);
+        // §8.3–§8.7 over the cached rows and these.
+        let keys = ops::KeyRows {
+            k: &kv.k,
+            v: &kv.v,
+            pos: &kv.pos,
+        };
+        let shape = ops::Heads { nq, nkv, d };
+        // §8.4: scale = f32(1 / sqrt(d)) in binary64.
+        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+        let (mut o, probs) = ops::attention(&q, pos, &keys, shape, scale, cap.internals());
+        if cap.internals() {
+            let tk = kv.pos.len();
+            cap.internal(&names::layer(l, "attn_probs"), &[nq, t, tk], &probs, pos);
+        }
+        // §17.3 the output gate, elementwise on o `[T, nq, d]`.
+        if let Some(g) = &gate {
+            for (x, &gi) in o.iter_mut().zip(g) {
+                *x *= ops::sigmoid(gi);
+            }
+        }
+        // §8.8
+        lw.o.apply(&o, t)
+    }
+}

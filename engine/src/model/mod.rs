@@ -1,0 +1,155 @@
+//! The model, family-neutral (docs/numerics.md §5–§12, §§15–20): the embedding, the decoder
+//! layers, the final norm and the head. A decoder layer (`layer.rs`) is a token mixer
+//! (`mixer/`: softmax attention, Gated DeltaNet) and a feed-forward block (`feed_forward/`: the
+//! gated MLP, the sparse MoE with its optional shared expert), each chosen per layer from the
+//! config. What a family changes is read from the config (config.rs, `config/`): the layer
+//! kinds, the sizes, and the family's traits (`ModelType`: zero-centred norms, the attention's
+//! output gate, the tensors present and not run).
+
+mod feed_forward;
+mod layer;
+mod mixer;
+mod norm;
+
+use crate::aligned::Lines;
+use crate::capture::Capture;
+use crate::config::{check_sizes, Config};
+use crate::force::Forcing;
+use crate::ops::{self, Rope};
+use crate::weights::{Mat, Store, Weight};
+use crate::{err, Result};
+use layer::Layer;
+pub use mixer::LinearState;
+use norm::Norm;
+
+/// The model: matrices stay bf16/f16/f32 (in the mapped checkpoint, or bf16 repacked as panels:
+/// `Weight`) and are widened tile by tile at use; only the O(hidden) vectors (norm
+/// weights, biases) are widened once here.
+pub struct Model<'a> {
+    pub cfg: Config,
+    embed: Mat<'a>,
+    head: Weight<'a>,
+    norm: Norm,
+    layers: Vec<Layer<'a>>,
+    /// `--force-decisions`: router rows at the positions it holds are taken from it.
+    pub forcing: Option<Forcing>,
+    /// Tensors present and not run (Qwen3.5's vision tower and multi-token prediction), by
+    /// prefix with their count (§20); empty for the other families.
+    pub unused_tensors: Vec<(String, usize)>,
+}
+
+/// Per-layer cache: for a full-attention layer the k (normed, rotated) and v rows `[n, kv, d]`
+/// with their positions (cache-line aligned: P·V loads value rows a vector at a time); for a
+/// linear-attention layer its conv and recurrent state (§18.7).
+#[derive(Clone, Default)]
+pub struct LayerKv {
+    k: Lines,
+    v: Lines,
+    pos: Vec<i64>,
+    pub linear: LinearState,
+}
+
+impl<'a> Model<'a> {
+    /// Bind every tensor the config requires (shapes checked) and refuse any the checkpoint
+    /// holds that no module claims.
+    pub fn load(cfg: Config, st: &'a Store) -> Result<Model<'a>> {
+        check_sizes(&cfg, st)?;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let m = cfg.layout.prefix();
+        let embed_name = format!("{m}embed_tokens.weight");
+        let embed = st.take(&embed_name, &[v, h])?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| Layer::load(st, &cfg, l))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = Norm::load(st, &cfg, &format!("{m}norm.weight"), h)?;
+        // Tied, the head is the embedding (looked up from the file's rows, multiplied by as a
+        // `Weight`).
+        let head = if cfg.tie_word_embeddings {
+            st.weight_of(&embed_name, embed)
+        } else {
+            st.weight("lm_head.weight", &[v, h])?
+        };
+        // §20: Qwen3.5 checkpoints carry a vision tower and a multi-token-prediction head the
+        // language model does not run; they are listed, not refused.
+        let unused_tensors = st.set_aside(cfg.model_type.unused_prefixes());
+        st.finish_claims()?;
+        Ok(Model {
+            cfg,
+            embed,
+            head,
+            norm,
+            layers,
+            forcing: None,
+            unused_tensors,
+        })
+    }
+
+    /// Makes every matrix's panels now instead of on first decode use (`Weight`): for a
+    /// measurement of steady decode (the bench), packing counted as load time.
+    pub fn pack_panels(&self) {
+        let mut all: Vec<&Weight> = vec![&self.head];
+        for l in &self.layers {
+            l.mixer.weights(&mut all);
+            l.ffn.weights(&mut all);
+        }
+        for w in all {
+            w.pack();
+        }
+    }
+
+    pub fn new_cache(&self) -> Vec<LayerKv> {
+        vec![LayerKv::default(); self.cfg.num_hidden_layers]
+    }
+
+    /// §5 embedding rows.
+    pub fn embed(&self, tokens: &[i64]) -> Result<Vec<f32>> {
+        let h = self.cfg.hidden_size;
+        let mut x = vec![0.0f32; tokens.len() * h];
+        for (r, &t) in tokens.iter().enumerate() {
+            if t < 0 || t as u64 >= self.cfg.vocab_size as u64 {
+                return Err(err!(Input:
+                    "token id {t} outside the vocabulary [0, {})",
+                    self.cfg.vocab_size
+                ));
+            }
+            self.embed
+                .widen_row(t as usize, 0, &mut x[r * h..(r + 1) * h]);
+        }
+        Ok(x)
+    }
+
+    /// Tokens at positions `pos0..`, appending to `cache` (empty for an uncached forward).
+    /// Captures embed.out … logits into `cap`; returns logits `[T, V]`.
+    pub fn forward(
+        &self,
+        tokens: &[i64],
+        pos0: i64,
+        cache: &mut [LayerKv],
+        cap: &mut Capture,
+    ) -> Result<Vec<f32>> {
+        let t = tokens.len();
+        let (h, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let pos: Vec<i64> = (0..t as i64).map(|i| pos0 + i).collect();
+        let rope = self.rope(&pos);
+        let mut x = self.embed(tokens)?;
+        cap.tensor("embed.out", &[t, h], &x, &pos);
+        for (l, kv) in cache.iter_mut().enumerate() {
+            x = self.layer(l, &x, &pos, &rope, kv, cap)?;
+        }
+        let xn = self.norm.rows(&x, self.cfg.eps_f32());
+        cap.tensor("final_norm.out", &[t, h], &xn, &pos);
+        let logits = ops::matmul(&xn, t, self.head.view(t), None);
+        cap.tensor("logits", &[t, v], &logits, &pos);
+        Ok(logits)
+    }
+
+    /// §7 / §16 RoPE tables for these positions, over the config's rotary dims.
+    pub fn rope(&self, pos: &[i64]) -> Rope {
+        Rope::scaled(
+            self.cfg.rope_theta,
+            self.cfg.rotary_dim,
+            self.cfg.rope_scaling,
+            pos,
+        )
+    }
+}
