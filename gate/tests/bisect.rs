@@ -9,7 +9,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-mod common;
+use crate::common;
 use common::{
     assert_valid_bisect_report as assert_valid_report, bisect_validator, defective, repo,
 };

@@ -6,7 +6,7 @@
 
 use serde_json::Value;
 
-mod common;
+use crate::common;
 use common::{assert_valid_bisect_report, defective, repo};
 
 /// The verdict line: the first line says how bisect judged (docs/bisect.md, "Judging").

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-mod common;
+use crate::common;
 use common::{assert_valid_bisect_report, defective, repo};
 
 struct Run {

@@ -3,7 +3,7 @@
 //! back by an XML parser that is not ours (Python's ElementTree); under GitHub Actions the gate
 //! prints one ::error per FAIL and one ::warning per NOT CHECKED, and none elsewhere.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

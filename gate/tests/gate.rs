@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-mod common;
+use crate::common;
 
 fn repo() -> PathBuf {
     common::repo().canonicalize().unwrap()

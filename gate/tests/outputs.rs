@@ -3,7 +3,7 @@
 //! refused before anything runs. (A write that fails midway leaves none of the run's reports and
 //! no temporary: trace/src/output.rs's test, and trace-diff's full-disk test in diff/tests/cli.rs.)
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

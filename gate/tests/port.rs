@@ -6,7 +6,7 @@
 //! swapped or missing golden trace is refused; a deterministic candidate whose digest moves
 //! fails `stable`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

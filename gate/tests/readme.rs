@@ -3,7 +3,7 @@
 //! and checked against a real `gate m1` run on that prompt (the oracle left out by a Python
 //! without torch, so its two columns are NOT CHECKED here and only the others are compared).
 
-mod common;
+use crate::common;
 
 use common::repo;
 

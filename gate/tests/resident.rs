@@ -6,7 +6,7 @@
 //! Driven by `gate bisect --reference engine --candidate contract` on tiny-qwen3's short prompt:
 //! one request to the contract's worker per run, a second of Python start-up when cold.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,0 +1,16 @@
+//! Every integration test of the crate, one module a file, built as one binary (Cargo.toml
+//! `autotests = false`): `cargo test -p tracegate-gate --test all port::` runs one file's.
+
+mod bisect;
+mod bisect_adversary;
+mod bisect_decode;
+mod bisect_stored;
+mod ci;
+mod common;
+mod gate;
+mod inputs;
+mod measures;
+mod outputs;
+mod port;
+mod readme;
+mod resident;
