@@ -184,7 +184,8 @@ def test_negative_control_position_off_by_one_in_the_cached_step_is_caught(runs)
 def _contract_rows(d: Path, seq: list[int]) -> dict[str, np.ndarray]:
     """The contract's prefill of the whole sequence (an ordered producer: its rows are its cached
     decode rows bit for bit, docs/producers.md)."""
-    from tracegate_contract.qwen3 import Capture, Model
+    from tracegate_contract.capture import Capture
+    from tracegate_contract.model import Model
 
     cap = Capture(False)
     Model(str(d)).forward(seq, range(len(seq)), cap)
@@ -195,7 +196,8 @@ def _contract_rows(d: Path, seq: list[int]) -> dict[str, np.ndarray]:
 def test_decode_rows_agree_with_the_contract(runs, subject):
     """Oracle decode rows (cached and uncached) against the contract's rows at the same
     positions, within the policy; the greedy tokens equal the contract's own generation."""
-    from tracegate_contract.qwen3 import Capture, Model
+    from tracegate_contract.capture import Capture
+    from tracegate_contract.model import Model
 
     d, model, prompt, on, off = runs[subject]
     n = len(prompt)

@@ -127,7 +127,7 @@ def test_a_forgotten_mlp_bias_is_caught_at_the_first_mlp_out(tmp_path, llama_bia
     """A contract planted to load no MLP bias (what a port that skips `mlp_bias` computes),
     against the oracle on the same checkpoint."""
     site = "self.bgu, self.bd = bias if bias is not None else (None, None)"
-    env = planted_contract(tmp_path, "qwen3.py", site, "self.bgu, self.bd = (None, None)")
+    env = planted_contract(tmp_path, "feed_forward.py", site, "self.bgu, self.bd = (None, None)")
     out = tmp_path / "c.trace"
     args = ["trace", "--model", llama_bias, "--tokens", TOKENS, "--capture", "internals"]
     r = subprocess.run(

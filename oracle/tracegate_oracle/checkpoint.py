@@ -1,7 +1,7 @@
 """What the oracle refuses before transformers builds anything: the model directory, the
 safetensors headers and config.json, each refusal one line naming the file and the field.
 
-The engine (engine/src/qwen3.rs, engine/src/weights.rs) and the contract refuse these inputs;
+The engine (engine/src/model/, engine/src/weights.rs) and the contract refuse these inputs;
 transformers does not (it hangs building 2^40 layers, divides by zero heads, or computes a NaN
 trace from a NaN epsilon), so the oracle checks them first. Pure Python (json, struct): no torch,
 so the CLI refuses before the seconds that importing torch takes. Nothing here is model

@@ -43,12 +43,12 @@ import sys
 
 import numpy as np
 from tracegate_contract import __main__ as cli
-from tracegate_contract import ops, qwen3, qwen3_5
+from tracegate_contract import capture, feed_forward, model, ops
 
 _current = [None]  # the layer Model.layer is running, for defects scoped to one layer
 _verb = [None]  # the request's verb, for defects scoped to one verb
 _prompt = [None]  # the prompt's length, known to the trace verb only (late-pos)
-_orig_layer = qwen3.Model.layer
+_orig_layer = model.Model.layer
 
 
 def _tracking_layer(self, i, *a, **k):
@@ -60,18 +60,18 @@ def _tracking_layer(self, i, *a, **k):
 
 
 def plant(defect: str) -> None:
-    qwen3.Model.layer = _tracking_layer
+    model.Model.layer = _tracking_layer
     if defect == "mlp-add" or defect.startswith("mlp-add@"):
-        orig, at = qwen3._Mlp.__call__, int(defect.partition("@")[2] or 2)
+        orig, at = feed_forward.Mlp.__call__, int(defect.partition("@")[2] or 2)
 
         def mlp(self, x):
             y = orig(self, x)
             return x + y if _current[0] == at else y
 
-        qwen3._Mlp.__call__ = mlp
+        feed_forward.Mlp.__call__ = mlp
     elif defect.startswith(("gdn-decay@", "gdn-decay-cached@")):
         orig, at = ops.gdn_decay, int(defect.partition("@")[2])
-        orig_gdn, carried = qwen3_5.Model._gated_deltanet, [False]
+        orig_gdn, carried = model.Model._gated_deltanet, [False]
 
         def gated_deltanet(self, i, G, xn, pos, cap, cache):
             # a carried state: this layer's state of the cache already holds rows
@@ -83,8 +83,8 @@ def plant(defect: str) -> None:
             wrong = _current[0] == at and (defect.startswith("gdn-decay@") or carried[0])
             return g * np.float32(2.0) if wrong else g
 
-        qwen3_5.Model._gated_deltanet = gated_deltanet
-        ops.gdn_decay = gdn_decay  # qwen3_5 calls ops.gdn_decay through the module
+        model.Model._gated_deltanet = gated_deltanet
+        ops.gdn_decay = gdn_decay  # the model calls ops.gdn_decay through the module
     elif defect in ("bidir-mask", "gqa-mod", "layer-bidir") or defect.startswith("bidir-mask@"):
         orig = ops.attention
         bidir_at = int(defect.partition("@")[2] or 1) if defect.startswith("bidir-mask") else None
@@ -100,14 +100,14 @@ def plant(defect: str) -> None:
                 k, v = np.ascontiguousarray(k[:, wrong]), np.ascontiguousarray(v[:, wrong])
             return orig(q, k, v, q_pos, k_pos, scale)
 
-        ops.attention = attention  # qwen3 calls ops.attention through the module
+        ops.attention = attention  # the model calls ops.attention through the module
     elif defect == "eps-x10":
         orig = ops.rmsnorm
 
         def rmsnorm(x, w, eps):
             return orig(x, w, np.float32(eps) * np.float32(10.0))
 
-        ops.rmsnorm = rmsnorm  # qwen3 calls ops.rmsnorm through the module
+        ops.rmsnorm = rmsnorm  # the model calls ops.rmsnorm through the module
     elif defect in ("rms-eps", "f64-sumsq"):
         orig = ops.rmsnorm
 
@@ -130,9 +130,9 @@ def plant(defect: str) -> None:
                 ss = ss + x[..., i] * x[..., i]
             return ss / np.float32(x.shape[-1])
 
-        ops.rmsnorm = rmsnorm  # qwen3 calls ops.rmsnorm through the module
+        ops.rmsnorm = rmsnorm  # the model calls ops.rmsnorm through the module
     elif defect == "no-renorm":
-        orig = qwen3.Model._moe
+        orig = model.Model._moe
 
         def moe(self, L, x, pos, pfx, cap):
             if _current[0] != 1:
@@ -143,9 +143,9 @@ def plant(defect: str) -> None:
             finally:
                 self.cfg.norm_topk_prob = saved
 
-        qwen3.Model._moe = moe
+        model.Model._moe = moe
     elif defect in ("cached-pos", "late-pos"):
-        orig, orig_run = qwen3.Model.layer, qwen3.Model.run  # layer: the tracking wrapper
+        orig, orig_run = model.Model.layer, model.Model.run  # layer: the tracking wrapper
         prompt = _prompt
 
         def run(self, tokens, *a, **k):
@@ -159,7 +159,7 @@ def plant(defect: str) -> None:
             def tables(self, pos):
                 return self.rope.tables([p + 1 if p >= self.first else p for p in pos])
 
-        def layer(self, i, x, positions, cap=qwen3.NO_CAPTURE, cache=None):
+        def layer(self, i, x, positions, cap=capture.NO_CAPTURE, cache=None):
             if defect == "cached-pos" and cache is not None and cache.pos[i]:
                 first = 0  # a row on a filled cache: a cached decode step
             elif defect == "late-pos" and prompt[0] is not None:
@@ -174,7 +174,7 @@ def plant(defect: str) -> None:
             finally:
                 self.rope = saved
 
-        qwen3.Model.layer, qwen3.Model.run = layer, run
+        model.Model.layer, model.Model.run = layer, run
     elif defect.startswith("declare@"):
         from tracegate_contract import run as contract_run
 
