@@ -1,7 +1,7 @@
 //! End-to-end tests of the engine on temporary random checkpoints: capture layout, determinism
 //! across thread counts and processes, cached == uncached, the layer verb, loader refusals.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

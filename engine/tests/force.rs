@@ -3,7 +3,7 @@
 //! altered choices, with margins that say it would have chosen otherwise; a trace that cannot
 //! serve the run is refused naming the file and the decision.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,7 @@
 //! tensors listed, cached ≡ uncached decode for 8 steps, thread-count invariance, the `layer`
 //! verb on both layer kinds (with `--decode-from`), fused ≡ per-expert experts.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
