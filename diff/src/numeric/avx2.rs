@@ -6,8 +6,8 @@
 
 use super::kernels::{finish_f32_bf16_chunk, LaneSums, LANES, MIXED_LANES};
 use super::median::{UlpCounts, Window};
+use super::pair_stats::Stats;
 use super::scan::CHUNK;
-use crate::measures::Stats;
 use std::arch::x86_64::*;
 
 /// Unsigned `a < b` per 32-bit lane, as a movemask (AVX2 compares only signed).

@@ -6,8 +6,8 @@
 use super::kernels::{LaneSums, LANES};
 use super::median::{UlpCounts, Window};
 use super::ordering::F32K;
+use super::pair_stats::Stats;
 use super::scan::{finish_chunk, scan_chunk, CHUNK};
-use crate::measures::Stats;
 use std::arch::x86_64::*;
 
 /// Bucket numbers gathered before a batch is counted.

@@ -5,10 +5,10 @@
 
 use super::median::{UlpCounts, Window};
 use super::ordering::{BF16K, F32K};
+use super::pair_stats::Stats;
 use super::scan::{finish_chunk, scan_chunk, scan_chunk_mixed, scan_chunks, CHUNK};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
-use crate::measures::Stats;
 
 /// f32, the dtype of nearly every activation, gets fast kernels: AVX-512 intrinsics where the
 /// CPU has them, else portable code the compiler vectorises. Blocks holding a NaN or an

@@ -3,8 +3,8 @@
 
 use super::ordering::Pair;
 use super::pair_element;
+use super::pair_stats::Stats;
 use super::scan::scan_window;
-use crate::measures::Stats;
 
 /// Buckets the scan counts distances into, around where the median is expected.
 pub(super) const BUCKETS: usize = 4096;

@@ -7,8 +7,8 @@
 //! sum of the two sides' steps. NaNs have no distance and are counted on their own.
 //!
 //! One concept a file: `ordering` (element kinds, rounding between formats, ULP distance),
-//! `scan` (a tensor pair's statistics, [`crate::measures::Stats`], chunk by chunk, by the
-//! careful path), `kernels` (the
+//! `pair_stats` (a tensor pair's statistics, [`Stats`]), `scan` (gathers them chunk by chunk,
+//! by the careful path), `kernels` (the
 //! portable fast kernels of f32 and f32/bf16) with `avx512` and `avx2` (their intrinsics
 //! versions), `median` (the exact median ULP), `format` (printing values); here, the element
 //! accessors the report uses.
@@ -21,13 +21,13 @@ mod format;
 mod kernels;
 mod median;
 mod ordering;
+pub(crate) mod pair_stats;
 mod scan;
 #[cfg(test)]
 mod tests;
 
 use tracegate_trace::DType;
 
-pub(crate) use crate::measures::Stats;
 pub use format::{describe_bits, format_value, hex_bits, unravel};
 pub(crate) use median::median_ulp;
 use ordering::mixed_pair;
@@ -35,6 +35,7 @@ pub(crate) use ordering::{
     classify, dispatch, with_float, Num, BF16K, F16K, F32K, F64K, I16K, I32K, I64K, I8K, U8K,
 };
 pub use ordering::{Pair, Special};
+pub(crate) use pair_stats::Stats;
 pub(crate) use scan::scan;
 
 /// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the

@@ -11,7 +11,7 @@ use super::ordering::{
     classify, dispatch, mixed_pair, with_float, Float, Num, Pair, BF16K, F16K, F32K, F64K, I16K,
     I32K, I64K, I8K, U8K,
 };
-use crate::measures::Stats;
+use super::pair_stats::Stats;
 
 /// Elements per work unit: big enough to amortise scheduling, small enough to balance two
 /// cores on a single large tensor. Chunks are folded back in index order, so every sum is
