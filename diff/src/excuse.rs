@@ -8,9 +8,9 @@ use std::collections::BTreeSet;
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::values::{element, judge_row, set_stats};
+use crate::rows::{element, judge_row, set_stats, worst};
 use crate::{
-    noise, numeric, reroute, worst, FindingKind, NearTieRef, NearTieSummary, Policy, Real, Report,
+    noise, numeric, reroute, FindingKind, NearTieRef, NearTieSummary, Policy, Real, Report,
     RowStatus, RowsAfter, TensorRow,
 };
 

@@ -23,11 +23,11 @@ pub mod policy;
 mod render;
 mod report;
 mod reroute;
+mod rows;
 pub mod stats;
 mod structure;
 mod values;
 mod vocab;
-mod worst;
 
 #[doc(hidden)]
 pub use serde as __serde;

@@ -10,7 +10,7 @@ use std::collections::{BTreeSet, HashMap};
 use tracegate_trace::names::{self, Name};
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::values::{judge_row, row_for, set_stats};
+use crate::rows::{judge_row, row_for, set_stats};
 use crate::{
     comparable, numeric, Finding, FindingKind, Method, Policy, RowStatus, RuleRef, TensorRow,
 };
