@@ -7,7 +7,8 @@ use tracegate_trace::{TensorInfo, Trace};
 use crate::report::{Divergence, Method, RuleRef, TensorRow};
 use crate::rows::{element, judge_row, row_for, set_stats, worst};
 use crate::{
-    noise, numeric, reroute, Finding, FindingKind, Options, Pair, Real, Report, RowStatus, Special,
+    noise, numeric, positions, Finding, FindingKind, Options, Pair, Real, Report, RowStatus,
+    Special,
 };
 
 /// Scans common tensors in reference order; true if any is different (or fails the policy).
@@ -30,7 +31,7 @@ pub(crate) fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> 
         let Some(ci) = c.tensor_info(&ri.name) else {
             continue;
         };
-        if reroute::rerouted(ri, ci) {
+        if positions::rerouted(ri, ci) {
             different |= rerouted_row(r, c, ri, ci, opts, rep);
             continue;
         }
@@ -68,7 +69,7 @@ fn rerouted_row(
     let Some(pair) = Pair::new(ri.dtype, ci.dtype) else {
         return false;
     };
-    let (row, findings, _) = reroute::judge(
+    let (row, findings, _) = positions::judge(
         r,
         c,
         ri,

@@ -1,7 +1,7 @@
 //! A tensor's row of the report (`per_tensor`), the unit every phase above fills in and judges:
 //! made empty ([`row_for`]), given a scan's statistics ([`set_stats`]), judged by a policy rule
 //! ([`judge_row`]); an element of it shown with both values and bits ([`element`]), and where
-//! its difference is worst (`worst`). Values makes the rows, positioned tensors (`reroute`)
+//! its difference is worst (`worst`). Values makes the rows, positioned tensors (`positions`)
 //! and the excusal (`excuse`) judge them again on fewer rows of tokens.
 
 pub(crate) mod worst;
