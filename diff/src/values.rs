@@ -1,6 +1,6 @@
 //! Phase 4 of [`crate::compare`], values: each common tensor's row — equal by digest, not
 //! scanned, or scanned element by element — judged by the policy when there is one; the first
-//! divergence with its element; and the element-range divergence the decisions measure.
+//! divergence with its element.
 
 use tracegate_trace::{TensorInfo, Trace};
 
@@ -287,42 +287,5 @@ fn divergence(
         max_rel: Real(s.max_rel),
         cosine: row.cosine,
         rel_l2: row.rel_l2,
-    }
-}
-
-/// Max |reference − candidate| over elements `[start, end)` of a tensor present in both with
-/// the same shape and comparable dtypes (the same, or two floats: real values, each in its
-/// own dtype); infinite when a NaN or infinity differs there.
-pub(crate) fn range_divergence(
-    r: &Trace,
-    c: &Trace,
-    name: &str,
-    rows: Option<(u64, u64)>,
-) -> Option<f64> {
-    let (ri, ci) = (r.tensor_info(name)?, c.tensor_info(name)?);
-    let pair = Pair::new(ri.dtype, ci.dtype).filter(|_| ri.shape == ci.shape)?;
-    let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
-    let (start, end) = row_range(ri, rows);
-    let (a, b) = (
-        &r.data(ri)[start as usize * rs..end as usize * rs],
-        &c.data(ci)[start as usize * cs..end as usize * cs],
-    );
-    let (s, _) = numeric::scan(pair, a, b, false);
-    if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
-        return Some(f64::INFINITY);
-    }
-    Some(s.max_abs)
-}
-
-/// The elements `[start, end)` of row `row` of `count` rows, when the tensor's first axis has
-/// that many rows; else of the whole tensor.
-pub(crate) fn row_range(info: &TensorInfo, rows: Option<(u64, u64)>) -> (u64, u64) {
-    let n = info.element_count();
-    match rows {
-        Some((row, count)) if info.shape.first() == Some(&count) && count > 0 => {
-            let width = n / count;
-            (row * width, (row + 1) * width)
-        }
-        _ => (0, n),
     }
 }
