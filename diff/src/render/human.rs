@@ -7,7 +7,8 @@ use tracegate_trace::DType;
 
 use super::decisions::decisions;
 use super::headline::summary;
-use super::{coords, cosine, left_out, opt_u, real, terminal_safe, thousands, MAX_COLUMN};
+use super::sink::Sink;
+use super::{coords, cosine, left_out, opt_u, real, thousands, MAX_COLUMN};
 use crate::{Element, Report, RowSet, Special, TensorRow, Verdict};
 
 /// An element's distance in words: its ULPs (integers: |difference|), or what kind of
@@ -60,49 +61,6 @@ fn element_lines(o: &mut Sink<'_>, dtype: &str, label: &str, e: &Element) {
         e.candidate_value, e.candidate_bits
     );
     let _ = writeln!(o, "  distance   {}", distance(dtype, e.ulp, e.special));
-}
-
-/// Text on its way to a writer, made [`terminal_safe`] and flushed every 64 KiB at a line end,
-/// so a report of a million rows never sits in memory whole. The first write error is kept.
-pub(super) struct Sink<'a> {
-    buf: String,
-    out: &'a mut dyn std::io::Write,
-    error: Option<std::io::Error>,
-}
-
-impl<'a> Sink<'a> {
-    fn new(out: &'a mut dyn std::io::Write) -> Self {
-        Sink {
-            buf: String::new(),
-            out,
-            error: None,
-        }
-    }
-    fn flush(&mut self) {
-        if self.error.is_none() {
-            if let Err(e) = self.out.write_all(terminal_safe(&self.buf).as_bytes()) {
-                self.error = Some(e);
-            }
-        }
-        self.buf.clear();
-    }
-    fn finish(mut self) -> std::io::Result<()> {
-        self.flush();
-        match self.error.take() {
-            Some(e) => Err(e),
-            None => self.out.flush(),
-        }
-    }
-}
-
-impl Write for Sink<'_> {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        self.buf.push_str(s);
-        if self.buf.len() >= 1 << 16 && self.buf.ends_with('\n') {
-            self.flush();
-        }
-        Ok(())
-    }
 }
 
 /// The full human report.
