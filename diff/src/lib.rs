@@ -19,6 +19,7 @@ pub mod html;
 pub mod measures;
 pub mod noise;
 pub mod numeric;
+mod options;
 pub mod policy;
 mod positions;
 mod render;
@@ -32,12 +33,13 @@ mod vocab;
 #[doc(hidden)]
 pub use serde as __serde;
 
-pub use compare::{compare, compare_files, Options};
+pub use compare::{compare, compare_files};
 pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use filter::{Filter, FilterSummary};
 pub use html::write_html;
 pub use noise::NoiseReference;
 pub use numeric::{describe_bits, Pair, Special};
+pub use options::Options;
 pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
 pub use render::{
     label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json,
@@ -45,8 +47,8 @@ pub use render::{
 };
 pub use report::{
     Count, DecisionDivergence, DecisionResult, DecisionSummary, Divergence, Element, Finding, Flip,
-    MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PassingBounds, PolicyRef, Real,
+    MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PassingBounds, PolicyRef,
     Report, RowSet, RowsAfter, RuleRef, Side, TensorRow, TensorSummary, TensorViolation,
     REPORT_SCHEMA,
 };
-pub use vocab::{DecisionStatus, FindingKind, Label, Margins, RowStatus, Verdict};
+pub use vocab::{DecisionStatus, FindingKind, Label, Margins, Real, RowStatus, Verdict};

@@ -9,7 +9,7 @@ use super::decisions::decisions;
 use super::headline::summary;
 use super::sink::Sink;
 use super::{coords, cosine, left_out, opt_u, real, thousands, MAX_COLUMN};
-use crate::{Element, Report, RowSet, Special, TensorRow, Verdict};
+use crate::{Element, Report, RowSet, Special, TensorRow, TensorViolation, Verdict};
 
 /// An element's distance in words: its ULPs (integers: |difference|), or what kind of
 /// difference it is when it has no distance.
@@ -30,7 +30,7 @@ fn distance(dtype: &str, ulp: Option<u64>, special: Option<Special>) -> String {
 }
 
 /// An element in one line: "[2,5]: 0.5 (0x3f000000) vs 0.50000006 (0x3f000001), 1 ULP (f32)".
-pub(crate) fn element_words(dtype: &str, e: &Element) -> String {
+fn element_words(dtype: &str, e: &Element) -> String {
     format!(
         "[{}]: {} ({}) vs {} ({}), {}",
         coords(&e.coords),
@@ -40,6 +40,25 @@ pub(crate) fn element_words(dtype: &str, e: &Element) -> String {
         e.candidate_bits,
         distance(dtype, e.ulp, e.special)
     )
+}
+
+/// A tensor outside the policy in one line (see [`TensorViolation`]).
+impl std::fmt::Display for TensorViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let broken: Vec<String> = self.violations.iter().map(|v| v.to_string()).collect();
+        write!(f, "{}", broken.join("; "))?;
+        if let Some(r) = &self.rule {
+            write!(f, " (rule #{} {})", r.index, r.pattern)?;
+        }
+        if let Some(e) = &self.worst_element {
+            write!(
+                f,
+                "; worst at {}",
+                element_words(self.ulp_dtype.unwrap_or(self.dtype), e)
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// The lines naming one element: where, both values with their bits, the distance.

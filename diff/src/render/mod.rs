@@ -16,7 +16,6 @@ mod sink;
 pub use decisions::label_text;
 pub(crate) use escape::{escape_with, json_escape, needs_escape};
 pub use escape::{terminal_safe, write_json};
-pub(crate) use human::element_words;
 pub use human::{render_human, write_human};
 pub use show::{render_show, write_show, write_show_json};
 
