@@ -1,7 +1,7 @@
 //! A tensor pair's statistics ([`Stats`]): the sums and counts every measure of
 //! [`crate::measures`] is defined from, gathered by the scan and its fast kernels.
 
-use super::Special;
+use super::ordering::Special;
 
 /// Statistics of one tensor pair (or a range of it), the sums the measures are defined from.
 /// Float sums (in f64, in a fixed order: chunks folded in index order, so the result does not
