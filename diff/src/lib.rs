@@ -3,12 +3,27 @@
 //! prints (human or JSON) and the gate and bisect read directly. Semantics are specified in
 //! `docs/diff.md`; the JSON form in `docs/diff-report.schema.json`.
 //!
-//! One concept a module. The algorithm: `compare` (the phases in order, and the verdict),
-//! `comparable`, `structure`, `values` and `decisions` (one phase each), with `reroute`
-//! (rerouted experts), `excuse` (rows after a near-tie) and `worst` (a violation's worst
-//! element); `numeric` and `measures` the element arithmetic. The result: `report` (its types
-//! and JSON form), `vocab` (the words shared with other crates). Its output: `render` (text,
-//! JSON, `--show`) and `html`. Every public item is re-exported here.
+//! One concept a module, in layers: a module imports from the layers below its own and from
+//! those listed before it in its layer, never from above. Bottom to top:
+//!
+//! 1. Element arithmetic: `numeric` (ULP distance, printing values, a tensor pair's statistics
+//!    and the scan and kernels that gather them), with `measures` its face for other tools.
+//! 2. Words and inputs: `vocab` (the words and the number form the reports share with other
+//!    crates), `policy` (rules and their bounds), `filter` (`--only` / `--skip`), `noise` (the
+//!    noise reference), `options` (what a comparison is asked to do), `stats` (`--show`'s
+//!    statistics of one trace).
+//! 3. The result: `report` (its types and JSON form).
+//! 4. Rows: `rows` (a tensor's row: its statistics, judged by a rule, an element shown; with
+//!    `rows/worst`, the element a violation is shown at).
+//! 5. Positioned tensors: `positions` (lists of positions, and experts matched by position,
+//!    the rerouted experts).
+//! 6. The phases: `comparable`, `structure`, `values`; `excuse` (rows after a near-tie, left out
+//!    and the rest judged again: a pass over the judged rows, driven by `decisions` as it meets
+//!    near-ties); `decisions`.
+//! 7. `compare`: the phases in order, and the verdict.
+//! 8. Output: `render` (text, JSON, `--show`) and `html` on top.
+//!
+//! Every public item is re-exported here.
 
 pub mod comparable;
 mod compare;
