@@ -1,6 +1,6 @@
 //! What a comparison is asked to do ([`Options`]): verify digests, scan past the first
 //! difference, judge by a policy against a noise reference, and which tensors are compared.
-//! Every phase reads it; [`crate::compare`] takes it.
+//! Every phase reads it; [`crate::compare()`] takes it.
 
 use crate::{Filter, NoiseReference, Policy};
 
