@@ -7,6 +7,7 @@
 use serde_json::Value;
 use tracegate_trace::Trace;
 
+use crate::positions::{describe, not_increasing, rerouted};
 use crate::{Finding, FindingKind};
 
 /// Provenance keys (dotted paths) that define an oracle's stack.
@@ -155,7 +156,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
     for (side, t) in [("reference", r), ("candidate", c)] {
         for info in t.tensors() {
             if let Some(p) = &info.attributes.positions {
-                if let Some(i) = p.windows(2).position(|w| w[0] >= w[1]) {
+                if let Some(i) = not_increasing(p) {
                     refuse.push(Finding::new(
                         FindingKind::PositionsMismatch,
                         Some(&info.name),
@@ -164,7 +165,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                             i + 1,
                             p[i + 1],
                             p[i],
-                            positions(&info.attributes.positions)
+                            describe(&info.attributes.positions)
                         ),
                     ));
                 }
@@ -193,19 +194,19 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                 format!("mask {} vs {}", opt(&ra.mask), opt(&ca.mask)),
             ));
         }
-        // An expert that other tokens were routed to is compared by position (`reroute`). A
+        // An expert that other tokens were routed to is compared by position (`positions`). A
         // tensor whose token axis has another length (a transposed one) is Structure's shape
         // finding, never compared by value, so its positions can hide no row.
         let axis = tracegate_trace::names::token_axis(&ri.name).unwrap_or(0);
         let same_rows = ri.shape.get(axis) == ci.shape.get(axis);
-        if ra.positions != ca.positions && same_rows && !crate::reroute::rerouted(ri, ci) {
+        if ra.positions != ca.positions && same_rows && !rerouted(ri, ci) {
             refuse.push(Finding::new(
                 FindingKind::PositionsMismatch,
                 Some(&ri.name),
                 format!(
                     "positions {} vs {}",
-                    positions(&ra.positions),
-                    positions(&ca.positions)
+                    describe(&ra.positions),
+                    describe(&ca.positions)
                 ),
             ));
         }
@@ -236,18 +237,4 @@ fn digest_hint(a: &Value, b: &Value) -> String {
 
 fn opt(s: &Option<String>) -> String {
     s.clone().unwrap_or_else(|| "absent".into())
-}
-
-pub(crate) fn positions(p: &Option<Vec<i64>>) -> String {
-    match p {
-        None => "absent".into(),
-        Some(v) if v.len() <= 8 => format!("{v:?}"),
-        Some(v) => format!(
-            "[{}, {}, … {} positions, …, {}]",
-            v[0],
-            v[1],
-            v.len(),
-            v[v.len() - 1]
-        ),
-    }
 }

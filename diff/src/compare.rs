@@ -6,50 +6,10 @@ use std::path::Path;
 
 use tracegate_trace::Trace;
 
-use crate::noise::NoiseReference;
 use crate::report::{Finding, Report, Side};
 use crate::structure::{forced_note, structure};
 use crate::values::values;
-use crate::{
-    comparable, decisions, Filter, FilterSummary, FindingKind, Policy, RowStatus, Verdict,
-};
-
-#[derive(Clone, Debug)]
-pub struct Options {
-    /// Recompute every digest of both traces first. Without it the per-tensor digests are not
-    /// trusted either, so every common tensor is compared element by element.
-    pub verify: bool,
-    /// Downgrade the oracle stack rule (versions, dtype, device, attention) to a finding.
-    pub allow_stack_mismatch: bool,
-    /// Keep scanning values after the first differing tensor.
-    pub all: bool,
-    /// Judge numeric differences by this policy (implies scanning every tensor).
-    pub policy: Option<Policy>,
-    /// `--only` / `--skip`: the tensors and decisions compared; the rest are left out.
-    pub filter: Filter,
-    /// `--noise-reference`: what the policy's `max_noise_ratio` bounds measure against.
-    pub noise: Option<NoiseReference>,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            verify: true,
-            allow_stack_mismatch: false,
-            all: false,
-            policy: None,
-            filter: Filter::default(),
-            noise: None,
-        }
-    }
-}
-
-impl Options {
-    /// Whether the tensor or decision `name` is compared (see [`Filter`]).
-    pub fn selects(&self, name: &str) -> bool {
-        self.filter.selects(name)
-    }
-}
+use crate::{comparable, decisions, FilterSummary, FindingKind, Options, RowStatus, Verdict};
 
 fn side(t: Option<&Trace>, path: Option<&Path>, verified: bool) -> Side {
     Side {

@@ -8,9 +8,9 @@ use std::collections::BTreeSet;
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::values::{element, judge_row, set_stats};
+use crate::rows::{element, judge_row, set_stats, worst};
 use crate::{
-    noise, numeric, reroute, worst, FindingKind, NearTieRef, NearTieSummary, Policy, Real, Report,
+    noise, numeric, positions, FindingKind, NearTieRef, NearTieSummary, Policy, Real, Report,
     RowStatus, RowsAfter, TensorRow,
 };
 
@@ -182,10 +182,10 @@ impl<'a> Excusal<'a> {
             return;
         };
         if let Some(pair) =
-            numeric::Pair::new(ri.dtype, ci.dtype).filter(|_| reroute::rerouted(ri, ci))
+            numeric::Pair::new(ri.dtype, ci.dtype).filter(|_| positions::rerouted(ri, ci))
         {
             let (row, findings, left_out) =
-                reroute::judge(self.r, self.c, ri, ci, pair, Some(policy), &excused);
+                positions::judge(self.r, self.c, ri, ci, pair, Some(policy), &excused);
             rep.findings.retain(|f| {
                 !(matches!(f.kind, FindingKind::Rerouted | FindingKind::OutsidePolicy)
                     && f.tensor() == Some(row.tensor.as_str()))

@@ -3,12 +3,27 @@
 //! prints (human or JSON) and the gate and bisect read directly. Semantics are specified in
 //! `docs/diff.md`; the JSON form in `docs/diff-report.schema.json`.
 //!
-//! One concept a module. The algorithm: `compare` (the phases in order, and the verdict),
-//! `comparable`, `structure`, `values` and `decisions` (one phase each), with `reroute`
-//! (rerouted experts), `excuse` (rows after a near-tie) and `worst` (a violation's worst
-//! element); `numeric` and `measures` the element arithmetic. The result: `report` (its types
-//! and JSON form), `vocab` (the words shared with other crates). Its output: `render` (text,
-//! JSON, `--show`) and `html`. Every public item is re-exported here.
+//! One concept a module, in layers: a module imports from the layers below its own and from
+//! those listed before it in its layer, never from above. Bottom to top:
+//!
+//! 1. Element arithmetic: `numeric` (ULP distance, printing values, a tensor pair's statistics
+//!    and the scan and kernels that gather them), with `measures` its face for other tools.
+//! 2. Words and inputs: `vocab` (the words and the number form the reports share with other
+//!    crates), `policy` (rules and their bounds), `filter` (`--only` / `--skip`), `noise` (the
+//!    noise reference), `options` (what a comparison is asked to do), `stats` (`--show`'s
+//!    statistics of one trace).
+//! 3. The result: `report` (its types and JSON form).
+//! 4. Rows: `rows` (a tensor's row: its statistics, judged by a rule, an element shown; with
+//!    `rows/worst`, the element a violation is shown at).
+//! 5. Positioned tensors: `positions` (lists of positions, and experts matched by position,
+//!    the rerouted experts).
+//! 6. The phases: `comparable`, `structure`, `values`; `excuse` (rows after a near-tie, left out
+//!    and the rest judged again: a pass over the judged rows, driven by `decisions` as it meets
+//!    near-ties); `decisions`.
+//! 7. `compare`: the phases in order, and the verdict.
+//! 8. Output: `render` (text, JSON, `--show`) and `html` on top.
+//!
+//! Every public item is re-exported here.
 
 pub mod comparable;
 mod compare;
@@ -19,25 +34,27 @@ pub mod html;
 pub mod measures;
 pub mod noise;
 pub mod numeric;
+mod options;
 pub mod policy;
+mod positions;
 mod render;
 mod report;
-mod reroute;
+mod rows;
 pub mod stats;
 mod structure;
 mod values;
 mod vocab;
-mod worst;
 
 #[doc(hidden)]
 pub use serde as __serde;
 
-pub use compare::{compare, compare_files, Options};
+pub use compare::{compare, compare_files};
 pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use filter::{Filter, FilterSummary};
 pub use html::write_html;
 pub use noise::NoiseReference;
 pub use numeric::{describe_bits, Pair, Special};
+pub use options::Options;
 pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
 pub use render::{
     label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json,
@@ -45,8 +62,8 @@ pub use render::{
 };
 pub use report::{
     Count, DecisionDivergence, DecisionResult, DecisionSummary, Divergence, Element, Finding, Flip,
-    MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PassingBounds, PolicyRef, Real,
+    MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PassingBounds, PolicyRef,
     Report, RowSet, RowsAfter, RuleRef, Side, TensorRow, TensorSummary, TensorViolation,
     REPORT_SCHEMA,
 };
-pub use vocab::{DecisionStatus, FindingKind, Label, Margins, RowStatus, Verdict};
+pub use vocab::{DecisionStatus, FindingKind, Label, Margins, Real, RowStatus, Verdict};

@@ -3,7 +3,7 @@
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::{reroute, Finding, FindingKind, Options, Pair, Report};
+use crate::{positions, Finding, FindingKind, Options, Pair, Report};
 
 /// Missing, extra, dtype, shape and order findings; true if there is any.
 pub(crate) fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
@@ -29,7 +29,7 @@ pub(crate) fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) 
                     format!("reference {} vs candidate {}", info.dtype, ci.dtype),
                 ));
             }
-            Some(ci) if ci.shape != info.shape && !reroute::rerouted(info, ci) => {
+            Some(ci) if ci.shape != info.shape && !positions::rerouted(info, ci) => {
                 let same_count = ci.element_count() == info.element_count();
                 let note = if same_count {
                     " (same element count: transposed or reshaped)"

@@ -1,47 +1,15 @@
 //! Phase 4 of [`crate::compare`], values: each common tensor's row — equal by digest, not
 //! scanned, or scanned element by element — judged by the policy when there is one; the first
-//! divergence with its element; and the element-range divergence the decisions measure.
+//! divergence with its element.
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::report::{Divergence, Element, Method, RuleRef, TensorRow};
+use crate::report::{Divergence, Method, RuleRef, TensorRow};
+use crate::rows::{element, judge_row, row_for, set_stats, worst};
 use crate::{
-    noise, numeric, policy, reroute, worst, Finding, FindingKind, Options, Pair, Real, Report,
-    RowStatus, Rule, Special,
+    noise, numeric, positions, Finding, FindingKind, Options, Pair, Real, Report, RowStatus,
+    Special,
 };
-
-pub(crate) fn row_for(
-    info: &TensorInfo,
-    pair: Pair,
-    method: Method,
-    status: RowStatus,
-) -> TensorRow {
-    TensorRow {
-        tensor: info.name.clone(),
-        dtype: info.dtype.name(),
-        candidate_dtype: pair.candidate,
-        ulp_dtype: pair.ulp_dtype(),
-        shape: info.shape.clone(),
-        method,
-        status,
-        total_elements: info.element_count(),
-        differing_elements: None,
-        max_ulp: None,
-        median_ulp: None,
-        max_abs: None,
-        max_rel: None,
-        cosine: None,
-        rel_l2: None,
-        scale_error: None,
-        signed_zero: 0,
-        nan_mismatch: 0,
-        nan_payload: 0,
-        infinity: 0,
-        rule: None,
-        violations: Box::default(),
-        worst_element: None,
-    }
-}
 
 /// Scans common tensors in reference order; true if any is different (or fails the policy).
 /// Each row is made by one of three phases — equal by digest, not scanned (after the first
@@ -63,7 +31,7 @@ pub(crate) fn values(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> 
         let Some(ci) = c.tensor_info(&ri.name) else {
             continue;
         };
-        if reroute::rerouted(ri, ci) {
+        if positions::rerouted(ri, ci) {
             different |= rerouted_row(r, c, ri, ci, opts, rep);
             continue;
         }
@@ -101,7 +69,7 @@ fn rerouted_row(
     let Some(pair) = Pair::new(ri.dtype, ci.dtype) else {
         return false;
     };
-    let (row, findings, _) = reroute::judge(
+    let (row, findings, _) = positions::judge(
         r,
         c,
         ri,
@@ -265,52 +233,6 @@ fn values_differ(pair: Pair, row: &TensorRow) -> String {
     }
 }
 
-/// A row's statistics from a scan (the median is the caller's: only the first divergence has one).
-pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
-    row.differing_elements = Some(s.differing);
-    row.max_abs = Some(Real(s.max_abs));
-    row.max_rel = Some(Real(s.max_rel));
-    row.cosine = s.cosine().map(Real);
-    row.rel_l2 = s.rel_l2().map(Real);
-    row.scale_error = s.scale_error().map(Real);
-    (
-        row.signed_zero,
-        row.nan_mismatch,
-        row.nan_payload,
-        row.infinity,
-    ) = (s.signed_zero, s.nan_mismatch, s.nan_payload, s.infinity);
-    row.max_ulp = s.max_ulp();
-}
-
-/// Judges a differing row by its rule from the row's statistics: sets `violations` and the
-/// status, and returns the `outside_policy` finding when a bound is broken.
-pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<Finding> {
-    let noise_rel_l2 = row.rule.as_ref().and_then(|r| r.noise_rel_l2.flatten());
-    let m = policy::Measured {
-        noise_ratio: noise::ratio(row.rel_l2.map(|x| x.0), noise_rel_l2.map(|x| x.0)),
-        max_ulp: row.max_ulp,
-        max_abs: row.max_abs.map_or(0.0, |x| x.0),
-        max_rel: row.max_rel.map_or(0.0, |x| x.0),
-        rel_l2: row.rel_l2.map(|x| x.0),
-        cosine: row.cosine.map(|x| x.0),
-        scale_error: row.scale_error.map(|x| x.0),
-        nonfinite_differences: row.nan_mismatch + row.nan_payload + row.infinity,
-    };
-    row.violations = rule.violations(&m).into_boxed_slice();
-    if row.violations.is_empty() {
-        row.status = RowStatus::WithinPolicy;
-        row.worst_element = None;
-        return None;
-    }
-    row.status = RowStatus::OutsidePolicy;
-    let broken: Vec<String> = row.violations.iter().map(|v| v.to_string()).collect();
-    Some(Finding::new(
-        FindingKind::OutsidePolicy,
-        Some(&row.tensor),
-        format!("rule {idx} ({}): {}", rule.pattern, broken.join("; ")),
-    ))
-}
-
 /// Names signed-zero / NaN / infinity differences of the first differing tensor as findings.
 fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
     for (count, kind, what) in [
@@ -330,27 +252,6 @@ fn specials_findings(info: &TensorInfo, s: &numeric::Stats, rep: &mut Report) {
                 format!("{count} element(s): {}", what.describe()),
             ));
         }
-    }
-}
-
-/// Element `idx` of a tensor both traces hold with the same shape: each value and its bits in
-/// its own dtype, the distance in the pair's ULPs (the coarser dtype's for a mixed pair).
-pub(crate) fn element(pair: Pair, shape: &[u64], rd: &[u8], cd: &[u8], idx: u64) -> Element {
-    let (rt, ct) = (pair.reference, pair.candidate);
-    let (a, b) = (
-        numeric::element_bits(rt, rd, idx),
-        numeric::element_bits(ct, cd, idx),
-    );
-    let (special, ulp) = numeric::pair_element(pair, rd, cd, idx).unwrap_or((None, Some(0)));
-    Element {
-        flat_index: idx,
-        coords: numeric::unravel(idx, shape),
-        reference_value: numeric::format_value(rt, a),
-        candidate_value: numeric::format_value(ct, b),
-        reference_bits: numeric::hex_bits(rt, a),
-        candidate_bits: numeric::hex_bits(ct, b),
-        ulp,
-        special,
     }
 }
 
@@ -386,42 +287,5 @@ fn divergence(
         max_rel: Real(s.max_rel),
         cosine: row.cosine,
         rel_l2: row.rel_l2,
-    }
-}
-
-/// Max |reference − candidate| over elements `[start, end)` of a tensor present in both with
-/// the same shape and comparable dtypes (the same, or two floats: real values, each in its
-/// own dtype); infinite when a NaN or infinity differs there.
-pub(crate) fn range_divergence(
-    r: &Trace,
-    c: &Trace,
-    name: &str,
-    rows: Option<(u64, u64)>,
-) -> Option<f64> {
-    let (ri, ci) = (r.tensor_info(name)?, c.tensor_info(name)?);
-    let pair = Pair::new(ri.dtype, ci.dtype).filter(|_| ri.shape == ci.shape)?;
-    let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
-    let (start, end) = row_range(ri, rows);
-    let (a, b) = (
-        &r.data(ri)[start as usize * rs..end as usize * rs],
-        &c.data(ci)[start as usize * cs..end as usize * cs],
-    );
-    let (s, _) = numeric::scan(pair, a, b, false);
-    if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
-        return Some(f64::INFINITY);
-    }
-    Some(s.max_abs)
-}
-
-/// The elements `[start, end)` of row `row` of `count` rows, when the tensor's first axis has
-/// that many rows; else of the whole tensor.
-pub(crate) fn row_range(info: &TensorInfo, rows: Option<(u64, u64)>) -> (u64, u64) {
-    let n = info.element_count();
-    match rows {
-        Some((row, count)) if info.shape.first() == Some(&count) && count > 0 => {
-            let width = n / count;
-            (row * width, (row + 1) * width)
-        }
-        _ => (0, n),
     }
 }

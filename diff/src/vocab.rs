@@ -1,6 +1,9 @@
 //! The words the reports share between crates — the verdict, finding kinds, row and decision
 //! statuses, margin states, flip labels — as enums. Each serialises to exactly the string the JSON reports carry
 //! (docs/diff-report.schema.json), so code matches them exhaustively and a typo does not compile.
+//! And the form every real number of a report takes ([`Real`]).
+
+use serde::{Serialize, Serializer};
 
 /// An enum whose variants are written as fixed strings: `as_str`, `Display` (padded like a
 /// `str`), `FromStr`, serde both ways, and ordering by the string (so a map keyed by one
@@ -233,6 +236,26 @@ impl Label {
         match self {
             Label::NearTie | Label::AfterNearTie => true,
             Label::Consequence | Label::Defect => false,
+        }
+    }
+}
+
+/// An f64 that serialises non-finite values as the strings "inf", "-inf", "nan" (JSON has no
+/// such numbers, and null would read as "not measured").
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Real(pub f64);
+
+impl Serialize for Real {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let v = self.0;
+        if v.is_finite() {
+            s.serialize_f64(v)
+        } else if v.is_nan() {
+            s.serialize_str("nan")
+        } else if v > 0.0 {
+            s.serialize_str("inf")
+        } else {
+            s.serialize_str("-inf")
         }
     }
 }

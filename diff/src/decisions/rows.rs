@@ -6,9 +6,8 @@ use tracegate_trace::{DecisionInfo, Trace};
 use tracegate_trace::names::Name;
 
 use super::scores::{crossed_gap, margin_of, picks, Scores};
-use super::source::{decode_step, holds_scores, row_position, source_row};
+use super::source::{decode_step, holds_scores, range_divergence, row_position, source_row};
 use crate::excuse::Excusal;
-use crate::values::range_divergence;
 use crate::{
     DecisionResult, DecisionStatus, Finding, FindingKind, Flip, Label, MarginDifference, Margins,
     NearTieRef, Policy, Real, Report,

@@ -5,8 +5,8 @@
 
 use tracegate_trace::{DType, Trace};
 
+use super::source::row_range;
 use crate::numeric;
-use crate::values::row_range;
 
 /// One row of one side's source tensor: `len` scores of `dtype` starting at element `start`.
 pub(super) struct Scores<'a> {

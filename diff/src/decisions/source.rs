@@ -1,11 +1,12 @@
 //! Where a decision row's numbers come from: the source tensor a decision was taken from, its
-//! place in the capture order, the source row of each decision row, and the row's token
-//! position.
+//! place in the capture order, the source row of each decision row, the row's token
+//! position, and how far the two sides' source rows are apart.
 
 use tracegate_trace::names::Name;
-use tracegate_trace::Trace;
+use tracegate_trace::{TensorInfo, Trace};
 
 use crate::excuse::capture_index;
+use crate::{numeric, Pair};
 
 /// The tensor a decision was taken from, if the traces hold it: `logits` for `logits.argmax`;
 /// `decode.SSSS.logits`, else `logits`, for `decode.SSSS.argmax`; `layer.NN.router.logits`,
@@ -55,7 +56,7 @@ pub(super) fn decode_step(name: &str) -> Option<u64> {
 }
 
 /// The source row a decision row was taken from, as `(row, rows)` for
-/// [`range_divergence`](crate::values::range_divergence): row `row` of `rows`; the first decode
+/// [`range_divergence`]: row `row` of `rows`; the first decode
 /// step without its own logits is the prompt's last `logits` row (step 0 is the argmax of that
 /// row).
 pub(super) fn source_row(name: &str, source: &str, row: u64, rows: u64, r: &Trace) -> (u64, u64) {
@@ -108,6 +109,43 @@ pub(super) fn row_position(
         .and_then(|i| i.attributes.positions.as_ref())
         .filter(|p| p.len() as u64 == rows);
     Some(positions.map_or(row as i64, |p| p[row as usize]))
+}
+
+/// Max |reference − candidate| over elements `[start, end)` of a tensor present in both with
+/// the same shape and comparable dtypes (the same, or two floats: real values, each in its
+/// own dtype); infinite when a NaN or infinity differs there.
+pub(super) fn range_divergence(
+    r: &Trace,
+    c: &Trace,
+    name: &str,
+    rows: Option<(u64, u64)>,
+) -> Option<f64> {
+    let (ri, ci) = (r.tensor_info(name)?, c.tensor_info(name)?);
+    let pair = Pair::new(ri.dtype, ci.dtype).filter(|_| ri.shape == ci.shape)?;
+    let (rs, cs) = (ri.dtype.size(), ci.dtype.size());
+    let (start, end) = row_range(ri, rows);
+    let (a, b) = (
+        &r.data(ri)[start as usize * rs..end as usize * rs],
+        &c.data(ci)[start as usize * cs..end as usize * cs],
+    );
+    let (s, _) = numeric::scan(pair, a, b, false);
+    if s.nan_mismatch + s.nan_payload + s.infinity > 0 {
+        return Some(f64::INFINITY);
+    }
+    Some(s.max_abs)
+}
+
+/// The elements `[start, end)` of row `row` of `count` rows, when the tensor's first axis has
+/// that many rows; else of the whole tensor.
+pub(super) fn row_range(info: &TensorInfo, rows: Option<(u64, u64)>) -> (u64, u64) {
+    let n = info.element_count();
+    match rows {
+        Some((row, count)) if info.shape.first() == Some(&count) && count > 0 => {
+            let width = n / count;
+            (row * width, (row + 1) * width)
+        }
+        _ => (0, n),
+    }
 }
 
 #[cfg(test)]

@@ -4,9 +4,11 @@
 use std::fmt::Write as _;
 
 use super::chart::{decades, R, T, W};
-use super::report_page::MAX_FLIPS;
 use super::{esc, fmt_real, json_text, num_td, real, val};
 use crate::Report;
+
+/// At most this many flips per decision family are listed.
+pub const MAX_FLIPS: usize = 500;
 
 pub(super) fn decisions(rep: &Report, h: &mut String) {
     let d = &rep.decisions;

@@ -20,7 +20,8 @@ use std::path::Path;
 use serde::Serialize;
 
 pub use chart::{BoundBar, LogChart, Mark, Point, Series};
-pub use report_page::{render_html, write_html, MAX_FLIPS, MAX_ROWS};
+pub use decisions::MAX_FLIPS;
+pub use report_page::{render_html, write_html, MAX_ROWS};
 
 use crate::Real;
 

@@ -37,8 +37,6 @@ fn groups(rows: &[TensorRow]) -> Vec<(usize, String)> {
 
 /// At most this many per-tensor rows are drawn and listed (the page says how many there were).
 pub const MAX_ROWS: usize = 20_000;
-/// At most this many flips per decision family are listed.
-pub const MAX_FLIPS: usize = 500;
 
 fn bound_of(rep: &Report, row: &TensorRow, key: &str) -> Option<(usize, f64)> {
     let r = row.rule.as_ref()?;

@@ -4,10 +4,11 @@
 //! chunk's Σx² or Σy² non-finite (the square of a finite f32 cannot overflow an f64, nor a
 //! chunk's sum of them), and then the chunk is scanned again by the portable kernel.
 
-use super::kernels::{finish_f32_bf16_chunk, LaneSums, LANES, MIXED_LANES};
-use super::median::{UlpCounts, Window};
-use super::scan::CHUNK;
-use crate::measures::Stats;
+use super::chunk::CHUNK;
+use super::counts::{UlpCounts, Window};
+use super::kernels::finish_f32_bf16_chunk;
+use super::lanes::{LaneSums, LANES, MIXED_LANES};
+use super::pair_stats::Stats;
 use std::arch::x86_64::*;
 
 /// Unsigned `a < b` per 32-bit lane, as a movemask (AVX2 compares only signed).

@@ -3,11 +3,11 @@
 //! into a buffer and counted in batches by scalar code, which the core runs beside the
 //! vector work; those outside it only cost a compare.
 
-use super::kernels::{LaneSums, LANES};
-use super::median::{UlpCounts, Window};
+use super::chunk::{finish_chunk, scan_chunk, CHUNK};
+use super::counts::{UlpCounts, Window};
+use super::lanes::{LaneSums, LANES};
 use super::ordering::F32K;
-use super::scan::{finish_chunk, scan_chunk, CHUNK};
-use crate::measures::Stats;
+use super::pair_stats::Stats;
 use std::arch::x86_64::*;
 
 /// Bucket numbers gathered before a batch is counted.

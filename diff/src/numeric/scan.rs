@@ -1,102 +1,21 @@
 //! The per-tensor scan: statistics of a tensor pair gathered chunk by chunk on the rayon pool,
-//! by the careful element-by-element path or, for f32 and f32/bf16, a fast kernel
-//! ([`super::kernels`]).
+//! by the careful element-by-element path (`chunk`) or, for f32 and f32/bf16, a fast kernel
+//! (`kernels`, or `avx512` / `avx2` where the CPU has them).
 
 use rayon::prelude::*;
 use tracegate_trace::DType;
 
-use super::kernels::{scan_f32, scan_f32_bf16, LANES};
-use super::median::{UlpCounts, Window};
+#[cfg(target_arch = "x86_64")]
+use super::avx2;
+#[cfg(target_arch = "x86_64")]
+use super::avx512;
+use super::chunk::{scan_chunk, scan_chunk_mixed, CHUNK};
+use super::counts::{UlpCounts, Window};
+use super::kernels::{scan_chunk_f32, scan_chunk_f32_bf16};
 use super::ordering::{
-    classify, dispatch, mixed_pair, with_float, Float, Num, Pair, BF16K, F16K, F32K, F64K, I16K,
-    I32K, I64K, I8K, U8K,
+    dispatch, with_float, Num, Pair, BF16K, F16K, F32K, F64K, I16K, I32K, I64K, I8K, U8K,
 };
-use crate::measures::Stats;
-
-/// Elements per work unit: big enough to amortise scheduling, small enough to balance two
-/// cores on a single large tensor. Chunks are folded back in index order, so every sum is
-/// the same whatever the thread count.
-pub(super) const CHUNK: usize = 1 << 16;
-
-/// Sums and maxima over one chunk; `base` is the chunk's first absolute index.
-pub(super) fn scan_chunk<K: Num>(
-    r: &[u8],
-    c: &[u8],
-    base: u64,
-    mut ulps: Option<&mut UlpCounts>,
-) -> Stats {
-    let mut s = Stats::new();
-    let n = r.len() / K::SIZE;
-    s.total = n as u64;
-    if r == c {
-        // Identical bytes (the common case in a mostly-equal tensor): only the norms matter,
-        // and rr = cc = rc, dd = 0.
-        let mut acc = [0.0f64; 8];
-        let mut finite_only = true;
-        let mut blocks = r.chunks_exact(K::SIZE * 8);
-        for blk in &mut blocks {
-            for (i, e) in blk.chunks_exact(K::SIZE).enumerate() {
-                let v = K::to_f64(K::bits(e));
-                acc[i] += v * v;
-            }
-        }
-        for e in blocks.remainder().chunks_exact(K::SIZE) {
-            let v = K::to_f64(K::bits(e));
-            acc[0] += v * v;
-        }
-        let mut sum = 0.0;
-        for a in acc {
-            sum += a;
-        }
-        if !sum.is_finite() {
-            finite_only = false;
-        }
-        if finite_only {
-            s.rr = sum;
-            s.cc = sum;
-            s.rc = sum;
-            return s;
-        }
-    }
-    for (i, (e, f)) in r
-        .chunks_exact(K::SIZE)
-        .zip(c.chunks_exact(K::SIZE))
-        .enumerate()
-    {
-        let (a, b) = (K::bits(e), K::bits(f));
-        let differs = (a != b).then(|| classify::<K>(a, b));
-        let ulp = s.add(base + i as u64, K::to_f64(a), K::to_f64(b), differs);
-        if let (Some(u), Some(counts)) = (ulp, ulps.as_deref_mut()) {
-            counts.add(u);
-        }
-    }
-    s
-}
-
-/// [`scan_chunk`] for two float dtypes, element by element ([`mixed_pair`]): the careful path
-/// of every mixed pair, and the whole scan of all but f32 against bf16.
-pub(super) fn scan_chunk_mixed<A: Float, B: Float>(
-    r: &[u8],
-    c: &[u8],
-    base: u64,
-    mut ulps: Option<&mut UlpCounts>,
-) -> Stats {
-    let mut s = Stats::new();
-    s.total = (r.len() / A::SIZE) as u64;
-    for (i, (e, f)) in r
-        .chunks_exact(A::SIZE)
-        .zip(c.chunks_exact(B::SIZE))
-        .enumerate()
-    {
-        let (a, b) = (A::bits(e), B::bits(f));
-        let differs = mixed_pair::<A, B>(a, b);
-        let ulp = s.add(base + i as u64, A::to_f64(a), B::to_f64(b), differs);
-        if let (Some(u), Some(counts)) = (ulp, ulps.as_deref_mut()) {
-            counts.add(u);
-        }
-    }
-    s
-}
+use super::pair_stats::Stats;
 
 /// Runs `kernel` over [`CHUNK`]-element pieces of both payloads on the rayon pool, counting
 /// distances in `window` when one is given. Statistics are merged in chunk order, so float
@@ -149,45 +68,6 @@ pub(super) fn scan_k<K: Num>(
     scan_chunks(r, c, (K::SIZE, K::SIZE), window, scan_chunk::<K>)
 }
 
-/// Joins the blocks flagged in `nonfinite` (a NaN or an infinity) and the tail (< 16
-/// elements), both taken by the careful path, to the statistics of a chunk's other full
-/// blocks. `sizes` are the two sides' element sizes.
-pub(super) fn finish_chunk(
-    blocks: Stats,
-    nonfinite: &[u64; CHUNK / LANES / 64],
-    (r, c): (&[u8], &[u8]),
-    sizes: (usize, usize),
-    base: u64,
-    mut ulps: Option<&mut UlpCounts>,
-    careful: impl Fn(&[u8], &[u8], u64, Option<&mut UlpCounts>) -> Stats,
-) -> Stats {
-    let (sr, sc) = sizes;
-    let mut special = Stats::new();
-    for (w, &word) in nonfinite.iter().enumerate() {
-        let mut bits = word;
-        while bits != 0 {
-            let at = LANES * (64 * w + bits.trailing_zeros() as usize);
-            let (ra, ca) = (
-                &r[sr * at..sr * (at + LANES)],
-                &c[sc * at..sc * (at + LANES)],
-            );
-            special = special.merge(careful(ra, ca, base + at as u64, ulps.as_deref_mut()));
-            bits &= bits - 1;
-        }
-    }
-    let n = r.len() / sr;
-    let done = n - n % LANES;
-    let tail = careful(&r[sr * done..], &c[sc * done..], base + done as u64, ulps);
-    let first = [blocks.first, special.first, tail.first]
-        .into_iter()
-        .flatten()
-        .min();
-    let mut s = blocks.merge(special).merge(tail);
-    s.total = n as u64;
-    s.first = first;
-    s
-}
-
 /// Scans two payloads of the same element count; with `count`, also counts the ULP distances
 /// that [`median_ulp`] needs, in a window placed from a sample first.
 pub(crate) fn scan(pair: Pair, r: &[u8], c: &[u8], count: bool) -> (Stats, Option<UlpCounts>) {
@@ -213,4 +93,94 @@ pub(super) fn scan_window(
             scan_chunks(r, c, (A::SIZE, B::SIZE), window, scan_chunk_mixed::<A, B>)
         })),
     }
+}
+
+/// f32, the dtype of nearly every activation, gets fast kernels: AVX-512 intrinsics where the
+/// CPU has them, else portable code the compiler vectorises. Blocks holding a NaN or an
+/// infinity take the careful path.
+pub(super) fn scan_f32(r: &[u8], c: &[u8], window: Option<Window>) -> (Stats, Option<UlpCounts>) {
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512dq")
+        && std::is_x86_feature_detected!("popcnt");
+    scan_chunks(r, c, (4, 4), window, |a, b, base, ulps| {
+        if a == b {
+            return scan_chunk::<F32K>(a, b, base, ulps);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx512 {
+            // SAFETY: the CPU has every feature the kernel enables (checked above).
+            return unsafe {
+                match ulps {
+                    Some(u) => avx512::scan_chunk_f32::<true>(a, b, base, Some(u)),
+                    None => avx512::scan_chunk_f32::<false>(a, b, base, None),
+                }
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            return unsafe { scan_chunk_f32_avx2(a, b, base, ulps) };
+        }
+        scan_chunk_f32(a, b, base, ulps)
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn scan_chunk_f32_avx2(
+    r: &[u8],
+    c: &[u8],
+    base: u64,
+    ulps: Option<&mut UlpCounts>,
+) -> Stats {
+    scan_chunk_f32(r, c, base, ulps)
+}
+
+/// f32 against bf16 (either side), the pair of a bf16 port: AVX2 intrinsics where the CPU
+/// has them, else a portable kernel with the same arithmetic lane for lane (the same sums to
+/// the bit; a test checks it). The compiler vectorised the portable one only in part, keeping
+/// its accumulators in memory, hence the intrinsics. Blocks holding a NaN or an infinity take
+/// the careful path, [`scan_chunk_mixed`].
+pub(super) fn scan_f32_bf16<const REF_F32: bool>(
+    r: &[u8],
+    c: &[u8],
+    window: Option<Window>,
+) -> (Stats, Option<UlpCounts>) {
+    let sizes = if REF_F32 { (4, 2) } else { (2, 4) };
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("popcnt");
+    scan_chunks(r, c, sizes, window, |a, b, base, ulps| {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: the CPU has every feature the kernel enables (checked above).
+            return unsafe {
+                match ulps {
+                    Some(u) => avx2::scan_chunk_f32_bf16::<REF_F32, true>(a, b, base, Some(u)),
+                    None => avx2::scan_chunk_f32_bf16::<REF_F32, false>(a, b, base, None),
+                }
+            };
+        }
+        scan_chunk_f32_bf16::<REF_F32>(a, b, base, ulps)
+    })
+}
+
+/// Scans the elements `[start, end)` of the reference payload against those of `c_range` in the
+/// candidate's (the same range, except for a rerouted expert's rows): the rows a near-tie leaves
+/// in, a rerouted expert's rows, the noise reference's measure over either.
+pub(crate) fn scan_range(
+    pair: Pair,
+    rd: &[u8],
+    cd: &[u8],
+    (start, end): (u64, u64),
+    (c_start, c_end): (u64, u64),
+) -> Stats {
+    let (rs, cs) = (pair.reference.size(), pair.candidate.size());
+    let (a, b) = (
+        &rd[start as usize * rs..end as usize * rs],
+        &cd[c_start as usize * cs..c_end as usize * cs],
+    );
+    scan(pair, a, b, false).0
 }

@@ -2,8 +2,8 @@
 
 use std::fmt::Write;
 
-use super::human::Sink;
 use super::real;
+use super::sink::Sink;
 use crate::{DecisionStatus, Flip, Label, Margins, Real, Report};
 
 /// How a flip's label reads: with the upstream tensor, the near-tie it follows, or the gap

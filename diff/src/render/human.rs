@@ -7,8 +7,9 @@ use tracegate_trace::DType;
 
 use super::decisions::decisions;
 use super::headline::summary;
-use super::{coords, cosine, left_out, opt_u, real, terminal_safe, thousands, MAX_COLUMN};
-use crate::{Element, Report, RowSet, Special, TensorRow, Verdict};
+use super::sink::Sink;
+use super::{coords, cosine, left_out, opt_u, real, thousands, MAX_COLUMN};
+use crate::{Element, Report, RowSet, Special, TensorRow, TensorViolation, Verdict};
 
 /// An element's distance in words: its ULPs (integers: |difference|), or what kind of
 /// difference it is when it has no distance.
@@ -29,7 +30,7 @@ fn distance(dtype: &str, ulp: Option<u64>, special: Option<Special>) -> String {
 }
 
 /// An element in one line: "[2,5]: 0.5 (0x3f000000) vs 0.50000006 (0x3f000001), 1 ULP (f32)".
-pub(crate) fn element_words(dtype: &str, e: &Element) -> String {
+fn element_words(dtype: &str, e: &Element) -> String {
     format!(
         "[{}]: {} ({}) vs {} ({}), {}",
         coords(&e.coords),
@@ -39,6 +40,25 @@ pub(crate) fn element_words(dtype: &str, e: &Element) -> String {
         e.candidate_bits,
         distance(dtype, e.ulp, e.special)
     )
+}
+
+/// A tensor outside the policy in one line (see [`TensorViolation`]).
+impl std::fmt::Display for TensorViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let broken: Vec<String> = self.violations.iter().map(|v| v.to_string()).collect();
+        write!(f, "{}", broken.join("; "))?;
+        if let Some(r) = &self.rule {
+            write!(f, " (rule #{} {})", r.index, r.pattern)?;
+        }
+        if let Some(e) = &self.worst_element {
+            write!(
+                f,
+                "; worst at {}",
+                element_words(self.ulp_dtype.unwrap_or(self.dtype), e)
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// The lines naming one element: where, both values with their bits, the distance.
@@ -60,49 +80,6 @@ fn element_lines(o: &mut Sink<'_>, dtype: &str, label: &str, e: &Element) {
         e.candidate_value, e.candidate_bits
     );
     let _ = writeln!(o, "  distance   {}", distance(dtype, e.ulp, e.special));
-}
-
-/// Text on its way to a writer, made [`terminal_safe`] and flushed every 64 KiB at a line end,
-/// so a report of a million rows never sits in memory whole. The first write error is kept.
-pub(super) struct Sink<'a> {
-    buf: String,
-    out: &'a mut dyn std::io::Write,
-    error: Option<std::io::Error>,
-}
-
-impl<'a> Sink<'a> {
-    fn new(out: &'a mut dyn std::io::Write) -> Self {
-        Sink {
-            buf: String::new(),
-            out,
-            error: None,
-        }
-    }
-    fn flush(&mut self) {
-        if self.error.is_none() {
-            if let Err(e) = self.out.write_all(terminal_safe(&self.buf).as_bytes()) {
-                self.error = Some(e);
-            }
-        }
-        self.buf.clear();
-    }
-    fn finish(mut self) -> std::io::Result<()> {
-        self.flush();
-        match self.error.take() {
-            Some(e) => Err(e),
-            None => self.out.flush(),
-        }
-    }
-}
-
-impl Write for Sink<'_> {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        self.buf.push_str(s);
-        if self.buf.len() >= 1 << 16 && self.buf.ends_with('\n') {
-            self.flush();
-        }
-        Ok(())
-    }
 }
 
 /// The full human report.

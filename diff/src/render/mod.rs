@@ -2,7 +2,8 @@
 //!
 //! One concept a file: `escape` (what reaches a terminal or a JSON reader: escaping, and the
 //! streamed JSON writer), `headline` (the summary line), `human` (the human report),
-//! `decisions` (its decisions section and a flip's label), `show` (`--show`, text and JSON);
+//! `decisions` (its decisions section and a flip's label), `sink` (the streamed writer both
+//! write to), `show` (`--show`, text and JSON);
 //! here, the number and filter wording they share.
 
 mod decisions;
@@ -10,11 +11,11 @@ mod escape;
 mod headline;
 mod human;
 mod show;
+mod sink;
 
 pub use decisions::label_text;
 pub(crate) use escape::{escape_with, json_escape, needs_escape};
 pub use escape::{terminal_safe, write_json};
-pub(crate) use human::element_words;
 pub use human::{render_human, write_human};
 pub use show::{render_show, write_show, write_show_json};
 

@@ -1,7 +1,8 @@
 //! The report a comparison returns, and its JSON form (docs/diff-report.schema.json): the
 //! verdict, both sides, what was compared and what was found. The per-tensor rows and the
 //! first divergence are in `tensors`, the decision results in `decisions`; the words shared
-//! with other crates (verdict, statuses, finding kinds) in `crate::vocab`.
+//! with other crates (verdict, statuses, finding kinds, the number form [`Real`](crate::Real)) in
+//! `crate::vocab`.
 
 mod decisions;
 mod passing;
@@ -23,26 +24,6 @@ use tensors::TensorsJson;
 
 /// The JSON report's format, its top-level `schema` (docs/diff-report.schema.json describes it).
 pub const REPORT_SCHEMA: &str = "tracegate-diff-report/3";
-
-/// An f64 that serialises non-finite values as the strings "inf", "-inf", "nan" (JSON has no
-/// such numbers, and null would read as "not measured").
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Real(pub f64);
-
-impl Serialize for Real {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let v = self.0;
-        if v.is_finite() {
-            s.serialize_f64(v)
-        } else if v.is_nan() {
-            s.serialize_str("nan")
-        } else if v > 0.0 {
-            s.serialize_str("inf")
-        } else {
-            s.serialize_str("-inf")
-        }
-    }
-}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Side {

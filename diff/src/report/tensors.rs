@@ -5,7 +5,7 @@
 use serde::{Serialize, Serializer};
 use tracegate_trace::DType;
 
-use crate::{render, Real, Report, RowStatus, Special, Violation};
+use crate::{Real, Report, RowStatus, Special, Violation};
 
 /// How the common tensors were compared. The four per-method sets are counts: their names
 /// are the `per_tensor` rows with that method (and status), which the JSON lists
@@ -231,7 +231,8 @@ impl Divergence {
 /// A tensor outside the policy, as every report states it: trace-diff's `first_violation`,
 /// the gate's `oracle.first_violation`, bisect's `whole_run.first_violation`. Its `Display`,
 /// the one line the gate and bisect print after the tensor's name, is "relative L2 0.23 >
-/// 0.0001 (rule #3 layer.*.mlp_out); worst at [0,0]: …".
+/// 0.0001 (rule #3 layer.*.mlp_out); worst at [0,0]: …" (written in `render/human.rs`, beside
+/// the element's line it ends with).
 #[derive(Clone, Debug, Serialize)]
 pub struct TensorViolation {
     pub tensor: String,
@@ -244,24 +245,6 @@ pub struct TensorViolation {
     pub rule: Option<RuleRef>,
     pub violations: Vec<Violation>,
     pub worst_element: Option<Element>,
-}
-
-impl std::fmt::Display for TensorViolation {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let broken: Vec<String> = self.violations.iter().map(|v| v.to_string()).collect();
-        write!(f, "{}", broken.join("; "))?;
-        if let Some(r) = &self.rule {
-            write!(f, " (rule #{} {})", r.index, r.pattern)?;
-        }
-        if let Some(e) = &self.worst_element {
-            write!(
-                f,
-                "; worst at {}",
-                render::element_words(self.ulp_dtype.unwrap_or(self.dtype), e)
-            )?;
-        }
-        Ok(())
-    }
 }
 
 impl TensorRow {

@@ -1,5 +1,5 @@
 use super::*;
-use crate::numeric::element_distance;
+use crate::numeric::element::element_distance;
 
 fn f32_dist(a: f32, b: f32) -> (Option<Special>, Option<u64>) {
     element_distance(DType::F32, a.to_bits() as u64, b.to_bits() as u64)

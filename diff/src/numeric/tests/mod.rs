@@ -1,7 +1,12 @@
 //! Tests of the scan, its fast kernels and the median, with the helpers they share (the
 //! ordering's and the printing's tests sit beside them).
 
+use tracegate_trace::DType;
+
+use super::chunk::*;
+use super::counts::*;
 use super::kernels::*;
+use super::lanes::*;
 use super::median::*;
 use super::ordering::*;
 use super::scan::*;

@@ -1,3 +1,7 @@
+//! Positioned tensors: a tensor whose rows are tokens lists them in its `positions` attribute,
+//! one absolute position a row. Here: how a list of positions is shown, the rule that a list
+//! names each position once (strictly increasing), and experts matched by position.
+//!
 //! Rerouted experts (docs/diff.md, "Rerouted experts"). An expert's tensor
 //! `layer.NN.expert.EEE.*` holds one row per token routed to it, listed in its `positions`. A
 //! router row that differs sends its token to other experts, so the two traces' lists differ:
@@ -10,10 +14,29 @@ use std::collections::{BTreeSet, HashMap};
 use tracegate_trace::names::{self, Name};
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::values::{judge_row, row_for, set_stats};
-use crate::{
-    comparable, numeric, Finding, FindingKind, Method, Policy, RowStatus, RuleRef, TensorRow,
-};
+use crate::rows::{judge_row, row_for, set_stats};
+use crate::{numeric, Finding, FindingKind, Method, Policy, RowStatus, RuleRef, TensorRow};
+
+/// A list of positions in a finding: whole up to 8, else its ends and its length.
+pub(crate) fn describe(p: &Option<Vec<i64>>) -> String {
+    match p {
+        None => "absent".into(),
+        Some(v) if v.len() <= 8 => format!("{v:?}"),
+        Some(v) => format!(
+            "[{}, {}, … {} positions, …, {}]",
+            v[0],
+            v[1],
+            v.len(),
+            v[v.len() - 1]
+        ),
+    }
+}
+
+/// Rows are indexed by absolute position, one position a row: the first `i` whose next entry
+/// `p[i + 1]` does not come after `p[i]` (a repeat, or a step back), if any.
+pub(crate) fn not_increasing(p: &[i64]) -> Option<usize> {
+    p.windows(2).position(|w| w[0] >= w[1])
+}
 
 /// `layer.NN.expert.EEE.<point>` of the prefill (docs/capture-points.md).
 pub(crate) fn is_expert(name: &str) -> bool {
@@ -168,5 +191,5 @@ pub(crate) fn judge(
 }
 
 fn show(p: &[i64]) -> String {
-    comparable::positions(&Some(p.to_vec()))
+    describe(&Some(p.to_vec()))
 }
