@@ -141,15 +141,6 @@ string_enum! {
         ContentDigestDiffers = "content_digest_differs",
         DecisionsForced = "decisions_forced",
         NothingSelected = "nothing_selected",
-        // The gate's own (docs/gate-report.schema.json).
-        TensorDiffers = "tensor_differs",
-        Different = "different",
-        NoRule = "no_rule",
-        CountChanged = "count_changed",
-        DigestChanged = "digest_changed",
-        TokensDiffer = "tokens_differ",
-        TokensChanged = "tokens_changed",
-        ObservedOutOfTolerance = "observed_out_of_tolerance",
     }
 }
 

@@ -1,6 +1,6 @@
 //! The HTML report: one self-contained page (inline CSS and hand-written SVG; no script, no
 //! font, no URL) a person opens in a browser. `trace-diff --html` writes [`render_html`]'s
-//! page; the gate's pages (`gate/src/report.rs`) are built from the primitives here.
+//! page; the gate's pages (`gate/src/milestone/render.rs`) are built from the primitives here.
 //!
 //! Every number the page shows comes from the report the JSON is serialised from, and says
 //! where: an element with `data-json` (a JSON pointer into the `--json` report of the same run)

@@ -35,15 +35,13 @@ pub struct Side {
     pub verified: bool,
 }
 
-/// One thing a comparison found. `About` names what it is about: for the differ a tensor or
-/// decision, if any ([`OnTensor`], JSON `{kind, tensor, detail}`); the gate counts its findings,
-/// so that a declared divergence names exactly what it excuses (`tracegate_gate::run::Counted`,
-/// JSON `{kind, name, count, detail}`).
+/// One thing a comparison found, and the tensor or decision it is about, if any (JSON
+/// `{kind, tensor, detail}`). The gate's own findings are its own type.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Finding<About = OnTensor> {
+pub struct Finding {
     pub kind: FindingKind,
     #[serde(flatten)]
-    pub about: About,
+    pub about: OnTensor,
     pub detail: String,
 }
 

@@ -417,14 +417,6 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::DecisionOrderMismatch
         | K::MarginPresenceMismatch
         | K::ContentDigestDiffers
-        | K::NothingSelected
-        | K::TensorDiffers
-        | K::Different
-        | K::NoRule
-        | K::CountChanged
-        | K::DigestChanged
-        | K::TokensDiffer
-        | K::TokensChanged
-        | K::ObservedOutOfTolerance => FindingClass::Structure,
+        | K::NothingSelected => FindingClass::Structure,
     }
 }
