@@ -67,17 +67,14 @@ class StepCapture(Capture):
     hidden_out and final_norm.out, each of the last row only — so a cached and an uncached step
     record the same tensors (docs/producers.md). No internal points, no decisions."""
 
-    _BODY = ("hidden_in", "attn_out", "mlp_out", "hidden_out")
-
     def __init__(self, parent: Capture, step: int):
         super().__init__(parent.internals)
         self.parent, self.step = parent, step
 
     def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
-        n = names.parse(name)
+        point = names.point(name)
         keep = name == "logits" or (
-            self.internals
-            and (name == "final_norm.out" or (n.layer is not None and n.point in self._BODY))
+            self.internals and point is not None and point.in_decode == "also"
         )
         if keep and not internal:
             self.parent.tensor(

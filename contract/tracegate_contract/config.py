@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 import numpy as np
+from tracegate import names
 
 from . import gguf, jsonfile, ops
 from .errors import ContractError
@@ -33,29 +34,12 @@ FULL, LINEAR = "full_attention", "linear_attention"
 # Tensors of the multimodal checkpoints that the language model does not use (§20): listed, not
 # read, never refused.
 UNUSED_PREFIXES = ("model.visual.", "mtp.")
-# model_types of the oracle's family table (oracle/tracegate_oracle/families.py; equality checked by
-# oracle/tests/test_families.py): the refusal tells their users where to go.
-ORACLE_FAMILIES = (
-    "gemma3_text",
-    "llama",
-    "mistral",
-    "mixtral",
-    "olmo2",
-    "olmoe",
-    "phi3",
-    "qwen2",
-    "qwen3",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "qwen3_5_text",
-    "qwen3_moe",
-)
 
 
 def unsupported_family(mt) -> str:
     """Why a model_type is refused; same text as the engine's (engine/src/config.rs)."""
-    if mt in ORACLE_FAMILIES:
+    # The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
+    if mt in names.FAMILIES:
         return (
             "not supported by the bit-exact producers (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
             "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"

@@ -84,13 +84,12 @@ impl Capture {
         self.on && self.internals && self.step.is_none()
     }
 
-    /// Whether a decode step records the point `name` (docs/producers.md).
+    /// Whether a decode step records the point `name`: its logits always, under internals the
+    /// other points the registry says decode steps write (docs/producers.md).
     fn step_keeps(&self, name: &str) -> bool {
-        const BODY: [&str; 4] = ["hidden_in", "attn_out", "mlp_out", "hidden_out"];
-        let n = Name::parse(name);
         name == "logits"
             || (self.internals
-                && (name == "final_norm.out" || (n.layer.is_some() && BODY.contains(&n.point))))
+                && names::point(name).is_some_and(|p| p.in_decode == names::InDecode::Also))
     }
 
     /// A default-set capture point.

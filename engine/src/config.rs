@@ -23,28 +23,10 @@ pub use sizes::check_sizes;
 /// Positions are absolute token indices below 2^24 (f32 holds every integer up to it, §7).
 pub const MAX_POSITIONS: usize = 1 << 24;
 
-/// `model_type`s of the oracle's family table (oracle/tracegate_oracle/families.py; equality
-/// checked by oracle/tests/test_families.py): the refusal tells their users where to go.
-pub const ORACLE_FAMILIES: [&str; 14] = [
-    "gemma3_text",
-    "llama",
-    "mistral",
-    "mixtral",
-    "olmo2",
-    "olmoe",
-    "phi3",
-    "qwen2",
-    "qwen3",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "qwen3_5_text",
-    "qwen3_moe",
-];
-
 /// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/config.py).
 pub fn unsupported_family(model_type: &str) -> String {
-    if ORACLE_FAMILIES.contains(&model_type) {
+    // The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
+    if tracegate_trace::names::family_features(model_type).is_some() {
         "not supported by the bit-exact producers (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
          python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
             .to_string()
