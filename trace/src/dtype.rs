@@ -1,5 +1,3 @@
-use crate::error::{Error, Result};
-
 /// Element types a trace can store, always little-endian.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -59,16 +57,36 @@ impl DType {
         matches!(self, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
     }
 
-    pub fn parse(name: &str) -> Result<DType> {
+    pub fn parse(name: &str) -> std::result::Result<DType, UnknownDType> {
         DType::ALL
             .into_iter()
             .find(|d| d.name() == name)
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "unknown dtype {name:?} (known: f64 f32 f16 bf16 i64 i32 i16 i8 u8 bool)"
-                ))
-            })
+            .ok_or_else(|| UnknownDType(name.to_string()))
     }
+}
+
+/// A dtype name the format does not have; becomes [`crate::Error::Invalid`] with this text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownDType(pub String);
+
+impl std::fmt::Display for UnknownDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "unknown dtype {:?} (known: f64 f32 f16 bf16 i64 i32 i16 i8 u8 bool)",
+            self.0
+        )
+    }
+}
+
+/// The first byte of a `bool` payload that is neither 0 nor 1 (index, byte).
+pub(crate) fn first_bad_bool(bytes: &[u8]) -> Option<(usize, u8)> {
+    bytes.iter().position(|&b| b > 1).map(|i| (i, bytes[i]))
+}
+
+/// The refusal of a `bool` byte other than 0 or 1, for a view and for `verify` alike.
+pub(crate) fn bad_bool_reason(tensor: &str, element: usize, byte: u8) -> String {
+    format!("tensor {tensor:?}: bool element {element} is {byte} (must be 0 or 1)")
 }
 
 impl std::fmt::Display for DType {

@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-use crate::dtype::DType;
+use crate::dtype::{DType, UnknownDType};
 
 /// Every failure of the container: the message names the file, the tensor and the numbers.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +41,12 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<UnknownDType> for Error {
+    fn from(e: UnknownDType) -> Self {
+        Error::Invalid(e.to_string())
+    }
+}
 
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {

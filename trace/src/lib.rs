@@ -25,7 +25,7 @@ mod writer;
 
 pub use attrs::{Attributes, ExtraAttrs};
 pub use digest::{gguf_file, weights_digest, xxh3_hex, Digest};
-pub use dtype::DType;
+pub use dtype::{DType, UnknownDType};
 pub use error::{Error, Result};
 pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};
 pub use reader::{DecisionInfo, TensorInfo, Trace};

@@ -9,12 +9,11 @@ use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use crate::attrs::Attributes;
 use crate::digest::{parse_xxh3_hex, Canonical, Digest};
-use crate::dtype::{element_count, DType};
+use crate::dtype::{bad_bool_reason, element_count, first_bad_bool, DType};
 use crate::error::{Error, Result};
 use crate::index::{parse as parse_index, Sink};
 use crate::json::file_kind;
 use crate::layout::*;
-use crate::view::{bad_bool_reason, first_bad_bool};
 
 /// One tensor's index entry.
 #[derive(Clone, Debug)]

@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 
-use crate::dtype::DType;
+use crate::dtype::{bad_bool_reason, first_bad_bool, DType};
 use crate::error::{Error, Result};
 use crate::reader::{TensorInfo, Trace};
 
@@ -43,11 +43,6 @@ impl Element for bool {
     fn first_invalid(bytes: &[u8]) -> Option<(usize, u8)> {
         first_bad_bool(bytes)
     }
-}
-
-/// The first byte of a `bool` payload that is neither 0 nor 1 (index, byte).
-pub(crate) fn first_bad_bool(bytes: &[u8]) -> Option<(usize, u8)> {
-    bytes.iter().position(|&b| b > 1).map(|i| (i, bytes[i]))
 }
 
 /// `bytes` as `&[T]` holding `count` elements; `Err` is the reason they cannot be.
@@ -145,11 +140,6 @@ impl Trace {
             self.view_error(info, T::DTYPE, why)
         })
     }
-}
-
-/// The refusal of a `bool` byte other than 0 or 1, for a view and for `verify` alike.
-pub(crate) fn bad_bool_reason(tensor: &str, element: usize, byte: u8) -> String {
-    format!("tensor {tensor:?}: bool element {element} is {byte} (must be 0 or 1)")
 }
 
 #[cfg(test)]

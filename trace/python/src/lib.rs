@@ -80,7 +80,7 @@ impl NativeWriter {
         step: Option<i64>,
         extra: Option<BTreeMap<String, String>>,
     ) -> PyResult<()> {
-        let dtype = DType::parse(dtype).map_err(err)?;
+        let dtype = DType::parse(dtype).map_err(|e| err(e.into()))?;
         let attrs = Attributes {
             path,
             mask,
