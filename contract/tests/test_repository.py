@@ -1,6 +1,7 @@
 """The Python packages as installed and the docs that describe them: the contract needs no torch,
 each package's declared pins are requirements.txt's, one Python version everywhere, and every
-"trap N" the tree cites is defined in docs/traps.md with tests that exist."""
+"trap N" the tree cites is defined in docs/traps.md with tests that exist, and no Rust target that
+is not built as a test holds one."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import subprocess
 import sys
 import tomllib
 from importlib.metadata import requires
+from pathlib import Path
 
 from conftest import FIXTURES, ROOT
+
+ROOT_PATH = Path(ROOT)
 
 PYPROJECTS = {
     "tracegate": "trace/python/pyproject.toml",
@@ -179,3 +183,32 @@ def test_every_test_docs_traps_md_names_exists():
             "oracle/tests/test_moved.py",
         ],
     )
+
+
+def _untested_targets(root: Path) -> tuple[list[Path], list[str]]:
+    """The `[[bin]]` files under `root` built with `test = false`, and those of them holding a
+    test."""
+    found = []
+    for cargo in sorted(root.glob("**/Cargo.toml")):
+        if "target" in cargo.parts or ".venv" in cargo.parts:
+            continue
+        with open(cargo, "rb") as f:
+            bins = tomllib.load(f).get("bin", [])
+        found += [cargo.parent / b["path"] for b in bins if b.get("test", True) is False]
+    holding = [str(p) for p in found if re.search(r"#\[(cfg\()?test\)?\]", p.read_text())]
+    return found, holding
+
+
+def test_a_target_built_without_its_test_harness_holds_no_test(tmp_path):
+    """A `[[bin]]` with `test = false` (no test build, to save compile time) would skip a
+    `#[test]` in its file silently: there is none."""
+    found, holding = _untested_targets(ROOT_PATH)
+    assert found, "no [[bin]] with test = false: this check checks nothing"
+    assert not holding, f"targets built without their tests hold tests: {holding}"
+    # Negative control: such a target with a test in it is found.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "Cargo.toml").write_text(
+        '[[bin]]\nname = "x"\npath = "src/main.rs"\ntest = false\n'
+    )
+    (tmp_path / "src/main.rs").write_text("fn main() {}\n#[test]\nfn t() {}\n")
+    assert _untested_targets(tmp_path)[1] == [str(tmp_path / "src/main.rs")]
