@@ -878,9 +878,9 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
 /// A candidate (written here: the contract, monkeypatched) whose layer-1 router takes, for row
 /// 0, the expert ranked k+1 instead of the one ranked k: a decision defect on numbers that agree.
 const ROUTER_FLIP: &str = r#"import sys
-from tracegate_contract import __main__ as cli, ops, qwen3
+from tracegate_contract import __main__ as cli, model, ops
 
-orig_moe, orig_topk = qwen3.Model._moe, ops.topk
+orig_moe, orig_topk = model.Model._moe, ops.topk
 
 
 def topk_wrong(p, k):
@@ -900,7 +900,7 @@ def moe(self, L, x, pos, layer, cap):
         ops.topk = orig_topk
 
 
-qwen3.Model._moe = moe
+model.Model._moe = moe
 sys.exit(cli.main(sys.argv[1:]))
 "#;
 
