@@ -23,10 +23,12 @@ use crate::{gerr, Result};
 
 mod agrees;
 mod checks;
+mod findings;
 mod port;
 mod prompt;
 mod recorded;
 mod report;
+mod traces;
 
 pub(crate) use port::tokenize_text;
 pub use port::AUTO_POLICY;

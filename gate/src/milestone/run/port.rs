@@ -24,8 +24,9 @@ use tracegate_producers::{Producer, RunRecord, Verb};
 use tracegate_trace::Trace;
 
 use super::agrees::compare_agrees;
-use super::checks::{check_stable, incomparable, judge, not_comparable, tokens_finding};
-use super::prompt::{counts, decode_tokens, open, Opened};
+use super::checks::check_stable;
+use super::findings::{incomparable, judge, not_comparable, tokens_finding};
+use super::traces::{counts, decode_tokens, open, Opened};
 use super::{
     recorded, CheckResult, GateOptions, Generated, MilestoneReport, Plan, PromptResult, PromptRuns,
     Role, Settled, Status,
