@@ -8,9 +8,9 @@ use tracegate_diff::Policy;
 
 use super::agrees::check_oracle;
 use super::checks::{check_generation, check_matches, check_stable};
+use super::plan::GateOptions;
 use super::report::{Generated, PromptResult, PromptRuns, Role};
 use super::traces::{counts, decode_tokens, Traces};
-use super::GateOptions;
 use crate::milestone::milestones::{Expectation, Milestone, MilestoneModel};
 use crate::prompts::Prompt;
 
