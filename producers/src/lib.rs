@@ -11,9 +11,10 @@
 //! This file: the producers, their command templates and one run's record. verb.rs: the
 //! protocol's argument grammar (verbs, words, quoting, token ids); spawn.rs: a subprocess with
 //! its bounded captures, timeout and peak RSS; engine_child.rs: the engine side of the gate's
-//! own child; builtin.rs: the contract's and the oracle's default templates; worker.rs: serving
-//! producers (one worker per gate process); resident.rs: resident workers (one per session);
-//! error.rs: the errors.
+//! own child; builtin.rs: the contract's and the oracle's default templates; serve.rs: one
+//! serving worker process and its protocol; worker.rs: serving producers (one worker per gate
+//! process, its own or a resident one), above serve.rs and resident.rs; resident.rs: resident
+//! workers (one per session), above serve.rs; error.rs: the errors.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -24,6 +25,7 @@ mod builtin;
 mod engine_child;
 mod error;
 pub mod resident;
+mod serve;
 mod spawn;
 mod verb;
 pub mod worker;

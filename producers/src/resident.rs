@@ -4,7 +4,7 @@
 //!
 //! A resident worker is a small daemon, the gate's own executable under the hidden verb
 //! RESIDENT_CHILD, that owns the Python worker exactly as a gate process owns its per-run one
-//! (crate::worker: stdin/stdout lines, stderr kept per request) and listens on a Unix socket in
+//! (crate::serve: stdin/stdout lines, stderr kept per request) and listens on a Unix socket in
 //! a private runtime directory, one socket per key. The key is a digest of what decides what
 //! the worker computes: worker command line (its Python included), what Python could import
 //! from the project root, the environment variables of KEY_ENV, and the gate executable itself;
@@ -42,9 +42,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::builtin::{default_contract_cmd, default_oracle_cmd};
+use crate::serve::{self, Answer, Served, Worker};
 use crate::spawn::Ended;
 use crate::verb::{display, split_words, SERVE_VERB};
-use crate::worker::{self, Answer, Served, Worker};
 
 /// The hidden first argument that runs the gate's executable as a resident worker's daemon.
 pub const RESIDENT_CHILD: &str = "__resident-worker";
@@ -799,7 +799,7 @@ impl Client {
     fn ask_daemon(&mut self, request: &[String], deadline: Instant) -> Reply {
         let gone = |why: String| Reply::Gone(Ended::failed(why));
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = worker::request_line(request, Some(left), Some(&self.cwd));
+        let line = serve::request_line(request, Some(left), Some(&self.cwd));
         if line.len() > MAX_REQUEST_LINE {
             // The daemon would refuse it (and drop this client): refused here, the worker kept.
             return Reply::Ended(Ended::failed(format!(
@@ -937,7 +937,7 @@ fn serve_socket(listener: &UnixListener, p: &Paths, serve_argv: &[String]) -> i3
             let why = w
                 .overlong()
                 .map_or("the worker ended on its own".into(), str::to_string);
-            let _ = worker::ended(&mut worker, Answer::Broken("ended".into()), serve_argv);
+            let _ = serve::ended(&mut worker, Answer::Broken("ended".into()), serve_argv);
             log(&why);
             return 1;
         }
@@ -1053,16 +1053,16 @@ fn serve_client(
             Answer::Stale(why) => {
                 // Gone before the client hears it, so its next connect starts a fresh one.
                 let _ = std::fs::remove_file(&p.sock);
-                let _ = worker::ended(worker, Answer::Stale(why.clone()), serve_argv);
+                let _ = serve::ended(worker, Answer::Stale(why.clone()), serve_argv);
                 let _ = writeln!(out, "{}", json(&DaemonAnswer::Stale(why.clone())));
                 return Err(format!("stale: {why}"));
             }
             Answer::Cancelled => {
-                let _ = worker::ended(worker, Answer::Cancelled, serve_argv);
+                let _ = serve::ended(worker, Answer::Cancelled, serve_argv);
                 return Err("the client left mid-request: the request was dropped".into());
             }
-            a @ Answer::Exit(_) => DaemonAnswer::Ended(worker::ended(worker, a, serve_argv)),
-            a => DaemonAnswer::Gone(worker::ended(worker, a, serve_argv)),
+            a @ Answer::Exit(_) => DaemonAnswer::Ended(serve::ended(worker, a, serve_argv)),
+            a => DaemonAnswer::Gone(serve::ended(worker, a, serve_argv)),
         };
         let gone = matches!(reply, DaemonAnswer::Gone(_));
         writeln!(out, "{}", json(&reply)).map_err(|e| format!("answer: {e}"))?;
@@ -1095,7 +1095,7 @@ pub struct Listed {
 }
 
 fn rss_kib(pid: i32) -> u64 {
-    worker::proc_status_kib(pid, "VmRSS").unwrap_or(0)
+    serve::proc_status_kib(pid, "VmRSS").unwrap_or(0)
 }
 
 /// Whether `pid` is the daemon of `key` in the runtime directory `dir`: this user's process
@@ -1134,7 +1134,7 @@ fn is_daemon_of(pid: i32, dir: &Path, key: &str) -> bool {
 }
 
 /// Whether `worker` is `daemon`'s worker: its child, leading a process group of its own (as
-/// crate::worker starts it). Anything else a record names is not ours to signal.
+/// crate::serve starts it). Anything else a record names is not ours to signal.
 fn is_worker_of(worker: i32, daemon: i32) -> bool {
     if worker <= 1 {
         return false;

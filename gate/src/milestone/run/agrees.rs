@@ -4,11 +4,11 @@
 use tracegate_diff::{label_text, Label, Options, Policy, RowStatus, Verdict};
 use tracegate_trace::Trace;
 
-use super::checks::{
+use super::findings::{
     diff_findings, incomparable, judge, not_comparable, policy_kind, tokens_finding,
 };
-use super::prompt::{decode_tokens, Traces};
-use super::{finding, CheckResult, Finding, OracleSummary, Status};
+use super::report::{finding, CheckResult, Finding, OracleSummary, Status};
+use super::traces::{decode_tokens, Traces};
 use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Expectation, MilestoneModel};
 use crate::prompts::Prompt;

@@ -24,22 +24,19 @@ use tracegate_producers::{Producer, RunRecord, Verb};
 use tracegate_trace::Trace;
 
 use super::agrees::compare_agrees;
-use super::checks::{check_stable, incomparable, judge, not_comparable, tokens_finding};
-use super::prompt::{counts, decode_tokens, open, Opened};
-use super::{
-    recorded, CheckResult, GateOptions, Generated, MilestoneReport, Plan, PromptResult, PromptRuns,
-    Role, Settled, Status,
+use super::checks::check_stable;
+use super::findings::{incomparable, judge, not_comparable, tokens_finding};
+use super::plan::{dir_name, GateOptions, Plan, Settled, AUTO_POLICY};
+use super::recorded;
+use super::report::{
+    CheckResult, Generated, MilestoneReport, PromptResult, PromptRuns, Role, Status,
 };
+use super::traces::{counts, decode_tokens, open, Opened};
 use crate::milestone::baselines::BaselineFile;
 use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
 use crate::prompts::{Prompt, PromptSet};
 use crate::{gerr, Result};
-
-/// The policy a new port milestone records until its first run has chosen one: the bundled
-/// policy for the coarser of the candidate's and the golden traces' precision
-/// (bisect::judge::precision).
-pub const AUTO_POLICY: &str = "auto";
 
 /// The reference producer of a port: the oracle of tracegate's installation in the recorded
 /// dtype and device, or the user's command.
@@ -441,7 +438,7 @@ fn produce(
         if let Some((p, rec)) = plan.selected.iter().zip(recs).find(|(_, r)| r.timed_out) {
             return Err(gerr!(
                 Producer: "{} {}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
-                super::dir_name(&plan.model),
+                dir_name(&plan.model),
                 p.id,
                 if *role == Role::Oracle { "reference" } else { role.label() },
                 rec.verb,

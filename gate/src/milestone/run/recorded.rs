@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use super::{finding, CheckResult, MilestoneReport, Observed, Plan, PromptResult, Status};
+use super::plan::{dir_name, Plan};
+use super::report::{finding, CheckResult, MilestoneReport, Observed, PromptResult, Status};
 use crate::milestone::baselines::{Baseline, BaselineFile};
 use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Expectation, MilestoneFile};
@@ -227,7 +228,7 @@ pub(super) fn bless(
         .find(|e| e.model == mm.model)
         .ok_or_else(|| gerr!("milestone {}: model {} vanished", m.id, mm.model))?;
     // Each line names the model: a milestone's models share its prompt ids.
-    let tag = format!("{} {}", m.id, super::dir_name(&plan.model));
+    let tag = format!("{} {}", m.id, dir_name(&plan.model));
     // Expectations belong to the milestone's own --generate; another N gets only its baselines.
     let own_generate = report.generate == m.generate;
     if !own_generate {
@@ -280,7 +281,7 @@ pub(super) fn record_baseline(
     let id = format!(
         "{}.{}.{}.t{}.g{}",
         m.id,
-        super::dir_name(&plan.model),
+        dir_name(&plan.model),
         r.id,
         threads,
         report.generate

@@ -1,0 +1,267 @@
+//! What a milestone run is about, settled before any producer runs (`GateOptions`, one `Plan`
+//! per model, `Settled`), and the report a plan ends with (`Plan::report`, `tally`).
+//!
+//! Below the phases that read a plan (prompt.rs, recorded.rs, port.rs) and run_milestone
+//! (mod.rs), which all share it: it imports none of them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use tracegate_diff::Policy;
+
+use super::report::{
+    CheckResult, GateVerdict, MilestoneReport, PromptResult, Status, REPORT_SCHEMA,
+};
+use crate::milestone::baselines::{BaselineFile, Conditions};
+use crate::milestone::milestones::{Milestone, MilestoneFile, MilestoneModel};
+use crate::prompts::{self, Prompt, PromptSet};
+use crate::{gerr, Result};
+
+/// The policy a new port milestone records until its first run has chosen one: the bundled
+/// policy for the coarser of the candidate's and the golden traces' precision
+/// (bisect::judge::precision).
+pub const AUTO_POLICY: &str = "auto";
+
+pub struct GateOptions {
+    pub root: PathBuf,
+    pub milestone: String,
+    /// A set name or path; None: the milestone's own set.
+    pub prompts: Option<String>,
+    pub only: Option<Vec<String>>,
+    pub bless: bool,
+    pub generate: Option<usize>,
+    pub model: Option<PathBuf>,
+    pub threads: usize,
+    pub assert_observed: Option<f64>,
+    pub contract_cmd: Option<String>,
+    pub oracle_cmd: Option<String>,
+    /// Trace directory, relative to the root (or absolute); traces go to `<work>/<milestone>/<prompt>/`.
+    pub work: String,
+    /// Each producer run is killed after this long, and the run refused.
+    pub timeout: std::time::Duration,
+    pub gate_invocation: Vec<String>,
+    /// `gate init`: the milestones and baselines not yet written (they are, with the golden
+    /// traces, only when the first run has recorded them); None: read from the root.
+    pub milestones: Option<MilestoneFile>,
+    pub baselines: Option<BaselineFile>,
+}
+
+/// What a milestone run is about, settled before any producer runs: every refusal comes here.
+/// One plan per model of the milestone that runs.
+pub(super) struct Plan {
+    pub(super) m: Milestone,
+    /// The model of `m` this plan runs.
+    pub(super) mm: MilestoneModel,
+    pub(super) prompt_path: PathBuf,
+    pub(super) set: PromptSet,
+    pub(super) selected: Vec<Prompt>,
+    /// The milestone model's own name, or the canonical path of `--model`.
+    pub(super) model: String,
+    pub(super) generate: usize,
+    pub(super) threads: usize,
+    pub(super) policy: Policy,
+    /// `<work>/<milestone>/<model directory name>`, relative to the root (or absolute).
+    pub(super) work_rel: String,
+}
+
+/// The milestone file and one plan per model that runs: every model of the milestone, or the
+/// one of `--model`'s family.
+pub(super) struct Settled {
+    pub(super) ms_path: PathBuf,
+    pub(super) file: MilestoneFile,
+    /// `<work>/<milestone>`, locked for the run.
+    pub(super) work_rel: String,
+    pub(super) plans: Vec<Plan>,
+}
+
+impl Settled {
+    pub(super) fn settle(o: &GateOptions) -> Result<Settled> {
+        let ms_path = o.root.join("milestones.json");
+        let file = match &o.milestones {
+            Some(f) => f.clone(),
+            None => MilestoneFile::load(&ms_path)?,
+        };
+        let m = file.get(&o.milestone)?.clone();
+        let prompt_path = prompts::resolve(&o.root, o.prompts.as_deref().unwrap_or(&m.prompts.set));
+        let set: PromptSet = prompts::load(&prompt_path)?;
+        if m.port.is_none() {
+            set.token_ids_only(&format!("milestone {}", m.id))?;
+        }
+        if set.sha256 != m.prompts.sha256 && !o.bless {
+            return Err(gerr!(
+                "{}: sha256 {} differs from milestone {}'s record {} — changing prompts changes the gate; rerun with --bless to accept it",
+                prompt_path.display(),
+                set.sha256,
+                m.id,
+                m.prompts.sha256
+            ));
+        }
+        let selected = set.select(o.only.as_deref())?;
+        if let (Some(_), Some(dir)) = (&m.port, &o.model) {
+            return Err(gerr!(
+                "--model {}: milestone {}'s golden traces are of {}; `gate init` a milestone for another model",
+                dir.display(),
+                m.id,
+                m.models.first().map_or("its model", |mm| mm.model.as_str())
+            ));
+        }
+        let runs: Vec<(MilestoneModel, String)> = match &o.model {
+            Some(dir) => vec![model_of(o, &m, dir)?],
+            None => m
+                .models
+                .iter()
+                .map(|mm| (mm.clone(), mm.model.clone()))
+                .collect(),
+        };
+        let generate = o.generate.unwrap_or(m.generate);
+        // A new port milestone's policy is chosen by its first run (run/port.rs).
+        let policy_arg = if m.port.is_some() && m.policy == AUTO_POLICY {
+            "f32"
+        } else {
+            &m.policy
+        };
+        let policy =
+            Policy::resolve(policy_arg, &o.root).map_err(|e| gerr!("{}: {e}", m.policy))?;
+        let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
+        let mut plans = Vec::new();
+        for (mm, model) in runs {
+            for p in &selected {
+                prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
+            }
+            plans.push(Plan {
+                work_rel: format!("{work_rel}/{}", dir_name(&model)),
+                m: m.clone(),
+                mm,
+                prompt_path: prompt_path.clone(),
+                set: set.clone(),
+                selected: selected.clone(),
+                model,
+                generate,
+                threads: o.threads,
+                policy: policy.clone(),
+            });
+        }
+        Ok(Settled {
+            ms_path,
+            file,
+            work_rel,
+            plans,
+        })
+    }
+}
+
+/// A model's directory name: its traces' directory under the milestone's, and its part of a
+/// baseline id (milestones.json keeps these distinct within a milestone).
+pub fn dir_name(model: &str) -> String {
+    Path::new(model)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| model.to_string())
+}
+
+impl Plan {
+    /// The conditions a baseline requires, as this run meets them for prompt `r`.
+    pub(super) fn conditions(&self, r: &PromptResult) -> Conditions {
+        let mut c = Conditions::new();
+        c.insert("prompt".into(), json!(r.id));
+        c.insert("threads".into(), json!(self.threads));
+        c.insert("generate".into(), json!(self.generate));
+        c.insert("model".into(), json!(self.model));
+        c
+    }
+}
+
+/// `--model DIR` validated as the engine would (unsupported fields are refused here, not mid-run):
+/// the milestone's model of the same family, and the name DIR runs under.
+fn model_of(o: &GateOptions, m: &Milestone, dir: &Path) -> Result<(MilestoneModel, String)> {
+    let shown = crate::paths::shown(dir);
+    let (_, raw) = tracegate_engine::load_config(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
+    let family = prompts::family(&raw);
+    let Some(mm) = m.models.iter().find(|mm| mm.family == family) else {
+        let families: Vec<&str> = m.models.iter().map(|mm| mm.family.as_str()).collect();
+        return Err(gerr!(
+            "--model {shown}: model_type {family:?} is not a family of milestone {} ({})",
+            m.id,
+            families.join(", ")
+        ));
+    };
+    let canon = std::fs::canonicalize(dir).map_err(|e| gerr!("--model {shown}: {e}"))?;
+    // The milestone's own checkpoint, however spelled, keeps the milestone's name, so its
+    // recorded baselines still apply.
+    let name = if std::fs::canonicalize(o.root.join(&mm.model)).is_ok_and(|own| own == canon) {
+        mm.model.clone()
+    } else {
+        canon.display().to_string()
+    };
+    Ok((mm.clone(), name))
+}
+
+impl Plan {
+    /// The progress line of a judged prompt: its checks and their statuses.
+    pub(super) fn judged(&self, r: &PromptResult) {
+        let checks: Vec<String> = r
+            .checks
+            .iter()
+            .map(|c| format!("{} {}", c.check, c.status))
+            .collect();
+        crate::progress::step(format!(
+            "{} {}: {}",
+            dir_name(&self.model),
+            r.id,
+            checks.join(", ")
+        ));
+    }
+
+    /// This model's report: its prompts' results and its baselines (checked, and those of
+    /// prompts `--only` left out), tallied.
+    pub(super) fn report(
+        &self,
+        o: &GateOptions,
+        stack: Value,
+        results: Vec<PromptResult>,
+        (baselines, baselines_not_selected): (Vec<CheckResult>, Vec<String>),
+    ) -> MilestoneReport {
+        let mut report = MilestoneReport {
+            schema: REPORT_SCHEMA,
+            milestone: self.m.id.clone(),
+            claim: self.m.claim.clone(),
+            model: self.model.clone(),
+            family: self.mm.family.clone(),
+            prompt_file: self.prompt_path.display().to_string(),
+            prompt_sha256: self.set.sha256.clone(),
+            generate: self.generate,
+            threads: o.threads,
+            timeout_s: o.timeout.as_secs(),
+            policy: self.m.policy.clone(),
+            gate_invocation: o.gate_invocation.clone(),
+            stack,
+            prompts: results,
+            baselines,
+            baselines_not_selected,
+            totals: BTreeMap::new(),
+            wall_s: BTreeMap::new(),
+            verdict: GateVerdict::Fail,
+        };
+        (report.totals, report.verdict) = tally(&report);
+        report
+    }
+}
+
+/// Every check's status counted, and the verdict: FAIL when anything failed or nothing passed,
+/// INCOMPLETE when something was NOT CHECKED, else PASS.
+fn tally(report: &MilestoneReport) -> (BTreeMap<Status, usize>, GateVerdict) {
+    let mut totals: BTreeMap<Status, usize> = BTreeMap::new();
+    for c in report.all_checks() {
+        *totals.entry(c.status).or_default() += 1;
+    }
+    let n = |s: Status| totals.get(&s).copied().unwrap_or(0);
+    let verdict = if n(Status::Fail) > 0 || n(Status::Pass) == 0 {
+        GateVerdict::Fail
+    } else if n(Status::NotChecked) > 0 {
+        GateVerdict::Incomplete
+    } else {
+        GateVerdict::Pass
+    };
+    (totals, verdict)
+}
