@@ -18,6 +18,11 @@ Presets
   tiny-llama-bias -> --out DIR (not committed)  tiny-llama with attention and MLP biases, an
                   absent num_key_value_heads (MHA) and linear rope scaling: the llama fields
                   real checkpoints rarely set, for the tests.
+  tiny-qwen2      -> fixtures/tiny-qwen2/      Qwen2ForCausalLM in the layout real checkpoints
+                                               have (Qwen2.5-0.5B): bf16, tied head, bias on
+                                               q/k/v (none on o_proj), GQA, top-level rope_theta,
+                                               a sliding_window that use_sliding_window = false
+                                               turns off; no q/k norm.
   bench-qwen3     -> --out DIR (required; not committed)  ~160M-parameter bf16 Qwen3 for benchmarks.
   bench-qwen3-0.6b, bench-qwen3-moe -> --out DIR (required; not committed)  the Qwen3-0.6B shape
                   and a 64-expert top-8 MoE shape, bf16, for benchmarks (see docs/benchmarks.md).
@@ -454,6 +459,44 @@ PRESETS["tiny-llama-bias"] = dict(
     scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.1, norm_noise=0.1, router=0.0),
 )
 
+PRESETS["tiny-qwen2"] = dict(
+    seed=20250301,  # best of seeds 20250301..20250308 by `fixture_margins.py --search` (see README)
+    dtype="bf16",
+    out="fixtures/tiny-qwen2",
+    # The fields of a real Qwen2.5 config.json (Qwen2.5-0.5B), at odd tiny sizes.
+    config=dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=521,
+        hidden_size=84,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        # head_dim absent: hidden_size // num_attention_heads = 14, as Qwen2Attention defaults.
+        intermediate_size=146,
+        rms_norm_eps=1e-6,
+        # Top-level, as Qwen2.5's config.json has it (no rope_parameters, rope_scaling absent).
+        rope_theta=1000000.0,
+        # No attention_bias field: Qwen2's q/k/v bias is fixed. sliding_window is set but
+        # use_sliding_window is false, so transformers drops it: a window of 8 would change the
+        # longer frozen prompts if a producer applied it anyway.
+        use_sliding_window=False,
+        sliding_window=8,
+        max_window_layers=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        use_cache=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="bfloat16",
+    ),
+    scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, bias=0.2, norm_noise=0.1, router=0.0),
+    tokenizer=True,
+)
+
 
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     """(name, shape, kind, fan_in) for every checkpoint tensor, in HF checkpoint naming."""
@@ -461,9 +504,11 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     nh = cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads", nh)  # LlamaConfig's default: MHA
     hd = cfg.get("head_dim", H // nh)
-    bias = cfg["attention_bias"]
+    qwen2 = cfg["model_type"] == "qwen2"
+    # Qwen2Attention: q, k and v always carry a bias, o_proj never (no attention_bias field).
+    bias = qwen2 or cfg["attention_bias"]
     moe = cfg["model_type"] == "qwen3_moe"
-    llama = cfg["model_type"] == "llama"
+    no_qk_norm = cfg["model_type"] in ("llama", "qwen2")
     specs = [("model.embed_tokens.weight", (V, H), "embed", H)]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -475,18 +520,19 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
             (p + "self_attn.o_proj.weight", (H, nh * hd), "out", nh * hd),
             (p + "post_attention_layernorm.weight", (H,), "norm", 0),
         ]
-        if not llama:  # llama has no per-head q/k norm
+        if not no_qk_norm:  # llama and qwen2 have no per-head q/k norm
             specs += [
                 (p + "self_attn.q_norm.weight", (hd,), "norm", 0),
                 (p + "self_attn.k_norm.weight", (hd,), "norm", 0),
             ]
-        if bias:  # Qwen3 puts attention_bias on q, k, v AND o_proj
+        if bias:  # Qwen3 puts attention_bias on q, k, v AND o_proj; qwen2 on q, k, v only
             specs += [
                 (p + "self_attn.q_proj.bias", (nh * hd,), "bias", 0),
                 (p + "self_attn.k_proj.bias", (nkv * hd,), "bias", 0),
                 (p + "self_attn.v_proj.bias", (nkv * hd,), "bias", 0),
-                (p + "self_attn.o_proj.bias", (H,), "bias", 0),
             ]
+            if not qwen2:
+                specs.append((p + "self_attn.o_proj.bias", (H,), "bias", 0))
         sparse = (
             moe
             and i not in cfg["mlp_only_layers"]

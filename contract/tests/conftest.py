@@ -18,6 +18,7 @@ FIXTURES = {
     "dense": os.path.join(ROOT, "fixtures", "tiny-qwen3"),
     "moe": os.path.join(ROOT, "fixtures", "tiny-qwen3-moe"),
     "llama": os.path.join(ROOT, "fixtures", "tiny-llama"),
+    "qwen2": os.path.join(ROOT, "fixtures", "tiny-qwen2"),
 }
 
 

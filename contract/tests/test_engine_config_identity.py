@@ -86,6 +86,16 @@ def llama_q_norm(t, cfg):
     t["model.layers.0.self_attn.q_norm.weight"] = torch.ones(10, dtype=torch.bfloat16)
 
 
+def qwen2_o_proj_bias(t, cfg):
+    """An o_proj bias in a qwen2 checkpoint: Qwen2Attention has none (q, k, v only)."""
+    t["model.layers.0.self_attn.o_proj.bias"] = torch.ones(84, dtype=torch.bfloat16)
+
+
+def qwen2_q_norm(t, cfg):
+    """A Qwen3-style q_norm in a qwen2 checkpoint: qwen2 has none, so nothing claims it."""
+    t["model.layers.0.self_attn.q_norm.weight"] = torch.ones(14, dtype=torch.bfloat16)
+
+
 def keep_layers(n):
     def edit(t, cfg):
         for k in [k for k in t if k.startswith("model.layers.") and int(k.split(".")[2]) >= n]:
@@ -203,6 +213,14 @@ COMPUTED = {
         llama_mha,
         {"num_key_value_heads": 6, "head_dim": 10},
     ),
+    # §13 qwen2: its q/k/v bias is fixed (Qwen2Attention: bias=True), whatever attention_bias says;
+    # a producer that read the field would find the bias tensors unclaimed and refuse.
+    "qwen2-attention-bias-field-not-read": (
+        "qwen2",
+        {"attention_bias": False},
+        None,
+        {"attention_bias": True, "o_proj_bias": False, "qk_norm": False, "head_dim": 14},
+    ),
 }
 
 
@@ -313,6 +331,28 @@ REFUSED = {
         "rope_parameters.rope_type",
     ),
     "llama-with-a-q-norm": ("llama", {}, llama_q_norm, "q_norm"),
+    # §13 qwen2: what it does not have is refused, never guessed.
+    "qwen2-with-an-o-proj-bias": ("qwen2", {}, qwen2_o_proj_bias, "o_proj.bias"),
+    "qwen2-with-a-q-norm": ("qwen2", {}, qwen2_q_norm, "q_norm"),
+    "qwen2-use-sliding-window-true": (
+        "qwen2",
+        {"use_sliding_window": True},
+        None,
+        "use_sliding_window",
+    ),
+    "qwen2-rope-yarn": (
+        "qwen2",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        None,
+        "rope_scaling.rope_type",
+    ),
+    # Qwen2Config's default is 32 kv heads, not one per query head: refused rather than guessed.
+    "qwen2-without-num-key-value-heads": (
+        "qwen2",
+        {"num_key_value_heads": DROP},
+        None,
+        "num_key_value_heads",
+    ),
     # The engine computes a NaN table and then refuses the NaN logits; the contract refuses up front.
     "rope-theta-zero": (
         "dense",

@@ -25,6 +25,7 @@ QWEN3_5_MULTIMODAL = {
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     **QWEN3_5_TEXT,
@@ -41,10 +42,10 @@ def unsupported_family(mt) -> str:
     # The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
     if mt in names.FAMILIES:
         return (
-            "not supported by the bit-exact producers (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
+            "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
             "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
         )
-    return "not supported (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)"
+    return "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)"
 
 
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
@@ -68,9 +69,10 @@ class Config:
     rms_norm_eps: np.float32  # the config's number as binary64, then rounded to f32 (§6)
     rope_theta: float  # binary64, as pow receives it (§7)
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v carry a bias: the config's field; always for qwen2
+    o_proj_bias: bool = False  # o_proj carries one: attention_bias too, never for qwen2 (§8.1)
     mlp_bias: bool = False  # llama: gate, up and down carry a bias
-    qk_norm: bool = True  # §8.2 per-head q/k norms: the Qwen families, not llama
+    qk_norm: bool = True  # §8.2 per-head q/k norms: the Qwen3 families, not llama or qwen2
     rope_scaling: dict | None = None  # §7.1 (llama): rope_type "linear"/"llama3" and its numbers
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -358,10 +360,13 @@ def _parse_fields(raw: dict, mt: str) -> Config:
     # §13: Qwen3Config declares head_dim = 128 and the Qwen3.5 configs 256; Qwen3MoeConfig has
     # no such field, and the attention falls back to hidden_size // num_attention_heads (floor,
     # as transformers).
-    # LlamaConfig: hidden_size // num_attention_heads too.
-    default_head_dim = {"qwen3": 128, "qwen3_moe": hidden // heads, "llama": hidden // heads}.get(
-        mt, 256
-    )
+    # LlamaConfig and Qwen2Config: hidden_size // num_attention_heads too.
+    default_head_dim = {
+        "qwen3": 128,
+        "qwen3_moe": hidden // heads,
+        "llama": hidden // heads,
+        "qwen2": hidden // heads,
+    }.get(mt, 256)
     head_dim = _int(raw, "head_dim", default=default_head_dim)
     if not hybrid and (head_dim % 2 != 0 or head_dim == 0):  # Qwen3.5: the rotary dim's check
         src = (
@@ -378,6 +383,10 @@ def _parse_fields(raw: dict, mt: str) -> Config:
         )
     eps = raw.get("rms_norm_eps")
     eps = Decimal("1e-6") if eps is None else _number(eps, "rms_norm_eps")  # transformers' default
+    # §8.1: qwen2's q/k/v bias is fixed (Qwen2Config has no attention_bias; one stated is not
+    # read) and its o_proj has none; the other families put attention_bias on all four.
+    qwen2 = mt == "qwen2"
+    attention_bias = True if qwen2 else _bool(raw, "attention_bias", False)
 
     cfg = Config(
         max_position_embeddings=mpe,
@@ -392,9 +401,10 @@ def _parse_fields(raw: dict, mt: str) -> Config:
         rms_norm_eps=ops.f32_of_config_number(eps),
         rope_theta=theta,
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
-        attention_bias=_bool(raw, "attention_bias", False),
+        attention_bias=attention_bias,
+        o_proj_bias=attention_bias and not qwen2,
         mlp_bias=llama and _bool(raw, "mlp_bias", False),
-        qk_norm=not llama,
+        qk_norm=mt not in ("llama", "qwen2"),
         rope_scaling=scaling,
     )
     # §16: int(head_dim × factor), the binary64 product truncated as transformers does. An odd

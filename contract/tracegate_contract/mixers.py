@@ -23,7 +23,7 @@ def _vec(ck: Checkpoint, name: str, n: int) -> np.ndarray:
 
 class Attention:
     """§8's weights: q, k and v projections as one ordered matmul (see feed_forward.Mlp), o_proj,
-    the optional biases and q_norm/k_norm (none for llama). §17 (`cfg.gated_attention`): q_proj
+    the optional biases (qwen2: on q, k and v only) and q_norm/k_norm (none for llama and qwen2). §17 (`cfg.gated_attention`): q_proj
     holds, per head, the query rows then the gate rows."""
 
     def __init__(self, cfg: Config, ck: Checkpoint, a: str):
@@ -49,11 +49,12 @@ class Attention:
                     _vec(ck, f"{a}.v_proj.bias", nkv * d),
                 ]
             )
+        if cfg.o_proj_bias:  # qwen2: q, k and v only (§8.1)
             self.bo = _vec(ck, f"{a}.o_proj.bias", H)
         if cfg.qk_norm:
             self.q_norm = _vec(ck, f"{a}.q_norm.weight", d)
             self.k_norm = _vec(ck, f"{a}.k_norm.weight", d)
-        else:  # llama: RoPE straight after the projections
+        else:  # llama, qwen2: RoPE straight after the projections
             self.q_norm = self.k_norm = None
 
 

@@ -2,7 +2,7 @@
 //! struct field per JSON field (flat, as in the file), with transformers' defaults and the
 //! refusals of §7/§13. The contract's mirror is contract/tracegate_contract/config.py.
 //!
-//! Here: the parsed types and `Config::from_json` (both families); `fields` holds the JSON
+//! Here: the parsed types and `Config::from_json` (every family); `fields` holds the JSON
 //! field readers and the rope resolution they share, `qwen3_5` what only Qwen3.5 reads, `sizes`
 //! the sizes checked against the checkpoint.
 
@@ -27,11 +27,11 @@ pub const MAX_POSITIONS: usize = 1 << 24;
 pub fn unsupported_family(model_type: &str) -> String {
     // The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
     if tracegate_trace::names::family_features(model_type).is_some() {
-        "not supported by the bit-exact producers (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
+        "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
          python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
             .to_string()
     } else {
-        "not supported (engine, contract: llama, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)".to_string()
+        "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)".to_string()
     }
 }
 
@@ -41,6 +41,9 @@ pub enum ModelType {
     /// Dense llama (`LlamaForCausalLM`): no q/k norm, optional attention and MLP biases, scaled
     /// rope types (§7.1).
     Llama,
+    /// Qwen2 (`Qwen2ForCausalLM`, Qwen2 and Qwen2.5): llama's layer with a bias on q, k and v
+    /// (fixed: o_proj has none, and no config field says otherwise), no q/k norm.
+    Qwen2,
     Qwen3,
     Qwen3Moe,
     /// Qwen3.5 dense: `qwen3_5_text`, or `qwen3_5` with `text_config`.
@@ -58,6 +61,19 @@ impl ModelType {
     /// §15.1: every RMSNorm scales by `1 ⊕ w` (the Qwen3.5 families).
     pub fn zero_centred_norms(self) -> bool {
         self.is_qwen3_5()
+    }
+
+    /// §8.2: q_norm / k_norm on every head before RoPE: the Qwen3 and Qwen3.5 families (not
+    /// llama, not qwen2).
+    pub fn qk_norm(self) -> bool {
+        !matches!(self, ModelType::Llama | ModelType::Qwen2)
+    }
+
+    /// §8.1: qwen2's q, k and v projections always carry a bias and its o_proj never does
+    /// (transformers' Qwen2Attention; Qwen2Config has no `attention_bias`, and a config that
+    /// states one is not read). The other families: `attention_bias` on all four.
+    pub fn fixed_qkv_bias(self) -> bool {
+        self == ModelType::Qwen2
     }
 
     /// §17: full attention's `q_proj` holds each head's query then its output gate (Qwen3.5).
@@ -156,10 +172,13 @@ pub struct Config {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub tie_word_embeddings: bool,
+    /// q_proj, k_proj and v_proj carry a bias: the config's `attention_bias`; always for qwen2.
     pub attention_bias: bool,
+    /// o_proj carries a bias: `attention_bias` too, except for qwen2 (never).
+    pub o_proj_bias: bool,
     /// llama's `mlp_bias`: gate, up and down projections carry a bias (false elsewhere).
     pub mlp_bias: bool,
-    /// q_norm / k_norm on every head before RoPE (§8.2): the Qwen families; not llama.
+    /// q_norm / k_norm on every head before RoPE (§8.2): the Qwen3 families; not llama, qwen2.
     pub qk_norm: bool,
     /// §7.1 the rope type's frequency scaling (llama; `Default` for the Qwen families).
     pub rope_scaling: RopeScaling,
@@ -192,6 +211,7 @@ impl Config {
             .unwrap_or("");
         let (family, layout, want_arch) = match model_type {
             "llama" => (ModelType::Llama, Layout::Text, "LlamaForCausalLM"),
+            "qwen2" => (ModelType::Qwen2, Layout::Text, "Qwen2ForCausalLM"),
             "qwen3" => (ModelType::Qwen3, Layout::Text, "Qwen3ForCausalLM"),
             "qwen3_moe" => (ModelType::Qwen3Moe, Layout::Text, "Qwen3MoeForCausalLM"),
             "qwen3_5_text" => (ModelType::Qwen3_5, Layout::Text, "Qwen3_5ForCausalLM"),
@@ -271,13 +291,16 @@ impl Config {
                 err!(Config: "config.json: num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"),
             );
         }
-        // transformers: Qwen3Config declares head_dim = 128; Qwen3MoeConfig has no such field and
-        // the model falls back to hidden_size / num_attention_heads.
+        // transformers: Qwen3Config declares head_dim = 128; Qwen3MoeConfig, Qwen2Config and
+        // LlamaConfig have no such field and the model falls back to hidden_size /
+        // num_attention_heads.
         // Qwen3_5TextConfig and Qwen3_5MoeTextConfig declare head_dim = 256.
         let head_dim = match (opt_usize(v, "head_dim")?, family) {
             (Some(d), _) => d,
             (None, ModelType::Qwen3) => 128,
-            (None, ModelType::Qwen3Moe | ModelType::Llama) => hidden_size / num_attention_heads,
+            (None, ModelType::Qwen3Moe | ModelType::Llama | ModelType::Qwen2) => {
+                hidden_size / num_attention_heads
+            }
             (None, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe) => 256,
         };
         // Qwen3.5 rotates only the leading 2·ceil(rotary_dim/2) dims (checked below); its
@@ -306,7 +329,9 @@ impl Config {
         // decoder_sparse_step, mlp_only_layers): read (and refused) before the sizes below, in
         // this order, so the first refusal named is the same as ever.
         let moe = match family {
-            ModelType::Llama | ModelType::Qwen3 | ModelType::Qwen3_5 => (0, 0, 0, false, 1, vec![]),
+            ModelType::Llama | ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3_5 => {
+                (0, 0, 0, false, 1, vec![])
+            }
             ModelType::Qwen3Moe | ModelType::Qwen3_5Moe => {
                 let ne = match (field(v, "num_experts"), field(v, "num_local_experts")) {
                     (Some(_), Some(_))
@@ -401,12 +426,19 @@ impl Config {
             ));
         }
         let (linear, shared_expert_intermediate_size) = match family {
-            ModelType::Llama | ModelType::Qwen3 | ModelType::Qwen3Moe => (None, 0),
+            ModelType::Llama | ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3Moe => {
+                (None, 0)
+            }
             ModelType::Qwen3_5 => (linear_sizes(v, &layer_types)?, 0),
             ModelType::Qwen3_5Moe => (
                 linear_sizes(v, &layer_types)?,
                 req_usize(v, "shared_expert_intermediate_size")?,
             ),
+        };
+        // §8.1: qwen2's q/k/v bias is fixed (its config's `attention_bias`, if any, is not read).
+        let attention_bias = match family.fixed_qkv_bias() {
+            true => true,
+            false => opt_bool(v, "attention_bias", false)?,
         };
         let cfg = Config {
             model_type: family,
@@ -424,9 +456,10 @@ impl Config {
                 Some(t) => t,
                 None => opt_bool(v, "tie_word_embeddings", false)?,
             },
-            attention_bias: opt_bool(v, "attention_bias", false)?,
+            attention_bias,
+            o_proj_bias: attention_bias && !family.fixed_qkv_bias(),
             mlp_bias: llama && opt_bool(v, "mlp_bias", false)?,
-            qk_norm: !llama,
+            qk_norm: family.qk_norm(),
             rope_scaling,
             num_experts,
             num_experts_per_tok,
@@ -468,7 +501,7 @@ impl Config {
         n > 0
             && (matches!(
                 self.model_type,
-                ModelType::Llama | ModelType::Qwen3 | ModelType::Qwen3_5
+                ModelType::Llama | ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3_5
             ) || self.num_experts == 0
                 || self.decoder_sparse_step > 1
                 || self.mlp_only_layers.iter().any(|&l| l < n))

@@ -795,6 +795,56 @@ fn config_defaults_follow_transformers() {
     assert_eq!(Config::from_json(&c).unwrap().rope_theta, 7.0);
 }
 
+/// §13 "Qwen2", as transformers' Qwen2Config and Qwen2Attention read a config: the q/k/v bias is
+/// fixed (a stated `attention_bias` is not read) and o_proj has none, no q/k norm, `head_dim`
+/// hidden / heads; what it does not implement is refused naming the field.
+#[test]
+fn qwen2_config_follows_transformers() {
+    use tracegate_engine::config::{Config, ModelType};
+    let mut c = dense_config();
+    c["model_type"] = json!("qwen2");
+    c["architectures"] = json!(["Qwen2ForCausalLM"]);
+    c.as_object_mut().unwrap().remove("head_dim");
+    for stated in [json!(false), json!(true), Value::Null] {
+        c["attention_bias"] = stated;
+        let cfg = Config::from_json(&c).unwrap();
+        assert_eq!(
+            (
+                cfg.model_type,
+                cfg.attention_bias,
+                cfg.o_proj_bias,
+                cfg.qk_norm,
+                cfg.mlp_bias,
+                cfg.head_dim
+            ),
+            (ModelType::Qwen2, true, false, false, false, 24 / 4)
+        );
+    }
+    // The same edits on qwen3 (the control): its attention_bias is read, on o_proj too.
+    let mut q3 = dense_config();
+    q3["attention_bias"] = json!(true);
+    let cfg = Config::from_json(&q3).unwrap();
+    assert_eq!(
+        (cfg.attention_bias, cfg.o_proj_bias, cfg.qk_norm),
+        (true, true, true)
+    );
+    for (key, value) in [
+        ("use_sliding_window", json!(true)),
+        ("num_key_value_heads", Value::Null),
+        (
+            "rope_parameters",
+            json!({"rope_type": "yarn", "factor": 4.0}),
+        ),
+        ("partial_rotary_factor", json!(0.5)),
+        ("architectures", json!(["Qwen3ForCausalLM"])),
+    ] {
+        let mut bad = c.clone();
+        bad[key] = value;
+        let e = Config::from_json(&bad).unwrap_err().to_string();
+        assert!(e.contains(key), "{key}: {e}");
+    }
+}
+
 #[test]
 fn refuses_bad_safetensors_headers() {
     use tracegate_engine::weights::parse_header;

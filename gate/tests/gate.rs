@@ -257,6 +257,7 @@ fn passes_as_bundled_and_records_invocations() {
             ("m0", "fixtures/tiny-qwen3"),
             ("m0", "fixtures/tiny-qwen3_5"),
             ("m0", "fixtures/tiny-llama"),
+            ("m0", "fixtures/tiny-qwen2"),
             ("m1", "fixtures/tiny-qwen3-moe"),
             ("m1", "fixtures/tiny-qwen3_5-moe")
         ]
@@ -1924,7 +1925,7 @@ fn a_model_of_another_family_and_an_old_milestones_schema_are_refused_by_name() 
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr.contains(
-            "model_type \"qwen3_5_moe_text\" is not a family of milestone m0 (qwen3, qwen3_5_text, llama)"
+            "model_type \"qwen3_5_moe_text\" is not a family of milestone m0 (qwen3, qwen3_5_text, llama, qwen2)"
         ),
         "{}",
         r.stderr
@@ -2260,9 +2261,9 @@ fn a_worker_that_hangs_is_killed_at_the_timeout_of_that_request() {
 
 #[test]
 fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict() {
-    // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3 and
-    // tiny-llama (no such layer) do not; the oracle is unavailable, so their reports are
-    // INCOMPLETE.
+    // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3,
+    // tiny-llama and tiny-qwen2 (no such layer) do not; the oracle is unavailable, so their
+    // reports are INCOMPLETE.
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
     let defective = test_producer("defective_contract.py", "--defect gdn-decay@2");
@@ -2280,7 +2281,7 @@ fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict()
         .collect();
     assert_eq!(
         verdicts,
-        ["INCOMPLETE", "FAIL", "INCOMPLETE"],
+        ["INCOMPLETE", "FAIL", "INCOMPLETE", "INCOMPLETE"],
         "{}",
         r.stdout
     );
@@ -2290,7 +2291,7 @@ fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict()
             .sum()
     };
     let want = format!(
-        "gate m0, 3 models: FAIL — {} PASS, {} FAIL, {} NOT CHECKED",
+        "gate m0, 4 models: FAIL — {} PASS, {} FAIL, {} NOT CHECKED",
         total("PASS"),
         total("FAIL"),
         total("NOT CHECKED")

@@ -25,7 +25,14 @@ from binaries import release_binary  # noqa: E402
 from tracegate import names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-llama", "tiny-qwen3_5", "tiny-qwen3_5-moe"]
+FIXTURES = [
+    "tiny-qwen3",
+    "tiny-qwen3-moe",
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3_5",
+    "tiny-qwen3_5-moe",
+]
 POLICIES = ["f32", "bf16", "f16", "q8"]
 ENGINE, _NO_ENGINE = release_binary("engine")
 

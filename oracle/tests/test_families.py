@@ -459,6 +459,7 @@ def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
     base = json.loads((ROOT / "fixtures/tiny-qwen3/config.json").read_text())
     bit_exact = (
         "llama",
+        "qwen2",
         "qwen3",
         "qwen3_moe",
         "qwen3_5",

@@ -13,7 +13,15 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3_5", "tiny-qwen3_5-moe", "tiny-llama"]
+    "preset",
+    [
+        "tiny-qwen3",
+        "tiny-qwen3-moe",
+        "tiny-qwen3_5",
+        "tiny-qwen3_5-moe",
+        "tiny-llama",
+        "tiny-qwen2",
+    ],
 )
 def test_regenerated_fixture_is_byte_identical(tmp_path, preset):
     out = tmp_path / preset
@@ -31,8 +39,9 @@ def test_regenerated_fixture_is_byte_identical(tmp_path, preset):
     )
     assert r.returncode == 0, r.stderr
     committed = os.path.join(ROOT, "fixtures", preset)
-    # tiny-llama carries its tokenizer too (written by the same script, from code).
-    extra = ("tokenizer.json", "tokenizer_config.json") if preset == "tiny-llama" else ()
+    # tiny-llama and tiny-qwen2 carry their tokenizer too (written by the same script, from code).
+    tok = preset in ("tiny-llama", "tiny-qwen2")
+    extra = ("tokenizer.json", "tokenizer_config.json") if tok else ()
     for name in ("config.json", "model.safetensors", *extra):
         assert filecmp.cmp(out / name, os.path.join(committed, name), shallow=False), (
             f"{preset}/{name} differs from a fresh regeneration"

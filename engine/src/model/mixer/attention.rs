@@ -29,7 +29,7 @@ pub(crate) struct Attention<'a> {
     k: Linear<'a>,
     v: Linear<'a>,
     o: Linear<'a>,
-    /// §8.2 per-head norms: the Qwen families (llama has none).
+    /// §8.2 per-head norms: the Qwen3 families (llama and qwen2 have none).
     qk_norm: Option<(Norm, Norm)>,
     gated: bool,
 }
@@ -40,10 +40,11 @@ impl<'a> Attention<'a> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let gated = cfg.model_type.gated_attention();
-        let ab = cfg.attention_bias;
-        let lin = |name: &str, out: usize, inp: usize| -> Result<Linear<'a>> {
+        // §8.1: q, k, v carry `attention_bias`, o_proj `o_proj_bias` (qwen2: the first only).
+        let qkv_bias = cfg.attention_bias;
+        let lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<'a>> {
             let w = st.weight(&format!("{p}.{name}.weight"), &[out, inp])?;
-            let b = if ab {
+            let b = if bias {
                 Some(st.take(&format!("{p}.{name}.bias"), &[out])?.to_vec())
             } else {
                 None
@@ -52,10 +53,10 @@ impl<'a> Attention<'a> {
         };
         Ok(Attention {
             // §17: a gated q_proj holds each head's query and its gate.
-            q: lin("q_proj", nq * d * (1 + gated as usize), h)?,
-            k: lin("k_proj", nkv * d, h)?,
-            v: lin("v_proj", nkv * d, h)?,
-            o: lin("o_proj", h, nq * d)?,
+            q: lin("q_proj", nq * d * (1 + gated as usize), h, qkv_bias)?,
+            k: lin("k_proj", nkv * d, h, qkv_bias)?,
+            v: lin("v_proj", nkv * d, h, qkv_bias)?,
+            o: lin("o_proj", h, nq * d, cfg.o_proj_bias)?,
             qk_norm: if cfg.qk_norm {
                 Some((
                     Norm::load(st, cfg, &format!("{p}.q_norm.weight"), d)?,
@@ -104,7 +105,7 @@ impl<'a> Attention<'a> {
         };
         let mut k = lw.k.apply(xn, t);
         let v = lw.v.apply(xn, t);
-        // §8.2 q_norm / k_norm on every head vector (not llama), then RoPE at the row's
+        // §8.2 q_norm / k_norm on every head vector (not llama, qwen2), then RoPE at the row's
         // position (§16: the leading rotary dims only).
         let norms = lw.qk_norm.as_ref();
         for (x, norm, heads) in [
