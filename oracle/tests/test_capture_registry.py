@@ -178,9 +178,9 @@ def test_the_oracle_refuses_a_hook_for_an_unregistered_point():
 # 4. the producers
 
 
-def run_producer(producer: str, fixture: str, out: Path) -> Path:
+def run_producer(producer: str, fixture: str, out: Path, *extra: str) -> Path:
     args = ["trace", "--model", str(ROOT / "fixtures" / fixture), "--tokens", "1,2,3,4,5"]
-    args += ["--capture", "internals", "--generate", "2", "--out", str(out)]
+    args += ["--capture", "internals", "--generate", "2", "--out", str(out), *extra]
     if producer == "engine":
         if _NO_ENGINE:
             pytest.skip(_NO_ENGINE)
@@ -227,6 +227,25 @@ def mismatch(t, fixture: str) -> list[str]:
 def test_producers_write_exactly_the_registered_points_of_their_family(tmp_path, producer, fixture):
     t = tg.Trace(str(run_producer(producer, fixture, tmp_path / "t.trace")))
     assert not mismatch(t, fixture), (producer, fixture, mismatch(t, fixture))
+
+
+def stored_wrong(t, computed: str, rule=lambda n: names.point(n).stored) -> list[str]:
+    """The tensors of `t` not stored in the dtype the registry's rule gives (`rule`): f32 for a
+    point stored f32, else `computed`."""
+    want = {n: "f32" if rule(n) == "f32" else computed for n in t.names}
+    return sorted(n for n in t.names if t.dtype(n) != want[n])
+
+
+def test_the_oracle_stores_each_point_in_the_registered_dtype(tmp_path):
+    # bf16 on the hybrid MoE fixture: linear.q, .k, .g and .state f32, every other point bf16.
+    out = tmp_path / "b.trace"
+    t = tg.Trace(str(run_producer("oracle", "tiny-qwen3_5-moe", out, "--dtype", "bf16")))
+    assert not stored_wrong(t, "bf16")
+    # Negative control: a rule that has every point stored as computed finds exactly the f32
+    # ones wrong.
+    wrong = stored_wrong(t, "bf16", rule=lambda n: "computed")
+    f32 = {"linear.q", "linear.k", "linear.g", "linear.state"}
+    assert wrong and {names.parse(n).point for n in wrong} == f32
 
 
 def test_producer_check_sees_a_missing_point(tmp_path):

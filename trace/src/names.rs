@@ -87,7 +87,8 @@ pub enum Capture {
 pub enum Stored {
     /// The dtype the producer computes in (provenance `dtype`).
     Computed,
-    /// f32 whatever the model's dtype: transformers computes these in f32 under bf16/f16.
+    /// f32 whatever the model's dtype: transformers computes these in f32 under bf16/f16 (the
+    /// linear attention's L2-normed q and k, its decay and its state).
     F32,
 }
 
@@ -191,8 +192,8 @@ pub const POINTS: &[Point] = {
         at(M, "embed.out", B::Embedding, D, F::Any),
         per_step(at(L, "hidden_in", B::Input, D, F::Any)),
         at(L, "linear.conv_out", B::Attention, I, F::LinearAttention),
-        at(L, "linear.q", B::Attention, I, F::LinearAttention),
-        at(L, "linear.k", B::Attention, I, F::LinearAttention),
+        f32_stored(at(L, "linear.q", B::Attention, I, F::LinearAttention)),
+        f32_stored(at(L, "linear.k", B::Attention, I, F::LinearAttention)),
         f32_stored(at(L, "linear.g", B::Attention, I, F::LinearAttention)),
         at(L, "linear.beta", B::Attention, I, F::LinearAttention),
         at(L, "linear.core", B::Attention, I, F::LinearAttention),
