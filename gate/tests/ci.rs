@@ -10,11 +10,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use common::repo;
-
-fn python() -> std::path::PathBuf {
-    repo().join(".venv/bin/python")
-}
+use common::{python, repo};
 
 /// `gate m1` on one prompt of the MoE fixture with a contract one ULP off in one tensor
 /// (`matches` FAILs) and the oracle blocked by a Python without torch (its checks NOT CHECKED).

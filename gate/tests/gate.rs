@@ -7,19 +7,10 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 use crate::common;
+use common::python;
 
 fn repo() -> PathBuf {
     common::repo().canonicalize().unwrap()
-}
-
-fn python() -> PathBuf {
-    let py = repo().join(".venv/bin/python");
-    assert!(
-        py.exists(),
-        "{} missing: run scripts/setup.sh",
-        py.display()
-    );
-    py
 }
 
 /// A copy of the project's gate inputs (milestones, baselines, fixtures) that a test may edit.

@@ -8,17 +8,13 @@ use crate::common;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::repo;
+use common::{python, repo};
 
 /// A pipe whose reading end is already closed: every write to it fails with EPIPE.
 fn closed_pipe() -> Stdio {
     let (reader, writer) = std::io::pipe().unwrap();
     drop(reader);
     Stdio::from(writer)
-}
-
-fn python() -> std::path::PathBuf {
-    repo().join(".venv/bin/python")
 }
 
 /// `gate m0` on one prompt, the oracle left out by a Python without torch (it is NOT CHECKED).

@@ -1,5 +1,5 @@
-//! What the gate's test binaries share: the gate command, the repository root and the reports'
-//! schemas (docs/*.schema.json, checked by `tracegate-schema-check`). Each test binary uses what
+//! What the gate's test modules share: the gate command, the repository root, its Python and the reports'
+//! schemas (docs/*.schema.json, checked by `tracegate-schema-check`). Each test module uses what
 //! it needs.
 #![allow(dead_code)]
 
@@ -21,6 +21,17 @@ pub fn repo() -> PathBuf {
 }
 
 /// docs/`name`'s schema (docs/*.schema.json, compiled once per test binary).
+/// The repository's Python (the contract's and oracle's), which the tests' candidates run on.
+pub fn python() -> PathBuf {
+    let py = repo().canonicalize().unwrap().join(".venv/bin/python");
+    assert!(
+        py.exists(),
+        "{} missing: run scripts/setup.sh",
+        py.display()
+    );
+    py
+}
+
 pub fn validator(name: &str) -> &'static tracegate_schema_check::Schema {
     tracegate_schema_check::schema(name)
 }
