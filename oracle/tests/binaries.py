@@ -1,14 +1,18 @@
 """Where cargo put the release binaries (engine, trace-diff, gate): the contract tests' locator
 (cargo metadata, honouring CARGO_TARGET_DIR), and their checked reader of `trace-diff --json`,
-loaded by path because both test trees import their own `conftest` by that name."""
+loaded by path because both test trees import their own `conftest` by that name. Also the
+family tests' runs: a producer's trace through its CLI, and trace-diff's verdict on two."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[2]
+ORACLE_POLICY = _ROOT / "fixtures" / "policy" / "oracle-default.json"
 
 
 @functools.cache
@@ -50,3 +54,45 @@ def planted_contract(tmp_path: Path, file: str, old: str, new: str) -> dict:
 def diff_report(text: str) -> dict:
     """A `trace-diff --json` report, parsed and checked against docs/diff-report.schema.json."""
     return _conftest().diff_report(text)
+
+
+def run_checked(*argv, env=None) -> subprocess.CompletedProcess:
+    """Runs `argv` (each item as str); the test fails with the tail of its stderr unless it
+    exits 0."""
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, f"{argv[:3]}: exit {r.returncode}: {r.stderr[-800:]}"
+    return r
+
+
+def producer_trace(
+    who: str,
+    model: Path,
+    tokens: str,
+    out: Path,
+    *,
+    capture: str = "internals",
+    cache: str | None = "on",
+    generate: int = 4,
+    env=None,
+) -> Path:
+    """`trace` by `who` (engine, contract or oracle), each through its CLI; `generate` 0 and
+    `cache` None leave those flags out."""
+    args = ["trace", "--model", model, "--tokens", tokens, "--capture", capture]
+    args += ["--generate", generate] if generate else []
+    args += ["--cache", cache] if cache else []
+    args += ["--out", out]
+    if who == "engine":
+        run_checked(release_binary("engine")[0], *args, env=env)
+    else:
+        run_checked(sys.executable, "-m", f"tracegate_{who}", *args, env=env)
+    return out
+
+
+def judge(reference: Path, candidate: Path, policy=ORACLE_POLICY) -> tuple[int, dict]:
+    """trace-diff's exit code (0 or 1; anything else fails the test) and its checked report;
+    `policy` None compares by bits."""
+    argv = [release_binary("trace-diff")[0], reference, candidate, "--json"]
+    argv += ["--policy", policy] if policy else []
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode, diff_report(r.stdout)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,44 +18,26 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from binaries import diff_report, planted_contract, release_binary  # noqa: E402
+from binaries import (  # noqa: E402
+    judge,
+    planted_contract,
+    producer_trace,
+    release_binary,
+)
+from binaries import run_checked as run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "fixtures" / "tiny-llama"
-POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
 TOKENS = "1,17,300,5,42,7,99,250,3"
 ENGINE, why_engine = release_binary("engine")
-DIFF, why_diff = release_binary("trace-diff")
+_, why_diff = release_binary("trace-diff")
 needs_binaries = pytest.mark.skipif(
     bool(why_engine or why_diff), reason=f"{why_engine or why_diff}"
 )
 
 
-def run(*argv):
-    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{argv[:3]}: exit {r.returncode}: {r.stderr[-800:]}"
-    return r
-
-
 def trace(who: str, model: Path, out: Path, cache: str = "on") -> Path:
-    args = ["trace", "--model", model, "--tokens", TOKENS, "--generate", 4]
-    args += ["--capture", "internals", "--cache", cache, "--out", out]
-    if who == "engine":
-        run(ENGINE, *args)
-    else:
-        run(sys.executable, "-m", f"tracegate_{who}", *args)
-    return out
-
-
-def judge(reference: Path, candidate: Path) -> tuple[int, dict]:
-    r = subprocess.run(
-        [DIFF, reference, candidate, "--policy", POLICY, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode in (0, 1), r.stderr
-    return r.returncode, diff_report(r.stdout)
+    return producer_trace(who, model, TOKENS, out, cache=cache)
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +110,7 @@ def test_a_forgotten_mlp_bias_is_caught_at_the_first_mlp_out(tmp_path, llama_bia
     site = "self.bgu, self.bd = bias if bias is not None else (None, None)"
     env = planted_contract(tmp_path, "feed_forward.py", site, "self.bgu, self.bd = (None, None)")
     out = tmp_path / "c.trace"
-    args = ["trace", "--model", llama_bias, "--tokens", TOKENS, "--capture", "internals"]
-    r = subprocess.run(
-        [sys.executable, "-m", "tracegate_contract", *map(str, args), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-800:]
+    producer_trace("contract", llama_bias, TOKENS, out, cache=None, generate=0, env=env)
     o = trace("oracle", llama_bias, tmp_path / "o.trace")
     code, report = judge(o, out)
     assert code == 1, "the oracle comparison passed a contract without MLP biases"

@@ -10,49 +10,27 @@ longer than its (disabled) sliding window of 8, under internals capture, and the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from binaries import diff_report, planted_contract, release_binary  # noqa: E402
+from binaries import judge, planted_contract, producer_trace, release_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN2 = ROOT / "fixtures" / "tiny-qwen2"
-POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"
 # 12 tokens, more than the fixture's sliding_window (8), which use_sliding_window = false turns off.
 TOKENS = "1,17,300,5,42,7,99,250,3,11,480,64"
-ENGINE, why_engine = release_binary("engine")
-DIFF, why_diff = release_binary("trace-diff")
+_, why_engine = release_binary("engine")
+_, why_diff = release_binary("trace-diff")
 needs_binaries = pytest.mark.skipif(
     bool(why_engine or why_diff), reason=f"{why_engine or why_diff}"
 )
 
 
-def run(*argv, env=None):
-    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, f"{argv[:3]}: exit {r.returncode}: {r.stderr[-800:]}"
-    return r
-
-
 def trace(who: str, out: Path, capture="internals", cache="on", env=None) -> Path:
-    args = ["trace", "--model", QWEN2, "--tokens", TOKENS, "--generate", 4]
-    args += ["--capture", capture, "--cache", cache, "--out", out]
-    if who == "engine":
-        run(ENGINE, *args)
-    else:
-        run(sys.executable, "-m", f"tracegate_{who}", *args, env=env)
-    return out
-
-
-def judge(reference: Path, candidate: Path, policy: bool = True) -> tuple[int, dict]:
-    argv = [DIFF, reference, candidate, "--json"] + (["--policy", POLICY] if policy else [])
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert r.returncode in (0, 1), r.stderr
-    return r.returncode, diff_report(r.stdout)
+    return producer_trace(who, QWEN2, TOKENS, out, capture=capture, cache=cache, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +62,7 @@ def test_the_fixture_is_what_transformers_loads_as_qwen2():
 def test_engine_is_the_contract_and_agrees_with_the_oracle(tmp_path, oracle_traces, capture):
     e = trace("engine", tmp_path / "e.trace", capture, "on")
     c = trace("contract", tmp_path / "c.trace", capture, "off")
-    same, report = judge(e, c, policy=False)
+    same, report = judge(e, c, policy=None)
     assert same == 0 and report["first_bit_difference"] is None, report["first_bit_difference"]
     code, report = judge(oracle_traces[capture], e)
     assert code == 0, report["first_violation"]
