@@ -73,14 +73,15 @@ def producer_trace(
     capture: str = "internals",
     cache: str | None = "on",
     generate: int = 4,
+    extra: tuple = (),
     env=None,
 ) -> Path:
-    """`trace` by `who` (engine, contract or oracle), each through its CLI; `generate` 0 and
-    `cache` None leave those flags out."""
+    """`trace` by `who` (engine, contract or oracle), each through its CLI, `extra` appended;
+    `generate` 0 and `cache` None leave those flags out."""
     args = ["trace", "--model", model, "--tokens", tokens, "--capture", capture]
     args += ["--generate", generate] if generate else []
     args += ["--cache", cache] if cache else []
-    args += ["--out", out]
+    args += ["--out", out, *extra]
     if who == "engine":
         run_checked(release_binary("engine")[0], *args, env=env)
     else:

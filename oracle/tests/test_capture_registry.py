@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
-from binaries import release_binary  # noqa: E402
+from binaries import producer_trace, release_binary  # noqa: E402
 from tracegate import names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,18 +178,15 @@ def test_the_oracle_refuses_a_hook_for_an_unregistered_point():
 
 
 def run_producer(producer: str, fixture: str, out: Path, *extra: str) -> Path:
-    args = ["trace", "--model", str(ROOT / "fixtures" / fixture), "--tokens", "1,2,3,4,5"]
-    args += ["--capture", "internals", "--generate", "2", "--out", str(out), *extra]
-    if producer == "engine":
-        if _NO_ENGINE:
-            pytest.skip(_NO_ENGINE)
-        cmd = [ENGINE, *args, "--threads", "1"]
-    else:
-        pytest.importorskip("torch") if producer == "oracle" else None
-        cmd = [sys.executable, "-m", f"tracegate_{producer}", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    return out
+    if producer == "engine" and _NO_ENGINE:
+        pytest.skip(_NO_ENGINE)
+    if producer == "oracle":
+        pytest.importorskip("torch")
+    threads = ("--threads", "1") if producer == "engine" else ()
+    model = ROOT / "fixtures" / fixture
+    return producer_trace(
+        producer, model, "1,2,3,4,5", out, generate=2, cache=None, extra=(*extra, *threads)
+    )
 
 
 def model_type(fixture: str) -> str:
