@@ -498,6 +498,139 @@ PRESETS["tiny-qwen2"] = dict(
 )
 
 
+# tiny-diffusion-gemma: DiffusionGemmaForBlockDiffusion (docs/diffusion-gemma.md) at odd sizes:
+# sliding (head_dim 10, 2 KV heads, window 5) and full (head_dim 16, 1 KV head, k = v,
+# proportional RoPE rotating dims 0-1 with 8-9) layers, a dense MLP beside 6 routed experts
+# (top 2) in every layer, canvas 7, bf16. The checkpoint holds the decoder's tensors and the
+# encoder's own layer_scalar buffers (everything else of the encoder is tied), no vision tower.
+# generation_config.json: 6 denoising steps a block at most.
+PRESETS["tiny-diffusion-gemma"] = dict(
+    seed=20261205,
+    dtype="bf16",
+    out="fixtures/tiny-diffusion-gemma",
+    config=dict(
+        architectures=["DiffusionGemmaForBlockDiffusion"],
+        model_type="diffusion_gemma",
+        canvas_length=7,
+        tie_word_embeddings=True,
+        text_config=dict(
+            model_type="diffusion_gemma_text",
+            vocab_size=509,  # >= the frozen prompts' vocab_min (499)
+            hidden_size=44,
+            intermediate_size=38,
+            num_hidden_layers=4,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=10,
+            per_layer_config={
+                "1": {"head_dim": 16, "num_key_value_heads": 1},
+                "3": {"head_dim": 16, "num_key_value_heads": 1},
+            },
+            sliding_window=5,
+            num_experts=6,
+            top_k_experts=2,
+            moe_intermediate_size=10,
+            hidden_activation="gelu_pytorch_tanh",
+            rms_norm_eps=1e-6,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                },
+            },
+            attention_bias=False,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+            dtype="bfloat16",
+        ),
+        # Read by nothing here (token ids only); tiny so that transformers builds a tiny tower.
+        vision_config=dict(
+            model_type="gemma4_vision",
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        ),
+        dtype="bfloat16",
+    ),
+    generation=dict(
+        max_denoising_steps=6,
+        t_max=0.8,
+        t_min=0.4,
+        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.3},
+        stability_threshold=1,
+        confidence_threshold=0.05,
+    ),
+    scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, norm_noise=0.1, router=8.0, router_tail=0.5),
+)
+
+
+def diffusion_gemma_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
+    """The decoder's tensors and the encoder's layer scalars (docs/diffusion-gemma.md DG0)."""
+    t = text_config(cfg)
+    H, V, nh = t["hidden_size"], t["vocab_size"], t["num_attention_heads"]
+    E, I = t["num_experts"], t["moe_intermediate_size"]
+    d = "model.decoder."
+    specs = [(d + "embed_tokens.weight", (V, H), "embed", H)]
+    for i, kind in enumerate(t["layer_types"]):
+        over = t["per_layer_config"].get(str(i), {}) if kind == "full_attention" else {}
+        hd = over.get("head_dim", t["head_dim"])
+        kv = over.get("num_key_value_heads", t["num_key_value_heads"])
+        p = f"{d}layers.{i}."
+        a = p + "self_attn."
+        specs += [
+            (a + "q_proj.weight", (nh * hd, H), "in", H),
+            (a + "k_proj.weight", (kv * hd, H), "in", H),
+            (a + "o_proj.weight", (H, nh * hd), "out", nh * hd),
+            (a + "q_norm.weight", (hd,), "norm", 0),
+            (a + "k_norm.weight", (hd,), "norm", 0),
+        ]
+        if kind == "sliding_attention":  # full layers have no v_proj: v is k_proj's output
+            specs.append((a + "v_proj.weight", (kv * hd, H), "in", H))
+        specs += _mlp_specs(p + "mlp.", H, t["intermediate_size"])
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+            "post_feedforward_layernorm_1",
+            "post_feedforward_layernorm_2",
+            "pre_feedforward_layernorm_2",
+        ):
+            specs.append((f"{p}{norm}.weight", (H,), "norm", 0))
+        specs += [
+            (p + "router.proj.weight", (E, H), "router", H),
+            (p + "router.scale", (H,), "norm", 0),
+            (p + "router.per_expert_scale", (E,), "norm", 0),
+            (p + "experts.gate_up_proj", (E, 2 * I, H), "in", H),
+            (p + "experts.down_proj", (E, H, I), "mlp_down", I),
+            (p + "layer_scalar", (1,), "norm", 0),
+            # the encoder's own scalar: not tied, so it differs from the decoder's
+            (f"model.encoder.language_model.layers.{i}.layer_scalar", (1,), "norm", 0),
+        ]
+    specs.append((d + "norm.weight", (H,), "norm", 0))
+    sc = d + "self_conditioning."
+    specs.append((sc + "pre_norm.weight", (H,), "norm", 0))
+    specs += _mlp_specs(sc, H, t["intermediate_size"])
+    if not cfg["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (V, H), "head", H))
+    return specs
+
+
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     """(name, shape, kind, fan_in) for every checkpoint tensor, in HF checkpoint naming."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
@@ -776,8 +909,13 @@ def make(preset: str, out: Path, seed: int | None = None) -> Path:
     cfg, sc = p["config"], p["scales"]
     seed = p["seed"] if seed is None else seed
     out.mkdir(parents=True, exist_ok=True)
-    qwen3_5 = text_config(cfg)["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
-    specs = qwen3_5_specs(cfg, p["mtp_layers"]) if qwen3_5 else tensor_specs(cfg)
+    family = text_config(cfg)["model_type"]
+    if family in ("qwen3_5_text", "qwen3_5_moe_text"):
+        specs = qwen3_5_specs(cfg, p["mtp_layers"])
+    elif family == "diffusion_gemma_text":
+        specs = diffusion_gemma_specs(cfg)
+    else:
+        specs = tensor_specs(cfg)
     tensors = {
         name: draw(seed, name, shape, kind, fan_in, sc) for name, shape, kind, fan_in in specs
     }
@@ -787,6 +925,9 @@ def make(preset: str, out: Path, seed: int | None = None) -> Path:
     save(tensors, st, meta, bf16=p["dtype"] == "bf16")
     full = dict(cfg, transformers_version="5.23.0")
     (out / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+    if "generation" in p:
+        gen = dict(p["generation"], transformers_version="5.23.0")
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     if p.get("tokenizer"):
         write_tokenizer(out, cfg["vocab_size"])
     return out
