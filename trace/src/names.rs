@@ -31,6 +31,24 @@ pub fn decode(step: usize, rest: &str) -> String {
     format!("decode.{step:0STEP_WIDTH$}.{rest}")
 }
 
+/// `denoise.BBBB.SSSS.REST`: step `step` of diffusion block `block` (docs/diffusion-gemma.md DG16),
+/// e.g. `denoise(1, 3, "logits")` = `denoise.0001.0003.logits`.
+pub fn denoise(block: usize, step: usize, rest: &str) -> String {
+    format!("denoise.{block:0STEP_WIDTH$}.{step:0STEP_WIDTH$}.{rest}")
+}
+
+/// `denoise.BBBB.REST`: a decision of diffusion block `block` as a whole (`init_canvas`,
+/// `commit`), e.g. `denoise_block(0, "commit")` = `denoise.0000.commit`.
+pub fn denoise_block(block: usize, rest: &str) -> String {
+    format!("denoise.{block:0STEP_WIDTH$}.{rest}")
+}
+
+/// `encode.BBBB.REST`: the encoder pass over diffusion block `block`'s committed canvas, e.g.
+/// `encode(0, "embed.out")` = `encode.0000.embed.out`. The prompt's encoder pass is unprefixed.
+pub fn encode(block: usize, rest: &str) -> String {
+    format!("encode.{block:0STEP_WIDTH$}.{rest}")
+}
+
 /// The axis of a registered capture point that holds its tokens ([`Point::token_axis`]). None
 /// for a name outside the registry (a port's own point), whose layout is not known, and for a
 /// registered point that is not token-major.

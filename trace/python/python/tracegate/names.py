@@ -20,6 +20,9 @@ __all__ = [
     "Name",
     "Point",
     "decode",
+    "denoise",
+    "denoise_block",
+    "encode",
     "expert",
     "family_has",
     "layer",
@@ -47,6 +50,24 @@ def expert(layer: int, expert: int, point: str) -> str:
 def decode(step: int, rest: str) -> str:
     """``decode.SSSS.REST``: ``decode(2, "logits")`` is ``decode.0002.logits``."""
     return f"decode.{step:04d}.{rest}"
+
+
+def denoise(block: int, step: int, rest: str) -> str:
+    """``denoise.BBBB.SSSS.REST``: step ``step`` of diffusion block ``block``
+    (docs/diffusion-gemma.md DG16): ``denoise(1, 3, "logits")`` is ``denoise.0001.0003.logits``."""
+    return f"denoise.{block:04d}.{step:04d}.{rest}"
+
+
+def denoise_block(block: int, rest: str) -> str:
+    """``denoise.BBBB.REST``: a decision of block ``block`` as a whole (``init_canvas``,
+    ``commit``): ``denoise_block(0, "commit")`` is ``denoise.0000.commit``."""
+    return f"denoise.{block:04d}.{rest}"
+
+
+def encode(block: int, rest: str) -> str:
+    """``encode.BBBB.REST``: the encoder pass over block ``block``'s committed canvas:
+    ``encode(0, "embed.out")`` is ``encode.0000.embed.out``. The prompt's pass is unprefixed."""
+    return f"encode.{block:04d}.{rest}"
 
 
 class Name(NamedTuple):
