@@ -633,3 +633,18 @@ def test_eos_pads_after_the_first_eos_and_ends_generation(tmp_path, base):
     # without --pad the EOS still ends generation, nothing is replaced
     t = run(tmp_path, "eos2.trace", "--generate", 14, "--seed", 3, "--eos", eos)
     assert t.provenance["output_tokens"] == commit and t.provenance["blocks"] == 1
+
+
+def test_tie_word_embeddings_false_and_the_layer_verb_are_refused(tmp_path, base, capsys):
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURE, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert cli("trace", "--model", d, "--tokens", "3,4", "--out", tmp_path / "x") == 2
+    assert "tie_word_embeddings" in capsys.readouterr().err
+    rc = cli(
+        "layer", "--model", FIXTURE, "--layer", 0, "--input", base.path,
+        "--input-name", "layer.00.hidden_in", "--out", tmp_path / "y",
+    )  # fmt: skip
+    assert rc == 2 and "diffusion_gemma" in capsys.readouterr().err

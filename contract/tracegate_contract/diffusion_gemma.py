@@ -129,6 +129,9 @@ def parse_config(raw: dict) -> DGConfig:
     if not isinstance(tc, dict):
         _refuse("text_config", f"must be an object (the language model's fields), got {tc!r}")
     w = "text_config."
+    if not _bool(raw, "tie_word_embeddings", "", True):
+        # false also unties the encoder from the decoder: weights this contract does not load
+        _refuse("tie_word_embeddings", "false is not supported (it unties the encoder too)")
     if tc.get("model_type") is not None and tc["model_type"] != "diffusion_gemma_text":
         _refuse(w + "model_type", f"must be 'diffusion_gemma_text', got {tc['model_type']!r}")
     act = tc.get("hidden_activation")

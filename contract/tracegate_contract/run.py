@@ -206,6 +206,8 @@ def layer(
     on one row and the filled cache, the call a cached --generate step makes for every layer —
     and only those rows are written."""
     tg = _tracegate()
+    if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
+        raise ContractError("layer: not supported for diffusion_gemma models (trace only)")
     model = _model(model_dir)
     n = model.cfg.num_hidden_layers
     if not (0 <= index < n):
