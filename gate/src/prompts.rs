@@ -326,7 +326,7 @@ pub fn model_config(model: &Path) -> Result<(serde_json::Value, std::path::PathB
 pub fn text_fields(config: &serde_json::Value) -> &serde_json::Value {
     let multimodal = matches!(
         config.get("model_type").and_then(serde_json::Value::as_str),
-        Some("qwen3_5" | "qwen3_5_moe")
+        Some("qwen3_5" | "qwen3_5_moe" | "diffusion_gemma")
     );
     match config.get("text_config") {
         Some(tc) if multimodal && tc.is_object() => tc,
@@ -334,10 +334,21 @@ pub fn text_fields(config: &serde_json::Value) -> &serde_json::Value {
     }
 }
 
-/// The language model's `model_type` (a milestone's `family`), "" when there is none.
+/// The language model's `model_type` (a milestone's `family`), "" when there is none. A
+/// block-diffusion checkpoint is its own family (`diffusion_gemma`), not its text config's.
 pub fn family(config: &serde_json::Value) -> &str {
+    let top = config.get("model_type").and_then(serde_json::Value::as_str);
+    if top.is_some_and(samples) {
+        return top.unwrap_or("");
+    }
     text_fields(config)
         .get("model_type")
         .and_then(serde_json::Value::as_str)
         .unwrap_or("")
+}
+
+/// Whether family `model_type` samples (block diffusion: the registry's Diffusion feature).
+pub fn samples(model_type: &str) -> bool {
+    use tracegate_trace::names::{family_features, Feature};
+    family_features(model_type).is_some_and(|f| f.contains(&Feature::Diffusion))
 }

@@ -14,6 +14,11 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
     let (verb, threads) = Verb::parse(argv)?;
     match verb {
         Verb::Trace {
+            seed: Some(seed), ..
+        } => Err(crate::error::gerr!(
+            "--seed {seed}: this engine does not sample (no block-diffusion family yet)"
+        )),
+        Verb::Trace {
             model,
             tokens,
             out,
@@ -21,6 +26,7 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
             generate,
             cache,
             force,
+            seed: None,
         } => tracegate_engine::run_trace(&tracegate_engine::TraceOptions {
             model_dir: PathBuf::from(model),
             tokens,
@@ -77,6 +83,7 @@ mod tests {
                 generate: 4,
                 cache: false,
                 force: None,
+                seed: None,
             },
             Verb::Trace {
                 model: "/abs/m".into(),
@@ -86,6 +93,7 @@ mod tests {
                 generate: 0,
                 cache: true,
                 force: Some("w/ref.trace".into()),
+                seed: Some(u64::MAX),
             },
             Verb::Layer {
                 model: "m".into(),

@@ -319,6 +319,7 @@ mod tests {
             generate: 0,
             cache: true,
             force: None,
+            seed: None,
         };
         assert_eq!(
             display(&p.argv(&verb)),

@@ -2,7 +2,9 @@
 //! their arguments (docs/producers.md), and command words (split, quoted, displayed).
 
 /// Arguments of one protocol verb; rendered identically for every producer. `force`: the
-/// optional `--force-decisions TRACE` (docs/producers.md), passed only when set.
+/// optional `--force-decisions TRACE` (docs/producers.md), passed only when set; `seed`: the
+/// optional `--seed S` of a sampling family (block diffusion, docs/diffusion-gemma.md), passed
+/// only when set.
 #[derive(Clone, Debug)]
 pub enum Verb {
     Trace {
@@ -13,6 +15,7 @@ pub enum Verb {
         generate: usize,
         cache: bool,
         force: Option<String>,
+        seed: Option<u64>,
     },
     /// `decode_from`: `layer --decode-from P` (docs/producers.md, the decode extension).
     Layer {
@@ -52,6 +55,7 @@ impl Verb {
                 generate,
                 cache,
                 force,
+                seed,
             } => {
                 let toks: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
                 let mut a = vec![
@@ -70,6 +74,9 @@ impl Verb {
                         "--cache".into(),
                         if *cache { "on" } else { "off" }.into(),
                     ]);
+                }
+                if let Some(s) = seed {
+                    a.extend(["--seed".into(), s.to_string()]);
                 }
                 (a, force)
             }
@@ -170,6 +177,13 @@ impl Verb {
                         return Err(crate::error::gerr!("--cache {other:?}: expected on or off"))
                     }
                 };
+                let seed = match args.remove("--seed") {
+                    Some(s) => Some(
+                        s.parse::<u64>()
+                            .map_err(|e| crate::error::gerr!("--seed {s:?}: {e}"))?,
+                    ),
+                    None => None,
+                };
                 Verb::Trace {
                     model,
                     tokens,
@@ -178,6 +192,7 @@ impl Verb {
                     generate,
                     cache,
                     force,
+                    seed,
                 }
             }
             "layer" => {

@@ -163,6 +163,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
                 sha256: set.sha256.clone(),
             },
             generate: a.generate,
+            seed: None,
             policy: a.policy.clone().unwrap_or_else(|| AUTO_POLICY.into()),
             models: vec![MilestoneModel {
                 model: model.clone(),
@@ -296,6 +297,7 @@ fn answers_cache_off(
             generate: a.generate,
             cache: false,
             force: None,
+            seed: None,
         },
         a.timeout,
     );

@@ -23,8 +23,13 @@ pub struct Milestone {
     /// One falsifiable sentence (naming every model it is about).
     pub claim: String,
     pub prompts: PromptRecord,
-    /// Greedy tokens generated per prompt unless `--generate` says otherwise.
+    /// Greedy tokens generated per prompt unless `--generate` says otherwise (a block-diffusion
+    /// model: new tokens, in whole canvases).
     pub generate: usize,
+    /// A block-diffusion model's sampling seed (`--seed`; 0 when absent). The engine and the
+    /// contract draw from it; the oracle is forced by the engine's draws.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
     /// The policy that judges engine ≈ oracle: a bundled name (f32, bf16, f16, q8) or a path
     /// relative to the project root.
     pub policy: String,

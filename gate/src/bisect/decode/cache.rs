@@ -31,6 +31,7 @@ pub(super) fn cache_check(
         generate: o.generate,
         cache: false,
         force: None,
+        seed: None,
     };
     let rec = crate::bisect::prefill::run_fresh(&o.root, &o.candidate, &verb, o.timeout);
     runs.push(rec.clone());

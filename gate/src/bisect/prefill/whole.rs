@@ -29,6 +29,7 @@ pub(crate) fn trace_run(
             generate: o.generate,
             cache: true,
             force,
+            seed: None,
         },
         o.timeout,
     )

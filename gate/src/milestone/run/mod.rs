@@ -171,6 +171,12 @@ struct Produced {
 /// torch imports. The oracle's requests start once its probe answered (a user's oracle always
 /// runs). A run that timed out stops every role before its next request and refuses the whole
 /// gate run: a hang says nothing about the model.
+///
+/// A sampling family (block diffusion, docs/diffusion-gemma.md) draws from the milestone's seed:
+/// the engine and the contract draw the same numbers, torch's generator others, so the oracle
+/// runs forced by the engine's trace of the same prompt (`--force-decisions`: its canvases,
+/// draws and stops) and waits for it; such a family has no uncached path, and that role does
+/// not run.
 fn produce(
     o: &GateOptions,
     plans: &[Plan],
@@ -190,38 +196,65 @@ fn produce(
     }
     crate::progress::doing("running the producers");
     let stop = std::sync::atomic::AtomicBool::new(false);
+    let trace_of =
+        |plan: &Plan, p: &Prompt, role: Role| format!("{}/{}/{}", plan.work_rel, p.id, role.file());
+    // The engine's finished jobs, in order, for an oracle forced by its traces.
+    let (engine_done, engine_finished) = std::sync::mpsc::channel::<usize>();
+    let engine_finished = std::sync::Mutex::new(engine_finished);
     let (records, oracle_probe, setup) = std::thread::scope(|s| {
-        let role_runs = |role: Role| {
+        let role_runs = |role: Role, done: Option<std::sync::mpsc::Sender<usize>>| {
             let (jobs, stop) = (&jobs, &stop);
+            let mut finished = (role == Role::Oracle).then(|| (0usize, &engine_finished));
             s.spawn(move || {
                 let mut out = Vec::new();
-                for (plan, p) in jobs {
+                for (k, (plan, p)) in jobs.iter().enumerate() {
                     if stop.load(std::sync::atomic::Ordering::SeqCst) {
                         break;
+                    }
+                    let sampling = plan.samples();
+                    if sampling && role == Role::EngineUncached {
+                        out.push(None);
+                        continue;
+                    }
+                    if let (true, Some((seen, rx))) = (sampling, finished.as_mut()) {
+                        // The engine runs every job in order: wait until it has run this one
+                        // (or stopped: then the forcing trace is missing and the run says so).
+                        let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+                        while *seen <= k {
+                            match rx.recv() {
+                                Ok(_) => *seen += 1,
+                                Err(_) => break,
+                            }
+                        }
                     }
                     let verb = Verb::Trace {
                         model: plan.model.clone(),
                         tokens: p.tokens.clone(),
-                        out: format!("{}/{}/{}", plan.work_rel, p.id, role.file()),
+                        out: trace_of(plan, p, role),
                         internals: false,
                         generate: plan.generate,
                         cache: role != Role::EngineUncached,
-                        force: None,
+                        force: (sampling && role == Role::Oracle)
+                            .then(|| trace_of(plan, p, Role::Engine)),
+                        seed: sampling.then_some(plan.seed),
                     };
                     let rec = producers.of(role).run(&o.root, &verb, o.timeout);
                     if rec.timed_out {
                         stop.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
-                    out.push(rec);
+                    out.push(Some(rec));
+                    if let Some(tx) = &done {
+                        let _ = tx.send(k);
+                    }
                 }
                 out
             })
         };
         // The contract worker's start-up overlaps the oracle's, which answers the probe.
         producers.contract.prestart(&o.root);
-        let engine = role_runs(Role::Engine);
-        let engine_uncached = role_runs(Role::EngineUncached);
-        let contract = role_runs(Role::Contract);
+        let engine = role_runs(Role::Engine, Some(engine_done));
+        let engine_uncached = role_runs(Role::EngineUncached, None);
+        let contract = role_runs(Role::Contract, None);
         let oracle_probe = probe_oracle(
             &o.root,
             o.timeout,
@@ -230,7 +263,7 @@ fn produce(
         );
         let setup = started.elapsed().as_secs_f64();
         let oracle =
-            (o.oracle_cmd.is_some() || oracle_probe.is_ok()).then(|| role_runs(Role::Oracle));
+            (o.oracle_cmd.is_some() || oracle_probe.is_ok()).then(|| role_runs(Role::Oracle, None));
         let done = "a producer thread panicked";
         let records = (
             engine.join().expect(done),
@@ -252,7 +285,12 @@ fn produce(
     let first = (0..jobs.len()).find_map(|k| {
         by_role
             .iter()
-            .find_map(|(role, recs)| recs.get(k).filter(|r| r.timed_out).map(|r| (*role, r)))
+            .find_map(|(role, recs)| {
+                recs.get(k)
+                    .and_then(Option::as_ref)
+                    .filter(|r| r.timed_out)
+                    .map(|r| (*role, r))
+            })
             .map(|(role, rec)| (jobs[k], role, rec))
     });
     if let Some(((plan, p), role, rec)) = first {
@@ -280,7 +318,12 @@ fn produce(
                     .and_then(Iterator::next)
                     .map(|r| (Role::Oracle, r)),
             );
-            PromptRuns(runs)
+            // A role that does not run for this family leaves no record.
+            PromptRuns(
+                runs.into_iter()
+                    .filter_map(|(role, r)| r.map(|r| (role, r)))
+                    .collect(),
+            )
         },
     );
     let runs = plans

@@ -59,6 +59,8 @@ pub(super) struct Plan {
     /// The milestone model's own name, or the canonical path of `--model`.
     pub(super) model: String,
     pub(super) generate: usize,
+    /// The seed of a sampling family's runs (the milestone's, 0 when it records none).
+    pub(super) seed: u64,
     pub(super) threads: usize,
     pub(super) policy: Policy,
     /// `<work>/<milestone>/<model directory name>`, relative to the root (or absolute).
@@ -138,6 +140,7 @@ impl Settled {
                 selected: selected.clone(),
                 model,
                 generate,
+                seed: m.seed.unwrap_or(0),
                 threads: o.threads,
                 policy: policy.clone(),
             });
@@ -161,6 +164,12 @@ pub fn dir_name(model: &str) -> String {
 }
 
 impl Plan {
+    /// Whether the model samples (block diffusion): its runs take the seed, and an oracle is
+    /// forced by the engine's draws (docs/diffusion-gemma.md DG17).
+    pub(super) fn samples(&self) -> bool {
+        crate::prompts::samples(&self.mm.family)
+    }
+
     /// The conditions a baseline requires, as this run meets them for prompt `r`.
     pub(super) fn conditions(&self, r: &PromptResult) -> Conditions {
         let mut c = Conditions::new();

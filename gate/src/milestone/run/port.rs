@@ -417,6 +417,7 @@ fn produce(
                             generate: plan.generate,
                             cache: role != Role::CandidateUncached,
                             force: None,
+                            seed: None,
                         };
                         let rec = producer.run(&o.root, &verb, o.timeout);
                         let stop = rec.timed_out;
