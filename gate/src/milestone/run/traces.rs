@@ -66,21 +66,31 @@ impl Traces {
     }
 }
 
+/// The generated tokens: the greedy steps' `decode.SSSS.argmax`, or a block-diffusion trace's
+/// committed canvases (`denoise.BBBB.commit`), in step and block order.
 pub(super) fn decode_tokens(t: &Trace) -> Vec<i64> {
-    // Ordered by the step number, not the name: `decode.10000` comes after `decode.9999`.
-    let mut steps: Vec<(usize, i64)> = t
+    // Ordered by the number, not the name: `decode.10000` comes after `decode.9999`.
+    let mut steps: Vec<(usize, Vec<i64>)> = t
         .decisions()
         .iter()
         .filter_map(|d| {
             let n = names::Name::parse(&d.name);
-            let step = n
-                .decode_step
-                .filter(|_| n.layer.is_none() && n.point == "argmax")?;
-            t.decision_values(d).first().map(|&v| (step, v))
+            let at = match (n.decode_step, n.diffusion, n.layer, n.point) {
+                (Some(step), None, None, "argmax") => step,
+                (None, Some(names::Diffusion::Block { block }), None, "commit") => block,
+                _ => return None,
+            };
+            let values = t.decision_values(d);
+            let values = if n.decode_step.is_some() {
+                values.first().map(|&v| vec![v])?
+            } else {
+                values.to_vec()
+            };
+            Some((at, values))
         })
         .collect();
-    steps.sort_by_key(|&(s, _)| s);
-    steps.into_iter().map(|(_, v)| v).collect()
+    steps.sort_by_key(|(s, _)| *s);
+    steps.into_iter().flat_map(|(_, v)| v).collect()
 }
 
 /// Deterministic counts of an engine (or a port's candidate) trace, asserted by baselines.
