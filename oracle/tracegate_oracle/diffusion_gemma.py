@@ -155,6 +155,7 @@ def check_config(raw: dict, path: Path) -> None:
             refuse(f"head dim {hd} is odd (RoPE rotates pairs)")
         if isinstance(kv, int) and isinstance(heads, int) and kv >= 1 and heads % kv:
             refuse(f"num_attention_heads {heads} is not a multiple of {kv} key/value heads")
+    _checkpoint_knobs(path.parent)  # generation_config.json's refusals, before torch loads
     ne, k = tc.get("num_experts"), tc.get("top_k_experts")
     if not (isinstance(k, int) and isinstance(ne, int) and 1 <= k < ne):
         refuse(f"text_config.top_k_experts = {k!r} with num_experts = {ne!r} (need 1 <= k < E)")
