@@ -419,7 +419,8 @@ def test_forced_accept_changes_the_next_canvas_and_margins_go_negative(model, de
         f.margins["denoise.0000.0000.accept"][r] == -ref.margins["denoise.0000.0000.accept"][r] < 0
     )
     over = f.provenance["forced_decisions"]["overridden"]
-    assert over["denoise.0000.0000.accept"] == 1  # later steps see another canvas: theirs differ too
+    # later steps see another canvas: their decisions may differ too
+    assert over["denoise.0000.0000.accept"] == 1
     assert not [n for n in over if n.startswith("denoise.0000.0000.") and not n.endswith("accept")]
 
 
