@@ -535,6 +535,24 @@ def test_refusals_exit_2_one_line(tmp_path, argv, config, generation, msg):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        "model.encoder.language_model.layers.2.layer_scalar",  # the encoder's own (DG9)
+        "model.decoder.self_conditioning.up_proj.weight",
+    ],
+)
+def test_missing_text_tensor_refused(det, tmp_path, tensor):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy(tmp_path)
+    weights = load_file(FIX / "model.safetensors")
+    del weights[tensor]
+    save_file(weights, d / "model.safetensors")
+    with pytest.raises(cp.CheckpointError, match=f"missing_keys: {re.escape(tensor)}$"):
+        cp.load_model(d, cp.RunConfig())
+
+
 def test_knob_flags_refused_for_other_families_and_layer_verb_for_this_one(tmp_path):
     out = tmp_path / "x.trace"
     r = _cli(

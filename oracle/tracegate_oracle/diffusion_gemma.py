@@ -150,6 +150,8 @@ def check_config(raw: dict, path: Path) -> None:
                 refuse(f"{at} = {v} differs from another full layer's {seen}")
             seen = v
             full.add((v.get("head_dim"), v.get("num_key_value_heads")))
+    if plc is None:  # full layers: global_head_dim (512 by default) and their own kv heads
+        full.add((tc.get("global_head_dim", 512), tc.get("num_global_key_value_heads")))
     for hd, kv in [(d, tc.get("num_key_value_heads", 4)), *full]:
         if isinstance(hd, int) and hd % 2:
             refuse(f"head dim {hd} is odd (RoPE rotates pairs)")
@@ -983,8 +985,11 @@ def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: di
     cfg = model.config.get_text_config()
     knobs = resolve_knobs(model_dir, given, cfg.vocab_size, rc.generate)
     _check_tokens(model, tokens, knobs)
-    if forcing is not None:
+    if forcing is not None:  # a trace of another prompt or other weights cannot steer this one
         forcing.check_prompt(tokens)
+        forcing.check_weights(
+            getattr(model, "tracegate_weights_digest", None) or cp._weights_digest(Path(model_dir))
+        )
     dev = cp.execution_device(model.model.decoder.embed_tokens, rc)
 
     def go():
@@ -1039,7 +1044,6 @@ def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: di
     run, out = cp._deterministic(go, det)
     prov = provenance(model, model_dir, rc, det, tokens, knobs, run, out)
     if forcing is not None:
-        forcing.check_weights(prov.get("weights_digest"))
         prov["forced_decisions"] = forcing.provenance(run.forced)
     if run.notes:
         prov["notes"] = run.notes
