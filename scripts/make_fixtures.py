@@ -28,6 +28,11 @@ Presets
                   and a 64-expert top-8 MoE shape, bf16, for benchmarks (see docs/benchmarks.md).
   bench-qwen3_5-moe -> --out DIR (required; not committed)  a Qwen3.5-MoE shape (hybrid, 3 linear
                   to 1 full attention layer, 64 experts top-8 + shared expert), bf16, benchmarks.
+  tiny-diffusion-gemma -> fixtures/tiny-diffusion-gemma/ DiffusionGemmaForBlockDiffusion, bf16:
+                  sliding and full layers (k = v, proportional RoPE), dense MLP beside 6
+                  routed experts, canvas 7, with a generation_config.json.
+  bench-diffusion-gemma -> --out DIR (required; not committed)  the same layout at hidden 512,
+                  6 layers, 16 experts top-4, vocab 32000, canvas 32, for benchmarks.
 
 Every parameter comes from numpy's PCG64 seeded per tensor from (preset seed, crc32(name)),
 so a tensor's values do not depend on which other tensors exist or their order, and re-running
@@ -576,6 +581,38 @@ PRESETS["tiny-diffusion-gemma"] = dict(
         confidence_threshold=0.05,
     ),
     scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, norm_noise=0.1, router=8.0, router_tail=0.5),
+)
+
+# bench-diffusion-gemma (docs/benchmarks.md): the diffusion Gemma layout at hidden 512, 6 layers
+# (5:1 sliding to full, the last full), head dims 64 (sliding, 4 KV heads) and 128 (full, 2 KV
+# heads, k = v), a dense MLP of 1536 beside 16 experts of 256 (top 4), vocab 32000, canvas 32,
+# window 128, up to 16 denoising steps a block. ~84M parameters (~170 MB as bf16).
+PRESETS["bench-diffusion-gemma"] = dict(
+    PRESETS["tiny-diffusion-gemma"],
+    seed=20261206,
+    out=None,  # must be given: not committed
+    config=dict(
+        PRESETS["tiny-diffusion-gemma"]["config"],
+        canvas_length=32,
+        text_config=dict(
+            PRESETS["tiny-diffusion-gemma"]["config"]["text_config"],
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            per_layer_config={"5": {"head_dim": 128, "num_key_value_heads": 2}},
+            sliding_window=128,
+            num_experts=16,
+            top_k_experts=4,
+            moe_intermediate_size=256,
+            max_position_embeddings=4096,
+        ),
+    ),
+    generation=dict(PRESETS["tiny-diffusion-gemma"]["generation"], max_denoising_steps=16),
 )
 
 

@@ -101,6 +101,44 @@ def silu(g: np.ndarray) -> np.ndarray:
     return g * sigmoid(g)
 
 
+def tanh_to_f32(a: np.ndarray) -> np.ndarray:
+    """f32(tanh(binary64(a))) element-wise through libm (docs/diffusion-gemma.md DG1)."""
+    a = np.asarray(a, dtype=F32)
+    flat = a.astype(F64).ravel().tolist()
+    return (
+        np.fromiter(map(math.tanh, flat), dtype=F64, count=len(flat)).astype(F32).reshape(a.shape)
+    )
+
+
+def log_to_f32(a: np.ndarray) -> np.ndarray:
+    """f32(log(binary64(a))) element-wise through libm (DG1); log(0) is −inf as libm gives it
+    (math.log raises there), a negative argument NaN."""
+
+    def log64(t: float) -> float:
+        if t == 0.0:
+            return float("-inf")
+        if not t >= 0.0:
+            return float("nan")
+        return math.log(t)
+
+    a = np.asarray(a, dtype=F32)
+    flat = a.astype(F64).ravel().tolist()
+    return np.fromiter(map(log64, flat), dtype=F64, count=len(flat)).astype(F32).reshape(a.shape)
+
+
+# DG7: torch's constant M_SQRT2·M_2_SQRTPI·0.5 and 0.044715, each rounded to f32 once.
+GELU_BETA = F32(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5)
+GELU_KAPPA = F32(0.044715)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """DG7 gelu_pytorch_tanh: (0.5 ⊗ x) ⊗ (1 ⊕ tanh(β ⊗ (x ⊕ κ ⊗ ((x ⊗ x) ⊗ x))))."""
+    x = np.asarray(x, dtype=F32)
+    x3 = (x * x) * x
+    inner = GELU_BETA * (x + GELU_KAPPA * x3)
+    return (F32(0.5) * x) * (F32(1.0) + tanh_to_f32(inner))
+
+
 # --------------------------------------------------------------------------------------------
 # Ordered reductions (§2, §3)
 
@@ -164,6 +202,11 @@ def _rms_scaled(x: np.ndarray, eps: np.float32) -> np.ndarray:
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
     """§6 over the last axis: y = w ⊗ (x ⊗ inv)."""
     return w * _rms_scaled(x, eps)
+
+
+def rmsnorm_plain(x: np.ndarray, eps: np.float32) -> np.ndarray:
+    """§6 without a weight (docs/diffusion-gemma.md DG3, with_scale=False): y = x ⊗ inv."""
+    return _rms_scaled(x, eps)
 
 
 def rmsnorm_zero_centred(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
@@ -296,13 +339,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos, k_pos, scale: 
 
     Key c is visible to query r iff k_pos[c] ≤ q_pos[r]. Returns (o [T, nh, d], probs
     [nh, T, S]). Query head hq reads kv head hq // (nh / nkv)."""
+    visible = np.asarray(k_pos)[None, :] <= np.asarray(q_pos)[:, None]  # [T, S]
+    return attention_visible(q, k, v, visible, scale)
+
+
+def attention_visible(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, scale):
+    """GQA attention as `attention` with an explicit visibility matrix [T, S] (True: key c is
+    one of row r's keys); the keys in the order given (ascending position)."""
     t, nh, d = q.shape
     s_len, nkv, _ = k.shape
     kv_of = np.arange(nh) // (nh // nkv)
     qh = np.ascontiguousarray(q.transpose(1, 0, 2))  # [nh, T, d]
     kh = np.ascontiguousarray(k.transpose(1, 0, 2)[kv_of])  # [nh, S, d]
     vh = np.ascontiguousarray(v.transpose(1, 0, 2)[kv_of])  # [nh, S, d]
-    visible = np.asarray(k_pos)[None, :] <= np.asarray(q_pos)[:, None]  # [T, S]
 
     # s[r,c] = dot(q[r], k[c]) ⊗ scale: the dot over j ascending, vectorised over (head, r, c).
     acc = np.zeros((nh, t, s_len), dtype=F32)

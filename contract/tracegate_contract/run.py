@@ -8,7 +8,7 @@ import platform
 import numpy as np
 from tracegate import names
 
-from . import gguf
+from . import diffusion_gemma, gguf
 from .errors import ContractError
 from .force import Forcing
 from .model import MAX_POSITIONS, NO_CAPTURE, Capture, Model, open_model
@@ -98,9 +98,28 @@ def trace(
     command,
     force_decisions=None,
     prompt_text=None,
+    diffusion=None,
+    diffusion_flags=(),
 ) -> str:
     """The `trace` verb. `prompt_text`: provenance `prompt_text` of a `--text` prompt (the text,
-    chat, template, tokenizer digest) recorded beside `prompt_tokens`, or None for `--tokens`."""
+    chat, template, tokenizer digest) recorded beside `prompt_tokens`, or None for `--tokens`.
+    `diffusion`: the diffusion_gemma knobs given on the command line (`diffusion_flags`, their
+    flags), refused for every other family."""
+    if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
+        return diffusion_gemma.trace(
+            model_dir,
+            tokens,
+            out,
+            internals,
+            generate,
+            cached,
+            command,
+            force_decisions,
+            prompt_text,
+            diffusion or {},
+        )
+    if diffusion_flags:
+        raise ContractError(f"{diffusion_flags[0]}: only for diffusion_gemma models")
     if len(tokens) + generate > MAX_POSITIONS:
         raise ContractError(
             f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
@@ -187,6 +206,8 @@ def layer(
     on one row and the filled cache, the call a cached --generate step makes for every layer —
     and only those rows are written."""
     tg = _tracegate()
+    if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
+        raise ContractError("layer: not supported for diffusion_gemma models (trace only)")
     model = _model(model_dir)
     n = model.cfg.num_hidden_layers
     if not (0 <= index < n):

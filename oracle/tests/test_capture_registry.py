@@ -70,7 +70,12 @@ def documented() -> set[tuple[str, str]]:
             if word.startswith(".") and full:
                 word = full.rsplit(".", 1)[0] + word
             full = word
-            name = word.replace("SSSS", "0001").replace("NN", "00").replace("EEE", "000")
+            name = (
+                word.replace("BBBB", "0000")
+                .replace("SSSS", "0001")
+                .replace("NN", "00")
+                .replace("EEE", "000")
+            )
             out.add(scope_of(name))
     return out
 
@@ -98,20 +103,28 @@ def test_docs_check_sees_a_missing_row(tmp_path, monkeypatch):
 
 
 def every_point_trace(path: Path) -> Path:
-    """A trace holding one small tensor per registered tensor point, and each decode-step
-    variant (docs/capture-points.md, "Rows and positions on each path")."""
+    """A trace holding one small tensor per registered tensor point, each decode-step variant
+    (docs/capture-points.md, "Rows and positions on each path") and each diffusion pass it is
+    written in ("Diffusion Gemma": the prompt's encoder pass unprefixed, a commit pass
+    `encode.BBBB.`, a denoise step `denoise.BBBB.SSSS.`)."""
     full = []
     for p in names.POINTS:
         if p.kind != "tensor":
             continue
-        if p.in_decode != "only":
+        diffusion_only = p.needs == "diffusion"
+        if p.in_decode != "only" and (not diffusion_only or p.scope != "model"):
             full.append((p.example(), p))
         if p.in_decode != "never":
             full.append((names.decode(1, p.example()), p))
+        if names.family_has("diffusion_gemma", p):
+            full.append((names.denoise(0, 1, p.example()), p))
+            if p.scope != "model" or p.name == "embed.out":
+                full.append((names.encode(0, p.example()), p))
     with tg.TraceWriter(str(path), {"producer": "registry-test", "dtype": "f32"}) as w:
         for name, p in full:
             shape = (1, 1, 2) if p.token_axis == 1 else (1, 2)
-            w.tensor(name, np.ones(shape, np.float32), path="prefill", mask="causal", positions=[0])
+            dtype = np.int64 if p.stored == "tokens" else np.float32
+            w.tensor(name, np.ones(shape, dtype), path="prefill", mask="causal", positions=[0])
     return path
 
 

@@ -1,8 +1,10 @@
 //! Capture-point names (docs/capture-points.md), built and parsed here and nowhere else in Rust.
 //!
-//! A name is `[decode.SSSS.][layer.NN.[expert.EEE.]]POINT`. The numbers are written zero-padded to
-//! at least 4, 2 and 3 digits and read with every digit they have, so layer 100 is
-//! `layer.100.x`, never read as layer 10. The Python side is `tracegate.names`.
+//! A name is `[decode.SSSS.][layer.NN.[expert.EEE.]]POINT`, or for a diffusion model
+//! (docs/diffusion-gemma.md DG16) `[encode.BBBB.|denoise.BBBB.SSSS.|denoise.BBBB.]` in place of
+//! the decode prefix. The numbers are written zero-padded to at least 4, 2 and 3 digits and read
+//! with every digit they have, so layer 100 is `layer.100.x`, never read as layer 10. The Python
+//! side is `tracegate.names`.
 
 use std::fmt;
 
@@ -91,6 +93,11 @@ pub enum Block {
     Residual,
     /// Final norm, logits and the token decision.
     Head,
+    /// A diffusion decoder's self-conditioning on the previous step's logits, before layer 0.
+    SelfConditioning,
+    /// A diffusion step's draws and decisions after the head: sampling, acceptance, renoising,
+    /// stopping, the committed canvas.
+    Sampler,
 }
 
 /// Which `--capture` level asks for a point.
@@ -108,6 +115,8 @@ pub enum Stored {
     /// f32 whatever the model's dtype: transformers computes these in f32 under bf16/f16 (the
     /// linear attention's L2-normed q and k, its decay and its state).
     F32,
+    /// Token ids, i64 (a diffusion step's input canvas).
+    Tokens,
 }
 
 /// What a layer must have for a point to exist in it. A family has the points whose feature it
@@ -125,6 +134,11 @@ pub enum Feature {
     Moe,
     /// A gated shared expert beside the routed ones.
     SharedExpert,
+    /// A next-token head: `logits.argmax` over the prompt's rows (every causal family).
+    Autoregressive,
+    /// Block diffusion (docs/diffusion-gemma.md): canvases, self-conditioning, denoise steps'
+    /// draws and decisions, and its layers' dense MLP beside the routed experts.
+    Diffusion,
 }
 
 /// Whether a point is also written for each decode step (`decode.SSSS.` + its name, docs/
@@ -189,6 +203,13 @@ const fn per_step(p: Point) -> Point {
     }
 }
 
+const fn internals(p: Point) -> Point {
+    Point {
+        capture: Capture::Internals,
+        ..p
+    }
+}
+
 const fn f32_stored(p: Point) -> Point {
     Point {
         stored: Stored::F32,
@@ -207,7 +228,14 @@ pub const POINTS: &[Point] = {
     use Feature as F;
     use Scope::{Expert as E, Layer as L, Model as M};
     &[
+        Point {
+            stored: Stored::Tokens,
+            ..at(M, "canvas", B::Embedding, D, F::Diffusion)
+        },
         at(M, "embed.out", B::Embedding, D, F::Any),
+        at(M, "sc.soft", B::SelfConditioning, D, F::Diffusion),
+        internals(at(M, "sc.mlp_out", B::SelfConditioning, D, F::Diffusion)),
+        at(M, "sc.out", B::SelfConditioning, D, F::Diffusion),
         per_step(at(L, "hidden_in", B::Input, D, F::Any)),
         at(L, "linear.conv_out", B::Attention, I, F::LinearAttention),
         f32_stored(at(L, "linear.q", B::Attention, I, F::LinearAttention)),
@@ -227,20 +255,39 @@ pub const POINTS: &[Point] = {
             ..at(L, "attn_probs", B::Attention, I, F::SoftmaxAttention)
         },
         per_step(at(L, "attn_out", B::Attention, D, F::Any)),
+        // Diffusion Gemma's layer: the attention residual, then a dense MLP and the routed
+        // experts side by side, each normed, summed and normed again into `mlp_out`.
+        at(L, "attn_residual", B::Residual, I, F::Diffusion),
+        at(L, "dense_mlp.out", B::FeedForward, I, F::Diffusion),
+        at(L, "dense_mlp.branch", B::FeedForward, D, F::Diffusion),
         at(L, "router.logits", B::Router, I, F::Moe),
         decision(L, "router.topk", B::Router, F::Moe),
         at(E, "out", B::Experts, I, F::Moe),
+        at(L, "moe.out", B::FeedForward, I, F::Diffusion),
+        at(L, "moe.branch", B::FeedForward, D, F::Diffusion),
         at(L, "shared_expert.gate", B::Experts, I, F::SharedExpert),
         at(L, "shared_expert.out", B::Experts, I, F::SharedExpert),
         per_step(at(L, "mlp_out", B::FeedForward, D, F::Any)),
         per_step(at(L, "hidden_out", B::Residual, D, F::Any)),
         per_step(at(M, "final_norm.out", B::Head, D, F::Any)),
+        at(M, "logits.uncapped", B::Head, I, F::Diffusion),
         per_step(at(M, "logits", B::Head, D, F::Any)),
-        decision(M, "logits.argmax", B::Head, F::Any),
+        at(M, "logits.tempered", B::Head, D, F::Diffusion),
+        at(M, "entropy", B::Head, D, F::Diffusion),
+        decision(M, "logits.argmax", B::Head, F::Autoregressive),
+        // A decode step's token, and a denoise step's argmax canvas.
         Point {
             in_decode: InDecode::Only,
             ..decision(M, "argmax", B::Head, F::Any)
         },
+        // A diffusion block's initial canvas (`denoise.BBBB.`), then each step's draws and
+        // decisions (`denoise.BBBB.SSSS.`), then the block's committed canvas.
+        decision(M, "init_canvas", B::Sampler, F::Diffusion),
+        decision(M, "sampled", B::Sampler, F::Diffusion),
+        decision(M, "accept", B::Sampler, F::Diffusion),
+        decision(M, "renoise", B::Sampler, F::Diffusion),
+        decision(M, "stop", B::Sampler, F::Diffusion),
+        decision(M, "commit", B::Sampler, F::Diffusion),
     ]
 };
 
@@ -249,16 +296,18 @@ pub const POINTS: &[Point] = {
 /// ones. A MoE family may also have dense layers (`mlp_only_layers`).
 pub const FAMILIES: &[(&str, &[Feature])] = {
     use Feature::*;
-    const DENSE: &[Feature] = &[SoftmaxAttention];
-    const MOE: &[Feature] = &[SoftmaxAttention, Moe];
-    const HYBRID: &[Feature] = &[SoftmaxAttention, LinearAttention, OutputGate];
+    const DENSE: &[Feature] = &[Autoregressive, SoftmaxAttention];
+    const MOE: &[Feature] = &[Autoregressive, SoftmaxAttention, Moe];
+    const HYBRID: &[Feature] = &[Autoregressive, SoftmaxAttention, LinearAttention, OutputGate];
     const HYBRID_MOE: &[Feature] = &[
+        Autoregressive,
         SoftmaxAttention,
         LinearAttention,
         OutputGate,
         Moe,
         SharedExpert,
     ];
+    const DIFFUSION: &[Feature] = &[SoftmaxAttention, Moe, Diffusion];
     &[
         ("llama", DENSE),
         ("mistral", DENSE),
@@ -274,11 +323,12 @@ pub const FAMILIES: &[(&str, &[Feature])] = {
         ("qwen3_5", HYBRID),
         ("qwen3_5_moe_text", HYBRID_MOE),
         ("qwen3_5_moe", HYBRID_MOE),
+        ("diffusion_gemma", DIFFUSION),
     ]
 };
 
-/// The registered point a full name is an instance of (its decode step, layer and expert
-/// numbers set aside); None for a name outside the registry.
+/// The registered point a full name is an instance of (its decode step, diffusion prefix, layer
+/// and expert numbers set aside); None for a name outside the registry.
 pub fn point(name: &str) -> Option<&'static Point> {
     let n = Name::parse(name);
     let scope = match (n.layer, n.expert) {
@@ -309,10 +359,33 @@ pub fn family_has(model_type: &str, p: &Point) -> Option<bool> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Name<'a> {
     pub decode_step: Option<usize>,
+    /// A diffusion model's pass (docs/diffusion-gemma.md DG16); never together with a decode step.
+    pub diffusion: Option<Diffusion>,
     pub layer: Option<usize>,
     pub expert: Option<usize>,
     /// What follows the prefixes: `mlp_out`, `router.topk`, `out` (of an expert), `logits`, ….
     pub point: &'a str,
+}
+
+/// Where a diffusion model's name lives: the encoder pass over block `block`'s committed canvas
+/// (`encode.BBBB.`), step `step` of block `block` (`denoise.BBBB.SSSS.`), or block `block` as a
+/// whole (`denoise.BBBB.`: its initial and committed canvas). The prompt's encoder pass has no
+/// prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Diffusion {
+    Encode { block: usize },
+    Denoise { block: usize, step: usize },
+    Block { block: usize },
+}
+
+impl Diffusion {
+    pub fn block(self) -> usize {
+        match self {
+            Diffusion::Encode { block }
+            | Diffusion::Denoise { block, .. }
+            | Diffusion::Block { block } => block,
+        }
+    }
 }
 
 impl<'a> Name<'a> {
@@ -320,6 +393,10 @@ impl<'a> Name<'a> {
     /// (`layer.x.y` is all point); a number too large for `usize` is not a number either.
     pub fn parse(name: &'a str) -> Self {
         let (decode_step, rest) = numbered("decode.", name);
+        let (diffusion, rest) = match decode_step {
+            Some(_) => (None, rest),
+            None => diffusion(rest),
+        };
         let (layer, rest) = numbered("layer.", rest);
         let (expert, rest) = match layer {
             Some(_) => numbered("expert.", rest),
@@ -327,6 +404,7 @@ impl<'a> Name<'a> {
         };
         Name {
             decode_step,
+            diffusion,
             layer,
             expert,
             point: rest,
@@ -347,6 +425,14 @@ impl fmt::Display for Name<'_> {
         if let Some(s) = self.decode_step {
             write!(f, "decode.{s:0STEP_WIDTH$}.")?;
         }
+        match self.diffusion {
+            Some(Diffusion::Encode { block: b }) => write!(f, "encode.{b:0STEP_WIDTH$}.")?,
+            Some(Diffusion::Denoise { block: b, step: s }) => {
+                write!(f, "denoise.{b:0STEP_WIDTH$}.{s:0STEP_WIDTH$}.")?
+            }
+            Some(Diffusion::Block { block: b }) => write!(f, "denoise.{b:0STEP_WIDTH$}.")?,
+            None => {}
+        }
         if let Some(l) = self.layer {
             write!(f, "layer.{l:0LAYER_WIDTH$}.")?;
         }
@@ -354,6 +440,21 @@ impl fmt::Display for Name<'_> {
             write!(f, "expert.{e:0EXPERT_WIDTH$}.")?;
         }
         f.write_str(self.point)
+    }
+}
+
+/// Reads a diffusion prefix off the front of `s`: `encode.BBBB.`, `denoise.BBBB.SSSS.` or
+/// `denoise.BBBB.` (a block's own decision: the rest does not start with a number).
+fn diffusion(s: &str) -> (Option<Diffusion>, &str) {
+    if let (Some(block), rest) = numbered("encode.", s) {
+        return (Some(Diffusion::Encode { block }), rest);
+    }
+    let (Some(block), rest) = numbered("denoise.", s) else {
+        return (None, s);
+    };
+    match numbered("", rest) {
+        (Some(step), rest) => (Some(Diffusion::Denoise { block, step }), rest),
+        (None, rest) => (Some(Diffusion::Block { block }), rest),
     }
 }
 
@@ -419,6 +520,7 @@ mod tests {
                 Name::parse(s),
                 Name {
                     decode_step: None,
+                    diffusion: None,
                     layer: None,
                     expert: None,
                     point: s
@@ -480,6 +582,77 @@ mod tests {
         assert_eq!(family_has("mixtral", topk), Some(true));
         assert_eq!(family_has("llama", logits), Some(true));
         assert_eq!(family_has("no_such_family", logits), None);
+    }
+
+    #[test]
+    fn diffusion_prefixes_parse_and_rebuild() {
+        let n = Name::parse("denoise.0001.0003.layer.02.expert.005.out");
+        assert_eq!(
+            (n.diffusion, n.layer, n.expert, n.point),
+            (
+                Some(Diffusion::Denoise { block: 1, step: 3 }),
+                Some(2),
+                Some(5),
+                "out"
+            )
+        );
+        let n = Name::parse("denoise.0002.commit");
+        assert_eq!(
+            (n.diffusion, n.point),
+            (Some(Diffusion::Block { block: 2 }), "commit")
+        );
+        let n = Name::parse("encode.0000.layer.01.hidden_out");
+        assert_eq!(
+            (n.diffusion, n.layer, n.point),
+            (Some(Diffusion::Encode { block: 0 }), Some(1), "hidden_out")
+        );
+        // Four digits are a minimum, not a limit; a decode step is never also a diffusion pass.
+        assert_eq!(
+            Name::parse("denoise.10000.20000.logits").diffusion,
+            Some(Diffusion::Denoise {
+                block: 10000,
+                step: 20000
+            })
+        );
+        assert_eq!(Name::parse("decode.0001.denoise.0001.x").diffusion, None);
+        // Without a number it is no prefix.
+        assert_eq!(Name::parse("denoise.x.y").diffusion, None);
+        assert_eq!(Name::parse("encode.logits").point, "encode.logits");
+        for s in [
+            "denoise.0001.0003.layer.02.expert.005.out",
+            "denoise.0002.init_canvas",
+            "encode.0003.embed.out",
+            "denoise.0000.0000.sc.soft",
+        ] {
+            assert_eq!(Name::parse(s).to_string(), s);
+        }
+        assert_eq!(denoise(1, 3, "logits"), "denoise.0001.0003.logits");
+        assert_eq!(denoise_block(0, "commit"), "denoise.0000.commit");
+        assert_eq!(encode(2, &layer(1, "k")), "encode.0002.layer.01.k");
+    }
+
+    #[test]
+    fn diffusion_points_are_found_in_every_pass() {
+        assert_eq!(
+            point("denoise.0000.0001.layer.03.attn_probs")
+                .unwrap()
+                .token_axis,
+            Some(1)
+        );
+        assert_eq!(point("denoise.0000.0001.canvas").unwrap().stored, Stored::Tokens);
+        assert_eq!(point("denoise.0000.0001.argmax").unwrap().kind, Kind::Decision);
+        assert_eq!(point("denoise.0004.commit").unwrap().block, Block::Sampler);
+        assert_eq!(
+            point("encode.0000.layer.00.moe.branch").unwrap().block,
+            Block::FeedForward
+        );
+        let dense = point("layer.00.dense_mlp.branch").unwrap();
+        assert_eq!(family_has("diffusion_gemma", dense), Some(true));
+        assert_eq!(family_has("qwen3_moe", dense), Some(false));
+        // A diffusion model has no next-token head over its prompt.
+        let argmax = point("logits.argmax").unwrap();
+        assert_eq!(family_has("diffusion_gemma", argmax), Some(false));
+        assert_eq!(family_has("llama", argmax), Some(true));
     }
 
     #[test]

@@ -317,7 +317,10 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
             Registered::FeedForward => feed_forward,
             Registered::Residual => Block::Residual,
             // Model-wide blocks hold no layer point.
-            Registered::Embedding | Registered::Head => Block::Other,
+            Registered::Embedding
+            | Registered::Head
+            | Registered::SelfConditioning
+            | Registered::Sampler => Block::Other,
         };
         if p.scope == Scope::Expert {
             // One per expert that received rows, in expert order.

@@ -2,7 +2,9 @@
 and the capture-point registry (``POINTS``, ``FAMILIES``: read from the Rust one,
 ``tracegate_trace::names::POINTS``, so there is one table).
 
-A name is ``[decode.SSSS.][layer.NN.[expert.EEE.]]POINT``. Numbers are written zero-padded to at
+A name is ``[decode.SSSS.][layer.NN.[expert.EEE.]]POINT``, or for a diffusion model
+(docs/diffusion-gemma.md DG16) ``encode.BBBB.``, ``denoise.BBBB.SSSS.`` or ``denoise.BBBB.`` in
+place of the decode prefix. Numbers are written zero-padded to at
 least 4, 2 and 3 digits and read with every digit they have, so layer 100 is ``layer.100.x``,
 never read as layer 10. The Rust side is ``tracegate_trace::names``; both follow the same rules.
 """
@@ -16,6 +18,7 @@ from ._native import capture_families, capture_points
 
 __all__ = [
     "FAMILIES",
+    "Diffusion",
     "POINTS",
     "Name",
     "Point",
@@ -70,13 +73,32 @@ def encode(block: int, rest: str) -> str:
     return f"encode.{block:04d}.{rest}"
 
 
+class Diffusion(NamedTuple):
+    """A diffusion model's pass: ``kind`` ``encode`` (``encode.BBBB.``, the encoder over block
+    ``block``'s committed canvas), ``denoise`` (``denoise.BBBB.SSSS.``, step ``step``) or ``block``
+    (``denoise.BBBB.``, the block's own decisions; ``step`` None)."""
+
+    kind: str
+    block: int
+    step: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "encode":
+            return f"encode.{self.block:04d}."
+        if self.kind == "denoise":
+            return f"denoise.{self.block:04d}.{self.step:04d}."
+        return f"denoise.{self.block:04d}."
+
+
 class Name(NamedTuple):
-    """A name taken apart; one without the prefixes is all ``point``."""
+    """A name taken apart; one without the prefixes is all ``point``. ``diffusion`` is a
+    diffusion model's pass (never together with a decode step)."""
 
     decode_step: int | None
     layer: int | None
     expert: int | None
     point: str
+    diffusion: Diffusion | None = None
 
     def without_step(self) -> Name:
         return self._replace(decode_step=None)
@@ -85,6 +107,8 @@ class Name(NamedTuple):
         out = ""
         if self.decode_step is not None:
             out += f"decode.{self.decode_step:04d}."
+        if self.diffusion is not None:
+            out += str(self.diffusion)
         if self.layer is not None:
             out += f"layer.{self.layer:02d}."
         if self.expert is not None:
@@ -92,11 +116,14 @@ class Name(NamedTuple):
         return out + self.point
 
 
-_NUMBERED = {p: re.compile(rf"{p}\.([0-9]+)\.(.*)", re.S) for p in ("decode", "layer", "expert")}
+_NUMBERED = {
+    p: re.compile(rf"{p}([0-9]+)\.(.*)", re.S)
+    for p in ("decode.", "layer.", "expert.", "encode.", "denoise.", "")
+}
 
 
 def _numbered(prefix: str, s: str) -> tuple[int | None, str]:
-    m = _NUMBERED[prefix].fullmatch(s)
+    m = _NUMBERED[prefix + "." if prefix else ""].fullmatch(s)
     return (int(m.group(1)), m.group(2)) if m else (None, s)
 
 
@@ -104,9 +131,25 @@ def parse(name: str) -> Name:
     """Takes ``name`` apart: ``parse("decode.0001.layer.100.mlp_out")`` is
     ``Name(decode_step=1, layer=100, expert=None, point="mlp_out")``."""
     step, rest = _numbered("decode", name)
+    diffusion = None
+    if step is None:
+        diffusion, rest = _diffusion(rest)
     lay, rest = _numbered("layer", rest)
     exp, rest = _numbered("expert", rest) if lay is not None else (None, rest)
-    return Name(step, lay, exp, rest)
+    return Name(step, lay, exp, rest, diffusion)
+
+
+def _diffusion(s: str) -> tuple[Diffusion | None, str]:
+    block, rest = _numbered("encode", s)
+    if block is not None:
+        return Diffusion("encode", block), rest
+    block, rest = _numbered("denoise", s)
+    if block is None:
+        return None, s
+    step, after = _numbered("", rest)
+    if step is not None:
+        return Diffusion("denoise", block, step), after
+    return Diffusion("block", block), rest
 
 
 class Point(NamedTuple):
