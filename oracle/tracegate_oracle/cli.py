@@ -334,12 +334,12 @@ def main(argv=None) -> int:
                 forcing=forcing,
                 decode_from=a.decode_from,
             )
-        elif diffusion:
-            model = _load(a.model, rc)
-            cap = dg.capture(model, a.model, tokens, rc, det, dg.cli_knobs(a), forcing)
         else:
             model = _load(a.model, rc)
-            cap = cp.capture_prompt(model, a.model, tokens, rc, det, forcing=forcing)
+            if diffusion:
+                cap = dg.capture(model, a.model, tokens, rc, det, dg.cli_knobs(a), forcing)
+            else:
+                cap = cp.capture_prompt(model, a.model, tokens, rc, det, forcing=forcing)
             if prompt_text is not None:  # beside prompt_tokens
                 cap.provenance = _after(cap.provenance, "prompt_tokens", "prompt_text", prompt_text)
         digest = cp.write_trace(cap, out)
