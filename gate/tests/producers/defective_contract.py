@@ -37,13 +37,23 @@ Defects (each touches one layer only, so every later layer is a correct body tha
                a correct producer that is not bit-exact with the engine
   no-layer     no defect, but the `layer` verb is not implemented (exits 3, writes nothing)
   none         the contract unchanged
+
+Diffusion Gemma (docs/diffusion-gemma.md DG18, the five incident classes of block diffusion):
+  dg-bidir-prompt   the prompt's encoder pass attends bidirectionally (every layer; the trace
+                    still says causal / sliding:W)
+  dg-mlp-add        every layer's dense MLP returns its input plus its output (add where the
+                    reference overwrites; the self-conditioning MLP is correct)
+  dg-sc-skip        step 0 of each block feeds the raw canvas embeddings to layer 0 (the
+                    self-conditioning's post-norm skipped where its signal is zero)
+  dg-reply-sampled  each block commits the last step's sampled canvas instead of its argmax
+  dg-stop-or        the stop rule is stable OR confident where the reference has AND
 """
 
 import sys
 
 import numpy as np
 from tracegate_contract import __main__ as cli
-from tracegate_contract import capture, feed_forward, model, ops
+from tracegate_contract import capture, diffusion_gemma, feed_forward, model, ops
 
 _current = [None]  # the layer Model.layer is running, for defects scoped to one layer
 _verb = [None]  # the request's verb, for defects scoped to one verb
@@ -185,7 +195,82 @@ def plant(defect: str) -> None:
             return {**orig_prov(*a, **k), "precision": declared}
 
         contract_run.provenance = provenance  # run.py calls it through the module
+    elif defect.startswith("dg-"):
+        plant_diffusion(defect)
     elif defect not in ("none", "no-layer"):
+        raise SystemExit(f"unknown defect {defect!r}")
+
+
+def plant_diffusion(defect: str) -> None:
+    """The DG18 incident classes, each planted in the computation (the trace records what the
+    defective code computed, under the reference's names and attributes)."""
+    DG = diffusion_gemma.DiffusionGemma
+    if defect == "dg-bidir-prompt":
+        orig_attention, orig_visible = DG.attention, ops.attention_visible
+        prompt = [False]
+
+        def attention(self, i, L, xn, pos, ps, cap, cache):
+            prompt[0] = ps.kind == "prompt"
+            return orig_attention(self, i, L, xn, pos, ps, cap, cache)
+
+        def attention_visible(q, k, v, visible, scale):
+            if prompt[0]:
+                visible = np.ones_like(visible)
+            return orig_visible(q, k, v, visible, scale)
+
+        DG.attention = attention
+        ops.attention_visible = attention_visible  # called through the module
+    elif defect == "dg-mlp-add":
+        orig = DG.mlp
+
+        def mlp(self, x, wg_t, wu_t, wd_t):
+            y = orig(self, x, wg_t, wu_t, wd_t)
+            return y if wg_t is self.sc_wg_t else x + y
+
+        DG.mlp = mlp
+    elif defect == "dg-sc-skip":
+        orig_forward, orig_plain = DG.denoise_forward, DG._plain
+        pending = [False]
+
+        def denoise_forward(self, canvas, pos, ps, cap, cache, prev_tempered):
+            # the forward's first plain norm is the self-conditioning's post-norm (DG10)
+            pending[0] = ps.step == 0
+            return orig_forward(self, canvas, pos, ps, cap, cache, prev_tempered)
+
+        def plain(self, x):
+            if pending[0]:
+                pending[0] = False
+                return x
+            return orig_plain(self, x)
+
+        DG.denoise_forward, DG._plain = denoise_forward, plain
+    elif defect == "dg-reply-sampled":
+        orig_record, orig_decision = DG._record, diffusion_gemma.DGCapture.decision
+        last = {}
+
+        def record(self, cap, name, values, margins, forced, overridden):
+            # The step's argmax array is the one generate commits: it is changed in place at the
+            # commit, so the step's own decision is recorded from a copy.
+            last[name.rsplit(".", 1)[1]] = values
+            values = values.copy()
+            return orig_record(self, cap, name, values, margins, forced, overridden)
+
+        def decision(self, name, values, margins):
+            if name.endswith(".commit"):
+                values[:] = last["sampled"]  # the commit, the output and the commit pass see it
+            return orig_decision(self, name, values, margins)
+
+        DG._record, diffusion_gemma.DGCapture.decision = record, decision
+    elif defect == "dg-stop-or":
+        orig_record = DG._record
+
+        def record(self, cap, name, values, margins, forced, overridden):
+            if name.endswith(".stop"):
+                values[2] = values[0] | values[1]  # decide returns this array's row 2
+            return orig_record(self, cap, name, values, margins, forced, overridden)
+
+        DG._record = record
+    else:
         raise SystemExit(f"unknown defect {defect!r}")
 
 
