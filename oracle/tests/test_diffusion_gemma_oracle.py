@@ -294,6 +294,9 @@ def test_bf16_stores_bf16(det, tmp_path):
         want = "i64" if point(n) == "canvas" else ("f32" if point(n) in f32 else "bf16")
         assert t.dtype(n) == want, n
     assert t.provenance["dtype"] == "bf16" and t.provenance["blocks"] == 1
+    torch.manual_seed(0)  # the hooks do not perturb a bf16 run either
+    plain = m16.generate(torch.tensor([PROMPT]), max_new_tokens=7).sequences[0, len(PROMPT) :]
+    assert t.provenance["output_tokens"] == plain.tolist()
 
 
 def test_generate_zero_is_the_prompt_pass_alone(model, det, tmp_path):
@@ -584,6 +587,11 @@ def test_knob_flags_refused_for_other_families_and_layer_verb_for_this_one(tmp_p
     )
     assert r.returncode == 2 and "layer: not supported for diffusion_gemma" in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_causal_paths_refuse_the_family(model):
+    with pytest.raises(cp.OracleError, match="generates by diffusion, not token by token"):
+        cp.resolve(model)
 
 
 def test_cli_trace_matches_in_process(model, det, tmp_path):
