@@ -94,9 +94,14 @@ def test_hooks_do_not_perturb_the_generation(model, det, tmp_path):
     assert t.provenance["output_tokens"] == plain_generate(model, 3)
     assert t.provenance["blocks"] == 2 and len(t.provenance["output_tokens"]) == 2 * C
     assert _untouched(model) == []
-    # Negative control: one draw more from the generator (what a hook consuming randomness would
+    # Negative controls: a hook left behind is seen; one draw more from the generator (what a hook consuming randomness would
     # do) changes the tokens, so the equality above sees a perturbed generator.
     assert plain_generate(model, 3, extra_draw=True) != plain_generate(model, 3)
+    h = model.model.decoder.norm.register_forward_hook(lambda *a: None)
+    try:
+        assert _untouched(model) == ["model.decoder.norm"]
+    finally:
+        h.remove()
 
 
 def test_knob_flags_reach_generate(model, det, tmp_path):
@@ -220,6 +225,8 @@ def test_names_order_attributes_and_decision_shapes(model, det, tmp_path, captur
     assert t.provenance["blocks"] == 2
     assert t.names == want_names
     assert list(t.decisions) == want_decisions
+    # negative control: the other capture's names are not these
+    assert expected(t, capture != "internals")[0] != t.names
     for name in t.names:
         path, mask, pos = _attrs_expected(name)
         a = t.attributes(name)
