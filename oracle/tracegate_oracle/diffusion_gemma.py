@@ -387,8 +387,8 @@ class _Step:
     tempered: object = None  # the tempered logits tensor [1, C, V]
     own_argmax: np.ndarray | None = None
     argmax: np.ndarray | None = None
-    probs: np.ndarray | None = None
     sampled: np.ndarray | None = None
+    sampled_p: np.ndarray | None = None
     accept: np.ndarray | None = None
     accept_margins: np.ndarray | None = None
     own_accept: np.ndarray | None = None
@@ -755,13 +755,14 @@ class _Run:
                 cur = run.cur
                 if func is torch.multinomial and cur is not None and cur.tempered is not None:
                     probs = args[0]
-                    cur.probs = probs.float().cpu().numpy()
                     if run.forcing is not None:
                         v = run.forced_values(run.name("sampled"), (run.C,), 0, run.V)
                         out = torch.as_tensor(v, device=probs.device).view(-1, 1)
                     else:
                         out = func(*args, **kwargs)
                     cur.sampled = out.view(-1).cpu().numpy()
+                    # its margin: the probability it was drawn with (DG13.2), its own when forced
+                    cur.sampled_p = probs.gather(-1, out).view(-1).float().cpu().numpy()
                     return out
                 out = func(*args, **kwargs)
                 if (
@@ -915,8 +916,7 @@ class _Run:
         am = _margin_of(t, cur.argmax)
         self.last_argmax_margins, self.last_argmax = am, cur.argmax.copy()
         self.decide(self.name("argmax"), cur.argmax, am, own=cur.own_argmax)
-        p = cur.probs
-        self.decide(self.name("sampled"), cur.sampled, p[np.arange(len(cur.sampled)), cur.sampled])
+        self.decide(self.name("sampled"), cur.sampled, cur.sampled_p)
         self.decide(self.name("accept"), cur.accept, cur.accept_margins, own=cur.own_accept)
         self.decide(self.name("renoise"), cur.renoise, None)
         self.decide(self.name("stop"), values, margins, own=own)
