@@ -269,6 +269,10 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     if found is not None:
         return _load_gguf(found, rc)
     inv = preflight(d)
+    from . import diffusion_gemma
+
+    if diffusion_gemma.is_diffusion(d):  # not a causal LM: its own loader (no family table entry)
+        return diffusion_gemma.load_model(d, rc, inv)
     progress = LoadProgress(d, inv)
     transformers.utils.logging.disable_progress_bar()
     with _transformers_log() as log:
@@ -484,7 +488,8 @@ def _build_id() -> str:
     return "oracle-src-" + h.hexdigest()[:16]
 
 
-def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) -> dict:
+def versions_record() -> dict:
+    """The stack's versions, as every oracle trace records them."""
     import torch
     import transformers
 
@@ -494,6 +499,20 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         tg_version = getattr(tracegate, "__version__", "unknown")
     except ImportError:
         tg_version = None
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "tracegate": tg_version,
+        "safetensors": _version_of("safetensors"),
+    }
+
+
+def device_record(rc: RunConfig) -> dict:
+    """The device the run computed on, with what decides its arithmetic (TF32, MKLDNN)."""
+    import torch
+
     dev = {"type": rc.device}
     if rc.device == "cuda":
         dev.update(
@@ -509,20 +528,18 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
             name=platform.processor() or platform.machine(),
             mkldnn=torch.backends.mkldnn.is_available(),
         )
+    return dev
+
+
+def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) -> dict:
+    dev = device_record(rc)
     cfg = model.config
     lay = resolve(model)
     is_moe = bool(lay.moe_layers)
     return {
         "producer": "oracle",
         "verb": verb,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "numpy": np.__version__,
-            "python": platform.python_version(),
-            "tracegate": tg_version,
-            "safetensors": _version_of("safetensors"),
-        },
+        "versions": versions_record(),
         "device": dev,
         **({"device_map": _device_map_provenance(model, rc)} if rc.device_map is not None else {}),
         "dtype": rc.dtype,
@@ -550,14 +567,18 @@ def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) ->
         "capture": rc.capture,
         "cache": rc.cache,
         "generate": rc.generate,
-        # As it can be re-run: under -m, sys.argv[0] is __main__.py's path, not the module.
-        "command": (
-            [sys.executable, "-m", "tracegate_oracle", *sys.argv[1:]]
-            if sys.argv and sys.argv[0].endswith("__main__.py")
-            else list(sys.argv)
-        ),
+        "command": command_record(),
         "build_id": _build_id(),
     }
+
+
+def command_record() -> list[str]:
+    """The command line, as it can be re-run: under -m, sys.argv[0] is __main__.py's path."""
+    return (
+        [sys.executable, "-m", "tracegate_oracle", *sys.argv[1:]]
+        if sys.argv and sys.argv[0].endswith("__main__.py")
+        else list(sys.argv)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,8 +72,9 @@ SIZE_FIELDS = (
 # float parameter by value, and F8 needs a quantisation config this oracle does not run.
 WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
 
-# decoder layers; `model.language_model.layers.N` in a multimodal checkpoint (Qwen3.5)
-LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
+# decoder layers; `model.language_model.layers.N` in a multimodal checkpoint (Qwen3.5),
+# `model.decoder.layers.N` in diffusion_gemma (its encoder's layers are tied to them)
+LAYER_NAME = re.compile(r"^model\.(?:language_model\.|decoder\.)?layers\.(\d+)\.")
 EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 
@@ -312,6 +313,12 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
                 refuse(
                     f"{at} = {v!r} is not positive (every RoPE frequency would be NaN or infinite)"
                 )
+    # diffusion_gemma: its own refusals (docs/diffusion-gemma.md DG0), and its top-k field name.
+    diffusion = raw.get("model_type") == "diffusion_gemma"
+    if diffusion:
+        from .diffusion_gemma import check_config as check_diffusion
+
+        check_diffusion(raw, path)
     # A multimodal config holds the language model's fields under text_config.
     raw = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     eps = raw.get("rms_norm_eps")
@@ -340,11 +347,10 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
             continue
         if not (_is_int(ne) and ne >= 0):
             refuse(f"{key} = {ne!r} is not a non-negative integer")
-        k = raw.get("num_experts_per_tok")
+        kname = "top_k_experts" if diffusion else "num_experts_per_tok"
+        k = raw.get(kname)
         if ne > 0 and not (_is_int(k) and 1 <= k < ne):
-            refuse(
-                f"num_experts_per_tok = {k!r} not supported with {key} = {ne} (need 1 <= k < {key})"
-            )
+            refuse(f"{kname} = {k!r} not supported with {key} = {ne} (need 1 <= k < {key})")
 
     # Sizes against the checkpoint, before any module exists: transformers builds every layer and
     # expert the config declares before it looks at a weight.

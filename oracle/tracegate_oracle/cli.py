@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tracegate import protocol
 
+from . import diffusion_gemma as dg
 from .capture import OracleError, RunConfig
 from .checkpoint import preflight
 from .force import Forcing
@@ -72,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
             help="torch intra-op threads (default 1)",
         )
         p.add_argument("--seed", type=int, default=0)
+    # diffusion_gemma's generation knobs (docs/diffusion-gemma.md DG16); refused for other families
+    dg.add_flags(g.trace)
     return g.parser
 
 
@@ -258,6 +261,25 @@ def _after(d: dict, key: str, new_key: str, value) -> dict:
     return out
 
 
+def _check_family_flags(a, rc: RunConfig, diffusion: bool) -> None:
+    """diffusion_gemma's flags only for it; what it does not run refused for it (DG16)."""
+    if not diffusion:
+        given = dg.given_flags(a)
+        if given:
+            raise OracleError(
+                f"{next(iter(given))}: a {dg.FAMILY} generation knob; --model {a.model} is not {dg.FAMILY}"
+            )
+        return
+    if a.verb == "layer":
+        raise OracleError(
+            f"layer: not supported for {dg.FAMILY} (its layers run inside generate: use trace)"
+        )
+    if rc.cache == "off":
+        raise OracleError(
+            f"--cache off: not supported for {dg.FAMILY} (the decoder reads the encoder's cache)"
+        )
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == [protocol.SERVE]:
@@ -289,6 +311,8 @@ def main(argv=None) -> int:
 
         if locate(a.model) is None:
             preflight(a.model)
+        diffusion = locate(a.model) is None and dg.is_diffusion(a.model)
+        _check_family_flags(a, rc, diffusion)
         forcing = Forcing(a.force_decisions) if a.force_decisions is not None else None
         if a.verb == "layer":
             arr, positions, dt, src = _read_input(a.input, a.input_name)
@@ -312,7 +336,10 @@ def main(argv=None) -> int:
             )
         else:
             model = _load(a.model, rc)
-            cap = cp.capture_prompt(model, a.model, tokens, rc, det, forcing=forcing)
+            if diffusion:
+                cap = dg.capture(model, a.model, tokens, rc, det, dg.cli_knobs(a), forcing)
+            else:
+                cap = cp.capture_prompt(model, a.model, tokens, rc, det, forcing=forcing)
             if prompt_text is not None:  # beside prompt_tokens
                 cap.provenance = _after(cap.provenance, "prompt_tokens", "prompt_text", prompt_text)
         digest = cp.write_trace(cap, out)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .diffusion_gemma import ARCH as DG_ARCH
+from .diffusion_gemma import UNUSED_PREFIXES as DG_UNUSED
 from .errors import OracleError
 
 # Mask rules, read from transformers' modeling files (how each model's forward picks the mask):
@@ -57,6 +59,10 @@ class Family:
     # Checkpoint tensors a text-only forward does not use (a vision tower, multi-token
     # prediction): transformers ignores or loads them; the oracle lists them in provenance.
     unused_prefixes: tuple[str, ...] = ()
+    # How the family generates: "autoregressive" (a causal LM, captured through the Layout
+    # below) or "diffusion" (block diffusion through its own generate, captured by
+    # diffusion_gemma.py; resolve() refuses it for the causal paths).
+    generation: str = "autoregressive"
 
 
 COMMON = Family()
@@ -127,6 +133,31 @@ FAMILIES |= {
     "qwen3_5_moe_text": replace(_Q35, **_Q35_MOE),
     "qwen3_5_moe": replace(_Q35, **_Q35_MOE, **_Q35_MM),
 }
+
+# diffusion_gemma (docs/diffusion-gemma.md): an encoder and a diffusion decoder sharing their
+# layers, each layer a dense MLP beside routed experts (its router at the layer, not in the MLP).
+# The paths are the decoder's; diffusion_gemma.py hooks both sides itself.
+FAMILIES["diffusion_gemma"] = replace(
+    COMMON,
+    embed="model.decoder.embed_tokens",
+    layers="model.decoder.layers",
+    final_norm="model.decoder.norm",
+    rotary="model.decoder.rotary_emb",
+    norms=(
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+        "post_feedforward_layernorm_1",
+        "pre_feedforward_layernorm_2",
+        "post_feedforward_layernorm_2",
+    ),
+    moe="all",
+    mask="layer_types",
+    auto=DG_ARCH,
+    unused_prefixes=DG_UNUSED,
+    generation="diffusion",
+)
 
 
 def _get(root, path: str):
@@ -234,6 +265,11 @@ def resolve(model, where: str = "--model") -> Layout:
     if spec is None:
         raise OracleError(
             f"{where}: model_type {mt!r} ({cls}) is not in the oracle's family table ({supported()})"
+        )
+    if spec.generation != "autoregressive":
+        raise OracleError(
+            f"{where}: {mt} ({cls}) generates by {spec.generation}, not token by token: only the "
+            "trace verb captures it (diffusion_gemma.py), not the causal-LM paths"
         )
     for fld, bad, why in spec.refuse:
         if getattr(cfg, fld, None) == bad:
