@@ -156,7 +156,8 @@ def test_policy_check_sees_a_missing_rule(tmp_path):
 
 def oracle_features(spec) -> set[str]:
     """The registry's features of an oracle family entry (families.py)."""
-    out = {"softmax_attention"}
+    # "autoregressive" (a next-token head) or "diffusion" (block diffusion)
+    out = {"softmax_attention", spec.generation}
     if spec.linear_attn:
         out.add("linear_attention")
     if spec.attn_gate:
