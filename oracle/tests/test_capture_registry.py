@@ -31,6 +31,7 @@ FIXTURES = [
     "tiny-qwen2",
     "tiny-qwen3_5",
     "tiny-qwen3_5-moe",
+    "tiny-diffusion-gemma",
 ]
 POLICIES = ["f32", "bf16", "f16", "q8"]
 ENGINE, _NO_ENGINE = release_binary("engine")
@@ -213,6 +214,9 @@ def expected(fixture: str) -> tuple[set, set]:
     family = model_type(fixture)
     has = [p for p in names.POINTS if names.family_has(family, p)]
     assert has, f"{family} is not in the registry's families"
+    if "diffusion" in names.FAMILIES[family]:
+        # Block diffusion has no decode steps: every point in its passes (encode, denoise).
+        return {(p.scope, p.name) for p in has}, set()
     prompt = {(p.scope, p.name) for p in has if p.in_decode != "only"}
     steps = {(p.scope, p.name) for p in has if p.in_decode != "never"}
     return prompt, steps
