@@ -168,7 +168,12 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         .decisions
         .near_ties
         .as_ref()
-        .is_some_and(|n| !n.tensors.is_empty());
+        .is_some_and(|n| !n.tensors.is_empty())
+        || rep
+            .decisions
+            .sampling_divergence
+            .as_ref()
+            .is_some_and(|s| s.tensors_not_judged > 0);
     different |= if rejudged {
         rep.per_tensor.iter().any(|r| {
             matches!(
