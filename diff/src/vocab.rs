@@ -147,6 +147,9 @@ string_enum! {
         /// A side's committed canvas row is not its own last step's argmax row (docs/diff.md,
         /// "Diffusion decisions"): the reply was taken from another canvas.
         CommitNotArgmax = "commit_not_argmax",
+        /// A tensor or decision after a sampling divergence in a step, commit pass or block only
+        /// one side ran: not a structure difference (docs/diff.md, "Sampling divergence").
+        AfterSamplingDivergence = "after_sampling_divergence",
     }
 }
 

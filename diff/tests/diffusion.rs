@@ -700,6 +700,47 @@ fn another_rng_diverges_at_the_first_draw_and_what_follows_is_not_judged_loudly(
 }
 
 #[test]
+fn after_the_sampling_divergence_a_step_one_side_ran_is_no_structure_difference() {
+    // On its own canvas the candidate's stop ends block 0 after step 0: step 1 is not in it.
+    let r = trace();
+    let mut c = other_rng(&r);
+    c.tensors
+        .retain(|t| !t.name.starts_with("denoise.0000.0001."));
+    c.decisions
+        .retain(|d| !d.name.starts_with("denoise.0000.0001."));
+    // Its commit is its own last argmax, step 0's; held to that, not to the reference's step.
+    let stale = c.clone();
+    decide(&mut c);
+    let rep = diff(&r, &stale, Some(policy()));
+    assert!(
+        kinds(&rep).contains(&"commit_not_argmax"),
+        "{:?}",
+        kinds(&rep)
+    );
+    let rep = diff(&r, &c, Some(policy()));
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{}", render_human(&rep));
+    assert!(kinds(&rep).contains(&"after_sampling_divergence"));
+    assert!(!kinds(&rep).contains(&"missing_tensor"));
+    // Negative controls: a name missing from a step both sides ran is still a difference,
+    // after the draw as before it; and without the divergence a missing step fails.
+    for gone in ["denoise.0000.0000.entropy", "layer.00.mlp_out"] {
+        let mut c2 = c.clone();
+        c2.tensors.retain(|t| t.name != gone);
+        let rep = diff(&r, &c2, Some(policy()));
+        assert_eq!(rep.verdict, Verdict::Different, "{gone}");
+        assert!(kinds(&rep).contains(&"missing_tensor"), "{gone}");
+    }
+    let mut c3 = noisy(&r);
+    c3.tensors
+        .retain(|t| !t.name.starts_with("denoise.0000.0001."));
+    c3.decisions
+        .retain(|d| !d.name.starts_with("denoise.0000.0001."));
+    let rep = diff(&r, &c3, Some(policy()));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert!(!kinds(&rep).contains(&"after_sampling_divergence"));
+}
+
+#[test]
 fn attack_a_a_defect_in_the_prompt_pass_before_the_first_draw_still_fails() {
     let r = trace();
     let mut c = other_rng(&r);

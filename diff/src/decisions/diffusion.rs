@@ -8,7 +8,8 @@ use tracegate_trace::{DecisionInfo, Trace};
 
 use super::source::range_divergence;
 use crate::passes::{self, Key, Sampler};
-use crate::{numeric, Options, Pair, SamplingDivergence, MARGIN_SLACK};
+use crate::{numeric, FindingKind, Options, Pair, Report, SamplingDivergence, MARGIN_SLACK};
+use std::collections::HashSet;
 
 /// The reference's tensors by run order, to find where a sampler decision is taken: the last
 /// tensor (largest capture index) whose run-order key is at most the decision's.
@@ -254,4 +255,108 @@ pub(super) fn margin_tolerance(
             Some((n - 1.0).max(0.0) * d + crossing + rounding + slack)
         }
     }
+}
+
+/// A pass of a diffusion run: a step (block, Some(step)), a commit pass (block, None, true),
+/// or a block as a whole (block, None, false), which any of its names makes present.
+type Pass = (usize, Option<usize>, bool);
+
+fn pass_of(name: &str) -> Option<Pass> {
+    let p = passes::place(name)?;
+    Some((p.block, p.step, p.encode))
+}
+
+/// Every pass a trace ran: each name's own, and its block as a whole.
+fn passes_run(t: &Trace) -> HashSet<Pass> {
+    let names = t
+        .tensors()
+        .iter()
+        .map(|i| i.name.as_str())
+        .chain(t.decisions().iter().map(|d| d.name.as_str()));
+    let mut out = HashSet::new();
+    for n in names {
+        if let Some((b, s, e)) = pass_of(n) {
+            out.insert((b, s, e));
+            out.insert((b, None, false));
+        }
+    }
+    out
+}
+
+/// After a sampling divergence the canvases differ, and so may where each side's stop rule
+/// ends a block and whether another block runs (DG13.5, DG14): a missing or extra tensor or
+/// decision after the draw whose whole step, commit pass or block the other side did not run
+/// is not a structure difference. Its finding becomes `after_sampling_divergence` (counted,
+/// not failing). A name missing from a pass both sides ran stays a structure finding. Returns
+/// how many findings changed.
+pub(crate) fn one_sided_after_sampling(r: &Trace, c: &Trace, rep: &mut Report) -> usize {
+    let Some(draw) = rep
+        .decisions
+        .sampling_divergence
+        .as_ref()
+        .map(|s| s.decision.clone())
+    else {
+        return 0;
+    };
+    let (ran_r, ran_c) = (passes_run(r), passes_run(c));
+    let mut changed = 0;
+    for f in rep.findings.iter_mut() {
+        let other = match f.kind {
+            FindingKind::MissingTensor | FindingKind::MissingDecision => &ran_c,
+            FindingKind::ExtraTensor | FindingKind::ExtraDecision => &ran_r,
+            _ => continue,
+        };
+        let Some(name) = f.tensor().map(str::to_string) else {
+            continue;
+        };
+        let Some(pass) = pass_of(&name).filter(|_| passes::after_draw(&draw, &name)) else {
+            continue;
+        };
+        if !other.contains(&pass) {
+            let side = if std::ptr::eq(other, &ran_c) {
+                "reference"
+            } else {
+                "candidate"
+            };
+            f.kind = FindingKind::AfterSamplingDivergence;
+            f.detail = format!(
+                "in the {side} only: its {} ran on one side only, after the sampling divergence at {draw} (another canvas, another stop): not judged",
+                match pass {
+                    (b, Some(s), _) => format!("block {b} step {s}"),
+                    (b, None, true) => format!("block {b} commit pass"),
+                    (b, None, false) => format!("block {b}"),
+                }
+            );
+            changed += 1;
+        }
+    }
+    changed
+}
+
+/// What fails a verdict among the findings and flips once the one-sided names above are
+/// settled: every structure, margin and commit finding, and a flip that is not excused.
+pub(crate) fn still_different(rep: &Report) -> bool {
+    rep.findings.iter().any(|f| {
+        matches!(
+            f.kind,
+            FindingKind::MissingTensor
+                | FindingKind::ExtraTensor
+                | FindingKind::DtypeMismatch
+                | FindingKind::ShapeMismatch
+                | FindingKind::OrderMismatch
+                | FindingKind::AttributeDiffers
+                | FindingKind::MissingDecision
+                | FindingKind::ExtraDecision
+                | FindingKind::DecisionShapeMismatch
+                | FindingKind::DecisionOrderMismatch
+                | FindingKind::MarginDiffers
+                | FindingKind::MarginPresenceMismatch
+                | FindingKind::MarginContradictsScores
+                | FindingKind::CommitNotArgmax
+        )
+    }) || rep
+        .decisions
+        .results
+        .iter()
+        .any(|d| d.flips.iter().any(|f| !f.excused()))
 }

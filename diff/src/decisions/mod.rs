@@ -16,6 +16,7 @@ mod source;
 
 use tracegate_trace::{DecisionInfo, Trace};
 
+pub(crate) use diffusion::{one_sided_after_sampling, still_different};
 pub use rows::{margin_tolerance, MARGIN_SLACK};
 
 use crate::excuse::Excusal;
