@@ -164,11 +164,21 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     // 5. Decisions (every one the filter selects), each flip labelled; under a policy the rows
     // after a near-tie leave the judgement and their tensors are judged again without them.
     different |= decisions::compare(reference, candidate, opts, &mut rep);
+    // After a sampling divergence a step or block may run on one side only: not a structure
+    // difference; then what fails is read again from the findings and flips.
+    if decisions::one_sided_after_sampling(reference, candidate, &mut rep) > 0 {
+        different = decisions::still_different(&rep);
+    }
     let rejudged = rep
         .decisions
         .near_ties
         .as_ref()
-        .is_some_and(|n| !n.tensors.is_empty());
+        .is_some_and(|n| !n.tensors.is_empty())
+        || rep
+            .decisions
+            .sampling_divergence
+            .as_ref()
+            .is_some_and(|s| s.tensors_not_judged > 0);
     different |= if rejudged {
         rep.per_tensor.iter().any(|r| {
             matches!(

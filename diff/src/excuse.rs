@@ -4,14 +4,14 @@
 //! tensor captured after the decision's source, and its rows of later decisions, are left out
 //! of the judgement; every other row is still judged, and every row left out is counted.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use tracegate_trace::{TensorInfo, Trace};
 
 use crate::rows::{element, judge_row, set_stats, worst};
 use crate::{
-    noise, numeric, positions, FindingKind, NearTieRef, NearTieSummary, Policy, Real, Report,
-    RowStatus, RowsAfter, TensorRow,
+    noise, numeric, passes, positions, Finding, FindingKind, Flip, NearTieRef, NearTieSummary,
+    Policy, Real, Report, RowStatus, RowsAfter, SamplingDivergence, TensorRow,
 };
 
 /// A tensor's capture index in `t`: the reader hands out references into its capture-ordered
@@ -42,6 +42,15 @@ pub(crate) struct Excusal<'a> {
     /// Decode steps from this one on run on another sequence (a near-tie chose the token).
     decode_from: Option<(u64, String)>,
     summary: NearTieSummary,
+    /// The sampling divergence (docs/diff.md, "Sampling divergence"): the draw, and what was
+    /// left out after it.
+    sampling: Option<SamplingDivergence>,
+    /// Near-ties at a diffusion step's argmax, as (block, step, "DECISION row N"): the argmax
+    /// canvas enters no tensor, only the stability of that step's and later steps' `stop`.
+    argmax_near_ties: Vec<(usize, usize, String)>,
+    /// The flips of every diffusion argmax, by decision name: a block's commit row takes its
+    /// last step's argmax row's label.
+    argmax_flips: HashMap<String, Vec<Flip>>,
 }
 
 impl<'a> Excusal<'a> {
@@ -65,7 +74,61 @@ impl<'a> Excusal<'a> {
             tokens: Vec::new(),
             decode_from: None,
             summary,
+            sampling: None,
+            argmax_near_ties: Vec::new(),
+            argmax_flips: HashMap::new(),
         }
+    }
+
+    /// From here on, what comes after the draw `s.decision` leaves the judgement.
+    pub(crate) fn sampling_divergence(&mut self, s: SamplingDivergence) {
+        self.sampling = Some(s);
+    }
+
+    /// The sampling divergence a tensor or decision name comes after, if any.
+    pub(crate) fn after_sampling(&self, name: &str) -> Option<&str> {
+        self.sampling
+            .as_ref()
+            .filter(|s| passes::after_draw(&s.decision, name))
+            .map(|s| s.decision.as_str())
+    }
+
+    /// Whether `name` is the draw of the sampling divergence.
+    pub(crate) fn is_sampling_draw(&self, name: &str) -> bool {
+        self.sampling.as_ref().is_some_and(|s| s.decision == name)
+    }
+
+    /// Counts a decision of `rows` rows taken after the sampling divergence.
+    pub(crate) fn count_after_sampling(&mut self, rows: u64) {
+        if let Some(s) = self.sampling.as_mut() {
+            s.decisions_not_judged += 1;
+            s.decision_rows_not_judged += rows;
+        }
+    }
+
+    /// A near-tie at row `row` of diffusion step `step` of block `block`'s argmax.
+    pub(crate) fn argmax_near_tie(&mut self, block: usize, step: usize, origin: &str) {
+        self.argmax_near_ties
+            .push((block, step, origin.to_string()));
+    }
+
+    /// The argmax near-tie a `stop` of step `step` of block `block` comes after: one at this
+    /// step or an earlier one of the block changes the argmax canvases its stability compares.
+    pub(crate) fn stop_after(&self, block: usize, step: usize) -> Option<&str> {
+        self.argmax_near_ties
+            .iter()
+            .find(|(b, s, _)| *b == block && *s <= step)
+            .map(|t| t.2.as_str())
+    }
+
+    /// Keeps a diffusion argmax's flips for its block's commit.
+    pub(crate) fn keep_argmax_flips(&mut self, name: &str, flips: &[Flip]) {
+        self.argmax_flips.insert(name.to_string(), flips.to_vec());
+    }
+
+    /// The flip of row `row` of a diffusion argmax, if it flipped.
+    pub(crate) fn argmax_flip(&self, name: &str, row: u64) -> Option<&Flip> {
+        self.argmax_flips.get(name)?.iter().find(|f| f.row == row)
     }
 
     /// Settles every row captured at or before `until` and names the first of them outside the
@@ -124,9 +187,20 @@ impl<'a> Excusal<'a> {
         origin: &str,
         excused: NearTieRef,
     ) {
+        self.token_after(position, at, origin);
+        self.excused(excused);
+    }
+
+    /// The token at `position` takes another path after capture index `at` (the near-tie
+    /// `origin`): its rows of later tensors and decisions leave the judgement.
+    pub(crate) fn token_after(&mut self, position: Option<i64>, at: usize, origin: &str) {
         if let Some(p) = position {
             self.tokens.push((p, at, origin.to_string()));
         }
+    }
+
+    /// Lists an excused near-tie.
+    pub(crate) fn excused(&mut self, excused: NearTieRef) {
         self.summary.excused.push(excused);
     }
 
@@ -147,15 +221,46 @@ impl<'a> Excusal<'a> {
         if self.policy.is_some() {
             rep.decisions.near_ties = Some(self.summary);
         }
+        if let Some(s) = self.sampling {
+            let step = s.step.map(|x| format!(" step {x}")).unwrap_or_default();
+            rep.findings.push(Finding::new(
+                FindingKind::SamplingDivergence,
+                Some(&s.decision),
+                format!(
+                    "block {}{step}: rows {:?} differ between rng {:?} (reference) and {:?} (candidate), and the candidate was not forced: a sampling divergence, not a defect by itself. {} tensors, {} decisions after the sampling divergence at block {}{step}: not judged; force the candidate with --force-decisions REF to compare them",
+                    s.block, s.rows, s.reference_rng, s.candidate_rng, s.tensors_not_judged, s.decisions_not_judged, s.block
+                ),
+            ));
+            rep.decisions.sampling_divergence = Some(s);
+        }
     }
 
     /// Judges row `j` (capture index `at`) again without the rows of tokens after a near-tie.
     fn settle(&mut self, rep: &mut Report, j: usize, at: usize) {
         let Some(policy) = self.policy else { return };
+        if self.after_sampling(&rep.per_tensor[j].tensor).is_some() {
+            if self.after_whole(rep, j, RowStatus::AfterSamplingDivergence) {
+                if let Some(s) = self.sampling.as_mut() {
+                    s.tensors_not_judged += 1;
+                }
+            }
+            return;
+        }
         let step = tracegate_trace::names::Name::parse(&rep.per_tensor[j].tensor).decode_step;
         if let (Some(s), Some((from, _))) = (step, &self.decode_from) {
             if s as u64 >= *from {
-                self.after_whole(rep, j);
+                if self.after_whole(rep, j, RowStatus::AfterNearTie) {
+                    let row = &rep.per_tensor[j];
+                    let rows = self
+                        .r
+                        .tensor_info(&row.tensor)
+                        .and_then(|i| i.attributes.positions.as_ref())
+                        .map_or(1, |p| p.len() as u64);
+                    self.summary.tensors.push(RowsAfter {
+                        tensor: row.tensor.clone(),
+                        rows,
+                    });
+                }
                 return;
             }
         }
@@ -303,28 +408,24 @@ impl<'a> Excusal<'a> {
         });
     }
 
-    /// Row `j` belongs to a decode step after a near-tie chose another token: every row of it
-    /// runs on another sequence and leaves the judgement (`after_near_tie`), counted. A
-    /// non-finite difference stays judged, as in `settle`; a bit-identical tensor stays identical
-    /// and one without a rule stays a finding.
-    fn after_whole(&mut self, rep: &mut Report, j: usize) {
+    /// Row `j` computes on another sequence or canvas as a whole: a decode step after a
+    /// near-tie chose another token (`after_near_tie`), or a tensor after a sampling divergence
+    /// (`after_sampling_divergence`); it leaves the judgement with `status`. A non-finite
+    /// difference stays judged, as in `settle`; a bit-identical tensor stays identical and one
+    /// without a rule stays a finding. True when the row was left out (the caller counts it).
+    fn after_whole(&mut self, rep: &mut Report, j: usize, status: RowStatus) -> bool {
         let row = &mut rep.per_tensor[j];
         if !matches!(
             row.status,
             RowStatus::WithinPolicy | RowStatus::OutsidePolicy | RowStatus::Rerouted
         ) || row.nan_mismatch + row.nan_payload + row.infinity > 0
         {
-            return;
+            return false;
         }
-        let Some(ri) = self.r.tensor_info(&row.tensor) else {
-            return;
-        };
-        let rows = ri
-            .attributes
-            .positions
-            .as_ref()
-            .map_or(1, |p| p.len() as u64);
-        row.status = RowStatus::AfterNearTie;
+        if self.r.tensor_info(&row.tensor).is_none() {
+            return false;
+        }
+        row.status = status;
         row.violations = Box::default();
         row.worst_element = None;
         let name = row.tensor.clone();
@@ -332,6 +433,6 @@ impl<'a> Excusal<'a> {
             !(matches!(f.kind, FindingKind::OutsidePolicy | FindingKind::Rerouted)
                 && f.tensor() == Some(name.as_str()))
         });
-        self.summary.tensors.push(RowsAfter { tensor: name, rows });
+        true
     }
 }

@@ -35,6 +35,7 @@ pub mod measures;
 pub mod noise;
 pub mod numeric;
 mod options;
+mod passes;
 pub mod policy;
 mod positions;
 mod render;
@@ -63,7 +64,7 @@ pub use render::{
 pub use report::{
     Count, DecisionDivergence, DecisionResult, DecisionSummary, Divergence, Element, Finding, Flip,
     MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PassingBounds, PolicyRef,
-    Report, RowSet, RowsAfter, RuleRef, Side, TensorRow, TensorSummary, TensorViolation,
-    REPORT_SCHEMA,
+    Report, RowSet, RowsAfter, RuleRef, SamplingDivergence, Side, TensorRow, TensorSummary,
+    TensorViolation, REPORT_SCHEMA,
 };
 pub use vocab::{DecisionStatus, FindingKind, Label, Margins, Real, RowStatus, Verdict};

@@ -141,6 +141,15 @@ string_enum! {
         ContentDigestDiffers = "content_digest_differs",
         DecisionsForced = "decisions_forced",
         NothingSelected = "nothing_selected",
+        /// Two traces of different `rng`, the candidate not forced, first differ at a draw: not
+        /// a defect; what follows it is not judged (docs/diff.md, "Sampling divergence").
+        SamplingDivergence = "sampling_divergence",
+        /// A side's committed canvas row is not its own last step's argmax row (docs/diff.md,
+        /// "Diffusion decisions"): the reply was taken from another canvas.
+        CommitNotArgmax = "commit_not_argmax",
+        /// A tensor or decision after a sampling divergence in a step, commit pass or block only
+        /// one side ran: not a structure difference (docs/diff.md, "Sampling divergence").
+        AfterSamplingDivergence = "after_sampling_divergence",
     }
 }
 
@@ -162,6 +171,9 @@ string_enum! {
         /// Not judged: a tensor of a decode step after a near-tie chose another token, so every
         /// row of it runs on another sequence (docs/diff.md, "Near-ties under a policy").
         AfterNearTie = "after_near_tie",
+        /// Not judged: captured after a sampling divergence, so it computes on another canvas
+        /// (docs/diff.md, "Sampling divergence").
+        AfterSamplingDivergence = "after_sampling_divergence",
     }
 }
 
@@ -170,7 +182,10 @@ impl RowStatus {
     pub fn agrees(self) -> bool {
         match self {
             // Left out, and counted as such (`near_ties.tensors`), not found wrong.
-            RowStatus::Identical | RowStatus::WithinPolicy | RowStatus::AfterNearTie => true,
+            RowStatus::Identical
+            | RowStatus::WithinPolicy
+            | RowStatus::AfterNearTie
+            | RowStatus::AfterSamplingDivergence => true,
             RowStatus::Different
             | RowStatus::OutsidePolicy
             | RowStatus::NoRule
@@ -218,14 +233,23 @@ string_enum! {
         AfterNearTie = "after-near-tie",
         /// None of the above: the decision rule itself differs.
         Defect = "defect",
+        /// A row of the first draw that differs between producers of different `rng`, the
+        /// candidate not forced (docs/diff.md, "Sampling divergence").
+        SamplingDivergence = "sampling-divergence",
+        /// A row of a decision taken after a sampling divergence: another canvas from there on.
+        AfterSamplingDivergence = "after-sampling-divergence",
     }
 }
 
 impl Label {
-    /// A near-tie, or a row after one: under a policy it does not fail the verdict.
+    /// A near-tie, a row after one, or a sampling divergence and the rows after it: under a
+    /// policy it does not fail the verdict.
     pub fn excused(self) -> bool {
         match self {
-            Label::NearTie | Label::AfterNearTie => true,
+            Label::NearTie
+            | Label::AfterNearTie
+            | Label::SamplingDivergence
+            | Label::AfterSamplingDivergence => true,
             Label::Consequence | Label::Defect => false,
         }
     }

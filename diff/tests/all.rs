@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod diffusion;
 mod fuzz;
 mod labels;
 mod mixed;

@@ -9,20 +9,24 @@
 //! decision row's numbers come from: its source tensor, row and token position); `rows` (one
 //! decision compared row by row: margins, and each flip labelled).
 
+mod diffusion;
 mod rows;
 mod scores;
 mod source;
 
 use tracegate_trace::{DecisionInfo, Trace};
 
+pub(crate) use diffusion::{one_sided_after_sampling, still_different};
 pub use rows::{margin_tolerance, MARGIN_SLACK};
 
 use crate::excuse::Excusal;
+use crate::passes;
 use crate::structure::order_finding;
 use crate::{
     DecisionDivergence, DecisionResult, DecisionStatus, Finding, FindingKind, Margins, Options,
     Report,
 };
+use diffusion::RunIndex;
 use rows::{compare_one, LeftOut};
 use source::{source_tensor, taken_at};
 
@@ -73,10 +77,12 @@ pub fn compare(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) -> bool {
         || rep.findings[before..]
             .iter()
             .any(|f| f.kind != FindingKind::DecisionDiffers)
-        || rep
-            .findings
-            .iter()
-            .any(|f| f.kind == FindingKind::MarginContradictsScores)
+        || rep.findings.iter().any(|f| {
+            matches!(
+                f.kind,
+                FindingKind::MarginContradictsScores | FindingKind::CommitNotArgmax
+            )
+        })
 }
 
 /// Sorts the selected reference decisions into slots and compares those both traces hold with
@@ -92,13 +98,21 @@ fn compare_common<'a>(
     let policy = opts.policy.as_ref();
     let mut slots: Vec<Slot> = Vec::with_capacity(rep.decisions.reference_count);
     let mut todo = Vec::new();
+    // A block-diffusion trace's sampler decisions have no source tensor: each is taken after
+    // its step's tensors, by run order (`passes`).
+    let run = passes::is_diffusion(r.decisions().iter().map(|d| d.name.as_str()))
+        .then(|| RunIndex::new(r));
     for rd in r.decisions().iter().filter(|i| opts.selects(&i.name)) {
         match c.decision_info(&rd.name) {
             None => slots.push(Slot::Missing),
             Some(cd) if rd.shape != cd.shape => slots.push(Slot::Shape(rd, cd)),
             Some(cd) => {
                 let source = source_tensor(&rd.name, r, c);
-                let at = taken_at(&rd.name, source.as_deref(), r);
+                let sampler = passes::place(&rd.name).and_then(|p| p.sampler);
+                let at = match (&run, &source, sampler) {
+                    (Some(run), None, Some(_)) => run.taken_at(&rd.name).unwrap_or(0),
+                    _ => taken_at(&rd.name, source.as_deref(), r),
+                };
                 todo.push((at, slots.len(), rd, cd, source));
                 slots.push(Slot::Compared(None));
             }
@@ -114,10 +128,17 @@ fn compare_common<'a>(
         .find(|(_, t)| !opts.selects(&t.name))
         .map(|(i, t)| (i, t.name.as_str()));
     let mut ex = Excusal::new(r, c, policy, opts.noise.as_ref().map(|n| &*n.0));
+    if run.is_some() {
+        if let Some(s) = diffusion::sampling_divergence(r, c, opts) {
+            ex.sampling_divergence(s);
+        }
+    }
+    let selects = |name: &str| opts.selects(name);
     for (at, slot, rd, cd, source) in todo {
         let left_out = LeftOut {
             first: first_left_out,
             source_selected: source.as_deref().is_none_or(|s| opts.selects(s)),
+            selects: &selects,
         };
         let result = compare_one(r, c, rd, cd, source, at, left_out, policy, &mut ex, rep);
         slots[slot] = Slot::Compared(Some(Box::new(result)));

@@ -5,9 +5,11 @@ use tracegate_trace::{DecisionInfo, Trace};
 
 use tracegate_trace::names::Name;
 
+use super::diffusion::{self, last_step};
 use super::scores::{crossed_gap, margin_of, picks, Scores};
 use super::source::{decode_step, holds_scores, range_divergence, row_position, source_row};
 use crate::excuse::Excusal;
+use crate::passes::{self, Sampler};
 use crate::{
     DecisionResult, DecisionStatus, Finding, FindingKind, Flip, Label, MarginDifference, Margins,
     NearTieRef, Policy, Real, Report,
@@ -61,6 +63,15 @@ pub(super) struct LeftOut<'a> {
     pub first: Option<(usize, &'a str)>,
     /// Whether the decision's source tensor was compared.
     pub source_selected: bool,
+    /// Whether the filter selects a name.
+    pub selects: &'a dyn Fn(&str) -> bool,
+}
+
+/// What a row comes after, when it is not judged: a near-tie, or the sampling divergence.
+#[derive(Clone)]
+enum After {
+    NearTie(String),
+    Sampling(String),
 }
 
 /// Compares one decision present in both traces with the same shape, row by row: equal rows by
@@ -106,6 +117,8 @@ pub(super) fn compare_one(
     if width == 0 {
         return out;
     }
+    let place = passes::place(&rd.name);
+    let sampler = place.and_then(|p| p.sampler);
     let d = Rows {
         r,
         c,
@@ -117,13 +130,39 @@ pub(super) fn compare_one(
         policy,
         margins: (rm.as_deref(), cm.as_deref()),
         left_out,
+        sampler,
+        stable: (sampler == Some(Sampler::Stop))
+            .then(|| rv.first().copied())
+            .flatten(),
     };
+    // Taken after the sampling divergence: every row computes on another canvas, not judged.
+    let after_sampling = ex.after_sampling(&rd.name).map(str::to_string);
+    if after_sampling.is_some() {
+        ex.count_after_sampling(rows);
+    }
     for (row, (a, b)) in rv.chunks(width).zip(cv.chunks(width)).enumerate() {
         let row = row as u64;
-        let position = row_position(&rd.name, source.as_deref(), row, rows, r);
-        // A row after a near-tie is not judged: its token took another, honest path.
-        let after = ex.after(position, at, d.step).map(str::to_string);
-        out.rows_after_near_tie += after.is_some() as u64;
+        let position = match diffusion::row_position(&rd.name, row, rows, r) {
+            Some(p) => p,
+            None => row_position(&rd.name, source.as_deref(), row, rows, r),
+        };
+        // A row after a near-tie is not judged: its token took another, honest path. A
+        // `stop`'s stability (rows 0 and 2) reads the argmax canvases of its block's steps.
+        let near = match (sampler, place) {
+            (Some(Sampler::Stop), Some(p)) if row != 1 => ex
+                .stop_after(p.block, p.step.unwrap_or(0))
+                .map(str::to_string),
+            _ => None,
+        }
+        .or_else(|| ex.after(position, at, d.step).map(str::to_string));
+        let after = match (&after_sampling, near) {
+            (Some(s), _) => Some(After::Sampling(s.clone())),
+            (None, Some(n)) => {
+                out.rows_after_near_tie += 1;
+                Some(After::NearTie(n))
+            }
+            (None, None) => None,
+        };
         if a == b {
             // Equal choices: the margins must be equal too (a flipped row shows both instead).
             if let (Some(rm), Some(cm), None) = (&rm, &cm, &after) {
@@ -137,6 +176,12 @@ pub(super) fn compare_one(
         out.flips.push(flip);
     }
     d.check_margins(width, (&rv, &cv), rep);
+    if sampler == Some(Sampler::Commit) {
+        d.check_commit(width, (&rv, &cv), rep);
+    }
+    if sampler == Some(Sampler::Argmax) {
+        ex.keep_argmax_flips(&rd.name, &out.flips);
+    }
     ex.count_decision_rows(out.rows_after_near_tie);
     if out.differing_rows > 0 {
         out.status = DecisionStatus::Different;
@@ -164,6 +209,10 @@ struct Rows<'a> {
     /// Each side's margins, one a row.
     margins: (Option<&'a [f32]>, Option<&'a [f32]>),
     left_out: LeftOut<'a>,
+    /// The sampler decision of a diffusion trace this is, if one.
+    sampler: Option<Sampler>,
+    /// For a `stop`: the reference's stability (row 0), which says what row 2's margin counts.
+    stable: Option<i64>,
 }
 
 impl Rows<'_> {
@@ -207,9 +256,19 @@ impl Rows<'_> {
             return;
         }
         out.margin_differing_rows += 1;
-        let tolerance = self
-            .policy
-            .map(|_| margin_tolerance(ma, mb, self.margin_divergence(row)));
+        // The sampler's margins are probabilities, nats and whole steps: their own tolerance.
+        let tolerance = self.policy.map(|_| {
+            diffusion::margin_tolerance(
+                self.r,
+                self.c,
+                self.name,
+                row,
+                (ma, mb),
+                self.stable,
+                self.left_out.selects,
+            )
+            .unwrap_or_else(|| margin_tolerance(ma, mb, self.margin_divergence(row)))
+        });
         // A non-finite margin (or tolerance) is equal only by bits: ±inf minus anything finite
         // is never "within" an infinite tolerance, and NaN never lies within one.
         let outside = tolerance.is_none_or(|t| {
@@ -282,6 +341,74 @@ impl Rows<'_> {
         }
     }
 
+    /// The last argmax of the commit's block, when both sides ended the block at the same step.
+    fn commit_argmax(&self) -> Result<String, String> {
+        let p = passes::place(self.name).expect("a sampler decision has a place");
+        match (last_step(self.r, p.block), last_step(self.c, p.block)) {
+            (Some(x), Some(y)) if x == y => Ok(tracegate_trace::names::denoise(p.block, x, "argmax")),
+            (x, y) => Err(format!(
+                "the sides' last argmax of block {} differ (reference step {x:?}, candidate step {y:?}): no argmax row to take the label of",
+                p.block
+            )),
+        }
+    }
+
+    /// The flip of the block's last argmax whose label commit row `row` takes: both sides'
+    /// commit rows must be their own last argmax rows; else why the row is a defect.
+    fn commit_inherits(
+        &self,
+        row: u64,
+        (a, b): (&[i64], &[i64]),
+        ex: &Excusal,
+    ) -> Result<Flip, String> {
+        let argmax = self.commit_argmax()?;
+        for (side, t, own) in [("reference", self.r, a), ("candidate", self.c, b)] {
+            if argmax_row(t, &argmax, row).as_deref() != Some(own) {
+                return Err(format!(
+                    "the {side}'s commit row is not its own {argmax} row: a reply taken from another canvas"
+                ));
+            }
+        }
+        ex.argmax_flip(&argmax, row).cloned().ok_or_else(|| {
+            format!("{argmax} row {row} was not compared as a flip: nothing to take the label of")
+        })
+    }
+
+    /// Each side's commit against its own last argmax (DG13.6), every row, flipped or not (a
+    /// side without any argmax of the block has nothing to hold it to): a
+    /// commit row that is not its own side's argmax row is a `commit_not_argmax` finding.
+    fn check_commit(&self, width: usize, values: (&[i64], &[i64]), rep: &mut Report) {
+        let p = passes::place(self.name).expect("a sampler decision has a place");
+        for (side, t, values) in [
+            ("reference", self.r, values.0),
+            ("candidate", self.c, values.1),
+        ] {
+            // Each side against its own last step: the sides may end the block apart.
+            let Some(argmax) = last_step(t, p.block)
+                .map(|s| tracegate_trace::names::denoise(p.block, s, "argmax"))
+            else {
+                continue;
+            };
+            let bad: Vec<u64> = values
+                .chunks(width)
+                .enumerate()
+                .filter(|(row, v)| argmax_row(t, &argmax, *row as u64).as_deref() != Some(*v))
+                .map(|(row, _)| row as u64)
+                .collect();
+            if let Some(first) = bad.first() {
+                rep.findings.push(Finding::new(
+                    FindingKind::CommitNotArgmax,
+                    Some(self.name),
+                    format!(
+                        "the {side}'s commit differs from its own {argmax} in {} of {} rows, first at row {first}: the committed canvas must be the last step's argmax canvas (docs/diffusion-gemma.md DG13.6)",
+                        bad.len(),
+                        self.rows
+                    ),
+                ));
+            }
+        }
+    }
+
     /// Why a flip whose source holds the scores cannot be a near-tie, whatever its gap: a
     /// tensor up to the source was left out by a filter, or either side's scores do not pick
     /// that side's choice (a decision that does not follow its scores is a defect of its own).
@@ -318,7 +445,7 @@ impl Rows<'_> {
         row: u64,
         (a, b): (&[i64], &[i64]),
         position: Option<i64>,
-        after: Option<String>,
+        after: Option<After>,
         ex: &mut Excusal,
         rep: &mut Report,
     ) -> Flip {
@@ -341,9 +468,29 @@ impl Rows<'_> {
             (Some(p), Some(_), Some(d)) => Some(p.near_tie_factor() * d),
             _ => None,
         };
-        let (label, upstream, why) = match &after {
-            Some(_) => (Label::AfterNearTie, None, None),
-            None => {
+        // A commit row takes its block's last argmax row's label, measures and all (the
+        // commit is that argmax, DG13.6), or is a defect when either side's is not its own.
+        let inherited = match (&after, self.sampler) {
+            (None, Some(Sampler::Commit)) => Some(self.commit_inherits(row, (a, b), ex)),
+            _ => None,
+        };
+        let (d, gap, bound) = match &inherited {
+            Some(Ok(f)) => (
+                f.source_divergence.map(|x| x.0),
+                f.gap.map(|x| x.0),
+                f.noise_bound.map(|x| x.0),
+            ),
+            _ => (d, gap, bound),
+        };
+        let (label, upstream, after, why) = match (after, inherited) {
+            (Some(After::NearTie(s)), _) => (Label::AfterNearTie, None, Some(s), None),
+            (Some(After::Sampling(s)), _) => (Label::AfterSamplingDivergence, None, Some(s), None),
+            (None, Some(Ok(f))) => (f.label, f.upstream, f.after, f.why),
+            (None, Some(Err(why))) => (Label::Defect, None, None, Some(why)),
+            (None, None) if ex.is_sampling_draw(self.name) => {
+                (Label::SamplingDivergence, None, None, None)
+            }
+            (None, None) => {
                 let upstream = ex.upstream(rep, self.at);
                 let no_excuse = match (self.policy, upstream.is_some()) {
                     (Some(_), false) => self.no_excuse(scores, a, b),
@@ -353,6 +500,7 @@ impl Rows<'_> {
                 (
                     label,
                     upstream,
+                    None,
                     no_excuse.filter(|_| label == Label::Defect),
                 )
             }
@@ -360,20 +508,40 @@ impl Rows<'_> {
         let origin = after
             .clone()
             .unwrap_or_else(|| format!("{} row {row}", self.name));
-        if label == Label::NearTie {
-            ex.near_tie(
-                position,
-                self.at,
-                &origin,
-                NearTieRef {
-                    decision: self.name.to_string(),
-                    row,
-                    position: position.unwrap_or(row as i64),
-                },
-            );
+        let near_tie_ref = || NearTieRef {
+            decision: self.name.to_string(),
+            row,
+            position: position.unwrap_or(row as i64),
+        };
+        match (label, self.sampler) {
+            // A diffusion argmax enters no tensor (the next canvas is drawn, DG13.4): its
+            // near-tie excuses no token row, only the stability of its block's `stop`s and
+            // the block's commit row, which takes this row's label.
+            (Label::NearTie, Some(Sampler::Argmax)) => {
+                let p = passes::place(self.name).expect("a sampler decision has a place");
+                ex.argmax_near_tie(p.block, p.step.unwrap_or(0), &origin);
+                ex.excused(near_tie_ref());
+            }
+            // A commit row that took its argmax's near-tie: the committed token differs, and
+            // the commit pass computes on it.
+            (Label::NearTie | Label::AfterNearTie, Some(Sampler::Commit)) => {
+                let origin = after.clone().unwrap_or_else(|| {
+                    let p = passes::place(self.name).expect("a sampler decision has a place");
+                    let s = last_step(self.r, p.block).unwrap_or(0);
+                    format!(
+                        "{} row {row}",
+                        tracegate_trace::names::denoise(p.block, s, "argmax")
+                    )
+                });
+                ex.token_after(position, self.at, &origin);
+            }
+            (Label::NearTie, _) => {
+                ex.near_tie(position, self.at, &origin, near_tie_ref());
+            }
+            _ => {}
         }
         // A different next token: every later decode step runs on another sequence.
-        if label.excused() {
+        if label.excused() && self.sampler.is_none() {
             let next = match self.step {
                 Some(s) => Some(s + 1),
                 None if self.name == "logits.argmax" && row + 1 == self.rows => Some(0),
@@ -399,6 +567,16 @@ impl Rows<'_> {
             why,
         }
     }
+}
+
+/// Row `row` of decision `name` in `t`, when it holds one of that width.
+fn argmax_row(t: &Trace, name: &str, row: u64) -> Option<Vec<i64>> {
+    let info = t.decision_info(name)?;
+    let width = info.count().checked_div(info.rows())? as usize;
+    let v = t.decision_values(info);
+    v.chunks(width.max(1))
+        .nth(row as usize)
+        .map(<[i64]>::to_vec)
 }
 
 #[cfg(test)]

@@ -2,21 +2,25 @@
 //! place in the capture order, the source row of each decision row, the row's token
 //! position, and how far the two sides' source rows are apart.
 
-use tracegate_trace::names::Name;
+use tracegate_trace::names::{Diffusion, Name};
 use tracegate_trace::{TensorInfo, Trace};
 
 use crate::excuse::capture_index;
 use crate::{numeric, Pair};
 
 /// The tensor a decision was taken from, if the traces hold it: `logits` for `logits.argmax`;
-/// `decode.SSSS.logits`, else `logits`, for `decode.SSSS.argmax`; `layer.NN.router.logits`,
+/// `decode.SSSS.logits`, else `logits`, for `decode.SSSS.argmax`; `denoise.BBBB.SSSS.logits.tempered`
+/// for `denoise.BBBB.SSSS.argmax` (a router of any pass: that pass's `router.logits`); `layer.NN.router.logits`,
 /// else `layer.NN.hidden_in`, for `layer.NN.router.topk`; `X` for any other `X.argmax`.
 pub(super) fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
     let both = |n: &str| r.tensor_info(n).is_some() && c.tensor_info(n).is_some();
     let n = Name::parse(name);
     let at = |point| Name { point, ..n }.to_string();
+    let denoise = matches!(n.diffusion, Some(Diffusion::Denoise { .. }));
     let candidates: Vec<String> = match (n.decode_step, n.layer, n.point) {
         (Some(_), None, "argmax") => vec![at("logits"), "logits".into()],
+        // A denoise step's argmax is taken from its tempered logits (DG13.1).
+        (None, None, "argmax") if denoise => vec![at("logits.tempered")],
         (_, Some(_), "router.topk") => vec![at("router.logits"), at("hidden_in")],
         _ => name
             .strip_suffix(".argmax")
@@ -166,5 +170,9 @@ mod tests {
         ));
         assert!(!holds_scores("layer.00.router.topk", "layer.00.hidden_in"));
         assert!(holds_scores("logits.argmax", "logits"));
+        assert!(holds_scores(
+            "denoise.0000.0003.argmax",
+            "denoise.0000.0003.logits.tempered"
+        ));
     }
 }

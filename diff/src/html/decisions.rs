@@ -64,6 +64,20 @@ pub(super) fn decisions(rep: &Report, h: &mut String) {
             n.tensors.len(),
         );
     }
+    if let Some(s) = &d.sampling_divergence {
+        let step = s.step.map(|x| format!(" step {x}")).unwrap_or_default();
+        let _ = write!(
+            h,
+            "<p id=\"sampling-divergence\" class=\"loud\"><b>Sampling divergence</b> at <span class=\"mono\">{}</span> rows {} (rng {} vs {}, the candidate not forced): {} tensors, {} decisions after the sampling divergence at block {}{step}: <b>not judged</b>; force the candidate with --force-decisions REF to compare them.</p>",
+            esc(&s.decision),
+            esc(&format!("{:?}", s.rows)),
+            esc(&s.reference_rng),
+            esc(&s.candidate_rng),
+            val("span", "num", "/decisions/sampling_divergence/tensors_not_judged", &s.tensors_not_judged, &s.tensors_not_judged.to_string()),
+            val("span", "num", "/decisions/sampling_divergence/decisions_not_judged", &s.decisions_not_judged, &s.decisions_not_judged.to_string()),
+            s.block,
+        );
+    }
     if d.results.is_empty() {
         h.push_str("<p>No decision compared.</p>");
         return;

@@ -171,7 +171,7 @@ th{background:#eef1f6}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .mono,code{font-family:ui-monospace,monospace;font-size:12.5px}\
 .v-identical,.v-within_policy,.s-PASS{color:#1a7f37}.v-different,.v-incomparable,.v-unreadable,.s-FAIL{color:#c62828}\
 .s-NOT{color:#9a6700}td.s-FAIL{background:#fde7e7}td.s-PASS{background:#e8f5ec}td.s-NOT{background:#fff4d6}\
-tr.outside_policy td,tr.no_rule td,tr.rerouted td{background:#fde7e7}tr.after_near_tie td{background:#fff4d6}tr.different td,tr.differs_by_digest td{background:#fff0e0}\
+tr.outside_policy td,tr.no_rule td,tr.rerouted td{background:#fde7e7}tr.after_near_tie td,tr.after_sampling_divergence td{background:#fff4d6}tr.different td,tr.differs_by_digest td{background:#fff0e0}\
 tr.first-violation td{outline:2px solid #c62828}.box{border:1px solid #ccd;border-radius:4px;padding:.5em .8em;margin:.5em 0;background:#fafbfd}\
 .l-defect{color:#c62828;font-weight:600}.l-near-tie,.l-after-near-tie{color:#9a6700}.l-consequence{color:#555}\
 svg{background:#fff;border:1px solid #d4d8e0;margin:.3em 0}svg text{font:11px system-ui,sans-serif;fill:#333}\

@@ -16,6 +16,13 @@ pub fn label_text(f: &Flip) -> String {
     match f.label {
         Label::Consequence => format!("consequence of {}", f.upstream.as_deref().unwrap_or("?")),
         Label::AfterNearTie => format!("after a near-tie ({})", f.after.as_deref().unwrap_or("?")),
+        Label::SamplingDivergence => {
+            "sampling divergence (another rng, not forced): not a defect by itself".into()
+        }
+        Label::AfterSamplingDivergence => format!(
+            "after the sampling divergence ({}): not judged",
+            f.after.as_deref().unwrap_or("?")
+        ),
         Label::NearTie => format!("near-tie{}", vs("≤")),
         Label::Defect => match &f.why {
             Some(why) => format!("{}: {why}", f.label),

@@ -3,6 +3,23 @@
 use super::{coords, thousands};
 use crate::{FindingKind, Report, RowStatus, TensorRow, Verdict};
 
+/// " (block 0 step 3 layer 01)" for a name of a block-diffusion trace, as its place in the run.
+fn place(name: &str) -> String {
+    crate::passes::in_words(name)
+        .map(|w| format!(" ({w})"))
+        .unwrap_or_default()
+}
+
+/// The sampling divergence, loudly: what was not judged after it and how to judge it.
+pub(super) fn sampling_note(rep: &Report) -> Option<String> {
+    let s = rep.decisions.sampling_divergence.as_ref()?;
+    let step = s.step.map(|x| format!(" step {x}")).unwrap_or_default();
+    Some(format!(
+        "sampling divergence at {} rows {:?} (rng {:?} vs {:?}): {} tensors, {} decisions after the sampling divergence at block {}{step}: not judged; force the candidate with --force-decisions REF to compare them",
+        s.decision, s.rows, s.reference_rng, s.candidate_rng, s.tensors_not_judged, s.decisions_not_judged, s.block
+    ))
+}
+
 fn decisions_clause(rep: &Report) -> String {
     let d = &rep.decisions;
     let n = d.reference_count;
@@ -81,12 +98,15 @@ pub(super) fn summary(rep: &Report) -> String {
         Verdict::WithinPolicy => {
             let count = |s: RowStatus| rep.per_tensor.iter().filter(|r| r.status == s).count();
             let (within, left_out) = (count(RowStatus::WithinPolicy), count(RowStatus::AfterNearTie));
+            let sampled = count(RowStatus::AfterSamplingDivergence);
             let after = if left_out > 0 { format!(", {left_out} after a near-tie not judged") } else { String::new() };
+            let after = if sampled > 0 { format!("{after}, {sampled} after the sampling divergence not judged") } else { after };
+            let sampling = sampling_note(rep).map(|n| format!("; {n}")).unwrap_or_default();
             format!(
-                "WITHIN POLICY — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds{after}), {}",
+                "WITHIN POLICY — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds{after}), {}{sampling}",
                 rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
                 rep.policy.as_ref().map(precision_clause).unwrap_or_default(),
-                common - within - left_out,
+                common - within - left_out - sampled,
                 decisions_clause(rep)
             )
         }
@@ -112,9 +132,10 @@ pub(super) fn summary(rep: &Report) -> String {
                     _ => String::new(),
                 };
                 parts.push(format!(
-                    "first at {}[{}]: {} ({}) vs {} ({}), {} ({}/{} elements differ)",
+                    "first at {}[{}]{}: {} ({}) vs {} ({}), {} ({}/{} elements differ)",
                     d.tensor,
                     coords(&d.coords),
+                    place(&d.tensor),
                     d.reference_value,
                     d.reference_bits,
                     d.candidate_value,
@@ -171,6 +192,7 @@ pub(super) fn summary(rep: &Report) -> String {
                 parts.push(format!("{} content finding{} (first: {})", content.len(), if content.len() == 1 { "" } else { "s" }, first.replace('_', " ")));
             }
             parts.push(decisions_clause(rep));
+            parts.extend(sampling_note(rep));
             format!("DIFFERENT — {}", parts.join("; "))
         }
     }
@@ -202,8 +224,9 @@ fn policy_clauses(rep: &Report) -> Vec<String> {
             .map(|x| format!(" by rule #{} {}", x.index, x.pattern))
             .unwrap_or_default();
         parts.push(format!(
-            "{outside} of {common} tensors outside the policy, first {}: {bound}{more}{rule}",
-            v.tensor
+            "{outside} of {common} tensors outside the policy, first {}{}: {bound}{more}{rule}",
+            v.tensor,
+            place(&v.tensor)
         ));
     }
     let unruled: Vec<&TensorRow> = rep
@@ -221,14 +244,17 @@ fn policy_clauses(rep: &Report) -> Vec<String> {
     }
     parts.extend(rerouted_clause(rep));
     if parts.is_empty() && common > 0 {
-        let within = rep
-            .per_tensor
-            .iter()
-            .filter(|r| r.status == RowStatus::WithinPolicy)
-            .count();
+        let count = |s: RowStatus| rep.per_tensor.iter().filter(|r| r.status == s).count();
+        let within = count(RowStatus::WithinPolicy);
+        let left_out = count(RowStatus::AfterNearTie) + count(RowStatus::AfterSamplingDivergence);
+        let after = if left_out > 0 {
+            format!(", {left_out} not judged")
+        } else {
+            String::new()
+        };
         parts.push(format!(
-            "all {common} tensors within the policy ({} bit-identical, {within} within bounds)",
-            common - within
+            "all {common} tensors within the policy ({} bit-identical, {within} within bounds{after})",
+            common - within - left_out
         ));
     }
     parts

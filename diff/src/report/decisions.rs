@@ -18,6 +18,32 @@ pub struct DecisionSummary {
     pub results: Vec<DecisionResult>,
     /// Under a policy: the near-ties excused and the rows after them (null without a policy).
     pub near_ties: Option<NearTieSummary>,
+    /// Under a policy: the first draw that differs between producers of different `rng`, the
+    /// candidate not forced, and what was left out after it (docs/diff.md, "Sampling
+    /// divergence"); null when there is none.
+    pub sampling_divergence: Option<SamplingDivergence>,
+}
+
+/// The first draw (`init_canvas`, `sampled`, `renoise`, in recorded order) whose values differ
+/// between traces of different `rng`, the candidate not forced: not a defect, and everything
+/// after it computes on another canvas, so it is counted here and not judged.
+#[derive(Clone, Debug, Serialize)]
+pub struct SamplingDivergence {
+    pub decision: String,
+    pub block: u64,
+    /// The step of a `sampled` or `renoise` draw; null for `init_canvas`.
+    pub step: Option<u64>,
+    /// The draw's rows whose values differ.
+    pub rows: Vec<u64>,
+    pub reference_rng: String,
+    pub candidate_rng: String,
+    /// Tensors captured after the draw that differ and were not judged (status
+    /// `after_sampling_divergence`); a NaN or infinity difference stays judged and is not counted.
+    pub tensors_not_judged: u64,
+    /// Decisions taken after the draw (compared, not judged: neither values nor margins).
+    pub decisions_not_judged: u64,
+    /// Their rows.
+    pub decision_rows_not_judged: u64,
 }
 
 /// What near-ties excused under a policy (docs/diff.md, "Near-ties under a policy"): nothing

@@ -12,7 +12,7 @@ use serde::{Serialize, Serializer};
 
 pub use decisions::{
     DecisionDivergence, DecisionResult, DecisionSummary, Flip, MarginDifference, NearTieRef,
-    NearTieSummary, RowsAfter,
+    NearTieSummary, RowsAfter, SamplingDivergence,
 };
 pub use passing::PassingBounds;
 pub use tensors::{
