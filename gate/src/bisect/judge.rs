@@ -393,11 +393,14 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::MarginContradictsScores
         | K::DtypeMismatch
         | K::ShapeMismatch
-        | K::Rerouted => FindingClass::Values,
+        | K::Rerouted
+        | K::CommitNotArgmax => FindingClass::Values,
         K::StackMismatchAllowed
         | K::DecisionsForced
         | K::ComparabilityNotChecked
-        | K::PolicyPrecisionMismatch => FindingClass::Note,
+        | K::PolicyPrecisionMismatch
+        | K::SamplingDivergence
+        | K::AfterSamplingDivergence => FindingClass::Note,
         K::Unreadable
         | K::StackMismatch
         | K::WeightsMismatch

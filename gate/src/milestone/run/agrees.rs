@@ -171,7 +171,12 @@ pub(super) fn compare_agrees(
     let judged: Vec<&tracegate_diff::TensorRow> = rep
         .per_tensor
         .iter()
-        .filter(|r| r.status != RowStatus::AfterNearTie)
+        .filter(|r| {
+            !matches!(
+                r.status,
+                RowStatus::AfterNearTie | RowStatus::AfterSamplingDivergence
+            )
+        })
         .collect();
     let worst = |f: fn(&tracegate_diff::TensorRow) -> Option<f64>| {
         judged

@@ -79,7 +79,8 @@ pub(super) fn policy_kind(status: RowStatus) -> Option<FindingKind> {
         | RowStatus::DiffersByDigest
         | RowStatus::Unknown
         | RowStatus::Rerouted
-        | RowStatus::AfterNearTie => None,
+        | RowStatus::AfterNearTie
+        | RowStatus::AfterSamplingDivergence => None,
     }
 }
 
