@@ -92,19 +92,19 @@ enum Cmd {
         #[arg(long)]
         denoising_steps: Option<usize>,
         /// diffusion_gemma: t_max of the temperature schedule (default: generation_config.json, then 0.8).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         t_max: Option<f64>,
         /// diffusion_gemma: t_min of the temperature schedule (default: generation_config.json, then 0.4).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         t_min: Option<f64>,
         /// diffusion_gemma: the sampler's entropy bound (default: generation_config.json, then 0.1).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         entropy_bound: Option<f64>,
         /// diffusion_gemma: stability_threshold (default: generation_config.json, then 1).
         #[arg(long)]
         stability_threshold: Option<usize>,
         /// diffusion_gemma: confidence_threshold (default: generation_config.json, then 0.005).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         confidence_threshold: Option<f64>,
         /// diffusion_gemma: EOS token ids, comma separated (default: generation_config.json's).
         #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]

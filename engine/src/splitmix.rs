@@ -96,7 +96,9 @@ mod tests {
         let t: Vec<u64> = x.iter().map(|&x| token(x, 97)).collect();
         assert_eq!(t, [24, 8, 28, 54]);
 
-        let cases: [(u64, Purpose, u64, u64, u64, [u64; 4], [u64; 4]); 3] = [
+        // (seed, purpose, block, step, key, outputs 0..3, their tokens for V = 262144)
+        type Case = (u64, Purpose, u64, u64, u64, [u64; 4], [u64; 4]);
+        let cases: [Case; 3] = [
             (
                 42,
                 Purpose::Init,

@@ -56,7 +56,7 @@ fn usize_or(v: &Value, key: &str, default: usize) -> Result<usize> {
         None => Ok(default),
         Some(x) => x
             .as_u64()
-            .filter(|&n| n >= 1 && n < (1 << 40))
+            .filter(|n| (1..(1 << 40)).contains(n))
             .map(|n| n as usize)
             .ok_or_else(
                 || err!(Config: "config.json: text_config.{key} = {x} is not a positive integer"),
@@ -96,9 +96,12 @@ impl DgConfig {
             .ok_or_else(|| err!(Config: "config.json: missing object text_config"))?;
         let canvas = match get(root, "canvas_length") {
             None => 256,
-            Some(x) => x.as_u64().filter(|&n| n >= 1 && n < (1 << 24)).ok_or_else(
-                || err!(Config: "config.json: canvas_length = {x} is not a positive integer"),
-            )? as usize,
+            Some(x) => x
+                .as_u64()
+                .filter(|n| (1..(1 << 24)).contains(n))
+                .ok_or_else(
+                    || err!(Config: "config.json: canvas_length = {x} is not a positive integer"),
+                )? as usize,
         };
         let tied = match get(root, "tie_word_embeddings") {
             None => true,
