@@ -300,7 +300,7 @@ impl<'a> DgModel<'a> {
                 let mut q = vec![0.0f32; t * v];
                 q.par_chunks_mut(v)
                     .zip(prev.par_chunks(v))
-                    .for_each(|(qr, pr)| ops::softmax(pr, |_| true, qr));
+                    .for_each(|(qr, pr)| qr.copy_from_slice(&softmax_row(pr).0));
                 let et = Mat::rows(WDType::F32, h, v, &self.embed_t);
                 let mut s = ops::matmul(&q, t, et, None);
                 for x in s.iter_mut() {
@@ -325,7 +325,12 @@ impl<'a> DgModel<'a> {
         cap.internal(pass, None, "logits.uncapped", &[t, v], &z, pos);
         // DG11: f32(tanh(binary64(z ⊘ c))) ⊗ c.
         let c = self.cfg.softcap as f32;
-        let logits: Vec<f32> = z.iter().map(|&zv| ops::tanh_to_f32(zv / c) * c).collect();
+        let mut logits = z;
+        logits.par_chunks_mut(v).for_each(|row| {
+            for x in row {
+                *x = ops::tanh_to_f32(*x / c) * c;
+            }
+        });
         cap.f32(pass, None, "logits", &[t, v], &logits, pos);
         Ok(logits)
     }
@@ -557,6 +562,25 @@ impl<'a> DgModel<'a> {
         cap.internal(pass, sl, &names::layer(l, "moe.out"), &[t, h], &out, pos);
         Ok(out)
     }
+}
+
+/// §8.6 softmax of one row over all its entries, with its max `m` and sum `z` (DG12.2's
+/// `m_r`, `z_r`): `e = f32(E(ℓ ⊖ m))` by `ops::exp_shifted` (bit-equal to the libm rule),
+/// summed ascending, divided.
+fn softmax_row(l: &[f32]) -> (Vec<f32>, f32, f32) {
+    let mut m = f32::NEG_INFINITY;
+    for &v in l {
+        if v > m {
+            m = v;
+        }
+    }
+    let mut p = l.to_vec();
+    ops::exp_shifted(&mut p, m);
+    let z = ops::ordered_sum(&p);
+    for o in p.iter_mut() {
+        *o /= z;
+    }
+    (p, m, z)
 }
 
 /// DG7 `(gelu(x·Wgᵀ) ⊗ (x·Wuᵀ))·Wdᵀ`.

@@ -187,24 +187,10 @@ struct RowStats {
     entropy: f32,
 }
 
-/// §8.6 softmax of `l` and DG12.3's entropy from the same `m` and `z`.
+/// §8.6 softmax of `l` (the exponentials by `ops::exp_shifted`, bit-equal to §4's libm rule)
+/// and DG12.3's entropy from the same `m` and `z`.
 fn row_stats(l: &[f32]) -> RowStats {
-    let mut m = f32::NEG_INFINITY;
-    for &v in l {
-        if v > m {
-            m = v;
-        }
-    }
-    let mut p = vec![0.0f32; l.len()];
-    let mut z = 0.0f32;
-    for (o, &v) in p.iter_mut().zip(l) {
-        let e = ops::exp_to_f32(v - m);
-        *o = e;
-        z += e;
-    }
-    for o in p.iter_mut() {
-        *o /= z;
-    }
+    let (p, m, z) = super::softmax_row(l);
     let lse = m + ((z as f64).ln() as f32);
     let mut acc = 0.0f32;
     for (&v, &pv) in l.iter().zip(&p) {
@@ -380,7 +366,12 @@ fn generate(
             // DG12.1 T_s with k = N − s.
             let kk = (n_steps - s) as f32;
             let temp = t_min + t_span * (kk / nf);
-            let tempered: Vec<f32> = logits.iter().map(|&x| x / temp).collect();
+            let mut tempered = logits;
+            tempered.par_chunks_mut(v).for_each(|row| {
+                for x in row {
+                    *x /= temp;
+                }
+            });
             cap.f32(pass, None, "logits.tempered", &[c, v], &tempered, &pos);
             let stats: Vec<RowStats> = tempered.par_chunks(v).map(row_stats).collect();
             let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
