@@ -282,8 +282,16 @@ impl DgConfig {
                 format!("{top_k} must be below num_experts {experts}"),
             ));
         }
+        let vocab = usize_or(t, "vocab_size", 262144)?;
+        if vocab < 2 {
+            // An argmax margin needs a second token (§12).
+            return Err(refuse(
+                "text_config.vocab_size",
+                format!("{vocab} (at least 2)"),
+            ));
+        }
         Ok(DgConfig {
-            vocab: usize_or(t, "vocab_size", 262144)?,
+            vocab,
             hidden: usize_or(t, "hidden_size", 2304)?,
             intermediate: usize_or(t, "intermediate_size", 9216)?,
             layers,
