@@ -126,6 +126,11 @@ impl Forcing {
         Ok(shape[0] as usize)
     }
 
+    /// The shape of a decision of the forcing trace (None: it has none of that name).
+    pub fn shape(&self, name: &str) -> Option<&[u64]> {
+        self.decisions.get(name).map(|(s, _)| s.as_slice())
+    }
+
     /// The forced values of a decision checked by `require`, row-major.
     pub fn values(&self, name: &str) -> Option<&[i64]> {
         self.decisions.get(name).map(|(_, v)| v.as_slice())

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use tracegate_engine::{info, run_layer, run_trace, LayerOptions, TraceOptions};
+use tracegate_engine::{
+    info, run_layer, run_trace_with, DiffusionOptions, LayerOptions, TraceOptions,
+};
 
 #[derive(Parser)]
 #[command(
@@ -83,6 +85,33 @@ enum Cmd {
         /// Take router top-k and greedy tokens from this trace instead of computing them.
         #[arg(long)]
         force_decisions: Option<PathBuf>,
+        /// diffusion_gemma: the seed of the random streams (docs/diffusion-gemma.md DG15; default 0).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// diffusion_gemma: max_denoising_steps (default: generation_config.json, then 48).
+        #[arg(long)]
+        denoising_steps: Option<usize>,
+        /// diffusion_gemma: t_max of the temperature schedule (default: generation_config.json, then 0.8).
+        #[arg(long, allow_negative_numbers = true)]
+        t_max: Option<f64>,
+        /// diffusion_gemma: t_min of the temperature schedule (default: generation_config.json, then 0.4).
+        #[arg(long, allow_negative_numbers = true)]
+        t_min: Option<f64>,
+        /// diffusion_gemma: the sampler's entropy bound (default: generation_config.json, then 0.1).
+        #[arg(long, allow_negative_numbers = true)]
+        entropy_bound: Option<f64>,
+        /// diffusion_gemma: stability_threshold (default: generation_config.json, then 1).
+        #[arg(long)]
+        stability_threshold: Option<usize>,
+        /// diffusion_gemma: confidence_threshold (default: generation_config.json, then 0.005).
+        #[arg(long, allow_negative_numbers = true)]
+        confidence_threshold: Option<f64>,
+        /// diffusion_gemma: EOS token ids, comma separated (default: generation_config.json's).
+        #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+        eos: Option<Vec<i64>>,
+        /// diffusion_gemma: the token replacing those after EOS (default: generation_config.json's).
+        #[arg(long, allow_negative_numbers = true)]
+        pad: Option<i64>,
     },
     /// Run decoder layer L alone on a tensor of another trace (rows at its positions).
     Layer {
@@ -157,6 +186,15 @@ fn main() -> ExitCode {
             cache,
             threads,
             force_decisions,
+            seed,
+            denoising_steps,
+            t_max,
+            t_min,
+            entropy_bound,
+            stability_threshold,
+            confidence_threshold,
+            eos,
+            pad,
         } => match text.map(|t| tokenize(&model, &t, chat)).transpose() {
             Err(e) => Err(e),
             Ok(tokenized) => {
@@ -164,18 +202,32 @@ fn main() -> ExitCode {
                     Some((ids, record)) => (ids, Some(record)),
                     None => (tokens, None),
                 };
-                run_trace(&TraceOptions {
-                    model_dir: model,
-                    tokens,
-                    out: out.clone(),
-                    internals: matches!(capture, CaptureSet::Internals),
-                    generate,
-                    cache: matches!(cache, OnOff::On),
-                    threads,
-                    command_line,
-                    force_decisions,
-                    prompt_text,
-                })
+                let diffusion = DiffusionOptions {
+                    seed,
+                    denoising_steps,
+                    t_max,
+                    t_min,
+                    entropy_bound,
+                    stability_threshold,
+                    confidence_threshold,
+                    eos,
+                    pad,
+                };
+                run_trace_with(
+                    &TraceOptions {
+                        model_dir: model,
+                        tokens,
+                        out: out.clone(),
+                        internals: matches!(capture, CaptureSet::Internals),
+                        generate,
+                        cache: matches!(cache, OnOff::On),
+                        threads,
+                        command_line,
+                        force_decisions,
+                        prompt_text,
+                    },
+                    &diffusion,
+                )
                 .map(|d| format!("{} {}", d.hex(), out.display()))
             }
         },

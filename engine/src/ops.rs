@@ -24,12 +24,13 @@ mod tests;
 use crate::matmul::layout::Mat;
 pub use crate::matmul::matmul;
 pub use attention::{
-    attention, attention_ref, inv_freq, inv_freq_scaled, Heads, KeyRows, Rope, RopeScaling,
+    attention, attention_masked, attention_ref, inv_freq, inv_freq_scaled, Heads, KeyRows, Rope,
+    RopeScaling,
 };
 pub use decisions::{argmax_margin, margin_of, topk};
 pub use fast_exp::{exp_shifted, silu_mul};
 pub use gated_deltanet::{causal_conv1d, delta_rule_step, gdn_decay, softplus};
-pub use norm::{gated_rmsnorm, l2norm, rmsnorm, rmsnorm_rows, rmsnorm_zero_centred};
+pub use norm::{gated_rmsnorm, l2norm, rmsnorm, rmsnorm_plain, rmsnorm_rows, rmsnorm_zero_centred};
 
 /// §2: `acc = +0.0; acc = acc ⊕ (x[k] ⊗ w[k])` for k ascending.
 #[inline]
@@ -124,4 +125,19 @@ pub fn sigmoid(g: f32) -> f32 {
 /// §9 `silu(g) = g ⊗ sigmoid(g)`.
 pub fn silu(g: f32) -> f32 {
     g * sigmoid(g)
+}
+
+/// diffusion-gemma.md DG1: `f32(tanh(binary64(x)))`, libm's binary64 tanh rounded once.
+pub fn tanh_to_f32(x: f32) -> f32 {
+    (x as f64).tanh() as f32
+}
+
+/// diffusion-gemma.md DG7 `gelu_pytorch_tanh` in torch's order:
+/// `(0.5 ⊗ x) ⊗ (1 ⊕ tanh(β ⊗ (x ⊕ κ ⊗ x³)))`, β = f32(√2·(2/√π)·0.5), κ = f32(0.044715).
+pub fn gelu_tanh(x: f32) -> f32 {
+    let beta = (std::f64::consts::SQRT_2 * std::f64::consts::FRAC_2_SQRT_PI * 0.5) as f32;
+    let kappa = 0.044715f32;
+    let x3 = (x * x) * x;
+    let inner = beta * (x + kappa * x3);
+    (0.5f32 * x) * (1.0f32 + tanh_to_f32(inner))
 }

@@ -10,6 +10,7 @@ use tracegate_trace::{names, Digest, Trace, TraceWriter};
 use crate::capture::Capture;
 use crate::config::{load_config, LayerKind, ModelType, MAX_POSITIONS};
 use crate::force::Forcing;
+use crate::model::diffusion_gemma::config::DiffusionOptions;
 use crate::model::Model;
 use crate::ops;
 use crate::{err, Result};
@@ -50,7 +51,7 @@ pub struct LayerOptions {
     pub decode_from: Option<i64>,
 }
 
-fn pool(threads: usize) -> Result<rayon::ThreadPool> {
+pub(crate) fn pool(threads: usize) -> Result<rayon::ThreadPool> {
     if threads == 0 {
         return Err(err!(Input: "--threads must be at least 1"));
     }
@@ -60,7 +61,7 @@ fn pool(threads: usize) -> Result<rayon::ThreadPool> {
         .map_err(|e| err!(Internal: "thread pool: {e}"))
 }
 
-fn provenance(
+pub(crate) fn provenance(
     dir: &Path,
     raw_cfg: &Value,
     weights_digest: &str,
@@ -186,9 +187,44 @@ pub fn generate(
     Ok(steps)
 }
 
+/// Whether `dir`'s config.json names diffusion Gemma (docs/diffusion-gemma.md), whose verbs
+/// are its own module's; anything unreadable is left to the common path to report.
+fn is_diffusion_gemma(dir: &Path) -> bool {
+    if !matches!(crate::gguf::model_file(dir), Ok(None)) {
+        return false;
+    }
+    tracegate_trace::json::read_bytes(
+        &dir.join("config.json"),
+        tracegate_trace::json::MAX_JSON_LEN,
+    )
+    .ok()
+    .and_then(|b| tracegate_trace::json::parse(&b).ok())
+    .is_some_and(|v: Value| v.get("model_type").and_then(Value::as_str) == Some("diffusion_gemma"))
+}
+
+/// `engine trace` with diffusion Gemma's generation knobs (`--seed`, `--denoising-steps`, …):
+/// refused, naming them, for every other family.
+pub fn run_trace_with(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
+    if is_diffusion_gemma(&o.model_dir) {
+        return crate::model::diffusion_gemma::run::run_trace(o, d);
+    }
+    let given = d.given();
+    if !given.is_empty() {
+        return Err(err!(Input:
+            "{}: only for diffusion_gemma models (docs/diffusion-gemma.md)",
+            given.join(", ")
+        ));
+    }
+    run_trace(o)
+}
+
 /// `engine trace`: prefill the prompt (positions 0..n−1, causal), capture, optionally generate,
-/// write the trace. Returns its content digest.
+/// write the trace. Returns its content digest. A diffusion Gemma model runs its block diffusion
+/// with the checkpoint's knobs (`run_trace_with` takes the command line's).
 pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
+    if is_diffusion_gemma(&o.model_dir) {
+        return crate::model::diffusion_gemma::run::run_trace(o, &DiffusionOptions::default());
+    }
     if o.tokens.is_empty() {
         return Err(err!(Input: "--tokens: the prompt is empty"));
     }
@@ -315,7 +351,10 @@ fn write(
 /// Runs `work` while another thread hashes the checkpoint for provenance: the digest reads every
 /// weight byte once and does not depend on the forward, so on a large model it would otherwise
 /// add its whole time to every run.
-fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Result<(String, T)> {
+pub(crate) fn beside_weights_digest<T>(
+    dir: &Path,
+    work: impl FnOnce() -> Result<T>,
+) -> Result<(String, T)> {
     std::thread::scope(|s| {
         let digest = s.spawn(|| crate::weights_digest(dir));
         let out = work();
@@ -333,6 +372,9 @@ fn beside_weights_digest<T>(dir: &Path, work: impl FnOnce() -> Result<T>) -> Res
 /// cached decode path alone — `Model::layer` on one row and the filled cache, the call a cached
 /// `--generate` step makes for every layer — and only those rows are written.
 pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
+    if is_diffusion_gemma(&o.model_dir) {
+        return Err(err!(Input: "layer: not yet implemented for diffusion_gemma"));
+    }
     let (cfg, raw) = load_config(&o.model_dir)?;
     if o.layer >= cfg.num_hidden_layers {
         return Err(err!(Input:
@@ -493,6 +535,9 @@ fn check_decode_from(pos: &[i64], p: i64) -> Result<()> {
 
 /// `engine info`: config summary, weights digest, inventory check (loading binds every tensor).
 pub fn info(dir: &Path) -> Result<String> {
+    if is_diffusion_gemma(dir) {
+        return crate::model::diffusion_gemma::run::info(dir);
+    }
     let (cfg, _) = load_config(dir)?;
     let store = crate::open_store(dir)?;
     let n = store.tensor_count();

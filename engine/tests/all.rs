@@ -3,6 +3,7 @@
 
 mod common;
 mod conformance;
+mod diffusion_gemma;
 mod engine;
 mod force;
 mod qwen3_5;

@@ -6,6 +6,7 @@
 //! kinds, the sizes, and the family's traits (`ModelType`: zero-centred norms, the attention's
 //! output gate, the tensors present and not run).
 
+pub mod diffusion_gemma;
 mod feed_forward;
 mod layer;
 mod mixer;

@@ -76,12 +76,17 @@ impl Rope {
     }
 
     pub fn scaled(base: f64, d: usize, scaling: RopeScaling, positions: &[i64]) -> Rope {
-        let half = d.div_ceil(2);
-        let inv = inv_freq_scaled(base, d, scaling);
+        Rope::from_inv_freq(&inv_freq_scaled(base, d, scaling), positions)
+    }
+
+    /// §7's tables for given frequencies (half = their count): diffusion Gemma's proportional
+    /// RoPE zeroes the tail of §7's frequencies (DG4.2) and rotates the whole head.
+    pub fn from_inv_freq(inv: &[f32], positions: &[i64]) -> Rope {
+        let half = inv.len();
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
         for &p in positions {
-            for &f in &inv {
+            for &f in inv {
                 let angle = (p as f32) * f;
                 cos.push((angle as f64).cos() as f32);
                 sin.push((angle as f64).sin() as f32);
@@ -159,6 +164,61 @@ pub fn attention_ref(
             }
         }
     }
+    (o, probs)
+}
+
+/// §8.3–§8.7 with a visibility rule of the caller's (`visible(r, c)`: key c for query row r),
+/// otherwise `attention_ref`: scores `dot ⊗ scale`, §8.6 softmax over the visible keys in key
+/// order, §8.7 weighted sum ascending. Heads on the rayon pool (each head's arithmetic is the same
+/// whichever thread runs it). Returns `o` `[T, nq, d]` and the probabilities `[nq, T, S]`
+/// (masked entries +0.0). Diffusion Gemma's bidirectional and windowed masks (DG6).
+pub fn attention_masked(
+    q: &[f32],
+    t: usize,
+    keys: &KeyRows,
+    hs: Heads,
+    scale: f32,
+    visible: &(dyn Fn(usize, usize) -> bool + Sync),
+) -> (Vec<f32>, Vec<f32>) {
+    let (s_len, d) = (keys.pos.len(), hs.d);
+    let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..hs.nq)
+        .into_par_iter()
+        .map(|hq| {
+            let hk = hq / (hs.nq / hs.nkv); // §8.3
+            let mut o = vec![0.0f32; t * d];
+            let mut probs = vec![0.0f32; t * s_len];
+            let mut s = vec![0.0f32; s_len];
+            for r in 0..t {
+                let qv = &q[(r * hs.nq + hq) * d..(r * hs.nq + hq + 1) * d];
+                for c in 0..s_len {
+                    let kv = &keys.k[(c * hs.nkv + hk) * d..(c * hs.nkv + hk + 1) * d];
+                    s[c] = if visible(r, c) {
+                        dot(qv, kv) * scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+                let p = &mut probs[r * s_len..(r + 1) * s_len];
+                softmax(&s, |c| visible(r, c), p);
+                let orow = &mut o[r * d..(r + 1) * d];
+                for c in (0..s_len).filter(|&c| visible(r, c)) {
+                    let vv = &keys.v[(c * hs.nkv + hk) * d..(c * hs.nkv + hk + 1) * d];
+                    for j in 0..d {
+                        orow[j] += p[c] * vv[j];
+                    }
+                }
+            }
+            (o, probs)
+        })
+        .collect();
+    let mut o = vec![0.0f32; t * hs.nq * d];
+    for (hq, (oh, _)) in per_head.iter().enumerate() {
+        for r in 0..t {
+            o[(r * hs.nq + hq) * d..(r * hs.nq + hq + 1) * d]
+                .copy_from_slice(&oh[r * d..(r + 1) * d]);
+        }
+    }
+    let probs = per_head.into_iter().flat_map(|(_, p)| p).collect();
     (o, probs)
 }
 

@@ -67,3 +67,11 @@ pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, zero_centred: bool) -> Vec<f
         });
     out
 }
+
+/// diffusion-gemma.md DG3 `rmsnorm_plain` (a weightless norm): §6's `inv`, then `x[i] ⊗ inv`.
+pub fn rmsnorm_plain(x: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = rms_inv(x, eps);
+    for i in 0..x.len() {
+        out[i] = x[i] * inv;
+    }
+}

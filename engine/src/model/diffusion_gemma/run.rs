@@ -1,0 +1,665 @@
+//! Diffusion Gemma's `engine trace`: the prompt's encoder pass, then per block the denoise
+//! steps (temperature, probabilities, entropy, and the step's decisions: argmax, sampled, accept,
+//! renoise, stop), the commit and the commit's encoder pass (docs/diffusion-gemma.md DG12–DG17);
+//! the capture in DG16's order and the forcing of DG17.
+
+use rayon::prelude::*;
+use serde_json::{json, Value};
+use tracegate_trace::{names, Attributes, DType, Digest, TraceWriter};
+
+use super::config::{DgConfig, DiffusionOptions, Knobs};
+use super::{DgModel, Pass};
+use crate::force::{Forcing, Record};
+use crate::splitmix::{self, Purpose};
+use crate::{err, ops, Result, TraceOptions};
+
+enum Data {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+struct Rec {
+    name: String,
+    shape: Vec<u64>,
+    data: Data,
+    positions: Vec<i64>,
+    path: &'static str,
+    mask: String,
+}
+
+struct Decision {
+    name: String,
+    shape: Vec<u64>,
+    values: Vec<i64>,
+    margins: Option<Vec<f32>>,
+}
+
+/// What a run records, in order: tensors (with their `path` and `mask`), decisions, and which
+/// decisions were forced.
+pub struct Cap {
+    internals: bool,
+    window: usize,
+    tensors: Vec<Rec>,
+    decisions: Vec<Decision>,
+    forced: Vec<Record>,
+    first_forced: Option<usize>,
+}
+
+impl Cap {
+    fn new(internals: bool, window: usize) -> Cap {
+        Cap {
+            internals,
+            window,
+            tensors: vec![],
+            decisions: vec![],
+            forced: vec![],
+            first_forced: None,
+        }
+    }
+
+    /// A default point `rest` of `pass` (`layer`: Some(sliding) inside a layer).
+    pub fn f32(
+        &mut self,
+        pass: Pass,
+        layer: Option<bool>,
+        rest: &str,
+        shape: &[usize],
+        data: &[f32],
+        pos: &[i64],
+    ) {
+        self.tensors.push(Rec {
+            name: pass.name(rest),
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            data: Data::F32(data.to_vec()),
+            positions: pos.to_vec(),
+            path: pass.path(),
+            mask: pass.mask(layer, self.window),
+        });
+    }
+
+    /// An internals-only point.
+    pub fn internal(
+        &mut self,
+        pass: Pass,
+        layer: Option<bool>,
+        rest: &str,
+        shape: &[usize],
+        data: &[f32],
+        pos: &[i64],
+    ) {
+        if self.internals {
+            self.f32(pass, layer, rest, shape, data, pos);
+        }
+    }
+
+    fn canvas(&mut self, pass: Pass, canvas: &[i64], pos: &[i64]) {
+        self.tensors.push(Rec {
+            name: pass.name("canvas"),
+            shape: vec![canvas.len() as u64],
+            data: Data::I64(canvas.to_vec()),
+            positions: pos.to_vec(),
+            path: pass.path(),
+            mask: pass.mask(None, self.window),
+        });
+    }
+
+    pub fn decision(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        values: Vec<i64>,
+        margins: Option<Vec<f32>>,
+    ) {
+        self.decisions.push(Decision {
+            name: name.to_string(),
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            values,
+            margins,
+        });
+    }
+
+    pub fn forced(&mut self, name: &str, overridden: u64) {
+        self.first_forced.get_or_insert(self.tensors.len());
+        self.forced.push(Record {
+            name: name.to_string(),
+            overridden,
+        });
+    }
+
+    fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
+        for (i, t) in self.tensors.iter().enumerate() {
+            let mut attrs = Attributes::default()
+                .with_path(t.path)
+                .with_mask(&t.mask)
+                .with_positions(t.positions.clone());
+            if let (Some(d), Some(first)) = (forcing_digest, self.first_forced) {
+                if i >= first {
+                    attrs.extra.insert("forced".into(), d.to_string());
+                }
+            }
+            match &t.data {
+                Data::F32(v) => w.tensor_f32(&t.name, &t.shape, v, &attrs)?,
+                Data::I64(v) => {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    w.tensor(&t.name, DType::I64, &t.shape, &bytes, &attrs)?
+                }
+            }
+        }
+        for d in &self.decisions {
+            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref())?;
+        }
+        Ok(())
+    }
+}
+
+/// The forced values of decision `name` (DG17), checked: `len` values, each accepted by `ok`.
+/// None when the run is not forced; an error naming the decision when REF lacks it.
+fn forced_values(
+    f: Option<&Forcing>,
+    name: &str,
+    len: usize,
+    ok: impl Fn(i64) -> bool,
+    want: &str,
+) -> Result<Option<Vec<i64>>> {
+    let Some(f) = f else { return Ok(None) };
+    let refuse = |what: String| err!(Input: "--force-decisions {}: {what}", f.path.display());
+    let (Some(shape), Some(values)) = (f.shape(name), f.values(name)) else {
+        return Err(refuse(format!(
+            "decision {name} is missing (this run needs it)"
+        )));
+    };
+    if shape != [len as u64] {
+        return Err(refuse(format!(
+            "decision {name} has shape {shape:?}, this run needs [{len}]"
+        )));
+    }
+    if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| !ok(v)) {
+        return Err(refuse(format!(
+            "decision {name} value {i} is {v}, not {want}"
+        )));
+    }
+    Ok(Some(values.to_vec()))
+}
+
+/// The per-row statistics of one step's tempered logits (DG12.2, DG12.3).
+struct RowStats {
+    p: Vec<f32>,
+    entropy: f32,
+}
+
+/// §8.6 softmax of `l` (the exponentials by `ops::exp_shifted`, bit-equal to §4's libm rule)
+/// and DG12.3's entropy from the same `m` and `z`.
+fn row_stats(l: &[f32]) -> RowStats {
+    let (p, m, z) = super::softmax_row(l);
+    let lse = m + ((z as f64).ln() as f32);
+    let mut acc = 0.0f32;
+    for (&v, &pv) in l.iter().zip(&p) {
+        let lp = (v - lse).max(-f32::MAX);
+        acc += lp * pv;
+    }
+    RowStats { p, entropy: -acc }
+}
+
+/// A diffusion Gemma trace (DG14, DG16). `o.generate` is max_new_tokens: ceil(N / C) blocks.
+pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
+    if !o.cache {
+        return Err(
+            err!(Input: "--cache off: not supported for diffusion_gemma (the decoder reads the encoder's KV cache; there is no uncached path)"),
+        );
+    }
+    if o.tokens.is_empty() {
+        return Err(err!(Input: "--tokens: the prompt is empty"));
+    }
+    let (_, raw) = read_config(&o.model_dir)?;
+    let cfg = DgConfig::from_json(&raw)?;
+    let knobs = Knobs::resolve(&o.model_dir, o.generate, d, cfg.vocab)?;
+    let seed = d.seed.unwrap_or(0);
+    let c = cfg.canvas;
+    let blocks = o.generate.div_ceil(c);
+    let n = o.tokens.len();
+    let total = blocks
+        .checked_mul(c)
+        .and_then(|x| x.checked_add(n))
+        .filter(|&x| x <= cfg.max_positions && blocks < 1 << 32);
+    if total.is_none() {
+        return Err(err!(Input:
+            "--tokens/--generate: {n} prompt tokens plus {blocks} canvases of {c} exceed max_position_embeddings {}",
+            cfg.max_positions
+        ));
+    }
+    let store = crate::open_store(&o.model_dir)?;
+    let model = DgModel::load(cfg, &store)?;
+    let forcing = match &o.force_decisions {
+        Some(p) => {
+            let f = Forcing::open(p)?;
+            f.check_prompt(&o.tokens)?;
+            Some(f)
+        }
+        None => None,
+    };
+    let pool = crate::run::pool(o.threads)?;
+    let (wd, (cap, output, blocks_run)) = crate::run::beside_weights_digest(&o.model_dir, || {
+        pool.install(|| {
+            generate(
+                &model,
+                &o.tokens,
+                &knobs,
+                seed,
+                blocks,
+                o.internals,
+                forcing.as_ref(),
+            )
+        })
+    })?;
+    let mut prov = crate::run::provenance(
+        &o.model_dir,
+        &raw,
+        &wd,
+        o.threads,
+        o.internals,
+        &o.command_line,
+    );
+    if !model.unused_tensors.is_empty() {
+        let m: serde_json::Map<String, Value> = model
+            .unused_tensors
+            .iter()
+            .map(|(p, n)| (p.clone(), json!(n)))
+            .collect();
+        prov["unused_tensors"] = Value::Object(m);
+    }
+    prov["verb"] = json!("trace");
+    prov["prompt_tokens"] = json!(o.tokens);
+    if let Some(text) = &o.prompt_text {
+        prov["prompt_text"] = text.clone();
+    }
+    prov["cache"] = json!("on");
+    prov["generate"] = json!(o.generate);
+    prov["generation"] = knobs.provenance(c);
+    prov["rng"] = json!("splitmix64-dg15");
+    prov["seed"] = json!(seed);
+    prov["blocks"] = json!(blocks_run);
+    prov["output_tokens"] = json!(output);
+    if let Some(f) = &forcing {
+        f.check_weights(&wd)?;
+        prov["forced_decisions"] = f.provenance(&cap.forced);
+    }
+    let mut w = TraceWriter::create(&o.out, prov)?;
+    cap.write(&mut w, forcing.as_ref().map(|f| f.digest.as_str()))?;
+    Ok(w.finish()?)
+}
+
+fn read_config(dir: &std::path::Path) -> Result<((), Value)> {
+    let p = dir.join("config.json");
+    let bytes = tracegate_trace::json::read_bytes(&p, tracegate_trace::json::MAX_JSON_LEN)
+        .map_err(|e| err!(Config: "{e}"))?;
+    let raw = tracegate_trace::json::parse(&bytes)
+        .map_err(|e| err!(Config: "{}: invalid JSON: {e}", p.display()))?;
+    Ok(((), raw))
+}
+
+/// DG14: the prompt's pass, then the blocks. Returns the capture, the output tokens (committed
+/// canvases after EOS padding) and the number of blocks run.
+fn generate(
+    model: &DgModel,
+    prompt: &[i64],
+    k: &Knobs,
+    seed: u64,
+    blocks: usize,
+    internals: bool,
+    forcing: Option<&Forcing>,
+) -> Result<(Cap, Vec<i64>, usize)> {
+    let cfg = &model.cfg;
+    let (c, v) = (cfg.canvas, cfg.vocab);
+    let mut cap = Cap::new(internals, cfg.window);
+    let mut cache = model.new_cache();
+    let ppos: Vec<i64> = (0..prompt.len() as i64).collect();
+    model.encode(Pass::Prompt, prompt, &ppos, &mut cache, &mut cap, forcing)?;
+    let mut output = vec![];
+    let mut l0 = prompt.len();
+    let mut run = 0;
+    let n_steps = k.steps;
+    // DG12.1's constants: f32(t_min), f32(t_max − t_min) (the binary64 difference), f32(N).
+    let (t_min, t_span, nf) = (k.t_min as f32, (k.t_max - k.t_min) as f32, n_steps as f32);
+    let beta = k.entropy_bound as f32;
+    let thr = k.confidence as f32;
+    for b in 0..blocks {
+        run = b + 1;
+        let pos: Vec<i64> = (l0 as i64..(l0 + c) as i64).collect();
+        // DG14: the initial canvas, INIT(b, 0).
+        let init_name = names::denoise_block(b, "init_canvas");
+        let mut canvas = match forced_values(
+            forcing,
+            &init_name,
+            c,
+            |t| (0..v as i64).contains(&t),
+            "a token id",
+        )? {
+            Some(f) => {
+                cap.decision(&init_name, &[c], f.clone(), None);
+                cap.forced(&init_name, 0);
+                f
+            }
+            None => {
+                let key = splitmix::key(seed, Purpose::Init, b as u64, 0);
+                let f: Vec<i64> = (0..c)
+                    .map(|r| splitmix::token(splitmix::output(key, r as u64), v as u64) as i64)
+                    .collect();
+                cap.decision(&init_name, &[c], f.clone(), None);
+                f
+            }
+        };
+        let mut prev: Option<Vec<f32>> = None;
+        let mut history: Vec<Vec<i64>> = vec![];
+        let mut last_argmax: (Vec<i64>, Vec<f32>) = (vec![], vec![]);
+        for s in 0..n_steps {
+            let pass = Pass::Denoise(b, s);
+            cap.canvas(pass, &canvas, &pos);
+            let logits = model.denoise(
+                pass,
+                &canvas,
+                &pos,
+                prev.as_deref(),
+                &mut cache,
+                &mut cap,
+                forcing,
+            )?;
+            // DG12.1 T_s with k = N − s.
+            let kk = (n_steps - s) as f32;
+            let temp = t_min + t_span * (kk / nf);
+            let mut tempered = logits;
+            tempered.par_chunks_mut(v).for_each(|row| {
+                for x in row {
+                    *x /= temp;
+                }
+            });
+            cap.f32(pass, None, "logits.tempered", &[c, v], &tempered, &pos);
+            let stats: Vec<RowStats> = tempered.par_chunks(v).map(row_stats).collect();
+            let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
+            if let Some(r) = entropy.iter().position(|h| h.is_nan()) {
+                return Err(err!(NaN: "NaN entropy at block {b}, step {s}, row {r}"));
+            }
+            cap.f32(pass, None, "entropy", &[c], &entropy, &pos);
+
+            // DG13.1 argmax of the tempered logits.
+            let name = pass.name("argmax");
+            let mut own = vec![];
+            for (r, row) in tempered.chunks(v).enumerate() {
+                if row.iter().any(|x| x.is_nan()) {
+                    return Err(err!(NaN: "NaN tempered logit at block {b}, step {s}, row {r}"));
+                }
+                own.push(ops::argmax_margin(row));
+            }
+            let argmax: Vec<i64>;
+            let margins: Vec<f32>;
+            match forced_values(
+                forcing,
+                &name,
+                c,
+                |t| (0..v as i64).contains(&t),
+                "a token id",
+            )? {
+                Some(f) => {
+                    margins = f
+                        .iter()
+                        .zip(tempered.chunks(v))
+                        .map(|(&t, row)| ops::margin_of(row, &[t as usize]))
+                        .collect();
+                    let over = f
+                        .iter()
+                        .zip(&own)
+                        .filter(|(&a, &(o, _))| a != o as i64)
+                        .count();
+                    argmax = f;
+                    cap.decision(&name, &[c], argmax.clone(), Some(margins.clone()));
+                    cap.forced(&name, over as u64);
+                }
+                None => {
+                    argmax = own.iter().map(|&(i, _)| i as i64).collect();
+                    margins = own.iter().map(|&(_, m)| m).collect();
+                    cap.decision(&name, &[c], argmax.clone(), Some(margins.clone()));
+                }
+            }
+
+            // DG13.2 sampled: categorical from P with SAMPLE(b, s).
+            let name = pass.name("sampled");
+            let sampled = match forced_values(
+                forcing,
+                &name,
+                c,
+                |t| (0..v as i64).contains(&t),
+                "a token id",
+            )? {
+                Some(f) => {
+                    let m: Vec<f32> = f
+                        .iter()
+                        .zip(&stats)
+                        .map(|(&t, st)| st.p[t as usize])
+                        .collect();
+                    cap.decision(&name, &[c], f.clone(), Some(m));
+                    // A draw has no "own choice" to override: none counted.
+                    cap.forced(&name, 0);
+                    f
+                }
+                None => {
+                    let key = splitmix::key(seed, Purpose::Sample, b as u64, s as u64);
+                    let mut f = vec![];
+                    for (r, st) in stats.iter().enumerate() {
+                        let u = splitmix::uniform(splitmix::output(key, r as u64));
+                        let t = splitmix::categorical(&st.p, u).ok_or_else(
+                            || err!(NaN: "no positive probability at block {b}, step {s}, row {r}"),
+                        )?;
+                        f.push(t as i64);
+                    }
+                    let m: Vec<f32> = f
+                        .iter()
+                        .zip(&stats)
+                        .map(|(&t, st)| st.p[t as usize])
+                        .collect();
+                    cap.decision(&name, &[c], f.clone(), Some(m));
+                    f
+                }
+            };
+
+            // DG13.3 accept: rank by (entropy, row), cumulative sums in rank order.
+            let mut order: Vec<usize> = (0..c).collect();
+            order.sort_by(|&a, &bb| {
+                entropy[a]
+                    .partial_cmp(&entropy[bb])
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+            let mut x = vec![0.0f32; c];
+            let mut sum = 0.0f32;
+            for &r in &order {
+                sum += entropy[r];
+                x[r] = sum - entropy[r];
+            }
+            let own_accept: Vec<i64> = x.iter().map(|&xj| i64::from(xj <= beta)).collect();
+            let name = pass.name("accept");
+            let accept = match forced_values(forcing, &name, c, |a| a == 0 || a == 1, "0 or 1")? {
+                Some(f) => {
+                    let over = f.iter().zip(&own_accept).filter(|(a, b)| a != b).count();
+                    cap.decision(&name, &[c], f.clone(), Some(accept_margins(&f, &x, beta)));
+                    cap.forced(&name, over as u64);
+                    f
+                }
+                None => {
+                    let m = accept_margins(&own_accept, &x, beta);
+                    cap.decision(&name, &[c], own_accept.clone(), Some(m));
+                    own_accept
+                }
+            };
+
+            // DG13.4 renoise: a whole new canvas from RENOISE(b, s); the next canvas.
+            let name = pass.name("renoise");
+            let renoise = match forced_values(
+                forcing,
+                &name,
+                c,
+                |t| (-1..v as i64).contains(&t),
+                "a token id or -1",
+            )? {
+                Some(f) => {
+                    if let Some(r) = (0..c).find(|&r| (f[r] == -1) != (accept[r] == 1)) {
+                        return Err(err!(Input:
+                            "--force-decisions: decision {name} row {r} is {} where accept is {}",
+                            f[r], accept[r]
+                        ));
+                    }
+                    cap.decision(&name, &[c], f.clone(), None);
+                    cap.forced(&name, 0);
+                    f
+                }
+                None => {
+                    let key = splitmix::key(seed, Purpose::Renoise, b as u64, s as u64);
+                    let f: Vec<i64> = (0..c)
+                        .map(|r| {
+                            let t = splitmix::token(splitmix::output(key, r as u64), v as u64);
+                            if accept[r] == 1 {
+                                -1
+                            } else {
+                                t as i64
+                            }
+                        })
+                        .collect();
+                    cap.decision(&name, &[c], f.clone(), None);
+                    f
+                }
+            };
+            let next: Vec<i64> = (0..c)
+                .map(|r| {
+                    if accept[r] == 1 {
+                        sampled[r]
+                    } else {
+                        renoise[r]
+                    }
+                })
+                .collect();
+
+            // DG13.5 stop = stable ∧ confident.
+            let run_len = history.iter().rev().take_while(|h| **h == argmax).count();
+            let st_thr = k.stability;
+            let mut mu = 0.0f32;
+            for &h in &entropy {
+                mu += h;
+            }
+            mu /= c as f32;
+            let own_stable = run_len >= st_thr;
+            let own_conf = mu < thr;
+            let own = [own_stable, own_conf, own_stable && own_conf].map(i64::from);
+            let name = pass.name("stop");
+            let (stop, over) =
+                match forced_values(forcing, &name, 3, |a| a == 0 || a == 1, "0 or 1")? {
+                    Some(f) => {
+                        let over = f.iter().zip(&own).filter(|(a, b)| a != b).count();
+                        (f, Some(over as u64))
+                    }
+                    None => (own.to_vec(), None),
+                };
+            let stab_m = |stable: bool| {
+                if stable {
+                    run_len as f32 - st_thr as f32
+                } else {
+                    st_thr as f32 - run_len as f32
+                }
+            };
+            let conf_m = |conf: bool| if conf { thr - mu } else { mu - thr };
+            let (m0, m1) = (stab_m(stop[0] == 1), conf_m(stop[1] == 1));
+            let m2 = if stop[0] == 1 { m1 } else { m0 };
+            cap.decision(&name, &[3], stop.clone(), Some(vec![m0, m1, m2]));
+            if let Some(over) = over {
+                cap.forced(&name, over);
+            }
+            history.push(argmax.clone());
+            last_argmax = (argmax, margins);
+            prev = Some(tempered);
+            canvas = next;
+            if stop[2] == 1 {
+                break;
+            }
+        }
+        // DG13.6 commit = the last step's argmax.
+        let (commit, cm) = last_argmax;
+        let name = names::denoise_block(b, "commit");
+        if let Some(f) = forcing {
+            if let Some(refc) = f.values(&name) {
+                if refc != commit.as_slice() {
+                    return Err(err!(Input:
+                        "--force-decisions {}: decision {name} is {refc:?}, this run commits {commit:?} (the forced argmax of its last step)",
+                        f.path.display()
+                    ));
+                }
+            }
+        }
+        cap.decision(&name, &[c], commit.clone(), Some(cm));
+        let mut out = commit.clone();
+        let eos_at = out.iter().position(|t| k.eos.contains(t));
+        if let Some(i) = eos_at {
+            if let Some(pad) = k.pad {
+                for t in out.iter_mut().skip(i + 1) {
+                    *t = pad;
+                }
+            }
+        }
+        output.extend_from_slice(&out);
+        if eos_at.is_some() {
+            break;
+        }
+        if b + 1 < blocks {
+            model.encode(
+                Pass::Encode(b),
+                &commit,
+                &pos,
+                &mut cache,
+                &mut cap,
+                forcing,
+            )?;
+        }
+        l0 += c;
+    }
+    Ok((cap, output, run))
+}
+
+/// DG13.3's margins for accept values `a`: `β ⊖ x` where accepted, `x ⊖ β` where not (negative
+/// where the value is not this producer's own).
+fn accept_margins(a: &[i64], x: &[f32], beta: f32) -> Vec<f32> {
+    a.iter()
+        .zip(x)
+        .map(|(&a, &xj)| if a == 1 { beta - xj } else { xj - beta })
+        .collect()
+}
+
+/// `engine info` for diffusion Gemma: the config as read, the tensors (every one bound or set
+/// aside), the weights digest.
+pub fn info(dir: &std::path::Path) -> Result<String> {
+    let (_, raw) = read_config(dir)?;
+    let cfg = DgConfig::from_json(&raw)?;
+    let store = crate::open_store(dir)?;
+    let n = store.tensor_count();
+    let model = DgModel::load(cfg, &store)?;
+    let c = &model.cfg;
+    let kinds: String = c
+        .sliding
+        .iter()
+        .map(|&s| if s { 'S' } else { 'F' })
+        .collect();
+    let unused: usize = model.unused_tensors.iter().map(|(_, n)| n).sum();
+    let mut s = format!(
+        "family diffusion_gemma\nlayers {}  hidden {}  heads {}  vocab {}  intermediate {}  rms_norm_eps {}  tied {}\n",
+        c.layers, c.hidden, c.heads, c.vocab, c.intermediate, c.eps, c.tied
+    );
+    s += &format!(
+        "layer_types {kinds} (S sliding, F full)  sliding_window {}  sliding head_dim {} kv {} theta {}  full head_dim {} kv {} theta {} rotated pairs {}\n",
+        c.window, c.sliding_attn.head_dim, c.sliding_attn.kv_heads, c.sliding_attn.theta,
+        c.full_attn.head_dim, c.full_attn.kv_heads, c.full_attn.theta, c.full_attn.rotated
+    );
+    s += &format!(
+        "experts {} top-{}  moe_intermediate {}  canvas {}  final_logit_softcapping {}\n",
+        c.experts, c.top_k, c.moe_intermediate, c.canvas, c.softcap
+    );
+    s += &format!(
+        "tensors {n}: all present; {} run, {unused} unused\n",
+        n - unused
+    );
+    s += &format!("weights_digest {}\n", crate::weights_digest(dir)?);
+    Ok(s)
+}
