@@ -14,11 +14,6 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
     let (verb, threads) = Verb::parse(argv)?;
     match verb {
         Verb::Trace {
-            seed: Some(seed), ..
-        } => Err(crate::error::gerr!(
-            "--seed {seed}: this engine does not sample (no block-diffusion family yet)"
-        )),
-        Verb::Trace {
             model,
             tokens,
             out,
@@ -26,19 +21,26 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
             generate,
             cache,
             force,
-            seed: None,
-        } => tracegate_engine::run_trace(&tracegate_engine::TraceOptions {
-            model_dir: PathBuf::from(model),
-            tokens,
-            out: PathBuf::from(out),
-            internals,
-            generate,
-            cache,
-            threads,
-            command_line: argv.to_vec(),
-            force_decisions: force.map(PathBuf::from),
-            prompt_text: None,
-        })
+            seed,
+        } => tracegate_engine::run_trace_with(
+            &tracegate_engine::TraceOptions {
+                model_dir: PathBuf::from(model),
+                tokens,
+                out: PathBuf::from(out),
+                internals,
+                generate,
+                cache,
+                threads,
+                command_line: argv.to_vec(),
+                force_decisions: force.map(PathBuf::from),
+                prompt_text: None,
+            },
+            // A sampling family's seed; the other knobs are the checkpoint's.
+            &tracegate_engine::DiffusionOptions {
+                seed,
+                ..Default::default()
+            },
+        )
         .map(|_| ())
         .map_err(crate::error::Error::from),
         Verb::Layer {
