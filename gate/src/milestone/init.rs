@@ -164,6 +164,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
             },
             generate: a.generate,
             seed: None,
+            capture: None,
             policy: a.policy.clone().unwrap_or_else(|| AUTO_POLICY.into()),
             models: vec![MilestoneModel {
                 model: model.clone(),

@@ -30,6 +30,11 @@ pub struct Milestone {
     /// contract draw from it; the oracle is forced by the engine's draws.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// `internals` to run every producer with `--capture internals` (absent: `default`). A
+    /// block-diffusion milestone needs it: its router margins are judged against the
+    /// `router.logits` they come from, which only internals records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capture: Option<String>,
     /// The policy that judges engine ≈ oracle: a bundled name (f32, bf16, f16, q8) or a path
     /// relative to the project root.
     pub policy: String,

@@ -37,17 +37,22 @@ pub(super) fn check_oracle(
             } else if let refused @ [_, ..] = &incomparable("engine", &[("oracle", e, r)])[..] {
                 not_comparable(Check::GenerationOracle, refused.to_vec())
             } else {
+                let detail = if crate::prompts::samples(&m.family) {
+                    format!(
+                        "{} committed tokens equal to the oracle's, which was forced by the engine's canvases, draws and stops ({} decision rows it would have taken otherwise)",
+                        a.len(),
+                        overridden(r)
+                    )
+                } else {
+                    format!(
+                        "{} greedy tokens equal to the oracle's (its own KV cache)",
+                        a.len()
+                    )
+                };
                 judge(
                     m,
                     &p.id,
-                    CheckResult::new(
-                        Check::GenerationOracle,
-                        Status::Pass,
-                        format!(
-                            "{} greedy tokens equal to the oracle's (its own KV cache)",
-                            a.len()
-                        ),
-                    ),
+                    CheckResult::new(Check::GenerationOracle, Status::Pass, detail),
                     found,
                 )
             };
@@ -65,6 +70,15 @@ pub(super) fn check_oracle(
             (both.into(), None)
         }
     }
+}
+
+/// The decision rows a forced trace's producer would have taken otherwise (provenance
+/// `forced_decisions.rows_overridden`, docs/producers.md), as a word.
+fn overridden(t: &Trace) -> String {
+    t.provenance()
+        .pointer("/forced_decisions/rows_overridden")
+        .and_then(serde_json::Value::as_u64)
+        .map_or_else(|| "not recorded".to_string(), |n| n.to_string())
 }
 
 /// `eng` (the reference: the engine, a port's golden trace or its uncached run) against `ora`
@@ -157,7 +171,13 @@ pub(super) fn compare_agrees(
         .map_or(0, |n| n.rows_after());
     // Smallest margin among the engine's decisions; worst numeric divergences.
     let mut smallest: Option<(f64, String)> = None;
-    for d in eng.decisions() {
+    // A sampler's margins are probabilities, nats to a bound or whole steps, not distances to
+    // a flip (docs/capture-points.md, "Diffusion Gemma").
+    let sampler = |name: &str| {
+        tracegate_trace::names::point(name)
+            .is_some_and(|p| p.block == tracegate_trace::names::Block::Sampler)
+    };
+    for d in eng.decisions().iter().filter(|d| !sampler(&d.name)) {
         if let Some(ms) = eng.decision_margins(d) {
             for (row, m) in ms.iter().enumerate() {
                 let m = *m as f64;

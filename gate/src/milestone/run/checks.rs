@@ -172,7 +172,8 @@ fn compare_matches(
     )
 }
 
-/// generation: cached, uncached and contract tokens identical.
+/// generation: cached, uncached and contract tokens identical (a block-diffusion model: the
+/// engine's and the contract's committed tokens).
 pub(super) fn check_generation(
     m: &MilestoneModel,
     p: &Prompt,
@@ -180,6 +181,9 @@ pub(super) fn check_generation(
     generated: &Generated,
     expect: std::result::Result<&Expectation, &str>,
 ) -> CheckResult {
+    if crate::prompts::samples(&m.family) {
+        return check_committed(m, p, traces, generated, expect);
+    }
     match (
         &generated.engine_cached,
         &generated.engine_uncached,
@@ -235,4 +239,57 @@ pub(super) fn check_generation(
             CheckResult::new(Check::Generation, Status::Fail, why.join("; "))
         }
     }
+}
+
+/// generation for block diffusion: the engine's committed canvases equal the contract's and
+/// the recorded ones. It has no uncached path (every step re-reads the prompt's cache), so the
+/// uncached engine did not run.
+fn check_committed(
+    m: &MilestoneModel,
+    p: &Prompt,
+    traces: &Traces,
+    generated: &Generated,
+    expect: std::result::Result<&Expectation, &str>,
+) -> CheckResult {
+    let (Some(a), Some(c), Ok(eng), Ok(con)) = (
+        &generated.engine_cached,
+        &generated.contract,
+        &traces.engine,
+        &traces.contract,
+    ) else {
+        let why: Vec<String> = [&traces.engine, &traces.contract]
+            .iter()
+            .filter_map(|t| t.as_ref().err().map(ToString::to_string))
+            .collect();
+        return CheckResult::new(Check::Generation, Status::Fail, why.join("; "));
+    };
+    if a.is_empty() {
+        return CheckResult::not_checked(Check::Generation, "no tokens generated (--generate 0)");
+    }
+    let refused = incomparable("engine", &[("contract", eng, con)]);
+    if !refused.is_empty() {
+        return not_comparable(Check::Generation, refused);
+    }
+    let mut found: Vec<Finding> = tokens_finding("engine", "contract", a, c)
+        .into_iter()
+        .collect();
+    let mut detail = format!(
+        "{} committed tokens: engine = contract: {a:?} (block diffusion: no uncached path)",
+        a.len()
+    );
+    if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
+        detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
+        found.push(finding(
+            FindingKind::TokensChanged,
+            "engine",
+            a.len() as u64,
+            detail.clone(),
+        ));
+    }
+    judge(
+        m,
+        &p.id,
+        CheckResult::new(Check::Generation, Status::Pass, detail),
+        found,
+    )
 }

@@ -231,7 +231,7 @@ fn produce(
                         model: plan.model.clone(),
                         tokens: p.tokens.clone(),
                         out: trace_of(plan, p, role),
-                        internals: false,
+                        internals: plan.internals,
                         generate: plan.generate,
                         cache: role != Role::EngineUncached,
                         force: (sampling && role == Role::Oracle)

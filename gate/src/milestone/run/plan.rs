@@ -61,6 +61,8 @@ pub(super) struct Plan {
     pub(super) generate: usize,
     /// The seed of a sampling family's runs (the milestone's, 0 when it records none).
     pub(super) seed: u64,
+    /// The milestone's `capture` is `internals`.
+    pub(super) internals: bool,
     pub(super) threads: usize,
     pub(super) policy: Policy,
     /// `<work>/<milestone>/<model directory name>`, relative to the root (or absolute).
@@ -126,6 +128,17 @@ impl Settled {
         let policy =
             Policy::resolve(policy_arg, &o.root).map_err(|e| gerr!("{}: {e}", m.policy))?;
         let work_rel = format!("{}/{}", o.work.trim_end_matches('/'), m.id);
+        let internals = match m.capture.as_deref() {
+            None | Some("default") => false,
+            Some("internals") => true,
+            Some(other) => {
+                return Err(gerr!(
+                    "{}: milestone {}: capture {other:?} is neither \"default\" nor \"internals\"",
+                    ms_path.display(),
+                    m.id
+                ))
+            }
+        };
         let mut plans = Vec::new();
         for (mm, model) in runs {
             for p in &selected {
@@ -141,6 +154,7 @@ impl Settled {
                 model,
                 generate,
                 seed: m.seed.unwrap_or(0),
+                internals,
                 threads: o.threads,
                 policy: policy.clone(),
             });
