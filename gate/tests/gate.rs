@@ -2356,3 +2356,100 @@ fn blessing_one_milestone_moves_every_milestone_sharing_its_prompt_file() {
     let rep = r.report.unwrap();
     assert_eq!(check(&rep, "short", "matches")["status"], "PASS");
 }
+
+/// dg0 on one prompt, with `extra` arguments: block diffusion's runs (the engine and the
+/// contract with the milestone's seed, the oracle forced by the engine's trace).
+fn dg0(extra: &[&str], env: &[(&str, &Path)]) -> Run {
+    let mut args = vec!["run", "dg0", "--only", "short"];
+    args.extend_from_slice(extra);
+    gate(&repo(), &args, env)
+}
+
+#[test]
+fn dg0_runs_the_oracle_forced_by_the_engines_trace_and_passes() {
+    let r = dg0(&[], &[]);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let runs = rep["prompts"][0]["runs"].as_array().unwrap();
+    let invocation = |producer: &str| {
+        runs.iter()
+            .find(|x| x["producer"] == producer)
+            .map(|x| x["invocation"].as_str().unwrap().to_string())
+    };
+    // Block diffusion has no uncached path: three runs, each with the seed.
+    assert_eq!(runs.len(), 3, "{runs:?}");
+    for p in ["engine", "contract", "oracle"] {
+        let i = invocation(p).unwrap();
+        assert!(
+            i.contains("--seed 3") && i.contains("--capture internals"),
+            "{i}"
+        );
+    }
+    let oracle = invocation("oracle").unwrap();
+    assert!(
+        oracle.contains("--force-decisions") && oracle.contains("short/engine.trace"),
+        "{oracle}"
+    );
+    for c in [
+        "stable",
+        "matches",
+        "generation",
+        "agrees",
+        "generation_oracle",
+    ] {
+        assert_eq!(check(&rep, "short", c)["status"], "PASS", "{c}");
+    }
+    let generation = check(&rep, "short", "generation")["detail"]
+        .as_str()
+        .unwrap();
+    assert!(generation.contains("14 committed tokens"), "{generation}");
+}
+
+#[test]
+fn dg0_names_a_contract_that_skips_self_conditioning_at_its_first_step() {
+    // Negative control of matches: the contract with the seed's incident planted.
+    let torchless_dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(torchless_dir.path());
+    let r = dg0(
+        &["--contract-cmd", &common::defective("dg-sc-skip")],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let matches = check(&rep, "short", "matches");
+    assert_eq!(matches["status"], "FAIL");
+    let first = matches["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "tensor_differs")
+        .expect("a tensor_differs finding");
+    assert_eq!(first["name"], "denoise.0000.0000.sc.out", "{first}");
+    assert_eq!(check(&rep, "short", "stable")["status"], "PASS");
+}
+
+#[test]
+fn dg0_fails_an_oracle_whose_mlp_adds_where_it_should_overwrite() {
+    // Negative control of agrees: the defective contract stands in for the oracle, and the
+    // gate forces it with the engine's trace as it forces transformers; the forcing keeps the
+    // canvases equal, so the numbers name the defect.
+    let r = dg0(&["--oracle-cmd", &common::defective("dg-mlp-add")], &[]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let rep = r.report.unwrap();
+    let agrees = check(&rep, "short", "agrees");
+    assert_eq!(agrees["status"], "FAIL");
+    let detail = agrees["detail"].as_str().unwrap();
+    // Under internals the MLP's own output is captured: the first point outside the policy.
+    assert!(
+        detail.contains("outside the policy, first layer.00.dense_mlp.out"),
+        "{detail}"
+    );
+    // The unplanted contract as the oracle agrees (bit for bit, forced by the engine).
+    let clean = dg0(&["--oracle-cmd", &common::defective("none")], &[]);
+    assert_eq!(
+        check(clean.report.as_ref().unwrap(), "short", "agrees")["status"],
+        "PASS",
+        "{}",
+        clean.stdout
+    );
+}
