@@ -211,6 +211,10 @@ fn verdict(rep: &Report, opts: &Options, different: bool) -> Verdict {
             .any(|d| d.margin_differing_rows > 0 || d.differing_rows > 0);
     if different {
         Verdict::Different
+    } else if rep.decisions.sampling_divergence.is_some() {
+        // Past the first differing draw the two runs follow other canvases: what came before is
+        // within the policy, what came after was not compared, so the whole is no agreement.
+        Verdict::Incomparable
     } else if opts.policy.is_some() && any_value_difference {
         Verdict::WithinPolicy
     } else {

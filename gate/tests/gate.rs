@@ -216,7 +216,7 @@ fn passes_as_bundled_and_records_invocations() {
     let root = repo();
     let r = gate(&root, &["check"], &[]);
     assert_eq!(r.code, 0, "gate check failed:\n{}\n{}", r.stdout, r.stderr);
-    for m in ["m0", "m1"] {
+    for m in ["m0", "m1", "dg0"] {
         let line = r
             .stdout
             .lines()
@@ -250,7 +250,8 @@ fn passes_as_bundled_and_records_invocations() {
             ("m0", "fixtures/tiny-llama"),
             ("m0", "fixtures/tiny-qwen2"),
             ("m1", "fixtures/tiny-qwen3-moe"),
-            ("m1", "fixtures/tiny-qwen3_5-moe")
+            ("m1", "fixtures/tiny-qwen3_5-moe"),
+            ("dg0", "fixtures/tiny-diffusion-gemma")
         ]
     );
     assert!(reports

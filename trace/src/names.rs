@@ -298,7 +298,12 @@ pub const FAMILIES: &[(&str, &[Feature])] = {
     use Feature::*;
     const DENSE: &[Feature] = &[Autoregressive, SoftmaxAttention];
     const MOE: &[Feature] = &[Autoregressive, SoftmaxAttention, Moe];
-    const HYBRID: &[Feature] = &[Autoregressive, SoftmaxAttention, LinearAttention, OutputGate];
+    const HYBRID: &[Feature] = &[
+        Autoregressive,
+        SoftmaxAttention,
+        LinearAttention,
+        OutputGate,
+    ];
     const HYBRID_MOE: &[Feature] = &[
         Autoregressive,
         SoftmaxAttention,
@@ -639,8 +644,14 @@ mod tests {
                 .token_axis,
             Some(1)
         );
-        assert_eq!(point("denoise.0000.0001.canvas").unwrap().stored, Stored::Tokens);
-        assert_eq!(point("denoise.0000.0001.argmax").unwrap().kind, Kind::Decision);
+        assert_eq!(
+            point("denoise.0000.0001.canvas").unwrap().stored,
+            Stored::Tokens
+        );
+        assert_eq!(
+            point("denoise.0000.0001.argmax").unwrap().kind,
+            Kind::Decision
+        );
         assert_eq!(point("denoise.0004.commit").unwrap().block, Block::Sampler);
         assert_eq!(
             point("encode.0000.layer.00.moe.branch").unwrap().block,

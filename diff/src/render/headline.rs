@@ -78,7 +78,40 @@ fn near_ties_note(rep: &Report) -> Option<String> {
 pub(super) fn summary(rep: &Report) -> String {
     let t = &rep.tensors;
     let common = rep.per_tensor.len();
+    let judged = |word: &str| {
+        let count = |s: RowStatus| rep.per_tensor.iter().filter(|r| r.status == s).count();
+        let (within, left_out) = (
+            count(RowStatus::WithinPolicy),
+            count(RowStatus::AfterNearTie),
+        );
+        let sampled = count(RowStatus::AfterSamplingDivergence);
+        let after = if left_out > 0 {
+            format!(", {left_out} after a near-tie not judged")
+        } else {
+            String::new()
+        };
+        let after = if sampled > 0 {
+            format!("{after}, {sampled} after the sampling divergence not judged")
+        } else {
+            after
+        };
+        let sampling = sampling_note(rep)
+            .map(|n| format!("; {n}"))
+            .unwrap_or_default();
+        format!(
+            "{word} — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds{after}), {}{sampling}",
+            rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
+            rep.policy.as_ref().map(precision_clause).unwrap_or_default(),
+            common - within - left_out - sampled,
+            decisions_clause(rep)
+        )
+    };
     match rep.verdict {
+        // What came before the first differing draw is within the policy; what came after was
+        // not compared (docs/diff.md, "Sampling divergence").
+        Verdict::Incomparable if rep.decisions.sampling_divergence.is_some() => {
+            judged("INCOMPARABLE past the sampling divergence")
+        }
         Verdict::Unreadable | Verdict::Incomparable => {
             let word = if rep.verdict == Verdict::Unreadable { "UNREADABLE" } else { "INCOMPARABLE" };
             let refusals: Vec<_> = rep.findings.iter().filter(|f| f.kind != FindingKind::StackMismatchAllowed).collect();
@@ -95,21 +128,7 @@ pub(super) fn summary(rep: &Report) -> String {
             t.compared_elementwise.len(),
             decisions_clause(rep)
         ),
-        Verdict::WithinPolicy => {
-            let count = |s: RowStatus| rep.per_tensor.iter().filter(|r| r.status == s).count();
-            let (within, left_out) = (count(RowStatus::WithinPolicy), count(RowStatus::AfterNearTie));
-            let sampled = count(RowStatus::AfterSamplingDivergence);
-            let after = if left_out > 0 { format!(", {left_out} after a near-tie not judged") } else { String::new() };
-            let after = if sampled > 0 { format!("{after}, {sampled} after the sampling divergence not judged") } else { after };
-            let sampling = sampling_note(rep).map(|n| format!("; {n}")).unwrap_or_default();
-            format!(
-                "WITHIN POLICY — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds{after}), {}{sampling}",
-                rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
-                rep.policy.as_ref().map(precision_clause).unwrap_or_default(),
-                common - within - left_out - sampled,
-                decisions_clause(rep)
-            )
-        }
+        Verdict::WithinPolicy => judged("WITHIN POLICY"),
         Verdict::Different => {
             let mut parts = Vec::new();
             if let Some(p) = &rep.policy {

@@ -122,7 +122,9 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
     if let Some(f) = &rep.filter {
         let _ = writeln!(o, "  filter     {} (not compared, not counted); the verdict covers only what was compared", left_out(f));
     }
-    if matches!(rep.verdict, Verdict::Unreadable | Verdict::Incomparable) {
+    if matches!(rep.verdict, Verdict::Unreadable | Verdict::Incomparable)
+        && rep.decisions.sampling_divergence.is_none()
+    {
         findings(o, rep);
         return;
     }
