@@ -35,65 +35,11 @@ def parser() -> argparse.ArgumentParser:
     g = protocol.parser(
         "python -m tracegate_contract", "numpy contract producer", parser_class=_Parser
     )
-    _diffusion_flags(g.trace)
     return g.parser
 
 
-# dest of each diffusion flag; default None, so a flag that was given can be told apart (they
-# are refused for other families, and override generation_config.json for diffusion_gemma).
-DIFFUSION_FLAGS = {
-    "seed": "--seed",
-    "max_denoising_steps": "--denoising-steps",
-    "t_max": "--t-max",
-    "t_min": "--t-min",
-    "entropy_bound": "--entropy-bound",
-    "stability_threshold": "--stability-threshold",
-    "confidence_threshold": "--confidence-threshold",
-    "eos_token_id": "--eos",
-    "pad_token_id": "--pad",
-}
-
-
-def _integer(text: str) -> int:
-    if not protocol._TOKEN_ID.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    return int(text)
-
-
-def _number(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v != v or v in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return v
-
-
-def _diffusion_flags(t: argparse.ArgumentParser) -> None:
-    """Ranges are checked once the checkpoint's generation_config.json is merged
-    (diffusion_gemma.resolve_knobs), so a refusal names the flag or the file that set it."""
-    kinds = {
-        "seed": (_integer, "S", "DG15 generator seed, 0 ≤ S < 2^64 (default 0)"),
-        "max_denoising_steps": (_integer, "N", "denoising steps per block at most (≥ 1)"),
-        "t_max": (_number, "F", "temperature at the first step (> --t-min)"),
-        "t_min": (_number, "F", "temperature schedule's floor (≥ 0)"),
-        "entropy_bound": (_number, "F", "the sampler's accept bound (> 0)"),
-        "stability_threshold": (_integer, "N", "stop: steps of an unchanged argmax (≥ 0)"),
-        "confidence_threshold": (_number, "F", "stop: mean entropy below this (> 0)"),
-        "eos_token_id": (protocol.tokens, "ID[,ID…]", "end-of-sequence token ids"),
-        "pad_token_id": (_integer, "ID", "replaces the tokens after an EOS"),
-    }
-    for dest, flag in DIFFUSION_FLAGS.items():
-        typ, metavar, what = kinds[dest]
-        t.add_argument(
-            flag,
-            dest=dest,
-            type=typ,
-            default=None,
-            metavar=metavar,
-            help=f"diffusion_gemma only: {what}",
-        )
+# dest -> flag of the block-diffusion knobs (defined once, in tracegate.protocol).
+DIFFUSION_FLAGS = {dest: spec[0] for dest, spec in protocol.DIFFUSION_FLAGS.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -515,7 +515,7 @@ def _set(where: str, key: str, value):
         (["--temperature", "1"], None, None, "unrecognized arguments: --temperature"),
         (["--t-max", "0.3"], None, None, "t_max = 0.3 (command line): must be > t_min = 0.4"),
         (["--entropy-bound", "0"], None, None, "entropy_bound = 0.0 (command line): must be > 0"),
-        (["--denoising-steps", "0"], None, None, "--denoising-steps: must be ≥ 1"),
+        (["--denoising-steps", "0"], None, None, "max_denoising_steps = 0 (command line): not an"),
         (["--eos", "509"], None, None, "eos_token_id = [509] (command line): not a token id"),
         ([], _set("text", "use_bidirectional_attention", "all"), None, "use_bidirectional_attention"),
         ([], _set("text", "attention_bias", True), None, "attention_bias = True"),

@@ -72,9 +72,8 @@ def parser() -> argparse.ArgumentParser:
             default=1,
             help="torch intra-op threads (default 1)",
         )
-        p.add_argument("--seed", type=int, default=0)
-    # diffusion_gemma's generation knobs (docs/diffusion-gemma.md DG16); refused for other families
-    dg.add_flags(g.trace)
+    # torch's seed; `trace` has the protocol's --seed (block diffusion's sampler, default 0 here)
+    g.layer.add_argument("--seed", type=int, default=0)
     return g.parser
 
 
@@ -292,7 +291,7 @@ def main(argv=None) -> int:
         device=a.device,
         dtype=a.dtype,
         threads=a.threads,
-        seed=a.seed,
+        seed=a.seed if a.seed is not None else 0,
         capture=a.capture,
         cache=getattr(a, "cache", "on"),
         generate=getattr(a, "generate", 0),

@@ -39,14 +39,14 @@ UNUSED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 
 # The knobs of DG0 a command line sets: argparse dest -> (flag, generation_config key).
 KNOB_FLAGS = {
-    "denoising_steps": ("--denoising-steps", "max_denoising_steps"),
+    "max_denoising_steps": ("--denoising-steps", "max_denoising_steps"),
     "t_max": ("--t-max", "t_max"),
     "t_min": ("--t-min", "t_min"),
     "entropy_bound": ("--entropy-bound", "entropy_bound"),
     "stability_threshold": ("--stability-threshold", "stability_threshold"),
     "confidence_threshold": ("--confidence-threshold", "confidence_threshold"),
-    "eos": ("--eos", "eos_token_id"),
-    "pad": ("--pad", "pad_token_id"),
+    "eos_token_id": ("--eos", "eos_token_id"),
+    "pad_token_id": ("--pad", "pad_token_id"),
 }
 # generation_config.json keys, beside the knobs, that change nothing this run computes.
 _INERT_KEYS = (
@@ -161,20 +161,6 @@ def check_config(raw: dict, path: Path) -> None:
     ne, k = tc.get("num_experts"), tc.get("top_k_experts")
     if not (isinstance(k, int) and isinstance(ne, int) and 1 <= k < ne):
         refuse(f"text_config.top_k_experts = {k!r} with num_experts = {ne!r} (need 1 <= k < E)")
-
-
-def add_flags(p) -> None:
-    """The knob flags of DG16 on the `trace` verb (refused for every other family)."""
-    from tracegate import protocol
-
-    p.add_argument("--denoising-steps", type=protocol.at_least(1), metavar="N")
-    p.add_argument("--t-max", type=float, metavar="F")
-    p.add_argument("--t-min", type=float, metavar="F")
-    p.add_argument("--entropy-bound", type=float, metavar="F")
-    p.add_argument("--stability-threshold", type=protocol.at_least(0), metavar="N")
-    p.add_argument("--confidence-threshold", type=float, metavar="F")
-    p.add_argument("--eos", type=protocol.tokens, metavar="ID[,ID...]")
-    p.add_argument("--pad", type=int, metavar="ID")
 
 
 def given_flags(a) -> dict:

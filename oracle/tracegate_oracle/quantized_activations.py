@@ -575,7 +575,11 @@ def _trace(a) -> int:
     from . import cli
 
     rc = cp.RunConfig(
-        capture=a.capture, generate=a.generate, cache=a.cache, threads=a.threads, seed=a.seed
+        capture=a.capture,
+        generate=a.generate,
+        cache=a.cache,
+        threads=a.threads,
+        seed=a.seed if a.seed is not None else 0,
     )
     tokens, prompt_text = cli._prompt(a)
     out = cli._check_out(a.out)
@@ -599,7 +603,7 @@ def parser() -> argparse.ArgumentParser:
     g = protocol.parser(PROG, __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = g.trace
     t.add_argument("--threads", type=protocol.at_least(1), default=1)
-    t.add_argument("--seed", type=int, default=0)
+    # --seed is the protocol's (here torch's seed; absent: 0)
     t.add_argument(
         "--plant-down",
         type=_plant,

@@ -3,6 +3,7 @@
     PRODUCER trace --model DIR --tokens IDS --out PATH [--capture default|internals]
                    [--generate N] [--cache on|off] [--force-decisions TRACE]
     PRODUCER trace --model DIR --text TEXT [--chat] --out PATH ...   (tracegate.text)
+    PRODUCER trace ... [--seed S] [--denoising-steps N] [--t-max F] ...  (block diffusion)
     PRODUCER layer --model DIR --layer L --input TRACE --input-name NAME --out PATH
                    [--capture default|internals] [--force-decisions TRACE] [--decode-from P]
     PRODUCER serve     (one request per stdin line: tracegate.serve)
@@ -23,7 +24,7 @@ import argparse
 import re
 from typing import NamedTuple
 
-__all__ = ["SERVE", "Grammar", "at_least", "parser", "prompt_text", "tokens"]
+__all__ = ["DIFFUSION_FLAGS", "SERVE", "Grammar", "at_least", "parser", "prompt_text", "tokens"]
 
 SERVE = "serve"  # the worker verb: its requests are the per-call command lines (tracegate.serve)
 
@@ -64,6 +65,55 @@ def at_least(low: int):
         return n
 
     return integer
+
+
+def _integer(text: str) -> int:
+    if not _TOKEN_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+# A block-diffusion model's generation knobs on `trace` (docs/diffusion-gemma.md DG0): dest (the
+# generation_config key) -> (flag, type, metavar, what). Default None, so a flag that was given
+# can be told apart: a producer refuses them for other families, and for block diffusion they
+# override the checkpoint's generation_config.json. Ranges are checked once that file is merged,
+# so a refusal names the flag or the file that set the value.
+DIFFUSION_FLAGS = {
+    "seed": ("--seed", _integer, "S", "the sampler's seed, 0 ≤ S < 2^64 (default 0)"),
+    "max_denoising_steps": (
+        "--denoising-steps",
+        _integer,
+        "N",
+        "denoising steps per block at most (≥ 1)",
+    ),
+    "t_max": ("--t-max", _number, "F", "temperature at the first step (> --t-min)"),
+    "t_min": ("--t-min", _number, "F", "the temperature schedule's floor (≥ 0)"),
+    "entropy_bound": ("--entropy-bound", _number, "F", "the sampler's accept bound (> 0)"),
+    "stability_threshold": (
+        "--stability-threshold",
+        _integer,
+        "N",
+        "stop: steps of an unchanged argmax (≥ 0)",
+    ),
+    "confidence_threshold": (
+        "--confidence-threshold",
+        _number,
+        "F",
+        "stop: mean entropy below this (> 0)",
+    ),
+    "eos_token_id": ("--eos", tokens, "ID[,ID…]", "end-of-sequence token ids"),
+    "pad_token_id": ("--pad", _integer, "ID", "replaces the tokens after an EOS"),
+}
 
 
 class Grammar(NamedTuple):
@@ -133,6 +183,15 @@ def parser(
         metavar="TRACE",
         help="take router top-k and greedy tokens from this trace instead of computing them",
     )
+    for dest, (flag, typ, metavar, what) in DIFFUSION_FLAGS.items():
+        t.add_argument(
+            flag,
+            dest=dest,
+            type=typ,
+            default=None,
+            metavar=metavar,
+            help=f"block diffusion only: {what}",
+        )
 
     # --chat without --text is a usage error of the verb. argparse checks no relation between two
     # flags but mutual exclusion, so the trace parser's own parse checks it once it has parsed
