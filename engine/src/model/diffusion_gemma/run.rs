@@ -671,9 +671,7 @@ fn layer_input_pass(name: &str, l: usize) -> Result<Pass> {
     let pass = match (n.decode_step, n.diffusion) {
         (None, None) => Some(Pass::Prompt),
         (None, Some(names::Diffusion::Encode { block })) => Some(Pass::Encode(block)),
-        (None, Some(names::Diffusion::Denoise { block, step })) => {
-            Some(Pass::Denoise(block, step))
-        }
+        (None, Some(names::Diffusion::Denoise { block, step })) => Some(Pass::Denoise(block, step)),
         _ => None,
     };
     match pass {
@@ -795,22 +793,18 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
     let x = input.f32_vec(&o.input_name)?;
     let a = cfg.attn(o.layer);
     let mut kv = cache_from_trace(&input, &o.input, pass, o.layer, a.kv_heads * a.head_dim)?;
-    let forcing = o.force_decisions.as_deref().map(Forcing::open).transpose()?;
+    let forcing = o
+        .force_decisions
+        .as_deref()
+        .map(Forcing::open)
+        .transpose()?;
     let store = crate::open_store(&o.model_dir)?;
     let model = DgModel::load(cfg, &store)?;
     let pool = crate::run::pool(o.threads)?;
     let (wd, cap) = crate::run::beside_weights_digest(&o.model_dir, || {
         pool.install(|| -> Result<Cap> {
             let mut cap = Cap::new(o.internals, model.cfg.window);
-            model.layer(
-                pass,
-                o.layer,
-                &x,
-                &pos,
-                &mut kv,
-                &mut cap,
-                forcing.as_ref(),
-            )?;
+            model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref())?;
             Ok(cap)
         })
     })?;
