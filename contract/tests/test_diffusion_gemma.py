@@ -635,7 +635,7 @@ def test_eos_pads_after_the_first_eos_and_ends_generation(tmp_path, base):
     assert t.provenance["output_tokens"] == commit and t.provenance["blocks"] == 1
 
 
-def test_tie_word_embeddings_false_and_the_layer_verb_are_refused(tmp_path, base, capsys):
+def test_tie_word_embeddings_false_is_refused(tmp_path, capsys):
     d = tmp_path / "m"
     shutil.copytree(FIXTURE, d)
     cfg = json.loads((d / "config.json").read_text())
@@ -643,8 +643,84 @@ def test_tie_word_embeddings_false_and_the_layer_verb_are_refused(tmp_path, base
     (d / "config.json").write_text(json.dumps(cfg))
     assert cli("trace", "--model", d, "--tokens", "3,4", "--out", tmp_path / "x") == 2
     assert "tie_word_embeddings" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# The layer verb (docs/producers.md, "Block diffusion")
+
+
+def layer_verb(tmp_path, out, index, src, name, *extra):
     rc = cli(
-        "layer", "--model", FIXTURE, "--layer", 0, "--input", base.path,
-        "--input-name", "layer.00.hidden_in", "--out", tmp_path / "y",
+        "layer", "--model", FIXTURE, "--layer", index, "--input", src, "--input-name", name,
+        "--out", tmp_path / out, "--capture", "internals", *extra,
     )  # fmt: skip
-    assert rc == 2 and "diffusion_gemma" in capsys.readouterr().err
+    return rc, tmp_path / out
+
+
+def test_layer_verb_repeats_the_whole_run(tmp_path, internals):
+    # The prompt pass, block 0's commit pass and two denoise steps of block 1 (its cache: the
+    # prompt and the commit pass, 15 rows, past W), a sliding (0) and a full (1) layer: every
+    # tensor of that layer and pass, bit for bit with its attributes, and nothing else; the
+    # router decision and its margins; forced by the same trace, the same.
+    last = steps_of(internals, 1) - 1
+    passes = [lambda r: r, lambda r: names.encode(0, r)]
+    passes += [lambda r: names.denoise(1, 0, r), lambda r: names.denoise(1, last, r)]
+    for i, ps in enumerate(passes):
+        for lay in (0, 1):
+            prefix, name = ps(names.layer_prefix(lay)), ps(names.layer(lay, "hidden_in"))
+            for j, extra in enumerate([(), ("--force-decisions", internals.path)]):
+                rc, out = layer_verb(
+                    tmp_path, f"l{i}{lay}{j}.trace", lay, internals.path, name, *extra
+                )
+                assert rc == 0, name
+                t = tracegate.Trace(str(out))
+                assert t.names == [n for n in internals.names if n.startswith(prefix)], name
+                for n in t.names:
+                    assert t.tensor_digest(n) == internals.tensor_digest(n), n
+                    a = {k: v for k, v in t.attributes(n).items() if k != "forced"}
+                    assert a == internals.attributes(n), n
+                topk = prefix + "router.topk"
+                assert list(t.decisions) == [topk]
+                assert np.array_equal(t.decisions[topk], internals.decisions[topk])
+                assert np.array_equal(t.margins[topk], internals.margins[topk])
+                p = t.provenance
+                assert p["verb"] == "layer" and p["layer"] == lay and p["input_name"] == name
+                assert ("forced_decisions" in p) == bool(extra)
+
+
+def test_layer_verb_refusals_and_a_planted_change(tmp_path, base, internals, capsys):
+    name = names.denoise(1, 0, names.layer(0, "hidden_in"))
+    # A default capture has no k/v: the first one needed is named.
+    rc, out = layer_verb(tmp_path, "x.trace", 0, base.path, name)
+    err = capsys.readouterr().err
+    assert rc == 2 and "no tensor layer.00.k " in err and "--capture internals" in err, err
+    assert not out.exists()
+    # The prompt pass needs no cache: a default capture is enough.
+    assert layer_verb(tmp_path, "p.trace", 0, base.path, "layer.00.hidden_in")[0] == 0
+    for lay, bad in [
+        (1, name),
+        (0, names.denoise(1, 0, names.layer(0, "attn_out"))),
+        (0, names.denoise_block(1, names.layer(0, "hidden_in"))),
+        (0, names.decode(1, names.layer(0, "hidden_in"))),
+        (0, "layer.0.hidden_in"),
+    ]:
+        rc, _ = layer_verb(tmp_path, "x.trace", lay, internals.path, bad)
+        err = capsys.readouterr().err
+        assert rc == 2 and f"--input-name {bad}: not layer {lay}'s input" in err, err
+    rc, _ = layer_verb(tmp_path, "x.trace", 0, internals.path, name, "--decode-from", 0)
+    assert rc == 2 and "--decode-from" in capsys.readouterr().err
+    # Negative control: row 0 of the input one ULP up changes the output.
+    planted = tmp_path / "planted.trace"
+    with tracegate.TraceWriter(str(planted), internals.provenance) as w:
+        for n in internals.names:
+            a = internals.attributes(n)
+            x = np.array(internals[n])
+            if n == name:
+                x.reshape(-1).view(np.uint32)[0] += 1
+            w.tensor(n, x, path=a["path"], mask=a["mask"], positions=a["positions"])
+        for n, v in internals.decisions.items():
+            w.decision(n, v, margins=internals.margins[n])
+    rc, out = layer_verb(tmp_path, "n.trace", 0, planted, name)
+    assert rc == 0
+    ho = names.denoise(1, 0, names.layer(0, "hidden_out"))
+    assert not np.array_equal(tracegate.Trace(str(out))[ho], internals[ho])

@@ -116,3 +116,24 @@ def test_the_comparison_sees_a_planted_defect(tmp_path):
     rep = tracegate.compare(e, out)
     assert rep.verdict == "different"
     assert rep.first_bit_difference["tensor"] == "denoise.0000.0000.sc.out"
+
+
+def test_the_layer_verb_is_bit_identical(tmp_path):
+    # On the engine's --capture internals trace (two blocks, 17-token prompt: past the window),
+    # the prompt pass, a commit pass and denoise steps of block 1, a sliding and a full layer,
+    # unforced and forced by the same trace: the two layer traces have the same digest.
+    tokens, extra = CASES["past-the-window"]
+    src = engine(tokens, tmp_path / "e.trace", ["--capture", "internals", "--generate", "14"])
+    names = ["layer.{L}.hidden_in", "encode.0000.layer.{L}.hidden_in"]
+    names += ["denoise.0001.0000.layer.{L}.hidden_in", "denoise.0000.0002.layer.{L}.hidden_in"]
+    for i, pattern in enumerate(names):
+        for lay in (0, 1):
+            name = pattern.format(L=f"{lay:02d}")
+            for j, force in enumerate([[], ["--force-decisions", src]]):
+                args = ["layer", "--model", MODEL, "--layer", str(lay), "--input", src]
+                args += ["--input-name", name, "--capture", "internals", *force, "--out"]
+                e, c = tmp_path / f"le{i}{lay}{j}", tmp_path / f"lc{i}{lay}{j}"
+                run([ENGINE, *args, str(e)])
+                run([sys.executable, "-m", "tracegate_contract", *args, str(c)])
+                assert_identical(str(e), str(c))
+                assert tracegate.Trace(str(e)).digest == tracegate.Trace(str(c)).digest, name

@@ -1101,3 +1101,116 @@ def write(out: str, prov: dict, cap: DGCapture, forcing: Forcing | None) -> str:
         for name, values, margins in cap.decisions:
             w.decision(name, values, margins=margins)
         return w.finish()
+
+
+# --------------------------------------------------------------------------------------------
+# The `layer` verb
+
+
+def _layer_input_pass(name: str, index: int, W: int) -> Pass:
+    """The pass whose layer `index` input `name` is (`P` + `layer.LL.hidden_in`, P one of DG16's
+    three prefixes); refused, naming it, for another layer, pass or point."""
+    n = names.parse(name)
+    d = n.diffusion
+    ps = None
+    if n.decode_step is None and d is None:
+        ps = Pass("prompt", None, None, W)
+    elif n.decode_step is None and d.kind == "encode":
+        ps = Pass("commit", d.block, None, W)
+    elif n.decode_step is None and d.kind == "denoise":
+        ps = Pass("denoise", d.block, d.step, W)
+    point = names.layer(index, "hidden_in")
+    if ps is None or ps.name(point) != name:
+        raise ContractError(
+            f"--input-name {name}: not layer {index}'s input of a pass "
+            f"({point}, encode.BBBB.{point} or denoise.BBBB.SSSS.{point})"
+        )
+    return ps
+
+
+def _cache_from_trace(src, input_path, ps: Pass, index: int, n_layers: int, row: int) -> Cache:
+    """DG6's cache of layer `index` for pass `ps`, read back from the input trace: every earlier
+    encoder pass's `layer.LL.k`/`v` (the prompt's, then `encode.0000.` … up to the block before
+    this one), in the order the whole run appended them. The decoder's sliding window over it is
+    `DiffusionGemma.attention`'s, as in the whole run."""
+    cache = Cache(n_layers)
+    if ps.kind == "prompt":
+        return cache
+    earlier = [Pass("prompt", None, None, ps.W)]
+    earlier += [Pass("commit", b, None, ps.W) for b in range(ps.block)]
+    for p in earlier:
+        kn, vn = p.name(names.layer(index, "k")), p.name(names.layer(index, "v"))
+        got = []
+        for name in (kn, vn):
+            if name not in src.names:
+                raise ContractError(
+                    f"{input_path}: no tensor {name} (the keys of {ps.name(names.layer(index, 'hidden_in'))}): "
+                    "the input trace must be captured with --capture internals"
+                )
+            if src.dtype(name) != "f32":
+                raise ContractError(f"{input_path}: tensor {name} is {src.dtype(name)}, not f32")
+            a = np.ascontiguousarray(src[name])
+            pos = [int(q) for q in (src.attributes(name).get("positions") or [])]
+            if not pos or a.size != len(pos) * row:
+                raise ContractError(
+                    f"{input_path}: tensor {name} has shape {list(a.shape)} and {len(pos)} positions, expected {row} elements per position"
+                )
+            got.append((a, pos))
+        (k, kpos), (v, vpos) = got
+        if kpos != vpos:
+            raise ContractError(f"{input_path}: tensors {kn} and {vn} are at different positions")
+        cache.extend(index, k, v, kpos)
+    return cache
+
+
+def layer(model_dir, index, input_path, input_name, out, internals, command, force_decisions):
+    """`layer` for a diffusion_gemma model (docs/producers.md, "Block diffusion"): layer `index`
+    alone on `P.layer.LL.hidden_in` of the input trace, its keys DG6's for pass P — the cached
+    rows read back from the same trace's encoder k/v — through `DiffusionGemma.layer`, the call
+    the whole run makes, so the output repeats the whole run's points for that layer and pass."""
+    import tracegate
+
+    from .run import _positions_of, provenance
+
+    cfg = load_config(model_dir)
+    n = cfg.num_hidden_layers
+    if not (0 <= index < n):
+        raise ContractError(f"--layer: {index} is outside 0..{n - 1}")
+    ps = _layer_input_pass(input_name, index, cfg.sliding_window)
+    src = tracegate.Trace(input_path)
+    if input_name not in src.names:
+        raise ContractError(f"--input-name: {input_name} is not a tensor of {input_path}")
+    if src.dtype(input_name) != "f32":
+        raise ContractError(
+            f"{input_path}: tensor {input_name} is {src.dtype(input_name)}, not f32"
+        )
+    x = np.ascontiguousarray(src[input_name])
+    H = cfg.hidden_size
+    if x.ndim != 2 or x.shape[1] != H or x.shape[0] < 1:
+        raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}] with rows ≥ 1")
+    pos = _positions_of(src.attributes(input_name), input_name, x.shape[0])
+    bad = next((p for p in pos if p >= cfg.max_position_embeddings), None)
+    if bad is not None:
+        raise ContractError(
+            f"{input_name}: position {bad} outside [0, max_position_embeddings {cfg.max_position_embeddings})"
+        )
+    d, kv = cfg.dims(index)
+    cache = _cache_from_trace(src, input_path, ps, index, n, kv * d)
+    model = DiffusionGemma(model_dir)
+    if force_decisions is not None:
+        model.forcing = Forcing(force_decisions)
+    cap = DGCapture(internals)
+    with _ieee():
+        model.layer(index, x, pos, ps, cap, cache)
+    prov = provenance(
+        model_dir,
+        command,
+        "layer",
+        layer=index,
+        input=os.path.abspath(input_path),
+        input_name=input_name,
+        input_digest=src.digest,
+        capture="internals" if internals else "default",
+        **({"unused_tensors": model.unused_tensors} if model.unused_tensors else {}),
+    )
+    return write(out, prov, cap, model.forcing)

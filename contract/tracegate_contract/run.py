@@ -207,7 +207,13 @@ def layer(
     and only those rows are written."""
     tg = _tracegate()
     if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
-        raise ContractError("layer: not supported for diffusion_gemma models (trace only)")
+        if decode_from is not None:
+            raise ContractError(
+                "--decode-from: not for diffusion_gemma (there is no greedy decode step; name a denoise step's input instead)"
+            )
+        return diffusion_gemma.layer(
+            model_dir, index, input_path, input_name, out, internals, command, force_decisions
+        )
     model = _model(model_dir)
     n = model.cfg.num_hidden_layers
     if not (0 <= index < n):

@@ -373,7 +373,7 @@ pub(crate) fn beside_weights_digest<T>(
 /// `--generate` step makes for every layer — and only those rows are written.
 pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     if is_diffusion_gemma(&o.model_dir) {
-        return Err(err!(Input: "layer: not yet implemented for diffusion_gemma"));
+        return crate::model::diffusion_gemma::run::run_layer(o);
     }
     let (cfg, raw) = load_config(&o.model_dir)?;
     if o.layer >= cfg.num_hidden_layers {

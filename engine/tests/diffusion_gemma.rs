@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
-use tracegate_engine::{run_trace_with, DiffusionOptions, TraceOptions};
+use tracegate_engine::{run_layer, run_trace_with, DiffusionOptions, LayerOptions, TraceOptions};
 use tracegate_trace::{names, Trace, TraceWriter};
 
 // 10 tokens: past the sliding window (W = 5), so the windows and the decoder's W−1 prefix bite.
@@ -788,8 +788,9 @@ fn refusals() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
     let err = String::from_utf8(o.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
-        err.contains("not yet implemented for diffusion_gemma"),
+        err.contains("embed.out: not layer 0's input of a pass"),
         "{err}"
     );
     let o = std::process::Command::new(engine)
@@ -916,4 +917,173 @@ fn stop_is_stable_and_confident() {
     let m = margins(&t, &names::denoise(0, 0, "stop")).unwrap();
     assert_eq!(m[0], 1.0);
     assert!(m[1] > 0.0 && m[2] == m[0]);
+}
+
+fn layer_opts(
+    l: usize,
+    input: &Path,
+    name: &str,
+    out: PathBuf,
+    force: Option<&Path>,
+) -> LayerOptions {
+    LayerOptions {
+        model_dir: fixture(),
+        layer: l,
+        input: input.to_path_buf(),
+        input_name: name.to_string(),
+        out,
+        internals: true,
+        threads: 1,
+        command_line: vec![],
+        force_decisions: force.map(Path::to_path_buf),
+        decode_from: None,
+    }
+}
+
+/// A copy of `t` with element 0 of tensor `name` nudged by one f32 ULP.
+fn nudged(t: &Trace, out: &Path, name: &str) -> PathBuf {
+    let mut w = TraceWriter::create(out, t.provenance().clone()).unwrap();
+    for i in t.tensors() {
+        let mut data = t.data(i).to_vec();
+        if i.name == name {
+            let x = f32::from_le_bytes(data[..4].try_into().unwrap());
+            data[..4].copy_from_slice(&f32::from_bits(x.to_bits() + 1).to_le_bytes());
+        }
+        w.tensor(&i.name, i.dtype, &i.shape, &data, &i.attributes)
+            .unwrap();
+    }
+    for d in t.decisions() {
+        w.decision(
+            &d.name,
+            &d.shape,
+            &t.decision_values(d),
+            t.decision_margins(d).as_deref(),
+        )
+        .unwrap();
+    }
+    w.finish().unwrap();
+    out.to_path_buf()
+}
+
+/// The layer verb on the engine's own `--capture internals` trace repeats, bit for bit, every
+/// tensor (bytes, shape, path, mask, positions) and the router decision the whole run wrote for
+/// that layer and pass — the prompt pass, a commit pass, and a denoise step of block 1 (whose
+/// cache holds the prompt and block 0's commit pass: 17 rows, past the window of 5), each on a
+/// sliding (0) and a full (1) layer — and nothing else; forced by the same trace too.
+#[test]
+fn layer_verb_repeats_the_whole_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let whole = run(dir, "i.trace", true, 1, None);
+    let input = dir.join("i.trace");
+    let last = steps_per_block(&whole, &facts(), 2)[1] - 1;
+    let passes: [&dyn Fn(&str) -> String; 4] = [
+        &|r| r.to_string(),
+        &|r| names::encode(0, r),
+        &|r| names::denoise(1, 0, r),
+        &|r| names::denoise(1, last, r),
+    ];
+    let mut checked = 0;
+    for (i, pass) in passes.iter().enumerate() {
+        for l in [0, 1] {
+            let prefix = pass(&names::layer_prefix(l));
+            let name = pass(&names::layer(l, "hidden_in"));
+            for (j, force) in [None, Some(input.as_path())].into_iter().enumerate() {
+                let out = dir.join(format!("l{i}.{l}.{j}.trace"));
+                run_layer(&layer_opts(l, &input, &name, out.clone(), force))
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                let lt = Trace::open(&out).unwrap();
+                let want: Vec<&str> = whole
+                    .tensors()
+                    .iter()
+                    .map(|t| t.name.as_str())
+                    .filter(|n| n.starts_with(&prefix))
+                    .collect();
+                let got: Vec<&str> = lt.tensors().iter().map(|t| t.name.as_str()).collect();
+                assert_eq!(got, want, "{name}");
+                for t in lt.tensors() {
+                    let w = whole.tensor_info(&t.name).unwrap();
+                    assert!(lt.data(t) == whole.data(w), "{name}: {} differs", t.name);
+                    assert_eq!(t.shape, w.shape, "{}", t.name);
+                    let mut a = t.attributes.clone();
+                    a.extra = Default::default();
+                    assert_eq!(a, w.attributes, "{}", t.name);
+                    checked += 1;
+                }
+                let topk = format!("{prefix}router.topk");
+                let ds: Vec<&str> = lt.decisions().iter().map(|d| d.name.as_str()).collect();
+                assert_eq!(ds, [topk.as_str()], "{name}");
+                assert_eq!(values(&lt, &topk), values(&whole, &topk), "{topk}");
+                assert_eq!(margins(&lt, &topk), margins(&whole, &topk), "{topk}");
+                let p = lt.provenance();
+                assert_eq!(p["verb"], "layer");
+                assert_eq!(p["layer"], l);
+                assert_eq!(p["input"]["name"], name.as_str());
+                assert_eq!(p["forced_decisions"].is_object(), force.is_some());
+            }
+        }
+    }
+    assert!(checked > 100, "{checked}");
+}
+
+/// The refusals, each one line naming what is wrong and writing nothing; and the negative
+/// control: one input row nudged by one ULP changes the layer's output.
+#[test]
+fn layer_verb_refusals_and_a_planted_change() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let whole = run(dir, "i.trace", true, 1, None);
+    run(dir, "d.trace", false, 1, None);
+    let (input, default) = (dir.join("i.trace"), dir.join("d.trace"));
+    let out = dir.join("l.trace");
+    let refuse = |o: LayerOptions| -> String {
+        let e = run_layer(&o).expect_err("refused").to_string();
+        assert!(!out.exists(), "a refused run writes nothing: {e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+        e
+    };
+    // A default capture has no k/v: the first one needed is named.
+    let name = names::denoise(1, 0, &names::layer(0, "hidden_in"));
+    let e = refuse(layer_opts(0, &default, &name, out.clone(), None));
+    assert!(
+        e.contains("no tensor layer.00.k ") && e.contains("--capture internals"),
+        "{e}"
+    );
+    // The prompt pass needs no cache: a default capture is enough.
+    run_layer(&layer_opts(
+        0,
+        &default,
+        "layer.00.hidden_in",
+        dir.join("p.trace"),
+        None,
+    ))
+    .unwrap();
+    for (l, bad) in [
+        (1, name.clone()),
+        (0, names::denoise(1, 0, &names::layer(0, "attn_out"))),
+        (0, names::denoise_block(1, &names::layer(0, "hidden_in"))),
+        (0, names::decode(1, &names::layer(0, "hidden_in"))),
+        (0, "layer.0.hidden_in".to_string()),
+    ] {
+        let e = refuse(layer_opts(l, &input, &bad, out.clone(), None));
+        assert!(
+            e.contains(&format!("--input-name {bad}: not layer {l}'s input")),
+            "{e}"
+        );
+    }
+    let e = refuse(layer_opts(4, &input, &name, out.clone(), None));
+    assert!(e.contains("--layer 4 out of range"), "{e}");
+    let e = refuse(LayerOptions {
+        decode_from: Some(0),
+        ..layer_opts(0, &input, &name, out.clone(), None)
+    });
+    assert!(e.starts_with("--decode-from"), "{e}");
+
+    // Negative control: row 0 of the input one ULP up changes the output (every canvas row sees
+    // row 0 in a denoise step).
+    let planted = nudged(&whole, &dir.join("n.trace"), &name);
+    run_layer(&layer_opts(0, &planted, &name, out.clone(), None)).unwrap();
+    let lt = Trace::open(&out).unwrap();
+    let ho = names::denoise(1, 0, &names::layer(0, "hidden_out"));
+    assert_ne!(f32s(&lt, &ho), f32s(&whole, &ho));
 }

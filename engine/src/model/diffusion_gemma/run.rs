@@ -663,3 +663,175 @@ pub fn info(dir: &std::path::Path) -> Result<String> {
     s += &format!("weights_digest {}\n", crate::weights_digest(dir)?);
     Ok(s)
 }
+
+/// Which pass `name` is layer `l`'s input of (`P` + `layer.LL.hidden_in`, P one of DG16's
+/// three pass prefixes); an error naming it for anything else.
+fn layer_input_pass(name: &str, l: usize) -> Result<Pass> {
+    let n = names::Name::parse(name);
+    let pass = match (n.decode_step, n.diffusion) {
+        (None, None) => Some(Pass::Prompt),
+        (None, Some(names::Diffusion::Encode { block })) => Some(Pass::Encode(block)),
+        (None, Some(names::Diffusion::Denoise { block, step })) => Some(Pass::Denoise(block, step)),
+        _ => None,
+    };
+    match pass {
+        Some(p) if p.name(&names::layer(l, "hidden_in")) == name => Ok(p),
+        _ => Err(err!(Input:
+            "--input-name {name}: not layer {l}'s input of a pass ({0}, encode.BBBB.{0} or denoise.BBBB.SSSS.{0})",
+            names::layer(l, "hidden_in")
+        )),
+    }
+}
+
+/// DG6's cache of layer `l` for `pass`, read back from `input`: every earlier encoder pass's
+/// `layer.LL.k`/`v` (the prompt's, then `encode.0000.` … up to the block before this one), in
+/// the order the whole run appended them. The prompt pass has none. The decoder's sliding
+/// window over it is `DgModel::layer`'s, as in the whole run.
+fn cache_from_trace(
+    input: &tracegate_trace::Trace,
+    path: &std::path::Path,
+    pass: Pass,
+    l: usize,
+    row: usize,
+) -> Result<super::LayerCache> {
+    let before = match pass {
+        Pass::Prompt => return Ok(super::LayerCache::default()),
+        Pass::Encode(b) | Pass::Denoise(b, _) => b,
+    };
+    let earlier = std::iter::once(Pass::Prompt).chain((0..before).map(Pass::Encode));
+    let mut kv = super::LayerCache::default();
+    for p in earlier {
+        let (kn, vn) = (p.name(&names::layer(l, "k")), p.name(&names::layer(l, "v")));
+        let mut rows: Option<Vec<i64>> = None;
+        for (name, dst) in [(&kn, &mut kv.k), (&vn, &mut kv.v)] {
+            let Some(info) = input.tensor_info(name) else {
+                return Err(err!(Input:
+                    "{}: no tensor {name} (the keys of {}): the input trace must be captured with --capture internals",
+                    path.display(),
+                    pass.name(&names::layer(l, "hidden_in"))
+                ));
+            };
+            let pos = info.attributes.positions.clone().unwrap_or_default();
+            let data = input.f32_vec(name)?;
+            if pos.is_empty() || data.len() != pos.len() * row {
+                return Err(err!(Input:
+                    "{}: tensor {name} has shape {:?} and {} positions, expected [rows, {row}] elements per position",
+                    path.display(),
+                    info.shape,
+                    pos.len()
+                ));
+            }
+            if rows.as_ref().is_some_and(|r| *r != pos) {
+                return Err(err!(Input:
+                    "{}: tensors {kn} and {vn} are at different positions",
+                    path.display()
+                ));
+            }
+            dst.extend_from_slice(&data);
+            rows = Some(pos);
+        }
+        kv.pos.extend(rows.unwrap_or_default());
+    }
+    Ok(kv)
+}
+
+/// `engine layer` for diffusion Gemma (docs/producers.md, "Block diffusion"): layer L alone on
+/// `P.layer.LL.hidden_in` of TRACE, its keys DG6's for pass P — the cached rows read back from
+/// the same TRACE's encoder k/v — through `DgModel::layer`, the call the whole run makes, so the
+/// output repeats the whole run's points for that layer and pass bit for bit.
+pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
+    if o.decode_from.is_some() {
+        return Err(
+            err!(Input: "--decode-from: not for diffusion_gemma (there is no greedy decode step; name a denoise step's input instead)"),
+        );
+    }
+    let (_, raw) = read_config(&o.model_dir)?;
+    let cfg = DgConfig::from_json(&raw)?;
+    if o.layer >= cfg.layers {
+        return Err(err!(Input:
+            "--layer {} out of range (model has {} layers)",
+            o.layer,
+            cfg.layers
+        ));
+    }
+    let pass = layer_input_pass(&o.input_name, o.layer)?;
+    let input = tracegate_trace::Trace::open(&o.input)?;
+    let shown = o.input.display();
+    let info = input
+        .tensor_info(&o.input_name)
+        .ok_or_else(|| err!(Input: "{shown}: no tensor {}", o.input_name))?;
+    let h = cfg.hidden;
+    let rows = match info.shape.as_slice() {
+        [t, hh] if *hh as usize == h && *t >= 1 => *t as usize,
+        s => {
+            return Err(err!(Input:
+                "{shown}: tensor {} has shape {s:?}, expected [rows, {h}]",
+                o.input_name
+            ))
+        }
+    };
+    let pos = info.attributes.positions.clone().ok_or_else(
+        || err!(Input: "{shown}: tensor {} has no positions attribute", o.input_name),
+    )?;
+    if pos.len() != rows {
+        return Err(err!(Input:
+            "{shown}: tensor {}: {} positions for {rows} rows",
+            o.input_name,
+            pos.len()
+        ));
+    }
+    if let Some(p) = pos
+        .iter()
+        .find(|&&p| !(0..cfg.max_positions as i64).contains(&p))
+    {
+        return Err(err!(Input:
+            "{shown}: tensor {}: position {p} outside [0, max_position_embeddings {})",
+            o.input_name,
+            cfg.max_positions
+        ));
+    }
+    let x = input.f32_vec(&o.input_name)?;
+    let a = cfg.attn(o.layer);
+    let mut kv = cache_from_trace(&input, &o.input, pass, o.layer, a.kv_heads * a.head_dim)?;
+    let forcing = o
+        .force_decisions
+        .as_deref()
+        .map(Forcing::open)
+        .transpose()?;
+    let store = crate::open_store(&o.model_dir)?;
+    let model = DgModel::load(cfg, &store)?;
+    let pool = crate::run::pool(o.threads)?;
+    let (wd, cap) = crate::run::beside_weights_digest(&o.model_dir, || {
+        pool.install(|| -> Result<Cap> {
+            let mut cap = Cap::new(o.internals, model.cfg.window);
+            model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref())?;
+            Ok(cap)
+        })
+    })?;
+    let mut prov = crate::run::provenance(
+        &o.model_dir,
+        &raw,
+        &wd,
+        o.threads,
+        o.internals,
+        &o.command_line,
+    );
+    if !model.unused_tensors.is_empty() {
+        let m: serde_json::Map<String, Value> = model
+            .unused_tensors
+            .iter()
+            .map(|(p, n)| (p.clone(), json!(n)))
+            .collect();
+        prov["unused_tensors"] = Value::Object(m);
+    }
+    prov["verb"] = json!("layer");
+    prov["layer"] = json!(o.layer);
+    prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
+    if let Some(f) = &forcing {
+        f.check_weights(&wd)?;
+        prov["forced_decisions"] = f.provenance(&cap.forced);
+    }
+    let mut w = TraceWriter::create(&o.out, prov)?;
+    cap.write(&mut w, forcing.as_ref().map(|f| f.digest.as_str()))?;
+    Ok(w.finish()?)
+}
