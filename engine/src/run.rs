@@ -319,7 +319,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
-    unused_provenance(&mut prov, &model);
+    unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
     if let Some(text) = &o.prompt_text {
@@ -492,7 +492,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         o.internals && o.decode_from.is_none(),
         &o.command_line,
     );
-    unused_provenance(&mut prov, &model);
+    unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     if let Some(p) = o.decode_from {
@@ -502,15 +502,12 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)
 }
 
-/// Qwen3.5 (docs/numerics.md §20): the tensors present and not run, as `unused_tensors` =
-/// `{prefix: count}`; absent when there are none (and for the Qwen3 families).
-fn unused_provenance(prov: &mut Value, model: &Model) {
-    if !model.unused_tensors.is_empty() {
-        let by_prefix: serde_json::Map<String, Value> = model
-            .unused_tensors
-            .iter()
-            .map(|(p, n)| (p.clone(), json!(n)))
-            .collect();
+/// Qwen3.5 (docs/numerics.md §20), diffusion Gemma's vision tower: the tensors present and not
+/// run, as `unused_tensors` = `{prefix: count}`; absent when there are none.
+pub(crate) fn unused_provenance(prov: &mut Value, unused: &[(String, usize)]) {
+    if !unused.is_empty() {
+        let by_prefix: serde_json::Map<String, Value> =
+            unused.iter().map(|(p, n)| (p.clone(), json!(n))).collect();
         prov["unused_tensors"] = Value::Object(by_prefix);
     }
 }

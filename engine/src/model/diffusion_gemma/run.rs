@@ -259,14 +259,7 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
-    if !model.unused_tensors.is_empty() {
-        let m: serde_json::Map<String, Value> = model
-            .unused_tensors
-            .iter()
-            .map(|(p, n)| (p.clone(), json!(n)))
-            .collect();
-        prov["unused_tensors"] = Value::Object(m);
-    }
+    crate::run::unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
     if let Some(text) = &o.prompt_text {
@@ -816,14 +809,7 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
-    if !model.unused_tensors.is_empty() {
-        let m: serde_json::Map<String, Value> = model
-            .unused_tensors
-            .iter()
-            .map(|(p, n)| (p.clone(), json!(n)))
-            .collect();
-        prov["unused_tensors"] = Value::Object(m);
-    }
+    crate::run::unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });

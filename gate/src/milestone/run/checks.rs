@@ -204,31 +204,21 @@ pub(super) fn check_generation(
                     return not_comparable(Check::Generation, refused);
                 }
             }
-            let mut found: Vec<Finding> = [
+            let found = [
                 tokens_finding("engine", "engine-uncached", a, b),
                 tokens_finding("engine", "contract", a, c),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            let mut detail = format!(
+            ];
+            let detail = format!(
                 "{} tokens: engine cached = uncached = contract: {a:?}",
                 a.len()
             );
-            if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
-                detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
-                found.push(finding(
-                    FindingKind::TokensChanged,
-                    "engine",
-                    a.len() as u64,
-                    detail.clone(),
-                ));
-            }
-            judge(
+            judge_tokens(
                 m,
-                &p.id,
-                CheckResult::new(Check::Generation, Status::Pass, detail),
-                found,
+                p,
+                a,
+                expect,
+                detail,
+                found.into_iter().flatten().collect(),
             )
         }
         _ => {
@@ -270,14 +260,27 @@ fn check_committed(
     if !refused.is_empty() {
         return not_comparable(Check::Generation, refused);
     }
-    let mut found: Vec<Finding> = tokens_finding("engine", "contract", a, c)
-        .into_iter()
-        .collect();
-    let mut detail = format!(
+    let detail = format!(
         "{} committed tokens: engine = contract: {a:?} (block diffusion: no uncached path)",
         a.len()
     );
-    if let Some(e) = expect.ok().filter(|e| &e.generated != a) {
+    let found = tokens_finding("engine", "contract", a, c)
+        .into_iter()
+        .collect();
+    judge_tokens(m, p, a, expect, detail, found)
+}
+
+/// generation's verdict on the engine's tokens `a`: the findings between producers, and the
+/// recorded tokens when they differ.
+fn judge_tokens(
+    m: &MilestoneModel,
+    p: &Prompt,
+    a: &[i64],
+    expect: std::result::Result<&Expectation, &str>,
+    mut detail: String,
+    mut found: Vec<Finding>,
+) -> CheckResult {
+    if let Some(e) = expect.ok().filter(|e| e.generated != a) {
         detail = format!("{} tokens {a:?}, recorded {:?}", a.len(), e.generated);
         found.push(finding(
             FindingKind::TokensChanged,
