@@ -580,7 +580,9 @@ PRESETS["tiny-diffusion-gemma"] = dict(
         stability_threshold=1,
         confidence_threshold=0.05,
     ),
-    scales=dict(embed=1.0, embed_tail=0.5, block_out=0.7, norm_noise=0.1, router=8.0, router_tail=0.5),
+    scales=dict(
+        embed=1.0, embed_tail=0.5, block_out=0.7, norm_noise=0.1, router=8.0, router_tail=0.5
+    ),
 )
 
 # bench-diffusion-gemma (docs/benchmarks.md): the diffusion Gemma layout at hidden 512, 6 layers
@@ -964,7 +966,9 @@ def make(preset: str, out: Path, seed: int | None = None) -> Path:
     (out / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
     if "generation" in p:
         gen = dict(p["generation"], transformers_version="5.23.0")
-        (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        (out / "generation_config.json").write_text(
+            json.dumps(gen, indent=2, sort_keys=True) + "\n"
+        )
     if p.get("tokenizer"):
         write_tokenizer(out, cfg["vocab_size"])
     return out

@@ -85,7 +85,11 @@ def test_skipped_self_conditioning_shows_at_step_0s_sc_out(clean):
     assert (n.diffusion, n.point) == (names.Diffusion("denoise", 0, 0), "sc.out")
     # The prompt pass, the canvas, its embeddings and the (zero) signal are all equal before it.
     rows = {r["tensor"]: r["status"] for r in rep["per_tensor"]}
-    for before in ["layer.03.hidden_out", "denoise.0000.0000.embed.out", "denoise.0000.0000.sc.soft"]:
+    for before in [
+        "layer.03.hidden_out",
+        "denoise.0000.0000.embed.out",
+        "denoise.0000.0000.sc.soft",
+    ]:
         assert rows[before] == "identical", before
 
 

@@ -204,7 +204,7 @@ fn produce(
     let (records, oracle_probe, setup) = std::thread::scope(|s| {
         let role_runs = |role: Role, done: Option<std::sync::mpsc::Sender<usize>>| {
             let (jobs, stop) = (&jobs, &stop);
-            let mut finished = (role == Role::Oracle).then(|| (0usize, &engine_finished));
+            let mut finished = (role == Role::Oracle).then_some((0usize, &engine_finished));
             s.spawn(move || {
                 let mut out = Vec::new();
                 for (k, (plan, p)) in jobs.iter().enumerate() {
