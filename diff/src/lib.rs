@@ -35,7 +35,7 @@ pub mod measures;
 pub mod noise;
 pub mod numeric;
 mod options;
-mod passes;
+pub mod passes;
 pub mod policy;
 mod positions;
 mod render;

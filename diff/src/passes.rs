@@ -8,7 +8,7 @@ use tracegate_trace::names::{Diffusion, Name};
 
 /// A decision of the sampler (docs/diffusion-gemma.md DG13, DG14).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Sampler {
+pub enum Sampler {
     InitCanvas,
     Argmax,
     Sampled,
@@ -20,7 +20,7 @@ pub(crate) enum Sampler {
 
 impl Sampler {
     /// A draw: its values come from the generator (DG15), not from the model alone.
-    pub(crate) fn is_draw(self) -> bool {
+    pub fn is_draw(self) -> bool {
         matches!(
             self,
             Sampler::InitCanvas | Sampler::Sampled | Sampler::Renoise
@@ -30,7 +30,7 @@ impl Sampler {
 
 /// A name's place: block, step (for a step's names), and which sampler decision, if one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Place {
+pub struct Place {
     pub block: usize,
     pub step: Option<usize>,
     pub sampler: Option<Sampler>,
@@ -42,10 +42,10 @@ pub(crate) struct Place {
 /// Run order: the prompt pass (unprefixed) is (0, …); block b's init_canvas (b+1, 0), its step
 /// s (b+1, 1, s, k) with k the sampler decision's rank in the step (0 for tensors and routers),
 /// its commit (b+1, 2), its commit pass (b+1, 3).
-pub(crate) type Key = (usize, u8, usize, u8);
+pub type Key = (usize, u8, usize, u8);
 
 /// The place of a diffusion name; None for an unprefixed (prompt pass) or other name.
-pub(crate) fn place(name: &str) -> Option<Place> {
+pub fn place(name: &str) -> Option<Place> {
     let n = Name::parse(name);
     let sampler = |point: &str| match point {
         "init_canvas" => Some(Sampler::InitCanvas),
@@ -80,7 +80,7 @@ pub(crate) fn place(name: &str) -> Option<Place> {
 /// The run-order key of a tensor or decision name (see [`Key`]). A `denoise.BBBB.` name that is
 /// neither init_canvas nor commit sorts with the commit; any other name of a step with its
 /// tensors, before its sampler decisions.
-pub(crate) fn key(name: &str) -> Key {
+pub fn key(name: &str) -> Key {
     let Some(p) = place(name) else {
         return (0, 0, 0, 0);
     };
@@ -111,7 +111,7 @@ pub(crate) fn key(name: &str) -> Key {
 /// name) in the run, so that what it holds may follow from the draw's values. A step's own
 /// `accept` and `stop` do not: they read that step's entropy and the argmax canvases, never its
 /// draws (DG13.3, DG13.5), so they stay judged.
-pub(crate) fn after_draw(draw: &str, name: &str) -> bool {
+pub fn after_draw(draw: &str, name: &str) -> bool {
     let (d, n) = (key(draw), key(name));
     if n <= d {
         return false;
@@ -131,7 +131,7 @@ pub(crate) fn is_diffusion<'a>(mut names: impl Iterator<Item = &'a str>) -> bool
 
 /// The place in words, for a headline: "block 0 step 3 layer 01", "block 1 commit pass layer
 /// 00", "block 2"; None for a name without a diffusion prefix.
-pub(crate) fn in_words(name: &str) -> Option<String> {
+pub fn in_words(name: &str) -> Option<String> {
     let p = place(name)?;
     let mut s = format!("block {}", p.block);
     if let Some(step) = p.step {

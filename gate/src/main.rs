@@ -198,12 +198,15 @@ struct BisectArgs {
     calibrate: bool,
     /// Greedy decode steps: once the prefill agrees, name the first diverging step, check the
     /// candidate's cached decode against its full recompute, and isolate layers at that step
-    /// (implies --capture internals; docs/bisect.md, "Decode").
+    /// (implies --capture internals; docs/bisect.md, "Decode"). On a block-diffusion model: the
+    /// new tokens, and the first diverging denoise step or commit pass is bisected instead
+    /// (docs/bisect.md, "Block diffusion").
     #[arg(long)]
     generate: Option<usize>,
-    /// Seed of the calibration perturbation.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
+    /// Seed of the calibration perturbation (default 1); for a sampling model (block diffusion)
+    /// also its sampler's seed (default: a stored reference's own, else 0; docs/bisect.md).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Compare two oracle runs whose stacks differ (torch, transformers, device, …), each
     /// difference stated; one stack in two precisions needs no flag (docs/diff.md, "Comparable").
     #[arg(long)]
@@ -366,9 +369,11 @@ fn bisect_options(
         Some(c) => c == "internals",
         None => stored.as_ref().is_some_and(|s| s.internals),
     };
+    let model = up.resolve(&a.model).display().to_string();
+    let sampler_seed = a.seed.or(stored.as_ref().and_then(|s| s.seed)).unwrap_or(0);
     Ok(bisect::BisectOptions {
         root: root.to_path_buf(),
-        model: up.resolve(&a.model).display().to_string(),
+        model: model.clone(),
         tokens,
         prompt: a.prompt.clone(),
         reference: match stored {
@@ -404,7 +409,9 @@ fn bisect_options(
         internals: internals || generate > 0,
         calibrate: a.calibrate,
         generate,
-        seed: a.seed,
+        seed: a.seed.unwrap_or(1),
+        sampling: bisect::samples(root, &model)?,
+        sampler_seed,
         work: work.to_string(),
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),

@@ -4,6 +4,7 @@
 mod bisect;
 mod bisect_adversary;
 mod bisect_decode;
+mod bisect_diffusion;
 mod bisect_stored;
 mod ci;
 mod common;

@@ -6,6 +6,7 @@
 //! - prefill/: the prefill's phases (whole runs, layers in isolation, self-consistency,
 //!   calibration, the verdict), the options and the report's types;
 //! - decode/: `--generate N`, the decode steps after the prefill, built on prefill's pieces;
+//! - diffusion/: `--generate N` on a block-diffusion model, the passes after the prompt;
 //! - this file: the bisection itself (`run`: the prefill, then the decode steps) and its report;
 //! - render.rs the text output and html/ the page (`--html`), both of the whole report.
 
@@ -16,6 +17,7 @@ use tracegate_producers::RunRecord;
 use crate::Result;
 
 pub mod decode;
+pub mod diffusion;
 pub mod html;
 pub mod judge;
 pub mod prefill;
@@ -26,7 +28,15 @@ use prefill::*;
 pub use prefill::{producer, BisectOptions, Reference, StoredReference};
 
 /// The report's format (docs/bisect.md, docs/bisect-report.schema.json).
-pub const SCHEMA: &str = "tracegate-bisect/4";
+pub const SCHEMA: &str = "tracegate-bisect/5";
+
+/// Whether the model at `model` (relative to `root`) samples: block diffusion, whose passes after
+/// the prompt ../diffusion/ bisects.
+pub fn samples(root: &std::path::Path, model: &str) -> Result<bool> {
+    let (config, _) = crate::prompts::model_config(&root.join(model))
+        .map_err(|e| crate::gerr!("--model: {e}"))?;
+    Ok(crate::prompts::samples(crate::prompts::family(&config)))
+}
 
 /// The bisection, phase by phase: the whole runs (prefill/whole.rs: run, judge, force decisions,
 /// locate), the layers (prefill/layers.rs: isolate, self-check, statuses, calibrate, outliers), the
@@ -57,7 +67,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let opts = Options {
         all: true,
         policy: policy.clone(),
-        filter: decode::prefill_filter(o.generate),
+        filter: decode::prefill_filter(o.generate, o.sampling),
         allow_stack_mismatch: o.allow_stack_mismatch,
         ..Options::default()
     };
@@ -162,7 +172,31 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     {
         summary.push_str(&format!("; {words}"));
     }
-    let (decode, (verdict, summary)) = if o.generate > 0 {
+    let mut diffusion = None;
+    let (decode, (verdict, summary)) = if o.generate > 0 && o.sampling {
+        let forced_rel = decisions_forced
+            .as_ref()
+            .filter(|f| f.status == Forcing::Forced)
+            .and_then(|f| f.candidate_trace.clone());
+        let forced_trace = match &forced_rel {
+            Some(rel) => Some(open(&o.root, rel)?),
+            None => None,
+        };
+        let ctx = diffusion::Context {
+            reference,
+            ref_rel: &whole.ref_rel,
+            candidate: forced_trace.as_ref().unwrap_or(&whole.candidate),
+            cand_rel: forced_rel.as_deref().unwrap_or(&whole.cand_rel),
+            policy: &policy,
+            layers: n,
+            allow_stack_mismatch: o.allow_stack_mismatch,
+            forced,
+        };
+        let (d, v) = diffusion::run(o, &ctx, &mut runs, (verdict, summary));
+        refuse_timeout(&runs, o)?;
+        diffusion = Some(d);
+        (None, v)
+    } else if o.generate > 0 {
         let ctx = decode::Context {
             reference,
             candidate: &whole.candidate,
@@ -210,6 +244,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         amplification_per_layer: amplification,
         calibration,
         decode,
+        diffusion,
         rounding_level,
         rounding_response,
         self_consistency,
@@ -251,6 +286,9 @@ pub struct BisectReport {
     pub calibration: Option<Calibration>,
     /// `--generate N`: the decode steps (decode/); null without it.
     pub decode: Option<decode::DecodeReport>,
+    /// `--generate N` on a block-diffusion model: the passes after the prompt (diffusion/);
+    /// null otherwise.
+    pub diffusion: Option<diffusion::DiffusionReport>,
     /// Judged by bits with a calibrated blamed layer: whether its difference is rounding level.
     pub rounding_level: Option<RoundingLevel>,
     /// Judged by policy with layers isolated: null when judged by bits.

@@ -50,6 +50,11 @@ pub fn render(r: &BisectReport) -> String {
             ));
         }
     }
+    if r.diffusion.is_some() {
+        o.push_str(
+            "  the prompt's encoder pass (the passes after it: \"block diffusion\" below):\n",
+        );
+    }
     match (
         &r.whole_run.first_diverging,
         &r.whole_run.first_bit_difference,
@@ -242,6 +247,9 @@ pub fn render(r: &BisectReport) -> String {
     }
     if let Some(d) = &r.decode {
         o.push_str(&super::decode::render(d));
+    }
+    if let Some(d) = &r.diffusion {
+        o.push_str(&super::diffusion::render(d));
     }
     o.push_str(&format!("\n  traces in {}\n", r.work_dir));
     o

@@ -36,6 +36,8 @@ Defects (each touches one layer only, so every later layer is a correct body tha
   f64-sumsq    not a defect: every RMSNorm sums its squares in f64 (then rounds the mean to f32),
                a correct producer that is not bit-exact with the engine
   no-layer     no defect, but the `layer` verb is not implemented (exits 3, writes nothing)
+  no-force     no defect, but `--force-decisions REF` is ignored (a producer without forcing:
+               its trace takes its own decisions and does not say it was forced)
   none         the contract unchanged
 
 Diffusion Gemma (docs/diffusion-gemma.md DG18, the five incident classes of block diffusion):
@@ -47,6 +49,10 @@ Diffusion Gemma (docs/diffusion-gemma.md DG18, the five incident classes of bloc
                     self-conditioning's post-norm skipped where its signal is zero)
   dg-reply-sampled  each block commits the last step's sampled canvas instead of its argmax
   dg-stop-or        the stop rule is stable OR confident where the reference has AND
+  dg-canvas-causal  layer 1 of every denoise step attends causally over the canvas (the
+                    decoder is bidirectional there; the trace still says bidirectional)
+  dg-argmax-second  a denoise step's argmax takes row 0's second-ranked token (a rule that is
+                    not argmax; forced, it counts that row as its own choice overridden)
 """
 
 import sys
@@ -197,7 +203,7 @@ def plant(defect: str) -> None:
         contract_run.provenance = provenance  # run.py calls it through the module
     elif defect.startswith("dg-"):
         plant_diffusion(defect)
-    elif defect not in ("none", "no-layer"):
+    elif defect not in ("none", "no-layer", "no-force"):
         raise SystemExit(f"unknown defect {defect!r}")
 
 
@@ -205,7 +211,38 @@ def plant_diffusion(defect: str) -> None:
     """The DG18 incident classes, each planted in the computation (the trace records what the
     defective code computed, under the reference's names and attributes)."""
     DG = diffusion_gemma.DiffusionGemma
-    if defect == "dg-bidir-prompt":
+    if defect == "dg-argmax-second":
+        orig_argmax = ops.argmax_margin
+
+        def argmax_margin(logits, what="logits"):
+            top, margin = orig_argmax(logits, what=what)
+            if what.startswith("denoise.") and logits.shape[-1] > 1:
+                row = logits[0]
+                second = int(np.argsort(-row, kind="stable")[1])
+                top = top.copy()
+                margin = margin.copy()
+                top[0], margin[0] = second, ops.margin_of(row, [second])
+            return top, margin
+
+        ops.argmax_margin = argmax_margin  # called through the module
+    elif defect == "dg-canvas-causal":
+        orig_attention, orig_visible = DG.attention, ops.attention_visible
+        canvas = [0]
+
+        def attention(self, i, L, xn, pos, ps, cap, cache):
+            canvas[0] = xn.shape[0] if ps.kind == "denoise" and i == 1 else 0
+            return orig_attention(self, i, L, xn, pos, ps, cap, cache)
+
+        def attention_visible(q, k, v, visible, scale):
+            t = canvas[0]
+            if t:
+                visible = visible.copy()
+                visible[:, -t:] &= np.tril(np.ones((t, t), dtype=bool))  # the canvas's own keys
+            return orig_visible(q, k, v, visible, scale)
+
+        DG.attention = attention
+        ops.attention_visible = attention_visible  # called through the module
+    elif defect == "dg-bidir-prompt":
         orig_attention, orig_visible = DG.attention, ops.attention_visible
         prompt = [False]
 
@@ -265,8 +302,12 @@ def plant_diffusion(defect: str) -> None:
         orig_record = DG._record
 
         def record(self, cap, name, values, margins, forced, overridden):
-            if name.endswith(".stop"):
+            if name.endswith(".stop") and forced is None:
                 values[2] = values[0] | values[1]  # decide returns this array's row 2
+            elif name.endswith(".stop"):
+                # Forced, the reference's stop is taken; the OR rule would have decided otherwise
+                # where it differs from it (rows 0 and 1 are the forced conditions).
+                overridden += int(values[2] != (values[0] | values[1]))
             return orig_record(self, cap, name, values, margins, forced, overridden)
 
         DG._record = record
@@ -276,6 +317,9 @@ def plant_diffusion(defect: str) -> None:
 
 def answer(defect: str, request: list[str]) -> int:
     """One request (`VERB ARGS...`), as a fresh per-call process would answer it."""
+    if defect == "no-force" and "--force-decisions" in request:
+        i = request.index("--force-decisions")
+        request = request[:i] + request[i + 2 :]
     sys.argv = [sys.argv[0], "--defect", defect, *request]  # the per-call command line
     _verb[0], _prompt[0] = (request[:1] or [None])[0], None
     if defect == "no-layer" and request[:1] == ["layer"]:

@@ -141,9 +141,10 @@ pub(super) fn isolate_step(
             layer: l,
             slice_rel: format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work),
             whose: "the reference's",
+            pass: None,
         };
         match b::isolate_with(o, &run, c.policy, runs, |cand, out| {
-            b::write_slice(&view, cand, l, out)
+            b::write_slice(&view, cand, l, out, None)
         }) {
             Ok(iso) => b::fill_isolated(&mut row, iso),
             Err(why) => {

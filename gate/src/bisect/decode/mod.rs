@@ -35,14 +35,15 @@ pub struct Context<'a> {
     pub allow_stack_mismatch: bool,
 }
 
-/// The whole runs' comparison leaves the decode steps to this module.
-pub fn prefill_filter(generate: usize) -> Filter {
+/// The whole runs' comparison leaves the decode steps to this module, and a sampling model's
+/// passes after the prompt to ../diffusion/.
+pub fn prefill_filter(generate: usize, sampling: bool) -> Filter {
     Filter {
         only: vec![],
-        skip: if generate > 0 {
-            vec!["decode.**".into()]
-        } else {
-            vec![]
+        skip: match (generate > 0, sampling) {
+            (false, _) => vec![],
+            (true, false) => vec!["decode.**".into()],
+            (true, true) => vec!["encode.**".into(), "denoise.**".into()],
         },
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! The parts: chart.rs the per-layer chart, layers.rs a layer table with its wrong layer and
 //! stage, checks.rs the whole run and the checks (outliers, self-consistency, calibration,
-//! rounding level), decode.rs the decode steps; this file the page and its view of a table.
+//! rounding level), decode.rs the decode steps, diffusion.rs a block-diffusion run's passes;
+//! this file the page and its view of a table.
 
 use std::fmt::Write as _;
 
@@ -14,20 +15,24 @@ use tracegate_diff::html::{esc, json_text, page, val};
 use tracegate_diff::thousands;
 
 use crate::bisect::decode::DecodeReport;
+use crate::bisect::diffusion::DiffusionReport;
 use crate::bisect::prefill::{LayerRow, Stage};
 use crate::bisect::BisectReport;
 
 mod chart;
 mod checks;
 mod decode;
+mod diffusion;
 mod layers;
 
 use checks::{checks, whole_run};
 use decode::decode;
+use diffusion::diffusion;
 use layers::layers;
 
 /// A table of layers on the page: the prefill's (`/layers`, ids as they are) or those isolated
-/// at the first diverging decode step (`/decode/layers`, ids prefixed `decode-`).
+/// at the first diverging decode step (`/decode/layers`, ids prefixed `decode-`) or block-diffusion
+/// pass (`/diffusion/layers`, ids prefixed `diffusion-`).
 struct View<'a> {
     rows: &'a [LayerRow],
     /// JSON pointer of the rows and of the report part holding `first_wrong_layer` and `stage`.
@@ -48,6 +53,17 @@ impl<'a> View<'a> {
             id: "",
             first_wrong: r.first_wrong_layer,
             stage: r.stage.as_ref(),
+        }
+    }
+
+    fn diffusion(d: &'a DiffusionReport) -> View<'a> {
+        View {
+            rows: &d.layers,
+            rows_at: "/diffusion/layers",
+            owner_at: "/diffusion",
+            id: "diffusion-",
+            first_wrong: d.first_wrong_layer,
+            stage: d.stage.as_ref(),
         }
     }
 
@@ -139,6 +155,9 @@ pub fn render_html(r: &BisectReport) -> String {
     checks(r, &mut h);
     if let Some(d) = &r.decode {
         decode(d, &mut h);
+    }
+    if let Some(d) = &r.diffusion {
+        diffusion(d, &mut h);
     }
     page(&format!("gate bisect {}", r.verdict), &h)
 }

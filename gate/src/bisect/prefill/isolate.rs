@@ -30,14 +30,24 @@ pub(crate) struct Source<'a> {
 
 /// The reference's whole-run `layer.LL.*` tensors (those the candidate's layer trace also has)
 /// rewritten with path=layer, so the differ compares them with the candidate's layer verb
-/// under its usual rules (positions and masks must still agree).
-pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &Path) -> Result<()> {
-    let pfx = names::layer_prefix(layer);
+/// under its usual rules (positions and masks must still agree). `pass`: a block-diffusion
+/// pass's prefix (`denoise.BBBB.SSSS.`, `encode.BBBB.`, "" for the prompt's pass): the
+/// reference's `P.layer.LL.*` are written as `layer.LL.*` with their own path, as that family's
+/// layer verb records them (`unprefixed`).
+pub(crate) fn write_slice(
+    reference: &Trace,
+    cand: &Trace,
+    layer: usize,
+    out: &Path,
+    pass: Option<&str>,
+) -> Result<()> {
+    let pfx = format!("{}{}", pass.unwrap_or(""), names::layer_prefix(layer));
+    let short = |name: &str| name[pass.map_or(0, str::len)..].to_string();
     let mut prov = reference.provenance().clone();
     if let Some(o) = prov.as_object_mut() {
         o.insert(
             "bisect_slice".into(),
-            json!({ "layer": layer, "from": reference.path().display().to_string() }),
+            json!({ "layer": layer, "pass": pass, "from": reference.path().display().to_string() }),
         );
     }
     let mut w =
@@ -52,35 +62,30 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
     for info in reference
         .tensors()
         .iter()
-        .filter(|t| t.name.starts_with(&pfx) && same_rows(&t.name, &t.attributes))
+        .filter(|t| t.name.starts_with(&pfx) && same_rows(&short(&t.name), &t.attributes))
     {
-        let mut attrs = Attributes {
-            path: Some("layer".into()),
-            ..info.attributes.clone()
-        };
+        let name = short(&info.name);
+        let mut attrs = info.attributes.clone();
+        if pass.is_none() {
+            attrs.path = Some("layer".into());
+        }
         if cand
-            .tensor_info(&info.name)
+            .tensor_info(&name)
             .is_some_and(|c| c.attributes.extra.get("forced") == Some(&digest))
         {
             attrs.extra.insert("forced".into(), digest.clone());
         }
-        w.tensor(
-            &info.name,
-            info.dtype,
-            &info.shape,
-            reference.data(info),
-            &attrs,
-        )
-        .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
+        w.tensor(&name, info.dtype, &info.shape, reference.data(info), &attrs)
+            .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
     }
     for d in reference
         .decisions()
         .iter()
-        .filter(|d| d.name.starts_with(&pfx) && cand.decision_info(&d.name).is_some())
+        .filter(|d| d.name.starts_with(&pfx) && cand.decision_info(&short(&d.name)).is_some())
     {
         let margins = reference.decision_margins(d);
         w.decision(
-            &d.name,
+            &short(&d.name),
             &d.shape,
             &reference.decision_values(d),
             margins.as_deref(),
@@ -89,6 +94,36 @@ pub(crate) fn write_slice(reference: &Trace, cand: &Trace, layer: usize, out: &P
     }
     w.finish()
         .map_err(|e| gerr!(File: "{}: {e}", out.display()))?;
+    Ok(())
+}
+
+/// A block-diffusion layer trace's names without their pass prefix `pass`, so the layer's
+/// points read as the prefill's (`layer.LL.*`) for the comparison and the stage: the same
+/// tensors, decisions, attributes and provenance, at `out`. A name without the prefix is not the
+/// pass's and is left out (the comparison then finds the pass's own missing).
+fn unprefixed(t: &Trace, pass: &str, out: &Path) -> Result<()> {
+    let io = |e: tracegate_trace::Error| gerr!(File: "{}: {e}", out.display());
+    let mut w = TraceWriter::create(out, t.provenance().clone()).map_err(io)?;
+    for info in t.tensors() {
+        if let Some(name) = info.name.strip_prefix(pass) {
+            w.tensor(
+                name,
+                info.dtype,
+                &info.shape,
+                t.data(info),
+                &info.attributes,
+            )
+            .map_err(io)?;
+        }
+    }
+    for d in t.decisions() {
+        if let Some(name) = d.name.strip_prefix(pass) {
+            let margins = t.decision_margins(d);
+            w.decision(name, &d.shape, &t.decision_values(d), margins.as_deref())
+                .map_err(io)?;
+        }
+    }
+    w.finish().map_err(io)?;
     Ok(())
 }
 
@@ -118,20 +153,24 @@ pub(crate) fn isolate(
         layer,
         slice_rel: format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem),
         whose: src.whose,
+        pass: None,
     };
+    // A block-diffusion model's layer verb keeps the whole run's path (its prompt pass: no prefix).
+    let pass = o.sampling.then_some("");
     isolate_with(o, &run, policy, runs, |cand, out| {
-        write_slice(src.trace, cand, layer, out)
+        write_slice(src.trace, cand, layer, out, pass)
     })
 }
 
 /// One layer isolation's run: the candidate's layer `verb` for `layer`, and where the reference's
 /// rows of that layer go (`slice_rel`); `whose` names their source in messages ("the
-/// reference's").
+/// reference's"). `pass`: a block-diffusion pass's prefix, which the layer verb's names carry.
 pub(crate) struct LayerRun<'a> {
     pub(crate) verb: Verb,
     pub(crate) layer: usize,
     pub(crate) slice_rel: String,
     pub(crate) whose: &'a str,
+    pub(crate) pass: Option<String>,
 }
 
 /// Runs the candidate's layer verb of `run` and compares its trace with the reference's rows of
@@ -148,6 +187,7 @@ pub(crate) fn isolate_with(
         layer,
         slice_rel,
         whose,
+        pass,
     } = run;
     let (layer, slice_rel) = (*layer, slice_rel.as_str());
     let rec = run_fresh(&o.root, &o.candidate, verb, o.timeout);
@@ -164,7 +204,18 @@ pub(crate) fn isolate_with(
             rec.invocation
         ));
     }
-    let cand = open(&o.root, verb.out())?;
+    let cand = match pass.as_deref().filter(|p| !p.is_empty()) {
+        None => open(&o.root, verb.out())?,
+        Some(p) => {
+            let out = verb.out();
+            let rel = format!(
+                "{}.unprefixed.trace",
+                out.strip_suffix(".trace").unwrap_or(out)
+            );
+            unprefixed(&open(&o.root, verb.out())?, p, &o.root.join(&rel))?;
+            open(&o.root, &rel)?
+        }
+    };
     for need in ["attn_out", "mlp_out", "hidden_out"] {
         let name = names::layer(layer, need);
         if cand.tensor_info(&name).is_none() {
@@ -314,6 +365,8 @@ pub(crate) fn stage(layer: usize, row: &LayerRow, moe: bool, differs: &str) -> S
             Registered::Attention => Block::Attention,
             Registered::Router => Block::MoeRouter,
             Registered::Experts => Block::MoeExpert,
+            // A dense MLP beside the routed experts (diffusion Gemma) is an MLP all the same.
+            Registered::FeedForward if p.name.starts_with("dense_mlp.") => Block::Mlp,
             Registered::FeedForward => feed_forward,
             Registered::Residual => Block::Residual,
             // Model-wide blocks hold no layer point.

@@ -63,7 +63,13 @@ pub struct BisectOptions {
     pub all_layers: bool,
     pub internals: bool,
     pub calibrate: bool,
+    /// Seed of the calibration perturbation.
     pub seed: u64,
+    /// The model samples (block diffusion, docs/bisect.md "Block diffusion"): its whole runs
+    /// take `sampler_seed`, and the passes after the prompt are bisected by ../diffusion/.
+    pub sampling: bool,
+    /// A sampling model's seed (`--seed`; a stored reference's own when not given).
+    pub sampler_seed: u64,
     /// `--generate N`: decode steps in the whole runs, bisected after the prefill (../decode/).
     pub generate: usize,
     /// Where the traces go, relative to root; kept for inspection.

@@ -49,6 +49,8 @@ pub struct StoredReference {
     pub tokens: Vec<i64>,
     pub generate: usize,
     pub internals: bool,
+    /// A sampling model's seed (provenance `seed`); None for another model.
+    pub seed: Option<u64>,
     /// The engine's or the contract's, without an oracle stack (module doc).
     pub ordered: bool,
 }
@@ -91,6 +93,13 @@ impl StoredReference {
                 )))
             }
         };
+        let seed = match &p["seed"] {
+            serde_json::Value::Null => None,
+            s => Some(
+                s.as_u64()
+                    .ok_or_else(|| at(format!("provenance seed {s} is not a count")))?,
+            ),
+        };
         let ordered = matches!(producer.as_str(), "engine" | "contract") && !is_oracle(&t);
         Ok(StoredReference {
             path: path.to_path_buf(),
@@ -100,6 +109,7 @@ impl StoredReference {
             tokens,
             generate,
             internals,
+            seed,
             ordered,
         })
     }
@@ -127,6 +137,13 @@ impl StoredReference {
             return Err(refuse(format!(
                 "recorded with --generate {}, this bisection asks --generate {}",
                 self.generate, o.generate
+            )));
+        }
+        if o.sampling && self.seed.is_some_and(|s| s != o.sampler_seed) {
+            return Err(refuse(format!(
+                "recorded with --seed {}, this bisection asks --seed {}",
+                self.seed.unwrap_or(0),
+                o.sampler_seed
             )));
         }
         if o.internals && !self.internals {

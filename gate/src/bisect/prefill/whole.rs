@@ -29,7 +29,7 @@ pub(crate) fn trace_run(
             generate: o.generate,
             cache: true,
             force,
-            seed: None,
+            seed: o.sampling.then_some(o.sampler_seed),
         },
         o.timeout,
     )

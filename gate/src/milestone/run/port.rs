@@ -680,6 +680,8 @@ fn localise(
             calibrate: false,
             generate: plan.generate,
             seed: 1,
+            sampling: plan.samples(),
+            sampler_seed: plan.seed,
             work: work.clone(),
             timeout: o.timeout,
             gate_invocation: o.gate_invocation.clone(),

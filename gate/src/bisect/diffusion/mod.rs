@@ -1,0 +1,578 @@
+//! `gate bisect --generate N` on a block-diffusion model (docs/bisect.md, "Block diffusion").
+//! The prompt's encoder pass is bisected as any prefill (../prefill/); once it agrees, the
+//! passes after it — per block its denoise steps, its commit, its commit pass — are compared in
+//! run order (`tracegate_diff::passes`) to name the first diverging pass, and each layer of that
+//! pass is isolated: the candidate's `layer` verb runs on the reference's `P.layer.LL.hidden_in`
+//! with the keys of the reference's earlier encoder passes (the verb reads them from the same
+//! trace, docs/producers.md), and its outputs are compared with the reference's `P.layer.LL.*`.
+//!
+//! Two producers with different generators (the engine's splitmix64 stream, torch's) differ at
+//! the first draw by construction, not by a defect: the candidate is then traced again taking
+//! the reference's draws and decisions (`--force-decisions`), and what it would itself have
+//! decided otherwise is read from that trace's provenance.
+//!
+//! The parts: this file the driver and the verdict, report.rs the report, isolate.rs the layers
+//! isolated at the pass, render.rs the text output.
+
+use tracegate_diff::passes::{self, Sampler};
+use tracegate_diff::{compare, FindingKind, Options, Policy, Report};
+use tracegate_producers::RunRecord;
+use tracegate_trace::names::{self, Block as Registered, Diffusion, Name};
+use tracegate_trace::Trace;
+
+use super::decode::DecodeStatus;
+use crate::bisect::prefill::whole::trace_run;
+use crate::bisect::prefill::{
+    self as b, BisectOptions, BisectVerdict, DecisionsForced, Forcing, How, Isolated, Said,
+    UnforcedDecision,
+};
+
+mod isolate;
+mod render;
+mod report;
+
+pub use render::render;
+pub use report::*;
+
+/// What the prefill bisection hands over.
+pub struct Context<'a> {
+    pub reference: &'a Trace,
+    pub ref_rel: &'a str,
+    /// The candidate's whole run (forced, when the prefill forced it).
+    pub candidate: &'a Trace,
+    pub cand_rel: &'a str,
+    pub policy: &'a Option<Policy>,
+    /// Decoder layers.
+    pub layers: usize,
+    pub allow_stack_mismatch: bool,
+    /// The candidate's trace took the reference's decisions (the prefill forced it).
+    pub forced: bool,
+}
+
+/// One diverging tensor or decision of the passes after the prompt, with its run-order key.
+struct Diverging {
+    key: (passes::Key, usize, usize),
+    name: String,
+    how: How,
+}
+
+/// Where a name stands inside its pass: 0 before the layers (canvas, embedding,
+/// self-conditioning), 1+L in layer L, past every layer for the head and the sampler.
+fn within_pass(name: &str) -> usize {
+    let n = Name::parse(name);
+    match n.layer {
+        Some(l) => l.saturating_add(1),
+        None => match names::point(name).map(|p| p.block) {
+            Some(Registered::Embedding | Registered::SelfConditioning | Registered::Input) => 0,
+            _ => usize::MAX,
+        },
+    }
+}
+
+/// The pass a name belongs to, as its prefix (`denoise.BBBB.SSSS.`, `encode.BBBB.`,
+/// `denoise.BBBB.` for a block's own decisions); None for a prompt-pass name.
+fn pass_of(name: &str) -> Option<String> {
+    let d = Name::parse(name).diffusion?;
+    Some(match d {
+        Diffusion::Encode { block } => names::encode(block, ""),
+        Diffusion::Denoise { block, step } => names::denoise(block, step, ""),
+        Diffusion::Block { block } => names::denoise_block(block, ""),
+    })
+}
+
+/// The passes after the prompt in `t`, in run order: every denoise step and commit pass that
+/// holds a tensor.
+fn passes_in(t: &Trace) -> Vec<String> {
+    let mut all: Vec<(passes::Key, String)> = t
+        .tensors()
+        .iter()
+        .filter_map(|x| pass_of(&x.name).map(|p| (passes::key(&x.name), p)))
+        .collect();
+    all.sort();
+    all.dedup_by(|a, b| a.1 == b.1);
+    all.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Every diverging tensor and decision after the prompt, in run order (tensors by the
+/// reference's capture order inside their place; a decision after its layer's tensors).
+fn diverging(reference: &Trace, rep: &Report, forced: bool) -> Vec<Diverging> {
+    let index = |name: &str| {
+        reference
+            .tensors()
+            .iter()
+            .position(|t| t.name == name)
+            .unwrap_or(usize::MAX)
+    };
+    let at = |name: &str, how: How| Diverging {
+        key: (passes::key(name), within_pass(name), index(name)),
+        name: name.to_string(),
+        how,
+    };
+    let mut out: Vec<Diverging> = b::rows(rep)
+        .iter()
+        .filter(|t| t.status.is_bad() && pass_of(&t.tensor).is_some())
+        .map(|t| at(&t.tensor, How::Differs))
+        .collect();
+    out.extend(
+        b::decisions(rep)
+            .iter()
+            .filter(|d| d.judged_rows() > 0 && pass_of(&d.name).is_some())
+            .map(|d| at(&d.name, How::Differs)),
+    );
+    // A tensor or decision on one side only, or (unforced) a decision whose margins differ;
+    // past a sampling divergence not judged, as the differ leaves its values (an expert that
+    // the other canvas routes no row to is missing there by consequence).
+    let draw = rep
+        .decisions
+        .sampling_divergence
+        .as_ref()
+        .map(|sd| sd.decision.as_str());
+    for f in &rep.findings {
+        let counts = match f.kind {
+            FindingKind::MissingTensor
+            | FindingKind::ExtraTensor
+            | FindingKind::MissingDecision
+            | FindingKind::ExtraDecision => true,
+            FindingKind::MarginDiffers => !forced,
+            _ => false,
+        };
+        let judged = |t: &str| draw.is_none_or(|d| !passes::after_draw(d, t));
+        if let Some(t) = f
+            .tensor()
+            .filter(|t| counts && pass_of(t).is_some() && judged(t))
+        {
+            if !out.iter().any(|d| d.name == t) {
+                out.push(at(t, How::Finding(f.kind)));
+            }
+        }
+    }
+    out.sort_by(|a, b| a.key.cmp(&b.key).then_with(|| a.name.cmp(&b.name)));
+    out
+}
+
+fn options(c: &Context) -> Options {
+    Options {
+        all: true,
+        policy: c.policy.clone(),
+        allow_stack_mismatch: c.allow_stack_mismatch,
+        ..Options::default()
+    }
+}
+
+/// The candidate traced again taking the reference's draws and decisions, and that comparison.
+fn force(
+    o: &BisectOptions,
+    c: &Context,
+    unforced: &Report,
+    runs: &mut Vec<RunRecord>,
+) -> (DecisionsForced, Option<(Report, Trace, String)>) {
+    let rel = format!("{}/candidate.diffusion.forced.trace", o.work);
+    let rec = trace_run(o, &o.candidate, &rel, Some(c.ref_rel.to_string()));
+    runs.push(rec.clone());
+    crate::progress::step("candidate traced with the reference's draws and decisions forced");
+    let mut f = DecisionsForced {
+        status: Forcing::NotForced,
+        reason: None,
+        from: c.ref_rel.to_string(),
+        from_digest: c.reference.digest().hex(),
+        candidate_trace: None,
+        unforced: b::decisions(unforced)
+            .iter()
+            .filter(|d| d.differing_rows > 0)
+            .map(|d| UnforcedDecision {
+                name: d.name.clone(),
+                rows: d.rows,
+                differing_rows: d.differing_rows,
+                labels: unforced
+                    .decisions
+                    .results
+                    .iter()
+                    .find(|r| r.name == d.name)
+                    .map(|r| {
+                        let mut labels = std::collections::BTreeMap::new();
+                        for x in &r.flips {
+                            *labels.entry(x.label).or_insert(0) += 1;
+                        }
+                        labels
+                    })
+                    .unwrap_or_default(),
+            })
+            .collect(),
+        rows_overridden: None,
+        overridden: None,
+    };
+    match b::forced_run(o, c.reference, &rec, &rel, &options(c)) {
+        Ok((rep, t)) => {
+            let prov = &t.provenance()["forced_decisions"];
+            f.rows_overridden = prov["rows_overridden"].as_u64();
+            f.overridden = Some(prov["overridden"].clone());
+            f.status = Forcing::Forced;
+            f.candidate_trace = Some(rel.clone());
+            (f, Some((rep, t, rel)))
+        }
+        Err(why) => {
+            f.reason = Some(why.to_string());
+            (f, None)
+        }
+    }
+}
+
+/// The argmax decisions a forced candidate overrode where its own numbers do not explain it:
+/// its margins outside the policy, or fewer rows whose forced margin is ≤ 0 (its own logits
+/// rank another token above the reference's, docs/producers.md) than rows it overrode — an
+/// override where its own logits put the reference's token on top is a rule that is not argmax.
+fn unexplained(f: &DecisionsForced, rep: &Report, cand: &Trace) -> Vec<String> {
+    let margins_off = |name: &str| {
+        rep.findings
+            .iter()
+            .any(|x| x.kind == FindingKind::MarginDiffers && x.tensor() == Some(name))
+    };
+    let Some(m) = f.overridden.as_ref().and_then(|v| v.as_object()) else {
+        return vec![];
+    };
+    m.iter()
+        .filter(|(name, _)| passes::place(name).and_then(|p| p.sampler) == Some(Sampler::Argmax))
+        .filter(|(name, n)| {
+            let below = cand
+                .decision_info(name)
+                .and_then(|d| cand.decision_margins(d))
+                .map_or(0, |ms| ms.iter().filter(|&&x| x <= 0.0).count() as u64);
+            margins_off(name) || below < n.as_u64().unwrap_or(u64::MAX)
+        })
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+/// The rows a forced candidate would have decided otherwise, as "NAME: N" items: (failing,
+/// said). A rule of the sampler (accept, stop, commit) overridden fails: its margins are
+/// distances to thresholds computed from numbers the comparison judges, so only the rule itself
+/// can decide otherwise. An argmax overridden is said, not failed, when its own numbers explain
+/// it ([`unexplained`] lists those they do not): its flip is then within what the judged
+/// logits' divergence explains (docs/diff.md, "The near-tie rule"); else it fails. A draw is
+/// never overridden (it is taken as given).
+fn overridden(f: &DecisionsForced, unexplained: &[String]) -> (Vec<String>, Vec<String>) {
+    let (mut failing, mut said) = (Vec::new(), Vec::new());
+    if let Some(m) = f.overridden.as_ref().and_then(|v| v.as_object()) {
+        for (name, n) in m {
+            let item = format!("{name}: {n}");
+            match passes::place(name).and_then(|p| p.sampler) {
+                Some(s) if s.is_draw() => {}
+                Some(Sampler::Argmax) if !unexplained.contains(name) => said.push(item),
+                Some(Sampler::Argmax) => {
+                    failing.push(format!("{item} (not explained by its own logits)"))
+                }
+                _ => failing.push(item),
+            }
+        }
+    }
+    (failing, said)
+}
+
+/// The bisection of the passes after the prompt, after the prefill's verdict: returns its report
+/// and the verdict (the prefill's when it is not `nothing_wrong`).
+pub fn run(
+    o: &BisectOptions,
+    c: &Context,
+    runs: &mut Vec<RunRecord>,
+    prefill: Said,
+) -> (DiffusionReport, Said) {
+    let all = passes_in(c.reference);
+    let mut d = DiffusionReport::new(o, all.len());
+    if prefill.0 != BisectVerdict::NothingWrong {
+        d.status = DecodeStatus::NotCompared;
+        d.reason = Some(format!(
+            "the prompt pass's verdict ({}) wins; the passes after it are compared only when it agrees",
+            prefill.0
+        ));
+        return (d, prefill);
+    }
+    let unforced = compare(c.reference, c.candidate, &options(c));
+    let mut refused = None;
+    let forced_run = match &unforced.decisions.sampling_divergence {
+        // Another generator: forcing is the only way to compare past its first draw.
+        Some(sd) => {
+            let (f, got) = force(o, c, &unforced, runs);
+            d.forced = Some(f);
+            if got.is_none() {
+                refused = Some(format!(
+                    "the draws differ from {} at block {}{} (rng {:?} vs {:?}) and the candidate could not be forced: what follows is not judged",
+                    sd.decision,
+                    sd.block,
+                    sd.step.map_or(String::new(), |s| format!(" step {s}")),
+                    sd.reference_rng,
+                    sd.candidate_rng
+                ));
+            }
+            got
+        }
+        None => None,
+    };
+    d.reason = refused;
+    let (rep, cand, cand_rel): (&Report, &Trace, &str) = match &forced_run {
+        Some((r, t, rel)) => (r, t, rel),
+        None => (&unforced, c.candidate, c.cand_rel),
+    };
+    let forced = c.forced || forced_run.is_some();
+    if let (Some(f), Some(_)) = (&d.forced, &forced_run) {
+        d.forced_unexplained = unexplained(f, rep, cand);
+    }
+    let div = diverging(c.reference, rep, forced);
+    let Some(first) = div.first() else {
+        let said = nothing_differs(&mut d, &all, prefill);
+        return (d, said);
+    };
+    let pass = pass_of(&first.name).unwrap_or_default();
+    // The passes up to the one that diverges (a block's commit: every step of the block).
+    let upto = passes::key(&first.name);
+    d.passes_compared = all
+        .iter()
+        .filter(|p| passes::key(&format!("{p}x")) <= upto)
+        .count();
+    d.first_diverging_pass = Some(pass.clone());
+    d.place = passes::in_words(&pass);
+    d.first_diverging = Some(first.name.clone());
+    d.first_diverging_how = Some(first.how);
+    let in_pass = |n: &str| pass_of(n).as_deref() == Some(pass.as_str());
+    d.pass_tensors = b::rows(rep)
+        .into_iter()
+        .filter(|t| t.status.is_bad() && in_pass(&t.tensor))
+        .collect();
+    d.pass_decisions = b::decisions(rep)
+        .into_iter()
+        .filter(|x| x.judged_rows() > 0 && in_pass(&x.name))
+        .collect();
+    let place = d.place.clone().unwrap_or_default();
+    let said = match (first.how, within_pass(&first.name)) {
+        (How::Finding(k), _) => (
+            BisectVerdict::StructureDiffers,
+            format!("at {place}: {} is {}", first.name, How::Finding(k).words()),
+        ),
+        (How::Differs, w) if w > 0 && w <= c.layers => {
+            let rows: Vec<_> = b::rows(rep)
+                .into_iter()
+                .filter(|t| in_pass(&t.tensor))
+                .collect();
+            let x = isolate::Pass {
+                prefix: &pass,
+                first_layer: w - 1,
+                forced,
+                candidate: cand,
+                cand_rel,
+                rows: &rows,
+            };
+            isolate::isolate_pass(o, c, &x, &mut d, runs);
+            verdict(&d, &place)
+        }
+        (How::Differs, 0) => (
+            BisectVerdict::OutsideLayers,
+            format!(
+                "at {place}: {} differs before any layer (the pass's input: {}), with every pass before it matching",
+                first.name,
+                stage_words(&first.name)
+            ),
+        ),
+        (How::Differs, _) => match passes::place(&first.name).and_then(|p| p.sampler) {
+            Some(s) => (
+                BisectVerdict::DecisionsDiffer,
+                format!(
+                    "at {place}: the candidate's {} decision differs ({}) on numbers that agree{}",
+                    sampler_words(s),
+                    d.pass_decisions
+                        .iter()
+                        .find(|x| x.name == first.name)
+                        .map_or(String::new(), |x| format!(
+                            "{} of {} rows",
+                            x.judged_rows(),
+                            x.rows
+                        )),
+                    if forced {
+                        ""
+                    } else {
+                        ", every tensor of the pass and every pass before it matching"
+                    }
+                ),
+            ),
+            None => (
+                BisectVerdict::OutsideLayers,
+                format!(
+                    "at {place}: only the head differs ({} first), every layer of the pass matching",
+                    first.name
+                ),
+            ),
+        },
+    };
+    let said = with_observations(&d, said);
+    (d, said)
+}
+
+/// No pass after the prompt diverges: nothing wrong, unless the candidate could not be forced
+/// past another generator's draws (NOT CHECKED) or, forced, would itself have decided otherwise
+/// in a rule of the sampler.
+fn nothing_differs(d: &mut DiffusionReport, all: &[String], prefill: Said) -> Said {
+    d.passes_compared = all.len();
+    if let Some(why) = &d.reason {
+        return (
+            BisectVerdict::NotChecked,
+            format!(
+                "the passes after the prompt NOT CHECKED: {why}; the prompt: {}",
+                prefill.1
+            ),
+        );
+    }
+    let blocks = all
+        .iter()
+        .filter_map(|p| passes::place(p).map(|x| x.block))
+        .max()
+        .map_or(0, |b| b + 1);
+    let steps = all.iter().filter(|p| p.starts_with("denoise.")).count();
+    // The prefill compared the prompt's encoder pass alone: its "whole runs" are that pass's.
+    let prompt = prefill
+        .1
+        .replacen("the whole runs are", "the prompt's encoder passes are", 1);
+    let said = (
+        BisectVerdict::NothingWrong,
+        format!(
+            "{prompt}; the {} passes after the prompt agree ({blocks} blocks: {steps} denoise steps and {} commit passes, every tensor and decision)",
+            all.len(),
+            all.len() - steps
+        ),
+    );
+    with_observations(d, said)
+}
+
+/// Forcing said: a candidate that would have decided otherwise on numbers that agree decides
+/// otherwise (`decisions_differ`, [`overridden`]); what is excused is said.
+fn with_observations(d: &DiffusionReport, (verdict, mut summary): Said) -> Said {
+    let Some(f) = d.forced.as_ref().filter(|f| f.status == Forcing::Forced) else {
+        return (verdict, summary);
+    };
+    let (failing, said) = overridden(f, &d.forced_unexplained);
+    summary.push_str(&format!(
+        "; the candidate was traced taking the reference's draws and decisions (another generator; it would have taken {} of its own decisions otherwise, draws aside)",
+        failing.len() + said.len()
+    ));
+    if !said.is_empty() {
+        summary.push_str(&format!(
+            "; argmax rows it would have taken otherwise where its own logits rank another token on top within the policy's margins (said, not failed): {}",
+            said.join(", ")
+        ));
+    }
+    if failing.is_empty() {
+        return (verdict, summary);
+    }
+    const SHOWN: usize = 3;
+    let more = match failing.len() {
+        n if n > SHOWN => format!(" … ({n} decisions)"),
+        _ => String::new(),
+    };
+    let words = format!(
+        "the candidate's own decisions differ on the reference's numbers: {}{more}",
+        failing[..failing.len().min(SHOWN)].join(", ")
+    );
+    match verdict {
+        BisectVerdict::NothingWrong => (
+            BisectVerdict::DecisionsDiffer,
+            format!(
+                "{words}; {}",
+                summary.strip_prefix("nothing wrong: ").unwrap_or(&summary)
+            ),
+        ),
+        _ => (verdict, format!("{summary}; {words}")),
+    }
+}
+
+/// The verdict once the layers of the first diverging pass were isolated.
+fn verdict(d: &DiffusionReport, place: &str) -> Said {
+    if let (Some(l), Some(st)) = (d.first_wrong_layer, &d.stage) {
+        let mut s = format!(
+            "in isolation at {place} layer {l:02}'s body is wrong: {} — {}",
+            st.block.words(),
+            st.detail
+        );
+        let matching: Vec<usize> = d
+            .layers
+            .iter()
+            .filter(|r| r.layer < l && r.isolation == Isolated::Match)
+            .map(|r| r.layer)
+            .collect();
+        if !matching.is_empty() {
+            s.push_str(&format!("; {}", b::say(&matching, "matches", "match")));
+        }
+        if let Some(i) = &d.inconsistent {
+            return (
+                BisectVerdict::InconsistentProducer,
+                format!(
+                    "at {place} the candidate's layer verb disagrees with its own whole run at layer {:02} ({}): no layer body is blamed",
+                    i.layer, i.detail
+                ),
+            );
+        }
+        if let Some(why) = &d.self_check_not_checked {
+            s.push_str(&format!(
+                "; the candidate's layer verb NOT CHECKED against its own whole run: {why}"
+            ));
+        }
+        return (BisectVerdict::WrongLayer, s);
+    }
+    if let Some(why) = &d.isolation_not_checked {
+        return (
+            BisectVerdict::NotChecked,
+            format!("the first diverging pass is {place} ({}), and its layers could not be isolated: {why}", d.first_diverging.as_deref().unwrap_or("")),
+        );
+    }
+    (
+        BisectVerdict::Accumulates,
+        format!(
+            "at {place} no layer's body is wrong in isolation (layers {} isolated): the difference accumulates from inputs that differ below the judge's resolution",
+            b::span(&d.layers.iter().map(|r| r.layer).collect::<Vec<_>>())
+        ),
+    )
+}
+
+fn stage_words(name: &str) -> &'static str {
+    match names::point(name).map(|p| p.block) {
+        Some(Registered::SelfConditioning) => "self-conditioning",
+        Some(Registered::Embedding) => "the canvas or its embedding",
+        _ => "the first layer's input",
+    }
+}
+
+fn sampler_words(s: Sampler) -> &'static str {
+    match s {
+        Sampler::InitCanvas => "initial canvas",
+        Sampler::Argmax => "argmax",
+        Sampler::Sampled => "sampled",
+        Sampler::Accept => "accept",
+        Sampler::Renoise => "renoise",
+        Sampler::Stop => "stop",
+        Sampler::Commit => "commit",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_inside_a_pass() {
+        assert_eq!(within_pass("denoise.0000.0001.sc.out"), 0);
+        assert_eq!(within_pass("denoise.0000.0001.canvas"), 0);
+        assert_eq!(within_pass("denoise.0000.0001.layer.00.q"), 1);
+        assert_eq!(within_pass("denoise.0000.0001.layer.12.mlp_out"), 13);
+        assert_eq!(within_pass("denoise.0000.0001.logits"), usize::MAX);
+        assert_eq!(within_pass("denoise.0000.0001.stop"), usize::MAX);
+        assert_eq!(
+            pass_of("encode.0001.layer.00.k").as_deref(),
+            Some("encode.0001.")
+        );
+        assert_eq!(
+            pass_of("denoise.0001.0002.entropy").as_deref(),
+            Some("denoise.0001.0002.")
+        );
+        assert_eq!(
+            pass_of("denoise.0001.commit").as_deref(),
+            Some("denoise.0001.")
+        );
+        assert_eq!(pass_of("layer.00.k"), None);
+    }
+}

@@ -1,0 +1,281 @@
+//! `gate bisect --generate N` on a block-diffusion model (docs/bisect.md, "Block diffusion"):
+//! each incident class of the diffusion port (defective_contract.py `dg-*`, docs/diffusion-gemma.md
+//! DG18) bisected against the engine on `tiny-diffusion-gemma` must be named at its pass, layer
+//! and stage — a causal canvas in one denoise layer isolated to that layer's attention, a skipped
+//! self-conditioning before the layers, an OR stop rule, an argmax that is not argmax and a reply
+//! from the sampled canvas as decisions on agreeing numbers (forced by torch's draws too), the prompt's defects by the prompt's bisection; clean pairs
+//! (engine vs contract by bits, the oracle's generator against the engine's, forced) must say
+//! nothing wrong, naming the passes compared; forced past another generator's draws, an OR stop
+//! rule is still its own decision that differs; a candidate that cannot be forced is NOT
+//! CHECKED, never a pass.
+
+use serde_json::Value;
+
+use crate::common;
+use common::{assert_valid_bisect_report, defective, repo};
+
+const MODEL: &str = "fixtures/tiny-diffusion-gemma";
+
+/// `gate bisect --generate 14 --seed 3` (dg0's settings) on prompt `short`: (exit, stdout, report).
+fn bisect(reference: &[&str], candidate: &[&str]) -> (i32, String, Value) {
+    bisect_at("short", 3, reference, candidate)
+}
+
+/// `gate bisect --generate 14 --seed SEED` on prompt `prompt`: (exit, stdout, report).
+fn bisect_at(
+    prompt: &str,
+    seed: u64,
+    reference: &[&str],
+    candidate: &[&str],
+) -> (i32, String, Value) {
+    let root = repo();
+    let work = tempfile::tempdir_in(root.join("target")).unwrap();
+    let report = work.path().join("report.json");
+    let out = common::gate()
+        .current_dir(&root)
+        .args(["--root", root.to_str().unwrap(), "bisect", "--model", MODEL])
+        .args([
+            "--prompt",
+            prompt,
+            "--generate",
+            "14",
+            "--seed",
+            &seed.to_string(),
+        ])
+        .args([
+            "--work",
+            work.path().strip_prefix(&root).unwrap().to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+        ])
+        .args(reference)
+        .args(candidate)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| {
+        panic!(
+            "no report ({e}):\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let report: Value = serde_json::from_str(&text).unwrap();
+    assert_valid_bisect_report(&report);
+    (out.status.code().unwrap_or(-1), stdout, report)
+}
+
+/// The contract with `defect` planted, against the engine.
+fn planted(defect: &str) -> (i32, String, Value) {
+    let cmd = defective(defect);
+    bisect(
+        &["--reference", "engine"],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    )
+}
+
+fn statuses(layers: &Value) -> Vec<&str> {
+    layers
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["status"].as_str().unwrap())
+        .collect()
+}
+
+#[test]
+fn engine_and_contract_agree_on_every_pass_by_bits() {
+    let (code, stdout, r) = bisect(&["--reference", "engine"], &["--candidate", "contract"]);
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(r["verdict"], "nothing_wrong", "{stdout}");
+    assert_eq!(r["judge"]["by"], "bits", "{stdout}");
+    let d = &r["diffusion"];
+    assert_eq!(d["status"], "compared");
+    assert!(d["forced"].is_null(), "one generator: nothing to force");
+    let passes = d["passes"].as_u64().unwrap();
+    // Two blocks of 7: at least one denoise step and a commit pass each.
+    assert!(passes >= 4, "{d}");
+    assert_eq!(d["passes_compared"].as_u64(), Some(passes));
+    assert!(d["first_diverging"].is_null());
+    assert!(
+        stdout.contains(&format!("the {passes} passes after the prompt agree")),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_causal_canvas_in_one_denoise_layer_is_that_layers_attention_at_the_first_step() {
+    let (code, stdout, r) = planted("dg-canvas-causal");
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "wrong_layer", "{stdout}");
+    // The prompt's encoder pass is causal anyway: the prompt agrees, the defect is after it.
+    assert!(r["first_wrong_layer"].is_null(), "{stdout}");
+    let d = &r["diffusion"];
+    assert_eq!(d["place"], "block 0 step 0", "{stdout}");
+    assert_eq!(d["first_diverging_pass"], "denoise.0000.0000.");
+    assert_eq!(d["first_wrong_layer"], 1, "{stdout}");
+    assert_eq!(statuses(&d["layers"]), ["ok", "wrong"], "{stdout}");
+    assert_eq!(d["stage"]["block"], "attention", "{stdout}");
+    assert_eq!(d["stage"]["tensor"], "layer.01.attn_probs", "{stdout}");
+    // Its layer verb runs the same code as its whole run: the blame stands.
+    assert_eq!(d["layers"][1]["self_check"], "consistent", "{stdout}");
+    assert!(d["inconsistent"].is_null());
+    assert!(
+        r["summary"]
+            .as_str()
+            .unwrap()
+            .contains("in isolation at block 0 step 0 layer 01's body is wrong: attention block"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn self_conditioning_skipped_on_a_blocks_first_step_is_named_before_the_layers() {
+    let (code, stdout, r) = planted("dg-sc-skip");
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "outside_layers", "{stdout}");
+    let d = &r["diffusion"];
+    assert_eq!(d["place"], "block 0 step 0", "{stdout}");
+    let first = d["first_diverging"].as_str().unwrap();
+    assert!(
+        first.starts_with("denoise.0000.0000.sc.")
+            || first == "denoise.0000.0000.layer.00.hidden_in",
+        "{first}: {stdout}"
+    );
+    assert!(
+        d["layers"].as_array().unwrap().is_empty(),
+        "no layer is blamed for its input"
+    );
+}
+
+#[test]
+fn an_or_stop_rule_is_a_stop_decision_on_agreeing_numbers() {
+    let (code, stdout, r) = planted("dg-stop-or");
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
+    let d = &r["diffusion"];
+    let first = d["first_diverging"].as_str().unwrap();
+    assert!(
+        first.starts_with("denoise.") && first.ends_with(".stop"),
+        "{first}"
+    );
+    assert!(d["pass_tensors"].as_array().unwrap().is_empty(), "{stdout}");
+    assert!(
+        r["summary"]
+            .as_str()
+            .unwrap()
+            .contains("stop decision differs"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
+    let cmd = defective("dg-argmax-second");
+    let (code, stdout, r) = planted("dg-argmax-second");
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
+    assert_eq!(
+        r["diffusion"]["first_diverging"], "denoise.0000.0000.argmax",
+        "{stdout}"
+    );
+    // Forced by torch's run, its own logits put the reference's token on top where it
+    // overrode it: not a near-tie the judged logits explain.
+    let (code, stdout, r) = bisect(
+        &["--reference", "oracle"],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
+    let unexplained = r["diffusion"]["forced_unexplained"].as_array().unwrap();
+    assert!(
+        unexplained.iter().any(|n| n == "denoise.0000.0000.argmax"),
+        "{stdout}"
+    );
+    assert!(
+        r["summary"]
+            .as_str()
+            .unwrap()
+            .contains("denoise.0000.0000.argmax: 1 (not explained by its own logits)"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_reply_from_the_sampled_canvas_is_the_blocks_commit() {
+    // Seed 0: block 0's last step samples a token other than its argmax in one row (with seed 3
+    // every row's sample is its argmax there, and the defect changes nothing).
+    let cmd = defective("dg-reply-sampled");
+    let (code, stdout, r) = bisect_at(
+        "short",
+        0,
+        &["--reference", "engine"],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
+    assert_eq!(
+        r["diffusion"]["first_diverging"], "denoise.0000.commit",
+        "{stdout}"
+    );
+    assert_eq!(r["diffusion"]["place"], "block 0", "{stdout}");
+}
+
+#[test]
+fn the_prompts_defects_are_the_prompt_bisections_and_the_passes_after_wait() {
+    for (defect, block) in [("dg-bidir-prompt", "attention"), ("dg-mlp-add", "mlp")] {
+        let (code, stdout, r) = planted(defect);
+        assert_eq!(code, 1, "{defect}: {stdout}");
+        assert_eq!(r["verdict"], "wrong_layer", "{defect}: {stdout}");
+        assert_eq!(r["first_wrong_layer"], 0, "{defect}: {stdout}");
+        assert_eq!(r["stage"]["block"], block, "{defect}: {stdout}");
+        assert_eq!(
+            r["diffusion"]["status"], "not_compared",
+            "{defect}: {stdout}"
+        );
+    }
+}
+
+#[test]
+fn another_generator_is_forced_and_then_agrees_or_is_not_checked() {
+    // The engine against torch's generator: forced by the oracle's trace, the passes agree.
+    let (code, stdout, r) = bisect(&["--reference", "oracle"], &["--candidate", "engine"]);
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(r["verdict"], "nothing_wrong", "{stdout}");
+    let f = &r["diffusion"]["forced"];
+    assert_eq!(f["status"], "forced", "{stdout}");
+    assert!(f["unforced"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|u| u["name"] == "denoise.0000.init_canvas"));
+    // Forced, an OR stop rule takes the reference's stop, and says where its own differs: the
+    // numbers agree, the candidate's decision does not.
+    let cmd = defective("dg-stop-or");
+    let (code, stdout, r) = bisect(
+        &["--reference", "oracle"],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
+    assert_eq!(r["diffusion"]["forced"]["status"], "forced", "{stdout}");
+    let summary = r["summary"].as_str().unwrap();
+    assert!(
+        summary.starts_with(
+            "the candidate's own decisions differ on the reference's numbers: denoise."
+        ) && summary.contains(".stop: 1"),
+        "{stdout}"
+    );
+    // A candidate that ignores --force-decisions cannot be compared past the first draw.
+    let cmd = defective("no-force");
+    let (code, stdout, r) = bisect(
+        &["--reference", "oracle"],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    assert_eq!(code, 4, "{stdout}");
+    assert_eq!(r["verdict"], "not_checked", "{stdout}");
+    assert_eq!(r["diffusion"]["forced"]["status"], "not_forced", "{stdout}");
+    assert!(
+        r["summary"].as_str().unwrap().contains("NOT CHECKED"),
+        "{stdout}"
+    );
+}
