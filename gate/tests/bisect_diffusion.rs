@@ -279,3 +279,60 @@ fn another_generator_is_forced_and_then_agrees_or_is_not_checked() {
         "{stdout}"
     );
 }
+
+/// A golden trace recorded once stands in for the reference: its prompt, --generate and seed
+/// are the bisection's unless given; another seed is refused; a planted defect is named at the
+/// same pass, layer and stage as against the live engine.
+#[test]
+fn a_stored_diffusion_reference_bisects_as_the_live_one_and_refuses_another_seed() {
+    let root = repo();
+    let dir = tempfile::tempdir_in(root.join("target")).unwrap();
+    // The engine's whole run, as a live bisection records it (its work dir's reference.trace).
+    let live = common::gate()
+        .current_dir(&root)
+        .args(["--root", root.to_str().unwrap(), "bisect", "--model", MODEL])
+        .args(["--prompt", "short", "--generate", "14", "--seed", "3"])
+        .args(["--reference", "engine", "--candidate", "engine", "--work"])
+        .arg(dir.path().join("live"))
+        .output()
+        .unwrap();
+    assert_eq!(live.status.code(), Some(0), "{live:?}");
+    let golden = dir.path().join("live/reference.trace");
+    let reference = format!("trace:{}", golden.display());
+    let run = |extra: &[&str], candidate: &[&str]| {
+        let work = tempfile::tempdir_in(root.join("target")).unwrap();
+        let out = common::gate()
+            .current_dir(&root)
+            .args(["--root", root.to_str().unwrap(), "bisect", "--model", MODEL])
+            .args(["--reference", &reference])
+            .args([
+                "--work",
+                work.path().strip_prefix(&root).unwrap().to_str().unwrap(),
+            ])
+            .args(extra)
+            .args(candidate)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (code, said) = run(&[], &["--candidate", "contract"]);
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("passes after the prompt agree"), "{said}");
+    let (code, said) = run(&["--seed", "4"], &["--candidate", "contract"]);
+    assert_eq!(code, 2, "{said}");
+    assert!(
+        said.contains("recorded with --seed 3, this bisection asks --seed 4"),
+        "{said}"
+    );
+    let cmd = defective("dg-canvas-causal");
+    let (code, said) = run(&[], &["--candidate", "cmd", "--candidate-cmd", &cmd]);
+    assert_eq!(code, 1, "{said}");
+    assert!(
+        said.contains("in isolation at block 0 step 0 layer 01's body is wrong: attention block"),
+        "{said}"
+    );
+}
