@@ -195,7 +195,7 @@ fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
         r["summary"]
             .as_str()
             .unwrap()
-            .contains("denoise.0000.0000.argmax: 1 (not explained by its own logits)"),
+            .contains("denoise.0000.0000.argmax: 1 (not explained by its own numbers)"),
         "{stdout}"
     );
 }

@@ -217,7 +217,18 @@ fn force(
     }
 }
 
-/// The argmax decisions a forced candidate overrode where its own numbers do not explain it:
+/// A decision taken from numbers alone (a step's argmax, a layer's router top-k), as opposed to
+/// a draw or a rule of the sampler over thresholds (accept, stop, commit).
+fn from_numbers(name: &str) -> bool {
+    match passes::place(name) {
+        Some(p) if p.layer.is_some() => Name::parse(name).point == "router.topk",
+        Some(p) => p.sampler == Some(Sampler::Argmax),
+        None => false,
+    }
+}
+
+/// The argmax and router decisions a forced candidate overrode where its own numbers do not
+/// explain it:
 /// its margins outside the policy, or fewer rows whose forced margin is ≤ 0 (its own logits
 /// rank another token above the reference's, docs/producers.md) than rows it overrode — an
 /// override where its own logits put the reference's token on top is a rule that is not argmax.
@@ -231,7 +242,7 @@ fn unexplained(f: &DecisionsForced, rep: &Report, cand: &Trace) -> Vec<String> {
         return vec![];
     };
     m.iter()
-        .filter(|(name, _)| passes::place(name).and_then(|p| p.sampler) == Some(Sampler::Argmax))
+        .filter(|(name, _)| from_numbers(name))
         .filter(|(name, n)| {
             let below = cand
                 .decision_info(name)
@@ -246,22 +257,25 @@ fn unexplained(f: &DecisionsForced, rep: &Report, cand: &Trace) -> Vec<String> {
 /// The rows a forced candidate would have decided otherwise, as "NAME: N" items: (failing,
 /// said). A rule of the sampler (accept, stop, commit) overridden fails: its margins are
 /// distances to thresholds computed from numbers the comparison judges, so only the rule itself
-/// can decide otherwise. An argmax overridden is said, not failed, when its own numbers explain
-/// it ([`unexplained`] lists those they do not): its flip is then within what the judged
-/// logits' divergence explains (docs/diff.md, "The near-tie rule"); else it fails. A draw is
-/// never overridden (it is taken as given).
+/// can decide otherwise. An argmax or router overridden is said, not failed, when its own
+/// numbers explain it ([`unexplained`] lists those they do not): its flip is then within what
+/// the judged scores' divergence explains (docs/diff.md, "The near-tie rule"); else it fails.
+/// A draw overridden is the other generator's, taken as given.
 fn overridden(f: &DecisionsForced, unexplained: &[String]) -> (Vec<String>, Vec<String>) {
     let (mut failing, mut said) = (Vec::new(), Vec::new());
     if let Some(m) = f.overridden.as_ref().and_then(|v| v.as_object()) {
         for (name, n) in m {
             let item = format!("{name}: {n}");
-            match passes::place(name).and_then(|p| p.sampler) {
-                Some(s) if s.is_draw() => {}
-                Some(Sampler::Argmax) if !unexplained.contains(name) => said.push(item),
-                Some(Sampler::Argmax) => {
-                    failing.push(format!("{item} (not explained by its own logits)"))
-                }
-                _ => failing.push(item),
+            let draw = passes::place(name)
+                .and_then(|p| p.sampler)
+                .is_some_and(Sampler::is_draw);
+            if draw {
+                continue;
+            }
+            match (from_numbers(name), unexplained.contains(name)) {
+                (true, false) => said.push(item),
+                (true, true) => failing.push(format!("{item} (not explained by its own numbers)")),
+                (false, _) => failing.push(item),
             }
         }
     }
@@ -453,7 +467,7 @@ fn with_observations(d: &DiffusionReport, (verdict, mut summary): Said) -> Said 
     ));
     if !said.is_empty() {
         summary.push_str(&format!(
-            "; argmax rows it would have taken otherwise where its own logits rank another token on top within the policy's margins (said, not failed): {}",
+            "; argmax or router rows it would have taken otherwise where its own scores rank another choice on top within the policy's margins (said, not failed): {}",
             said.join(", ")
         ));
     }

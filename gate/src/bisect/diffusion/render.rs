@@ -26,15 +26,34 @@ pub fn render(d: &DiffusionReport) -> String {
     ));
     if let Some(f) = &d.forced {
         match f.status {
-            Forcing::Forced => o.push_str(&format!(
-                "    the candidate's draws differ from the reference's (another generator): traced again taking the reference's draws and decisions ({}); {} rows it would have decided otherwise{}\n",
-                f.candidate_trace.as_deref().unwrap_or(""),
-                f.rows_overridden.unwrap_or(0),
-                f.overridden
+            Forcing::Forced => {
+                // Its own decisions it would have taken otherwise; the draws are the other
+                // generator's by construction.
+                let own: Vec<String> = f
+                    .overridden
                     .as_ref()
-                    .filter(|v| v.as_object().is_some_and(|m| !m.is_empty()))
-                    .map_or(String::new(), |v| format!(" {v}"))
-            )),
+                    .and_then(|v| v.as_object())
+                    .into_iter()
+                    .flatten()
+                    .filter(|(name, _)| {
+                        !tracegate_diff::passes::place(name)
+                            .and_then(|p| p.sampler)
+                            .is_some_and(tracegate_diff::passes::Sampler::is_draw)
+                    })
+                    .map(|(name, n)| format!("{name}: {n}"))
+                    .collect();
+                const SHOWN: usize = 6;
+                let more = if own.len() > SHOWN { ", …" } else { "" };
+                o.push_str(&format!(
+                    "    the candidate's draws differ from the reference's (another generator): traced again taking the reference's draws and decisions ({}); its own decisions it would have taken otherwise, draws aside: {}\n",
+                    f.candidate_trace.as_deref().unwrap_or(""),
+                    if own.is_empty() {
+                        "none".to_string()
+                    } else {
+                        format!("{}{more}", own[..own.len().min(SHOWN)].join(", "))
+                    }
+                ));
+            }
             Forcing::NotForced => o.push_str(&format!(
                 "    decisions NOT forced: {}\n",
                 f.reason.as_deref().unwrap_or("")
