@@ -145,6 +145,9 @@ pub fn render_html(r: &BisectReport) -> String {
             ))
         );
     }
+    if r.diffusion.is_some() {
+        h.push_str("<h2 id=\"prompt-pass\">The prompt's encoder pass</h2><p>Up to the checks below: the prompt's pass alone; the passes after it are under <a href=\"#diffusion\">Block diffusion</a>.</p>");
+    }
     whole_run(r, &mut h);
     h.push_str("<h2>Error per layer: whole run, isolated, calibration</h2>");
     if r.layers.is_empty() {
