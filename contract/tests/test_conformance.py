@@ -1,14 +1,16 @@
 """The op-level conformance vectors (fixtures/conformance/vectors.json, derived independently by
-fixtures/conformance/derive.py) through the contract's ops, bit for bit. The engine checks the
-same file in engine/tests/conformance.rs."""
+fixtures/conformance/derive.py) through the contract's ops and its DG15 random numbers
+(tracegate_contract/splitmix.py), bit for bit. The engine checks the same file in
+engine/tests/conformance.rs."""
 
 import json
 import pathlib
 import runpy
+import struct
 
 import numpy as np
 import pytest
-from tracegate_contract import ops
+from tracegate_contract import ops, splitmix
 from tracegate_contract.weights import widen
 
 HERE = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "conformance"
@@ -92,6 +94,34 @@ def _argmax_margin(c):
     return mismatch("margin", m, [f(c["margin"])])
 
 
+def f64(h: str) -> float:
+    return struct.unpack("<d", struct.pack("<Q", int(h, 16)))[0]
+
+
+def f64_bits(x: float) -> str:
+    return f"{struct.unpack('<Q', struct.pack('<d', x))[0]:016x}"
+
+
+def differs(got, want) -> str | None:
+    """Integers (and binary64 bit patterns) are equal or not."""
+    return None if got == want else f"got {got}, expected {want}"
+
+
+def _splitmix64(c):
+    k = int(c["key"], 16)
+    return differs([f"{splitmix.output(k, i):016x}" for i in range(len(c["out"]))], c["out"])
+
+
+def _dg_key(c):
+    k = splitmix.key(int(c["seed"], 16), c["purpose"], c["block"], c["step"])
+    return differs(f"{k:016x}", c["key"])
+
+
+def _dg_categorical(c):
+    p = fs(c["p"])
+    return differs([splitmix.categorical(p, f64(u)) for u in c["u"]], c["out"])
+
+
 # Every op of the file, each checked here: a new op in the file that no test reads fails.
 CHECKS = {
     "widen": _widen,
@@ -115,6 +145,15 @@ CHECKS = {
     "margin_of": lambda c: mismatch(
         "margin", [ops.margin_of(fs(c["v"]), c["chosen"])], [f(c["margin"])]
     ),
+    "splitmix64": _splitmix64,
+    "dg_key": _dg_key,
+    "dg_uniform": lambda c: differs(
+        [f64_bits(splitmix.uniform(int(x, 16))) for x in c["x"]], c["u"]
+    ),
+    "dg_token": lambda c: differs(
+        [splitmix.token(int(x, 16), c["vocab"]) for x in c["x"]], c["out"]
+    ),
+    "dg_categorical": _dg_categorical,
 }
 
 

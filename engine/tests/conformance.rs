@@ -1,15 +1,17 @@
 //! The op-level conformance vectors (fixtures/conformance/vectors.json, derived independently by
-//! fixtures/conformance/derive.py) through the engine's ops, bit for bit. The contract checks the
-//! same file in contract/tests/test_conformance.py.
+//! fixtures/conformance/derive.py) through the engine's ops and its DG15 random numbers
+//! (engine/src/splitmix.rs), bit for bit. The contract checks the same file in
+//! contract/tests/test_conformance.py.
 
 use std::collections::BTreeSet;
 
 use serde_json::Value;
 use tracegate_engine::ops;
+use tracegate_engine::splitmix::{self, Purpose};
 use tracegate_engine::weights::{widen, Mat, WDType};
 
 /// Every op of the file, each checked below: a new op in the file that no test reads fails here.
-const OPS: [&str; 15] = [
+const OPS: [&str; 20] = [
     "widen",
     "dot",
     "ordered_sum",
@@ -25,6 +27,11 @@ const OPS: [&str; 15] = [
     "topk",
     "argmax_margin",
     "margin_of",
+    "splitmix64",
+    "dg_key",
+    "dg_uniform",
+    "dg_token",
+    "dg_categorical",
 ];
 
 fn vectors() -> Value {
@@ -43,6 +50,32 @@ fn f(v: &Value) -> f32 {
 }
 fn fs(v: &Value) -> Vec<f32> {
     v.as_array().expect("list").iter().map(f).collect()
+}
+/// A 64-bit integer or a binary64's bits, 16 hex digits.
+fn hex64(v: &Value) -> u64 {
+    u64::from_str_radix(v.as_str().expect("hex string"), 16).expect("hex")
+}
+fn hex64s(v: &Value) -> Vec<u64> {
+    v.as_array().expect("list").iter().map(hex64).collect()
+}
+fn h64(x: u64) -> String {
+    format!("{x:016x}")
+}
+fn strs(v: &Value) -> Vec<String> {
+    let s = v.as_array().expect("list").iter();
+    s.map(|h| h.as_str().expect("hex string").to_owned())
+        .collect()
+}
+fn int(v: &Value) -> u64 {
+    v.as_u64().expect("integer")
+}
+fn purpose(v: &Value) -> Purpose {
+    match int(v) {
+        1 => Purpose::Init,
+        2 => Purpose::Sample,
+        3 => Purpose::Renoise,
+        p => panic!("purpose {p}"),
+    }
 }
 fn idx(v: &Value) -> Vec<usize> {
     v.as_array()
@@ -76,6 +109,18 @@ fn mismatch(what: &str, got: &[f32], want: &[f32]) -> Option<String> {
 
 fn check(errors: &mut Vec<String>, what: String, got: &[f32], want: &[f32]) {
     errors.extend(mismatch(&what, got, want));
+}
+
+/// Integers are equal or not; 64-bit patterns are compared as their 16 hex digits (`h64`).
+fn check_eq<T: PartialEq + std::fmt::Debug>(
+    errors: &mut Vec<String>,
+    what: String,
+    got: T,
+    want: T,
+) {
+    if got != want {
+        errors.push(format!("{what}: got {got:?}, expected {want:?}"));
+    }
 }
 
 #[test]
@@ -263,6 +308,48 @@ fn every_op_of_the_vectors_matches_bit_for_bit() {
                 "margin_of" => {
                     let m = ops::margin_of(&fs(&c["v"]), &idx(&c["chosen"]));
                     check(&mut errors, what, &[m], &[f(&c["margin"])]);
+                }
+                "splitmix64" => {
+                    let (k, want) = (hex64(&c["key"]), strs(&c["out"]));
+                    let got: Vec<String> = (0..want.len() as u64)
+                        .map(|i| h64(splitmix::output(k, i)))
+                        .collect();
+                    check_eq(&mut errors, what, got, want);
+                }
+                "dg_key" => {
+                    let got = splitmix::key(
+                        hex64(&c["seed"]),
+                        purpose(&c["purpose"]),
+                        int(&c["block"]),
+                        int(&c["step"]),
+                    );
+                    let want = c["key"].as_str().expect("hex string").to_owned();
+                    check_eq(&mut errors, what, h64(got), want);
+                }
+                "dg_uniform" => {
+                    let got: Vec<String> = hex64s(&c["x"])
+                        .into_iter()
+                        .map(|x| h64(splitmix::uniform(x).to_bits()))
+                        .collect();
+                    check_eq(&mut errors, what, got, strs(&c["u"]));
+                }
+                "dg_token" => {
+                    let vocab = int(&c["vocab"]);
+                    let got: Vec<u64> = hex64s(&c["x"])
+                        .into_iter()
+                        .map(|x| splitmix::token(x, vocab))
+                        .collect();
+                    let want: Vec<u64> = c["out"].as_array().unwrap().iter().map(int).collect();
+                    check_eq(&mut errors, what, got, want);
+                }
+                "dg_categorical" => {
+                    let p = fs(&c["p"]);
+                    let got: Vec<Option<usize>> = hex64s(&c["u"])
+                        .into_iter()
+                        .map(|u| splitmix::categorical(&p, f64::from_bits(u)))
+                        .collect();
+                    let want: Vec<Option<usize>> = idx(&c["out"]).into_iter().map(Some).collect();
+                    check_eq(&mut errors, what, got, want);
                 }
                 _ => unreachable!("OPS lists the ops handled"),
             }
