@@ -6,6 +6,7 @@ use tracegate_trace::names;
 use tracegate_trace::{Attributes, TraceWriter};
 
 use super::{Context, DecodeReport};
+use crate::bisect::prefill::layers::settle_statuses;
 use crate::bisect::prefill::{self as b, BisectOptions, Isolated, LayerStatus, TensorCmp};
 use crate::{gerr, Result};
 
@@ -164,14 +165,7 @@ pub(super) fn isolate_step(
         ));
         d.layers.push(row);
     }
-    for row in &mut d.layers {
-        row.status = b::layer_status(row.isolation, row.whole_run);
-    }
-    d.first_wrong_layer = d
-        .layers
-        .iter()
-        .find(|r| r.isolation == Isolated::Wrong)
-        .map(|r| r.layer);
+    d.first_wrong_layer = settle_statuses(&mut d.layers);
     d.stage = d.first_wrong_layer.map(|l| {
         b::stage(
             l,

@@ -17,7 +17,7 @@ use tracegate_trace::Trace;
 
 mod cache;
 mod isolate;
-mod render;
+pub(crate) mod render;
 mod report;
 mod steps;
 

@@ -1,7 +1,69 @@
 //! The decode part of `gate bisect`'s text output.
 
 use super::{CacheStatus, DecodeReport, DecodeStatus};
-use crate::bisect::prefill as b;
+use crate::bisect::prefill::{self as b, DecisionCmp, LayerRow, TensorCmp};
+
+/// A step's or pass's differing tensors (the first few; names padded to `width`) and decisions.
+pub(crate) fn differing(
+    tensors: &[TensorCmp],
+    decisions: &[DecisionCmp],
+    what: &str,
+    width: usize,
+) -> String {
+    let mut o = String::new();
+    const SHOWN: usize = 6;
+    if tensors.len() > SHOWN {
+        o.push_str(&format!(
+            "    ({} of the {what}'s tensors differ; the first {SHOWN}:)\n",
+            tensors.len()
+        ));
+    }
+    for t in tensors.iter().take(SHOWN) {
+        o.push_str(&format!(
+            "    {:<width$} {:<14} {:>9}/{:<9} max {} ULP, rel L2 {}\n",
+            t.tensor,
+            t.status,
+            b::thousands(t.differing_elements.unwrap_or(0)),
+            b::thousands(t.total_elements),
+            b::ulps(t.max_ulp),
+            b::sci(t.rel_l2)
+        ));
+    }
+    for x in decisions {
+        o.push_str(&format!(
+            "    decision {} differs in {}/{} rows\n",
+            x.name, x.differing_rows, x.rows
+        ));
+    }
+    o
+}
+
+/// The layers isolated at a step or pass; `at` heads the whole runs' columns ("step", "pass").
+pub(crate) fn isolated_table(rows: &[LayerRow], at: &str) -> String {
+    let mut o = format!(
+        "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
+        "layer",
+        "status",
+        at,
+        "isol max ULP",
+        "isol rel L2",
+        format!("{at} max ULP"),
+        format!("{at} rel L2")
+    );
+    for r in rows {
+        o.push_str(&format!(
+            "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
+            format!("{:02}", r.layer),
+            r.status,
+            r.whole_run,
+            b::ulps(r.isolated_max_ulp),
+            b::sci(r.isolated_rel_l2),
+            b::ulps(r.whole_max_ulp),
+            b::sci(r.whole_rel_l2)
+        ));
+    }
+    o
+}
 
 /// The decode part of the human output.
 pub fn render(d: &DecodeReport) -> String {
@@ -29,30 +91,7 @@ pub fn render(d: &DecodeReport) -> String {
     if let Some(why) = &d.reason {
         o.push_str(&format!("    NOT CHECKED: {why}\n"));
     }
-    const SHOWN: usize = 6;
-    if d.step_tensors.len() > SHOWN {
-        o.push_str(&format!(
-            "    ({} of the step's tensors differ; the first {SHOWN}:)\n",
-            d.step_tensors.len()
-        ));
-    }
-    for t in d.step_tensors.iter().take(SHOWN) {
-        o.push_str(&format!(
-            "    {:<36} {:<14} {:>9}/{:<9} max {} ULP, rel L2 {}\n",
-            t.tensor,
-            t.status,
-            b::thousands(t.differing_elements.unwrap_or(0)),
-            b::thousands(t.total_elements),
-            b::ulps(t.max_ulp),
-            b::sci(t.rel_l2)
-        ));
-    }
-    for x in &d.step_decisions {
-        o.push_str(&format!(
-            "    decision {} differs in {}/{} rows\n",
-            x.name, x.differing_rows, x.rows
-        ));
-    }
+    o.push_str(&differing(&d.step_tensors, &d.step_decisions, "step", 36));
     if let Some(c) = &d.cache_check {
         let what = match c.status {
             CacheStatus::Disagrees => format!(
@@ -76,22 +115,7 @@ pub fn render(d: &DecodeReport) -> String {
             d.first_diverging_step.unwrap_or(0),
             d.position.unwrap_or(0)
         ));
-        o.push_str(&format!(
-            "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
-            "layer", "status", "step", "isol max ULP", "isol rel L2", "step max ULP", "step rel L2"
-        ));
-        for r in &d.layers {
-            o.push_str(&format!(
-                "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
-                format!("{:02}", r.layer),
-                r.status,
-                r.whole_run,
-                b::ulps(r.isolated_max_ulp),
-                b::sci(r.isolated_rel_l2),
-                b::ulps(r.whole_max_ulp),
-                b::sci(r.whole_rel_l2)
-            ));
-        }
+        o.push_str(&isolated_table(&d.layers, "step"));
     }
     if let Some(st) = &d.stage {
         o.push_str(&format!(

@@ -8,6 +8,7 @@ use tracegate_trace::names;
 use tracegate_trace::Trace;
 
 use super::{Context, DiffusionReport};
+use crate::bisect::prefill::layers::settle_statuses;
 use crate::bisect::prefill::{self as b, BisectOptions, Isolated, Isolation, TensorCmp};
 use crate::Result;
 
@@ -106,14 +107,7 @@ pub(super) fn isolate_pass(
             break;
         }
     }
-    for row in &mut d.layers {
-        row.status = b::layer_status(row.isolation, row.whole_run);
-    }
-    d.first_wrong_layer = d
-        .layers
-        .iter()
-        .find(|r| r.isolation == Isolated::Wrong)
-        .map(|r| r.layer);
+    d.first_wrong_layer = settle_statuses(&mut d.layers);
     let Some(l) = d.first_wrong_layer else {
         return;
     };
@@ -129,6 +123,7 @@ pub(super) fn isolate_pass(
     match isolate_one(o, c, x, own, l, runs) {
         Ok(iso) if iso.wrong => {
             d.layers[l].self_check = b::SelfCheck::Inconsistent;
+            d.layers[l].status = b::LayerStatus::Inconsistent;
             d.inconsistent = Some(b::inconsistency(l, &iso, moe));
         }
         Ok(_) => d.layers[l].self_check = b::SelfCheck::Consistent,

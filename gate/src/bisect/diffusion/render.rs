@@ -1,8 +1,9 @@
 //! The block-diffusion part of `gate bisect`'s text output.
 
 use super::DiffusionReport;
+use crate::bisect::decode::render::{differing, isolated_table};
 use crate::bisect::decode::DecodeStatus;
-use crate::bisect::prefill::{self as b, Forcing};
+use crate::bisect::prefill::Forcing;
 
 /// The block-diffusion part of the human output.
 pub fn render(d: &DiffusionReport) -> String {
@@ -63,54 +64,14 @@ pub fn render(d: &DiffusionReport) -> String {
     if let Some(why) = &d.reason {
         o.push_str(&format!("    NOT CHECKED: {why}\n"));
     }
-    const SHOWN: usize = 6;
-    if d.pass_tensors.len() > SHOWN {
-        o.push_str(&format!(
-            "    ({} of the pass's tensors differ; the first {SHOWN}:)\n",
-            d.pass_tensors.len()
-        ));
-    }
-    for t in d.pass_tensors.iter().take(SHOWN) {
-        o.push_str(&format!(
-            "    {:<44} {:<14} {:>9}/{:<9} max {} ULP, rel L2 {}\n",
-            t.tensor,
-            t.status,
-            b::thousands(t.differing_elements.unwrap_or(0)),
-            b::thousands(t.total_elements),
-            b::ulps(t.max_ulp),
-            b::sci(t.rel_l2)
-        ));
-    }
-    for x in &d.pass_decisions {
-        o.push_str(&format!(
-            "    decision {} differs in {}/{} rows\n",
-            x.name,
-            x.judged_rows(),
-            x.rows
-        ));
-    }
+    o.push_str(&differing(&d.pass_tensors, &d.pass_decisions, "pass", 44));
     if !d.layers.is_empty() {
         o.push_str(&format!(
             "  isolated at {} (the candidate's layer verb on the reference's {}layer.LL.hidden_in):\n",
             d.place.as_deref().unwrap_or(""),
             d.first_diverging_pass.as_deref().unwrap_or("")
         ));
-        o.push_str(&format!(
-            "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
-            "layer", "status", "pass", "isol max ULP", "isol rel L2", "pass max ULP", "pass rel L2"
-        ));
-        for r in &d.layers {
-            o.push_str(&format!(
-                "    {:<5} {:<11} {:<9} {:>12} {:>11} {:>12} {:>11}\n",
-                format!("{:02}", r.layer),
-                r.status,
-                r.whole_run,
-                b::ulps(r.isolated_max_ulp),
-                b::sci(r.isolated_rel_l2),
-                b::ulps(r.whole_max_ulp),
-                b::sci(r.whole_rel_l2)
-            ));
-        }
+        o.push_str(&isolated_table(&d.layers, "pass"));
     }
     if let Some(st) = &d.stage {
         o.push_str(&format!(

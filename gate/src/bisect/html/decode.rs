@@ -3,9 +3,8 @@
 use std::fmt::Write as _;
 
 use tracegate_diff::html::{esc, val};
-use tracegate_diff::thousands;
 
-use super::layers::{layers, tensor_table};
+use super::layers::{decision_lines, layers, tensor_table};
 use super::View;
 use crate::bisect::decode::DecodeReport;
 
@@ -85,22 +84,12 @@ pub(super) fn decode(d: &DecodeReport, h: &mut String) {
             h,
         );
     }
-    for (i, x) in d.step_decisions.iter().enumerate() {
-        let p = |f: &str| format!("/decode/step_decisions/{i}/{f}");
-        let _ = write!(
-            h,
-            "<p class=\"decode-decision\">decision {} differs in {} of {} rows</p>",
-            val("code", "text", &p("name"), &x.name, &x.name),
-            val(
-                "span",
-                "num",
-                &p("differing_rows"),
-                &x.differing_rows,
-                &thousands(x.differing_rows)
-            ),
-            val("span", "num", &p("rows"), &x.rows, &thousands(x.rows)),
-        );
-    }
+    decision_lines(
+        "decode-decision",
+        "/decode/step_decisions",
+        &d.step_decisions,
+        h,
+    );
     if let Some(c) = &d.cache_check {
         let _ = write!(
             h,

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use tracegate_diff::html::{esc, val};
 use tracegate_diff::thousands;
 
-use super::layers::{layers, tensor_table};
+use super::layers::{decision_lines, layers, tensor_table};
 use super::View;
 use crate::bisect::diffusion::DiffusionReport;
 
@@ -65,22 +65,12 @@ pub(super) fn diffusion(d: &DiffusionReport, h: &mut String) {
             h,
         );
     }
-    for (i, x) in d.pass_decisions.iter().enumerate() {
-        let p = |f: &str| format!("/diffusion/pass_decisions/{i}/{f}");
-        let _ = write!(
-            h,
-            "<p class=\"diffusion-decision\">decision {} differs in {} of {} rows</p>",
-            val("code", "text", &p("name"), &x.name, &x.name),
-            val(
-                "span",
-                "num",
-                &p("differing_rows"),
-                &x.differing_rows,
-                &thousands(x.differing_rows)
-            ),
-            val("span", "num", &p("rows"), &x.rows, &thousands(x.rows)),
-        );
-    }
+    decision_lines(
+        "diffusion-decision",
+        "/diffusion/pass_decisions",
+        &d.pass_decisions,
+        h,
+    );
     if !d.layers.is_empty() || d.isolation_not_checked.is_some() {
         let _ = write!(
             h,

@@ -7,7 +7,7 @@ use tracegate_diff::thousands;
 
 use super::chart::chart;
 use super::{ulp_text, View};
-use crate::bisect::prefill::TensorCmp;
+use crate::bisect::prefill::{DecisionCmp, TensorCmp};
 
 fn layer_table(v: &View, h: &mut String) {
     let _ = write!(h, "<table id=\"{}layers\"><tr>", v.id);
@@ -81,6 +81,26 @@ fn stage(v: &View, h: &mut String) {
         &row.isolated,
         h,
     );
+}
+
+/// Differing decisions, one line each, of class `class`; `at` is their JSON pointer.
+pub(super) fn decision_lines(class: &str, at: &str, rows: &[DecisionCmp], h: &mut String) {
+    for (i, x) in rows.iter().enumerate() {
+        let p = |f: &str| format!("{at}/{i}/{f}");
+        let _ = write!(
+            h,
+            "<p class=\"{class}\">decision {} differs in {} of {} rows</p>",
+            val("code", "text", &p("name"), &x.name, &x.name),
+            val(
+                "span",
+                "num",
+                &p("differing_rows"),
+                &x.differing_rows,
+                &thousands(x.differing_rows)
+            ),
+            val("span", "num", &p("rows"), &x.rows, &thousands(x.rows)),
+        );
+    }
 }
 
 /// The differ's rows of some tensors as a table; `at` is their JSON pointer.
