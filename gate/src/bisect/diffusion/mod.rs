@@ -57,10 +57,13 @@ struct Diverging {
 }
 
 /// Where a name stands inside its pass: 0 before the layers (canvas, embedding,
-/// self-conditioning), 1+L in layer L, past every layer for the head and the sampler.
+/// self-conditioning, layer 0's input), 1+L in layer L, past every layer for the head and the
+/// sampler.
 fn within_pass(name: &str) -> usize {
     let n = Name::parse(name);
     match n.layer {
+        // Layer 0's input is the pass's, made before any layer.
+        Some(0) if n.point == "hidden_in" => 0,
         Some(l) => l.saturating_add(1),
         None => match names::point(name).map(|p| p.block) {
             Some(Registered::Embedding | Registered::SelfConditioning | Registered::Input) => 0,
@@ -571,7 +574,9 @@ mod tests {
     fn places_inside_a_pass() {
         assert_eq!(within_pass("denoise.0000.0001.sc.out"), 0);
         assert_eq!(within_pass("denoise.0000.0001.canvas"), 0);
+        assert_eq!(within_pass("denoise.0000.0001.layer.00.hidden_in"), 0);
         assert_eq!(within_pass("denoise.0000.0001.layer.00.q"), 1);
+        assert_eq!(within_pass("denoise.0000.0001.layer.01.hidden_in"), 2);
         assert_eq!(within_pass("denoise.0000.0001.layer.12.mlp_out"), 13);
         assert_eq!(within_pass("denoise.0000.0001.logits"), usize::MAX);
         assert_eq!(within_pass("denoise.0000.0001.stop"), usize::MAX);
