@@ -28,9 +28,40 @@ fn bisect_at(
     reference: &[&str],
     candidate: &[&str],
 ) -> (i32, String, Value) {
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    bisect_in(work.path(), prompt, seed, reference, candidate)
+}
+
+/// torch's generator against the engine's: `gate bisect --reference oracle --candidate engine`
+/// once for this test binary (the oracle's start-up is most of a run): its exit, stdout and
+/// report, and its reference trace (torch's whole run of dg0's prompt) as a stored reference
+/// for the candidates forced by torch's draws.
+fn torch_run() -> &'static (i32, String, Value, String) {
+    static RUN: std::sync::OnceLock<(i32, String, Value, String)> = std::sync::OnceLock::new();
+    RUN.get_or_init(|| {
+        let work = tempfile::tempdir_in(repo().join("target")).unwrap().keep();
+        let (code, stdout, report) = bisect_in(
+            &work,
+            "short",
+            3,
+            &["--reference", "oracle"],
+            &["--candidate", "engine"],
+        );
+        let stored = format!("trace:{}", work.join("reference.trace").display());
+        (code, stdout, report, stored)
+    })
+}
+
+/// The bisection with its work directory `work` (under the repository).
+fn bisect_in(
+    work: &std::path::Path,
+    prompt: &str,
+    seed: u64,
+    reference: &[&str],
+    candidate: &[&str],
+) -> (i32, String, Value) {
     let root = repo();
-    let work = tempfile::tempdir_in(root.join("target")).unwrap();
-    let report = work.path().join("report.json");
+    let report = work.join("report.json");
     let out = common::gate()
         .current_dir(&root)
         .args(["--root", root.to_str().unwrap(), "bisect", "--model", MODEL])
@@ -42,12 +73,10 @@ fn bisect_at(
             "--seed",
             &seed.to_string(),
         ])
-        .args([
-            "--work",
-            work.path().strip_prefix(&root).unwrap().to_str().unwrap(),
-            "--report",
-            report.to_str().unwrap(),
-        ])
+        .arg("--work")
+        .arg(work)
+        .arg("--report")
+        .arg(&report)
         .args(reference)
         .args(candidate)
         .output()
@@ -181,7 +210,7 @@ fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
     // Forced by torch's run, its own logits put the reference's token on top where it
     // overrode it: not a near-tie the judged logits explain.
     let (code, stdout, r) = bisect(
-        &["--reference", "oracle"],
+        &["--reference", &torch_run().3],
         &["--candidate", "cmd", "--candidate-cmd", &cmd],
     );
     assert_eq!(code, 1, "{stdout}");
@@ -238,7 +267,8 @@ fn the_prompts_defects_are_the_prompt_bisections_and_the_passes_after_wait() {
 #[test]
 fn another_generator_is_forced_and_then_agrees_or_is_not_checked() {
     // The engine against torch's generator: forced by the oracle's trace, the passes agree.
-    let (code, stdout, r) = bisect(&["--reference", "oracle"], &["--candidate", "engine"]);
+    let (code, stdout, r, _) = torch_run();
+    let code = *code;
     assert_eq!(code, 0, "{stdout}");
     assert_eq!(r["verdict"], "nothing_wrong", "{stdout}");
     let f = &r["diffusion"]["forced"];
@@ -248,11 +278,11 @@ fn another_generator_is_forced_and_then_agrees_or_is_not_checked() {
         .unwrap()
         .iter()
         .any(|u| u["name"] == "denoise.0000.init_canvas"));
-    // Forced, an OR stop rule takes the reference's stop, and says where its own differs: the
+    // Against torch's run stored (the same trace), forced, an OR stop rule takes the reference's stop, and says where its own differs: the
     // numbers agree, the candidate's decision does not.
     let cmd = defective("dg-stop-or");
     let (code, stdout, r) = bisect(
-        &["--reference", "oracle"],
+        &["--reference", &torch_run().3],
         &["--candidate", "cmd", "--candidate-cmd", &cmd],
     );
     assert_eq!(code, 1, "{stdout}");
@@ -268,7 +298,7 @@ fn another_generator_is_forced_and_then_agrees_or_is_not_checked() {
     // A candidate that ignores --force-decisions cannot be compared past the first draw.
     let cmd = defective("no-force");
     let (code, stdout, r) = bisect(
-        &["--reference", "oracle"],
+        &["--reference", &torch_run().3],
         &["--candidate", "cmd", "--candidate-cmd", &cmd],
     );
     assert_eq!(code, 4, "{stdout}");
