@@ -155,7 +155,8 @@ struct BisectArgs {
     prompts: String,
     /// Reference producer: engine, contract, oracle or cmd (then --reference-cmd); or trace:PATH,
     /// a whole trace recorded before (relative to the current directory), which supplies the
-    /// prompt, --generate and --capture unless they are given (docs/bisect.md, "A stored reference").
+    /// prompt, --generate, --capture and a block-diffusion model's --seed unless they are given
+    /// (docs/bisect.md, "A stored reference").
     #[arg(long)]
     reference: String,
     /// Candidate producer: engine, contract, oracle or cmd (then --candidate-cmd).
