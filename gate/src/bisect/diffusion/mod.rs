@@ -21,10 +21,9 @@ use tracegate_trace::names::{self, Block as Registered, Diffusion, Name};
 use tracegate_trace::Trace;
 
 use super::decode::DecodeStatus;
-use crate::bisect::prefill::whole::trace_run;
+use crate::bisect::prefill::whole::trace_forced;
 use crate::bisect::prefill::{
     self as b, BisectOptions, BisectVerdict, DecisionsForced, Forcing, How, Isolated, Said,
-    UnforcedDecision,
 };
 
 mod isolate;
@@ -170,54 +169,16 @@ fn force(
     runs: &mut Vec<RunRecord>,
 ) -> (DecisionsForced, Option<(Report, Trace, String)>) {
     let rel = format!("{}/candidate.diffusion.forced.trace", o.work);
-    let rec = trace_run(o, &o.candidate, &rel, Some(c.ref_rel.to_string()));
-    runs.push(rec.clone());
+    let (f, got) = trace_forced(
+        o,
+        (c.reference, c.ref_rel),
+        unforced,
+        rel.clone(),
+        &options(c),
+        runs,
+    );
     crate::progress::step("candidate traced with the reference's draws and decisions forced");
-    let mut f = DecisionsForced {
-        status: Forcing::NotForced,
-        reason: None,
-        from: c.ref_rel.to_string(),
-        from_digest: c.reference.digest().hex(),
-        candidate_trace: None,
-        unforced: b::decisions(unforced)
-            .iter()
-            .filter(|d| d.differing_rows > 0)
-            .map(|d| UnforcedDecision {
-                name: d.name.clone(),
-                rows: d.rows,
-                differing_rows: d.differing_rows,
-                labels: unforced
-                    .decisions
-                    .results
-                    .iter()
-                    .find(|r| r.name == d.name)
-                    .map(|r| {
-                        let mut labels = std::collections::BTreeMap::new();
-                        for x in &r.flips {
-                            *labels.entry(x.label).or_insert(0) += 1;
-                        }
-                        labels
-                    })
-                    .unwrap_or_default(),
-            })
-            .collect(),
-        rows_overridden: None,
-        overridden: None,
-    };
-    match b::forced_run(o, c.reference, &rec, &rel, &options(c)) {
-        Ok((rep, t)) => {
-            let prov = &t.provenance()["forced_decisions"];
-            f.rows_overridden = prov["rows_overridden"].as_u64();
-            f.overridden = Some(prov["overridden"].clone());
-            f.status = Forcing::Forced;
-            f.candidate_trace = Some(rel.clone());
-            (f, Some((rep, t, rel)))
-        }
-        Err(why) => {
-            f.reason = Some(why.to_string());
-            (f, None)
-        }
-    }
+    (f, got.map(|(rep, t)| (rep, t, rel)))
 }
 
 /// A decision taken from numbers alone (a step's argmax, a layer's router top-k), as opposed to
@@ -266,23 +227,32 @@ fn unexplained(f: &DecisionsForced, rep: &Report, cand: &Trace) -> Vec<String> {
 /// A draw overridden is the other generator's, taken as given.
 fn overridden(f: &DecisionsForced, unexplained: &[String]) -> (Vec<String>, Vec<String>) {
     let (mut failing, mut said) = (Vec::new(), Vec::new());
-    if let Some(m) = f.overridden.as_ref().and_then(|v| v.as_object()) {
-        for (name, n) in m {
-            let item = format!("{name}: {n}");
-            let draw = passes::place(name)
-                .and_then(|p| p.sampler)
-                .is_some_and(Sampler::is_draw);
-            if draw {
-                continue;
-            }
-            match (from_numbers(name), unexplained.contains(name)) {
-                (true, false) => said.push(item),
-                (true, true) => failing.push(format!("{item} (not explained by its own numbers)")),
-                (false, _) => failing.push(item),
-            }
+    for (name, n) in own_overrides(f) {
+        let item = format!("{name}: {n}");
+        match (from_numbers(name), unexplained.iter().any(|u| u == name)) {
+            (true, false) => said.push(item),
+            (true, true) => failing.push(format!("{item} (not explained by its own numbers)")),
+            (false, _) => failing.push(item),
         }
     }
     (failing, said)
+}
+
+/// The forced candidate's overridden decisions (provenance `forced_decisions.overridden`), draws
+/// aside: those are the other generator's by construction.
+pub(crate) fn own_overrides(f: &DecisionsForced) -> Vec<(&str, &serde_json::Value)> {
+    f.overridden
+        .as_ref()
+        .and_then(|v| v.as_object())
+        .into_iter()
+        .flatten()
+        .filter(|(name, _)| {
+            !passes::place(name)
+                .and_then(|p| p.sampler)
+                .is_some_and(Sampler::is_draw)
+        })
+        .map(|(name, n)| (name.as_str(), n))
+        .collect()
 }
 
 /// The bisection of the passes after the prompt, after the prefill's verdict: returns its report

@@ -1,6 +1,6 @@
 //! The block-diffusion part of `gate bisect`'s text output.
 
-use super::DiffusionReport;
+use super::{own_overrides, DiffusionReport};
 use crate::bisect::decode::render::{differing, isolated_table};
 use crate::bisect::decode::DecodeStatus;
 use crate::bisect::prefill::Forcing;
@@ -28,19 +28,8 @@ pub fn render(d: &DiffusionReport) -> String {
     if let Some(f) = &d.forced {
         match f.status {
             Forcing::Forced => {
-                // Its own decisions it would have taken otherwise; the draws are the other
-                // generator's by construction.
-                let own: Vec<String> = f
-                    .overridden
-                    .as_ref()
-                    .and_then(|v| v.as_object())
+                let own: Vec<String> = own_overrides(f)
                     .into_iter()
-                    .flatten()
-                    .filter(|(name, _)| {
-                        !tracegate_diff::passes::place(name)
-                            .and_then(|p| p.sampler)
-                            .is_some_and(tracegate_diff::passes::Sampler::is_draw)
-                    })
                     .map(|(name, n)| format!("{name}: {n}"))
                     .collect();
                 const SHOWN: usize = 6;

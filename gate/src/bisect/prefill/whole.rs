@@ -154,48 +154,20 @@ pub(crate) fn force_decisions(
     if !flip_first {
         return Ok((compared, None));
     }
-    let unforced = flipped()
-        .map(|d| {
-            let mut labels = std::collections::BTreeMap::new();
-            for f in &d.flips {
-                *labels.entry(f.label).or_insert(0) += 1;
-            }
-            UnforcedDecision {
-                name: d.name.clone(),
-                rows: d.rows,
-                differing_rows: d.differing_rows,
-                labels,
-            }
-        })
-        .collect();
     let forced_rel = format!("{}/candidate.forced.trace", o.work);
-    let rec = trace_run(o, &o.candidate, &forced_rel, Some(whole.ref_rel.clone()));
-    runs.push(rec.clone());
+    let (f, got) = trace_forced(
+        o,
+        (&whole.reference, &whole.ref_rel),
+        &compared,
+        forced_rel,
+        opts,
+        runs,
+    );
     crate::progress::step("candidate traced with the reference's decisions forced");
     refuse_timeout(runs, o)?;
-    let mut f = DecisionsForced {
-        status: Forcing::NotForced,
-        reason: None,
-        from: whole.ref_rel.clone(),
-        from_digest: whole.reference.digest().hex(),
-        candidate_trace: None,
-        unforced,
-        rows_overridden: None,
-        overridden: None,
-    };
-    let report = match forced_run(o, &whole.reference, &rec, &forced_rel, opts) {
-        Ok((rep, t)) => {
-            let prov = &t.provenance()["forced_decisions"];
-            f.rows_overridden = prov["rows_overridden"].as_u64();
-            f.overridden = Some(prov["overridden"].clone());
-            f.status = Forcing::Forced;
-            f.candidate_trace = Some(forced_rel);
-            rep
-        }
-        Err(why) => {
-            f.reason = Some(why.to_string());
-            compared
-        }
+    let report = match got {
+        Some((rep, _)) => rep,
+        None => compared,
     };
     Ok((report, Some(f)))
 }
@@ -312,5 +284,62 @@ pub(crate) fn locate(reference: &Trace, whole: &Report, forced: bool) -> Located
         first_layer,
         whole_run,
         structure: summarise(&structure),
+    }
+}
+
+/// The candidate traced again at `rel`, taking the decisions of `reference` (its trace and path),
+/// and that trace compared by `opts`: what forcing did (`unforced`: the differing decisions of
+/// the comparison before it, with their labels), and when it worked the forced comparison and
+/// trace. Shared by the prefill's forcing and a block-diffusion run's (../diffusion/).
+pub(crate) fn trace_forced(
+    o: &BisectOptions,
+    (reference, ref_rel): (&Trace, &str),
+    unforced: &Report,
+    rel: String,
+    opts: &Options,
+    runs: &mut Vec<RunRecord>,
+) -> (DecisionsForced, Option<(Report, Trace)>) {
+    let rec = trace_run(o, &o.candidate, &rel, Some(ref_rel.to_string()));
+    runs.push(rec.clone());
+    let mut f = DecisionsForced {
+        status: Forcing::NotForced,
+        reason: None,
+        from: ref_rel.to_string(),
+        from_digest: reference.digest().hex(),
+        candidate_trace: None,
+        unforced: unforced
+            .decisions
+            .results
+            .iter()
+            .filter(|d| d.differing_rows > 0)
+            .map(|d| {
+                let mut labels = std::collections::BTreeMap::new();
+                for x in &d.flips {
+                    *labels.entry(x.label).or_insert(0) += 1;
+                }
+                UnforcedDecision {
+                    name: d.name.clone(),
+                    rows: d.rows,
+                    differing_rows: d.differing_rows,
+                    labels,
+                }
+            })
+            .collect(),
+        rows_overridden: None,
+        overridden: None,
+    };
+    match forced_run(o, reference, &rec, &rel, opts) {
+        Ok((rep, t)) => {
+            let prov = &t.provenance()["forced_decisions"];
+            f.rows_overridden = prov["rows_overridden"].as_u64();
+            f.overridden = Some(prov["overridden"].clone());
+            f.status = Forcing::Forced;
+            f.candidate_trace = Some(rel);
+            (f, Some((rep, t)))
+        }
+        Err(why) => {
+            f.reason = Some(why.to_string());
+            (f, None)
+        }
     }
 }
