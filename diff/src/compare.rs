@@ -93,13 +93,19 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     if let Some(p) = rep.policy.as_mut() {
         p.candidate_computes_in =
             crate::policy::computes_in(candidate.provenance()).map(String::from);
-        if let Err(why) = crate::policy::declared_precision(candidate.provenance()) {
+        if let Err(why) = crate::policy::checked_declaration(
+            candidate.provenance(),
+            candidate.tensors().iter().map(|i| i.name.as_str()),
+        ) {
             // Not a verdict either: the policy still judges, but the declaration is not read.
             rep.findings.push(Finding::new(
-                FindingKind::PolicyPrecisionMismatch,
+                FindingKind::PrecisionClaim,
                 None,
                 format!("the candidate's declared precision is not read: {why}"),
             ));
+        }
+        if let Some(claim) = p.candidate_dtype.clone() {
+            rep.findings.extend(finer_than_claimed(candidate, &claim));
         }
         if let (Some(want), Some(have)) = (&p.candidate_dtype, &p.candidate_computes_in) {
             if want != have {
@@ -139,6 +145,15 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     // The noise reference must be the reference's model on the reference's prompt; only its
     // precision (the stack) may differ, and that is reported.
     if let Some(noise) = &opts.noise {
+        if let Some(why) = untrusted_noise(&noise.0, candidate) {
+            rep.findings.push(Finding::new(
+                FindingKind::NoiseReferenceRefused,
+                None,
+                format!("noise reference {}: {why}", noise.0.path().display()),
+            ));
+            rep.verdict = Verdict::Incomparable;
+            return rep;
+        }
         let (refusals, allowed) = comparable::check(reference, &noise.0, true);
         let named = |mut f: Finding| {
             f.detail = format!("noise reference {}: {}", noise.0.path().display(), f.detail);
@@ -197,6 +212,62 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     rep
 }
 
+/// The candidate's f32 tensors holding values the claimed precision (bf16, f16) cannot
+/// represent: evidence of a finer computation judged by the claim's looser bounds. A note in the
+/// headline, not a verdict (the user's claim stands; docs/diff.md, "Precision").
+fn finer_than_claimed(candidate: &Trace, claim: &str) -> Option<Finding> {
+    let representable: fn(f32) -> bool = match claim {
+        "bf16" => |x| !x.is_finite() || half::bf16::from_f32(x).to_f32() == x,
+        "f16" => |x| !x.is_finite() || half::f16::from_f32(x).to_f32() == x,
+        _ => return None,
+    };
+    let finer: Vec<&str> = candidate
+        .tensors()
+        .iter()
+        .filter(|i| i.dtype == tracegate_trace::DType::F32)
+        .filter(|i| {
+            candidate
+                .data(i)
+                .chunks_exact(4)
+                .any(|b| !representable(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+        })
+        .map(|i| i.name.as_str())
+        .collect();
+    let first = finer.first()?;
+    Some(Finding::new(
+        FindingKind::PrecisionClaim,
+        None,
+        format!(
+            "the policy is for {claim}, but {} of the candidate's f32 tensors hold values {claim} cannot represent (first: {first}): a finer computation, judged by {claim}'s looser bounds as claimed",
+            finer.len()
+        ),
+    ))
+}
+
+/// The producers whose runs may serve as honest noise: tracegate's own reference producers.
+/// A candidate's trace (or a copy of it) would make every ratio 1 and size its own near-ties.
+pub const NOISE_PRODUCERS: [&str; 3] = ["oracle", "engine", "contract"];
+
+/// Why a noise reference cannot be believed, if it cannot: it is the candidate's own content, or
+/// not a reference producer's run.
+fn untrusted_noise(noise: &Trace, candidate: &Trace) -> Option<String> {
+    if noise.digest() == candidate.digest() {
+        return Some(format!(
+            "its content is the candidate's own (digest {}): honest noise is measured by a reference producer's run, never supplied by the candidate",
+            noise.digest().hex()
+        ));
+    }
+    let producer = noise.provenance().get("producer").and_then(|v| v.as_str());
+    if !producer.is_some_and(|p| NOISE_PRODUCERS.contains(&p)) {
+        return Some(format!(
+            "its producer is {}, not one of tracegate's reference producers ({}): honest noise is tracegate's own run of the reference in the claimed precision",
+            producer.map_or("not recorded".to_string(), |p| format!("{p:?}")),
+            NOISE_PRODUCERS.join(", ")
+        ));
+    }
+    None
+}
+
 /// The verdict from the phases' outcome: different, else within the policy when some value or
 /// margin differs under one, else identical.
 fn verdict(rep: &Report, opts: &Options, different: bool) -> Verdict {
@@ -215,6 +286,15 @@ fn verdict(rep: &Report, opts: &Options, different: bool) -> Verdict {
         // Past the first differing draw the two runs follow other canvases: what came before is
         // within the policy, what came after was not compared, so the whole is no agreement.
         Verdict::Incomparable
+    } else if rep
+        .decisions
+        .near_ties
+        .as_ref()
+        .is_some_and(|n| n.rows_after() > 0)
+    {
+        // An excused near-tie sent its token down another path: what it computed afterwards
+        // was left out, and a pass over it would be a pass of something never judged.
+        Verdict::NotChecked
     } else if opts.policy.is_some() && any_value_difference {
         Verdict::WithinPolicy
     } else {

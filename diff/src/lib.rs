@@ -56,7 +56,9 @@ pub use html::write_html;
 pub use noise::NoiseReference;
 pub use numeric::{describe_bits, Pair, Special};
 pub use options::Options;
-pub use policy::{glob_match, Amount, NearTie, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR};
+pub use policy::{
+    glob_match, Amount, NearTie, NoiseAbs, Policy, Rule, Violation, DEFAULT_NEAR_TIE_FACTOR,
+};
 pub use render::{
     label_text, render_human, render_show, terminal_safe, thousands, write_human, write_json,
     write_show, write_show_json,

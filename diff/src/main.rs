@@ -79,17 +79,19 @@ struct Cli {
     /// instead of refusing.
     #[arg(long)]
     allow_stack_mismatch: bool,
-    /// The reference model run in the candidate's own precision (e.g. the oracle in bf16), same
-    /// weights and prompt as the reference: what the policy's `max_noise_ratio` bounds measure
-    /// the candidate's error against (docs/diff.md, "Noise-relative bound"). Needs a policy
-    /// with such a bound, and such a policy needs it.
+    /// The reference model run in the claimed precision by a reference producer (e.g. the oracle
+    /// in bf16), same weights and prompt as the reference: the honest noise that sizes near-ties
+    /// and that the policy's `max_noise_ratio` bounds measure the candidate's error against
+    /// (docs/diff.md, "The near-tie rule", "Noise-relative bound"). Needs a policy; a policy with
+    /// such a bound needs it. The candidate's own trace, or another producer's, is refused.
     #[arg(long, value_name = "TRACE", conflicts_with = "show")]
     noise_reference: Option<PathBuf>,
 }
 
-/// `--noise-reference`, opened and verified, when the policy has a bound that reads it; either
-/// one without the other is a usage error (a bound that cannot be measured, or a trace nothing
-/// reads, would each say less than the user asked).
+/// `--noise-reference`, opened and verified, under a policy (which reads it for near-ties and
+/// any `max_noise_ratio` bound); a `max_noise_ratio` bound without it, or it without a policy,
+/// is a usage error (a bound that cannot be measured, or a trace nothing reads, would each say
+/// less than the user asked).
 fn noise_reference(cli: &Cli, policy: Option<&Policy>) -> Result<Option<NoiseReference>, String> {
     let rule = policy.and_then(Policy::noise_rule);
     match (&cli.noise_reference, rule) {
@@ -98,11 +100,11 @@ fn noise_reference(cli: &Cli, policy: Option<&Policy>) -> Result<Option<NoiseRef
             "policy rule {i} ({:?}) sets max_noise_ratio: give --noise-reference TRACE (the reference model run in the candidate's precision)",
             r.pattern
         )),
-        (Some(p), None) => Err(format!(
-            "--noise-reference {}: no rule of the policy sets max_noise_ratio, so nothing would read it",
+        (Some(p), None) if policy.is_none() => Err(format!(
+            "--noise-reference {}: without --policy nothing would read it (it sizes near-ties and max_noise_ratio bounds under a policy)",
             p.display()
         )),
-        (Some(p), Some(_)) => {
+        (Some(p), _) => {
             let t = Trace::open(p).map_err(|e| format!("--noise-reference: {e}"))?;
             if !cli.no_verify {
                 t.verify()

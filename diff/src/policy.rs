@@ -88,6 +88,25 @@ pub fn declared_precision(provenance: &serde_json::Value) -> Result<Option<&'sta
     Ok(coarsest(named))
 }
 
+/// A producer's declaration checked against its tensors: each pattern of an object declaration
+/// must match one of `names` (a pattern that matches nothing is no declaration about this trace,
+/// and was how a port once chose a looser judge); Err names the pattern. Ok: the coarsest
+/// declared, as [`declared_precision`].
+pub fn checked_declaration<'a>(
+    provenance: &serde_json::Value,
+    names: impl Iterator<Item = &'a str> + Clone,
+) -> Result<Option<&'static str>, String> {
+    let declared = declared_precision(provenance)?;
+    if let Some(serde_json::Value::Object(m)) = provenance.get("precision") {
+        if let Some(k) = m.keys().find(|k| !names.clone().any(|n| glob_match(k, n))) {
+            return Err(format!(
+                "provenance precision names the pattern {k:?}, which matches no tensor of the trace: a declaration says what its tensors are, and one about no tensor is refused"
+            ));
+        }
+    }
+    Ok(declared)
+}
+
 /// The coarsest of some precisions (`PRECISIONS` order; a name outside it counts as finest).
 pub fn coarsest<'a>(precisions: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     precisions
@@ -95,13 +114,31 @@ pub fn coarsest<'a>(precisions: impl IntoIterator<Item = &'a str>) -> Option<&'a
         .max_by_key(|p| PRECISIONS.iter().position(|q| q == p))
 }
 
-/// The near-tie calibration: a flip whose reference margin is at most `margin_factor` times
-/// the divergence of the row it was taken from is a near-tie.
+/// The near-tie calibration (docs/diff.md, "The near-tie rule"): a flip whose gap in the
+/// reference's own scores is at most `margin_factor` times the honest noise `d` of those scores
+/// is a near-tie. `d` is measured by tracegate (the noise reference's row), else read here
+/// (`noise_abs`): never the candidate's own difference, which the candidate sizes itself.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct NearTie {
     pub margin_factor: f64,
+    /// The honest per-element noise of decision scores, by source-tensor pattern (first match):
+    /// `d` for a flip when no noise reference measures its row.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub noise_abs: Vec<NoiseAbs>,
     /// Why this factor (free text).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub why: String,
+}
+
+/// One `near_tie.noise_abs` entry: the largest |reference − honest run| an element of a
+/// matching score tensor (`logits`, `router.logits`, ...) shows, from measured runs.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NoiseAbs {
+    pub pattern: String,
+    pub max_abs: f64,
+    /// Where the number came from (free text).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub why: String,
 }
@@ -264,6 +301,16 @@ impl Policy {
                     n.margin_factor
                 ));
             }
+            for (i, e) in n.noise_abs.iter().enumerate() {
+                // Zero would make every tie but an exact one a defect: a bound measured as 0
+                // is no bound (docs/diff.md, "The near-tie rule").
+                if !(e.max_abs.is_finite() && e.max_abs > 0.0) || e.pattern.is_empty() {
+                    return Err(format!(
+                        "near_tie.noise_abs[{i}] ({:?}): max_abs is {}, expected a finite number > 0 and a pattern",
+                        e.pattern, e.max_abs
+                    ));
+                }
+            }
         }
         Ok(p)
     }
@@ -281,6 +328,17 @@ impl Policy {
         self.near_tie
             .as_ref()
             .map_or(DEFAULT_NEAR_TIE_FACTOR, |n| n.margin_factor)
+    }
+
+    /// The policy's honest per-element noise for the scores in tensor `source`: the first
+    /// `near_tie.noise_abs` entry whose pattern matches it.
+    pub fn near_tie_noise(&self, source: &str) -> Option<f64> {
+        self.near_tie.as_ref().and_then(|n| {
+            n.noise_abs
+                .iter()
+                .find(|e| glob_match(&e.pattern, source))
+                .map(|e| e.max_abs)
+        })
     }
 
     /// The first rule matching `name` (and, for a rule that names one, `path`: the candidate

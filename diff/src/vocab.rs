@@ -84,6 +84,9 @@ string_enum! {
         WithinPolicy = "within_policy",
         Incomparable = "incomparable",
         Unreadable = "unreadable",
+        /// Nothing judged failed, but rows after an excused near-tie were not judged: the
+        /// continuation is compared only with the decision forced (docs/diff.md).
+        NotChecked = "not_checked",
     }
 }
 
@@ -94,6 +97,7 @@ impl Verdict {
             Verdict::Different => 1,
             Verdict::Unreadable => 2,
             Verdict::Incomparable => 3,
+            Verdict::NotChecked => 4,
         }
     }
 }
@@ -150,6 +154,12 @@ string_enum! {
         /// A tensor or decision after a sampling divergence in a step, commit pass or block only
         /// one side ran: not a structure difference (docs/diff.md, "Sampling divergence").
         AfterSamplingDivergence = "after_sampling_divergence",
+        /// A `--noise-reference` that is the candidate's own content or not a reference
+        /// producer's run: honest noise is tracegate's measurement (docs/diff.md).
+        NoiseReferenceRefused = "noise_reference_refused",
+        /// The candidate's tensors are stored finer than the claimed precision, or its own
+        /// declaration names a pattern no tensor matches (docs/diff.md, "Precision").
+        PrecisionClaim = "precision_claim",
     }
 }
 

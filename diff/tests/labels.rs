@@ -189,7 +189,7 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
         "the candidate's own scores pick expert 0"
     );
     let rep = diff(&r, &c, Some(oracle_policy()));
-    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert_eq!(rep.verdict, Verdict::NotChecked, "{:#?}", rep.findings);
     assert!(rep.findings.is_empty(), "{:#?}", rep.findings);
 
     let res = rep
@@ -201,11 +201,9 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
     let f = &res.flips[0];
     assert_eq!((f.row, f.label.as_str()), (3, "near-tie"));
     assert_eq!(f.source_divergence.unwrap().0, d);
-    assert_eq!(
-        f.noise_bound.unwrap().0,
-        2.0 * d,
-        "default factor 2 (no near_tie in oracle-default)"
-    );
+    // The bound is the policy's honest noise of router logits (1e-4), factor 2: not 2·d.
+    assert_eq!(f.noise_bound.unwrap().0, 2.0 * 1e-4);
+    assert_eq!(f.honest_noise_from.as_deref(), Some("policy"));
     assert_eq!(f.gap.unwrap().0, crafted_gap(&r));
 
     let origin = Some("layer.00.router.topk row 3".to_string());
@@ -243,7 +241,7 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
     }
     let human = render_human(&rep);
     let first = human.lines().next().unwrap();
-    assert!(first.starts_with("WITHIN POLICY"), "{first}");
+    assert!(first.starts_with("NOT CHECKED past a near-tie"), "{first}");
     assert!(
         first.contains(
             "(1 near-tie excused: layer.00.router.topk row 3; 14 rows after a near-tie not judged)"
@@ -378,8 +376,15 @@ fn the_near_tie_factor_comes_from_the_policy() {
     // 0.4·d < 1e-6 ≤ 2·d: the same flip is a defect under a stricter calibration.
     assert!(0.4 * d < 1e-6);
     let mut strict = oracle_policy();
+    // The honest noise of the router's scores set to the candidate's own divergence here, so
+    // only the factor differs from the default calibration.
     strict.near_tie = Some(NearTie {
         margin_factor: 0.4,
+        noise_abs: vec![tracegate_diff::NoiseAbs {
+            pattern: "layer.*.router.logits".into(),
+            max_abs: d,
+            why: "test".into(),
+        }],
         why: "test".into(),
     });
     let rep = diff(&r, &c, Some(strict));
@@ -641,7 +646,7 @@ fn decode_steps_are_bounded_by_their_own_logits_only() {
     c.decision_mut("decode.0001.argmax").values[0] = 4;
     assert_eq!(c.decisions[3].values, [5]);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert_eq!(rep.verdict, Verdict::NotChecked, "{:#?}", rep.findings);
     assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
     let origin = Some("logits.argmax row 3".to_string());
     assert_eq!(
@@ -819,11 +824,12 @@ fn attack_non_finite_values_after_a_near_tie_are_never_excused() {
             "{name}: the worst element is in the excused row"
         );
     }
-    // The control: the same near-tie without them passes.
+    // The control: the same near-tie without them fails nothing (what follows it is not
+    // checked, exit 4, not different).
     let (r, c) = near_tie_pair(2e-6);
     assert_eq!(
         diff(&r, &c, Some(oracle_policy())).verdict,
-        Verdict::WithinPolicy
+        Verdict::NotChecked
     );
 }
 
@@ -998,7 +1004,7 @@ fn attack_a_layout_the_excusal_does_not_know_has_no_rows_to_excuse() {
     let mut same = c.clone();
     with_head_probs(&mut same, false);
     let rep = diff(&r, &same, Some(policy.clone()));
-    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert_eq!(rep.verdict, Verdict::NotChecked, "{:#?}", rep.findings);
     assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "near-tie");
     with_head_probs(&mut c, true);
     let rep = diff(&r, &c, Some(policy));
@@ -1224,7 +1230,7 @@ fn decode_steps_after_a_near_tie_token_leave_the_judgement_whole_and_counted() {
     let r = with_decode_steps();
     let c = flipped_at_the_last_row(&r);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+    assert_eq!(rep.verdict, Verdict::NotChecked, "{:#?}", rep.findings);
     assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
     let steps = [
         "decode.0000.layer.00.hidden_out",
@@ -1302,4 +1308,118 @@ fn attack_decode_steps_after_a_near_tie_hide_no_nan_and_no_step_without_one() {
         let st = status(&rep, &format!("decode.{s:04}.layer.00.hidden_out"));
         assert!(st == "different" || st == "differs_by_digest", "{st}");
     }
+}
+
+// --- the judged never sizes its own near-tie (issue: the near-tie bound is the candidate's) ---
+
+/// The reference of `with_decode_steps` with logits of a trained model's size (x100), and its
+/// last row's runner-up (token 5) `gap` below the top (token 14).
+fn large_logits(gap: f32) -> Spec {
+    let mut r = with_decode_steps();
+    for i in 0..64 {
+        let v = get_f32(&r, "logits", i);
+        r.set_f32("logits", i, v * 100.0);
+    }
+    let top = get_f32(&r, "logits", 3 * 16 + 14);
+    r.set_f32("logits", 3 * 16 + 5, top - gap);
+    r.decide();
+    assert_eq!(
+        r.decisions
+            .iter()
+            .find(|d| d.name == "logits.argmax")
+            .unwrap()
+            .values[3],
+        14
+    );
+    r
+}
+
+#[test]
+fn attack_a_candidate_spending_the_logits_budget_on_two_elements_is_no_near_tie() {
+    // The adversary moves the top logit down and the runner-up up by `by` each: within the
+    // logits' relative-L2 bound (the row norm is large), its own scores pick the runner-up, and
+    // gap 0.05 <= 2·d = 2·0.026 held under the old rule, whatever the decode steps then did.
+    let r = large_logits(0.05);
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let by = 0.026;
+    let top = get_f32(&r, "logits", 3 * 16 + 14);
+    let second = get_f32(&r, "logits", 3 * 16 + 5);
+    c.set_f32("logits", 3 * 16 + 14, top - by);
+    c.set_f32("logits", 3 * 16 + 5, second + by);
+    c.decide();
+    assert_eq!(
+        c.decisions
+            .iter()
+            .find(|d| d.name == "logits.argmax")
+            .unwrap()
+            .values[3],
+        5
+    );
+    // Every decode step afterwards is a random number.
+    for s in 0..2 {
+        push_token(
+            &mut c,
+            &format!("decode.{s:04}.layer.00.hidden_out"),
+            0,
+            7.0,
+        );
+    }
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(
+        status(&rep, "logits"),
+        "within_policy",
+        "the plant stays within the logits rule"
+    );
+    assert_eq!(rep.verdict, Verdict::Different, "{}", render_human(&rep));
+    let f = &rep
+        .decisions
+        .results
+        .iter()
+        .find(|x| x.name == "logits.argmax")
+        .unwrap()
+        .flips[0];
+    assert_eq!(f.label.as_str(), "defect");
+    // The bound is the policy's honest noise (1e-3 for f32 logits), not the candidate's 0.026.
+    assert_eq!(f.honest_noise.map(|x| x.0), Some(1e-3));
+    assert_eq!(f.honest_noise_from.as_deref(), Some("policy"));
+    assert_eq!(f.noise_bound.map(|x| x.0), Some(2e-3));
+    assert!(f.source_divergence.unwrap().0 > 0.02);
+    // The control: the same plant across a gap honest f32 noise can cross is a near-tie, and
+    // what follows it is NOT CHECKED (exit 4), never a pass.
+    let r = large_logits(1e-3);
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    c.set_f32("logits", 3 * 16 + 14, top - 6e-4);
+    c.set_f32("logits", 3 * 16 + 5, top - 1e-3 + 6e-4);
+    c.decide();
+    for s in 0..2 {
+        push_token(
+            &mut c,
+            &format!("decode.{s:04}.layer.00.hidden_out"),
+            0,
+            7.0,
+        );
+    }
+    let rep = diff(&r, &c, Some(oracle_policy()));
+    assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
+    assert_eq!(rep.verdict, Verdict::NotChecked, "{}", render_human(&rep));
+    assert_eq!(rep.exit_code(), 4);
+    assert!(render_human(&rep).starts_with("NOT CHECKED past a near-tie"));
+}
+
+#[test]
+fn attack_what_follows_a_near_tie_never_exits_0_from_the_cli() {
+    let r = with_decode_steps();
+    let c = flipped_at_the_last_row(&r);
+    let (dir, rp, cp) = pair(&r, &c);
+    let out = run(&[p(&rp), p(&cp), "--policy", "f32"]);
+    assert_eq!(out.code, 4, "{}{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.starts_with("NOT CHECKED past a near-tie"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("--force-decisions"), "{}", out.stdout);
+    drop(dir);
 }

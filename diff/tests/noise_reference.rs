@@ -10,7 +10,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use tracegate_diff::{compare, NoiseReference, Options, Policy, RowStatus, Verdict};
+use tracegate_diff::{compare, FindingKind, NoiseReference, Options, Policy, RowStatus, Verdict};
 use tracegate_trace::{Attributes, DType, Trace, TraceWriter};
 
 const NAME: &str = "layer.00.mlp_out";
@@ -21,7 +21,17 @@ fn write_with(
     positions: Vec<i64>,
     tensors: &[(&str, Vec<f32>)],
 ) -> Trace {
-    let prov = serde_json::json!({"producer": "my-port", "weights_digest": weights, "prompt_tokens": [1, 2]});
+    // The candidate is a port; the reference and the noise reference are tracegate's producers
+    // (a noise reference from anyone else is refused: a_noise_trace_the_candidate_supplies_...).
+    let producer = if path
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().starts_with('c'))
+    {
+        "my-port"
+    } else {
+        "oracle"
+    };
+    let prov = serde_json::json!({"producer": producer, "weights_digest": weights, "prompt_tokens": [1, 2]});
     let mut w = TraceWriter::create(path, prov).unwrap();
     let attrs = Attributes::default()
         .with_path("prefill")
@@ -262,7 +272,7 @@ fn the_cli_refuses_a_bound_without_a_noise_trace_and_a_noise_trace_nothing_reads
         err.contains("max_noise_ratio") && err.contains("--noise-reference"),
         "{err}"
     );
-    let (code, err) = run(&["--policy", "f32", "--noise-reference", "n.trace"]);
+    let (code, err) = run(&["--noise-reference", "n.trace"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("nothing would read it"), "{err}");
     let (code, err) = run(&[
@@ -275,4 +285,42 @@ fn the_cli_refuses_a_bound_without_a_noise_trace_and_a_noise_trace_nothing_reads
     assert!(err.contains("missing.trace"), "{err}");
     let (code, err) = run(&["--policy", "noise.json", "--noise-reference", "n.trace"]);
     assert_eq!(code, Some(0), "{err}");
+}
+
+/// The adversary supplies its own noise: its own trace (every ratio 1, its own near-ties sized by
+/// itself), a copy under another producer name, or another port's run. Each is refused before
+/// anything is judged, whatever the policy.
+#[test]
+fn a_noise_trace_the_candidate_supplies_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
+    // 3e-2 is far beyond the f32 policy and beyond 2x any honest noise below.
+    let c = write(&d.path().join("c.trace"), &[(NAME, moved(3e-2, 2))]);
+    // The candidate itself: same content digest.
+    let same = judged(&r, &c, Trace::open(c.path()).unwrap(), 2.0);
+    assert_eq!(same.verdict, Verdict::Incomparable);
+    assert!(
+        same.findings
+            .iter()
+            .any(|f| f.kind == FindingKind::NoiseReferenceRefused
+                && f.detail.contains("the candidate's own")),
+        "{:#?}",
+        same.findings
+    );
+    // Another port's run of the same numbers (the candidate's own trace would not be its own
+    // content once anything differs): refused by producer.
+    let other = write(&d.path().join("c-other.trace"), &[(NAME, moved(3e-2, 3))]);
+    let rep = judged(&r, &c, other, 2.0);
+    assert_eq!(rep.verdict, Verdict::Incomparable);
+    assert!(
+        rep.findings
+            .iter()
+            .any(|f| f.kind == FindingKind::NoiseReferenceRefused
+                && f.detail.contains("\"my-port\"")),
+        "{:#?}",
+        rep.findings
+    );
+    // The control: tracegate's own run of the same noise size is read, and the candidate fails.
+    let honest = write(&d.path().join("n.trace"), &[(NAME, moved(1e-3, 3))]);
+    assert_eq!(judged(&r, &c, honest, 2.0).verdict, Verdict::Different);
 }

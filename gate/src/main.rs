@@ -123,11 +123,14 @@ struct InitArgs {
     #[arg(long)]
     deterministic: bool,
     /// Judge by this policy: a bundled name (f32, bf16, f16, q8) or a file relative to the
-    /// project root. Default: the bundled policy for the coarser of the candidate's precision
-    /// (what its trace declares, provenance precision, else its tensors' dtype) and the golden
-    /// traces'.
-    #[arg(long)]
+    /// project root. Default: the bundled policy of --precision.
+    #[arg(long, conflicts_with = "precision")]
     policy: Option<String>,
+    /// The precision you claim the port computes in (f32, f16, bf16, q8), recorded in
+    /// milestones.json as the policy it is judged by. Default: --dtype (f32). What the port's
+    /// traces declare or store is checked against it, never read as a looser claim.
+    #[arg(long, value_parser = tracegate_diff::policy::PRECISIONS)]
+    precision: Option<String>,
     /// The milestone's id.
     #[arg(long, default_value = "port")]
     id: String,
@@ -170,15 +173,16 @@ struct BisectArgs {
     candidate_cmd: Option<String>,
     /// Judge by this policy: a bundled name (f32, bf16, f16, q8) or a file (relative to the current
     /// directory). Default: by bits when both sides are ordered producers (engine, contract),
-    /// else by the bundled policy for the candidate's precision (docs/bisect.md, "Judging").
+    /// else by the bundled policy for the claimed --precision (docs/bisect.md, "Judging").
     #[arg(long)]
     policy: Option<PathBuf>,
     /// Judge by bits whatever the pair (a port meant to be bit-exact); not with --policy.
     #[arg(long, conflicts_with = "policy")]
     exact: bool,
-    /// The precision the candidate computes in (f32, f16, bf16, q8), when neither its trace's
-    /// declaration (provenance precision) nor its tensors' dtype says it: picks the bundled
-    /// policy and the ULP the rounding response perturbs by (docs/bisect.md, "Judging").
+    /// The precision you claim the candidate computes in (f32, f16, bf16, q8; default f32):
+    /// picks the bundled policy and the ULP the rounding response perturbs by. What the
+    /// candidate's trace declares or stores is checked and said, never read as a looser claim
+    /// (docs/bisect.md, "Judging").
     #[arg(long, value_parser = tracegate_diff::policy::PRECISIONS, conflicts_with = "exact")]
     precision: Option<String>,
     /// Write the JSON report here (schema: docs/bisect.md; relative to the current directory).
@@ -887,6 +891,7 @@ fn init_options(a: &InitArgs) -> tracegate_gate::milestone::init::InitOptions {
         device: a.device.clone(),
         deterministic: a.deterministic,
         policy: a.policy.clone(),
+        precision: a.precision.clone(),
         id: a.id.clone(),
         work: a.work.clone(),
         timeout: std::time::Duration::from_secs(a.timeout),

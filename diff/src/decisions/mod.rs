@@ -140,7 +140,8 @@ fn compare_common<'a>(
             source_selected: source.as_deref().is_none_or(|s| opts.selects(s)),
             selects: &selects,
         };
-        let result = compare_one(r, c, rd, cd, source, at, left_out, policy, &mut ex, rep);
+        let judge = (policy, opts.noise.as_ref().map(|n| &*n.0));
+        let result = compare_one(r, c, rd, cd, source, at, left_out, judge, &mut ex, rep);
         slots[slot] = Slot::Compared(Some(Box::new(result)));
     }
     ex.finish(rep);

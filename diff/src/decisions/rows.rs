@@ -33,9 +33,10 @@ pub fn margin_tolerance(a: f32, b: f32, divergence: Option<f64>) -> f64 {
 /// is outside the policy (differs, by bits); `no_excuse`: why the flip cannot be a near-tie
 /// whatever its gap (a tensor up to the source left out by a filter, a side's scores that do
 /// not pick its choice); `gap`: the gap the flip crossed in the reference's scores; `bound`:
-/// `F·d` under a policy when the source holds the scores; `d`: the source row's divergence.
-/// With `d = 0` the scores are bit-identical, so the decision rule itself differs; a
-/// non-finite `d` or bound explains nothing.
+/// `F·d` under a policy when the source holds the scores, `d` the honest noise of the row (a
+/// noise reference's or the policy's, never the candidate's); `d`: the candidate's own
+/// divergence in the source row, read only for a NaN or infinity there (which explains
+/// nothing). A gap of 0 is an exact tie in the reference's scores: either choice is theirs.
 pub fn label(
     upstream: bool,
     no_excuse: bool,
@@ -47,12 +48,26 @@ pub fn label(
         return Label::Consequence;
     }
     match (no_excuse, gap, bound, d) {
-        (false, Some(g), Some(b), Some(d))
-            if d > 0.0 && d.is_finite() && b.is_finite() && g <= b =>
-        {
+        (false, Some(g), Some(b), Some(d)) if d.is_finite() && b.is_finite() && g <= b => {
             Label::NearTie
         }
         _ => Label::Defect,
+    }
+}
+
+/// Where a flip's honest noise `d` came from (docs/diff.md, "The near-tie rule").
+#[derive(Clone, Copy)]
+enum NoiseFrom {
+    NoiseReference,
+    Policy,
+}
+
+impl NoiseFrom {
+    fn word(self) -> &'static str {
+        match self {
+            NoiseFrom::NoiseReference => "noise_reference",
+            NoiseFrom::Policy => "policy",
+        }
     }
 }
 
@@ -86,7 +101,7 @@ pub(super) fn compare_one(
     source: Option<String>,
     at: usize,
     left_out: LeftOut,
-    policy: Option<&Policy>,
+    (policy, noise): (Option<&Policy>, Option<&Trace>),
     ex: &mut Excusal,
     rep: &mut Report,
 ) -> DecisionResult {
@@ -128,6 +143,7 @@ pub(super) fn compare_one(
         at,
         step: decode_step(&rd.name),
         policy,
+        noise,
         margins: (rm.as_deref(), cm.as_deref()),
         left_out,
         sampler,
@@ -206,6 +222,8 @@ struct Rows<'a> {
     at: usize,
     step: Option<u64>,
     policy: Option<&'a Policy>,
+    /// The noise reference, which measures the honest noise of a flip's scores.
+    noise: Option<&'a Trace>,
     /// Each side's margins, one a row.
     margins: (Option<&'a [f32]>, Option<&'a [f32]>),
     left_out: LeftOut<'a>,
@@ -226,6 +244,29 @@ impl Rows<'_> {
     fn scores_row(&self, row: u64) -> Option<(&str, (u64, u64))> {
         self.src_row(row)
             .filter(|(s, _)| holds_scores(self.name, s))
+    }
+
+    /// The honest noise of the scores in row `row`: the noise reference's max |difference| from
+    /// the reference over the same row of the source (same shape and positions), when it holds
+    /// the source and that is finite and above 0; else the policy's `near_tie.noise_abs` for the
+    /// source. A measured 0 is no bound by itself (that precision computes the row exactly: the
+    /// policy's number is the floor).
+    fn honest_noise(&self, row: u64) -> Option<(f64, NoiseFrom)> {
+        let (s, range) = self.scores_row(row)?;
+        let measured = self.noise.and_then(|n| {
+            let (ri, ni) = (self.r.tensor_info(s)?, n.tensor_info(s)?);
+            if ri.attributes.positions != ni.attributes.positions {
+                return None;
+            }
+            range_divergence(self.r, n, s, Some(range))
+        });
+        match measured {
+            Some(d) if d.is_finite() && d > 0.0 => Some((d, NoiseFrom::NoiseReference)),
+            _ => self
+                .policy?
+                .near_tie_noise(s)
+                .map(|d| (d, NoiseFrom::Policy)),
+        }
     }
 
     fn router(&self) -> bool {
@@ -464,8 +505,12 @@ impl Rows<'_> {
         let gap = scores
             .and_then(|(s, range)| Scores::of(self.r, s, range))
             .and_then(|s| crossed_gap(&s, a, b));
-        let bound = match (self.policy, scores, d) {
-            (Some(p), Some(_), Some(d)) => Some(p.near_tie_factor() * d),
+        // The bound is the honest noise's (tracegate's noise run or the policy): a bound from the
+        // candidate's own difference d would excuse any flip its own scores make, since such a
+        // flip has gap <= 2d whatever d is (the proof below, docs/diff.md).
+        let honest = self.honest_noise(row);
+        let bound = match (self.policy, scores, honest) {
+            (Some(p), Some(_), Some((h, _))) => Some(p.near_tie_factor() * h),
             _ => None,
         };
         // A commit row takes its block's last argmax row's label, measures and all (the
@@ -474,13 +519,21 @@ impl Rows<'_> {
             (None, Some(Sampler::Commit)) => Some(self.commit_inherits(row, (a, b), ex)),
             _ => None,
         };
-        let (d, gap, bound) = match &inherited {
+        let (d, gap, bound, honest_noise, honest_noise_from) = match &inherited {
             Some(Ok(f)) => (
                 f.source_divergence.map(|x| x.0),
                 f.gap.map(|x| x.0),
                 f.noise_bound.map(|x| x.0),
+                f.honest_noise,
+                f.honest_noise_from.clone(),
             ),
-            _ => (d, gap, bound),
+            _ => (
+                d,
+                gap,
+                bound,
+                honest.map(|h| Real(h.0)),
+                honest.map(|h| h.1.word().to_string()),
+            ),
         };
         let (label, upstream, after, why) = match (after, inherited) {
             (Some(After::NearTie(s)), _) => (Label::AfterNearTie, None, Some(s), None),
@@ -497,11 +550,22 @@ impl Rows<'_> {
                     _ => None,
                 };
                 let label = label(upstream.is_some(), no_excuse.is_some(), gap, bound, d);
+                // Under a policy, a flip on its scores with no honest noise to bound it says so.
+                let unbounded = (self.policy.is_some()
+                    && upstream.is_none()
+                    && scores.is_some()
+                    && honest.is_none())
+                .then(|| {
+                    format!(
+                        "no honest noise bounds {}: no noise reference measures it and the policy's near_tie.noise_abs has no pattern for it",
+                        scores.map(|s| s.0).unwrap_or_default()
+                    )
+                });
                 (
                     label,
                     upstream,
                     None,
-                    no_excuse.filter(|_| label == Label::Defect),
+                    no_excuse.or(unbounded).filter(|_| label == Label::Defect),
                 )
             }
         };
@@ -560,6 +624,8 @@ impl Rows<'_> {
             candidate_margin: cand_margin.map(|m| Real(m as f64)),
             source_divergence: d.map(Real),
             gap: gap.map(Real),
+            honest_noise,
+            honest_noise_from,
             noise_bound: bound.map(Real),
             label,
             upstream,
@@ -607,9 +673,21 @@ mod tests {
             label(false, true, Some(1e-7), Some(2e-5), Some(1e-5)),
             Label::Defect
         );
-        // Bit-identical scores: the rule differs, even for a tie.
+        // An exact tie in the reference's scores is a tie, whoever broke it which way, even on
+        // bit-identical scores.
         assert_eq!(
             label(false, false, Some(0.0), Some(0.0), Some(0.0)),
+            Label::NearTie
+        );
+        // The candidate's own divergence no longer sizes the bound: a gap within the honest
+        // bound is a near-tie whatever the candidate moved, a gap above it a defect however
+        // far the candidate moved its scores.
+        assert_eq!(
+            label(false, false, Some(1e-4), Some(2e-4), Some(9.0)),
+            Label::NearTie
+        );
+        assert_eq!(
+            label(false, false, Some(8.8), Some(2e-4), Some(4.9)),
             Label::Defect
         );
         // No bound (no policy, or the source is not the scores), or no gap: no near-tie.

@@ -99,11 +99,12 @@ pub(super) fn summary(rep: &Report) -> String {
             .map(|n| format!("; {n}"))
             .unwrap_or_default();
         format!(
-            "{word} — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds{after}), {}{sampling}",
+            "{word} — {common} tensors judged by policy {:?}{} ({} bit-identical, {within} within bounds{after}), {}{sampling}{}",
             rep.policy.as_ref().map(|p| p.name.as_str()).unwrap_or(""),
             rep.policy.as_ref().map(precision_clause).unwrap_or_default(),
             common - within - left_out - sampled,
-            decisions_clause(rep)
+            decisions_clause(rep),
+            claim_notes(rep)
         )
     };
     match rep.verdict {
@@ -129,6 +130,12 @@ pub(super) fn summary(rep: &Report) -> String {
             decisions_clause(rep)
         ),
         Verdict::WithinPolicy => judged("WITHIN POLICY"),
+        // Exit 4: nothing judged failed, but the rows after an excused near-tie were not
+        // judged; forcing the reference's decisions compares them (docs/diff.md).
+        Verdict::NotChecked => format!(
+            "{}; to judge them, re-run the candidate with the reference's decisions forced (--force-decisions REFERENCE)",
+            judged("NOT CHECKED past a near-tie")
+        ),
         Verdict::Different => {
             let mut parts = Vec::new();
             if let Some(p) = &rep.policy {
@@ -299,6 +306,16 @@ fn rerouted_clause(rep: &Report) -> Option<String> {
 
 /// " (for bf16 candidates; this one computes in f32: WARNING, they differ)", from what the
 /// policy and the candidate's provenance say; empty when neither says.
+/// What the candidate stores or declares against the claimed precision, said in the headline:
+/// a pass judged by looser bounds than the candidate's own computation needs is no silent one.
+fn claim_notes(rep: &Report) -> String {
+    rep.findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::PrecisionClaim)
+        .map(|f| format!("; WARNING: {}", f.detail))
+        .collect()
+}
+
 fn precision_clause(p: &crate::PolicyRef) -> String {
     match (
         p.candidate_dtype.as_deref(),

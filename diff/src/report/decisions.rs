@@ -134,7 +134,14 @@ pub struct Flip {
     /// largest gap in the reference's scores between two chosen values whose order inverted;
     /// null when unknown.
     pub gap: Option<Real>,
-    /// Under a policy, `F·d` when the source row holds the decision's own scores; else null.
+    /// The honest noise `d` of the decision's scores in this row: the noise reference's
+    /// max |difference| from the reference there, else the policy's `near_tie.noise_abs`;
+    /// null when neither measures it. Never the candidate's own divergence.
+    pub honest_noise: Option<Real>,
+    /// Where `honest_noise` came from: `noise_reference` or `policy`.
+    pub honest_noise_from: Option<String>,
+    /// Under a policy, `F·honest_noise` when the source row holds the decision's own scores;
+    /// else null.
     pub noise_bound: Option<Real>,
     pub label: Label,
     /// For a consequence: the first tensor up to the source outside the policy (differing by

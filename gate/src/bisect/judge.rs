@@ -68,11 +68,11 @@ impl Judge {
     }
 }
 
-/// A candidate's precision, as a bundled policy name, and where it was read: what the
-/// candidate declares (provenance `precision`, the coarsest it names; docs/trace-format.md),
-/// else the coarsest float dtype of its tensors: bf16 if any tensor is bf16 (8 significand
-/// bits), else f16 if any is f16, else f32. A declaration that names no precision is refused.
-pub fn precision(t: &Trace) -> Result<(&'static str, String)> {
+/// What a trace says of its precision, checked, never chosen by: its declaration (provenance
+/// `precision`, the coarsest it names; docs/trace-format.md) and the coarsest float dtype of its
+/// tensors (bf16 if any tensor is bf16, else f16 if any is f16, else f32). A declaration that
+/// names no precision, or a pattern that matches none of its tensors, is refused.
+pub fn stated_precision(t: &Trace) -> Result<(Option<&'static str>, &'static str)> {
     let has = |d: DType| t.tensors().iter().any(|i| i.dtype == d);
     let stored = if has(DType::BF16) {
         "bf16"
@@ -81,15 +81,46 @@ pub fn precision(t: &Trace) -> Result<(&'static str, String)> {
     } else {
         "f32"
     };
-    let declared = tracegate_diff::policy::declared_precision(t.provenance())
-        .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))?;
-    Ok(match declared {
-        // A declaration other than what the tensors hold (a coarser one loosens the judge):
-        // said every time.
-        Some(p) if p != stored => (p, format!("declared; its tensors are {stored}")),
-        Some(p) => (p, "declared".into()),
-        None => (stored, "its tensors' dtype".into()),
-    })
+    let declared = tracegate_diff::policy::checked_declaration(
+        t.provenance(),
+        t.tensors().iter().map(|i| i.name.as_str()),
+    )
+    .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))?;
+    Ok((declared, stored))
+}
+
+/// The precision a reference producer's trace computes in (a golden trace: the user chose its
+/// `--dtype` at init): its declaration, else its tensors' dtype ([`stated_precision`]).
+pub fn reference_precision(t: &Trace) -> Result<&'static str> {
+    let (declared, stored) = stated_precision(t)?;
+    Ok(declared.unwrap_or(stored))
+}
+
+/// The candidate's precision is the user's claim (`--precision`, else f32): what the candidate
+/// declares or stores is checked and said beside it, never read as a looser claim (docs/bisect.md,
+/// "Judging"). Returns the precision and the words of the judge's reason.
+pub fn claimed_precision(
+    candidate: &Trace,
+    given: Option<&'static str>,
+) -> Result<(&'static str, String)> {
+    let (declared, stored) = stated_precision(candidate)?;
+    let claim = given.unwrap_or("f32");
+    let mut from = match given {
+        Some(_) => "--precision".to_string(),
+        None => "the default claim; --precision claims another".to_string(),
+    };
+    let coarser = |p: &str| tracegate_diff::policy::coarsest([p, claim]) == Some(p) && p != claim;
+    if let Some(d) = declared.filter(|d| coarser(d)) {
+        from.push_str(&format!(
+            "; the candidate declares {d}, coarser than claimed: judged as claimed"
+        ));
+    }
+    if coarser(stored) {
+        from.push_str(&format!(
+            "; the candidate stores {stored} tensors, coarser than claimed: judged as claimed"
+        ));
+    }
+    Ok((claim, from))
 }
 
 /// The judge and its policy. `ordered`: whether each side (reference, candidate) is one of the
@@ -102,10 +133,7 @@ pub fn choose(
     given: Option<&'static str>,
     root: &std::path::Path,
 ) -> Result<(Judge, Option<Policy>)> {
-    let (precision, from) = match given {
-        Some(p) => (p, "--precision".to_string()),
-        None => precision(candidate)?,
-    };
+    let (precision, from) = claimed_precision(candidate, given)?;
     let by_policy = |arg: &str, reason: String| -> Result<(Judge, Option<Policy>)> {
         let p = Policy::resolve(arg, root).map_err(|e| gerr!("--policy {arg}: {e}"))?;
         Ok((
@@ -399,6 +427,7 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::DecisionsForced
         | K::ComparabilityNotChecked
         | K::PolicyPrecisionMismatch
+        | K::PrecisionClaim
         | K::SamplingDivergence
         | K::AfterSamplingDivergence => FindingClass::Note,
         K::Unreadable
@@ -420,6 +449,7 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::DecisionOrderMismatch
         | K::MarginPresenceMismatch
         | K::ContentDigestDiffers
+        | K::NoiseReferenceRefused
         | K::NothingSelected => FindingClass::Structure,
     }
 }

@@ -11,7 +11,7 @@ use tracegate_producers::{install_root, Producer, Verb};
 use crate::milestone::milestones::{
     Milestone, MilestoneFile, MilestoneModel, Port, PortCandidate, PortReference, PromptRecord,
 };
-use crate::milestone::run::{run_milestone, tokenize_text, GateOptions, AUTO_POLICY};
+use crate::milestone::run::{run_milestone, tokenize_text, GateOptions};
 use crate::paths::UserPaths;
 use crate::{gerr, prompts, Result};
 
@@ -28,6 +28,8 @@ pub struct InitOptions {
     pub device: String,
     pub deterministic: bool,
     pub policy: Option<String>,
+    /// The claimed precision (`--precision`): the bundled policy recorded, when no `--policy`.
+    pub precision: Option<String>,
     pub id: String,
     pub work: Option<PathBuf>,
     pub timeout: std::time::Duration,
@@ -165,7 +167,12 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
             generate: a.generate,
             seed: None,
             capture: None,
-            policy: a.policy.clone().unwrap_or_else(|| AUTO_POLICY.into()),
+            // The user's claim, recorded: never chosen later from what the port's traces say.
+            policy: a
+                .policy
+                .clone()
+                .or_else(|| a.precision.clone())
+                .unwrap_or_else(|| a.dtype.clone()),
             models: vec![MilestoneModel {
                 model: model.clone(),
                 family,

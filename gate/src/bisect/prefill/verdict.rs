@@ -209,8 +209,10 @@ pub(crate) fn verdict(
             ),
         );
     }
-    let whole_same =
-        matches!(whole.verdict, Verdict::Identical | Verdict::WithinPolicy) && structure.is_none();
+    let whole_same = matches!(
+        whole.verdict,
+        Verdict::Identical | Verdict::WithinPolicy | Verdict::NotChecked
+    ) && structure.is_none();
     if let Some((at, why)) = failed {
         let div = match (first, structure) {
             (Some((_, name, how)), _) => {
@@ -250,6 +252,23 @@ pub(crate) fn verdict(
         );
     }
     match first {
+        // Nothing judged differs, but what followed an excused near-tie was not judged: the
+        // forced run compares it; without one it is no pass (docs/diff.md).
+        None if whole.verdict == Verdict::NotChecked => {
+            let at: Vec<String> = whole
+                .differing_decisions
+                .iter()
+                .filter(|d| d.excused_rows > 0)
+                .map(|d| format!("{} ({} excused rows)", d.name, d.excused_rows))
+                .collect();
+            (
+                BisectVerdict::NotChecked,
+                format!(
+                    "NOT CHECKED past a near-tie: nothing judged differs, but what followed the near-tie(s) in {} was not judged; the candidate re-run with the reference's decisions forced (its --force-decisions) compares it{also_structure}",
+                    at.join(", ")
+                ),
+            )
+        }
         None => {
             let how = if whole.verdict == Verdict::WithinPolicy { "within policy" } else { "identical" };
             // Say so when no layer verb ran: nothing needed isolating, but nothing was isolated.

@@ -226,6 +226,7 @@ pub(super) fn compare_agrees(
             Verdict::Identical => "IDENTICAL",
             Verdict::WithinPolicy => "WITHIN POLICY",
             Verdict::Incomparable => "INCOMPARABLE",
+            Verdict::NotChecked => "NOT CHECKED past a near-tie",
             _ => "DIFFERENT",
         },
         policy.name,
@@ -263,7 +264,11 @@ pub(super) fn compare_agrees(
             v.tensor
         ));
     }
-    if !matches!(rep.verdict, Verdict::Identical | Verdict::WithinPolicy) && found.is_empty() {
+    if !matches!(
+        rep.verdict,
+        Verdict::Identical | Verdict::WithinPolicy | Verdict::NotChecked
+    ) && found.is_empty()
+    {
         found.push(finding(
             FindingKind::Different,
             "",
@@ -287,15 +292,21 @@ pub(super) fn compare_agrees(
             ));
         }
     }
-    (
-        judge(
-            m,
-            &p.id,
-            CheckResult::new(check, Status::Pass, detail),
-            found,
-        ),
-        summary,
-    )
+    // Nothing judged failed, but what followed an excused near-tie was not judged: never a
+    // pass (docs/diff.md, "Near-ties under a policy"); a finding still fails it.
+    let status = if rep.verdict == Verdict::NotChecked {
+        detail.push_str(
+            "; what follows the near-tie is compared only with the reference's decisions forced",
+        );
+        Status::NotChecked
+    } else {
+        Status::Pass
+    };
+    let mut result = judge(m, &p.id, CheckResult::new(check, status, detail), found);
+    if result.status == Status::NotChecked && !result.findings.is_empty() {
+        result.status = Status::Fail;
+    }
+    (result, summary)
 }
 
 #[cfg(test)]

@@ -299,26 +299,14 @@ pub(super) fn run(
     }
     let goldens: Vec<Trace> = goldens.into_iter().flatten().collect();
     if plan.m.policy == AUTO_POLICY {
-        let first = plan.selected.iter().zip(&runs).find_map(|(_, r)| {
-            r.get(Role::Candidate)
-                .and_then(|rec| open(&o.root, rec).ok())
-        });
-        let candidate = first.as_ref().map(|t| crate::bisect::judge::precision(t).map(|p| p.0)).ok_or_else(|| {
-            let why = runs
-                .first()
-                .and_then(|r| r.get(Role::Candidate))
-                .map(|rec| format!("{}\n    $ {}", rec.why(), rec.invocation))
-                .unwrap_or_default();
-            gerr!(Producer: "the candidate wrote no trace, so its precision (and the policy for it) is unknown: {why}")
-        })??;
-        // The coarser of the two sides' precisions: a bf16 golden trace (`--dtype bf16`) holds an
-        // f32 candidate to the bf16 bounds, as it does a bf16 candidate to an f32 golden trace.
+        // A milestone recorded before precision was claimed at init: the golden traces'
+        // precision (the user's --dtype at init), never the candidate's, which may declare
+        // or store a coarser one to be judged more loosely.
         let golden: Vec<&str> = goldens
             .iter()
-            .map(|t| crate::bisect::judge::precision(t).map(|p| p.0))
+            .map(crate::bisect::judge::reference_precision)
             .collect::<Result<_>>()?;
-        let precision = tracegate_diff::policy::coarsest(golden.into_iter().chain([candidate]))
-            .unwrap_or(candidate);
+        let precision = tracegate_diff::policy::coarsest(golden).unwrap_or("f32");
         plan.m.policy = precision.to_string();
         plan.policy = Policy::resolve(precision, &o.root).map_err(|e| gerr!("{precision}: {e}"))?;
     }
