@@ -4,8 +4,10 @@ Everything numeric here is done by transformers/torch; this module only
   * loads the checkpoint strictly (a missing, unexpected or mismatched tensor is an error),
   * pins the run (threads, seed, deterministic algorithms, no autocast, no TF32),
   * observes the shared capture points with hooks that are always removed afterwards,
-  * turns the model's own router logits and output logits into decisions with the shared
-    tie rule (descending value, lowest index first) and margins.
+  * records each router's decision as the experts its own `torch.topk` chose (at an exact tie
+    that may be another index than the lowest), and turns the model's output logits into
+    decisions with the shared tie rule (descending value, lowest index first), each with its
+    margin.
 
 A capture is built in memory (`Capture`) and written with `write_trace`, so tests can inspect
 numbers without the trace binding and the binding stays the only writer of the format.
@@ -31,7 +33,7 @@ from . import gguf_source
 from .checkpoint import LoadProgress, preflight
 from .errors import CheckpointError, OracleError  # noqa: F401 (re-exported)
 from .families import FAMILIES, resolve
-from .force import Forcing, RouterForcing, shadow_forward
+from .force import Forcing, RouterForcing, forced_answer, intercept_topk, shadow_forward
 from .linear_attn import LinearTap, active_paths, torch_paths
 from .linear_attn import provenance as linear_provenance
 
@@ -831,7 +833,7 @@ class Tap:
         self._hook(lay.attn(L), attn_out)
         mlp = lay.mlp(L)
         if L in lay.moe_layers and not self.decode:
-            self._hook(lay.router(L), lambda mod, a, out: self._on_router(L, out[0]))
+            self._tap_router(L, lay.router(L))
             if self.internals:
                 self._tap_experts(L, lay.experts(L))
                 if lay.shared_expert(L):
@@ -897,15 +899,46 @@ class Tap:
 
         self._hook(shared_gate, gate)
 
-    def _on_router(self, L: int, logits):
+    def _tap_router(self, L: int, router):
+        """Layer L's router, through its one `torch.topk` call (force.intercept_topk): the
+        decision is the experts that call chose, and under --force-decisions it is answered with
+        the forced experts at the rows the forcing trace holds (force.forced_answer), as
+        RouterForcing does where no decision is recorded."""
+        answer = None
+        if self.forcing is not None:
+            forced = self.forcing.values(names.layer(L, "router.topk"))
+            if forced is not None:
+                answer = forced_answer(self.lay.family, L, router, forced, lambda: self.positions)
+        self._undo.append(
+            intercept_topk(
+                router,
+                refuse=lambda calls: (
+                    f"{self.lay.family} layer {L}: its router ({type(router).__name__}) called "
+                    f"torch.topk {calls} times, not once: the oracle records and forces its "
+                    "routing at that call (transformers changed?)"
+                ),
+                answer=answer,
+                after=lambda result, own, used: self._on_router(L, result[0], own),
+            )
+        )
+
+    def _on_router(self, L: int, logits, own):
+        """`router.logits` (internals) and `router.topk`: `own`, the experts the router's own
+        `torch.topk` returned, in its rank order, so the recorded routing is the one the experts
+        computed with. Margins: the model's own for that choice (margin_of) over the fp32
+        softmax of its logits — at an exact tie torch may have taken another index than the
+        lowest, margin 0. Under forcing, decide() writes the forced rows and counts those that
+        differ from `own`."""
         import torch
 
         if self.internals:
             self.add(names.layer(L, "router.logits"), logits, layer_idx=L)
-        k = self.lay.router(L).top_k
         # The model's own probabilities: fp32 softmax of its router logits, as its router does.
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).cpu().numpy()
-        self.decide(topk_decision(names.layer(L, "router.topk"), probs, k), probs, self.positions)
+        chosen = own.cpu().numpy().astype(np.int64)
+        margins = np.array([margin_of(probs[r], c) for r, c in enumerate(chosen)], np.float32)
+        name = names.layer(L, "router.topk")
+        self.decide(Decision(name, chosen, margins), probs, self.positions)
 
     def _tap_experts(self, L: int, experts):
         ExpertTap = _expert_tap_class()
@@ -937,7 +970,7 @@ class Tap:
             rows = tok[order]
             if expected.get(e) != rows.tolist():
                 self.notes.append(
-                    f"layer {L} expert {e}: model routed rows {rows.tolist()}, tie rule gives {expected.get(e)}"
+                    f"layer {L} expert {e}: model routed rows {rows.tolist()}, router.topk records {expected.get(e)}"
                 )
             self.add(
                 names.expert(L, e, "out"),
@@ -1139,10 +1172,8 @@ def capture_prompt(
             whole=True,
             forcing=forcing,
         ) as tap:
-            with (
-                torch.autocast(device_type=rc.device, enabled=False),
-                _routing(model, forcing, range(len(tokens))),
-            ):
+            # Forced routing: the Tap answers each router's topk itself (it records them all).
+            with torch.autocast(device_type=rc.device, enabled=False):
                 model(
                     torch.tensor(
                         [tokens], device=execution_device(model.get_input_embeddings(), rc)
@@ -1333,10 +1364,8 @@ def capture_layer(
             whole=False,
             forcing=forcing,
         ) as tap:
-            with (
-                torch.autocast(device_type=rc.device, enabled=False),
-                _routing(model, forcing, positions),
-            ):
+            # Forced routing: the Tap answers layer L's router itself.
+            with torch.autocast(device_type=rc.device, enabled=False):
                 mask = _layer_mask(model, L, x, pos)
                 pe = lay.rope(x, pos, L)
                 layers[L](

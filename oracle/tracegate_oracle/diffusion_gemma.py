@@ -609,52 +609,45 @@ class _Run:
 
     def _wrap_router(self, L: int, router):
         """Record `router.topk` from what transformers' router returned; under forcing answer its
-        one `torch.topk` with the forced experts and the router's own probabilities at them."""
+        one `torch.topk` with the forced experts and the router's own probabilities at them
+        (force.intercept_topk)."""
         import torch
-        from torch.overrides import TorchFunctionMode
+
+        from .force import intercept_topk
 
         run = self
-        orig = router.forward
 
-        class Topk(TorchFunctionMode):
-            def __init__(self, forced):
-                super().__init__()
-                self.forced, self.own, self.calls = forced, None, 0
-
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func in (torch.topk, torch.Tensor.topk):
-                    self.calls += 1
-                    self.own = out.indices.cpu().numpy()
-                    if self.forced is not None:
-                        idx = torch.as_tensor(self.forced, device=out.indices.device)
-                        return torch.return_types.topk((torch.gather(args[0], -1, idx), idx))
-                return out
-
-        def forward(*args, **kwargs):
+        def answer(probs, own):
+            if run.forcing is None:
+                return None
+            # missing, shape, range and repeated experts refused
             name = run.name(names.layer(L, "router.topk"))
-            forced = None
-            if run.forcing is not None:  # missing, shape, range and repeated experts refused
-                k, E = router.config.top_k_experts, router.config.num_experts
-                run.forcing.require(name, len(run.positions), k, E)
-                forced = run.forcing.values(name)
-            mode = Topk(forced)
-            with mode:
-                probs, weights, idx = orig(*args, **kwargs)
-            if mode.calls != 1:
-                raise OracleError(
-                    f"{FAMILY} layer {L}: its router called torch.topk {mode.calls} times, not once "
-                    "(transformers changed?)"
-                )
+            k, E = router.config.top_k_experts, router.config.num_experts
+            run.forcing.require(name, len(run.positions), k, E)
+            return torch.as_tensor(run.forcing.values(name), device=own.device)
+
+        def after(result, own, used):
+            probs, weights, idx = result
             p = probs.float().cpu().numpy()
             chosen = idx.cpu().numpy()
             margins = np.array(
                 [run.cp.margin_of(p[r], chosen[r]) for r in range(len(chosen))], dtype=np.float32
             )
-            run.decide(name, chosen, margins, own=mode.own)
-            return probs, weights, idx
+            run.decide(
+                run.name(names.layer(L, "router.topk")), chosen, margins, own=own.cpu().numpy()
+            )
 
-        self._shadow(router, "forward", forward)
+        self._undo.append(
+            intercept_topk(
+                router,
+                refuse=lambda calls: (
+                    f"{FAMILY} layer {L}: its router called torch.topk {calls} times, not once "
+                    "(transformers changed?)"
+                ),
+                answer=answer,
+                after=after,
+            )
+        )
 
     def _tap_experts(self, L: int, experts):
         ExpertTap = self.cp._expert_tap_class()

@@ -8,6 +8,10 @@ the router's own probabilities at them; everything after — its renormalisation
 the experts loop — is transformers' code. A router that does not call `torch.topk` exactly once
 on `[rows, num_experts]` is refused for forcing, naming the family and layer. Greedy tokens are
 forced by feeding the forced token to the next generation step.
+
+`intercept_topk` is that interception, the one every router tap uses: the recording of
+`router.topk` (capture.Tap, diffusion_gemma) reads the experts torch.topk chose there, and
+`forced_answer` replaces the rows the forcing trace holds.
 """
 
 from __future__ import annotations
@@ -74,50 +78,81 @@ class RouterForcing:
         return False
 
     def _wrap(self, L: int, router, forced: np.ndarray):
-        import torch
-        from torch.overrides import TorchFunctionMode
-
-        outer = self
-        orig = router.forward  # the bound forward of transformers' router class
-
-        class Topk(TorchFunctionMode):
-            calls = 0
-
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                if func in (torch.topk, torch.Tensor.topk):
-                    self.calls += 1
-                    probs = args[0]
-                    if (
-                        probs.dim() != 2
-                        or len(outer.positions) != probs.shape[0]
-                        or probs.shape[1] != router.num_experts
-                    ):
-                        raise OracleError(
-                            f"--force-decisions: cannot force routing of {outer.lay.family} layer {L}: its "
-                            f"router took top-k of a {list(probs.shape)} tensor, not [rows {len(outer.positions)}, "
-                            f"num_experts {router.num_experts}]"
-                        )
-                    vals, idx = out.values.clone(), out.indices.clone()
-                    for r, p in enumerate(outer.positions):
-                        if p < forced.shape[0]:
-                            idx[r] = torch.as_tensor(forced[p], device=idx.device)
-                    # The router's own probabilities at the forced experts.
-                    vals = torch.gather(probs, -1, idx)
-                    return torch.return_types.topk((vals, idx))
-                return out
-
-        def forward(*args, **kwargs):
-            mode = Topk()
-            with mode:
-                result = orig(*args, **kwargs)
-            if mode.calls != 1:
-                fam = self.lay.family
-                raise OracleError(
+        fam = self.lay.family
+        self._undo.append(
+            intercept_topk(
+                router,
+                refuse=lambda calls: (
                     f"--force-decisions: cannot force routing of {fam} layer {L}: its router "
-                    f"({type(router).__name__}) called torch.topk {mode.calls} times, not once"
-                )
-            return result
+                    f"({type(router).__name__}) called torch.topk {calls} times, not once"
+                ),
+                answer=forced_answer(fam, L, router, forced, lambda: self.positions),
+            )
+        )
 
-        self._undo.append(shadow_forward(router, forward))
+
+def forced_answer(family: str, L: int, router, forced: np.ndarray, positions):
+    """An `answer` for intercept_topk: torch's own indices with row r replaced by the forcing
+    trace's row p where it holds one, p = positions()[r] (the positions of this forward's rows).
+    A top-k of a tensor other than `[rows, num_experts]` is refused, naming family and layer."""
+
+    def answer(probs, own):
+        import torch
+
+        rows = positions()
+        if probs.dim() != 2 or len(rows) != probs.shape[0] or probs.shape[1] != router.num_experts:
+            raise OracleError(
+                f"--force-decisions: cannot force routing of {family} layer {L}: its "
+                f"router took top-k of a {list(probs.shape)} tensor, not [rows {len(rows)}, "
+                f"num_experts {router.num_experts}]"
+            )
+        idx = own.clone()
+        for r, p in enumerate(rows):
+            if p < forced.shape[0]:
+                idx[r] = torch.as_tensor(forced[p], device=idx.device)
+        return idx
+
+    return answer
+
+
+def intercept_topk(router, refuse, answer=None, after=None):
+    """Shadow `router`'s forward (transformers' router module; shadow_forward) so that the one
+    `torch.topk` it calls on its probabilities is seen. At that call `answer(probs, own)` — the
+    tensor torch.topk was given and the indices torch returned — may return other indices to
+    answer with, their values the router's own probabilities at them (`probs` gathered), or None
+    to let torch's answer stand. After the forward `after(result, own, used)` gets what the router
+    returned, torch's own indices, and the indices the router was answered with (`own` itself
+    when not replaced). A forward that calls torch.topk other than once raises
+    OracleError(refuse(calls)) before `after`. Returns the undo."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Topk(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.own, self.used = 0, None, None
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.topk, torch.Tensor.topk):
+                self.calls += 1
+                self.own = self.used = out.indices
+                idx = answer(args[0], out.indices) if answer is not None else None
+                if idx is not None:
+                    self.used = idx
+                    return torch.return_types.topk((torch.gather(args[0], -1, idx), idx))
+            return out
+
+    orig = router.forward  # the bound forward of transformers' router class (or accelerate's hook)
+
+    def forward(*args, **kwargs):
+        mode = Topk()
+        with mode:
+            result = orig(*args, **kwargs)
+        if mode.calls != 1:
+            raise OracleError(refuse(mode.calls))
+        if after is not None:
+            after(result, mode.own, mode.used)
+        return result
+
+    return shadow_forward(router, forward)
