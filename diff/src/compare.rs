@@ -97,9 +97,10 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
             candidate.provenance(),
             candidate.tensors().iter().map(|i| i.name.as_str()),
         ) {
-            // Not a verdict either: the policy still judges, but the declaration is not read.
+            // A declaration about no tensor, or of no precision, is refused: it was how a port
+            // once chose a looser judge.
             rep.findings.push(Finding::new(
-                FindingKind::PrecisionClaim,
+                FindingKind::PrecisionDeclarationRefused,
                 None,
                 format!("the candidate's declared precision is not read: {why}"),
             ));
@@ -168,7 +169,11 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     }
 
     // 3. Structure.
-    let mut different = structure(reference, candidate, opts, &mut rep);
+    let mut different = structure(reference, candidate, opts, &mut rep)
+        || rep
+            .findings
+            .iter()
+            .any(|f| f.kind == FindingKind::PrecisionDeclarationRefused);
     let forced = forced_note(reference, candidate);
     let forced_from_other = forced.is_some();
     rep.findings.extend(forced);

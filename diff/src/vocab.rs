@@ -157,9 +157,12 @@ string_enum! {
         /// A `--noise-reference` that is the candidate's own content or not a reference
         /// producer's run: honest noise is tracegate's measurement (docs/diff.md).
         NoiseReferenceRefused = "noise_reference_refused",
-        /// The candidate's tensors are stored finer than the claimed precision, or its own
-        /// declaration names a pattern no tensor matches (docs/diff.md, "Precision").
+        /// The candidate's tensors hold values finer than the claimed precision: a note in the
+        /// headline, not a verdict (docs/diff.md, "Policies").
         PrecisionClaim = "precision_claim",
+        /// The candidate's own precision declaration names no precision, or a pattern that
+        /// matches none of its tensors: refused (a structure finding; docs/diff.md, "Policies").
+        PrecisionDeclarationRefused = "precision_declaration_refused",
     }
 }
 

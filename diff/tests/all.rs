@@ -1,6 +1,7 @@
 //! Every integration test of the crate, one module a file, built as one binary (Cargo.toml
 //! `autotests = false`): `cargo test -p tracegate-diff --test all fuzz::` runs one file's.
 
+mod claims;
 mod cli;
 mod common;
 mod diffusion;

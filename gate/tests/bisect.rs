@@ -563,7 +563,7 @@ fn oracle_against_engine_reports_nothing_wrong() {
         (Some("policy"), Some("f32"), Some("oracle-default")),
         "{j}"
     );
-    assert!(o.stdout.starts_with("judged by policy f32 (the reference (oracle) is not an ordered producer; candidate's precision: f32 (its tensors' dtype); --exact judges by bits)\n"), "{}", o.stdout);
+    assert!(o.stdout.starts_with("judged by policy f32 (the reference (oracle) is not an ordered producer; candidate's precision: f32 (the default claim; --precision claims another); --exact judges by bits)\n"), "{}", o.stdout);
     // The engine's layer verb agrees with its own whole run in every layer.
     assert!(
         o.report["layers"]
@@ -1042,7 +1042,7 @@ fn a_correct_candidate_that_is_not_bit_exact_is_judged_by_policy_unless_exact() 
         o.stdout
     );
     assert!(
-        o.stdout.starts_with("judged by policy f32 (the candidate (candidate-cmd) is not an ordered producer; candidate's precision: f32 (its tensors' dtype); --exact judges by bits)\n"),
+        o.stdout.starts_with("judged by policy f32 (the candidate (candidate-cmd) is not an ordered producer; candidate's precision: f32 (the default claim; --precision claims another); --exact judges by bits)\n"),
         "{}",
         o.stdout
     );
@@ -1351,6 +1351,8 @@ fn a_five_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
             "--candidate-cmd",
             &cmd("1"),
             "--all-layers",
+            "--precision",
+            "bf16",
         ],
     );
     assert_eq!(
@@ -1375,6 +1377,8 @@ fn a_five_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
             "--candidate-cmd",
             &cmd("1.05"),
             "--all-layers",
+            "--precision",
+            "bf16",
         ],
     );
     let r = &o.report;
@@ -1700,43 +1704,52 @@ fn a_defect_in_every_layer_is_named_at_its_first_layer_by_rounding_response() {
 }
 
 #[test]
-fn the_judge_reads_the_precision_a_candidate_declares_or_is_given() {
+fn attack_the_judge_is_the_claimed_precision_never_the_candidates_declaration() {
     if !oracle_available() {
         return;
     }
-    // The contract writes f32 tensors; declared f16 (per capture point: the coarsest), it is
-    // judged by the f16 policy, and --precision overrides the declaration.
+    // The contract writes f32 tensors; declared f16 (per capture point), it once chose the f16
+    // policy. Now the claim judges (default f32) and the declaration is said beside it.
     let declared = defective("declare@*=f32,layer.*.attn_out=f16");
-    let args = |extra: &'static [&'static str]| -> Vec<&str> {
-        let mut v = vec![
+    let args = |cmd: &str, extra: &[&'static str]| -> Vec<String> {
+        let mut v: Vec<String> = [
             "--reference",
             "oracle",
             "--candidate",
             "cmd",
             "--candidate-cmd",
-            declared.as_str(),
-        ];
-        v.extend(extra);
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.push(cmd.to_string());
+        v.extend(extra.iter().map(|s| s.to_string()));
         v
     };
-    let o = bisect("tiny-qwen3", &args(&[]));
+    let run = |cmd: &str, extra: &[&'static str]| {
+        let a = args(cmd, extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        bisect("tiny-qwen3", &a)
+    };
+    let o = run(&declared, &[]);
     assert_eq!(
         (
             o.code,
             o.report["judge"]["policy"].as_str(),
             o.report["judge"]["precision"].as_str()
         ),
-        (0, Some("f16"), Some("f16")),
+        (0, Some("f32"), Some("f32")),
         "{}",
         o.stdout
     );
     assert!(
-        o.stdout
-            .contains("candidate's precision: f16 (declared; its tensors are f32)"),
+        o.stdout.contains(
+            "candidate's precision: f32 (the default claim; --precision claims another; the candidate declares f16, coarser than claimed: judged as claimed)"
+        ),
         "{}",
         o.stdout
     );
-    let o = bisect("tiny-qwen3", &args(&["--precision", "bf16"]));
+    let o = run(&declared, &["--precision", "bf16"]);
     assert_eq!(
         o.report["judge"]["policy"].as_str(),
         Some("bf16"),
@@ -1749,40 +1762,32 @@ fn the_judge_reads_the_precision_a_candidate_declares_or_is_given() {
         "{}",
         o.stdout
     );
-    // Undeclared, the same contract is judged by its tensors' dtype.
-    let o = bisect(
-        "tiny-qwen3",
-        &[
-            "--reference",
-            "oracle",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &defective("none"),
-        ],
-    );
+    // Undeclared: the default claim.
+    let o = run(&defective("none"), &[]);
     assert!(
         o.stdout
-            .contains("candidate's precision: f32 (its tensors' dtype)"),
+            .contains("candidate's precision: f32 (the default claim; --precision claims another)"),
         "{}",
         o.stdout
     );
-    // A declaration naming no precision is refused, naming it.
-    let (code, stdout, stderr, _) = run_bisect(
-        "tiny-qwen3",
-        &[
-            "--reference",
-            "oracle",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &defective("declare@f64"),
-        ],
-    );
-    assert!(
-        code == 2
-            && format!("{stdout}{stderr}")
-                .contains(r#"provenance precision is "f64": expected one of f32, f16, bf16, q8"#),
-        "{code}\n{stdout}\n{stderr}"
-    );
+    // A declaration naming no precision, or a pattern that matches no tensor (`vision.tower.*`:
+    // q8, which once picked the q8 policy and "nothing wrong"), is refused, naming it.
+    for (cmd, said) in [
+        (
+            defective("declare@f64"),
+            r#"provenance precision is "f64": expected one of f32, f16, bf16, q8"#,
+        ),
+        (
+            defective("declare@*=f32,vision.tower.*=q8"),
+            r#"names the pattern "vision.tower.*", which matches no tensor"#,
+        ),
+    ] {
+        let a = args(&cmd, &[]);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let (code, stdout, stderr, _) = run_bisect("tiny-qwen3", &a);
+        assert!(
+            code == 2 && format!("{stdout}{stderr}").contains(said),
+            "{code}\n{stdout}\n{stderr}"
+        );
+    }
 }

@@ -1214,34 +1214,35 @@ fn an_oracle_decode_token_flip_fails_generation_oracle() {
 }
 
 #[test]
-fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees() {
-    // edge64's smallest engine margin (logits row 10, ~8.7e-3, fixtures/policy/oracle-default.json)
-    // flipped by a logit moved by 1.5 times it, well within the policy: a near-tie. Row 0 flipped
-    // with its logits untouched: a defect, the one finding.
+fn attack_a_flip_manufactured_across_more_than_honest_noise_is_no_near_tie() {
+    // edge64's smallest engine margin (logits row 10, ~8.7e-3) flipped by a logit moved by 1.5
+    // times it, well within the policy's relative L2: the candidate's own difference would have
+    // sized its excuse (gap <= 2·d). Honest f32 noise in logits is 1e-3 per element
+    // (near_tie.noise_abs, measured on SmolLM2 and the fixtures): a gap of 8.7e-3 cannot come
+    // from it, so the flip is a defect. Row 0 flipped with its logits untouched: a defect too.
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
-    let oracle = test_producer(
-        "planted_trace.py",
-        "--base contract --near-tie 10 --flip logits.argmax",
-    );
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "edge64",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let run = |edits: &str| {
+        let oracle = test_producer("planted_trace.py", edits);
+        gate(
+            &repo(),
+            &[
+                "m0",
+                "--model",
+                "fixtures/tiny-qwen3",
+                "--only",
+                "edge64",
+                "--oracle-cmd",
+                &oracle,
+            ],
+            &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+        )
+    };
+    let r = run("--base contract --near-tie 10 --flip logits.argmax");
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "edge64", "agrees");
-    // The defect row alone is counted (and so, as recorded, one decision now differs); its
-    // margin, left as recorded, contradicts its logits (the near-tie's was recomputed).
+    // Both rows counted; row 0's margin, left as recorded, contradicts its logits.
     let want = [
         (
             "margin_contradicts_scores".to_string(),
@@ -1251,7 +1252,7 @@ fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees
         (
             "decision_differs".to_string(),
             "logits.argmax".to_string(),
-            1,
+            2,
         ),
         (
             "count_changed".to_string(),
@@ -1267,60 +1268,18 @@ fn an_oracle_near_tie_is_reported_not_failed_and_a_defect_beside_it_fails_agrees
     );
     let detail = agrees["findings"][1]["detail"].as_str().unwrap();
     assert!(
-        detail.contains("row 0 ") && detail.contains("defect") && detail.contains("near-tie"),
+        detail.contains("row 10 [393]→[290] defect (gap 0.008736 > bound 0.002)"),
         "{detail}"
     );
-    assert!(
-        agrees["detail"]
-            .as_str()
-            .unwrap()
-            .contains("1 near-tie(s) excused (logits.argmax[10])"),
-        "{agrees}"
-    );
-    let oracle = &rep["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["id"] == "edge64")
-        .unwrap()["oracle"];
-    assert_eq!(
-        oracle["near_ties"],
-        serde_json::json!(["logits.argmax[10]"]),
-        "{oracle}"
-    );
-    assert!(
-        r.stdout.contains("near-ties excused: logits.argmax[10]"),
-        "{}",
-        r.stdout
-    );
-
-    // The near-tie alone passes, and is still reported.
-    let oracle = test_producer("planted_trace.py", "--base contract --near-tie 10");
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "edge64",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    // The manufactured flip alone fails too, and nothing is called a near-tie.
+    let r = run("--base contract --near-tie 10");
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "edge64", "agrees");
-    assert_eq!(
-        (agrees["status"].as_str(), findings(agrees).len()),
-        (Some("PASS"), 0),
-        "{agrees}"
-    );
+    assert_eq!(agrees["status"].as_str(), Some("FAIL"), "{agrees}");
     assert!(
-        agrees["detail"].as_str().unwrap().contains("WITHIN POLICY")
-            && r.stdout.contains("near-ties excused: logits.argmax[10]"),
-        "{}",
-        r.stdout
+        !agrees["detail"].as_str().unwrap().contains("near-tie"),
+        "{agrees}"
     );
 }
 

@@ -67,6 +67,13 @@ const PROMPTS: &str = r#"{"schema": 1, "about": "two prompts of a port's own", "
 /// A user's project in a temp directory outside the checkout: the model and a prompt file,
 /// initialised with `gate init … extra` (exit 0 expected).
 fn project(extra: &[&str]) -> tempfile::TempDir {
+    let (dir, out) = init_with(&port_cmd(""), extra);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    dir
+}
+
+/// `gate init` of a new project with candidate `cmd`, and what it said.
+fn init_with(cmd: &str, extra: &[&str]) -> (tempfile::TempDir, Out) {
     let dir = tempfile::tempdir().unwrap();
     assert!(!dir.path().starts_with(repo().canonicalize().unwrap()));
     let model = dir.path().join("model");
@@ -87,13 +94,12 @@ fn project(extra: &[&str]) -> tempfile::TempDir {
     let mut perm = std::fs::metadata(&decoy).unwrap().permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
     std::fs::set_permissions(&decoy, perm).unwrap();
-    let cmd = port_cmd("");
     let mut args = vec![
         "init",
         "--model",
         "model",
         "--candidate-cmd",
-        &cmd,
+        cmd,
         "--prompts",
         "my-prompts.json",
         "--generate",
@@ -101,8 +107,7 @@ fn project(extra: &[&str]) -> tempfile::TempDir {
     ];
     args.extend(extra);
     let out = gate(dir.path(), &args, &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
-    dir
+    (dir, out)
 }
 
 fn report(path: &Path) -> Value {
@@ -764,41 +769,70 @@ fn a_cached_token_no_score_explains_fails_generation() {
 }
 
 #[test]
-fn a_declared_precision_is_read_when_the_policy_is_chosen_and_never_loosens_a_recorded_one() {
+fn attack_a_port_cannot_choose_its_own_precision() {
+    // The defect: layer 3's k_norm dropped (rel L2 3.7e-2 at layer.03.attn_out, ~145,000x f32
+    // rounding): the f32 policy sees it, the bf16 and q8 policies do not.
+    let plant = " --plant k-norm:3";
+    // Initialised with the defective port declaring q8 (or writing one tensor as bf16), the
+    // project once recorded `policy auto -> q8` (bf16) and passed: the user's claim (f32 by
+    // default) is recorded instead, and the defect fails.
+    for edit in ["--declare q8", "--bf16 embed.out"] {
+        let (dir, out) = init_with(&format!("{}{plant}", adversary(edit)), &[]);
+        assert_eq!(out.code, 1, "{edit}: {}\n{}", out.stdout, out.stderr);
+        assert_eq!(
+            milestones(dir.path())["milestones"][0]["policy"],
+            "f32",
+            "{edit}"
+        );
+    }
+    // --precision records the claim.
+    let (dir, out) = init_with(&port_cmd(""), &["--precision", "bf16"]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(milestones(dir.path())["milestones"][0]["policy"], "bf16");
     let dir = project(&[]);
     let d = dir.path();
     assert_eq!(milestones(d)["milestones"][0]["policy"], "f32");
-    // The same port declaring bf16 (its values unchanged): the policy recorded at init still
-    // judges, so a declaration cannot loosen the claim behind the user's back.
-    set_candidate(d, &adversary("--declare bf16"));
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let run = |cmd: &str| {
+        set_candidate(d, cmd);
+        gate(d, &["run", "port", "--only", "short"], &[])
+    };
+    // A declaration with a pattern that matches no tensor (`vision.tower.*`: q8) is refused,
+    // naming the pattern; it once picked the q8 policy and "nothing wrong".
+    let out = run(&format!(
+        "{}{plant}",
+        adversary(r#"--declare '{"*":"f32","vision.tower.*":"q8"}'"#)
+    ));
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("vision.tower.*") && out.stdout.contains("matches no tensor"),
+        "{}",
+        out.stdout
+    );
+    // One tensor written as bf16, nothing declared: still judged by the claim (f32), and the
+    // defect fails `agrees`; it once chose bf16 ("its tensors' dtype").
+    let out = run(&format!("{}{plant}", adversary("--bf16 embed.out")));
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains(", policy f32"), "{}", out.stdout);
-    // Asked to choose again (policy auto) and blessed, the policy is the declared precision's,
-    // and the bless says what changed.
+    // The control: the honest port passes the f32 claim.
+    let out = run(&port_cmd(""));
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // A milestone recorded as `auto` (an older init), blessed with a port declaring bf16: the
+    // golden traces' precision (f32) is recorded, never the candidate's declaration.
+    set_candidate(d, &adversary("--declare bf16"));
     let path = d.join("milestones.json");
     let mut ms = milestones(d);
     ms["milestones"][0]["policy"] = "auto".into();
     std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
     let out = gate(d, &["run", "port", "--bless"], &[]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(milestones(d)["milestones"][0]["policy"], "f32");
+    // A declaration that names no precision fails, naming it.
+    let out = run(&adversary("--declare fp8"));
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
     assert!(
-        out.stdout.contains("port: policy auto -> bf16"),
-        "{}",
         out.stdout
-    );
-    assert_eq!(milestones(d)["milestones"][0]["policy"], "bf16");
-    // A declaration that names no precision is refused, naming it.
-    set_candidate(d, &adversary("--declare fp8"));
-    let mut ms = milestones(d);
-    ms["milestones"][0]["policy"] = "auto".into();
-    std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
-    assert!(
-        out.stderr
             .contains(r#"provenance precision is "fp8": expected one of f32, f16, bf16, q8"#),
         "{}",
-        out.stderr
+        out.stdout
     );
 }

@@ -193,6 +193,7 @@ pub(super) fn summary(rep: &Report) -> String {
                             | FindingKind::OrderMismatch
                             | FindingKind::DecisionOrderMismatch
                             | FindingKind::DecisionShapeMismatch
+                            | FindingKind::PrecisionDeclarationRefused
                     )
                 })
                 .count();
@@ -219,7 +220,7 @@ pub(super) fn summary(rep: &Report) -> String {
             }
             parts.push(decisions_clause(rep));
             parts.extend(sampling_note(rep));
-            format!("DIFFERENT — {}", parts.join("; "))
+            format!("DIFFERENT — {}{}", parts.join("; "), claim_notes(rep))
         }
     }
 }

@@ -450,6 +450,7 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::MarginPresenceMismatch
         | K::ContentDigestDiffers
         | K::NoiseReferenceRefused
+        | K::PrecisionDeclarationRefused
         | K::NothingSelected => FindingClass::Structure,
     }
 }

@@ -9,11 +9,14 @@ with tracegate.TraceWriter, to try to make a port milestone's rules pass a real 
   --bits TENSOR=HEX  the first element of the f32 TENSOR given these bits (0x7fc00000: a NaN)
   --flip DECISION    the first value of DECISION changed (v -> v ^ 1), its margin and every
                      tensor as computed: a choice no score explains
-  --declare P        provenance precision P: the port declares it computes in P (no value changed)
+  --declare P        provenance precision P: the port declares it computes in P (no value changed);
+                     a JSON object (`{"*": "f32", "vision.*": "q8"}`) declares per pattern
+  --bf16 TENSOR      TENSOR written as bf16 (its values rounded to nearest even)
 
 The `layer` verb is the base's, unchanged. Not for real use.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -23,10 +26,16 @@ import numpy as np
 import tracegate
 
 
+def to_bf16_bits(array) -> np.ndarray:
+    """f32 values rounded to bf16 (nearest, ties to even) as their uint16 bits (finite values)."""
+    bits = np.asarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def main() -> int:
     argv = sys.argv[1:]
-    exe, when, drop, bits, flip, declare = None, "both", [], [], [], None
-    flags = ("--exe", "--when", "--drop", "--bits", "--flip", "--declare")
+    exe, when, drop, bits, flip, declare, bf16 = None, "both", [], [], [], None, []
+    flags = ("--exe", "--when", "--drop", "--bits", "--flip", "--declare", "--bf16")
     while argv and argv[0] in flags:
         flag, value, argv = argv[0], argv[1], argv[2:]
         if flag == "--exe":
@@ -38,7 +47,9 @@ def main() -> int:
         elif flag == "--flip":
             flip.append(value)
         elif flag == "--declare":
-            declare = value
+            declare = json.loads(value) if value.startswith("{") else value
+        elif flag == "--bf16":
+            bf16.append(value)
         else:
             bits.append(value)
     if exe is None or not argv:
@@ -55,7 +66,7 @@ def main() -> int:
         if rc:
             return rc
         t = tracegate.Trace(clean)
-        for name in drop + [b.split("=")[0] for b in bits]:
+        for name in drop + bf16 + [b.split("=")[0] for b in bits]:
             if name not in t.names:  # an edit of nothing proves nothing
                 print(f"port_adversary: no tensor {name} to edit", file=sys.stderr)
                 return 3
@@ -75,6 +86,9 @@ def main() -> int:
                     tensor, hexbits = b.split("=")
                     if tensor == name:
                         array.reshape(-1).view(np.uint32)[0] = int(hexbits, 16)
+                if name in bf16:
+                    w.tensor(name, to_bf16_bits(array), dtype="bf16", **dict(t.attributes(name)))
+                    continue
                 w.tensor(name, array, **dict(t.attributes(name)))
             for name, values in t.decisions.items():
                 values = np.array(values)

@@ -26,8 +26,10 @@ def disagreement(report) -> str:
     """The failure message for a report that is not ok: the verdict line, the first violation
     (tensor, rule, each broken bound with its value and limit, the worst element), the first bit
     difference, every flipped decision with its label, and the findings."""
+    # Exit 4: nothing judged failed, but what followed a near-tie was not judged (no pass).
+    what = "traces not checked" if report.verdict == "not_checked" else "traces disagree"
     lines = [
-        f"traces disagree: {str(report).splitlines()[0]}",
+        f"{what}: {str(report).splitlines()[0]}",
         f"  reference: {report.reference['path']}",
         f"  candidate: {report.candidate['path']}",
     ]
@@ -73,7 +75,9 @@ def disagreement(report) -> str:
 def assert_traces_agree(reference, candidate, policy=None, only=None, skip=None):
     """Passes (returning the report) when the traces are identical, or within ``policy``
     (a bundled name, ``"f32"``, ``"bf16"``, ``"f16"``, or a path); otherwise raises
-    AssertionError with :func:`disagreement`'s message. Unreadable traces raise TraceError."""
+    AssertionError with :func:`disagreement`'s message — also when nothing judged fails but
+    what followed an excused near-tie was not judged (verdict ``not_checked``: force the
+    reference's decisions in the candidate to compare it). Unreadable traces raise TraceError."""
     __tracebackhide__ = True  # pytest shows the caller's line, not this one
     report = compare(reference, candidate, policy=policy, only=only, skip=skip)
     if not report.ok:
