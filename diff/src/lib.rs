@@ -49,7 +49,7 @@ mod vocab;
 #[doc(hidden)]
 pub use serde as __serde;
 
-pub use compare::{compare, compare_files};
+pub use compare::{compare, compare_files, NOISE_PRODUCERS};
 pub use decisions::{margin_tolerance, MARGIN_SLACK};
 pub use filter::{Filter, FilterSummary};
 pub use html::write_html;

@@ -836,3 +836,86 @@ fn attack_a_port_cannot_choose_its_own_precision() {
         out.stdout
     );
 }
+
+#[test]
+fn attack_evidence_is_pinned_a_golden_or_noise_trace_swapped_for_the_ports_own_is_refused() {
+    let dir = project(&[]);
+    let d = dir.path();
+    // gate init recorded, beside each golden trace, a noise trace from tracegate's own f32 run
+    // (the engine computes qwen3), its digest and provenance pinned in milestones.json.
+    let ms = milestones(d);
+    let noise = &ms["milestones"][0]["port"]["noise"]["short"];
+    assert_eq!(noise["trace"], "golden/short.noise.trace", "{ms:#}");
+    let n = tracegate_trace::Trace::open(d.join("golden/short.noise.trace")).unwrap();
+    assert_eq!(n.provenance()["producer"], "engine");
+    assert_eq!(noise["digest"].as_str(), Some(n.digest().hex().as_str()));
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The defective port's own output, kept.
+    set_candidate(d, &port_cmd(" --plant k-norm:3"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let own = d.join("own.trace");
+    std::fs::copy(d.join("target/gate/port/model/short/candidate.trace"), &own).unwrap();
+    let own_t = tracegate_trace::Trace::open(&own).unwrap();
+    let pin = tracegate_gate::milestone::milestones::provenance_pin(own_t.provenance());
+    let path = d.join("milestones.json");
+    let original = std::fs::read(&path).unwrap();
+    // The adversary puts it in the golden trace's place and edits every record to match: its
+    // digest, its provenance pin, its tokens. The producer it records is not the reference's.
+    std::fs::copy(&own, d.join("golden/short.trace")).unwrap();
+    let mut ms = milestones(d);
+    let g = &mut ms["milestones"][0]["port"]["golden"]["short"];
+    g["digest"] = own_t.digest().hex().into();
+    g["provenance"] = pin.clone().into();
+    std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains(r#"written by "example-producer""#)
+            && out.stderr.contains("reference is the oracle in f32"),
+        "{}",
+        out.stderr
+    );
+    // Without editing the pin, the provenance itself is refused.
+    let mut ms: Value = serde_json::from_slice(&original).unwrap();
+    ms["milestones"][0]["port"]["golden"]["short"]["digest"] = own_t.digest().hex().into();
+    std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("is not the one milestones.json pins"),
+        "{}",
+        out.stderr
+    );
+    // The noise trace swapped for the port's own output (every record edited): refused, the
+    // noise is tracegate's run.
+    let out = gate(d, &["run", "port", "--bless"], &[]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    std::fs::copy(&own, d.join("golden/short.noise.trace")).unwrap();
+    let mut ms = milestones(d);
+    let n = &mut ms["milestones"][0]["port"]["noise"]["short"];
+    n["digest"] = own_t.digest().hex().into();
+    n["provenance"] = pin.into();
+    std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr
+            .contains("not one of tracegate's reference producers"),
+        "{}",
+        out.stderr
+    );
+}

@@ -180,6 +180,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
                 declared_divergences: Vec::new(),
             }],
             port: Some(Port {
+                noise: Default::default(),
                 candidate: PortCandidate {
                     cmd: a.candidate_cmd.clone(),
                     deterministic: a.deterministic,

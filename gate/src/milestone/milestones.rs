@@ -59,6 +59,11 @@ pub struct Port {
     /// Per prompt id: its golden reference trace.
     #[serde(default)]
     pub golden: BTreeMap<String, Golden>,
+    /// Per prompt id: the noise trace beside its golden trace — tracegate's own reference run
+    /// in the claimed precision (docs/gate.md, "The noise run"), which sizes near-ties and any
+    /// noise-relative bound. Absent: none was recorded (said in the report).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub noise: BTreeMap<String, Golden>,
     /// Per prompt id: what the candidate produced when last blessed.
     #[serde(default)]
     pub expect: BTreeMap<String, PortExpectation>,
@@ -119,6 +124,27 @@ pub struct Golden {
     pub digest: String,
     /// Its greedy tokens (`decode.SSSS.argmax`).
     pub generated: Vec<i64>,
+    /// sha256 of the provenance the judge relies on (producer, dtype, device, versions), which
+    /// the content digest does not cover ([`provenance_pin`]); empty in a milestone recorded
+    /// before it was pinned (refused: re-record with --bless).
+    #[serde(default)]
+    pub provenance: String,
+}
+
+/// The digest pinning a recorded trace's provenance: sha256 of its `producer`, `dtype`,
+/// `device` and `versions` as canonical JSON. A golden trace swapped for another producer's
+/// output with its content digest re-recorded still carries that producer's provenance.
+pub fn provenance_pin(provenance: &serde_json::Value) -> String {
+    use sha2::Digest;
+    let pinned = serde_json::json!({
+        "producer": provenance.get("producer"),
+        "dtype": provenance.get("dtype"),
+        "device": provenance.get("device"),
+        "versions": provenance.get("versions"),
+    });
+    let text = serde_json::to_string(&pinned).unwrap_or_default();
+    let d = sha2::Sha256::digest(text.as_bytes());
+    d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// What a port's candidate produced for one prompt when it was blessed.

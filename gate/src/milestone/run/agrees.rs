@@ -24,7 +24,8 @@ pub(super) fn check_oracle(
     match (&traces.engine, &traces.oracle) {
         (Ok(e), Ok(r)) => {
             let recorded = expect.ok().map(|e| e.oracle_decisions_differing);
-            let (agrees, summary) = compare_agrees(Check::Agrees, m, p, e, r, policy, recorded);
+            let (agrees, summary) =
+                compare_agrees(Check::Agrees, m, p, e, r, policy, None, recorded);
             let (a, b) = (decode_tokens(e), decode_tokens(r));
             let found: Vec<Finding> = tokens_finding("engine", "oracle", &a, &b)
                 .into_iter()
@@ -85,6 +86,7 @@ fn overridden(t: &Trace) -> String {
 /// (the oracle, or the port's candidate) under `policy`, as `check` (`agrees`; a port's
 /// `generation`); `recorded`: the decisions recorded as differing, so a different number is a
 /// finding even when each is declared.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn compare_agrees(
     check: Check,
     m: &MilestoneModel,
@@ -92,6 +94,7 @@ pub(super) fn compare_agrees(
     eng: &Trace,
     ora: &Trace,
     policy: &Policy,
+    noise: Option<&std::sync::Arc<Trace>>,
     recorded: Option<usize>,
 ) -> (CheckResult, OracleSummary) {
     let rep = tracegate_diff::compare(
@@ -99,6 +102,7 @@ pub(super) fn compare_agrees(
         ora,
         &Options {
             policy: Some(policy.clone()),
+            noise: noise.map(|n| tracegate_diff::NoiseReference(n.clone())),
             ..Options::default()
         },
     );
@@ -364,7 +368,7 @@ mod tests {
                 .join("../fixtures/policy/oracle-default.json"),
         )
         .unwrap();
-        compare_agrees(Check::Agrees, &m, &p, &e, &o, &policy, None).0
+        compare_agrees(Check::Agrees, &m, &p, &e, &o, &policy, None, None).0
     }
 
     #[test]

@@ -148,7 +148,7 @@ impl Producers {
             Role::Engine | Role::EngineUncached => &self.engine,
             Role::Contract => &self.contract,
             Role::Oracle => &self.oracle,
-            Role::Candidate | Role::CandidateUncached => {
+            Role::Candidate | Role::CandidateUncached | Role::Noise => {
                 unreachable!("a port milestone runs its candidate in run/port.rs")
             }
         }

@@ -60,6 +60,58 @@ fn reference_producer(o: &GateOptions, port: &Port) -> Result<Producer> {
     }
 }
 
+/// The noise run of a port (docs/gate.md, "The noise run"): tracegate's own run of the reference
+/// in the claimed precision, never the candidate's. An f32 claim: the engine where it computes the
+/// family (ordered f32, which differs from transformers' f32 only in summation order), else the
+/// oracle on another thread count; a bf16 or f16 claim: the oracle in that dtype. Err: why there
+/// is none (said in the report; near-ties then read the policy's `near_tie.noise_abs`).
+fn noise_producer(
+    o: &GateOptions,
+    plan: &Plan,
+    port: &Port,
+) -> std::result::Result<(Producer, String), String> {
+    let r = &port.reference;
+    if r.producer != "oracle" {
+        return Err(format!(
+            "the reference is a command of yours ({}): tracegate cannot run it in another precision",
+            r.producer
+        ));
+    }
+    let claim = match plan.m.policy.as_str() {
+        p if tracegate_diff::policy::PRECISIONS.contains(&p) => p,
+        _ => r.dtype.as_str(),
+    };
+    let oracle = |args: &str| {
+        let base = o
+            .oracle_cmd
+            .clone()
+            .unwrap_or_else(|| tracegate_producers::default_oracle_cmd(&o.root));
+        Producer::command("noise", &format!("{base} {args}")).map_err(|e| e.to_string())
+    };
+    match claim {
+        "f32" if r.dtype == "f32" => {
+            match tracegate_engine::load_config(&o.root.join(&plan.model)) {
+                Ok(_) => Ok((
+                    Producer::Engine { threads: o.threads },
+                    "the engine (ordered f32)".into(),
+                )),
+                Err(_) => Ok((
+                    oracle(&format!("--dtype f32 --device {} --threads 2", r.device))?,
+                    "the oracle in f32 on 2 threads".into(),
+                )),
+            }
+        }
+        "bf16" | "f16" => Ok((
+            oracle(&format!("--dtype {claim} --device {}", r.device))?,
+            format!("the oracle in {claim}"),
+        )),
+        other => Err(format!(
+            "no noise run for the claimed precision {other} against a {} reference yet",
+            r.dtype
+        )),
+    }
+}
+
 /// The text prompts of `set` tokenized by `model`'s own tokenizer, through the oracle's Python
 /// (`python -m tracegate.text --prompts`, docs/producers.md "Text prompts").
 pub(crate) fn tokenize_text(
@@ -148,15 +200,74 @@ fn resolve_text(o: &GateOptions, plan: &mut Plan, port: &Port) -> Result<Option<
 fn verified_golden(
     o: &GateOptions,
     m: &Milestone,
-    capture: &str,
+    port: &Port,
     p: &Prompt,
     g: Option<&Golden>,
 ) -> Result<Trace> {
-    let (m, want) = (&m.id, m.generate);
     let g = g.ok_or_else(|| {
-        gerr!("prompt {:?} has no golden trace in milestone {m}: record it with `gate run {m} --bless`", p.id)
+        gerr!(
+            "prompt {:?} has no golden trace in milestone {}: record it with `gate run {} --bless`",
+            p.id,
+            m.id,
+            m.id
+        )
     })?;
-    let refuse = |what: String| gerr!(File: "golden trace {}: {what}; a golden trace changes only through `gate run {m} --bless` (restore it from version control)", g.trace);
+    let t = verified_recorded(o, m, &port.capture, p, g, "golden trace")?;
+    // The golden trace is the reference's: its producer, dtype and device are the milestone's.
+    let prov = t.provenance();
+    let r = &port.reference;
+    if r.producer == "oracle" {
+        let producer = prov["producer"].as_str().unwrap_or("not recorded");
+        let dtype = prov["dtype"].as_str().map(|d| match d {
+            "float32" => "f32",
+            "bfloat16" => "bf16",
+            "float16" => "f16",
+            d => d,
+        });
+        if producer != "oracle" || dtype != Some(r.dtype.as_str()) {
+            return Err(
+                gerr!(File: "golden trace {}: written by {producer:?} in {}, but milestone {}'s reference is the oracle in {}: a golden trace is the reference's own run (re-record it with `gate run {} --bless`)", g.trace, dtype.unwrap_or("an unrecorded dtype"), m.id, r.dtype, m.id),
+            );
+        }
+    }
+    Ok(t)
+}
+
+/// A port's noise trace as recorded ([`verified_recorded`]), from one of tracegate's reference
+/// producers.
+fn verified_noise(
+    o: &GateOptions,
+    m: &Milestone,
+    port: &Port,
+    p: &Prompt,
+    g: &Golden,
+) -> Result<Trace> {
+    let t = verified_recorded(o, m, &port.capture, p, g, "noise trace")?;
+    let producer = t.provenance()["producer"]
+        .as_str()
+        .unwrap_or("not recorded");
+    if !tracegate_diff::NOISE_PRODUCERS.contains(&producer) {
+        return Err(
+            gerr!(File: "noise trace {}: written by {producer:?}, not one of tracegate's reference producers ({}): honest noise is tracegate's own run (re-record it with `gate run {} --bless`)", g.trace, tracegate_diff::NOISE_PRODUCERS.join(", "), m.id),
+        );
+    }
+    Ok(t)
+}
+
+/// A recorded trace (golden or noise) as milestones.json records it, or why it may not be used (a
+/// refusal: exit 2): one that is not the file recorded (content digest), whose provenance is not
+/// the one pinned, or was recorded for another prompt, decode length or capture than the
+/// milestone now states.
+fn verified_recorded(
+    o: &GateOptions,
+    m: &Milestone,
+    capture: &str,
+    p: &Prompt,
+    g: &Golden,
+    what: &str,
+) -> Result<Trace> {
+    let (m, want) = (&m.id, m.generate);
+    let refuse = |why: String| gerr!(File: "{what} {}: {why}; a {what} changes only through `gate run {m} --bless` (restore it from version control)", g.trace);
     let t = Trace::open(o.root.join(&g.trace)).map_err(|e| refuse(e.to_string()))?;
     t.verify().map_err(|e| refuse(e.to_string()))?;
     if t.digest().hex() != g.digest {
@@ -164,6 +275,22 @@ fn verified_golden(
             "content digest {} differs from milestones.json's record {}",
             t.digest().hex(),
             g.digest
+        )));
+    }
+    // Provenance is outside the content digest: pinned on its own.
+    let pin = crate::milestone::milestones::provenance_pin(t.provenance());
+    if g.provenance.is_empty() {
+        return Err(
+            gerr!(File: "{what} {}: milestones.json does not pin its provenance (producer, dtype, device, versions), recorded by an older gate; re-record it with `gate run {m} --bless`", g.trace),
+        );
+    }
+    if pin != g.provenance {
+        return Err(refuse(format!(
+            "its provenance (producer {}, dtype {}, device, versions) is not the one milestones.json pins (sha256 {} vs {})",
+            t.provenance()["producer"],
+            t.provenance()["dtype"],
+            &pin[..16],
+            &g.provenance[..16.min(g.provenance.len())]
         )));
     }
     let tokens: Option<Vec<i64>> = t.provenance()["prompt_tokens"]
@@ -241,13 +368,7 @@ pub(super) fn run(
         goldens.push(if o.bless {
             None
         } else {
-            Some(verified_golden(
-                o,
-                &m,
-                &port.capture,
-                p,
-                port.golden.get(&p.id),
-            )?)
+            Some(verified_golden(o, &m, &port, p, port.golden.get(&p.id))?)
         });
     }
     // The weights the golden traces were recorded on, before anything runs: another checkpoint
@@ -276,12 +397,25 @@ pub(super) fn run(
         std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
     }
     let progress = crate::progress::start(format!("gate {}", m.id), plan.selected.len() as u64);
+    // The noise traces: recorded ones verified before anything runs; re-run when blessing.
+    let noise = noise_producer(o, &plan, &port);
+    let mut noises: Vec<Option<std::sync::Arc<Trace>>> = Vec::new();
+    for p in &plan.selected {
+        noises.push(match (o.bless, port.noise.get(&p.id)) {
+            (false, Some(g)) => Some(std::sync::Arc::new(verified_noise(o, &m, &port, p, g)?)),
+            _ => None,
+        });
+    }
     let roles: Vec<Role> = [Role::Candidate]
         .into_iter()
         .chain(port.candidate.cache_off.then_some(Role::CandidateUncached))
         .chain(o.bless.then_some(Role::Oracle))
+        .chain((o.bless && noise.is_ok()).then_some(Role::Noise))
         .collect();
-    let runs = produce(o, &plan, &roles, &candidate, &reference, internals)?;
+    let noise_run = noise.as_ref().ok().map(|n| &n.0);
+    let runs = produce(
+        o, &plan, &roles, &candidate, &reference, noise_run, internals,
+    )?;
     let producers_s = started.elapsed().as_secs_f64();
     let judging = std::time::Instant::now();
     // Blessing: the reference's new traces are the golden ones; a reference that failed
@@ -295,6 +429,15 @@ pub(super) fn run(
                 gerr!(Producer: "prompt {:?}: the reference failed, nothing is blessed: {e}\n    $ {}", p.id, rec.invocation)
             })?;
             *golden = Some(t);
+        }
+        for ((p, runs), slot) in plan.selected.iter().zip(&runs).zip(noises.iter_mut()) {
+            let Some(rec) = runs.get(Role::Noise) else {
+                continue;
+            };
+            let t = open(&o.root, rec).map_err(|e| {
+                gerr!(Producer: "prompt {:?}: the noise run ({}) failed, nothing is blessed: {e}\n    $ {}", p.id, noise.as_ref().map(|n| n.1.as_str()).unwrap_or(""), rec.invocation)
+            })?;
+            *slot = Some(std::sync::Arc::new(t));
         }
     }
     let goldens: Vec<Trace> = goldens.into_iter().flatten().collect();
@@ -311,8 +454,28 @@ pub(super) fn run(
         plan.policy = Policy::resolve(precision, &o.root).map_err(|e| gerr!("{precision}: {e}"))?;
     }
     let mut results = Vec::new();
-    for ((p, runs), golden) in plan.selected.iter().zip(runs).zip(&goldens) {
-        let mut r = judge_prompt(o, &plan, &port, p, runs, golden);
+    let noise_said = match &noise {
+        Ok((_, what)) => format!("noise run: {what}"),
+        Err(why) => {
+            format!("no noise run: {why}; near-ties are bounded by the policy's near_tie.noise_abs")
+        }
+    };
+    for (((p, runs), golden), noise_trace) in
+        plan.selected.iter().zip(runs).zip(&goldens).zip(&noises)
+    {
+        let mut r = judge_prompt(o, &plan, &port, p, runs, golden, noise_trace.as_ref());
+        r.observations.push(match noise_trace {
+            Some(n) => format!(
+                "{noise_said}; the near-ties' honest noise read from {} ({})",
+                n.path().display(),
+                n.provenance()["producer"].as_str().unwrap_or("?")
+            ),
+            None if noise.is_ok() && !o.bless => format!(
+                "no noise trace recorded for prompt {:?} (an older gate init): near-ties are bounded by the policy's near_tie.noise_abs; `gate run {} --bless` records one",
+                p.id, m.id
+            ),
+            None => noise_said.clone(),
+        });
         plan.judged(&r);
         if r.checks
             .iter()
@@ -378,6 +541,7 @@ fn produce(
     roles: &[Role],
     candidate: &Producer,
     reference: &Producer,
+    noise: Option<&Producer>,
     internals: bool,
 ) -> Result<Vec<PromptRuns>> {
     let per_role: Vec<Vec<RunRecord>> = std::thread::scope(|s| {
@@ -385,10 +549,10 @@ fn produce(
             .iter()
             .map(|&role| {
                 s.spawn(move || {
-                    let producer = if role == Role::Oracle {
-                        reference
-                    } else {
-                        candidate
+                    let producer = match role {
+                        Role::Oracle => reference,
+                        Role::Noise => noise.unwrap_or(reference),
+                        _ => candidate,
                     };
                     let file = if role == Role::Oracle {
                         "reference.trace"
@@ -429,7 +593,11 @@ fn produce(
                 Producer: "{} {}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
                 dir_name(&plan.model),
                 p.id,
-                if *role == Role::Oracle { "reference" } else { role.label() },
+                match role {
+                    Role::Oracle => "reference",
+                    Role::Noise => "noise run",
+                    _ => role.label(),
+                },
                 rec.verb,
                 o.timeout.as_secs(),
                 rec.invocation
@@ -460,6 +628,7 @@ fn judge_prompt(
     p: &Prompt,
     runs: PromptRuns,
     golden: &Trace,
+    noise: Option<&std::sync::Arc<Trace>>,
 ) -> PromptResult {
     let opened = |role: Role| -> Option<Opened> { runs.get(role).map(|rec| open(&o.root, rec)) };
     let cand = opened(Role::Candidate)
@@ -503,6 +672,7 @@ fn judge_prompt(
                 golden,
                 t,
                 &plan.policy,
+                noise,
                 expect.map(|e| e.decisions_differing),
             );
             (c, Some(s))
@@ -548,6 +718,9 @@ fn judge_prompt(
     });
     let mut digests = BTreeMap::new();
     digests.insert("reference".to_string(), golden.digest().hex());
+    if let Some(n) = noise {
+        digests.insert("noise".to_string(), n.digest().hex());
+    }
     for (role, t) in [
         (Role::Candidate, Some(&cand)),
         (Role::CandidateUncached, uncached.as_ref()),
@@ -616,7 +789,8 @@ fn check_generation(
     {
         return not_comparable(c, refused.to_vec());
     }
-    let (mut judged, _) = compare_agrees(c, &plan.mm, p, unc, cached, &plan.policy, None);
+    // No noise trace here: it measures the reference model, not the candidate's uncached path.
+    let (mut judged, _) = compare_agrees(c, &plan.mm, p, unc, cached, &plan.policy, None, None);
     let (a, b) = (decode_tokens(cached), decode_tokens(unc));
     let tokens = match a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
     {
@@ -759,11 +933,43 @@ fn bless(
             continue;
         };
         let trace = format!("golden/{}.trace", r.id);
+        let from = o.root.join(&plan.work_rel).join(&r.id);
+        let pin = |file: &str| -> Result<String> {
+            let t = Trace::open(from.join(file))
+                .map_err(|e| gerr!(File: "{}: {e}", from.join(file).display()))?;
+            Ok(crate::milestone::milestones::provenance_pin(t.provenance()))
+        };
         let new = Golden {
             trace: trace.clone(),
             digest: digest.clone(),
             generated: r.generated.reference.clone().unwrap_or_default(),
+            provenance: pin("reference.trace")?,
         };
+        match r.digests.get("noise") {
+            Some(nd) => {
+                let noise_trace = format!("golden/{}.noise.trace", r.id);
+                let n = Golden {
+                    trace: noise_trace.clone(),
+                    digest: nd.clone(),
+                    generated: Vec::new(),
+                    provenance: pin("noise.trace")?,
+                };
+                if port.noise.get(&r.id) != Some(&n) {
+                    log.push(format!(
+                        "{id}/{}: noise trace {noise_trace} ({})",
+                        r.id,
+                        &nd[..16]
+                    ));
+                }
+                port.noise.insert(r.id.clone(), n);
+                moves.push((from.join("noise.trace"), o.root.join(&noise_trace)));
+            }
+            None => {
+                if port.noise.remove(&r.id).is_some() {
+                    log.push(format!("{id}/{}: noise trace dropped (no noise run)", r.id));
+                }
+            }
+        }
         match port.golden.get(&r.id) {
             Some(old) if *old == new => log.push(format!(
                 "{id}/{}: golden trace unchanged ({})",

@@ -194,6 +194,9 @@ pub enum Role {
     Oracle,
     Candidate,
     CandidateUncached,
+    /// A port's noise run (`--bless`, `gate init`): tracegate's own reference run in the claimed
+    /// precision, recorded beside the golden trace.
+    Noise,
 }
 
 impl Role {
@@ -214,6 +217,7 @@ impl Role {
             Role::Oracle => "oracle",
             Role::Candidate => "candidate",
             Role::CandidateUncached => "candidate_uncached",
+            Role::Noise => "noise",
         }
     }
 
@@ -235,6 +239,7 @@ impl Role {
             Role::Oracle => "oracle.trace",
             Role::Candidate => "candidate.trace",
             Role::CandidateUncached => "candidate-uncached.trace",
+            Role::Noise => "noise.trace",
         }
     }
 }
