@@ -88,26 +88,34 @@ fn noise_producer(
             .unwrap_or_else(|| tracegate_producers::default_oracle_cmd(&o.root));
         Producer::command("noise", &format!("{base} {args}")).map_err(|e| e.to_string())
     };
-    match claim {
-        "f32" if r.dtype == "f32" => {
-            match tracegate_engine::load_config(&o.root.join(&plan.model)) {
-                Ok(_) => Ok((
-                    Producer::Engine { threads: o.threads },
-                    "the engine (ordered f32)".into(),
-                )),
-                Err(_) => Ok((
-                    oracle(&format!("--dtype f32 --device {} --threads 2", r.device))?,
-                    "the oracle in f32 on 2 threads".into(),
-                )),
-            }
-        }
-        "bf16" | "f16" => Ok((
+    // The f32 run: the engine where it computes the family, else the oracle in f32 (on
+    // another thread count when the reference is that same f32 oracle).
+    let f32_run = || match tracegate_engine::load_config(&o.root.join(&plan.model)) {
+        Ok(_) => Ok((
+            Producer::Engine { threads: o.threads },
+            "the engine (ordered f32)".to_string(),
+        )),
+        Err(_) if r.dtype == "f32" => Ok((
+            oracle(&format!("--dtype f32 --device {} --threads 2", r.device))?,
+            "the oracle in f32 on 2 threads".to_string(),
+        )),
+        Err(_) => Ok((
+            oracle(&format!("--dtype f32 --device {}", r.device))?,
+            "the oracle in f32".to_string(),
+        )),
+    };
+    match (claim, r.dtype.as_str()) {
+        ("f32", _) => f32_run(),
+        // A reduced-precision claim against an f32 reference: the reference in that precision.
+        ("bf16" | "f16", "f32") => Ok((
             oracle(&format!("--dtype {claim} --device {}", r.device))?,
             format!("the oracle in {claim}"),
         )),
-        other => Err(format!(
-            "no noise run for the claimed precision {other} against a {} reference yet",
-            r.dtype
+        // The reference is itself the claimed precision's run: its difference from f32 is the
+        // noise.
+        (c, d) if c == d => f32_run(),
+        (c, d) => Err(format!(
+            "no noise run for the claimed precision {c} against a {d} reference yet"
         )),
     }
 }
@@ -663,6 +671,18 @@ fn judge_prompt(
             checks.push(c);
         }
     }
+    // A candidate that reproduces the noise run bit for bit (a port that is tracegate's engine)
+    // would size its own near-ties through it: the policy's noise_abs bounds them instead.
+    let noise = match (noise, &cand) {
+        (Some(n), Ok(t)) if n.digest() == t.digest() => {
+            observations.push(format!(
+                "the noise trace {} is the candidate's own content: not read (near-ties are bounded by the policy's near_tie.noise_abs)",
+                n.path().display()
+            ));
+            None
+        }
+        (n, _) => n,
+    };
     let (agrees, summary) = match &cand {
         Ok(t) => {
             let (c, s) = compare_agrees(
