@@ -56,6 +56,18 @@ fn unreadable<T, E: std::fmt::Display>(mut rep: Report, sides: [&Result<T, E>; 2
 
 /// Compares two opened traces: verify, comparability, structure, values, decisions.
 pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
+    // Beside a noise reference the policy's noise ratio joins every rule (Policy::with_noise).
+    let with_noise;
+    let opts = match (&opts.policy, &opts.noise) {
+        (Some(p), Some(_)) if p.noise_ratio.is_some() => {
+            with_noise = Options {
+                policy: Some(p.with_noise()),
+                ..opts.clone()
+            };
+            &with_noise
+        }
+        _ => opts,
+    };
     // A filter that selects nothing is bad usage, known from the indexes alone: no hashing first.
     let filter = opts.filter.summary(&[reference, candidate]);
     if let Some(why) = filter.as_ref().and_then(FilterSummary::nothing_selected) {

@@ -28,6 +28,11 @@ pub struct Policy {
     /// default factor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub near_tie: Option<NearTie>,
+    /// With a noise reference: every tensor whose rule sets no `max_noise_ratio` is also held to
+    /// relative L2 <= `max_ratio` times the noise reference's on the same elements, where that is
+    /// measurable and above 0 (a measured 0 is no bound: the rule's own bounds stand alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise_ratio: Option<NoiseRatio>,
     /// The precision the bounds were measured for, the candidate's (`f32`, `bf16`, `f16`):
     /// a bf16 policy on an f32 candidate passes what f32 rounding never makes, an f32 one on
     /// a bf16 candidate fails honest rounding. The report names both and warns when they differ.
@@ -143,6 +148,16 @@ pub struct NoiseAbs {
     pub why: String,
 }
 
+/// The policy-wide noise-relative bound (`noise_ratio`), read only with a noise reference.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NoiseRatio {
+    pub max_ratio: f64,
+    /// Where the number came from (free text).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub why: String,
+}
+
 /// Without a `near_tie` entry: an order of two scores inverts only if they moved by at least
 /// their gap, and each moved by at most the row's divergence d, so a flip needs margin ≤ 2·d.
 pub const DEFAULT_NEAR_TIE_FACTOR: f64 = 2.0;
@@ -174,6 +189,10 @@ pub struct Rule {
     /// "Noise-relative bound").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_noise_ratio: Option<f64>,
+    /// Set from the policy's `noise_ratio` (never read from a file): an undefined ratio (no
+    /// noise to measure) breaks no bound, since a measured 0 is no bound by itself.
+    #[serde(skip)]
+    pub noise_ratio_from_policy: bool,
     /// The rule judges only tensors whose candidate's `path` attribute is this (e.g. `layer`: a layer run
     /// alone on the reference's input, where no upstream drift is mixed in); absent: any path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -294,6 +313,13 @@ impl Policy {
                 PRECISIONS.join(", ")
             ));
         }
+        if let Some(k) = p.noise_ratio.as_ref().map(|n| n.max_ratio) {
+            if !(k.is_finite() && k >= 1.0) {
+                return Err(format!(
+                    "noise_ratio.max_ratio is {k}, expected a finite number >= 1 (below 1 fails the noise run itself)"
+                ));
+            }
+        }
         if let Some(n) = &p.near_tie {
             if !(n.margin_factor.is_finite() && n.margin_factor >= 0.0) {
                 return Err(format!(
@@ -313,6 +339,19 @@ impl Policy {
             }
         }
         Ok(p)
+    }
+
+    /// This policy as it judges beside a noise reference: each rule without its own
+    /// `max_noise_ratio` takes the policy's `noise_ratio.max_ratio` (docs/diff.md, "Policies").
+    pub fn with_noise(&self) -> Policy {
+        let mut p = self.clone();
+        if let Some(k) = self.noise_ratio.as_ref().map(|n| n.max_ratio) {
+            for r in p.rules.iter_mut().filter(|r| r.max_noise_ratio.is_none()) {
+                r.max_noise_ratio = Some(k);
+                r.noise_ratio_from_policy = true;
+            }
+        }
+        p
     }
 
     /// The first rule that sets `max_noise_ratio`, which a noise reference must then measure.
@@ -406,6 +445,7 @@ impl Rule {
         if let Some(b) = self.max_noise_ratio {
             match m.noise_ratio {
                 Some(v) if v <= b => {}
+                None if self.noise_ratio_from_policy => {}
                 v => broken("max_noise_ratio", Amount::real(b), v.map(Amount::real)),
             }
         }

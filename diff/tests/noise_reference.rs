@@ -324,3 +324,49 @@ fn a_noise_trace_the_candidate_supplies_is_refused() {
     let honest = write(&d.path().join("n.trace"), &[(NAME, moved(1e-3, 3))]);
     assert_eq!(judged(&r, &c, honest, 2.0).verdict, Verdict::Different);
 }
+
+/// The policy-wide noise ratio (`noise_ratio.max_ratio`, the f32 policy's 10): beside a noise
+/// reference every rule is also a noise-relative bound; without one, or where the noise is 0,
+/// the rule's own bounds stand alone.
+#[test]
+fn the_policy_noise_ratio_holds_every_tensor_to_k_times_the_noise_run() {
+    let d = tempfile::tempdir().unwrap();
+    let f32_policy = |noise: Option<Trace>| Options {
+        policy: Some(Policy::resolve("f32", Path::new(".")).unwrap()),
+        noise: noise.map(|n| NoiseReference(std::sync::Arc::new(n))),
+        ..Options::default()
+    };
+    assert_eq!(
+        Policy::resolve("f32", Path::new("."))
+            .unwrap()
+            .noise_ratio
+            .map(|n| n.max_ratio),
+        Some(10.0)
+    );
+    // `layer.00.mlp_out` (rule: rel L2 1e-4): the noise run at ~1e-6, a candidate at ~3e-5 —
+    // inside the f32 rule, 30x the noise (an eps defect's size on the fixtures).
+    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
+    let n = || write(&d.path().join("n.trace"), &[(NAME, moved(1e-6, 0))]);
+    let bad = write(&d.path().join("c-bad.trace"), &[(NAME, moved(3e-5, 2))]);
+    let honest = write(&d.path().join("c-ok.trace"), &[(NAME, moved(2e-6, 2))]);
+    let ratio = |c: &[f32]| rel_l2(&base(), c) / rel_l2(&base(), &moved(1e-6, 0));
+    assert!(ratio(&moved(3e-5, 2)) > 10.0 && rel_l2(&base(), &moved(3e-5, 2)) < 1e-4);
+    assert!(ratio(&moved(2e-6, 2)) < 10.0);
+    let rep = compare(&r, &bad, &f32_policy(Some(n())));
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert!(noise_violation(&rep, NAME).flatten().unwrap() > 10.0);
+    assert_eq!(
+        compare(&r, &honest, &f32_policy(Some(n()))).verdict,
+        Verdict::WithinPolicy
+    );
+    // Without the noise run the same defect is within the f32 policy: the noise run is what
+    // sees it, not a tighter bound.
+    assert_eq!(
+        compare(&r, &bad, &f32_policy(None)).verdict,
+        Verdict::WithinPolicy
+    );
+    // A noise run equal to the reference (noise 0) is no bound: the rule alone judges.
+    let zero = write(&d.path().join("n0.trace"), &[(NAME, base())]);
+    let rep = compare(&r, &bad, &f32_policy(Some(zero)));
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:#?}", rep.findings);
+}

@@ -26,6 +26,7 @@ Defects (each touches one layer only, so every later layer is a correct body tha
                prefill is correct, cache on ≡ cache off), from a producer without `layer --decode-from`
   rms-eps      layer 1: every RMSNorm adds eps outside the square root, x / (sqrt(mean(x²)) + eps)
                instead of x / sqrt(mean(x²) + eps): a defect too small for the f32 policy
+  eps-div10    the same with a tenth of it (1e-6 where it says 1e-5: SmolLM2's case)
   eps-x10      every RMSNorm of every layer (and the final norm) uses ten times the config's eps
                (1e-5 where it says 1e-6, as a port with a hard-coded eps): a defect in every
                layer, each too small for the f32 policy
@@ -117,11 +118,11 @@ def plant(defect: str) -> None:
             return orig(q, k, v, q_pos, k_pos, scale)
 
         ops.attention = attention  # the model calls ops.attention through the module
-    elif defect == "eps-x10":
-        orig = ops.rmsnorm
+    elif defect in ("eps-x10", "eps-div10"):
+        orig, by = ops.rmsnorm, np.float32(10.0 if defect == "eps-x10" else 0.1)
 
         def rmsnorm(x, w, eps):
-            return orig(x, w, np.float32(eps) * np.float32(10.0))
+            return orig(x, w, np.float32(eps) * by)
 
         ops.rmsnorm = rmsnorm  # the model calls ops.rmsnorm through the module
     elif defect in ("rms-eps", "f64-sumsq"):
