@@ -1423,3 +1423,30 @@ fn attack_what_follows_a_near_tie_never_exits_0_from_the_cli() {
     assert!(out.stdout.contains("--force-decisions"), "{}", out.stdout);
     drop(dir);
 }
+
+#[test]
+fn attack_a_first_token_leading_by_8_8_logits_is_no_bf16_near_tie() {
+    // Under the bf16 policy the candidate moves the top logit down and the runner-up up by 4.9
+    // (within the logits' relative-L2 bound on a trained model's row norm): the old rule's
+    // bound 2·d = 9.8 excused a lead of 8.8. The bf16 policy's honest logits noise is 4.0
+    // (measured worst 3.18): 8.8 > 2·4.0, a defect.
+    let bf16 = Policy::resolve("bf16", std::path::Path::new(".")).unwrap();
+    let r = large_logits(8.8);
+    let mut c = r.clone();
+    c.provenance = oracle_provenance();
+    let top = get_f32(&r, "logits", 3 * 16 + 14);
+    let second = get_f32(&r, "logits", 3 * 16 + 5);
+    c.set_f32("logits", 3 * 16 + 14, top - 4.9);
+    c.set_f32("logits", 3 * 16 + 5, second + 4.9);
+    c.decide();
+    let rep = diff(&r, &c, Some(bf16.clone()));
+    assert_eq!(
+        status(&rep, "logits"),
+        "within_policy",
+        "{}",
+        render_human(&rep)
+    );
+    let (label, _, _) = flip(&rep, "logits.argmax", 3);
+    assert_eq!(label, "defect", "{}", render_human(&rep));
+    assert_eq!(rep.verdict, Verdict::Different);
+}

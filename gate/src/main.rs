@@ -216,6 +216,12 @@ struct BisectArgs {
     /// difference stated; one stack in two precisions needs no flag (docs/diff.md, "Comparable").
     #[arg(long)]
     allow_stack_mismatch: bool,
+    /// Tracegate's noise run of the reference (the reference model in the claimed precision, by
+    /// a reference producer; `gate init` records one per prompt as golden/PROMPT.noise.trace):
+    /// the whole runs' comparison reads it for near-ties' honest noise and the policy's noise
+    /// ratio (docs/diff.md). Judged by bits, nothing reads it. Relative to the current directory.
+    #[arg(long, value_name = "TRACE")]
+    noise_reference: Option<PathBuf>,
     /// Engine threads (at least 1).
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     threads: usize,
@@ -421,6 +427,16 @@ fn bisect_options(
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
         allow_stack_mismatch: a.allow_stack_mismatch,
+        noise: match &a.noise_reference {
+            None => None,
+            Some(p) => {
+                let path = up.resolve(p);
+                let t = tracegate_trace::Trace::open(&path)
+                    .and_then(|t| t.verify().map(|()| t))
+                    .map_err(|e| gerr!("--noise-reference {}: {e}", path.display()))?;
+                Some(tracegate_diff::NoiseReference(std::sync::Arc::new(t)))
+            }
+        },
     })
 }
 

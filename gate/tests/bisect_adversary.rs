@@ -571,3 +571,53 @@ fn oracle_stacks_that_differ_are_refused_naming_the_flag_and_bisected_with_it() 
         "{findings}"
     );
 }
+
+/// `gate bisect --noise-reference`: the whole runs read tracegate's noise run, and a "noise"
+/// the port wrote itself is refused before anything is judged.
+#[test]
+fn a_noise_reference_the_port_wrote_is_refused_and_tracegates_own_is_read() {
+    let root = repo();
+    let dir = tempfile::tempdir_in(root.join("target")).unwrap();
+    let example = root.join("target/release/example-producer");
+    let trace = |exe: &Path, out: &Path| {
+        let o = std::process::Command::new(exe)
+            .current_dir(&root)
+            .args(["trace", "--model", "fixtures/tiny-qwen3"])
+            .args(["--tokens", "12,218,345,152,81", "--capture", "default"])
+            .args(["--out", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let own = dir.path().join("own.trace");
+    trace(&example, &own);
+    let args = |noise: &Path| {
+        vec![
+            "--reference".to_string(),
+            "engine".into(),
+            "--candidate".into(),
+            "cmd".into(),
+            "--candidate-cmd".into(),
+            format!("'{}' {{verb}} {{args}}", example.display()),
+            "--noise-reference".into(),
+            noise.to_str().unwrap().to_string(),
+        ]
+    };
+    let a = args(&own);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let refused = bisect(&dir.path().join("w1"), dir.path(), &a);
+    assert_eq!(refused.code, 2, "{}{}", refused.stdout, refused.stderr);
+    let said = format!("{}{}", refused.stderr, refused.report["summary"]);
+    assert!(
+        said.contains("noise_reference_refused")
+            || said.contains("not one of tracegate's reference producers"),
+        "{said}"
+    );
+    // The control: the engine's own run (tracegate's) is read; the honest port is within.
+    let noise = dir.path().join("noise.trace");
+    trace(&root.join("target/release/engine"), &noise);
+    let a = args(&noise);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let read = bisect(&dir.path().join("w2"), dir.path(), &a);
+    assert_eq!(read.code, 0, "{}{}", read.stdout, read.stderr);
+}

@@ -69,6 +69,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         policy: policy.clone(),
         filter: decode::prefill_filter(o.generate, o.sampling),
         allow_stack_mismatch: o.allow_stack_mismatch,
+        noise: o.noise.clone().filter(|_| policy.is_some()),
         ..Options::default()
     };
     let compared = compare_whole(&whole.reference, &whole.candidate, &opts)?;

@@ -817,3 +817,53 @@ def box_children(dom: Dom, box: dict) -> list:
 def test_gate_check_refuses_html():
     r = run([BIN / "gate", "--root", ROOT, "check", "--html", "x.html"])
     assert r.returncode == 2 and "gate check writes no HTML report" in r.stderr, r.stderr
+
+
+def test_what_follows_a_near_tie_is_not_checked_in_process_and_never_passes(tmp_path):
+    """An honest near-tie on the last prompt row sends the candidate's decode elsewhere: nothing
+    judged fails, but the decode step was not judged. `compare` says not_checked (exit 4, not
+    ok) and `assert_traces_agree` fails naming it — never a pass (docs/diff.md)."""
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((2, 6)).astype(np.float32)
+    logits[1, 3] = logits[1].max() + np.float32(0.5)
+    logits[1, 4] = logits[1, 3] - np.float32(1e-4)  # the runner-up, 1e-4 below: honest f32 noise
+    hidden = rng.standard_normal((1, 8)).astype(np.float32)
+
+    def write(path, z, decode, producer):
+        prov = {"producer": producer, "weights_digest": "w-1", "prompt_tokens": [5, 9]}
+        with tracegate.TraceWriter(path, prov) as w:
+            w.tensor("logits", z, path="prefill", mask="causal", positions=[0, 1])
+            if decode is not None:
+                w.tensor(
+                    "decode.0000.layer.00.hidden_out",
+                    decode,
+                    path="decode",
+                    mask="causal",
+                    positions=[2],
+                )
+            top = np.argsort(-z, axis=1, kind="stable")
+            margins = [float(z[r, top[r, 0]] - z[r, top[r, 1]]) for r in range(2)]
+            w.decision("logits.argmax", top[:, 0].astype(np.int64), margins=margins)
+        return path
+
+    ref = write(tmp_path / "r.trace", logits, hidden, "engine")
+    moved = logits.copy()
+    moved[1, 3] -= np.float32(6e-5)
+    moved[1, 4] += np.float32(6e-5)  # the candidate's own scores now pick 4
+    cand = write(tmp_path / "c.trace", moved, hidden + np.float32(3.0), "my-port")
+    report = tracegate.compare(ref, cand, policy="f32")
+    flips = report.flipped_decisions
+    assert [(f["decision"], f["row"], f["label"]) for f in flips] == [
+        ("logits.argmax", 1, "near-tie")
+    ], flips
+    assert (report.verdict, report.exit_code, report.ok) == ("not_checked", 4, False)
+    with pytest.raises(AssertionError) as failed:
+        assert_traces_agree(ref, cand, policy="f32")
+    assert str(failed.value).startswith("traces not checked: NOT CHECKED past a near-tie"), str(
+        failed.value
+    )
+    # The control: the same near-tie with nothing after it (no decode step) is within the policy.
+    ref2 = write(tmp_path / "r2.trace", logits, None, "engine")
+    cand2 = write(tmp_path / "c2.trace", moved, None, "my-port")
+    assert tracegate.compare(ref2, cand2, policy="f32").ok
+    assert_traces_agree(ref2, cand2, policy="f32")

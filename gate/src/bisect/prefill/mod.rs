@@ -80,6 +80,9 @@ pub struct BisectOptions {
     /// `--allow-stack-mismatch`: two oracle stacks that differ (not only in dtype) are compared,
     /// each difference a `stack_mismatch_allowed` finding, as `trace-diff` does.
     pub allow_stack_mismatch: bool,
+    /// `--noise-reference`: tracegate's noise run of the reference, read by the whole runs'
+    /// comparison (near-ties' honest noise, the policy's noise ratio; docs/diff.md).
+    pub noise: Option<tracegate_diff::NoiseReference>,
 }
 
 /// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.

@@ -490,7 +490,15 @@ pub(super) fn run(
             .any(|c| c.check == Check::Agrees && c.status == Status::Fail)
             && r.runs.get(Role::Candidate).is_some_and(|rec| rec.ok)
         {
-            r.localised = Some(localise(o, &plan, &port, p, &candidate, internals));
+            r.localised = Some(localise(
+                o,
+                &plan,
+                &port,
+                p,
+                &candidate,
+                internals,
+                noise_trace.as_ref(),
+            ));
         }
         results.push(r);
     }
@@ -824,6 +832,7 @@ fn check_generation(
 /// A failing `agrees` localised: `gate bisect` of the candidate against the stored golden
 /// trace (its `hidden_in` per layer feeds the candidate's `layer` verb; its outputs judge).
 /// Its report goes beside the prompt's traces; the summary names the first wrong layer and stage.
+#[allow(clippy::too_many_arguments)]
 fn localise(
     o: &GateOptions,
     plan: &Plan,
@@ -831,6 +840,7 @@ fn localise(
     p: &Prompt,
     candidate: &Producer,
     internals: bool,
+    noise: Option<&std::sync::Arc<Trace>>,
 ) -> Value {
     use crate::bisect;
     let work = format!("{}/{}/bisect", plan.work_rel, p.id);
@@ -856,7 +866,11 @@ fn localise(
             candidate: candidate.clone(),
             policy: Some(plan.m.policy.clone()),
             exact: false,
-            precision: None,
+            // The claim the milestone records: the rounding response's unit.
+            precision: tracegate_diff::policy::PRECISIONS
+                .iter()
+                .find(|q| **q == plan.m.policy)
+                .copied(),
             all_layers: false,
             internals,
             calibrate: false,
@@ -868,6 +882,7 @@ fn localise(
             timeout: o.timeout,
             gate_invocation: o.gate_invocation.clone(),
             allow_stack_mismatch: false,
+            noise: noise.map(|n| tracegate_diff::NoiseReference(n.clone())),
         })
     });
     match result {
