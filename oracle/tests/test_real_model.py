@@ -240,6 +240,24 @@ def test_honest_f32_attention_on_random_ids_is_within_the_f32_policy(tmp_path):
     probs = [t for t in report["per_tensor"] if t["tensor"].endswith("attn_probs")]
     assert len(probs) == 30 and max(t["max_abs"] for t in probs) > 1e-5  # past the old bound
     assert code == 0 and report["verdict"] == "within_policy", report["first_violation"]
+    # An honest port that is not bit-exact (the contract summing squares in f64), against the
+    # oracle beside the engine's run as the noise run: within 10x it (the f32 policy's
+    # noise_ratio), where an eps defect is not (fixtures/policy/MEASUREMENTS.md, "The noise
+    # ratio").
+    honest = traced(
+        [
+            sys.executable,
+            str(ROOT / "gate/tests/producers/defective_contract.py"),
+            "--defect",
+            "f64-sumsq",
+        ],
+        CONVERTED,
+        tmp_path / "f64.trace",
+    )
+    noisy = [str(DIFF), str(o), str(honest), "--policy", "f32", "--noise-reference", str(e)]
+    r = subprocess.run([*noisy, "--json"], capture_output=True, text=True, timeout=300)
+    report = diff_report(r.stdout)
+    assert r.returncode == 0 and report["verdict"] == "within_policy", report["first_violation"]
     rope = rope_theta_copy(tmp_path / "rope", 0.1)
     bad = traced([str(ENGINE)], rope, tmp_path / "rope.trace")
     # The weights digest covers the weights files only, which the copy links: still comparable.
