@@ -621,3 +621,43 @@ fn a_noise_reference_the_port_wrote_is_refused_and_tracegates_own_is_read() {
     let read = bisect(&dir.path().join("w2"), dir.path(), &a);
     assert_eq!(read.code, 0, "{}{}", read.stdout, read.stderr);
 }
+
+/// An honest bf16 port of the MoE fixture (transformers in bf16) whose routers flip at near-ties
+/// of the f32 engine's scores, and which declines forcing: nothing judged differs, but what
+/// followed the near-ties was never compared — NOT CHECKED (exit 4), never "nothing wrong".
+#[test]
+fn a_port_that_declines_forcing_past_its_near_ties_is_not_checked_never_nothing_wrong() {
+    let root = repo();
+    let py = root.join(".venv/bin/python");
+    let cmd = format!(
+        "'{}' '{}' '{}' -m tracegate_oracle -- {{verb}} {{args}} --dtype bf16",
+        py.display(),
+        root.join("gate/tests/producers/no_force.py").display(),
+        py.display()
+    );
+    let dir = tempfile::tempdir_in(root.join("target")).unwrap();
+    let report = dir.path().join("report.json");
+    let out = common::gate()
+        .current_dir(&root)
+        .args(["--root", root.to_str().unwrap(), "bisect"])
+        .args(["--model", "fixtures/tiny-qwen3-moe", "--prompt", "mid"])
+        .args([
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+        ])
+        .args(["--precision", "bf16", "--capture", "internals"])
+        .args(["--work", dir.path().join("w").to_str().unwrap()])
+        .args(["--report", report.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stdout}{stderr}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["verdict"], "not_checked", "{stdout}");
+    assert!(stdout.contains("NOT CHECKED past a near-tie"), "{stdout}");
+}
