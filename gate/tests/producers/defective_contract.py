@@ -307,7 +307,8 @@ def plant_diffusion(defect: str) -> None:
             elif name.endswith(".stop"):
                 # Forced, the reference's stop is taken; the OR rule would have decided otherwise
                 # where it differs from it (rows 0 and 1 are the forced conditions).
-                overridden += int(values[2] != (values[0] | values[1]))
+                if values[2] != (values[0] | values[1]) and 2 not in overridden:
+                    overridden = [*overridden, 2]
             return orig_record(self, cap, name, values, margins, forced, overridden)
 
         DG._record = record
