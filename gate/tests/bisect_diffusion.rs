@@ -220,11 +220,26 @@ fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
         unexplained.iter().any(|n| n == "denoise.0000.0000.argmax"),
         "{stdout}"
     );
+    // Judged row by row: the row it overrode, and why its own numbers do not explain it.
     assert!(
-        r["summary"]
-            .as_str()
+        r["summary"].as_str().unwrap().contains(
+            "denoise.0000.0000.argmax: 1 (not explained by its own numbers: row 0: its margin "
+        ),
+        "{stdout}"
+    );
+    let f = &r["diffusion"]["forced"];
+    assert_eq!(
+        f["overridden_rows"]["denoise.0000.0000.argmax"],
+        serde_json::json!([0]),
+        "{stdout}"
+    );
+    assert!(
+        f["overrides_unexplained"]
+            .as_array()
             .unwrap()
-            .contains("denoise.0000.0000.argmax: 1 (not explained by its own numbers)"),
+            .iter()
+            .any(|u| u["decision"] == "denoise.0000.0000.argmax"
+                && u["rows"] == serde_json::json!([0])),
         "{stdout}"
     );
 }
