@@ -492,7 +492,7 @@ def test_forced_by_its_own_trace_is_the_same_run(tmp_path, base):
         m = base.margins[n]
         assert (m is None and t.margins[n] is None) or np.array_equal(t.margins[n], m), n
     fd = t.provenance["forced_decisions"]
-    assert fd["rows_overridden"] == 0 and fd["overridden"] == {}
+    assert fd["rows_overridden"] == 0 and fd["overridden"] == {} and fd["overridden_rows"] == {}
     commit = names.denoise_block(0, "commit")
     assert commit not in fd["decisions"]  # commit is checked, not forced
     assert names.denoise(0, 0, "sampled") in fd["decisions"]
@@ -527,6 +527,8 @@ def test_forced_sampled_changes_the_next_canvas_with_own_margins(tmp_path, base)
     assert np.array_equal(t.margins[s0][others], base.margins[s0][others])
     fd = t.provenance["forced_decisions"]
     assert fd["trace_digest"] == ref.digest and fd["overridden"][s0] == 1
+    # A forced draw other than its own generator's, listed by row (docs/producers.md, "Recorded.").
+    assert fd["overridden_rows"][s0] == [r]
     after = t.names.index(names.denoise(0, 1, "canvas"))
     assert all(t.attributes(n).get("forced") == ref.digest for n in t.names[after:])
 

@@ -149,6 +149,13 @@ def test_engine_and_contract_forced_from_an_altered_trace_are_bit_identical(runs
         and forced["overridden"]["decode.0001.argmax"] == 1
     ), forced
     assert t.margins["layer.01.router.topk"][3] < 0  # it would have chosen otherwise
+    # Which rows, as the engine lists them (docs/producers.md, "Recorded."): the bisection
+    # judges each by its own margin.
+    rows = forced["overridden_rows"]
+    assert rows["layer.01.router.topk"] == [3] and rows["decode.0001.argmax"] == [0], forced
+    assert {n: len(r) for n, r in rows.items()} == forced["overridden"], forced
+    engine = runs["engine-on"].provenance["forced_decisions"]
+    assert engine["overridden_rows"] == rows and engine["overridden"] == forced["overridden"]
     assert all(
         t.attributes(n).get("forced") == alt.digest
         for n in t.names[t.names.index("layer.00.mlp_out") :]
@@ -181,6 +188,8 @@ def test_the_layer_verbs_forced_alike_are_bit_identical(runs, tmp_path):
         c.decisions["layer.01.router.topk"], alt.decisions["layer.01.router.topk"]
     )
     assert c.provenance["forced_decisions"]["overridden"] == {"layer.01.router.topk": 1}
+    for t in (e, c):
+        assert t.provenance["forced_decisions"]["overridden_rows"] == {"layer.01.router.topk": [3]}
     # Only layer 1 and a decode step were altered, so the forced whole run reaches layer 1 with
     # this same input: the forced layer verb reproduces its layer 1.
     np.testing.assert_array_equal(c["layer.01.mlp_out"], runs["contract-on"]["layer.01.mlp_out"])

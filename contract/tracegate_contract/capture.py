@@ -19,9 +19,9 @@ class Capture:
         self.internals = internals
         self.tensors: list[tuple[str, np.ndarray, list[int]]] = []
         self.decisions: list[tuple[str, np.ndarray, np.ndarray]] = []
-        # --force-decisions: (name, rows overridden) per forced decision, and how many tensors
+        # --force-decisions: (name, the rows overridden) per forced decision, and how many tensors
         # were captured before the first (those after it carry the `forced` attribute).
-        self.forced: list[tuple[str, int]] = []
+        self.forced: list[tuple[str, list[int]]] = []
         self.first_forced: int | None = None
 
     def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
@@ -36,12 +36,12 @@ class Capture:
             (name, np.asarray(values, dtype=np.int64), np.asarray(margins, dtype=F32))
         )
 
-    def mark_forced(self, name: str, overridden: int) -> None:
-        """The decision just recorded was forced; `overridden`: rows this producer would have
-        decided otherwise."""
+    def mark_forced(self, name: str, overridden: list[int]) -> None:
+        """The decision just recorded was forced; `overridden`: the rows (ascending) this producer
+        would have decided otherwise."""
         if self.first_forced is None:
             self.first_forced = len(self.tensors)
-        self.forced.append((name, int(overridden)))
+        self.forced.append((name, [int(r) for r in overridden]))
 
     def join_rows(self) -> None:
         """Rows recorded one at a time (`layer --decode-from`: one decode row per call), joined

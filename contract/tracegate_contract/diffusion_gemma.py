@@ -18,7 +18,7 @@ from decimal import Decimal
 import numpy as np
 from tracegate import names
 
-from . import jsonfile, ops, splitmix
+from . import force, jsonfile, ops, splitmix
 from .config import MAX_POSITIONS, USIZE
 from .errors import ContractError
 from .force import Forcing
@@ -510,7 +510,7 @@ class DGCapture:
         # (name, array, positions, path, mask)
         self.tensors: list[tuple[str, np.ndarray, list[int], str, str]] = []
         self.decisions: list[tuple[str, np.ndarray, np.ndarray | None]] = []
-        self.forced: list[tuple[str, int]] = []
+        self.forced: list[tuple[str, list[int]]] = []
         self.first_forced: int | None = None
 
     def tensor(self, name, array, positions, path, mask, internal=False):
@@ -525,9 +525,11 @@ class DGCapture:
         self.decisions.append((name, np.asarray(values, dtype=np.int64), m))
 
     def mark_forced(self, name, overridden):
+        """The decision just recorded was forced; `overridden`: the rows (ascending) this producer
+        would have decided otherwise."""
         if self.first_forced is None:
             self.first_forced = len(self.tensors)
-        self.forced.append((name, int(overridden)))
+        self.forced.append((name, [int(r) for r in overridden]))
 
 
 class Pass:
@@ -684,7 +686,7 @@ class DiffusionGemma:
         name = ps.name(names.layer(i, "router.topk"))
         forced = self._forced(name, (len(pos), k), E, distinct=True)
         if forced is not None:
-            overridden = int(np.count_nonzero((forced != chosen).any(axis=-1)))
+            overridden = force.rows_differing(forced, chosen)
             margin = np.array([ops.margin_of(p[r], forced[r]) for r in range(len(pos))], dtype=F32)
             chosen = forced
         cap.decision(name, chosen, margin)
@@ -849,10 +851,10 @@ class DiffusionGemma:
         top, margin = ops.argmax_margin(ell, what=f"{name} (tempered logits)")
         forced = self._forced(name, (C,), V)
         if forced is not None:
-            over = int(np.count_nonzero(forced != top))
+            over = force.rows_differing(forced, top)
             margin = np.array([ops.margin_of(ell[r], [forced[r]]) for r in range(C)], dtype=F32)
             top = forced
-        self._record(cap, name, top, margin, forced, over if forced is not None else 0)
+        self._record(cap, name, top, margin, forced, over if forced is not None else [])
 
         # DG13.2
         name = ps.name("sampled")
@@ -866,7 +868,7 @@ class DiffusionGemma:
                 ],
                 dtype=np.int64,
             )
-            over = 0
+            over = []
         else:  # the RNG is not consulted for forced draws
             own = np.array(
                 [
@@ -875,7 +877,7 @@ class DiffusionGemma:
                 ],
                 dtype=np.int64,
             )
-            over, sampled = int(np.count_nonzero(forced != own)), forced
+            over, sampled = force.rows_differing(forced, own), forced
         self._record(cap, name, sampled, P[np.arange(C), sampled], forced, over)
 
         # DG13.3
@@ -891,9 +893,9 @@ class DiffusionGemma:
                 x[r] = F32(S_acc - hent[r])
         accept = (x <= beta).astype(np.int64)
         forced = self._forced(name, (C,), 2)
-        over = 0
+        over = []
         if forced is not None:
-            over, accept = int(np.count_nonzero(forced != accept)), forced
+            over, accept = force.rows_differing(forced, accept), forced
         acc_margin = np.where(accept == 1, beta - x, x - beta).astype(F32)
         self._record(cap, name, accept, acc_margin, forced, over)
 
@@ -905,7 +907,7 @@ class DiffusionGemma:
             [splitmix.token(splitmix.output(rkey, r), V) for r in range(C)], dtype=np.int64
         )
         renoise = np.where(accept == 1, -1, drawn).astype(np.int64)
-        over = 0
+        over = []
         if forced is not None:
             wrong = np.nonzero((forced == -1) != (accept == 1))[0]
             if wrong.size:
@@ -913,7 +915,7 @@ class DiffusionGemma:
                     f"--force-decisions {self.forcing.path}: decision {name} row {int(wrong[0])} "
                     f"is {int(forced[wrong[0]])} where accept is {int(accept[wrong[0]])} (−1 exactly where accepted)"
                 )
-            over, renoise = int(np.count_nonzero(forced != renoise)), forced
+            over, renoise = force.rows_differing(forced, renoise), forced
         self._record(cap, name, renoise, None, forced, over)
         nxt = np.where(accept == 1, sampled, renoise).astype(np.int64)
 
@@ -932,10 +934,10 @@ class DiffusionGemma:
             confident = int(mu < thr)
         own = np.array([stable, confident, stable & confident], dtype=np.int64)
         forced = self._forced(name, (3,), 2)
-        over = 0
+        over = []
         vals = own
         if forced is not None:
-            over, vals = int(np.count_nonzero(forced != own)), forced
+            over, vals = force.rows_differing(forced, own), forced
         st, cf = int(vals[0]), int(vals[1])
         m_st = F32(run - S) if st else F32(S - run)
         m_cf = F32(thr - mu) if cf else F32(mu - thr)
@@ -979,7 +981,7 @@ class DiffusionGemma:
                 )
                 canvas = forced
                 cap.decision(name, canvas, None)
-                cap.mark_forced(name, int(np.count_nonzero(forced != own)))
+                cap.mark_forced(name, force.rows_differing(forced, own))
             prev = None
             history: list[np.ndarray] = []
             last = None

@@ -113,10 +113,11 @@ def moe(model, M: Moe, x: np.ndarray, pos: list[int], i: int, cap: Capture) -> n
     forced = model.forcing.values(name) if model.forcing is not None else None
     if forced is not None:
         # Row i of the forcing decision is position i's; later positions route themselves.
-        overridden = 0
+        overridden = []
         for r, P in enumerate(pos):
             if P < forced.shape[0]:
-                overridden += not np.array_equal(forced[P], chosen[r])
+                if not np.array_equal(forced[P], chosen[r]):
+                    overridden.append(r)
                 margin[r] = ops.margin_of(p[r], forced[P])
                 chosen[r] = forced[P]
     cap.decision(name, chosen, margin)

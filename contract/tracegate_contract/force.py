@@ -84,16 +84,27 @@ class Forcing:
     def values(self, name: str) -> np.ndarray | None:
         return self.decisions.get(name)
 
-    def provenance(self, records: list[tuple[str, int]]) -> dict:
-        """Which trace, which decisions, how many rows this producer would have decided otherwise
-        (in total and per decision that has any)."""
-        rows = 0
-        for _, k in records:  # integer row counts; the package's lint bans sum() outright
-            rows += k
+    def provenance(self, records: list[tuple[str, list[int]]]) -> dict:
+        """Which trace, which decisions, which rows this producer would have decided otherwise:
+        counted in total and per decision that has any, and listed per decision (docs/producers.md,
+        "Recorded.")."""
+        total = 0
+        for _, rows in records:  # integer row counts; the package's lint bans sum() outright
+            total += len(rows)
         return {
             "trace": self.path,
             "trace_digest": self.digest,
             "decisions": [n for n, _ in records],
-            "rows_overridden": rows,
-            "overridden": {n: k for n, k in records if k > 0},
+            "rows_overridden": total,
+            "overridden": {n: len(rows) for n, rows in records if rows},
+            "overridden_rows": {n: [int(r) for r in rows] for n, rows in records if rows},
         }
+
+
+def rows_differing(forced, own) -> list[int]:
+    """The rows (first axis, ascending) where the forced values differ from this producer's own
+    choice: the rows it would have decided otherwise."""
+    f, o = np.asarray(forced), np.asarray(own)
+    n = f.shape[0] if f.ndim else 1
+    differs = (f.reshape(n, -1) != o.reshape(n, -1)).any(axis=1)
+    return [int(r) for r in np.flatnonzero(differs)]

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from tracegate import names
 
-from . import feed_forward, layer, mixers, ops
+from . import feed_forward, force, layer, mixers, ops
 from .capture import NO_CAPTURE, Capture, StepCapture
 from .config import MAX_POSITIONS, Config, check_sizes, load_config
 from .errors import ContractError
@@ -182,7 +182,7 @@ class Model:
         top, margin = ops.argmax_margin(logits, what=what)
         forced = self.forcing.values(name) if self.forcing is not None else None
         if forced is not None:
-            overridden = int(np.count_nonzero(forced != top))
+            overridden = force.rows_differing(forced, top)
             margin = np.array(
                 [ops.margin_of(row, [tok]) for row, tok in zip(logits, forced, strict=False)],
                 dtype=F32,

@@ -141,9 +141,9 @@ impl Capture {
         }
     }
 
-    /// Marks the decision just recorded as forced; `overridden`: rows where this producer would
-    /// have chosen otherwise.
-    pub fn forced(&mut self, name: &str, overridden: u64) {
+    /// Marks the decision just recorded as forced; `overridden`: the rows (ascending) where this
+    /// producer would have chosen otherwise.
+    pub fn forced(&mut self, name: &str, overridden: Vec<u64>) {
         if self.on && self.step.is_none() {
             self.first_forced.get_or_insert(self.tensors.len());
             self.forced.push(Record {

@@ -22,11 +22,12 @@ pub struct Forcing {
     provenance: Value,
 }
 
-/// What this producer would have chosen differs from the forced choice in `overridden` rows.
+/// What this producer would have chosen differs from the forced choice in rows `overridden`
+/// (the decision's row indexes, ascending).
 #[derive(Clone, Debug)]
 pub struct Record {
     pub name: String,
-    pub overridden: u64,
+    pub overridden: Vec<u64>,
 }
 
 impl Forcing {
@@ -136,20 +137,24 @@ impl Forcing {
         self.decisions.get(name).map(|(_, v)| v.as_slice())
     }
 
-    /// The provenance record: which trace, which decisions, how many rows this producer would
-    /// have decided otherwise (in total and per decision that has any).
+    /// The provenance record: which trace, which decisions, which rows this producer would have
+    /// decided otherwise (counted in total and per decision that has any, and listed per
+    /// decision: docs/producers.md, "Recorded.").
     pub fn provenance(&self, records: &[Record]) -> Value {
-        let overridden: serde_json::Map<String, Value> = records
-            .iter()
-            .filter(|r| r.overridden > 0)
+        let any = || records.iter().filter(|r| !r.overridden.is_empty());
+        let counts: serde_json::Map<String, Value> = any()
+            .map(|r| (r.name.clone(), json!(r.overridden.len())))
+            .collect();
+        let rows: serde_json::Map<String, Value> = any()
             .map(|r| (r.name.clone(), json!(r.overridden)))
             .collect();
         json!({
             "trace": self.path.display().to_string(),
             "trace_digest": self.digest,
             "decisions": records.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(),
-            "rows_overridden": records.iter().map(|r| r.overridden).sum::<u64>(),
-            "overridden": overridden,
+            "rows_overridden": records.iter().map(|r| r.overridden.len()).sum::<usize>(),
+            "overridden": counts,
+            "overridden_rows": rows,
         })
     }
 }

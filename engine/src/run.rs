@@ -273,7 +273,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
             let mut kv = model.new_cache();
             let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
             let v = model.cfg.vocab_size;
-            let (mut ids, mut margins, mut overridden) = (vec![], vec![], 0);
+            let (mut ids, mut margins, mut overridden) = (vec![], vec![], vec![]);
             for r in 0..o.tokens.len() {
                 let (i, m, over) = decide_or_force(
                     &model,
@@ -284,7 +284,9 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
                 )?;
                 ids.push(i);
                 margins.push(m);
-                overridden += u64::from(over);
+                if over {
+                    overridden.push(r as u64);
+                }
             }
             cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
             if model.forcing.is_some() {
@@ -303,7 +305,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
                     let name = names::decode(s, "argmax");
                     cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
                     if model.forcing.is_some() {
-                        cap.forced(&name, u64::from(st.overridden));
+                        cap.forced(&name, if st.overridden { vec![0] } else { vec![] });
                     }
                     cap.append(st.capture);
                 }

@@ -576,6 +576,8 @@ fn forcing() {
     }
     let fp = &forced.provenance()["forced_decisions"];
     assert_eq!(fp["rows_overridden"], 0);
+    assert_eq!(fp["overridden"], serde_json::json!({}));
+    assert_eq!(fp["overridden_rows"], serde_json::json!({}));
     assert_eq!(fp["trace_digest"], own.digest().hex());
     let listed: Vec<&str> = fp["decisions"]
         .as_array()
@@ -631,6 +633,25 @@ fn forcing() {
                 .unwrap()
         )
     );
+
+    // A draw has no choice of the engine's own to override: none listed.
+    let fp = &e.provenance()["forced_decisions"];
+    assert!(fp["overridden_rows"].get(&target).is_none(), "{fp}");
+
+    // Row 0 of the first step's argmax forced to another token: that row is listed as
+    // overridden (docs/producers.md, "Recorded."), with the engine's own margin for it, < 0.
+    let am = names::denoise(0, 0, "argmax");
+    let tok = values(&own, &am)[0];
+    let edited = altered(&own, &dir.join("argmax.trace"), "", |n, v| {
+        if n == am {
+            v[0] = (tok + 1) % f.vocab as i64
+        }
+    });
+    let a = run(dir, "a.trace", true, 2, Some(&edited));
+    let fp = &a.provenance()["forced_decisions"];
+    assert_eq!(fp["overridden_rows"][&am], serde_json::json!([0]), "{fp}");
+    assert_eq!(fp["overridden"][&am], 1, "{fp}");
+    assert!(margins(&a, &am).unwrap()[0] < 0.0);
 
     // A decision the run needs, missing: refused naming it.
     let missing = names::denoise(0, 1, "accept");

@@ -139,6 +139,8 @@ fn forced_by_its_own_trace_computes_exactly_the_unforced_run() {
         let rec = &forced.provenance()["forced_decisions"];
         assert_eq!(rec["trace_digest"], digest.as_str());
         assert_eq!(rec["rows_overridden"], 0);
+        assert_eq!(rec["overridden"], serde_json::json!({}));
+        assert_eq!(rec["overridden_rows"], serde_json::json!({}));
         let names: Vec<&str> = rec["decisions"]
             .as_array()
             .unwrap()
@@ -211,6 +213,26 @@ fn forced_from_an_altered_trace_carries_the_altered_choices() {
     let rec = &forced.provenance()["forced_decisions"];
     assert_eq!(rec["overridden"]["layer.00.router.topk"], 1, "{rec}");
     assert!(rec["overridden"]["decode.0001.argmax"] == 1, "{rec}");
+    // Which rows: the bisection judges each by its own margin (docs/producers.md, "Recorded.").
+    let rows = &rec["overridden_rows"];
+    assert_eq!(
+        rows["layer.00.router.topk"],
+        serde_json::json!([row]),
+        "{rec}"
+    );
+    assert_eq!(rows["decode.0001.argmax"], serde_json::json!([0]), "{rec}");
+    // One list per count, as long as it; the total is theirs.
+    let counts = rec["overridden"].as_object().unwrap();
+    assert_eq!(rows.as_object().unwrap().len(), counts.len(), "{rec}");
+    let mut total = 0;
+    for (name, n) in counts {
+        assert_eq!(
+            rows[name].as_array().unwrap().len() as u64,
+            n.as_u64().unwrap()
+        );
+        total += n.as_u64().unwrap();
+    }
+    assert_eq!(rec["rows_overridden"], total, "{rec}");
     // Numbers past the flip differ; before it they do not.
     assert_eq!(
         forced.data(forced.tensor_info("layer.00.router.logits").unwrap()),
@@ -259,6 +281,10 @@ fn the_layer_verb_takes_the_layers_router_rows_by_position() {
     assert_eq!(
         t.provenance()["forced_decisions"]["overridden"]["layer.02.router.topk"],
         1
+    );
+    assert_eq!(
+        t.provenance()["forced_decisions"]["overridden_rows"]["layer.02.router.topk"],
+        serde_json::json!([0])
     );
     // Unforced: its own order again.
     assert_eq!(

@@ -821,7 +821,7 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
     let (r, w) = (&o.report, &o.report["whole_run"]);
     assert_eq!(
         (r["schema"].as_str(), r["verdict"].as_str()),
-        (Some("tracegate-bisect/5"), Some("outside_layers")),
+        (Some("tracegate-bisect/6"), Some("outside_layers")),
         "{}",
         o.stdout
     );
@@ -947,6 +947,21 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
     assert_eq!(
         f["overridden"],
         serde_json::json!({"layer.01.router.topk": 1}),
+        "{f}"
+    );
+    assert_eq!(
+        f["overridden_rows"],
+        serde_json::json!({"layer.01.router.topk": [0]}),
+        "{f}"
+    );
+    // Its margin there is > 0 (its own scores make the reference's experts their top-k): with
+    // no router.logits (--capture default) a rule cannot be told from an exact tie, and that is
+    // said beside the verdict the unforced defect already fails.
+    assert!(
+        f["overrides_not_checked"]
+            .as_str()
+            .unwrap()
+            .starts_with("layer.01.router.topk row 0: its margin "),
         "{f}"
     );
     assert_eq!(r["whole_run"]["verdict"], "identical", "{}", o.stdout);
@@ -1304,7 +1319,7 @@ fn the_oracle_by_bits_is_self_consistent_and_at_rounding_level() {
 fn the_report_validator_refuses_what_the_schema_does_not_describe() {
     // The negative control of the validation every bisect test applies: not accept-all.
     let refused = |code: i64, extra: Option<(&str, Value)>| {
-        let mut r = serde_json::json!({"schema": "tracegate-bisect/5", "verdict": "refused", "exit_code": code, "summary": "why",
+        let mut r = serde_json::json!({"schema": "tracegate-bisect/6", "verdict": "refused", "exit_code": code, "summary": "why",
             "work_dir": "w", "timeout_s": 300, "gate_invocation": ["gate", "bisect"]});
         if let Some((k, v)) = extra {
             r[k] = v;

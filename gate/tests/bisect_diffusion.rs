@@ -7,7 +7,8 @@
 //! (engine vs contract by bits, the oracle's generator against the engine's, forced) must say
 //! nothing wrong, naming the passes compared; forced past another generator's draws, an OR stop
 //! rule is still its own decision that differs; a candidate that cannot be forced is NOT
-//! CHECKED, never a pass.
+//! CHECKED, never a pass; nor is one that does not record which rows it overrode, and an
+//! override is judged by its own row's margin, never covered by a margin ≤ 0 in another row.
 
 use serde_json::Value;
 
@@ -220,11 +221,103 @@ fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
         unexplained.iter().any(|n| n == "denoise.0000.0000.argmax"),
         "{stdout}"
     );
+    // Judged row by row: the row it overrode, and why its own numbers do not explain it.
     assert!(
-        r["summary"]
-            .as_str()
+        r["summary"].as_str().unwrap().contains(
+            "denoise.0000.0000.argmax: 1 (not explained by its own numbers: row 0: its margin "
+        ),
+        "{stdout}"
+    );
+    let f = &r["diffusion"]["forced"];
+    assert_eq!(
+        f["overridden_rows"]["denoise.0000.0000.argmax"],
+        serde_json::json!([0]),
+        "{stdout}"
+    );
+    assert!(
+        f["overrides_unexplained"]
+            .as_array()
             .unwrap()
-            .contains("denoise.0000.0000.argmax: 1 (not explained by its own numbers)"),
+            .iter()
+            .any(|u| u["decision"] == "denoise.0000.0000.argmax"
+                && u["rows"] == serde_json::json!([0])),
+        "{stdout}"
+    );
+}
+
+/// Adversaries of the forced override rule (docs/bisect.md, "Block diffusion"), forced by
+/// torch's run: a port whose argmax takes every row's runner-up and records nothing of what it
+/// overrode is NOT CHECKED, naming the missing record — never read as no override (it was
+/// `nothing wrong` while a missing count read as 0).
+#[test]
+fn a_forced_port_that_records_no_overrides_is_not_checked_never_none() {
+    let cmd = defective("dg-argmax-runner-up");
+    let (code, stdout, r) = bisect(
+        &["--reference", &torch_run().3],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    assert_eq!(code, 4, "{stdout}");
+    assert_eq!(r["verdict"], "not_checked", "{stdout}");
+    let f = &r["diffusion"]["forced"];
+    assert_eq!(f["status"], "forced", "{stdout}");
+    assert!(f["overridden"].is_null(), "{stdout}");
+    let why = f["overrides_not_checked"].as_str().unwrap();
+    assert!(
+        why.contains("forced_decisions records no overridden"),
+        "{why}"
+    );
+    let summary = r["summary"].as_str().unwrap();
+    assert!(
+        summary.starts_with("the candidate's own decisions NOT CHECKED: ")
+            && summary.contains("records no overridden"),
+        "{stdout}"
+    );
+}
+
+/// A port that says which row it overrode (block 0 step 0's argmax, row 0: its rule took the
+/// runner-up) and manufactures a margin of 0 in another row of the same step — its recorded
+/// tempered logits tied there, within the policy — is judged by the overridden row's own margin:
+/// `decisions_differ`, naming that row (it was `nothing wrong` while overrides were counted
+/// against rows with a margin ≤ 0 anywhere).
+#[test]
+fn an_override_covered_by_a_margin_manufactured_in_another_row_fails_naming_its_row() {
+    let cmd = defective("dg-argmax-covered");
+    let (code, stdout, r) = bisect(
+        &["--reference", &torch_run().3],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
+    let d = &r["diffusion"];
+    // The cover holds as far as the comparison goes: no pass diverges, its margins within policy.
+    assert!(d["first_diverging"].is_null(), "{stdout}");
+    let f = &d["forced"];
+    assert_eq!(f["overridden"]["denoise.0000.0000.argmax"], 1, "{f}");
+    assert_eq!(
+        f["overridden_rows"]["denoise.0000.0000.argmax"],
+        serde_json::json!([0]),
+        "{f}"
+    );
+    // Not the other rows of the step: the 0 it manufactured there is no tie of a top-k.
+    assert!(f["overrides_ties"].as_object().unwrap().is_empty(), "{f}");
+    assert_eq!(
+        f["overrides_unexplained"],
+        serde_json::json!([{
+            "decision": "denoise.0000.0000.argmax",
+            "rows": [0],
+            "why": f["overrides_unexplained"][0]["why"],
+        }]),
+        "{stdout}"
+    );
+    assert!(f["overrides_not_checked"].is_null(), "{stdout}");
+    assert_eq!(
+        d["forced_unexplained"],
+        serde_json::json!(["denoise.0000.0000.argmax"])
+    );
+    assert!(
+        r["summary"].as_str().unwrap().starts_with(
+            "the candidate's own decisions differ on the reference's numbers: denoise.0000.0000.argmax: 1 (not explained by its own numbers: row 0: its margin "
+        ),
         "{stdout}"
     );
 }

@@ -431,6 +431,7 @@ def test_forced_accept_changes_the_next_canvas_and_margins_go_negative(model, de
     over = f.provenance["forced_decisions"]["overridden"]
     # later steps see another canvas: their decisions may differ too
     assert over["denoise.0000.0000.accept"] == 1
+    assert f.provenance["forced_decisions"]["overridden_rows"]["denoise.0000.0000.accept"] == [r]
     assert not [n for n in over if n.startswith("denoise.0000.0000.") and not n.endswith("accept")]
 
 

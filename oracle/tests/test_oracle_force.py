@@ -166,9 +166,13 @@ def test_bf16_forced_from_f32_takes_its_decisions_past_the_flips(det, tmp_path):
     first = next(d.name for d in free.decisions if flips[d.name])
     assert rec["overridden"].get(first, 0) >= 1, (rec, flips)
     # A negative margin says the model ranks an unchosen index above a chosen one: such a row
-    # is overridden (the converse need not hold: a reordered top-k, or a tie, keeps margin ≥ 0).
+    # is overridden, and listed as one (the converse need not hold: a reordered top-k, or a tie,
+    # keeps margin ≥ 0). Each count is its list's length (docs/producers.md, "Recorded.").
+    rows = rec["overridden_rows"]
+    assert {n: len(r) for n, r in rows.items()} == rec["overridden"], rec
     for d in forced.decisions:
-        assert (d.margins < 0).sum() <= rec["overridden"].get(d.name, 0), (d.name, d.margins, rec)
+        below = np.flatnonzero(d.margins < 0).tolist()
+        assert set(below) <= set(rows.get(d.name, [])), (d.name, d.margins, rec)
 
 
 def tiny(fam: str, d: Path) -> Path:
@@ -224,6 +228,7 @@ def test_other_moe_families_route_their_own_experts_to_the_forced_rows(det, tmp_
     assert (
         dec.margins[2] < 0
         and cap.provenance["forced_decisions"]["overridden"]["layer.01.router.topk"] == 1
+        and cap.provenance["forced_decisions"]["overridden_rows"]["layer.01.router.topk"] == [2]
     )
     # Upstream of the forced row nothing moved; its row of the layer's output did.
     free = {

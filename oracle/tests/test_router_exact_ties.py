@@ -171,5 +171,6 @@ def test_forcing_the_lowest_index_at_an_exact_tie_overrides_torchs_choice(model,
     np.testing.assert_array_equal(d.values, values)
     assert d.margins[r] == 0
     assert cap.provenance["forced_decisions"]["overridden"][TOPK] == 1
+    assert cap.provenance["forced_decisions"]["overridden_rows"][TOPK] == [r]
     assert r in cap[f"layer.00.expert.{a:03d}.out"].attrs["positions"]
     assert r not in cap[f"layer.00.expert.{b:03d}.out"].attrs["positions"]

@@ -621,18 +621,19 @@ def margin_of(row: np.ndarray, chosen) -> np.float32:
 
 def force_decision(
     d: Decision, scores: np.ndarray, forced: np.ndarray | None, rows: list[int]
-) -> tuple[Decision, int]:
+) -> tuple[Decision, list[int]]:
     """Decision `d` (the model's own, from `scores`) with row r replaced by forced row rows[r]
     where the forcing trace holds it; margins the model's own for the forced choice. Returns the
-    decision written and how many rows the model would have decided otherwise."""
+    decision written and the rows (ascending) the model would have decided otherwise."""
     if forced is None:
-        return d, 0
-    values, margins, overridden = d.values.copy(), d.margins.copy(), 0
+        return d, []
+    values, margins, overridden = d.values.copy(), d.margins.copy(), []
     x = np.asarray(scores, dtype=np.float32).reshape(len(values), -1)
     for r, i in enumerate(rows):
         if i < len(forced):
             f = forced[i].reshape(-1)
-            overridden += int(not np.array_equal(f, values[r].reshape(-1)))
+            if not np.array_equal(f, values[r].reshape(-1)):
+                overridden.append(r)
             margins[r] = margin_of(x[r], f)
             values[r] = forced[i]
     return Decision(d.name, values, margins), overridden
@@ -730,10 +731,10 @@ class Tap:
         self._handles = []
         self._undo = []
         self._gates: dict = {}  # layer -> its attn_gate, until _patch_attention records it
-        # --force-decisions: (name, rows overridden) per forced decision; tensors recorded after
-        # the first carry `forced = <the forcing trace's digest>`.
+        # --force-decisions: (name, the rows overridden) per forced decision; tensors recorded
+        # after the first carry `forced = <the forcing trace's digest>`.
         self.forcing = forcing
-        self.forced: list[tuple[str, int]] = []
+        self.forced: list[tuple[str, list[int]]] = []
 
     # -- recording
     def add(self, name: str, t, positions=None, layer_idx=None):
@@ -1045,7 +1046,7 @@ def _check_tokens(model, tokens, extra: int = 0):
 
 def _generate(
     model, tokens, n: int, rc: RunConfig, forcing=None
-) -> tuple[list[Record], list[Decision], list[tuple[str, int]]]:
+) -> tuple[list[Record], list[Decision], list[tuple[str, list[int]]]]:
     """Greedy decode with the model's own KV cache (the DynamicCache its forward creates, sliding
     layers included), or by recomputing the whole sequence. Step 0 decides from the prompt's last
     logits row; step s >= 1 first runs token s-1 at position n+s-1 (cached: that one row on the
@@ -1054,7 +1055,7 @@ def _generate(
     the layers' points and `final_norm.out`. Under --force-decisions step s feeds the forcing
     trace's decode.SSSS.argmax, and the prompt's rows are routed as forced in every forward (as
     in the captured prefill). Returns the tensors, the decisions and the forced record (name,
-    rows overridden)."""
+    the rows overridden)."""
     import torch
 
     records, out, forced = [], [], []
@@ -1138,7 +1139,9 @@ def _require_forced(
             forcing.require(names.decode(s, "argmax"), 1, None, cfg.vocab_size)
 
 
-def _forced_provenance(prov: dict, forcing: Forcing | None, records: list[tuple[str, int]]) -> None:
+def _forced_provenance(
+    prov: dict, forcing: Forcing | None, records: list[tuple[str, list[int]]]
+) -> None:
     if forcing is not None:
         forcing.check_weights(prov.get("weights_digest"))
         prov["forced_decisions"] = forcing.provenance(records)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 from tracegate import names
+from tracegate_contract.force import rows_differing
 
 from .errors import CheckpointError, OracleError
 
@@ -397,7 +398,7 @@ class _Run:
         self.internals = rc.capture == "internals"
         self.records: list = []
         self.decisions: list = []
-        self.forced: list[tuple[str, int]] = []
+        self.forced: list[tuple[str, list[int]]] = []
         self.notes: list[str] = []
         self.encoder_calls = 0
         self.mode = None  # "encode" | "denoise"
@@ -461,10 +462,7 @@ class _Run:
         m = None if margins is None else np.asarray(margins, dtype=np.float32).reshape(-1)
         self.decisions.append(Decision(name, values, m))
         if self.forcing is not None:
-            over = 0
-            if own is not None:
-                own = np.asarray(own).reshape(values.shape[0], -1)
-                over = int((own != values.reshape(values.shape[0], -1)).any(axis=1).sum())
+            over = [] if own is None else rows_differing(values, own)
             self.forced.append((name, over))
 
     # -- forcing: REF's values, checked as they are consumed

@@ -4,12 +4,14 @@
 //! outside the policy, a `near-tie` when its clean source row moved by enough to explain it, a
 //! row `after-near-tie` when an earlier near-tie changed its token, a `defect` otherwise.
 //! Margins are content too: compared by bits, or under a policy within [`margin_tolerance`].
+//! [`own_scores`]: one side's own scores for one of its decision rows, asked alone.
 //!
 //! One concept a file: here, every decision compared and its findings; `source` (where a
 //! decision row's numbers come from: its source tensor, row and token position); `rows` (one
 //! decision compared row by row: margins, and each flip labelled).
 
 mod diffusion;
+mod own;
 mod rows;
 mod scores;
 mod source;
@@ -17,6 +19,7 @@ mod source;
 use tracegate_trace::{DecisionInfo, Trace};
 
 pub(crate) use diffusion::{one_sided_after_sampling, still_different};
+pub use own::{own_scores, OwnScores};
 pub use rows::{margin_tolerance, MARGIN_SLACK};
 
 use crate::excuse::Excusal;

@@ -6,7 +6,7 @@ use tracegate_trace::{DecisionInfo, Trace};
 use tracegate_trace::names::Name;
 
 use super::diffusion::{self, last_step};
-use super::scores::{crossed_gap, margin_of, picks, Scores};
+use super::scores::{crossed_gap, margin_agrees, picks, Scores};
 use super::source::{decode_step, holds_scores, range_divergence, row_position, source_row};
 use crate::excuse::Excusal;
 use crate::passes::{self, Sampler};
@@ -356,14 +356,8 @@ impl Rows<'_> {
                 else {
                     continue;
                 };
-                let Some((want, rounding)) = margin_of(&scores, chosen, router) else {
-                    continue;
-                };
                 let got = margins[row] as f64;
-                let slack = MARGIN_SLACK * 1f64.max(got.abs()).max(want.abs()) + rounding;
-                let agrees =
-                    got == want || (got.is_nan() && want.is_nan()) || (got - want).abs() <= slack;
-                if !agrees {
+                if let Some(Err(want)) = margin_agrees(&scores, chosen, router, got) {
                     count += 1;
                     first.get_or_insert((row, got, want, source.to_string()));
                 }

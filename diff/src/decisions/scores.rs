@@ -133,16 +133,7 @@ pub(super) fn picks(s: &Scores, chosen: &[i64], router: bool) -> Result<(), Stri
             s.len
         ));
     }
-    // Probabilities that round to one value are ranked by index, whatever their logits' order.
-    let extra = if router {
-        2f64.powi(1 - significand_bits(s.dtype).unwrap_or(53))
-    } else {
-        0.0
-    };
-    let beats = |hi: (i64, f64), lo: (i64, f64)| {
-        let slack = s.rounding(hi.1.abs().max(lo.1.abs())) + extra;
-        hi.1 >= lo.1 - slack
-    };
+    let beats = |hi: (i64, f64), lo: (i64, f64)| beats(s, hi.1, lo.1, router);
     let scored: Vec<(i64, f64)> = chosen
         .iter()
         .map(|&x| (x, s.at(x).unwrap_or(f64::NAN)))
@@ -167,6 +158,44 @@ pub(super) fn picks(s: &Scores, chosen: &[i64], router: bool) -> Result<(), Stri
         }
     }
     Ok(())
+}
+
+/// Whether score `hi` ranks at least as high as `lo` up to what the stored scores cannot resolve:
+/// the rounding of the stored dtype at their magnitude and, for a router, the probabilities that
+/// round to one value (ranked by index, whatever their logits' order).
+fn beats(s: &Scores, hi: f64, lo: f64, router: bool) -> bool {
+    let extra = if router {
+        2f64.powi(1 - significand_bits(s.dtype).unwrap_or(53))
+    } else {
+        0.0
+    };
+    hi >= lo - (s.rounding(hi.abs().max(lo.abs())) + extra)
+}
+
+/// Whether the scores `s` tie indexes `x` and `y`: each ranks at least as high as the other up to
+/// what [`picks`] cannot resolve, so either order is the scores' own (an exact tie, broken by
+/// the tie rule of whoever ranked them). False when either is not an index of the row.
+pub(super) fn tied(s: &Scores, x: i64, y: i64, router: bool) -> bool {
+    match (s.at(x), s.at(y)) {
+        (Some(a), Some(b)) => a == b || (beats(s, a, b, router) && beats(s, b, a, router)),
+        _ => false,
+    }
+}
+
+/// Whether a recorded margin `got` for `chosen` agrees with the margin the scores `s` give it
+/// (docs/diff.md, "A recorded margin is a claim"): within `MARGIN_SLACK·max(1, |got|, |want|)`
+/// plus the rounding of the stored scores. Err(want) where it does not; None without an unchosen
+/// index.
+pub(super) fn margin_agrees(
+    s: &Scores,
+    chosen: &[i64],
+    router: bool,
+    got: f64,
+) -> Option<Result<(), f64>> {
+    let (want, rounding) = margin_of(s, chosen, router)?;
+    let slack = super::rows::MARGIN_SLACK * 1f64.max(got.abs()).max(want.abs()) + rounding;
+    let agrees = got == want || (got.is_nan() && want.is_nan()) || (got - want).abs() <= slack;
+    Some(if agrees { Ok(()) } else { Err(want) })
 }
 
 /// The margin the scores `s` give `chosen` (docs/producers.md, "Forced decisions", for a choice
@@ -242,6 +271,22 @@ mod tests {
         // One f32 step apart: the stored scores may have been rounded after the choice.
         let near = row(&[1.0, f32::from_bits(1.0f32.to_bits() + 1), 0.0]);
         assert!(picks(&scores(&near), &[0], false).is_ok());
+    }
+
+    #[test]
+    fn a_tie_is_equal_scores_up_to_what_picks_cannot_resolve() {
+        let up = |x: f32, n: u32| f32::from_bits(x.to_bits() + n);
+        let d = row(&[0.25, 0.25, 0.125, up(0.25, 1), up(0.25, 4)]);
+        let s = scores(&d);
+        assert!(tied(&s, 0, 1, false) && tied(&s, 1, 0, false));
+        assert!(!tied(&s, 0, 2, false));
+        // One f32 step apart: the stored scores may have been rounded after the choice.
+        assert!(tied(&s, 0, 3, false));
+        assert!(!tied(&s, 0, 4, false), "four steps apart");
+        // A router's logits this close give probabilities that round to one value.
+        assert!(tied(&s, 0, 4, true));
+        assert!(!tied(&s, 0, 2, true));
+        assert!(!tied(&s, 0, 5, false), "not an index of the row");
     }
 
     #[test]

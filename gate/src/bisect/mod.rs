@@ -28,7 +28,7 @@ use prefill::*;
 pub use prefill::{producer, BisectOptions, Reference, StoredReference};
 
 /// The report's format (docs/bisect.md, docs/bisect-report.schema.json).
-pub const SCHEMA: &str = "tracegate-bisect/5";
+pub const SCHEMA: &str = "tracegate-bisect/6";
 
 /// Whether the model at `model` (relative to `root`) samples: block diffusion, whose passes after
 /// the prompt ../diffusion/ bisects.

@@ -39,6 +39,9 @@ pub fn render(r: &BisectReport) -> String {
             )),
             None => o.push_str(&format!("  decisions NOT forced: {}\n", f.reason.as_deref().unwrap_or(""))),
         }
+        if let Some(why) = &f.overrides_not_checked {
+            o.push_str(&format!("  its own overrides NOT CHECKED: {why}\n"));
+        }
         for d in &f.unforced {
             let labels: Vec<String> = d.labels.iter().map(|(l, n)| format!("{n} {l}")).collect();
             o.push_str(&format!(

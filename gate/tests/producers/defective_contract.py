@@ -54,6 +54,16 @@ Diffusion Gemma (docs/diffusion-gemma.md DG18, the five incident classes of bloc
                     decoder is bidirectional there; the trace still says bidirectional)
   dg-argmax-second  a denoise step's argmax takes row 0's second-ranked token (a rule that is
                     not argmax; forced, it counts that row as its own choice overridden)
+
+Adversaries of the forced bisection's override rule (docs/bisect.md, "Block diffusion"):
+  dg-argmax-runner-up  every denoise step's argmax takes each row's second-ranked token, and the
+                    forced trace records nothing of what it overrode (no overridden,
+                    overridden_rows or rows_overridden): read as none, it would pass
+  dg-argmax-covered    block 0 step 0's argmax takes row 0's second-ranked token and says so
+                    (overridden 1, row 0), and covers it with a margin of 0 manufactured in the
+                    row of that step whose own margin is smallest: its top two tempered logits
+                    recorded tied (within the policy) and that row's margin recorded 0 — one
+                    row overridden, one margin ≤ 0, in another row
 """
 
 import sys
@@ -212,20 +222,35 @@ def plant_diffusion(defect: str) -> None:
     """The DG18 incident classes, each planted in the computation (the trace records what the
     defective code computed, under the reference's names and attributes)."""
     DG = diffusion_gemma.DiffusionGemma
-    if defect == "dg-argmax-second":
+    if defect in ("dg-argmax-second", "dg-argmax-runner-up", "dg-argmax-covered"):
         orig_argmax = ops.argmax_margin
+        every_row = defect == "dg-argmax-runner-up"
+        where = "denoise.0000.0000." if defect == "dg-argmax-covered" else "denoise."
 
         def argmax_margin(logits, what="logits"):
             top, margin = orig_argmax(logits, what=what)
-            if what.startswith("denoise.") and logits.shape[-1] > 1:
-                row = logits[0]
-                second = int(np.argsort(-row, kind="stable")[1])
-                top = top.copy()
-                margin = margin.copy()
-                top[0], margin[0] = second, ops.margin_of(row, [second])
+            if what.startswith(where) and logits.shape[-1] > 1:
+                top, margin = top.copy(), margin.copy()
+                for r in range(logits.shape[0]) if every_row else [0]:
+                    second = int(np.argsort(-logits[r], kind="stable")[1])
+                    top[r], margin[r] = second, ops.margin_of(logits[r], [second])
             return top, margin
 
         ops.argmax_margin = argmax_margin  # called through the module
+        if defect == "dg-argmax-runner-up":
+            from tracegate_contract import force
+
+            orig_prov = force.Forcing.provenance
+
+            def provenance(self, records):
+                said = orig_prov(self, records)
+                for key in ("rows_overridden", "overridden", "overridden_rows"):
+                    said.pop(key, None)
+                return said
+
+            force.Forcing.provenance = provenance
+        if defect == "dg-argmax-covered":
+            plant_cover(DG)
     elif defect == "dg-canvas-causal":
         orig_attention, orig_visible = DG.attention, ops.attention_visible
         canvas = [0]
@@ -308,12 +333,43 @@ def plant_diffusion(defect: str) -> None:
             elif name.endswith(".stop"):
                 # Forced, the reference's stop is taken; the OR rule would have decided otherwise
                 # where it differs from it (rows 0 and 1 are the forced conditions).
-                overridden += int(values[2] != (values[0] | values[1]))
+                if values[2] != (values[0] | values[1]) and 2 not in overridden:
+                    overridden = [*overridden, 2]
             return orig_record(self, cap, name, values, margins, forced, overridden)
 
         DG._record = record
     else:
         raise SystemExit(f"unknown defect {defect!r}")
+
+
+def plant_cover(DG) -> None:
+    """dg-argmax-covered's cover: in block 0 step 0, the row (other than row 0) whose own margin
+    is smallest gets its top two tempered logits recorded tied, a little below their midpoint
+    (within the policy's relative L2 for `logits.tempered`, and far enough that its margin of 0
+    stays within the margin tolerance the moved logits allow), and its argmax margin recorded 0:
+    consistent with the scores it records. What it computes with is unchanged."""
+    orig_tensor, orig_record = diffusion_gemma.DGCapture.tensor, DG._record
+    covered = [None]
+
+    def tensor(self, name, array, positions, path, mask, internal=False):
+        if name == "denoise.0000.0000.logits.tempered":
+            a = np.array(array, dtype=np.float32)
+            top2 = -np.sort(-a, axis=-1)[:, :2]
+            gaps = top2[:, 0] - top2[:, 1]
+            r = 1 + int(np.argmin(gaps[1:]))
+            t, s = (int(i) for i in np.argsort(-a[r], kind="stable")[:2])
+            gap = a[r, t] - a[r, s]
+            a[r, t] = a[r, s] = np.float32((a[r, t] + a[r, s]) / 2 - gap / 20)
+            covered[0], array = r, a
+        return orig_tensor(self, name, array, positions, path, mask, internal)
+
+    def record(self, cap, name, values, margins, forced, overridden):
+        if name == "denoise.0000.0000.argmax" and covered[0] is not None:
+            margins = np.array(margins, dtype=np.float32)
+            margins[covered[0]] = 0.0
+        return orig_record(self, cap, name, values, margins, forced, overridden)
+
+    diffusion_gemma.DGCapture.tensor, DG._record = tensor, record
 
 
 def answer(defect: str, request: list[str]) -> int:

@@ -496,7 +496,7 @@ impl<'a> DgModel<'a> {
             None => None,
         };
         let mut weight: Vec<Vec<Option<f32>>> = vec![vec![None; ne]; t];
-        let (mut chosen_all, mut margins, mut overridden) = (vec![], vec![], 0u64);
+        let (mut chosen_all, mut margins, mut overridden) = (vec![], vec![], vec![]);
         let mut p = vec![0.0f32; ne];
         for r in 0..t {
             ops::softmax(&g[r * ne..(r + 1) * ne], |_| true, &mut p);
@@ -510,7 +510,9 @@ impl<'a> DgModel<'a> {
                 Some(f) => {
                     let row: Vec<usize> =
                         f[r * k..(r + 1) * k].iter().map(|&e| e as usize).collect();
-                    overridden += u64::from(row != own);
+                    if row != own {
+                        overridden.push(r as u64);
+                    }
                     margins.push(ops::margin_of(&p, &row));
                     row
                 }

@@ -118,7 +118,9 @@ impl Cap {
         });
     }
 
-    pub fn forced(&mut self, name: &str, overridden: u64) {
+    /// The decision just recorded was forced; `overridden`: the rows (ascending) where this
+    /// producer would have chosen otherwise.
+    pub fn forced(&mut self, name: &str, overridden: Vec<u64>) {
         self.first_forced.get_or_insert(self.tensors.len());
         self.forced.push(Record {
             name: name.to_string(),
@@ -329,7 +331,7 @@ fn generate(
         )? {
             Some(f) => {
                 cap.decision(&init_name, &[c], f.clone(), None);
-                cap.forced(&init_name, 0);
+                cap.forced(&init_name, vec![]);
                 f
             }
             None => {
@@ -397,14 +399,10 @@ fn generate(
                         .zip(tempered.chunks(v))
                         .map(|(&t, row)| ops::margin_of(row, &[t as usize]))
                         .collect();
-                    let over = f
-                        .iter()
-                        .zip(&own)
-                        .filter(|(&a, &(o, _))| a != o as i64)
-                        .count();
+                    let over = differing(f.iter().zip(&own).map(|(&a, &(o, _))| a != o as i64));
                     argmax = f;
                     cap.decision(&name, &[c], argmax.clone(), Some(margins.clone()));
-                    cap.forced(&name, over as u64);
+                    cap.forced(&name, over);
                 }
                 None => {
                     argmax = own.iter().map(|&(i, _)| i as i64).collect();
@@ -430,7 +428,7 @@ fn generate(
                         .collect();
                     cap.decision(&name, &[c], f.clone(), Some(m));
                     // A draw has no "own choice" to override: none counted.
-                    cap.forced(&name, 0);
+                    cap.forced(&name, vec![]);
                     f
                 }
                 None => {
@@ -470,9 +468,9 @@ fn generate(
             let name = pass.name("accept");
             let accept = match forced_values(forcing, &name, c, |a| a == 0 || a == 1, "0 or 1")? {
                 Some(f) => {
-                    let over = f.iter().zip(&own_accept).filter(|(a, b)| a != b).count();
+                    let over = differing(f.iter().zip(&own_accept).map(|(a, b)| a != b));
                     cap.decision(&name, &[c], f.clone(), Some(accept_margins(&f, &x, beta)));
-                    cap.forced(&name, over as u64);
+                    cap.forced(&name, over);
                     f
                 }
                 None => {
@@ -499,7 +497,7 @@ fn generate(
                         ));
                     }
                     cap.decision(&name, &[c], f.clone(), None);
-                    cap.forced(&name, 0);
+                    cap.forced(&name, vec![]);
                     f
                 }
                 None => {
@@ -543,8 +541,8 @@ fn generate(
             let (stop, over) =
                 match forced_values(forcing, &name, 3, |a| a == 0 || a == 1, "0 or 1")? {
                     Some(f) => {
-                        let over = f.iter().zip(&own).filter(|(a, b)| a != b).count();
-                        (f, Some(over as u64))
+                        let over = differing(f.iter().zip(&own).map(|(a, b)| a != b));
+                        (f, Some(over))
                     }
                     None => (own.to_vec(), None),
                 };
@@ -820,4 +818,14 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
     let mut w = TraceWriter::create(&o.out, prov)?;
     cap.write(&mut w, forcing.as_ref().map(|f| f.digest.as_str()))?;
     Ok(w.finish()?)
+}
+
+/// The rows (ascending) where a forced decision differs from this producer's own choice, one
+/// `differs` a row.
+fn differing(differs: impl Iterator<Item = bool>) -> Vec<u64> {
+    differs
+        .enumerate()
+        .filter(|&(_, d)| d)
+        .map(|(r, _)| r as u64)
+        .collect()
 }

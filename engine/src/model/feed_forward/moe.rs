@@ -111,7 +111,7 @@ impl<'a> Moe<'a> {
         let name = names::layer(l, "router.topk");
         // Forced rows are keyed by position: row i of the forcing decision is position i's.
         let forced = forcing.and_then(|f| f.values(&name));
-        let mut overridden = 0u64;
+        let mut overridden = Vec::new();
         for r in 0..t {
             ops::softmax(&logits[r * ne..(r + 1) * ne], |_| true, &mut p);
             if p.iter().any(|x| x.is_nan()) {
@@ -127,7 +127,9 @@ impl<'a> Moe<'a> {
             let chosen: Vec<usize> = match forced.and_then(|f| f.get(at..at + k)) {
                 Some(row) => {
                     let row: Vec<usize> = row.iter().map(|&e| e as usize).collect();
-                    overridden += u64::from(row != own);
+                    if row != own {
+                        overridden.push(r as u64);
+                    }
                     margins.push(ops::margin_of(&p, &row));
                     row
                 }

@@ -21,6 +21,7 @@ use tracegate_trace::names::{self, Block as Registered, Diffusion, Name};
 use tracegate_trace::Trace;
 
 use super::decode::DecodeStatus;
+use crate::bisect::prefill::overrides;
 use crate::bisect::prefill::whole::trace_forced;
 use crate::bisect::prefill::{
     self as b, BisectOptions, BisectVerdict, DecisionsForced, Forcing, How, Isolated, Said,
@@ -181,57 +182,28 @@ fn force(
     (f, got.map(|(rep, t)| (rep, t, rel)))
 }
 
-/// A decision taken from numbers alone (a step's argmax, a layer's router top-k), as opposed to
-/// a draw or a rule of the sampler over thresholds (accept, stop, commit).
-fn from_numbers(name: &str) -> bool {
-    match passes::place(name) {
-        Some(p) if p.layer.is_some() => Name::parse(name).point == "router.topk",
-        Some(p) => p.sampler == Some(Sampler::Argmax),
-        None => false,
-    }
-}
-
-/// The argmax and router decisions a forced candidate overrode where its own numbers do not
-/// explain it:
-/// its margins outside the policy, or fewer rows whose forced margin is ≤ 0 (its own logits
-/// rank another token above the reference's, docs/producers.md) than rows it overrode — an
-/// override where its own logits put the reference's token on top is a rule that is not argmax.
-fn unexplained(f: &DecisionsForced, rep: &Report, cand: &Trace) -> Vec<String> {
-    let margins_off = |name: &str| {
-        rep.findings
-            .iter()
-            .any(|x| x.kind == FindingKind::MarginDiffers && x.tensor() == Some(name))
-    };
-    let Some(m) = f.overridden.as_ref().and_then(|v| v.as_object()) else {
-        return vec![];
-    };
-    m.iter()
-        .filter(|(name, _)| from_numbers(name))
-        .filter(|(name, n)| {
-            let below = cand
-                .decision_info(name)
-                .and_then(|d| cand.decision_margins(d))
-                .map_or(0, |ms| ms.iter().filter(|&&x| x <= 0.0).count() as u64);
-            margins_off(name) || below < n.as_u64().unwrap_or(u64::MAX)
-        })
-        .map(|(name, _)| name.clone())
-        .collect()
-}
-
 /// The rows a forced candidate would have decided otherwise, as "NAME: N" items: (failing,
 /// said). A rule of the sampler (accept, stop, commit) overridden fails: its margins are
 /// distances to thresholds computed from numbers the comparison judges, so only the rule itself
 /// can decide otherwise. An argmax or router overridden is said, not failed, when its own
-/// numbers explain it ([`unexplained`] lists those they do not): its flip is then within what
-/// the judged scores' divergence explains (docs/diff.md, "The near-tie rule"); else it fails.
+/// numbers explain each row it overrode (`decisions_forced.overrides_unexplained` lists those
+/// they do not, overrides.rs): its flip is then within what the judged scores' divergence
+/// explains (docs/diff.md, "The near-tie rule"), or an exact tie broken otherwise; else it fails.
 /// A draw overridden is the other generator's, taken as given.
-fn overridden(f: &DecisionsForced, unexplained: &[String]) -> (Vec<String>, Vec<String>) {
+fn overridden(f: &DecisionsForced) -> (Vec<String>, Vec<String>) {
     let (mut failing, mut said) = (Vec::new(), Vec::new());
     for (name, n) in own_overrides(f) {
         let item = format!("{name}: {n}");
-        match (from_numbers(name), unexplained.iter().any(|u| u == name)) {
-            (true, false) => said.push(item),
-            (true, true) => failing.push(format!("{item} (not explained by its own numbers)")),
+        let unexplained = f.overrides_unexplained.iter().find(|u| u.decision == name);
+        match (overrides::from_numbers(name), unexplained) {
+            (true, None) => said.push(match f.overrides_ties.get(name) {
+                Some(t) => format!("{item} ({t} an exact tie)"),
+                None => item,
+            }),
+            (true, Some(u)) => failing.push(format!(
+                "{item} (not explained by its own numbers: {})",
+                overrides::why_words(u)
+            )),
             (false, _) => failing.push(item),
         }
     }
@@ -246,11 +218,7 @@ pub(crate) fn own_overrides(f: &DecisionsForced) -> Vec<(&str, &serde_json::Valu
         .and_then(|v| v.as_object())
         .into_iter()
         .flatten()
-        .filter(|(name, _)| {
-            !passes::place(name)
-                .and_then(|p| p.sampler)
-                .is_some_and(Sampler::is_draw)
-        })
+        .filter(|(name, _)| !overrides::is_draw(name))
         .map(|(name, n)| (name.as_str(), n))
         .collect()
 }
@@ -301,7 +269,11 @@ pub fn run(
     };
     let forced = c.forced || forced_run.is_some();
     if let (Some(f), Some(_)) = (&d.forced, &forced_run) {
-        d.forced_unexplained = unexplained(f, rep, cand);
+        d.forced_unexplained = f
+            .overrides_unexplained
+            .iter()
+            .map(|u| u.decision.clone())
+            .collect();
     }
     let div = diverging(c.reference, rep, forced);
     let Some(first) = div.first() else {
@@ -433,17 +405,31 @@ fn with_observations(d: &DiffusionReport, (verdict, mut summary): Said) -> Said 
     let Some(f) = d.forced.as_ref().filter(|f| f.status == Forcing::Forced) else {
         return (verdict, summary);
     };
-    let (failing, said) = overridden(f, &d.forced_unexplained);
+    let (failing, said) = overridden(f);
     summary.push_str(&format!(
         "; the candidate was traced taking the reference's draws and decisions (another generator; it would have taken {} of its own decisions otherwise, draws aside)",
         failing.len() + said.len()
     ));
     if !said.is_empty() {
         summary.push_str(&format!(
-            "; argmax or router rows it would have taken otherwise where its own scores rank another choice on top within the policy's margins (said, not failed): {}",
+            "; argmax or router rows it would have taken otherwise where its own scores rank another choice on top within the policy's margins, or tie exactly (said, not failed): {}",
             said.join(", ")
         ));
     }
+    // An override record that cannot be read or judged: what the candidate would itself have
+    // decided is unknown, never none.
+    let (verdict, summary) = match &f.overrides_not_checked {
+        Some(why) => {
+            let words = format!("the candidate's own decisions NOT CHECKED: {why}");
+            match verdict {
+                BisectVerdict::NothingWrong => {
+                    (BisectVerdict::NotChecked, format!("{words}; {summary}"))
+                }
+                v => (v, format!("{summary}; {words}")),
+            }
+        }
+        None => (verdict, summary),
+    };
     if failing.is_empty() {
         return (verdict, summary);
     }
@@ -457,7 +443,7 @@ fn with_observations(d: &DiffusionReport, (verdict, mut summary): Said) -> Said 
         failing[..failing.len().min(SHOWN)].join(", ")
     );
     match verdict {
-        BisectVerdict::NothingWrong => (
+        BisectVerdict::NothingWrong | BisectVerdict::NotChecked => (
             BisectVerdict::DecisionsDiffer,
             format!(
                 "{words}; {}",

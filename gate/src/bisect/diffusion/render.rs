@@ -43,6 +43,9 @@ pub fn render(d: &DiffusionReport) -> String {
                         format!("{}{more}", own[..own.len().min(SHOWN)].join(", "))
                     }
                 ));
+                if let Some(why) = &f.overrides_not_checked {
+                    o.push_str(&format!("    its own decisions NOT CHECKED: {why}\n"));
+                }
             }
             Forcing::NotForced => o.push_str(&format!(
                 "    decisions NOT forced: {}\n",

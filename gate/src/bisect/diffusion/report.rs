@@ -18,8 +18,9 @@ pub struct DiffusionReport {
     /// The candidate traced again taking the reference's draws and decisions (its generator
     /// differs); null when the draws agreed.
     pub forced: Option<DecisionsForced>,
-    /// Forced: the argmax decisions the candidate overrode where its own numbers do not explain
-    /// it (margins outside the policy, or its logits putting the reference's token on top).
+    /// Forced: the argmax and router decisions the candidate overrode in rows their own numbers
+    /// do not explain (margins outside the policy, or a row's own margin putting the reference's
+    /// choice on top with no exact tie); their rows and why: `forced.overrides_unexplained`.
     pub forced_unexplained: Vec<String>,
     /// Passes after the prompt in the reference (denoise steps and commit passes), and those
     /// compared up to and including the first diverging one.

@@ -11,7 +11,8 @@
 //! This file: the options and the helpers the phases share. The phases, which crate::bisect's
 //! `run` drives: whole.rs the whole runs (run, judge, force decisions, locate), layers.rs the
 //! per-layer phases, isolate.rs layer isolation and self-consistency, calibrate.rs
-//! `--calibrate`, verdict.rs the verdict; report.rs holds the report's types.
+//! `--calibrate`, verdict.rs the verdict, overrides.rs a forced candidate's own overrides judged
+//! row by row (the prefill's and the block diffusion's); report.rs holds the report's types.
 
 use std::path::{Path, PathBuf};
 
@@ -30,6 +31,7 @@ use crate::{gerr, Result};
 mod calibrate;
 mod isolate;
 pub(super) mod layers;
+pub(crate) mod overrides;
 mod report;
 mod stored;
 mod verdict;

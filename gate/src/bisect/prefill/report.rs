@@ -461,6 +461,18 @@ pub struct DecisionsForced {
     /// decision.
     pub rows_overridden: Option<u64>,
     pub overridden: Option<serde_json::Value>,
+    /// From the same provenance: the rows of each decision it would have decided otherwise
+    /// (`{decision: [row, …]}`, as recorded).
+    pub overridden_rows: Option<serde_json::Value>,
+    /// Why its overrides were not judged (a record missing or contradicting itself, a row that
+    /// could not be told), or null: then every argmax and router row it overrode was judged by
+    /// its own margin (overrides.rs).
+    pub overrides_not_checked: Option<String>,
+    /// The argmax and router rows it overrode that its own numbers do not explain.
+    pub overrides_unexplained: Vec<super::overrides::Unexplained>,
+    /// Rows it overrode that are exact ties (a top-k in another order among equal scores), per
+    /// decision: said, not failed.
+    pub overrides_ties: std::collections::BTreeMap<String, u64>,
 }
 
 /// The first element of an inconsistency: by bits the first differing element, under a policy

@@ -119,17 +119,67 @@ pub(crate) fn with_forcing(f: &DecisionsForced, (verdict, summary): Said) -> Sai
             own.join(", ")
         )
     };
-    if verdict == BisectVerdict::NothingWrong
+    let said = if verdict == BisectVerdict::NothingWrong
         && f.unforced
             .iter()
             .any(|d| d.labels.contains_key(&Label::Defect))
     {
-        return (BisectVerdict::DecisionsDiffer, format!("the numbers agree once decisions are forced, but the candidate decides otherwise where they do not explain it{own}; {unforced}"));
+        (BisectVerdict::DecisionsDiffer, format!("the numbers agree once decisions are forced, but the candidate decides otherwise where they do not explain it{own}; {unforced}"))
+    } else {
+        (
+            verdict,
+            format!("with decisions forced from the reference: {summary}{own}; {unforced}"),
+        )
+    };
+    with_own_overrides(f, said)
+}
+
+/// A forced run's own overrides, judged row by row (overrides.rs), said after the verdict: rows
+/// its own numbers do not explain make a clean verdict `decisions_differ`; overrides that could
+/// not be judged make it NOT CHECKED, never nothing wrong; exact ties are said, not failed.
+pub(crate) fn with_own_overrides(f: &DecisionsForced, (verdict, mut summary): Said) -> Said {
+    if f.status != Forcing::Forced {
+        return (verdict, summary);
     }
-    (
-        verdict,
-        format!("with decisions forced from the reference: {summary}{own}; {unforced}"),
-    )
+    if !f.overrides_ties.is_empty() {
+        let ties: Vec<String> = f
+            .overrides_ties
+            .iter()
+            .map(|(name, n)| format!("{name}: {n}"))
+            .collect();
+        summary.push_str(&format!(
+            "; rows it would have ordered otherwise among experts whose scores tie exactly (said, not failed): {}",
+            ties.join(", ")
+        ));
+    }
+    let not_checked = f
+        .overrides_not_checked
+        .as_ref()
+        .map(|why| format!("the candidate's own overrides NOT CHECKED: {why}"));
+    if !f.overrides_unexplained.is_empty() {
+        let words = format!(
+            "the candidate's own decisions differ on the reference's numbers, not explained by its own numbers: {}",
+            overrides::unexplained_words(&f.overrides_unexplained, 3)
+        );
+        let tail = not_checked.map(|w| format!("; {w}")).unwrap_or_default();
+        return match verdict {
+            BisectVerdict::NothingWrong => {
+                let rest = summary.strip_prefix("nothing wrong: ").unwrap_or(&summary);
+                (
+                    BisectVerdict::DecisionsDiffer,
+                    format!("{words}; {rest}{tail}"),
+                )
+            }
+            _ => (verdict, format!("{summary}; {words}{tail}")),
+        };
+    }
+    match (verdict, not_checked) {
+        (BisectVerdict::NothingWrong, Some(w)) => {
+            (BisectVerdict::NotChecked, format!("{w}; {summary}"))
+        }
+        (_, Some(w)) => (verdict, format!("{summary}; {w}")),
+        (_, None) => (verdict, summary),
+    }
 }
 
 /// The verdict and summary from the layers' statuses and where the whole runs diverge;

@@ -327,12 +327,30 @@ pub(crate) fn trace_forced(
             .collect(),
         rows_overridden: None,
         overridden: None,
+        overridden_rows: None,
+        overrides_not_checked: None,
+        overrides_unexplained: vec![],
+        overrides_ties: Default::default(),
     };
     match forced_run(o, reference, &rec, &rel, opts) {
         Ok((rep, t)) => {
             let prov = &t.provenance()["forced_decisions"];
             f.rows_overridden = prov["rows_overridden"].as_u64();
             f.overridden = Some(prov["overridden"].clone());
+            f.overridden_rows = Some(prov["overridden_rows"].clone());
+            // The argmax and router rows it overrode, each judged by its own margin; what the
+            // comparison leaves out (a prefill's filter) is not judged here.
+            match overrides::record(&t) {
+                Ok(rows) => {
+                    let j = overrides::judge(&t, &rep, &rows, &|n| opts.selects(n));
+                    f.overrides_unexplained = j.unexplained;
+                    f.overrides_ties = j.ties;
+                    if !j.not_checked.is_empty() {
+                        f.overrides_not_checked = Some(j.not_checked.join("; "));
+                    }
+                }
+                Err(why) => f.overrides_not_checked = Some(why),
+            }
             f.status = Forcing::Forced;
             f.candidate_trace = Some(rel);
             (f, Some((rep, t)))

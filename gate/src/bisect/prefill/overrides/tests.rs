@@ -1,0 +1,335 @@
+//! The override record and the row rule, on traces written as an adversary would (TraceWriter):
+//! a record left out or contradicting itself is not read as none; each overridden row is judged
+//! by its own margin, not by a count of rows with a margin ≤ 0 anywhere; an exact tie broken the
+//! other way inside a top-k is a tie.
+
+use serde_json::{json, Value};
+use tracegate_diff::{compare, Options};
+use tracegate_trace::{Attributes, Trace, TraceWriter};
+
+use super::*;
+
+/// A forced trace of `logits` [rows, 4] and `logits.argmax` (values, margins), and a router's
+/// `router.logits` [rows, 4] and `router.topk` [rows, 2], with `forced` as
+/// `forced_decisions` (its `decisions` added).
+struct Forced<'a> {
+    logits: &'a [[f32; 4]],
+    argmax: (&'a [i64], &'a [f32]),
+    router_logits: &'a [[f32; 4]],
+    topk: &'a [[i64; 2]],
+}
+
+/// The f32 margin a producer records for `chosen` among `probs` (weakest chosen − strongest
+/// unchosen, in f64 here, rounded once).
+fn margin(v: &[f64], chosen: &[i64]) -> f32 {
+    let weakest = chosen
+        .iter()
+        .map(|&c| v[c as usize])
+        .fold(f64::INFINITY, f64::min);
+    let strongest = (0..v.len() as i64)
+        .filter(|i| !chosen.contains(i))
+        .map(|i| v[i as usize])
+        .fold(f64::NEG_INFINITY, f64::max);
+    (weakest - strongest) as f32
+}
+
+fn softmax(z: &[f32; 4]) -> Vec<f64> {
+    let max = z.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+    let e: Vec<f64> = z.iter().map(|&x| (x as f64 - max).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|x| x / sum).collect()
+}
+
+fn write(dir: &std::path::Path, x: &Forced, forced: Value) -> Trace {
+    let path = dir.join("forced.trace");
+    let mut f = forced;
+    f["decisions"] = json!(["layer.00.router.topk", "logits.argmax"]);
+    f["trace_digest"] = json!("00");
+    let mut w = TraceWriter::create(&path, json!({ "forced_decisions": f })).unwrap();
+    let a = Attributes::default();
+    let flat = |rows: &[[f32; 4]]| rows.iter().flatten().copied().collect::<Vec<f32>>();
+    let n = x.router_logits.len() as u64;
+    w.tensor_f32(
+        "layer.00.router.logits",
+        &[n, 4],
+        &flat(x.router_logits),
+        &a,
+    )
+    .unwrap();
+    let margins: Vec<f32> = x
+        .router_logits
+        .iter()
+        .zip(x.topk)
+        .map(|(z, c)| margin(&softmax(z), c))
+        .collect();
+    let topk: Vec<i64> = x.topk.iter().flatten().copied().collect();
+    w.decision("layer.00.router.topk", &[n, 2], &topk, Some(&margins))
+        .unwrap();
+    let m = x.logits.len() as u64;
+    w.tensor_f32("logits", &[m, 4], &flat(x.logits), &a)
+        .unwrap();
+    w.decision("logits.argmax", &[m], x.argmax.0, Some(x.argmax.1))
+        .unwrap();
+    w.finish().unwrap();
+    Trace::open(&path).unwrap()
+}
+
+/// The argmax's own margin for each forced token, as an honest producer records it.
+fn honest(logits: &[[f32; 4]], tokens: &[i64]) -> Vec<f32> {
+    logits
+        .iter()
+        .zip(tokens)
+        .map(|(z, &t)| margin(&z.map(f64::from), &[t]))
+        .collect()
+}
+
+const LOGITS: [[f32; 4]; 3] = [
+    [2.0, 1.0, 0.0, -1.0],
+    [1.0, 0.5, 0.0, -1.0],
+    [0.0, 3.0, 1.0, -1.0],
+];
+const ROUTER: [[f32; 4]; 1] = [[1.0, 0.5, 0.0, -1.0]];
+
+fn judged(t: &Trace) -> Judged {
+    let rows = record(t).unwrap();
+    let rep = compare(t, t, &Options::default());
+    judge(t, &rep, &rows, &|_| true)
+}
+
+#[test]
+fn a_record_left_out_or_contradicting_itself_is_never_read_as_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [0, 0, 1];
+    let margins = honest(&LOGITS, &tokens);
+    let x = Forced {
+        logits: &LOGITS,
+        argmax: (&tokens, &margins),
+        router_logits: &ROUTER,
+        topk: &[[0, 1]],
+    };
+    let refused = |forced: Value| record(&write(dir.path(), &x, forced)).unwrap_err();
+    // A forced port that records nothing of what it overrode.
+    let why = refused(json!({}));
+    assert!(why.contains("records no overridden"), "{why}");
+    // Counts without the rows they count.
+    let why = refused(json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}}));
+    assert!(why.contains("records no overridden_rows"), "{why}");
+    for (forced, said) in [
+        (
+            json!({"rows_overridden": 2, "overridden": {"logits.argmax": 2}, "overridden_rows": {"logits.argmax": [1]}}),
+            "overridden counts 2 rows of logits.argmax, overridden_rows lists 1",
+        ),
+        (
+            json!({"rows_overridden": 1, "overridden": {}, "overridden_rows": {"logits.argmax": [1]}}),
+            "overridden counts 0 rows of logits.argmax, overridden_rows lists 1",
+        ),
+        (
+            json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [3]}}),
+            "lists row 3; the decision has 3 rows",
+        ),
+        (
+            json!({"rows_overridden": 2, "overridden": {"logits.argmax": 2}, "overridden_rows": {"logits.argmax": [1, 1]}}),
+            "lists row 1 twice",
+        ),
+        (
+            json!({"rows_overridden": 1, "overridden": {"decode.0000.argmax": 1}, "overridden_rows": {"decode.0000.argmax": [0]}}),
+            "names decode.0000.argmax, a decision the forced trace does not hold",
+        ),
+        (
+            json!({"rows_overridden": 0, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [1]}}),
+            "rows_overridden is 0, not the 1 rows",
+        ),
+        (
+            json!({"overridden": {}, "overridden_rows": {}}),
+            "rows_overridden is missing or not a count",
+        ),
+    ] {
+        let why = refused(forced);
+        assert!(why.contains(said), "{why}");
+    }
+    let t = write(
+        dir.path(),
+        &x,
+        json!({"rows_overridden": 0, "overridden": {}, "overridden_rows": {}}),
+    );
+    assert_eq!(record(&t).unwrap(), OverriddenRows::new());
+}
+
+#[test]
+fn each_overridden_row_is_judged_by_its_own_margin_not_by_a_count() {
+    let dir = tempfile::tempdir().unwrap();
+    // The reference's tokens are the scores' own everywhere; the candidate says it overrode
+    // row 0 (its rule took the second-best there) and manufactures a margin ≤ 0 in row 2, which
+    // it did not override: one row overridden, one margin ≤ 0 — a count would call it explained.
+    let tokens = [0, 0, 1];
+    let mut margins = honest(&LOGITS, &tokens);
+    margins[2] = -0.0;
+    let x = Forced {
+        logits: &LOGITS,
+        argmax: (&tokens, &margins),
+        router_logits: &ROUTER,
+        topk: &[[0, 1]],
+    };
+    let forced = json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [0]}});
+    let j = judged(&write(dir.path(), &x, forced));
+    assert_eq!(j.unexplained.len(), 1, "{j:?}");
+    let u = &j.unexplained[0];
+    assert_eq!(
+        (u.decision.as_str(), u.rows.as_slice()),
+        ("logits.argmax", &[0u64][..])
+    );
+    assert!(
+        u.why.contains("its margin 1e0 > 0") && u.why.contains("put the reference's choice on top"),
+        "{}",
+        u.why
+    );
+    assert_eq!(
+        unexplained_words(&j.unexplained, 3),
+        format!("logits.argmax row 0: {}", u.why)
+    );
+    // Row 1 honestly overridden (its scores rank token 1 above the reference's 2): explained.
+    let tokens = [0, 2, 1];
+    let margins = honest(&LOGITS, &tokens);
+    assert!(margins[1] < 0.0);
+    let x = Forced {
+        argmax: (&tokens, &margins),
+        ..x
+    };
+    let forced = json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [1]}});
+    assert_eq!(judged(&write(dir.path(), &x, forced)), Judged::default());
+    // The same run recording row 0 instead: row 0's margin is the scores' own top, so it is not
+    // explained; and row 1, whose margin < 0 says it was overridden, is missing from the record.
+    let forced = json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [0]}});
+    let j = judged(&write(dir.path(), &x, forced));
+    assert_eq!(j.unexplained[0].rows, [0]);
+    assert!(
+        j.not_checked.len() == 1
+            && j.not_checked[0].starts_with("logits.argmax row 1: its margin -1e0 < 0"),
+        "{j:?}"
+    );
+    // A margin that its own scores contradict explains nothing, whatever its sign.
+    let mut margins = honest(&LOGITS, &tokens);
+    margins[1] = -0.25;
+    let x = Forced {
+        argmax: (&tokens, &margins),
+        ..x
+    };
+    let forced = json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [1]}});
+    let j = judged(&write(dir.path(), &x, forced));
+    assert!(
+        j.unexplained[0]
+            .why
+            .starts_with("its recorded margin -2.5e-1 contradicts its own logits (-1e0"),
+        "{j:?}"
+    );
+}
+
+#[test]
+fn an_exact_tie_ordered_otherwise_inside_a_top_k_is_a_tie_and_only_that() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [0, 0, 1];
+    let margins = honest(&LOGITS, &tokens);
+    // Row 0: experts 0 and 1 score exactly alike; the candidate's tie rule (lowest index first)
+    // chose [0, 1], the reference's [1, 0]: the same experts, margin > 0, a tie.
+    // Row 1: [1, 0] where its scores rank 0 above 1: another order, not a tie.
+    // Row 2: at the edge, experts 1 and 2 tie: the reference took 2, margin 0.
+    // Row 3: [0, 1] is exactly its own order: nothing of its own to override.
+    let router = [
+        [0.5, 0.5, 0.0, -1.0],
+        [1.0, 0.5, 0.0, -1.0],
+        [1.0, 0.5, 0.5, -1.0],
+        [1.0, 0.5, 0.0, -1.0],
+    ];
+    let x = Forced {
+        logits: &LOGITS,
+        argmax: (&tokens, &margins),
+        router_logits: &router,
+        topk: &[[1, 0], [1, 0], [0, 2], [0, 1]],
+    };
+    let name = "layer.00.router.topk";
+    let forced = |rows: &[u64]| json!({"rows_overridden": rows.len(), "overridden": {name: rows.len()}, "overridden_rows": {name: rows}});
+    let j = judged(&write(dir.path(), &x, forced(&[0, 2])));
+    assert_eq!(j.ties.get(name), Some(&1), "{j:?}");
+    assert!(
+        j.unexplained.is_empty() && j.not_checked.is_empty(),
+        "{j:?}"
+    );
+    let j = judged(&write(dir.path(), &x, forced(&[0, 1, 3])));
+    assert_eq!(j.ties.get(name), Some(&1), "{j:?}");
+    assert_eq!(j.unexplained.len(), 1, "{j:?}");
+    assert_eq!(j.unexplained[0].rows, [1, 3], "{j:?}");
+    assert!(
+        j.unexplained[0]
+            .why
+            .contains("do not rank them so: it ranks 1 (score 0.5) above 0 (score 1); not a tie"),
+        "{j:?}"
+    );
+    let j = judged(&write(dir.path(), &x, forced(&[3])));
+    assert!(
+        j.unexplained[0].why.contains("with no tie among them"),
+        "{j:?}"
+    );
+}
+
+/// The prefill's verdict with a forced run's overrides (verdict.rs `with_own_overrides`): rows
+/// its own numbers do not explain make a clean run `decisions_differ`; a record that could not
+/// be judged makes it NOT CHECKED, never nothing wrong; exact ties are said.
+#[test]
+fn a_clean_verdict_takes_the_overrides_judgement() {
+    use crate::bisect::prefill::{with_own_overrides, BisectVerdict, DecisionsForced, Forcing};
+    let f = |unexplained: Vec<Unexplained>, not_checked: Option<&str>, ties: &[(&str, u64)]| {
+        DecisionsForced {
+            status: Forcing::Forced,
+            reason: None,
+            from: "r.trace".into(),
+            from_digest: "00".into(),
+            candidate_trace: Some("c.trace".into()),
+            unforced: vec![],
+            rows_overridden: Some(1),
+            overridden: None,
+            overridden_rows: None,
+            overrides_not_checked: not_checked.map(str::to_string),
+            overrides_unexplained: unexplained,
+            overrides_ties: ties.iter().map(|(n, k)| (n.to_string(), *k)).collect(),
+        }
+    };
+    let clean = || {
+        (
+            BisectVerdict::NothingWrong,
+            "nothing wrong: they agree".to_string(),
+        )
+    };
+    let (v, s) = with_own_overrides(&f(vec![], None, &[("layer.00.router.topk", 1)]), clean());
+    assert_eq!(v, BisectVerdict::NothingWrong);
+    assert!(
+        s.ends_with("tie exactly (said, not failed): layer.00.router.topk: 1"),
+        "{s}"
+    );
+    let (v, s) = with_own_overrides(&f(vec![], Some("no rows"), &[]), clean());
+    assert_eq!(v, BisectVerdict::NotChecked);
+    assert_eq!(
+        s,
+        "the candidate's own overrides NOT CHECKED: no rows; nothing wrong: they agree"
+    );
+    let u = Unexplained {
+        decision: "logits.argmax".into(),
+        rows: vec![2, 4],
+        why: "its margin 1e0 > 0".into(),
+    };
+    let (v, s) = with_own_overrides(&f(vec![u.clone()], Some("no rows"), &[]), clean());
+    assert_eq!(v, BisectVerdict::DecisionsDiffer);
+    assert_eq!(
+        s,
+        "the candidate's own decisions differ on the reference's numbers, not explained by its own numbers: logits.argmax rows 2, 4 (row 2: its margin 1e0 > 0); they agree; the candidate's own overrides NOT CHECKED: no rows"
+    );
+    // A verdict that already fails keeps its own and says the overrides after it.
+    let (v, s) = with_own_overrides(
+        &f(vec![u], None, &[]),
+        (BisectVerdict::WrongLayer, "layer 01 is wrong".into()),
+    );
+    assert_eq!(v, BisectVerdict::WrongLayer);
+    assert!(
+        s.starts_with("layer 01 is wrong; the candidate's own decisions differ"),
+        "{s}"
+    );
+}
