@@ -261,9 +261,10 @@ fn finer_than_claimed(candidate: &Trace, claim: &str) -> Option<Finding> {
     ))
 }
 
-/// The producers whose runs may serve as honest noise: tracegate's own reference producers.
-/// A candidate's trace (or a copy of it) would make every ratio 1 and size its own near-ties.
-pub const NOISE_PRODUCERS: [&str; 3] = ["oracle", "engine", "contract"];
+/// The producers whose runs may serve as honest noise: tracegate's own reference producers (the
+/// oracle with 8-bit activations for a q8 claim). A candidate's trace (or a copy of it) would
+/// make every ratio 1 and size its own near-ties.
+pub const NOISE_PRODUCERS: [&str; 4] = ["oracle", "engine", "contract", "oracle-q8-activations"];
 
 /// Why a noise reference cannot be believed, if it cannot: it is the candidate's own content, or
 /// not a reference producer's run.

@@ -132,6 +132,22 @@ def test_a_gguf_port_gated_against_golden_traces(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "TRACEGATE_PYTHON": "/nonexistent"}  # no torch
     r = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+    # A q8 claim (llama.cpp's CPU path): blessed again, the noise run is transformers with 8-bit
+    # activations on the GGUF's weights, recorded and read.
+    ms = json.loads((tmp_path / "milestones.json").read_text())
+    ms["milestones"][0]["policy"] = "q8"
+    (tmp_path / "milestones.json").write_text(json.dumps(ms))
+    r = subprocess.run(
+        run[:3] + ["--bless"], cwd=tmp_path, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+    noise = json.loads((tmp_path / "milestones.json").read_text())["milestones"][0]["port"]["noise"]
+    import tracegate
+
+    n = tracegate.Trace(str(tmp_path / noise["a"]["trace"]))
+    assert n.provenance["producer"] == "oracle-q8-activations"
+    r = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
     data = bytearray((tmp_path / "model.gguf").read_bytes())
     data[-100] ^= 1  # in the last tensor's data
     (tmp_path / "model.gguf").write_bytes(bytes(data))

@@ -111,6 +111,22 @@ fn noise_producer(
             oracle(&format!("--dtype {claim} --device {}", r.device))?,
             format!("the oracle in {claim}"),
         )),
+        // A quantized port (llama.cpp's CPU path): transformers in f32 on the GGUF's weights with
+        // its matmul inputs rounded as ggml rounds them (tracegate_oracle.quantized_activations).
+        ("q8", "f32") if is_gguf(&o.root.join(&plan.model)) => {
+            let py = tracegate_producers::python(&o.root, "TRACEGATE_ORACLE_PYTHON");
+            Ok((
+                Producer::command(
+                    "noise",
+                    &format!("'{py}' -m tracegate_oracle.quantized_activations {{verb}} {{args}}"),
+                )
+                .map_err(|e| e.to_string())?,
+                "the oracle with 8-bit activations (quantized_activations)".into(),
+            ))
+        }
+        ("q8", _) => Err(
+            "a q8 claim's noise run (8-bit activations simulated on the GGUF's weights) needs a GGUF model and an f32 reference".into(),
+        ),
         // The reference is itself the claimed precision's run: its difference from f32 is the
         // noise.
         (c, d) if c == d => f32_run(),
@@ -118,6 +134,22 @@ fn noise_producer(
             "no noise run for the claimed precision {c} against a {d} reference yet"
         )),
     }
+}
+
+/// A GGUF model: a `.gguf` file, or a directory holding one and no safetensors.
+fn is_gguf(model: &Path) -> bool {
+    let gguf = |p: &Path| p.extension().is_some_and(|e| e == "gguf");
+    if model.is_file() {
+        return gguf(model);
+    }
+    let Ok(entries) = std::fs::read_dir(model) else {
+        return false;
+    };
+    let files: Vec<std::path::PathBuf> = entries.flatten().map(|e| e.path()).collect();
+    files.iter().any(|f| gguf(f))
+        && !files
+            .iter()
+            .any(|f| f.extension().is_some_and(|e| e == "safetensors"))
 }
 
 /// The text prompts of `set` tokenized by `model`'s own tokenizer, through the oracle's Python
