@@ -1312,6 +1312,13 @@ fn attack_decode_steps_after_a_near_tie_hide_no_nan_and_no_step_without_one() {
 
 // --- the judged never sizes its own near-tie (issue: the near-tie bound is the candidate's) ---
 
+/// Every decode step of `with_decode_steps`'s candidate moved far: what follows the flip.
+fn scramble_decode(c: &mut Spec) {
+    for s in 0..2 {
+        push_token(c, &format!("decode.{s:04}.layer.00.hidden_out"), 0, 7.0);
+    }
+}
+
 /// The reference of `with_decode_steps` with logits of a trained model's size (x100), and its
 /// last row's runner-up (token 5) `gap` below the top (token 14).
 fn large_logits(gap: f32) -> Spec {
@@ -1357,14 +1364,7 @@ fn attack_a_candidate_spending_the_logits_budget_on_two_elements_is_no_near_tie(
         5
     );
     // Every decode step afterwards is a random number.
-    for s in 0..2 {
-        push_token(
-            &mut c,
-            &format!("decode.{s:04}.layer.00.hidden_out"),
-            0,
-            7.0,
-        );
-    }
+    scramble_decode(&mut c);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(
         status(&rep, "logits"),
@@ -1393,14 +1393,7 @@ fn attack_a_candidate_spending_the_logits_budget_on_two_elements_is_no_near_tie(
     c.set_f32("logits", 3 * 16 + 14, top - 6e-4);
     c.set_f32("logits", 3 * 16 + 5, top - 1e-3 + 6e-4);
     c.decide();
-    for s in 0..2 {
-        push_token(
-            &mut c,
-            &format!("decode.{s:04}.layer.00.hidden_out"),
-            0,
-            7.0,
-        );
-    }
+    scramble_decode(&mut c);
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(flip(&rep, "logits.argmax", 3).0, "near-tie");
     assert_eq!(rep.verdict, Verdict::NotChecked, "{}", render_human(&rep));

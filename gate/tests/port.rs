@@ -853,20 +853,7 @@ fn attack_evidence_is_pinned_a_golden_or_noise_trace_swapped_for_the_ports_own_i
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     // The defective port's own output, kept.
     set_candidate(d, &port_cmd(" --plant k-norm:3"));
-    let rp = d.join("r.json");
-    let out = gate(
-        d,
-        &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    failing_check(d, "agrees");
     let own = d.join("own.trace");
     std::fs::copy(d.join("target/gate/port/model/short/candidate.trace"), &own).unwrap();
     let own_t = tracegate_trace::Trace::open(&own).unwrap();
