@@ -57,8 +57,22 @@ def headline(ref: Path, cand: Path, policy: str) -> str:
     return p.stdout.splitlines()[0]
 
 
+def tokens_of(prompt: str) -> list[int]:
+    frozen = json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]
+    return next(p["tokens"] for p in frozen if p["id"] == prompt)
+
+
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
+    return bf16_traces(tmp_path_factory, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def traces_mid(tmp_path_factory):
+    return bf16_traces(tmp_path_factory, tokens_of("mid"))
+
+
+def bf16_traces(tmp_path_factory, tokens: list[int]):
     """(engine f32, oracle bf16, oracle bf16 forced from the engine), all with internals."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -76,7 +90,7 @@ def traces(tmp_path_factory):
             "--model",
             str(MODEL),
             "--tokens",
-            ",".join(map(str, TOKENS)),
+            ",".join(map(str, tokens)),
             "--out",
             str(engine),
             "--capture",
@@ -93,7 +107,7 @@ def traces(tmp_path_factory):
     model = cp.load_model(str(MODEL), rc)
     out = []
     for name, forcing in (("oracle.trace", None), ("forced.trace", Forcing(str(engine)))):
-        cap = cp.capture_prompt(model, str(MODEL), TOKENS, rc, det, forcing=forcing)
+        cap = cp.capture_prompt(model, str(MODEL), tokens, rc, det, forcing=forcing)
         cp.write_trace(cap, d / name)
         out.append(d / name)
     return engine, out[0], out[1]
@@ -147,3 +161,20 @@ def test_negative_control_the_f32_policy_fails_the_same_run(traces):
     rc, rep, err = diff(engine, oracle, "f32")
     assert (rc, rep["verdict"]) == (1, "different"), err
     assert any(r["status"] == "outside_policy" for r in rep["per_tensor"])
+
+
+@needs_binaries
+def test_the_honest_bf16_moe_run_on_mid_is_not_checked_unforced_and_within_forced(traces_mid):
+    """Prompt `mid` once had two bf16 router logits exactly equal (1.375): the oracle recorded the
+    lowest-index rule's experts while torch routed elsewhere, and the honest run was DIFFERENT
+    (4 expert tensors rerouted). Now the recorded routing is torch's; unforced, its router
+    near-ties leave rows unjudged (NOT CHECKED, exit 4, no failure); forced to the engine's
+    decisions it is within the bf16 policy."""
+    engine, oracle, forced = traces_mid
+    rc, rep, _ = diff(engine, oracle, "bf16")
+    assert (rc, rep["verdict"]) == (4, "not_checked"), [
+        f"{f['kind']} {f['tensor']}: {f['detail']}" for f in rep["findings"]
+    ][:8]
+    assert not [r["tensor"] for r in rep["per_tensor"] if r["status"] == "rerouted"]
+    rc, rep, _ = diff(engine, forced, "bf16")
+    assert (rc, rep["verdict"]) == (0, "within_policy"), rep["first_violation"]
