@@ -38,6 +38,11 @@ pub struct Policy {
     /// a bf16 candidate fails honest rounding. The report names both and warns when they differ.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub candidate_dtype: Option<String>,
+    /// A claim per capture-point pattern (`layer.*.attn_probs=f16,**=f32`; [`Policy::claimed`]):
+    /// the patterns in order. A tensor is judged by the rules of the first pattern that covers
+    /// it, and no other; one no pattern covers has no rule. Empty for a policy file.
+    #[serde(skip)]
+    pub scopes: Vec<String>,
 }
 
 /// The precisions a candidate computes in, finest first; each is a bundled policy's name. q8:
@@ -143,6 +148,9 @@ pub struct NearTie {
 pub struct NoiseAbs {
     pub pattern: String,
     pub max_abs: f64,
+    /// In a claimed policy: the scope (claim pattern) it serves.
+    #[serde(skip)]
+    pub scope: Option<usize>,
     /// Where the number came from (free text).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub why: String,
@@ -193,6 +201,12 @@ pub struct Rule {
     /// noise to measure) breaks no bound, since a measured 0 is no bound by itself.
     #[serde(skip)]
     pub noise_ratio_from_policy: bool,
+    /// In a claimed policy: the index of the scope (claim pattern) this rule judges under, and
+    /// the noise ratio of the policy it came from.
+    #[serde(skip)]
+    pub scope: Option<usize>,
+    #[serde(skip)]
+    pub part_noise_ratio: Option<f64>,
     /// The rule judges only tensors whose candidate's `path` attribute is this (e.g. `layer`: a layer run
     /// alone on the reference's input, where no upstream drift is mixed in); absent: any path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -345,8 +359,9 @@ impl Policy {
     /// `max_noise_ratio` takes the policy's `noise_ratio.max_ratio` (docs/diff.md, "Policies").
     pub fn with_noise(&self) -> Policy {
         let mut p = self.clone();
-        if let Some(k) = self.noise_ratio.as_ref().map(|n| n.max_ratio) {
-            for r in p.rules.iter_mut().filter(|r| r.max_noise_ratio.is_none()) {
+        let k = self.noise_ratio.as_ref().map(|n| n.max_ratio);
+        for r in p.rules.iter_mut().filter(|r| r.max_noise_ratio.is_none()) {
+            if let Some(k) = r.part_noise_ratio.or(k) {
                 r.max_noise_ratio = Some(k);
                 r.noise_ratio_from_policy = true;
             }
@@ -372,19 +387,106 @@ impl Policy {
     /// The policy's honest per-element noise for the scores in tensor `source`: the first
     /// `near_tie.noise_abs` entry whose pattern matches it.
     pub fn near_tie_noise(&self, source: &str) -> Option<f64> {
+        let scope = self.scope_of(source)?;
         self.near_tie.as_ref().and_then(|n| {
             n.noise_abs
                 .iter()
-                .find(|e| glob_match(&e.pattern, source))
+                .find(|e| e.scope == scope && glob_match(&e.pattern, source))
                 .map(|e| e.max_abs)
         })
+    }
+
+    /// The scope (claim pattern) covering `name`: Some(None) for a policy file (one scope),
+    /// Some(Some(i)) for the first claim pattern that matches, None where none does.
+    fn scope_of(&self, name: &str) -> Option<Option<usize>> {
+        if self.scopes.is_empty() {
+            return Some(None);
+        }
+        self.scopes
+            .iter()
+            .position(|s| glob_match(s, name))
+            .map(Some)
+    }
+
+    /// A claim per capture-point pattern, `PATTERN=NAME,PATTERN=NAME,...` (NAME a bundled
+    /// policy: f32, bf16, f16, q8), first match wins: a port that keeps its KV cache in f16
+    /// claims `layer.*.attn_probs=f16,**=f32`. Each tensor is judged by the rules of the claim
+    /// that covers it and no other (Policy::rule_for); one that no pattern covers has no rule.
+    pub fn claimed(arg: &str) -> Result<Policy, String> {
+        let mut parts = Vec::new();
+        for (i, item) in arg.split(',').enumerate() {
+            let Some((pattern, name)) = item.split_once('=') else {
+                return Err(format!(
+                    "precision claim {arg:?}: part {i} ({item:?}) is not PATTERN=NAME"
+                ));
+            };
+            let (pattern, name) = (pattern.trim(), name.trim());
+            if pattern.is_empty() {
+                return Err(format!(
+                    "precision claim {arg:?}: part {i} has an empty pattern"
+                ));
+            }
+            let Some((_, text)) = BUNDLED.iter().find(|(n, _)| *n == name) else {
+                return Err(format!(
+                    "precision claim {arg:?}: {name:?} is not one of {}",
+                    BUNDLED
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            };
+            let policy = Policy::parse(text).map_err(|e| format!("bundled policy {name}: {e}"))?;
+            parts.push((pattern.to_string(), policy));
+        }
+        let first = parts
+            .first()
+            .map(|p| p.1.clone())
+            .ok_or("an empty precision claim")?;
+        let mut out = Policy {
+            name: arg.to_string(),
+            description: format!("the claim {arg}: each tensor judged by the bundled policy of the first pattern that covers it"),
+            measurements: serde_json::Value::Null,
+            rules: Vec::new(),
+            near_tie: Some(NearTie {
+                margin_factor: parts
+                    .iter()
+                    .map(|p| p.1.near_tie_factor())
+                    .fold(f64::INFINITY, f64::min),
+                noise_abs: Vec::new(),
+                why: String::new(),
+            }),
+            noise_ratio: None,
+            candidate_dtype: None,
+            scopes: parts.iter().map(|p| p.0.clone()).collect(),
+            ..first
+        };
+        for (i, (_, p)) in parts.iter().enumerate() {
+            let k = p.noise_ratio.as_ref().map(|n| n.max_ratio);
+            out.rules.extend(p.rules.iter().cloned().map(|mut r| {
+                r.scope = Some(i);
+                r.part_noise_ratio = k;
+                r
+            }));
+            if let (Some(n), Some(to)) = (&p.near_tie, out.near_tie.as_mut()) {
+                to.noise_abs
+                    .extend(n.noise_abs.iter().cloned().map(|mut e| {
+                        e.scope = Some(i);
+                        e
+                    }));
+            }
+        }
+        Ok(out)
     }
 
     /// The first rule matching `name` (and, for a rule that names one, `path`: the candidate
     /// tensor's `path` attribute), with its index.
     pub fn rule_for(&self, name: &str, path: Option<&str>) -> Option<(usize, &Rule)> {
+        let scope = self.scope_of(name)?;
         self.rules.iter().enumerate().find(|(_, r)| {
-            glob_match(&r.pattern, name) && r.path.as_deref().is_none_or(|p| path == Some(p))
+            r.scope == scope
+                && glob_match(&r.pattern, name)
+                && r.path.as_deref().is_none_or(|p| path == Some(p))
         })
     }
 }
@@ -1018,6 +1120,9 @@ impl Policy {
     /// taken from `dir`). An argument with no `/` and no `.` is a name, so a mistyped name is
     /// refused with the list instead of being looked for as a file (`./NAME` reads a file).
     pub fn resolve(arg: &str, dir: &Path) -> Result<Policy, String> {
+        if Policy::is_claim(arg) {
+            return Policy::claimed(arg);
+        }
         if let Some((_, text)) = BUNDLED.iter().find(|(n, _)| *n == arg) {
             return Policy::parse(text).map_err(|e| format!("bundled policy {arg}: {e}"));
         }
@@ -1031,6 +1136,28 @@ impl Policy {
     /// Whether a `--policy` argument names a bundled policy (or a mistyped one) rather than a file.
     pub fn is_name(arg: &str) -> bool {
         !arg.is_empty() && !arg.contains(['/', '.', std::path::MAIN_SEPARATOR])
+    }
+
+    /// Whether a `--policy` or `--precision` argument is a claim per pattern (`PATTERN=NAME,…`).
+    pub fn is_claim(arg: &str) -> bool {
+        arg.contains('=')
+    }
+
+    /// The coarsest precision a policy argument claims (a bundled name, or each part of a claim
+    /// per pattern); None for a policy file.
+    pub fn claimed_precision(arg: &str) -> Option<&'static str> {
+        let names: Vec<&str> = if Policy::is_claim(arg) {
+            arg.split(',')
+                .filter_map(|p| p.split_once('=').map(|x| x.1.trim()))
+                .collect()
+        } else {
+            vec![arg]
+        };
+        let known: Vec<&'static str> = names
+            .iter()
+            .map(|n| PRECISIONS.iter().find(|p| *p == n).copied())
+            .collect::<Option<_>>()?;
+        coarsest(known)
     }
 }
 

@@ -93,3 +93,55 @@ fn f32_values_a_bf16_claim_cannot_represent_are_said_in_the_headline() {
         rep.findings
     );
 }
+
+/// Every element of `name` scaled by 1 + `by`: a relative L2 of `by`, and decisions untouched
+/// (attn_out and mlp_out feed no decision in these traces).
+fn scaled(c: &mut Spec, name: &str, by: f32) {
+    let t = c.tensors.iter_mut().find(|t| t.name == name).unwrap();
+    for b in t.bytes.chunks_exact_mut(4) {
+        let x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        b.copy_from_slice(&(x * (1.0 + by)).to_le_bytes());
+    }
+}
+
+#[test]
+fn a_claim_per_pattern_judges_each_tensor_by_the_precision_that_covers_it() {
+    // A port whose attention output is f16 (claimed) and the rest f32: attn_out 1e-3 off is
+    // within f16's bound (2.5e-2) and outside f32's (1e-4).
+    let claim = "layer.*.attn_out=f16,**=f32";
+    let mut c = oracle_like();
+    scaled(&mut c, "layer.00.attn_out", 1e-3);
+    let rep = judged(&c, claim);
+    assert_eq!(rep.verdict, Verdict::WithinPolicy, "{}", render_human(&rep));
+    let f32_only = judged(&c, "f32");
+    assert_eq!(f32_only.verdict, Verdict::Different);
+    assert_eq!(
+        f32_only
+            .first_violation()
+            .map(|v| v.tensor.clone())
+            .as_deref(),
+        Some("layer.00.attn_out")
+    );
+    // The same error in mlp_out, which the f32 part covers, fails under the claim: a coarser
+    // part never loosens a tensor it does not cover.
+    let mut c = oracle_like();
+    scaled(&mut c, "layer.00.mlp_out", 1e-3);
+    let rep = judged(&c, claim);
+    assert_eq!(rep.verdict, Verdict::Different);
+    assert_eq!(
+        rep.first_violation().map(|v| v.tensor.clone()).as_deref(),
+        Some("layer.00.mlp_out")
+    );
+    // A tensor no pattern covers has no rule (a finding), and a claim naming no precision is
+    // refused, naming it.
+    let rep = judged(&oracle_like(), "layer.*.attn_out=f16");
+    assert!(rep
+        .findings
+        .iter()
+        .any(|f| f.kind == FindingKind::NoPolicyRule));
+    let e = Policy::resolve("layer.*.attn_out=fp8,**=f32", std::path::Path::new(".")).unwrap_err();
+    assert!(
+        e.contains("\"fp8\" is not one of f32, bf16, f16, q8"),
+        "{e}"
+    );
+}

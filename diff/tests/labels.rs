@@ -384,6 +384,7 @@ fn the_near_tie_factor_comes_from_the_policy() {
             pattern: "layer.*.router.logits".into(),
             max_abs: d,
             why: "test".into(),
+            scope: None,
         }],
         why: "test".into(),
     });

@@ -129,7 +129,7 @@ struct InitArgs {
     /// The precision you claim the port computes in (f32, f16, bf16, q8), recorded in
     /// milestones.json as the policy it is judged by. Default: --dtype (f32). What the port's
     /// traces declare or store is checked against it, never read as a looser claim.
-    #[arg(long, value_parser = tracegate_diff::policy::PRECISIONS)]
+    #[arg(long, value_parser = precision_claim)]
     precision: Option<String>,
     /// The milestone's id.
     #[arg(long, default_value = "port")]
@@ -183,7 +183,7 @@ struct BisectArgs {
     /// picks the bundled policy and the ULP the rounding response perturbs by. What the
     /// candidate's trace declares or stores is checked and said, never read as a looser claim
     /// (docs/bisect.md, "Judging").
-    #[arg(long, value_parser = tracegate_diff::policy::PRECISIONS, conflicts_with = "exact")]
+    #[arg(long, value_parser = precision_claim, conflicts_with = "exact")]
     precision: Option<String>,
     /// Write the JSON report here (schema: docs/bisect.md; relative to the current directory).
     #[arg(long)]
@@ -409,12 +409,7 @@ fn bisect_options(
             _ => up.resolve(p).display().to_string(),
         }),
         exact: a.exact,
-        precision: a.precision.as_deref().and_then(|p| {
-            tracegate_diff::policy::PRECISIONS
-                .iter()
-                .find(|q| **q == p)
-                .copied()
-        }),
+        precision: a.precision.clone(),
         all_layers: a.all_layers,
         // Decode steps capture their layer points only under internals (docs/producers.md).
         internals: internals || generate > 0,
@@ -892,6 +887,21 @@ fn main() -> ExitCode {
         eprintln!("{line}");
     }
     code
+}
+
+/// A `--precision` value: a bundled precision (f32, f16, bf16, q8), or a claim per capture-point
+/// pattern, `PATTERN=NAME,...` (first match wins), checked now.
+fn precision_claim(v: &str) -> Result<String, String> {
+    if tracegate_diff::policy::PRECISIONS.contains(&v) {
+        return Ok(v.to_string());
+    }
+    if tracegate_diff::Policy::is_claim(v) {
+        return tracegate_diff::Policy::claimed(v).map(|_| v.to_string());
+    }
+    Err(format!(
+        "expected one of {}, or a claim per pattern such as 'layer.*.attn_probs=f16,**=f32'",
+        tracegate_diff::policy::PRECISIONS.join(", ")
+    ))
 }
 
 fn init_options(a: &InitArgs) -> tracegate_gate::milestone::init::InitOptions {

@@ -785,10 +785,22 @@ fn attack_a_port_cannot_choose_its_own_precision() {
             "{edit}"
         );
     }
-    // --precision records the claim.
+    // --precision records the claim, a claim per capture-point pattern too (the port's
+    // attention output in f16, the rest f32); a claim naming no precision is refused.
     let (dir, out) = init_with(&port_cmd(""), &["--precision", "bf16"]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert_eq!(milestones(dir.path())["milestones"][0]["policy"], "bf16");
+    let mixed = "layer.*.attn_out=f16,**=f32";
+    let (dir, out) = init_with(&port_cmd(""), &["--precision", mixed]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(milestones(dir.path())["milestones"][0]["policy"], mixed);
+    let (_dir, out) = init_with(&port_cmd(""), &["--precision", "**=fp8"]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("\"fp8\" is not one of"),
+        "{}",
+        out.stderr
+    );
     let dir = project(&[]);
     let d = dir.path();
     assert_eq!(milestones(d)["milestones"][0]["policy"], "f32");

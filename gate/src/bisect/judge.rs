@@ -101,10 +101,14 @@ pub fn reference_precision(t: &Trace) -> Result<&'static str> {
 /// "Judging"). Returns the precision and the words of the judge's reason.
 pub fn claimed_precision(
     candidate: &Trace,
-    given: Option<&'static str>,
-) -> Result<(&'static str, String)> {
+    given: Option<&str>,
+) -> Result<(String, &'static str, String)> {
     let (declared, stored) = stated_precision(candidate)?;
-    let claim = given.unwrap_or("f32");
+    let text = given.unwrap_or("f32").to_string();
+    // A claim per pattern (`layer.*.attn_probs=f16,**=f32`) is compared by its coarsest part.
+    let claim = Policy::claimed_precision(&text).ok_or_else(|| {
+        gerr!("--precision {text}: names no precision (f32, f16, bf16, q8, or PATTERN=NAME,...)")
+    })?;
     let mut from = match given {
         Some(_) => "--precision".to_string(),
         None => "the default claim; --precision claims another".to_string(),
@@ -120,7 +124,7 @@ pub fn claimed_precision(
             "; the candidate stores {stored} tensors, coarser than claimed: judged as claimed"
         ));
     }
-    Ok((claim, from))
+    Ok((text, claim, from))
 }
 
 /// The judge and its policy. `ordered`: whether each side (reference, candidate) is one of the
@@ -130,10 +134,10 @@ pub fn choose(
     names: (&str, &str),
     ordered: (bool, bool),
     candidate: &Trace,
-    given: Option<&'static str>,
+    given: Option<&str>,
     root: &std::path::Path,
 ) -> Result<(Judge, Option<Policy>)> {
-    let (precision, from) = claimed_precision(candidate, given)?;
+    let (claim, precision, from) = claimed_precision(candidate, given)?;
     let by_policy = |arg: &str, reason: String| -> Result<(Judge, Option<Policy>)> {
         let p = Policy::resolve(arg, root).map_err(|e| gerr!("--policy {arg}: {e}"))?;
         Ok((
@@ -182,9 +186,9 @@ pub fn choose(
                 "are not ordered producers"
             };
             by_policy(
-                precision,
+                &claim,
                 format!(
-                    "{} {is}; candidate's precision: {precision} ({from}); --exact judges by bits",
+                    "{} {is}; candidate's precision: {claim} ({from}); --exact judges by bits",
                     not.join(" and ")
                 ),
             )

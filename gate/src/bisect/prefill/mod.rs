@@ -61,7 +61,7 @@ pub struct BisectOptions {
     /// policy for the candidate's precision (../judge.rs).
     pub exact: bool,
     /// `--precision`: the candidate's precision, over its declaration and its dtype.
-    pub precision: Option<&'static str>,
+    pub precision: Option<String>,
     pub all_layers: bool,
     pub internals: bool,
     pub calibrate: bool,

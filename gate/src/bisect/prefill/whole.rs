@@ -119,7 +119,7 @@ pub(crate) fn choose_judge(
         (&o.reference.described(), &o.candidate.name()),
         ordered,
         &whole.candidate,
-        o.precision,
+        o.precision.as_deref(),
         &o.root,
     )?;
     Ok((judge, policy, ordered))

@@ -77,10 +77,8 @@ fn noise_producer(
             r.producer
         ));
     }
-    let claim = match plan.m.policy.as_str() {
-        p if tracegate_diff::policy::PRECISIONS.contains(&p) => p,
-        _ => r.dtype.as_str(),
-    };
+    // A claim per pattern is measured by its coarsest part's run.
+    let claim = Policy::claimed_precision(&plan.m.policy).unwrap_or(r.dtype.as_str());
     let oracle = |args: &str| {
         let base = o
             .oracle_cmd
@@ -899,10 +897,7 @@ fn localise(
             policy: Some(plan.m.policy.clone()),
             exact: false,
             // The claim the milestone records: the rounding response's unit.
-            precision: tracegate_diff::policy::PRECISIONS
-                .iter()
-                .find(|q| **q == plan.m.policy)
-                .copied(),
+            precision: Policy::claimed_precision(&plan.m.policy).map(|_| plan.m.policy.clone()),
             all_layers: false,
             internals,
             calibrate: false,
