@@ -457,7 +457,11 @@ impl Policy {
                 why: String::new(),
             }),
             noise_ratio: None,
-            candidate_dtype: None,
+            // One precision for every part is that precision's claim; mixed parts name none.
+            candidate_dtype: first
+                .candidate_dtype
+                .clone()
+                .filter(|d| parts.iter().all(|p| p.1.candidate_dtype.as_ref() == Some(d))),
             scopes: parts.iter().map(|p| p.0.clone()).collect(),
             ..first
         };

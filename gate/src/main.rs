@@ -405,7 +405,12 @@ fn bisect_options(
             a.threads,
         )?,
         policy: a.policy.as_ref().map(|p| match p.to_str() {
-            Some(name) if tracegate_diff::Policy::is_name(name) => name.to_string(),
+            Some(name)
+                if tracegate_diff::Policy::is_name(name)
+                    || tracegate_diff::Policy::is_claim(name) =>
+            {
+                name.to_string()
+            }
             _ => up.resolve(p).display().to_string(),
         }),
         exact: a.exact,
