@@ -642,7 +642,7 @@ fn finish_run(run: Run, up: &UserPaths, a: &RunArgs) -> Result<i32, Error> {
 /// Under GitHub Actions: an ::error line per FAIL and a ::warning per NOT CHECKED, on stdout
 /// after the text (where the runner reads workflow commands).
 fn annotate(reps: &[MilestoneReport]) -> Result<(), Error> {
-    if !tracegate_gate::milestone::ci::on_github_actions() {
+    if !tracegate_gate::milestone::ci::on_github_actions().map_err(|e| gerr!("{e}"))? {
         return Ok(());
     }
     let lines = tracegate_gate::milestone::ci::github_annotations(reps);
@@ -758,6 +758,11 @@ fn main() -> ExitCode {
         return ExitCode::from(tracegate_producers::resident::daemon_main(&args) as u8);
     }
     let cli = Cli::parse();
+    // Every setting read from the environment, strictly, before anything runs (issue 51).
+    if let Err(e) = tracegate_producers::settings::check() {
+        eprintln!("gate: {e}");
+        return ExitCode::from(2);
+    }
     // Needs no project: the runtime directory is the user's.
     if let Cmd::Workers { action } = &cli.cmd {
         let stop = matches!(action, Some(WorkersAction::Stop));

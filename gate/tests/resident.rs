@@ -991,3 +991,57 @@ fn workers_stop_signals_only_the_processes_it_verified() {
     );
     assert!(env.workers(&[]).starts_with("0 resident worker(s)"));
 }
+
+/// Issue 51: a setting the gate cannot read is refused, exit 2, in one line naming the variable,
+/// its value and what is accepted, before anything runs; never read as its default.
+#[test]
+fn a_bad_setting_is_refused_in_one_line_and_the_accepted_values_still_work() {
+    let env = Env::new();
+    for (name, value) in [
+        ("TRACEGATE_RESIDENT", "off!"),
+        ("TRACEGATE_RESIDENT", "disable"),
+        ("TRACEGATE_RESIDENT", "n"),
+        ("TRACEGATE_RESIDENT_IDLE", "2s"),
+        ("TRACEGATE_RESIDENT_IDLE", "-1"),
+        ("TRACEGATE_RESIDENT_MAX_MB", "0.5"),
+        ("TRACEGATE_SERVE", "nope"),
+        ("TRACEGATE_SERVE_STALE_CHECK", "disabled"),
+        ("GITHUB_ACTIONS", "yes please"),
+    ] {
+        let out = env
+            .bisect_cmd("refused", &[(name, value)])
+            .output()
+            .expect("gate runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}={value}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{name}={value}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!(
+                "gate: {name}={value:?} is not accepted: {name} takes "
+            )),
+            "{stderr}"
+        );
+        assert!(
+            !env.tmp.path().join("refused").exists(),
+            "{name}={value}: ran"
+        );
+    }
+    for (name, value) in [
+        ("TRACEGATE_RESIDENT", "0"),
+        ("TRACEGATE_RESIDENT", "OFF"),
+        ("TRACEGATE_SERVE", "0"),
+        ("TRACEGATE_SERVE", "false"),
+        ("TRACEGATE_RESIDENT_IDLE", "30"),
+        ("TRACEGATE_RESIDENT_MAX_MB", "2048"),
+        ("GITHUB_ACTIONS", "true"),
+        ("GITHUB_ACTIONS", "false"),
+    ] {
+        let out = env
+            .gate(&[(name, value)])
+            .arg("workers")
+            .output()
+            .expect("gate workers runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{name}={value}: {stderr}");
+    }
+}

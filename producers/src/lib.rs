@@ -26,6 +26,7 @@ mod engine_child;
 mod error;
 pub mod resident;
 mod serve;
+pub mod settings;
 mod spawn;
 mod verb;
 pub mod worker;
@@ -93,6 +94,11 @@ impl RunRecord {
         let tail = &text[ceil_char(text, text.len() - WHY_BYTES)..];
         format!("{head} […] {tail}")
     }
+}
+
+/// Whether serving producers serve: TRACEGATE_SERVE unset or on (crate::settings).
+fn serving() -> bool {
+    settings::or_refuse(settings::switch("TRACEGATE_SERVE")) != Some(false)
 }
 
 fn floor_char(s: &str, mut i: usize) -> usize {
@@ -193,14 +199,14 @@ impl Producer {
     }
 
     /// The worker command line (`PREFIX serve`) of a template that declares `{verb|serve}`,
-    /// unless TRACEGATE_SERVE=0 asks for per-call runs.
+    /// unless TRACEGATE_SERVE is off (`0`, crate::settings) and asks for per-call runs.
     fn serve_argv(&self) -> Option<(usize, Vec<String>)> {
         match self {
             Producer::Command {
                 words,
                 serve: Some(i),
                 ..
-            } if std::env::var("TRACEGATE_SERVE").as_deref() != Ok("0") => {
+            } if serving() => {
                 let mut a = words[..*i].to_vec();
                 a.push("serve".into());
                 Some((*i, a))

@@ -43,6 +43,7 @@ use sha2::{Digest, Sha256};
 
 use crate::builtin::{default_contract_cmd, default_oracle_cmd};
 use crate::serve::{self, Answer, Served, Worker};
+use crate::settings;
 use crate::spawn::Ended;
 use crate::verb::{display, split_words, SERVE_VERB};
 
@@ -86,35 +87,25 @@ pub(crate) const MAX_REQUEST_LINE: usize = 16 << 20;
 /// How long a client waits for a daemon it started to listen, or for a hello.
 const CONNECT_WAIT: Duration = Duration::from_secs(10);
 
-/// Residency is on unless TRACEGATE_RESIDENT=0, or CI is set (CI services set CI=true): a CI
-/// job leaves no process behind.
+/// Residency is on unless TRACEGATE_RESIDENT is off (`0`, crate::settings), or, with it unset,
+/// CI is set (CI services set CI=true; `settings::ci`): a CI job leaves no process behind.
 pub fn enabled() -> bool {
-    let off = |v: &str| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "" | "0" | "false" | "no"
-        )
-    };
-    match std::env::var("TRACEGATE_RESIDENT") {
-        Ok(v) => !off(&v),
-        Err(_) => std::env::var("CI").map_or(true, |v| off(&v)),
+    match settings::or_refuse(settings::switch("TRACEGATE_RESIDENT")) {
+        Some(on) => on,
+        None => !settings::ci(),
     }
 }
 
+/// TRACEGATE_RESIDENT_IDLE (seconds, at least 1), else IDLE_S.
 pub(crate) fn idle_s() -> u64 {
-    std::env::var("TRACEGATE_RESIDENT_IDLE")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(IDLE_S)
+    settings::or_refuse(settings::seconds("TRACEGATE_RESIDENT_IDLE")).unwrap_or(IDLE_S)
 }
 
 /// The bound, MiB, on the resident set of this user's resident workers (daemons included):
-/// TRACEGATE_RESIDENT_MAX_MB, else half of MemTotal (8192 where /proc/meminfo cannot say).
+/// TRACEGATE_RESIDENT_MAX_MB (MiB, at least 1), else half of MemTotal (8192 where
+/// /proc/meminfo cannot say).
 fn max_mb() -> u64 {
-    if let Some(v) = std::env::var("TRACEGATE_RESIDENT_MAX_MB")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-    {
+    if let Some(v) = settings::or_refuse(settings::mib("TRACEGATE_RESIDENT_MAX_MB")) {
         return v;
     }
     std::fs::read_to_string("/proc/meminfo")
@@ -884,6 +875,12 @@ pub fn daemon_main(args: &[String]) -> i32 {
         eprintln!("usage: gate {RESIDENT_CHILD} DIR KEY SERVE_ARGV...");
         return 2;
     };
+    // The gate checked its settings before it started this daemon; a daemon never runs on a
+    // refused one (its idle time, its bound).
+    if let Err(e) = settings::check() {
+        log(&format!("refused: {e}"));
+        return 2;
+    }
     let p = paths(Path::new(dir), key);
     let listener = match UnixListener::bind(&p.sock) {
         Ok(l) => l,

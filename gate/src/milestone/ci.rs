@@ -174,9 +174,11 @@ pub fn github_annotations(reps: &[MilestoneReport]) -> Vec<String> {
         .collect()
 }
 
-/// Whether this process runs under GitHub Actions (the runner sets `GITHUB_ACTIONS=true`).
-pub fn on_github_actions() -> bool {
-    std::env::var("GITHUB_ACTIONS").is_ok_and(|v| v == "true")
+/// Whether this process runs under GitHub Actions (the runner sets `GITHUB_ACTIONS=true`): the
+/// switch GITHUB_ACTIONS (tracegate_producers::settings: `true`, `TRUE`, `1`… on; `false`, `0`…
+/// or unset off; anything else refused, as `gate` does first, never read as off).
+pub fn on_github_actions() -> Result<bool, String> {
+    Ok(tracegate_producers::settings::switch("GITHUB_ACTIONS")?.unwrap_or(false))
 }
 
 #[cfg(test)]

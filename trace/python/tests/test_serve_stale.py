@@ -105,3 +105,21 @@ def test_a_request_with_a_bad_cwd_is_refused_and_the_worker_goes_on(tmp_path, mo
     )
     assert answers == [{"exit": 2}, {"exit": 2}, {"exit": 0}]
     assert ran == [["x"]]
+
+
+def test_a_bad_setting_ends_the_worker_in_one_line(monkeypatch, capsys):
+    """Issue 51: a switch the worker cannot read is refused, exit 2, never read as on."""
+    for name, value in [
+        ("TRACEGATE_SERVE_STALE_CHECK", "disabled"),
+        ("TRACEGATE_SERVE_TEST_SLEEP", "2s"),
+        ("TRACEGATE_SERVE_TEST_SLEEP", "-1"),
+    ]:
+        monkeypatch.delenv("TRACEGATE_SERVE_STALE_CHECK", raising=False)
+        monkeypatch.setenv(name, value)
+        assert serve.serve(lambda argv: 0, "prog") == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: serve: {name}={value!r} is not accepted: {name} takes ")
+        assert err.count("\n") == 1, err
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TRACEGATE_SERVE_STALE_CHECK", "OFF")
+    assert serve.switch("TRACEGATE_SERVE_STALE_CHECK") is False

@@ -17,7 +17,8 @@ numpy (a ``pip install`` of another version rewrites it); once one changed it an
 outlives the edit that changed them). Test-only hooks: ``TRACEGATE_SERVE_WATCH`` (one more file
 to watch), ``TRACEGATE_SERVE_STALE_CHECK=0`` (no check: the negative control) and
 ``TRACEGATE_SERVE_TEST_SLEEP=S`` (each request first says so on stderr and sleeps S seconds: a
-request in flight).
+request in flight). Each is read strictly (``switch``, ``seconds``): a value outside what is
+accepted ends the worker, exit 2, with one line naming it, never a default (issue 51).
 
 A request may carry ``"cwd": ABS`` (a resident worker serves gate runs of several project roots):
 the worker runs it in that directory, with that directory as ``sys.path[0]`` where ``python -m``
@@ -91,13 +92,54 @@ class _Imported:
         return None
 
 
+_SWITCH = "1, true, yes, on (on) or 0, false, no, off (off), any case"
+
+
+class SettingError(ValueError):
+    """A setting's value that is not accepted; its message is the one line to print."""
+
+
+def switch(name: str) -> bool | None:
+    """The switch ``name``: None when unset; the words the gate's switches take (the Rust
+    ``tracegate_producers::settings``), anything else refused."""
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    low = v.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise SettingError(f"{name}={v!r} is not accepted: {name} takes {_SWITCH}")
+
+
+def seconds(name: str) -> float | None:
+    """The number of seconds ``name``: None when unset; a finite number >= 0, else refused."""
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    try:
+        s = float(v)
+    except ValueError:
+        s = float("nan")
+    if not (0 <= s < float("inf")):
+        raise SettingError(f"{name}={v!r} is not accepted: {name} takes a number of seconds >= 0")
+    return s
+
+
 def serve(main, argv0: str) -> int:
     """Run ``main(argv) -> int`` once per request line. ``sys.argv`` is set per request to
     ``[argv0, *argv]`` as the per-call process would see it (the oracle records it as its command)."""
+    try:
+        stale_check = switch("TRACEGATE_SERVE_STALE_CHECK") is not False
+        sleep = seconds("TRACEGATE_SERVE_TEST_SLEEP") or 0.0
+    except SettingError as e:
+        print(f"error: serve: {e}", file=sys.stderr, flush=True)
+        return 2
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # fd 1 (and sys.stdout, which writes to it) now goes to stderr
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    imported = _Imported() if os.environ.get("TRACEGATE_SERVE_STALE_CHECK") != "0" else None
+    imported = _Imported() if stale_check else None
     path0 = sys.path[0] if sys.path and sys.path[0] == os.getcwd() else None
     for line in sys.stdin:
         if not line.strip():
@@ -126,7 +168,6 @@ def serve(main, argv0: str) -> int:
             status = 2
         else:
             sys.argv = [argv0, *argv]
-            sleep = float(os.environ.get("TRACEGATE_SERVE_TEST_SLEEP", "0") or 0)
             if sleep:
                 print(
                     f"serve: test sleep of {sleep:g} s before the request",
