@@ -56,7 +56,13 @@ pub fn computes_in(provenance: &serde_json::Value) -> Option<&'static str> {
     if let Ok(Some(p)) = declared_precision(provenance) {
         return Some(p);
     }
-    match provenance.get("dtype")?.as_str()? {
+    dtype_precision(provenance.get("dtype")?.as_str()?)
+}
+
+/// The precision a provenance `dtype` names (`f32` or `float32`, `bf16` or `bfloat16`, `f16`
+/// or `float16`); None for anything else.
+pub fn dtype_precision(dtype: &str) -> Option<&'static str> {
+    match dtype {
         "f32" | "float32" => Some("f32"),
         "bf16" | "bfloat16" => Some("bf16"),
         "f16" | "float16" => Some("f16"),
@@ -426,17 +432,16 @@ impl Policy {
                     "precision claim {arg:?}: part {i} has an empty pattern"
                 ));
             }
-            let Some((_, text)) = BUNDLED.iter().find(|(n, _)| *n == name) else {
-                return Err(format!(
+            let policy = Policy::bundled(name).unwrap_or_else(|| {
+                Err(format!(
                     "precision claim {arg:?}: {name:?} is not one of {}",
                     BUNDLED
                         .iter()
                         .map(|(n, _)| *n)
                         .collect::<Vec<_>>()
                         .join(", ")
-                ));
-            };
-            let policy = Policy::parse(text).map_err(|e| format!("bundled policy {name}: {e}"))?;
+                ))
+            })?;
             parts.push((pattern.to_string(), policy));
         }
         let first = parts
@@ -1127,14 +1132,20 @@ impl Policy {
         if Policy::is_claim(arg) {
             return Policy::claimed(arg);
         }
-        if let Some((_, text)) = BUNDLED.iter().find(|(n, _)| *n == arg) {
-            return Policy::parse(text).map_err(|e| format!("bundled policy {arg}: {e}"));
+        if let Some(bundled) = Policy::bundled(arg) {
+            return bundled;
         }
         if Policy::is_name(arg) {
             let names: Vec<&str> = BUNDLED.iter().map(|(n, _)| *n).collect();
             return Err(format!("unknown policy name {arg:?}: the bundled policies are {} (a file is read by its path, e.g. ./{arg})", names.join(", ")));
         }
         Policy::load(&dir.join(arg))
+    }
+
+    /// The bundled policy `name` names, parsed; None when it names none.
+    fn bundled(name: &str) -> Option<Result<Policy, String>> {
+        let (_, text) = BUNDLED.iter().find(|(n, _)| *n == name)?;
+        Some(Policy::parse(text).map_err(|e| format!("bundled policy {name}: {e}")))
     }
 
     /// Whether a `--policy` argument names a bundled policy (or a mistyped one) rather than a file.

@@ -38,21 +38,26 @@ use crate::milestone::milestones::{Golden, Milestone, Port, PortExpectation, Tok
 use crate::prompts::{Prompt, PromptSet};
 use crate::{gerr, Result};
 
+/// The oracle of tracegate's installation (or `--oracle-cmd`) as producer `name`, with `args`
+/// after its own.
+fn oracle_producer(o: &GateOptions, name: &str, args: &str) -> Result<Producer> {
+    let base = o
+        .oracle_cmd
+        .clone()
+        .unwrap_or_else(|| tracegate_producers::default_oracle_cmd(&o.root));
+    Ok(Producer::command(name, &format!("{base} {args}"))?)
+}
+
 /// The reference producer of a port: the oracle of tracegate's installation in the recorded
 /// dtype and device, or the user's command.
 fn reference_producer(o: &GateOptions, port: &Port) -> Result<Producer> {
     let r = &port.reference;
     match (r.producer.as_str(), &r.cmd) {
-        ("oracle", _) => {
-            let base = o
-                .oracle_cmd
-                .clone()
-                .unwrap_or_else(|| tracegate_producers::default_oracle_cmd(&o.root));
-            Ok(Producer::command(
-                "reference",
-                &format!("{base} --dtype {} --device {}", r.dtype, r.device),
-            )?)
-        }
+        ("oracle", _) => oracle_producer(
+            o,
+            "reference",
+            &format!("--dtype {} --device {}", r.dtype, r.device),
+        ),
         ("cmd", Some(cmd)) => Ok(Producer::command("reference", cmd)?),
         (other, _) => Err(gerr!(
             "milestones.json: port reference producer {other:?} is neither \"oracle\" nor \"cmd\" (with its cmd)"
@@ -79,13 +84,7 @@ fn noise_producer(
     }
     // A claim per pattern is measured by its coarsest part's run.
     let claim = Policy::claimed_precision(&plan.m.policy).unwrap_or(r.dtype.as_str());
-    let oracle = |args: &str| {
-        let base = o
-            .oracle_cmd
-            .clone()
-            .unwrap_or_else(|| tracegate_producers::default_oracle_cmd(&o.root));
-        Producer::command("noise", &format!("{base} {args}")).map_err(|e| e.to_string())
-    };
+    let oracle = |args: &str| oracle_producer(o, "noise", args).map_err(|e| e.to_string());
     // The f32 run: the engine where it computes the family, else the oracle in f32 (on
     // another thread count when the reference is that same f32 oracle).
     let f32_run = || match tracegate_engine::load_config(&o.root.join(&plan.model)) {
@@ -111,7 +110,12 @@ fn noise_producer(
         )),
         // A quantized port (llama.cpp's CPU path): transformers in f32 on the GGUF's weights with
         // its matmul inputs rounded as ggml rounds them (tracegate_oracle.quantized_activations).
-        ("q8", "f32") if is_gguf(&o.root.join(&plan.model)) => {
+        ("q8", "f32")
+            if matches!(
+                tracegate_trace::gguf_file(&o.root.join(&plan.model)),
+                Ok(Some(_))
+            ) =>
+        {
             let py = tracegate_producers::python(&o.root, "TRACEGATE_ORACLE_PYTHON");
             Ok((
                 Producer::command(
@@ -132,22 +136,6 @@ fn noise_producer(
             "no noise run for the claimed precision {c} against a {d} reference yet"
         )),
     }
-}
-
-/// A GGUF model: a `.gguf` file, or a directory holding one and no safetensors.
-fn is_gguf(model: &Path) -> bool {
-    let gguf = |p: &Path| p.extension().is_some_and(|e| e == "gguf");
-    if model.is_file() {
-        return gguf(model);
-    }
-    let Ok(entries) = std::fs::read_dir(model) else {
-        return false;
-    };
-    let files: Vec<std::path::PathBuf> = entries.flatten().map(|e| e.path()).collect();
-    files.iter().any(|f| gguf(f))
-        && !files
-            .iter()
-            .any(|f| f.extension().is_some_and(|e| e == "safetensors"))
 }
 
 /// The text prompts of `set` tokenized by `model`'s own tokenizer, through the oracle's Python
@@ -256,12 +244,9 @@ fn verified_golden(
     let r = &port.reference;
     if r.producer == "oracle" {
         let producer = prov["producer"].as_str().unwrap_or("not recorded");
-        let dtype = prov["dtype"].as_str().map(|d| match d {
-            "float32" => "f32",
-            "bfloat16" => "bf16",
-            "float16" => "f16",
-            d => d,
-        });
+        let dtype = prov["dtype"]
+            .as_str()
+            .map(|d| tracegate_diff::policy::dtype_precision(d).unwrap_or(d));
         if producer != "oracle" || dtype != Some(r.dtype.as_str()) {
             return Err(
                 gerr!(File: "golden trace {}: written by {producer:?} in {}, but milestone {}'s reference is the oracle in {}: a golden trace is the reference's own run (re-record it with `gate run {} --bless`)", g.trace, dtype.unwrap_or("an unrecorded dtype"), m.id, r.dtype, m.id),
