@@ -296,30 +296,24 @@ fn a_noise_trace_the_candidate_supplies_is_refused() {
     let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
     // 3e-2 is far beyond the f32 policy and beyond 2x any honest noise below.
     let c = write(&d.path().join("c.trace"), &[(NAME, moved(3e-2, 2))]);
-    // The candidate itself: same content digest.
-    let same = judged(&r, &c, Trace::open(c.path()).unwrap(), 2.0);
-    assert_eq!(same.verdict, Verdict::Incomparable);
-    assert!(
-        same.findings
-            .iter()
-            .any(|f| f.kind == FindingKind::NoiseReferenceRefused
-                && f.detail.contains("the candidate's own")),
-        "{:#?}",
-        same.findings
-    );
-    // Another port's run of the same numbers (the candidate's own trace would not be its own
-    // content once anything differs): refused by producer.
+    // The candidate itself (same content digest), and another port's run of the same numbers
+    // (the candidate's own trace would not be its own content once anything differs): refused,
+    // by content and by producer.
     let other = write(&d.path().join("c-other.trace"), &[(NAME, moved(3e-2, 3))]);
-    let rep = judged(&r, &c, other, 2.0);
-    assert_eq!(rep.verdict, Verdict::Incomparable);
-    assert!(
-        rep.findings
-            .iter()
-            .any(|f| f.kind == FindingKind::NoiseReferenceRefused
-                && f.detail.contains("\"my-port\"")),
-        "{:#?}",
-        rep.findings
-    );
+    for (noise, why) in [
+        (Trace::open(c.path()).unwrap(), "the candidate's own"),
+        (other, "\"my-port\""),
+    ] {
+        let rep = judged(&r, &c, noise, 2.0);
+        assert_eq!(rep.verdict, Verdict::Incomparable);
+        assert!(
+            rep.findings
+                .iter()
+                .any(|f| f.kind == FindingKind::NoiseReferenceRefused && f.detail.contains(why)),
+            "{why}: {:#?}",
+            rep.findings
+        );
+    }
     // The control: tracegate's own run of the same noise size is read, and the candidate fails.
     let honest = write(&d.path().join("n.trace"), &[(NAME, moved(1e-3, 3))]);
     assert_eq!(judged(&r, &c, honest, 2.0).verdict, Verdict::Different);

@@ -36,13 +36,18 @@ impl Run {
 /// `gate bisect --model fixtures/tiny-qwen3 --prompt short ARGS --work WORK` from the root, its
 /// report (schema-checked) in `report_dir`.
 fn bisect(work: &Path, report_dir: &Path, args: &[&str]) -> Run {
+    bisect_on(("fixtures/tiny-qwen3", "short"), work, report_dir, args)
+}
+
+/// [`bisect`] of another model and prompt.
+fn bisect_on((model, prompt): (&str, &str), work: &Path, report_dir: &Path, args: &[&str]) -> Run {
     let root = repo();
     let report = report_dir.join("report.json");
     let _ = std::fs::remove_file(&report);
     let out = common::gate()
         .current_dir(&root)
         .args(["--root", root.to_str().unwrap(), "bisect"])
-        .args(["--model", "fixtures/tiny-qwen3", "--prompt", "short"])
+        .args(["--model", model, "--prompt", prompt])
         .args(["--work", work.to_str().unwrap()])
         .args(["--report", report.to_str().unwrap()])
         .args(args)
@@ -636,28 +641,28 @@ fn a_port_that_declines_forcing_past_its_near_ties_is_not_checked_never_nothing_
         py.display()
     );
     let dir = tempfile::tempdir_in(root.join("target")).unwrap();
-    let report = dir.path().join("report.json");
-    let out = common::gate()
-        .current_dir(&root)
-        .args(["--root", root.to_str().unwrap(), "bisect"])
-        .args(["--model", "fixtures/tiny-qwen3-moe", "--prompt", "mid"])
-        .args([
+    let r = bisect_on(
+        ("fixtures/tiny-qwen3-moe", "mid"),
+        &dir.path().join("w"),
+        dir.path(),
+        &[
             "--reference",
             "engine",
             "--candidate",
             "cmd",
             "--candidate-cmd",
             &cmd,
-        ])
-        .args(["--precision", "bf16", "--capture", "internals"])
-        .args(["--work", dir.path().join("w").to_str().unwrap()])
-        .args(["--report", report.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(4), "{stdout}{stderr}");
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    assert_eq!(r["verdict"], "not_checked", "{stdout}");
-    assert!(stdout.contains("NOT CHECKED past a near-tie"), "{stdout}");
+            "--precision",
+            "bf16",
+            "--capture",
+            "internals",
+        ],
+    );
+    assert_eq!(r.code, 4, "{}{}", r.stdout, r.stderr);
+    assert_eq!(r.report["verdict"], "not_checked", "{}", r.stdout);
+    assert!(
+        r.stdout.contains("NOT CHECKED past a near-tie"),
+        "{}",
+        r.stdout
+    );
 }

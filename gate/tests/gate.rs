@@ -1213,6 +1213,26 @@ fn an_oracle_decode_token_flip_fails_generation_oracle() {
     assert_eq!(check(&rep, "short", "generation")["status"], "PASS");
 }
 
+/// `gate m0` on tiny-qwen3, prompt edge64, with `planted_trace.py EDITS` as the oracle (no torch).
+fn m0_edge64_with_planted_oracle(edits: &str) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let oracle = test_producer("planted_trace.py", edits);
+    gate(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "edge64",
+            "--oracle-cmd",
+            &oracle,
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    )
+}
+
 #[test]
 fn attack_a_flip_manufactured_across_more_than_honest_noise_is_no_near_tie() {
     // edge64's smallest engine margin (logits row 10, ~8.7e-3) flipped by a logit moved by 1.5
@@ -1220,24 +1240,7 @@ fn attack_a_flip_manufactured_across_more_than_honest_noise_is_no_near_tie() {
     // sized its excuse (gap <= 2·d). Honest f32 noise in logits is 1e-3 per element
     // (near_tie.noise_abs, measured on SmolLM2 and the fixtures): a gap of 8.7e-3 cannot come
     // from it, so the flip is a defect. Row 0 flipped with its logits untouched: a defect too.
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
-    let run = |edits: &str| {
-        let oracle = test_producer("planted_trace.py", edits);
-        gate(
-            &repo(),
-            &[
-                "m0",
-                "--model",
-                "fixtures/tiny-qwen3",
-                "--only",
-                "edge64",
-                "--oracle-cmd",
-                &oracle,
-            ],
-            &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-        )
-    };
+    let run = m0_edge64_with_planted_oracle;
     let r = run("--base contract --near-tie 10 --flip logits.argmax");
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
@@ -1288,22 +1291,7 @@ fn a_flip_far_below_the_top_beside_a_moved_runner_up_fails_agrees() {
     // The near-tie plant's moved runner-up (1.5 times the row's margin: within the policy), but
     // the candidate's argmax goes to the row's lowest logit. A rule that read the recorded
     // reference margin (~8.7e-3 ≤ 2·d) would excuse it; the scores say it crossed the whole row.
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
-    let oracle = test_producer("planted_trace.py", "--base contract --far-flip 10");
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "edge64",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_edge64_with_planted_oracle("--base contract --far-flip 10");
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "edge64", "agrees");
