@@ -305,10 +305,8 @@ fn rerouted_clause(rep: &Report) -> Option<String> {
     })
 }
 
-/// " (for bf16 candidates; this one computes in f32: WARNING, they differ)", from what the
-/// policy and the candidate's provenance say; empty when neither says.
-/// What the candidate stores or declares against the claimed precision, said in the headline:
-/// a pass judged by looser bounds than the candidate's own computation needs is no silent one.
+/// What the candidate stores against the claimed precision, said in the headline: a pass
+/// judged by looser bounds than the candidate's own computation needs is no silent one.
 fn claim_notes(rep: &Report) -> String {
     rep.findings
         .iter()
@@ -317,6 +315,8 @@ fn claim_notes(rep: &Report) -> String {
         .collect()
 }
 
+/// " (for bf16 candidates; this one computes in f32: WARNING, they differ)", from what the
+/// policy and the candidate's provenance say; empty when neither says.
 fn precision_clause(p: &crate::PolicyRef) -> String {
     match (
         p.candidate_dtype.as_deref(),
