@@ -726,3 +726,80 @@ def test_layer_verb_refusals_and_a_planted_change(tmp_path, base, internals, cap
     assert rc == 0
     ho = names.denoise(1, 0, names.layer(0, "hidden_out"))
     assert not np.array_equal(tracegate.Trace(str(out))[ho], internals[ho])
+
+
+# --------------------------------------------------------------------------------------------
+# per_layer_config as transformers saves it
+
+
+def _tensor_digests(path) -> dict[str, str]:
+    t = tracegate.Trace(str(path))
+    return {n: t.tensor_digest(n) for n in t.names}
+
+
+@pytest.mark.parametrize(
+    "saved, explicit",
+    [
+        # What transformers saves when the full layers' kv heads are the config's own: no
+        # num_key_value_heads in the entries (a held-out checkpoint's config was refused for it).
+        ({"head_dim": 16}, {"head_dim": 16, "num_key_value_heads": 2}),
+        # An entry without head_dim keeps the config's head_dim (10), not global_head_dim's 512.
+        ({"num_key_value_heads": 2}, {"head_dim": 10, "num_key_value_heads": 2}),
+    ],
+)
+def test_a_per_layer_entry_keeps_the_configs_own_values_for_what_it_omits(
+    tmp_path, saved, explicit
+):
+    """Weights drawn for the layout transformers' own per-layer view gives the saved config; the
+    engine and the contract run the saved config as the explicit one, bit for bit."""
+    import importlib.util
+
+    from test_engine_identity import ENGINE, engine_trace
+    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import (
+        DiffusionGemmaTextConfig,
+    )
+
+    if not os.access(ENGINE, os.X_OK):
+        pytest.skip(f"NOT CHECKED (the engine's side): {ENGINE} is not built")
+    spec = importlib.util.spec_from_file_location(
+        "make_fixtures", os.path.join(ROOT, "scripts", "make_fixtures.py")
+    )
+    mf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mf)
+    preset = json.loads(json.dumps(mf.PRESETS["tiny-diffusion-gemma"]))
+    tc = preset["config"]["text_config"]
+    tc["per_layer_config"] = {"1": saved, "3": saved}
+    view = DiffusionGemmaTextConfig(**{k: v for k, v in tc.items() if k != "model_type"})
+    full = {
+        (view.per_layer_config[i].head_dim, view.per_layer_config[i].num_key_value_heads)
+        for i in (1, 3)
+    }
+    assert full == {(explicit["head_dim"], explicit["num_key_value_heads"])}, full
+    mf.PRESETS["saved"] = dict(preset, out=str(tmp_path / "saved"))
+    saved_dir = mf.make("saved", tmp_path / "saved")
+    explicit_dir = tmp_path / "explicit"
+    shutil.copytree(saved_dir, explicit_dir)
+    cfg = json.loads((explicit_dir / "config.json").read_text())
+    cfg["text_config"]["per_layer_config"] = {"1": explicit, "3": explicit}
+    (explicit_dir / "config.json").write_text(json.dumps(cfg))
+    for who, run_it in (
+        ("contract", lambda m, o: run(tmp_path, o, model=m)),
+        ("engine", lambda m, o: engine_trace(str(m), PROMPT, str(tmp_path / o))),
+    ):
+        run_it(saved_dir, f"{who}-saved")
+        run_it(explicit_dir, f"{who}-explicit")
+        digests = _tensor_digests(tmp_path / f"{who}-saved")
+        assert digests and digests == _tensor_digests(tmp_path / f"{who}-explicit"), who
+
+
+def test_full_layers_that_resolve_differently_are_refused(tmp_path, capsys):
+    """A full layer without an entry keeps the config's head_dim (10) while layer 1's says 16:
+    two full layers of different sizes, refused in one line naming per_layer_config."""
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURE, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["text_config"]["per_layer_config"]["3"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc = cli("trace", "--model", d, "--tokens", "3,4", "--out", tmp_path / "x")
+    err = capsys.readouterr().err
+    assert rc == 2 and "per_layer_config" in err and len(err.splitlines()) == 1, err

@@ -167,7 +167,7 @@ def parse_config(raw: dict) -> DGConfig:
     heads = _int(tc, "num_attention_heads", w, 8)
     d = _int(tc, "head_dim", w, 256)
     kv = _int(tc, "num_key_value_heads", w, 4)
-    D, K = _full_dims(tc, lt, w, kv)
+    D, K = _full_dims(tc, lt, w, d, kv)
     for name, dim in (("head_dim", d), ("per_layer_config.head_dim", D)):
         if dim % 2:
             _refuse(w + name, f"must be even for RoPE, got {dim}")
@@ -213,8 +213,11 @@ def parse_config(raw: dict) -> DGConfig:
     )
 
 
-def _full_dims(tc: dict, lt: list[str], w: str, kv: int) -> tuple[int, int]:
-    """DG0 "Heads per layer type": D and K of the full layers."""
+def _full_dims(tc: dict, lt: list[str], w: str, d: int, kv: int) -> tuple[int, int]:
+    """DG0 "Heads per layer type": D and K of the full layers. An entry of `per_layer_config`
+    overrides the config's own `head_dim` / `num_key_value_heads` (a key it omits keeps the
+    config's value, as transformers' per-layer view does), and a full layer without an entry
+    keeps both; every full layer must end with the same pair."""
     plc = tc.get("per_layer_config")
     if plc is None:
         D = _int(tc, "global_head_dim", w, 512)
@@ -224,25 +227,22 @@ def _full_dims(tc: dict, lt: list[str], w: str, kv: int) -> tuple[int, int]:
     if not isinstance(plc, dict):
         _refuse(where, f"must be an object keyed by layer index, got {plc!r}")
     full = [i for i, t in enumerate(lt) if t == FULL]
-    seen = None
     for key, entry in plc.items():
         if not (key.isascii() and key.isdigit()) or int(key) not in full:
             _refuse(f"{where}.{key}", "only full_attention layers may be overridden")
-        if not isinstance(entry, dict) or set(entry) != {"head_dim", "num_key_value_heads"}:
+        if not isinstance(entry, dict) or not set(entry) <= {"head_dim", "num_key_value_heads"}:
             _refuse(
                 f"{where}.{key}",
-                f"must give exactly head_dim and num_key_value_heads, got {entry!r}",
+                f"may give only head_dim and num_key_value_heads, got {entry!r}",
             )
-        dk = (
-            _int(entry, "head_dim", f"{where}.{key}."),
-            _int(entry, "num_key_value_heads", f"{where}.{key}."),
-        )
+    seen = None
+    for i in full:
+        entry = plc.get(str(i), {})
+        at = f"{where}.{i}."
+        dk = (_int(entry, "head_dim", at, d), _int(entry, "num_key_value_heads", at, kv))
         if seen is not None and dk != seen:
-            _refuse(f"{where}.{key}", f"{dk} differs from another full layer's {seen}")
+            _refuse(f"{where}.{i}", f"{dk} differs from another full layer's {seen}")
         seen = dk
-    missing = [i for i in full if str(i) not in plc]
-    if missing:
-        _refuse(where, f"has no entry for full_attention layer {missing[0]}")
     return seen
 
 

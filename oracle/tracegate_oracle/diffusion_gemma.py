@@ -147,10 +147,15 @@ def check_config(raw: dict, path: Path) -> None:
             extra = sorted(set(v) - {"head_dim", "num_key_value_heads"})
             if extra:
                 refuse(f"{at}.{extra[0]} (only head_dim and num_key_value_heads)")
+            # What an entry omits keeps the config's own value (transformers' per-layer view).
+            v = (
+                v.get("head_dim", d),
+                v.get("num_key_value_heads", tc.get("num_key_value_heads", 4)),
+            )
             if seen is not None and v != seen:
                 refuse(f"{at} = {v} differs from another full layer's {seen}")
             seen = v
-            full.add((v.get("head_dim"), v.get("num_key_value_heads")))
+            full.add(v)
     if plc is None:  # full layers: global_head_dim (512 by default) and their own kv heads
         full.add((tc.get("global_head_dim", 512), tc.get("num_global_key_value_heads")))
     for hd, kv in [(d, tc.get("num_key_value_heads", 4)), *full]:

@@ -181,78 +181,76 @@ impl DgConfig {
             usize_or(t, "head_dim", 256)?,
             usize_or(t, "num_key_value_heads", 4)?,
         );
-        let mut full: Option<(usize, usize)> = None;
-        if let Some(plc) = get(t, "per_layer_config") {
-            let map = plc.as_object().ok_or_else(
-                || err!(Config: "config.json: text_config.per_layer_config is not an object"),
-            )?;
-            for (k, entry) in map {
-                let l: usize = k.parse().ok().filter(|&l| l < layers).ok_or_else(|| {
-                    refuse(
-                        "text_config.per_layer_config",
-                        format!("key {k:?} is not a layer index"),
-                    )
-                })?;
-                let e = entry.as_object().ok_or_else(|| {
-                    refuse(
-                        "text_config.per_layer_config",
-                        format!("{k}: not an object"),
-                    )
-                })?;
-                if let Some(other) = e
-                    .keys()
-                    .find(|f| *f != "head_dim" && *f != "num_key_value_heads")
-                {
-                    return Err(refuse(
-                        "text_config.per_layer_config",
-                        format!("{k}.{other}"),
-                    ));
-                }
-                let hd = usize_or(entry, "head_dim", if sliding[l] { d } else { 512 })?;
-                let nk = usize_or(entry, "num_key_value_heads", kv)?;
-                if sliding[l] {
-                    if (hd, nk) != (d, kv) {
+        // An entry of per_layer_config overrides the config's own head_dim / num_key_value_heads
+        // (a key it omits keeps the config's value, as transformers' per-layer view does); a full
+        // layer without an entry keeps both. Without per_layer_config, full layers take the
+        // global values.
+        let (dd, kk) = match get(t, "per_layer_config") {
+            None => (
+                usize_or(t, "global_head_dim", 512)?,
+                match get(t, "num_global_key_value_heads") {
+                    None => kv,
+                    Some(_) => usize_or(t, "num_global_key_value_heads", kv)?,
+                },
+            ),
+            Some(plc) => {
+                let map = plc.as_object().ok_or_else(
+                    || err!(Config: "config.json: text_config.per_layer_config is not an object"),
+                )?;
+                for (k, entry) in map {
+                    let l: usize = k.parse().ok().filter(|&l| l < layers).ok_or_else(|| {
+                        refuse(
+                            "text_config.per_layer_config",
+                            format!("key {k:?} is not a layer index"),
+                        )
+                    })?;
+                    let e = entry.as_object().ok_or_else(|| {
+                        refuse(
+                            "text_config.per_layer_config",
+                            format!("{k}: not an object"),
+                        )
+                    })?;
+                    if let Some(other) = e
+                        .keys()
+                        .find(|f| *f != "head_dim" && *f != "num_key_value_heads")
+                    {
+                        return Err(refuse(
+                            "text_config.per_layer_config",
+                            format!("{k}.{other}"),
+                        ));
+                    }
+                    if sliding[l]
+                        && (
+                            usize_or(entry, "head_dim", d)?,
+                            usize_or(entry, "num_key_value_heads", kv)?,
+                        ) != (d, kv)
+                    {
                         return Err(refuse(
                             "text_config.per_layer_config",
                             format!("{k}: overrides a sliding layer"),
                         ));
                     }
-                    continue;
                 }
-                match full {
-                    Some(f) if f != (hd, nk) => {
+                let mut full: Option<(usize, usize)> = None;
+                for l in (0..layers).filter(|&l| !sliding[l]) {
+                    let pair = match map.get(&l.to_string()) {
+                        None => (d, kv),
+                        Some(entry) => (
+                            usize_or(entry, "head_dim", d)?,
+                            usize_or(entry, "num_key_value_heads", kv)?,
+                        ),
+                    };
+                    if full.is_some_and(|f| f != pair) {
                         return Err(refuse(
                             "text_config.per_layer_config",
                             "two full layers with different head_dim or num_key_value_heads",
-                        ))
+                        ));
                     }
-                    _ => full = Some((hd, nk)),
+                    full = Some(pair);
                 }
+                // The last layer is always full, so there is one.
+                full.unwrap_or((d, kv))
             }
-            // A full layer without an entry takes the global values below; they must agree.
-        }
-        let global = (
-            usize_or(t, "global_head_dim", 512)?,
-            match get(t, "num_global_key_value_heads") {
-                None => kv,
-                Some(_) => usize_or(t, "num_global_key_value_heads", kv)?,
-            },
-        );
-        let any_full_without_entry = (0..layers).any(|l| {
-            !sliding[l]
-                && get(t, "per_layer_config")
-                    .and_then(|p| p.get(l.to_string()))
-                    .is_none()
-        });
-        let (dd, kk) = match full {
-            None => global,
-            Some(f) if any_full_without_entry && f != global => {
-                return Err(refuse(
-                    "text_config.per_layer_config",
-                    "full layers with different head_dim or num_key_value_heads",
-                ))
-            }
-            Some(f) => f,
         };
         for (name, hd, nk) in [("head_dim", d, kv), ("full-layer head_dim", dd, kk)] {
             if !hd.is_multiple_of(2) {
