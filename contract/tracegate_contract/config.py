@@ -42,10 +42,10 @@ def unsupported_family(mt) -> str:
     # The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
     if mt in names.FAMILIES:
         return (
-            "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: "
+            "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma); the oracle supports it: "
             "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
         )
-    return "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)"
+    return "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma; oracle: the families of docs/capture-points.md)"
 
 
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)

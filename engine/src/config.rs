@@ -23,15 +23,30 @@ pub use sizes::check_sizes;
 /// Positions are absolute token indices below 2^24 (f32 holds every integer up to it, §7).
 pub const MAX_POSITIONS: usize = 1 << 24;
 
+/// The `model_type`s the bit-exact producers (engine, contract) compute: a language model's
+/// (`text_config.model_type` of a multimodal layout included) or a block-diffusion checkpoint's.
+/// A gate checks it before any producer runs, so a refusal does not wait for the others.
+pub const BIT_EXACT_FAMILIES: [&str; 9] = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "diffusion_gemma",
+];
+
 /// Why a `model_type` is refused; same text as the contract's (contract/tracegate_contract/config.py).
 pub fn unsupported_family(model_type: &str) -> String {
     // The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
     if tracegate_trace::names::family_features(model_type).is_some() {
-        "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families); the oracle supports it: \
+        "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma); the oracle supports it: \
          python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
             .to_string()
     } else {
-        "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe and the Qwen3.5 families; oracle: the families of docs/capture-points.md)".to_string()
+        "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma; oracle: the families of docs/capture-points.md)".to_string()
     }
 }
 

@@ -13,7 +13,7 @@ use tracegate_engine::{
 #[command(
     name = "engine",
     version,
-    about = "tracegate reference engine (ordered fp32 Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3.5-MoE)"
+    about = "tracegate reference engine (ordered fp32 Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3.5-MoE / Diffusion Gemma)"
 )]
 struct Cli {
     #[command(subcommand)]

@@ -761,6 +761,31 @@ fn a_prompt_longer_than_max_position_embeddings_is_refused_before_any_producer_r
 }
 
 #[test]
+fn a_family_the_ordered_producers_do_not_compute_is_refused_before_any_producer_runs() {
+    // mistral: the oracle computes it, the engine and the contract refuse it; the refusal must
+    // not wait for the oracle's run of the other side.
+    let model = edited_fixture("tiny-llama", |c| {
+        c["model_type"] = serde_json::json!("mistral");
+        c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    });
+    let model = model.path().to_str().unwrap().to_string();
+    for sides in [
+        ["--reference", "oracle", "--candidate", "engine"],
+        ["--reference", "contract", "--candidate", "oracle"],
+    ] {
+        let (code, stdout, stderr, rep) = run_bisect(&model, &sides);
+        assert_eq!(code, 2, "{sides:?}\n{stdout}\n{stderr}");
+        assert!(
+            stderr.contains("model_type \"mistral\" not supported by the bit-exact producers")
+                && stderr.contains("diffusion_gemma"),
+            "{sides:?}\n{stderr}"
+        );
+        assert_eq!(rep["verdict"], "refused");
+        assert!(rep.get("runs").is_none(), "a refused report lists no run: {rep}");
+    }
+}
+
+#[test]
 fn a_layer_verb_that_hangs_is_killed_and_the_bisection_refused() {
     let cmd = format!(
         "'{}' '{}' hang-layer {{verb}} {{args}}",

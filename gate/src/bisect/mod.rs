@@ -38,6 +38,29 @@ pub fn samples(root: &std::path::Path, model: &str) -> Result<bool> {
     Ok(crate::prompts::samples(crate::prompts::family(&config)))
 }
 
+/// An engine or contract side on a family they do not compute is refused before anything runs
+/// (else the other side's run, the oracle's minutes on a real model, comes first).
+fn refuse_family_of_no_ordered_producer(o: &BisectOptions) -> Result<()> {
+    let mut ordered = vec![&o.candidate];
+    if let Reference::Run(p) = &o.reference {
+        ordered.push(p);
+    }
+    if !ordered.into_iter().any(|p| is_ordered(&o.root, p)) {
+        return Ok(());
+    }
+    let (config, _) = crate::prompts::model_config(&o.root.join(&o.model))
+        .map_err(|e| crate::gerr!("--model: {e}"))?;
+    let family = crate::prompts::family(&config);
+    if family.is_empty() || tracegate_engine::config::BIT_EXACT_FAMILIES.contains(&family) {
+        return Ok(()); // a config without model_type: the producer's own refusal says it
+    }
+    Err(crate::gerr!(
+        "--model {}: model_type {family:?} {}",
+        o.model,
+        tracegate_engine::config::unsupported_family(family)
+    ))
+}
+
 /// The bisection, phase by phase: the whole runs (prefill/whole.rs: run, judge, force decisions,
 /// locate), the layers (prefill/layers.rs: isolate, self-check, statuses, calibrate, outliers), the
 /// verdict (prefill/verdict.rs) and the decode steps (decode/). Every producer run is recorded
@@ -53,6 +76,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     if let Reference::Stored(s) = &o.reference {
         s.fits(o)?;
     }
+    refuse_family_of_no_ordered_producer(o)?;
     // Never judge an earlier run's traces: only an empty directory or one bisect made is used,
     // and it is emptied of bisect's own traces under the lock (work.rs).
     let work_dir = o.root.join(&o.work);
