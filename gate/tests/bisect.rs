@@ -781,7 +781,10 @@ fn a_family_the_ordered_producers_do_not_compute_is_refused_before_any_producer_
             "{sides:?}\n{stderr}"
         );
         assert_eq!(rep["verdict"], "refused");
-        assert!(rep.get("runs").is_none(), "a refused report lists no run: {rep}");
+        assert!(
+            rep.get("runs").is_none(),
+            "a refused report lists no run: {rep}"
+        );
     }
 }
 

@@ -284,61 +284,84 @@ pub struct Outliers {
 /// measured pair; mlp_out only where the layer has no router: an MoE layer's mlp_out under a
 /// reduced precision moves with routing near-ties (clean ratios up to 9.8 measured), and
 /// hidden_out carries both (docs/bisect.md, "Outliers").
-pub const OUTLIER_MEASURE: &str = "attn_out; mlp_out of layers without a router";
+pub const OUTLIER_MEASURE: &str =
+    "attn_out; mlp_out of layers without a router; each against the layers of its kind";
 
 /// One matching isolated layer's errors: (layer, attn_out rel L2, mlp_out rel L2 when the layer
-/// has no router).
-pub type LayerErrors = (usize, Option<f64>, Option<f64>);
+/// has no router, the layer's kind: its `layer_types` entry, "" for a family without one).
+pub type LayerErrors = (usize, Option<f64>, Option<f64>, String);
 
-/// Per layer: its largest ratio to the peers' median over the measured tensors (None where
-/// undefined: zero medians), and whether it is flagged; a zero median under a nonzero error
-/// flags too (every peer bit-exact, this one not).
+/// Per layer: its largest ratio to the median of its peers (the other matching layers of its
+/// kind: a linear-attention layer is not measured against full-attention ones) over the
+/// measured tensors (None where undefined: zero medians, or fewer than OUTLIER_MIN_LAYERS layers
+/// of its kind), and whether it is flagged; a zero median under a nonzero error flags too (every
+/// peer bit-exact, this one not).
 pub fn outliers(errors: &[LayerErrors]) -> (Outliers, Vec<(usize, Option<f64>, bool)>) {
+    let mut kinds: Vec<(&str, usize)> = Vec::new();
+    for e in errors {
+        match kinds.iter_mut().find(|k| k.0 == e.3) {
+            Some(k) => k.1 += 1,
+            None => kinds.push((&e.3, 1)),
+        }
+    }
+    let few: Vec<String> = kinds
+        .iter()
+        .filter(|k| k.1 < OUTLIER_MIN_LAYERS)
+        .map(|(kind, n)| {
+            let of = if kind.is_empty() {
+                String::new()
+            } else {
+                format!(" of kind {kind}")
+            };
+            format!(
+                "{n} layer{}{of} isolated and matching",
+                if *n == 1 { "" } else { "s" }
+            )
+        })
+        .collect();
     let mut out = Outliers {
         measure: OUTLIER_MEASURE,
         factor: SUSPICIOUS_FACTOR,
         isolated_layers: errors.len(),
-        checked: errors.len() >= OUTLIER_MIN_LAYERS,
-        not_checked: None,
+        checked: kinds.iter().any(|k| k.1 >= OUTLIER_MIN_LAYERS),
+        not_checked: (!few.is_empty()).then(|| format!("{}; the outlier check needs at least {OUTLIER_MIN_LAYERS} of a kind (--all-layers isolates every layer)", few.join(", "))),
         suspicious: Vec::new(),
         largest_ratio: None,
         largest_layer: None,
     };
-    if !out.checked {
-        out.not_checked =
-            Some(format!("{} layer{} isolated and matching; the outlier check needs at least {OUTLIER_MIN_LAYERS} (--all-layers isolates every layer)", errors.len(), if errors.len() == 1 { "" } else { "s" }));
-        return (out, Vec::new());
-    }
     let mut per: Vec<(usize, Option<f64>, bool)> =
         errors.iter().map(|e| (e.0, None, false)).collect();
     for pick in [|e: &LayerErrors| e.1, |e: &LayerErrors| e.2] {
-        let values: Vec<(usize, f64)> = errors
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| pick(e).map(|v| (i, v)))
-            .collect();
-        if values.len() < OUTLIER_MIN_LAYERS {
-            continue;
-        }
-        for &(i, e) in &values {
-            let mut peers: Vec<f64> = values
+        for &(kind, _) in &kinds {
+            let values: Vec<(usize, f64)> = errors
                 .iter()
-                .filter(|(j, _)| *j != i)
-                .map(|p| p.1)
+                .enumerate()
+                .filter(|(_, e)| e.3 == kind)
+                .filter_map(|(i, e)| pick(e).map(|v| (i, v)))
                 .collect();
-            peers.sort_by(f64::total_cmp);
-            let m = peers.len();
-            let median = if m % 2 == 1 {
-                peers[m / 2]
-            } else {
-                (peers[m / 2 - 1] + peers[m / 2]) / 2.0
-            };
-            let ratio = (median > 0.0).then(|| e / median);
-            per[i].2 |= ratio.map_or(e > 0.0, |r| r > SUSPICIOUS_FACTOR);
-            per[i].1 = match (per[i].1, ratio) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
-            };
+            if values.len() < OUTLIER_MIN_LAYERS {
+                continue;
+            }
+            for &(i, e) in &values {
+                let mut peers: Vec<f64> = values
+                    .iter()
+                    .filter(|(j, _)| *j != i)
+                    .map(|p| p.1)
+                    .collect();
+                peers.sort_by(f64::total_cmp);
+                let m = peers.len();
+                let median = if m % 2 == 1 {
+                    peers[m / 2]
+                } else {
+                    (peers[m / 2 - 1] + peers[m / 2]) / 2.0
+                };
+                let ratio = (median > 0.0).then(|| e / median);
+                per[i].2 |= ratio.map_or(e > 0.0, |r| r > SUSPICIOUS_FACTOR);
+                per[i].1 = match (per[i].1, ratio) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                };
+            }
         }
     }
     for &(layer, ratio, flagged) in &per {
@@ -361,7 +384,7 @@ mod tests {
         let dense = |e: &[f64]| -> Vec<LayerErrors> {
             e.iter()
                 .enumerate()
-                .map(|(l, &x)| (l, Some(x), Some(x)))
+                .map(|(l, &x)| (l, Some(x), Some(x), String::new()))
                 .collect()
         };
         assert!(outliers(&dense(&[2e-7, 1.6e-7, 1.4e-7, 1.7e-7, 1.1e-7]))
@@ -379,13 +402,55 @@ mod tests {
         assert!(outliers(&dense(&[0.0, 0.0, 0.0])).0.suspicious.is_empty());
         // An MoE layer's mlp_out is not read: only its attn_out.
         let moe = [
-            (0, Some(2e-7), None),
-            (1, Some(1.5e-7), None),
-            (2, Some(1.8e-7), None),
+            (0, Some(2e-7), None, String::new()),
+            (1, Some(1.5e-7), None, String::new()),
+            (2, Some(1.8e-7), None, String::new()),
         ];
         assert!(outliers(&moe).0.suspicious.is_empty());
         let two = outliers(&dense(&[1e-7, 1e-3])).0;
         assert!(!two.checked && two.not_checked.unwrap().starts_with("2 layers isolated"));
+    }
+
+    #[test]
+    fn peers_are_layers_of_one_kind() {
+        // A clean engine-vs-oracle bisection of an 8-layer hybrid Qwen3.5-MoE (docs/bisect.md,
+        // "Outliers"): attn_out's isolated errors, layers 3 and 7 full attention, the rest linear.
+        let measured = [
+            4.29e-7, 4.17e-7, 4.44e-7, 2.62e-7, 2.21e-7, 2.52e-7, 7.66e-7, 2.24e-7,
+        ];
+        let errors = |kinds: bool| -> Vec<LayerErrors> {
+            measured
+                .iter()
+                .enumerate()
+                .map(|(l, &x)| {
+                    let k = match (kinds, l % 4 == 3) {
+                        (false, _) => "",
+                        (true, true) => "full_attention",
+                        (true, false) => "linear_attention",
+                    };
+                    (l, Some(x), None, k.to_string())
+                })
+                .collect()
+        };
+        // Among every layer, linear layer 6 is 2.9× the median (full layers pull it down).
+        assert_eq!(outliers(&errors(false)).0.suspicious, [6]);
+        // Among its kind it is not; the two full layers are too few to compare, and it says so.
+        let (o, per) = outliers(&errors(true));
+        assert!(o.checked && o.suspicious.is_empty(), "{o:?}");
+        assert!(
+            o.not_checked
+                .as_deref()
+                .is_some_and(|n| n.starts_with("2 layers of kind full_attention isolated")),
+            "{o:?}"
+        );
+        assert!(per
+            .iter()
+            .filter(|p| p.0 % 4 == 3)
+            .all(|p| p.1.is_none() && !p.2));
+        // A planted layer still stands out among its kind.
+        let mut planted = errors(true);
+        planted[2].1 = Some(1.2e-6);
+        assert_eq!(outliers(&planted).0.suspicious, [2]);
     }
 }
 

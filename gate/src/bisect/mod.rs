@@ -38,6 +38,43 @@ pub fn samples(root: &std::path::Path, model: &str) -> Result<bool> {
     Ok(crate::prompts::samples(crate::prompts::family(&config)))
 }
 
+/// Each layer's kind, the outlier check's peer groups: the config's `layer_types` (Qwen3.5's
+/// linear and full attention, diffusion Gemma's sliding and full, whose last layer is always
+/// full and whose default is 5:1, docs/diffusion-gemma.md); "" for every layer of a family
+/// without them, or when the config cannot be read (the producers refuse it then).
+fn layer_kinds(o: &BisectOptions, n: usize) -> Vec<String> {
+    let Ok((config, _)) = crate::prompts::model_config(&o.root.join(&o.model)) else {
+        return vec![String::new(); n];
+    };
+    let listed = crate::prompts::text_fields(&config)
+        .get("layer_types")
+        .and_then(serde_json::Value::as_array)
+        .filter(|l| l.len() == n);
+    let mut kinds: Vec<String> = match listed {
+        Some(l) => l
+            .iter()
+            .map(|k| k.as_str().unwrap_or_default().to_string())
+            .collect(),
+        None if o.sampling => (0..n)
+            .map(|l| {
+                if (l + 1) % 6 == 0 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+                .into()
+            })
+            .collect(),
+        None => vec![String::new(); n],
+    };
+    if o.sampling {
+        if let Some(last) = kinds.last_mut() {
+            *last = "full_attention".into();
+        }
+    }
+    kinds
+}
+
 /// An engine or contract side on a family they do not compute is refused before anything runs
 /// (else the other side's run, the oracle's minutes on a real model, comes first).
 fn refuse_family_of_no_ordered_producer(o: &BisectOptions) -> Result<()> {
@@ -158,7 +195,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         By::Bits => None,
     };
     refuse_timeout(&runs, o)?;
-    let outliers = layers::outliers(reference, &mut layers);
+    let outliers = layers::outliers(reference, &layer_kinds(o, layers.len()), &mut layers);
     let amplification = layers::amplification(&layers);
 
     let said = match &self_consistency.inconsistent {

@@ -253,7 +253,7 @@ pub(crate) fn first_far_above(rows: &[ResponseRow], factor: f64) -> (Option<usiz
 
 /// Outliers within the policy: the matching isolated layers' errors against their peers'; each
 /// such row gets its ratio and flag.
-pub(crate) fn outliers(reference: &Trace, layers: &mut [LayerRow]) -> Outliers {
+pub(crate) fn outliers(reference: &Trace, kinds: &[String], layers: &mut [LayerRow]) -> Outliers {
     let errors: Vec<judge::LayerErrors> = layers
         .iter()
         .filter(|r| r.isolation == Isolated::Match && r.status != LayerStatus::Inconsistent)
@@ -272,6 +272,7 @@ pub(crate) fn outliers(reference: &Trace, layers: &mut [LayerRow]) -> Outliers {
                 } else {
                     rel("mlp_out")
                 },
+                kinds.get(r.layer).cloned().unwrap_or_default(),
             )
         })
         .collect();
