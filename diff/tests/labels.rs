@@ -933,6 +933,36 @@ fn attack_router_margins_without_router_logits_get_no_divergence() {
 }
 
 #[test]
+fn router_margins_without_router_logits_get_the_policys_honest_noise() {
+    // A clean f32 pair without router.logits: a router margin (a probability gap) moved by
+    // 5e-5, as f32 rounding moves it deep in a model, is within the policy (2 x the policy's
+    // 1e-4 router.logits noise + slack), never judged by 1e-5 alone; 1e-3 is still outside.
+    let mut r = crafted();
+    r.tensors.retain(|t| !t.name.ends_with("router.logits"));
+    for (shift, within) in [(5e-5f32, true), (1e-3, false)] {
+        let mut c = r.clone();
+        c.provenance = oracle_provenance();
+        c.decision_mut("layer.00.router.topk")
+            .margins
+            .as_mut()
+            .unwrap()[0] += shift;
+        let rep = diff(&r, &c, Some(oracle_policy()));
+        let res = &rep.decisions.results[0];
+        assert_eq!(
+            res.margin_outside_rows,
+            u64::from(!within),
+            "{shift}: {res:?}"
+        );
+        assert_eq!(
+            rep.verdict == Verdict::Different,
+            !within,
+            "{shift}: {:?}",
+            rep.verdict
+        );
+    }
+}
+
+#[test]
 fn attack_infinite_margins_are_equal_only_by_bits() {
     // A decision without scores in the trace (decode step 1): its margin's tolerance is the
     // slack alone, 1e-5·max(1, |a|, |b|), which an infinite margin would make infinite.

@@ -290,6 +290,18 @@ impl Rows<'_> {
             .and_then(|(s, range)| range_divergence(self.r, self.c, s, Some(range)))
     }
 
+    /// A router whose trace holds no `router.logits`: the policy's honest noise for those scores
+    /// (`near_tie.noise_abs`), never the candidate's own difference. Without it an honest f32
+    /// router margin, a probability gap, fails its tolerance deep in a model (1.5e-5 at layer 7
+    /// of a clean 8-layer engine-vs-oracle pair, docs/diff.md "Margins").
+    fn uncaptured_scores_noise(&self) -> Option<f64> {
+        let scores = format!("{}router.logits", self.name.strip_suffix("router.topk")?);
+        match self.r.tensor_info(&scores) {
+            Some(_) => None,
+            None => self.policy?.near_tie_noise(&scores),
+        }
+    }
+
     /// A row whose choices are equal: its margins `ma`, `mb` compared by bits, or under a
     /// policy within [`margin_tolerance`]; a difference is counted in `out`, and the first kept.
     fn margins(&self, row: u64, ma: f32, mb: f32, out: &mut DecisionResult) {
@@ -308,7 +320,12 @@ impl Rows<'_> {
                 self.stable,
                 self.left_out.selects,
             )
-            .unwrap_or_else(|| margin_tolerance(ma, mb, self.margin_divergence(row)))
+            .unwrap_or_else(|| {
+                let d = self
+                    .margin_divergence(row)
+                    .or_else(|| self.uncaptured_scores_noise());
+                margin_tolerance(ma, mb, d)
+            })
         });
         // A non-finite margin (or tolerance) is equal only by bits: ±inf minus anything finite
         // is never "within" an infinite tolerance, and NaN never lies within one.
