@@ -87,7 +87,8 @@ int tg_close(tg_writer *w, char *digest_hex, size_t cap);
 void tg_abort(tg_writer *w);
 
 /* The weights digest of a model directory, as provenance `weights_digest` must record it (32 hex
- * digits and a NUL into `out`, `cap` >= 33). */
+ * digits and a NUL into `out`, `cap` >= 33). A weights file that is not a regular file once
+ * symlinks are followed (a FIFO, a device such as /dev/zero) is refused before it is opened. */
 int tg_weights_digest(const char *model_dir, char *out, size_t cap);
 
 /* The last error of this thread, one line; "" when the last call succeeded. Valid until this
