@@ -44,19 +44,19 @@ pub struct TgWriter {
 }
 
 /// The writers of the live handles, by number. A number is issued once and never again (a
-/// 64-bit counter), so a handle closed twice, used after `tg_close` or `tg_abort`, or made up
+/// counter that refuses to wrap), so a handle closed twice, used after `tg_close` or `tg_abort`, or made up
 /// (garbage, a pointer from elsewhere) names no writer and is refused in a line: nothing is
 /// freed twice or read after it is freed. Each writer has its own lock (the registry's is held
 /// only to look a number up), so writers on different threads do not wait for each other; one
 /// handle's misuse from two threads at once is serialized rather than a data race.
 struct Handles {
-    next: u64,
-    live: BTreeMap<u64, Arc<Mutex<Option<TraceWriter>>>>,
+    next: usize,
+    live: BTreeMap<usize, Arc<Mutex<Option<TraceWriter>>>>,
 }
 
 /// Numbers start high and go up in steps of 2 (all odd): small integers, NULL-adjacent garbage
 /// and real (aligned) pointers are never issued, so they are refused as never opened.
-const FIRST_HANDLE: u64 = 0x7467_0000_0001;
+const FIRST_HANDLE: usize = 0x7467_0001;
 
 static LIVE: Mutex<Handles> = Mutex::new(Handles {
     next: FIRST_HANDLE,
@@ -90,14 +90,14 @@ fn issue(w: TraceWriter) -> Result<*mut TgWriter, Failure> {
         )
     })?;
     r.live.insert(n, Arc::new(Mutex::new(Some(w))));
-    Ok(n as usize as *mut TgWriter)
+    Ok(n as *mut TgWriter)
 }
 
 /// The writer of live handle `w`.
 fn lookup(w: *mut TgWriter) -> Result<Arc<Mutex<Option<TraceWriter>>>, Failure> {
     registry()
         .live
-        .get(&(w as usize as u64))
+        .get(&(w as usize))
         .cloned()
         .ok_or_else(|| dead(w))
 }
@@ -106,7 +106,7 @@ fn lookup(w: *mut TgWriter) -> Result<Arc<Mutex<Option<TraceWriter>>>, Failure> 
 fn retire(w: *mut TgWriter) -> Result<TraceWriter, Failure> {
     let cell = registry()
         .live
-        .remove(&(w as usize as u64))
+        .remove(&(w as usize))
         .ok_or_else(|| dead(w))?;
     let mut slot = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     slot.take().ok_or_else(|| dead(w))
