@@ -8,6 +8,11 @@
  * Errors: every call returns TG_OK (0) or an error code, and tg_last_error() then holds one line
  * naming the tensor, the path and the numbers. No call aborts the process; a handle is used by
  * one thread at a time.
+ *
+ * Handles: a tg_writer * is an opaque number the library issues once, never a pointer it follows.
+ * Passing one that is not live (closed, aborted, never returned by tg_open, NULL) is refused with
+ * TG_ERR_ARGUMENT and a line naming it ("... is not a live handle"): a second tg_close, a
+ * tg_tensor after tg_close, a tg_close after tg_abort free nothing twice and read nothing freed.
  */
 #ifndef TRACEGATE_H
 #define TRACEGATE_H
@@ -24,7 +29,8 @@ typedef enum tg_status {
     TG_ERR_INVALID = 1,   /* content the format cannot hold: shape, payload size, positions, name */
     TG_ERR_IO = 2,        /* the file system refused: the message names the path */
     TG_ERR_NOT_FOUND = 3, /* e.g. a model directory without *.safetensors */
-    TG_ERR_ARGUMENT = 4,  /* a NULL pointer, a string that is not UTF-8, an unknown dtype, a small buffer */
+    TG_ERR_ARGUMENT = 4,  /* a NULL pointer, a string that is not UTF-8, an unknown dtype, a small buffer,
+                           a writer handle that is not live */
     TG_ERR_INTERNAL = 5   /* a defect of the library itself; the message says where */
 } tg_status;
 
@@ -75,11 +81,14 @@ int tg_decision(tg_writer *w, const char *name, const uint64_t *shape, size_t ra
  * succeeds or not; after an error nothing is left at `path`. */
 int tg_close(tg_writer *w, char *digest_hex, size_t cap);
 
-/* Frees `w` without writing the trace (its temporary file is removed). NULL is ignored. */
+/* Frees `w` without writing the trace (its temporary file is removed). NULL is ignored; a handle
+ * that is not live (already closed or aborted) frees nothing and leaves its refusal in
+ * tg_last_error(), which is "" after a successful abort. */
 void tg_abort(tg_writer *w);
 
 /* The weights digest of a model directory, as provenance `weights_digest` must record it (32 hex
- * digits and a NUL into `out`, `cap` >= 33). */
+ * digits and a NUL into `out`, `cap` >= 33). A weights file that is not a regular file once
+ * symlinks are followed (a FIFO, a device such as /dev/zero) is refused before it is opened. */
 int tg_weights_digest(const char *model_dir, char *out, size_t cap);
 
 /* The last error of this thread, one line; "" when the last call succeeded. Valid until this

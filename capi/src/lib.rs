@@ -4,9 +4,11 @@
 //! reported as `TG_ERR_INTERNAL`, never unwound into C.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use tracegate_trace::{Attributes, DType, Error, TraceWriter};
 
@@ -34,8 +36,93 @@ pub struct TgAttrs {
     pub n_extra: usize,
 }
 
-/// The opaque `tg_writer`.
-pub struct TgWriter(TraceWriter);
+/// The opaque `tg_writer`. A `*mut TgWriter` is never dereferenced: it is the number of a
+/// handle in [`LIVE`] (see [`Handles`]), so a closed, aborted or never-issued one is refused,
+/// not followed.
+pub struct TgWriter {
+    _opaque: [u8; 0],
+}
+
+/// The writers of the live handles, by number. A number is issued once and never again (a
+/// counter that refuses to wrap), so a handle closed twice, used after `tg_close` or `tg_abort`, or made up
+/// (garbage, a pointer from elsewhere) names no writer and is refused in a line: nothing is
+/// freed twice or read after it is freed. Each writer has its own lock (the registry's is held
+/// only to look a number up), so writers on different threads do not wait for each other; one
+/// handle's misuse from two threads at once is serialized rather than a data race.
+struct Handles {
+    next: usize,
+    live: BTreeMap<usize, Arc<Mutex<Option<TraceWriter>>>>,
+}
+
+/// Numbers start high and go up in steps of 2 (all odd): small integers, NULL-adjacent garbage
+/// and real (aligned) pointers are never issued, so they are refused as never opened.
+const FIRST_HANDLE: usize = 0x7467_0001;
+
+static LIVE: Mutex<Handles> = Mutex::new(Handles {
+    next: FIRST_HANDLE,
+    live: BTreeMap::new(),
+});
+
+fn registry() -> std::sync::MutexGuard<'static, Handles> {
+    // A panic while it was held (caught at the boundary) leaves the map consistent: every
+    // update is one insert or remove.
+    LIVE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn dead(w: *mut TgWriter) -> Failure {
+    if w.is_null() {
+        argument("the writer is NULL".into())
+    } else {
+        argument(format!(
+            "the writer {w:p} is not a live handle: already closed or aborted, or never returned by tg_open"
+        ))
+    }
+}
+
+/// Registers `w` and returns its handle.
+fn issue(w: TraceWriter) -> Result<*mut TgWriter, Failure> {
+    let mut r = registry();
+    let n = r.next;
+    r.next = n.checked_add(2).ok_or_else(|| {
+        Failure(
+            TG_ERR_INTERNAL,
+            "tg_open: the handle numbers are spent".into(),
+        )
+    })?;
+    r.live.insert(n, Arc::new(Mutex::new(Some(w))));
+    Ok(n as *mut TgWriter)
+}
+
+/// The writer of live handle `w`.
+fn lookup(w: *mut TgWriter) -> Result<Arc<Mutex<Option<TraceWriter>>>, Failure> {
+    registry()
+        .live
+        .get(&(w as usize))
+        .cloned()
+        .ok_or_else(|| dead(w))
+}
+
+/// Ends handle `w`: from here on it names nothing. Its writer, taken out, is the caller's.
+fn retire(w: *mut TgWriter) -> Result<TraceWriter, Failure> {
+    let cell = registry()
+        .live
+        .remove(&(w as usize))
+        .ok_or_else(|| dead(w))?;
+    let mut slot = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    slot.take().ok_or_else(|| dead(w))
+}
+
+/// Runs `f` on the writer of live handle `w`.
+fn with_writer<T>(
+    w: *mut TgWriter,
+    f: impl FnOnce(&mut TraceWriter) -> Result<T, Failure>,
+) -> Result<T, Failure> {
+    let cell = lookup(w)?;
+    let mut slot = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    // Closed by another thread between the lookup and the lock: as dead as never opened.
+    let writer = slot.as_mut().ok_or_else(|| dead(w))?;
+    f(writer)
+}
 
 /// A failure on its way to C: the code and its one line.
 struct Failure(c_int, String);
@@ -158,13 +245,6 @@ unsafe fn attributes(name: &str, a: *const TgAttrs) -> Result<Attributes, Failur
     })
 }
 
-fn writer<'a>(w: *mut TgWriter) -> Result<&'a mut TraceWriter, Failure> {
-    // SAFETY: a handle from tg_open, not yet closed (the header's contract).
-    unsafe { w.as_mut() }
-        .map(|w| &mut w.0)
-        .ok_or_else(|| argument("the writer is NULL".into()))
-}
-
 /// Writes `text` and a NUL into `out[..cap]`.
 unsafe fn copy_out(text: &str, out: *mut c_char, cap: usize, what: &str) -> Result<(), Failure> {
     if out.is_null() || cap < text.len() + 1 {
@@ -194,14 +274,14 @@ pub unsafe extern "C" fn tg_open(
                 format!("{path}: provenance is not JSON: {e}"),
             )
         })?;
-        let w = TraceWriter::create(path, provenance)?;
-        Ok(Box::into_raw(Box::new(TgWriter(w))))
+        issue(TraceWriter::create(path, provenance)?)
     })
     .0
 }
 
 /// # Safety
-/// `w` is a live handle; the pointers hold the counts the header gives.
+/// The pointers hold the counts the header gives (`w` may be anything: a handle that is not
+/// live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn tg_tensor(
     w: *mut TgWriter,
@@ -214,28 +294,30 @@ pub unsafe extern "C" fn tg_tensor(
     attrs: *const TgAttrs,
 ) -> c_int {
     boundary((), || {
-        let w = writer(w)?;
-        let name = text(name, "name")?;
-        let dtype = usize::try_from(dtype)
-            .ok()
-            .and_then(|d| d.checked_sub(1))
-            .and_then(|d| DTYPES.get(d))
-            .copied()
-            .ok_or_else(|| {
-                argument(format!(
-                    "tensor {name:?}: dtype {dtype} is none of TG_F64 (1) .. TG_BOOL (10)"
-                ))
-            })?;
-        let shape = slice(shape, rank, &format!("tensor {name:?}: shape"))?;
-        let bytes = slice(data.cast::<u8>(), nbytes, &format!("tensor {name:?}: data"))?;
-        let attrs = attributes(name, attrs)?;
-        Ok(w.tensor(name, dtype, shape, bytes, &attrs)?)
+        with_writer(w, |w| {
+            let name = text(name, "name")?;
+            let dtype = usize::try_from(dtype)
+                .ok()
+                .and_then(|d| d.checked_sub(1))
+                .and_then(|d| DTYPES.get(d))
+                .copied()
+                .ok_or_else(|| {
+                    argument(format!(
+                        "tensor {name:?}: dtype {dtype} is none of TG_F64 (1) .. TG_BOOL (10)"
+                    ))
+                })?;
+            let shape = slice(shape, rank, &format!("tensor {name:?}: shape"))?;
+            let bytes = slice(data.cast::<u8>(), nbytes, &format!("tensor {name:?}: data"))?;
+            let attrs = attributes(name, attrs)?;
+            Ok(w.tensor(name, dtype, shape, bytes, &attrs)?)
+        })
     })
     .1
 }
 
 /// # Safety
-/// `w` is a live handle; the pointers hold the counts the header gives.
+/// The pointers hold the counts the header gives (`w` may be anything: a handle that is not
+/// live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn tg_decision(
     w: *mut TgWriter,
@@ -248,34 +330,33 @@ pub unsafe extern "C" fn tg_decision(
     n_margins: usize,
 ) -> c_int {
     boundary((), || {
-        let w = writer(w)?;
-        let name = text(name, "name")?;
-        let shape = slice(shape, rank, &format!("decision {name:?}: shape"))?;
-        let values = slice(values, n_values, &format!("decision {name:?}: values"))?;
-        let margins = if margins.is_null() && n_margins == 0 {
-            None
-        } else {
-            Some(slice(
-                margins,
-                n_margins,
-                &format!("decision {name:?}: margins"),
-            )?)
-        };
-        Ok(w.decision(name, shape, values, margins)?)
+        with_writer(w, |w| {
+            let name = text(name, "name")?;
+            let shape = slice(shape, rank, &format!("decision {name:?}: shape"))?;
+            let values = slice(values, n_values, &format!("decision {name:?}: values"))?;
+            let margins = if margins.is_null() && n_margins == 0 {
+                None
+            } else {
+                Some(slice(
+                    margins,
+                    n_margins,
+                    &format!("decision {name:?}: margins"),
+                )?)
+            };
+            Ok(w.decision(name, shape, values, margins)?)
+        })
     })
     .1
 }
 
 /// # Safety
-/// `w` is NULL or a live handle, which this call frees; `digest_hex` holds `cap` bytes.
+/// `digest_hex` holds `cap` bytes. `w` may be anything: a live handle is ended whatever this
+/// returns, any other is refused.
 #[no_mangle]
 pub unsafe extern "C" fn tg_close(w: *mut TgWriter, digest_hex: *mut c_char, cap: usize) -> c_int {
     boundary((), || {
-        if w.is_null() {
-            return Err(argument("the writer is NULL".into()));
-        }
-        // SAFETY: from tg_open's Box; the handle is dead from here on, finished or not.
-        let w = Box::from_raw(w);
+        // The handle is dead from here on, finished or not.
+        let w = retire(w)?;
         // A buffer too small is refused before the trace appears: an error leaves nothing.
         const HEX: usize = 64;
         if !digest_hex.is_null() && cap < HEX + 1 {
@@ -284,7 +365,7 @@ pub unsafe extern "C" fn tg_close(w: *mut TgWriter, digest_hex: *mut c_char, cap
                 HEX + 1
             )));
         }
-        let digest = w.0.finish()?;
+        let digest = w.finish()?;
         if !digest_hex.is_null() {
             copy_out(&digest.hex(), digest_hex, cap, "tg_close digest_hex")?;
         }
@@ -294,12 +375,13 @@ pub unsafe extern "C" fn tg_close(w: *mut TgWriter, digest_hex: *mut c_char, cap
 }
 
 /// # Safety
-/// `w` is NULL or a live handle, which this call frees.
+/// None: `w` may be anything. NULL is ignored; a handle that is not live is refused in
+/// `tg_last_error` (there is no code to return).
 #[no_mangle]
 pub unsafe extern "C" fn tg_abort(w: *mut TgWriter) {
     boundary((), || {
         if !w.is_null() {
-            drop(Box::from_raw(w));
+            drop(retire(w)?);
         }
         Ok(())
     });

@@ -231,3 +231,32 @@ fn the_c_program_compiled_as_cpp_links_and_runs() {
     );
     assert!(Trace::open(dir.path().join("cpp.trace")).is_ok());
 }
+
+#[test]
+fn the_weights_digest_refuses_a_fifo_without_blocking() {
+    use std::ffi::CString;
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("pipe.gguf");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let model = CString::new(fifo.to_str().unwrap()).unwrap();
+    std::thread::spawn(move || {
+        let mut out = [0 as std::ffi::c_char; 33];
+        // SAFETY: a NUL-terminated string and a 33-byte buffer.
+        let code = unsafe {
+            tracegate_capi::tg_weights_digest(model.as_ptr(), out.as_mut_ptr(), out.len())
+        };
+        // SAFETY: the thread's last error, read on that thread.
+        let message = unsafe { std::ffi::CStr::from_ptr(tracegate_capi::tg_last_error()) };
+        let _ = tx.send((code, message.to_string_lossy().into_owned()));
+    });
+    let (code, message) = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("tg_weights_digest blocked on a FIFO");
+    assert_ne!(code, tracegate_capi::TG_OK);
+    assert!(
+        message.contains("pipe.gguf: a FIFO, not a regular file"),
+        "{message}"
+    );
+}

@@ -265,3 +265,50 @@ def test_a_fifo_in_the_model_directory_is_refused_not_waited_on(tmp_path, name):
     os.mkfifo(p)
     with pytest.raises(ContractError, match=f"{name}: not a regular file"):
         Model(d)
+
+
+def _trace_renaming(monkeypatch, d, out, replace):
+    """The `trace` verb on `d`, with `replace()` run once the model is loaded, as its forward
+    starts: mid-run, deterministically."""
+    from tracegate_contract import run
+
+    forward, pending = Model.run, [replace]
+
+    def run_after_replacing(self, *args, **kw):
+        while pending:
+            pending.pop()()
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(Model, "run", run_after_replacing)
+    return run.trace(d, [1, 5, 9], str(out), False, 0, False, ["contract", "trace"])
+
+
+def test_a_checkpoint_renamed_over_mid_run_is_refused(tmp_path, monkeypatch):
+    """The contract computes with the file it mapped; recording the digest of the file a rename
+    put at the path since would name weights it never read (the oracle refuses this too)."""
+    tracegate = pytest.importorskip("tracegate")
+    d = make_model_dir(tmp_path / "m", seed=0)
+    other = make_model_dir(tmp_path / "o", seed=1)
+    st = os.path.join(d, "model.safetensors")
+    new = os.path.join(other, "model.safetensors")
+    assert tracegate.weights_digest(d) != tracegate.weights_digest(other)
+    with pytest.raises(ContractError) as e:
+        _trace_renaming(monkeypatch, d, tmp_path / "x.trace", lambda: os.replace(new, st))
+    msg = str(e.value)
+    assert msg.startswith(f"{st}: the weights file changed after the contract loaded it: ")
+    assert "another file now" in msg and "\n" not in msg
+    assert not list(tmp_path.glob("x.trace*"))
+    # Control: untouched, the trace records the directory's digest.
+    d2 = make_model_dir(tmp_path / "m2", seed=0)
+    _trace_renaming(monkeypatch, d2, tmp_path / "ok.trace", lambda: None)
+    prov = tracegate.Trace(tmp_path / "ok.trace").provenance
+    assert prov["weights_digest"] == tracegate.weights_digest(d2)
+
+
+def test_a_checkpoint_written_in_place_mid_run_is_refused(tmp_path, monkeypatch):
+    pytest.importorskip("tracegate")
+    d = make_model_dir(tmp_path / "m")
+    st = os.path.join(d, "model.safetensors")
+    # Same inode and size; a modification time no earlier write gave it.
+    with pytest.raises(ContractError, match=r"model.safetensors: .* written since"):
+        _trace_renaming(monkeypatch, d, tmp_path / "x.trace", lambda: os.utime(st, (7, 7)))

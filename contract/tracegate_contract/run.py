@@ -12,6 +12,7 @@ from . import diffusion_gemma, gguf
 from .errors import ContractError
 from .force import Forcing
 from .model import MAX_POSITIONS, NO_CAPTURE, Capture, Model, open_model
+from .weights import weights_digest
 
 
 def _tracegate():
@@ -40,7 +41,7 @@ def provenance(model_dir: str, command: list[str], verb: str, **run) -> dict:
         "threads": 1,
         "seed": None,
         "model_dir": model_dir,
-        "weights_digest": tg.weights_digest(model_dir),
+        "weights_digest": weights_digest(model_dir),
         "verb": verb,
         **run,
         "command_line": list(command),

@@ -11,6 +11,7 @@ reach the computation).
 from __future__ import annotations
 
 import os
+import stat
 import struct
 
 import numpy as np
@@ -42,25 +43,104 @@ def regular_file(path: str, shown: str) -> None:
         raise ContractError(f"{shown}: not a regular file")
 
 
+def _kind(st: os.stat_result) -> str:
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def open_weights(path: str, shown: str):
+    """The weights file `path` opened for reading (a binary file object), refused in one line
+    unless it is a regular file once symlinks are followed: looked at before the open (a FIFO
+    would block it, /dev/zero never ends), opened non-blocking, and looked at again through the
+    handle, which is what is then read and mapped (never the path a second time)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ContractError(f"{shown}: not a regular file ({_kind(st)})")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ContractError(f"{shown}: cannot read: {e.strerror}") from None
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise ContractError(f"{shown}: not a regular file ({_kind(st)})")
+    return f
+
+
+def stamp(st: os.stat_result) -> tuple[int, ...]:
+    """Which file, and what a write to it changes: device, inode, size and mtime (not ctime,
+    which a chmod moves too; a writer that puts size and mtime back, `cp -p` onto the same file,
+    is not seen)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _stamp_path(path: str) -> tuple[int, ...] | None:
+    try:
+        return stamp(os.stat(path))
+    except OSError:
+        return None
+
+
+# The weights files of each model directory as its last Checkpoint loaded them: real path of
+# the directory -> [(file path, stamp)]. `weights_digest` holds the recorded digest to them.
+_LOADED: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+
+
+def weights_digest(model_dir: str) -> str:
+    """The weights digest provenance records (tracegate.weights_digest), refused in one line if
+    a weights file the run's Checkpoint loaded is no longer the file at its path, or was written
+    since: the path would be hashed, not the bytes the contract computed with (a checkpoint
+    renamed over mid-run). Checked after the digest, so the digest read the loaded files."""
+    import tracegate
+
+    digest = tracegate.weights_digest(model_dir)
+    for path, then in _LOADED.get(os.path.realpath(model_dir), ()):
+        try:
+            now = stamp(os.stat(path))
+        except OSError as e:
+            now = e.strerror
+        if now != then:
+            what = (
+                f"another file now (inode {then[1]} -> {now[1]})"
+                if isinstance(now, tuple) and now[:2] != then[:2]
+                else f"written since (size, mtime {then[2:]} -> {now[2:]})"
+                if isinstance(now, tuple)
+                else f"gone ({now})"
+            )
+            raise ContractError(
+                f"{path}: the weights file changed after the contract loaded it: {what}; "
+                "its digest would not be that of the weights computed with, rerun"
+            )
+    return digest
+
+
 class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         name = os.path.basename(path)
-        regular_file(path, name)
+        with open_weights(path, name) as f:
+            self.stamp = stamp(os.fstat(f.fileno()))
+            self._read(f, name)
+
+    def _read(self, f, name: str) -> None:
         try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise ContractError(
-                        f"{name}: too short to be a safetensors file ({size} bytes)"
-                    )
-                (n,) = struct.unpack("<Q", head)
-                if n > _MAX_HEADER or n > size - 8:
-                    raise ContractError(
-                        f"{name}: header length {n} exceeds the file ({size} bytes)"
-                    )
-                raw = f.read(n)
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise ContractError(f"{name}: too short to be a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or n > size - 8:
+                raise ContractError(f"{name}: header length {n} exceeds the file ({size} bytes)")
+            raw = f.read(n)
         except OSError as e:
             raise ContractError(f"{name}: cannot read: {e.strerror}") from None
         try:
@@ -125,7 +205,8 @@ class SafetensorsFile:
             raise ContractError(
                 f"{name}: {data_len - at} trailing bytes of the data region belong to no tensor"
             )
-        self._map = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
+        # Mapped from the handle read above: the bytes whose header was checked.
+        self._map = np.memmap(f, dtype=np.uint8, mode="r") if size > 0 else None
 
     def stored(self, tname: str) -> np.ndarray:
         """The tensor as stored (a view into the map, no copy)."""
@@ -148,10 +229,18 @@ class Checkpoint:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         self._claimed: set[str] = set()
+        key = os.path.realpath(model_dir)
+        _LOADED.pop(key, None)
         found = gguf.locate(model_dir)
         if found is not None:
+            # The GGUF reader maps the path itself: the file it mapped is the one stamped before
+            # and after, or the load is refused.
+            before = _stamp_path(found)
             g = gguf.GgufWeights(found)
+            if _stamp_path(found) != before:
+                raise ContractError(f"{found}: the weights file changed while it was loading")
             self._where = dict.fromkeys(g.entries, g)
+            _LOADED[key] = [(found, before)]
             return
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
@@ -204,6 +293,7 @@ class Checkpoint:
         )
         if stray:
             raise ContractError(f"{stray[0]}: a safetensors file the checkpoint does not name")
+        _LOADED[key] = [(sf.path, sf.stamp) for sf in files.values()]
 
     def names(self) -> list[str]:
         return sorted(self._where)

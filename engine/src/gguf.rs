@@ -16,7 +16,6 @@ mod parse;
 mod tests;
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapOptions};
@@ -26,7 +25,7 @@ pub use dequant::{dequantize_row, f16_to_f32, q4_k_scale_min, GgmlType};
 pub use hf::{hf_name, unpermuted_row, Arch};
 pub use parse::{parse, Array, Header, TensorInfo, Value, DEFAULT_ALIGNMENT, MAX_DIMS};
 
-use crate::weights::{regular_file, Entry, Store};
+use crate::weights::{open_weights_file, Entry, Opened, Store};
 use crate::{err, Result};
 
 /// One tensor of the Hugging Face checkpoint and where its values come from.
@@ -45,6 +44,8 @@ pub struct HfTensor {
 /// A GGUF file read as a Hugging Face checkpoint.
 pub struct GgufModel {
     pub path: PathBuf,
+    /// The file `map` maps, as opened.
+    file: Opened,
     map: Mmap,
     pub header: Header,
     pub arch: Arch,
@@ -66,11 +67,11 @@ pub fn model_file(path: &Path) -> Result<Option<PathBuf>> {
 /// list, a llama q/k tensor whose rows do not split into its heads' pairs.
 pub fn load(path: &Path) -> Result<GgufModel> {
     let shown = path.display().to_string();
-    regular_file(path)?;
-    let f = File::open(path).map_err(|e| err!(Checkpoint: "{shown}: {e}"))?;
+    let f = open_weights_file(path)?;
     // SAFETY: mapped read-only; the file must not change while the engine runs (as for the
     // safetensors mappings).
-    let map = unsafe { Mmap::map(&f) }.map_err(|e| err!(Checkpoint: "{shown}: cannot map: {e}"))?;
+    let map =
+        unsafe { Mmap::map(&f.file) }.map_err(|e| err!(Checkpoint: "{shown}: cannot map: {e}"))?;
     let header = parse(&map, &shown)?;
     let arch_name = match header.get("general.architecture") {
         Some(Value::Str(s)) => s.clone(),
@@ -132,6 +133,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
     }
     Ok(GgufModel {
         path: path.to_path_buf(),
+        file: f,
         map,
         header,
         arch,
@@ -310,6 +312,10 @@ impl GgufModel {
         let anon = anon.make_read_only().map_err(|e| {
             err!(Checkpoint: "{}: cannot protect the dequantized tensors: {e}", self.path.display())
         })?;
-        Ok(Store::from_maps(vec![self.map, anon], entries))
+        Ok(Store::from_maps(
+            vec![self.map, anon],
+            vec![self.file],
+            entries,
+        ))
     }
 }

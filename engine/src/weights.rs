@@ -227,15 +227,48 @@ impl<'a> Weight<'a> {
     }
 }
 
-/// Refuse a path that is not a regular file before opening it: opening a FIFO for reading blocks
-/// until a writer comes, which may be never. (A file swapped between this check and the open is
-/// not caught; the checkpoint must not change while the engine runs, as for the mapping.)
-pub fn regular_file(p: &Path) -> Result<()> {
-    let m = std::fs::metadata(p).map_err(|e| err!(Checkpoint: "{}: {e}", p.display()))?;
-    if m.is_file() {
-        Ok(())
-    } else {
-        Err(err!(Checkpoint: "{}: not a regular file", p.display()))
+/// Opens weights file `p` for mapping: refused unless a regular file (symlinks followed), looked
+/// at before and after a non-blocking open (`tracegate_trace::open_weights_file`, the weights
+/// digest's own check), so a FIFO never blocks the load. Returns the file and what it was when
+/// opened (`Opened`), for `Store::unchanged`.
+pub(crate) fn open_weights_file(p: &Path) -> Result<Opened> {
+    let file = tracegate_trace::open_weights_file(p).map_err(|e| err!(Checkpoint: "{e}"))?;
+    let stamp = Stamp::of(&file, p)?;
+    Ok(Opened {
+        path: p.to_path_buf(),
+        file,
+        stamp,
+    })
+}
+
+/// A weights file as the engine opened it: the handle its mapping was made from, and its
+/// size, modification and change times then.
+pub(crate) struct Opened {
+    pub(crate) path: PathBuf,
+    pub(crate) file: File,
+    stamp: Stamp,
+}
+
+/// What `fstat` says of an open file that a write to it changes: its size and modification
+/// time. Not `ctime`: renaming another file over this one's path (which the mapping survives:
+/// `Store::weights_digest`) or a `chmod` moves it too. A writer that puts both back (`cp -p` onto
+/// the same file) is not seen.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Stamp {
+    len: u64,
+    mtime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(f: &File, p: &Path) -> Result<Stamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = f
+            .metadata()
+            .map_err(|e| err!(Checkpoint: "{}: {e}", p.display()))?;
+        Ok(Stamp {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        })
     }
 }
 
@@ -341,6 +374,8 @@ fn page_size() -> usize {
 /// names were claimed, so `finish_claims` can refuse tensors no module uses.
 pub struct Store {
     maps: Vec<Mmap>,
+    /// The checkpoint's files, mapped as `maps[..files.len()]` in the weights digest's order.
+    files: Vec<Opened>,
     /// The panels `panels` made (never moved or dropped before the store: views point in).
     panels: std::sync::Mutex<Vec<MmapMut>>,
     /// name → (map index, entry)
@@ -361,12 +396,13 @@ impl Store {
         };
         let mut maps = Vec::new();
         let mut tensors = BTreeMap::new();
+        let mut opened = Vec::new();
         for p in &files {
-            regular_file(p)?;
-            let f = File::open(p).map_err(|e| err!(Checkpoint: "{}: {e}", p.display()))?;
+            let f = open_weights_file(p)?;
             // SAFETY: mapped read-only; the checkpoint must not be modified while the engine runs
-            // (the same contract every mmap-based loader has).
-            let m = unsafe { Mmap::map(&f) }
+            // (the same contract every mmap-based loader has; `Store::unchanged` refuses a run
+            // during which it was).
+            let m = unsafe { Mmap::map(&f.file) }
                 .map_err(|e| err!(Checkpoint: "{}: cannot map: {e}", p.display()))?;
             let fname = p
                 .file_name()
@@ -389,6 +425,7 @@ impl Store {
                 }
             }
             maps.push(m);
+            opened.push(f);
         }
         if let Some(wm) = &weight_map {
             for (name, f) in wm {
@@ -399,18 +436,55 @@ impl Store {
                 }
             }
         }
-        Ok(Store::from_maps(maps, tensors))
+        Ok(Store::from_maps(maps, opened, tensors))
     }
 
     /// A store over mappings already checked and their entries (`tensors`: name → (index into
-    /// `maps`, entry)); the GGUF source builds one (`gguf::GgufModel::into_store`).
-    pub(crate) fn from_maps(maps: Vec<Mmap>, tensors: BTreeMap<String, (usize, Entry)>) -> Store {
+    /// `maps`, entry)); `files` are the checkpoint's files that `maps[..files.len()]` map, in
+    /// the weights digest's order. The GGUF source builds one (`gguf::GgufModel::into_store`).
+    pub(crate) fn from_maps(
+        maps: Vec<Mmap>,
+        files: Vec<Opened>,
+        tensors: BTreeMap<String, (usize, Entry)>,
+    ) -> Store {
+        debug_assert!(files.len() <= maps.len());
         Store {
             maps,
+            files,
             tensors,
             panels: Default::default(),
             claimed: Default::default(),
         }
+    }
+
+    /// The weights digest (`tracegate_trace::weights_digest`'s definition) of the bytes this
+    /// store maps, which are those the model computes with: a checkpoint renamed over since it
+    /// was opened does not change it (the path now names other bytes; the mapping does not).
+    /// Refused if a file was written in place since (`unchanged`).
+    pub fn weights_digest(&self) -> Result<String> {
+        let digest = tracegate_trace::weights_digest_of(
+            self.maps[..self.files.len()].iter().map(|m| &m[..]),
+        );
+        self.unchanged()?;
+        Ok(digest)
+    }
+
+    /// Refuses, naming the file, if a checkpoint file was written in place since it was opened
+    /// (its size or mtime moved, `Stamp`): the mapping then shows bytes the run may have read only
+    /// in part, and no digest says which weights it computed with.
+    pub fn unchanged(&self) -> Result<()> {
+        for f in &self.files {
+            let now = Stamp::of(&f.file, &f.path)?;
+            if now != f.stamp {
+                return Err(err!(Checkpoint:
+                    "{}: the weights file was written while the engine ran (size {} -> {}, mtime {}.{:09} -> {}.{:09}): no digest says which weights the run computed with; rerun it",
+                    f.path.display(),
+                    f.stamp.len, now.len,
+                    f.stamp.mtime.0, f.stamp.mtime.1, now.mtime.0, now.mtime.1
+                ));
+            }
+        }
+        Ok(())
     }
 
     pub fn contains(&self, name: &str) -> bool {

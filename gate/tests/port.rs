@@ -368,6 +368,39 @@ fn an_edited_swapped_or_missing_golden_trace_is_refused() {
     let out = gate(d, &["run", "port"], &[]);
     assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
     assert!(out.stderr.contains("its weights changed"), "{}", out.stderr);
+    // A FIFO in its place (issue 51): the weights check read it outside --timeout and waited for
+    // a writer forever. Refused in one line before anything runs; a hang is killed at 120 s.
+    std::fs::remove_file(&weights).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&weights)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let mut cmd = common::gate();
+    cmd.current_dir(d)
+        .args(["run", "port", "--timeout", "5"])
+        .env_remove("GITHUB_ACTIONS")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(120) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("gate run port waited on a FIFO weights file");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains("model/model.safetensors: a FIFO, not a regular file"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -455,18 +455,27 @@ def _check_tied_head(model, d: Path) -> None:
 
 
 def _weights_digest(model_dir: Path) -> str | None:
+    """tracegate.weights_digest (which refuses a weights file that is not a regular file, a FIFO
+    or /dev/zero, before opening it), its refusal a CheckpointError: one line, exit 2."""
     try:
         import tracegate
 
-        return tracegate.weights_digest(str(model_dir))
+        digest = tracegate.weights_digest
     except (ImportError, AttributeError):
-        pass
+        digest = None
+    if digest is not None:
+        try:
+            return digest(str(model_dir))
+        except tracegate.TraceError as e:
+            raise CheckpointError(f"--model: {e}") from None
     try:  # same definition as the binding: xxh3-128 over the files' bytes, sorted by name
         import xxhash
     except ImportError:
         return None
     h = xxhash.xxh3_128()
-    for f in sorted(model_dir.glob("*.safetensors"), key=lambda p: p.name):
+    for f in sorted(Path(model_dir).glob("*.safetensors"), key=lambda p: p.name):
+        if not f.is_file():  # looked at first: opening a FIFO blocks, /dev/zero never ends
+            raise CheckpointError(f"{f}: not a regular file: a weights file must be one")
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)

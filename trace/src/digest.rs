@@ -221,11 +221,53 @@ fn weight_files(model: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Opens the weights file `path` for reading, refused in one line naming it and what it is
+/// unless it is a regular file (a symlink is followed): looked at before the open (opening a
+/// FIFO for reading blocks until a writer comes, which may be never; `/dev/zero` never ends),
+/// opened non-blocking (a FIFO swapped in between cannot block either) and looked at again
+/// through the handle, which is what is then read. The one check of every reader of weights
+/// files: this digest, the engine's loaders, the C ABI and the Python binding.
+pub fn open_weights_file(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let refuse = |meta: &std::fs::Metadata| {
+        Error::NotFound(format!(
+            "{}: {}, not a regular file: a weights file must be one",
+            path.display(),
+            crate::json::file_kind(meta)
+        ))
+    };
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(refuse(&meta));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(refuse(&meta));
+    }
+    Ok(file)
+}
+
+/// The weights digest of bytes already in memory: `parts` are the weight files' whole contents
+/// in [`weights_digest`]'s order. A producer that mapped the files hashes what it computed with,
+/// whatever has been renamed over their paths since (the engine: `Store::weights_digest`).
+pub fn weights_digest_of<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> String {
+    let mut hasher = Xxh3::new();
+    for part in parts {
+        hasher.update(part);
+    }
+    xxh3_hex(hasher.digest128())
+}
+
 fn hash_files(files: &[PathBuf]) -> Result<String> {
     let mut hasher = Xxh3::new();
     let mut buf = vec![0u8; 1 << 20];
     for path in files {
-        let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut f = open_weights_file(path)?;
         loop {
             let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
             if n == 0 {

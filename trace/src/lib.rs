@@ -24,7 +24,9 @@ mod view;
 mod writer;
 
 pub use attrs::{Attributes, ExtraAttrs};
-pub use digest::{gguf_file, weights_digest, xxh3_hex, Digest};
+pub use digest::{
+    gguf_file, open_weights_file, weights_digest, weights_digest_of, xxh3_hex, Digest,
+};
 pub use dtype::{DType, UnknownDType};
 pub use error::{Error, Result};
 pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};

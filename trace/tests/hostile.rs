@@ -417,6 +417,71 @@ fn a_fifo_is_refused_without_blocking() {
     );
 }
 
+/// `weights_digest(model)` on another thread; `None` if it did not answer within 10 s.
+fn digest_within_timeout(model: &std::path::Path) -> Option<Result<String, Error>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = model.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(tracegate_trace::weights_digest(&p));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
+}
+
+fn mkfifo(path: &std::path::Path) {
+    let made = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+}
+
+#[test]
+fn a_weights_file_that_is_not_a_regular_file_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    // A FIFO as the one safetensors file of a directory, as a .gguf model, and /dev/zero behind
+    // a symlink (endless): each refused in one line naming the path and what it is.
+    let st = dir.path().join("st");
+    std::fs::create_dir(&st).unwrap();
+    mkfifo(&st.join("model.safetensors"));
+    let fifo_gguf = dir.path().join("pipe.gguf");
+    mkfifo(&fifo_gguf);
+    let zero = dir.path().join("zero");
+    std::fs::create_dir(&zero).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", zero.join("model.safetensors")).unwrap();
+    let zero_gguf = dir.path().join("zero.gguf");
+    std::os::unix::fs::symlink("/dev/zero", &zero_gguf).unwrap();
+    let cases = [
+        (st.clone(), "model.safetensors: a FIFO, not a regular file"),
+        (fifo_gguf, "pipe.gguf: a FIFO, not a regular file"),
+        (zero, "model.safetensors: a device, not a regular file"),
+        (zero_gguf.clone(), "zero.gguf: a device, not a regular file"),
+        (
+            dir.path().join("st/../zero.gguf"),
+            "a device, not a regular file",
+        ),
+    ];
+    for (model, want) in cases {
+        let e = digest_within_timeout(&model)
+            .unwrap_or_else(|| panic!("{}: the weights digest blocked", model.display()))
+            .expect_err("a file that is not regular was hashed")
+            .to_string();
+        assert!(e.contains(want) && !e.contains('\n'), "{e}");
+    }
+    // Control: a symlink to a regular file is followed and hashed as its target.
+    let real = dir.path().join("real.gguf");
+    std::fs::write(&real, b"GGUF bytes").unwrap();
+    let link = dir.path().join("link.gguf");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    assert_eq!(
+        tracegate_trace::weights_digest(&link).unwrap(),
+        tracegate_trace::xxh3_hex(xxh3_128(b"GGUF bytes"))
+    );
+    assert_eq!(
+        tracegate_trace::weights_digest_of([&b"GGUF "[..], &b"bytes"[..]]),
+        tracegate_trace::xxh3_hex(xxh3_128(b"GGUF bytes"))
+    );
+}
+
 #[test]
 fn a_device_is_refused() {
     let e = Trace::open("/dev/null")

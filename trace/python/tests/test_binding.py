@@ -262,6 +262,31 @@ def _run(code: str, *args, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+def test_weights_digest_refuses_a_fifo_or_a_device_without_blocking(tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes, /dev/zero never ends: the digest
+    looks at what a weights file is (symlinks followed) before it opens it."""
+    (tmp_path / "st").mkdir()
+    os.mkfifo(tmp_path / "st" / "model.safetensors")
+    os.mkfifo(tmp_path / "pipe.gguf")
+    (tmp_path / "zero.gguf").symlink_to("/dev/zero")
+    code = (
+        "import sys, tracegate\n"
+        "for p in sys.argv[1:]:\n"
+        "    try:\n"
+        "        tracegate.weights_digest(p)\n"
+        "    except tracegate.TraceError as e:\n"
+        "        print(e)\n"
+    )
+    models = [tmp_path / "st", tmp_path / "pipe.gguf", tmp_path / "zero.gguf"]
+    r = _run(code, *models, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"{tmp_path / 'st' / 'model.safetensors'}: a FIFO, not a regular file: a weights file must be one",
+        f"{tmp_path / 'pipe.gguf'}: a FIFO, not a regular file: a weights file must be one",
+        f"{tmp_path / 'zero.gguf'}: a device, not a regular file: a weights file must be one",
+    ]
+
+
 def test_a_valid_trace_numpy_cannot_hold_raises_trace_error(tmp_path):
     from tracegate._native import NativeWriter
 

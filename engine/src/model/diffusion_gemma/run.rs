@@ -240,7 +240,7 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
         None => None,
     };
     let pool = crate::run::pool(o.threads)?;
-    let (wd, (cap, output, blocks_run)) = crate::run::beside_weights_digest(&o.model_dir, || {
+    let (wd, (cap, output, blocks_run)) = crate::run::beside_weights_digest(&store, || {
         pool.install(|| {
             generate(
                 &model,
@@ -651,7 +651,7 @@ pub fn info(dir: &std::path::Path) -> Result<String> {
         "tensors {n}: all present; {} run, {unused} unused\n",
         n - unused
     );
-    s += &format!("weights_digest {}\n", crate::weights_digest(dir)?);
+    s += &format!("weights_digest {}\n", store.weights_digest()?);
     Ok(s)
 }
 
@@ -792,7 +792,7 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
     let store = crate::open_store(&o.model_dir)?;
     let model = DgModel::load(cfg, &store)?;
     let pool = crate::run::pool(o.threads)?;
-    let (wd, cap) = crate::run::beside_weights_digest(&o.model_dir, || {
+    let (wd, cap) = crate::run::beside_weights_digest(&store, || {
         pool.install(|| -> Result<Cap> {
             let mut cap = Cap::new(o.internals, model.cfg.window);
             model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref())?;

@@ -396,10 +396,11 @@ pub(super) fn run(
     }
     // The weights the golden traces were recorded on, before anything runs: another checkpoint
     // in the model's place would fail every comparison; it is named once instead.
-    if let (Some(g), Ok(now)) = (
-        goldens.iter().flatten().next(),
-        tracegate_trace::weights_digest(&o.root.join(&plan.model)),
-    ) {
+    // A weights file the digest refuses (a FIFO, a device: it looks before it opens) is refused
+    // here, before anything runs, instead of being waited on outside any --timeout.
+    if let Some(g) = goldens.iter().flatten().next() {
+        let now =
+            tracegate_trace::weights_digest(&o.root.join(&plan.model)).map_err(|e| gerr!("{e}"))?;
         if let Some(then) = g.provenance()["weights_digest"]
             .as_str()
             .filter(|t| *t != now)
