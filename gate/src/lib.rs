@@ -13,10 +13,12 @@
 //!   part sits above `bisect`.
 //!
 //! Below both, what they share: this file (the errors, the root, JSON files written whole, the
-//! work directory's lock), [`prompts`] (prompt sets, a model's config and whether a prompt fits
+//! work directory's lock), [`journal`] (a project's files changed whole by `gate init` and
+//! `--bless`), [`prompts`] (prompt sets, a model's config and whether a prompt fits
 //! it), [`paths`] and [`progress`]. On top, main.rs: the CLI.
 
 pub mod bisect;
+pub mod journal;
 pub mod milestone;
 pub mod paths;
 pub mod progress;
@@ -111,11 +113,15 @@ macro_rules! gerr {
     ($($t:tt)*) => { $crate::Error::Refused(format!($($t)*)) };
 }
 
-/// The project root: the nearest ancestor of `start` holding `milestones.json`.
+/// The project root: the nearest ancestor of `start` holding `milestones.json`, or the
+/// complete journal of a `gate init` interrupted before its milestones.json was in place
+/// ([`journal`]: the command run there finishes it).
 pub fn find_root(start: &Path) -> Result<PathBuf> {
     let mut cur = Some(start);
     while let Some(dir) = cur {
-        if dir.join("milestones.json").is_file() {
+        if dir.join("milestones.json").is_file()
+            || dir.join(journal::STAGING).join("manifest.json").is_file()
+        {
             return Ok(dir.to_path_buf());
         }
         cur = dir.parent();

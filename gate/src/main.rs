@@ -823,6 +823,11 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let root = PathBuf::from(".");
+    // An interrupted init or bless is finished or discarded before anything reads the project.
+    if let Err(e) = tracegate_gate::journal::recover(&root) {
+        eprintln!("gate: {e}");
+        return ExitCode::from(e.exit_code());
+    }
     let result = match &cli.cmd {
         Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| finish_run(r, &up, a)),
         Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| finish_run(r, &up, a)),

@@ -1,6 +1,7 @@
 //! Every integration test of the crate, one module a file, built as one binary (Cargo.toml
 //! `autotests = false`): `cargo test -p tracegate-gate --test all port::` runs one file's.
 
+mod atomic;
 mod bisect;
 mod bisect_adversary;
 mod bisect_decode;

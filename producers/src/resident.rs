@@ -80,6 +80,8 @@ const GATE_SIDE_ENV: &[&str] = &[
     "TRACEGATE_RESIDENT_MAX_MB",
     "TRACEGATE_RUNTIME_DIR",
     "TRACEGATE_SERVE",
+    // The gate's journal test hook (gate/src/journal.rs): no worker reads it.
+    "TRACEGATE_FAULT_AT",
 ];
 /// The longest request line the daemon reads from a client: a request is a command line (its
 /// longest part a prompt's token ids), far below this; more is refused, not buffered.

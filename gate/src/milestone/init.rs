@@ -2,7 +2,9 @@
 //! engine"). It writes nothing until the first run has recorded everything: the golden reference
 //! traces under `golden/`, `milestones.json` (one milestone, `port`, naming the candidate's
 //! command, the model, the prompt set by sha256 and the policy for the candidate's precision)
-//! and `baselines.json` — all three, or none.
+//! and `baselines.json` (and a prompt file from outside the project, copied) — all, or none, at
+//! every instant: they are written through one journal (crate::journal), which an interrupted
+//! init leaves for the next gate command to finish or discard.
 
 use std::path::{Path, PathBuf};
 
@@ -53,6 +55,8 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
         return Err(gerr!("--root {}: not a directory", root_abs.display()));
     }
     let up = UserPaths::new(&cwd, &root_abs);
+    // An init or bless interrupted here before is finished or discarded first (crate::journal).
+    crate::journal::recover(&root_abs)?;
     for kept in ["milestones.json", "baselines.json", "golden"] {
         if root_abs.join(kept).exists() {
             return Err(gerr!(
@@ -199,14 +203,15 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
             }),
         }],
     };
-    if let Some(src) = &copied {
-        std::fs::copy(src, DEFAULT_PROMPTS)
-            .map_err(|e| gerr!(File: "{} -> {DEFAULT_PROMPTS}: {e}", src.display()))?;
-    }
     let o = GateOptions {
         root: root.clone(),
         milestone: a.id.clone(),
-        prompts: Some(prompt_rel.clone()),
+        // A prompt file outside the project is read where it is; the first run's bless writes
+        // its copy with everything else (run/port.rs).
+        prompts: Some(match &copied {
+            Some(src) => src.display().to_string(),
+            None => prompt_rel.clone(),
+        }),
         only: None,
         bless: true,
         generate: None,
@@ -224,17 +229,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
             baselines: Vec::new(),
         }),
     };
-    let ran = run_milestone(&o);
-    let (reports, log) = match ran {
-        Ok(r) => r,
-        Err(e) => {
-            // Nothing of this init stays behind but what the user gave.
-            if copied.is_some() {
-                let _ = std::fs::remove_file(DEFAULT_PROMPTS);
-            }
-            return Err(e);
-        }
-    };
+    let (reports, log) = run_milestone(&o)?;
     let mut text = String::new();
     for r in &reports {
         text.push_str(&crate::milestone::render::render(r));

@@ -390,10 +390,18 @@ pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<St
                 &mut bl_file,
             )?);
         }
-        // Both or neither: a milestones.json blessed without its baselines would disagree.
+        // Both or neither, at every instant (crate::journal): a milestones.json blessed without
+        // its baselines would disagree.
         let ms = crate::json_bytes(&settled.ms_path, &settled.file)?;
         let bl = crate::json_bytes(&bl_path, &bl_file)?;
-        crate::write_files(&[(&settled.ms_path, &ms), (&bl_path, &bl)])?;
+        crate::journal::commit(
+            &o.root,
+            &format!("gate run {} --bless", o.milestone),
+            &[
+                ("milestones.json", crate::journal::Content::Bytes(&ms)),
+                ("baselines.json", crate::journal::Content::Bytes(&bl)),
+            ],
+        )?;
         if log.is_empty() {
             log.push("nothing changed".into());
         }

@@ -36,7 +36,7 @@ use crate::milestone::baselines::BaselineFile;
 use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
 use crate::prompts::{Prompt, PromptSet};
-use crate::{gerr, Result};
+use crate::{gerr, journal, Result};
 
 /// The oracle of tracegate's installation (or `--oracle-cmd`) as producer `name`, with `args`
 /// after its own.
@@ -917,8 +917,8 @@ fn localise(
 }
 
 /// `--bless` (and `gate init`): the golden traces, the expectations, the policy chosen and the
-/// baselines recorded; the log of what changed. Golden traces are put in place only once both
-/// JSON files are written.
+/// baselines recorded; the log of what changed. Every file is written through one journal
+/// (crate::journal): an interrupted bless leaves the project as it was or as it became.
 fn bless(
     o: &GateOptions,
     plan: &Plan,
@@ -1010,7 +1010,7 @@ fn bless(
                     ));
                 }
                 port.noise.insert(r.id.clone(), n);
-                moves.push((from.join("noise.trace"), o.root.join(&noise_trace)));
+                moves.push((from.join("noise.trace"), noise_trace.clone()));
             }
             None => {
                 if port.noise.remove(&r.id).is_some() {
@@ -1042,13 +1042,7 @@ fn bless(
             )),
         }
         port.golden.insert(r.id.clone(), new);
-        moves.push((
-            o.root
-                .join(&plan.work_rel)
-                .join(&r.id)
-                .join("reference.trace"),
-            o.root.join(&trace),
-        ));
+        moves.push((from.join("reference.trace"), trace.clone()));
         let Some(cand) = r.digests.get("candidate") else {
             log.push(format!(
                 "{id}/{}: the candidate failed; its expectation left as it was",
@@ -1086,35 +1080,46 @@ fn bless(
     let ms = crate::json_bytes(&settled.ms_path, &settled.file)?;
     let bl_path = o.root.join("baselines.json");
     let bl = crate::json_bytes(&bl_path, bl_file)?;
-    // The golden traces first, as temporaries beside their places; then both JSON files, all or
-    // none; then the traces renamed into place. A failure before the renames leaves every file
-    // as it was.
-    let golden_dir = o.root.join("golden");
-    std::fs::create_dir_all(&golden_dir)
-        .map_err(|e| gerr!(File: "{}: {e}", golden_dir.display()))?;
-    let mut staged = Vec::new();
-    for (from, to) in &moves {
-        let tmp = to.with_extension("trace.tracegate-bless");
-        if let Err(e) = std::fs::copy(from, &tmp) {
-            for (t, _) in &staged {
-                let _ = std::fs::remove_file(t);
-            }
+    // `gate init` that read a prompt file from outside the project: the project's copy, the
+    // very bytes the milestone records the sha256 of.
+    let recorded_set = crate::prompts::resolve(&o.root, &plan.m.prompts.set);
+    let prompt_copy = if o.milestones.is_some() && recorded_set != plan.prompt_path {
+        let bytes = tracegate_trace::json::read_bytes(
+            &plan.prompt_path,
+            tracegate_trace::json::MAX_JSON_LEN,
+        )
+        .map_err(|e| gerr!(File: "{e}; nothing written"))?;
+        let sha = {
+            use sha2::Digest;
+            hex::encode(sha2::Sha256::digest(&bytes))
+        };
+        if sha != plan.set.sha256 {
             return Err(
-                gerr!(File: "{} -> {}: {e}; nothing blessed", from.display(), tmp.display()),
+                gerr!(File: "{}: changed while gate init ran (sha256 {sha}, read as {}); nothing written", plan.prompt_path.display(), plan.set.sha256),
             );
         }
-        staged.push((tmp, to.clone()));
+        Some(bytes)
+    } else {
+        None
+    };
+    // Everything or nothing, at every instant (crate::journal): milestones.json, baselines.json,
+    // the golden and noise traces (and init's prompt copy) staged, then renamed into place.
+    let mut files: Vec<(&str, journal::Content)> = vec![
+        ("milestones.json", journal::Content::Bytes(&ms)),
+        ("baselines.json", journal::Content::Bytes(&bl)),
+    ];
+    for (from, rel) in &moves {
+        files.push((rel, journal::Content::Copy(from)));
     }
-    if let Err(e) = crate::write_files(&[(&settled.ms_path, &ms), (&bl_path, &bl)]) {
-        for (t, _) in &staged {
-            let _ = std::fs::remove_file(t);
-        }
-        return Err(e);
+    if let Some(bytes) = &prompt_copy {
+        files.push((&plan.m.prompts.set, journal::Content::Bytes(bytes)));
     }
-    for (tmp, to) in &staged {
-        std::fs::rename(tmp, to)
-            .map_err(|e| gerr!(File: "{} -> {}: {e}", tmp.display(), to.display()))?;
-    }
+    let command = if o.milestones.is_some() {
+        "gate init".to_string()
+    } else {
+        format!("gate run {id} --bless")
+    };
+    journal::commit(&o.root, &command, &files)?;
     if log.is_empty() {
         log.push("nothing changed".into());
     }
