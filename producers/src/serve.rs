@@ -12,6 +12,8 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tracegate_trace::output::printable;
+
 use crate::spawn::{exit_text, Capture, Ended};
 use crate::verb::display;
 
@@ -301,7 +303,7 @@ pub(crate) fn ended(slot: &mut Option<Worker>, answer: Answer, serve_argv: &[Str
     let (why, timed_out) = match answer {
         Answer::Exit(code) => {
             let cap = std::mem::take(&mut w.err_cap);
-            let mut text = cap.text();
+            let mut text = printable(&cap.text()).into_owned();
             if code != 0 {
                 text.truncate(text.trim_end().len());
                 text.push_str(&format!("\n[exit status {code}]"));
@@ -325,7 +327,7 @@ pub(crate) fn ended(slot: &mut Option<Worker>, answer: Answer, serve_argv: &[Str
         return Ended::failed(why);
     };
     let (how, code, rss, cap) = w.end();
-    let mut text = cap.text();
+    let mut text = printable(&cap.text()).into_owned();
     text.truncate(text.trim_end().len());
     if !timed_out {
         text.push_str(&format!("\n[{why}; {how}; $ {}]", display(serve_argv)));
