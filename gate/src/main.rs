@@ -798,6 +798,7 @@ fn main() -> ExitCode {
                 e.exit_code() as i32
             }
         };
+        tracegate_producers::worker::end_own_workers();
         return ExitCode::from(code as u8);
     }
     let root = match cli.root.clone().map(Ok).unwrap_or_else(|| {
@@ -897,6 +898,8 @@ fn main() -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     };
+    // This run's own workers leave with it: none outlives the gate's process.
+    tracegate_producers::worker::end_own_workers();
     // Last: what outlives this run and how to stop it (docs/producers.md, "Resident workers").
     if let Some(line) = tracegate_producers::worker::resident_after_run() {
         eprintln!("{line}");

@@ -2293,6 +2293,92 @@ fn a_failed_producers_control_sequences_are_shown_never_sent_to_the_terminal() {
     );
 }
 
+/// The processes whose command line holds `mark` and that still run (not zombies), from /proc.
+fn running_with(mark: &str) -> Vec<(i32, String)> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let (Ok(cmd), Ok(stat)) = (
+            std::fs::read(format!("/proc/{pid}/cmdline")),
+            std::fs::read_to_string(format!("/proc/{pid}/stat")),
+        ) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        let zombie = stat
+            .rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'));
+        if cmd.contains(mark) && !zombie {
+            found.push((pid, cmd));
+        }
+    }
+    found
+}
+
+#[test]
+fn a_runs_own_workers_are_gone_the_moment_the_gate_has_exited() {
+    // Residency off (common::gate): the contract is this run's own worker, one that does not
+    // leave when its stdin closes and leaves a child in its process group (serving.py
+    // slow-leave). Both carry a mark of this test in their command lines.
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let work = tempfile::tempdir().unwrap();
+    let mark = dir.path().join("slow-leave-mark").display().to_string();
+    let contract = served_test_producer("serving.py", &format!("'slow-leave:{mark}'"));
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+            "--work",
+            work.path().to_str().unwrap(),
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    // The moment the gate's process has exited (gate_watched returns then):
+    let left = running_with(&mark);
+    for (pid, _) in &left {
+        // SAFETY: a process this test started (through the gate), found by the test's mark.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    let rep = r.report.expect("a report");
+    let worker = rep["prompts"][0]["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|run| run["producer"] == "contract")
+        .and_then(|run| run["served_by"].as_u64());
+    assert!(
+        worker.is_some(),
+        "the contract was not served: {}",
+        r.stderr
+    );
+    assert_eq!(
+        check(&rep, "short", "matches")["status"],
+        "PASS",
+        "{}",
+        r.stderr
+    );
+    assert!(
+        left.is_empty(),
+        "still running after the gate exited: {left:?}\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("had not left 3 s after its stdin closed: killed"),
+        "{}",
+        r.stderr
+    );
+}
+
 #[test]
 fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict() {
     // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3,
