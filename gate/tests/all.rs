@@ -14,4 +14,5 @@ mod measures;
 mod outputs;
 mod port;
 mod readme;
+mod recorded;
 mod resident;
