@@ -10,6 +10,7 @@ use tracegate_gate::milestone::{milestones::MilestoneFile, render};
 use tracegate_gate::paths::UserPaths;
 use tracegate_gate::{find_root, gerr, Error};
 use tracegate_producers::DEFAULT_TIMEOUT_S;
+use tracegate_trace::output::printable;
 
 #[derive(Parser)]
 #[command(
@@ -564,7 +565,9 @@ fn write_outputs(files: &[Output]) -> Result<(), Error> {
 /// (its reports are written, its exit status stands); another write error is exit 2 once the
 /// reports are written.
 fn say(text: &str) -> Result<(), Error> {
-    tracegate_trace::output::print(text).map_err(|e| gerr!(File: "cannot write to stdout: {e}"))
+    // The text quotes producers' output and names read from traces: shown, never obeyed.
+    tracegate_trace::output::print(&printable(text))
+        .map_err(|e| gerr!(File: "cannot write to stdout: {e}"))
 }
 
 /// One milestone, every model of it: each model's report printed, and its HTML page when asked
@@ -791,10 +794,11 @@ fn main() -> ExitCode {
                 }
             },
             Err(e) => {
-                eprintln!("gate init: {e}");
+                eprintln!("gate init: {}", printable(&e.to_string()));
                 e.exit_code() as i32
             }
         };
+        tracegate_producers::worker::end_own_workers();
         return ExitCode::from(code as u8);
     }
     let root = match cli.root.clone().map(Ok).unwrap_or_else(|| {
@@ -893,10 +897,14 @@ fn main() -> ExitCode {
     let code = match result {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("gate: {e}");
+            // A refusal may quote a producer's output (its stderr is escaped where it is
+            // captured) or a file's names: nothing of it drives the terminal.
+            eprintln!("gate: {}", printable(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
     };
+    // This run's own workers leave with it: none outlives the gate's process.
+    tracegate_producers::worker::end_own_workers();
     // Last: what outlives this run and how to stop it (docs/producers.md, "Resident workers").
     if let Some(line) = tracegate_producers::worker::resident_after_run() {
         eprintln!("{line}");

@@ -15,4 +15,5 @@ mod measures;
 mod outputs;
 mod port;
 mod readme;
+mod recorded;
 mod resident;

@@ -2199,6 +2199,187 @@ fn a_worker_that_hangs_is_killed_at_the_timeout_of_that_request() {
 }
 
 #[test]
+fn a_failed_producers_control_sequences_are_shown_never_sent_to_the_terminal() {
+    // A contract that fails saying a clear-screen, a window title, a colour and a carriage
+    // return: the gate's text, refusals, JSON and JUnit reports and GitHub annotations quote it
+    // with those escaped (`\u{1b}`), and so does `gate bisect`.
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let script = dir.path().join("hostile.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\nprintf 'HOSTILE \\033[2J\\033]0;pwned\\007 \\033[31mred\\033[0m\\rover\\n' >&2\nexit 3\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cmd = format!("'{}' {{verb}} {{args}}", script.display());
+    let junit = dir.path().join("junit.xml");
+    let r = gate(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &cmd,
+            "--junit",
+            junit.to_str().unwrap(),
+        ],
+        &[
+            ("TRACEGATE_ORACLE_PYTHON", &torchless),
+            ("GITHUB_ACTIONS", Path::new("true")),
+        ],
+    );
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("::error "),
+        "no annotations: {}",
+        r.stdout
+    );
+    let shown = "HOSTILE \\u{1b}[2J\\u{1b}]0;pwned\\u{7} \\u{1b}[31mred\\u{1b}[0m\\u{d}over";
+    let detail = check(r.report.as_ref().unwrap(), "short", "matches")["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let junit = std::fs::read_to_string(&junit).unwrap();
+    for (what, text) in [
+        ("stdout", &r.stdout),
+        ("stderr", &r.stderr),
+        ("report", &detail),
+        ("junit", &junit),
+    ] {
+        assert!(
+            !text.contains(['\x1b', '\x07', '\r']),
+            "{what} carries the producer's control characters: {text:?}"
+        );
+    }
+    assert!(r.stdout.contains(shown), "{}", r.stdout);
+    assert!(detail.contains(shown), "{detail}");
+    assert!(junit.contains(shown), "{junit}");
+
+    // gate bisect, the same producer as the candidate: its run fails, quoted as shown.
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let out = common::gate()
+        .current_dir(repo())
+        .args([
+            "bisect",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+            "--work",
+            work.path().strip_prefix(repo()).unwrap().to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        (stdout.contains(shown) || stderr.contains(shown))
+            && !stdout.contains(['\x1b', '\x07', '\r'])
+            && !stderr.contains(['\x1b', '\x07', '\r']),
+        "{stdout:?}\n{stderr:?}"
+    );
+}
+
+/// The processes whose command line holds `mark` and that still run (not zombies), from /proc.
+fn running_with(mark: &str) -> Vec<(i32, String)> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let (Ok(cmd), Ok(stat)) = (
+            std::fs::read(format!("/proc/{pid}/cmdline")),
+            std::fs::read_to_string(format!("/proc/{pid}/stat")),
+        ) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        let zombie = stat
+            .rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'));
+        if cmd.contains(mark) && !zombie {
+            found.push((pid, cmd));
+        }
+    }
+    found
+}
+
+#[test]
+fn a_runs_own_workers_are_gone_the_moment_the_gate_has_exited() {
+    // Residency off (common::gate): the contract is this run's own worker, one that does not
+    // leave when its stdin closes and leaves a child in its process group (serving.py
+    // slow-leave). Both carry a mark of this test in their command lines.
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let work = tempfile::tempdir().unwrap();
+    let mark = dir.path().join("slow-leave-mark").display().to_string();
+    let contract = served_test_producer("serving.py", &format!("'slow-leave:{mark}'"));
+    let r = gate_watched(
+        &repo(),
+        &[
+            "m0",
+            "--model",
+            "fixtures/tiny-qwen3",
+            "--only",
+            "short",
+            "--contract-cmd",
+            &contract,
+            "--work",
+            work.path().to_str().unwrap(),
+        ],
+        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
+    );
+    // The moment the gate's process has exited (gate_watched returns then):
+    let left = running_with(&mark);
+    for (pid, _) in &left {
+        // SAFETY: a process this test started (through the gate), found by the test's mark.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    let rep = r.report.expect("a report");
+    let worker = rep["prompts"][0]["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|run| run["producer"] == "contract")
+        .and_then(|run| run["served_by"].as_u64());
+    assert!(
+        worker.is_some(),
+        "the contract was not served: {}",
+        r.stderr
+    );
+    assert_eq!(
+        check(&rep, "short", "matches")["status"],
+        "PASS",
+        "{}",
+        r.stderr
+    );
+    assert!(
+        left.is_empty(),
+        "still running after the gate exited: {left:?}\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("had not left 3 s after its stdin closed: killed"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
 fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict() {
     // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3,
     // tiny-llama and tiny-qwen2 (no such layer) do not; the oracle is unavailable, so their

@@ -40,13 +40,13 @@ fn torchless(dir: &Path) -> PathBuf {
     block
 }
 
-struct Out {
-    code: i32,
-    stdout: String,
-    stderr: String,
+pub(crate) struct Out {
+    pub(crate) code: i32,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
 }
 
-fn gate(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
+pub(crate) fn gate(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
     let mut cmd = common::gate();
     cmd.current_dir(dir).args(args).env_remove("GITHUB_ACTIONS");
     for (k, v) in env {
@@ -66,7 +66,7 @@ const PROMPTS: &str = r#"{"schema": 1, "about": "two prompts of a port's own", "
 
 /// A user's project in a temp directory outside the checkout: the model and a prompt file,
 /// initialised with `gate init … extra` (exit 0 expected).
-fn project(extra: &[&str]) -> tempfile::TempDir {
+pub(crate) fn project(extra: &[&str]) -> tempfile::TempDir {
     let (dir, out) = init_with(&port_cmd(""), extra);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     dir
@@ -110,7 +110,7 @@ fn init_with(cmd: &str, extra: &[&str]) -> (tempfile::TempDir, Out) {
     (dir, out)
 }
 
-fn report(path: &Path) -> Value {
+pub(crate) fn report(path: &Path) -> Value {
     let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     for rep in r.as_array().unwrap() {
         common::validator("gate-report.schema.json").assert_valid(rep);
@@ -118,7 +118,7 @@ fn report(path: &Path) -> Value {
     r[0].clone()
 }
 
-fn milestones(dir: &Path) -> Value {
+pub(crate) fn milestones(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("milestones.json")).unwrap()).unwrap()
 }
 

@@ -12,13 +12,16 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tracegate_trace::output::printable;
+
 use crate::spawn::{exit_text, Capture, Ended};
 use crate::verb::display;
 
 pub(crate) struct Worker {
     child: Child,
     pub(crate) pid: libc::pid_t,
-    stdin: ChildStdin,
+    /// None once closed ([`Worker::close_stdin`]): the worker's cue to leave.
+    stdin: Option<ChildStdin>,
     out: Option<std::fs::File>,
     err: Option<std::fs::File>,
     /// Bytes of stdout after the last complete answer line (at most MAX_ANSWER_LINE).
@@ -69,7 +72,7 @@ impl Worker {
         Ok(Worker {
             pid: child.id() as libc::pid_t,
             child,
-            stdin,
+            stdin: Some(stdin),
             out,
             err,
             line: Vec::new(),
@@ -162,11 +165,12 @@ impl Worker {
         let pid = self.pid;
         let line = request_line(request, None, self.cwd.as_deref());
         let mut buf = vec![0u8; 64 * 1024];
-        if let Err(e) = self
-            .stdin
-            .write_all(line.as_bytes())
-            .and_then(|_| self.stdin.flush())
-        {
+        let Some(stdin) = self.stdin.as_mut() else {
+            return Answer::Broken(format!(
+                "worker {pid} was asked to leave (its stdin closed)"
+            ));
+        };
+        if let Err(e) = stdin.write_all(line.as_bytes()).and_then(|_| stdin.flush()) {
             return Answer::Broken(format!("worker {pid} did not take the request: {e}"));
         }
         loop {
@@ -211,6 +215,56 @@ impl Worker {
         self.overlong.as_deref()
     }
 
+    /// Closes the worker's stdin: EOF asks it to leave (tracegate.serve returns, exit 0).
+    pub(crate) fn close_stdin(&mut self) {
+        self.stdin = None;
+    }
+
+    /// Waits until the worker has left (after [`Worker::close_stdin`]), or until `deadline`,
+    /// reading (and dropping) what it writes meanwhile so a full pipe cannot hold it; then
+    /// [`Worker::end`]: its group is killed — the worker itself if it is still there, and
+    /// whatever it left running in its group — and it is reaped. When this returns, no process
+    /// of the worker's group runs. True when the worker left by itself.
+    pub(crate) fn leave(mut self, deadline: Instant) -> bool {
+        let mut buf = vec![0u8; 64 * 1024];
+        let left = loop {
+            // Exited, not yet reaped (WNOWAIT): its pid, the group's id, is not reused until
+            // `end` reaps it, so the group can still be killed safely.
+            // SAFETY: waitid on our own child; info is an out-parameter.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            let rc = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    self.pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                )
+            };
+            if rc == 0 && unsafe { info.si_pid() } == self.pid {
+                break true;
+            }
+            if rc == -1 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+            {
+                break false;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            // Waits up to 20 ms for output (or sleeps that long once both pipes closed).
+            let _ = self.pump(&mut buf);
+        };
+        // The group killed while its leader is still ours to reap; then until what it left
+        // running is gone (a SIGKILL is sent, not yet acted on, when kill returns).
+        // SAFETY: the leader is our unreaped child, so its pid (the group id) is not reused.
+        unsafe { libc::kill(-self.pid, libc::SIGKILL) };
+        let gone_by = Instant::now() + GROUP_GONE_WAIT;
+        while group_running(self.pid, self.pid) && Instant::now() < gone_by {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = self.end();
+        left
+    }
+
     /// Kills the group, reads the rest of stderr (DRAIN_GRACE at most), reaps the leader: how it
     /// ended, and its peak RSS.
     pub(crate) fn end(mut self) -> (String, Option<i32>, Option<u64>, Capture) {
@@ -232,6 +286,38 @@ impl Worker {
         drop(self.child); // reaped above: dropping neither waits nor kills
         (how, code, Some(usage.ru_maxrss as u64), self.err_cap)
     }
+}
+
+/// How long [`Worker::leave`] waits for the processes of a killed group to be gone.
+const GROUP_GONE_WAIT: Duration = Duration::from_secs(2);
+
+/// Whether a process of group `pgid` other than `leader` runs (is not a zombie), from /proc.
+fn group_running(pgid: libc::pid_t, leader: libc::pid_t) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten().any(|e| {
+        let Some(pid) = e
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<libc::pid_t>().ok())
+        else {
+            return false;
+        };
+        if pid == leader {
+            return false;
+        }
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return false;
+        };
+        // After the command's closing parenthesis: state, ppid, pgrp.
+        let mut rest = stat
+            .rsplit_once(')')
+            .map_or("", |(_, r)| r)
+            .split_whitespace();
+        let (state, _ppid, pgrp) = (rest.next(), rest.next(), rest.next());
+        state != Some("Z") && pgrp.and_then(|g| g.parse().ok()) == Some(pgid)
+    })
 }
 
 /// `s` quoted, cut after its first 200 characters (an answer line may be up to MAX_ANSWER_LINE).
@@ -301,7 +387,7 @@ pub(crate) fn ended(slot: &mut Option<Worker>, answer: Answer, serve_argv: &[Str
     let (why, timed_out) = match answer {
         Answer::Exit(code) => {
             let cap = std::mem::take(&mut w.err_cap);
-            let mut text = cap.text();
+            let mut text = printable(&cap.text()).into_owned();
             if code != 0 {
                 text.truncate(text.trim_end().len());
                 text.push_str(&format!("\n[exit status {code}]"));
@@ -325,7 +411,7 @@ pub(crate) fn ended(slot: &mut Option<Worker>, answer: Answer, serve_argv: &[Str
         return Ended::failed(why);
     };
     let (how, code, rss, cap) = w.end();
-    let mut text = cap.text();
+    let mut text = printable(&cap.text()).into_owned();
     text.truncate(text.trim_end().len());
     if !timed_out {
         text.push_str(&format!("\n[{why}; {how}; $ {}]", display(serve_argv)));

@@ -6,6 +6,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tracegate_trace::output::printable;
+
 use crate::verb::display;
 
 /// What a producer's output may cost the gate, per stream, in memory and in the report.
@@ -43,7 +45,9 @@ impl Capture {
         self.total
     }
 
-    /// Kept bytes, at most CAPTURE_HEAD + CAPTURE_TAIL (plus the note of what was left out).
+    /// Kept bytes, at most CAPTURE_HEAD + CAPTURE_TAIL (plus the note of what was left out), as
+    /// written: what is printed or reported of it goes through
+    /// [`tracegate_trace::output::printable`] first (`Ended::text`).
     pub fn text(&self) -> String {
         let head = String::from_utf8_lossy(&self.head);
         let tail: Vec<u8> = self.tail.iter().copied().collect();
@@ -67,7 +71,8 @@ pub(crate) struct Ended {
     pub(crate) exit_code: Option<i32>,
     pub(crate) timed_out: bool,
     pub(crate) peak_rss_kib: Option<u64>,
-    /// stderr (or stdout, see RunRecord::stderr), with how it ended when it failed.
+    /// stderr (or stdout, see RunRecord::stderr), with how it ended when it failed; its control
+    /// characters escaped (`printable`), as everything built from it prints them.
     pub(crate) text: String,
     pub(crate) stderr_bytes: u64,
     pub(crate) stdout: String,
@@ -305,7 +310,8 @@ pub(crate) fn run_command(root: &Path, argv: &[String], timeout: Duration) -> En
         exit_code: code,
         timed_out,
         peak_rss_kib: Some(usage.ru_maxrss as u64),
-        text,
+        // What the gate prints and reports of it: never the producer's control sequences.
+        text: printable(&text).into_owned(),
         stderr_bytes: err.total(),
         stdout,
     }

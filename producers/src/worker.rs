@@ -155,5 +155,43 @@ pub fn resident_after_run() -> Option<String> {
     ))
 }
 
+/// Ends this gate process's own workers (per-run ones: residency off, or a resident worker
+/// busy or refused) before it exits, so none outlives it (docs/producers.md, "Serving"): each
+/// is asked to leave (its stdin closed, all at once), given until LEAVE_GRACE to do so, and
+/// then its process group is killed and the worker reaped. Resident workers are left to their
+/// daemons. Call it once the run's requests are done; a slot still held by another thread is
+/// waited for.
+pub fn end_own_workers() {
+    let slots: Vec<Slot> = {
+        let map = WORKERS.lock().unwrap_or_else(|p| p.into_inner());
+        map.values().cloned().collect()
+    };
+    let mut own = Vec::new();
+    for slot in slots {
+        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.take() {
+            Some(Conn::Local(w)) => own.push(w),
+            other => *guard = other,
+        }
+    }
+    for w in &mut own {
+        w.close_stdin();
+    }
+    let deadline = Instant::now() + LEAVE_GRACE;
+    for w in own {
+        let pid = w.pid;
+        if !w.leave(deadline) {
+            eprintln!(
+                "[gate] worker {pid} had not left {} s after its stdin closed: killed with its process group",
+                LEAVE_GRACE.as_secs()
+            );
+        }
+    }
+}
+
+/// How long a gate process's own workers have to leave once their stdin closed (Python's
+/// interpreter shutdown, torch's included) before their groups are killed.
+const LEAVE_GRACE: Duration = Duration::from_secs(3);
+
 /// Fresh workers tried for one request whose worker found its code changed.
 const STALE_RETRIES: usize = 3;

@@ -1,6 +1,8 @@
-//! What a command writes besides traces: report files written whole or not at all, and stdout
-//! that a closed pipe does not turn into a crash.
+//! What a command writes besides traces: report files written whole or not at all, stdout
+//! that a closed pipe does not turn into a crash, and text from outside (a producer's stderr,
+//! a file's names) made safe for a terminal ([`printable`]).
 
+use std::borrow::Cow;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -165,5 +167,68 @@ mod tests {
         let e = refuse_clobbering(&[("--report", &fresh), ("--html", &fresh)], &[]).unwrap_err();
         assert!(e.contains("--html") && e.contains("also --report"), "{e}");
         assert_eq!(std::fs::read(&input).unwrap(), b"trace");
+    }
+}
+
+/// Control characters (but the newline), bidirectional-formatting characters and the other
+/// invisible format characters (Unicode's Cf: zero-width spaces and joiners, the soft hyphen,
+/// the byte-order mark, the tag characters, …). Text that comes from outside — a producer's
+/// stderr, names, attributes and provenance read from files — could with them move the cursor,
+/// clear, retitle or recolour a terminal, reorder what it or a browser shows, or make two
+/// different names look the same.
+pub fn needs_escape(c: char) -> bool {
+    (c.is_control() && c != '\n')
+        || matches!(c,
+            '\u{00ad}' | '\u{0600}'..='\u{0605}' | '\u{061c}' | '\u{06dd}' | '\u{070f}'
+            | '\u{0890}'..='\u{0891}' | '\u{08e2}' | '\u{180e}' | '\u{200b}'..='\u{200f}'
+            | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}'
+            | '\u{feff}' | '\u{fff9}'..='\u{fffb}' | '\u{110bd}' | '\u{110cd}'
+            | '\u{13430}'..='\u{1343f}' | '\u{1bca0}'..='\u{1bca3}' | '\u{1d173}'..='\u{1d17a}'
+            | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
+}
+
+/// Text a producer wrote (its stderr, or stdout when it said nothing else), as the gate prints
+/// and reports it: every character [`needs_escape`] names but the tab is written visibly as
+/// `\u{1b}` (ESC), so a clear-screen, a window title or a colour reaches no terminal, and a
+/// carriage return cannot overwrite a line already shown. Lines and tabs stay. Applying it twice
+/// changes nothing more.
+pub fn printable(s: &str) -> Cow<'_, str> {
+    let escaped = |c: char| c != '\t' && needs_escape(c);
+    if !s.chars().any(escaped) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if escaped(c) {
+            out.push_str(&format!("\\u{{{:x}}}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod printable_tests {
+    use super::printable;
+
+    #[test]
+    fn control_sequences_are_shown_not_obeyed_and_lines_and_tabs_stay() {
+        let raw = "\u{1b}[2J\u{1b}]0;pwned\u{7}red \u{1b}[31mX\u{1b}[0m\tok\nline\rover\u{7f}\u{9b}2J\u{202e}";
+        let shown = printable(raw);
+        assert_eq!(
+            shown,
+            "\\u{1b}[2J\\u{1b}]0;pwned\\u{7}red \\u{1b}[31mX\\u{1b}[0m\tok\nline\\u{d}over\\u{7f}\\u{9b}2J\\u{202e}"
+        );
+        assert!(!shown
+            .chars()
+            .any(|c| c.is_control() && c != '\n' && c != '\t'));
+        // Once is enough: the escapes hold nothing to escape.
+        assert_eq!(printable(&shown), shown);
+        // Plain text is not copied.
+        assert!(matches!(
+            printable("a\tb\nc"),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 }

@@ -8,21 +8,9 @@ use serde::Serialize;
 
 use crate::Report;
 
-/// Control characters (but the newline), bidirectional-formatting characters and the other
-/// invisible format characters (Unicode's Cf: zero-width spaces and joiners, the soft hyphen,
-/// the byte-order mark, the tag characters, …): names, attributes and provenance come from
-/// files, and raw they could move the cursor, recolour or rewrite a terminal, reorder what it or
-/// a browser shows, or make two different names look the same.
-pub(crate) fn needs_escape(c: char) -> bool {
-    (c.is_control() && c != '\n')
-        || matches!(c,
-            '\u{00ad}' | '\u{0600}'..='\u{0605}' | '\u{061c}' | '\u{06dd}' | '\u{070f}'
-            | '\u{0890}'..='\u{0891}' | '\u{08e2}' | '\u{180e}' | '\u{200b}'..='\u{200f}'
-            | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}'
-            | '\u{feff}' | '\u{fff9}'..='\u{fffb}' | '\u{110bd}' | '\u{110cd}'
-            | '\u{13430}'..='\u{1343f}' | '\u{1bca0}'..='\u{1bca3}' | '\u{1d173}'..='\u{1d17a}'
-            | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
-}
+/// What could drive a terminal or hide in a name: one rule for every tracegate tool
+/// ([`tracegate_trace::output::needs_escape`]).
+pub(crate) use tracegate_trace::output::needs_escape;
 
 /// `c` as a JSON string escape: `\u202e`, a surrogate pair beyond the BMP (`\udb40\udc01`).
 pub(crate) fn json_escape(out: &mut String, c: char) {

@@ -233,6 +233,17 @@ impl MilestoneFile {
         }
         let file: MilestoneFile =
             serde_json::from_value(raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+        // One id, one milestone: `gate check` and `gate run ID` find a milestone by its id, so
+        // a second one of the same id would never run (and its checks never fail).
+        for (i, m) in file.milestones.iter().enumerate() {
+            if let Some(first) = file.milestones[..i].iter().position(|x| x.id == m.id) {
+                return Err(gerr!(
+                    "{}: milestone id {:?} is used twice, by milestones[{first}] and milestones[{i}]: give each milestone its own id",
+                    path.display(),
+                    m.id
+                ));
+            }
+        }
         for m in &file.milestones {
             if m.models.is_empty() {
                 return Err(gerr!(

@@ -6,11 +6,15 @@
 per-call, it is the contract. On the worker's second request, by MODE:
   crash-second  writes SECOND-REQUEST-CRASH to stderr and exits 7 without answering
   hang-second   sleeps (never answers): the gate's --timeout must kill it
+MODE `slow-leave:MARK` answers every request; when its stdin closes it does not leave: it starts
+a child in its process group (`python -c … MARK`) and sleeps, as a worker whose teardown hangs
+and leaves a process behind would (MARK, e.g. a unique temp directory, finds both in /proc).
 
 Not for real use.
 """
 
 import os
+import subprocess
 import sys
 import time
 
@@ -38,7 +42,15 @@ def main() -> int:
             time.sleep(600)
         return contract_main(request)
 
-    return serve(answer, sys.argv[0])
+    status = serve(answer, sys.argv[0])
+    if mode.startswith("slow-leave:"):
+        mark = mode.split(":", 1)[1]
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(300)", mark],
+            stdin=subprocess.DEVNULL,
+        )
+        time.sleep(300)
+    return status
 
 
 if __name__ == "__main__":

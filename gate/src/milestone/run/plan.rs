@@ -102,6 +102,23 @@ impl Settled {
             ));
         }
         let selected = set.select(o.only.as_deref())?;
+        // A declared divergence excuses a finding of one prompt: one of a prompt the set does
+        // not hold excuses nothing, and says the milestone is not what its author thinks.
+        for (i, mm) in m.models.iter().enumerate() {
+            for (j, d) in mm.declared_divergences.iter().enumerate() {
+                if !set.prompts.iter().any(|p| p.id == d.prompt) {
+                    let ids: Vec<&str> = set.prompts.iter().map(|p| p.id.as_str()).collect();
+                    return Err(gerr!(
+                        "{}: milestone {}: models[{i}].declared_divergences[{j}] is for prompt {:?}, which {} does not hold (its prompts: {})",
+                        ms_path.display(),
+                        m.id,
+                        d.prompt,
+                        prompt_path.display(),
+                        ids.join(", ")
+                    ));
+                }
+            }
+        }
         if let (Some(_), Some(dir)) = (&m.port, &o.model) {
             return Err(gerr!(
                 "--model {}: milestone {}'s golden traces are of {}; `gate init` a milestone for another model",
@@ -143,6 +160,12 @@ impl Settled {
         for (mm, model) in runs {
             for p in &selected {
                 prompts::check_fits(&o.root, &model, Some(&p.id), p.tokens.len(), generate)?;
+            }
+            // The milestone's own checkpoint is of the family it records (`--model` was matched
+            // to a family by model_of): the family decides how the run goes (a sampling family
+            // is forced, has no uncached path) and which `--model` may stand in for it.
+            if model == mm.model {
+                check_family(o, &ms_path, &m, &mm)?;
             }
             plans.push(Plan {
                 work_rel: format!("{work_rel}/{}", dir_name(&model)),
@@ -193,6 +216,29 @@ impl Plan {
         c.insert("model".into(), json!(self.model));
         c
     }
+}
+
+/// A milestone model's recorded `family` against its checkpoint's (`model_type`, read as
+/// `gate init` read it: [`prompts::family`]).
+fn check_family(o: &GateOptions, ms_path: &Path, m: &Milestone, mm: &MilestoneModel) -> Result<()> {
+    let i = m
+        .models
+        .iter()
+        .position(|x| x.model == mm.model)
+        .unwrap_or(0);
+    let (config, from) = prompts::model_config(&o.root.join(&mm.model))
+        .map_err(|e| gerr!("milestone {}: model {}: {e}", m.id, mm.model))?;
+    let family = prompts::family(&config);
+    if family != mm.family {
+        return Err(gerr!(
+            "{}: milestone {}: models[{i}].family is {:?}, but {} is of family {family:?} (its model_type): correct the record",
+            ms_path.display(),
+            m.id,
+            mm.family,
+            crate::paths::shown(&from)
+        ));
+    }
+    Ok(())
 }
 
 /// `--model DIR` validated as the engine would (unsupported fields are refused here, not mid-run):

@@ -29,7 +29,7 @@ use super::findings::{incomparable, judge, not_comparable, tokens_finding};
 use super::plan::{dir_name, GateOptions, Plan, Settled, AUTO_POLICY};
 use super::recorded;
 use super::report::{
-    CheckResult, Generated, MilestoneReport, PromptResult, PromptRuns, Role, Status,
+    finding, CheckResult, Generated, MilestoneReport, PromptResult, PromptRuns, Role, Status,
 };
 use super::traces::{counts, decode_tokens, open, Opened};
 use crate::milestone::baselines::BaselineFile;
@@ -239,6 +239,13 @@ fn verified_golden(
         )
     })?;
     let t = verified_recorded(o, m, &port.capture, p, g, "golden trace")?;
+    // The tokens milestones.json records beside the trace are the trace's own.
+    let tokens = decode_tokens(&t);
+    if tokens != g.generated {
+        return Err(
+            gerr!(File: "milestones.json: milestone {}: port.golden.{}.generated {:?} is not golden trace {}'s greedy tokens {tokens:?}; it changes only through `gate run {} --bless` (restore it from version control)", m.id, p.id, g.generated, g.trace, m.id),
+        );
+    }
     // The golden trace is the reference's: its producer, dtype and device are the milestone's.
     let prov = t.provenance();
     let r = &port.reference;
@@ -266,6 +273,12 @@ fn verified_noise(
     g: &Golden,
 ) -> Result<Trace> {
     let t = verified_recorded(o, m, &port.capture, p, g, "noise trace")?;
+    // `--bless` records no tokens for a noise trace; any it records are the trace's own.
+    if !g.generated.is_empty() && g.generated != decode_tokens(&t) {
+        return Err(
+            gerr!(File: "milestones.json: milestone {}: port.noise.{}.generated {:?} is not noise trace {}'s greedy tokens {:?}; it changes only through `gate run {} --bless` (restore it from version control)", m.id, p.id, g.generated, g.trace, decode_tokens(&t), m.id),
+        );
+    }
     let producer = t.provenance()["producer"]
         .as_str()
         .unwrap_or("not recorded");
@@ -726,6 +739,12 @@ fn judge_prompt(
             None,
         ),
     };
+    // The candidate's recorded counts and tokens hold a run, not the `--bless` that replaces them.
+    let recorded = expect.filter(|_| !o.bless);
+    let agrees = match (&cand, recorded) {
+        (Ok(t), Some(e)) => held_to_counts(plan, p, agrees, e, t),
+        _ => agrees,
+    };
     checks.push(agrees);
     checks.push(check_generation(plan, port, p, &cand, uncached.as_ref()));
     let golden_tokens = decode_tokens(golden);
@@ -739,10 +758,11 @@ fn judge_prompt(
             refused @ [_, ..] => not_comparable(Check::GenerationReference, refused.to_vec()),
             [] => {
                 let tokens = decode_tokens(t);
-                let found: Vec<_> = tokens_finding("candidate", "golden", &tokens, &golden_tokens)
-                    .into_iter()
-                    .collect();
-                let detail = match found.first() {
+                let mut found: Vec<_> =
+                    tokens_finding("candidate", "golden", &tokens, &golden_tokens)
+                        .into_iter()
+                        .collect();
+                let mut detail = match found.first() {
                     None => format!("{} greedy tokens equal to the golden trace's", tokens.len()),
                     Some(f) => format!(
                         "{} of {} greedy tokens differ from the golden trace's: {}",
@@ -751,6 +771,20 @@ fn judge_prompt(
                         f.detail
                     ),
                 };
+                // And the tokens recorded when it was blessed (`expect.P.generated`).
+                if let Some(e) = recorded.filter(|e| e.generated != tokens) {
+                    let changed = format!(
+                        "expect.{}.generated: recorded {:?}, now {tokens:?}",
+                        p.id, e.generated
+                    );
+                    detail.push_str(&format!("; {changed}"));
+                    found.push(finding(
+                        FindingKind::TokensChanged,
+                        "candidate",
+                        tokens.len() as u64,
+                        changed,
+                    ));
+                }
                 judge(
                     &plan.mm,
                     &p.id,
@@ -793,6 +827,43 @@ fn judge_prompt(
         localised: None,
         runs,
     }
+}
+
+/// `agrees` also holds the candidate's trace to the counts its expectation records, as
+/// `matches` holds the engine's: `expect.P.tensors` and `expect.P.decisions`, each a
+/// `count_changed` finding when it is not this run's.
+fn held_to_counts(
+    plan: &Plan,
+    p: &Prompt,
+    c: CheckResult,
+    e: &PortExpectation,
+    t: &Trace,
+) -> CheckResult {
+    let found: Vec<_> = [
+        ("tensors", e.tensors, t.tensors().len()),
+        ("decisions", e.decisions, t.decisions().len()),
+    ]
+    .into_iter()
+    .filter(|(_, want, have)| want != have)
+    .map(|(what, want, have)| {
+        finding(
+            FindingKind::CountChanged,
+            what,
+            have as u64,
+            format!("expect.{}.{what}: recorded {want}, now {have}", p.id),
+        )
+    })
+    .collect();
+    if found.is_empty() {
+        return c;
+    }
+    let said: Vec<String> = found.iter().map(|f| f.detail.clone()).collect();
+    let mut c = judge(&plan.mm, &p.id, c, found);
+    c.detail.push_str(&format!("; {}", said.join("; ")));
+    if !c.findings.is_empty() {
+        c.status = Status::Fail;
+    }
+    c
 }
 
 /// generation: the candidate's cached decode against its own uncached recompute, judged as
