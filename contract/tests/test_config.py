@@ -179,3 +179,18 @@ def test_other_family_refusal_says_whether_the_oracle_supports_it(mt, oracle):
     assert ("the oracle supports it" in msg) is oracle and (
         "bisect --reference oracle" in msg
     ) is oracle
+
+
+@pytest.mark.parametrize("theta", [1e-60, 1e-300, 5e-324])
+def test_a_rope_theta_whose_frequencies_overflow_f32_is_refused_as_the_engine_does(theta):
+    """§7: f32(1/θ^(2i/d)) must be finite for every i; with head_dim 6 the largest is
+    1/θ^(4/6). 1e-60 ended in `math domain error` (cos of an infinite angle), where the engine
+    refuses it (config/fields.rs finite_rope)."""
+    with pytest.raises(ContractError, match=r"rope_theta: .* beyond f32"):
+        parse_config(cfg(rope_parameters={"rope_type": "default", "rope_theta": theta}))
+
+
+def test_a_tiny_rope_theta_with_finite_frequencies_is_computed():
+    """The negative control: 1e-50^(4/6) = 1e-33.3, its inverse a finite f32."""
+    c = parse_config(cfg(rope_parameters={"rope_type": "default", "rope_theta": 1e-50}))
+    assert c.rope_theta == 1e-50

@@ -844,3 +844,71 @@ def test_the_engine_refuses_each_gguf_the_contract_refuses(tmp_path, capsys, fix
         assert named in c, f"{case}: contract: {c}"
         e = engine_refusal(*args, "--out", tmp_path / "e.trace")
         assert os.path.basename(model) in e and ENGINE_NAMES[case] in e, f"{case}: engine: {e}"
+
+
+def _nested(depth: int) -> bytes:
+    """An ARRAY value `depth` arrays deep (the innermost holds one UINT8)."""
+    v = struct.pack("<IQ", 0, 1) + b"\x07"
+    for _ in range(depth - 1):
+        v = struct.pack("<IQ", 9, 1) + v
+    return v
+
+
+def _kv(key: bytes, vtype: int, value: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<I", vtype) + value
+
+
+def _with_kv(key: bytes, vtype: int, value: bytes, copies: int = 1) -> bytes:
+    """A qwen3 file of no tensors whose metadata ends with `copies` of one more entry (no
+    tensors: the file may end where its metadata does)."""
+    arch = _kv(b"general.architecture", 8, struct.pack("<Q", 5) + b"qwen3")
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1 + copies)
+    return head + arch + _kv(key, vtype, value) * copies
+
+
+def test_arrays_nest_at_most_8_deep_as_in_the_engine(tmp_path):
+    """§21.1 and the engine (parse.rs MAX_NESTING) take arrays 8 deep and refuse 9; the
+    contract took them 16 deep (issue 51: all 23 engine/contract disagreements of its fuzz)."""
+    path = str(tmp_path / "n.gguf")
+    for depth in (1, 8):
+        open(path, "wb").write(_with_kv(b"t.deep", 9, _nested(depth)))
+        g = contract_gguf.GgufFile(path)
+        inner = g.metadata["t.deep"]
+        for _ in range(depth - 1):
+            inner = inner[0]
+        assert inner == [7]
+    for depth in (9, 16):
+        refused(path, _with_kv(b"t.deep", 9, _nested(depth)), "nested deeper than 8")
+
+
+def test_a_name_with_control_bytes_is_quoted_escaped(tmp_path):
+    """A refusal quoting a key or tensor name is one line without control bytes: a name
+    holding a newline could forge a second line, ESC sequences clear or colour the terminal."""
+    path = str(tmp_path / "c.gguf")
+    u32 = struct.pack("<I", 1)
+    msg = refused(path, _with_kv(b"t.x\nerror: forged", 4, u32, 2), "appears twice")
+    assert msg.isprintable() and "t.x\\nerror: forged" in msg, msg
+    msg = refused(path, _with_kv(b"t.\x1b[2J\xe2\x80\xae", 4, u32, 2))
+    assert msg.isprintable() and "t.\\x1b[2J\\u202e" in msg, msg
+    # A tensor name: the second of two tensors of one name.
+    name = "blk.0.\x1b[31mred"
+    write_gguf(path, "qwen3", tensors=[(name, np.ones(4, np.float32), None)] * 1)
+    g = contract_gguf.GgufFile(path)
+    assert list(g.tensors) == [name]  # the file's own name, unescaped, as the key
+    with pytest.raises(ContractError) as e:
+        contract_gguf.hf_name("qwen3", name)
+    assert str(e.value).isprintable() and "\\x1b[31mred" in str(e.value)
+    assert contract_gguf.shown("blk.0.attn_q.weight") == "blk.0.attn_q.weight"
+
+
+def test_a_metadata_array_of_many_strings_is_read_in_one_loop(tmp_path):
+    """500,000 empty strings: read as the engine reads them, and a fault inside such an array
+    still names the item."""
+    path = str(tmp_path / "s.gguf")
+    n = 500_000
+    open(path, "wb").write(_with_kv(b"t.s", 9, struct.pack("<IQ", 8, n) + bytes(8 * n)))
+    assert contract_gguf.GgufFile(path).metadata["t.s"] == [""] * n
+    three = struct.pack("<IQ", 8, 3) + struct.pack("<Q", 1) + b"a" + struct.pack("<Q", 1) + b"\xff"
+    refused(path, _with_kv(b"t.s", 9, three + bytes(8)), "t.s[1]", "not UTF-8")
+    lying = struct.pack("<IQ", 8, 2) + struct.pack("<Q", 0) + struct.pack("<Q", 1 << 40)
+    refused(path, _with_kv(b"t.s", 9, lying), "t.s[1]", "truncated")

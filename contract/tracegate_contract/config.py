@@ -5,6 +5,7 @@ field), and the sizes checked against the checkpoint. The engine's mirror is eng
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -278,6 +279,25 @@ def _rope(raw: dict, hybrid: bool, llama: bool = False) -> tuple[float, float, d
     return theta, factor, scaling
 
 
+def _finite_rope(theta: float, d: int) -> None:
+    """§7: the largest rope frequency must be a finite f32, as the engine requires. With `d`
+    rotated dims the frequencies are f32(1/θ^(2i/d)) for i < ⌈d/2⌉ (ops.inv_freq), monotone in
+    i: the largest is i = 0 (1) for θ ≥ 1, else the last. A θ so small that it overflows (1e-60;
+    an f32 subnormal with a wide head) would give infinite angles and NaN logits."""
+    if d == 0:
+        return
+    last = 2 * ((d + 1) // 2 - 1)
+    f = 1.0 / math.pow(theta, last / d)
+    with np.errstate(over="ignore"):
+        finite = bool(np.isfinite(np.float32(f)))
+    if not finite:
+        refuse(
+            "rope_theta",
+            f"{theta:e} gives the rope frequency 1/θ^({last}/{d}) = {f:e}, beyond f32 (its "
+            "angles would be infinite, the logits NaN)",
+        )
+
+
 def _mrope_keys(d: dict, name: str) -> None:
     """§16: mrope's sections and interleaving pick which position stream each frequency reads;
     text-only input gives every stream the same position, so they are checked, not used."""
@@ -423,6 +443,7 @@ def _parse_fields(raw: dict, mt: str) -> Config:
             f"{factor} × head_dim {head_dim} gives the odd rotary dim {cfg.rotary_dim}, which "
             f"rotates {width} dims, more than the head's {head_dim} (docs/numerics.md §16)",
         )
+    _finite_rope(theta, cfg.rotary_dim)
     if hybrid:
         _parse_qwen3_5(raw, cfg)
     if mt in ("qwen3_moe", "qwen3_5_moe_text"):
@@ -532,6 +553,19 @@ def gguf_config(path: str, g: gguf.GgufFile | None = None) -> Config:
         key = src.get(field.split(".")[0])
         shown = f"{field} (from {key})" if key else field
         raise ContractError(f"{path}: the GGUF metadata as config.json: {shown}:{rest}") from None
+
+
+def check_gguf(path: str) -> tuple[Config, gguf.GgufFile]:
+    """Every check the contract makes of GGUF file `path` before it computes, short of
+    dequantizing a tensor: the container (numerics.md §21.1), the types and names (§21.2–3),
+    the config its metadata makes (§21.5, then §13 as any config.json) and its sizes against
+    the file's tensors. The oracle runs this before it hands the file to transformers' loader:
+    one checker, so every file the contract (and the engine) refuses, the oracle refuses too.
+    Returns the config and the parsed file."""
+    g = gguf.GgufWeights(path).file
+    cfg = gguf_config(path, g)
+    check_sizes(cfg, Checkpoint(path))
+    return cfg, g
 
 
 def check_sizes(cfg: Config, ck: Checkpoint) -> None:

@@ -43,7 +43,7 @@ VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 64  # GGML_MAX_NAME: a tensor name is shorter than this
-MAX_NESTING = 16  # arrays of arrays: ggml reads none; deeper than this is refused
+MAX_NESTING = 8  # arrays of arrays: ggml reads none; deeper than this is refused (as the engine)
 _I64 = 1 << 63
 
 # Metadata value types (gguf.md): scalar code -> (struct format, size).
@@ -119,6 +119,13 @@ GGML_TYPES = {
     41: ("Q1_0", 128, 18),
 }
 TYPE_CODES = {name: code for code, (name, _, _) in GGML_TYPES.items()}
+
+
+def shown(name: str) -> str:
+    """A key or tensor name as a refusal quotes it: escaped (`\\n`, `\\x1b`, ...) where it holds
+    a control or other unprintable character, so one refusal stays one line and cannot move the
+    cursor or colour the terminal; an ordinary name is itself."""
+    return name if name.isprintable() else repr(name)[1:-1]
 
 
 class TensorInfo:
@@ -222,7 +229,28 @@ class _Reader:
                     self.fail(f"metadata {key}: BOOL array holds a value that is neither 0 nor 1")
                 return [bool(x) for x in a.tolist()]
             return a.tolist()
+        if item == STRING:
+            return self._strings(n, key)
         return [self.value(item, f"{key}[{i}]", depth + 1) for i in range(n)]
+
+    def _strings(self, n: int, key: str) -> list:
+        """`n` strings, in one loop (a metadata array of a million empty strings costs the
+        strings, not a method call and a message each); any fault is reported by `string`."""
+        buf, size, pos, out = self.buf, self.size, self.pos, []
+        for i in range(n):
+            if size - pos >= 8:
+                (ln,) = struct.unpack_from("<Q", buf, pos)
+                if ln <= size - pos - 8:
+                    try:
+                        out.append(bytes(buf[pos + 8 : pos + 8 + ln]).decode("utf-8"))
+                        pos += 8 + ln
+                        continue
+                    except UnicodeDecodeError:
+                        pass
+            self.pos = pos
+            self.string(f"the string value of {key}[{i}]")  # raises, naming what is wrong
+        self.pos = pos
+        return out
 
 
 class GgufFile:
@@ -275,15 +303,19 @@ class GgufFile:
 
         self.metadata: dict = {}
         self.value_types: dict = {}
+        self.spans: dict[str, tuple[int, int]] = {}  # key -> its entry's byte range in the file
         for i in range(n_kv):
+            start = r.pos
             key = r.string(f"metadata key #{i}")
+            ks = shown(key)
             if key in self.metadata:
-                r.fail(f"metadata key {key} appears twice")
-            code = r.u32(f"the value type of {key}")
+                r.fail(f"metadata key {ks} appears twice")
+            code = r.u32(f"the value type of {ks}")
             if code not in VALUE_TYPES:
-                r.fail(f"metadata {key}: unknown value type {code} (GGUF has 0..12)")
+                r.fail(f"metadata {ks}: unknown value type {code} (GGUF has 0..12)")
             at = r.pos
-            self.metadata[key] = r.value(code, key)
+            self.metadata[key] = r.value(code, ks)
+            self.spans[key] = (start, r.pos)
             if code == ARRAY:
                 self.value_types[key] = (ARRAY, struct.unpack_from("<I", self._map, at)[0])
             else:
@@ -302,13 +334,14 @@ class GgufFile:
         infos = []
         names = set()
         for i in range(n_tensors):
-            name = r.string(f"the name of tensor #{i}")
-            n = len(name.encode("utf-8"))
+            raw_name = r.string(f"the name of tensor #{i}")
+            name = shown(raw_name)  # as messages quote it
+            n = len(raw_name.encode("utf-8"))
             if n >= MAX_NAME:
                 r.fail(f"tensor {name}: a name of {n} bytes (ggml allows {MAX_NAME - 1})")
-            if name in names:
+            if raw_name in names:
                 r.fail(f"tensor {name} appears twice")
-            names.add(name)
+            names.add(raw_name)
             n_dims = r.u32(f"the dim count of tensor {name}")
             if n_dims > MAX_DIMS:
                 r.fail(f"tensor {name}: {n_dims} dims (ggml allows at most {MAX_DIMS})")
@@ -320,12 +353,12 @@ class GgufFile:
             if code not in GGML_TYPES:
                 r.fail(f"tensor {name}: unknown ggml type {code}")
             offset = r.u64(f"the data offset of tensor {name}")
-            infos.append((name, dims, code, offset))
+            infos.append((raw_name, name, dims, code, offset))
 
         self.data_start = _pad(r.pos, self.alignment)
         self.tensors: dict[str, TensorInfo] = {}
         expected = 0  # ggml lays the tensors out in info order, each padded to the alignment
-        for name, dims, code, offset in infos:
+        for raw_name, name, dims, code, offset in infos:
             tname, block, bsize = GGML_TYPES[code]
             n = 1
             for d in dims:
@@ -350,7 +383,7 @@ class GgufFile:
                     f"{start + nbytes}, past the end of the file ({size} bytes)"
                 )
             expected = _pad(offset + nbytes, self.alignment)
-            self.tensors[name] = TensorInfo(name, dims, code, start, nbytes)
+            self.tensors[raw_name] = TensorInfo(raw_name, dims, code, start, nbytes)
         # The file ends at the last tensor's padded end at the latest (that padding may be
         # absent): bytes after it belong to no tensor (numerics.md §21.1, as the engine).
         end = self.data_start + expected
@@ -370,7 +403,7 @@ class GgufFile:
         try:
             flat = dequantize(self.raw(name), t.type, t.n_elements)
         except ContractError as e:
-            raise ContractError(f"{self.path}: tensor {name}: {e}") from None
+            raise ContractError(f"{self.path}: tensor {shown(name)}: {e}") from None
         return flat.reshape(t.shape)
 
 
@@ -480,8 +513,8 @@ def dequantize(raw: np.ndarray, ggml_type: int | str, n_elements: int) -> np.nda
     F32 is returned as a view of `raw`; the others are computed."""
     name = ggml_type if isinstance(ggml_type, str) else GGML_TYPES.get(ggml_type, (None,))[0]
     if name not in SUPPORTED:
-        shown = name if name is not None else f"ggml type {ggml_type}"
-        raise ContractError(f"type {shown} is not supported ({', '.join(SUPPORTED)})")
+        what = name if name is not None else f"ggml type {ggml_type}"
+        raise ContractError(f"type {what} is not supported ({', '.join(SUPPORTED)})")
     _, block, bsize = GGML_TYPES[TYPE_CODES[name]]
     raw = np.asarray(raw).reshape(-1).view(np.uint8)
     if n_elements % block or raw.size != n_elements // block * bsize:
@@ -558,7 +591,7 @@ def hf_name(arch: str, name: str) -> str:
             " (llama3 rope frequency factors: the metadata does not say which rope_scaling they "
             "encode, and transformers' GGUF loader drops them)"
         )
-    raise ContractError(f"tensor {name}: not a tensor of the GGUF architecture {arch}{why}")
+    raise ContractError(f"tensor {shown(name)}: not a tensor of the GGUF architecture {arch}{why}")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -655,8 +688,8 @@ def config_dict(g: GgufFile) -> tuple[dict, dict]:
     }
     given = {k: v for k, v in dims.items() if v is not None}
     if len(set(given.values())) > 1:
-        shown = ", ".join(f"{arch}.{k} = {v}" for k, v in given.items())
-        raise ContractError(f"{where}: head sizes disagree: {shown}")
+        listed = ", ".join(f"{arch}.{k} = {v}" for k, v in given.items())
+        raise ContractError(f"{where}: head sizes disagree: {listed}")
     first = "rope.dimension_count" if arch == "llama" else "attention.key_length"
     for k in (first, "attention.key_length", "attention.value_length", "rope.dimension_count"):
         if k in given:
@@ -700,7 +733,7 @@ class GgufWeights:
         for name, t in g.tensors.items():
             if t.type_name not in SUPPORTED:
                 raise ContractError(
-                    f"{path}: tensor {name}: type {t.type_name} is not supported "
+                    f"{path}: tensor {shown(name)}: type {t.type_name} is not supported "
                     f"({', '.join(SUPPORTED)})"
                 )
             try:
@@ -729,7 +762,7 @@ class GgufWeights:
             try:
                 w = unpermute_qk(w, self._heads[part])
             except ContractError as e:
-                raise ContractError(f"{self.path}: tensor {name}: {e}") from None
+                raise ContractError(f"{self.path}: tensor {shown(name)}: {e}") from None
         return w
 
     as_f32 = stored

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use crate::ops::RopeScaling;
 use crate::{err, Result};
-use fields::{field, opt_bool, opt_f64, opt_usize, req_usize, rope_params};
+use fields::{field, finite_rope, opt_bool, opt_f64, opt_usize, req_usize, rope_params};
 use qwen3_5::{linear_sizes, qwen3_5_layer_types, qwen3_5_moe_fixed, text_config};
 pub use sizes::check_sizes;
 
@@ -440,6 +440,7 @@ impl Config {
                 "config.json: partial_rotary_factor = {partial} gives the odd rotary dim {rotary_dim}, which rotates {width} dims, more than head_dim {head_dim} (docs/numerics.md §16)"
             ));
         }
+        finite_rope(rope_theta, rotary_dim)?;
         let (linear, shared_expert_intermediate_size) = match family {
             ModelType::Llama | ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3Moe => {
                 (None, 0)

@@ -99,7 +99,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
         let name = hf_name(arch, &t.name).ok_or_else(|| {
             err!(Checkpoint:
                 "{shown}: tensor {}: not a tensor of a {arch_name} model (no Hugging Face name for it)",
-                t.name
+                parse::shown(&t.name)
             )
         })?;
         if !t.ggml_type.is_supported() {

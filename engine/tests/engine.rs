@@ -700,6 +700,12 @@ fn refuses_unsupported_config_values() {
             json!({"rope_type": "default", "rope_theta": 0.0}),
             "rope_theta = 0 is not positive",
         ),
+        (
+            // §7: 1/θ^(2i/d) overflows f32 (issue 51: the contract ended in a traceback).
+            "rope_parameters",
+            json!({"rope_type": "default", "rope_theta": 1e-60}),
+            "rope_theta = 1e-60 gives the rope frequency",
+        ),
         ("hidden_act", json!("gelu"), "hidden_act"),
         ("num_key_value_heads", json!(3), "num_key_value_heads"),
         ("head_dim", json!(9), "head_dim"),

@@ -601,8 +601,17 @@ def ranked(x: np.ndarray) -> np.ndarray:
     return np.argsort(-x, axis=-1, kind="stable")
 
 
+def _no_nan(name: str, x: np.ndarray) -> None:
+    """A NaN logit or probability is an error naming the row, never a decision
+    (docs/capture-points.md), as in the engine and the contract."""
+    bad = np.nonzero(np.isnan(x).any(axis=-1))[0]
+    if bad.size:
+        raise OracleError(f"{name}: NaN in row {int(bad[0])}")
+
+
 def argmax_decision(name: str, logits: np.ndarray) -> Decision:
     x = np.asarray(logits, dtype=np.float32).reshape(-1, logits.shape[-1])
+    _no_nan(name, x)
     order = ranked(x)
     rows = np.arange(x.shape[0])
     margins = (x[rows, order[:, 0]] - x[rows, order[:, 1]]).astype(np.float32)
@@ -611,6 +620,7 @@ def argmax_decision(name: str, logits: np.ndarray) -> Decision:
 
 def topk_decision(name: str, probs: np.ndarray, k: int) -> Decision:
     p = np.asarray(probs, dtype=np.float32)
+    _no_nan(name, p)
     order = ranked(p)
     rows = np.arange(p.shape[0])
     margins = (p[rows, order[:, k - 1]] - p[rows, order[:, k]]).astype(np.float32)

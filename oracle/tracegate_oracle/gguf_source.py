@@ -3,9 +3,13 @@ tensors transformers' own GGUF loader dequantizes (`load_gguf_checkpoint`, throu
 `gguf.quants`; oracle/tests/test_gguf.py holds them bit for bit equal to the engine's and the
 contract's) and transformers' own config from the metadata — completed with what the file states
 and that loader does not read (§21.5: the head size, the biases the file holds), so the model is
-the file's. What no producer honours (rope scaling from metadata, experts, tensors no module
-claims) is refused, as a safetensors checkpoint's would be.
-"""
+the file's.
+
+Nothing reaches ggml's reader or transformers before the contract's checks of the file (`check`:
+§21.1's container, the types, names and config the contract and the engine refuse, one checker
+for the three readers): what they refuse is refused here in one line. What no producer honours
+(rope scaling from metadata, experts, tensors no module claims) is refused, as a safetensors
+checkpoint's would be."""
 
 from __future__ import annotations
 
@@ -42,51 +46,100 @@ def locate(model: str | os.PathLike) -> Path | None:
     return p / ggufs[0]
 
 
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
 @dataclass
 class Source:
-    """A GGUF file, its metadata read once: the config (transformers' own, completed per
-    §21.5) and how many tensors the file holds."""
+    """A GGUF file that passed the contract's checks (`check`), its metadata read once: the
+    config (transformers' own, completed per §21.5), how many tensors the file holds, and the
+    metadata keys transformers' loader is shown (`_reader`)."""
 
     path: Path
     config: dict
     tensors: int
+    shown: dict  # key -> (start, end): the metadata entries transformers' loader reads
+    kv_end: int  # where the metadata ends (the tensor infos begin)
+
+
+def check(path: Path):
+    """The contract's checks of the file (tracegate_contract.config.check_gguf: numerics.md
+    §21.1's container, the types and names, the config and its sizes against the tensors), the
+    same ones the engine applies: a file they refuse is refused here in one line, before
+    ggml's GGUFReader or transformers sees it. Returns the contract's parsed file."""
+    from tracegate_contract import ContractError
+    from tracegate_contract.config import check_gguf
+
+    try:
+        return check_gguf(str(path))[1]
+    except ContractError as e:
+        msg = str(e)
+        where = "" if msg.startswith(f"{path}: ") else f"{path}: "
+        raise CheckpointError(f"--model {where}{msg}") from None
+
+
+@contextlib.contextmanager
+def _reader(src: Source):
+    """While it lasts, the `gguf.GGUFReader` transformers' loader makes (it imports the class
+    from `gguf` when called) reads only the metadata entries `src.shown` (the keys transformers
+    maps onto the config) and steps over the others, whose byte ranges the contract's parse
+    gives: ggml's reader makes two numpy views per string, so a metadata array of 500,000
+    strings (a tokenizer's, or junk) would cost it gigabytes and tens of seconds, and
+    transformers reads none of them into the model. The tensor infos and data are read by
+    ggml's reader itself."""
+    import gguf
+
+    base = gguf.GGUFReader
+
+    class Reader(base):
+        def _build_fields(self, offs: int, count: int) -> int:
+            for start, end in src.shown.values():
+                got = base._build_fields(self, start, 1)
+                if got != end:  # the contract's parse and ggml's disagree: never computed on
+                    raise CheckpointError(
+                        f"--model {src.path}: ggml's GGUFReader reads the metadata entry at "
+                        f"{start} as ending at {got}, the contract at {end}"
+                    )
+            return src.kv_end
+
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = base
 
 
 def read(path: Path) -> Source:
-    """The file's `Source`; refuses what no producer honours."""
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """The file's `Source`, after the contract's checks (`check`)."""
+    g = check(path)
+    arch = g.metadata["general.architecture"]  # llama or qwen3: the contract's checks hold it
+    from transformers.modeling_gguf_pytorch_utils import (
+        GGUF_TO_TRANSFORMERS_MAPPING,
+        load_gguf_checkpoint,
+    )
 
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise OracleError(
-            f"--model {path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})"
-        )
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise OracleError(
-            f"--model {path}: metadata {arch}.rope.scaling.type = {scaling!r}: rope scaling from "
-            "GGUF metadata is not supported (transformers' GGUF loader ignores it)"
-        )
-    if _field(reader, f"{arch}.expert_count"):
-        raise OracleError(f"--model {path}: experts are not supported in a GGUF checkpoint")
-    cfg = dict(load_gguf_checkpoint(str(path))["config"])
+    keys = {"general.architecture", "general.name"} | {
+        f"{arch}.{k}" for k in GGUF_TO_TRANSFORMERS_MAPPING["config"][arch]
+    }
+    if g.value_types.get("general.name") != 8:  # a name that is not a string names nothing
+        keys.discard("general.name")
+    shown = {k: span for k, span in g.spans.items() if k in keys}
+    kv_end = max((end for _, end in g.spans.values()), default=24)
+    src = Source(path, {}, len(g.tensors), shown, kv_end)
+    with _reader(src):
+        cfg = dict(load_gguf_checkpoint(str(path))["config"])
+    # §21.5 step 3, as transformers does with the tokenizer's tokens it is not shown here.
+    if "vocab_size" not in cfg and g.value_types.get("tokenizer.ggml.tokens") == (9, 8):
+        cfg["vocab_size"] = len(g.metadata["tokenizer.ggml.tokens"])
+    # Integers where transformers' config class takes only floats (§21.5: a value as stored).
+    for k in ("rms_norm_eps", "rope_theta"):
+        if type(cfg.get(k)) is int:
+            cfg[k] = float(cfg[k])
     sizes = {
-        k: _field(reader, f"{arch}.{k}")
+        k: g.metadata.get(f"{arch}.{k}")
         for k in ("rope.dimension_count", "attention.key_length", "attention.value_length")
     }
     given = {k: v for k, v in sizes.items() if v is not None}
-    if len(set(given.values())) > 1:
-        raise OracleError(f"--model {path}: head sizes disagree: {given}")
     if given and "head_dim" not in cfg:
         cfg["head_dim"] = next(iter(given.values()))
-    names = [t.name for t in reader.tensors]
+    names = list(g.tensors)
     if any(_ATTN_BIAS.fullmatch(n) for n in names):
         cfg["attention_bias"] = True
     if arch == "llama" and any(_MLP_BIAS.fullmatch(n) for n in names):
@@ -94,7 +147,8 @@ def read(path: Path) -> Source:
     cfg["architectures"] = [
         ARCHITECTURES[arch] if cfg["model_type"] == arch else "MistralForCausalLM"
     ]
-    return Source(path, cfg, len(reader.tensors))
+    src.config = cfg
+    return src
 
 
 def load(src: Source, auto, dtype, device: str):
@@ -110,7 +164,7 @@ def load(src: Source, auto, dtype, device: str):
     with torch.device("meta"):
         skel = auto.from_config(hf_config, attn_implementation="eager")
     # Its tqdm bar ignores transformers' disable_progress_bar: kept off the oracle's stderr.
-    with contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stderr(io.StringIO()), _reader(src):
         loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skel)
     tensors = loaded["tensors"]
     if len(tensors) != src.tensors:

@@ -203,3 +203,23 @@ pub(super) fn positive_theta(theta: f64) -> Result<f64> {
         Err(err!(Config: "config.json: rope_theta = {theta} is not positive"))
     }
 }
+
+/// §7: the largest rope frequency must be a finite f32. With `d` rotated dims the frequencies
+/// are f32(1/θ^(2i/d)) for i < ⌈d/2⌉ (`ops::inv_freq`), monotone in i: the largest is i = 0 (1)
+/// for θ ≥ 1, else the last. A θ so small that it overflows (1e-60; an f32 subnormal with a
+/// wide head) gives infinite angles and NaN logits: refused here, naming the numbers, rather
+/// than after the whole forward pass (the contract applies the same rule).
+pub(super) fn finite_rope(theta: f64, d: usize) -> Result<()> {
+    if d == 0 {
+        return Ok(());
+    }
+    let last = 2 * (d.div_ceil(2) - 1);
+    let f = 1.0f64 / theta.powf(last as f64 / d as f64);
+    if (f as f32).is_finite() {
+        Ok(())
+    } else {
+        Err(err!(Config:
+            "config.json: rope_theta = {theta:e} gives the rope frequency 1/θ^({last}/{d}) = {f:e}, beyond f32 (its angles would be infinite, the logits NaN)"
+        ))
+    }
+}

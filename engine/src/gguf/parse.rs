@@ -18,6 +18,13 @@ const MAGIC: [u8; 4] = *b"GGUF";
 pub const MAX_DIMS: usize = 4;
 /// Arrays of arrays deeper than this are refused (real files nest none; this bounds recursion).
 const MAX_NESTING: usize = 8;
+/// A key or tensor name as a refusal quotes it: escaped as Rust's `{:?}` does (`\n`,
+/// `\u{1b}`, ...), so a name holding control bytes cannot break a refusal over two lines, move
+/// the cursor or colour the terminal; an ordinary name is itself.
+pub fn shown(name: &str) -> String {
+    name.escape_debug().to_string()
+}
+
 /// Alignment when `general.alignment` is absent.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 
@@ -366,10 +373,11 @@ pub fn parse(bytes: &[u8], file: &str) -> Result<Header> {
     let mut keys = std::collections::HashSet::new();
     for i in 0..kv_count {
         let key = c.string(&|| format!("metadata key #{i}"))?;
-        let t = c.u32(&|| format!("the type of metadata {key}"))?;
-        let v = c.value(t, &key)?;
+        let ks = shown(&key);
+        let t = c.u32(&|| format!("the type of metadata {ks}"))?;
+        let v = c.value(t, &ks)?;
         if !keys.insert(key.clone()) {
-            return Err(err!(Checkpoint: "{file}: metadata key {key} appears twice"));
+            return Err(err!(Checkpoint: "{file}: metadata key {ks} appears twice"));
         }
         metadata.push((key, v));
     }
@@ -388,7 +396,8 @@ pub fn parse(bytes: &[u8], file: &str) -> Result<Header> {
     let mut infos = Vec::with_capacity(tensor_count as usize);
     let mut names = std::collections::HashSet::new();
     for i in 0..tensor_count {
-        let name = c.string(&|| format!("tensor name #{i}"))?;
+        let raw_name = c.string(&|| format!("tensor name #{i}"))?;
+        let name = shown(&raw_name);
         let n_dims = c.u32(&|| format!("the dimension count of tensor {name}"))?;
         if n_dims as usize > MAX_DIMS {
             return Err(err!(Checkpoint:
@@ -404,10 +413,10 @@ pub fn parse(bytes: &[u8], file: &str) -> Result<Header> {
         let ggml_type = GgmlType::from_id(type_id).ok_or_else(
             || err!(Checkpoint: "{file}: tensor {name}: unknown ggml type id {type_id}"),
         )?;
-        if !names.insert(name.clone()) {
+        if !names.insert(raw_name.clone()) {
             return Err(err!(Checkpoint: "{file}: tensor {name} appears twice"));
         }
-        infos.push((name, dims, ggml_type, offset));
+        infos.push((raw_name, dims, ggml_type, offset));
     }
 
     let header_end = c.pos as u64;
@@ -416,7 +425,8 @@ pub fn parse(bytes: &[u8], file: &str) -> Result<Header> {
     let mut tensors = Vec::with_capacity(infos.len());
     // Where the next tensor must start, relative to the data section.
     let mut next = 0u64;
-    for (name, dims, ggml_type, offset) in infos {
+    for (raw_name, dims, ggml_type, offset) in infos {
+        let name = shown(&raw_name);
         let elements = dims
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -450,7 +460,7 @@ pub fn parse(bytes: &[u8], file: &str) -> Result<Header> {
             .and_then(|e| e.checked_next_multiple_of(alignment))
             .ok_or_else(|| err!(Checkpoint: "{file}: tensor {name}: offset {offset} + {nbytes} bytes overflows"))?;
         tensors.push(TensorInfo {
-            name,
+            name: raw_name,
             dims,
             ggml_type,
             start: start as usize,

@@ -494,6 +494,76 @@ fn refuses_absurd_counts_before_reserving_anything() {
     );
 }
 
+/// An ARRAY value `depth` arrays deep in all (the innermost holds one UINT8).
+fn nested(depth: usize) -> Vec<u8> {
+    let mut v = [0u32.to_le_bytes().as_slice(), &1u64.to_le_bytes(), &[7]].concat();
+    for _ in 1..depth {
+        v = [9u32.to_le_bytes().as_slice(), &1u64.to_le_bytes(), &v].concat();
+    }
+    v
+}
+
+#[test]
+fn arrays_nest_8_deep_and_no_deeper() {
+    // §21.1: 8 levels parse (the contract now reads the same bound: issue 51, where it took 16).
+    let mut w = one_tensor();
+    w.kv("k.deep", 9, &nested(8));
+    let bytes = w.bytes();
+    let h = parse(&bytes, "m.gguf").unwrap();
+    let mut a = match h.get("k.deep") {
+        Some(Value::Array(a)) => a.clone(),
+        v => panic!("{v:?}"),
+    };
+    for _ in 1..8 {
+        a = match a {
+            Array::Array(mut v) if v.len() == 1 => v.remove(0),
+            other => panic!("{other:?}"),
+        };
+    }
+    assert_eq!(a, Array::U8(vec![7]));
+    let mut w = one_tensor();
+    w.kv("k.deep", 9, &nested(9));
+    let e = parse_err(&w.bytes());
+    assert!(
+        e.contains("metadata k.deep: arrays nested deeper than 8"),
+        "{e}"
+    );
+}
+
+#[test]
+fn names_with_control_bytes_are_quoted_escaped() {
+    // Issue 51: a key holding "\n" forged a second refusal line; ESC sequences reached the
+    // terminal. The refusal is one line of printable characters, the name escaped.
+    for (key, shown) in [
+        ("t.x\nengine: error: forged", "t.x\\nengine: error: forged"),
+        ("t.\u{1b}[2J\u{202e}", "t.\\u{1b}[2J\\u{202e}"),
+    ] {
+        let mut w = one_tensor();
+        w.kv_u32(key, 1).kv_u32(key, 1);
+        let e = parse_err(&w.bytes());
+        assert!(
+            e.contains(&format!("metadata key {shown} appears twice")),
+            "{e}"
+        );
+        assert!(!e.chars().any(|c| c.is_control()), "{e:?}");
+    }
+    let mut w = Writer::new("qwen3");
+    let name = "a\u{1b}[31m";
+    w.tensor(name, &[4], T_F32, f32_bytes(&values(4, 1)));
+    w.tensor(name, &[4], T_F32, f32_bytes(&values(4, 2)));
+    let e = parse_err(&w.bytes());
+    assert!(e.contains("tensor a\\u{1b}[31m appears twice"), "{e}");
+    // The header keeps the file's own names; an ordinary name is quoted as itself.
+    let mut w = Writer::new("qwen3");
+    w.tensor(name, &[4], T_F32, f32_bytes(&values(4, 1)));
+    let bytes = w.bytes();
+    assert_eq!(parse(&bytes, "m.gguf").unwrap().tensors[0].name, name);
+    assert_eq!(
+        super::parse::shown("blk.0.attn_q.weight"),
+        "blk.0.attn_q.weight"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // load: names, types, un-permutation, config.
 
