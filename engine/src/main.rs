@@ -60,8 +60,8 @@ enum Cmd {
         )]
         tokens: Vec<i64>,
         /// The prompt as text instead, tokenized by the model directory's own tokenizer
-        /// (`python -m tracegate.text`: TRACEGATE_PYTHON, else tracegate's .venv; docs/producers.md
-        /// "Text prompts").
+        /// (`python -m tracegate.text`: TRACEGATE_PYTHON, else tracegate's .venv; killed past
+        /// TRACEGATE_TEXT_TIMEOUT + 120 s; docs/producers.md "Text prompts").
         #[arg(long)]
         text: Option<String>,
         /// With --text: the text as one user message in the tokenizer's chat template.
@@ -272,15 +272,120 @@ fn main() -> ExitCode {
     }
 }
 
+/// The setting that bounds `python -m tracegate.text` (docs/producers.md, "Text prompts"): its
+/// own limit on loading the tokenizer and on each text; the engine kills it at that limit plus
+/// [`TEXT_START_GRACE_S`].
+const TEXT_TIMEOUT_VAR: &str = "TRACEGATE_TEXT_TIMEOUT";
+const TEXT_DEFAULT_TIMEOUT_S: u64 = 60;
+/// The interpreter's start and `import transformers`, which the Python limit does not cover.
+const TEXT_START_GRACE_S: u64 = 120;
+/// What is kept of the helper's stdout (a JSON line of ids) and stderr (its refusal).
+const TEXT_STDOUT_MAX: u64 = 64 << 20;
+const TEXT_STDERR_MAX: u64 = 1 << 20;
+
+/// TRACEGATE_TEXT_TIMEOUT, read as `tracegate.text` reads it: a whole number of seconds ≥ 1,
+/// digits only; unset: 60; anything else refused in one line naming the variable.
+fn text_timeout(v: Option<&str>) -> Result<u64, String> {
+    let Some(v) = v else {
+        return Ok(TEXT_DEFAULT_TIMEOUT_S);
+    };
+    match v.parse::<u64>() {
+        Ok(n) if n >= 1 && v.bytes().all(|b| b.is_ascii_digit()) => Ok(n),
+        _ => Err(format!(
+            "{TEXT_TIMEOUT_VAR}={v:?} is not accepted: {TEXT_TIMEOUT_VAR} takes a whole number of seconds, at least 1 (e.g. 30)"
+        )),
+    }
+}
+
+/// Runs `cmd` (stdin closed, stdout and stderr captured up to their bounds) in a process group
+/// of its own, killed with everything in it at `deadline`: its output, or None when it was
+/// killed. The group dies with the engine too (PR_SET_PDEATHSIG), as it no longer gets the
+/// terminal's Ctrl-C.
+fn run_with_deadline(
+    cmd: &mut std::process::Command,
+    deadline: std::time::Duration,
+) -> std::io::Result<Option<std::process::Output>> {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    use std::process::Stdio;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: prctl is async-signal-safe and only asks the kernel to kill the child with us.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let start = std::time::Instant::now();
+    let mut child = cmd.spawn()?;
+    let reader = |pipe: Option<Box<dyn Read + Send>>, max: u64| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(p) = pipe {
+                let _ = p.take(max).read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = reader(
+        child.stdout.take().map(|p| Box::new(p) as _),
+        TEXT_STDOUT_MAX,
+    );
+    let err = reader(
+        child.stderr.take().map(|p| Box::new(p) as _),
+        TEXT_STDERR_MAX,
+    );
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if start.elapsed() >= deadline {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    // The group goes in either case: nothing it started outlives the answer, and no pipe is
+    // held open for the readers.
+    // SAFETY: kill(2) of the group this function created (the child's pid is its id).
+    unsafe {
+        libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
+    }
+    let status = match status {
+        Some(s) => s,
+        None => {
+            child.wait()?;
+            let _ = (out.join(), err.join());
+            return Ok(None);
+        }
+    };
+    Ok(Some(std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }))
+}
+
 /// `--text`: the ids of `text` by the model's own tokenizer, and the provenance record
 /// `prompt_text`, from `python -m tracegate.text` — one tokenization for every producer, so the
-/// engine's ids are the contract's and the oracle's.
+/// engine's ids are the contract's and the oracle's. It runs under a deadline: TRACEGATE_TEXT_TIMEOUT
+/// (its own limit) plus TEXT_START_GRACE_S.
 fn tokenize(
     model: &std::path::Path,
     text: &str,
     chat: bool,
 ) -> Result<(Vec<i64>, serde_json::Value), tracegate_engine::Error> {
     let refuse = |what: String| tracegate_engine::Error::Input(format!("--text: {what}"));
+    let limit = match std::env::var(TEXT_TIMEOUT_VAR) {
+        Ok(v) => text_timeout(Some(&v)),
+        Err(std::env::VarError::NotPresent) => text_timeout(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!(
+            "{TEXT_TIMEOUT_VAR}={v:?} is not accepted: it is not UTF-8"
+        )),
+    }
+    .map_err(tracegate_engine::Error::Input)?;
     let python = std::env::var("TRACEGATE_PYTHON").unwrap_or_else(|_| {
         let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         manifest
@@ -297,9 +402,12 @@ fn tokenize(
     if chat {
         cmd.arg("--chat");
     }
-    let out = cmd
-        .output()
-        .map_err(|e| refuse(format!("cannot run {python} -m tracegate.text: {e} (set TRACEGATE_PYTHON to a Python with tracegate and transformers)")))?;
+    let deadline = limit + TEXT_START_GRACE_S;
+    let out = run_with_deadline(&mut cmd, std::time::Duration::from_secs(deadline))
+        .map_err(|e| refuse(format!("cannot run {python} -m tracegate.text: {e} (set TRACEGATE_PYTHON to a Python with tracegate and transformers)")))?
+        .ok_or_else(|| refuse(format!(
+            "{python} -m tracegate.text did not finish within {deadline} s ({TEXT_TIMEOUT_VAR}={limit} s, and {TEXT_START_GRACE_S} s to start) and was killed"
+        )))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         return Err(refuse(
@@ -327,6 +435,50 @@ fn tokenize(
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
+
+    /// TRACEGATE_TEXT_TIMEOUT is read as tracegate.text reads it: whole seconds ≥ 1 or refused.
+    #[test]
+    fn text_timeout_is_read_strictly() {
+        assert_eq!(super::text_timeout(None), Ok(60));
+        assert_eq!(super::text_timeout(Some("5")), Ok(5));
+        for bad in ["", "0", "1s", "-1", "1.5", " 5", "+5", "abc"] {
+            let e = super::text_timeout(Some(bad)).unwrap_err();
+            assert!(
+                e.starts_with(&format!("TRACEGATE_TEXT_TIMEOUT={bad:?} is not accepted: "))
+                    && !e.contains('\n'),
+                "{e}"
+            );
+        }
+    }
+
+    /// The helper that does not answer is killed at the deadline, with what it started (a
+    /// `sleep` in its group holding the pipes); one that answers gives its output (the negative
+    /// control).
+    #[test]
+    fn the_text_helper_runs_under_a_deadline() {
+        let t = std::time::Instant::now();
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", "sleep 60 & sleep 60"]);
+        let got =
+            super::run_with_deadline(&mut cmd, std::time::Duration::from_millis(300)).unwrap();
+        assert!(got.is_none());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(30),
+            "{:?}",
+            t.elapsed()
+        );
+
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", "echo ids; echo why >&2; exit 3"]);
+        let out = super::run_with_deadline(&mut cmd, std::time::Duration::from_secs(60))
+            .unwrap()
+            .expect("it answered");
+        assert_eq!(out.status.code(), Some(3));
+        assert_eq!(
+            (&out.stdout[..], &out.stderr[..]),
+            (&b"ids\n"[..], &b"why\n"[..])
+        );
+    }
 
     #[test]
     fn every_option_and_verb_has_help_text() {

@@ -21,6 +21,37 @@ pub const TOKENIZER_FILES: [&str; 9] = [
     "chat_template.json",
 ];
 
+/// Adds `name`'s entry to `h`, reading the file a chunk at a time: a tokenizer file of
+/// gigabytes costs one chunk of memory, not its size (issue 51).
+fn hash_file(h: &mut Sha256, name: &str, path: &Path) -> Result<()> {
+    use std::io::Read;
+    let cannot = |e: std::io::Error| gerr!(File: "{}: cannot read: {e}", path.display());
+    let mut f = std::fs::File::open(path).map_err(cannot)?;
+    let size = f.metadata().map_err(cannot)?.len();
+    h.update(name.as_bytes());
+    h.update([0u8]);
+    h.update(size.to_le_bytes());
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(k) => {
+                h.update(&buf[..k]);
+                n += k as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(cannot(e)),
+        }
+    }
+    if n != size {
+        return Err(
+            gerr!(File: "{}: changed while it was read ({size} bytes, then {n})", path.display()),
+        );
+    }
+    Ok(())
+}
+
 /// SHA-256 (lowercase hex) over each tokenizer file that is a regular file in `dir` (symlinks
 /// followed), in [`TOKENIZER_FILES`] order: its name, a 0x00 byte, its length as u64
 /// little-endian, its bytes. A directory with none of them is refused naming what was looked for.
@@ -32,12 +63,7 @@ pub fn tokenizer_digest(dir: &Path) -> Result<String> {
         if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
             continue;
         }
-        let bytes = std::fs::read(&path)
-            .map_err(|e| gerr!(File: "{}: cannot read: {e}", path.display()))?;
-        h.update(name.as_bytes());
-        h.update([0u8]);
-        h.update((bytes.len() as u64).to_le_bytes());
-        h.update(&bytes);
+        hash_file(&mut h, name, &path)?;
         found = true;
     }
     if !found {
@@ -75,5 +101,60 @@ mod tests {
             tokenizer_digest(dir.path()).unwrap(),
             "f0575d0f69217ab81f87d45aebc4e2173b8c6bfb6c86d2af281f4707472b71f7"
         );
+    }
+
+    /// The digest of a 512 MiB (sparse) vocab.json costs a chunk of memory, not the file: a
+    /// child process (this test binary, run for this test alone) digests it and reports its peak
+    /// resident memory (VmHWM), which must stay under 128 MiB. Reading the file whole, as the
+    /// digest once did, peaks above 512 MiB.
+    #[test]
+    fn a_huge_tokenizer_file_is_hashed_in_bounded_memory() {
+        const CHILD: &str = "TRACEGATE_TEST_TOKENIZER_DIGEST_DIR";
+        if let Ok(dir) = std::env::var(CHILD) {
+            let digest = tokenizer_digest(Path::new(&dir)).unwrap();
+            let status = std::fs::read_to_string("/proc/self/status").unwrap();
+            let hwm = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+            println!("DIGEST {digest}\nPEAK {hwm}");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), b"{}").unwrap();
+        let vocab = std::fs::File::create(dir.path().join("vocab.json")).unwrap();
+        vocab.set_len(512 << 20).unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "milestone::tokenizer::tests::a_huge_tokenizer_file_is_hashed_in_bounded_memory",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let kib: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("PEAK VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no peak in {text}"));
+        assert!(kib < 128 << 10, "peak {kib} KiB digesting a 512 MiB file");
+        // The bytes are those of the definition: the same digest as hashing them at once.
+        let mut h = Sha256::new();
+        h.update(b"tokenizer.json\x00");
+        h.update(2u64.to_le_bytes());
+        h.update(b"{}");
+        h.update(b"vocab.json\x00");
+        h.update((512u64 << 20).to_le_bytes());
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..512 {
+            h.update(&zeros);
+        }
+        let want = hex::encode(h.finalize());
+        assert!(text.contains(&format!("DIGEST {want}")), "{text}");
     }
 }

@@ -10,11 +10,12 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
-from tiny_tokenizer import CHAT_TEMPLATE, SPECIAL, model_with_tokenizer, write_tokenizer
+from tiny_tokenizer import CHAT_TEMPLATE, ROOT, SPECIAL, model_with_tokenizer, write_tokenizer
 from tracegate import protocol, text
 from tracegate.text import TOKENIZER_FILES, TextError, tokenize, tokenizer_digest
 
@@ -349,3 +350,248 @@ def test_protocol_layer_verb_has_no_text():
             ["layer", "--model", "m", "--layer", "0", "--input", "i", "--input-name", "x"]
             + ["--out", "o", "--text", "hi"]
         )
+
+
+# ------------------------------------------------------------- hostile tokenizers (issue 51)
+
+# The child processes import this tracegate (and transformers) as this process does.
+PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(text.__file__)), *sys.path])
+
+# Nested loops of jinja2's sandboxed `range` (at most 100000 each): 10^10 iterations.
+ENDLESS_TEMPLATE = (
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+)
+# Half a gigabyte held by the template (each string its own, not one folded constant), while
+# what it renders stays a few bytes: without the limit, rendering ends, after allocating it all.
+GROWING_TEMPLATE = (
+    "{% set ns = namespace(held=[]) %}{% for i in range(500) %}"
+    '{% set ns.held = ns.held + ["x" * (1000000 + i)] %}{% endfor %}'
+    "{{ messages[0]['content'] }} {{ ns.held | length }}"
+)
+# An alternation that backtracks past Oniguruma's retry limit on a run of `a`s: the tokenizers
+# library panics (`Onig: Regex search error: retry-limit-in-match over`).
+BACKTRACKING = "(.*a){12}z|(.*a){12}q"
+
+
+def _cli(model, *args, env=None, timeout=120):
+    """`python -m tracegate.text --model MODEL ARGS`, with this checkout's tracegate."""
+    e = {**os.environ, "PYTHONPATH": PYTHONPATH, "RUST_BACKTRACE": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "tracegate.text", "--model", str(model), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+    )
+
+
+def _one_line_refusal(p) -> str:
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_chat_template_that_does_not_end_is_refused_at_the_limit(tmp_path, model, monkeypatch):
+    """10^10 loop iterations: refused once TRACEGATE_TEXT_TIMEOUT has passed, in one line naming
+    the model directory and the limit (it ran unbounded before: the 120 s guard would fire)."""
+    d = write_tokenizer(tmp_path, chat_template=ENDLESS_TEMPLATE)
+    line = _one_line_refusal(
+        _cli(d, "--text", "hello", "--chat", env={"TRACEGATE_TEXT_TIMEOUT": "3"})
+    )
+    assert line == (
+        f"error: {d}: the chat template ran past the time limit of 3 s "
+        "(TRACEGATE_TEXT_TIMEOUT) on the text: refused"
+    )
+    # Negative control: the same limit lets an ordinary template through.
+    monkeypatch.setenv("TRACEGATE_TEXT_TIMEOUT", "3")
+    assert tokenize(model, "hello", chat=True)["tokens"] == [3, 20, 4]
+
+
+def test_a_chat_template_that_grows_memory_is_refused_at_the_limit(tmp_path, monkeypatch):
+    """Half a gigabyte held by the template: refused once the process grew by TRACEGATE_TEXT_MAX_MB.
+    In a library call (the contract's and the oracle's --text) the refusal leaves the caller's
+    SIGALRM handler in place and no timer armed."""
+    d = write_tokenizer(tmp_path, chat_template=GROWING_TEMPLATE)
+    monkeypatch.setenv("TRACEGATE_TEXT_MAX_MB", "64")
+
+    def mine(*_):
+        pass
+
+    previous = signal.signal(signal.SIGALRM, mine)
+    try:
+        with pytest.raises(TextError) as e:
+            tokenize(d, "hello", chat=True)
+        assert signal.getsignal(signal.SIGALRM) is mine
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert re.fullmatch(
+        rf"{re.escape(str(d))}: the chat template grew this process by \d+ MiB, over the "
+        r"limit of 64 MiB \(TRACEGATE_TEXT_MAX_MB\) on the text: refused",
+        str(e.value),
+    ), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["TRACEGATE_TEXT_TIMEOUT", "TRACEGATE_TEXT_MAX_MB"])
+@pytest.mark.parametrize("bad", ["", "0", "-1", "1.5", "2s", " 3", "abc", "٣"])
+def test_the_limits_are_read_strictly(name, bad, model, monkeypatch):
+    monkeypatch.setenv(name, bad)
+    unit = "seconds" if name == "TRACEGATE_TEXT_TIMEOUT" else "MiB"
+    with pytest.raises(TextError) as e:
+        tokenize(model, "hello")
+    assert str(e.value).startswith(
+        f"{name}={bad!r} is not accepted: {name} takes a whole number of {unit}, at least 1"
+    )
+    assert "\n" not in str(e.value)
+
+
+def test_the_limits_defaults_and_values(monkeypatch):
+    monkeypatch.delenv("TRACEGATE_TEXT_TIMEOUT", raising=False)
+    monkeypatch.delenv("TRACEGATE_TEXT_MAX_MB", raising=False)
+    assert text.limits() == (60, 1024)
+    monkeypatch.setenv("TRACEGATE_TEXT_TIMEOUT", "7")
+    monkeypatch.setenv("TRACEGATE_TEXT_MAX_MB", "300")
+    assert text.limits() == (7, 300)
+
+
+def _backtracking_tokenizer(d):
+    d = write_tokenizer(d, bos=False)
+    j = json.loads((d / "tokenizer.json").read_text())
+    j["pre_tokenizer"] = {
+        "type": "Split",
+        "pattern": {"Regex": BACKTRACKING},
+        "behavior": "Isolated",
+        "invert": False,
+    }
+    (d / "tokenizer.json").write_text(json.dumps(j))
+    return d
+
+
+def test_a_tokenizers_panic_is_a_one_line_refusal(tmp_path):
+    """pyo3's PanicException is a BaseException: it went through every `except Exception` and
+    ended the run in a traceback (with RUST_BACKTRACE, 122 lines)."""
+    d = _backtracking_tokenizer(tmp_path)
+    want = (
+        f"{d / 'tokenizer.json'}: the tokenizers library panicked on the text: PanicException: "
+        "Onig: Regex search error: retry-limit-in-match over"
+    )
+    with pytest.raises(TextError) as e:
+        tokenize(d, "a" * 300)
+    assert str(e.value) == want
+    # The command line: that line alone on stderr (the panic hook's message and backtrace are
+    # held back), exit 2.
+    assert _one_line_refusal(_cli(d, "--text", "a" * 300)) == f"error: {want}"
+    # Negative control: the same tokenizer encodes a text it does not backtrack on.
+    assert tokenize(d, "cat a mat")["tokens"] == [0]  # one split, unknown to the vocab
+
+
+def test_keyboard_interrupt_is_not_a_refusal(model, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "__call__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize(model, "hello")
+
+
+def test_a_tokenizer_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path):
+    """A sparse vocab.json of 256 MiB + 1 byte: refused from its size alone (tokenizers and
+    transformers read a file whole); exactly 256 MiB is not over the limit."""
+    d = write_tokenizer(tmp_path)
+    vocab = d / "vocab.json"
+    with open(vocab, "wb") as f:
+        f.truncate(text.MAX_TOKENIZER_FILE_BYTES)
+    text._check_sizes(str(d))  # at the limit: not refused
+    with open(vocab, "wb") as f:
+        f.truncate(text.MAX_TOKENIZER_FILE_BYTES + 1)
+    want = (
+        f"{vocab}: 268435457 bytes, over the 256 MiB a tokenizer file may have for a text prompt "
+        "(the tokenizer library reads it whole): refused"
+    )
+    with pytest.raises(TextError) as e:
+        tokenize(d, "hello")
+    assert str(e.value) == want
+    assert _one_line_refusal(_cli(d, "--text", "hello")) == f"error: {want}"
+
+
+def test_the_digest_reads_a_huge_file_in_bounded_memory(tmp_path):
+    """A 512 MiB sparse vocab.json: the digest streams it (peak resident memory of the child
+    that digests it, VmHWM, under 128 MiB; reading it whole peaks above 512 MiB) and is the defined hash
+    of its bytes."""
+    (tmp_path / "tokenizer.json").write_bytes(b"{}")
+    size = 512 << 20
+    with open(tmp_path / "vocab.json", "wb") as f:
+        f.truncate(size)
+    # VmHWM: the peak of this process's own memory since its exec (ru_maxrss would carry the
+    # pytest parent's peak over the fork).
+    script = (
+        "import sys\n"
+        "from tracegate.text import tokenizer_digest\n"
+        "d = tokenizer_digest(sys.argv[1])\n"
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+        "print(d, hwm.split()[1])\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )
+    assert p.returncode == 0, p.stderr
+    digest, peak_kib = p.stdout.split()
+    assert int(peak_kib) < 128 << 10, f"peak {peak_kib} KiB digesting a 512 MiB file"
+    h = hashlib.sha256(_entry("tokenizer.json", b"{}"))
+    h.update(b"vocab.json\x00" + size.to_bytes(8, "little"))
+    zeros = bytes(1 << 20)
+    for _ in range(size >> 20):
+        h.update(zeros)
+    assert digest == h.hexdigest()
+
+
+def _engine() -> str | None:
+    target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
+    path = os.path.join(ROOT, target, "release", "engine")  # a relative target: from the root
+    return path if os.access(path, os.X_OK) else None
+
+
+def test_the_engine_passes_the_template_refusal_on_in_one_line(tmp_path):
+    """`engine trace --text --chat` ran the endless template unbounded too: now the helper's own
+    limit ends it, and the engine says so in one line (its own deadline, the limit plus the
+    start's grace, is tested in engine/src/main.rs)."""
+    engine = _engine()
+    if engine is None:
+        pytest.skip("engine binary not built (cargo build --release --bins)")
+    d = model_with_tokenizer(tmp_path / "m", chat_template=ENDLESS_TEMPLATE)
+    p = subprocess.run(
+        [
+            engine,
+            "trace",
+            "--model",
+            str(d),
+            "--text",
+            "hello",
+            "--chat",
+            "--out",
+            str(tmp_path / "t"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": PYTHONPATH,
+            "TRACEGATE_PYTHON": sys.executable,
+            "TRACEGATE_TEXT_TIMEOUT": "3",
+        },
+    )
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"engine: error: --text: {d}: the chat template ran past the time limit of 3 s "
+        "(TRACEGATE_TEXT_TIMEOUT) on the text: refused"
+    ]
+    assert not (tmp_path / "t").exists()

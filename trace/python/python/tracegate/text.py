@@ -33,16 +33,30 @@ Known answers (pinned in trace/python/tests/test_text.py): a directory holding o
 holding the four bytes ``a b\\n`` (``a``, space, ``b``, newline), to
 ``f0575d0f69217ab81f87d45aebc4e2173b8c6bfb6c86d2af281f4707472b71f7``.
 
+**Bounds** (docs/producers.md, "Text prompts"): a tokenizer file over MAX_TOKENIZER_FILE_BYTES
+(256 MiB) is refused from its size before anything reads it (the digest streams files in 1 MiB
+chunks); loading the tokenizer, and each text's template and encoding, run under
+TRACEGATE_TEXT_TIMEOUT seconds (default 60) and, for a text, TRACEGATE_TEXT_MAX_MB MiB of growth
+of resident memory (default 1024), both whole numbers >= 1 read strictly, enforced by an interval
+timer's SIGALRM handler in the main thread (`_bounded`); a Rust panic of the tokenizers library
+(`pyo3_runtime.PanicException`, not an Exception) is a refusal naming the tokenizer file, its
+hook's output held back (`_stderr_held`).
+
 Every refusal is a `TextError` (a ValueError) with a one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Mapping
 
 __all__ = [
@@ -52,6 +66,8 @@ __all__ = [
     "tokenize",
     "tokenizer_digest",
     "tokenize_prompts",
+    "limits",
+    "MAX_TOKENIZER_FILE_BYTES",
 ]
 
 TOKENIZER_FILES = (
@@ -67,14 +83,179 @@ TOKENIZER_FILES = (
 )
 
 
+# A tokenizer file larger than this is refused before anything reads it (the module docstring).
+MAX_TOKENIZER_FILE_BYTES = 256 << 20
+# What the digest reads of a file at once.
+_CHUNK = 1 << 20
+
+TIMEOUT_VAR = "TRACEGATE_TEXT_TIMEOUT"
+DEFAULT_TIMEOUT_S = 60
+MAX_MB_VAR = "TRACEGATE_TEXT_MAX_MB"
+DEFAULT_MAX_MB = 1024
+# How often the limits are checked while a step runs.
+_TICK_S = 0.05
+
+
 class TextError(ValueError):
     """A text prompt refused: no tokenizer, no chat template, no transformers, no ids."""
+
+
+def _whole(name: str, default: int, unit: str) -> int:
+    """The setting `name`: a whole number >= 1, digits only; `default` when unset; anything else
+    (an empty value too) refused, as the gate's settings are (docs/producers.md, "Settings")."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    if not (v.isascii() and v.isdigit() and int(v) >= 1):
+        eg = {"seconds": 30, "MiB": 2048}[unit]
+        raise TextError(
+            f"{name}={v!r} is not accepted: {name} takes a whole number of {unit}, at least 1 "
+            f"(e.g. {eg})"
+        )
+    return int(v)
+
+
+def limits() -> tuple[int, int]:
+    """(seconds, MiB): TRACEGATE_TEXT_TIMEOUT and TRACEGATE_TEXT_MAX_MB, read strictly."""
+    return _whole(TIMEOUT_VAR, DEFAULT_TIMEOUT_S, "seconds"), _whole(
+        MAX_MB_VAR, DEFAULT_MAX_MB, "MiB"
+    )
+
+
+class _Exceeded(BaseException):
+    """Raised by the limits' timer in the main thread. A BaseException, so that no `except
+    Exception` (of transformers, jinja2, a template's own) swallows it; turned into a TextError
+    where the step began."""
+
+
+def _rss() -> int | None:
+    """This process's resident memory in bytes (Linux's /proc/self/statm), None elsewhere."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def _bounded(seconds: int, max_mb: int | None):
+    """Runs the body under the limits: past `seconds`, or with resident memory grown by more
+    than `max_mb` MiB (None: not checked), an interval timer's SIGALRM handler raises _Exceeded
+    in the main thread, between two Python bytecodes — which interrupts a Jinja template's loops
+    (compiled to Python). Native code (the tokenizers library) is interrupted only when it
+    returns to Python: the callers' own deadlines (the engine's, the gate's --timeout) bound it.
+    Outside the main thread (where signal handlers cannot be set) the body runs unbounded."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "setitimer"
+    ):
+        yield
+        return
+    start, rss0 = time.monotonic(), (_rss() if max_mb is not None else None)
+    armed = [True]
+
+    def tick(_signum, _frame):
+        if not armed[0]:
+            return
+        if time.monotonic() - start > seconds:
+            armed[0] = False
+            raise _Exceeded(f"ran past the time limit of {seconds} s ({TIMEOUT_VAR})")
+        if rss0 is not None:
+            now = _rss()
+            if now is not None and now - rss0 > max_mb << 20:
+                armed[0] = False
+                raise _Exceeded(
+                    f"grew this process by {(now - rss0) >> 20} MiB, over the limit of "
+                    f"{max_mb} MiB ({MAX_MB_VAR})"
+                )
+
+    previous = signal.signal(signal.SIGALRM, tick)
+    if previous is None:  # a handler not set from Python: it cannot be put back, the default can
+        previous = signal.SIG_DFL
+    prev_timer = signal.setitimer(signal.ITIMER_REAL, _TICK_S, _TICK_S)
+    try:
+        yield
+    finally:
+        try:
+            armed[0] = False  # the handler raises at most once, so the restoring below runs
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if prev_timer[0] > 0:
+                signal.setitimer(signal.ITIMER_REAL, *prev_timer)
+
+
+def _is_panic(e: BaseException) -> bool:
+    """A Rust panic that a PyO3 library (tokenizers) let through: `pyo3_runtime.PanicException`,
+    a BaseException and not an Exception."""
+    return any(c.__name__ == "PanicException" for c in type(e).__mro__)
+
+
+@contextlib.contextmanager
+def _stderr_held():
+    """File descriptor 2 goes to a temporary file while the body runs: a Rust panic's hook
+    writes its message (and with RUST_BACKTRACE a backtrace) there, not to the user. When the
+    body succeeds what was written is passed on (the first MiB); when it raises, dropped: the
+    refusal says what happened, in one line."""
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 to hold
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                held.seek(0)
+                said = held.read(_CHUNK)
+                if said:
+                    os.write(2, said)
 
 
 def _line(e: BaseException) -> str:
     text = str(e).strip()
     first = text.splitlines()[0] if text else ""
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _files(d: str):
+    """(name, path) of each tokenizer file of `d` that is a regular file, in digest order."""
+    for name in TOKENIZER_FILES:
+        path = os.path.join(d, name)
+        if os.path.isfile(path):  # stat follows symlinks; any failure counts as absent
+            yield name, path
+
+
+def _hash_file(h, name: str, path: str) -> None:
+    """Adds `name`'s entry to `h`, reading the file in chunks of _CHUNK bytes (a tokenizer file
+    of gigabytes costs the digest one chunk of memory, not its size)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(name.encode("utf-8"))
+            h.update(b"\x00")
+            h.update(size.to_bytes(8, "little"))
+            n = 0
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                n += len(chunk)
+    except OSError as e:
+        raise TextError(f"{path}: cannot read: {e.strerror}") from None
+    if n != size:
+        raise TextError(f"{path}: changed while it was read ({size} bytes, then {n})")
 
 
 def tokenizer_digest(model_dir) -> str:
@@ -93,36 +274,56 @@ def tokenizer_digest(model_dir) -> str:
         raise TextError(f"{d}: not a directory")
     h = hashlib.sha256()
     found = False
-    for name in TOKENIZER_FILES:
-        path = os.path.join(d, name)
-        if not os.path.isfile(path):  # stat follows symlinks; any failure counts as absent
-            continue
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise TextError(f"{path}: cannot read: {e.strerror}") from None
-        h.update(name.encode("utf-8"))
-        h.update(b"\x00")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+    for name, path in _files(d):
+        _hash_file(h, name, path)
         found = True
     if not found:
         raise TextError(f"{d}: no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
     return h.hexdigest()
 
 
-def _load(model_dir: str):
+def _check_sizes(d: str) -> None:
+    """Refuses a tokenizer file over MAX_TOKENIZER_FILE_BYTES before anything reads it: the
+    tokenizers library and transformers read each file whole."""
+    for _, path in _files(d):
+        try:
+            size = os.stat(path).st_size
+        except OSError as e:
+            raise TextError(f"{path}: cannot read: {e.strerror}") from None
+        if size > MAX_TOKENIZER_FILE_BYTES:
+            raise TextError(
+                f"{path}: {size} bytes, over the {MAX_TOKENIZER_FILE_BYTES >> 20} MiB a tokenizer "
+                "file may have for a text prompt (the tokenizer library reads it whole): refused"
+            )
+
+
+def _tokenizer_file(model_dir: str) -> str:
+    """The file a refusal about the tokenizer library names: tokenizer.json where there is one."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    return path if os.path.isfile(path) else model_dir
+
+
+def _load(model_dir: str, seconds: int):
     """(the AutoTokenizer of `model_dir`, its tokenizer digest taken before loading it)."""
+    _check_sizes(model_dir)
     digest = tokenizer_digest(model_dir)
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise TextError("--text needs transformers (pip install transformers)") from None
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        with _stderr_held(), _bounded(seconds, None):
+            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except _Exceeded as e:
+        raise TextError(f"{model_dir}: loading the tokenizer {e}: refused") from None
     except Exception as e:  # a library's refusal of the user's files: one line, no traceback
         raise TextError(f"{model_dir}: cannot load the tokenizer: {_line(e)}") from None
+    except BaseException as e:
+        if not _is_panic(e):
+            raise  # KeyboardInterrupt, SystemExit: not a refusal
+        raise TextError(
+            f"{_tokenizer_file(model_dir)}: the tokenizers library panicked loading it: {_line(e)}"
+        ) from None
     return tok, digest
 
 
@@ -145,28 +346,37 @@ def _flat_ids(out) -> list[int] | None:
     return ids
 
 
-def _encode(tok, model_dir: str, text: str, chat: bool) -> tuple[list[int], str | None]:
+def _encode(
+    tok, model_dir: str, text: str, chat: bool, lim: tuple[int, int]
+) -> tuple[list[int], str | None]:
     if not isinstance(text, str) or text == "":
         raise TextError("--text: the text is empty")
+    if chat and not getattr(tok, "chat_template", None):
+        raise TextError(
+            f"--chat: the tokenizer in {model_dir} has no chat template "
+            "(tokenizer_config.json chat_template, chat_template.jinja or chat_template.json)"
+        )
+    how = "the chat template" if chat else "the tokenizer"
     template = None
     try:
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise TextError(
-                    f"--chat: the tokenizer in {model_dir} has no chat template "
-                    "(tokenizer_config.json chat_template, chat_template.jinja or chat_template.json)"
+        with _stderr_held(), _bounded(*lim):
+            if chat:
+                template = tok.get_chat_template()
+                out = tok.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
                 )
-            template = tok.get_chat_template()
-            out = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-        else:
-            out = tok(text)
-    except TextError:
-        raise
+            else:
+                out = tok(text)
+    except _Exceeded as e:
+        raise TextError(f"{model_dir}: {how} {e} on the text: refused") from None
     except Exception as e:  # a template that raises, a tokenizer that cannot encode
-        how = "the chat template" if chat else "the tokenizer"
         raise TextError(f"{model_dir}: {how} failed on the text: {_line(e)}") from None
+    except BaseException as e:
+        if not _is_panic(e):
+            raise  # KeyboardInterrupt, SystemExit: not a refusal
+        raise TextError(
+            f"{_tokenizer_file(model_dir)}: the tokenizers library panicked on the text: {_line(e)}"
+        ) from None
     ids = _flat_ids(out)
     if ids is None:
         raise TextError(
@@ -193,8 +403,9 @@ def tokenize(model_dir, text: str, chat: bool = False) -> dict:
     d = os.fspath(model_dir)
     if not isinstance(text, str) or text == "":
         raise TextError("--text: the text is empty")
-    tok, digest = _load(d)
-    ids, template = _encode(tok, d, text, chat)
+    lim = limits()
+    tok, digest = _load(d, lim[0])
+    ids, template = _encode(tok, d, text, chat, lim)
     _check_unchanged(d, digest)
     return {"tokens": ids, "tokenizer_digest": digest, "template": template}
 
@@ -268,11 +479,12 @@ def tokenize_prompts(model_dir, path) -> dict:
     every entry of prompt-set `path` that has `text` (one tokenizer load for them all)."""
     d, path = os.fspath(model_dir), os.fspath(path)
     entries = _prompt_set(path)
-    tok, digest = _load(d)
+    lim = limits()
+    tok, digest = _load(d, lim[0])
     result = {}
     for i, pid, text, chat in entries:
         try:
-            ids, template = _encode(tok, d, text, chat)
+            ids, template = _encode(tok, d, text, chat, lim)
         except TextError as e:
             raise TextError(f"--prompts {path}: prompt {i} (id {pid!r}): {e}") from None
         result[pid] = {"tokens": ids, "template": template}
