@@ -286,15 +286,9 @@ const TEXT_STDERR_MAX: u64 = 1 << 20;
 /// TRACEGATE_TEXT_TIMEOUT, read as `tracegate.text` reads it: a whole number of seconds ≥ 1,
 /// digits only; unset: 60; anything else refused in one line naming the variable.
 fn text_timeout(v: Option<&str>) -> Result<u64, String> {
-    let Some(v) = v else {
-        return Ok(TEXT_DEFAULT_TIMEOUT_S);
-    };
-    match v.parse::<u64>() {
-        Ok(n) if n >= 1 && v.bytes().all(|b| b.is_ascii_digit()) => Ok(n),
-        _ => Err(format!(
-            "{TEXT_TIMEOUT_VAR}={v:?} is not accepted: {TEXT_TIMEOUT_VAR} takes a whole number of seconds, at least 1 (e.g. 30)"
-        )),
-    }
+    v.map_or(Ok(TEXT_DEFAULT_TIMEOUT_S), |v| {
+        tracegate_trace::settings::parse_seconds(TEXT_TIMEOUT_VAR, v)
+    })
 }
 
 /// Runs `cmd` (stdin closed, stdout and stderr captured up to their bounds) in a process group

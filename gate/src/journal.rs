@@ -55,20 +55,7 @@ struct Manifest {
 
 /// `TRACEGATE_FAULT_AT`, parsed strictly: None when unset.
 pub fn fault_at() -> Result<Option<u64>> {
-    let v = match std::env::var(FAULT_AT) {
-        Ok(v) => v,
-        Err(std::env::VarError::NotPresent) => return Ok(None),
-        Err(std::env::VarError::NotUnicode(v)) => {
-            return Err(gerr!("{FAULT_AT}={v:?} is not accepted: it is not UTF-8"))
-        }
-    };
-    let digits = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
-    match v.parse::<u64>() {
-        Ok(n) if digits && n >= 1 => Ok(Some(n)),
-        _ => Err(gerr!(
-            "{FAULT_AT}={v:?} is not accepted: {FAULT_AT} (a test hook, docs/gate.md) takes a step number, a whole number of at least 1"
-        )),
-    }
+    tracegate_trace::settings::count(FAULT_AT).map_err(|e| gerr!("{e}"))
 }
 
 static STEPS: AtomicU64 = AtomicU64::new(0);

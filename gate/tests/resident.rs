@@ -1007,6 +1007,9 @@ fn a_bad_setting_is_refused_in_one_line_and_the_accepted_values_still_work() {
         ("TRACEGATE_SERVE", "nope"),
         ("TRACEGATE_SERVE_STALE_CHECK", "disabled"),
         ("GITHUB_ACTIONS", "yes please"),
+        ("TRACEGATE_TEXT_TIMEOUT", "60s"),
+        ("TRACEGATE_TEXT_MAX_MB", "1GB"),
+        ("TRACEGATE_FAULT_AT", "0"),
     ] {
         let out = env
             .bisect_cmd("refused", &[(name, value)])

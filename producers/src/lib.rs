@@ -26,7 +26,8 @@ mod engine_child;
 mod error;
 pub mod resident;
 mod serve;
-pub mod settings;
+/// The gate's settings: parsed where every crate can read them (tracegate_trace::settings).
+pub use tracegate_trace::settings;
 mod spawn;
 mod verb;
 pub mod worker;

@@ -20,6 +20,7 @@ pub mod names;
 pub mod output;
 pub mod protocol;
 mod reader;
+pub mod settings;
 mod view;
 mod writer;
 

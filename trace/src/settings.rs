@@ -18,6 +18,11 @@ pub const GATE_SETTINGS: &[(&str, Kind)] = &[
     // Read by the Python worker (tracegate.serve); refused here too, before any worker starts.
     ("TRACEGATE_SERVE_STALE_CHECK", Kind::Switch),
     ("GITHUB_ACTIONS", Kind::Switch),
+    // Read by tracegate.text (the gate's tokenization) and by the engine's --text helper.
+    ("TRACEGATE_TEXT_TIMEOUT", Kind::Seconds),
+    ("TRACEGATE_TEXT_MAX_MB", Kind::Mib),
+    // The test hook of gate/src/journal.rs: a journal step number.
+    ("TRACEGATE_FAULT_AT", Kind::Count),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +30,8 @@ pub enum Kind {
     Switch,
     Seconds,
     Mib,
+    /// A whole number ≥ 1 of anything else (a step number).
+    Count,
 }
 
 /// The refusal of `name=value`: one line, what is accepted last.
@@ -71,6 +78,16 @@ pub fn parse_mib(name: &str, v: &str) -> Result<u64, String> {
     parse_positive(name, v, "a whole number of MiB, at least 1 (e.g. 2048)")
 }
 
+/// A positive count: an integer ≥ 1, digits only.
+pub fn parse_count(name: &str, v: &str) -> Result<u64, String> {
+    parse_positive(name, v, "a whole number, at least 1")
+}
+
+/// The count `name`: None when unset.
+pub fn count(name: &str) -> Result<Option<u64>, String> {
+    raw(name)?.map(|v| parse_count(name, &v)).transpose()
+}
+
 /// The switch `name`: None when unset.
 pub fn switch(name: &str) -> Result<Option<bool>, String> {
     raw(name)?.map(|v| parse_switch(name, &v)).transpose()
@@ -105,6 +122,7 @@ pub fn check() -> Result<(), String> {
             Kind::Switch => switch(name).map(drop)?,
             Kind::Seconds => seconds(name).map(drop)?,
             Kind::Mib => mib(name).map(drop)?,
+            Kind::Count => count(name).map(drop)?,
         }
     }
     Ok(())
