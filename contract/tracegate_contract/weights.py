@@ -15,6 +15,7 @@ import stat
 import struct
 
 import numpy as np
+from tracegate.jsonfile import file_kind
 
 from . import gguf, jsonfile
 from .errors import ContractError
@@ -43,19 +44,6 @@ def regular_file(path: str, shown: str) -> None:
         raise ContractError(f"{shown}: not a regular file")
 
 
-def _kind(st: os.stat_result) -> str:
-    mode = st.st_mode
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
 def open_weights(path: str, shown: str):
     """The weights file `path` opened for reading (a binary file object), refused in one line
     unless it is a regular file once symlinks are followed: looked at before the open (a FIFO
@@ -64,7 +52,7 @@ def open_weights(path: str, shown: str):
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
-            raise ContractError(f"{shown}: not a regular file ({_kind(st)})")
+            raise ContractError(f"{shown}: not a regular file ({file_kind(st.st_mode)})")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise ContractError(f"{shown}: cannot read: {e.strerror}") from None
@@ -72,7 +60,7 @@ def open_weights(path: str, shown: str):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         f.close()
-        raise ContractError(f"{shown}: not a regular file ({_kind(st)})")
+        raise ContractError(f"{shown}: not a regular file ({file_kind(st.st_mode)})")
     return f
 
 

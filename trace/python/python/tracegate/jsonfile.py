@@ -15,7 +15,8 @@ class JsonInputError(ValueError):
     """A JSON input refused before it was parsed; the message names the file and why."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words (for a one-line refusal)."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -43,7 +44,7 @@ def read_bytes(path, shown, limit: int = MAX_JSON_LEN) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise JsonInputError(
-                f"{shown}: not a regular file ({_kind(st.st_mode)}): "
+                f"{shown}: not a regular file ({file_kind(st.st_mode)}): "
                 "a JSON input is one regular file"
             )
         if st.st_size > limit:
