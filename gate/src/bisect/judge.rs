@@ -304,7 +304,7 @@ pub fn outliers(errors: &[LayerErrors]) -> (Outliers, Vec<(usize, Option<f64>, b
             None => kinds.push((&e.3, 1)),
         }
     }
-    let few: Vec<String> = kinds
+    let mut few: Vec<String> = kinds
         .iter()
         .filter(|k| k.1 < OUTLIER_MIN_LAYERS)
         .map(|(kind, n)| {
@@ -319,6 +319,9 @@ pub fn outliers(errors: &[LayerErrors]) -> (Outliers, Vec<(usize, Option<f64>, b
             )
         })
         .collect();
+    if errors.is_empty() {
+        few.push("0 layers isolated and matching".into());
+    }
     let mut out = Outliers {
         measure: OUTLIER_MEASURE,
         factor: SUSPICIOUS_FACTOR,
@@ -409,6 +412,8 @@ mod tests {
         assert!(outliers(&moe).0.suspicious.is_empty());
         let two = outliers(&dense(&[1e-7, 1e-3])).0;
         assert!(!two.checked && two.not_checked.unwrap().starts_with("2 layers isolated"));
+        let none = outliers(&[]).0;
+        assert!(!none.checked && none.not_checked.unwrap().starts_with("0 layers isolated"));
     }
 
     #[test]
