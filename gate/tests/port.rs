@@ -1000,3 +1000,31 @@ fn an_eps_ten_times_the_configs_fails_against_the_noise_run_and_an_honest_port_p
         out.stdout
     );
 }
+
+#[test]
+fn a_port_that_computes_as_the_noise_run_is_never_said_to_be_sized_by_it() {
+    // The candidate is tracegate's own engine: its output is the f32 noise run's, bit for bit.
+    // That noise trace is not read (a candidate never sizes its own near-ties), not recorded,
+    // and no line says the near-ties' noise was read from it.
+    let engine = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("engine");
+    let (dir, out) = init_with(&format!("'{}' {{verb}} {{args}}", engine.display()), &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout
+            .contains("is the candidate's own content: not read")
+            && !out.stdout.contains("honest noise read from"),
+        "{}",
+        out.stdout
+    );
+    assert!(milestones(dir.path())["milestones"][0]["port"]["noise"]
+        .as_object()
+        .is_none_or(|n| n.is_empty()));
+    let run = gate(dir.path(), &["run", "port", "--only", "short"], &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout
+            .contains("or one whose noise run was the candidate's own content"),
+        "{}",
+        run.stdout
+    );
+}

@@ -502,13 +502,15 @@ pub(super) fn run(
     {
         let mut r = judge_prompt(o, &plan, &port, p, runs, golden, noise_trace.as_ref());
         r.observations.push(match noise_trace {
-            Some(n) => format!(
+            // Read only when it is not the candidate's own content (judge_prompt says so then).
+            Some(n) if r.digests.contains_key("noise") => format!(
                 "{noise_said}; the near-ties' honest noise read from {} ({})",
                 n.path().display(),
                 n.provenance()["producer"].as_str().unwrap_or("?")
             ),
+            Some(_) => noise_said.clone(),
             None if noise.is_ok() && !o.bless => format!(
-                "no noise trace recorded for prompt {:?} (an older gate init): near-ties are bounded by the policy's near_tie.noise_abs; `gate run {} --bless` records one",
+                "no noise trace recorded for prompt {:?} (an older gate init, or one whose noise run was the candidate's own content, which is never recorded): near-ties are bounded by the policy's near_tie.noise_abs; `gate run {} --bless` records one unless the candidate computes exactly as the noise run",
                 p.id, m.id
             ),
             None => noise_said.clone(),
