@@ -344,6 +344,29 @@ fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
 }
 
 #[test]
+fn by_bits_an_oracle_pair_is_told_that_a_policy_exists() {
+    // A port's first trace-diff against the oracle, without --policy: DIFFERENT by bits, and a
+    // line saying the oracle is judged by tolerances; with the policy, or between two ordered
+    // producers, no such line (the controls).
+    let (rs, cs) = noise_then_defect();
+    let (_d, r, c) = pair(&rs, &cs);
+    let hint =
+        "judged by bits: oracle is not a bit-exact producer (engine, contract); --policy f32";
+    let out = run(&[p(&r), p(&c)]);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stdout.contains(hint), "{}", out.stdout);
+    let pol = policy_path();
+    let out = run(&["--policy", p(&pol), p(&r), p(&c)]);
+    assert!(!out.stdout.contains("judged by bits:"), "{}", out.stdout);
+    let mut ordered = cs.clone();
+    ordered.provenance = rs.provenance.clone();
+    let (_d, r, c) = pair(&rs, &ordered);
+    let out = run(&[p(&r), p(&c)]);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(!out.stdout.contains("judged by bits:"), "{}", out.stdout);
+}
+
+#[test]
 fn the_validator_rejects_a_report_that_breaks_the_schema() {
     let (rs, cs) = noise_then_defect();
     let (_d, r, c) = pair(&rs, &cs);

@@ -1408,3 +1408,22 @@ fn a_closed_stdout_is_no_crash() {
         .unwrap();
     assert!(o.status.success() && !o.stdout.is_empty());
 }
+
+#[test]
+fn a_model_path_that_does_not_exist_is_refused_as_such() {
+    // A mistyped `--model X.gguf` was reported as a missing `X.gguf/config.json`.
+    let tmp = tempfile::tempdir().unwrap();
+    for missing in ["typo.gguf", "no-such-dir"] {
+        let path = tmp.path().join(missing);
+        let e = load_err(&path);
+        assert!(
+            e.contains(&format!("{}: no such file or directory", path.display()))
+                && !e.contains("config.json:")
+                && !e.contains('\n'),
+            "{e}"
+        );
+    }
+    // A directory without config.json is still named by its missing file (the control).
+    let e = load_err(tmp.path());
+    assert!(e.contains("config.json"), "{e}");
+}

@@ -126,7 +126,7 @@ pub fn find_root(start: &Path) -> Result<PathBuf> {
         }
         cur = dir.parent();
     }
-    Err(gerr!("no milestones.json in {} or any parent: run the gate inside a tracegate checkout, or pass --root", start.display()))
+    Err(gerr!("no milestones.json in {} or any parent: run the gate inside a project made by `gate init` (or a tracegate checkout), or pass --root", start.display()))
 }
 
 /// A JSON input (milestones.json, baselines.json, a prompt set, a model's config.json): one

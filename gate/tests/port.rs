@@ -1028,3 +1028,19 @@ fn a_port_that_computes_as_the_noise_run_is_never_said_to_be_sized_by_it() {
         run.stdout
     );
 }
+
+#[test]
+fn outside_a_project_the_gate_names_gate_init() {
+    // A port user runs `gate run port` in the wrong directory: the fix is theirs (gate init, or
+    // --root), not a tracegate checkout.
+    let dir = tempfile::tempdir().unwrap();
+    let out = gate(dir.path(), &["run", "port"], &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("no milestones.json in ")
+            && out.stderr.contains("a project made by `gate init`")
+            && out.stderr.contains("--root"),
+        "{}",
+        out.stderr
+    );
+}

@@ -148,13 +148,21 @@ pub fn weights_digest(model: &Path) -> Result<String> {
 
 /// The GGUF file a model path names, if it names one: the path itself when it is a file (read as
 /// GGUF, refused by its magic if it is not one), or the one `*.gguf` of a directory that holds no
-/// `*.safetensors`; `None` for a safetensors checkpoint, or a path that cannot be read (its
-/// loader names what is missing). A directory holding both kinds, or several `.gguf` files, is
+/// `*.safetensors`; `None` for a safetensors checkpoint, or a directory that cannot be listed (its
+/// loader names what is missing). A path that does not exist is refused as such (not as a
+/// missing `PATH/config.json`, which sent a mistyped `X.gguf` to look for a config). A directory holding both kinds, or several `.gguf` files, is
 /// refused: which weights a producer read would be a guess. The one rule of the engine's loader
 /// and of [`weights_digest`].
 pub fn gguf_file(model: &Path) -> Result<Option<PathBuf>> {
-    let Ok(meta) = std::fs::metadata(model) else {
-        return Ok(None);
+    let meta = match std::fs::metadata(model) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NotFound(format!(
+                "{}: no such file or directory (a model is a directory holding config.json and *.safetensors, or a .gguf file)",
+                model.display()
+            )))
+        }
+        Err(_) => return Ok(None),
     };
     if !meta.is_dir() {
         return Ok(Some(model.to_path_buf()));

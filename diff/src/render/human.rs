@@ -157,6 +157,19 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
             "  (--all prints every tensor with how it was compared; --json lists both sets)"
         );
     }
+    if rep.policy.is_none() && rep.verdict == Verdict::Different {
+        // By bits, a producer that is not ordered differs everywhere: say that a policy exists.
+        let unordered = [&rep.reference, &rep.candidate]
+            .into_iter()
+            .filter_map(|s| s.producer.as_deref())
+            .find(|p| !matches!(*p, "engine" | "contract"));
+        if let Some(p) = unordered {
+            let _ = writeln!(
+                o,
+                "  judged by bits: {p} is not a bit-exact producer (engine, contract); --policy f32 (or bf16, f16, q8: the precision claimed) judges by tolerances (docs/diff.md)"
+            );
+        }
+    }
     if let Some(v) = &rep.first_violation() {
         let _ = writeln!(o, "first violation (the first tensor outside the policy)");
         let dtypes = if v.candidate_dtype == v.dtype {
