@@ -1417,7 +1417,7 @@ fn a_model_path_that_does_not_exist_is_refused_as_such() {
         let path = tmp.path().join(missing);
         let e = load_err(&path);
         assert!(
-            e.contains(&format!("{}: no such file or directory", path.display()))
+            e.contains(&format!("{}: No such file or directory", path.display()))
                 && !e.contains("config.json:")
                 && !e.contains('\n'),
             "{e}"

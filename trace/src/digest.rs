@@ -156,12 +156,8 @@ pub fn weights_digest(model: &Path) -> Result<String> {
 pub fn gguf_file(model: &Path) -> Result<Option<PathBuf>> {
     let meta = match std::fs::metadata(model) {
         Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::NotFound(format!(
-                "{}: no such file or directory (a model is a directory holding config.json and *.safetensors, or a .gguf file)",
-                model.display()
-            )))
-        }
+        // An I/O error naming the path (TG_ERR_IO through the C ABI, as before).
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::io(model, e)),
         Err(_) => return Ok(None),
     };
     if !meta.is_dir() {
