@@ -108,6 +108,8 @@ def _reader(src: Source):
 
 def read(path: Path) -> Source:
     """The file's `Source`, after the contract's checks (`check`)."""
+    from tracegate_contract.gguf import ARRAY, STRING
+
     g = check(path)
     arch = g.metadata["general.architecture"]  # llama or qwen3: the contract's checks hold it
     from transformers.modeling_gguf_pytorch_utils import (
@@ -118,7 +120,7 @@ def read(path: Path) -> Source:
     keys = {"general.architecture", "general.name"} | {
         f"{arch}.{k}" for k in GGUF_TO_TRANSFORMERS_MAPPING["config"][arch]
     }
-    if g.value_types.get("general.name") != 8:  # a name that is not a string names nothing
+    if g.value_types.get("general.name") != STRING:  # a name that is not a string names nothing
         keys.discard("general.name")
     shown = {k: span for k, span in g.spans.items() if k in keys}
     kv_end = max((end for _, end in g.spans.values()), default=24)
@@ -126,7 +128,7 @@ def read(path: Path) -> Source:
     with _reader(src):
         cfg = dict(load_gguf_checkpoint(str(path))["config"])
     # §21.5 step 3, as transformers does with the tokenizer's tokens it is not shown here.
-    if "vocab_size" not in cfg and g.value_types.get("tokenizer.ggml.tokens") == (9, 8):
+    if "vocab_size" not in cfg and g.value_types.get("tokenizer.ggml.tokens") == (ARRAY, STRING):
         cfg["vocab_size"] = len(g.metadata["tokenizer.ggml.tokens"])
     # Integers where transformers' config class takes only floats (§21.5: a value as stored).
     for k in ("rms_norm_eps", "rope_theta"):
