@@ -300,19 +300,11 @@ fn run_with_deadline(
     deadline: std::time::Duration,
 ) -> std::io::Result<Option<std::process::Output>> {
     use std::io::Read;
-    use std::os::unix::process::CommandExt;
     use std::process::Stdio;
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    // SAFETY: prctl is async-signal-safe and only asks the kernel to kill the child with us.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
+        .stderr(Stdio::piped());
+    tracegate_trace::child::in_own_group(cmd);
     let start = std::time::Instant::now();
     let mut child = cmd.spawn()?;
     let reader = |pipe: Option<Box<dyn Read + Send>>, max: u64| {
@@ -372,14 +364,9 @@ fn tokenize(
     chat: bool,
 ) -> Result<(Vec<i64>, serde_json::Value), tracegate_engine::Error> {
     let refuse = |what: String| tracegate_engine::Error::Input(format!("--text: {what}"));
-    let limit = match std::env::var(TEXT_TIMEOUT_VAR) {
-        Ok(v) => text_timeout(Some(&v)),
-        Err(std::env::VarError::NotPresent) => text_timeout(None),
-        Err(std::env::VarError::NotUnicode(v)) => Err(format!(
-            "{TEXT_TIMEOUT_VAR}={v:?} is not accepted: it is not UTF-8"
-        )),
-    }
-    .map_err(tracegate_engine::Error::Input)?;
+    let limit = tracegate_trace::settings::raw(TEXT_TIMEOUT_VAR)
+        .and_then(|v| text_timeout(v.as_deref()))
+        .map_err(tracegate_engine::Error::Input)?;
     let python = std::env::var("TRACEGATE_PYTHON").unwrap_or_else(|_| {
         let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         manifest

@@ -114,6 +114,13 @@ fn checked_rel(rel: &str) -> Option<&Path> {
     (plain && !rel.is_empty() && !rel.starts_with(STAGING)).then_some(p)
 }
 
+/// `bytes` as the file `path`, on disk before this returns.
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
 fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
@@ -262,10 +269,7 @@ fn stage(staging: &Path, command: &str, files: &[&(&str, Content)], rels: &[&Pat
         std::fs::create_dir_all(parent)
             .map_err(|e| gerr!(File: "{}: {e}; nothing written", parent.display()))?;
         let written = match content {
-            Content::Bytes(b) => std::fs::File::create(&to).and_then(|mut f| {
-                f.write_all(b)?;
-                f.sync_all()
-            }),
+            Content::Bytes(b) => write_synced(&to, b),
             Content::Copy(from) => std::fs::copy(from, &to)
                 .and_then(|_| std::fs::File::open(&to))
                 .and_then(|f| f.sync_all())
@@ -287,11 +291,7 @@ fn stage(staging: &Path, command: &str, files: &[&(&str, Content)], rels: &[&Pat
     let path = staging.join("manifest.json");
     let tmp = staging.join("manifest.json.tmp");
     let bytes = crate::json_bytes(&path, &manifest)?;
-    std::fs::File::create(&tmp)
-        .and_then(|mut f| {
-            f.write_all(&bytes)?;
-            f.sync_all()
-        })
+    write_synced(&tmp, &bytes)
         .map_err(|e| gerr!(File: "{}: {e}; nothing written", tmp.display()))?;
     let _ = sync_dir(&dir);
     std::fs::rename(&tmp, &path)

@@ -152,7 +152,6 @@ pub(crate) fn exit_text(status: libc::c_int) -> (bool, Option<i32>, String) {
 /// leftovers never block the gate.
 pub(crate) fn run_command(root: &Path, argv: &[String], timeout: Duration) -> Ended {
     use std::os::fd::AsRawFd;
-    use std::os::unix::process::CommandExt;
     let Some((prog, rest)) = argv.split_first() else {
         return Ended::failed("empty command template".into());
     };
@@ -161,16 +160,8 @@ pub(crate) fn run_command(root: &Path, argv: &[String], timeout: Duration) -> En
         .current_dir(root)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill the child if the gate
-    // dies first (Ctrl-C), since a child in its own group does not get the terminal's SIGINT.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
+        .stderr(Stdio::piped());
+    tracegate_trace::child::in_own_group(&mut cmd);
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {

@@ -40,7 +40,7 @@ fn refuse(name: &str, value: &str, accepted: &str) -> String {
 }
 
 /// `name`'s value: None when unset; a value that is not UTF-8 is refused.
-fn raw(name: &str) -> Result<Option<String>, String> {
+pub fn raw(name: &str) -> Result<Option<String>, String> {
     match std::env::var(name) {
         Ok(v) => Ok(Some(v)),
         Err(std::env::VarError::NotPresent) => Ok(None),
