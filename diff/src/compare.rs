@@ -222,6 +222,9 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         values_different
     };
 
+    // A bf16 store that truncates: its own finding, whatever the bounds (docs/diff.md).
+    different |= crate::rounding::check(reference, candidate, opts, &mut rep);
+
     rep.verdict = verdict(&rep, opts, different);
     if rep.verdict == Verdict::Identical && !forced_from_other {
         digests_confirm(reference, candidate, &mut rep);

@@ -40,6 +40,7 @@ pub mod policy;
 mod positions;
 mod render;
 mod report;
+mod rounding;
 mod rows;
 pub mod stats;
 mod structure;

@@ -163,6 +163,9 @@ string_enum! {
         /// The candidate's own precision declaration names no precision, or a pattern that
         /// matches none of its tensors: refused (a structure finding; docs/diff.md, "Policies").
         PrecisionDeclarationRefused = "precision_declaration_refused",
+        /// A bf16 candidate's values are the f32 reference's truncated, not rounded to nearest
+        /// even (docs/diff.md, "Rounding mode"): fails, within the policy's bounds or not.
+        RoundingMode = "rounding_mode",
     }
 }
 

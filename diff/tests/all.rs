@@ -11,5 +11,6 @@ mod mixed;
 mod noise_reference;
 mod passing_bounds;
 mod reroute;
+mod rounding;
 mod seeded;
 mod show_filters;

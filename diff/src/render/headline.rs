@@ -218,6 +218,7 @@ pub(super) fn summary(rep: &Report) -> String {
             if let Some(first) = content.first() {
                 parts.push(format!("{} content finding{} (first: {})", content.len(), if content.len() == 1 { "" } else { "s" }, first.replace('_', " ")));
             }
+            parts.extend(crate::rounding::headline(rep));
             parts.push(decisions_clause(rep));
             parts.extend(sampling_note(rep));
             format!("DIFFERENT — {}{}", parts.join("; "), claim_notes(rep))

@@ -496,7 +496,8 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::DtypeMismatch
         | K::ShapeMismatch
         | K::Rerouted
-        | K::CommitNotArgmax => FindingClass::Values,
+        | K::CommitNotArgmax
+        | K::RoundingMode => FindingClass::Values,
         K::StackMismatchAllowed
         | K::DecisionsForced
         | K::ComparabilityNotChecked
