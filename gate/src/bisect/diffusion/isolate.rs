@@ -108,12 +108,15 @@ pub(super) fn isolate_pass(
         }
     }
     d.first_wrong_layer = settle_statuses(&mut d.layers);
-    let Some(l) = d.first_wrong_layer else {
+    let Some(l) = d.first_wrong_layer.or_else(|| unexplained(x, d)) else {
         return;
     };
     let moe = b::is_moe(c.reference, l);
-    d.stage = Some(b::stage(l, &d.layers[l], moe, "differs in isolation"));
-    // Before the layer body is blamed: does the candidate's layer verb agree with its own run?
+    if d.first_wrong_layer.is_some() {
+        d.stage = Some(b::stage(l, &d.layers[l], moe, "differs in isolation"));
+    }
+    // Before the layer body is blamed (or a difference it cannot have inherited is called
+    // accumulated): does the candidate's layer verb agree with its own run?
     let own = (
         x.candidate,
         x.cand_rel,
@@ -132,4 +135,18 @@ pub(super) fn isolate_pass(
             d.self_check_not_checked = Some(format!("layer {l:02}: {why}"));
         }
     }
+}
+
+/// The pass's first differing layer when no layer is wrong in isolation although that layer's
+/// input agrees in the whole runs (its `hidden_in` is not among the pass's differing tensors)
+/// and its body matches on the reference's input: it cannot have inherited the difference, so
+/// its whole run read something else than its isolation did — in a denoise step or a commit
+/// pass, the earlier encoder passes' keys, which the layer verb reads from the trace.
+fn unexplained(x: &Pass, d: &DiffusionReport) -> Option<usize> {
+    let l = x.first_layer;
+    let input = format!("{}{}", x.prefix, names::layer(l, "hidden_in"));
+    let row = d.layers.get(l)?;
+    let agrees = !d.pass_tensors.iter().any(|t| t.tensor == input);
+    (agrees && row.isolation == Isolated::Match && row.status == b::LayerStatus::Inherits)
+        .then_some(l)
 }

@@ -487,6 +487,17 @@ fn verdict(d: &DiffusionReport, place: &str) -> Said {
         }
         return (BisectVerdict::WrongLayer, s);
     }
+    if let Some(i) = &d.inconsistent {
+        // No body is wrong in isolation, yet this layer's input agrees in the whole runs: its
+        // whole run read other keys than the ones its trace records (isolate::unexplained).
+        return (
+            BisectVerdict::InconsistentProducer,
+            format!(
+                "at {place} the candidate's layer verb disagrees with its own whole run at layer {:02} ({}): the layer's input agrees in the whole runs and its body matches in isolation, so its whole run read other keys than the earlier encoder passes' k and v its trace records (a cache built from another hidden state?); no layer body is blamed",
+                i.layer, i.detail
+            ),
+        );
+    }
     if let Some(why) = &d.isolation_not_checked {
         return (
             BisectVerdict::NotChecked,
