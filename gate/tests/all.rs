@@ -13,6 +13,7 @@ mod gate;
 mod inputs;
 mod measures;
 mod outputs;
+mod plants;
 mod port;
 mod readme;
 mod recorded;
