@@ -620,6 +620,65 @@ fn a_port_that_ignores_cache_off_fails_generation_naming_it() {
 }
 
 #[test]
+fn a_port_with_foreign_provenance_is_named_as_the_port_never_as_the_golden_trace() {
+    let dir = project(&[]);
+    let d = dir.path();
+    // Foreign weights (a sha256 of the file, not tracegate's digest): generation_reference once
+    // said "the reference's is not a tracegate weights digest", sending the user to the golden
+    // trace; the port's run is the one named.
+    let sha = "ab".repeat(32);
+    set_candidate(d, &adversary(&format!("--set 'weights_digest=\"{sha}\"'")));
+    let gen_ref = failing_check(d, "generation_reference");
+    let said = gen_ref["detail"].as_str().unwrap();
+    assert!(
+        said.contains(&format!(
+            "candidate vs golden: weights_digest differs: {sha} in the candidate, "
+        )) && said.contains(" in the golden (the candidate's is not a tracegate weights digest"),
+        "{said}"
+    );
+    // A port whose provenance says producer "oracle": told the name is reserved, not offered
+    // --allow-stack-mismatch (which `gate run` does not even take).
+    set_candidate(d, &adversary("--set 'producer=\"oracle\"'"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("the candidate claims to be the oracle")
+            && !out.stdout.contains("--allow-stack-mismatch"),
+        "{}",
+        out.stdout
+    );
+    for name in ["agrees", "generation_reference"] {
+        let c = report(&rp)["prompts"][0]["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["check"] == name)
+            .unwrap()
+            .clone();
+        assert_eq!(c["status"], "FAIL", "{c}");
+        assert!(
+            c["findings"].as_array().unwrap().iter().all(|f| f["detail"]
+                .as_str()
+                .unwrap()
+                .contains("the candidate claims to be the oracle")),
+            "{c}"
+        );
+    }
+}
+
+#[test]
 fn a_nan_in_both_runs_of_the_candidate_fails_agrees() {
     // NaN in the same element of the cached and the uncached trace: the two paths agree with
     // each other bit for bit, and the golden trace still says the value is a number.
