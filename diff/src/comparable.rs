@@ -56,19 +56,54 @@ fn show(v: Option<&Value>) -> String {
     }
 }
 
+/// A trace whose provenance says producer `oracle` without the torch version every run of the
+/// oracle records: another producer using the reserved name (docs/producers.md: `producer` is
+/// your engine's name, never `oracle`).
+fn claims_oracle(provenance: &Value) -> bool {
+    provenance.get("producer").and_then(Value::as_str) == Some("oracle")
+        && lookup(provenance, "versions.torch").is_none()
+}
+
 /// Returns (refusals, downgraded stack findings).
 pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>, Vec<Finding>) {
+    check_sides(r, c, ("reference", "candidate"), allow_stack_mismatch)
+}
+
+/// [`check`] with each side named as its caller knows it (`sides`: the names of `r` and `c`), so
+/// a refusal says which run holds what: the gate's `generation_reference` compares a port's run
+/// (`r`, "candidate") with its golden trace (`c`, "golden"), not a reference with a candidate.
+pub fn check_sides(
+    r: &Trace,
+    c: &Trace,
+    sides: (&str, &str),
+    allow_stack_mismatch: bool,
+) -> (Vec<Finding>, Vec<Finding>) {
     let (rp, cp) = (r.provenance(), c.provenance());
+    let (rs, cs) = sides;
     let mut refuse = Vec::new();
     let mut allowed = Vec::new();
 
     // Two oracle runs are only comparable on one stack. An engine or contract trace against
     // an oracle trace differs in stack by construction — that is what policies are for.
-    if is_oracle(rp) && is_oracle(cp) {
-        let differ: Vec<&str> = STACK_KEYS
-            .into_iter()
-            .filter(|k| lookup(rp, k) != lookup(cp, k))
-            .collect();
+    let differ: Vec<&str> = STACK_KEYS
+        .into_iter()
+        .filter(|k| lookup(rp, k) != lookup(cp, k))
+        .collect();
+    // A run that only names itself the oracle against a run of the oracle: not two stacks but a
+    // producer using the reserved name; no flag makes that comparison right, its provenance does.
+    let impostor = [(rs, rp, cp), (cs, cp, rp)]
+        .into_iter()
+        .find(|(_, this, other)| claims_oracle(this) && lookup(other, "versions.torch").is_some());
+    // (versions.torch then differs, so this is where the stack rule would have refused.)
+    if let Some((side, _, _)) = impostor {
+        refuse.push(Finding::new(
+            FindingKind::StackMismatch,
+            None,
+            format!(
+                "the {side} claims to be the oracle: its provenance says producer \"oracle\" but records no versions.torch, which every oracle run does; the name is reserved for tracegate's oracle (transformers' own classes) and this provenance is wrong: record your engine's own name as `producer` (docs/producers.md), and the run is compared as any port's, with no flag"
+            ),
+        ));
+    } else if is_oracle(rp) && is_oracle(cp) {
         // One stack in two precisions (an fp32 oracle against its own bf16 run) is the usual
         // calibration, not two stacks: compared, and said; a reduced-precision policy judges it.
         if differ == ["dtype"] {
@@ -76,7 +111,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                 FindingKind::StackMismatchAllowed,
                 None,
                 format!(
-                    "oracle stack differs only in dtype: {} in the reference, {} in the candidate (one stack in two precisions: compared; judge it with that precision's policy, e.g. --policy bf16)",
+                    "oracle stack differs only in dtype: {} in the {rs}, {} in the {cs} (one stack in two precisions: compared; judge it with that precision's policy, e.g. --policy bf16)",
                     show(lookup(rp, "dtype")),
                     show(lookup(cp, "dtype"))
                 ),
@@ -84,7 +119,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
         } else {
             for key in differ {
                 let detail = format!(
-                    "oracle stack differs: {key} is {} in the reference, {} in the candidate",
+                    "oracle stack differs: {key} is {} in the {rs}, {} in the {cs}",
                     show(lookup(rp, key)),
                     show(lookup(cp, key))
                 );
@@ -110,7 +145,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
         // be of other weights or another prompt, and only this note says the rule did not run.
         // (`seed` is recorded by sampling producers only: its absence says nothing.)
         if kind != FindingKind::SeedMismatch {
-            let absent: Vec<&str> = [("reference", rp), ("candidate", cp)]
+            let absent: Vec<&str> = [(rs, rp), (cs, cp)]
                 .into_iter()
                 .filter(|(_, p)| lookup(p, key).is_none())
                 .map(|(side, _)| side)
@@ -136,11 +171,11 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
                     kind,
                     None,
                     format!(
-                        "{key} differs: {} in the reference, {} in the candidate{}",
+                        "{key} differs: {} in the {rs}, {} in the {cs}{}",
                         show(Some(a)),
                         show(Some(b)),
                         if key == "weights_digest" {
-                            digest_hint(a, b)
+                            digest_hint(a, b, sides)
                         } else {
                             String::new()
                         }
@@ -153,7 +188,7 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
     // Rows are indexed by absolute position, one position a row: a list that repeats or goes
     // back could hide a row (two rows of one position, only one of them ever matched), so
     // every positioned tensor of either trace lists its positions strictly increasing.
-    for (side, t) in [("reference", r), ("candidate", c)] {
+    for (side, t) in [(rs, r), (cs, c)] {
         for info in t.tensors() {
             if let Some(p) = &info.attributes.positions {
                 if let Some(i) = not_increasing(p) {
@@ -216,13 +251,13 @@ pub fn check(r: &Trace, c: &Trace, allow_stack_mismatch: bool) -> (Vec<Finding>,
 
 /// Where a side's `weights_digest` is not of tracegate's form (32 lowercase hex digits: a
 /// sha256 of the file is 64), the pointer to the function that makes it.
-fn digest_hint(a: &Value, b: &Value) -> String {
+fn digest_hint(a: &Value, b: &Value, (rs, cs): (&str, &str)) -> String {
     let ours = |v: &Value| {
         v.as_str().is_some_and(|s| {
             s.len() == 32 && s.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
         })
     };
-    let odd: Vec<&str> = [("reference", a), ("candidate", b)]
+    let odd: Vec<&str> = [(rs, a), (cs, b)]
         .into_iter()
         .filter(|(_, v)| !ours(v))
         .map(|(side, _)| side)

@@ -102,21 +102,25 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
         opts,
     );
     rep.filter = filter;
+    // A declaration about no tensor, or of no precision (`"fp32"`), is refused under a policy
+    // and by bits alike: it was how a port once chose a looser judge, and a misspelt one passed
+    // silently.
+    if let Err(why) = crate::policy::checked_declaration(
+        candidate.provenance(),
+        candidate.tensors().iter().map(|i| i.name.as_str()),
+    ) {
+        rep.findings.push(Finding::new(
+            FindingKind::PrecisionDeclarationRefused,
+            None,
+            format!("the candidate's declared precision is not read: {why}"),
+        ));
+    }
     if let Some(p) = rep.policy.as_mut() {
-        p.candidate_computes_in =
-            crate::policy::computes_in(candidate.provenance()).map(String::from);
-        if let Err(why) = crate::policy::checked_declaration(
-            candidate.provenance(),
-            candidate.tensors().iter().map(|i| i.name.as_str()),
-        ) {
-            // A declaration about no tensor, or of no precision, is refused: it was how a port
-            // once chose a looser judge.
-            rep.findings.push(Finding::new(
-                FindingKind::PrecisionDeclarationRefused,
-                None,
-                format!("the candidate's declared precision is not read: {why}"),
-            ));
-        }
+        // Refused above when its declaration is: never its dtype instead.
+        p.candidate_computes_in = crate::policy::computes_in(candidate.provenance())
+            .ok()
+            .flatten()
+            .map(String::from);
         if let Some(claim) = p.candidate_dtype.clone() {
             rep.findings.extend(finer_than_claimed(candidate, &claim));
         }

@@ -51,12 +51,32 @@ pub const PRECISIONS: [&str; 4] = ["f32", "f16", "bf16", "q8"];
 
 /// The precision a trace's producer computed in: the coarsest it declares (provenance
 /// `precision`, `declared_precision`), else its provenance `dtype` (`f32` or `float32`, `bf16`
-/// or `bfloat16`, `f16` or `float16`); None when it says neither (or declares it wrongly).
-pub fn computes_in(provenance: &serde_json::Value) -> Option<&'static str> {
-    if let Ok(Some(p)) = declared_precision(provenance) {
-        return Some(p);
+/// or `bfloat16`, `f16` or `float16`); Ok(None) when it says neither. A declaration that names
+/// no precision is refused (Err, [`declared_precision`]'s words), never passed over for the
+/// dtype: `"fp32"` is not read as "nothing declared".
+pub fn computes_in(provenance: &serde_json::Value) -> Result<Option<&'static str>, String> {
+    if let Some(p) = declared_precision(provenance)? {
+        return Ok(Some(p));
     }
-    dtype_precision(provenance.get("dtype")?.as_str()?)
+    Ok(provenance
+        .get("dtype")
+        .and_then(serde_json::Value::as_str)
+        .and_then(dtype_precision))
+}
+
+/// The precision a name that is none of [`PRECISIONS`] was likely meant as (`fp32`, `float32`
+/// and `F32` for f32; `fp16`, `half`; `bfloat16`; `int8`, `q8_0`), as words to append to a
+/// refusal: ` (did you mean "f32"?)`, or nothing.
+pub fn did_you_mean(name: &str) -> String {
+    let n = name.trim().to_ascii_lowercase();
+    let meant = match n.as_str() {
+        "f32" | "fp32" | "float32" | "float" | "single" | "torch.float32" => "f32",
+        "f16" | "fp16" | "float16" | "half" | "torch.float16" => "f16",
+        "bf16" | "bfloat16" | "bfp16" | "torch.bfloat16" => "bf16",
+        "q8" | "q8_0" | "int8" | "i8" | "8bit" => "q8",
+        _ => return String::new(),
+    };
+    format!(" (did you mean {meant:?}?)")
 }
 
 /// The precision a provenance `dtype` names (`f32` or `float32`, `bf16` or `bfloat16`, `f16`
@@ -86,8 +106,9 @@ pub fn declared_precision(provenance: &serde_json::Value) -> Result<Option<&'sta
             .copied()
             .ok_or_else(|| {
                 format!(
-                    "provenance precision{at} is {v}: expected one of {}",
-                    PRECISIONS.join(", ")
+                    "provenance precision{at} is {v}: expected one of {}{}",
+                    PRECISIONS.join(", "),
+                    did_you_mean(name)
                 )
             })
     };
@@ -329,8 +350,9 @@ impl Policy {
             .filter(|d| !PRECISIONS.contains(d))
         {
             return Err(format!(
-                "candidate_dtype is {d:?}, expected one of {}",
-                PRECISIONS.join(", ")
+                "candidate_dtype is {d:?}, expected one of {}{}",
+                PRECISIONS.join(", "),
+                did_you_mean(d)
             ));
         }
         if let Some(k) = p.noise_ratio.as_ref().map(|n| n.max_ratio) {
@@ -434,12 +456,13 @@ impl Policy {
             }
             let policy = Policy::bundled(name).unwrap_or_else(|| {
                 Err(format!(
-                    "precision claim {arg:?}: {name:?} is not one of {}",
+                    "precision claim {arg:?}: {name:?} is not one of {}{}",
                     BUNDLED
                         .iter()
                         .map(|(n, _)| *n)
                         .collect::<Vec<_>>()
-                        .join(", ")
+                        .join(", "),
+                    did_you_mean(name)
                 ))
             })?;
             parts.push((pattern.to_string(), policy));
@@ -1137,7 +1160,7 @@ impl Policy {
         }
         if Policy::is_name(arg) {
             let names: Vec<&str> = BUNDLED.iter().map(|(n, _)| *n).collect();
-            return Err(format!("unknown policy name {arg:?}: the bundled policies are {} (a file is read by its path, e.g. ./{arg})", names.join(", ")));
+            return Err(format!("unknown policy name {arg:?}{}: the bundled policies are {} (a file is read by its path, e.g. ./{arg})", did_you_mean(arg), names.join(", ")));
         }
         Policy::load(&dir.join(arg))
     }
@@ -1214,10 +1237,10 @@ mod declared_tests {
     #[test]
     fn the_coarsest_declared_precision_wins_over_the_dtype_and_bad_ones_are_named() {
         assert_eq!(declared_precision(&json!({"dtype": "f32"})), Ok(None));
-        assert_eq!(computes_in(&json!({"dtype": "f32"})), Some("f32"));
+        assert_eq!(computes_in(&json!({"dtype": "f32"})), Ok(Some("f32")));
         let mixed = json!({"dtype": "f32", "precision": {"*": "f32", "layer.*.attn_probs": "f16"}});
         assert_eq!(declared_precision(&mixed), Ok(Some("f16")));
-        assert_eq!(computes_in(&mixed), Some("f16"));
+        assert_eq!(computes_in(&mixed), Ok(Some("f16")));
         let all = json!({"precision": {"a": "f16", "b": "bf16", "c": "f32"}});
         assert_eq!(declared_precision(&all), Ok(Some("bf16")));
         assert_eq!(
@@ -1228,10 +1251,35 @@ mod declared_tests {
         assert!(bad.contains(r#"precision["layer.*.q"] is "int4""#), "{bad}");
         assert!(declared_precision(&json!({"precision": {}})).is_err());
         assert!(declared_precision(&json!({"precision": 16})).is_err());
-        // A bad declaration is not read: the dtype still says something.
+    }
+
+    #[test]
+    fn a_misspelt_precision_is_refused_wherever_it_is_read_with_the_name_meant() {
+        // `fp32` was passed over for the dtype ("nothing declared") and a passing run said
+        // nothing of it; docs/producers.md says a value naming no precision is refused.
+        let fp32 = json!({"dtype": "float32", "precision": "fp32"});
+        let want = r#"provenance precision is "fp32": expected one of f32, f16, bf16, q8 (did you mean "f32"?)"#;
+        assert_eq!(declared_precision(&fp32), Err(want.to_string()));
+        assert_eq!(computes_in(&fp32), Err(want.to_string()));
+        let names = ["layer.00.q"];
         assert_eq!(
-            computes_in(&json!({"dtype": "bf16", "precision": "fp8"})),
-            Some("bf16")
+            checked_declaration(&fp32, names.iter().copied()),
+            Err(want.to_string())
+        );
+        let per = declared_precision(&json!({"precision": {"*": "bfloat16"}})).unwrap_err();
+        assert!(per.ends_with(r#"(did you mean "bf16"?)"#), "{per}");
+        // No guess where nothing is near.
+        let fp8 = computes_in(&json!({"dtype": "bf16", "precision": "fp8"})).unwrap_err();
+        assert!(!fp8.contains("did you mean"), "{fp8}");
+        // The same words for a policy's candidate_dtype, a --policy name and a claim per pattern.
+        let e = Policy::resolve("fp32", Path::new("/nonexistent")).unwrap_err();
+        assert!(e.contains(r#""fp32" (did you mean "f32"?)"#), "{e}");
+        let e = Policy::claimed("**=half").unwrap_err();
+        assert!(e.ends_with(r#"(did you mean "f16"?)"#), "{e}");
+        // The control: the right names are read.
+        assert_eq!(
+            computes_in(&json!({"dtype": "float32", "precision": "f32"})),
+            Ok(Some("f32"))
         );
     }
 }

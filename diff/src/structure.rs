@@ -1,7 +1,7 @@
 //! Phase 3 of [`crate::compare`], structure: tensors missing or extra, dtypes and shapes that
 //! cannot be compared, attributes that differ, and the capture order.
 
-use tracegate_trace::{TensorInfo, Trace};
+use tracegate_trace::{DType, TensorInfo, Trace};
 
 use crate::{positions, Finding, FindingKind, Options, Pair, Report};
 
@@ -12,6 +12,24 @@ pub(crate) fn structure(r: &Trace, c: &Trace, opts: &Options, rep: &mut Report) 
     let before = rep.findings.len();
     let digests = [r.digest().hex(), c.digest().hex()];
     for info in r.tensors().iter().filter(|i| opts.selects(&i.name)) {
+        // f64 is a legal trace dtype, and none of the precisions a candidate is judged by: a
+        // candidate tensor stored in f64 against a reference's in another dtype was computed in
+        // f64 (docs/capture-points.md: each tensor is stored in the dtype it is computed in),
+        // finer than any claim, and once passed unnoticed by value. Still compared by value.
+        if let Some(ci) = c
+            .tensor_info(&info.name)
+            .filter(|ci| ci.dtype == DType::F64 && info.dtype != DType::F64)
+        {
+            rep.findings.push(Finding::new(
+                FindingKind::DtypeMismatch,
+                Some(&ci.name),
+                format!(
+                    "reference {} vs candidate f64: stored in f64, so computed in f64 (docs/capture-points.md), which is none of the precisions a candidate is judged by ({}): compute and store it in the precision claimed (numpy's default float64 is the usual cause)",
+                    info.dtype,
+                    crate::policy::PRECISIONS.join(", ")
+                ),
+            ));
+        }
         match c.tensor_info(&info.name) {
             None => {
                 rep.tensors.missing.push(info.name.clone());

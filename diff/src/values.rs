@@ -278,6 +278,7 @@ fn divergence(
         reference_bits: e.reference_bits,
         candidate_bits: e.candidate_bits,
         ulp: e.ulp,
+        reference_dtype_ulp: e.reference_dtype_ulp,
         special: e.special,
         differing_elements: s.differing,
         total_elements: s.total,

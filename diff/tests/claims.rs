@@ -145,3 +145,40 @@ fn a_claim_per_pattern_judges_each_tensor_by_the_precision_that_covers_it() {
         "{e}"
     );
 }
+
+#[test]
+fn a_misspelt_precision_is_refused_by_bits_and_under_a_policy_naming_the_one_meant() {
+    // `"fp32"` passed silently: by bits the declaration was never read, and under a policy the
+    // candidate was said to compute in its dtype's precision as though nothing were declared.
+    let mut c = model();
+    c.provenance["precision"] = json!("fp32");
+    let r = model();
+    let (_dir, rp, cp) = pair(&r, &c);
+    let by_bits = compare_files(&rp, &cp, &Options::default());
+    let under_policy = judged(&c, "f32");
+    for rep in [&by_bits, &under_policy] {
+        assert_eq!(rep.verdict, Verdict::Different, "{}", render_human(rep));
+        let f = rep
+            .findings
+            .iter()
+            .find(|f| f.kind == FindingKind::PrecisionDeclarationRefused)
+            .expect("the refusal");
+        assert!(
+            f.detail.contains(
+                r#"provenance precision is "fp32": expected one of f32, f16, bf16, q8 (did you mean "f32"?)"#
+            ),
+            "{}",
+            f.detail
+        );
+    }
+    assert_eq!(
+        under_policy.policy.as_ref().unwrap().candidate_computes_in,
+        None,
+        "a refused declaration is not replaced by the dtype"
+    );
+    // The control: the name meant is read, and the same traces are identical.
+    c.provenance["precision"] = json!("f32");
+    let (_dir, rp, cp) = pair(&r, &c);
+    let rep = compare_files(&rp, &cp, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Identical, "{}", render_human(&rep));
+}

@@ -574,7 +574,11 @@ fn the_cli_names_both_dtypes_and_the_ulp_unit() {
         human.contains("  tensor     x  f32 vs bf16 [2, 2]\n"),
         "{human}"
     );
-    assert!(human.contains("  distance   0 ULP (bf16)\n"), "{human}");
+    // 0 bf16 ULP, and 0x3f801234 - 0x3f800000 = 0x1234 = 4660 steps of the reference's f32.
+    assert!(
+        human.contains("  distance   0 ULP (bf16), 4,660 ULP (f32, the reference's dtype)\n"),
+        "{human}"
+    );
 
     let policy_file = dir.path().join("policy.json");
     std::fs::write(&policy_file, json!({"format": "tracegate-policy/1", "name": "bf16", "rules": [{"pattern": "**", "max_ulp": 0}]}).to_string()).unwrap();
@@ -588,5 +592,94 @@ fn the_cli_names_both_dtypes_and_the_ulp_unit() {
     assert!(
         human.contains("0 bf16"),
         "the curve's max ULP names its unit: {human}"
+    );
+}
+
+#[test]
+fn an_f16_candidate_outside_an_f32_policy_is_never_said_to_be_0_ulp_alone() {
+    // f32 0x3f801000 (1 + 2^-11) is a tie between f16 1 (0x3c00) and 1 + 2^-10 (0x3c01): to
+    // even, 0x3c00. The f16 candidate 1 is then 0 f16 ULP from it (they round alike) and
+    // 0x3f801000 - 0x3f800000 = 4096 f32 ULP; its relative L2, 2^-11 / (1 + 2^-11) = 4.9e-4,
+    // breaks an f32 bound of 1e-4. The finding once read "0 ULP (f16)" and nothing else.
+    let r = spec(vec![t_raw("x", DType::F32, &[1], f32s(&[0x3f80_1000]))]);
+    let c = spec(vec![t_raw("x", DType::F16, &[1], h16s(&[0x3c00]))]);
+    let rep = diff(
+        &r,
+        &c,
+        &with_policy(json!({"pattern": "**", "max_rel_l2": 1e-4})),
+    );
+    assert_eq!(rep.verdict, Verdict::Different);
+    let v = rep.first_violation().expect("outside the policy");
+    let e = v.worst_element.as_ref().unwrap();
+    assert_eq!((e.ulp, e.reference_dtype_ulp), (Some(0), Some(4096)));
+    let said = v.to_string();
+    assert!(
+        said.contains("0 ULP (f16), 4,096 ULP (f32, the reference's dtype)"),
+        "{said}"
+    );
+    let human = tracegate_diff::render_human(&rep);
+    assert!(
+        human.contains("distance   0 ULP (f16), 4,096 ULP (f32, the reference's dtype)"),
+        "{human}"
+    );
+    assert_valid_report(&report_json(&rep));
+    // The control: counted in the reference's own dtype (a bf16 reference, an f32 candidate),
+    // the distance needs no second unit and the report carries none.
+    let r = spec(vec![t_raw("x", DType::BF16, &[1], h16s(&[0x3f80]))]);
+    let c = spec(vec![t_raw("x", DType::F32, &[1], f32s(&[0x3f80_1000]))]);
+    let rep = diff(
+        &r,
+        &c,
+        &with_policy(json!({"pattern": "**", "max_rel_l2": 1e-6})),
+    );
+    let v = rep.first_violation().expect("outside the policy");
+    assert_eq!(v.worst_element.as_ref().unwrap().reference_dtype_ulp, None);
+    assert!(!v.to_string().contains("reference's dtype"), "{v}");
+}
+
+#[test]
+fn an_f64_candidate_against_an_f32_reference_is_a_dtype_finding_not_a_pass() {
+    // The candidate's f64 values are the reference's f32 ones widened exactly: equal in value,
+    // so by value alone it passed every policy; only the bytes (a baseline) moved.
+    let vals = [0x3f80_1234u32, 0xc049_0fdb];
+    let wide: Vec<u64> = vals
+        .iter()
+        .map(|b| (f32::from_bits(*b) as f64).to_bits())
+        .collect();
+    let r = spec(vec![t_raw("x", DType::F32, &[2], f32s(&vals))]);
+    let c = spec(vec![t_raw("x", DType::F64, &[2], f64s(&wide))]);
+    for opts in [
+        Options::default(),
+        with_policy(json!({"pattern": "**", "max_rel_l2": 1e-4})),
+    ] {
+        let rep = diff(&r, &c, &opts);
+        assert_eq!(rep.verdict, Verdict::Different, "{:?}", rep.findings);
+        let f = rep
+            .findings
+            .iter()
+            .find(|f| f.kind.as_str() == "dtype_mismatch")
+            .unwrap_or_else(|| panic!("no dtype finding: {:?}", rep.findings));
+        assert_eq!(f.tensor(), Some("x"));
+        assert!(
+            f.detail
+                .starts_with("reference f32 vs candidate f64: stored in f64"),
+            "{}",
+            f.detail
+        );
+        // Still compared by value: the row says the values are equal.
+        assert_eq!(rep.per_tensor[0].differing_elements, Some(0));
+    }
+    // The controls: an f64 reference against an f64 candidate, and an f32 candidate against
+    // an f64 reference (a coarser port), raise no dtype finding.
+    let wide_r = spec(vec![t_raw("x", DType::F64, &[2], f64s(&wide))]);
+    let rep = diff(&wide_r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
+    let rep = diff(&wide_r, &r, &Options::default());
+    assert!(
+        rep.findings
+            .iter()
+            .all(|f| f.kind.as_str() != "dtype_mismatch"),
+        "{:?}",
+        rep.findings
     );
 }

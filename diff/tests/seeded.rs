@@ -547,6 +547,73 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
 }
 
 #[test]
+fn a_port_that_names_itself_the_oracle_is_told_so_not_offered_the_stack_flag() {
+    // A port's provenance says producer "oracle" (copied from an oracle trace) without the
+    // torch version every oracle run records: once five stack_mismatch refusals, each advising
+    // --allow-stack-mismatch, which would compare it as though it were an oracle run.
+    let mut r = model();
+    r.provenance = oracle_provenance();
+    let mut c = model();
+    c.provenance["producer"] = json!("oracle");
+    for allow in [false, true] {
+        let rep = diff(
+            &r,
+            &c,
+            &Options {
+                allow_stack_mismatch: allow,
+                ..Options::default()
+            },
+        );
+        assert_eq!(rep.verdict, Verdict::Incomparable, "allow {allow}");
+        assert_eq!(kinds(&rep), vec!["stack_mismatch"], "allow {allow}");
+        let said = &rep.findings[0].detail;
+        assert!(
+            said.starts_with("the candidate claims to be the oracle: its provenance says producer \"oracle\" but records no versions.torch")
+                && said.contains("record your engine's own name as `producer`")
+                && !said.contains("--allow-stack-mismatch"),
+            "{said}"
+        );
+    }
+    // The control: named as itself, the same run is compared (an engine against the oracle
+    // differs in stack by construction).
+    c.provenance["producer"] = json!("my-port");
+    let rep = diff(&r, &c, &Options::default());
+    assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
+}
+
+#[test]
+fn comparability_names_each_side_as_its_caller_does() {
+    // The gate compares a port's run (first) with its golden trace (second); named "reference"
+    // and "candidate", a port with foreign weights read as though the golden trace's digest
+    // were the foreign one.
+    let port = model();
+    let mut golden = model();
+    golden.provenance = oracle_provenance();
+    let mut port = port;
+    let sha = "ab".repeat(32);
+    let ours = "0123456789abcdef0123456789abcdef";
+    port.provenance["weights_digest"] = json!(sha);
+    golden.provenance["weights_digest"] = json!(ours);
+    let (_dir, pp, gp) = pair(&port, &golden);
+    let (p, g) = (
+        tracegate_trace::Trace::open(&pp).unwrap(),
+        tracegate_trace::Trace::open(&gp).unwrap(),
+    );
+    let (refused, _) =
+        tracegate_diff::comparable::check_sides(&p, &g, ("candidate", "golden"), false);
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(
+        refused[0].detail,
+        format!("weights_digest differs: {sha} in the candidate, {ours} in the golden (the candidate's is not a tracegate weights digest: record tracegate.weights_digest(model_dir) / tracegate_trace::weights_digest, xxh3-128 of the *.safetensors files in name order, 32 hex digits)")
+    );
+    // `check` keeps its own names: its first trace is the reference.
+    let (refused, _) = tracegate_diff::comparable::check(&p, &g, false);
+    assert!(refused[0].detail.contains(&format!(
+        "in the reference, {ours} in the candidate (the reference's is not"
+    )));
+}
+
+#[test]
 fn engine_against_oracle_is_not_a_stack_mismatch() {
     let r = model();
     let mut c = model();

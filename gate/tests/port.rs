@@ -550,6 +550,134 @@ fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
     assert_fails_at(&gen, "decode.0001.logits", None);
 }
 
+/// The example producer behind a shell that turns every `--cache off` into `--cache on`: a port
+/// that ignores `--cache off`, as one without an uncached path that accepts the flag would.
+fn ignores_cache_off() -> String {
+    format!(
+        "sh -c 'p=; for a; do shift; if [ \"$p\" = --cache ]; then a=on; fi; set -- \"$@\" \"$a\"; p=$a; done; exec \"$0\" \"$@\"' '{}' {{verb}} {{args}}",
+        example_producer().display()
+    )
+}
+
+#[test]
+fn a_port_that_ignores_cache_off_fails_generation_naming_it() {
+    // Its "uncached" trace is its cached one (provenance cache "on"), so comparing the two once
+    // passed and the claim said "the same with and without its KV cache". gate init runs the
+    // check too: it records cache_off (the port answers) and its own run fails, saying why.
+    let (dir, out) = init_with(&ignores_cache_off(), &[]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("ignored `--cache off`"),
+        "{}",
+        out.stdout
+    );
+    let d = dir.path();
+    let gen = failing_check(d, "generation");
+    assert_fails_at(&gen, "candidate-uncached", Some("not_as_asked"));
+    assert!(
+        gen["detail"]
+            .as_str()
+            .unwrap()
+            .contains(r#"asked for `--cache off` and its provenance says cache "on""#),
+        "{gen}"
+    );
+    // A run that does not record `cache` cannot be verified: NOT CHECKED (exit 4), never a pass.
+    set_candidate(d, &adversary("--when off --unset cache"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 4, "{}\n{}", out.stdout, out.stderr);
+    let r = report(&rp);
+    let gen = r["prompts"][0]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == "generation")
+        .unwrap()
+        .clone();
+    assert_eq!(gen["status"], "NOT CHECKED", "{gen}");
+    assert!(
+        gen["detail"]
+            .as_str()
+            .unwrap()
+            .contains("uncached run records no provenance `cache`"),
+        "{gen}"
+    );
+    // Negative control: the honest port passes generation on the same golden traces.
+    set_candidate(d, &port_cmd(""));
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+}
+
+#[test]
+fn a_port_with_foreign_provenance_is_named_as_the_port_never_as_the_golden_trace() {
+    let dir = project(&[]);
+    let d = dir.path();
+    // Foreign weights (a sha256 of the file, not tracegate's digest): generation_reference once
+    // said "the reference's is not a tracegate weights digest", sending the user to the golden
+    // trace; the port's run is the one named.
+    let sha = "ab".repeat(32);
+    set_candidate(d, &adversary(&format!("--set 'weights_digest=\"{sha}\"'")));
+    let gen_ref = failing_check(d, "generation_reference");
+    let said = gen_ref["detail"].as_str().unwrap();
+    assert!(
+        said.contains(&format!(
+            "candidate vs golden: weights_digest differs: {sha} in the candidate, "
+        )) && said.contains(" in the golden (the candidate's is not a tracegate weights digest"),
+        "{said}"
+    );
+    // A port whose provenance says producer "oracle": told the name is reserved, not offered
+    // --allow-stack-mismatch (which `gate run` does not even take).
+    set_candidate(d, &adversary("--set 'producer=\"oracle\"'"));
+    let rp = d.join("r.json");
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("the candidate claims to be the oracle")
+            && !out.stdout.contains("--allow-stack-mismatch"),
+        "{}",
+        out.stdout
+    );
+    for name in ["agrees", "generation_reference"] {
+        let c = report(&rp)["prompts"][0]["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["check"] == name)
+            .unwrap()
+            .clone();
+        assert_eq!(c["status"], "FAIL", "{c}");
+        assert!(
+            c["findings"].as_array().unwrap().iter().all(|f| f["detail"]
+                .as_str()
+                .unwrap()
+                .contains("the candidate claims to be the oracle")),
+            "{c}"
+        );
+    }
+}
+
 #[test]
 fn a_nan_in_both_runs_of_the_candidate_fails_agrees() {
     // NaN in the same element of the cached and the uncached trace: the two paths agree with

@@ -4,8 +4,8 @@
 use tracegate_trace::DType;
 
 use super::ordering::{
-    classify, dispatch, mixed_pair, with_float, Num, Pair, Special, BF16K, F16K, F32K, F64K, I16K,
-    I32K, I64K, I8K, U8K,
+    classify, dispatch, mixed_pair, ord_in, round_to, with_float, Float, Num, Pair, Special, BF16K,
+    F16K, F32K, F64K, I16K, I32K, I64K, I8K, U8K,
 };
 
 /// Raw bits of element `index` of a payload.
@@ -50,6 +50,27 @@ pub(crate) fn pair_element(
         element_bits(pair.candidate, c, index),
     );
     pair_bits(pair, a, b)
+}
+
+/// A mixed pair's element counted in the candidate's coarser dtype (an f16 candidate against an
+/// f32 reference), counted again in the reference dtype's steps: the candidate's value rounded
+/// to the reference's dtype (exactly, where that holds it: f16 and bf16 in f32). An f16
+/// candidate's value that is the reference's rounded to f16 is 0 f16 ULP and thousands of f32
+/// ULP; an f32 policy judges the second. None where the pair is counted in the reference's
+/// dtype already, or for a NaN.
+pub(crate) fn reference_dtype_distance(pair: Pair, a: u64, b: u64) -> Option<u64> {
+    if !pair.is_mixed() || pair.ulp_dtype() != Some(pair.candidate) {
+        return None;
+    }
+    with_float!(pair.reference, A => with_float!(pair.candidate, B => in_reference::<A, B>(a, b)))
+}
+
+fn in_reference<A: Float, B: Float>(a: u64, b: u64) -> Option<u64> {
+    if A::is_nan(a) || B::is_nan(b) {
+        return None;
+    }
+    let b = round_to::<B>(A::FORMAT, b);
+    Some((ord_in(A::FORMAT, a) as i128 - ord_in(A::FORMAT, b) as i128).unsigned_abs() as u64)
 }
 
 /// [`pair_element`] for two elements given as bits (see [`crate::measures::compare_element`]).

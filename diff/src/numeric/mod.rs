@@ -34,7 +34,9 @@ mod scan;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use element::{element_bits, element_value, pair_bits, pair_element};
+pub(crate) use element::{
+    element_bits, element_value, pair_bits, pair_element, reference_dtype_distance,
+};
 pub use format::{describe_bits, format_value, hex_bits, unravel};
 pub(crate) use median::median_ulp;
 pub(crate) use ordering::{dispatch, Num, BF16K, F16K, F32K, F64K, I16K, I32K, I64K, I8K, U8K};

@@ -9,19 +9,27 @@ use super::decisions::decisions;
 use super::headline::summary;
 use super::sink::Sink;
 use super::{coords, cosine, left_out, opt_u, real, thousands, MAX_COLUMN};
-use crate::{Element, Report, RowSet, Special, TensorRow, TensorViolation, Verdict};
+use crate::{Element, Report, RowSet, TensorRow, TensorViolation, Verdict};
 
 /// An element's distance in words: its ULPs (integers: |difference|), or what kind of
-/// difference it is when it has no distance.
-fn distance(dtype: &str, ulp: Option<u64>, special: Option<Special>) -> String {
+/// difference it is when it has no distance. A mixed pair counted in the candidate's coarser
+/// dtype adds the distance in the reference's (`reference`: its dtype), so an f16 candidate
+/// outside an f32 policy never reads as "0 ULP" alone.
+fn distance(dtype: &str, e: &Element, reference: &str) -> String {
+    let (ulp, special) = (e.ulp, e.special);
     let unit = if matches!(dtype, "f64" | "f32" | "f16" | "bf16") {
         format!("ULP ({dtype})")
     } else {
         "absolute".into()
     };
-    let dist = match ulp {
-        Some(u) => format!("{} {unit}", thousands(u)),
-        None => "none (NaN)".into(),
+    let dist = match (ulp, e.reference_dtype_ulp) {
+        (Some(u), Some(r)) if reference != dtype => format!(
+            "{} {unit}, {} ULP ({reference}, the reference's dtype)",
+            thousands(u),
+            thousands(r)
+        ),
+        (Some(u), _) => format!("{} {unit}", thousands(u)),
+        (None, _) => "none (NaN)".into(),
     };
     let special = special
         .map(|s| format!("  — {}", s.describe()))
@@ -30,7 +38,7 @@ fn distance(dtype: &str, ulp: Option<u64>, special: Option<Special>) -> String {
 }
 
 /// An element in one line: "[2,5]: 0.5 (0x3f000000) vs 0.50000006 (0x3f000001), 1 ULP (f32)".
-fn element_words(dtype: &str, e: &Element) -> String {
+fn element_words(dtype: &str, e: &Element, reference: &str) -> String {
     format!(
         "[{}]: {} ({}) vs {} ({}), {}",
         coords(&e.coords),
@@ -38,7 +46,7 @@ fn element_words(dtype: &str, e: &Element) -> String {
         e.reference_bits,
         e.candidate_value,
         e.candidate_bits,
-        distance(dtype, e.ulp, e.special)
+        distance(dtype, e, reference)
     )
 }
 
@@ -54,7 +62,7 @@ impl std::fmt::Display for TensorViolation {
             write!(
                 f,
                 "; worst at {}",
-                element_words(self.ulp_dtype.unwrap_or(self.dtype), e)
+                element_words(self.ulp_dtype.unwrap_or(self.dtype), e, self.dtype)
             )?;
         }
         Ok(())
@@ -62,7 +70,7 @@ impl std::fmt::Display for TensorViolation {
 }
 
 /// The lines naming one element: where, both values with their bits, the distance.
-fn element_lines(o: &mut Sink<'_>, dtype: &str, label: &str, e: &Element) {
+fn element_lines(o: &mut Sink<'_>, dtype: &str, reference: &str, label: &str, e: &Element) {
     let _ = writeln!(
         o,
         "  {label:<9}  [{}]  (flat index {})",
@@ -79,7 +87,7 @@ fn element_lines(o: &mut Sink<'_>, dtype: &str, label: &str, e: &Element) {
         "  candidate  {}  ({})",
         e.candidate_value, e.candidate_bits
     );
-    let _ = writeln!(o, "  distance   {}", distance(dtype, e.ulp, e.special));
+    let _ = writeln!(o, "  distance   {}", distance(dtype, e, reference));
 }
 
 /// The full human report.
@@ -185,7 +193,7 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
             let _ = writeln!(o, "  broken     {}: {b}", b.bound);
         }
         if let Some(e) = &v.worst_element {
-            element_lines(o, v.ulp_dtype.unwrap_or(v.dtype), "worst", e);
+            element_lines(o, v.ulp_dtype.unwrap_or(v.dtype), v.dtype, "worst", e);
         }
         // "Which tolerance?": what the measurements say would have passed, per rule.
         for p in rep.passing_bounds() {
@@ -228,6 +236,7 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
         element_lines(
             o,
             d.ulp_dtype.as_deref().unwrap_or(&d.dtype),
+            &d.dtype,
             "element",
             &d.element(),
         );
@@ -322,7 +331,7 @@ fn curve(o: &mut Sink<'_>, rep: &Report) {
                 o,
                 "  {:w$}    ! worst at {}",
                 "",
-                element_words(r.ulp_dtype.map_or(r.dtype, DType::name), e)
+                element_words(r.ulp_dtype.map_or(r.dtype, DType::name), e, r.dtype)
             );
         }
     }

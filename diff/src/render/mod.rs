@@ -58,10 +58,13 @@ fn real(x: Option<Real>) -> String {
     }
 }
 
-/// Cosine near 1 is printed as its distance from 1, so 1 − 1e-15 never reads as exactly 1.
+/// Cosine near 1 is printed as its distance from 1, so 1 − 1e-15 never reads as exactly 1. A
+/// cosine rounded past 1 (the dot product and the norms round apart) is written `1+d`, never
+/// `1--d`.
 fn cosine(x: Option<Real>) -> String {
     match x {
         Some(Real(1.0)) => "1".into(),
+        Some(Real(v)) if v.is_finite() && v > 1.0 => format!("1+{:.2e}", v - 1.0),
         Some(Real(v)) if v.is_finite() && v > 0.999 => format!("1-{:.2e}", 1.0 - v),
         Some(Real(v)) if v.is_finite() => format!("{v:.6}"),
         other => real(other),
@@ -94,4 +97,24 @@ fn left_out(f: &FilterSummary) -> String {
         plural(f.tensors_left_out, "tensor"),
         plural(f.decisions_left_out, "decision")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cosine_is_written_as_its_distance_from_one_on_either_side() {
+        // The reported case: 1 + 8.88e-16 (the dot product rounded above the norms' product)
+        // was printed "1--8.88e-16".
+        let above = 1.0 + 4.0 * f64::EPSILON;
+        assert_eq!(cosine(Some(Real(above))), "1+8.88e-16");
+        assert_eq!(cosine(Some(Real(1.0 - 2f64.powi(-40)))), "1-9.09e-13");
+        assert_eq!(cosine(Some(Real(1.0))), "1");
+        assert_eq!(cosine(Some(Real(0.5))), "0.500000");
+        assert_eq!(cosine(None), "-");
+        for v in [above, 1.0 + 1e-9, 0.9995, 1.0 - f64::EPSILON] {
+            assert!(!cosine(Some(Real(v))).contains("--"), "{v}");
+        }
+    }
 }

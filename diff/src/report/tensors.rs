@@ -153,6 +153,11 @@ pub struct Element {
     pub candidate_bits: String,
     /// Distance in the stored dtype's ULPs (integers: absolute difference); null for a NaN pair.
     pub ulp: Option<u64>,
+    /// A mixed pair counted in the candidate's coarser dtype: this element's distance in the
+    /// reference dtype's ULPs too (an f16 candidate at 0 f16 ULP can be thousands of f32 ULP,
+    /// which an f32 policy judges); absent otherwise (numeric::reference_dtype_distance).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference_dtype_ulp: Option<u64>,
     /// Set when the element differs as a signed zero, NaN or infinity.
     pub special: Option<Special>,
 }
@@ -200,6 +205,11 @@ pub struct Divergence {
     /// Distance of this element in `ulp_dtype`'s ULPs (integers: absolute difference); null
     /// for a NaN pair.
     pub ulp: Option<u64>,
+    /// A mixed pair counted in the candidate's coarser dtype: this element's distance in the
+    /// reference dtype's ULPs too (an f16 candidate at 0 f16 ULP can be thousands of f32 ULP,
+    /// which an f32 policy judges); absent otherwise (numeric::reference_dtype_distance).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference_dtype_ulp: Option<u64>,
     /// Set when the element differs as a signed zero, NaN or infinity.
     pub special: Option<Special>,
     pub differing_elements: u64,
@@ -223,6 +233,7 @@ impl Divergence {
             reference_bits: self.reference_bits.clone(),
             candidate_bits: self.candidate_bits.clone(),
             ulp: self.ulp,
+            reference_dtype_ulp: self.reference_dtype_ulp,
             special: self.special,
         }
     }

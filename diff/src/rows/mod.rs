@@ -108,6 +108,10 @@ pub(crate) fn element(pair: Pair, shape: &[u64], rd: &[u8], cd: &[u8], idx: u64)
         reference_bits: numeric::hex_bits(rt, a),
         candidate_bits: numeric::hex_bits(ct, b),
         ulp,
+        reference_dtype_ulp: special
+            .is_none()
+            .then(|| numeric::reference_dtype_distance(pair, a, b))
+            .flatten(),
         special,
     }
 }

@@ -93,12 +93,15 @@ pub enum FindingKind {
     TokensChanged,
     /// A baseline's observation is outside `--assert-observed`.
     ObservedOutOfTolerance,
+    /// A run's provenance says it is not the run the gate asked for (`generation`: the
+    /// uncached run's `cache` is not `"off"`, or the cached run's not `"on"`).
+    NotAsAsked,
     /// The differ's finding (docs/diff.md), passed on by a check.
     Differ(tracegate_diff::FindingKind),
 }
 
 impl FindingKind {
-    /// What the gate's checks state themselves. The last eight are words of the gate's alone,
+    /// What the gate's checks state themselves. The last nine are words of the gate's alone,
     /// in the order its refusal lists them after the differ's.
     pub const OWN: &'static [FindingKind] = &[
         FindingKind::DecisionDiffers,
@@ -111,6 +114,7 @@ impl FindingKind {
         FindingKind::TokensDiffer,
         FindingKind::TokensChanged,
         FindingKind::ObservedOutOfTolerance,
+        FindingKind::NotAsAsked,
     ];
 
     /// The word the reports and milestones.json carry.
@@ -126,6 +130,7 @@ impl FindingKind {
             FindingKind::TokensDiffer => "tokens_differ",
             FindingKind::TokensChanged => "tokens_changed",
             FindingKind::ObservedOutOfTolerance => "observed_out_of_tolerance",
+            FindingKind::NotAsAsked => "not_as_asked",
             FindingKind::Differ(k) => k.as_str(),
         }
     }

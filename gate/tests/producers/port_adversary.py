@@ -12,6 +12,8 @@ with tracegate.TraceWriter, to try to make a port milestone's rules pass a real 
   --declare P        provenance precision P: the port declares it computes in P (no value changed);
                      a JSON object (`{"*": "f32", "vision.*": "q8"}`) declares per pattern
   --bf16 TENSOR      TENSOR written as bf16 (its values rounded to nearest even)
+  --unset KEY        provenance KEY left out (`cache`: a run that does not say how it ran)
+  --set KEY=JSON     provenance KEY given the value JSON (`weights_digest="..."`: foreign weights)
 
 The `layer` verb is the base's, unchanged. Not for real use.
 """
@@ -34,8 +36,28 @@ def to_bf16_bits(array) -> np.ndarray:
 
 def main() -> int:
     argv = sys.argv[1:]
-    exe, when, drop, bits, flip, declare, bf16 = None, "both", [], [], [], None, []
-    flags = ("--exe", "--when", "--drop", "--bits", "--flip", "--declare", "--bf16")
+    exe, when, drop, bits, flip, declare, bf16, unset, put = (
+        None,
+        "both",
+        [],
+        [],
+        [],
+        None,
+        [],
+        [],
+        [],
+    )
+    flags = (
+        "--exe",
+        "--when",
+        "--drop",
+        "--bits",
+        "--flip",
+        "--declare",
+        "--bf16",
+        "--unset",
+        "--set",
+    )
     while argv and argv[0] in flags:
         flag, value, argv = argv[0], argv[1], argv[2:]
         if flag == "--exe":
@@ -50,6 +72,11 @@ def main() -> int:
             declare = json.loads(value) if value.startswith("{") else value
         elif flag == "--bf16":
             bf16.append(value)
+        elif flag == "--unset":
+            unset.append(value)
+        elif flag == "--set":
+            key, _, raw = value.partition("=")
+            put.append((key, json.loads(raw)))
         else:
             bits.append(value)
     if exe is None or not argv:
@@ -77,6 +104,13 @@ def main() -> int:
         provenance = dict(t.provenance)
         if declare is not None:
             provenance["precision"] = declare
+        for key in unset:
+            if key not in provenance:  # an edit of nothing proves nothing
+                print(f"port_adversary: no provenance {key} to unset", file=sys.stderr)
+                return 3
+            del provenance[key]
+        for key, value in put:
+            provenance[key] = value
         with tracegate.TraceWriter(out, provenance) as w:
             for name in t.names:
                 if name in drop:

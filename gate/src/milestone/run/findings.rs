@@ -92,7 +92,9 @@ pub(super) fn policy_kind(status: RowStatus) -> Option<FindingKind> {
 pub(super) fn incomparable(this: &str, pairs: &[(&str, &Trace, &Trace)]) -> Vec<Finding> {
     let mut found = Vec::new();
     for (name, a, b) in pairs {
-        let (refused, _) = tracegate_diff::comparable::check(a, b, false);
+        // Each side named as it is (`this` and `name`), never as a reference and a candidate:
+        // a port's run against its golden trace once read "the reference's weights digest".
+        let (refused, _) = tracegate_diff::comparable::check_sides(a, b, (this, name), false);
         found.extend(refused.into_iter().map(|f| {
             let about = f.tensor().map_or_else(|| name.to_string(), str::to_string);
             finding(

@@ -901,6 +901,11 @@ fn check_generation(
     let Ok(cached) = cand else {
         return CheckResult::new(c, Status::Fail, "the candidate's trace is unreadable");
     };
+    // What is compared must be what was asked for: a port that ignores `--cache off` compares
+    // its cached path with itself.
+    if let Some(judged) = cache_as_asked(cached, unc) {
+        return judged;
+    }
     if let refused @ [_, ..] =
         &incomparable("candidate", &[("candidate-uncached", cached, unc)])[..]
     {
@@ -916,6 +921,60 @@ fn check_generation(
     };
     judged.detail = format!("cached vs uncached: {tokens}; {}", judged.detail);
     judged
+}
+
+/// `generation` refused before anything is compared when either run's provenance `cache` is
+/// not the one the gate asked for (docs/producers.md: a `trace --generate` run records `cache`,
+/// `"on"` or `"off"`): FAIL when it says another (`"on"` in the uncached run: the port ignored
+/// `--cache off`, and its cached path was compared with itself); NOT CHECKED when a run does not
+/// record it, since what ran cannot then be verified. None: both say what was asked.
+fn cache_as_asked(cached: &Trace, uncached: &Trace) -> Option<CheckResult> {
+    let c = Check::Generation;
+    let runs = [("cached", cached, "on"), ("uncached", uncached, "off")];
+    let wrong: Vec<_> = runs
+        .iter()
+        .filter_map(|(run, t, want)| match t.provenance().get("cache") {
+            Some(Value::String(s)) if s == want => None,
+            Some(v) => Some(finding(
+                FindingKind::NotAsAsked,
+                format!("candidate-{run}"),
+                1,
+                format!(
+                    "the candidate's {run} run was asked for `--cache {want}` and its provenance says cache {v}: {}",
+                    if *want == "off" {
+                        "the port ignored `--cache off`, so its cached decode was compared with itself; run the uncached path when asked (docs/producers.md)"
+                    } else {
+                        "record the cache it ran with (docs/producers.md)"
+                    }
+                ),
+            )),
+            None => None,
+        })
+        .collect();
+    if !wrong.is_empty() {
+        let said: Vec<&str> = wrong.iter().map(|f| f.detail.as_str()).collect();
+        let mut r = CheckResult::new(
+            c,
+            Status::Fail,
+            format!("not compared: {}", said.join("; ")),
+        );
+        r.findings = wrong;
+        return Some(r);
+    }
+    let silent: Vec<&str> = runs
+        .iter()
+        .filter(|(_, t, _)| t.provenance().get("cache").is_none())
+        .map(|(run, _, _)| *run)
+        .collect();
+    (!silent.is_empty()).then(|| {
+        CheckResult::not_checked(
+            c,
+            format!(
+                "the candidate's {} run records no provenance `cache`: whether it ran with or without its KV cache cannot be verified, so the cached decode is not compared; record `cache` (\"on\" / \"off\", as asked) in every `trace` run's provenance (docs/producers.md)",
+                silent.join(" and ")
+            ),
+        )
+    })
 }
 
 /// A failing `agrees` localised: `gate bisect` of the candidate against the stored golden
