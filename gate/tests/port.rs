@@ -559,6 +559,52 @@ fn ignores_cache_off() -> String {
     )
 }
 
+/// The example producer behind a shell that asks for one greedy token fewer than the gate did:
+/// a decode loop that stops a step early.
+fn generates_one_fewer() -> String {
+    format!(
+        "sh -c 'p=; for a; do shift; if [ \"$p\" = --generate ]; then a=$((a-1)); fi; set -- \"$@\" \"$a\"; p=$a; done; exec \"$0\" \"$@\"' '{}' {{verb}} {{args}}",
+        example_producer().display()
+    )
+}
+
+#[test]
+fn a_port_whose_trace_is_not_the_run_asked_for_fails_agrees_naming_what() {
+    // Each of these once passed `agrees` (its values are the honest port's) or was told "1 of 8
+    // greedy tokens differ" of a decode one step short: what ran must be what was asked.
+    let dir = project(&[]);
+    let d = dir.path();
+    for (cmd, name, said) in [
+        (
+            adversary("--unset prompt_tokens"),
+            "prompt_tokens",
+            "records no provenance prompt_tokens",
+        ),
+        (
+            adversary("--set generate=3"),
+            "generate",
+            "its provenance says generate 3",
+        ),
+        (
+            generates_one_fewer(),
+            "greedy tokens",
+            "greedy token(s) where the golden trace holds",
+        ),
+    ] {
+        set_candidate(d, &cmd);
+        let agrees = failing_check(d, "agrees");
+        assert_fails_at(&agrees, name, Some("not_as_asked"));
+        assert!(
+            agrees["detail"].as_str().unwrap().contains(said),
+            "{agrees}"
+        );
+    }
+    // Negative control: the adversary with no edit passes.
+    set_candidate(d, &adversary(""));
+    let out = gate(d, &["run", "port", "--only", "short"], &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+}
+
 #[test]
 fn a_port_that_ignores_cache_off_fails_generation_naming_it() {
     // Its "uncached" trace is its cached one (provenance cache "on"), so comparing the two once

@@ -747,6 +747,10 @@ fn judge_prompt(
         (Ok(t), Some(e)) => held_to_counts(plan, p, agrees, e, t),
         _ => agrees,
     };
+    let agrees = match &cand {
+        Ok(t) => run_as_asked(plan, p, agrees, golden, t),
+        Err(_) => agrees,
+    };
     checks.push(agrees);
     checks.push(check_generation(plan, port, p, &cand, uncached.as_ref()));
     let golden_tokens = decode_tokens(golden);
@@ -862,6 +866,58 @@ fn held_to_counts(
     let said: Vec<String> = found.iter().map(|f| f.detail.clone()).collect();
     let mut c = judge(&plan.mm, &p.id, c, found);
     c.detail.push_str(&format!("; {}", said.join("; ")));
+    if !c.findings.is_empty() {
+        c.status = Status::Fail;
+    }
+    c
+}
+
+/// `agrees` fails when the candidate's trace is not the run the gate asked for, whatever its
+/// values: a trace that does not record its prompt (`prompt_tokens`) or its `generate`, or
+/// records another `generate`, cannot be shown to be that run (docs/producers.md, "Provenance a
+/// producer must record"); one with another number of greedy tokens than the golden trace did
+/// not run the decode asked for. (Another prompt is refused as incomparable before this.)
+fn run_as_asked(plan: &Plan, p: &Prompt, c: CheckResult, golden: &Trace, t: &Trace) -> CheckResult {
+    let prov = t.provenance();
+    let mut found = Vec::new();
+    if prov.get("prompt_tokens").is_none_or(Value::is_null) {
+        found.push(finding(
+            FindingKind::NotAsAsked,
+            "prompt_tokens",
+            1,
+            "the candidate's trace records no provenance prompt_tokens: which prompt it ran cannot be verified; record the ids it was given (docs/producers.md, \"Provenance a producer must record\")",
+        ));
+    }
+    let asked = plan.generate as u64;
+    match prov.get("generate") {
+        Some(v) if v.as_u64() == Some(asked) => {}
+        said => found.push(finding(
+            FindingKind::NotAsAsked,
+            "generate",
+            1,
+            match said {
+                None => format!("the candidate's trace records no provenance generate (asked: --generate {asked}); record the count it was given (docs/producers.md)"),
+                Some(v) => format!("the candidate was asked for --generate {asked} and its provenance says generate {v}"),
+            },
+        )),
+    }
+    let (have, want) = (decode_tokens(t).len(), decode_tokens(golden).len());
+    if have != want {
+        found.push(finding(
+            FindingKind::NotAsAsked,
+            "greedy tokens",
+            have as u64,
+            format!(
+                "the candidate generated {have} greedy token(s) where the golden trace holds {want} (asked: --generate {asked}): its decode loop stops early or runs on"
+            ),
+        ));
+    }
+    if found.is_empty() {
+        return c;
+    }
+    let said: Vec<String> = found.iter().map(|f| f.detail.clone()).collect();
+    let mut c = judge(&plan.mm, &p.id, c, found);
+    c.detail = format!("{}; {}", said.join("; "), c.detail);
     if !c.findings.is_empty() {
         c.status = Status::Fail;
     }
