@@ -483,6 +483,96 @@ fn init_refuses_what_it_cannot_gate_in_one_line() {
     assert_eq!(std::fs::read_dir(fresh.path()).unwrap().count(), 1);
 }
 
+/// An executable shell script `name` in `dir` with body `body`.
+fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+    let mut perm = std::fs::metadata(&p).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&p, perm).unwrap();
+    p
+}
+
+/// Issue 52: `gate init` and `--bless` ran the reference on every prompt (minutes of torch on a
+/// real model) before the candidate was tried once. An unstartable candidate — not there, not
+/// executable, exiting non-zero — is now refused before the reference runs: the reference here
+/// is a command that leaves a mark when it runs, and leaves none. Negative control: with a
+/// working candidate the same reference runs (and leaves its mark).
+#[test]
+fn an_unstartable_candidate_is_refused_before_the_reference_runs() {
+    let marks = tempfile::tempdir().unwrap();
+    let mark = marks.path().join("reference-ran");
+    let reference = script(
+        marks.path(),
+        "reference.sh",
+        &format!("echo ran >> '{}'\nexit 1", mark.display()),
+    );
+    let reference_cmd = format!("'{}' {{verb}} {{args}}", reference.display());
+    let with_reference = ["--reference", "cmd", "--reference-cmd", &reference_cmd];
+    let not_executable = marks.path().join("port.sh");
+    std::fs::write(&not_executable, "#!/bin/sh\nexit 0\n").unwrap();
+    let exits_3 = script(
+        marks.path(),
+        "bad.sh",
+        "echo 'my-port: cannot load weights' >&2\nexit 3",
+    );
+    for (cmd, says) in [
+        ("./my-port {verb} {args}".to_string(), "./my-port"),
+        (
+            format!("'{}' {{verb}} {{args}}", not_executable.display()),
+            "port.sh",
+        ),
+        (
+            format!("'{}' {{verb}} {{args}}", exits_3.display()),
+            "my-port: cannot load weights",
+        ),
+    ] {
+        let (dir, out) = init_with(&cmd, &with_reference);
+        assert_eq!(out.code, 2, "{cmd}: {}\n{}", out.stdout, out.stderr);
+        assert!(
+            out.stderr.contains(
+                "the candidate, tried once on prompt \"short\" before the reference runs"
+            ) && out.stderr.contains(says)
+                && out.stderr.contains("nothing was recorded"),
+            "{cmd}: {}",
+            out.stderr
+        );
+        assert!(!mark.exists(), "{cmd}: the reference ran: {}", out.stderr);
+        assert!(!dir.path().join("milestones.json").exists());
+    }
+    // Negative control: a candidate that runs is followed by the reference.
+    let (_dir, out) = init_with(&port_cmd(""), &with_reference);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("the reference failed"),
+        "{}",
+        out.stderr
+    );
+    assert!(mark.exists(), "{}", out.stderr);
+    // `--bless` of a project: the oracle (its Python, here a command that leaves a mark) is not
+    // run for a candidate that cannot start.
+    let _ = std::fs::remove_file(&mark);
+    let dir = project(&[]);
+    let d = dir.path();
+    set_candidate(d, &format!("'{}' {{verb}} {{args}}", exits_3.display()));
+    let oracle_python = script(
+        marks.path(),
+        "python",
+        &format!("echo ran >> '{}'\nexit 1", mark.display()),
+    );
+    let out = gate(
+        d,
+        &["run", "port", "--bless"],
+        &[("TRACEGATE_ORACLE_PYTHON", oracle_python.to_str().unwrap())],
+    );
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("my-port: cannot load weights") && !mark.exists(),
+        "{}",
+        out.stderr
+    );
+}
+
 /// The adversary port (tests/producers/port_adversary.py): the example producer with its trace
 /// rewritten by TraceWriter.
 fn adversary(edits: &str) -> String {
