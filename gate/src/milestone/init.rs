@@ -230,6 +230,9 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
         }),
     };
     let (reports, log) = run_milestone(&o)?;
+    if let Some(hint) = crate::milestone::threads::for_reports(&reports) {
+        eprintln!("[gate init] {hint}");
+    }
     let mut text = String::new();
     for r in &reports {
         text.push_str(&crate::milestone::render::render(r));
