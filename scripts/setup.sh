@@ -89,6 +89,11 @@ log "building the tracegate Python module (maturin)"
 # maturin develop installs into the active venv; VIRTUAL_ENV points it at ours.
 VIRTUAL_ENV="$root/.venv" PATH="$root/.venv/bin:$PATH" \
   .venv/bin/maturin develop --release --quiet -m trace/python/Cargo.toml >/dev/null
+# The same module as a wheel in target/wheels/, for `pip install` where no Rust builds (a
+# Python port's CI, docs/ci.md; gate/tests/port.rs installs it). The same interpreter as
+# `maturin develop`'s, so cargo reuses its build: seconds, not a second Rust build.
+rm -f "${CARGO_TARGET_DIR:-target}"/wheels/tracegate-*.whl
+.venv/bin/maturin build --release --quiet -i "$root/.venv/bin/python" -m trace/python/Cargo.toml >/dev/null
 
 # contract/ and oracle/ as editable packages: imported from this checkout, at the versions of
 # requirements.txt (--no-deps: pip resolves nothing; --no-build-isolation: the pinned setuptools

@@ -587,6 +587,9 @@ fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Res
         ],
     )?;
     let (reps, bless_log) = run_milestone(&options(root, up, id, a))?;
+    if let Some(hint) = tracegate_gate::milestone::threads::for_reports(&reps) {
+        eprintln!("[gate {id}] {hint}");
+    }
     let mut text = String::new();
     for rep in &reps {
         text.push_str(&render::render(rep));

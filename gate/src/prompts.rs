@@ -63,11 +63,29 @@ struct PromptEntry {
 const FILE_FIELDS: [&str; 4] = ["schema", "about", "vocab_min", "prompts"];
 const ENTRY_FIELDS: [&str; 4] = ["id", "tokens", "text", "chat"];
 
-/// The first field of the file or of a prompt entry that the gate does not read, named with
-/// the entry (serde's own refusal says only the line).
-fn unknown_fields(raw: &serde_json::Value) -> std::result::Result<(), String> {
+/// The shape of a prompt set, as a refusal says it (docs/gate.md, "Prompt sets").
+const SHAPE: &str = r#"a prompt set is one JSON object: {"schema": 1, "prompts": [{"id": "short", "tokens": [3, 17, 5]}, {"id": "hello", "text": "Hello", "chat": true}]} (docs/gate.md, "Prompt sets")"#;
+
+/// What a JSON value is, for a refusal ("an array", "a string \"yes\"").
+fn kind(v: &serde_json::Value) -> String {
+    use serde_json::Value as V;
+    match v {
+        V::Null => "null".into(),
+        V::Bool(b) => format!("{b}"),
+        V::Number(n) => format!("the number {n}"),
+        V::String(s) => format!("the string {s:?}"),
+        V::Array(_) => "an array".into(),
+        V::Object(_) => "an object".into(),
+    }
+}
+
+/// The first field of the file or of a prompt entry that the gate does not read, or that has
+/// the wrong type, named with the entry and the type expected (serde's own refusal names
+/// neither: `invalid type: map, expected u32`).
+fn check_shape(raw: &serde_json::Value) -> std::result::Result<(), String> {
+    use serde_json::Value as V;
     let Some(top) = raw.as_object() else {
-        return Ok(()); // serde refuses it with its type
+        return Err(format!("the file is {}: {SHAPE}", kind(raw)));
     };
     if let Some(k) = top.keys().find(|k| !FILE_FIELDS.contains(&k.as_str())) {
         return Err(format!(
@@ -75,15 +93,61 @@ fn unknown_fields(raw: &serde_json::Value) -> std::result::Result<(), String> {
             FILE_FIELDS.join(", ")
         ));
     }
+    let expected =
+        |field: &str, v: &V, want: &str| format!("field {field:?} is {}, expected {want}", kind(v));
+    for (field, want, ok) in [
+        ("schema", "the integer 1", top.get("schema").map(V::is_u64)),
+        ("about", "a string", top.get("about").map(V::is_string)),
+        (
+            "vocab_min",
+            "a non-negative integer",
+            top.get("vocab_min").map(|v| v.is_u64() || v.is_null()),
+        ),
+        (
+            "prompts",
+            "an array of prompts",
+            top.get("prompts").map(V::is_array),
+        ),
+    ] {
+        if ok == Some(false) {
+            return Err(format!("{}: {SHAPE}", expected(field, &top[field], want)));
+        }
+    }
     let entries = top.get("prompts").and_then(|p| p.as_array());
     for (i, e) in entries.into_iter().flatten().enumerate() {
-        let Some(e) = e.as_object() else { continue };
+        let Some(e) = e.as_object() else {
+            return Err(format!(
+                "prompts[{i}] is {}, expected an object: {SHAPE}",
+                kind(e)
+            ));
+        };
+        let id = e.get("id").map_or("(no id)".to_string(), |v| v.to_string());
         if let Some(k) = e.keys().find(|k| !ENTRY_FIELDS.contains(&k.as_str())) {
-            let id = e.get("id").map_or("(no id)".to_string(), |v| v.to_string());
             return Err(format!(
                 "prompts[{i}] (id {id}): unknown field {k:?} (a prompt has {})",
                 ENTRY_FIELDS.join(", ")
             ));
+        }
+        let ids = |v: &V| {
+            v.as_array()
+                .is_some_and(|a| a.iter().all(serde_json::Value::is_i64))
+        };
+        for (field, want, ok) in [
+            ("id", "a string", e.get("id").map(V::is_string)),
+            (
+                "tokens",
+                "an array of integer token ids",
+                e.get("tokens").map(ids),
+            ),
+            ("text", "a string", e.get("text").map(V::is_string)),
+            ("chat", "true or false", e.get("chat").map(V::is_boolean)),
+        ] {
+            if ok == Some(false) {
+                return Err(format!(
+                    "prompts[{i}] (id {id}): {}",
+                    expected(field, &e[field], want)
+                ));
+            }
         }
     }
     Ok(())
@@ -134,7 +198,7 @@ pub fn load(path: &Path) -> Result<PromptSet> {
         .map_err(|e| gerr!(File: "{e}{}", known_sets(path)))?;
     let raw: serde_json::Value =
         tracegate_trace::json::parse(&bytes).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
-    unknown_fields(&raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+    check_shape(&raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
     let file: PromptFile =
         serde_json::from_value(raw).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
     if file.schema != 1 {

@@ -170,6 +170,61 @@ fn prompt_sets_refuse_unknown_fields_and_repeated_keys() {
     );
 }
 
+/// A prompt file of the wrong shape is refused saying the shape expected, naming the field and
+/// the prompt (issue 52): on main a top-level array said "invalid type: map, expected u32" and
+/// `"chat": "yes"` said "invalid type: string \"yes\", expected a boolean", naming neither.
+#[test]
+fn prompt_sets_of_the_wrong_shape_name_the_field_and_the_shape_expected() {
+    let dir = tempfile::tempdir().unwrap();
+    for (text, want) in [
+        (
+            r#"[{"id": "a", "tokens": [1, 2]}]"#,
+            vec![
+                "the file is an array",
+                r#"a prompt set is one JSON object: {"schema": 1, "prompts": [{"id": "#,
+            ],
+        ),
+        (
+            r#"{"schema": 1, "prompts": [{"id": "hi", "text": "Hello", "chat": "yes"}]}"#,
+            vec![
+                r#"prompts[0] (id "hi"): field "chat" is the string "yes", expected true or false"#,
+            ],
+        ),
+        (
+            r#"{"schema": 1, "prompts": [{"id": "a", "tokens": ["1"]}]}"#,
+            vec![
+                r#"prompts[0] (id "a"): field "tokens" is an array, expected an array of integer token ids"#,
+            ],
+        ),
+        (
+            r#"{"schema": "1", "prompts": []}"#,
+            vec![r#"field "schema" is the string "1", expected the integer 1"#],
+        ),
+        (
+            r#"{"schema": 1, "prompts": {"id": "a", "tokens": [1]}}"#,
+            vec![r#"field "prompts" is an object, expected an array of prompts"#],
+        ),
+        (
+            r#"{"schema": 1, "prompts": [[1, 2]]}"#,
+            vec!["prompts[0] is an array, expected an object"],
+        ),
+    ] {
+        let p = write(dir.path(), "p.json", text);
+        let e = prompts::load(&p).unwrap_err().to_string();
+        assert!(!e.contains("invalid type"), "{e}");
+        for w in want {
+            assert!(e.contains("p.json") && e.contains(w), "{w}\n{e}");
+        }
+    }
+    // Negative control: the well-formed set of the same entries loads.
+    let p = write(
+        dir.path(),
+        "p.json",
+        r#"{"schema": 1, "prompts": [{"id": "hi", "text": "Hello", "chat": true}, {"id": "a", "tokens": [1]}]}"#,
+    );
+    assert_eq!(prompts::load(&p).unwrap().prompts.len(), 2);
+}
+
 #[test]
 fn a_model_config_with_a_repeated_key_is_refused() {
     let dir = tempfile::tempdir().unwrap();

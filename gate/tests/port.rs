@@ -483,6 +483,96 @@ fn init_refuses_what_it_cannot_gate_in_one_line() {
     assert_eq!(std::fs::read_dir(fresh.path()).unwrap().count(), 1);
 }
 
+/// An executable shell script `name` in `dir` with body `body`.
+fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+    let mut perm = std::fs::metadata(&p).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&p, perm).unwrap();
+    p
+}
+
+/// Issue 52: `gate init` and `--bless` ran the reference on every prompt (minutes of torch on a
+/// real model) before the candidate was tried once. An unstartable candidate — not there, not
+/// executable, exiting non-zero — is now refused before the reference runs: the reference here
+/// is a command that leaves a mark when it runs, and leaves none. Negative control: with a
+/// working candidate the same reference runs (and leaves its mark).
+#[test]
+fn an_unstartable_candidate_is_refused_before_the_reference_runs() {
+    let marks = tempfile::tempdir().unwrap();
+    let mark = marks.path().join("reference-ran");
+    let reference = script(
+        marks.path(),
+        "reference.sh",
+        &format!("echo ran >> '{}'\nexit 1", mark.display()),
+    );
+    let reference_cmd = format!("'{}' {{verb}} {{args}}", reference.display());
+    let with_reference = ["--reference", "cmd", "--reference-cmd", &reference_cmd];
+    let not_executable = marks.path().join("port.sh");
+    std::fs::write(&not_executable, "#!/bin/sh\nexit 0\n").unwrap();
+    let exits_3 = script(
+        marks.path(),
+        "bad.sh",
+        "echo 'my-port: cannot load weights' >&2\nexit 3",
+    );
+    for (cmd, says) in [
+        ("./my-port {verb} {args}".to_string(), "./my-port"),
+        (
+            format!("'{}' {{verb}} {{args}}", not_executable.display()),
+            "port.sh",
+        ),
+        (
+            format!("'{}' {{verb}} {{args}}", exits_3.display()),
+            "my-port: cannot load weights",
+        ),
+    ] {
+        let (dir, out) = init_with(&cmd, &with_reference);
+        assert_eq!(out.code, 2, "{cmd}: {}\n{}", out.stdout, out.stderr);
+        assert!(
+            out.stderr.contains(
+                "the candidate, tried once on prompt \"short\" before the reference runs"
+            ) && out.stderr.contains(says)
+                && out.stderr.contains("nothing was recorded"),
+            "{cmd}: {}",
+            out.stderr
+        );
+        assert!(!mark.exists(), "{cmd}: the reference ran: {}", out.stderr);
+        assert!(!dir.path().join("milestones.json").exists());
+    }
+    // Negative control: a candidate that runs is followed by the reference.
+    let (_dir, out) = init_with(&port_cmd(""), &with_reference);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("the reference failed"),
+        "{}",
+        out.stderr
+    );
+    assert!(mark.exists(), "{}", out.stderr);
+    // `--bless` of a project: the oracle (its Python, here a command that leaves a mark) is not
+    // run for a candidate that cannot start.
+    let _ = std::fs::remove_file(&mark);
+    let dir = project(&[]);
+    let d = dir.path();
+    set_candidate(d, &format!("'{}' {{verb}} {{args}}", exits_3.display()));
+    let oracle_python = script(
+        marks.path(),
+        "python",
+        &format!("echo ran >> '{}'\nexit 1", mark.display()),
+    );
+    let out = gate(
+        d,
+        &["run", "port", "--bless"],
+        &[("TRACEGATE_ORACLE_PYTHON", oracle_python.to_str().unwrap())],
+    );
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("my-port: cannot load weights") && !mark.exists(),
+        "{}",
+        out.stderr
+    );
+}
+
 /// The adversary port (tests/producers/port_adversary.py): the example producer with its trace
 /// rewritten by TraceWriter.
 fn adversary(edits: &str) -> String {
@@ -736,30 +826,122 @@ fn a_nan_in_both_runs_of_the_candidate_fails_agrees() {
 }
 
 /// docs/ci.md's workflow: each step's name and its `run:` command, as written there.
-fn documented_steps() -> Vec<(String, String)> {
+/// One step of a workflow block of docs/ci.md: its name, its `run:` command, its `if:` and the
+/// `path:` entries of its `with:` (an upload's, a cache's).
+#[derive(Debug, Default)]
+struct Step {
+    name: String,
+    run: Option<String>,
+    cond: Option<String>,
+    paths: Vec<String>,
+}
+
+/// The steps of the first yaml block after `heading` in docs/ci.md (the subset of YAML the
+/// documented workflows use: one-line `run:` and `if:`, `path:` one line or a `|` block).
+fn workflow(heading: &str) -> Vec<Step> {
     let doc = std::fs::read_to_string(repo().join("docs/ci.md")).unwrap();
     let at = doc
-        .find("## A port's workflow")
-        .expect("docs/ci.md has the port's workflow");
+        .find(heading)
+        .unwrap_or_else(|| panic!("docs/ci.md has {heading:?}"));
     let block = &doc[at..];
     let start = block.find("```yaml\n").expect("a yaml block") + 8;
     let end = start + block[start..].find("```").unwrap();
-    let mut steps = Vec::new();
-    let mut name = None;
-    for line in block[start..end].lines() {
-        let line = line.trim();
+    let mut steps: Vec<Step> = Vec::new();
+    let mut in_paths = None;
+    for raw in block[start..end].lines() {
+        let indent = raw.len() - raw.trim_start().len();
+        let line = raw.trim();
+        if let Some(min) = in_paths {
+            if indent >= min && !line.is_empty() {
+                steps.last_mut().unwrap().paths.push(line.to_string());
+                continue;
+            }
+            in_paths = None;
+        }
         if let Some(n) = line.strip_prefix("- name: ") {
-            name = Some(n.to_string());
-        } else if let (Some(run), Some(n)) = (line.strip_prefix("run: "), &name) {
-            // A single-quoted YAML scalar is the command between the quotes.
-            let run = run
-                .strip_prefix('\'')
-                .and_then(|r| r.strip_suffix('\''))
-                .unwrap_or(run);
-            steps.push((n.clone(), run.replace("''", "'")));
+            steps.push(Step {
+                name: n.to_string(),
+                ..Step::default()
+            });
+        } else if line.starts_with("- ") {
+            steps.push(Step::default()); // an unnamed step (`- uses: …`)
+        } else if let Some(step) = steps.last_mut().filter(|s| !s.name.is_empty()) {
+            if let Some(run) = line.strip_prefix("run: ") {
+                // A single-quoted YAML scalar is the command between the quotes.
+                let run = run
+                    .strip_prefix('\'')
+                    .and_then(|r| r.strip_suffix('\''))
+                    .unwrap_or(run);
+                step.run = Some(run.replace("''", "'"));
+            } else if let Some(c) = line.strip_prefix("if: ") {
+                step.cond = Some(c.to_string());
+            } else if line == "path: |" {
+                in_paths = Some(indent + 1);
+            } else if let Some(p) = line.strip_prefix("path: ") {
+                step.paths.push(p.to_string());
+            }
         }
     }
+    steps.retain(|s| !s.name.is_empty());
     steps
+}
+
+fn documented_steps() -> Vec<(String, String)> {
+    workflow("## A port's workflow")
+        .into_iter()
+        .filter_map(|s| Some((s.name, s.run?)))
+        .collect()
+}
+
+/// Issue 52: the workflow uploaded `target/gate/` (160–180 MB of traces after one failing run)
+/// as its artifact. The reports' upload names the reports alone, each there after a failing run
+/// (`dir`), none of them a trace or under `target/gate/` — where the traces are; the traces'
+/// upload is opt-in.
+fn assert_uploads_the_reports_only(steps: &[Step], dir: &Path) {
+    let reports = steps
+        .iter()
+        .find(|s| s.name == "Upload the reports")
+        .expect("an upload of the reports");
+    assert_eq!(reports.cond.as_deref(), Some("always()"));
+    assert!(!reports.paths.is_empty());
+    for p in &reports.paths {
+        assert!(
+            !p.starts_with("target/gate") && !p.ends_with(".trace") && !p.contains('*'),
+            "the reports' upload names {p}"
+        );
+        assert!(dir.join(p).is_file(), "{p} is not a report the run wrote");
+    }
+    let traces: Vec<PathBuf> = walk(&dir.join("target/gate"))
+        .into_iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "trace"))
+        .collect();
+    assert!(
+        !traces.is_empty(),
+        "the failing run left no traces to leave out"
+    );
+    let opt_in = steps
+        .iter()
+        .find(|s| s.name == "Upload the traces")
+        .expect("an opt-in upload of the traces");
+    assert_eq!(opt_in.paths, ["target/gate/"]);
+    assert_eq!(
+        opt_in.cond.as_deref(),
+        Some("failure() && vars.GATE_UPLOAD_TRACES == 'true'")
+    );
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
 }
 
 #[test]
@@ -825,6 +1007,229 @@ fn the_documented_workflow_gates_a_port() {
         text.contains("::error title=gate port model short/agrees"),
         "{text}"
     );
+    assert_uploads_the_reports_only(&workflow("## A port's workflow"), d);
+}
+
+/// The `tracegate` wheel the checkout's set-up built (scripts/setup.sh: `maturin build` into the
+/// target directory's `wheels/`, beside the gate under test): the newest there.
+fn built_wheel() -> PathBuf {
+    let dir = Path::new(env!("CARGO_BIN_EXE_gate"))
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("wheels");
+    std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("tracegate-") && n.ends_with(".whl"))
+        })
+        .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "no tracegate wheel in {}: scripts/setup.sh builds it (maturin build --release -m trace/python/Cargo.toml)",
+                dir.display()
+            )
+        })
+}
+
+/// A fresh virtual environment, the job's Python: numpy (the wheel's one dependency, from the
+/// repository's .venv, so pip needs no index) and nothing of tracegate.
+fn job_python(dir: &Path) -> PathBuf {
+    let venv = dir.join("venv");
+    let py = common::python();
+    let made = std::process::Command::new(&py)
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let where_ = |code: &str, py: &Path| -> String {
+        let out = std::process::Command::new(py)
+            .args(["-c", code])
+            .env_remove("PYTHONPATH")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let numpy_site = PathBuf::from(where_(
+        "import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))",
+        &py,
+    ));
+    let deps = dir.join("deps");
+    std::fs::create_dir_all(&deps).unwrap();
+    for e in std::fs::read_dir(&numpy_site).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == "numpy"
+            || name == "numpy.libs"
+            || (name.starts_with("numpy-") && name.ends_with(".dist-info"))
+        {
+            std::os::unix::fs::symlink(e.path(), deps.join(&name)).unwrap();
+        }
+    }
+    let site = where_(
+        "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        &venv.join("bin/python"),
+    );
+    std::fs::write(
+        Path::new(&site).join("numpy-only.pth"),
+        format!("{}\n", deps.display()),
+    )
+    .unwrap();
+    venv
+}
+
+/// docs/ci.md's Python port workflow, its steps run as written (issue 52: a Python port's CI
+/// needs the `tracegate` module, installed from a wheel built once). The port is the contract,
+/// its package in the project; the job's Python a fresh venv. Negative control: without the
+/// module installed, the port cannot write a trace and the job fails.
+#[test]
+fn the_documented_python_workflow_gates_a_python_port() {
+    let steps = workflow("## A Python port's workflow");
+    let names: Vec<&str> = steps
+        .iter()
+        .filter(|s| s.run.is_some())
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "Fetch tracegate",
+            "Build the gate",
+            "Build the tracegate wheel",
+            "Install the tracegate module",
+            "Install the port",
+            "Gate the port"
+        ]
+    );
+    let run_of = |name: &str| -> String {
+        steps
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.run.clone())
+            .unwrap()
+    };
+    // The wheel step builds what the set-up builds, which stands in for it here.
+    assert!(
+        run_of("Build the tracegate wheel")
+            .contains("maturin build --release -m \"$TRACEGATE_HOME/trace/python/Cargo.toml\""),
+        "{}",
+        run_of("Build the tracegate wheel")
+    );
+    let job = tempfile::tempdir().unwrap();
+    let built = job.path().join("built");
+    std::fs::create_dir_all(built.join("wheels")).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gate"), built.join("gate")).unwrap();
+    let wheel = built_wheel();
+    std::fs::copy(
+        &wheel,
+        built.join("wheels").join(wheel.file_name().unwrap()),
+    )
+    .unwrap();
+    let venv = job_python(job.path());
+    // The user's project: golden traces recorded once; the port is the contract (numpy and the
+    // tracegate module), its package in the checkout.
+    let dir = project(&[]);
+    let d = dir.path();
+    let copy = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(repo().join("contract/tracegate_contract"))
+        .arg(d)
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    std::fs::write(d.join("requirements.txt"), "numpy==2.4.6\n").unwrap();
+    set_candidate(d, "python -m tracegate_contract {verb} {args}");
+    let path = format!(
+        "{}:{}",
+        venv.join("bin").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run_steps = |names: &[&str]| -> (i32, String) {
+        let mut last = (0, String::new());
+        for name in names {
+            let out = std::process::Command::new("bash")
+                .args(["-euo", "pipefail", "-c", &run_of(name)])
+                .current_dir(d)
+                .env("PATH", &path)
+                .env_remove("PYTHONPATH")
+                .env_remove("VIRTUAL_ENV")
+                .env("PIP_NO_INDEX", "1")
+                .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+                .env("TRACEGATE_BUILT", &built)
+                .env("GITHUB_ACTIONS", "true")
+                .env("TRACEGATE_RESIDENT", "0")
+                .output()
+                .unwrap();
+            last = (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr),
+            );
+            if last.0 != 0 {
+                return (last.0, format!("{name}: {}", last.1));
+            }
+        }
+        last
+    };
+    let (code, text) = run_steps(&[
+        "Install the tracegate module",
+        "Install the port",
+        "Gate the port",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!text.contains("::error"), "{text}");
+    let r = report(&d.join("gate-report.json"));
+    assert_eq!(r["verdict"], "PASS", "{text}");
+    assert!(d.join("gate-report.html").is_file() && d.join("gate-junit.xml").is_file());
+    // The port imported the module the wheel installed in the job's Python.
+    let at = std::process::Command::new(venv.join("bin/python"))
+        .args(["-c", "import tracegate._native as n; print(n.__file__)"])
+        .current_dir(job.path())
+        .env_remove("PYTHONPATH")
+        .output()
+        .unwrap();
+    let at = String::from_utf8_lossy(&at.stdout).trim().to_string();
+    assert!(at.starts_with(&venv.display().to_string()), "{at}");
+    // Negative control: the module uninstalled, the port fails and so does the job.
+    let gone = std::process::Command::new(venv.join("bin/python"))
+        .args(["-m", "pip", "uninstall", "-y", "-q", "tracegate"])
+        .output()
+        .unwrap();
+    assert!(
+        gone.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gone.stderr)
+    );
+    let (code, text) = run_steps(&["Install the port", "Gate the port"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("::error") && text.contains("No module named 'tracegate'"),
+        "{text}"
+    );
+    // Its uploads are the port workflow's, which the_documented_workflow_gates_a_port holds to
+    // a failing run's files: the reports, the traces opt-in.
+    let uploads = |steps: &[Step]| -> Vec<(String, Option<String>, Vec<String>)> {
+        steps
+            .iter()
+            .filter(|s| s.name.starts_with("Upload"))
+            .map(|s| (s.name.clone(), s.cond.clone(), s.paths.clone()))
+            .collect()
+    };
+    assert_eq!(uploads(&steps), uploads(&workflow("## A port's workflow")));
 }
 
 #[test]

@@ -8,7 +8,8 @@
 //!   tokenizer digest (a port's prompts are tokenized by it);
 //! - run/: running a milestone and its checks, the report's types;
 //! - render.rs (text and HTML) and ci.rs (JUnit, GitHub annotations): the report rendered;
-//! - init.rs: `gate init`, a port's first milestone, written by running it.
+//! - init.rs: `gate init`, a port's first milestone, written by running it;
+//! - threads.rs: a hint to pin a slow port's BLAS threads, from its runs' seconds.
 //!
 //! A port whose `agrees` fails is localised by a bisection (run/port.rs calls crate::bisect,
 //! which sits below this part and imports nothing of it).
@@ -20,4 +21,5 @@ pub mod init;
 pub mod milestones;
 pub mod render;
 pub mod run;
+pub mod threads;
 pub mod tokenizer;

@@ -21,6 +21,10 @@ pub const TOKENIZER_FILES: [&str; 9] = [
     "chat_template.json",
 ];
 
+/// The way out for a GGUF model without tokenizer files, as `tracegate.text` (trace/python)
+/// says it.
+pub const GGUF_FIX: &str = "give token ids (--tokens, or \"tokens\" in a prompt set), or a directory holding the tokenizer's files (transformers' AutoTokenizer.from_pretrained(dir, gguf_file=...).save_pretrained(dir) writes them; scripts/real_model.py convert does this)";
+
 /// Adds `name`'s entry to `h`, reading the file a chunk at a time: a tokenizer file of
 /// gigabytes costs one chunk of memory, not its size (issue 51).
 fn hash_file(h: &mut Sha256, name: &str, path: &Path) -> Result<()> {
@@ -67,10 +71,18 @@ pub fn tokenizer_digest(dir: &Path) -> Result<String> {
         found = true;
     }
     if !found {
+        // A GGUF model (the file, or a directory holding one): its tokenizer is in metadata the
+        // digest does not read; the way out `tracegate.text` gives for it.
+        let gguf = tracegate_trace::gguf_file(dir).is_ok_and(|f| f.is_some());
         return Err(gerr!(
-            "{}: no tokenizer (looked for {})",
+            "{}: no tokenizer (looked for {}){}",
             dir.display(),
-            TOKENIZER_FILES.join(", ")
+            TOKENIZER_FILES.join(", "),
+            if gguf {
+                format!("; a GGUF's tokenizer is in its metadata, which a text prompt does not read: {GGUF_FIX}")
+            } else {
+                String::new()
+            }
         ));
     }
     Ok(hex::encode(h.finalize()))
@@ -101,6 +113,25 @@ mod tests {
             tokenizer_digest(dir.path()).unwrap(),
             "f0575d0f69217ab81f87d45aebc4e2173b8c6bfb6c86d2af281f4707472b71f7"
         );
+    }
+
+    /// A GGUF model without tokenizer files is refused with the way out (issue 52: on main a
+    /// GGUF directory got only "no tokenizer"); a directory without a .gguf gets no GGUF advice.
+    #[test]
+    fn a_gguf_model_without_tokenizer_files_gets_the_way_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = tokenizer_digest(dir.path()).unwrap_err().to_string();
+        assert!(!plain.contains("GGUF"), "{plain}");
+        std::fs::write(dir.path().join("m.gguf"), b"GGUF").unwrap();
+        for model in [dir.path().to_path_buf(), dir.path().join("m.gguf")] {
+            let e = tokenizer_digest(&model).unwrap_err().to_string();
+            assert!(
+                e.contains("no tokenizer (looked for tokenizer.json")
+                    && e.contains(GGUF_FIX)
+                    && e.contains(&model.display().to_string()),
+                "{e}"
+            );
+        }
     }
 
     /// The digest of a 512 MiB (sparse) vocab.json costs a chunk of memory, not the file: a

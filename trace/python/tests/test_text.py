@@ -140,6 +140,45 @@ def test_a_gguf_file_is_refused_with_the_way_out(tmp_path):
     assert str(g) in msg and "--tokens" in msg and "save_pretrained" in msg, msg
 
 
+def test_a_gguf_directory_without_tokenizer_files_gets_the_same_way_out(tmp_path):
+    """Issue 52: a directory holding a .gguf and no tokenizer files said only `no tokenizer`,
+    where the `.gguf` file itself got the fix; both now give it, as the gate's own digest does."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(TextError) as e:
+        tokenizer_digest(plain)
+    assert "GGUF" not in str(e.value)  # negative control: no GGUF, no GGUF advice
+    d = tmp_path / "gguf"
+    d.mkdir()
+    (d / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(TextError) as e:
+        tokenizer_digest(d)
+    msg = str(e.value)
+    assert msg.startswith(f"{d}: no tokenizer (looked for tokenizer.json"), msg
+    assert text.GGUF_FIX in msg and "--tokens" in msg and "save_pretrained" in msg, msg
+    with pytest.raises(TextError) as e:
+        tokenizer_digest(d / "m.gguf")
+    assert text.GGUF_FIX in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "doc, want",
+    [
+        ([{"id": "a", "tokens": [1]}], "the file is an array: a prompt set is one JSON object: {"),
+        (
+            {"schema": 1, "prompts": [{"id": "hi", "text": "Hello", "chat": "yes"}]},
+            'prompt 0 (id \'hi\'): field "chat" is the string "yes", expected true or false',
+        ),
+    ],
+)
+def test_a_prompt_set_of_the_wrong_shape_says_what_is_expected(tmp_path, doc, want):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(TextError) as e:
+        text.tokenize_prompts(tmp_path, p)
+    assert want in str(e.value), str(e.value)
+
+
 def test_plain_text_is_the_tokenizers_own_encoding(model):
     s = "hello world the cat sat on zebra a mat"  # zebra: <unk>
     r = tokenize(model, s)

@@ -433,6 +433,18 @@ pub(super) fn run(
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| gerr!(File: "{}: {e}", dir.display()))?;
     }
+    if o.bless {
+        // `gate init`, `--bless`: the candidate once before the reference runs on every prompt.
+        crate::milestone::init::try_candidate(
+            &o.root,
+            &candidate,
+            &plan.model,
+            &plan.selected,
+            internals,
+            &plan.work_rel,
+            o.timeout,
+        )?;
+    }
     let progress = crate::progress::start(format!("gate {}", m.id), plan.selected.len() as u64);
     // The noise traces: recorded ones verified before anything runs; re-run when blessing.
     let noise = noise_producer(o, &plan, &port);

@@ -266,9 +266,7 @@ def tokenizer_digest(model_dir) -> str:
         # be a second definition beside the files'.
         raise TextError(
             f"{d}: a text prompt needs the tokenizer's files (tokenizer.json, ...), not a GGUF "
-            "file: give --tokens, or a directory the tokenizer was saved to (transformers' "
-            "AutoTokenizer.from_pretrained(dir, gguf_file=...).save_pretrained(dir); "
-            "scripts/real_model.py convert does this)"
+            f"file: {GGUF_FIX}"
         )
     if not os.path.isdir(d):
         raise TextError(f"{d}: not a directory")
@@ -278,8 +276,28 @@ def tokenizer_digest(model_dir) -> str:
         _hash_file(h, name, path)
         found = True
     if not found:
-        raise TextError(f"{d}: no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
+        msg = f"{d}: no tokenizer (looked for {', '.join(TOKENIZER_FILES)})"
+        # A GGUF directory (its tokenizer in the metadata): the same way out as the file's.
+        if any(n.endswith(".gguf") for n in _listing(d)):
+            msg += f"; a GGUF's tokenizer is in its metadata, which a text prompt does not read: {GGUF_FIX}"
+        raise TextError(msg)
     return h.hexdigest()
+
+
+# The way out for a GGUF model, as the gate's own tokenizer digest says it
+# (gate/src/milestone/tokenizer.rs, GGUF_FIX).
+GGUF_FIX = (
+    'give token ids (--tokens, or "tokens" in a prompt set), or a directory holding the '
+    "tokenizer's files (transformers' AutoTokenizer.from_pretrained(dir, gguf_file=...)"
+    ".save_pretrained(dir) writes them; scripts/real_model.py convert does this)"
+)
+
+
+def _listing(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
 
 
 def _check_sizes(d: str) -> None:
@@ -410,6 +428,26 @@ def tokenize(model_dir, text: str, chat: bool = False) -> dict:
     return {"tokens": ids, "tokenizer_digest": digest, "template": template}
 
 
+# As the gate's refusal says it (gate/src/prompts.rs, SHAPE).
+PROMPT_SET_SHAPE = (
+    'a prompt set is one JSON object: {"schema": 1, "prompts": [{"id": "short", "tokens": '
+    '[3, 17, 5]}, {"id": "hello", "text": "Hello", "chat": true}]} (docs/gate.md, "Prompt sets")'
+)
+
+
+def _kind(v) -> str:
+    """What a JSON value is, for a refusal, as the gate says it (gate/src/prompts.rs, kind)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return f"the number {v}"
+    if isinstance(v, str):
+        return f"the string {json.dumps(v)}"
+    return "an array" if isinstance(v, list) else "an object"
+
+
 def _prompt_set(path: str) -> list[tuple[int, str, str, bool]]:
     """(index, id, text, chat) of every entry of prompt-set `path` that has `text`; entries with
     `tokens` are checked and skipped."""
@@ -426,7 +464,7 @@ def _prompt_set(path: str) -> list[tuple[int, str, str, bool]]:
     except (UnicodeDecodeError, ValueError) as e:
         raise TextError(f"--prompts {path}: not JSON: {e}") from None
     if not isinstance(doc, dict):
-        raise TextError(f"--prompts {path}: not a JSON object")
+        raise TextError(f"--prompts {path}: the file is {_kind(doc)}: {PROMPT_SET_SHAPE}")
     if doc.get("schema") != 1:
         raise TextError(f"--prompts {path}: schema {doc.get('schema')!r}, expected 1")
     prompts = doc.get("prompts")
@@ -450,7 +488,7 @@ def _prompt_set(path: str) -> list[tuple[int, str, str, bool]]:
             raise TextError(f"{where}: has neither `text` nor `tokens`")
         chat = p.get("chat", False)
         if not isinstance(chat, bool):
-            raise TextError(f"{where}: `chat` must be true or false")
+            raise TextError(f'{where}: field "chat" is {_kind(chat)}, expected true or false')
         if has_tokens:
             if chat:
                 raise TextError(f"{where}: `chat` goes only with `text`")
