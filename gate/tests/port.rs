@@ -379,6 +379,78 @@ fn a_whole_run_only_defect_is_named_by_the_localisation_which_comes_first_everyw
     assert!(html.contains(WHOLE_RUN_ONLY), "{html}");
 }
 
+/// Issue 52: `gate bisect --reference trace:golden/X.trace` on the golden traces `gate init`
+/// writes by default (default capture, decode steps) was refused whatever the flags (its
+/// --generate implied internals). It bisects with what they hold: layer boundaries, and a decode
+/// step named by its logits, its layers said NOT CHECKED for want of internals; asking
+/// --capture internals of such a trace is refused naming both.
+#[test]
+fn gate_bisect_runs_from_the_default_golden_traces_with_what_they_hold() {
+    let dir = project(&[]);
+    let d = dir.path();
+    let bisect = |candidate: &str, extra: &[&str], report: &str| {
+        let mut args = vec![
+            "bisect",
+            "--model",
+            "model",
+            "--reference",
+            "trace:golden/short.trace",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            candidate,
+            "--work",
+            report,
+            "--report",
+        ];
+        let rp = format!("{report}.json");
+        args.push(&rp);
+        args.extend(extra);
+        let out = gate(d, &args, &[]);
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(d.join(&rp)).unwrap())
+            .unwrap_or_else(|e| panic!("{e}: {}\n{}", out.stdout, out.stderr));
+        (out, r)
+    };
+    // The whole-run-only defect, from the prefill's layer boundaries.
+    let (out, r) = bisect(&whole_run_only_cmd(), &[], "whole");
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    common::assert_valid_bisect_report(&r);
+    assert_eq!(r["verdict"], "inconsistent_producer", "{}", out.stdout);
+    assert!(
+        r["summary"].as_str().unwrap().starts_with(WHOLE_RUN_ONLY),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(r["capture"], "default");
+    // A cached-decode defect: the step is named, the cache self-check runs, and the isolation
+    // at that step says what it would need.
+    let (out, r) = bisect(&port_cmd(" --plant decode-pos"), &[], "decode");
+    assert_eq!(out.code, 6, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(r["verdict"], "cached_decode_differs", "{}", out.stdout);
+    assert_eq!(r["decode"]["first_diverging_step"], 1, "{}", out.stdout);
+    let why = r["decode"]["isolation_not_checked"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        why.contains("--capture default") && why.contains("gate init --capture internals"),
+        "{}",
+        out.stdout
+    );
+    // Negative control: internals asked of a trace without them is refused, naming both.
+    let (out, r) = bisect(
+        &whole_run_only_cmd(),
+        &["--capture", "internals"],
+        "refused",
+    );
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(r["verdict"], "refused");
+    let said = r["summary"].as_str().unwrap();
+    assert!(
+        said.contains("recorded with --capture default, this bisection asks --capture internals"),
+        "{said}"
+    );
+}
+
 #[test]
 fn a_cached_decode_defect_fails_generation_though_the_first_tokens_agree() {
     let dir = project(&[]);
