@@ -738,3 +738,28 @@ fn each_charts_caption_promises_only_the_bars_it_draws() {
         }
     }
 }
+
+// Issue 52: the line that says where the runs part comes first everywhere. On the page it sat
+// under the sides and the policy; the text report's opening line now heads the page.
+#[test]
+fn the_page_opens_with_the_text_reports_first_line() {
+    let (r, c) = oracle_like_pair();
+    let (dir, rp, cp) = pair(&r, &c);
+    let page = dir.path().join("page.html");
+    let out = run(&[p(&rp), p(&cp), "--html", p(&page)]);
+    let first = out.stdout.lines().next().unwrap_or_default();
+    assert!(first.contains("first at "), "{}", out.stdout);
+    let html = std::fs::read_to_string(&page).unwrap();
+    let line = format!(
+        "<p id=\"headline\">{}</p>",
+        tracegate_diff::html::esc(first)
+    );
+    let at = html
+        .find(&line)
+        .unwrap_or_else(|| panic!("no {line} in {html}"));
+    assert!(at < html.find("id=\"sides\"").unwrap(), "{html}");
+    assert!(
+        at < html.find("id=\"first-bit-difference\"").unwrap(),
+        "{html}"
+    );
+}

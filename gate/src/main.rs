@@ -381,6 +381,9 @@ fn bisect_options(
         Some(c) => c == "internals",
         None => stored.as_ref().is_some_and(|s| s.internals),
     };
+    // A stored reference of the default capture (`gate init`'s golden traces) is bisected with
+    // what it holds: --generate does not imply internals for it (docs/bisect.md).
+    let stored_default = stored.as_ref().is_some_and(|s| !s.internals);
     let model = up.resolve(&a.model).display().to_string();
     let sampler_seed = a.seed.or(stored.as_ref().and_then(|s| s.seed)).unwrap_or(0);
     Ok(bisect::BisectOptions {
@@ -418,7 +421,7 @@ fn bisect_options(
         precision: a.precision.clone(),
         all_layers: a.all_layers,
         // Decode steps capture their layer points only under internals (docs/producers.md).
-        internals: internals || generate > 0,
+        internals: internals || (generate > 0 && !stored_default),
         calibrate: a.calibrate,
         generate,
         seed: a.seed.unwrap_or(1),

@@ -1222,7 +1222,7 @@ fn a_layer_verb_that_disagrees_with_its_own_whole_run_is_inconsistent_not_a_wron
         "{i}"
     );
     assert!(
-        o.headline().starts_with("the candidate's layer verb disagrees with its own whole run at layer 02: attn_probs differs from the whole run (")
+        o.headline().starts_with("the layer verb disagrees with the whole run at layer 02 (the candidate's layer verb on its own whole run's input): attn_probs differs from the whole run (")
             && o.headline().contains("no layer body is blamed"),
         "{}",
         o.stdout

@@ -265,6 +265,192 @@ fn a_planted_k_norm_defect_fails_agrees_and_is_localised_at_layer_03_stage_k() {
     );
 }
 
+/// A port whose whole run alone is wrong (tests/producers/whole_run_only.py): its `trace` verb
+/// loads layer 2's feed-forward norm from the last block, its `layer` verb loads the one layer
+/// it runs, correctly.
+fn whole_run_only_cmd() -> String {
+    format!(
+        "'{}' '{}' {{verb}} {{args}}",
+        common::python().display(),
+        repo()
+            .join("gate/tests/producers/whole_run_only.py")
+            .display()
+    )
+}
+
+/// The line that names it: the port's layer verb against its own whole run.
+const WHOLE_RUN_ONLY: &str = "the layer verb disagrees with the whole run at layer 02";
+
+/// Issue 52: layer 02's input agrees with the golden trace and its output does not, while the
+/// layer verb (which does not have the defect) matches the golden trace there. `gate run port`
+/// said "no layer body is wrong; the divergence accumulates" with layer 02 "inherits"; its
+/// localisation must run the self-check and name the layer verb disagreeing with the whole run.
+/// And that line comes first: in the text output, the JUnit failure message, the ::error
+/// annotation and the HTML page.
+#[test]
+fn a_whole_run_only_defect_is_named_by_the_localisation_which_comes_first_everywhere() {
+    let dir = project(&[]);
+    let d = dir.path();
+    set_candidate(d, &whole_run_only_cmd());
+    let (rp, page, junit) = (d.join("r.json"), d.join("r.html"), d.join("j.xml"));
+    let out = gate(
+        d,
+        &[
+            "run",
+            "port",
+            "--only",
+            "short",
+            "--report",
+            rp.to_str().unwrap(),
+            "--html",
+            page.to_str().unwrap(),
+            "--junit",
+            junit.to_str().unwrap(),
+        ],
+        &[("GITHUB_ACTIONS", "true")],
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let r = report(&rp);
+    let l = &r["prompts"][0]["localised"];
+    assert_eq!(l["verdict"], "inconsistent_producer", "{l}");
+    assert!(l["first_wrong_layer"].is_null(), "{l}");
+    let summary = l["summary"].as_str().unwrap();
+    assert!(summary.starts_with(WHOLE_RUN_ONLY), "{summary}");
+    assert!(
+        summary.contains("layer 02's input agrees with the reference"),
+        "{summary}"
+    );
+    let bisected: Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join(l["report"].as_str().unwrap())).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(bisected["self_consistency"]["inconsistent"]["layer"], 2);
+    assert_eq!(bisected["layers"][2]["status"], "inconsistent");
+
+    // Text: the localisation before the table and every check's detail and finding.
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    let at = |pred: &dyn Fn(&str) -> bool| lines.iter().position(|l| pred(l));
+    let loc = at(&|l: &str| l.contains("localised by gate bisect")).expect("no localisation");
+    assert!(lines[loc].starts_with("short: localised by gate bisect against the golden trace: the layer verb disagrees with the whole run at layer 02"), "{}", out.stdout);
+    let table = at(&|l: &str| l.starts_with("prompt ")).unwrap();
+    let detail = at(&|l: &str| l.starts_with("short/agrees FAIL")).unwrap();
+    let finding = at(&|l: &str| l.starts_with("    finding")).unwrap();
+    assert!(
+        loc < table && loc < detail && loc < finding,
+        "{}",
+        out.stdout
+    );
+    // Said once in the text (the annotations, after it, are their own view).
+    let said = |l: &&&str| !l.starts_with("::") && l.contains("localised by gate bisect");
+    assert_eq!(lines.iter().filter(said).count(), 1, "{}", out.stdout);
+
+    // JUnit: the agrees case's failure message opens with it.
+    let xml = std::fs::read_to_string(&junit).unwrap();
+    let case = &xml[xml.find("name=\"agrees\"").expect("an agrees case")..];
+    let message = &case[case.find("message=\"").unwrap() + 9..];
+    assert!(
+        message.starts_with(&format!(
+            "localised by gate bisect against the golden trace: {WHOLE_RUN_ONLY}"
+        )),
+        "{xml}"
+    );
+
+    // The ::error annotation of agrees opens with it.
+    let error = lines
+        .iter()
+        .find(|l| l.starts_with("::error ") && l.contains("short/agrees%3A FAIL::"))
+        .unwrap_or_else(|| panic!("no agrees annotation: {}", out.stdout));
+    assert!(
+        error.contains(&format!("short/agrees%3A FAIL::localised by gate bisect against the golden trace: {WHOLE_RUN_ONLY}")),
+        "{error}"
+    );
+
+    // The page: the localisation before the checks table and the findings.
+    let html = std::fs::read_to_string(&page).unwrap();
+    let pos = |s: &str| html.find(s).unwrap_or_else(|| panic!("no {s} in {html}"));
+    assert!(
+        pos("id=\"localised-0\"") < pos("id=\"milestone-table\""),
+        "{html}"
+    );
+    assert!(
+        pos("id=\"localised-0\"") < pos("<h2>Findings</h2>"),
+        "{html}"
+    );
+    assert!(html.contains(WHOLE_RUN_ONLY), "{html}");
+}
+
+/// Issue 52: `gate bisect --reference trace:golden/X.trace` on the golden traces `gate init`
+/// writes by default (default capture, decode steps) was refused whatever the flags (its
+/// --generate implied internals). It bisects with what they hold: layer boundaries, and a decode
+/// step named by its logits, its layers said NOT CHECKED for want of internals; asking
+/// --capture internals of such a trace is refused naming both.
+#[test]
+fn gate_bisect_runs_from_the_default_golden_traces_with_what_they_hold() {
+    let dir = project(&[]);
+    let d = dir.path();
+    let bisect = |candidate: &str, extra: &[&str], report: &str| {
+        let mut args = vec![
+            "bisect",
+            "--model",
+            "model",
+            "--reference",
+            "trace:golden/short.trace",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            candidate,
+            "--work",
+            report,
+            "--report",
+        ];
+        let rp = format!("{report}.json");
+        args.push(&rp);
+        args.extend(extra);
+        let out = gate(d, &args, &[]);
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(d.join(&rp)).unwrap())
+            .unwrap_or_else(|e| panic!("{e}: {}\n{}", out.stdout, out.stderr));
+        (out, r)
+    };
+    // The whole-run-only defect, from the prefill's layer boundaries.
+    let (out, r) = bisect(&whole_run_only_cmd(), &[], "whole");
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    common::assert_valid_bisect_report(&r);
+    assert_eq!(r["verdict"], "inconsistent_producer", "{}", out.stdout);
+    assert!(
+        r["summary"].as_str().unwrap().starts_with(WHOLE_RUN_ONLY),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(r["capture"], "default");
+    // A cached-decode defect: the step is named, the cache self-check runs, and the isolation
+    // at that step says what it would need.
+    let (out, r) = bisect(&port_cmd(" --plant decode-pos"), &[], "decode");
+    assert_eq!(out.code, 6, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(r["verdict"], "cached_decode_differs", "{}", out.stdout);
+    assert_eq!(r["decode"]["first_diverging_step"], 1, "{}", out.stdout);
+    let why = r["decode"]["isolation_not_checked"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        why.contains("--capture default") && why.contains("gate init --capture internals"),
+        "{}",
+        out.stdout
+    );
+    // Negative control: internals asked of a trace without them is refused, naming both.
+    let (out, r) = bisect(
+        &whole_run_only_cmd(),
+        &["--capture", "internals"],
+        "refused",
+    );
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(r["verdict"], "refused");
+    let said = r["summary"].as_str().unwrap();
+    assert!(
+        said.contains("recorded with --capture default, this bisection asks --capture internals"),
+        "{said}"
+    );
+}
+
 #[test]
 fn a_cached_decode_defect_fails_generation_though_the_first_tokens_agree() {
     let dir = project(&[]);

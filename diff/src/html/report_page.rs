@@ -1,5 +1,5 @@
-//! The `trace-diff --html` page: the verdict, both sides, the first bit difference and the
-//! first violation, the curves by capture point, decisions, the per-tensor table, findings.
+//! The `trace-diff --html` page: the verdict and the text report's opening line (where the runs
+//! first part), both sides, the first bit difference and the first violation, the curves by capture point, decisions, the per-tensor table, findings.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -300,6 +300,14 @@ pub fn render_html(rep: &Report) -> String {
     let verdict = json_text(&rep.verdict);
     let verdict = verdict.trim_matches('"');
     let _ = write!(h, "<h1>trace-diff: <span id=\"verdict\" class=\"v-{verdict}\" data-json=\"/verdict\" data-v=\"&quot;{verdict}&quot;\">{}</span></h1>", verdict.to_uppercase().replace('_', " "));
+    // The line the text report opens with — the verdict and where the runs first part — at the
+    // top of the page too, before the sides, the charts and the per-tensor table.
+    let human = crate::render_human(rep);
+    let _ = write!(
+        h,
+        "<p id=\"headline\">{}</p>",
+        esc(human.lines().next().unwrap_or_default())
+    );
     h.push_str("<table id=\"sides\"><tr><th></th><th>path</th><th>producer</th><th>digest</th><th>verified</th></tr>");
     for (k, s) in [("reference", &rep.reference), ("candidate", &rep.candidate)] {
         let _ = write!(

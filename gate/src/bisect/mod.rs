@@ -151,7 +151,18 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         .and_then(|f| f.candidate_trace.clone())
         .unwrap_or_else(|| whole.cand_rel.clone());
     let own = open(&o.root, &own_rel)?;
-    let self_consistency = self_check(o, &own, &own_rel, &mut layers, &policy, forced, &mut runs);
+    // And a layer that would "inherit" what its agreeing input cannot have passed on.
+    let unexplained = layers::unexplained(&layers, &located);
+    let self_consistency = self_check(
+        o,
+        &own,
+        &own_rel,
+        &mut layers,
+        &policy,
+        forced,
+        unexplained.as_ref().map(|u| u.layer),
+        &mut runs,
+    );
     refuse_timeout(&runs, o)?;
     let first_wrong = layers::settle_statuses(&mut layers);
     let reference = &whole.reference;
@@ -201,7 +212,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     let said = match &self_consistency.inconsistent {
         // The first layer whose verbs disagree comes before any layer blamed: nothing is blamed.
         Some(i) if first_wrong.is_none_or(|w| i.layer < w) => {
-            inconsistent_verdict(i, &layers, &located.whole_run)
+            inconsistent_verdict(i, &layers, &located.whole_run, unexplained.as_ref())
         }
         _ => verdict(
             &layers,

@@ -273,7 +273,7 @@ pub(crate) fn self_consistency_lines(sc: &SelfConsistency, layers: &[LayerRow]) 
             }
         }
         (None, true, Scope::FirstWrongLayer) if sc.not_checked.is_empty() => {
-            o.push_str("  self-consistency: not run (checked only for a layer about to be blamed; --all-layers checks every isolated layer)\n")
+            o.push_str("  self-consistency: not run (checked only for a layer about to be blamed, or one whose agreeing input cannot explain its differing output; --all-layers checks every isolated layer)\n")
         }
         _ => {}
     }

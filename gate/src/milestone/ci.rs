@@ -2,10 +2,12 @@
 //! per prompt and check, one per baseline) and, under GitHub Actions, one `::error` line per
 //! FAIL and one `::warning` line per NOT CHECKED (docs/ci.md). Both are views of the report:
 //! every check of it appears, none is added, and a NOT CHECKED is a skipped case with its
-//! reason, never a pass.
+//! reason, never a pass. A port's failing `agrees` that was localised carries the localisation
+//! line first, in its failure message and its annotation.
 
 use std::fmt::Write as _;
 
+use crate::milestone::check::Check;
 use crate::milestone::run::{CheckResult, MilestoneReport, Status};
 
 /// Where a check sits: milestone, model, prompt (or `baselines`), check.
@@ -14,6 +16,27 @@ struct Case<'a> {
     model: String,
     group: &'a str,
     check: &'a CheckResult,
+    /// A failing `agrees` localised (PromptResult::localisation_line): first in its message.
+    localised: Option<String>,
+}
+
+impl Case<'_> {
+    /// The failure's one-line message: the localisation first, then the detail's first line.
+    fn message(&self) -> String {
+        let first = self.check.detail.lines().next().unwrap_or_default();
+        match &self.localised {
+            Some(l) => format!("{l}; {}: {first}", self.check.check),
+            None => first.to_string(),
+        }
+    }
+
+    /// The check's detail and findings, after the localisation when there is one.
+    fn body(&self) -> String {
+        match &self.localised {
+            Some(l) => format!("{l}\n{}", body(self.check)),
+            None => body(self.check),
+        }
+    }
 }
 
 fn cases(reps: &[MilestoneReport]) -> Vec<Case<'_>> {
@@ -27,6 +50,9 @@ fn cases(reps: &[MilestoneReport]) -> Vec<Case<'_>> {
                     model: model.clone(),
                     group: &p.id,
                     check: c,
+                    localised: (c.check == Check::Agrees && c.status == Status::Fail)
+                        .then(|| p.localisation_line())
+                        .flatten(),
                 });
             }
         }
@@ -36,6 +62,7 @@ fn cases(reps: &[MilestoneReport]) -> Vec<Case<'_>> {
                 model: model.clone(),
                 group: "baselines",
                 check: c,
+                localised: None,
             });
         }
     }
@@ -118,8 +145,8 @@ pub fn junit(reps: &[MilestoneReport]) -> String {
                     let _ = writeln!(
                         o,
                         "{head}>\n      <failure message=\"{}\" type=\"FAIL\">{}</failure>\n    </testcase>",
-                        xml(first),
-                        xml(&body(c.check))
+                        xml(&c.message()),
+                        xml(&c.body())
                     );
                 }
                 Status::NotChecked => {
@@ -168,7 +195,7 @@ pub fn github_annotations(reps: &[MilestoneReport]) -> Vec<String> {
             Some(format!(
                 "::{level} title={}::{}",
                 gh_property(&title),
-                gh_data(&body(c.check))
+                gh_data(&c.body())
             ))
         })
         .collect()

@@ -30,6 +30,17 @@ pub fn render(r: &MilestoneReport) -> String {
         r.threads,
         r.policy
     ));
+    // The localisation first: the one line a failing porter needs, before the table and the
+    // findings (a failing agrees can list hundreds of tensors).
+    let localised: Vec<String> = r
+        .prompts
+        .iter()
+        .filter_map(|p| Some(format!("{}: {}\n", p.id, p.localisation_line()?)))
+        .collect();
+    if !localised.is_empty() {
+        out.push_str(&localised.concat());
+        out.push('\n');
+    }
     let checks: Vec<String> = r
         .prompts
         .first()
@@ -95,17 +106,6 @@ pub fn render(r: &MilestoneReport) -> String {
         }
         for note in &p.observations {
             out.push_str(&format!("{}: observed: {note}\n", p.id));
-        }
-        if let Some(l) = &p.localised {
-            out.push_str(&format!(
-                "{}: localised by gate bisect against the golden trace: {}{}\n",
-                p.id,
-                l["summary"].as_str().unwrap_or("-"),
-                l["report"]
-                    .as_str()
-                    .map(|r| format!(" (report {r})"))
-                    .unwrap_or_default()
-            ));
         }
         if let Some(o) = &p.oracle {
             out.push_str(&format!(
@@ -173,6 +173,23 @@ pub fn render_html(r: &MilestoneReport) -> String {
         r.verdict,
         esc(&r.claim)
     );
+    // The localisation at the top of the page, before the table and the findings.
+    if r.prompts.iter().any(|p| p.localised.is_some()) {
+        h.push_str("<h2>Localised</h2>");
+        for (pi, p) in r.prompts.iter().enumerate() {
+            let Some(l) = &p.localised else { continue };
+            let layer = &l["first_wrong_layer"];
+            let _ = write!(
+                h,
+                "<div class=\"box\" id=\"localised-{pi}\"><b>{}/agrees</b> localised by gate bisect against the golden trace: {}<br>first wrong layer {}, stage <code>{}</code>{}</div>",
+                esc(&p.id),
+                val("span", "text", &format!("/prompts/{pi}/localised/summary"), &l["summary"], l["summary"].as_str().unwrap_or("-")),
+                val("span", "num", &format!("/prompts/{pi}/localised/first_wrong_layer"), layer, &layer.as_u64().map_or("-".into(), |n| n.to_string())),
+                esc(l["stage"]["tensor"].as_str().unwrap_or("-")),
+                l["report"].as_str().map(|r| format!("; its report: <code>{}</code>", esc(r))).unwrap_or_default(),
+            );
+        }
+    }
     let _ = write!(
         h,
         "<p>model <code>{}</code> ({}), prompts <code>{}</code>, generate {}, threads {}, timeout {} s, policy <code>{}</code>.</p>",
@@ -309,22 +326,6 @@ pub fn render_html(r: &MilestoneReport) -> String {
         h.push_str("<p>Every check of every prompt passed.</p>");
     }
 
-    if r.prompts.iter().any(|p| p.localised.is_some()) {
-        h.push_str("<h2>Localised</h2>");
-        for (pi, p) in r.prompts.iter().enumerate() {
-            let Some(l) = &p.localised else { continue };
-            let layer = &l["first_wrong_layer"];
-            let _ = write!(
-                h,
-                "<div class=\"box\" id=\"localised-{pi}\"><b>{}/agrees</b> localised by gate bisect against the golden trace: {}<br>first wrong layer {}, stage <code>{}</code>{}</div>",
-                esc(&p.id),
-                esc(l["summary"].as_str().unwrap_or("-")),
-                val("span", "num", &format!("/prompts/{pi}/localised/first_wrong_layer"), layer, &layer.as_u64().map_or("-".into(), |n| n.to_string())),
-                esc(l["stage"]["tensor"].as_str().unwrap_or("-")),
-                l["report"].as_str().map(|r| format!("; its report: <code>{}</code>", esc(r))).unwrap_or_default(),
-            );
-        }
-    }
     if whose == "candidate" {
         h.push_str("<h2>Agreement with the golden traces</h2>");
     } else {

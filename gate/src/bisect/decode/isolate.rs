@@ -93,6 +93,15 @@ pub(super) fn isolate_step(
     d: &mut DecodeReport,
     runs: &mut Vec<RunRecord>,
 ) {
+    // A reference recorded with the default capture (`gate init`'s golden traces) holds a
+    // decode step's logits and token, not its layers' points: the step is named, not isolated.
+    let first_point = names::decode(s, &names::layer(0, "hidden_in"));
+    if c.reference.tensor_info(&first_point).is_none() {
+        d.isolation_not_checked = Some(format!(
+            "the reference has no {first_point}: its decode steps hold their logits and token only (recorded with --capture default, docs/producers.md), so the step's layers are not isolated; a reference recorded with --capture internals isolates them (a port's golden traces: `gate init --capture internals`)"
+        ));
+        return;
+    }
     let input_rel = format!("{}/decode.{s:04}.input.trace", o.work);
     let view_rel = format!("{}/decode.{s:04}.reference.trace", o.work);
     if let Err(e) = write_step_inputs(o, c, s, p, &input_rel, &view_rel) {

@@ -457,8 +457,11 @@ pub(crate) fn is_moe(t: &Trace, layer: usize) -> bool {
 }
 
 /// The self-consistency check (`SelfConsistency`), lazily: only the first layer wrong in
-/// isolation, the one about to be blamed (a clean run costs nothing), or under `--all-layers`
-/// every isolated layer (one more layer-verb run each). Sets each checked row's `self_check`.
+/// isolation, the one about to be blamed (a clean run costs nothing), and `unexplained`, a layer
+/// whose input agrees and whose output does not though it matches in isolation
+/// (layers::unexplained: one more layer-verb run); or under `--all-layers` every isolated layer
+/// (one more layer-verb run each). Sets each checked row's `self_check`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn self_check(
     o: &BisectOptions,
     own: &Trace,
@@ -466,6 +469,7 @@ pub(crate) fn self_check(
     layers: &mut [LayerRow],
     policy: &Option<Policy>,
     forced: bool,
+    unexplained: Option<usize>,
     runs: &mut Vec<RunRecord>,
 ) -> SelfConsistency {
     let mut sc = SelfConsistency {
@@ -485,12 +489,16 @@ pub(crate) fn self_check(
             .map(|r| r.layer)
             .collect()
     } else {
-        layers
+        let mut todo: Vec<usize> = layers
             .iter()
             .find(|r| r.isolation == Isolated::Wrong)
             .map(|r| r.layer)
             .into_iter()
-            .collect()
+            .chain(unexplained)
+            .collect();
+        todo.sort_unstable();
+        todo.dedup();
+        todo
     };
     let src = Source {
         trace: own,

@@ -64,6 +64,37 @@ pub(crate) fn isolate_layers(
     (layers, failed)
 }
 
+/// A layer whose status would be "inherits" though there is nothing to inherit: its input
+/// (`layer.LL.hidden_in`) agrees with the reference in the whole runs, its output does not, and
+/// the candidate's layer verb on the reference's input matches the reference. Such a difference
+/// cannot come from upstream, nor from the layer body the layer verb runs: the candidate's whole
+/// run computes that layer otherwise (a weight loaded from another block, a setting the layer
+/// verb does not share). Its self-check settles which (`self_check`). The first such layer.
+#[derive(Clone, Debug)]
+pub(crate) struct Unexplained {
+    pub layer: usize,
+    /// The whole runs' `layer.LL.hidden_in` and `layer.LL.hidden_out` rel L2.
+    pub input_rel_l2: Option<f64>,
+    pub output_rel_l2: Option<f64>,
+}
+
+pub(crate) fn unexplained(layers: &[LayerRow], located: &Located) -> Option<Unexplained> {
+    layers
+        .iter()
+        .filter(|r| r.isolation == Isolated::Match && r.whole_run == WholeRunState::Differs)
+        .find_map(|r| {
+            let input = names::layer(r.layer, "hidden_in");
+            let compared = located.rows.iter().find(|t| t.tensor == input)?;
+            let agrees = !compared.status.is_bad()
+                && !located.diverging.iter().any(|(_, name, _)| *name == input);
+            agrees.then_some(Unexplained {
+                layer: r.layer,
+                input_rel_l2: compared.rel_l2,
+                output_rel_l2: r.whole_rel_l2,
+            })
+        })
+}
+
 /// Each layer's status from its isolation, its whole-run comparison and its self-check; the
 /// first layer wrong in isolation.
 pub(crate) fn settle_statuses(layers: &mut [LayerRow]) -> Option<usize> {

@@ -7,7 +7,9 @@
 //! Soundness: the stored trace is copied into the work directory and the copy is verified (every
 //! tensor's digest, and its whole-trace digest against the one read when it was opened) before
 //! the candidate runs, so an edited, truncated or replaced file is refused rather than judged. It is used only for the prompt, decode steps and capture it was recorded
-//! with; another is refused naming both. It counts as an ordered producer only when its provenance
+//! with; another is refused naming both. One recorded with the default capture (`gate init`'s
+//! golden traces) is bisected with what it holds: each layer's boundaries, and a decode step's
+//! logits and token (its layers are not isolated, NOT CHECKED saying why). It counts as an ordered producer only when its provenance
 //! names the engine or the contract and no oracle stack: a mislabelled trace can only make the
 //! judge stricter (by bits), never looser.
 
@@ -135,7 +137,7 @@ impl StoredReference {
         }
         if o.generate != self.generate {
             return Err(refuse(format!(
-                "recorded with --generate {}, this bisection asks --generate {}",
+                "recorded with --generate {}, this bisection asks --generate {} (without --generate it takes the trace's own)",
                 self.generate, o.generate
             )));
         }
@@ -147,14 +149,10 @@ impl StoredReference {
             )));
         }
         if o.internals && !self.internals {
-            return Err(refuse(format!(
-                "recorded with --capture default, this bisection needs internals ({})",
-                if o.generate > 0 {
-                    "--generate bisects decode steps by their layer points"
-                } else {
-                    "--capture internals"
-                }
-            )));
+            return Err(gerr!(
+                "--reference trace:{}: recorded with --capture default, this bisection asks --capture internals; without --capture it is bisected with what the trace holds (each layer's boundaries, so a stage is named by its block, not its sub-stage; a decode step by its logits and token, its layers not isolated), or re-record the reference with --capture internals (a port's golden traces: `gate init --capture internals`)",
+                self.shown
+            ));
         }
         if o.calibrate {
             return Err(gerr!("--calibrate runs the reference's own layer verb, and a stored reference (trace:{}) has none: bisect against a reference producer to calibrate", self.shown));

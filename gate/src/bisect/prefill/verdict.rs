@@ -348,11 +348,14 @@ pub(crate) fn verdict(
 }
 
 /// No layer body is blamed: the first layer about to be is one whose layer verb disagrees with
-/// the candidate's own whole run, so its isolation would judge the probe, not the engine.
+/// the candidate's own whole run, so its isolation would judge the probe, not the engine; or a
+/// layer whose input agrees and whose output does not though its layer verb matches the
+/// reference (`unexplained`, layers::unexplained): the whole run alone computes it otherwise.
 pub(crate) fn inconsistent_verdict(
     i: &Inconsistency,
     layers: &[LayerRow],
     whole: &WholeRun,
+    unexplained: Option<&super::layers::Unexplained>,
 ) -> Said {
     let element = i
         .element
@@ -381,10 +384,23 @@ pub(crate) fn inconsistent_verdict(
     } else {
         format!("; {}", say(&others, "disagrees too", "disagree too"))
     };
+    // Found through a layer that could inherit nothing: its whole-run input agrees, its output
+    // does not, and the layer verb on the reference's input matches the reference.
+    let found = unexplained
+        .filter(|u| u.layer == i.layer)
+        .map(|u| {
+            format!(
+                "; layer {l:02}'s input agrees with the reference in the whole runs (hidden_in rel L2 {}) and its output does not (hidden_out rel L2 {}), while the layer verb on the reference's input matches the reference: a defect of the candidate's whole run only (a weight or setting it loads for layer {l:02} that its layer verb does not)",
+                sci(u.input_rel_l2),
+                sci(u.output_rel_l2),
+                l = u.layer
+            )
+        })
+        .unwrap_or_default();
     (
         BisectVerdict::InconsistentProducer,
         format!(
-            "the candidate's layer verb disagrees with its own whole run at layer {:02}: {}{element}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
+            "the layer verb disagrees with the whole run at layer {:02} (the candidate's layer verb on its own whole run's input): {}{element}{found}{also}; no layer body is blamed (isolation runs the layer verb, which here is not what the whole run computes); the whole runs are {}",
             i.layer,
             i.detail,
             whole.verdict.as_str().replace('_', " ")

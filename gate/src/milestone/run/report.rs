@@ -167,6 +167,22 @@ pub struct PromptResult {
 }
 
 impl PromptResult {
+    /// The localisation of a failing `agrees` in one line (the one line a failing porter needs):
+    /// "localised by gate bisect against the golden trace: SUMMARY (report PATH)". First in the
+    /// text output, in the JUnit failure message and the ::error annotation of that `agrees`,
+    /// at the top of the HTML page (docs/gate.md, "Gate your own engine").
+    pub fn localisation_line(&self) -> Option<String> {
+        let l = self.localised.as_ref()?;
+        Some(format!(
+            "localised by gate bisect against the golden trace: {}{}",
+            l["summary"].as_str().unwrap_or("-"),
+            l["report"]
+                .as_str()
+                .map(|r| format!(" (report {r})"))
+                .unwrap_or_default()
+        ))
+    }
+
     /// The findings of `check`, failing and excused, of `kind`; None when it did not run (absent
     /// or NOT CHECKED).
     pub fn found(&self, check: Check, kind: FindingKind) -> Option<Vec<&Finding>> {
