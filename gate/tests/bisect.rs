@@ -733,6 +733,37 @@ fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
 }
 
 #[test]
+fn a_candidate_whose_only_difference_is_its_recorded_margins_is_told_so_not_structure() {
+    // Every tensor equal, every decision's value equal, its margins not what its own logits
+    // give: the headline once read "differ in structure, not only in values: verdict different".
+    let cmd = format!(
+        "'{}' '{}' --base contract --margins 100 {{verb|serve}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo()
+            .join("gate/tests/producers/planted_trace.py")
+            .display()
+    );
+    let o = bisect(
+        "tiny-qwen3",
+        &[
+            "--reference",
+            "engine",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cmd,
+        ],
+    );
+    assert_eq!(o.code, 1, "{}", o.stdout);
+    let headline = o.headline();
+    assert!(
+        headline.starts_with("no tensor differs and no layer is to blame; the whole runs differ in what they record: margin_")
+            && headline.contains("logits.argmax"),
+        "{headline}"
+    );
+}
+
+#[test]
 fn a_prompt_longer_than_max_position_embeddings_is_refused_before_any_producer_runs() {
     let tokens: Vec<String> = (0..257).map(|i| (i % 100).to_string()).collect();
     let tokens = tokens.join(",");

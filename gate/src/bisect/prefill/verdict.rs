@@ -288,18 +288,25 @@ pub(crate) fn verdict(
         .is_some_and(|(_, _, how)| *how != How::Differs)
         || (first.is_none() && !whole_same)
     {
-        let what = structure
-            .clone()
-            .unwrap_or_else(|| format!("verdict {}", whole.verdict));
         let iso = if tail.is_empty() {
             String::new()
         } else {
             format!("; {}", tail.join("; "))
         };
-        return (
-            BisectVerdict::StructureDiffers,
-            format!("the whole runs differ in structure, not only in values: {what}{iso}"),
-        );
+        // No tensor and no structure differs: what differs is a finding the differ states of
+        // the runs' records (a decision's margins that contradict its own scores, say), named
+        // as such rather than as a difference of structure it is not.
+        let said = match (structure, whole.findings.first()) {
+            (Some(s), _) => format!("the whole runs differ in structure, not only in values: {s}"),
+            (None, Some(f)) => format!(
+                "no tensor differs and no layer is to blame; the whole runs differ in what they record: {f}"
+            ),
+            (None, None) => format!(
+                "the whole runs differ in structure, not only in values: verdict {}",
+                whole.verdict
+            ),
+        };
+        return (BisectVerdict::StructureDiffers, format!("{said}{iso}"));
     }
     match first {
         // Nothing judged differs, but what followed an excused near-tie was not judged: the
