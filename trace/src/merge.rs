@@ -595,45 +595,6 @@ pub fn merge(paths: &[PathBuf], out: &Path) -> Result<Merged, String> {
         ));
     }
 
-    let mut merged = Merged {
-        world,
-        digest: Digest([0; 32]),
-        ranks: ranks
-            .iter()
-            .map(|r| (r.path.clone(), r.trace.digest()))
-            .collect(),
-        reduced: Vec::new(),
-        concatenated: 0,
-        experts: 0,
-        replicated: 0,
-    };
-    let mut outs: Vec<Out> = Vec::with_capacity(order.len());
-    for (owner, name) in &order {
-        match owner {
-            Some(i) => {
-                let r = &ranks[*i];
-                let t = r.trace.tensor_info(name).expect("listed from it");
-                merged.experts += 1;
-                outs.push(Out {
-                    name: name.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    bytes: r.trace.data(t).to_vec(),
-                    attributes: without_shard(&t.attributes),
-                });
-            }
-            None => {
-                let (o, how) = merge_common(&ranks, world, name)?;
-                match how {
-                    "partial" => merged.reduced.push(name.clone()),
-                    "slice" => merged.concatenated += 1,
-                    _ => merged.replicated += 1,
-                }
-                outs.push(o);
-            }
-        }
-    }
-
     // Decisions: identical on every rank, values and margins' bits.
     let first = &ranks[0].trace;
     for d in first.decisions() {
@@ -686,10 +647,50 @@ pub fn merge(paths: &[PathBuf], out: &Path) -> Result<Merged, String> {
             })).collect::<Vec<_>>(),
         }),
     );
+
+    // One merged tensor in memory at a time; a refusal from here on drops the writer, which
+    // removes its temporary: nothing appears at `out`.
+    let mut merged = Merged {
+        world,
+        digest: Digest([0; 32]),
+        ranks: ranks
+            .iter()
+            .map(|r| (r.path.clone(), r.trace.digest()))
+            .collect(),
+        reduced: Vec::new(),
+        concatenated: 0,
+        experts: 0,
+        replicated: 0,
+    };
     let mut w = TraceWriter::create(out, Value::Object(provenance)).map_err(|e| e.to_string())?;
-    for o in &outs {
+    let mut write = |o: Out| {
         w.tensor(&o.name, o.dtype, &o.shape, &o.bytes, &o.attributes)
-            .map_err(|e| format!("{}: {e}", out.display()))?;
+            .map_err(|e| format!("{}: {e}", out.display()))
+    };
+    for (owner, name) in &order {
+        match owner {
+            Some(i) => {
+                let r = &ranks[*i];
+                let t = r.trace.tensor_info(name).expect("listed from it");
+                merged.experts += 1;
+                write(Out {
+                    name: name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    bytes: r.trace.data(t).to_vec(),
+                    attributes: without_shard(&t.attributes),
+                })?;
+            }
+            None => {
+                let (o, how) = merge_common(&ranks, world, name)?;
+                match how {
+                    "partial" => merged.reduced.push(name.clone()),
+                    "slice" => merged.concatenated += 1,
+                    _ => merged.replicated += 1,
+                }
+                write(o)?;
+            }
+        }
     }
     for d in first.decisions() {
         let margins = first.decision_margins(d);

@@ -835,3 +835,111 @@ fn an_engine_trace_split_into_two_ranks_merges_back() {
         String::from_utf8_lossy(&diff.stdout)
     );
 }
+
+// ---- bounded fuzz: the parser on any string, the merge on random splits -------------------
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use proptest::test_runner::RngSeed;
+
+    /// Strings near the grammar: its own tokens in any order, digits, separators, and a few
+    /// bytes outside it.
+    fn near_grammar() -> impl Strategy<Value = String> {
+        let token = prop::sample::select(vec![
+            "rank=",
+            "/",
+            ";",
+            ",",
+            "=",
+            "0",
+            "1",
+            "2",
+            "01",
+            "9",
+            "18446744073709551616",
+            "replicated",
+            "partial",
+            "slice",
+            "experts",
+            "axis=",
+            "offset=",
+            "length=",
+            "size=",
+            "held=",
+            "of=",
+            " ",
+            "-",
+            "é",
+            "\u{0}",
+        ]);
+        prop::collection::vec(token, 0..14).prop_map(|v| v.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, rng_seed: RngSeed::Fixed(53), .. ProptestConfig::default() })]
+
+        /// Never a panic; what is accepted has exactly the spelling it prints.
+        #[test]
+        fn the_parser_refuses_or_round_trips(s in prop_oneof![near_grammar(), ".{0,40}"]) {
+            if let Ok(shard) = Shard::parse(&s) {
+                prop_assert_eq!(shard.to_string(), s);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, rng_seed: RngSeed::Fixed(53), .. ProptestConfig::default() })]
+
+        /// A tensor cut along either axis at random points (empty pieces included) into 1 to 4
+        /// ranks merges back to its own bits, and a replicated one stays as it is.
+        #[test]
+        fn a_random_split_merges_back(
+            rows in 0u64..5,
+            cols in 1u64..6,
+            axis in 0usize..2,
+            cuts in prop::collection::vec(0u64..6, 0..3),
+            seed in any::<u32>(),
+        ) {
+            let shape = [rows, cols];
+            let n = shape[axis];
+            let mut cuts: Vec<u64> = cuts.into_iter().map(|c| c.min(n)).collect();
+            cuts.sort();
+            let bounds: Vec<u64> = std::iter::once(0).chain(cuts).chain(std::iter::once(n)).collect();
+            let world = bounds.len() as u64 - 1;
+            let values: Vec<f32> = (0..rows * cols)
+                .map(|i| f32::from_bits((i as u32).wrapping_mul(2654435761) ^ seed))
+                .collect();
+            let bytes = f32_bytes(&values);
+            let dir = tempfile::tempdir().unwrap();
+            let mut paths = Vec::new();
+            for r in 0..world {
+                let (o, l) = (bounds[r as usize], bounds[r as usize + 1] - bounds[r as usize]);
+                let mut s = shape;
+                s[axis] = l;
+                let part: Vec<f32> = take(&bytes, &shape, axis, 4, o, l)
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                let sl = format!("rank={r}/{world};slice;axis={axis};offset={o};length={l};size={n}");
+                let rep = format!("rank={r}/{world};replicated");
+                paths.push(rank_trace(
+                    dir.path(),
+                    &format!("r{r}.trace"),
+                    provenance(),
+                    &[("x", &s, &part, Some(&sl)), ("h", &shape, &values, Some(&rep))],
+                ));
+            }
+            paths.reverse();
+            let out = dir.path().join("m.trace");
+            let m = tracegate_trace::merge::merge(&paths, &out).unwrap();
+            prop_assert_eq!(m.world, world);
+            let t = Trace::open(&out).unwrap();
+            for name in ["x", "h"] {
+                let info = t.tensor_info(name).unwrap();
+                prop_assert_eq!(&info.shape, &shape.to_vec());
+                prop_assert_eq!(t.data(info), &bytes[..]);
+            }
+        }
+    }
+}
