@@ -271,7 +271,8 @@ pub const POINTS: &[Point] = {
             stored: Stored::Tokens,
             ..at(M, "canvas", B::Embedding, D, F::Diffusion)
         },
-        at(M, "embed.out", B::Embedding, D, F::Any),
+        // A vocabulary-parallel embedding: each rank looks up its rows, zeros elsewhere.
+        partial(at(M, "embed.out", B::Embedding, D, F::Any)),
         at(M, "sc.soft", B::SelfConditioning, D, F::Diffusion),
         internals(at(M, "sc.mlp_out", B::SelfConditioning, D, F::Diffusion)),
         at(M, "sc.out", B::SelfConditioning, D, F::Diffusion),

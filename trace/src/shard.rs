@@ -329,6 +329,11 @@ mod tests {
             p("rank=1/2;replicated").check_for("logits", &[5, 8]),
             Ok(())
         );
+        // A vocabulary-parallel embedding's rows are partial sums.
+        assert_eq!(
+            p("rank=1/2;partial").check_for("embed.out", &[5, 8]),
+            Ok(())
+        );
         let ep = p("rank=1/2;experts;held=2,3;of=4");
         assert_eq!(ep.check_for("layer.01.expert.003.out", &[2, 8]), Ok(()));
         assert!(ep
