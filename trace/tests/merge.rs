@@ -661,7 +661,16 @@ fn split_rank(src: &Trace, rank: u64, logits: &Logits, out: &Path) {
         let slice_axis = match point {
             Some("q" | "k" | "v") => Some(1),
             Some("attn_probs") => Some(0),
-            Some("logits") if matches!(logits, Logits::Vocab) => Some(1),
+            // decode.0000.logits (the prompt's last row again) has no final_norm.out of its
+            // own: sliced by the vocabulary either way.
+            Some("logits")
+                if matches!(logits, Logits::Vocab)
+                    || src
+                        .tensor_info(&t.name.replace("logits", "final_norm.out"))
+                        .is_none() =>
+            {
+                Some(1)
+            }
             _ => None,
         };
         let (shard, shape, data) = if let Some(axis) = slice_axis {
@@ -726,12 +735,24 @@ fn an_engine_trace_split_into_two_ranks_merges_back() {
     let o = Command::new(bin("engine"))
         .args(["trace", "--model"])
         .arg(root().join("fixtures/tiny-qwen3"))
-        .args(["--tokens", "3,17,5,9", "--capture", "internals", "--out"])
+        .args([
+            "--tokens",
+            "3,17,5,9",
+            "--capture",
+            "internals",
+            "--generate",
+            "2",
+            "--out",
+        ])
         .arg(&reference)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let src = Trace::open(&reference).unwrap();
+    // Cached decode steps too: their logits are split like the prompt's.
+    assert!(src.tensor_info("decode.0001.logits").is_some());
+    assert!(src.tensor_info("decode.0001.final_norm.out").is_some());
+    assert!(src.tensor_info("decode.0001.layer.00.attn_out").is_some());
     // The head recomputed here in the engine's order is the engine's logits, bit for bit: the
     // split below differs from it only by where the sum is cut.
     let (head, hidden) = tied_head();
@@ -784,7 +805,7 @@ fn an_engine_trace_split_into_two_ranks_merges_back() {
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert!(
         run.stdout
-            .contains("(rank 0 + rank 1): 1 tensor(s) (first logits)"),
+            .contains("(rank 0 + rank 1): 2 tensor(s) (first logits)"),
         "{}",
         run.stdout
     );
