@@ -55,7 +55,11 @@ typedef struct tg_attrs {
     const int64_t *positions; /* one absolute token position per row of the token axis */
     size_t n_positions;
     const int64_t *step;     /* the decode step */
-    const char *const *extra_keys; /* other string attributes, n_extra of each */
+    const char *const *extra_keys; /* other string attributes, n_extra of each; the key "shard"
+                                      says what a rank of a sharded run holds, e.g.
+                                      "rank=1/2;partial" (docs/trace-format.md, "Sharded traces":
+                                      a value outside its grammar, or a way the point may not be
+                                      sharded, is TG_ERR_INVALID) */
     const char *const *extra_values;
     size_t n_extra;
 } tg_attrs;

@@ -69,6 +69,14 @@ fn rust_twin(path: &Path, weights: &str, logit0: u16) -> String {
         .with_step(2);
     w.tensor("decode.0002.logits", DType::BF16, &[1, 5], &logits, &lattrs)
         .unwrap();
+    let shard = tracegate_trace::Shard::new(1, 2, tracegate_trace::ShardKind::Partial);
+    let sattrs = Attributes::default()
+        .with_path("prefill")
+        .with_mask("causal")
+        .with_positions(vec![0, 1, 2])
+        .with_shard(&shard);
+    w.tensor_f32("layer.00.attn_out", &[3, 4], &hidden, &sattrs)
+        .unwrap();
     w.decision("decode.0002.argmax", &[1], &[2], Some(&[1.0]))
         .unwrap();
     w.decision("layer.00.router.topk", &[2, 2], &[1, 6, 0, 3], None)
@@ -110,7 +118,16 @@ fn a_c_program_writes_the_rust_writers_bytes_and_each_misuse_is_a_code_and_a_lin
     let other = rust_twin(&dir.path().join("other.trace"), &weights, 0x3f81);
     assert_ne!(other, digest);
     let t = Trace::open(&trace).unwrap();
-    assert_eq!((t.tensors().len(), t.decisions().len()), (2, 2));
+    assert_eq!((t.tensors().len(), t.decisions().len()), (3, 2));
+    assert_eq!(
+        t.tensor_info("layer.00.attn_out")
+            .unwrap()
+            .attributes
+            .extra
+            .get("shard")
+            .map(String::as_str),
+        Some("rank=1/2;partial")
+    );
 
     // Each misuse: its code, and a line that names what was wrong.
     let refusals: Vec<&str> = lines
@@ -118,7 +135,7 @@ fn a_c_program_writes_the_rust_writers_bytes_and_each_misuse_is_a_code_and_a_lin
         .filter(|l| l.starts_with("refused"))
         .copied()
         .collect();
-    let expected: [(&str, &[&str]); 12] = [
+    let expected: [(&str, &[&str]); 14] = [
         (
             "refused 1:",
             &["layer.00.attn_out", "2 positions for 3 rows"],
@@ -133,6 +150,18 @@ fn a_c_program_writes_the_rust_writers_bytes_and_each_misuse_is_a_code_and_a_lin
         (
             "refused 4:",
             &["layer.00.k", "shape is NULL but its count is 2"],
+        ),
+        (
+            "refused 1:",
+            &["layer.00.v", "rank=01/2;partial", "leading zeros"],
+        ),
+        (
+            "refused 1:",
+            &[
+                "layer.00.hidden_in",
+                "rank=1/2;partial",
+                "only as replicated",
+            ],
         ),
         ("refused 1:", &["decode.0003.argmax", "margin"]),
         ("refused 4:", &["the writer is NULL"]),

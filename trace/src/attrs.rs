@@ -109,6 +109,24 @@ impl Attributes {
         self
     }
 
+    /// Records which part of the logical tensor this rank holds (the `shard` extra attribute).
+    pub fn with_shard(mut self, shard: &crate::shard::Shard) -> Self {
+        self.extra
+            .insert(crate::shard::KEY.to_string(), shard.to_string());
+        self
+    }
+
+    /// The `shard` attribute parsed: `Ok(None)` without one; `Err` names the value and why it
+    /// is malformed (docs/trace-format.md, "Sharded traces").
+    pub fn shard(&self) -> std::result::Result<Option<crate::shard::Shard>, String> {
+        match self.extra.get(crate::shard::KEY) {
+            None => Ok(None),
+            Some(v) => crate::shard::Shard::parse(v)
+                .map(Some)
+                .map_err(|e| format!("attribute shard {v:?} is malformed: {e}")),
+        }
+    }
+
     /// All present attributes, sorted by key bytes (the canonical order).
     pub(crate) fn sorted(&self) -> Vec<(&str, AttrValue<'_>)> {
         let mut out: Vec<(&str, AttrValue<'_>)> = Vec::new();
@@ -142,6 +160,7 @@ impl Attributes {
                 return Err(Error::Invalid("attribute with an empty name".into()));
             }
         }
+        self.shard().map_err(Error::Invalid)?;
         Ok(())
     }
 
@@ -197,6 +216,7 @@ impl Attributes {
             }
         }
         attrs.extra = extra.into_iter().collect();
+        attrs.shard()?;
         Ok(attrs)
     }
 }

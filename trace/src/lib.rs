@@ -17,11 +17,13 @@ mod error;
 mod index;
 pub mod json;
 mod layout;
+pub mod merge;
 pub mod names;
 pub mod output;
 pub mod protocol;
 mod reader;
 pub mod settings;
+pub mod shard;
 mod view;
 mod writer;
 
@@ -33,6 +35,7 @@ pub use dtype::{DType, UnknownDType};
 pub use error::{Error, Result};
 pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};
 pub use reader::{DecisionInfo, TensorInfo, Trace};
+pub use shard::{Shard, ShardKind};
 pub use view::Element;
 pub use writer::TraceWriter;
 

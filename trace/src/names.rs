@@ -8,6 +8,8 @@
 
 use std::fmt;
 
+pub use crate::shard::ShardAs;
+
 /// Minimum widths of the zero-padded numbers.
 const STEP_WIDTH: usize = 4;
 const LAYER_WIDTH: usize = 2;
@@ -167,6 +169,9 @@ pub struct Point {
     pub stored: Stored,
     pub needs: Feature,
     pub in_decode: InDecode,
+    /// How a rank of a sharded run may hold it (docs/trace-format.md, "Sharded traces"):
+    /// replicated always, and the ways listed here.
+    pub shard: ShardAs,
 }
 
 const fn at(
@@ -186,6 +191,7 @@ const fn at(
         stored: Stored::Computed,
         needs,
         in_decode: InDecode::Never,
+        shard: ShardAs::REPLICATED,
     }
 }
 
@@ -206,6 +212,39 @@ const fn per_step(p: Point) -> Point {
 const fn internals(p: Point) -> Point {
     Point {
         capture: Capture::Internals,
+        ..p
+    }
+}
+
+/// Split along `axis` across ranks (heads, the vocabulary).
+const fn sliced(axis: usize, p: Point) -> Point {
+    Point {
+        shard: ShardAs {
+            slice_axis: Some(axis),
+            ..p.shard
+        },
+        ..p
+    }
+}
+
+/// A partial sum on each rank before the all-reduce (a row-parallel projection's output).
+const fn partial(p: Point) -> Point {
+    Point {
+        shard: ShardAs {
+            partial: true,
+            ..p.shard
+        },
+        ..p
+    }
+}
+
+/// Held by the rank that holds its expert.
+const fn by_expert(p: Point) -> Point {
+    Point {
+        shard: ShardAs {
+            experts: true,
+            ..p.shard
+        },
         ..p
     }
 }
@@ -232,46 +271,65 @@ pub const POINTS: &[Point] = {
             stored: Stored::Tokens,
             ..at(M, "canvas", B::Embedding, D, F::Diffusion)
         },
-        at(M, "embed.out", B::Embedding, D, F::Any),
+        // A vocabulary-parallel embedding: each rank looks up its rows, zeros elsewhere.
+        partial(at(M, "embed.out", B::Embedding, D, F::Any)),
         at(M, "sc.soft", B::SelfConditioning, D, F::Diffusion),
         internals(at(M, "sc.mlp_out", B::SelfConditioning, D, F::Diffusion)),
         at(M, "sc.out", B::SelfConditioning, D, F::Diffusion),
         per_step(at(L, "hidden_in", B::Input, D, F::Any)),
         at(L, "linear.conv_out", B::Attention, I, F::LinearAttention),
-        f32_stored(at(L, "linear.q", B::Attention, I, F::LinearAttention)),
-        f32_stored(at(L, "linear.k", B::Attention, I, F::LinearAttention)),
-        f32_stored(at(L, "linear.g", B::Attention, I, F::LinearAttention)),
-        at(L, "linear.beta", B::Attention, I, F::LinearAttention),
-        at(L, "linear.core", B::Attention, I, F::LinearAttention),
-        at(L, "linear.norm_out", B::Attention, I, F::LinearAttention),
+        sliced(
+            1,
+            f32_stored(at(L, "linear.q", B::Attention, I, F::LinearAttention)),
+        ),
+        sliced(
+            1,
+            f32_stored(at(L, "linear.k", B::Attention, I, F::LinearAttention)),
+        ),
+        sliced(
+            1,
+            f32_stored(at(L, "linear.g", B::Attention, I, F::LinearAttention)),
+        ),
+        sliced(1, at(L, "linear.beta", B::Attention, I, F::LinearAttention)),
+        sliced(1, at(L, "linear.core", B::Attention, I, F::LinearAttention)),
+        sliced(
+            1,
+            at(L, "linear.norm_out", B::Attention, I, F::LinearAttention),
+        ),
         // One row: the state after the call's last token, at that token's position.
-        f32_stored(at(L, "linear.state", B::Attention, I, F::LinearAttention)),
-        at(L, "q", B::Attention, I, F::SoftmaxAttention),
-        at(L, "k", B::Attention, I, F::SoftmaxAttention),
-        at(L, "v", B::Attention, I, F::SoftmaxAttention),
-        at(L, "attn_gate", B::Attention, I, F::OutputGate),
-        Point {
-            token_axis: Some(1),
-            ..at(L, "attn_probs", B::Attention, I, F::SoftmaxAttention)
-        },
-        per_step(at(L, "attn_out", B::Attention, D, F::Any)),
+        sliced(
+            1,
+            f32_stored(at(L, "linear.state", B::Attention, I, F::LinearAttention)),
+        ),
+        sliced(1, at(L, "q", B::Attention, I, F::SoftmaxAttention)),
+        sliced(1, at(L, "k", B::Attention, I, F::SoftmaxAttention)),
+        sliced(1, at(L, "v", B::Attention, I, F::SoftmaxAttention)),
+        sliced(1, at(L, "attn_gate", B::Attention, I, F::OutputGate)),
+        sliced(
+            0,
+            Point {
+                token_axis: Some(1),
+                ..at(L, "attn_probs", B::Attention, I, F::SoftmaxAttention)
+            },
+        ),
+        partial(per_step(at(L, "attn_out", B::Attention, D, F::Any))),
         // Diffusion Gemma's layer: the attention residual, then a dense MLP and the routed
         // experts side by side, each normed, summed and normed again into `mlp_out`.
         at(L, "attn_residual", B::Residual, I, F::Diffusion),
-        at(L, "dense_mlp.out", B::FeedForward, I, F::Diffusion),
+        partial(at(L, "dense_mlp.out", B::FeedForward, I, F::Diffusion)),
         at(L, "dense_mlp.branch", B::FeedForward, D, F::Diffusion),
         at(L, "router.logits", B::Router, I, F::Moe),
         decision(L, "router.topk", B::Router, F::Moe),
-        at(E, "out", B::Experts, I, F::Moe),
+        by_expert(partial(at(E, "out", B::Experts, I, F::Moe))),
         at(L, "moe.out", B::FeedForward, I, F::Diffusion),
         at(L, "moe.branch", B::FeedForward, D, F::Diffusion),
         at(L, "shared_expert.gate", B::Experts, I, F::SharedExpert),
-        at(L, "shared_expert.out", B::Experts, I, F::SharedExpert),
-        per_step(at(L, "mlp_out", B::FeedForward, D, F::Any)),
+        partial(at(L, "shared_expert.out", B::Experts, I, F::SharedExpert)),
+        partial(per_step(at(L, "mlp_out", B::FeedForward, D, F::Any))),
         per_step(at(L, "hidden_out", B::Residual, D, F::Any)),
         per_step(at(M, "final_norm.out", B::Head, D, F::Any)),
         at(M, "logits.uncapped", B::Head, I, F::Diffusion),
-        per_step(at(M, "logits", B::Head, D, F::Any)),
+        sliced(1, partial(per_step(at(M, "logits", B::Head, D, F::Any)))),
         at(M, "logits.tempered", B::Head, D, F::Diffusion),
         at(M, "entropy", B::Head, D, F::Diffusion),
         decision(M, "logits.argmax", B::Head, F::Autoregressive),

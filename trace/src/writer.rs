@@ -244,6 +244,15 @@ impl TraceWriter {
                 )));
             }
         }
+        // validate() parsed it: here, whether the registry lets this point be held so.
+        if let Ok(Some(shard)) = attributes.shard() {
+            shard.check_for(name, shape).map_err(|e| {
+                Error::Invalid(format!(
+                    "tensor {name:?}: attribute shard {shard:?}: {e}",
+                    shard = shard.to_string()
+                ))
+            })?;
+        }
         if self.tensor_names.contains(name) {
             return Err(Error::Invalid(format!("duplicate tensor name {name:?}")));
         }

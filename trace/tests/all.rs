@@ -9,5 +9,6 @@ mod hostile;
 mod index_keys;
 mod interop;
 mod memory;
+mod merge;
 #[cfg(feature = "ndarray")]
 mod views;

@@ -58,6 +58,13 @@ int main(int argc, char **argv) {
     tg_attrs lattrs = {"decode", "causal", &pos, 1, &step, NULL, NULL, 0};
     EXPECT(tg_tensor(w, "decode.0002.logits", TG_BF16, lshape, 2, logits, sizeof logits, &lattrs) == TG_OK);
 
+    /* A sharded run's rank 1 of 2: its partial sum of layer.00.attn_out, before the all-reduce
+     * (docs/trace-format.md, "Sharded traces"): the extra attribute `shard`. */
+    const char *skeys[1] = {"shard"};
+    const char *svalues[1] = {"rank=1/2;partial"};
+    tg_attrs sattrs = {"prefill", "causal", positions, 3, NULL, skeys, svalues, 1};
+    EXPECT(tg_tensor(w, "layer.00.attn_out", TG_F32, shape, 2, hidden, sizeof hidden, &sattrs) == TG_OK);
+
     /* The greedy token with its margin, and a router's top-2 without margins. */
     int64_t argmax[1] = {2};
     float margin[1] = {1.0f};
@@ -80,6 +87,14 @@ int main(int argc, char **argv) {
             TG_ERR_ARGUMENT);
     refused(tg_tensor(w, NULL, TG_F32, shape, 2, hidden, sizeof hidden, NULL), TG_ERR_ARGUMENT);
     refused(tg_tensor(w, "layer.00.k", TG_F32, NULL, 2, hidden, sizeof hidden, NULL), TG_ERR_ARGUMENT);
+    /* Shards refused: malformed (a leading zero), and one the registry does not allow
+     * (hidden_in is replicated on every rank, never a partial sum). */
+    const char *malformed[1] = {"rank=01/2;partial"};
+    tg_attrs bad_shard = {"prefill", "causal", positions, 3, NULL, skeys, malformed, 1};
+    refused(tg_tensor(w, "layer.00.v", TG_F32, shape, 2, hidden, sizeof hidden, &bad_shard), TG_ERR_INVALID);
+    tg_attrs not_allowed = {"prefill", "causal", positions, 3, NULL, skeys, svalues, 1};
+    refused(tg_tensor(w, "layer.00.hidden_in", TG_F32, shape, 2, hidden, sizeof hidden, &not_allowed),
+            TG_ERR_INVALID);
     refused(tg_decision(w, "decode.0003.argmax", dshape, 1, argmax, 1, margin, 2), TG_ERR_INVALID);
     refused(tg_tensor(NULL, "layer.00.v", TG_F32, shape, 2, hidden, sizeof hidden, NULL), TG_ERR_ARGUMENT);
     refused(tg_weights_digest("/nonexistent/model", weights, sizeof weights), TG_ERR_IO);

@@ -380,9 +380,48 @@ fn capture_points(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("stored", word(p.stored))?;
         d.set_item("needs", word(p.needs))?;
         d.set_item("in_decode", word(p.in_decode))?;
+        let shard = pyo3::types::PyDict::new(py);
+        shard.set_item("slice_axis", p.shard.slice_axis)?;
+        shard.set_item("partial", p.shard.partial)?;
+        shard.set_item("experts", p.shard.experts)?;
+        d.set_item("shard", shard)?;
         out.append(d)?;
     }
     Ok(out)
+}
+
+/// A `shard` attribute value parsed (docs/trace-format.md, "Sharded traces"): `rank`, `world`,
+/// `kind` and the kind's fields; a malformed one raises TraceError naming the value and why.
+#[pyfunction]
+fn parse_shard<'py>(py: Python<'py>, value: &str) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    use tracegate_trace::ShardKind;
+    let s = tracegate_trace::Shard::parse(value)
+        .map_err(|e| TraceError::new_err(format!("shard {value:?} is malformed: {e}")))?;
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("rank", s.rank)?;
+    d.set_item("world", s.world)?;
+    match s.kind {
+        ShardKind::Replicated => d.set_item("kind", "replicated")?,
+        ShardKind::Partial => d.set_item("kind", "partial")?,
+        ShardKind::Slice {
+            axis,
+            offset,
+            length,
+            size,
+        } => {
+            d.set_item("kind", "slice")?;
+            d.set_item("axis", axis)?;
+            d.set_item("offset", offset)?;
+            d.set_item("length", length)?;
+            d.set_item("size", size)?;
+        }
+        ShardKind::Experts { held, of } => {
+            d.set_item("kind", "experts")?;
+            d.set_item("held", held)?;
+            d.set_item("of", of)?;
+        }
+    }
+    Ok(d)
 }
 
 /// The registry's families: `model_type` -> the features its layers have.
@@ -490,6 +529,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(weights_digest, m)?)?;
     m.add_function(wrap_pyfunction!(capture_points, m)?)?;
     m.add_function(wrap_pyfunction!(capture_families, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_shard, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "FORMAT_VERSION",

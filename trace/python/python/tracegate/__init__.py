@@ -33,6 +33,7 @@ from ._native import (
     NativeWriter,
     TraceError,
     __version__,
+    parse_shard,
     weights_digest,
 )
 from ._native import compare as _compare
@@ -43,6 +44,7 @@ __all__ = [
     "TraceWriter",
     "TraceError",
     "weights_digest",
+    "parse_shard",
     "FORMAT_VERSION",
     "compare",
     "Report",

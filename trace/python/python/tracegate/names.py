@@ -159,7 +159,9 @@ class Point(NamedTuple):
     (None: not token-major); ``stored`` computed (the producer's dtype) or f32; ``needs`` the
     feature a layer must have (any, softmax_attention, linear_attention, output_gate, moe,
     shared_expert); ``in_decode`` never, also or only (written per decode step as
-    ``decode.SSSS.`` + its name)."""
+    ``decode.SSSS.`` + its name); ``shard`` how a rank of a sharded run may hold it besides
+    replicated: ``{"slice_axis": int | None, "partial": bool, "experts": bool}``
+    (docs/trace-format.md, "Sharded traces")."""
 
     name: str
     scope: str
@@ -170,6 +172,7 @@ class Point(NamedTuple):
     stored: str
     needs: str
     in_decode: str
+    shard: dict | None = None
 
     def example(self, layer_no: int = 0, expert_no: int = 0) -> str:
         """A full name of this point: ``layer.00.mlp_out``, ``layer.00.expert.000.out``."""
