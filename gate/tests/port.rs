@@ -1749,6 +1749,16 @@ fn an_eps_ten_times_the_configs_fails_against_the_noise_run_and_an_honest_port_p
                 .contains("the noise reference's")),
         "{agrees}"
     );
+    // Localised by the same judge: the layer alone is held to the noise ratio the whole runs
+    // are, so the bisection blames layer 00 (its first norm) rather than calling every layer
+    // right in isolation and the divergence accumulated.
+    let localised = report(&d.join("r.json"))["prompts"][0]["localised"]["summary"].clone();
+    assert!(
+        localised
+            .as_str()
+            .is_some_and(|s| s.starts_with("layer 00 body is wrong")),
+        "{localised}"
+    );
     // The same defect without the noise traces (an older init): within every f32 bound.
     let path = d.join("milestones.json");
     let mut ms = milestones(d);

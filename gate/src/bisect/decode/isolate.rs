@@ -152,6 +152,8 @@ pub(super) fn isolate_step(
             slice_rel: format!("{}/decode.{s:04}.reference.layer.{l:02}.trace", o.work),
             whose: "the reference's",
             pass: None,
+            // The decode steps' layer rows are not in a default noise trace: the policy judges.
+            noise: None,
         };
         match b::isolate_with(o, &run, c.policy, runs, |cand, out| {
             b::write_slice(&view, cand, l, out, None)

@@ -53,6 +53,8 @@ fn isolate_one(
         slice_rel: format!("{}/{tag}.{stem}.slice.layer.{layer:02}.trace", o.work),
         whose,
         pass: Some(x.prefix.to_string()),
+        // The noise run holds the prompt's rows, not a pass's: no ratio to hold a pass to.
+        noise: None,
     };
     b::isolate_with(o, &run, c.policy, runs, |cand, out| {
         b::write_slice(src, cand, layer, out, Some(x.prefix))

@@ -26,6 +26,10 @@ pub(crate) struct Source<'a> {
     /// The candidate's layer trace and the rewritten slice, `{stem}.LL.trace`.
     pub(crate) out_stem: &'a str,
     pub(crate) slice_stem: &'a str,
+    /// Tracegate's noise run of the reference, when the source is the reference: a layer alone
+    /// is then held to the noise ratio the whole runs' comparison holds it to, so isolation
+    /// never calls a layer right that `agrees` found too far from the reference in that layer.
+    pub(crate) noise: Option<&'a tracegate_diff::NoiseReference>,
 }
 
 /// The reference's whole-run `layer.LL.*` tensors (those the candidate's layer trace also has)
@@ -154,6 +158,7 @@ pub(crate) fn isolate(
         slice_rel: format!("{}/{}.{layer:02}.trace", o.work, src.slice_stem),
         whose: src.whose,
         pass: None,
+        noise: src.noise.cloned(),
     };
     // A block-diffusion model's layer verb keeps the whole run's path (its prompt pass: no prefix).
     let pass = o.sampling.then_some("");
@@ -171,6 +176,8 @@ pub(crate) struct LayerRun<'a> {
     pub(crate) slice_rel: String,
     pub(crate) whose: &'a str,
     pub(crate) pass: Option<String>,
+    /// The noise reference that judges this isolation (`Source::noise`).
+    pub(crate) noise: Option<tracegate_diff::NoiseReference>,
 }
 
 /// Runs the candidate's layer verb of `run` and compares its trace with the reference's rows of
@@ -188,6 +195,7 @@ pub(crate) fn isolate_with(
         slice_rel,
         whose,
         pass,
+        noise,
     } = run;
     let (layer, slice_rel) = (*layer, slice_rel.as_str());
     let rec = run_fresh(&o.root, &o.candidate, verb, o.timeout);
@@ -224,6 +232,17 @@ pub(crate) fn isolate_with(
     }
     slice(&cand, &o.root.join(slice_rel))?;
     let slice = open(&o.root, slice_rel)?;
+    // The noise run's rows of this layer, on the layer path as the reference's slice is.
+    let noise = match noise.as_ref().filter(|_| policy.is_some()) {
+        None => None,
+        Some(n) => {
+            let rel = format!("{}/noise.layer.{layer:02}.trace", o.work);
+            write_slice(&n.0, &cand, layer, &o.root.join(&rel), None)?;
+            Some(tracegate_diff::NoiseReference(std::sync::Arc::new(open(
+                &o.root, &rel,
+            )?)))
+        }
+    };
     let rep = compare(
         &slice,
         &cand,
@@ -231,6 +250,7 @@ pub(crate) fn isolate_with(
             all: true,
             policy: policy.clone(),
             allow_stack_mismatch: o.allow_stack_mismatch,
+            noise,
             ..Options::default()
         },
     );
@@ -506,6 +526,7 @@ pub(crate) fn self_check(
         whose: "its own whole run's",
         out_stem: "candidate.self.layer",
         slice_stem: "candidate.slice.layer",
+        noise: None,
     };
     crate::progress::plan(todo.len() as u64);
     for l in todo {

@@ -42,6 +42,7 @@ pub(crate) fn isolate_layers(
         whose: "the reference's",
         out_stem: "candidate.layer",
         slice_stem: "reference.layer",
+        noise: o.noise.as_ref(),
     };
     for (l, row) in layers.iter_mut().enumerate().take(isolate_upto) {
         if let Some((at, _)) = &failed {
