@@ -14,23 +14,19 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-from binaries import judge, planted_contract, producer_trace, release_binary  # noqa: E402
+for module in ("torch", "transformers"):
+    pytest.importorskip(module)
+from binaries import judge, needs_built, planted_contract, producer_trace  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-GEMMA3 = ROOT / "fixtures" / "tiny-gemma3"
-# 12 tokens: twice the fixture's sliding_window (6), so the window bites in layers 0, 1 and 3.
-TOKENS = "1,17,300,5,42,7,99,250,3,11,480,64"
-_, why_engine = release_binary("engine")
-_, why_diff = release_binary("trace-diff")
-needs_binaries = pytest.mark.skipif(
-    bool(why_engine or why_diff), reason=f"{why_engine or why_diff}"
-)
+GEMMA3 = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-gemma3"
+# 13 tokens, over twice the fixture's sliding_window (6): the window bites in layers 0, 1, 3.
+TOKENS = "2,105,17,488,5,42,42,7,310,99,3,250,64"
+needs_binaries = needs_built("engine", "trace-diff")
 
 
-def trace(who: str, out: Path, capture="internals", cache="on", env=None) -> Path:
-    return producer_trace(who, GEMMA3, TOKENS, out, capture=capture, cache=cache, env=env)
+def trace(who: str, out: Path, cache="on", env=None) -> Path:
+    """`who`'s trace of TOKENS under internals capture, 4 tokens generated."""
+    return producer_trace(who, GEMMA3, TOKENS, out, cache=cache, env=env)
 
 
 @pytest.fixture(scope="module")
