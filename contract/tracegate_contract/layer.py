@@ -1,4 +1,5 @@
-"""§11 / §20 the decoder layer: norm → token mixer → residual → norm → feed-forward → residual,
+"""§11 / §20 the decoder layer: norm → token mixer → residual → norm → feed-forward → residual
+(§22.4 Gemma 3: each block's output normed too, before its residual add),
 with the layer's capture points (hidden_in in model.Model.layer; attn_out, mlp_out, hidden_out
 here; the mixer and the feed-forward block capture their own internals). The mixer and the
 feed-forward block are chosen per layer from the config."""

@@ -1,5 +1,5 @@
 """The model, family-neutral, read top to bottom: the cache, the model (embedding, decoder layers,
-head), generation and decisions (docs/numerics.md §5–§12, §§15–20).
+head), generation and decisions (docs/numerics.md §5–§12, §§15–20, §22).
 
 A decoder layer (layer.py) is a token mixer (mixers.py: softmax attention, Gated DeltaNet) and a
 feed-forward block (feed_forward.py: the gated MLP, the sparse MoE with its optional shared

@@ -5,7 +5,7 @@
 
 use serde_json::{Map, Value};
 
-use super::fields::{field, opt_f64, opt_usize, positive_theta, req_usize};
+use super::fields::{field, layer_type_list, opt_f64, opt_usize, positive_theta, req_usize};
 use crate::ops::RopeScaling;
 use crate::{err, Result};
 
@@ -87,33 +87,10 @@ pub(super) fn gemma3_fields(
             "config.json: query_pre_attn_scalar = {query_pre_attn_scalar} is not positive"
         ));
     }
-    let sliding = match field(v, "layer_types") {
+    let kinds = [("sliding_attention", true), ("full_attention", false)];
+    let sliding = match layer_type_list(v, num_hidden_layers, kinds)? {
+        Some(list) => Sliding::List(list),
         None => Sliding::Pattern(opt_usize(v, "sliding_window_pattern")?.unwrap_or(PATTERN)),
-        Some(lt) => {
-            let kinds = lt
-                .as_array()
-                .and_then(|l| {
-                    l.iter()
-                        .map(|t| match t.as_str() {
-                            Some("sliding_attention") => Some(true),
-                            Some("full_attention") => Some(false),
-                            _ => None,
-                        })
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(|| {
-                    err!(Config:
-                        "config.json: layer_types = {lt} not supported (only \"sliding_attention\" and \"full_attention\")"
-                    )
-                })?;
-            if kinds.len() != num_hidden_layers {
-                return Err(err!(Config:
-                    "config.json: layer_types has {} entries for num_hidden_layers = {num_hidden_layers}",
-                    kinds.len()
-                ));
-            }
-            Sliding::List(kinds)
-        }
     };
     let any_sliding = match &sliding {
         Sliding::List(s) => s.contains(&true),

@@ -1,4 +1,5 @@
-//! §11 / §20 the decoder layer: norm → token mixer → residual → norm → feed-forward → residual,
+//! §11 / §20 the decoder layer: norm → token mixer → residual → norm → feed-forward → residual
+//! (§22.4 Gemma 3: each block's output normed too, before its residual add),
 //! with the layer's capture points (`hidden_in`, `attn_out`, `mlp_out`, `hidden_out`; the
 //! mixer and the feed-forward block capture their own internals).
 

@@ -1,10 +1,12 @@
-//! The model, family-neutral (docs/numerics.md §5–§12, §§15–20): the embedding, the decoder
+//! The model, family-neutral (docs/numerics.md §5–§12, §§15–20, §22): the embedding, the decoder
 //! layers, the final norm and the head. A decoder layer (`layer.rs`) is a token mixer
 //! (`mixer/`: softmax attention, Gated DeltaNet) and a feed-forward block (`feed_forward/`: the
 //! gated MLP, the sparse MoE with its optional shared expert), each chosen per layer from the
 //! config. What a family changes is read from the config (config.rs, `config/`): the layer
 //! kinds, the sizes, and the family's traits (`ModelType`: zero-centred norms, the attention's
-//! output gate, the tensors present and not run).
+//! output gate, the tensors present and not run; Gemma 3's sandwich norms and gelu MLP), and
+//! Gemma 3's own fields (`Config::gemma3`: the windows, the second RoPE table, the scale, the
+//! embedding scale and the final softcap).
 
 pub mod diffusion_gemma;
 mod feed_forward;
