@@ -370,7 +370,8 @@ def parse_config(raw: dict) -> Config:
         refuse(
             "model_type",
             "'gemma3' (Gemma3ForConditionalGeneration) is not supported by the bit-exact "
-            "producers; its language model is: a Gemma3ForCausalLM checkpoint, model_type 'gemma3_text'",
+            "producers: they run its language model saved on its own, as a Gemma3ForCausalLM "
+            "checkpoint with model_type 'gemma3_text'",
         )
     if mt not in ARCHITECTURES:
         refuse("model_type", f"{mt!r} {unsupported_family(mt)}")

@@ -259,7 +259,7 @@ impl Config {
             // tower beside it: refused, pointing at the text-only layout.
             "gemma3" => {
                 return Err(err!(Config:
-                    "config.json: model_type \"gemma3\" (Gemma3ForConditionalGeneration) not supported by the bit-exact producers; its language model is: a Gemma3ForCausalLM checkpoint, model_type \"gemma3_text\""
+                    "config.json: model_type \"gemma3\" (Gemma3ForConditionalGeneration) not supported by the bit-exact producers: they run its language model saved on its own, as a Gemma3ForCausalLM checkpoint with model_type \"gemma3_text\""
                 ))
             }
             "qwen3_5" => (
