@@ -572,7 +572,8 @@ def _parse_gemma3(raw: dict) -> dict:
     if raw.get("attn_logit_softcapping") is not None:
         refuse(
             "attn_logit_softcapping",
-            f"only null is supported (as Gemma 3 checkpoints ship it), got {raw['attn_logit_softcapping']}",
+            f"only null is supported (as every Gemma 3 checkpoint ships it: transformers' "
+            f"Gemma3Attention keeps the field and never applies it), got {raw['attn_logit_softcapping']}",
         )
     cap = raw.get("final_logit_softcapping")
     if cap is not None:

@@ -72,7 +72,7 @@ pub(super) fn gemma3_fields(
     }
     if let Some(c) = field(v, "attn_logit_softcapping") {
         return Err(err!(Config:
-            "config.json: attn_logit_softcapping = {c} not supported (only null, as Gemma 3 checkpoints ship it)"
+            "config.json: attn_logit_softcapping = {c} not supported (only null, as every Gemma 3 checkpoint ships it: transformers' Gemma3Attention keeps the field and never applies it)"
         ));
     }
     let final_logit_softcapping = match field(v, "final_logit_softcapping") {
