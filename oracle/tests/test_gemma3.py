@@ -67,6 +67,29 @@ def test_engine_is_the_contract_and_agrees_with_the_oracle(tmp_path, oracle_trac
     assert report["decisions"]["compared"] > 0 and report["tensors"]["compared_elementwise"]
 
 
+@needs_binaries
+def test_the_final_softcap_as_transformers_applies_it(tmp_path):
+    """final_logit_softcapping set (every Gemma 3 checkpoint ships it null), at 3 so that it
+    bites: engine ≡ contract, ≈ oracle; and the uncapped oracle trace is outside the policy of
+    the capped engine first at the logits (the control: the cap is really applied)."""
+    import shutil
+
+    model = tmp_path / "capped"
+    shutil.copytree(GEMMA3, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "final_logit_softcapping": 3.0}))
+    e, c, o = (
+        producer_trace(w, model, TOKENS, tmp_path / f"{w}.trace")
+        for w in ("engine", "contract", "oracle")
+    )
+    same, report = judge(e, c, policy=None)
+    assert same == 0 and report["first_bit_difference"] is None, report["first_bit_difference"]
+    code, report = judge(o, e)
+    assert code == 0, report["first_violation"]
+    code, report = judge(trace("oracle", tmp_path / "uncapped.trace"), e)
+    assert code == 1 and report["first_violation"]["tensor"] == "logits", report["first_violation"]
+
+
 # The planted defects, each in the computation (the tensors are still loaded, so nothing is
 # refused): (file, the line as written, the line planted, the first tensor the oracle comparison
 # must name).
