@@ -169,7 +169,7 @@ def test_sizes_beyond_64_bits_are_refused_as_the_engine_does(field):
 
 
 @pytest.mark.parametrize(
-    "mt,oracle", [("mistral", True), ("gemma3_text", True), ("mixtral", True), ("gpt2", False)]
+    "mt,oracle", [("mistral", True), ("olmo2", True), ("mixtral", True), ("gpt2", False)]
 )
 def test_other_family_refusal_says_whether_the_oracle_supports_it(mt, oracle):
     with pytest.raises(ContractError) as e:

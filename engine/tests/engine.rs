@@ -652,7 +652,7 @@ fn refuses_wrong_shape_and_dtype() {
 fn refusal_of_another_family_says_whether_the_oracle_supports_it() {
     for (mt, oracle) in [
         ("mistral", true),
-        ("gemma3_text", true),
+        ("olmo2", true),
         ("olmoe", true),
         ("gpt2", false),
     ] {
@@ -848,6 +848,89 @@ fn qwen2_config_follows_transformers() {
         bad[key] = value;
         let e = Config::from_json(&bad).unwrap_err().to_string();
         assert!(e.contains(key), "{key}: {e}");
+    }
+}
+
+/// §13 "Gemma 3" / §22, as transformers' Gemma3TextConfig reads a config: its defaults when a
+/// field is absent (head_dim 256, a tied head, query_pre_attn_scalar 256, thetas 1e6 and 1e4,
+/// every 6th layer full, a 4096 window), the two rope spellings, the window by position; what it
+/// does not compute refused naming the field.
+#[test]
+fn gemma3_config_follows_transformers() {
+    use tracegate_engine::config::{Config, ModelType};
+    let c = json!({
+        "model_type": "gemma3_text",
+        "vocab_size": 300, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 7,
+        "num_attention_heads": 2, "num_key_value_heads": 1,
+    });
+    let cfg = Config::from_json(&c).unwrap();
+    let g = cfg.gemma3.clone().unwrap();
+    assert_eq!(cfg.model_type, ModelType::Gemma3);
+    assert_eq!(
+        (cfg.head_dim, cfg.tie_word_embeddings, cfg.rope_theta),
+        (256, true, 1e6)
+    );
+    assert_eq!(
+        (
+            g.local_rope_theta,
+            g.query_pre_attn_scalar,
+            g.sliding_window
+        ),
+        (1e4, 256.0, 4096)
+    );
+    // transformers' rule: sliding unless (l + 1) % 6 == 0 (layer 5 of 7 is the full one).
+    let masks: Vec<String> = (0..7).map(|l| cfg.mask(l)).collect();
+    assert_eq!(masks[5], "causal");
+    assert!(masks
+        .iter()
+        .enumerate()
+        .all(|(l, m)| l == 5 || m == "sliding:4096"));
+    assert_eq!(cfg.attn_scale(), (256f64).powf(-0.5) as f32);
+    // transformers 5's spelling: keyed by layer type, the full layers linearly scaled.
+    let mut n = c.clone();
+    n["rope_parameters"] = json!({
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0},
+    });
+    n["rope_theta"] = json!(2e5);
+    let cfg = Config::from_json(&n).unwrap();
+    assert_eq!(
+        (cfg.rope_theta, cfg.gemma3.unwrap().local_rope_theta),
+        (2e5, 5000.0)
+    );
+    assert_eq!(
+        cfg.rope_scaling,
+        tracegate_engine::ops::RopeScaling::Linear { factor: 8.0 }
+    );
+    for (key, value, named) in [
+        (
+            "attn_logit_softcapping",
+            json!(50.0),
+            "attn_logit_softcapping",
+        ),
+        (
+            "use_bidirectional_attention",
+            json!(true),
+            "use_bidirectional_attention",
+        ),
+        ("hidden_activation", json!("gelu"), "hidden_activation"),
+        (
+            "rope_parameters",
+            json!({"rope_theta": 1.0}),
+            "rope_parameters.rope_theta",
+        ),
+        ("layer_types", json!(["full_attention"]), "layer_types"),
+        ("model_type", json!("gemma3"), "gemma3_text"),
+        (
+            "final_logit_softcapping",
+            json!(0.0),
+            "final_logit_softcapping",
+        ),
+    ] {
+        let mut bad = c.clone();
+        bad[key] = value;
+        let e = Config::from_json(&bad).unwrap_err().to_string();
+        assert!(e.contains(named), "{key}: {e}");
     }
 }
 

@@ -1,5 +1,6 @@
-"""`gate bisect --reference oracle` on a family the engine does not implement (Gemma 3: sliding
-layers, softcaps, four norms per layer), on a tiny seeded checkpoint (test_families.py's). The
+"""`gate bisect --reference oracle` on a checkpoint the engine does not compute (Gemma 3 with
+attention-score softcapping, which the bit-exact producers refuse: sliding layers, softcaps, four
+norms per layer), on a tiny seeded checkpoint (test_families.py's). The
 candidate is the oracle itself with a planted defect: after transformers loads the checkpoint,
 one layer's MLP down projection is scaled by 1.1 (the weights file, hence its digest, unchanged:
 a port that computes that layer wrong). Slow-ish: each producer run is a Python process (4 for

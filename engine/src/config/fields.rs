@@ -40,6 +40,39 @@ pub(super) fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
     }
 }
 
+/// A `layer_types` list (one entry per layer, each one of `kinds`' names, `kinds` read in order
+/// for the refusal's words), or None when the field is absent.
+pub(super) fn layer_type_list<T: Copy>(
+    v: &Value,
+    num_hidden_layers: usize,
+    kinds: [(&str, T); 2],
+) -> Result<Option<Vec<T>>> {
+    let Some(lt) = field(v, "layer_types") else {
+        return Ok(None);
+    };
+    let list = lt
+        .as_array()
+        .and_then(|l| {
+            l.iter()
+                .map(|t| kinds.iter().find(|k| t.as_str() == Some(k.0)).map(|k| k.1))
+                .collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| {
+            err!(Config:
+                "config.json: layer_types = {lt} not supported (only \"{}\" and \"{}\")",
+                kinds[0].0,
+                kinds[1].0
+            )
+        })?;
+    if list.len() != num_hidden_layers {
+        return Err(err!(Config:
+            "config.json: layer_types has {} entries for num_hidden_layers = {num_hidden_layers}",
+            list.len()
+        ));
+    }
+    Ok(Some(list))
+}
+
 /// Rope theta, `partial_rotary_factor` and the refusals of §7/§13, following transformers'
 /// resolution: a non-empty legacy `rope_scaling` replaces `rope_parameters`; theta comes from that
 /// dict, else the top-level `rope_theta`, else 10000; the factor from that dict, else the

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::fields::{field, opt_bool, opt_usize, req_usize};
+use super::fields::{field, layer_type_list, opt_bool, opt_usize, req_usize};
 use super::{LayerKind, LayerTypes, LinearSizes, ModelType};
 use crate::{err, Result};
 
@@ -45,34 +45,14 @@ pub(super) fn text_config(root: &Value, family: ModelType) -> Result<(&Value, bo
 /// Qwen3.5's `layer_types`: one of `linear_attention` / `full_attention` per layer, or, when
 /// absent, every `full_attention_interval`-th layer full (default 4), as transformers builds it.
 pub(super) fn qwen3_5_layer_types(v: &Value, num_hidden_layers: usize) -> Result<LayerTypes> {
-    let Some(lt) = field(v, "layer_types") else {
-        return Ok(LayerTypes::Interval(
-            opt_usize(v, "full_attention_interval")?.unwrap_or(4),
-        ));
-    };
-    let kinds = lt
-        .as_array()
-        .and_then(|l| {
-            l.iter()
-                .map(|t| match t.as_str() {
-                    Some("full_attention") => Some(LayerKind::Full),
-                    Some("linear_attention") => Some(LayerKind::Linear),
-                    _ => None,
-                })
-                .collect::<Option<Vec<_>>>()
-        })
-        .ok_or_else(|| {
-            err!(Config:
-                "config.json: layer_types = {lt} not supported (only \"linear_attention\" and \"full_attention\")"
-            )
-        })?;
-    if kinds.len() != num_hidden_layers {
-        return Err(err!(Config:
-            "config.json: layer_types has {} entries for num_hidden_layers = {num_hidden_layers}",
-            kinds.len()
-        ));
-    }
-    Ok(LayerTypes::List(kinds))
+    let kinds = [
+        ("linear_attention", LayerKind::Linear),
+        ("full_attention", LayerKind::Full),
+    ];
+    Ok(match layer_type_list(v, num_hidden_layers, kinds)? {
+        Some(list) => LayerTypes::List(list),
+        None => LayerTypes::Interval(opt_usize(v, "full_attention_interval")?.unwrap_or(4)),
+    })
 }
 
 /// Qwen3.5's `linear_*` sizes (§13: required, as every size is, when some layer is linear
