@@ -28,6 +28,11 @@ Presets
                   and a 64-expert top-8 MoE shape, bf16, for benchmarks (see docs/benchmarks.md).
   bench-qwen3_5-moe -> --out DIR (required; not committed)  a Qwen3.5-MoE shape (hybrid, 3 linear
                   to 1 full attention layer, 64 experts top-8 + shared expert), bf16, benchmarks.
+  tiny-gemma3     -> fixtures/tiny-gemma3/     Gemma3ForCausalLM in the layout real Gemma 3 text
+                                               checkpoints have (gemma-3-270m): bf16, tied head,
+                                               sliding (window 6) and full layers with two rope
+                                               bases, (1 + w) norms, query_pre_attn_scalar 20 !=
+                                               head_dim 16, one kv head.
   tiny-diffusion-gemma -> fixtures/tiny-diffusion-gemma/ DiffusionGemmaForBlockDiffusion, bf16:
                   sliding and full layers (k = v, proportional RoPE), dense MLP beside 6
                   routed experts, canvas 7, with a generation_config.json.
@@ -502,6 +507,56 @@ PRESETS["tiny-qwen2"] = dict(
     tokenizer=True,
 )
 
+# tiny-gemma3: the fields of a real Gemma 3 text config.json (gemma-3-270m: legacy top-level
+# rope_theta / rope_local_base_freq, `_sliding_window_pattern` beside the explicit layer_types,
+# which transformers reads) at odd tiny sizes. The window (6) is shorter than every frozen prompt
+# but `short`, so it bites; query_pre_attn_scalar differs from head_dim, so a scale by head_dim
+# shows; the embedding scale 0.5 makes the scaled rows (× √48) about 3.5 in rms.
+PRESETS["tiny-gemma3"] = dict(
+    seed=20261301,
+    dtype="bf16",
+    out="fixtures/tiny-gemma3",
+    config=dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        vocab_size=511,  # >= the frozen prompts' vocab_min (499)
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=4,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        _sliding_window_pattern=3,
+        sliding_window=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=20,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling=None,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_bidirectional_attention=False,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        use_cache=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        dtype="bfloat16",
+    ),
+    scales=dict(embed=0.5, embed_tail=0.5, block_out=0.7, bias=0.0, norm_noise=0.1, router=0.0),
+)
+
 
 # tiny-diffusion-gemma: DiffusionGemmaForBlockDiffusion (docs/diffusion-gemma.md) at odd sizes:
 # sliding (head_dim 10, 2 KV heads, window 5) and full (head_dim 16, 1 KV head, k = v,
@@ -681,21 +736,30 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     bias = qwen2 or cfg["attention_bias"]
     moe = cfg["model_type"] == "qwen3_moe"
     no_qk_norm = cfg["model_type"] in ("llama", "qwen2")
+    # Gemma 3: every norm is Gemma3RMSNorm, x * (1 + w) ("norm0": noise around 0), and the MLP
+    # has its own input and output norms.
+    gemma3 = cfg["model_type"] == "gemma3_text"
+    norm = "norm0" if gemma3 else "norm"
     specs = [("model.embed_tokens.weight", (V, H), "embed", H)]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs += [
-            (p + "input_layernorm.weight", (H,), "norm", 0),
+            (p + "input_layernorm.weight", (H,), norm, 0),
             (p + "self_attn.q_proj.weight", (nh * hd, H), "in", H),
             (p + "self_attn.k_proj.weight", (nkv * hd, H), "in", H),
             (p + "self_attn.v_proj.weight", (nkv * hd, H), "in", H),
             (p + "self_attn.o_proj.weight", (H, nh * hd), "out", nh * hd),
-            (p + "post_attention_layernorm.weight", (H,), "norm", 0),
+            (p + "post_attention_layernorm.weight", (H,), norm, 0),
         ]
+        if gemma3:
+            specs += [
+                (p + "pre_feedforward_layernorm.weight", (H,), norm, 0),
+                (p + "post_feedforward_layernorm.weight", (H,), norm, 0),
+            ]
         if not no_qk_norm:  # llama and qwen2 have no per-head q/k norm
             specs += [
-                (p + "self_attn.q_norm.weight", (hd,), "norm", 0),
-                (p + "self_attn.k_norm.weight", (hd,), "norm", 0),
+                (p + "self_attn.q_norm.weight", (hd,), norm, 0),
+                (p + "self_attn.k_norm.weight", (hd,), norm, 0),
             ]
         if bias:  # Qwen3 puts attention_bias on q, k, v AND o_proj; qwen2 on q, k, v only
             specs += [
@@ -734,7 +798,7 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
                     (p + "mlp.up_proj.bias", (I,), "bias", 0),
                     (p + "mlp.down_proj.bias", (H,), "bias", 0),
                 ]
-    specs.append(("model.norm.weight", (H,), "norm", 0))
+    specs.append(("model.norm.weight", (H,), norm, 0))
     if not cfg["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (V, H), "head", H))
     return specs

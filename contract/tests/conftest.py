@@ -19,6 +19,7 @@ FIXTURES = {
     "moe": os.path.join(ROOT, "fixtures", "tiny-qwen3-moe"),
     "llama": os.path.join(ROOT, "fixtures", "tiny-llama"),
     "qwen2": os.path.join(ROOT, "fixtures", "tiny-qwen2"),
+    "gemma3": os.path.join(ROOT, "fixtures", "tiny-gemma3"),
 }
 
 

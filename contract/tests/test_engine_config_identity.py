@@ -221,6 +221,46 @@ COMPUTED = {
         None,
         {"attention_bias": True, "o_proj_bias": False, "qk_norm": False, "head_dim": 14},
     ),
+    # §22.1 Gemma 3's rope in transformers 5's spelling: keyed by layer type, the full layers
+    # linearly scaled; the legacy top-level thetas are not read beside it.
+    "gemma3-rope-parameters-by-layer-type": (
+        "gemma3",
+        {
+            "rope_theta": DROP,
+            "rope_local_base_freq": DROP,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 200000.0},
+            },
+        },
+        None,
+        {
+            "rope_theta": 200000.0,
+            "local_rope_theta": 5000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
+    # A legacy rope_scaling updates the full layers' entry; the sliding ones keep the default.
+    "gemma3-legacy-rope-scaling": (
+        "gemma3",
+        {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+        None,
+        {"rope_theta": 1000000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    ),
+    # Without layer_types, transformers' sliding_window_pattern rule (the saved
+    # _sliding_window_pattern is not read); Gemma3TextConfig ties the head by default.
+    "gemma3-sliding-window-pattern": (
+        "gemma3",
+        {"layer_types": DROP, "sliding_window_pattern": 2, "tie_word_embeddings": DROP},
+        None,
+        {"sliding_layers": None, "sliding_window_pattern": 2, "tie_word_embeddings": True},
+    ),
+    "gemma3-final-logit-softcapping": (
+        "gemma3",
+        {"final_logit_softcapping": 3.0, "query_pre_attn_scalar": DROP},
+        None,
+        {"final_logit_softcapping": 3.0, "query_pre_attn_scalar": 256.0},
+    ),
 }
 
 
@@ -386,6 +426,44 @@ REFUSED = {
         "layer_types",
     ),
     "architectures-empty": ("dense", {"architectures": []}, None, "architectures"),
+    # §22.1 what Gemma 3's bit-exact producers do not compute, refused by name.
+    "gemma3-attn-logit-softcapping": (
+        "gemma3",
+        {"attn_logit_softcapping": 50.0},
+        None,
+        "attn_logit_softcapping",
+    ),
+    "gemma3-bidirectional": (
+        "gemma3",
+        {"use_bidirectional_attention": True},
+        None,
+        "use_bidirectional_attention",
+    ),
+    "gemma3-hidden-activation": (
+        "gemma3",
+        {"hidden_activation": "gelu"},
+        None,
+        "hidden_activation",
+    ),
+    "gemma3-flat-rope-parameters": (
+        "gemma3",
+        {"rope_parameters": {"rope_theta": 10000.0}},
+        None,
+        "rope_parameters.rope_theta",
+    ),
+    "gemma3-sliding-rope-linear": (
+        "gemma3",
+        {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+        None,
+        "rope_parameters.sliding_attention.rope_type",
+    ),
+    "gemma3-layer-types-count": (
+        "gemma3",
+        {"layer_types": ["sliding_attention", "full_attention"]},
+        None,
+        "layer_types",
+    ),
+    "gemma3-multimodal-layout": ("gemma3", {"model_type": "gemma3"}, None, "model_type"),
     "mlp-only-layers-negative": ("moe", {"mlp_only_layers": [-1]}, None, "mlp_only_layers"),
     "expert-counts-disagree": ("moe", {"num_local_experts": 4}, None, "num_experts"),
     "fused-down-proj-transposed": (

@@ -29,10 +29,11 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     **QWEN3_5_TEXT,
     **{mt: arch for mt, (arch, _) in QWEN3_5_MULTIMODAL.items()},
 }
-FULL, LINEAR = "full_attention", "linear_attention"
+FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 # Tensors of the multimodal checkpoints that the language model does not use (§20): listed, not
 # read, never refused.
 UNUSED_PREFIXES = ("model.visual.", "mtp.")
@@ -43,10 +44,10 @@ def unsupported_family(mt) -> str:
     # The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
     if mt in names.FAMILIES:
         return (
-            "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma); the oracle supports it: "
+            "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe, gemma3_text, the Qwen3.5 families and diffusion_gemma); the oracle supports it: "
             "python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
         )
-    return "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma; oracle: the families of docs/capture-points.md)"
+    return "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe, gemma3_text, the Qwen3.5 families and diffusion_gemma; oracle: the families of docs/capture-points.md)"
 
 
 MAX_POSITIONS = 1 << 24  # positions are below 2^24, where f32 still holds every integer (§7)
@@ -95,6 +96,53 @@ class Config:
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0
     max_position_embeddings: int = 0  # 0: the config sets no bound
+    # Gemma 3 (§22): which layers slide (`sliding_layers`, else every layer but each
+    # `sliding_window_pattern`-th), the window, the sliding layers' rope base, the scores' scale
+    # and the final softcap.
+    sliding_window: int = 0
+    sliding_layers: list[bool] | None = None
+    sliding_window_pattern: int = 1
+    local_rope_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def gemma3(self) -> bool:
+        return self.model_type == "gemma3_text"
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """§22.4: each block's output normed before its residual add, the MLP's input by
+        pre_feedforward_layernorm (Gemma 3)."""
+        return self.gemma3
+
+    @property
+    def gelu_mlp(self) -> bool:
+        """§22.2: the gated MLP's activation is gelu_pytorch_tanh (Gemma 3)."""
+        return self.gemma3
+
+    def window(self, layer: int) -> int | None:
+        """§22.3: layer `layer`'s window W (keys at p − W < q ≤ p), None where it is causal."""
+        if not self.gemma3:
+            return None
+        if self.sliding_layers is not None:
+            sliding = self.sliding_layers[layer]
+        else:  # transformers: sliding unless (layer + 1) % pattern == 0
+            sliding = (layer + 1) % self.sliding_window_pattern != 0
+        return self.sliding_window if sliding else None
+
+    def mask(self, layer: int | None) -> str:
+        """The `mask` attribute of a tensor of layer `layer` (None: a model-wide point)."""
+        w = None if layer is None else self.window(layer)
+        return "causal" if w is None else f"sliding:{w}"
+
+    @property
+    def attn_scale(self) -> np.float32:
+        """§8.4 f32(1 / sqrt(head_dim)); §22.3 Gemma 3's f32(query_pre_attn_scalar^−0.5), both
+        in binary64 first."""
+        if self.gemma3:
+            return np.float32(math.pow(self.query_pre_attn_scalar, -0.5))
+        return np.float32(1.0 / math.sqrt(float(self.head_dim)))
 
     @property
     def hybrid(self) -> bool:
@@ -103,8 +151,8 @@ class Config:
 
     @property
     def zero_centred_norms(self) -> bool:
-        """§15.1: every RMSNorm scales by 1 ⊕ w (the Qwen3.5 families)."""
-        return self.hybrid
+        """§15.1: every RMSNorm scales by 1 ⊕ w (the Qwen3.5 families, Gemma 3)."""
+        return self.hybrid or self.gemma3
 
     @property
     def gated_attention(self) -> bool:
@@ -318,6 +366,12 @@ def _mrope_keys(d: dict, name: str) -> None:
 def parse_config(raw: dict) -> Config:
     """Honour the fields of §13, refuse (naming the field) what this contract cannot compute."""
     mt = raw.get("model_type")
+    if mt == "gemma3":  # a vision tower beside a language model stored under other names
+        refuse(
+            "model_type",
+            "'gemma3' (Gemma3ForConditionalGeneration) is not supported by the bit-exact "
+            "producers; its language model is: a Gemma3ForCausalLM checkpoint, model_type 'gemma3_text'",
+        )
     if mt not in ARCHITECTURES:
         refuse("model_type", f"{mt!r} {unsupported_family(mt)}")
     archs = raw.get("architectures")
@@ -354,22 +408,26 @@ def parse_config(raw: dict) -> Config:
 
 def _parse_fields(raw: dict, mt: str) -> Config:
     hybrid = mt in QWEN3_5_TEXT
+    gemma3 = mt == "gemma3_text"
     # Sliding windows: only `use_sliding_window` and `layer_types` can ask for one (transformers
-    # drops `sliding_window`/`max_window_layers` unless use_sliding_window is true).
-    if _bool(raw, "use_sliding_window", False):
+    # drops `sliding_window`/`max_window_layers` unless use_sliding_window is true). Gemma 3
+    # reads neither use_sliding_window nor hidden_act: its own are in _parse_gemma3 (§22.1).
+    if not gemma3 and _bool(raw, "use_sliding_window", False):
         refuse("use_sliding_window", "sliding-window attention is not supported")
     lt = raw.get("layer_types")
     if (
         not hybrid
+        and not gemma3
         and lt is not None
         and (not isinstance(lt, list) or any(t != "full_attention" for t in lt))
     ):
         refuse("layer_types", f"only full_attention layers are supported, got {lt!r}")
     act = raw.get("hidden_act")
-    if act is not None and act != "silu":
+    if not gemma3 and act is not None and act != "silu":
         refuse("hidden_act", f"only silu is supported, got {act!r}")
     llama = mt == "llama"
-    theta, factor, scaling = _rope(raw, hybrid, llama)
+    g3 = _parse_gemma3(raw) if gemma3 else None
+    theta, factor, scaling = (g3["theta"], 1.0, g3["scaling"]) if g3 else _rope(raw, hybrid, llama)
 
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
@@ -380,7 +438,7 @@ def _parse_fields(raw: dict, mt: str) -> Config:
     # §13: Qwen3Config declares head_dim = 128 and the Qwen3.5 configs 256; Qwen3MoeConfig has
     # no such field, and the attention falls back to hidden_size // num_attention_heads (floor,
     # as transformers).
-    # LlamaConfig and Qwen2Config: hidden_size // num_attention_heads too.
+    # LlamaConfig and Qwen2Config: hidden_size // num_attention_heads too; Gemma3TextConfig 256.
     default_head_dim = {
         "qwen3": 128,
         "qwen3_moe": hidden // heads,
@@ -420,7 +478,7 @@ def _parse_fields(raw: dict, mt: str) -> Config:
         head_dim=head_dim,
         rms_norm_eps=ops.f32_of_config_number(eps),
         rope_theta=theta,
-        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", gemma3),  # Gemma 3 ties by default
         attention_bias=attention_bias,
         o_proj_bias=attention_bias and not qwen2,
         mlp_bias=llama and _bool(raw, "mlp_bias", False),
@@ -446,6 +504,22 @@ def _parse_fields(raw: dict, mt: str) -> Config:
     _finite_rope(theta, cfg.rotary_dim)
     if hybrid:
         _parse_qwen3_5(raw, cfg)
+    if g3:
+        n = cfg.num_hidden_layers
+        if g3["layer_types"] is not None and len(g3["layer_types"]) != n:
+            refuse("layer_types", f"{len(g3['layer_types'])} entries for num_hidden_layers {n}")
+        if g3["layer_types"] is not None:
+            cfg.sliding_layers = [t == SLIDING for t in g3["layer_types"]]
+            any_sliding = any(cfg.sliding_layers)
+        else:
+            cfg.sliding_window_pattern = g3["pattern"]
+            any_sliding = g3["pattern"] > 1  # layer 0 slides unless every layer is full
+        if any_sliding:
+            cfg.sliding_window = _int(raw, "sliding_window", default=4096)  # the class default
+        cfg.local_rope_theta = g3["local_theta"]
+        _finite_rope(cfg.local_rope_theta, head_dim)
+        cfg.query_pre_attn_scalar = g3["query_pre_attn_scalar"]
+        cfg.final_logit_softcapping = g3["final_logit_softcapping"]
     if mt in ("qwen3_moe", "qwen3_5_moe_text"):
         # transformers maps num_local_experts onto num_experts; both given must agree.
         ne_given, nle_given = (
@@ -477,6 +551,113 @@ def _parse_fields(raw: dict, mt: str) -> Config:
     if cfg.intermediate_size is None and cfg.has_dense_layer():
         refuse("intermediate_size", "missing (a layer uses the dense MLP)")
     return cfg
+
+
+def _parse_gemma3(raw: dict) -> dict:
+    """§22.1 what only Gemma3TextConfig reads, as transformers reads it: the activation, the
+    causal flag, the softcaps, query_pre_attn_scalar, which layers slide (`layer_types`, else
+    transformers' `sliding_window_pattern` rule, default 6; the saved `_sliding_window_pattern` is
+    not read), and the two rope tables: `rope_parameters` keyed by layer type, a legacy
+    `rope_scaling` merged into the full layers' entry; their theta that entry's, else
+    `rope_theta`, else 1e6; the sliding layers', theirs, else `rope_local_base_freq`, else 1e4.
+    Refused, naming the field, what transformers would compute otherwise than this contract."""
+    act = raw.get("hidden_activation")
+    if act is not None and act != "gelu_pytorch_tanh":
+        refuse("hidden_activation", f"only gelu_pytorch_tanh is supported, got {act!r}")
+    if raw.get("use_bidirectional_attention") is not None and _bool(
+        raw, "use_bidirectional_attention", False
+    ):
+        refuse("use_bidirectional_attention", "only false (a causal decoder) is supported")
+    if raw.get("attn_logit_softcapping") is not None:
+        refuse(
+            "attn_logit_softcapping",
+            f"only null is supported (as Gemma 3 checkpoints ship it), got {raw['attn_logit_softcapping']}",
+        )
+    cap = raw.get("final_logit_softcapping")
+    if cap is not None:
+        cap = float(_number(cap, "final_logit_softcapping"))
+        if not cap > 0:
+            refuse("final_logit_softcapping", f"must be a positive number, got {cap}")
+    qpas = _float(raw, "query_pre_attn_scalar", 256.0)
+    if not qpas > 0:
+        refuse("query_pre_attn_scalar", f"must be positive, got {qpas}")
+    lt = raw.get("layer_types")
+    pattern = 6
+    if lt is None:
+        pattern = _int(raw, "sliding_window_pattern", default=6)
+    elif not isinstance(lt, list) or any(t not in (SLIDING, FULL) for t in lt):
+        refuse("layer_types", f"entries must be {SLIDING!r} or {FULL!r}, got {lt!r}")
+    params = raw.get("rope_parameters")
+    params = {} if params is None else params
+    if not isinstance(params, dict):
+        refuse("rope_parameters", f"must be an object or null, got {params!r}")
+    for k in params:
+        if k not in (SLIDING, FULL):
+            refuse(
+                f"rope_parameters.{k}",
+                "not supported (Gemma 3's rope_parameters are keyed by layer type: "
+                "sliding_attention, full_attention)",
+            )
+
+    def entry(key: str) -> dict:
+        e = params.get(key)
+        if e is None:
+            return {}
+        if not isinstance(e, dict):
+            refuse(f"rope_parameters.{key}", f"must be an object, got {e!r}")
+        return dict(e)
+
+    full, sliding = entry(FULL), entry(SLIDING)
+    rs = raw.get("rope_scaling")
+    if rs is not None:
+        if not isinstance(rs, dict):
+            refuse("rope_scaling", f"must be an object or null, got {rs!r}")
+        full.update(rs)
+    full_theta = _float(raw, "rope_theta", 1_000_000.0)
+    local_theta = _float(raw, "rope_local_base_freq", 10_000.0)
+    theta, scaling = _gemma3_rope_entry(full, FULL, full_theta, linear_ok=True)
+    local, _ = _gemma3_rope_entry(sliding, SLIDING, local_theta, linear_ok=False)
+    return dict(
+        theta=theta,
+        scaling=scaling,
+        local_theta=local,
+        layer_types=None if lt is None else list(lt),
+        pattern=pattern,
+        query_pre_attn_scalar=qpas,
+        final_logit_softcapping=cap,
+    )
+
+
+def _gemma3_rope_entry(e: dict, key: str, theta: float, linear_ok: bool):
+    """One layer type's rope: (theta, scaling) — the default type, or `linear` (`factor`, §7.1)
+    for the full layers."""
+    at = f"rope_parameters.{key}"
+    rope_type = "default"
+    for k in ("rope_type", "type"):
+        t = e.get(k)
+        if t is None or t == "default":
+            continue
+        if t == "linear" and linear_ok:
+            rope_type = "linear"
+        else:
+            only = "default and linear" if linear_ok else "default"
+            refuse(f"{at}.{k}", f"rope type {t!r} is not supported (only {only})")
+    allowed = {"rope_type", "type", "rope_theta"} | ({"factor"} if rope_type == "linear" else set())
+    extra = sorted(set(e) - allowed)
+    if extra:
+        refuse(f"{at}.{extra[0]}", f"not supported with the {rope_type} rope type")
+    theta = _float(e, "rope_theta", theta, f"{at}.rope_theta")
+    if not theta > 0:
+        refuse("rope_theta", f"must be positive, got {theta}")
+    scaling = None
+    if rope_type == "linear":
+        if e.get("factor") is None:
+            refuse(f"{at}.factor", "missing for the linear rope type")
+        f = _float(e, "factor", 0.0, f"{at}.factor")
+        if not f > 0:
+            refuse(f"{at}.factor", f"must be a positive number, got {e['factor']}")
+        scaling = {"rope_type": "linear", "factor": f}
+    return theta, scaling
 
 
 def _parse_qwen3_5(raw: dict, cfg: Config) -> None:

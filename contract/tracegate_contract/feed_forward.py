@@ -20,16 +20,20 @@ class Mlp:
     """Gated SiLU MLP (§9). gate and up share one ordered matmul: their outputs are computed
     independently column by column, so concatenating them changes no bit."""
 
-    def __init__(self, gate_up: np.ndarray, down: np.ndarray, bias=None):
+    def __init__(self, gate_up: np.ndarray, down: np.ndarray, bias=None, gelu: bool = False):
         """gate_up: [2I, H], the gate rows then the up rows; down: [H, I]; bias (llama's
-        mlp_bias): (gate and up biases concatenated, down's)."""
+        mlp_bias): (gate and up biases concatenated, down's); gelu: §22.2 gelu_pytorch_tanh for
+        SiLU (Gemma 3)."""
         self.inter = down.shape[1]
+        self.act = ops.gelu_tanh if gelu else ops.silu
         self.wgu_t = ops.transpose_weight(gate_up)
         self.wd_t = ops.transpose_weight(down)
         self.bgu, self.bd = bias if bias is not None else (None, None)
 
     @classmethod
-    def load(cls, ck: Checkpoint, prefix: str, hidden: int, inter: int, bias=False) -> Mlp:
+    def load(
+        cls, ck: Checkpoint, prefix: str, hidden: int, inter: int, bias=False, gelu=False
+    ) -> Mlp:
         g = ck.take(f"{prefix}.gate_proj.weight", (inter, hidden))
         u = ck.take(f"{prefix}.up_proj.weight", (inter, hidden))
         b = None
@@ -44,11 +48,11 @@ class Mlp:
                 np.array(ck.take(f"{prefix}.down_proj.bias", (hidden,)), dtype=F32),
             )
         down = ck.take(f"{prefix}.down_proj.weight", (hidden, inter))
-        return cls(np.concatenate([g, u]), down, b)
+        return cls(np.concatenate([g, u]), down, b, gelu)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gu = ops.matmul(x, self.wgu_t, self.bgu)
-        h = ops.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        h = self.act(gu[:, : self.inter]) * gu[:, self.inter :]
         return ops.matmul(h, self.wd_t, self.bd)
 
 

@@ -30,11 +30,20 @@ class Layer:
         self.post_attention_layernorm = np.array(
             ck.take(f"{p}.post_attention_layernorm.weight", (H,)), dtype=F32
         )
+        # §22.4 Gemma 3: the MLP's own input and output norms.
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = (
+                np.array(ck.take(f"{p}.{n}.weight", (H,)), dtype=F32)
+                for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+            )
         self.moe = cfg.is_sparse(i)
         if self.moe:
             self.feed_forward = Moe(cfg, ck, f"{p}.mlp")
         else:
-            self.feed_forward = Mlp.load(ck, f"{p}.mlp", H, cfg.intermediate_size, cfg.mlp_bias)
+            self.feed_forward = Mlp.load(
+                ck, f"{p}.mlp", H, cfg.intermediate_size, cfg.mlp_bias, cfg.gelu_mlp
+            )
 
 
 def forward(model, i: int, L: Layer, x: np.ndarray, pos: list[int], cap, cache):
@@ -47,10 +56,16 @@ def forward(model, i: int, L: Layer, x: np.ndarray, pos: list[int], cap, cache):
     else:
         a = model._gated_deltanet(i, L.mixer, xn, pos, cap, cache)
     cap.tensor(names.layer(i, "attn_out"), a, pos)
+    sandwich = L.pre_feedforward_layernorm is not None
+    if sandwich:  # §22.4: the mixer's output normed before the residual add
+        a = model.norm_op(a, L.post_attention_layernorm, eps)
     h1 = x + a
-    hn = model.norm_op(h1, L.post_attention_layernorm, eps)
+    pre = L.pre_feedforward_layernorm if sandwich else L.post_attention_layernorm
+    hn = model.norm_op(h1, pre, eps)
     m = model._moe(L.feed_forward, hn, pos, i, cap) if L.moe else L.feed_forward(hn)
     cap.tensor(names.layer(i, "mlp_out"), m, pos)
+    if sandwich:  # and the MLP's
+        m = model.norm_op(m, L.post_feedforward_layernorm, eps)
     out = h1 + m
     cap.tensor(names.layer(i, "hidden_out"), out, pos)
     return out

@@ -85,7 +85,7 @@ def _attend(model, i, A: Attention, q, k, v, pos, cap, cache, gate):
     """§8 steps 2–7: q_norm/k_norm (none for llama) and RoPE, the cache, attention; returns
     o [T, heads, d]. `gate` (§17) is captured as attn_gate before attn_probs."""
     eps = model.cfg.rms_norm_eps
-    cos, sin = model.rope.tables(pos)
+    cos, sin = model.rope_of(i).tables(pos)
     if A.q_norm is not None:
         q, k = model.norm_op(q, A.q_norm, eps), model.norm_op(k, A.k_norm, eps)
     q = ops.Rope.apply(q, cos, sin)
@@ -99,7 +99,13 @@ def _attend(model, i, A: Attention, q, k, v, pos, cap, cache, gate):
         keys, vals, kpos = cache.extend(i, k, v, pos)
     else:
         keys, vals, kpos = k, v, pos
-    o, probs = ops.attention(q, keys, vals, pos, kpos, model.scale)
+    w = model.cfg.window(i)
+    if w is None:
+        o, probs = ops.attention(q, keys, vals, pos, kpos, model.scale)
+    else:  # §22.3 a sliding layer: key c visible to row r iff p − W < kpos[c] ≤ p
+        kp, qp = np.asarray(kpos)[None, :], np.asarray(pos)[:, None]
+        visible = (kp <= qp) & (kp > qp - w)
+        o, probs = ops.attention_visible(q, keys, vals, visible, model.scale)
     cap.tensor(names.layer(i, "attn_probs"), probs, pos, internal=True)
     return o
 

@@ -88,8 +88,12 @@ class Model:
         # --force-decisions (force.Forcing): router rows at the positions it holds are taken from it.
         self.forcing = None
         self.rope = ops.Rope(cfg.rope_theta, cfg.head_dim, cfg.rotary_dim, cfg.rope_scaling)
-        # §8.4: binary64 sqrt and division, rounded once.
-        self.scale = F32(1.0 / math.sqrt(float(cfg.head_dim)))
+        # §22.3 Gemma 3's sliding layers rotate by their own base (the default rope type).
+        self.rope_sliding = ops.Rope(cfg.local_rope_theta, cfg.head_dim) if cfg.gemma3 else None
+        # §8.4 (§22.3 for Gemma 3): binary64, rounded once.
+        self.scale = cfg.attn_scale
+        # §22.2 Gemma 3's embedding scale: transformers' hidden_size**0.5 as an f32 tensor.
+        self.embed_scale = F32(math.pow(float(H), 0.5)) if cfg.gemma3 else None
 
     # §5
     def embed(self, tokens) -> np.ndarray:
@@ -97,8 +101,12 @@ class Model:
         for t in tokens:
             if not (0 <= int(t) < V):
                 raise ContractError(f"token id {int(t)} is outside the vocabulary [0, {V})")
-        rows = self._embed[np.asarray(tokens, dtype=np.int64)]
-        return widen(self._embed_dtype, rows)
+        rows = widen(self._embed_dtype, self._embed[np.asarray(tokens, dtype=np.int64)])
+        return rows if self.embed_scale is None else rows * self.embed_scale
+
+    def rope_of(self, i: int) -> ops.Rope:
+        """The RoPE tables layer `i` rotates by (§22.3: a Gemma 3 sliding layer's own)."""
+        return self.rope_sliding if self.cfg.window(i) is not None else self.rope
 
     # §11, §20
     def layer(
@@ -128,6 +136,9 @@ class Model:
         with _ieee():
             f = self.norm_op(h, self.norm, self.cfg.rms_norm_eps)
             logits = ops.matmul(f, self.head_t)
+            c = self.cfg.final_logit_softcapping
+            if c is not None:  # §22.5
+                logits = ops.tanh_to_f32(logits / F32(c)) * F32(c)
         cap.tensor("final_norm.out", f, pos)
         cap.tensor("logits", logits, pos)
         return logits

@@ -55,9 +55,11 @@ def write_trace(
     path: str,
     forcing: Forcing | None = None,
     attrs: dict | None = None,
+    mask_of=lambda layer: "causal",
 ) -> str:
     """Tensors in capture order (a decode step's, `decode.*`, with path=decode), then decisions in
-    decision order; returns the digest. `attrs`: extra attributes on every tensor. Under
+    decision order; returns the digest. `attrs`: extra attributes on every tensor; `mask_of`: the
+    `mask` attribute of a layer's tensors by its index (None: a model-wide point). Under
     --force-decisions (its weights checked against this run's) with the provenance record and
     `forced = <digest>` on every tensor captured after the first forced decision."""
     tg = _tracegate()
@@ -71,7 +73,8 @@ def write_trace(
         for i, (name, array, positions) in enumerate(cap.tensors):
             extra = {**(attrs or {}), **({"forced": forcing.digest} if i >= first_forced else {})}
             where = "decode" if names.parse(name).decode_step is not None else path
-            w.tensor(name, array, path=where, mask="causal", positions=positions, **extra)
+            mask = mask_of(names.parse(name).layer)
+            w.tensor(name, array, path=where, mask=mask, positions=positions, **extra)
         for name, values, margins in cap.decisions:
             w.decision(name, values, margins=margins)
         return w.finish()
@@ -156,7 +159,7 @@ def trace(
         generate=generate,
         **_unused(model),
     )
-    return write_trace(out, prov, cap, "prefill", model.forcing)
+    return write_trace(out, prov, cap, "prefill", model.forcing, mask_of=model.cfg.mask)
 
 
 def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
@@ -275,4 +278,4 @@ def layer(
         **run,
         **_unused(model),
     )
-    return write_trace(out, prov, cap, "layer", model.forcing, attrs)
+    return write_trace(out, prov, cap, "layer", model.forcing, attrs, model.cfg.mask)

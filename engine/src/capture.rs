@@ -186,19 +186,25 @@ impl Capture {
         self.tensors.extend(step.tensors);
     }
 
-    /// Write everything, in order, with `path` (`decode` for a decode step's tensors), `mask =
-    /// causal` and `positions` attributes, and
+    /// Write everything, in order, with `path` (`decode` for a decode step's tensors), `mask`
+    /// (`mask_of(l)` for layer l's tensors, `causal` for the others) and `positions` attributes, and
     /// `forced = <digest>` (the forcing trace's) on every tensor captured after a forced decision.
-    pub fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
+    pub fn write(
+        &self,
+        w: &mut TraceWriter,
+        forcing_digest: Option<&str>,
+        mask_of: &dyn Fn(usize) -> String,
+    ) -> Result<()> {
         for (i, t) in self.tensors.iter().enumerate() {
-            let path = if Name::parse(&t.name).decode_step.is_some() {
+            let name = Name::parse(&t.name);
+            let path = if name.decode_step.is_some() {
                 "decode"
             } else {
                 self.path
             };
             let mut attrs = Attributes::default()
                 .with_path(path)
-                .with_mask("causal")
+                .with_mask(&name.layer.map_or_else(|| "causal".to_string(), mask_of))
                 .with_positions(t.positions.clone());
             if let Some(p) = self.decode_from {
                 attrs.extra.insert("decode_from".into(), p.to_string());

@@ -7,6 +7,7 @@
 //! the sizes checked against the checkpoint.
 
 mod fields;
+mod gemma3;
 mod qwen3_5;
 mod sizes;
 
@@ -17,6 +18,8 @@ use serde_json::Value;
 use crate::ops::RopeScaling;
 use crate::{err, Result};
 use fields::{field, finite_rope, opt_bool, opt_f64, opt_usize, req_usize, rope_params};
+use gemma3::gemma3_fields;
+pub use gemma3::{Gemma3, Sliding};
 use qwen3_5::{linear_sizes, qwen3_5_layer_types, qwen3_5_moe_fixed, text_config};
 pub use sizes::check_sizes;
 
@@ -26,11 +29,12 @@ pub const MAX_POSITIONS: usize = 1 << 24;
 /// The `model_type`s the bit-exact producers (engine, contract) compute: a language model's
 /// (`text_config.model_type` of a multimodal layout included) or a block-diffusion checkpoint's.
 /// A gate checks it before any producer runs, so a refusal does not wait for the others.
-pub const BIT_EXACT_FAMILIES: [&str; 9] = [
+pub const BIT_EXACT_FAMILIES: [&str; 10] = [
     "llama",
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "gemma3_text",
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "qwen3_5",
@@ -42,11 +46,11 @@ pub const BIT_EXACT_FAMILIES: [&str; 9] = [
 pub fn unsupported_family(model_type: &str) -> String {
     // The registry's families are the oracle's (oracle/tests/test_capture_registry.py).
     if tracegate_trace::names::family_features(model_type).is_some() {
-        "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma); the oracle supports it: \
+        "not supported by the bit-exact producers (engine, contract: llama, qwen2, qwen3, qwen3_moe, gemma3_text, the Qwen3.5 families and diffusion_gemma); the oracle supports it: \
          python -m tracegate_oracle, trace-diff and gate bisect --reference oracle (docs/capture-points.md)"
             .to_string()
     } else {
-        "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe, the Qwen3.5 families and diffusion_gemma; oracle: the families of docs/capture-points.md)".to_string()
+        "not supported (engine, contract: llama, qwen2, qwen3, qwen3_moe, gemma3_text, the Qwen3.5 families and diffusion_gemma; oracle: the families of docs/capture-points.md)".to_string()
     }
 }
 
@@ -65,6 +69,10 @@ pub enum ModelType {
     Qwen3_5,
     /// Qwen3.5-MoE: `qwen3_5_moe_text`, or `qwen3_5_moe` with `text_config`.
     Qwen3_5Moe,
+    /// Gemma 3 text (`gemma3_text`, `Gemma3ForCausalLM`, §22): a scaled embedding, `1 ⊕ w`
+    /// norms (four per layer: around the attention and around the MLP), q/k norms, sliding and
+    /// full layers with their own RoPE bases, a gelu_pytorch_tanh MLP.
+    Gemma3,
 }
 
 impl ModelType {
@@ -73,9 +81,22 @@ impl ModelType {
         matches!(self, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe)
     }
 
-    /// §15.1: every RMSNorm scales by `1 ⊕ w` (the Qwen3.5 families).
+    /// §15.1: every RMSNorm scales by `1 ⊕ w` (the Qwen3.5 families, Gemma 3).
     pub fn zero_centred_norms(self) -> bool {
-        self.is_qwen3_5()
+        self.is_qwen3_5() || self == ModelType::Gemma3
+    }
+
+    /// §22.4: the mixer's and the MLP's outputs are each normed before their residual add
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`), and the MLP's input by
+    /// `pre_feedforward_layernorm` (Gemma 3); elsewhere `post_attention_layernorm` is the MLP's
+    /// input norm.
+    pub fn sandwich_norms(self) -> bool {
+        self == ModelType::Gemma3
+    }
+
+    /// §22.2: the gated MLP's activation is gelu_pytorch_tanh (Gemma 3), not SiLU.
+    pub fn gelu_mlp(self) -> bool {
+        self == ModelType::Gemma3
     }
 
     /// §8.2: q_norm / k_norm on every head before RoPE: the Qwen3 and Qwen3.5 families (not
@@ -214,6 +235,8 @@ pub struct Config {
     pub shared_expert_intermediate_size: usize,
     /// The positions a run may use (`--tokens` plus `--generate`), when the config says.
     pub max_position_embeddings: Option<usize>,
+    /// Gemma 3's own fields (§22; None for the other families).
+    pub gemma3: Option<Gemma3>,
 }
 
 impl Config {
@@ -231,6 +254,14 @@ impl Config {
             "qwen3_moe" => (ModelType::Qwen3Moe, Layout::Text, "Qwen3MoeForCausalLM"),
             "qwen3_5_text" => (ModelType::Qwen3_5, Layout::Text, "Qwen3_5ForCausalLM"),
             "qwen3_5_moe_text" => (ModelType::Qwen3_5Moe, Layout::Text, "Qwen3_5MoeForCausalLM"),
+            "gemma3_text" => (ModelType::Gemma3, Layout::Text, "Gemma3ForCausalLM"),
+            // The multimodal checkpoint keeps its language model under other names and a vision
+            // tower beside it: refused, pointing at the text-only layout.
+            "gemma3" => {
+                return Err(err!(Config:
+                    "config.json: model_type \"gemma3\" (Gemma3ForConditionalGeneration) not supported by the bit-exact producers; its language model is: a Gemma3ForCausalLM checkpoint, model_type \"gemma3_text\""
+                ))
+            }
             "qwen3_5" => (
                 ModelType::Qwen3_5,
                 Layout::Multimodal,
@@ -268,19 +299,24 @@ impl Config {
             }
         };
         let qwen3_5 = family.is_qwen3_5();
-        if let Some(act) = field(v, "hidden_act") {
+        let gemma3 = family == ModelType::Gemma3;
+        // Gemma3TextConfig reads neither field (its activation is `hidden_activation`, its
+        // windows `layer_types`): §22.1.
+        if let Some(act) = field(v, "hidden_act").filter(|_| !gemma3) {
             if act.as_str() != Some("silu") {
                 return Err(err!(Config:
                     "config.json: hidden_act = {act} not supported (only \"silu\")"
                 ));
             }
         }
-        if opt_bool(v, "use_sliding_window", false)? {
+        if !gemma3 && opt_bool(v, "use_sliding_window", false)? {
             return Err(err!(Config: "config.json: use_sliding_window = true not supported"));
         }
         let num_hidden_layers = req_usize(v, "num_hidden_layers")?;
         let layer_types = if qwen3_5 {
             qwen3_5_layer_types(v, num_hidden_layers)?
+        } else if gemma3 {
+            LayerTypes::AllFull // softmax attention everywhere; `gemma3` says which layers slide
         } else {
             if let Some(lt) = field(v, "layer_types") {
                 let ok = lt
@@ -316,7 +352,7 @@ impl Config {
             (None, ModelType::Qwen3Moe | ModelType::Llama | ModelType::Qwen2) => {
                 hidden_size / num_attention_heads
             }
-            (None, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe) => 256,
+            (None, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe | ModelType::Gemma3) => 256,
         };
         // Qwen3.5 rotates only the leading 2·ceil(rotary_dim/2) dims (checked below); its
         // head_dim itself may be odd.
@@ -344,9 +380,11 @@ impl Config {
         // decoder_sparse_step, mlp_only_layers): read (and refused) before the sizes below, in
         // this order, so the first refusal named is the same as ever.
         let moe = match family {
-            ModelType::Llama | ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3_5 => {
-                (0, 0, 0, false, 1, vec![])
-            }
+            ModelType::Llama
+            | ModelType::Qwen2
+            | ModelType::Qwen3
+            | ModelType::Qwen3_5
+            | ModelType::Gemma3 => (0, 0, 0, false, 1, vec![]),
             ModelType::Qwen3Moe | ModelType::Qwen3_5Moe => {
                 let ne = match (field(v, "num_experts"), field(v, "num_local_experts")) {
                     (Some(_), Some(_))
@@ -424,7 +462,14 @@ impl Config {
         };
         let rms_norm_eps = opt_f64(v, "rms_norm_eps", 1e-6)?;
         let llama = family == ModelType::Llama;
-        let (rope_theta, partial, rope_scaling) = rope_params(v, qwen3_5, llama)?;
+        let (rope_theta, partial, rope_scaling, gemma3) = if gemma3 {
+            let (g, theta, scaling) = gemma3_fields(v, num_hidden_layers)?;
+            finite_rope(g.local_rope_theta, head_dim)?;
+            (theta, 1.0, scaling, Some(g))
+        } else {
+            let (theta, partial, scaling) = rope_params(v, qwen3_5, llama)?;
+            (theta, partial, scaling, None)
+        };
         let rotary_dim = (head_dim as f64 * partial) as usize; // transformers: int(head_dim * factor)
                                                                // §16: an odd rotary dim rounds up to 2·ceil(d_r/2) rotated dims, as transformers does;
                                                                // they fit in the head unless the whole (odd) head would rotate, which transformers
@@ -442,9 +487,11 @@ impl Config {
         }
         finite_rope(rope_theta, rotary_dim)?;
         let (linear, shared_expert_intermediate_size) = match family {
-            ModelType::Llama | ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3Moe => {
-                (None, 0)
-            }
+            ModelType::Llama
+            | ModelType::Qwen2
+            | ModelType::Qwen3
+            | ModelType::Qwen3Moe
+            | ModelType::Gemma3 => (None, 0),
             ModelType::Qwen3_5 => (linear_sizes(v, &layer_types)?, 0),
             ModelType::Qwen3_5Moe => (
                 linear_sizes(v, &layer_types)?,
@@ -468,9 +515,10 @@ impl Config {
             head_dim,
             rms_norm_eps,
             rope_theta,
+            // Gemma3TextConfig ties the head by default.
             tie_word_embeddings: match outer_tie {
                 Some(t) => t,
-                None => opt_bool(v, "tie_word_embeddings", false)?,
+                None => opt_bool(v, "tie_word_embeddings", family == ModelType::Gemma3)?,
             },
             attention_bias,
             o_proj_bias: attention_bias && !family.fixed_qkv_bias(),
@@ -488,6 +536,7 @@ impl Config {
             linear,
             shared_expert_intermediate_size,
             max_position_embeddings,
+            gemma3,
         };
         if cfg.vocab_size < 2 {
             return Err(err!(Config:
@@ -517,7 +566,11 @@ impl Config {
         n > 0
             && (matches!(
                 self.model_type,
-                ModelType::Llama | ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3_5
+                ModelType::Llama
+                    | ModelType::Qwen2
+                    | ModelType::Qwen3
+                    | ModelType::Qwen3_5
+                    | ModelType::Gemma3
             ) || self.num_experts == 0
                 || self.decoder_sparse_step > 1
                 || self.mlp_only_layers.iter().any(|&l| l < n))
@@ -531,6 +584,33 @@ impl Config {
             // transformers: linear unless (l + 1) % interval == 0.
             LayerTypes::Interval(n) if (l + 1).is_multiple_of(*n) => LayerKind::Full,
             LayerTypes::Interval(_) => LayerKind::Linear,
+        }
+    }
+
+    /// §22.3 layer `l`'s attention window W (a query at p sees the keys at p − W < q ≤ p); None:
+    /// causal over every earlier key.
+    pub fn window(&self, l: usize) -> Option<usize> {
+        self.gemma3
+            .as_ref()
+            .filter(|g| g.is_sliding(l))
+            .map(|g| g.sliding_window)
+    }
+
+    /// The `mask` attribute of layer `l`'s tensors: `sliding:W` or `causal` (as the oracle
+    /// writes it, docs/trace-format.md).
+    pub fn mask(&self, l: usize) -> String {
+        match self.window(l) {
+            Some(w) => format!("sliding:{w}"),
+            None => "causal".to_string(),
+        }
+    }
+
+    /// §8.4 the scores' scale: f32(1 / sqrt(head_dim)) in binary64; Gemma 3 (§22.3)
+    /// f32(query_pre_attn_scalar^−0.5), transformers' `query_pre_attn_scalar**-0.5`.
+    pub fn attn_scale(&self) -> f32 {
+        match &self.gemma3 {
+            Some(g) => g.query_pre_attn_scalar.powf(-0.5) as f32,
+            None => (1.0f64 / (self.head_dim as f64).sqrt()) as f32,
         }
     }
 

@@ -132,6 +132,12 @@ pub fn tanh_to_f32(x: f32) -> f32 {
     (x as f64).tanh() as f32
 }
 
+/// numerics.md §22.5 a logit softcap `f32(tanh(binary64(x ⊘ c))) ⊗ c` (diffusion-gemma.md DG11's
+/// arithmetic).
+pub fn softcap(x: f32, c: f32) -> f32 {
+    tanh_to_f32(x / c) * c
+}
+
 /// diffusion-gemma.md DG7 `gelu_pytorch_tanh` in torch's order:
 /// `(0.5 ⊗ x) ⊗ (1 ⊕ tanh(β ⊗ (x ⊕ κ ⊗ x³)))`, β = f32(√2·(2/√π)·0.5), κ = f32(0.044715).
 pub fn gelu_tanh(x: f32) -> f32 {

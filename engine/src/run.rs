@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use tracegate_trace::{names, Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
-use crate::config::{load_config, LayerKind, ModelType, MAX_POSITIONS};
+use crate::config::{load_config, Config, LayerKind, ModelType, MAX_POSITIONS};
 use crate::force::Forcing;
 use crate::model::diffusion_gemma::config::DiffusionOptions;
 use crate::model::Model;
@@ -330,7 +330,7 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     }
     prov["cache"] = json!(if o.cache { "on" } else { "off" });
     prov["generate"] = json!(o.generate);
-    write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)
+    write(&o.out, prov, &cap, &model.cfg, model.forcing.as_ref(), &wd)
 }
 
 /// Writes the capture; under `--force-decisions` (its weights checked against this run's) with
@@ -339,6 +339,7 @@ fn write(
     out: &Path,
     mut prov: Value,
     cap: &Capture,
+    cfg: &Config,
     forcing: Option<&Forcing>,
     weights_digest: &str,
 ) -> Result<Digest> {
@@ -347,7 +348,7 @@ fn write(
         prov["forced_decisions"] = f.provenance(&cap.forced);
     }
     let mut w = TraceWriter::create(out, prov)?;
-    cap.write(&mut w, forcing.map(|f| f.digest.as_str()))?;
+    cap.write(&mut w, forcing.map(|f| f.digest.as_str()), &|l| cfg.mask(l))?;
     Ok(w.finish()?)
 }
 
@@ -509,7 +510,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         prov["decode_from"] = json!(p);
     }
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
-    write(&o.out, prov, &cap, model.forcing.as_ref(), &wd)
+    write(&o.out, prov, &cap, &model.cfg, model.forcing.as_ref(), &wd)
 }
 
 /// Qwen3.5 (docs/numerics.md §20), diffusion Gemma's vision tower: the tensors present and not
@@ -576,6 +577,15 @@ pub fn info(dir: &Path) -> Result<String> {
                 ls.value_head_dim
             );
         }
+    }
+    if let Some(g) = &c.gemma3 {
+        let kinds: String = (0..c.num_hidden_layers)
+            .map(|l| if c.window(l).is_some() { 'S' } else { 'F' })
+            .collect();
+        s += &format!(
+            "layer_types {kinds} (S sliding, F full)  sliding_window {}  rope_local_base_freq {}  query_pre_attn_scalar {}  final_logit_softcapping {:?}\n",
+            g.sliding_window, g.local_rope_theta, g.query_pre_attn_scalar, g.final_logit_softcapping
+        );
     }
     if matches!(c.model_type, ModelType::Qwen3Moe | ModelType::Qwen3_5Moe) {
         let sparse: Vec<usize> = (0..c.num_hidden_layers)

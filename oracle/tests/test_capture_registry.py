@@ -29,6 +29,7 @@ FIXTURES = [
     "tiny-qwen3-moe",
     "tiny-llama",
     "tiny-qwen2",
+    "tiny-gemma3",
     "tiny-qwen3_5",
     "tiny-qwen3_5-moe",
     "tiny-diffusion-gemma",

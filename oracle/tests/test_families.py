@@ -461,6 +461,7 @@ def test_engine_and_contract_point_exactly_the_table_to_the_oracle(tmp_path):
     bit_exact = (
         "llama",
         "qwen2",
+        "gemma3_text",
         "qwen3",
         "qwen3_moe",
         "qwen3_5",

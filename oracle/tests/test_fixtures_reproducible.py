@@ -21,6 +21,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
         "tiny-qwen3_5-moe",
         "tiny-llama",
         "tiny-qwen2",
+        "tiny-gemma3",
     ],
 )
 def test_regenerated_fixture_is_byte_identical(tmp_path, preset):

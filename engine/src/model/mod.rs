@@ -37,6 +37,25 @@ pub struct Model<'a> {
     /// Tensors present and not run (Qwen3.5's vision tower and multi-token prediction), by
     /// prefix with their count (§20); empty for the other families.
     pub unused_tensors: Vec<(String, usize)>,
+    /// §22.2 Gemma 3's embedding scale f32(√hidden_size) (None: rows as stored).
+    embed_scale: Option<f32>,
+}
+
+/// §7 RoPE tables of a forward's positions: the full layers' and, where the family has sliding
+/// layers with their own base (Gemma 3, §22.3), theirs.
+pub struct Ropes {
+    full: Rope,
+    sliding: Option<Rope>,
+}
+
+impl Ropes {
+    /// The tables layer `l` rotates by.
+    pub fn of_layer(&self, cfg: &Config, l: usize) -> &Rope {
+        match (&self.sliding, cfg.window(l)) {
+            (Some(s), Some(_)) => s,
+            _ => &self.full,
+        }
+    }
 }
 
 /// Per-layer cache: for a full-attention layer the k (normed, rotated) and v rows `[n, kv, d]`
@@ -74,7 +93,11 @@ impl<'a> Model<'a> {
         // language model does not run; they are listed, not refused.
         let unused_tensors = st.set_aside(cfg.model_type.unused_prefixes());
         st.finish_claims()?;
+        // transformers: `hidden_size**0.5` (binary64 pow) held as an f32 tensor, in the weights'
+        // dtype (f32 here; a bf16 run rounds it again, docs/numerics.md §22.2).
+        let embed_scale = cfg.gemma3.as_ref().map(|_| (h as f64).powf(0.5) as f32);
         Ok(Model {
+            embed_scale,
             cfg,
             embed,
             head,
@@ -113,8 +136,11 @@ impl<'a> Model<'a> {
                     self.cfg.vocab_size
                 ));
             }
-            self.embed
-                .widen_row(t as usize, 0, &mut x[r * h..(r + 1) * h]);
+            let row = &mut x[r * h..(r + 1) * h];
+            self.embed.widen_row(t as usize, 0, row);
+            if let Some(s) = self.embed_scale {
+                row.iter_mut().for_each(|v| *v *= s);
+            }
         }
         Ok(x)
     }
@@ -139,18 +165,31 @@ impl<'a> Model<'a> {
         }
         let xn = self.norm.rows(&x, self.cfg.eps_f32());
         cap.tensor("final_norm.out", &[t, h], &xn, &pos);
-        let logits = ops::matmul(&xn, t, self.head.view(t), None);
+        let mut logits = ops::matmul(&xn, t, self.head.view(t), None);
+        // §22.5 Gemma 3's final softcap, where the config sets one.
+        if let Some(c) = self
+            .cfg
+            .gemma3
+            .as_ref()
+            .and_then(|g| g.final_logit_softcapping)
+        {
+            let c = c as f32;
+            logits.iter_mut().for_each(|x| *x = ops::softcap(*x, c));
+        }
         cap.tensor("logits", &[t, v], &logits, &pos);
         Ok(logits)
     }
 
-    /// §7 / §16 RoPE tables for these positions, over the config's rotary dims.
-    pub fn rope(&self, pos: &[i64]) -> Rope {
-        Rope::scaled(
-            self.cfg.rope_theta,
-            self.cfg.rotary_dim,
-            self.cfg.rope_scaling,
-            pos,
-        )
+    /// §7 / §16 RoPE tables for these positions, over the config's rotary dims; §22.3 Gemma 3's
+    /// sliding layers' own (`rope_local_base_freq`, the default rope type).
+    pub fn rope(&self, pos: &[i64]) -> Ropes {
+        let c = &self.cfg;
+        Ropes {
+            full: Rope::scaled(c.rope_theta, c.rotary_dim, c.rope_scaling, pos),
+            sliding: c
+                .gemma3
+                .as_ref()
+                .map(|g| Rope::new(g.local_rope_theta, c.rotary_dim, pos)),
+        }
     }
 }

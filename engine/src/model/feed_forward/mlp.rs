@@ -14,6 +14,8 @@ pub(crate) struct Mlp<'a> {
     pub down: Weight<'a>,
     /// llama's `mlp_bias`: the gate, up and down biases.
     pub bias: Option<Box<[Vec<f32>; 3]>>,
+    /// §22.2 gelu_pytorch_tanh instead of SiLU (Gemma 3).
+    pub gelu: bool,
 }
 
 impl<'a> Mlp<'a> {
@@ -36,6 +38,7 @@ impl<'a> Mlp<'a> {
             up: st.weight(&format!("{p}.up_proj.weight"), &[inter, h])?,
             down: st.weight(&format!("{p}.down_proj.weight"), &[h, inter])?,
             bias,
+            gelu: cfg.model_type.gelu_mlp(),
         })
     }
 
@@ -44,15 +47,23 @@ impl<'a> Mlp<'a> {
     }
 }
 
-/// §9 `down(silu(gate(x)) ⊗ up(x))` (each projection with its bias under llama's `mlp_bias`).
+/// §9 `down(silu(gate(x)) ⊗ up(x))` (each projection with its bias under llama's `mlp_bias`);
+/// §22.2 `gelu_tanh` for SiLU where the family says.
 pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
     let bias = |i: usize| m.bias.as_ref().map(|b| b[i].as_slice());
     let g = ops::matmul(x, rows, m.gate.view(rows), bias(0));
     let u = ops::matmul(x, rows, m.up.view(rows), bias(1));
     // Elementwise, so spread over the pool in chunks; bits are per element.
     let mut hmid = vec![0.0f32; g.len()];
+    let gelu = m.gelu;
     hmid.par_chunks_mut(4096)
         .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
-        .for_each(|(hc, (gc, uc))| ops::silu_mul(gc, uc, hc));
+        .for_each(|(hc, (gc, uc))| match gelu {
+            false => ops::silu_mul(gc, uc, hc),
+            true => hc
+                .iter_mut()
+                .zip(gc.iter().zip(uc))
+                .for_each(|(h, (&g, &u))| *h = ops::gelu_tanh(g) * u),
+        });
     ops::matmul(&hmid, rows, m.down.view(rows), bias(2))
 }

@@ -38,6 +38,7 @@ impl<'a> Moe<'a> {
                     up: st.weight_of(&fused, gu.row_block(e * 2 * mi + mi, mi)),
                     down: st.weight_of(&dn_name, dn.row_block(e * h, h)),
                     bias: None,
+                    gelu: false,
                 })
                 .collect()
         } else {

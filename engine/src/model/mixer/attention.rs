@@ -137,9 +137,20 @@ impl<'a> Attention<'a> {
             pos: &kv.pos,
         };
         let shape = ops::Heads { nq, nkv, d };
-        // §8.4: scale = f32(1 / sqrt(d)) in binary64.
-        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
-        let (mut o, probs) = ops::attention(&q, pos, &keys, shape, scale, cap.internals());
+        // §8.4: scale = f32(1 / sqrt(d)) in binary64 (§22.3: Gemma 3's query_pre_attn_scalar).
+        let scale = c.attn_scale();
+        let (mut o, probs) = match c.window(l) {
+            None => ops::attention(&q, pos, &keys, shape, scale, cap.internals()),
+            // §22.3 a sliding layer: key c visible to row r iff p − W < pos[c] ≤ p.
+            Some(w) => {
+                let w = w as i64;
+                let visible = |r: usize, c: usize| {
+                    let (p, kp) = (pos[r], keys.pos[c]);
+                    kp <= p && kp > p - w
+                };
+                ops::attention_masked(&q, t, &keys, shape, scale, &visible)
+            }
+        };
         if cap.internals() {
             let tk = kv.pos.len();
             cap.internal(&names::layer(l, "attn_probs"), &[nq, t, tk], &probs, pos);
