@@ -111,7 +111,16 @@ def test_gemma3_engine_is_the_contract_and_agrees_with_the_oracle_and_a_kept_plu
     caught in layer 00."""
     types = {t.tensor_type for t in gguf.GGUFReader(str(gemma3)).tensors}
     assert {Q.Q5_0, Q.Q5_1} <= types
-    o = trace("oracle", gemma3, tmp_path / "o.trace")
+    o = tmp_path / "o.trace"
+    args = ["trace", "--model", str(gemma3), "--tokens", TOKENS, "--generate", "3"]
+    args += ["--capture", "internals", "--out", str(o)]
+    r = subprocess.run(
+        [sys.executable, "-m", "tracegate_oracle", *args], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-1500:]
+    # The file has no gemma3.vocab_size: the oracle counts the tokenizer's tokens, as
+    # transformers would, without transformers' warning that it could not.
+    assert "vocab_size" not in r.stderr, r.stderr
     e = trace("engine", gemma3, tmp_path / "e.trace")
     c = trace("contract", gemma3, tmp_path / "c.trace")
     code, report = judge(e, c, policy=None)

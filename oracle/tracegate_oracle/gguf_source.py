@@ -87,8 +87,14 @@ def _reader(src: Source):
     gives: ggml's reader makes two numpy views per string, so a metadata array of 500,000
     strings (a tokenizer's, or junk) would cost it gigabytes and tens of seconds, and
     transformers reads none of them into the model. The tensor infos and data are read by
-    ggml's reader itself."""
+    ggml's reader itself. transformers' warning that it cannot count the vocabulary (it is not
+    shown the tokenizer's tokens) is silenced meanwhile: `read` counts them itself."""
+    import logging
+
     import gguf
+
+    quiet = logging.getLogger("transformers.modeling_gguf_pytorch_utils")
+    level = quiet.level
 
     base = gguf.GGUFReader
 
@@ -104,10 +110,12 @@ def _reader(src: Source):
             return src.kv_end
 
     gguf.GGUFReader = Reader
+    quiet.setLevel(logging.ERROR)
     try:
         yield
     finally:
         gguf.GGUFReader = base
+        quiet.setLevel(level)
 
 
 def read(path: Path) -> Source:
