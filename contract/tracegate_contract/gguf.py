@@ -738,17 +738,20 @@ def _gemma3_fields(cfg: dict, src: dict, where: str) -> None:
 
 
 def config_dict(g: GgufFile) -> tuple[dict, dict]:
-    """(the config.json dict, {field: the GGUF key it came from}) for a llama or qwen3 file: the
-    fields transformers' GGUF loader (load_gguf_checkpoint with GGUF_CONFIG_MAPPING) builds, and
-    those the file states that it cannot:
+    """(the config.json dict, {field: the GGUF key it came from}) for a llama, qwen3 or gemma3
+    file: the fields transformers' GGUF loader (load_gguf_checkpoint with GGUF_CONFIG_MAPPING)
+    builds, and those the file states that it cannot:
 
-    * head_dim: llama's from `rope.dimension_count` as transformers; for qwen3 (where
-      transformers leaves Qwen3Config's 128) from `attention.key_length` when the file has it.
+    * head_dim: llama's from `rope.dimension_count` as transformers, gemma3's from
+      `attention.key_length` as transformers; for qwen3 (where transformers leaves Qwen3Config's
+      128) from `attention.key_length` when the file has it.
       Where the file has several of rope.dimension_count, key_length and value_length, they
       must agree (the contract rotates the whole head and gives v the head size of k).
     * attention_bias (mlp_bias for llama): true when the file holds such bias tensors
       (transformers would drop them).
     * the keys the contract cannot honour are refused: a rope scaling type, experts.
+    * for gemma3, what Gemma3TextConfig derives (`_gemma3_fields`): rope_parameters in place of
+      rope_theta, layer_types, and its defaults (numerics.md §21.5 step 5).
     """
     md, where = g.metadata, g.path
     arch = md.get("general.architecture")
