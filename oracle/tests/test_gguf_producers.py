@@ -4,7 +4,9 @@ Q6_K (random blocks with finite scales: gguf-py has no K-quant quantizer) — wr
 GGUFWriter, its q/k rows permuted as llama.cpp's converter does. The engine's trace is the
 contract's bit for bit; the oracle (transformers' LlamaForCausalLM on transformers' own
 dequantization) agrees under the f32 policy; and a contract planted to skip the q/k
-un-permutation — the classic GGUF llama bug — is caught at layer.00.q against the oracle."""
+un-permutation — the classic GGUF llama bug — is caught at layer.00.q against the oracle. The same
+for a tiny gemma3 (Q5_0, Q5_1, norms stored as w + 1, sliding and global layers), where the planted
+contract keeps the stored w + 1."""
 
 from __future__ import annotations
 
