@@ -248,8 +248,8 @@ fn at_least_one_u64(s: &str) -> Result<u64, String> {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Milestone m0: the dense fixtures (tiny-qwen3, tiny-qwen3_5, tiny-llama, tiny-qwen2) —
-    /// engine ≡ contract, engine ≈ oracle, generation.
+    /// Milestone m0: the dense fixtures (tiny-qwen3, tiny-qwen3_5, tiny-llama, tiny-qwen2,
+    /// tiny-gemma3) — engine ≡ contract, engine ≈ oracle, generation.
     M0(RunArgs),
     /// Milestone m1: the MoE fixtures (tiny-qwen3-moe, tiny-qwen3_5-moe) — the same checks plus
     /// every router decision.

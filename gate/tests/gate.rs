@@ -249,6 +249,7 @@ fn passes_as_bundled_and_records_invocations() {
             ("m0", "fixtures/tiny-qwen3_5"),
             ("m0", "fixtures/tiny-llama"),
             ("m0", "fixtures/tiny-qwen2"),
+            ("m0", "fixtures/tiny-gemma3"),
             ("m1", "fixtures/tiny-qwen3-moe"),
             ("m1", "fixtures/tiny-qwen3_5-moe"),
             ("dg0", "fixtures/tiny-diffusion-gemma")
@@ -1864,7 +1865,7 @@ fn a_model_of_another_family_and_an_old_milestones_schema_are_refused_by_name() 
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr.contains(
-            "model_type \"qwen3_5_moe_text\" is not a family of milestone m0 (qwen3, qwen3_5_text, llama, qwen2)"
+            "model_type \"qwen3_5_moe_text\" is not a family of milestone m0 (qwen3, qwen3_5_text, llama, qwen2, gemma3_text)"
         ),
         "{}",
         r.stderr
@@ -2382,8 +2383,8 @@ fn a_runs_own_workers_are_gone_the_moment_the_gate_has_exited() {
 #[test]
 fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict() {
     // A decay defect in a linear-attention layer: tiny-qwen3_5 fails matches, tiny-qwen3,
-    // tiny-llama and tiny-qwen2 (no such layer) do not; the oracle is unavailable, so their
-    // reports are INCOMPLETE.
+    // tiny-llama, tiny-qwen2 and tiny-gemma3 (no such layer) do not; the oracle is unavailable,
+    // so their reports are INCOMPLETE.
     let torchless_dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(torchless_dir.path());
     let defective = test_producer("defective_contract.py", "--defect gdn-decay@2");
@@ -2401,7 +2402,13 @@ fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict()
         .collect();
     assert_eq!(
         verdicts,
-        ["INCOMPLETE", "FAIL", "INCOMPLETE", "INCOMPLETE"],
+        [
+            "INCOMPLETE",
+            "FAIL",
+            "INCOMPLETE",
+            "INCOMPLETE",
+            "INCOMPLETE"
+        ],
         "{}",
         r.stdout
     );
@@ -2411,7 +2418,7 @@ fn several_models_end_with_one_line_summing_every_report_and_the_worst_verdict()
             .sum()
     };
     let want = format!(
-        "gate m0, 4 models: FAIL — {} PASS, {} FAIL, {} NOT CHECKED",
+        "gate m0, 5 models: FAIL — {} PASS, {} FAIL, {} NOT CHECKED",
         total("PASS"),
         total("FAIL"),
         total("NOT CHECKED")

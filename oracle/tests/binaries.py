@@ -30,6 +30,15 @@ def release_binary(name: str) -> tuple[str, str | None]:
     return _conftest().release_binary(name)
 
 
+def needs_built(*names: str):
+    """A skip marker for tests that run these release binaries: skipped, with the reason, while
+    one of them is not built."""
+    import pytest
+
+    why = next((w for _, w in map(release_binary, names) if w), None)
+    return pytest.mark.skipif(why is not None, reason=str(why))
+
+
 def planted_contract(tmp_path: Path, file: str, old: str, new: str) -> dict:
     """An environment whose `tracegate_contract` is a copy with `old` replaced by `new` (once)
     in `file`: a planted defect, run as the contract's CLI is."""
