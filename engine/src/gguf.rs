@@ -1,7 +1,7 @@
 //! GGUF weights (llama.cpp's single-file format) as a checkpoint of the engine: the file parsed and
 //! checked (`parse`), its tensors dequantized to f32 bit for bit as ggml's Python reference does
 //! (`dequant`), and read as the Hugging Face checkpoint transformers' GGUF loader makes of it
-//! (`hf`: names, llama's q/k un-permutation, `config.json`). docs/numerics.md §21 is the
+//! (`hf`: names, llama's q/k un-permutation, gemma3's norms stored plus one, `config.json`). docs/numerics.md §21 is the
 //! definition.
 //!
 //! `load` parses and maps (cheap: no tensor is read); `GgufModel::read` dequantizes one tensor
@@ -22,7 +22,7 @@ use memmap2::{Mmap, MmapOptions};
 use rayon::prelude::*;
 
 pub use dequant::{dequantize_row, f16_to_f32, q4_k_scale_min, GgmlType};
-pub use hf::{hf_name, unpermuted_row, Arch};
+pub use hf::{hf_name, stored_plus_one, unpermuted_row, Arch};
 pub use parse::{parse, Array, Header, TensorInfo, Value, DEFAULT_ALIGNMENT, MAX_DIMS};
 
 use crate::weights::{open_weights_file, Entry, Opened, Store};
@@ -39,6 +39,8 @@ pub struct HfTensor {
     pub source: usize,
     /// llama's q/k: the head count of the row permutation to undo (`hf::unpermuted_row`).
     pub permuted_heads: Option<usize>,
+    /// gemma3's norm weights: stored as `w + 1`, read as `stored ⊖ 1` (`hf::stored_plus_one`).
+    pub minus_one: bool,
 }
 
 /// A GGUF file read as a Hugging Face checkpoint.
@@ -62,7 +64,7 @@ pub fn model_file(path: &Path) -> Result<Option<PathBuf>> {
 }
 
 /// Map and parse the GGUF file at `path`, synthesize its config and name its tensors. Refuses
-/// (naming the file and the key or tensor): another architecture than llama or qwen3, a split
+/// (naming the file and the key or tensor): another architecture than llama, qwen3 or gemma3, a split
 /// file, a tensor name the family does not have, a tensor type `GgmlType::SUPPORTED` does not
 /// list, a llama q/k tensor whose rows do not split into its heads' pairs.
 pub fn load(path: &Path) -> Result<GgufModel> {
@@ -84,7 +86,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
         None => return Err(err!(Checkpoint: "{shown}: no general.architecture")),
     };
     let arch = Arch::from_name(&arch_name).ok_or_else(|| {
-        err!(Checkpoint: "{shown}: general.architecture = {arch_name:?} not supported (llama, qwen3)")
+        err!(Checkpoint: "{shown}: general.architecture = {arch_name:?} not supported ({})", Arch::NAMES)
     })?;
     if let Some(n) = header.get("split.count").and_then(Value::as_int) {
         if n > 1 {
@@ -129,6 +131,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
             shape,
             source: i,
             permuted_heads,
+            minus_one: stored_plus_one(arch, &t.name),
         });
     }
     Ok(GgufModel {
@@ -140,6 +143,16 @@ pub fn load(path: &Path) -> Result<GgufModel> {
         config,
         tensors,
     })
+}
+
+/// transformers' `weights - 1` on a gemma3 norm weight (f32 numpy minus a Python int: one f32
+/// subtraction, rounded to nearest even), in place; nothing for any other tensor.
+fn minus_one(t: &HfTensor, values: &mut [f32]) {
+    if t.minus_one {
+        for v in values {
+            *v -= 1.0;
+        }
+    }
 }
 
 impl GgufModel {
@@ -180,7 +193,9 @@ impl GgufModel {
             &self.bytes(t)[s * row_bytes..(s + 1) * row_bytes],
             out,
         )
-        .map_err(|e| err!(Checkpoint: "{}: tensor {}: {e}", self.path.display(), info.name))
+        .map_err(|e| err!(Checkpoint: "{}: tensor {}: {e}", self.path.display(), info.name))?;
+        minus_one(t, out);
+        Ok(())
     }
 
     /// Dequantize `t` into `out` (its element count) in Hugging Face layout. A 2-D tensor row by
@@ -199,8 +214,11 @@ impl GgufModel {
         }
         let info = self.info(t);
         let whole = |out: &mut [f32]| {
-            dequantize_row(info.ggml_type, self.bytes(t), out)
-                .map_err(|e| err!(Checkpoint: "{}: tensor {}: {e}", self.path.display(), info.name))
+            dequantize_row(info.ggml_type, self.bytes(t), out).map_err(
+                |e| err!(Checkpoint: "{}: tensor {}: {e}", self.path.display(), info.name),
+            )?;
+            minus_one(t, out);
+            Ok(())
         };
         match t.permuted_heads {
             None => whole(out),
@@ -226,7 +244,7 @@ impl GgufModel {
     /// at use by `weights::widen`, the same values `read` gives) instead of a dequantized copy.
     fn stored_as_read(&self, t: &HfTensor) -> bool {
         let ty = self.info(t).ggml_type;
-        t.permuted_heads.is_none() && (ty == GgmlType::F32 || ty == GgmlType::BF16)
+        t.permuted_heads.is_none() && !t.minus_one && (ty == GgmlType::F32 || ty == GgmlType::BF16)
     }
 
     /// The engine's `Store` over this model: the file's mapping, plus one anonymous mapping

@@ -99,3 +99,59 @@ def tiny_llama(path: Path, layers: int, types: list, output, name: str | None = 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def tiny_gemma3(path: Path, layers: int = 7, window: int = 4) -> Path:
+    """A Gemma 3 as llama.cpp's converter writes one: every norm stored as w + 1 (f32), the
+    embedding tied, head size in key_length/value_length, a sliding window (`window`, shorter
+    than the tests' prompts, so the sliding layers differ from the global one, layer 5 of 7).
+    Matrices in Q5_0 and Q5_1 (quantized by gguf.quants), Q8_0, Q4_0 and Q4_K/Q6_K blocks."""
+    rng = np.random.default_rng(41)
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_name("tiny gemma3")
+    for key, value in (
+        ("block_count", layers),
+        ("context_length", 256),
+        ("embedding_length", H),
+        ("feed_forward_length", FF),
+        ("attention.head_count", HEADS),
+        ("attention.head_count_kv", 1),
+        ("attention.key_length", D),
+        ("attention.value_length", D),
+        ("attention.sliding_window", window),
+    ):
+        w.add_key_value(f"gemma3.{key}", value, V.UINT32)
+    w.add_key_value("gemma3.rope.freq_base", 1000000.0, V.FLOAT32)
+    w.add_key_value("gemma3.attention.layer_norm_rms_epsilon", 1e-6, V.FLOAT32)
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+
+    def norm(n):  # the stored w + 1, with w around 0 as a trained Gemma's
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def add(name, array, raw=None):
+        w.add_tensor(name, array, raw_dtype=raw)
+
+    types = [Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q4_0, Q.Q6_K]
+    add("token_embd.weight", *tensor(rng, Q.Q5_0, VOCAB, H))
+    for layer in range(layers):
+        p = f"blk.{layer}."
+        t = types[layer % 7 :] + types[: layer % 7]
+        w.add_tensor(p + "attn_norm.weight", norm(H))
+        add(p + "attn_q.weight", *tensor(rng, t[0], HEADS * D, H))
+        w.add_tensor(p + "attn_q_norm.weight", norm(D))
+        add(p + "attn_k.weight", *tensor(rng, t[1], D, H))
+        w.add_tensor(p + "attn_k_norm.weight", norm(D))
+        add(p + "attn_v.weight", *tensor(rng, t[2], D, H))
+        add(p + "attn_output.weight", *tensor(rng, t[3], H, HEADS * D))
+        w.add_tensor(p + "post_attention_norm.weight", norm(H))
+        w.add_tensor(p + "ffn_norm.weight", norm(H))
+        add(p + "ffn_gate.weight", *tensor(rng, t[4], FF, H))
+        add(p + "ffn_up.weight", *tensor(rng, t[5], FF, H))
+        add(p + "ffn_down.weight", *tensor(rng, t[6], H, FF))
+        w.add_tensor(p + "post_ffw_norm.weight", norm(H))
+    w.add_tensor("output_norm.weight", norm(H))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -257,7 +257,7 @@ def hostile(b: bytes, tied: bytes) -> dict[str, tuple[bytes, bool]]:
     out["32-byte gap"] = (bytes(gap[:first]) + b"\0" * 32 + bytes(gap[first:]), False)
     out["one tensor too few"] = (set_u64(tied, 8, len(tl.infos) - 1), False)
     f32 = next(t for t in lay.infos if t.type == 0)
-    out["type Q5_0"] = (set_u32(b, f32.type_at, 6), False)
+    out["type Q2_K"] = (set_u32(b, f32.type_at, 10), False)  # a type no reader dequantizes
     out["empty file"] = (b"", False)
     out["header only"] = (b[:24], False)
     out["truncated in the metadata"] = (b[: lay.kvs[3].value_at + 2], False)

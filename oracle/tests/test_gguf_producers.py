@@ -4,7 +4,9 @@ Q6_K (random blocks with finite scales: gguf-py has no K-quant quantizer) — wr
 GGUFWriter, its q/k rows permuted as llama.cpp's converter does. The engine's trace is the
 contract's bit for bit; the oracle (transformers' LlamaForCausalLM on transformers' own
 dequantization) agrees under the f32 policy; and a contract planted to skip the q/k
-un-permutation — the classic GGUF llama bug — is caught at layer.00.q against the oracle."""
+un-permutation — the classic GGUF llama bug — is caught at layer.00.q against the oracle. The same
+for a tiny gemma3 (Q5_0, Q5_1, norms stored as w + 1, sliding and global layers), where the planted
+contract keeps the stored w + 1."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("torch")
 from binaries import diff_report, planted_contract, release_binary  # noqa: E402
-from gguf_models import Q, tiny_llama  # noqa: E402
+from gguf_models import Q, tiny_gemma3, tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 2
@@ -90,3 +92,47 @@ def test_a_contract_that_keeps_llama_cpp_row_order_is_caught_at_layer_00_q(
     code, report = judge(oracle_trace, bad)
     assert code == 1, "the oracle comparison passed q/k rows in llama.cpp's order"
     assert report["first_violation"]["tensor"] == "layer.00.q", report["first_violation"]
+
+
+# --------------------------------------------------------------------------------------------
+# gemma3: its four norms stored as w + 1 (numerics.md §21.3), Q5_0 and Q5_1, sliding layers
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    return tiny_gemma3(tmp_path_factory.mktemp("gguf-gemma3") / "tiny-gemma3.gguf")
+
+
+@needs_binaries
+def test_gemma3_engine_is_the_contract_and_agrees_with_the_oracle_and_a_kept_plus_one_is_not(
+    tmp_path, gemma3
+):
+    """engine ≡ contract, both within the f32 policy of transformers' Gemma3ForCausalLM on its
+    own loading of the file (7 layers, window 4 < the 8-token prompt, global layer 5). Negative
+    control: a contract that keeps llama.cpp's stored w + 1 (skips transformers' minus one) is
+    caught in layer 00."""
+    types = {t.tensor_type for t in gguf.GGUFReader(str(gemma3)).tensors}
+    assert {Q.Q5_0, Q.Q5_1} <= types
+    o = tmp_path / "o.trace"
+    args = ["trace", "--model", str(gemma3), "--tokens", TOKENS, "--generate", "3"]
+    args += ["--capture", "internals", "--out", str(o)]
+    r = subprocess.run(
+        [sys.executable, "-m", "tracegate_oracle", *args], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-1500:]
+    # The file has no gemma3.vocab_size: the oracle counts the tokenizer's tokens, as
+    # transformers would, without transformers' warning that it could not.
+    assert "vocab_size" not in r.stderr, r.stderr
+    e = trace("engine", gemma3, tmp_path / "e.trace")
+    c = trace("contract", gemma3, tmp_path / "c.trace")
+    code, report = judge(e, c, policy=None)
+    assert code == 0 and report["verdict"] == "identical", report["first_bit_difference"]
+    code, report = judge(o, e)
+    assert code == 0 and report["verdict"] == "within_policy", report["first_violation"]
+    assert report["decisions"]["compared"] >= 4
+    site = "def stored_plus_one(arch: str, name: str) -> bool:\n"
+    env = planted_contract(tmp_path, "gguf.py", site, site + "    return False\n")
+    bad = trace("contract", gemma3, tmp_path / "bad.trace", env=env)
+    code, report = judge(o, bad)
+    assert code == 1, "the oracle comparison passed norms stored as w + 1"
+    assert report["first_violation"]["tensor"].startswith("layer.00."), report["first_violation"]

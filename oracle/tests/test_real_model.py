@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-from binaries import diff_report, release_binary  # noqa: E402
+from binaries import diff_report, planted_contract, release_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("real_model", ROOT / "scripts" / "real_model.py")
@@ -279,3 +279,53 @@ def test_honest_f32_attention_on_random_ids_is_within_the_f32_policy(tmp_path):
     # The weights digest covers the weights files only, which the copy links: still comparable.
     code, report = judge(o, bad)
     assert code == 1 and report["first_violation"]["tensor"] == "layer.00.q", report["verdict"]
+
+
+# --------------------------------------------------------------------------------------------
+# Gemma 3 270M (gemma3, Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 tensors, norms stored plus one, a
+# 262,144-token tied head), from the GGUF file only: a few prompt tokens and two generated ones,
+# as the head costs each producer a 262,144 x 640 product per position.
+
+GEMMA, why_gemma = real_model.gemma_path()
+needs_gemma = pytest.mark.skipif(
+    bool(why_gemma or why_engine or why_diff),
+    reason=str(why_gemma or why_engine or why_diff),
+)
+# "<bos>The capital of France is" in Gemma 3's vocabulary (its GGUF's tokenizer.ggml.tokens).
+GEMMA_TOKENS = "2,818,5279,529,7001,563"
+
+
+def gemma_trace(cmd: list[str], out: Path, env: dict | None = None) -> Path:
+    args = ["trace", "--model", str(GEMMA), "--tokens", GEMMA_TOKENS, "--generate", "2"]
+    r = subprocess.run(
+        [*cmd, *args, "--out", str(out)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert r.returncode == 0, f"{cmd[-1]}: exit {r.returncode}: {r.stderr[-1500:]}"
+    return out
+
+
+@needs_gemma
+def test_gemma3_270m_gguf_three_producers(tmp_path):
+    """The engine's trace is the contract's bit for bit; transformers' Gemma3ForCausalLM on
+    transformers' own dequantization of the file is within the f32 policy of it (every layer
+    kind: 18 layers, global at 5, 11 and 17). Negative control: the contract keeping the stored
+    w + 1 of every norm (the trap of §21.3: llama.cpp's convention, not Hugging Face's) is
+    outside the policy from the first layer on."""
+    e = gemma_trace([str(ENGINE)], tmp_path / "e.trace")
+    c = gemma_trace([sys.executable, "-m", "tracegate_contract"], tmp_path / "c.trace")
+    code, report = judge(e, c, policy=None)
+    assert code == 0 and report["verdict"] == "identical", report["first_bit_difference"]
+    o = gemma_trace([sys.executable, "-m", "tracegate_oracle"], tmp_path / "o.trace")
+    code, report = judge(o, e)
+    assert code == 0 and report["verdict"] == "within_policy", report["first_violation"]
+    assert report["decisions"]["compared"] == 3
+    layers = {
+        t["tensor"].split(".")[1] for t in report["per_tensor"] if t["tensor"].startswith("layer.")
+    }
+    assert len(layers) == 18, sorted(layers)
+    site = "def stored_plus_one(arch: str, name: str) -> bool:\n"
+    env = planted_contract(tmp_path, "gguf.py", site, site + "    return False\n")
+    bad = gemma_trace([sys.executable, "-m", "tracegate_contract"], tmp_path / "bad.trace", env)
+    code, report = judge(o, bad)
+    assert code == 1, report["verdict"]
+    assert report["first_violation"]["tensor"].startswith("layer.00."), report["first_violation"]

@@ -22,7 +22,11 @@ from pathlib import Path
 
 from .errors import CheckpointError, OracleError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 _ATTN_BIAS = re.compile(r"blk\.\d+\.attn_(q|k|v|output)\.bias")
 _MLP_BIAS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.bias")
 
@@ -83,8 +87,14 @@ def _reader(src: Source):
     gives: ggml's reader makes two numpy views per string, so a metadata array of 500,000
     strings (a tokenizer's, or junk) would cost it gigabytes and tens of seconds, and
     transformers reads none of them into the model. The tensor infos and data are read by
-    ggml's reader itself."""
+    ggml's reader itself. transformers' warning that it cannot count the vocabulary (it is not
+    shown the tokenizer's tokens) is silenced meanwhile: `read` counts them itself."""
+    import logging
+
     import gguf
+
+    quiet = logging.getLogger("transformers.modeling_gguf_pytorch_utils")
+    level = quiet.level
 
     base = gguf.GGUFReader
 
@@ -100,10 +110,12 @@ def _reader(src: Source):
             return src.kv_end
 
     gguf.GGUFReader = Reader
+    quiet.setLevel(logging.ERROR)
     try:
         yield
     finally:
         gguf.GGUFReader = base
+        quiet.setLevel(level)
 
 
 def read(path: Path) -> Source:
@@ -111,7 +123,7 @@ def read(path: Path) -> Source:
     from tracegate_contract.gguf import ARRAY, STRING
 
     g = check(path)
-    arch = g.metadata["general.architecture"]  # llama or qwen3: the contract's checks hold it
+    arch = g.metadata["general.architecture"]  # one of ARCHITECTURES: the contract's checks hold it
     from transformers.modeling_gguf_pytorch_utils import (
         GGUF_TO_TRANSFORMERS_MAPPING,
         load_gguf_checkpoint,
@@ -146,8 +158,10 @@ def read(path: Path) -> Source:
         cfg["attention_bias"] = True
     if arch == "llama" and any(_MLP_BIAS.fullmatch(n) for n in names):
         cfg["mlp_bias"] = True
+    # transformers' model_type: the architecture's own, "mistral" for a llama file named so,
+    # "gemma3_text" for gemma3 (a gemma3 file holds the text model only).
     cfg["architectures"] = [
-        ARCHITECTURES[arch] if cfg["model_type"] == arch else "MistralForCausalLM"
+        "MistralForCausalLM" if cfg["model_type"] == "mistral" else ARCHITECTURES[arch]
     ]
     src.config = cfg
     return src

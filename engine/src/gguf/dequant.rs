@@ -52,20 +52,26 @@ impl GgmlType {
     pub const F16: GgmlType = GgmlType(1);
     pub const Q4_0: GgmlType = GgmlType(2);
     pub const Q4_1: GgmlType = GgmlType(3);
+    pub const Q5_0: GgmlType = GgmlType(6);
+    pub const Q5_1: GgmlType = GgmlType(7);
     pub const Q8_0: GgmlType = GgmlType(8);
     pub const Q4_K: GgmlType = GgmlType(12);
+    pub const Q5_K: GgmlType = GgmlType(13);
     pub const Q6_K: GgmlType = GgmlType(14);
     pub const BF16: GgmlType = GgmlType(30);
 
     /// The types `dequantize_row` computes.
-    pub const SUPPORTED: [GgmlType; 8] = [
+    pub const SUPPORTED: [GgmlType; 11] = [
         Self::F32,
         Self::F16,
         Self::BF16,
         Self::Q8_0,
         Self::Q4_0,
         Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
         Self::Q4_K,
+        Self::Q5_K,
         Self::Q6_K,
     ];
 
@@ -147,7 +153,10 @@ pub fn dequantize_row(t: GgmlType, src: &[u8], out: &mut [f32]) -> Result<()> {
         GgmlType::Q8_0 => blocks.for_each(|(b, o)| q8_0(b, o)),
         GgmlType::Q4_0 => blocks.for_each(|(b, o)| q4_0(b, o)),
         GgmlType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
+        GgmlType::Q5_0 => blocks.for_each(|(b, o)| q5_0(b, o)),
+        GgmlType::Q5_1 => blocks.for_each(|(b, o)| q5_1(b, o)),
         GgmlType::Q4_K => blocks.for_each(|(b, o)| q4_k(b, o)),
+        GgmlType::Q5_K => blocks.for_each(|(b, o)| q5_k(b, o)),
         GgmlType::Q6_K => blocks.for_each(|(b, o)| q6_k(b, o)),
         _ => {
             return Err(err!(Checkpoint:
@@ -191,6 +200,39 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// The 5-bit quants of a Q5_0/Q5_1 block: `qh` the u32 (little-endian) of high bits, `qs` the
+/// 16 bytes of nibbles. Value j < 16 is byte j's low nibble, value j + 16 its high nibble; bit i
+/// of `qh` is value i's fifth bit.
+#[inline]
+fn q5_quants(qh: &[u8], qs: &[u8]) -> [u8; 32] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let mut q = [0u8; 32];
+    for j in 0..16 {
+        let (lo, hi) = (qs[j] & 0x0f, qs[j] >> 4);
+        q[j] = lo | ((((qh >> j) & 1) as u8) << 4);
+        q[j + 16] = hi | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    q
+}
+
+/// Q5_0, 22 bytes: `d` f16 at 0, `qh` u32 at 2, 16 bytes of nibbles at 6 (`q5_quants`).
+/// `y = d ⊗ f32(q − 16)` (exact: an f16 times an integer of 5 bits).
+fn q5_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (y, q) in y.iter_mut().zip(q5_quants(&b[2..6], &b[6..22])) {
+        *y = d * (q as i32 - 16) as f32;
+    }
+}
+
+/// Q5_1, 24 bytes: `d` f16 at 0, `m` f16 at 2, `qh` u32 at 4, nibbles at 8 (unsigned, no
+/// offset). `y = (d ⊗ f32(q)) ⊕ m`.
+fn q5_1(b: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    for (y, q) in y.iter_mut().zip(q5_quants(&b[4..8], &b[8..24])) {
+        *y = d * q as f32 + m;
+    }
+}
+
 /// Q4_K's 6-bit scales and mins of its 8 sub-blocks, from the 12 packed bytes `s`.
 pub fn q4_k_scale_min(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
@@ -216,6 +258,24 @@ fn q4_k(b: &[u8], y: &mut [f32]) {
         let (bytes, shift) = (&qs[32 * (j / 2)..32 * (j / 2) + 32], 4 * (j % 2));
         for l in 0..32 {
             y[32 * j + l] = dj * ((bytes[l] >> shift) & 0x0f) as f32 - mj;
+        }
+    }
+}
+
+/// Q5_K, 176 bytes, 256 values in 8 sub-blocks of 32: `d` f16 at 0, `dmin` f16 at 2, 12 bytes
+/// of packed scales/mins at 4 (as Q4_K), 32 bytes of high bits `qh` at 16, 128 bytes of nibbles
+/// at 48 (as Q4_K's). Value `32j + l` takes bit j of `qh[l]` as its fifth bit.
+/// `y[32j + l] = ((d ⊗ f32(sc[j])) ⊗ f32(q)) ⊖ (dmin ⊗ f32(mn[j]))`.
+fn q5_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (sc, mn) = q4_k_scale_min(&b[4..16]);
+    let (qh, qs) = (&b[16..48], &b[48..176]);
+    for j in 0..8 {
+        let (dj, mj) = (d * sc[j] as f32, dmin * mn[j] as f32);
+        let (bytes, shift) = (&qs[32 * (j / 2)..32 * (j / 2) + 32], 4 * (j % 2));
+        for l in 0..32 {
+            let q = ((bytes[l] >> shift) & 0x0f) | (((qh[l] >> j) & 1) << 4);
+            y[32 * j + l] = dj * q as f32 - mj;
         }
     }
 }

@@ -1,6 +1,7 @@
 //! From a GGUF file's names and metadata to the Hugging Face checkpoint transformers' own GGUF
 //! loader builds (`transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`, transformers
-//! 5.x): the tensor names, llama's q/k un-permutation, and `config.json` (docs/numerics.md §21.3–5).
+//! 5.x): the tensor names, llama's q/k un-permutation, gemma3's norm weights (stored plus one),
+//! and `config.json` (docs/numerics.md §21.3–5).
 
 use serde_json::{json, Map, Value as Json};
 
@@ -12,6 +13,7 @@ use crate::{err, Result};
 pub enum Arch {
     Llama,
     Qwen3,
+    Gemma3,
 }
 
 impl Arch {
@@ -19,6 +21,7 @@ impl Arch {
         match name {
             "llama" => Some(Arch::Llama),
             "qwen3" => Some(Arch::Qwen3),
+            "gemma3" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -26,8 +29,11 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
+    /// The names `from_name` takes, for messages.
+    pub const NAMES: &'static str = "llama, qwen3, gemma3";
 }
 
 /// The Hugging Face name of GGUF tensor `name`, or `None` when it is not one of the family's.
@@ -49,14 +55,19 @@ pub fn hf_name(arch: Arch, name: &str) -> Option<String> {
         return None;
     }
     let (module, kind) = part.rsplit_once('.')?;
+    let gemma3 = arch == Arch::Gemma3;
     let hf = match (module, kind) {
         ("attn_norm", "weight") => "input_layernorm",
         ("attn_q", _) => "self_attn.q_proj",
         ("attn_k", _) => "self_attn.k_proj",
         ("attn_v", _) => "self_attn.v_proj",
         ("attn_output", _) => "self_attn.o_proj",
-        ("attn_q_norm", "weight") if arch == Arch::Qwen3 => "self_attn.q_norm",
-        ("attn_k_norm", "weight") if arch == Arch::Qwen3 => "self_attn.k_norm",
+        ("attn_q_norm", "weight") if arch != Arch::Llama => "self_attn.q_norm",
+        ("attn_k_norm", "weight") if arch != Arch::Llama => "self_attn.k_norm",
+        // Gemma 3's four norms a layer: around attention, then around the feed-forward (§21.3).
+        ("ffn_norm", "weight") if gemma3 => "pre_feedforward_layernorm",
+        ("post_attention_norm", "weight") if gemma3 => "post_attention_layernorm",
+        ("post_ffw_norm", "weight") if gemma3 => "post_feedforward_layernorm",
         ("ffn_norm", "weight") => "post_attention_layernorm",
         ("ffn_gate", "weight") => "mlp.gate_proj",
         ("ffn_up", "weight") => "mlp.up_proj",
@@ -71,6 +82,15 @@ pub fn hf_name(arch: Arch, name: &str) -> Option<String> {
         return None;
     }
     Some(format!("model.layers.{n}.{hf}.{kind}"))
+}
+
+/// Whether GGUF tensor `name` holds llama.cpp's `w + 1` of a gemma3 norm weight `w`: its
+/// converter adds one to every Gemma norm (the model multiplies by `1 + w`), and transformers'
+/// `Gemma2TensorProcessor` (which the GGUF architecture `gemma3` gets) subtracts it again from
+/// every tensor whose name contains `norm.weight`, in f32: the Hugging Face value is
+/// `stored ⊖ 1` (§21.3), which is not always the `w` the converter started from.
+pub fn stored_plus_one(arch: Arch, name: &str) -> bool {
+    arch == Arch::Gemma3 && name.contains("norm.weight")
 }
 
 /// For llama's `attn_q`/`attn_k` (weight or bias): the head count of the permutation
@@ -120,8 +140,10 @@ pub fn unpermuted_row(r: usize, rows: usize, heads: usize) -> usize {
 }
 
 /// Metadata key suffixes (after `{arch}.`) and the config field each sets, as transformers'
-/// `GGUF_CONFIG_MAPPING`; llama reads `rope.dimension_count` as `head_dim`, qwen3 does not.
-const CONFIG_KEYS: [(&str, &str); 10] = [
+/// `GGUF_CONFIG_MAPPING`; llama reads `rope.dimension_count` as `head_dim`, qwen3 and gemma3 do
+/// not; gemma3 alone reads `attention.key_length` (`head_dim`) and `attention.sliding_window`
+/// (`config_field`).
+const CONFIG_KEYS: [(&str, &str); 12] = [
     ("context_length", "max_position_embeddings"),
     ("block_count", "num_hidden_layers"),
     ("feed_forward_length", "intermediate_size"),
@@ -132,7 +154,31 @@ const CONFIG_KEYS: [(&str, &str); 10] = [
     ("attention.head_count_kv", "num_key_value_heads"),
     ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
     ("vocab_size", "vocab_size"),
+    ("attention.key_length", "head_dim"),
+    ("attention.sliding_window", "sliding_window"),
 ];
+
+/// The config field metadata key `suffix` (after `{arch}.`) sets in transformers' GGUF config
+/// for `arch`, if any.
+fn config_field(arch: Arch, suffix: &str) -> Option<&'static str> {
+    let (_, field) = CONFIG_KEYS.iter().find(|(s, _)| *s == suffix)?;
+    let read = match suffix {
+        "rope.dimension_count" => arch == Arch::Llama,
+        "attention.key_length" | "attention.sliding_window" => arch == Arch::Gemma3,
+        _ => true,
+    };
+    read.then_some(*field)
+}
+
+/// Gemma 3's layer pattern, as transformers' `Gemma3TextConfig` makes it when no `layer_types`
+/// is given (a GGUF file gives none: llama.cpp fixes the same pattern in code): every 6th layer
+/// `full_attention`, the others `sliding_attention`.
+pub const GEMMA3_PATTERN: usize = 6;
+/// `Gemma3TextConfig.default_theta`: the sliding layers' rope theta, which a GGUF file does not
+/// state (llama.cpp uses the same 10000 in code), and the global one when `rope.freq_base` is
+/// absent.
+pub const GEMMA3_THETA_LOCAL: f64 = 10_000.0;
+pub const GEMMA3_THETA_GLOBAL: f64 = 1_000_000.0;
 
 /// A metadata value as transformers' `_gguf_parse_value` makes it: integers stay integers, f32
 /// and f64 become the binary64 of the same value, strings and bools stay; an array is refused
@@ -161,6 +207,49 @@ fn finite(key: &str, x: f64) -> Result<Json> {
         .ok_or_else(|| err!(Checkpoint: "metadata {key} = {x} is not a finite number"))
 }
 
+/// What transformers' `Gemma3TextConfig` derives from a GGUF file's config and the file cannot
+/// state, spelled as transformers saves it (§21.5): `rope_parameters` (the global theta from
+/// `rope_theta`, which it replaces, the local one `GEMMA3_THETA_LOCAL`), `layer_types` (every
+/// `GEMMA3_PATTERN`th layer global), and the class defaults that llama.cpp's Gemma 3 also
+/// computes with: `query_pre_attn_scalar` 256, `hidden_activation` gelu_pytorch_tanh, no logit
+/// soft-capping.
+fn gemma3_fields(cfg: &mut Map<String, Json>) -> Result<()> {
+    let global = match cfg.shift_remove("rope_theta") {
+        None => GEMMA3_THETA_GLOBAL,
+        Some(v) => v.as_f64().ok_or_else(
+            || err!(Checkpoint: "metadata gemma3.rope.freq_base = {v} is not a number"),
+        )?,
+    };
+    let layers = match cfg.get("num_hidden_layers") {
+        None => 26, // Gemma3TextConfig's default
+        Some(v) => v.as_u64().filter(|&n| n <= 1 << 20).ok_or_else(
+            || err!(Checkpoint: "metadata gemma3.block_count = {v} is not a layer count"),
+        )? as usize,
+    };
+    let kinds: Vec<&str> = (0..layers)
+        .map(|i| {
+            if (i + 1) % GEMMA3_PATTERN == 0 {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+        })
+        .collect();
+    cfg.insert(
+        "rope_parameters".into(),
+        json!({
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_THETA_LOCAL},
+            "full_attention": {"rope_type": "default", "rope_theta": global},
+        }),
+    );
+    cfg.insert("layer_types".into(), json!(kinds));
+    cfg.insert("query_pre_attn_scalar".into(), json!(256));
+    cfg.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+    cfg.insert("final_logit_softcapping".into(), Json::Null);
+    cfg.insert("attn_logit_softcapping".into(), Json::Null);
+    Ok(())
+}
+
 /// The `config.json` transformers' GGUF loader builds for this file (its `config` dict, in its
 /// order: `tie_word_embeddings`, then the mapped keys in file order, then `vocab_size` from the
 /// tokenizer when no key gave it), plus `architectures`, which transformers adds when it saves a
@@ -181,18 +270,18 @@ pub fn config(h: &Header, arch: Arch) -> Result<Json> {
         let field = match key.as_str() {
             "general.architecture" => Some("model_type"),
             "general.name" => Some("_model_name_or_path"),
-            k => k.strip_prefix(&prefix).and_then(|suffix| {
-                CONFIG_KEYS
-                    .iter()
-                    .find(|(s, _)| *s == suffix)
-                    .map(|(_, f)| *f)
-                    .filter(|&f| f != "head_dim" || arch == Arch::Llama)
-            }),
+            k => k
+                .strip_prefix(&prefix)
+                .and_then(|suffix| config_field(arch, suffix)),
         };
         let Some(field) = field else { continue };
         let mut value = config_value(key, v)?;
         if field == "model_type" && mistral {
             value = json!("mistral");
+        }
+        // transformers: a gemma3 file holds the text model only.
+        if field == "model_type" && arch == Arch::Gemma3 {
+            value = json!("gemma3_text");
         }
         cfg.insert(field.into(), value);
     }
@@ -206,6 +295,7 @@ pub fn config(h: &Header, arch: Arch) -> Result<Json> {
         "llama" => "LlamaForCausalLM",
         "mistral" => "MistralForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
+        "gemma3_text" => "Gemma3ForCausalLM",
         other => {
             return Err(
                 err!(Checkpoint: "general.architecture = {other:?}: expected {}", arch.name()),
@@ -274,6 +364,9 @@ pub fn config(h: &Header, arch: Arch) -> Result<Json> {
     }
     if arch == Arch::Llama && holds(&["ffn_gate", "ffn_up", "ffn_down"]) {
         cfg.insert("mlp_bias".into(), json!(true));
+    }
+    if arch == Arch::Gemma3 {
+        gemma3_fields(&mut cfg)?;
     }
     // `architectures` last, as transformers writes it when it saves the model.
     cfg.insert("architectures".into(), json!([architecture]));

@@ -1,16 +1,17 @@
 """Reference values for the engine's GGUF reader (engine/src/gguf/tests.rs runs this).
 
-Writes two small GGUF files with ggml's own writer (gguf.GGUFWriter): a `llama` and a `qwen3`
-model whose tensors cover every supported type, from random raw blocks (finite random f16
-scales) and from gguf.quants.quantize. Then records, from the reference implementations only:
+Writes three small GGUF files with ggml's own writer (gguf.GGUFWriter): a `llama`, a `qwen3` and a
+`gemma3` model whose tensors cover every supported type, from random raw blocks (finite random
+f16 scales) and from gguf.quants.quantize. Then records, from the reference implementations only:
 
 - every GGUF tensor dequantized by gguf.quants.dequantize (flat, row-major);
 - the Hugging Face checkpoint transformers' GGUF loader makes of each file
-  (load_gguf_checkpoint: its config dict, and its tensors by name: mapping and llama's q/k
-  un-permutation included);
+  (load_gguf_checkpoint: its config dict, and its tensors by name: mapping, llama's q/k
+  un-permutation and gemma3's norms minus one included), and the config transformers' config
+  class makes of that dict (AutoConfig.for_model(...).to_dict(): `resolved`);
 - numpy's widening of all 65536 f16 bit patterns.
 
-Usage: python reference.py OUT_DIR. Writes OUT_DIR/{llama,qwen3}.gguf, expected.json and
+Usage: python reference.py OUT_DIR. Writes OUT_DIR/{llama,qwen3,gemma3}.gguf, expected.json and
 expected.bin (the f32 values, little-endian; expected.json gives each one's offset and count).
 """
 
@@ -32,7 +33,10 @@ SCALE_OFFSETS = {
     T.Q8_0: [0],
     T.Q4_0: [0],
     T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
     T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
     T.Q6_K: [208],
 }
 
@@ -166,6 +170,65 @@ write(
     qwen3,
 )
 
+# Gemma 3: its four norms a layer (stored plus one by llama.cpp's converter: values near 1, and
+# some far from it, where `w - 1` rounds), the five-bit types, 7 layers (one global: the 6th).
+HD = 128
+
+
+def norm(n):
+    w = (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+    w[:4] = [1e-9, -3.5, 1.0 + 2.0**-23, 70000.0]  # 1e-9 - 1 rounds to -1; 70000 - 1 exact
+    return w, None
+
+
+gemma3 = {"token_embd.weight": tensor(T.Q5_0, V, H)}
+gemma_types = [T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0, T.Q4_K, T.Q6_K, T.Q4_0]
+for layer in range(7):
+
+    def ty(k, layer=layer):
+        return gemma_types[(layer + k) % len(gemma_types)]
+
+    gemma3.update(
+        {
+            f"blk.{layer}.attn_norm.weight": norm(H),
+            f"blk.{layer}.attn_q.weight": tensor(ty(0), 2 * HD, H),
+            f"blk.{layer}.attn_q_norm.weight": norm(HD),
+            f"blk.{layer}.attn_k.weight": tensor(ty(1), HD, H),
+            f"blk.{layer}.attn_k_norm.weight": norm(HD),
+            f"blk.{layer}.attn_v.weight": tensor(ty(2), HD, H),
+            f"blk.{layer}.attn_output.weight": tensor(ty(3), H, 2 * HD),
+            f"blk.{layer}.post_attention_norm.weight": norm(H),
+            f"blk.{layer}.ffn_norm.weight": norm(H),
+            f"blk.{layer}.ffn_gate.weight": tensor(ty(4), FF, H),
+            f"blk.{layer}.ffn_up.weight": tensor(ty(5), FF, H),
+            f"blk.{layer}.ffn_down.weight": tensor(ty(6), H, FF),
+            f"blk.{layer}.post_ffw_norm.weight": norm(H),
+        }
+    )
+gemma3["blk.0.ffn_up.weight"] = tensor(T.Q5_0, FF, H, source="quantize")
+gemma3["blk.1.ffn_up.weight"] = tensor(T.Q5_1, FF, H, source="quantize")
+gemma3["output_norm.weight"] = norm(H)
+write(
+    OUT / "gemma3.gguf",
+    "gemma3",
+    [
+        ("add_name", "tiny-gemma3"),
+        ("add_context_length", 32768),
+        ("add_embedding_length", H),
+        ("add_block_count", 7),
+        ("add_feed_forward_length", FF),
+        ("add_head_count", 2),
+        ("add_layer_norm_rms_eps", 1e-6),
+        ("add_key_length", HD),
+        ("add_value_length", HD),
+        ("add_rope_freq_base", 1000000.0),
+        ("add_sliding_window", 512),
+        ("add_head_count_kv", 1),
+        ("add_token_list", tokens),
+    ],
+    gemma3,
+)
+
 # From here on only the references read the files.
 import torch  # noqa: E402
 from gguf import GGUFReader  # noqa: E402
@@ -185,7 +248,7 @@ def put(values):
 every_f16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
 expected = {"f16_all": put(every_f16.astype(np.float32))}
 files = []
-for name in ["llama.gguf", "qwen3.gguf"]:
+for name in ["llama.gguf", "qwen3.gguf", "gemma3.gguf"]:
     path = OUT / name
     reader = GGUFReader(str(path))
     dequantized = []
@@ -200,7 +263,16 @@ for name in ["llama.gguf", "qwen3.gguf"]:
     hf = []
     for hf_name, values in loaded["tensors"].items():
         hf.append({"name": hf_name, "shape": list(values.shape), **put(values.numpy())})
-    files.append({"path": name, "config": config, "dequantized": dequantized, "hf": hf})
+    resolved = json.loads(hf_config.to_json_string(use_diff=False))
+    files.append(
+        {
+            "path": name,
+            "config": config,
+            "resolved": resolved,
+            "dequantized": dequantized,
+            "hf": hf,
+        }
+    )
 expected["files"] = files
 (OUT / "expected.bin").write_bytes(bytes(blob))
 (OUT / "expected.json").write_text(json.dumps(expected, indent=1))

@@ -16,6 +16,9 @@ const T_F32: u32 = 0;
 const T_F16: u32 = 1;
 const T_Q4_0: u32 = 2;
 const T_Q4_1: u32 = 3;
+const T_Q5_0: u32 = 6;
+const T_Q5_1: u32 = 7;
+const T_Q2_K: u32 = 10;
 const T_Q5_K: u32 = 13;
 const T_Q8_0: u32 = 8;
 const T_Q4_K: u32 = 12;
@@ -258,6 +261,110 @@ fn q6_k_block() {
         let want = (0.5 * ((i / 16) as f32 - 8.0)) * q; // exact
         assert_eq!(y[i], want, "value {i}");
     }
+}
+
+/// 32 five-bit quants as Q5_0/Q5_1 store them: the u32 of fifth bits (bit i: quant i's), then 16
+/// bytes whose low nibbles are quants 0..16 and high nibbles 16..32.
+fn q5_bits(q: &[u8; 32]) -> Vec<u8> {
+    let qh: u32 = (0..32).map(|i| (((q[i] >> 4) & 1) as u32) << i).sum();
+    let mut b = qh.to_le_bytes().to_vec();
+    b.extend((0..16).map(|j| (q[j] & 15) | ((q[j + 16] & 15) << 4)));
+    b
+}
+
+fn f16_bytes(x: f32) -> [u8; 2] {
+    half::f16::from_f32(x).to_bits().to_le_bytes()
+}
+
+#[test]
+fn q5_0_block() {
+    // q[i] = (7i + 3) mod 32: every fifth bit and nibble used. d = 0.5: y = 0.5·(q − 16).
+    let q: [u8; 32] = std::array::from_fn(|i| ((7 * i + 3) % 32) as u8);
+    let block = |d: f32| [f16_bytes(d).to_vec(), q5_bits(&q)].concat();
+    let y = dequantize_block(T_Q5_0, &block(0.5), 32);
+    assert_eq!(y[0], -6.5); // q 3
+    assert_eq!(y[2], 0.5); // q 17
+    assert_eq!(y[19], -4.0); // q (7·19 + 3) mod 32 = 8, its fifth bit clear
+    for i in 0..32 {
+        assert_eq!(y[i], 0.5 * (q[i] as f32 - 16.0), "value {i}");
+    }
+    // d = −0.0: the product's sign, +0.0 for q < 16, −0.0 for q ≥ 16 (q − 16 = 0 too).
+    let y = dequantize_block(T_Q5_0, &block(-0.0), 32);
+    for i in 0..32 {
+        assert_eq!(
+            y[i].to_bits(),
+            if q[i] >= 16 { 0x8000_0000 } else { 0 },
+            "value {i}"
+        );
+    }
+    // d = 65504 (f16's largest), and its negative: exact products, −16·65504 the extreme.
+    for d in [65504.0f32, -65504.0] {
+        let y = dequantize_block(T_Q5_0, &block(d), 32);
+        for i in 0..32 {
+            assert_eq!(y[i], d * (q[i] as f32 - 16.0), "value {i}");
+        }
+    }
+}
+
+#[test]
+fn q5_1_block() {
+    // d = 1024, m = 2^-11, one rounding: 1024·q + 2^-11 is exact below 8192 (ulp 2^-11 there);
+    // from 8192 (ulp 2^-10) it is a tie, or less than half an ulp, and rounds to the even 1024·q.
+    let q: [u8; 32] = std::array::from_fn(|i| ((7 * i + 3) % 32) as u8);
+    let mut b = [f16_bytes(1024.0), f16_bytes(0.00048828125)].concat();
+    b.extend(q5_bits(&q));
+    let y = dequantize_block(T_Q5_1, &b, 32);
+    for i in 0..32 {
+        let exact = 1024.0 * q[i] as f64 + 0.00048828125;
+        let want = if q[i] < 8 {
+            exact
+        } else {
+            1024.0 * q[i] as f64
+        };
+        assert_eq!(y[i] as f64, want, "value {i}");
+    }
+    // m = −0.0 and d·q = +0.0 (q = 0, d = 1): +0.0 ⊕ −0.0 = +0.0; d = m = −0.0: −0.0.
+    for (d, m, bits) in [(1.0, -0.0, 0u32), (-0.0, -0.0, 0x8000_0000)] {
+        let mut b = [f16_bytes(d), f16_bytes(m)].concat();
+        b.extend(q5_bits(&[0; 32]));
+        let y = dequantize_block(T_Q5_1, &b, 32);
+        assert!(y.iter().all(|v| v.to_bits() == bits), "d {d} m {m}: {y:?}");
+    }
+}
+
+#[test]
+fn q5_k_block() {
+    // Scales sc = 1..=8, mins mn = 0..8 (all below 16: bytes 0..8 direct, bytes 8..12 the
+    // nibbles of sub-blocks 4..8); d = 1, dmin = 0.25; qh byte l = l (bit j of l: value l of
+    // sub-block j's fifth bit); nibble byte k: low k mod 16, high 15 − k mod 16.
+    let (sc, mn): ([u32; 8], [u32; 8]) = ([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7]);
+    let mut b = [f16_bytes(1.0), f16_bytes(0.25)].concat();
+    b.extend((0..4).map(|j| sc[j] as u8));
+    b.extend((0..4).map(|j| mn[j] as u8));
+    b.extend((4..8).map(|j| (sc[j] | (mn[j] << 4)) as u8));
+    b.extend(0..32u8);
+    b.extend((0..128u32).map(|k| ((k % 16) | ((15 - k % 16) << 4)) as u8));
+    assert_eq!(b.len(), 176);
+    let y = dequantize_block(T_Q5_K, &b, 256);
+    assert_eq!(y[31], 31.0); // sub-block 0, l 31: low 15, bit 0 of 31 set: q 31; 1·31 − 0
+    assert_eq!(y[32 + 16], 29.75); // sub-block 1, l 16: low 15, bit 1 of 16 clear: 2·15 − 0.25
+    assert_eq!(y[7 * 32 + 31], -1.75); // sub-block 7, l 31: low 0, bit 7 of 31 clear: 8·0 − 1.75
+    for i in 0..256 {
+        let (j, l) = (i / 32, i % 32);
+        let low = if j % 2 == 0 { l % 16 } else { 15 - l % 16 } as u32;
+        let q = low | ((l as u32 >> j) & 1) << 4;
+        let want = (sc[j] * q) as f64 - 0.25 * mn[j] as f64; // exact in both
+        assert_eq!(y[i] as f64, want, "value {i}");
+    }
+    // d = −0.0, dmin = 65504: (−0·sc)·q − 65504·mn; d = 65504, dmin = −0.0: 65504·sc·q + 0.
+    b[..4].copy_from_slice(&[f16_bytes(-0.0), f16_bytes(65504.0)].concat());
+    let y = dequantize_block(T_Q5_K, &b, 256);
+    assert_eq!(y[0].to_bits(), (-0.0f32).to_bits()); // −0 ⊖ (65504·0) = −0 − 0 = −0
+    assert_eq!(y[32], -65504.0); // sub-block 1: −0 ⊖ 65504·1
+    b[..4].copy_from_slice(&[f16_bytes(65504.0), f16_bytes(-0.0)].concat());
+    let y = dequantize_block(T_Q5_K, &b, 256);
+    assert_eq!(y[7 * 32 + 16], 65504.0 * 8.0 * 15.0); // sub-block 7, l 16: low 15, bit 7 of 16 clear
+    assert_eq!(y[0].to_bits(), 0); // 0 ⊖ (−0·0) = 0 − (−0) = +0
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -582,10 +689,10 @@ fn load_err(w: &Writer) -> String {
 #[test]
 fn refuses_unsupported_types_unknown_names_and_architectures() {
     let mut w = Writer::new("qwen3");
-    w.tensor("blk.0.ffn_up.weight", &[256, 1], T_Q5_K, vec![0; 176]);
+    w.tensor("blk.0.ffn_up.weight", &[256, 1], T_Q2_K, vec![0; 84]);
     let e = load_err(&w);
     assert!(
-        e.contains("tensor blk.0.ffn_up.weight: type Q5_K (id 13) not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)"),
+        e.contains("tensor blk.0.ffn_up.weight: type Q2_K (id 10) not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"),
         "{e}"
     );
     for name in [
@@ -609,9 +716,9 @@ fn refuses_unsupported_types_unknown_names_and_architectures() {
         e.contains("tensor blk.0.attn_q_norm.weight: not a tensor of a llama model"),
         "{e}"
     );
-    let e = load_err(&Writer::new("gemma3"));
+    let e = load_err(&Writer::new("gemma2"));
     assert!(
-        e.contains("general.architecture = \"gemma3\" not supported (llama, qwen3)"),
+        e.contains("general.architecture = \"gemma2\" not supported (llama, qwen3, gemma3)"),
         "{e}"
     );
     let mut w = Writer::new("qwen3");
@@ -851,6 +958,101 @@ fn config_is_transformers_gguf_config() {
     let e = load_err(&w);
     assert!(
         e.contains("metadata llama.attention.head_count is an array"),
+        "{e}"
+    );
+}
+
+#[test]
+fn gemma3_names_norms_and_config() {
+    // The four norms of a Gemma 3 layer; llama.cpp's ffn_norm is the pre-feed-forward norm here.
+    for (g, h) in [
+        (
+            "blk.2.attn_norm.weight",
+            "model.layers.2.input_layernorm.weight",
+        ),
+        (
+            "blk.2.post_attention_norm.weight",
+            "model.layers.2.post_attention_layernorm.weight",
+        ),
+        (
+            "blk.2.ffn_norm.weight",
+            "model.layers.2.pre_feedforward_layernorm.weight",
+        ),
+        (
+            "blk.2.post_ffw_norm.weight",
+            "model.layers.2.post_feedforward_layernorm.weight",
+        ),
+        (
+            "blk.2.attn_q_norm.weight",
+            "model.layers.2.self_attn.q_norm.weight",
+        ),
+        (
+            "blk.2.attn_k_norm.weight",
+            "model.layers.2.self_attn.k_norm.weight",
+        ),
+    ] {
+        assert_eq!(hf_name(Arch::Gemma3, g).as_deref(), Some(h), "{g}");
+    }
+    assert_eq!(hf_name(Arch::Qwen3, "blk.2.post_ffw_norm.weight"), None);
+    // Stored w + 1, read as stored ⊖ 1 in f32: 1e-9 + 1 is stored as 1e-9 here (the file's
+    // value), and 1e-9 ⊖ 1 rounds to −1; 3 ⊖ 1 = 2 exactly. Not the embedding, not a matrix.
+    let mut w = Writer::new("gemma3");
+    w.kv_u32("gemma3.block_count", 13)
+        .kv_u32("gemma3.attention.key_length", 32)
+        .kv_u32("gemma3.attention.sliding_window", 512)
+        .kv_f32("gemma3.rope.freq_base", 1e6)
+        .tensor(
+            "blk.0.post_ffw_norm.weight",
+            &[2],
+            T_F32,
+            f32_bytes(&[1e-9, 3.0]),
+        )
+        .tensor("token_embd.weight", &[2], T_F32, f32_bytes(&[1e-9, 3.0]));
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(&write_file(tmp.path(), "g.gguf", &w)).unwrap();
+    assert_eq!(m.to_f32(&m.tensors[0]).unwrap(), [-1.0, 2.0]);
+    assert_eq!(m.to_f32(&m.tensors[1]).unwrap(), [1e-9, 3.0]);
+    let store = m.into_store().unwrap();
+    let norm = store
+        .take("model.layers.0.post_feedforward_layernorm.weight", &[2])
+        .unwrap();
+    assert_eq!(norm.to_vec(), [-1.0, 2.0]);
+    let m = load(&write_file(tmp.path(), "g.gguf", &w)).unwrap();
+    let kinds: Vec<&str> = (0..13)
+        .map(|i| {
+            if i == 5 || i == 11 {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+        })
+        .collect();
+    assert_eq!(
+        m.config,
+        json!({
+            "tie_word_embeddings": true,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 13,
+            "head_dim": 32,
+            "sliding_window": 512,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            "layer_types": kinds,
+            "query_pre_attn_scalar": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": null,
+            "attn_logit_softcapping": null,
+            "architectures": ["Gemma3ForCausalLM"],
+        })
+    );
+    // Rope scaling (Gemma 3 4B and larger: linear ×8 on the global layers) is refused, as for
+    // every architecture: transformers' GGUF loader would drop it.
+    w.kv_str("gemma3.rope.scaling.type", "linear");
+    let e = load_err(&w);
+    assert!(
+        e.contains("gemma3.rope.scaling.type = Str(\"linear\")"),
         "{e}"
     );
 }
@@ -1202,12 +1404,32 @@ fn bit_for_bit_with_gguf_quants_and_transformers() {
                 .as_object_mut()
                 .unwrap()
                 .shift_remove("architectures"),
-            Some(json!([if m.arch == Arch::Llama {
-                "LlamaForCausalLM"
-            } else {
-                "Qwen3ForCausalLM"
+            Some(json!([match m.arch {
+                Arch::Llama => "LlamaForCausalLM",
+                Arch::Qwen3 => "Qwen3ForCausalLM",
+                Arch::Gemma3 => "Gemma3ForCausalLM",
             }]))
         );
+        if m.arch == Arch::Gemma3 {
+            // transformers' dict as it is, but rope_theta, which its config class moves into
+            // rope_parameters; what the class derives (the layer pattern, both thetas, its
+            // defaults) as the class has it (§21.5).
+            let theirs = f["config"].as_object().unwrap();
+            let resolved = &f["resolved"];
+            for (k, v) in config.as_object().unwrap() {
+                let want = theirs.get(k).unwrap_or(&resolved[k]);
+                assert_eq!(v, want, "gemma3 config field {k}");
+            }
+            for k in theirs.keys() {
+                assert!(
+                    config.get(k).is_some() || k == "rope_theta",
+                    "gemma3 config lacks {k}"
+                );
+            }
+            let full = &config["rope_parameters"]["full_attention"]["rope_theta"];
+            assert_eq!(full, &theirs["rope_theta"]);
+            continue;
+        }
         assert_eq!(config, f["config"], "{}", f["path"]);
     }
     let supported: std::collections::BTreeSet<&str> =
