@@ -88,6 +88,28 @@ fn read_report(work: &Path, stdout: &str, stderr: &str) -> Value {
 }
 
 /// `run_bisect` for a bisection that must not be refused.
+/// `gate bisect` of `model`: the engine against the contract with `edits` planted in its trace
+/// (gate/tests/producers/planted_trace.py), and `more` arguments.
+fn bisect_planted(model: &str, edits: &str, more: &[&str]) -> Outcome {
+    let cmd = format!(
+        "'{}' '{}' --base contract {edits} {{verb|serve}} {{args}}",
+        repo().join(".venv/bin/python").display(),
+        repo()
+            .join("gate/tests/producers/planted_trace.py")
+            .display()
+    );
+    let mut args = vec![
+        "--reference",
+        "engine",
+        "--candidate",
+        "cmd",
+        "--candidate-cmd",
+        &cmd,
+    ];
+    args.extend(more);
+    bisect(model, &args)
+}
+
 fn bisect(model: &str, args: &[&str]) -> Outcome {
     let (code, stdout, stderr, report) = run_bisect(model, args);
     assert!(code != 2, "gate bisect refused:\n{stdout}\n{stderr}");
@@ -685,21 +707,10 @@ fn an_engine_reference_on_an_absurd_config_is_refused_not_crashed() {
 
 #[test]
 fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
-    let cmd = format!(
-        "'{}' '{}' --base contract --drop layer.02.attn_out --drop layer.03.attn_out {{verb|serve}} {{args}}",
-        repo().join(".venv/bin/python").display(),
-        repo().join("gate/tests/producers/planted_trace.py").display()
-    );
-    let o = bisect(
+    let o = bisect_planted(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-        ],
+        "--drop layer.02.attn_out --drop layer.03.attn_out",
+        &[],
     );
     assert_eq!(o.code, 1, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "structure_differs", "{}", o.stdout);
@@ -736,24 +747,7 @@ fn a_candidate_missing_tensors_is_never_headlined_as_matching() {
 fn a_candidate_whose_only_difference_is_its_recorded_margins_is_told_so_not_structure() {
     // Every tensor equal, every decision's value equal, its margins not what its own logits
     // give: the headline once read "differ in structure, not only in values: verdict different".
-    let cmd = format!(
-        "'{}' '{}' --base contract --margins 100 {{verb|serve}} {{args}}",
-        repo().join(".venv/bin/python").display(),
-        repo()
-            .join("gate/tests/producers/planted_trace.py")
-            .display()
-    );
-    let o = bisect(
-        "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-        ],
-    );
+    let o = bisect_planted("tiny-qwen3", "--margins 100", &[]);
     assert_eq!(o.code, 1, "{}", o.stdout);
     let headline = o.headline();
     assert!(
@@ -856,25 +850,10 @@ fn a_layer_verb_that_hangs_is_killed_and_the_bisection_refused() {
 fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_difference() {
     // A 1-ULP nudge in layer 00 (noise within the policy) and a defect in the head: judged by
     // the policy, the failure is the head's violation; the nudge is only the first bit difference.
-    let cmd = format!(
-        "'{}' '{}' --base contract --nudge layer.00.attn_out --push logits {{verb|serve}} {{args}}",
-        repo().join(".venv/bin/python").display(),
-        repo()
-            .join("gate/tests/producers/planted_trace.py")
-            .display()
-    );
-    let o = bisect(
+    let o = bisect_planted(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-            "--policy",
-            "fixtures/policy/oracle-default.json",
-        ],
+        "--nudge layer.00.attn_out --push logits",
+        &["--policy", "fixtures/policy/oracle-default.json"],
     );
     assert_eq!(o.code, 1, "{}", o.stdout);
     let (r, w) = (&o.report, &o.report["whole_run"]);
@@ -1053,24 +1032,7 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
 
     // Negative control: a candidate that does not honour --force-decisions (its output is
     // edited after the run, forced or not) is said so, and the bisection stays unforced.
-    let planted = format!(
-        "'{}' '{}' --base contract --flip layer.00.router.topk {{verb|serve}} {{args}}",
-        repo().join(".venv/bin/python").display(),
-        repo()
-            .join("gate/tests/producers/planted_trace.py")
-            .display()
-    );
-    let o = bisect(
-        "tiny-qwen3-moe",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &planted,
-        ],
-    );
+    let o = bisect_planted("tiny-qwen3-moe", "--flip layer.00.router.topk", &[]);
     let f = &o.report["decisions_forced"];
     assert_eq!(f["status"], "not_forced", "{f}");
     assert!(

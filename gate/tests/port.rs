@@ -211,24 +211,8 @@ fn a_planted_k_norm_defect_fails_agrees_and_is_localised_at_layer_03_stage_k() {
     let dir = project(&["--capture", "internals", "--deterministic"]);
     let d = dir.path();
     set_candidate(d, &port_cmd(" --plant k-norm:3"));
-    let rp = d.join("r.json");
     let page = d.join("r.html");
-    let out = gate(
-        d,
-        &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
-            "--html",
-            page.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
-    let r = report(&rp);
+    let (out, r) = run_short_with(d, 1, &["--html", page.to_str().unwrap()], &[]);
     let p = &r["prompts"][0];
     let check = |name: &str| {
         p["checks"]
@@ -292,16 +276,11 @@ fn a_whole_run_only_defect_is_named_by_the_localisation_which_comes_first_everyw
     let dir = project(&[]);
     let d = dir.path();
     set_candidate(d, &whole_run_only_cmd());
-    let (rp, page, junit) = (d.join("r.json"), d.join("r.html"), d.join("j.xml"));
-    let out = gate(
+    let (page, junit) = (d.join("r.html"), d.join("j.xml"));
+    let (out, r) = run_short_with(
         d,
+        1,
         &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
             "--html",
             page.to_str().unwrap(),
             "--junit",
@@ -309,8 +288,6 @@ fn a_whole_run_only_defect_is_named_by_the_localisation_which_comes_first_everyw
         ],
         &[("GITHUB_ACTIONS", "true")],
     );
-    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
-    let r = report(&rp);
     let l = &r["prompts"][0]["localised"];
     assert_eq!(l["verdict"], "inconsistent_producer", "{l}");
     assert!(l["first_wrong_layer"].is_null(), "{l}");
@@ -785,23 +762,30 @@ fn assert_fails_at(check: &Value, name: &str, kind: Option<&str>) {
     );
 }
 
-/// `gate run port --only short`, which must fail (exit 1): its check `name`.
-fn failing_check(d: &Path, name: &str) -> Value {
+/// `gate run port --only short --report r.json`, which must exit `code`: its output and report.
+fn run_short(d: &Path, code: i32) -> (Out, Value) {
+    run_short_with(d, code, &[], &[])
+}
+
+/// `run_short` with more arguments and environment.
+fn run_short_with(d: &Path, code: i32, extra: &[&str], env: &[(&str, &str)]) -> (Out, Value) {
     let rp = d.join("r.json");
-    let out = gate(
-        d,
-        &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
-    let r = report(&rp);
+    let mut args = vec![
+        "run",
+        "port",
+        "--only",
+        "short",
+        "--report",
+        rp.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    let out = gate(d, &args, env);
+    assert_eq!(out.code, code, "{}\n{}", out.stdout, out.stderr);
+    (out, report(&rp))
+}
+
+/// The short prompt's check `name` in a report.
+fn check_of(r: &Value, name: &str) -> Value {
     r["prompts"][0]["checks"]
         .as_array()
         .unwrap()
@@ -809,6 +793,11 @@ fn failing_check(d: &Path, name: &str) -> Value {
         .find(|c| c["check"] == name)
         .unwrap_or_else(|| panic!("no {name}: {r}"))
         .clone()
+}
+
+/// `gate run port --only short`, which must fail (exit 1): its check `name`.
+fn failing_check(d: &Path, name: &str) -> Value {
+    check_of(&run_short(d, 1).1, name)
 }
 
 #[test]
@@ -826,22 +815,24 @@ fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
     assert_fails_at(&gen, "decode.0001.logits", None);
 }
 
-/// The example producer behind a shell that turns every `--cache off` into `--cache on`: a port
-/// that ignores `--cache off`, as one without an uncached path that accepts the flag would.
-fn ignores_cache_off() -> String {
+/// The example producer behind a shell that rewrites the value after `flag` by the shell
+/// assignment `assign` (of `a`, the value).
+fn rewriting(flag: &str, assign: &str) -> String {
     format!(
-        "sh -c 'p=; for a; do shift; if [ \"$p\" = --cache ]; then a=on; fi; set -- \"$@\" \"$a\"; p=$a; done; exec \"$0\" \"$@\"' '{}' {{verb}} {{args}}",
+        "sh -c 'p=; for a; do shift; if [ \"$p\" = {flag} ]; then {assign}; fi; set -- \"$@\" \"$a\"; p=$a; done; exec \"$0\" \"$@\"' '{}' {{verb}} {{args}}",
         example_producer().display()
     )
 }
 
-/// The example producer behind a shell that asks for one greedy token fewer than the gate did:
-/// a decode loop that stops a step early.
+/// Every `--cache off` turned into `--cache on`: a port that ignores `--cache off`, as one
+/// without an uncached path that accepts the flag would.
+fn ignores_cache_off() -> String {
+    rewriting("--cache", "a=on")
+}
+
+/// One greedy token fewer than the gate asked for: a decode loop that stops a step early.
 fn generates_one_fewer() -> String {
-    format!(
-        "sh -c 'p=; for a; do shift; if [ \"$p\" = --generate ]; then a=$((a-1)); fi; set -- \"$@\" \"$a\"; p=$a; done; exec \"$0\" \"$@\"' '{}' {{verb}} {{args}}",
-        example_producer().display()
-    )
+    rewriting("--generate", "a=$((a-1))")
 }
 
 #[test]
@@ -905,28 +896,7 @@ fn a_port_that_ignores_cache_off_fails_generation_naming_it() {
     );
     // A run that does not record `cache` cannot be verified: NOT CHECKED (exit 4), never a pass.
     set_candidate(d, &adversary("--when off --unset cache"));
-    let rp = d.join("r.json");
-    let out = gate(
-        d,
-        &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(out.code, 4, "{}\n{}", out.stdout, out.stderr);
-    let r = report(&rp);
-    let gen = r["prompts"][0]["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == "generation")
-        .unwrap()
-        .clone();
+    let gen = check_of(&run_short(d, 4).1, "generation");
     assert_eq!(gen["status"], "NOT CHECKED", "{gen}");
     assert!(
         gen["detail"]
@@ -961,20 +931,7 @@ fn a_port_with_foreign_provenance_is_named_as_the_port_never_as_the_golden_trace
     // A port whose provenance says producer "oracle": told the name is reserved, not offered
     // --allow-stack-mismatch (which `gate run` does not even take).
     set_candidate(d, &adversary("--set 'producer=\"oracle\"'"));
-    let rp = d.join("r.json");
-    let out = gate(
-        d,
-        &[
-            "run",
-            "port",
-            "--only",
-            "short",
-            "--report",
-            rp.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let (out, r) = run_short(d, 1);
     assert!(
         out.stdout.contains("the candidate claims to be the oracle")
             && !out.stdout.contains("--allow-stack-mismatch"),
@@ -982,13 +939,7 @@ fn a_port_with_foreign_provenance_is_named_as_the_port_never_as_the_golden_trace
         out.stdout
     );
     for name in ["agrees", "generation_reference"] {
-        let c = report(&rp)["prompts"][0]["checks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["check"] == name)
-            .unwrap()
-            .clone();
+        let c = check_of(&r, name);
         assert_eq!(c["status"], "FAIL", "{c}");
         assert!(
             c["findings"].as_array().unwrap().iter().all(|f| f["detail"]

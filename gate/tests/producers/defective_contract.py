@@ -68,6 +68,7 @@ Adversaries of the forced bisection's override rule (docs/bisect.md, "Block diff
 
 import sys
 
+import defect_cli
 import numpy as np
 from tracegate_contract import __main__ as cli
 from tracegate_contract import capture, diffusion_gemma, feed_forward, model, ops
@@ -390,19 +391,5 @@ def answer(defect: str, request: list[str]) -> int:
     return cli.main(request)
 
 
-def main(argv):
-    if len(argv) < 2 or argv[0] != "--defect":
-        print("usage: defective_contract.py --defect NAME {verb|serve} {args}", file=sys.stderr)
-        return 2
-    defect, rest = argv[1], argv[2:]
-    plant(defect)
-    if rest == ["serve"]:
-        from tracegate.serve import serve
-
-        argv0 = sys.argv[0]
-        return serve(lambda request: answer(defect, request), argv0)
-    return answer(defect, rest)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(defect_cli.main(sys.argv[1:], "defective_contract.py", plant, answer))
