@@ -391,5 +391,9 @@ def answer(defect: str, request: list[str]) -> int:
     return cli.main(request)
 
 
+def main(argv) -> int:
+    return defect_cli.main(argv, "defective_contract.py", plant, answer)
+
+
 if __name__ == "__main__":
-    sys.exit(defect_cli.main(sys.argv[1:], "defective_contract.py", plant, answer))
+    sys.exit(main(sys.argv[1:]))

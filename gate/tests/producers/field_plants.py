@@ -236,5 +236,9 @@ def answer(defect: str, request: list[str]) -> int:
     return cli.main(request)
 
 
+def main(argv) -> int:
+    return defect_cli.main(argv, "field_plants.py", plant, answer)
+
+
 if __name__ == "__main__":
-    sys.exit(defect_cli.main(sys.argv[1:], "field_plants.py", plant, answer))
+    sys.exit(main(sys.argv[1:]))
