@@ -806,8 +806,7 @@ fn a_decode_step_left_out_of_the_uncached_run_fails_generation() {
     let d = dir.path();
     // Negative control: the adversary with no edit passes.
     set_candidate(d, &adversary(""));
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    run_short(d, 0);
     // The same tokens, and the cached trace as clean as ever; the uncached one lacks a step's
     // logits, so a comparison of what both hold would see no difference.
     set_candidate(d, &adversary("--when off --drop decode.0001.logits"));
@@ -868,8 +867,7 @@ fn a_port_whose_trace_is_not_the_run_asked_for_fails_agrees_naming_what() {
     }
     // Negative control: the adversary with no edit passes.
     set_candidate(d, &adversary(""));
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    run_short(d, 0);
 }
 
 #[test]
@@ -907,8 +905,7 @@ fn a_port_that_ignores_cache_off_fails_generation_naming_it() {
     );
     // Negative control: the honest port passes generation on the same golden traces.
     set_candidate(d, &port_cmd(""));
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    run_short(d, 0);
 }
 
 #[test]
@@ -1610,8 +1607,7 @@ fn attack_evidence_is_pinned_a_golden_or_noise_trace_swapped_for_the_ports_own_i
     let n = tracegate_trace::Trace::open(d.join("golden/short.noise.trace")).unwrap();
     assert_eq!(n.provenance()["producer"], "engine");
     assert_eq!(noise["digest"].as_str(), Some(n.digest().hex().as_str()));
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    run_short(d, 0);
     // The defective port's own output, kept.
     set_candidate(d, &port_cmd(" --plant k-norm:3"));
     failing_check(d, "agrees");
@@ -1718,8 +1714,7 @@ fn an_eps_ten_times_the_configs_fails_against_the_noise_run_and_an_honest_port_p
         .unwrap()
         .remove("noise");
     std::fs::write(&path, serde_json::to_string_pretty(&ms).unwrap()).unwrap();
-    let out = gate(d, &["run", "port", "--only", "short"], &[]);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let (out, _) = run_short(d, 0);
     assert!(
         out.stdout.contains("no noise trace recorded"),
         "{}",

@@ -872,12 +872,37 @@ fn held_to_counts(
         )
     })
     .collect();
+    failed_by(plan, p, c, found, Said::After)
+}
+
+/// Where `failed_by` puts its findings' words in the check's detail.
+enum Said {
+    Before,
+    After,
+}
+
+/// `c` with the gate's own findings `found` judged (a declared divergence excuses one) and said
+/// in its detail; FAIL when one stands, whatever `c` was.
+fn failed_by(
+    plan: &Plan,
+    p: &Prompt,
+    c: CheckResult,
+    found: Vec<super::Finding>,
+    said_at: Said,
+) -> CheckResult {
     if found.is_empty() {
         return c;
     }
-    let said: Vec<String> = found.iter().map(|f| f.detail.clone()).collect();
+    let said = found
+        .iter()
+        .map(|f| f.detail.as_str())
+        .collect::<Vec<_>>()
+        .join("; ");
     let mut c = judge(&plan.mm, &p.id, c, found);
-    c.detail.push_str(&format!("; {}", said.join("; ")));
+    c.detail = match said_at {
+        Said::Before => format!("{said}; {}", c.detail),
+        Said::After => format!("{}; {said}", c.detail),
+    };
     if !c.findings.is_empty() {
         c.status = Status::Fail;
     }
@@ -924,16 +949,7 @@ fn run_as_asked(plan: &Plan, p: &Prompt, c: CheckResult, golden: &Trace, t: &Tra
             ),
         ));
     }
-    if found.is_empty() {
-        return c;
-    }
-    let said: Vec<String> = found.iter().map(|f| f.detail.clone()).collect();
-    let mut c = judge(&plan.mm, &p.id, c, found);
-    c.detail = format!("{}; {}", said.join("; "), c.detail);
-    if !c.findings.is_empty() {
-        c.status = Status::Fail;
-    }
-    c
+    failed_by(plan, p, c, found, Said::Before)
 }
 
 /// generation: the candidate's cached decode against its own uncached recompute, judged as
