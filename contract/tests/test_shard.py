@@ -175,6 +175,26 @@ def _check_ranks(ranks: list[str], one: str, shards: str) -> None:
         assert len(set(experts_on.values())) == world  # every rank computed some expert
 
 
+@needs_merge
+def test_ranks_of_two_runs_do_not_merge(tmp_path):
+    """Each run has its own run_id: rank 0 of one run and rank 1 of another (same prompt, same
+    weights, same bits) are refused by trace-merge, naming run_id."""
+    runs = []
+    for name in ("a", "b"):
+        pattern = str(tmp_path / f"{name}-{{rank}}.trace")
+        r = contract(FIXTURES["dense"], pattern, "--shards", "tp=2")
+        assert r.returncode == 0, r.stderr
+        runs.append([pattern.replace("{rank}", str(i)) for i in range(2)])
+    m = subprocess.run(
+        [TRACE_MERGE, runs[0][0], runs[1][1], "--out", str(tmp_path / "m.trace")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert m.returncode == 2 and "run_id" in m.stderr, m.stderr
+    assert not (tmp_path / "m.trace").exists()
+
+
 # ---- negative controls ------------------------------------------------------------------------
 
 # The carry's step in a row-parallel projection (shard.Place.row_parallel), and two plants:
