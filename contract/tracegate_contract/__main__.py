@@ -4,6 +4,8 @@
          [--capture default|internals] [--generate N] [--cache on|off] [--force-decisions TRACE]
   python -m tracegate_contract trace --model DIR --text TEXT [--chat] --out PATH ...
          (tokenized by the model dir's own tokenizer: tracegate.text, which imports transformers)
+  python -m tracegate_contract trace ... --shards tp=N|ep=N --out PATH_WITH_{rank}
+         (a sharded run, docs/numerics.md §23: one trace per rank, one `DIGEST PATH` line each)
   python -m tracegate_contract layer --model DIR --layer L --input TRACE --input-name NAME
          --out PATH [--capture default|internals] [--force-decisions TRACE] [--decode-from P]
   python -m tracegate_contract serve     (one request per stdin line; docs/producers.md, "Serving")
@@ -22,6 +24,7 @@ import tracegate
 from tracegate import protocol
 
 from .errors import ContractError
+from .shard import parse as parse_shards
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,6 +37,13 @@ def parser() -> argparse.ArgumentParser:
     (docs/diffusion-gemma.md DG0, DG16); errors raise ContractError."""
     g = protocol.parser(
         "python -m tracegate_contract", "numpy contract producer", parser_class=_Parser
+    )
+    g.trace.add_argument(
+        "--shards",
+        type=parse_shards,
+        metavar="tp=N|ep=N",
+        help="split the run over N ranks (docs/numerics.md §23), tensor or expert parallel; "
+        "--out must then hold {rank}: each rank writes its own trace",
     )
     return g.parser
 
@@ -52,9 +62,27 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         # The command as it can be re-run (under -m, sys.argv[0] is this file's path).
         command = [sys.executable, "-m", "tracegate_contract", *argv]
+        sharded = args.verb == "trace" and args.shards is not None
+        _check_rank_in_out(args.out, sharded, args.shards if sharded else None)
+        if sharded and args.force_decisions is not None:
+            raise ContractError(f"--force-decisions: not with --shards {args.shards}")
         if args.verb == "trace":
             ids, prompt_text = _prompt(args)
             given = {k: getattr(args, k) for k in DIFFUSION_FLAGS if getattr(args, k) is not None}
+        if sharded:
+            written = run.trace_sharded(
+                args.model,
+                ids,
+                args.out,
+                args.capture == "internals",
+                args.generate,
+                args.cache == "on",
+                command,
+                args.shards,
+                prompt_text,
+                [DIFFUSION_FLAGS[k] for k in given],
+            )
+        elif args.verb == "trace":
             digest = run.trace(
                 args.model,
                 ids,
@@ -68,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 given,
                 [DIFFUSION_FLAGS[k] for k in given],
             )
+            written = [(digest, args.out)]
         else:
             digest = run.layer(
                 args.model,
@@ -80,15 +109,30 @@ def main(argv: list[str] | None = None) -> int:
                 args.force_decisions,
                 args.decode_from,
             )
+            written = [(digest, args.out)]
     except ContractError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (tracegate.TraceError, OSError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
-    # Success is one line, `DIGEST PATH`, from every producer (docs/producers.md).
-    print(f"{digest} {args.out}")
+    # Success is one line, `DIGEST PATH`, from every producer (docs/producers.md); a sharded
+    # run's is one per rank trace.
+    for digest, path in written:
+        print(f"{digest} {path}")
     return 0
+
+
+def _check_rank_in_out(out: str, sharded: bool, shards) -> None:
+    """A sharded run's --out names each rank's trace by {rank}; one trace has no rank."""
+    from .run import RANK
+
+    if sharded and RANK not in out:
+        raise ContractError(
+            f"--out {out}: a sharded run (--shards {shards}) writes one trace per rank; put {RANK} in the path"
+        )
+    if not sharded and RANK in out:
+        raise ContractError(f"--out {out}: {RANK} is only for a sharded run (--shards)")
 
 
 def _prompt(args) -> tuple[list[int], dict | None]:

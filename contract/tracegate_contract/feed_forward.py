@@ -5,10 +5,12 @@ All arithmetic goes through ops.py."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 from tracegate import names
 
-from . import ops
+from . import ops, shard
 from .capture import Capture
 from .config import Config
 from .errors import ContractError
@@ -29,6 +31,7 @@ class Mlp:
         self.wgu_t = ops.transpose_weight(gate_up)
         self.wd_t = ops.transpose_weight(down)
         self.bgu, self.bd = bias if bias is not None else (None, None)
+        self.place = shard.ONE  # where down's sum is carried (§23.3)
 
     @classmethod
     def load(
@@ -50,10 +53,24 @@ class Mlp:
         down = ck.take(f"{prefix}.down_proj.weight", (hidden, inter))
         return cls(np.concatenate([g, u]), down, b, gelu)
 
+    def share(self, place: shard.Place) -> Mlp:
+        """§23.2 rank `place`'s share: gate's and up's rows (and biases) of its block of the
+        intermediate size, down's columns of that block (row-parallel, carried by `place`) and
+        down's bias on the last rank only."""
+        i0, i1 = place.block(self.inter)
+        cols = np.r_[i0:i1, self.inter + i0 : self.inter + i1]
+        m = copy.copy(self)
+        m.wgu_t = np.ascontiguousarray(self.wgu_t[:, cols])
+        m.bgu = None if self.bgu is None else np.ascontiguousarray(self.bgu[cols])
+        m.wd_t = np.ascontiguousarray(self.wd_t[i0:i1])
+        m.bd = self.bd if place.last else None
+        m.inter, m.place = i1 - i0, place
+        return m
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gu = ops.matmul(x, self.wgu_t, self.bgu)
         h = self.act(gu[:, : self.inter]) * gu[:, self.inter :]
-        return ops.matmul(h, self.wd_t, self.bd)
+        return self.place.row_parallel(h, self.wd_t, self.bd)
 
 
 def load_router_and_experts(ck: Checkpoint, mlp: str, cfg: Config):
@@ -78,6 +95,22 @@ class Moe:
     def __init__(self, cfg: Config, ck: Checkpoint, mlp: str):
         self.router_t, self.experts = load_router_and_experts(ck, mlp, cfg)
         self.shared = SharedExpert(cfg, ck, mlp) if cfg.shared_expert_intermediate_size else None
+        # The experts held here (all but under ep) and where their combine is carried (§23.3).
+        self.held, self.place = range(len(self.experts)), shard.ONE
+
+    def share(self, place: shard.Place) -> Moe:
+        """§23.2 rank `place`'s share. tp: every expert's MLP split by columns (its own carry);
+        the combine is then local. ep: the experts of its block of num_experts, whole, the
+        others not held; the combine is carried by `place`. Router and shared gate whole."""
+        m = copy.copy(self)
+        if place.mode == "ep":
+            e0, e1 = place.block(len(self.experts))
+            m.held, m.place = range(e0, e1), place
+            m.experts = [x if e in m.held else None for e, x in enumerate(self.experts)]
+        else:
+            m.experts = [x.share(place) for x in self.experts]
+        m.shared = None if self.shared is None else self.shared.share(place)
+        return m
 
 
 class SharedExpert:
@@ -88,6 +121,12 @@ class SharedExpert:
         H, SI = cfg.hidden_size, cfg.shared_expert_intermediate_size
         self.mlp = Mlp.load(ck, f"{mlp}.shared_expert", H, SI)
         self.gate_t = ops.transpose_weight(ck.take(f"{mlp}.shared_expert_gate.weight", (1, H)))
+
+    def share(self, place: shard.Place) -> SharedExpert:
+        """§23.2: the MLP split by columns (tp and ep alike), its one-output gate whole."""
+        s = copy.copy(self)
+        s.mlp = self.mlp.share(place)
+        return s
 
     def add_to(self, i: int, routed: np.ndarray, x: np.ndarray, pos, cap: Capture) -> np.ndarray:
         """§19 steps 3–4: routed ⊕ (sigmoid(sg) ⊗ sh), the routed sum complete first."""
@@ -131,14 +170,19 @@ def moe(model, M: Moe, x: np.ndarray, pos: list[int], i: int, cap: Capture) -> n
     w = p[rows, chosen]  # [T, k] in rank (or forced) order
     if cfg.norm_topk_prob:
         w = w / ops.ordered_sum(w, axis=-1)[:, None]
-    out = np.zeros_like(x)
-    for e in range(cfg.num_experts):
-        r, j = np.nonzero(chosen == e)  # r ascending; a row picks an expert at most once
-        if r.size == 0:
-            continue
-        y = M.experts[e](x[r])
-        cap.tensor(names.expert(i, e, "out"), y, [pos[row] for row in r], internal=True)
-        out[r] = out[r] + w[r, j][:, None] * y
+
+    def combine(out: np.ndarray) -> np.ndarray:  # the experts held here, ascending id
+        for e in M.held:
+            r, j = np.nonzero(chosen == e)  # r ascending; a row picks an expert at most once
+            if r.size == 0:
+                continue
+            y = M.experts[e](x[r])
+            cap.tensor(names.expert(i, e, "out"), y, [pos[row] for row in r], internal=True)
+            out[r] = out[r] + w[r, j][:, None] * y
+        return out
+
+    # Under ep the experts are spread over the ranks, and so is this sum: the carry (§23.3).
+    out = M.place.carry(np.zeros_like(x), combine)
     if M.shared is not None:
         out = M.shared.add_to(i, out, x, pos, cap)
     return out

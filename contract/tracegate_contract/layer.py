@@ -6,6 +6,8 @@ feed-forward block are chosen per layer from the config."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 from tracegate import names
 
@@ -45,6 +47,13 @@ class Layer:
             self.feed_forward = Mlp.load(
                 ck, f"{p}.mlp", H, cfg.intermediate_size, cfg.mlp_bias, cfg.gelu_mlp
             )
+
+    def share(self, place) -> Layer:
+        """§23.2 rank `place`'s share (shard.Place): its mixer's and feed-forward block's; the
+        norms whole. Only softmax attention is sharded (shard.refuse_unshardable)."""
+        s = copy.copy(self)
+        s.mixer, s.feed_forward = self.mixer.share(place), self.feed_forward.share(place)
+        return s
 
 
 def forward(model, i: int, L: Layer, x: np.ndarray, pos: list[int], cap, cache):

@@ -5,12 +5,13 @@ arithmetic goes through ops.py."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
 from tracegate import names
 
-from . import ops
+from . import ops, shard
 from .config import Config
 from .errors import ContractError
 from .ops import F32
@@ -56,14 +57,34 @@ class Attention:
             self.k_norm = _vec(ck, f"{a}.k_norm.weight", d)
         else:  # llama, qwen2: RoPE straight after the projections
             self.q_norm = self.k_norm = None
+        # The heads held here (all of them but in a sharded run) and where o_proj's sum is carried.
+        self.heads, self.kv_heads, self.head_dim, self.place = nh, nkv, d, shard.ONE
+
+    def share(self, place: shard.Place) -> Attention:
+        """§23.2 rank `place`'s share: the q, k and v rows (a gated head's query and gate rows)
+        and biases of its block of heads and kv heads, o_proj's columns of its heads (a
+        row-parallel projection carried by `place`) and o_proj's bias on the last rank only."""
+        h0, h1 = place.block(self.heads)
+        g0, g1 = place.block(self.kv_heads)
+        d, nkv = self.head_dim, self.kv_heads
+        per = 2 * d if self.gated else d  # q_proj's rows per head
+        k0 = self.heads * per  # where k's rows begin, then v's
+        cols = np.r_[h0 * per : h1 * per, k0 + g0 * d : k0 + g1 * d]
+        cols = np.r_[cols, k0 + nkv * d + g0 * d : k0 + nkv * d + g1 * d]
+        a = copy.copy(self)
+        a.wqkv_t = np.ascontiguousarray(self.wqkv_t[:, cols])
+        a.bqkv = None if self.bqkv is None else np.ascontiguousarray(self.bqkv[cols])
+        a.wo_t = np.ascontiguousarray(self.wo_t[h0 * d : h1 * d])
+        a.bo = self.bo if place.last else None
+        a.heads, a.kv_heads, a.place = h1 - h0, g1 - g0, place
+        return a
 
 
 def attention(model, i, A: Attention, xn, pos, cap, cache):
     """§8 (§17 when gated) on xn (input_layernorm's output) at positions `pos`, over the cached
     rows of `cache` (when given) and these; returns attn_out (after o_proj). Run as
     model.Model._attention."""
-    cfg = model.cfg
-    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    nh, nkv, d = A.heads, A.kv_heads, A.head_dim
     t = xn.shape[0]
     qkv = ops.matmul(xn, A.wqkv_t, A.bqkv)
     if A.gated:  # §17.1 per head: query, then gate
@@ -78,7 +99,7 @@ def attention(model, i, A: Attention, xn, pos, cap, cache):
     o = _attend(model, i, A, q, k, v, pos, cap, cache, gate)
     if gate is not None:  # §17.3 the output gate
         o = o * ops.sigmoid(gate)
-    return ops.matmul(o.reshape(t, nh * d), A.wo_t, A.bo)
+    return A.place.row_parallel(o.reshape(t, nh * d), A.wo_t, A.bo)
 
 
 def _attend(model, i, A: Attention, q, k, v, pos, cap, cache, gate):

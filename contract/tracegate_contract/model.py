@@ -11,12 +11,13 @@ the capture is capture.py.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
 from tracegate import names
 
-from . import feed_forward, force, layer, mixers, ops
+from . import feed_forward, force, layer, mixers, ops, shard
 from .capture import NO_CAPTURE, Capture, StepCapture
 from .config import MAX_POSITIONS, Config, check_sizes, load_config
 from .errors import ContractError
@@ -94,6 +95,19 @@ class Model:
         self.scale = cfg.attn_scale
         # §22.2 Gemma 3's embedding scale: transformers' hidden_size**0.5 as an f32 tensor.
         self.embed_scale = F32(math.pow(float(H), 0.5)) if cfg.gemma3 else None
+        # Where the head's vocabulary blocks are gathered (§23.3; one process: all of it here).
+        self.place = shard.ONE
+
+    def share(self, place: shard.Place) -> Model:
+        """Rank `place` of a sharded run (§23.2): each layer's share, the head's rows of its
+        vocabulary block; embedding and final norm whole. The caller refuses first what cannot
+        be split (shard.refuse_unshardable)."""
+        m = copy.copy(self)
+        m.layers = [L.share(place) for L in self.layers]
+        v0, v1 = place.block(self.cfg.vocab_size)
+        m.head_t = np.ascontiguousarray(self.head_t[:, v0:v1])
+        m.place = place
+        return m
 
     # §5
     def embed(self, tokens) -> np.ndarray:
@@ -131,7 +145,7 @@ class Model:
             return ops.rmsnorm_zero_centred(x, w, eps)
         return ops.rmsnorm(x, w, eps)
 
-    # §11 head
+    # §11 head (a rank of a sharded run: its vocabulary block's columns of the logits)
     def head(self, h: np.ndarray, pos, cap: Capture = NO_CAPTURE) -> np.ndarray:
         with _ieee():
             f = self.norm_op(h, self.norm, self.cfg.rms_norm_eps)
@@ -189,7 +203,9 @@ class Model:
         self, cap: Capture, name: str, logits: np.ndarray, what: str = "logits"
     ) -> np.ndarray:
         """§12 argmax of each row, recorded as decision `name`; under --force-decisions the forced
-        values, each with this model's margin for it (ops.margin_of)."""
+        values, each with this model's margin for it (ops.margin_of). A rank of a sharded run
+        decides over the whole row, its vocabulary blocks gathered (§23.3)."""
+        logits = self.place.gather(logits)
         top, margin = ops.argmax_margin(logits, what=what)
         forced = self.forcing.values(name) if self.forcing is not None else None
         if forced is not None:

@@ -158,16 +158,22 @@ def transpose_weight(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(w, dtype=F32).T)
 
 
-def matmul(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+def matmul(
+    x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None = None, acc: np.ndarray | None = None
+) -> np.ndarray:
     """y = x·Wᵀ (+ b) (§2). `x` is [rows, K]; `wt` is Wᵀ, [K, out] (see `transpose_weight`).
 
     For every (row, output): acc = +0.0; for k ascending: acc = acc ⊕ (x[r,k] ⊗ W[o,k]); the
-    bias is added once after the loop."""
+    bias is added once after the loop. `acc` [rows, out]: the accumulation goes on from these
+    values instead of +0.0 (a rank's block of K in §23.3's ordered carry; not modified)."""
     x = np.asarray(x, dtype=F32)
     rows, k_dim = x.shape
     if wt.shape[0] != k_dim:
         raise ValueError(f"matmul: input width {k_dim} != weight in-features {wt.shape[0]}")
-    acc = np.zeros((rows, wt.shape[1]), dtype=F32)
+    if acc is None:
+        acc = np.zeros((rows, wt.shape[1]), dtype=F32)
+    else:
+        acc = np.array(acc, dtype=F32)  # a copy: the carried accumulator stays the sender's
     prod = np.empty_like(acc)
     for k in range(k_dim):
         np.multiply(x[:, k : k + 1], wt[k], out=prod)  # one rounded product per output

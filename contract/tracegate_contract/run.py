@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import platform
+import uuid
 
 import numpy as np
 from tracegate import names
 
-from . import diffusion_gemma, gguf
+from . import diffusion_gemma, gguf, shard
 from .errors import ContractError
 from .force import Forcing
 from .model import MAX_POSITIONS, NO_CAPTURE, Capture, Model, open_model
@@ -56,10 +57,12 @@ def write_trace(
     forcing: Forcing | None = None,
     attrs: dict | None = None,
     mask_of=lambda layer: "causal",
+    shard_of=None,
 ) -> str:
     """Tensors in capture order (a decode step's, `decode.*`, with path=decode), then decisions in
     decision order; returns the digest. `attrs`: extra attributes on every tensor; `mask_of`: the
-    `mask` attribute of a layer's tensors by its index (None: a model-wide point). Under
+    `mask` attribute of a layer's tensors by its index (None: a model-wide point); `shard_of`:
+    a rank trace's `shard` attribute of a tensor by its name. Under
     --force-decisions (its weights checked against this run's) with the provenance record and
     `forced = <digest>` on every tensor captured after the first forced decision."""
     tg = _tracegate()
@@ -72,6 +75,8 @@ def write_trace(
     with tg.TraceWriter(out, prov) as w:
         for i, (name, array, positions) in enumerate(cap.tensors):
             extra = {**(attrs or {}), **({"forced": forcing.digest} if i >= first_forced else {})}
+            if shard_of is not None:
+                extra["shard"] = shard_of(name)
             where = "decode" if names.parse(name).decode_step is not None else path
             mask = mask_of(names.parse(name).layer)
             w.tensor(name, array, path=where, mask=mask, positions=positions, **extra)
@@ -90,6 +95,38 @@ def _unused(model: Model) -> dict:
     """Provenance's `unused_tensors` ({prefix: count}, §20) where the checkpoint has any."""
     unused = getattr(model, "unused_tensors", None)
     return {"unused_tensors": unused} if unused else {}
+
+
+def _trace_model(model_dir, tokens, generate) -> Model:
+    """The `trace` verb's model, after the position limits are checked."""
+    if len(tokens) + generate > MAX_POSITIONS:
+        raise ContractError(
+            f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
+        )
+    model = _model(model_dir)
+    mpe = model.cfg.max_position_embeddings
+    if mpe and len(tokens) + generate > mpe:
+        raise ContractError(
+            f"--tokens/--generate: {len(tokens)} prompt tokens plus {generate} generated = "
+            f"{len(tokens) + generate} positions exceed max_position_embeddings {mpe}"
+        )
+    return model
+
+
+def _trace_provenance(
+    model_dir, model, command, tokens, prompt_text, internals, cached, generate
+) -> dict:
+    return provenance(
+        model_dir,
+        command,
+        "trace",
+        prompt_tokens=list(tokens),
+        **({"prompt_text": prompt_text} if prompt_text is not None else {}),
+        capture="internals" if internals else "default",
+        cache="on" if cached else "off",
+        generate=generate,
+        **_unused(model),
+    )
 
 
 def trace(
@@ -124,17 +161,7 @@ def trace(
         )
     if diffusion_flags:
         raise ContractError(f"{diffusion_flags[0]}: only for diffusion_gemma models")
-    if len(tokens) + generate > MAX_POSITIONS:
-        raise ContractError(
-            f"--generate {generate}: {len(tokens)} prompt tokens plus the generated ones exceed the position limit 2^24 = {MAX_POSITIONS}"
-        )
-    model = _model(model_dir)
-    mpe = model.cfg.max_position_embeddings
-    if mpe and len(tokens) + generate > mpe:
-        raise ContractError(
-            f"--tokens/--generate: {len(tokens)} prompt tokens plus {generate} generated = "
-            f"{len(tokens) + generate} positions exceed max_position_embeddings {mpe}"
-        )
+    model = _trace_model(model_dir, tokens, generate)
     if force_decisions is not None:
         f = Forcing(force_decisions)
         f.check_prompt(tokens)
@@ -148,18 +175,74 @@ def trace(
         model.forcing = f
     cap = Capture(internals)
     model.run(tokens, cap, generate=generate, cached=cached)
-    prov = provenance(
-        model_dir,
-        command,
-        "trace",
-        prompt_tokens=list(tokens),
-        **({"prompt_text": prompt_text} if prompt_text is not None else {}),
-        capture="internals" if internals else "default",
-        cache="on" if cached else "off",
-        generate=generate,
-        **_unused(model),
+    prov = _trace_provenance(
+        model_dir, model, command, tokens, prompt_text, internals, cached, generate
     )
     return write_trace(out, prov, cap, "prefill", model.forcing, mask_of=model.cfg.mask)
+
+
+RANK = "{rank}"  # in --out of a sharded run: where each rank's number goes
+
+
+def trace_sharded(
+    model_dir,
+    tokens,
+    out,
+    internals,
+    generate,
+    cached,
+    command,
+    shards: shard.Shards,
+    prompt_text=None,
+    diffusion_flags=(),
+) -> list[tuple[str, str]]:
+    """The `trace` verb split over `shards` (docs/numerics.md §23): the ranks run as threads,
+    each on its share of the model, and rank r writes `out` with {rank} replaced by r, its
+    tensors' `shard` attributes set (shard.attribute) and provenance `shards` and a `run_id`
+    common to the ranks. Returns each rank trace's (digest, path) in rank order."""
+    if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
+        raise ContractError(
+            f"--shards {shards}: diffusion_gemma is not sharded (docs/numerics.md §23.5)"
+        )
+    if diffusion_flags:
+        raise ContractError(f"{diffusion_flags[0]}: only for diffusion_gemma models")
+    model = _trace_model(model_dir, tokens, generate)
+    cfg = model.cfg
+    shard.refuse_unshardable(cfg, shards)
+    prov = _trace_provenance(
+        model_dir, model, command, tokens, prompt_text, internals, cached, generate
+    )
+    carry = shard.Carry(shards.world)
+    places = [shard.Place(r, shards.world, shards.mode, carry) for r in range(shards.world)]
+    ranks = [model.share(p) for p in places]
+    del model  # from here each rank holds only its share of the weights
+    caps = [Capture(internals) for _ in places]
+    shard.run_ranks(
+        carry,
+        [
+            lambda m=m, c=c: m.run(tokens, c, generate=generate, cached=cached)
+            for m, c in zip(ranks, caps, strict=True)
+        ],
+    )
+    run_id = uuid.uuid4().hex
+    written = []
+    for p, c in zip(places, caps, strict=True):
+        path = out.replace(RANK, str(p.rank))
+        rank_prov = {
+            **prov,
+            "shards": {"mode": shards.mode, "world": shards.world, "rank": p.rank},
+            "run_id": run_id,
+        }
+        digest = write_trace(
+            path,
+            rank_prov,
+            c,
+            "prefill",
+            mask_of=cfg.mask,
+            shard_of=lambda name, p=p: shard.attribute(p, cfg, name),
+        )
+        written.append((digest, path))
+    return written
 
 
 def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
