@@ -293,3 +293,25 @@ def test_a_hung_rank_is_killed_after_the_timeout(tmp_path):
             return
         time.sleep(0.1)
     pytest.fail(f"rank 1 (pid {pid}) still runs after the launcher's timeout")
+
+
+def test_an_expert_routed_to_but_not_seen_on_its_rank_is_an_error():
+    """The excuse for a rank with no expert tensors (none of its experts got a row) cannot hide
+    a tap that saw nothing: an expert the router sent rows to, held here, must have computed."""
+    from tracegate_oracle.capture import Decision, Tap
+
+    class Held:  # a rank holding experts 4..7 of layer 1 (what Sharding.experts says under ep)
+        def experts(self, L):
+            return "experts;held=4,5,6,7;of=8", range(4, 8)
+
+    class Seen:  # the experts tap, having seen no expert compute
+        outs = {}
+
+    tap = Tap.__new__(Tap)
+    tap.sharding, tap.notes, tap.records = Held(), [], []
+    tap.decisions = [Decision("layer.01.router.topk", np.array([[0, 1], [2, 3]]), None)]
+    tap._on_experts(1, Seen())  # routed only to rank 0's experts: nothing to see here
+    assert tap.records == []
+    tap.decisions = [Decision("layer.01.router.topk", np.array([[0, 5], [2, 3]]), None)]
+    with pytest.raises(RuntimeError, match="expert 5, held on this rank"):
+        tap._on_experts(1, Seen())

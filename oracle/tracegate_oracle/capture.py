@@ -994,8 +994,8 @@ class Tap:
     def _on_experts(self, L: int, tap):
         # Expert parallel: the tap sees the rank's own experts, numbered from 0; a rank none of
         # whose experts received a row computes nothing.
-        held, first = self.sharding.experts(L) if self.sharding else ("", 0)
-        if not tap.outs and not held.startswith("experts;"):
+        held = self.sharding.experts(L)[1] if self.sharding else None
+        if not tap.outs and held is None:
             raise RuntimeError(
                 f"layer {L}: the experts tap saw no expert computation (transformers internals changed?)"
             )
@@ -1004,9 +1004,17 @@ class Tap:
         if topk is not None:
             for e in np.unique(topk):
                 expected[int(e)] = np.nonzero((topk == e).any(-1))[0].tolist()
+        if held is not None:
+            # ...but one the router sent rows to must have computed: no silent hole in the shard.
+            unseen = [e for e in held if e in expected and e - held.start not in tap.outs]
+            if unseen:
+                raise RuntimeError(
+                    f"layer {L}: the router sent rows to expert {unseen[0]}, held on this rank, "
+                    "and the experts tap saw no computation for it (transformers internals changed?)"
+                )
         for local in sorted(tap.outs):
             tok, out = tap.outs[local]
-            e = first + local
+            e = local + (held.start if held is not None else 0)
             tok = tok.cpu().numpy()
             order = np.argsort(tok, kind="stable")  # ascending token order
             rows = tok[order]

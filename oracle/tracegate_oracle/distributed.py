@@ -324,20 +324,20 @@ class Sharding:
                 )
         return self._cache[key]
 
-    def experts(self, L: int) -> tuple[str, int]:
-        """(kind, offset of the rank's first expert) of layer L's expert outputs."""
+    def experts(self, L: int) -> tuple[str, range | None]:
+        """(kind, the experts this rank holds whole, or None) of layer L's expert outputs."""
         key = (L, "experts")
         if key not in self._cache:
             down = self.lay.experts(L).down_proj
             b = self._block(down, f"layer {L} experts.down_proj")
             if b is None:
-                self._cache[key] = ("replicated", 0)
+                self._cache[key] = ("replicated", None)
             elif b[0] == 0:  # whole experts per rank (ep)
                 _, off, n, size = b
                 held = ",".join(str(e) for e in range(off, off + n))
-                self._cache[key] = (f"experts;held={held};of={size}", off)
+                self._cache[key] = (f"experts;held={held};of={size}", range(off, off + n))
             elif b[0] == down.dim() - 1:  # the down projection's input columns (tp): a summand
-                self._cache[key] = ("partial", 0)
+                self._cache[key] = ("partial", None)
             else:
                 raise OracleError(
                     f"--distributed {self.spec}: layer {L}'s experts' down_proj is sharded on "
