@@ -246,10 +246,12 @@ impl Comm {
         }
     }
 
-    /// `layer.NN.expert.EEE.out`'s kind: under `ep` the experts this rank holds, of `n`.
+    /// `layer.NN.expert.EEE.out`'s kind: under `ep` the experts this rank holds, of `n` (its
+    /// block, and an expert `Plant::ExpertTwice` adds).
     pub fn expert_kind(&self, n: usize) -> Option<ShardKind> {
+        let (b, e) = (self.block(n), self.experts(n));
         (self.split == Split::Ep).then(|| ShardKind::Experts {
-            held: self.block(n).map(|e| e as u64).collect(),
+            held: (b.start.min(e.start)..b.end).map(|e| e as u64).collect(),
             of: n as u64,
         })
     }
@@ -372,7 +374,7 @@ pub fn check(s: &Shards, cfg: &crate::config::Config, model_type: &str) -> Resul
         ));
     }
     let (nq, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-    if nq % w != 0 || nkv % w != 0 {
+    if !nq.is_multiple_of(w) || !nkv.is_multiple_of(w) {
         return Err(err!(Input:
             "--shards {s}: {w} ranks must divide both num_attention_heads {nq} and num_key_value_heads {nkv} (docs/numerics.md §23.1)"
         ));
@@ -384,7 +386,7 @@ pub fn check(s: &Shards, cfg: &crate::config::Config, model_type: &str) -> Resul
                 "--shards {s}: {model_type} has no routed experts to split (ep=N needs a MoE model; tp=N splits the rest)"
             ));
         }
-        if cfg.num_experts % w != 0 {
+        if !cfg.num_experts.is_multiple_of(w) {
             return Err(err!(Input:
                 "--shards {s}: {w} ranks must divide num_experts {} (docs/numerics.md §23.5)",
                 cfg.num_experts
