@@ -135,6 +135,11 @@ struct InitArgs {
     /// The milestone's id.
     #[arg(long, default_value = "port")]
     id: String,
+    /// The candidate is sharded over N ranks: each `trace` run gets an --out holding `{rank}`
+    /// and writes one trace per rank there (0..N-1), which the gate merges as trace-merge does
+    /// and judges against the one-process golden trace (docs/producers.md, "Sharded engines").
+    #[arg(long, value_name = "N", value_parser = at_least_one_u64)]
+    ranks: Option<u64>,
     /// Trace directory (default: target/gate under the project root).
     #[arg(long)]
     work: Option<PathBuf>,
@@ -948,6 +953,7 @@ fn init_options(a: &InitArgs) -> tracegate_gate::milestone::init::InitOptions {
         policy: a.policy.clone(),
         precision: a.precision.clone(),
         id: a.id.clone(),
+        ranks: a.ranks,
         work: a.work.clone(),
         timeout: std::time::Duration::from_secs(a.timeout),
     }

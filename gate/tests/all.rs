@@ -15,6 +15,7 @@ mod measures;
 mod outputs;
 mod plants;
 mod port;
+mod ranks;
 mod readme;
 mod recorded;
 mod resident;
