@@ -18,7 +18,7 @@ use super::report::{finding, Finding, RankTrace, Refusal, ShardedRun};
 use crate::milestone::check::FindingKind;
 
 /// The placeholder a sharded candidate replaces by its rank in `--out`.
-pub(crate) const RANK: &str = "{rank}";
+pub(crate) use tracegate_trace::merge::RANK;
 
 /// The `--out` a sharded candidate is given for the merged trace `out`:
 /// `dir/candidate.trace` → `dir/candidate.rank{rank}.trace`.
@@ -73,31 +73,10 @@ fn rank_file(pattern: &str, r: u64) -> String {
 
 /// The ranks of the files in `pattern`'s directory that match it (`candidate.rank7.trace`: 7).
 fn rank_files_present(root: &Path, pattern: &str) -> Vec<(u64, String)> {
-    let full = root.join(pattern);
-    let (Some(dir), Some(name)) = (full.parent(), full.file_name().and_then(|n| n.to_str())) else {
-        return Vec::new();
-    };
-    let Some((head, tail)) = name.split_once(RANK) else {
-        return Vec::new();
-    };
-    let mut found: Vec<(u64, String)> = std::fs::read_dir(dir)
+    tracegate_trace::merge::rank_files(&root.join(pattern))
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let n = e.file_name().into_string().ok()?;
-            let digits = n.strip_prefix(head)?.strip_suffix(tail)?;
-            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            Some((
-                digits.parse().ok()?,
-                rank_file(pattern, digits.parse().ok()?),
-            ))
-        })
-        .collect();
-    found.sort();
-    found
+        .map(|(r, _)| (r, rank_file(pattern, r)))
+        .collect()
 }
 
 /// Removes what an earlier run left at `pattern` (every rank's file, the literal path) and at
