@@ -319,8 +319,7 @@ fn build(
     std::fs::create_dir_all(&trials_dir)
         .map_err(|e| gerr!(File: "{}: {e}", trials_dir.display()))?;
     let replay_model = format!("{trials}/model");
-    let replay_digest =
-        weights::materialise(dir, &lw.replay_header, &o.root.join(&replay_model))?;
+    let replay_digest = weights::materialise(dir, &lw.replay_header, &o.root.join(&replay_model))?;
     let reference = open(&o.root, &format!("{}/reference.trace", o.work))?;
     let source_digest = reference
         .provenance()
@@ -333,7 +332,10 @@ fn build(
         if let Some(m) = p.as_object_mut() {
             m.insert("weights_digest".into(), json!(replay_digest));
             if let Some(tokens) = m.get("prompt_tokens").and_then(Value::as_array).cloned() {
-                m.insert("prompt_tokens".into(), json!(tokens[..keep.min(tokens.len())]));
+                m.insert(
+                    "prompt_tokens".into(),
+                    json!(tokens[..keep.min(tokens.len())]),
+                );
             }
             m.insert(
                 "capsule".into(),
@@ -356,11 +358,23 @@ fn build(
     let mut trial_log = Vec::new();
     let mut try_rows = |keep: usize| -> Result<Replayed> {
         let input = format!("{trials}/rows.{keep}.trace");
-        rows::write(&reference, layer, keep, provenance(&reference, keep), &o.root.join(&input))?;
+        rows::write(
+            &reference,
+            layer,
+            keep,
+            provenance(&reference, keep),
+            &o.root.join(&input),
+        )?;
         let noise = match &o.noise {
             Some(nz) => {
                 let rel = format!("{trials}/noise.{keep}.trace");
-                rows::write(&nz.0, layer, keep, provenance(&nz.0, keep), &o.root.join(&rel))?;
+                rows::write(
+                    &nz.0,
+                    layer,
+                    keep,
+                    provenance(&nz.0, keep),
+                    &o.root.join(&rel),
+                )?;
                 Some(rel)
             }
             None => None,
@@ -403,7 +417,13 @@ fn build(
         &dir.join("reference.trace"),
     )?;
     if let Some(nz) = &o.noise {
-        rows::write(&nz.0, layer, keep, provenance(&nz.0, keep), &dir.join("noise.trace"))?;
+        rows::write(
+            &nz.0,
+            layer,
+            keep,
+            provenance(&nz.0, keep),
+            &dir.join("noise.trace"),
+        )?;
     }
     if let Some(p) = policy {
         let text = serde_json::to_vec_pretty(p).map_err(|e| gerr!("policy: {e}"))?;
@@ -488,7 +508,11 @@ fn build(
     manifest.expected = again.outcome();
     seal(dir, &mut manifest)?;
     let mut sizes = Vec::new();
-    for name in manifest.files.keys().chain(std::iter::once(&MANIFEST.to_string())) {
+    for name in manifest
+        .files
+        .keys()
+        .chain(std::iter::once(&MANIFEST.to_string()))
+    {
         let len = std::fs::metadata(dir.join(name))
             .map_err(|e| gerr!(File: "{}: {e}", dir.join(name).display()))?
             .len();
@@ -584,12 +608,16 @@ pub fn load(dir: &Path) -> Result<Loaded> {
     }
     for (name, want) in &manifest.files {
         if name.contains('/') || name.contains("..") {
-            return Err(gerr!("capsule {shown}: {MANIFEST} names {name:?}, not a file of the capsule"));
+            return Err(gerr!(
+                "capsule {shown}: {MANIFEST} names {name:?}, not a file of the capsule"
+            ));
         }
-        let got = sha256(&dir.join(name))
-            .map_err(|e| gerr!(File: "capsule {shown}: {name}: {e}"))?;
+        let got =
+            sha256(&dir.join(name)).map_err(|e| gerr!(File: "capsule {shown}: {name}: {e}"))?;
         if &got != want {
-            return Err(gerr!(File: "capsule {shown}: {name} was changed: its sha256 is {got}, {MANIFEST} records {want}"));
+            return Err(
+                gerr!(File: "capsule {shown}: {name} was changed: its sha256 is {got}, {MANIFEST} records {want}"),
+            );
         }
     }
     let policy = if by_policy {
@@ -617,9 +645,13 @@ fn run_loaded(
     let model = format!("{work}/model");
     let header = m.weights["replay_header"].as_str().unwrap_or_default();
     let digest = weights::materialise(dir, header, &root.join(&model))?;
-    let want = m.weights["replay_weights_digest"].as_str().unwrap_or_default();
+    let want = m.weights["replay_weights_digest"]
+        .as_str()
+        .unwrap_or_default();
     if digest != want {
-        return Err(gerr!(File: "capsule {}: the replay model's weights digest is {digest}, {MANIFEST} records {want}", dir.display()));
+        return Err(
+            gerr!(File: "capsule {}: the replay model's weights digest is {digest}, {MANIFEST} records {want}", dir.display()),
+        );
     }
     let abs = |n: &str| std::fs::canonicalize(dir.join(n)).unwrap_or_else(|_| dir.join(n));
     let input = abs("reference.trace").display().to_string();

@@ -38,7 +38,10 @@ pub(super) fn unsliceable(t: &Trace, layer: usize) -> Option<String> {
         }
     }
     let input = names::layer(layer, "hidden_in");
-    match t.tensor_info(&input).and_then(|i| i.attributes.positions.clone()) {
+    match t
+        .tensor_info(&input)
+        .and_then(|i| i.attributes.positions.clone())
+    {
         Some(p) if p.iter().enumerate().all(|(i, &q)| q == i as i64) => None,
         Some(_) => Some(format!("{input}'s rows are not at positions 0..n-1")),
         None => Some(format!("the reference trace has no {input} with positions")),
@@ -95,8 +98,14 @@ pub(super) fn write(
                     bytes.extend_from_slice(&data[at..at + m * es]);
                 }
             }
-            w.tensor(&info.name, info.dtype, &[h as u64, m as u64, m as u64], &bytes, &attrs)
-                .map_err(io)?;
+            w.tensor(
+                &info.name,
+                info.dtype,
+                &[h as u64, m as u64, m as u64],
+                &bytes,
+                &attrs,
+            )
+            .map_err(io)?;
         } else {
             let row = data.len() / pos.len().max(1);
             let mut shape = info.shape.clone();

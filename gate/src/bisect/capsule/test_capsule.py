@@ -86,7 +86,9 @@ def test_the_candidates_layer_agrees_with_the_capsule(tmp_path):
     args += ["--capture", m["capture"]]
     root = os.environ.get("TRACEGATE_CAPSULE_ROOT", m["bisection"]["root"])
     run = subprocess.run(argv(m, args), cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"the layer verb failed (exit {run.returncode}): {run.stderr[-2000:]}"
+    assert run.returncode == 0, (
+        f"the layer verb failed (exit {run.returncode}): {run.stderr[-2000:]}"
+    )
     candidate = tracegate.Trace(out)
     # Judged as the bisection judged: the candidate's capture points only.
     only = list(candidate.names) + list(candidate.decisions)

@@ -137,7 +137,7 @@ fn header_text(tensors: &[(&str, &str, &[u64], u64)]) -> (String, u64) {
         at += len;
     }
     let mut text = Value::Object(map).to_string();
-    while (8 + text.len()) % 8 != 0 {
+    while !(8 + text.len()).is_multiple_of(8) {
         text.push(' ');
     }
     (text, at)
@@ -166,12 +166,21 @@ pub(super) struct LayerWeights {
 pub(super) fn layer_weights(all: &[Entry], layer: usize, model: &Path) -> Result<LayerWeights> {
     let mine: Vec<&Entry> = all.iter().filter(|e| of_layer(&e.name, layer)).collect();
     if mine.is_empty() {
-        return Err(gerr!(File: "{}: no tensor of layer {layer} (no name with a layers.{layer}. component)", model.display()));
+        return Err(
+            gerr!(File: "{}: no tensor of layer {layer} (no name with a layers.{layer}. component)", model.display()),
+        );
     }
     let spec = |es: &[&Entry]| -> (String, u64) {
         let refs: Vec<(&str, &str, &[u64], u64)> = es
             .iter()
-            .map(|e| (e.name.as_str(), e.dtype.as_str(), e.shape.as_slice(), e.end - e.begin))
+            .map(|e| {
+                (
+                    e.name.as_str(),
+                    e.dtype.as_str(),
+                    e.shape.as_slice(),
+                    e.end - e.begin,
+                )
+            })
             .collect();
         header_text(&refs)
     };
@@ -201,8 +210,9 @@ pub(super) fn materialise(capsule: &Path, header: &str, out: &Path) -> Result<St
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     std::fs::copy(capsule.join("config.json"), out.join("config.json"))
         .map_err(|e| io(&capsule.join("config.json"), e))?;
-    let layout: Map<String, Value> = serde_json::from_str(header)
-        .map_err(|e| gerr!(File: "{}: replay header: {e}", capsule.join("manifest.json").display()))?;
+    let layout: Map<String, Value> = serde_json::from_str(header).map_err(
+        |e| gerr!(File: "{}: replay header: {e}", capsule.join("manifest.json").display()),
+    )?;
     let start = 8 + header.len() as u64;
     let mut total = 0u64;
     let mut at: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
@@ -212,7 +222,9 @@ pub(super) fn materialise(capsule: &Path, header: &str, out: &Path) -> Result<St
             off.and_then(|o| o.first()).and_then(Value::as_u64),
             off.and_then(|o| o.get(1)).and_then(Value::as_u64),
         ) else {
-            return Err(gerr!(File: "{}: replay header entry {name:?} has no data_offsets", capsule.join("manifest.json").display()));
+            return Err(
+                gerr!(File: "{}: replay header entry {name:?} has no data_offsets", capsule.join("manifest.json").display()),
+            );
         };
         total = total.max(e);
         at.insert(name, (b, e));
@@ -225,10 +237,14 @@ pub(super) fn materialise(capsule: &Path, header: &str, out: &Path) -> Result<St
     let layer_file = capsule.join("layer.safetensors");
     for e in entries(&layer_file)? {
         let Some(&(b, end)) = at.get(e.name.as_str()) else {
-            return Err(gerr!(File: "{}: tensor {} is not in the replay header", layer_file.display(), e.name));
+            return Err(
+                gerr!(File: "{}: tensor {} is not in the replay header", layer_file.display(), e.name),
+            );
         };
         if end - b != e.end - e.begin {
-            return Err(gerr!(File: "{}: tensor {} holds {} bytes, the replay header {}", layer_file.display(), e.name, e.end - e.begin, end - b));
+            return Err(
+                gerr!(File: "{}: tensor {} holds {} bytes, the replay header {}", layer_file.display(), e.name, e.end - e.begin, end - b),
+            );
         }
         let bytes = read_range(&e)?;
         f.seek(SeekFrom::Start(start + b))
@@ -248,7 +264,10 @@ mod tests {
     #[test]
     fn of_layer_reads_the_whole_index() {
         assert!(of_layer("model.layers.1.mlp.up_proj.weight", 1));
-        assert!(of_layer("model.language_model.layers.1.input_layernorm.weight", 1));
+        assert!(of_layer(
+            "model.language_model.layers.1.input_layernorm.weight",
+            1
+        ));
         assert!(!of_layer("model.layers.10.mlp.up_proj.weight", 1));
         assert!(!of_layer("model.layers.11.mlp.up_proj.weight", 1));
         assert!(!of_layer("model.embed_tokens.weight", 1));
