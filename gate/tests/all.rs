@@ -7,6 +7,7 @@ mod bisect_adversary;
 mod bisect_decode;
 mod bisect_diffusion;
 mod bisect_stored;
+mod capsule;
 mod ci;
 mod common;
 mod gate;
