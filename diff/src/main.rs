@@ -88,6 +88,16 @@ struct Cli {
     /// such a bound needs it. The candidate's own trace, or another producer's, is refused.
     #[arg(long, value_name = "TRACE", conflicts_with = "show")]
     noise_reference: Option<PathBuf>,
+    /// After the report: recompute the first differing tensor's first differing elements from
+    /// each side's inputs under the summation orders real kernels use (sequential, pairwise,
+    /// blocked-K, SIMD lanes, split-K, FMA, f64 accumulation, bf16/f16 inputs) and say which
+    /// reproduces the candidate's exact bits, or that none does (docs/diff.md, "Explaining a
+    /// difference"). Covers logits and final_norm.out; needs --model.
+    #[arg(long, conflicts_with_all = ["show", "json"])]
+    explain: bool,
+    /// The model directory the traces ran (the weights --explain recomputes with).
+    #[arg(long, value_name = "DIR", requires = "explain")]
+    model: Option<PathBuf>,
 }
 
 /// `--noise-reference`, opened and verified, under a policy (which reads it for near-ties and
@@ -231,7 +241,40 @@ fn main() -> ExitCode {
             return code;
         }
     }
+    if cli.explain {
+        let text = explain(&r, &c, &report, cli.model.as_deref());
+        let done = std::io::Write::write_all(&mut out, terminal_safe(&text).as_bytes())
+            .and_then(|()| std::io::Write::flush(&mut out));
+        if let Err(e) = done {
+            if let Some(code) = write_failed(e) {
+                return code;
+            }
+        }
+    }
     ExitCode::from(report.exit_code() as u8)
+}
+
+/// `--explain`: the report's first bit difference recomputed (the verdict and exit status are
+/// the comparison's, whatever it says).
+fn explain(
+    r: &std::path::Path,
+    c: &std::path::Path,
+    report: &tracegate_diff::Report,
+    model: Option<&std::path::Path>,
+) -> String {
+    let open = |p: &std::path::Path| {
+        Trace::open(p).map_err(|e| format!("explain: NOT EXPLAINED — {}: {e}\n", p.display()))
+    };
+    match (open(r), open(c)) {
+        (Ok(rt), Ok(ct)) => tracegate_diff::explain::explain_first(
+            &rt,
+            &ct,
+            report.first_divergence.as_ref().map(|d| d.tensor.as_str()),
+            model,
+        )
+        .render(),
+        (Err(e), _) | (_, Err(e)) => e,
+    }
 }
 
 /// Warns (stderr) about each glob that matches no name; a filter that selects nothing is bad
