@@ -242,7 +242,13 @@ fn main() -> ExitCode {
         }
     }
     if cli.explain {
-        let text = explain(&r, &c, &report, cli.model.as_deref());
+        // The report's first bit difference; the verdict and exit status stay the comparison's.
+        let text = tracegate_diff::explain::explain_files(
+            &r,
+            &c,
+            report.first_divergence.as_ref().map(|d| d.tensor.as_str()),
+            cli.model.as_deref(),
+        );
         let done = std::io::Write::write_all(&mut out, terminal_safe(&text).as_bytes())
             .and_then(|()| std::io::Write::flush(&mut out));
         if let Err(e) = done {
@@ -252,29 +258,6 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::from(report.exit_code() as u8)
-}
-
-/// `--explain`: the report's first bit difference recomputed (the verdict and exit status are
-/// the comparison's, whatever it says).
-fn explain(
-    r: &std::path::Path,
-    c: &std::path::Path,
-    report: &tracegate_diff::Report,
-    model: Option<&std::path::Path>,
-) -> String {
-    let open = |p: &std::path::Path| {
-        Trace::open(p).map_err(|e| format!("explain: NOT EXPLAINED — {}: {e}\n", p.display()))
-    };
-    match (open(r), open(c)) {
-        (Ok(rt), Ok(ct)) => tracegate_diff::explain::explain_first(
-            &rt,
-            &ct,
-            report.first_divergence.as_ref().map(|d| d.tensor.as_str()),
-            model,
-        )
-        .render(),
-        (Err(e), _) | (_, Err(e)) => e,
-    }
 }
 
 /// Warns (stderr) about each glob that matches no name; a filter that selects nothing is bad

@@ -20,6 +20,8 @@ use points::{Definition, Recompute};
 /// Differing elements checked per row, from the row's first one on, with every agreeing element
 /// between them (an order that reproduces a kernel reproduces those too).
 pub const PER_ROW: usize = 4;
+/// A row's elements checked end after this many, whatever they hold (the next row's come next).
+pub const ROW_SPAN: usize = 64;
 /// At most this many differing elements are checked in all.
 pub const DIFFERING_CHECKED: usize = 32;
 /// And at most this many elements, whatever they hold.
@@ -106,7 +108,7 @@ impl Explanation {
         let rows: std::collections::BTreeSet<u64> =
             c.elements.iter().map(|e| e.coords[0]).collect();
         s.push_str(&format!(
-            "  checked: {differing} differing and {} agreeing elements in {} row{} (up to {PER_ROW} differing a row, from its first); reproduced = the side's exact stored bits on every one of them; {} orders tried\n",
+            "  checked: {differing} differing and {} agreeing elements in {} row{} (from each row's first difference, up to {PER_ROW} differing or {ROW_SPAN} elements); reproduced = the side's exact stored bits on every one of them; {} orders tried\n",
             c.elements.len() - differing,
             rows.len(),
             if rows.len() == 1 { "" } else { "s" },
@@ -178,6 +180,23 @@ pub fn explain_first(
             "no tensor differs by bits: there is no difference to explain",
         ),
         Some(t) => explain(reference, candidate, t, model),
+    }
+}
+
+/// [`explain_first`] of two trace files, as text; a file that cannot be opened is NOT EXPLAINED
+/// with the reason (the comparison before it says more).
+pub fn explain_files(
+    reference: &Path,
+    candidate: &Path,
+    tensor: Option<&str>,
+    model: Option<&Path>,
+) -> String {
+    let open = |p: &Path| {
+        Trace::open(p).map_err(|e| format!("explain: NOT EXPLAINED — {}: {e}\n", p.display()))
+    };
+    match (open(reference), open(candidate)) {
+        (Ok(r), Ok(c)) => explain_first(&r, &c, tensor, model).render(),
+        (Err(e), _) | (_, Err(e)) => e,
     }
 }
 
@@ -307,7 +326,7 @@ fn window(
         let Some(first) = span.clone().find(|&i| differs(i).is_some()) else {
             continue;
         };
-        let mut count = 0;
+        let (mut count, start) = (0, out.len());
         for i in first..span.end {
             let d = differs(i);
             count += d.is_some() as usize;
@@ -316,7 +335,11 @@ fn window(
                 flat_index: i,
                 differs: d,
             });
-            if count == PER_ROW || total + count == DIFFERING_CHECKED || out.len() == WINDOW {
+            if count == PER_ROW
+                || out.len() - start == ROW_SPAN
+                || total + count == DIFFERING_CHECKED
+                || out.len() == WINDOW
+            {
                 break;
             }
         }
