@@ -43,6 +43,7 @@ fn reference_with(dir: &Path, generate: usize) -> PathBuf {
         command_line: vec!["explain test".into()],
         force_decisions: None,
         prompt_text: None,
+        shards: None,
     })
     .expect("engine trace of tiny-qwen3");
     out
