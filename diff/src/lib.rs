@@ -22,6 +22,8 @@
 //!    near-ties); `decisions`.
 //! 7. `compare`: the phases in order, and the verdict.
 //! 8. Output: `render` (text, JSON, `--show`) and `html` on top.
+//! 9. `explain` (`--explain`): the first difference recomputed under other summation orders,
+//!    from the traces and the model's weights (read by the engine's loader).
 //!
 //! Every public item is re-exported here.
 
@@ -29,6 +31,7 @@ pub mod comparable;
 mod compare;
 mod decisions;
 mod excuse;
+pub mod explain;
 pub mod filter;
 pub mod html;
 pub mod measures;

@@ -88,6 +88,16 @@ struct Cli {
     /// such a bound needs it. The candidate's own trace, or another producer's, is refused.
     #[arg(long, value_name = "TRACE", conflicts_with = "show")]
     noise_reference: Option<PathBuf>,
+    /// After the report: recompute the first differing tensor's first differing elements from
+    /// each side's inputs under the summation orders real kernels use (sequential, pairwise,
+    /// blocked-K, SIMD lanes, split-K, FMA, f64 accumulation, bf16/f16 inputs) and say which
+    /// reproduces the candidate's exact bits, or that none does (docs/diff.md, "Explaining a
+    /// difference"). Covers logits and final_norm.out; needs --model.
+    #[arg(long, conflicts_with_all = ["show", "json"])]
+    explain: bool,
+    /// The model directory the traces ran (the weights --explain recomputes with).
+    #[arg(long, value_name = "DIR", requires = "explain")]
+    model: Option<PathBuf>,
 }
 
 /// `--noise-reference`, opened and verified, under a policy (which reads it for near-ties and
@@ -229,6 +239,22 @@ fn main() -> ExitCode {
     if let Err(e) = written {
         if let Some(code) = write_failed(e) {
             return code;
+        }
+    }
+    if cli.explain {
+        // The report's first bit difference; the verdict and exit status stay the comparison's.
+        let text = tracegate_diff::explain::explain_files(
+            &r,
+            &c,
+            report.first_divergence.as_ref().map(|d| d.tensor.as_str()),
+            cli.model.as_deref(),
+        );
+        let done = std::io::Write::write_all(&mut out, terminal_safe(&text).as_bytes())
+            .and_then(|()| std::io::Write::flush(&mut out));
+        if let Err(e) = done {
+            if let Some(code) = write_failed(e) {
+                return code;
+            }
         }
     }
     ExitCode::from(report.exit_code() as u8)

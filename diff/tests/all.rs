@@ -5,6 +5,7 @@ mod claims;
 mod cli;
 mod common;
 mod diffusion;
+mod explain;
 mod fuzz;
 mod labels;
 mod mixed;

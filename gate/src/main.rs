@@ -201,6 +201,11 @@ struct BisectArgs {
     /// Isolate every layer, not only those up to the first diverging one.
     #[arg(long)]
     all_layers: bool,
+    /// After the report: is the whole runs' first bit difference a summation order? Its first
+    /// differing elements recomputed under the orders real kernels use (docs/diff.md,
+    /// "Explaining a difference"; logits and final_norm.out). Text only.
+    #[arg(long)]
+    explain: bool,
     /// default or internals (q/k/v, attn_probs, router logits, expert outputs: names sub-stages).
     #[arg(long, value_parser = ["default", "internals"])]
     capture: Option<String>,
@@ -379,7 +384,21 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
     };
     let o = bisect_options(root, up, a, &work).map_err(refused)?;
     let rep = tracegate_gate::bisect::run(&o).map_err(refused)?;
-    let printed = say(&tracegate_gate::bisect::render::render(&rep));
+    let mut text = tracegate_gate::bisect::render::render(&rep);
+    if a.explain {
+        // The whole runs' traces, as bisect/prefill/whole.rs names them in the work directory.
+        let whole = root.join(&rep.work_dir);
+        text.push_str(&tracegate_diff::explain::explain_files(
+            &whole.join("reference.trace"),
+            &whole.join("candidate.trace"),
+            rep.whole_run
+                .first_bit_difference
+                .as_ref()
+                .map(|d| d.tensor.as_str()),
+            Some(&root.join(&rep.model)),
+        ));
+    }
+    let printed = say(&text);
     let mut files = Vec::new();
     if let Some(p) = &report {
         files.push(Output::json(p, &rep)?);

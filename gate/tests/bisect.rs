@@ -1827,3 +1827,31 @@ fn attack_the_judge_is_the_claimed_precision_never_the_candidates_declaration() 
         );
     }
 }
+
+/// `--explain` (docs/diff.md, "Explaining a difference"): the whole runs' first bit difference,
+/// one logit nudged by one ULP in the contract's trace, is recomputed from each side's
+/// final_norm.out and the model's head: the reference is §2's order, and no order gives the
+/// nudged bit, one ULP from §2's.
+#[test]
+fn explain_recomputes_the_first_difference_and_refuses_a_nudged_logit() {
+    let o = bisect_planted("tiny-qwen3", "--nudge logits", &["--exact", "--explain"]);
+    assert_eq!(o.code, 1, "{}", o.stdout);
+    let out = &o.stdout;
+    assert!(
+        out.contains("explain logits: logits = final_norm.out · Wᵀ"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  reference: REPRODUCED by sequential (§2)"),
+        "{out}"
+    );
+    let cand = out
+        .lines()
+        .find(|l| l.starts_with("  candidate: "))
+        .unwrap_or_else(|| panic!("no candidate line:\n{out}"));
+    assert!(
+        cand.contains("NOT REPRODUCED")
+            && cand.contains("closest: sequential (§2), 1 ULP away, 1 of"),
+        "{out}"
+    );
+}
