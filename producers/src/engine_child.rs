@@ -13,6 +13,12 @@ pub const ENGINE_CHILD: &str = "__engine-producer";
 pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
     let (verb, threads) = Verb::parse(argv)?;
     match verb {
+        // Until the engine's sharded mode is in this build: refused, so the gate says NOT CHECKED.
+        Verb::Trace {
+            shards: Some(s), ..
+        } => Err(crate::error::gerr!(
+            "--shards {s}: this build's engine has no sharded mode"
+        )),
         Verb::Trace {
             model,
             tokens,
@@ -22,6 +28,7 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
             cache,
             force,
             seed,
+            shards: None,
         } => tracegate_engine::run_trace_with(
             &tracegate_engine::TraceOptions {
                 model_dir: PathBuf::from(model),
@@ -86,6 +93,7 @@ mod tests {
                 cache: false,
                 force: None,
                 seed: None,
+                shards: Some(crate::Shards { mode: "ep", world: 2 }),
             },
             Verb::Trace {
                 model: "/abs/m".into(),
@@ -96,6 +104,7 @@ mod tests {
                 cache: true,
                 force: Some("w/ref.trace".into()),
                 seed: Some(u64::MAX),
+                shards: None,
             },
             Verb::Layer {
                 model: "m".into(),

@@ -305,6 +305,7 @@ fn answers_cache_off(
             cache: false,
             force: None,
             seed: None,
+            shards: None,
         },
         a.timeout,
     );
@@ -348,6 +349,7 @@ pub(crate) fn try_candidate(
             cache: true,
             force: None,
             seed: None,
+            shards: None,
         },
         timeout,
     );

@@ -237,6 +237,7 @@ fn produce(
                         force: (sampling && role == Role::Oracle)
                             .then(|| trace_of(plan, p, Role::Engine)),
                         seed: sampling.then_some(plan.seed),
+                        shards: None,
                     };
                     let rec = producers.of(role).run(&o.root, &verb, o.timeout);
                     if rec.timed_out {

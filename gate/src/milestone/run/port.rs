@@ -629,6 +629,7 @@ fn produce(
                             cache: role != Role::CandidateUncached,
                             force: None,
                             seed: None,
+                            shards: None,
                         };
                         let rec = producer.run(&o.root, &verb, o.timeout);
                         let stop = rec.timed_out;
