@@ -353,6 +353,7 @@ REFUSALS = [
     ("dense", ["--shards", "dp=2"], "expected tp=N or ep=N"),
     ("dense", ["--shards", "tp=2,ep=2"], "expected tp=N or ep=N"),
     ("dense", ["--shards", "tp="], "expected tp=N or ep=N"),
+    ("dense", ["--shards", "ep=2"], "no routed experts to split"),
     ("dense", ["--shards", "tp=3"], "num_attention_heads 4 and num_key_value_heads 2"),
     ("dense", ["--shards", "tp=2", "--out", "{dir}/plain.trace"], "put {rank} in the path"),
     ("dense", ["--out", "{dir}/r{rank}.trace"], "{rank} is only for a sharded run"),

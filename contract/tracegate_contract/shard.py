@@ -62,6 +62,11 @@ def refuse_unshardable(cfg, shards: Shards) -> None:
             f"--shards {shards}: num_attention_heads {nh} and num_key_value_heads {nkv} must both "
             f"be divisible by {w} (docs/numerics.md §23.1)"
         )
+    if shards.mode == "ep" and not cfg.num_experts:
+        raise ContractError(
+            f"--shards {shards}: {cfg.model_type} has no routed experts to split "
+            "(ep=N needs a MoE model; tp=N splits the rest)"
+        )
     if shards.mode == "ep" and cfg.num_experts % w:
         raise ContractError(
             f"--shards {shards}: num_experts {cfg.num_experts} is not divisible by {w} "

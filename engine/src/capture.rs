@@ -6,7 +6,7 @@
 //! captured after the first of them.
 
 use tracegate_trace::names::{self, Name};
-use tracegate_trace::{Attributes, TraceWriter};
+use tracegate_trace::{Attributes, Shard, ShardKind, TraceWriter};
 
 use crate::force::Record;
 use crate::Result;
@@ -16,6 +16,8 @@ pub struct Tensor {
     pub shape: Vec<u64>,
     pub data: Vec<f32>,
     pub positions: Vec<i64>,
+    /// What part of the logical tensor a rank of a sharded run holds (None: the whole).
+    pub shard: Option<ShardKind>,
 }
 
 pub struct Decision {
@@ -40,6 +42,9 @@ pub struct Capture {
     step: Option<usize>,
     /// `layer --decode-from P`: written as the attribute `decode_from` on every tensor.
     pub decode_from: Option<i64>,
+    /// A rank of a sharded run (rank, world): every tensor is written with its `shard`
+    /// attribute (docs/numerics.md §23.2), `replicated` where none was given.
+    rank: Option<(u64, u64)>,
 }
 
 impl Capture {
@@ -54,6 +59,7 @@ impl Capture {
             first_forced: None,
             step: None,
             decode_from: None,
+            rank: None,
         }
     }
     pub fn off() -> Capture {
@@ -67,6 +73,7 @@ impl Capture {
             first_forced: None,
             step: None,
             decode_from: None,
+            rank: None,
         }
     }
     /// Decode step `s`'s forward, cached (one row) or uncached (the whole sequence): records
@@ -79,6 +86,11 @@ impl Capture {
             ..Capture::new("decode", internals)
         }
     }
+    /// The capture of rank `rank` = (rank, world) of a sharded run (None: a whole run).
+    pub fn of_rank(self, rank: Option<(u64, u64)>) -> Capture {
+        Capture { rank, ..self }
+    }
+
     /// True when internal points (q, k, v, attn_probs, router, experts) are recorded.
     pub fn internals(&self) -> bool {
         self.on && self.internals && self.step.is_none()
@@ -94,6 +106,18 @@ impl Capture {
 
     /// A default-set capture point.
     pub fn tensor(&mut self, name: &str, shape: &[usize], data: &[f32], positions: &[i64]) {
+        self.tensor_as(name, shape, data, positions, None)
+    }
+
+    /// A default-set capture point that a rank holds as `shard` (None: replicated).
+    pub fn tensor_as(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        data: &[f32],
+        positions: &[i64],
+        shard: Option<ShardKind>,
+    ) {
         if let Some(s) = self.step {
             if self.on && self.step_keeps(name) && !positions.is_empty() {
                 let (rows, cols) = (positions.len(), data.len() / positions.len());
@@ -102,6 +126,7 @@ impl Capture {
                     shape: vec![1, cols as u64],
                     data: data[(rows - 1) * cols..].to_vec(),
                     positions: vec![positions[rows - 1]],
+                    shard,
                 });
             }
             return;
@@ -112,14 +137,27 @@ impl Capture {
                 shape: shape.iter().map(|&d| d as u64).collect(),
                 data: data.to_vec(),
                 positions: positions.to_vec(),
+                shard,
             });
         }
     }
 
     /// An internals-only capture point.
     pub fn internal(&mut self, name: &str, shape: &[usize], data: &[f32], positions: &[i64]) {
+        self.internal_as(name, shape, data, positions, None)
+    }
+
+    /// An internals-only capture point that a rank holds as `shard` (None: replicated).
+    pub fn internal_as(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        data: &[f32],
+        positions: &[i64],
+        shard: Option<ShardKind>,
+    ) {
         if self.internals() {
-            self.tensor(name, shape, data, positions);
+            self.tensor_as(name, shape, data, positions, shard);
         }
     }
 
@@ -206,6 +244,10 @@ impl Capture {
                 .with_path(path)
                 .with_mask(&name.layer.map_or_else(|| "causal".to_string(), mask_of))
                 .with_positions(t.positions.clone());
+            if let Some((rank, world)) = self.rank {
+                let kind = t.shard.clone().unwrap_or(ShardKind::Replicated);
+                attrs = attrs.with_shard(&Shard::new(rank, world, kind));
+            }
             if let Some(p) = self.decode_from {
                 attrs.extra.insert("decode_from".into(), p.to_string());
             }

@@ -28,14 +28,17 @@ pub mod matmul;
 pub mod model;
 pub mod ops;
 pub mod run;
+pub mod shard;
 pub mod splitmix;
 pub mod weights;
 
 pub use config::load_config;
 pub use model::diffusion_gemma::config::DiffusionOptions;
 pub use run::{
-    generate, info, run_layer, run_trace, run_trace_with, LayerOptions, Step, TraceOptions,
+    generate, info, run_layer, run_trace, run_trace_ranks, run_trace_with, LayerOptions, Step,
+    TraceOptions,
 };
+pub use shard::Shards;
 pub use tracegate_trace::Digest;
 
 /// Keep memory the forward frees for its next allocation. A forward allocates and frees its

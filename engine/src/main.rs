@@ -6,7 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use tracegate_engine::{
-    info, run_layer, run_trace_with, DiffusionOptions, LayerOptions, TraceOptions,
+    info, run_layer, run_trace_ranks, run_trace_with, DiffusionOptions, LayerOptions, Shards,
+    TraceOptions,
 };
 
 #[derive(Parser)]
@@ -67,9 +68,15 @@ enum Cmd {
         /// With --text: the text as one user message in the tokenizer's chat template.
         #[arg(long)]
         chat: bool,
-        /// Trace file to write (replaced only once complete).
+        /// Trace file to write (replaced only once complete); under --shards it must contain
+        /// {rank}, replaced by each rank's number (one trace per rank).
         #[arg(long)]
         out: PathBuf,
+        /// Run as N ranks (threads), each holding only its block of the weights: tp=N (heads,
+        /// MLP and vocabulary split) or ep=N (the same, experts split whole); bit-identical to
+        /// one process once merged by trace-merge (docs/numerics.md §23).
+        #[arg(long, value_name = "tp=N|ep=N")]
+        shards: Option<String>,
         /// Which capture points to record.
         #[arg(long, value_enum, default_value = "default")]
         capture: CaptureSet,
@@ -181,6 +188,7 @@ fn main() -> ExitCode {
             text,
             chat,
             out,
+            shards,
             capture,
             generate,
             cache,
@@ -195,9 +203,13 @@ fn main() -> ExitCode {
             confidence_threshold,
             eos,
             pad,
-        } => match text.map(|t| tokenize(&model, &t, chat)).transpose() {
-            Err(e) => Err(e),
-            Ok(tokenized) => {
+        } => match (
+            // A malformed --shards is refused in one line (not clap's usage message).
+            shards.as_deref().map(Shards::parse).transpose(),
+            text.map(|t| tokenize(&model, &t, chat)).transpose(),
+        ) {
+            (Err(e), _) | (_, Err(e)) => Err(e),
+            (Ok(shards), Ok(tokenized)) => {
                 let (tokens, prompt_text) = match tokenized {
                     Some((ids, record)) => (ids, Some(record)),
                     None => (tokens, None),
@@ -213,22 +225,31 @@ fn main() -> ExitCode {
                     eos,
                     pad,
                 };
-                run_trace_with(
-                    &TraceOptions {
-                        model_dir: model,
-                        tokens,
-                        out: out.clone(),
-                        internals: matches!(capture, CaptureSet::Internals),
-                        generate,
-                        cache: matches!(cache, OnOff::On),
-                        threads,
-                        command_line,
-                        force_decisions,
-                        prompt_text,
-                    },
-                    &diffusion,
-                )
-                .map(|d| format!("{} {}", d.hex(), out.display()))
+                let o = TraceOptions {
+                    model_dir: model,
+                    tokens,
+                    out: out.clone(),
+                    internals: matches!(capture, CaptureSet::Internals),
+                    generate,
+                    cache: matches!(cache, OnOff::On),
+                    threads,
+                    command_line,
+                    force_decisions,
+                    prompt_text,
+                    shards,
+                };
+                match (&o.shards, diffusion.given().is_empty()) {
+                    // One line per rank: its digest and file.
+                    (Some(_), true) => run_trace_ranks(&o).map(|ranks| {
+                        ranks
+                            .iter()
+                            .map(|(p, d)| format!("{} {}", d.hex(), p.display()))
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    }),
+                    _ => run_trace_with(&o, &diffusion)
+                        .map(|d| format!("{} {}", d.hex(), out.display())),
+                }
             }
         },
         Cmd::Layer {

@@ -35,7 +35,12 @@ pub use norm::{gated_rmsnorm, l2norm, rmsnorm, rmsnorm_plain, rmsnorm_rows, rmsn
 /// §2: `acc = +0.0; acc = acc ⊕ (x[k] ⊗ w[k])` for k ascending.
 #[inline]
 pub fn dot(x: &[f32], w: &[f32]) -> f32 {
-    let mut acc = 0.0f32;
+    dot_from(0.0, x, w)
+}
+
+/// §2's loop continued from `acc` (§23.3: a rank goes on with the accumulator handed to it).
+#[inline]
+pub fn dot_from(mut acc: f32, x: &[f32], w: &[f32]) -> f32 {
     for k in 0..x.len() {
         acc += x[k] * w[k];
     }

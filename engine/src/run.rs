@@ -13,8 +13,10 @@ use crate::force::Forcing;
 use crate::model::diffusion_gemma::config::DiffusionOptions;
 use crate::model::Model;
 use crate::ops;
+use crate::shard::{self, Collective, Comm, Shards};
 use crate::weights::Store;
 use crate::{err, Result};
+use std::sync::Arc;
 
 pub struct TraceOptions {
     pub model_dir: PathBuf,
@@ -35,6 +37,9 @@ pub struct TraceOptions {
     /// `--text`: the prompt as text and how it was tokenized (`prompt_text` in provenance,
     /// docs/producers.md "Text prompts"); `tokens` are its ids.
     pub prompt_text: Option<serde_json::Value>,
+    /// `--shards tp=W|ep=W` (docs/numerics.md §23): W ranks, one trace each at `out` with
+    /// `{rank}` replaced.
+    pub shards: Option<Shards>,
 }
 
 pub struct LayerOptions {
@@ -154,7 +159,7 @@ pub fn generate(
     let mut seq = prompt.to_vec();
     let mut cache = cache;
     for s in 0..n {
-        let mut capture = Capture::step(s, internals);
+        let mut capture = Capture::step(s, internals).of_rank(model.rank());
         if s > 0 {
             let last = steps[s - 1].token;
             seq.push(last);
@@ -168,7 +173,7 @@ pub fn generate(
             };
         } else {
             // Step 0 runs no forward: its logits are the prompt's last row.
-            capture.tensor("logits", &[1, v], &row, &[t as i64 - 1]);
+            model.record_logits(&mut capture, "logits", &row, &[t as i64 - 1]);
         }
         let (token, margin, overridden) = decide_or_force(
             model,
@@ -206,6 +211,7 @@ fn is_diffusion_gemma(dir: &Path) -> bool {
 /// `engine trace` with diffusion Gemma's generation knobs (`--seed`, `--denoising-steps`, …):
 /// refused, naming them, for every other family.
 pub fn run_trace_with(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
+    check_out(o)?;
     if is_diffusion_gemma(&o.model_dir) {
         return crate::model::diffusion_gemma::run::run_trace(o, d);
     }
@@ -222,10 +228,30 @@ pub fn run_trace_with(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> 
 /// `engine trace`: prefill the prompt (positions 0..n−1, causal), capture, optionally generate,
 /// write the trace. Returns its content digest. A diffusion Gemma model runs its block diffusion
 /// with the checkpoint's knobs (`run_trace_with` takes the command line's).
+/// Under `--shards` every rank's trace is written; the digest returned is rank 0's
+/// (`run_trace_ranks` returns each).
 pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
+    check_out(o)?;
     if is_diffusion_gemma(&o.model_dir) {
         return crate::model::diffusion_gemma::run::run_trace(o, &DiffusionOptions::default());
     }
+    let (cfg, raw) = trace_config(o)?;
+    if let Some(s) = &o.shards {
+        let ranks = run_ranks(o, s, cfg, &raw)?;
+        return Ok(ranks[0].1);
+    }
+    let store = crate::open_store(&o.model_dir)?;
+    let mut model = Model::load(cfg, &store)?;
+    force(&mut model, o)?;
+    let pool = pool(o.threads)?;
+    let (wd, cap) =
+        beside_weights_digest(&store, || pool.install(|| prefill_and_generate(&model, o)))?;
+    let prov = trace_provenance(o, &raw, &wd, &model.unused_tensors);
+    write(&o.out, prov, &cap, &model.cfg, model.forcing.as_ref(), &wd)
+}
+
+/// The prompt's and generation's limits checked, and the config read.
+fn trace_config(o: &TraceOptions) -> Result<(Config, Value)> {
     if o.tokens.is_empty() {
         return Err(err!(Input: "--tokens: the prompt is empty"));
     }
@@ -247,82 +273,90 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
             ));
         }
     }
-    let store = crate::open_store(&o.model_dir)?;
-    let mut model = Model::load(cfg, &store)?;
-    if let Some(path) = &o.force_decisions {
-        let f = Forcing::open(path)?;
-        f.check_prompt(&o.tokens)?;
-        let (c, t) = (&model.cfg, o.tokens.len());
-        for l in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
-            f.require(
-                &names::layer(l, "router.topk"),
-                Some(t),
-                Some(c.num_experts_per_tok),
-                c.num_experts,
-            )?;
-        }
-        f.require("logits.argmax", Some(t), None, c.vocab_size)?;
-        for s in 0..o.generate {
-            f.require(&names::decode(s, "argmax"), Some(1), None, c.vocab_size)?;
-        }
-        model.forcing = Some(f);
+    Ok((cfg, raw))
+}
+
+/// `--force-decisions`: the forcing trace, checked against this run's prompt and sizes.
+fn force(model: &mut Model, o: &TraceOptions) -> Result<()> {
+    let Some(path) = &o.force_decisions else {
+        return Ok(());
+    };
+    let f = Forcing::open(path)?;
+    f.check_prompt(&o.tokens)?;
+    let (c, t) = (&model.cfg, o.tokens.len());
+    for l in (0..c.num_hidden_layers).filter(|&l| c.is_sparse(l)) {
+        f.require(
+            &names::layer(l, "router.topk"),
+            Some(t),
+            Some(c.num_experts_per_tok),
+            c.num_experts,
+        )?;
     }
-    let pool = pool(o.threads)?;
-    let (wd, cap) = beside_weights_digest(&store, || {
-        pool.install(|| -> Result<Capture> {
-            let mut cap = Capture::new("prefill", o.internals);
-            let mut kv = model.new_cache();
-            let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
-            let v = model.cfg.vocab_size;
-            let (mut ids, mut margins, mut overridden) = (vec![], vec![], vec![]);
-            for r in 0..o.tokens.len() {
-                let (i, m, over) = decide_or_force(
-                    &model,
-                    "logits.argmax",
-                    &logits[r * v..(r + 1) * v],
-                    r,
-                    &format!("logits row {r}"),
-                )?;
-                ids.push(i);
-                margins.push(m);
-                if over {
-                    overridden.push(r as u64);
-                }
-            }
-            cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
+    f.require("logits.argmax", Some(t), None, c.vocab_size)?;
+    for s in 0..o.generate {
+        f.require(&names::decode(s, "argmax"), Some(1), None, c.vocab_size)?;
+    }
+    model.forcing = Some(f);
+    Ok(())
+}
+
+/// `engine trace`'s forward: the prompt's prefill, its argmax decisions, then the greedy steps.
+fn prefill_and_generate(model: &Model, o: &TraceOptions) -> Result<Capture> {
+    let mut cap = Capture::new("prefill", o.internals).of_rank(model.rank());
+    let mut kv = model.new_cache();
+    let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
+    let v = model.cfg.vocab_size;
+    let (mut ids, mut margins, mut overridden) = (vec![], vec![], vec![]);
+    for r in 0..o.tokens.len() {
+        let (i, m, over) = decide_or_force(
+            model,
+            "logits.argmax",
+            &logits[r * v..(r + 1) * v],
+            r,
+            &format!("logits row {r}"),
+        )?;
+        ids.push(i);
+        margins.push(m);
+        if over {
+            overridden.push(r as u64);
+        }
+    }
+    cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
+    if model.forcing.is_some() {
+        cap.forced("logits.argmax", overridden);
+    }
+    if o.generate > 0 {
+        let steps = generate(
+            model,
+            &o.tokens,
+            &logits,
+            o.generate,
+            if o.cache { Some(&mut kv) } else { None },
+            o.internals,
+        )?;
+        for (s, st) in steps.into_iter().enumerate() {
+            let name = names::decode(s, "argmax");
+            cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
             if model.forcing.is_some() {
-                cap.forced("logits.argmax", overridden);
+                cap.forced(&name, if st.overridden { vec![0] } else { vec![] });
             }
-            if o.generate > 0 {
-                let steps = generate(
-                    &model,
-                    &o.tokens,
-                    &logits,
-                    o.generate,
-                    if o.cache { Some(&mut kv) } else { None },
-                    o.internals,
-                )?;
-                for (s, st) in steps.into_iter().enumerate() {
-                    let name = names::decode(s, "argmax");
-                    cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
-                    if model.forcing.is_some() {
-                        cap.forced(&name, if st.overridden { vec![0] } else { vec![] });
-                    }
-                    cap.append(st.capture);
-                }
-            }
-            Ok(cap)
-        })
-    })?;
+            cap.append(st.capture);
+        }
+    }
+    Ok(cap)
+}
+
+/// `engine trace`'s provenance (a rank's adds what names the sharded run: `run_ranks`).
+fn trace_provenance(o: &TraceOptions, raw: &Value, wd: &str, unused: &[(String, usize)]) -> Value {
     let mut prov = provenance(
         &o.model_dir,
-        &raw,
-        &wd,
+        raw,
+        wd,
         o.threads,
         o.internals,
         &o.command_line,
     );
-    unused_provenance(&mut prov, &model.unused_tensors);
+    unused_provenance(&mut prov, unused);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
     if let Some(text) = &o.prompt_text {
@@ -330,7 +364,123 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     }
     prov["cache"] = json!(if o.cache { "on" } else { "off" });
     prov["generate"] = json!(o.generate);
-    write(&o.out, prov, &cap, &model.cfg, model.forcing.as_ref(), &wd)
+    prov
+}
+
+/// `--out` and `--shards`: a sharded run writes one trace per rank, so its `--out` holds
+/// `{rank}`; a whole run's must not.
+/// Diffusion Gemma is refused under `--shards` (§23.5).
+fn check_out(o: &TraceOptions) -> Result<()> {
+    if let (Some(s), true) = (&o.shards, is_diffusion_gemma(&o.model_dir)) {
+        return Err(err!(Input:
+            "--shards {s}: diffusion_gemma is not sharded (docs/numerics.md §23.5)"
+        ));
+    }
+    let has = o.out.to_str().map(|s| s.contains(RANK));
+    match (&o.shards, has) {
+        (Some(s), None) => Err(err!(Input:
+            "--out {}: not UTF-8, so {RANK} cannot be replaced (--shards {s})",
+            o.out.display()
+        )),
+        (Some(s), Some(false)) => Err(err!(Input:
+            "--out {}: --shards {s} writes one trace per rank: --out must contain {RANK} (replaced by the rank number)",
+            o.out.display()
+        )),
+        (None, Some(true)) => Err(err!(Input:
+            "--out {}: {RANK} is replaced by the rank number of a sharded run only: give --shards tp=N|ep=N, or another name",
+            o.out.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The placeholder of a sharded run's `--out`.
+const RANK: &str = "{rank}";
+
+/// A sharded run (docs/numerics.md §23): one thread per rank, each loading its blocks of the
+/// weights and running the same forward with its end of the collective; then each rank's trace
+/// written to `--out` with `{rank}` replaced. Returns each rank's file and digest, in rank order.
+pub fn run_trace_ranks(o: &TraceOptions) -> Result<Vec<(PathBuf, Digest)>> {
+    let Some(s) = &o.shards else {
+        return Err(err!(Input: "run_trace_ranks: no --shards given"));
+    };
+    check_out(o)?;
+    let (cfg, raw) = trace_config(o)?;
+    run_ranks(o, s, cfg, &raw)
+}
+
+fn run_ranks(
+    o: &TraceOptions,
+    s: &Shards,
+    cfg: Config,
+    raw: &Value,
+) -> Result<Vec<(PathBuf, Digest)>> {
+    let family = raw.get("model_type").and_then(Value::as_str).unwrap_or("?");
+    shard::check(s, &cfg, family)?;
+    let store = crate::open_store(&o.model_dir)?;
+    let collective = Arc::new(Collective::new(s.world));
+    // Names the run in every rank's provenance (`trace-merge` refuses ranks of other runs).
+    let run_id = format!(
+        "engine-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    type Done = (Capture, Option<Forcing>, Vec<(String, usize)>);
+    let (wd, ranks) = beside_weights_digest(&store, || {
+        std::thread::scope(|scope| {
+            let running: Vec<_> = (0..s.world)
+                .map(|rank| {
+                    let (store, cfg, collective) = (&store, cfg.clone(), collective.clone());
+                    scope.spawn(move || -> Result<Done> {
+                        // A rank that stops (an error, a panic) wakes the others.
+                        let stop = AbortOnDrop(&collective);
+                        let comm = Arc::new(Comm::new(s, rank, collective.clone()));
+                        let mut model = Model::load_rank(cfg, store, Some(comm))?;
+                        force(&mut model, o)?;
+                        let cap = pool(o.threads)?.install(|| prefill_and_generate(&model, o))?;
+                        std::mem::forget(stop);
+                        Ok((cap, model.forcing.take(), model.unused_tensors.clone()))
+                    })
+                })
+                .collect();
+            let done: Vec<Result<Done>> = running
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(err!(Internal: "rank {rank} of --shards {s} panicked"))
+                    })
+                })
+                .collect();
+            // The first rank's own error (those after an abort computed nothing).
+            done.into_iter().collect::<Result<Vec<Done>>>()
+        })
+    })?;
+    if collective.aborted() {
+        return Err(err!(Internal: "--shards {s}: a rank stopped without an error"));
+    }
+    let mut written = Vec::new();
+    for (rank, (cap, forcing, unused)) in ranks.into_iter().enumerate() {
+        let mut prov = trace_provenance(o, raw, &wd, &unused);
+        prov["shards"] = json!(s.to_string());
+        prov["rank"] = json!(rank);
+        prov["run_id"] = json!(run_id);
+        let out = shard::rank_path(&o.out, rank);
+        let digest = write(&out, prov, &cap, &cfg, forcing.as_ref(), &wd)?;
+        written.push((out, digest));
+    }
+    Ok(written)
+}
+
+/// Aborts the collective when dropped (a rank's thread leaving early); forgotten on success.
+struct AbortOnDrop<'c>(&'c Collective);
+
+impl Drop for AbortOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Writes the capture; under `--force-decisions` (its weights checked against this run's) with

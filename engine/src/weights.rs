@@ -547,6 +547,50 @@ impl Store {
         }
     }
 
+    /// `take` a matrix and keep only rows `rows` and columns `cols` of it, copied into memory the
+    /// store owns (docs/numerics.md §23.2: a rank of a sharded run holds its block and reads
+    /// nothing else of the tensor); a `Weight` over that copy.
+    pub fn weight_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<Weight<'_>> {
+        let m = self.take(name, shape)?;
+        Ok(self.weight_of(name, self.block(name, m, rows, cols)?))
+    }
+
+    /// Rows `rows` and columns `cols` of the row-major `m` (a view into this store's files),
+    /// copied into memory the store owns (kept with the panels: never moved or dropped before
+    /// the store).
+    pub fn block<'s>(
+        &'s self,
+        name: &str,
+        m: Mat<'s>,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<Mat<'s>> {
+        assert!(m.layout == Layout::Rows && rows.end <= m.rows && cols.end <= m.cols);
+        let (s, n, k) = (m.dtype.size(), rows.len(), cols.len());
+        let len = n * k * s;
+        let (mut map, off) = panel_buffer(len).map_err(
+            |e| err!(Checkpoint: "tensor {name}: cannot allocate {len} bytes for this rank's block: {e}"),
+        )?;
+        for (i, r) in rows.enumerate() {
+            let src = (r * m.cols + cols.start) * s;
+            map[off + i * k * s..off + (i + 1) * k * s].copy_from_slice(&m.bytes[src..src + k * s]);
+        }
+        let ptr = map[off..].as_ptr();
+        self.panels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(map);
+        // SAFETY: as in `panels`: the mapping just pushed lives, unmoved, as long as `self`.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr, len) };
+        Ok(Mat::rows(m.dtype, n, k, bytes))
+    }
+
     /// `m` (a view into this store's files; `name` for errors) repacked as `Layout::Panels` in
     /// memory the store owns, when `m.can_pack()`; else `m` itself. The file's pages of `m` are
     /// then released (what a run reads is the panels; a page read again would come back from

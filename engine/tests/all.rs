@@ -7,3 +7,4 @@ mod diffusion_gemma;
 mod engine;
 mod force;
 mod qwen3_5;
+mod shard;

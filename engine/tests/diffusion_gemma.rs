@@ -71,6 +71,7 @@ fn opts(out: PathBuf, internals: bool, threads: usize, force: Option<&Path>) -> 
         command_line: vec![],
         force_decisions: force.map(Path::to_path_buf),
         prompt_text: None,
+        shards: None,
     }
 }
 

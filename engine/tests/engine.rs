@@ -27,6 +27,7 @@ fn trace_opts(model: &Path, out: PathBuf, tokens: &[i64]) -> TraceOptions {
         command_line: vec![],
         force_decisions: None,
         prompt_text: None,
+        shards: None,
     }
 }
 

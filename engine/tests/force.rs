@@ -43,6 +43,7 @@ fn opts(model: &Path, out: PathBuf, cache: bool, force: Option<&Path>) -> TraceO
         command_line: vec![],
         force_decisions: force.map(Path::to_path_buf),
         prompt_text: None,
+        shards: None,
     }
 }
 

@@ -308,6 +308,7 @@ fn opts(model: &Path, out: PathBuf) -> TraceOptions {
         command_line: vec![],
         force_decisions: None,
         prompt_text: None,
+        shards: None,
     }
 }
 

@@ -60,6 +60,21 @@ def planted_contract(tmp_path: Path, file: str, old: str, new: str) -> dict:
     return {**os.environ, "PYTHONPATH": str(root)}
 
 
+def copy_trace(src, dst, edit=lambda prov: prov, tensor=lambda name, array: array):
+    """Rewrite a trace through the binding: every tensor with its dtype and attributes (its
+    array passed through `tensor`), every decision with its margins, and provenance passed
+    through `edit`."""
+    import tracegate as tg
+
+    t = tg.Trace(str(src))
+    with tg.TraceWriter(str(dst), edit(t.provenance)) as w:
+        for n in t.names:
+            w.tensor(n, tensor(n, t[n]), dtype=t.dtype(n), **t.attributes(n))
+        for n, v in t.decisions.items():
+            w.decision(n, v, margins=t.margins[n])
+    return dst
+
+
 def diff_report(text: str) -> dict:
     """A `trace-diff --json` report, parsed and checked against docs/diff-report.schema.json."""
     return _conftest().diff_report(text)

@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
-from binaries import diff_report, release_binary  # noqa: E402
+from binaries import copy_trace, diff_report, release_binary  # noqa: E402
 from tracegate_oracle import capture as cp  # noqa: E402
 
 FIXTURES = {"dense": ROOT / "fixtures" / "tiny-qwen3", "moe": ROOT / "fixtures" / "tiny-qwen3-moe"}
@@ -73,18 +73,6 @@ def diff(ref, cand, *args, policy=True):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     report = diff_report(r.stdout) if "--json" in args and r.stdout.strip() else None
     return r.returncode, report, r.stdout + r.stderr
-
-
-def copy_trace(src, dst, edit=lambda prov: prov):
-    """Rewrite a trace through the binding: every tensor with its dtype and attributes, every
-    decision with its margins, and provenance passed through `edit`."""
-    t = tg.Trace(str(src))
-    with tg.TraceWriter(str(dst), edit(t.provenance)) as w:
-        for n in t.names:
-            w.tensor(n, t[n], dtype=t.dtype(n), **t.attributes(n))
-        for n, v in t.decisions.items():
-            w.decision(n, v, margins=t.margins[n])
-    return dst
 
 
 def _run_cli(argv):

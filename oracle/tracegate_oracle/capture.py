@@ -53,6 +53,9 @@ class RunConfig:
     # --max-memory leaves too little GPU memory, keep some in CPU memory: accelerate's offload).
     device_map: str | None = None
     max_memory: dict | None = None  # accelerate's max_memory: {GPU index or "cpu": size}
+    # --distributed tp=N|ep=N (distributed.Spec): this process is one rank of transformers' own
+    # tensor / expert parallel run (from_pretrained(distributed_config=...)).
+    distributed: object | None = None
 
 
 @dataclass
@@ -291,6 +294,10 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
         _check_shapes_on_meta(d, cfg, inv, auto)
     progress.config(cfg)
     placement = _placement(rc)
+    if rc.distributed is not None:
+        from . import distributed
+
+        placement = {"distributed_config": distributed.config(rc.distributed)}
     progress.weights(rc.dtype)
     try:
         with _transformers_log() as load_log:
@@ -306,6 +313,12 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
                 **placement,
             )
     except (OSError, ValueError, RuntimeError) as e:
+        if rc.distributed is not None and "_plan`" in str(e):
+            # transformers' refusal of a model it has no tensor / expert parallel plan for
+            raise OracleError(
+                f"--distributed {rc.distributed}: transformers cannot shard "
+                f"{(cfg.architectures or [cfg.model_type])[0]} ({cfg.model_type}): {_one_line(e)}"
+            ) from None
         rows = _report_rows(load_log)
         detail = (
             "; ".join(rows[:3]) + (f" (+{len(rows) - 3} more)" if len(rows) > 3 else "")
@@ -333,7 +346,7 @@ def load_model(model_dir: str | os.PathLike, rc: RunConfig):
     _replay(log + load_log)
     progress.placement(model, rc.device)
     # A dispatched model stays where accelerate put it (transformers refuses .to() on an offloaded one).
-    return (model if placement else model.to(rc.device)).eval()
+    return (model if rc.device_map else model.to(rc.device)).eval()
 
 
 def _load_gguf(path: Path, rc: RunConfig):
@@ -739,8 +752,11 @@ class Tap:
         forcing=None,
         decode: bool = False,
         step: int | None = None,
+        sharding=None,
     ):
         self.model, self.path, self.positions = model, path, list(positions)
+        # --distributed: each record says what part of the logical tensor this rank holds.
+        self.sharding = sharding
         self.lay = resolve(model)
         self.layers, self.internals, self.whole = list(layers), internals and not decode, whole
         self.decode, self.step = decode, step
@@ -773,6 +789,8 @@ class Tap:
         # A decode step of `trace` comes after its forced logits.argmax (the first forced decision).
         if self.forced or (self.decode and self.forcing is not None and self.whole):
             attrs["forced"] = self.forcing.digest
+        if self.sharding is not None:
+            attrs["shard"] = self.sharding.kind(name, layer_idx)
         if self.step is not None:
             name = names.decode(self.step, name)
         self.records.append(Record(name, arr, dt, attrs))
@@ -974,7 +992,10 @@ class Tap:
         self._undo.append(shadow_forward(experts, forward))
 
     def _on_experts(self, L: int, tap):
-        if not tap.outs:
+        # Expert parallel: the tap sees the rank's own experts, numbered from 0; a rank none of
+        # whose experts received a row computes nothing.
+        held = self.sharding.experts(L)[1] if self.sharding else None
+        if not tap.outs and held is None:
             raise RuntimeError(
                 f"layer {L}: the experts tap saw no expert computation (transformers internals changed?)"
             )
@@ -983,8 +1004,17 @@ class Tap:
         if topk is not None:
             for e in np.unique(topk):
                 expected[int(e)] = np.nonzero((topk == e).any(-1))[0].tolist()
-        for e in sorted(tap.outs):
-            tok, out = tap.outs[e]
+        if held is not None:
+            # ...but one the router sent rows to must have computed: no silent hole in the shard.
+            unseen = [e for e in held if e in expected and e - held.start not in tap.outs]
+            if unseen:
+                raise RuntimeError(
+                    f"layer {L}: the router sent rows to expert {unseen[0]}, held on this rank, "
+                    "and the experts tap saw no computation for it (transformers internals changed?)"
+                )
+        for local in sorted(tap.outs):
+            tok, out = tap.outs[local]
+            e = local + (held.start if held is not None else 0)
             tok = tok.cpu().numpy()
             order = np.argsort(tok, kind="stable")  # ascending token order
             rows = tok[order]
@@ -1064,7 +1094,7 @@ def _check_tokens(model, tokens, extra: int = 0):
 
 
 def _generate(
-    model, tokens, n: int, rc: RunConfig, forcing=None
+    model, tokens, n: int, rc: RunConfig, forcing=None, sharding=None
 ) -> tuple[list[Record], list[Decision], list[tuple[str, list[int]]]]:
     """Greedy decode with the model's own KV cache (the DynamicCache its forward creates, sliding
     layers included), or by recomputing the whole sequence. Step 0 decides from the prompt's last
@@ -1105,6 +1135,7 @@ def _generate(
                 forcing=forcing,
                 decode=True,
                 step=s,
+                sharding=sharding,
             ) as tap:
                 r = model(torch.tensor([ids], device=dev), **kw)
             records += tap.records
@@ -1173,9 +1204,11 @@ def capture_prompt(
     rc: RunConfig,
     det: dict | None = None,
     forcing: Forcing | None = None,
+    sharding=None,
 ) -> Capture:
     """The `trace` verb: the whole forward over `tokens` (path=prefill), then optional greedy decode;
-    under --force-decisions with the forcing trace's decisions (force.py)."""
+    under --force-decisions with the forcing trace's decisions (force.py); with `sharding`
+    (distributed.Sharding) as one rank of a sharded run, each tensor saying what part it holds."""
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
@@ -1193,6 +1226,7 @@ def capture_prompt(
             internals=rc.capture == "internals",
             whole=True,
             forcing=forcing,
+            sharding=sharding,
         ) as tap:
             # Forced routing: the Tap answers each router's topk itself (it records them all).
             with torch.autocast(device_type=rc.device, enabled=False):
@@ -1203,11 +1237,13 @@ def capture_prompt(
                     use_cache=False,
                 )
             tap.finish()
-        return tap, _generate(model, tokens, rc.generate, rc, forcing)
+        return tap, _generate(model, tokens, rc.generate, rc, forcing, sharding)
 
     with torch_paths(resolve(model)):  # Gated DeltaNet: transformers' torch references
         tap, (gen_tensors, gen, gen_forced) = _deterministic(run, det)
     prov = provenance(model, model_dir, rc, det, tokens, "trace")
+    if sharding is not None:
+        prov.update(sharding.provenance())
     _forced_provenance(prov, forcing, tap.forced + gen_forced)
     if tap.notes:
         prov["notes"] = tap.notes
@@ -1432,7 +1468,7 @@ def _write(tracegate, cap: Capture, out) -> str:
     with tracegate.TraceWriter(str(out), cap.provenance) as w:
         for r in cap.tensors:
             a = r.attrs
-            extra = {k: a[k] for k in ("forced", "decode_from") if k in a}
+            extra = {k: a[k] for k in ("forced", "decode_from", "shard") if k in a}
             w.tensor(
                 r.name,
                 r.array,

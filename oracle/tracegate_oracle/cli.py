@@ -18,8 +18,10 @@ from pathlib import Path
 from tracegate import protocol
 
 from . import diffusion_gemma as dg
+from . import distributed as dist
 from .capture import OracleError, RunConfig
 from .checkpoint import preflight
+from .families import resolve
 from .force import Forcing
 
 PROG = "python -m tracegate_oracle"
@@ -74,6 +76,23 @@ def parser() -> argparse.ArgumentParser:
         )
     # torch's seed; `trace` has the protocol's --seed (block diffusion's sampler, default 0 here)
     g.layer.add_argument("--seed", type=int, default=0)
+    g.trace.add_argument(
+        "--distributed",
+        type=dist.parse,
+        metavar="tp=N|ep=N",
+        help="run sharded by transformers' own tensor parallelism over N ranks (ep=N: experts "
+        "too, tp_size=ep_size=N), launched with torchrun on this host (gloo, CPU), or as this "
+        "rank when already under torchrun; --out must hold {rank}: one trace per rank, for "
+        "trace-merge",
+    )
+    g.trace.add_argument(
+        "--distributed-timeout",
+        type=protocol.at_least(1),
+        default=600,
+        metavar="SECONDS",
+        help="with --distributed: the ranks are killed after this long, and a collective waits "
+        "at most this long for a peer (default 600)",
+    )
     return g.parser
 
 
@@ -182,7 +201,15 @@ def _load(model_dir: str, rc: RunConfig):
 
     d = Path(model_dir).resolve()
     content = _content_key(d)
-    key = (str(d), rc.dtype, rc.device, rc.device_map, repr(rc.max_memory), content)
+    key = (
+        str(d),
+        rc.dtype,
+        rc.device,
+        rc.device_map,
+        repr(rc.max_memory),
+        str(rc.distributed),
+        content,
+    )
     if content is None or key not in _MODELS:
         _MODELS.clear()
         model = cp.load_model(model_dir, rc)
@@ -260,6 +287,25 @@ def _after(d: dict, key: str, new_key: str, value) -> dict:
     return out
 
 
+def _check_distributed(a, rc: RunConfig, diffusion: bool, gguf: bool) -> None:
+    """--distributed with what it does not run (each untested under it), refused before a rank starts."""
+    spec = getattr(a, "distributed", None)
+    dist.check_out(a.out, spec)
+    if spec is None:
+        return
+    why = None
+    if diffusion:
+        why = f"not for {dg.FAMILY} (it runs through its own loader, not transformers' sharding)"
+    elif gguf:
+        why = "not for a GGUF checkpoint (the oracle builds it, not from_pretrained's sharding)"
+    elif rc.device != "cpu":
+        why = f"runs on CPU over {dist.BACKEND}, not --device {rc.device}"
+    elif a.force_decisions is not None:
+        why = "not with --force-decisions (forced routing under sharding is not tested)"
+    if why:
+        raise OracleError(f"--distributed {spec}: {why}")
+
+
 def _check_family_flags(a, rc: RunConfig, diffusion: bool) -> None:
     """diffusion_gemma's flags only for it; what it does not run refused for it (DG16)."""
     if not diffusion:
@@ -297,12 +343,16 @@ def main(argv=None) -> int:
         generate=getattr(a, "generate", 0),
         device_map=a.device_map,
         max_memory=a.max_memory,
+        distributed=getattr(a, "distributed", None),
     )
     from . import capture as cp
 
+    spec, ranked = rc.distributed, None
     try:
+        ranked = dist.under_torchrun() if spec else None
         tokens, prompt_text = _prompt(a) if a.verb == "trace" else (None, None)
-        out = _check_out(a.out)
+        outs = [_check_out(o) for o in (dist.rank_paths(a.out, spec.n) if spec else [a.out])]
+        out = outs[0]
         cp.check_device_map(rc)
         # Refusals that need no torch come before the seconds its import takes (load_model
         # repeats them for callers of the API). A GGUF checkpoint is checked as it loads.
@@ -311,13 +361,27 @@ def main(argv=None) -> int:
         if locate(a.model) is None:
             preflight(a.model)
         diffusion = locate(a.model) is None and dg.is_diffusion(a.model)
+        _check_distributed(a, rc, diffusion, locate(a.model) is not None)
         _check_family_flags(a, rc, diffusion)
+        if spec and ranked is None:
+            # The launcher: torchrun re-runs this command line once per rank (each a branch below).
+            paths = dist.launch(args, spec, a.out, a.distributed_timeout)
+            import tracegate
+
+            for p in paths:
+                print(f"{tracegate.Trace(p).digest} {p}")
+            return 0
         forcing = Forcing(a.force_decisions) if a.force_decisions is not None else None
         if a.verb == "layer":
             arr, positions, dt, src = _read_input(a.input, a.input_name)
             if a.decode_from is not None:
                 cp.check_decode_from(a.decode_from, positions, a.input_name)
         det = cp.setup_torch(rc)
+        sharding = None
+        if ranked is not None:
+            rank, world = ranked
+            run_id = dist.init(spec, rank, world, a.distributed_timeout)
+            out = outs[rank]
         if a.verb == "layer":
             model = _load(a.model, rc)
             cap = cp.capture_layer(
@@ -338,13 +402,22 @@ def main(argv=None) -> int:
             if diffusion:
                 cap = dg.capture(model, a.model, tokens, rc, det, dg.cli_knobs(a), forcing)
             else:
-                cap = cp.capture_prompt(model, a.model, tokens, rc, det, forcing=forcing)
+                if ranked is not None:
+                    sharding = dist.Sharding(model, resolve(model), spec, rank, world, run_id)
+                cap = cp.capture_prompt(
+                    model, a.model, tokens, rc, det, forcing=forcing, sharding=sharding
+                )
             if prompt_text is not None:  # beside prompt_tokens
                 cap.provenance = _after(cap.provenance, "prompt_tokens", "prompt_text", prompt_text)
         digest = cp.write_trace(cap, out)
     except OracleError as e:
-        print(f"{PROG} {a.verb}: error: {e}", file=sys.stderr)
+        # A rank's refusal names it: the launcher reports the first rank's line as its own.
+        who = f"rank {ranked[0]}/{ranked[1]}: " if spec and ranked else ""
+        print(f"{PROG} {a.verb}: error: {who}{e}", file=sys.stderr)
         return 2
+    finally:
+        if spec and ranked:
+            dist.finish()
     # Success is one line, `DIGEST PATH`, from every producer (docs/producers.md).
     print(f"{digest} {out}")
     return 0

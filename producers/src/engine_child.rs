@@ -41,6 +41,7 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
                 command_line: argv.to_vec(),
                 force_decisions: force.map(PathBuf::from),
                 prompt_text: None,
+                shards: None,
             },
             // A sampling family's seed; the other knobs are the checkpoint's.
             &tracegate_engine::DiffusionOptions {

@@ -1252,6 +1252,7 @@ fn the_engine_runs_a_gguf_as_its_weights_in_safetensors() {
             command_line: vec![],
             force_decisions: None,
             prompt_text: None,
+            shards: None,
         };
         crate::run_trace(&o).unwrap();
         tracegate_trace::Trace::open(&o.out).unwrap()

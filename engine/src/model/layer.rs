@@ -9,7 +9,7 @@ use super::feed_forward::Ffn;
 use super::mixer::Mixer;
 use super::norm::Norm;
 use super::Ropes;
-use super::{LayerKv, Model};
+use super::{LayerKv, Model, Rank};
 use crate::capture::Capture;
 use crate::config::Config;
 use crate::weights::Store;
@@ -27,11 +27,11 @@ pub(crate) struct Layer<'a> {
 
 impl<'a> Layer<'a> {
     /// Layer `l`'s tensors: its mixer and feed-forward block as the config chooses them.
-    pub fn load(st: &'a Store, cfg: &Config, l: usize) -> Result<Layer<'a>> {
+    pub fn load(st: &'a Store, cfg: &Config, l: usize, comm: &Rank) -> Result<Layer<'a>> {
         let p = format!("{}layers.{l}", cfg.layout.prefix());
         let h = cfg.hidden_size;
-        let ffn = Ffn::load(st, cfg, l, &p)?;
-        let mixer = Mixer::load(st, cfg, l, &p)?;
+        let ffn = Ffn::load(st, cfg, l, &p, comm)?;
+        let mixer = Mixer::load(st, cfg, l, &p, comm)?;
         let norm = |name: &str| Norm::load(st, cfg, &format!("{p}.{name}.weight"), h);
         let feedforward_norms = match cfg.model_type.sandwich_norms() {
             true => Some((

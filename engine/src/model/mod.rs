@@ -19,6 +19,7 @@ use crate::capture::Capture;
 use crate::config::{check_sizes, Config};
 use crate::force::Forcing;
 use crate::ops::{self, Rope};
+use crate::shard::Comm;
 use crate::weights::{Mat, Store, Weight};
 use crate::{err, Result};
 use layer::Layer;
@@ -41,6 +42,49 @@ pub struct Model<'a> {
     pub unused_tensors: Vec<(String, usize)>,
     /// §22.2 Gemma 3's embedding scale f32(√hidden_size) (None: rows as stored).
     embed_scale: Option<f32>,
+    /// A rank of a sharded run (§23): its end of the collective; the head holds its vocabulary
+    /// block only (None: the whole model).
+    pub(crate) comm: Rank,
+}
+
+/// The rank of a sharded run that a part of the model belongs to (§23.2; None: unsharded).
+pub(crate) type Rank = Option<std::sync::Arc<Comm>>;
+
+/// Rows `rows` and columns `cols` of the matrix `name` of shape `shape` (`None`: all of them)
+/// as a `Weight`: the unsharded model's view of the file, or a rank's block copied (§23.2).
+pub(crate) fn weight_part<'a>(
+    st: &'a Store,
+    name: &str,
+    shape: &[usize],
+    rows: Option<std::ops::Range<usize>>,
+    cols: Option<std::ops::Range<usize>>,
+) -> Result<Weight<'a>> {
+    if rows.is_none() && cols.is_none() {
+        return st.weight(name, shape);
+    }
+    let (r, c) = (
+        shape[..shape.len() - 1].iter().product(),
+        shape[shape.len() - 1],
+    );
+    st.weight_block(name, shape, rows.unwrap_or(0..r), cols.unwrap_or(0..c))
+}
+
+/// The vector `name` (`[n]`), or its elements `part` only (a rank's bias block, §23.2).
+pub(crate) fn vec_part(
+    st: &Store,
+    name: &str,
+    n: usize,
+    part: Option<std::ops::Range<usize>>,
+) -> Result<Vec<f32>> {
+    let m = st.take(name, &[n])?;
+    Ok(match part {
+        None => m.to_vec(),
+        Some(p) => {
+            let mut v = vec![0.0f32; p.len()];
+            m.widen_row(0, p.start, &mut v);
+            v
+        }
+    })
 }
 
 /// §7 RoPE tables of a forward's positions: the full layers' and, where the family has sliding
@@ -75,21 +119,29 @@ impl<'a> Model<'a> {
     /// Bind every tensor the config requires (shapes checked) and refuse any the checkpoint
     /// holds that no module claims.
     pub fn load(cfg: Config, st: &'a Store) -> Result<Model<'a>> {
+        Model::load_rank(cfg, st, None)
+    }
+
+    /// `load` for one rank of a sharded run (§23.2): only its blocks of the weights are read.
+    pub fn load_rank(cfg: Config, st: &'a Store, comm: Rank) -> Result<Model<'a>> {
         check_sizes(&cfg, st)?;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let m = cfg.layout.prefix();
         let embed_name = format!("{m}embed_tokens.weight");
         let embed = st.take(&embed_name, &[v, h])?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|l| Layer::load(st, &cfg, l))
+            .map(|l| Layer::load(st, &cfg, l, &comm))
             .collect::<Result<Vec<_>>>()?;
         let norm = Norm::load(st, &cfg, &format!("{m}norm.weight"), h)?;
         // Tied, the head is the embedding (looked up from the file's rows, multiplied by as a
         // `Weight`).
-        let head = if cfg.tie_word_embeddings {
-            st.weight_of(&embed_name, embed)
-        } else {
-            st.weight("lm_head.weight", &[v, h])?
+        let vocab = comm.as_ref().map(|c| c.block(v));
+        let head = match (cfg.tie_word_embeddings, &vocab) {
+            (true, None) => st.weight_of(&embed_name, embed),
+            (true, Some(b)) => {
+                st.weight_of(&embed_name, st.block(&embed_name, embed, b.clone(), 0..h)?)
+            }
+            (false, _) => weight_part(st, "lm_head.weight", &[v, h], vocab, None)?,
         };
         // §20: Qwen3.5 checkpoints carry a vision tower and a multi-token-prediction head the
         // language model does not run; they are listed, not refused.
@@ -107,6 +159,7 @@ impl<'a> Model<'a> {
             layers,
             forcing: None,
             unused_tensors,
+            comm,
         })
     }
 
@@ -159,6 +212,9 @@ impl<'a> Model<'a> {
         let t = tokens.len();
         let (h, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let pos: Vec<i64> = (0..t as i64).map(|i| pos0 + i).collect();
+        if let Some(c) = &self.comm {
+            c.set_decoding(pos0 > 0);
+        }
         let rope = self.rope(&pos);
         let mut x = self.embed(tokens)?;
         cap.tensor("embed.out", &[t, h], &x, &pos);
@@ -178,8 +234,35 @@ impl<'a> Model<'a> {
             let c = c as f32;
             logits.iter_mut().for_each(|x| *x = ops::softcap(*x, c));
         }
-        cap.tensor("logits", &[t, v], &logits, &pos);
+        // §23.3 a rank's vocabulary block, gathered: every rank decides on the whole row.
+        if let Some(c) = &self.comm {
+            logits = c.gather(&logits, t, v, c.block(v));
+        }
+        self.record_logits(cap, "logits", &logits, &pos);
         Ok(logits)
+    }
+
+    /// Records the whole logits rows `logits` as `name`; a rank of a sharded run its
+    /// vocabulary block of them (§23.2).
+    pub fn record_logits(&self, cap: &mut Capture, name: &str, logits: &[f32], pos: &[i64]) {
+        let (t, v) = (pos.len(), self.cfg.vocab_size);
+        match &self.comm {
+            None => cap.tensor(name, &[t, v], logits, pos),
+            Some(c) => {
+                let b = c.block(v);
+                let part: Vec<f32> = logits
+                    .chunks_exact(v)
+                    .flat_map(|row| row[b.clone()].iter().copied())
+                    .collect();
+                let kind = c.slice(1, b.clone(), v);
+                cap.tensor_as(name, &[t, b.len()], &part, pos, Some(kind));
+            }
+        }
+    }
+
+    /// (rank, world) of a sharded run's rank (None: unsharded), for its captures.
+    pub fn rank(&self) -> Option<(u64, u64)> {
+        self.comm.as_ref().map(|c| (c.rank as u64, c.world as u64))
     }
 
     /// §7 / §16 RoPE tables for these positions, over the config's rotary dims; §22.3 Gemma 3's

@@ -4,6 +4,7 @@
 use rayon::prelude::*;
 
 use crate::config::Config;
+use crate::model::{vec_part, weight_part, Rank};
 use crate::ops;
 use crate::weights::{Store, Weight};
 use crate::Result;
@@ -16,29 +17,44 @@ pub(crate) struct Mlp<'a> {
     pub bias: Option<Box<[Vec<f32>; 3]>>,
     /// §22.2 gelu_pytorch_tanh instead of SiLU (Gemma 3).
     pub gelu: bool,
+    /// §23.2 a rank's block of the intermediate size: `down` is row-parallel, its sum carried
+    /// over the ranks (§23.3).
+    pub carry: Rank,
 }
 
 impl<'a> Mlp<'a> {
     /// The MLP under `p` (`{p}.gate_proj.weight`, …), `inter` wide, with the three biases under
     /// llama's `mlp_bias`.
-    pub fn load(st: &'a Store, cfg: &Config, p: &str, inter: usize) -> Result<Mlp<'a>> {
+    /// A rank of a sharded run (`comm`) holds its block of `inter`: those rows of the gate and
+    /// up projections (and biases), those columns of down (whose bias the last rank adds).
+    pub fn load(
+        st: &'a Store,
+        cfg: &Config,
+        p: &str,
+        inter: usize,
+        comm: &Rank,
+    ) -> Result<Mlp<'a>> {
         let h = cfg.hidden_size;
-        let vec = |name: &str, n: usize| st.take(name, &[n]).map(|m| m.to_vec());
+        let b = comm.as_ref().map(|c| c.block(inter));
         let bias = if cfg.mlp_bias {
             Some(Box::new([
-                vec(&format!("{p}.gate_proj.bias"), inter)?,
-                vec(&format!("{p}.up_proj.bias"), inter)?,
-                vec(&format!("{p}.down_proj.bias"), h)?,
+                vec_part(st, &format!("{p}.gate_proj.bias"), inter, b.clone())?,
+                vec_part(st, &format!("{p}.up_proj.bias"), inter, b.clone())?,
+                vec_part(st, &format!("{p}.down_proj.bias"), h, None)?,
             ]))
         } else {
             None
         };
+        let w = |name: &str, shape: &[usize], rows, cols| {
+            weight_part(st, &format!("{p}.{name}.weight"), shape, rows, cols)
+        };
         Ok(Mlp {
-            gate: st.weight(&format!("{p}.gate_proj.weight"), &[inter, h])?,
-            up: st.weight(&format!("{p}.up_proj.weight"), &[inter, h])?,
-            down: st.weight(&format!("{p}.down_proj.weight"), &[h, inter])?,
+            gate: w("gate_proj", &[inter, h], b.clone(), None)?,
+            up: w("up_proj", &[inter, h], b.clone(), None)?,
+            down: w("down_proj", &[h, inter], None, b)?,
             bias,
             gelu: cfg.model_type.gelu_mlp(),
+            carry: comm.clone(),
         })
     }
 
@@ -65,5 +81,8 @@ pub(crate) fn gated_mlp(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
                 .zip(gc.iter().zip(uc))
                 .for_each(|(h, (&g, &u))| *h = ops::gelu_tanh(g) * u),
         });
-    ops::matmul(&hmid, rows, m.down.view(rows), bias(2))
+    match &m.carry {
+        None => ops::matmul(&hmid, rows, m.down.view(rows), bias(2)),
+        Some(c) => c.row_parallel(&hmid, rows, m.down.view(rows), bias(2)),
+    }
 }

@@ -9,6 +9,7 @@ mod shared_expert;
 use crate::capture::Capture;
 use crate::config::Config;
 use crate::force::Forcing;
+use crate::model::Rank;
 use crate::weights::{Store, Weight};
 use crate::Result;
 use mlp::{gated_mlp, Mlp};
@@ -21,12 +22,18 @@ pub(crate) enum Ffn<'a> {
 
 impl<'a> Ffn<'a> {
     /// Layer `l`'s block (`p` = `…layers.N`; its tensors under `{p}.mlp`).
-    pub fn load(st: &'a Store, cfg: &Config, l: usize, p: &str) -> Result<Ffn<'a>> {
+    pub fn load(st: &'a Store, cfg: &Config, l: usize, p: &str, comm: &Rank) -> Result<Ffn<'a>> {
         Ok(if cfg.is_sparse(l) {
-            Ffn::Moe(Moe::load(st, cfg, &format!("{p}.mlp"))?)
+            Ffn::Moe(Moe::load(st, cfg, &format!("{p}.mlp"), comm)?)
         } else {
             let inter = cfg.intermediate_size.expect("checked in Config::from_json");
-            Ffn::Dense(Box::new(Mlp::load(st, cfg, &format!("{p}.mlp"), inter)?))
+            Ffn::Dense(Box::new(Mlp::load(
+                st,
+                cfg,
+                &format!("{p}.mlp"),
+                inter,
+                comm,
+            )?))
         })
     }
 

@@ -8,23 +8,42 @@ use super::shared_expert::SharedExpert;
 use crate::capture::Capture;
 use crate::config::Config;
 use crate::force::Forcing;
+use crate::model::Rank;
 use crate::ops;
+use crate::shard::Split;
 use crate::weights::{Store, Weight};
 use crate::{err, Result};
 
 /// Router `[E, H]`, the experts in id order, and Qwen3.5-MoE's shared expert (§19).
 pub(crate) struct Moe<'a> {
     router: Weight<'a>,
+    /// The experts `held`, in id order (all of them but on a rank of an `ep` run, §23.2).
     experts: Vec<Mlp<'a>>,
+    held: std::ops::Range<usize>,
     shared: Option<Box<SharedExpert<'a>>>,
+    /// A rank of an `ep` run: the routed sum is carried over the ranks (§23.3).
+    ep: Rank,
 }
 
 impl<'a> Moe<'a> {
     /// The block under `p` (`…layers.N.mlp`).
-    pub fn load(st: &'a Store, cfg: &Config, p: &str) -> Result<Moe<'a>> {
+    pub fn load(st: &'a Store, cfg: &Config, p: &str, comm: &Rank) -> Result<Moe<'a>> {
         let h = cfg.hidden_size;
         let (ne, mi) = (cfg.num_experts, cfg.moe_intermediate_size);
         let router = st.weight(&format!("{p}.gate.weight"), &[ne, h])?;
+        // §23.2: under tp every expert split like the dense MLP; under ep a rank's block of the
+        // experts, whole (the others' tensors claimed, never read).
+        let held = comm.as_ref().map_or(0..ne, |c| c.experts(ne));
+        let ep = comm.clone().filter(|c| c.split == Split::Ep);
+        let tp = comm.clone().filter(|c| c.split == Split::Tp);
+        let ib = tp.as_ref().map(|c| c.block(mi));
+        let part = |name: &str, m: crate::weights::Mat<'a>, rows, cols| -> Result<Weight<'a>> {
+            Ok(match &ib {
+                None => st.weight_of(name, m),
+                Some(_) => st.weight_of(name, st.block(name, m, rows, cols)?),
+            })
+        };
+        let (ir, all_h) = (ib.clone().unwrap_or(0..mi), 0..h);
         // On disk experts are either per-expert modules (what save_pretrained writes) or
         // transformers 5's fused `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`.
         let fused = format!("{p}.experts.gate_up_proj");
@@ -32,28 +51,40 @@ impl<'a> Moe<'a> {
             let gu = st.take(&fused, &[ne, 2 * mi, h])?;
             let dn = st.take(&format!("{p}.experts.down_proj"), &[ne, h, mi])?;
             let dn_name = format!("{p}.experts.down_proj");
-            (0..ne)
-                .map(|e| Mlp {
-                    gate: st.weight_of(&fused, gu.row_block(e * 2 * mi, mi)),
-                    up: st.weight_of(&fused, gu.row_block(e * 2 * mi + mi, mi)),
-                    down: st.weight_of(&dn_name, dn.row_block(e * h, h)),
-                    bias: None,
-                    gelu: false,
+            held.clone()
+                .map(|e| -> Result<Mlp<'a>> {
+                    let g = gu.row_block(e * 2 * mi, mi);
+                    let u = gu.row_block(e * 2 * mi + mi, mi);
+                    Ok(Mlp {
+                        gate: part(&fused, g, ir.clone(), all_h.clone())?,
+                        up: part(&fused, u, ir.clone(), all_h.clone())?,
+                        down: part(&dn_name, dn.row_block(e * h, h), all_h.clone(), ir.clone())?,
+                        bias: None,
+                        gelu: false,
+                        carry: tp.clone(),
+                    })
                 })
-                .collect()
+                .collect::<Result<Vec<_>>>()?
         } else {
-            (0..ne)
-                .map(|e| Mlp::load(st, cfg, &format!("{p}.experts.{e}"), mi))
+            let load = |e: usize, c: &Rank| Mlp::load(st, cfg, &format!("{p}.experts.{e}"), mi, c);
+            // Another rank's experts: claimed (shapes checked), their views dropped unread.
+            for e in (0..ne).filter(|e| !held.contains(e)) {
+                load(e, &None)?;
+            }
+            held.clone()
+                .map(|e| load(e, &tp))
                 .collect::<Result<Vec<_>>>()?
         };
         let shared = match cfg.shared_expert_intermediate_size {
             0 => None,
-            si => Some(Box::new(SharedExpert::load(st, cfg, p, si)?)),
+            si => Some(Box::new(SharedExpert::load(st, cfg, p, si, comm)?)),
         };
         Ok(Moe {
             router,
             experts,
+            held,
             shared,
+            ep,
         })
     }
 
@@ -154,9 +185,21 @@ impl<'a> Moe<'a> {
         if forced.is_some() {
             cap.forced(&name, overridden);
         }
+        // §10.6: each row's chosen experts' `w ⊗ out_e` added in ascending id.
+        let add = |out: &mut [f32], e: usize, rows: &[usize], ye: &[f32]| {
+            for (i, &r) in rows.iter().enumerate() {
+                let w = weight[r][e].expect("row routed to e");
+                for j in 0..h {
+                    out[r * h + j] += w * ye[i * h + j];
+                }
+            }
+        };
         let mut out = vec![0.0f32; t * h];
+        // Under ep this rank's experts' outputs, added in the carry's turn (§23.3).
+        let mut mine = Vec::new();
+        let kind = self.ep.as_ref().and_then(|c| c.expert_kind(ne));
         // Ascending expert id, so each row accumulates its experts in ascending id.
-        for (e, mlp) in experts.iter().enumerate() {
+        for (e, mlp) in self.held.clone().zip(experts) {
             let rows: Vec<usize> = (0..t).filter(|&r| weight[r][e].is_some()).collect();
             if rows.is_empty() {
                 continue;
@@ -167,13 +210,20 @@ impl<'a> Moe<'a> {
                 .collect();
             let ye = gated_mlp(mlp, &xe, rows.len());
             let epos: Vec<i64> = rows.iter().map(|&r| pos[r]).collect();
-            cap.internal(&names::expert(l, e, "out"), &[rows.len(), h], &ye, &epos);
-            for (i, &r) in rows.iter().enumerate() {
-                let w = weight[r][e].expect("row routed to e");
-                for j in 0..h {
-                    out[r * h + j] += w * ye[i * h + j];
-                }
+            let name = names::expert(l, e, "out");
+            cap.internal_as(&name, &[rows.len(), h], &ye, &epos, kind.clone());
+            match self.ep {
+                None => add(&mut out, e, &rows, &ye),
+                Some(_) => mine.push((e, rows, ye)),
             }
+        }
+        if let Some(c) = &self.ep {
+            let turn = |acc: &mut [f32]| {
+                for (e, rows, ye) in &mine {
+                    add(acc, *e, rows, ye);
+                }
+            };
+            out = c.carry(t * h, turn, |_| {});
         }
         Ok(out)
     }

@@ -5,6 +5,7 @@ use tracegate_trace::names;
 use super::mlp::{gated_mlp, Mlp};
 use crate::capture::Capture;
 use crate::config::Config;
+use crate::model::Rank;
 use crate::ops;
 use crate::weights::{Store, Weight};
 use crate::Result;
@@ -19,10 +20,16 @@ pub(crate) struct SharedExpert<'a> {
 
 impl<'a> SharedExpert<'a> {
     /// The shared expert of the MoE block under `p` (`…layers.N.mlp`), `si` wide.
-    pub fn load(st: &'a Store, cfg: &Config, p: &str, si: usize) -> Result<SharedExpert<'a>> {
+    pub fn load(
+        st: &'a Store,
+        cfg: &Config,
+        p: &str,
+        si: usize,
+        comm: &Rank,
+    ) -> Result<SharedExpert<'a>> {
         let h = cfg.hidden_size;
         Ok(SharedExpert {
-            mlp: Mlp::load(st, cfg, &format!("{p}.shared_expert"), si)?,
+            mlp: Mlp::load(st, cfg, &format!("{p}.shared_expert"), si, comm)?,
             gate: st.weight(&format!("{p}.shared_expert_gate.weight"), &[1, h])?,
         })
     }

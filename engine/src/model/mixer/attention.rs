@@ -6,7 +6,7 @@ use tracegate_trace::names;
 use crate::capture::Capture;
 use crate::config::Config;
 use crate::model::norm::Norm;
-use crate::model::LayerKv;
+use crate::model::{vec_part, weight_part, LayerKv, Rank};
 use crate::ops::{self, Rope};
 use crate::weights::{Store, Weight};
 use crate::Result;
@@ -14,11 +14,16 @@ use crate::Result;
 struct Linear<'a> {
     w: Weight<'a>,
     b: Option<Vec<f32>>,
+    /// Row-parallel (§23.3): this rank holds columns of W, the sum is carried over the ranks.
+    carry: Rank,
 }
 
 impl Linear<'_> {
     fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        ops::matmul(x, rows, self.w.view(rows), self.b.as_deref())
+        match &self.carry {
+            None => ops::matmul(x, rows, self.w.view(rows), self.b.as_deref()),
+            Some(c) => c.row_parallel(x, rows, self.w.view(rows), self.b.as_deref()),
+        }
     }
 }
 
@@ -32,31 +37,56 @@ pub(crate) struct Attention<'a> {
     /// §8.2 per-head norms: the Qwen3 families (llama and qwen2 have none).
     qk_norm: Option<(Norm, Norm)>,
     gated: bool,
+    /// The query and key/value heads held (§23.2: a rank's blocks; unsharded all of them).
+    qh: std::ops::Range<usize>,
+    kh: std::ops::Range<usize>,
+    comm: Rank,
 }
 
 impl<'a> Attention<'a> {
     /// Takes the layer's tensors (`p` = `…layers.N.self_attn`).
-    pub fn load(st: &'a Store, cfg: &Config, p: &str) -> Result<Attention<'a>> {
+    pub fn load(st: &'a Store, cfg: &Config, p: &str, comm: &Rank) -> Result<Attention<'a>> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let gated = cfg.model_type.gated_attention();
         // §8.1: q, k, v carry `attention_bias`, o_proj `o_proj_bias` (qwen2: the first only).
         let qkv_bias = cfg.attention_bias;
-        let lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<'a>> {
-            let w = st.weight(&format!("{p}.{name}.weight"), &[out, inp])?;
+        // §23.2: a rank's q, k, v are the rows of its heads (column-parallel), its o_proj the
+        // columns of its query heads (row-parallel, the bias whole: added once by the last rank).
+        let heads = |n: usize| comm.as_ref().map_or(0..n, |c| c.block(n));
+        let (qh, kh) = (heads(nq), heads(nkv));
+        let part = |b: &std::ops::Range<usize>, per: usize| {
+            comm.as_ref().map(|_| b.start * per..b.end * per)
+        };
+        let lin = |name: &str,
+                   out: usize,
+                   inp: usize,
+                   bias: bool,
+                   rows: Option<std::ops::Range<usize>>,
+                   cols: Option<std::ops::Range<usize>>|
+         -> Result<Linear<'a>> {
+            let w = weight_part(
+                st,
+                &format!("{p}.{name}.weight"),
+                &[out, inp],
+                rows.clone(),
+                cols.clone(),
+            )?;
             let b = if bias {
-                Some(st.take(&format!("{p}.{name}.bias"), &[out])?.to_vec())
+                Some(vec_part(st, &format!("{p}.{name}.bias"), out, rows)?)
             } else {
                 None
             };
-            Ok(Linear { w, b })
+            let carry = cols.and(comm.clone());
+            Ok(Linear { w, b, carry })
         };
+        let qd = d * (1 + gated as usize);
         Ok(Attention {
             // §17: a gated q_proj holds each head's query and its gate.
-            q: lin("q_proj", nq * d * (1 + gated as usize), h, qkv_bias)?,
-            k: lin("k_proj", nkv * d, h, qkv_bias)?,
-            v: lin("v_proj", nkv * d, h, qkv_bias)?,
-            o: lin("o_proj", h, nq * d, cfg.o_proj_bias)?,
+            q: lin("q_proj", nq * qd, h, qkv_bias, part(&qh, qd), None)?,
+            k: lin("k_proj", nkv * d, h, qkv_bias, part(&kh, d), None)?,
+            v: lin("v_proj", nkv * d, h, qkv_bias, part(&kh, d), None)?,
+            o: lin("o_proj", h, nq * d, cfg.o_proj_bias, None, part(&qh, d))?,
             qk_norm: if cfg.qk_norm {
                 Some((
                     Norm::load(st, cfg, &format!("{p}.q_norm.weight"), d)?,
@@ -66,6 +96,9 @@ impl<'a> Attention<'a> {
                 None
             },
             gated,
+            qh,
+            kh,
+            comm: comm.clone(),
         })
     }
 
@@ -89,7 +122,15 @@ impl<'a> Attention<'a> {
     ) -> Vec<f32> {
         let lw = self;
         let (t, d, eps) = (pos.len(), c.head_dim, c.eps_f32());
-        let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let (nq, nkv) = (lw.qh.len(), lw.kh.len());
+        // §23.2 what a rank records of q, k, v, attn_gate (axis 1) and attn_probs (axis 0).
+        let slice = |axis: usize, b: &std::ops::Range<usize>, n: usize| {
+            lw.comm.as_ref().map(|cm| cm.slice(axis, b.clone(), n))
+        };
+        let (qs, ks) = (
+            slice(1, &lw.qh, c.num_attention_heads),
+            slice(1, &lw.kh, c.num_key_value_heads),
+        );
         // §8.1 projections; §17.1 a gated q_proj's head h is [query | gate], d each.
         let (mut q, gate) = match lw.gated {
             false => (lw.q.apply(xn, t), None),
@@ -121,11 +162,11 @@ impl<'a> Attention<'a> {
                 rope.apply(i / heads, head);
             }
         }
-        cap.internal(&names::layer(l, "q"), &[t, nq, d], &q, pos);
-        cap.internal(&names::layer(l, "k"), &[t, nkv, d], &k, pos);
-        cap.internal(&names::layer(l, "v"), &[t, nkv, d], &v, pos);
+        cap.internal_as(&names::layer(l, "q"), &[t, nq, d], &q, pos, qs.clone());
+        cap.internal_as(&names::layer(l, "k"), &[t, nkv, d], &k, pos, ks.clone());
+        cap.internal_as(&names::layer(l, "v"), &[t, nkv, d], &v, pos, ks);
         if let Some(g) = &gate {
-            cap.internal(&names::layer(l, "attn_gate"), &[t, nq, d], g, pos);
+            cap.internal_as(&names::layer(l, "attn_gate"), &[t, nq, d], g, pos, qs);
         }
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
@@ -153,7 +194,14 @@ impl<'a> Attention<'a> {
         };
         if cap.internals() {
             let tk = kv.pos.len();
-            cap.internal(&names::layer(l, "attn_probs"), &[nq, t, tk], &probs, pos);
+            let ps = slice(0, &lw.qh, c.num_attention_heads);
+            cap.internal_as(
+                &names::layer(l, "attn_probs"),
+                &[nq, t, tk],
+                &probs,
+                pos,
+                ps,
+            );
         }
         // §17.3 the output gate, elementwise on o `[T, nq, d]`.
         if let Some(g) = &gate {

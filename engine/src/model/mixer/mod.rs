@@ -4,7 +4,7 @@
 mod attention;
 mod gated_deltanet;
 
-use super::LayerKv;
+use super::{LayerKv, Rank};
 use crate::capture::Capture;
 use crate::config::{Config, LayerKind};
 use crate::ops::Rope;
@@ -22,9 +22,11 @@ pub(crate) enum Mixer<'a> {
 
 impl<'a> Mixer<'a> {
     /// Layer `l`'s mixer (`p` = `…layers.N`).
-    pub fn load(st: &'a Store, cfg: &Config, l: usize, p: &str) -> Result<Mixer<'a>> {
+    pub fn load(st: &'a Store, cfg: &Config, l: usize, p: &str, comm: &Rank) -> Result<Mixer<'a>> {
         Ok(match cfg.layer_kind(l) {
-            LayerKind::Full => Mixer::Full(Attention::load(st, cfg, &format!("{p}.self_attn"))?),
+            LayerKind::Full => {
+                Mixer::Full(Attention::load(st, cfg, &format!("{p}.self_attn"), comm)?)
+            }
             LayerKind::Linear => {
                 Mixer::Linear(GatedDeltaNet::load(st, &format!("{p}.linear_attn"), cfg)?)
             }
