@@ -13,12 +13,6 @@ pub const ENGINE_CHILD: &str = "__engine-producer";
 pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
     let (verb, threads) = Verb::parse(argv)?;
     match verb {
-        // Until the engine's sharded mode is in this build: refused, so the gate says NOT CHECKED.
-        Verb::Trace {
-            shards: Some(s), ..
-        } => Err(crate::error::gerr!(
-            "--shards {s}: this build's engine has no sharded mode"
-        )),
         Verb::Trace {
             model,
             tokens,
@@ -28,9 +22,9 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
             cache,
             force,
             seed,
-            shards: None,
-        } => tracegate_engine::run_trace_with(
-            &tracegate_engine::TraceOptions {
+            shards,
+        } => {
+            let o = tracegate_engine::TraceOptions {
                 model_dir: PathBuf::from(model),
                 tokens,
                 out: PathBuf::from(out),
@@ -41,16 +35,26 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
                 command_line: argv.to_vec(),
                 force_decisions: force.map(PathBuf::from),
                 prompt_text: None,
-                shards: None,
-            },
-            // A sampling family's seed; the other knobs are the checkpoint's.
-            &tracegate_engine::DiffusionOptions {
-                seed,
-                ..Default::default()
-            },
-        )
-        .map(|_| ())
-        .map_err(crate::error::Error::from),
+                // The engine's own reading of the split the gate wrote (one grammar).
+                shards: shards
+                    .map(|s| tracegate_engine::Shards::parse(&s.to_string()))
+                    .transpose()?,
+            };
+            match o.shards {
+                // One trace per rank at `out` with {rank} replaced.
+                Some(_) => tracegate_engine::run_trace_ranks(&o).map(|_| ()),
+                // A sampling family's seed; the other knobs are the checkpoint's.
+                None => tracegate_engine::run_trace_with(
+                    &o,
+                    &tracegate_engine::DiffusionOptions {
+                        seed,
+                        ..Default::default()
+                    },
+                )
+                .map(|_| ()),
+            }
+            .map_err(crate::error::Error::from)
+        }
         Verb::Layer {
             model,
             layer,

@@ -167,6 +167,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
             prompts: PromptRecord {
                 set: prompt_rel.clone(),
                 sha256: set.sha256.clone(),
+                only: None,
             },
             generate: a.generate,
             seed: None,
@@ -182,6 +183,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
                 family,
                 expect: Default::default(),
                 declared_divergences: Vec::new(),
+                shards: Vec::new(),
             }],
             port: Some(Port {
                 noise: Default::default(),

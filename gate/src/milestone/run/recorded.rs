@@ -278,8 +278,13 @@ pub(super) fn record_baseline(
     log: &mut Vec<String>,
 ) {
     let Plan { m, threads, .. } = plan;
+    // A sharded plan's baseline is of its split: `m2.tiny-qwen3-moe.short.tp2.t1.g8`.
+    let split = plan
+        .shards
+        .map(|s| format!(".{}{}", s.mode, s.world))
+        .unwrap_or_default();
     let id = format!(
-        "{}.{}.{}.t{}.g{}",
+        "{}.{}.{}{split}.t{}.g{}",
         m.id,
         dir_name(&plan.model),
         r.id,
