@@ -35,10 +35,12 @@ Exit status:
 #[derive(Parser, Debug)]
 #[command(name = "trace-diff", version, about = "Compare two tracegate traces and name the first divergence", after_help = AFTER_HELP)]
 struct Cli {
-    /// Reference trace.
+    /// Reference trace, or a sharded run's rank traces as one path holding `{rank}`
+    /// (`ref.r{rank}.trace`: every rank file on disk, merged as trace-merge does).
     #[arg(required_unless_present = "show")]
     reference: Option<PathBuf>,
-    /// Candidate trace.
+    /// Candidate trace, or its rank traces as one path holding `{rank}` (merged first; the
+    /// report's first line says so).
     #[arg(required_unless_present = "show")]
     candidate: Option<PathBuf>,
     /// Inspect one trace instead: digest, verify status, provenance, tensors with statistics
@@ -162,6 +164,47 @@ fn main() -> ExitCode {
         if let Err(e) = tracegate_trace::output::refuse_clobbering(&[("--html", html)], &inputs) {
             eprintln!("trace-diff: {}", terminal_safe(&e));
             return ExitCode::from(2);
+        }
+    }
+    // A `{rank}` path is a sharded run: its rank traces merged into a file of our own first.
+    let scratch = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("trace-diff: cannot make a scratch directory: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut merged_notes = Vec::new();
+    let mut merged_side = |side: &str, p: PathBuf| -> Result<PathBuf, String> {
+        if !p.to_string_lossy().contains(tracegate_trace::merge::RANK) {
+            return Ok(p);
+        }
+        let ranks = tracegate_trace::merge::rank_traces(&p)?;
+        let out = scratch.path().join(format!("{side}.merged.trace"));
+        let m = tracegate_trace::merge::merge(&ranks, &out)
+            .map_err(|e| format!("{side} {}: merge refused: {e}", p.display()))?;
+        merged_notes.push(format!(
+            "{side}: {} rank traces of world size {} merged ({}; partial sums in rank order, {}), digest {}",
+            m.ranks.len(),
+            m.world,
+            p.display(),
+            m.reduction_order(),
+            m.digest.short()
+        ));
+        Ok(out)
+    };
+    let (r, c) = match (merged_side("reference", r), merged_side("candidate", c)) {
+        (Ok(r), Ok(c)) => (r, c),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("trace-diff: {}", terminal_safe(&e));
+            return ExitCode::from(2);
+        }
+    };
+    // On stdout before a human report; on stderr beside a JSON one (stdout is the schema's).
+    for note in &merged_notes {
+        match cli.json {
+            true => eprintln!("trace-diff: {}", terminal_safe(note)),
+            false => println!("{}", terminal_safe(note)),
         }
     }
     let report = compare_files(&r, &c, &opts);

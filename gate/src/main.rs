@@ -135,6 +135,11 @@ struct InitArgs {
     /// The milestone's id.
     #[arg(long, default_value = "port")]
     id: String,
+    /// The candidate is sharded over N ranks: each `trace` run gets an --out holding `{rank}`
+    /// and writes one trace per rank there (0..N-1), which the gate merges as trace-merge does
+    /// and judges against the one-process golden trace (docs/producers.md, "Sharded engines").
+    #[arg(long, value_name = "N", value_parser = at_least_one_u64)]
+    ranks: Option<u64>,
     /// Trace directory (default: target/gate under the project root).
     #[arg(long)]
     work: Option<PathBuf>,
@@ -233,6 +238,45 @@ struct BisectArgs {
     /// Seconds each producer run may take before it is killed and the bisection refused.
     #[arg(long, default_value_t = DEFAULT_TIMEOUT_S, value_parser = at_least_one_u64)]
     timeout: u64,
+    /// Write the first wrong layer as a repro capsule into DIR (new or empty; relative to the
+    /// current directory): its input rows, weights, config, outputs, rule and a pytest file,
+    /// minimised to the shortest failing prefix (docs/bisect.md, "Capsules").
+    #[arg(long, value_name = "DIR")]
+    capsule: Option<PathBuf>,
+    /// With --capsule: keep every row of the prompt (no minimisation).
+    #[arg(long, requires = "capsule")]
+    capsule_full: bool,
+}
+
+#[derive(Args)]
+struct CapsuleRunArgs {
+    /// The capsule (`gate bisect --capsule DIR`; relative to the current directory).
+    dir: PathBuf,
+    /// Candidate producer: engine, contract or cmd (then --candidate-cmd).
+    #[arg(long, default_value = "cmd")]
+    candidate: String,
+    /// Candidate command template, e.g. 'my-engine {verb} {args}'.
+    #[arg(long)]
+    candidate_cmd: Option<String>,
+    /// Write the replay as JSON here (relative to the current directory).
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Directory for the replay model and traces (relative to the current directory; default
+    /// target/capsule/<time>-<pid> under the root).
+    #[arg(long)]
+    work: Option<PathBuf>,
+    /// Engine threads (at least 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    threads: usize,
+    /// Seconds the candidate's layer verb may take before it is killed and the replay refused.
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_S, value_parser = at_least_one_u64)]
+    timeout: u64,
+}
+
+#[derive(Subcommand)]
+enum CapsuleAction {
+    /// Replay the candidate's layer verb on the capsule and judge it under the capsule's rule.
+    Run(CapsuleRunArgs),
 }
 
 fn at_least_one(s: &str) -> Result<usize, String> {
@@ -279,6 +323,13 @@ enum Cmd {
     /// inconsistent producer or divergence, 2 refused, 4 isolation NOT CHECKED, 6 the cached
     /// decode path disagrees with the full recompute (--generate).
     Bisect(BisectArgs),
+    /// A repro capsule (`gate bisect --capsule DIR`): `gate capsule run DIR --candidate-cmd T`
+    /// replays the candidate's layer verb on it with nothing but the capsule (docs/bisect.md,
+    /// "Capsules"). Exit 0 the layer passes, 1 it is still wrong, 2 refused (a changed file).
+    Capsule {
+        #[command(subcommand)]
+        action: CapsuleAction,
+    },
     /// List the resident contract and oracle workers (pid, command, started, idle for, RSS), or
     /// end them all with `gate workers stop` (docs/producers.md, "Resident workers").
     Workers {
@@ -344,7 +395,43 @@ fn bisect(root: &std::path::Path, up: &UserPaths, a: &BisectArgs) -> Result<i32,
         ));
     }
     write_outputs(&files)?;
-    printed.map(|()| rep.exit_code)
+    printed?;
+    if let Some(dir) = &a.capsule {
+        let dir = up.absolute(dir);
+        let words = match tracegate_gate::bisect::capsule::write(&o, &rep, &dir, !a.capsule_full)? {
+            Ok(w) => w.words(),
+            Err(why) => format!("capsule NOT WRITTEN: {why}"),
+        };
+        say(&format!("{words}\n"))?;
+    }
+    Ok(rep.exit_code)
+}
+
+fn capsule_run(root: &std::path::Path, up: &UserPaths, a: &CapsuleRunArgs) -> Result<i32, Error> {
+    let report = a.report.as_ref().map(|p| up.absolute(p));
+    check_outputs(root, &[("--report", report.as_ref())])?;
+    let candidate = tracegate_gate::bisect::producer(
+        root,
+        &a.candidate,
+        a.candidate_cmd.as_deref(),
+        "candidate",
+        a.threads,
+    )?;
+    let work = match &a.work {
+        Some(w) => up.resolve(w).display().to_string(),
+        None => format!("target/capsule/{}", std::process::id()),
+    };
+    let _lock = tracegate_gate::WorkLock::acquire(&root.join(&work))?;
+    let done = tracegate_gate::bisect::capsule::run(
+        root,
+        &up.absolute(&a.dir),
+        &candidate,
+        &work,
+        std::time::Duration::from_secs(a.timeout),
+    )?;
+    say(&done.text)?;
+    write_report(&report, &done)?;
+    Ok(done.exit_code)
 }
 
 /// The bisection `a` asks for; a stored reference (`--reference trace:PATH`) supplies the prompt,
@@ -850,6 +937,9 @@ fn main() -> ExitCode {
             run_one(&root, &up, id, args).and_then(|r| finish_run(r, &up, args))
         }
         Cmd::Bisect(a) => bisect(&root, &up, a),
+        Cmd::Capsule {
+            action: CapsuleAction::Run(a),
+        } => capsule_run(&root, &up, a),
         Cmd::Workers { .. } | Cmd::Init(_) => Ok(0), // answered above
         Cmd::Check { args } if args.html.is_some() => Err(gerr!(
             "gate check writes no HTML report: run each milestone with gate m0|m1|run --html"
@@ -963,6 +1053,7 @@ fn init_options(a: &InitArgs) -> tracegate_gate::milestone::init::InitOptions {
         policy: a.policy.clone(),
         precision: a.precision.clone(),
         id: a.id.clone(),
+        ranks: a.ranks,
         work: a.work.clone(),
         timeout: std::time::Duration::from_secs(a.timeout),
     }

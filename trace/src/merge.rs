@@ -20,6 +20,57 @@ use crate::writer::TraceWriter;
 /// (a key absent on one rank and present on another disagrees).
 pub const RUN_KEYS: [&str; 3] = ["prompt_tokens", "weights_digest", "run_id"];
 
+/// The placeholder a sharded run's `--out` holds, replaced by each rank's number
+/// (docs/producers.md, "Sharded engines").
+pub const RANK: &str = "{rank}";
+
+/// The files on disk that match `pattern` (a path whose file name holds [`RANK`] once), with
+/// their ranks, in rank order: `dir/r{rank}.trace` → `(0, dir/r0.trace)`, `(1, dir/r1.trace)`,
+/// … Only decimal ranks match; a pattern without the placeholder matches nothing.
+pub fn rank_files(pattern: &Path) -> Vec<(u64, PathBuf)> {
+    let (Some(dir), Some(name)) = (
+        pattern.parent(),
+        pattern.file_name().and_then(|n| n.to_str()),
+    ) else {
+        return Vec::new();
+    };
+    let Some((head, tail)) = name.split_once(RANK) else {
+        return Vec::new();
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().into_string().ok()?;
+            let digits = n.strip_prefix(head)?.strip_suffix(tail)?;
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            Some((digits.parse().ok()?, pattern.with_file_name(&n)))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// The rank traces of `pattern` (see [`rank_files`]), or why there are none.
+pub fn rank_traces(pattern: &Path) -> Result<Vec<PathBuf>, String> {
+    let found = rank_files(pattern);
+    if found.is_empty() {
+        return Err(format!(
+            "{}: no rank trace matches (the file name's {RANK} stands for a rank number: 0, 1, …)",
+            pattern.display()
+        ));
+    }
+    Ok(found.into_iter().map(|(_, p)| p).collect())
+}
+
 /// What a merge did, for its report.
 #[derive(Debug, Clone)]
 pub struct Merged {

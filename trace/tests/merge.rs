@@ -964,3 +964,76 @@ mod fuzz {
         }
     }
 }
+
+#[test]
+fn a_rank_pattern_takes_the_rank_files_on_disk_in_trace_merge_and_trace_diff() {
+    let dir = tempfile::tempdir().unwrap();
+    let ranks = dir.path().join("ranks");
+    std::fs::create_dir(&ranks).unwrap();
+    let (r0, r1) = two_good_ranks(&ranks);
+    let pattern = ranks.join("r{rank}.trace");
+    let (listed, by_pattern) = (dir.path().join("a.trace"), dir.path().join("b.trace"));
+    assert_eq!(merge_cli(&[&r0, &r1], &listed).code, 0);
+    let run = merge_cli(&[&pattern], &by_pattern);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let digest = |p: &Path| Trace::open(p).unwrap().digest();
+    assert_eq!(digest(&listed), digest(&by_pattern));
+
+    // trace-diff merges a {rank} side first and says so; a defect in a rank still shows.
+    let diff = |reference: &Path, candidate: &Path| {
+        let o = Command::new(bin("trace-diff"))
+            .arg(reference)
+            .arg(candidate)
+            .output()
+            .unwrap();
+        let out = String::from_utf8(o.stdout).unwrap();
+        (
+            o.status.code().unwrap(),
+            out,
+            String::from_utf8(o.stderr).unwrap(),
+        )
+    };
+    let (code, out, err) = diff(&listed, &pattern);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.lines()
+            .next()
+            .unwrap()
+            .starts_with("candidate: 2 rank traces of world size 2 merged"),
+        "{out}"
+    );
+    rank_trace(
+        &ranks,
+        "r1.trace",
+        provenance(),
+        &[
+            ("h", &[1, 2], &[1.0, 2.0], Some("rank=1/2;replicated")),
+            (
+                "x",
+                &[1, 2],
+                &[3.0, 4.5],
+                Some("rank=1/2;slice;axis=1;offset=2;length=2;size=4"),
+            ),
+        ],
+    );
+    let (code, out, _) = diff(&listed, &pattern);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("\"x\"") || out.contains(" x "), "{out}");
+
+    // A missing rank and a pattern that matches nothing are refused, naming why.
+    std::fs::remove_file(ranks.join("r1.trace")).unwrap();
+    let out = dir.path().join("c.trace");
+    refused(
+        &merge_cli(&[&pattern], &out),
+        &out,
+        &["rank 1 of world size 2 is missing"],
+    );
+    let (code, _, err) = diff(&listed, &pattern);
+    assert_eq!(code, 2);
+    assert!(err.contains("rank 1 of world size 2 is missing"), "{err}");
+    refused(
+        &merge_cli(&[&ranks.join("s{rank}.trace")], &out),
+        &out,
+        &["no rank trace matches"],
+    );
+}

@@ -8,7 +8,8 @@
 //! - decode/: `--generate N`, the decode steps after the prefill, built on prefill's pieces;
 //! - diffusion/: `--generate N` on a block-diffusion model, the passes after the prompt;
 //! - this file: the bisection itself (`run`: the prefill, then the decode steps) and its report;
-//! - render.rs the text output and html/ the page (`--html`), both of the whole report.
+//! - render.rs the text output and html/ the page (`--html`), both of the whole report;
+//! - capsule/: `--capsule DIR`, the first wrong layer as a repro capsule, and its replay.
 
 use serde::Serialize;
 use tracegate_diff::{Options, Verdict};
@@ -16,6 +17,7 @@ use tracegate_producers::RunRecord;
 
 use crate::Result;
 
+pub mod capsule;
 pub mod decode;
 pub mod diffusion;
 pub mod html;
@@ -325,6 +327,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         work_dir: o.work.clone(),
         runs,
         gate_invocation: o.gate_invocation.clone(),
+        policy,
     })
 }
 
@@ -371,4 +374,8 @@ pub struct BisectReport {
     pub work_dir: String,
     pub runs: Vec<RunRecord>,
     pub gate_invocation: Vec<String>,
+    /// The policy that judged (None: by bits); not in the report (`judge` names it), kept for
+    /// a capsule's policy.json (capsule/).
+    #[serde(skip)]
+    pub policy: Option<tracegate_diff::Policy>,
 }

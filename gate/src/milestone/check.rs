@@ -114,6 +114,10 @@ pub enum FindingKind {
     /// A run's provenance says it is not the run the gate asked for (`generation`: the
     /// uncached run's `cache` is not `"off"`, or the cached run's not `"on"`).
     NotAsAsked,
+    /// A sharded port's rank traces refused (docs/producers.md, "Sharded engines"): a rank's
+    /// file missing or extra, another world size than `--ranks`, or the merge's refusal; named
+    /// by the rank at fault (`rank 1`). Never excused: nothing merged is left to judge.
+    RankTraces,
     /// `rank_shards`: a rank trace does not hold what its mode says (a head point replicated, an
     /// expert on two ranks), or its rank traces do not merge.
     ShardLayout,
@@ -122,7 +126,7 @@ pub enum FindingKind {
 }
 
 impl FindingKind {
-    /// What the gate's checks state themselves. The last ten are words of the gate's alone,
+    /// What the gate's checks state themselves. The last eleven are words of the gate's alone,
     /// in the order its refusal lists them after the differ's.
     pub const OWN: &'static [FindingKind] = &[
         FindingKind::DecisionDiffers,
@@ -136,6 +140,7 @@ impl FindingKind {
         FindingKind::TokensChanged,
         FindingKind::ObservedOutOfTolerance,
         FindingKind::NotAsAsked,
+        FindingKind::RankTraces,
         FindingKind::ShardLayout,
     ];
 
@@ -153,6 +158,7 @@ impl FindingKind {
             FindingKind::TokensChanged => "tokens_changed",
             FindingKind::ObservedOutOfTolerance => "observed_out_of_tolerance",
             FindingKind::NotAsAsked => "not_as_asked",
+            FindingKind::RankTraces => "rank_traces",
             FindingKind::ShardLayout => "shard_layout",
             FindingKind::Differ(k) => k.as_str(),
         }

@@ -33,6 +33,8 @@ pub struct InitOptions {
     /// The claimed precision (`--precision`): the bundled policy recorded, when no `--policy`.
     pub precision: Option<String>,
     pub id: String,
+    /// `--ranks N`: the candidate is sharded over N ranks (docs/producers.md, "Sharded engines").
+    pub ranks: Option<u64>,
     pub work: Option<PathBuf>,
     pub timeout: std::time::Duration,
 }
@@ -68,6 +70,9 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
     if !matches!(a.id.as_str(), id if !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
     {
         return Err(gerr!("--id {:?}: a milestone id is [A-Za-z0-9_-]+", a.id));
+    }
+    if a.ranks == Some(0) {
+        return Err(gerr!("--ranks 0: a sharded port runs on at least 1 rank"));
     }
     if a.generate == 0 {
         return Err(gerr!(
@@ -143,8 +148,12 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
         .ok_or_else(|| gerr!("{}: no prompts", prompt_src.display()))?;
     let cache_off = answers_cache_off(&root, &candidate, &model, &first.tokens, a, &work)?;
     let claim = format!(
-        "On {model} ({family}) and every prompt of {prompt_rel}, the port `{}` agrees with {} under the policy for its precision: every tensor within the policy, every decision equal to the golden trace's but for near-ties, and its {} greedy tokens the golden trace's{}.",
+        "On {model} ({family}) and every prompt of {prompt_rel}, the port `{}`{} agrees with {} under the policy for its precision: every tensor within the policy, every decision equal to the golden trace's but for near-ties, and its {} greedy tokens the golden trace's{}.",
         a.candidate_cmd,
+        match a.ranks {
+            Some(n) => format!(", sharded over {n} ranks (its rank traces merged),"),
+            None => String::new(),
+        },
         match &reference_cmd {
             Some(cmd) => format!("the reference `{cmd}`"),
             None => format!(
@@ -191,6 +200,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
                     cmd: a.candidate_cmd.clone(),
                     deterministic: a.deterministic,
                     cache_off,
+                    ranks: a.ranks,
                 },
                 reference: PortReference {
                     producer: a.reference.clone(),
@@ -296,7 +306,8 @@ fn answers_cache_off(
     std::fs::create_dir_all(root.join(&dir)).map_err(|e| gerr!(File: "{dir}: {e}"))?;
     let out = format!("{dir}/candidate-uncached.trace");
     let _ = std::fs::remove_file(root.join(&out));
-    let rec = candidate.run(
+    let (rec, sharded) = crate::milestone::run::run_trace(
+        candidate,
         root,
         &Verb::Trace {
             model: model.to_string(),
@@ -310,19 +321,23 @@ fn answers_cache_off(
             shards: None,
         },
         a.timeout,
+        a.ranks,
     );
     if rec.timed_out {
         return Err(
             gerr!(Producer: "the candidate's `trace --cache off` timed out after {} s (--timeout): $ {}", a.timeout.as_secs(), rec.invocation),
         );
     }
-    Ok(rec.ok)
+    // A sharded candidate answered when it exited 0: what its rank traces hold is judged by
+    // every run's `generation`, never turned into "does not answer" here.
+    Ok(rec.ok || sharded.is_some())
 }
 
 /// The candidate tried once, on the shortest of `prompts` (one greedy token), before the reference
 /// runs on every prompt (`gate init`, `--bless`): a candidate that cannot start — a command that
 /// is not there, not executable, or exits non-zero — or writes no readable trace is refused in the
 /// seconds its own run takes, not after minutes of the reference. Nothing is recorded then.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn try_candidate(
     root: &Path,
     candidate: &Producer,
@@ -331,6 +346,7 @@ pub(crate) fn try_candidate(
     internals: bool,
     work: &str,
     timeout: std::time::Duration,
+    ranks: Option<u64>,
 ) -> Result<()> {
     let Some(p) = prompts.iter().min_by_key(|p| p.tokens.len()) else {
         return Ok(());
@@ -340,7 +356,8 @@ pub(crate) fn try_candidate(
     std::fs::create_dir_all(root.join(&dir)).map_err(|e| gerr!(File: "{dir}: {e}"))?;
     let out = format!("{dir}/candidate.trace");
     let _ = std::fs::remove_file(root.join(&out));
-    let rec = candidate.run(
+    let (rec, _) = crate::milestone::run::run_trace(
+        candidate,
         root,
         &Verb::Trace {
             model: model.to_string(),
@@ -354,6 +371,7 @@ pub(crate) fn try_candidate(
             shards: None,
         },
         timeout,
+        ranks,
     );
     let failed = if rec.timed_out {
         Some(format!(

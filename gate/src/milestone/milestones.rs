@@ -101,6 +101,11 @@ pub struct PortCandidate {
     /// Whether it answers `trace --cache off` (found by `gate init`): `generation` compares
     /// its cached decode with its uncached one, else is NOT CHECKED.
     pub cache_off: bool,
+    /// A sharded port (`gate init --ranks N`): its world size. Each `trace` run writes one
+    /// trace per rank at `--out` with `{rank}` replaced by 0..N−1, which the gate merges
+    /// (docs/producers.md, "Sharded engines"). Absent: one process, one trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -265,6 +270,13 @@ impl MilestoneFile {
                     path.display(),
                     m.id,
                     m.models.len()
+                ));
+            }
+            if let Some(0) = m.port.as_ref().and_then(|p| p.candidate.ranks) {
+                return Err(gerr!(
+                    "{}: milestone {}: port.candidate.ranks 0: a sharded port runs on at least 1 rank",
+                    path.display(),
+                    m.id
                 ));
             }
             for (i, a) in m.models.iter().enumerate() {

@@ -185,8 +185,9 @@ pub fn render_html(r: &MilestoneReport) -> String {
             let layer = &l["first_wrong_layer"];
             let _ = write!(
                 h,
-                "<div class=\"box\" id=\"localised-{pi}\"><b>{}/agrees</b> localised by gate bisect against the golden trace: {}<br>first wrong layer {}, stage <code>{}</code>{}</div>",
+                "<div class=\"box\" id=\"localised-{pi}\"><b>{}/agrees</b> localised by {}: {}<br>first wrong layer {}, stage <code>{}</code>{}</div>",
                 esc(&p.id),
+                esc(&crate::milestone::run::PromptResult::localised_by(l)),
                 val("span", "text", &format!("/prompts/{pi}/localised/summary"), &l["summary"], l["summary"].as_str().unwrap_or("-")),
                 val("span", "num", &format!("/prompts/{pi}/localised/first_wrong_layer"), layer, &layer.as_u64().map_or("-".into(), |n| n.to_string())),
                 esc(l["stage"]["tensor"].as_str().unwrap_or("-")),
@@ -330,6 +331,21 @@ pub fn render_html(r: &MilestoneReport) -> String {
         h.push_str("<p>Every check of every prompt passed.</p>");
     }
 
+    // A sharded port: how each run's rank traces were merged (or why they were refused).
+    if r.prompts.iter().any(|p| !p.sharded.is_empty()) {
+        h.push_str("<h2>Rank traces merged</h2>");
+        for (pi, p) in r.prompts.iter().enumerate() {
+            for (role, line) in p.sharded.keys().zip(p.sharded_lines()) {
+                let _ = write!(
+                    h,
+                    "<div class=\"box\" id=\"sharded-{pi}-{}\"><b>{}</b>: {}</div>",
+                    esc(role),
+                    esc(&p.id),
+                    esc(&line)
+                );
+            }
+        }
+    }
     if whose == "candidate" {
         h.push_str("<h2>Agreement with the golden traces</h2>");
     } else {

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 const USAGE: &str = "\
 usage: trace-merge RANK_TRACE... --out MERGED.trace
+       trace-merge 'DIR/r{rank}.trace' --out MERGED.trace   (every rank file on disk)
 
 Builds the logical trace of a sharded run from one trace per rank, each tensor's `shard`
 attribute saying what the rank holds (docs/trace-format.md, \"Sharded traces\"): slices are
@@ -45,6 +46,21 @@ fn main() -> ExitCode {
     };
     if inputs.is_empty() {
         return usage("no rank traces given");
+    }
+    // One path holding {rank}: the rank files on disk (a missing rank is the merge's refusal).
+    if let [pattern] = inputs.as_slice() {
+        if pattern
+            .to_string_lossy()
+            .contains(tracegate_trace::merge::RANK)
+        {
+            inputs = match tracegate_trace::merge::rank_traces(pattern) {
+                Ok(found) => found,
+                Err(e) => {
+                    eprintln!("trace-merge: refused: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+        }
     }
     if let Some(same) = inputs.iter().find(|p| **p == out) {
         return usage(&format!("--out {} is also a rank trace", same.display()));

@@ -9,9 +9,9 @@
 //! baselines and `--bless`, and `Plan::report` tallies the verdict. A port milestone runs in
 //! port.rs instead. report.rs holds the report types; crate::milestone::render renders them.
 //!
-//! From the bottom up; no file imports one above it: report.rs; plan.rs, traces.rs and
-//! findings.rs (what the phases share); checks.rs and agrees.rs; prompt.rs and recorded.rs;
-//! port.rs; this file, which calls them all and re-exports what the gate's other parts name.
+//! From the bottom up; no file imports one above it: report.rs; plan.rs, traces.rs,
+//! findings.rs (what the phases share) and ranks.rs (a sharded port's rank traces merged);
+//! checks.rs and agrees.rs; prompt.rs and recorded.rs; port.rs; this file, which calls them all and re-exports what the gate's other parts name.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -29,6 +29,7 @@ mod findings;
 mod plan;
 mod port;
 mod prompt;
+mod ranks;
 mod recorded;
 mod report;
 mod sharded;
@@ -37,6 +38,7 @@ mod traces;
 pub use plan::{dir_name, GateOptions, AUTO_POLICY};
 use plan::{Plan, Settled};
 pub(crate) use port::tokenize_text;
+pub(crate) use ranks::run_trace;
 
 pub use report::*;
 

@@ -29,7 +29,8 @@ use super::findings::{incomparable, judge, not_comparable, tokens_finding};
 use super::plan::{dir_name, GateOptions, Plan, Settled, AUTO_POLICY};
 use super::recorded;
 use super::report::{
-    finding, CheckResult, Generated, MilestoneReport, PromptResult, PromptRuns, Role, Status,
+    finding, CheckResult, Generated, MilestoneReport, PromptResult, PromptRuns, Role, ShardedRun,
+    Status,
 };
 use super::traces::{counts, decode_tokens, open, Opened};
 use crate::milestone::baselines::BaselineFile;
@@ -443,6 +444,7 @@ pub(super) fn run(
             internals,
             &plan.work_rel,
             o.timeout,
+            port.candidate.ranks,
         )?;
     }
     let progress = crate::progress::start(format!("gate {}", m.id), plan.selected.len() as u64);
@@ -463,14 +465,21 @@ pub(super) fn run(
         .collect();
     let noise_run = noise.as_ref().ok().map(|n| &n.0);
     let runs = produce(
-        o, &plan, &roles, &candidate, &reference, noise_run, internals,
+        o,
+        &plan,
+        &roles,
+        &candidate,
+        &reference,
+        noise_run,
+        internals,
+        port.candidate.ranks,
     )?;
     let producers_s = started.elapsed().as_secs_f64();
     let judging = std::time::Instant::now();
     // Blessing: the reference's new traces are the golden ones; a reference that failed
     // leaves nothing to bless.
     if o.bless {
-        for ((p, runs), golden) in plan.selected.iter().zip(&runs).zip(goldens.iter_mut()) {
+        for ((p, (runs, _)), golden) in plan.selected.iter().zip(&runs).zip(goldens.iter_mut()) {
             let rec = runs
                 .get(Role::Oracle)
                 .ok_or_else(|| gerr!("the reference did not run"))?;
@@ -479,7 +488,7 @@ pub(super) fn run(
             })?;
             *golden = Some(t);
         }
-        for ((p, runs), slot) in plan.selected.iter().zip(&runs).zip(noises.iter_mut()) {
+        for ((p, (runs, _)), slot) in plan.selected.iter().zip(&runs).zip(noises.iter_mut()) {
             let Some(rec) = runs.get(Role::Noise) else {
                 continue;
             };
@@ -509,10 +518,18 @@ pub(super) fn run(
             format!("no noise run: {why}; near-ties are bounded by the policy's near_tie.noise_abs")
         }
     };
-    for (((p, runs), golden), noise_trace) in
+    for (((p, (runs, sharded)), golden), noise_trace) in
         plan.selected.iter().zip(runs).zip(&goldens).zip(&noises)
     {
-        let mut r = judge_prompt(o, &plan, &port, p, runs, golden, noise_trace.as_ref());
+        let mut r = judge_prompt(
+            o,
+            &plan,
+            &port,
+            p,
+            (runs, sharded),
+            golden,
+            noise_trace.as_ref(),
+        );
         r.observations.push(match noise_trace {
             // Read only when it is not the candidate's own content (judge_prompt says so then).
             Some(n) if r.digests.contains_key("noise") => format!(
@@ -533,15 +550,18 @@ pub(super) fn run(
             .any(|c| c.check == Check::Agrees && c.status == Status::Fail)
             && r.runs.get(Role::Candidate).is_some_and(|rec| rec.ok)
         {
-            r.localised = Some(localise(
-                o,
-                &plan,
-                &port,
-                p,
-                &candidate,
-                internals,
-                noise_trace.as_ref(),
-            ));
+            r.localised = Some(match r.sharded.get(Role::Candidate.key()) {
+                Some(s) => localise_sharded(o, &r, s),
+                None => localise(
+                    o,
+                    &plan,
+                    &port,
+                    p,
+                    &candidate,
+                    internals,
+                    noise_trace.as_ref(),
+                ),
+            });
         }
         results.push(r);
     }
@@ -591,9 +611,14 @@ pub(super) fn run(
     Ok((vec![report], log))
 }
 
+/// A prompt's runs and, for a sharded candidate, each of its runs' rank traces by role key.
+type Produced = (PromptRuns, BTreeMap<String, ShardedRun>);
+
 /// Every run of the port, each role (candidate cached, uncached, and the reference when
-/// blessing) in prompt order on a thread of its own. A run that timed out refuses the whole
-/// gate run, as for the self-checks.
+/// blessing) in prompt order on a thread of its own; a sharded candidate's (`ranks`) rank
+/// traces merged (ranks.rs). A run that timed out refuses the whole gate run, as for the
+/// self-checks.
+#[allow(clippy::too_many_arguments)]
 fn produce(
     o: &GateOptions,
     plan: &Plan,
@@ -602,16 +627,17 @@ fn produce(
     reference: &Producer,
     noise: Option<&Producer>,
     internals: bool,
-) -> Result<Vec<PromptRuns>> {
-    let per_role: Vec<Vec<RunRecord>> = std::thread::scope(|s| {
+    ranks: Option<u64>,
+) -> Result<Vec<Produced>> {
+    let per_role: Vec<Vec<(RunRecord, Option<ShardedRun>)>> = std::thread::scope(|s| {
         let handles: Vec<_> = roles
             .iter()
             .map(|&role| {
                 s.spawn(move || {
-                    let producer = match role {
-                        Role::Oracle => reference,
-                        Role::Noise => noise.unwrap_or(reference),
-                        _ => candidate,
+                    let (producer, ranks) = match role {
+                        Role::Oracle => (reference, None),
+                        Role::Noise => (noise.unwrap_or(reference), None),
+                        _ => (candidate, ranks),
                     };
                     let file = if role == Role::Oracle {
                         "reference.trace"
@@ -631,9 +657,10 @@ fn produce(
                             seed: None,
                             shards: None,
                         };
-                        let rec = producer.run(&o.root, &verb, o.timeout);
+                        let (rec, sharded) =
+                            super::ranks::run_trace(producer, &o.root, &verb, o.timeout, ranks);
                         let stop = rec.timed_out;
-                        out.push(rec);
+                        out.push((rec, sharded));
                         if stop {
                             break;
                         }
@@ -648,7 +675,12 @@ fn produce(
             .collect()
     });
     for (role, recs) in roles.iter().zip(&per_role) {
-        if let Some((p, rec)) = plan.selected.iter().zip(recs).find(|(_, r)| r.timed_out) {
+        if let Some((p, (rec, _))) = plan
+            .selected
+            .iter()
+            .zip(recs)
+            .find(|(_, (r, _))| r.timed_out)
+        {
             return Err(gerr!(
                 Producer: "{} {}: {} {} timed out after {} s (--timeout) and was killed: $ {}",
                 dir_name(&plan.model),
@@ -669,13 +701,19 @@ fn produce(
         .selected
         .iter()
         .map(|_| {
-            PromptRuns(
-                roles
-                    .iter()
-                    .zip(iters.iter_mut())
-                    .filter_map(|(role, it)| it.next().map(|r| (*role, r)))
-                    .collect(),
-            )
+            let mut sharded = BTreeMap::new();
+            let runs = roles
+                .iter()
+                .zip(iters.iter_mut())
+                .filter_map(|(role, it)| {
+                    let (rec, s) = it.next()?;
+                    if let Some(s) = s {
+                        sharded.insert(role.key().to_string(), s);
+                    }
+                    Some((*role, rec))
+                })
+                .collect();
+            (PromptRuns(runs), sharded)
         })
         .collect())
 }
@@ -686,7 +724,7 @@ fn judge_prompt(
     plan: &Plan,
     port: &Port,
     p: &Prompt,
-    runs: PromptRuns,
+    (runs, sharded): Produced,
     golden: &Trace,
     noise: Option<&std::sync::Arc<Trace>>,
 ) -> PromptResult {
@@ -813,6 +851,10 @@ fn judge_prompt(
             }
         },
     });
+    with_rank_findings(&mut checks, &sharded);
+    for (role, s) in &sharded {
+        observations.push(format!("{role} {}", s.line()));
+    }
     let mut digests = BTreeMap::new();
     digests.insert("reference".to_string(), golden.digest().hex());
     if let Some(n) = noise {
@@ -844,8 +886,83 @@ fn judge_prompt(
         oracle: summary,
         observations,
         localised: None,
+        sharded,
         runs,
     }
+}
+
+/// A sharded candidate's refused rank traces as FAIL findings naming the rank: on `agrees` and
+/// `generation_reference` for its cached run, on `generation` for either run — each check that
+/// failed because that run has no merged trace to judge. A merged run's line leads `agrees`.
+fn with_rank_findings(checks: &mut [CheckResult], sharded: &BTreeMap<String, ShardedRun>) {
+    let of = |role: Role| sharded.get(role.key());
+    for c in checks.iter_mut() {
+        let runs: &[Role] = match c.check {
+            Check::Agrees | Check::GenerationReference | Check::Stable => &[Role::Candidate],
+            Check::Generation => &[Role::Candidate, Role::CandidateUncached],
+            _ => &[],
+        };
+        for s in runs.iter().filter_map(|r| of(*r)) {
+            if let Some(f) = super::ranks::refusal_finding(s) {
+                c.status = Status::Fail;
+                c.findings.push(f);
+            }
+        }
+        if c.check == Check::Agrees {
+            if let Some(s) = of(Role::Candidate).filter(|s| s.refused.is_none()) {
+                c.detail = format!("candidate {}; {}", s.line(), c.detail);
+            }
+        }
+    }
+}
+
+/// A failing `agrees` of a sharded candidate localised from its merged trace: the first tensor
+/// outside the policy gives the layer and stage, and the rank whose shard holds its worst
+/// element ([`super::ranks::attribute`]). Isolation (`gate bisect`, the candidate's `layer`
+/// verb) is not run: the gate does not run a sharded `layer` verb, and says so.
+fn localise_sharded(o: &GateOptions, r: &PromptResult, s: &ShardedRun) -> Value {
+    let not_isolated = "isolation NOT CHECKED: the gate does not run a sharded candidate's `layer` verb (gate bisect), so the layer is not run alone on the golden input";
+    let sharded = |rank: Option<u64>, holds: &str| json!({"world": s.world, "rank": rank, "holds": holds, "ranks": s.ranks});
+    let Some(v) = r.oracle.as_ref().and_then(|o| o.first_violation.as_ref()) else {
+        let first = r
+            .checks
+            .iter()
+            .find(|c| c.check == Check::Agrees)
+            .and_then(|c| c.findings.first())
+            .map_or("-".to_string(), |f| format!("{} {}", f.kind, f.about.name));
+        return json!({
+            "verdict": "not_localised",
+            "summary": format!("no tensor of the merged trace is outside the policy (first finding: {first}), so no rank's shard is named; {not_isolated}"),
+            "first_wrong_layer": null,
+            "stage": null,
+            "report": null,
+            "sharded": sharded(None, "no tensor outside the policy"),
+        });
+    };
+    let name = tracegate_trace::names::Name::parse(&v.tensor);
+    let coords = v.worst_element.as_ref().map(|e| e.coords.as_slice());
+    let (rank, holds) = super::ranks::attribute(&o.root, s, &v.tensor, coords);
+    let layer = name
+        .layer
+        .map_or("outside any layer".to_string(), |l| format!("layer {l:02}"));
+    json!({
+        "verdict": "first_violation",
+        "summary": format!(
+            "{layer}, stage {}: {} is outside the policy; {}",
+            name.point,
+            v.tensor,
+            holds
+        ) + &format!("; {not_isolated}"),
+        "first_wrong_layer": name.layer,
+        "stage": name.layer.map(|l| json!({
+            "layer": l,
+            "block": tracegate_trace::names::point(&v.tensor).map_or("-".to_string(), |p| format!("{:?}", p.block).to_lowercase()),
+            "tensor": v.tensor,
+            "detail": holds,
+        })),
+        "report": null,
+        "sharded": sharded(rank, &holds),
+    })
 }
 
 /// `agrees` also holds the candidate's trace to the counts its expectation records, as

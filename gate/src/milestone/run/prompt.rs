@@ -89,5 +89,6 @@ pub(super) fn judge_prompt(
         oracle: oracle_summary,
         observations: Vec::new(),
         localised: None,
+        sharded: BTreeMap::new(),
     }
 }

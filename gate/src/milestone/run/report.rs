@@ -164,6 +164,10 @@ pub struct PromptResult {
     /// (docs/gate.md, "Gate your own engine").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub localised: Option<Value>,
+    /// A sharded port (docs/producers.md, "Sharded engines"): per run (`candidate`,
+    /// `candidate_uncached`), its rank traces and their merge, or why they were refused.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub sharded: BTreeMap<String, ShardedRun>,
 }
 
 impl PromptResult {
@@ -174,13 +178,31 @@ impl PromptResult {
     pub fn localisation_line(&self) -> Option<String> {
         let l = self.localised.as_ref()?;
         Some(format!(
-            "localised by gate bisect against the golden trace: {}{}",
+            "localised by {}: {}{}",
+            Self::localised_by(l),
             l["summary"].as_str().unwrap_or("-"),
             l["report"]
                 .as_str()
                 .map(|r| format!(" (report {r})"))
                 .unwrap_or_default()
         ))
+    }
+
+    /// How a localisation was found: a bisection, or (a sharded port) the merged trace's first
+    /// violation attributed to a rank.
+    pub fn localised_by(l: &Value) -> String {
+        match l["sharded"]["world"].as_u64() {
+            Some(n) => format!("the {n} rank traces merged, against the golden trace"),
+            None => "gate bisect against the golden trace".to_string(),
+        }
+    }
+
+    /// The merge of a sharded candidate's rank traces in one line per run, for the reports.
+    pub fn sharded_lines(&self) -> Vec<String> {
+        self.sharded
+            .iter()
+            .map(|(role, s)| format!("{role} {}", s.line()))
+            .collect()
     }
 
     /// The findings of `check`, failing and excused, of `kind`; None when it did not run (absent
@@ -196,6 +218,83 @@ impl PromptResult {
                     .filter(|f| f.kind == kind)
                     .collect()
             })
+    }
+}
+
+/// One rank trace of a sharded port's run (docs/producers.md, "Sharded engines").
+#[derive(Clone, Debug, Serialize)]
+pub struct RankTrace {
+    pub rank: u64,
+    pub file: String,
+    pub digest: String,
+}
+
+/// What became of one sharded run (the report's `sharded.ROLE`): merged, or refused naming the
+/// rank.
+#[derive(Clone, Debug, Serialize)]
+pub struct ShardedRun {
+    /// `--ranks`: the world size the milestone records.
+    pub world: u64,
+    /// The rank traces asked for (`{rank}` in it).
+    pub pattern: String,
+    /// Each rank's trace (rank order), when the merge ran.
+    pub ranks: Vec<RankTrace>,
+    /// The merge's reduction order ("partial sums in rank order, left to right: …").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reduction: Option<String>,
+    /// The tensors reduced from partial sums (count, and the first), concatenated from slices,
+    /// united from experts and checked identical (replicated).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub counts: Option<Value>,
+    /// The merged trace (the one judged) and its content digest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub merged: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub merged_digest: Option<String>,
+    /// Why the rank traces were refused: the rank at fault (null when none is), and the one line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused: Option<Refusal>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Refusal {
+    pub rank: Option<u64>,
+    pub message: String,
+}
+
+impl ShardedRun {
+    /// One line for the report: "merged from 2 rank traces (…)" or why not.
+    pub fn line(&self) -> String {
+        if let Some(r) = &self.refused {
+            return format!(
+                "{} rank traces ({}) refused: {}",
+                self.world, self.pattern, r.message
+            );
+        }
+        let ranks: Vec<String> = self
+            .ranks
+            .iter()
+            .map(|r| format!("rank {} {}", r.rank, &r.digest[..16.min(r.digest.len())]))
+            .collect();
+        let c = self.counts.as_ref().unwrap_or(&Value::Null);
+        format!(
+            "merged from {} rank traces ({}): {}; {} reduced{}, {} concatenated, {} experts, {} replicated checked identical; {}; merged digest {}",
+            self.world,
+            self.pattern,
+            self.reduction.as_deref().unwrap_or("-"),
+            c["reduced"],
+            c["first_reduced"]
+                .as_str()
+                .map(|n| format!(" (first {n})"))
+                .unwrap_or_default(),
+            c["concatenated"],
+            c["experts"],
+            c["replicated"],
+            ranks.join(", "),
+            self.merged_digest
+                .as_deref()
+                .map_or("-", |d| &d[..16.min(d.len())])
+        )
     }
 }
 

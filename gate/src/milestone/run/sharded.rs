@@ -18,7 +18,6 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use tracegate_producers::{RunRecord, Shards, Verb};
-use tracegate_trace::merge::{merge, Merged};
 use tracegate_trace::{names, ShardKind, Trace};
 
 use super::agrees::compare_agrees;
@@ -29,7 +28,7 @@ use super::prompt::expectation;
 use super::recorded;
 use super::report::{
     finding, CheckResult, Finding, Generated, MilestoneReport, PromptResult, PromptRuns, Role,
-    Status,
+    ShardedRun, Status,
 };
 use super::traces::{counts, decode_tokens, open, Opened};
 use super::{probe_oracle, stack_versions, Producers};
@@ -57,6 +56,7 @@ impl Job<'_> {
         format!("{}/{}", self.plan.work_rel, self.p.id)
     }
 
+    /// `out`: the trace judged (a sharded run's merged trace; its ranks beside it).
     fn verb(&self, role: Role, split: Option<Shards>) -> Verb {
         let out = match split {
             Some(s) => format!("{}/{}{}/{}", self.dir(), s.mode, s.world, role.file()),
@@ -76,11 +76,12 @@ impl Job<'_> {
     }
 }
 
-/// A job's runs: the unsharded ones by role, the sharded ones by split and role.
+/// A job's runs: the unsharded ones by role, the sharded ones by split and role, each with
+/// its rank traces' merge (ranks.rs, the one a sharded port's runs go through).
 #[derive(Default)]
 struct JobRuns {
     one: Vec<(Role, RunRecord)>,
-    split: BTreeMap<String, Vec<(Role, RunRecord)>>,
+    split: BTreeMap<String, Vec<(Role, RunRecord, Option<ShardedRun>)>>,
 }
 
 pub(super) fn run(
@@ -130,25 +131,30 @@ pub(super) fn run(
                     if stop.load(std::sync::atomic::Ordering::SeqCst) {
                         return None;
                     }
-                    let rec = producers.of(unsharded).run(
+                    let (rec, merged) = super::ranks::run_trace(
+                        producers.of(unsharded),
                         &o.root,
                         &j.verb(role, split),
                         o.timeout,
+                        split.map(|s| s.world as u64),
                     );
                     if rec.timed_out {
                         stop.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
-                    Some(rec)
+                    Some((rec, merged))
                 };
                 match SHARDED.iter().find(|(r, _)| *r == role) {
                     Some(&(_, unsharded)) => {
                         for s in &j.splits {
-                            if let Some(rec) = go(Some(*s), unsharded) {
-                                runs.split.entry(s.to_string()).or_default().push((role, rec));
+                            if let Some((rec, merged)) = go(Some(*s), unsharded) {
+                                runs.split
+                                    .entry(s.to_string())
+                                    .or_default()
+                                    .push((role, rec, merged));
                             }
                         }
                     }
-                    None => runs.one.extend(go(None, role).map(|rec| (role, rec))),
+                    None => runs.one.extend(go(None, role).map(|(rec, _)| (role, rec))),
                 }
             }
             all.push(runs);
@@ -180,7 +186,14 @@ pub(super) fn run(
     let timed_out = local
         .iter()
         .chain(oracle.iter().flatten())
-        .flat_map(|r| r.one.iter().chain(r.split.values().flatten()))
+        .flat_map(|r| {
+            r.one.iter().map(|(role, rec)| (role, rec)).chain(
+                r.split
+                    .values()
+                    .flatten()
+                    .map(|(role, rec, _)| (role, rec)),
+            )
+        })
         .find(|(_, r)| r.timed_out);
     if let Some((role, rec)) = timed_out {
         return Err(gerr!(
@@ -297,69 +310,46 @@ fn plan_for(plan: &Plan, s: Shards) -> Plan {
     }
 }
 
-/// The rank traces of a sharded run, merged: the merged trace opened, with what the merge did.
+/// A sharded run's rank traces and their merge, opened; or why there is nothing to judge.
 struct Ranked {
     ranks: Vec<PathBuf>,
-    merged: Result<(Trace, Merged)>,
+    merged: Result<Trace>,
+    run: Option<ShardedRun>,
 }
 
-/// Why a sharded run has no rank traces to judge: its producer has no sharded mode (the flag is
-/// refused as unknown: NOT CHECKED), or it failed (FAIL).
-fn sharded_run(root: &Path, rec: Option<&RunRecord>, s: Shards, flag: &str) -> Ranked {
-    let Some(rec) = rec else {
+/// A sharded run read back: its producer has no sharded mode (the flag refused as unknown:
+/// Unavailable, so NOT CHECKED), it failed or its rank traces were refused (FAIL), or the merged
+/// trace to judge.
+fn sharded_run(root: &Path, ran: Option<&(Role, RunRecord, Option<ShardedRun>)>, s: Shards, flag: &str) -> Ranked {
+    let Some((_, rec, run)) = ran else {
         return Ranked {
             ranks: vec![],
             merged: Err(gerr!(Producer: "did not run")),
+            run: None,
         };
     };
-    let ranks: Vec<PathBuf> = (0..s.world)
-        .map(|r| root.join(Shards::rank_path(&rec.out, r)))
+    let ranks = run
+        .iter()
+        .flat_map(|r| &r.ranks)
+        .map(|r| root.join(&r.file))
         .collect();
-    if !rec.ok {
-        let unknown = ["unrecognized arguments", "unexpected argument"]
+    let merged = if let (true, Some(_)) = (rec.ok, run) {
+        open(root, rec)
+    } else if run.is_none()
+        && ["unrecognized arguments", "unexpected argument"]
             .iter()
             .any(|w| rec.stderr.contains(w))
-            && rec.stderr.contains(flag);
-        let why = format!("{} {} failed: {}", rec.producer, rec.verb, rec.why());
-        return Ranked {
-            ranks,
-            merged: Err(if unknown {
-                gerr!(Unavailable: "{} has no sharded mode ({flag} {s} refused as unknown): {}", rec.producer, rec.why())
-            } else {
-                gerr!(Producer: "{why}")
-            }),
-        };
+        && rec.stderr.contains(flag)
+    {
+        Err(gerr!(Unavailable: "{} has no sharded mode ({flag} {s} refused as unknown): {}", rec.producer, rec.why()))
+    } else {
+        Err(gerr!(Producer: "{} {} ({s}) failed: {}", rec.producer, rec.verb, rec.why()))
+    };
+    Ranked {
+        ranks,
+        merged,
+        run: run.clone(),
     }
-    let out = root.join(rec.out.replace(tracegate_producers::RANK, "merged"));
-    let merged = merge(&ranks, &out)
-        .map_err(|e| gerr!(Incomparable: "{}'s rank traces do not merge: {e}", rec.producer))
-        .and_then(|m| {
-            Trace::open(&out)
-                .map(|t| (t, m))
-                .map_err(|e| gerr!(File: "{}: {e}", out.display()))
-        });
-    Ranked { ranks, merged }
-}
-
-/// What a merge did, in one line: ranks, their digests, the reduction order and the counts.
-fn merge_line(who: &str, m: &Merged) -> String {
-    let ranks: Vec<String> = m
-        .ranks
-        .iter()
-        .enumerate()
-        .map(|(r, (_, d))| format!("rank {r} {}", d.short()))
-        .collect();
-    format!(
-        "{who}: {} rank traces merged ({}), partial sums reduced as {} ({} tensor(s)), {} concatenated, {} expert, {} replicated: digest {}",
-        m.world,
-        ranks.join(", "),
-        m.reduction_order(),
-        m.reduced.len(),
-        m.concatenated,
-        m.experts,
-        m.replicated,
-        m.digest.short()
-    )
 }
 
 /// A check that could not compare: NOT CHECKED when a producer cannot run its sharded mode (or
@@ -394,7 +384,7 @@ fn judge(
     };
     let split_runs = runs.split.get(&s.to_string());
     let sharded = |role: Role| {
-        let rec = split_runs.and_then(|v| v.iter().find(|(r, _)| *r == role).map(|(_, r)| r));
+        let rec = split_runs.and_then(|v| v.iter().find(|(r, _, _)| *r == role));
         let flag = if role == Role::OracleSharded {
             tracegate_producers::ORACLE_SHARDS_FLAG
         } else {
@@ -411,6 +401,7 @@ fn judge(
                         .map(ToString::to_string)
                         .unwrap_or_default(),
                 )),
+                run: None,
             },
             _ => sharded_run(&o.root, rec, s, flag),
         }
@@ -425,21 +416,15 @@ fn judge(
     let expect = expectation(&plan.m, &plan.mm, p, plan.generate);
     let expect = expect.as_ref().copied().map_err(String::as_str);
     let mm = &plan.mm;
-    let mut observations = Vec::new();
-    for (who, r) in [("engine", &e_s), ("contract", &c_s), ("oracle", &o_s)] {
-        if let Ok((_, m)) = &r.merged {
-            observations.push(merge_line(who, m));
-        }
-    }
     let with_merge = |mut c: CheckResult, who: &str, r: &Ranked| {
-        if let Ok((_, m)) = &r.merged {
-            c.detail = format!("{}; {}", c.detail, merge_line(who, m));
+        if let Some(run) = &r.run {
+            c.detail = format!("{}; {who} {}", c.detail, run.line());
         }
         c
     };
     // (a) the merged engine ≡ the unsharded engine.
     let merged_engine = match (&engine, &e_s.merged) {
-        (Ok(one), Ok((m, _))) => with_merge(
+        (Ok(one), Ok(m)) => with_merge(
             compare_matches(Check::MergedEngine, mm, p, one, m, expect),
             "engine",
             &e_s,
@@ -449,7 +434,7 @@ fn judge(
     };
     // (b) the merged contract ≡ the merged engine.
     let merged_contract = match (&e_s.merged, &c_s.merged) {
-        (Ok((e, _)), Ok((c, _))) => with_merge(
+        (Ok(e), Ok(c)) => with_merge(
             compare_matches(Check::MergedContract, mm, p, e, c, expect),
             "contract",
             &c_s,
@@ -462,7 +447,7 @@ fn judge(
     };
     // (c) the merged oracle ≈ the unsharded oracle, every decision and token equal.
     let (merged_oracle, summary) = match (&oracle, &o_s.merged) {
-        (Ok(one), Ok((m, _))) => {
+        (Ok(one), Ok(m)) => {
             let (mut c, summary) =
                 compare_agrees(Check::MergedOracle, mm, p, one, m, &plan.policy, None, None);
             for t in &summary.near_ties {
@@ -512,25 +497,35 @@ fn judge(
             digests.insert(key.to_string(), t.digest().hex());
         }
     }
-    for (who, r) in [("engine", &e_s), ("contract", &c_s), ("oracle", &o_s)] {
-        if let Ok((t, m)) = &r.merged {
-            digests.insert(format!("{who}_merged"), t.digest().hex());
-            for (i, (_, d)) in m.ranks.iter().enumerate() {
-                digests.insert(format!("{who}_rank{i}"), d.hex());
-            }
+    let mut sharded = BTreeMap::new();
+    for (role, r) in [
+        (Role::EngineSharded, &e_s),
+        (Role::ContractSharded, &c_s),
+        (Role::OracleSharded, &o_s),
+    ] {
+        if let Ok(t) = &r.merged {
+            digests.insert(format!("{}_merged", role.key()), t.digest().hex());
+        }
+        if let Some(run) = &r.run {
+            sharded.insert(role.key().to_string(), run.clone());
         }
     }
-    let counts = match (&engine, &e_s.merged) {
-        (Ok(t), merged) => {
+    let counts = match &engine {
+        Ok(t) => {
             let mut c = counts(t);
-            c["ranks_merged"] = json!(merged.as_ref().map_or(0, |(_, m)| m.world));
+            c["ranks_merged"] = json!(e_s.run.as_ref().map_or(0, |r| r.ranks.len()));
             c
         }
         _ => Value::Null,
     };
-    let tokens = |r: &Ranked| r.merged.as_ref().ok().map(|(t, _)| decode_tokens(t));
+    let tokens = |r: &Ranked| r.merged.as_ref().ok().map(decode_tokens);
     let mut all_runs: Vec<(Role, RunRecord)> = runs.one.clone();
-    all_runs.extend(split_runs.into_iter().flatten().cloned());
+    all_runs.extend(
+        split_runs
+            .into_iter()
+            .flatten()
+            .map(|(role, rec, _)| (*role, rec.clone())),
+    );
     PromptResult {
         id: p.id.clone(),
         tokens: p.tokens.len(),
@@ -546,8 +541,9 @@ fn judge(
             ..Default::default()
         },
         oracle: summary,
-        observations,
+        observations: Vec::new(),
         localised: None,
+        sharded,
     }
 }
 
@@ -566,12 +562,14 @@ fn rank_shards(s: Shards, moe: bool, producers: &[(&str, &Ranked)]) -> CheckResu
                 not_checked.push(format!("{who}: NOT CHECKED ({e})"));
                 continue;
             }
-            Err(crate::Error::Producer(e)) => {
-                found.push(finding(FindingKind::ShardLayout, *who, 1, e.clone()));
-                continue;
-            }
-            // A merge refusal is about the rank traces too, and so is checked below.
-            Err(e) => found.push(finding(FindingKind::ShardLayout, *who, 1, e.to_string())),
+            Err(e) => match r.run.as_ref().and_then(super::ranks::refusal_finding) {
+                // Refused rank traces are still read below: what each holds says why.
+                Some(f) => found.push(f),
+                None => {
+                    found.push(finding(FindingKind::ShardLayout, *who, 1, e.to_string()));
+                    continue;
+                }
+            },
             Ok(_) => {}
         }
         match layout(s, moe, &r.ranks) {

@@ -1,0 +1,753 @@
+//! Repro capsules (docs/bisect.md, "Capsules"): what `gate bisect --capsule DIR` writes for the
+//! first wrong layer — the reference's input rows to that layer and its outputs at every capture
+//! point (`reference.trace`), that layer's weights as stored (`layer.safetensors`), the model's
+//! `config.json`, the policy that judged it (`policy.json`), a pytest file for the port's own
+//! suite (`test_capsule.py`) and `manifest.json` with the sha256 of each — and `gate capsule run
+//! DIR`, which replays the candidate's `layer` verb on it with nothing else: no model
+//! directory, no reference producer, no prompt set.
+//!
+//! The replay is the bisection's own isolation (../prefill/isolate.rs `isolate_with`, `stage`),
+//! so a capsule judges as the bisection did. Minimising: the shortest prefix of the rows that
+//! still fails at the same capture point, found by bisection over positions (rows.rs), and the
+//! written capsule replayed once more before it is kept.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::Digest as _;
+use tracegate_diff::Policy;
+use tracegate_producers::{Producer, RunRecord, Verb};
+use tracegate_trace::{names, Trace};
+
+use super::prefill::*;
+use super::BisectReport;
+use crate::{gerr, Result};
+
+mod rows;
+mod weights;
+
+/// The manifest's format.
+pub const SCHEMA: &str = "tracegate-capsule/1";
+
+/// The generated pytest file (the same bytes in every capsule: it reads manifest.json).
+const PYTEST: &str = include_str!("test_capsule.py");
+
+const MANIFEST: &str = "manifest.json";
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    pub schema: String,
+    pub layer: usize,
+    /// `internals` or `default`: what the layer verb is asked to capture.
+    pub capture: String,
+    /// How the bisection judged: `by` (`bits`, `policy`), `policy_name`, `precision`, and the
+    /// policy's file in the capsule (`policy.json`; null by bits).
+    pub judge: Value,
+    /// The bisection's stage (layer, block, tensor, detail, matching).
+    pub stage: Value,
+    /// The stage tensor's broken bounds in the bisection (bound, limit, value) and the rule that
+    /// holds them (its index and text in policy.json); empty/null by bits.
+    pub broke: Value,
+    pub rule: Value,
+    /// Where it came from: model, prompt, tokens, reference, candidate, its command words (the
+    /// pytest file runs them), the project root, the verdict line, the layer's isolated rows.
+    pub bisection: Value,
+    /// Rows: `bisection` (the prompt's), `kept`, `tokens_kept`, `removed`, `minimised`,
+    /// `not_minimised` (why not), `trials` (rows, fails), `one_fewer_passes`, `still_fails`.
+    pub rows: Value,
+    /// `source_weights_digest`, `layer_file`, `tensors` (the layer's, as stored), `dtypes`,
+    /// `other_tensors` (zero in the replay model), `replay_header`, `replay_weights_digest`.
+    pub weights: Value,
+    /// The replay of the written capsule: verdict, stage, isolated rows (what `capsule run`
+    /// compares with).
+    pub expected: Value,
+    pub not_included: Vec<String>,
+    pub allow_stack_mismatch: bool,
+    /// Every other file of the capsule, by name: its sha256.
+    pub files: BTreeMap<String, String>,
+}
+
+/// One replay of the candidate's layer verb on a capsule's rows.
+#[derive(Clone, Debug, Serialize)]
+pub struct Replayed {
+    /// `wrong` (the layer differs in isolation) or `passes`.
+    pub verdict: &'static str,
+    pub layer: usize,
+    pub stage: Option<Stage>,
+    pub isolated: Vec<TensorCmp>,
+    pub isolated_decisions: Vec<DecisionCmp>,
+    pub runs: Vec<RunRecord>,
+}
+
+impl Replayed {
+    /// What a replay is compared on: verdict, stage and every isolated row.
+    fn outcome(&self) -> Value {
+        json!({
+            "verdict": self.verdict, "stage": self.stage,
+            "isolated": self.isolated, "isolated_decisions": self.isolated_decisions,
+        })
+    }
+    fn fails_at(&self, tensor: &str) -> bool {
+        self.verdict == "wrong" && self.stage.as_ref().is_some_and(|s| s.tensor == tensor)
+    }
+}
+
+fn sha256(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|e| gerr!(File: "{}: {e}", path.display()))?;
+    Ok(hex::encode(sha2::Sha256::digest(&bytes)))
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    std::fs::write(path, bytes).map_err(|e| gerr!(File: "{}: {e}", path.display()))
+}
+
+/// What one replay needs besides the rows: where to run, the candidate, how to judge.
+struct Replay<'a> {
+    root: &'a Path,
+    /// Relative to root (or absolute): the trials' and the candidate's traces.
+    work: String,
+    candidate: &'a Producer,
+    timeout: std::time::Duration,
+    model: String,
+    layer: usize,
+    internals: bool,
+    policy: &'a Option<Policy>,
+    allow_stack_mismatch: bool,
+}
+
+impl Replay<'_> {
+    /// The candidate's layer verb on `input`'s `layer.LL.hidden_in`, judged against `input`'s
+    /// own `layer.LL.*` (and held to `noise`'s rows, when given) by the bisection's isolation.
+    fn run(&self, input: &str, noise: Option<&str>, tag: &str) -> Result<Replayed> {
+        let o = BisectOptions {
+            root: self.root.to_path_buf(),
+            model: self.model.clone(),
+            tokens: Vec::new(),
+            prompt: None,
+            reference: Reference::Run(Producer::Engine { threads: 1 }),
+            candidate: self.candidate.clone(),
+            policy: None,
+            exact: false,
+            precision: None,
+            all_layers: false,
+            internals: self.internals,
+            calibrate: false,
+            seed: 1,
+            sampling: false,
+            sampler_seed: 0,
+            generate: 0,
+            work: self.work.clone(),
+            timeout: self.timeout,
+            gate_invocation: Vec::new(),
+            allow_stack_mismatch: self.allow_stack_mismatch,
+            noise: None,
+        };
+        let layer = self.layer;
+        let reference = open(self.root, input)?;
+        let noise = match noise {
+            None => None,
+            Some(n) => Some(tracegate_diff::NoiseReference(std::sync::Arc::new(open(
+                self.root, n,
+            )?))),
+        };
+        let run = LayerRun {
+            verb: Verb::Layer {
+                model: self.model.clone(),
+                layer,
+                input: input.to_string(),
+                input_name: names::layer(layer, "hidden_in"),
+                out: format!("{}/{tag}.candidate.trace", self.work),
+                internals: self.internals,
+                force: None,
+                decode_from: None,
+            },
+            layer,
+            slice_rel: format!("{}/{tag}.reference.trace", self.work),
+            whose: "the capsule's reference rows",
+            pass: None,
+            noise,
+        };
+        let mut runs = Vec::new();
+        let iso = isolate_with(&o, &run, self.policy, &mut runs, |cand, out| {
+            write_slice(&reference, cand, layer, out, None)
+        })?;
+        let mut row = LayerRow::new(layer);
+        let wrong = iso.wrong;
+        fill_isolated(&mut row, iso);
+        let stage = wrong.then(|| {
+            stage(
+                layer,
+                &row,
+                is_moe(&reference, layer),
+                "differs in isolation",
+            )
+        });
+        Ok(Replayed {
+            verdict: if wrong { "wrong" } else { "passes" },
+            layer,
+            stage,
+            isolated: row.isolated,
+            isolated_decisions: row.isolated_decisions,
+            runs,
+        })
+    }
+}
+
+/// A capsule written: where, what it holds, its size.
+pub struct Written {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    /// Bytes per file, and in all.
+    pub sizes: Vec<(String, u64)>,
+    pub bytes: u64,
+}
+
+impl Written {
+    pub fn words(&self) -> String {
+        let m = &self.manifest;
+        let sizes: Vec<String> = self
+            .sizes
+            .iter()
+            .map(|(n, b)| format!("{n} {}", thousands(*b)))
+            .collect();
+        format!(
+            "capsule written to {}: layer {:02}, stage {}, {} of {} rows ({}); replayed from the capsule alone: {}; {} bytes ({})",
+            self.dir.display(),
+            m.layer,
+            m.stage["tensor"].as_str().unwrap_or("?"),
+            m.rows["kept"],
+            m.rows["bisection"],
+            m.rows["removed"].as_str().unwrap_or(""),
+            if m.rows["still_fails"] == json!(true) { "still fails" } else { "does not fail" },
+            thousands(self.bytes),
+            sizes.join(", ")
+        )
+    }
+}
+
+/// `gate bisect --capsule DIR`: the capsule of `rep`'s first wrong layer, or (Ok(Err)) why none
+/// is written — nothing wrong, a layer wrong only at a decode step, a forced or block-diffusion
+/// bisection, a GGUF model, a layer that does not fail when replayed alone. `minimise`: keep
+/// only the shortest failing prefix of the rows.
+pub fn write(
+    o: &BisectOptions,
+    rep: &BisectReport,
+    dir: &Path,
+    minimise: bool,
+) -> Result<std::result::Result<Written, String>> {
+    let (layer, stage) = match (rep.verdict, rep.first_wrong_layer, &rep.stage) {
+        (BisectVerdict::WrongLayer, Some(l), Some(s)) => (l, s.clone()),
+        (BisectVerdict::NothingWrong, ..) => {
+            return Ok(Err(
+                "nothing is wrong (verdict nothing_wrong): a capsule holds a layer that fails, and no layer does".into(),
+            ))
+        }
+        _ if rep.decode.as_ref().is_some_and(|d| d.first_wrong_layer.is_some()) => {
+            return Ok(Err("the wrong layer is at a decode step: capsules hold a prefill layer; a decode step's input (the layer's KV cache, rebuilt from its earlier hidden_in rows by layer --decode-from) is not written yet".into()))
+        }
+        (v, ..) => {
+            return Ok(Err(format!(
+                "the bisection names no wrong prefill layer (verdict {v})"
+            )))
+        }
+    };
+    if rep
+        .decisions_forced
+        .as_ref()
+        .is_some_and(|f| f.status == Forcing::Forced)
+    {
+        return Ok(Err("the bisection forced the candidate's decisions from the reference's (--force-decisions): a capsule does not carry the forcing trace yet".into()));
+    }
+    if o.sampling {
+        return Ok(Err(
+            "a block-diffusion model's layer reads its pass's keys from the whole trace: not written in capsules".into(),
+        ));
+    }
+    let policy = rep.policy.clone();
+    if let Some(p) = &policy {
+        let text = serde_json::to_string_pretty(p).map_err(|e| gerr!("policy: {e}"))?;
+        if Policy::parse(&text).ok().as_ref() != Some(p) {
+            return Ok(Err(format!("the policy {} does not survive being written to a file (a claim per capture-point pattern): judge with one precision or a policy file", p.name)));
+        }
+    }
+    let model_dir = o.root.join(&o.model);
+    let all = match weights::checkpoint(&model_dir) {
+        Ok(a) => a,
+        Err(crate::Error::Refused(why)) => return Ok(Err(why)),
+        Err(e) => return Err(e),
+    };
+    let lw = weights::layer_weights(&all, layer, &model_dir)?;
+    let shown = crate::paths::shown(dir);
+    if std::fs::read_dir(dir).is_ok_and(|mut e| e.next().is_some()) {
+        return Err(gerr!(
+            "--capsule {shown}: exists and is not empty; give a new directory"
+        ));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| gerr!(File: "--capsule {shown}: {e}"))?;
+    let built = build(o, rep, dir, minimise, layer, &stage, &policy, &lw);
+    if !matches!(built, Ok(Ok(_))) {
+        let _ = std::fs::remove_dir_all(dir); // half a capsule is none
+    }
+    built
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build(
+    o: &BisectOptions,
+    rep: &BisectReport,
+    dir: &Path,
+    minimise: bool,
+    layer: usize,
+    stage: &Stage,
+    policy: &Option<Policy>,
+    lw: &weights::LayerWeights,
+) -> Result<std::result::Result<Written, String>> {
+    let model_dir = o.root.join(&o.model);
+    std::fs::copy(model_dir.join("config.json"), dir.join("config.json"))
+        .map_err(|e| gerr!(File: "{}: {e}", model_dir.join("config.json").display()))?;
+    write_file(&dir.join("layer.safetensors"), &lw.layer_file)?;
+    let work_dir = o.root.join(&o.work);
+    let _lock = crate::WorkLock::acquire(&work_dir)?;
+    let trials = format!("{}/capsule", o.work);
+    let trials_dir = o.root.join(&trials);
+    if trials_dir.exists() {
+        std::fs::remove_dir_all(&trials_dir)
+            .map_err(|e| gerr!(File: "{}: {e}", trials_dir.display()))?;
+    }
+    std::fs::create_dir_all(&trials_dir)
+        .map_err(|e| gerr!(File: "{}: {e}", trials_dir.display()))?;
+    let replay_model = format!("{trials}/model");
+    let replay_digest = weights::materialise(dir, &lw.replay_header, &o.root.join(&replay_model))?;
+    let reference = open(&o.root, &format!("{}/reference.trace", o.work))?;
+    let source_digest = reference
+        .provenance()
+        .get("weights_digest")
+        .cloned()
+        .unwrap_or(Value::Null);
+    let n = rows::input_rows(&reference, layer)?;
+    let provenance = |t: &Trace, keep: usize| {
+        let mut p = t.provenance().clone();
+        if let Some(m) = p.as_object_mut() {
+            m.insert("weights_digest".into(), json!(replay_digest));
+            if let Some(tokens) = m.get("prompt_tokens").and_then(Value::as_array).cloned() {
+                m.insert(
+                    "prompt_tokens".into(),
+                    json!(tokens[..keep.min(tokens.len())]),
+                );
+            }
+            m.insert(
+                "capsule".into(),
+                json!({"layer": layer, "rows": keep, "of": n, "source_weights_digest": source_digest}),
+            );
+        }
+        p
+    };
+    let replay = Replay {
+        root: &o.root,
+        work: trials.clone(),
+        candidate: &o.candidate,
+        timeout: o.timeout,
+        model: replay_model,
+        layer,
+        internals: o.internals,
+        policy,
+        allow_stack_mismatch: o.allow_stack_mismatch,
+    };
+    let mut trial_log = Vec::new();
+    let mut try_rows = |keep: usize| -> Result<Replayed> {
+        let input = format!("{trials}/rows.{keep}.trace");
+        rows::write(
+            &reference,
+            layer,
+            keep,
+            provenance(&reference, keep),
+            &o.root.join(&input),
+        )?;
+        let noise = match &o.noise {
+            Some(nz) => {
+                let rel = format!("{trials}/noise.{keep}.trace");
+                rows::write(
+                    &nz.0,
+                    layer,
+                    keep,
+                    provenance(&nz.0, keep),
+                    &o.root.join(&rel),
+                )?;
+                Some(rel)
+            }
+            None => None,
+        };
+        let r = replay.run(&input, noise.as_deref(), &format!("rows.{keep}"))?;
+        trial_log.push(json!({"rows": keep, "fails": r.fails_at(&stage.tensor)}));
+        Ok(r)
+    };
+    let full = try_rows(n)?;
+    if !full.fails_at(&stage.tensor) {
+        return Ok(Err(format!(
+            "layer {layer:02} does not fail at {} when replayed from its own weights on the reference's input ({}): a defect the layer verb does not show alone is not captured",
+            stage.tensor,
+            full.stage.as_ref().map_or("it passes".to_string(), |s| s.detail.clone())
+        )));
+    }
+    let not_minimised = if !minimise {
+        Some("--capsule-full: every row kept".to_string())
+    } else {
+        rows::unsliceable(&reference, layer)
+    };
+    let (mut lo, mut hi) = (0usize, n);
+    if not_minimised.is_none() {
+        // Shortest failing prefix: `hi` fails, `lo` passes (0 rows: nothing to fail).
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if try_rows(mid)?.fails_at(&stage.tensor) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+    }
+    let keep = hi;
+    rows::write(
+        &reference,
+        layer,
+        keep,
+        provenance(&reference, keep),
+        &dir.join("reference.trace"),
+    )?;
+    if let Some(nz) = &o.noise {
+        rows::write(
+            &nz.0,
+            layer,
+            keep,
+            provenance(&nz.0, keep),
+            &dir.join("noise.trace"),
+        )?;
+    }
+    if let Some(p) = policy {
+        let text = serde_json::to_vec_pretty(p).map_err(|e| gerr!("policy: {e}"))?;
+        write_file(&dir.join("policy.json"), &text)?;
+    }
+    write_file(&dir.join("test_capsule.py"), PYTEST.as_bytes())?;
+    let tokens_kept: Vec<i64> = rep.tokens.iter().take(keep).copied().collect();
+    let removed = if keep == n {
+        "none".to_string()
+    } else {
+        format!(
+            "rows at positions {keep}..{} removed (tokens {:?})",
+            n - 1,
+            &rep.tokens[keep.min(rep.tokens.len())..]
+        )
+    };
+    let tensor_row = rep.layers[layer]
+        .isolated
+        .iter()
+        .find(|t| t.tensor == stage.tensor)
+        .cloned();
+    let rule = match (policy, &tensor_row) {
+        (Some(p), Some(_)) => p
+            .rule_for(&stage.tensor, Some("layer"))
+            .map(|(i, r)| json!({"index": i, "rule": r}))
+            .unwrap_or(Value::Null),
+        _ => Value::Null,
+    };
+    let mut manifest = Manifest {
+        schema: SCHEMA.into(),
+        layer,
+        capture: if o.internals { "internals" } else { "default" }.into(),
+        judge: json!({
+            "by": rep.judge.by, "policy_name": rep.judge.policy_name, "precision": rep.judge.precision,
+            "reason": rep.judge.reason, "policy_file": policy.as_ref().map(|_| "policy.json"),
+        }),
+        stage: json!(stage),
+        broke: json!(tensor_row.as_ref().map(|t| &t.violations)),
+        rule,
+        bisection: json!({
+            "model": o.model, "prompt": rep.prompt, "tokens": rep.tokens, "reference": rep.reference,
+            "candidate": rep.candidate, "candidate_words": candidate_words(&o.candidate),
+            "root": std::fs::canonicalize(&o.root).unwrap_or_else(|_| o.root.clone()),
+            "verdict": rep.verdict, "summary": rep.summary, "isolated": rep.layers[layer].isolated,
+            "isolated_decisions": rep.layers[layer].isolated_decisions,
+            "gate_invocation": rep.gate_invocation,
+        }),
+        rows: json!({
+            "bisection": n, "kept": keep, "tokens_kept": tokens_kept, "removed": removed,
+            "minimised": not_minimised.is_none(), "not_minimised": not_minimised,
+            "trials": trial_log, "one_fewer_passes": (lo > 0).then_some(true),
+            "still_fails": Value::Null,
+        }),
+        weights: json!({
+            "source_weights_digest": source_digest, "layer_file": "layer.safetensors",
+            "tensors": lw.names, "other_tensors": lw.other_tensors,
+            "replay_file": "model.safetensors", "replay_header": lw.replay_header,
+            "replay_weights_digest": replay_digest,
+        }),
+        expected: Value::Null,
+        not_included: not_included(o),
+        allow_stack_mismatch: o.allow_stack_mismatch,
+        files: BTreeMap::new(),
+    };
+    seal(dir, &mut manifest)?;
+    // Checked by re-running, not assumed: the written capsule, as `capsule run` reads it.
+    let again = run_loaded(
+        &o.root,
+        dir,
+        &load(dir)?,
+        &o.candidate,
+        &format!("{trials}/verify"),
+        o.timeout,
+    )?;
+    if !again.fails_at(&stage.tensor) {
+        return Ok(Err(format!(
+            "the written capsule does not fail when replayed ({}): a candidate that does not repeat itself is not captured",
+            again.verdict
+        )));
+    }
+    manifest.rows["still_fails"] = json!(true);
+    manifest.expected = again.outcome();
+    seal(dir, &mut manifest)?;
+    let mut sizes = Vec::new();
+    for name in manifest
+        .files
+        .keys()
+        .chain(std::iter::once(&MANIFEST.to_string()))
+    {
+        let len = std::fs::metadata(dir.join(name))
+            .map_err(|e| gerr!(File: "{}: {e}", dir.join(name).display()))?
+            .len();
+        sizes.push((name.clone(), len));
+    }
+    let bytes = sizes.iter().map(|(_, b)| b).sum();
+    Ok(Ok(Written {
+        dir: dir.to_path_buf(),
+        manifest,
+        sizes,
+        bytes,
+    }))
+}
+
+/// The candidate's command words, as the pytest file runs them (`{verb}`, `{verb|serve}` and
+/// `{args}` placeholders kept); the engine as its own binary beside the gate.
+fn candidate_words(p: &Producer) -> Vec<String> {
+    match p {
+        Producer::Command { words, .. } => words.clone(),
+        Producer::Engine { threads } => {
+            let engine = std::env::current_exe()
+                .ok()
+                .and_then(|g| g.parent().map(|d| d.join("engine")))
+                .map(|e| e.display().to_string())
+                .unwrap_or_else(|| "engine".into());
+            vec![
+                engine,
+                "{verb}".into(),
+                "{args}".into(),
+                "--threads".into(),
+                threads.to_string(),
+            ]
+        }
+    }
+}
+
+fn not_included(o: &BisectOptions) -> Vec<String> {
+    let mut v = vec![
+        "other layers' weights, the embedding and the head: zeros in the replay model (the layer verb does not read them)".to_string(),
+        "decode steps: a capsule replays the prefill rows only (no KV cache)".to_string(),
+        "heads and experts are not minimised: every head and expert of the layer is kept".to_string(),
+        "a C test against capi/tracegate.h: not written".to_string(),
+    ];
+    if o.noise.is_none() {
+        v.push("a noise run: the bisection had none (--noise-reference)".into());
+    }
+    v
+}
+
+/// Records every file's sha256 in the manifest and writes it.
+fn seal(dir: &Path, m: &mut Manifest) -> Result<()> {
+    m.files.clear();
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| gerr!(File: "{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != MANIFEST)
+        .collect();
+    names.sort();
+    for n in names {
+        m.files.insert(n.clone(), sha256(&dir.join(&n))?);
+    }
+    crate::write_json_atomic(&dir.join(MANIFEST), m)
+}
+
+/// A capsule read and verified: every file the manifest lists has its recorded sha256, every
+/// file the replay reads is listed.
+pub struct Loaded {
+    pub manifest: Manifest,
+    pub policy: Option<Policy>,
+}
+
+pub fn load(dir: &Path) -> Result<Loaded> {
+    let shown = dir.display();
+    let manifest: Manifest = crate::read_json(&dir.join(MANIFEST))?;
+    if manifest.schema != SCHEMA {
+        return Err(gerr!(
+            "capsule {shown}: {MANIFEST} schema {:?}, expected {SCHEMA:?}",
+            manifest.schema
+        ));
+    }
+    let by_policy = manifest.judge["by"] == json!("policy");
+    let mut needed = vec!["config.json", "layer.safetensors", "reference.trace"];
+    if by_policy {
+        needed.push("policy.json");
+    }
+    for n in needed {
+        if !manifest.files.contains_key(n) {
+            return Err(gerr!(
+                "capsule {shown}: {MANIFEST} records no sha256 for {n}"
+            ));
+        }
+    }
+    for (name, want) in &manifest.files {
+        if name.contains('/') || name.contains("..") {
+            return Err(gerr!(
+                "capsule {shown}: {MANIFEST} names {name:?}, not a file of the capsule"
+            ));
+        }
+        let got =
+            sha256(&dir.join(name)).map_err(|e| gerr!(File: "capsule {shown}: {name}: {e}"))?;
+        if &got != want {
+            return Err(
+                gerr!(File: "capsule {shown}: {name} was changed: its sha256 is {got}, {MANIFEST} records {want}"),
+            );
+        }
+    }
+    let policy = if by_policy {
+        let p = dir.join("policy.json");
+        Some(Policy::load(&p).map_err(|e| gerr!(File: "capsule {shown}: {e}"))?)
+    } else {
+        None
+    };
+    Ok(Loaded { manifest, policy })
+}
+
+/// `gate capsule run DIR`: the capsule verified, its replay model built under `work`, the
+/// candidate's layer verb replayed and judged.
+fn run_loaded(
+    root: &Path,
+    dir: &Path,
+    c: &Loaded,
+    candidate: &Producer,
+    work: &str,
+    timeout: std::time::Duration,
+) -> Result<Replayed> {
+    let m = &c.manifest;
+    let work_dir = root.join(work);
+    std::fs::create_dir_all(&work_dir).map_err(|e| gerr!(File: "{}: {e}", work_dir.display()))?;
+    let model = format!("{work}/model");
+    let header = m.weights["replay_header"].as_str().unwrap_or_default();
+    let digest = weights::materialise(dir, header, &root.join(&model))?;
+    let want = m.weights["replay_weights_digest"]
+        .as_str()
+        .unwrap_or_default();
+    if digest != want {
+        return Err(
+            gerr!(File: "capsule {}: the replay model's weights digest is {digest}, {MANIFEST} records {want}", dir.display()),
+        );
+    }
+    let abs = |n: &str| std::fs::canonicalize(dir.join(n)).unwrap_or_else(|_| dir.join(n));
+    let input = abs("reference.trace").display().to_string();
+    open(root, &input)?
+        .verify()
+        .map_err(|e| gerr!(File: "capsule {}: reference.trace: {e}", dir.display()))?;
+    let noise = m
+        .files
+        .contains_key("noise.trace")
+        .then(|| abs("noise.trace").display().to_string());
+    Replay {
+        root,
+        work: work.to_string(),
+        candidate,
+        timeout,
+        model,
+        layer: m.layer,
+        internals: m.capture == "internals",
+        policy: &c.policy,
+        allow_stack_mismatch: m.allow_stack_mismatch,
+    }
+    .run(&input, noise.as_deref(), "capsule")
+}
+
+/// What `gate capsule run` answers: the replay, whether it is what the capsule recorded, the
+/// text and the exit code (0 the layer passes, 1 it is still wrong).
+#[derive(Serialize)]
+pub struct CapsuleRun {
+    pub schema: &'static str,
+    pub capsule: String,
+    pub layer: usize,
+    pub judge: Value,
+    pub rows: Value,
+    #[serde(flatten)]
+    pub replayed: Replayed,
+    /// The same verdict, stage and numbers as the capsule's `expected`.
+    pub as_recorded: bool,
+    pub exit_code: i32,
+    #[serde(skip)]
+    pub text: String,
+}
+
+pub fn run(
+    root: &Path,
+    dir: &Path,
+    candidate: &Producer,
+    work: &str,
+    timeout: std::time::Duration,
+) -> Result<CapsuleRun> {
+    let c = load(dir)?;
+    let r = run_loaded(root, dir, &c, candidate, work, timeout)?;
+    let m = &c.manifest;
+    let as_recorded = r.outcome() == m.expected;
+    let judged = match &c.policy {
+        Some(p) => format!("judged by policy {} (policy.json)", p.name),
+        None => "judged by bits".to_string(),
+    };
+    let mut text = format!(
+        "capsule {}: layer {:02} of {}, {} of {} rows (positions 0-{}), {judged}\n",
+        dir.display(),
+        m.layer,
+        m.bisection["model"].as_str().unwrap_or("?"),
+        m.rows["kept"],
+        m.rows["bisection"],
+        m.rows["kept"].as_u64().unwrap_or(1).saturating_sub(1),
+    );
+    match &r.stage {
+        Some(s) => {
+            text.push_str(&format!("layer {:02} body is wrong: {}\n", m.layer, s.detail));
+            if let Some(t) = r.isolated.iter().find(|t| t.tensor == s.tensor) {
+                for v in &t.violations {
+                    text.push_str(&format!("  broke {}: {v}\n", v.bound));
+                }
+            }
+        }
+        None => text.push_str(&format!(
+            "layer {:02} matches the capsule's reference in isolation ({} tensors): the capsule passes\n",
+            m.layer,
+            r.isolated.len()
+        )),
+    }
+    text.push_str(if as_recorded {
+        "as recorded: the same verdict, stage and numbers as when the capsule was written\n"
+    } else {
+        "not as recorded: the verdict, stage or numbers differ from the capsule's (manifest.json expected)\n"
+    });
+    let exit_code = if r.verdict == "wrong" { 1 } else { 0 };
+    Ok(CapsuleRun {
+        schema: SCHEMA,
+        capsule: dir.display().to_string(),
+        layer: m.layer,
+        judge: m.judge.clone(),
+        rows: m.rows.clone(),
+        replayed: r,
+        as_recorded,
+        exit_code,
+        text,
+    })
+}

@@ -1,0 +1,101 @@
+"""A tracegate repro capsule as a test of your port's own suite (docs/bisect.md, "Capsules").
+
+`gate bisect --capsule DIR` writes this file beside the capsule's manifest.json; run it with
+pytest (`pytest DIR/test_capsule.py`). It checks the capsule (every file's sha256), rebuilds the
+replay model from it (config.json and the layer's weights; every other tensor zero), runs the
+candidate's `layer` verb on the reference's input rows and checks the candidate's outputs against
+the reference's under the capsule's rule: policy.json, or bit for bit. A noise run, when the
+capsule has one (noise.trace), is read by `gate capsule run`, not here.
+
+The candidate is the bisection's (manifest.json bisection.candidate_words), run in the project
+root it ran in; TRACEGATE_CAPSULE_CANDIDATE (a command template: {verb} and {args} filled in, as
+the gate's) and TRACEGATE_CAPSULE_ROOT replace them.
+"""
+
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import tracegate
+
+CAPSULE = Path(__file__).resolve().parent
+
+
+def manifest() -> dict:
+    m = json.loads((CAPSULE / "manifest.json").read_text())
+    for name, want in m["files"].items():
+        got = hashlib.sha256((CAPSULE / name).read_bytes()).hexdigest()
+        assert got == want, f"{name} was changed: its sha256 is {got}, manifest.json records {want}"
+    return m
+
+
+def materialise(m: dict, out: Path) -> None:
+    """The replay model: the header recorded in the manifest, the layer's tensors at their
+    offsets, zeros (a hole) elsewhere; the same bytes `gate capsule run` writes."""
+    header = m["weights"]["replay_header"].encode()
+    layout = json.loads(header)
+    layer = (CAPSULE / "layer.safetensors").read_bytes()
+    n = int.from_bytes(layer[:8], "little")
+    own = json.loads(layer[8 : 8 + n])
+    start = 8 + len(header)
+    total = max(v["data_offsets"][1] for k, v in layout.items() if k != "__metadata__")
+    out.mkdir()
+    (out / "config.json").write_bytes((CAPSULE / "config.json").read_bytes())
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        for name, v in own.items():
+            if name == "__metadata__":
+                continue
+            b, e = v["data_offsets"]
+            f.seek(start + layout[name]["data_offsets"][0])
+            f.write(layer[8 + n + b : 8 + n + e])
+        f.truncate(start + total)
+    digest = tracegate.weights_digest(out)
+    want = m["weights"]["replay_weights_digest"]
+    assert digest == want, f"replay model's weights digest {digest}, manifest.json records {want}"
+
+
+def argv(m: dict, args: list) -> list:
+    template = os.environ.get("TRACEGATE_CAPSULE_CANDIDATE")
+    words = shlex.split(template) if template else m["bisection"]["candidate_words"]
+    out, placed = [], False
+    for w in words:
+        if w == "{args}":
+            out += args
+            placed = True
+        elif w == "{verb|serve}":
+            out.append("layer")
+        else:
+            out.append(w.replace("{verb}", "layer"))
+    return out if placed else out + args
+
+
+def test_the_candidates_layer_agrees_with_the_capsule(tmp_path):
+    m = manifest()
+    model = tmp_path / "model"
+    materialise(m, model)
+    out = tmp_path / "candidate.trace"
+    layer = m["layer"]
+    args = ["--model", str(model), "--layer", str(layer)]
+    args += ["--input", str(CAPSULE / "reference.trace")]
+    args += ["--input-name", f"layer.{layer:02d}.hidden_in", "--out", str(out)]
+    args += ["--capture", m["capture"]]
+    root = os.environ.get("TRACEGATE_CAPSULE_ROOT", m["bisection"]["root"])
+    run = subprocess.run(argv(m, args), cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (
+        f"the layer verb failed (exit {run.returncode}): {run.stderr[-2000:]}"
+    )
+    candidate = tracegate.Trace(out)
+    # Judged as the bisection judged: the candidate's capture points only.
+    only = list(candidate.names) + list(candidate.decisions)
+    policy = CAPSULE / "policy.json" if m["judge"]["by"] == "policy" else None
+    report = tracegate.compare(CAPSULE / "reference.trace", out, policy=policy, only=only)
+    assert report.ok, (
+        f"layer {layer:02d} disagrees with the capsule ({report.verdict}): "
+        f"first violation {json.dumps(report.first_violation)}; "
+        f"first bit difference {json.dumps(report.first_bit_difference)}"
+    )
