@@ -98,7 +98,10 @@ mod tests {
                 cache: false,
                 force: None,
                 seed: None,
-                shards: Some(crate::Shards { mode: "ep", world: 2 }),
+                shards: Some(crate::Shards {
+                    mode: "ep",
+                    world: 2,
+                }),
             },
             Verb::Trace {
                 model: "/abs/m".into(),

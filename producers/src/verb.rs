@@ -50,7 +50,11 @@ pub struct Shards {
 impl Shards {
     /// `tp=N` or `ep=N`, N a decimal ≥ 1 without sign or leading zero (the producers' grammar).
     pub fn parse(s: &str) -> crate::error::Result<Shards> {
-        let bad = || crate::error::gerr!("shards {s:?}: expected tp=N or ep=N, N a whole number of at least 1");
+        let bad = || {
+            crate::error::gerr!(
+                "shards {s:?}: expected tp=N or ep=N, N a whole number of at least 1"
+            )
+        };
         let (mode, n) = s.split_once('=').ok_or_else(bad)?;
         let mode = match mode {
             "tp" => "tp",

@@ -301,10 +301,18 @@ impl MilestoneFile {
             }
             for (i, mm) in m.models.iter().enumerate() {
                 for (j, s) in mm.shards.iter().enumerate() {
-                    let at = format!("{}: milestone {}: models[{i}].shards[{j}]", path.display(), m.id);
+                    let at = format!(
+                        "{}: milestone {}: models[{i}].shards[{j}]",
+                        path.display(),
+                        m.id
+                    );
                     match tracegate_producers::Shards::parse(s) {
                         Ok(x) if x.world >= 2 => {}
-                        Ok(x) => return Err(gerr!("{at}: {x} has one rank: a sharded milestone needs at least 2")),
+                        Ok(x) => {
+                            return Err(gerr!(
+                                "{at}: {x} has one rank: a sharded milestone needs at least 2"
+                            ))
+                        }
                         Err(e) => return Err(gerr!("{at}: {e}")),
                     }
                     if mm.shards[..j].contains(s) {

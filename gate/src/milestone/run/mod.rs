@@ -152,7 +152,9 @@ impl Producers {
             Role::Engine | Role::EngineUncached => &self.engine,
             Role::Contract => &self.contract,
             Role::Oracle => &self.oracle,
-            _ => unreachable!("a port milestone runs in run/port.rs, a sharded one in run/sharded.rs"),
+            _ => unreachable!(
+                "a port milestone runs in run/port.rs, a sharded one in run/sharded.rs"
+            ),
         }
     }
 }

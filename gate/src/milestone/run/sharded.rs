@@ -164,13 +164,8 @@ pub(super) fn run(
     let probe_dir = o.root.join(&settled.work_rel);
     let (local, oracle, oracle_probe, setup) = std::thread::scope(|s| {
         producers.contract.prestart(&o.root);
-        let local = s.spawn(|| {
-            run_line(&[
-                Role::Engine,
-                Role::EngineSharded,
-                Role::ContractSharded,
-            ])
-        });
+        let local =
+            s.spawn(|| run_line(&[Role::Engine, Role::EngineSharded, Role::ContractSharded]));
         let probe = probe_oracle(
             &o.root,
             o.timeout,
@@ -187,12 +182,10 @@ pub(super) fn run(
         .iter()
         .chain(oracle.iter().flatten())
         .flat_map(|r| {
-            r.one.iter().map(|(role, rec)| (role, rec)).chain(
-                r.split
-                    .values()
-                    .flatten()
-                    .map(|(role, rec, _)| (role, rec)),
-            )
+            r.one
+                .iter()
+                .map(|(role, rec)| (role, rec))
+                .chain(r.split.values().flatten().map(|(role, rec, _)| (role, rec)))
         })
         .find(|(_, r)| r.timed_out);
     if let Some((role, rec)) = timed_out {
@@ -320,7 +313,12 @@ struct Ranked {
 /// A sharded run read back: its producer has no sharded mode (the flag refused as unknown:
 /// Unavailable, so NOT CHECKED), it failed or its rank traces were refused (FAIL), or the merged
 /// trace to judge.
-fn sharded_run(root: &Path, ran: Option<&(Role, RunRecord, Option<ShardedRun>)>, s: Shards, flag: &str) -> Ranked {
+fn sharded_run(
+    root: &Path,
+    ran: Option<&(Role, RunRecord, Option<ShardedRun>)>,
+    s: Shards,
+    flag: &str,
+) -> Ranked {
     let Some((_, rec, run)) = ran else {
         return Ranked {
             ranks: vec![],
@@ -341,7 +339,9 @@ fn sharded_run(root: &Path, ran: Option<&(Role, RunRecord, Option<ShardedRun>)>,
             .any(|w| rec.stderr.contains(w))
         && rec.stderr.contains(flag)
     {
-        Err(gerr!(Unavailable: "{} has no sharded mode ({flag} {s} refused as unknown): {}", rec.producer, rec.why()))
+        Err(
+            gerr!(Unavailable: "{} has no sharded mode ({flag} {s} refused as unknown): {}", rec.producer, rec.why()),
+        )
     } else {
         Err(gerr!(Producer: "{} {} ({s}) failed: {}", rec.producer, rec.verb, rec.why()))
     };
@@ -574,11 +574,9 @@ fn rank_shards(s: Shards, moe: bool, producers: &[(&str, &Ranked)]) -> CheckResu
         }
         match layout(s, moe, &r.ranks) {
             Ok(line) => said.push(format!("{who}: {line}")),
-            Err(problems) => found.extend(
-                problems
-                    .into_iter()
-                    .map(|(name, d)| finding(FindingKind::ShardLayout, name, 1, format!("{who}: {d}"))),
-            ),
+            Err(problems) => found.extend(problems.into_iter().map(|(name, d)| {
+                finding(FindingKind::ShardLayout, name, 1, format!("{who}: {d}"))
+            })),
         }
     }
     let status = if !found.is_empty() {
@@ -614,7 +612,10 @@ fn layout(
     let mut expert_on: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let mut held: BTreeMap<u64, (Vec<u64>, u64)> = BTreeMap::new();
     if ranks.len() != s.world {
-        problems.push((String::new(), format!("{} rank traces for {s}", ranks.len())));
+        problems.push((
+            String::new(),
+            format!("{} rank traces for {s}", ranks.len()),
+        ));
     }
     for (rank, path) in ranks.iter().enumerate() {
         let rank = rank as u64;
@@ -639,7 +640,10 @@ fn layout(
                 if (sh.rank, sh.world) != (rank, world) {
                     problems.push((
                         name.into(),
-                        format!("rank {rank}'s trace says rank {}/{} ({s} has {world} ranks)", sh.rank, sh.world),
+                        format!(
+                            "rank {rank}'s trace says rank {}/{} ({s} has {world} ranks)",
+                            sh.rank, sh.world
+                        ),
                     ));
                     continue;
                 }
@@ -683,7 +687,8 @@ fn layout(
                         name.into(),
                         format!(
                             "rank {rank} holds {} where ep computes each expert on one rank",
-                            other.map_or("the whole tensor (no shard)".into(), |k| format!("{k:?}"))
+                            other
+                                .map_or("the whole tensor (no shard)".into(), |k| format!("{k:?}"))
                         ),
                     )),
                 }
@@ -726,7 +731,10 @@ fn layout(
         if held.is_empty() {
             String::new()
         } else {
-            format!(", {experts} expert tensors each on one rank ({})", held.join(", "))
+            format!(
+                ", {experts} expert tensors each on one rank ({})",
+                held.join(", ")
+            )
         }
     ))
 }
