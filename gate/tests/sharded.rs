@@ -87,6 +87,14 @@ fn m2_passes_with_the_real_producers_and_says_what_it_merged() {
     for role in ["engine_sharded", "contract_sharded", "oracle_sharded"] {
         let s = &p["sharded"][role];
         assert_eq!(s["ranks"].as_array().unwrap().len(), 2, "{role}: {s}");
+        let producer = role.trim_end_matches("_sharded");
+        assert!(
+            s["pattern"]
+                .as_str()
+                .unwrap()
+                .ends_with(&format!("/tp2/{producer}.rank{{rank}}.trace")),
+            "{s}"
+        );
         assert!(
             s["reduction"]
                 .as_str()

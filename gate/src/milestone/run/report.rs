@@ -362,9 +362,10 @@ impl Role {
             Role::Candidate => "candidate.trace",
             Role::CandidateUncached => "candidate-uncached.trace",
             Role::Noise => "noise.trace",
-            Role::EngineSharded => "engine.rank{rank}.trace",
-            Role::ContractSharded => "contract.rank{rank}.trace",
-            Role::OracleSharded => "oracle.rank{rank}.trace",
+            // The merged trace, in its split's directory; the ranks' beside it (ranks.rs).
+            Role::EngineSharded => "engine.trace",
+            Role::ContractSharded => "contract.trace",
+            Role::OracleSharded => "oracle.trace",
         }
     }
 }
