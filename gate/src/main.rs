@@ -303,6 +303,10 @@ enum Cmd {
     /// Milestone m1: the MoE fixtures (tiny-qwen3-moe, tiny-qwen3_5-moe) — the same checks plus
     /// every router decision.
     M1(RunArgs),
+    /// Milestone m2: sharded runs (tp=2, ep=2) — the merged rank traces of the engine ≡ the
+    /// unsharded engine ≡ the merged contract, the merged oracle ≈ the unsharded oracle, and each
+    /// rank holding its part (docs/gate.md, "m2").
+    M2(RunArgs),
     /// Gate your own engine: in your project directory (not tracegate's), record golden
     /// reference traces (transformers' own class by default) and write milestones.json (one
     /// milestone, `port`) and baselines.json; then `gate run port` checks your engine against
@@ -947,6 +951,7 @@ fn main() -> ExitCode {
     let result = match &cli.cmd {
         Cmd::M0(a) => run_one(&root, &up, "m0", a).and_then(|r| finish_run(r, &up, a)),
         Cmd::M1(a) => run_one(&root, &up, "m1", a).and_then(|r| finish_run(r, &up, a)),
+        Cmd::M2(a) => run_one(&root, &up, "m2", a).and_then(|r| finish_run(r, &up, a)),
         Cmd::Run { id, args } => {
             run_one(&root, &up, id, args).and_then(|r| finish_run(r, &up, args))
         }
@@ -968,13 +973,23 @@ fn main() -> ExitCode {
                 let Run { reps, printed, .. } = run_one(&root, &up, &m.id, args)?;
                 stdout = stdout.and(printed);
                 let stable = answer(&reps, &[Check::Stable]);
-                let matches = answer(&reps, &[Check::Matches, Check::Generation]);
+                let matches = answer(
+                    &reps,
+                    &[
+                        Check::Matches,
+                        Check::Generation,
+                        Check::MergedEngine,
+                        Check::MergedContract,
+                        Check::RankShards,
+                    ],
+                );
                 let agrees = answer(
                     &reps,
                     &[
                         Check::Agrees,
                         Check::GenerationOracle,
                         Check::GenerationReference,
+                        Check::MergedOracle,
                     ],
                 );
                 table.push(format!(

@@ -20,3 +20,4 @@ mod ranks;
 mod readme;
 mod recorded;
 mod resident;
+mod sharded;

@@ -36,6 +36,9 @@ pub fn default_contract_cmd(root: &Path) -> String {
     )
 }
 
+/// The flag the oracle's `trace` takes a sharded run's split by (its ranks are torchrun's).
+pub const ORACLE_SHARDS_FLAG: &str = "--distributed";
+
 pub fn default_oracle_cmd(root: &Path) -> String {
     format!(
         "'{}' -m tracegate_oracle {{verb|serve}} {{args}} --threads 1",

@@ -22,8 +22,9 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
             cache,
             force,
             seed,
-        } => tracegate_engine::run_trace_with(
-            &tracegate_engine::TraceOptions {
+            shards,
+        } => {
+            let o = tracegate_engine::TraceOptions {
                 model_dir: PathBuf::from(model),
                 tokens,
                 out: PathBuf::from(out),
@@ -34,16 +35,26 @@ pub fn engine_child(argv: &[String]) -> crate::error::Result<()> {
                 command_line: argv.to_vec(),
                 force_decisions: force.map(PathBuf::from),
                 prompt_text: None,
-                shards: None,
-            },
-            // A sampling family's seed; the other knobs are the checkpoint's.
-            &tracegate_engine::DiffusionOptions {
-                seed,
-                ..Default::default()
-            },
-        )
-        .map(|_| ())
-        .map_err(crate::error::Error::from),
+                // The engine's own reading of the split the gate wrote (one grammar).
+                shards: shards
+                    .map(|s| tracegate_engine::Shards::parse(&s.to_string()))
+                    .transpose()?,
+            };
+            match o.shards {
+                // One trace per rank at `out` with {rank} replaced.
+                Some(_) => tracegate_engine::run_trace_ranks(&o).map(|_| ()),
+                // A sampling family's seed; the other knobs are the checkpoint's.
+                None => tracegate_engine::run_trace_with(
+                    &o,
+                    &tracegate_engine::DiffusionOptions {
+                        seed,
+                        ..Default::default()
+                    },
+                )
+                .map(|_| ()),
+            }
+            .map_err(crate::error::Error::from)
+        }
         Verb::Layer {
             model,
             layer,
@@ -87,6 +98,10 @@ mod tests {
                 cache: false,
                 force: None,
                 seed: None,
+                shards: Some(crate::Shards {
+                    mode: "ep",
+                    world: 2,
+                }),
             },
             Verb::Trace {
                 model: "/abs/m".into(),
@@ -97,6 +112,7 @@ mod tests {
                 cache: true,
                 force: Some("w/ref.trace".into()),
                 seed: Some(u64::MAX),
+                shards: None,
             },
             Verb::Layer {
                 model: "m".into(),

@@ -46,11 +46,13 @@ pub enum Producer {
     /// replaced by the verb, `{args}` by its arguments (appended when absent). Words are split
     /// on whitespace; single or double quotes group. `serve`: the index of the word
     /// `{verb|serve}` (the verb, and a declaration that `PREFIX serve` answers requests; see
-    /// crate::worker), when the template has it.
+    /// crate::worker), when the template has it. `shards_flag`: the flag its `trace` takes a
+    /// sharded run's split by ([`SHARDS_FLAG`], the oracle's `--distributed`).
     Command {
         name: String,
         words: Vec<String>,
         serve: Option<usize>,
+        shards_flag: &'static str,
     },
 }
 
@@ -160,7 +162,23 @@ impl Producer {
             name: name.into(),
             words,
             serve,
+            shards_flag: SHARDS_FLAG,
         })
+    }
+
+    /// The same producer taking a sharded run's split by `flag` (the oracle's `--distributed`).
+    pub fn sharded_by(self, flag: &'static str) -> Producer {
+        match self {
+            Producer::Command {
+                name, words, serve, ..
+            } => Producer::Command {
+                name,
+                words,
+                serve,
+                shards_flag: flag,
+            },
+            engine => engine,
+        }
     }
 
     pub fn name(&self) -> String {
@@ -178,12 +196,15 @@ impl Producer {
                 a.extend(["--threads".into(), threads.to_string()]);
                 a
             }
-            Producer::Command { words, .. } => {
+            Producer::Command {
+                words, shards_flag, ..
+            } => {
+                let args = verb.args_with(shards_flag);
                 let mut out = Vec::new();
                 let mut placed = false;
                 for w in words {
                     if w == "{args}" {
-                        out.extend(verb.args());
+                        out.extend(args.iter().cloned());
                         placed = true;
                     } else if w == SERVE_VERB {
                         out.push(verb.name().to_string());
@@ -192,7 +213,7 @@ impl Producer {
                     }
                 }
                 if !placed {
-                    out.extend(verb.args());
+                    out.extend(args);
                 }
                 out
             }
@@ -280,11 +301,12 @@ impl Producer {
                 None => run_command(root, &argv, timeout),
             },
         };
-        let wrote = root.join(verb.out()).is_file();
-        let ok = spawned.ok && wrote;
+        // A sharded run writes one trace per rank: every one of them.
+        let missing = verb.outs().into_iter().find(|o| !root.join(o).is_file());
+        let ok = spawned.ok && missing.is_none();
         let mut stderr = spawned.text;
-        if spawned.ok && !wrote {
-            stderr = format!("exited 0 but wrote no trace at {}", verb.out());
+        if let (true, Some(o)) = (spawned.ok, &missing) {
+            stderr = format!("exited 0 but wrote no trace at {o}");
         }
         if spawned.timed_out {
             stderr = format!(
@@ -327,6 +349,7 @@ mod tests {
             cache: true,
             force: None,
             seed: None,
+            shards: None,
         };
         assert_eq!(
             display(&p.argv(&verb)),

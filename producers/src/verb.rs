@@ -4,7 +4,8 @@
 /// Arguments of one protocol verb; rendered identically for every producer. `force`: the
 /// optional `--force-decisions TRACE` (docs/producers.md), passed only when set; `seed`: the
 /// optional `--seed S` of a sampling family (block diffusion, docs/diffusion-gemma.md), passed
-/// only when set.
+/// only when set; `shards`: the optional split of a sharded run (docs/numerics.md §23), passed
+/// only when set, by the flag of the producer that runs it (`Producer::argv`).
 #[derive(Clone, Debug)]
 pub enum Verb {
     Trace {
@@ -16,6 +17,7 @@ pub enum Verb {
         cache: bool,
         force: Option<String>,
         seed: Option<u64>,
+        shards: Option<Shards>,
     },
     /// `decode_from`: `layer --decode-from P` (docs/producers.md, the decode extension).
     Layer {
@@ -28,6 +30,54 @@ pub enum Verb {
         force: Option<String>,
         decode_from: Option<i64>,
     },
+}
+
+/// Where a sharded run's `--out` puts each rank's number (docs/producers.md, `--out`).
+pub const RANK: &str = "{rank}";
+
+/// The flag every producer takes a sharded run's split by, but the oracle (`--distributed`).
+pub const SHARDS_FLAG: &str = "--shards";
+
+/// A sharded run's split (docs/numerics.md §23): `tp=N` (tensor parallel) or `ep=N` (expert
+/// parallel) over N ranks, as the producers spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shards {
+    /// `tp` or `ep`.
+    pub mode: &'static str,
+    pub world: usize,
+}
+
+impl Shards {
+    /// `tp=N` or `ep=N`, N a decimal ≥ 1 without sign or leading zero (the producers' grammar).
+    pub fn parse(s: &str) -> crate::error::Result<Shards> {
+        let bad = || {
+            crate::error::gerr!(
+                "shards {s:?}: expected tp=N or ep=N, N a whole number of at least 1"
+            )
+        };
+        let (mode, n) = s.split_once('=').ok_or_else(bad)?;
+        let mode = match mode {
+            "tp" => "tp",
+            "ep" => "ep",
+            _ => return Err(bad()),
+        };
+        if n.is_empty() || n.starts_with('0') || !n.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let world = n.parse::<usize>().map_err(|_| bad())?;
+        Ok(Shards { mode, world })
+    }
+
+    /// Rank `rank`'s trace: `out` with [`RANK`] replaced.
+    pub fn rank_path(out: &str, rank: usize) -> String {
+        out.replace(RANK, &rank.to_string())
+    }
+}
+
+impl std::fmt::Display for Shards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.mode, self.world)
+    }
 }
 
 impl Verb {
@@ -44,7 +94,24 @@ impl Verb {
         }
     }
 
+    /// The traces the verb writes: one per rank for a sharded run, else `out`.
+    pub fn outs(&self) -> Vec<String> {
+        match self {
+            Verb::Trace {
+                out,
+                shards: Some(s),
+                ..
+            } => (0..s.world).map(|r| Shards::rank_path(out, r)).collect(),
+            _ => vec![self.out().to_string()],
+        }
+    }
+
     pub fn args(&self) -> Vec<String> {
+        self.args_with(SHARDS_FLAG)
+    }
+
+    /// The arguments, a sharded run's split given by `shards_flag`.
+    pub fn args_with(&self, shards_flag: &str) -> Vec<String> {
         let capture = |internals: bool| if internals { "internals" } else { "default" }.to_string();
         let (mut a, force) = match self {
             Verb::Trace {
@@ -56,6 +123,7 @@ impl Verb {
                 cache,
                 force,
                 seed,
+                shards,
             } => {
                 let toks: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
                 let mut a = vec![
@@ -77,6 +145,9 @@ impl Verb {
                 }
                 if let Some(s) = seed {
                     a.extend(["--seed".into(), s.to_string()]);
+                }
+                if let Some(s) = shards {
+                    a.extend([shards_flag.to_string(), s.to_string()]);
                 }
                 (a, force)
             }
@@ -184,6 +255,7 @@ impl Verb {
                     ),
                     None => None,
                 };
+                let shards = args.remove(SHARDS_FLAG).map(Shards::parse).transpose()?;
                 Verb::Trace {
                     model,
                     tokens,
@@ -193,6 +265,7 @@ impl Verb {
                     cache,
                     force,
                     seed,
+                    shards,
                 }
             }
             "layer" => {

@@ -13,6 +13,16 @@ pub enum Check {
     GenerationOracle,
     /// A port's greedy tokens against its golden trace's (docs/gate.md, "Gate your own engine").
     GenerationReference,
+    /// A sharded milestone (docs/gate.md, "m2"): the merged rank traces of the sharded engine
+    /// ≡ the unsharded engine, bit for bit.
+    MergedEngine,
+    /// The merged sharded contract ≡ the merged sharded engine, bit for bit.
+    MergedContract,
+    /// The merged sharded oracle within the policy of the unsharded oracle, every decision and
+    /// greedy token equal.
+    MergedOracle,
+    /// Each rank trace holds the part its mode says: head slices, an expert on one rank.
+    RankShards,
     Baseline(String),
     Baselines,
 }
@@ -26,6 +36,10 @@ impl std::fmt::Display for Check {
             Check::Agrees => f.pad("agrees"),
             Check::GenerationOracle => f.pad("generation_oracle"),
             Check::GenerationReference => f.pad("generation_reference"),
+            Check::MergedEngine => f.pad("merged_engine"),
+            Check::MergedContract => f.pad("merged_contract"),
+            Check::MergedOracle => f.pad("merged_oracle"),
+            Check::RankShards => f.pad("rank_shards"),
             Check::Baseline(id) => f.pad(&format!("baseline {id}")),
             Check::Baselines => f.pad("baselines"),
         }
@@ -42,6 +56,10 @@ impl std::str::FromStr for Check {
             "agrees" => Check::Agrees,
             "generation_oracle" => Check::GenerationOracle,
             "generation_reference" => Check::GenerationReference,
+            "merged_engine" => Check::MergedEngine,
+            "merged_contract" => Check::MergedContract,
+            "merged_oracle" => Check::MergedOracle,
+            "rank_shards" => Check::RankShards,
             "baselines" => Check::Baselines,
             _ => match s.strip_prefix("baseline ") {
                 Some(id) => Check::Baseline(id.to_string()),
@@ -100,12 +118,15 @@ pub enum FindingKind {
     /// file missing or extra, another world size than `--ranks`, or the merge's refusal; named
     /// by the rank at fault (`rank 1`). Never excused: nothing merged is left to judge.
     RankTraces,
+    /// `rank_shards`: a rank trace does not hold what its mode says (a head point replicated, an
+    /// expert on two ranks), or its rank traces do not merge.
+    ShardLayout,
     /// The differ's finding (docs/diff.md), passed on by a check.
     Differ(tracegate_diff::FindingKind),
 }
 
 impl FindingKind {
-    /// What the gate's checks state themselves. The last ten are words of the gate's alone,
+    /// What the gate's checks state themselves. The last eleven are words of the gate's alone,
     /// in the order its refusal lists them after the differ's.
     pub const OWN: &'static [FindingKind] = &[
         FindingKind::DecisionDiffers,
@@ -120,6 +141,7 @@ impl FindingKind {
         FindingKind::ObservedOutOfTolerance,
         FindingKind::NotAsAsked,
         FindingKind::RankTraces,
+        FindingKind::ShardLayout,
     ];
 
     /// The word the reports and milestones.json carry.
@@ -137,6 +159,7 @@ impl FindingKind {
             FindingKind::ObservedOutOfTolerance => "observed_out_of_tolerance",
             FindingKind::NotAsAsked => "not_as_asked",
             FindingKind::RankTraces => "rank_traces",
+            FindingKind::ShardLayout => "shard_layout",
             FindingKind::Differ(k) => k.as_str(),
         }
     }

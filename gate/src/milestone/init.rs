@@ -176,6 +176,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
             prompts: PromptRecord {
                 set: prompt_rel.clone(),
                 sha256: set.sha256.clone(),
+                only: None,
             },
             generate: a.generate,
             seed: None,
@@ -191,6 +192,7 @@ pub fn run(root: Option<&Path>, a: &InitOptions) -> Result<Initialised> {
                 family,
                 expect: Default::default(),
                 declared_divergences: Vec::new(),
+                shards: Vec::new(),
             }],
             port: Some(Port {
                 noise: Default::default(),
@@ -316,6 +318,7 @@ fn answers_cache_off(
             cache: false,
             force: None,
             seed: None,
+            shards: None,
         },
         a.timeout,
         a.ranks,
@@ -365,6 +368,7 @@ pub(crate) fn try_candidate(
             cache: true,
             force: None,
             seed: None,
+            shards: None,
         },
         timeout,
         ranks,

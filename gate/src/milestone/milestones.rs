@@ -179,6 +179,10 @@ pub struct MilestoneModel {
     /// Differences that are known and accepted, each naming exactly what it excuses.
     #[serde(default)]
     pub declared_divergences: Vec<DeclaredDivergence>,
+    /// A sharded milestone (docs/gate.md, "m2"): the splits each prompt runs under (`tp=2`,
+    /// `ep=2`), each against the one-process run. Absent: a one-process milestone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -187,6 +191,9 @@ pub struct PromptRecord {
     /// The set name (`fixtures/prompts/<set>.json`).
     pub set: String,
     pub sha256: String,
+    /// The prompts of the set the milestone is about, when not all (`--only` still narrows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub only: Option<Vec<String>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -280,6 +287,37 @@ impl MilestoneFile {
                         m.id,
                         a.model
                     ));
+                }
+            }
+            // A sharded milestone shards every model; each split is read as the producers read it,
+            // over at least 2 ranks (one rank has nothing to show sharded).
+            let sharded = m.models.iter().filter(|mm| !mm.shards.is_empty()).count();
+            if sharded != 0 && sharded != m.models.len() {
+                return Err(gerr!(
+                    "{}: milestone {}: some models list shards and some do not: a sharded milestone shards every model",
+                    path.display(),
+                    m.id
+                ));
+            }
+            for (i, mm) in m.models.iter().enumerate() {
+                for (j, s) in mm.shards.iter().enumerate() {
+                    let at = format!(
+                        "{}: milestone {}: models[{i}].shards[{j}]",
+                        path.display(),
+                        m.id
+                    );
+                    match tracegate_producers::Shards::parse(s) {
+                        Ok(x) if x.world >= 2 => {}
+                        Ok(x) => {
+                            return Err(gerr!(
+                                "{at}: {x} has one rank: a sharded milestone needs at least 2"
+                            ))
+                        }
+                        Err(e) => return Err(gerr!("{at}: {e}")),
+                    }
+                    if mm.shards[..j].contains(s) {
+                        return Err(gerr!("{at}: {s} is listed twice"));
+                    }
                 }
             }
             for d in m.models.iter().flat_map(|mm| &mm.declared_divergences) {

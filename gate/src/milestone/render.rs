@@ -21,9 +21,13 @@ pub fn render(r: &MilestoneReport) -> String {
     let mut out = String::new();
     out.push_str(&format!("gate {} — {}\n", r.milestone, r.claim));
     out.push_str(&format!(
-        "model {} ({}), prompts {} (sha256 {}), generate {}, threads {}, policy {}\n\n",
+        "model {} ({}){}, prompts {} (sha256 {}), generate {}, threads {}, policy {}\n\n",
         r.model,
         r.family,
+        r.shards
+            .as_ref()
+            .map(|s| format!(" sharded {s}"))
+            .unwrap_or_default(),
         r.prompt_file,
         &r.prompt_sha256[..16.min(r.prompt_sha256.len())],
         r.generate,

@@ -32,6 +32,7 @@ pub(super) fn cache_check(
         cache: false,
         force: None,
         seed: None,
+        shards: None,
     };
     let rec = crate::bisect::prefill::run_fresh(&o.root, &o.candidate, &verb, o.timeout);
     runs.push(rec.clone());

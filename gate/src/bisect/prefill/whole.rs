@@ -30,6 +30,7 @@ pub(crate) fn trace_run(
             cache: true,
             force,
             seed: o.sampling.then_some(o.sampler_seed),
+            shards: None,
         },
         o.timeout,
     )

@@ -55,12 +55,15 @@ pub(super) fn check_matches(
     expect: std::result::Result<&Expectation, &str>,
 ) -> CheckResult {
     match (&traces.engine, &traces.contract) {
-        (Ok(e), Ok(c)) => compare_matches(m, p, e, c, expect),
+        (Ok(e), Ok(c)) => compare_matches(Check::Matches, m, p, e, c, expect),
         (Err(e), _) | (_, Err(e)) => CheckResult::new(Check::Matches, Status::Fail, e.to_string()),
     }
 }
 
-fn compare_matches(
+/// `eng` ≡ `con` bit for bit, as `check` (`matches`; a sharded milestone's merged traces), with
+/// `eng`'s recorded counts.
+pub(super) fn compare_matches(
+    check: Check,
     m: &MilestoneModel,
     p: &Prompt,
     eng: &Trace,
@@ -167,7 +170,7 @@ fn compare_matches(
     judge(
         m,
         &p.id,
-        CheckResult::new(Check::Matches, Status::Pass, detail),
+        CheckResult::new(check, Status::Pass, detail),
         found,
     )
 }

@@ -32,6 +32,7 @@ mod prompt;
 mod ranks;
 mod recorded;
 mod report;
+mod sharded;
 mod traces;
 
 pub use plan::{dir_name, GateOptions, AUTO_POLICY};
@@ -137,7 +138,8 @@ impl Producers {
                 .clone()
                 .unwrap_or_else(|| default_oracle_cmd(&o.root)),
         )
-        .map_err(|e| gerr!("--oracle-cmd: {e}"))?;
+        .map_err(|e| gerr!("--oracle-cmd: {e}"))?
+        .sharded_by(tracegate_producers::ORACLE_SHARDS_FLAG);
         Ok(Producers {
             engine,
             contract,
@@ -150,9 +152,9 @@ impl Producers {
             Role::Engine | Role::EngineUncached => &self.engine,
             Role::Contract => &self.contract,
             Role::Oracle => &self.oracle,
-            Role::Candidate | Role::CandidateUncached | Role::Noise => {
-                unreachable!("a port milestone runs its candidate in run/port.rs")
-            }
+            _ => unreachable!(
+                "a port milestone runs in run/port.rs, a sharded one in run/sharded.rs"
+            ),
         }
     }
 }
@@ -239,6 +241,7 @@ fn produce(
                         force: (sampling && role == Role::Oracle)
                             .then(|| trace_of(plan, p, Role::Engine)),
                         seed: sampling.then_some(plan.seed),
+                        shards: None,
                     };
                     let rec = producers.of(role).run(&o.root, &verb, o.timeout);
                     if rec.timed_out {
@@ -346,6 +349,9 @@ pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<St
     let mut settled = Settled::settle(o)?;
     if settled.plans.first().is_some_and(|p| p.m.port.is_some()) {
         return port::run(o, settled);
+    }
+    if settled.plans.iter().any(|p| !p.mm.shards.is_empty()) {
+        return sharded::run(o, settled);
     }
     let _lock = crate::WorkLock::acquire(&o.root.join(&settled.work_rel))?;
     let producers = Producers::new(o)?;

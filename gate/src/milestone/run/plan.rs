@@ -67,6 +67,8 @@ pub(super) struct Plan {
     pub(super) policy: Policy,
     /// `<work>/<milestone>/<model directory name>`, relative to the root (or absolute).
     pub(super) work_rel: String,
+    /// A sharded milestone's split this plan judges (run/sharded.rs); None: one process.
+    pub(super) shards: Option<tracegate_producers::Shards>,
 }
 
 /// The milestone file and one plan per model that runs: every model of the milestone, or the
@@ -101,7 +103,8 @@ impl Settled {
                 m.prompts.sha256
             ));
         }
-        let selected = set.select(o.only.as_deref())?;
+        // `--only`, else the milestone's own part of the set (m2's), else all of it.
+        let selected = set.select(o.only.as_deref().or(m.prompts.only.as_deref()))?;
         // A declared divergence excuses a finding of one prompt: one of a prompt the set does
         // not hold excuses nothing, and says the milestone is not what its author thinks.
         for (i, mm) in m.models.iter().enumerate() {
@@ -180,6 +183,7 @@ impl Settled {
                 internals,
                 threads: o.threads,
                 policy: policy.clone(),
+                shards: None,
             });
         }
         Ok(Settled {
@@ -214,6 +218,9 @@ impl Plan {
         c.insert("threads".into(), json!(self.threads));
         c.insert("generate".into(), json!(self.generate));
         c.insert("model".into(), json!(self.model));
+        if let Some(s) = self.shards {
+            c.insert("shards".into(), json!(s.to_string()));
+        }
         c
     }
 }
@@ -311,6 +318,7 @@ impl Plan {
             totals: BTreeMap::new(),
             wall_s: BTreeMap::new(),
             verdict: GateVerdict::Fail,
+            shards: self.shards.map(|s| s.to_string()),
         };
         (report.totals, report.verdict) = tally(&report);
         report

@@ -655,6 +655,7 @@ fn produce(
                             cache: role != Role::CandidateUncached,
                             force: None,
                             seed: None,
+                            shards: None,
                         };
                         let (rec, sharded) =
                             super::ranks::run_trace(producer, &o.root, &verb, o.timeout, ranks);

@@ -17,7 +17,7 @@ use crate::prompts::Prompt;
 /// The expectation a prompt is held to, or why there is none to hold it to. Expectations hold
 /// for the milestone's own --generate: another N changes the digest, the decision count and the
 /// tokens, so those comparisons are NOT CHECKED, not failed.
-fn expectation<'m>(
+pub(super) fn expectation<'m>(
     m: &Milestone,
     mm: &'m MilestoneModel,
     p: &Prompt,

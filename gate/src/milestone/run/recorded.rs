@@ -45,13 +45,16 @@ pub(super) fn check_baselines(
     let mut out = Vec::new();
     let mut not_selected = Vec::new();
     // A baseline belongs to the model it requires: the one that ran, or the milestone's own
-    // (then NOT CHECKED under `--model`, by its unmet condition), not a sibling model.
+    // (then NOT CHECKED under `--model`, by its unmet condition), not a sibling model; and to
+    // the split it requires (a sharded milestone's), not a sibling split.
+    let split = plan.shards.map(|s| s.to_string());
     let ours = |b: &&Baseline| {
         b.milestone == m.id
             && b.requires
                 .get("model")
                 .and_then(Value::as_str)
                 .is_none_or(|want| want == plan.model || want == mm.model)
+            && b.requires.get("shards").and_then(Value::as_str) == split.as_deref()
     };
     for b in baselines.iter().filter(ours) {
         let name = Check::Baseline(b.id.clone());
@@ -278,8 +281,13 @@ pub(super) fn record_baseline(
     log: &mut Vec<String>,
 ) {
     let Plan { m, threads, .. } = plan;
+    // A sharded plan's baseline is of its split: `m2.tiny-qwen3-moe.short.tp2.t1.g8`.
+    let split = plan
+        .shards
+        .map(|s| format!(".{}{}", s.mode, s.world))
+        .unwrap_or_default();
     let id = format!(
-        "{}.{}.{}.t{}.g{}",
+        "{}.{}.{}{split}.t{}.g{}",
         m.id,
         dir_name(&plan.model),
         r.id,

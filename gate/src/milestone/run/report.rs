@@ -312,6 +312,10 @@ pub enum Role {
     /// A port's noise run (`--bless`, `gate init`): tracegate's own reference run in the claimed
     /// precision, recorded beside the golden trace.
     Noise,
+    /// A sharded milestone's runs (run/sharded.rs): each writes one trace per rank.
+    EngineSharded,
+    ContractSharded,
+    OracleSharded,
 }
 
 impl Role {
@@ -333,6 +337,9 @@ impl Role {
             Role::Candidate => "candidate",
             Role::CandidateUncached => "candidate_uncached",
             Role::Noise => "noise",
+            Role::EngineSharded => "engine_sharded",
+            Role::ContractSharded => "contract_sharded",
+            Role::OracleSharded => "oracle_sharded",
         }
     }
 
@@ -355,6 +362,10 @@ impl Role {
             Role::Candidate => "candidate.trace",
             Role::CandidateUncached => "candidate-uncached.trace",
             Role::Noise => "noise.trace",
+            // The merged trace, in its split's directory; the ranks' beside it (ranks.rs).
+            Role::EngineSharded => "engine.trace",
+            Role::ContractSharded => "contract.trace",
+            Role::OracleSharded => "oracle.trace",
         }
     }
 }
@@ -417,6 +428,9 @@ pub struct MilestoneReport {
     /// `producers`: the prompts' runs; `judge`: the checks; `total`): observed, never asserted.
     pub wall_s: BTreeMap<&'static str, f64>,
     pub verdict: GateVerdict,
+    /// A sharded milestone's split this report judges (`tp=2`; docs/gate.md, "m2").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shards: Option<String>,
 }
 
 impl MilestoneReport {

@@ -61,7 +61,7 @@ impl Traces {
             Role::EngineUncached => Some(&self.engine_uncached),
             Role::Contract => Some(&self.contract),
             Role::Oracle => Some(&self.oracle),
-            Role::Candidate | Role::CandidateUncached | Role::Noise => None,
+            _ => None,
         }
     }
 }
