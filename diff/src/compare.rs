@@ -6,7 +6,7 @@ use std::path::Path;
 
 use tracegate_trace::Trace;
 
-use crate::report::{Finding, Report, Side};
+use crate::report::{Finding, Method, Report, Side};
 use crate::structure::{forced_note, structure};
 use crate::values::values;
 use crate::{comparable, decisions, FilterSummary, FindingKind, Options, RowStatus, Verdict};
@@ -55,7 +55,106 @@ fn unreadable<T, E: std::fmt::Display>(mut rep: Report, sides: [&Result<T, E>; 2
 }
 
 /// Compares two opened traces: verify, comparability, structure, values, decisions.
+///
+/// Verification (unless `--no-verify`) is in two steps so that a difference early in the files
+/// is found without hashing both whole files first: each index now (decisions, padding, the
+/// content digest from the recorded per-tensor digests), the tensors' payloads at the end:
+/// every one before any verdict but DIFFERENT, for a DIFFERENT only those it read, the rest
+/// said to be NOT VERIFIED in a `verified_in_part` finding (docs/diff.md, "Early exit").
 pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
+    let rep = phases(reference, candidate, opts);
+    if !opts.verify || rep.verdict == Verdict::Unreadable {
+        return rep;
+    }
+    if rep.verdict != Verdict::Different {
+        let (vr, vc) = rayon::join(|| reference.verify(), || candidate.verify());
+        if vr.is_err() || vc.is_err() {
+            return unreadable_after(rep, vr, vc);
+        }
+        return rep;
+    }
+    let read = read_tensors(reference, candidate, &rep);
+    let check = |t: &Trace| -> Result<(), tracegate_trace::Error> {
+        read.iter()
+            .filter_map(|n| t.tensor_info(n))
+            .try_for_each(|i| t.verify_tensor(i))
+    };
+    let (vr, vc) = rayon::join(|| check(reference), || check(candidate));
+    if vr.is_err() || vc.is_err() {
+        return unreadable_after(rep, vr, vc);
+    }
+    let mut rep = rep;
+    for (label, t, is_ref) in [
+        ("reference", reference, true),
+        ("candidate", candidate, false),
+    ] {
+        let total: u64 = t.tensors().iter().map(|i| i.nbytes).sum();
+        let read_here: Vec<_> = read.iter().filter_map(|n| t.tensor_info(n)).collect();
+        let bytes: u64 = read_here.iter().map(|i| i.nbytes).sum();
+        let unread = t.tensors().len() - read_here.len();
+        if unread == 0 {
+            continue;
+        }
+        if is_ref {
+            rep.reference.verified = false;
+        } else {
+            rep.candidate.verified = false;
+        }
+        rep.findings.push(Finding::new(
+            FindingKind::VerifiedInPart,
+            None,
+            format!(
+                "{label}: verified its index, its decisions and the {} tensor(s) read ({bytes} of {total} payload bytes); the other {unread} tensor(s) ({} bytes) are NOT VERIFIED: a difference was found without them",
+                read_here.len(),
+                total - bytes
+            ),
+        ));
+    }
+    rep
+}
+
+/// The tensors whose bytes a DIFFERENT may rest on: those compared element by element (or by
+/// position), and the source of every common decision (its margins are checked against it).
+fn read_tensors(reference: &Trace, candidate: &Trace, rep: &Report) -> Vec<String> {
+    let mut read: Vec<String> = rep
+        .per_tensor
+        .iter()
+        .filter(|r| !matches!(r.method, Method::Digest | Method::NotScanned))
+        .map(|r| r.tensor.clone())
+        .collect();
+    for d in reference.decisions() {
+        if candidate.decision_info(&d.name).is_some() {
+            read.extend(decisions::source_tensor(&d.name, reference, candidate));
+        }
+    }
+    read.sort();
+    read.dedup();
+    read
+}
+
+/// An `unreadable` report in place of `rep`, whose phases ran on a file that fails verification.
+fn unreadable_after(
+    rep: Report,
+    vr: Result<(), tracegate_trace::Error>,
+    vc: Result<(), tracegate_trace::Error>,
+) -> Report {
+    let mut fresh = Report::empty(
+        Side {
+            verified: vr.is_ok(),
+            ..rep.reference
+        },
+        Side {
+            verified: vc.is_ok(),
+            ..rep.candidate
+        },
+        &Options::default(),
+    );
+    (fresh.policy, fresh.filter, fresh.scan) = (rep.policy, rep.filter, rep.scan);
+    unreadable(fresh, [&vr, &vc])
+}
+
+/// The phases, in order, with each index verified (`compare` verifies the payloads).
+fn phases(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     // Beside a noise reference the policy's noise ratio joins every rule (Policy::with_noise).
     let with_noise;
     let opts = match (&opts.policy, &opts.noise) {
@@ -81,10 +180,9 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
             .push(Finding::new(FindingKind::NothingSelected, None, why));
         return rep;
     }
-    // 1. Readable and verified. Both files are hashed at once (each verify is itself parallel
-    // across tensors, but one large tensor hashes on one core).
+    // 1. Readable and verified: both indexes now, at once; the payloads in `compare`.
     let (vr, vc) = if opts.verify {
-        rayon::join(|| reference.verify(), || candidate.verify())
+        rayon::join(|| reference.verify_index(), || candidate.verify_index())
     } else {
         (Ok(()), Ok(()))
     };

@@ -166,6 +166,9 @@ string_enum! {
         /// A bf16 candidate's values are the f32 reference's truncated, not rounded to nearest
         /// even (docs/diff.md, "Rounding mode"): fails, within the policy's bounds or not.
         RoundingMode = "rounding_mode",
+        /// A DIFFERENT found before every payload was hashed: what was read is verified, the
+        /// rest is not, and the finding counts both (docs/diff.md, "Early exit").
+        VerifiedInPart = "verified_in_part",
     }
 }
 

@@ -5,6 +5,7 @@ mod claims;
 mod cli;
 mod common;
 mod diffusion;
+mod early;
 mod explain;
 mod fuzz;
 mod labels;

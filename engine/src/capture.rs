@@ -4,12 +4,18 @@
 //! decode-step points only, renamed `decode.SSSS.*` (docs/producers.md). Under
 //! `--force-decisions` it also records which decisions were forced and marks every tensor
 //! captured after the first of them.
+//!
+//! A capture given a trace writer (`Capture::stream_to`) writes each tensor as it is recorded,
+//! so the trace never sits in memory (peak RSS does not grow with it: docs/benchmarks.md);
+//! decisions are small and kept to the end, after the tensors, as the format lays them out.
+//! Without one (a decode step's capture, the layer verb's joined rows) tensors are kept.
 
+use serde_json::Value;
 use tracegate_trace::names::{self, Name};
-use tracegate_trace::{Attributes, Shard, ShardKind, TraceWriter};
+use tracegate_trace::{Attributes, Digest, Shard, ShardKind, TraceWriter};
 
 use crate::force::Record;
-use crate::Result;
+use crate::{err, Error, Result};
 
 pub struct Tensor {
     pub name: String,
@@ -45,6 +51,21 @@ pub struct Capture {
     /// A rank of a sharded run (rank, world): every tensor is written with its `shard`
     /// attribute (docs/numerics.md §23.2), `replicated` where none was given.
     rank: Option<(u64, u64)>,
+    /// How many tensors were recorded (kept or written): `first_forced` counts in it.
+    recorded: usize,
+    /// Where each tensor goes as it is recorded (None: kept in `tensors`).
+    sink: Option<Box<Sink>>,
+    /// The first write that failed: the forward goes on, `finish` returns it.
+    failed: Option<Error>,
+}
+
+/// A streaming capture's writer, with what the attributes need that the capture does not know.
+struct Sink {
+    w: TraceWriter,
+    /// The `mask` attribute of layer l's tensors.
+    mask_of: Box<dyn Fn(usize) -> String + Send>,
+    /// `forced = <digest>` (the forcing trace's) on every tensor after a forced decision.
+    forcing_digest: Option<String>,
 }
 
 impl Capture {
@@ -60,6 +81,9 @@ impl Capture {
             step: None,
             decode_from: None,
             rank: None,
+            recorded: 0,
+            sink: None,
+            failed: None,
         }
     }
     pub fn off() -> Capture {
@@ -67,13 +91,7 @@ impl Capture {
             on: false,
             internals: false,
             path: "",
-            tensors: vec![],
-            decisions: vec![],
-            forced: vec![],
-            first_forced: None,
-            step: None,
-            decode_from: None,
-            rank: None,
+            ..Capture::new("", false)
         }
     }
     /// Decode step `s`'s forward, cached (one row) or uncached (the whole sequence): records
@@ -121,24 +139,61 @@ impl Capture {
         if let Some(s) = self.step {
             if self.on && self.step_keeps(name) && !positions.is_empty() {
                 let (rows, cols) = (positions.len(), data.len() / positions.len());
-                self.tensors.push(Tensor {
-                    name: names::decode(s, name),
-                    shape: vec![1, cols as u64],
-                    data: data[(rows - 1) * cols..].to_vec(),
-                    positions: vec![positions[rows - 1]],
+                let shape = [1, cols as u64];
+                let last = &data[(rows - 1) * cols..];
+                self.record(
+                    &names::decode(s, name),
+                    &shape,
+                    last,
+                    &positions[rows - 1..],
                     shard,
-                });
+                );
             }
             return;
         }
         if self.on {
+            let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+            self.record(name, &shape, data, positions, shard);
+        }
+    }
+
+    /// Writes the tensor when streaming, else keeps it.
+    fn record(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        data: &[f32],
+        positions: &[i64],
+        shard: Option<ShardKind>,
+    ) {
+        // Captured after the first forced decision: every tensor from here on.
+        let forced = self.first_forced.is_some();
+        self.recorded += 1;
+        let Some(sink) = self.sink.as_mut() else {
             self.tensors.push(Tensor {
                 name: name.to_string(),
-                shape: shape.iter().map(|&d| d as u64).collect(),
+                shape: shape.to_vec(),
                 data: data.to_vec(),
                 positions: positions.to_vec(),
                 shard,
             });
+            return;
+        };
+        if self.failed.is_some() {
+            return;
+        }
+        let attrs = attributes(
+            self.path,
+            self.rank,
+            self.decode_from,
+            sink,
+            forced,
+            name,
+            positions,
+            shard,
+        );
+        if let Err(e) = sink.w.tensor_f32(name, shape, data, &attrs) {
+            self.failed = Some(e.into());
         }
     }
 
@@ -183,7 +238,7 @@ impl Capture {
     /// producer would have chosen otherwise.
     pub fn forced(&mut self, name: &str, overridden: Vec<u64>) {
         if self.on && self.step.is_none() {
-            self.first_forced.get_or_insert(self.tensors.len());
+            self.first_forced.get_or_insert(self.recorded);
             self.forced.push(Record {
                 name: name.to_string(),
                 overridden,
@@ -212,6 +267,7 @@ impl Capture {
             self.first_forced = Some(joined.iter().position(|(_, f)| *f).unwrap_or(joined.len()));
         }
         self.tensors = joined.into_iter().map(|(t, _)| t).collect();
+        self.recorded = self.tensors.len();
         self.decisions.clear();
     }
 
@@ -221,46 +277,95 @@ impl Capture {
 
     /// A decode step's tensors, after everything recorded so far.
     pub fn append(&mut self, step: Capture) {
-        self.tensors.extend(step.tensors);
+        for t in step.tensors {
+            self.record(&t.name, &t.shape, &t.data, &t.positions, t.shard);
+        }
     }
 
-    /// Write everything, in order, with `path` (`decode` for a decode step's tensors), `mask`
-    /// (`mask_of(l)` for layer l's tensors, `causal` for the others) and `positions` attributes, and
-    /// `forced = <digest>` (the forcing trace's) on every tensor captured after a forced decision.
-    pub fn write(
-        &self,
-        w: &mut TraceWriter,
+    /// From here on every tensor goes to `w` as it is recorded, with `path` (`decode` for a
+    /// decode step's tensors), `mask` (`mask_of(l)` for layer l's tensors, `causal` for the
+    /// others) and `positions` attributes, and `forced = <forcing_digest>` on every tensor
+    /// captured after a forced decision; the tensors kept so far are written first, in order.
+    pub fn stream_to(
+        mut self,
+        w: TraceWriter,
         forcing_digest: Option<&str>,
-        mask_of: &dyn Fn(usize) -> String,
-    ) -> Result<()> {
-        for (i, t) in self.tensors.iter().enumerate() {
-            let name = Name::parse(&t.name);
-            let path = if name.decode_step.is_some() {
-                "decode"
-            } else {
-                self.path
-            };
-            let mut attrs = Attributes::default()
-                .with_path(path)
-                .with_mask(&name.layer.map_or_else(|| "causal".to_string(), mask_of))
-                .with_positions(t.positions.clone());
-            if let Some((rank, world)) = self.rank {
-                let kind = t.shard.clone().unwrap_or(ShardKind::Replicated);
-                attrs = attrs.with_shard(&Shard::new(rank, world, kind));
+        mask_of: Box<dyn Fn(usize) -> String + Send>,
+    ) -> Capture {
+        let kept = std::mem::take(&mut self.tensors);
+        let first_forced = self.first_forced;
+        (self.recorded, self.first_forced) = (0, None);
+        self.sink = Some(Box::new(Sink {
+            w,
+            mask_of,
+            forcing_digest: forcing_digest.map(str::to_string),
+        }));
+        for (i, t) in kept.into_iter().enumerate() {
+            // Recorded again in order: the first forced decision falls where it fell.
+            if first_forced == Some(i) {
+                self.first_forced = Some(i);
             }
-            if let Some(p) = self.decode_from {
-                attrs.extra.insert("decode_from".into(), p.to_string());
-            }
-            if let (Some(d), Some(first)) = (forcing_digest, self.first_forced) {
-                if i >= first {
-                    attrs.extra.insert("forced".into(), d.to_string());
-                }
-            }
-            w.tensor_f32(&t.name, &t.shape, &t.data, &attrs)?;
+            self.record(&t.name, &t.shape, &t.data, &t.positions, t.shard);
+        }
+        if first_forced.is_some() {
+            self.first_forced = first_forced;
+        }
+        self
+    }
+
+    /// Ends a streaming capture: the decisions after the tensors, then the index with
+    /// `provenance`, and the file renamed into place. A write that failed is the error, and
+    /// nothing is left at the final path (the writer removes its temporary).
+    pub fn finish(mut self, provenance: Value) -> Result<Digest> {
+        let Some(mut sink) = self.sink.take() else {
+            return Err(err!(Internal: "Capture::finish: the capture has no trace writer"));
+        };
+        if let Some(e) = self.failed.take() {
+            return Err(e);
         }
         for d in &self.decisions {
-            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref())?;
+            sink.w
+                .decision(&d.name, &d.shape, &d.values, d.margins.as_deref())?;
         }
-        Ok(())
+        sink.w.set_provenance(provenance)?;
+        Ok(sink.w.finish()?)
     }
+}
+
+/// A tensor's attributes as written (`Capture::stream_to` says which).
+#[allow(clippy::too_many_arguments)]
+fn attributes(
+    path: &str,
+    rank: Option<(u64, u64)>,
+    decode_from: Option<i64>,
+    sink: &Sink,
+    forced: bool,
+    name: &str,
+    positions: &[i64],
+    shard: Option<ShardKind>,
+) -> Attributes {
+    let parsed = Name::parse(name);
+    let path = if parsed.decode_step.is_some() {
+        "decode"
+    } else {
+        path
+    };
+    let mask = parsed
+        .layer
+        .map_or_else(|| "causal".to_string(), &sink.mask_of);
+    let mut attrs = Attributes::default()
+        .with_path(path)
+        .with_mask(&mask)
+        .with_positions(positions.to_vec());
+    if let Some((rank, world)) = rank {
+        let kind = shard.unwrap_or(ShardKind::Replicated);
+        attrs = attrs.with_shard(&Shard::new(rank, world, kind));
+    }
+    if let Some(p) = decode_from {
+        attrs.extra.insert("decode_from".into(), p.to_string());
+    }
+    if let (Some(d), true) = (&sink.forcing_digest, forced) {
+        attrs.extra.insert("forced".into(), d.clone());
+    }
+    attrs
 }

@@ -244,10 +244,12 @@ pub fn run_trace(o: &TraceOptions) -> Result<Digest> {
     let mut model = Model::load(cfg, &store)?;
     force(&mut model, o)?;
     let pool = pool(o.threads)?;
-    let (wd, cap) =
-        beside_weights_digest(&store, || pool.install(|| prefill_and_generate(&model, o)))?;
+    let cap = streaming(&o.out, Capture::new("prefill", o.internals), &model)?;
+    let (wd, cap) = beside_weights_digest(&store, || {
+        pool.install(|| prefill_and_generate(&model, o, cap))
+    })?;
     let prov = trace_provenance(o, &raw, &wd, &model.unused_tensors);
-    write(&o.out, prov, &cap, &model.cfg, model.forcing.as_ref(), &wd)
+    finish(prov, cap, model.forcing.as_ref(), &wd)
 }
 
 /// The prompt's and generation's limits checked, and the config read.
@@ -301,8 +303,7 @@ fn force(model: &mut Model, o: &TraceOptions) -> Result<()> {
 }
 
 /// `engine trace`'s forward: the prompt's prefill, its argmax decisions, then the greedy steps.
-fn prefill_and_generate(model: &Model, o: &TraceOptions) -> Result<Capture> {
-    let mut cap = Capture::new("prefill", o.internals).of_rank(model.rank());
+fn prefill_and_generate(model: &Model, o: &TraceOptions, mut cap: Capture) -> Result<Capture> {
     let mut kv = model.new_cache();
     let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
     let v = model.cfg.vocab_size;
@@ -439,7 +440,10 @@ fn run_ranks(
                         let comm = Arc::new(Comm::new(s, rank, collective.clone()));
                         let mut model = Model::load_rank(cfg, store, Some(comm))?;
                         force(&mut model, o)?;
-                        let cap = pool(o.threads)?.install(|| prefill_and_generate(&model, o))?;
+                        let out = shard::rank_path(&o.out, rank);
+                        let cap = streaming(&out, Capture::new("prefill", o.internals), &model)?;
+                        let cap =
+                            pool(o.threads)?.install(|| prefill_and_generate(&model, o, cap))?;
                         std::mem::forget(stop);
                         Ok((cap, model.forcing.take(), model.unused_tensors.clone()))
                     })
@@ -467,9 +471,8 @@ fn run_ranks(
         prov["shards"] = json!(s.to_string());
         prov["rank"] = json!(rank);
         prov["run_id"] = json!(run_id);
-        let out = shard::rank_path(&o.out, rank);
-        let digest = write(&out, prov, &cap, &cfg, forcing.as_ref(), &wd)?;
-        written.push((out, digest));
+        let digest = finish(prov, cap, forcing.as_ref(), &wd)?;
+        written.push((shard::rank_path(&o.out, rank), digest));
     }
     Ok(written)
 }
@@ -483,13 +486,22 @@ impl Drop for AbortOnDrop<'_> {
     }
 }
 
-/// Writes the capture; under `--force-decisions` (its weights checked against this run's) with
-/// the provenance record and the `forced` attribute.
-fn write(
-    out: &Path,
+/// `cap` (of `model`'s rank) writing each tensor to `out` as it is recorded, through the
+/// writer's temporary file: nothing is at `out` until `finish`. The provenance comes at the end.
+fn streaming(out: &Path, cap: Capture, model: &Model) -> Result<Capture> {
+    let w = TraceWriter::create(out, json!({}))?;
+    let cfg = model.cfg.clone();
+    let forcing = model.forcing.as_ref().map(|f| f.digest.as_str());
+    Ok(cap
+        .of_rank(model.rank())
+        .stream_to(w, forcing, Box::new(move |l| cfg.mask(l))))
+}
+
+/// Finishes the trace; under `--force-decisions` (its weights checked against this run's) with
+/// the provenance record.
+fn finish(
     mut prov: Value,
-    cap: &Capture,
-    cfg: &Config,
+    cap: Capture,
     forcing: Option<&Forcing>,
     weights_digest: &str,
 ) -> Result<Digest> {
@@ -497,9 +509,7 @@ fn write(
         f.check_weights(weights_digest)?;
         prov["forced_decisions"] = f.provenance(&cap.forced);
     }
-    let mut w = TraceWriter::create(out, prov)?;
-    cap.write(&mut w, forcing.map(|f| f.digest.as_str()), &|l| cfg.mask(l))?;
-    Ok(w.finish()?)
+    cap.finish(prov)
 }
 
 /// Runs `work` while another thread hashes the checkpoint for provenance: the digest reads every
@@ -611,7 +621,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         pool.install(|| -> Result<Capture> {
             let mut kv = Default::default();
             let Some(p) = o.decode_from.map(|p| p as usize) else {
-                let mut cap = Capture::new("layer", o.internals);
+                let mut cap = streaming(&o.out, Capture::new("layer", o.internals), &model)?;
                 let rope = model.rope(&pos);
                 model.layer(o.layer, &x, &pos, &rope, &mut kv, &mut cap)?;
                 return Ok(cap);
@@ -640,9 +650,10 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
                     &mut cap,
                 )?;
             }
+            // Joined, so kept until every row is in; then written.
             cap.join_rows();
             cap.decode_from = Some(p as i64);
-            Ok(cap)
+            streaming(&o.out, cap, &model)
         })
     })?;
     let mut prov = provenance(
@@ -660,7 +671,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
         prov["decode_from"] = json!(p);
     }
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
-    write(&o.out, prov, &cap, &model.cfg, model.forcing.as_ref(), &wd)
+    finish(prov, cap, model.forcing.as_ref(), &wd)
 }
 
 /// Qwen3.5 (docs/numerics.md §20), diffusion Gemma's vision tower: the tensors present and not

@@ -8,3 +8,4 @@ mod engine;
 mod force;
 mod qwen3_5;
 mod shard;
+mod stream;

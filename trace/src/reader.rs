@@ -584,25 +584,60 @@ impl Trace {
             .map(|t| xxh3_128(self.data(t)) != t.digest)
             .collect::<Vec<bool>>();
         if let Some(i) = bad_tensor.iter().position(|&b| b) {
-            let t = &self.tensors[i];
-            return Err(Error::Tampered {
-                path: self.path.clone(),
-                reason: format!(
-                    "tensor {:?} (bytes {}..{}) no longer matches its xxh3-128",
-                    t.name,
-                    t.offset,
-                    t.offset + t.nbytes
-                ),
-            });
+            return Err(self.tampered_tensor(&self.tensors[i]));
         }
         for t in self.tensors.iter().filter(|t| t.dtype == DType::Bool) {
-            if let Some((i, b)) = first_bad_bool(self.data(t)) {
-                return Err(Error::Malformed {
-                    path: self.path.clone(),
-                    reason: bad_bool_reason(&t.name, i, b),
-                });
-            }
+            self.check_bools(t)?;
         }
+        self.verify_all_but_tensors(true)
+    }
+
+    /// Everything [`Trace::verify`] checks but the tensors' payloads: the decisions' bytes, the
+    /// content digest recomputed from the index (so every recorded per-tensor digest is the
+    /// producer's) and the padding. With [`Trace::verify_tensor`] on each tensor read, a reader
+    /// that stops early has verified what it read (trace-diff, docs/diff.md).
+    pub fn verify_index(&self) -> Result<()> {
+        self.check_size()?;
+        self.verify_all_but_tensors(false)
+    }
+
+    /// One tensor's payload against its recorded xxh3-128 (and its `bool` bytes).
+    pub fn verify_tensor(&self, t: &TensorInfo) -> Result<()> {
+        self.check_size()?;
+        if xxh3_128(self.data(t)) != t.digest {
+            return Err(self.tampered_tensor(t));
+        }
+        self.check_bools(t)
+    }
+
+    fn tampered_tensor(&self, t: &TensorInfo) -> Error {
+        Error::Tampered {
+            path: self.path.clone(),
+            reason: format!(
+                "tensor {:?} (bytes {}..{}) no longer matches its xxh3-128",
+                t.name,
+                t.offset,
+                t.offset + t.nbytes
+            ),
+        }
+    }
+
+    fn check_bools(&self, t: &TensorInfo) -> Result<()> {
+        if t.dtype != DType::Bool {
+            return Ok(());
+        }
+        match first_bad_bool(self.data(t)) {
+            Some((i, b)) => Err(Error::Malformed {
+                path: self.path.clone(),
+                reason: bad_bool_reason(&t.name, i, b),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Decisions, content digest and padding; `payloads_checked`: every tensor's payload was
+    /// verified first (then a digest mismatch can only be the index's).
+    fn verify_all_but_tensors(&self, payloads_checked: bool) -> Result<()> {
         let mut c = Canonical::new(self.tensors.len());
         for t in &self.tensors {
             c.tensor(&t.name, t.dtype, &t.shape, &t.attributes, t.digest);
@@ -626,12 +661,17 @@ impl Trace {
         }
         let recomputed = c.finish();
         if recomputed != self.digest {
+            let what = if payloads_checked {
+                // Every payload matched its own digest, so what changed is index content (a
+                // name, dtype, shape or attribute), which has no second copy to name it by.
+                "every payload matches its digest, so the index itself (a name, dtype, shape or attribute) was edited"
+            } else {
+                "the index (a name, dtype, shape, attribute or recorded tensor digest) was edited"
+            };
             return Err(Error::Tampered {
                 path: self.path.clone(),
-                // Every payload matched its own digest above, so what changed is index content
-                // (a name, dtype, shape or attribute), which has no second copy to name it by.
                 reason: format!(
-                    "content digest is {} but the index records {}: every payload matches its digest, so the index itself (a name, dtype, shape or attribute) was edited",
+                    "content digest is {} but the index records {}: {what}",
                     recomputed.hex(),
                     self.digest.hex()
                 ),

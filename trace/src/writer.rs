@@ -283,11 +283,27 @@ impl TraceWriter {
         data: &[f32],
         attributes: &Attributes,
     ) -> Result<()> {
-        let mut bytes = Vec::with_capacity(data.len() * 4);
-        for v in data {
-            bytes.extend_from_slice(&v.to_le_bytes());
+        // Little-endian hosts write the elements' own bytes: no copy of the tensor.
+        #[cfg(target_endian = "little")]
+        // SAFETY: f32 has no padding and every byte of it is initialised; u8 needs no alignment.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4) };
+        #[cfg(not(target_endian = "little"))]
+        let bytes = &data
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>();
+        self.tensor(name, DType::F32, shape, bytes, attributes)
+    }
+
+    /// Replaces the provenance given to `create`: a producer that streams its tensors learns
+    /// some of it (a digest computed beside the run, what was forced) only at the end.
+    pub fn set_provenance(&mut self, provenance: Value) -> Result<()> {
+        if !provenance.is_object() {
+            return Err(Error::Invalid("provenance must be a JSON object".into()));
         }
-        self.tensor(name, DType::F32, shape, &bytes, attributes)
+        self.provenance = provenance;
+        Ok(())
     }
 
     /// Records a discrete decision: `values` in row-major order over `shape`, and optionally

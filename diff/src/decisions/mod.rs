@@ -21,6 +21,7 @@ use tracegate_trace::{DecisionInfo, Trace};
 pub(crate) use diffusion::{one_sided_after_sampling, still_different};
 pub use own::{own_scores, OwnScores};
 pub use rows::{margin_tolerance, MARGIN_SLACK};
+pub(crate) use source::source_tensor;
 
 use crate::excuse::Excusal;
 use crate::passes;
@@ -31,7 +32,7 @@ use crate::{
 };
 use diffusion::RunIndex;
 use rows::{compare_one, LeftOut};
-use source::{source_tensor, taken_at};
+use source::taken_at;
 
 /// What `compare` found for one reference decision, in recorded order.
 enum Slot<'a> {

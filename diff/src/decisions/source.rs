@@ -12,7 +12,7 @@ use crate::{numeric, Pair};
 /// `decode.SSSS.logits`, else `logits`, for `decode.SSSS.argmax`; `denoise.BBBB.SSSS.logits.tempered`
 /// for `denoise.BBBB.SSSS.argmax` (a router of any pass: that pass's `router.logits`); `layer.NN.router.logits`,
 /// else `layer.NN.hidden_in`, for `layer.NN.router.topk`; `X` for any other `X.argmax`.
-pub(super) fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
+pub(crate) fn source_tensor(name: &str, r: &Trace, c: &Trace) -> Option<String> {
     let both = |n: &str| r.tensor_info(n).is_some() && c.tensor_info(n).is_some();
     let n = Name::parse(name);
     let at = |point| Name { point, ..n }.to_string();

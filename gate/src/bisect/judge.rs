@@ -504,7 +504,8 @@ pub fn finding_class(kind: tracegate_diff::FindingKind) -> FindingClass {
         | K::PolicyPrecisionMismatch
         | K::PrecisionClaim
         | K::SamplingDivergence
-        | K::AfterSamplingDivergence => FindingClass::Note,
+        | K::AfterSamplingDivergence
+        | K::VerifiedInPart => FindingClass::Note,
         K::Unreadable
         | K::StackMismatch
         | K::WeightsMismatch
