@@ -15,7 +15,7 @@
 //! Below both, what they share: this file (the errors, the root, JSON files written whole, the
 //! work directory's lock), [`journal`] (a project's files changed whole by `gate init` and
 //! `--bless`), [`prompts`] (prompt sets, a model's config and whether a prompt fits
-//! it), [`paths`] and [`progress`]. On top, main.rs: the CLI.
+//! it), [`ranks`] (a sharded candidate's rank traces run and merged), [`paths`] and [`progress`]. On top, main.rs: the CLI.
 
 pub mod bisect;
 pub mod journal;
@@ -23,6 +23,7 @@ pub mod milestone;
 pub mod paths;
 pub mod progress;
 pub mod prompts;
+pub mod ranks;
 
 use std::path::{Path, PathBuf};
 

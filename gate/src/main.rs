@@ -251,6 +251,11 @@ struct BisectArgs {
     /// With --capsule: keep every row of the prompt (no minimisation).
     #[arg(long, requires = "capsule")]
     capsule_full: bool,
+    /// The candidate's trace verb is sharded over N ranks: its --out holds {rank}, the rank
+    /// traces are merged, and the first divergence is named at its rank; a merge refused is the
+    /// finding (exit 1). Its layer verb is run unsharded (docs/bisect.md, "Sharded candidates").
+    #[arg(long, value_name = "N", value_parser = at_least_one_u64)]
+    ranks: Option<u64>,
 }
 
 #[derive(Args)]
@@ -541,6 +546,7 @@ fn bisect_options(
         timeout: std::time::Duration::from_secs(a.timeout),
         gate_invocation: std::env::args().collect(),
         allow_stack_mismatch: a.allow_stack_mismatch,
+        ranks: a.ranks,
         noise: match &a.noise_reference {
             None => None,
             Some(p) => {

@@ -6,6 +6,7 @@ mod bisect;
 mod bisect_adversary;
 mod bisect_decode;
 mod bisect_diffusion;
+mod bisect_ranks;
 mod bisect_stored;
 mod capsule;
 mod ci;

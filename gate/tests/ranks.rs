@@ -20,7 +20,7 @@ fn example_producer() -> PathBuf {
 }
 
 /// The example producer behind tests/producers/sharded_port.py with `plants`.
-fn sharded(plants: &str) -> String {
+pub(crate) fn sharded(plants: &str) -> String {
     format!(
         "'{}' '{}' --exe '{}' {plants} {{verb}} {{args}}",
         common::python().display(),

@@ -9,7 +9,8 @@
 //! - diffusion/: `--generate N` on a block-diffusion model, the passes after the prompt;
 //! - this file: the bisection itself (`run`: the prefill, then the decode steps) and its report;
 //! - render.rs the text output and html/ the page (`--html`), both of the whole report;
-//! - capsule/: `--capsule DIR`, the first wrong layer as a repro capsule, and its replay.
+//! - capsule/: `--capsule DIR`, the first wrong layer as a repro capsule, and its replay;
+//! - sharded.rs: `--ranks N`, a sharded candidate's merged run, refusals and ranks.
 
 use serde::Serialize;
 use tracegate_diff::{Options, Verdict};
@@ -24,6 +25,7 @@ pub mod html;
 pub mod judge;
 pub mod prefill;
 pub mod render;
+pub mod sharded;
 
 use judge::{By, Judge, Outliers, RoundingLevel};
 use prefill::*;
@@ -124,8 +126,13 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     work::prepare(&work_dir)?;
     let _progress = crate::progress::start("bisect", 1);
     let mut runs = Vec::new();
-    let whole = whole::whole_runs(o, &mut runs)?;
-    let (judge, policy, ordered) = whole::choose_judge(o, &whole)?;
+    let whole = match whole::whole_runs(o, &mut runs)? {
+        whole::Wholes::Both(w) => w,
+        whole::Wholes::RanksRefused(s, reference) => {
+            return sharded::refused_report(o, s, &reference, runs)
+        }
+    };
+    let (judge, policy, ordered) = whole::choose_judge(o, (&whole.reference, &whole.candidate))?;
     // The decode steps are bisected after the prefill, step by step (decode/).
     let opts = Options {
         all: true,
@@ -285,7 +292,7 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
     } else {
         (None, (verdict, summary))
     };
-    Ok(BisectReport {
+    let mut report = BisectReport {
         schema: SCHEMA,
         summary,
         verdict,
@@ -294,21 +301,10 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         prompt: o.prompt.clone(),
         tokens: o.tokens.clone(),
         reference: o.reference.name(),
-        reference_trace: match &o.reference {
-            Reference::Stored(s) => Some(ReferenceTrace {
-                path: s.shown.clone(),
-                digest: s.digest.clone(),
-                producer: s.producer.clone(),
-            }),
-            Reference::Run(_) => None,
-        },
+        reference_trace: reference_trace(o),
         candidate: o.candidate.name(),
         judge,
-        capture: if o.internals {
-            Capture::Internals
-        } else {
-            Capture::Default
-        },
+        capture: capture(o),
         layers_total: n,
         decisions_forced,
         whole_run: located.whole_run,
@@ -328,7 +324,32 @@ pub fn run(o: &BisectOptions) -> Result<BisectReport> {
         runs,
         gate_invocation: o.gate_invocation.clone(),
         policy,
-    })
+        sharded: None,
+    };
+    if let Some(run) = whole.sharded.clone() {
+        report.sharded = Some(sharded::merged(o, run, &whole, &mut report));
+    }
+    Ok(report)
+}
+
+/// `--reference trace:PATH`: the stored trace judged against (None: a producer ran).
+fn reference_trace(o: &BisectOptions) -> Option<ReferenceTrace> {
+    match &o.reference {
+        Reference::Stored(s) => Some(ReferenceTrace {
+            path: s.shown.clone(),
+            digest: s.digest.clone(),
+            producer: s.producer.clone(),
+        }),
+        Reference::Run(_) => None,
+    }
+}
+
+fn capture(o: &BisectOptions) -> Capture {
+    if o.internals {
+        Capture::Internals
+    } else {
+        Capture::Default
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -378,4 +399,7 @@ pub struct BisectReport {
     /// a capsule's policy.json (capsule/).
     #[serde(skip)]
     pub policy: Option<tracegate_diff::Policy>,
+    /// `--ranks N`: the candidate's rank traces merged (or refused), where the first divergence
+    /// is and which rank holds it, and which layer verb isolated (sharded.rs); null without it.
+    pub sharded: Option<sharded::Sharded>,
 }

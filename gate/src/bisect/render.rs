@@ -31,6 +31,13 @@ pub fn render(r: &BisectReport) -> String {
             .unwrap_or_default(),
         r.capture
     ));
+    if let Some(s) = &r.sharded {
+        o.push_str(&format!("  sharded candidate: {}\n", s.run.line()));
+        if let Some(a) = &s.at {
+            o.push_str(&format!("  at rank: {}\n", a.words()));
+        }
+        o.push_str(&format!("  layer verb: {}\n", s.layer_verb));
+    }
     if let Some(f) = &r.decisions_forced {
         match &f.candidate_trace {
             Some(t) => o.push_str(&format!(

@@ -13,8 +13,17 @@ defect a sharded port could have, for the gate to name):
   --perturb RANK:TENSOR   RANK's shard of TENSOR with its first element moved by 1.0
   --skip RANK             RANK writes no trace
   --say-world N           every rank's `shard` says world size N (the files are still WORLD)
+  --skip-carry RANK:TENSOR  in a cached run (`--cache on`) only, TENSOR (a decode step's partial
+                          sum) recorded as the carry's result, replicated, but RANK's copy its
+                          own partial (its first element moved by 1.0): a rank that skips the
+                          all-reduce in cached decode, the prefill and the uncached run right
+  --partials              every partial sum split into real summands (rank r < WORLD-1 holds
+                          x*0.37/(WORLD-1) rounded, the last rank the rest): reduced in rank
+                          order they differ from x by rounding, another order within f32
 
-The `layer` verb is the base's, unchanged. Not for real use.
+  --no-layer              the `layer` verb is not answered (exit 2): a port that only shards
+
+The `layer` verb is otherwise the base's, unchanged (unsharded). Not for real use.
 """
 
 import os
@@ -57,11 +66,32 @@ def blocks(size: int, world: int):
     return out
 
 
+def summand(x, rank: int, world: int):
+    """Rank `rank`'s summand of x: x*0.37/(world-1) rounded to f32 on every rank but the last,
+    which holds x minus the others' (in f32, left to right)."""
+    x = x.astype(np.float32)
+    if world == 1:
+        return x
+    share = (x * np.float32(0.37 / (world - 1))).astype(np.float32)
+    if rank < world - 1:
+        return share
+    rest = x
+    for _ in range(world - 1):
+        rest = (rest - share).astype(np.float32)
+    return rest
+
+
 def main() -> int:
     argv = sys.argv[1:]
     exe, world, wrong, perturb, skip, say = None, 2, None, [], None, None
+    skip_carry, partials, no_layer = None, False, False
     flags = ("--exe", "--world", "--wrong-offset", "--perturb", "--skip", "--say-world")
-    while argv and argv[0] in flags:
+    while argv and argv[0] in (*flags, "--skip-carry", "--partials", "--no-layer"):
+        if argv[0] in ("--partials", "--no-layer"):
+            partials = partials or argv[0] == "--partials"
+            no_layer = no_layer or argv[0] == "--no-layer"
+            argv = argv[1:]
+            continue
         flag, value, argv = argv[0], argv[1], argv[2:]
         if flag == "--exe":
             exe = value
@@ -74,10 +104,16 @@ def main() -> int:
             perturb.append((int(rank), tensor))
         elif flag == "--skip":
             skip = int(value)
+        elif flag == "--skip-carry":
+            rank, _, tensor = value.partition(":")
+            skip_carry = (int(rank), tensor)
         else:
             say = int(value)
     if exe is None or not argv:
         print(__doc__, file=sys.stderr)
+        return 2
+    if argv[0] == "layer" and no_layer:
+        print("sharded_port: no layer verb (this port runs sharded only)", file=sys.stderr)
         return 2
     if argv[0] != "trace":
         return subprocess.call([exe, *argv])
@@ -92,6 +128,11 @@ def main() -> int:
         if rc:
             return rc
         t = tracegate.Trace(whole)
+        cached = "--cache" in argv and argv[argv.index("--cache") + 1] == "on"
+        if skip_carry is not None and skip_carry[1] not in t.names:
+            print(f"sharded_port: no tensor {skip_carry[1]} to skip the carry of", file=sys.stderr)
+            return 3
+        carry = skip_carry if cached else None
         for _, tensor in perturb:
             if tensor not in t.names:  # a plant of nothing proves nothing
                 print(f"sharded_port: no tensor {tensor} to perturb", file=sys.stderr)
@@ -111,6 +152,12 @@ def main() -> int:
                         part = np.take(array, range(offset, offset + length), axis=axis)
                         at = 0 if rank == wrong else offset
                         shard = f"slice;axis={axis};offset={at};length={length};size={array.shape[axis]}"
+                    elif carry is not None and name == carry[1]:
+                        part, shard = array.copy(), "replicated"
+                        if rank == carry[0]:
+                            part.reshape(-1)[0] += np.float32(1.0)
+                    elif kind == "partial" and partials:
+                        part, shard = summand(array, rank, world), "partial"
                     elif kind == "partial":
                         part = array if rank == 0 else np.full_like(array, -0.0)
                         shard = "partial"

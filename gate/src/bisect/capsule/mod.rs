@@ -143,6 +143,7 @@ impl Replay<'_> {
             gate_invocation: Vec::new(),
             allow_stack_mismatch: self.allow_stack_mismatch,
             noise: None,
+            ranks: None,
         };
         let layer = self.layer;
         let reference = open(self.root, input)?;

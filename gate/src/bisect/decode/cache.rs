@@ -34,7 +34,7 @@ pub(super) fn cache_check(
         seed: None,
         shards: None,
     };
-    let rec = crate::bisect::prefill::run_fresh(&o.root, &o.candidate, &verb, o.timeout);
+    let (rec, _) = crate::bisect::sharded::candidate_trace(o, &verb);
     runs.push(rec.clone());
     crate::progress::step("decode: candidate traced with --cache off");
     if !rec.ok {

@@ -66,7 +66,7 @@ pub struct DecodeReport {
 }
 
 impl DecodeReport {
-    pub(super) fn new(generate: usize) -> DecodeReport {
+    pub(crate) fn new(generate: usize) -> DecodeReport {
         DecodeReport {
             generate,
             status: DecodeStatus::Compared,

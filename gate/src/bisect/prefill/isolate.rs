@@ -202,7 +202,8 @@ pub(crate) fn isolate_with(
     runs.push(rec.clone());
     if !rec.ok {
         return Err(gerr!(
-            Producer: "the candidate's layer verb failed: {} ($ {})",
+            Producer: "{}the candidate's layer verb failed: {} ($ {})",
+            crate::bisect::sharded::layer_verb_failed(o),
             rec.why()
                 .lines()
                 .map(str::trim)
@@ -224,6 +225,7 @@ pub(crate) fn isolate_with(
             open(&o.root, &rel)?
         }
     };
+    crate::bisect::sharded::unsharded_layer_trace(o, &cand)?;
     for need in ["attn_out", "mlp_out", "hidden_out"] {
         let name = names::layer(layer, need);
         if cand.tensor_info(&name).is_none() {

@@ -85,6 +85,9 @@ pub struct BisectOptions {
     /// `--noise-reference`: tracegate's noise run of the reference, read by the whole runs'
     /// comparison (near-ties' honest noise, the policy's noise ratio; docs/diff.md).
     pub noise: Option<tracegate_diff::NoiseReference>,
+    /// `--ranks N`: the candidate's `trace` verb is sharded over N ranks, its rank traces merged
+    /// (../sharded.rs); None: one process.
+    pub ranks: Option<u64>,
 }
 
 /// `engine|contract|oracle|cmd` plus an optional template into a producer; usage errors as values.

@@ -205,6 +205,9 @@ string_enum! {
         StructureDiffers = "structure_differs",
         NotChecked = "not_checked",
         CachedDecodeDiffers = "cached_decode_differs",
+        /// `--ranks N`: the merge refused the candidate's rank traces (a rank that skipped the
+        /// carry, a slice at the wrong offset, an expert on two ranks or none), naming the rank.
+        RankTracesRefused = "rank_traces_refused",
     }
 }
 
@@ -223,7 +226,8 @@ impl BisectVerdict {
             | BisectVerdict::Accumulates
             | BisectVerdict::OutsideLayers
             | BisectVerdict::DecisionsDiffer
-            | BisectVerdict::StructureDiffers => 1,
+            | BisectVerdict::StructureDiffers
+            | BisectVerdict::RankTracesRefused => 1,
         }
     }
 }

@@ -9,31 +9,41 @@ pub(crate) struct Whole {
     pub candidate: Trace,
     pub ref_rel: String,
     pub cand_rel: String,
+    /// `--ranks N`: the candidate's rank traces, merged into `candidate`.
+    pub sharded: Option<crate::ranks::ShardedRun>,
 }
 
-/// A whole trace of the prompt by `p` at `out`; `force`: the trace whose decisions it takes.
-pub(crate) fn trace_run(
+/// The whole runs, or (`--ranks N`) the candidate's rank traces refused by the merge: the
+/// bisection's finding (../sharded.rs), with the reference's trace when it ran.
+#[allow(clippy::large_enum_variant)] // one per bisection, moved once
+pub(crate) enum Wholes {
+    Both(Whole),
+    RanksRefused(crate::ranks::ShardedRun, Trace),
+}
+
+/// The `trace` verb of a whole run of the prompt at `out`; `force`: the trace whose decisions
+/// it takes.
+pub(crate) fn trace_verb(o: &BisectOptions, out: &str, force: Option<String>) -> Verb {
+    Verb::Trace {
+        model: o.model.clone(),
+        tokens: o.tokens.clone(),
+        out: out.into(),
+        internals: o.internals,
+        generate: o.generate,
+        cache: true,
+        force,
+        seed: o.sampling.then_some(o.sampler_seed),
+        shards: None,
+    }
+}
+
+/// The candidate's whole trace at `out` (sharded under `--ranks`: ../sharded.rs).
+pub(crate) fn candidate_run(
     o: &BisectOptions,
-    p: &Producer,
     out: &str,
     force: Option<String>,
-) -> RunRecord {
-    run_fresh(
-        &o.root,
-        p,
-        &Verb::Trace {
-            model: o.model.clone(),
-            tokens: o.tokens.clone(),
-            out: out.into(),
-            internals: o.internals,
-            generate: o.generate,
-            cache: true,
-            force,
-            seed: o.sampling.then_some(o.sampler_seed),
-            shards: None,
-        },
-        o.timeout,
-    )
+) -> (RunRecord, Option<crate::ranks::ShardedRun>) {
+    crate::bisect::sharded::candidate_trace(o, &trace_verb(o, out, force))
 }
 
 fn failed(side: &str, rec: &RunRecord) -> crate::Error {
@@ -46,8 +56,9 @@ fn failed(side: &str, rec: &RunRecord) -> crate::Error {
 }
 
 /// Both whole runs at once (one is usually a subprocess), or the candidate's beside a stored
-/// reference; a side that fails refuses the bisection.
-pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result<Whole> {
+/// reference; a side that fails refuses the bisection, except a sharded candidate whose rank
+/// traces the merge refused (`Wholes::RanksRefused`).
+pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result<Wholes> {
     let ref_rel = format!("{}/reference.trace", o.work);
     let cand_rel = format!("{}/candidate.trace", o.work);
     let producer = match &o.reference {
@@ -55,48 +66,57 @@ pub(crate) fn whole_runs(o: &BisectOptions, runs: &mut Vec<RunRecord>) -> Result
         Reference::Stored(stored) => {
             // Verified before the candidate runs: an edited file costs no run.
             let reference = stored.adopt(o, &ref_rel)?;
-            let cr = trace_run(o, &o.candidate, &cand_rel, None);
+            let (cr, sharded) = candidate_run(o, &cand_rel, None);
             runs.push(cr.clone());
             crate::progress::step("whole run of the candidate (the reference is stored)");
+            if let Some(s) = sharded.as_ref().filter(|s| s.refused.is_some()) {
+                return Ok(Wholes::RanksRefused(s.clone(), reference));
+            }
             if !cr.ok {
                 return Err(failed("candidate", &cr));
             }
-            return Ok(Whole {
+            return Ok(Wholes::Both(Whole {
                 reference,
                 candidate: open(&o.root, &cand_rel)?,
                 ref_rel,
                 cand_rel,
-            });
+                sharded,
+            }));
         }
     };
-    let (rr, cr) = std::thread::scope(|s| {
-        let h = s.spawn(|| trace_run(o, &o.candidate, &cand_rel, None));
+    let (rr, (cr, sharded)) = std::thread::scope(|s| {
+        let h = s.spawn(|| candidate_run(o, &cand_rel, None));
         (
-            trace_run(o, producer, &ref_rel, None),
+            run_fresh(&o.root, producer, &trace_verb(o, &ref_rel, None), o.timeout),
             h.join().expect("candidate thread"),
         )
     });
     runs.extend([rr.clone(), cr.clone()]);
     crate::progress::step("whole runs of the reference and the candidate");
-    for (side, rec) in [("reference", &rr), ("candidate", &cr)] {
-        if !rec.ok {
-            return Err(failed(side, rec));
-        }
+    if !rr.ok {
+        return Err(failed("reference", &rr));
     }
-    Ok(Whole {
+    if let Some(s) = sharded.as_ref().filter(|s| s.refused.is_some()) {
+        return Ok(Wholes::RanksRefused(s.clone(), open(&o.root, &ref_rel)?));
+    }
+    if !cr.ok {
+        return Err(failed("candidate", &cr));
+    }
+    Ok(Wholes::Both(Whole {
         reference: open(&o.root, &ref_rel)?,
         candidate: open(&o.root, &cand_rel)?,
         ref_rel,
         cand_rel,
-    })
+        sharded,
+    }))
 }
 
 /// By bits for two ordered producers, else by the policy for the candidate's precision, unless
 /// --exact or --policy says otherwise. An oracle's provenance is never ordered. Also whether
-/// each side (reference, candidate) is ordered.
+/// each side (reference, candidate) is ordered. `traces`: the reference's and the candidate's.
 pub(crate) fn choose_judge(
     o: &BisectOptions,
-    whole: &Whole,
+    (reference, candidate): (&Trace, &Trace),
 ) -> Result<(Judge, Option<Policy>, (bool, bool))> {
     let ask = match (o.exact, &o.policy) {
         (true, Some(p)) => {
@@ -110,16 +130,16 @@ pub(crate) fn choose_judge(
     };
     let ordered = (
         match &o.reference {
-            Reference::Run(p) => is_ordered(&o.root, p) && !is_oracle(&whole.reference),
+            Reference::Run(p) => is_ordered(&o.root, p) && !is_oracle(reference),
             Reference::Stored(s) => s.ordered,
         },
-        is_ordered(&o.root, &o.candidate) && !is_oracle(&whole.candidate),
+        is_ordered(&o.root, &o.candidate) && !is_oracle(candidate),
     );
     let (judge, policy) = judge::choose(
         &ask,
         (&o.reference.described(), &o.candidate.name()),
         ordered,
-        &whole.candidate,
+        candidate,
         o.precision.as_deref(),
         &o.root,
     )?;
@@ -300,7 +320,7 @@ pub(crate) fn trace_forced(
     opts: &Options,
     runs: &mut Vec<RunRecord>,
 ) -> (DecisionsForced, Option<(Report, Trace)>) {
-    let rec = trace_run(o, &o.candidate, &rel, Some(ref_rel.to_string()));
+    let (rec, _) = candidate_run(o, &rel, Some(ref_rel.to_string()));
     runs.push(rec.clone());
     let mut f = DecisionsForced {
         status: Forcing::NotForced,

@@ -1230,6 +1230,7 @@ fn localise(
             gate_invocation: o.gate_invocation.clone(),
             allow_stack_mismatch: false,
             noise: noise.map(|n| tracegate_diff::NoiseReference(n.clone())),
+            ranks: None,
         })
     });
     match result {

@@ -1,0 +1,235 @@
+//! `gate bisect --ranks 2` (docs/bisect.md, "Sharded candidates"): the example producer split into
+//! two rank traces by tests/producers/sharded_port.py, bisected against the engine. Planted
+//! sharding defects, each named at its rank, layer and tensor by the bisection and by
+//! `trace-diff` of the `{rank}` side: (a) a rank that skips the carry in cached decode only, (b)
+//! a slice at the wrong offset, a perturbed shard of q (merged; attributed to the rank whose
+//! slice holds it, and to rank 0 when rank 0's is perturbed), (d) partial sums reduced in another
+//! order: different by bits, within the f32 policy, and not called a defect. The layer verb:
+//! isolated by the candidate's unsharded one, NOT CHECKED when it does not answer.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::common::{self, assert_valid_bisect_report, repo};
+use crate::ranks::sharded;
+
+const TOKENS: &str = "12,218,345,152,81";
+
+struct Bisected {
+    code: i32,
+    stdout: String,
+    report: Value,
+    /// The work directory (relative to the root), where the rank traces are.
+    work: tempfile::TempDir,
+}
+
+/// `gate bisect --ranks 2` of tiny-qwen3: the engine against the sharded example producer with
+/// `plants`, and `more` arguments.
+fn bisect(plants: &str, more: &[&str]) -> Bisected {
+    let root = repo();
+    let work = tempfile::tempdir_in(root.join("target")).unwrap();
+    let work_rel = work
+        .path()
+        .strip_prefix(&root)
+        .unwrap()
+        .display()
+        .to_string();
+    let report = work.path().join("report.json");
+    let cmd = sharded(plants);
+    let out = common::gate()
+        .current_dir(&root)
+        .args(["--root", root.to_str().unwrap(), "bisect"])
+        .args(["--model", "fixtures/tiny-qwen3", "--tokens", TOKENS])
+        .args(["--work", &work_rel, "--report", report.to_str().unwrap()])
+        .args(["--reference", "engine", "--candidate", "cmd"])
+        .args(["--candidate-cmd", &cmd, "--ranks", "2"])
+        .args(more)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let report: Value = serde_json::from_str(
+        &std::fs::read_to_string(&report)
+            .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}")),
+    )
+    .unwrap();
+    assert_valid_bisect_report(&report);
+    let code = out.status.code().unwrap_or(-1);
+    assert_ne!(code, 2, "refused:\n{stdout}\n{stderr}");
+    Bisected {
+        code,
+        stdout,
+        report,
+        work,
+    }
+}
+
+/// `trace-diff` of `reference` and the candidate's `{rank}` side in `work`: exit status and
+/// stdout + stderr.
+fn trace_diff(reference: &Path, work: &Path, more: &[&str]) -> (i32, String) {
+    let exe = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("trace-diff");
+    let out = std::process::Command::new(exe)
+        .arg(reference)
+        .arg(work.join("candidate.rank{rank}.trace"))
+        .args(more)
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), said)
+}
+
+/// The report's `sharded.at`: (step, layer, point, rank).
+fn at(r: &Value) -> (Value, Value, Value, Value) {
+    let a = &r["sharded"]["at"];
+    (
+        a["step"].clone(),
+        a["layer"].clone(),
+        a["point"].clone(),
+        a["rank"].clone(),
+    )
+}
+
+#[test]
+fn a_rank_that_skips_the_carry_in_cached_decode_is_named_at_its_step_layer_tensor_and_rank() {
+    let tensor = "decode.0001.layer.00.attn_out";
+    // The control first: the honest sharded port decodes with nothing wrong, merged from 2 ranks.
+    let honest = bisect("", &["--generate", "2"]);
+    assert_eq!(honest.code, 0, "{}", honest.stdout);
+    let s = &honest.report["sharded"]["run"];
+    assert_eq!(s["world"], 2, "{s}");
+    assert_eq!(s["ranks"].as_array().unwrap().len(), 2, "{s}");
+    assert!(
+        honest.stdout.contains("merged from 2 rank traces"),
+        "{}",
+        honest.stdout
+    );
+
+    let b = bisect(&format!("--skip-carry 1:{tensor}"), &["--generate", "2"]);
+    let r = &b.report;
+    assert_eq!(b.code, 1, "{}", b.stdout);
+    assert_eq!(r["verdict"], "rank_traces_refused", "{r}");
+    assert_eq!(
+        at(r),
+        (1.into(), 0.into(), "attn_out".into(), 1.into()),
+        "{r}"
+    );
+    assert_eq!(r["sharded"]["at"]["tensor"], tensor);
+    assert_eq!(r["sharded"]["run"]["refused"]["rank"], 1);
+    // The decode path names the step and the tensor.
+    assert_eq!(r["decode"]["first_diverging_step"], 1, "{r}");
+    assert_eq!(r["decode"]["first_diverging"], tensor, "{r}");
+    let summary = r["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("decode step 1, layer 00, stage attn_out") && summary.contains("rank 1"),
+        "{summary}"
+    );
+    // trace-diff of the {rank} side refuses the same merge, naming the rank and the tensor.
+    let (code, said) = trace_diff(&b.work.path().join("reference.trace"), b.work.path(), &[]);
+    assert_eq!(code, 2, "{said}");
+    assert!(said.contains(tensor) && said.contains("rank 1"), "{said}");
+}
+
+#[test]
+fn a_slice_at_the_wrong_offset_and_a_perturbed_shard_are_named_at_their_rank() {
+    // The sliced points (q, k, v, attn_probs) are captured under internals.
+    let internals: &[&str] = &["--capture", "internals"];
+    // (b) rank 1's slices at offset 0: the merge refuses, naming rank 1 and the first slice.
+    let b = bisect("--wrong-offset 1", internals);
+    let r = &b.report;
+    assert_eq!(b.code, 1, "{}", b.stdout);
+    assert_eq!(r["verdict"], "rank_traces_refused", "{r}");
+    let (step, layer, point, rank) = at(r);
+    assert_eq!(
+        (step, layer, point, rank),
+        (Value::Null, 0.into(), "q".into(), 1.into()),
+        "{r}"
+    );
+    let (code, said) = trace_diff(&b.work.path().join("reference.trace"), b.work.path(), &[]);
+    assert_eq!(code, 2, "{said}");
+    assert!(
+        said.contains("layer.00.q") && said.contains("rank 1"),
+        "{said}"
+    );
+
+    // A perturbed shard of q merges; its first divergence is in rank 1's slice. The layer verb
+    // answers unsharded, so layer 02 is isolated by it (and matches: the defect is the sharded
+    // run's alone, which the candidate's own consistency check then says).
+    let b = bisect("--perturb 1:layer.02.q", internals);
+    let r = &b.report;
+    assert_eq!(b.code, 1, "{}", b.stdout);
+    assert_eq!(at(r), (Value::Null, 2.into(), "q".into(), 1.into()), "{r}");
+    assert!(
+        r["sharded"]["layer_verb"]
+            .as_str()
+            .unwrap()
+            .starts_with("unsharded"),
+        "{r}"
+    );
+    assert_eq!(r["layers"][2]["isolation"], "match", "{r}");
+    let summary = r["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("layer 02, stage q (layer.02.q), rank 1")
+            && summary.contains("rank 1's shard"),
+        "{summary}"
+    );
+    let (code, said) = trace_diff(
+        &b.work.path().join("reference.trace"),
+        b.work.path(),
+        &["--policy", "f32"],
+    );
+    assert_eq!(code, 1, "{said}");
+    assert!(said.contains("layer.02.q"), "{said}");
+
+    // Control of the attribution: the same perturbation on rank 0 names rank 0.
+    let b = bisect("--perturb 0:layer.02.q", internals);
+    assert_eq!(at(&b.report).3, 0, "{}", b.report);
+
+    // A candidate whose layer verb does not answer: isolation NOT CHECKED (exit 4), with the
+    // reason, and the rank still named.
+    let b = bisect("--perturb 1:layer.02.q --no-layer", internals);
+    let r = &b.report;
+    assert_eq!(b.code, 4, "{}", b.stdout);
+    assert_eq!(r["verdict"], "not_checked", "{r}");
+    assert_eq!(at(r).3, 1, "{r}");
+    let lv = r["sharded"]["layer_verb"].as_str().unwrap();
+    assert!(
+        lv.starts_with("NOT CHECKED") && lv.contains("the layer verb is not sharded"),
+        "{lv}"
+    );
+}
+
+#[test]
+fn partial_sums_in_another_order_differ_by_bits_and_are_within_the_f32_policy() {
+    let b = bisect("--partials", &[]);
+    let r = &b.report;
+    // Judged by the f32 policy (the candidate is not an ordered producer): nothing wrong.
+    assert!(r["judge"]["policy"].as_str().is_some(), "{}", r["judge"]);
+    assert_eq!(b.code, 0, "{}", b.stdout);
+    assert_eq!(r["verdict"], "nothing_wrong", "{r}");
+    assert!(
+        r["sharded"]["run"]["counts"]["reduced"].as_u64().unwrap() > 0,
+        "{r}"
+    );
+    // Another order: by bits the merged run differs from the candidate's one-process bits (the
+    // honest split's merge, which reproduces them: the control), under the f32 policy it is
+    // within.
+    let honest = bisect("", &[]);
+    let one_process = honest.work.path().join("candidate.trace");
+    let (code, said) = trace_diff(&one_process, honest.work.path(), &[]);
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("IDENTICAL"), "{said}");
+    let (code, said) = trace_diff(&one_process, b.work.path(), &[]);
+    assert_eq!(code, 1, "{said}");
+    assert!(
+        said.contains("DIFFERENT") && said.contains("attn_out"),
+        "{said}"
+    );
+    let (code, said) = trace_diff(&one_process, b.work.path(), &["--policy", "f32"]);
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("WITHIN POLICY"), "{said}");
+}
