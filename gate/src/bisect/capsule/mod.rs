@@ -293,6 +293,52 @@ pub fn write(
     built
 }
 
+/// `gate run port`'s localisation (milestone/run/port.rs): the capsule of the bisection `rep`
+/// written (minimised) to `dir` under `o.root`, replacing one an earlier run left there, as the
+/// report's `localised.capsule`: `written`, `path` (as given), the command that replays it, or
+/// why it was not written. Never an error: a capsule that cannot be written is said so, and the
+/// localisation stands.
+pub fn for_report(o: &BisectOptions, rep: &BisectReport, dir: &str) -> Value {
+    let abs = o.root.join(dir);
+    if abs.exists() {
+        // The gate's own work directory: the previous run's capsule of this prompt.
+        if let Err(e) = std::fs::remove_dir_all(&abs) {
+            return not_written(format!(
+                "{dir}: an earlier capsule could not be removed: {e}"
+            ));
+        }
+    }
+    match write(o, rep, &abs, true) {
+        Ok(Ok(w)) => json!({
+            "written": true, "path": dir, "replay": replay_command(dir, &o.candidate),
+            "why": null, "layer": w.manifest.layer, "stage": w.manifest.stage["tensor"],
+            "rows": w.manifest.rows["kept"], "of": w.manifest.rows["bisection"], "bytes": w.bytes,
+        }),
+        Ok(Err(why)) => not_written(why),
+        Err(e) => not_written(format!("writing it failed: {e}")),
+    }
+}
+
+/// A report's `localised.capsule` when none is written, and why.
+pub fn not_written(why: impl Into<String>) -> Value {
+    json!({"written": false, "path": null, "replay": null, "why": why.into()})
+}
+
+/// The shell command that replays capsule `dir` with `candidate` (run in the project root).
+pub fn replay_command(dir: &str, candidate: &Producer) -> String {
+    let q = |w: &str| tracegate_producers::display(&[w.to_string()]);
+    let who = match candidate {
+        Producer::Engine { .. } => "--candidate engine".to_string(),
+        Producer::Command { words, .. } => {
+            format!(
+                "--candidate-cmd {}",
+                q(&tracegate_producers::display(words))
+            )
+        }
+    };
+    format!("gate capsule run {} {who}", q(dir))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn build(
     o: &BisectOptions,
