@@ -95,6 +95,29 @@ void tg_abort(tg_writer *w);
  * symlinks are followed (a FIFO, a device such as /dev/zero) is refused before it is opened. */
 int tg_weights_digest(const char *model_dir, char *out, size_t cap);
 
+/* Reading a trace (a port's own tests: its output against a reference trace). A tg_trace * is a
+ * handle number like a writer's; one not live is refused with TG_ERR_ARGUMENT. */
+typedef struct tg_trace tg_trace;
+
+/* Opens the trace at `path` and verifies every payload against its digest: an edited or truncated
+ * file is refused. NULL on error. */
+tg_trace *tg_trace_open(const char *path);
+
+/* The tensor `name`: its dtype (a tg_dtype), rank and shape (`cap` >= its rank). TG_ERR_NOT_FOUND
+ * when the trace has no tensor of that name. */
+int tg_trace_info(tg_trace *t, const char *name, int *dtype, uint64_t *shape, size_t cap,
+                  size_t *rank);
+
+/* The tensor's payload as stored (little-endian, row-major); `nbytes` must be its size. */
+int tg_trace_bytes(tg_trace *t, const char *name, void *out, size_t nbytes);
+
+/* The trace's content digest (64 hex digits and a NUL into `out`, `cap` >= 65), as tg_close
+ * returned it when it was written. */
+int tg_trace_digest(tg_trace *t, char *out, size_t cap);
+
+/* Frees `t`. NULL is ignored; a handle that is not live is refused in tg_last_error(). */
+void tg_trace_close(tg_trace *t);
+
 /* The last error of this thread, one line; "" when the last call succeeded. Valid until this
  * thread's next tg_ call. */
 const char *tg_last_error(void);

@@ -52,6 +52,9 @@ pub struct TgWriter {
 struct Handles {
     next: usize,
     live: BTreeMap<usize, Arc<Mutex<Option<TraceWriter>>>>,
+    /// The readers (reader.rs), numbered from the same counter: a writer's number is never a
+    /// reader's, so one passed for the other is refused as not live.
+    readers: BTreeMap<usize, Arc<tracegate_trace::Trace>>,
 }
 
 /// Numbers start high and go up in steps of 2 (all odd): small integers, NULL-adjacent garbage
@@ -61,7 +64,11 @@ const FIRST_HANDLE: usize = 0x7467_0001;
 static LIVE: Mutex<Handles> = Mutex::new(Handles {
     next: FIRST_HANDLE,
     live: BTreeMap::new(),
+    readers: BTreeMap::new(),
 });
+
+mod reader;
+pub use reader::*;
 
 fn registry() -> std::sync::MutexGuard<'static, Handles> {
     // A panic while it was held (caught at the boundary) leaves the map consistent: every
@@ -82,15 +89,18 @@ fn dead(w: *mut TgWriter) -> Failure {
 /// Registers `w` and returns its handle.
 fn issue(w: TraceWriter) -> Result<*mut TgWriter, Failure> {
     let mut r = registry();
-    let n = r.next;
-    r.next = n.checked_add(2).ok_or_else(|| {
-        Failure(
-            TG_ERR_INTERNAL,
-            "tg_open: the handle numbers are spent".into(),
-        )
-    })?;
+    let n = next_number(&mut r)?;
     r.live.insert(n, Arc::new(Mutex::new(Some(w))));
     Ok(n as *mut TgWriter)
+}
+
+/// A handle number never issued before.
+fn next_number(r: &mut Handles) -> Result<usize, Failure> {
+    let n = r.next;
+    r.next = n
+        .checked_add(2)
+        .ok_or_else(|| Failure(TG_ERR_INTERNAL, "the handle numbers are spent".into()))?;
+    Ok(n)
 }
 
 /// The writer of live handle `w`.

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
+use sha2::Digest as _;
 
 use crate::common::{self, defective, repo};
 
@@ -195,6 +196,15 @@ fn a_minimised_capsule_still_fails_and_its_pytest_file_judges_as_it_does() {
     assert_eq!(code, 1, "{text}");
     assert_eq!(run["stage"]["tensor"], rep["stage"]["tensor"], "{text}");
     assert_eq!(run["as_recorded"], true, "{text}");
+    // The candidates' layer outputs on the capsule, for its C test below.
+    let replayed = tmp.path().join("replay/capsule.candidate.trace");
+    let planted = tmp.path().join("planted.trace");
+    std::fs::copy(&replayed, &planted).unwrap();
+    let (code, text, _) = capsule_run(tmp.path(), &cap, &["--candidate", "engine"]);
+    assert_eq!(code, 0, "{text}");
+    let correct = tmp.path().join("engine.trace");
+    std::fs::copy(&replayed, &correct).unwrap();
+    c_test(tmp.path(), &cap, &m, &planted, &correct);
     // The pytest file: the bisection's candidate (the planted one) fails, the engine passes.
     let (code, text) = pytest(&cap, None);
     assert_eq!(code, 1, "{text}");
@@ -216,6 +226,172 @@ fn a_minimised_capsule_still_fails_and_its_pytest_file_judges_as_it_does() {
     let (code, text, _) = capsule_run(tmp.path(), &bad, &["--candidate", "engine"]);
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("layer.safetensors was changed"), "{text}");
+    edited_manifests_are_refused(tmp.path(), &cap, &m);
+}
+
+/// A copy of capsule `cap` in `tmp/name`.
+fn copy_capsule(tmp: &Path, cap: &Path, name: &str) -> PathBuf {
+    let to = tmp.join(name);
+    std::fs::create_dir(&to).unwrap();
+    for e in std::fs::read_dir(cap).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    to
+}
+
+/// The manifest's own integrity: its rule's bound loosened is refused by manifest.sha256, and
+/// when manifest.sha256 is rewritten to match, by the rule re-derived from policy.json; the
+/// layer changed (and re-sealed) is refused by reference.trace's own.
+fn edited_manifests_are_refused(tmp: &Path, cap: &Path, m: &Value) {
+    let rule = m["rule"]["rule"]
+        .as_object()
+        .expect("a rule for the stage tensor");
+    let (bound, limit) = rule
+        .iter()
+        .find(|(k, v)| k.starts_with("max_") && v.is_number())
+        .map(|(k, v)| (k.clone(), v.as_f64().unwrap()))
+        .expect("a max_ bound");
+    let edit = |name: &str, f: &dyn Fn(&mut Value), reseal: bool| {
+        let dir = copy_capsule(tmp, cap, name);
+        let mut e = m.clone();
+        f(&mut e);
+        let text = serde_json::to_vec_pretty(&e).unwrap();
+        std::fs::write(dir.join("manifest.json"), &text).unwrap();
+        if reseal {
+            let hex = hex::encode(sha2::Sha256::digest(&text));
+            std::fs::write(
+                dir.join("manifest.sha256"),
+                format!("{hex}  manifest.json\n"),
+            )
+            .unwrap();
+        }
+        capsule_run(tmp, &dir, &["--candidate", "engine"])
+    };
+    let loosen = |e: &mut Value| e["rule"]["rule"][&bound] = (limit * 1000.0).into();
+    let (code, text, _) = edit("loosened", &loosen, false);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("manifest.json was changed"), "{text}");
+    // The pytest file refuses it too, whatever the candidate.
+    let engine = format!("'{}' {{verb}} {{args}}", engine().display());
+    let (code, text) = pytest(&tmp.join("loosened"), Some(&engine));
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("manifest.json was changed"), "{text}");
+    let (code, text, _) = edit("loosened-resealed", &loosen, true);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("policy.json holds it to"), "{text}");
+    let (code, text, _) = edit("other-layer", &|e: &mut Value| e["layer"] = 2.into(), true);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("reference.trace holds layer 3"), "{text}");
+    // Control: the unedited manifest, re-sealed the same way, is accepted.
+    let (code, text, _) = edit("resealed", &|_: &mut Value| {}, true);
+    assert_eq!(code, 0, "{text}");
+}
+
+/// libtracegate_capi, built beside the gate (`cargo build --release -p tracegate-capi`).
+fn capi_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_BIN_EXE_gate"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    assert!(
+        dir.join("libtracegate_capi.so").is_file(),
+        "{} has no libtracegate_capi.so: build it with `cargo build --release -p tracegate-capi`",
+        dir.display()
+    );
+    dir
+}
+
+/// Runs the C test binary `exe` on capsule `dir` and a candidate trace: exit code and output.
+fn run_c(exe: &Path, dir: &Path, candidate: &Path) -> (i32, String) {
+    let out = Command::new(exe)
+        .arg(dir)
+        .arg(candidate)
+        .env("LD_LIBRARY_PATH", capi_dir())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// The capsule's test_capsule.c, compiled with the system's cc against capi/: the planted
+/// candidate's layer output fails naming the stage tensor and the broken bound, the engine's
+/// passes; a candidate trace with none of the layer's capture points checks nothing and fails;
+/// another trace in the capsule's place of reference.trace is refused.
+fn c_test(tmp: &Path, cap: &Path, m: &Value, planted: &Path, correct: &Path) {
+    let exe = tmp.join("test_capsule");
+    let out = Command::new("cc")
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(cap.join("test_capsule.c"))
+        .arg("-I")
+        .arg(repo().join("capi/include"))
+        .arg("-L")
+        .arg(capi_dir())
+        .args(["-ltracegate_capi", "-lm"])
+        .output()
+        .expect("cc (a C compiler) is needed to test test_capsule.c");
+    assert!(
+        out.status.success(),
+        "cc failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stage = m["stage"]["tensor"].as_str().unwrap();
+    let (code, text) = run_c(&exe, cap, planted);
+    assert_eq!(code, 1, "{text}");
+    let broken = m["broke"][0]["bound"].as_str().unwrap();
+    assert!(
+        text.contains(&format!("FAIL {stage}: broke {broken}")),
+        "{text}"
+    );
+    // Its number is the replay's (docs/diff.md's measure, summed in another order).
+    let said: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("FAIL {stage}: broke {broken}: ")))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no value: {text}"));
+    let tensor = m["expected"]["isolated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tensor"] == stage)
+        .unwrap();
+    let recorded = tensor["violations"][0]["value"].as_f64().unwrap();
+    assert!(
+        (said - recorded).abs() <= 1e-6 * recorded.abs(),
+        "{said} vs {recorded}: {text}"
+    );
+    let (code, text) = run_c(&exe, cap, correct);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains(&format!("ok {stage}")), "{text}");
+    // Nothing to check is no pass.
+    let empty = tmp.join("unrelated.trace");
+    let mut w =
+        tracegate_trace::TraceWriter::create(&empty, serde_json::json!({"producer": "test"}))
+            .unwrap();
+    w.tensor_f32(
+        "layer.00.hidden_out",
+        &[1, 2],
+        &[1.0, 2.0],
+        &Default::default(),
+    )
+    .unwrap();
+    w.finish().unwrap();
+    let (code, text) = run_c(&exe, cap, &empty);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("0 capture points checked"), "{text}");
+    // The capsule's reference swapped for another valid trace (the planted candidate's: the
+    // engine's has the reference's very content, and so its digest).
+    let swapped = copy_capsule(tmp, cap, "swapped");
+    std::fs::copy(planted, swapped.join("reference.trace")).unwrap();
+    let (code, text) = run_c(&exe, &swapped, correct);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("not the capsule's"), "{text}");
 }
 
 /// A bisection with nothing wrong writes no capsule and says why; the exit code stays its own.

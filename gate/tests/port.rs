@@ -247,6 +247,54 @@ fn a_planted_k_norm_defect_fails_agrees_and_is_localised_at_layer_03_stage_k() {
             && html.contains("<th>candidate digest</th>"),
         "{html}"
     );
+    // The repro capsule of layer 03, named with the command that replays it, everywhere the
+    // localisation is told (text, JSON, page); that command fails the planted port as
+    // recorded, and the same capsule passes the unplanted one.
+    let c = &l["capsule"];
+    assert_eq!(c["written"], true, "{l}");
+    assert_eq!(c["stage"], "layer.03.k", "{l}");
+    let path = c["path"].as_str().unwrap();
+    let replay = c["replay"].as_str().unwrap();
+    assert!(d.join(path).join("manifest.json").is_file(), "{l}");
+    assert!(
+        out.stdout
+            .contains(&format!("; capsule {path}, replay: {replay}")),
+        "{}",
+        out.stdout
+    );
+    assert!(html.contains("id=\"capsule-0\""), "{html}");
+    let (code, text) = replay_capsule(d, replay);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("layer 03 body is wrong") && text.contains("as recorded"),
+        "{text}"
+    );
+    let clean = format!(
+        "gate capsule run {path} --candidate-cmd \"'{}' {{verb}} {{args}}\"",
+        example_producer().display()
+    );
+    let (code, text) = replay_capsule(d, &clean);
+    assert_eq!(code, 0, "{text}");
+}
+
+/// A report's replay command (`gate capsule run …`), run by the shell in the project `d` with
+/// the gate under test for `gate`: exit code and output.
+fn replay_capsule(d: &Path, command: &str) -> (i32, String) {
+    let rest = command.strip_prefix("gate ").expect(command);
+    let gate = env!("CARGO_BIN_EXE_gate");
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("'{gate}' {rest}"))
+        .current_dir(d)
+        .env("TRACEGATE_RESIDENT", "0")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
 }
 
 /// A port whose whole run alone is wrong (tests/producers/whole_run_only.py): its `trace` verb
@@ -303,6 +351,14 @@ fn a_whole_run_only_defect_is_named_by_the_localisation_which_comes_first_everyw
     .unwrap();
     assert_eq!(bisected["self_consistency"]["inconsistent"]["layer"], 2);
     assert_eq!(bisected["layers"][2]["status"], "inconsistent");
+    // No layer body is wrong: no capsule, and the line says why.
+    assert_eq!(l["capsule"]["written"], false, "{l}");
+    assert!(!walk(d).iter().any(|p| p.ends_with("capsule/manifest.json")));
+    assert!(
+        out.stdout.contains("; capsule NOT WRITTEN: the bisection names no wrong prefill layer (verdict inconsistent_producer)"),
+        "{}",
+        out.stdout
+    );
 
     // Text: the localisation before the table and every check's detail and finding.
     let lines: Vec<&str> = out.stdout.lines().collect();

@@ -185,13 +185,14 @@ pub fn render_html(r: &MilestoneReport) -> String {
             let layer = &l["first_wrong_layer"];
             let _ = write!(
                 h,
-                "<div class=\"box\" id=\"localised-{pi}\"><b>{}/agrees</b> localised by {}: {}<br>first wrong layer {}, stage <code>{}</code>{}</div>",
+                "<div class=\"box\" id=\"localised-{pi}\"><b>{}/agrees</b> localised by {}: {}<br>first wrong layer {}, stage <code>{}</code>{}{}</div>",
                 esc(&p.id),
                 esc(&crate::milestone::run::PromptResult::localised_by(l)),
                 val("span", "text", &format!("/prompts/{pi}/localised/summary"), &l["summary"], l["summary"].as_str().unwrap_or("-")),
                 val("span", "num", &format!("/prompts/{pi}/localised/first_wrong_layer"), layer, &layer.as_u64().map_or("-".into(), |n| n.to_string())),
                 esc(l["stage"]["tensor"].as_str().unwrap_or("-")),
                 l["report"].as_str().map(|r| format!("; its report: <code>{}</code>", esc(r))).unwrap_or_default(),
+                crate::milestone::run::PromptResult::capsule_words(l).map(|c| format!("<br><span id=\"capsule-{pi}\">{}</span>", esc(&c))).unwrap_or_default(),
             );
         }
     }

@@ -35,6 +35,50 @@ pub const SCHEMA: &str = "tracegate-capsule/1";
 const PYTEST: &str = include_str!("test_capsule.py");
 
 const MANIFEST: &str = "manifest.json";
+/// manifest.json's sha256 (`HEX  manifest.json`, sha256sum's format).
+const MANIFEST_DIGEST: &str = "manifest.sha256";
+
+/// The generated C test (test_capsule.c): its template, the bounds filled in per capsule.
+const C_TEST: &str = "test_capsule.c";
+const C_TEMPLATE: &str = include_str!("test_capsule.c");
+
+/// `test_capsule.c` for layer `layer`: the capture points `judged` (those the replay compared),
+/// each with the bounds of the rule `policy` holds it to (or bit for bit), and the digest of the
+/// capsule's `reference`.
+fn c_test(layer: usize, reference: &Trace, policy: &Option<Policy>, judged: &[&str]) -> String {
+    let real = |v: Option<f64>| match v {
+        None => "NAN".to_string(),
+        Some(x) if x.is_infinite() => "INFINITY".to_string(),
+        Some(x) => format!("{x:e}"),
+    };
+    let mut rows = Vec::new();
+    for name in judged {
+        // Names are the registry's (`layer.LL.point`): nothing to escape in a C string.
+        let row = match policy {
+            None => format!("    {{\"{name}\", 1, NAN, NAN, NAN, NAN, NAN, NAN, 0}},"),
+            Some(p) => match p.rule_for(name, Some("layer")) {
+                Some((i, r)) => format!(
+                    "    {{\"{name}\", 0, {}, {}, {}, {}, {}, {}, {}}}, /* policy.json rule {i}: {} */",
+                    real(r.max_ulp.map(|u| u as f64)),
+                    real(r.max_abs),
+                    real(r.max_rel),
+                    real(r.max_rel_l2),
+                    real(r.min_cosine),
+                    real(r.max_scale_error),
+                    u8::from(r.max_noise_ratio.is_some()),
+                    r.pattern.replace("*/", "*\\/"),
+                ),
+                None => format!("    /* {name}: no rule of policy.json matches it: not judged */"),
+            },
+        };
+        rows.push(row);
+    }
+    C_TEMPLATE
+        .replace("@LAYER@", &layer.to_string())
+        .replace("@LL@", &format!("{layer:02}"))
+        .replace("@DIGEST@", &reference.digest().hex())
+        .replace("@CHECKS@", &rows.join("\n"))
+}
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Manifest {
@@ -294,6 +338,52 @@ pub fn write(
     built
 }
 
+/// `gate run port`'s localisation (milestone/run/port.rs): the capsule of the bisection `rep`
+/// written (minimised) to `dir` under `o.root`, replacing one an earlier run left there, as the
+/// report's `localised.capsule`: `written`, `path` (as given), the command that replays it, or
+/// why it was not written. Never an error: a capsule that cannot be written is said so, and the
+/// localisation stands.
+pub fn for_report(o: &BisectOptions, rep: &BisectReport, dir: &str) -> Value {
+    let abs = o.root.join(dir);
+    if abs.exists() {
+        // The gate's own work directory: the previous run's capsule of this prompt.
+        if let Err(e) = std::fs::remove_dir_all(&abs) {
+            return not_written(format!(
+                "{dir}: an earlier capsule could not be removed: {e}"
+            ));
+        }
+    }
+    match write(o, rep, &abs, true) {
+        Ok(Ok(w)) => json!({
+            "written": true, "path": dir, "replay": replay_command(dir, &o.candidate),
+            "why": null, "layer": w.manifest.layer, "stage": w.manifest.stage["tensor"],
+            "rows": w.manifest.rows["kept"], "of": w.manifest.rows["bisection"], "bytes": w.bytes,
+        }),
+        Ok(Err(why)) => not_written(why),
+        Err(e) => not_written(format!("writing it failed: {e}")),
+    }
+}
+
+/// A report's `localised.capsule` when none is written, and why.
+pub fn not_written(why: impl Into<String>) -> Value {
+    json!({"written": false, "path": null, "replay": null, "why": why.into()})
+}
+
+/// The shell command that replays capsule `dir` with `candidate` (run in the project root).
+pub fn replay_command(dir: &str, candidate: &Producer) -> String {
+    let q = |w: &str| tracegate_producers::display(&[w.to_string()]);
+    let who = match candidate {
+        Producer::Engine { .. } => "--candidate engine".to_string(),
+        Producer::Command { words, .. } => {
+            format!(
+                "--candidate-cmd {}",
+                q(&tracegate_producers::display(words))
+            )
+        }
+    };
+    format!("gate capsule run {} {who}", q(dir))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn build(
     o: &BisectOptions,
@@ -431,6 +521,17 @@ fn build(
         write_file(&dir.join("policy.json"), &text)?;
     }
     write_file(&dir.join("test_capsule.py"), PYTEST.as_bytes())?;
+    let judged: Vec<&str> = full.isolated.iter().map(|t| t.tensor.as_str()).collect();
+    write_file(
+        &dir.join(C_TEST),
+        c_test(
+            layer,
+            &open(&o.root, &dir.join("reference.trace").display().to_string())?,
+            policy,
+            &judged,
+        )
+        .as_bytes(),
+    )?;
     let tokens_kept: Vec<i64> = rep.tokens.iter().take(keep).copied().collect();
     let removed = if keep == n {
         "none".to_string()
@@ -512,7 +613,7 @@ fn build(
     for name in manifest
         .files
         .keys()
-        .chain(std::iter::once(&MANIFEST.to_string()))
+        .chain([&MANIFEST.to_string(), &MANIFEST_DIGEST.to_string()])
     {
         let len = std::fs::metadata(dir.join(name))
             .map_err(|e| gerr!(File: "{}: {e}", dir.join(name).display()))?
@@ -555,7 +656,7 @@ fn not_included(o: &BisectOptions) -> Vec<String> {
         "other layers' weights, the embedding and the head: zeros in the replay model (the layer verb does not read them)".to_string(),
         "decode steps: a capsule replays the prefill rows only (no KV cache)".to_string(),
         "heads and experts are not minimised: every head and expert of the layer is kept".to_string(),
-        "a C test against capi/tracegate.h: not written".to_string(),
+        "in test_capsule.c: the router's decisions, a noise-relative bound and the tensors' attributes (gate capsule run and test_capsule.py check them)".to_string(),
     ];
     if o.noise.is_none() {
         v.push("a noise run: the bisection had none (--noise-reference)".into());
@@ -570,13 +671,16 @@ fn seal(dir: &Path, m: &mut Manifest) -> Result<()> {
         .map_err(|e| gerr!(File: "{}: {e}", dir.display()))?
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n != MANIFEST)
+        .filter(|n| n != MANIFEST && n != MANIFEST_DIGEST)
         .collect();
     names.sort();
     for n in names {
         m.files.insert(n.clone(), sha256(&dir.join(&n))?);
     }
-    crate::write_json_atomic(&dir.join(MANIFEST), m)
+    crate::write_json_atomic(&dir.join(MANIFEST), m)?;
+    // The manifest's own sha256, as `sha256sum -c` reads it: an edited manifest is refused.
+    let line = format!("{}  {MANIFEST}\n", sha256(&dir.join(MANIFEST))?);
+    write_file(&dir.join(MANIFEST_DIGEST), line.as_bytes())
 }
 
 /// A capsule read and verified: every file the manifest lists has its recorded sha256, every
@@ -588,6 +692,16 @@ pub struct Loaded {
 
 pub fn load(dir: &Path) -> Result<Loaded> {
     let shown = dir.display();
+    let recorded = std::fs::read_to_string(dir.join(MANIFEST_DIGEST))
+        .map_err(|e| gerr!(File: "capsule {shown}: {MANIFEST_DIGEST}: {e}"))?;
+    let want = recorded.split_whitespace().next().unwrap_or_default();
+    let got =
+        sha256(&dir.join(MANIFEST)).map_err(|e| gerr!(File: "capsule {shown}: {MANIFEST}: {e}"))?;
+    if got != want {
+        return Err(
+            gerr!(File: "capsule {shown}: {MANIFEST} was changed: its sha256 is {got}, {MANIFEST_DIGEST} records {want:?}"),
+        );
+    }
     let manifest: Manifest = crate::read_json(&dir.join(MANIFEST))?;
     if manifest.schema != SCHEMA {
         return Err(gerr!(
@@ -627,7 +741,40 @@ pub fn load(dir: &Path) -> Result<Loaded> {
     } else {
         None
     };
+    rederive(dir, &manifest, &policy)?;
     Ok(Loaded { manifest, policy })
+}
+
+/// The manifest's claims re-derived from the files it pins (an edit that also rewrites
+/// manifest.sha256 is still refused): the rule is policy.json's for the stage tensor, the layer
+/// and the rows kept are reference.trace's own (its provenance `capsule`).
+fn rederive(dir: &Path, m: &Manifest, policy: &Option<Policy>) -> Result<()> {
+    let shown = dir.display();
+    let refuse = |what: String| gerr!(File: "capsule {shown}: {MANIFEST} {what}");
+    if !m.rule.is_null() {
+        let tensor = m.stage["tensor"].as_str().unwrap_or_default();
+        let derived = policy
+            .as_ref()
+            .and_then(|p| p.rule_for(tensor, Some("layer")))
+            .map(|(i, r)| json!({"index": i, "rule": r}))
+            .unwrap_or(Value::Null);
+        if derived != m.rule {
+            return Err(refuse(format!(
+                "records the rule {} for {tensor}, policy.json holds it to {derived}",
+                m.rule
+            )));
+        }
+    }
+    let reference = Trace::open(dir.join("reference.trace"))
+        .map_err(|e| gerr!(File: "capsule {shown}: reference.trace: {e}"))?;
+    let own = &reference.provenance()["capsule"];
+    if own["layer"] != json!(m.layer) || own["rows"] != m.rows["kept"] {
+        return Err(refuse(format!(
+            "records layer {} with {} rows, reference.trace holds layer {} with {} rows",
+            m.layer, m.rows["kept"], own["layer"], own["rows"]
+        )));
+    }
+    Ok(())
 }
 
 /// `gate capsule run DIR`: the capsule verified, its replay model built under `work`, the

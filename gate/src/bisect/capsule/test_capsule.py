@@ -25,7 +25,13 @@ CAPSULE = Path(__file__).resolve().parent
 
 
 def manifest() -> dict:
-    m = json.loads((CAPSULE / "manifest.json").read_text())
+    raw = (CAPSULE / "manifest.json").read_bytes()
+    want = (CAPSULE / "manifest.sha256").read_text().split()[0]
+    got = hashlib.sha256(raw).hexdigest()
+    assert got == want, (
+        f"manifest.json was changed: its sha256 is {got}, manifest.sha256 records {want}"
+    )
+    m = json.loads(raw)
     for name, want in m["files"].items():
         got = hashlib.sha256((CAPSULE / name).read_bytes()).hexdigest()
         assert got == want, f"{name} was changed: its sha256 is {got}, manifest.json records {want}"

@@ -551,7 +551,13 @@ pub(super) fn run(
             && r.runs.get(Role::Candidate).is_some_and(|rec| rec.ok)
         {
             r.localised = Some(match r.sharded.get(Role::Candidate.key()) {
-                Some(s) => localise_sharded(o, &r, s),
+                Some(s) => {
+                    let mut l = localise_sharded(o, &r, s);
+                    l["capsule"] = crate::bisect::capsule::not_written(
+                        "a sharded candidate is not bisected (its layer verb is not run)",
+                    );
+                    l
+                }
                 None => localise(
                     o,
                     &plan,
@@ -1199,7 +1205,8 @@ fn localise(
         (true, _) => format!("{}/{}/reference.trace", plan.work_rel, p.id),
         (false, Some(g)) => g.trace.clone(),
         (false, None) => {
-            return json!({"verdict": "refused", "summary": "no golden trace", "first_wrong_layer": null, "stage": null, "report": null})
+            return json!({"verdict": "refused", "summary": "no golden trace", "first_wrong_layer": null, "stage": null, "report": null,
+                "capsule": bisect::capsule::not_written("no golden trace")})
         }
     };
     crate::progress::doing(format!(
@@ -1207,7 +1214,7 @@ fn localise(
         p.id
     ));
     let result = bisect::StoredReference::open(&o.root.join(&golden), &golden).and_then(|stored| {
-        bisect::run(&bisect::BisectOptions {
+        let opts = bisect::BisectOptions {
             root: o.root.clone(),
             model: plan.model.clone(),
             tokens: p.tokens.clone(),
@@ -1231,22 +1238,27 @@ fn localise(
             allow_stack_mismatch: false,
             noise: noise.map(|n| tracegate_diff::NoiseReference(n.clone())),
             ranks: None,
-        })
+        };
+        bisect::run(&opts).map(|rep| (opts, rep))
     });
     match result {
-        Ok(rep) => {
+        Ok((opts, rep)) => {
             let path = format!("{work}/report.json");
             let written = crate::write_json_atomic(&o.root.join(&path), &rep).is_ok();
+            // The first wrong layer as a repro capsule beside the bisection's report.
+            let capsule = format!("{}/{}/capsule", plan.work_rel, p.id);
             json!({
                 "verdict": rep.verdict,
                 "summary": rep.summary,
                 "first_wrong_layer": rep.first_wrong_layer,
                 "stage": rep.stage.as_ref().map(|s| json!({"layer": s.layer, "block": s.block, "tensor": s.tensor, "detail": s.detail})),
                 "report": written.then_some(path),
+                "capsule": bisect::capsule::for_report(&opts, &rep, &capsule),
             })
         }
         Err(e) => {
-            json!({"verdict": "refused", "summary": format!("the bisection could not run: {e}"), "first_wrong_layer": null, "stage": null, "report": null})
+            json!({"verdict": "refused", "summary": format!("the bisection could not run: {e}"), "first_wrong_layer": null, "stage": null, "report": null,
+                "capsule": bisect::capsule::not_written("the bisection could not run")})
         }
     }
 }

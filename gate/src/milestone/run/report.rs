@@ -178,14 +178,27 @@ impl PromptResult {
     pub fn localisation_line(&self) -> Option<String> {
         let l = self.localised.as_ref()?;
         Some(format!(
-            "localised by {}: {}{}",
+            "localised by {}: {}{}{}",
             Self::localised_by(l),
             l["summary"].as_str().unwrap_or("-"),
             l["report"]
                 .as_str()
                 .map(|r| format!(" (report {r})"))
+                .unwrap_or_default(),
+            Self::capsule_words(l)
+                .map(|c| format!("; {c}"))
                 .unwrap_or_default()
         ))
+    }
+
+    /// The localisation's repro capsule (bisect::capsule::for_report): "capsule PATH, replay:
+    /// COMMAND", or "capsule NOT WRITTEN: why".
+    pub fn capsule_words(l: &Value) -> Option<String> {
+        let c = l.get("capsule")?;
+        Some(match (c["path"].as_str(), c["replay"].as_str()) {
+            (Some(path), Some(replay)) => format!("capsule {path}, replay: {replay}"),
+            _ => format!("capsule NOT WRITTEN: {}", c["why"].as_str().unwrap_or("-")),
+        })
     }
 
     /// How a localisation was found: a bisection, or (a sharded port) the merged trace's first
