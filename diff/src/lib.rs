@@ -54,7 +54,9 @@ mod vocab;
 pub use serde as __serde;
 
 pub use compare::{compare, compare_files, NOISE_PRODUCERS};
-pub use decisions::{margin_tolerance, own_scores, OwnScores, MARGIN_SLACK};
+pub use decisions::{
+    margin_tolerance, override_gap, own_scores, OverrideGap, OwnScores, MARGIN_SLACK,
+};
 pub use filter::{Filter, FilterSummary};
 pub use html::write_html;
 pub use noise::NoiseReference;

@@ -913,6 +913,124 @@ fn under_a_policy_the_whole_run_names_its_first_violation_not_its_first_bit_diff
     );
 }
 
+/// Every `data-json`/`data-v` pair of a page, the value HTML-unescaped and parsed.
+fn tied(page: &str) -> Vec<(String, Value)> {
+    let unescape = |s: &str| {
+        s.replace("&quot;", "\"")
+            .replace("&#39;", "'")
+            .replace("&lt;", "<")
+            .replace("&gt;", ">")
+            .replace("&amp;", "&")
+    };
+    let mut out = Vec::new();
+    let mut rest = page;
+    while let Some(i) = rest.find("data-json=\"") {
+        rest = &rest[i + "data-json=\"".len()..];
+        let end = rest.find('"').unwrap();
+        let ptr = unescape(&rest[..end]);
+        rest = rest[end..].strip_prefix("\" data-v=\"").unwrap();
+        let end = rest.find('"').unwrap();
+        out.push((ptr, serde_json::from_str(&unescape(&rest[..end])).unwrap()));
+        rest = &rest[end..];
+    }
+    out
+}
+
+/// Every value the page ties to the JSON is the JSON's there; Err names the first that is not.
+fn page_agrees(page: &str, report: &Value) -> Result<usize, String> {
+    let tied = tied(page);
+    for (ptr, v) in &tied {
+        if report.pointer(ptr) != Some(v) {
+            return Err(format!("{ptr}: page {v}, JSON {:?}", report.pointer(ptr)));
+        }
+    }
+    Ok(tied.len())
+}
+
+/// The bisect page shows a forced candidate's own overrides as the JSON has them (issue 50):
+/// the count and rows per decision, each judged row's own margin and outcome, and NOT CHECKED
+/// where they could not be judged (no router.logits to tell a rule from a tie). Negative
+/// controls: the same page against a JSON that says otherwise is refused.
+#[test]
+fn the_page_shows_the_forced_candidates_overrides_as_the_json_has_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cmd = router_rule_defect(tmp.path());
+    for capture in ["default", "internals"] {
+        let page = tmp.path().join(format!("{capture}.html"));
+        let o = bisect(
+            "tiny-qwen3-moe",
+            &[
+                "--reference",
+                "engine",
+                "--candidate",
+                "cmd",
+                "--candidate-cmd",
+                &cmd,
+                "--capture",
+                capture,
+                "--html",
+                page.to_str().unwrap(),
+            ],
+        );
+        let r = &o.report;
+        let f = &r["decisions_forced"];
+        assert_eq!(f["status"], "forced", "{}", o.stdout);
+        let html = std::fs::read_to_string(&page).unwrap();
+        let n = page_agrees(&html, r).unwrap();
+        assert!(n > 10, "{n} values tied");
+        let name = "layer.01.router.topk";
+        for ptr in [
+            format!("/decisions_forced/overridden/{name}"),
+            format!("/decisions_forced/overridden_rows/{name}"),
+            "/decisions_forced/rows_overridden".to_string(),
+            "/decisions_forced/overrides_rows/0/margin".to_string(),
+            "/decisions_forced/overrides_rows/0/outcome".to_string(),
+        ] {
+            assert!(
+                html.contains(&format!("data-json=\"{ptr}\"")),
+                "{capture}: {ptr} not on the page"
+            );
+        }
+        let row = &f["overrides_rows"][0];
+        assert_eq!(
+            (row["decision"].as_str(), row["row"].as_u64()),
+            (Some(name), Some(0))
+        );
+        assert!(row["margin"].as_f64().is_some_and(|m| m > 0.0), "{row}");
+        let not_checked = html.contains("id=\"overrides-not-checked\"");
+        match capture {
+            // No router.logits: a rule cannot be told from an exact tie.
+            "default" => {
+                assert_eq!(row["outcome"], "not_checked", "{row}");
+                assert!(not_checked && html.contains("its own overrides NOT CHECKED: "));
+            }
+            // Its own scores rank the reference's experts as theirs: not explained.
+            _ => {
+                assert_eq!(row["outcome"], "unexplained", "{row}");
+                assert!(!not_checked, "{capture}");
+            }
+        }
+        let plants: [&dyn Fn(&mut Value); 3] = [
+            &|r| r["decisions_forced"]["overridden"][name] = 2.into(),
+            &|r| r["decisions_forced"]["overridden_rows"][name] = serde_json::json!([1]),
+            &|r| {
+                let m = r["decisions_forced"]["overrides_rows"][0]["margin"]
+                    .as_f64()
+                    .unwrap();
+                r["decisions_forced"]["overrides_rows"][0]["margin"] = (m * 1.01).into();
+            },
+        ];
+        for plant in plants {
+            let mut wrong = r.clone();
+            plant(&mut wrong);
+            assert!(
+                page_agrees(&html, &wrong).is_err(),
+                "{capture}: a planted JSON passed"
+            );
+        }
+    }
+}
+
 /// A candidate (written here: the contract, monkeypatched) whose layer-1 router takes, for row
 /// 0, the expert ranked k+1 instead of the one ranked k: a decision defect on numbers that agree.
 const ROUTER_FLIP: &str = r#"import sys

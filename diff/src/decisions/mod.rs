@@ -19,7 +19,7 @@ mod source;
 use tracegate_trace::{DecisionInfo, Trace};
 
 pub(crate) use diffusion::{one_sided_after_sampling, still_different};
-pub use own::{own_scores, OwnScores};
+pub use own::{override_gap, own_scores, OverrideGap, OwnScores};
 pub use rows::{margin_tolerance, MARGIN_SLACK};
 pub(crate) use source::source_tensor;
 

@@ -57,17 +57,45 @@ pub fn label(
 
 /// Where a flip's honest noise `d` came from (docs/diff.md, "The near-tie rule").
 #[derive(Clone, Copy)]
-enum NoiseFrom {
+pub(super) enum NoiseFrom {
     NoiseReference,
     Policy,
 }
 
 impl NoiseFrom {
-    fn word(self) -> &'static str {
+    pub(super) fn word(self) -> &'static str {
         match self {
             NoiseFrom::NoiseReference => "noise_reference",
             NoiseFrom::Policy => "policy",
         }
+    }
+}
+
+/// The honest noise of the scores in `range` of the reference `r`'s tensor `source`: the noise
+/// reference's max |difference| from the reference over the same elements (same shape and
+/// positions), when it holds the source and that is finite and above 0; else the policy's
+/// `near_tie.noise_abs` for the source. A measured 0 is no bound by itself (that precision
+/// computes the row exactly: the policy's number is the floor). Never the candidate's own
+/// difference (docs/diff.md, "The near-tie rule").
+pub(super) fn honest_noise(
+    r: &Trace,
+    noise: Option<&Trace>,
+    policy: Option<&Policy>,
+    source: &str,
+    range: (u64, u64),
+) -> Option<(f64, NoiseFrom)> {
+    let measured = noise.and_then(|n| {
+        let (ri, ni) = (r.tensor_info(source)?, n.tensor_info(source)?);
+        if ri.attributes.positions != ni.attributes.positions {
+            return None;
+        }
+        range_divergence(r, n, source, Some(range))
+    });
+    match measured {
+        Some(d) if d.is_finite() && d > 0.0 => Some((d, NoiseFrom::NoiseReference)),
+        _ => policy?
+            .near_tie_noise(source)
+            .map(|d| (d, NoiseFrom::Policy)),
     }
 }
 
@@ -246,27 +274,10 @@ impl Rows<'_> {
             .filter(|(s, _)| holds_scores(self.name, s))
     }
 
-    /// The honest noise of the scores in row `row`: the noise reference's max |difference| from
-    /// the reference over the same row of the source (same shape and positions), when it holds
-    /// the source and that is finite and above 0; else the policy's `near_tie.noise_abs` for the
-    /// source. A measured 0 is no bound by itself (that precision computes the row exactly: the
-    /// policy's number is the floor).
+    /// The honest noise of the scores in row `row` ([`honest_noise`]).
     fn honest_noise(&self, row: u64) -> Option<(f64, NoiseFrom)> {
         let (s, range) = self.scores_row(row)?;
-        let measured = self.noise.and_then(|n| {
-            let (ri, ni) = (self.r.tensor_info(s)?, n.tensor_info(s)?);
-            if ri.attributes.positions != ni.attributes.positions {
-                return None;
-            }
-            range_divergence(self.r, n, s, Some(range))
-        });
-        match measured {
-            Some(d) if d.is_finite() && d > 0.0 => Some((d, NoiseFrom::NoiseReference)),
-            _ => self
-                .policy?
-                .near_tie_noise(s)
-                .map(|d| (d, NoiseFrom::Policy)),
-        }
+        honest_noise(self.r, self.noise, self.policy, s, range)
     }
 
     fn router(&self) -> bool {

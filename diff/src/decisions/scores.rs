@@ -40,7 +40,7 @@ impl<'a> Scores<'a> {
     }
 
     /// The score of choice `v`, if `v` indexes this row.
-    fn at(&self, v: i64) -> Option<f64> {
+    pub(super) fn at(&self, v: i64) -> Option<f64> {
         u64::try_from(v)
             .ok()
             .filter(|&i| i < self.len)

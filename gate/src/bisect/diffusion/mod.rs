@@ -188,7 +188,9 @@ fn force(
 /// can decide otherwise. An argmax or router overridden is said, not failed, when its own
 /// numbers explain each row it overrode (`decisions_forced.overrides_unexplained` lists those
 /// they do not, overrides.rs): its flip is then within what the judged scores' divergence
-/// explains (docs/diff.md, "The near-tie rule"), or an exact tie broken otherwise; else it fails.
+/// explains (docs/diff.md, "The near-tie rule"), an exact tie broken otherwise, or a top-k in
+/// its own scores' order within the honest-noise bound of the reference's (a near-tie); else it
+/// fails.
 /// A draw overridden is the other generator's, taken as given.
 fn overridden(f: &DecisionsForced) -> (Vec<String>, Vec<String>) {
     let (mut failing, mut said) = (Vec::new(), Vec::new());
@@ -196,10 +198,19 @@ fn overridden(f: &DecisionsForced) -> (Vec<String>, Vec<String>) {
         let item = format!("{name}: {n}");
         let unexplained = f.overrides_unexplained.iter().find(|u| u.decision == name);
         match (overrides::from_numbers(name), unexplained) {
-            (true, None) => said.push(match f.overrides_ties.get(name) {
-                Some(t) => format!("{item} ({t} an exact tie)"),
-                None => item,
-            }),
+            (true, None) => {
+                let mut how = Vec::new();
+                if let Some(t) = f.overrides_ties.get(name) {
+                    how.push(format!("{t} an exact tie"));
+                }
+                if let Some(t) = f.overrides_near_ties.get(name) {
+                    how.push(format!("{t} a near-tie"));
+                }
+                said.push(match how.is_empty() {
+                    true => item,
+                    false => format!("{item} ({})", how.join(", ")),
+                })
+            }
             (true, Some(u)) => failing.push(format!(
                 "{item} (not explained by its own numbers: {})",
                 overrides::why_words(u)
@@ -412,7 +423,7 @@ fn with_observations(d: &DiffusionReport, (verdict, mut summary): Said) -> Said 
     ));
     if !said.is_empty() {
         summary.push_str(&format!(
-            "; argmax or router rows it would have taken otherwise where its own scores rank another choice on top within the policy's margins, or tie exactly (said, not failed): {}",
+            "; argmax or router rows it would have taken otherwise where its own scores rank another choice on top within the policy's margins, tie exactly, or order the reference's experts within the honest-noise bound (said, not failed): {}",
             said.join(", ")
         ));
     }

@@ -45,6 +45,7 @@ pub(super) fn diffusion(d: &DiffusionReport, h: &mut String) {
                 &f.rows_overridden.map_or("-".into(), thousands)
             ),
         );
+        super::forced::overrides(f, "/diffusion/forced", "diffusion-", h);
     }
     if let (Some(place), Some(name)) = (&d.place, &d.first_diverging) {
         let how = d.first_diverging_how.map_or("-", |h| h.as_str());

@@ -6,7 +6,8 @@
 //!
 //! The parts: chart.rs the per-layer chart, layers.rs a layer table with its wrong layer and
 //! stage, checks.rs the whole run and the checks (outliers, self-consistency, calibration,
-//! rounding level), decode.rs the decode steps, diffusion.rs a block-diffusion run's passes;
+//! rounding level), decode.rs the decode steps, diffusion.rs a block-diffusion run's passes,
+//! forced.rs a forced candidate's own overrides;
 //! this file the page and its view of a table.
 
 use std::fmt::Write as _;
@@ -23,6 +24,7 @@ mod chart;
 mod checks;
 mod decode;
 mod diffusion;
+mod forced;
 mod layers;
 
 use checks::{checks, whole_run};
@@ -144,6 +146,7 @@ pub fn render_html(r: &BisectReport) -> String {
                 val("span", "text", "/decisions_forced/reason", why, why)
             ))
         );
+        forced::overrides(f, "/decisions_forced", "", &mut h);
     }
     if r.diffusion.is_some() {
         h.push_str("<h2 id=\"prompt-pass\">The prompt's encoder pass</h2><p>Up to the checks below: the prompt's pass alone; the passes after it are under <a href=\"#diffusion\">Block diffusion</a>.</p>");

@@ -12,13 +12,19 @@
 //! own scores where its trace holds them — is ≤ 0 (its scores rank another choice at or above
 //! the reference's), or, for a top-k with a margin > 0 (the same experts, in another order), when
 //! its scores rank the forced order as theirs with an exact tie in it (two experts whose scores
-//! are equal: whoever ranked them broke the tie). Anything else is a rule that is not argmax.
+//! are equal: whoever ranked them broke the tie), or rank them in another order that the
+//! near-tie rule excuses: the reference's own scores put that order within `F·h` of the
+//! reference's, `h` the row's honest noise (the noise reference's, else the policy's
+//! `near_tie.noise_abs`; never the candidate's own difference: docs/diff.md, "The near-tie
+//! rule"). Anything else is a rule that is not argmax.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 use serde_json::Value;
-use tracegate_diff::{own_scores, passes, FindingKind, Report};
+use tracegate_diff::{
+    override_gap, own_scores, passes, FindingKind, Options, OverrideGap, Real, Report,
+};
 use tracegate_trace::names::Name;
 use tracegate_trace::Trace;
 
@@ -35,12 +41,72 @@ pub struct Unexplained {
     pub why: String,
 }
 
+tracegate_diff::string_enum! {
+    /// What an overridden row's own numbers say.
+    pub enum Outcome {
+        /// Its scores rank another choice at or above the reference's (margin ≤ 0).
+        Flip = "flip",
+        /// The reference's experts in another order, among scores that tie exactly.
+        Tie = "tie",
+        /// The reference's experts in the order its own scores give them, which the near-tie
+        /// rule excuses (gap ≤ F·h in the reference's scores).
+        NearTie = "near_tie",
+        /// Not explained by its own numbers.
+        Unexplained = "unexplained",
+        /// Could not be told.
+        NotChecked = "not_checked",
+    }
+}
+
+/// One overridden row of a decision taken from numbers, as judged: its own recorded margin for
+/// the reference's choice and, where its own scores order the reference's experts otherwise,
+/// that order and the near-tie rule's measures.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct JudgedRow {
+    pub decision: String,
+    pub row: u64,
+    /// Its recorded margin for the reference's choice; null when it records none.
+    pub margin: Option<Real>,
+    pub outcome: Outcome,
+    /// Its own scores' order of the reference's experts, where that is another order.
+    pub own: Option<Vec<i64>>,
+    /// The near-tie rule's measures of that order (docs/diff.md, "The near-tie rule"), when
+    /// they could be read: the gap in the reference's scores, the row's honest noise, where it
+    /// came from, and the bound F·h.
+    pub gap: Option<Real>,
+    pub honest_noise: Option<Real>,
+    pub honest_noise_from: Option<String>,
+    pub noise_bound: Option<Real>,
+}
+
+impl JudgedRow {
+    /// Row `row` of `decision`, nothing read yet.
+    fn new(decision: &str, row: u64) -> JudgedRow {
+        JudgedRow {
+            decision: decision.to_string(),
+            row,
+            margin: None,
+            outcome: Outcome::NotChecked,
+            own: None,
+            gap: None,
+            honest_noise: None,
+            honest_noise_from: None,
+            noise_bound: None,
+        }
+    }
+}
+
 /// The forced candidate's overrides judged row by row.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Judged {
     pub unexplained: Vec<Unexplained>,
     /// Rows explained as exact ties (a top-k in another order among equal scores), per decision.
     pub ties: BTreeMap<String, u64>,
+    /// Rows explained as near-ties (a top-k in its own scores' order, within the honest-noise
+    /// bound of the reference's), per decision.
+    pub near_ties: BTreeMap<String, u64>,
+    /// Every overridden row judged, in decision and row order.
+    pub rows: Vec<JudgedRow>,
     /// Why some could not be judged (each names the decision and row).
     pub not_checked: Vec<String>,
 }
@@ -141,12 +207,22 @@ enum Row {
     Flip,
     /// The same choices in another order, among equal scores.
     Tie,
+    /// The same choices in its own scores' order, within the near-tie rule's bound.
+    NearTie,
     Unexplained(String),
     NotChecked(String),
 }
 
-/// Row `row` of decision `name` in the forced trace `t`, which the candidate overrode.
-fn judge_row(t: &Trace, name: &str, row: u64) -> Row {
+/// The reference and the judge of a near-tie: the reference's trace, the policy and the noise
+/// reference (`Options::policy`, `Options::noise`).
+pub struct Against<'a> {
+    pub reference: &'a Trace,
+    pub opts: &'a Options,
+}
+
+/// Row `row` of decision `name` in the forced trace `t`, which the candidate overrode; `out`
+/// gets its own order of the reference's experts and the near-tie rule's measures, where read.
+fn judge_row(t: &Trace, name: &str, row: u64, against: &Against, out: &mut JudgedRow) -> Row {
     let Some(info) = t.decision_info(name) else {
         return Row::NotChecked(format!("{name} is not a decision of the forced trace"));
     };
@@ -161,6 +237,7 @@ fn judge_row(t: &Trace, name: &str, row: u64) -> Row {
             "no margin recorded, so nothing says its own scores rank another choice".to_string(),
         );
     };
+    out.margin = Some(Real(m as f64));
     let own = own_scores(t, name, row);
     if let Some(Err(want)) = own.as_ref().and_then(|s| s.margin_agrees(chosen, m)) {
         return Row::Unexplained(format!(
@@ -185,10 +262,41 @@ fn judge_row(t: &Trace, name: &str, row: u64) -> Row {
         ));
     };
     if let Err(e) = s.picks(chosen) {
-        return Row::Unexplained(format!(
+        // Its own scores order the reference's experts otherwise: a near-tie only where the
+        // reference's own scores put that order within the honest-noise bound of theirs.
+        let order = s.order(chosen);
+        let not_so = format!(
             "the reference's experts {chosen:?} in another order (margin {m:e} > 0), and its own {} do not rank them so: it {e}; not a tie",
             s.source()
-        ));
+        );
+        let measured = override_gap(
+            against.reference,
+            t,
+            name,
+            row,
+            &order,
+            against.opts.policy.as_ref(),
+            against.opts.noise.as_ref().map(|n| &*n.0),
+        );
+        out.own = Some(order.clone());
+        return match measured {
+            Ok(g) => {
+                record_gap(&g, out);
+                if g.within() {
+                    Row::NearTie
+                } else {
+                    Row::Unexplained(format!(
+                        "{not_so}, nor a near-tie: the reference's {} put its own order {order:?} {:e} from theirs, above the honest-noise bound {:e} (F·h, h {:e} from the {})",
+                        g.source,
+                        g.gap,
+                        g.noise_bound,
+                        g.honest_noise,
+                        g.honest_noise_from.replace('_', " ")
+                    ))
+                }
+            }
+            Err(why) => Row::Unexplained(format!("{not_so}, nor a near-tie: {why}")),
+        };
     }
     if chosen.windows(2).any(|w| s.tied(w[0], w[1])) {
         return Row::Tie;
@@ -199,17 +307,22 @@ fn judge_row(t: &Trace, name: &str, row: u64) -> Row {
     ))
 }
 
-/// The forced trace `t`'s overrides `rows` of the decisions `selects` keeps that are taken from
-/// numbers, judged row by row; `rep`: the forced comparison with the reference, whose
-/// `margin_differs` findings leave a decision's overrides unexplained (its margins are outside
-/// what the judged scores allow). A row whose margin is < 0 the record does not list is an
-/// override the record misses: NOT CHECKED.
-pub fn judge(
-    t: &Trace,
-    rep: &Report,
-    rows: &OverriddenRows,
-    selects: &dyn Fn(&str) -> bool,
-) -> Judged {
+/// The near-tie rule's measures of a row, into its judged row.
+fn record_gap(g: &OverrideGap, out: &mut JudgedRow) {
+    out.gap = Some(Real(g.gap));
+    out.honest_noise = Some(Real(g.honest_noise));
+    out.honest_noise_from = Some(g.honest_noise_from.to_string());
+    out.noise_bound = Some(Real(g.noise_bound));
+}
+
+/// The forced trace `t`'s overrides `rows` of the decisions the comparison's filter keeps that
+/// are taken from numbers, judged row by row against the reference (`against`: its scores
+/// measure a reorder's gap, the options' policy and noise reference its bound); `rep`: the
+/// forced comparison with the reference, whose `margin_differs` findings leave a decision's
+/// overrides unexplained (its margins are outside what the judged scores allow). A row whose
+/// margin is < 0 the record does not list is an override the record misses: NOT CHECKED.
+pub fn judge(t: &Trace, rep: &Report, rows: &OverriddenRows, against: &Against) -> Judged {
+    let selects = |n: &str| against.opts.selects(n);
     let mut out = Judged::default();
     let forced: Vec<&str> = t.provenance()["forced_decisions"]["decisions"]
         .as_array()
@@ -250,13 +363,35 @@ pub fn judge(
                     f.detail
                 ),
             });
+            let margins = t.decision_margins(info);
+            out.rows.extend(listed.iter().map(|&r| {
+                JudgedRow {
+                    margin: margins
+                        .as_ref()
+                        .and_then(|ms| ms.get(r as usize))
+                        .map(|&m| Real(m as f64)),
+                    outcome: Outcome::Unexplained,
+                    ..JudgedRow::new(name, r)
+                }
+            }));
             continue;
         }
         let mut bad: Option<Unexplained> = None;
         for &r in listed {
-            match judge_row(t, name, r) {
+            let mut row = JudgedRow::new(name, r);
+            let judged = judge_row(t, name, r, against, &mut row);
+            row.outcome = match &judged {
+                Row::Flip => Outcome::Flip,
+                Row::Tie => Outcome::Tie,
+                Row::NearTie => Outcome::NearTie,
+                Row::Unexplained(_) => Outcome::Unexplained,
+                Row::NotChecked(_) => Outcome::NotChecked,
+            };
+            out.rows.push(row);
+            match judged {
                 Row::Flip => {}
                 Row::Tie => *out.ties.entry(name.to_string()).or_insert(0) += 1,
+                Row::NearTie => *out.near_ties.entry(name.to_string()).or_insert(0) += 1,
                 Row::NotChecked(why) => out.not_checked.push(why),
                 Row::Unexplained(why) => match &mut bad {
                     Some(u) => u.rows.push(r),

@@ -477,6 +477,13 @@ pub struct DecisionsForced {
     /// Rows it overrode that are exact ties (a top-k in another order among equal scores), per
     /// decision: said, not failed.
     pub overrides_ties: std::collections::BTreeMap<String, u64>,
+    /// Rows it overrode that are near-ties (a top-k in its own scores' order, which the
+    /// reference's scores put within the honest-noise bound of theirs), per decision: said, not
+    /// failed.
+    pub overrides_near_ties: std::collections::BTreeMap<String, u64>,
+    /// Every argmax and router row it overrode, judged: its own margin, the outcome, and for a
+    /// top-k it ordered otherwise the near-tie rule's measures (overrides.rs).
+    pub overrides_rows: Vec<super::overrides::JudgedRow>,
 }
 
 /// The first element of an inconsistency: by bits the first differing element, under a policy

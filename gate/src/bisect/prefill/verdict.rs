@@ -152,6 +152,17 @@ pub(crate) fn with_own_overrides(f: &DecisionsForced, (verdict, mut summary): Sa
             ties.join(", ")
         ));
     }
+    if !f.overrides_near_ties.is_empty() {
+        let near: Vec<String> = f
+            .overrides_near_ties
+            .iter()
+            .map(|(name, n)| format!("{name}: {n}"))
+            .collect();
+        summary.push_str(&format!(
+            "; rows it would have ordered otherwise by its own scores, within the honest-noise bound of the reference's (near-ties, said, not failed): {}",
+            near.join(", ")
+        ));
+    }
     let not_checked = f
         .overrides_not_checked
         .as_ref()

@@ -352,6 +352,8 @@ pub(crate) fn trace_forced(
         overrides_not_checked: None,
         overrides_unexplained: vec![],
         overrides_ties: Default::default(),
+        overrides_near_ties: Default::default(),
+        overrides_rows: vec![],
     };
     match forced_run(o, reference, &rec, &rel, opts) {
         Ok((rep, t)) => {
@@ -359,13 +361,18 @@ pub(crate) fn trace_forced(
             f.rows_overridden = prov["rows_overridden"].as_u64();
             f.overridden = Some(prov["overridden"].clone());
             f.overridden_rows = Some(prov["overridden_rows"].clone());
-            // The argmax and router rows it overrode, each judged by its own margin; what the
-            // comparison leaves out (a prefill's filter) is not judged here.
+            // The argmax and router rows it overrode, each judged by its own margin (a reorder
+            // by the near-tie rule against the reference's scores, under the comparison's policy
+            // and noise reference); what the comparison leaves out (a prefill's filter) is not
+            // judged here.
             match overrides::record(&t) {
                 Ok(rows) => {
-                    let j = overrides::judge(&t, &rep, &rows, &|n| opts.selects(n));
+                    let against = overrides::Against { reference, opts };
+                    let j = overrides::judge(&t, &rep, &rows, &against);
                     f.overrides_unexplained = j.unexplained;
                     f.overrides_ties = j.ties;
+                    f.overrides_near_ties = j.near_ties;
+                    f.overrides_rows = j.rows;
                     if !j.not_checked.is_empty() {
                         f.overrides_not_checked = Some(j.not_checked.join("; "));
                     }

@@ -41,11 +41,14 @@ fn softmax(z: &[f32; 4]) -> Vec<f64> {
 }
 
 fn write(dir: &std::path::Path, x: &Forced, forced: Value) -> Trace {
-    let path = dir.join("forced.trace");
+    write_as(&dir.join("forced.trace"), x, forced)
+}
+
+fn write_as(path: &std::path::Path, x: &Forced, forced: Value) -> Trace {
     let mut f = forced;
     f["decisions"] = json!(["layer.00.router.topk", "logits.argmax"]);
     f["trace_digest"] = json!("00");
-    let mut w = TraceWriter::create(&path, json!({ "forced_decisions": f })).unwrap();
+    let mut w = TraceWriter::create(path, json!({ "forced_decisions": f })).unwrap();
     let a = Attributes::default();
     let flat = |rows: &[[f32; 4]]| rows.iter().flatten().copied().collect::<Vec<f32>>();
     let n = x.router_logits.len() as u64;
@@ -71,7 +74,7 @@ fn write(dir: &std::path::Path, x: &Forced, forced: Value) -> Trace {
     w.decision("logits.argmax", &[m], x.argmax.0, Some(x.argmax.1))
         .unwrap();
     w.finish().unwrap();
-    Trace::open(&path).unwrap()
+    Trace::open(path).unwrap()
 }
 
 /// The argmax's own margin for each forced token, as an honest producer records it.
@@ -92,8 +95,27 @@ const ROUTER: [[f32; 4]; 1] = [[1.0, 0.5, 0.0, -1.0]];
 
 fn judged(t: &Trace) -> Judged {
     let rows = record(t).unwrap();
-    let rep = compare(t, t, &Options::default());
-    judge(t, &rep, &rows, &|_| true)
+    let opts = Options::default();
+    let rep = compare(t, t, &opts);
+    let j = judge(
+        t,
+        &rep,
+        &rows,
+        &Against {
+            reference: t,
+            opts: &opts,
+        },
+    );
+    // Every listed row is judged once, in order; the per-row outcomes agree with the totals.
+    let listed: Vec<(String, u64)> = rows
+        .iter()
+        .flat_map(|(n, rs)| rs.iter().map(move |&r| (n.clone(), r)))
+        .collect();
+    let got: Vec<(String, u64)> = j.rows.iter().map(|r| (r.decision.clone(), r.row)).collect();
+    assert_eq!(got, listed);
+    let ties = j.rows.iter().filter(|r| r.outcome == Outcome::Tie).count() as u64;
+    assert_eq!(ties, j.ties.values().sum::<u64>());
+    j
 }
 
 #[test]
@@ -196,7 +218,15 @@ fn each_overridden_row_is_judged_by_its_own_margin_not_by_a_count() {
         ..x
     };
     let forced = json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [1]}});
-    assert_eq!(judged(&write(dir.path(), &x, forced)), Judged::default());
+    let j = judged(&write(dir.path(), &x, forced));
+    assert!(
+        j.unexplained.is_empty() && j.not_checked.is_empty() && j.ties.is_empty(),
+        "{j:?}"
+    );
+    assert_eq!(
+        (j.rows[0].row, j.rows[0].outcome, j.rows[0].margin),
+        (1, Outcome::Flip, Some(Real(margins[1] as f64)))
+    );
     // The same run recording row 0 instead: row 0's margin is the scores' own top, so it is not
     // explained; and row 1, whose margin < 0 says it was overridden, is missing from the record.
     let forced = json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [0]}});
@@ -271,6 +301,258 @@ fn an_exact_tie_ordered_otherwise_inside_a_top_k_is_a_tie_and_only_that() {
     );
 }
 
+/// A policy whose honest noise for router logits is `noise_abs` (none: no `near_tie` entry for
+/// them), near-tie factor 2.
+fn policy(noise_abs: Option<f64>) -> tracegate_diff::Policy {
+    let entries = noise_abs.map_or(String::new(), |h| {
+        format!(r#"{{"pattern": "layer.*.router.logits", "max_abs": {h}}}"#)
+    });
+    tracegate_diff::Policy::parse(&format!(
+        r#"{{"format": "tracegate-policy/1", "name": "t", "rules": [{{"pattern": "**", "max_rel_l2": 1}}],
+            "near_tie": {{"margin_factor": 2.0, "noise_abs": [{entries}]}}}}"#
+    ))
+    .unwrap()
+}
+
+/// The reference's router (rows of `router`, its top-2 `topk`) and a forced candidate that took
+/// those top-2s, its own router logits `own`, saying it overrode `rows`: the overrides judged
+/// under `opts`.
+fn near_tie_judged(
+    dir: &std::path::Path,
+    router: &[[f32; 4]],
+    topk: &[[i64; 2]],
+    own: &[[f32; 4]],
+    rows: &[u64],
+    opts: &Options,
+) -> Judged {
+    let tokens = [0, 0, 1];
+    let margins = honest(&LOGITS, &tokens);
+    let base = Forced {
+        logits: &LOGITS,
+        argmax: (&tokens, &margins),
+        router_logits: router,
+        topk,
+    };
+    let name = "layer.00.router.topk";
+    let reference = write_as(&dir.join("reference.trace"), &base, json!({}));
+    let forced = json!({"rows_overridden": rows.len(), "overridden": {name: rows.len()}, "overridden_rows": {name: rows}});
+    let t = write(
+        dir,
+        &Forced {
+            router_logits: own,
+            ..base
+        },
+        forced,
+    );
+    let rep = compare(&reference, &t, opts);
+    let against = Against {
+        reference: &reference,
+        opts,
+    };
+    judge(&t, &rep, &record(&t).unwrap(), &against)
+}
+
+/// Issue 50: a top-k the candidate's own scores order otherwise than the reference's is a
+/// near-tie only by the near-tie rule (docs/diff.md): the reference's own scores put the
+/// candidate's order within F·h of theirs, h the row's honest noise — the noise reference's
+/// row, else the policy's `near_tie.noise_abs`, never the candidate's own difference. Each rule
+/// that excuses is attacked: a gap above the bound (however large the candidate's own
+/// difference), no bound, judged by bits, a NaN in the row, a reference whose scores do not
+/// make its own choice, a noise reference that measures this row tighter than the policy.
+#[test]
+fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let name = "layer.00.router.topk";
+    let under = |p: Option<f64>| Options {
+        policy: Some(policy(p)),
+        ..Options::default()
+    };
+    // The reference ranks expert 1 above 0 by 5e-5; the candidate's own logits swap them.
+    let near = [[1.0, 1.00005, 0.0, -1.0]];
+    let near_own = [[1.00005, 1.0, 0.0, -1.0]];
+    let gap = (1.00005f32 - 1.0f32) as f64;
+    let j = near_tie_judged(
+        dir.path(),
+        &near,
+        &[[1, 0]],
+        &near_own,
+        &[0],
+        &under(Some(1e-4)),
+    );
+    assert!(
+        j.unexplained.is_empty() && j.not_checked.is_empty(),
+        "{j:?}"
+    );
+    assert_eq!(j.near_ties.get(name), Some(&1), "{j:?}");
+    assert!(j.ties.is_empty(), "a near-tie is not an exact tie: {j:?}");
+    let r = &j.rows[0];
+    assert_eq!(
+        (r.outcome, r.own.as_deref(), r.honest_noise_from.as_deref()),
+        (Outcome::NearTie, Some(&[0i64, 1][..]), Some("policy"))
+    );
+    assert_eq!(r.gap, Some(Real(gap)));
+    assert_eq!(r.honest_noise, Some(Real(1e-4)));
+    assert_eq!(r.noise_bound, Some(Real(2e-4)));
+    assert!(r.margin.is_some_and(|m| m.0 > 0.0), "{r:?}");
+
+    let far = [[1.0, 1.5, 0.0, -1.0]];
+    // An exact tie in its own scores stays a tie under a policy, whatever the reference's gap.
+    let tied_own = [[1.00005, 1.00005, 0.0, -1.0]];
+    let j = near_tie_judged(
+        dir.path(),
+        &far,
+        &[[1, 0]],
+        &tied_own,
+        &[0],
+        &under(Some(1e-4)),
+    );
+    assert_eq!(
+        (j.rows[0].outcome, j.ties.get(name)),
+        (Outcome::Tie, Some(&1)),
+        "{j:?}"
+    );
+
+    // A manufactured reorder: the reference ranks expert 1 above 0 by 0.5 and the candidate's
+    // own logits swap them. Its own difference (0.5) would excuse a gap up to 1.0; the honest
+    // bound 2e-4 does not.
+    let far_own = [[1.5, 1.0, 0.0, -1.0]];
+    let j = near_tie_judged(
+        dir.path(),
+        &far,
+        &[[1, 0]],
+        &far_own,
+        &[0],
+        &under(Some(1e-4)),
+    );
+    assert!(j.near_ties.is_empty(), "{j:?}");
+    assert_eq!(j.unexplained.len(), 1, "{j:?}");
+    assert!(
+        j.unexplained[0].why.contains("nor a near-tie: the reference's layer.00.router.logits put its own order [0, 1] 5e-1 from theirs, above the honest-noise bound 2e-4 (F·h, h 1e-4 from the policy)"),
+        "{j:?}"
+    );
+    assert_eq!(
+        (j.rows[0].outcome, j.rows[0].gap),
+        (Outcome::Unexplained, Some(Real(0.5)))
+    );
+
+    // Within the bound, but nothing bounds it: no honest noise for router logits.
+    let j = near_tie_judged(dir.path(), &near, &[[1, 0]], &near_own, &[0], &under(None));
+    assert!(
+        j.unexplained[0].why.ends_with("nor a near-tie: no honest noise bounds layer.00.router.logits: no noise reference measures it and the policy's near_tie.noise_abs has no pattern for it"),
+        "{j:?}"
+    );
+    // Judged by bits: no near-ties at all.
+    let j = near_tie_judged(
+        dir.path(),
+        &near,
+        &[[1, 0]],
+        &near_own,
+        &[0],
+        &Options::default(),
+    );
+    assert!(
+        j.unexplained[0]
+            .why
+            .ends_with("nor a near-tie: judged by bits, which has no near-ties"),
+        "{j:?}"
+    );
+    // A NaN in its own row explains nothing, whatever the gap (its margins, NaN-born, differ
+    // first; the near-tie rule refuses it on its own).
+    let nan_own = [[1.00005, 1.0, 0.0, f32::NAN]];
+    let j = near_tie_judged(
+        dir.path(),
+        &near,
+        &[[1, 0]],
+        &nan_own,
+        &[0],
+        &under(Some(1e-4)),
+    );
+    assert_eq!(j.rows[0].outcome, Outcome::Unexplained, "{j:?}");
+    let open = |f: &str| Trace::open(dir.path().join(f)).unwrap();
+    let why = tracegate_diff::override_gap(
+        &open("reference.trace"),
+        &open("forced.trace"),
+        name,
+        0,
+        &[0, 1],
+        Some(&policy(Some(1e-4))),
+        None,
+    )
+    .unwrap_err();
+    assert_eq!(
+        why,
+        "a NaN or infinity differs in layer.00.router.logits row 0"
+    );
+    // A reference whose own scores do not make its choice gives no gap to measure.
+    let j = near_tie_judged(
+        dir.path(),
+        &near,
+        &[[0, 1]],
+        &[[1.0, 1.00005, 0.0, -1.0]],
+        &[0],
+        &under(Some(1e-4)),
+    );
+    assert!(
+        j.unexplained[0].why.contains("nor a near-tie: the reference's own layer.00.router.logits row do not pick its choice [0, 1]"),
+        "{j:?}"
+    );
+
+    // The noise reference's row is the bound where it measures one: 1e-6 in row 0 (tighter
+    // than the policy's 1e-4, so the 5e-5 gap is not explained), 1e-3 in row 1 (looser: it
+    // explains row 1's 5e-4 gap, which the policy's bound would not).
+    let two = [[1.0, 1.00005, 0.0, -1.0], [2.0, 2.0005, 0.0, -1.0]];
+    let two_own = [[1.00005, 1.0, 0.0, -1.0], [2.0005, 2.0, 0.0, -1.0]];
+    let tokens = [0, 0, 1];
+    let margins = honest(&LOGITS, &tokens);
+    let noisy = [[1.000001, 1.00005, 0.0, -1.0], [2.0, 2.0005, 0.0, -1.001]];
+    let noise = write_as(
+        &dir.path().join("noise.trace"),
+        &Forced {
+            logits: &LOGITS,
+            argmax: (&tokens, &margins),
+            router_logits: &noisy,
+            topk: &[[1, 0], [1, 0]],
+        },
+        json!({}),
+    );
+    let opts = Options {
+        noise: Some(tracegate_diff::NoiseReference(std::sync::Arc::new(noise))),
+        ..under(Some(1e-4))
+    };
+    let both = [[1, 0], [1, 0]];
+    let j = near_tie_judged(dir.path(), &two, &both, &two_own, &[0, 1], &opts);
+    let outcomes: Vec<_> = j
+        .rows
+        .iter()
+        .map(|r| (r.row, r.outcome, r.honest_noise_from.as_deref()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            (0, Outcome::Unexplained, Some("noise_reference")),
+            (1, Outcome::NearTie, Some("noise_reference"))
+        ],
+        "{j:?}"
+    );
+    let h = j.rows[0].honest_noise.unwrap().0;
+    assert_eq!(h, (1.000001f32 - 1.0f32) as f64);
+    assert_eq!(
+        j.rows[1].honest_noise,
+        Some(Real((1.001f32 - 1.0f32) as f64))
+    );
+    // Without it, the policy's bound explains row 0 and not row 1.
+    let j = near_tie_judged(
+        dir.path(),
+        &two,
+        &both,
+        &two_own,
+        &[0, 1],
+        &under(Some(1e-4)),
+    );
+    let outcomes: Vec<_> = j.rows.iter().map(|r| r.outcome).collect();
+    assert_eq!(outcomes, [Outcome::NearTie, Outcome::Unexplained], "{j:?}");
+}
+
 /// The prefill's verdict with a forced run's overrides (verdict.rs `with_own_overrides`): rows
 /// its own numbers do not explain make a clean run `decisions_differ`; a record that could not
 /// be judged makes it NOT CHECKED, never nothing wrong; exact ties are said.
@@ -291,6 +573,8 @@ fn a_clean_verdict_takes_the_overrides_judgement() {
             overrides_not_checked: not_checked.map(str::to_string),
             overrides_unexplained: unexplained,
             overrides_ties: ties.iter().map(|(n, k)| (n.to_string(), *k)).collect(),
+            overrides_near_ties: Default::default(),
+            overrides_rows: vec![],
         }
     };
     let clean = || {
