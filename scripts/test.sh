@@ -16,6 +16,8 @@ python_pid=$!
 trap 'pkill -P "$python_pid" 2>/dev/null; kill "$python_pid" 2>/dev/null || true' EXIT
 phase "build (release), style: cargo clippy -D warnings, and the Rust test binaries"
 cargo build --release --quiet --bins
+# libtracegate_capi.so beside the binaries: the C test files a capsule writes link it.
+cargo build --release --quiet -p tracegate-capi
 cargo clippy --release --quiet --workspace --all-targets -- -D warnings
 cargo test --release --quiet --no-run
 wait "$python_pid" || { echo "test: setting up the Python environment failed (above)" >&2; exit 1; }
