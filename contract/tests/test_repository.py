@@ -1,7 +1,7 @@
 """The Python packages as installed and the docs that describe them: the contract needs no torch,
 each package's declared pins are requirements.txt's, one Python version everywhere, and every
-"trap N" the tree cites is defined in docs/traps.md with tests that exist, and no Rust target that
-is not built as a test holds one."""
+"trap N" the tree cites is defined in docs/traps.md with tests that exist, no Rust target that
+is not built as a test holds one, and the test command's cargo builds share one feature set."""
 
 from __future__ import annotations
 
@@ -214,3 +214,78 @@ def test_a_target_built_without_its_test_harness_holds_no_test(tmp_path):
     )
     (tmp_path / "src/main.rs").write_text("fn main() {}\n#[test]\nfn t() {}\n")
     assert _untested_targets(tmp_path)[1] == [str(tmp_path / "src/main.rs")]
+
+
+# The cargo builds scripts/test.sh and scripts/setup.sh run, each as the `cargo tree` arguments
+# that select what it resolves features for: the binaries (`cargo build --release --bins`), the C
+# library (`-p tracegate-capi`), the Rust tests (`cargo test --release`: dev-dependencies too) and
+# the Python module (maturin: `-p tracegate-python` with pyproject.toml's features).
+_BUILDS = {
+    "cargo build": ["-e", "normal,build"],
+    "cargo build -p tracegate-capi": ["-p", "tracegate-capi", "-e", "normal,build"],
+    "cargo test": ["-e", "normal,build,dev"],
+    "maturin": ["-p", "tracegate-python", "-e", "normal,build"],
+}
+# trace/Cargo.toml's block of feature pins, between these lines.
+_PINS = ("# Feature pins", "[dev-dependencies]")
+
+
+def _feature_splits(root: Path, lock: str = "--locked") -> tuple[dict[str, int], list[str]]:
+    """How many packages each build resolves, and each package two builds resolve with different
+    features (cargo compiles it, and every crate above it, once per feature set)."""
+    seen: dict[str, dict[str, set[str]]] = {}
+    sizes = {}
+    with open(ROOT_PATH / "trace/python/pyproject.toml", "rb") as f:
+        maturin = tomllib.load(f)["tool"]["maturin"].get("features", [])
+    for build, args in _BUILDS.items():
+        args = [*args, "--features", ",".join(maturin)] if build == "maturin" and maturin else args
+        r = subprocess.run(
+            ["cargo", "tree", lock, *args, "--prefix", "none", "--no-dedupe"]
+            + ["--format", "{p} [{f}]"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, f"cargo tree {' '.join(args)} in {root}: {r.stderr[-800:]}"
+        packages: dict[str, set[str]] = {}
+        for line in r.stdout.splitlines():
+            package, _, features = line.partition(" [")
+            # "name vX (path)" and "(proc-macro)", "(*)" marks: the name and version alone.
+            name = " ".join(package.split()[:2])
+            packages.setdefault(name, set()).add(features.split("]")[0])
+        sizes[build] = len(packages)
+        for name, features in packages.items():
+            seen.setdefault(name, {})[build] = features
+    splits = [
+        f"{name}: " + "; ".join(f"{b} [{' | '.join(sorted(f))}]" for b, f in by.items())
+        for name, by in sorted(seen.items())
+        if len({frozenset(f) for f in by.values()}) > 1
+    ]
+    return sizes, splits
+
+
+def test_every_build_resolves_one_feature_set(tmp_path):
+    """The binaries, the Rust tests and the Python module share their dependencies' builds only
+    if cargo resolves each dependency with the same features in each (trace/Cargo.toml's pins):
+    no dependency compiles twice. Negative control: the workspace without the pins splits."""
+    sizes, splits = _feature_splits(ROOT_PATH)
+    assert all(n > 20 for n in sizes.values()), f"too few packages resolved: {sizes}"
+    assert not splits, (
+        "dependencies resolved with different features (pin their union in trace/Cargo.toml):\n"
+        + "\n".join(splits)
+    )
+    # The same workspace (manifests, lock file and Rust sources), the pins dropped.
+    for top, dirs, files in os.walk(ROOT_PATH):  # symbolic links (a target/ elsewhere) not walked
+        dirs[:] = [d for d in dirs if d not in ("target", ".venv", ".git")]
+        for f in files:
+            if f == "Cargo.toml" or f.endswith(".rs"):
+                rel = Path(top, f).relative_to(ROOT_PATH)
+                (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp_path / rel).write_bytes((ROOT_PATH / rel).read_bytes())
+    (tmp_path / "Cargo.lock").write_bytes((ROOT_PATH / "Cargo.lock").read_bytes())
+    trace = (tmp_path / "trace/Cargo.toml").read_text()
+    start, end = trace.index(_PINS[0]), trace.index(_PINS[1])
+    (tmp_path / "trace/Cargo.toml").write_text(trace[:start] + trace[end:])
+    _, unpinned = _feature_splits(tmp_path, "--offline")  # the lock file loses the pins
+    assert any(s.startswith("num-traits v") for s in unpinned), unpinned
