@@ -216,7 +216,7 @@ fn passes_as_bundled_and_records_invocations() {
     let root = repo();
     let r = gate(&root, &["check"], &[]);
     assert_eq!(r.code, 0, "gate check failed:\n{}\n{}", r.stdout, r.stderr);
-    for m in ["m0", "m1", "dg0"] {
+    for m in ["m0", "m1", "dg0", "m2"] {
         let line = r
             .stdout
             .lines()
@@ -252,14 +252,21 @@ fn passes_as_bundled_and_records_invocations() {
             ("m0", "fixtures/tiny-gemma3"),
             ("m1", "fixtures/tiny-qwen3-moe"),
             ("m1", "fixtures/tiny-qwen3_5-moe"),
-            ("dg0", "fixtures/tiny-diffusion-gemma")
+            ("dg0", "fixtures/tiny-diffusion-gemma"),
+            // m2: one report per split (tp=2, ep=2 of the MoE fixture; tp=2 of the dense one).
+            ("m2", "fixtures/tiny-qwen3-moe"),
+            ("m2", "fixtures/tiny-qwen3-moe"),
+            ("m2", "fixtures/tiny-qwen3")
         ]
     );
+    // m2 runs two of the five frozen prompts (its `prompts.only`).
     assert!(reports
         .as_array()
         .unwrap()
         .iter()
-        .all(|r| r["verdict"] == "PASS" && r["prompts"].as_array().unwrap().len() == 5));
+        .all(|r| r["verdict"] == "PASS"
+            && r["prompts"].as_array().unwrap().len()
+                == if r["milestone"] == "m2" { 2 } else { 5 }));
     let m1 = reports
         .as_array()
         .unwrap()
