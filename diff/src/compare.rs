@@ -114,12 +114,26 @@ pub fn compare(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
 }
 
 /// The tensors whose bytes a DIFFERENT may rest on: those compared element by element (or by
-/// position), and the source of every common decision (its margins are checked against it).
+/// position), those matched by digest before the first divergence (they are what "first" rests
+/// on: a payload edited behind an intact index must not pass as equal there), and the source of
+/// every common decision (its margins are checked against it).
 fn read_tensors(reference: &Trace, candidate: &Trace, rep: &Report) -> Vec<String> {
+    let first = rep.first_divergence.as_ref().map(|f| f.tensor.as_str());
+    let before_first = rep
+        .per_tensor
+        .iter()
+        .position(|r| Some(r.tensor.as_str()) == first)
+        .unwrap_or(0);
     let mut read: Vec<String> = rep
         .per_tensor
         .iter()
-        .filter(|r| !matches!(r.method, Method::Digest | Method::NotScanned))
+        .enumerate()
+        .filter(|(i, r)| match r.method {
+            Method::NotScanned => false,
+            Method::Digest => *i < before_first,
+            _ => true,
+        })
+        .map(|(_, r)| r)
         .map(|r| r.tensor.clone())
         .collect();
     for d in reference.decisions() {
