@@ -1,7 +1,9 @@
 """`trace --distributed tp=N|ep=N`: the oracle sharded by transformers' own tensor / expert
 parallelism under torchrun (gloo, CPU), one rank trace per rank. What must hold: trace-merge of
 the rank traces is within the oracle-default policy of the one-process oracle trace, every
-decision equal (tiny-qwen3 tp=2; tiny-qwen3-moe tp=2 and ep=2; internals and decode); replicas
+decision equal, internals and decode, on every fixture transformers' class can shard (tiny-llama,
+tiny-qwen2, tiny-qwen3, tiny-qwen3_5 tp=2; tiny-qwen3-moe and tiny-qwen3_5-moe tp=2 and ep=2;
+tiny-gemma3's one key/value head and diffusion Gemma are refused, below); replicas
 are bit-identical across ranks (trace-merge checks it); a planted defect in one rank's shard is
 caught and named; what cannot be sharded is refused in one line; a rank that fails is named and
 a hung one is killed after the timeout.
@@ -34,12 +36,19 @@ TOKENS = "3,17,5,9,11,40,2"
 FLAGS = ("--capture", "internals", "--generate", "2")
 # id: (fixture, --distributed); the one-process reference runs the same flags (once per fixture).
 CASES = {
+    "llama-tp2": ("tiny-llama", "tp=2"),
+    "qwen2-tp2": ("tiny-qwen2", "tp=2"),
     "qwen3-tp2": ("tiny-qwen3", "tp=2"),
+    "qwen3_5-tp2": ("tiny-qwen3_5", "tp=2"),
     "moe-tp2": ("tiny-qwen3-moe", "tp=2"),
     "moe-ep2": ("tiny-qwen3-moe", "ep=2"),
+    "qwen3_5-moe-tp2": ("tiny-qwen3_5-moe", "tp=2"),
+    "qwen3_5-moe-ep2": ("tiny-qwen3_5-moe", "ep=2"),
 }
 
-pytestmark = needs_built("trace-merge", "trace-diff")
+# One worker runs the module (pytest --dist loadgroup): the runs are shared by its tests, and a
+# second worker would make them again.
+pytestmark = [needs_built("trace-merge", "trace-diff"), pytest.mark.xdist_group("distributed")]
 
 
 def oracle(*argv, timeout=300) -> subprocess.CompletedProcess:
@@ -118,9 +127,10 @@ def test_merged_ranks_are_within_the_oracle_policy_of_one_process(runs, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_rank_says_what_it_holds(runs, case):
-    """The kinds each rank recorded (distributed.py's docstring says why): heads sliced, expert
-    outputs partial under tp and whole experts under ep, everything else replicated; and the
-    provenance that makes the ranks one run."""
+    """The kinds each rank recorded (distributed.py's docstring says why): heads sliced (with
+    Qwen3.5's output gate), expert outputs partial under tp and whole experts under ep,
+    everything else replicated (a Qwen3.5 linear-attention layer too: transformers' plan leaves
+    it whole); and the provenance that makes the ranks one run."""
     run = runs(case)
     kinds = [shards(p) for p in run["ranks"]]
     provs = [tg.Trace(str(p)).provenance for p in run["ranks"]]
@@ -133,14 +143,17 @@ def test_each_rank_says_what_it_holds(runs, case):
                 "k": "slice",
                 "v": "slice",
                 "attn_probs": "slice",
+                "attn_gate": "slice",
                 "expert": "experts" if CASES[case][1].startswith("ep") else "partial",
             }.get(point, "replicated")
+            if ".linear." in name:
+                want = "replicated"
             assert shard.startswith(f"rank={r}/2;") and kind == want, (name, shard)
         assert prov["distributed"]["spec"] == CASES[case][1]
         assert (prov["distributed"]["backend"], prov["distributed"]["world_size"]) == ("gloo", 2)
         assert prov["distributed"]["rank"] == r
     assert provs[0]["run_id"] == provs[1]["run_id"]
-    if case == "moe-ep2":  # rank 0 holds experts 0-3 of 8, rank 1 experts 4-7
+    if CASES[case][1] == "ep=2":  # rank 0 holds experts 0-3 of 8, rank 1 experts 4-7
         for r, held in enumerate(kinds):
             experts = {int(n.split(".")[3]) for n in held if ".expert." in n}
             assert experts and experts <= set(range(4 * r, 4 * r + 4)), (r, experts)
