@@ -389,31 +389,14 @@ pub fn run_milestone(o: &GateOptions) -> Result<(Vec<MilestoneReport>, Option<St
         o.milestone, wall_s["setup"], wall_s["producers"], wall_s["judge"], wall_s["total"], reports.len()
     );
     let bless_log = if o.bless {
-        let mut log = Vec::new();
-        for (plan, report) in settled.plans.iter().zip(&reports) {
-            log.extend(recorded::bless(
-                plan,
-                report,
-                &mut settled.file,
-                &mut bl_file,
-            )?);
-        }
-        // Both or neither, at every instant (crate::journal): a milestones.json blessed without
-        // its baselines would disagree.
-        let ms = crate::json_bytes(&settled.ms_path, &settled.file)?;
-        let bl = crate::json_bytes(&bl_path, &bl_file)?;
-        crate::journal::commit(
-            &o.root,
-            &format!("gate run {} --bless", o.milestone),
-            &[
-                ("milestones.json", crate::journal::Content::Bytes(&ms)),
-                ("baselines.json", crate::journal::Content::Bytes(&bl)),
-            ],
-        )?;
-        if log.is_empty() {
-            log.push("nothing changed".into());
-        }
-        Some(log.join("\n"))
+        Some(recorded::bless_all(
+            o,
+            settled.plans.iter().zip(&reports),
+            &settled.ms_path,
+            &mut settled.file,
+            &bl_path,
+            &mut bl_file,
+        )?)
     } else {
         None
     };

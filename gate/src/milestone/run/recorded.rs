@@ -183,6 +183,39 @@ pub(super) fn check_baselines(
     (out, not_selected)
 }
 
+/// `--bless` of a whole run: each model's run recorded ([`bless`]), then milestones.json and
+/// baselines.json written together; the log of what changed, or "nothing changed".
+pub(super) fn bless_all<'a>(
+    o: &super::GateOptions,
+    runs: impl IntoIterator<Item = (&'a Plan, &'a MilestoneReport)>,
+    ms_path: &std::path::Path,
+    file: &mut MilestoneFile,
+    bl_path: &std::path::Path,
+    bl_file: &mut BaselineFile,
+) -> Result<String> {
+    let mut log = Vec::new();
+    for (plan, report) in runs {
+        log.extend(bless(plan, report, file, bl_file)?);
+    }
+    // Both or neither, at every instant (crate::journal): a milestones.json blessed without
+    // its baselines would disagree.
+    let ms = crate::json_bytes(ms_path, file)?;
+    let bl = crate::json_bytes(bl_path, bl_file)?;
+    crate::journal::commit(
+        &o.root,
+        &format!("gate run {} --bless", o.milestone),
+        &[
+            ("milestones.json", crate::journal::Content::Bytes(&ms)),
+            ("baselines.json", crate::journal::Content::Bytes(&bl)),
+        ],
+    )?;
+    log.dedup();
+    if log.is_empty() {
+        log.push("nothing changed".into());
+    }
+    Ok(log.join("\n"))
+}
+
 /// `--bless`: one model's run recorded in `file` (the prompts sha256, the model's expectations)
 /// and `bl_file` (its baselines); the log of what changed. The caller writes both files.
 pub(super) fn bless(

@@ -254,30 +254,14 @@ pub(super) fn run(
         r.wall_s = wall_s.clone();
     }
     let bless_log = if o.bless {
-        let mut log = Vec::new();
-        for (plan, report) in &out {
-            log.extend(recorded::bless(
-                plan,
-                report,
-                &mut settled.file,
-                &mut bl_file,
-            )?);
-        }
-        let ms = crate::json_bytes(&settled.ms_path, &settled.file)?;
-        let bl = crate::json_bytes(&bl_path, &bl_file)?;
-        crate::journal::commit(
-            &o.root,
-            &format!("gate run {} --bless", o.milestone),
-            &[
-                ("milestones.json", crate::journal::Content::Bytes(&ms)),
-                ("baselines.json", crate::journal::Content::Bytes(&bl)),
-            ],
-        )?;
-        log.dedup();
-        if log.is_empty() {
-            log.push("nothing changed".into());
-        }
-        Some(log.join("\n"))
+        Some(recorded::bless_all(
+            o,
+            out.iter().map(|(p, r)| (p, r)),
+            &settled.ms_path,
+            &mut settled.file,
+            &bl_path,
+            &mut bl_file,
+        )?)
     } else {
         None
     };
