@@ -8,7 +8,8 @@
 //! nothing wrong, naming the passes compared; forced past another generator's draws, an OR stop
 //! rule is still its own decision that differs; a candidate that cannot be forced is NOT
 //! CHECKED, never a pass; nor is one that does not record which rows it overrode, and an
-//! override is judged by its own row's margin, never covered by a margin ≤ 0 in another row.
+//! override is judged by its own row's margin, never covered by a margin ≤ 0 in another row,
+//! nor excused by a margin ≤ 0 of its own far from any tie (the near-tie rule measures it).
 
 use serde_json::Value;
 
@@ -318,6 +319,60 @@ fn an_override_covered_by_a_margin_manufactured_in_another_row_fails_naming_its_
         r["summary"].as_str().unwrap().starts_with(
             "the candidate's own decisions differ on the reference's numbers: denoise.0000.0000.argmax: 1 (not explained by its own numbers: row 0: its margin "
         ),
+        "{stdout}"
+    );
+}
+
+/// Issue 50 item 3, an adversary of the override rule: block 0 step 0's argmax takes the
+/// runner-up of a row whose top-two gap is far above the honest-noise bound (> 0.1, the bound
+/// F·h 0.02), and says so as an honest near-tie would — its recorded tempered logits put the
+/// runner-up on top (moved within the policy) and its margin for the forced token is the one
+/// they give it, < 0. A margin ≤ 0 is its word, not an excuse: the gap its choice crossed in
+/// torch's own tempered logits is measured against F·h, and fails naming the row, the gap and
+/// the bound (it was `nothing wrong` while a margin ≤ 0 excused the row).
+#[test]
+fn a_far_flip_recorded_with_its_own_margin_below_zero_fails_with_the_gap_and_bound() {
+    let cmd = defective("dg-argmax-far");
+    let (code, stdout, r) = bisect(
+        &["--reference", &torch_run().3],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    );
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
+    let d = &r["diffusion"];
+    // The comparison does not catch it: no pass diverges, its margins within the policy.
+    assert!(d["first_diverging"].is_null(), "{stdout}");
+    let f = &d["forced"];
+    let name = "denoise.0000.0000.argmax";
+    assert_eq!(f["overridden"][name], 1, "{f}");
+    let judged: Vec<&Value> = f["overrides_rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["decision"] == name)
+        .collect();
+    assert_eq!(judged.len(), 1, "{f}");
+    let row = judged[0];
+    assert_eq!(row["outcome"], "unexplained", "{row}");
+    assert!(row["margin"].as_f64().unwrap() < 0.0, "{row}");
+    let (gap, bound) = (
+        row["gap"].as_f64().unwrap(),
+        row["noise_bound"].as_f64().unwrap(),
+    );
+    assert!(gap > 0.1 && (bound - 0.02).abs() < 1e-12, "{row}");
+    assert_eq!(row["honest_noise_from"], "policy", "{row}");
+    assert_eq!(
+        d["forced_unexplained"],
+        serde_json::json!([name]),
+        "{stdout}"
+    );
+    let summary = r["summary"].as_str().unwrap();
+    assert!(
+        summary.starts_with(&format!(
+            "the candidate's own decisions differ on the reference's numbers: {name}: 1 (not explained by its own numbers: row {}: its own denoise.0000.0000.logits.tempered make [",
+            row["row"]
+        )) && summary.contains("nor a near-tie: the reference's denoise.0000.0000.logits.tempered put its own choice [")
+            && summary.contains("above the honest-noise bound 2e-2 (F·h, h 1e-2 from the policy)"),
         "{stdout}"
     );
 }

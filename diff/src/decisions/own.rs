@@ -60,6 +60,25 @@ impl OwnScores<'_> {
         scores::tied(&self.scores, x, y, self.router)
     }
 
+    /// The choice of `width` indexes these scores make, in rank order: highest first, among
+    /// equals the lowest index first (`lowest_first`, the tie rule) or the highest (the other
+    /// way an exact tie can be broken); a NaN ranks last.
+    pub fn choice(&self, width: usize, lowest_first: bool) -> Vec<i64> {
+        let score = |x: i64| {
+            self.scores
+                .at(x)
+                .filter(|z| !z.is_nan())
+                .unwrap_or(f64::NEG_INFINITY)
+        };
+        let mut v: Vec<i64> = (0..self.scores.len() as i64).collect();
+        v.sort_by(|&x, &y| {
+            let by_index = if lowest_first { x.cmp(&y) } else { y.cmp(&x) };
+            score(y).total_cmp(&score(x)).then(by_index)
+        });
+        v.truncate(width);
+        v
+    }
+
     /// `chosen` in the order these scores rank it: highest first, the lowest index first among
     /// equals (the tie rule); an index outside the row last.
     pub fn order(&self, chosen: &[i64]) -> Vec<i64> {

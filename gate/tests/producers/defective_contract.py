@@ -64,6 +64,13 @@ Adversaries of the forced bisection's override rule (docs/bisect.md, "Block diff
                     row of that step whose own margin is smallest: its top two tempered logits
                     recorded tied (within the policy) and that row's margin recorded 0 — one
                     row overridden, one margin ≤ 0, in another row
+  dg-argmax-far     block 0 step 0's argmax takes the runner-up of the row whose top-two gap is
+                    the smallest above 0.1 (five times the f32 policy's near-tie bound F·h = 2 ·
+                    0.01 for tempered logits: far from any tie) and records its own scores so:
+                    that row's top two tempered logits swapped about a point a little below
+                    their midpoint (within the policy's relative L2), and its margin for the
+                    forced token the one they give it (< 0) — a flip that says "my own scores
+                    made another choice", consistent with what it records
 """
 
 import sys
@@ -223,7 +230,9 @@ def plant_diffusion(defect: str) -> None:
     """The DG18 incident classes, each planted in the computation (the trace records what the
     defective code computed, under the reference's names and attributes)."""
     DG = diffusion_gemma.DiffusionGemma
-    if defect in ("dg-argmax-second", "dg-argmax-runner-up", "dg-argmax-covered"):
+    if defect == "dg-argmax-far":
+        plant_far(DG)
+    elif defect in ("dg-argmax-second", "dg-argmax-runner-up", "dg-argmax-covered"):
         orig_argmax = ops.argmax_margin
         every_row = defect == "dg-argmax-runner-up"
         where = "denoise.0000.0000." if defect == "dg-argmax-covered" else "denoise."
@@ -371,6 +380,58 @@ def plant_cover(DG) -> None:
         return orig_record(self, cap, name, values, margins, forced, overridden)
 
     diffusion_gemma.DGCapture.tensor, DG._record = tensor, record
+
+
+def plant_far(DG) -> None:
+    """dg-argmax-far (see the defect list): in block 0 step 0, the row whose top-two gap is the
+    smallest above FAR gets its top two tempered logits recorded swapped about a point gap/20
+    below their midpoint, each gap/20 from it (moving each by about 0.6 of the gap: the margins'
+    tolerance 2·d covers the margin it then records); its argmax rule takes that row's runner-up,
+    and its margin for the forced token is the one the recorded row gives it. What it computes
+    with is unchanged."""
+    far = 0.1
+    orig_tensor, orig_record, orig_argmax = (
+        diffusion_gemma.DGCapture.tensor,
+        DG._record,
+        ops.argmax_margin,
+    )
+    moved = {}  # the row and its recorded (moved) tempered logits
+
+    def tensor(self, name, array, positions, path, mask, internal=False):
+        if name == "denoise.0000.0000.logits.tempered":
+            a = np.array(array, dtype=np.float32)
+            top2 = -np.sort(-a, axis=-1)[:, :2]
+            gaps = top2[:, 0] - top2[:, 1]
+            rows = np.nonzero(gaps > far)[0]
+            if rows.size:
+                r = int(rows[np.argmin(gaps[rows])])
+                t, s = (int(i) for i in np.argsort(-a[r], kind="stable")[:2])
+                gap = a[r, t] - a[r, s]
+                mid = (a[r, t] + a[r, s]) / 2 - gap / 20
+                a[r, t], a[r, s] = np.float32(mid - gap / 20), np.float32(mid + gap / 20)
+                moved.clear()
+                moved[r] = a[r].copy()
+                array = a
+        return orig_tensor(self, name, array, positions, path, mask, internal)
+
+    def argmax_margin(logits, what="logits"):
+        top, margin = orig_argmax(logits, what=what)
+        if what.startswith("denoise.0000.0000.") and moved:
+            ((r, row),) = moved.items()
+            top, margin = top.copy(), margin.copy()
+            top[r] = int(np.argsort(-row, kind="stable")[0])
+            margin[r] = ops.margin_of(row, [top[r]])
+        return top, margin
+
+    def record(self, cap, name, values, margins, forced, overridden):
+        if name == "denoise.0000.0000.argmax" and moved:
+            ((r, row),) = moved.items()
+            margins = np.array(margins, dtype=np.float32)
+            margins[r] = ops.margin_of(row, [int(values[r])])
+        return orig_record(self, cap, name, values, margins, forced, overridden)
+
+    diffusion_gemma.DGCapture.tensor, DG._record = tensor, record
+    ops.argmax_margin = argmax_margin  # called through the module
 
 
 def answer(defect: str, request: list[str]) -> int:

@@ -187,10 +187,9 @@ fn force(
 /// distances to thresholds computed from numbers the comparison judges, so only the rule itself
 /// can decide otherwise. An argmax or router overridden is said, not failed, when its own
 /// numbers explain each row it overrode (`decisions_forced.overrides_unexplained` lists those
-/// they do not, overrides.rs): its flip is then within what the judged scores' divergence
-/// explains (docs/diff.md, "The near-tie rule"), an exact tie broken otherwise, or a top-k in
-/// its own scores' order within the honest-noise bound of the reference's (a near-tie); else it
-/// fails.
+/// they do not, overrides.rs): an exact tie broken otherwise, or its own scores' choice (another
+/// choice, or a top-k in another order) within the honest-noise bound of the reference's choice
+/// in the reference's scores (a near-tie, docs/diff.md "The near-tie rule"); else it fails.
 /// A draw overridden is the other generator's, taken as given.
 fn overridden(f: &DecisionsForced) -> (Vec<String>, Vec<String>) {
     let (mut failing, mut said) = (Vec::new(), Vec::new());
@@ -423,7 +422,7 @@ fn with_observations(d: &DiffusionReport, (verdict, mut summary): Said) -> Said 
     ));
     if !said.is_empty() {
         summary.push_str(&format!(
-            "; argmax or router rows it would have taken otherwise where its own scores rank another choice on top within the policy's margins, tie exactly, or order the reference's experts within the honest-noise bound (said, not failed): {}",
+            "; argmax or router rows it would have decided otherwise where the scores tie exactly, or where its own scores make a choice within the honest-noise bound of the reference's in the reference's scores (said, not failed): {}",
             said.join(", ")
         ));
     }

@@ -79,7 +79,7 @@ pub(super) fn overrides(f: &DecisionsForced, at: &str, id: &str, h: &mut String)
         return;
     }
     let _ = write!(h, "<table id=\"{id}overrides-judged\">");
-    h.push_str("<tr><th>decision</th><th>row</th><th>its own margin</th><th>judged</th><th>its own order</th><th>gap</th><th>bound F·h</th><th>h from</th></tr>");
+    h.push_str("<tr><th>decision</th><th>row</th><th>its own margin</th><th>judged</th><th>its own choice</th><th>gap</th><th>bound F·h</th><th>h from</th></tr>");
     let real = |p: &str, v: &Option<Real>| val("td", "num", p, v, &fmt_real(v.map(|r| r.0)));
     for (i, r) in f.overrides_rows.iter().enumerate() {
         let p = |x: &str| format!("{at}/overrides_rows/{i}/{x}");

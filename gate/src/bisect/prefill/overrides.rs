@@ -8,15 +8,15 @@
 //! disagreeing, leaves the overrides NOT CHECKED — never read as none.
 //!
 //! An overridden row of a decision taken from numbers (an argmax, a router's top-k) is explained
-//! by that row's own numbers when its recorded margin for the forced choice — agreeing with its
-//! own scores where its trace holds them — is ≤ 0 (its scores rank another choice at or above
-//! the reference's), or, for a top-k with a margin > 0 (the same experts, in another order), when
-//! its scores rank the forced order as theirs with an exact tie in it (two experts whose scores
-//! are equal: whoever ranked them broke the tie), or rank them in another order that the
-//! near-tie rule excuses: the reference's own scores put that order within `F·h` of the
-//! reference's, `h` the row's honest noise (the noise reference's, else the policy's
-//! `near_tie.noise_abs`; never the candidate's own difference: docs/diff.md, "The near-tie
-//! rule"). Anything else is a rule that is not argmax.
+//! by that row's own numbers when the choice its own scores make is one the near-tie rule
+//! excuses: the reference's own scores put it within `F·h` of the reference's choice, `h` the
+//! row's honest noise (the noise reference's, else the policy's `near_tie.noise_abs`; never the
+//! candidate's own difference: docs/diff.md, "The near-tie rule"). Its recorded margin for the
+//! forced choice (agreeing with its own scores where its trace holds them) says which case: ≤ 0,
+//! its scores make another choice, measured so, and NOT CHECKED where no scores say which; > 0
+//! on a top-k (the same experts, in another order), its scores ranking the forced order as
+//! theirs with an exact tie in it (two experts whose scores are equal: whoever ranked them
+//! broke the tie), or another order, measured so. Anything else is a rule that is not argmax.
 
 use std::collections::BTreeMap;
 
@@ -44,12 +44,11 @@ pub struct Unexplained {
 tracegate_diff::string_enum! {
     /// What an overridden row's own numbers say.
     pub enum Outcome {
-        /// Its scores rank another choice at or above the reference's (margin ≤ 0).
-        Flip = "flip",
         /// The reference's experts in another order, among scores that tie exactly.
         Tie = "tie",
-        /// The reference's experts in the order its own scores give them, which the near-tie
-        /// rule excuses (gap ≤ F·h in the reference's scores).
+        /// The choice its own scores make (another choice, margin ≤ 0, or the reference's
+        /// experts in their order), which the near-tie rule excuses (gap ≤ F·h in the
+        /// reference's scores).
         NearTie = "near_tie",
         /// Not explained by its own numbers.
         Unexplained = "unexplained",
@@ -68,9 +67,10 @@ pub struct JudgedRow {
     /// Its recorded margin for the reference's choice; null when it records none.
     pub margin: Option<Real>,
     pub outcome: Outcome,
-    /// Its own scores' order of the reference's experts, where that is another order.
+    /// The choice its own scores make, where that is another choice (margin ≤ 0) or the
+    /// reference's experts in another order.
     pub own: Option<Vec<i64>>,
-    /// The near-tie rule's measures of that order (docs/diff.md, "The near-tie rule"), when
+    /// The near-tie rule's measures of that choice (docs/diff.md, "The near-tie rule"), when
     /// they could be read: the gap in the reference's scores, the row's honest noise, where it
     /// came from, and the bound F·h.
     pub gap: Option<Real>,
@@ -203,11 +203,10 @@ pub fn record(t: &Trace) -> Result<OverriddenRows, String> {
 
 /// What one overridden row's own numbers say.
 enum Row {
-    /// Its scores rank another choice at or above the reference's (margin ≤ 0).
-    Flip,
     /// The same choices in another order, among equal scores.
     Tie,
-    /// The same choices in its own scores' order, within the near-tie rule's bound.
+    /// Its own scores' choice (another, or the same in another order), within the near-tie
+    /// rule's bound.
     NearTie,
     Unexplained(String),
     NotChecked(String),
@@ -249,7 +248,7 @@ fn judge_row(t: &Trace, name: &str, row: u64, against: &Against, out: &mut Judge
         return Row::Unexplained("its margin is NaN".to_string());
     }
     if m <= 0.0 {
-        return Row::Flip;
+        return flip(t, name, row, chosen, m, own.as_ref(), against, out);
     }
     if width < 2 {
         return Row::Unexplained(format!(
@@ -269,34 +268,7 @@ fn judge_row(t: &Trace, name: &str, row: u64, against: &Against, out: &mut Judge
             "the reference's experts {chosen:?} in another order (margin {m:e} > 0), and its own {} do not rank them so: it {e}; not a tie",
             s.source()
         );
-        let measured = override_gap(
-            against.reference,
-            t,
-            name,
-            row,
-            &order,
-            against.opts.policy.as_ref(),
-            against.opts.noise.as_ref().map(|n| &*n.0),
-        );
-        out.own = Some(order.clone());
-        return match measured {
-            Ok(g) => {
-                record_gap(&g, out);
-                if g.within() {
-                    Row::NearTie
-                } else {
-                    Row::Unexplained(format!(
-                        "{not_so}, nor a near-tie: the reference's {} put its own order {order:?} {:e} from theirs, above the honest-noise bound {:e} (F·h, h {:e} from the {})",
-                        g.source,
-                        g.gap,
-                        g.noise_bound,
-                        g.honest_noise,
-                        g.honest_noise_from.replace('_', " ")
-                    ))
-                }
-            }
-            Err(why) => Row::Unexplained(format!("{not_so}, nor a near-tie: {why}")),
-        };
+        return near_tie(t, name, row, &order, against, out, &not_so);
     }
     if chosen.windows(2).any(|w| s.tied(w[0], w[1])) {
         return Row::Tie;
@@ -305,6 +277,106 @@ fn judge_row(t: &Trace, name: &str, row: u64, against: &Against, out: &mut Judge
         "its own {} rank the reference's experts {chosen:?} as their top-k in that order, with no tie among them (margin {m:e} > 0): the choice it would have taken is not its scores'",
         s.source()
     ))
+}
+
+/// A row whose recorded margin for the reference's choice is ≤ 0 (agreeing with its own scores
+/// where the trace holds them): its own scores make another choice. That is the candidate's
+/// word, not an excuse: the choice its own scores make is held to the near-tie rule like any
+/// reorder — the reference's scores must put it within `F·h` of the reference's choice, `h`
+/// honest noise, never the candidate's own difference (docs/diff.md, "The near-tie rule"; a
+/// candidate that moves two logits within the policy's relative L2 can put any token on top
+/// of its own scores). Without its own scores, or the reference's, nothing measures the gap:
+/// NOT CHECKED, never excused.
+#[allow(clippy::too_many_arguments)]
+fn flip(
+    t: &Trace,
+    name: &str,
+    row: u64,
+    chosen: &[i64],
+    m: f32,
+    own: Option<&tracegate_diff::OwnScores>,
+    against: &Against,
+    out: &mut JudgedRow,
+) -> Row {
+    let Some(s) = own else {
+        return Row::NotChecked(format!(
+            "{name} row {row}: its margin {m:e} ≤ 0 says its own scores make another choice, and the forced trace holds none of the decision's scores (logits; router.logits: --capture internals) to say which, so the gap that choice crossed in the reference's scores cannot be measured"
+        ));
+    };
+    let Some(theirs) = own_scores(against.reference, name, row) else {
+        return Row::NotChecked(format!(
+            "{name} row {row}: its margin {m:e} ≤ 0 says its own {} make another choice, and the reference holds no {} to measure the gap that choice crossed in its scores",
+            s.source(),
+            s.source()
+        ));
+    };
+    // Its own scores' choice by the tie rule; where that is the reference's (an exact tie at the
+    // edge, margin 0), the other way the tie breaks.
+    let mut choice = s.choice(chosen.len(), true);
+    if choice == chosen {
+        choice = s.choice(chosen.len(), false);
+    }
+    if choice == chosen {
+        return Row::Unexplained(format!(
+            "its margin {m:e} ≤ 0, yet its own {} make the reference's choice {chosen:?} whichever way their ties break: nothing says which choice it would have taken",
+            s.source()
+        ));
+    }
+    // The reference's own scores make both choices (they tie where the two differ, up to what
+    // the stored scores cannot resolve): either is theirs, whoever broke the tie (a gap of 0).
+    if theirs.picks(chosen).is_ok() && theirs.picks(&choice).is_ok() {
+        out.own = Some(choice);
+        return Row::Tie;
+    }
+    let said = format!(
+        "its own {} make {choice:?} where the reference chose {chosen:?} (margin {m:e} ≤ 0)",
+        s.source()
+    );
+    near_tie(t, name, row, &choice, against, out, &said)
+}
+
+/// The near-tie rule on the forced candidate's own choice `own` for `row` (another choice, or
+/// the reference's experts in another order): a near-tie when the reference's scores put it
+/// within `F·h` of the reference's choice; else unexplained, `said` what its own scores did,
+/// with the gap, the bound and `h` in the words.
+fn near_tie(
+    t: &Trace,
+    name: &str,
+    row: u64,
+    own: &[i64],
+    against: &Against,
+    out: &mut JudgedRow,
+    said: &str,
+) -> Row {
+    let measured = override_gap(
+        against.reference,
+        t,
+        name,
+        row,
+        own,
+        against.opts.policy.as_ref(),
+        against.opts.noise.as_ref().map(|n| &*n.0),
+    );
+    out.own = Some(own.to_vec());
+    match measured {
+        Ok(g) => {
+            record_gap(&g, out);
+            if g.within() {
+                Row::NearTie
+            } else {
+                Row::Unexplained(format!(
+                    "{said}, nor a near-tie: the reference's {} put its own {} {own:?} {:e} from theirs, above the honest-noise bound {:e} (F·h, h {:e} from the {})",
+                    g.source,
+                    if Name::parse(name).point == "router.topk" { "order" } else { "choice" },
+                    g.gap,
+                    g.noise_bound,
+                    g.honest_noise,
+                    g.honest_noise_from.replace('_', " ")
+                ))
+            }
+        }
+        Err(why) => Row::Unexplained(format!("{said}, nor a near-tie: {why}")),
+    }
 }
 
 /// The near-tie rule's measures of a row, into its judged row.
@@ -381,7 +453,6 @@ pub fn judge(t: &Trace, rep: &Report, rows: &OverriddenRows, against: &Against) 
             let mut row = JudgedRow::new(name, r);
             let judged = judge_row(t, name, r, against, &mut row);
             row.outcome = match &judged {
-                Row::Flip => Outcome::Flip,
                 Row::Tie => Outcome::Tie,
                 Row::NearTie => Outcome::NearTie,
                 Row::Unexplained(_) => Outcome::Unexplained,
@@ -389,7 +460,6 @@ pub fn judge(t: &Trace, rep: &Report, rows: &OverriddenRows, against: &Against) 
             };
             out.rows.push(row);
             match judged {
-                Row::Flip => {}
                 Row::Tie => *out.ties.entry(name.to_string()).or_insert(0) += 1,
                 Row::NearTie => *out.near_ties.entry(name.to_string()).or_insert(0) += 1,
                 Row::NotChecked(why) => out.not_checked.push(why),

@@ -148,7 +148,7 @@ pub(crate) fn with_own_overrides(f: &DecisionsForced, (verdict, mut summary): Sa
             .map(|(name, n)| format!("{name}: {n}"))
             .collect();
         summary.push_str(&format!(
-            "; rows it would have ordered otherwise among experts whose scores tie exactly (said, not failed): {}",
+            "; rows it would have decided otherwise where the scores tie exactly (said, not failed): {}",
             ties.join(", ")
         ));
     }
@@ -159,7 +159,7 @@ pub(crate) fn with_own_overrides(f: &DecisionsForced, (verdict, mut summary): Sa
             .map(|(name, n)| format!("{name}: {n}"))
             .collect();
         summary.push_str(&format!(
-            "; rows it would have ordered otherwise by its own scores, within the honest-noise bound of the reference's (near-ties, said, not failed): {}",
+            "; rows it would have decided otherwise by its own scores, within the honest-noise bound of the reference's choice in the reference's scores (near-ties, said, not failed): {}",
             near.join(", ")
         ));
     }

@@ -209,7 +209,9 @@ fn each_overridden_row_is_judged_by_its_own_margin_not_by_a_count() {
         unexplained_words(&j.unexplained, 3),
         format!("logits.argmax row 0: {}", u.why)
     );
-    // Row 1 honestly overridden (its scores rank token 1 above the reference's 2): explained.
+    // Row 1 overridden (its scores rank token 0 above the reference's 2, margin < 0): judged by
+    // the near-tie rule, which here (judged by bits, and this reference's own logits do not
+    // make its choice) explains nothing — a margin ≤ 0 is never an excuse by itself.
     let tokens = [0, 2, 1];
     let margins = honest(&LOGITS, &tokens);
     assert!(margins[1] < 0.0);
@@ -219,13 +221,17 @@ fn each_overridden_row_is_judged_by_its_own_margin_not_by_a_count() {
     };
     let forced = json!({"rows_overridden": 1, "overridden": {"logits.argmax": 1}, "overridden_rows": {"logits.argmax": [1]}});
     let j = judged(&write(dir.path(), &x, forced));
-    assert!(
-        j.unexplained.is_empty() && j.not_checked.is_empty() && j.ties.is_empty(),
-        "{j:?}"
-    );
+    assert!(j.not_checked.is_empty() && j.ties.is_empty(), "{j:?}");
     assert_eq!(
         (j.rows[0].row, j.rows[0].outcome, j.rows[0].margin),
-        (1, Outcome::Flip, Some(Real(margins[1] as f64)))
+        (1, Outcome::Unexplained, Some(Real(margins[1] as f64)))
+    );
+    assert_eq!(j.rows[0].own.as_deref(), Some(&[0i64][..]));
+    assert!(
+        j.unexplained[0].why.starts_with(
+            "its own logits make [0] where the reference chose [2] (margin -1e0 ≤ 0), nor a near-tie: judged by bits"
+        ),
+        "{j:?}"
     );
     // The same run recording row 0 instead: row 0's margin is the scores' own top, so it is not
     // explained; and row 1, whose margin < 0 says it was overridden, is missing from the record.
@@ -279,7 +285,10 @@ fn an_exact_tie_ordered_otherwise_inside_a_top_k_is_a_tie_and_only_that() {
     let name = "layer.00.router.topk";
     let forced = |rows: &[u64]| json!({"rows_overridden": rows.len(), "overridden": {name: rows.len()}, "overridden_rows": {name: rows}});
     let j = judged(&write(dir.path(), &x, forced(&[0, 2])));
-    assert_eq!(j.ties.get(name), Some(&1), "{j:?}");
+    // Row 2's margin 0 says its own scores make another choice: [0, 1] by the tie rule, which
+    // the reference's scores make too (1 and 2 tie): a tie, not a flip excused by its word.
+    assert_eq!(j.ties.get(name), Some(&2), "{j:?}");
+    assert_eq!(j.rows[1].own.as_deref(), Some(&[0i64, 1][..]), "{j:?}");
     assert!(
         j.unexplained.is_empty() && j.not_checked.is_empty(),
         "{j:?}"
@@ -304,8 +313,14 @@ fn an_exact_tie_ordered_otherwise_inside_a_top_k_is_a_tie_and_only_that() {
 /// A policy whose honest noise for router logits is `noise_abs` (none: no `near_tie` entry for
 /// them), near-tie factor 2.
 fn policy(noise_abs: Option<f64>) -> tracegate_diff::Policy {
+    policy_for("layer.*.router.logits", noise_abs)
+}
+
+/// A policy whose honest noise for `pattern` is `noise_abs`, near-tie factor 2, every tensor
+/// within a relative L2 of 1 (the forced comparison does not stand in the rule's way).
+fn policy_for(pattern: &str, noise_abs: Option<f64>) -> tracegate_diff::Policy {
     let entries = noise_abs.map_or(String::new(), |h| {
-        format!(r#"{{"pattern": "layer.*.router.logits", "max_abs": {h}}}"#)
+        format!(r#"{{"pattern": "{pattern}", "max_abs": {h}}}"#)
     });
     tracegate_diff::Policy::parse(&format!(
         r#"{{"format": "tracegate-policy/1", "name": "t", "rules": [{{"pattern": "**", "max_rel_l2": 1}}],
@@ -551,6 +566,271 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
     );
     let outcomes: Vec<_> = j.rows.iter().map(|r| r.outcome).collect();
     assert_eq!(outcomes, [Outcome::NearTie, Outcome::Unexplained], "{j:?}");
+}
+
+/// A forced trace of `logits.argmax` alone (no scores), as `write_as` otherwise.
+fn write_without_scores(path: &std::path::Path, x: &Forced, forced: Value) -> Trace {
+    let mut f = forced;
+    f["decisions"] = json!(["logits.argmax"]);
+    f["trace_digest"] = json!("00");
+    let mut w = TraceWriter::create(path, json!({ "forced_decisions": f })).unwrap();
+    let m = x.logits.len() as u64;
+    w.decision("logits.argmax", &[m], x.argmax.0, Some(x.argmax.1))
+        .unwrap();
+    w.finish().unwrap();
+    Trace::open(path).unwrap()
+}
+
+/// The reference's argmax over `reference` (its tokens `tokens`, honest margins) and a forced
+/// candidate that took those tokens, its own logits `own` and the margins they give them (≤ 0
+/// where its own scores make another choice), saying it overrode `rows`; `scores`: whether its
+/// forced trace holds its logits. The overrides judged under `opts`.
+fn flip_judged(
+    dir: &std::path::Path,
+    (reference, own): (&[[f32; 4]], &[[f32; 4]]),
+    tokens: &[i64],
+    rows: &[u64],
+    scores: bool,
+    opts: &Options,
+) -> Judged {
+    let ref_margins = honest(reference, tokens);
+    let base = Forced {
+        logits: reference,
+        argmax: (tokens, &ref_margins),
+        router_logits: &ROUTER,
+        topk: &[[0, 1]],
+    };
+    let r = write_as(&dir.join("reference.trace"), &base, json!({}));
+    let own_margins = honest(own, tokens);
+    let name = "logits.argmax";
+    let forced = json!({"rows_overridden": rows.len(), "overridden": {name: rows.len()}, "overridden_rows": {name: rows}});
+    let x = Forced {
+        logits: own,
+        argmax: (tokens, &own_margins),
+        ..base
+    };
+    let path = dir.join("forced.trace");
+    let t = match scores {
+        true => write_as(&path, &x, forced),
+        false => write_without_scores(&path, &x, forced),
+    };
+    let rep = compare(&r, &t, opts);
+    let against = Against {
+        reference: &r,
+        opts,
+    };
+    judge(&t, &rep, &record(&t).unwrap(), &against)
+}
+
+/// Issue 50 item 3: a forced candidate's override whose own margin is ≤ 0 ("my own scores made
+/// another choice") is the candidate's word, not an excuse. The choice its own scores make is a
+/// near-tie only where the reference's own scores put it within F·h of the reference's choice,
+/// h honest noise — never the candidate's own difference. Adversaries: a flip far from any tie
+/// recorded with a consistent margin ≤ 0 (it moved two logits, within the policy's relative
+/// L2); the same flip judged by bits; the flip with no scores to measure (NOT CHECKED, never
+/// excused); and the honest near-tie, still excused.
+#[test]
+fn a_flip_is_excused_only_within_the_honest_bound_of_the_references_scores() {
+    let dir = tempfile::tempdir().unwrap();
+    let name = "logits.argmax";
+    let under = |h: Option<f64>| Options {
+        policy: Some(policy_for("logits", h)),
+        ..Options::default()
+    };
+    // The reference's row 0 puts token 0 a whole logit above token 1; the candidate's own
+    // logits put 1 above 0 (margin −0.5 for the forced 0, which its scores bear out).
+    let reference = [[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
+    let far = [[0.75, 1.25, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
+    let tokens = [0, 1];
+    let j = flip_judged(
+        dir.path(),
+        (&reference, &far),
+        &tokens,
+        &[0],
+        true,
+        &under(Some(1e-3)),
+    );
+    assert!(
+        j.near_ties.is_empty() && j.ties.is_empty() && j.not_checked.is_empty(),
+        "{j:?}"
+    );
+    assert_eq!(j.unexplained.len(), 1, "{j:?}");
+    assert_eq!(
+        j.unexplained[0].why,
+        "its own logits make [1] where the reference chose [0] (margin -5e-1 ≤ 0), nor a near-tie: the reference's logits put its own choice [1] 1e0 from theirs, above the honest-noise bound 2e-3 (F·h, h 1e-3 from the policy)"
+    );
+    let r = &j.rows[0];
+    assert_eq!(
+        (
+            r.outcome,
+            r.own.as_deref(),
+            r.gap,
+            r.noise_bound,
+            r.honest_noise_from.as_deref()
+        ),
+        (
+            Outcome::Unexplained,
+            Some(&[1i64][..]),
+            Some(Real(1.0)),
+            Some(Real(2e-3)),
+            Some("policy")
+        )
+    );
+    // The verdict it gives a clean prefill: decisions_differ, the row named with gap and bound.
+    let f = crate::bisect::prefill::DecisionsForced {
+        status: crate::bisect::prefill::Forcing::Forced,
+        reason: None,
+        from: "r.trace".into(),
+        from_digest: "00".into(),
+        candidate_trace: Some("c.trace".into()),
+        unforced: vec![],
+        rows_overridden: Some(1),
+        overridden: None,
+        overridden_rows: None,
+        overrides_not_checked: None,
+        overrides_unexplained: j.unexplained.clone(),
+        overrides_ties: j.ties.clone(),
+        overrides_near_ties: j.near_ties.clone(),
+        overrides_rows: j.rows.clone(),
+    };
+    let (v, s) = crate::bisect::prefill::with_own_overrides(
+        &f,
+        (
+            crate::bisect::prefill::BisectVerdict::NothingWrong,
+            "nothing wrong: they agree".into(),
+        ),
+    );
+    assert_eq!(
+        v,
+        crate::bisect::prefill::BisectVerdict::DecisionsDiffer,
+        "{s}"
+    );
+    assert!(
+        s.contains("logits.argmax row 0: its own logits make [1] where the reference chose [0]")
+            && s.contains("above the honest-noise bound 2e-3"),
+        "{s}"
+    );
+
+    // The same flip judged by bits: not excused.
+    let j = flip_judged(
+        dir.path(),
+        (&reference, &far),
+        &tokens,
+        &[0],
+        true,
+        &Options::default(),
+    );
+    // (its margins already differ from the reference's: by bits nothing is within anything)
+    assert_eq!(
+        (j.rows[0].outcome, j.unexplained.len()),
+        (Outcome::Unexplained, 1),
+        "{j:?}"
+    );
+    // No honest noise for logits: no bound, not excused.
+    let j = flip_judged(
+        dir.path(),
+        (&reference, &far),
+        &tokens,
+        &[0],
+        true,
+        &under(None),
+    );
+    assert!(
+        j.unexplained[0]
+            .why
+            .contains("nor a near-tie: no honest noise bounds logits"),
+        "{j:?}"
+    );
+
+    // No scores in the forced trace (a margin 1e-6 from the reference's, within the margins'
+    // tolerance): which choice it would have made, and the gap it crossed, cannot be told —
+    // NOT CHECKED, never excused. (With the far flip's margins it is unexplained already: its
+    // margins differ beyond what a source-less row allows.)
+    let close = [[1.0, 0.999999, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
+    let close_own = [[0.999999, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
+    let j = flip_judged(
+        dir.path(),
+        (&close, &close_own),
+        &tokens,
+        &[0],
+        false,
+        &under(Some(1e-3)),
+    );
+    assert!(
+        j.unexplained.is_empty() && j.near_ties.is_empty() && j.ties.is_empty(),
+        "{j:?}"
+    );
+    assert_eq!(j.rows[0].outcome, Outcome::NotChecked, "{j:?}");
+    assert!(
+        j.not_checked.len() == 1 && j.not_checked[0].starts_with("logits.argmax row 0: its margin -1.013279e-6 ≤ 0 says its own scores make another choice, and the forced trace holds none of the decision's scores"),
+        "{j:?}"
+    );
+    let j = flip_judged(
+        dir.path(),
+        (&reference, &far),
+        &tokens,
+        &[0],
+        false,
+        &under(Some(1e-3)),
+    );
+    assert_eq!(j.rows[0].outcome, Outcome::Unexplained, "{j:?}");
+
+    // The honest near-tie: the reference's 0 leads 1 by 5e-4 (≤ 2·1e-3); the candidate's own
+    // logits, within 3e-4 of them, put 1 on top. Excused, its measures said.
+    let near = [[1.0, 0.9995, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
+    let near_own = [[0.9997, 0.9998, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
+    let j = flip_judged(
+        dir.path(),
+        (&near, &near_own),
+        &tokens,
+        &[0],
+        true,
+        &under(Some(1e-3)),
+    );
+    assert!(
+        j.unexplained.is_empty() && j.not_checked.is_empty(),
+        "{j:?}"
+    );
+    assert_eq!(j.near_ties.get(name), Some(&1), "{j:?}");
+    let r = &j.rows[0];
+    assert_eq!(
+        (r.outcome, r.own.as_deref()),
+        (Outcome::NearTie, Some(&[1i64][..]))
+    );
+    assert_eq!(r.gap, Some(Real((1.0f32 - 0.9995f32) as f64)));
+    // The same candidate under a tighter honest noise (1e-4: bound 2e-4 < the 5e-4 gap).
+    let j = flip_judged(
+        dir.path(),
+        (&near, &near_own),
+        &tokens,
+        &[0],
+        true,
+        &under(Some(1e-4)),
+    );
+    assert_eq!(j.rows[0].outcome, Outcome::Unexplained, "{j:?}");
+
+    // An exact tie in the reference's scores, broken the other way: a tie, by bits too.
+    let tie = [[1.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
+    let j = flip_judged(
+        dir.path(),
+        (&tie, &tie),
+        &[1, 1],
+        &[0],
+        true,
+        &Options::default(),
+    );
+    assert!(
+        j.unexplained.is_empty() && j.not_checked.is_empty(),
+        "{j:?}"
+    );
+    assert_eq!(
+        (
+            j.rows[0].outcome,
+            j.rows[0].own.as_deref(),
+            j.ties.get(name)
+        ),
+        (Outcome::Tie, Some(&[0i64][..]), Some(&1))
+    );
 }
 
 /// The prefill's verdict with a forced run's overrides (verdict.rs `with_own_overrides`): rows
