@@ -5,29 +5,22 @@
 
 use serde_json::Value;
 
-use super::fields::{field, full_attention_only, opt_bool, opt_usize, plain_rope, req_usize};
-use super::{no_linear, Family, HeadDim, Layout, ModelType, Moe};
+use super::fields::{field, opt_bool, opt_usize, req_usize};
+use super::qwen3::QWEN3;
+use super::{Family, HeadDim, ModelType, Moe};
 use crate::{err, Result};
 
 pub(super) const QWEN3_MOE: Family = Family {
     kind: ModelType::Qwen3Moe,
     model_type: "qwen3_moe",
-    layout: Layout::Text,
     architecture: "Qwen3MoeForCausalLM",
-    // Required: Qwen3MoeConfig's default (4) is no checkpoint's.
-    mha_by_default: false,
     // Qwen3MoeConfig has no head_dim: the model falls back to hidden_size / num_attention_heads.
     head_dim: HeadDim::HiddenOverHeads,
-    tie_word_embeddings: false,
-    reads_mlp_bias: false,
-    silu_mlp: true,
-    odd_head_dim: false,
-    reads_intermediate_size: true,
-    layer_types: full_attention_only,
     // Qwen3MoeConfig: norm_topk_prob = False.
     moe: |v| moe_fields(v, false),
-    rope: plain_rope,
-    linear: no_linear,
+    // Otherwise as Qwen3: num_key_value_heads required (Qwen3MoeConfig's default, 4, is no
+    // checkpoint's), an untied head, SiLU, full attention only, the default rope type.
+    ..QWEN3
 };
 
 /// The MoE fields, read (and refused) in this order, so the first refusal named is the same as
