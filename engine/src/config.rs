@@ -2,13 +2,19 @@
 //! struct field per JSON field (flat, as in the file), with transformers' defaults and the
 //! refusals of §7/§13. The contract's mirror is contract/tracegate_contract/config.py.
 //!
-//! Here: the parsed types and `Config::from_json` (every family); `fields` holds the JSON
-//! field readers and the rope resolution they share, `qwen3_5` what only Qwen3.5 reads, `sizes`
-//! the sizes checked against the checkpoint.
+//! Here: the parsed types and `Config::from_json`, which reads the fields every family shares and
+//! takes each family's defaults and refusals from its own file, one per transformers
+//! configuration class (`llama`, `qwen2`, `qwen3`, `qwen3_moe`, `qwen3_5` with its MoE and
+//! multimodal forms, `gemma3`); `fields` holds the JSON field readers and what several families
+//! share (the rope resolution), `sizes` the sizes checked against the checkpoint.
 
 mod fields;
 mod gemma3;
+mod llama;
+mod qwen2;
+mod qwen3;
 mod qwen3_5;
+mod qwen3_moe;
 mod sizes;
 
 use std::path::Path;
@@ -17,10 +23,9 @@ use serde_json::Value;
 
 use crate::ops::RopeScaling;
 use crate::{err, Result};
-use fields::{field, finite_rope, opt_bool, opt_f64, opt_usize, req_usize, rope_params};
-use gemma3::gemma3_fields;
+use fields::{field, finite_rope, opt_bool, opt_f64, opt_usize, req_usize};
 pub use gemma3::{Gemma3, Sliding};
-use qwen3_5::{linear_sizes, qwen3_5_layer_types, qwen3_5_moe_fixed, text_config};
+use qwen3_5::text_config;
 pub use sizes::check_sizes;
 
 /// Positions are absolute token indices below 2^24 (f32 holds every integer up to it, §7).
@@ -239,7 +244,110 @@ pub struct Config {
     pub gemma3: Option<Gemma3>,
 }
 
+/// One family's reading of `config.json`, as transformers' configuration class holds it: the
+/// `model_type` and architecture that name it, its defaults, and the readers of what only it
+/// has. Each family's is in its own file (`config/<family>.rs`); `Config::from_json` reads the
+/// shared fields and asks the family where they differ.
+#[derive(Clone, Copy)]
+struct Family {
+    kind: ModelType,
+    model_type: &'static str,
+    layout: Layout,
+    /// The one `architectures` entry a config may name.
+    architecture: &'static str,
+    /// An absent `num_key_value_heads`: one per query head (true), or refused as missing.
+    mha_by_default: bool,
+    /// `head_dim` when absent.
+    head_dim: HeadDim,
+    /// `tie_word_embeddings` when absent.
+    tie_word_embeddings: bool,
+    /// Reads `mlp_bias` (else no MLP bias).
+    reads_mlp_bias: bool,
+    /// Reads `hidden_act` (only "silu") and `use_sliding_window` (only false).
+    silu_mlp: bool,
+    /// An odd `head_dim` is allowed (only part of it rotates).
+    odd_head_dim: bool,
+    /// Reads `intermediate_size` (the dense MLP's width).
+    reads_intermediate_size: bool,
+    /// `layer_types` (and its siblings), given `num_hidden_layers`.
+    layer_types: fn(&Value, usize) -> Result<LayerTypes>,
+    moe: fn(&Value) -> Result<Moe>,
+    /// The rope given `num_hidden_layers` and `head_dim`.
+    rope: fn(&Value, usize, usize) -> Result<Rope>,
+    linear: fn(&Value, &LayerTypes) -> Result<Linear>,
+}
+
+/// The linear-attention sizes and the shared expert's width (0: none).
+type Linear = (Option<LinearSizes>, usize);
+
+/// Every family `from_json` reads, by `model_type`.
+const FAMILIES: [Family; 9] = [
+    llama::LLAMA,
+    qwen2::QWEN2,
+    qwen3::QWEN3,
+    qwen3_moe::QWEN3_MOE,
+    qwen3_5::QWEN3_5_TEXT,
+    qwen3_5::QWEN3_5_MOE_TEXT,
+    gemma3::GEMMA3_TEXT,
+    qwen3_5::QWEN3_5,
+    qwen3_5::QWEN3_5_MOE,
+];
+
+#[derive(Clone, Copy)]
+enum HeadDim {
+    Fixed(usize),
+    /// The model's fallback when the config class has no such field.
+    HiddenOverHeads,
+}
+
+/// The MoE block's fields (0 / false / empty for a dense family, as in the contract's `Config`).
+struct Moe {
+    num_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    norm_topk_prob: bool,
+    decoder_sparse_step: usize,
+    mlp_only_layers: Vec<usize>,
+}
+
+fn dense(_: &Value) -> Result<Moe> {
+    Ok(Moe {
+        num_experts: 0,
+        num_experts_per_tok: 0,
+        moe_intermediate_size: 0,
+        norm_topk_prob: false,
+        decoder_sparse_step: 1,
+        mlp_only_layers: vec![],
+    })
+}
+
+fn no_linear(_: &Value, _: &LayerTypes) -> Result<Linear> {
+    Ok((None, 0))
+}
+
+/// The (full layers') rope: theta, the rotated leading dims of each head, the frequency scaling,
+/// and Gemma 3's own fields, which its rope reading yields.
+struct Rope {
+    theta: f64,
+    rotary_dim: usize,
+    scaling: RopeScaling,
+    gemma3: Option<Gemma3>,
+}
+
+impl Rope {
+    fn whole(theta: f64, partial: f64, scaling: RopeScaling, head_dim: usize) -> Rope {
+        Rope {
+            theta,
+            rotary_dim: (head_dim as f64 * partial) as usize, // transformers: int(head_dim * factor)
+            scaling,
+            gemma3: None,
+        }
+    }
+}
+
 impl Config {
+    /// The fields shared by every family, read in one order (the first refusal named stays the
+    /// same), each family's defaults and refusals taken from its `Family`.
     pub fn from_json(root: &Value) -> Result<Config> {
         if !root.is_object() {
             return Err(err!(Config: "config.json: not a JSON object"));
@@ -247,38 +355,16 @@ impl Config {
         let model_type = field(root, "model_type")
             .and_then(|m| m.as_str())
             .unwrap_or("");
-        let (family, layout, want_arch) = match model_type {
-            "llama" => (ModelType::Llama, Layout::Text, "LlamaForCausalLM"),
-            "qwen2" => (ModelType::Qwen2, Layout::Text, "Qwen2ForCausalLM"),
-            "qwen3" => (ModelType::Qwen3, Layout::Text, "Qwen3ForCausalLM"),
-            "qwen3_moe" => (ModelType::Qwen3Moe, Layout::Text, "Qwen3MoeForCausalLM"),
-            "qwen3_5_text" => (ModelType::Qwen3_5, Layout::Text, "Qwen3_5ForCausalLM"),
-            "qwen3_5_moe_text" => (ModelType::Qwen3_5Moe, Layout::Text, "Qwen3_5MoeForCausalLM"),
-            "gemma3_text" => (ModelType::Gemma3, Layout::Text, "Gemma3ForCausalLM"),
-            // The multimodal checkpoint keeps its language model under other names and a vision
-            // tower beside it: refused, pointing at the text-only layout.
-            "gemma3" => {
-                return Err(err!(Config:
-                    "config.json: model_type \"gemma3\" (Gemma3ForConditionalGeneration) not supported by the bit-exact producers: they run its language model saved on its own, as a Gemma3ForCausalLM checkpoint with model_type \"gemma3_text\""
-                ))
-            }
-            "qwen3_5" => (
-                ModelType::Qwen3_5,
-                Layout::Multimodal,
-                "Qwen3_5ForConditionalGeneration",
-            ),
-            "qwen3_5_moe" => (
-                ModelType::Qwen3_5Moe,
-                Layout::Multimodal,
-                "Qwen3_5MoeForConditionalGeneration",
-            ),
-            other => {
-                return Err(err!(Config:
+        let Some(fam) = FAMILIES.iter().find(|f| f.model_type == model_type) else {
+            return Err(match model_type {
+                "gemma3" => err!(Config: "{}", gemma3::MULTIMODAL_REFUSAL),
+                other => err!(Config:
                     "config.json: model_type {other:?} {}",
                     unsupported_family(other)
-                ))
-            }
+                ),
+            });
         };
+        let (family, layout, want_arch) = (fam.kind, fam.layout, fam.architecture);
         if let Some(a) = field(root, "architectures") {
             let ok = a
                 .as_array()
@@ -298,65 +384,35 @@ impl Config {
                 (tc, Some(tie))
             }
         };
-        let qwen3_5 = family.is_qwen3_5();
-        let gemma3 = family == ModelType::Gemma3;
-        // Gemma3TextConfig reads neither field (its activation is `hidden_activation`, its
-        // windows `layer_types`): §22.1.
-        if let Some(act) = field(v, "hidden_act").filter(|_| !gemma3) {
+        if let Some(act) = field(v, "hidden_act").filter(|_| fam.silu_mlp) {
             if act.as_str() != Some("silu") {
                 return Err(err!(Config:
                     "config.json: hidden_act = {act} not supported (only \"silu\")"
                 ));
             }
         }
-        if !gemma3 && opt_bool(v, "use_sliding_window", false)? {
+        if fam.silu_mlp && opt_bool(v, "use_sliding_window", false)? {
             return Err(err!(Config: "config.json: use_sliding_window = true not supported"));
         }
         let num_hidden_layers = req_usize(v, "num_hidden_layers")?;
-        let layer_types = if qwen3_5 {
-            qwen3_5_layer_types(v, num_hidden_layers)?
-        } else if gemma3 {
-            LayerTypes::AllFull // softmax attention everywhere; `gemma3` says which layers slide
-        } else {
-            if let Some(lt) = field(v, "layer_types") {
-                let ok = lt
-                    .as_array()
-                    .is_some_and(|l| l.iter().all(|t| t.as_str() == Some("full_attention")));
-                if !ok {
-                    return Err(err!(Config:
-                        "config.json: layer_types = {lt} not supported (only \"full_attention\")"
-                    ));
-                }
-            }
-            LayerTypes::AllFull
-        };
+        let layer_types = (fam.layer_types)(v, num_hidden_layers)?;
         let hidden_size = req_usize(v, "hidden_size")?;
         let num_attention_heads = req_usize(v, "num_attention_heads")?;
-        // LlamaConfig: an absent num_key_value_heads means one kv head per query head (MHA).
-        let num_key_value_heads = match family {
-            ModelType::Llama => opt_usize(v, "num_key_value_heads")?.unwrap_or(num_attention_heads),
-            _ => req_usize(v, "num_key_value_heads")?,
+        let num_key_value_heads = match fam.mha_by_default {
+            true => opt_usize(v, "num_key_value_heads")?.unwrap_or(num_attention_heads),
+            false => req_usize(v, "num_key_value_heads")?,
         };
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(
                 err!(Config: "config.json: num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"),
             );
         }
-        // transformers: Qwen3Config declares head_dim = 128; Qwen3MoeConfig, Qwen2Config and
-        // LlamaConfig have no such field and the model falls back to hidden_size /
-        // num_attention_heads.
-        // Qwen3_5TextConfig and Qwen3_5MoeTextConfig declare head_dim = 256.
-        let head_dim = match (opt_usize(v, "head_dim")?, family) {
+        let head_dim = match (opt_usize(v, "head_dim")?, fam.head_dim) {
             (Some(d), _) => d,
-            (None, ModelType::Qwen3) => 128,
-            (None, ModelType::Qwen3Moe | ModelType::Llama | ModelType::Qwen2) => {
-                hidden_size / num_attention_heads
-            }
-            (None, ModelType::Qwen3_5 | ModelType::Qwen3_5Moe | ModelType::Gemma3) => 256,
+            (None, HeadDim::Fixed(d)) => d,
+            (None, HeadDim::HiddenOverHeads) => hidden_size / num_attention_heads,
         };
-        // Qwen3.5 rotates only the leading 2·ceil(rotary_dim/2) dims (checked below); its
-        // head_dim itself may be odd.
-        if !qwen3_5 && (head_dim % 2 != 0 || head_dim == 0) {
+        if !fam.odd_head_dim && (head_dim % 2 != 0 || head_dim == 0) {
             let from = if field(v, "head_dim").is_some() {
                 String::new()
             } else {
@@ -376,128 +432,18 @@ impl Config {
                 );
             }
         }
-        // (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
-        // decoder_sparse_step, mlp_only_layers): read (and refused) before the sizes below, in
-        // this order, so the first refusal named is the same as ever.
-        let moe = match family {
-            ModelType::Llama
-            | ModelType::Qwen2
-            | ModelType::Qwen3
-            | ModelType::Qwen3_5
-            | ModelType::Gemma3 => (0, 0, 0, false, 1, vec![]),
-            ModelType::Qwen3Moe | ModelType::Qwen3_5Moe => {
-                let ne = match (field(v, "num_experts"), field(v, "num_local_experts")) {
-                    (Some(_), Some(_))
-                        if opt_usize(v, "num_experts")? != opt_usize(v, "num_local_experts")? =>
-                    {
-                        return Err(err!(Config:
-                            "config.json: num_experts and num_local_experts disagree"
-                        ));
-                    }
-                    (Some(x), _) | (None, Some(x)) => x.as_u64().ok_or_else(|| {
-                        err!(Config: "config.json: num_experts = {x} is not a non-negative integer")
-                    })? as usize,
-                    (None, None) => return Err(err!(Config: "config.json: missing field num_experts")),
-                };
-                let k = field(v, "num_experts_per_tok")
-                    .ok_or_else(|| err!(Config: "config.json: missing field num_experts_per_tok"))?
-                    .as_u64()
-                    .ok_or_else(
-                        || err!(Config: "config.json: num_experts_per_tok is not an integer"),
-                    )? as usize;
-                if ne > 0 && (k < 1 || k >= ne) {
-                    return Err(
-                        err!(Config: "config.json: num_experts_per_tok = {k} not supported with num_experts = {ne} (need 1 ≤ k < num_experts)"),
-                    );
-                }
-                let mlp_only_layers = match field(v, "mlp_only_layers") {
-                    None => vec![],
-                    Some(x) => x
-                        .as_array()
-                        .and_then(|l| {
-                            l.iter()
-                                .map(|i| i.as_u64().map(|i| i as usize))
-                                .collect::<Option<Vec<_>>>()
-                        })
-                        .ok_or_else(|| {
-                            err!(Config:
-                                "config.json: mlp_only_layers = {x} is not a list of layer indices"
-                            )
-                        })?,
-                };
-                let moe_intermediate_size = if ne > 0 {
-                    req_usize(v, "moe_intermediate_size")?
-                } else {
-                    0
-                };
-                let norm_topk_prob = opt_bool(v, "norm_topk_prob", qwen3_5)?;
-                let decoder_sparse_step = opt_usize(v, "decoder_sparse_step")?.unwrap_or(1);
-                if qwen3_5 {
-                    qwen3_5_moe_fixed(ne, norm_topk_prob, decoder_sparse_step, &mlp_only_layers)?;
-                }
-                (
-                    ne,
-                    k,
-                    moe_intermediate_size,
-                    norm_topk_prob,
-                    decoder_sparse_step,
-                    mlp_only_layers,
-                )
-            }
-        };
-        let (
-            num_experts,
-            num_experts_per_tok,
-            moe_intermediate_size,
-            norm_topk_prob,
-            decoder_sparse_step,
-            mlp_only_layers,
-        ) = moe;
-        // Read in this order (the first refusal named stays the same).
+        // Read before the sizes below, so the first refusal named is the same as ever.
+        let moe = (fam.moe)(v)?;
         let vocab_size = req_usize(v, "vocab_size")?;
-        // §13: the Qwen3.5-MoE family has no dense MLP and does not read the field.
-        let intermediate_size = match family {
-            ModelType::Qwen3_5Moe => None,
-            _ => opt_usize(v, "intermediate_size")?,
+        let intermediate_size = match fam.reads_intermediate_size {
+            true => opt_usize(v, "intermediate_size")?,
+            false => None,
         };
+        // Every family's config class: 1e-6.
         let rms_norm_eps = opt_f64(v, "rms_norm_eps", 1e-6)?;
-        let llama = family == ModelType::Llama;
-        let (rope_theta, partial, rope_scaling, gemma3) = if gemma3 {
-            let (g, theta, scaling) = gemma3_fields(v, num_hidden_layers)?;
-            finite_rope(g.local_rope_theta, head_dim)?;
-            (theta, 1.0, scaling, Some(g))
-        } else {
-            let (theta, partial, scaling) = rope_params(v, qwen3_5, llama)?;
-            (theta, partial, scaling, None)
-        };
-        let rotary_dim = (head_dim as f64 * partial) as usize; // transformers: int(head_dim * factor)
-                                                               // §16: an odd rotary dim rounds up to 2·ceil(d_r/2) rotated dims, as transformers does;
-                                                               // they fit in the head unless the whole (odd) head would rotate, which transformers
-                                                               // refuses (head_dim > 4) or fails to broadcast.
-        let width = rotary_dim.div_ceil(2) * 2;
-        if qwen3_5 && rotary_dim == 0 {
-            return Err(err!(Config:
-                "config.json: partial_rotary_factor = {partial} gives 0 rotary dims of head_dim {head_dim}; they must be positive"
-            ));
-        }
-        if qwen3_5 && width > head_dim {
-            return Err(err!(Config:
-                "config.json: partial_rotary_factor = {partial} gives the odd rotary dim {rotary_dim}, which rotates {width} dims, more than head_dim {head_dim} (docs/numerics.md §16)"
-            ));
-        }
-        finite_rope(rope_theta, rotary_dim)?;
-        let (linear, shared_expert_intermediate_size) = match family {
-            ModelType::Llama
-            | ModelType::Qwen2
-            | ModelType::Qwen3
-            | ModelType::Qwen3Moe
-            | ModelType::Gemma3 => (None, 0),
-            ModelType::Qwen3_5 => (linear_sizes(v, &layer_types)?, 0),
-            ModelType::Qwen3_5Moe => (
-                linear_sizes(v, &layer_types)?,
-                req_usize(v, "shared_expert_intermediate_size")?,
-            ),
-        };
+        let rope = (fam.rope)(v, num_hidden_layers, head_dim)?;
+        finite_rope(rope.theta, rope.rotary_dim)?;
+        let (linear, shared_expert_intermediate_size) = (fam.linear)(v, &layer_types)?;
         // §8.1: qwen2's q/k/v bias is fixed (its config's `attention_bias`, if any, is not read).
         let attention_bias = match family.fixed_qkv_bias() {
             true => true,
@@ -514,29 +460,28 @@ impl Config {
             num_key_value_heads,
             head_dim,
             rms_norm_eps,
-            rope_theta,
-            // Gemma3TextConfig ties the head by default.
+            rope_theta: rope.theta,
             tie_word_embeddings: match outer_tie {
                 Some(t) => t,
-                None => opt_bool(v, "tie_word_embeddings", family == ModelType::Gemma3)?,
+                None => opt_bool(v, "tie_word_embeddings", fam.tie_word_embeddings)?,
             },
             attention_bias,
             o_proj_bias: attention_bias && !family.fixed_qkv_bias(),
-            mlp_bias: llama && opt_bool(v, "mlp_bias", false)?,
+            mlp_bias: fam.reads_mlp_bias && opt_bool(v, "mlp_bias", false)?,
             qk_norm: family.qk_norm(),
-            rope_scaling,
-            num_experts,
-            num_experts_per_tok,
-            moe_intermediate_size,
-            norm_topk_prob,
-            decoder_sparse_step,
-            mlp_only_layers,
+            rope_scaling: rope.scaling,
+            num_experts: moe.num_experts,
+            num_experts_per_tok: moe.num_experts_per_tok,
+            moe_intermediate_size: moe.moe_intermediate_size,
+            norm_topk_prob: moe.norm_topk_prob,
+            decoder_sparse_step: moe.decoder_sparse_step,
+            mlp_only_layers: moe.mlp_only_layers,
             layer_types,
-            rotary_dim,
+            rotary_dim: rope.rotary_dim,
             linear,
             shared_expert_intermediate_size,
             max_position_embeddings,
-            gemma3,
+            gemma3: rope.gemma3,
         };
         if cfg.vocab_size < 2 {
             return Err(err!(Config:

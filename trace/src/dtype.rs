@@ -84,11 +84,6 @@ pub(crate) fn first_bad_bool(bytes: &[u8]) -> Option<(usize, u8)> {
     bytes.iter().position(|&b| b > 1).map(|i| (i, bytes[i]))
 }
 
-/// The refusal of a `bool` byte other than 0 or 1, for a view and for `verify` alike.
-pub(crate) fn bad_bool_reason(tensor: &str, element: usize, byte: u8) -> String {
-    format!("tensor {tensor:?}: bool element {element} is {byte} (must be 0 or 1)")
-}
-
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

@@ -7,6 +7,7 @@ use std::fmt;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
+use crate::error::Malformed;
 use crate::json::UniqueValue;
 use crate::layout::{DecisionJson, TensorJson};
 
@@ -19,14 +20,14 @@ pub(crate) struct Head {
     pub provenance: UniqueValue,
 }
 
-type Each<'a, T> = &'a mut dyn FnMut(T) -> Result<(), String>;
+type Each<'a, T> = &'a mut dyn FnMut(T) -> Result<(), Malformed>;
 
 /// Where parsed entries go. A refusal from `tensor` or `decision` stops the parse; its reason
-/// is kept in `refusal` so the caller reports it instead of serde's wrapped copy.
+/// is kept in `refusal` so the caller reports it, not serde's wrapped copy of its words.
 pub(crate) struct Sink<'a> {
     pub tensor: Each<'a, TensorJson>,
     pub decision: Each<'a, DecisionJson>,
-    pub refusal: Option<String>,
+    pub refusal: Option<Malformed>,
 }
 
 pub(crate) fn parse<'de, D: Deserializer<'de>>(
@@ -93,8 +94,8 @@ impl<'de> Visitor<'de> for IndexVisitor<'_, '_> {
 }
 
 struct Entries<'s, T> {
-    each: &'s mut dyn FnMut(T) -> Result<(), String>,
-    refusal: &'s mut Option<String>,
+    each: Each<'s, T>,
+    refusal: &'s mut Option<Malformed>,
 }
 
 impl<'de, T: Deserialize<'de>> DeserializeSeed<'de> for Entries<'_, T> {

@@ -32,7 +32,7 @@ pub use digest::{
     gguf_file, open_weights_file, weights_digest, weights_digest_of, xxh3_hex, Digest,
 };
 pub use dtype::{DType, UnknownDType};
-pub use error::{Error, Result};
+pub use error::{Entry, Error, KeyPlace, Malformed, Overflow, Payload, Resized, Result, Tampered};
 pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};
 pub use reader::{DecisionInfo, TensorInfo, Trace};
 pub use shard::{Shard, ShardKind};

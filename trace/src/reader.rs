@@ -9,8 +9,10 @@ use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use crate::attrs::Attributes;
 use crate::digest::{parse_xxh3_hex, Canonical, Digest};
-use crate::dtype::{bad_bool_reason, element_count, first_bad_bool, DType};
-use crate::error::{Error, Result};
+use crate::dtype::{element_count, first_bad_bool, DType};
+use crate::error::{
+    Entry, Error, KeyPlace, Malformed, Overflow, Payload, Resized, Result, Tampered,
+};
 use crate::index::{parse as parse_index, Sink};
 use crate::json::file_kind;
 use crate::layout::*;
@@ -82,79 +84,98 @@ impl std::fmt::Debug for Trace {
     }
 }
 
-/// What a path is, for a refusal of anything but a regular file.
-/// `Err` is the reason: alignment, inside the data region `64..index_offset`, no overflow.
+/// Alignment, inside the data region `64..index_offset`, no overflow.
 fn check_range(
-    what: &dyn Fn() -> String,
+    payload: impl Fn() -> Payload,
     offset: u64,
     nbytes: u64,
     index_offset: u64,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), Malformed> {
     let end = offset
         .checked_add(nbytes)
-        .ok_or_else(|| format!("{}: offset {offset} + {nbytes} bytes overflows", what()))?;
+        .ok_or_else(|| Malformed::RangeOverflow {
+            payload: payload(),
+            offset,
+            nbytes,
+        })?;
     if !offset.is_multiple_of(ALIGN) {
-        return Err(format!(
-            "{}: offset {offset} is not {ALIGN}-byte aligned",
-            what()
-        ));
+        return Err(Malformed::Misaligned {
+            payload: payload(),
+            offset,
+        });
     }
     if offset < HEADER_LEN || end > index_offset {
-        return Err(format!(
-            "{}: bytes {offset}..{end} lie outside the data region {HEADER_LEN}..{index_offset}",
-            what()
-        ));
+        return Err(Malformed::OutsideData {
+            payload: payload(),
+            start: offset,
+            end,
+            index_offset,
+        });
     }
     Ok(())
 }
 
-fn check_rank(what: &dyn Fn() -> String, shape: &[u64]) -> std::result::Result<(), String> {
+fn check_rank(entry: impl Fn() -> Entry, shape: &[u64]) -> std::result::Result<(), Malformed> {
     if shape.len() > MAX_RANK {
-        return Err(format!(
-            "{}: rank {} exceeds {MAX_RANK}",
-            what(),
-            shape.len()
-        ));
+        return Err(Malformed::RankTooHigh {
+            entry: entry(),
+            rank: shape.len(),
+        });
     }
     Ok(())
 }
 
-fn tensor_entry(t: TensorJson, index_offset: u64) -> std::result::Result<TensorInfo, String> {
-    check_name("tensor", &t.name)?;
-    let what = || format!("tensor {:?}", t.name);
-    let dtype = DType::parse(&t.dtype).map_err(|e| format!("{}: {e}", what()))?;
-    check_rank(&what, &t.shape)?;
-    let expected = element_count(&t.shape)
+fn check_xxh3(entry: impl Fn() -> Entry, xxh3: &str) -> std::result::Result<u128, Malformed> {
+    parse_xxh3_hex(xxh3).ok_or_else(|| Malformed::BadXxh3 {
+        entry: entry(),
+        xxh3: xxh3.to_string(),
+    })
+}
+
+fn tensor_entry(t: TensorJson, index_offset: u64) -> std::result::Result<TensorInfo, Malformed> {
+    check_name("tensor", &t.name).map_err(|reason| Malformed::BadName { reason })?;
+    let tensor = || t.name.clone();
+    let dtype = DType::parse(&t.dtype).map_err(|unknown| Malformed::BadDtype {
+        tensor: tensor(),
+        unknown,
+    })?;
+    check_rank(|| Entry::Tensor(tensor()), &t.shape)?;
+    let needed = element_count(&t.shape)
         .and_then(|n| n.checked_mul(dtype.size() as u64))
         .ok_or_else(|| {
-            format!(
-                "{}: shape {:?} x {} bytes overflows",
-                what(),
-                t.shape,
-                dtype.size()
-            )
+            Malformed::ShapeOverflow(Overflow::TensorBytes {
+                tensor: tensor(),
+                shape: t.shape.to_vec(),
+                size: dtype.size(),
+            })
         })?;
-    if expected != t.nbytes {
-        return Err(format!(
-            "{}: nbytes {} but shape {:?} of {dtype} needs {expected}",
-            what(),
-            t.nbytes,
-            t.shape
-        ));
+    if needed != t.nbytes {
+        return Err(Malformed::NbytesMismatch {
+            tensor: tensor(),
+            nbytes: t.nbytes,
+            shape: t.shape.to_vec(),
+            dtype,
+            needed,
+        });
     }
-    check_range(&what, t.offset, t.nbytes, index_offset)?;
-    let digest = parse_xxh3_hex(&t.xxh3).ok_or_else(|| {
-        format!(
-            "{}: xxh3 {:?} is not 32 lowercase hex digits",
-            what(),
-            t.xxh3
-        )
-    })?;
-    if let Some(dup) = &t.attributes.duplicate {
-        return Err(format!("{}: attributes: {dup}", what()));
+    check_range(
+        || Payload::Tensor(tensor()),
+        t.offset,
+        t.nbytes,
+        index_offset,
+    )?;
+    let digest = check_xxh3(|| Entry::Tensor(tensor()), &t.xxh3)?;
+    if let Some(duplicate) = &t.attributes.duplicate {
+        return Err(Malformed::DuplicateKey {
+            place: KeyPlace::Attributes(tensor()),
+            duplicate: duplicate.clone(),
+        });
     }
     let attributes =
-        Attributes::from_json(&t.attributes.value).map_err(|e| format!("{}: {e}", what()))?;
+        Attributes::from_json(&t.attributes.value).map_err(|reason| Malformed::BadAttributes {
+            tensor: tensor(),
+            reason,
+        })?;
     // A fresh exact allocation: shrinking serde's grown one in place keeps its larger chunk.
     let shape = t.shape.to_vec();
     Ok(TensorInfo {
@@ -168,33 +189,37 @@ fn tensor_entry(t: TensorJson, index_offset: u64) -> std::result::Result<TensorI
     })
 }
 
-fn decision_entry(d: DecisionJson, index_offset: u64) -> std::result::Result<DecisionInfo, String> {
-    check_name("decision", &d.name)?;
-    let what = || format!("decision {:?}", d.name);
-    check_rank(&what, &d.shape)?;
+fn decision_entry(
+    d: DecisionJson,
+    index_offset: u64,
+) -> std::result::Result<DecisionInfo, Malformed> {
+    check_name("decision", &d.name).map_err(|reason| Malformed::BadName { reason })?;
+    let decision = || d.name.clone();
+    check_rank(|| Entry::Decision(decision()), &d.shape)?;
     let nbytes = element_count(&d.shape)
         .and_then(|n| n.checked_mul(8))
-        .ok_or_else(|| format!("{}: shape {:?} overflows", what(), d.shape))?;
+        .ok_or_else(|| {
+            Malformed::ShapeOverflow(Overflow::DecisionValues {
+                decision: decision(),
+                shape: d.shape.to_vec(),
+            })
+        })?;
     check_range(
-        &|| format!("{} values", what()),
+        || Payload::Values(decision()),
         d.values_offset,
         nbytes,
         index_offset,
     )?;
     if let Some(m) = d.margins_offset {
         let rows = d.shape.first().copied().unwrap_or(1);
-        let len = rows
-            .checked_mul(4)
-            .ok_or_else(|| format!("{}: rows overflow", what()))?;
-        check_range(&|| format!("{} margins", what()), m, len, index_offset)?;
+        let len = rows.checked_mul(4).ok_or_else(|| {
+            Malformed::ShapeOverflow(Overflow::DecisionMargins {
+                decision: decision(),
+            })
+        })?;
+        check_range(|| Payload::Margins(decision()), m, len, index_offset)?;
     }
-    let digest = parse_xxh3_hex(&d.xxh3).ok_or_else(|| {
-        format!(
-            "{}: xxh3 {:?} is not 32 lowercase hex digits",
-            what(),
-            d.xxh3
-        )
-    })?;
+    let digest = check_xxh3(|| Entry::Decision(decision()), &d.xxh3)?;
     let shape = d.shape.to_vec();
     Ok(DecisionInfo {
         name: d.name,
@@ -209,14 +234,16 @@ fn decision_entry(d: DecisionJson, index_offset: u64) -> std::result::Result<Dec
 fn sorted_by_name<T>(
     entries: &[T],
     name: impl Fn(&T) -> &str,
-    kind: &str,
-) -> std::result::Result<Vec<u32>, String> {
+    entry: impl Fn(String) -> Entry,
+) -> std::result::Result<Vec<u32>, Malformed> {
     let mut order: Vec<u32> = (0..entries.len() as u32).collect();
     order.sort_unstable_by(|&a, &b| name(&entries[a as usize]).cmp(name(&entries[b as usize])));
     for pair in order.windows(2) {
         let n = name(&entries[pair[0] as usize]);
         if n == name(&entries[pair[1] as usize]) {
-            return Err(format!("duplicate {kind} name {n:?}"));
+            return Err(Malformed::DuplicateName {
+                entry: entry(n.to_string()),
+            });
         }
     }
     Ok(order)
@@ -268,40 +295,33 @@ enum Owner {
 impl Trace {
     pub fn open(path: impl AsRef<Path>) -> Result<Trace> {
         let path = path.as_ref().to_path_buf();
-        let bad = |reason: String| Error::Malformed {
+        let bad = |kind: Malformed| Error::Malformed {
             path: path.clone(),
-            reason,
+            kind,
         };
         if path
             .file_name()
             .is_some_and(|n| n.to_string_lossy().ends_with(TMP_SUFFIX))
         {
-            return Err(bad(format!(
-                "a writer's temporary file (*{TMP_SUFFIX}): the trace was never finished, or its writer is still running"
-            )));
+            return Err(bad(Malformed::TemporaryFile));
         }
         // Look before opening: opening a FIFO for reading blocks until something writes to it.
         let meta = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?;
         if !meta.is_file() {
-            return Err(bad(format!(
-                "{}, not a regular file: a trace is one regular file",
-                file_kind(&meta)
-            )));
+            return Err(bad(Malformed::NotRegularFile {
+                what: file_kind(&meta),
+            }));
         }
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         let meta = file.metadata().map_err(|e| Error::io(&path, e))?;
         if !meta.is_file() {
-            return Err(bad(format!(
-                "{}, not a regular file: a trace is one regular file",
-                file_kind(&meta)
-            )));
+            return Err(bad(Malformed::NotRegularFile {
+                what: file_kind(&meta),
+            }));
         }
         let len = meta.len();
         if len < HEADER_LEN + FOOTER_LEN {
-            return Err(bad(format!(
-                "file is {len} bytes, shorter than header + footer ({})",
-                HEADER_LEN + FOOTER_LEN
-            )));
+            return Err(bad(Malformed::TooShort { len }));
         }
         // SAFETY: the map is read-only; a trace is never modified in place after it is renamed
         // into position, and every read below is bounds-checked against the map's length. A
@@ -310,53 +330,49 @@ impl Trace {
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let bytes: &[u8] = &map;
         if bytes.len() as u64 != len {
-            return Err(bad(format!(
-                "file is {len} bytes but {} were mapped: it changed while being opened",
-                bytes.len()
-            )));
+            return Err(bad(Malformed::SizeChanged(Resized::WhileMapping {
+                len,
+                mapped: bytes.len() as u64,
+            })));
         }
         if &bytes[..8] != MAGIC {
-            return Err(bad(format!(
-                "bad magic {:02x?} (expected \"TGTRACE\\0\"): not a tracegate trace",
-                &bytes[..8]
-            )));
+            return Err(bad(Malformed::BadMagic {
+                found: bytes[..8].try_into().expect("8 bytes"),
+            }));
         }
         let major = u16::from_le_bytes([bytes[8], bytes[9]]);
         let minor = u16::from_le_bytes([bytes[10], bytes[11]]);
         if major != FORMAT_MAJOR {
-            return Err(bad(format!("format version {major}.{minor} is not supported (this reader reads {FORMAT_MAJOR}.x)")));
+            return Err(bad(Malformed::UnsupportedVersion { major, minor }));
         }
         if let Some(i) = bytes[12..HEADER_LEN as usize].iter().position(|&b| b != 0) {
-            return Err(bad(format!(
-                "header byte {} is {:#04x}: header bytes 12..64 must be zero",
-                12 + i,
-                bytes[12 + i]
-            )));
+            return Err(bad(Malformed::NonZeroHeader {
+                at: 12 + i,
+                value: bytes[12 + i],
+            }));
         }
         let footer = &bytes[(len - FOOTER_LEN) as usize..];
         if &footer[32..40] != FOOTER_MAGIC {
-            return Err(bad(
-                "no footer: the file is truncated or was never finished".into(),
-            ));
+            return Err(bad(Malformed::NoFooter));
         }
         let index_offset = u64::from_le_bytes(footer[0..8].try_into().expect("8 bytes"));
         let index_len = u64::from_le_bytes(footer[8..16].try_into().expect("8 bytes"));
         let index_hash = u128::from_be_bytes(footer[16..32].try_into().expect("16 bytes"));
         let data_end = len - FOOTER_LEN;
         if index_len > MAX_INDEX_LEN {
-            return Err(bad(format!(
-                "index length {index_len} exceeds the limit {MAX_INDEX_LEN}"
-            )));
+            return Err(bad(Malformed::IndexTooLong { len: index_len }));
         }
         if index_offset < HEADER_LEN || index_offset.checked_add(index_len) != Some(data_end) {
-            return Err(bad(format!(
-                "footer places the index at {index_offset}..+{index_len}, but it must end at the footer ({data_end}) and start after the header"
-            )));
+            return Err(bad(Malformed::IndexMisplaced {
+                offset: index_offset,
+                len: index_len,
+                data_end,
+            }));
         }
         if !index_offset.is_multiple_of(ALIGN) {
-            return Err(bad(format!(
-                "footer places the index at {index_offset}, which is not {ALIGN}-byte aligned"
-            )));
+            return Err(bad(Malformed::IndexMisaligned {
+                offset: index_offset,
+            }));
         }
         // The index is hashed and parsed from reads of the file, not through the map: parsed
         // entries are what the reader keeps, and the index's own pages need not stay resident.
@@ -380,13 +396,18 @@ impl Trace {
             }
         });
         match hashed.map_err(|e| Error::io(&path, e))? {
-            n if n != index_len => return Err(bad(format!("index is {n} bytes on reading, {index_len} in the footer: the file changed while being opened"))),
+            n if n != index_len => {
+                return Err(bad(Malformed::SizeChanged(Resized::WhileReadingIndex {
+                    read: n,
+                    footer: index_len,
+                })))
+            }
             _ => {}
         }
         if hasher.digest128() != index_hash {
             return Err(Error::Tampered {
                 path: path.clone(),
-                reason: "the index does not match the footer's xxh3-128".into(),
+                kind: Tampered::IndexDigestMismatch,
             });
         }
         // One pass that notes the first field the schema does not have. A later minor version
@@ -415,61 +436,72 @@ impl Trace {
         .and_then(|head| json.end().map(|_| head));
         let refusal = sink.refusal.take();
         let head = match (parsed, refusal) {
-            (_, Some(reason)) => return Err(bad(reason)),
-            (Err(e), None) => return Err(bad(format!("index is not valid: {e}"))),
+            (_, Some(kind)) => return Err(bad(kind)),
+            (Err(e), None) => {
+                return Err(bad(Malformed::BadIndex {
+                    reason: e.to_string(),
+                }))
+            }
             (Ok(head), None) => head,
         };
         let later_minor = minor > FORMAT_MINOR;
         if let Some(field) = unknown.filter(|_| !later_minor) {
-            return Err(bad(format!("index is not valid: unknown field {field} (format {major}.{minor} has no such field)")));
+            return Err(bad(Malformed::UnknownField {
+                field,
+                major,
+                minor,
+            }));
         }
         if head.format != FORMAT_NAME {
-            return Err(bad(format!(
-                "index format {:?} is not {FORMAT_NAME:?}",
-                head.format
-            )));
+            return Err(bad(Malformed::WrongFormat { found: head.format }));
         }
         if head.version != [major, minor] {
-            return Err(bad(format!(
-                "index version {}.{} disagrees with header {major}.{minor}",
-                head.version[0], head.version[1]
-            )));
+            return Err(bad(Malformed::VersionDisagrees {
+                index: head.version,
+                header: [major, minor],
+            }));
         }
         let digest = Some(&head.digest)
             .filter(|d| is_lower_hex(d))
             .and_then(|d| Digest::from_hex(d))
             .ok_or_else(|| {
-                bad(format!(
-                    "digest {:?} is not 64 lowercase hex digits",
-                    head.digest
-                ))
+                bad(Malformed::BadDigest {
+                    digest: head.digest.clone(),
+                })
             })?;
-        if let Some(dup) = &head.provenance.duplicate {
-            return Err(bad(format!("provenance: {dup}")));
+        if let Some(duplicate) = head.provenance.duplicate {
+            return Err(bad(Malformed::DuplicateKey {
+                place: KeyPlace::Provenance,
+                duplicate,
+            }));
         }
         let provenance = head.provenance.value;
         if !provenance.is_object() {
-            return Err(bad("provenance is not a JSON object".into()));
+            return Err(bad(Malformed::ProvenanceNotObject));
         }
         tensors.shrink_to_fit();
         decisions.shrink_to_fit();
-        let by_name = sorted_by_name(&tensors, |t| &t.name, "tensor").map_err(&bad)?;
-        let decision_by_name = sorted_by_name(&decisions, |d| &d.name, "decision").map_err(&bad)?;
+        let by_name = sorted_by_name(&tensors, |t| &t.name, Entry::Tensor).map_err(&bad)?;
+        let decision_by_name =
+            sorted_by_name(&decisions, |d| &d.name, Entry::Decision).map_err(&bad)?;
 
         let ranges = payload_ranges(&tensors, &decisions);
-        let what = |o: Owner| match o {
-            Owner::Tensor(i) => format!("tensor {:?}", tensors[i as usize].name),
-            Owner::Values(i) => format!("decision {:?} values", decisions[i as usize].name),
-            Owner::Margins(i) => format!("decision {:?} margins", decisions[i as usize].name),
+        let payload = |o: Owner| match o {
+            Owner::Tensor(i) => Payload::Tensor(tensors[i as usize].name.clone()),
+            Owner::Values(i) => Payload::Values(decisions[i as usize].name.clone()),
+            Owner::Margins(i) => Payload::Margins(decisions[i as usize].name.clone()),
         };
         for pair in ranges.windows(2) {
             let ((s0, e0, o0), (s1, e1, o1)) = (pair[0], pair[1]);
             if s1 < e0 {
-                return Err(bad(format!(
-                    "{} (bytes {s1}..{e1}) overlaps {} (bytes {s0}..{e0})",
-                    what(o1),
-                    what(o0)
-                )));
+                return Err(bad(Malformed::Overlap {
+                    payload: payload(o1),
+                    start: s1,
+                    end: e1,
+                    other: payload(o0),
+                    other_start: s0,
+                    other_end: e0,
+                }));
             }
         }
         drop(ranges);
@@ -500,10 +532,7 @@ impl Trace {
             .len();
         let mapped = self.map.len() as u64;
         if now != mapped {
-            return Err(Error::Malformed {
-                path: self.path.clone(),
-                reason: format!("the file is now {now} bytes but was {mapped} when opened: it was truncated or rewritten while in use"),
-            });
+            return Err(self.malformed(Malformed::SizeChanged(Resized::InUse { now, was: mapped })));
         }
         Ok(())
     }
@@ -611,14 +640,24 @@ impl Trace {
     }
 
     fn tampered_tensor(&self, t: &TensorInfo) -> Error {
+        self.tampered(Tampered::TensorDigestMismatch {
+            tensor: t.name.clone(),
+            start: t.offset,
+            end: t.offset + t.nbytes,
+        })
+    }
+
+    pub(crate) fn malformed(&self, kind: Malformed) -> Error {
+        Error::Malformed {
+            path: self.path.clone(),
+            kind,
+        }
+    }
+
+    fn tampered(&self, kind: Tampered) -> Error {
         Error::Tampered {
             path: self.path.clone(),
-            reason: format!(
-                "tensor {:?} (bytes {}..{}) no longer matches its xxh3-128",
-                t.name,
-                t.offset,
-                t.offset + t.nbytes
-            ),
+            kind,
         }
     }
 
@@ -627,10 +666,11 @@ impl Trace {
             return Ok(());
         }
         match first_bad_bool(self.data(t)) {
-            Some((i, b)) => Err(Error::Malformed {
-                path: self.path.clone(),
-                reason: bad_bool_reason(&t.name, i, b),
-            }),
+            Some((element, value)) => Err(self.malformed(Malformed::BadBool {
+                tensor: t.name.clone(),
+                element,
+                value,
+            })),
             None => Ok(()),
         }
     }
@@ -652,30 +692,19 @@ impl Trace {
                 h.update(m);
             }
             if h.digest128() != d.digest {
-                return Err(Error::Tampered {
-                    path: self.path.clone(),
-                    reason: format!("decision {:?} no longer matches its xxh3-128", d.name),
-                });
+                return Err(self.tampered(Tampered::DecisionDigestMismatch {
+                    decision: d.name.clone(),
+                }));
             }
             c.decision(&d.name, &d.shape, values, margins);
         }
         let recomputed = c.finish();
         if recomputed != self.digest {
-            let what = if payloads_checked {
-                // Every payload matched its own digest, so what changed is index content (a
-                // name, dtype, shape or attribute), which has no second copy to name it by.
-                "every payload matches its digest, so the index itself (a name, dtype, shape or attribute) was edited"
-            } else {
-                "the index (a name, dtype, shape, attribute or recorded tensor digest) was edited"
-            };
-            return Err(Error::Tampered {
-                path: self.path.clone(),
-                reason: format!(
-                    "content digest is {} but the index records {}: {what}",
-                    recomputed.hex(),
-                    self.digest.hex()
-                ),
-            });
+            return Err(self.tampered(Tampered::ContentDigestMismatch {
+                recomputed,
+                recorded: self.digest,
+                payloads_checked,
+            }));
         }
         self.check_padding()
     }
@@ -695,11 +724,13 @@ impl Trace {
                 .iter()
                 .position(|&b| b != 0)
             {
-                let byte = start + i as u64;
-                return Err(Error::Tampered {
-                    path: self.path.clone(),
-                    reason: format!("padding byte {byte} (in the gap {start}..{end} between payloads) is {:#04x}, not zero", self.map[byte as usize]),
-                });
+                let at = start + i as u64;
+                return Err(self.tampered(Tampered::NonZeroPadding {
+                    at,
+                    start,
+                    end,
+                    value: self.map[at as usize],
+                }));
             }
         }
         Ok(())

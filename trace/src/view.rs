@@ -5,8 +5,8 @@
 
 use half::{bf16, f16};
 
-use crate::dtype::{bad_bool_reason, first_bad_bool, DType};
-use crate::error::{Error, Result};
+use crate::dtype::{first_bad_bool, DType};
+use crate::error::{Error, Malformed, Result};
 use crate::reader::{TensorInfo, Trace};
 
 mod sealed {
@@ -87,8 +87,9 @@ impl Trace {
 
     /// Tensor `name`'s elements as a zero-copy `&[T]` in row-major order. Refused, never a
     /// panic: an unknown name ([`Error::NotFound`]), another dtype ([`Error::WrongDType`]), a
-    /// `bool` byte other than 0 or 1 ([`Error::Malformed`]), a file whose size changed since
-    /// it was opened (reading its pages could raise SIGBUS; [`Trace::check_size`]), and a
+    /// `bool` byte other than 0 or 1 ([`Malformed::BadBool`]), a file whose size changed since
+    /// it was opened (reading its pages could raise SIGBUS; [`Trace::check_size`],
+    /// [`Malformed::SizeChanged`]), and a
     /// payload not in place for `T` ([`Error::NotViewable`]).
     pub fn slice<T: Element>(&self, name: &str) -> Result<&[T]> {
         self.slice_of(self.tensor_or_err(name)?)
@@ -106,11 +107,12 @@ impl Trace {
         }
         self.check_size()?;
         let bytes = self.data(info);
-        if let Some((i, b)) = T::first_invalid(bytes) {
-            return Err(Error::Malformed {
-                path: self.path().to_path_buf(),
-                reason: bad_bool_reason(&info.name, i, b),
-            });
+        if let Some((element, value)) = T::first_invalid(bytes) {
+            return Err(self.malformed(Malformed::BadBool {
+                tensor: info.name.clone(),
+                element,
+                value,
+            }));
         }
         cast(bytes, info.element_count()).map_err(|r| self.view_error(info, T::DTYPE, r))
     }

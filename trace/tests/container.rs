@@ -6,7 +6,7 @@ use std::path::Path;
 use common::*;
 use proptest::prelude::*;
 use serde_json::json;
-use tracegate_trace::{Attributes, DType, Error, Trace, TraceWriter};
+use tracegate_trace::{Attributes, DType, Error, Malformed, Tampered, Trace, TraceWriter};
 
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
@@ -270,7 +270,10 @@ fn killed_writer_leaves_nothing_at_final_path() {
     assert!(leftovers[0].to_string_lossy().ends_with(".tracegate-tmp"));
     assert!(matches!(
         Trace::open(&leftovers[0]),
-        Err(Error::Malformed { .. })
+        Err(Error::Malformed {
+            kind: Malformed::TemporaryFile,
+            ..
+        })
     ));
 }
 
@@ -332,9 +335,18 @@ fn a_writer_killed_after_its_footer_leaves_nothing_a_reader_accepts() {
         std::fs::read(&left[0]).unwrap(),
         std::fs::read(&finished).unwrap()
     );
-    let e = Trace::open(&left[0])
-        .expect_err("a killed writer's temporary was accepted")
-        .to_string();
+    let e = Trace::open(&left[0]).expect_err("a killed writer's temporary was accepted");
+    assert!(
+        matches!(
+            e,
+            Error::Malformed {
+                kind: Malformed::TemporaryFile,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = e.to_string();
     assert!(
         e.contains("temporary file") && e.contains(&left[0].display().to_string()),
         "{e}"
@@ -391,7 +403,10 @@ fn a_flipped_data_byte_is_named_by_verify() {
     flip(&p, off + 4);
     let t = Trace::open(&p).unwrap(); // structure is intact
     let e = t.verify().unwrap_err();
-    assert!(matches!(e, Error::Tampered { .. }));
+    assert!(
+        matches!(&e, Error::Tampered { kind: Tampered::TensorDigestMismatch { tensor, .. }, .. } if tensor == "ids"),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("tensor \"ids\""), "{e}");
 }
 
@@ -406,8 +421,12 @@ fn a_flipped_decision_byte_is_named_by_verify() {
         .unwrap()
         .values_offset as usize;
     flip(&p, off);
-    let e = Trace::open(&p).unwrap().verify().unwrap_err().to_string();
-    assert!(e.contains("decision \"logits.argmax\""), "{e}");
+    let e = Trace::open(&p).unwrap().verify().unwrap_err();
+    assert!(
+        matches!(&e, Error::Tampered { kind: Tampered::DecisionDigestMismatch { decision }, .. } if decision == "logits.argmax"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("decision \"logits.argmax\""), "{e}");
 }
 
 #[test]
@@ -418,7 +437,16 @@ fn a_flipped_index_byte_is_refused_at_open() {
     let len = std::fs::metadata(&p).unwrap().len() as usize;
     flip(&p, len - 41); // last byte of the index
     let e = Trace::open(&p).unwrap_err();
-    assert!(matches!(e, Error::Tampered { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Tampered {
+                kind: Tampered::IndexDigestMismatch,
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
 #[test]
@@ -429,8 +457,22 @@ fn unknown_major_version_is_refused() {
     let mut bytes = std::fs::read(&p).unwrap();
     bytes[8] = 2;
     std::fs::write(&p, bytes).unwrap();
-    let e = Trace::open(&p).unwrap_err().to_string();
-    assert!(e.contains("format version 2.0 is not supported"), "{e}");
+    let e = Trace::open(&p).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Malformed {
+                kind: Malformed::UnsupportedVersion { major: 2, minor: 0 },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .contains("format version 2.0 is not supported"),
+        "{e}"
+    );
 }
 
 fn arb_dtype() -> impl Strategy<Value = DType> {

@@ -5,7 +5,7 @@
 use crate::common;
 
 use common::*;
-use tracegate_trace::Trace;
+use tracegate_trace::{Error, KeyPlace, Malformed, Trace};
 
 /// The raw index text of a finished trace and the bytes before it.
 fn raw_index(file: &[u8]) -> (Vec<u8>, String) {
@@ -40,13 +40,22 @@ fn edited(from: &str, to: &str) -> Vec<u8> {
 }
 
 /// Opens and verifies `bytes`: Ok when the reader accepts the whole file.
-fn open(bytes: &[u8]) -> Result<(), String> {
+fn open(bytes: &[u8]) -> Result<(), Error> {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("h.trace");
     std::fs::write(&p, bytes).unwrap();
-    Trace::open(&p)
-        .and_then(|t| t.verify())
-        .map_err(|e| e.to_string())
+    Trace::open(&p).and_then(|t| t.verify())
+}
+
+/// The repeated key's place, when `e` is that refusal.
+fn duplicate_key(e: &Error) -> Option<&KeyPlace> {
+    match e {
+        Error::Malformed {
+            kind: Malformed::DuplicateKey { place, .. },
+            ..
+        } => Some(place),
+        _ => None,
+    }
 }
 
 #[test]
@@ -65,6 +74,12 @@ fn a_repeated_attribute_key_is_refused_naming_the_tensor_and_key() {
         "\"mask\":\"bidirectional\",\"mask\":\"causal\"",
     ))
     .unwrap_err();
+    assert_eq!(
+        duplicate_key(&e),
+        Some(&KeyPlace::Attributes("embed.out".into())),
+        "{e:?}"
+    );
+    let e = e.to_string();
     assert!(
         e.contains("tensor \"embed.out\": attributes: duplicate key \"mask\""),
         "{e}"
@@ -74,6 +89,8 @@ fn a_repeated_attribute_key_is_refused_naming_the_tensor_and_key() {
 #[test]
 fn a_repeated_provenance_key_is_refused() {
     let e = open(&edited("\"threads\":1", "\"threads\":8,\"threads\":1")).unwrap_err();
+    assert_eq!(duplicate_key(&e), Some(&KeyPlace::Provenance), "{e:?}");
+    let e = e.to_string();
     assert!(e.contains("provenance: duplicate key \"threads\""), "{e}");
 }
 
@@ -84,6 +101,8 @@ fn a_repeated_key_inside_a_provenance_value_is_refused_with_its_place() {
         "\"threads\":1,\"host\":{\"cpu\":\"a\",\"cpu\":\"b\"}",
     ))
     .unwrap_err();
+    assert_eq!(duplicate_key(&e), Some(&KeyPlace::Provenance), "{e:?}");
+    let e = e.to_string();
     assert!(
         e.contains("provenance: duplicate key \"cpu\" in host"),
         "{e}"
@@ -94,6 +113,17 @@ fn a_repeated_key_inside_a_provenance_value_is_refused_with_its_place() {
 fn a_missing_margins_offset_is_refused() {
     // layer.00.router.topk has no margins: the spec writes "margins_offset": null, never omits it.
     let e = open(&edited(",\"margins_offset\":null", "")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Malformed {
+                kind: Malformed::BadIndex { .. },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = e.to_string();
     assert!(e.contains("missing field `margins_offset`"), "{e}");
     // Present and null stays accepted (the control above reads the same file unedited).
 }

@@ -2,7 +2,7 @@
 //! written, with the recorded shape, in place in the map; every misuse is a typed refusal.
 use half::{bf16, f16};
 use serde_json::json;
-use tracegate_trace::{Attributes, DType, Element, Error, Trace, TraceWriter};
+use tracegate_trace::{Attributes, DType, Element, Error, Malformed, Resized, Trace, TraceWriter};
 
 const SHAPES: [&[u64]; 5] = [&[], &[0], &[3], &[2, 0, 4], &[1, 2, 1, 3, 2]];
 
@@ -190,7 +190,20 @@ fn a_bool_byte_other_than_zero_or_one_is_refused_before_it_is_a_rust_bool() {
     std::fs::write(&p, &bytes).unwrap();
     let t = Trace::open(&p).unwrap(); // opening does not read payloads
     let e = t.view::<bool>("bool.2").unwrap_err();
-    assert!(matches!(e, Error::Malformed { .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Error::Malformed {
+                kind: Malformed::BadBool {
+                    element: 1,
+                    value: 2,
+                    ..
+                },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert!(
         e.to_string()
             .ends_with("tensor \"bool.2\": bool element 1 is 2 (must be 0 or 1)"),
@@ -220,7 +233,16 @@ fn a_file_truncated_while_open_is_refused_not_a_sigbus() {
         t.view::<f32>("f32.4").unwrap_err(),
         t.slice::<i64>("i64.4").unwrap_err(),
     ] {
-        assert!(matches!(e, Error::Malformed { .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::Malformed {
+                    kind: Malformed::SizeChanged(Resized::InUse { was, now: 64 }),
+                    ..
+                } if was > 64
+            ),
+            "{e:?}"
+        );
         assert!(
             e.to_string()
                 .contains("truncated or rewritten while in use"),

@@ -1,8 +1,9 @@
-//! The JSON field readers (a null field is an absent one) and the rope resolution both families
-//! share (§7, §13).
+//! The JSON field readers (a null field is an absent one) and what several families share: the
+//! full-attention-only `layer_types`, the rope resolution (§7, §13).
 
 use serde_json::Value;
 
+use super::{LayerTypes, Rope};
 use crate::ops::RopeScaling;
 use crate::{err, Result};
 
@@ -71,6 +72,28 @@ pub(super) fn layer_type_list<T: Copy>(
         ));
     }
     Ok(Some(list))
+}
+
+/// `layer_types` of a family whose layers all use full attention (llama, qwen2, the Qwen3
+/// families): absent, or every entry `full_attention`.
+pub(super) fn full_attention_only(v: &Value, _num_hidden_layers: usize) -> Result<LayerTypes> {
+    if let Some(lt) = field(v, "layer_types") {
+        let ok = lt
+            .as_array()
+            .is_some_and(|l| l.iter().all(|t| t.as_str() == Some("full_attention")));
+        if !ok {
+            return Err(err!(Config:
+                "config.json: layer_types = {lt} not supported (only \"full_attention\")"
+            ));
+        }
+    }
+    Ok(LayerTypes::AllFull)
+}
+
+/// The default rope type only, rotating the whole head (qwen2, the Qwen3 families).
+pub(super) fn plain_rope(v: &Value, _layers: usize, head_dim: usize) -> Result<Rope> {
+    let (theta, partial, scaling) = rope_params(v, false, false)?;
+    Ok(Rope::whole(theta, partial, scaling, head_dim))
 }
 
 /// Rope theta, `partial_rotary_factor` and the refusals of §7/§13, following transformers'

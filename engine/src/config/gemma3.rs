@@ -5,9 +5,51 @@
 
 use serde_json::{Map, Value};
 
-use super::fields::{field, layer_type_list, opt_f64, opt_usize, positive_theta, req_usize};
+use super::fields::{
+    field, finite_rope, layer_type_list, opt_f64, opt_usize, positive_theta, req_usize,
+};
+use super::{dense, no_linear, Family, HeadDim, LayerTypes, Layout, ModelType, Rope};
 use crate::ops::RopeScaling;
 use crate::{err, Result};
+
+pub(super) const GEMMA3_TEXT: Family = Family {
+    kind: ModelType::Gemma3,
+    model_type: "gemma3_text",
+    layout: Layout::Text,
+    architecture: "Gemma3ForCausalLM",
+    // Required: Gemma3TextConfig's default (4) is no checkpoint's.
+    mha_by_default: false,
+    // Gemma3TextConfig declares head_dim = 256.
+    head_dim: HeadDim::Fixed(256),
+    // Gemma3TextConfig ties the head by default.
+    tie_word_embeddings: true,
+    reads_mlp_bias: false,
+    // §22.1: neither `hidden_act` nor `use_sliding_window` is read (the activation is
+    // `hidden_activation`, the windows `layer_types`): `gemma3_fields`.
+    silu_mlp: false,
+    odd_head_dim: false,
+    reads_intermediate_size: true,
+    // Softmax attention everywhere; `Gemma3::sliding` says which layers slide.
+    layer_types: |_, _| Ok(LayerTypes::AllFull),
+    moe: dense,
+    rope,
+    linear: no_linear,
+};
+
+/// The multimodal checkpoint keeps its language model under other names and a vision tower
+/// beside it: refused, pointing at the text-only layout.
+pub(super) const MULTIMODAL_REFUSAL: &str = "config.json: model_type \"gemma3\" (Gemma3ForConditionalGeneration) not supported by the bit-exact producers: they run its language model saved on its own, as a Gemma3ForCausalLM checkpoint with model_type \"gemma3_text\"";
+
+/// Gemma 3's fields; its full layers' rope is §13's `rope_theta` and `rope_scaling`, and they
+/// rotate the whole head.
+fn rope(v: &Value, layers: usize, head_dim: usize) -> Result<Rope> {
+    let (g, theta, scaling) = gemma3_fields(v, layers)?;
+    finite_rope(g.local_rope_theta, head_dim)?;
+    Ok(Rope {
+        gemma3: Some(g),
+        ..Rope::whole(theta, 1.0, scaling, head_dim)
+    })
+}
 
 /// Gemma3TextConfig's defaults (`default_theta`, `sliding_window_pattern`, `query_pre_attn_scalar`).
 const GLOBAL_THETA: f64 = 1_000_000.0;
@@ -52,10 +94,7 @@ impl Gemma3 {
 /// `rope_scaling`. Refused, naming the field: anything transformers would read differently
 /// from what is computed here (bidirectional attention, an activation other than
 /// gelu_pytorch_tanh, attention-score softcapping, a rope type other than default/linear).
-pub(super) fn gemma3_fields(
-    v: &Value,
-    num_hidden_layers: usize,
-) -> Result<(Gemma3, f64, RopeScaling)> {
+fn gemma3_fields(v: &Value, num_hidden_layers: usize) -> Result<(Gemma3, f64, RopeScaling)> {
     if let Some(act) = field(v, "hidden_activation") {
         if act.as_str() != Some("gelu_pytorch_tanh") {
             return Err(err!(Config:
