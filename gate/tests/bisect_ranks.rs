@@ -345,4 +345,15 @@ fn an_expert_on_none_or_on_two_ranks_is_named_at_its_layer_tensor_and_rank() {
         }
         assert!(!out.exists(), "{plants}: a refused merge writes nothing");
     }
+
+    // The adversary of the merge's scope: every expert tensor of layer 01 left out on every rank.
+    // The merge holds no rank to the routing of a layer with no expert tensor (a capture without
+    // them looks the same), so the ranks merge; the comparison with the one-process trace must
+    // then say each routed expert's tensor is missing, and the bisection must not pass.
+    let b = bisect_of(moe, &engine_ep2("--expert-layer-none 1"), internals);
+    assert_eq!(b.code, 1, "{}", b.stdout);
+    assert_ne!(b.report["verdict"], "rank_traces_refused", "{}", b.report);
+    let (code, said) = trace_diff(&b.work.path().join("reference.trace"), b.work.path(), &[]);
+    assert_eq!(code, 1, "{said}");
+    assert!(said.contains("missing_tensor  layer.01.expert."), "{said}");
 }

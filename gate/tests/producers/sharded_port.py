@@ -30,6 +30,8 @@ plants (its `layer` verb runs unsharded, as without):
                           engine's ExpertNone: computed on no rank)
   --expert-unheld RANK:E  the same, and E left out of RANK's held= lists (held by no rank)
   --expert-twice RANK:E   RANK also writes expert E's tensors (its holder's) and lists E as held
+  --expert-layer-none L   every rank leaves out every expert tensor of layer L (the merge holds
+                          no rank to a layer with no expert tensor: the comparison must say it)
 
 The `layer` verb is otherwise the base's, unchanged (unsharded). Not for real use.
 """
@@ -121,6 +123,11 @@ def engine_ranks(exe: str, split: str, argv: list, pattern: str, plants: dict) -
             return rc
         world = int(split.split("=")[1])
         traces = [tracegate.Trace(theirs.replace("{rank}", str(r))) for r in range(world)]
+        dropped = plants.pop("layer", None)
+        dropped = None if dropped is None else f"layer.{dropped:02}.expert."
+        if dropped is not None and not any(n.startswith(dropped) for t in traces for n in t.names):
+            print(f"sharded_port: no tensor {dropped}* to leave out", file=sys.stderr)
+            return 3
         for kind, (rank, e) in plants.items():
             if kind != "twice" and not any(expert_of(n) == e for n in traces[rank].names):
                 print(f"sharded_port: rank {rank} wrote no tensor of expert {e}", file=sys.stderr)
@@ -147,7 +154,7 @@ def engine_ranks(exe: str, split: str, argv: list, pattern: str, plants: dict) -
                     attrs = dict(t.attributes(name))
                     shard = attrs.pop("shard")
                     if expert_of(name) is not None:
-                        if expert_of(name) in left_out:
+                        if expert_of(name) in left_out or (dropped and name.startswith(dropped)):
                             continue
                         if rank == unheld[0]:
                             shard = with_held(shard, drop=[unheld[1]])
@@ -183,6 +190,7 @@ def main() -> int:
     skip_carry, partials, no_layer = None, False, False
     engine_split, expert_plants = None, {}
     experts = {"--expert-none": "none", "--expert-unheld": "unheld", "--expert-twice": "twice"}
+    experts["--expert-layer-none"] = "layer"
     flags = ("--exe", "--world", "--wrong-offset", "--perturb", "--skip", "--say-world")
     flags = (*flags, "--skip-carry", "--engine-shards", *experts)
     while argv and argv[0] in (*flags, "--partials", "--no-layer"):
@@ -208,6 +216,8 @@ def main() -> int:
             skip_carry = (int(rank), tensor)
         elif flag == "--engine-shards":
             engine_split = value
+        elif flag == "--expert-layer-none":
+            expert_plants["layer"] = int(value)
         elif flag in experts:
             rank, _, e = value.partition(":")
             expert_plants[experts[flag]] = (int(rank), int(e))
