@@ -240,6 +240,20 @@ fn a_sharded_port_passes_merged_and_each_rank_defect_fails_naming_the_rank() {
         "{r}"
     );
 
+    // A perturbed summand of a partial sum: no one rank holds the merged element, so neither the
+    // bisection nor the gate names a rank; the summary ends with the gate's words for it.
+    set_candidate(d, &sharded("--perturb 1:layer.02.attn_out"));
+    let (_, r, _, _) = run(d, 1);
+    let l = &r["prompts"][0]["localised"];
+    assert!(l["sharded"]["rank"].is_null(), "{l}");
+    assert!(l["sharded"]["at"]["rank"].is_null(), "{l}");
+    let summary = l["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("by the 2 rank traces the gate merged: layer 02, stage attn_out")
+            && summary.contains("a partial sum: the sum of ranks 0, 1 differs"),
+        "{summary}"
+    );
+
     // A defect of the layer itself (the base producer's planted k_norm of layer 01, in both its
     // verbs), sharded: the bisection isolates the wrong layer, names its stage and rank, and
     // writes its capsule, as for an unsharded port.
