@@ -720,11 +720,17 @@ fn run_one(root: &std::path::Path, up: &UserPaths, id: &str, a: &RunArgs) -> Res
     if let Some(p) = &a.html {
         let p = up.absolute(p);
         for rep in &reps {
-            // Several models: one page each, the model's directory name before the extension.
+            // Several models: one page each, the model's directory name before the extension,
+            // and a sharded run's split (m2: `tp2`, `ep2` of one model), so no page replaces another.
             let page = if reps.len() == 1 {
                 p.clone()
             } else {
-                html_path(&p, &tracegate_gate::milestone::run::dir_name(&rep.model))
+                let model = tracegate_gate::milestone::run::dir_name(&rep.model);
+                let split = rep
+                    .shards
+                    .as_ref()
+                    .map(|s| format!(".{}", s.replace('=', "")));
+                html_path(&p, &format!("{model}{}", split.unwrap_or_default()))
             };
             pages.push(Output::html(&page, render::render_html(rep)));
         }

@@ -27,6 +27,11 @@ struct Bisected {
 /// `gate bisect --ranks 2` of tiny-qwen3: the engine against the sharded example producer with
 /// `plants`, and `more` arguments.
 fn bisect(plants: &str, more: &[&str]) -> Bisected {
+    bisect_of("fixtures/tiny-qwen3", &sharded(plants), more)
+}
+
+/// `gate bisect --ranks 2` of `model`: the engine against the candidate command `cmd`.
+fn bisect_of(model: &str, cmd: &str, more: &[&str]) -> Bisected {
     let root = repo();
     let work = tempfile::tempdir_in(root.join("target")).unwrap();
     let work_rel = work
@@ -36,14 +41,13 @@ fn bisect(plants: &str, more: &[&str]) -> Bisected {
         .display()
         .to_string();
     let report = work.path().join("report.json");
-    let cmd = sharded(plants);
     let out = common::gate()
         .current_dir(&root)
         .args(["--root", root.to_str().unwrap(), "bisect"])
-        .args(["--model", "fixtures/tiny-qwen3", "--tokens", TOKENS])
+        .args(["--model", model, "--tokens", TOKENS])
         .args(["--work", &work_rel, "--report", report.to_str().unwrap()])
         .args(["--reference", "engine", "--candidate", "cmd"])
-        .args(["--candidate-cmd", &cmd, "--ranks", "2"])
+        .args(["--candidate-cmd", cmd, "--ranks", "2"])
         .args(more)
         .output()
         .unwrap();
@@ -68,13 +72,17 @@ fn bisect(plants: &str, more: &[&str]) -> Bisected {
 /// `trace-diff` of `reference` and the candidate's `{rank}` side in `work`: exit status and
 /// stdout + stderr.
 fn trace_diff(reference: &Path, work: &Path, more: &[&str]) -> (i32, String) {
-    let exe = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("trace-diff");
-    let out = std::process::Command::new(exe)
-        .arg(reference)
-        .arg(work.join("candidate.rank{rank}.trace"))
-        .args(more)
-        .output()
-        .unwrap();
+    let mut args = vec![reference.as_os_str().to_owned()];
+    args.push(work.join("candidate.rank{rank}.trace").into_os_string());
+    args.extend(more.iter().map(|m| m.into()));
+    tool("trace-diff", &args)
+}
+
+/// A tool beside the gate (`trace-diff`, `trace-merge`) run with `args`: exit status and stdout +
+/// stderr.
+fn tool(name: &str, args: &[std::ffi::OsString]) -> (i32, String) {
+    let exe = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name(name);
+    let out = std::process::Command::new(exe).args(args).output().unwrap();
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -232,4 +240,120 @@ fn partial_sums_in_another_order_differ_by_bits_and_are_within_the_f32_policy() 
     let (code, said) = trace_diff(&one_process, b.work.path(), &["--policy", "f32"]);
     assert_eq!(code, 0, "{said}");
     assert!(said.contains("WITHIN POLICY"), "{said}");
+}
+
+/// The engine's own expert-parallel run (`--shards ep=2`) behind tests/producers/sharded_port.py,
+/// its rank traces copied with `plants`.
+fn engine_ep2(plants: &str) -> String {
+    let engine = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("engine");
+    format!(
+        "'{}' '{}' --exe '{}' --engine-shards ep=2 {plants} {{verb}} {{args}}",
+        common::python().display(),
+        repo()
+            .join("gate/tests/producers/sharded_port.py")
+            .display(),
+        engine.display()
+    )
+}
+
+#[test]
+fn an_expert_on_none_or_on_two_ranks_is_named_at_its_layer_tensor_and_rank() {
+    // Expert tensors are captured under internals.
+    let internals: &[&str] = &["--capture", "internals"];
+    let moe = "fixtures/tiny-qwen3-moe";
+    // The control: the engine's honest ep=2 run, merged (experts united), nothing wrong.
+    let honest = bisect_of(moe, &engine_ep2(""), internals);
+    assert_eq!(honest.code, 0, "{}", honest.stdout);
+    let r = &honest.report;
+    assert_eq!(r["verdict"], "nothing_wrong", "{r}");
+    assert!(
+        r["sharded"]["run"]["counts"]["experts"].as_u64().unwrap() > 0,
+        "{r}"
+    );
+    // The layer the plant must be named at: the first whose router (the one-process engine's,
+    // not the merge's reading) sends rows to expert `e`.
+    let reference =
+        tracegate_trace::Trace::open(honest.work.path().join("reference.trace")).unwrap();
+    let first_routing = |e: i64| -> usize {
+        reference
+            .decisions()
+            .iter()
+            .filter(|d| d.name.ends_with(".router.topk"))
+            .find(|d| reference.decision_values(d).contains(&e))
+            .and_then(|d| tracegate_trace::names::Name::parse(&d.name).layer)
+            .unwrap_or_else(|| panic!("the prompt routes to expert {e} (precondition)"))
+    };
+    for (plants, e, rank, said) in [
+        // The engine's ExpertNone: computed on no rank, rank 0's held= list intact.
+        ("--expert-none 0:3", 3, 0, "is written by no rank"),
+        // Rank 1's held= list leaves expert 5 out: held by no rank.
+        (
+            "--expert-unheld 1:5",
+            5,
+            1,
+            "expert 5 of 8 is held by no rank",
+        ),
+        // The engine's ExpertTwice: rank 1 also computes rank 0's expert 3.
+        ("--expert-twice 1:3", 3, 1, "is on ranks 0, 1"),
+    ] {
+        let b = bisect_of(moe, &engine_ep2(plants), internals);
+        let r = &b.report;
+        assert_eq!(b.code, 1, "{plants}: {}", b.stdout);
+        assert_eq!(r["verdict"], "rank_traces_refused", "{plants}: {r}");
+        let layer = first_routing(e);
+        let tensor = format!("layer.{layer:02}.expert.{e:03}.out");
+        assert_eq!(
+            at(r),
+            (Value::Null, layer.into(), "out".into(), rank.into()),
+            "{plants}: {r}"
+        );
+        assert_eq!(r["sharded"]["at"]["tensor"], tensor.as_str(), "{plants}");
+        let summary = r["summary"].as_str().unwrap();
+        let words = format!("layer {layer:02}, stage out ({tensor}), rank {rank}");
+        assert!(
+            summary.contains(&words) && summary.contains(said),
+            "{plants}: {summary}"
+        );
+        // trace-diff of the {rank} side and trace-merge refuse with the same words: the layer,
+        // the tensor and the rank.
+        let layer_words = format!("layer {layer:02}");
+        let rank_words = format!("rank {rank}");
+        let (code, diff_said) =
+            trace_diff(&b.work.path().join("reference.trace"), b.work.path(), &[]);
+        let files = b.work.path().join("candidate.rank{rank}.trace");
+        let out = b.work.path().join("merged-by-hand.trace");
+        let (merge_code, merge_said) = tool(
+            "trace-merge",
+            &[
+                files.into_os_string(),
+                "--out".into(),
+                out.clone().into_os_string(),
+            ],
+        );
+        for (what, code, words) in [
+            ("trace-diff", code, &diff_said),
+            ("trace-merge", merge_code, &merge_said),
+        ] {
+            assert_eq!(code, 2, "{plants}: {what}: {words}");
+            assert!(
+                words.contains(&tensor)
+                    && words.contains(&layer_words)
+                    && words.contains(&rank_words)
+                    && words.contains(said),
+                "{plants}: {what}: {words}"
+            );
+        }
+        assert!(!out.exists(), "{plants}: a refused merge writes nothing");
+    }
+
+    // The adversary of the merge's scope: every expert tensor of layer 01 left out on every rank.
+    // The merge holds no rank to the routing of a layer with no expert tensor (a capture without
+    // them looks the same), so the ranks merge; the comparison with the one-process trace must
+    // then say each routed expert's tensor is missing, and the bisection must not pass.
+    let b = bisect_of(moe, &engine_ep2("--expert-layer-none 1"), internals);
+    assert_eq!(b.code, 1, "{}", b.stdout);
+    assert_ne!(b.report["verdict"], "rank_traces_refused", "{}", b.report);
+    let (code, said) = trace_diff(&b.work.path().join("reference.trace"), b.work.path(), &[]);
+    assert_eq!(code, 1, "{said}");
+    assert!(said.contains("missing_tensor  layer.01.expert."), "{said}");
 }

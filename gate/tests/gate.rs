@@ -173,7 +173,7 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
     // The negative control of the validation in `finished`: it is not accept-all, and it follows
     // the reference into the diff report's schema.
     assert!(!report_validator().is_valid(&serde_json::json!({})));
-    assert!(!report_validator().is_valid(&serde_json::json!({"schema": "tracegate-gate-report/2"})));
+    assert!(!report_validator().is_valid(&serde_json::json!({"schema": "tracegate-gate-report/3"})));
     let v = &report_validator();
     let bad_violation = serde_json::json!({"tensor": "x", "dtype": "f32", "candidate_dtype": "f32", "ulp_dtype": "f32", "shape": [1],
         "rule": null, "violations": [{"bound": "max_l2", "limit": 1, "value": 2}], "worst_element": null});
@@ -184,7 +184,7 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
                    "worst_rel_l2": null, "worst_rel_l2_tensor": null, "near_ties": [], "rows_after_near_tie": 0, "first_violation": fv}})
     };
     let report = |fv: Value| {
-        serde_json::json!({"schema": "tracegate-gate-report/2", "milestone": "m0", "claim": "", "model": "", "family": "",
+        serde_json::json!({"schema": "tracegate-gate-report/3", "milestone": "m0", "claim": "", "model": "", "family": "",
         "prompt_file": "", "prompt_sha256": "0".repeat(64), "generate": 1, "threads": 1, "timeout_s": 1, "policy": "", "gate_invocation": [],
         "stack": {}, "prompts": [prompt(fv)], "baselines": [], "baselines_not_selected": [], "totals": {},
         "wall_s": {"setup": 0.0, "producers": 0.0, "judge": 0.0, "total": 0.0}, "verdict": "FAIL"})

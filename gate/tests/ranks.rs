@@ -3,7 +3,8 @@
 //! the one-process golden traces, the merge described in the report. Negative controls, each a
 //! FAIL naming the rank: a slice at the wrong offset, a replicated tensor that differs on one
 //! rank, a rank's file missing, an extra rank file, a world size other than `--ranks`, a
-//! perturbed shard of q (localised to layer 02, stage q, rank 1); an unsharded candidate given
+//! perturbed shard of q (localised by `gate bisect --ranks 2` to layer 02, stage q, rank 1); a
+//! defect of a layer in both verbs (isolated, its capsule written); an unsharded candidate given
 //! `--ranks 2` is refused by init and FAILs a run.
 
 use crate::common;
@@ -183,28 +184,107 @@ fn a_sharded_port_passes_merged_and_each_rank_defect_fails_naming_the_rank() {
         "{r}"
     );
 
-    // A rank's shard of q at layer 2 perturbed: merged, it fails agrees, localised to layer 02,
-    // stage q and rank 1, first in the text.
+    // A rank's shard of q at layer 2 perturbed: merged, it fails agrees, localised by `gate
+    // bisect --ranks 2` to layer 02, stage q and rank 1, first in the text. The candidate's layer
+    // verb (unsharded) computes layer 02 right, so the bisection blames no layer body: the defect
+    // is the sharded run's alone (inconsistent_producer), and no capsule is written.
     set_candidate(d, &sharded("--perturb 1:layer.02.q"));
     let (text, r, junit, _) = run(d, 1);
     assert_eq!(check(&r, "agrees")["status"], "FAIL");
     let l = &r["prompts"][0]["localised"];
-    assert_eq!(l["first_wrong_layer"], 2, "{l}");
-    assert_eq!(l["stage"]["tensor"], "layer.02.q", "{l}");
+    assert_eq!(l["verdict"], "inconsistent_producer", "{l}");
     assert_eq!(l["sharded"]["rank"], 1, "{l}");
+    let at = &l["sharded"]["at"];
+    assert_eq!(
+        (&at["layer"], &at["point"], &at["rank"]),
+        (&2.into(), &"q".into(), &1.into()),
+        "{l}"
+    );
+    assert!(
+        l["sharded"]["layer_verb"]
+            .as_str()
+            .unwrap()
+            .starts_with("unsharded"),
+        "{l}"
+    );
     let summary = l["summary"].as_str().unwrap();
     assert!(
-        summary.contains("layer 02, stage q") && summary.contains("is in rank 1's shard"),
+        summary.contains("layer 02, stage q (layer.02.q), rank 1")
+            && summary.contains("is in rank 1's shard"),
         "{summary}"
     );
-    assert!(summary.contains("isolation NOT CHECKED"), "{summary}");
+    assert!(!summary.contains("NOT CHECKED"), "{summary}");
+    assert_eq!(l["capsule"]["written"], false, "{l}");
+    let bisect_report: Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join(l["report"].as_str().unwrap())).unwrap(),
+    )
+    .unwrap();
+    common::assert_valid_bisect_report(&bisect_report);
+    assert_eq!(
+        bisect_report["sharded"]["run"]["world"], 2,
+        "{bisect_report}"
+    );
     let first = text.lines().nth(3).unwrap_or_default();
-    assert!(first.contains("is in rank 1's shard"), "{text}");
+    assert!(
+        first.contains("gate bisect --ranks 2") && first.contains("is in rank 1's shard"),
+        "{text}"
+    );
     assert!(junit.contains("is in rank 1&apos;s shard"), "{junit}");
     // Control of the attribution: the same perturbation on rank 0 names rank 0.
     set_candidate(d, &sharded("--perturb 0:layer.02.q"));
     let (_, r, _, _) = run(d, 1);
-    assert_eq!(r["prompts"][0]["localised"]["sharded"]["rank"], 0, "{r}");
+    let l = &r["prompts"][0]["localised"];
+    assert_eq!(
+        (&l["sharded"]["rank"], &l["sharded"]["at"]["rank"]),
+        (&0.into(), &0.into()),
+        "{r}"
+    );
+
+    // A perturbed summand of a partial sum: no one rank holds the merged element, so neither the
+    // bisection nor the gate names a rank; the summary ends with the gate's words for it.
+    set_candidate(d, &sharded("--perturb 1:layer.02.attn_out"));
+    let (_, r, _, _) = run(d, 1);
+    let l = &r["prompts"][0]["localised"];
+    assert!(l["sharded"]["rank"].is_null(), "{l}");
+    assert!(l["sharded"]["at"]["rank"].is_null(), "{l}");
+    let summary = l["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("by the 2 rank traces the gate merged: layer 02, stage attn_out")
+            && summary.contains("a partial sum: the sum of ranks 0, 1 differs"),
+        "{summary}"
+    );
+
+    // A defect of the layer itself (the base producer's planted k_norm of layer 01, in both its
+    // verbs), sharded: the bisection isolates the wrong layer, names its stage and rank, and
+    // writes its capsule, as for an unsharded port.
+    set_candidate(d, &format!("{} --plant k-norm:1", sharded("")));
+    let (text, r, _, html) = run(d, 1);
+    let l = &r["prompts"][0]["localised"];
+    assert_eq!(l["first_wrong_layer"], 1, "{l}");
+    assert!(
+        l["stage"]["tensor"]
+            .as_str()
+            .unwrap()
+            .starts_with("layer.01."),
+        "{l}"
+    );
+    assert_eq!(l["capsule"]["written"], true, "{l}");
+    assert!(
+        d.join(l["capsule"]["path"].as_str().unwrap()).is_dir(),
+        "{l}"
+    );
+    assert_eq!(l["sharded"]["at"]["layer"], 1, "{l}");
+    assert!(
+        l["sharded"]["at"]["rank"].is_u64(),
+        "a sliced point names its rank: {l}"
+    );
+    let summary = l["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("sharded over 2 ranks (merged): first divergence at layer 01"),
+        "{summary}"
+    );
+    assert!(text.contains("capsule target/gate/port"), "{text}");
+    assert!(html.contains("gate bisect --ranks 2"), "{html}");
 
     // Refusals of the rank traces, each naming the rank.
     for (plants, rank, said) in [

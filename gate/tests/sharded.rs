@@ -2,7 +2,8 @@
 //! tp=2) and one prompt (`short`) per run, to keep the oracle's torchrun to one launch: the
 //! milestone passes with the real producers, and fails for a contract whose rank 1 skips the
 //! carry in decode (merged_contract) and for one that computes everything on every rank and
-//! writes it whole, which merges to the right digest (rank_shards).
+//! writes it whole, which merges to the right digest (rank_shards). Its HTML (tiny-qwen3-moe's two
+//! splits, no oracle): one page per split, the split on every row.
 
 use std::path::Path;
 
@@ -186,4 +187,62 @@ fn a_producer_without_a_sharded_mode_is_not_checked_never_passed() {
     // rank_shards says the contract's part was not checked (it fails on the oracle's failure).
     let d = check(&r, "rank_shards")["detail"].as_str().unwrap();
     assert!(d.contains("contract: NOT CHECKED"), "{d}");
+}
+
+#[test]
+fn each_split_of_a_model_has_its_own_html_page_showing_the_split_on_every_row() {
+    // tiny-qwen3-moe runs under two splits (tp=2, ep=2): two reports of one model. The oracle
+    // cannot run (its checks fail, exit 1); the pages are written all the same.
+    let dir = tempfile::tempdir().unwrap();
+    let root = repo().canonicalize().unwrap();
+    let html = dir.path().join("r.html");
+    let out = common::gate()
+        .current_dir(&root)
+        .args([
+            "m2",
+            "--model",
+            "fixtures/tiny-qwen3-moe",
+            "--only",
+            "short",
+        ])
+        .args(["--oracle-cmd", NO_ORACLE])
+        .arg("--work")
+        .arg(dir.path().join("work"))
+        .arg("--html")
+        .arg(&html)
+        .env("TRACEGATE_PYTHON", python())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    // One page per split: neither replaces the other.
+    assert!(!dir.path().join("r.tiny-qwen3-moe.html").exists());
+    let shown = |split: &str| {
+        format!("<code class=\"text\" data-json=\"/shards\" data-v=\"&quot;{split}&quot;\">{split}</code>")
+    };
+    for (split, other) in [("tp=2", "ep=2"), ("ep=2", "tp=2")] {
+        let file = dir
+            .path()
+            .join(format!("r.tiny-qwen3-moe.{}.html", split.replace('=', "")));
+        let page = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{}: {e}\n{said}", file.display()));
+        assert!(
+            page.contains(&format!(
+                "sharded <span id=\"split\">{}</span>",
+                shown(split)
+            )),
+            "{split}: {page}"
+        );
+        let row = page
+            .split("<tr data-prompt=\"short\">")
+            .nth(1)
+            .and_then(|r| r.split("</tr>").next())
+            .unwrap_or_else(|| panic!("{split}: no row for short: {page}"));
+        assert!(
+            row.contains(&format!("<td class=\"split\">{}</td>", shown(split))),
+            "{split}: {row}"
+        );
+        // Control: the other split's page is not this one.
+        assert!(!page.contains(&shown(other)), "{split}: {page}");
+    }
 }

@@ -484,6 +484,208 @@ fn merge_common(ranks: &[Rank], world: u64, name: &str) -> Result<(Out, &'static
     }
 }
 
+/// `E` of an `experts;held=…;of=E` kind (0 for another kind).
+fn of_experts(kind: &ShardKind) -> u64 {
+    match kind {
+        ShardKind::Experts { of, .. } => *of,
+        _ => 0,
+    }
+}
+
+/// "layer 01" of a name (with its decode step or diffusion prefix when it has one), or "no layer".
+fn layer_words(name: &str) -> String {
+    let n = crate::names::Name::parse(name);
+    let prefix = crate::names::Name {
+        layer: None,
+        expert: None,
+        point: "",
+        ..n
+    }
+    .to_string();
+    match n.layer {
+        Some(l) if prefix.is_empty() => format!("layer {l:02}"),
+        Some(l) => format!("layer {l:02} of {}", prefix.trim_end_matches('.')),
+        None => "no layer".into(),
+    }
+}
+
+/// The rank whose block of `n` experts holds expert `e` under docs/numerics.md §23.1's contiguous
+/// split over `world` ranks, and that block. A port may split otherwise: callers say "under the
+/// contiguous split" beside it.
+fn split_holder(e: u64, n: u64, world: u64) -> (u64, std::ops::Range<u64>) {
+    let block = |r: u64| n * r / world..n * (r + 1) / world;
+    let r = (0..world).find(|&r| block(r).contains(&e)).unwrap_or(0);
+    (r, block(r))
+}
+
+/// For an expert on the ranks `on`: which of them the contiguous split does not give it ("rank 1's
+/// is the extra one" — the rank named first, so the gate attributes the refusal to it).
+fn extra_holder(e: u64, n: u64, world: u64, on: &[u64]) -> String {
+    let (h, b) = split_holder(e, n, world);
+    let extra: Vec<String> = on
+        .iter()
+        .filter(|&&r| r != h)
+        .map(|r| format!("rank {r}'s"))
+        .collect();
+    if on.contains(&h) {
+        format!(
+            ", {} the extra one (under the contiguous split expert {e} is rank {h}'s: experts {}..{})",
+            extra.join(" and "),
+            b.start,
+            b.end - 1
+        )
+    } else {
+        format!(
+            "; under the contiguous split expert {e} is in rank {h}'s block (experts {}..{}), none of these",
+            b.start,
+            b.end - 1
+        )
+    }
+}
+
+/// The router decisions (rank 0's, in trace order; the merge later requires them identical on
+/// every rank) with the experts each routes rows to, ascending.
+fn routing(first: &Trace) -> Vec<(String, std::collections::BTreeSet<u64>)> {
+    first
+        .decisions()
+        .iter()
+        .filter(|d| crate::names::Name::parse(&d.name).point == "router.topk")
+        .map(|d| {
+            let chosen = first
+                .decision_values(d)
+                .into_iter()
+                .filter_map(|v| u64::try_from(v).ok())
+                .collect();
+            (d.name.clone(), chosen)
+        })
+        .collect()
+}
+
+/// The tensor expert `e`'s output would be recorded as, beside the router decision `decision`
+/// (`layer.01.router.topk` → `layer.01.expert.005.out`; docs/capture-points.md).
+fn expert_tensor(decision: &str, e: u64) -> String {
+    let prefix = decision.strip_suffix("router.topk").unwrap_or(decision);
+    format!("{prefix}expert.{e:03}.out")
+}
+
+/// A rank's held= list in words ("4,6,7"), or that it has none (it wrote no expert tensor).
+fn held_words(held_by: &BTreeMap<u64, (usize, Vec<u64>)>, rank: u64) -> String {
+    match held_by.get(&rank) {
+        Some((_, h)) => format!(
+            "its held= list: {}",
+            h.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+        ),
+        None => "it wrote no expert tensor, so no held= list".into(),
+    }
+}
+
+/// The experts' claims against each other and against the routing (docs/trace-format.md,
+/// "Merging rank traces"): an expert in two ranks' held= lists; an expert of `n` in none (once
+/// every rank's list is known); a routed expert whose tensor no rank wrote, in a layer whose
+/// expert tensors are recorded (a rank that skipped it). Each refusal names the layer (the first
+/// whose router sends rows to the expert), the tensor that would hold it, and the rank the
+/// contiguous split gives it — said as the split's, not as the port's.
+fn check_experts(
+    ranks: &[Rank],
+    world: u64,
+    n: u64,
+    held_by: &BTreeMap<u64, (usize, Vec<u64>)>,
+    holders: &HashMap<&str, Vec<usize>>,
+) -> Result<(), String> {
+    let routed = routing(&ranks[0].trace);
+    let written = |t: &str| holders.contains_key(t);
+    // The first layer routing rows to `e`, in words, with the tensor it names.
+    let where_routed = |e: u64| -> String {
+        match routed.iter().find(|(_, chosen)| chosen.contains(&e)) {
+            Some((d, _)) => {
+                let t = expert_tensor(d, e);
+                let wrote = match holders.get(t.as_str()) {
+                    Some(on) => format!(
+                        "rank {} wrote",
+                        on.iter().map(|&j| ranks[j].rank.to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                    None => "no rank wrote".into(),
+                };
+                format!(
+                    "{} routes rows to it (decision {d:?}) and {wrote} tensor {t:?}",
+                    layer_words(d)
+                )
+            }
+            None => format!(
+                "no layer routes rows to it ({} router decisions), so no value is wrong: the held= lists themselves are malformed",
+                routed.len()
+            ),
+        }
+    };
+    let mut owner: BTreeMap<u64, u64> = BTreeMap::new();
+    for (rank, (_, held)) in held_by {
+        for e in held {
+            if let Some(o) = owner.insert(*e, *rank) {
+                let who = ranks[held_by[rank].0].who();
+                return Err(format!(
+                    "{who} holds expert {e}, which rank {o} holds too: an expert on two ranks{}; {}",
+                    extra_holder(*e, n, world, &[o, *rank]),
+                    where_routed(*e)
+                ));
+            }
+        }
+    }
+    let split = |e: u64| {
+        let (h, b) = split_holder(e, n, world);
+        format!(
+            "under the contiguous split rank {h} holds experts {}..{} ({})",
+            b.start,
+            b.end - 1,
+            held_words(held_by, h)
+        )
+    };
+    if held_by.len() as u64 == world {
+        if let Some(e) = (0..n).find(|e| !owner.contains_key(e)) {
+            return Err(format!(
+                "expert {e} of {n} is held by no rank: {}; {}",
+                where_routed(e).replacen(" and no rank wrote", " but no rank wrote", 1),
+                split(e)
+            ));
+        }
+    }
+    // Expert tensors are recorded (internals) where a layer has one on some rank: every expert
+    // that layer routes rows to then has its tensor on its holder.
+    for (d, chosen) in &routed {
+        let prefix = expert_tensor(d, 0);
+        let prefix = prefix.trim_end_matches("000.out");
+        if !holders.keys().any(|t| t.starts_with(prefix)) {
+            continue;
+        }
+        if let Some(e) = chosen
+            .iter()
+            .copied()
+            .find(|&e| !written(&expert_tensor(d, e)))
+        {
+            let t = expert_tensor(d, e);
+            let (h, b) = split_holder(e, n, world);
+            let holder = match owner.get(&e) {
+                Some(&r) if r == h => format!(
+                    "rank {r} holds it ({}), as the contiguous split has it (experts {}..{})",
+                    held_words(held_by, r),
+                    b.start,
+                    b.end - 1
+                ),
+                Some(&r) => format!(
+                    "rank {r} holds it ({}); {}",
+                    held_words(held_by, r),
+                    split(e)
+                ),
+                None => split(e),
+            };
+            return Err(format!(
+                "tensor {t:?} is written by no rank, though {} routes rows to expert {e} (decision {d:?}) and the layer's other expert tensors are recorded: an expert computed on no rank; {holder}",
+                layer_words(d),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Builds the logical trace of the rank traces `paths` at `out`.
 pub fn merge(paths: &[PathBuf], out: &Path) -> Result<Merged, String> {
     let (ranks, world) = open_ranks(paths)?;
@@ -508,11 +710,17 @@ pub fn merge(paths: &[PathBuf], out: &Path) -> Result<Merged, String> {
                 .map_err(|e| format!("{}: tensor {:?}: {e}", r.who(), t.name))?;
             let on = &holders[t.name.as_str()];
             if on.len() > 1 {
-                let list: Vec<String> = on.iter().map(|&j| ranks[j].rank.to_string()).collect();
+                let list: Vec<u64> = on.iter().map(|&j| ranks[j].rank).collect();
+                let (e, n) = (
+                    crate::names::Name::parse(&t.name).expert.unwrap_or(0) as u64,
+                    of_experts(&s.kind),
+                );
                 return Err(format!(
-                    "tensor {:?} (an expert's) is on ranks {}: an expert computed on more than one rank",
+                    "tensor {:?} (expert {e} of {}) is on ranks {}: an expert computed on more than one rank{}",
                     t.name,
-                    list.join(", ")
+                    layer_words(&t.name),
+                    list.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+                    extra_holder(e, n, world, &list)
                 ));
             }
             match of {
@@ -541,25 +749,8 @@ pub fn merge(paths: &[PathBuf], out: &Path) -> Result<Merged, String> {
             }
         }
     }
-    let mut owner: BTreeMap<u64, u64> = BTreeMap::new();
-    for (rank, (_, held)) in &held_by {
-        for e in held {
-            if let Some(o) = owner.insert(*e, *rank) {
-                return Err(format!(
-                    "{} holds expert {e}, which rank {o} holds too: an expert on two ranks",
-                    ranks[held_by[rank].0].who()
-                ));
-            }
-        }
-    }
     if let Some((n, _)) = of {
-        if held_by.len() as u64 == world {
-            if let Some(e) = (0..n).find(|e| !owner.contains_key(e)) {
-                return Err(format!(
-                    "expert {e} of {n} is held by no rank (each rank's held= list)"
-                ));
-            }
-        }
+        check_experts(&ranks, world, n, &held_by, &holders)?;
     }
 
     // Every other tensor and every decision is on every rank.

@@ -539,18 +539,44 @@ fn experts_are_united_and_one_on_two_ranks_or_none_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("m.trace");
     let e = |l: usize, x: usize| format!("layer.{l:02}.expert.{x:03}.out");
+    // Rank `rank` holding `held` of 4 experts, writing layer 00's tensors of `experts`; layer 00's
+    // router sends its 2 rows to `routed[0]` (2 experts each), layer 01's to `routed[1]`, whose
+    // tensors are not recorded (no expert tensor of layer 01 on any rank: the routing holds no
+    // rank to writing one).
+    let write_routed =
+        |file: &str, rank: u64, held: &str, experts: &[usize], routed: [[i64; 4]; 2]| {
+            let path = dir.path().join(file);
+            let mut w = TraceWriter::create(&path, provenance()).unwrap();
+            let shard = |kind: &str| {
+                let mut a = Attributes::default();
+                a.extra
+                    .insert("shard".into(), format!("rank={rank}/2;{kind}"));
+                a
+            };
+            let mut t = |name: &str, v: &[f32], a: &Attributes| {
+                w.tensor(name, DType::F32, &[1, v.len() as u64], &f32_bytes(v), a)
+                    .unwrap()
+            };
+            t("layer.00.router.logits", &[0.0; 4], &shard("replicated"));
+            for &x in experts {
+                let held = shard(&format!("experts;held={held};of=4"));
+                t(&e(0, x), &[x as f32, 1.0], &held);
+            }
+            t("layer.00.mlp_out", &[1.0, 1.0], &shard("partial"));
+            for (l, r) in routed.iter().enumerate() {
+                w.decision(
+                    &format!("layer.{l:02}.router.topk"),
+                    &[2, 2],
+                    r,
+                    Some(&[0.1, 0.1]),
+                )
+                .unwrap();
+            }
+            w.finish().unwrap();
+            path
+        };
     let write = |file: &str, rank: u64, held: &str, experts: &[usize]| {
-        let names: Vec<String> = experts.iter().map(|&x| e(0, x)).collect();
-        let s_exp = format!("rank={rank}/2;experts;held={held};of=4");
-        let s_rep = format!("rank={rank}/2;replicated");
-        let s_part = format!("rank={rank}/2;partial");
-        let mut ts: Vec<T> = vec![("layer.00.router.logits", &[1, 4], &[0.0; 4], Some(&s_rep))];
-        let vals: Vec<[f32; 2]> = experts.iter().map(|&x| [x as f32, 1.0]).collect();
-        for (n, v) in names.iter().zip(&vals) {
-            ts.push((n, &[1, 2], v, Some(&s_exp)));
-        }
-        ts.push(("layer.00.mlp_out", &[1, 2], &[1.0, 1.0], Some(&s_part)));
-        rank_trace(dir.path(), file, provenance(), &ts)
+        write_routed(file, rank, held, experts, [[1, 2, 3, 2], [0, 1, 2, 3]])
     };
     let r0 = write("r0.trace", 0, "0,1", &[1]);
     let r1 = write("r1.trace", 1, "2,3", &[2, 3]);
@@ -571,27 +597,62 @@ fn experts_are_united_and_one_on_two_ranks_or_none_is_refused() {
     assert_eq!(t.f32_slice("layer.00.mlp_out").unwrap(), &[2.0, 2.0]);
     std::fs::remove_file(&out).unwrap();
 
-    // Expert 2 computed on both ranks.
+    // Expert 2 computed on both ranks: the tensor, its layer, the ranks, and rank 0's the extra
+    // one under the contiguous split (experts 2..3 are rank 1's).
     let twice = write("r0.trace", 0, "0,1,2", &[1, 2]);
     refused(
         &merge_cli(&[&twice, &r1], &out),
         &out,
-        &["layer.00.expert.002.out", "ranks 0, 1"],
+        &[
+            "tensor \"layer.00.expert.002.out\" (expert 2 of layer 00) is on ranks 0, 1",
+            "rank 0's the extra one (under the contiguous split expert 2 is rank 1's: experts 2..3)",
+        ],
     );
-    // Expert 1 held by both, though computed on one.
+    // Expert 2 held by both, though computed on one: the layer that routes to it and who wrote it.
     let both = write("r0.trace", 0, "0,1,2", &[1]);
     refused(
         &merge_cli(&[&both, &r1], &out),
         &out,
-        &["rank 1", "expert 2", "rank 0 holds too"],
+        &[
+            "rank 1",
+            "expert 2",
+            "rank 0 holds too",
+            "rank 0's the extra one",
+            "layer 00 routes rows to it (decision \"layer.00.router.topk\") and rank 1 wrote tensor \"layer.00.expert.002.out\"",
+        ],
     );
-    // Expert 1 held by none.
+    // Expert 1 held by none, routed in layer 00: the layer, the tensor no rank wrote, and the rank
+    // the contiguous split gives it, with its own held= list.
     let none = write("r0.trace", 0, "0", &[0]);
     refused(
         &merge_cli(&[&none, &r1], &out),
         &out,
-        &["expert 1 of 4 is held by no rank"],
+        &["expert 1 of 4 is held by no rank: layer 00 routes rows to it (decision \"layer.00.router.topk\") but no rank wrote tensor \"layer.00.expert.001.out\"; under the contiguous split rank 0 holds experts 0..1 (its held= list: 0)"],
     );
+    // Held by none and routed nowhere: no value is wrong, but the claim is malformed, said so.
+    let unrouted = [[0, 2, 3, 2], [0, 2, 3, 0]];
+    let r1 = write_routed("r1.trace", 1, "2,3", &[2, 3], unrouted);
+    let none = write_routed("r0.trace", 0, "0", &[0], unrouted);
+    refused(
+        &merge_cli(&[&none, &r1], &out),
+        &out,
+        &["expert 1 of 4 is held by no rank: no layer routes rows to it (2 router decisions), so no value is wrong: the held= lists themselves are malformed; under the contiguous split rank 0 holds experts 0..1 (its held= list: 0)"],
+    );
+
+    // Held lists intact, but rank 0 skipped expert 1, which layer 00 routes rows to: named at its
+    // layer, its tensor and its holder.
+    let routed = [[0, 1, 3, 2], [0, 1, 2, 3]];
+    let r1 = write_routed("r1.trace", 1, "2,3", &[2, 3], routed);
+    let skipped = write_routed("r0.trace", 0, "0,1", &[0], routed);
+    refused(
+        &merge_cli(&[&skipped, &r1], &out),
+        &out,
+        &["tensor \"layer.00.expert.001.out\" is written by no rank, though layer 00 routes rows to expert 1 (decision \"layer.00.router.topk\")", "an expert computed on no rank; rank 0 holds it (its held= list: 0,1), as the contiguous split has it (experts 0..1)"],
+    );
+    // Its control: the same ranks with expert 1 written merge.
+    let honest = write_routed("r0.trace", 0, "0,1", &[0, 1], routed);
+    let run = merge_cli(&[&honest, &r1], &out);
+    assert_eq!(run.code, 0, "{}", run.stderr);
 }
 
 // ---- the round trip through a real engine trace ------------------------------------------

@@ -196,11 +196,21 @@ pub fn render_html(r: &MilestoneReport) -> String {
             );
         }
     }
+    // A sharded milestone's report is one split of the model (m2: tp=2, ep=2): said beside the
+    // model and on every row of the table.
+    let split = r
+        .shards
+        .as_deref()
+        .map(|s| val("code", "text", "/shards", s, s));
     let _ = write!(
         h,
-        "<p>model <code>{}</code> ({}), prompts <code>{}</code>, generate {}, threads {}, timeout {} s, policy <code>{}</code>.</p>",
+        "<p>model <code>{}</code> ({}){}, prompts <code>{}</code>, generate {}, threads {}, timeout {} s, policy <code>{}</code>.</p>",
         esc(&r.model),
         esc(&r.family),
+        split
+            .as_ref()
+            .map(|s| format!(", sharded <span id=\"split\">{s}</span>"))
+            .unwrap_or_default(),
         esc(&r.prompt_file),
         val("span", "num", "/generate", &r.generate, &r.generate.to_string()),
         val("span", "num", "/threads", &r.threads, &r.threads.to_string()),
@@ -229,7 +239,11 @@ pub fn render_html(r: &MilestoneReport) -> String {
             }
         }
     }
-    h.push_str("<h2>Checks</h2><table id=\"milestone-table\"><tr><th>prompt</th><th>tokens</th>");
+    h.push_str("<h2>Checks</h2><table id=\"milestone-table\"><tr><th>prompt</th>");
+    if split.is_some() {
+        h.push_str("<th>split</th>");
+    }
+    h.push_str("<th>tokens</th>");
     for c in &checks {
         let _ = write!(h, "<th>{}</th>", esc(&c.to_string()));
     }
@@ -238,9 +252,13 @@ pub fn render_html(r: &MilestoneReport) -> String {
     for (pi, p) in r.prompts.iter().enumerate() {
         let _ = write!(
             h,
-            "<tr data-prompt=\"{}\"><th>{}</th>{}",
+            "<tr data-prompt=\"{}\"><th>{}</th>{}{}",
             esc(&p.id),
             esc(&p.id),
+            split
+                .as_ref()
+                .map(|s| format!("<td class=\"split\">{s}</td>"))
+                .unwrap_or_default(),
             num_td(
                 &format!("/prompts/{pi}/tokens"),
                 &p.tokens,

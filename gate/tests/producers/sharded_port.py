@@ -23,6 +23,16 @@ defect a sharded port could have, for the gate to name):
 
   --no-layer              the `layer` verb is not answered (exit 2): a port that only shards
 
+With `--engine-shards SPLIT` (tp=N|ep=N) the base is the engine itself, run with `--shards SPLIT`
+(its own honest rank traces, docs/numerics.md §23), each rank's trace then copied with these
+plants (its `layer` verb runs unsharded, as without):
+  --expert-none RANK:E    RANK leaves expert E's tensors out, its held= lists intact (the
+                          engine's ExpertNone: computed on no rank)
+  --expert-unheld RANK:E  the same, and E left out of RANK's held= lists (held by no rank)
+  --expert-twice RANK:E   RANK also writes expert E's tensors (its holder's) and lists E as held
+  --expert-layer-none L   every rank leaves out every expert tensor of layer L (the merge holds
+                          no rank to a layer with no expert tensor: the comparison must say it)
+
 The `layer` verb is otherwise the base's, unchanged (unsharded). Not for real use.
 """
 
@@ -81,12 +91,109 @@ def summand(x, rank: int, world: int):
     return rest
 
 
+def expert_of(name: str):
+    """E of `...layer.NN.expert.EEE.out`, else None."""
+    parts = name.split(".")
+    if "expert" in parts and parts[-1] == "out":
+        return int(parts[parts.index("expert") + 1])
+    return None
+
+
+def with_held(shard: str, drop=(), add=()) -> str:
+    """`shard` (`rank=R/W;experts;held=…;of=E`) with `drop` left out of its held= list and `add`
+    put in."""
+    fields = shard.split(";")
+    for i, f in enumerate(fields):
+        if f.startswith("held="):
+            held = [int(x) for x in f[len("held=") :].split(",") if x]
+            held = (set(held) - set(drop)) | set(add)
+            fields[i] = "held=" + ",".join(str(x) for x in sorted(held))
+    return ";".join(fields)
+
+
+def engine_ranks(exe: str, split: str, argv: list, pattern: str, plants: dict) -> int:
+    """The engine's own sharded run (`--shards split`), each rank's trace copied to `pattern`
+    with the expert plants: {"none"|"unheld"|"twice": (rank, expert)}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        theirs = os.path.join(tmp, "r{rank}.trace")
+        argv = list(argv)
+        argv[argv.index("--out") + 1] = theirs
+        rc = subprocess.call([exe, *argv, "--shards", split], stdout=subprocess.DEVNULL)
+        if rc:
+            return rc
+        world = int(split.split("=")[1])
+        traces = [tracegate.Trace(theirs.replace("{rank}", str(r))) for r in range(world)]
+        dropped = plants.pop("layer", None)
+        dropped = None if dropped is None else f"layer.{dropped:02}.expert."
+        if dropped is not None and not any(n.startswith(dropped) for t in traces for n in t.names):
+            print(f"sharded_port: no tensor {dropped}* to leave out", file=sys.stderr)
+            return 3
+        for kind, (rank, e) in plants.items():
+            if kind != "twice" and not any(expert_of(n) == e for n in traces[rank].names):
+                print(f"sharded_port: rank {rank} wrote no tensor of expert {e}", file=sys.stderr)
+                return 3
+        twice = plants.get("twice")
+        # The doubled expert's tensors by layer prefix, from the rank that holds them.
+        doubled = {}
+        if twice is not None:
+            for t in traces:
+                for n in t.names:
+                    if expert_of(n) == twice[1]:
+                        doubled[n.split("expert.")[0]] = (t, n)
+            if not doubled or any(expert_of(n) == twice[1] for n in traces[twice[0]].names):
+                print(
+                    f"sharded_port: no rank but {twice[0]} wrote expert {twice[1]}", file=sys.stderr
+                )
+                return 3
+        for rank, t in enumerate(traces):
+            left_out = {plants[k][1] for k in ("none", "unheld") if plants.get(k, (-1,))[0] == rank}
+            unheld = plants.get("unheld", (-1, -1))
+            added = twice[1] if twice is not None and twice[0] == rank else None
+            with tracegate.TraceWriter(pattern.replace("{rank}", str(rank)), t.provenance) as w:
+                for name in t.names:
+                    attrs = dict(t.attributes(name))
+                    shard = attrs.pop("shard")
+                    if expert_of(name) is not None:
+                        if expert_of(name) in left_out or (dropped and name.startswith(dropped)):
+                            continue
+                        if rank == unheld[0]:
+                            shard = with_held(shard, drop=[unheld[1]])
+                        if added is not None:
+                            shard = with_held(shard, add=[added])
+                    w.tensor(name, np.array(t[name]), shard=shard, **attrs)
+                    if added is not None and name.endswith("router.logits"):
+                        # The doubled expert right after its layer's router, with this rank's
+                        # held= list (its first expert tensor's, or one built from it).
+                        prefix = name[: -len("router.logits")]
+                        if prefix in doubled:
+                            src, n = doubled[prefix]
+                            a = dict(src.attributes(n))
+                            theirs_shard = a.pop("shard")
+                            mine = next(
+                                (
+                                    dict(t.attributes(m))["shard"]
+                                    for m in t.names
+                                    if expert_of(m) is not None
+                                ),
+                                theirs_shard,
+                            )
+                            mine = with_held(mine, add=[added])
+                            w.tensor(n, np.array(src[n]), shard=mine, **a)
+                for name, values in t.decisions.items():
+                    w.decision(name, np.array(values), margins=t.margins[name])
+    return 0
+
+
 def main() -> int:
     argv = sys.argv[1:]
     exe, world, wrong, perturb, skip, say = None, 2, None, [], None, None
     skip_carry, partials, no_layer = None, False, False
+    engine_split, expert_plants = None, {}
+    experts = {"--expert-none": "none", "--expert-unheld": "unheld", "--expert-twice": "twice"}
+    experts["--expert-layer-none"] = "layer"
     flags = ("--exe", "--world", "--wrong-offset", "--perturb", "--skip", "--say-world")
-    while argv and argv[0] in (*flags, "--skip-carry", "--partials", "--no-layer"):
+    flags = (*flags, "--skip-carry", "--engine-shards", *experts)
+    while argv and argv[0] in (*flags, "--partials", "--no-layer"):
         if argv[0] in ("--partials", "--no-layer"):
             partials = partials or argv[0] == "--partials"
             no_layer = no_layer or argv[0] == "--no-layer"
@@ -107,6 +214,13 @@ def main() -> int:
         elif flag == "--skip-carry":
             rank, _, tensor = value.partition(":")
             skip_carry = (int(rank), tensor)
+        elif flag == "--engine-shards":
+            engine_split = value
+        elif flag == "--expert-layer-none":
+            expert_plants["layer"] = int(value)
+        elif flag in experts:
+            rank, _, e = value.partition(":")
+            expert_plants[experts[flag]] = (int(rank), int(e))
         else:
             say = int(value)
     if exe is None or not argv:
@@ -121,6 +235,8 @@ def main() -> int:
     if "{rank}" not in pattern:
         print(f"sharded_port: --out {pattern} holds no {{rank}}", file=sys.stderr)
         return 2
+    if engine_split is not None:
+        return engine_ranks(exe, engine_split, argv, pattern, expert_plants)
     with tempfile.TemporaryDirectory() as tmp:
         whole = os.path.join(tmp, "whole.trace")
         argv[argv.index("--out") + 1] = whole

@@ -222,7 +222,7 @@ def validator(name: str):
 
 def test_the_gate_report_carries_its_schema_and_validates(planted):
     rep = planted["gate"]
-    assert rep["schema"] == "tracegate-gate-report/2"
+    assert rep["schema"] == "tracegate-gate-report/3"
     v = validator("gate-report.schema.json")
     assert list(v.iter_errors(rep)) == []
     # Negative controls: each planted defect is refused by the validator.

@@ -9,7 +9,7 @@
 //! near-ties), and
 //! `generation_reference` (its tokens = the golden trace's). A failing `agrees` is localised in
 //! the same run: `gate bisect` against the stored golden trace names the first wrong layer and
-//! stage.
+//! stage (`--ranks N` for a sharded port, which also names the rank).
 //!
 //! Soundness: a golden trace is verified and held to the digest milestones.json records before
 //! the candidate runs — an edited, truncated or swapped file is refused, never judged — and is
@@ -550,24 +550,21 @@ pub(super) fn run(
             .any(|c| c.check == Check::Agrees && c.status == Status::Fail)
             && r.runs.get(Role::Candidate).is_some_and(|rec| rec.ok)
         {
-            r.localised = Some(match r.sharded.get(Role::Candidate.key()) {
-                Some(s) => {
-                    let mut l = localise_sharded(o, &r, s);
-                    l["capsule"] = crate::bisect::capsule::not_written(
-                        "a sharded candidate is not bisected (its layer verb is not run)",
-                    );
-                    l
-                }
-                None => localise(
-                    o,
-                    &plan,
-                    &port,
-                    p,
-                    &candidate,
-                    internals,
-                    noise_trace.as_ref(),
-                ),
-            });
+            let sharded = r.sharded.get(Role::Candidate.key());
+            let (mut l, bisected) = localise(
+                o,
+                &plan,
+                &port,
+                p,
+                &candidate,
+                internals,
+                noise_trace.as_ref(),
+                sharded.map(|s| s.world),
+            );
+            if let Some(s) = sharded {
+                with_rank(o, &r, s, bisected, &mut l);
+            }
+            r.localised = Some(l);
         }
         results.push(r);
     }
@@ -922,53 +919,62 @@ fn with_rank_findings(checks: &mut [CheckResult], sharded: &BTreeMap<String, Sha
     }
 }
 
-/// A failing `agrees` of a sharded candidate localised from its merged trace: the first tensor
-/// outside the policy gives the layer and stage, and the rank whose shard holds its worst
-/// element ([`super::ranks::attribute`]). Isolation (`gate bisect`, the candidate's `layer`
-/// verb) is not run: the gate does not run a sharded `layer` verb, and says so.
-fn localise_sharded(o: &GateOptions, r: &PromptResult, s: &ShardedRun) -> Value {
-    let not_isolated = "isolation NOT CHECKED: the gate does not run a sharded candidate's `layer` verb (gate bisect), so the layer is not run alone on the golden input";
-    let sharded = |rank: Option<u64>, holds: &str| json!({"world": s.world, "rank": rank, "holds": holds, "ranks": s.ranks});
-    let Some(v) = r.oracle.as_ref().and_then(|o| o.first_violation.as_ref()) else {
-        let first = r
-            .checks
-            .iter()
-            .find(|c| c.check == Check::Agrees)
-            .and_then(|c| c.findings.first())
-            .map_or("-".to_string(), |f| format!("{} {}", f.kind, f.about.name));
-        return json!({
-            "verdict": "not_localised",
-            "summary": format!("no tensor of the merged trace is outside the policy (first finding: {first}), so no rank's shard is named; {not_isolated}"),
-            "first_wrong_layer": null,
-            "stage": null,
-            "report": null,
-            "sharded": sharded(None, "no tensor outside the policy"),
-        });
+/// A failing `agrees` of a sharded candidate, localised by `gate bisect --ranks N` (`l`), keeps
+/// the gate's own attribution in `l.sharded`: the first tensor of the merged trace outside the
+/// policy and the rank whose shard holds its worst element ([`super::ranks::attribute`]), beside
+/// the bisection's `at` (its first divergence, or the refused merge's tensor, with the rank) and
+/// how its layers were isolated (`layer_verb`), from its report's `sharded` (`bisected`). When the bisection names no rank (it could not
+/// run, or judged no divergence), the summary ends with the gate's attribution, so the line
+/// still names layer, stage and rank.
+fn with_rank(o: &GateOptions, r: &PromptResult, s: &ShardedRun, bisected: Value, l: &mut Value) {
+    let (rank, holds, tensor) = match r.oracle.as_ref().and_then(|o| o.first_violation.as_ref()) {
+        None => {
+            let first = r
+                .checks
+                .iter()
+                .find(|c| c.check == Check::Agrees)
+                .and_then(|c| c.findings.first())
+                .map_or("-".to_string(), |f| format!("{} {}", f.kind, f.about.name));
+            (
+                None,
+                format!("no tensor of the merged trace is outside the policy (first finding: {first}), so no rank's shard is named"),
+                None,
+            )
+        }
+        Some(v) => {
+            let coords = v.worst_element.as_ref().map(|e| e.coords.as_slice());
+            let (rank, holds) = super::ranks::attribute(&o.root, s, &v.tensor, coords);
+            (rank, holds, Some(v.tensor.clone()))
+        }
     };
-    let name = tracegate_trace::names::Name::parse(&v.tensor);
-    let coords = v.worst_element.as_ref().map(|e| e.coords.as_slice());
-    let (rank, holds) = super::ranks::attribute(&o.root, s, &v.tensor, coords);
-    let layer = name
-        .layer
-        .map_or("outside any layer".to_string(), |l| format!("layer {l:02}"));
-    json!({
-        "verdict": "first_violation",
-        "summary": format!(
-            "{layer}, stage {}: {} is outside the policy; {}",
-            name.point,
-            v.tensor,
-            holds
-        ) + &format!("; {not_isolated}"),
-        "first_wrong_layer": name.layer,
-        "stage": name.layer.map(|l| json!({
-            "layer": l,
-            "block": tracegate_trace::names::point(&v.tensor).map_or("-".to_string(), |p| format!("{:?}", p.block).to_lowercase()),
-            "tensor": v.tensor,
-            "detail": holds,
-        })),
-        "report": null,
-        "sharded": sharded(rank, &holds),
-    })
+    if bisected["at"]["rank"].is_null() {
+        let words = match &tensor {
+            Some(t) => {
+                let n = tracegate_trace::names::Name::parse(t);
+                let layer = n
+                    .layer
+                    .map_or("outside any layer".to_string(), |l| format!("layer {l:02}"));
+                format!(
+                    "{layer}, stage {}: {t} is outside the policy; {holds}",
+                    n.point
+                )
+            }
+            None => holds.clone(),
+        };
+        let summary = l["summary"].as_str().unwrap_or("-").to_string();
+        l["summary"] = Value::String(format!(
+            "{summary}; by the {} rank traces the gate merged: {words}",
+            s.world
+        ));
+    }
+    l["sharded"] = json!({
+        "world": s.world,
+        "rank": rank,
+        "holds": holds,
+        "ranks": s.ranks,
+        "at": bisected["at"],
+        "layer_verb": bisected["layer_verb"].as_str().unwrap_or("not run: the bisection did not run"),
+    });
 }
 
 /// `agrees` also holds the candidate's trace to the counts its expectation records, as
@@ -1188,6 +1194,9 @@ fn cache_as_asked(cached: &Trace, uncached: &Trace) -> Option<CheckResult> {
 /// A failing `agrees` localised: `gate bisect` of the candidate against the stored golden
 /// trace (its `hidden_in` per layer feeds the candidate's `layer` verb; its outputs judge).
 /// Its report goes beside the prompt's traces; the summary names the first wrong layer and stage.
+/// A sharded candidate (`ranks`) is bisected with `--ranks N` (docs/bisect.md, "Sharded
+/// candidates"): its report's `sharded` (`at`, `layer_verb`; null unsharded or when the
+/// bisection did not run) is returned beside the localisation, for [`with_rank`].
 #[allow(clippy::too_many_arguments)]
 fn localise(
     o: &GateOptions,
@@ -1197,7 +1206,8 @@ fn localise(
     candidate: &Producer,
     internals: bool,
     noise: Option<&std::sync::Arc<Trace>>,
-) -> Value {
+    ranks: Option<u64>,
+) -> (Value, Value) {
     use crate::bisect;
     let work = format!("{}/{}/bisect", plan.work_rel, p.id);
     // Blessing: the golden trace is still the reference's new one in the work directory.
@@ -1205,8 +1215,11 @@ fn localise(
         (true, _) => format!("{}/{}/reference.trace", plan.work_rel, p.id),
         (false, Some(g)) => g.trace.clone(),
         (false, None) => {
-            return json!({"verdict": "refused", "summary": "no golden trace", "first_wrong_layer": null, "stage": null, "report": null,
-                "capsule": bisect::capsule::not_written("no golden trace")})
+            return (
+                json!({"verdict": "refused", "summary": "no golden trace", "first_wrong_layer": null, "stage": null, "report": null,
+                "capsule": bisect::capsule::not_written("no golden trace")}),
+                Value::Null,
+            )
         }
     };
     crate::progress::doing(format!(
@@ -1237,7 +1250,7 @@ fn localise(
             gate_invocation: o.gate_invocation.clone(),
             allow_stack_mismatch: false,
             noise: noise.map(|n| tracegate_diff::NoiseReference(n.clone())),
-            ranks: None,
+            ranks,
         };
         bisect::run(&opts).map(|rep| (opts, rep))
     });
@@ -1247,19 +1260,25 @@ fn localise(
             let written = crate::write_json_atomic(&o.root.join(&path), &rep).is_ok();
             // The first wrong layer as a repro capsule beside the bisection's report.
             let capsule = format!("{}/{}/capsule", plan.work_rel, p.id);
-            json!({
+            let l = json!({
                 "verdict": rep.verdict,
                 "summary": rep.summary,
                 "first_wrong_layer": rep.first_wrong_layer,
                 "stage": rep.stage.as_ref().map(|s| json!({"layer": s.layer, "block": s.block, "tensor": s.tensor, "detail": s.detail})),
                 "report": written.then_some(path),
                 "capsule": bisect::capsule::for_report(&opts, &rep, &capsule),
-            })
+            });
+            let sharded = rep.sharded.as_ref().map_or(
+                Value::Null,
+                |s| json!({"at": s.at, "layer_verb": s.layer_verb}),
+            );
+            (l, sharded)
         }
-        Err(e) => {
+        Err(e) => (
             json!({"verdict": "refused", "summary": format!("the bisection could not run: {e}"), "first_wrong_layer": null, "stage": null, "report": null,
-                "capsule": bisect::capsule::not_written("the bisection could not run")})
-        }
+                "capsule": bisect::capsule::not_written("the bisection could not run")}),
+            Value::Null,
+        ),
     }
 }
 

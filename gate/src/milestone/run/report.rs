@@ -201,11 +201,12 @@ impl PromptResult {
         })
     }
 
-    /// How a localisation was found: a bisection, or (a sharded port) the merged trace's first
-    /// violation attributed to a rank.
+    /// How a localisation was found: a bisection, of a sharded port's merged rank traces too.
     pub fn localised_by(l: &Value) -> String {
         match l["sharded"]["world"].as_u64() {
-            Some(n) => format!("the {n} rank traces merged, against the golden trace"),
+            Some(n) => format!(
+                "gate bisect --ranks {n} (the {n} rank traces merged) against the golden trace"
+            ),
             None => "gate bisect against the golden trace".to_string(),
         }
     }
@@ -337,7 +338,7 @@ impl Serialize for PromptRuns {
 }
 
 /// The JSON report's format, its top-level `schema` (docs/gate-report.schema.json describes it).
-pub const REPORT_SCHEMA: &str = "tracegate-gate-report/2";
+pub const REPORT_SCHEMA: &str = "tracegate-gate-report/3";
 
 #[derive(Clone, Debug, Serialize)]
 pub struct MilestoneReport {
