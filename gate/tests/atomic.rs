@@ -202,19 +202,6 @@ fn killed_at(out: &Out, n: usize) -> Option<String> {
     )
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let p = e.unwrap().path();
-        let t = to.join(p.file_name().unwrap());
-        if p.is_dir() {
-            copy_dir(&p, &t);
-        } else {
-            std::fs::copy(&p, &t).unwrap();
-        }
-    }
-}
-
 /// Kills `args` at every journal step in a fresh copy of `template` (its project as `old`)
 /// and checks each outcome (module doc); `rerun_refused_when_new`: rerunning the command once
 /// it was killed after its commit point is refused (init: the project is initialised). The
@@ -226,7 +213,7 @@ fn kill_at_every_step(template: &Path, args: &[&str], rerun_refused_when_new: bo
     for n in 1.. {
         let work = tempfile::tempdir().unwrap();
         let d = work.path().join("project");
-        copy_dir(template, &d);
+        common::copy_dir(template, &d);
         let fault = n.to_string();
         let out = gate(&d, args, Some(&fault));
         let Some(step) = killed_at(&out, n) else {

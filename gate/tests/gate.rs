@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 use crate::common;
-use common::python;
+use common::{copy_dir, python};
 
 fn repo() -> PathBuf {
     common::repo().canonicalize().unwrap()
@@ -21,19 +21,6 @@ fn scratch_root() -> tempfile::TempDir {
     }
     copy_dir(&repo().join("fixtures"), &dir.path().join("fixtures"));
     dir
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let target = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &target);
-        } else {
-            std::fs::copy(e.path(), target).unwrap();
-        }
-    }
 }
 
 /// An interpreter for which `import torch` fails: the oracle is then unavailable.

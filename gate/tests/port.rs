@@ -8,7 +8,9 @@
 
 use crate::common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::Value;
 
@@ -65,11 +67,43 @@ const PROMPTS: &str = r#"{"schema": 1, "about": "two prompts of a port's own", "
   {"id": "mid", "tokens": [438, 493, 24, 203, 157, 369, 394, 425, 82, 100, 321]}]}"#;
 
 /// A user's project in a temp directory outside the checkout: the model and a prompt file,
-/// initialised with `gate init … extra` (exit 0 expected).
+/// initialised with `gate init … extra` (exit 0 expected). Each test gets its own copy, to edit
+/// as it likes, of one project `gate init` made for `extra` in this test binary: each init is
+/// a torch start-up and every reference run, and the tests of init itself call `init_with`.
 pub(crate) fn project(extra: &[&str]) -> tempfile::TempDir {
-    let (dir, out) = init_with(&port_cmd(""), extra);
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let dir = tempfile::tempdir().unwrap();
+    common::copy_dir(&initialised(extra), dir.path());
     dir
+}
+
+/// The project `gate init … extra` made, once per test binary and `extra` (tests asking for
+/// another `extra` meanwhile do not wait for it); removed when the test binary exits.
+fn initialised(extra: &[&str]) -> PathBuf {
+    type Made = Mutex<BTreeMap<Vec<String>, Arc<OnceLock<PathBuf>>>>;
+    static MADE: Made = Mutex::new(BTreeMap::new());
+    static KEPT: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    extern "C" fn remove_kept() {
+        if let Ok(kept) = KEPT.lock() {
+            for d in kept.iter() {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        }
+    }
+    let key = extra.iter().map(|a| a.to_string()).collect();
+    let cell = MADE.lock().unwrap().entry(key).or_default().clone();
+    cell.get_or_init(|| {
+        let (dir, out) = init_with(&port_cmd(""), extra);
+        assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+        let mut kept = KEPT.lock().unwrap();
+        if kept.is_empty() {
+            // Statics are never dropped: the kept directories go when the process exits.
+            // SAFETY: `remove_kept` is a plain function that neither unwinds nor exits.
+            unsafe { libc::atexit(remove_kept) };
+        }
+        kept.push(dir.keep());
+        kept.last().unwrap().clone()
+    })
+    .clone()
 }
 
 /// `gate init` of a new project with candidate `cmd`, and what it said.

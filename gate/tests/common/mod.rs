@@ -3,7 +3,7 @@
 //! it needs.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -14,6 +14,20 @@ pub fn gate() -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_gate"));
     cmd.env("TRACEGATE_RESIDENT", "0");
     cmd
+}
+
+/// A copy of directory `from` at `to`, every file with its permissions (std::fs::copy).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
 }
 
 pub fn repo() -> PathBuf {
