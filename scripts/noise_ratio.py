@@ -26,6 +26,8 @@ violation. `--work DIR` keeps the traces there (DIR/PROMPT.NAME.trace) and reuse
 
 Prints, per prompt and candidate, the three worst ratios (tensor, candidate's and noise's
 relative L2), how many tensors have a noise of 0 and a candidate that is not, and the median;
+the original form also prints trace-diff's ratio per token row (`--policy f32
+--noise-reference`): the worst row, the rows where it is undefined, and the verdict;
 `--json OUT` writes every row (each tensor's two relative L2s) as JSON lines.
 """
 
@@ -145,6 +147,32 @@ def verdict(ref: Path, cand: Path, policy: str, noise: Path | None) -> str:
     return f"{d.get('verdict')}{' at ' + where if where else ''}{why}"
 
 
+def rows_of(ref: Path, cand: Path, noise: Path, policy: str = "f32") -> str:
+    """trace-diff's noise ratio per token row (`rule.noise_rows`, docs/diff.md "Noise-relative
+    bound"): the worst row over every tensor (its ratio, tensor and position), how many rows
+    are undefined (the noise run exact there while the candidate is not), and the verdict."""
+    cmd = [DIFF, str(ref), str(cand), "--policy", policy, "--json"]
+    r = subprocess.run(cmd + ["--noise-reference", str(noise)], capture_output=True, text=True)
+    try:
+        d = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        return f"rows: exit {r.returncode}: {r.stderr.strip()[-300:]}"
+    worst, undefined, none = None, 0, 0
+    for t in d["per_tensor"]:
+        rows = (t.get("rule") or {}).get("noise_rows")
+        if rows is None:
+            continue
+        if rows["layout"] == "none":
+            none += 1
+            continue
+        undefined += rows["undefined"]
+        w = rows["worst"]
+        if w is not None and (worst is None or w["ratio"] > worst[0]):
+            worst = (w["ratio"], t["tensor"], w["position"])
+    top = f"{worst[0]:.1f} {worst[1]} row {worst[2]}" if worst else "none"
+    return f"rows: worst {top}; undefined {undefined}; no row layout {none}; {policy} + noise: {d['verdict']}"
+
+
 def legacy(argv: list[str]) -> int:
     model, prompts = argv[0], argv[1].split(",")
     names = argv[2].split(",") if len(argv) > 2 else list(CANDIDATES)
@@ -161,6 +189,8 @@ def legacy(argv: list[str]) -> int:
                 run(CANDIDATES[name], model, d / f"{name}.trace", tokens)
                 cand = tracegate.Trace(d / f"{name}.trace")
                 print(f"{pid} {name}: {summary(*ratios_of(ref, noise, cand))}")
+                rows = rows_of(d / "ref.trace", d / f"{name}.trace", d / "noise.trace")
+                print(f"    {rows}", flush=True)
     return 0
 
 

@@ -8,7 +8,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use tracegate_trace::{TensorInfo, Trace};
 
-use crate::rows::{element, judge_row, set_stats, worst};
+use crate::rows::{element, judge_row, noise_rows, set_stats, worst, TokenRows};
 use crate::{
     noise, numeric, passes, positions, Finding, FindingKind, Flip, NearTieRef, NearTieSummary,
     Policy, Real, Report, RowStatus, RowsAfter, SamplingDivergence, TensorRow,
@@ -312,57 +312,30 @@ impl<'a> Excusal<'a> {
         else {
             return;
         };
-        // A name outside the documented capture points (a port's own, whose layout may be
-        // `[heads, tokens, …]`) has no known token axis and no rows to excuse: reading its first
-        // axis as tokens could excuse a head whole.
-        let Some(axis) = tracegate_trace::names::token_axis(&ri.name) else {
+        // A tensor without token rows (a port's own capture point, whose layout may be
+        // `[heads, tokens, …]`, or one without a position per row) has no rows to excuse:
+        // reading its first axis as tokens could excuse a head whole, or a token before the
+        // near-tie.
+        let Some(layout) = TokenRows::of(ri) else {
             return;
         };
-        let Some(&tokens) = ri.shape.get(axis) else {
-            return;
-        };
-        // A row is a token only by its position: a tensor without one position per row of its
-        // token axis (a layout this rule does not know, such as a port's own `[heads, tokens,
-        // …]` capture point) has no rows to excuse; taking the index for the position would
-        // excuse a head, or a token before the near-tie.
-        let Some(positions) = ri
-            .attributes
+        let keep: Vec<bool> = layout
             .positions
-            .as_ref()
-            .filter(|p| p.len() as u64 == tokens)
-        else {
-            return;
-        };
-        let out: Vec<bool> = positions.iter().map(|p| excused.contains(p)).collect();
-        let left_out = out.iter().filter(|&&x| x).count() as u64;
+            .iter()
+            .map(|p| !excused.contains(p))
+            .collect();
+        let left_out = keep.iter().filter(|&&k| !k).count() as u64;
         if left_out == 0 {
             return;
         }
-        // Runs of kept token rows, for every index of the axes before the token axis.
-        let outer: u64 = ri.shape[..axis].iter().product();
-        let inner: u64 = ri.shape[axis + 1..].iter().product();
         let (rd, cd) = (self.r.data(ri), self.c.data(ci));
         let Some(pair) = numeric::Pair::new(ri.dtype, ci.dtype) else {
             return;
         };
+        let kept = layout.ranges(&keep);
         let mut stats = numeric::Stats::default();
-        let mut kept = Vec::new();
-        for o in 0..outer {
-            let mut i = 0;
-            while i < tokens {
-                if out[i as usize] {
-                    i += 1;
-                    continue;
-                }
-                let start = i;
-                while i < tokens && !out[i as usize] {
-                    i += 1;
-                }
-                let base = o * tokens;
-                let range = ((base + start) * inner, (base + i) * inner);
-                stats = stats.merge(numeric::scan_range(pair, rd, cd, range, range));
-                kept.push(range);
-            }
+        for &range in &kept {
+            stats = stats.merge(numeric::scan_range(pair, rd, cd, range, range));
         }
         let row: &mut TensorRow = &mut rep.per_tensor[j];
         // A non-finite difference is never excused (docs/diff.md, "Near-ties under a policy"):
@@ -374,13 +347,15 @@ impl<'a> Excusal<'a> {
         (row.nan_mismatch, row.nan_payload, row.infinity) = whole;
         // The median is measured once, over the whole first differing tensor.
         row.median_ulp = None;
-        // The noise reference on the same rows as the candidate, or undefined.
+        // The noise reference on the same rows as the candidate, or undefined; per token row
+        // over the rows left in, so an excused row does not fail on its ratio.
         if let Some(r) = row.rule.as_mut().filter(|r| r.noise_rel_l2.is_some()) {
-            r.noise_rel_l2 = Some(
-                self.noise
-                    .and_then(|n| noise::rel_l2(n, ri, rd, &kept))
-                    .map(Real),
-            );
+            let measured = self.noise.and_then(|n| noise::rel_l2(n, ri, rd, &kept));
+            r.noise_rel_l2 = Some(measured.map(Real));
+            r.noise_rows = match (self.noise, measured) {
+                (Some(n), Some(_)) => Some(noise_rows(n, ri, pair, (rd, cd), Some(&keep))),
+                _ => None,
+            };
         }
         let finding = judge_row(row, rule.0, rule.1);
         if finding.is_some() {

@@ -71,8 +71,8 @@ pub use render::{
 };
 pub use report::{
     Count, DecisionDivergence, DecisionResult, DecisionSummary, Divergence, Element, Finding, Flip,
-    MarginDifference, Method, NearTieRef, NearTieSummary, OnTensor, PassingBounds, PolicyRef,
-    Report, RowSet, RowsAfter, RuleRef, SamplingDivergence, Side, TensorRow, TensorSummary,
-    TensorViolation, REPORT_SCHEMA,
+    MarginDifference, Method, NearTieRef, NearTieSummary, NoiseRow, NoiseRows, OnTensor,
+    PassingBounds, PolicyRef, Report, RowSet, RowsAfter, RuleRef, SamplingDivergence, Side,
+    TensorRow, TensorSummary, TensorViolation, REPORT_SCHEMA,
 };
 pub use vocab::{DecisionStatus, FindingKind, Label, Margins, Real, RowStatus, Verdict};

@@ -256,9 +256,21 @@ pub struct Measured {
     /// when undefined (no noise reference, the tensor absent from it, its relative L2 0 while
     /// the candidate's is not, or undefined).
     pub noise_ratio: Option<f64>,
+    /// The same ratio per token row, where the tensor has rows and the noise measure is
+    /// defined; bounded by the same `max_noise_ratio`.
+    pub noise_rows: Option<RowRatios>,
     /// Elements whose bits differ but have no numeric distance (NaN on either side), or an
     /// infinity against something else: no tolerance covers these.
     pub nonfinite_differences: u64,
+}
+
+/// The token rows' noise ratios a bound reads: the row with the largest defined ratio, and the
+/// first row whose ratio is undefined (the noise reference exact there while the candidate is
+/// not, or a side's relative L2 undefined), by position.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RowRatios {
+    pub worst: Option<(i64, f64)>,
+    pub first_undefined: Option<i64>,
 }
 
 impl Policy {
@@ -528,13 +540,15 @@ impl Rule {
     /// infinity check (empty = pass).
     pub fn violations(&self, m: &Measured) -> Vec<Violation> {
         let mut out = Vec::new();
-        let mut broken = |bound, limit, value| {
+        let mut broken_at = |bound, limit, value, position| {
             out.push(Violation {
                 bound,
                 limit,
                 value,
+                position,
             })
         };
+        let mut broken = |bound, limit, value| broken_at(bound, limit, value, None);
         if m.nonfinite_differences > 0 {
             broken(
                 NONFINITE,
@@ -582,6 +596,21 @@ impl Rule {
                 None if self.noise_ratio_from_policy => {}
                 v => broken("max_noise_ratio", Amount::real(b), v.map(Amount::real)),
             }
+            // Per token row, as per tensor: an undefined row breaks the rule's own bound and is
+            // no bound by itself for the policy's.
+            let rows = m.noise_rows.unwrap_or_default();
+            match (rows.first_undefined, rows.worst) {
+                (Some(p), _) if !self.noise_ratio_from_policy => {
+                    broken_at("max_noise_ratio", Amount::real(b), None, Some(p))
+                }
+                (_, Some((p, v))) if v > b || v.is_nan() => broken_at(
+                    "max_noise_ratio",
+                    Amount::real(b),
+                    Some(Amount::real(v)),
+                    Some(p),
+                ),
+                _ => {}
+            }
         }
         out
     }
@@ -625,12 +654,28 @@ pub struct Violation {
     /// What was measured; None when it is undefined (relative L2 of an all-zero reference,
     /// cosine with an all-zero side), which no bound accepts.
     pub value: Option<Amount>,
+    /// Set when the bound was measured on one token row (`max_noise_ratio` per row): the row's
+    /// position.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub position: Option<i64>,
 }
 
 /// The sentence the findings and the human report print.
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (limit, value) = (&self.limit, self.value.as_ref());
+        if let Some(p) = self.position {
+            return match value {
+                Some(v) => write!(
+                    f,
+                    "the row at position {p}: relative L2 {v}× the noise reference's on that row > {limit}×"
+                ),
+                None => write!(
+                    f,
+                    "the row at position {p}: noise ratio undefined (the noise reference is exact on that row while the candidate is not, or a side's relative L2 is undefined there)"
+                ),
+            };
+        }
         match (self.bound, value) {
             (NONFINITE, Some(n)) => write!(f, "{n} element(s) differ by NaN or infinity"),
             ("max_ulp", Some(v)) => write!(f, "max ULP {v} > {limit}"),

@@ -145,6 +145,7 @@ pub(crate) fn judge(
             // Rows routed by position on each side: no noise measure pairs with them, so a
             // noise-relative bound is undefined here (fails), never assumed.
             noise_rel_l2: rule.max_noise_ratio.map(|_| None),
+            noise_rows: None,
         }));
     }
     if !only_r.is_empty() || !only_c.is_empty() {

@@ -5,7 +5,7 @@
 use tracegate_trace::{TensorInfo, Trace};
 
 use crate::report::{Divergence, Method, RuleRef, TensorRow};
-use crate::rows::{element, judge_row, row_for, set_stats, worst};
+use crate::rows::{element, judge_row, noise_rows, row_for, set_stats, worst};
 use crate::{
     noise, numeric, positions, Finding, FindingKind, Options, Pair, Real, Report, RowStatus,
     Special,
@@ -199,14 +199,27 @@ fn judge(
             .and_then(|n| noise::rel_l2(&n.0, ri, rd, &[(0, ri.element_count())]))
             .map(Real)
     });
+    if row.status != RowStatus::Different {
+        row.rule = Some(Box::new(RuleRef {
+            index: idx,
+            pattern: rule.pattern.clone(),
+            noise_rel_l2,
+            noise_rows: None,
+        }));
+        return false;
+    }
+    // Per token row too, where the whole tensor's noise is measured: a defect confined to one
+    // row is diluted in the tensor's relative L2.
+    let noise_rows = match (&opts.noise, noise_rel_l2) {
+        (Some(n), Some(Some(_))) => Some(noise_rows(&n.0, ri, pair, (rd, cd), None)),
+        _ => None,
+    };
     row.rule = Some(Box::new(RuleRef {
         index: idx,
         pattern: rule.pattern.clone(),
         noise_rel_l2,
+        noise_rows,
     }));
-    if row.status != RowStatus::Different {
-        return false;
-    }
     let Some(f) = judge_row(row, idx, rule) else {
         return false;
     };

@@ -271,7 +271,7 @@ fn under_a_policy_the_first_violation_is_named_not_the_first_bit_difference() {
     let (code, v) = json_run(&["--policy", p(&pol), p(&r), p(&c)]);
     assert_eq!(
         (code, v["verdict"].as_str(), v["schema"].as_str()),
-        (1, Some("different"), Some("tracegate-diff-report/3"))
+        (1, Some("different"), Some("tracegate-diff-report/4"))
     );
     let f = &v["first_violation"];
     assert_eq!(

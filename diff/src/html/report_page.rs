@@ -213,7 +213,10 @@ fn first_boxes(rep: &Report, h: &mut String) {
                     h,
                     "<li class=\"violation\" data-bound=\"{}\">{}: value {} {} limit {}</li>",
                     esc(b.bound),
-                    esc(b.bound),
+                    // A per-row bound names its row.
+                    esc(&b.position.map_or(b.bound.to_string(), |x| {
+                        format!("{} (the row at position {x})", b.bound)
+                    })),
                     val("span", "num", &format!("{q}/value"), &b.value, &value_shown),
                     if b.bound == "min_cosine" {
                         "&lt;"

@@ -188,6 +188,9 @@ fn human(o: &mut Sink<'_>, rep: &Report) {
         let _ = writeln!(o, "  tensor     {}  {dtypes} {:?}", v.tensor, v.shape);
         if let Some(r) = &v.rule {
             let _ = writeln!(o, "  rule       #{} {}", r.index, r.pattern);
+            if let Some(rows) = &r.noise_rows {
+                let _ = writeln!(o, "  noise rows {}", noise_rows(rows));
+            }
         }
         for b in &v.violations {
             let _ = writeln!(o, "  broken     {}: {b}", b.bound);
@@ -360,6 +363,32 @@ fn findings(o: &mut Sink<'_>, rep: &Report) {
             None => {
                 let _ = writeln!(o, "  {}  {}", f.kind, f.detail);
             }
+        }
+    }
+}
+
+/// The noise ratio per token row, as the first violation shows it.
+fn noise_rows(rows: &crate::NoiseRows) -> String {
+    match rows {
+        crate::NoiseRows::None => {
+            "none: no token rows (no token axis by name, or not one position per row), the whole-tensor noise ratio alone".into()
+        }
+        crate::NoiseRows::Rows {
+            rows,
+            worst,
+            undefined,
+            first_undefined,
+        } => {
+            let worst = worst.map_or("no row has a defined ratio".into(), |w| {
+                format!(
+                    "worst at position {}: {:.3}× (relative L2 {:.3e} / noise {:.3e})",
+                    w.position, w.ratio.0, w.rel_l2.0, w.noise_rel_l2.0
+                )
+            });
+            let undefined = first_undefined.map_or(String::new(), |p| {
+                format!("; {undefined} undefined, the first at position {p}")
+            });
+            format!("{rows} rows, {worst}{undefined}")
         }
     }
 }

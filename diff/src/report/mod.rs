@@ -16,14 +16,15 @@ pub use decisions::{
 };
 pub use passing::PassingBounds;
 pub use tensors::{
-    Count, Divergence, Element, Method, RowSet, RuleRef, TensorRow, TensorSummary, TensorViolation,
+    Count, Divergence, Element, Method, NoiseRow, NoiseRows, RowSet, RuleRef, TensorRow,
+    TensorSummary, TensorViolation,
 };
 
 use crate::{FilterSummary, FindingKind, Options, Rule, Verdict};
 use tensors::TensorsJson;
 
 /// The JSON report's format, its top-level `schema` (docs/diff-report.schema.json describes it).
-pub const REPORT_SCHEMA: &str = "tracegate-diff-report/3";
+pub const REPORT_SCHEMA: &str = "tracegate-diff-report/4";
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Side {

@@ -181,6 +181,43 @@ pub struct RuleRef {
     /// reference over the elements judged (null when it has none for them).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub noise_rel_l2: Option<Option<Real>>,
+    /// Under a rule with `max_noise_ratio`, for a tensor that differs and whose noise measure is
+    /// defined: the same ratio per token row (docs/diff.md, "Noise-relative bound"), or that the
+    /// tensor has no row layout and the whole-tensor ratio alone judged it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noise_rows: Option<NoiseRows>,
+}
+
+/// The noise-relative bound per token row: a defect confined to one row is diluted in the
+/// tensor's relative L2, never in its own row's.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "layout", rename_all = "snake_case")]
+pub enum NoiseRows {
+    /// One row per position of the tensor's token axis (`attn_probs`: axis 1).
+    Rows {
+        /// Rows measured (those a near-tie left in).
+        rows: u64,
+        /// The row with the largest defined ratio; null when no row has one.
+        worst: Option<NoiseRow>,
+        /// Rows whose ratio is undefined (the noise reference exact on the row while the
+        /// candidate is not, or a side's relative L2 undefined there), and the first of them:
+        /// the rule's own `max_noise_ratio` fails such a row, the policy's `noise_ratio` is no
+        /// bound on it by itself.
+        undefined: u64,
+        first_undefined: Option<i64>,
+    },
+    /// No token axis by name, or not one position per row of it: the whole-tensor ratio alone.
+    None,
+}
+
+/// One token row's noise-relative measure.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct NoiseRow {
+    pub position: i64,
+    /// The candidate's relative L2 over the noise reference's, on this row.
+    pub ratio: Real,
+    pub rel_l2: Real,
+    pub noise_rel_l2: Real,
 }
 
 /// The first differing element of the first differing tensor (reference capture order): the

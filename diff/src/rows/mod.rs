@@ -8,8 +8,122 @@ pub(crate) mod worst;
 
 use tracegate_trace::TensorInfo;
 
-use crate::report::{Element, Method, TensorRow};
+use tracegate_trace::Trace;
+
+use crate::report::{Element, Method, NoiseRow, NoiseRows, TensorRow};
 use crate::{noise, numeric, policy, Finding, FindingKind, Pair, Real, RowStatus, Rule};
+
+/// A tensor's token rows: its token axis by name (`names::token_axis`; `attn_probs` rows are
+/// axis 1) and one position per row of it. A name outside the documented capture points (a
+/// port's own, whose layout may be `[heads, tokens, …]`), or a tensor without one position per
+/// row, has none: reading its first axis as tokens could take a head for a token.
+pub(crate) struct TokenRows<'a> {
+    /// Elements of the axes before the token axis, and after it.
+    outer: u64,
+    inner: u64,
+    pub(crate) positions: &'a [i64],
+}
+
+impl<'a> TokenRows<'a> {
+    pub(crate) fn of(ri: &'a TensorInfo) -> Option<TokenRows<'a>> {
+        let axis = tracegate_trace::names::token_axis(&ri.name)?;
+        let tokens = *ri.shape.get(axis)?;
+        let positions = ri
+            .attributes
+            .positions
+            .as_deref()
+            .filter(|p| p.len() as u64 == tokens)?;
+        Some(TokenRows {
+            outer: ri.shape[..axis].iter().product(),
+            inner: ri.shape[axis + 1..].iter().product(),
+            positions,
+        })
+    }
+
+    fn tokens(&self) -> u64 {
+        self.positions.len() as u64
+    }
+
+    /// The element ranges of the rows `keep` holds (one flag per row), runs of kept rows
+    /// merged, for every index of the axes before the token axis.
+    pub(crate) fn ranges(&self, keep: &[bool]) -> Vec<(u64, u64)> {
+        let tokens = self.tokens();
+        let mut out = Vec::new();
+        for o in 0..self.outer {
+            let mut i = 0;
+            while i < tokens {
+                if !keep[i as usize] {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < tokens && keep[i as usize] {
+                    i += 1;
+                }
+                let base = o * tokens;
+                out.push(((base + start) * self.inner, (base + i) * self.inner));
+            }
+        }
+        out
+    }
+
+    /// The element ranges of row `t` alone.
+    fn row(&self, t: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let (tokens, inner) = (self.tokens(), self.inner);
+        (0..self.outer).map(move |o| ((o * tokens + t) * inner, (o * tokens + t + 1) * inner))
+    }
+}
+
+/// The noise-relative measure per token row (docs/diff.md, "Noise-relative bound") of the rows
+/// `keep` holds (all, or those a near-tie left in): each row's candidate relative L2 over the
+/// noise reference's on the same row. `NoiseRows::None` for a tensor without token rows.
+pub(crate) fn noise_rows(
+    noise: &Trace,
+    ri: &TensorInfo,
+    pair: Pair,
+    (rd, cd): (&[u8], &[u8]),
+    keep: Option<&[bool]>,
+) -> NoiseRows {
+    let Some(layout) = TokenRows::of(ri) else {
+        return NoiseRows::None;
+    };
+    let (mut rows, mut undefined) = (0, 0);
+    let (mut worst, mut first_undefined): (Option<NoiseRow>, Option<i64>) = (None, None);
+    for (t, &position) in layout.positions.iter().enumerate() {
+        if keep.is_some_and(|k| !k[t]) {
+            continue;
+        }
+        rows += 1;
+        let ranges: Vec<(u64, u64)> = layout.row(t as u64).collect();
+        let mut s = numeric::Stats::default();
+        for &r in &ranges {
+            s = s.merge(numeric::scan_range(pair, rd, cd, r, r));
+        }
+        let (c, n) = (s.rel_l2(), noise::rel_l2(noise, ri, rd, &ranges));
+        match (noise::ratio(c, n), c, n) {
+            (Some(ratio), Some(c), Some(n)) => {
+                if worst.is_none_or(|w| ratio > w.ratio.0) {
+                    worst = Some(NoiseRow {
+                        position,
+                        ratio: Real(ratio),
+                        rel_l2: Real(c),
+                        noise_rel_l2: Real(n),
+                    });
+                }
+            }
+            _ => {
+                undefined += 1;
+                first_undefined = first_undefined.or(Some(position));
+            }
+        }
+    }
+    NoiseRows::Rows {
+        rows,
+        worst,
+        undefined,
+        first_undefined,
+    }
+}
 
 /// The row of `info` compared as `pair` by `method`, with `status` and nothing measured yet.
 pub(crate) fn row_for(
@@ -66,8 +180,20 @@ pub(crate) fn set_stats(row: &mut TensorRow, s: &numeric::Stats) {
 /// status, and returns the `outside_policy` finding when a bound is broken.
 pub(crate) fn judge_row(row: &mut TensorRow, idx: usize, rule: &Rule) -> Option<Finding> {
     let noise_rel_l2 = row.rule.as_ref().and_then(|r| r.noise_rel_l2.flatten());
+    let noise_rows = match row.rule.as_ref().and_then(|r| r.noise_rows.as_ref()) {
+        Some(NoiseRows::Rows {
+            worst,
+            first_undefined,
+            ..
+        }) => Some(policy::RowRatios {
+            worst: worst.map(|w| (w.position, w.ratio.0)),
+            first_undefined: *first_undefined,
+        }),
+        _ => None,
+    };
     let m = policy::Measured {
         noise_ratio: noise::ratio(row.rel_l2.map(|x| x.0), noise_rel_l2.map(|x| x.0)),
+        noise_rows,
         max_ulp: row.max_ulp,
         max_abs: row.max_abs.map_or(0.0, |x| x.0),
         max_rel: row.max_rel.map_or(0.0, |x| x.0),

@@ -187,9 +187,9 @@ fn force(
 /// distances to thresholds computed from numbers the comparison judges, so only the rule itself
 /// can decide otherwise. An argmax or router overridden is said, not failed, when its own
 /// numbers explain each row it overrode (`decisions_forced.overrides_unexplained` lists those
-/// they do not, overrides.rs): an exact tie broken otherwise, or its own scores' choice (another
-/// choice, or a top-k in another order) within the honest-noise bound of the reference's choice
-/// in the reference's scores (a near-tie, docs/diff.md "The near-tie rule"); else it fails.
+/// they do not, overrides.rs): an exact tie the reference's scores make too, broken otherwise,
+/// or its own scores' choice (another choice, or a top-k in another order) within the
+/// honest-noise bound of the reference's choice in the reference's scores (a near-tie, docs/diff.md "The near-tie rule"); else it fails.
 /// A draw overridden is the other generator's, taken as given.
 fn overridden(f: &DecisionsForced) -> (Vec<String>, Vec<String>) {
     let (mut failing, mut said) = (Vec::new(), Vec::new());

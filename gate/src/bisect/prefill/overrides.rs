@@ -15,8 +15,9 @@
 //! forced choice (agreeing with its own scores where its trace holds them) says which case: ≤ 0,
 //! its scores make another choice, measured so, and NOT CHECKED where no scores say which; > 0
 //! on a top-k (the same experts, in another order), its scores ranking the forced order as
-//! theirs with an exact tie in it (two experts whose scores are equal: whoever ranked them
-//! broke the tie), or another order, measured so. Anything else is a rule that is not argmax.
+//! theirs with an exact tie in it (two experts whose scores are equal: it broke the tie the
+//! other way — a tie where the reference's scores tie them too, else that order measured so),
+//! or another order, measured so. Anything else is a rule that is not argmax.
 
 use std::collections::BTreeMap;
 
@@ -44,7 +45,8 @@ pub struct Unexplained {
 tracegate_diff::string_enum! {
     /// What an overridden row's own numbers say.
     pub enum Outcome {
-        /// The reference's experts in another order, among scores that tie exactly.
+        /// The reference's experts in another order, or another choice, among scores that tie
+        /// exactly in the reference's own scores too.
         Tie = "tie",
         /// The choice its own scores make (another choice, margin ≤ 0, or the reference's
         /// experts in their order), which the near-tie rule excuses (gap ≤ F·h in the
@@ -203,7 +205,7 @@ pub fn record(t: &Trace) -> Result<OverriddenRows, String> {
 
 /// What one overridden row's own numbers say.
 enum Row {
-    /// The same choices in another order, among equal scores.
+    /// The same choices in another order, among scores equal in the reference's too.
     Tie,
     /// Its own scores' choice (another, or the same in another order), within the near-tie
     /// rule's bound.
@@ -271,7 +273,7 @@ fn judge_row(t: &Trace, name: &str, row: u64, against: &Against, out: &mut Judge
         return near_tie(t, name, row, &order, against, out, &not_so);
     }
     if chosen.windows(2).any(|w| s.tied(w[0], w[1])) {
-        return Row::Tie;
+        return tie(t, name, row, chosen, m, &s, against, out);
     }
     Row::Unexplained(format!(
         "its own {} rank the reference's experts {chosen:?} as their top-k in that order, with no tie among them (margin {m:e} > 0): the choice it would have taken is not its scores'",
@@ -333,6 +335,46 @@ fn flip(
         s.source()
     );
     near_tie(t, name, row, &choice, against, out, &said)
+}
+
+/// A row whose own scores rank the reference's experts `chosen` as their top-k in that order
+/// with an exact tie among them (margin > 0): the candidate broke the tie the other way. An
+/// exact tie in the *reference's* scores is a tie (issue 50: either order is theirs); one only
+/// in the candidate's is its claim, which it can make by moving its router logits within the
+/// policy: held to the near-tie rule like a flip — the reference's scores must put the other
+/// order within `F·h` of theirs. Without the reference's scores, NOT CHECKED.
+#[allow(clippy::too_many_arguments)]
+fn tie(
+    t: &Trace,
+    name: &str,
+    row: u64,
+    chosen: &[i64],
+    m: f32,
+    s: &tracegate_diff::OwnScores,
+    against: &Against,
+    out: &mut JudgedRow,
+) -> Row {
+    // The order its tie breaks the other way (as `flip` reads its choice).
+    let mut other = s.choice(chosen.len(), true);
+    if other == chosen {
+        other = s.choice(chosen.len(), false);
+    }
+    out.own = Some(other.clone());
+    let Some(theirs) = own_scores(against.reference, name, row) else {
+        return Row::NotChecked(format!(
+            "{name} row {row}: its own {} tie experts of the reference's choice {chosen:?} (margin {m:e} > 0), and the reference holds no {} to say whether they tie there too",
+            s.source(),
+            s.source()
+        ));
+    };
+    if theirs.picks(chosen).is_ok() && theirs.picks(&other).is_ok() {
+        return Row::Tie;
+    }
+    let said = format!(
+        "its own {} tie experts of the reference's choice {chosen:?} (margin {m:e} > 0), so it would have taken {other:?}; the reference's scores do not tie them",
+        s.source()
+    );
+    near_tie(t, name, row, &other, against, out, &said)
 }
 
 /// The near-tie rule on the forced candidate's own choice `own` for `row` (another choice, or

@@ -265,6 +265,7 @@ fn an_exact_tie_ordered_otherwise_inside_a_top_k_is_a_tie_and_only_that() {
     let dir = tempfile::tempdir().unwrap();
     let tokens = [0, 0, 1];
     let margins = honest(&LOGITS, &tokens);
+    // The reference is the forced trace itself here: a tie in its scores is the reference's.
     // Row 0: experts 0 and 1 score exactly alike; the candidate's tie rule (lowest index first)
     // chose [0, 1], the reference's [1, 0]: the same experts, margin > 0, a tie.
     // Row 1: [1, 0] where its scores rank 0 above 1: another order, not a tie.
@@ -411,7 +412,10 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
     assert!(r.margin.is_some_and(|m| m.0 > 0.0), "{r:?}");
 
     let far = [[1.0, 1.5, 0.0, -1.0]];
-    // An exact tie in its own scores stays a tie under a policy, whatever the reference's gap.
+    // An exact tie only in its own scores is its claim, not a tie (issue 50 item 6): against a
+    // reference that ranks expert 1 above 0 by 0.5, a candidate whose own logits tie them (moved
+    // within the policy) and that breaks the tie its way is held to the near-tie rule, and
+    // fails it — it was once excused as a tie whatever the reference's gap.
     let tied_own = [[1.00005, 1.00005, 0.0, -1.0]];
     let j = near_tie_judged(
         dir.path(),
@@ -421,9 +425,77 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
         &[0],
         &under(Some(1e-4)),
     );
+    assert!(j.ties.is_empty() && j.near_ties.is_empty(), "{j:?}");
     assert_eq!(
-        (j.rows[0].outcome, j.ties.get(name)),
-        (Outcome::Tie, Some(&1)),
+        (j.rows[0].outcome, j.rows[0].gap, j.rows[0].own.as_deref()),
+        (Outcome::Unexplained, Some(Real(0.5)), Some(&[0i64, 1][..])),
+        "{j:?}"
+    );
+    assert!(
+        j.unexplained[0].why.contains(
+            "its own layer.00.router.logits tie experts of the reference's choice [1, 0]"
+        ) && j.unexplained[0]
+            .why
+            .contains("5e-1 from theirs, above the honest-noise bound 2e-4"),
+        "{j:?}"
+    );
+    // The honest controls: the same tie against a reference 5e-5 apart (within F·h = 2e-4) is a
+    // near-tie; where the reference's own scores tie them too (the engine and torch breaking a
+    // bit-identical tie each its way), a tie, under a policy or by bits.
+    let j = near_tie_judged(
+        dir.path(),
+        &near,
+        &[[1, 0]],
+        &tied_own,
+        &[0],
+        &under(Some(1e-4)),
+    );
+    assert_eq!(
+        (j.rows[0].outcome, j.rows[0].gap, j.near_ties.get(name)),
+        (Outcome::NearTie, Some(Real(gap)), Some(&1)),
+        "{j:?}"
+    );
+    for opts in [under(Some(1e-4)), Options::default()] {
+        let j = near_tie_judged(dir.path(), &tied_own, &[[1, 0]], &tied_own, &[0], &opts);
+        assert_eq!(
+            (j.rows[0].outcome, j.ties.get(name)),
+            (Outcome::Tie, Some(&1)),
+            "{j:?}"
+        );
+    }
+    // Without the reference's scores nothing says whether they tie there too: NOT CHECKED.
+    let reference = {
+        let path = dir.path().join("reference-no-scores.trace");
+        let mut w = TraceWriter::create(&path, json!({})).unwrap();
+        // Its margin is the candidate's: nothing else differs.
+        let m = margin(&softmax(&tied_own[0]), &[1, 0]);
+        w.decision(name, &[1, 2], &[1, 0], Some(&[m])).unwrap();
+        w.finish().unwrap();
+        Trace::open(&path).unwrap()
+    };
+    let t = write(
+        dir.path(),
+        &Forced {
+            logits: &LOGITS,
+            argmax: (&[0, 0, 1], &honest(&LOGITS, &[0, 0, 1])),
+            router_logits: &tied_own,
+            topk: &[[1, 0]],
+        },
+        json!({"rows_overridden": 1, "overridden": {name: 1}, "overridden_rows": {name: [0]}}),
+    );
+    let opts = under(Some(1e-4));
+    let j = judge(
+        &t,
+        &compare(&reference, &t, &opts),
+        &record(&t).unwrap(),
+        &Against {
+            reference: &reference,
+            opts: &opts,
+        },
+    );
+    assert_eq!(j.rows[0].outcome, Outcome::NotChecked, "{j:?}");
+    assert!(
+        j.not_checked[0].contains("the reference holds no layer.00.router.logits"),
         "{j:?}"
     );
 
