@@ -46,9 +46,7 @@ CASES = {
     "qwen3_5-moe-ep2": ("tiny-qwen3_5-moe", "ep=2"),
 }
 
-# One worker runs the module (pytest --dist loadgroup): the runs are shared by its tests, and a
-# second worker would make them again.
-pytestmark = [needs_built("trace-merge", "trace-diff"), pytest.mark.xdist_group("distributed")]
+pytestmark = needs_built("trace-merge", "trace-diff")
 
 
 def oracle(*argv, timeout=300) -> subprocess.CompletedProcess:
