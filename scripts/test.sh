@@ -32,8 +32,6 @@ phase "cargo test (release profile, shares the set-up build)"
 cargo test --release --quiet
 # With CI set (CI=true), the root conftest.py turns every pytest skip into a failure.
 # -n auto: one worker per core (pytest-xdist); each worker builds its own session fixtures.
-# --dist loadgroup: a module marked xdist_group runs on one worker, so its module fixtures are
-# made once (the sharded oracle's torchrun runs).
 phase "pytest, one worker per core${CI:+ (CI=$CI: a skipped test fails the run)}"
-.venv/bin/python -m pytest -n auto --dist loadgroup
+.venv/bin/python -m pytest -n auto
 phase "done"
