@@ -330,6 +330,12 @@ fn policy_for(pattern: &str, noise_abs: Option<f64>) -> tracegate_diff::Policy {
     .unwrap()
 }
 
+/// The forced trace `t`'s overrides judged against `reference` under `opts`.
+fn judged_against(reference: &Trace, t: &Trace, opts: &Options) -> Judged {
+    let rep = compare(reference, t, opts);
+    judge(t, &rep, &record(t).unwrap(), &Against { reference, opts })
+}
+
 /// The reference's router (rows of `router`, its top-2 `topk`) and a forced candidate that took
 /// those top-2s, its own router logits `own`, saying it overrode `rows`: the overrides judged
 /// under `opts`.
@@ -360,12 +366,7 @@ fn near_tie_judged(
         },
         forced,
     );
-    let rep = compare(&reference, &t, opts);
-    let against = Against {
-        reference: &reference,
-        opts,
-    };
-    judge(&t, &rep, &record(&t).unwrap(), &against)
+    judged_against(&reference, &t, opts)
 }
 
 /// Issue 50: a top-k the candidate's own scores order otherwise than the reference's is a
@@ -686,12 +687,7 @@ fn flip_judged(
         true => write_as(&path, &x, forced),
         false => write_without_scores(&path, &x, forced),
     };
-    let rep = compare(&r, &t, opts);
-    let against = Against {
-        reference: &r,
-        opts,
-    };
-    judge(&t, &rep, &record(&t).unwrap(), &against)
+    judged_against(&r, &t, opts)
 }
 
 /// Issue 50 item 3: a forced candidate's override whose own margin is ≤ 0 ("my own scores made
