@@ -207,7 +207,15 @@ def run_ranks(target: list[str], world: int, timeout: float, env: dict | None = 
 def launch(argv: list[str], spec: Spec, out: str, timeout: float) -> list[str]:
     """`python -m tracegate_oracle <argv>` as spec.n ranks; returns each rank's trace path, in
     rank order, after checking that each was written."""
-    run_ranks(["-m", "tracegate_oracle", *argv], spec.n, timeout)
+    # The ranks run on the CPU (gloo; `--device cuda` is refused with --distributed): with a GPU
+    # visible, transformers' tensor-parallel set-up puts rank r on cuda:r, which fails on a host
+    # with fewer GPUs than ranks ("invalid device ordinal", seen on a one-GPU H100 host).
+    run_ranks(
+        ["-m", "tracegate_oracle", *argv],
+        spec.n,
+        timeout,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     paths = rank_paths(out, spec.n)
     missing = [r for r, p in enumerate(paths) if not Path(p).is_file()]
     if missing:
