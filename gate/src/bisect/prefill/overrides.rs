@@ -281,6 +281,17 @@ fn judge_row(t: &Trace, name: &str, row: u64, against: &Against, out: &mut Judge
     ))
 }
 
+/// Its own scores' choice by the tie rule; where that is the reference's `chosen` (an exact tie
+/// at the edge, margin 0), the other way the tie breaks.
+fn own_choice(s: &tracegate_diff::OwnScores, chosen: &[i64]) -> Vec<i64> {
+    let choice = s.choice(chosen.len(), true);
+    if choice == chosen {
+        s.choice(chosen.len(), false)
+    } else {
+        choice
+    }
+}
+
 /// A row whose recorded margin for the reference's choice is ≤ 0 (agreeing with its own scores
 /// where the trace holds them): its own scores make another choice. That is the candidate's
 /// word, not an excuse: the choice its own scores make is held to the near-tie rule like any
@@ -312,12 +323,7 @@ fn flip(
             s.source()
         ));
     };
-    // Its own scores' choice by the tie rule; where that is the reference's (an exact tie at the
-    // edge, margin 0), the other way the tie breaks.
-    let mut choice = s.choice(chosen.len(), true);
-    if choice == chosen {
-        choice = s.choice(chosen.len(), false);
-    }
+    let choice = own_choice(s, chosen);
     if choice == chosen {
         return Row::Unexplained(format!(
             "its margin {m:e} ≤ 0, yet its own {} make the reference's choice {chosen:?} whichever way their ties break: nothing says which choice it would have taken",
@@ -354,11 +360,8 @@ fn tie(
     against: &Against,
     out: &mut JudgedRow,
 ) -> Row {
-    // The order its tie breaks the other way (as `flip` reads its choice).
-    let mut other = s.choice(chosen.len(), true);
-    if other == chosen {
-        other = s.choice(chosen.len(), false);
-    }
+    // The order its tie breaks the other way.
+    let other = own_choice(s, chosen);
     out.own = Some(other.clone());
     let Some(theirs) = own_scores(against.reference, name, row) else {
         return Row::NotChecked(format!(
