@@ -25,18 +25,18 @@ mod reader;
 pub mod settings;
 pub mod shard;
 mod view;
+mod weights;
 mod writer;
 
 pub use attrs::{Attributes, ExtraAttrs};
-pub use digest::{
-    gguf_file, open_weights_file, weights_digest, weights_digest_of, xxh3_hex, Digest,
-};
+pub use digest::{xxh3_hex, Digest};
 pub use dtype::{DType, UnknownDType};
 pub use error::{Entry, Error, KeyPlace, Malformed, Overflow, Payload, Resized, Result, Tampered};
 pub use layout::{ALIGN, FOOTER_LEN, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN};
 pub use reader::{DecisionInfo, TensorInfo, Trace};
 pub use shard::{Shard, ShardKind};
 pub use view::Element;
+pub use weights::{gguf_file, open_weights_file, weights_digest, weights_digest_of};
 pub use writer::TraceWriter;
 
 /// The `ndarray` this crate's views ([`Trace::view`]) are made of, for callers that name its types.

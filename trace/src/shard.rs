@@ -217,41 +217,6 @@ impl Shard {
     }
 }
 
-/// How the registry lets a capture point be sharded (`names::Point::shard`). Every point may be
-/// replicated; these say what else it may be.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ShardAs {
-    /// A slice along this axis (heads, vocabulary).
-    pub slice_axis: Option<usize>,
-    /// A partial sum, before the all-reduce (a row-parallel projection's output).
-    pub partial: bool,
-    /// Held by the rank holding its expert (expert parallelism).
-    pub experts: bool,
-}
-
-impl ShardAs {
-    pub const REPLICATED: ShardAs = ShardAs {
-        slice_axis: None,
-        partial: false,
-        experts: false,
-    };
-
-    /// `replicated, partial, slice along axis 1`, for a refusal.
-    pub fn describe(&self) -> String {
-        let mut out = vec!["replicated".to_string()];
-        if let Some(a) = self.slice_axis {
-            out.push(format!("slice along axis {a}"));
-        }
-        if self.partial {
-            out.push("partial".into());
-        }
-        if self.experts {
-            out.push("experts".into());
-        }
-        out.join(", ")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
