@@ -289,3 +289,89 @@ def test_every_build_resolves_one_feature_set(tmp_path):
     (tmp_path / "trace/Cargo.toml").write_text(trace[:start] + trace[end:])
     _, unpinned = _feature_splits(tmp_path, "--offline")  # the lock file loses the pins
     assert any(s.startswith("num-traits v") for s in unpinned), unpinned
+
+
+# The GGUF architectures each side reads (CONTRIBUTING, "Adding a model family", step 2): the
+# engine's `Arch` (engine/src/gguf/hf.rs), the contract's gguf.py `ARCHITECTURES` and the
+# oracle's gguf_source.py `ARCHITECTURES`. Read as text: the contract imports no oracle (torch).
+GGUF_TABLES = {
+    "engine": "engine/src/gguf/hf.rs",
+    "contract": "contract/tracegate_contract/gguf.py",
+    "oracle": "oracle/tracegate_oracle/gguf_source.py",
+}
+
+
+def _python_architectures(text: str, where: str) -> dict[str, str]:
+    """The module-level `ARCHITECTURES = {...}` literal of a Python source."""
+    import ast
+
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            "ARCHITECTURES"
+        ]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{where}: no module-level ARCHITECTURES")
+
+
+def _engine_architectures(text: str, where: str) -> list[str]:
+    """The names `Arch::from_name` takes, in order; each must be in `Arch::NAMES` and `name()`."""
+    body = re.search(r"fn from_name\(.*?\n    \}", text, re.S)
+    assert body, f"{where}: no Arch::from_name"
+    taken = re.findall(r'"([a-z0-9_]+)" => Some\(Arch::', body.group(0))
+    listed = re.search(r'const NAMES: &\'static str = "([^"]*)"', text)
+    assert listed, f"{where}: no Arch::NAMES"
+    named = re.findall(r'Arch::\w+ => "([a-z0-9_]+)"', text)
+    assert listed.group(1) == ", ".join(taken), (
+        f"{where}: NAMES {listed.group(1)!r}, from_name {taken}"
+    )
+    assert named == taken, f"{where}: Arch::name gives {named}, from_name takes {taken}"
+    return taken
+
+
+def _gguf_disagreements(texts: dict[str, str]) -> list[str]:
+    """Where the three GGUF architecture tables differ (names, order, transformers class)."""
+    contract = _python_architectures(texts["contract"], GGUF_TABLES["contract"])
+    oracle = _python_architectures(texts["oracle"], GGUF_TABLES["oracle"])
+    engine = _engine_architectures(texts["engine"], GGUF_TABLES["engine"])
+    bad = []
+    if list(oracle.items()) != list(contract.items()):
+        bad.append(f"{GGUF_TABLES['oracle']} ARCHITECTURES {oracle} != contract's {contract}")
+    if engine != list(contract):
+        bad.append(f"{GGUF_TABLES['engine']} Arch {engine} != contract's {list(contract)}")
+    return bad
+
+
+def _gguf_texts() -> dict[str, str]:
+    return {side: (ROOT_PATH / path).read_text() for side, path in GGUF_TABLES.items()}
+
+
+def test_the_three_gguf_architecture_tables_are_one():
+    texts = _gguf_texts()
+    assert len(_python_architectures(texts["contract"], "contract")) >= 3  # read, not empty
+    assert _gguf_disagreements(texts) == []
+
+
+def test_gguf_table_check_sees_each_copy_drift():
+    # Negative controls: each table changed alone is named; the unchanged texts pass above.
+    texts = _gguf_texts()
+    oracle = texts["oracle"].replace('"qwen3": "Qwen3ForCausalLM",', "", 1)
+    assert oracle != texts["oracle"]
+    bad = _gguf_disagreements({**texts, "oracle": oracle})
+    assert len(bad) == 1 and "gguf_source.py" in bad[0], bad
+    renamed = texts["contract"].replace(
+        '"Gemma3ForCausalLM"', '"Gemma3ForConditionalGeneration"', 1
+    )
+    bad = _gguf_disagreements({**texts, "contract": renamed})
+    assert len(bad) == 1 and "Gemma3ForConditionalGeneration" in bad[0], bad  # the class too
+    engine = texts["engine"].replace('"qwen3" => Some(Arch::Qwen3),', "", 1)
+    assert engine != texts["engine"]
+    try:
+        _gguf_disagreements({**texts, "engine": engine})
+    except AssertionError as e:  # NAMES still lists it: the engine disagrees with itself
+        assert "NAMES" in str(e), e
+    else:
+        raise AssertionError("a name dropped from Arch::from_name only was not seen")
+    engine = engine.replace('"llama, qwen3, gemma3"', '"llama, gemma3"', 1)
+    engine = engine.replace('Arch::Qwen3 => "qwen3",', "", 1)
+    bad = _gguf_disagreements({**texts, "engine": engine})
+    assert len(bad) == 1 and "hf.rs" in bad[0], bad

@@ -1,11 +1,15 @@
 """What a run records (tensors with their rows' absolute positions, decisions), in the order it
-happens; a decode step's capture and the capture that records nothing. The engine's mirror is
+happens; a decode step's capture and the capture that records nothing; and the trace it is
+written to. Every family records through it (block diffusion too). The engine's mirror is
 engine/src/capture.rs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+import tracegate
 from tracegate import names
 
 from .ops import F32
@@ -27,14 +31,22 @@ class Capture:
     def tensor(self, name: str, array: np.ndarray, positions, internal: bool = False) -> None:
         if internal and not self.internals:
             return
-        self.tensors.append(
-            (name, np.ascontiguousarray(array, dtype=F32), [int(p) for p in positions])
-        )
+        a = np.asarray(array)
+        # Token ids (a diffusion canvas) stay int64; every other point is f32.
+        a = np.ascontiguousarray(a if a.dtype == np.int64 else a.astype(F32, copy=False))
+        self.tensors.append((name, a, [int(p) for p in positions]))
 
-    def decision(self, name: str, values: np.ndarray, margins: np.ndarray) -> None:
-        self.decisions.append(
-            (name, np.asarray(values, dtype=np.int64), np.asarray(margins, dtype=F32))
-        )
+    def decision(self, name: str, values: np.ndarray, margins: np.ndarray | None) -> None:
+        """`margins` None: a decision without margins (a draw, docs/diffusion-gemma.md DG13)."""
+        m = None if margins is None else np.asarray(margins, dtype=F32)
+        self.decisions.append((name, np.asarray(values, dtype=np.int64), m))
+
+    def decided(self, name: str, values, margins, overridden: list[int] | None) -> None:
+        """Decision `name`, and under --force-decisions (`overridden` not None: the forced values
+        were recorded) the rows this producer would have decided otherwise."""
+        self.decision(name, values, margins)
+        if overridden is not None:
+            self.mark_forced(name, overridden)
 
     def mark_forced(self, name: str, overridden: list[int]) -> None:
         """The decision just recorded was forced; `overridden`: the rows (ascending) this producer
@@ -100,3 +112,51 @@ class _NoCapture(Capture):
 
 
 NO_CAPTURE = _NoCapture()
+
+
+# Where a tensor sits: its `path` and `mask` attributes (docs/trace-format.md), by its name.
+Place = Callable[[str], tuple[str, str | None]]
+
+
+def by_layer(path: str, mask_of: Callable[[int | None], str | None]) -> Place:
+    """The place of a tensor of a prefill or layer run: `path`, or `decode` for a decode step's;
+    the mask of its layer (`mask_of(None)` for a model-wide point)."""
+
+    def place(name: str) -> tuple[str, str | None]:
+        n = names.parse(name)
+        return ("decode" if n.decode_step is not None else path), mask_of(n.layer)
+
+    return place
+
+
+def write(
+    out: str,
+    prov: dict,
+    cap: Capture,
+    place: Place,
+    forcing=None,
+    attrs: dict | None = None,
+    shard_of=None,
+) -> str:
+    """Tensors in capture order, each where `place` puts it, then decisions in decision order;
+    returns the digest. `forcing`: the run's force.Forcing (None without --force-decisions);
+    `attrs`: extra attributes on every tensor; `shard_of`: a rank trace's `shard` attribute of a
+    tensor by its name. Under --force-decisions (its weights checked against this run's) with
+    the provenance record and `forced = <digest>` on every tensor captured after the first
+    forced decision."""
+    first_forced = len(cap.tensors)
+    if forcing is not None:
+        forcing.check_weights(prov["weights_digest"])
+        prov = {**prov, "forced_decisions": forcing.provenance(cap.forced)}
+        if cap.first_forced is not None:
+            first_forced = cap.first_forced
+    with tracegate.TraceWriter(out, prov) as w:
+        for i, (name, array, positions) in enumerate(cap.tensors):
+            extra = {**(attrs or {}), **({"forced": forcing.digest} if i >= first_forced else {})}
+            if shard_of is not None:
+                extra["shard"] = shard_of(name)
+            path, mask = place(name)
+            w.tensor(name, array, path=path, mask=mask, positions=positions, **extra)
+        for name, values, margins in cap.decisions:
+            w.decision(name, values, margins=margins)
+        return w.finish()

@@ -1,7 +1,9 @@
 """Diffusion Gemma (`diffusion_gemma`, block diffusion), the ordered contract of
 docs/diffusion-gemma.md (DG0–DG17), read top to bottom: config and generation knobs, weights,
 the encoder/decoder forward (one layer for both), self-conditioning, head, temperature, entropy,
-the step's decisions, the block loop, capture and forcing, and the `trace` verb.
+the step's decisions, the block loop, and where each recorded tensor sits. It records through
+the contract's shared recorder (capture.py) and forcing (force.py); the verbs (run.py) write
+its traces.
 
 Every operation is in the spec's order: ops.py's ordered kernels (matmul, rmsnorm, RoPE tables,
 softmax, argmax), libm tanh/log/exp in binary64 rounded once (ops.tanh_to_f32, log_to_f32,
@@ -19,6 +21,7 @@ import numpy as np
 from tracegate import names
 
 from . import force, jsonfile, ops, splitmix
+from .capture import Capture, Place
 from .config import MAX_POSITIONS, USIZE
 from .errors import ContractError
 from .force import Forcing
@@ -501,35 +504,7 @@ class LayerWeights:
 
 
 # --------------------------------------------------------------------------------------------
-# Capture: tensors with their attributes, decisions, and what was forced
-
-
-class DGCapture:
-    def __init__(self, internals: bool):
-        self.internals = internals
-        # (name, array, positions, path, mask)
-        self.tensors: list[tuple[str, np.ndarray, list[int], str, str]] = []
-        self.decisions: list[tuple[str, np.ndarray, np.ndarray | None]] = []
-        self.forced: list[tuple[str, list[int]]] = []
-        self.first_forced: int | None = None
-
-    def tensor(self, name, array, positions, path, mask, internal=False):
-        if internal and not self.internals:
-            return
-        a = np.asarray(array)
-        a = np.ascontiguousarray(a if a.dtype == np.int64 else a.astype(F32, copy=False))
-        self.tensors.append((name, a, [int(p) for p in positions], path, mask))
-
-    def decision(self, name, values, margins):
-        m = None if margins is None else np.asarray(margins, dtype=F32)
-        self.decisions.append((name, np.asarray(values, dtype=np.int64), m))
-
-    def mark_forced(self, name, overridden):
-        """The decision just recorded was forced; `overridden`: the rows (ascending) this producer
-        would have decided otherwise."""
-        if self.first_forced is None:
-            self.first_forced = len(self.tensors)
-        self.forced.append((name, [int(r) for r in overridden]))
+# Passes: what each forward's tensors are called and where they sit
 
 
 class Pass:
@@ -552,6 +527,33 @@ class Pass:
         if self.path == "encode":
             return f"sliding:{self.W}" if sliding else "causal"
         return f"bidirectional,sliding:{self.W}" if sliding else "bidirectional"
+
+
+def pass_of(name: str, W: int) -> Pass | None:
+    """The pass a tensor's name belongs to, by its prefix (DG16); None for a name of no pass (a
+    decode step's, a block's)."""
+    n = names.parse(name)
+    d = n.diffusion
+    if n.decode_step is not None:
+        return None
+    if d is None:
+        return Pass("prompt", None, None, W)
+    if d.kind == "encode":
+        return Pass("commit", d.block, None, W)
+    if d.kind == "denoise":
+        return Pass("denoise", d.block, d.step, W)
+    return None
+
+
+def place(cfg: DGConfig) -> Place:
+    """Where a recorded tensor sits (DG16): its pass's path, and its layer's mask in that pass
+    (the pass's own outside the layers)."""
+
+    def at(name: str) -> tuple[str, str]:
+        ps, layer = pass_of(name, cfg.sliding_window), names.parse(name).layer
+        return ps.path, ps.mask(None if layer is None else cfg.layer_types[layer] == SLIDING)
+
+    return at
 
 
 class Cache:
@@ -639,10 +641,9 @@ class DiffusionGemma:
         vr = ops.matmul(xn, L.wv_t).reshape(t, kt, dt) if L.sliding else kr
         k = ops.Rope.apply(self._norm(kr, L.k_norm), cos, sin)
         v = self._plain(vr)
-        mask = ps.mask(L.sliding)
-        cap.tensor(ps.name(names.layer(i, "q")), q, pos, ps.path, mask, internal=True)
-        cap.tensor(ps.name(names.layer(i, "k")), k, pos, ps.path, mask, internal=True)
-        cap.tensor(ps.name(names.layer(i, "v")), v, pos, ps.path, mask, internal=True)
+        cap.tensor(ps.name(names.layer(i, "q")), q, pos, internal=True)
+        cap.tensor(ps.name(names.layer(i, "k")), k, pos, internal=True)
+        cap.tensor(ps.name(names.layer(i, "v")), v, pos, internal=True)
         if ps.path == "encode":
             ck, cv, cpos = cache.rows(i)  # every cached position; the mask does the rest
         else:
@@ -660,7 +661,7 @@ class DiffusionGemma:
         else:
             visible = np.ones((t, len(kpos)), dtype=bool)
         o, probs = ops.attention_visible(q, keys, vals, visible, F32(1.0))
-        cap.tensor(ps.name(names.layer(i, "attn_probs")), probs, pos, ps.path, mask, internal=True)
+        cap.tensor(ps.name(names.layer(i, "attn_probs")), probs, pos, internal=True)
         if ps.path == "encode":
             cache.extend(i, k, v, pos)
         return ops.matmul(o.reshape(t, nh * dt), L.wo_t)
@@ -670,12 +671,12 @@ class DiffusionGemma:
         return ops.matmul(ops.gelu_tanh(ops.matmul(x, wg_t)) * ops.matmul(x, wu_t), wd_t)
 
     # DG8
-    def moe(self, i, L: LayerWeights, h1, pos, ps: Pass, cap, mask):
+    def moe(self, i, L: LayerWeights, h1, pos, ps: Pass, cap):
         cfg = self.cfg
         k, E, I = cfg.top_k_experts, cfg.num_experts, cfg.moe_intermediate_size
         xr = (self._plain(h1) * L.router_scale) * self.rho
         g = ops.matmul(xr, L.router_t)
-        cap.tensor(ps.name(names.layer(i, "router.logits")), g, pos, ps.path, mask, internal=True)
+        cap.tensor(ps.name(names.layer(i, "router.logits")), g, pos, internal=True)
         p = ops.softmax(g)
         if np.isnan(p).any():
             row = int(np.nonzero(np.isnan(p).any(axis=-1))[0][0])
@@ -689,9 +690,7 @@ class DiffusionGemma:
             overridden = force.rows_differing(forced, chosen)
             margin = np.array([ops.margin_of(p[r], forced[r]) for r in range(len(pos))], dtype=F32)
             chosen = forced
-        cap.decision(name, chosen, margin)
-        if forced is not None:
-            cap.mark_forced(name, overridden)
+        cap.decided(name, chosen, margin, overridden if forced is not None else None)
         rows = np.arange(len(pos))
         den = np.zeros(len(pos), dtype=F32)
         for j in range(k):  # rank order (§10.4)
@@ -707,24 +706,21 @@ class DiffusionGemma:
                 continue
             gu = ops.matmul(x3[r], L.expert_gu_t[e])
             y = ops.matmul(ops.gelu_tanh(gu[:, :I]) * gu[:, I:], L.expert_dn_t[e])
-            cap.tensor(
-                ps.name(names.expert(i, e, "out")),
-                y,
-                [pos[x] for x in r],
-                ps.path,
-                mask,
-                internal=True,
-            )
+            cap.tensor(ps.name(names.expert(i, e, "out")), y, [pos[x] for x in r], internal=True)
             out[r] = out[r] + y * wts[r, j][:, None]
         return out
 
     # DG9
+    def layer_alone(self, i, x, pos, ps: Pass, cap, cache):
+        """Layer `i` by itself (the `layer` verb): the call a whole run makes for it."""
+        with _ieee():
+            return self.layer(i, x, pos, ps, cap, cache)
+
     def layer(self, i, x, pos, ps: Pass, cap, cache):
         L = self.layers[i]
-        mask = ps.mask(L.sliding)
 
         def c(point, arr, internal=False):
-            cap.tensor(ps.name(names.layer(i, point)), arr, pos, ps.path, mask, internal)
+            cap.tensor(ps.name(names.layer(i, point)), arr, pos, internal=internal)
 
         c("hidden_in", x)
         a = self.attention(i, L, self._norm(x, L.input_layernorm), pos, ps, cap, cache)
@@ -735,7 +731,7 @@ class DiffusionGemma:
         c("dense_mlp.out", dense, True)
         d1 = self._norm(dense, L.post_feedforward_layernorm_1)
         c("dense_mlp.branch", d1)
-        moe = self.moe(i, L, h1, pos, ps, cap, mask)
+        moe = self.moe(i, L, h1, pos, ps, cap)
         c("moe.out", moe, True)
         d2 = self._norm(moe, L.post_feedforward_layernorm_2)
         c("moe.branch", d2)
@@ -749,7 +745,7 @@ class DiffusionGemma:
         """An encoder pass (the prompt, or a committed canvas): appends its rows to the cache."""
         with _ieee():
             h = self.embed(tokens)
-            cap.tensor(ps.name("embed.out"), h, pos, ps.path, ps.mask(None))
+            cap.tensor(ps.name("embed.out"), h, pos)
             for i in range(self.cfg.num_hidden_layers):
                 h = self.layer(i, h, pos, ps, cap, cache)
 
@@ -757,62 +753,39 @@ class DiffusionGemma:
     def denoise_forward(self, canvas, pos, ps: Pass, cap, cache, prev_tempered):
         """Decoder forward of one step; returns the (capped) logits [C, V]."""
         with _ieee():
-            outside = ps.mask(None)
-            cap.tensor(ps.name("canvas"), np.asarray(canvas, dtype=np.int64), pos, ps.path, outside)
+            cap.tensor(ps.name("canvas"), np.asarray(canvas, dtype=np.int64), pos)
             e = self.embed(canvas)
-            cap.tensor(ps.name("embed.out"), e, pos, ps.path, outside)
+            cap.tensor(ps.name("embed.out"), e, pos)
             if prev_tempered is None:
                 soft = np.zeros_like(e)
             else:
                 qs = ops.softmax(prev_tempered)
                 soft = ops.matmul(qs, self.embed_table) * self.s_e
-            cap.tensor(ps.name("sc.soft"), soft, pos, ps.path, outside)
+            cap.tensor(ps.name("sc.soft"), soft, pos)
             sc_in = self._norm(soft, self.sc_pre_norm)
             sc_mlp = self.mlp(sc_in, self.sc_wg_t, self.sc_wu_t, self.sc_wd_t)
-            cap.tensor(ps.name("sc.mlp_out"), sc_mlp, pos, ps.path, outside, internal=True)
+            cap.tensor(ps.name("sc.mlp_out"), sc_mlp, pos, internal=True)
             h = self._plain(e + sc_mlp)
-            cap.tensor(ps.name("sc.out"), h, pos, ps.path, outside)
+            cap.tensor(ps.name("sc.out"), h, pos)
             for i in range(self.cfg.num_hidden_layers):
                 h = self.layer(i, h, pos, ps, cap, cache)
             f = self._norm(h, self.norm)
-            cap.tensor(ps.name("final_norm.out"), f, pos, ps.path, outside)
+            cap.tensor(ps.name("final_norm.out"), f, pos)
             z = ops.matmul(f, self.head_t)
-            cap.tensor(ps.name("logits.uncapped"), z, pos, ps.path, outside, internal=True)
+            cap.tensor(ps.name("logits.uncapped"), z, pos, internal=True)
             c = F32(self.cfg.final_logit_softcapping)
             logits = ops.tanh_to_f32(z / c) * c
-            cap.tensor(ps.name("logits"), logits, pos, ps.path, outside)
+            cap.tensor(ps.name("logits"), logits, pos)
             return logits
 
     # --- forcing -----------------------------------------------------------------------------
 
     def _forced(self, name, shape, vrange, distinct=False, allow_minus_one=False):
         """REF's values for decision `name` under --force-decisions (None without it), checked
-        against the shape and range this run needs; a missing one is an error naming it."""
+        against the shape and range this run needs (force.Forcing.take)."""
         if self.forcing is None:
             return None
-        f = self.forcing
-        v = f.values(name)
-        if v is None:
-            raise ContractError(
-                f"--force-decisions {f.path}: decision {name} is missing (this run needs it)"
-            )
-        if list(v.shape) != list(shape):
-            raise ContractError(
-                f"--force-decisions {f.path}: decision {name} has shape {list(v.shape)}, this run needs {list(shape)}"
-            )
-        for idx, x in np.ndenumerate(v):
-            ok = 0 <= x < vrange or (allow_minus_one and x == -1)
-            if not ok:
-                raise ContractError(
-                    f"--force-decisions {f.path}: decision {name} value {int(x)} at {list(idx)} outside [0, {vrange})"
-                )
-        if distinct:
-            for r, row in enumerate(v):
-                if len(set(row.tolist())) != len(row):
-                    raise ContractError(
-                        f"--force-decisions {f.path}: decision {name} row {r}: a value repeated"
-                    )
-        return v.astype(np.int64)
+        return self.forcing.take(name, shape, vrange, distinct, allow_minus_one)
 
     # --- DG12, DG13: one step's decisions ----------------------------------------------------
 
@@ -820,13 +793,12 @@ class DiffusionGemma:
         """Temperature, probabilities, entropy, and argmax/sampled/accept/renoise/stop. Returns
         (tempered, argmax, argmax margins, next canvas, stop)."""
         C, V, N = self.cfg.canvas_length, self.cfg.vocab_size, knobs.max_denoising_steps
-        outside = ps.mask(None)
         with _ieee():
             # DG12.1
             k = N - s
             T = F32(knobs.t_min) + (F32(knobs.t_max - knobs.t_min) * (F32(k) / F32(N)))
             ell = logits / T
-            cap.tensor(ps.name("logits.tempered"), ell, pos, ps.path, outside)
+            cap.tensor(ps.name("logits.tempered"), ell, pos)
             # DG12.2 (§8.6 spelled out: m and z feed the entropy)
             m = np.max(ell, axis=-1, keepdims=True)
             ex = ops.exp_to_f32(ell - m)
@@ -844,7 +816,7 @@ class DiffusionGemma:
             raise ContractError(
                 f"{ps.name('entropy')}: NaN entropy in block {b}, step {s}, row {int(bad[0])}"
             )
-        cap.tensor(ps.name("entropy"), hent, pos, ps.path, outside)
+        cap.tensor(ps.name("entropy"), hent, pos)
 
         # DG13.1
         name = ps.name("argmax")
@@ -946,13 +918,11 @@ class DiffusionGemma:
         return ell, top, margin, nxt, bool(vals[2])
 
     def _record(self, cap, name, values, margins, forced, overridden):
-        cap.decision(name, values, margins)
-        if forced is not None:
-            cap.mark_forced(name, overridden)
+        cap.decided(name, values, margins, overridden if forced is not None else None)
 
     # --- DG14 --------------------------------------------------------------------------------
 
-    def generate(self, tokens, knobs: Knobs, cap: DGCapture) -> tuple[list[int], int]:
+    def generate(self, tokens, knobs: Knobs, cap: Capture) -> tuple[list[int], int]:
         """The prompt's encoder pass, then the blocks. Returns (output tokens, blocks run)."""
         cfg = self.cfg
         n, C, V, W = len(tokens), cfg.canvas_length, cfg.vocab_size, cfg.sliding_window
@@ -970,18 +940,15 @@ class DiffusionGemma:
             name = names.denoise_block(b, "init_canvas")
             ikey = splitmix.key(knobs.seed, splitmix.INIT, b, 0)
             forced = self._forced(name, (C,), V)
+            own = np.array(
+                [splitmix.token(splitmix.output(ikey, r), V) for r in range(C)], dtype=np.int64
+            )
             if forced is None:
-                canvas = np.array(
-                    [splitmix.token(splitmix.output(ikey, r), V) for r in range(C)], dtype=np.int64
-                )
+                canvas = own
                 cap.decision(name, canvas, None)
             else:
-                own = np.array(
-                    [splitmix.token(splitmix.output(ikey, r), V) for r in range(C)], dtype=np.int64
-                )
                 canvas = forced
-                cap.decision(name, canvas, None)
-                cap.mark_forced(name, force.rows_differing(forced, own))
+                cap.decided(name, canvas, None, force.rows_differing(forced, own))
             prev = None
             history: list[np.ndarray] = []
             last = None
@@ -1031,96 +998,13 @@ def _proportional_rope(base: float, D: int, f: float) -> ops.Rope:
 
 
 # --------------------------------------------------------------------------------------------
-# The `trace` verb
+# One layer alone (the `layer` verb, docs/producers.md "Block diffusion")
 
 
-def trace(
-    model_dir,
-    tokens,
-    out,
-    internals,
-    generate,
-    cached,
-    command,
-    force_decisions,
-    prompt_text,
-    given,
-):
-    """`trace` for a diffusion_gemma model: `given` holds the diffusion flags that were set."""
-    from .run import provenance
-
-    if not cached:
-        raise ContractError(
-            "--cache off: not supported for diffusion_gemma (the encoder's cache is the model)"
-        )
-    model = DiffusionGemma(model_dir)
-    cfg = model.cfg
-    knobs = resolve_knobs(model_dir, cfg, generate, given)
-    C = cfg.canvas_length
-    total = len(tokens) + -(-generate // C) * C
-    if total > MAX_POSITIONS:
-        raise ContractError(
-            f"--generate {generate}: {len(tokens)} prompt tokens plus whole canvases of {C} exceed the position limit 2^24"
-        )
-    if force_decisions is not None:
-        f = Forcing(force_decisions)
-        f.check_prompt(tokens)
-        model.forcing = f
-    cap = DGCapture(internals)
-    output, blocks = model.generate(tokens, knobs, cap)
-    prov = provenance(
-        model_dir,
-        command,
-        "trace",
-        prompt_tokens=list(tokens),
-        **({"prompt_text": prompt_text} if prompt_text is not None else {}),
-        capture="internals" if internals else "default",
-        cache="on",
-        generate=generate,
-        generation=knobs.provenance(),
-        rng=RNG,
-        blocks=blocks,
-        output_tokens=output,
-        **({"unused_tensors": model.unused_tensors} if model.unused_tensors else {}),
-    )
-    prov["seed"] = knobs.seed
-    return write(out, prov, cap, model.forcing)
-
-
-def write(out: str, prov: dict, cap: DGCapture, forcing: Forcing | None) -> str:
-    import tracegate
-
-    first_forced = len(cap.tensors)
-    if forcing is not None:
-        forcing.check_weights(prov["weights_digest"])
-        prov = {**prov, "forced_decisions": forcing.provenance(cap.forced)}
-        if cap.first_forced is not None:
-            first_forced = cap.first_forced
-    with tracegate.TraceWriter(out, prov) as w:
-        for i, (name, array, positions, path, mask) in enumerate(cap.tensors):
-            extra = {"forced": forcing.digest} if i >= first_forced else {}
-            w.tensor(name, array, path=path, mask=mask, positions=positions, **extra)
-        for name, values, margins in cap.decisions:
-            w.decision(name, values, margins=margins)
-        return w.finish()
-
-
-# --------------------------------------------------------------------------------------------
-# The `layer` verb
-
-
-def _layer_input_pass(name: str, index: int, W: int) -> Pass:
+def layer_input_pass(name: str, index: int, W: int) -> Pass:
     """The pass whose layer `index` input `name` is (`P` + `layer.LL.hidden_in`, P one of DG16's
     three prefixes); refused, naming it, for another layer, pass or point."""
-    n = names.parse(name)
-    d = n.diffusion
-    ps = None
-    if n.decode_step is None and d is None:
-        ps = Pass("prompt", None, None, W)
-    elif n.decode_step is None and d.kind == "encode":
-        ps = Pass("commit", d.block, None, W)
-    elif n.decode_step is None and d.kind == "denoise":
-        ps = Pass("denoise", d.block, d.step, W)
+    ps = pass_of(name, W)
     point = names.layer(index, "hidden_in")
     if ps is None or ps.name(point) != name:
         raise ContractError(
@@ -1130,7 +1014,7 @@ def _layer_input_pass(name: str, index: int, W: int) -> Pass:
     return ps
 
 
-def _cache_from_trace(src, input_path, ps: Pass, index: int, n_layers: int, row: int) -> Cache:
+def cache_from_trace(src, input_path, ps: Pass, index: int, n_layers: int, row: int) -> Cache:
     """DG6's cache of layer `index` for pass `ps`, read back from the input trace: every earlier
     encoder pass's `layer.LL.k`/`v` (the prompt's, then `encode.0000.` … up to the block before
     this one), in the order the whole run appended them. The decoder's sliding window over it is
@@ -1163,56 +1047,3 @@ def _cache_from_trace(src, input_path, ps: Pass, index: int, n_layers: int, row:
             raise ContractError(f"{input_path}: tensors {kn} and {vn} are at different positions")
         cache.extend(index, k, v, kpos)
     return cache
-
-
-def layer(model_dir, index, input_path, input_name, out, internals, command, force_decisions):
-    """`layer` for a diffusion_gemma model (docs/producers.md, "Block diffusion"): layer `index`
-    alone on `P.layer.LL.hidden_in` of the input trace, its keys DG6's for pass P — the cached
-    rows read back from the same trace's encoder k/v — through `DiffusionGemma.layer`, the call
-    the whole run makes, so the output repeats the whole run's points for that layer and pass."""
-    import tracegate
-
-    from .run import _positions_of, provenance
-
-    cfg = load_config(model_dir)
-    n = cfg.num_hidden_layers
-    if not (0 <= index < n):
-        raise ContractError(f"--layer: {index} is outside 0..{n - 1}")
-    ps = _layer_input_pass(input_name, index, cfg.sliding_window)
-    src = tracegate.Trace(input_path)
-    if input_name not in src.names:
-        raise ContractError(f"--input-name: {input_name} is not a tensor of {input_path}")
-    if src.dtype(input_name) != "f32":
-        raise ContractError(
-            f"{input_path}: tensor {input_name} is {src.dtype(input_name)}, not f32"
-        )
-    x = np.ascontiguousarray(src[input_name])
-    H = cfg.hidden_size
-    if x.ndim != 2 or x.shape[1] != H or x.shape[0] < 1:
-        raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}] with rows ≥ 1")
-    pos = _positions_of(src.attributes(input_name), input_name, x.shape[0])
-    bad = next((p for p in pos if p >= cfg.max_position_embeddings), None)
-    if bad is not None:
-        raise ContractError(
-            f"{input_name}: position {bad} outside [0, max_position_embeddings {cfg.max_position_embeddings})"
-        )
-    d, kv = cfg.dims(index)
-    cache = _cache_from_trace(src, input_path, ps, index, n, kv * d)
-    model = DiffusionGemma(model_dir)
-    if force_decisions is not None:
-        model.forcing = Forcing(force_decisions)
-    cap = DGCapture(internals)
-    with _ieee():
-        model.layer(index, x, pos, ps, cap, cache)
-    prov = provenance(
-        model_dir,
-        command,
-        "layer",
-        layer=index,
-        input=os.path.abspath(input_path),
-        input_name=input_name,
-        input_digest=src.digest,
-        capture="internals" if internals else "default",
-        **({"unused_tensors": model.unused_tensors} if model.unused_tensors else {}),
-    )
-    return write(out, prov, cap, model.forcing)

@@ -81,6 +81,35 @@ class Forcing:
                     )
         return int(v.shape[0])
 
+    def take(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        value_range: int,
+        distinct: bool = False,
+        allow_minus_one: bool = False,
+    ) -> np.ndarray:
+        """Decision `name`'s values, of exactly `shape` (block diffusion's decisions: every row is
+        this run's), each in [0, value_range) (or −1 where `allow_minus_one`), and with
+        `distinct` no value twice in one row; a missing one is refused naming it."""
+        v = self.decisions.get(name)
+        if v is None:
+            raise self._refuse(f"decision {name} is missing (this run needs it)")
+        if list(v.shape) != list(shape):
+            raise self._refuse(
+                f"decision {name} has shape {list(v.shape)}, this run needs {list(shape)}"
+            )
+        for idx, x in np.ndenumerate(v):
+            if not (0 <= x < value_range or (allow_minus_one and x == -1)):
+                raise self._refuse(
+                    f"decision {name} value {int(x)} at {list(idx)} outside [0, {value_range})"
+                )
+        if distinct:
+            for r, row in enumerate(v):
+                if len(set(row.tolist())) != len(row):
+                    raise self._refuse(f"decision {name} row {r}: a value repeated")
+        return v.astype(np.int64)
+
     def values(self, name: str) -> np.ndarray | None:
         return self.decisions.get(name)
 

@@ -2,99 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import os
-import platform
 import uuid
 
 import numpy as np
+import tracegate
 from tracegate import names
 
 from . import diffusion_gemma, gguf, shard
+from .capture import NO_CAPTURE, Capture, by_layer, write
+from .config import MAX_POSITIONS
 from .errors import ContractError
 from .force import Forcing
-from .model import MAX_POSITIONS, NO_CAPTURE, Capture, Model, open_model
-from .weights import weights_digest
-
-
-def _tracegate():
-    import tracegate
-
-    return tracegate
-
-
-def provenance(model_dir: str, command: list[str], verb: str, **run) -> dict:
-    tg = _tracegate()
-    try:
-        from importlib.metadata import version
-
-        tg_version = version("tracegate")
-    except Exception:
-        tg_version = getattr(tg, "__version__", "unknown")
-    return {
-        "producer": "contract",
-        "versions": {
-            "numpy": np.__version__,
-            "python": platform.python_version(),
-            "tracegate": tg_version,
-        },
-        "dtype": "f32",
-        "device": "cpu",
-        "threads": 1,
-        "seed": None,
-        "model_dir": model_dir,
-        "weights_digest": weights_digest(model_dir),
-        "verb": verb,
-        **run,
-        "command_line": list(command),
-    }
-
-
-def write_trace(
-    out: str,
-    prov: dict,
-    cap: Capture,
-    path: str,
-    forcing: Forcing | None = None,
-    attrs: dict | None = None,
-    mask_of=lambda layer: "causal",
-    shard_of=None,
-) -> str:
-    """Tensors in capture order (a decode step's, `decode.*`, with path=decode), then decisions in
-    decision order; returns the digest. `attrs`: extra attributes on every tensor; `mask_of`: the
-    `mask` attribute of a layer's tensors by its index (None: a model-wide point); `shard_of`:
-    a rank trace's `shard` attribute of a tensor by its name. Under
-    --force-decisions (its weights checked against this run's) with the provenance record and
-    `forced = <digest>` on every tensor captured after the first forced decision."""
-    tg = _tracegate()
-    first_forced = len(cap.tensors)
-    if forcing is not None:
-        forcing.check_weights(prov["weights_digest"])
-        prov = {**prov, "forced_decisions": forcing.provenance(cap.forced)}
-        if cap.first_forced is not None:
-            first_forced = cap.first_forced
-    with tg.TraceWriter(out, prov) as w:
-        for i, (name, array, positions) in enumerate(cap.tensors):
-            extra = {**(attrs or {}), **({"forced": forcing.digest} if i >= first_forced else {})}
-            if shard_of is not None:
-                extra["shard"] = shard_of(name)
-            where = "decode" if names.parse(name).decode_step is not None else path
-            mask = mask_of(names.parse(name).layer)
-            w.tensor(name, array, path=where, mask=mask, positions=positions, **extra)
-        for name, values, margins in cap.decisions:
-            w.decision(name, values, margins=margins)
-        return w.finish()
+from .model import Model, open_model
+from .provenance import provenance, unused
 
 
 def _model(model_dir: str) -> Model:
     if gguf.locate(model_dir) is None and not os.path.isdir(model_dir):
         raise ContractError(f"--model: {model_dir} is not a directory or a .gguf file")
     return open_model(model_dir)
-
-
-def _unused(model: Model) -> dict:
-    """Provenance's `unused_tensors` ({prefix: count}, §20) where the checkpoint has any."""
-    unused = getattr(model, "unused_tensors", None)
-    return {"unused_tensors": unused} if unused else {}
 
 
 def _trace_model(model_dir, tokens, generate) -> Model:
@@ -125,7 +53,7 @@ def _trace_provenance(
         capture="internals" if internals else "default",
         cache="on" if cached else "off",
         generate=generate,
-        **_unused(model),
+        **unused(model),
     )
 
 
@@ -147,7 +75,7 @@ def trace(
     `diffusion`: the diffusion_gemma knobs given on the command line (`diffusion_flags`, their
     flags), refused for every other family."""
     if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
-        return diffusion_gemma.trace(
+        return _trace_diffusion(
             model_dir,
             tokens,
             out,
@@ -178,7 +106,58 @@ def trace(
     prov = _trace_provenance(
         model_dir, model, command, tokens, prompt_text, internals, cached, generate
     )
-    return write_trace(out, prov, cap, "prefill", model.forcing, mask_of=model.cfg.mask)
+    return write(out, prov, cap, by_layer("prefill", model.cfg.mask), model.forcing)
+
+
+def _trace_diffusion(
+    model_dir,
+    tokens,
+    out,
+    internals,
+    generate,
+    cached,
+    command,
+    force_decisions,
+    prompt_text,
+    given,
+) -> str:
+    """`trace` for a diffusion_gemma model: `given` holds the diffusion flags that were set."""
+    if not cached:
+        raise ContractError(
+            "--cache off: not supported for diffusion_gemma (the encoder's cache is the model)"
+        )
+    model = diffusion_gemma.DiffusionGemma(model_dir)
+    cfg = model.cfg
+    knobs = diffusion_gemma.resolve_knobs(model_dir, cfg, generate, given)
+    C = cfg.canvas_length
+    total = len(tokens) + -(-generate // C) * C
+    if total > MAX_POSITIONS:
+        raise ContractError(
+            f"--generate {generate}: {len(tokens)} prompt tokens plus whole canvases of {C} exceed the position limit 2^24"
+        )
+    if force_decisions is not None:
+        f = Forcing(force_decisions)
+        f.check_prompt(tokens)
+        model.forcing = f
+    cap = Capture(internals)
+    output, blocks = model.generate(tokens, knobs, cap)
+    prov = provenance(
+        model_dir,
+        command,
+        "trace",
+        prompt_tokens=list(tokens),
+        **({"prompt_text": prompt_text} if prompt_text is not None else {}),
+        capture="internals" if internals else "default",
+        cache="on",
+        generate=generate,
+        generation=knobs.provenance(),
+        rng=diffusion_gemma.RNG,
+        blocks=blocks,
+        output_tokens=output,
+        **unused(model),
+    )
+    prov["seed"] = knobs.seed
+    return write(out, prov, cap, diffusion_gemma.place(cfg), model.forcing)
 
 
 RANK = "{rank}"  # in --out of a sharded run: where each rank's number goes
@@ -233,23 +212,39 @@ def trace_sharded(
             "shards": {"mode": shards.mode, "world": shards.world, "rank": p.rank},
             "run_id": run_id,
         }
-        digest = write_trace(
+        digest = write(
             path,
             rank_prov,
             c,
-            "prefill",
-            mask_of=cfg.mask,
+            by_layer("prefill", cfg.mask),
             shard_of=lambda name, p=p: shard.attribute(p, cfg, name),
         )
         written.append((digest, path))
     return written
 
 
+def _layer_input(input_path: str, input_name: str, hidden: int):
+    """The `layer` verb's input: (the trace, its tensor `input_name` as [rows, hidden] f32, the
+    rows' positions), each refused in one line naming the file and the tensor."""
+    src = tracegate.Trace(input_path)
+    if input_name not in src.names:
+        raise ContractError(f"--input-name: {input_name} is not a tensor of {input_path}")
+    # As the engine: the rows are taken as they are, never converted from another dtype.
+    if src.dtype(input_name) != "f32":
+        raise ContractError(
+            f"{input_path}: tensor {input_name} is {src.dtype(input_name)}, not f32"
+        )
+    x = np.ascontiguousarray(src[input_name])
+    if x.ndim != 2 or x.shape[1] != hidden or x.shape[0] < 1:
+        raise ContractError(
+            f"{input_name}: shape {list(x.shape)} is not [rows, {hidden}] with rows ≥ 1"
+        )
+    return src, x, _positions_of(src.attributes(input_name), input_name, x.shape[0])
+
+
 def _positions_of(attrs: dict, name: str, rows: int) -> list[int]:
     pos = attrs.get("positions")
     if isinstance(pos, str):  # tolerate a JSON-encoded list
-        import json
-
         pos = json.loads(pos)
     if pos is None:
         raise ContractError(f"{name}: the input tensor has no positions attribute")
@@ -292,32 +287,19 @@ def layer(
     prefill path, then each later row goes alone through the cached decode path — `Model.layer`
     on one row and the filled cache, the call a cached --generate step makes for every layer —
     and only those rows are written."""
-    tg = _tracegate()
     if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
         if decode_from is not None:
             raise ContractError(
                 "--decode-from: not for diffusion_gemma (there is no greedy decode step; name a denoise step's input instead)"
             )
-        return diffusion_gemma.layer(
+        return _layer_diffusion(
             model_dir, index, input_path, input_name, out, internals, command, force_decisions
         )
     model = _model(model_dir)
     n = model.cfg.num_hidden_layers
     if not (0 <= index < n):
         raise ContractError(f"--layer: {index} is outside 0..{n - 1}")
-    src = tg.Trace(input_path)
-    if input_name not in src.names:
-        raise ContractError(f"--input-name: {input_name} is not a tensor of {input_path}")
-    # As the engine: the rows are taken as they are, never converted from another dtype.
-    if src.dtype(input_name) != "f32":
-        raise ContractError(
-            f"{input_path}: tensor {input_name} is {src.dtype(input_name)}, not f32"
-        )
-    x = np.ascontiguousarray(src[input_name])
-    H = model.cfg.hidden_size
-    if x.ndim != 2 or x.shape[1] != H or x.shape[0] < 1:
-        raise ContractError(f"{input_name}: shape {list(x.shape)} is not [rows, {H}] with rows ≥ 1")
-    pos = _positions_of(src.attributes(input_name), input_name, x.shape[0])
+    src, x, pos = _layer_input(input_path, input_name, model.cfg.hidden_size)
     if decode_from is not None:
         try:
             _check_decode_from(pos, decode_from)
@@ -359,6 +341,45 @@ def layer(
         input_digest=src.digest,
         capture="internals" if internals else "default",
         **run,
-        **_unused(model),
+        **unused(model),
     )
-    return write_trace(out, prov, cap, "layer", model.forcing, attrs, model.cfg.mask)
+    return write(out, prov, cap, by_layer("layer", model.cfg.mask), model.forcing, attrs)
+
+
+def _layer_diffusion(
+    model_dir, index, input_path, input_name, out, internals, command, force_decisions
+) -> str:
+    """`layer` for a diffusion_gemma model (docs/producers.md, "Block diffusion"): layer `index`
+    alone on `P.layer.LL.hidden_in` of the input trace, its keys DG6's for pass P — the cached
+    rows read back from the same trace's encoder k/v — through `DiffusionGemma.layer`, the call
+    the whole run makes, so the output repeats the whole run's points for that layer and pass."""
+    cfg = diffusion_gemma.load_config(model_dir)
+    n = cfg.num_hidden_layers
+    if not (0 <= index < n):
+        raise ContractError(f"--layer: {index} is outside 0..{n - 1}")
+    ps = diffusion_gemma.layer_input_pass(input_name, index, cfg.sliding_window)
+    src, x, pos = _layer_input(input_path, input_name, cfg.hidden_size)
+    bad = next((p for p in pos if p >= cfg.max_position_embeddings), None)
+    if bad is not None:
+        raise ContractError(
+            f"{input_name}: position {bad} outside [0, max_position_embeddings {cfg.max_position_embeddings})"
+        )
+    d, kv = cfg.dims(index)
+    cache = diffusion_gemma.cache_from_trace(src, input_path, ps, index, n, kv * d)
+    model = diffusion_gemma.DiffusionGemma(model_dir)
+    if force_decisions is not None:
+        model.forcing = Forcing(force_decisions)
+    cap = Capture(internals)
+    model.layer_alone(index, x, pos, ps, cap, cache)
+    prov = provenance(
+        model_dir,
+        command,
+        "layer",
+        layer=index,
+        input=os.path.abspath(input_path),
+        input_name=input_name,
+        input_digest=src.digest,
+        capture="internals" if internals else "default",
+        **unused(model),
+    )
+    return write(out, prov, cap, diffusion_gemma.place(cfg), model.forcing)

@@ -20,7 +20,8 @@ use tracegate_trace::{DecisionInfo, Trace};
 
 pub(crate) use diffusion::{one_sided_after_sampling, still_different};
 pub use own::{override_gap, own_scores, OverrideGap, OwnScores};
-pub use rows::{margin_tolerance, MARGIN_SLACK};
+pub use rows::margin_tolerance;
+pub use scores::MARGIN_SLACK;
 pub(crate) use source::source_tensor;
 
 use crate::excuse::Excusal;

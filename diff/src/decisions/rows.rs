@@ -6,7 +6,7 @@ use tracegate_trace::{DecisionInfo, Trace};
 use tracegate_trace::names::Name;
 
 use super::diffusion::{self, last_step};
-use super::scores::{crossed_gap, margin_agrees, picks, Scores};
+use super::scores::{crossed_gap, margin_agrees, picks, Scores, MARGIN_SLACK};
 use super::source::{decode_step, holds_scores, range_divergence, row_position, source_row};
 use crate::excuse::Excusal;
 use crate::passes::{self, Sampler};
@@ -14,11 +14,6 @@ use crate::{
     DecisionResult, DecisionStatus, Finding, FindingKind, Flip, Label, MarginDifference, Margins,
     NearTieRef, Policy, Real, Report,
 };
-
-/// Under a policy, the slack a margin gets beyond what its source row explains, relative to
-/// max(1, |margin|): covers rounding of the subtraction and of the softmax (≈1e-7), and router
-/// margins whose traces hold no `router.logits` (the fallback source is not the scores).
-pub const MARGIN_SLACK: f64 = 1e-5;
 
 /// Under a policy, the largest |reference − candidate| margin difference accepted for a row:
 /// `2·d + MARGIN_SLACK·max(1, |a|, |b|)`, `d` the source row's divergence (0 without a source).

@@ -8,6 +8,11 @@ use tracegate_trace::{DType, Trace};
 use super::source::row_range;
 use crate::numeric;
 
+/// Under a policy, the slack a margin gets beyond what its source row explains, relative to
+/// max(1, |margin|): covers rounding of the subtraction and of the softmax (≈1e-7), and router
+/// margins whose traces hold no `router.logits` (the fallback source is not the scores).
+pub const MARGIN_SLACK: f64 = 1e-5;
+
 /// One row of one side's source tensor: `len` scores of `dtype` starting at element `start`.
 pub(super) struct Scores<'a> {
     dtype: DType,
@@ -193,7 +198,7 @@ pub(super) fn margin_agrees(
     got: f64,
 ) -> Option<Result<(), f64>> {
     let (want, rounding) = margin_of(s, chosen, router)?;
-    let slack = super::rows::MARGIN_SLACK * 1f64.max(got.abs()).max(want.abs()) + rounding;
+    let slack = MARGIN_SLACK * 1f64.max(got.abs()).max(want.abs()) + rounding;
     let agrees = got == want || (got.is_nan() && want.is_nan()) || (got - want).abs() <= slack;
     Some(if agrees { Ok(()) } else { Err(want) })
 }

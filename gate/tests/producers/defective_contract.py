@@ -318,7 +318,7 @@ def plant_diffusion(defect: str) -> None:
 
         DG.denoise_forward, DG._plain = denoise_forward, plain
     elif defect == "dg-reply-sampled":
-        orig_record, orig_decision = DG._record, diffusion_gemma.DGCapture.decision
+        orig_record, orig_decision = DG._record, capture.Capture.decision
         last = {}
 
         def record(self, cap, name, values, margins, forced, overridden):
@@ -333,7 +333,7 @@ def plant_diffusion(defect: str) -> None:
                 values[:] = last["sampled"]  # the commit, the output and the commit pass see it
             return orig_decision(self, name, values, margins)
 
-        DG._record, diffusion_gemma.DGCapture.decision = record, decision
+        DG._record, capture.Capture.decision = record, decision
     elif defect == "dg-stop-or":
         orig_record = DG._record
 
@@ -358,10 +358,10 @@ def plant_cover(DG) -> None:
     (within the policy's relative L2 for `logits.tempered`, and far enough that its margin of 0
     stays within the margin tolerance the moved logits allow), and its argmax margin recorded 0:
     consistent with the scores it records. What it computes with is unchanged."""
-    orig_tensor, orig_record = diffusion_gemma.DGCapture.tensor, DG._record
+    orig_tensor, orig_record = capture.Capture.tensor, DG._record
     covered = [None]
 
-    def tensor(self, name, array, positions, path, mask, internal=False):
+    def tensor(self, name, array, positions, internal=False):
         if name == "denoise.0000.0000.logits.tempered":
             a = np.array(array, dtype=np.float32)
             top2 = -np.sort(-a, axis=-1)[:, :2]
@@ -371,7 +371,7 @@ def plant_cover(DG) -> None:
             gap = a[r, t] - a[r, s]
             a[r, t] = a[r, s] = np.float32((a[r, t] + a[r, s]) / 2 - gap / 20)
             covered[0], array = r, a
-        return orig_tensor(self, name, array, positions, path, mask, internal)
+        return orig_tensor(self, name, array, positions, internal)
 
     def record(self, cap, name, values, margins, forced, overridden):
         if name == "denoise.0000.0000.argmax" and covered[0] is not None:
@@ -379,7 +379,7 @@ def plant_cover(DG) -> None:
             margins[covered[0]] = 0.0
         return orig_record(self, cap, name, values, margins, forced, overridden)
 
-    diffusion_gemma.DGCapture.tensor, DG._record = tensor, record
+    capture.Capture.tensor, DG._record = tensor, record
 
 
 def plant_far(DG) -> None:
@@ -391,13 +391,13 @@ def plant_far(DG) -> None:
     with is unchanged."""
     far = 0.1
     orig_tensor, orig_record, orig_argmax = (
-        diffusion_gemma.DGCapture.tensor,
+        capture.Capture.tensor,
         DG._record,
         ops.argmax_margin,
     )
     moved = {}  # the row and its recorded (moved) tempered logits
 
-    def tensor(self, name, array, positions, path, mask, internal=False):
+    def tensor(self, name, array, positions, internal=False):
         if name == "denoise.0000.0000.logits.tempered":
             a = np.array(array, dtype=np.float32)
             top2 = -np.sort(-a, axis=-1)[:, :2]
@@ -412,7 +412,7 @@ def plant_far(DG) -> None:
                 moved.clear()
                 moved[r] = a[r].copy()
                 array = a
-        return orig_tensor(self, name, array, positions, path, mask, internal)
+        return orig_tensor(self, name, array, positions, internal)
 
     def argmax_margin(logits, what="logits"):
         top, margin = orig_argmax(logits, what=what)
@@ -430,7 +430,7 @@ def plant_far(DG) -> None:
             margins[r] = ops.margin_of(row, [int(values[r])])
         return orig_record(self, cap, name, values, margins, forced, overridden)
 
-    diffusion_gemma.DGCapture.tensor, DG._record = tensor, record
+    capture.Capture.tensor, DG._record = tensor, record
     ops.argmax_margin = argmax_margin  # called through the module
 
 
