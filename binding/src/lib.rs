@@ -45,7 +45,7 @@ fn refused(message: impl Into<String>, kind: &'static str) -> PyErr {
 }
 
 /// Every kind's name, from a match the compiler holds complete: a new variant does not build
-/// until it is listed here (and binding/tests/test_binding.py wants it in docs/trace-format.md).
+/// until it is listed here (and binding/tests/test_error_kinds.py wants it in the docs).
 macro_rules! error_kinds {
     ($($class:ident: [$($kind:ident),* $(,)?]),* ; $($other:ident),* $(,)?) => {
         fn error_kind(e: &tracegate_trace::Error) -> &'static str {
