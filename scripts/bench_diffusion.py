@@ -76,7 +76,6 @@ def main() -> int:
             t = time.perf_counter()
             subprocess.run(cmd, check=True, capture_output=True)
             engine_s.append(time.perf_counter() - t)
-        sys.path.insert(0, str(ROOT / "trace" / "python" / "python"))
         import tracegate
 
         trace = tracegate.Trace(str(out))

@@ -51,7 +51,7 @@ python_env() {
   # --- end llama.cpp ------------------------------------------------------------------------
 
   # Headless Chromium renders the HTML reports in their browser test
-  # (trace/python/tests/test_reports.py): Debian's package, installed as root where apt-get is.
+  # (binding/tests/test_reports.py): Debian's package, installed as root where apt-get is.
   if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
     :
   elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -89,12 +89,12 @@ trap - EXIT
 log "building the tracegate Python module (maturin)"
 # maturin develop installs into the active venv; VIRTUAL_ENV points it at ours.
 VIRTUAL_ENV="$root/.venv" PATH="$root/.venv/bin:$PATH" \
-  .venv/bin/maturin develop --release --quiet -m trace/python/Cargo.toml >/dev/null
+  .venv/bin/maturin develop --release --quiet -m binding/Cargo.toml >/dev/null
 # The same module as a wheel in target/wheels/, for `pip install` where no Rust builds (a
 # Python port's CI, docs/ci.md; gate/tests/port.rs installs it). The same interpreter as
 # `maturin develop`'s, so cargo reuses its build: seconds, not a second Rust build.
 rm -f "${CARGO_TARGET_DIR:-target}"/wheels/tracegate-*.whl
-.venv/bin/maturin build --release --quiet -i "$root/.venv/bin/python" -m trace/python/Cargo.toml >/dev/null
+.venv/bin/maturin build --release --quiet -i "$root/.venv/bin/python" -m binding/Cargo.toml >/dev/null
 
 # contract/ and oracle/ as editable packages: imported from this checkout, at the versions of
 # requirements.txt (--no-deps: pip resolves nothing; --no-build-isolation: the pinned setuptools
@@ -102,7 +102,7 @@ rm -f "${CARGO_TARGET_DIR:-target}"/wheels/tracegate-*.whl
 # to what requirements.txt installed. Skipped when this checkout's packages, with these
 # pyproject files, are the ones the venv imports.
 stamp=.venv/.packages.sha256
-want="$(cat contract/pyproject.toml oracle/pyproject.toml trace/python/pyproject.toml requirements.txt | sha256sum | cut -d' ' -f1) $root"
+want="$(cat contract/pyproject.toml oracle/pyproject.toml binding/pyproject.toml requirements.txt | sha256sum | cut -d' ' -f1) $root"
 installed_here() {
   .venv/bin/python - "$root" <<'PY'
 import importlib.util, os, sys

@@ -18,7 +18,7 @@ from tracegate_contract.__main__ import main
 from conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location(
-    "tiny_tokenizer", os.path.join(ROOT, "trace", "python", "tests", "tiny_tokenizer.py")
+    "tiny_tokenizer", os.path.join(ROOT, "binding", "tests", "tiny_tokenizer.py")
 )
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)

@@ -18,7 +18,7 @@ from conftest import FIXTURES, ROOT
 ROOT_PATH = Path(ROOT)
 
 PYPROJECTS = {
-    "tracegate": "trace/python/pyproject.toml",
+    "tracegate": "binding/pyproject.toml",
     "tracegate-contract": "contract/pyproject.toml",
     "tracegate-oracle": "oracle/pyproject.toml",
 }
@@ -235,7 +235,7 @@ def _feature_splits(root: Path, lock: str = "--locked") -> tuple[dict[str, int],
     features (cargo compiles it, and every crate above it, once per feature set)."""
     seen: dict[str, dict[str, set[str]]] = {}
     sizes = {}
-    with open(ROOT_PATH / "trace/python/pyproject.toml", "rb") as f:
+    with open(ROOT_PATH / "binding/pyproject.toml", "rb") as f:
         maturin = tomllib.load(f)["tool"]["maturin"].get("features", [])
     for build, args in _BUILDS.items():
         args = [*args, "--features", ",".join(maturin)] if build == "maturin" and maturin else args

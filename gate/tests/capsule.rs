@@ -93,7 +93,7 @@ fn capsule_run(tmp: &Path, dir: &Path, candidate: &[&str]) -> (i32, String, Valu
 
 fn pytest(dir: &Path, candidate: Option<&str>) -> (i32, String) {
     let root = repo().canonicalize().unwrap();
-    let path = ["contract", "oracle", "trace/python/python"]
+    let path = ["contract", "oracle", "binding/python"]
         .map(|p| root.join(p).display().to_string())
         .join(":");
     let mut cmd = Command::new(common::python());

@@ -1255,7 +1255,7 @@ fn built_wheel() -> PathBuf {
         .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
         .unwrap_or_else(|| {
             panic!(
-                "no tracegate wheel in {}: scripts/setup.sh builds it (maturin build --release -m trace/python/Cargo.toml)",
+                "no tracegate wheel in {}: scripts/setup.sh builds it (maturin build --release -m binding/Cargo.toml)",
                 dir.display()
             )
         })
@@ -1349,7 +1349,7 @@ fn the_documented_python_workflow_gates_a_python_port() {
     // The wheel step builds what the set-up builds, which stands in for it here.
     assert!(
         run_of("Build the tracegate wheel")
-            .contains("maturin build --release -m \"$TRACEGATE_HOME/trace/python/Cargo.toml\""),
+            .contains("maturin build --release -m \"$TRACEGATE_HOME/binding/Cargo.toml\""),
         "{}",
         run_of("Build the tracegate wheel")
     );
@@ -1460,14 +1460,14 @@ fn the_documented_python_workflow_gates_a_python_port() {
 fn text_prompts_are_tokenized_once_and_a_changed_tokenizer_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    // A model with a tokenizer (trace/python/tests/tiny_tokenizer.py: a WordLevel one in a copy
+    // A model with a tokenizer (binding/tests/tiny_tokenizer.py: a WordLevel one in a copy
     // of tiny-qwen3, with a chat template).
     let made = std::process::Command::new(repo().join(".venv/bin/python"))
         .args([
             "-c",
             "import sys; sys.path.insert(0, sys.argv[1]); import tiny_tokenizer as t; t.model_with_tokenizer(sys.argv[2])",
         ])
-        .arg(repo().join("trace/python/tests"))
+        .arg(repo().join("binding/tests"))
         .arg(d.join("model"))
         .output()
         .unwrap();

@@ -20,7 +20,7 @@ from tracegate_oracle.cli import parser as oracle_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
-    "tiny_tokenizer", ROOT / "trace" / "python" / "tests" / "tiny_tokenizer.py"
+    "tiny_tokenizer", ROOT / "binding" / "tests" / "tiny_tokenizer.py"
 )
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)

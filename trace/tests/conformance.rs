@@ -1,5 +1,5 @@
 //! The conformance vectors in fixtures/format/ were written by the independent Python spec
-//! writer (trace/python/tests/spec_writer.py); the Rust writer must reproduce them byte for byte.
+//! writer (binding/tests/spec_writer.py); the Rust writer must reproduce them byte for byte.
 
 use std::path::PathBuf;
 

@@ -21,7 +21,7 @@ pub const TOKENIZER_FILES: [&str; 9] = [
     "chat_template.json",
 ];
 
-/// The way out for a GGUF model without tokenizer files, as `tracegate.text` (trace/python)
+/// The way out for a GGUF model without tokenizer files, as `tracegate.text` (binding/)
 /// says it.
 pub const GGUF_FIX: &str = "give token ids (--tokens, or \"tokens\" in a prompt set), or a directory holding the tokenizer's files (transformers' AutoTokenizer.from_pretrained(dir, gguf_file=...).save_pretrained(dir) writes them; scripts/real_model.py convert does this)";
 
@@ -92,7 +92,7 @@ pub fn tokenizer_digest(dir: &Path) -> Result<String> {
 mod tests {
     use super::*;
 
-    /// The known answers docs/producers.md states (and trace/python/tests/test_text.py pins for
+    /// The known answers docs/producers.md states (and binding/tests/test_text.py pins for
     /// the Python side): both sides give them from the definition's text.
     #[test]
     fn the_documented_known_answers() {

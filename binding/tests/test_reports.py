@@ -30,7 +30,7 @@ import tracegate
 from referencing.jsonschema import DRAFT202012
 from tracegate.testing import assert_traces_agree
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "target" / "release"
 PLANTED = "--nudge layer.00.attn_out --push layer.01.mlp_out --flip decode.0003.argmax"
 

@@ -3,7 +3,7 @@
 It shares no code with the Rust crate: if both produce the same bytes for the conformance
 vectors, the spec is what they both follow. Run as a script to (re)generate the vectors:
 
-    .venv/bin/python trace/python/tests/spec_writer.py fixtures/format
+    .venv/bin/python binding/tests/spec_writer.py fixtures/format
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def regenerate(directory: Path) -> None:
     (directory / "vectors.json").write_text(
         json.dumps(
             {
-                "about": "Conformance vectors for docs/trace-format.md, written by trace/python/tests/spec_writer.py",
+                "about": "Conformance vectors for docs/trace-format.md, written by binding/tests/spec_writer.py",
                 "vectors": vectors,
             },
             indent=1,

@@ -15,7 +15,7 @@ import pytest
 import tracegate
 import xxhash
 
-VECTORS = Path(__file__).resolve().parents[3] / "fixtures" / "format"
+VECTORS = Path(__file__).resolve().parents[2] / "fixtures" / "format"
 ITERS = int(os.environ.get("TRACEGATE_FUZZ_ITERS", "100"))
 
 

@@ -12,7 +12,7 @@ import pytest
 import spec_writer
 import tracegate
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "fixtures" / "format"
 
 DTYPES = [

@@ -78,7 +78,7 @@ def _torch_bf16_bits(array, dtype: str | None):
     ):
         return array, dtype
     if dtype not in (None, "bf16"):
-        raise TraceError(f"dtype={dtype!r} does not match the tensor's dtype torch.bfloat16 (bf16)")
+        raise _refused(f"dtype={dtype!r} does not match the tensor's dtype torch.bfloat16 (bf16)")
     import torch
 
     return array.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16), "bf16"
@@ -90,19 +90,27 @@ def _trace_dtype(array: np.ndarray, dtype: str | None) -> tuple[str, np.ndarray]
     if dtype == "bf16":
         # Only bits are accepted: an f16 or i16 array has the right size but other numbers.
         if array.dtype.kind != "u" or array.dtype.itemsize != 2:
-            raise TraceError(
+            raise _refused(
                 f"dtype='bf16' takes the bits as a uint16 array (or an ml_dtypes.bfloat16 array), got {array.dtype}"
             )
         return "bf16", array.astype("<u2", copy=False)
     native = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
     name = _TO_TRACE.get(native)
     if name is None:
-        raise TraceError(
+        raise _refused(
             f"numpy dtype {array.dtype} has no trace dtype (supported: {sorted(_TO_TRACE.values())} and bf16)"
         )
     if dtype is not None and dtype != name:
-        raise TraceError(f"dtype={dtype!r} does not match the array's dtype {array.dtype} ({name})")
+        raise _refused(f"dtype={dtype!r} does not match the array's dtype {array.dtype} ({name})")
     return name, array.astype(native, copy=False)
+
+
+def _refused(message: str, kind: str = "Invalid") -> TraceError:
+    """A TraceError with its `kind` (docs/trace-format.md, "Refusals in Python"): what the
+    binding refuses before the container sees it is `Invalid`, as the container's own."""
+    e = TraceError(message)
+    e.kind = kind
+    return e
 
 
 _I64 = (-(1 << 63), (1 << 63) - 1)
@@ -111,10 +119,10 @@ _I64 = (-(1 << 63), (1 << 63) - 1)
 def _int64(value, what: str) -> int:
     """An integer the trace stores as i64, or a TraceError naming `what`."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TraceError(f"{what} must be an integer, got {value!r}")
+        raise _refused(f"{what} must be an integer, got {value!r}")
     v = int(value)
     if not _I64[0] <= v <= _I64[1]:
-        raise TraceError(f"{what} {v} is outside the i64 range a trace stores")
+        raise _refused(f"{what} {v} is outside the i64 range a trace stores")
     return v
 
 
@@ -125,7 +133,7 @@ def _check_provenance_ints(value, where: str) -> None:
         return
     if isinstance(value, int):
         if not -(1 << 63) <= value < (1 << 64):
-            raise TraceError(
+            raise _refused(
                 f"{where} = {value} does not fit 64 bits and would not be recorded exactly; store it as a string"
             )
     elif isinstance(value, dict):
@@ -136,22 +144,39 @@ def _check_provenance_ints(value, where: str) -> None:
             _check_provenance_ints(v, f"{where}[{i}]")
 
 
-class TraceWriter:
-    """Streams a trace to a temporary file beside `path`; `finish()` renames it into place."""
+def _provenance_json(provenance) -> str:
+    """The provenance's JSON text, or a TraceError saying why it cannot be recorded."""
+    if not isinstance(provenance, dict):
+        raise _refused(
+            f"provenance must be a JSON object (a dict), got {type(provenance).__name__}"
+        )
+    try:
+        text = json.dumps(provenance, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise _refused(f"provenance is not JSON-serialisable: {e}") from None
+    _check_provenance_ints(provenance, "provenance")
+    return text
 
-    def __init__(self, path, provenance: dict):
-        if not isinstance(provenance, dict):
-            raise TraceError(
-                f"provenance must be a JSON object (a dict), got {type(provenance).__name__}"
-            )
-        try:
-            text = json.dumps(provenance, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise TraceError(f"provenance is not JSON-serialisable: {e}") from None
-        _check_provenance_ints(provenance, "provenance")
+
+class TraceWriter:
+    """Streams a trace to a temporary file beside `path`; `finish()` renames it into place.
+
+    Each tensor and decision goes to the file as it is added (the writer keeps only the index).
+    The provenance may come later: ``TraceWriter(path)``, then ``set_provenance(dict)`` any time
+    before ``finish()`` (a producer learns some of it only at the end); finishing without one
+    is refused. Until ``finish()`` nothing is at `path`: a crash leaves at most the temporary."""
+
+    def __init__(self, path, provenance: dict | None = None):
+        text = "{}" if provenance is None else _provenance_json(provenance)
         self._native = NativeWriter(str(path), text)
+        self._has_provenance = provenance is not None
         self.path = path
         self.digest: str | None = None
+
+    def set_provenance(self, provenance: dict) -> None:
+        """Replaces the provenance the index will hold (checked as the constructor's)."""
+        self._native.set_provenance(_provenance_json(provenance))
+        self._has_provenance = True
 
     def tensor(
         self,
@@ -175,7 +200,7 @@ class TraceWriter:
             step = _int64(step, f"tensor {name!r}: step")
         for key, value in extra.items():
             if not isinstance(value, str):
-                raise TraceError(
+                raise _refused(
                     f"tensor {name!r}: extra attribute {key!r} must be a string, got {type(value).__name__}"
                 )
         self._native.tensor(
@@ -193,7 +218,7 @@ class TraceWriter:
     def decision(self, name: str, values, margins=None) -> None:
         values = np.asarray(values)
         if values.dtype.kind not in "iu":
-            raise TraceError(f"decision {name!r}: values must be integers, got {values.dtype}")
+            raise _refused(f"decision {name!r}: values must be integers, got {values.dtype}")
         flat = [_int64(v, f"decision {name!r}: value") for v in values.reshape(-1)]
         m = None
         if margins is not None:
@@ -201,6 +226,11 @@ class TraceWriter:
         self._native.decision(name, list(values.shape), flat, m)
 
     def finish(self) -> str:
+        if not self._has_provenance:
+            raise _refused(
+                f"{self.path}: no provenance to finish the trace with: pass it to "
+                "TraceWriter(path, provenance) or to set_provenance() before finish()"
+            )
         self.digest = self._native.finish()
         return self.digest
 
@@ -213,7 +243,11 @@ class TraceWriter:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             if self.digest is None:
-                self.finish()
+                try:
+                    self.finish()
+                except BaseException:
+                    self.abort()  # the temporary goes now, not when the writer is collected
+                    raise
         else:
             self.abort()
         return False
@@ -244,8 +278,9 @@ class Trace:
         except (ValueError, OverflowError, MemoryError) as e:
             # A valid trace may hold a shape numpy cannot represent (an empty [0, 2**62]).
             shape = self._native.meta(name)[1]
-            raise TraceError(
-                f"{self.path}: tensor {name!r} of shape {list(shape)} cannot be a numpy array: {e}"
+            raise _refused(
+                f"{self.path}: tensor {name!r} of shape {list(shape)} cannot be a numpy array: {e}",
+                "NotViewable",
             ) from None
 
     def __contains__(self, name: str) -> bool:
@@ -270,8 +305,9 @@ class Trace:
                 try:
                     values[name] = np.frombuffer(vbytes, dtype="<i8").reshape(shape)
                 except (ValueError, OverflowError, MemoryError) as e:
-                    raise TraceError(
-                        f"{self.path}: decision {name!r} of shape {list(shape)} cannot be a numpy array: {e}"
+                    raise _refused(
+                        f"{self.path}: decision {name!r} of shape {list(shape)} cannot be a numpy array: {e}",
+                        "NotViewable",
                     ) from None
                 margins[name] = None if mbytes is None else np.frombuffer(mbytes, dtype="<f4")
             self._decisions = (values, margins)

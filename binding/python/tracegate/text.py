@@ -27,7 +27,7 @@ add_generation_prompt=True, tokenize=True)``.
     No other file of the directory takes part (config.json, the weights). A directory holding
     none of the names is refused: "DIR: no tokenizer (looked for tokenizer.json, ...)".
 
-Known answers (pinned in trace/python/tests/test_text.py): a directory holding only
+Known answers (pinned in binding/tests/test_text.py): a directory holding only
 ``tokenizer.json`` with the two bytes ``{}`` digests to
 ``17120e8581415f4473d7a6fe45a9aca632bfe53e6a6a2ef7c2ab81905d25e7f2``; with also ``merges.txt``
 holding the four bytes ``a b\\n`` (``a``, space, ``b``, newline), to

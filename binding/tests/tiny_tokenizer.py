@@ -1,7 +1,7 @@
 """A tiny tokenizer for the text-prompt tests (tiny-qwen3 has none; tiny-llama carries its own): a WordLevel `tokenizers`
 tokenizer whose ids fit inside fixtures/tiny-qwen3's vocab (499), saved as tokenizer.json, and a
 tokenizer_config.json that makes `AutoTokenizer` load it as a fast tokenizer, with a chat
-template or without. Imported by trace/python/tests/test_text.py by name and by the contract's
+template or without. Imported by binding/tests/test_text.py by name and by the contract's
 and the oracle's text tests by path."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "fixtures" / "tiny-qwen3"
 
 SPECIAL = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<|user|>": 3, "<|assistant|>": 4}

@@ -29,8 +29,60 @@ create_exception!(
     "Two traces could not be compared as asked (a bad policy, a filter that selects nothing)."
 );
 
+/// A container error as a TraceError: its message unchanged, its kind as `kind` (the
+/// variant's name, docs/trace-format.md "Refusals in Python").
 fn err(e: tracegate_trace::Error) -> PyErr {
-    TraceError::new_err(e.to_string())
+    refused(e.to_string(), error_kind(&e))
+}
+
+/// A TraceError with `kind` set; a failure to set it is the error raised instead.
+fn refused(message: impl Into<String>, kind: &'static str) -> PyErr {
+    let e = TraceError::new_err(message.into());
+    Python::attach(|py| match e.value(py).setattr("kind", kind) {
+        Ok(()) => e,
+        Err(set) => set,
+    })
+}
+
+/// Every kind's name, from a match the compiler holds complete: a new variant does not build
+/// until it is listed here (and binding/tests/test_error_kinds.py wants it in the docs).
+macro_rules! error_kinds {
+    ($($class:ident: [$($kind:ident),* $(,)?]),* ; $($other:ident),* $(,)?) => {
+        fn error_kind(e: &tracegate_trace::Error) -> &'static str {
+            use tracegate_trace::Error;
+            match e {
+                $(Error::$class { kind, .. } => match kind {
+                    $(tracegate_trace::$class::$kind { .. } => stringify!($kind),)*
+                },)*
+                $(Error::$other { .. } => stringify!($other),)*
+            }
+        }
+        /// (kind, what it is: `Malformed`, `Tampered` or `Error` for the container's others).
+        const ERROR_KINDS: &[(&str, &str)] = &[
+            $($((stringify!($kind), stringify!($class)),)*)*
+            $((stringify!($other), "Error"),)*
+        ];
+    };
+}
+
+error_kinds! {
+    Malformed: [
+        TemporaryFile, NotRegularFile, TooShort, SizeChanged, BadMagic, UnsupportedVersion,
+        NonZeroHeader, NoFooter, IndexTooLong, IndexMisplaced, IndexMisaligned, BadIndex,
+        UnknownField, WrongFormat, VersionDisagrees, BadDigest, DuplicateKey, ProvenanceNotObject,
+        BadName, BadDtype, RankTooHigh, ShapeOverflow, NbytesMismatch, RangeOverflow, Misaligned,
+        OutsideData, BadXxh3, BadAttributes, DuplicateName, Overlap, BadBool,
+    ],
+    Tampered: [
+        IndexDigestMismatch, TensorDigestMismatch, DecisionDigestMismatch, ContentDigestMismatch,
+        NonZeroPadding,
+    ];
+    Io, Invalid, NotFound, WrongDType, NotViewable,
+}
+
+fn provenance(json: &str) -> PyResult<serde_json::Value> {
+    serde_json::from_str(json)
+        .map_err(|e| refused(format!("provenance is not JSON: {e}"), "Invalid"))
 }
 
 #[pyclass(module = "tracegate._native")]
@@ -49,7 +101,7 @@ impl NativeWriter {
             .map_err(|_| TraceError::new_err("writer lock poisoned"))?;
         let w = guard
             .as_mut()
-            .ok_or_else(|| TraceError::new_err("trace writer is already finished or aborted"))?;
+            .ok_or_else(|| refused("trace writer is already finished or aborted", "Invalid"))?;
         f(w).map_err(err)
     }
 }
@@ -58,9 +110,7 @@ impl NativeWriter {
 impl NativeWriter {
     #[new]
     fn new(path: PathBuf, provenance_json: &str) -> PyResult<Self> {
-        let provenance: serde_json::Value = serde_json::from_str(provenance_json)
-            .map_err(|e| TraceError::new_err(format!("provenance is not JSON: {e}")))?;
-        let w = TraceWriter::create(&path, provenance).map_err(err)?;
+        let w = TraceWriter::create(&path, provenance(provenance_json)?).map_err(err)?;
         Ok(NativeWriter {
             inner: Mutex::new(Some(w)),
         })
@@ -89,9 +139,10 @@ impl NativeWriter {
             extra: extra.map(|m| m.into_iter().collect()).unwrap_or_default(),
         };
         if !data.is_c_contiguous() {
-            return Err(TraceError::new_err(format!(
-                "tensor {name:?}: payload buffer is not contiguous"
-            )));
+            return Err(refused(
+                format!("tensor {name:?}: payload buffer is not contiguous"),
+                "Invalid",
+            ));
         }
         // SAFETY: a C-contiguous u8 buffer of len_bytes bytes, held by `data` for this call;
         // the GIL is held, so no Python code can resize it meanwhile.
@@ -111,13 +162,19 @@ impl NativeWriter {
         self.with(|w| w.decision(name, &shape, &values, margins.as_deref()))
     }
 
+    /// Replaces the provenance: a streaming producer knows all of it only at the end.
+    fn set_provenance(&self, provenance_json: &str) -> PyResult<()> {
+        let provenance = provenance(provenance_json)?;
+        self.with(|w| w.set_provenance(provenance))
+    }
+
     fn finish(&self) -> PyResult<String> {
         let w = self
             .inner
             .lock()
             .map_err(|_| TraceError::new_err("writer lock poisoned"))?
             .take()
-            .ok_or_else(|| TraceError::new_err("trace writer is already finished or aborted"))?;
+            .ok_or_else(|| refused("trace writer is already finished or aborted", "Invalid"))?;
         w.finish().map(|d| d.hex()).map_err(err)
     }
 
@@ -396,7 +453,7 @@ fn capture_points(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 fn parse_shard<'py>(py: Python<'py>, value: &str) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
     use tracegate_trace::ShardKind;
     let s = tracegate_trace::Shard::parse(value)
-        .map_err(|e| TraceError::new_err(format!("shard {value:?} is malformed: {e}")))?;
+        .map_err(|e| refused(format!("shard {value:?} is malformed: {e}"), "Invalid"))?;
     let d = pyo3::types::PyDict::new(py);
     d.set_item("rank", s.rank)?;
     d.set_item("world", s.world)?;
@@ -522,6 +579,11 @@ fn compare(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TraceError", m.py().get_type::<TraceError>())?;
     m.add("CompareError", m.py().get_type::<CompareError>())?;
+    // Raised by `compare` from its report's findings: no kind (the report words the cause).
+    m.py()
+        .get_type::<TraceError>()
+        .setattr("kind", m.py().None())?;
+    m.add("ERROR_KINDS", ERROR_KINDS.to_vec())?;
     m.add_class::<NativeReport>()?;
     m.add_function(wrap_pyfunction!(compare, m)?)?;
     m.add_class::<NativeWriter>()?;

@@ -14,7 +14,7 @@ import pytest
 import tracegate
 from tracegate import names
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROVENANCE = {"producer": "python-port", "prompt_tokens": [3, 17, 5], "weights_digest": "0" * 32}
 
 
