@@ -47,14 +47,10 @@ from .records import (
     Capture,
     Decision,
     Record,
-    build_id,
-    command_record,
-    device_map_provenance,
-    device_record,
     margin_of,
+    model_weights_digest,
+    run_provenance,
     to_numpy,
-    versions_record,
-    weights_digest,
 )
 from .taps import Hooks, expert_tap_class, registered
 from .torch_setup import TORCH_DTYPES, deterministic, execution_device
@@ -694,9 +690,7 @@ def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: di
     _check_tokens(model, tokens, knobs)
     if forcing is not None:  # a trace of another prompt or other weights cannot steer this one
         forcing.check_prompt(tokens)
-        forcing.check_weights(
-            getattr(model, "tracegate_weights_digest", None) or weights_digest(Path(model_dir))
-        )
+        forcing.check_weights(model_weights_digest(model, model_dir))
     dev = execution_device(model.model.decoder.embed_tokens, rc)
 
     def go():
@@ -758,6 +752,8 @@ def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: di
 
 
 def provenance(model, model_dir, rc, det, tokens, knobs, run, out) -> dict:
+    """The shared run record (records.run_provenance) with diffusion_gemma's family record and its
+    generation: the knobs, the generator, the blocks committed and the tokens generated."""
     import torch
 
     cfg = model.config
@@ -778,25 +774,15 @@ def provenance(model, model_dir, rc, det, tokens, knobs, run, out) -> dict:
     }
     gen = {"max_new_tokens": gen.pop("max_new_tokens"), "canvas_length": cfg.canvas_length, **gen}
     emb = model.model.decoder.embed_tokens
-    return {
-        "producer": "oracle",
-        "verb": "trace",
-        "versions": versions_record(),
-        "device": device_record(rc),
-        **({"device_map": device_map_provenance(model, rc)} if rc.device_map is not None else {}),
-        "dtype": rc.dtype,
-        "threads": rc.threads,
-        "seed": rc.seed,
-        "deterministic": det,
-        "attn_implementation": cfg._attn_implementation,
-        "experts_implementation": tc._experts_implementation,
-        "model_class": type(model).__name__,
-        **(
-            {"unused_tensors": model.tracegate_unused_tensors}
-            if getattr(model, "tracegate_unused_tensors", None)
-            else {}
-        ),
-        "family": {
+    return run_provenance(
+        model,
+        model_dir,
+        rc,
+        det,
+        tokens,
+        "trace",
+        experts_implementation=tc._experts_implementation,
+        family={
             "family": FAMILY,
             "layer_types": list(tc.layer_types),
             "sliding_window": tc.sliding_window,
@@ -807,19 +793,11 @@ def provenance(model, model_dir, rc, det, tokens, knobs, run, out) -> dict:
             "rope_parameters": tc.rope_parameters,
             "cache": "DynamicCache",
         },
-        "model": str(model_dir),
-        "model_abspath": str(Path(model_dir).resolve()),
-        "weights_digest": getattr(model, "tracegate_weights_digest", None)
-        or weights_digest(Path(model_dir)),
-        "prompt_tokens": [int(t) for t in tokens],
-        "capture": rc.capture,
-        "cache": rc.cache,
-        "generate": rc.generate,
-        "generation": gen,
-        # torch's global generator, seeded with --seed before generate (DG15 is not reproduced)
-        "rng": f"torch:{torch.device(rc.device).type}",
-        "blocks": run.blocks,
-        "output_tokens": out,
-        "command": command_record(),
-        "build_id": build_id(),
-    }
+        extra={
+            "generation": gen,
+            # torch's global generator, seeded with --seed before generate (DG15 is not reproduced)
+            "rng": f"torch:{torch.device(rc.device).type}",
+            "blocks": run.blocks,
+            "output_tokens": out,
+        },
+    )

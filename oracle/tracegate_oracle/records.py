@@ -266,45 +266,76 @@ def device_map_provenance(model, rc: RunConfig) -> dict:
     }
 
 
-def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) -> dict:
-    dev = device_record(rc)
-    cfg = model.config
-    lay = resolve(model)
-    is_moe = bool(lay.moe_layers)
+def model_weights_digest(model, model_dir) -> str | None:
+    """The digest of the weights `model` was loaded from, where the loader recorded it (cli._load
+    keys its served models on it); else the directory's, now."""
+    return getattr(model, "tracegate_weights_digest", None) or weights_digest(Path(model_dir))
+
+
+def run_provenance(
+    model,
+    model_dir,
+    rc: RunConfig,
+    det: dict,
+    tokens,
+    verb: str,
+    *,
+    experts_implementation,
+    family: dict,
+    linear: dict | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """What every oracle trace records of its run, in one order: `family`, what this family
+    computes differently; `linear`, the linear-attention record where the model has such layers;
+    `extra`, the verb's own keys (after `generate`)."""
     return {
         "producer": "oracle",
         "verb": verb,
         "versions": versions_record(),
-        "device": dev,
+        "device": device_record(rc),
         **({"device_map": device_map_provenance(model, rc)} if rc.device_map is not None else {}),
         "dtype": rc.dtype,
         "threads": rc.threads,
         "seed": rc.seed,
         "deterministic": det,
-        "attn_implementation": cfg._attn_implementation,
-        "experts_implementation": cfg._experts_implementation if is_moe else None,
+        "attn_implementation": model.config._attn_implementation,
+        "experts_implementation": experts_implementation,
         "model_class": type(model).__name__,
         **(
             {"unused_tensors": model.tracegate_unused_tensors}
             if getattr(model, "tracegate_unused_tensors", None)
             else {}
         ),
-        **({"linear_attention": linear_provenance(lay)} if lay.linear_layers else {}),
-        # What this family computes differently (masks per layer, softcaps, embedding scale, tied head).
-        "family": lay.provenance(),
+        **({"linear_attention": linear} if linear is not None else {}),
+        "family": family,
         "model": str(model_dir),
         "model_abspath": str(Path(model_dir).resolve()),
-        # The digest of the weights this model was loaded from, where the loader recorded it
-        # (cli._load keys its served models on it); else the directory's, now.
-        "weights_digest": getattr(model, "tracegate_weights_digest", None)
-        or weights_digest(Path(model_dir)),
+        "weights_digest": model_weights_digest(model, model_dir),
         "prompt_tokens": [int(t) for t in tokens] if tokens is not None else None,
         "capture": rc.capture,
         "cache": rc.cache,
         "generate": rc.generate,
+        **(extra or {}),
         "command": command_record(),
         "build_id": build_id(),
     }
+
+
+def provenance(model, model_dir, rc: RunConfig, det: dict, tokens, verb: str) -> dict:
+    """A causal LM's run record (the family table's layout)."""
+    lay = resolve(model)
+    return run_provenance(
+        model,
+        model_dir,
+        rc,
+        det,
+        tokens,
+        verb,
+        experts_implementation=model.config._experts_implementation if lay.moe_layers else None,
+        # What this family computes differently (masks per layer, softcaps, embedding scale, tied head).
+        family=lay.provenance(),
+        linear=linear_provenance(lay) if lay.linear_layers else None,
+    )
 
 
 def command_record() -> list[str]:
