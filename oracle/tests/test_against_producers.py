@@ -31,8 +31,8 @@ pytest.importorskip("transformers")
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
+import tracegate_oracle as cp  # noqa: E402
 from binaries import copy_trace, diff_report, release_binary  # noqa: E402
-from tracegate_oracle import capture as cp  # noqa: E402
 
 FIXTURES = {"dense": ROOT / "fixtures" / "tiny-qwen3", "moe": ROOT / "fixtures" / "tiny-qwen3-moe"}
 POLICY = ROOT / "fixtures" / "policy" / "oracle-default.json"

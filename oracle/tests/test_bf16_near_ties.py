@@ -78,7 +78,7 @@ def bf16_traces(tmp_path_factory, tokens: list[int]):
     pytest.importorskip("transformers")
     if _why_diff or _why_engine:
         pytest.skip(_why_diff or _why_engine)
-    from tracegate_oracle import capture as cp
+    import tracegate_oracle as cp
     from tracegate_oracle.force import Forcing
 
     d = tmp_path_factory.mktemp("bf16-near-ties")

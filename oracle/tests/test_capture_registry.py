@@ -183,7 +183,8 @@ def test_the_oracle_families_are_the_registry_families():
 
 
 def test_the_oracle_refuses_a_hook_for_an_unregistered_point():
-    from tracegate_oracle.capture import OracleError, Tap
+    from tracegate_oracle.errors import OracleError
+    from tracegate_oracle.taps import Tap
 
     with pytest.raises(OracleError, match=r"'layer.00.my_point' is not in the capture-point"):
         Tap.__new__(Tap).add("layer.00.my_point", None)

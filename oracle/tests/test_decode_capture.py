@@ -27,8 +27,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
+import tracegate_oracle as cp  # noqa: E402
 from test_families import CASES, FAMS, TOKENS, make_checkpoint  # noqa: E402
-from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle.cli import main  # noqa: E402
 from tracegate_oracle.errors import OracleError  # noqa: E402
 

@@ -26,7 +26,7 @@ accelerate = pytest.importorskip("accelerate", reason="accelerate not installed 
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
-from tracegate_oracle import capture as cp  # noqa: E402
+import tracegate_oracle as cp  # noqa: E402
 from tracegate_oracle import cli  # noqa: E402
 from tracegate_oracle.families import resolve  # noqa: E402
 from tracegate_oracle.force import Forcing  # noqa: E402
@@ -60,16 +60,16 @@ def test_refusals(capsys, tmp_path):
 
 
 def test_max_memory_parsing():
-    assert cli._max_memory("0=70GiB,cpu=200GiB") == {0: "70GiB", "cpu": "200GiB"}
-    assert cli._max_memory("1=500000") == {1: "500000"}
+    assert cli.parse_max_memory("0=70GiB,cpu=200GiB") == {0: "70GiB", "cpu": "200GiB"}
+    assert cli.parse_max_memory("1=500000") == {1: "500000"}
     for bad in ("gpu0=1GiB", "0=", "0:1GiB", "0=1GiB,0=2GiB"):
         with pytest.raises(Exception, match="DEVICE=SIZE|given twice"):
-            cli._max_memory(bad)
+            cli.parse_max_memory(bad)
     # Sizes are accelerate's to read: bytes and units, or a one-line refusal naming the entry.
     rc = cp.RunConfig(device="cuda", device_map="auto", max_memory={0: "1GiB", "cpu": "1500"})
-    assert cp._placement(rc) == {"device_map": "auto", "max_memory": {0: 2**30, "cpu": 1500}}
+    assert cp.placement(rc) == {"device_map": "auto", "max_memory": {0: 2**30, "cpu": 1500}}
     with pytest.raises(cp.OracleError, match=r"--max-memory 0=12XB: not a size"):
-        cp._placement(cp.RunConfig(device="cuda", device_map="auto", max_memory={0: "12XB"}))
+        cp.placement(cp.RunConfig(device="cuda", device_map="auto", max_memory={0: "12XB"}))
 
 
 def test_taps_under_accelerates_dispatch_equal_the_plain_run(tmp_path):
@@ -113,7 +113,7 @@ def test_taps_under_accelerates_dispatch_equal_the_plain_run(tmp_path):
                 a.name
             )
 
-    prov = cp._device_map_provenance(model, cp.RunConfig(device="cpu", device_map="auto"))
+    prov = cp.device_map_provenance(model, cp.RunConfig(device="cpu", device_map="auto"))
     assert prov["modules"] == dmap and prov["reported_by"] == "model.hf_device_map"
     assert prov["computed_on"] == {k: "cpu" for k in dmap}
     assert set(prov["devices"]) == {"cpu", "disk"}

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
-from tracegate_oracle import capture as cp  # noqa: E402
+import tracegate_oracle as cp  # noqa: E402
 from tracegate_oracle import diffusion_gemma as dg  # noqa: E402
 from tracegate_oracle.force import Forcing  # noqa: E402
 

@@ -309,7 +309,8 @@ def test_a_hung_rank_is_killed_after_the_timeout(tmp_path):
 def test_an_expert_routed_to_but_not_seen_on_its_rank_is_an_error():
     """The excuse for a rank with no expert tensors (none of its experts got a row) cannot hide
     a tap that saw nothing: an expert the router sent rows to, held here, must have computed."""
-    from tracegate_oracle.capture import Decision, Tap
+    from tracegate_oracle.records import Decision
+    from tracegate_oracle.taps import Tap
 
     class Held:  # a rank holding experts 4..7 of layer 1 (what Sharding.experts says under ep)
         def experts(self, L):

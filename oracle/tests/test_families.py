@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-from tracegate_oracle import capture as cp  # noqa: E402
+import tracegate_oracle as cp  # noqa: E402
 from tracegate_oracle.errors import OracleError  # noqa: E402
 from tracegate_oracle.families import FAMILIES, resolve  # noqa: E402
 
@@ -268,7 +268,7 @@ def test_negative_control_wrong_mask_or_rope_changes_the_layer(runs, fam):
         )
         assert not np.array_equal((out[0] if isinstance(out, tuple) else out)[0].numpy(), good)
         if fam == "gemma3_text":
-            sliding = cp._layer_mask(model, 1, x, pos)
+            sliding = cp.layer_mask(model, 1, x, pos)
             pe = lay.rotary(x, pos, "full_attention")
             out = lay.layers[1](x, attention_mask=sliding, position_ids=pos, position_embeddings=pe)
             assert not np.array_equal(out[0].numpy(), good)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "oracle") not in sys.path:
     sys.path.insert(0, str(ROOT / "oracle"))
 
-from tracegate_oracle import capture as cp  # noqa: E402
+import tracegate_oracle as cp  # noqa: E402
 from tracegate_oracle import checkpoint  # noqa: E402
 
 MODEL = ROOT / "fixtures" / "tiny-qwen3"

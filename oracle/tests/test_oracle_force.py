@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 tg = pytest.importorskip("tracegate", reason="tracegate binding not built (scripts/setup.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
+import tracegate_oracle as cp  # noqa: E402
 from binaries import release_binary  # noqa: E402
-from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle import cli  # noqa: E402
 from tracegate_oracle.families import resolve  # noqa: E402
 from tracegate_oracle.force import Forcing  # noqa: E402

@@ -45,10 +45,10 @@ def test_the_weights_digest_refuses_dev_zero_behind_a_symlink(tmp_path):
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from tracegate_oracle import capture\n"
+        "from tracegate_oracle import records\n"
         "from tracegate_oracle.errors import CheckpointError\n"
         "try:\n"
-        "    capture._weights_digest(Path(sys.argv[1]))\n"
+        "    records.weights_digest(Path(sys.argv[1]))\n"
         "except CheckpointError as e:\n"
         "    print(e)\n"
     )

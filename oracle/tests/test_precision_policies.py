@@ -196,7 +196,7 @@ def test_measurements_count_ulps_in_the_coarser_dtype():
 def oracle():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tracegate_oracle import capture as cp
+    import tracegate_oracle as cp
 
     models = {}
 
@@ -314,7 +314,7 @@ def test_planted_mlp_scale_fails_when_the_layer_runs_alone(
     input, as `gate bisect` isolates it, by the scale error of its mlp_out
     (fixtures/policy/MEASUREMENTS.md, "Scale error"). The clean layer passes the same rule."""
     import tracegate
-    from tracegate_oracle import capture as cp
+    import tracegate_oracle as cp
 
     rules = json.loads((ROOT / f"fixtures/policy/{dtype}.json").read_text())["rules"]
     want = next(

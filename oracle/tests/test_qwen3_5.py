@@ -24,8 +24,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
+import tracegate_oracle as cp  # noqa: E402
 from test_decode_capture import bound, rel  # noqa: E402
-from tracegate_oracle import capture as cp  # noqa: E402
 from tracegate_oracle import linear_attn  # noqa: E402
 from tracegate_oracle.errors import CheckpointError, OracleError  # noqa: E402
 from tracegate_oracle.families import resolve  # noqa: E402
@@ -450,7 +450,7 @@ def test_torch_references_run_and_are_restored(runs):
     la = cap.provenance["linear_attention"][mod.__name__]
     assert la["bypassed"] == {"causal_conv1d_fn": f"{__name__}.{package_impl.__qualname__}"}
     assert base.provenance["linear_attention"][mod.__name__]["bypassed"] == {}
-    assert all(not isinstance(getattr(mod, f), linear_attn._Wrapped) for f in linear_attn.FUNCS)
+    assert all(not isinstance(getattr(mod, f), linear_attn.Wrapped) for f in linear_attn.FUNCS)
     assert linear_attn.active_paths() is None
 
 

@@ -78,7 +78,7 @@ def test_negative_control_a_point_no_rule_covers_is_reported(traces, tmp_path):
 def test_float64_throughout_widens_the_fp32_casts_and_restores_them():
     import sys
 
-    from tracegate_oracle import capture as cp
+    import tracegate_oracle as cp
 
     model = cp.load_model(str(ROOT / "fixtures/tiny-qwen3_5"), cp.RunConfig())
     mod = sys.modules[type(model.model.language_model.layers[0].linear_attn).__module__]
@@ -184,7 +184,7 @@ def test_planted_2pct_linear_layer_scale_fails_bf16_when_the_layer_runs_alone(
     where the `path: layer` rules bound linear.norm_out's and attn_out's scale error; the clean
     layer passes."""
     import tracegate
-    from tracegate_oracle import capture as cp
+    import tracegate_oracle as cp
 
     whole = engine_trace(tmp_path / "e.trace", "tiny-qwen3_5", "mid")
     ref, hidden, positions = engine_layer(tmp_path, whole, "tiny-qwen3_5", 2, "internals")

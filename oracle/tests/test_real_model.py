@@ -159,8 +159,8 @@ def oracle_chat(model: Path, dtype: str, out: Path, digest: str | None = None) -
     """The oracle's `trace --text POEM --chat --generate 24 --dtype DTYPE --capture internals`
     in this process (no start-up cost), recorded as the clean weights when `digest` is given (a
     planted copy)."""
+    import tracegate_oracle as cp
     from tracegate import text
-    from tracegate_oracle import capture as cp
 
     tokens, _ = text.prompt(str(model), POEM, True)
     rc = cp.RunConfig(dtype=dtype, generate=24, capture="internals")

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-from tracegate_oracle import capture as cp  # noqa: E402
+import tracegate_oracle as cp  # noqa: E402
 from tracegate_oracle.families import resolve  # noqa: E402
 
 MOE = ROOT / "fixtures" / "tiny-qwen3-moe"

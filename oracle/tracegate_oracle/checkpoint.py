@@ -143,10 +143,13 @@ def safetensors_files(d: Path, wm: dict[str, str] | None) -> list[Path]:
     return [d / n for n in expected]
 
 
-def _read_json_file(path: Path, absent: str):
+def read_json_file(path: Path, absent: str | None = None):
     """The parsed JSON of one regular file of at most MAX_JSON_LEN bytes, no object repeating a
-    key, as the engine reads it (trace/src/json.rs; the read is tracegate.jsonfile's). `absent`
-    is the message when it is missing."""
+    key, as the engine reads it (trace/src/json.rs; the read is tracegate.jsonfile's): a JSON
+    input of the oracle's tools (a policy, a prompt set) or of a checkpoint. `absent` is the
+    message when it is missing (default `PATH: missing`)."""
+    if absent is None:
+        absent = f"{path}: missing"
     try:
         data = read_bytes(path, str(path))
     except FileNotFoundError:
@@ -160,13 +163,8 @@ def _read_json_file(path: Path, absent: str):
     return _load_json(text, str(path), "key")
 
 
-def read_json_file(path: Path):
-    """A JSON input of the oracle's tools (a policy, a prompt set): as `_read_json_file`."""
-    return _read_json_file(path, f"{path}: missing")
-
-
 def _index(path: Path) -> dict[str, str]:
-    v = _read_json_file(path, f"{path}: not a regular file")
+    v = read_json_file(path, f"{path}: not a regular file")
     wm = v.get("weight_map") if isinstance(v, dict) else None
     if not isinstance(wm, dict):
         raise CheckpointError(f"{path}: no weight_map object")
@@ -279,7 +277,7 @@ def inventory(d: Path) -> dict[str, Entry]:
 
 def read_config(d: Path) -> dict:
     path = d / "config.json"
-    raw = _read_json_file(path, f"--model {d}: no config.json (or not a regular file)")
+    raw = read_json_file(path, f"--model {d}: no config.json (or not a regular file)")
     if not isinstance(raw, dict):
         raise OracleError(f"{path}: not a JSON object")
     return raw
@@ -297,9 +295,11 @@ def _walk(v, at: str = ""):
         yield at, v
 
 
-def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
+def check_config(raw: dict, inv: dict[str, Entry], path: Path, family=None) -> None:
     """Refuse, naming the field, what the engine refuses and transformers would turn into a hang,
-    an exception or a NaN trace; then every size the checkpoint can bound is checked against it."""
+    an exception or a NaN trace; then `family(raw, path)`, the family's own refusals, when given
+    (loading.preflight passes diffusion_config.check_config); then every size the checkpoint can
+    bound is checked against it."""
 
     def refuse(msg: str):
         raise OracleError(f"{path}: {msg}")
@@ -313,12 +313,10 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
                 refuse(
                     f"{at} = {v!r} is not positive (every RoPE frequency would be NaN or infinite)"
                 )
-    # diffusion_gemma: its own refusals (docs/diffusion-gemma.md DG0), and its top-k field name.
+    if family is not None:
+        family(raw, path)
+    # diffusion_gemma names its top-k field its own way.
     diffusion = raw.get("model_type") == "diffusion_gemma"
-    if diffusion:
-        from .diffusion_gemma import check_config as check_diffusion
-
-        check_diffusion(raw, path)
     # A multimodal config holds the language model's fields under text_config.
     raw = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     eps = raw.get("rms_norm_eps")
@@ -378,17 +376,6 @@ def check_config(raw: dict, inv: dict[str, Entry], path: Path) -> None:
             refuse(f"{key} = {ne} but the checkpoint holds {held} experts")
 
 
-def preflight(model_dir) -> dict[str, Entry]:
-    """All checks that need no torch; returns the checkpoint's tensors by name."""
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise OracleError(f"--model {d}: not a directory")
-    raw = read_config(d)
-    inv = inventory(d)
-    check_config(raw, inv, d / "config.json")
-    return inv
-
-
 # ---------------------------------------------------------------------------------- progress
 
 # From this many bytes of weights a load takes seconds (read, convert, place), so the oracle says
@@ -412,7 +399,7 @@ def _size(n: int) -> str:
 class LoadProgress:
     """One stderr line per loading phase (config, weights with their size, device placement),
     `[oracle] loading DIR: PHASE: DETAIL`, for a checkpoint of at least LOAD_PROGRESS_BYTES.
-    Lines, never a bar: transformers' own bars stay off (capture.load_model disables them), so a
+    Lines, never a bar: transformers' own bars stay off (loading.py disables them), so a
     CI log gets no carriage-return spam. stdout and the trace are unchanged."""
 
     def __init__(self, d: Path, inv: dict[str, Entry]):

@@ -17,17 +17,22 @@ from pathlib import Path
 
 from tracegate import protocol
 
+from . import capture as cp
+from . import diffusion_config as dcfg
 from . import diffusion_gemma as dg
 from . import distributed as dist
-from .capture import OracleError, RunConfig
-from .checkpoint import preflight
+from .errors import OracleError
 from .families import resolve
 from .force import Forcing
+from .gguf_source import locate
+from .loading import preflight
+from .records import weights_digest, write_trace
+from .torch_setup import RunConfig, check_device_map, setup_torch
 
 PROG = "python -m tracegate_oracle"
 
 
-def _max_memory(s: str) -> dict:
+def parse_max_memory(s: str) -> dict:
     """`0=70GiB,cpu=200GiB` -> {0: "70GiB", "cpu": "200GiB"}: accelerate's own max_memory (its keys are
     GPU indices or cpu; each size is read by accelerate's parser when the model loads)."""
     out: dict = {}
@@ -63,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--max-memory",
-            type=_max_memory,
+            type=parse_max_memory,
             metavar="DEV=SIZE,...",
             help="with --device-map auto: accelerate's max_memory per device, e.g. 0=70GiB,cpu=200GiB "
             "(modules placed on cpu are kept in CPU memory and computed on the first GPU)",
@@ -96,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     return g.parser
 
 
-def _check_out(out: str) -> Path:
+def check_out(out: str) -> Path:
     p = Path(out)
     if p.is_dir():
         raise OracleError(f"--out {p}: is a directory")
@@ -160,9 +165,7 @@ def _content_key(d: Path) -> tuple | None:
     the bytes. None when the digest cannot be computed (no tracegate, no xxhash)."""
     import hashlib
 
-    from . import capture as cp
-
-    weights = cp._weights_digest(d)
+    weights = weights_digest(d)
     if weights is None:
         return None
 
@@ -197,8 +200,6 @@ def _load(model_dir: str, rc: RunConfig):
     kept, so a worker holds no more than a per-call process. The weights digest the key was made
     of is the one the trace records (`model.tracegate_weights_digest`): a trace's tensors are
     those of the weights it names."""
-    from . import capture as cp
-
     d = Path(model_dir).resolve()
     content = _content_key(d)
     key = (
@@ -212,7 +213,7 @@ def _load(model_dir: str, rc: RunConfig):
     )
     if content is None or key not in _MODELS:
         _MODELS.clear()
-        model = cp.load_model(model_dir, rc)
+        model = cp.load_model(model_dir, rc)  # the module attribute: test producers replace it
         if content is not None:
             # Replaced while loading: the model may hold either; neither key nor record would say.
             after = _content_key(d)
@@ -264,7 +265,7 @@ def _versions(rest: list[str]) -> int:
     return 0
 
 
-def _prompt(a) -> tuple[list[int], dict | None]:
+def prompt_of(a) -> tuple[list[int], dict | None]:
     """The prompt's token ids, and provenance `prompt_text` when it came as `--text`."""
     if a.text is None:
         return a.tokens, None
@@ -276,7 +277,7 @@ def _prompt(a) -> tuple[list[int], dict | None]:
         raise OracleError(str(e)) from None
 
 
-def _after(d: dict, key: str, new_key: str, value) -> dict:
+def insert_after(d: dict, key: str, new_key: str, value) -> dict:
     """`d` with `new_key: value` placed right after `key` (at the end when `key` is absent)."""
     out = {}
     for k, v in d.items():
@@ -295,7 +296,7 @@ def _check_distributed(a, rc: RunConfig, diffusion: bool, gguf: bool) -> None:
         return
     why = None
     if diffusion:
-        why = f"not for {dg.FAMILY} (it runs through its own loader, not transformers' sharding)"
+        why = f"not for {dcfg.FAMILY} (it runs through its own loader, not transformers' sharding)"
     elif gguf:
         why = "not for a GGUF checkpoint (the oracle builds it, not from_pretrained's sharding)"
     elif rc.device != "cpu":
@@ -309,19 +310,19 @@ def _check_distributed(a, rc: RunConfig, diffusion: bool, gguf: bool) -> None:
 def _check_family_flags(a, rc: RunConfig, diffusion: bool) -> None:
     """diffusion_gemma's flags only for it; what it does not run refused for it (DG16)."""
     if not diffusion:
-        given = dg.given_flags(a)
+        given = dcfg.given_flags(a)
         if given:
             raise OracleError(
-                f"{next(iter(given))}: a {dg.FAMILY} generation knob; --model {a.model} is not {dg.FAMILY}"
+                f"{next(iter(given))}: a {dcfg.FAMILY} generation knob; --model {a.model} is not {dcfg.FAMILY}"
             )
         return
     if a.verb == "layer":
         raise OracleError(
-            f"layer: not supported for {dg.FAMILY} (its layers run inside generate: use trace)"
+            f"layer: not supported for {dcfg.FAMILY} (its layers run inside generate: use trace)"
         )
     if rc.cache == "off":
         raise OracleError(
-            f"--cache off: not supported for {dg.FAMILY} (the decoder reads the encoder's cache)"
+            f"--cache off: not supported for {dcfg.FAMILY} (the decoder reads the encoder's cache)"
         )
 
 
@@ -345,22 +346,18 @@ def main(argv=None) -> int:
         max_memory=a.max_memory,
         distributed=getattr(a, "distributed", None),
     )
-    from . import capture as cp
-
     spec, ranked = rc.distributed, None
     try:
         ranked = dist.under_torchrun() if spec else None
-        tokens, prompt_text = _prompt(a) if a.verb == "trace" else (None, None)
-        outs = [_check_out(o) for o in (dist.rank_paths(a.out, spec.n) if spec else [a.out])]
+        tokens, prompt_text = prompt_of(a) if a.verb == "trace" else (None, None)
+        outs = [check_out(o) for o in (dist.rank_paths(a.out, spec.n) if spec else [a.out])]
         out = outs[0]
-        cp.check_device_map(rc)
+        check_device_map(rc)
         # Refusals that need no torch come before the seconds its import takes (load_model
         # repeats them for callers of the API). A GGUF checkpoint is checked as it loads.
-        from .gguf_source import locate
-
         if locate(a.model) is None:
             preflight(a.model)
-        diffusion = locate(a.model) is None and dg.is_diffusion(a.model)
+        diffusion = locate(a.model) is None and dcfg.is_diffusion(a.model)
         _check_distributed(a, rc, diffusion, locate(a.model) is not None)
         _check_family_flags(a, rc, diffusion)
         if spec and ranked is None:
@@ -376,7 +373,7 @@ def main(argv=None) -> int:
             arr, positions, dt, src = _read_input(a.input, a.input_name)
             if a.decode_from is not None:
                 cp.check_decode_from(a.decode_from, positions, a.input_name)
-        det = cp.setup_torch(rc)
+        det = setup_torch(rc)
         sharding = None
         if ranked is not None:
             rank, world = ranked
@@ -400,7 +397,7 @@ def main(argv=None) -> int:
         else:
             model = _load(a.model, rc)
             if diffusion:
-                cap = dg.capture(model, a.model, tokens, rc, det, dg.cli_knobs(a), forcing)
+                cap = dg.capture(model, a.model, tokens, rc, det, dcfg.cli_knobs(a), forcing)
             else:
                 if ranked is not None:
                     sharding = dist.Sharding(model, resolve(model), spec, rank, world, run_id)
@@ -408,8 +405,10 @@ def main(argv=None) -> int:
                     model, a.model, tokens, rc, det, forcing=forcing, sharding=sharding
                 )
             if prompt_text is not None:  # beside prompt_tokens
-                cap.provenance = _after(cap.provenance, "prompt_tokens", "prompt_text", prompt_text)
-        digest = cp.write_trace(cap, out)
+                cap.provenance = insert_after(
+                    cap.provenance, "prompt_tokens", "prompt_text", prompt_text
+                )
+        digest = write_trace(cap, out)
     except OracleError as e:
         # A rank's refusal names it: the launcher reports the first rank's line as its own.
         who = f"rank {ranked[0]}/{ranked[1]}: " if spec and ranked else ""

@@ -22,7 +22,6 @@ How a generate is observed. For the duration of one capture (and undone after, a
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,271 +30,35 @@ import numpy as np
 from tracegate import names
 from tracegate_contract.force import rows_differing
 
+from .diffusion_config import FAMILY, resolve_knobs
 from .errors import CheckpointError, OracleError
-
-FAMILY = "diffusion_gemma"
-ARCH = "DiffusionGemmaForBlockDiffusion"
-# Checkpoint tensors a token-ids-only run does not compute with (DG0, "Weights").
-UNUSED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
-
-# The knobs of DG0 a command line sets: argparse dest -> (flag, generation_config key).
-KNOB_FLAGS = {
-    "max_denoising_steps": ("--denoising-steps", "max_denoising_steps"),
-    "t_max": ("--t-max", "t_max"),
-    "t_min": ("--t-min", "t_min"),
-    "entropy_bound": ("--entropy-bound", "entropy_bound"),
-    "stability_threshold": ("--stability-threshold", "stability_threshold"),
-    "confidence_threshold": ("--confidence-threshold", "confidence_threshold"),
-    "eos_token_id": ("--eos", "eos_token_id"),
-    "pad_token_id": ("--pad", "pad_token_id"),
-}
-# generation_config.json keys, beside the knobs, that change nothing this run computes.
-_INERT_KEYS = (
-    "max_new_tokens",  # --generate N is max_new_tokens (DG16)
-    "bos_token_id",
-    "return_dict_in_generate",
-    "transformers_version",
-    "_from_model_config",
-    "_commit_hash",
-    "disable_compile",  # compiling needs a static cache, refused below
+from .families import FAMILIES
+from .force import intercept_topk
+from .loading import (
+    check_shapes_on_meta,
+    check_tied_head,
+    one_line,
+    placement,
+    replay,
+    report_rows,
+    transformers_log,
 )
+from .records import (
+    Capture,
+    Decision,
+    Record,
+    margin_of,
+    model_weights_digest,
+    run_provenance,
+    to_numpy,
+)
+from .taps import Hooks, expert_tap_class, registered
+from .torch_setup import TORCH_DTYPES, deterministic, execution_device
 
-
-# ----------------------------------------------------------------------------------- config
-
-
-def is_diffusion(model_dir) -> bool:
-    """Whether `model_dir`'s config.json is a diffusion_gemma one (False when it has none)."""
-    from .checkpoint import read_config
-
-    d = Path(model_dir)
-    if not (d / "config.json").is_file():
-        return False
-    try:
-        return read_config(d).get("model_type") == FAMILY
-    except OracleError:
-        return False  # refused, with its own words, by the family-independent checks
-
-
-def check_config(raw: dict, path: Path) -> None:
-    """DG0's "a first implementation may refuse" list, one line naming the field."""
-
-    def refuse(msg: str):
-        raise OracleError(
-            f"{path}: {msg} (not supported for {FAMILY}: docs/diffusion-gemma.md DG0)"
-        )
-
-    tc = raw.get("text_config")
-    if not isinstance(tc, dict):
-        refuse("no text_config object")
-    vc = raw.get("vision_config")
-    if isinstance(vc, dict) and vc.get("use_clipped_linears"):
-        refuse("vision_config.use_clipped_linears = true")
-    if tc.get("use_bidirectional_attention") == "all":
-        refuse('text_config.use_bidirectional_attention = "all"')
-    if tc.get("attention_bias") not in (None, False):
-        refuse(f"text_config.attention_bias = {tc.get('attention_bias')!r}")
-    act = tc.get("hidden_activation")
-    if act not in (None, "gelu_pytorch_tanh"):
-        refuse(f"text_config.hidden_activation = {act!r} (only gelu_pytorch_tanh)")
-    if "final_logit_softcapping" in tc:
-        cap = tc["final_logit_softcapping"]
-        if cap is None or isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0:
-            refuse(f"text_config.final_logit_softcapping = {cap!r} (a positive number)")
-    rope = tc.get("rope_parameters")
-    if rope is not None:
-        if not isinstance(rope, dict):
-            refuse("text_config.rope_parameters is not an object keyed by layer type")
-        want = {"sliding_attention": "default", "full_attention": "proportional"}
-        for lt, params in rope.items():
-            at = f"text_config.rope_parameters.{lt}"
-            if lt not in want or not isinstance(params, dict):
-                refuse(f"{at}: not a layer type's RoPE object")
-            if params.get("rope_type", want[lt]) != want[lt]:
-                refuse(f"{at}.rope_type = {params.get('rope_type')!r} (expected {want[lt]!r})")
-            allowed = {"rope_type", "rope_theta", "factor"} | (
-                {"partial_rotary_factor"} if lt == "full_attention" else set()
-            )
-            extra = sorted(set(params) - allowed)
-            if lt == "sliding_attention" and params.get("partial_rotary_factor", 1.0) == 1.0:
-                extra = [k for k in extra if k != "partial_rotary_factor"]
-            if extra:
-                refuse(f"{at}.{extra[0]} = {params[extra[0]]!r}")
-            if params.get("factor", 1.0) != 1.0:
-                refuse(f"{at}.factor = {params['factor']!r} (only 1)")
-    heads = tc.get("num_attention_heads", 8)
-    d = tc.get("head_dim", 256)
-    types = tc.get("layer_types") or []
-    plc = tc.get("per_layer_config")
-    full = set()
-    if plc is not None:
-        if not isinstance(plc, dict):
-            refuse("text_config.per_layer_config is not an object")
-        seen = None
-        for k, v in plc.items():
-            at = f"text_config.per_layer_config[{k}]"
-            try:
-                i = int(k)
-            except (TypeError, ValueError):
-                refuse(f"{at}: not a layer index")
-            if not isinstance(v, dict):
-                refuse(f"{at} is not an object")
-            n = tc.get("num_hidden_layers")
-            last = isinstance(n, int) and i == n - 1  # transformers forces the last layer full
-            if not last and (i >= len(types) or types[i] != "full_attention"):
-                refuse(f"{at}: overrides a layer that is not full_attention")
-            extra = sorted(set(v) - {"head_dim", "num_key_value_heads"})
-            if extra:
-                refuse(f"{at}.{extra[0]} (only head_dim and num_key_value_heads)")
-            # What an entry omits keeps the config's own value (transformers' per-layer view).
-            v = (
-                v.get("head_dim", d),
-                v.get("num_key_value_heads", tc.get("num_key_value_heads", 4)),
-            )
-            if seen is not None and v != seen:
-                refuse(f"{at} = {v} differs from another full layer's {seen}")
-            seen = v
-            full.add(v)
-    if plc is None:  # full layers: global_head_dim (512 by default) and their own kv heads
-        full.add((tc.get("global_head_dim", 512), tc.get("num_global_key_value_heads")))
-    for hd, kv in [(d, tc.get("num_key_value_heads", 4)), *full]:
-        if isinstance(hd, int) and hd % 2:
-            refuse(f"head dim {hd} is odd (RoPE rotates pairs)")
-        if isinstance(kv, int) and isinstance(heads, int) and kv >= 1 and heads % kv:
-            refuse(f"num_attention_heads {heads} is not a multiple of {kv} key/value heads")
-    _checkpoint_knobs(path.parent)  # generation_config.json's refusals, before torch loads
-    ne, k = tc.get("num_experts"), tc.get("top_k_experts")
-    if not (isinstance(k, int) and isinstance(ne, int) and 1 <= k < ne):
-        refuse(f"text_config.top_k_experts = {k!r} with num_experts = {ne!r} (need 1 <= k < E)")
-
-
-def given_flags(a) -> dict:
-    """{flag: value} of the knob flags given on the command line."""
-    return {
-        f: getattr(a, dest)
-        for dest, (f, _) in KNOB_FLAGS.items()
-        if getattr(a, dest, None) is not None
-    }
-
-
-def cli_knobs(a) -> dict:
-    """{generation key: value} of the knob flags given on the command line."""
-    return {
-        key: getattr(a, dest)
-        for dest, (_, key) in KNOB_FLAGS.items()
-        if getattr(a, dest, None) is not None
-    }
-
-
-def _checkpoint_knobs(model_dir: Path) -> dict:
-    """generation_config.json's knobs ({} without one); JSON null is absent (DG0)."""
-    from .checkpoint import _read_json_file
-
-    path = model_dir / "generation_config.json"
-    if not path.exists():
-        return {}
-    raw = _read_json_file(path, f"{path}: not a regular file")
-    if not isinstance(raw, dict):
-        raise OracleError(f"{path}: not a JSON object")
-    out = {}
-    for k, v in raw.items():
-        if v is None or k in _INERT_KEYS:
-            continue
-        if k == "sampler_config":
-            if (
-                not isinstance(v, dict)
-                or v.get("_cls_name", "EntropyBoundSamplerConfig") != "EntropyBoundSamplerConfig"
-            ):
-                raise OracleError(f"{path}: sampler_config is not an EntropyBoundSamplerConfig")
-            extra = sorted(set(v) - {"_cls_name", "entropy_bound"})
-            if extra:
-                raise OracleError(
-                    f"{path}: sampler_config.{extra[0]} is not a knob of the entropy-bound sampler"
-                )
-            if v.get("entropy_bound") is not None:
-                out["entropy_bound"] = v["entropy_bound"]
-        elif k == "max_length":
-            raise OracleError(
-                f"{path}: max_length = {v!r} not supported for {FAMILY} (DG0: refused)"
-            )
-        elif k == "cache_implementation":
-            if v != "dynamic":
-                raise OracleError(
-                    f"{path}: cache_implementation = {v!r}: only the dynamic cache (DG19)"
-                )
-        elif k in {key for _, key in KNOB_FLAGS.values()}:
-            out[k] = v
-        else:
-            raise OracleError(f"{path}: {k} is not a generation knob of {FAMILY} (DG0)")
-    return out
-
-
-def resolve_knobs(model_dir, given: dict, vocab: int, max_new_tokens: int) -> dict:
-    """DG0: the checkpoint's generation_config.json, then transformers' global defaults for the
-    knobs it leaves unset, then the command line; each checked, one line naming the knob."""
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-        DiffusionGemmaGenerationConfig,
-    )
-
-    defaults = DiffusionGemmaGenerationConfig._get_default_generation_params()
-    k = {
-        "max_denoising_steps": defaults["max_denoising_steps"],
-        "entropy_bound": defaults["sampler_config"].entropy_bound,
-        "t_max": defaults["t_max"],
-        "t_min": defaults["t_min"],
-        "stability_threshold": defaults["stability_threshold"],
-        "confidence_threshold": defaults["confidence_threshold"],
-        "eos_token_id": None,
-        "pad_token_id": None,
-    }
-    src = {key: "transformers' default" for key in k}
-    for key, v in _checkpoint_knobs(Path(model_dir)).items():
-        k[key], src[key] = v, "generation_config.json"
-    for key, v in given.items():
-        k[key], src[key] = v, "command line"
-
-    def bad(key, why):
-        raise OracleError(f"{key} = {k[key]!r} ({src[key]}): {why}")
-
-    def number(key):
-        v = k[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            bad(key, "not a finite number")
-        k[key] = float(v)
-
-    def integer(key, low):
-        v = k[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            bad(key, f"not an integer >= {low}")
-
-    integer("max_denoising_steps", 1)
-    integer("stability_threshold", 0)
-    for key in ("entropy_bound", "t_max", "t_min", "confidence_threshold"):
-        number(key)
-    if k["entropy_bound"] <= 0:
-        bad("entropy_bound", "must be > 0")
-    if k["confidence_threshold"] <= 0:
-        bad("confidence_threshold", "must be > 0")
-    if k["t_min"] < 0:
-        bad("t_min", "must be >= 0")
-    if not k["t_max"] > k["t_min"]:
-        bad("t_max", f"must be > t_min = {k['t_min']!r}")
-    eos = k["eos_token_id"]
-    if eos is not None:
-        ids = eos if isinstance(eos, list) else [eos]
-        if not ids or any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids
-        ):
-            bad("eos_token_id", f"not a token id (or list of them) in [0, {vocab})")
-        k["eos_token_id"] = [int(t) for t in ids]
-    pad = k["pad_token_id"]
-    if pad is not None and (
-        isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab
-    ):
-        bad("pad_token_id", f"not a token id in [0, {vocab})")
-    k["max_new_tokens"] = max_new_tokens
-    return k
-
+# The family table's entry (families.py): the class, and the checkpoint tensors a token-ids-only
+# run does not compute with (DG0, "Weights").
+ARCH = FAMILIES[FAMILY].auto
+UNUSED_PREFIXES = FAMILIES[FAMILY].unused_prefixes
 
 # ------------------------------------------------------------------------------------ loading
 
@@ -306,16 +69,14 @@ def load_model(d: Path, rc, inv: dict):
     import torch
     import transformers
 
-    from . import capture as cp
-
     transformers.utils.logging.disable_progress_bar()
     cls = getattr(transformers, ARCH)
-    with cp._transformers_log() as log:
+    with transformers_log() as log:
         try:
             cfg = transformers.AutoConfig.from_pretrained(d)
         except Exception as e:
             raise OracleError(
-                f"--model {d}: config.json not understood by transformers: {cp._one_line(e)}"
+                f"--model {d}: config.json not understood by transformers: {one_line(e)}"
             ) from None
         archs = getattr(cfg, "architectures", None)
         if archs and ARCH not in archs:
@@ -324,21 +85,21 @@ def load_model(d: Path, rc, inv: dict):
         class _Meta:  # capture's shape check builds through an auto class's from_config
             from_config = staticmethod(cls._from_config)
 
-        cp._check_shapes_on_meta(d, cfg, inv, _Meta)
+        check_shapes_on_meta(d, cfg, inv, _Meta)
     try:
-        with cp._transformers_log() as load_log:
+        with transformers_log() as load_log:
             model, info = cls.from_pretrained(
                 d,
-                dtype=getattr(torch, cp.TORCH_DTYPES[rc.dtype]),
+                dtype=getattr(torch, TORCH_DTYPES[rc.dtype]),
                 attn_implementation="eager",  # attn_probs are eager attention's weights
                 experts_implementation="eager",  # the per-expert loop; grouped_mm otherwise
                 use_safetensors=True,
                 output_loading_info=True,
-                **cp._placement(rc),
+                **placement(rc),
             )
     except (OSError, ValueError, RuntimeError) as e:
-        rows = cp._report_rows(load_log)
-        detail = "; ".join(rows[:3]) if rows else cp._one_line(e)
+        rows = report_rows(load_log)
+        detail = "; ".join(rows[:3]) if rows else one_line(e)
         raise CheckpointError(f"--model {d}: transformers could not load it: {detail}") from None
     problems = {}
     for key, v in info.items():
@@ -354,8 +115,8 @@ def load_model(d: Path, rc, inv: dict):
         raise CheckpointError(f"--model {d}: checkpoint does not match {ARCH}: {detail}")
     counts = {p: sum(n.startswith(p) for n in inv) for p in UNUSED_PREFIXES}
     model.tracegate_unused_tensors = {p: n for p, n in counts.items() if n}
-    cp._check_tied_head(model, d)
-    cp._replay([r for r in log + load_log if "MISSING" not in r.getMessage()])
+    check_tied_head(model, d)
+    replay([r for r in log + load_log if "MISSING" not in r.getMessage()])
     return (model if rc.device_map else model.to(rc.device)).eval()
 
 
@@ -387,13 +148,11 @@ class _Step:
     renoise: np.ndarray | None = None
 
 
-class _Run:
+class _Run(Hooks):
     """The hooks, wrappers and records of one generate."""
 
     def __init__(self, model, rc, knobs: dict, forcing):
-        from . import capture as cp
-
-        self.cp = cp
+        super().__init__()
         self.model, self.rc, self.knobs, self.forcing = model, rc, knobs, forcing
         self.cfg = model.config.get_text_config()
         self.C = model.config.canvas_length
@@ -415,7 +174,6 @@ class _Run:
         self.last_argmax_margins = self.last_argmax = None
         self.history: list[list[int]] = []
         self.blocks = 0
-        self._undo: list = []
 
     # -- names and records
     def name(self, rest: str) -> str:
@@ -429,27 +187,18 @@ class _Run:
             return f"bidirectional,sliding:{self.W}" if sliding else "bidirectional"
         return f"sliding:{self.W}" if sliding else "causal"
 
-    def _registered(self, name: str):
-        p = names.point(name)
-        if p is None:
-            raise OracleError(
-                f"capture point {name!r} is not in the capture-point registry "
-                "(tracegate_trace::names::POINTS, trace/src/names.rs): register it there first"
-            )
-        return p
-
     def add(self, rest: str, t, L: int | None = None, positions=None) -> None:
         import torch
 
         name = self.name(rest)
-        p = self._registered(name)
+        p = registered(name)
         if (
             getattr(p, "stored", None) == "f32"
             and t.is_floating_point()
             and t.dtype != torch.float32
         ):
             t = t.float()
-        arr, dt = self.cp.to_numpy(t)
+        arr, dt = to_numpy(t)
         attrs = {
             "path": "denoise" if self.mode == "denoise" else "encode",
             "mask": self.mask(L),
@@ -457,12 +206,10 @@ class _Run:
         }
         if self.forced:
             attrs["forced"] = self.forcing.digest
-        self.records.append(self.cp.Record(name, arr, dt, attrs))
+        self.records.append(Record(name, arr, dt, attrs))
 
     def decide(self, name: str, values, margins, own=None) -> None:
-        from .capture import Decision
-
-        self._registered(name)
+        registered(name)
         values = np.asarray(values, dtype=np.int64)
         m = None if margins is None else np.asarray(margins, dtype=np.float32).reshape(-1)
         self.decisions.append(Decision(name, values, m))
@@ -500,39 +247,19 @@ class _Run:
         self.close()
         return False
 
-    def close(self):
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-
-    def _hook(self, module, fn, pre=False):
-        h = (
-            module.register_forward_pre_hook(fn, with_kwargs=True)
-            if pre
-            else module.register_forward_hook(fn)
-        )
-        self._undo.append(h.remove)
-
-    def _shadow(self, obj, attr: str, new):
-        """`obj.attr = new` on the instance for the run; the class's stays untouched."""
-        had = attr in obj.__dict__
-        prev = obj.__dict__.get(attr)
-        setattr(obj, attr, new)
-        self._undo.append(lambda: setattr(obj, attr, prev) if had else obj.__dict__.pop(attr, None))
-
     def _install(self):
         m = self.model
         enc, dec = m.model.encoder, m.model.decoder
-        self._hook(enc, self._on_encoder, pre=True)
-        self._hook(
+        self.hook(enc, self._on_encoder, pre=True)
+        self.hook(
             enc.language_model.embed_tokens, lambda mod, a, out: self.add("embed.out", out[0])
         )
         for L, layer in enumerate(enc.language_model.layers):
             self._hook_layer(L, layer)
-        self._hook(dec, self._on_decoder, pre=True)
-        self._hook(dec.embed_tokens, lambda mod, a, out: self.add("embed.out", out[0]))
+        self.hook(dec, self._on_decoder, pre=True)
+        self.hook(dec.embed_tokens, lambda mod, a, out: self.add("embed.out", out[0]))
         sc = dec.self_conditioning
-        self._hook(
+        self.hook(
             sc,
             lambda mod, a, kw: self.add(
                 "sc.soft", (a[1] if len(a) > 1 else kw["self_conditioning_signal"])[0]
@@ -540,13 +267,13 @@ class _Run:
             pre=True,
         )
         if self.internals:
-            self._hook(sc.down_proj, lambda mod, a, out: self.add("sc.mlp_out", out[0]))
-        self._hook(sc, lambda mod, a, out: self.add("sc.out", out[0]))
+            self.hook(sc.down_proj, lambda mod, a, out: self.add("sc.mlp_out", out[0]))
+        self.hook(sc, lambda mod, a, out: self.add("sc.out", out[0]))
         for L, layer in enumerate(dec.layers):
             self._hook_layer(L, layer)
-        self._hook(dec.norm, lambda mod, a, out: self.add("final_norm.out", out[0]))
+        self.hook(dec.norm, lambda mod, a, out: self.add("final_norm.out", out[0]))
         if self.internals:
-            self._hook(m.lm_head, lambda mod, a, out: self.add("logits.uncapped", out[0]))
+            self.hook(m.lm_head, lambda mod, a, out: self.add("logits.uncapped", out[0]))
         self._wrap_generation()
         if self.internals:
             self._patch_attention()
@@ -574,49 +301,47 @@ class _Run:
     # -- a layer's points (the same names in every pass)
     def _hook_layer(self, L: int, layer):
         lay = lambda rest: names.layer(L, rest)  # noqa: E731
-        self._hook(
+        self.hook(
             layer,
             lambda mod, a, kw: self.add(
                 lay("hidden_in"), (a[0] if a else kw["hidden_states"])[0], L
             ),
             pre=True,
         )
-        self._hook(layer.self_attn, lambda mod, a, out: self.add(lay("attn_out"), out[0][0], L))
+        self.hook(layer.self_attn, lambda mod, a, out: self.add(lay("attn_out"), out[0][0], L))
         if self.internals:
-            self._hook(
+            self.hook(
                 layer.pre_feedforward_layernorm,
                 lambda mod, a, kw: self.add(lay("attn_residual"), a[0][0], L),
                 pre=True,
             )
-            self._hook(layer.mlp, lambda mod, a, out: self.add(lay("dense_mlp.out"), out[0], L))
-        self._hook(
+            self.hook(layer.mlp, lambda mod, a, out: self.add(lay("dense_mlp.out"), out[0], L))
+        self.hook(
             layer.post_feedforward_layernorm_1,
             lambda mod, a, out: self.add(lay("dense_mlp.branch"), out[0], L),
         )
         router = layer.router
         if self.internals:
-            self._hook(router.proj, lambda mod, a, out: self.add(lay("router.logits"), out, L))
+            self.hook(router.proj, lambda mod, a, out: self.add(lay("router.logits"), out, L))
         self._wrap_router(L, router)
         if self.internals:
             self._tap_experts(L, layer.experts)
-            self._hook(layer.experts, lambda mod, a, out: self.add(lay("moe.out"), out, L))
-        self._hook(
+            self.hook(layer.experts, lambda mod, a, out: self.add(lay("moe.out"), out, L))
+        self.hook(
             layer.post_feedforward_layernorm_2,
             lambda mod, a, out: self.add(lay("moe.branch"), out[0], L),
         )
-        self._hook(
+        self.hook(
             layer.post_feedforward_layernorm,
             lambda mod, a, out: self.add(lay("mlp_out"), out[0], L),
         )
-        self._hook(layer, lambda mod, a, out: self.add(lay("hidden_out"), out[0], L))
+        self.hook(layer, lambda mod, a, out: self.add(lay("hidden_out"), out[0], L))
 
     def _wrap_router(self, L: int, router):
         """Record `router.topk` from what transformers' router returned; under forcing answer its
         one `torch.topk` with the forced experts and the router's own probabilities at them
         (force.intercept_topk)."""
         import torch
-
-        from .force import intercept_topk
 
         run = self
 
@@ -634,13 +359,13 @@ class _Run:
             p = probs.float().cpu().numpy()
             chosen = idx.cpu().numpy()
             margins = np.array(
-                [run.cp.margin_of(p[r], chosen[r]) for r in range(len(chosen))], dtype=np.float32
+                [margin_of(p[r], chosen[r]) for r in range(len(chosen))], dtype=np.float32
             )
             run.decide(
                 run.name(names.layer(L, "router.topk")), chosen, margins, own=own.cpu().numpy()
             )
 
-        self._undo.append(
+        self.on_close(
             intercept_topk(
                 router,
                 refuse=lambda calls: (
@@ -653,7 +378,7 @@ class _Run:
         )
 
     def _tap_experts(self, L: int, experts):
-        ExpertTap = self.cp._expert_tap_class()
+        ExpertTap = expert_tap_class()
         orig = experts.forward
 
         def forward(*args, **kwargs):
@@ -668,7 +393,7 @@ class _Run:
                 self.add(names.expert(L, e, "out"), y[order.tolist()], L, pos)
             return out
 
-        self._shadow(experts, "forward", forward)
+        self.shadow(experts, "forward", forward)
 
     def _patch_attention(self):
         """q, k, v after their norms and RoPE, and the attention probabilities, as transformers'
@@ -695,7 +420,7 @@ class _Run:
             return out, weights
 
         mod.eager_attention_forward = wrapped
-        self._undo.append(lambda: setattr(mod, "eager_attention_forward", orig))
+        self.on_close(lambda: setattr(mod, "eager_attention_forward", orig))
 
     # -- the generation loop's decisions
     def _wrap_generation(self):
@@ -713,7 +438,7 @@ class _Run:
                 run.add("logits", out.logits[0])
             return out
 
-        self._shadow(m, "forward", forward)
+        self.shadow(m, "forward", forward)
 
         proc = gen.LinearTemperatureScheduleLogitsProcessor
         orig_call = proc.__call__
@@ -727,7 +452,7 @@ class _Run:
             return out
 
         proc.__call__ = tempered
-        self._undo.append(lambda: setattr(proc, "__call__", orig_call))
+        self.on_close(lambda: setattr(proc, "__call__", orig_call))
 
         class StepMode(TorchFunctionMode):
             """`sampled` (the one multinomial) and `argmax` (of the tempered logits)."""
@@ -766,7 +491,7 @@ class _Run:
             with StepMode():
                 return orig_step(*args, **kwargs)
 
-        self._shadow(m, "_denoising_step", denoising_step)
+        self.shadow(m, "_denoising_step", denoising_step)
 
         orig_sampler = m._prepare_sampler
 
@@ -775,7 +500,7 @@ class _Run:
             run._wrap_sampler(s)
             return s
 
-        self._shadow(m, "_prepare_sampler", prepare_sampler)
+        self.shadow(m, "_prepare_sampler", prepare_sampler)
 
         orig_crit = m._prepare_diffusion_stopping_criteria
 
@@ -787,7 +512,7 @@ class _Run:
                 )
             return _StopProxy(run, c)
 
-        self._shadow(m, "_prepare_diffusion_stopping_criteria", prepare_criteria)
+        self.shadow(m, "_prepare_diffusion_stopping_criteria", prepare_criteria)
 
         orig_final = m._finalize_canvas  # a staticmethod: called without self
 
@@ -795,7 +520,7 @@ class _Run:
             run._on_commit(input_ids[0, -run.C :].cpu().numpy())
             return orig_final(input_ids, *args, **kwargs)
 
-        self._shadow(m, "_finalize_canvas", finalize)
+        self.shadow(m, "_finalize_canvas", finalize)
 
     def _wrap_sampler(self, sampler):
         import torch
@@ -852,8 +577,8 @@ class _Run:
             cur.accept_margins = np.where(cur.accept == 1, bound - x, x - bound).astype(np.float32)
             return accepted
 
-        self._shadow(sampler, "initialize_canvas", initialize_canvas)
-        self._shadow(sampler, "accept_canvas", accept_canvas)
+        self.shadow(sampler, "initialize_canvas", initialize_canvas)
+        self.shadow(sampler, "accept_canvas", accept_canvas)
 
     def _on_stop(self, crit, argmax_canvas, logits, kwargs):
         import torch
@@ -917,10 +642,8 @@ class _Run:
                     f"--force-decisions {self.forcing.path}: decision {name} is {np.asarray(ref).tolist()}, "
                     f"this run commits {commit.tolist()} (DG17: a defect between the two)"
                 )
-        self._registered(name)
-        self.decisions.append(
-            self.cp.Decision(name, commit.astype(np.int64), self.last_argmax_margins)
-        )
+        registered(name)
+        self.decisions.append(Decision(name, commit.astype(np.int64), self.last_argmax_margins))
         self.blocks += 1
         self.mode = None
 
@@ -961,18 +684,14 @@ def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: di
     transformers' generate with max_new_tokens N, recorded as DG16 says."""
     import torch
 
-    from . import capture as cp
-
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
     cfg = model.config.get_text_config()
     knobs = resolve_knobs(model_dir, given, cfg.vocab_size, rc.generate)
     _check_tokens(model, tokens, knobs)
     if forcing is not None:  # a trace of another prompt or other weights cannot steer this one
         forcing.check_prompt(tokens)
-        forcing.check_weights(
-            getattr(model, "tracegate_weights_digest", None) or cp._weights_digest(Path(model_dir))
-        )
-    dev = cp.execution_device(model.model.decoder.embed_tokens, rc)
+        forcing.check_weights(model_weights_digest(model, model_dir))
+    dev = execution_device(model.model.decoder.embed_tokens, rc)
 
     def go():
         from transformers import DynamicCache
@@ -1023,19 +742,19 @@ def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: di
                 out = [int(t) for t in seq.sequences[0, len(tokens) :].tolist()]
         return run, out
 
-    run, out = cp._deterministic(go, det)
+    run, out = deterministic(go, det)
     prov = provenance(model, model_dir, rc, det, tokens, knobs, run, out)
     if forcing is not None:
         prov["forced_decisions"] = forcing.provenance(run.forced)
     if run.notes:
         prov["notes"] = run.notes
-    return cp.Capture(run.records, run.decisions, prov)
+    return Capture(run.records, run.decisions, prov)
 
 
 def provenance(model, model_dir, rc, det, tokens, knobs, run, out) -> dict:
+    """The shared run record (records.run_provenance) with diffusion_gemma's family record and its
+    generation: the knobs, the generator, the blocks committed and the tokens generated."""
     import torch
-
-    from . import capture as cp
 
     cfg = model.config
     tc = cfg.get_text_config()
@@ -1055,29 +774,15 @@ def provenance(model, model_dir, rc, det, tokens, knobs, run, out) -> dict:
     }
     gen = {"max_new_tokens": gen.pop("max_new_tokens"), "canvas_length": cfg.canvas_length, **gen}
     emb = model.model.decoder.embed_tokens
-    return {
-        "producer": "oracle",
-        "verb": "trace",
-        "versions": cp.versions_record(),
-        "device": cp.device_record(rc),
-        **(
-            {"device_map": cp._device_map_provenance(model, rc)}
-            if rc.device_map is not None
-            else {}
-        ),
-        "dtype": rc.dtype,
-        "threads": rc.threads,
-        "seed": rc.seed,
-        "deterministic": det,
-        "attn_implementation": cfg._attn_implementation,
-        "experts_implementation": tc._experts_implementation,
-        "model_class": type(model).__name__,
-        **(
-            {"unused_tensors": model.tracegate_unused_tensors}
-            if getattr(model, "tracegate_unused_tensors", None)
-            else {}
-        ),
-        "family": {
+    return run_provenance(
+        model,
+        model_dir,
+        rc,
+        det,
+        tokens,
+        "trace",
+        experts_implementation=tc._experts_implementation,
+        family={
             "family": FAMILY,
             "layer_types": list(tc.layer_types),
             "sliding_window": tc.sliding_window,
@@ -1088,19 +793,11 @@ def provenance(model, model_dir, rc, det, tokens, knobs, run, out) -> dict:
             "rope_parameters": tc.rope_parameters,
             "cache": "DynamicCache",
         },
-        "model": str(model_dir),
-        "model_abspath": str(Path(model_dir).resolve()),
-        "weights_digest": getattr(model, "tracegate_weights_digest", None)
-        or cp._weights_digest(Path(model_dir)),
-        "prompt_tokens": [int(t) for t in tokens],
-        "capture": rc.capture,
-        "cache": rc.cache,
-        "generate": rc.generate,
-        "generation": gen,
-        # torch's global generator, seeded with --seed before generate (DG15 is not reproduced)
-        "rng": f"torch:{torch.device(rc.device).type}",
-        "blocks": run.blocks,
-        "output_tokens": out,
-        "command": cp.command_record(),
-        "build_id": cp._build_id(),
-    }
+        extra={
+            "generation": gen,
+            # torch's global generator, seeded with --seed before generate (DG15 is not reproduced)
+            "rng": f"torch:{torch.device(rc.device).type}",
+            "blocks": run.blocks,
+            "output_tokens": out,
+        },
+    )

@@ -4,16 +4,14 @@ One declarative table (`FAMILIES`): every family shares the common decoder struc
 embedding, a list of decoder layers each with self-attention and an MLP or MoE block, a final
 norm, a head); a family's entry lists only what it does differently, as data. `resolve` checks a
 loaded model against its entry and refuses, in one line, a family the table does not cover or a
-model whose modules are not where the entry says. No family has its own code path: capture.py
-reads the resolved `Layout`. docs/capture-points.md is the prose of this table.
+model whose modules are not where the entry says. No family has its own code path: taps.py and
+capture.py read the resolved `Layout`. docs/capture-points.md is the prose of this table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .diffusion_gemma import ARCH as DG_ARCH
-from .diffusion_gemma import UNUSED_PREFIXES as DG_UNUSED
 from .errors import OracleError
 
 # Mask rules, read from transformers' modeling files (how each model's forward picks the mask):
@@ -154,8 +152,9 @@ FAMILIES["diffusion_gemma"] = replace(
     ),
     moe="all",
     mask="layer_types",
-    auto=DG_ARCH,
-    unused_prefixes=DG_UNUSED,
+    auto="DiffusionGemmaForBlockDiffusion",
+    # checkpoint tensors a token-ids-only run does not compute with (DG0, "Weights")
+    unused_prefixes=("model.encoder.vision_tower.", "model.encoder.embed_vision."),
     generation="diffusion",
 )
 

@@ -25,15 +25,13 @@ from tracegate_contract.force import Forcing as _ContractForcing
 from .errors import OracleError
 
 
-def shadow_forward(module, forward):
-    """Set `forward` as `module`'s instance attribute (it shadows the class method); returns the
-    undo, which restores what was there: accelerate's hook (--device-map auto) is such an
-    attribute too, and must survive the capture."""
-    prev = module.__dict__.get("forward")
-    module.forward = forward
-    return lambda: (
-        module.__dict__.pop("forward", None) if prev is None else setattr(module, "forward", prev)
-    )
+def shadow(obj, attr: str, new):
+    """Set `new` as `obj`'s instance attribute `attr` (it shadows the class's); returns the undo,
+    which restores what was there: accelerate's hook (--device-map auto) is such an attribute of
+    a module's `forward` too, and must survive the capture."""
+    had, prev = attr in obj.__dict__, obj.__dict__.get(attr)
+    setattr(obj, attr, new)
+    return lambda: setattr(obj, attr, prev) if had else obj.__dict__.pop(attr, None)
 
 
 class Forcing(_ContractForcing):
@@ -116,7 +114,7 @@ def forced_answer(family: str, L: int, router, forced: np.ndarray, positions):
 
 
 def intercept_topk(router, refuse, answer=None, after=None):
-    """Shadow `router`'s forward (transformers' router module; shadow_forward) so that the one
+    """Shadow `router`'s forward (transformers' router module; `shadow`) so that the one
     `torch.topk` it calls on its probabilities is seen. At that call `answer(probs, own)` — the
     tensor torch.topk was given and the indices torch returned — may return other indices to
     answer with, their values the router's own probabilities at them (`probs` gathered), or None
@@ -155,4 +153,4 @@ def intercept_topk(router, refuse, answer=None, after=None):
             after(result, mode.own, mode.used)
         return result
 
-    return shadow_forward(router, forward)
+    return shadow(router, "forward", forward)

@@ -50,7 +50,7 @@ def provenance(lay) -> dict:
         bypassed = {}
         for name in FUNCS:
             fn = getattr(mod, name)
-            fn = fn.orig if isinstance(fn, _Wrapped) else fn
+            fn = fn.orig if isinstance(fn, Wrapped) else fn
             torch_fn = inspect.unwrap(fn)
             bound = _resolved(fn)
             if bound != f"{torch_fn.__module__}.{torch_fn.__qualname__}":
@@ -59,7 +59,7 @@ def provenance(lay) -> dict:
     return out
 
 
-class _Wrapped:
+class Wrapped:
     """A module-level function replaced by its torch reference plus an observer call."""
 
     def __init__(self, paths: TorchPaths, name: str, orig):
@@ -98,7 +98,7 @@ class TorchPaths:
         for mod in _modules(self.lay):
             for name in FUNCS:
                 orig = getattr(mod, name)
-                setattr(mod, name, _Wrapped(self, name, orig))
+                setattr(mod, name, Wrapped(self, name, orig))
                 self._undo.append((mod, name, orig))
         _active = self
         return self

@@ -74,6 +74,8 @@ from tracegate import names
 
 from . import capture as cp
 from . import checkpoint
+from .records import Capture
+from .torch_setup import RunConfig, setup_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ROOT / "fixtures" / "policy"
@@ -166,7 +168,7 @@ class Run:
     provenance: dict = field(default_factory=dict)
 
 
-def plain(c: cp.Capture) -> dict:
+def plain(c: Capture) -> dict:
     """A capture as plain data (what --save writes)."""
     return {
         "tensors": [(r.name, r.array, r.dtype, r.attrs) for r in c.tensors],
@@ -208,8 +210,8 @@ def oracle_runs(
     each of `layers` (default: every layer) run alone (the `layer` verb) on the reference's
     `layer.NN.hidden_in`, as {prompt: {name: (array, dtype, positions)}}. `patch(model)`, if
     given, changes the loaded model first (a planted defect that is no weight)."""
-    rc = cp.RunConfig(device=device, dtype=dtype, capture="internals")
-    det = cp.setup_torch(rc)
+    rc = RunConfig(device=device, dtype=dtype, capture="internals")
+    det = setup_torch(rc)
     model = cp.load_model(model_dir, rc)
     if patch is not None:
         patch(model)
@@ -542,8 +544,8 @@ def measure(model_dir: str) -> dict[str, dict]:
     """Oracle fp32 against float64 (the f32 policy's basis): the model cast to float64 run by
     transformers' own code with its fp32 casts made float64 (`float64_throughout`), so every
     capture point, the Gated DeltaNet's included, has a float64 reference."""
-    rc = cp.RunConfig(capture="internals")
-    cp.setup_torch(rc)
+    rc = RunConfig(capture="internals")
+    setup_torch(rc)
     m32 = cp.load_model(model_dir, rc)
     m64 = copy.deepcopy(m32).double()
     res = Result()
@@ -870,7 +872,7 @@ def print_planted(d: str, plant: str, rows: list[dict]) -> None:
 # output
 
 
-def _g(x: float) -> str:
+def fmt3(x: float) -> str:
     return f"{x:.3g}"
 
 
@@ -884,13 +886,13 @@ def print_fp64(d: str, agg: dict) -> None:
         if "flips" in s:
             continue
         print(
-            f"| `{p}` | {s['n']} | {s['max_ulp']} | {_g(s['max_abs'])} | {_g(s['max_rel'])} | {_g(s['rel_l2'])} | {_g(1 - s['cosine'])} below 1 |"
+            f"| `{p}` | {s['n']} | {s['max_ulp']} | {fmt3(s['max_abs'])} | {fmt3(s['max_rel'])} | {fmt3(s['rel_l2'])} | {fmt3(1 - s['cosine'])} below 1 |"
         )
     f = agg["(decisions differing f32 vs f64)"]
     print(f"\ndecisions: {f['flips']} of {f['n']} rows differ between fp32 and float64")
 
 
-def _judge(policy: dict, per_tensor: list, kept: bool) -> tuple[int, list]:
+def judge(policy: dict, per_tensor: list, kept: bool) -> tuple[int, list]:
     """(tensors judged, [(prompt, name, violations)]) under `policy`, as trace-diff rules do."""
     bad, n = [], 0
     for prompt, name, _, whole, without in per_tensor:
@@ -937,12 +939,12 @@ def print_precision(d: str, m: dict) -> None:
             w, k = [whole[r][p] for r in refs], [kept[r][p] for r in refs]
             worst = max(k, key=lambda x: x["rel_l2"])
             print(
-                f"| `{p}` | {w[0]['n']} | {max(x['max_ulp'] for x in w)} | {_g(max(x['max_abs'] for x in w))} | "
-                f"{_g(max(x['max_rel'] for x in w))} | "
-                + " | ".join(_g(x["rel_l2"]) for x in w)
-                + f" | {_g(worst['rel_l2'])} | {_g(1 - min(x['cosine'] for x in w))} below 1 | "
-                f"{_g(1 - min(x['cosine'] for x in k))} below 1 | "
-                f"{_g(max(x['scale_error'] for x in k))} | {worst['where']} |"
+                f"| `{p}` | {w[0]['n']} | {max(x['max_ulp'] for x in w)} | {fmt3(max(x['max_abs'] for x in w))} | "
+                f"{fmt3(max(x['max_rel'] for x in w))} | "
+                + " | ".join(fmt3(x["rel_l2"]) for x in w)
+                + f" | {fmt3(worst['rel_l2'])} | {fmt3(1 - min(x['cosine'] for x in w))} below 1 | "
+                f"{fmt3(1 - min(x['cosine'] for x in k))} below 1 | "
+                f"{fmt3(max(x['scale_error'] for x in k))} | {worst['where']} |"
             )
         for r in refs:
             x = res[(dt, r)]
@@ -967,13 +969,13 @@ def print_precision(d: str, m: dict) -> None:
                 f = seen[0][1]
                 fs = [x for _, x in seen if x["d"]]
                 ratio = (
-                    _g(max(abs(x["margin"]) / x["d"] for x in fs))
+                    fmt3(max(abs(x["margin"]) / x["d"] for x in fs))
                     if fs and f["margin"] is not None
                     else "-"
                 )
                 gap = (
                     (
-                        _g(max(x["gap"] / x["d"] for x in fs))
+                        fmt3(max(x["gap"] / x["d"] for x in fs))
                         + (" (reorder: score gap)" if f["reorder"] else "")
                     )
                     if fs and f["gap"] is not None
@@ -981,13 +983,13 @@ def print_precision(d: str, m: dict) -> None:
                 )
                 print(
                     f"| {f['prompt']} | `{f['name']}` | {f['row']} | {f['reference']} / {f['candidate']} | {', '.join(r for r, _ in seen)} | "
-                    f"{_g(f['margin']) if f['margin'] is not None else '-'} | {_g(f['d']) if f['d'] is not None else '-'} | {ratio} | {gap} |"
+                    f"{fmt3(f['margin']) if f['margin'] is not None else '-'} | {fmt3(f['d']) if f['d'] is not None else '-'} | {ratio} | {gap} |"
                 )
         pol = policy_file(dt)
         if pol.exists():
             policy = checkpoint.read_json_file(pol)
             for kept_rows, how in ((False, "whole tensors"), (True, "no near-tie rows")):
-                judged = [(r, *_judge(policy, res[(dt, r)].per_tensor, kept_rows)) for r in refs]
+                judged = [(r, *judge(policy, res[(dt, r)].per_tensor, kept_rows)) for r in refs]
                 total, bad = sum(j[1] for j in judged), [(r, *b) for r, _, bs in judged for b in bs]
                 by_prompt = {
                     pr: sum(b[1] == pr for b in bad) for pr in dict.fromkeys(b[1] for b in bad)

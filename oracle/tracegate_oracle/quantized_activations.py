@@ -25,7 +25,7 @@ Q·K and P·V products of llama.cpp's attention, and the SIMD quantizers' own ro
 multiplies by 127/amax and rounds half to even: a one-step change where x·(1/d) lies at a
 half-integer).
 
-The trace it writes is the oracle's trace (capture.py's taps) with provenance `producer`
+The trace it writes is the oracle's trace (taps.py's hooks) with provenance `producer`
 `oracle-q8-activations` and an `activations` record of the scheme per linear: never mistaken for
 the oracle. Commands:
 
@@ -57,8 +57,13 @@ from pathlib import Path
 import numpy as np
 
 from . import capture as cp
-from . import gguf_source
+from . import checkpoint, cli, gguf_source
+from . import measure_policy as mp
 from .errors import OracleError
+from .families import resolve
+from .force import Forcing
+from .records import write_trace
+from .torch_setup import RunConfig, setup_torch
 
 PROG = "python -m tracegate_oracle.quantized_activations"
 PRODUCER = "oracle-q8-activations"
@@ -286,7 +291,7 @@ def planted(model, plants: list[tuple[int, float]]):
     """Layer L's MLP down projection times S for each (L, S), until exit (the weight restored)."""
     import torch
 
-    lay = cp.resolve(model)
+    lay = resolve(model)
     saved = []
     try:
         with torch.no_grad():
@@ -375,15 +380,10 @@ def decode_divergence(ref, cand) -> tuple[int, float] | None:
 
 
 def mp_real(t) -> np.ndarray:
-    from . import measure_policy as mp
-
     return mp.real(t[0], t[1])
 
 
 def measure(a) -> None:
-    from . import checkpoint
-    from . import measure_policy as mp
-
     if a.text is not None:
         from tracegate import text
 
@@ -391,8 +391,8 @@ def measure(a) -> None:
     else:
         frozen = checkpoint.read_json_file(mp.FROZEN)["prompts"]
         tokens = {p["id"]: p["tokens"] for p in frozen}
-    rc = cp.RunConfig(capture="internals", generate=a.generate)
-    det = cp.setup_torch(rc)
+    rc = RunConfig(capture="internals", generate=a.generate)
+    det = setup_torch(rc)
     model = cp.load_model(a.model, rc)
     cands = {"q8": ()} | {f"q8 + down x{s:g} @ {L}": ((L, s),) for L, s in a.plant_down}
     runs: dict = {"oracle f32": {}} | {c: {} for c in cands}
@@ -444,9 +444,9 @@ def measure(a) -> None:
             worst = max(w, key=lambda x: x["rel_l2"])
             print(
                 f"| `{p}` | {w[0]['n']} | "
-                + " | ".join(mp._g(x["rel_l2"]) for x in w)
-                + f" | {mp._g(1 - min(x['cosine'] for x in w))} | "
-                f"{mp._g(max(x['max_abs'] for x in w))} | {worst['where']} |"
+                + " | ".join(mp.fmt3(x["rel_l2"]) for x in w)
+                + f" | {mp.fmt3(1 - min(x['cosine'] for x in w))} | "
+                f"{mp.fmt3(max(x['max_abs'] for x in w))} | {worst['where']} |"
             )
         for (r, pid), d in cut.items():
             if d is not None:
@@ -497,7 +497,7 @@ def measure(a) -> None:
             saved[c] = {r: res[r].per_tensor for r in refs}
         if policy is not None:
             for r in refs:
-                n, bad = mp._judge(policy, res[r].per_tensor, kept=True)
+                n, bad = mp.judge(policy, res[r].per_tensor, kept=True)
                 first = {}
                 for pr, nm, v in bad:
                     first.setdefault(pr, (nm, v))
@@ -572,28 +572,26 @@ def requantize(src: str, dst: str, qtype: str) -> None:
 
 
 def _trace(a) -> int:
-    from . import cli
-
-    rc = cp.RunConfig(
+    rc = RunConfig(
         capture=a.capture,
         generate=a.generate,
         cache=a.cache,
         threads=a.threads,
         seed=a.seed if a.seed is not None else 0,
     )
-    tokens, prompt_text = cli._prompt(a)
-    out = cli._check_out(a.out)
-    from .force import Forcing
-
+    tokens, prompt_text = cli.prompt_of(a)
+    out = cli.check_out(a.out)
     # A greedy token that flips at a near-tie puts the later decode steps on another sequence;
     # forced to the reference's tokens they stay comparable (docs/producers.md, forced decisions).
     forcing = Forcing(a.force_decisions) if a.force_decisions is not None else None
-    det = cp.setup_torch(rc)
+    det = setup_torch(rc)
     model = cp.load_model(a.model, rc)
     cap = capture(model, a.model, tokens, rc, det, a.plant_down, forcing)
     if prompt_text is not None:
-        cap.provenance = cli._after(cap.provenance, "prompt_tokens", "prompt_text", prompt_text)
-    print(f"{cp.write_trace(cap, out)} {out}")
+        cap.provenance = cli.insert_after(
+            cap.provenance, "prompt_tokens", "prompt_text", prompt_text
+        )
+    print(f"{write_trace(cap, out)} {out}")
     return 0
 
 
