@@ -19,6 +19,11 @@ for `trace --model M --tokens T --out OUT --capture default` (appended if absent
         --noise '.venv/bin/python -m tracegate_oracle {trace} --dtype bf16' \\
         --candidate 'NAME=CMD' ... [--policy bf16] [--work DIR] [--json OUT]
 
+`--layer L` compares layer L alone: the reference's whole `trace` supplies the input, and every
+command (the reference too) runs its `layer` verb on it (`{trace}` then stands for `layer --model M
+--layer L --input REF --input-name layer.LL.hidden_in --out OUT`); each candidate line also gives
+the worst gap between its scale error and the noise run's.
+
 `--text` adds a prompt `text` (tokenized once by `--tokenizer`, default MODEL, with `--chat` in its
 chat template) given to every producer as `--tokens`. `--policy P` also runs `trace-diff REF CAND
 --policy P --json`, without and with `--noise-reference NOISE`, and prints each verdict and first
@@ -61,11 +66,10 @@ def run(cmd: list[str], model: str, out: Path, tokens: list[int]) -> None:
     subprocess.run(cmd + argv, check=True, capture_output=True, cwd=ROOT)
 
 
-def run_line(line: str, model: str, out: Path, tokens: list[int], reuse: bool) -> None:
+def run_line(line: str, argv: list[str], out: Path, reuse: bool) -> None:
     if reuse and out.exists():
         return
-    argv = ["trace", "--model", model, "--tokens", ",".join(map(str, tokens))]
-    argv += ["--out", str(out), "--capture", "default"]
+    argv = argv + ["--out", str(out)]
     words = shlex.split(line)
     if "{trace}" in words:
         i = words.index("{trace}")
@@ -121,10 +125,18 @@ def ratios_of(ref, noise, cand):
     return ratios, unmeasured
 
 
-def summary(ratios, unmeasured) -> str:
+def summary(ratios, unmeasured, cand=None) -> str:
     worst = [f"{k:.1f} {t} ({c:.1e}/{n:.1e})" for k, t, c, n in ratios[:3]]
     median = float(np.median([k for k, *_ in ratios])) if ratios else float("nan")
-    return f"worst {worst}; noise 0: {unmeasured}; median {median:.2f}"
+    line = f"worst {worst}; noise 0: {unmeasured}; median {median:.2f}"
+    if cand is not None:
+        # The scale error the candidate adds to the noise run's own: a scale defect moves it by
+        # its size, honest rounding by little (MEASUREMENTS.md, "Layer isolation").
+        gaps = [(abs(SCALES[id(cand), t][0] - SCALES[id(cand), t][1]), t) for _, t, *_ in ratios]
+        gap, t = max(gaps) if gaps else (float("nan"), "-")
+        c, n = SCALES.get((id(cand), t), (float("nan"), float("nan")))
+        line += f"; worst scale gap {gap:.4f} {t} (C {c:+.4f}, N {n:+.4f})"
+    return line
 
 
 def verdict(ref: Path, cand: Path, policy: str, noise: Path | None) -> str:
@@ -213,6 +225,11 @@ def general(argv: list[str]) -> int:
     p.add_argument("--policy")
     p.add_argument("--work")
     p.add_argument("--json")
+    p.add_argument(
+        "--layer",
+        type=int,
+        help="compare layer L alone: every command runs its `layer` verb on the reference's input",
+    )
     a = p.parse_args(argv)
     frozen = json.loads((ROOT / "fixtures/prompts/frozen.json").read_text())["prompts"]
     tokens_of = {q["id"]: q["tokens"] for q in frozen}
@@ -228,14 +245,24 @@ def general(argv: list[str]) -> int:
         d.mkdir(parents=True, exist_ok=True)
         for pid, tokens in prompts:
             paths = {}
+            argv = ["trace", "--model", a.model, "--tokens", ",".join(map(str, tokens))]
+            argv += ["--capture", "default"]
+            if a.layer is not None:
+                # Every side's layer verb on the reference's own input to layer L: the noise run
+                # without the upstream drift a whole run carries (docs/bisect.md, isolation).
+                whole = d / f"{pid}.reference.whole.trace"
+                run_line(a.reference, argv, whole, reuse=bool(a.work))
+                argv = ["layer", "--model", a.model, "--layer", str(a.layer)]
+                argv += ["--input", str(whole), "--input-name", f"layer.{a.layer:02}.hidden_in"]
+                pid = f"{pid}.layer{a.layer:02}"
             for name, line in [("reference", a.reference), ("noise", a.noise), *cands]:
                 paths[name] = d / f"{pid}.{name}.trace"
-                run_line(line, a.model, paths[name], tokens, reuse=bool(a.work))
+                run_line(line, argv, paths[name], reuse=bool(a.work))
             ref, noise = tracegate.Trace(paths["reference"]), tracegate.Trace(paths["noise"])
             for name, _ in cands:
                 cand = tracegate.Trace(paths[name])
                 ratios, unmeasured = ratios_of(ref, noise, cand)
-                line = f"{pid} ({len(tokens)} tokens) {name}: {summary(ratios, unmeasured)}"
+                line = f"{pid} ({len(tokens)} tokens) {name}: {summary(ratios, unmeasured, cand)}"
                 row = {
                     "prompt": pid,
                     "candidate": name,
