@@ -10,8 +10,10 @@ use tracegate_trace::{names, Attributes, DType, Digest, TraceWriter};
 use super::config::{DgConfig, DiffusionOptions, Knobs};
 use super::{DgModel, Pass};
 use crate::force::{Forcing, Record};
+use crate::options::{pool, LayerOptions, TraceOptions};
+use crate::provenance::{beside_weights_digest, provenance, unused_provenance};
 use crate::splitmix::{self, Purpose};
-use crate::{err, ops, Result, TraceOptions};
+use crate::{err, ops, Result};
 
 enum Data {
     F32(Vec<f32>),
@@ -239,8 +241,8 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
         }
         None => None,
     };
-    let pool = crate::run::pool(o.threads)?;
-    let (wd, (cap, output, blocks_run)) = crate::run::beside_weights_digest(&store, || {
+    let pool = pool(o.threads)?;
+    let (wd, (cap, output, blocks_run)) = beside_weights_digest(&store, || {
         pool.install(|| {
             generate(
                 &model,
@@ -253,7 +255,7 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
             )
         })
     })?;
-    let mut prov = crate::run::provenance(
+    let mut prov = provenance(
         &o.model_dir,
         &raw,
         &wd,
@@ -261,7 +263,7 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
-    crate::run::unused_provenance(&mut prov, &model.unused_tensors);
+    unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
     if let Some(text) = &o.prompt_text {
@@ -730,7 +732,7 @@ fn cache_from_trace(
 /// `P.layer.LL.hidden_in` of TRACE, its keys DG6's for pass P — the cached rows read back from
 /// the same TRACE's encoder k/v — through `DgModel::layer`, the call the whole run makes, so the
 /// output repeats the whole run's points for that layer and pass bit for bit.
-pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
+pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     if o.decode_from.is_some() {
         return Err(
             err!(Input: "--decode-from: not for diffusion_gemma (there is no greedy decode step; name a denoise step's input instead)"),
@@ -791,15 +793,15 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
         .transpose()?;
     let store = crate::open_store(&o.model_dir)?;
     let model = DgModel::load(cfg, &store)?;
-    let pool = crate::run::pool(o.threads)?;
-    let (wd, cap) = crate::run::beside_weights_digest(&store, || {
+    let pool = pool(o.threads)?;
+    let (wd, cap) = beside_weights_digest(&store, || {
         pool.install(|| -> Result<Cap> {
             let mut cap = Cap::new(o.internals, model.cfg.window);
             model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref())?;
             Ok(cap)
         })
     })?;
-    let mut prov = crate::run::provenance(
+    let mut prov = provenance(
         &o.model_dir,
         &raw,
         &wd,
@@ -807,7 +809,7 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
-    crate::run::unused_provenance(&mut prov, &model.unused_tensors);
+    unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
