@@ -1,13 +1,16 @@
 //! What a trace records about the run that wrote it (docs/producers.md, "Provenance a producer
 //! must record"): the engine's common provenance, the tensors a checkpoint carries and no
-//! forward runs, and the weights digest, hashed beside the forward.
+//! forward runs, the weights digest, hashed beside the forward; and the trace finished with it.
 
 use std::path::Path;
 
 use serde_json::{json, Value};
 
+use crate::capture::Capture;
+use crate::force::Forcing;
 use crate::weights::Store;
 use crate::{err, Result};
+use tracegate_trace::Digest;
 
 pub(crate) fn provenance(
     dir: &Path,
@@ -70,6 +73,21 @@ pub(crate) fn beside_weights_digest<T>(
         store.unchanged()?;
         Ok((wd, out))
     })
+}
+
+/// Finishes the trace; under `--force-decisions` (its weights checked against this run's) with
+/// the provenance record.
+pub(crate) fn finish(
+    mut prov: Value,
+    cap: Capture,
+    forcing: Option<&Forcing>,
+    weights_digest: &str,
+) -> Result<Digest> {
+    if let Some(f) = forcing {
+        f.check_weights(weights_digest)?;
+        prov["forced_decisions"] = f.provenance(&cap.forced);
+    }
+    cap.finish(prov)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use crate::model::diffusion_gemma::config::DiffusionOptions;
 use crate::model::Model;
 use crate::ops;
 use crate::options::{pool, LayerOptions, TraceOptions};
-use crate::provenance::{beside_weights_digest, provenance, unused_provenance};
+use crate::provenance::{beside_weights_digest, finish, provenance, unused_provenance};
 use crate::shard::{self, Collective, Comm, Shards};
 use crate::{err, Result};
 use std::sync::Arc;
@@ -415,24 +415,11 @@ fn streaming(out: &Path, cap: Capture, model: &Model) -> Result<Capture> {
     let w = TraceWriter::create(out, json!({}))?;
     let cfg = model.cfg.clone();
     let forcing = model.forcing.as_ref().map(|f| f.digest.as_str());
-    Ok(cap
-        .of_rank(model.rank())
-        .stream_to(w, forcing, Box::new(move |l| cfg.mask(l))))
-}
-
-/// Finishes the trace; under `--force-decisions` (its weights checked against this run's) with
-/// the provenance record.
-fn finish(
-    mut prov: Value,
-    cap: Capture,
-    forcing: Option<&Forcing>,
-    weights_digest: &str,
-) -> Result<Digest> {
-    if let Some(f) = forcing {
-        f.check_weights(weights_digest)?;
-        prov["forced_decisions"] = f.provenance(&cap.forced);
-    }
-    cap.finish(prov)
+    Ok(cap.of_rank(model.rank()).stream_to(
+        w,
+        forcing,
+        Box::new(move |n| n.layer.map_or_else(|| "causal".into(), |l| cfg.mask(l))),
+    ))
 }
 
 /// `engine layer`: decoder layer L alone on tensor `input_name` of another trace, rows at that

@@ -5,156 +5,16 @@
 
 use rayon::prelude::*;
 use serde_json::{json, Value};
-use tracegate_trace::{names, Attributes, DType, Digest, TraceWriter};
+use tracegate_trace::{names, Digest, TraceWriter};
 
 use super::config::{DgConfig, DiffusionOptions, Knobs};
-use super::{DgModel, Pass};
-use crate::force::{Forcing, Record};
+use super::{mask_of, DgModel, Pass};
+use crate::capture::Capture;
+use crate::force::Forcing;
 use crate::options::{pool, LayerOptions, TraceOptions};
-use crate::provenance::{beside_weights_digest, provenance, unused_provenance};
+use crate::provenance::{beside_weights_digest, finish, provenance, unused_provenance};
 use crate::splitmix::{self, Purpose};
 use crate::{err, ops, Result};
-
-enum Data {
-    F32(Vec<f32>),
-    I64(Vec<i64>),
-}
-
-struct Rec {
-    name: String,
-    shape: Vec<u64>,
-    data: Data,
-    positions: Vec<i64>,
-    path: &'static str,
-    mask: String,
-}
-
-struct Decision {
-    name: String,
-    shape: Vec<u64>,
-    values: Vec<i64>,
-    margins: Option<Vec<f32>>,
-}
-
-/// What a run records, in order: tensors (with their `path` and `mask`), decisions, and which
-/// decisions were forced.
-pub struct Cap {
-    internals: bool,
-    window: usize,
-    tensors: Vec<Rec>,
-    decisions: Vec<Decision>,
-    forced: Vec<Record>,
-    first_forced: Option<usize>,
-}
-
-impl Cap {
-    fn new(internals: bool, window: usize) -> Cap {
-        Cap {
-            internals,
-            window,
-            tensors: vec![],
-            decisions: vec![],
-            forced: vec![],
-            first_forced: None,
-        }
-    }
-
-    /// A default point `rest` of `pass` (`layer`: Some(sliding) inside a layer).
-    pub fn f32(
-        &mut self,
-        pass: Pass,
-        layer: Option<bool>,
-        rest: &str,
-        shape: &[usize],
-        data: &[f32],
-        pos: &[i64],
-    ) {
-        self.tensors.push(Rec {
-            name: pass.name(rest),
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            data: Data::F32(data.to_vec()),
-            positions: pos.to_vec(),
-            path: pass.path(),
-            mask: pass.mask(layer, self.window),
-        });
-    }
-
-    /// An internals-only point.
-    pub fn internal(
-        &mut self,
-        pass: Pass,
-        layer: Option<bool>,
-        rest: &str,
-        shape: &[usize],
-        data: &[f32],
-        pos: &[i64],
-    ) {
-        if self.internals {
-            self.f32(pass, layer, rest, shape, data, pos);
-        }
-    }
-
-    fn canvas(&mut self, pass: Pass, canvas: &[i64], pos: &[i64]) {
-        self.tensors.push(Rec {
-            name: pass.name("canvas"),
-            shape: vec![canvas.len() as u64],
-            data: Data::I64(canvas.to_vec()),
-            positions: pos.to_vec(),
-            path: pass.path(),
-            mask: pass.mask(None, self.window),
-        });
-    }
-
-    pub fn decision(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        values: Vec<i64>,
-        margins: Option<Vec<f32>>,
-    ) {
-        self.decisions.push(Decision {
-            name: name.to_string(),
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            values,
-            margins,
-        });
-    }
-
-    /// The decision just recorded was forced; `overridden`: the rows (ascending) where this
-    /// producer would have chosen otherwise.
-    pub fn forced(&mut self, name: &str, overridden: Vec<u64>) {
-        self.first_forced.get_or_insert(self.tensors.len());
-        self.forced.push(Record {
-            name: name.to_string(),
-            overridden,
-        });
-    }
-
-    fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
-        for (i, t) in self.tensors.iter().enumerate() {
-            let mut attrs = Attributes::default()
-                .with_path(t.path)
-                .with_mask(&t.mask)
-                .with_positions(t.positions.clone());
-            if let (Some(d), Some(first)) = (forcing_digest, self.first_forced) {
-                if i >= first {
-                    attrs.extra.insert("forced".into(), d.to_string());
-                }
-            }
-            match &t.data {
-                Data::F32(v) => w.tensor_f32(&t.name, &t.shape, v, &attrs)?,
-                Data::I64(v) => {
-                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    w.tensor(&t.name, DType::I64, &t.shape, &bytes, &attrs)?
-                }
-            }
-        }
-        for d in &self.decisions {
-            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref())?;
-        }
-        Ok(())
-    }
-}
 
 /// The forced values of decision `name` (DG17), checked: `len` values, each accepted by `ok`.
 /// None when the run is not forced; an error naming the decision when REF lacks it.
@@ -242,6 +102,7 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
         None => None,
     };
     let pool = pool(o.threads)?;
+    let cap = streaming(&o.out, o.internals, &model, forcing.as_ref())?;
     let (wd, (cap, output, blocks_run)) = beside_weights_digest(&store, || {
         pool.install(|| {
             generate(
@@ -250,7 +111,7 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
                 &knobs,
                 seed,
                 blocks,
-                o.internals,
+                cap,
                 forcing.as_ref(),
             )
         })
@@ -276,13 +137,23 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
     prov["seed"] = json!(seed);
     prov["blocks"] = json!(blocks_run);
     prov["output_tokens"] = json!(output);
-    if let Some(f) = &forcing {
-        f.check_weights(&wd)?;
-        prov["forced_decisions"] = f.provenance(&cap.forced);
-    }
-    let mut w = TraceWriter::create(&o.out, prov)?;
-    cap.write(&mut w, forcing.as_ref().map(|f| f.digest.as_str()))?;
-    Ok(w.finish()?)
+    finish(prov, cap, forcing.as_ref(), &wd)
+}
+
+/// A capture (`encode` the path of the prompt pass's names) writing each tensor to `out` as it
+/// is recorded, with DG16's masks; nothing is at `out` until `finish`.
+fn streaming(
+    out: &std::path::Path,
+    internals: bool,
+    model: &DgModel,
+    forcing: Option<&Forcing>,
+) -> Result<Capture> {
+    let w = TraceWriter::create(out, json!({}))?;
+    Ok(Capture::new("encode", internals).stream_to(
+        w,
+        forcing.map(|f| f.digest.as_str()),
+        mask_of(&model.cfg),
+    ))
 }
 
 fn read_config(dir: &std::path::Path) -> Result<((), Value)> {
@@ -302,12 +173,11 @@ fn generate(
     k: &Knobs,
     seed: u64,
     blocks: usize,
-    internals: bool,
+    mut cap: Capture,
     forcing: Option<&Forcing>,
-) -> Result<(Cap, Vec<i64>, usize)> {
+) -> Result<(Capture, Vec<i64>, usize)> {
     let cfg = &model.cfg;
     let (c, v) = (cfg.canvas, cfg.vocab);
-    let mut cap = Cap::new(internals, cfg.window);
     let mut cache = model.new_cache();
     let ppos: Vec<i64> = (0..prompt.len() as i64).collect();
     model.encode(Pass::Prompt, prompt, &ppos, &mut cache, &mut cap, forcing)?;
@@ -350,7 +220,7 @@ fn generate(
         let mut last_argmax: (Vec<i64>, Vec<f32>) = (vec![], vec![]);
         for s in 0..n_steps {
             let pass = Pass::Denoise(b, s);
-            cap.canvas(pass, &canvas, &pos);
+            cap.tokens(&pass.name("canvas"), &[c], &canvas, &pos);
             let logits = model.denoise(
                 pass,
                 &canvas,
@@ -369,13 +239,13 @@ fn generate(
                     *x /= temp;
                 }
             });
-            cap.f32(pass, None, "logits.tempered", &[c, v], &tempered, &pos);
+            cap.tensor(&pass.name("logits.tempered"), &[c, v], &tempered, &pos);
             let stats: Vec<RowStats> = tempered.par_chunks(v).map(row_stats).collect();
             let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
             if let Some(r) = entropy.iter().position(|h| h.is_nan()) {
                 return Err(err!(NaN: "NaN entropy at block {b}, step {s}, row {r}"));
             }
-            cap.f32(pass, None, "entropy", &[c], &entropy, &pos);
+            cap.tensor(&pass.name("entropy"), &[c], &entropy, &pos);
 
             // DG13.1 argmax of the tempered logits.
             let name = pass.name("argmax");
@@ -660,14 +530,7 @@ pub fn info(dir: &std::path::Path) -> Result<String> {
 /// Which pass `name` is layer `l`'s input of (`P` + `layer.LL.hidden_in`, P one of DG16's
 /// three pass prefixes); an error naming it for anything else.
 fn layer_input_pass(name: &str, l: usize) -> Result<Pass> {
-    let n = names::Name::parse(name);
-    let pass = match (n.decode_step, n.diffusion) {
-        (None, None) => Some(Pass::Prompt),
-        (None, Some(names::Diffusion::Encode { block })) => Some(Pass::Encode(block)),
-        (None, Some(names::Diffusion::Denoise { block, step })) => Some(Pass::Denoise(block, step)),
-        _ => None,
-    };
-    match pass {
+    match Pass::of(&names::Name::parse(name)) {
         Some(p) if p.name(&names::layer(l, "hidden_in")) == name => Ok(p),
         _ => Err(err!(Input:
             "--input-name {name}: not layer {l}'s input of a pass ({0}, encode.BBBB.{0} or denoise.BBBB.SSSS.{0})",
@@ -794,12 +657,10 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     let store = crate::open_store(&o.model_dir)?;
     let model = DgModel::load(cfg, &store)?;
     let pool = pool(o.threads)?;
-    let (wd, cap) = beside_weights_digest(&store, || {
-        pool.install(|| -> Result<Cap> {
-            let mut cap = Cap::new(o.internals, model.cfg.window);
-            model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref())?;
-            Ok(cap)
-        })
+    let mut cap = streaming(&o.out, o.internals, &model, forcing.as_ref())?;
+    let (wd, ()) = beside_weights_digest(&store, || {
+        pool.install(|| model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref()))
+            .map(|_| ())
     })?;
     let mut prov = provenance(
         &o.model_dir,
@@ -813,13 +674,7 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
-    if let Some(f) = &forcing {
-        f.check_weights(&wd)?;
-        prov["forced_decisions"] = f.provenance(&cap.forced);
-    }
-    let mut w = TraceWriter::create(&o.out, prov)?;
-    cap.write(&mut w, forcing.as_ref().map(|f| f.digest.as_str()))?;
-    Ok(w.finish()?)
+    finish(prov, cap, forcing.as_ref(), &wd)
 }
 
 /// The rows (ascending) where a forced decision differs from this producer's own choice, one
