@@ -272,6 +272,22 @@ impl Capture {
         }
     }
 
+    /// A decision, and under `--force-decisions` (`overridden` Some) that it was forced, with
+    /// the rows where this producer would have chosen otherwise.
+    pub fn decided(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        values: Vec<i64>,
+        margins: Option<Vec<f32>>,
+        overridden: Option<Vec<u64>>,
+    ) {
+        self.decision(name, shape, values, margins);
+        if let Some(rows) = overridden {
+            self.forced(name, rows);
+        }
+    }
+
     /// Marks the decision just recorded as forced; `overridden`: the rows (ascending) where this
     /// producer would have chosen otherwise.
     pub fn forced(&mut self, name: &str, overridden: Vec<u64>) {

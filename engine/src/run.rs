@@ -9,10 +9,9 @@ use tracegate_trace::{names, Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
 use crate::config::{load_config, Config, LayerKind, ModelType, MAX_POSITIONS};
-use crate::force::Forcing;
+use crate::force::{self, overridden, Forcing};
 use crate::model::diffusion_gemma::config::DiffusionOptions;
 use crate::model::Model;
-use crate::ops;
 use crate::options::{pool, LayerOptions, TraceOptions};
 use crate::provenance::{beside_weights_digest, finish, provenance, unused_provenance};
 use crate::shard::{self, Collective, Comm, Shards};
@@ -31,17 +30,9 @@ pub struct Step {
     pub capture: Capture,
 }
 
-/// §12 argmax of one logits row; NaN is an error naming the row.
-fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
-    if row.iter().any(|x| x.is_nan()) {
-        return Err(err!(NaN: "NaN logit in {what}"));
-    }
-    let (i, m) = ops::argmax_margin(row);
-    Ok((i as i64, m))
-}
-
-/// §12 decision `name` on one logits row: this producer's argmax, or under `--force-decisions`
-/// the forced value with this producer's margin for it. Returns (token, margin, overridden).
+/// §12 decision `name` on one logits row (`force::argmax_or_forced`): this producer's argmax,
+/// or under `--force-decisions` the forced value (row `forced_row` of the decision, checked by
+/// `force` before the forward) with this producer's margin for it.
 fn decide_or_force(
     model: &Model,
     name: &str,
@@ -49,16 +40,13 @@ fn decide_or_force(
     forced_row: usize,
     what: &str,
 ) -> Result<(i64, f32, bool)> {
-    let (own, margin) = decide(row, what)?;
-    match model
+    let forced = model
         .forcing
         .as_ref()
         .and_then(|f| f.values(name))
         .and_then(|v| v.get(forced_row))
-    {
-        Some(&tok) => Ok((tok, ops::margin_of(row, &[tok as usize]), tok != own)),
-        None => Ok((own, margin, false)),
-    }
+        .copied();
+    force::argmax_or_forced(row, forced, || format!("logit in {what}"))
 }
 
 /// Greedy generation of `n` tokens after `prompt`, given the prompt's logits and (for the cached
@@ -230,7 +218,7 @@ fn prefill_and_generate(model: &Model, o: &TraceOptions, mut cap: Capture) -> Re
     let mut kv = model.new_cache();
     let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
     let v = model.cfg.vocab_size;
-    let (mut ids, mut margins, mut overridden) = (vec![], vec![], vec![]);
+    let (mut ids, mut margins, mut rows_over) = (vec![], vec![], vec![]);
     for r in 0..o.tokens.len() {
         let (i, m, over) = decide_or_force(
             model,
@@ -242,13 +230,11 @@ fn prefill_and_generate(model: &Model, o: &TraceOptions, mut cap: Capture) -> Re
         ids.push(i);
         margins.push(m);
         if over {
-            overridden.push(r as u64);
+            rows_over.push(r as u64);
         }
     }
-    cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
-    if model.forcing.is_some() {
-        cap.forced("logits.argmax", overridden);
-    }
+    let over = model.forcing.as_ref().map(|_| rows_over);
+    cap.decided("logits.argmax", &[o.tokens.len()], ids, Some(margins), over);
     if o.generate > 0 {
         let steps = generate(
             model,
@@ -260,10 +246,11 @@ fn prefill_and_generate(model: &Model, o: &TraceOptions, mut cap: Capture) -> Re
         )?;
         for (s, st) in steps.into_iter().enumerate() {
             let name = names::decode(s, "argmax");
-            cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
-            if model.forcing.is_some() {
-                cap.forced(&name, if st.overridden { vec![0] } else { vec![] });
-            }
+            let over = model
+                .forcing
+                .as_ref()
+                .map(|_| overridden([st.overridden].into_iter()));
+            cap.decided(&name, &[1], vec![st.token], Some(vec![st.margin]), over);
             cap.append(st.capture);
         }
     }

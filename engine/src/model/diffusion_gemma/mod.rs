@@ -545,10 +545,8 @@ impl<'a> DgModel<'a> {
                 chosen_all.push(e as i64);
             }
         }
-        cap.decision(&name, &[t, k], chosen_all, Some(margins));
-        if forced.is_some() {
-            cap.forced(&name, overridden);
-        }
+        let overridden = forced.map(|_| overridden);
+        cap.decided(&name, &[t, k], chosen_all, Some(margins), overridden);
         let x3 = ops::rmsnorm_rows(h1, &lw.pre_ff_norm_2, eps, false);
         let mut out = vec![0.0f32; t * h];
         for (e, ex) in lw.experts.iter().enumerate() {

@@ -10,40 +10,11 @@ use tracegate_trace::{names, Digest, TraceWriter};
 use super::config::{DgConfig, DiffusionOptions, Knobs};
 use super::{mask_of, DgModel, Pass};
 use crate::capture::Capture;
-use crate::force::Forcing;
+use crate::force::{argmax_or_forced, forced_values, overridden, Forcing};
 use crate::options::{pool, LayerOptions, TraceOptions};
 use crate::provenance::{beside_weights_digest, finish, provenance, unused_provenance};
 use crate::splitmix::{self, Purpose};
-use crate::{err, ops, Result};
-
-/// The forced values of decision `name` (DG17), checked: `len` values, each accepted by `ok`.
-/// None when the run is not forced; an error naming the decision when REF lacks it.
-fn forced_values(
-    f: Option<&Forcing>,
-    name: &str,
-    len: usize,
-    ok: impl Fn(i64) -> bool,
-    want: &str,
-) -> Result<Option<Vec<i64>>> {
-    let Some(f) = f else { return Ok(None) };
-    let refuse = |what: String| err!(Input: "--force-decisions {}: {what}", f.path.display());
-    let (Some(shape), Some(values)) = (f.shape(name), f.values(name)) else {
-        return Err(refuse(format!(
-            "decision {name} is missing (this run needs it)"
-        )));
-    };
-    if shape != [len as u64] {
-        return Err(refuse(format!(
-            "decision {name} has shape {shape:?}, this run needs [{len}]"
-        )));
-    }
-    if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| !ok(v)) {
-        return Err(refuse(format!(
-            "decision {name} value {i} is {v}, not {want}"
-        )));
-    }
-    Ok(Some(values.to_vec()))
-}
+use crate::{err, Result};
 
 /// The per-row statistics of one step's tempered logits (DG12.2, DG12.3).
 struct RowStats {
@@ -187,6 +158,10 @@ fn generate(
     let n_steps = k.steps;
     // DG12.1's constants: f32(t_min), f32(t_max − t_min) (the binary64 difference), f32(N).
     let (t_min, t_span, nf) = (k.t_min as f32, (k.t_max - k.t_min) as f32, n_steps as f32);
+    // What a forced value of each decision may be (DG17).
+    let is_token = |t: i64| (0..v as i64).contains(&t);
+    let is_token_or_kept = |t: i64| (-1..v as i64).contains(&t);
+    let is_flag = |a: i64| a == 0 || a == 1;
     let beta = k.entropy_bound as f32;
     let thr = k.confidence as f32;
     for b in 0..blocks {
@@ -194,27 +169,17 @@ fn generate(
         let pos: Vec<i64> = (l0 as i64..(l0 + c) as i64).collect();
         // DG14: the initial canvas, INIT(b, 0).
         let init_name = names::denoise_block(b, "init_canvas");
-        let mut canvas = match forced_values(
-            forcing,
-            &init_name,
-            c,
-            |t| (0..v as i64).contains(&t),
-            "a token id",
-        )? {
-            Some(f) => {
-                cap.decision(&init_name, &[c], f.clone(), None);
-                cap.forced(&init_name, vec![]);
-                f
-            }
-            None => {
-                let key = splitmix::key(seed, Purpose::Init, b as u64, 0);
-                let f: Vec<i64> = (0..c)
-                    .map(|r| splitmix::token(splitmix::output(key, r as u64), v as u64) as i64)
-                    .collect();
-                cap.decision(&init_name, &[c], f.clone(), None);
-                f
-            }
-        };
+        let forced = forced_values(forcing, &init_name, c, is_token, "a token id")?;
+        // A draw has no "own choice" to override: none counted.
+        let over = forced.as_ref().map(|_| vec![]);
+        let canvas_0 = forced.unwrap_or_else(|| {
+            let key = splitmix::key(seed, Purpose::Init, b as u64, 0);
+            (0..c)
+                .map(|r| splitmix::token(splitmix::output(key, r as u64), v as u64) as i64)
+                .collect()
+        });
+        cap.decided(&init_name, &[c], canvas_0.clone(), None, over);
+        let mut canvas = canvas_0;
         let mut prev: Option<Vec<f32>> = None;
         let mut history: Vec<Vec<i64>> = vec![];
         let mut last_argmax: (Vec<i64>, Vec<f32>) = (vec![], vec![]);
@@ -249,60 +214,28 @@ fn generate(
 
             // DG13.1 argmax of the tempered logits.
             let name = pass.name("argmax");
-            let mut own = vec![];
+            let forced = forced_values(forcing, &name, c, is_token, "a token id")?;
+            let (mut argmax, mut margins, mut over) = (vec![], vec![], vec![]);
             for (r, row) in tempered.chunks(v).enumerate() {
-                if row.iter().any(|x| x.is_nan()) {
-                    return Err(err!(NaN: "NaN tempered logit at block {b}, step {s}, row {r}"));
-                }
-                own.push(ops::argmax_margin(row));
-            }
-            let argmax: Vec<i64>;
-            let margins: Vec<f32>;
-            match forced_values(
-                forcing,
-                &name,
-                c,
-                |t| (0..v as i64).contains(&t),
-                "a token id",
-            )? {
-                Some(f) => {
-                    margins = f
-                        .iter()
-                        .zip(tempered.chunks(v))
-                        .map(|(&t, row)| ops::margin_of(row, &[t as usize]))
-                        .collect();
-                    let over = differing(f.iter().zip(&own).map(|(&a, &(o, _))| a != o as i64));
-                    argmax = f;
-                    cap.decision(&name, &[c], argmax.clone(), Some(margins.clone()));
-                    cap.forced(&name, over);
-                }
-                None => {
-                    argmax = own.iter().map(|&(i, _)| i as i64).collect();
-                    margins = own.iter().map(|&(_, m)| m).collect();
-                    cap.decision(&name, &[c], argmax.clone(), Some(margins.clone()));
+                let (t, m, o) = argmax_or_forced(row, forced.as_ref().map(|f| f[r]), || {
+                    format!("tempered logit at block {b}, step {s}, row {r}")
+                })?;
+                argmax.push(t);
+                margins.push(m);
+                if o {
+                    over.push(r as u64);
                 }
             }
+            let over = forced.map(|_| over);
+            cap.decided(&name, &[c], argmax.clone(), Some(margins.clone()), over);
 
             // DG13.2 sampled: categorical from P with SAMPLE(b, s).
             let name = pass.name("sampled");
-            let sampled = match forced_values(
-                forcing,
-                &name,
-                c,
-                |t| (0..v as i64).contains(&t),
-                "a token id",
-            )? {
-                Some(f) => {
-                    let m: Vec<f32> = f
-                        .iter()
-                        .zip(&stats)
-                        .map(|(&t, st)| st.p[t as usize])
-                        .collect();
-                    cap.decision(&name, &[c], f.clone(), Some(m));
-                    // A draw has no "own choice" to override: none counted.
-                    cap.forced(&name, vec![]);
-                    f
-                }
+            let forced = forced_values(forcing, &name, c, is_token, "a token id")?;
+            // A draw has no "own choice" to override: none counted.
+            let over = forced.as_ref().map(|_| vec![]);
+            let sampled = match forced {
+                Some(f) => f,
                 None => {
                     let key = splitmix::key(seed, Purpose::Sample, b as u64, s as u64);
                     let mut f = vec![];
@@ -313,15 +246,15 @@ fn generate(
                         )?;
                         f.push(t as i64);
                     }
-                    let m: Vec<f32> = f
-                        .iter()
-                        .zip(&stats)
-                        .map(|(&t, st)| st.p[t as usize])
-                        .collect();
-                    cap.decision(&name, &[c], f.clone(), Some(m));
                     f
                 }
             };
+            let m: Vec<f32> = sampled
+                .iter()
+                .zip(&stats)
+                .map(|(&t, st)| st.p[t as usize])
+                .collect();
+            cap.decided(&name, &[c], sampled.clone(), Some(m), over);
 
             // DG13.3 accept: rank by (entropy, row), cumulative sums in rank order.
             let mut order: Vec<usize> = (0..c).collect();
@@ -338,56 +271,41 @@ fn generate(
             }
             let own_accept: Vec<i64> = x.iter().map(|&xj| i64::from(xj <= beta)).collect();
             let name = pass.name("accept");
-            let accept = match forced_values(forcing, &name, c, |a| a == 0 || a == 1, "0 or 1")? {
-                Some(f) => {
-                    let over = differing(f.iter().zip(&own_accept).map(|(a, b)| a != b));
-                    cap.decision(&name, &[c], f.clone(), Some(accept_margins(&f, &x, beta)));
-                    cap.forced(&name, over);
-                    f
-                }
-                None => {
-                    let m = accept_margins(&own_accept, &x, beta);
-                    cap.decision(&name, &[c], own_accept.clone(), Some(m));
-                    own_accept
-                }
-            };
+            let forced = forced_values(forcing, &name, c, is_flag, "0 or 1")?;
+            let over = forced
+                .as_ref()
+                .map(|f| overridden(f.iter().zip(&own_accept).map(|(a, b)| a != b)));
+            let accept = forced.unwrap_or(own_accept);
+            let m = accept_margins(&accept, &x, beta);
+            cap.decided(&name, &[c], accept.clone(), Some(m), over);
 
             // DG13.4 renoise: a whole new canvas from RENOISE(b, s); the next canvas.
             let name = pass.name("renoise");
-            let renoise = match forced_values(
-                forcing,
-                &name,
-                c,
-                |t| (-1..v as i64).contains(&t),
-                "a token id or -1",
-            )? {
-                Some(f) => {
-                    if let Some(r) = (0..c).find(|&r| (f[r] == -1) != (accept[r] == 1)) {
-                        return Err(err!(Input:
-                            "--force-decisions: decision {name} row {r} is {} where accept is {}",
-                            f[r], accept[r]
-                        ));
-                    }
-                    cap.decision(&name, &[c], f.clone(), None);
-                    cap.forced(&name, vec![]);
-                    f
+            let forced = forced_values(forcing, &name, c, is_token_or_kept, "a token id or -1")?;
+            if let Some(f) = &forced {
+                if let Some(r) = (0..c).find(|&r| (f[r] == -1) != (accept[r] == 1)) {
+                    return Err(err!(Input:
+                        "--force-decisions: decision {name} row {r} is {} where accept is {}",
+                        f[r], accept[r]
+                    ));
                 }
-                None => {
-                    let key = splitmix::key(seed, Purpose::Renoise, b as u64, s as u64);
-                    let f: Vec<i64> = (0..c)
-                        .map(|r| {
-                            let t = splitmix::token(splitmix::output(key, r as u64), v as u64);
-                            if accept[r] == 1 {
-                                -1
-                            } else {
-                                t as i64
-                            }
-                        })
-                        .collect();
-                    cap.decision(&name, &[c], f.clone(), None);
-                    f
-                }
-            };
+            }
+            // A draw has no "own choice" to override: none counted.
+            let over = forced.as_ref().map(|_| vec![]);
+            let renoise = forced.unwrap_or_else(|| {
+                let key = splitmix::key(seed, Purpose::Renoise, b as u64, s as u64);
+                (0..c)
+                    .map(|r| {
+                        let t = splitmix::token(splitmix::output(key, r as u64), v as u64);
+                        if accept[r] == 1 {
+                            -1
+                        } else {
+                            t as i64
+                        }
+                    })
+                    .collect()
+            });
+            cap.decided(&name, &[c], renoise.clone(), None, over);
             let next: Vec<i64> = (0..c)
                 .map(|r| {
                     if accept[r] == 1 {
@@ -410,14 +328,11 @@ fn generate(
             let own_conf = mu < thr;
             let own = [own_stable, own_conf, own_stable && own_conf].map(i64::from);
             let name = pass.name("stop");
-            let (stop, over) =
-                match forced_values(forcing, &name, 3, |a| a == 0 || a == 1, "0 or 1")? {
-                    Some(f) => {
-                        let over = differing(f.iter().zip(&own).map(|(a, b)| a != b));
-                        (f, Some(over))
-                    }
-                    None => (own.to_vec(), None),
-                };
+            let forced = forced_values(forcing, &name, 3, is_flag, "0 or 1")?;
+            let over = forced
+                .as_ref()
+                .map(|f| overridden(f.iter().zip(&own).map(|(a, b)| a != b)));
+            let stop = forced.unwrap_or(own.to_vec());
             let stab_m = |stable: bool| {
                 if stable {
                     run_len as f32 - st_thr as f32
@@ -428,10 +343,7 @@ fn generate(
             let conf_m = |conf: bool| if conf { thr - mu } else { mu - thr };
             let (m0, m1) = (stab_m(stop[0] == 1), conf_m(stop[1] == 1));
             let m2 = if stop[0] == 1 { m1 } else { m0 };
-            cap.decision(&name, &[3], stop.clone(), Some(vec![m0, m1, m2]));
-            if let Some(over) = over {
-                cap.forced(&name, over);
-            }
+            cap.decided(&name, &[3], stop.clone(), Some(vec![m0, m1, m2]), over);
             history.push(argmax.clone());
             last_argmax = (argmax, margins);
             prev = Some(tempered);
@@ -675,14 +587,4 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     prov["layer"] = json!(o.layer);
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
     finish(prov, cap, forcing.as_ref(), &wd)
-}
-
-/// The rows (ascending) where a forced decision differs from this producer's own choice, one
-/// `differs` a row.
-fn differing(differs: impl Iterator<Item = bool>) -> Vec<u64> {
-    differs
-        .enumerate()
-        .filter(|&(_, d)| d)
-        .map(|(r, _)| r as u64)
-        .collect()
 }
