@@ -157,6 +157,8 @@ fn a_killed_run_leaves_nothing_at_out() {
 /// Peak resident memory of `cmd`'s process (KiB), from the rusage the kernel keeps for it and
 /// hands over when it is reaped (`wait4`): a count, not a timing. The command must succeed.
 #[cfg(target_os = "linux")]
+// Reaped by `wait4`, which `Child::wait` cannot replace: it alone hands over the rusage.
+#[allow(clippy::zombie_processes)]
 fn peak_rss_kib(cmd: &mut std::process::Command) -> u64 {
     let child = cmd
         .stdout(std::process::Stdio::null())
