@@ -1,5 +1,6 @@
-//! What a forward pass records: tensors at the named capture points (default set, plus the
-//! internals when asked) and decisions, in the order they were produced. A disabled capture
+//! What a forward pass records, for every family (diffusion Gemma's passes and token canvases
+//! too): tensors at the named capture points (default set, plus the internals when asked) and
+//! decisions, in the order they were produced. A disabled capture
 //! records nothing. A decode step's capture (`Capture::step`) keeps the last row of the
 //! decode-step points only, renamed `decode.SSSS.*` (docs/producers.md). Under
 //! `--force-decisions` it also records which decisions were forced and marks every tensor
@@ -12,7 +13,7 @@
 
 use serde_json::Value;
 use tracegate_trace::names::{self, Name};
-use tracegate_trace::{Attributes, Digest, Shard, ShardKind, TraceWriter};
+use tracegate_trace::{Attributes, DType, Digest, Shard, ShardKind, TraceWriter};
 
 use crate::force::Record;
 use crate::{err, Error, Result};
@@ -26,6 +27,14 @@ pub struct Tensor {
     pub shard: Option<ShardKind>,
 }
 
+/// What a forward hands the capture: f32 activations, or token ids (diffusion's `canvas`,
+/// stored as i64, written only by a streaming capture).
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    F32(&'a [f32]),
+    I64(&'a [i64]),
+}
+
 pub struct Decision {
     pub name: String,
     pub shape: Vec<u64>,
@@ -36,7 +45,9 @@ pub struct Decision {
 pub struct Capture {
     on: bool,
     internals: bool,
-    /// The `path` attribute: "prefill" for whole forwards, "layer" for the layer verb.
+    /// The `path` attribute of a name without a pass prefix: "prefill" for whole forwards,
+    /// "layer" for the layer verb, "encode" for diffusion's prompt pass (a `decode.`, `encode.`
+    /// or `denoise.` name has its own: `attributes`).
     path: &'static str,
     pub tensors: Vec<Tensor>,
     pub decisions: Vec<Decision>,
@@ -59,11 +70,14 @@ pub struct Capture {
     failed: Option<Error>,
 }
 
+/// The `mask` attribute of a tensor by its parsed name.
+pub type MaskOf = dyn Fn(&Name) -> String + Send;
+
 /// A streaming capture's writer, with what the attributes need that the capture does not know.
 struct Sink {
     w: TraceWriter,
-    /// The `mask` attribute of layer l's tensors.
-    mask_of: Box<dyn Fn(usize) -> String + Send>,
+    /// The `mask` attribute of a tensor, by its name (its pass, its layer).
+    mask_of: Box<MaskOf>,
     /// `forced = <digest>` (the forcing trace's) on every tensor after a forced decision.
     forcing_digest: Option<String>,
 }
@@ -144,7 +158,7 @@ impl Capture {
                 self.record(
                     &names::decode(s, name),
                     &shape,
-                    last,
+                    Values::F32(last),
                     &positions[rows - 1..],
                     shard,
                 );
@@ -153,7 +167,16 @@ impl Capture {
         }
         if self.on {
             let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
-            self.record(name, &shape, data, positions, shard);
+            self.record(name, &shape, Values::F32(data), positions, shard);
+        }
+    }
+
+    /// A default-set point of token ids (diffusion's `canvas`), stored as i64; not kept by a
+    /// decode step.
+    pub fn tokens(&mut self, name: &str, shape: &[usize], ids: &[i64], positions: &[i64]) {
+        if self.on && self.step.is_none() {
+            let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+            self.record(name, &shape, Values::I64(ids), positions, None);
         }
     }
 
@@ -162,7 +185,7 @@ impl Capture {
         &mut self,
         name: &str,
         shape: &[u64],
-        data: &[f32],
+        data: Values,
         positions: &[i64],
         shard: Option<ShardKind>,
     ) {
@@ -170,6 +193,14 @@ impl Capture {
         let forced = self.first_forced.is_some();
         self.recorded += 1;
         let Some(sink) = self.sink.as_mut() else {
+            let Values::F32(data) = data else {
+                // Token ids come only from diffusion's passes, whose capture streams from the
+                // start: kept, they would have no f32 to be.
+                self.failed.get_or_insert(
+                    err!(Internal: "{name}: token ids recorded by a capture that is not streaming"),
+                );
+                return;
+            };
             self.tensors.push(Tensor {
                 name: name.to_string(),
                 shape: shape.to_vec(),
@@ -192,7 +223,14 @@ impl Capture {
             positions,
             shard,
         );
-        if let Err(e) = sink.w.tensor_f32(name, shape, data, &attrs) {
+        let written = match data {
+            Values::F32(v) => sink.w.tensor_f32(name, shape, v, &attrs),
+            Values::I64(v) => {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                sink.w.tensor(name, DType::I64, shape, &bytes, &attrs)
+            }
+        };
+        if let Err(e) = written {
             self.failed = Some(e.into());
         }
     }
@@ -231,6 +269,22 @@ impl Capture {
                 values,
                 margins,
             });
+        }
+    }
+
+    /// A decision, and under `--force-decisions` (`overridden` Some) that it was forced, with
+    /// the rows where this producer would have chosen otherwise.
+    pub fn decided(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        values: Vec<i64>,
+        margins: Option<Vec<f32>>,
+        overridden: Option<Vec<u64>>,
+    ) {
+        self.decision(name, shape, values, margins);
+        if let Some(rows) = overridden {
+            self.forced(name, rows);
         }
     }
 
@@ -278,19 +332,25 @@ impl Capture {
     /// A decode step's tensors, after everything recorded so far.
     pub fn append(&mut self, step: Capture) {
         for t in step.tensors {
-            self.record(&t.name, &t.shape, &t.data, &t.positions, t.shard);
+            self.record(
+                &t.name,
+                &t.shape,
+                Values::F32(&t.data),
+                &t.positions,
+                t.shard,
+            );
         }
     }
 
-    /// From here on every tensor goes to `w` as it is recorded, with `path` (`decode` for a
-    /// decode step's tensors), `mask` (`mask_of(l)` for layer l's tensors, `causal` for the
-    /// others) and `positions` attributes, and `forced = <forcing_digest>` on every tensor
+    /// From here on every tensor goes to `w` as it is recorded, with `path` (`decode`,
+    /// `encode` or `denoise` for a name of that pass, the capture's own otherwise), `mask`
+    /// (`mask_of` of the parsed name) and `positions` attributes, and `forced = <forcing_digest>` on every tensor
     /// captured after a forced decision; the tensors kept so far are written first, in order.
     pub fn stream_to(
         mut self,
         w: TraceWriter,
         forcing_digest: Option<&str>,
-        mask_of: Box<dyn Fn(usize) -> String + Send>,
+        mask_of: Box<MaskOf>,
     ) -> Capture {
         let kept = std::mem::take(&mut self.tensors);
         let first_forced = self.first_forced;
@@ -305,7 +365,13 @@ impl Capture {
             if first_forced == Some(i) {
                 self.first_forced = Some(i);
             }
-            self.record(&t.name, &t.shape, &t.data, &t.positions, t.shard);
+            self.record(
+                &t.name,
+                &t.shape,
+                Values::F32(&t.data),
+                &t.positions,
+                t.shard,
+            );
         }
         if first_forced.is_some() {
             self.first_forced = first_forced;
@@ -345,14 +411,13 @@ fn attributes(
     shard: Option<ShardKind>,
 ) -> Attributes {
     let parsed = Name::parse(name);
-    let path = if parsed.decode_step.is_some() {
-        "decode"
-    } else {
-        path
+    let path = match (parsed.decode_step, parsed.diffusion) {
+        (Some(_), _) => "decode",
+        (None, Some(names::Diffusion::Encode { .. })) => "encode",
+        (None, Some(_)) => "denoise",
+        (None, None) => path,
     };
-    let mask = parsed
-        .layer
-        .map_or_else(|| "causal".to_string(), &sink.mask_of);
+    let mask = (sink.mask_of)(&parsed);
     let mut attrs = Attributes::default()
         .with_path(path)
         .with_mask(&mask)

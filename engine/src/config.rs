@@ -8,7 +8,7 @@
 //! multimodal forms, `gemma3`); `fields` holds the JSON field readers and what several families
 //! share (the rope resolution), `sizes` the sizes checked against the checkpoint.
 
-mod fields;
+pub(crate) mod fields;
 mod gemma3;
 mod llama;
 mod qwen2;

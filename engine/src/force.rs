@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use tracegate_trace::Trace;
 
-use crate::{err, Error, Result};
+use crate::{err, ops, Error, Result};
 
 /// The decisions of the forcing trace, by name: shape and values.
 pub struct Forcing {
@@ -157,4 +157,59 @@ impl Forcing {
             "overridden_rows": rows,
         })
     }
+}
+
+/// The values of decision `name` this run must take (None: the run is not forced), checked as
+/// the run reaches it (a diffusion run's steps are known only then): `len` values, each
+/// accepted by `ok` (`want` says what is accepted); an error naming the decision when the
+/// forcing trace lacks it or holds another shape.
+pub fn forced_values(
+    f: Option<&Forcing>,
+    name: &str,
+    len: usize,
+    ok: impl Fn(i64) -> bool,
+    want: &str,
+) -> Result<Option<Vec<i64>>> {
+    let Some(f) = f else { return Ok(None) };
+    let (Some(shape), Some(values)) = (f.shape(name), f.values(name)) else {
+        return Err(f.refuse(format!("decision {name} is missing (this run needs it)")));
+    };
+    if shape != [len as u64] {
+        return Err(f.refuse(format!(
+            "decision {name} has shape {shape:?}, this run needs [{len}]"
+        )));
+    }
+    if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| !ok(v)) {
+        return Err(f.refuse(format!("decision {name} value {i} is {v}, not {want}")));
+    }
+    Ok(Some(values.to_vec()))
+}
+
+/// §12 argmax decision on one logits row: this producer's argmax and margin, or under
+/// `--force-decisions` the `forced` token with this producer's margin for it. Returns (token,
+/// margin, overridden: forced and this producer's own argmax is another token). A NaN in the
+/// row is an error, `NaN {what}`.
+pub fn argmax_or_forced(
+    row: &[f32],
+    forced: Option<i64>,
+    what: impl FnOnce() -> String,
+) -> Result<(i64, f32, bool)> {
+    if row.iter().any(|x| x.is_nan()) {
+        return Err(err!(NaN: "NaN {}", what()));
+    }
+    let (own, margin) = ops::argmax_margin(row);
+    match forced {
+        Some(tok) => Ok((tok, ops::margin_of(row, &[tok as usize]), tok != own as i64)),
+        None => Ok((own as i64, margin, false)),
+    }
+}
+
+/// The rows (ascending) where a forced decision differs from this producer's own choice, one
+/// `differs` a row.
+pub fn overridden(differs: impl Iterator<Item = bool>) -> Vec<u64> {
+    differs
+        .enumerate()
+        .filter(|&(_, d)| d)
+        .map(|(r, _)| r as u64)
+        .collect()
 }

@@ -14,6 +14,8 @@
 //!   the config, which is where the families differ
 //! - `capture`: the capture points a forward records
 //! - `force`: `--force-decisions`, decisions taken from another trace
+//! - `options`: what the verbs are asked (`TraceOptions`, `LayerOptions`, the `--threads` pool)
+//! - `provenance`: what a trace records about its run, the weights digest hashed beside the forward
 //! - `run`: the verbs (`trace`, `layer`, `info`) as a library API; `main.rs` is the CLI over it
 
 // Index loops mirror the written definitions in docs/numerics.md (x[i], w[k], ...).
@@ -27,6 +29,8 @@ pub mod gguf;
 pub mod matmul;
 pub mod model;
 pub mod ops;
+pub mod options;
+pub mod provenance;
 pub mod run;
 pub mod shard;
 pub mod splitmix;
@@ -34,10 +38,8 @@ pub mod weights;
 
 pub use config::load_config;
 pub use model::diffusion_gemma::config::DiffusionOptions;
-pub use run::{
-    generate, info, run_layer, run_trace, run_trace_ranks, run_trace_with, LayerOptions, Step,
-    TraceOptions,
-};
+pub use options::{LayerOptions, TraceOptions};
+pub use run::{generate, info, run_layer, run_trace, run_trace_ranks, run_trace_with, Step};
 pub use shard::Shards;
 pub use tracegate_trace::Digest;
 

@@ -9,92 +9,14 @@ use tracegate_trace::{names, Digest, Trace, TraceWriter};
 
 use crate::capture::Capture;
 use crate::config::{load_config, Config, LayerKind, ModelType, MAX_POSITIONS};
-use crate::force::Forcing;
+use crate::force::{self, overridden, Forcing};
 use crate::model::diffusion_gemma::config::DiffusionOptions;
 use crate::model::Model;
-use crate::ops;
+use crate::options::{pool, LayerOptions, TraceOptions};
+use crate::provenance::{beside_weights_digest, finish, provenance, unused_provenance};
 use crate::shard::{self, Collective, Comm, Shards};
-use crate::weights::Store;
 use crate::{err, Result};
 use std::sync::Arc;
-
-pub struct TraceOptions {
-    pub model_dir: PathBuf,
-    pub tokens: Vec<i64>,
-    pub out: PathBuf,
-    /// Add the internal capture points (q, k, v, attn_probs, router logits, expert outputs).
-    pub internals: bool,
-    /// Greedy decode steps after the prompt (decisions, `decode.SSSS.logits`, and under
-    /// `internals` the steps' layer points).
-    pub generate: usize,
-    /// Decode with the KV cache (`true`) or by re-running the whole sequence (`false`).
-    pub cache: bool,
-    pub threads: usize,
-    /// Recorded in provenance.
-    pub command_line: Vec<String>,
-    /// `--force-decisions`: take the router top-k and greedy tokens from this trace.
-    pub force_decisions: Option<PathBuf>,
-    /// `--text`: the prompt as text and how it was tokenized (`prompt_text` in provenance,
-    /// docs/producers.md "Text prompts"); `tokens` are its ids.
-    pub prompt_text: Option<serde_json::Value>,
-    /// `--shards tp=W|ep=W` (docs/numerics.md §23): W ranks, one trace each at `out` with
-    /// `{rank}` replaced.
-    pub shards: Option<Shards>,
-}
-
-pub struct LayerOptions {
-    pub model_dir: PathBuf,
-    pub layer: usize,
-    pub input: PathBuf,
-    pub input_name: String,
-    pub out: PathBuf,
-    pub internals: bool,
-    pub threads: usize,
-    pub command_line: Vec<String>,
-    /// `--force-decisions`: take the layer's router top-k from this trace.
-    pub force_decisions: Option<PathBuf>,
-    /// `--decode-from P`: rows at positions ≥ P go one at a time through the cached decode path.
-    pub decode_from: Option<i64>,
-}
-
-pub(crate) fn pool(threads: usize) -> Result<rayon::ThreadPool> {
-    if threads == 0 {
-        return Err(err!(Input: "--threads must be at least 1"));
-    }
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| err!(Internal: "thread pool: {e}"))
-}
-
-pub(crate) fn provenance(
-    dir: &Path,
-    raw_cfg: &Value,
-    weights_digest: &str,
-    threads: usize,
-    internals: bool,
-    cmd: &[String],
-) -> Value {
-    json!({
-        "producer": "engine",
-        "versions": {
-            "tracegate": env!("CARGO_PKG_VERSION"),
-            "tracegate-engine": env!("CARGO_PKG_VERSION"),
-            "rustc": env!("ENGINE_RUSTC_VERSION"),
-        },
-        "build": format!("tracegate-engine {} {} {} src {}", env!("CARGO_PKG_VERSION"), env!("ENGINE_TARGET"), env!("ENGINE_PROFILE"), env!("ENGINE_SOURCE_DIGEST")),
-        "device": "cpu",
-        "dtype": "f32",
-        "threads": threads,
-        "seed": null,
-        "determinism": "docs/numerics.md ordered fp32; threads across outputs only",
-        "model_dir": dir.display().to_string(),
-        "weights_digest": weights_digest,
-        "config": raw_cfg,
-        "capture": if internals { "internals" } else { "default" },
-        "command_line": cmd,
-    })
-}
 
 /// One greedy step: the chosen token, its margin and the logits row it came from.
 pub struct Step {
@@ -108,17 +30,9 @@ pub struct Step {
     pub capture: Capture,
 }
 
-/// §12 argmax of one logits row; NaN is an error naming the row.
-fn decide(row: &[f32], what: &str) -> Result<(i64, f32)> {
-    if row.iter().any(|x| x.is_nan()) {
-        return Err(err!(NaN: "NaN logit in {what}"));
-    }
-    let (i, m) = ops::argmax_margin(row);
-    Ok((i as i64, m))
-}
-
-/// §12 decision `name` on one logits row: this producer's argmax, or under `--force-decisions`
-/// the forced value with this producer's margin for it. Returns (token, margin, overridden).
+/// §12 decision `name` on one logits row (`force::argmax_or_forced`): this producer's argmax,
+/// or under `--force-decisions` the forced value (row `forced_row` of the decision, checked by
+/// `force` before the forward) with this producer's margin for it.
 fn decide_or_force(
     model: &Model,
     name: &str,
@@ -126,16 +40,13 @@ fn decide_or_force(
     forced_row: usize,
     what: &str,
 ) -> Result<(i64, f32, bool)> {
-    let (own, margin) = decide(row, what)?;
-    match model
+    let forced = model
         .forcing
         .as_ref()
         .and_then(|f| f.values(name))
         .and_then(|v| v.get(forced_row))
-    {
-        Some(&tok) => Ok((tok, ops::margin_of(row, &[tok as usize]), tok != own)),
-        None => Ok((own, margin, false)),
-    }
+        .copied();
+    force::argmax_or_forced(row, forced, || format!("logit in {what}"))
 }
 
 /// Greedy generation of `n` tokens after `prompt`, given the prompt's logits and (for the cached
@@ -307,7 +218,7 @@ fn prefill_and_generate(model: &Model, o: &TraceOptions, mut cap: Capture) -> Re
     let mut kv = model.new_cache();
     let logits = model.forward(&o.tokens, 0, &mut kv, &mut cap)?;
     let v = model.cfg.vocab_size;
-    let (mut ids, mut margins, mut overridden) = (vec![], vec![], vec![]);
+    let (mut ids, mut margins, mut rows_over) = (vec![], vec![], vec![]);
     for r in 0..o.tokens.len() {
         let (i, m, over) = decide_or_force(
             model,
@@ -319,13 +230,11 @@ fn prefill_and_generate(model: &Model, o: &TraceOptions, mut cap: Capture) -> Re
         ids.push(i);
         margins.push(m);
         if over {
-            overridden.push(r as u64);
+            rows_over.push(r as u64);
         }
     }
-    cap.decision("logits.argmax", &[o.tokens.len()], ids, Some(margins));
-    if model.forcing.is_some() {
-        cap.forced("logits.argmax", overridden);
-    }
+    let over = model.forcing.as_ref().map(|_| rows_over);
+    cap.decided("logits.argmax", &[o.tokens.len()], ids, Some(margins), over);
     if o.generate > 0 {
         let steps = generate(
             model,
@@ -337,10 +246,11 @@ fn prefill_and_generate(model: &Model, o: &TraceOptions, mut cap: Capture) -> Re
         )?;
         for (s, st) in steps.into_iter().enumerate() {
             let name = names::decode(s, "argmax");
-            cap.decision(&name, &[1], vec![st.token], Some(vec![st.margin]));
-            if model.forcing.is_some() {
-                cap.forced(&name, if st.overridden { vec![0] } else { vec![] });
-            }
+            let over = model
+                .forcing
+                .as_ref()
+                .map(|_| overridden([st.overridden].into_iter()));
+            cap.decided(&name, &[1], vec![st.token], Some(vec![st.margin]), over);
             cap.append(st.capture);
         }
     }
@@ -492,48 +402,11 @@ fn streaming(out: &Path, cap: Capture, model: &Model) -> Result<Capture> {
     let w = TraceWriter::create(out, json!({}))?;
     let cfg = model.cfg.clone();
     let forcing = model.forcing.as_ref().map(|f| f.digest.as_str());
-    Ok(cap
-        .of_rank(model.rank())
-        .stream_to(w, forcing, Box::new(move |l| cfg.mask(l))))
-}
-
-/// Finishes the trace; under `--force-decisions` (its weights checked against this run's) with
-/// the provenance record.
-fn finish(
-    mut prov: Value,
-    cap: Capture,
-    forcing: Option<&Forcing>,
-    weights_digest: &str,
-) -> Result<Digest> {
-    if let Some(f) = forcing {
-        f.check_weights(weights_digest)?;
-        prov["forced_decisions"] = f.provenance(&cap.forced);
-    }
-    cap.finish(prov)
-}
-
-/// Runs `work` while another thread hashes the checkpoint for provenance: the digest reads every
-/// weight byte once and does not depend on the forward, so on a large model it would otherwise
-/// add its whole time to every run.
-///
-/// The digest is of `store`'s mappings, the bytes the model computes with, not of the files
-/// their paths name now: a checkpoint renamed over mid-run would otherwise be recorded with the
-/// new file's digest beside tensors of the old one. One written in place during the run is
-/// refused (`Store::unchanged`, checked again once `work` is done).
-pub(crate) fn beside_weights_digest<T>(
-    store: &Store,
-    work: impl FnOnce() -> Result<T>,
-) -> Result<(String, T)> {
-    std::thread::scope(|s| {
-        let digest = s.spawn(|| store.weights_digest());
-        let out = work();
-        let wd = digest
-            .join()
-            .map_err(|_| err!(Internal: "the weights digest thread panicked"))??;
-        let out = out?;
-        store.unchanged()?;
-        Ok((wd, out))
-    })
+    Ok(cap.of_rank(model.rank()).stream_to(
+        w,
+        forcing,
+        Box::new(move |n| n.layer.map_or_else(|| "causal".into(), |l| cfg.mask(l))),
+    ))
 }
 
 /// `engine layer`: decoder layer L alone on tensor `input_name` of another trace, rows at that
@@ -674,16 +547,6 @@ pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     finish(prov, cap, model.forcing.as_ref(), &wd)
 }
 
-/// Qwen3.5 (docs/numerics.md §20), diffusion Gemma's vision tower: the tensors present and not
-/// run, as `unused_tensors` = `{prefix: count}`; absent when there are none.
-pub(crate) fn unused_provenance(prov: &mut Value, unused: &[(String, usize)]) {
-    if !unused.is_empty() {
-        let by_prefix: serde_json::Map<String, Value> =
-            unused.iter().map(|(p, n)| (p.clone(), json!(n))).collect();
-        prov["unused_tensors"] = Value::Object(by_prefix);
-    }
-}
-
 /// `--decode-from P`: the rows must be at positions exactly 0..m−1 in order, and 0 ≤ P < m.
 fn check_decode_from(pos: &[i64], p: i64) -> Result<()> {
     if let Some((i, &bad)) = pos.iter().enumerate().find(|&(i, &q)| q != i as i64) {
@@ -784,90 +647,4 @@ pub fn info(dir: &Path) -> Result<String> {
     }
     s += &format!("weights_digest {}\n", store.weights_digest()?);
     Ok(s)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A one-tensor safetensors file of `fill` bytes; returns its bytes.
-    fn checkpoint(path: &Path, fill: u8) -> Vec<u8> {
-        let header = br#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#;
-        let mut file = (header.len() as u64).to_le_bytes().to_vec();
-        file.extend_from_slice(header);
-        file.extend_from_slice(&[fill; 16]);
-        std::fs::write(path, &file).unwrap();
-        file
-    }
-
-    #[test]
-    fn a_checkpoint_renamed_over_mid_run_records_the_digest_of_the_weights_computed_with() {
-        let dir = tempfile::tempdir().unwrap();
-        let model = dir.path().join("model");
-        std::fs::create_dir(&model).unwrap();
-        let old = checkpoint(&model.join("model.safetensors"), 1);
-        let new = checkpoint(&dir.path().join("other.safetensors"), 2);
-        let store = crate::open_store(&model).unwrap();
-        let (wd, seen) = beside_weights_digest(&store, || {
-            // Mid-run: another checkpoint renamed over the one loaded, then the model reads.
-            std::fs::rename(
-                dir.path().join("other.safetensors"),
-                model.join("model.safetensors"),
-            )
-            .unwrap();
-            let mut row = vec![0.0f32; 2];
-            store.take("w", &[2, 2]).unwrap().widen_row(0, 0, &mut row);
-            Ok(row)
-        })
-        .unwrap();
-        assert_eq!(
-            seen,
-            vec![f32::from_le_bytes([1; 4]); 2],
-            "the run read the old file"
-        );
-        assert_eq!(wd, tracegate_trace::weights_digest_of([&old[..]]));
-        // Control: the path now names the other weights, whose digest differs.
-        let now = tracegate_trace::weights_digest(&model).unwrap();
-        assert_eq!(now, tracegate_trace::weights_digest_of([&new[..]]));
-        assert_ne!(wd, now);
-    }
-
-    #[test]
-    fn a_checkpoint_written_in_place_mid_run_is_refused() {
-        use std::io::Write;
-        for how in ["append", "mtime"] {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("model.safetensors");
-            checkpoint(&path, 1);
-            let store = crate::open_store(dir.path()).unwrap();
-            let e = beside_weights_digest(&store, || {
-                let mut f = std::fs::OpenOptions::new()
-                    .append(true)
-                    .open(&path)
-                    .unwrap();
-                if how == "append" {
-                    f.write_all(b"x").unwrap();
-                } else {
-                    // Same size, a modification time no earlier write gave it.
-                    f.set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(7))
-                        .unwrap();
-                }
-                Ok(())
-            })
-            .expect_err(how)
-            .to_string();
-            assert!(
-                e.contains("model.safetensors: the weights file was written while the engine ran")
-                    && !e.contains('\n'),
-                "{how}: {e}"
-            );
-        }
-        // Control: untouched, the same run is accepted.
-        let dir = tempfile::tempdir().unwrap();
-        let bytes = checkpoint(&dir.path().join("model.safetensors"), 1);
-        let store = crate::open_store(dir.path()).unwrap();
-        let (wd, ()) = beside_weights_digest(&store, || Ok(())).unwrap();
-        assert_eq!(wd, tracegate_trace::weights_digest_of([&bytes[..]]));
-        assert_eq!(wd, crate::weights_digest(dir.path()).unwrap());
-    }
 }

@@ -153,3 +153,74 @@ fn a_killed_run_leaves_nothing_at_out() {
     drop(TraceWriter::create(&out, json!({})).unwrap());
     assert!(temporaries(tmp.path()).is_empty());
 }
+
+/// Peak resident memory of `cmd`'s process (KiB), from the rusage the kernel keeps for it and
+/// hands over when it is reaped (`wait4`): a count, not a timing. The command must succeed.
+#[cfg(target_os = "linux")]
+// Reaped by `wait4`, which `Child::wait` cannot replace: it alone hands over the rusage.
+#[allow(clippy::zombie_processes)]
+fn peak_rss_kib(cmd: &mut std::process::Command) -> u64 {
+    let child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: plain out-parameters; `pid` is this process's own child, not yet reaped.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let got = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(got, pid, "wait4");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{cmd:?}: status {status}"
+    );
+    usage.ru_maxrss as u64
+}
+
+/// Diffusion Gemma's trace streams like the causal families' (issue 54 item 1): a prompt twice
+/// as long grows the `--capture internals` trace by ~15 MB (the prompt pass's `attn_probs`,
+/// [heads, T, T]) and the engine's peak memory by much less. The recorder it replaced kept every
+/// tensor and wrote at the end: its peak grew by 1.3× the trace's growth on these two runs.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_diffusion_trace_streams_so_peak_memory_does_not_grow_with_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-diffusion-gemma");
+    let run = |t: usize| -> (u64, u64) {
+        let out = tmp.path().join(format!("t{t}.trace"));
+        let tokens: Vec<String> = (0..t).map(|i| (i * 37 % 500).to_string()).collect();
+        let rss = peak_rss_kib(
+            std::process::Command::new(env!("CARGO_BIN_EXE_engine"))
+                .args(["trace", "--capture", "internals", "--generate", "1"])
+                .args(["--threads", "1", "--model"])
+                .arg(&model)
+                .arg("--tokens")
+                .arg(tokens.join(","))
+                .arg("--out")
+                .arg(&out),
+        );
+        (rss * 1024, std::fs::metadata(&out).unwrap().len())
+    };
+    let ((rss0, size0), (rss1, size1)) = (run(252), run(504));
+    let grown = size1 - size0;
+    assert!(grown > 12 << 20, "the trace grew by {grown} bytes only");
+    // The rule: peak memory grows by under 3/4 of what the trace grows by.
+    let holds = |d_rss: u64| d_rss * 4 >= grown * 3;
+    let d_rss = rss1.saturating_sub(rss0);
+    assert!(
+        !holds(d_rss),
+        "peak RSS grew by {d_rss} bytes for {grown} more trace bytes ({rss0} → {rss1})"
+    );
+    // Negative control: a process that holds as many bytes as the trace is caught by the rule.
+    let holding = |n: u64| {
+        peak_rss_kib(std::process::Command::new("sh").arg("-c").arg(format!(
+            "x=$(head -c {n} /dev/zero | tr '\\000' a); test ${{#x}} -eq {n}"
+        ))) * 1024
+    };
+    let d_held = holding(size1).saturating_sub(holding(size0));
+    assert!(
+        holds(d_held),
+        "a process holding {grown} more bytes grew by {d_held} only"
+    );
+}

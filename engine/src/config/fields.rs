@@ -7,7 +7,8 @@ use super::{LayerTypes, Rope};
 use crate::ops::RopeScaling;
 use crate::{err, Result};
 
-pub(super) fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+/// A field; JSON null is an absent one (§13, DG0).
+pub(crate) fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
     v.get(key).filter(|x| !x.is_null())
 }
 pub(super) fn req_usize(v: &Value, key: &str) -> Result<usize> {
@@ -31,7 +32,7 @@ pub(super) fn opt_bool(v: &Value, key: &str, default: bool) -> Result<bool> {
             .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a boolean")),
     }
 }
-pub(super) fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
+pub(crate) fn opt_f64(v: &Value, key: &str, default: f64) -> Result<f64> {
     match field(v, key) {
         None => Ok(default),
         Some(x) => x

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
+use crate::config::fields::{field, opt_f64};
 use crate::config::MAX_POSITIONS;
 use crate::{err, Result};
 
@@ -46,13 +47,8 @@ fn refuse(field: &str, what: impl std::fmt::Display) -> crate::Error {
     err!(Config: "config.json: {field}: {what} (not supported for diffusion_gemma)")
 }
 
-/// A field; JSON null is absent (DG0).
-fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
-    v.get(key).filter(|x| !x.is_null())
-}
-
 fn usize_or(v: &Value, key: &str, default: usize) -> Result<usize> {
-    match get(v, key) {
+    match field(v, key) {
         None => Ok(default),
         Some(x) => x
             .as_u64()
@@ -65,25 +61,15 @@ fn usize_or(v: &Value, key: &str, default: usize) -> Result<usize> {
 }
 
 fn req_usize(v: &Value, key: &str) -> Result<usize> {
-    if get(v, key).is_none() {
+    if field(v, key).is_none() {
         return Err(err!(Config: "config.json: missing field text_config.{key}"));
     }
     usize_or(v, key, 0)
 }
 
-fn f64_or(v: &Value, key: &str, default: f64) -> Result<f64> {
-    match get(v, key) {
-        None => Ok(default),
-        Some(x) => x
-            .as_f64()
-            .filter(|f| f.is_finite())
-            .ok_or_else(|| err!(Config: "config.json: {key} = {x} is not a finite number")),
-    }
-}
-
 impl DgConfig {
     pub fn from_json(root: &Value) -> Result<DgConfig> {
-        if let Some(a) = get(root, "architectures") {
+        if let Some(a) = field(root, "architectures") {
             let ok = a.as_array().is_some_and(|l| {
                 l.len() == 1 && l[0].as_str() == Some("DiffusionGemmaForBlockDiffusion")
             });
@@ -91,10 +77,10 @@ impl DgConfig {
                 return Err(refuse("architectures", a));
             }
         }
-        let t = get(root, "text_config")
+        let t = field(root, "text_config")
             .filter(|t| t.is_object())
             .ok_or_else(|| err!(Config: "config.json: missing object text_config"))?;
-        let canvas = match get(root, "canvas_length") {
+        let canvas = match field(root, "canvas_length") {
             None => 256,
             Some(x) => x
                 .as_u64()
@@ -103,7 +89,7 @@ impl DgConfig {
                     || err!(Config: "config.json: canvas_length = {x} is not a positive integer"),
                 )? as usize,
         };
-        let tied = match get(root, "tie_word_embeddings") {
+        let tied = match field(root, "tie_word_embeddings") {
             None => true,
             Some(x) => x.as_bool().ok_or_else(
                 || err!(Config: "config.json: tie_word_embeddings = {x} is not a boolean"),
@@ -115,21 +101,21 @@ impl DgConfig {
                 err!(Config: "config.json: text_config.num_hidden_layers = {layers} is too large"),
             );
         }
-        if let Some(x) = get(t, "hidden_activation") {
+        if let Some(x) = field(t, "hidden_activation") {
             if x.as_str() != Some("gelu_pytorch_tanh") {
                 return Err(refuse("text_config.hidden_activation", x));
             }
         }
-        if get(t, "attention_bias").is_some_and(|x| x != &json!(false)) {
+        if field(t, "attention_bias").is_some_and(|x| x != &json!(false)) {
             return Err(refuse("text_config.attention_bias", &t["attention_bias"]));
         }
-        if get(t, "use_clipped_linears").is_some_and(|x| x != &json!(false)) {
+        if field(t, "use_clipped_linears").is_some_and(|x| x != &json!(false)) {
             return Err(refuse(
                 "text_config.use_clipped_linears",
                 &t["use_clipped_linears"],
             ));
         }
-        match get(t, "use_bidirectional_attention").map(|x| x.as_str()) {
+        match field(t, "use_bidirectional_attention").map(|x| x.as_str()) {
             None | Some(Some("vision")) => {}
             _ => {
                 return Err(refuse(
@@ -158,7 +144,7 @@ impl DgConfig {
             );
         }
         // Layer types; the last layer is full whatever the list says (transformers rewrites it).
-        let mut sliding: Vec<bool> = match get(t, "layer_types") {
+        let mut sliding: Vec<bool> = match field(t, "layer_types") {
             None => (0..layers).map(|l| !(l + 1).is_multiple_of(6)).collect(),
             Some(x) => {
                 let list = x.as_array().filter(|l| l.len() == layers).ok_or_else(|| {
@@ -185,10 +171,10 @@ impl DgConfig {
         // (a key it omits keeps the config's value, as transformers' per-layer view does); a full
         // layer without an entry keeps both. Without per_layer_config, full layers take the
         // global values.
-        let (dd, kk) = match get(t, "per_layer_config") {
+        let (dd, kk) = match field(t, "per_layer_config") {
             None => (
                 usize_or(t, "global_head_dim", 512)?,
-                match get(t, "num_global_key_value_heads") {
+                match field(t, "num_global_key_value_heads") {
                     None => kv,
                     Some(_) => usize_or(t, "num_global_key_value_heads", kv)?,
                 },
@@ -293,7 +279,7 @@ impl DgConfig {
             hidden: usize_or(t, "hidden_size", 2304)?,
             intermediate: usize_or(t, "intermediate_size", 9216)?,
             layers,
-            eps: f64_or(t, "rms_norm_eps", 1e-6)?,
+            eps: opt_f64(t, "rms_norm_eps", 1e-6)?,
             softcap,
             window: usize_or(t, "sliding_window", 512)?,
             sliding,
@@ -334,8 +320,8 @@ impl DgConfig {
 
 /// `rope_parameters`: (sliding θ, (full f, full θ)); other types and keys refused (DG0).
 fn rope(t: &Value) -> Result<(f64, (f64, f64))> {
-    let rp = get(t, "rope_parameters");
-    let part = |kind: &str| rp.and_then(|r| get(r, kind));
+    let rp = field(t, "rope_parameters");
+    let part = |kind: &str| rp.and_then(|r| field(r, kind));
     let check = |kind: &str, want_type: &str| -> Result<(f64, f64)> {
         let field = format!("text_config.rope_parameters.{kind}");
         let (f_default, theta_default) = match kind {
@@ -360,11 +346,11 @@ fn rope(t: &Value) -> Result<(f64, (f64, f64))> {
                 _ => return Err(refuse(&format!("{field}.{k}"), v)),
             }
         }
-        let theta = f64_or(p, "rope_theta", theta_default)?;
+        let theta = opt_f64(p, "rope_theta", theta_default)?;
         if theta <= 0.0 {
             return Err(refuse(&format!("{field}.rope_theta"), theta));
         }
-        let f = f64_or(p, "partial_rotary_factor", f_default)?;
+        let f = opt_f64(p, "partial_rotary_factor", f_default)?;
         if kind == "sliding_attention" && f != 1.0 {
             return Err(refuse(&format!("{field}.partial_rotary_factor"), f));
         }
@@ -465,13 +451,13 @@ impl Knobs {
             json!({})
         };
         let gen_err = |k: &str, x: &Value, want: &str| err!(Config: "generation_config.json: {k} = {x} is not {want}");
-        if let Some(x) = get(&g, "max_length") {
+        if let Some(x) = field(&g, "max_length") {
             return Err(
                 err!(Config: "generation_config.json: max_length = {x}: not supported for diffusion_gemma (use --generate)"),
             );
         }
         let num = |v: &Value, k: &str, default: f64| -> Result<f64> {
-            match get(v, k) {
+            match field(v, k) {
                 None => Ok(default),
                 Some(x) => x
                     .as_f64()
@@ -480,12 +466,12 @@ impl Knobs {
             }
         };
         let int = |k: &str, default: u64| -> Result<u64> {
-            match get(&g, k) {
+            match field(&g, k) {
                 None => Ok(default),
                 Some(x) => x.as_u64().ok_or_else(|| gen_err(k, x, "an integer ≥ 0")),
             }
         };
-        let sampler = get(&g, "sampler_config").cloned().unwrap_or(json!({}));
+        let sampler = field(&g, "sampler_config").cloned().unwrap_or(json!({}));
         let ids = |k: &str, x: &Value| -> Result<Vec<i64>> {
             let list: Vec<&Value> = match x.as_array() {
                 Some(a) => a.iter().collect(),
@@ -499,7 +485,7 @@ impl Knobs {
                 })
                 .collect()
         };
-        let (eos_json, eos) = match (&o.eos, get(&g, "eos_token_id")) {
+        let (eos_json, eos) = match (&o.eos, field(&g, "eos_token_id")) {
             (Some(list), _) => (
                 if list.len() == 1 {
                     json!(list[0])
@@ -511,7 +497,7 @@ impl Knobs {
             (None, Some(x)) => (x.clone(), ids("eos_token_id", x)?),
             (None, None) => (Value::Null, vec![]),
         };
-        let pad = match (o.pad, get(&g, "pad_token_id")) {
+        let pad = match (o.pad, field(&g, "pad_token_id")) {
             (Some(p), _) => Some(p),
             (None, Some(x)) => Some(ids("pad_token_id", x)?[0]),
             (None, None) => None,

@@ -3,7 +3,8 @@
 //! (the canvas of the block being denoised: bidirectional, reading the cache) share one set of
 //! layers. Here: the weights and the forward passes, in ordered fp32 with the ops of
 //! docs/numerics.md. `config` reads the config and the generation knobs; `run` is the block
-//! loop, the decisions, the capture and the forcing.
+//! loop and its decisions. What they record goes through the engine's one recorder
+//! (`crate::capture`), streamed to the trace as it is produced.
 
 pub mod config;
 pub mod run;
@@ -11,13 +12,13 @@ pub mod run;
 use rayon::prelude::*;
 use tracegate_trace::names;
 
+use crate::capture::{Capture, MaskOf};
 use crate::force::Forcing;
 use crate::matmul::layout::{Mat, WDType};
 use crate::ops::{self, Heads, KeyRows, Rope};
 use crate::weights::{Store, Weight};
 use crate::{err, Result};
 use config::DgConfig;
-use run::Cap;
 
 /// Tensors a checkpoint carries and token ids never run (DG0 "Weights"): listed in provenance.
 const UNUSED_PREFIXES: [&str; 2] = ["model.encoder.vision_tower.", "model.encoder.embed_vision."];
@@ -35,6 +36,17 @@ pub enum Pass {
 }
 
 impl Pass {
+    /// The pass a parsed name belongs to (None: a block's own decisions, a decode step).
+    pub fn of(n: &names::Name) -> Option<Pass> {
+        match (n.decode_step, n.diffusion) {
+            (None, None) => Some(Pass::Prompt),
+            (None, Some(names::Diffusion::Encode { block })) => Some(Pass::Encode(block)),
+            (None, Some(names::Diffusion::Denoise { block, step })) => {
+                Some(Pass::Denoise(block, step))
+            }
+            _ => None,
+        }
+    }
     pub fn name(self, rest: &str) -> String {
         match self {
             Pass::Prompt => rest.to_string(),
@@ -61,6 +73,16 @@ impl Pass {
             (false, _) => "bidirectional".into(),
         }
     }
+}
+
+/// The `mask` attribute of a tensor by its name: its pass's, and inside a layer that layer's
+/// (`Pass::mask`), as the capture writes it.
+pub fn mask_of(cfg: &DgConfig) -> Box<MaskOf> {
+    let (sliding, window) = (cfg.sliding.clone(), cfg.window);
+    Box::new(move |n| {
+        let layer = n.layer.map(|l| sliding.get(l).copied().unwrap_or(false));
+        Pass::of(n).unwrap_or(Pass::Prompt).mask(layer, window)
+    })
 }
 
 struct Expert<'a> {
@@ -264,12 +286,12 @@ impl<'a> DgModel<'a> {
         tokens: &[i64],
         pos: &[i64],
         cache: &mut [LayerCache],
-        cap: &mut Cap,
+        cap: &mut Capture,
         forcing: Option<&Forcing>,
     ) -> Result<()> {
         let h = self.cfg.hidden;
         let mut x = self.embed(tokens)?;
-        cap.f32(pass, None, "embed.out", &[tokens.len(), h], &x, pos);
+        cap.tensor(&pass.name("embed.out"), &[tokens.len(), h], &x, pos);
         for (l, kv) in cache.iter_mut().enumerate() {
             x = self.layer(pass, l, &x, pos, kv, cap, forcing)?;
         }
@@ -286,13 +308,13 @@ impl<'a> DgModel<'a> {
         pos: &[i64],
         prev: Option<&[f32]>,
         cache: &mut [LayerCache],
-        cap: &mut Cap,
+        cap: &mut Capture,
         forcing: Option<&Forcing>,
     ) -> Result<Vec<f32>> {
         let (h, v, t) = (self.cfg.hidden, self.cfg.vocab, canvas.len());
         let eps = self.cfg.eps_f32();
         let e = self.embed(canvas)?;
-        cap.f32(pass, None, "embed.out", &[t, h], &e, pos);
+        cap.tensor(&pass.name("embed.out"), &[t, h], &e, pos);
         // DG10: soft = softmax(prev)·E ⊗ s_e, or +0.0 at step 0.
         let soft = match prev {
             None => vec![0.0f32; t * h],
@@ -309,20 +331,20 @@ impl<'a> DgModel<'a> {
                 s
             }
         };
-        cap.f32(pass, None, "sc.soft", &[t, h], &soft, pos);
+        cap.tensor(&pass.name("sc.soft"), &[t, h], &soft, pos);
         let sc_in = ops::rmsnorm_rows(&soft, &self.sc_pre_norm, eps, false);
         let sc_mlp = gelu_mlp(&self.sc, &sc_in, t);
-        cap.internal(pass, None, "sc.mlp_out", &[t, h], &sc_mlp, pos);
+        cap.internal(&pass.name("sc.mlp_out"), &[t, h], &sc_mlp, pos);
         let sum: Vec<f32> = e.iter().zip(&sc_mlp).map(|(a, b)| a + b).collect();
         let mut x = plain_rows(&sum, h, eps);
-        cap.f32(pass, None, "sc.out", &[t, h], &x, pos);
+        cap.tensor(&pass.name("sc.out"), &[t, h], &x, pos);
         for (l, kv) in cache.iter_mut().enumerate() {
             x = self.layer(pass, l, &x, pos, kv, cap, forcing)?;
         }
         let xn = ops::rmsnorm_rows(&x, &self.final_norm, eps, false);
-        cap.f32(pass, None, "final_norm.out", &[t, h], &xn, pos);
+        cap.tensor(&pass.name("final_norm.out"), &[t, h], &xn, pos);
         let z = ops::matmul(&xn, t, self.head.view(t), None);
-        cap.internal(pass, None, "logits.uncapped", &[t, v], &z, pos);
+        cap.internal(&pass.name("logits.uncapped"), &[t, v], &z, pos);
         // DG11: f32(tanh(binary64(z ⊘ c))) ⊗ c.
         let c = self.cfg.softcap as f32;
         let mut logits = z;
@@ -331,7 +353,7 @@ impl<'a> DgModel<'a> {
                 *x = ops::tanh_to_f32(*x / c) * c;
             }
         });
-        cap.f32(pass, None, "logits", &[t, v], &logits, pos);
+        cap.tensor(&pass.name("logits"), &[t, v], &logits, pos);
         Ok(logits)
     }
 
@@ -345,7 +367,7 @@ impl<'a> DgModel<'a> {
         x: &[f32],
         pos: &[i64],
         kv: &mut LayerCache,
-        cap: &mut Cap,
+        cap: &mut Capture,
         forcing: Option<&Forcing>,
     ) -> Result<Vec<f32>> {
         let c = &self.cfg;
@@ -353,9 +375,8 @@ impl<'a> DgModel<'a> {
         let (t, h, eps) = (pos.len(), c.hidden, c.eps_f32());
         let a = c.attn(l);
         let (nh, d, nkv) = (c.heads, a.head_dim, a.kv_heads);
-        let sl = Some(lw.sliding);
         let name = |p: &str| names::layer(l, p);
-        cap.f32(pass, sl, &name("hidden_in"), &[t, h], x, pos);
+        cap.tensor(&pass.name(&name("hidden_in")), &[t, h], x, pos);
         // DG5
         let xn = ops::rmsnorm_rows(x, &lw.input_norm, eps, false);
         let mut q = ops::matmul(&xn, t, lw.q.view(t), None);
@@ -378,9 +399,9 @@ impl<'a> DgModel<'a> {
             rope.apply(i / nkv, head);
         }
         let v = plain_rows(&vr, d, eps);
-        cap.internal(pass, sl, &name("q"), &[t, nh, d], &q, pos);
-        cap.internal(pass, sl, &name("k"), &[t, nkv, d], &k, pos);
-        cap.internal(pass, sl, &name("v"), &[t, nkv, d], &v, pos);
+        cap.internal(&pass.name(&name("q")), &[t, nh, d], &q, pos);
+        cap.internal(&pass.name(&name("k")), &[t, nkv, d], &k, pos);
+        cap.internal(&pass.name(&name("v")), &[t, nkv, d], &v, pos);
         // DG6: the keys, cached rows first, then this call's.
         let w = c.window as i64;
         let (keys_k, keys_v, keys_pos);
@@ -420,37 +441,35 @@ impl<'a> DgModel<'a> {
         // DG5.6: scale 1.0.
         let (o, probs) = ops::attention_masked(&q, t, &keys, hs, 1.0, &visible);
         cap.internal(
-            pass,
-            sl,
-            &name("attn_probs"),
+            &pass.name(&name("attn_probs")),
             &[nh, t, ps.len()],
             &probs,
             pos,
         );
         let attn = ops::matmul(&o, t, lw.o.view(t), None);
-        cap.f32(pass, sl, &name("attn_out"), &[t, h], &attn, pos);
+        cap.tensor(&pass.name(&name("attn_out")), &[t, h], &attn, pos);
         let an = ops::rmsnorm_rows(&attn, &lw.post_attn_norm, eps, false);
         let h1: Vec<f32> = x.iter().zip(&an).map(|(a, b)| a + b).collect();
-        cap.internal(pass, sl, &name("attn_residual"), &[t, h], &h1, pos);
+        cap.internal(&pass.name(&name("attn_residual")), &[t, h], &h1, pos);
         // DG7 dense MLP: its output replaces its input.
         let x2 = ops::rmsnorm_rows(&h1, &lw.pre_ff_norm, eps, false);
         let dense = gelu_mlp(&lw.mlp, &x2, t);
-        cap.internal(pass, sl, &name("dense_mlp.out"), &[t, h], &dense, pos);
+        cap.internal(&pass.name(&name("dense_mlp.out")), &[t, h], &dense, pos);
         let d1 = ops::rmsnorm_rows(&dense, &lw.post_ff_norm_1, eps, false);
-        cap.f32(pass, sl, &name("dense_mlp.branch"), &[t, h], &d1, pos);
+        cap.tensor(&pass.name(&name("dense_mlp.branch")), &[t, h], &d1, pos);
         let moe = self.moe(pass, l, &h1, pos, cap, forcing)?;
         let d2 = ops::rmsnorm_rows(&moe, &lw.post_ff_norm_2, eps, false);
-        cap.f32(pass, sl, &name("moe.branch"), &[t, h], &d2, pos);
+        cap.tensor(&pass.name(&name("moe.branch")), &[t, h], &d2, pos);
         let s: Vec<f32> = d1.iter().zip(&d2).map(|(a, b)| a + b).collect();
         let m = ops::rmsnorm_rows(&s, &lw.post_ff_norm, eps, false);
-        cap.f32(pass, sl, &name("mlp_out"), &[t, h], &m, pos);
+        cap.tensor(&pass.name(&name("mlp_out")), &[t, h], &m, pos);
         let lambda = if pass.encoder() {
             lw.scalar_encoder
         } else {
             lw.scalar_decoder
         };
         let out: Vec<f32> = h1.iter().zip(&m).map(|(a, b)| (a + b) * lambda).collect();
-        cap.f32(pass, sl, &name("hidden_out"), &[t, h], &out, pos);
+        cap.tensor(&pass.name(&name("hidden_out")), &[t, h], &out, pos);
         Ok(out)
     }
 
@@ -462,13 +481,12 @@ impl<'a> DgModel<'a> {
         l: usize,
         h1: &[f32],
         pos: &[i64],
-        cap: &mut Cap,
+        cap: &mut Capture,
         forcing: Option<&Forcing>,
     ) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let lw = &self.layers[l];
         let (t, h, ne, k, eps) = (pos.len(), c.hidden, c.experts, c.top_k, c.eps_f32());
-        let sl = Some(lw.sliding);
         let rn = plain_rows(h1, h, eps);
         let xr: Vec<f32> = rn
             .chunks_exact(h)
@@ -480,9 +498,7 @@ impl<'a> DgModel<'a> {
             .collect();
         let g = ops::matmul(&xr, t, lw.router.view(t), None);
         cap.internal(
-            pass,
-            sl,
-            &names::layer(l, "router.logits"),
+            &pass.name(&names::layer(l, "router.logits")),
             &[t, ne],
             &g,
             pos,
@@ -529,10 +545,8 @@ impl<'a> DgModel<'a> {
                 chosen_all.push(e as i64);
             }
         }
-        cap.decision(&name, &[t, k], chosen_all, Some(margins));
-        if forced.is_some() {
-            cap.forced(&name, overridden);
-        }
+        let overridden = forced.map(|_| overridden);
+        cap.decided(&name, &[t, k], chosen_all, Some(margins), overridden);
         let x3 = ops::rmsnorm_rows(h1, &lw.pre_ff_norm_2, eps, false);
         let mut out = vec![0.0f32; t * h];
         for (e, ex) in lw.experts.iter().enumerate() {
@@ -547,9 +561,7 @@ impl<'a> DgModel<'a> {
             let ye = gelu_mlp(ex, &xe, rows.len());
             let epos: Vec<i64> = rows.iter().map(|&r| pos[r]).collect();
             cap.internal(
-                pass,
-                sl,
-                &names::expert(l, e, "out"),
+                &pass.name(&names::expert(l, e, "out")),
                 &[rows.len(), h],
                 &ye,
                 &epos,
@@ -561,7 +573,7 @@ impl<'a> DgModel<'a> {
                 }
             }
         }
-        cap.internal(pass, sl, &names::layer(l, "moe.out"), &[t, h], &out, pos);
+        cap.internal(&pass.name(&names::layer(l, "moe.out")), &[t, h], &out, pos);
         Ok(out)
     }
 }

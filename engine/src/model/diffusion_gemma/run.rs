@@ -5,183 +5,16 @@
 
 use rayon::prelude::*;
 use serde_json::{json, Value};
-use tracegate_trace::{names, Attributes, DType, Digest, TraceWriter};
+use tracegate_trace::{names, Digest, TraceWriter};
 
 use super::config::{DgConfig, DiffusionOptions, Knobs};
-use super::{DgModel, Pass};
-use crate::force::{Forcing, Record};
+use super::{mask_of, DgModel, Pass};
+use crate::capture::Capture;
+use crate::force::{argmax_or_forced, forced_values, overridden, Forcing};
+use crate::options::{pool, LayerOptions, TraceOptions};
+use crate::provenance::{beside_weights_digest, finish, provenance, unused_provenance};
 use crate::splitmix::{self, Purpose};
-use crate::{err, ops, Result, TraceOptions};
-
-enum Data {
-    F32(Vec<f32>),
-    I64(Vec<i64>),
-}
-
-struct Rec {
-    name: String,
-    shape: Vec<u64>,
-    data: Data,
-    positions: Vec<i64>,
-    path: &'static str,
-    mask: String,
-}
-
-struct Decision {
-    name: String,
-    shape: Vec<u64>,
-    values: Vec<i64>,
-    margins: Option<Vec<f32>>,
-}
-
-/// What a run records, in order: tensors (with their `path` and `mask`), decisions, and which
-/// decisions were forced.
-pub struct Cap {
-    internals: bool,
-    window: usize,
-    tensors: Vec<Rec>,
-    decisions: Vec<Decision>,
-    forced: Vec<Record>,
-    first_forced: Option<usize>,
-}
-
-impl Cap {
-    fn new(internals: bool, window: usize) -> Cap {
-        Cap {
-            internals,
-            window,
-            tensors: vec![],
-            decisions: vec![],
-            forced: vec![],
-            first_forced: None,
-        }
-    }
-
-    /// A default point `rest` of `pass` (`layer`: Some(sliding) inside a layer).
-    pub fn f32(
-        &mut self,
-        pass: Pass,
-        layer: Option<bool>,
-        rest: &str,
-        shape: &[usize],
-        data: &[f32],
-        pos: &[i64],
-    ) {
-        self.tensors.push(Rec {
-            name: pass.name(rest),
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            data: Data::F32(data.to_vec()),
-            positions: pos.to_vec(),
-            path: pass.path(),
-            mask: pass.mask(layer, self.window),
-        });
-    }
-
-    /// An internals-only point.
-    pub fn internal(
-        &mut self,
-        pass: Pass,
-        layer: Option<bool>,
-        rest: &str,
-        shape: &[usize],
-        data: &[f32],
-        pos: &[i64],
-    ) {
-        if self.internals {
-            self.f32(pass, layer, rest, shape, data, pos);
-        }
-    }
-
-    fn canvas(&mut self, pass: Pass, canvas: &[i64], pos: &[i64]) {
-        self.tensors.push(Rec {
-            name: pass.name("canvas"),
-            shape: vec![canvas.len() as u64],
-            data: Data::I64(canvas.to_vec()),
-            positions: pos.to_vec(),
-            path: pass.path(),
-            mask: pass.mask(None, self.window),
-        });
-    }
-
-    pub fn decision(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        values: Vec<i64>,
-        margins: Option<Vec<f32>>,
-    ) {
-        self.decisions.push(Decision {
-            name: name.to_string(),
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            values,
-            margins,
-        });
-    }
-
-    /// The decision just recorded was forced; `overridden`: the rows (ascending) where this
-    /// producer would have chosen otherwise.
-    pub fn forced(&mut self, name: &str, overridden: Vec<u64>) {
-        self.first_forced.get_or_insert(self.tensors.len());
-        self.forced.push(Record {
-            name: name.to_string(),
-            overridden,
-        });
-    }
-
-    fn write(&self, w: &mut TraceWriter, forcing_digest: Option<&str>) -> Result<()> {
-        for (i, t) in self.tensors.iter().enumerate() {
-            let mut attrs = Attributes::default()
-                .with_path(t.path)
-                .with_mask(&t.mask)
-                .with_positions(t.positions.clone());
-            if let (Some(d), Some(first)) = (forcing_digest, self.first_forced) {
-                if i >= first {
-                    attrs.extra.insert("forced".into(), d.to_string());
-                }
-            }
-            match &t.data {
-                Data::F32(v) => w.tensor_f32(&t.name, &t.shape, v, &attrs)?,
-                Data::I64(v) => {
-                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    w.tensor(&t.name, DType::I64, &t.shape, &bytes, &attrs)?
-                }
-            }
-        }
-        for d in &self.decisions {
-            w.decision(&d.name, &d.shape, &d.values, d.margins.as_deref())?;
-        }
-        Ok(())
-    }
-}
-
-/// The forced values of decision `name` (DG17), checked: `len` values, each accepted by `ok`.
-/// None when the run is not forced; an error naming the decision when REF lacks it.
-fn forced_values(
-    f: Option<&Forcing>,
-    name: &str,
-    len: usize,
-    ok: impl Fn(i64) -> bool,
-    want: &str,
-) -> Result<Option<Vec<i64>>> {
-    let Some(f) = f else { return Ok(None) };
-    let refuse = |what: String| err!(Input: "--force-decisions {}: {what}", f.path.display());
-    let (Some(shape), Some(values)) = (f.shape(name), f.values(name)) else {
-        return Err(refuse(format!(
-            "decision {name} is missing (this run needs it)"
-        )));
-    };
-    if shape != [len as u64] {
-        return Err(refuse(format!(
-            "decision {name} has shape {shape:?}, this run needs [{len}]"
-        )));
-    }
-    if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| !ok(v)) {
-        return Err(refuse(format!(
-            "decision {name} value {i} is {v}, not {want}"
-        )));
-    }
-    Ok(Some(values.to_vec()))
-}
+use crate::{err, Result};
 
 /// The per-row statistics of one step's tempered logits (DG12.2, DG12.3).
 struct RowStats {
@@ -239,8 +72,9 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
         }
         None => None,
     };
-    let pool = crate::run::pool(o.threads)?;
-    let (wd, (cap, output, blocks_run)) = crate::run::beside_weights_digest(&store, || {
+    let pool = pool(o.threads)?;
+    let cap = streaming(&o.out, o.internals, &model, forcing.as_ref())?;
+    let (wd, (cap, output, blocks_run)) = beside_weights_digest(&store, || {
         pool.install(|| {
             generate(
                 &model,
@@ -248,12 +82,12 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
                 &knobs,
                 seed,
                 blocks,
-                o.internals,
+                cap,
                 forcing.as_ref(),
             )
         })
     })?;
-    let mut prov = crate::run::provenance(
+    let mut prov = provenance(
         &o.model_dir,
         &raw,
         &wd,
@@ -261,7 +95,7 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
-    crate::run::unused_provenance(&mut prov, &model.unused_tensors);
+    unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("trace");
     prov["prompt_tokens"] = json!(o.tokens);
     if let Some(text) = &o.prompt_text {
@@ -274,13 +108,23 @@ pub fn run_trace(o: &TraceOptions, d: &DiffusionOptions) -> Result<Digest> {
     prov["seed"] = json!(seed);
     prov["blocks"] = json!(blocks_run);
     prov["output_tokens"] = json!(output);
-    if let Some(f) = &forcing {
-        f.check_weights(&wd)?;
-        prov["forced_decisions"] = f.provenance(&cap.forced);
-    }
-    let mut w = TraceWriter::create(&o.out, prov)?;
-    cap.write(&mut w, forcing.as_ref().map(|f| f.digest.as_str()))?;
-    Ok(w.finish()?)
+    finish(prov, cap, forcing.as_ref(), &wd)
+}
+
+/// A capture (`encode` the path of the prompt pass's names) writing each tensor to `out` as it
+/// is recorded, with DG16's masks; nothing is at `out` until `finish`.
+fn streaming(
+    out: &std::path::Path,
+    internals: bool,
+    model: &DgModel,
+    forcing: Option<&Forcing>,
+) -> Result<Capture> {
+    let w = TraceWriter::create(out, json!({}))?;
+    Ok(Capture::new("encode", internals).stream_to(
+        w,
+        forcing.map(|f| f.digest.as_str()),
+        mask_of(&model.cfg),
+    ))
 }
 
 fn read_config(dir: &std::path::Path) -> Result<((), Value)> {
@@ -300,12 +144,11 @@ fn generate(
     k: &Knobs,
     seed: u64,
     blocks: usize,
-    internals: bool,
+    mut cap: Capture,
     forcing: Option<&Forcing>,
-) -> Result<(Cap, Vec<i64>, usize)> {
+) -> Result<(Capture, Vec<i64>, usize)> {
     let cfg = &model.cfg;
     let (c, v) = (cfg.canvas, cfg.vocab);
-    let mut cap = Cap::new(internals, cfg.window);
     let mut cache = model.new_cache();
     let ppos: Vec<i64> = (0..prompt.len() as i64).collect();
     model.encode(Pass::Prompt, prompt, &ppos, &mut cache, &mut cap, forcing)?;
@@ -315,6 +158,10 @@ fn generate(
     let n_steps = k.steps;
     // DG12.1's constants: f32(t_min), f32(t_max − t_min) (the binary64 difference), f32(N).
     let (t_min, t_span, nf) = (k.t_min as f32, (k.t_max - k.t_min) as f32, n_steps as f32);
+    // What a forced value of each decision may be (DG17).
+    let is_token = |t: i64| (0..v as i64).contains(&t);
+    let is_token_or_kept = |t: i64| (-1..v as i64).contains(&t);
+    let is_flag = |a: i64| a == 0 || a == 1;
     let beta = k.entropy_bound as f32;
     let thr = k.confidence as f32;
     for b in 0..blocks {
@@ -322,33 +169,23 @@ fn generate(
         let pos: Vec<i64> = (l0 as i64..(l0 + c) as i64).collect();
         // DG14: the initial canvas, INIT(b, 0).
         let init_name = names::denoise_block(b, "init_canvas");
-        let mut canvas = match forced_values(
-            forcing,
-            &init_name,
-            c,
-            |t| (0..v as i64).contains(&t),
-            "a token id",
-        )? {
-            Some(f) => {
-                cap.decision(&init_name, &[c], f.clone(), None);
-                cap.forced(&init_name, vec![]);
-                f
-            }
-            None => {
-                let key = splitmix::key(seed, Purpose::Init, b as u64, 0);
-                let f: Vec<i64> = (0..c)
-                    .map(|r| splitmix::token(splitmix::output(key, r as u64), v as u64) as i64)
-                    .collect();
-                cap.decision(&init_name, &[c], f.clone(), None);
-                f
-            }
-        };
+        let forced = forced_values(forcing, &init_name, c, is_token, "a token id")?;
+        // A draw has no "own choice" to override: none counted.
+        let over = forced.as_ref().map(|_| vec![]);
+        let canvas_0 = forced.unwrap_or_else(|| {
+            let key = splitmix::key(seed, Purpose::Init, b as u64, 0);
+            (0..c)
+                .map(|r| splitmix::token(splitmix::output(key, r as u64), v as u64) as i64)
+                .collect()
+        });
+        cap.decided(&init_name, &[c], canvas_0.clone(), None, over);
+        let mut canvas = canvas_0;
         let mut prev: Option<Vec<f32>> = None;
         let mut history: Vec<Vec<i64>> = vec![];
         let mut last_argmax: (Vec<i64>, Vec<f32>) = (vec![], vec![]);
         for s in 0..n_steps {
             let pass = Pass::Denoise(b, s);
-            cap.canvas(pass, &canvas, &pos);
+            cap.tokens(&pass.name("canvas"), &[c], &canvas, &pos);
             let logits = model.denoise(
                 pass,
                 &canvas,
@@ -367,70 +204,38 @@ fn generate(
                     *x /= temp;
                 }
             });
-            cap.f32(pass, None, "logits.tempered", &[c, v], &tempered, &pos);
+            cap.tensor(&pass.name("logits.tempered"), &[c, v], &tempered, &pos);
             let stats: Vec<RowStats> = tempered.par_chunks(v).map(row_stats).collect();
             let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
             if let Some(r) = entropy.iter().position(|h| h.is_nan()) {
                 return Err(err!(NaN: "NaN entropy at block {b}, step {s}, row {r}"));
             }
-            cap.f32(pass, None, "entropy", &[c], &entropy, &pos);
+            cap.tensor(&pass.name("entropy"), &[c], &entropy, &pos);
 
             // DG13.1 argmax of the tempered logits.
             let name = pass.name("argmax");
-            let mut own = vec![];
+            let forced = forced_values(forcing, &name, c, is_token, "a token id")?;
+            let (mut argmax, mut margins, mut over) = (vec![], vec![], vec![]);
             for (r, row) in tempered.chunks(v).enumerate() {
-                if row.iter().any(|x| x.is_nan()) {
-                    return Err(err!(NaN: "NaN tempered logit at block {b}, step {s}, row {r}"));
-                }
-                own.push(ops::argmax_margin(row));
-            }
-            let argmax: Vec<i64>;
-            let margins: Vec<f32>;
-            match forced_values(
-                forcing,
-                &name,
-                c,
-                |t| (0..v as i64).contains(&t),
-                "a token id",
-            )? {
-                Some(f) => {
-                    margins = f
-                        .iter()
-                        .zip(tempered.chunks(v))
-                        .map(|(&t, row)| ops::margin_of(row, &[t as usize]))
-                        .collect();
-                    let over = differing(f.iter().zip(&own).map(|(&a, &(o, _))| a != o as i64));
-                    argmax = f;
-                    cap.decision(&name, &[c], argmax.clone(), Some(margins.clone()));
-                    cap.forced(&name, over);
-                }
-                None => {
-                    argmax = own.iter().map(|&(i, _)| i as i64).collect();
-                    margins = own.iter().map(|&(_, m)| m).collect();
-                    cap.decision(&name, &[c], argmax.clone(), Some(margins.clone()));
+                let (t, m, o) = argmax_or_forced(row, forced.as_ref().map(|f| f[r]), || {
+                    format!("tempered logit at block {b}, step {s}, row {r}")
+                })?;
+                argmax.push(t);
+                margins.push(m);
+                if o {
+                    over.push(r as u64);
                 }
             }
+            let over = forced.map(|_| over);
+            cap.decided(&name, &[c], argmax.clone(), Some(margins.clone()), over);
 
             // DG13.2 sampled: categorical from P with SAMPLE(b, s).
             let name = pass.name("sampled");
-            let sampled = match forced_values(
-                forcing,
-                &name,
-                c,
-                |t| (0..v as i64).contains(&t),
-                "a token id",
-            )? {
-                Some(f) => {
-                    let m: Vec<f32> = f
-                        .iter()
-                        .zip(&stats)
-                        .map(|(&t, st)| st.p[t as usize])
-                        .collect();
-                    cap.decision(&name, &[c], f.clone(), Some(m));
-                    // A draw has no "own choice" to override: none counted.
-                    cap.forced(&name, vec![]);
-                    f
-                }
+            let forced = forced_values(forcing, &name, c, is_token, "a token id")?;
+            // A draw has no "own choice" to override: none counted.
+            let over = forced.as_ref().map(|_| vec![]);
+            let sampled = match forced {
+                Some(f) => f,
                 None => {
                     let key = splitmix::key(seed, Purpose::Sample, b as u64, s as u64);
                     let mut f = vec![];
@@ -441,15 +246,15 @@ fn generate(
                         )?;
                         f.push(t as i64);
                     }
-                    let m: Vec<f32> = f
-                        .iter()
-                        .zip(&stats)
-                        .map(|(&t, st)| st.p[t as usize])
-                        .collect();
-                    cap.decision(&name, &[c], f.clone(), Some(m));
                     f
                 }
             };
+            let m: Vec<f32> = sampled
+                .iter()
+                .zip(&stats)
+                .map(|(&t, st)| st.p[t as usize])
+                .collect();
+            cap.decided(&name, &[c], sampled.clone(), Some(m), over);
 
             // DG13.3 accept: rank by (entropy, row), cumulative sums in rank order.
             let mut order: Vec<usize> = (0..c).collect();
@@ -466,56 +271,41 @@ fn generate(
             }
             let own_accept: Vec<i64> = x.iter().map(|&xj| i64::from(xj <= beta)).collect();
             let name = pass.name("accept");
-            let accept = match forced_values(forcing, &name, c, |a| a == 0 || a == 1, "0 or 1")? {
-                Some(f) => {
-                    let over = differing(f.iter().zip(&own_accept).map(|(a, b)| a != b));
-                    cap.decision(&name, &[c], f.clone(), Some(accept_margins(&f, &x, beta)));
-                    cap.forced(&name, over);
-                    f
-                }
-                None => {
-                    let m = accept_margins(&own_accept, &x, beta);
-                    cap.decision(&name, &[c], own_accept.clone(), Some(m));
-                    own_accept
-                }
-            };
+            let forced = forced_values(forcing, &name, c, is_flag, "0 or 1")?;
+            let over = forced
+                .as_ref()
+                .map(|f| overridden(f.iter().zip(&own_accept).map(|(a, b)| a != b)));
+            let accept = forced.unwrap_or(own_accept);
+            let m = accept_margins(&accept, &x, beta);
+            cap.decided(&name, &[c], accept.clone(), Some(m), over);
 
             // DG13.4 renoise: a whole new canvas from RENOISE(b, s); the next canvas.
             let name = pass.name("renoise");
-            let renoise = match forced_values(
-                forcing,
-                &name,
-                c,
-                |t| (-1..v as i64).contains(&t),
-                "a token id or -1",
-            )? {
-                Some(f) => {
-                    if let Some(r) = (0..c).find(|&r| (f[r] == -1) != (accept[r] == 1)) {
-                        return Err(err!(Input:
-                            "--force-decisions: decision {name} row {r} is {} where accept is {}",
-                            f[r], accept[r]
-                        ));
-                    }
-                    cap.decision(&name, &[c], f.clone(), None);
-                    cap.forced(&name, vec![]);
-                    f
+            let forced = forced_values(forcing, &name, c, is_token_or_kept, "a token id or -1")?;
+            if let Some(f) = &forced {
+                if let Some(r) = (0..c).find(|&r| (f[r] == -1) != (accept[r] == 1)) {
+                    return Err(err!(Input:
+                        "--force-decisions: decision {name} row {r} is {} where accept is {}",
+                        f[r], accept[r]
+                    ));
                 }
-                None => {
-                    let key = splitmix::key(seed, Purpose::Renoise, b as u64, s as u64);
-                    let f: Vec<i64> = (0..c)
-                        .map(|r| {
-                            let t = splitmix::token(splitmix::output(key, r as u64), v as u64);
-                            if accept[r] == 1 {
-                                -1
-                            } else {
-                                t as i64
-                            }
-                        })
-                        .collect();
-                    cap.decision(&name, &[c], f.clone(), None);
-                    f
-                }
-            };
+            }
+            // A draw has no "own choice" to override: none counted.
+            let over = forced.as_ref().map(|_| vec![]);
+            let renoise = forced.unwrap_or_else(|| {
+                let key = splitmix::key(seed, Purpose::Renoise, b as u64, s as u64);
+                (0..c)
+                    .map(|r| {
+                        let t = splitmix::token(splitmix::output(key, r as u64), v as u64);
+                        if accept[r] == 1 {
+                            -1
+                        } else {
+                            t as i64
+                        }
+                    })
+                    .collect()
+            });
+            cap.decided(&name, &[c], renoise.clone(), None, over);
             let next: Vec<i64> = (0..c)
                 .map(|r| {
                     if accept[r] == 1 {
@@ -538,14 +328,11 @@ fn generate(
             let own_conf = mu < thr;
             let own = [own_stable, own_conf, own_stable && own_conf].map(i64::from);
             let name = pass.name("stop");
-            let (stop, over) =
-                match forced_values(forcing, &name, 3, |a| a == 0 || a == 1, "0 or 1")? {
-                    Some(f) => {
-                        let over = differing(f.iter().zip(&own).map(|(a, b)| a != b));
-                        (f, Some(over))
-                    }
-                    None => (own.to_vec(), None),
-                };
+            let forced = forced_values(forcing, &name, 3, is_flag, "0 or 1")?;
+            let over = forced
+                .as_ref()
+                .map(|f| overridden(f.iter().zip(&own).map(|(a, b)| a != b)));
+            let stop = forced.unwrap_or(own.to_vec());
             let stab_m = |stable: bool| {
                 if stable {
                     run_len as f32 - st_thr as f32
@@ -556,10 +343,7 @@ fn generate(
             let conf_m = |conf: bool| if conf { thr - mu } else { mu - thr };
             let (m0, m1) = (stab_m(stop[0] == 1), conf_m(stop[1] == 1));
             let m2 = if stop[0] == 1 { m1 } else { m0 };
-            cap.decision(&name, &[3], stop.clone(), Some(vec![m0, m1, m2]));
-            if let Some(over) = over {
-                cap.forced(&name, over);
-            }
+            cap.decided(&name, &[3], stop.clone(), Some(vec![m0, m1, m2]), over);
             history.push(argmax.clone());
             last_argmax = (argmax, margins);
             prev = Some(tempered);
@@ -658,14 +442,7 @@ pub fn info(dir: &std::path::Path) -> Result<String> {
 /// Which pass `name` is layer `l`'s input of (`P` + `layer.LL.hidden_in`, P one of DG16's
 /// three pass prefixes); an error naming it for anything else.
 fn layer_input_pass(name: &str, l: usize) -> Result<Pass> {
-    let n = names::Name::parse(name);
-    let pass = match (n.decode_step, n.diffusion) {
-        (None, None) => Some(Pass::Prompt),
-        (None, Some(names::Diffusion::Encode { block })) => Some(Pass::Encode(block)),
-        (None, Some(names::Diffusion::Denoise { block, step })) => Some(Pass::Denoise(block, step)),
-        _ => None,
-    };
-    match pass {
+    match Pass::of(&names::Name::parse(name)) {
         Some(p) if p.name(&names::layer(l, "hidden_in")) == name => Ok(p),
         _ => Err(err!(Input:
             "--input-name {name}: not layer {l}'s input of a pass ({0}, encode.BBBB.{0} or denoise.BBBB.SSSS.{0})",
@@ -730,7 +507,7 @@ fn cache_from_trace(
 /// `P.layer.LL.hidden_in` of TRACE, its keys DG6's for pass P — the cached rows read back from
 /// the same TRACE's encoder k/v — through `DgModel::layer`, the call the whole run makes, so the
 /// output repeats the whole run's points for that layer and pass bit for bit.
-pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
+pub fn run_layer(o: &LayerOptions) -> Result<Digest> {
     if o.decode_from.is_some() {
         return Err(
             err!(Input: "--decode-from: not for diffusion_gemma (there is no greedy decode step; name a denoise step's input instead)"),
@@ -791,15 +568,13 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
         .transpose()?;
     let store = crate::open_store(&o.model_dir)?;
     let model = DgModel::load(cfg, &store)?;
-    let pool = crate::run::pool(o.threads)?;
-    let (wd, cap) = crate::run::beside_weights_digest(&store, || {
-        pool.install(|| -> Result<Cap> {
-            let mut cap = Cap::new(o.internals, model.cfg.window);
-            model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref())?;
-            Ok(cap)
-        })
+    let pool = pool(o.threads)?;
+    let mut cap = streaming(&o.out, o.internals, &model, forcing.as_ref())?;
+    let (wd, ()) = beside_weights_digest(&store, || {
+        pool.install(|| model.layer(pass, o.layer, &x, &pos, &mut kv, &mut cap, forcing.as_ref()))
+            .map(|_| ())
     })?;
-    let mut prov = crate::run::provenance(
+    let mut prov = provenance(
         &o.model_dir,
         &raw,
         &wd,
@@ -807,25 +582,9 @@ pub fn run_layer(o: &crate::LayerOptions) -> Result<Digest> {
         o.internals,
         &o.command_line,
     );
-    crate::run::unused_provenance(&mut prov, &model.unused_tensors);
+    unused_provenance(&mut prov, &model.unused_tensors);
     prov["verb"] = json!("layer");
     prov["layer"] = json!(o.layer);
     prov["input"] = json!({ "path": o.input.display().to_string(), "name": o.input_name, "trace_digest": input.digest().hex() });
-    if let Some(f) = &forcing {
-        f.check_weights(&wd)?;
-        prov["forced_decisions"] = f.provenance(&cap.forced);
-    }
-    let mut w = TraceWriter::create(&o.out, prov)?;
-    cap.write(&mut w, forcing.as_ref().map(|f| f.digest.as_str()))?;
-    Ok(w.finish()?)
-}
-
-/// The rows (ascending) where a forced decision differs from this producer's own choice, one
-/// `differs` a row.
-fn differing(differs: impl Iterator<Item = bool>) -> Vec<u64> {
-    differs
-        .enumerate()
-        .filter(|&(_, d)| d)
-        .map(|(r, _)| r as u64)
-        .collect()
+    finish(prov, cap, forcing.as_ref(), &wd)
 }
