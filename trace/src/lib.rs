@@ -10,6 +10,7 @@
 //! [`Element`] (`f64 f32 half::f16 half::bf16 i64 i32 i16 i8 u8 bool`).
 
 mod attrs;
+mod canonical;
 pub mod child;
 mod digest;
 mod dtype;

@@ -8,7 +8,8 @@ use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use crate::attrs::Attributes;
-use crate::digest::{xxh3_hex, Canonical, Digest};
+use crate::canonical::Canonical;
+use crate::digest::{xxh3_hex, Digest};
 use crate::dtype::{element_count, DType};
 use crate::error::{Error, Result};
 use crate::layout::{self, *};
