@@ -507,7 +507,15 @@ pub(super) fn run(
         // or store a coarser one to be judged more loosely.
         let golden: Vec<&str> = goldens
             .iter()
-            .map(bisect::judge::reference_precision)
+            .map(|t| {
+                tracegate_diff::policy::computes_in(
+                    t.provenance(),
+                    t.tensors().iter().map(|i| (i.name.as_str(), i.dtype)),
+                )
+                // One that says nothing: the finest, the strictest judge.
+                .map(|p| p.unwrap_or("f32"))
+                .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))
+            })
             .collect::<Result<_>>()?;
         let precision = tracegate_diff::policy::coarsest(golden).unwrap_or("f32");
         plan.m.policy = precision.to_string();
