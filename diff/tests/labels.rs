@@ -1177,7 +1177,11 @@ fn a_policy_for_another_precision_is_named_and_warned_about() {
     let rep = diff(&r, &c, Some(load("oracle-default")));
     assert!(mismatch(&rep).is_empty(), "{:?}", mismatch(&rep));
     assert_eq!(
-        rep.policy.as_ref().unwrap().candidate_computes_in.as_deref(),
+        rep.policy
+            .as_ref()
+            .unwrap()
+            .candidate_computes_in
+            .as_deref(),
         Some("f32")
     );
 }
