@@ -9,26 +9,6 @@ use common::*;
 use tracegate_diff::{compare_files, render_human, NearTie, Options, Policy, Report, Verdict};
 use tracegate_trace::Attributes;
 
-fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
-    let (_dir, rp, cp) = pair(r, c);
-    compare_files(
-        &rp,
-        &cp,
-        &Options {
-            policy,
-            ..Options::default()
-        },
-    )
-}
-
-fn oracle_policy() -> Policy {
-    Policy::load(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/policy/oracle-default.json"),
-    )
-    .unwrap()
-}
-
 /// (label, upstream, after) of the flip at `row` of `decision`.
 fn flip(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>, Option<String>) {
     let res = rep
