@@ -176,7 +176,7 @@ pub fn coarsest<'a>(precisions: impl IntoIterator<Item = &'a str>) -> Option<&'a
 }
 
 /// The finest of two precisions of `PRECISIONS` (the stricter judge).
-fn finest<'a>([a, b]: [&'a str; 2]) -> &'a str {
+fn finest([a, b]: [&str; 2]) -> &str {
     if coarsest([a, b]) == Some(a) {
         b
     } else {
