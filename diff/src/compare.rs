@@ -216,23 +216,24 @@ fn phases(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
     rep.filter = filter;
     // A declaration about no tensor, or of no precision (`"fp32"`), is refused under a policy
     // and by bits alike: it was how a port once chose a looser judge, and a misspelt one passed
-    // silently.
-    if let Err(why) = crate::policy::checked_declaration(
+    // silently. Refused, it is not read: never its dtype instead.
+    let computes_in = crate::policy::computes_in(
         candidate.provenance(),
-        candidate.tensors().iter().map(|i| i.name.as_str()),
-    ) {
+        candidate
+            .tensors()
+            .iter()
+            .map(|i| (i.name.as_str(), i.dtype)),
+    )
+    .unwrap_or_else(|why| {
         rep.findings.push(Finding::new(
             FindingKind::PrecisionDeclarationRefused,
             None,
             format!("the candidate's declared precision is not read: {why}"),
         ));
-    }
+        None
+    });
     if let Some(p) = rep.policy.as_mut() {
-        // Refused above when its declaration is: never its dtype instead.
-        p.candidate_computes_in = crate::policy::computes_in(candidate.provenance())
-            .ok()
-            .flatten()
-            .map(String::from);
+        p.candidate_computes_in = computes_in.map(String::from);
         if let Some(claim) = p.candidate_dtype.clone() {
             rep.findings.extend(finer_than_claimed(candidate, &claim));
         }
@@ -251,7 +252,7 @@ fn phases(reference: &Trace, candidate: &Trace, opts: &Options) -> Report {
                     FindingKind::PolicyPrecisionMismatch,
                     None,
                     format!(
-                        "policy {:?} is for {want} candidates, and this candidate computes in {have} (its provenance precision, else dtype): {why}",
+                        "policy {:?} is for {want} candidates, and this candidate computes in {have} (its provenance precision, else the finer of its dtype and its tensors'): {why}",
                         p.name
                     ),
                 ));

@@ -8,7 +8,7 @@
 //!
 //! 1. Element arithmetic: `numeric` (ULP distance, printing values, a tensor pair's statistics
 //!    and the scan and kernels that gather them), with `measures` its face for other tools.
-//! 2. Words and inputs: `vocab` (the words and the number form the reports share with other
+//! 2. Words and inputs: `words` (the words and the number form the reports share with other
 //!    crates), `policy` (rules and their bounds), `filter` (`--only` / `--skip`), `noise` (the
 //!    noise reference), `options` (what a comparison is asked to do), `stats` (`--show`'s
 //!    statistics of one trace).
@@ -48,7 +48,7 @@ mod rows;
 pub mod stats;
 mod structure;
 mod values;
-mod vocab;
+mod words;
 
 #[doc(hidden)]
 pub use serde as __serde;
@@ -75,4 +75,4 @@ pub use report::{
     PassingBounds, PolicyRef, Report, RowSet, RowsAfter, RuleRef, SamplingDivergence, Side,
     TensorRow, TensorSummary, TensorViolation, REPORT_SCHEMA,
 };
-pub use vocab::{DecisionStatus, FindingKind, Label, Margins, Real, RowStatus, Verdict};
+pub use words::{DecisionStatus, FindingKind, Label, Margins, Real, RowStatus, Verdict};

@@ -7,6 +7,7 @@ use std::fmt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use tracegate_trace::DType;
 
 use crate::Real;
 
@@ -49,19 +50,42 @@ pub struct Policy {
 /// float weights and activations whose matmul inputs are rounded to 8 bits (docs/diff.md, q8).
 pub const PRECISIONS: [&str; 4] = ["f32", "f16", "bf16", "q8"];
 
-/// The precision a trace's producer computed in: the coarsest it declares (provenance
-/// `precision`, `declared_precision`), else its provenance `dtype` (`f32` or `float32`, `bf16`
-/// or `bfloat16`, `f16` or `float16`); Ok(None) when it says neither. A declaration that names
-/// no precision is refused (Err, [`declared_precision`]'s words), never passed over for the
-/// dtype: `"fp32"` is not read as "nothing declared".
-pub fn computes_in(provenance: &serde_json::Value) -> Result<Option<&'static str>, String> {
-    if let Some(p) = declared_precision(provenance)? {
+/// The precision a trace's producer computes in: the one reading of it, by trace-diff (the
+/// report's `candidate_computes_in`), `gate bisect` (the judge line's remarks) and the port
+/// gate (a milestone's `auto` policy from its golden traces). `tensors`: each tensor's name and
+/// dtype.
+/// - Its declaration (provenance `precision`, the coarsest it names; [`checked_declaration`]):
+///   one naming no precision, or with a pattern that matches none of `tensors`, is refused
+///   (Err), never passed over for the dtype: `"fp32"` is not read as "nothing declared".
+/// - Else the finer of its provenance `dtype` (`f32` or `float32`, `bf16` or `bfloat16`, `f16`
+///   or `float16`) and its tensors' ([`stored_precision`]): where the two differ the stricter,
+///   so one tensor written as bf16 does not make an f32 producer read as bf16, nor a `dtype`
+///   of bf16 a trace whose every tensor is f32 (issue 50: a candidate never makes itself
+///   looser).
+/// - Ok(None) when it declares nothing and records no dtype: its tensors alone never name one.
+pub fn computes_in<'a>(
+    provenance: &serde_json::Value,
+    tensors: impl Iterator<Item = (&'a str, DType)> + Clone,
+) -> Result<Option<&'static str>, String> {
+    if let Some(p) = checked_declaration(provenance, tensors.clone().map(|(n, _)| n))? {
         return Ok(Some(p));
     }
-    Ok(provenance
+    let dtype = provenance
         .get("dtype")
         .and_then(serde_json::Value::as_str)
-        .and_then(dtype_precision))
+        .and_then(dtype_precision);
+    Ok(dtype.map(|d| finest([d, stored_precision(tensors.map(|(_, t)| t))])))
+}
+
+/// The coarsest float dtype among a trace's tensors, as a precision: bf16 if any is bf16, else
+/// f16 if any is f16, else f32.
+pub fn stored_precision(dtypes: impl Iterator<Item = DType>) -> &'static str {
+    let floats = dtypes.filter_map(|d| match d {
+        DType::BF16 => Some("bf16"),
+        DType::F16 => Some("f16"),
+        _ => None,
+    });
+    coarsest(floats).unwrap_or("f32")
 }
 
 /// The precision a name that is none of [`PRECISIONS`] was likely meant as (`fp32`, `float32`
@@ -149,6 +173,15 @@ pub fn coarsest<'a>(precisions: impl IntoIterator<Item = &'a str>) -> Option<&'a
     precisions
         .into_iter()
         .max_by_key(|p| PRECISIONS.iter().position(|q| q == p))
+}
+
+/// The finest of two precisions of `PRECISIONS` (the stricter judge).
+fn finest([a, b]: [&str; 2]) -> &str {
+    if coarsest([a, b]) == Some(a) {
+        b
+    } else {
+        a
+    }
 }
 
 /// The near-tie calibration (docs/diff.md, "The near-tie rule"): a flip whose gap in the
@@ -1282,10 +1315,13 @@ mod declared_tests {
     #[test]
     fn the_coarsest_declared_precision_wins_over_the_dtype_and_bad_ones_are_named() {
         assert_eq!(declared_precision(&json!({"dtype": "f32"})), Ok(None));
-        assert_eq!(computes_in(&json!({"dtype": "f32"})), Ok(Some("f32")));
+        assert_eq!(
+            computes_in(&json!({"dtype": "f32"}), f32s()),
+            Ok(Some("f32"))
+        );
         let mixed = json!({"dtype": "f32", "precision": {"*": "f32", "layer.*.attn_probs": "f16"}});
         assert_eq!(declared_precision(&mixed), Ok(Some("f16")));
-        assert_eq!(computes_in(&mixed), Ok(Some("f16")));
+        assert_eq!(computes_in(&mixed, f32s()), Ok(Some("f16")));
         let all = json!({"precision": {"a": "f16", "b": "bf16", "c": "f32"}});
         assert_eq!(declared_precision(&all), Ok(Some("bf16")));
         assert_eq!(
@@ -1305,7 +1341,7 @@ mod declared_tests {
         let fp32 = json!({"dtype": "float32", "precision": "fp32"});
         let want = r#"provenance precision is "fp32": expected one of f32, f16, bf16, q8 (did you mean "f32"?)"#;
         assert_eq!(declared_precision(&fp32), Err(want.to_string()));
-        assert_eq!(computes_in(&fp32), Err(want.to_string()));
+        assert_eq!(computes_in(&fp32, f32s()), Err(want.to_string()));
         let names = ["layer.00.q"];
         assert_eq!(
             checked_declaration(&fp32, names.iter().copied()),
@@ -1314,7 +1350,7 @@ mod declared_tests {
         let per = declared_precision(&json!({"precision": {"*": "bfloat16"}})).unwrap_err();
         assert!(per.ends_with(r#"(did you mean "bf16"?)"#), "{per}");
         // No guess where nothing is near.
-        let fp8 = computes_in(&json!({"dtype": "bf16", "precision": "fp8"})).unwrap_err();
+        let fp8 = computes_in(&json!({"dtype": "bf16", "precision": "fp8"}), f32s()).unwrap_err();
         assert!(!fp8.contains("did you mean"), "{fp8}");
         // The same words for a policy's candidate_dtype, a --policy name and a claim per pattern.
         let e = Policy::resolve("fp32", Path::new("/nonexistent")).unwrap_err();
@@ -1323,8 +1359,64 @@ mod declared_tests {
         assert!(e.ends_with(r#"(did you mean "f16"?)"#), "{e}");
         // The control: the right names are read.
         assert_eq!(
-            computes_in(&json!({"dtype": "float32", "precision": "f32"})),
+            computes_in(&json!({"dtype": "float32", "precision": "f32"}), f32s()),
             Ok(Some("f32"))
         );
+    }
+
+    /// A trace's tensors, every one f32, as (name, dtype).
+    fn f32s() -> impl Iterator<Item = (&'static str, DType)> + Clone {
+        [
+            ("layer.00.q", DType::F32),
+            ("layer.00.attn_probs", DType::F32),
+            ("logits", DType::F32),
+        ]
+        .into_iter()
+    }
+
+    fn of<'a>(t: &'a [(&'a str, DType)]) -> impl Iterator<Item = (&'a str, DType)> + Clone + 'a {
+        t.iter().copied()
+    }
+
+    /// Issue 56: the candidate's precision had two readings, trace-diff's (declaration unchecked,
+    /// else provenance `dtype`) and gate's (declaration checked, else the tensors' coarsest
+    /// dtype). Where they differed, the one reading keeps the stricter: each case below is one
+    /// where a reading was looser.
+    #[test]
+    fn where_the_two_readings_differed_the_stricter_is_kept() {
+        let one_bf16 = [("embed.out", DType::BF16), ("logits", DType::F32)];
+        let all_f32 = [("embed.out", DType::F32), ("logits", DType::F32)];
+        // gate read bf16 off one tensor written as bf16 (issue 50's port): its dtype says f32.
+        assert_eq!(
+            computes_in(&json!({"dtype": "f32"}), of(&one_bf16)),
+            Ok(Some("f32"))
+        );
+        // trace-diff read bf16 off the dtype of a trace whose every tensor is f32.
+        assert_eq!(
+            computes_in(&json!({"dtype": "bfloat16"}), of(&all_f32)),
+            Ok(Some("f32"))
+        );
+        // trace-diff read q8 off a pattern that matches no tensor (issue 50's declaration).
+        let about_none = json!({"dtype": "f32", "precision": {"*": "f32", "vision.tower.*": "q8"}});
+        let e = computes_in(&about_none, of(&all_f32)).unwrap_err();
+        assert!(
+            e.contains("\"vision.tower.*\", which matches no tensor"),
+            "{e}"
+        );
+        // gate read bf16 off the tensors of a trace that records no dtype: nothing is read.
+        assert_eq!(computes_in(&json!({}), of(&one_bf16)), Ok(None));
+        // Where they agreed, as before: a dtype its tensors share, and a declaration about
+        // its tensors, coarser than both.
+        assert_eq!(
+            computes_in(&json!({"dtype": "bf16"}), of(&one_bf16)),
+            Ok(Some("bf16"))
+        );
+        let declared = json!({"dtype": "f32", "precision": {"*": "f32", "logits": "q8"}});
+        assert_eq!(computes_in(&declared, of(&all_f32)), Ok(Some("q8")));
+        assert_eq!(
+            stored_precision([DType::F16, DType::F32].into_iter()),
+            "f16"
+        );
+        assert_eq!(stored_precision([DType::I64].into_iter()), "f32");
     }
 }

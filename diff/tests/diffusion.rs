@@ -7,7 +7,7 @@ use crate::common;
 
 use common::*;
 use serde_json::{json, Value};
-use tracegate_diff::{compare_files, render_human, Options, Policy, Report, Verdict};
+use tracegate_diff::{render_human, Policy, Report, Verdict};
 use tracegate_trace::{Attributes, DType};
 
 const C: usize = 4;
@@ -25,20 +25,6 @@ fn policy() -> Policy {
             .join("../fixtures/policy/oracle-default.json"),
     )
     .unwrap()
-}
-
-fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
-    let (_dir, rp, cp) = pair(r, c);
-    let rep = compare_files(
-        &rp,
-        &cp,
-        &Options {
-            policy,
-            ..Options::default()
-        },
-    );
-    report_json(&rep);
-    rep
 }
 
 fn attrs(path: &str, mask: &str, first: i64, rows: usize) -> Attributes {

@@ -9,26 +9,6 @@ use common::*;
 use tracegate_diff::{compare_files, render_human, NearTie, Options, Policy, Report, Verdict};
 use tracegate_trace::Attributes;
 
-fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
-    let (_dir, rp, cp) = pair(r, c);
-    compare_files(
-        &rp,
-        &cp,
-        &Options {
-            policy,
-            ..Options::default()
-        },
-    )
-}
-
-fn oracle_policy() -> Policy {
-    Policy::load(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/policy/oracle-default.json"),
-    )
-    .unwrap()
-}
-
 /// (label, upstream, after) of the flip at `row` of `decision`.
 fn flip(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>, Option<String>) {
     let res = rep
@@ -1165,10 +1145,25 @@ fn a_policy_for_another_precision_is_named_and_warned_about() {
             .contains("(for f32 candidates, as this one)"),
         "{text}"
     );
-    // An f32 policy on a bf16 candidate: honest rounding would break it; said.
+    // An f32 policy on a bf16 candidate (its dtype, and its declaration: every tensor it
+    // writes is f32): honest rounding would break it; said.
     c.provenance["dtype"] = serde_json::json!("bfloat16");
+    c.provenance["precision"] = serde_json::json!("bf16");
     let rep = diff(&r, &c, Some(load("oracle-default")));
     assert!(mismatch(&rep)[0].contains("honest reduced-precision rounding breaks them"));
+    // Its dtype alone over f32 tensors reads f32, the finer (issue 56: gate read the tensors,
+    // trace-diff the dtype, and the one reading keeps the stricter): nothing to warn of.
+    c.provenance.as_object_mut().unwrap().remove("precision");
+    let rep = diff(&r, &c, Some(load("oracle-default")));
+    assert!(mismatch(&rep).is_empty(), "{:?}", mismatch(&rep));
+    assert_eq!(
+        rep.policy
+            .as_ref()
+            .unwrap()
+            .candidate_computes_in
+            .as_deref(),
+        Some("f32")
+    );
 }
 
 #[test]

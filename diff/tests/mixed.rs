@@ -6,7 +6,7 @@ use crate::common;
 
 use common::*;
 use serde_json::{json, Value};
-use tracegate_diff::{compare_files, Options, Policy, Report, Special, Verdict};
+use tracegate_diff::{Options, Policy, Report, Special, Verdict};
 use tracegate_trace::DType;
 
 fn f32s(bits: &[u32]) -> Vec<u8> {
@@ -27,11 +27,6 @@ fn spec(tensors: Vec<T>) -> Spec {
         tensors,
         decisions: Vec::new(),
     }
-}
-
-fn diff(r: &Spec, c: &Spec, opts: &Options) -> Report {
-    let (_dir, rp, cp) = pair(r, c);
-    compare_files(&rp, &cp, opts)
 }
 
 fn policy(rule: Value) -> Policy {
@@ -83,7 +78,7 @@ fn rounded_pair() -> (Spec, Spec) {
 #[test]
 fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
     let (r, c) = rounded_pair();
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     // By bits: never identical across dtypes, and no structure finding any more.
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(rep.findings.len(), 1, "{:?}", rep.findings);
@@ -123,11 +118,11 @@ fn a_bf16_candidate_equal_after_rounding_is_0_ulp_but_different_by_bits() {
     assert!(d.rel_l2.unwrap().0 > 0.0 && d.cosine.unwrap().0 < 1.0);
 
     // Under a policy, judged like any other tensor: 0 bf16 ULPs is within max_ulp 0 …
-    let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 0})));
+    let rep = diff_with(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 0})));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
     assert_eq!(rep.per_tensor[0].status.as_str(), "within_policy");
     // … and the negative control: the real max |difference|, 0.044, breaks max_abs 1e-3.
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &with_policy(json!({"pattern": "**", "max_abs": 1e-3})),
@@ -157,7 +152,7 @@ fn a_planted_element_3_bf16_ulps_off_is_located() {
         &[2, 4],
         h16s(&planted),
     )]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let d = rep.first_divergence.as_ref().unwrap();
     assert_eq!(
         (d.tensor.as_str(), d.flat_index, d.coords.clone()),
@@ -179,10 +174,10 @@ fn a_planted_element_3_bf16_ulps_off_is_located() {
     assert_eq!(d.max_abs.0, 0.046875);
     // max_ulp bounds count bf16 steps: 3 passes max_ulp 3 and breaks max_ulp 2.
     assert_eq!(
-        diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 3}))).verdict,
+        diff_with(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 3}))).verdict,
         Verdict::WithinPolicy
     );
-    let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 2})));
+    let rep = diff_with(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 2})));
     assert_eq!(rep.verdict, Verdict::Different);
     let v = &rep.per_tensor[0].violations;
     assert_eq!(
@@ -213,7 +208,7 @@ fn a_planted_element_is_found_by_the_fast_kernel_too() {
         h16s(&planted),
     )]);
     for (rs, cs) in [(&r, &c), (&c, &r)] {
-        let rep = diff(rs, cs, &Options::default());
+        let rep = diff_with(rs, cs, &Options::default());
         let d = rep.first_divergence.as_ref().unwrap();
         assert_eq!(
             (
@@ -227,7 +222,7 @@ fn a_planted_element_is_found_by_the_fast_kernel_too() {
         );
     }
     // Without the planted element: equal values, no first divergence (the negative control).
-    assert!(diff(
+    assert!(diff_with(
         &r,
         &spec(vec![t_raw("big", DType::BF16, &[100, 1024], h16s(&exact))]),
         &Options::default()
@@ -248,7 +243,7 @@ fn the_reference_may_be_the_coarser_side() {
         &[2],
         f32s(&[0x3f80_8000, 0x4041_8000]),
     )]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
     assert_eq!(
         (row.dtype, row.candidate_dtype, row.ulp_dtype),
@@ -275,7 +270,7 @@ fn ties_round_to_even_not_up_nor_down() {
         t_raw("tie.down", DType::BF16, &[1], h16s(&[0x3f80])),
         t_raw("tie.up", DType::BF16, &[1], h16s(&[0x3f81])),
     ]);
-    let rep = diff(&r, &c, &all());
+    let rep = diff_with(&r, &c, &all());
     assert_eq!(
         rows(&rep),
         vec![("tie.down", Some(0), Some(1)), ("tie.up", Some(1), Some(1))]
@@ -294,7 +289,7 @@ fn f16_against_f32_rounds_to_f16_and_overflows_to_infinity() {
         f32s(&[0x3f80_3000, 0x477f_f000]),
     )]);
     let c = spec(vec![t_raw("x", DType::F16, &[2], h16s(&[0x3c00, 0x7bff]))]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
     assert_eq!(
         (
@@ -325,7 +320,7 @@ fn f64_against_f32_rounds_once_to_f32() {
         &[2],
         f32s(&[0x3f80_0000, 0x3f80_0001]),
     )]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
     assert_eq!(
         (
@@ -350,7 +345,7 @@ fn bf16_against_f16_compares_in_bf16() {
     // bf16's. Both 0 ULP, both different values.
     let r = spec(vec![t_raw("x", DType::BF16, &[2], h16s(&[0x3f82, 0x4780]))]);
     let c = spec(vec![t_raw("x", DType::F16, &[2], h16s(&[0x3c0c, 0x7bff]))]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
     assert_eq!(
         (
@@ -393,7 +388,7 @@ fn nan_infinity_and_signed_zero_across_dtypes() {
         &[6],
         h16s(&[0x8000, 0x7fc0, 0x7f80, 0x7fc0, 0x7fc0, 0x7f80]),
     )]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let row = &rep.per_tensor[0];
     assert_eq!(
         (
@@ -420,7 +415,7 @@ fn nan_infinity_and_signed_zero_across_dtypes() {
         assert!(kinds.contains(&k), "{k} in {kinds:?}");
     }
     // A NaN or infinity difference fails every rule, across dtypes too.
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &with_policy(json!({"pattern": "**", "max_abs": 1e300})),
@@ -438,7 +433,7 @@ fn integer_and_float_or_two_integer_widths_stay_dtype_mismatches() {
         t_raw("ids", DType::F32, &[2], f32s(&[0x3f80_0000, 0x4000_0000])),
         t_raw("pos", DType::I64, &[2], f64s(&[1, 2])),
     ]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     // A DIFFERENT verdict verifies only what it read: the note saying so is not this test's.
     let found: Vec<(&str, Option<&str>)> = rep
@@ -472,7 +467,7 @@ fn equal_values_in_two_dtypes_are_never_identical() {
         f32s(&exact.map(|h| (h as u32) << 16)),
     )]);
     let c = spec(vec![t_raw("x", DType::BF16, &[3], h16s(&exact))]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     assert!(rep.first_divergence.is_none());
     assert_eq!(
@@ -484,7 +479,7 @@ fn equal_values_in_two_dtypes_are_never_identical() {
     );
     let human = tracegate_diff::render_human(&rep);
     assert!(human.starts_with("DIFFERENT — values equal in all 1 common tensors, 1 of them in two dtypes (never bit-identical)"), "{human}");
-    let rep = diff(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 0})));
+    let rep = diff_with(&r, &c, &with_policy(json!({"pattern": "**", "max_ulp": 0})));
     assert_eq!(
         (rep.verdict, rep.per_tensor[0].status.as_str()),
         (Verdict::WithinPolicy, "within_policy")
@@ -518,7 +513,7 @@ fn a_flip_measures_its_mixed_source_row() {
         values: vec![1, 2],
         margins: Some(vec![1.0, 0.25]),
     });
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let d = &rep.decisions.results[0];
     assert_eq!((d.source.as_deref(), d.differing_rows), (Some("logits"), 1));
     assert_eq!(
@@ -605,7 +600,7 @@ fn an_f16_candidate_outside_an_f32_policy_is_never_said_to_be_0_ulp_alone() {
     // breaks an f32 bound of 1e-4. The finding once read "0 ULP (f16)" and nothing else.
     let r = spec(vec![t_raw("x", DType::F32, &[1], f32s(&[0x3f80_1000]))]);
     let c = spec(vec![t_raw("x", DType::F16, &[1], h16s(&[0x3c00]))]);
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &with_policy(json!({"pattern": "**", "max_rel_l2": 1e-4})),
@@ -629,7 +624,7 @@ fn an_f16_candidate_outside_an_f32_policy_is_never_said_to_be_0_ulp_alone() {
     // the distance needs no second unit and the report carries none.
     let r = spec(vec![t_raw("x", DType::BF16, &[1], h16s(&[0x3f80]))]);
     let c = spec(vec![t_raw("x", DType::F32, &[1], f32s(&[0x3f80_1000]))]);
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &with_policy(json!({"pattern": "**", "max_rel_l2": 1e-6})),
@@ -654,7 +649,7 @@ fn an_f64_candidate_against_an_f32_reference_is_a_dtype_finding_not_a_pass() {
         Options::default(),
         with_policy(json!({"pattern": "**", "max_rel_l2": 1e-4})),
     ] {
-        let rep = diff(&r, &c, &opts);
+        let rep = diff_with(&r, &c, &opts);
         assert_eq!(rep.verdict, Verdict::Different, "{:?}", rep.findings);
         let f = rep
             .findings
@@ -674,9 +669,9 @@ fn an_f64_candidate_against_an_f32_reference_is_a_dtype_finding_not_a_pass() {
     // The controls: an f64 reference against an f64 candidate, and an f32 candidate against
     // an f64 reference (a coarser port), raise no dtype finding.
     let wide_r = spec(vec![t_raw("x", DType::F64, &[2], f64s(&wide))]);
-    let rep = diff(&wide_r, &c, &Options::default());
+    let rep = diff_with(&wide_r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
-    let rep = diff(&wide_r, &r, &Options::default());
+    let rep = diff_with(&wide_r, &r, &Options::default());
     assert!(
         rep.findings
             .iter()

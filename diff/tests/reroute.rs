@@ -6,27 +6,7 @@
 use crate::common;
 
 use common::*;
-use tracegate_diff::{compare_files, render_human, Options, Policy, Report, Verdict};
-
-fn diff(r: &Spec, c: &Spec, policy: Option<Policy>) -> Report {
-    let (_dir, rp, cp) = pair(r, c);
-    compare_files(
-        &rp,
-        &cp,
-        &Options {
-            policy,
-            ..Options::default()
-        },
-    )
-}
-
-fn oracle_policy() -> Policy {
-    Policy::load(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/policy/oracle-default.json"),
-    )
-    .unwrap()
-}
+use tracegate_diff::{compare_files, render_human, Options, Report, Verdict};
 
 fn label(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>) {
     let res = rep

@@ -8,13 +8,6 @@ use serde_json::json;
 use tracegate_diff::{compare_files, Options, Policy, RowSet, Special, Verdict};
 use tracegate_trace::DType;
 
-fn diff(r: &Spec, c: &Spec, opts: &Options) -> tracegate_diff::Report {
-    let (_dir, rp, cp) = pair(r, c);
-    let rep = compare_files(&rp, &cp, opts);
-    report_json(&rep); // every report this suite makes matches the JSON schema
-    rep
-}
-
 /// The findings' kinds but the early exit's note on what was verified (tests/early.rs).
 fn kinds(rep: &tracegate_diff::Report) -> Vec<&'static str> {
     rep.findings
@@ -27,7 +20,7 @@ fn kinds(rep: &tracegate_diff::Report) -> Vec<&'static str> {
 #[test]
 fn identical_traces_match_by_digest() {
     let m = model();
-    let rep = diff(&m, &m, &Options::default());
+    let rep = diff_with(&m, &m, &Options::default());
     assert_eq!(rep.verdict, Verdict::Identical);
     assert_eq!(rep.tensors.matched_by_digest.len(), 13);
     assert!(rep.tensors.compared_elementwise.is_empty());
@@ -42,7 +35,7 @@ fn no_verify_trusts_no_digest() {
         verify: false,
         ..Options::default()
     };
-    let rep = diff(&m, &m, &opts);
+    let rep = diff_with(&m, &m, &opts);
     assert_eq!(rep.verdict, Verdict::Identical);
     assert!(rep.tensors.matched_by_digest.is_empty());
     assert_eq!(rep.tensors.compared_elementwise.len(), 13);
@@ -54,7 +47,7 @@ fn one_ulp_change_is_located_to_the_element() {
     let mut c = model();
     // layer.01.attn_out is [4, 8]: flat 21 = [2, 5].
     c.poke_f32_bits("layer.01.attn_out", 21, |b| b + 1);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     let d = rep.first_divergence.as_ref().unwrap();
     assert_eq!(d.tensor, "layer.01.attn_out");
@@ -87,7 +80,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
     for i in 0..32 {
         c.poke_f32_bits("layer.01.mlp_out", i, |b| b + 5);
     }
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(
         rep.first_divergence.as_ref().unwrap().tensor,
         "layer.00.mlp_out"
@@ -124,7 +117,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
         "{human}"
     );
 
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &Options {
@@ -170,7 +163,7 @@ fn a_transposed_tensor_is_a_shape_finding() {
         .collect();
     let transposed: Vec<f32> = (0..32).map(|i| v[(i % 4) * 8 + i / 4]).collect();
     *t = t_f32("layer.00.attn_out", &[8, 4], &transposed);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(kinds(&rep), vec!["shape_mismatch"]);
     assert!(rep.findings[0]
@@ -191,7 +184,7 @@ fn a_flipped_topk_with_identical_floats_is_reported() {
     let chosen = r.decisions[0].values[4..6].to_vec();
     let other = (0..4).find(|e| !chosen.contains(e)).unwrap();
     c.decision_mut("layer.00.router.topk").values[5] = other;
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(rep.tensors.matched_by_digest.len(), 13);
     assert!(rep.first_divergence.is_none());
@@ -223,7 +216,7 @@ fn a_reordered_topk_is_same_values_different_order() {
     let r = model();
     let mut c = model();
     c.decision_mut("layer.01.router.topk").values.swap(2, 3);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let d = rep.first_decision_divergence.as_ref().unwrap();
     assert_eq!((d.name.as_str(), d.row), ("layer.01.router.topk", 1));
     let row = r.decisions[1].values[2..4].to_vec();
@@ -257,7 +250,7 @@ fn without_a_policy_flips_after_a_bit_difference_are_consequences() {
     c.poke_f32_bits("logits", 0, |b| b + 1);
     c.decision_mut("logits.argmax").values[2] = 3;
     c.decision_mut("logits.argmax").values[0] = 6;
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let res = rep
         .decisions
         .results
@@ -292,7 +285,7 @@ fn missing_and_extra_tensors_and_decisions() {
         values: vec![3],
         margins: None,
     });
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(rep.tensors.missing, vec!["layer.01.hidden_in".to_string()]);
     assert_eq!(rep.tensors.extra, vec!["layer.01.q".to_string()]);
@@ -315,7 +308,7 @@ fn order_differences_are_structure_findings() {
     let r = model();
     let mut c = model();
     c.tensors.swap(2, 3);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(kinds(&rep), vec!["order_mismatch"]);
     assert_eq!(rep.findings[0].tensor(), Some("layer.00.attn_out"));
 }
@@ -326,7 +319,7 @@ fn signed_zero_is_named_not_counted_as_distance() {
     let mut c = model();
     r.set_f32("layer.00.hidden_out", 7, 0.0);
     c.set_f32("layer.00.hidden_out", 7, -0.0);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let d = rep.first_divergence.as_ref().unwrap();
     assert_eq!(
         (d.special, d.ulp, d.max_ulp),
@@ -351,7 +344,7 @@ fn nan_payload_and_nan_mismatch_are_named() {
     r.poke_f32_bits("final_norm.out", 1, |_| 0x7fc0_0000);
     c.poke_f32_bits("final_norm.out", 1, |_| 0x7fc0_0001);
     c.poke_f32_bits("final_norm.out", 9, |_| 0x7fc0_0000);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let d = rep.first_divergence.as_ref().unwrap();
     assert_eq!((d.special, d.ulp), (Some(Special::NanPayload), None));
     assert_eq!(
@@ -380,7 +373,7 @@ fn infinities_are_handled() {
     let mut c = model();
     r.set_f32("logits", 4, f32::MAX);
     c.set_f32("logits", 4, f32::INFINITY);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     let d = rep.first_divergence.as_ref().unwrap();
     assert_eq!((d.special, d.ulp), (Some(Special::Infinity), Some(1)));
     assert_eq!(d.candidate_value, "inf");
@@ -402,7 +395,9 @@ fn half_pair(dtype: DType, a: u16, b: u16) -> (Spec, Spec) {
 fn bf16_ulps_are_bf16_steps() {
     let one = half::bf16::from_f32(1.0).to_bits();
     let (r, c) = half_pair(DType::BF16, one, one + 3);
-    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    let d = diff_with(&r, &c, &Options::default())
+        .first_divergence
+        .unwrap();
     assert_eq!(
         (d.tensor.as_str(), d.flat_index, d.ulp),
         ("extra.half", 3, Some(3))
@@ -421,7 +416,9 @@ fn bf16_ulps_are_bf16_steps() {
 fn f16_ulps_are_f16_steps_and_cross_zero() {
     // Smallest positive subnormal against the smallest negative one: 2 steps.
     let (r, c) = half_pair(DType::F16, 0x0001, 0x8001);
-    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    let d = diff_with(&r, &c, &Options::default())
+        .first_divergence
+        .unwrap();
     assert_eq!(d.ulp, Some(2));
     assert_eq!(
         (d.reference_value.as_str(), d.candidate_value.as_str()),
@@ -440,7 +437,9 @@ fn f64_ulps_are_f64_steps() {
     let mut c = r.clone();
     let bits = 2.0f64.to_bits() - 1000;
     c.tensor_mut("extra.f64").bytes[8..16].copy_from_slice(&bits.to_le_bytes());
-    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    let d = diff_with(&r, &c, &Options::default())
+        .first_divergence
+        .unwrap();
     assert_eq!((d.flat_index, d.ulp), (1, Some(1000)));
     assert_eq!(d.reference_value, "2");
     assert_eq!(d.candidate_value, format!("{}", f64::from_bits(bits)));
@@ -453,7 +452,9 @@ fn integer_tensors_report_absolute_difference() {
     r.tensors.push(t_raw("extra.ids", DType::I32, &[3], ids));
     let mut c = r.clone();
     c.tensor_mut("extra.ids").bytes[4..8].copy_from_slice(&12i32.to_le_bytes());
-    let d = diff(&r, &c, &Options::default()).first_divergence.unwrap();
+    let d = diff_with(&r, &c, &Options::default())
+        .first_divergence
+        .unwrap();
     assert_eq!(
         (
             d.ulp,
@@ -481,7 +482,7 @@ fn path_mask_and_positions_mismatches_are_refused() {
         }
         // Even with a value difference elsewhere, refusal comes first.
         c.poke_f32_bits("embed.out", 0, |b| b + 1);
-        let rep = diff(&r, &c, &Options::default());
+        let rep = diff_with(&r, &c, &Options::default());
         assert_eq!(rep.verdict, Verdict::Incomparable, "{field}");
         assert_eq!(rep.exit_code(), 3);
         assert_eq!(kinds(&rep), vec![kind]);
@@ -496,7 +497,7 @@ fn attribute_mismatch_is_refused_even_with_equal_bytes() {
     let r = model();
     let mut c = model();
     c.tensor_mut("logits").attrs.mask = Some("bidirectional".into());
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Incomparable);
 }
 
@@ -506,7 +507,7 @@ fn weights_and_prompt_mismatches_are_refused() {
     let mut c = model();
     c.provenance["weights_digest"] = json!("w-9999");
     c.provenance["prompt_tokens"] = json!([1, 15, 27, 10]);
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Incomparable);
     assert_eq!(kinds(&rep), vec!["weights_mismatch", "prompt_mismatch"]);
 }
@@ -518,14 +519,14 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
     let mut c = r.clone();
     c.provenance["versions"]["transformers"] = json!("4.48.0");
     c.provenance["device"] = json!("cuda");
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Incomparable);
     assert_eq!(kinds(&rep), vec!["stack_mismatch", "stack_mismatch"]);
     assert!(rep.findings[0]
         .detail
         .contains("versions.transformers is 4.47.0 in the reference, 4.48.0"));
 
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &Options {
@@ -541,7 +542,7 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
 
     // The flag downgrades only the stack rule.
     c.provenance["weights_digest"] = json!("w-other");
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &Options {
@@ -562,7 +563,7 @@ fn a_port_that_names_itself_the_oracle_is_told_so_not_offered_the_stack_flag() {
     let mut c = model();
     c.provenance["producer"] = json!("oracle");
     for allow in [false, true] {
-        let rep = diff(
+        let rep = diff_with(
             &r,
             &c,
             &Options {
@@ -583,7 +584,7 @@ fn a_port_that_names_itself_the_oracle_is_told_so_not_offered_the_stack_flag() {
     // The control: named as itself, the same run is compared (an engine against the oracle
     // differs in stack by construction).
     c.provenance["producer"] = json!("my-port");
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
 }
 
@@ -624,7 +625,7 @@ fn engine_against_oracle_is_not_a_stack_mismatch() {
     let r = model();
     let mut c = model();
     c.provenance = oracle_provenance();
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Identical);
 }
 
@@ -668,7 +669,7 @@ fn policy_pass() {
             .join("../fixtures/policy/oracle-default.json"),
     )
     .unwrap();
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &Options {
@@ -717,7 +718,7 @@ fn policy_fail_and_unmatched_tensor() {
             .join("../fixtures/policy/oracle-default.json"),
     )
     .unwrap();
-    let rep = diff(
+    let rep = diff_with(
         &with_extra,
         &c,
         &Options {
@@ -772,14 +773,6 @@ fn policy_rejects_a_bad_file() {
 
 // --- content the digest covers beyond tensor bytes: margins and every attribute (issue 12) ---
 
-fn oracle_policy() -> Policy {
-    Policy::load(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/policy/oracle-default.json"),
-    )
-    .unwrap()
-}
-
 /// The one finding of `kind`, which must name `name`.
 fn only_finding<'a>(
     rep: &'a tracegate_diff::Report,
@@ -802,7 +795,7 @@ fn a_changed_margin_is_different_with_and_without_verify() {
     let mut c = model();
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e6;
     for verify in [true, false] {
-        let rep = diff(
+        let rep = diff_with(
             &r,
             &c,
             &Options {
@@ -852,7 +845,7 @@ fn a_negative_zero_margin_differs_from_a_positive_zero() {
     r.decision_mut("logits.argmax").margins.as_mut().unwrap()[1] = 0.0;
     let mut c = r.clone();
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[1] = -0.0;
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     let f = only_finding(&rep, "margin_differs", "logits.argmax");
     assert!(
@@ -867,7 +860,7 @@ fn removed_margins_are_a_finding() {
     let r = model();
     let mut c = model();
     c.decision_mut("layer.01.router.topk").margins = None;
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Different);
     let f = only_finding(&rep, "margin_presence_mismatch", "layer.01.router.topk");
     assert!(
@@ -876,7 +869,7 @@ fn removed_margins_are_a_finding() {
         f.detail
     );
     // And the other way round.
-    let rep = diff(&c, &r, &Options::default());
+    let rep = diff_with(&c, &r, &Options::default());
     assert!(
         only_finding(&rep, "margin_presence_mismatch", "layer.01.router.topk")
             .detail
@@ -908,7 +901,7 @@ fn an_added_empty_or_changed_attribute_is_different() {
         let mut c = model();
         edit(&mut c.tensor_mut("logits").attrs);
         for verify in [true, false] {
-            let rep = diff(
+            let rep = diff_with(
                 &r,
                 &c,
                 &Options {
@@ -941,7 +934,7 @@ fn an_added_empty_or_changed_attribute_is_different() {
         .attrs
         .extra
         .insert("rounding".into(), "truncate".into());
-    let rep = diff(&a, &b, &Options::default());
+    let rep = diff_with(&a, &b, &Options::default());
     let f = only_finding(&rep, "attribute_differs", "logits");
     assert!(
         f.detail
@@ -959,7 +952,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
     let m0 = r.decisions[2].margins.as_ref().unwrap()[0];
     assert!(m0.abs() < 1.0, "{m0}");
     let d = {
-        let rep = diff(
+        let rep = diff_with(
             &r,
             &c,
             &Options {
@@ -978,7 +971,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
     };
     assert!(d < 1e-6, "{d}");
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 5e-6;
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &Options {
@@ -1002,7 +995,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
         ("within_tolerance", 1, 0)
     );
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 1e-3;
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &Options {
@@ -1025,7 +1018,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
     );
     // Without a policy the same tiny change is different.
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 5e-6;
-    let exact = diff(&r, &c, &Options::default());
+    let exact = diff_with(&r, &c, &Options::default());
     assert!(exact
         .findings
         .iter()
@@ -1050,7 +1043,7 @@ fn one_oracle_stack_in_two_precisions_is_compared_and_said() {
     r.provenance = oracle_provenance();
     let mut c = r.clone();
     c.provenance["dtype"] = json!("bfloat16");
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Identical, "{:#?}", rep.findings);
     assert_eq!(kinds(&rep), vec!["stack_mismatch_allowed"]);
     assert!(rep.findings[0]
@@ -1058,7 +1051,7 @@ fn one_oracle_stack_in_two_precisions_is_compared_and_said() {
         .contains("differs only in dtype: float32 in the reference, bfloat16"));
     // The control: dtype and another key differ: two stacks, refused, naming the flag.
     c.provenance["versions"]["torch"] = json!("2.6.0");
-    let rep = diff(&r, &c, &Options::default());
+    let rep = diff_with(&r, &c, &Options::default());
     assert_eq!(rep.verdict, Verdict::Incomparable);
     assert_eq!(kinds(&rep), vec!["stack_mismatch", "stack_mismatch"]);
     assert!(

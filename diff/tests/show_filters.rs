@@ -9,7 +9,7 @@ use std::path::Path;
 
 use common::*;
 use serde_json::{json, Value};
-use tracegate_diff::{compare_files, Filter, Options, Verdict};
+use tracegate_diff::{Filter, Options, Verdict};
 use tracegate_trace::DType;
 
 fn filter(only: &[&str], skip: &[&str]) -> Options {
@@ -21,11 +21,6 @@ fn filter(only: &[&str], skip: &[&str]) -> Options {
         },
         ..Options::default()
     }
-}
-
-fn diff(r: &Spec, c: &Spec, opts: &Options) -> tracegate_diff::Report {
-    let (_dir, rp, cp) = pair(r, c);
-    compare_files(&rp, &cp, opts)
 }
 
 /// (tensors left out, decisions left out).
@@ -45,13 +40,13 @@ fn only_compares_the_selection() {
     let (r, c) = differs_in("layer.01.mlp_out");
     // Negative control: unfiltered, the change is found.
     assert_eq!(
-        diff(&r, &c, &Options::default()).verdict,
+        diff_with(&r, &c, &Options::default()).verdict,
         Verdict::Different
     );
 
     // Outside the selection: not compared, not a finding, not counted. The whole-trace digests
     // differ, yet IDENTICAL holds: it covers what was compared.
-    let rep = diff(&r, &c, &filter(&["layer.00.**"], &[]));
+    let rep = diff_with(&r, &c, &filter(&["layer.00.**"], &[]));
     assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
     assert!(rep.findings.is_empty(), "{:?}", rep.findings);
     // layer.00.* is 5 tensors and 1 decision: 8 tensors and 2 decisions left out.
@@ -74,7 +69,7 @@ fn only_compares_the_selection() {
         .all(|t| t.tensor.starts_with("layer.00.")));
 
     // Inside it: found, and named.
-    let rep = diff(&r, &c, &filter(&["layer.01.**"], &[]));
+    let rep = diff_with(&r, &c, &filter(&["layer.01.**"], &[]));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
         rep.first_divergence.as_ref().unwrap().tensor,
@@ -87,7 +82,7 @@ fn only_compares_the_selection() {
 fn a_single_star_stops_at_a_dot() {
     let (r, c) = differs_in("layer.01.attn_out");
     // `layer.*` matches no dotted name below a layer: nothing is selected.
-    let rep = diff(&r, &c, &filter(&["layer.*"], &[]));
+    let rep = diff_with(&r, &c, &filter(&["layer.*"], &[]));
     assert_eq!(rep.verdict, Verdict::Unreadable);
     assert_eq!(
         rep.findings
@@ -97,7 +92,7 @@ fn a_single_star_stops_at_a_dot() {
         vec!["nothing_selected"]
     );
     // `layer.*.attn_out`: two tensors, no decision.
-    let rep = diff(&r, &c, &filter(&["layer.*.attn_out"], &[]));
+    let rep = diff_with(&r, &c, &filter(&["layer.*.attn_out"], &[]));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(left_out(&rep), (11, 3));
     assert_eq!(
@@ -112,12 +107,12 @@ fn a_single_star_stops_at_a_dot() {
 #[test]
 fn skip_leaves_out_what_it_matches() {
     let (r, c) = differs_in("layer.01.mlp_out");
-    let rep = diff(&r, &c, &filter(&[], &["layer.01.mlp_out"]));
+    let rep = diff_with(&r, &c, &filter(&[], &["layer.01.mlp_out"]));
     assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
     assert_eq!(left_out(&rep), (1, 0));
     assert_eq!(rep.per_tensor.len(), 12);
     // Negative control: skipping another tensor leaves the difference in.
-    let rep = diff(&r, &c, &filter(&[], &["layer.00.mlp_out"]));
+    let rep = diff_with(&r, &c, &filter(&[], &["layer.00.mlp_out"]));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
         rep.first_divergence.as_ref().unwrap().tensor,
@@ -131,12 +126,12 @@ fn only_and_skip_together() {
     // embed.out, both mlp_out, final_norm.out, logits and logits.argmax are left out.
     let opts = filter(&["layer.**"], &["*.*.mlp_out"]);
     let (r, c) = differs_in("layer.01.mlp_out");
-    let rep = diff(&r, &c, &opts);
+    let rep = diff_with(&r, &c, &opts);
     assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
     assert_eq!(left_out(&rep), (5, 1));
     assert_eq!((rep.per_tensor.len(), rep.decisions.compared), (8, 2));
     let (r, c) = differs_in("layer.01.attn_out");
-    let rep = diff(&r, &c, &opts);
+    let rep = diff_with(&r, &c, &opts);
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
         rep.first_divergence.as_ref().unwrap().tensor,
@@ -151,7 +146,7 @@ fn repeated_only_flags_add_up_and_apply_to_decisions() {
     c.decision_mut("logits.argmax").values[1] = 3;
     c.decision_mut("layer.01.router.topk").values[0] = 2;
     // embed.out, logits and logits.argmax (`**` crosses the dot): 11 tensors, 2 decisions out.
-    let rep = diff(&r, &c, &filter(&["embed.out", "logits**"], &[]));
+    let rep = diff_with(&r, &c, &filter(&["embed.out", "logits**"], &[]));
     assert_eq!(left_out(&rep), (11, 2));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
@@ -167,7 +162,7 @@ fn repeated_only_flags_add_up_and_apply_to_decisions() {
         "logits.argmax"
     );
     // Skipping that decision too leaves no difference: the layer.01 flip is outside.
-    let rep = diff(&r, &c, &filter(&["embed.out", "logits**"], &["*.argmax"]));
+    let rep = diff_with(&r, &c, &filter(&["embed.out", "logits**"], &["*.argmax"]));
     assert_eq!(rep.verdict, Verdict::Identical, "{:?}", rep.findings);
     assert_eq!(left_out(&rep), (11, 3));
 }
@@ -188,7 +183,7 @@ fn left_out_names_are_not_missing_extra_or_out_of_order() {
     );
     c.tensors.swap(a, b);
     // Negative control: every one of them is a finding unfiltered.
-    let kinds: Vec<_> = diff(&r, &c, &Options::default())
+    let kinds: Vec<_> = diff_with(&r, &c, &Options::default())
         .findings
         .iter()
         .map(|f| f.kind.as_str())
@@ -201,7 +196,7 @@ fn left_out_names_are_not_missing_extra_or_out_of_order() {
     ] {
         assert!(kinds.contains(&k), "{k} not in {kinds:?}");
     }
-    let rep = diff(
+    let rep = diff_with(
         &r,
         &c,
         &filter(&[], &["layer.01.**", "debug.**", "embed.out", "logits"]),

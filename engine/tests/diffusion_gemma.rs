@@ -10,6 +10,8 @@ use serde_json::{json, Value};
 use tracegate_engine::{run_layer, run_trace_with, DiffusionOptions, LayerOptions, TraceOptions};
 use tracegate_trace::{names, Trace, TraceWriter};
 
+use crate::common::layer_opts;
+
 // 10 tokens: past the sliding window (W = 5), so the windows and the decoder's W−1 prefix bite.
 const PROMPT: [i64; 10] = [2, 17, 45, 300, 8, 99, 100, 7, 250, 31];
 
@@ -941,27 +943,6 @@ fn stop_is_stable_and_confident() {
     assert!(m[1] > 0.0 && m[2] == m[0]);
 }
 
-fn layer_opts(
-    l: usize,
-    input: &Path,
-    name: &str,
-    out: PathBuf,
-    force: Option<&Path>,
-) -> LayerOptions {
-    LayerOptions {
-        model_dir: fixture(),
-        layer: l,
-        input: input.to_path_buf(),
-        input_name: name.to_string(),
-        out,
-        internals: true,
-        threads: 1,
-        command_line: vec![],
-        force_decisions: force.map(Path::to_path_buf),
-        decode_from: None,
-    }
-}
-
 /// A copy of `t` with element 0 of tensor `name` nudged by one f32 ULP.
 fn nudged(t: &Trace, out: &Path, name: &str) -> PathBuf {
     let mut w = TraceWriter::create(out, t.provenance().clone()).unwrap();
@@ -1012,8 +993,11 @@ fn layer_verb_repeats_the_whole_run() {
             let name = pass(&names::layer(l, "hidden_in"));
             for (j, force) in [None, Some(input.as_path())].into_iter().enumerate() {
                 let out = dir.join(format!("l{i}.{l}.{j}.trace"));
-                run_layer(&layer_opts(l, &input, &name, out.clone(), force))
-                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                run_layer(&LayerOptions {
+                    force_decisions: force.map(Path::to_path_buf),
+                    ..layer_opts(&fixture(), l, &input, &name, out.clone())
+                })
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
                 let lt = Trace::open(&out).unwrap();
                 let want: Vec<&str> = whole
                     .tensors()
@@ -1066,18 +1050,18 @@ fn layer_verb_refusals_and_a_planted_change() {
     };
     // A default capture has no k/v: the first one needed is named.
     let name = names::denoise(1, 0, &names::layer(0, "hidden_in"));
-    let e = refuse(layer_opts(0, &default, &name, out.clone(), None));
+    let e = refuse(layer_opts(&fixture(), 0, &default, &name, out.clone()));
     assert!(
         e.contains("no tensor layer.00.k ") && e.contains("--capture internals"),
         "{e}"
     );
     // The prompt pass needs no cache: a default capture is enough.
     run_layer(&layer_opts(
+        &fixture(),
         0,
         &default,
         "layer.00.hidden_in",
         dir.join("p.trace"),
-        None,
     ))
     .unwrap();
     for (l, bad) in [
@@ -1087,24 +1071,24 @@ fn layer_verb_refusals_and_a_planted_change() {
         (0, names::decode(1, &names::layer(0, "hidden_in"))),
         (0, "layer.0.hidden_in".to_string()),
     ] {
-        let e = refuse(layer_opts(l, &input, &bad, out.clone(), None));
+        let e = refuse(layer_opts(&fixture(), l, &input, &bad, out.clone()));
         assert!(
             e.contains(&format!("--input-name {bad}: not layer {l}'s input")),
             "{e}"
         );
     }
-    let e = refuse(layer_opts(4, &input, &name, out.clone(), None));
+    let e = refuse(layer_opts(&fixture(), 4, &input, &name, out.clone()));
     assert!(e.contains("--layer 4 out of range"), "{e}");
     let e = refuse(LayerOptions {
         decode_from: Some(0),
-        ..layer_opts(0, &input, &name, out.clone(), None)
+        ..layer_opts(&fixture(), 0, &input, &name, out.clone())
     });
     assert!(e.starts_with("--decode-from"), "{e}");
 
     // Negative control: row 0 of the input one ULP up changes the output (every canvas row sees
     // row 0 in a denoise step).
     let planted = nudged(&whole, &dir.join("n.trace"), &name);
-    run_layer(&layer_opts(0, &planted, &name, out.clone(), None)).unwrap();
+    run_layer(&layer_opts(&fixture(), 0, &planted, &name, out.clone())).unwrap();
     let lt = Trace::open(&out).unwrap();
     let ho = names::denoise(1, 0, &names::layer(0, "hidden_out"));
     assert_ne!(f32s(&lt, &ho), f32s(&whole, &ho));

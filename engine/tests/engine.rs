@@ -31,22 +31,6 @@ fn trace_opts(model: &Path, out: PathBuf, tokens: &[i64]) -> TraceOptions {
     }
 }
 
-/// `layer` of layer 0 on tensor `x` of `input`, default capture, one thread.
-fn layer_opts(model: &Path, input: PathBuf, out: PathBuf) -> LayerOptions {
-    LayerOptions {
-        model_dir: model.to_path_buf(),
-        layer: 0,
-        input,
-        input_name: "x".into(),
-        out,
-        internals: false,
-        threads: 1,
-        command_line: vec![],
-        force_decisions: None,
-        decode_from: None,
-    }
-}
-
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -564,7 +548,11 @@ fn layer_verb_honours_positions_attribute() {
     w.tensor_f32("x", &[1, h as u64], &x[..h], &Default::default())
         .unwrap();
     w.finish().unwrap();
-    let e = run_layer(&layer_opts(&f.dense, p, f.dir.join("o.trace"))).unwrap_err();
+    let e = run_layer(&LayerOptions {
+        internals: false,
+        ..layer_opts(&f.dense, 0, &p, "x", f.dir.join("o.trace"))
+    })
+    .unwrap_err();
     assert!(e.to_string().contains("positions"), "{e}");
 }
 
@@ -1461,7 +1449,11 @@ fn a_missing_input_trace_is_the_trace_crates_error_kept_whole() {
     // Callers branch on the kind: a file the trace crate cannot open stays its `Io` error.
     let f = fixture();
     let input = f.dir.join("no-such.trace");
-    let e = run_layer(&layer_opts(&f.dense, input, f.dir.join("o.trace"))).unwrap_err();
+    let e = run_layer(&LayerOptions {
+        internals: false,
+        ..layer_opts(&f.dense, 0, &input, "x", f.dir.join("o.trace"))
+    })
+    .unwrap_err();
     assert!(
         matches!(&e, Error::Trace(tracegate_trace::Error::Io { path, .. }) if path.ends_with("no-such.trace")),
         "{e:?}"

@@ -685,21 +685,6 @@ fn cached_decode_equals_uncached_for_8_steps_and_threads_do_not_matter() {
     }
 }
 
-fn layer_opts(model: &Path, l: usize, input: &Path, name: &str, out: PathBuf) -> LayerOptions {
-    LayerOptions {
-        model_dir: model.to_path_buf(),
-        layer: l,
-        input: input.to_path_buf(),
-        input_name: name.to_string(),
-        out,
-        internals: true,
-        threads: 2,
-        command_line: vec![],
-        force_decisions: None,
-        decode_from: None,
-    }
-}
-
 #[test]
 fn layer_verb_on_both_layer_kinds() {
     let f = models();
@@ -710,13 +695,16 @@ fn layer_verb_on_both_layer_kinds() {
     let wt = Trace::open(&whole).unwrap();
     for l in 0..3 {
         let out = f.dir.join("l.trace");
-        run_layer(&layer_opts(
-            &f.moe,
-            l,
-            &whole,
-            &format!("layer.{l:02}.hidden_in"),
-            out.clone(),
-        ))
+        run_layer(&LayerOptions {
+            threads: 2,
+            ..layer_opts(
+                &f.moe,
+                l,
+                &whole,
+                &format!("layer.{l:02}.hidden_in"),
+                out.clone(),
+            )
+        })
         .unwrap();
         let lt = Trace::open(&out).unwrap();
         let prefix = format!("layer.{l:02}.");
@@ -744,7 +732,10 @@ fn layer_verb_on_both_layer_kinds() {
     let long = Trace::open(&o.out).unwrap();
     for l in [0, 2] {
         let name = format!("layer.{l:02}.hidden_in");
-        let mut lo = layer_opts(&f.moe, l, &o.out, &name, f.dir.join("df.trace"));
+        let mut lo = LayerOptions {
+            threads: 2,
+            ..layer_opts(&f.moe, l, &o.out, &name, f.dir.join("df.trace"))
+        };
         lo.decode_from = Some(4);
         run_layer(&lo).unwrap();
         let df = Trace::open(&lo.out).unwrap();
@@ -767,14 +758,21 @@ fn layer_verb_on_both_layer_kinds() {
             .unwrap();
         w.finish().unwrap();
     }
-    let e = run_layer(&layer_opts(&f.moe, 0, &sub, "x", f.dir.join("r.trace")))
-        .unwrap_err()
-        .to_string();
+    let e = run_layer(&LayerOptions {
+        threads: 2,
+        ..layer_opts(&f.moe, 0, &sub, "x", f.dir.join("r.trace"))
+    })
+    .unwrap_err()
+    .to_string();
     assert!(
         e.contains("layer 0 is linear attention") && e.contains("row 0 is at position 2"),
         "{e}"
     );
-    run_layer(&layer_opts(&f.moe, 2, &sub, "x", f.dir.join("r.trace"))).unwrap();
+    run_layer(&LayerOptions {
+        threads: 2,
+        ..layer_opts(&f.moe, 2, &sub, "x", f.dir.join("r.trace"))
+    })
+    .unwrap();
 }
 
 #[test]

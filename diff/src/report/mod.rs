@@ -2,7 +2,7 @@
 //! verdict, both sides, what was compared and what was found. The per-tensor rows and the
 //! first divergence are in `tensors`, the decision results in `decisions`; the words shared
 //! with other crates (verdict, statuses, finding kinds, the number form [`Real`](crate::Real)) in
-//! `crate::vocab`.
+//! `crate::words`.
 
 mod decisions;
 mod passing;
@@ -78,7 +78,7 @@ pub struct PolicyRef {
     pub bounds: Vec<Rule>,
     /// The precision the policy's bounds are for (its `candidate_dtype`), when it says.
     pub candidate_dtype: Option<String>,
-    /// The precision the candidate computed in (its provenance `dtype`), when it says.
+    /// The precision the candidate computed in (`policy::computes_in`), when it says.
     pub candidate_computes_in: Option<String>,
     /// `--noise-reference`: the trace the `max_noise_ratio` bounds measured against.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+use tracegate_diff::{compare_files, Options, Policy, Report};
 use tracegate_trace::{Attributes, DType, TraceWriter};
 
 #[derive(Clone)]
@@ -382,6 +383,35 @@ pub fn report_json(rep: &tracegate_diff::Report) -> Value {
         serde_json::from_slice(&out).unwrap_or_else(|e| panic!("write_json wrote no JSON ({e})"));
     assert_valid_report(&v);
     v
+}
+
+/// `reference` against `candidate` as the library compares them, the report checked against the
+/// JSON schema (every report these tests make matches it).
+pub fn diff_with(reference: &Spec, candidate: &Spec, opts: &Options) -> Report {
+    let (_dir, rp, cp) = pair(reference, candidate);
+    let rep = compare_files(&rp, &cp, opts);
+    report_json(&rep);
+    rep
+}
+
+/// [`diff_with`] by bits (None) or under a policy.
+pub fn diff(reference: &Spec, candidate: &Spec, policy: Option<Policy>) -> Report {
+    diff_with(
+        reference,
+        candidate,
+        &Options {
+            policy,
+            ..Options::default()
+        },
+    )
+}
+
+/// The shipped default policy, fixtures/policy/oracle-default.json.
+pub fn oracle_policy() -> Policy {
+    Policy::load(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/policy/oracle-default.json"),
+    )
+    .unwrap()
 }
 
 /// A `trace-diff` run: exit status and both streams.

@@ -2,9 +2,10 @@
 //! configs with non-default values (biases, head_dim ≠ hidden/heads, GQA, mlp_only_layers, ...).
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+use tracegate_engine::LayerOptions;
 
 pub struct T {
     pub name: String,
@@ -251,4 +252,27 @@ pub fn write_model(dir: &Path, cfg: &Value, tensors: &[T]) {
 
 pub fn make_model(dir: &Path, cfg: &Value, dtype: &'static str, seed: u64) {
     write_model(dir, cfg, &model_tensors(cfg, dtype, seed));
+}
+
+/// The `layer` verb of `layer` of the model at `model` on tensor `input_name` of `input`,
+/// written to `out`: every capture point, one thread, nothing forced.
+pub fn layer_opts(
+    model: &Path,
+    layer: usize,
+    input: &Path,
+    input_name: &str,
+    out: PathBuf,
+) -> LayerOptions {
+    LayerOptions {
+        model_dir: model.to_path_buf(),
+        layer,
+        input: input.to_path_buf(),
+        input_name: input_name.to_string(),
+        out,
+        internals: true,
+        threads: 1,
+        command_line: vec![],
+        force_decisions: None,
+        decode_from: None,
+    }
 }

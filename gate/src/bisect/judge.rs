@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 use tracegate_diff::Policy;
-use tracegate_trace::{DType, Trace};
+use tracegate_trace::Trace;
 
 use crate::{gerr, Result};
 
@@ -68,32 +68,18 @@ impl Judge {
     }
 }
 
-/// What a trace says of its precision, checked, never chosen by: its declaration (provenance
-/// `precision`, the coarsest it names; docs/trace-format.md) and the coarsest float dtype of its
-/// tensors (bf16 if any tensor is bf16, else f16 if any is f16, else f32). A declaration that
-/// names no precision, or a pattern that matches none of its tensors, is refused.
-pub fn stated_precision(t: &Trace) -> Result<(Option<&'static str>, &'static str)> {
-    let has = |d: DType| t.tensors().iter().any(|i| i.dtype == d);
-    let stored = if has(DType::BF16) {
-        "bf16"
-    } else if has(DType::F16) {
-        "f16"
-    } else {
-        "f32"
-    };
+/// What the candidate's trace says of its precision, checked, never chosen by: its declaration
+/// and the coarsest float dtype of its tensors, the parts of tracegate_diff::policy::computes_in
+/// the judge line names apart. A declaration that names no precision, or a pattern that matches
+/// none of its tensors, is refused.
+fn stated_precision(t: &Trace) -> Result<(Option<&'static str>, &'static str)> {
     let declared = tracegate_diff::policy::checked_declaration(
         t.provenance(),
         t.tensors().iter().map(|i| i.name.as_str()),
     )
     .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))?;
+    let stored = tracegate_diff::policy::stored_precision(t.tensors().iter().map(|i| i.dtype));
     Ok((declared, stored))
-}
-
-/// The precision a reference producer's trace computes in (a golden trace: the user chose its
-/// `--dtype` at init): its declaration, else its tensors' dtype ([`stated_precision`]).
-pub fn reference_precision(t: &Trace) -> Result<&'static str> {
-    let (declared, stored) = stated_precision(t)?;
-    Ok(declared.unwrap_or(stored))
 }
 
 /// The candidate's precision is the user's claim (`--precision`, else f32): what the candidate

@@ -3,8 +3,10 @@
 //!
 //! The parts, from the bottom up; none imports one above it:
 //! - judge.rs: how it judges (by bits or a policy), the rounding-level reading, the outliers;
+//! - options.rs: what a bisection is asked (its options, reference and producers) and work.rs
+//!   the work directory and the producers' runs on fresh outputs, which every phase shares;
 //! - prefill/: the prefill's phases (whole runs, layers in isolation, self-consistency,
-//!   calibration, the verdict), the options and the report's types;
+//!   calibration, the verdict) and the report's types;
 //! - decode/: `--generate N`, the decode steps after the prefill, built on prefill's pieces;
 //! - diffusion/: `--generate N` on a block-diffusion model, the passes after the prompt;
 //! - this file: the bisection itself (`run`: the prefill, then the decode steps) and its report;
@@ -23,13 +25,15 @@ pub mod decode;
 pub mod diffusion;
 pub mod html;
 pub mod judge;
+pub mod options;
 pub mod prefill;
 pub mod render;
 pub mod sharded;
+mod work;
 
 use judge::{By, Judge, Outliers, RoundingLevel};
+pub use options::{is_ordered, producer, BisectOptions, Reference, StoredReference};
 use prefill::*;
-pub use prefill::{producer, BisectOptions, Reference, StoredReference};
 
 /// The report's format (docs/bisect.md, docs/bisect-report.schema.json).
 pub const SCHEMA: &str = "tracegate-bisect/6";

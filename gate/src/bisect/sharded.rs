@@ -8,10 +8,14 @@
 //! candidate answers it unsharded, and says so; otherwise it is NOT CHECKED, with that reason.
 
 use serde::Serialize;
-use tracegate_producers::{RunRecord, Verb};
+use tracegate_producers::RunRecord;
 use tracegate_trace::names::Name;
 use tracegate_trace::Trace;
 
+use crate::bisect::options::BisectOptions;
+use crate::bisect::prefill::layers::outliers;
+use crate::bisect::prefill::whole::{choose_judge, Whole};
+use crate::bisect::prefill::{BisectVerdict, Isolated, Scope, SelfConsistency, WholeRun};
 use crate::ranks::ShardedRun;
 
 /// The report's `sharded` (null without `--ranks`).
@@ -71,22 +75,6 @@ impl RankAt {
     }
 }
 
-/// The candidate's `trace` verb: as it is, or under `--ranks N` with `{rank}` in its `--out`,
-/// the rank traces checked and merged at the verb's `--out` (crate::ranks::run_trace). A refused
-/// merge is a failed run saying why; the ShardedRun says which rank.
-pub(crate) fn candidate_trace(
-    o: &super::BisectOptions,
-    verb: &Verb,
-) -> (RunRecord, Option<ShardedRun>) {
-    match o.ranks {
-        None => (
-            super::prefill::run_fresh(&o.root, &o.candidate, verb, o.timeout),
-            None,
-        ),
-        Some(_) => crate::ranks::run_trace(&o.candidate, &o.root, verb, o.timeout, o.ranks),
-    }
-}
-
 /// The first `tensor "NAME"` a merge's message names (`tensor "layer.00.q" is replicated but
 /// rank 1 … differs`).
 fn named_tensor(message: &str) -> Option<String> {
@@ -107,7 +95,7 @@ pub(crate) fn refused_at(run: &ShardedRun) -> Option<RankAt> {
 /// first differing element when the comparison gave one, else the largest |difference| between
 /// the reference's and the merged candidate's values.
 pub(crate) fn attribute(
-    o: &super::BisectOptions,
+    o: &BisectOptions,
     run: &ShardedRun,
     (reference, candidate): (&Trace, &Trace),
     tensor: &str,
@@ -149,7 +137,7 @@ fn worst_coords(reference: &Trace, candidate: &Trace, name: &str) -> Option<Vec<
 
 /// A sharded candidate's layer trace must be unsharded: the gate gives the `layer` verb one
 /// `--out` and merges nothing (docs/bisect.md, "Sharded candidates").
-pub(crate) fn unsharded_layer_trace(o: &super::BisectOptions, cand: &Trace) -> crate::Result<()> {
+pub(crate) fn unsharded_layer_trace(o: &BisectOptions, cand: &Trace) -> crate::Result<()> {
     let Some(world) = o.ranks else {
         return Ok(());
     };
@@ -168,7 +156,7 @@ pub(crate) fn unsharded_layer_trace(o: &super::BisectOptions, cand: &Trace) -> c
 
 /// Why a sharded candidate's failed `layer` verb leaves isolation NOT CHECKED, before the run's
 /// own words.
-pub(crate) fn layer_verb_failed(o: &super::BisectOptions) -> String {
+pub(crate) fn layer_verb_failed(o: &BisectOptions) -> String {
     match o.ranks {
         Some(w) => format!("a sharded candidate (--ranks {w}): the layer verb is not sharded (the gate runs it once, unsharded, on the whole layer) and the candidate's did not answer so: "),
         None => String::new(),
@@ -181,12 +169,9 @@ pub(crate) fn layer_verb_words(r: &super::BisectReport) -> String {
         .layers
         .iter()
         .chain(r.decode.iter().flat_map(|d| &d.layers));
-    let isolated = rows.clone().any(|l| {
-        matches!(
-            l.isolation,
-            super::prefill::Isolated::Match | super::prefill::Isolated::Wrong
-        )
-    });
+    let isolated = rows
+        .clone()
+        .any(|l| matches!(l.isolation, Isolated::Match | Isolated::Wrong));
     let why = rows
         .filter_map(|l| l.reason.as_deref())
         .find(|w| !w.starts_with("not attempted"));
@@ -201,9 +186,9 @@ pub(crate) fn layer_verb_words(r: &super::BisectReport) -> String {
 /// prefill agrees, else the whole runs') attributed to a rank, and which layer verb isolated;
 /// the summary ends with both.
 pub(crate) fn merged(
-    o: &super::BisectOptions,
+    o: &BisectOptions,
     run: ShardedRun,
-    whole: &super::prefill::whole::Whole,
+    whole: &Whole,
     r: &mut super::BisectReport,
 ) -> Sharded {
     let w = &r.whole_run;
@@ -252,21 +237,17 @@ pub(crate) fn merged(
 /// tensor with its layer and step when the merge names one. A refused tensor of a decode step
 /// is also the decode path's first diverging place (`decode`). `reference`: its whole trace.
 pub(crate) fn refused_report(
-    o: &super::BisectOptions,
+    o: &BisectOptions,
     run: ShardedRun,
     reference: &Trace,
     runs: Vec<RunRecord>,
 ) -> crate::Result<super::BisectReport> {
-    use super::prefill::{BisectVerdict, Scope, SelfConsistency, WholeRun};
     // The judge the bisection would have used, read from a rank trace (each one is the
     // candidate's, in its dtypes); nothing is judged by it.
     let stand_in = tracegate_trace::merge::rank_files(&o.root.join(&run.pattern))
         .into_iter()
         .find_map(|(_, f)| Trace::open(f).ok());
-    let (judge, policy, _) = super::prefill::whole::choose_judge(
-        o,
-        (reference, stand_in.as_ref().unwrap_or(reference)),
-    )?;
+    let (judge, policy, _) = choose_judge(o, (reference, stand_in.as_ref().unwrap_or(reference)))?;
     let at = refused_at(&run);
     let why = run.refused.as_ref().map_or("", |r| r.message.as_str());
     let rank = run
@@ -338,7 +319,7 @@ pub(crate) fn refused_report(
             inconsistent: None,
             not_checked: vec![],
         },
-        outliers: super::prefill::layers::outliers(reference, &[], &mut outliers_rows),
+        outliers: outliers(reference, &[], &mut outliers_rows),
         work_dir: o.work.clone(),
         runs,
         gate_invocation: o.gate_invocation.clone(),

@@ -21,6 +21,7 @@ use tracegate_diff::Policy;
 use tracegate_producers::{Producer, RunRecord, Verb};
 use tracegate_trace::{names, Trace};
 
+use super::options::{BisectOptions, Reference};
 use super::prefill::*;
 use super::BisectReport;
 use crate::{gerr, Result};

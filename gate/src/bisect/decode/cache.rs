@@ -4,7 +4,9 @@ use tracegate_diff::{compare, FindingKind, Report, Verdict};
 use tracegate_producers::{RunRecord, Verb};
 
 use super::{decode_view, step_of, CacheCheck, CacheStatus, Context};
-use crate::bisect::prefill::{self as b, BisectOptions};
+use crate::bisect::options::BisectOptions;
+use crate::bisect::prefill as b;
+use crate::bisect::work::candidate_trace;
 
 /// The candidate's `--cache off` run against its own cached run, decode steps only, judged as
 /// the whole runs are.
@@ -34,7 +36,7 @@ pub(super) fn cache_check(
         seed: None,
         shards: None,
     };
-    let (rec, _) = crate::bisect::sharded::candidate_trace(o, &verb);
+    let (rec, _) = candidate_trace(o, &verb);
     runs.push(rec.clone());
     crate::progress::step("decode: candidate traced with --cache off");
     if !rec.ok {

@@ -6,8 +6,9 @@ use tracegate_trace::names;
 use tracegate_trace::{Attributes, TraceWriter};
 
 use super::{Context, DecodeReport};
+use crate::bisect::options::BisectOptions;
 use crate::bisect::prefill::layers::settle_statuses;
-use crate::bisect::prefill::{self as b, BisectOptions, Isolated, LayerStatus, TensorCmp};
+use crate::bisect::prefill::{self as b, Isolated, LayerStatus, TensorCmp};
 use crate::{gerr, Result};
 
 /// The capture points of a decode step's layer, in computation order.

@@ -8,9 +8,9 @@ use tracegate_trace::names::{self, Name};
 use super::cache::cache_check;
 use super::isolate::isolate_step;
 use super::{decode_view, step_of, CacheStatus, Context, DecodeReport, DecodeStatus};
+use crate::bisect::options::BisectOptions;
 use crate::bisect::prefill::{
-    self as b, BisectOptions, BisectVerdict, CmpStatus, How, Isolated, Said, TensorCmp,
-    WholeRunState,
+    self as b, BisectVerdict, CmpStatus, How, Isolated, Said, TensorCmp, WholeRunState,
 };
 
 /// The decode bisection, after the prefill's verdict: returns the decode report and the verdict

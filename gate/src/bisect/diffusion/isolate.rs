@@ -8,8 +8,9 @@ use tracegate_trace::names;
 use tracegate_trace::Trace;
 
 use super::{Context, DiffusionReport};
+use crate::bisect::options::BisectOptions;
 use crate::bisect::prefill::layers::settle_statuses;
-use crate::bisect::prefill::{self as b, BisectOptions, Isolated, Isolation, TensorCmp};
+use crate::bisect::prefill::{self as b, Isolated, Isolation, TensorCmp};
 use crate::Result;
 
 /// The pass to isolate at and what is known of it.

@@ -21,10 +21,11 @@ use tracegate_trace::names::{self, Block as Registered, Diffusion, Name};
 use tracegate_trace::Trace;
 
 use super::decode::DecodeStatus;
+use crate::bisect::options::BisectOptions;
 use crate::bisect::prefill::overrides;
 use crate::bisect::prefill::whole::trace_forced;
 use crate::bisect::prefill::{
-    self as b, BisectOptions, BisectVerdict, DecisionsForced, Forcing, How, Isolated, Said,
+    self as b, BisectVerdict, DecisionsForced, Forcing, How, Isolated, Said,
 };
 
 mod isolate;

@@ -3,8 +3,9 @@
 use serde::Serialize;
 
 use crate::bisect::decode::DecodeStatus;
+use crate::bisect::options::BisectOptions;
 use crate::bisect::prefill::{
-    BisectOptions, DecisionCmp, DecisionsForced, How, Inconsistency, LayerRow, Stage, TensorCmp,
+    DecisionCmp, DecisionsForced, How, Inconsistency, LayerRow, Stage, TensorCmp,
 };
 
 #[derive(Clone, Debug, Serialize)]

@@ -15,48 +15,6 @@
 
 use super::*;
 
-/// The reference of a bisection: a producer run now, or a trace recorded before.
-#[derive(Clone, Debug)]
-pub enum Reference {
-    Run(Producer),
-    Stored(StoredReference),
-}
-
-impl Reference {
-    /// The report's `reference`: the producer's name, or `trace:PATH`.
-    pub fn name(&self) -> String {
-        match self {
-            Reference::Run(p) => p.name(),
-            Reference::Stored(s) => format!("trace:{}", s.shown),
-        }
-    }
-
-    /// How the judge's reason names it: a stored trace with the producer that recorded it.
-    pub(crate) fn described(&self) -> String {
-        match self {
-            Reference::Run(p) => p.name(),
-            Reference::Stored(s) => format!("the stored {} trace {}", s.producer_words(), s.shown),
-        }
-    }
-}
-
-/// A stored reference trace, verified, with what it was recorded for.
-#[derive(Clone, Debug)]
-pub struct StoredReference {
-    pub path: PathBuf,
-    /// The path as the user gave it (for messages and the report).
-    pub shown: String,
-    pub digest: String,
-    pub producer: String,
-    pub tokens: Vec<i64>,
-    pub generate: usize,
-    pub internals: bool,
-    /// A sampling model's seed (provenance `seed`); None for another model.
-    pub seed: Option<u64>,
-    /// The engine's or the contract's, without an oracle stack (module doc).
-    pub ordered: bool,
-}
-
 impl StoredReference {
     /// Opens `path` and reads what it was recorded for; refuses a trace that is not a whole run
     /// (`verb` other than `trace`) or lacks the provenance a bisection needs. Its payloads are
@@ -114,14 +72,6 @@ impl StoredReference {
             seed,
             ordered,
         })
-    }
-
-    fn producer_words(&self) -> &str {
-        if self.producer.is_empty() {
-            "(producer unnamed)"
-        } else {
-            &self.producer
-        }
     }
 
     /// Refuses a bisection this trace was not recorded for, naming both sides.

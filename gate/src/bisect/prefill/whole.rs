@@ -2,6 +2,7 @@
 //! forced to take the reference's decisions, and where the whole runs first diverge.
 
 use super::*;
+use crate::bisect::work::candidate_trace;
 
 /// Both producers' whole traces and where they are, relative to the root.
 pub(crate) struct Whole {
@@ -37,13 +38,13 @@ pub(crate) fn trace_verb(o: &BisectOptions, out: &str, force: Option<String>) ->
     }
 }
 
-/// The candidate's whole trace at `out` (sharded under `--ranks`: ../sharded.rs).
+/// The candidate's whole trace at `out` (sharded under `--ranks`: ../work.rs, ../sharded.rs).
 pub(crate) fn candidate_run(
     o: &BisectOptions,
     out: &str,
     force: Option<String>,
 ) -> (RunRecord, Option<crate::ranks::ShardedRun>) {
-    crate::bisect::sharded::candidate_trace(o, &trace_verb(o, out, force))
+    candidate_trace(o, &trace_verb(o, out, force))
 }
 
 fn failed(side: &str, rec: &RunRecord) -> crate::Error {

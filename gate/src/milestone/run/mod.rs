@@ -11,7 +11,8 @@
 //!
 //! From the bottom up; no file imports one above it: report.rs; plan.rs, traces.rs,
 //! findings.rs (what the phases share) and ranks.rs (a sharded port's rank traces merged);
-//! checks.rs and agrees.rs; prompt.rs and recorded.rs; port.rs; this file, which calls them all and re-exports what the gate's other parts name.
+//! checks.rs and agrees.rs; prompt.rs and recorded.rs; candidate.rs (a port's candidate tried
+//! once); port.rs; this file, which calls them all and re-exports what the gate's other parts name.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -24,6 +25,7 @@ use crate::prompts::Prompt;
 use crate::{gerr, Result};
 
 mod agrees;
+mod candidate;
 mod checks;
 mod findings;
 mod plan;

@@ -24,6 +24,7 @@ use tracegate_producers::{Producer, RunRecord, Verb};
 use tracegate_trace::Trace;
 
 use super::agrees::compare_agrees;
+use super::candidate::try_candidate;
 use super::checks::check_stable;
 use super::findings::{incomparable, judge, not_comparable, tokens_finding};
 use super::plan::{dir_name, GateOptions, Plan, Settled, AUTO_POLICY};
@@ -33,6 +34,7 @@ use super::report::{
     Status,
 };
 use super::traces::{counts, decode_tokens, open, Opened};
+use crate::bisect;
 use crate::milestone::baselines::BaselineFile;
 use crate::milestone::check::{Check, FindingKind};
 use crate::milestone::milestones::{Golden, Milestone, Port, PortExpectation, Tokenized};
@@ -436,7 +438,7 @@ pub(super) fn run(
     }
     if o.bless {
         // `gate init`, `--bless`: the candidate once before the reference runs on every prompt.
-        crate::milestone::init::try_candidate(
+        try_candidate(
             &o.root,
             &candidate,
             &plan.model,
@@ -505,7 +507,15 @@ pub(super) fn run(
         // or store a coarser one to be judged more loosely.
         let golden: Vec<&str> = goldens
             .iter()
-            .map(crate::bisect::judge::reference_precision)
+            .map(|t| {
+                tracegate_diff::policy::computes_in(
+                    t.provenance(),
+                    t.tensors().iter().map(|i| (i.name.as_str(), i.dtype)),
+                )
+                // One that says nothing: the finest, the strictest judge.
+                .map(|p| p.unwrap_or("f32"))
+                .map_err(|e| gerr!(Producer: "{}: {e}", t.path().display()))
+            })
             .collect::<Result<_>>()?;
         let precision = tracegate_diff::policy::coarsest(golden).unwrap_or("f32");
         plan.m.policy = precision.to_string();
@@ -1208,7 +1218,6 @@ fn localise(
     noise: Option<&std::sync::Arc<Trace>>,
     ranks: Option<u64>,
 ) -> (Value, Value) {
-    use crate::bisect;
     let work = format!("{}/{}/bisect", plan.work_rel, p.id);
     // Blessing: the golden trace is still the reference's new one in the work directory.
     let golden = match (o.bless, port.golden.get(&p.id)) {

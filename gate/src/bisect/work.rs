@@ -4,11 +4,16 @@
 //! bisect's own files first, and each output is removed again just before its producer runs
 //! (`Producer::run` then fails a run that wrote nothing). Only a directory bisect made (its
 //! MARKER) or an empty one is used: `--work ~` must never lose a user's `notes.trace`.
+//!
+//! The producers' runs go through here (`run_fresh`, `candidate_trace`): every phase's, the
+//! prefill's, the decode steps' and the block diffusion's.
 
 use std::path::Path;
 
 use tracegate_producers::{Producer, RunRecord, Verb};
 
+use crate::bisect::options::BisectOptions;
+use crate::ranks::ShardedRun;
 use crate::{gerr, Result};
 
 /// Written into every directory bisect works in; its presence is what lets a later run empty it.
@@ -115,4 +120,14 @@ pub(crate) fn run_fresh(
         }
     }
     p.run(root, verb, timeout)
+}
+
+/// The candidate's `trace` verb: as it is, or under `--ranks N` with `{rank}` in its `--out`,
+/// the rank traces checked and merged at the verb's `--out` (crate::ranks::run_trace). A refused
+/// merge is a failed run saying why; the ShardedRun says which rank.
+pub(crate) fn candidate_trace(o: &BisectOptions, verb: &Verb) -> (RunRecord, Option<ShardedRun>) {
+    match o.ranks {
+        None => (run_fresh(&o.root, &o.candidate, verb, o.timeout), None),
+        Some(_) => crate::ranks::run_trace(&o.candidate, &o.root, verb, o.timeout, o.ranks),
+    }
 }
