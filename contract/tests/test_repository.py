@@ -375,3 +375,105 @@ def test_gguf_table_check_sees_each_copy_drift():
     engine = engine.replace('Arch::Qwen3 => "qwen3",', "", 1)
     bad = _gguf_disagreements({**texts, "engine": engine})
     assert len(bad) == 1 and "hf.rs" in bad[0], bad
+
+
+# The model families each bit-exact side computes (CONTRIBUTING, "Adding a model family"): the
+# engine's per-family configs (`FAMILIES` in engine/src/config.rs, each `model_type` in
+# engine/src/config/<family>.rs) and `BIT_EXACT_FAMILIES`, which a gate checks before any producer
+# runs, against the contract's `ARCHITECTURES` and diffusion `MODEL_TYPE`; every one a family of
+# the capture-point registry (the oracle's table is held to the registry in
+# oracle/tests/test_capture_registry.py). Read as text, like the GGUF tables above.
+FAMILY_TABLES = {
+    "engine": "engine/src/config.rs",
+    "engine_families": "engine/src/config",
+    "contract": "contract/tracegate_contract/config.py",
+    "diffusion": "contract/tracegate_contract/diffusion_gemma.py",
+}
+
+
+def _family_texts() -> dict[str, str]:
+    cfg = ROOT_PATH / FAMILY_TABLES["engine_families"]
+    return {
+        "engine": (ROOT_PATH / FAMILY_TABLES["engine"]).read_text(),
+        "engine_families": "\n".join(p.read_text() for p in sorted(cfg.glob("*.rs"))),
+        "contract": (ROOT_PATH / FAMILY_TABLES["contract"]).read_text(),
+        "diffusion": (ROOT_PATH / FAMILY_TABLES["diffusion"]).read_text(),
+    }
+
+
+def _family_disagreements(texts: dict[str, str]) -> list[str]:
+    import ast
+
+    from tracegate import names
+
+    engine = texts["engine"]
+    listed = re.search(r"pub const BIT_EXACT_FAMILIES: \[&str; \d+\] = \[(.*?)\];", engine, re.S)
+    table = re.search(r"const FAMILIES: \[Family; \d+\] = \[(.*?)\];", engine, re.S)
+    assert listed and table, f"{FAMILY_TABLES['engine']}: no BIT_EXACT_FAMILIES or FAMILIES"
+    bit_exact = re.findall(r'"([a-z0-9_]+)"', listed.group(1))
+    # Each FAMILIES entry `module::CONST` names a const whose `model_type:` is its family.
+    consts = {}
+    for name, body in re.findall(
+        r"const (\w+): Family = Family \{(.*?)\n\};", texts["engine_families"], re.S
+    ):
+        m = re.search(r'model_type: "([a-z0-9_]+)"', body)
+        consts[name] = m.group(1) if m else f"<{name}: no model_type>"
+    entries = re.findall(r"\w+::(\w+)", table.group(1))
+    engine_read = [consts.get(c, f"<{c}: no model_type>") for c in entries]
+    contract, diffusion = None, None
+    for node in ast.parse(texts["contract"]).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            "ARCHITECTURES"
+        ]:
+            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+            spread = [v.id for v in node.value.values if isinstance(v, ast.Name)]
+            contract = keys
+    m = re.search(r'^MODEL_TYPE = "([a-z0-9_]+)"', texts["diffusion"], re.M)
+    diffusion = m.group(1) if m else None
+    assert contract is not None and diffusion, "contract: no ARCHITECTURES or MODEL_TYPE"
+    # ARCHITECTURES spreads the Qwen3.5 tables; read their keys from the contract itself.
+    from tracegate_contract import config as contract_config
+
+    contract = set(contract) | (
+        set(contract_config.QWEN3_5_TEXT) | set(contract_config.QWEN3_5_MULTIMODAL)
+        if spread
+        else set()
+    )
+    bad = []
+    if set(engine_read) | {"diffusion_gemma"} != set(bit_exact):
+        bad.append(
+            f"engine FAMILIES {engine_read} + diffusion_gemma != BIT_EXACT_FAMILIES {bit_exact}"
+        )
+    if contract | {diffusion} != set(bit_exact):
+        bad.append(
+            f"contract {sorted(contract | {diffusion})} != engine BIT_EXACT_FAMILIES {bit_exact}"
+        )
+    not_registered = [f for f in bit_exact if f not in names.FAMILIES]
+    if not_registered:
+        bad.append(f"not in the capture-point registry's families: {not_registered}")
+    return bad
+
+
+def test_the_bit_exact_family_tables_are_one():
+    texts = _family_texts()
+    assert _family_disagreements(texts) == []
+
+
+def test_family_table_check_sees_each_copy_drift():
+    # Negative controls: each table changed alone is named; the unchanged texts pass above.
+    texts = _family_texts()
+    engine = texts["engine"].replace('    "qwen2",\n', "", 1)
+    assert engine != texts["engine"]
+    bad = _family_disagreements({**texts, "engine": engine})
+    assert len(bad) == 2 and all("BIT_EXACT_FAMILIES" in b for b in bad), bad
+    families = texts["engine_families"].replace('model_type: "qwen3",', 'model_type: "qwen4",', 1)
+    assert families != texts["engine_families"]
+    bad = _family_disagreements({**texts, "engine_families": families})
+    assert len(bad) == 1 and "qwen4" in bad[0], bad
+    contract = texts["contract"].replace('    "qwen2": "Qwen2ForCausalLM",\n', "", 1)
+    assert contract != texts["contract"]
+    bad = _family_disagreements({**texts, "contract": contract})
+    assert len(bad) == 1 and bad[0].startswith("contract"), bad
+    unknown = texts["engine"].replace('    "llama",\n', '    "llama",\n    "qwen9",\n', 1)
+    bad = _family_disagreements({**texts, "engine": unknown})
+    assert any("qwen9" in b and "registry" in b for b in bad), bad
