@@ -301,16 +301,23 @@ GGUF_TABLES = {
 }
 
 
-def _python_architectures(text: str, where: str) -> dict[str, str]:
-    """The module-level `ARCHITECTURES = {...}` literal of a Python source."""
+def _architectures_node(text: str, where: str):
+    """The value of a Python source's module-level `ARCHITECTURES = ...`, as parsed."""
     import ast
 
     for node in ast.parse(text).body:
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
             "ARCHITECTURES"
         ]:
-            return ast.literal_eval(node.value)
+            return node.value
     raise AssertionError(f"{where}: no module-level ARCHITECTURES")
+
+
+def _python_architectures(text: str, where: str) -> dict[str, str]:
+    """The module-level `ARCHITECTURES = {...}` literal of a Python source."""
+    import ast
+
+    return ast.literal_eval(_architectures_node(text, where))
 
 
 def _engine_architectures(text: str, where: str) -> list[str]:
@@ -402,7 +409,6 @@ def _family_texts() -> dict[str, str]:
 
 
 def _family_disagreements(texts: dict[str, str]) -> list[str]:
-    import ast
 
     from tracegate import names
 
@@ -420,17 +426,12 @@ def _family_disagreements(texts: dict[str, str]) -> list[str]:
         consts[name] = m.group(1) if m else f"<{name}: no model_type>"
     entries = re.findall(r"\w+::(\w+)", table.group(1))
     engine_read = [consts.get(c, f"<{c}: no model_type>") for c in entries]
-    contract, diffusion = None, None
-    for node in ast.parse(texts["contract"]).body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
-            "ARCHITECTURES"
-        ]:
-            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
-            spread = [v.id for v in node.value.values if isinstance(v, ast.Name)]
-            contract = keys
+    table = _architectures_node(texts["contract"], FAMILY_TABLES["contract"])
+    contract = [k.value for k in table.keys if k is not None]
+    spread = any(k is None for k in table.keys)
     m = re.search(r'^MODEL_TYPE = "([a-z0-9_]+)"', texts["diffusion"], re.M)
     diffusion = m.group(1) if m else None
-    assert contract is not None and diffusion, "contract: no ARCHITECTURES or MODEL_TYPE"
+    assert diffusion, f"{FAMILY_TABLES['diffusion']}: no MODEL_TYPE"
     # ARCHITECTURES spreads the Qwen3.5 tables; read their keys from the contract itself.
     from tracegate_contract import config as contract_config
 
