@@ -195,7 +195,10 @@ fn m0_tiny_watched(only: &str, more: &[&str]) -> Run {
     m0_tiny_by(gate_watched, only, more)
 }
 
-fn m0_tiny_by(run: fn(&Path, &[&str], &[(&str, &Path)]) -> Run, only: &str, more: &[&str]) -> Run {
+/// [`gate`] or [`gate_watched`].
+type Runner = fn(&Path, &[&str], &[(&str, &Path)]) -> Run;
+
+fn m0_tiny_by(run: Runner, only: &str, more: &[&str]) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
     let args = [
