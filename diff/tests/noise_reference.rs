@@ -105,6 +105,23 @@ fn judged(r: &Trace, c: &Trace, noise: Trace, k: f64) -> tracegate_diff::Report 
     compare(r, c, &opts)
 }
 
+/// A fresh directory with the reference trace `r.trace` (NAME: [`base`]) and the candidate's
+/// `c.trace` (NAME: `candidate`).
+fn reference_and(candidate: Vec<f32>) -> (tempfile::TempDir, Trace, Trace) {
+    let d = tempfile::tempdir().unwrap();
+    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
+    let c = write(&d.path().join("c.trace"), &[(NAME, candidate)]);
+    (d, r, c)
+}
+
+/// `rep`'s finding about tensor `name` (the first).
+fn finding_of<'a>(rep: &'a tracegate_diff::Report, name: &str) -> &'a tracegate_diff::Finding {
+    rep.findings
+        .iter()
+        .find(|f| f.tensor() == Some(name))
+        .unwrap_or_else(|| panic!("no finding about {name}: {:#?}", rep.findings))
+}
+
 fn row<'a>(rep: &'a tracegate_diff::Report, name: &str) -> &'a tracegate_diff::TensorRow {
     rep.per_tensor.iter().find(|r| r.tensor == name).unwrap()
 }
@@ -159,9 +176,7 @@ fn within_k_times_the_noise_passes_and_beyond_it_fails_with_the_ratio() {
 fn a_port_more_precise_than_the_noise_never_fails_for_it_however_far_from_f32() {
     // The candidate's error (1e-2 scale) is far outside any f32 bound, yet below the noise
     // reference's: the noise-relative bound alone passes it.
-    let d = tempfile::tempdir().unwrap();
-    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
-    let c = write(&d.path().join("c.trace"), &[(NAME, moved(1e-2, 1))]);
+    let (d, r, c) = reference_and(moved(1e-2, 1));
     let n = write(&d.path().join("n.trace"), &[(NAME, moved(2e-2, 3))]);
     let rep = judged(&r, &c, n, 1.0);
     assert_eq!(rep.verdict, Verdict::WithinPolicy);
@@ -231,9 +246,7 @@ fn a_noise_trace_that_cannot_measure_the_tensor_fails_it_never_passes_it() {
 
 #[test]
 fn a_noise_trace_from_other_weights_or_another_prompt_is_refused_as_incomparable() {
-    let d = tempfile::tempdir().unwrap();
-    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
-    let c = write(&d.path().join("c.trace"), &[(NAME, moved(1e-3, 2))]);
+    let (d, r, c) = reference_and(moved(1e-3, 2));
     for (case, weights, positions, named) in [
         ("weights", "w-2", vec![0, 1], "w-2"),
         ("positions", "w-1", vec![5, 6], "[5, 6]"),
@@ -306,10 +319,8 @@ fn the_cli_refuses_a_bound_without_a_noise_trace_and_a_noise_trace_nothing_reads
 /// anything is judged, whatever the policy.
 #[test]
 fn a_noise_trace_the_candidate_supplies_is_refused() {
-    let d = tempfile::tempdir().unwrap();
-    let r = write(&d.path().join("r.trace"), &[(NAME, base())]);
     // 3e-2 is far beyond the f32 policy and beyond 2x any honest noise below.
-    let c = write(&d.path().join("c.trace"), &[(NAME, moved(3e-2, 2))]);
+    let (d, r, c) = reference_and(moved(3e-2, 2));
     // The candidate itself (same content digest), and another port's run of the same numbers
     // (the candidate's own trace would not be its own content once anything differs): refused,
     // by content and by producer.
@@ -517,11 +528,7 @@ fn a_defect_confined_to_one_row_fails_on_that_row_though_within_k_per_tensor() {
             "{how}: {got} vs {}",
             rows[7]
         );
-        let f = rep
-            .findings
-            .iter()
-            .find(|f| f.tensor() == Some(NAME))
-            .unwrap();
+        let f = finding_of(&rep, NAME);
         assert!(
             f.detail.contains("the row at position 7"),
             "{how}: {}",
@@ -690,11 +697,7 @@ fn a_row_where_the_noise_is_exact_is_undefined_per_row_as_per_tensor() {
     let rep = judged(&rt, &tr("c.trace", &c), tr("n.trace", &n), 10.0);
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(noise_violations(&rep, NAME), [(Some(5), None)]);
-    let f = rep
-        .findings
-        .iter()
-        .find(|f| f.tensor() == Some(NAME))
-        .unwrap();
+    let f = finding_of(&rep, NAME);
     assert!(
         f.detail.contains("the row at position 5") && f.detail.contains("undefined"),
         "{}",

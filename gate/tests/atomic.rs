@@ -21,13 +21,7 @@ use std::path::{Path, PathBuf};
 const STAGING: &str = ".tracegate-staging";
 
 fn example_producer() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("example-producer");
-    assert!(
-        p.is_file(),
-        "{} is missing: build it with `cargo build --release --bins`",
-        p.display()
-    );
-    p
+    common::sibling("example-producer")
 }
 
 struct Out {

@@ -10,87 +10,46 @@ use std::process::Command;
 use serde_json::Value;
 
 use crate::common;
-use common::{
-    assert_valid_bisect_report as assert_valid_report, bisect_validator, defective, repo,
-};
-
-struct Outcome {
-    code: i32,
-    stdout: String,
-    report: Value,
-}
-
-impl Outcome {
-    /// The verdict line: the second line of the text output (the first says how it judged).
-    fn headline(&self) -> &str {
-        let mut lines = self.stdout.lines();
-        let judged = lines.next().unwrap_or("");
-        assert!(
-            judged.starts_with("judged by "),
-            "the first line does not say how it judged: {}",
-            self.stdout
-        );
-        lines.next().unwrap_or("")
-    }
-}
+use common::{bisect_validator, defective, read_bisect_report, repo, work_dir, Bisected};
 
 /// Runs `gate bisect` on a fixture (a directory under fixtures/, or an absolute path) with the
 /// given extra arguments, from the root; traces and report in a temp dir. Returns the exit code,
 /// stdout, stderr and the report.
 fn run_bisect(model: &str, args: &[&str]) -> (i32, String, String, Value) {
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
-    let out = bisect_command(model, args, work.path()).output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    let report = read_report(work.path(), &stdout, &stderr);
-    (out.status.code().unwrap_or(-1), stdout, stderr, report)
+    let (work, rel) = work_dir();
+    let b = common::bisect(
+        &rel,
+        &work.path().join("report.json"),
+        &fixture_args(model, args),
+    );
+    (b.code, b.stdout, b.stderr, b.report)
 }
 
-/// The `gate bisect` command of `run_bisect`, its traces and report.json in `work`.
-fn bisect_command(model: &str, args: &[&str], work: &Path) -> Command {
-    let root = repo();
-    let work_rel = work.strip_prefix(&root).unwrap().display().to_string();
-    let report = work.join("report.json");
+/// `--model` for `model` and `--prompt short` (unless `args` name `--tokens`), then `args`.
+fn fixture_args(model: &str, args: &[&str]) -> Vec<String> {
     let model = if model.starts_with('/') {
         model.to_string()
     } else {
         format!("fixtures/{model}")
     };
-    let prompt: &[&str] = if args.contains(&"--tokens") {
-        &[]
-    } else {
-        &["--prompt", "short"]
-    };
-    let mut cmd = common::gate();
-    cmd.current_dir(&root)
-        .args([
-            "--root",
-            root.to_str().unwrap(),
-            "bisect",
-            "--model",
-            &model,
-            "--work",
-            &work_rel,
-        ])
-        .args(prompt)
-        .args(["--report", report.to_str().unwrap()])
-        .args(args);
-    cmd
+    let mut all = vec!["--model".to_string(), model];
+    if !args.contains(&"--tokens") {
+        all.extend(["--prompt".to_string(), "short".to_string()]);
+    }
+    all.extend(args.iter().map(|a| a.to_string()));
+    all
 }
 
-/// `work`/report.json, validated against the schema.
-fn read_report(work: &Path, stdout: &str, stderr: &str) -> Value {
-    let report = std::fs::read_to_string(work.join("report.json"))
-        .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
-    let report: Value = serde_json::from_str(&report).unwrap();
-    assert_valid_report(&report);
-    report
+/// The `gate bisect` command of `run_bisect`, its traces and report.json in `work`.
+fn bisect_command(model: &str, args: &[&str], work: &Path) -> Command {
+    let rel = work.strip_prefix(repo()).unwrap();
+    common::bisect_command(rel, &work.join("report.json"), &fixture_args(model, args))
 }
 
 /// `run_bisect` for a bisection that must not be refused.
 /// `gate bisect` of `model`: the engine against the contract with `edits` planted in its trace
 /// (gate/tests/producers/planted_trace.py), and `more` arguments.
-fn bisect_planted(model: &str, edits: &str, more: &[&str]) -> Outcome {
+fn bisect_planted(model: &str, edits: &str, more: &[&str]) -> Bisected {
     let cmd = format!(
         "'{}' '{}' --base contract {edits} {{verb|serve}} {{args}}",
         repo().join(".venv/bin/python").display(),
@@ -110,18 +69,24 @@ fn bisect_planted(model: &str, edits: &str, more: &[&str]) -> Outcome {
     bisect(model, &args)
 }
 
-fn bisect(model: &str, args: &[&str]) -> Outcome {
-    let (code, stdout, stderr, report) = run_bisect(model, args);
-    assert!(code != 2, "gate bisect refused:\n{stdout}\n{stderr}");
-    Outcome {
-        code,
-        stdout,
-        report,
-    }
+fn bisect(model: &str, args: &[&str]) -> Bisected {
+    let (work, rel) = work_dir();
+    let b = common::bisect(
+        &rel,
+        &work.path().join("report.json"),
+        &fixture_args(model, args),
+    );
+    assert!(
+        b.code != 2,
+        "gate bisect refused:\n{}\n{}",
+        b.stdout,
+        b.stderr
+    );
+    b
 }
 
 /// Engine reference against a defective contract, every layer isolated, internals captured.
-fn against_defect(model: &str, defect: &str) -> Outcome {
+fn against_defect(model: &str, defect: &str) -> Bisected {
     let cmd = defective(defect);
     bisect(
         model,
@@ -149,7 +114,7 @@ fn statuses(r: &Value) -> Vec<String> {
 }
 
 fn assert_found(
-    o: &Outcome,
+    o: &Bisected,
     layer: u64,
     block: &str,
     tensor: &str,
@@ -254,7 +219,7 @@ fn interleaved_gqa_repeat_is_named_in_layer_03_attention() {
 }
 
 /// The stage's `matching` list of a bisection.
-fn matching(o: &Outcome) -> Vec<&str> {
+fn matching(o: &Bisected) -> Vec<&str> {
     o.report["stage"]["matching"]
         .as_array()
         .unwrap()
@@ -1632,7 +1597,7 @@ fn bisect_on_a_terminal(model: &str, args: &[&str], work: &Path) -> (String, Str
     let status = child.wait().unwrap();
     let shown = reader.join().unwrap();
     assert_eq!(status.code(), Some(0), "{stdout}\n{shown}");
-    let report = read_report(work, &stdout, &shown);
+    let report = read_bisect_report(&work.join("report.json"), &stdout, &shown);
     (stdout, shown, report)
 }
 
@@ -1690,7 +1655,7 @@ fn progress_is_a_line_per_step_off_a_terminal_and_a_bar_on_one_never_in_the_outp
         String::from_utf8_lossy(&out.stderr).to_string(),
     );
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
-    let piped = read_report(work.path(), &stdout, &stderr);
+    let piped = read_bisect_report(&work.path().join("report.json"), &stdout, &stderr);
     let lines = steps(&stderr);
     let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
     assert_eq!(

@@ -10,28 +10,10 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
-
 use crate::common;
-use common::{assert_valid_bisect_report, repo};
+use common::repo;
 
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-    report: Value,
-}
-
-impl Run {
-    /// The verdict line (the first line says how bisect judged), or for a refusal the report's
-    /// summary.
-    fn headline(&self) -> String {
-        match self.stdout.lines().nth(1) {
-            Some(l) => l.to_string(),
-            None => self.report["summary"].as_str().unwrap_or("").to_string(),
-        }
-    }
-}
+use common::Bisected as Run;
 
 /// `gate bisect --model fixtures/tiny-qwen3 --prompt short ARGS --work WORK` from the root, its
 /// report (schema-checked) in `report_dir`.
@@ -41,34 +23,8 @@ fn bisect(work: &Path, report_dir: &Path, args: &[&str]) -> Run {
 
 /// [`bisect`] of another model and prompt.
 fn bisect_on((model, prompt): (&str, &str), work: &Path, report_dir: &Path, args: &[&str]) -> Run {
-    let root = repo();
-    let report = report_dir.join("report.json");
-    let _ = std::fs::remove_file(&report);
-    let out = common::gate()
-        .current_dir(&root)
-        .args(["--root", root.to_str().unwrap(), "bisect"])
-        .args(["--model", model, "--prompt", prompt])
-        .args(["--work", work.to_str().unwrap()])
-        .args(["--report", report.to_str().unwrap()])
-        .args(args)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    );
-    let text = std::fs::read_to_string(&report)
-        .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
-    let report: Value = serde_json::from_str(&text).unwrap();
-    if report["verdict"] != "refused" {
-        assert_valid_bisect_report(&report);
-    }
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout,
-        stderr,
-        report,
-    }
+    let all = [&["--model", model, "--prompt", prompt], args].concat();
+    common::bisect(work, &report_dir.join("report.json"), &all)
 }
 
 /// A test producer under gate/tests/producers run by the project's Python, with `words`.

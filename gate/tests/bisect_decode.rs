@@ -7,54 +7,23 @@
 use serde_json::Value;
 
 use crate::common;
-use common::{assert_valid_bisect_report, defective, repo};
-
-/// The verdict line: the first line says how bisect judged (docs/bisect.md, "Judging").
-fn headline(stdout: &str) -> &str {
-    let mut lines = stdout.lines();
-    assert!(
-        lines.next().unwrap_or("").starts_with("judged by "),
-        "the first line does not say how it judged: {stdout}"
-    );
-    lines.next().unwrap_or("")
-}
+use common::{defective, headline, work_dir};
 
 /// `gate bisect --generate 3` on a fixture, prompt `short`: (exit code, stdout, report).
 fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
-    let root = repo();
-    let work = tempfile::tempdir_in(root.join("target")).unwrap();
-    let report = work.path().join("report.json");
-    let out = common::gate()
-        .current_dir(&root)
-        .args([
-            "--root",
-            root.to_str().unwrap(),
-            "bisect",
-            "--model",
-            &format!("fixtures/{model}"),
-            "--prompt",
-            "short",
-        ])
-        .args([
-            "--work",
-            work.path().strip_prefix(&root).unwrap().to_str().unwrap(),
-            "--report",
-            report.to_str().unwrap(),
-        ])
-        .args(["--reference", "engine", "--generate", "3"])
-        .args(candidate)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| {
-        panic!(
-            "no report ({e}):\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    let report: Value = serde_json::from_str(&text).unwrap();
-    assert_valid_bisect_report(&report);
-    (out.status.code().unwrap_or(-1), stdout, report)
+    let (work, rel) = work_dir();
+    let model = format!("fixtures/{model}");
+    let settings = [
+        "--model",
+        &model,
+        "--prompt",
+        "short",
+        "--reference",
+        "engine",
+    ];
+    let all = [&settings[..], &["--generate", "3"], candidate].concat();
+    let b = common::bisect(&rel, &work.path().join("report.json"), &all);
+    (b.code, b.stdout, b.report)
 }
 
 /// Each layer's status at the decode step it was isolated at.

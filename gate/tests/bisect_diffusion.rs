@@ -14,7 +14,7 @@
 use serde_json::Value;
 
 use crate::common;
-use common::{assert_valid_bisect_report, defective, repo};
+use common::{defective, repo};
 
 const MODEL: &str = "fixtures/tiny-diffusion-gemma";
 
@@ -62,37 +62,20 @@ fn bisect_in(
     reference: &[&str],
     candidate: &[&str],
 ) -> (i32, String, Value) {
-    let root = repo();
-    let report = work.join("report.json");
-    let out = common::gate()
-        .current_dir(&root)
-        .args(["--root", root.to_str().unwrap(), "bisect", "--model", MODEL])
-        .args([
-            "--prompt",
-            prompt,
-            "--generate",
-            "14",
-            "--seed",
-            &seed.to_string(),
-        ])
-        .arg("--work")
-        .arg(work)
-        .arg("--report")
-        .arg(&report)
-        .args(reference)
-        .args(candidate)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| {
-        panic!(
-            "no report ({e}):\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    let report: Value = serde_json::from_str(&text).unwrap();
-    assert_valid_bisect_report(&report);
-    (out.status.code().unwrap_or(-1), stdout, report)
+    let seed = seed.to_string();
+    let settings = [
+        "--model",
+        MODEL,
+        "--prompt",
+        prompt,
+        "--generate",
+        "14",
+        "--seed",
+        &seed,
+    ];
+    let all = [&settings[..], reference, candidate].concat();
+    let b = common::bisect(work, &work.join("report.json"), &all);
+    (b.code, b.stdout, b.report)
 }
 
 /// The contract with `defect` planted, against the engine.
@@ -100,6 +83,16 @@ fn planted(defect: &str) -> (i32, String, Value) {
     let cmd = defective(defect);
     bisect(
         &["--reference", "engine"],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+    )
+}
+
+/// The contract with `defect` planted, forced by torch's run (the stored reference of
+/// [`torch_run`]).
+fn forced_by_torch(defect: &str) -> (i32, String, Value) {
+    let cmd = defective(defect);
+    bisect(
+        &["--reference", &torch_run().3],
         &["--candidate", "cmd", "--candidate-cmd", &cmd],
     )
 }
@@ -201,7 +194,6 @@ fn an_or_stop_rule_is_a_stop_decision_on_agreeing_numbers() {
 
 #[test]
 fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
-    let cmd = defective("dg-argmax-second");
     let (code, stdout, r) = planted("dg-argmax-second");
     assert_eq!(code, 1, "{stdout}");
     assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
@@ -211,10 +203,7 @@ fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
     );
     // Forced by torch's run, its own logits put the reference's token on top where it
     // overrode it: not a near-tie the judged logits explain.
-    let (code, stdout, r) = bisect(
-        &["--reference", &torch_run().3],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-    );
+    let (code, stdout, r) = forced_by_torch("dg-argmax-second");
     assert_eq!(code, 1, "{stdout}");
     assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
     let unexplained = r["diffusion"]["forced_unexplained"].as_array().unwrap();
@@ -252,11 +241,7 @@ fn an_argmax_that_is_not_argmax_differs_unforced_and_is_not_excused_forced() {
 /// `nothing wrong` while a missing count read as 0).
 #[test]
 fn a_forced_port_that_records_no_overrides_is_not_checked_never_none() {
-    let cmd = defective("dg-argmax-runner-up");
-    let (code, stdout, r) = bisect(
-        &["--reference", &torch_run().3],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-    );
+    let (code, stdout, r) = forced_by_torch("dg-argmax-runner-up");
     assert_eq!(code, 4, "{stdout}");
     assert_eq!(r["verdict"], "not_checked", "{stdout}");
     let f = &r["diffusion"]["forced"];
@@ -282,11 +267,7 @@ fn a_forced_port_that_records_no_overrides_is_not_checked_never_none() {
 /// against rows with a margin ≤ 0 anywhere).
 #[test]
 fn an_override_covered_by_a_margin_manufactured_in_another_row_fails_naming_its_row() {
-    let cmd = defective("dg-argmax-covered");
-    let (code, stdout, r) = bisect(
-        &["--reference", &torch_run().3],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-    );
+    let (code, stdout, r) = forced_by_torch("dg-argmax-covered");
     assert_eq!(code, 1, "{stdout}");
     assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
     let d = &r["diffusion"];
@@ -332,11 +313,7 @@ fn an_override_covered_by_a_margin_manufactured_in_another_row_fails_naming_its_
 /// the bound (it was `nothing wrong` while a margin ≤ 0 excused the row).
 #[test]
 fn a_far_flip_recorded_with_its_own_margin_below_zero_fails_with_the_gap_and_bound() {
-    let cmd = defective("dg-argmax-far");
-    let (code, stdout, r) = bisect(
-        &["--reference", &torch_run().3],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-    );
+    let (code, stdout, r) = forced_by_torch("dg-argmax-far");
     assert_eq!(code, 1, "{stdout}");
     assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
     let d = &r["diffusion"];
@@ -428,11 +405,7 @@ fn another_generator_is_forced_and_then_agrees_or_is_not_checked() {
         .any(|u| u["name"] == "denoise.0000.init_canvas"));
     // Against torch's run stored (the same trace), forced, an OR stop rule takes the reference's stop, and says where its own differs: the
     // numbers agree, the candidate's decision does not.
-    let cmd = defective("dg-stop-or");
-    let (code, stdout, r) = bisect(
-        &["--reference", &torch_run().3],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-    );
+    let (code, stdout, r) = forced_by_torch("dg-stop-or");
     assert_eq!(code, 1, "{stdout}");
     assert_eq!(r["verdict"], "decisions_differ", "{stdout}");
     assert_eq!(r["diffusion"]["forced"]["status"], "forced", "{stdout}");
@@ -444,11 +417,7 @@ fn another_generator_is_forced_and_then_agrees_or_is_not_checked() {
         "{stdout}"
     );
     // A candidate that ignores --force-decisions cannot be compared past the first draw.
-    let cmd = defective("no-force");
-    let (code, stdout, r) = bisect(
-        &["--reference", &torch_run().3],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-    );
+    let (code, stdout, r) = forced_by_torch("no-force");
     assert_eq!(code, 4, "{stdout}");
     assert_eq!(r["verdict"], "not_checked", "{stdout}");
     assert_eq!(r["diffusion"]["forced"]["status"], "not_forced", "{stdout}");

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::common::{self, assert_valid_bisect_report, repo};
+use crate::common::{self, repo, work_dir};
 use crate::ranks::sharded;
 
 const TOKENS: &str = "12,218,345,152,81";
@@ -32,34 +32,23 @@ fn bisect(plants: &str, more: &[&str]) -> Bisected {
 
 /// `gate bisect --ranks 2` of `model`: the engine against the candidate command `cmd`.
 fn bisect_of(model: &str, cmd: &str, more: &[&str]) -> Bisected {
-    let root = repo();
-    let work = tempfile::tempdir_in(root.join("target")).unwrap();
-    let work_rel = work
-        .path()
-        .strip_prefix(&root)
-        .unwrap()
-        .display()
-        .to_string();
-    let report = work.path().join("report.json");
-    let out = common::gate()
-        .current_dir(&root)
-        .args(["--root", root.to_str().unwrap(), "bisect"])
-        .args(["--model", model, "--tokens", TOKENS])
-        .args(["--work", &work_rel, "--report", report.to_str().unwrap()])
-        .args(["--reference", "engine", "--candidate", "cmd"])
-        .args(["--candidate-cmd", cmd, "--ranks", "2"])
-        .args(more)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    let report: Value = serde_json::from_str(
-        &std::fs::read_to_string(&report)
-            .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}")),
-    )
-    .unwrap();
-    assert_valid_bisect_report(&report);
-    let code = out.status.code().unwrap_or(-1);
+    let (work, rel) = work_dir();
+    let settings = [
+        "--model",
+        model,
+        "--tokens",
+        TOKENS,
+        "--reference",
+        "engine",
+    ];
+    let candidate = ["--candidate", "cmd", "--candidate-cmd", cmd, "--ranks", "2"];
+    let all = [&settings[..], &candidate, more].concat();
+    let common::Bisected {
+        code,
+        stdout,
+        stderr,
+        report,
+    } = common::bisect(&rel, &work.path().join("report.json"), &all);
     assert_ne!(code, 2, "refused:\n{stdout}\n{stderr}");
     Bisected {
         code,
@@ -81,8 +70,10 @@ fn trace_diff(reference: &Path, work: &Path, more: &[&str]) -> (i32, String) {
 /// A tool beside the gate (`trace-diff`, `trace-merge`) run with `args`: exit status and stdout +
 /// stderr.
 fn tool(name: &str, args: &[std::ffi::OsString]) -> (i32, String) {
-    let exe = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name(name);
-    let out = std::process::Command::new(exe).args(args).output().unwrap();
+    let out = std::process::Command::new(common::sibling(name))
+        .args(args)
+        .output()
+        .unwrap();
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -245,7 +236,7 @@ fn partial_sums_in_another_order_differ_by_bits_and_are_within_the_f32_policy() 
 /// The engine's own expert-parallel run (`--shards ep=2`) behind tests/producers/sharded_port.py,
 /// its rank traces copied with `plants`.
 fn engine_ep2(plants: &str) -> String {
-    let engine = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("engine");
+    let engine = common::sibling("engine");
     format!(
         "'{}' '{}' --exe '{}' --engine-shards ep=2 {plants} {{verb}} {{args}}",
         common::python().display(),

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::common;
-use common::{assert_valid_bisect_report, defective, repo};
+use common::{defective, repo};
 
 struct Run {
     code: i32,
@@ -23,24 +23,15 @@ struct Run {
 /// fresh one under `dir`; the report is checked against the schema.
 fn bisect(dir: &Path, args: &[&str]) -> Run {
     let work = tempfile::tempdir_in(dir).unwrap().keep();
-    let report = work.join("report.json");
-    let out = common::gate()
-        .current_dir(repo())
-        .args(["bisect", "--model", "fixtures/tiny-qwen3", "--work"])
-        .arg(&work)
-        .arg("--report")
-        .arg(&report)
-        .args(args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    let text = std::fs::read_to_string(&report)
-        .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
-    let report: Value = serde_json::from_str(&text).unwrap();
-    assert_valid_bisect_report(&report);
+    let all = [&["--model", "fixtures/tiny-qwen3"], args].concat();
+    let common::Bisected {
+        code,
+        stdout,
+        stderr,
+        report,
+    } = common::bisect(&work, &work.join("report.json"), &all);
     Run {
-        code: out.status.code().unwrap_or(-1),
+        code,
         stdout,
         stderr,
         report,

@@ -13,51 +13,21 @@ use sha2::Digest as _;
 use crate::common::{self, defective, repo};
 
 fn example_producer() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("example-producer")
+    common::sibling("example-producer")
 }
 
 fn engine() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("engine")
+    common::sibling("engine")
 }
 
 /// `gate bisect` on tiny-qwen3, prompt short, with `candidate` and `extra`; its work dir, report
 /// and (maybe) capsule under `tmp`. Returns (exit code, stdout, report).
 fn bisect(tmp: &Path, reference: &str, candidate: &[&str], extra: &[&str]) -> (i32, String, Value) {
-    let root = repo();
-    let work = tmp.join("work");
-    let report = tmp.join("report.json");
-    let out = common::gate()
-        .current_dir(&root)
-        .args([
-            "--root",
-            root.to_str().unwrap(),
-            "bisect",
-            "--model",
-            "fixtures/tiny-qwen3",
-        ])
-        .args([
-            "--prompt",
-            "short",
-            "--reference",
-            reference,
-            "--capture",
-            "internals",
-        ])
-        .args([
-            "--work",
-            work.to_str().unwrap(),
-            "--report",
-            report.to_str().unwrap(),
-        ])
-        .args(candidate)
-        .args(extra)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap_or_default())
-        .unwrap_or_else(|e| panic!("no report ({e}): {stdout}\n{stderr}"));
-    (out.status.code().unwrap_or(-1), stdout, report)
+    let settings = ["--model", "fixtures/tiny-qwen3", "--prompt", "short"];
+    let reference = ["--reference", reference, "--capture", "internals"];
+    let all = [&settings[..], &reference, candidate, extra].concat();
+    let b = common::bisect(&tmp.join("work"), &tmp.join("report.json"), &all);
+    (b.code, b.stdout, b.report)
 }
 
 /// `gate capsule run DIR` with `candidate`, run from a directory that is not the root; returns

@@ -184,6 +184,31 @@ fn the_report_validator_refuses_what_the_schema_does_not_describe() {
     assert!(!v.is_valid(&report(bad_violation)));
 }
 
+/// `gate m0` on tiny-qwen3, prompt `only`, with `more` arguments, torch blocked: the oracle is
+/// unavailable unless `more` names an `--oracle-cmd`.
+fn m0_tiny(only: &str, more: &[&str]) -> Run {
+    m0_tiny_by(gate, only, more)
+}
+
+/// [`m0_tiny`] under the watchdog of [`gate_watched`].
+fn m0_tiny_watched(only: &str, more: &[&str]) -> Run {
+    m0_tiny_by(gate_watched, only, more)
+}
+
+/// [`gate`] or [`gate_watched`].
+type Runner = fn(&Path, &[&str], &[(&str, &Path)]) -> Run;
+
+fn m0_tiny_by(run: Runner, only: &str, more: &[&str]) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let torchless = torchless_python(dir.path());
+    let args = [
+        &["m0", "--model", "fixtures/tiny-qwen3", "--only", only],
+        more,
+    ]
+    .concat();
+    run(&repo(), &args, &[("TRACEGATE_ORACLE_PYTHON", &torchless)])
+}
+
 fn check<'a>(report: &'a Value, prompt: &str, name: &str) -> &'a Value {
     report["prompts"]
         .as_array()
@@ -1083,27 +1108,13 @@ fn findings(check: &Value) -> Vec<(String, String, u64)> {
 
 #[test]
 fn an_oracle_tensor_outside_the_policy_fails_agrees() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     // A 1-ULP nudge (noise within the policy) in an earlier tensor than the defect: the failure
     // must be named by the first violation, not by the first bit difference.
     let oracle = test_producer(
         "planted_trace.py",
         "--base contract --nudge layer.00.attn_out --push layer.01.mlp_out",
     );
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny("short", &["--oracle-cmd", &oracle]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let agrees = check(&rep, "short", "agrees");
@@ -1167,25 +1178,11 @@ fn an_oracle_tensor_outside_the_policy_fails_agrees() {
 
 #[test]
 fn an_oracle_decode_token_flip_fails_generation_oracle() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let oracle = test_producer(
         "planted_trace.py",
         "--base contract --flip decode.0003.argmax",
     );
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny("short", &["--oracle-cmd", &oracle]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let g = check(&rep, "short", "generation_oracle");
@@ -1210,22 +1207,8 @@ fn an_oracle_decode_token_flip_fails_generation_oracle() {
 
 /// `gate m0` on tiny-qwen3, prompt edge64, with `planted_trace.py EDITS` as the oracle (no torch).
 fn m0_edge64_with_planted_oracle(edits: &str) -> Run {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let oracle = test_producer("planted_trace.py", edits);
-    gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "edge64",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    )
+    m0_tiny("edge64", &["--oracle-cmd", &oracle])
 }
 
 #[test]
@@ -1321,25 +1304,11 @@ fn a_flip_far_below_the_top_beside_a_moved_runner_up_fails_agrees() {
 
 #[test]
 fn a_contract_decode_token_flip_fails_generation() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let contract = test_producer(
         "planted_trace.py",
         "--base contract --flip decode.0005.argmax",
     );
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--contract-cmd",
-            &contract,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny("short", &["--contract-cmd", &contract]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let g = check(&rep, "short", "generation");
@@ -1381,25 +1350,11 @@ fn foreign_producer(base: &str, set: &str) -> String {
 
 #[test]
 fn a_contract_of_other_weights_fails_generation_not_only_matches() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let contract = foreign_producer(
         "contract",
         r#"weights_digest="00112233445566778899aabbccddeeff""#,
     );
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--contract-cmd",
-            &contract,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny("short", &["--contract-cmd", &contract]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let g = check(&rep, "short", "generation");
@@ -1424,26 +1379,19 @@ fn bidi_characters_from_a_producers_trace_are_escaped_on_the_html_page() {
     // The contract's trace claims a weights digest that hides its text behind a right-to-left
     // override; the refusal quotes it in the findings, which the page shows.
     let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let contract = foreign_producer(
         "contract",
         r#"weights_digest="\u202eff00\u2066x\u2069\u200f""#,
     );
     let page = dir.path().join("out.html");
-    let r = gate(
-        &repo(),
+    let r = m0_tiny(
+        "short",
         &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
             "--contract-cmd",
             &contract,
             "--html",
             page.to_str().unwrap(),
         ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let html = std::fs::read_to_string(&page).unwrap();
@@ -1460,23 +1408,9 @@ fn bidi_characters_from_a_producers_trace_are_escaped_on_the_html_page() {
 
 #[test]
 fn an_oracle_of_another_prompt_fails_generation_oracle() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     // The oracle's place is taken by the contract, as in the oracle's other negative controls.
     let oracle = foreign_producer("contract", "prompt_tokens=[1,2,3]");
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny("short", &["--oracle-cmd", &oracle]);
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     let g = check(&rep, "short", "generation_oracle");
@@ -1492,24 +1426,8 @@ fn an_oracle_of_another_prompt_fails_generation_oracle() {
 
 #[test]
 fn a_hanging_producer_is_killed_at_the_timeout_and_the_run_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let contract = test_producer("misbehaving.py", "hang");
-    let r = gate_watched(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--contract-cmd",
-            &contract,
-            "--timeout",
-            "2",
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny_watched("short", &["--contract-cmd", &contract, "--timeout", "2"]);
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
     assert!(
         r.stderr
@@ -1522,24 +1440,8 @@ fn a_hanging_producer_is_killed_at_the_timeout_and_the_run_refused() {
 
 #[test]
 fn an_endless_writer_is_killed_at_the_timeout_too() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let contract = test_producer("misbehaving.py", "endless");
-    let r = gate_watched(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--contract-cmd",
-            &contract,
-            "--timeout",
-            "2",
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny_watched("short", &["--contract-cmd", &contract, "--timeout", "2"]);
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
     assert!(
         r.stderr
@@ -1551,24 +1453,16 @@ fn an_endless_writer_is_killed_at_the_timeout_too() {
 
 #[test]
 fn a_producer_leaving_a_child_that_holds_its_output_does_not_block_the_gate() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let work = tempfile::tempdir().unwrap();
     let contract = test_producer("misbehaving.py", "background");
-    let r = gate_watched(
-        &repo(),
+    let r = m0_tiny_watched(
+        "short",
         &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
             "--contract-cmd",
             &contract,
             "--work",
             work.path().to_str().unwrap(),
         ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(
         r.code, 4,
@@ -1604,24 +1498,16 @@ fn a_producer_leaving_a_child_that_holds_its_output_does_not_block_the_gate() {
 
 #[test]
 fn a_child_that_left_the_producers_group_holding_its_output_does_not_block_the_gate() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let work = tempfile::tempdir().unwrap();
     let contract = test_producer("misbehaving.py", "escaped");
-    let r = gate_watched(
-        &repo(),
+    let r = m0_tiny_watched(
+        "short",
         &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
             "--contract-cmd",
             &contract,
             "--work",
             work.path().to_str().unwrap(),
         ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     // The sleeper is out of the gate's reach: this test started it (through the gate), so it ends it.
     let pid = std::fs::read_to_string(
@@ -1645,22 +1531,8 @@ fn a_child_that_left_the_producers_group_holding_its_output_does_not_block_the_g
 
 #[test]
 fn a_producer_flooding_stderr_is_kept_to_its_head_and_tail() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let contract = test_producer("misbehaving.py", "flood");
-    let r = gate_watched(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--contract-cmd",
-            &contract,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny_watched("short", &["--contract-cmd", &contract]);
     assert_eq!(r.code, 1, "{}", r.stdout);
     let rep = r.report.unwrap();
     let run = &rep["prompts"][0]["runs"][2];
@@ -1881,23 +1753,9 @@ fn a_model_of_another_family_and_an_old_milestones_schema_are_refused_by_name() 
 
 #[test]
 fn only_short_exits_0_when_every_check_it_ran_passed() {
-    let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     // The contract unchanged in the oracle's place, so every check of `short` can pass.
     let oracle = test_producer("planted_trace.py", "--base contract");
-    let r = gate(
-        &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--oracle-cmd",
-            &oracle,
-        ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
-    );
+    let r = m0_tiny("short", &["--oracle-cmd", &oracle]);
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let rep = r.report.unwrap();
     assert_eq!(rep["verdict"], "PASS");
@@ -2318,24 +2176,17 @@ fn a_runs_own_workers_are_gone_the_moment_the_gate_has_exited() {
     // leave when its stdin closes and leaves a child in its process group (serving.py
     // slow-leave). Both carry a mark of this test in their command lines.
     let dir = tempfile::tempdir().unwrap();
-    let torchless = torchless_python(dir.path());
     let work = tempfile::tempdir().unwrap();
     let mark = dir.path().join("slow-leave-mark").display().to_string();
     let contract = served_test_producer("serving.py", &format!("'slow-leave:{mark}'"));
-    let r = gate_watched(
-        &repo(),
+    let r = m0_tiny_watched(
+        "short",
         &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
             "--contract-cmd",
             &contract,
             "--work",
             work.path().to_str().unwrap(),
         ],
-        &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     // The moment the gate's process has exited (gate_watched returns then):
     let left = running_with(&mark);

@@ -15,7 +15,7 @@ use std::process::Command;
 use serde_json::Value;
 
 use crate::common;
-use common::{assert_valid_bisect_report, repo};
+use common::{headline, repo, Bisected};
 
 /// tests/producers/field_plants.py with `defect` planted, as a serving command template.
 fn plant(defect: &str) -> String {
@@ -28,52 +28,26 @@ fn plant(defect: &str) -> String {
     )
 }
 
-struct Bisected {
-    code: i32,
-    stdout: String,
-    report: Value,
-}
-
 /// `gate bisect` of `fixtures/MODEL` on prompt `short`, reference the engine, candidate the
 /// plant, with `extra` arguments.
 fn bisect(model: &str, defect: &str, extra: &[&str]) -> Bisected {
-    let root = repo();
-    let work = tempfile::tempdir_in(root.join("target")).unwrap();
-    let report = work.path().join("report.json");
-    let cmd = plant(defect);
-    let out = common::gate()
-        .current_dir(&root)
-        .args(["--root", root.to_str().unwrap(), "bisect", "--model"])
-        .arg(format!("fixtures/{model}"))
-        .args(["--prompt", "short", "--work"])
-        .arg(work.path())
-        .arg("--report")
-        .arg(&report)
-        .args([
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-        ])
-        .arg(&cmd)
-        .args(extra)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| {
-        panic!(
-            "{defect}: no report ({e}):\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    let report: Value = serde_json::from_str(&text).unwrap();
-    assert_valid_bisect_report(&report);
-    Bisected {
-        code: out.status.code().unwrap_or(-1),
-        stdout,
-        report,
-    }
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let (model, cmd) = (format!("fixtures/{model}"), plant(defect));
+    let settings = [
+        "--model",
+        &model,
+        "--prompt",
+        "short",
+        "--reference",
+        "engine",
+    ];
+    let all = [
+        &settings[..],
+        &["--candidate", "cmd", "--candidate-cmd", &cmd],
+        extra,
+    ]
+    .concat();
+    common::bisect(work.path(), &work.path().join("report.json"), &all)
 }
 
 fn statuses(layers: &Value) -> Vec<&str> {
@@ -86,10 +60,6 @@ fn statuses(layers: &Value) -> Vec<&str> {
 }
 
 /// The summary line (after "judged by …").
-fn headline(stdout: &str) -> &str {
-    stdout.lines().nth(1).unwrap_or("")
-}
-
 const PREFILL: [&str; 3] = ["--capture", "internals", "--all-layers"];
 
 #[test]
@@ -230,13 +200,7 @@ fn a_canvas_reading_a_prompt_cache_built_from_another_hidden_state_is_named_at_i
 
 /// trace-diff, built beside the gate (`cargo build --release --bins`).
 fn trace_diff() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("trace-diff");
-    assert!(
-        p.is_file(),
-        "{} is missing: build it with `cargo build --release --bins`",
-        p.display()
-    );
-    p
+    common::sibling("trace-diff")
 }
 
 /// The plant's `trace` verb on tiny-qwen3-moe (bf16 weights: its embedding rows are exact in

@@ -18,13 +18,7 @@ use common::repo;
 
 /// The user's port: the example producer, built beside the gate (`cargo build --release --bins`).
 fn example_producer() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("example-producer");
-    assert!(
-        p.is_file(),
-        "{} is missing: build it with `cargo build --release --bins`",
-        p.display()
-    );
-    p
+    common::sibling("example-producer")
 }
 
 fn port_cmd(extra: &str) -> String {
@@ -1817,7 +1811,7 @@ fn a_port_that_computes_as_the_noise_run_is_never_said_to_be_sized_by_it() {
     // The candidate is tracegate's own engine: its output is the f32 noise run's, bit for bit.
     // That noise trace is not read (a candidate never sizes its own near-ties), not recorded,
     // and no line says the near-ties' noise was read from it.
-    let engine = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("engine");
+    let engine = common::sibling("engine");
     let (dir, out) = init_with(&format!("'{}' {{verb}} {{args}}", engine.display()), &[]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert!(

@@ -17,7 +17,7 @@ use serde_json::Value;
 use common::repo;
 
 fn example_producer() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name("example-producer")
+    common::sibling("example-producer")
 }
 
 /// The example producer behind tests/producers/sharded_port.py with `plants`.

@@ -111,8 +111,10 @@ fn two_good_ranks(dir: &Path) -> (PathBuf, PathBuf) {
     (a, b)
 }
 
-/// A refusal: exit 2, one line, naming every word in `words`; nothing at `out`.
-fn refused(run: &Run, out: &Path, words: &[&str]) {
+/// `trace-merge INPUTS --out OUT` refuses: exit 2, one line, naming every word in `words`;
+/// nothing at `out`.
+fn refused(inputs: &[&Path], out: &Path, words: &[&str]) {
+    let run = merge_cli(inputs, out);
     assert_eq!(run.code, 2, "{}{}", run.stdout, run.stderr);
     assert_eq!(run.stderr.trim_end().lines().count(), 1, "{}", run.stderr);
     for w in words {
@@ -369,7 +371,7 @@ fn a_gap_or_an_overlap_is_refused_naming_the_rank() {
             provenance(),
             &[h, ("x", &shape, &v, Some(&shard))],
         );
-        refused(&merge_cli(&[&r0, &bad], &out), &out, &words);
+        refused(&[&r0, &bad], &out, &words);
     }
     // A gap at the end: names the rank whose slice ends before the size.
     let short = rank_trace(
@@ -378,11 +380,7 @@ fn a_gap_or_an_overlap_is_refused_naming_the_rank() {
         provenance(),
         &[h, ("x", &[1, 1], &[3.0], Some(&slice(2, 1)))],
     );
-    refused(
-        &merge_cli(&[&r0, &short], &out),
-        &out,
-        &["gap", "3..4", "rank 1"],
-    );
+    refused(&[&r0, &short], &out, &["gap", "3..4", "rank 1"]);
 }
 
 #[test]
@@ -390,16 +388,8 @@ fn a_missing_or_repeated_rank_and_a_disagreeing_world_size_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let (r0, r1) = two_good_ranks(dir.path());
     let out = dir.path().join("m.trace");
-    refused(
-        &merge_cli(&[&r0], &out),
-        &out,
-        &["rank 1 of world size 2 is missing"],
-    );
-    refused(
-        &merge_cli(&[&r1, &r1], &out),
-        &out,
-        &["rank 1 is given twice"],
-    );
+    refused(&[&r0], &out, &["rank 1 of world size 2 is missing"]);
+    refused(&[&r1, &r1], &out, &["rank 1 is given twice"]);
     let three = rank_trace(
         dir.path(),
         "w3.trace",
@@ -415,7 +405,7 @@ fn a_missing_or_repeated_rank_and_a_disagreeing_world_size_are_refused() {
         ],
     );
     refused(
-        &merge_cli(&[&r0, &three], &out),
+        &[&r0, &three],
         &out,
         &["rank 1", "world size 3", "rank 0", "2"],
     );
@@ -435,7 +425,7 @@ fn a_missing_or_repeated_rank_and_a_disagreeing_world_size_are_refused() {
         ],
     );
     refused(
-        &merge_cli(&[&r0, &mixed], &out),
+        &[&r0, &mixed],
         &out,
         &["mixed.trace", "one trace is one rank"],
     );
@@ -469,11 +459,7 @@ fn ranks_of_another_run_are_refused() {
                 ),
             ],
         );
-        refused(
-            &merge_cli(&[&r0, &other], &out),
-            &out,
-            &["rank 1", "another run", key],
-        );
+        refused(&[&r0, &other], &out, &["rank 1", "another run", key]);
     }
 }
 
@@ -489,11 +475,7 @@ fn a_tensor_on_some_ranks_only_or_a_differing_replica_is_refused() {
         Some("rank=1/2;slice;axis=1;offset=2;length=2;size=4"),
     );
     let without_h = rank_trace(dir.path(), "r1.trace", provenance(), &[x]);
-    refused(
-        &merge_cli(&[&r0, &without_h], &out),
-        &out,
-        &["tensor \"h\"", "not on rank 1"],
-    );
+    refused(&[&r0, &without_h], &out, &["tensor \"h\"", "not on rank 1"]);
     let other_h = rank_trace(
         dir.path(),
         "r1.trace",
@@ -501,7 +483,7 @@ fn a_tensor_on_some_ranks_only_or_a_differing_replica_is_refused() {
         &[("h", &[1, 2], &[1.0, 2.5], Some("rank=1/2;replicated")), x],
     );
     refused(
-        &merge_cli(&[&r0, &other_h], &out),
+        &[&r0, &other_h],
         &out,
         &["tensor \"h\" is replicated", "rank 1", "element 1"],
     );
@@ -512,11 +494,7 @@ fn a_tensor_on_some_ranks_only_or_a_differing_replica_is_refused() {
         provenance(),
         &[("h", &[1, 2], &[1.0, 2.5], None), x],
     );
-    refused(
-        &merge_cli(&[&r0, &bare_h], &out),
-        &out,
-        &["rank 1", "element 1"],
-    );
+    refused(&[&r0, &bare_h], &out, &["rank 1", "element 1"]);
     // Held two ways: a partial on one rank, a slice on the other.
     let partial_x = rank_trace(
         dir.path(),
@@ -528,7 +506,7 @@ fn a_tensor_on_some_ranks_only_or_a_differing_replica_is_refused() {
         ],
     );
     refused(
-        &merge_cli(&[&r0, &partial_x], &out),
+        &[&r0, &partial_x],
         &out,
         &["tensor \"x\"", "rank 1", "partial"],
     );
@@ -601,7 +579,7 @@ fn experts_are_united_and_one_on_two_ranks_or_none_is_refused() {
     // one under the contiguous split (experts 2..3 are rank 1's).
     let twice = write("r0.trace", 0, "0,1,2", &[1, 2]);
     refused(
-        &merge_cli(&[&twice, &r1], &out),
+        &[&twice, &r1],
         &out,
         &[
             "tensor \"layer.00.expert.002.out\" (expert 2 of layer 00) is on ranks 0, 1",
@@ -611,7 +589,7 @@ fn experts_are_united_and_one_on_two_ranks_or_none_is_refused() {
     // Expert 2 held by both, though computed on one: the layer that routes to it and who wrote it.
     let both = write("r0.trace", 0, "0,1,2", &[1]);
     refused(
-        &merge_cli(&[&both, &r1], &out),
+        &[&both, &r1],
         &out,
         &[
             "rank 1",
@@ -625,7 +603,7 @@ fn experts_are_united_and_one_on_two_ranks_or_none_is_refused() {
     // the contiguous split gives it, with its own held= list.
     let none = write("r0.trace", 0, "0", &[0]);
     refused(
-        &merge_cli(&[&none, &r1], &out),
+        &[&none, &r1],
         &out,
         &["expert 1 of 4 is held by no rank: layer 00 routes rows to it (decision \"layer.00.router.topk\") but no rank wrote tensor \"layer.00.expert.001.out\"; under the contiguous split rank 0 holds experts 0..1 (its held= list: 0)"],
     );
@@ -634,7 +612,7 @@ fn experts_are_united_and_one_on_two_ranks_or_none_is_refused() {
     let r1 = write_routed("r1.trace", 1, "2,3", &[2, 3], unrouted);
     let none = write_routed("r0.trace", 0, "0", &[0], unrouted);
     refused(
-        &merge_cli(&[&none, &r1], &out),
+        &[&none, &r1],
         &out,
         &["expert 1 of 4 is held by no rank: no layer routes rows to it (2 router decisions), so no value is wrong: the held= lists themselves are malformed; under the contiguous split rank 0 holds experts 0..1 (its held= list: 0)"],
     );
@@ -645,7 +623,7 @@ fn experts_are_united_and_one_on_two_ranks_or_none_is_refused() {
     let r1 = write_routed("r1.trace", 1, "2,3", &[2, 3], routed);
     let skipped = write_routed("r0.trace", 0, "0,1", &[0], routed);
     refused(
-        &merge_cli(&[&skipped, &r1], &out),
+        &[&skipped, &r1],
         &out,
         &["tensor \"layer.00.expert.001.out\" is written by no rank, though layer 00 routes rows to expert 1 (decision \"layer.00.router.topk\")", "an expert computed on no rank; rank 0 holds it (its held= list: 0,1), as the contiguous split has it (experts 0..1)"],
     );
@@ -1084,16 +1062,12 @@ fn a_rank_pattern_takes_the_rank_files_on_disk_in_trace_merge_and_trace_diff() {
     // A missing rank and a pattern that matches nothing are refused, naming why.
     std::fs::remove_file(ranks.join("r1.trace")).unwrap();
     let out = dir.path().join("c.trace");
-    refused(
-        &merge_cli(&[&pattern], &out),
-        &out,
-        &["rank 1 of world size 2 is missing"],
-    );
+    refused(&[&pattern], &out, &["rank 1 of world size 2 is missing"]);
     let (code, _, err) = diff(&listed, &pattern);
     assert_eq!(code, 2);
     assert!(err.contains("rank 1 of world size 2 is missing"), "{err}");
     refused(
-        &merge_cli(&[&ranks.join("s{rank}.trace")], &out),
+        &[&ranks.join("s{rank}.trace")],
         &out,
         &["no rank trace matches"],
     );

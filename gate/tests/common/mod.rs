@@ -3,6 +3,7 @@
 //! it needs.
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -70,4 +71,97 @@ pub fn defective(defect: &str) -> String {
             .join("gate/tests/producers/defective_contract.py")
             .display()
     )
+}
+
+/// A finished `gate bisect`: its exit code, output and report.
+pub struct Bisected {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub report: Value,
+}
+
+impl Bisected {
+    pub fn headline(&self) -> &str {
+        headline(&self.stdout)
+    }
+}
+
+/// The verdict line of `gate bisect`'s text output: its second line (the first says how bisect
+/// judged, docs/bisect.md, "Judging", and must).
+pub fn headline(stdout: &str) -> &str {
+    let mut lines = stdout.lines();
+    assert!(
+        lines.next().unwrap_or("").starts_with("judged by "),
+        "the first line does not say how it judged: {stdout}"
+    );
+    lines.next().unwrap_or("")
+}
+
+/// `gate --root ROOT bisect --work WORK --report REPORT ARGS`, from the repository root (so
+/// `--model fixtures/...` and a relative `work` name the root's). A report left by an earlier
+/// run in a reused directory is removed first, so it is never read as this run's.
+pub fn bisect_command<S: AsRef<OsStr>>(
+    work: &Path,
+    report: &Path,
+    args: &[S],
+) -> std::process::Command {
+    let root = repo();
+    let _ = std::fs::remove_file(report);
+    let mut cmd = gate();
+    cmd.current_dir(&root)
+        .arg("--root")
+        .arg(&root)
+        .arg("bisect")
+        .arg("--work")
+        .arg(work)
+        .arg("--report")
+        .arg(report)
+        .args(args);
+    cmd
+}
+
+/// The report `gate bisect` wrote at `report`, checked against docs/bisect-report.schema.json
+/// (a refusal's too); no report is a panic with the run's output.
+pub fn read_bisect_report(report: &Path, stdout: &str, stderr: &str) -> Value {
+    let text = std::fs::read_to_string(report)
+        .unwrap_or_else(|e| panic!("no report ({e}):\n{stdout}\n{stderr}"));
+    let report: Value = serde_json::from_str(&text).unwrap();
+    assert_valid_bisect_report(&report);
+    report
+}
+
+/// [`bisect_command`] run to its end: exit code, output and the checked report.
+pub fn bisect<S: AsRef<OsStr>>(work: &Path, report: &Path, args: &[S]) -> Bisected {
+    let out = bisect_command(work, report, args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let report = read_bisect_report(report, &stdout, &stderr);
+    Bisected {
+        code: out.status.code().unwrap_or(-1),
+        stdout,
+        stderr,
+        report,
+    }
+}
+
+/// A fresh work directory under the repository's `target/` (bisect's traces and report) and
+/// its path relative to the root, as the tests that read the report's trace paths name it.
+pub fn work_dir() -> (tempfile::TempDir, PathBuf) {
+    let root = repo();
+    let work = tempfile::tempdir_in(root.join("target")).unwrap();
+    let rel = work.path().strip_prefix(&root).unwrap().to_path_buf();
+    (work, rel)
+}
+
+/// A binary of the workspace built beside the gate (`example-producer`, `engine`, `trace-diff`,
+/// `trace-merge`); missing, a panic saying how to build it.
+pub fn sibling(name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_gate")).with_file_name(name);
+    assert!(
+        p.is_file(),
+        "{} is missing: build it with `cargo build --release --bins`",
+        p.display()
+    );
+    p
 }

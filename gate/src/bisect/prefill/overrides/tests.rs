@@ -355,18 +355,37 @@ fn near_tie_judged(
         router_logits: router,
         topk,
     };
-    let name = "layer.00.router.topk";
-    let reference = write_as(&dir.join("reference.trace"), &base, json!({}));
-    let forced = json!({"rows_overridden": rows.len(), "overridden": {name: rows.len()}, "overridden_rows": {name: rows}});
-    let t = write(
+    let own = Forced {
+        router_logits: own,
+        ..base
+    };
+    overrides_judged(
         dir,
-        &Forced {
-            router_logits: own,
-            ..base
-        },
-        forced,
-    );
-    judged_against(&reference, &t, opts)
+        (&base, &own),
+        ("layer.00.router.topk", rows),
+        true,
+        opts,
+    )
+}
+
+/// The reference trace `reference` and a forced candidate `own` that says it overrode `rows` of
+/// decision `name`; `scores`: whether its forced trace holds its scores. The overrides judged
+/// under `opts`.
+fn overrides_judged(
+    dir: &std::path::Path,
+    (reference, own): (&Forced, &Forced),
+    (name, rows): (&str, &[u64]),
+    scores: bool,
+    opts: &Options,
+) -> Judged {
+    let r = write_as(&dir.join("reference.trace"), reference, json!({}));
+    let forced = json!({"rows_overridden": rows.len(), "overridden": {name: rows.len()}, "overridden_rows": {name: rows}});
+    let path = dir.join("forced.trace");
+    let t = match scores {
+        true => write_as(&path, own, forced),
+        false => write_without_scores(&path, own, forced),
+    };
+    judged_against(&r, &t, opts)
 }
 
 /// Issue 50: a top-k the candidate's own scores order otherwise than the reference's is a
@@ -384,18 +403,15 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
         policy: Some(policy(p)),
         ..Options::default()
     };
+    // The reference's router `reference` and the candidate's own `own`, expert 1 above 0.
+    let near_tie_one = |reference: &[[f32; 4]], own: &[[f32; 4]], opts: &Options| {
+        near_tie_judged(dir.path(), reference, &[[1, 0]], own, &[0], opts)
+    };
     // The reference ranks expert 1 above 0 by 5e-5; the candidate's own logits swap them.
     let near = [[1.0, 1.00005, 0.0, -1.0]];
     let near_own = [[1.00005, 1.0, 0.0, -1.0]];
     let gap = (1.00005f32 - 1.0f32) as f64;
-    let j = near_tie_judged(
-        dir.path(),
-        &near,
-        &[[1, 0]],
-        &near_own,
-        &[0],
-        &under(Some(1e-4)),
-    );
+    let j = near_tie_one(&near, &near_own, &under(Some(1e-4)));
     assert!(
         j.unexplained.is_empty() && j.not_checked.is_empty(),
         "{j:?}"
@@ -418,14 +434,7 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
     // within the policy) and that breaks the tie its way is held to the near-tie rule, and
     // fails it — it was once excused as a tie whatever the reference's gap.
     let tied_own = [[1.00005, 1.00005, 0.0, -1.0]];
-    let j = near_tie_judged(
-        dir.path(),
-        &far,
-        &[[1, 0]],
-        &tied_own,
-        &[0],
-        &under(Some(1e-4)),
-    );
+    let j = near_tie_one(&far, &tied_own, &under(Some(1e-4)));
     assert!(j.ties.is_empty() && j.near_ties.is_empty(), "{j:?}");
     assert_eq!(
         (j.rows[0].outcome, j.rows[0].gap, j.rows[0].own.as_deref()),
@@ -443,21 +452,14 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
     // The honest controls: the same tie against a reference 5e-5 apart (within F·h = 2e-4) is a
     // near-tie; where the reference's own scores tie them too (the engine and torch breaking a
     // bit-identical tie each its way), a tie, under a policy or by bits.
-    let j = near_tie_judged(
-        dir.path(),
-        &near,
-        &[[1, 0]],
-        &tied_own,
-        &[0],
-        &under(Some(1e-4)),
-    );
+    let j = near_tie_one(&near, &tied_own, &under(Some(1e-4)));
     assert_eq!(
         (j.rows[0].outcome, j.rows[0].gap, j.near_ties.get(name)),
         (Outcome::NearTie, Some(Real(gap)), Some(&1)),
         "{j:?}"
     );
     for opts in [under(Some(1e-4)), Options::default()] {
-        let j = near_tie_judged(dir.path(), &tied_own, &[[1, 0]], &tied_own, &[0], &opts);
+        let j = near_tie_one(&tied_own, &tied_own, &opts);
         assert_eq!(
             (j.rows[0].outcome, j.ties.get(name)),
             (Outcome::Tie, Some(&1)),
@@ -504,14 +506,7 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
     // own logits swap them. Its own difference (0.5) would excuse a gap up to 1.0; the honest
     // bound 2e-4 does not.
     let far_own = [[1.5, 1.0, 0.0, -1.0]];
-    let j = near_tie_judged(
-        dir.path(),
-        &far,
-        &[[1, 0]],
-        &far_own,
-        &[0],
-        &under(Some(1e-4)),
-    );
+    let j = near_tie_one(&far, &far_own, &under(Some(1e-4)));
     assert!(j.near_ties.is_empty(), "{j:?}");
     assert_eq!(j.unexplained.len(), 1, "{j:?}");
     assert!(
@@ -524,20 +519,13 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
     );
 
     // Within the bound, but nothing bounds it: no honest noise for router logits.
-    let j = near_tie_judged(dir.path(), &near, &[[1, 0]], &near_own, &[0], &under(None));
+    let j = near_tie_one(&near, &near_own, &under(None));
     assert!(
         j.unexplained[0].why.ends_with("nor a near-tie: no honest noise bounds layer.00.router.logits: no noise reference measures it and the policy's near_tie.noise_abs has no pattern for it"),
         "{j:?}"
     );
     // Judged by bits: no near-ties at all.
-    let j = near_tie_judged(
-        dir.path(),
-        &near,
-        &[[1, 0]],
-        &near_own,
-        &[0],
-        &Options::default(),
-    );
+    let j = near_tie_one(&near, &near_own, &Options::default());
     assert!(
         j.unexplained[0]
             .why
@@ -547,14 +535,7 @@ fn a_near_reorder_inside_a_top_k_is_a_near_tie_only_within_the_honest_bound() {
     // A NaN in its own row explains nothing, whatever the gap (its margins, NaN-born, differ
     // first; the near-tie rule refuses it on its own).
     let nan_own = [[1.00005, 1.0, 0.0, f32::NAN]];
-    let j = near_tie_judged(
-        dir.path(),
-        &near,
-        &[[1, 0]],
-        &nan_own,
-        &[0],
-        &under(Some(1e-4)),
-    );
+    let j = near_tie_one(&near, &nan_own, &under(Some(1e-4)));
     assert_eq!(j.rows[0].outcome, Outcome::Unexplained, "{j:?}");
     let open = |f: &str| Trace::open(dir.path().join(f)).unwrap();
     let why = tracegate_diff::override_gap(
@@ -673,21 +654,13 @@ fn flip_judged(
         router_logits: &ROUTER,
         topk: &[[0, 1]],
     };
-    let r = write_as(&dir.join("reference.trace"), &base, json!({}));
     let own_margins = honest(own, tokens);
-    let name = "logits.argmax";
-    let forced = json!({"rows_overridden": rows.len(), "overridden": {name: rows.len()}, "overridden_rows": {name: rows}});
-    let x = Forced {
+    let own = Forced {
         logits: own,
         argmax: (tokens, &own_margins),
         ..base
     };
-    let path = dir.join("forced.trace");
-    let t = match scores {
-        true => write_as(&path, &x, forced),
-        false => write_without_scores(&path, &x, forced),
-    };
-    judged_against(&r, &t, opts)
+    overrides_judged(dir, (&base, &own), ("logits.argmax", rows), scores, opts)
 }
 
 /// Issue 50 item 3: a forced candidate's override whose own margin is ≤ 0 ("my own scores made
@@ -710,14 +683,10 @@ fn a_flip_is_excused_only_within_the_honest_bound_of_the_references_scores() {
     let reference = [[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
     let far = [[0.75, 1.25, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
     let tokens = [0, 1];
-    let j = flip_judged(
-        dir.path(),
-        (&reference, &far),
-        &tokens,
-        &[0],
-        true,
-        &under(Some(1e-3)),
-    );
+    let flip = |sides: (&[[f32; 4]], &[[f32; 4]]), scores: bool, opts: &Options| {
+        flip_judged(dir.path(), sides, &tokens, &[0], scores, opts)
+    };
+    let j = flip((&reference, &far), true, &under(Some(1e-3)));
     assert!(
         j.near_ties.is_empty() && j.ties.is_empty() && j.not_checked.is_empty(),
         "{j:?}"
@@ -780,14 +749,7 @@ fn a_flip_is_excused_only_within_the_honest_bound_of_the_references_scores() {
     );
 
     // The same flip judged by bits: not excused.
-    let j = flip_judged(
-        dir.path(),
-        (&reference, &far),
-        &tokens,
-        &[0],
-        true,
-        &Options::default(),
-    );
+    let j = flip((&reference, &far), true, &Options::default());
     // (its margins already differ from the reference's: by bits nothing is within anything)
     assert_eq!(
         (j.rows[0].outcome, j.unexplained.len()),
@@ -795,14 +757,7 @@ fn a_flip_is_excused_only_within_the_honest_bound_of_the_references_scores() {
         "{j:?}"
     );
     // No honest noise for logits: no bound, not excused.
-    let j = flip_judged(
-        dir.path(),
-        (&reference, &far),
-        &tokens,
-        &[0],
-        true,
-        &under(None),
-    );
+    let j = flip((&reference, &far), true, &under(None));
     assert!(
         j.unexplained[0]
             .why
@@ -816,14 +771,7 @@ fn a_flip_is_excused_only_within_the_honest_bound_of_the_references_scores() {
     // margins differ beyond what a source-less row allows.)
     let close = [[1.0, 0.999999, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
     let close_own = [[0.999999, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
-    let j = flip_judged(
-        dir.path(),
-        (&close, &close_own),
-        &tokens,
-        &[0],
-        false,
-        &under(Some(1e-3)),
-    );
+    let j = flip((&close, &close_own), false, &under(Some(1e-3)));
     assert!(
         j.unexplained.is_empty() && j.near_ties.is_empty() && j.ties.is_empty(),
         "{j:?}"
@@ -833,28 +781,14 @@ fn a_flip_is_excused_only_within_the_honest_bound_of_the_references_scores() {
         j.not_checked.len() == 1 && j.not_checked[0].starts_with("logits.argmax row 0: its margin -1.013279e-6 ≤ 0 says its own scores make another choice, and the forced trace holds none of the decision's scores"),
         "{j:?}"
     );
-    let j = flip_judged(
-        dir.path(),
-        (&reference, &far),
-        &tokens,
-        &[0],
-        false,
-        &under(Some(1e-3)),
-    );
+    let j = flip((&reference, &far), false, &under(Some(1e-3)));
     assert_eq!(j.rows[0].outcome, Outcome::Unexplained, "{j:?}");
 
     // The honest near-tie: the reference's 0 leads 1 by 5e-4 (≤ 2·1e-3); the candidate's own
     // logits, within 3e-4 of them, put 1 on top. Excused, its measures said.
     let near = [[1.0, 0.9995, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
     let near_own = [[0.9997, 0.9998, 0.0, -1.0], [0.0, 3.0, 1.0, -1.0]];
-    let j = flip_judged(
-        dir.path(),
-        (&near, &near_own),
-        &tokens,
-        &[0],
-        true,
-        &under(Some(1e-3)),
-    );
+    let j = flip((&near, &near_own), true, &under(Some(1e-3)));
     assert!(
         j.unexplained.is_empty() && j.not_checked.is_empty(),
         "{j:?}"
@@ -867,14 +801,7 @@ fn a_flip_is_excused_only_within_the_honest_bound_of_the_references_scores() {
     );
     assert_eq!(r.gap, Some(Real((1.0f32 - 0.9995f32) as f64)));
     // The same candidate under a tighter honest noise (1e-4: bound 2e-4 < the 5e-4 gap).
-    let j = flip_judged(
-        dir.path(),
-        (&near, &near_own),
-        &tokens,
-        &[0],
-        true,
-        &under(Some(1e-4)),
-    );
+    let j = flip((&near, &near_own), true, &under(Some(1e-4)));
     assert_eq!(j.rows[0].outcome, Outcome::Unexplained, "{j:?}");
 
     // An exact tie in the reference's scores, broken the other way: a tie, by bits too.
