@@ -73,3 +73,31 @@ def test_a_failed_run_leaves_nothing_at_out(tmp_path):
     assert os.listdir(out.parent) == [], "a refused run left a file"
     r = _contract(*args)
     assert r.returncode == 0 and tracegate.Trace(out).digest == r.stdout.split()[0], r.stderr
+
+
+def test_a_failing_rank_leaves_no_rank_trace(tmp_path, monkeypatch):
+    """Rank 1 fails once both ranks have written tensors (its `shard` attribute of layer 1's
+    first point raises): neither rank's trace nor any temporary remains. Control: the same
+    run without the defect writes both rank files."""
+    from tracegate_contract import run, shard
+
+    out = str(tmp_path / "r{rank}.trace")
+
+    def sharded():
+        return run.trace_sharded(
+            FIXTURES["dense"], [1, 2, 3], out, True, 0, True, ["test"], shard.parse("tp=2")
+        )
+
+    attribute = shard.attribute
+
+    def broken(place, cfg, name):
+        if place.rank == 1 and name == "layer.01.hidden_in":
+            raise ValueError("rank 1 broke")
+        return attribute(place, cfg, name)
+
+    monkeypatch.setattr(shard, "attribute", broken)
+    with pytest.raises(ValueError, match="rank 1 broke"):
+        sharded()
+    assert os.listdir(tmp_path) == [], "a failed sharded run left a file"
+    monkeypatch.setattr(shard, "attribute", attribute)
+    assert [os.path.basename(p) for _, p in sharded()] == ["r0.trace", "r1.trace"]
