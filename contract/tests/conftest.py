@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -228,3 +229,86 @@ def have_tracegate() -> bool:
         return True
     except ImportError:
         return False
+
+
+# A producer's CLI run in a child (argv: the module whose `main` it calls, the model loader to
+# wrap as "module:attr", the stream method to plant a hold in as "module:Class.method" or "-",
+# then the CLI's arguments). Prints `main`'s status and the child's peak resident memory (KiB)
+# since its model was loaded: VmHWM is reset to the RSS of that moment (/proc/self/clear_refs,
+# Linux ≥ 4.0), so the imports and the load (torch's alone ~0.5 GB), the same at every prompt
+# length, do not hide the run's own peak. The planted hold keeps every tensor the stream is
+# given and writes them all at its finish: a producer that collects its capture first.
+_PEAK_RUNNER = """
+import importlib, sys
+main_mod, loader, hold, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+mod, attr = loader.split(":")
+m = importlib.import_module(mod)
+load = getattr(m, attr)
+def loaded(*a, **k):
+    model = load(*a, **k)
+    reset_peak()
+    return model
+setattr(m, attr, loaded)
+if hold != "-":
+    mod, rest = hold.split(":")
+    cls_name, meth = rest.split(".")
+    cls = getattr(importlib.import_module(mod), cls_name)
+    write, finish, kept = getattr(cls, meth), cls.finish, []
+    setattr(cls, meth, lambda self, *a, **k: kept.append((self, a, k)))
+    def finish_held(self, *a, **k):
+        for s, a2, k2 in kept:
+            write(s, *a2, **k2)
+        return finish(self, *a, **k)
+    cls.finish = finish_held
+status = importlib.import_module(main_mod).main(argv)
+with open("/proc/self/status") as f:
+    peak = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
+print(status, peak)
+"""
+
+
+def deep_model_dir(path, layers: int = 32) -> str:
+    """A tiny dense model of many layers (4 heads): its `--capture internals` trace is mostly
+    attention probabilities, 64·layers·T² bytes, so a prompt twice as long grows it by far
+    more than the memory a layer computes with (a few [heads, T, T] arrays) grows."""
+    return make_model_dir(path, "dense", num_hidden_layers=layers, max_position_embeddings=4096)
+
+
+def peak_rss_of_trace(producer: str, model, out, tokens: int, hold: str = "-") -> tuple[int, int]:
+    """(the peak resident memory in bytes of `producer`'s `trace --capture internals` of a
+    `tokens`-long prompt, from its model's load on; the trace's size in bytes). `producer`:
+    "contract" or "oracle"; `hold`: a stream method to plant a hold in (see _PEAK_RUNNER)."""
+    main, loader = {
+        "contract": ("tracegate_contract.__main__", "tracegate_contract.run:open_model"),
+        "oracle": ("tracegate_oracle.cli", "tracegate_oracle.capture:load_model"),
+    }[producer]
+    ids = ",".join(str(i * 7 % 37) for i in range(tokens))
+    args = ["trace", "--capture", "internals", "--model", str(model), "--tokens", ids]
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK_RUNNER, main, loader, hold, *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    status, peak = map(int, r.stdout.split()[-2:])
+    assert status == 0, r.stderr
+    return peak * 1024, os.path.getsize(out)
+
+
+def peak_grows_with_trace(d_peak: int, d_trace: int) -> bool:
+    """The rule of the streaming tests: the peak grew by 3/4 or more of what the trace grew by."""
+    return d_peak * 4 >= d_trace * 3
+
+
+def holding_peak(nbytes: int) -> int:
+    """The peak resident memory in bytes of a Python child that holds `nbytes` bytes (written,
+    so resident): the negative control's process."""
+    script = "import sys; b = bytearray(int(sys.argv[1])); b[::4096] = b'x' * len(b[::4096])\n"
+    script += "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
+    r = subprocess.run([sys.executable, "-c", script, str(nbytes)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout) * 1024

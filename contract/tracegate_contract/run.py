@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -11,7 +12,7 @@ import tracegate
 from tracegate import names
 
 from . import diffusion_gemma, gguf, shard
-from .capture import NO_CAPTURE, Capture, by_layer, write
+from .capture import NO_CAPTURE, Capture, Stream, by_layer, write
 from .config import MAX_POSITIONS
 from .errors import ContractError
 from .force import Forcing
@@ -101,12 +102,13 @@ def trace(
         for s in range(generate):
             f.require(names.decode(s, "argmax"), 1, None, c.vocab_size)
         model.forcing = f
-    cap = Capture(internals)
-    model.run(tokens, cap, generate=generate, cached=cached)
-    prov = _trace_provenance(
-        model_dir, model, command, tokens, prompt_text, internals, cached, generate
-    )
-    return write(out, prov, cap, by_layer("prefill", model.cfg.mask), model.forcing)
+    with Stream(out, by_layer("prefill", model.cfg.mask), model.forcing) as stream:
+        cap = Capture(internals, stream)
+        model.run(tokens, cap, generate=generate, cached=cached)
+        prov = _trace_provenance(
+            model_dir, model, command, tokens, prompt_text, internals, cached, generate
+        )
+        return stream.finish(prov, cap)
 
 
 def _trace_diffusion(
@@ -139,25 +141,26 @@ def _trace_diffusion(
         f = Forcing(force_decisions)
         f.check_prompt(tokens)
         model.forcing = f
-    cap = Capture(internals)
-    output, blocks = model.generate(tokens, knobs, cap)
-    prov = provenance(
-        model_dir,
-        command,
-        "trace",
-        prompt_tokens=list(tokens),
-        **({"prompt_text": prompt_text} if prompt_text is not None else {}),
-        capture="internals" if internals else "default",
-        cache="on",
-        generate=generate,
-        generation=knobs.provenance(),
-        rng=diffusion_gemma.RNG,
-        blocks=blocks,
-        output_tokens=output,
-        **unused(model),
-    )
-    prov["seed"] = knobs.seed
-    return write(out, prov, cap, diffusion_gemma.place(cfg), model.forcing)
+    with Stream(out, diffusion_gemma.place(cfg), model.forcing) as stream:
+        cap = Capture(internals, stream)
+        output, blocks = model.generate(tokens, knobs, cap)
+        prov = provenance(
+            model_dir,
+            command,
+            "trace",
+            prompt_tokens=list(tokens),
+            **({"prompt_text": prompt_text} if prompt_text is not None else {}),
+            capture="internals" if internals else "default",
+            cache="on",
+            generate=generate,
+            generation=knobs.provenance(),
+            rng=diffusion_gemma.RNG,
+            blocks=blocks,
+            output_tokens=output,
+            **unused(model),
+        )
+        prov["seed"] = knobs.seed
+        return stream.finish(prov, cap)
 
 
 RANK = "{rank}"  # in --out of a sharded run: where each rank's number goes
@@ -178,7 +181,8 @@ def trace_sharded(
     """The `trace` verb split over `shards` (docs/numerics.md §23): the ranks run as threads,
     each on its share of the model, and rank r writes `out` with {rank} replaced by r, its
     tensors' `shard` attributes set (shard.attribute) and provenance `shards` and a `run_id`
-    common to the ranks. Returns each rank trace's (digest, path) in rank order."""
+    common to the ranks, each rank's tensors streamed as they are recorded. Returns each rank
+    trace's (digest, path) in rank order; when a rank fails, no rank's trace is left."""
     if gguf.locate(model_dir) is None and diffusion_gemma.is_family(model_dir):
         raise ContractError(
             f"--shards {shards}: diffusion_gemma is not sharded (docs/numerics.md §23.5)"
@@ -195,32 +199,35 @@ def trace_sharded(
     places = [shard.Place(r, shards.world, shards.mode, carry) for r in range(shards.world)]
     ranks = [model.share(p) for p in places]
     del model  # from here each rank holds only its share of the weights
-    caps = [Capture(internals) for _ in places]
-    shard.run_ranks(
-        carry,
-        [
-            lambda m=m, c=c: m.run(tokens, c, generate=generate, cached=cached)
-            for m, c in zip(ranks, caps, strict=True)
-        ],
-    )
-    run_id = uuid.uuid4().hex
-    written = []
-    for p, c in zip(places, caps, strict=True):
-        path = out.replace(RANK, str(p.rank))
-        rank_prov = {
-            **prov,
-            "shards": {"mode": shards.mode, "world": shards.world, "rank": p.rank},
-            "run_id": run_id,
-        }
-        digest = write(
-            path,
-            rank_prov,
-            c,
-            by_layer("prefill", cfg.mask),
-            shard_of=lambda name, p=p: shard.attribute(p, cfg, name),
+    with contextlib.ExitStack() as opened:
+        streams = [
+            opened.enter_context(
+                Stream(
+                    out.replace(RANK, str(p.rank)),
+                    by_layer("prefill", cfg.mask),
+                    shard_of=lambda name, p=p: shard.attribute(p, cfg, name),
+                )
+            )
+            for p in places
+        ]
+        caps = [Capture(internals, s) for s in streams]
+        shard.run_ranks(
+            carry,
+            [
+                lambda m=m, c=c: m.run(tokens, c, generate=generate, cached=cached)
+                for m, c in zip(ranks, caps, strict=True)
+            ],
         )
-        written.append((digest, path))
-    return written
+        run_id = uuid.uuid4().hex
+        written = []
+        for p, s, c in zip(places, streams, caps, strict=True):
+            rank_prov = {
+                **prov,
+                "shards": {"mode": shards.mode, "world": shards.world, "rank": p.rank},
+                "run_id": run_id,
+            }
+            written.append((s.finish(rank_prov, c), out.replace(RANK, str(p.rank))))
+        return written
 
 
 def _layer_input(input_path: str, input_name: str, hidden: int):
@@ -318,32 +325,38 @@ def layer(
                     f"--force-decisions {force_decisions}: decision {name} has {rows} rows, the input holds position {beyond}"
                 )
         model.forcing = f
+    place = by_layer("layer", model.cfg.mask)
+
+    def prov(internals, run) -> dict:
+        return provenance(
+            model_dir,
+            command,
+            "layer",
+            layer=index,
+            input=os.path.abspath(input_path),
+            input_name=input_name,
+            input_digest=src.digest,
+            capture="internals" if internals else "default",
+            **run,
+            **unused(model),
+        )
+
     if decode_from is None:
-        cap = Capture(internals)
-        model.layer(index, x, pos, cap)
-        attrs, run = None, {}
-    else:
-        internals = False  # no internal points under --decode-from
-        cap, cache, P = Capture(False), model.new_cache(), decode_from
-        if P > 0:
-            model.layer(index, x[:P], pos[:P], NO_CAPTURE, cache)
-        for r in range(P, x.shape[0]):
-            model.layer(index, x[r : r + 1], pos[r : r + 1], cap, cache)
-        cap.join_rows()
-        attrs, run = {"decode_from": str(P)}, {"decode_from": P}
-    prov = provenance(
-        model_dir,
-        command,
-        "layer",
-        layer=index,
-        input=os.path.abspath(input_path),
-        input_name=input_name,
-        input_digest=src.digest,
-        capture="internals" if internals else "default",
-        **run,
-        **unused(model),
+        with Stream(out, place, model.forcing) as stream:
+            cap = Capture(internals, stream)
+            model.layer(index, x, pos, cap)
+            return stream.finish(prov(internals, {}), cap)
+    # One row per call, joined at the end: this capture is kept, then written. No internal
+    # points under --decode-from.
+    cap, cache, P = Capture(False), model.new_cache(), decode_from
+    if P > 0:
+        model.layer(index, x[:P], pos[:P], NO_CAPTURE, cache)
+    for r in range(P, x.shape[0]):
+        model.layer(index, x[r : r + 1], pos[r : r + 1], cap, cache)
+    cap.join_rows()
+    return write(
+        out, prov(False, {"decode_from": P}), cap, place, model.forcing, {"decode_from": str(P)}
     )
-    return write(out, prov, cap, by_layer("layer", model.cfg.mask), model.forcing, attrs)
 
 
 def _layer_diffusion(
@@ -369,17 +382,18 @@ def _layer_diffusion(
     model = diffusion_gemma.DiffusionGemma(model_dir)
     if force_decisions is not None:
         model.forcing = Forcing(force_decisions)
-    cap = Capture(internals)
-    model.layer_alone(index, x, pos, ps, cap, cache)
-    prov = provenance(
-        model_dir,
-        command,
-        "layer",
-        layer=index,
-        input=os.path.abspath(input_path),
-        input_name=input_name,
-        input_digest=src.digest,
-        capture="internals" if internals else "default",
-        **unused(model),
-    )
-    return write(out, prov, cap, diffusion_gemma.place(cfg), model.forcing)
+    with Stream(out, diffusion_gemma.place(cfg), model.forcing) as stream:
+        cap = Capture(internals, stream)
+        model.layer_alone(index, x, pos, ps, cap, cache)
+        prov = provenance(
+            model_dir,
+            command,
+            "layer",
+            layer=index,
+            input=os.path.abspath(input_path),
+            input_name=input_name,
+            input_digest=src.digest,
+            capture="internals" if internals else "default",
+            **unused(model),
+        )
+        return stream.finish(prov, cap)

@@ -59,7 +59,7 @@ def _check_tokens(model, tokens, extra: int = 0):
 
 
 def _generate(
-    model, tokens, n: int, rc: RunConfig, forcing=None, sharding=None
+    model, tokens, n: int, rc: RunConfig, forcing=None, sharding=None, stream=None
 ) -> tuple[list[Record], list[Decision], list[tuple[str, list[int]]]]:
     """Greedy decode with the model's own KV cache (the DynamicCache its forward creates, sliding
     layers included), or by recomputing the whole sequence. Step 0 decides from the prompt's last
@@ -68,8 +68,8 @@ def _generate(
     (`Tap(decode=True)`): `decode.SSSS.logits` always, and for s >= 1 under --capture internals
     the layers' points and `final_norm.out`. Under --force-decisions step s feeds the forcing
     trace's decode.SSSS.argmax, and the prompt's rows are routed as forced in every forward (as
-    in the captured prefill). Returns the tensors, the decisions and the forced record (name,
-    the rows overridden)."""
+    in the captured prefill). Returns the tensors (none with a `stream`: written to it), the
+    decisions and the forced record (name, the rows overridden)."""
     import torch
 
     records, out, forced = [], [], []
@@ -101,6 +101,7 @@ def _generate(
                 decode=True,
                 step=s,
                 sharding=sharding,
+                stream=stream,
             ) as tap:
                 r = model(torch.tensor([ids], device=dev), **kw)
             records += tap.records
@@ -170,10 +171,12 @@ def capture_prompt(
     det: dict | None = None,
     forcing: Forcing | None = None,
     sharding=None,
+    stream=None,
 ) -> Capture:
     """The `trace` verb: the whole forward over `tokens` (path=prefill), then optional greedy decode;
     under --force-decisions with the forcing trace's decisions (force.py); with `sharding`
-    (distributed.Sharding) as one rank of a sharded run, each tensor saying what part it holds."""
+    (distributed.Sharding) as one rank of a sharded run, each tensor saying what part it holds;
+    with `stream` (records.Stream) each tensor written as it is recorded, none kept."""
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
@@ -183,6 +186,8 @@ def capture_prompt(
     n_layers = len(resolve(model).layers)
 
     def run():
+        if stream is not None:
+            stream.begin()
         with Tap(
             model,
             path="prefill",
@@ -192,6 +197,7 @@ def capture_prompt(
             whole=True,
             forcing=forcing,
             sharding=sharding,
+            stream=stream,
         ) as tap:
             # Forced routing: the Tap answers each router's topk itself (it records them all).
             with torch.autocast(device_type=rc.device, enabled=False):
@@ -202,7 +208,7 @@ def capture_prompt(
                     use_cache=False,
                 )
             tap.finish()
-        return tap, _generate(model, tokens, rc.generate, rc, forcing, sharding)
+        return tap, _generate(model, tokens, rc.generate, rc, forcing, sharding, stream)
 
     with torch_paths(resolve(model)):  # Gated DeltaNet: transformers' torch references
         tap, (gen_tensors, gen, gen_forced) = deterministic(run, det)
@@ -320,11 +326,14 @@ def capture_layer(
     source: dict | None = None,
     forcing: Forcing | None = None,
     decode_from: int | None = None,
+    stream=None,
 ) -> Capture:
     """The `layer` verb: the model's own decoder layer L on `hidden` [T, H] at `positions`; under
     --force-decisions its router takes the forcing trace's rows at those positions. With
     `decode_from` P (docs/producers.md, `layer --decode-from`): rows < P fill the layer's KV
-    cache, each row >= P runs as a cached decode step, and only those rows are written."""
+    cache, each row >= P runs as a cached decode step, and only those rows are written. With
+    `stream` (records.Stream) the tensors are written as they are recorded (under
+    --decode-from, joined from one row per step, they are kept and written at its finish)."""
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
@@ -378,6 +387,8 @@ def capture_layer(
         if decode_from is not None:
             with torch.no_grad(), torch.autocast(device_type=rc.device, enabled=False):
                 return _decode_layer(model, L, x, list(positions), decode_from, forcing), None
+        if stream is not None:
+            stream.begin()
         with Tap(
             model,
             path="layer",
@@ -386,6 +397,7 @@ def capture_layer(
             internals=rc.capture == "internals",
             whole=False,
             forcing=forcing,
+            stream=stream,
         ) as tap:
             # Forced routing: the Tap answers layer L's router itself.
             with torch.autocast(device_type=rc.device, enabled=False):

@@ -26,7 +26,7 @@ from .families import resolve
 from .force import Forcing
 from .gguf_source import locate
 from .loading import preflight
-from .records import weights_digest, write_trace
+from .records import Stream, weights_digest
 from .torch_setup import RunConfig, check_device_map, setup_torch
 
 PROG = "python -m tracegate_oracle"
@@ -379,36 +379,45 @@ def main(argv=None) -> int:
             rank, world = ranked
             run_id = dist.init(spec, rank, world, a.distributed_timeout)
             out = outs[rank]
-        if a.verb == "layer":
-            model = _load(a.model, rc)
-            cap = cp.capture_layer(
-                model,
-                a.model,
-                a.layer,
-                arr,
-                positions,
-                rc,
-                det,
-                input_dtype=dt,
-                source=src,
-                forcing=forcing,
-                decode_from=a.decode_from,
-            )
-        else:
-            model = _load(a.model, rc)
-            if diffusion:
-                cap = dg.capture(model, a.model, tokens, rc, det, dcfg.cli_knobs(a), forcing)
+        model = _load(a.model, rc)
+        # Each tensor goes to the trace as the run records it (records.Stream).
+        with Stream(out) as stream:
+            if a.verb == "layer":
+                cap = cp.capture_layer(
+                    model,
+                    a.model,
+                    a.layer,
+                    arr,
+                    positions,
+                    rc,
+                    det,
+                    input_dtype=dt,
+                    source=src,
+                    forcing=forcing,
+                    decode_from=a.decode_from,
+                    stream=stream,
+                )
+            elif diffusion:
+                knobs = dcfg.cli_knobs(a)
+                cap = dg.capture(model, a.model, tokens, rc, det, knobs, forcing, stream)
             else:
                 if ranked is not None:
                     sharding = dist.Sharding(model, resolve(model), spec, rank, world, run_id)
                 cap = cp.capture_prompt(
-                    model, a.model, tokens, rc, det, forcing=forcing, sharding=sharding
+                    model,
+                    a.model,
+                    tokens,
+                    rc,
+                    det,
+                    forcing=forcing,
+                    sharding=sharding,
+                    stream=stream,
                 )
             if prompt_text is not None:  # beside prompt_tokens
                 cap.provenance = insert_after(
                     cap.provenance, "prompt_tokens", "prompt_text", prompt_text
                 )
-        digest = write_trace(cap, out)
+            digest = stream.finish(cap)
     except OracleError as e:
         # A rank's refusal names it: the launcher reports the first rank's line as its own.
         who = f"rank {ranked[0]}/{ranked[1]}: " if spec and ranked else ""

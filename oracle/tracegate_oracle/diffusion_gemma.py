@@ -151,9 +151,10 @@ class _Step:
 class _Run(Hooks):
     """The hooks, wrappers and records of one generate."""
 
-    def __init__(self, model, rc, knobs: dict, forcing):
+    def __init__(self, model, rc, knobs: dict, forcing, stream=None):
         super().__init__()
         self.model, self.rc, self.knobs, self.forcing = model, rc, knobs, forcing
+        self.stream = stream  # records.Stream: each record written as it is made, none kept
         self.cfg = model.config.get_text_config()
         self.C = model.config.canvas_length
         self.V = self.cfg.vocab_size
@@ -206,7 +207,9 @@ class _Run(Hooks):
         }
         if self.forced:
             attrs["forced"] = self.forcing.digest
-        self.records.append(Record(name, arr, dt, attrs))
+        (self.records.append if self.stream is None else self.stream.add)(
+            Record(name, arr, dt, attrs)
+        )
 
     def decide(self, name: str, values, margins, own=None) -> None:
         registered(name)
@@ -679,9 +682,19 @@ def _check_tokens(model, tokens: list[int], knobs: dict) -> None:
         )
 
 
-def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: dict, forcing=None):
+def capture(
+    model,
+    model_dir,
+    tokens: list[int],
+    rc,
+    det: dict | None,
+    given: dict,
+    forcing=None,
+    stream=None,
+):
     """The `trace` verb for diffusion_gemma: the prompt's encoder pass, then (--generate N > 0)
-    transformers' generate with max_new_tokens N, recorded as DG16 says."""
+    transformers' generate with max_new_tokens N, recorded as DG16 says; with `stream`
+    (records.Stream) each tensor written as it is recorded."""
     import torch
 
     det = det if det is not None else {"use_deterministic_algorithms": None, "refusals": []}
@@ -701,8 +714,10 @@ def capture(model, model_dir, tokens: list[int], rc, det: dict | None, given: di
 
         torch.manual_seed(rc.seed)  # the generator generate draws from (DG19)
         ids = torch.tensor([tokens], device=dev)
+        if stream is not None:
+            stream.begin()
         with (
-            _Run(model, rc, knobs, forcing) as run,
+            _Run(model, rc, knobs, forcing, stream) as run,
             torch.no_grad(),
             torch.autocast(device_type=rc.device, enabled=False),
         ):

@@ -1,10 +1,9 @@
 """What a capture is made of and how it is written: the records (`Record`, `Decision`, `Capture`),
 the decisions' tie rule (descending value, lowest index first) with each row's margin, the
 provenance every oracle trace carries (versions, device, weights digest, build id, command line),
-and `write_trace` through the tracegate binding, the only writer of the format.
-
-A capture is built in memory and written with `write_trace`, so tests can inspect numbers
-without the trace binding."""
+and the trace, through the tracegate binding (the only writer of the format): `Stream`, each
+record written as it is made (the CLI's verbs), or `write_trace`, a capture built in memory
+(so tests can inspect numbers without the trace binding)."""
 
 from __future__ import annotations
 
@@ -347,27 +346,41 @@ def command_record() -> list[str]:
     )
 
 
-def write_trace(cap: Capture, out: str | os.PathLike) -> str:
-    """Write through the tracegate binding (the only writer of the format); returns the digest."""
-    try:
-        import tracegate
-    except ImportError:
-        raise OracleError(
-            "the `tracegate` Python module is not installed (run scripts/setup.sh)"
-        ) from None
-    try:
-        return _write(tracegate, cap, out)
-    except (OSError, tracegate.TraceError) as e:
-        # An unwritable --out (a read-only directory, a full disk): one line, as the engine's.
-        raise OracleError(f"--out {out}: cannot write the trace: {e}") from None
+class Stream:
+    """The trace a run writes as it records (docs/trace-format.md, "Writing"): open it before
+    the run and hand it to the capture (its taps `add` each record as it is made and keep
+    none), then `finish` with the Capture. Nothing is at `out` until then; leaving the `with`
+    block unfinished, by an error or not, leaves nothing there. An unwritable --out (a missing
+    directory, a full disk) is an OracleError naming it, as the engine's."""
 
+    def __init__(self, out: str | os.PathLike):
+        try:
+            import tracegate
+        except ImportError:
+            raise OracleError(
+                "the `tracegate` Python module is not installed (run scripts/setup.sh)"
+            ) from None
+        self.tracegate, self.out, self.writer = tracegate, out, None
+        self.begin()
 
-def _write(tracegate, cap: Capture, out) -> str:
-    with tracegate.TraceWriter(str(out), cap.provenance) as w:
-        for r in cap.tensors:
-            a = r.attrs
-            extra = {k: a[k] for k in ("forced", "decode_from", "shard") if k in a}
-            w.tensor(
+    def _writing(self, fn):
+        try:
+            return fn()
+        except (OSError, self.tracegate.TraceError) as e:
+            raise OracleError(f"--out {self.out}: cannot write the trace: {e}") from None
+
+    def begin(self) -> None:
+        """A run starts from an empty trace: torch_setup.deterministic runs a capture again
+        when an op refused determinism, and what the first run wrote is dropped."""
+        if self.writer is not None:
+            self.writer.abort()
+        self.writer = self._writing(lambda: self.tracegate.TraceWriter(str(self.out)))
+
+    def add(self, r: Record) -> None:
+        a = r.attrs
+        extra = {k: a[k] for k in ("forced", "decode_from", "shard") if k in a}
+        self._writing(
+            lambda: self.writer.tensor(
                 r.name,
                 r.array,
                 dtype=r.dtype,
@@ -376,6 +389,33 @@ def _write(tracegate, cap: Capture, out) -> str:
                 positions=a["positions"],
                 **extra,
             )
-        for d in cap.decisions:
-            w.decision(d.name, d.values, margins=d.margins)
-        return w.finish()
+        )
+
+    def finish(self, cap: Capture) -> str:
+        """The tensors `cap` still holds (a capture kept whole), its decisions (kept to the end,
+        so the file is byte for byte the one a capture written whole gives) and its provenance;
+        returns the digest."""
+        for r in cap.tensors:
+            self.add(r)
+
+        def close():
+            for d in cap.decisions:
+                self.writer.decision(d.name, d.values, margins=d.margins)
+            self.writer.set_provenance(cap.provenance)
+            return self.writer.finish()
+
+        return self._writing(close)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.writer.digest is None:
+            self.writer.abort()
+        return False
+
+
+def write_trace(cap: Capture, out: str | os.PathLike) -> str:
+    """A capture built in memory, written through a `Stream`; returns the digest."""
+    with Stream(out) as s:
+        return s.finish(cap)

@@ -110,6 +110,9 @@ class Tap(Hooks):
     each point (the step's row, whether the forward ran one row on the cache or recomputed the
     whole sequence), names under `decode.SSSS.` for `step` S, no embedding, no internals and
     no router decisions; `final_norm.out` only with layers; the logits always (when `whole`).
+
+    With a `stream` (records.Stream) each record goes to the trace as it is made and `records`
+    stays empty.
     """
 
     def __init__(
@@ -125,9 +128,11 @@ class Tap(Hooks):
         decode: bool = False,
         step: int | None = None,
         sharding=None,
+        stream=None,
     ):
         super().__init__()
         self.model, self.path, self.positions = model, path, list(positions)
+        self.stream = stream
         # --distributed: each record says what part of the logical tensor this rank holds.
         self.sharding = sharding
         self.lay = resolve(model)
@@ -158,7 +163,9 @@ class Tap(Hooks):
             attrs["shard"] = self.sharding.kind(name, layer_idx)
         if self.step is not None:
             name = names.decode(self.step, name)
-        self.records.append(Record(name, arr, dt, attrs))
+        (self.records.append if self.stream is None else self.stream.add)(
+            Record(name, arr, dt, attrs)
+        )
 
     def decide(self, d: Decision, scores: np.ndarray, rows: list[int]) -> None:
         """Record decision `d`, forced when a forcing trace is given."""
