@@ -143,7 +143,9 @@ def parser(
             "holding one; docs/numerics.md §21)",
         )
         p.add_argument(
-            "--out", required=True, help="trace file to write (written whole, then renamed)"
+            "--out",
+            required=True,
+            help="trace file to write (into a temporary file beside it, renamed when complete)",
         )
         p.add_argument("--capture", choices=["default", "internals"], default="default")
 
