@@ -329,16 +329,16 @@ impl Capture {
         self.tensors.iter().find(|t| t.name == name)
     }
 
+    /// A tensor kept in memory before, recorded again (into this capture or its sink).
+    fn record_kept(&mut self, t: Tensor) {
+        let data = Values::F32(&t.data);
+        self.record(&t.name, &t.shape, data, &t.positions, t.shard);
+    }
+
     /// A decode step's tensors, after everything recorded so far.
     pub fn append(&mut self, step: Capture) {
         for t in step.tensors {
-            self.record(
-                &t.name,
-                &t.shape,
-                Values::F32(&t.data),
-                &t.positions,
-                t.shard,
-            );
+            self.record_kept(t);
         }
     }
 
@@ -365,13 +365,7 @@ impl Capture {
             if first_forced == Some(i) {
                 self.first_forced = Some(i);
             }
-            self.record(
-                &t.name,
-                &t.shape,
-                Values::F32(&t.data),
-                &t.positions,
-                t.shard,
-            );
+            self.record_kept(t);
         }
         if first_forced.is_some() {
             self.first_forced = first_forced;

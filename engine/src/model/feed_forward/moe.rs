@@ -181,10 +181,8 @@ impl<'a> Moe<'a> {
                 chosen_all.push(e as i64);
             }
         }
-        cap.decision(&name, &[t, k], chosen_all, Some(margins));
-        if forced.is_some() {
-            cap.forced(&name, overridden);
-        }
+        let overridden = forced.map(|_| overridden);
+        cap.decided(&name, &[t, k], chosen_all, Some(margins), overridden);
         // §10.6: each row's chosen experts' `w ⊗ out_e` added in ascending id.
         let add = |out: &mut [f32], e: usize, rows: &[usize], ye: &[f32]| {
             for (i, &r) in rows.iter().enumerate() {
