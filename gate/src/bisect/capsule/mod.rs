@@ -26,6 +26,7 @@ use super::prefill::*;
 use super::BisectReport;
 use crate::{gerr, Result};
 
+mod decode;
 mod rows;
 mod weights;
 
@@ -85,6 +86,10 @@ fn c_test(layer: usize, reference: &Trace, policy: &Option<Policy>, judged: &[&s
 pub struct Manifest {
     pub schema: String,
     pub layer: usize,
+    /// A decode-step capsule (decode.rs): `step`, `position` (P), `prompt_rows`, `input`
+    /// (`input.trace`); null for a prefill layer.
+    #[serde(default)]
+    pub decode: Value,
     /// `internals` or `default`: what the layer verb is asked to capture.
     pub capture: String,
     /// How the bisection judged: `by` (`bits`, `policy`), `policy_name`, `precision`, and the
@@ -160,6 +165,9 @@ struct Replay<'a> {
     internals: bool,
     policy: &'a Option<Policy>,
     allow_stack_mismatch: bool,
+    /// A decode step's `layer --decode-from P` (P, and the trace of the layer's input rows
+    /// 0..=P); None: the prefill's layer verb on the compared trace's own `hidden_in`.
+    decode_input: Option<(i64, String)>,
 }
 
 impl Replay<'_> {
@@ -192,6 +200,10 @@ impl Replay<'_> {
         };
         let layer = self.layer;
         let reference = open(self.root, input)?;
+        let (verb_input, decode_from) = match &self.decode_input {
+            Some((p, rows)) => (rows.clone(), Some(*p)),
+            None => (input.to_string(), None),
+        };
         let noise = match noise {
             None => None,
             Some(n) => Some(tracegate_diff::NoiseReference(std::sync::Arc::new(open(
@@ -202,12 +214,12 @@ impl Replay<'_> {
             verb: Verb::Layer {
                 model: self.model.clone(),
                 layer,
-                input: input.to_string(),
+                input: verb_input,
                 input_name: names::layer(layer, "hidden_in"),
                 out: format!("{}/{tag}.candidate.trace", self.work),
                 internals: self.internals,
                 force: None,
-                decode_from: None,
+                decode_from,
             },
             layer,
             slice_rel: format!("{}/{tag}.reference.trace", self.work),
@@ -259,9 +271,10 @@ impl Written {
             .map(|(n, b)| format!("{n} {}", thousands(*b)))
             .collect();
         format!(
-            "capsule written to {}: layer {:02}, stage {}, {} of {} rows ({}); replayed from the capsule alone: {}; {} bytes ({})",
+            "capsule written to {}: layer {:02}{}, stage {}, {} of {} rows ({}); replayed from the capsule alone: {}; {} bytes ({})",
             self.dir.display(),
             m.layer,
+            decode::at(m),
             m.stage["tensor"].as_str().unwrap_or("?"),
             m.rows["kept"],
             m.rows["bisection"],
@@ -283,21 +296,21 @@ pub fn write(
     dir: &Path,
     minimise: bool,
 ) -> Result<std::result::Result<Written, String>> {
-    let (layer, stage) = match (rep.verdict, rep.first_wrong_layer, &rep.stage) {
-        (BisectVerdict::WrongLayer, Some(l), Some(s)) => (l, s.clone()),
+    let (layer, stage, step) = match (rep.verdict, rep.first_wrong_layer, &rep.stage) {
+        (BisectVerdict::WrongLayer, Some(l), Some(s)) => (l, s.clone(), None),
         (BisectVerdict::NothingWrong, ..) => {
             return Ok(Err(
                 "nothing is wrong (verdict nothing_wrong): a capsule holds a layer that fails, and no layer does".into(),
             ))
         }
-        _ if rep.decode.as_ref().is_some_and(|d| d.first_wrong_layer.is_some()) => {
-            return Ok(Err("the wrong layer is at a decode step: capsules hold a prefill layer; a decode step's input (the layer's KV cache, rebuilt from its earlier hidden_in rows by layer --decode-from) is not written yet".into()))
-        }
-        (v, ..) => {
-            return Ok(Err(format!(
-                "the bisection names no wrong prefill layer (verdict {v})"
-            )))
-        }
+        (v, ..) => match decode::wrong_step(rep) {
+            Some((l, s, at)) => (l, s, Some(at)),
+            None => {
+                return Ok(Err(format!(
+                    "the bisection names no wrong layer, at the prefill or a decode step (verdict {v})"
+                )))
+            }
+        },
     };
     if rep
         .decisions_forced
@@ -332,7 +345,10 @@ pub fn write(
         ));
     }
     std::fs::create_dir_all(dir).map_err(|e| gerr!(File: "--capsule {shown}: {e}"))?;
-    let built = build(o, rep, dir, minimise, layer, &stage, &policy, &lw);
+    let built = match &step {
+        None => build(o, rep, dir, minimise, layer, &stage, &policy, &lw),
+        Some(at) => decode::build(o, rep, dir, at, layer, &stage, &policy, &lw),
+    };
     if !matches!(built, Ok(Ok(_))) {
         let _ = std::fs::remove_dir_all(dir); // half a capsule is none
     }
@@ -385,17 +401,16 @@ pub fn replay_command(dir: &str, candidate: &Producer) -> String {
     format!("gate capsule run {} {who}", q(dir))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn build(
-    o: &BisectOptions,
-    rep: &BisectReport,
-    dir: &Path,
-    minimise: bool,
-    layer: usize,
-    stage: &Stage,
-    policy: &Option<Policy>,
-    lw: &weights::LayerWeights,
-) -> Result<std::result::Result<Written, String>> {
+/// What every capsule holds before its rows: `config.json`, `layer.safetensors`, and the replay
+/// model built from them under the work dir's `capsule/` (the trials' place), held locked.
+struct Prepared {
+    _lock: crate::WorkLock,
+    trials: String,
+    replay_model: String,
+    replay_digest: String,
+}
+
+fn prepare(o: &BisectOptions, dir: &Path, lw: &weights::LayerWeights) -> Result<Prepared> {
     let model_dir = o.root.join(&o.model);
     std::fs::copy(model_dir.join("config.json"), dir.join("config.json"))
         .map_err(|e| gerr!(File: "{}: {e}", model_dir.join("config.json").display()))?;
@@ -412,6 +427,31 @@ fn build(
         .map_err(|e| gerr!(File: "{}: {e}", trials_dir.display()))?;
     let replay_model = format!("{trials}/model");
     let replay_digest = weights::materialise(dir, &lw.replay_header, &o.root.join(&replay_model))?;
+    Ok(Prepared {
+        _lock,
+        trials,
+        replay_model,
+        replay_digest,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build(
+    o: &BisectOptions,
+    rep: &BisectReport,
+    dir: &Path,
+    minimise: bool,
+    layer: usize,
+    stage: &Stage,
+    policy: &Option<Policy>,
+    lw: &weights::LayerWeights,
+) -> Result<std::result::Result<Written, String>> {
+    let Prepared {
+        _lock,
+        trials,
+        replay_model,
+        replay_digest,
+    } = prepare(o, dir, lw)?;
     let reference = open(&o.root, &format!("{}/reference.trace", o.work))?;
     let source_digest = reference
         .provenance()
@@ -446,6 +486,7 @@ fn build(
         internals: o.internals,
         policy,
         allow_stack_mismatch: o.allow_stack_mismatch,
+        decode_input: None,
     };
     let mut trial_log = Vec::new();
     let mut try_rows = |keep: usize| -> Result<Replayed> {
@@ -555,7 +596,7 @@ fn build(
             .unwrap_or(Value::Null),
         _ => Value::Null,
     };
-    let mut manifest = Manifest {
+    let manifest = Manifest {
         schema: SCHEMA.into(),
         layer,
         capture: if o.internals { "internals" } else { "default" }.into(),
@@ -590,9 +631,30 @@ fn build(
         not_included: not_included(o),
         allow_stack_mismatch: o.allow_stack_mismatch,
         files: BTreeMap::new(),
+        decode: Value::Null,
     };
+    kept_if_failing(
+        o,
+        dir,
+        manifest,
+        &stage.tensor,
+        &trials,
+        "a candidate that does not repeat itself is not captured",
+    )
+}
+
+/// Seals `manifest`, then replays the written capsule as `capsule run` reads it (checked by
+/// re-running, not assumed); it is kept only if it still fails at `tensor` (else why not, with
+/// `unless`), and `expected` records that replay.
+fn kept_if_failing(
+    o: &BisectOptions,
+    dir: &Path,
+    mut manifest: Manifest,
+    tensor: &str,
+    trials: &str,
+    unless: &str,
+) -> Result<std::result::Result<Written, String>> {
     seal(dir, &mut manifest)?;
-    // Checked by re-running, not assumed: the written capsule, as `capsule run` reads it.
     let again = run_loaded(
         &o.root,
         dir,
@@ -601,9 +663,9 @@ fn build(
         &format!("{trials}/verify"),
         o.timeout,
     )?;
-    if !again.fails_at(&stage.tensor) {
+    if !again.fails_at(tensor) {
         return Ok(Err(format!(
-            "the written capsule does not fail when replayed ({}): a candidate that does not repeat itself is not captured",
+            "the written capsule does not fail at {tensor} when replayed ({}): {unless}",
             again.verdict
         )));
     }
@@ -652,10 +714,13 @@ fn candidate_words(p: &Producer) -> Vec<String> {
     }
 }
 
+/// A prefill capsule's `not_included` line that a decode capsule (decode.rs) does not carry.
+const NO_DECODE_STEP: &str = "decode steps: a prefill layer's capsule replays its prompt rows only (a layer wrong at a decode step gets a decode capsule)";
+
 fn not_included(o: &BisectOptions) -> Vec<String> {
     let mut v = vec![
         "other layers' weights, the embedding and the head: zeros in the replay model (the layer verb does not read them)".to_string(),
-        "decode steps: a capsule replays the prefill rows only (no KV cache)".to_string(),
+        NO_DECODE_STEP.to_string(),
         "heads and experts are not minimised: every head and expert of the layer is kept".to_string(),
         "in test_capsule.c: the router's decisions, a noise-relative bound and the tensors' attributes (gate capsule run and test_capsule.py check them)".to_string(),
     ];
@@ -775,7 +840,8 @@ fn rederive(dir: &Path, m: &Manifest, policy: &Option<Policy>) -> Result<()> {
             m.layer, m.rows["kept"], own["layer"], own["rows"]
         )));
     }
-    Ok(())
+    // A decode capsule is one by its traces too: neither kind can be replayed as the other.
+    decode::rederive(dir, m, &reference).map_err(refuse)
 }
 
 /// `gate capsule run DIR`: the capsule verified, its replay model built under `work`, the
@@ -811,6 +877,12 @@ fn run_loaded(
         .files
         .contains_key("noise.trace")
         .then(|| abs("noise.trace").display().to_string());
+    let decode_input = decode::input(m).map(|(p, name)| (p, abs(name).display().to_string()));
+    if let Some((_, rows)) = &decode_input {
+        open(root, rows)?
+            .verify()
+            .map_err(|e| gerr!(File: "capsule {}: {rows}: {e}", dir.display()))?;
+    }
     Replay {
         root,
         work: work.to_string(),
@@ -821,6 +893,7 @@ fn run_loaded(
         internals: m.capture == "internals",
         policy: &c.policy,
         allow_stack_mismatch: m.allow_stack_mismatch,
+        decode_input,
     }
     .run(&input, noise.as_deref(), "capsule")
 }
@@ -859,9 +932,10 @@ pub fn run(
         None => "judged by bits".to_string(),
     };
     let mut text = format!(
-        "capsule {}: layer {:02} of {}, {} of {} rows (positions 0-{}), {judged}\n",
+        "capsule {}: layer {:02}{} of {}, {} of {} rows (positions 0-{}), {judged}\n",
         dir.display(),
         m.layer,
+        decode::at(m),
         m.bisection["model"].as_str().unwrap_or("?"),
         m.rows["kept"],
         m.rows["bisection"],

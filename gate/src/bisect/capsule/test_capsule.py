@@ -4,8 +4,10 @@
 pytest (`pytest DIR/test_capsule.py`). It checks the capsule (every file's sha256), rebuilds the
 replay model from it (config.json and the layer's weights; every other tensor zero), runs the
 candidate's `layer` verb on the reference's input rows and checks the candidate's outputs against
-the reference's under the capsule's rule: policy.json, or bit for bit. A noise run, when the
-capsule has one (noise.trace), is read by `gate capsule run`, not here.
+the reference's under the capsule's rule: policy.json, or bit for bit. A decode-step capsule
+(manifest.json `decode`) runs `layer --decode-from P` on input.trace (the layer's input rows at
+positions 0..P) as the bisection's decode isolation did, and checks its row at P. A noise run,
+when the capsule has one (noise.trace), is read by `gate capsule run`, not here.
 
 The candidate is the bisection's (manifest.json bisection.candidate_words), run in the project
 root it ran in; TRACEGATE_CAPSULE_CANDIDATE (a command template: {verb} and {args} filled in, as
@@ -87,9 +89,13 @@ def test_the_candidates_layer_agrees_with_the_capsule(tmp_path):
     out = tmp_path / "candidate.trace"
     layer = m["layer"]
     args = ["--model", str(model), "--layer", str(layer)]
-    args += ["--input", str(CAPSULE / "reference.trace")]
+    decode = m.get("decode")
+    rows = decode["input"] if decode else "reference.trace"
+    args += ["--input", str(CAPSULE / rows)]
     args += ["--input-name", f"layer.{layer:02d}.hidden_in", "--out", str(out)]
     args += ["--capture", m["capture"]]
+    if decode:
+        args += ["--decode-from", str(decode["position"])]
     root = os.environ.get("TRACEGATE_CAPSULE_ROOT", m["bisection"]["root"])
     run = subprocess.run(argv(m, args), cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (

@@ -1,9 +1,11 @@
 //! The layers isolated at the first diverging decode step (`layer --decode-from P`).
 
-use serde_json::json;
+use std::path::Path;
+
+use serde_json::{json, Value};
 use tracegate_producers::{RunRecord, Verb};
 use tracegate_trace::names;
-use tracegate_trace::{Attributes, TraceWriter};
+use tracegate_trace::{Attributes, Trace, TraceWriter};
 
 use super::{Context, DecodeReport};
 use crate::bisect::options::BisectOptions;
@@ -34,11 +36,39 @@ fn write_step_inputs(
             json!({ "step": s, "position": p, "from": r.path().display().to_string() }),
         );
     }
-    let create = |rel: &str| {
-        TraceWriter::create(o.root.join(rel), prov.clone()).map_err(|e| gerr!(File: "{rel}: {e}"))
+    step_rows(
+        r,
+        s,
+        p,
+        0..c.layers,
+        &prov,
+        &o.root.join(input_rel),
+        &o.root.join(view_rel),
+    )
+}
+
+/// The rows of step `s` (position `p`) of `layers` in reference `r`, with `provenance`: into
+/// `input` each layer's `layer.LL.hidden_in` at positions 0..=p, into `view` its step row at
+/// every decode capture point, `path=layer` and `decode_from` = p, and for an MoE layer the
+/// prompt's `layer.LL.router.topk` (it names the feed-forward block MoE in the stage; a
+/// `--decode-from` trace holds no decisions, so it is never compared). The bisection's decode
+/// isolation and a decode capsule (../capsule/decode.rs) both write them here.
+pub(crate) fn step_rows(
+    r: &Trace,
+    s: usize,
+    p: i64,
+    layers: std::ops::Range<usize>,
+    provenance: &Value,
+    input_path: &Path,
+    view_path: &Path,
+) -> Result<()> {
+    let create = |path: &Path| {
+        TraceWriter::create(path, provenance.clone())
+            .map_err(|e| gerr!(File: "{}: {e}", path.display()))
     };
-    let (mut input, mut view) = (create(input_rel)?, create(view_rel)?);
-    for l in 0..c.layers {
+    let (input_rel, view_rel) = (input_path.display(), view_path.display());
+    let (mut input, mut view) = (create(input_path)?, create(view_path)?);
+    for l in layers {
         let pre = names::layer(l, "hidden_in");
         let mut x = r
             .f32_slice(&pre)
@@ -68,11 +98,17 @@ fn write_step_inputs(
                 .tensor_info(&name)
                 .ok_or_else(|| gerr!(Producer: "the reference has no {name}"))?;
             let mut attrs = info.attributes.clone();
+            attrs.path = Some("layer".into());
             attrs.extra.insert("decode_from".into(), p.to_string());
             let data = r
                 .f32_slice(&name)
                 .map_err(|e| gerr!(File: "the reference's {name}: {e}"))?;
             view.tensor_f32(&names::layer(l, point), &info.shape, data, &attrs)
+                .map_err(|e| gerr!(File: "{view_rel}: {e}"))?;
+        }
+        if let Some(d) = r.decision_info(&names::layer(l, "router.topk")) {
+            let margins = r.decision_margins(d);
+            view.decision(&d.name, &d.shape, &r.decision_values(d), margins.as_deref())
                 .map_err(|e| gerr!(File: "{view_rel}: {e}"))?;
         }
     }

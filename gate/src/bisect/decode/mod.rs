@@ -16,7 +16,7 @@ use tracegate_trace::names::Name;
 use tracegate_trace::Trace;
 
 mod cache;
-mod isolate;
+pub(crate) mod isolate;
 pub(crate) mod render;
 mod report;
 mod steps;
