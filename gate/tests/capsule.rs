@@ -394,3 +394,120 @@ impl Trace {
         self.0.tensor_info(name).unwrap().shape[0]
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// Decode-step capsules: a layer wrong only at a decode step (capsule/decode.rs).
+
+/// A RoPE position off by one in layer 1 of the contract's cached decode only (`cached-pos`,
+/// bisect_decode.rs): `gate bisect --generate 3 --capsule` writes a decode capsule of step 1
+/// (position 5) that replays, with `layer --decode-from 5` and nothing else, to the decode
+/// isolation's verdict, stage and numbers; the engine passes it; its pytest file and C test
+/// judge as it does; a changed input.trace and a manifest that moves or drops the step are
+/// refused.
+#[test]
+fn a_decode_capsule_replays_the_decode_isolations_verdict_stage_and_numbers() {
+    let tmp = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let cap = tmp.path().join("capsule");
+    let cand = defective("cached-pos");
+    let (code, out, rep) = bisect(
+        tmp.path(),
+        "engine",
+        &["--candidate", "cmd", "--candidate-cmd", &cand],
+        &["--generate", "3", "--capsule", cap.to_str().unwrap()],
+    );
+    assert_eq!(code, 6, "{out}");
+    assert!(
+        out.contains("capsule written to") && out.contains("at decode step 1 (position 5)"),
+        "{out}"
+    );
+    let d = &rep["decode"];
+    assert_eq!(d["first_wrong_layer"], 1, "{out}");
+    let m = manifest(&cap);
+    assert_eq!(
+        (&m["layer"], &m["decode"]["step"], &m["decode"]["position"]),
+        (&1.into(), &1.into(), &5.into()),
+        "{m}"
+    );
+    // The whole prefix, said so: 5 prompt rows and step 1's input row.
+    assert_eq!(
+        (&m["rows"]["kept"], &m["rows"]["minimised"]),
+        (&6.into(), &false.into())
+    );
+    assert!(m["rows"]["not_minimised"]
+        .as_str()
+        .unwrap()
+        .contains("whole prefix"));
+    assert_eq!(m["rows"]["still_fails"], true);
+    let input = Trace::open(cap.join("input.trace"));
+    assert_eq!(input.rows("layer.01.hidden_in"), 6);
+    let reference = Trace::open(cap.join("reference.trace"));
+    assert_eq!(reference.rows("layer.01.attn_out"), 1);
+    let (code, text, run) = capsule_run(tmp.path(), &cap, &["--candidate-cmd", &cand]);
+    assert_eq!(code, 1, "{text}");
+    assert_eq!(run["verdict"], "wrong", "{text}");
+    assert_eq!(run["stage"], d["stage"], "{text}");
+    assert_eq!(run["stage"]["tensor"], "layer.01.attn_out");
+    assert_eq!(run["isolated"], d["layers"][1]["isolated"], "{text}");
+    assert_eq!(run["as_recorded"], true, "{text}");
+    // It ran the decode isolation's call.
+    let call = run["runs"][0]["invocation"].as_str().unwrap();
+    assert!(
+        call.contains("--decode-from 5") && call.contains("input.trace"),
+        "{call}"
+    );
+    let replayed = tmp.path().join("replay/capsule.candidate.trace");
+    let planted = tmp.path().join("planted.trace");
+    std::fs::copy(&replayed, &planted).unwrap();
+    let (code, text, run) = capsule_run(tmp.path(), &cap, &["--candidate", "engine"]);
+    assert_eq!(
+        (code, run["verdict"].as_str()),
+        (0, Some("passes")),
+        "{text}"
+    );
+    let correct = tmp.path().join("engine.trace");
+    std::fs::copy(&replayed, &correct).unwrap();
+    c_test(tmp.path(), &cap, &m, &planted, &correct);
+    let (code, text) = pytest(&cap, None);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("layer.01.attn_out"), "{text}");
+    let engine = format!("'{}' {{verb}} {{args}}", engine().display());
+    let (code, text) = pytest(&cap, Some(&engine));
+    assert_eq!(code, 0, "{text}");
+    decode_edits_are_refused(tmp.path(), &cap, &m);
+}
+
+/// One byte of input.trace changed is refused by its sha256; a manifest re-sealed with another
+/// step position, or with no decode step (replayed as a prefill layer on reference.trace's one
+/// row), by the traces' own; the unedited manifest re-sealed is accepted (the control).
+fn decode_edits_are_refused(tmp: &Path, cap: &Path, m: &Value) {
+    let bad = copy_capsule(tmp, cap, "decode-tampered");
+    let mut rows = std::fs::read(bad.join("input.trace")).unwrap();
+    let last = rows.len() - 1;
+    rows[last] ^= 1;
+    std::fs::write(bad.join("input.trace"), rows).unwrap();
+    let (code, text, _) = capsule_run(tmp, &bad, &["--candidate", "engine"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("input.trace was changed"), "{text}");
+    let resealed = |name: &str, f: &dyn Fn(&mut Value)| {
+        let dir = copy_capsule(tmp, cap, name);
+        let mut e = m.clone();
+        f(&mut e);
+        let text = serde_json::to_vec_pretty(&e).unwrap();
+        std::fs::write(dir.join("manifest.json"), &text).unwrap();
+        let hex = hex::encode(sha2::Sha256::digest(&text));
+        std::fs::write(
+            dir.join("manifest.sha256"),
+            format!("{hex}  manifest.json\n"),
+        )
+        .unwrap();
+        capsule_run(tmp, &dir, &["--candidate", "engine"])
+    };
+    let (code, text, _) = resealed("decode-moved", &|e| e["decode"]["position"] = 4.into());
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("reference.trace holds"), "{text}");
+    let (code, text, _) = resealed("decode-dropped", &|e| e["decode"] = Value::Null);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("records no decode step"), "{text}");
+    let (code, text, _) = resealed("decode-resealed", &|_| {});
+    assert_eq!(code, 0, "{text}");
+}
