@@ -9,7 +9,8 @@
 //! The replay is the bisection's own isolation (../prefill/isolate.rs `isolate_with`, `stage`),
 //! so a capsule judges as the bisection did. Minimising: the shortest prefix of the rows that
 //! still fails at the same capture point, found by bisection over positions (rows.rs), and the
-//! written capsule replayed once more before it is kept.
+//! written capsule replayed once more before it is kept. A layer wrong at a decode step gets a
+//! decode capsule (decode.rs): its whole prefix, replayed with `layer --decode-from P`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -287,7 +288,7 @@ impl Written {
 }
 
 /// `gate bisect --capsule DIR`: the capsule of `rep`'s first wrong layer, or (Ok(Err)) why none
-/// is written — nothing wrong, a layer wrong only at a decode step, a forced or block-diffusion
+/// is written — nothing wrong, a forced or block-diffusion
 /// bisection, a GGUF model, a layer that does not fail when replayed alone. `minimise`: keep
 /// only the shortest failing prefix of the rows.
 pub fn write(
