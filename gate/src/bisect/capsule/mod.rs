@@ -27,6 +27,7 @@ use super::BisectReport;
 use crate::{gerr, Result};
 
 mod rows;
+mod units;
 mod weights;
 
 /// The manifest's format.
@@ -109,6 +110,9 @@ pub struct Manifest {
     /// compares with).
     pub expected: Value,
     pub not_included: Vec<String>,
+    /// Heads and experts (units.rs): which fail, the experts removed, the heads named.
+    #[serde(default)]
+    pub units: Value,
     pub allow_stack_mismatch: bool,
     /// Every other file of the capsule, by name: its sha256.
     pub files: BTreeMap<String, String>,
@@ -411,7 +415,12 @@ fn build(
     std::fs::create_dir_all(&trials_dir)
         .map_err(|e| gerr!(File: "{}: {e}", trials_dir.display()))?;
     let replay_model = format!("{trials}/model");
-    let replay_digest = weights::materialise(dir, &lw.replay_header, &o.root.join(&replay_model))?;
+    // A RefCell: removing experts (units.rs) changes it after the trials' traces recorded it.
+    let replay_digest = std::cell::RefCell::new(weights::materialise(
+        dir,
+        &lw.replay_header,
+        &o.root.join(&replay_model),
+    )?);
     let reference = open(&o.root, &format!("{}/reference.trace", o.work))?;
     let source_digest = reference
         .provenance()
@@ -422,7 +431,7 @@ fn build(
     let provenance = |t: &Trace, keep: usize| {
         let mut p = t.provenance().clone();
         if let Some(m) = p.as_object_mut() {
-            m.insert("weights_digest".into(), json!(replay_digest));
+            m.insert("weights_digest".into(), json!(*replay_digest.borrow()));
             if let Some(tokens) = m.get("prompt_tokens").and_then(Value::as_array).cloned() {
                 m.insert(
                     "prompt_tokens".into(),
@@ -501,6 +510,21 @@ fn build(
         }
     }
     let keep = hi;
+    let cx = units::Ctx {
+        o,
+        dir,
+        layer,
+        keep,
+        stage: &stage.tensor,
+        minimise,
+        reference: &reference,
+        full: &full,
+        trials: &trials,
+        policy,
+        header: &lw.replay_header,
+    };
+    let heads = units::heads(&cx)?;
+    let (experts, kept_tensors) = units::experts(&cx, &replay, &replay_digest, &provenance)?;
     rows::write(
         &reference,
         layer,
@@ -582,12 +606,13 @@ fn build(
         }),
         weights: json!({
             "source_weights_digest": source_digest, "layer_file": "layer.safetensors",
-            "tensors": lw.names, "other_tensors": lw.other_tensors,
+            "tensors": kept_tensors.unwrap_or_else(|| lw.names.clone()), "other_tensors": lw.other_tensors,
             "replay_file": "model.safetensors", "replay_header": lw.replay_header,
-            "replay_weights_digest": replay_digest,
+            "replay_weights_digest": *replay_digest.borrow(),
         }),
         expected: Value::Null,
         not_included: not_included(o),
+        units: json!({"experts": experts, "heads": heads}),
         allow_stack_mismatch: o.allow_stack_mismatch,
         files: BTreeMap::new(),
     };
@@ -656,7 +681,7 @@ fn not_included(o: &BisectOptions) -> Vec<String> {
     let mut v = vec![
         "other layers' weights, the embedding and the head: zeros in the replay model (the layer verb does not read them)".to_string(),
         "decode steps: a capsule replays the prefill rows only (no KV cache)".to_string(),
-        "heads and experts are not minimised: every head and expert of the layer is kept".to_string(),
+        "heads are named where they fail (units.heads), not cut: every head of the layer is kept".to_string(),
         "in test_capsule.c: the router's decisions, a noise-relative bound and the tensors' attributes (gate capsule run and test_capsule.py check them)".to_string(),
     ];
     if o.noise.is_none() {
