@@ -511,3 +511,188 @@ fn decode_edits_are_refused(tmp: &Path, cap: &Path, m: &Value) {
     let (code, text, _) = resealed("decode-resealed", &|_| {});
     assert_eq!(code, 0, "{text}");
 }
+
+// ---- Heads and experts (capsule/units.rs; docs/bisect.md, "Capsules", "Heads and experts") ----
+
+/// `gate bisect --capture internals --capsule` on `model`, prompt short, the engine the
+/// reference, the defective contract with `defect` the candidate: (exit code, output, capsule).
+fn units_bisect(tmp: &Path, model: &str, defect: &str) -> (i32, String, PathBuf) {
+    let cap = tmp.join("capsule");
+    let cand = defective(defect);
+    let args = [
+        "--model",
+        model,
+        "--prompt",
+        "short",
+        "--reference",
+        "engine",
+        "--capture",
+        "internals",
+        "--candidate",
+        "cmd",
+        "--candidate-cmd",
+        &cand,
+        "--capsule",
+        cap.to_str().unwrap(),
+    ];
+    let b = common::bisect(&tmp.join("work"), &tmp.join("report.json"), &args);
+    (b.code, b.stdout, cap)
+}
+
+/// The experts stored in `cap`'s layer.safetensors (an `experts.E.` name component), read
+/// from its header.
+fn stored_experts(cap: &Path) -> std::collections::BTreeSet<u64> {
+    let bytes = std::fs::read(cap.join("layer.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter_map(|k| {
+            let parts: Vec<&str> = k.split('.').collect();
+            parts
+                .windows(2)
+                .find(|w| w[0] == "experts")
+                .and_then(|w| w[1].parse().ok())
+        })
+        .collect()
+}
+
+fn numbers(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an array: {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+/// Experts 2 and 6 of tiny-qwen3-moe's layer 1 planted: the failure is named as those experts;
+/// the experts no kept row routes to (by the reference's own router.topk, read here from the
+/// capsule's reference rows) are removed from layer.safetensors and named; expert 6, failing
+/// but routed to by no kept row, is kept all the same (the negative control: the reduction
+/// would drop it); the reduced capsule still fails for the planted candidate, as recorded, and
+/// the engine passes it, from `gate capsule run` and from the pytest file.
+#[test]
+fn experts_no_kept_row_routes_to_are_removed_and_the_failing_ones_named_and_kept() {
+    let tmp = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let defect = "expert-add@1:2,6";
+    let (code, out, cap) = units_bisect(tmp.path(), "fixtures/tiny-qwen3-moe", defect);
+    assert_eq!(code, 1, "{out}");
+    let m = manifest(&cap);
+    assert_eq!(m["stage"]["tensor"], "layer.01.expert.002.out", "{out}");
+    let e = &m["units"]["experts"];
+    assert_eq!(numbers(&e["failing"]), [2, 6], "{e}");
+    // Routed: the kept rows' router decisions, as the capsule's reference trace holds them.
+    let t = tracegate_trace::Trace::open(cap.join("reference.trace")).unwrap();
+    let d = t
+        .decisions()
+        .iter()
+        .find(|d| d.name == "layer.01.router.topk")
+        .unwrap();
+    let routed: std::collections::BTreeSet<u64> =
+        t.decision_values(d).iter().map(|&v| v as u64).collect();
+    assert!(!routed.contains(&6), "row choice changed: {routed:?}");
+    let removed: Vec<u64> = (0..8).filter(|x| !routed.contains(x) && *x != 6).collect();
+    assert!(!removed.is_empty());
+    assert_eq!(numbers(&e["removed"]), removed, "{e}");
+    assert_eq!(numbers(&e["failing_not_exercised"]), [6], "{e}");
+    assert_eq!(e["still_fails"], true, "{e}");
+    let stored = stored_experts(&cap);
+    assert!(
+        stored.contains(&6),
+        "a failing expert was dropped: {stored:?}"
+    );
+    assert!(removed.iter().all(|x| !stored.contains(x)), "{stored:?}");
+    assert_eq!(stored.len() + removed.len(), 8, "{stored:?}");
+    // Replayed: the planted candidate fails as recorded, the engine passes.
+    let (code, text, run) = capsule_run(tmp.path(), &cap, &["--candidate-cmd", &defective(defect)]);
+    assert_eq!(code, 1, "{text}");
+    assert_eq!(run["stage"]["tensor"], "layer.01.expert.002.out", "{text}");
+    assert_eq!(run["as_recorded"], true, "{text}");
+    let (code, text, _) = capsule_run(tmp.path(), &cap, &["--candidate", "engine"]);
+    assert_eq!(code, 0, "{text}");
+    let engine = format!("'{}' {{verb}} {{args}}", engine().display());
+    let (code, text) = pytest(&cap, Some(&engine));
+    assert_eq!(code, 0, "{text}");
+}
+
+/// A defect that shows only while expert 7's weights are not zero: the reduced capsule (expert
+/// 7 routed to by no kept row, so removed) no longer fails, so the reduction is undone, said,
+/// and the capsule keeps every expert and still fails.
+#[test]
+fn an_expert_reduction_that_stops_the_failure_is_undone() {
+    let tmp = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let (code, out, cap) = units_bisect(tmp.path(), "fixtures/tiny-qwen3-moe", "expert-add@1:2?7");
+    assert_eq!(code, 1, "{out}");
+    let m = manifest(&cap);
+    let e = &m["units"]["experts"];
+    assert_eq!(numbers(&e["failing"]), [2], "{e}");
+    assert_eq!(e["still_fails"], false, "{e}");
+    assert_eq!(numbers(&e["removed"]), Vec::<u64>::new(), "{e}");
+    assert!(
+        e["not_minimised"].as_str().unwrap().starts_with("undone:"),
+        "{e}"
+    );
+    assert_eq!(stored_experts(&cap).len(), 8);
+    assert_eq!(m["rows"]["still_fails"], true, "{}", m["rows"]);
+}
+
+/// Heads: gqa-mod reads kv head h % 2 for query head h instead of h / 2, so only the query
+/// heads where the two differ (1 and 2 of 4) have wrong attention probabilities: named, the
+/// failure local; k-norm:3 scales every key head: both named, not local. Heads are not cut.
+#[test]
+fn failing_heads_are_named_and_local_only_when_some_heads_pass() {
+    let tmp = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let (code, out, cap) = units_bisect(tmp.path(), "fixtures/tiny-qwen3", "gqa-mod");
+    assert_eq!(code, 1, "{out}");
+    let m = manifest(&cap);
+    let h = &m["units"]["heads"];
+    assert_eq!(m["stage"]["tensor"], "layer.03.attn_probs", "{out}");
+    let wrong: Vec<u64> = (0..4u64).filter(|q| q / 2 != q % 2).collect();
+    let probs = h["failing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["point"] == "layer.03.attn_probs")
+        .unwrap_or_else(|| panic!("{h}"));
+    assert_eq!(numbers(&probs["heads"]), wrong, "{h}");
+    assert_eq!(probs["of"], 4);
+    assert_eq!(h["local"], true, "{h}");
+    assert_eq!(h["reduced"], false);
+    assert!(
+        m["units"]["experts"].is_null(),
+        "a dense layer: {}",
+        m["units"]
+    );
+    // Every key head wrong: named, and not local.
+    let tmp = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let cap = tmp.path().join("capsule");
+    let cand = format!(
+        "'{}' {{verb}} {{args}} --plant k-norm:3",
+        example_producer().display()
+    );
+    let (code, out, _) = bisect(
+        tmp.path(),
+        "engine",
+        &[
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cand,
+            "--policy",
+            "f32",
+        ],
+        &["--capsule", cap.to_str().unwrap()],
+    );
+    assert_eq!(code, 1, "{out}");
+    let h = &manifest(&cap)["units"]["heads"];
+    let k = h["failing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["point"] == "layer.03.k")
+        .unwrap_or_else(|| panic!("{h}"));
+    assert_eq!(numbers(&k["heads"]), [0, 1], "{h}");
+    assert_eq!(h["local"], false, "{h}");
+}

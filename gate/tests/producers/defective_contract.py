@@ -19,6 +19,10 @@ Defects (each touches one layer only, so every later layer is a correct body tha
                step, or `layer --decode-from`): the prefill and the uncached recompute are correct
   gqa-mod      layer 3: query head h reads kv head h % n_kv instead of h // n_rep
   no-renorm    layer 1 (MoE): the chosen experts' weights are not renormalised
+  expert-add@L:E[,E…]  MoE layer L: routed expert E (each listed) returns its input plus its
+               output (every other expert, the router and the shared expert correct); with ?F
+               (expert-add@L:E?F) only while expert F's weights are not all zero (a defect a
+               capsule that zeroes expert F no longer shows: its reduction must be undone)
   cached-pos   layer 1, cached decode only: a row on a filled KV cache is rotated at position p+1
                (the uncached recompute and the prefill are correct; `layer --decode-from` takes
                the same cached path, as it must)
@@ -177,6 +181,25 @@ def plant(defect: str) -> None:
                 return orig(self, L, x, pos, pfx, cap)
             finally:
                 self.cfg.norm_topk_prob = saved
+
+        model.Model._moe = moe
+    elif defect.startswith("expert-add@"):
+        orig = model.Model._moe
+        at, listed = defect.partition("@")[2].split(":")
+        listed, _, if_nonzero = listed.partition("?")
+        at, wrong = int(at), [int(e) for e in listed.split(",")]
+
+        def moe(self, M, x, pos, i, cap):
+            gated = if_nonzero and not np.any(M.experts[int(if_nonzero)].wd_t)
+            if _current[0] != at or gated:
+                return orig(self, M, x, pos, i, cap)
+            saved = list(M.experts)
+            for e in wrong:
+                M.experts[e] = lambda h, right=saved[e]: h + right(h)
+            try:
+                return orig(self, M, x, pos, i, cap)
+            finally:
+                M.experts[:] = saved
 
         model.Model._moe = moe
     elif defect in ("cached-pos", "late-pos"):

@@ -221,8 +221,9 @@ pub(super) fn build(
     };
     let mut not_included: Vec<String> = not_included(o)
         .into_iter()
-        .filter(|l| l != NO_DECODE_STEP)
+        .filter(|l| l != NO_DECODE_STEP && l != HEADS_NAMED)
         .collect();
+    not_included.push("heads and experts: a decode capsule keeps every head and expert of the layer and names none (units is null)".into());
     not_included.push("the decode step's internal capture points and decisions: a layer --decode-from trace holds hidden_in, attn_out, mlp_out and hidden_out only (docs/producers.md); reference.trace's router decision, for an MoE layer, is the prompt's and only names the block".into());
     not_included.push("the bisection's cache self-check (the candidate's --cache off run against its cached run): the capsule replays the layer's cached decode path only".into());
     let manifest = Manifest {
@@ -263,6 +264,7 @@ pub(super) fn build(
         not_included,
         allow_stack_mismatch: o.allow_stack_mismatch,
         files: BTreeMap::new(),
+        units: Value::Null,
     };
     kept_if_failing(
         o,

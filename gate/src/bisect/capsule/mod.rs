@@ -29,6 +29,7 @@ use crate::{gerr, Result};
 
 mod decode;
 mod rows;
+mod units;
 mod weights;
 
 /// The manifest's format.
@@ -91,6 +92,9 @@ pub struct Manifest {
     /// (`input.trace`); null for a prefill layer.
     #[serde(default)]
     pub decode: Value,
+    /// Heads and experts (units.rs): which fail, the experts removed, the heads named.
+    #[serde(default)]
+    pub units: Value,
     /// `internals` or `default`: what the layer verb is asked to capture.
     pub capture: String,
     /// How the bisection judged: `by` (`bits`, `policy`), `policy_name`, `precision`, and the
@@ -453,6 +457,8 @@ fn build(
         replay_model,
         replay_digest,
     } = prepare(o, dir, lw)?;
+    // A RefCell: removing experts (units.rs) changes it after the trials' traces recorded it.
+    let replay_digest = std::cell::RefCell::new(replay_digest);
     let reference = open(&o.root, &format!("{}/reference.trace", o.work))?;
     let source_digest = reference
         .provenance()
@@ -463,7 +469,7 @@ fn build(
     let provenance = |t: &Trace, keep: usize| {
         let mut p = t.provenance().clone();
         if let Some(m) = p.as_object_mut() {
-            m.insert("weights_digest".into(), json!(replay_digest));
+            m.insert("weights_digest".into(), json!(*replay_digest.borrow()));
             if let Some(tokens) = m.get("prompt_tokens").and_then(Value::as_array).cloned() {
                 m.insert(
                     "prompt_tokens".into(),
@@ -543,6 +549,21 @@ fn build(
         }
     }
     let keep = hi;
+    let cx = units::Ctx {
+        o,
+        dir,
+        layer,
+        keep,
+        stage: &stage.tensor,
+        minimise,
+        reference: &reference,
+        full: &full,
+        trials: &trials,
+        policy,
+        header: &lw.replay_header,
+    };
+    let heads = units::heads(&cx)?;
+    let (experts, kept_tensors) = units::experts(&cx, &replay, &replay_digest, &provenance)?;
     rows::write(
         &reference,
         layer,
@@ -624,15 +645,16 @@ fn build(
         }),
         weights: json!({
             "source_weights_digest": source_digest, "layer_file": "layer.safetensors",
-            "tensors": lw.names, "other_tensors": lw.other_tensors,
+            "tensors": kept_tensors.unwrap_or_else(|| lw.names.clone()), "other_tensors": lw.other_tensors,
             "replay_file": "model.safetensors", "replay_header": lw.replay_header,
-            "replay_weights_digest": replay_digest,
+            "replay_weights_digest": *replay_digest.borrow(),
         }),
         expected: Value::Null,
         not_included: not_included(o),
         allow_stack_mismatch: o.allow_stack_mismatch,
         files: BTreeMap::new(),
         decode: Value::Null,
+        units: json!({"experts": experts, "heads": heads}),
     };
     kept_if_failing(
         o,
@@ -718,11 +740,14 @@ fn candidate_words(p: &Producer) -> Vec<String> {
 /// A prefill capsule's `not_included` line that a decode capsule (decode.rs) does not carry.
 const NO_DECODE_STEP: &str = "decode steps: a prefill layer's capsule replays its prompt rows only (a layer wrong at a decode step gets a decode capsule)";
 
+const HEADS_NAMED: &str =
+    "heads are named where they fail (units.heads), not cut: every head of the layer is kept";
+
 fn not_included(o: &BisectOptions) -> Vec<String> {
     let mut v = vec![
         "other layers' weights, the embedding and the head: zeros in the replay model (the layer verb does not read them)".to_string(),
         NO_DECODE_STEP.to_string(),
-        "heads and experts are not minimised: every head and expert of the layer is kept".to_string(),
+        HEADS_NAMED.to_string(),
         "in test_capsule.c: the router's decisions, a noise-relative bound and the tensors' attributes (gate capsule run and test_capsule.py check them)".to_string(),
     ];
     if o.noise.is_none() {
