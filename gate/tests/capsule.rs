@@ -696,3 +696,152 @@ fn failing_heads_are_named_and_local_only_when_some_heads_pass() {
     assert_eq!(numbers(&k["heads"]), [0, 1], "{h}");
     assert_eq!(h["local"], false, "{h}");
 }
+
+// ---- GGUF capsules (docs/bisect.md, "Capsules") ----
+
+/// Writes a tiny llama GGUF with ggml's own GGUFWriter (oracle/tests/gguf_models.py; vocabulary
+/// 512 for the prompt `short`), its layer 2's matrices in Q8_0, Q4_K, F16, Q6_K, Q5_0, Q4_0 and
+/// Q4_1, and prints layer 2's tensors as ggml's own GGUFReader reads them: name → [type,
+/// sha256 of the bytes]. The expected blocks come from ggml's reader, not from the gate's.
+const TINY_GGUF: &str = r#"
+import hashlib, json, sys
+sys.path.insert(0, "oracle/tests")
+from pathlib import Path
+import gguf, gguf_models as g
+g.VOCAB = 512
+Q = g.Q
+g.tiny_llama(Path(sys.argv[1]), 3, [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.F16, Q.Q6_K, Q.Q5_0], Q.Q8_0)
+r = gguf.GGUFReader(sys.argv[1])
+print(json.dumps({t.name: [t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()]
+                  for t in r.tensors if t.name.startswith("blk.2.")}))
+"#;
+
+/// `layer.safetensors`' tensors: name → (dtype, its `__metadata__` entry, sha256 of its bytes).
+fn layer_file_tensors(path: &Path) -> std::collections::BTreeMap<String, (String, String, String)> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let head: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let meta = &head["__metadata__"];
+    head.as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let (b, e) = (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                v["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            let sha = hex::encode(sha2::Sha256::digest(&data[b..e]));
+            let what = meta[k].as_str().unwrap_or_default().to_string();
+            (
+                k.clone(),
+                (v["dtype"].as_str().unwrap().to_string(), what, sha),
+            )
+        })
+        .collect()
+}
+
+/// A GGUF model: the capsule holds layer 2's blocks as quantised (every tensor of ggml's own
+/// reading, bytes unchanged, with its type), no config.json (the replay GGUF's header is the
+/// config); it replays the defective contract to the bisection's verdict, stage and numbers,
+/// the engine passes it, and so does its pytest file. A changed byte of the blocks is refused by
+/// its sha256, and, re-sealed, by the replay GGUF's weights digest.
+#[test]
+fn a_gguf_capsule_holds_the_layers_blocks_and_replays_the_bisection() {
+    let tmp = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let model = tmp.path().join("tiny.gguf");
+    let w = Command::new(common::python())
+        .current_dir(repo())
+        .args(["-c", TINY_GGUF, model.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(w.status.success(), "{}", String::from_utf8_lossy(&w.stderr));
+    let blocks: Value = serde_json::from_slice(&w.stdout).unwrap();
+    let cap = tmp.path().join("capsule");
+    let cand = defective("mlp-add");
+    let b = common::bisect(
+        &tmp.path().join("work"),
+        &tmp.path().join("report.json"),
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "short",
+            "--reference",
+            "engine",
+            "--capture",
+            "internals",
+            "--candidate",
+            "cmd",
+            "--candidate-cmd",
+            &cand,
+            "--capsule",
+            cap.to_str().unwrap(),
+            "--capsule-full",
+        ],
+    );
+    let (out, rep) = (b.stdout, b.report);
+    assert_eq!(b.code, 1, "{out}{}", b.stderr);
+    assert!(out.contains("capsule written to"), "{out}");
+    let m = manifest(&cap);
+    assert_eq!(m["weights"]["format"], "gguf", "{m}");
+    assert_eq!(m["weights"]["replay_file"], "model.gguf");
+    assert!(!cap.join("config.json").exists());
+    // The blocks, as ggml's reader reads them: every tensor of layer 2, its type, its bytes.
+    let mine = layer_file_tensors(&cap.join("layer.safetensors"));
+    let want = blocks.as_object().unwrap();
+    assert_eq!(mine.len(), want.len(), "{mine:?} vs {want:?}");
+    for (name, w) in want {
+        let (dtype, what, sha) = &mine[name];
+        assert_eq!(dtype, "U8", "{name}");
+        assert!(
+            what.starts_with(&format!("{} [", w[0].as_str().unwrap())),
+            "{name}: {what}"
+        );
+        assert_eq!(sha, w[1].as_str().unwrap(), "{name}");
+    }
+    assert!(want.values().any(|w| w[0] == "Q4_K") && want.values().any(|w| w[0] == "Q6_K"));
+    let (code, text, run) = capsule_run(tmp.path(), &cap, &["--candidate-cmd", &cand]);
+    assert_eq!(code, 1, "{text}");
+    assert_eq!(run["stage"]["tensor"], "layer.02.mlp_out", "{text}");
+    assert_eq!(run["stage"], rep["stage"], "{text}");
+    assert_eq!(run["isolated"], rep["layers"][2]["isolated"], "{text}");
+    assert_eq!(run["as_recorded"], true, "{text}");
+    let (code, text, run) = capsule_run(tmp.path(), &cap, &["--candidate", "engine"]);
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(run["verdict"], "passes", "{text}");
+    let (code, text) = pytest(&cap, None);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("layer.02.mlp_out"), "{text}");
+    let engine = format!("'{}' {{verb}} {{args}}", engine().display());
+    let (code, text) = pytest(&cap, Some(&engine));
+    assert_eq!(code, 0, "{text}");
+    // Negative controls: one byte of the last tensor's blocks changed.
+    let bad = copy_capsule(tmp.path(), &cap, "tampered");
+    let path = bad.join("layer.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let (code, text, _) = capsule_run(tmp.path(), &bad, &["--candidate", "engine"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("layer.safetensors was changed"), "{text}");
+    // … and re-sealed (its sha256 in the manifest, manifest.sha256 rewritten): the replay GGUF
+    // is no longer the one the capsule's reference trace was recorded against.
+    let mut e = m.clone();
+    e["files"]["layer.safetensors"] = hex::encode(sha2::Sha256::digest(&bytes)).into();
+    let text = serde_json::to_vec_pretty(&e).unwrap();
+    std::fs::write(bad.join("manifest.json"), &text).unwrap();
+    let hex = hex::encode(sha2::Sha256::digest(&text));
+    std::fs::write(
+        bad.join("manifest.sha256"),
+        format!("{hex}  manifest.json\n"),
+    )
+    .unwrap();
+    let (code, text, _) = capsule_run(tmp.path(), &bad, &["--candidate", "engine"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("the replay model's weights digest is"),
+        "{text}"
+    );
+}

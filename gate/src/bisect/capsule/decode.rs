@@ -254,12 +254,12 @@ pub(super) fn build(
             "minimised": false, "not_minimised": WHOLE_PREFIX, "trials": [],
             "one_fewer_passes": null, "still_fails": null,
         }),
-        weights: json!({
-            "source_weights_digest": source_digest, "layer_file": "layer.safetensors",
-            "tensors": lw.names, "other_tensors": lw.other_tensors,
-            "replay_file": "model.safetensors", "replay_header": lw.replay_header,
-            "replay_weights_digest": replay_digest,
-        }),
+        weights: {
+            let mut w = lw.replay.clone();
+            w.insert("source_weights_digest".into(), source_digest.clone());
+            w.insert("replay_weights_digest".into(), json!(replay_digest));
+            Value::Object(w)
+        },
         expected: Value::Null,
         not_included,
         allow_stack_mismatch: o.allow_stack_mismatch,

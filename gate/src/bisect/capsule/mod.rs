@@ -28,6 +28,7 @@ use super::BisectReport;
 use crate::{gerr, Result};
 
 mod decode;
+mod gguf;
 mod rows;
 mod units;
 mod weights;
@@ -292,8 +293,8 @@ impl Written {
 }
 
 /// `gate bisect --capsule DIR`: the capsule of `rep`'s first wrong layer, or (Ok(Err)) why none
-/// is written — nothing wrong, a forced or block-diffusion
-/// bisection, a GGUF model, a layer that does not fail when replayed alone. `minimise`: keep
+/// is written — nothing wrong, a forced or block-diffusion bisection, a layer that does not fail
+/// when replayed alone. `minimise`: keep
 /// only the shortest failing prefix of the rows.
 pub fn write(
     o: &BisectOptions,
@@ -337,12 +338,7 @@ pub fn write(
         }
     }
     let model_dir = o.root.join(&o.model);
-    let all = match weights::checkpoint(&model_dir) {
-        Ok(a) => a,
-        Err(crate::Error::Refused(why)) => return Ok(Err(why)),
-        Err(e) => return Err(e),
-    };
-    let lw = weights::layer_weights(&all, layer, &model_dir)?;
+    let lw = weights::of_model(&model_dir, layer)?;
     let shown = crate::paths::shown(dir);
     if std::fs::read_dir(dir).is_ok_and(|mut e| e.next().is_some()) {
         return Err(gerr!(
@@ -417,8 +413,10 @@ struct Prepared {
 
 fn prepare(o: &BisectOptions, dir: &Path, lw: &weights::LayerWeights) -> Result<Prepared> {
     let model_dir = o.root.join(&o.model);
-    std::fs::copy(model_dir.join("config.json"), dir.join("config.json"))
-        .map_err(|e| gerr!(File: "{}: {e}", model_dir.join("config.json").display()))?;
+    if lw.config {
+        std::fs::copy(model_dir.join("config.json"), dir.join("config.json"))
+            .map_err(|e| gerr!(File: "{}: {e}", model_dir.join("config.json").display()))?;
+    }
     write_file(&dir.join("layer.safetensors"), &lw.layer_file)?;
     let work_dir = o.root.join(&o.work);
     let _lock = crate::WorkLock::acquire(&work_dir)?;
@@ -431,7 +429,7 @@ fn prepare(o: &BisectOptions, dir: &Path, lw: &weights::LayerWeights) -> Result<
     std::fs::create_dir_all(&trials_dir)
         .map_err(|e| gerr!(File: "{}: {e}", trials_dir.display()))?;
     let replay_model = format!("{trials}/model");
-    let replay_digest = weights::materialise(dir, &lw.replay_header, &o.root.join(&replay_model))?;
+    let replay_digest = weights::materialise(dir, &json!(lw.replay), &o.root.join(&replay_model))?;
     Ok(Prepared {
         _lock,
         trials,
@@ -560,7 +558,7 @@ fn build(
         full: &full,
         trials: &trials,
         policy,
-        header: &lw.replay_header,
+        weights: &json!(lw.replay),
     };
     let heads = units::heads(&cx)?;
     let (experts, kept_tensors) = units::experts(&cx, &replay, &replay_digest, &provenance)?;
@@ -643,12 +641,18 @@ fn build(
             "trials": trial_log, "one_fewer_passes": (lo > 0).then_some(true),
             "still_fails": Value::Null,
         }),
-        weights: json!({
-            "source_weights_digest": source_digest, "layer_file": "layer.safetensors",
-            "tensors": kept_tensors.unwrap_or_else(|| lw.names.clone()), "other_tensors": lw.other_tensors,
-            "replay_file": "model.safetensors", "replay_header": lw.replay_header,
-            "replay_weights_digest": *replay_digest.borrow(),
-        }),
+        weights: {
+            let mut w = lw.replay.clone();
+            w.insert("source_weights_digest".into(), source_digest.clone());
+            w.insert(
+                "replay_weights_digest".into(),
+                json!(*replay_digest.borrow()),
+            );
+            if let Some(kept) = kept_tensors {
+                w.insert("tensors".into(), json!(kept));
+            }
+            Value::Object(w)
+        },
         expected: Value::Null,
         not_included: not_included(o),
         allow_stack_mismatch: o.allow_stack_mismatch,
@@ -802,7 +806,10 @@ pub fn load(dir: &Path) -> Result<Loaded> {
         ));
     }
     let by_policy = manifest.judge["by"] == json!("policy");
-    let mut needed = vec!["config.json", "layer.safetensors", "reference.trace"];
+    let mut needed = vec!["layer.safetensors", "reference.trace"];
+    if manifest.weights["format"] != "gguf" {
+        needed.push("config.json"); // a GGUF's config is the replay file's header
+    }
     if by_policy {
         needed.push("policy.json");
     }
@@ -884,8 +891,7 @@ fn run_loaded(
     let work_dir = root.join(work);
     std::fs::create_dir_all(&work_dir).map_err(|e| gerr!(File: "{}: {e}", work_dir.display()))?;
     let model = format!("{work}/model");
-    let header = m.weights["replay_header"].as_str().unwrap_or_default();
-    let digest = weights::materialise(dir, header, &root.join(&model))?;
+    let digest = weights::materialise(dir, &m.weights, &root.join(&model))?;
     let want = m.weights["replay_weights_digest"]
         .as_str()
         .unwrap_or_default();

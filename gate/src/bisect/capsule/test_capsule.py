@@ -43,6 +43,8 @@ def manifest() -> dict:
 def materialise(m: dict, out: Path) -> None:
     """The replay model: the header recorded in the manifest, the layer's tensors at their
     offsets, zeros (a hole) elsewhere; the same bytes `gate capsule run` writes."""
+    if m["weights"].get("format") == "gguf":
+        return materialise_gguf(m, out)
     header = m["weights"]["replay_header"].encode()
     layout = json.loads(header)
     layer = (CAPSULE / "layer.safetensors").read_bytes()
@@ -64,6 +66,28 @@ def materialise(m: dict, out: Path) -> None:
         f.truncate(start + total)
     digest = tracegate.weights_digest(out)
     want = m["weights"]["replay_weights_digest"]
+    assert digest == want, f"replay model's weights digest {digest}, manifest.json records {want}"
+
+
+def materialise_gguf(m: dict, out: Path) -> None:
+    """A GGUF capsule's replay model, `model.gguf`: the manifest's header, each of the layer's
+    blocks at its `replay_offsets`, zeros (a hole) to `replay_length`."""
+    w = m["weights"]
+    layer = (CAPSULE / "layer.safetensors").read_bytes()
+    n = int.from_bytes(layer[:8], "little")
+    own = json.loads(layer[8 : 8 + n])
+    out.mkdir()
+    with open(out / "model.gguf", "wb") as f:
+        f.write(bytes.fromhex(w["replay_header_hex"]))
+        for name, v in own.items():
+            if name == "__metadata__":
+                continue
+            b, e = v["data_offsets"]
+            f.seek(w["replay_offsets"][name][0])
+            f.write(layer[8 + n + b : 8 + n + e])
+        f.truncate(w["replay_length"])
+    digest = tracegate.weights_digest(out)
+    want = w["replay_weights_digest"]
     assert digest == want, f"replay model's weights digest {digest}, manifest.json records {want}"
 
 

@@ -40,8 +40,8 @@ pub(super) struct Ctx<'a> {
     /// The trials' directory (relative to the root): `rows.K.trace`, `rows.K.candidate.trace`.
     pub trials: &'a str,
     pub policy: &'a Option<Policy>,
-    /// The replay model's safetensors header: the checkpoint's layout, every tensor named.
-    pub header: &'a str,
+    /// The manifest's `weights` (how the replay model is built: weights::materialise).
+    pub weights: &'a Value,
 }
 
 /// Expert `e` of a checkpoint tensor name with an `experts.E.` component (`…mlp.experts.3.up_proj.weight`).
@@ -110,6 +110,11 @@ pub(super) fn experts(
         )) },
         "removed": [], "kept": Value::Null, "still_fails": Value::Null, "not_minimised": Value::Null,
     });
+    if c.weights["format"] == "gguf" {
+        let why = "a GGUF model stores a layer's experts packed (ffn_*_exps): every expert kept";
+        out["not_minimised"] = json!(why);
+        return Ok((out, None));
+    }
     let model_dir = c.o.root.join(&c.o.model);
     let all = weights::checkpoint(&model_dir)?;
     let mine: Vec<&weights::Entry> = all
@@ -150,7 +155,7 @@ pub(super) fn experts(
     let full_file = std::fs::read(c.dir.join("layer.safetensors"))
         .map_err(|e| crate::gerr!(File: "{}: {e}", c.dir.join("layer.safetensors").display()))?;
     let original = digest.borrow().clone();
-    let header = c.header;
+    let header = c.weights;
     let model = c.o.root.join(&replay.model);
     write_file(&c.dir.join("layer.safetensors"), &lw.layer_file)?;
     *digest.borrow_mut() = weights::materialise(c.dir, header, &model)?;
@@ -181,7 +186,12 @@ pub(super) fn experts(
         out["removed"] = json!(removed);
         out["kept"] = json!(kept);
         out["still_fails"] = json!(true);
-        return Ok((out, Some(lw.names)));
+        let names = lw.replay["tensors"].as_array().cloned().unwrap_or_default();
+        let names = names
+            .iter()
+            .filter_map(|n| n.as_str().map(str::to_string))
+            .collect();
+        return Ok((out, Some(names)));
     }
     // Undone: the capsule keeps every expert, and says why.
     write_file(&c.dir.join("layer.safetensors"), &full_file)?;

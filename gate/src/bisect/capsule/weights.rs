@@ -49,7 +49,7 @@ fn header(path: &Path) -> Result<(Map<String, Value>, u64)> {
 }
 
 /// Every tensor of `file`, by its header.
-fn entries(file: &Path) -> Result<Vec<Entry>> {
+pub(super) fn entries(file: &Path) -> Result<Vec<Entry>> {
     let (map, start) = header(file)?;
     let mut out = Vec::new();
     for (name, v) in map.iter().filter(|(k, _)| *k != "__metadata__") {
@@ -86,15 +86,18 @@ fn entries(file: &Path) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
-/// Every tensor of the safetensors checkpoint in `model` (all its `*.safetensors` files), by
-/// name. A GGUF model is refused: its layer's quantised blocks are not written into capsules.
-pub(super) fn checkpoint(model: &Path) -> Result<Vec<Entry>> {
-    if let Ok(Some(g)) = tracegate_trace::gguf_file(model) {
-        return Err(gerr!(
-            "a capsule of a GGUF model ({}) is not written: capsules carry safetensors weights only; bisect the safetensors checkpoint the GGUF was made from",
-            g.display()
-        ));
+/// What the capsule keeps of layer `layer`'s weights in `model`: a GGUF model's quantised
+/// blocks (super::gguf), else the safetensors checkpoint's tensors as stored.
+pub(super) fn of_model(model: &Path, layer: usize) -> Result<LayerWeights> {
+    match tracegate_trace::gguf_file(model).map_err(|e| gerr!(File: "{e}"))? {
+        Some(g) => super::gguf::layer_weights(&g, layer),
+        None => layer_weights(&checkpoint(model)?, layer, model),
     }
+}
+
+/// Every tensor of the safetensors checkpoint in `model` (all its `*.safetensors` files), by
+/// name.
+pub(super) fn checkpoint(model: &Path) -> Result<Vec<Entry>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(model)
         .map_err(|e| gerr!(File: "{}: {e}", model.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -125,7 +128,7 @@ pub(super) fn of_layer(name: &str, layer: usize) -> bool {
 
 /// A safetensors header over `tensors` (name, dtype, shape, byte length), in name order, data
 /// contiguous; padded with spaces so the data starts 8-byte aligned.
-fn header_text(tensors: &[(&str, &str, &[u64], u64)]) -> (String, u64) {
+pub(super) fn header_text(tensors: &[(&str, &str, &[u64], u64)]) -> (String, u64) {
     let mut map = Map::new();
     map.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut at = 0u64;
@@ -143,7 +146,7 @@ fn header_text(tensors: &[(&str, &str, &[u64], u64)]) -> (String, u64) {
     (text, at)
 }
 
-fn read_range(e: &Entry) -> Result<Vec<u8>> {
+pub(super) fn read_range(e: &Entry) -> Result<Vec<u8>> {
     let shown = e.file.display();
     let mut f = std::fs::File::open(&e.file).map_err(|err| gerr!(File: "{shown}: {err}"))?;
     f.seek(SeekFrom::Start(e.begin))
@@ -155,12 +158,12 @@ fn read_range(e: &Entry) -> Result<Vec<u8>> {
 }
 
 /// What the capsule keeps of the weights: `layer.safetensors`'s bytes (the layer's tensors as
-/// stored), the replay file's header text, and the layer's tensor names.
+/// stored), whether the model's `config.json` is copied (a GGUF's config is its header), and
+/// the manifest's `weights` fields that say how the replay model is built (`materialise`).
 pub(super) struct LayerWeights {
     pub layer_file: Vec<u8>,
-    pub replay_header: String,
-    pub names: Vec<String>,
-    pub other_tensors: usize,
+    pub config: bool,
+    pub replay: Map<String, Value>,
 }
 
 pub(super) fn layer_weights(all: &[Entry], layer: usize, model: &Path) -> Result<LayerWeights> {
@@ -191,23 +194,36 @@ pub(super) fn layer_weights(all: &[Entry], layer: usize, model: &Path) -> Result
         layer_file.extend(read_range(e)?);
     }
     let (replay_header, _) = spec(&all.iter().collect::<Vec<_>>());
+    let names: Vec<&str> = mine.iter().map(|e| e.name.as_str()).collect();
+    let replay = json!({
+        "format": "safetensors", "layer_file": "layer.safetensors", "tensors": names,
+        "other_tensors": all.len() - mine.len(), "replay_file": "model.safetensors",
+        "replay_header": replay_header,
+    });
     Ok(LayerWeights {
         layer_file,
-        replay_header,
-        names: mine.iter().map(|e| e.name.clone()).collect(),
-        other_tensors: all.len() - mine.len(),
+        config: true,
+        replay: replay.as_object().cloned().unwrap_or_default(),
     })
 }
 
-/// Writes the replay model into `out` (emptied first): `config.json` from the capsule and
-/// `model.safetensors` with `header`'s layout, the layer file's tensors at their offsets and
-/// zeros (a hole) elsewhere. Returns its weights digest.
-pub(super) fn materialise(capsule: &Path, header: &str, out: &Path) -> Result<String> {
+/// Writes the replay model the manifest's `weights` describe into `out` (emptied first) and
+/// returns its weights digest (`tracegate_trace::weights_digest`, the one definition). A GGUF
+/// capsule: super::gguf::materialise. Else `config.json` from the capsule and
+/// `model.safetensors` with `replay_header`'s layout, the layer file's tensors at their offsets
+/// and zeros (a hole) elsewhere.
+pub(super) fn materialise(capsule: &Path, weights: &Value, out: &Path) -> Result<String> {
     let io = |p: &Path, e: std::io::Error| gerr!(File: "{}: {e}", p.display());
     if out.exists() {
         std::fs::remove_dir_all(out).map_err(|e| io(out, e))?;
     }
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    if weights["format"] == "gguf" {
+        super::gguf::materialise(capsule, weights, out)?;
+        return tracegate_trace::weights_digest(out)
+            .map_err(|e| gerr!(File: "{}: {e}", out.display()));
+    }
+    let header = weights["replay_header"].as_str().unwrap_or_default();
     std::fs::copy(capsule.join("config.json"), out.join("config.json"))
         .map_err(|e| io(&capsule.join("config.json"), e))?;
     let layout: Map<String, Value> = serde_json::from_str(header).map_err(
