@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set-up plus every test, Rust and Python. This is what CI runs (.ci/run).
 set -euo pipefail
-# Each phase line carries the time, so a CI log shows where the minutes went.
-phase() { echo "== [$(date +%T)] $*"; }
+# Each phase line carries the time and the CPU seconds its finished children used so far, so a
+# CI log shows where the minutes went and whether both cores were busy.
+cpu() { times | tail -1 | awk '{ split($1, u, "m"); split($2, s, "m"); printf "%.0f", u[1] * 60 + u[2] + s[1] * 60 + s[2] }'; }
+phase() { echo "== [$(date +%T)] (CPU $(cpu) s) $*"; }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 command -v cargo >/dev/null || { echo "test: cargo not found; install Rust (rustup) first" >&2; exit 1; }
@@ -28,10 +30,25 @@ scripts/setup.sh
 phase "style: ruff check, ruff format --check"
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
-phase "cargo test (release profile, shares the set-up build)"
-cargo test --release --quiet
+# cargo test and pytest run side by side: each alone leaves a core idle for long stretches (a
+# test binary's last slow tests, a worker's last module), and they share nothing but the built
+# binaries. cargo's output is kept in a file and shown whole when both have finished.
+phase "cargo test (release profile, shares the set-up build), beside pytest"
+cargo_log="$(mktemp "${TMPDIR:-/tmp}/tracegate-cargo-test.XXXXXX")"
+cargo test --release --quiet >"$cargo_log" 2>&1 &
+cargo_pid=$!
+trap 'kill "$cargo_pid" 2>/dev/null || true' EXIT
 # With CI set (CI=true), the root conftest.py turns every pytest skip into a failure.
 # -n auto: one worker per core (pytest-xdist); each worker builds its own session fixtures.
 phase "pytest, one worker per core${CI:+ (CI=$CI: a skipped test fails the run)}"
-.venv/bin/python -m pytest -n auto
-phase "done"
+pytest_status=0
+.venv/bin/python -m pytest -n auto || pytest_status=$?
+phase "pytest finished (exit $pytest_status); waiting for cargo test"
+cargo_status=0
+wait "$cargo_pid" || cargo_status=$?
+trap - EXIT
+echo "== cargo test's output (exit $cargo_status):"
+cat "$cargo_log"
+rm -f "$cargo_log"
+phase "done: cargo test exit $cargo_status, pytest exit $pytest_status"
+[ "$cargo_status" = 0 ] && [ "$pytest_status" = 0 ]
