@@ -8,11 +8,13 @@ are bit-identical across ranks (trace-merge checks it); a planted defect in one 
 caught and named; what cannot be sharded is refused in one line; a rank that fails is named and
 a hung one is killed after the timeout.
 
-Slow (each run is a torchrun with two transformers imports): one run per case, shared by the
-assertions on it (`Runs`)."""
+Slow (each torchrun launch is three torch imports): every case's ranks run in one launch, its
+traces shared by the assertions on them (`Runs`), and the launcher's own path runs once, for one
+case, whose rank traces must equal the shared launch's."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,27 +66,74 @@ def merge(*ranks, out) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
+# Every case's ranks in one torchrun launch (each launch costs three torch start-ups): each rank
+# joins the process group once and runs the oracle's own `main` per case, which keeps a group
+# its caller made (distributed.finish). The launcher's own path, `trace --distributed` starting
+# torchrun itself, runs for LAUNCHED, and its rank traces must equal the shared launch's.
+LAUNCHED = "qwen3-tp2"
+RANKS = """import json, sys
+import torch.distributed as dist
+from tracegate_oracle import distributed
+from tracegate_oracle.cli import main
+
+dist.init_process_group(distributed.BACKEND)
+try:
+    for argv in json.load(open(sys.argv[1])):
+        if main(argv) != 0:
+            sys.exit(f"{argv}: failed")
+finally:
+    dist.destroy_process_group()
+"""
+
+
 class Runs:
     """Each case's one-process trace, rank traces and merged trace, made once per module."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.done, self.one = tmp, {}, {}
 
+    def _common(self, case: str) -> tuple:
+        fixture, _ = CASES[case]
+        return ("trace", "--model", FIX / fixture, "--tokens", TOKENS, *FLAGS)
+
+    def _all_ranks(self) -> None:
+        jobs = []
+        for case, (_, spec) in CASES.items():
+            (self.tmp / case).mkdir()
+            out = self.tmp / case / "rank{rank}.trace"
+            jobs.append(
+                [str(x) for x in (*self._common(case), "--distributed", spec, "--out", out)]
+            )
+        (self.tmp / "jobs.json").write_text(json.dumps(jobs))
+        (self.tmp / "ranks.py").write_text(RANKS)
+        target = [str(self.tmp / "ranks.py"), str(self.tmp / "jobs.json")]
+        distributed.run_ranks(
+            target, 2, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        )
+        d = self.tmp / "launched"
+        d.mkdir()
+        r = oracle(*self._common(LAUNCHED), "--distributed", CASES[LAUNCHED][1],
+                   "--out", d / "rank{rank}.trace")  # fmt: skip
+        assert r.returncode == 0, r.stderr[-1500:]
+        ranks = [d / "rank0.trace", d / "rank1.trace"]
+        # Success: one `DIGEST PATH` line per rank trace, in rank order.
+        assert [ln.split()[1] for ln in r.stdout.splitlines()] == list(map(str, ranks))
+        shared = [self.tmp / LAUNCHED / f"rank{i}.trace" for i in (0, 1)]
+        assert [tg.Trace(str(p)).digest for p in ranks] == [
+            tg.Trace(str(p)).digest for p in shared
+        ], "a case run in the shared launch differs from its own launch"
+
     def __call__(self, case: str) -> dict:
+        if not self.done:
+            self._all_ranks()
         if case not in self.done:
-            fixture, spec = CASES[case]
-            model, d = FIX / fixture, self.tmp / case
-            d.mkdir()
-            common = ("trace", "--model", model, "--tokens", TOKENS, *FLAGS)
+            fixture, _ = CASES[case]
+            d = self.tmp / case
             if fixture not in self.one:
                 self.one[fixture] = self.tmp / f"{fixture}.one.trace"
-                r = oracle(*common, "--out", self.one[fixture])
+                r = oracle(*self._common(case), "--out", self.one[fixture])
                 assert r.returncode == 0, r.stderr[-800:]
-            r = oracle(*common, "--distributed", spec, "--out", d / "rank{rank}.trace")
-            assert r.returncode == 0, r.stderr[-1500:]
             ranks = [d / "rank0.trace", d / "rank1.trace"]
-            # Success: one `DIGEST PATH` line per rank trace, in rank order.
-            assert [ln.split()[1] for ln in r.stdout.splitlines()] == list(map(str, ranks))
             m = merge(*ranks, out=d / "merged.trace")
             assert m.returncode == 0, m.stderr
             self.done[case] = {

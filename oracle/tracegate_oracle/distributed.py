@@ -229,6 +229,11 @@ def launch(argv: list[str], spec: Spec, out: str, timeout: float) -> list[str]:
 # a rank
 
 
+# Whether init() made the process group: a group the caller made (a process that runs several
+# traces as one rank) is the caller's to destroy.
+_made_group = False
+
+
 def init(spec: Spec, rank: int, world: int, timeout: float) -> str:
     """Join the process group (gloo: CPU; a collective waits at most `timeout`, so a rank whose
     peer died errors rather than hanging); returns the run id, rank 0's, common to the ranks."""
@@ -238,8 +243,10 @@ def init(spec: Spec, rank: int, world: int, timeout: float) -> str:
         raise OracleError(
             f"--distributed {spec}: torchrun started {world} ranks (WORLD_SIZE), not {spec.n}"
         )
+    global _made_group
     if not dist.is_initialized():
         dist.init_process_group(BACKEND, timeout=datetime.timedelta(seconds=timeout))
+        _made_group = True
     box = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -248,8 +255,10 @@ def init(spec: Spec, rank: int, world: int, timeout: float) -> str:
 def finish() -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    global _made_group
+    if _made_group and dist.is_initialized():
         dist.destroy_process_group()
+    _made_group = False
 
 
 def config(spec: Spec):
