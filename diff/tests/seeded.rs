@@ -201,12 +201,7 @@ fn a_flipped_topk_with_identical_floats_is_reported() {
     );
     assert_eq!((rep.decisions.compared, rep.decisions.differing), (3, 1));
     // The source tensor is bit-identical, so a flip cannot be a near-tie: the rule differs.
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.00.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.00.router.topk");
     assert_eq!(res.source.as_deref(), Some("layer.00.router.logits"));
     assert_eq!(res.flips[0].label.as_str(), "defect");
 }
@@ -225,12 +220,7 @@ fn a_reordered_topk_is_same_values_different_order() {
         (row.clone(), vec![row[1], row[0]])
     );
     assert!(d.same_values_different_order);
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.01.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.01.router.topk");
     assert_eq!(
         (res.differing_rows, res.reordered_rows, res.rows),
         (1, 1, 4)
@@ -251,12 +241,7 @@ fn without_a_policy_flips_after_a_bit_difference_are_consequences() {
     c.decision_mut("logits.argmax").values[2] = 3;
     c.decision_mut("logits.argmax").values[0] = 6;
     let rep = diff_with(&r, &c, &Options::default());
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "logits.argmax")
-        .unwrap();
+    let res = decision_result(&rep, "logits.argmax");
     assert_eq!(res.source.as_deref(), Some("logits"));
     let by_row = |row: u64| res.flips.iter().find(|f| f.row == row).unwrap();
     for row in [2, 0] {
@@ -817,12 +802,7 @@ fn a_changed_margin_is_different_with_and_without_verify() {
             "{}",
             f.detail
         );
-        let res = rep
-            .decisions
-            .results
-            .iter()
-            .find(|x| x.name == "logits.argmax")
-            .unwrap();
+        let res = decision_result(&rep, "logits.argmax");
         assert_eq!(
             (
                 res.margins.as_str(),
@@ -980,12 +960,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
         },
     );
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "logits.argmax")
-        .unwrap();
+    let res = decision_result(&rep, "logits.argmax");
     assert_eq!(
         (
             res.margins.as_str(),
@@ -1026,11 +1001,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
 }
 
 fn res_first(rep: &tracegate_diff::Report) -> tracegate_diff::MarginDifference {
-    rep.decisions
-        .results
-        .iter()
-        .find(|x| x.name == "logits.argmax")
-        .unwrap()
+    decision_result(&rep, "logits.argmax")
         .first_margin_difference
         .clone()
         .unwrap()
