@@ -854,7 +854,7 @@ fn forced_pair(by: f32) -> (Spec, Spec) {
 }
 
 fn margins_of<'a>(rep: &'a Report, name: &str) -> &'a tracegate_diff::DecisionResult {
-    decision_result(&rep, name)
+    decision_result(rep, name)
 }
 
 #[test]

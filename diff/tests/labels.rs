@@ -537,7 +537,7 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
         c.decide();
         (r, c)
     };
-    let flip_of = |rep: &Report| decision_result(&rep, "layer.01.router.topk").flips[0].clone();
+    let flip_of = |rep: &Report| decision_result(rep, "layer.01.router.topk").flips[0].clone();
     // Gap 1e-6 (as f32) against a row that moved by ~2e-6: the candidate's own scores reorder
     // the pair, a near-tie.
     let (r, c) = build(1.0 - 1e-6);
@@ -739,7 +739,7 @@ fn attack_non_finite_values_after_a_near_tie_are_never_excused() {
     assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "near-tie");
     assert_eq!(rep.verdict, Verdict::Different);
     for name in ["layer.00.hidden_out", "layer.01.mlp_out", "final_norm.out"] {
-        let row = rep.per_tensor.iter().find(|t| t.tensor == name).unwrap();
+        let row = tensor_row(&rep, name);
         assert_eq!(
             (row.status.as_str(), row.nan_mismatch, row.infinity),
             ("outside_policy", 1, 1),

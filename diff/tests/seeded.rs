@@ -85,11 +85,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
         rep.first_divergence.as_ref().unwrap().tensor,
         "layer.00.mlp_out"
     );
-    let later = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.01.mlp_out")
-        .unwrap();
+    let later = tensor_row(&rep, "layer.01.mlp_out");
     assert_eq!(
         (
             later.method.as_str(),
@@ -130,11 +126,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
         rep.first_divergence.as_ref().unwrap().tensor,
         "layer.00.mlp_out"
     );
-    let later = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.01.mlp_out")
-        .unwrap();
+    let later = tensor_row(&rep, "layer.01.mlp_out");
     assert_eq!(
         (
             later.method.as_str(),
@@ -674,11 +666,7 @@ fn policy_pass() {
         ),
         ("identical", "embed.out")
     );
-    let attn = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.01.attn_out")
-        .unwrap();
+    let attn = tensor_row(&rep, "layer.01.attn_out");
     assert_eq!(
         (
             attn.status.as_str(),
@@ -712,22 +700,14 @@ fn policy_fail_and_unmatched_tensor() {
         },
     );
     assert_eq!(rep.verdict, Verdict::Different);
-    let mlp = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.00.mlp_out")
-        .unwrap();
+    let mlp = tensor_row(&rep, "layer.00.mlp_out");
     assert_eq!(mlp.status.as_str(), "outside_policy");
     assert!(
         mlp.violations.iter().any(|v| v.bound == "max_rel_l2"),
         "{:?}",
         mlp.violations
     );
-    let probe = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "custom.probe")
-        .unwrap();
+    let probe = tensor_row(&rep, "custom.probe");
     assert_eq!(
         (probe.status.as_str(), probe.rule.is_none()),
         ("no_rule", true)
@@ -941,13 +921,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
             },
         );
         assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
-        rep.per_tensor
-            .iter()
-            .find(|t| t.tensor == "logits")
-            .unwrap()
-            .max_abs
-            .unwrap()
-            .0
+        tensor_row(&rep, "logits").max_abs.unwrap().0
     };
     assert!(d < 1e-6, "{d}");
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 5e-6;
@@ -1001,7 +975,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
 }
 
 fn res_first(rep: &tracegate_diff::Report) -> tracegate_diff::MarginDifference {
-    decision_result(&rep, "logits.argmax")
+    decision_result(rep, "logits.argmax")
         .first_margin_difference
         .clone()
         .unwrap()
