@@ -50,15 +50,6 @@ fn bisect(model: &str, defect: &str, extra: &[&str]) -> Bisected {
     common::bisect(work.path(), &work.path().join("report.json"), &all)
 }
 
-fn statuses(layers: &Value) -> Vec<&str> {
-    layers
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["status"].as_str().unwrap())
-        .collect()
-}
-
 /// The summary line (after "judged by …").
 const PREFILL: [&str; 3] = ["--capture", "internals", "--all-layers"];
 
@@ -78,7 +69,7 @@ fn an_expert_computed_over_rows_not_rows_times_width_is_that_expert_in_its_layer
         o.stdout
     );
     assert_eq!(
-        statuses(&r["layers"]),
+        common::statuses(&r["layers"]),
         ["ok", "wrong", "inherits", "inherits"],
         "{}",
         o.stdout
@@ -114,7 +105,7 @@ fn a_gated_deltanet_without_its_key_head_repeat_is_that_layers_linear_attention(
     assert_eq!(r["stage"]["block"], "attention", "{}", o.stdout);
     assert_eq!(r["stage"]["tensor"], "layer.02.linear.core", "{}", o.stdout);
     assert_eq!(
-        statuses(&r["layers"]),
+        common::statuses(&r["layers"]),
         ["ok", "ok", "wrong", "inherits", "inherits"],
         "{}",
         o.stdout
