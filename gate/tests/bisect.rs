@@ -147,12 +147,7 @@ fn mlp_added_instead_of_overwritten_is_named_in_layer_02() {
         ],
     );
     // The attention block before it matches in isolation, internals included.
-    let matching: Vec<&str> = o.report["stage"]["matching"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    let matching = common::matching(&o.report);
     assert_eq!(
         matching,
         ["hidden_in", "q", "k", "v", "attn_probs", "attn_out"]
@@ -200,15 +195,6 @@ fn interleaved_gqa_repeat_is_named_in_layer_03_attention() {
 }
 
 /// The stage's `matching` list of a bisection.
-fn matching(o: &Bisected) -> Vec<&str> {
-    o.report["stage"]["matching"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect()
-}
-
 #[test]
 fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention() {
     // tiny-qwen3_5's layers: linear, full, linear, linear, full.
@@ -227,7 +213,7 @@ fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention(
     );
     // The conv and the normalised q and k come before the decay: they match.
     assert_eq!(
-        matching(&o),
+        common::matching(&o.report),
         ["hidden_in", "linear.conv_out", "linear.q", "linear.k"]
     );
     let o = against_defect("tiny-qwen3_5", "bidir-mask@4");
@@ -242,7 +228,10 @@ fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention(
             "layers 00-03 match in isolation",
         ],
     );
-    assert_eq!(matching(&o), ["hidden_in", "q", "k", "v", "attn_gate"]);
+    assert_eq!(
+        common::matching(&o.report),
+        ["hidden_in", "q", "k", "v", "attn_gate"]
+    );
 }
 
 #[test]

@@ -112,12 +112,7 @@ fn a_gated_deltanet_without_its_key_head_repeat_is_that_layers_linear_attention(
     );
     // The conv, the normalised per-key-head q and k, the decay and beta come before the
     // repeat: they match, and the delta rule's output is the first to differ.
-    let matching: Vec<&str> = r["stage"]["matching"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    let matching = common::matching(r);
     assert_eq!(
         matching,
         [

@@ -208,3 +208,13 @@ pub fn statuses(layers: &Value) -> Vec<&str> {
         .map(|l| l["status"].as_str().unwrap())
         .collect()
 }
+
+/// The stage tensors a bisect report's blamed layer matches in (`stage.matching`).
+pub fn matching(report: &Value) -> Vec<&str> {
+    report["stage"]["matching"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect()
+}
