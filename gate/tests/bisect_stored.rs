@@ -356,17 +356,12 @@ with tracegate.TraceWriter(out, dict(src.provenance)) as w:
     for d, v in src.decisions.items():
         w.decision(d, v, src.margins.get(d))
 "#;
-    let out = std::process::Command::new(repo().join(".venv/bin/python"))
-        .args(["-c", script])
-        .arg(from)
-        .arg(to)
-        .arg(how)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    common::succeeded(
+        std::process::Command::new(repo().join(".venv/bin/python"))
+            .args(["-c", script])
+            .arg(from)
+            .arg(to)
+            .arg(how),
     );
 }
 

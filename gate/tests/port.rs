@@ -1242,26 +1242,16 @@ fn built_wheel() -> PathBuf {
 fn job_python(dir: &Path) -> PathBuf {
     let venv = dir.join("venv");
     let py = common::python();
-    let made = std::process::Command::new(&py)
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
+    common::succeeded(
+        std::process::Command::new(&py)
+            .args(["-m", "venv"])
+            .arg(&venv),
     );
     let where_ = |code: &str, py: &Path| -> String {
-        let out = std::process::Command::new(py)
-            .args(["-c", code])
-            .env_remove("PYTHONPATH")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = common::succeeded(
+            std::process::Command::new(py)
+                .args(["-c", code])
+                .env_remove("PYTHONPATH"),
         );
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     };
@@ -1405,15 +1395,14 @@ fn the_documented_python_workflow_gates_a_python_port() {
     let at = String::from_utf8_lossy(&at.stdout).trim().to_string();
     assert!(at.starts_with(&venv.display().to_string()), "{at}");
     // Negative control: the module uninstalled, the port fails and so does the job.
-    let gone = std::process::Command::new(venv.join("bin/python"))
-        .args(["-m", "pip", "uninstall", "-y", "-q", "tracegate"])
-        .output()
-        .unwrap();
-    assert!(
-        gone.status.success(),
-        "{}",
-        String::from_utf8_lossy(&gone.stderr)
-    );
+    common::succeeded(std::process::Command::new(venv.join("bin/python")).args([
+        "-m",
+        "pip",
+        "uninstall",
+        "-y",
+        "-q",
+        "tracegate",
+    ]));
     let (code, text) = run_steps(&["Install the port", "Gate the port"]);
     assert_eq!(code, 1, "{text}");
     assert!(

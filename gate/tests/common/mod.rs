@@ -218,3 +218,14 @@ pub fn matching(report: &Value) -> Vec<&str> {
         .map(|v| v.as_str().unwrap())
         .collect()
 }
+
+/// `cmd`'s output; it must exit 0 (a set-up step of a test, not what the test is about).
+pub fn succeeded(cmd: &mut std::process::Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
