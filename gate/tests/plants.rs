@@ -33,20 +33,8 @@ fn plant(defect: &str) -> String {
 fn bisect(model: &str, defect: &str, extra: &[&str]) -> Bisected {
     let work = tempfile::tempdir_in(repo().join("target")).unwrap();
     let (model, cmd) = (format!("fixtures/{model}"), plant(defect));
-    let settings = [
-        "--model",
-        &model,
-        "--prompt",
-        "short",
-        "--reference",
-        "engine",
-    ];
-    let all = [
-        &settings[..],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-        extra,
-    ]
-    .concat();
+    let settings = ["--model", &model, "--prompt", "short"];
+    let all = [&settings[..], &common::against_engine(&cmd, extra)].concat();
     common::bisect(work.path(), &work.path().join("report.json"), &all)
 }
 
