@@ -5,7 +5,7 @@ use crate::common;
 
 use common::*;
 use serde_json::json;
-use tracegate_diff::{compare_files, Options, Policy, RowSet, Special, Verdict};
+use tracegate_diff::{compare_files, Options, Policy, Report, RowSet, Special, Verdict};
 use tracegate_trace::DType;
 
 /// The findings' kinds but the early exit's note on what was verified (tests/early.rs).
@@ -754,15 +754,13 @@ fn only_finding<'a>(
     found[0]
 }
 
-#[test]
-fn a_changed_margin_is_different_with_and_without_verify() {
-    let r = model();
-    let mut c = model();
-    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e6;
-    for verify in [true, false] {
+/// `c` against `r` with --verify and without: both reports, each asserted Different (`what`
+/// names the change in the message).
+fn different_with_and_without_verify(r: &Spec, c: &Spec, what: &str) -> [Report; 2] {
+    [true, false].map(|verify| {
         let rep = diff_with(
-            &r,
-            &c,
+            r,
+            c,
             &Options {
                 verify,
                 ..Options::default()
@@ -771,9 +769,19 @@ fn a_changed_margin_is_different_with_and_without_verify() {
         assert_eq!(
             rep.verdict,
             Verdict::Different,
-            "verify {verify}: {:?}",
+            "{what}, verify {verify}: {:?}",
             rep.findings
         );
+        rep
+    })
+}
+
+#[test]
+fn a_changed_margin_is_different_with_and_without_verify() {
+    let r = model();
+    let mut c = model();
+    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e6;
+    for rep in different_with_and_without_verify(&r, &c, "a changed margin") {
         let f = only_finding(&rep, "margin_differs", "logits.argmax");
         assert!(
             f.detail.contains("1 of 4 rows")
@@ -860,21 +868,7 @@ fn an_added_empty_or_changed_attribute_is_different() {
     ] {
         let mut c = model();
         edit(&mut c.tensor_mut("logits").attrs);
-        for verify in [true, false] {
-            let rep = diff_with(
-                &r,
-                &c,
-                &Options {
-                    verify,
-                    ..Options::default()
-                },
-            );
-            assert_eq!(
-                rep.verdict,
-                Verdict::Different,
-                "{what}: {:?}",
-                rep.findings
-            );
+        for rep in different_with_and_without_verify(&r, &c, what) {
             let f = only_finding(&rep, "attribute_differs", "logits");
             assert!(
                 f.detail.contains("absent in the reference"),
