@@ -646,14 +646,7 @@ fn policy_pass() {
             .join("../fixtures/policy/oracle-default.json"),
     )
     .unwrap();
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            policy: Some(policy),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&r, &c, Some(policy));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
     assert_eq!(rep.exit_code(), 0);
     // Every tensor compared (not stop-at-first) and judged by a named rule.
@@ -691,14 +684,7 @@ fn policy_fail_and_unmatched_tensor() {
             .join("../fixtures/policy/oracle-default.json"),
     )
     .unwrap();
-    let rep = diff_with(
-        &with_extra,
-        &c,
-        &Options {
-            policy: Some(policy),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&with_extra, &c, Some(policy));
     assert_eq!(rep.verdict, Verdict::Different);
     let mlp = tensor_row(&rep, "layer.00.mlp_out");
     assert_eq!(mlp.status.as_str(), "outside_policy");
@@ -906,27 +892,13 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
     let m0 = r.decisions[2].margins.as_ref().unwrap()[0];
     assert!(m0.abs() < 1.0, "{m0}");
     let d = {
-        let rep = diff_with(
-            &r,
-            &c,
-            &Options {
-                policy: Some(oracle_policy()),
-                ..Options::default()
-            },
-        );
+        let rep = diff(&r, &c, Some(oracle_policy()));
         assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
         tensor_row(&rep, "logits").max_abs.unwrap().0
     };
     assert!(d < 1e-6, "{d}");
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 5e-6;
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            policy: Some(oracle_policy()),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
     let res = decision_result(&rep, "logits.argmax");
     assert_eq!(
@@ -938,14 +910,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
         ("within_tolerance", 1, 0)
     );
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 1e-3;
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            policy: Some(oracle_policy()),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     let f = only_finding(&rep, "margin_differs", "logits.argmax");
     assert!(
