@@ -503,14 +503,11 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
         .detail
         .contains("versions.transformers is 4.47.0 in the reference, 4.48.0"));
 
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            allow_stack_mismatch: true,
-            ..Options::default()
-        },
-    );
+    let allowed = Options {
+        allow_stack_mismatch: true,
+        ..Options::default()
+    };
+    let rep = diff_with(&r, &c, &allowed);
     assert_eq!(rep.verdict, Verdict::Identical);
     assert_eq!(
         kinds(&rep),
@@ -519,14 +516,7 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
 
     // The flag downgrades only the stack rule.
     c.provenance["weights_digest"] = json!("w-other");
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            allow_stack_mismatch: true,
-            ..Options::default()
-        },
-    );
+    let rep = diff_with(&r, &c, &allowed);
     assert_eq!(rep.verdict, Verdict::Incomparable);
 }
 
