@@ -194,7 +194,6 @@ fn interleaved_gqa_repeat_is_named_in_layer_03_attention() {
     );
 }
 
-/// The stage's `matching` list of a bisection.
 #[test]
 fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention() {
     // tiny-qwen3_5's layers: linear, full, linear, linear, full.
