@@ -337,28 +337,12 @@ fn other_rng(spec: &Spec) -> Spec {
 }
 
 fn status<'a>(rep: &'a Report, tensor: &str) -> &'a str {
-    rep.per_tensor
-        .iter()
-        .find(|t| t.tensor == tensor)
-        .unwrap_or_else(|| panic!("no row {tensor}"))
-        .status
-        .as_str()
+    tensor_row(rep, tensor).status.as_str()
 }
 
 /// The label of row `row` of `decision`'s flip.
 fn label(rep: &Report, decision: &str, row: u64) -> String {
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|d| d.name == decision)
-        .unwrap();
-    let f = res
-        .flips
-        .iter()
-        .find(|f| f.row == row)
-        .unwrap_or_else(|| panic!("{decision} row {row} did not flip: {:?}", res.flips));
-    f.label.as_str().to_string()
+    flip_at(rep, decision, row).label.as_str().to_string()
 }
 
 fn kinds(rep: &Report) -> Vec<&str> {
@@ -383,15 +367,7 @@ fn the_trace_against_itself_and_against_honest_noise() {
     assert!(rep.decisions.results.iter().all(|d| d.differing_rows == 0));
     assert!(rep.decisions.sampling_divergence.is_none());
     // The argmax is taken from its tempered logits, a router from its pass's router logits.
-    let source = |n: &str| {
-        rep.decisions
-            .results
-            .iter()
-            .find(|d| d.name == n)
-            .unwrap()
-            .source
-            .clone()
-    };
+    let source = |n: &str| decision_result(&rep, n).source.clone();
     assert_eq!(source("denoise.0000.0001.argmax"), Some(tempered(0, 1)));
     assert_eq!(
         source("denoise.0000.0001.layer.00.router.topk").as_deref(),
@@ -487,12 +463,7 @@ fn attack_an_argmax_near_tie_excuses_no_row_of_a_later_step() {
     assert_eq!(rep.verdict, Verdict::Different, "{}", render_human(&rep));
     assert_eq!(status(&rep, t), "outside_policy");
     // Step 1's argmax row 2 did not flip: the excused row 2 of step 0 did not leak into it.
-    assert!(rep
-        .decisions
-        .results
-        .iter()
-        .find(|d| d.name == "denoise.0000.0001.argmax")
-        .unwrap()
+    assert!(decision_result(&rep, "denoise.0000.0001.argmax")
         .flips
         .is_empty());
 }
@@ -843,14 +814,7 @@ fn attack_f_nan_after_the_sampling_divergence_is_still_found() {
     assert_eq!(rep.verdict, Verdict::Different, "{}", render_human(&rep));
     assert!(rep.decisions.sampling_divergence.is_some());
     assert_eq!(status(&rep, t), "outside_policy");
-    assert!(
-        rep.per_tensor
-            .iter()
-            .find(|x| x.tensor == t)
-            .unwrap()
-            .nan_mismatch
-            > 0
-    );
+    assert!(tensor_row(&rep, t).nan_mismatch > 0);
     assert!(
         rep.findings.iter().any(|f| f.tensor() == Some(t)),
         "{:?}",
@@ -890,11 +854,7 @@ fn forced_pair(by: f32) -> (Spec, Spec) {
 }
 
 fn margins_of<'a>(rep: &'a Report, name: &str) -> &'a tracegate_diff::DecisionResult {
-    rep.decisions
-        .results
-        .iter()
-        .find(|d| d.name == name)
-        .unwrap()
+    decision_result(rep, name)
 }
 
 #[test]

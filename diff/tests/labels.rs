@@ -11,27 +11,12 @@ use tracegate_trace::Attributes;
 
 /// (label, upstream, after) of the flip at `row` of `decision`.
 fn flip(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>, Option<String>) {
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|d| d.name == decision)
-        .unwrap_or_else(|| panic!("no decision {decision}"));
-    let f = res
-        .flips
-        .iter()
-        .find(|f| f.row == row)
-        .unwrap_or_else(|| panic!("{decision} row {row} did not flip: {:?}", res.flips));
+    let f = flip_at(rep, decision, row);
     (f.label.as_str(), f.upstream.clone(), f.after.clone())
 }
 
 fn status<'a>(rep: &'a Report, tensor: &str) -> &'a str {
-    rep.per_tensor
-        .iter()
-        .find(|t| t.tensor == tensor)
-        .unwrap()
-        .status
-        .as_str()
+    tensor_row(rep, tensor).status.as_str()
 }
 
 fn get_f32(s: &Spec, name: &str, i: usize) -> f32 {
@@ -172,12 +157,7 @@ fn a_near_tie_excuses_its_tokens_later_rows_and_decisions() {
     assert_eq!(rep.verdict, Verdict::NotChecked, "{:#?}", rep.findings);
     assert!(rep.findings.is_empty(), "{:#?}", rep.findings);
 
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.00.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.00.router.topk");
     let f = &res.flips[0];
     assert_eq!((f.row, f.label.as_str()), (3, "near-tie"));
     assert_eq!(f.source_divergence.unwrap().0, d);
@@ -370,12 +350,7 @@ fn the_near_tie_factor_comes_from_the_policy() {
     });
     let rep = diff(&r, &c, Some(strict));
     assert_eq!(rep.verdict, Verdict::Different);
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.00.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.00.router.topk");
     assert_eq!(
         (
             res.flips[0].label.as_str(),
@@ -491,12 +466,7 @@ fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
     push_token(&mut c, "layer.00.attn_out", 0, 1.0);
     c.decision_mut("layer.00.router.topk").values[0] = 1;
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.00.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.00.router.topk");
     assert_eq!(res.source.as_deref(), Some("layer.00.hidden_in"));
     assert_eq!(
         flip(&rep, "layer.00.router.topk", 0),
@@ -510,13 +480,7 @@ fn a_router_without_its_logits_is_downstream_of_its_layers_attention() {
     c.set_f32("layer.00.hidden_in", 3 * 8, v + 1e-4);
     c.decision_mut("layer.00.router.topk").values[6..8].copy_from_slice(&[1, 0]);
     let rep = diff(&r, &c, Some(oracle_policy()));
-    let f = &rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.00.router.topk")
-        .unwrap()
-        .flips[0];
+    let f = &decision_result(&rep, "layer.00.router.topk").flips[0];
     assert!(rep
         .per_tensor
         .iter()
@@ -544,12 +508,7 @@ fn a_large_margin_flip_with_clean_inputs_is_a_defect() {
         .iter()
         .all(|t| matches!(t.status.as_str(), "identical" | "within_policy")));
     assert_eq!(rep.verdict, Verdict::Different);
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.00.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.00.router.topk");
     let f = &res.flips[0];
     assert_eq!(
         (f.row, f.label.as_str(), f.upstream.as_deref()),
@@ -578,15 +537,7 @@ fn a_reorder_is_judged_by_the_swapped_pair_not_the_margin() {
         c.decide();
         (r, c)
     };
-    let flip_of = |rep: &Report| {
-        rep.decisions
-            .results
-            .iter()
-            .find(|x| x.name == "layer.01.router.topk")
-            .unwrap()
-            .flips[0]
-            .clone()
-    };
+    let flip_of = |rep: &Report| decision_result(rep, "layer.01.router.topk").flips[0].clone();
     // Gap 1e-6 (as f32) against a row that moved by ~2e-6: the candidate's own scores reorder
     // the pair, a near-tie.
     let (r, c) = build(1.0 - 1e-6);
@@ -648,12 +599,7 @@ fn decode_steps_are_bounded_by_their_own_logits_only() {
     r2.decision_mut("decode.0001.argmax").margins = Some(vec![1e-9]);
     let rep = diff(&r2, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "decode.0001.argmax")
-        .unwrap();
+    let res = decision_result(&rep, "decode.0001.argmax");
     assert_eq!(
         (res.flips[0].label.as_str(), res.flips[0].noise_bound),
         ("defect", None)
@@ -793,7 +739,7 @@ fn attack_non_finite_values_after_a_near_tie_are_never_excused() {
     assert_eq!(flip(&rep, "layer.00.router.topk", 3).0, "near-tie");
     assert_eq!(rep.verdict, Verdict::Different);
     for name in ["layer.00.hidden_out", "layer.01.mlp_out", "final_norm.out"] {
-        let row = rep.per_tensor.iter().find(|t| t.tensor == name).unwrap();
+        let row = tensor_row(&rep, name);
         assert_eq!(
             (row.status.as_str(), row.nan_mismatch, row.infinity),
             ("outside_policy", 1, 1),
@@ -953,12 +899,7 @@ fn attack_infinite_margins_are_equal_only_by_bits() {
         c.decision_mut("decode.0001.argmax").margins = Some(vec![bad]);
         let rep = diff(&r, &c, Some(oracle_policy()));
         assert_eq!(rep.verdict, Verdict::Different, "{bad}");
-        let res = rep
-            .decisions
-            .results
-            .iter()
-            .find(|d| d.name == "decode.0001.argmax")
-            .unwrap();
+        let res = decision_result(&rep, "decode.0001.argmax");
         assert_eq!(
             (res.margins.as_str(), res.margin_outside_rows),
             ("different", 1),
@@ -1398,13 +1339,7 @@ fn attack_a_candidate_spending_the_logits_budget_on_two_elements_is_no_near_tie(
         "the plant stays within the logits rule"
     );
     assert_eq!(rep.verdict, Verdict::Different, "{}", render_human(&rep));
-    let f = &rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "logits.argmax")
-        .unwrap()
-        .flips[0];
+    let f = &decision_result(&rep, "logits.argmax").flips[0];
     assert_eq!(f.label.as_str(), "defect");
     // The bound is the policy's honest noise (1e-3 for f32 logits), not the candidate's 0.026.
     assert_eq!(f.honest_noise.map(|x| x.0), Some(1e-3));

@@ -123,7 +123,7 @@ fn finding_of<'a>(rep: &'a tracegate_diff::Report, name: &str) -> &'a tracegate_
 }
 
 fn row<'a>(rep: &'a tracegate_diff::Report, name: &str) -> &'a tracegate_diff::TensorRow {
-    rep.per_tensor.iter().find(|r| r.tensor == name).unwrap()
+    crate::common::tensor_row(rep, name)
 }
 
 fn noise_violation(rep: &tracegate_diff::Report, name: &str) -> Option<Option<f64>> {

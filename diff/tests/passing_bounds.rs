@@ -92,13 +92,8 @@ fn the_passing_bounds_pass_exactly_and_a_nan_never_does() {
         )
     };
     let rep = judged(&policy);
-    let status = |rep: &tracegate_diff::Report, name: &str| {
-        rep.per_tensor
-            .iter()
-            .find(|r| r.tensor == name)
-            .unwrap()
-            .status
-    };
+    let status =
+        |rep: &tracegate_diff::Report, name: &str| crate::common::tensor_row(rep, name).status;
     assert_eq!(status(&rep, "layer.01.attn_out"), RowStatus::OutsidePolicy);
     let passing = rep.passing_bounds();
     let attn = passing

@@ -9,25 +9,8 @@ use common::*;
 use tracegate_diff::{compare_files, render_human, Options, Report, Verdict};
 
 fn label(rep: &Report, decision: &str, row: u64) -> (&'static str, Option<String>) {
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|d| d.name == decision)
-        .unwrap();
-    let f = res
-        .flips
-        .iter()
-        .find(|f| f.row == row)
-        .unwrap_or_else(|| panic!("{decision} row {row} did not flip"));
+    let f = flip_at(rep, decision, row);
     (f.label.as_str(), f.upstream.clone())
-}
-
-fn row<'a>(rep: &'a Report, tensor: &str) -> &'a tracegate_diff::TensorRow {
-    rep.per_tensor
-        .iter()
-        .find(|t| t.tensor == tensor)
-        .unwrap_or_else(|| panic!("no row {tensor}"))
 }
 
 fn findings(rep: &Report, kind: &str) -> Vec<(String, String)> {
@@ -205,8 +188,8 @@ fn a_near_tie_reroute_is_not_checked_and_counted() {
         // The rows both sides hold are equal here: judged, and nothing differs.
         assert_eq!(
             (
-                row(&rep, t).status.as_str(),
-                row(&rep, t).differing_elements
+                tensor_row(&rep, t).status.as_str(),
+                tensor_row(&rep, t).differing_elements
             ),
             ("identical", Some(0)),
             "{t}"
@@ -235,11 +218,11 @@ fn a_common_rows_difference_in_a_rerouted_expert_is_still_judged() {
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
-        row(&rep, "layer.00.expert.000.out").status.as_str(),
+        tensor_row(&rep, "layer.00.expert.000.out").status.as_str(),
         "outside_policy"
     );
     assert_eq!(
-        row(&rep, "layer.00.expert.000.out").differing_elements,
+        tensor_row(&rep, "layer.00.expert.000.out").differing_elements,
         Some(8)
     );
     assert_eq!(
@@ -272,7 +255,7 @@ fn the_same_reroute_after_a_defect_fails() {
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(label(&rep, "layer.00.router.topk", 3), ("defect", None));
     for t in REROUTED {
-        assert_eq!(row(&rep, t).status.as_str(), "rerouted", "{t}");
+        assert_eq!(tensor_row(&rep, t).status.as_str(), "rerouted", "{t}");
     }
     let f = findings(&rep, "rerouted");
     assert_eq!(f.len(), 6, "{f:?}");
@@ -313,7 +296,7 @@ fn an_extra_token_no_near_tie_excuses_fails() {
     let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     assert_eq!(
-        row(&rep, "layer.00.expert.002.out").status.as_str(),
+        tensor_row(&rep, "layer.00.expert.002.out").status.as_str(),
         "rerouted"
     );
     let f = findings(&rep, "rerouted");
@@ -329,7 +312,7 @@ fn an_extra_token_no_near_tie_excuses_fails() {
     );
     // The near-tie's own reroutes are still excused.
     assert_eq!(
-        row(&rep, "layer.00.expert.000.out").status.as_str(),
+        tensor_row(&rep, "layer.00.expert.000.out").status.as_str(),
         "identical"
     );
     // The only failure: the headline must not read "all tensors within the policy".
@@ -361,7 +344,7 @@ fn by_bits_a_rerouted_expert_is_a_difference_not_incomparable() {
         REROUTED
     );
     assert_eq!(
-        row(&rep, "layer.00.expert.002.out").status.as_str(),
+        tensor_row(&rep, "layer.00.expert.002.out").status.as_str(),
         "identical"
     );
     let first = render_human(&rep).lines().next().unwrap().to_string();

@@ -5,7 +5,7 @@ use crate::common;
 
 use common::*;
 use serde_json::json;
-use tracegate_diff::{compare_files, Options, Policy, RowSet, Special, Verdict};
+use tracegate_diff::{compare_files, Options, Policy, Report, RowSet, Special, Verdict};
 use tracegate_trace::DType;
 
 /// The findings' kinds but the early exit's note on what was verified (tests/early.rs).
@@ -85,11 +85,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
         rep.first_divergence.as_ref().unwrap().tensor,
         "layer.00.mlp_out"
     );
-    let later = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.01.mlp_out")
-        .unwrap();
+    let later = tensor_row(&rep, "layer.01.mlp_out");
     assert_eq!(
         (
             later.method.as_str(),
@@ -130,11 +126,7 @@ fn a_later_second_change_is_hidden_by_default_and_shown_by_all() {
         rep.first_divergence.as_ref().unwrap().tensor,
         "layer.00.mlp_out"
     );
-    let later = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.01.mlp_out")
-        .unwrap();
+    let later = tensor_row(&rep, "layer.01.mlp_out");
     assert_eq!(
         (
             later.method.as_str(),
@@ -201,12 +193,7 @@ fn a_flipped_topk_with_identical_floats_is_reported() {
     );
     assert_eq!((rep.decisions.compared, rep.decisions.differing), (3, 1));
     // The source tensor is bit-identical, so a flip cannot be a near-tie: the rule differs.
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.00.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.00.router.topk");
     assert_eq!(res.source.as_deref(), Some("layer.00.router.logits"));
     assert_eq!(res.flips[0].label.as_str(), "defect");
 }
@@ -225,12 +212,7 @@ fn a_reordered_topk_is_same_values_different_order() {
         (row.clone(), vec![row[1], row[0]])
     );
     assert!(d.same_values_different_order);
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "layer.01.router.topk")
-        .unwrap();
+    let res = decision_result(&rep, "layer.01.router.topk");
     assert_eq!(
         (res.differing_rows, res.reordered_rows, res.rows),
         (1, 1, 4)
@@ -251,12 +233,7 @@ fn without_a_policy_flips_after_a_bit_difference_are_consequences() {
     c.decision_mut("logits.argmax").values[2] = 3;
     c.decision_mut("logits.argmax").values[0] = 6;
     let rep = diff_with(&r, &c, &Options::default());
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "logits.argmax")
-        .unwrap();
+    let res = decision_result(&rep, "logits.argmax");
     assert_eq!(res.source.as_deref(), Some("logits"));
     let by_row = |row: u64| res.flips.iter().find(|f| f.row == row).unwrap();
     for row in [2, 0] {
@@ -526,14 +503,11 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
         .detail
         .contains("versions.transformers is 4.47.0 in the reference, 4.48.0"));
 
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            allow_stack_mismatch: true,
-            ..Options::default()
-        },
-    );
+    let allowed = Options {
+        allow_stack_mismatch: true,
+        ..Options::default()
+    };
+    let rep = diff_with(&r, &c, &allowed);
     assert_eq!(rep.verdict, Verdict::Identical);
     assert_eq!(
         kinds(&rep),
@@ -542,14 +516,7 @@ fn oracle_stack_mismatch_is_refused_then_allowed_with_the_flag() {
 
     // The flag downgrades only the stack rule.
     c.provenance["weights_digest"] = json!("w-other");
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            allow_stack_mismatch: true,
-            ..Options::default()
-        },
-    );
+    let rep = diff_with(&r, &c, &allowed);
     assert_eq!(rep.verdict, Verdict::Incomparable);
 }
 
@@ -669,14 +636,7 @@ fn policy_pass() {
             .join("../fixtures/policy/oracle-default.json"),
     )
     .unwrap();
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            policy: Some(policy),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&r, &c, Some(policy));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
     assert_eq!(rep.exit_code(), 0);
     // Every tensor compared (not stop-at-first) and judged by a named rule.
@@ -689,11 +649,7 @@ fn policy_pass() {
         ),
         ("identical", "embed.out")
     );
-    let attn = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.01.attn_out")
-        .unwrap();
+    let attn = tensor_row(&rep, "layer.01.attn_out");
     assert_eq!(
         (
             attn.status.as_str(),
@@ -718,31 +674,16 @@ fn policy_fail_and_unmatched_tensor() {
             .join("../fixtures/policy/oracle-default.json"),
     )
     .unwrap();
-    let rep = diff_with(
-        &with_extra,
-        &c,
-        &Options {
-            policy: Some(policy),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&with_extra, &c, Some(policy));
     assert_eq!(rep.verdict, Verdict::Different);
-    let mlp = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "layer.00.mlp_out")
-        .unwrap();
+    let mlp = tensor_row(&rep, "layer.00.mlp_out");
     assert_eq!(mlp.status.as_str(), "outside_policy");
     assert!(
         mlp.violations.iter().any(|v| v.bound == "max_rel_l2"),
         "{:?}",
         mlp.violations
     );
-    let probe = rep
-        .per_tensor
-        .iter()
-        .find(|t| t.tensor == "custom.probe")
-        .unwrap();
+    let probe = tensor_row(&rep, "custom.probe");
     assert_eq!(
         (probe.status.as_str(), probe.rule.is_none()),
         ("no_rule", true)
@@ -789,15 +730,13 @@ fn only_finding<'a>(
     found[0]
 }
 
-#[test]
-fn a_changed_margin_is_different_with_and_without_verify() {
-    let r = model();
-    let mut c = model();
-    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e6;
-    for verify in [true, false] {
+/// `c` against `r` with --verify and without: both reports, each asserted Different (`what`
+/// names the change in the message).
+fn different_with_and_without_verify(r: &Spec, c: &Spec, what: &str) -> [Report; 2] {
+    [true, false].map(|verify| {
         let rep = diff_with(
-            &r,
-            &c,
+            r,
+            c,
             &Options {
                 verify,
                 ..Options::default()
@@ -806,9 +745,19 @@ fn a_changed_margin_is_different_with_and_without_verify() {
         assert_eq!(
             rep.verdict,
             Verdict::Different,
-            "verify {verify}: {:?}",
+            "{what}, verify {verify}: {:?}",
             rep.findings
         );
+        rep
+    })
+}
+
+#[test]
+fn a_changed_margin_is_different_with_and_without_verify() {
+    let r = model();
+    let mut c = model();
+    c.decision_mut("logits.argmax").margins.as_mut().unwrap()[3] = 1e6;
+    for rep in different_with_and_without_verify(&r, &c, "a changed margin") {
         let f = only_finding(&rep, "margin_differs", "logits.argmax");
         assert!(
             f.detail.contains("1 of 4 rows")
@@ -817,12 +766,7 @@ fn a_changed_margin_is_different_with_and_without_verify() {
             "{}",
             f.detail
         );
-        let res = rep
-            .decisions
-            .results
-            .iter()
-            .find(|x| x.name == "logits.argmax")
-            .unwrap();
+        let res = decision_result(&rep, "logits.argmax");
         assert_eq!(
             (
                 res.margins.as_str(),
@@ -900,21 +844,7 @@ fn an_added_empty_or_changed_attribute_is_different() {
     ] {
         let mut c = model();
         edit(&mut c.tensor_mut("logits").attrs);
-        for verify in [true, false] {
-            let rep = diff_with(
-                &r,
-                &c,
-                &Options {
-                    verify,
-                    ..Options::default()
-                },
-            );
-            assert_eq!(
-                rep.verdict,
-                Verdict::Different,
-                "{what}: {:?}",
-                rep.findings
-            );
+        for rep in different_with_and_without_verify(&r, &c, what) {
             let f = only_finding(&rep, "attribute_differs", "logits");
             assert!(
                 f.detail.contains("absent in the reference"),
@@ -952,40 +882,15 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
     let m0 = r.decisions[2].margins.as_ref().unwrap()[0];
     assert!(m0.abs() < 1.0, "{m0}");
     let d = {
-        let rep = diff_with(
-            &r,
-            &c,
-            &Options {
-                policy: Some(oracle_policy()),
-                ..Options::default()
-            },
-        );
+        let rep = diff(&r, &c, Some(oracle_policy()));
         assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
-        rep.per_tensor
-            .iter()
-            .find(|t| t.tensor == "logits")
-            .unwrap()
-            .max_abs
-            .unwrap()
-            .0
+        tensor_row(&rep, "logits").max_abs.unwrap().0
     };
     assert!(d < 1e-6, "{d}");
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 5e-6;
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            policy: Some(oracle_policy()),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::WithinPolicy, "{:?}", rep.findings);
-    let res = rep
-        .decisions
-        .results
-        .iter()
-        .find(|x| x.name == "logits.argmax")
-        .unwrap();
+    let res = decision_result(&rep, "logits.argmax");
     assert_eq!(
         (
             res.margins.as_str(),
@@ -995,14 +900,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
         ("within_tolerance", 1, 0)
     );
     c.decision_mut("logits.argmax").margins.as_mut().unwrap()[0] = m0 + 1e-3;
-    let rep = diff_with(
-        &r,
-        &c,
-        &Options {
-            policy: Some(oracle_policy()),
-            ..Options::default()
-        },
-    );
+    let rep = diff(&r, &c, Some(oracle_policy()));
     assert_eq!(rep.verdict, Verdict::Different);
     let f = only_finding(&rep, "margin_differs", "logits.argmax");
     assert!(
@@ -1026,11 +924,7 @@ fn under_a_policy_margins_get_the_documented_tolerance() {
 }
 
 fn res_first(rep: &tracegate_diff::Report) -> tracegate_diff::MarginDifference {
-    rep.decisions
-        .results
-        .iter()
-        .find(|x| x.name == "logits.argmax")
-        .unwrap()
+    decision_result(rep, "logits.argmax")
         .first_margin_difference
         .clone()
         .unwrap()

@@ -90,27 +90,8 @@ fn against_defect(model: &str, defect: &str) -> Bisected {
     let cmd = defective(defect);
     bisect(
         model,
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-            "--capture",
-            "internals",
-            "--all-layers",
-        ],
+        &common::against_engine(&cmd, &["--capture", "internals", "--all-layers"]),
     )
-}
-
-fn statuses(r: &Value) -> Vec<String> {
-    r["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["status"].as_str().unwrap().to_string())
-        .collect()
 }
 
 fn assert_found(
@@ -132,7 +113,7 @@ fn assert_found(
         "{}",
         o.stdout
     );
-    assert_eq!(statuses(r), expect, "{}", o.stdout);
+    assert_eq!(common::statuses(&r["layers"]), expect, "{}", o.stdout);
     // Before the layer was blamed, its layer verb was checked against the candidate's own whole run.
     assert_eq!(
         r["layers"][layer as usize]["self_check"], "consistent",
@@ -166,12 +147,7 @@ fn mlp_added_instead_of_overwritten_is_named_in_layer_02() {
         ],
     );
     // The attention block before it matches in isolation, internals included.
-    let matching: Vec<&str> = o.report["stage"]["matching"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    let matching = common::matching(&o.report);
     assert_eq!(
         matching,
         ["hidden_in", "q", "k", "v", "attn_probs", "attn_out"]
@@ -218,16 +194,6 @@ fn interleaved_gqa_repeat_is_named_in_layer_03_attention() {
     );
 }
 
-/// The stage's `matching` list of a bisection.
-fn matching(o: &Bisected) -> Vec<&str> {
-    o.report["stage"]["matching"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect()
-}
-
 #[test]
 fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention() {
     // tiny-qwen3_5's layers: linear, full, linear, linear, full.
@@ -246,7 +212,7 @@ fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention(
     );
     // The conv and the normalised q and k come before the decay: they match.
     assert_eq!(
-        matching(&o),
+        common::matching(&o.report),
         ["hidden_in", "linear.conv_out", "linear.q", "linear.k"]
     );
     let o = against_defect("tiny-qwen3_5", "bidir-mask@4");
@@ -261,7 +227,10 @@ fn qwen3_5_defects_are_named_at_their_layer_and_stage_linear_and_full_attention(
             "layers 00-03 match in isolation",
         ],
     );
-    assert_eq!(matching(&o), ["hidden_in", "q", "k", "v", "attn_gate"]);
+    assert_eq!(
+        common::matching(&o.report),
+        ["hidden_in", "q", "k", "v", "attn_gate"]
+    );
 }
 
 #[test]
@@ -335,7 +304,7 @@ fn clean_pair_reports_nothing_wrong() {
     assert_eq!(o.code, 0, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "nothing_wrong");
     assert!(o.report["first_wrong_layer"].is_null());
-    assert_eq!(statuses(&o.report), ["ok"; 4]);
+    assert_eq!(common::statuses(&o.report["layers"]), ["ok"; 4]);
     assert!(
         o.report["layers"]
             .as_array()
@@ -408,19 +377,11 @@ fn candidate_without_layer_verb_is_not_checked() {
     let cmd = defective("no-layer");
     let o = bisect(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-            "--all-layers",
-        ],
+        &common::against_engine(&cmd, &["--all-layers"]),
     );
     assert_eq!(o.code, 4, "{}", o.stdout);
     assert_eq!(o.report["verdict"], "not_checked");
-    assert_eq!(statuses(&o.report), ["not_checked"; 5]);
+    assert_eq!(common::statuses(&o.report["layers"]), ["not_checked"; 5]);
     assert!(
         o.headline()
             .starts_with("isolation NOT CHECKED from layer 00"),
@@ -464,7 +425,7 @@ fn calibration_puts_the_defect_beside_a_one_ulp_perturbation() {
     );
     // Default mode isolates layers 00-02 only; 03-04 differ downstream, unchecked.
     assert_eq!(
-        statuses(&o.report),
+        common::statuses(&o.report["layers"]),
         ["ok", "ok", "wrong", "downstream", "downstream"]
     );
     let cal = &o.report["calibration"];
@@ -532,7 +493,7 @@ fn oracle_against_engine_reports_nothing_wrong() {
         "{}",
         o.stdout
     );
-    assert_eq!(statuses(&o.report), ["ok"; 5]);
+    assert_eq!(common::statuses(&o.report["layers"]), ["ok"; 5]);
     assert!(
         o.headline().starts_with(
             "nothing wrong: the whole runs are within policy; layers 00-04 match in isolation"
@@ -579,14 +540,7 @@ fn oracle_against_engine_reports_nothing_wrong() {
 fn a_crashing_candidate_is_refused_with_its_stderr_and_still_writes_a_report() {
     let (code, _, stderr, rep) = run_bisect(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            "sh -c 'echo kaboom >&2; exit 7' {verb} {args}",
-        ],
+        &common::against_engine("sh -c 'echo kaboom >&2; exit 7' {verb} {args}", &[]),
     );
     assert_eq!(code, 2, "{stderr}");
     assert!(
@@ -787,17 +741,7 @@ fn a_layer_verb_that_hangs_is_killed_and_the_bisection_refused() {
     );
     let (code, stdout, stderr, rep) = run_bisect(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-            "--all-layers",
-            "--timeout",
-            "8",
-        ],
+        &common::against_engine(&cmd, &["--all-layers", "--timeout", "8"]),
     );
     assert_eq!(code, 2, "{stdout}\n{stderr}");
     assert!(
@@ -924,18 +868,10 @@ fn the_page_shows_the_forced_candidates_overrides_as_the_json_has_them() {
         let page = tmp.path().join(format!("{capture}.html"));
         let o = bisect(
             "tiny-qwen3-moe",
-            &[
-                "--reference",
-                "engine",
-                "--candidate",
-                "cmd",
-                "--candidate-cmd",
+            &common::against_engine(
                 &cmd,
-                "--capture",
-                capture,
-                "--html",
-                page.to_str().unwrap(),
-            ],
+                &["--capture", capture, "--html", page.to_str().unwrap()],
+            ),
         );
         let r = &o.report;
         let f = &r["decisions_forced"];
@@ -1042,17 +978,7 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
     // wrong is the decision itself.
     let tmp = tempfile::tempdir().unwrap();
     let cmd = router_rule_defect(tmp.path());
-    let o = bisect(
-        "tiny-qwen3-moe",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-        ],
-    );
+    let o = bisect("tiny-qwen3-moe", &common::against_engine(&cmd, &[]));
     let r = &o.report;
     assert_eq!(
         (o.code, r["verdict"].as_str()),
@@ -1143,17 +1069,7 @@ fn decisions_that_differ_are_forced_so_the_numbers_compare_past_them() {
 fn a_correct_candidate_that_is_not_bit_exact_is_judged_by_policy_unless_exact() {
     // f64-sumsq: every RMSNorm sums its squares in f64, a correct producer whose bits differ.
     let cmd = defective("f64-sumsq");
-    let o = bisect(
-        "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-        ],
-    );
+    let o = bisect("tiny-qwen3", &common::against_engine(&cmd, &[]));
     assert_eq!(
         (o.code, o.report["verdict"].as_str()),
         (0, Some("nothing_wrong")),
@@ -1174,18 +1090,7 @@ fn a_correct_candidate_that_is_not_bit_exact_is_judged_by_policy_unless_exact() 
     );
     // Its bits do differ: judged by bits (--exact) layer 00 is blamed, and the automatic
     // one-layer calibration says the difference is rounding level and how to judge by policy.
-    let o = bisect(
-        "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-            "--exact",
-        ],
-    );
+    let o = bisect("tiny-qwen3", &common::against_engine(&cmd, &["--exact"]));
     assert_eq!(
         (o.code, o.report["verdict"].as_str()),
         (1, Some("wrong_layer")),
@@ -1254,17 +1159,7 @@ fn a_layer_verb_that_disagrees_with_its_own_whole_run_is_inconsistent_not_a_wron
     let cmd = defective("layer-bidir");
     let o = bisect(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-            "--all-layers",
-            "--capture",
-            "internals",
-        ],
+        &common::against_engine(&cmd, &["--all-layers", "--capture", "internals"]),
     );
     let r = &o.report;
     assert_eq!(
@@ -1280,7 +1175,7 @@ fn a_layer_verb_that_disagrees_with_its_own_whole_run_is_inconsistent_not_a_wron
         o.stdout
     );
     assert_eq!(
-        statuses(r),
+        common::statuses(&r["layers"]),
         ["ok", "ok", "inconsistent", "ok", "ok"],
         "{}",
         o.stdout
@@ -1462,17 +1357,7 @@ fn a_five_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
     // The control: the same bf16 candidate unscaled passes, every layer in isolation included.
     let clean = bisect(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd("1"),
-            "--all-layers",
-            "--precision",
-            "bf16",
-        ],
+        &common::against_engine(&cmd("1"), &["--all-layers", "--precision", "bf16"]),
     );
     assert_eq!(
         (clean.code, clean.report["verdict"].as_str()),
@@ -1488,17 +1373,7 @@ fn a_five_percent_mlp_scale_error_in_bf16_is_found_at_its_layer_in_isolation() {
 
     let o = bisect(
         "tiny-qwen3",
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd("1.05"),
-            "--all-layers",
-            "--precision",
-            "bf16",
-        ],
+        &common::against_engine(&cmd("1.05"), &["--all-layers", "--precision", "bf16"]),
     );
     let r = &o.report;
     assert!(

@@ -60,14 +60,7 @@ fn a_candidate_that_writes_nothing_in_a_reused_work_dir_is_refused_never_judged_
     let silent = bisect(
         &work,
         dir.path(),
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            "/bin/true {verb} {args}",
-        ],
+        &common::against_engine("/bin/true {verb} {args}", &[]),
     );
     assert_eq!(
         (silent.code, silent.report["verdict"].as_str()),
@@ -466,14 +459,7 @@ fn a_relative_candidate_command_that_is_not_found_says_where_templates_run() {
     let r = bisect(
         &dir.path().join("work"),
         dir.path(),
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            "./my-port.sh {verb} {args}",
-        ],
+        &common::against_engine("./my-port.sh {verb} {args}", &[]),
     );
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     let said = format!("{}{}", r.stderr, r.report["summary"]);
@@ -601,18 +587,7 @@ fn a_port_that_declines_forcing_past_its_near_ties_is_not_checked_never_nothing_
         ("fixtures/tiny-qwen3-moe", "mid"),
         &dir.path().join("w"),
         dir.path(),
-        &[
-            "--reference",
-            "engine",
-            "--candidate",
-            "cmd",
-            "--candidate-cmd",
-            &cmd,
-            "--precision",
-            "bf16",
-            "--capture",
-            "internals",
-        ],
+        &common::against_engine(&cmd, &["--precision", "bf16", "--capture", "internals"]),
     );
     assert_eq!(r.code, 4, "{}{}", r.stdout, r.stderr);
     assert_eq!(r.report["verdict"], "not_checked", "{}", r.stdout);

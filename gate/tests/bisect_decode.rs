@@ -26,16 +26,6 @@ fn bisect_generate(model: &str, candidate: &[&str]) -> (i32, String, Value) {
     (b.code, b.stdout, b.report)
 }
 
-/// Each layer's status at the decode step it was isolated at.
-fn layer_statuses(d: &Value) -> Vec<&str> {
-    d["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["status"].as_str().unwrap())
-        .collect()
-}
-
 #[test]
 fn a_cached_decode_position_off_by_one_is_named_as_the_cached_path_at_its_step_and_layer() {
     let cmd = defective("cached-pos");
@@ -86,7 +76,7 @@ fn cached_pos_is_found(model: &str, cmd: &str) {
         )
     );
     // Isolated at the step through the candidate's own cached path: layer 00 matches, 01 is wrong.
-    let statuses = layer_statuses(d);
+    let statuses = common::statuses(&d["layers"]);
     assert_eq!(statuses, ["ok", "wrong"], "{stdout}");
     assert_eq!(
         (
@@ -125,7 +115,7 @@ fn a_wrong_decay_on_a_carried_linear_state_is_named_as_the_cached_path_at_its_la
     assert_eq!(d["first_diverging"], "decode.0001.layer.02.attn_out");
     // Isolated at step 1 through `layer --decode-from`: layer 00's state and layer 01's KV rows
     // carried from the prefill reproduce the whole run; layer 02's carried state is decayed wrong.
-    let statuses = layer_statuses(d);
+    let statuses = common::statuses(&d["layers"]);
     assert_eq!(statuses, ["ok", "ok", "wrong"], "{stdout}");
     assert_eq!(
         (

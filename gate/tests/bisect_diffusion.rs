@@ -97,15 +97,6 @@ fn forced_by_torch(defect: &str) -> (i32, String, Value) {
     )
 }
 
-fn statuses(layers: &Value) -> Vec<&str> {
-    layers
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["status"].as_str().unwrap())
-        .collect()
-}
-
 #[test]
 fn engine_and_contract_agree_on_every_pass_by_bits() {
     let (code, stdout, r) = bisect(&["--reference", "engine"], &["--candidate", "contract"]);
@@ -137,7 +128,7 @@ fn a_causal_canvas_in_one_denoise_layer_is_that_layers_attention_at_the_first_st
     assert_eq!(d["place"], "block 0 step 0", "{stdout}");
     assert_eq!(d["first_diverging_pass"], "denoise.0000.0000.");
     assert_eq!(d["first_wrong_layer"], 1, "{stdout}");
-    assert_eq!(statuses(&d["layers"]), ["ok", "wrong"], "{stdout}");
+    assert_eq!(common::statuses(&d["layers"]), ["ok", "wrong"], "{stdout}");
     assert_eq!(d["stage"]["block"], "attention", "{stdout}");
     assert_eq!(d["stage"]["tensor"], "layer.01.attn_probs", "{stdout}");
     // Its layer verb runs the same code as its whole run: the blame stands.

@@ -74,12 +74,7 @@ fn tool(name: &str, args: &[std::ffi::OsString]) -> (i32, String) {
         .args(args)
         .output()
         .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code().unwrap_or(-1), said)
+    common::code_and_output(&out)
 }
 
 /// The report's `sharded.at`: (step, layer, point, rank).

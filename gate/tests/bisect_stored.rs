@@ -39,6 +39,20 @@ fn bisect(dir: &Path, args: &[&str]) -> Run {
     }
 }
 
+/// [`bisect`] of the engine against itself on prompt `short`, with `more` arguments: the live
+/// run whose reference.trace the tests store.
+fn engine_against_engine(dir: &Path, more: &[&str]) -> Run {
+    let args = [
+        "--prompt",
+        "short",
+        "--reference",
+        "engine",
+        "--candidate",
+        "engine",
+    ];
+    bisect(dir, &[&args[..], more].concat())
+}
+
 fn stored(path: &Path) -> String {
     format!("trace:{}", path.display())
 }
@@ -219,17 +233,7 @@ fn assert_refused(r: &Run, words: &[&str]) {
 #[test]
 fn a_stored_reference_is_refused_when_edited_or_recorded_for_another_bisection() {
     let dir = tempfile::tempdir_in(repo().join("target")).unwrap();
-    let live = bisect(
-        dir.path(),
-        &[
-            "--prompt",
-            "short",
-            "--reference",
-            "engine",
-            "--candidate",
-            "engine",
-        ],
-    );
+    let live = engine_against_engine(dir.path(), &[]);
     assert_eq!(live.code, 0, "{}{}", live.stdout, live.stderr);
     let golden = dir.path().join("golden.trace");
     std::fs::copy(live.work.join("reference.trace"), &golden).unwrap();
@@ -316,18 +320,7 @@ fn a_stored_reference_is_refused_when_edited_or_recorded_for_another_bisection()
         layer
     } else {
         // Nothing diverged, so the live run isolated no layer: make one with --all-layers.
-        let all = bisect(
-            dir.path(),
-            &[
-                "--prompt",
-                "short",
-                "--reference",
-                "engine",
-                "--candidate",
-                "engine",
-                "--all-layers",
-            ],
-        );
+        let all = engine_against_engine(dir.path(), &["--all-layers"]);
         all.work.join("candidate.layer.00.trace")
     };
     let r = bisect(
@@ -363,36 +356,19 @@ with tracegate.TraceWriter(out, dict(src.provenance)) as w:
     for d, v in src.decisions.items():
         w.decision(d, v, src.margins.get(d))
 "#;
-    let out = std::process::Command::new(repo().join(".venv/bin/python"))
-        .args(["-c", script])
-        .arg(from)
-        .arg(to)
-        .arg(how)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    common::succeeded(
+        std::process::Command::new(repo().join(".venv/bin/python"))
+            .args(["-c", script])
+            .arg(from)
+            .arg(to)
+            .arg(how),
     );
 }
 
 #[test]
 fn a_forged_stored_reference_never_makes_a_clean_candidate_agree_by_bits_or_by_policy() {
     let dir = tempfile::tempdir_in(repo().join("target")).unwrap();
-    let live = bisect(
-        dir.path(),
-        &[
-            "--prompt",
-            "short",
-            "--reference",
-            "engine",
-            "--candidate",
-            "engine",
-            "--capture",
-            "internals",
-        ],
-    );
+    let live = engine_against_engine(dir.path(), &["--capture", "internals"]);
     assert_eq!(live.code, 0, "{}{}", live.stdout, live.stderr);
     let golden = live.work.join("reference.trace");
     for (how, verdict) in [

@@ -49,16 +49,12 @@ fn capsule_run(tmp: &Path, dir: &Path, candidate: &[&str]) -> (i32, String, Valu
         .args(candidate)
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (code, text) = common::code_and_output(&out);
     let report = std::fs::read(&report)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(Value::Null);
-    (out.status.code().unwrap_or(-1), text, report)
+    (code, text, report)
 }
 
 fn pytest(dir: &Path, candidate: Option<&str>) -> (i32, String) {
@@ -76,12 +72,7 @@ fn pytest(dir: &Path, candidate: Option<&str>) -> (i32, String) {
         cmd.env("TRACEGATE_CAPSULE_CANDIDATE", c);
     }
     let out = cmd.output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code().unwrap_or(-1), text)
+    common::code_and_output(&out)
 }
 
 fn manifest(dir: &Path) -> Value {
@@ -280,12 +271,7 @@ fn run_c(exe: &Path, dir: &Path, candidate: &Path) -> (i32, String) {
         .env("LD_LIBRARY_PATH", capi_dir())
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code().unwrap_or(-1), text)
+    common::code_and_output(&out)
 }
 
 /// The capsule's test_capsule.c, compiled with the system's cc against capi/: the planted

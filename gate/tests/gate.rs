@@ -201,12 +201,18 @@ type Runner = fn(&Path, &[&str], &[(&str, &Path)]) -> Run;
 fn m0_tiny_by(run: Runner, only: &str, more: &[&str]) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let torchless = torchless_python(dir.path());
-    let args = [
-        &["m0", "--model", "fixtures/tiny-qwen3", "--only", only],
-        more,
-    ]
-    .concat();
+    let args = run_args("m0", "fixtures/tiny-qwen3", only, more);
     run(&repo(), &args, &[("TRACEGATE_ORACLE_PYTHON", &torchless)])
+}
+
+/// The arguments of `gate MILESTONE --model MODEL --only ONLY`, then `more`.
+fn run_args<'a>(
+    milestone: &'a str,
+    model: &'a str,
+    only: &'a str,
+    more: &[&'a str],
+) -> Vec<&'a str> {
+    [&[milestone, "--model", model, "--only", only], more].concat()
 }
 
 fn check<'a>(report: &'a Value, prompt: &str, name: &str) -> &'a Value {
@@ -330,7 +336,7 @@ fn a_perturbed_fixture_weight_fails_stable() {
     let torchless = torchless_python(root.path());
     let r = gate(
         root.path(),
-        &["m1", "--model", "fixtures/tiny-qwen3-moe", "--only", "mid"],
+        &run_args("m1", "fixtures/tiny-qwen3-moe", "mid", &[]),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
@@ -352,15 +358,12 @@ fn a_contract_one_ulp_off_fails_matches_at_that_tensor() {
     );
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--contract-cmd",
-            &template,
-        ],
+            &["--contract-cmd", &template],
+        ),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
@@ -390,15 +393,12 @@ fn a_crashing_producer_is_a_failed_row_with_its_stderr() {
     let template = format!("'{}' -c \"import sys; sys.stderr.write('contract exploded\\n'); sys.exit(3)\" {{verb}} {{args}}", python().display());
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short,repeat",
-            "--contract-cmd",
-            &template,
-        ],
+            &["--contract-cmd", &template],
+        ),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
@@ -430,13 +430,7 @@ fn an_edited_prompt_file_is_refused_unless_blessed() {
     std::fs::write(&prompts, text).unwrap();
     let r = gate(
         root.path(),
-        &[
-            "m1",
-            "--model",
-            "fixtures/tiny-qwen3-moe",
-            "--only",
-            "short",
-        ],
+        &run_args("m1", "fixtures/tiny-qwen3-moe", "short", &[]),
         &[],
     );
     assert_eq!(r.code, 2);
@@ -449,15 +443,12 @@ fn an_edited_prompt_file_is_refused_unless_blessed() {
     // --prompts PATH is held to the same record.
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--prompts",
-            prompts.to_str().unwrap(),
-        ],
+            &["--prompts", prompts.to_str().unwrap()],
+        ),
         &[],
     );
     assert_eq!(r.code, 2, "{}", r.stderr);
@@ -467,13 +458,7 @@ fn an_edited_prompt_file_is_refused_unless_blessed() {
 fn an_unknown_only_id_is_refused() {
     let r = gate(
         &repo(),
-        &[
-            "m1",
-            "--model",
-            "fixtures/tiny-qwen3-moe",
-            "--only",
-            "short,nosuch",
-        ],
+        &run_args("m1", "fixtures/tiny-qwen3-moe", "short,nosuch", &[]),
         &[],
     );
     assert_eq!(r.code, 2);
@@ -512,7 +497,7 @@ fn an_unavailable_oracle_is_not_checked_not_passed() {
     let torchless = torchless_python(dir.path());
     let r = gate(
         &repo(),
-        &["m0", "--model", "fixtures/tiny-qwen3", "--only", "short"],
+        &run_args("m0", "fixtures/tiny-qwen3", "short", &[]),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(
@@ -554,7 +539,7 @@ fn bless_records_expectations_and_baselines_that_then_pass() {
 
     let r = gate(
         root.path(),
-        &["m0", "--model", "fixtures/tiny-qwen3", "--only", "short"],
+        &run_args("m0", "fixtures/tiny-qwen3", "short", &[]),
         &env,
     );
     assert_eq!(r.code, 1, "zero checked baselines must fail:\n{}", r.stdout);
@@ -572,14 +557,7 @@ fn bless_records_expectations_and_baselines_that_then_pass() {
 
     let r = gate(
         root.path(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--bless",
-        ],
+        &run_args("m0", "fixtures/tiny-qwen3", "short", &["--bless"]),
         &env,
     );
     assert!(
@@ -591,7 +569,7 @@ fn bless_records_expectations_and_baselines_that_then_pass() {
 
     let r = gate(
         root.path(),
-        &["m0", "--model", "fixtures/tiny-qwen3", "--only", "short"],
+        &run_args("m0", "fixtures/tiny-qwen3", "short", &[]),
         &env,
     );
     assert_eq!(r.code, 4, "only the oracle is unchecked now:\n{}", r.stdout);
@@ -602,15 +580,7 @@ fn bless_records_expectations_and_baselines_that_then_pass() {
     // A baseline whose conditions do not hold is NOT CHECKED with its reason.
     let r = gate(
         root.path(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--threads",
-            "2",
-        ],
+        &run_args("m0", "fixtures/tiny-qwen3", "short", &["--threads", "2"]),
         &env,
     );
     let rep = r.report.unwrap();
@@ -638,15 +608,12 @@ fn blessing_a_failing_run_records_no_state_that_passes() {
         "planted_trace.py",
         "--base contract --nudge layer.01.mlp_out",
     );
-    let args = [
+    let args = run_args(
         "m1",
-        "--model",
         "fixtures/tiny-qwen3_5-moe",
-        "--only",
         "short",
-        "--contract-cmd",
-        template.as_str(),
-    ];
+        &["--contract-cmd", template.as_str()],
+    );
     let blessed = gate(root.path(), &[&args[..], &["--bless"]].concat(), &env);
     assert_eq!(blessed.code, 1, "{}\n{}", blessed.stdout, blessed.stderr);
     assert_eq!(
@@ -685,13 +652,7 @@ fn a_changed_count_fails_the_baseline() {
     std::fs::write(&bl_path, serde_json::to_string(&bl).unwrap()).unwrap();
     let r = gate(
         root.path(),
-        &[
-            "m1",
-            "--model",
-            "fixtures/tiny-qwen3-moe",
-            "--only",
-            "short",
-        ],
+        &run_args("m1", "fixtures/tiny-qwen3-moe", "short", &[]),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(r.code, 1);
@@ -723,15 +684,12 @@ fn a_second_run_on_a_locked_trace_directory_is_refused() {
     let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--work",
-            work_arg,
-        ],
+            &["--work", work_arg],
+        ),
         &env,
     );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
@@ -748,15 +706,12 @@ fn a_second_run_on_a_locked_trace_directory_is_refused() {
     // Released (as the kernel does when the holder exits): the same directory runs.
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--work",
-            work_arg,
-        ],
+            &["--work", work_arg],
+        ),
         &env,
     );
     assert_eq!(r.code, 4, "{}\n{}", r.stdout, r.stderr);
@@ -790,15 +745,12 @@ fn a_declared_divergence_excuses_exactly_the_count_it_names() {
     let run = || {
         gate(
             root.path(),
-            &[
+            &run_args(
                 "m1",
-                "--model",
                 "fixtures/tiny-qwen3-moe",
-                "--only",
                 "short",
-                "--contract-cmd",
-                &template,
-            ],
+                &["--contract-cmd", &template],
+            ),
             &env,
         )
         .report
@@ -828,15 +780,12 @@ fn another_generate_count_is_not_checked_against_expectations_and_gets_its_own_b
     let env = [("TRACEGATE_ORACLE_PYTHON", torchless.as_path())];
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--generate",
-            "3",
-        ],
+            &["--generate", "3"],
+        ),
         &env,
     );
     let rep = r.report.unwrap();
@@ -872,16 +821,12 @@ fn another_generate_count_is_not_checked_against_expectations_and_gets_its_own_b
     let before = std::fs::read_to_string(root.path().join("milestones.json")).unwrap();
     let r = gate(
         root.path(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--generate",
-            "3",
-            "--bless",
-        ],
+            &["--generate", "3", "--bless"],
+        ),
         &env,
     );
     assert!(
@@ -898,15 +843,12 @@ fn another_generate_count_is_not_checked_against_expectations_and_gets_its_own_b
     );
     let r = gate(
         root.path(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--generate",
-            "3",
-        ],
+            &["--generate", "3"],
+        ),
         &env,
     );
     let rep = r.report.unwrap();
@@ -951,15 +893,12 @@ fn bad_command_templates_and_thread_counts_are_refused_before_any_run() {
     ] {
         let r = gate(
             &repo(),
-            &[
+            &run_args(
                 "m1",
-                "--model",
                 "fixtures/tiny-qwen3-moe",
-                "--only",
                 "short",
-                "--contract-cmd",
-                template,
-            ],
+                &["--contract-cmd", template],
+            ),
             &[],
         );
         assert_eq!(r.code, 2, "{template}: {}", r.stderr);
@@ -971,15 +910,12 @@ fn bad_command_templates_and_thread_counts_are_refused_before_any_run() {
     }
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--threads",
-            "0",
-        ],
+            &["--threads", "0"],
+        ),
         &[],
     );
     assert_eq!(r.code, 2, "{}", r.stderr);
@@ -1015,24 +951,15 @@ fn assert_observed_fails_a_baseline_outside_its_tolerance() {
     };
     // Observed figures are reported, not asserted, unless asked.
     assert_eq!(
-        baseline(&[
-            "m1",
-            "--model",
-            "fixtures/tiny-qwen3-moe",
-            "--only",
-            "short"
-        ])["status"],
+        baseline(&run_args("m1", "fixtures/tiny-qwen3-moe", "short", &[]))["status"],
         "PASS"
     );
-    let b = baseline(&[
+    let b = baseline(&run_args(
         "m1",
-        "--model",
         "fixtures/tiny-qwen3-moe",
-        "--only",
         "short",
-        "--assert-observed",
-        "0.5",
-    ]);
+        &["--assert-observed", "0.5"],
+    ));
     assert_eq!(b["status"], "FAIL", "{b}");
     assert_eq!(b["findings"].as_array().unwrap().len(), 1, "{b}");
     assert_eq!(
@@ -1606,17 +1533,12 @@ fn a_prompt_longer_than_the_models_positions_is_refused_before_any_producer_runs
     let work = tempfile::tempdir().unwrap();
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m0",
-            "--model",
             "fixtures/tiny-qwen3",
-            "--only",
             "short",
-            "--generate",
-            "252",
-            "--work",
-            work.path().to_str().unwrap(),
-        ],
+            &["--generate", "252", "--work", work.path().to_str().unwrap()],
+        ),
         &[],
     );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
@@ -1638,15 +1560,7 @@ fn a_generate_count_that_overflows_the_positions_is_refused_before_any_producer_
     );
     let work = tempfile::tempdir().unwrap();
     let w = work.path().to_str().unwrap();
-    let base = [
-        "m0",
-        "--model",
-        "fixtures/tiny-qwen3",
-        "--only",
-        "short",
-        "--work",
-        w,
-    ];
+    let base = run_args("m0", "fixtures/tiny-qwen3", "short", &["--work", w]);
     let r = gate(&repo(), &[&base[..], &["--generate", &huge]].concat(), &[]);
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
     assert!(r.stderr.contains(&want), "{}", r.stderr);
@@ -1682,21 +1596,21 @@ fn a_prompt_longer_than_the_text_configs_positions_is_refused_too() {
         let w = work.path().to_str().unwrap().to_string();
         gate(
             &repo(),
-            &[
+            &run_args(
                 "m0",
-                "--model",
                 "fixtures/tiny-qwen3_5",
-                "--only",
                 "short",
-                "--generate",
-                generate,
-                "--work",
-                &w,
-                "--oracle-cmd",
-                "false {verb}",
-                "--contract-cmd",
-                "false {verb}",
-            ],
+                &[
+                    "--generate",
+                    generate,
+                    "--work",
+                    &w,
+                    "--oracle-cmd",
+                    "false {verb}",
+                    "--contract-cmd",
+                    "false {verb}",
+                ],
+            ),
             &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
         )
     };
@@ -1719,13 +1633,7 @@ fn a_prompt_longer_than_the_text_configs_positions_is_refused_too() {
 fn a_model_of_another_family_and_an_old_milestones_schema_are_refused_by_name() {
     let r = gate(
         &repo(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3_5-moe",
-            "--only",
-            "short",
-        ],
+        &run_args("m0", "fixtures/tiny-qwen3_5-moe", "short", &[]),
         &[],
     );
     assert_eq!(r.code, 2, "{}", r.stderr);
@@ -1791,15 +1699,12 @@ fn matches_with_contract_edit(edit: &str) -> (Run, Value) {
     let contract = test_producer("planted_trace.py", &format!("--base contract {edit}"));
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m1",
-            "--model",
             "fixtures/tiny-qwen3-moe",
-            "--only",
             "short",
-            "--contract-cmd",
-            &contract,
-        ],
+            &["--contract-cmd", &contract],
+        ),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     let matches = check(
@@ -1896,15 +1801,12 @@ fn ended(pid: &str) -> bool {
 fn served_and_per_call_runs_give_the_same_digests() {
     // One trace directory for both (one after the other), so the invocations can be compared.
     let work = tempfile::tempdir().unwrap();
-    let args = [
+    let args = run_args(
         "m1",
-        "--model",
         "fixtures/tiny-qwen3-moe",
-        "--only",
         "short",
-        "--work",
-        work.path().to_str().unwrap(),
-    ];
+        &["--work", work.path().to_str().unwrap()],
+    );
     let served = gate(&repo(), &args, &[]);
     let per_call = gate(&repo(), &args, &[("TRACEGATE_SERVE", Path::new("0"))]);
     let (s, p) = (served.report.unwrap(), per_call.report.unwrap());
@@ -1939,17 +1841,17 @@ fn a_worker_that_dies_mid_run_fails_that_row_with_its_stderr_and_the_next_reques
     let contract = served_test_producer("serving.py", "crash-second");
     let r = gate_watched(
         &repo(),
-        &[
+        &run_args(
             "m0",
-            "--model",
             "fixtures/tiny-qwen3",
-            "--only",
             "short,repeat,mid",
-            "--contract-cmd",
-            &contract,
-            "--work",
-            work.path().to_str().unwrap(),
-        ],
+            &[
+                "--contract-cmd",
+                &contract,
+                "--work",
+                work.path().to_str().unwrap(),
+            ],
+        ),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
@@ -2013,19 +1915,19 @@ fn a_worker_that_hangs_is_killed_at_the_timeout_of_that_request() {
     let contract = served_test_producer("serving.py", "hang-second");
     let r = gate_watched(
         &repo(),
-        &[
+        &run_args(
             "m0",
-            "--model",
             "fixtures/tiny-qwen3",
-            "--only",
             "short,repeat",
-            "--contract-cmd",
-            &contract,
-            "--timeout",
-            "10",
-            "--work",
-            work.path().to_str().unwrap(),
-        ],
+            &[
+                "--contract-cmd",
+                &contract,
+                "--timeout",
+                "10",
+                "--work",
+                work.path().to_str().unwrap(),
+            ],
+        ),
         &[("TRACEGATE_ORACLE_PYTHON", &torchless)],
     );
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
@@ -2070,17 +1972,12 @@ fn a_failed_producers_control_sequences_are_shown_never_sent_to_the_terminal() {
     let junit = dir.path().join("junit.xml");
     let r = gate(
         &repo(),
-        &[
+        &run_args(
             "m0",
-            "--model",
             "fixtures/tiny-qwen3",
-            "--only",
             "short",
-            "--contract-cmd",
-            &cmd,
-            "--junit",
-            junit.to_str().unwrap(),
-        ],
+            &["--contract-cmd", &cmd, "--junit", junit.to_str().unwrap()],
+        ),
         &[
             ("TRACEGATE_ORACLE_PYTHON", &torchless),
             ("GITHUB_ACTIONS", Path::new("true")),
@@ -2289,26 +2186,13 @@ fn blessing_one_milestone_moves_every_milestone_sharing_its_prompt_file() {
     let mut text = std::fs::read_to_string(&prompts).unwrap();
     text.push('\n');
     std::fs::write(&prompts, text).unwrap();
-    let m1 = [
-        "m1",
-        "--model",
-        "fixtures/tiny-qwen3-moe",
-        "--only",
-        "short",
-    ];
+    let m1 = run_args("m1", "fixtures/tiny-qwen3-moe", "short", &[]);
     // The control: before any blessing m1 refuses the changed file.
     let r = gate(root.path(), &m1, &env);
     assert_eq!(r.code, 2, "{}\n{}", r.stdout, r.stderr);
     let r = gate(
         root.path(),
-        &[
-            "m0",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--only",
-            "short",
-            "--bless",
-        ],
+        &run_args("m0", "fixtures/tiny-qwen3", "short", &["--bless"]),
         &env,
     );
     assert!(

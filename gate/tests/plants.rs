@@ -33,30 +33,9 @@ fn plant(defect: &str) -> String {
 fn bisect(model: &str, defect: &str, extra: &[&str]) -> Bisected {
     let work = tempfile::tempdir_in(repo().join("target")).unwrap();
     let (model, cmd) = (format!("fixtures/{model}"), plant(defect));
-    let settings = [
-        "--model",
-        &model,
-        "--prompt",
-        "short",
-        "--reference",
-        "engine",
-    ];
-    let all = [
-        &settings[..],
-        &["--candidate", "cmd", "--candidate-cmd", &cmd],
-        extra,
-    ]
-    .concat();
+    let settings = ["--model", &model, "--prompt", "short"];
+    let all = [&settings[..], &common::against_engine(&cmd, extra)].concat();
     common::bisect(work.path(), &work.path().join("report.json"), &all)
-}
-
-fn statuses(layers: &Value) -> Vec<&str> {
-    layers
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["status"].as_str().unwrap())
-        .collect()
 }
 
 /// The summary line (after "judged by …").
@@ -78,7 +57,7 @@ fn an_expert_computed_over_rows_not_rows_times_width_is_that_expert_in_its_layer
         o.stdout
     );
     assert_eq!(
-        statuses(&r["layers"]),
+        common::statuses(&r["layers"]),
         ["ok", "wrong", "inherits", "inherits"],
         "{}",
         o.stdout
@@ -114,19 +93,14 @@ fn a_gated_deltanet_without_its_key_head_repeat_is_that_layers_linear_attention(
     assert_eq!(r["stage"]["block"], "attention", "{}", o.stdout);
     assert_eq!(r["stage"]["tensor"], "layer.02.linear.core", "{}", o.stdout);
     assert_eq!(
-        statuses(&r["layers"]),
+        common::statuses(&r["layers"]),
         ["ok", "ok", "wrong", "inherits", "inherits"],
         "{}",
         o.stdout
     );
     // The conv, the normalised per-key-head q and k, the decay and beta come before the
     // repeat: they match, and the delta rule's output is the first to differ.
-    let matching: Vec<&str> = r["stage"]["matching"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    let matching = common::matching(r);
     assert_eq!(
         matching,
         [

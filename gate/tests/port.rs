@@ -104,12 +104,10 @@ fn initialised(extra: &[&str]) -> PathBuf {
 fn init_with(cmd: &str, extra: &[&str]) -> (tempfile::TempDir, Out) {
     let dir = tempfile::tempdir().unwrap();
     assert!(!dir.path().starts_with(repo().canonicalize().unwrap()));
-    let model = dir.path().join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    for f in std::fs::read_dir(repo().join("fixtures/tiny-qwen3")).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
-    }
+    common::copy_dir(
+        &repo().join("fixtures/tiny-qwen3"),
+        &dir.path().join("model"),
+    );
     std::fs::write(dir.path().join("my-prompts.json"), PROMPTS).unwrap();
     // The project's own Python environment, without tracegate: the gate must use its own.
     let decoy = dir.path().join(".venv/bin/python");
@@ -151,7 +149,7 @@ pub(crate) fn milestones(dir: &Path) -> Value {
 }
 
 /// The port milestone's candidate command, replaced (a planted defect appended).
-fn set_candidate(dir: &Path, cmd: &str) {
+pub(crate) fn set_candidate(dir: &Path, cmd: &str) {
     let mut m = milestones(dir);
     m["milestones"][0]["port"]["candidate"]["cmd"] = Value::String(cmd.into());
     std::fs::write(
@@ -317,12 +315,7 @@ fn replay_capsule(d: &Path, command: &str) -> (i32, String) {
         .env("TRACEGATE_RESIDENT", "0")
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code().unwrap_or(-1), text)
+    common::code_and_output(&out)
 }
 
 /// A port whose whole run alone is wrong (tests/producers/whole_run_only.py): its `trace` verb
@@ -868,20 +861,9 @@ fn run_short_with(d: &Path, code: i32, extra: &[&str], env: &[(&str, &str)]) -> 
     (out, report(&rp))
 }
 
-/// The short prompt's check `name` in a report.
-fn check_of(r: &Value, name: &str) -> Value {
-    r["prompts"][0]["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no {name}: {r}"))
-        .clone()
-}
-
 /// `gate run port --only short`, which must fail (exit 1): its check `name`.
 fn failing_check(d: &Path, name: &str) -> Value {
-    check_of(&run_short(d, 1).1, name)
+    common::check(&run_short(d, 1).1, name).clone()
 }
 
 #[test]
@@ -978,7 +960,7 @@ fn a_port_that_ignores_cache_off_fails_generation_naming_it() {
     );
     // A run that does not record `cache` cannot be verified: NOT CHECKED (exit 4), never a pass.
     set_candidate(d, &adversary("--when off --unset cache"));
-    let gen = check_of(&run_short(d, 4).1, "generation");
+    let gen = common::check(&run_short(d, 4).1, "generation").clone();
     assert_eq!(gen["status"], "NOT CHECKED", "{gen}");
     assert!(
         gen["detail"]
@@ -1020,7 +1002,7 @@ fn a_port_with_foreign_provenance_is_named_as_the_port_never_as_the_golden_trace
         out.stdout
     );
     for name in ["agrees", "generation_reference"] {
-        let c = check_of(&r, name);
+        let c = common::check(&r, name);
         assert_eq!(c["status"], "FAIL", "{c}");
         assert!(
             c["findings"].as_array().unwrap().iter().all(|f| f["detail"]
@@ -1260,26 +1242,16 @@ fn built_wheel() -> PathBuf {
 fn job_python(dir: &Path) -> PathBuf {
     let venv = dir.join("venv");
     let py = common::python();
-    let made = std::process::Command::new(&py)
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
+    common::succeeded(
+        std::process::Command::new(&py)
+            .args(["-m", "venv"])
+            .arg(&venv),
     );
     let where_ = |code: &str, py: &Path| -> String {
-        let out = std::process::Command::new(py)
-            .args(["-c", code])
-            .env_remove("PYTHONPATH")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = common::succeeded(
+            std::process::Command::new(py)
+                .args(["-c", code])
+                .env_remove("PYTHONPATH"),
         );
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     };
@@ -1423,15 +1395,14 @@ fn the_documented_python_workflow_gates_a_python_port() {
     let at = String::from_utf8_lossy(&at.stdout).trim().to_string();
     assert!(at.starts_with(&venv.display().to_string()), "{at}");
     // Negative control: the module uninstalled, the port fails and so does the job.
-    let gone = std::process::Command::new(venv.join("bin/python"))
-        .args(["-m", "pip", "uninstall", "-y", "-q", "tracegate"])
-        .output()
-        .unwrap();
-    assert!(
-        gone.status.success(),
-        "{}",
-        String::from_utf8_lossy(&gone.stderr)
-    );
+    common::succeeded(std::process::Command::new(venv.join("bin/python")).args([
+        "-m",
+        "pip",
+        "uninstall",
+        "-y",
+        "-q",
+        "tracegate",
+    ]));
     let (code, text) = run_steps(&["Install the port", "Gate the port"]);
     assert_eq!(code, 1, "{text}");
     assert!(

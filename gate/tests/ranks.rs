@@ -8,13 +8,13 @@
 //! `--ranks 2` is refused by init and FAILs a run.
 
 use crate::common;
-use crate::port::{gate, milestones, report};
+use crate::port::{gate, milestones, report, set_candidate};
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use common::repo;
+use common::{check, repo};
 
 fn example_producer() -> PathBuf {
     common::sibling("example-producer")
@@ -39,12 +39,10 @@ const PROMPTS: &str = r#"{"schema": 1, "about": "one short prompt", "prompts": [
 /// internals --generate 2`, and what init said.
 fn init(cmd: &str) -> (tempfile::TempDir, crate::port::Out) {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    for f in std::fs::read_dir(repo().join("fixtures/tiny-qwen3")).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
-    }
+    common::copy_dir(
+        &repo().join("fixtures/tiny-qwen3"),
+        &dir.path().join("model"),
+    );
     std::fs::write(dir.path().join("prompts.json"), PROMPTS).unwrap();
     let out = gate(
         dir.path(),
@@ -66,16 +64,6 @@ fn init(cmd: &str) -> (tempfile::TempDir, crate::port::Out) {
         &[],
     );
     (dir, out)
-}
-
-fn set_candidate(dir: &Path, cmd: &str) {
-    let mut m = milestones(dir);
-    m["milestones"][0]["port"]["candidate"]["cmd"] = Value::String(cmd.into());
-    std::fs::write(
-        dir.join("milestones.json"),
-        serde_json::to_string_pretty(&m).unwrap(),
-    )
-    .unwrap();
 }
 
 /// `gate run port` with every report, which must exit `code`: stdout, the JSON report, JUnit
@@ -103,15 +91,6 @@ fn run(d: &Path, code: i32) -> (String, Value, String, String) {
         std::fs::read_to_string(junit).unwrap(),
         std::fs::read_to_string(html).unwrap(),
     )
-}
-
-fn check<'a>(r: &'a Value, name: &str) -> &'a Value {
-    r["prompts"][0]["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no {name}: {r}"))
 }
 
 /// `agrees` FAILed with a `rank_traces` finding about `rank` whose detail says `said`.

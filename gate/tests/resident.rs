@@ -81,27 +81,35 @@ impl Env {
 
     /// `gate bisect` of the engine against the contract, its traces in `tag`.
     fn bisect_cmd(&self, tag: &str, env: &[(&str, &str)]) -> Command {
+        let work = self.tmp.path().join(tag);
+        self.bisect_cmd_in(&common::repo(), "fixtures/tiny-qwen3", &work, env)
+    }
+
+    /// `gate bisect` of `model` run from project root `root`, the engine against the contract,
+    /// its traces in `work` (relative to `root` when relative).
+    fn bisect_cmd_in(
+        &self,
+        root: &Path,
+        model: &str,
+        work: &Path,
+        env: &[(&str, &str)],
+    ) -> Command {
         let mut cmd = self.gate(env);
-        cmd.args([
-            "bisect",
-            "--model",
-            "fixtures/tiny-qwen3",
-            "--prompt",
-            "short",
-            "--reference",
-            "engine",
-            "--candidate",
-            "contract",
-            "--work",
-        ])
-        .arg(self.tmp.path().join(tag));
+        cmd.current_dir(root)
+            .args(["bisect", "--model", model, "--prompt", "short"])
+            .args(["--reference", "engine", "--candidate", "contract", "--work"])
+            .arg(work);
         cmd
     }
 
     fn bisect(&self, tag: &str, env: &[(&str, &str)]) -> Run {
+        self.run_bisect(tag, self.bisect_cmd(tag, env))
+    }
+
+    /// Runs bisect command `cmd`, which must exit 0, its report at `tag`.json.
+    fn run_bisect(&self, tag: &str, mut cmd: Command) -> Run {
         let report = self.tmp.path().join(format!("{tag}.json"));
-        let out = self
-            .bisect_cmd(tag, env)
+        let out = cmd
             .arg("--report")
             .arg(&report)
             .output()
@@ -253,32 +261,10 @@ fn two_project_roots_of_one_installation_share_one_worker_and_each_request_runs_
     let root2 = env.tmp.path().join("proj2");
     second_root(&root2);
     assert!(!common::repo().join("m2").exists());
-    let report = env.tmp.path().join("second.json");
-    let out = env
-        .gate(&py)
-        .current_dir(&root2)
-        .args([
-            "bisect",
-            "--model",
-            "m2",
-            "--prompt",
-            "short",
-            "--reference",
-            "engine",
-            "--candidate",
-            "contract",
-            "--work",
-            "w",
-            "--report",
-        ])
-        .arg(&report)
-        .output()
-        .expect("gate runs");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
-    let second = Run { report, stderr };
+    let second = env.run_bisect(
+        "second",
+        env.bisect_cmd_in(&root2, "m2", Path::new("w"), &py),
+    );
     assert_eq!(second.resident(), Some("reused"), "{}", second.stderr);
     assert_eq!(second.pid(), first.pid(), "{}", second.stderr);
     let rel = second.contract()["out"].as_str().expect("out").to_string();
@@ -290,40 +276,13 @@ fn two_project_roots_of_one_installation_share_one_worker_and_each_request_runs_
     let trace =
         tracegate_trace::Trace::open(root2.join(&rel)).unwrap_or_else(|e| panic!("{rel}: {e}"));
     // The same report as a per-run worker's, from that same root.
-    let per_run_report = env.tmp.path().join("per-run.json");
-    let out = env
-        .gate(&[("TRACEGATE_RESIDENT", "0"), py[0]])
-        .current_dir(&root2)
-        .args([
-            "bisect",
-            "--model",
-            "m2",
-            "--prompt",
-            "short",
-            "--reference",
-            "engine",
-            "--candidate",
-            "contract",
-            "--work",
-            "w-per-run",
-            "--report",
-        ])
-        .arg(&per_run_report)
-        .output()
-        .expect("gate runs");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let per_run_cmd = env.bisect_cmd_in(
+        &root2,
+        "m2",
+        Path::new("w-per-run"),
+        &[("TRACEGATE_RESIDENT", "0"), py[0]],
     );
-    let per_run: Value =
-        serde_json::from_str(&std::fs::read_to_string(&per_run_report).expect("report"))
-            .expect("JSON");
-    let per_run = Run {
-        report: per_run,
-        stderr: String::new(),
-    };
+    let per_run = env.run_bisect("per-run", per_run_cmd);
     assert_eq!(per_run.resident(), None);
     let per_run_trace =
         tracegate_trace::Trace::open(root2.join(per_run.contract()["out"].as_str().expect("out")))

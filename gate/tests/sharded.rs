@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::common::{self, python, repo};
+use crate::common::{self, check, python, repo};
 
 /// `gate m2 --model fixtures/tiny-qwen3 --only short`, with `extra` arguments: (exit code, the
 /// one report, stderr).
@@ -40,15 +40,6 @@ fn m2(extra: &[&str]) -> (i32, Value, String) {
         one.clone(),
         String::from_utf8_lossy(&out.stderr).into(),
     )
-}
-
-fn check<'a>(r: &'a Value, name: &str) -> &'a Value {
-    r["prompts"][0]["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no check {name}: {r}"))
 }
 
 fn plant(defect: &str) -> String {

@@ -55,6 +55,15 @@ struct Judge {
 }
 
 impl Judge {
+    /// A judge whose mutants are written to `dir`/m.trace.
+    fn new(dir: &Path) -> Judge {
+        Judge {
+            path: dir.join("m.trace"),
+            refused: 0,
+            equal: 0,
+        }
+    }
+
     /// Whether the mutant was accepted.
     fn check(&mut self, original: &Trace, mutant: &[u8], what: &dyn Fn() -> String) -> bool {
         // A new file each time: truncating one in place makes ext4 flush it (auto_da_alloc).
@@ -117,11 +126,7 @@ fn open_original(dir: &Path, label: &str, bytes: &[u8]) -> Trace {
 #[test]
 fn bit_flips_are_refused_or_harmless() {
     let dir = tempfile::tempdir().unwrap();
-    let mut judge = Judge {
-        path: dir.path().join("m.trace"),
-        refused: 0,
-        equal: 0,
-    };
+    let mut judge = Judge::new(dir.path());
     for (k, (label, bytes)) in inputs(dir.path()).into_iter().enumerate() {
         let original = open_original(dir.path(), &label, &bytes);
         let mut rng = Rng(0x5eed_0000 + k as u64);
@@ -150,11 +155,7 @@ fn bit_flips_are_refused_or_harmless() {
 #[test]
 fn truncation_at_every_offset_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let mut judge = Judge {
-        path: dir.path().join("m.trace"),
-        refused: 0,
-        equal: 0,
-    };
+    let mut judge = Judge::new(dir.path());
     // Every offset of each input: header, payloads, padding, index, footer.
     for (label, bytes) in inputs(dir.path()) {
         let original = open_original(dir.path(), &label, &bytes);
@@ -272,11 +273,7 @@ fn edit(index: &mut Value, rng: &mut Rng) {
 #[test]
 fn index_edits_with_a_valid_footer_are_refused_or_harmless() {
     let dir = tempfile::tempdir().unwrap();
-    let mut judge = Judge {
-        path: dir.path().join("m.trace"),
-        refused: 0,
-        equal: 0,
-    };
+    let mut judge = Judge::new(dir.path());
     for (k, (label, bytes)) in inputs(dir.path()).into_iter().enumerate() {
         let original = open_original(dir.path(), &label, &bytes);
         let (data, index) = split_index(&bytes);

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
-use tracegate_diff::{compare_files, Options, Policy, Report};
+use tracegate_diff::{compare_files, DecisionResult, Flip, Options, Policy, Report, TensorRow};
 use tracegate_trace::{Attributes, DType, TraceWriter};
 
 #[derive(Clone)]
@@ -456,4 +456,30 @@ pub fn oracle_like_pair() -> (Spec, Spec) {
         }
     }
     (r, c)
+}
+
+/// Decision `name`'s result in a report.
+pub fn decision_result<'a>(rep: &'a Report, name: &str) -> &'a DecisionResult {
+    rep.decisions
+        .results
+        .iter()
+        .find(|d| d.name == name)
+        .unwrap_or_else(|| panic!("no decision {name} in the report"))
+}
+
+/// The flip at row `row` of decision `name` in a report.
+pub fn flip_at<'a>(rep: &'a Report, name: &str, row: u64) -> &'a Flip {
+    let res = decision_result(rep, name);
+    res.flips
+        .iter()
+        .find(|f| f.row == row)
+        .unwrap_or_else(|| panic!("{name} row {row} did not flip: {:?}", res.flips))
+}
+
+/// Tensor `name`'s row of a report's per-tensor table.
+pub fn tensor_row<'a>(rep: &'a Report, name: &str) -> &'a TensorRow {
+    rep.per_tensor
+        .iter()
+        .find(|t| t.tensor == name)
+        .unwrap_or_else(|| panic!("no row {name}"))
 }

@@ -165,3 +165,67 @@ pub fn sibling(name: &str) -> PathBuf {
     );
     p
 }
+
+/// Check `name` of a report's first prompt (the port, ranks and m2 tests run one prompt).
+pub fn check<'a>(report: &'a Value, name: &str) -> &'a Value {
+    report["prompts"][0]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no check {name}: {report}"))
+}
+
+/// A finished command's exit code (-1 when a signal ended it) and its stdout then stderr.
+pub fn code_and_output(out: &std::process::Output) -> (i32, String) {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// `gate bisect`'s arguments for candidate command `cmd` against the engine, then `more`.
+pub fn against_engine<'a>(cmd: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+    let candidate = [
+        "--reference",
+        "engine",
+        "--candidate",
+        "cmd",
+        "--candidate-cmd",
+        cmd,
+    ];
+    [&candidate[..], more].concat()
+}
+
+/// Each entry's `status` in a bisect report's `layers` (of a whole run or of a decode step).
+pub fn statuses(layers: &Value) -> Vec<&str> {
+    layers
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["status"].as_str().unwrap())
+        .collect()
+}
+
+/// The stage tensors a bisect report's blamed layer matches in (`stage.matching`).
+pub fn matching(report: &Value) -> Vec<&str> {
+    report["stage"]["matching"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect()
+}
+
+/// `cmd`'s output; it must exit 0 (a set-up step of a test, not what the test is about).
+pub fn succeeded(cmd: &mut std::process::Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
