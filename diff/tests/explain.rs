@@ -11,6 +11,7 @@ use tracegate_trace::{Trace, TraceWriter};
 
 use tracegate_diff::explain::Outcome;
 
+pub(crate) use crate::common::plant::{blocked16, fma, split_k};
 use crate::common::{p, run};
 
 pub(crate) fn fixture(name: &str) -> PathBuf {
@@ -154,23 +155,6 @@ pub(crate) fn candidate_line(out: &str) -> &str {
     out.lines()
         .find(|l| l.trim_start().starts_with("candidate: "))
         .unwrap_or_else(|| panic!("no candidate line in\n{out}"))
-}
-
-pub(crate) fn split_k(x: &[f32], w: &[f32]) -> f32 {
-    let h = x.len() / 2;
-    dot(&x[..h], &w[..h]) + dot(&x[h..], &w[h..])
-}
-
-pub(crate) fn fma(x: &[f32], w: &[f32]) -> f32 {
-    x.iter().zip(w).fold(0.0f32, |a, (&p, &q)| p.mul_add(q, a))
-}
-
-pub(crate) fn blocked16(x: &[f32], w: &[f32]) -> f32 {
-    let mut acc = 0.0f32;
-    for (xs, ws) in x.chunks(16).zip(w.chunks(16)) {
-        acc += dot(xs, ws);
-    }
-    acc
 }
 
 #[test]

@@ -7,11 +7,12 @@
 
 use std::path::{Path, PathBuf};
 
-use tracegate_engine::ops::{dot, matmul_ref_by, rmsnorm_rows};
+use tracegate_engine::ops::dot;
 use tracegate_trace::Trace;
 
+use crate::common::plant::{blocked16, fma, split_k, summed, Dot, Projection};
 use crate::common::{p, run};
-use crate::explain::{blocked16, candidate_line, copy_with, fixture, fma, split_k, TOKENS};
+use crate::explain::{candidate_line, copy_with, fixture, TOKENS};
 
 const LAYER: usize = 1;
 
@@ -36,7 +37,7 @@ fn reference(dir: &Path, model: &str) -> PathBuf {
 }
 
 /// Layer LAYER's `point` recomputed: `norm` (eps `eps`) of `inputs` added elementwise, then
-/// `matrix` (rows scaled by `scale`, plus its bias when `bias`) under `dot`.
+/// `matrix` (rows scaled by `scale`, plus its bias when `bias`) under `dot` (common/plant.rs).
 #[allow(clippy::too_many_arguments)]
 fn projection(
     reference: &Path,
@@ -47,38 +48,30 @@ fn projection(
     matrix: &str,
     bias: bool,
     scale: f32,
-    dot: fn(&[f32], &[f32]) -> f32,
+    dot: Dot,
 ) -> Vec<f32> {
-    let t = Trace::open(reference).unwrap();
-    let l = |point: &str| format!("layer.{LAYER:02}.{point}");
-    let mut x = t.f32_vec(&l(inputs[0])).unwrap();
-    for extra in &inputs[1..] {
-        let y = t.f32_vec(&l(extra)).unwrap();
-        x = x.iter().zip(&y).map(|(a, b)| a + b).collect();
-    }
+    let names: Vec<String> = inputs
+        .iter()
+        .map(|i| format!("layer.{LAYER:02}.{i}"))
+        .collect();
+    let x = summed(reference, &names);
     let store = tracegate_engine::open_store(&fixture(model)).unwrap();
-    let h = x.len() / TOKENS.len();
-    let pre = format!("model.layers.{LAYER}");
-    let nw = store
-        .take(&format!("{pre}.{norm}.weight"), &[h])
-        .unwrap()
-        .to_vec();
-    let xn = rmsnorm_rows(&x, &nw, eps, false);
-    let n = store.shape(&format!("{pre}.{matrix}.weight")).unwrap()[0] as usize;
-    let w = store
-        .take(&format!("{pre}.{matrix}.weight"), &[n, h])
-        .unwrap();
-    let b = bias.then(|| {
-        store
-            .take(&format!("{pre}.{matrix}.bias"), &[n])
-            .unwrap()
-            .to_vec()
-    });
-    let scaled = move |a: &[f32], c: &[f32]| {
-        let c: Vec<f32> = c.iter().map(|v| v * scale).collect();
-        dot(a, &c)
+    // Qwen3.5's weights sit under model.language_model., its norms are zero-centred (§15.1).
+    let qwen3_5 = model == "tiny-qwen3_5";
+    let layer = match qwen3_5 {
+        true => format!("model.language_model.layers.{LAYER}"),
+        false => format!("model.layers.{LAYER}"),
     };
-    matmul_ref_by(&xn, TOKENS.len(), w, b.as_deref(), scaled)
+    Projection {
+        layer: &layer,
+        norm,
+        eps,
+        zero_centred: model.starts_with("tiny-qwen3_5"),
+        matrix,
+        bias,
+        scale,
+    }
+    .of(&x, &store, dot)
 }
 
 struct Case {
@@ -122,7 +115,7 @@ fn explain(c: &Case, only: &str) -> String {
 }
 
 /// v = v_proj(input_layernorm(hidden_in)) + bias, tiny-qwen3 (attention_bias: true).
-fn v_by(reference: &Path, eps: f32, scale: f32, dot: fn(&[f32], &[f32]) -> f32) -> Vec<f32> {
+fn v_by(reference: &Path, eps: f32, scale: f32, dot: Dot) -> Vec<f32> {
     let inputs = ["hidden_in"];
     let m = "self_attn.v_proj";
     projection(
@@ -262,4 +255,115 @@ fn layer_points_that_cannot_be_recomputed_say_why() {
         r.stdout,
         r.stderr
     );
+}
+
+/// tiny-qwen3_5's layer-1 `attn_gate` (full attention; no bias; zero-centred norms, eps 1e-6):
+/// each head's gate half of `q_proj(input_layernorm(hidden_in))` (§17.1), q_proj's row being
+/// [query | gate] per head, 4 heads of 24.
+fn attn_gate_by(reference: &Path, scale: f32, dot: Dot) -> Vec<f32> {
+    let q = projection(
+        reference,
+        "tiny-qwen3_5",
+        &["hidden_in"],
+        "input_layernorm",
+        1e-6,
+        "self_attn.q_proj",
+        false,
+        scale,
+        dot,
+    );
+    let (heads, d) = (4, 24);
+    q.chunks(heads * 2 * d)
+        .flat_map(|row| row.chunks(2 * d).flat_map(|h| h[d..].to_vec()))
+        .collect()
+}
+
+#[test]
+fn a_planted_order_of_attn_gate_is_named_and_a_scaled_q_proj_refused() {
+    let c = case("tiny-qwen3_5", "attn_gate", |r| {
+        attn_gate_by(r, 1.0, split_k)
+    });
+    let out = explain(&c, "layer.01.attn_gate");
+    assert!(
+        out.contains("explain layer.01.attn_gate: layer.01.attn_gate = input_layernorm(layer.01.hidden_in) · Wᵀ, W = model.language_model.layers.1.self_attn.q_proj.weight [192, 40], each head's gate half"),
+        "{out}"
+    );
+    assert!(
+        candidate_line(&out).starts_with(&format!("  candidate: REPRODUCED by split-K 2 | {SIX}")),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "  reference: REPRODUCED by sequential (§2) | {SIX}"
+        )),
+        "{out}"
+    );
+    let c = case("tiny-qwen3_5", "attn_gate", |r| attn_gate_by(r, 1.01, dot));
+    let away = refused_by(&explain(&c, "layer.01.attn_gate"));
+    assert!(away > 1000, "1 % of a weight: {away} ULP");
+}
+
+/// The orders the library finds reproducing the candidate's `tensor` (all of them).
+fn reproduced_by(c: &Case, tensor: &str) -> Vec<String> {
+    let e = tracegate_diff::explain::explain(
+        &Trace::open(&c.reference).unwrap(),
+        &Trace::open(&c.candidate).unwrap(),
+        tensor,
+        Some(&fixture(c.model)),
+    );
+    match e.outcome {
+        tracegate_diff::explain::Outcome::Checked(k) => k.candidate.reproduced_by,
+        tracegate_diff::explain::Outcome::NotExplained(why) => panic!("not explained: {why}"),
+    }
+}
+
+/// tiny-qwen3_5-moe's layer-1 `shared_expert.gate` (eps 1e-5, zero-centred, bf16 weights): one
+/// output per row, so few elements to tell orders apart: the planted one must be among those
+/// that reproduce it, §2's own must not.
+fn shared_gate_by(reference: &Path, scale: f32, dot: Dot) -> Vec<f32> {
+    projection(
+        reference,
+        "tiny-qwen3_5-moe",
+        &["hidden_in", "attn_out"],
+        "post_attention_layernorm",
+        1e-5,
+        "mlp.shared_expert_gate",
+        false,
+        scale,
+        dot,
+    )
+}
+
+#[test]
+fn a_planted_order_of_shared_expert_gate_is_named_and_a_scaled_gate_refused() {
+    const POST: &str = "post_attention_layernorm: sum of squares sequential (§2)";
+    let c = case("tiny-qwen3_5-moe", "shared_expert.gate", |r| {
+        shared_gate_by(r, 1.0, fma)
+    });
+    let out = explain(&c, "layer.01.shared_expert.gate");
+    assert!(
+        out.contains("layer.01.shared_expert.gate = post_attention_layernorm(layer.01.hidden_in ⊕ layer.01.attn_out) · Wᵀ, W = model.layers.1.mlp.shared_expert_gate.weight [1, 36]"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "  reference: REPRODUCED by sequential (§2) | {POST}"
+        )),
+        "{out}"
+    );
+    let by = reproduced_by(&c, "layer.01.shared_expert.gate");
+    assert!(
+        by.iter()
+            .any(|o| o.starts_with(&format!("sequential (§2) with FMA | {POST}"))),
+        "{by:?}\n{out}"
+    );
+    assert!(
+        !by.iter().any(|o| o.starts_with("sequential (§2) | ")),
+        "the plant is indistinguishable from §2 here: {by:?}"
+    );
+    let c = case("tiny-qwen3_5-moe", "shared_expert.gate", |r| {
+        shared_gate_by(r, 1.01, dot)
+    });
+    let away = refused_by(&explain(&c, "layer.01.shared_expert.gate"));
+    assert!(away > 1000, "1 % of a weight: {away} ULP");
 }
