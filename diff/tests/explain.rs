@@ -7,11 +7,11 @@
 use std::path::{Path, PathBuf};
 
 use tracegate_engine::ops::{dot, matmul_ref_by, rmsnorm};
-use tracegate_trace::{Trace, TraceWriter};
+use tracegate_trace::Trace;
 
 use tracegate_diff::explain::Outcome;
 
-pub(crate) use crate::common::plant::{blocked16, fma, split_k};
+pub(crate) use crate::common::plant::{blocked16, copy_with, fma, split_k};
 use crate::common::{p, run};
 
 pub(crate) fn fixture(name: &str) -> PathBuf {
@@ -48,34 +48,6 @@ fn reference_with(dir: &Path, generate: usize) -> PathBuf {
     })
     .expect("engine trace of tiny-qwen3");
     out
-}
-
-/// A copy of `from` with tensor `name` replaced by `values` (f32, same shape), or left out.
-pub(crate) fn copy_with(from: &Path, to: &Path, name: &str, values: Option<&[f32]>) -> PathBuf {
-    let t = Trace::open(from).unwrap();
-    let mut w = TraceWriter::create(to, t.provenance().clone()).unwrap();
-    for info in t.tensors() {
-        if info.name != name {
-            w.tensor(
-                &info.name,
-                info.dtype,
-                &info.shape,
-                t.data(info),
-                &info.attributes,
-            )
-            .unwrap();
-        } else if let Some(v) = values {
-            w.tensor_f32(&info.name, &info.shape, v, &info.attributes)
-                .unwrap();
-        }
-    }
-    for d in t.decisions() {
-        let m = t.decision_margins(d);
-        w.decision(&d.name, &d.shape, &t.decision_values(d), m.as_deref())
-            .unwrap();
-    }
-    w.finish().unwrap();
-    to.to_path_buf()
 }
 
 /// `final_norm.out` of the reference and the model's head (tied: the embedding).

@@ -1,13 +1,14 @@
 //! Planted orders and defects of a layer's projection, shared by diff/tests/explain*.rs and
 //! gate/tests/capsule_explain.rs (which includes this file by path): the summation orders a
 //! kernel may use, as `dot`s for the engine's `matmul_ref_by` (as the engine's own matmul tests
-//! plant them), and a layer point recomputed from a trace's captured input with one of them.
+//! plant them), a layer point recomputed from a trace's captured input with one of them, and a
+//! copy of a trace with one tensor replaced.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tracegate_engine::ops::{dot, matmul_ref_by, rmsnorm_rows};
 use tracegate_engine::weights::Store;
-use tracegate_trace::Trace;
+use tracegate_trace::{Trace, TraceWriter};
 
 pub type Dot = fn(&[f32], &[f32]) -> f32;
 
@@ -76,4 +77,32 @@ impl Projection<'_> {
         };
         matmul_ref_by(&xn, x.len() / h, w, b.as_deref(), scaled)
     }
+}
+
+/// A copy of `from` with tensor `name` replaced by `values` (f32, same shape), or left out.
+pub fn copy_with(from: &Path, to: &Path, name: &str, values: Option<&[f32]>) -> PathBuf {
+    let t = Trace::open(from).unwrap();
+    let mut w = TraceWriter::create(to, t.provenance().clone()).unwrap();
+    for info in t.tensors() {
+        if info.name != name {
+            w.tensor(
+                &info.name,
+                info.dtype,
+                &info.shape,
+                t.data(info),
+                &info.attributes,
+            )
+            .unwrap();
+        } else if let Some(v) = values {
+            w.tensor_f32(&info.name, &info.shape, v, &info.attributes)
+                .unwrap();
+        }
+    }
+    for d in t.decisions() {
+        let m = t.decision_margins(d);
+        w.decision(&d.name, &d.shape, &t.decision_values(d), m.as_deref())
+            .unwrap();
+    }
+    w.finish().unwrap();
+    to.to_path_buf()
 }
