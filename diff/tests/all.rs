@@ -7,6 +7,7 @@ mod common;
 mod diffusion;
 mod early;
 mod explain;
+mod explain_layer;
 mod fuzz;
 mod labels;
 mod mixed;

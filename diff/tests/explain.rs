@@ -7,19 +7,20 @@
 use std::path::{Path, PathBuf};
 
 use tracegate_engine::ops::{dot, matmul_ref_by, rmsnorm};
-use tracegate_trace::{Trace, TraceWriter};
+use tracegate_trace::Trace;
 
 use tracegate_diff::explain::Outcome;
 
+pub(crate) use crate::common::plant::{blocked16, copy_with, fma, split_k};
 use crate::common::{p, run};
 
-fn fixture(name: &str) -> PathBuf {
+pub(crate) fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../fixtures")
         .join(name)
 }
 
-const TOKENS: [i64; 5] = [3, 17, 5, 42, 8];
+pub(crate) const TOKENS: [i64; 5] = [3, 17, 5, 42, 8];
 const HIDDEN: usize = 52;
 const VOCAB: usize = 499;
 
@@ -47,34 +48,6 @@ fn reference_with(dir: &Path, generate: usize) -> PathBuf {
     })
     .expect("engine trace of tiny-qwen3");
     out
-}
-
-/// A copy of `from` with tensor `name` replaced by `values` (f32, same shape), or left out.
-fn copy_with(from: &Path, to: &Path, name: &str, values: Option<&[f32]>) -> PathBuf {
-    let t = Trace::open(from).unwrap();
-    let mut w = TraceWriter::create(to, t.provenance().clone()).unwrap();
-    for info in t.tensors() {
-        if info.name != name {
-            w.tensor(
-                &info.name,
-                info.dtype,
-                &info.shape,
-                t.data(info),
-                &info.attributes,
-            )
-            .unwrap();
-        } else if let Some(v) = values {
-            w.tensor_f32(&info.name, &info.shape, v, &info.attributes)
-                .unwrap();
-        }
-    }
-    for d in t.decisions() {
-        let m = t.decision_margins(d);
-        w.decision(&d.name, &d.shape, &t.decision_values(d), m.as_deref())
-            .unwrap();
-    }
-    w.finish().unwrap();
-    to.to_path_buf()
 }
 
 /// `final_norm.out` of the reference and the model's head (tied: the embedding).
@@ -150,27 +123,10 @@ fn reproduced_by(c: &Case, tensor: &str) -> Vec<String> {
 }
 
 /// The line of `out` about the candidate.
-fn candidate_line(out: &str) -> &str {
+pub(crate) fn candidate_line(out: &str) -> &str {
     out.lines()
         .find(|l| l.trim_start().starts_with("candidate: "))
         .unwrap_or_else(|| panic!("no candidate line in\n{out}"))
-}
-
-fn split_k(x: &[f32], w: &[f32]) -> f32 {
-    let h = x.len() / 2;
-    dot(&x[..h], &w[..h]) + dot(&x[h..], &w[h..])
-}
-
-fn fma(x: &[f32], w: &[f32]) -> f32 {
-    x.iter().zip(w).fold(0.0f32, |a, (&p, &q)| p.mul_add(q, a))
-}
-
-fn blocked16(x: &[f32], w: &[f32]) -> f32 {
-    let mut acc = 0.0f32;
-    for (xs, ws) in x.chunks(16).zip(w.chunks(16)) {
-        acc += dot(xs, ws);
-    }
-    acc
 }
 
 #[test]

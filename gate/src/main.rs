@@ -283,10 +283,31 @@ struct CapsuleRunArgs {
     timeout: u64,
 }
 
+#[derive(Args)]
+struct CapsuleExplainArgs {
+    /// The capsule (`gate bisect --capsule DIR`; relative to the current directory).
+    dir: PathBuf,
+    /// The candidate's trace of the capsule's layer on its rows (e.g. `gate capsule run`'s
+    /// WORK/capsule.candidate.trace; relative to the current directory).
+    #[arg(long, value_name = "TRACE")]
+    candidate_trace: PathBuf,
+    /// Compare (and explain the first difference of) only the tensors matching GLOB.
+    #[arg(long, value_name = "GLOB")]
+    only: Option<String>,
+    /// Directory for the replay model (relative to the current directory; default
+    /// target/capsule/<pid> under the root).
+    #[arg(long)]
+    work: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum CapsuleAction {
     /// Replay the candidate's layer verb on the capsule and judge it under the capsule's rule.
     Run(CapsuleRunArgs),
+    /// Is the candidate's first difference from the capsule a summation order? trace-diff
+    /// --explain against the capsule's replay model (docs/diff.md, "Explaining a difference").
+    /// Exit as trace-diff: 0 identical, 1 different, 2 refused or unreadable, 3 incomparable.
+    Explain(CapsuleExplainArgs),
 }
 
 fn at_least_one(s: &str) -> Result<usize, String> {
@@ -455,6 +476,27 @@ fn capsule_run(root: &std::path::Path, up: &UserPaths, a: &CapsuleRunArgs) -> Re
     )?;
     say(&done.text)?;
     write_report(&report, &done)?;
+    Ok(done.exit_code)
+}
+
+fn capsule_explain(
+    root: &std::path::Path,
+    up: &UserPaths,
+    a: &CapsuleExplainArgs,
+) -> Result<i32, Error> {
+    let work = match &a.work {
+        Some(w) => up.resolve(w).display().to_string(),
+        None => format!("target/capsule/{}", std::process::id()),
+    };
+    let _lock = tracegate_gate::WorkLock::acquire(&root.join(&work))?;
+    let done = tracegate_gate::bisect::capsule::explain(
+        root,
+        &up.absolute(&a.dir),
+        &up.absolute(&a.candidate_trace),
+        a.only.as_deref(),
+        &work,
+    )?;
+    say(&done.text)?;
     Ok(done.exit_code)
 }
 
@@ -971,6 +1013,9 @@ fn main() -> ExitCode {
         Cmd::Capsule {
             action: CapsuleAction::Run(a),
         } => capsule_run(&root, &up, a),
+        Cmd::Capsule {
+            action: CapsuleAction::Explain(a),
+        } => capsule_explain(&root, &up, a),
         Cmd::Workers { .. } | Cmd::Init(_) => Ok(0), // answered above
         Cmd::Check { args } if args.html.is_some() => Err(gerr!(
             "gate check writes no HTML report: run each milestone with gate m0|m1|run --html"

@@ -9,6 +9,7 @@ mod bisect_diffusion;
 mod bisect_ranks;
 mod bisect_stored;
 mod capsule;
+mod capsule_explain;
 mod ci;
 mod common;
 mod gate;

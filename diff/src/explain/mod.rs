@@ -252,15 +252,23 @@ fn try_explain(
     if elements.iter().all(|e| e.differs.is_none()) {
         return Err("no element differs by bits: there is no difference to explain".into());
     }
-    if r_info.shape.len() != 2 {
+    if r_info.shape.len() < 2 {
         return Err(format!(
-            "shape {:?}: a [rows, n] tensor was expected",
+            "shape {:?}: a [rows, …] tensor was expected",
             r_info.shape
         ));
     }
+    // (row, column within the row): `[rows, heads, head_dim]` is the projection's output
+    // `[rows, heads·head_dim]` (docs/capture-points.md, head layout).
+    let width = row_width(r_info);
     let at: Vec<(usize, usize)> = elements
         .iter()
-        .map(|e| (e.coords[0] as usize, e.coords[1] as usize))
+        .map(|e| {
+            (
+                (e.flat_index / width) as usize,
+                (e.flat_index % width) as usize,
+            )
+        })
         .collect();
     let rc = Recompute::load(&def, model, reference, candidate, &at)?;
     let mut notes = rc.notes.clone();
@@ -310,7 +318,7 @@ fn window(
     c: &TensorInfo,
 ) -> Vec<Checked1> {
     let (rd, cd) = (reference.data(r), candidate.data(c));
-    let width = r.shape.get(1).copied().unwrap_or(0);
+    let width = row_width(r);
     let differs = |i: u64| {
         let d = compare_element(
             pair,
@@ -349,6 +357,14 @@ fn window(
         }
     }
     out
+}
+
+/// Elements per row of a `[rows, …]` tensor (0 for a scalar or a vector).
+fn row_width(info: &TensorInfo) -> u64 {
+    match info.shape.len() {
+        0 | 1 => 0,
+        _ => info.shape[1..].iter().product(),
+    }
 }
 
 /// One side's stored bits at the checked elements.

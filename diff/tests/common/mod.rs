@@ -2,6 +2,8 @@
 //! TraceWriter, which each test copies and plants one defect in.
 #![allow(dead_code)]
 
+pub mod plant;
+
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};

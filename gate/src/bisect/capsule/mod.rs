@@ -28,10 +28,13 @@ use super::BisectReport;
 use crate::{gerr, Result};
 
 mod decode;
+mod explain;
 mod gguf;
 mod rows;
 mod units;
 mod weights;
+
+pub use explain::{explain, Explained};
 
 /// The manifest's format.
 pub const SCHEMA: &str = "tracegate-capsule/1";
@@ -877,6 +880,21 @@ fn rederive(dir: &Path, m: &Manifest, policy: &Option<Policy>) -> Result<()> {
     decode::rederive(dir, m, &reference).map_err(refuse)
 }
 
+/// The capsule's replay model written to `out`, its weights digest checked against the
+/// manifest's: a layer file that does not give the model the capsule recorded is refused.
+fn replay_model(dir: &Path, m: &Manifest, out: &Path) -> Result<()> {
+    let digest = weights::materialise(dir, &m.weights, out)?;
+    let want = m.weights["replay_weights_digest"]
+        .as_str()
+        .unwrap_or_default();
+    if digest != want {
+        return Err(
+            gerr!(File: "capsule {}: the replay model's weights digest is {digest}, {MANIFEST} records {want}", dir.display()),
+        );
+    }
+    Ok(())
+}
+
 /// `gate capsule run DIR`: the capsule verified, its replay model built under `work`, the
 /// candidate's layer verb replayed and judged.
 fn run_loaded(
@@ -891,15 +909,7 @@ fn run_loaded(
     let work_dir = root.join(work);
     std::fs::create_dir_all(&work_dir).map_err(|e| gerr!(File: "{}: {e}", work_dir.display()))?;
     let model = format!("{work}/model");
-    let digest = weights::materialise(dir, &m.weights, &root.join(&model))?;
-    let want = m.weights["replay_weights_digest"]
-        .as_str()
-        .unwrap_or_default();
-    if digest != want {
-        return Err(
-            gerr!(File: "capsule {}: the replay model's weights digest is {digest}, {MANIFEST} records {want}", dir.display()),
-        );
-    }
+    replay_model(dir, m, &root.join(&model))?;
     let abs = |n: &str| std::fs::canonicalize(dir.join(n)).unwrap_or_else(|_| dir.join(n));
     let input = abs("reference.trace").display().to_string();
     open(root, &input)?
