@@ -161,7 +161,7 @@ fn planted_orders_of_v_are_named() {
             out.contains("inputs: layer.01.hidden_in of each side, bit-identical"),
             "{out}"
         );
-        assert!(out.contains("32400 orders tried"), "{out}");
+        assert!(out.contains("51984 orders tried"), "{out}");
     }
 }
 

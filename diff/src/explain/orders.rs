@@ -24,13 +24,16 @@ pub enum Sum {
     /// S contiguous parts of ceil(K / S) terms (the last one shorter), each summed from +0.0,
     /// then added in order: split-K.
     Split(usize),
+    /// Two parts split where a kernel's K-steps allow: the first ends at K/2 rounded down to a
+    /// multiple of A (none when that is 0), each summed from +0.0, then added.
+    SplitAligned(usize),
     /// Products and sum in binary64 (every f32 product is exact there), rounded to f32 once.
     Wide,
 }
 
 impl Sum {
     /// Every grouping tried, simplest first.
-    pub const ALL: [Sum; 16] = [
+    pub const ALL: [Sum; 20] = [
         Sum::Sequential,
         Sum::Pairwise,
         Sum::Blocked(4),
@@ -46,6 +49,10 @@ impl Sum {
         Sum::Lanes(32),
         Sum::Split(2),
         Sum::Split(4),
+        Sum::SplitAligned(8),
+        Sum::SplitAligned(16),
+        Sum::SplitAligned(32),
+        Sum::SplitAligned(64),
         Sum::Wide,
     ];
 
@@ -62,6 +69,7 @@ impl Sum {
             Sum::Blocked(b) => format!("blocked-K {b}"),
             Sum::Lanes(w) => format!("{w} lanes"),
             Sum::Split(s) => format!("split-K {s}"),
+            Sum::SplitAligned(a) => format!("split-K 2 at a multiple of {a}"),
             Sum::Wide => "f64 accumulation".into(),
         }
     }
@@ -173,6 +181,10 @@ pub fn sum(how: Sum, fma: bool, x: &[f32], w: &[f32]) -> f32 {
                 acc += chain(&mut (s..(s + c).min(k)));
             }
             acc
+        }
+        Sum::SplitAligned(a) => {
+            let at = k / 2 / a * a;
+            chain(&mut (0..at)) + chain(&mut (at..k))
         }
         Sum::Lanes(width) => {
             let mut lanes: Vec<f32> = (0..width)
@@ -362,6 +374,13 @@ mod tests {
         assert_eq!(sum(Sum::Pairwise, false, &x, &w), 2.0);
         assert_eq!(sum(Sum::Blocked(2), false, &x, &w), 2.0);
         assert_eq!(sum(Sum::Lanes(2), false, &x, &w), 0.0); // (1 + 1e8) + (1 - 1e8)
+                                                            // K = 6: split-K 2 cuts at 3, the aligned split at 3 rounded down to a multiple of 2.
+        let w = [1.0f32; 6];
+        let x = [1.0f32, 1.0, 1e8, -1e8, 1.0, 1.0];
+        assert_eq!(sum(Sum::Sequential, false, &x, &w), 2.0); // the ones before 1e8 are lost
+        assert_eq!(sum(Sum::Split(2), false, &x, &w), 0.0); // 1e8 + (-1e8): all ones lost
+        assert_eq!(sum(Sum::SplitAligned(2), false, &x, &w), 4.0); // 2 + (0 + 1 + 1)
+        assert_eq!(sum(Sum::SplitAligned(4), false, &x, &w), 2.0); // 3/4*4 = 0: one chain
     }
 
     #[test]

@@ -284,3 +284,109 @@ fn matvec_check_catches_planted_fma_and_split_k_in_every_kernel() {
         }
     }
 }
+
+/// The explainer (`trace-diff --explain`, tracegate-diff) names this path's own planted faults:
+/// tiny-qwen3's logits computed by every supported matvec kernel with the planted fused step,
+/// and with the planted split-K (which cuts K = 52 at 16, `split_at`: not at K/2), are each
+/// reproduced by the order that describes them, and the exact kernel by §2's.
+#[test]
+fn the_explainer_names_the_kernels_planted_fma_and_split_k() {
+    use super::matvec::matvec;
+    use super::step::{EXACT, PLANT_FMA, PLANT_SPLIT};
+    use tracegate_trace::{Trace, TraceWriter};
+    note_unchecked_kernels("the_explainer_names_the_kernels_planted_fma_and_split_k");
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-qwen3");
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("reference.trace");
+    let tokens = vec![3, 17, 5, 42, 8];
+    crate::run_trace(&crate::TraceOptions {
+        model_dir: model.clone(),
+        tokens: tokens.clone(),
+        out: reference.clone(),
+        internals: false,
+        generate: 0,
+        cache: true,
+        threads: 1,
+        command_line: vec!["matmul tests".into()],
+        force_decisions: None,
+        prompt_text: None,
+        shards: None,
+    })
+    .unwrap();
+    let t = Trace::open(&reference).unwrap();
+    let x = t.f32_vec("final_norm.out").unwrap();
+    let hidden = x.len() / tokens.len();
+    let store = crate::open_store(&model).unwrap();
+    let w = store
+        .take("model.embed_tokens.weight", &[499, hidden])
+        .unwrap();
+    assert_eq!(
+        (hidden, super::step::split_at(hidden)),
+        (52, 16),
+        "the split this test is about"
+    );
+    let explained = |logits: Vec<f32>, what: &str| -> Vec<String> {
+        let path = dir.path().join(format!("{what}.trace"));
+        let mut out = TraceWriter::create(&path, t.provenance().clone()).unwrap();
+        for info in t.tensors() {
+            if info.name == "logits" {
+                out.tensor_f32("logits", &info.shape, &logits, &info.attributes)
+                    .unwrap();
+            } else {
+                out.tensor(
+                    &info.name,
+                    info.dtype,
+                    &info.shape,
+                    t.data(info),
+                    &info.attributes,
+                )
+                .unwrap();
+            }
+        }
+        for d in t.decisions() {
+            let m = t.decision_margins(d);
+            out.decision(&d.name, &d.shape, &t.decision_values(d), m.as_deref())
+                .unwrap();
+        }
+        out.finish().unwrap();
+        let e = tracegate_diff::explain::explain(
+            &t,
+            &Trace::open(&path).unwrap(),
+            "logits",
+            Some(&model),
+        );
+        match e.outcome {
+            tracegate_diff::explain::Outcome::Checked(k) => k.candidate.reproduced_by,
+            tracegate_diff::explain::Outcome::NotExplained(why) => panic!("{what}: {why}"),
+        }
+    };
+    for kernel in Kernel::all_supported() {
+        let by_rows =
+            |f: &dyn Fn(&[f32]) -> Vec<f32>| -> Vec<f32> { x.chunks(hidden).flat_map(f).collect() };
+        let exact = by_rows(&|r| matvec::<EXACT>(kernel, r, 1, w, None));
+        assert!(
+            first_mismatch(&t.f32_vec("logits").unwrap(), &exact).is_none(),
+            "{kernel:?}: the exact kernel is the engine's logits"
+        );
+        let fma = explained(
+            by_rows(&|r| matvec::<PLANT_FMA>(kernel, r, 1, w, None)),
+            "fma",
+        );
+        assert!(
+            fma.iter().any(|o| o == "sequential (§2) with FMA"),
+            "{kernel:?} fma: {fma:?}"
+        );
+        let split = explained(
+            by_rows(&|r| matvec::<PLANT_SPLIT>(kernel, r, 1, w, None)),
+            "split",
+        );
+        assert!(
+            split.iter().any(|o| o == "split-K 2 at a multiple of 16"),
+            "{kernel:?} split: {split:?}"
+        );
+        assert!(
+            !split.iter().any(|o| o == "split-K 2"),
+            "K/2 = 26 is not where it cuts: {split:?}"
+        );
+    }
+}
