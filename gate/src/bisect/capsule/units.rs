@@ -504,7 +504,7 @@ pub(super) fn heads(
     replay: &Replay,
     digest: &RefCell<String>,
     provenance: &dyn Fn(&Trace, usize) -> Value,
-) -> Result<(Value, Option<(Cut, Vec<String>)>)> {
+) -> Result<(Value, Option<Kept>)> {
     let mut out = named(c)?;
     for k in [
         "kept",
@@ -591,6 +591,9 @@ pub(super) fn heads(
     ));
     Ok((out, None))
 }
+
+/// A head cut that held: the cut, and the tensors `layer.safetensors` then holds.
+pub(super) type Kept = (Cut, Vec<String>);
 
 struct Plan {
     cut: Cut,
@@ -789,5 +792,40 @@ mod tests {
         let kept = kept_experts(&routed, &[5]);
         assert!(kept.contains(&5), "{kept:?}");
         assert_eq!(kept, [0, 3, 5].into());
+    }
+
+    /// Negative control of the head cut: a failing query head is always kept, with its
+    /// key/value head (h / group); a failing key/value head keeps every query head that reads
+    /// it. 8 query heads over 2 key/value heads (groups of 4), worked by hand.
+    #[test]
+    fn a_failing_head_is_never_dropped() {
+        let none = BTreeSet::new();
+        assert_eq!(
+            kept_heads(8, 2, &[1, 6].into(), &none),
+            (vec![1, 6], vec![0, 1])
+        );
+        assert_eq!(kept_heads(8, 2, &[5].into(), &none), (vec![5], vec![1]));
+        assert_eq!(
+            kept_heads(8, 2, &none, &[0].into()),
+            (vec![0, 1, 2, 3], vec![0])
+        );
+        assert_eq!(kept_heads(4, 4, &[3].into(), &none), (vec![3], vec![3]));
+    }
+
+    /// The slice: [tokens 2, heads 3, dim 2] keeping heads 2 and 0 (in that order), and
+    /// [heads 3, rows 1, keys 2] along axis 0; a head out of range is refused, not clamped.
+    #[test]
+    fn slice_heads_keeps_the_named_heads_along_the_axis() {
+        let q: Vec<u8> = (0u8..12).collect();
+        let (shape, bytes) = slice_heads(&[2, 3, 2], 1, 1, &[2, 0], &q).unwrap();
+        assert_eq!(shape, [2, 2, 2]);
+        assert_eq!(bytes, [4, 5, 0, 1, 10, 11, 6, 7]);
+        let p: Vec<u8> = (0u8..6).collect();
+        let (shape, bytes) = slice_heads(&[3, 1, 2], 1, 0, &[1], &p).unwrap();
+        assert_eq!((shape, bytes), (vec![1, 1, 2], vec![2, 3]));
+        assert!(slice_heads(&[3, 1, 2], 1, 0, &[3], &p)
+            .unwrap_err()
+            .contains("head 3 of 3"));
+        assert!(slice_heads(&[3, 1, 2], 1, 0, &[0], &p[..5]).is_err());
     }
 }
