@@ -645,7 +645,7 @@ fn failing_heads_are_named_and_local_only_when_some_heads_pass() {
     assert_eq!(numbers(&probs["heads"]), wrong, "{h}");
     assert_eq!(probs["of"], 4);
     assert_eq!(h["local"], true, "{h}");
-    assert_eq!(h["reduced"], false);
+    assert_eq!(h["reduced"], true, "{h}");
     assert!(
         m["units"]["experts"].is_null(),
         "a dense layer: {}",
@@ -681,6 +681,10 @@ fn failing_heads_are_named_and_local_only_when_some_heads_pass() {
         .unwrap_or_else(|| panic!("{h}"));
     assert_eq!(numbers(&k["heads"]), [0, 1], "{h}");
     assert_eq!(h["local"], false, "{h}");
+    // Not local: not cut, and said why.
+    assert_eq!(h["reduced"], false, "{h}");
+    let why = h["why_not_reduced"].as_str().unwrap_or_default();
+    assert!(why.starts_with("the failure is not local"), "{h}");
 }
 
 // ---- GGUF capsules (docs/bisect.md, "Capsules") ----
@@ -828,6 +832,213 @@ fn a_gguf_capsule_holds_the_layers_blocks_and_replays_the_bisection() {
     assert_eq!(code, 2, "{text}");
     assert!(
         text.contains("the replay model's weights digest is"),
+        "{text}"
+    );
+}
+
+// ---- Heads cut (capsule/units.rs `Cut`; docs/bisect.md, "Capsules", "Heads and experts") ----
+
+/// `layer.safetensors`' (or a checkpoint's) f32 tensors: name → (shape, values).
+fn f32_tensors(file: &Path) -> std::collections::BTreeMap<String, (Vec<u64>, Vec<f32>)> {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            assert_eq!(v["dtype"], "F32", "{k}");
+            let (b, e) = (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                v["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            let vals = data[b..e]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (k.clone(), (numbers(&v["shape"]), vals))
+        })
+        .collect()
+}
+
+/// A trace tensor's f32 values and shape.
+fn trace_f32(t: &tracegate_trace::Trace, name: &str) -> (Vec<u64>, Vec<f32>) {
+    let info = t.tensor_info(name).unwrap_or_else(|| panic!("no {name}"));
+    let vals = t
+        .data(info)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (info.shape.clone(), vals)
+}
+
+/// gqa-mod fails query heads 1 and 2 of tiny-qwen3's 4 at attn_probs (the stage, before
+/// o_proj): the capsule keeps those heads (and the key/value heads they read), which are worked
+/// out here from config.json, not by the code under test. Its layer.safetensors holds exactly
+/// those heads' rows of q_proj (the others zero, against the checkpoint's), k_proj/v_proj whole
+/// (both key/value heads read), no o_proj, post-attention norm or MLP; reference.trace holds
+/// the kept heads' slices of q, k, v, attn_probs (against the bisection's own reference) and no
+/// later point; the reduced capsule still fails for the planted candidate at attn_probs, as
+/// recorded, passes the engine, and its pytest file and C test refuse it (never pass).
+#[test]
+fn a_head_local_failure_is_cut_to_its_heads_and_still_fails() {
+    let tmp = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let (code, out, cap) = units_bisect(tmp.path(), "fixtures/tiny-qwen3", "gqa-mod");
+    assert_eq!(code, 1, "{out}");
+    let m = manifest(&cap);
+    assert_eq!(m["stage"]["tensor"], "layer.03.attn_probs", "{out}");
+    let h = &m["units"]["heads"];
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(repo().join("fixtures/tiny-qwen3/config.json")).unwrap(),
+    )
+    .unwrap();
+    let heads = config["num_attention_heads"].as_u64().unwrap();
+    let kv_heads = config["num_key_value_heads"].as_u64().unwrap();
+    let dim = config["head_dim"].as_u64().unwrap() as usize;
+    let group = heads / kv_heads;
+    // gqa-mod: query head q reads key/value head q % kv_heads, not q / group.
+    let kept: Vec<u64> = (0..heads).filter(|q| q / group != q % kv_heads).collect();
+    let kv: Vec<u64> = kept
+        .iter()
+        .map(|q| q / group)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(kept, [1, 2]);
+    assert_eq!(h["reduced"], true, "{h}");
+    assert_eq!(numbers(&h["kept"]), kept, "{h}");
+    assert_eq!(numbers(&h["removed"]), [0, 3], "{h}");
+    assert_eq!(numbers(&h["kv_kept"]), kv, "{h}");
+    assert_eq!(h["still_fails"], true, "{h}");
+    let points: Vec<String> = ["q", "k", "v", "attn_probs"]
+        .iter()
+        .map(|p| format!("layer.03.{p}"))
+        .collect();
+    assert_eq!(h["judged"]["points"], serde_json::json!(points), "{h}");
+    assert!(h["why_not_reduced"].is_null(), "{h}");
+    // The weights: exactly the kept heads' rows, against the checkpoint.
+    let mine = f32_tensors(&cap.join("layer.safetensors"));
+    let source = f32_tensors(&repo().join("fixtures/tiny-qwen3/model.safetensors"));
+    let pfx = "model.layers.3.";
+    for gone in [
+        "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight",
+        "mlp.up_proj.weight",
+    ] {
+        assert!(
+            !mine.contains_key(&format!("{pfx}{gone}")),
+            "{gone} kept: {:?}",
+            mine.keys()
+        );
+    }
+    for (proj, keep, of) in [
+        ("q", &kept, heads),
+        ("k", &kv, kv_heads),
+        ("v", &kv, kv_heads),
+    ] {
+        for part in ["weight", "bias"] {
+            let name = format!("{pfx}self_attn.{proj}_proj.{part}");
+            let (shape, got) = &mine[&name];
+            let (want_shape, want) = &source[&name];
+            assert_eq!(shape, want_shape, "{name}");
+            let per_head = want.len() / of as usize;
+            assert_eq!(per_head % dim, 0, "{name}");
+            for head in 0..of {
+                let r = head as usize * per_head..(head as usize + 1) * per_head;
+                if keep.contains(&head) {
+                    assert_eq!(got[r.clone()], want[r], "{name} head {head}");
+                } else {
+                    assert!(got[r].iter().all(|&x| x == 0.0), "{name} head {head} kept");
+                }
+            }
+        }
+    }
+    for whole in [
+        "input_layernorm.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    ] {
+        let name = format!("{pfx}{whole}");
+        assert_eq!(mine[&name], source[&name], "{name}");
+    }
+    // The reference rows: the kept heads' slices of the bisection's own reference.
+    let refr = tracegate_trace::Trace::open(cap.join("reference.trace")).unwrap();
+    let whole = tracegate_trace::Trace::open(tmp.path().join("work/reference.trace")).unwrap();
+    for later in ["attn_out", "mlp_out", "hidden_out"] {
+        assert!(
+            refr.tensor_info(&format!("layer.03.{later}")).is_none(),
+            "{later} judged"
+        );
+    }
+    let (shape, probs) = trace_f32(&refr, "layer.03.attn_probs");
+    let (wshape, wprobs) = trace_f32(&whole, "layer.03.attn_probs");
+    let rows = shape[1] as usize;
+    assert_eq!(shape, [kept.len() as u64, rows as u64, rows as u64]);
+    let n = wshape[1] as usize;
+    for (i, &head) in kept.iter().enumerate() {
+        for r in 0..rows {
+            let at = (head as usize * n + r) * n;
+            assert_eq!(
+                probs[(i * rows + r) * rows..(i * rows + r + 1) * rows],
+                wprobs[at..at + rows],
+                "attn_probs head {head} row {r}"
+            );
+        }
+    }
+    let (qs, _) = trace_f32(&refr, "layer.03.q");
+    assert_eq!(qs, [rows as u64, kept.len() as u64, dim as u64]);
+    // Replayed: the planted candidate still fails there, as recorded; the engine passes.
+    let (code, text, run) = capsule_run(
+        tmp.path(),
+        &cap,
+        &["--candidate-cmd", &defective("gqa-mod")],
+    );
+    assert_eq!(code, 1, "{text}");
+    assert_eq!(run["stage"]["tensor"], "layer.03.attn_probs", "{text}");
+    assert_eq!(run["as_recorded"], true, "{text}");
+    let (code, text, _) = capsule_run(tmp.path(), &cap, &["--candidate", "engine"]);
+    assert_eq!(code, 0, "{text}");
+    // The generated tests do not slice: both refuse, neither passes.
+    assert!(
+        m["not_included"].as_array().unwrap().iter().any(|l| l
+            .as_str()
+            .unwrap()
+            .contains("test_capsule.py and test_capsule.c")),
+        "{}",
+        m["not_included"]
+    );
+    let engine = format!("'{}' {{verb}} {{args}}", engine().display());
+    let (code, text) = pytest(&cap, Some(&engine));
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("does not slice"), "{text}");
+    let exe = tmp.path().join("test_capsule");
+    let cc = Command::new("cc")
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(cap.join("test_capsule.c"))
+        .arg("-I")
+        .arg(repo().join("capi/include"))
+        .arg("-L")
+        .arg(capi_dir())
+        .args(["-ltracegate_capi", "-lm"])
+        .output()
+        .unwrap();
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    let (code, text) = run_c(
+        &exe,
+        &cap,
+        &tmp.path().join("replay/capsule.candidate.trace"),
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.starts_with("NOT CHECKED: this capsule keeps some heads only"),
         "{text}"
     );
 }

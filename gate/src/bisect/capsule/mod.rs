@@ -163,6 +163,7 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// What one replay needs besides the rows: where to run, the candidate, how to judge.
+#[derive(Clone)]
 struct Replay<'a> {
     root: &'a Path,
     /// Relative to root (or absolute): the trials' and the candidate's traces.
@@ -177,6 +178,8 @@ struct Replay<'a> {
     /// A decode step's `layer --decode-from P` (P, and the trace of the layer's input rows
     /// 0..=P); None: the prefill's layer verb on the compared trace's own `hidden_in`.
     decode_input: Option<(i64, String)>,
+    /// A head-reduced capsule (units.rs): the candidate's output sliced as the rows were.
+    heads: Option<units::Cut>,
 }
 
 impl Replay<'_> {
@@ -235,6 +238,10 @@ impl Replay<'_> {
             whose: "the capsule's reference rows",
             pass: None,
             noise,
+            cut: self
+                .heads
+                .as_ref()
+                .map(|c| Box::new(move |t: &Trace, p: &Path| c.write(t, p)) as _),
         };
         let mut runs = Vec::new();
         let iso = isolate_with(&o, &run, self.policy, &mut runs, |cand, out| {
@@ -495,6 +502,7 @@ fn build(
         policy,
         allow_stack_mismatch: o.allow_stack_mismatch,
         decode_input: None,
+        heads: None,
     };
     let mut trial_log = Vec::new();
     let mut try_rows = |keep: usize| -> Result<Replayed> {
@@ -563,15 +571,28 @@ fn build(
         policy,
         weights: &json!(lw.replay),
     };
-    let heads = units::heads(&cx)?;
-    let (experts, kept_tensors) = units::experts(&cx, &replay, &replay_digest, &provenance)?;
+    let (heads, cut) = units::heads(&cx, &replay, &replay_digest, &provenance)?;
+    let (experts, kept_tensors) = match &cut {
+        Some((_, tensors)) => (units::experts_left_out(&cx), Some(tensors.clone())),
+        None => units::experts(&cx, &replay, &replay_digest, &provenance)?,
+    };
+    let rows_out = match &cut {
+        Some(_) => o.root.join(format!("{trials}/reference.rows.trace")),
+        None => dir.join("reference.trace"),
+    };
     rows::write(
         &reference,
         layer,
         keep,
         provenance(&reference, keep),
-        &dir.join("reference.trace"),
+        &rows_out,
     )?;
+    if let Some((c, _)) = &cut {
+        c.write(
+            &open(&o.root, &rows_out.display().to_string())?,
+            &dir.join("reference.trace"),
+        )?;
+    }
     if let Some(nz) = &o.noise {
         rows::write(
             &nz.0,
@@ -587,16 +608,19 @@ fn build(
     }
     write_file(&dir.join("test_capsule.py"), PYTEST.as_bytes())?;
     let judged: Vec<&str> = full.isolated.iter().map(|t| t.tensor.as_str()).collect();
-    write_file(
-        &dir.join(C_TEST),
-        c_test(
-            layer,
-            &open(&o.root, &dir.join("reference.trace").display().to_string())?,
-            policy,
-            &judged,
-        )
-        .as_bytes(),
-    )?;
+    let mut c_text = c_test(
+        layer,
+        &open(&o.root, &dir.join("reference.trace").display().to_string())?,
+        policy,
+        &judged,
+    );
+    if cut.is_some() {
+        c_text = c_text.replace(
+            "static const char *REFUSED = NULL;",
+            &format!("static const char *REFUSED = \"{HEADS_CUT_UNSLICED}\";"),
+        );
+    }
+    write_file(&dir.join(C_TEST), c_text.as_bytes())?;
     let tokens_kept: Vec<i64> = rep.tokens.iter().take(keep).copied().collect();
     let removed = if keep == n {
         "none".to_string()
@@ -657,7 +681,18 @@ fn build(
             Value::Object(w)
         },
         expected: Value::Null,
-        not_included: not_included(o),
+        not_included: {
+            let mut v = not_included(o);
+            if cut.is_some() {
+                for line in v.iter_mut().filter(|l| l.as_str() == HEADS_NAMED) {
+                    *line = HEADS_CUT.to_string();
+                }
+                v.push(format!(
+                    "in test_capsule.py and test_capsule.c: {HEADS_CUT_UNSLICED}"
+                ));
+            }
+            v
+        },
         allow_stack_mismatch: o.allow_stack_mismatch,
         files: BTreeMap::new(),
         decode: Value::Null,
@@ -749,6 +784,9 @@ const NO_DECODE_STEP: &str = "decode steps: a prefill layer's capsule replays it
 
 const HEADS_NAMED: &str =
     "heads are named where they fail (units.heads), not cut: every head of the layer is kept";
+const HEADS_CUT: &str = "the heads not kept (units.heads.removed, kv_removed), and every point of the layer but the kept heads' slices of the per-head points up to the stage (units.heads.judged): the reference's later points are not the reduced layer's";
+/// What the generated tests say of a head-reduced capsule (they refuse it).
+const HEADS_CUT_UNSLICED: &str = "this capsule keeps some heads only (manifest units.heads.judged) and this file does not slice a candidate's per-head points to them: judge it with gate capsule run";
 
 fn not_included(o: &BisectOptions) -> Vec<String> {
     let mut v = vec![
@@ -936,6 +974,7 @@ fn run_loaded(
         policy: &c.policy,
         allow_stack_mismatch: m.allow_stack_mismatch,
         decode_input,
+        heads: units::Cut::of_manifest(m.layer, &m.units)?,
     }
     .run(&input, noise.as_deref(), "capsule")
 }

@@ -108,6 +108,13 @@ def argv(m: dict, args: list) -> list:
 
 def test_the_candidates_layer_agrees_with_the_capsule(tmp_path):
     m = manifest()
+    heads = (m.get("units") or {}).get("heads") or {}
+    # A head-reduced capsule judges the kept heads' slices only; this file does not slice.
+    assert not heads.get("reduced"), (
+        f"not checked: this capsule keeps query heads {heads.get('kept')} only "
+        "(manifest units.heads.judged) and this file does not slice a candidate's per-head "
+        "points to them: judge it with gate capsule run"
+    )
     model = tmp_path / "model"
     materialise(m, model)
     out = tmp_path / "candidate.trace"

@@ -7,18 +7,24 @@
 //! shared expert are always kept, and so is every failing expert. Checked, not assumed: the
 //! reduced capsule is replayed and kept only if it fails at the same capture point.
 //!
-//! Heads: every head of a row reads the same rows, and zeroing another head's weights changes
-//! `attn_out` for every row, so the reference's outputs would have to be recomputed by a
-//! reference producer, which a capsule does not carry. Heads are named, never cut.
+//! Heads: before o_proj mixes them, a query head's points (q, attn_probs) read only its own rows
+//! of q_proj and its key/value head's rows of k_proj/v_proj (k, v), besides the shared norms and
+//! the input rows. Where the stage is such a point and the failure is local to some heads, the
+//! other heads' rows are zeroed, o_proj and everything after it left out, and the capsule judges
+//! only the kept heads' slices of the per-head points up to the stage (`Cut`, one slicing
+//! function for the reference's rows and the candidate's output): the reference's later points
+//! are not the reduced layer's. Checked as the experts are: replayed, else undone.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 
 use serde_json::{json, Value};
+use std::path::Path;
 use tracegate_diff::numeric::Pair;
 use tracegate_diff::policy::Measured;
 use tracegate_diff::Policy;
-use tracegate_trace::{names, Trace};
+
+use tracegate_trace::{names, Trace, TraceWriter};
 
 use super::{rows, weights, write_file, Replay, Replayed};
 use crate::bisect::options::BisectOptions;
@@ -217,8 +223,8 @@ pub(super) fn experts(
 /// `units.heads` of the manifest: per capture point with one slice per head (the registry's
 /// slice axis: q, k, v, attn_probs, the linear-attention points), the heads whose slice alone
 /// breaks the point's rule (any differing bit when judged by bits), on the capsule's rows, from
-/// the kept rows' replay. Named only (the module's comment says why).
-pub(super) fn heads(c: &Ctx) -> Result<Value> {
+/// the kept rows' replay.
+fn named(c: &Ctx) -> Result<Value> {
     let reference = open(&c.o.root, &format!("{}/rows.{}.trace", c.trials, c.keep))?;
     let candidate = open(
         &c.o.root,
@@ -318,9 +324,447 @@ pub(super) fn heads(c: &Ctx) -> Result<Value> {
         } else { not_checked },
         "failing": failing,
         "local": local,
-        "reduced": false,
-        "why_not_reduced": "heads are named, not cut: zeroing another head's weights changes attn_out for every row, and the reference's outputs would then need recomputing by a reference producer, which a capsule does not carry",
     }))
+}
+
+/// The per-head points before o_proj mixes the heads, in the registry's order, and whether each
+/// is sliced by query heads (true) or by key/value heads.
+const PER_HEAD: [(&str, bool); 4] = [
+    ("q", true),
+    ("k", false),
+    ("v", false),
+    ("attn_probs", true),
+];
+
+/// What a head-reduced capsule judges: the kept query heads, the key/value heads they read, and
+/// the per-head points up to the stage (full names), each sliced to its kept heads.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Cut {
+    pub layer: usize,
+    pub query: Vec<usize>,
+    pub kv: Vec<usize>,
+    pub points: Vec<String>,
+}
+
+impl Cut {
+    /// The cut a manifest's `units.heads` records (None: the capsule keeps every head).
+    pub(super) fn of_manifest(layer: usize, units: &Value) -> Result<Option<Cut>> {
+        let h = &units["heads"];
+        if h["reduced"] != json!(true) {
+            return Ok(None);
+        }
+        let j = &h["judged"];
+        let list = |v: &Value| -> Option<Vec<usize>> {
+            v.as_array()?
+                .iter()
+                .map(|x| x.as_u64().map(|x| x as usize))
+                .collect()
+        };
+        let points: Option<Vec<String>> = j["points"]
+            .as_array()
+            .and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect());
+        match (list(&j["query_heads"]), list(&j["kv_heads"]), points) {
+            (Some(query), Some(kv), Some(points)) if !points.is_empty() => Ok(Some(Cut {
+                layer,
+                query,
+                kv,
+                points,
+            })),
+            _ => Err(crate::gerr!(
+                "capsule: manifest units.heads is reduced but judged is not {{points, query_heads, kv_heads}}: {j}"
+            )),
+        }
+    }
+
+    /// The heads kept of per-head point `name` (None: not a judged point).
+    fn heads_of(&self, name: &str) -> Option<&[usize]> {
+        if !self.points.iter().any(|p| p == name) {
+            return None;
+        }
+        let short = names::Name::parse(name).point;
+        PER_HEAD
+            .iter()
+            .find(|(p, _)| *p == short)
+            .map(|(_, by_query)| {
+                if *by_query {
+                    &self.query[..]
+                } else {
+                    &self.kv[..]
+                }
+            })
+    }
+
+    /// The one slicing function, for the reference's rows and the candidate's output alike:
+    /// `t`'s layer input (`hidden_in`, whole) and the judged per-head points holding only the
+    /// kept heads along the registry's slice axis, written to `out`; nothing else of `t`.
+    pub(super) fn write(&self, t: &Trace, out: &Path) -> Result<()> {
+        let io = |e: tracegate_trace::Error| crate::gerr!(File: "{}: {e}", out.display());
+        let mut w = TraceWriter::create(out, t.provenance().clone()).map_err(io)?;
+        let input = names::layer(self.layer, "hidden_in");
+        for info in t.tensors() {
+            if info.name == input {
+                w.tensor(
+                    &info.name,
+                    info.dtype,
+                    &info.shape,
+                    t.data(info),
+                    &info.attributes,
+                )
+                .map_err(io)?;
+                continue;
+            }
+            let Some(keep) = self.heads_of(&info.name) else {
+                continue;
+            };
+            let axis = names::point(&info.name)
+                .and_then(|p| p.shard.slice_axis)
+                .ok_or_else(|| crate::gerr!("capsule: {} has no head axis", info.name))?;
+            let (shape, bytes) =
+                slice_heads(&info.shape, info.dtype.size(), axis, keep, t.data(info)).map_err(
+                    |e| crate::gerr!("capsule: {} in {}: {e}", info.name, t.path().display()),
+                )?;
+            w.tensor(&info.name, info.dtype, &shape, &bytes, &info.attributes)
+                .map_err(io)?;
+        }
+        w.finish().map_err(io)?;
+        Ok(())
+    }
+}
+
+/// The heads `keep` of a tensor of `shape` (elements of `size` bytes) along `axis`: its new
+/// shape and bytes.
+fn slice_heads(
+    shape: &[u64],
+    size: usize,
+    axis: usize,
+    keep: &[usize],
+    data: &[u8],
+) -> std::result::Result<(Vec<u64>, Vec<u8>), String> {
+    let Some(&h) = shape.get(axis) else {
+        return Err(format!("shape {shape:?} has no axis {axis}"));
+    };
+    let h = h as usize;
+    if let Some(bad) = keep.iter().find(|&&k| k >= h) {
+        return Err(format!("head {bad} of {h} (shape {shape:?})"));
+    }
+    let outer: u64 = shape[..axis].iter().product();
+    let step = shape[axis + 1..].iter().product::<u64>() as usize * size;
+    if data.len() != outer as usize * h * step {
+        return Err(format!("{} bytes for shape {shape:?}", data.len()));
+    }
+    let mut bytes = Vec::with_capacity(outer as usize * keep.len() * step);
+    for o in 0..outer as usize {
+        for &k in keep {
+            let at = (o * h + k) * step;
+            bytes.extend_from_slice(&data[at..at + step]);
+        }
+    }
+    let mut out = shape.to_vec();
+    out[axis] = keep.len() as u64;
+    Ok((out, bytes))
+}
+
+/// The query heads kept and the key/value heads they read: every failing query head (at q or
+/// attn_probs), every query head reading a failing key/value head (at k or v), and their
+/// key/value heads (query head h reads key/value head h / (heads / kv_heads), as the
+/// checkpoint's grouped-query attention does). A failing head is never dropped.
+pub(super) fn kept_heads(
+    heads: usize,
+    kv_heads: usize,
+    failing_query: &BTreeSet<usize>,
+    failing_kv: &BTreeSet<usize>,
+) -> (Vec<usize>, Vec<usize>) {
+    let group = (heads / kv_heads.max(1)).max(1);
+    let query: BTreeSet<usize> = (0..heads)
+        .filter(|q| failing_query.contains(q) || failing_kv.contains(&(q / group)))
+        .collect();
+    let kv: BTreeSet<usize> = query
+        .iter()
+        .map(|q| q / group)
+        .chain(failing_kv.iter().copied())
+        .collect();
+    (query.into_iter().collect(), kv.into_iter().collect())
+}
+
+/// What a head-reduced layer keeps of its tensors: the attention's (o_proj's aside) and the
+/// input norm; o_proj, the post-attention norm, the MLP and the experts are left out (the
+/// judged points do not read them).
+fn kept_by_heads(name: &str) -> bool {
+    (name.contains(".self_attn.") && !name.contains(".o_proj."))
+        || name.contains(".input_layernorm.")
+}
+
+/// `units.heads` of the manifest: the failing heads named (`named`) and, where the stage is a
+/// per-head point and the failure local to some heads, the capsule reduced to them (`Cut`):
+/// the other heads' rows of q_proj (k_proj, v_proj) zeroed in `layer.safetensors`, o_proj and
+/// what follows left out, replayed and kept only if it still fails at the stage. Returns the
+/// cut and the tensors `layer.safetensors` then holds.
+pub(super) fn heads(
+    c: &Ctx,
+    replay: &Replay,
+    digest: &RefCell<String>,
+    provenance: &dyn Fn(&Trace, usize) -> Value,
+) -> Result<(Value, Option<Kept>)> {
+    let mut out = named(c)?;
+    for k in [
+        "kept",
+        "removed",
+        "kv_kept",
+        "kv_removed",
+        "judged",
+        "not_judged",
+        "weights",
+        "still_fails",
+    ] {
+        out[k] = Value::Null;
+    }
+    out["reduced"] = json!(false);
+    let plan = match plan(c, &out)? {
+        Ok(p) => p,
+        Err(why) => {
+            out["why_not_reduced"] = json!(why);
+            return Ok((out, None));
+        }
+    };
+    let Plan {
+        cut,
+        heads,
+        kv_heads,
+        layer_file,
+        tensors,
+    } = plan;
+    let model = c.o.root.join(&replay.model);
+    let full_file = std::fs::read(c.dir.join("layer.safetensors"))
+        .map_err(|e| crate::gerr!(File: "{}: {e}", c.dir.join("layer.safetensors").display()))?;
+    let original = digest.borrow().clone();
+    write_file(&c.dir.join("layer.safetensors"), &layer_file)?;
+    *digest.borrow_mut() = weights::materialise(c.dir, c.weights, &model)?;
+    let rows_rel = format!("{}/units.heads.rows.trace", c.trials);
+    rows::write(
+        c.reference,
+        c.layer,
+        c.keep,
+        provenance(c.reference, c.keep),
+        &c.o.root.join(&rows_rel),
+    )?;
+    let input = format!("{}/units.heads.trace", c.trials);
+    cut.write(&open(&c.o.root, &rows_rel)?, &c.o.root.join(&input))?;
+    let mut reduced = replay.clone();
+    reduced.heads = Some(cut.clone());
+    let r = reduced.run(&input, None, "units.heads")?;
+    let removed =
+        |kept: &[usize], of: usize| (0..of).filter(|h| !kept.contains(h)).collect::<Vec<_>>();
+    out["kept"] = json!(cut.query);
+    out["kv_kept"] = json!(cut.kv);
+    if r.fails_at(c.stage) {
+        out["reduced"] = json!(true);
+        out["removed"] = json!(removed(&cut.query, heads));
+        out["kv_removed"] = json!(removed(&cut.kv, kv_heads));
+        out["judged"] = json!({"points": cut.points, "query_heads": cut.query, "kv_heads": cut.kv});
+        out["not_judged"] = json!(format!(
+            "every other point of layer {:02} (attn_out, mlp_out, hidden_out, and the per-head points after {}) and the other heads' slices: the reference's are not the reduced layer's",
+            c.layer, c.stage
+        ));
+        out["weights"] = json!(format!(
+            "q_proj rows of query heads {:?} and k_proj/v_proj rows of key/value heads {:?} zeroed in layer.safetensors; o_proj, the post-attention norm and the MLP left out (zero in the replay model): the judged points do not read them",
+            removed(&cut.query, heads), removed(&cut.kv, kv_heads)
+        ));
+        out["still_fails"] = json!(true);
+        out["why_not_reduced"] = Value::Null;
+        return Ok((out, Some((cut, tensors))));
+    }
+    // Undone: every head kept, and why.
+    write_file(&c.dir.join("layer.safetensors"), &full_file)?;
+    let back = weights::materialise(c.dir, c.weights, &model)?;
+    if back != original {
+        return Err(crate::gerr!(
+            "capsule: restoring every head gave the replay model weights digest {back}, not {original}"
+        ));
+    }
+    *digest.borrow_mut() = back;
+    out["still_fails"] = json!(false);
+    out["why_not_reduced"] = json!(format!(
+        "undone: with query heads {:?} only the layer did not fail at {} when replayed ({}): every head kept",
+        cut.query,
+        c.stage,
+        r.stage.as_ref().map_or("it passes".to_string(), |s| s.detail.clone())
+    ));
+    Ok((out, None))
+}
+
+/// A head cut that held: the cut, and the tensors `layer.safetensors` then holds.
+pub(super) type Kept = (Cut, Vec<String>);
+
+struct Plan {
+    cut: Cut,
+    heads: usize,
+    kv_heads: usize,
+    layer_file: Vec<u8>,
+    tensors: Vec<String>,
+}
+
+/// The head reduction `named` allows, or why none (the manifest's `why_not_reduced`).
+fn plan(c: &Ctx, named: &Value) -> Result<std::result::Result<Plan, String>> {
+    let stage = names::Name::parse(c.stage).point;
+    let Some(at) = PER_HEAD.iter().position(|(p, _)| *p == stage) else {
+        return Ok(Err(format!(
+            "the stage {} is not a per-head point before o_proj mixes the heads (q, k, v, attn_probs): every head kept",
+            c.stage
+        )));
+    };
+    if !c.minimise {
+        return Ok(Err("--capsule-full: every head kept".into()));
+    }
+    if c.weights["format"] == "gguf" {
+        return Ok(Err(
+            "a GGUF model's heads are not cut (its blocks are kept as quantised): every head kept"
+                .into(),
+        ));
+    }
+    if c.o.noise.is_some() {
+        return Ok(Err(
+            "a noise run (--noise-reference): its rows are not sliced by heads: every head kept"
+                .into(),
+        ));
+    }
+    let info = |p: &str| c.reference.tensor_info(&names::layer(c.layer, p));
+    if info("attn_gate").is_some() {
+        return Ok(Err("an output gate (attn_gate) packed with q_proj: its heads are not sliced: every head kept".into()));
+    }
+    let (Some(q), Some(k)) = (info("q"), info("k")) else {
+        return Ok(Err("q and k not recorded (--capture internals): the heads' counts not known: every head kept".into()));
+    };
+    let (Some(&heads), Some(&kv_heads), Some(&dim)) =
+        (q.shape.get(1), k.shape.get(1), q.shape.get(2))
+    else {
+        return Ok(Err(format!(
+            "q {:?} and k {:?} are not [tokens, heads, head_dim]: every head kept",
+            q.shape, k.shape
+        )));
+    };
+    let (heads, kv_heads, dim) = (heads as usize, kv_heads as usize, dim as usize);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Ok(Err(format!(
+            "{heads} query heads over {kv_heads} key/value heads: every head kept"
+        )));
+    }
+    let judged: Vec<&str> = PER_HEAD[..=at].iter().map(|(p, _)| *p).collect();
+    let (mut fq, mut fkv) = (BTreeSet::new(), BTreeSet::new());
+    for f in named["failing"].as_array().into_iter().flatten() {
+        let point = f["point"].as_str().unwrap_or_default();
+        let short = names::Name::parse(point).point;
+        let Some((_, by_query)) = PER_HEAD.iter().find(|(p, _)| *p == short) else {
+            continue;
+        };
+        if !judged.contains(&short) {
+            continue;
+        }
+        let hs = f["heads"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|h| h.as_u64());
+        if *by_query {
+            fq.extend(hs.map(|h| h as usize))
+        } else {
+            fkv.extend(hs.map(|h| h as usize))
+        }
+    }
+    if fq.is_empty() && fkv.is_empty() {
+        return Ok(Err(format!(
+            "no head's slice alone fails at {} or before: every head kept",
+            c.stage
+        )));
+    }
+    let (query, kv) = kept_heads(heads, kv_heads, &fq, &fkv);
+    if query.len() == heads {
+        return Ok(Err(format!(
+            "the failure is not local: query heads {query:?} of {heads} fail or read a failing key/value head: every head kept"
+        )));
+    }
+    let model_dir = c.o.root.join(&c.o.model);
+    let all = weights::checkpoint(&model_dir)?;
+    let mine: Vec<&weights::Entry> = all
+        .iter()
+        .filter(|e| weights::of_layer(&e.name, c.layer))
+        .collect();
+    let proj = |p: &str| format!(".self_attn.{p}_proj.");
+    for p in ["q", "k", "v"] {
+        if !mine
+            .iter()
+            .any(|e| e.name.ends_with(&format!("{}weight", proj(p))))
+        {
+            return Ok(Err(format!(
+                "no separate {p}_proj weight in layer {} (packed qkv, or names this reduction does not know): every head kept",
+                c.layer
+            )));
+        }
+    }
+    let mut layer = Vec::new();
+    for e in mine.iter().filter(|e| kept_by_heads(&e.name)) {
+        let mut bytes = weights::read_range(e)?;
+        let rows = |p: &str| e.name.contains(&proj(p));
+        let (of, keep) = if rows("q") {
+            (heads, &query)
+        } else if rows("k") || rows("v") {
+            (kv_heads, &kv)
+        } else {
+            layer.push(((*e).clone(), bytes));
+            continue;
+        };
+        let suffix = e.name.rsplit('.').next().unwrap_or_default();
+        if !matches!(suffix, "weight" | "bias") || e.shape.first() != Some(&((of * dim) as u64)) {
+            return Ok(Err(format!(
+                "{} {:?} is not {of} heads of {dim} rows (weight or bias): every head kept",
+                e.name, e.shape
+            )));
+        }
+        let per_head = bytes.len() / of;
+        for h in (0..of).filter(|h| !keep.contains(h)) {
+            bytes[h * per_head..(h + 1) * per_head].fill(0);
+        }
+        layer.push(((*e).clone(), bytes));
+    }
+    let spec: Vec<(&str, &str, &[u64], u64)> = layer
+        .iter()
+        .map(|(e, b)| {
+            (
+                e.name.as_str(),
+                e.dtype.as_str(),
+                e.shape.as_slice(),
+                b.len() as u64,
+            )
+        })
+        .collect();
+    let (text, _) = weights::header_text(&spec);
+    let mut layer_file = (text.len() as u64).to_le_bytes().to_vec();
+    layer_file.extend_from_slice(text.as_bytes());
+    for (_, b) in &layer {
+        layer_file.extend_from_slice(b);
+    }
+    let points = judged.iter().map(|p| names::layer(c.layer, p)).collect();
+    Ok(Ok(Plan {
+        cut: Cut {
+            layer: c.layer,
+            query,
+            kv,
+            points,
+        },
+        heads,
+        kv_heads,
+        layer_file,
+        tensors: layer.iter().map(|(e, _)| e.name.clone()).collect(),
+    }))
+}
+
+/// `units.experts` when the heads were cut: the MLP (its router and every expert) is left out.
+pub(super) fn experts_left_out(c: &Ctx) -> Value {
+    let topk = names::layer(c.layer, "router.topk");
+    if !c.reference.decisions().iter().any(|d| d.name == topk) {
+        return Value::Null;
+    }
+    json!({"removed": "all", "not_minimised": null,
+        "why": "the heads were cut (units.heads): the MLP, its router and every expert are left out; the judged points do not read them"})
 }
 
 #[cfg(test)]
@@ -348,5 +792,40 @@ mod tests {
         let kept = kept_experts(&routed, &[5]);
         assert!(kept.contains(&5), "{kept:?}");
         assert_eq!(kept, [0, 3, 5].into());
+    }
+
+    /// Negative control of the head cut: a failing query head is always kept, with its
+    /// key/value head (h / group); a failing key/value head keeps every query head that reads
+    /// it. 8 query heads over 2 key/value heads (groups of 4), worked by hand.
+    #[test]
+    fn a_failing_head_is_never_dropped() {
+        let none = BTreeSet::new();
+        assert_eq!(
+            kept_heads(8, 2, &[1, 6].into(), &none),
+            (vec![1, 6], vec![0, 1])
+        );
+        assert_eq!(kept_heads(8, 2, &[5].into(), &none), (vec![5], vec![1]));
+        assert_eq!(
+            kept_heads(8, 2, &none, &[0].into()),
+            (vec![0, 1, 2, 3], vec![0])
+        );
+        assert_eq!(kept_heads(4, 4, &[3].into(), &none), (vec![3], vec![3]));
+    }
+
+    /// The slice: [tokens 2, heads 3, dim 2] keeping heads 2 and 0 (in that order), and
+    /// [heads 3, rows 1, keys 2] along axis 0; a head out of range is refused, not clamped.
+    #[test]
+    fn slice_heads_keeps_the_named_heads_along_the_axis() {
+        let q: Vec<u8> = (0u8..12).collect();
+        let (shape, bytes) = slice_heads(&[2, 3, 2], 1, 1, &[2, 0], &q).unwrap();
+        assert_eq!(shape, [2, 2, 2]);
+        assert_eq!(bytes, [4, 5, 0, 1, 10, 11, 6, 7]);
+        let p: Vec<u8> = (0u8..6).collect();
+        let (shape, bytes) = slice_heads(&[3, 1, 2], 1, 0, &[1], &p).unwrap();
+        assert_eq!((shape, bytes), (vec![1, 1, 2], vec![2, 3]));
+        assert!(slice_heads(&[3, 1, 2], 1, 0, &[3], &p)
+            .unwrap_err()
+            .contains("head 3 of 3"));
+        assert!(slice_heads(&[3, 1, 2], 1, 0, &[0], &p[..5]).is_err());
     }
 }

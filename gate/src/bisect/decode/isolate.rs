@@ -191,6 +191,7 @@ pub(super) fn isolate_step(
             pass: None,
             // The decode steps' layer rows are not in a default noise trace: the policy judges.
             noise: None,
+            cut: None,
         };
         match b::isolate_with(o, &run, c.policy, runs, |cand, out| {
             b::write_slice(&view, cand, l, out, None)

@@ -56,6 +56,7 @@ fn isolate_one(
         pass: Some(x.prefix.to_string()),
         // The noise run holds the prompt's rows, not a pass's: no ratio to hold a pass to.
         noise: None,
+        cut: None,
     };
     b::isolate_with(o, &run, c.policy, runs, |cand, out| {
         b::write_slice(src, cand, layer, out, Some(x.prefix))

@@ -159,6 +159,7 @@ pub(crate) fn isolate(
         whose: src.whose,
         pass: None,
         noise: src.noise.cloned(),
+        cut: None,
     };
     // A block-diffusion model's layer verb keeps the whole run's path (its prompt pass: no prefix).
     let pass = o.sampling.then_some("");
@@ -178,6 +179,10 @@ pub(crate) struct LayerRun<'a> {
     pub(crate) pass: Option<String>,
     /// The noise reference that judges this isolation (`Source::noise`).
     pub(crate) noise: Option<tracegate_diff::NoiseReference>,
+    /// Rewrites the candidate's layer trace before it is compared (a head-reduced capsule's
+    /// slicing, capsule/units.rs `Cut`); None: compared as written.
+    #[allow(clippy::type_complexity)]
+    pub(crate) cut: Option<Box<dyn Fn(&Trace, &Path) -> Result<()> + 'a>>,
 }
 
 /// Runs the candidate's layer verb of `run` and compares its trace with the reference's rows of
@@ -196,6 +201,7 @@ pub(crate) fn isolate_with(
         whose,
         pass,
         noise,
+        cut,
     } = run;
     let (layer, slice_rel) = (*layer, slice_rel.as_str());
     let rec = run_fresh(&o.root, &o.candidate, verb, o.timeout);
@@ -232,6 +238,15 @@ pub(crate) fn isolate_with(
             return Err(gerr!(Producer: "the candidate's layer trace has no {name}"));
         }
     }
+    let cand = match cut {
+        None => cand,
+        Some(f) => {
+            let out = verb.out();
+            let rel = format!("{}.heads.trace", out.strip_suffix(".trace").unwrap_or(out));
+            f(&cand, &o.root.join(&rel))?;
+            open(&o.root, &rel)?
+        }
+    };
     slice(&cand, &o.root.join(slice_rel))?;
     let slice = open(&o.root, slice_rel)?;
     // The noise run's rows of this layer, on the layer path as the reference's slice is.
