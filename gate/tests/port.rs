@@ -376,7 +376,7 @@ fn a_whole_run_only_defect_is_named_by_the_localisation_which_comes_first_everyw
     assert_eq!(l["capsule"]["written"], false, "{l}");
     assert!(!walk(d).iter().any(|p| p.ends_with("capsule/manifest.json")));
     assert!(
-        out.stdout.contains("; capsule NOT WRITTEN: the bisection names no wrong prefill layer (verdict inconsistent_producer)"),
+        out.stdout.contains("; capsule NOT WRITTEN: the bisection names no wrong layer, at the prefill or a decode step (verdict inconsistent_producer)"),
         "{}",
         out.stdout
     );
