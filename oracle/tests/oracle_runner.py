@@ -16,7 +16,8 @@ environment, so a run whose environment differs from the server's in any variabl
 import time falls back to a real subprocess. The rule: any difference (added, removed or
 changed) in a variable whose name starts with one of IMPORT_TIME_PREFIXES (torch, OpenMP, MKL,
 OpenBLAS, CUDA, Hugging Face, transformers, the interpreter's own PYTHON* such as PYTHONPATH,
-and the dynamic loader's LD_*). `stats` counts forked and fresh runs.
+and the dynamic loader's LD_*). `stats` counts forked and fresh runs; with
+TRACEGATE_FORKSRV_STATS=PATH set, each pytest process appends them to PATH as a JSON line at exit.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ _PRELOAD = (
 )
 
 stats = {"forked": 0, "fresh": 0}
+
+
+def _dump_stats():
+    path = os.environ.get("TRACEGATE_FORKSRV_STATS")
+    if path and any(stats.values()):
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), **stats}) + "\n")
+
+
+atexit.register(_dump_stats)
 
 
 def import_time_env(env) -> dict:
