@@ -108,6 +108,11 @@ def producer_trace(
     args += ["--out", out, *extra]
     if who == "engine":
         run_checked(release_binary("engine")[0], *args, env=env)
+    elif who == "oracle":
+        from oracle_runner import run_oracle
+
+        r = run_oracle(*args, env=env)
+        assert r.returncode == 0, f"oracle {args[0]}: exit {r.returncode}: {r.stderr[-800:]}"
     else:
         run_checked(sys.executable, "-m", f"tracegate_{who}", *args, env=env)
     return out

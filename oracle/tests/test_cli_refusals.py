@@ -75,6 +75,7 @@ def _full_disk():
 
 def test_an_unwritable_out_is_one_line_not_a_traceback(tmp_path):
     out = tmp_path / "o.trace"
+    # A real process, not oracle_runner's fork server: the file size limit is set on it (preexec_fn).
     argv = [sys.executable, "-m", "tracegate_oracle", "trace", "--model", str(DENSE)]
     argv += ["--tokens", "3,17,5", "--out", str(out)]
     p = subprocess.run(argv, capture_output=True, text=True, preexec_fn=_full_disk, timeout=600)

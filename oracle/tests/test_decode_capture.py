@@ -16,8 +16,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 import tracegate_oracle as cp  # noqa: E402
+from oracle_runner import run_oracle  # noqa: E402
 from test_families import CASES, FAMS, TOKENS, make_checkpoint  # noqa: E402
 from tracegate_oracle.cli import main  # noqa: E402
 from tracegate_oracle.errors import OracleError  # noqa: E402
@@ -431,22 +430,7 @@ def test_decode_from_refusals(runs, tmp_path, capsys):
             )
     assert not (tmp_path / "x.trace").exists()
     # The exit status of the process itself (refused before torch is imported: a fraction of a second).
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tracegate_oracle",
-            *base,
-            "--input",
-            str(ok),
-            "--decode-from",
-            str(m),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    r = run_oracle(*base, "--input", ok, "--decode-from", m, cwd=ROOT, timeout=120)
     assert (
         r.returncode == 2
         and r.stderr.count("\n") == 1

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle_runner import run_oracle
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -477,14 +476,8 @@ def test_forcing_refusals(model, det, tmp_path, what, match):
 # ------------------------------------------------------------------------------- 4. refusals
 
 
-def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "tracegate_oracle", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _cli(*args, fresh=False):
+    return run_oracle(*args, cwd=ROOT, timeout=120, fresh=fresh)
 
 
 def _copy(tmp: Path, config=None, generation=None) -> Path:
@@ -538,7 +531,7 @@ def test_refusals_exit_2_one_line(request, tmp_path, capsys, argv, config, gener
     args = ["trace", "--model", model, "--tokens", "5,17,3", "--generate", "7", "--out", out, *argv]
     if request.node.callspec.id in ("cache-off", "t-order"):
         # A fresh process, as a user runs it: one refused before torch loads, one after.
-        r = _cli(*args)
+        r = _cli(*args, fresh=True)
         code, stderr = r.returncode, r.stderr
     else:
         # The same main() in this process (a fresh one costs torch's import each time).

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle_runner import run_oracle
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -414,25 +414,9 @@ def test_cli_layer_on_gemma3(ckpts, runs, tmp_path):
     whole, one = tmp_path / "w.trace", tmp_path / "l.trace"
     cp.write_trace(runs["gemma3_text"][1], whole)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tracegate_oracle",
-            "layer",
-            "--model",
-            str(d),
-            "--out",
-            str(one),
-            "--layer",
-            "1",
-            "--input",
-            str(whole),
-            "--input-name",
-            "layer.01.hidden_in",
-        ],
-        capture_output=True,
-        text=True,
+    r = run_oracle(
+        *["layer", "--model", d, "--out", one, "--layer", "1", "--input", whole],
+        *["--input-name", "layer.01.hidden_in"],
         env=env,
     )
     assert r.returncode == 0, r.stderr

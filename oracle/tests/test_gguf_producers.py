@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from oracle_runner import run_oracle
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("torch")
@@ -41,12 +42,15 @@ def model(tmp_path_factory) -> Path:
 def trace(who: str, model: Path, out: Path, env=None) -> Path:
     args = ["trace", "--model", str(model), "--tokens", TOKENS, "--generate", "3"]
     args += ["--capture", "internals", "--out", str(out)]
-    cmd = (
-        [str(ENGINE), *args]
-        if who == "engine"
-        else [sys.executable, "-m", f"tracegate_{who}", *args]
-    )
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if who == "oracle":
+        r = run_oracle(*args, timeout=600, env=env)
+    else:
+        cmd = (
+            [str(ENGINE), *args]
+            if who == "engine"
+            else [sys.executable, "-m", f"tracegate_{who}", *args]
+        )
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, f"{who}: exit {r.returncode}: {r.stderr[-1500:]}"
     return out
 
@@ -116,9 +120,7 @@ def test_gemma3_engine_is_the_contract_and_agrees_with_the_oracle_and_a_kept_plu
     o = tmp_path / "o.trace"
     args = ["trace", "--model", str(gemma3), "--tokens", TOKENS, "--generate", "3"]
     args += ["--capture", "internals", "--out", str(o)]
-    r = subprocess.run(
-        [sys.executable, "-m", "tracegate_oracle", *args], capture_output=True, text=True
-    )
+    r = run_oracle(*args)
     assert r.returncode == 0, r.stderr[-1500:]
     # The file has no gemma3.vocab_size: the oracle counts the tokenizer's tokens, as
     # transformers would, without transformers' warning that it could not.

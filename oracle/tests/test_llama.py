@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from oracle_runner import run_oracle
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -136,7 +137,8 @@ def test_a_chat_text_prompt_through_the_fixtures_own_tokenizer(tmp_path):
     e, c, o = (tmp_path / f"{w}.trace" for w in ("e", "c", "o"))
     run(ENGINE, *args, "--out", e)
     run(sys.executable, "-m", "tracegate_contract", *args, "--out", c)
-    run(sys.executable, "-m", "tracegate_oracle", *args, "--out", o)
+    r = run_oracle(*args, "--out", o)
+    assert r.returncode == 0, r.stderr[-1500:]
     assert tracegate.Trace(str(e)).provenance["prompt_tokens"] == list(want)
     code, report = judge(e, c)
     assert code == 0 and report["first_bit_difference"] is None, report["first_bit_difference"]

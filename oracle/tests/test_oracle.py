@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle_runner import run_oracle
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -335,14 +335,8 @@ def test_checkpoint_mismatch_refused(tmp_path, det, src, edit, match):
 # ------------------------------------------------------------------------------------- CLI
 
 
-def _cli(*args, cwd=ROOT):
-    return subprocess.run(
-        [sys.executable, "-m", "tracegate_oracle", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _cli(*args, cwd=ROOT, fresh=False):
+    return run_oracle(*args, cwd=cwd, timeout=120, fresh=fresh)
 
 
 def test_cli_fresh_process_matches_in_process_and_layer_verb(dense, tmp_path):
@@ -362,6 +356,7 @@ def test_cli_fresh_process_matches_in_process_and_layer_verb(dense, tmp_path):
         out,
         "--generate",
         "2",
+        fresh=True,  # this test is about a fresh process: a real one
     )
     assert r.returncode == 0, r.stderr
     t = tg.Trace(str(out))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from binaries import _conftest
+from oracle_runner import run_oracle
 
 ROOT = Path(__file__).resolve().parents[2]
 DENSE = ROOT / "fixtures" / "tiny-qwen3"
@@ -61,11 +62,9 @@ def test_a_refusal_after_the_run_leaves_nothing_at_out(tmp_path):
     assert r.returncode == 0, r.stderr
     out = tmp_path / "run" / "forced.trace"
     out.parent.mkdir()
-    r = subprocess.run(
-        [sys.executable, "-m", "tracegate_oracle", "trace", "--model", str(DENSE)]
-        + ["--tokens", "1,2,3", "--force-decisions", str(forcing), "--out", str(out)],
-        capture_output=True,
-        text=True,
+    r = run_oracle(
+        *["trace", "--model", DENSE, "--tokens", "1,2,3"],
+        *["--force-decisions", forcing, "--out", out],
     )
     assert r.returncode == 2 and "is not this run's" in r.stderr, r.stderr
     assert list(out.parent.iterdir()) == [], "a refused run left a file"

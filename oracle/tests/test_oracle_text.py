@@ -6,11 +6,10 @@ provenance `prompt_text` beside `prompt_tokens`; the contract and the oracle ref
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from oracle_runner import run_oracle
 from tracegate import Trace
 from tracegate.text import TOKENIZER_FILES, tokenizer_digest
 from tracegate_contract import ContractError
@@ -45,12 +44,10 @@ def _run(*args) -> int:
 def test_chat_text_as_a_module_is_the_tokens_trace(model, tmp_path):
     ids = [3, *_ids(model, "hello world the cat", special=False), 4]
     by_text, by_tokens = tmp_path / "text.trace", tmp_path / "tokens.trace"
-    p = subprocess.run(
-        [sys.executable, "-m", "tracegate_oracle", "trace", "--model", str(model)]
-        + ["--text", "hello world the cat", "--chat", "--out", str(by_text), "--generate", "2"],
+    p = run_oracle(
+        *["trace", "--model", model, "--text", "hello world the cat", "--chat"],
+        *["--out", by_text, "--generate", "2"],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert p.returncode == 0, p.stderr

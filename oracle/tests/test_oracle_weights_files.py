@@ -8,19 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from oracle_runner import run_oracle
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _oracle(*args) -> subprocess.CompletedProcess:
     # A hang is a TimeoutExpired, i.e. a failure, never a stuck suite.
-    return subprocess.run(
-        [sys.executable, "-m", "tracegate_oracle", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_oracle(*args, cwd=ROOT, timeout=120)
 
 
 def test_a_gguf_weights_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 from binaries import diff_report, release_binary  # noqa: E402
 from gguf_models import Q, tiny_llama  # noqa: E402
+from oracle_runner import run_module  # noqa: E402
 from tracegate_oracle import quantized_activations as qa  # noqa: E402
 
 LAYERS = 3
@@ -97,9 +97,7 @@ def _run(module: str, model: Path, out: Path, *extra: str) -> Path:
     # the bounds measured on a trained one (fixtures/policy/MEASUREMENTS.md, "Quantized activations").
     args = ["trace", "--model", str(model), "--tokens", TOKENS]
     args += ["--capture", "internals", "--out", str(out), *extra]
-    r = subprocess.run(
-        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=600
-    )
+    r = run_module(module, *args, timeout=600)
     assert r.returncode == 0, f"{module}: exit {r.returncode}: {r.stderr[-1500:]}"
     return out
 

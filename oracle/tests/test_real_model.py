@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from oracle_runner import run_oracle
 
 pytest.importorskip("torch")
 from binaries import diff_report, planted_contract, release_binary  # noqa: E402
@@ -38,12 +39,15 @@ POEM = "Write a short poem about the sea."  # the decode measurement's prompt (M
 
 def trace(who: str, model: Path, out: Path, prompt: list[str]) -> Path:
     args = ["trace", "--model", str(model), *prompt, "--generate", "4", "--out", str(out)]
-    cmd = (
-        [str(ENGINE), *args]
-        if who == "engine"
-        else [sys.executable, "-m", f"tracegate_{who}", *args]
-    )
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if who == "oracle":
+        r = run_oracle(*args, timeout=600)
+    else:
+        cmd = (
+            [str(ENGINE), *args]
+            if who == "engine"
+            else [sys.executable, "-m", f"tracegate_{who}", *args]
+        )
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{who}: exit {r.returncode}: {r.stderr[-1500:]}"
     return out
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from oracle_runner import run_oracle
 
 ROOT = Path(__file__).resolve().parents[2]
 DENSE = ROOT / "fixtures" / "tiny-qwen3"
@@ -263,24 +264,7 @@ def test_cli_refuses_bad_model_with_one_line(tmp_path, case):
     src, cfg_edit, st_edit, dir_edit, words = CASES[case]
     d = _mutated(tmp_path, src, cfg_edit, st_edit, dir_edit)
     out = tmp_path / "x.trace"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tracegate_oracle",
-            "trace",
-            "--model",
-            str(d),
-            "--tokens",
-            "1,2,3",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_oracle("trace", "--model", d, "--tokens", "1,2,3", "--out", out, cwd=ROOT, timeout=120)
     lines = r.stderr.splitlines()
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -108,7 +108,8 @@ def test_weights_replaced_with_the_same_size_and_mtime_are_the_ones_served(tmp_p
         assert w.ask(_trace(ck, tmp_path / "after.trace")) == 0
     finally:
         w.close()
-    # What a fresh process computes with the new weights (nothing cached).
+    # What a fresh process computes with the new weights (nothing cached): a real one, not
+    # oracle_runner's fork server (whose children share the server's imports).
     subprocess.run(
         [sys.executable, "-m", module, *_trace(ck, tmp_path / "fresh.trace")],
         cwd=ROOT,
