@@ -3,10 +3,17 @@
 set -euo pipefail
 # Each phase line carries the time and the CPU seconds its finished children used so far, so a
 # CI log shows where the minutes went and whether both cores were busy.
-cpu() { times | tail -1 | awk '{ split($1, u, "m"); split($2, s, "m"); printf "%.0f", u[1] * 60 + u[2] + s[1] * 60 + s[2] }'; }
-phase() { echo "== [$(date +%T)] (CPU $(cpu) s) $*"; }
+# (`times` runs in this shell, not in a command substitution's subshell, which has no children.)
+phase() {
+  times >"$cpu_file"
+  local cpu
+  cpu="$(awk 'NR == 2 { split($1, u, "m"); split($2, s, "m"); printf "%.0f", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$cpu_file")"
+  echo "== [$(date +%T)] (CPU ${cpu} s) $*"
+}
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+cpu_file="${CARGO_TARGET_DIR:-target}/.test-phase-times"
+mkdir -p "$(dirname "$cpu_file")"
 command -v cargo >/dev/null || { echo "test: cargo not found; install Rust (rustup) first" >&2; exit 1; }
 # Style first: it fails in seconds, the tests take minutes (rustfmt.toml, ruff.toml).
 phase "style: cargo fmt --check"

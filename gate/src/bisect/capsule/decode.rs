@@ -195,6 +195,7 @@ pub(super) fn build(
         &open(&o.root, &dir.join("reference.trace").display().to_string())?,
         policy,
         &judged,
+        &[],
     );
     let prefill_words = C_RUN_ON.replace("@LL@", &format!("{layer:02}"));
     if !c.contains(&prefill_words) {

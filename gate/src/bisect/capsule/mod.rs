@@ -53,7 +53,15 @@ const C_TEMPLATE: &str = include_str!("test_capsule.c");
 /// `test_capsule.c` for layer `layer`: the capture points `judged` (those the replay compared),
 /// each with the bounds of the rule `policy` holds it to (or bit for bit), and the digest of the
 /// capsule's `reference`.
-fn c_test(layer: usize, reference: &Trace, policy: &Option<Policy>, judged: &[&str]) -> String {
+/// `slices`: a head-reduced capsule's per-head points, each with its head axis and the heads
+/// its reference holds (units.rs `Cut::slices`): the C test cuts the candidate's to them.
+fn c_test(
+    layer: usize,
+    reference: &Trace,
+    policy: &Option<Policy>,
+    judged: &[&str],
+    slices: &[(String, usize, Vec<usize>)],
+) -> String {
     let real = |v: Option<f64>| match v {
         None => "NAN".to_string(),
         Some(x) if x.is_infinite() => "INFINITY".to_string(),
@@ -81,8 +89,20 @@ fn c_test(layer: usize, reference: &Trace, policy: &Option<Policy>, judged: &[&s
         };
         rows.push(row);
     }
+    let slices: Vec<String> = slices
+        .iter()
+        .map(|(name, axis, heads)| {
+            let list: Vec<String> = heads.iter().map(usize::to_string).collect();
+            format!(
+                "    {{\"{name}\", {axis}, {}, {{{}}}}},",
+                heads.len(),
+                list.join(", ")
+            )
+        })
+        .collect();
     C_TEMPLATE
         .replace("@LAYER@", &layer.to_string())
+        .replace("@SLICES@", &slices.join("\n"))
         .replace("@LL@", &format!("{layer:02}"))
         .replace("@DIGEST@", &reference.digest().hex())
         .replace("@CHECKS@", &rows.join("\n"))
@@ -607,19 +627,19 @@ fn build(
         write_file(&dir.join("policy.json"), &text)?;
     }
     write_file(&dir.join("test_capsule.py"), PYTEST.as_bytes())?;
-    let judged: Vec<&str> = full.isolated.iter().map(|t| t.tensor.as_str()).collect();
-    let mut c_text = c_test(
+    // A head-reduced capsule judges the kept heads' per-head points only (units.rs).
+    let judged: Vec<&str> = match &cut {
+        Some((c, _)) => c.points.iter().map(String::as_str).collect(),
+        None => full.isolated.iter().map(|t| t.tensor.as_str()).collect(),
+    };
+    let slices = cut.as_ref().map(|(c, _)| c.slices()).unwrap_or_default();
+    let c_text = c_test(
         layer,
         &open(&o.root, &dir.join("reference.trace").display().to_string())?,
         policy,
         &judged,
+        &slices,
     );
-    if cut.is_some() {
-        c_text = c_text.replace(
-            "static const char *REFUSED = NULL;",
-            &format!("static const char *REFUSED = \"{HEADS_CUT_UNSLICED}\";"),
-        );
-    }
     write_file(&dir.join(C_TEST), c_text.as_bytes())?;
     let tokens_kept: Vec<i64> = rep.tokens.iter().take(keep).copied().collect();
     let removed = if keep == n {
@@ -687,9 +707,6 @@ fn build(
                 for line in v.iter_mut().filter(|l| l.as_str() == HEADS_NAMED) {
                     *line = HEADS_CUT.to_string();
                 }
-                v.push(format!(
-                    "in test_capsule.py and test_capsule.c: {HEADS_CUT_UNSLICED}"
-                ));
             }
             v
         },
@@ -786,8 +803,6 @@ const HEADS_NAMED: &str =
     "heads are named where they fail (units.heads), not cut: every head of the layer is kept";
 const HEADS_CUT: &str = "the heads not kept (units.heads.removed, kv_removed), and every point of the layer but the kept heads' slices of the per-head points up to the stage (units.heads.judged): the reference's later points are not the reduced layer's";
 /// What the generated tests say of a head-reduced capsule (they refuse it).
-const HEADS_CUT_UNSLICED: &str = "this capsule keeps some heads only (manifest units.heads.judged) and this file does not slice a candidate's per-head points to them: judge it with gate capsule run";
-
 fn not_included(o: &BisectOptions) -> Vec<String> {
     let mut v = vec![
         "other layers' weights, the embedding and the head: zeros in the replay model (the layer verb does not read them)".to_string(),

@@ -21,6 +21,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import tracegate
 
 CAPSULE = Path(__file__).resolve().parent
@@ -106,15 +107,31 @@ def argv(m: dict, args: list) -> list:
     return out if placed else out + args
 
 
+def cut_to_heads(m, path, out):
+    """A head-reduced capsule (manifest units.heads.judged.slices) holds the kept heads' slices
+    of its per-head points: the candidate's layer input and those points, cut to the same heads
+    along each point's head axis, as gate capsule run cuts them; nothing else of the trace."""
+    slices = m["units"]["heads"]["judged"]["slices"]
+    t = tracegate.Trace(path)
+    keep = [f"layer.{m['layer']:02d}.hidden_in", *slices]
+    with tracegate.TraceWriter(out, t.provenance) as w:
+        for name in [n for n in t.names if n in keep]:
+            a = t[name]
+            if name in slices:
+                s = slices[name]
+                assert a.ndim > s["axis"] and max(s["heads"]) < a.shape[s["axis"]], (
+                    f"{name}: the candidate's shape {list(a.shape)} has no head "
+                    f"{max(s['heads'])} on axis {s['axis']}"
+                )
+                a = np.ascontiguousarray(np.take(a, s["heads"], axis=s["axis"]))
+            attrs = t.attributes(name)
+            fixed = {k: attrs.pop(k, None) for k in ("path", "mask", "positions", "step")}
+            w.tensor(name, a, dtype=t.dtype(name), **fixed, **attrs)
+    return out
+
+
 def test_the_candidates_layer_agrees_with_the_capsule(tmp_path):
     m = manifest()
-    heads = (m.get("units") or {}).get("heads") or {}
-    # A head-reduced capsule judges the kept heads' slices only; this file does not slice.
-    assert not heads.get("reduced"), (
-        f"not checked: this capsule keeps query heads {heads.get('kept')} only "
-        "(manifest units.heads.judged) and this file does not slice a candidate's per-head "
-        "points to them: judge it with gate capsule run"
-    )
     model = tmp_path / "model"
     materialise(m, model)
     out = tmp_path / "candidate.trace"
@@ -132,6 +149,9 @@ def test_the_candidates_layer_agrees_with_the_capsule(tmp_path):
     assert run.returncode == 0, (
         f"the layer verb failed (exit {run.returncode}): {run.stderr[-2000:]}"
     )
+    heads = (m.get("units") or {}).get("heads") or {}
+    if heads.get("reduced"):
+        out = cut_to_heads(m, out, tmp_path / "candidate.heads.trace")
     candidate = tracegate.Trace(out)
     # Judged as the bisection judged: the candidate's capture points only.
     only = list(candidate.names) + list(candidate.decisions)

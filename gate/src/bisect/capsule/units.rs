@@ -376,6 +376,18 @@ impl Cut {
         }
     }
 
+    /// Each judged point with its head axis (the registry's) and the heads kept of it: what the
+    /// manifest's `judged.slices` and the generated tests cut a candidate's output by.
+    pub(super) fn slices(&self) -> Vec<(String, usize, Vec<usize>)> {
+        self.points
+            .iter()
+            .filter_map(|name| {
+                let axis = names::point(name).and_then(|p| p.shard.slice_axis)?;
+                Some((name.clone(), axis, self.heads_of(name)?.to_vec()))
+            })
+            .collect()
+    }
+
     /// The heads kept of per-head point `name` (None: not a judged point).
     fn heads_of(&self, name: &str) -> Option<&[usize]> {
         if !self.points.iter().any(|p| p == name) {
@@ -560,7 +572,13 @@ pub(super) fn heads(
         out["reduced"] = json!(true);
         out["removed"] = json!(removed(&cut.query, heads));
         out["kv_removed"] = json!(removed(&cut.kv, kv_heads));
-        out["judged"] = json!({"points": cut.points, "query_heads": cut.query, "kv_heads": cut.kv});
+        let slices: serde_json::Map<String, Value> = cut
+            .slices()
+            .into_iter()
+            .map(|(name, axis, heads)| (name, json!({"axis": axis, "heads": heads})))
+            .collect();
+        out["judged"] = json!({"points": cut.points, "query_heads": cut.query, "kv_heads": cut.kv,
+            "slices": slices});
         out["not_judged"] = json!(format!(
             "every other point of layer {:02} (attn_out, mlp_out, hidden_out, and the per-head points after {}) and the other heads' slices: the reference's are not the reduced layer's",
             c.layer, c.stage
