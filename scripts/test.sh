@@ -52,9 +52,11 @@ cargo_pid=$!
 trap 'kill "$cargo_pid" 2>/dev/null || true' EXIT
 # With CI set (CI=true), the root conftest.py turns every pytest skip into a failure.
 # -n auto: one worker per core (pytest-xdist); each worker builds its own session fixtures.
+# --dist worksteal: an idle worker takes tests queued on the other, so neither ends alone on
+# a long tail of slow modules.
 phase "pytest, one worker per core${CI:+ (CI=$CI: a skipped test fails the run)}"
 pytest_status=0
-.venv/bin/python -m pytest -n auto || pytest_status=$?
+.venv/bin/python -m pytest -n auto --dist worksteal || pytest_status=$?
 phase "pytest finished (exit $pytest_status); waiting for cargo test"
 cargo_status=0
 wait "$cargo_pid" || cargo_status=$?
