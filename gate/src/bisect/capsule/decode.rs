@@ -208,18 +208,7 @@ pub(super) fn build(
         c.replace(&prefill_words, &c_run_on_decode(layer, p))
             .as_bytes(),
     )?;
-    let tensor_row = isolated
-        .isolated
-        .iter()
-        .find(|t| t.tensor == stage.tensor)
-        .cloned();
-    let rule = match (policy, &tensor_row) {
-        (Some(p), Some(_)) => p
-            .rule_for(&stage.tensor, Some("layer"))
-            .map(|(i, r)| json!({"index": i, "rule": r}))
-            .unwrap_or(Value::Null),
-        _ => Value::Null,
-    };
+    let judged = Judged::of(o, rep, policy, stage, isolated);
     let mut not_included: Vec<String> = not_included(o)
         .into_iter()
         .filter(|l| l != NO_DECODE_STEP && l != HEADS_NAMED)
@@ -235,21 +224,11 @@ pub(super) fn build(
             "verb": format!("layer --decode-from {p}"),
         }),
         capture: if o.internals { "internals" } else { "default" }.into(),
-        judge: json!({
-            "by": rep.judge.by, "policy_name": rep.judge.policy_name, "precision": rep.judge.precision,
-            "reason": rep.judge.reason, "policy_file": policy.as_ref().map(|_| "policy.json"),
-        }),
+        judge: judged.judge,
         stage: json!(stage),
-        broke: json!(tensor_row.as_ref().map(|t| &t.violations)),
-        rule,
-        bisection: json!({
-            "model": o.model, "prompt": rep.prompt, "tokens": rep.tokens, "reference": rep.reference,
-            "candidate": rep.candidate, "candidate_words": candidate_words(&o.candidate),
-            "root": std::fs::canonicalize(&o.root).unwrap_or_else(|_| o.root.clone()),
-            "verdict": rep.verdict, "summary": rep.summary, "generate": o.generate,
-            "isolated": isolated.isolated, "isolated_decisions": isolated.isolated_decisions,
-            "gate_invocation": rep.gate_invocation,
-        }),
+        broke: judged.broke,
+        rule: judged.rule,
+        bisection: judged.bisection,
         rows: json!({
             "bisection": rows, "kept": rows, "tokens_kept": rep.tokens, "removed": "none",
             "minimised": false, "not_minimised": WHOLE_PREFIX, "trials": [],

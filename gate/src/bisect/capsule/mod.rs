@@ -651,37 +651,16 @@ fn build(
             &rep.tokens[keep.min(rep.tokens.len())..]
         )
     };
-    let tensor_row = rep.layers[layer]
-        .isolated
-        .iter()
-        .find(|t| t.tensor == stage.tensor)
-        .cloned();
-    let rule = match (policy, &tensor_row) {
-        (Some(p), Some(_)) => p
-            .rule_for(&stage.tensor, Some("layer"))
-            .map(|(i, r)| json!({"index": i, "rule": r}))
-            .unwrap_or(Value::Null),
-        _ => Value::Null,
-    };
+    let judged = Judged::of(o, rep, policy, stage, &rep.layers[layer]);
     let manifest = Manifest {
         schema: SCHEMA.into(),
         layer,
         capture: if o.internals { "internals" } else { "default" }.into(),
-        judge: json!({
-            "by": rep.judge.by, "policy_name": rep.judge.policy_name, "precision": rep.judge.precision,
-            "reason": rep.judge.reason, "policy_file": policy.as_ref().map(|_| "policy.json"),
-        }),
+        judge: judged.judge,
         stage: json!(stage),
-        broke: json!(tensor_row.as_ref().map(|t| &t.violations)),
-        rule,
-        bisection: json!({
-            "model": o.model, "prompt": rep.prompt, "tokens": rep.tokens, "reference": rep.reference,
-            "candidate": rep.candidate, "candidate_words": candidate_words(&o.candidate),
-            "root": std::fs::canonicalize(&o.root).unwrap_or_else(|_| o.root.clone()),
-            "verdict": rep.verdict, "summary": rep.summary, "isolated": rep.layers[layer].isolated,
-            "isolated_decisions": rep.layers[layer].isolated_decisions,
-            "gate_invocation": rep.gate_invocation,
-        }),
+        broke: judged.broke,
+        rule: judged.rule,
+        bisection: judged.bisection,
         rows: json!({
             "bisection": n, "kept": keep, "tokens_kept": tokens_kept, "removed": removed,
             "minimised": not_minimised.is_none(), "not_minimised": not_minimised,
@@ -776,6 +755,51 @@ fn kept_if_failing(
 
 /// The candidate's command words, as the pytest file runs them (`{verb}`, `{verb|serve}` and
 /// `{args}` placeholders kept); the engine as its own binary beside the gate.
+/// What a capsule's manifest records of the bisection that wrote it, prefill or decode alike:
+/// how it judged, the stage tensor's broken bounds and the policy rule that holds it, and the
+/// bisection itself with `row`, the layer's isolation (the prefill's or the decode step's).
+struct Judged {
+    judge: Value,
+    broke: Value,
+    rule: Value,
+    bisection: Value,
+}
+
+impl Judged {
+    fn of(
+        o: &BisectOptions,
+        rep: &BisectReport,
+        policy: &Option<Policy>,
+        stage: &Stage,
+        row: &LayerRow,
+    ) -> Judged {
+        let tensor_row = row.isolated.iter().find(|t| t.tensor == stage.tensor);
+        let rule = match (policy, tensor_row) {
+            (Some(p), Some(_)) => p
+                .rule_for(&stage.tensor, Some("layer"))
+                .map(|(i, r)| json!({"index": i, "rule": r}))
+                .unwrap_or(Value::Null),
+            _ => Value::Null,
+        };
+        Judged {
+            judge: json!({
+                "by": rep.judge.by, "policy_name": rep.judge.policy_name, "precision": rep.judge.precision,
+                "reason": rep.judge.reason, "policy_file": policy.as_ref().map(|_| "policy.json"),
+            }),
+            broke: json!(tensor_row.map(|t| &t.violations)),
+            rule,
+            bisection: json!({
+                "model": o.model, "prompt": rep.prompt, "tokens": rep.tokens, "reference": rep.reference,
+                "candidate": rep.candidate, "candidate_words": candidate_words(&o.candidate),
+                "root": std::fs::canonicalize(&o.root).unwrap_or_else(|_| o.root.clone()),
+                "verdict": rep.verdict, "summary": rep.summary, "generate": o.generate,
+                "isolated": row.isolated, "isolated_decisions": row.isolated_decisions,
+                "gate_invocation": rep.gate_invocation,
+            }),
+        }
+    }
+}
+
 fn candidate_words(p: &Producer) -> Vec<String> {
     match p {
         Producer::Command { words, .. } => words.clone(),
